@@ -1,0 +1,1 @@
+"""Channel adapters: thin translators between a platform SDK and the core."""

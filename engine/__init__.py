@@ -1,0 +1,1 @@
+"""leadgate engine: config, database, organizations, agents, work items and turns."""

@@ -1,0 +1,75 @@
+"""Injectable time and id sources.
+
+Everything that reads the time or makes an id takes one of these, so tests move time
+forward by hand (the 20-minute review lease, the 7-day abandonment) instead of sleeping.
+Times are integer milliseconds since the epoch: portable between SQLite and PostgreSQL
+and cheap to compare inside fenced ``UPDATE ... WHERE`` clauses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Protocol
+
+MINUTE_MS = 60_000
+HOUR_MS = 60 * MINUTE_MS
+DAY_MS = 24 * HOUR_MS
+
+
+class Clock(Protocol):
+    """Source of the current time in epoch milliseconds."""
+
+    def now_ms(self) -> int: ...
+
+
+class SystemClock:
+    """The wall clock."""
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+class FakeClock:
+    """A clock that moves only when told to (for tests)."""
+
+    def __init__(self, start_ms: int = 1_780_000_000_000) -> None:
+        self._now = start_ms
+
+    def now_ms(self) -> int:
+        return self._now
+
+    def advance(self, ms: int) -> None:
+        self._now += ms
+
+
+class IdFactory(Protocol):
+    """Makes unique, url-safe ids with a readable prefix (``wi_...``)."""
+
+    def new(self, prefix: str) -> str: ...
+
+
+class RandomIds:
+    """Random ids: prefix + 20 url-safe characters (120 bits)."""
+
+    def new(self, prefix: str) -> str:
+        return f"{prefix}_{secrets.token_hex(10)}"
+
+
+class SequentialIds:
+    """Predictable ids for tests: ``wi_000001``..."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+
+    def new(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._counter):06d}"
+
+
+def iso(ms: int | None) -> str | None:
+    """Render epoch milliseconds as an ISO 8601 UTC timestamp (``None`` passes)."""
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat().replace("+00:00", "Z")

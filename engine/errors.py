@@ -1,0 +1,96 @@
+"""The engine's exception tree.
+
+::
+
+    LeadgateError                 root of everything the engine raises on purpose
+    ├── ConfigError               bad or unknown configuration key (startup)
+    ├── NotMigratedError          database schema is not at the newest revision
+    ├── ValidationError (400)     input broke a rule; ``rule`` names it
+    ├── AuthError (401)           missing or unknown credentials
+    ├── PermissionDenied (403)    authenticated, but the scope/role is missing
+    ├── NotFound (404)            no such thing in *this* organization
+    ├── Conflict (409)            the thing exists but is in the wrong state
+    │   └── TransitionError       a fenced work-item update matched no row
+    └── ModelError (502)          the model provider failed during a turn
+
+Every error that reaches a user carries ``rule``: a short, stable name of the rule that
+was broken (for example ``lead.self``), and a human message that says what to do.
+"""
+
+from __future__ import annotations
+
+
+class LeadgateError(Exception):
+    """Root of every error the engine raises on purpose."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, rule: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.rule = rule or self.code
+
+    def to_dict(self) -> dict[str, str]:
+        """Public JSON shape of the error (no internals, no secrets)."""
+        return {"message": self.message, "rule": self.rule, "code": self.code}
+
+
+class ConfigError(LeadgateError):
+    """The configuration file or an environment override is invalid."""
+
+    code = "config_error"
+
+
+class NotMigratedError(LeadgateError):
+    """The database is not at the newest schema revision."""
+
+    code = "not_migrated"
+
+
+class ValidationError(LeadgateError):
+    """Input broke a documented rule."""
+
+    status = 400
+    code = "invalid_request"
+
+
+class AuthError(LeadgateError):
+    """Missing or unknown credentials."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class PermissionDenied(LeadgateError):
+    """The caller is authenticated but lacks the scope or role."""
+
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(LeadgateError):
+    """Nothing by that id or name in the caller's organization."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(LeadgateError):
+    """The target exists but is in a state that does not allow the action."""
+
+    status = 409
+    code = "conflict"
+
+
+class TransitionError(Conflict):
+    """A fenced work-item or delivery update matched no row."""
+
+    code = "invalid_transition"
+
+
+class ModelError(LeadgateError):
+    """The model provider failed while producing a turn."""
+
+    status = 502
+    code = "model_error"

@@ -1,0 +1,1 @@
+"""Model providers: the built-in ``script`` model and OpenAI-compatible servers."""

@@ -1,0 +1,1 @@
+"""Transactional outbox: delivery rows written with the state change, and the relay."""
