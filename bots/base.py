@@ -18,7 +18,10 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from aiohttp import web
+
 from engine.types import Outcome, Trigger
+from outbox.channel import Channel
 
 
 @dataclass(frozen=True)
@@ -50,4 +53,19 @@ class Core(Protocol):
 
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         """Run ``coro`` in the background, tracked, logged on failure, awaited on shutdown."""
+        ...
+
+
+class Adapter(Protocol):
+    """One channel: its inbound HTTP routes/listeners and its outbound sender.
+
+    Each adapter module exposes ``create(settings: engine.config.Settings, core: Core)
+    -> Adapter | None`` returning ``None`` when the channel's secret is unset (channel off).
+    """
+
+    #: the outbound half, registered with the relay under ``channel.name``
+    channel: Channel
+
+    def mount(self, app: web.Application) -> None:
+        """Add inbound routes and lifecycle hooks (``app.cleanup_ctx``) to ``app``."""
         ...
