@@ -144,7 +144,9 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
         node[path[-1]] = value
 
 
-def load_settings(path: str | Path | None = None, environ: dict[str, str] | None = None) -> Settings:
+def load_settings(
+    path: str | Path | None = None, environ: dict[str, str] | None = None
+) -> Settings:
     """Read ``path`` (optional), apply environment overrides and validate.
 
     Raises :class:`ConfigError` naming the offending key for unknown keys, wrong types,
