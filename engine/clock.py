@@ -52,10 +52,14 @@ class IdFactory(Protocol):
 
 
 class RandomIds:
-    """Random ids: prefix + 20 url-safe characters (120 bits)."""
+    """Time-ordered random ids: prefix, 16 hex digits of nanoseconds, 40 random bits.
+
+    Sorting by id therefore follows creation order (transcripts rely on it when two
+    rows share a millisecond).
+    """
 
     def new(self, prefix: str) -> str:
-        return f"{prefix}_{secrets.token_hex(10)}"
+        return f"{prefix}_{time.time_ns():016x}{secrets.token_hex(5)}"
 
 
 class SequentialIds:

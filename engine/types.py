@@ -68,9 +68,13 @@ class Trigger:
 
 @dataclass(frozen=True)
 class Reply:
-    """The turn produced visible text (already screened by the output policy)."""
+    """The turn produced visible text (already screened by the output policy).
+
+    ``streamed`` is True when the text already went out delta by delta.
+    """
 
     text: str
+    streamed: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Trigger bindings (where a session replies) and routes (who answers a channel)."""

@@ -1,0 +1,98 @@
+"""Sessions and their active trigger binding.
+
+Each intake records where the session's replies go. A session has exactly one active
+binding: a new address deactivates the old one in the same transaction, and the outbox
+always resolves deliveries through the binding that is active when it posts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from engine import schema as t
+from engine.clock import Clock, IdFactory
+from engine.sql import insert_ignore
+from engine.types import BindingSpec
+
+B = t.bindings.c
+
+
+async def get_or_create_session(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
+) -> str:
+    """The session id of (agent, key), created on first use (race-safe)."""
+    query = sa.select(t.sessions.c.id).where(
+        t.sessions.c.agent_id == agent_id, t.sessions.c.key == key
+    )
+    existing = await conn.scalar(query)
+    if existing:
+        return str(existing)
+    await conn.execute(
+        insert_ignore(
+            conn,
+            t.sessions,
+            id=ids.new("ses"),
+            org_id=org_id,
+            agent_id=agent_id,
+            key=key,
+            created_at=clock.now_ms(),
+        )
+    )
+    return str(await conn.scalar(query))
+
+
+async def activate(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    org_id: str,
+    session_id: str,
+    spec: BindingSpec,
+) -> str:
+    """Make ``spec`` the session's active binding; returns its id (reused when unchanged)."""
+    current = (
+        await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
+    ).first()
+    if (
+        current is not None
+        and current.kind == spec.kind.value
+        and current.address == spec.address
+        and bool(current.silent) == spec.silent
+    ):
+        return str(current.id)
+    if current is not None:
+        await conn.execute(t.bindings.update().where(B.id == current.id).values(active=False))
+    binding_id = ids.new("bnd")
+    await conn.execute(
+        t.bindings.insert().values(
+            id=binding_id,
+            org_id=org_id,
+            session_id=session_id,
+            kind=spec.kind.value,
+            address=spec.address,
+            silent=spec.silent,
+            route_id=spec.route_id,
+            active=True,
+            created_at=clock.now_ms(),
+        )
+    )
+    return binding_id
+
+
+async def active_binding(conn: AsyncConnection, session_id: str) -> dict[str, Any] | None:
+    """The session's active binding row, if any."""
+    row = (
+        await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
+    ).first()
+    return None if row is None else dict(row._mapping)
+
+
+async def deactivate_session(conn: AsyncConnection, session_id: str) -> int:
+    """Deactivate the session's bindings (deliveries then fail as "no active binding")."""
+    res = await conn.execute(
+        t.bindings.update().where(B.session_id == session_id, B.active).values(active=False)
+    )
+    return int(res.rowcount or 0)

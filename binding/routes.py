@@ -1,0 +1,120 @@
+"""Routes: which agent answers which channel address (``leadgate route add``).
+
+Match keys per channel (SPEC 12): slack ``team``, ``channel``; discord ``guild``,
+``channel``; teams ``tenant``, ``conversation``; email ``address`` and ``sender``
+(an address or ``*@domain``). A route without keys matches every trigger of its
+channel; the most specific match (most keys) wins, the oldest on a tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from bots.base import RouteMatch
+from engine import schema as t
+from engine.clock import Clock, IdFactory
+from engine.errors import ValidationError
+
+MATCH_KEYS: dict[str, frozenset[str]] = {
+    "slack": frozenset({"team", "channel"}),
+    "discord": frozenset({"guild", "channel"}),
+    "teams": frozenset({"tenant", "conversation"}),
+    "email": frozenset({"address", "sender"}),
+}
+
+
+def parse_match(channel: str, pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings into a match dict, checking keys for the channel."""
+    if channel not in MATCH_KEYS:
+        raise ValidationError(
+            "channel must be slack, discord, teams or email", rule="route.channel"
+        )
+    match: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not value:
+            raise ValidationError(f"match {pair!r} is not KEY=VALUE", rule="route.match")
+        if key not in MATCH_KEYS[channel]:
+            allowed = ", ".join(sorted(MATCH_KEYS[channel]))
+            raise ValidationError(
+                f"{channel} routes match on {allowed}, not {key!r}", rule="route.match"
+            )
+        match[key] = value.lower() if channel == "email" else value
+    return match
+
+
+def matches(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) -> bool:
+    """Whether every key of ``match`` fits ``attrs``."""
+    for key, want in match.items():
+        got = attrs.get(key, "")
+        if channel == "email":
+            got = got.lower()
+            if key == "sender" and want.startswith("*@"):
+                if not got.endswith(want[1:]):
+                    return False
+                continue
+        if got != want:
+            return False
+    return True
+
+
+async def add_route(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    agent_id: str,
+    channel: str,
+    match: dict[str, str],
+    silent: bool,
+) -> dict[str, Any]:
+    """Store a route."""
+    route_id = ids.new("rte")
+    await conn.execute(
+        t.routes.insert().values(
+            id=route_id,
+            org_id=org_id,
+            agent_id=agent_id,
+            channel=channel,
+            match=match,
+            silent=silent,
+            active=True,
+            created_at=clock.now_ms(),
+        )
+    )
+    return {
+        "id": route_id,
+        "agentId": agent_id,
+        "channel": channel,
+        "match": match,
+        "silent": silent,
+    }
+
+
+async def resolve(
+    conn: AsyncConnection, channel: str, attrs: Mapping[str, str]
+) -> RouteMatch | None:
+    """The most specific active route of ``channel`` matching ``attrs``."""
+    rows = (
+        await conn.execute(
+            sa.select(t.routes)
+            .where(t.routes.c.channel == channel, t.routes.c.active)
+            .order_by(t.routes.c.created_at, t.routes.c.id)
+        )
+    ).all()
+    best: Any = None
+    for row in rows:
+        if matches(channel, row.match, attrs) and (
+            best is None or len(row.match) > len(best.match)
+        ):
+            best = row
+    if best is None:
+        return None
+    return RouteMatch(
+        route_id=best.id, org_id=best.org_id, agent_id=best.agent_id, silent=bool(best.silent)
+    )

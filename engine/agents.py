@@ -1,0 +1,351 @@
+"""Agents and presets: the lead configuration rules and preset-first resolution (SPEC 2)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from engine import schema as t
+from engine.clock import Clock, IdFactory, iso
+from engine.errors import Conflict, NotFound, ValidationError
+from engine.orgs import validate_name
+
+
+class CompletionPolicy(enum.StrEnum):
+    """What the product promises after approval; stored on the item, never branched on."""
+
+    completeAutomatically = "completeAutomatically"
+    requestHumanApproval = "requestHumanApproval"
+
+
+DEFAULT_POLICY = CompletionPolicy.requestHumanApproval
+DEFAULT_ROUNDS = 3
+MIN_ROUNDS, MAX_ROUNDS = 1, 5
+UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class LeadConfig:
+    """The resolved reviewer of a worker."""
+
+    lead_agent_id: str
+    completion_policy: CompletionPolicy
+    max_revision_rounds: int
+    source: str  # "preset" | "agent"
+
+
+def validate_review_config(raw: Any) -> tuple[CompletionPolicy, int]:
+    """Check ``leadReviewConfig``; unknown keys and out-of-range values are errors."""
+    if raw is None:
+        return DEFAULT_POLICY, DEFAULT_ROUNDS
+    if not isinstance(raw, dict):
+        raise ValidationError("leadReviewConfig must be an object", rule="leadReviewConfig.type")
+    unknown = set(raw) - {"completionPolicy", "maxRevisionRounds"}
+    if unknown:
+        raise ValidationError(
+            f"leadReviewConfig has unknown keys: {', '.join(sorted(unknown))}",
+            rule="leadReviewConfig.unknown_key",
+        )
+    return (
+        parse_policy(raw.get("completionPolicy", DEFAULT_POLICY.value)),
+        parse_rounds(raw.get("maxRevisionRounds", DEFAULT_ROUNDS)),
+    )
+
+
+def parse_policy(value: Any) -> CompletionPolicy:
+    """``completeAutomatically`` or ``requestHumanApproval``."""
+    try:
+        return CompletionPolicy(value)
+    except (ValueError, TypeError):
+        raise ValidationError(
+            "completionPolicy must be completeAutomatically or requestHumanApproval",
+            rule="leadReviewConfig.completionPolicy",
+        ) from None
+
+
+def parse_rounds(value: Any) -> int:
+    """An integer 1..5 (booleans and floats are not integers here)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not MIN_ROUNDS <= value <= MAX_ROUNDS
+    ):
+        raise ValidationError(
+            "maxRevisionRounds must be an integer from 1 to 5",
+            rule="leadReviewConfig.maxRevisionRounds",
+        )
+    return value
+
+
+def slugify(name: str) -> str:
+    """URL-friendly agent slug."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "agent"
+
+
+def public_agent(row: dict[str, Any]) -> dict[str, Any]:
+    """The public payload: never ``leadAgentId`` nor ``leadReviewConfig`` (SPEC 2)."""
+    return {
+        "id": row["id"],
+        "object": "agent",
+        "name": row["name"],
+        "slug": row["slug"],
+        "model": row["model"],
+        "instructions": row["instructions"],
+        "presetId": row["preset_id"],
+        "active": bool(row["active"]),
+        "createdAt": iso(row["created_at"]),
+        "updatedAt": iso(row["updated_at"]),
+    }
+
+
+async def find_agent(
+    conn: AsyncConnection, org_id: str, ref: str, *, include_deleted: bool = False
+) -> dict[str, Any]:
+    """An agent of ``org_id`` by id, slug or name (404 otherwise, also across orgs)."""
+    a = t.agents.c
+    query = sa.select(t.agents).where(
+        a.org_id == org_id, sa.or_(a.id == ref, a.slug == ref, a.name == ref)
+    )
+    if not include_deleted:
+        query = query.where(a.deleted_at.is_(None))
+    row = (await conn.execute(query.order_by(a.created_at))).first()
+    if row is None:
+        raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+    return dict(row._mapping)
+
+
+async def find_preset(conn: AsyncConnection, org_id: str, ref: str) -> dict[str, Any]:
+    """An organization preset of ``org_id`` or a platform preset, by id or name."""
+    p = t.presets.c
+    row = (
+        await conn.execute(
+            sa.select(t.presets)
+            .where(sa.or_(p.org_id == org_id, p.org_id.is_(None)))
+            .where(sa.or_(p.id == ref, p.name == ref))
+            .order_by(p.org_id.is_(None))
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no preset {ref!r}", rule="preset.not_found")
+    return dict(row._mapping)
+
+
+async def _check_lead(
+    conn: AsyncConnection, org_id: str, lead_ref: str, worker_id: str | None
+) -> str:
+    a = t.agents.c
+    row = (
+        await conn.execute(
+            sa.select(t.agents).where(
+                a.org_id == org_id, sa.or_(a.id == lead_ref, a.slug == lead_ref, a.name == lead_ref)
+            )
+        )
+    ).first()
+    if row is None:
+        raise ValidationError(
+            f"lead agent {lead_ref!r} does not exist in this organization", rule="lead.not_found"
+        )
+    if worker_id is not None and row.id == worker_id:
+        raise ValidationError("a worker cannot be its own lead", rule="lead.self")
+    if row.deleted_at is not None:
+        raise ValidationError(f"lead agent {lead_ref!r} is deleted", rule="lead.deleted")
+    if not row.active:
+        raise ValidationError(f"lead agent {lead_ref!r} is inactive", rule="lead.inactive")
+    return str(row.id)
+
+
+async def create_preset(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str | None,
+    name: str,
+    lead: str | None = None,
+    review_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Create an organization preset (optionally with a lead) or a platform preset."""
+    name = validate_name(name, "preset")
+    lead_id = None
+    policy, rounds = validate_review_config(review_config)
+    if org_id is None and (lead is not None or review_config):
+        raise ValidationError("a platform preset never carries a lead", rule="preset.platform_lead")
+    if lead is not None and org_id is not None:
+        lead_id = await _check_lead(conn, org_id, lead, None)
+    preset_id = ids.new("pre")
+    values = {
+        "id": preset_id,
+        "org_id": org_id,
+        "name": name,
+        "lead_agent_id": lead_id,
+        "completion_policy": policy.value if lead_id else None,
+        "max_revision_rounds": rounds if lead_id else None,
+        "created_at": clock.now_ms(),
+    }
+    await conn.execute(t.presets.insert().values(**values))
+    return {
+        "id": preset_id,
+        "name": name,
+        "kind": "platform" if org_id is None else "organization",
+        "leadAgentId": lead_id,
+        "leadReviewConfig": (
+            {"completionPolicy": policy.value, "maxRevisionRounds": rounds} if lead_id else None
+        ),
+    }
+
+
+async def save_agent(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    org_id: str,
+    *,
+    agent_ref: str | None = None,
+    name: Any = UNSET,
+    model: Any = UNSET,
+    instructions: Any = UNSET,
+    preset: Any = UNSET,
+    lead: Any = UNSET,
+    review_config: Any = UNSET,
+    active: Any = UNSET,
+    delete: bool = False,
+    known_models: frozenset[str] | None = None,
+) -> dict[str, Any]:
+    """Create (``agent_ref`` None) or update an agent, enforcing every save rule of SPEC 2.
+
+    ``UNSET`` leaves a field as it is; ``lead=None`` clears the worker's own lead.
+    Nothing is written unless every rule passes (the caller's transaction rolls back).
+    """
+    now = clock.now_ms()
+    current: dict[str, Any] | None = None
+    if agent_ref is not None:
+        current = await find_agent(conn, org_id, agent_ref)
+    values: dict[str, Any] = {}
+    if name is not UNSET:
+        if not isinstance(name, str):
+            raise ValidationError("name must be a string", rule="agent.name")
+        values["name"] = validate_name(name, "agent")
+        values["slug"] = slugify(values["name"])
+        clash = await conn.scalar(
+            sa.select(t.agents.c.id).where(
+                t.agents.c.org_id == org_id,
+                t.agents.c.slug == values["slug"],
+                t.agents.c.id != (current["id"] if current else ""),
+            )
+        )
+        if clash:
+            raise Conflict(
+                f"an agent named {values['name']!r} already exists", rule="agent.name_taken"
+            )
+    elif current is None:
+        raise ValidationError("name is required", rule="agent.name")
+    if model is not UNSET:
+        if not isinstance(model, str) or not model:
+            raise ValidationError("model must be a model name", rule="agent.model")
+        if known_models is not None and model not in known_models:
+            raise ValidationError(
+                f"unknown model {model!r}; configured: {', '.join(sorted(known_models))}",
+                rule="agent.model",
+            )
+        values["model"] = model
+    elif current is None:
+        values["model"] = "script"
+    if instructions is not UNSET:
+        if not isinstance(instructions, str) or len(instructions) > 100_000:
+            raise ValidationError(
+                "instructions must be a string of at most 100,000 characters",
+                rule="agent.instructions",
+            )
+        values["instructions"] = instructions
+    if preset is not UNSET:
+        values["preset_id"] = (
+            None if preset is None else (await find_preset(conn, org_id, str(preset)))["id"]
+        )
+    preset_id = values.get("preset_id", current["preset_id"] if current else None)
+    if active is not UNSET:
+        values["active"] = bool(active)
+    if delete:
+        values["deleted_at"] = now
+        values["active"] = False
+
+    if lead is not UNSET or review_config is not UNSET:
+        if lead is not UNSET and lead is not None:
+            if preset_id is not None:
+                preset_row = (
+                    await conn.execute(sa.select(t.presets).where(t.presets.c.id == preset_id))
+                ).one()
+                if preset_row.org_id is not None and preset_row.lead_agent_id is not None:
+                    raise ValidationError(
+                        "this worker's organization preset already has a lead; "
+                        "it cannot set its own",
+                        rule="lead.preset_has_lead",
+                    )
+            if not isinstance(lead, str):
+                raise ValidationError("leadAgentId must be an agent id", rule="lead.not_found")
+            values["lead_agent_id"] = await _check_lead(
+                conn, org_id, lead, current["id"] if current else None
+            )
+        elif lead is None:
+            values["lead_agent_id"] = None
+        if review_config is not UNSET:
+            policy, rounds = validate_review_config(review_config)
+            values["completion_policy"] = policy.value
+            values["max_revision_rounds"] = rounds
+    values["updated_at"] = now
+    if current is None:
+        agent_id = ids.new("agt")
+        values.setdefault("instructions", "")
+        values.setdefault("active", True)
+        if "lead_agent_id" in values and "completion_policy" not in values:
+            values["completion_policy"] = DEFAULT_POLICY.value
+            values["max_revision_rounds"] = DEFAULT_ROUNDS
+        await conn.execute(
+            t.agents.insert().values(id=agent_id, org_id=org_id, created_at=now, **values)
+        )
+    else:
+        agent_id = current["id"]
+        await conn.execute(t.agents.update().where(t.agents.c.id == agent_id).values(**values))
+    row = (await conn.execute(sa.select(t.agents).where(t.agents.c.id == agent_id))).one()
+    return dict(row._mapping)
+
+
+async def resolve_lead(conn: AsyncConnection, agent: dict[str, Any]) -> LeadConfig | None:
+    """Preset-first resolution. ``None`` = no gating at all for this worker."""
+    if agent["preset_id"] is not None:
+        preset = (
+            await conn.execute(sa.select(t.presets).where(t.presets.c.id == agent["preset_id"]))
+        ).first()
+        if preset is not None and preset.org_id is not None and preset.lead_agent_id is not None:
+            return LeadConfig(
+                lead_agent_id=preset.lead_agent_id,
+                completion_policy=CompletionPolicy(preset.completion_policy or DEFAULT_POLICY),
+                max_revision_rounds=preset.max_revision_rounds or DEFAULT_ROUNDS,
+                source="preset",
+            )
+    if agent["lead_agent_id"] is None:
+        return None
+    return LeadConfig(
+        lead_agent_id=agent["lead_agent_id"],
+        completion_policy=CompletionPolicy(agent["completion_policy"] or DEFAULT_POLICY),
+        max_revision_rounds=agent["max_revision_rounds"] or DEFAULT_ROUNDS,
+        source="agent",
+    )
+
+
+async def list_agents(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+    """The organization's agents (not deleted), oldest first."""
+    a = t.agents.c
+    rows = (
+        await conn.execute(
+            sa.select(t.agents)
+            .where(a.org_id == org_id, a.deleted_at.is_(None))
+            .order_by(a.created_at, a.id)
+        )
+    ).all()
+    return [dict(r._mapping) for r in rows]

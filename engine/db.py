@@ -1,0 +1,130 @@
+"""Async database access: SQLite (embedded default) or PostgreSQL.
+
+SQLite notes (see shared/notes/database.md): Python's sqlite3 begins transactions lazily
+with a deferred ``BEGIN``; a read-then-write transaction then fails with "database is
+locked" and the busy timeout does not help. We take the documented recipe: autocommit
+at the driver level and our own ``BEGIN IMMEDIATE`` on every write transaction, so writers
+queue on the busy timeout instead of failing. Read-only transactions use a plain
+``BEGIN`` so that readers never queue behind writers (WAL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from engine.errors import ConfigError, NotMigratedError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class Database:
+    """One engine plus the transaction helpers every module uses."""
+
+    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+        self.url = url
+        try:
+            parsed = sa.engine.make_url(url)
+        except sa.exc.ArgumentError as exc:
+            raise ConfigError(f"database.url is not a valid URL: {exc}") from exc
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        self.is_postgres = parsed.get_backend_name() == "postgresql"
+        if not (self.is_sqlite or self.is_postgres):
+            raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+        kwargs: dict[str, Any] = {}
+        if self.is_postgres:
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        self.engine: AsyncEngine = create_async_engine(url, **kwargs)
+        if self.is_sqlite:
+            _install_sqlite_recipe(self.engine)
+
+    @asynccontextmanager
+    async def tx(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success."""
+        async with self.engine.begin() as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction (plain ``BEGIN`` on SQLite)."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(leadgate_readonly=True)
+            async with conn.begin():
+                yield conn
+
+    def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
+        """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway."""
+        if self.is_postgres:
+            return select.with_for_update(skip_locked=True)
+        return select
+
+    async def check_migrated(self) -> None:
+        """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
+        head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+
+        def current(sync_conn: sa.Connection) -> str | None:
+            return MigrationContext.configure(sync_conn).get_current_revision()
+
+        async with self.engine.connect() as conn:
+            rev = await conn.run_sync(current)
+        if rev != head:
+            raise NotMigratedError(
+                f"the database is at schema revision {rev or 'none'}, this version needs {head}: "
+                "run `leadgate db upgrade --config <your config>` first",
+                rule="db.not_migrated",
+            )
+
+    async def close(self) -> None:
+        """Dispose of the pool."""
+        await self.engine.dispose()
+
+
+def _install_sqlite_recipe(engine: AsyncEngine) -> None:
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        if conn.get_execution_options().get("leadgate_readonly"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def alembic_config(url: str) -> Any:
+    """An Alembic ``Config`` pointing at our migrations and ``url``."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str) -> str:
+    """Migrate the database at ``url`` to the newest revision; returns that revision."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    cfg = alembic_config(url)
+    command.upgrade(cfg, "head")
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    return str(head)

@@ -1,0 +1,105 @@
+"""A small framework for background runners (lead review, relay, sweeper, revisions).
+
+A runner has ``run_once() -> bool`` (claim with a lease, do the work, commit fenced;
+True when it did something). :func:`run_loop` repeats it, sleeping on a wake event with
+a slow poll as the safety net; :func:`drain` is burst mode: run until there is nothing
+left to do and return (tests, ``leadgate`` one-shot commands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+from engine.clock import DAY_MS, Clock, IdFactory
+from engine.db import Database
+from engine.turns import TurnService
+from engine.workitems import sweep_abandoned
+
+log = logging.getLogger("leadgate.runners")
+
+ABANDON_AFTER_MS = 7 * DAY_MS
+
+
+class Runner(Protocol):
+    """One kind of background work."""
+
+    name: str
+
+    async def run_once(self) -> bool:
+        """Do one unit (or batch) of work; True when there was any."""
+        ...
+
+
+async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:
+    """Burst mode: repeat ``run_once`` until it finds nothing; returns the rounds worked."""
+    worked = 0
+    while worked < max_rounds and await runner.run_once():
+        worked += 1
+    return worked
+
+
+async def run_loop(
+    runner: Runner, *, wake: asyncio.Event, stop: asyncio.Event, poll_s: float
+) -> None:
+    """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off)."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            busy = await runner.run_once()
+            failures = 0
+        except Exception:
+            failures += 1
+            log.exception("runner %s failed (%d in a row)", runner.name, failures)
+            busy = False
+            await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+        if busy:
+            continue
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+
+
+class Sweeper:
+    """Moves ``inProgress`` items idle for 7 days to ``abandoned``."""
+
+    name = "abandonment-sweeper"
+
+    def __init__(self, db: Database, clock: Clock, ids: IdFactory) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+
+    async def run_once(self) -> bool:
+        """Sweep one batch."""
+        async with self.db.tx() as conn:
+            moved = await sweep_abandoned(conn, self.clock, self.ids, ABANDON_AFTER_MS)
+        return moved > 0
+
+
+class RevisionRunner:
+    """Dispatches lead feedback and human returns to the worker as internal turns."""
+
+    name = "revision-dispatch"
+
+    def __init__(self, turns: TurnService) -> None:
+        self.turns = turns
+
+    async def run_once(self) -> bool:
+        """Claim one item with pending feedback and run its internal turn."""
+        item = await self.turns.claim_revision()
+        if item is None:
+            return False
+        try:
+            await self.turns.run_revision(item)
+        except Exception:
+            # The lease expires and another pass retries the turn; feedback is kept.
+            log.exception("revision turn for %s failed", item["id"])
+        return True

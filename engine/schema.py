@@ -1,0 +1,269 @@
+"""Database tables (SQLAlchemy Core). Migrations in ``migrations/`` mirror this file.
+
+Times are epoch milliseconds (``BigInteger``); ids are prefixed random strings.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+ID = sa.String(40)
+MS = sa.BigInteger()
+
+organizations = sa.Table(
+    "organizations",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False, unique=True),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+users = sa.Table(
+    "users",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, sa.ForeignKey("organizations.id"), nullable=False),
+    sa.Column("email", sa.String(320), nullable=False, unique=True),
+    sa.Column("role", sa.String(20), nullable=False),
+    sa.Column("password_hash", sa.String(200), nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, sa.ForeignKey("organizations.id"), nullable=False),
+    sa.Column("secret_hash", sa.String(64), nullable=False),
+    sa.Column("scopes", sa.JSON, nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("revoked_at", MS),
+)
+
+presets = sa.Table(
+    "presets",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    # NULL org = platform preset (never carries a lead).
+    sa.Column("org_id", ID, sa.ForeignKey("organizations.id")),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("lead_agent_id", ID),
+    sa.Column("completion_policy", sa.String(40)),
+    sa.Column("max_revision_rounds", sa.Integer),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+agents = sa.Table(
+    "agents",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, sa.ForeignKey("organizations.id"), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("slug", sa.String(200), nullable=False),
+    sa.Column("model", sa.String(100), nullable=False),
+    sa.Column("instructions", sa.Text, nullable=False, default=""),
+    sa.Column("preset_id", ID, sa.ForeignKey("presets.id")),
+    sa.Column("lead_agent_id", ID),
+    sa.Column("completion_policy", sa.String(40)),
+    sa.Column("max_revision_rounds", sa.Integer),
+    sa.Column("active", sa.Boolean, nullable=False, default=True),
+    sa.Column("deleted_at", MS),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+    sa.UniqueConstraint("org_id", "slug"),
+)
+
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("key", sa.String(500), nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+    sa.UniqueConstraint("agent_id", "key"),
+)
+
+bindings = sa.Table(
+    "bindings",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("session_id", ID, nullable=False, index=True),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("address", sa.JSON, nullable=False),
+    sa.Column("silent", sa.Boolean, nullable=False, default=False),
+    sa.Column("route_id", ID),
+    sa.Column("active", sa.Boolean, nullable=False, default=True),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+messages = sa.Table(
+    "messages",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("session_id", ID, nullable=False),
+    sa.Column("work_item_id", ID),
+    sa.Column("role", sa.String(20), nullable=False),  # user | assistant | tool | internal
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("lead_gated", sa.Boolean, nullable=False, default=False),
+    sa.Column("tool_name", sa.String(100)),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Index("ix_messages_session_created", "session_id", "created_at"),
+)
+
+work_items = sa.Table(
+    "work_items",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("session_id", ID, nullable=False),
+    sa.Column("lead_agent_id", ID, nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("completion_policy", sa.String(40), nullable=False),
+    sa.Column("max_revision_rounds", sa.Integer, nullable=False),
+    sa.Column("revision", sa.Integer, nullable=False, default=0),
+    sa.Column("extra_allowance", sa.Integer, nullable=False, default=0),
+    sa.Column("task_context", sa.Text, nullable=False),
+    # complete_task writes the pending signal; the end of the turn consumes it.
+    sa.Column("signal_summary", sa.Text),
+    sa.Column("signal_turn_id", ID),
+    sa.Column("summary", sa.Text),
+    sa.Column("snapshot", sa.Text),
+    sa.Column("gated_message_id", ID),
+    sa.Column("binding_id", ID),
+    sa.Column("pending_feedback", sa.Text),
+    sa.Column("last_feedback", sa.Text),
+    sa.Column("lease_token", ID),
+    sa.Column("lease_expires_at", MS),
+    sa.Column("lease_expiries", sa.Integer, nullable=False, default=0),
+    sa.Column("last_activity_at", MS, nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+    sa.Index("ix_work_items_status_updated", "status", "updated_at"),
+    # One active work item per (worker, session), enforced by the database itself.
+    sa.Index(
+        "uq_work_items_active",
+        "agent_id",
+        "session_id",
+        unique=True,
+        sqlite_where=sa.text(
+            "status IN ('inProgress','reviewQueued','reviewing','awaitingHuman','approved')"
+        ),
+        postgresql_where=sa.text(
+            "status IN ('inProgress','reviewQueued','reviewing','awaitingHuman','approved')"
+        ),
+    ),
+)
+
+inbound_events = sa.Table(
+    "inbound_events",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("session_id", ID),
+    sa.Column("work_item_id", ID),
+    sa.Column("outcome", sa.String(30), nullable=False),  # accepted | rejectedBusy
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("external_event_id", sa.String(300), unique=True),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+audit = sa.Table(
+    "audit",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("work_item_id", ID, index=True),
+    sa.Column("delivery_id", ID),
+    sa.Column("actor", sa.String(100), nullable=False),
+    sa.Column("action", sa.String(60), nullable=False),
+    sa.Column("from_status", sa.String(20)),
+    sa.Column("to_status", sa.String(20)),
+    sa.Column("text", sa.Text),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+deliveries = sa.Table(
+    "deliveries",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("work_item_id", ID, index=True),
+    sa.Column("kind", sa.String(20), nullable=False),  # gating | reply
+    # reveal | post | silent | scheduled | continuation
+    sa.Column("action", sa.String(20), nullable=False),
+    sa.Column("channel", sa.String(20), nullable=False),
+    sa.Column("binding_id", ID),
+    sa.Column("address", sa.JSON, nullable=False),
+    sa.Column("text", sa.Text, nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("next_attempt_at", MS, nullable=False),
+    sa.Column("lease_token", ID),
+    sa.Column("lease_expires_at", MS),
+    sa.Column("error", sa.Text),
+    sa.Column("external_id", sa.String(200)),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+    sa.Index("ix_deliveries_status_due", "status", "next_attempt_at"),
+)
+
+policy_rules = sa.Table(
+    "policy_rules",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False, index=True),
+    sa.Column("position", sa.Integer, nullable=False),
+    sa.Column("pattern", sa.Text, nullable=False),
+    sa.Column("action", sa.String(10), nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+routes = sa.Table(
+    "routes",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("channel", sa.String(20), nullable=False, index=True),
+    sa.Column("match", sa.JSON, nullable=False),
+    sa.Column("silent", sa.Boolean, nullable=False, default=False),
+    sa.Column("active", sa.Boolean, nullable=False, default=True),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+schedules = sa.Table(
+    "schedules",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("cron", sa.String(100), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("next_fire_at", MS, nullable=False, index=True),
+    sa.Column("active", sa.Boolean, nullable=False, default=True),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+console_sessions = sa.Table(
+    "console_sessions",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("token_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("user_id", ID, nullable=False),
+    sa.Column("expires_at", MS, nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+)

@@ -1,0 +1,276 @@
+"""The service: one process, one event loop, one database.
+
+:class:`Service` wires configuration, database, providers, the turn path, runners and
+channel adapters together, implements :class:`bots.base.Core` for the adapters and
+builds the aiohttp application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from binding import routes
+from bots.base import Adapter, RouteMatch
+from engine import agents as agents_mod
+from engine import orgs
+from engine.auth import Principal
+from engine.clock import Clock, IdFactory, RandomIds, SystemClock
+from engine.config import Settings
+from engine.db import Database
+from engine.metrics import METRICS
+from engine.providers.base import Provider
+from engine.providers.script import ScriptProvider
+from engine.runners import RevisionRunner, Runner, Sweeper, run_loop
+from engine.turns import ProviderRegistry, TurnService
+from engine.types import Outcome, Trigger
+from outbox.channel import Channel
+from outbox.relay import Relay
+from review.runner import LeadRunner
+
+log = logging.getLogger("leadgate.service")
+
+
+def build_providers(settings: Settings) -> dict[str, Provider]:
+    """One provider per ``[models.NAME]`` section."""
+    providers: dict[str, Provider] = {}
+    for name, model in settings.models.items():
+        if model.provider == "script":
+            providers[name] = ScriptProvider()
+        else:
+            from engine.providers.openai import OpenAIProvider
+
+            providers[name] = OpenAIProvider(
+                base_url=model.base_url,
+                api_key=model.api_key,
+                model=model.model,
+                timeout_s=model.timeout_s,
+            )
+    return providers
+
+
+class Service:
+    """Everything one leadgate process runs."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        ids: IdFactory | None = None,
+        providers: dict[str, Provider] | None = None,
+        channels: dict[str, Channel] | None = None,
+        enable_adapters: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.ids = ids or RandomIds()
+        self.db = Database(settings.database.url, pool_size=settings.database.pool_size)
+        self.providers = ProviderRegistry(providers or build_providers(settings))
+        self.wakes: dict[str, asyncio.Event] = {}
+        self.turns = TurnService(
+            self.db,
+            self.clock,
+            self.ids,
+            self.providers,
+            on_review_queued=lambda: self.wake("lead-review"),
+            on_delivery_queued=lambda: self.wake("outbox-relay"),
+        )
+        self.adapters: list[Adapter] = []
+        if enable_adapters:
+            self.adapters = self._create_adapters()
+        self.channels: dict[str, Channel] = {a.channel.name: a.channel for a in self.adapters}
+        self.channels.update(channels or {})
+        r = settings.runners
+        self.relay = Relay(
+            self.db,
+            self.clock,
+            self.ids,
+            self.channels,
+            batch=r.relay_batch,
+            concurrency=r.relay_concurrency,
+            max_attempts=r.delivery_max_attempts,
+        )
+        self.lead_runner = LeadRunner(self.db, self.clock, self.ids, self.providers)
+        self.runners: list[Runner] = [
+            self.lead_runner,
+            self.relay,
+            RevisionRunner(self.turns),
+            Sweeper(self.db, self.clock, self.ids),
+        ]
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop = asyncio.Event()
+
+    def _create_adapters(self) -> list[Adapter]:
+        from bots import discord, email, slack, teams
+
+        adapters = []
+        for module in (slack, discord, teams, email):
+            adapter = module.create(self.settings, self)
+            if adapter is not None:
+                adapters.append(adapter)
+        return adapters
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Configured model names (agents must name one)."""
+        return self.providers.names
+
+    # ------------------------------------------------------------ bots.base.Core
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        """Most specific route for an inbound channel trigger."""
+        async with self.db.read() as conn:
+            return await routes.resolve(conn, channel, attrs)
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        """Run a channel trigger on the shared wait path."""
+        return await self.turns.run(trigger)
+
+    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
+        """Track a background task; failures are logged, shutdown waits for it."""
+
+        async def wrapper() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception("background task %s failed", name)
+
+        task = asyncio.get_running_loop().create_task(wrapper(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def lookup_principal(self, token: str | None, session: str | None) -> Principal | None:
+        """Principal of a bearer key or console session token."""
+        async with self.db.read() as conn:
+            if token:
+                return await orgs.authenticate_key(conn, token)
+            if session:
+                return await orgs.authenticate_session(conn, self.clock, session)
+        return None
+
+    async def find_agent(self, org_id: str, ref: str) -> dict[str, Any]:
+        """An agent of the organization by id, slug or name (404 otherwise)."""
+        async with self.db.read() as conn:
+            return await agents_mod.find_agent(conn, org_id, ref)
+
+    def wake(self, name: str) -> None:
+        """Wake one runner now instead of at its next poll."""
+        self.wakes.setdefault(name, asyncio.Event()).set()
+
+    def wake_all(self) -> None:
+        """Wake every runner (after an operator decision)."""
+        for runner in self.runners:
+            self.wake(runner.name)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start_runners(self) -> None:
+        """Start every background runner loop."""
+        poll = self.settings.runners.poll_interval_s
+        for runner in self.runners:
+            wake = self.wakes.setdefault(runner.name, asyncio.Event())
+            task = asyncio.get_running_loop().create_task(
+                run_loop(runner, wake=wake, stop=self._stop, poll_s=poll), name=runner.name
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if self.db.is_postgres:
+            self.spawn(self._listen(), name="pg-listen")
+
+    async def _listen(self) -> None:
+        """PostgreSQL LISTEN: other replicas' NOTIFY wakes our relay at once."""
+        import asyncpg
+
+        url = self.settings.database.url.replace("postgresql+asyncpg://", "postgresql://")
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.add_listener("leadgate_outbox", lambda *_: self.wake("outbox-relay"))
+            await self._stop.wait()
+        finally:
+            await conn.close()
+
+    async def stop(self) -> None:
+        """Stop runners, wait for background work, close channels and the database."""
+        self._stop.set()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=10)
+        for channel in self.channels.values():
+            try:
+                await channel.close()
+            except Exception:
+                log.exception("closing channel %s failed", channel.name)
+        await self.db.close()
+
+    def build_app(self, role: str = "all") -> web.Application:
+        """The aiohttp application (``role`` worker serves only health and metrics)."""
+        from web import agents_api, openai_api, operator_api
+        from web.common import error_middleware
+
+        app = web.Application(
+            middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
+        )
+
+        async def healthz(_: web.Request) -> web.Response:
+            async with self.db.read() as conn:
+                await conn.exec_driver_sql("SELECT 1")
+            return web.json_response({"status": "ok", "role": role})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=METRICS.render(), content_type="text/plain")
+
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/metrics", metrics)
+        if role == "worker":
+            return app
+        openai_api.setup(app, self)
+        agents_api.setup(app, self)
+        operator_api.setup(app, self)
+        self._mount_mcp(app)
+        for adapter in self.adapters:
+            adapter.mount(app)
+        return app
+
+    def _mount_mcp(self, app: web.Application) -> None:
+        from urllib.parse import urlparse
+
+        from engine.types import BindingKind, BindingSpec
+        from web.mcp import mount_mcp
+
+        async def authenticate(raw: str) -> Principal | None:
+            return await self.lookup_principal(raw, None)
+
+        async def send_message(
+            principal: Principal, agent_ref: str, message: str, session: str | None
+        ) -> Outcome:
+            from engine.auth import Scope
+
+            principal.require(Scope.trigger)
+            agent = await self.find_agent(principal.org_id, agent_ref)
+            key = f"h:{session}" if session else f"default:{principal.key_id}"
+            return await self.turns.run(
+                Trigger(
+                    org_id=principal.org_id,
+                    agent_id=agent["id"],
+                    session_key=key,
+                    text=message,
+                    binding=BindingSpec(BindingKind.api),
+                )
+            )
+
+        server = self.settings.server
+        public = urlparse(server.public_url)
+        hosts = {public.netloc, f"127.0.0.1:{server.port}", f"localhost:{server.port}"}
+        hosts |= {"127.0.0.1:*", "localhost:*"}
+        mount_mcp(
+            app,
+            authenticate=authenticate,
+            send_message=send_message,
+            allowed_hosts=sorted(h for h in hosts if h),
+        )

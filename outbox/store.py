@@ -1,0 +1,231 @@
+"""Delivery rows: written in the same transaction as the state change they deliver.
+
+Delivery statuses:
+
+* ``pending``: due at ``next_attempt_at``; the relay will claim it
+* ``sending``: claimed by a relay holding the send lease
+* ``sent``: posted (or revealed / marked sent); terminal
+* ``failed``: definitely not posted, never will be; terminal, error recorded
+* ``deliveryUnknown``: maybe posted; only a human moves it on (confirm or retry)
+* ``cancelled``: the work item was cancelled before it was sent; terminal
+* ``continuation``: an ActionFlow continuation; never picked up by the relay
+
+Actions: ``post`` (a channel message), ``reveal`` (clear leadGated on the stored
+assistant message: api/studio), ``silent`` (silent binding: post nothing),
+``scheduled`` (mark sent without a message), ``continuation`` (flow resumes).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from binding.bindings import active_binding
+from engine import schema as t
+from engine.clock import Clock, IdFactory
+from engine.types import CHANNEL_KINDS, BindingKind
+
+D = t.deliveries.c
+
+
+class DeliveryStatus(enum.StrEnum):
+    """Delivery statuses (see the module docstring)."""
+
+    pending = "pending"
+    sending = "sending"
+    sent = "sent"
+    failed = "failed"
+    deliveryUnknown = "deliveryUnknown"
+    cancelled = "cancelled"
+    continuation = "continuation"
+
+
+def action_for(binding: dict[str, Any] | None) -> tuple[str, str]:
+    """(action, channel) for a gating delivery on ``binding`` (SPEC 6 table)."""
+    if binding is None:
+        return "post", "none"
+    kind = BindingKind(binding["kind"])
+    if kind == BindingKind.flow:
+        return "continuation", kind.value
+    if binding["silent"]:
+        return "silent", kind.value
+    if kind in (BindingKind.api, BindingKind.studio):
+        return "reveal", kind.value
+    if kind == BindingKind.scheduled:
+        return "scheduled", kind.value
+    return "post", kind.value
+
+
+async def enqueue_gating(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, item: dict[str, Any]
+) -> dict[str, Any]:
+    """Write the gating delivery of an approved item (call inside the approval tx)."""
+    binding = await active_binding(conn, item["session_id"])
+    action, channel = action_for(binding)
+    text = item["snapshot"] or item["summary"] or ""
+    now = clock.now_ms()
+    values = {
+        "id": ids.new("dlv"),
+        "org_id": item["org_id"],
+        "work_item_id": item["id"],
+        "kind": "gating",
+        "action": action,
+        "channel": channel,
+        "binding_id": binding["id"] if binding else None,
+        "address": binding["address"] if binding else {},
+        "text": text,
+        "status": (
+            DeliveryStatus.continuation if action == "continuation" else DeliveryStatus.pending
+        ).value,
+        "attempts": 0,
+        "next_attempt_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
+    await conn.execute(t.deliveries.insert().values(**values))
+    await notify(conn)
+    return values
+
+
+async def enqueue_reply(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    binding: dict[str, Any],
+    text: str,
+) -> str | None:
+    """Queue a plain turn's reply on a channel binding (none for silent or api)."""
+    if binding["silent"] or BindingKind(binding["kind"]) not in CHANNEL_KINDS:
+        return None
+    now = clock.now_ms()
+    delivery_id = ids.new("dlv")
+    await conn.execute(
+        t.deliveries.insert().values(
+            id=delivery_id,
+            org_id=org_id,
+            work_item_id=None,
+            kind="reply",
+            action="post",
+            channel=binding["kind"],
+            binding_id=binding["id"],
+            address=binding["address"],
+            text=text,
+            status=DeliveryStatus.pending.value,
+            attempts=0,
+            next_attempt_at=now,
+            created_at=now,
+            updated_at=now,
+        )
+    )
+    await notify(conn)
+    return delivery_id
+
+
+async def notify(conn: AsyncConnection) -> None:
+    """Wake relays on other replicas (PostgreSQL NOTIFY is sent at commit)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(sa.text("SELECT pg_notify('leadgate_outbox', '')"))
+
+
+async def for_item(conn: AsyncConnection, item_id: str) -> list[dict[str, Any]]:
+    """Deliveries of a work item, oldest first."""
+    rows = (
+        await conn.execute(
+            sa.select(t.deliveries).where(D.work_item_id == item_id).order_by(D.created_at, D.id)
+        )
+    ).all()
+    return [dict(r._mapping) for r in rows]
+
+
+async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> None:
+    """Cancel an item's unsent deliveries (the item was cancelled)."""
+    await conn.execute(
+        t.deliveries.update()
+        .where(
+            D.work_item_id == item_id,
+            D.status.in_([DeliveryStatus.pending.value, DeliveryStatus.deliveryUnknown.value]),
+        )
+        .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms())
+    )
+
+
+async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> dict[str, Any]:
+    """A delivery of ``org_id`` (404 otherwise)."""
+    from engine.errors import NotFound
+
+    row = (
+        await conn.execute(sa.select(t.deliveries).where(D.id == delivery_id, D.org_id == org_id))
+    ).first()
+    if row is None:
+        raise NotFound(f"no delivery {delivery_id}", rule="delivery.not_found")
+    return dict(row._mapping)
+
+
+async def recover(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    delivery: dict[str, Any],
+    *,
+    action: str,
+    actor: str,
+) -> dict[str, Any]:
+    """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status.
+
+    ``confirm``: the message did arrive -> delivery ``sent``, item ``completed``.
+    ``retry``: it did not -> delivery ``pending`` again (a new attempt), item stays
+    ``approved``. A second click finds the delivery no longer ``deliveryUnknown`` and
+    gets a 409; nothing happens twice.
+    """
+    from engine import workitems
+    from engine.errors import TransitionError
+    from engine.workitems import Status
+
+    now = clock.now_ms()
+    if action == "confirm":
+        values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None}
+    else:
+        values = {"status": DeliveryStatus.pending.value, "next_attempt_at": now}
+    row = (
+        await conn.execute(
+            t.deliveries.update()
+            .where(D.id == delivery["id"], D.status == DeliveryStatus.deliveryUnknown.value)
+            .values(updated_at=now, **values)
+            .returning(*t.deliveries.c)
+        )
+    ).first()
+    if row is None:
+        raise TransitionError(
+            f"delivery {delivery['id']} is {delivery['status']}, not deliveryUnknown; "
+            "only an uncertain delivery can be confirmed or retried",
+            rule="delivery.status",
+        )
+    await workitems.audit(
+        conn,
+        clock,
+        ids,
+        org_id=row.org_id,
+        actor=actor,
+        action="deliveryConfirmed" if action == "confirm" else "deliveryRetried",
+        work_item_id=row.work_item_id,
+        delivery_id=row.id,
+    )
+    if action == "confirm" and row.kind == "gating" and row.work_item_id:
+        await workitems.transition(
+            conn,
+            clock,
+            ids,
+            row.work_item_id,
+            src=Status.approved,
+            dst=Status.completed,
+            actor=actor,
+            action="deliveryConfirmed",
+        )
+    if action == "retry":
+        await notify(conn)
+    return dict(row._mapping)

@@ -1,0 +1,1 @@
+"""Lead Review: the lead runner, verdicts, human decisions and the actionable queue."""

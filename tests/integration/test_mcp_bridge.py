@@ -1,0 +1,440 @@
+"""The hosted MCP surface (SPEC 8) through a real aiohttp server and the official client.
+
+``send_message`` is an in-test fake: this checks the surface (auth, the ASGI bridge, the
+tool's schema and its exact result mapping), not the turn path behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import jsonschema
+import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from mcp import ClientSession
+from mcp.client.client import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult, TextContent
+
+from engine.auth import Principal, Scope
+from engine.errors import NotFound, PermissionDenied
+from engine.types import Busy, Duplicate, Gated, Outcome, Reply
+from web.mcp import mount_mcp
+
+GENERIC = "The operation could not be completed. Try again."
+
+KEYS = {
+    "key-a": Principal(org_id="org-a", scopes=frozenset({Scope.trigger}), key_id="ka"),
+    "key-b": Principal(org_id="org-b", scopes=frozenset({Scope.trigger}), key_id="kb"),
+    "key-review-only": Principal(org_id="org-a", scopes=frozenset({Scope.review}), key_id="kr"),
+}
+
+
+@dataclass
+class Call:
+    principal: Principal
+    agent: str
+    message: str
+    session: str | None
+
+
+@dataclass
+class FakeCore:
+    """Stands in for the turn path: the outcome is chosen by the message text."""
+
+    calls: list[Call] = field(default_factory=list)
+
+    async def send_message(
+        self, principal: Principal, agent: str, message: str, session: str | None
+    ) -> Outcome:
+        self.calls.append(Call(principal, agent, message, session))
+        if agent == "ghost":
+            raise NotFound("no agent named ghost")
+        if message == "forbidden":
+            raise PermissionDenied("this agent is not yours")
+        if message == "crash":
+            raise RuntimeError("database password is hunter2")
+        if message == "gated":
+            return Gated(work_item_id="wi-secret-123", revision=2)
+        if message == "busy":
+            return Busy(work_item_id="wi-secret-123")
+        if message == "duplicate":
+            return Duplicate()
+        return Reply(f"{principal.org_id} says: {message}")
+
+
+async def authenticate(key: str) -> Principal | None:
+    return KEYS.get(key)
+
+
+@dataclass
+class Served:
+    url: str
+    core: FakeCore
+    runner: web.AppRunner
+    # Requests whose aiohttp handler has not returned yet (open SSE streams included).
+    active: list[web.Request] = field(default_factory=list)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    # Bind first so allowed_hosts can name the real port, as the service does from its config.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    core = FakeCore()
+    active: list[web.Request] = []
+
+    @web.middleware
+    async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
+        active.append(request)
+        try:
+            return await handler(request)
+        finally:
+            active.remove(request)
+
+    app = web.Application(middlewares=[track])
+    mount_mcp(
+        app,
+        authenticate=authenticate,
+        send_message=core.send_message,
+        allowed_hosts=[f"127.0.0.1:{port}", f"localhost:{port}"],
+    )
+    runner = web.AppRunner(app, shutdown_timeout=5)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    served = Served(url=f"http://127.0.0.1:{port}/mcp", core=core, runner=runner, active=active)
+    try:
+        yield served
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def mcp_session(url: str, key: str) -> AsyncIterator[ClientSession]:
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http,
+        streamable_http_client(url, http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+async def eventually(condition: Callable[[], bool], within: float = 2.0) -> bool:
+    """Poll ``condition`` until it holds or ``within`` seconds pass."""
+    for _ in range(int(within / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+def only_text(result: CallToolResult) -> str:
+    assert len(result.content) == 1
+    block = result.content[0]
+    assert isinstance(block, TextContent)
+    return block.text
+
+
+async def test_lists_exactly_the_one_tool(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        tools = (await session.list_tools()).tools
+    assert [tool.name for tool in tools] == ["send_action_agent_message"]
+    tool = tools[0]
+    assert tool.description and "agent" in tool.description
+    props = tool.input_schema["properties"]
+    assert set(props) == {"agent", "message", "session"}
+    assert set(tool.input_schema["required"]) == {"agent", "message"}
+    # The declared output schema admits both public shapes, including the nulls.
+    assert tool.output_schema is not None
+    reply = {"success": True, "result": {"leadReviewPending": False, "text": "hi"}}
+    gated = {
+        "success": True,
+        "result": {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None},
+    }
+    jsonschema.validate(reply, tool.output_schema)
+    jsonschema.validate(gated, tool.output_schema)
+    leaked = {"success": True, "result": {**gated["result"], "workItemId": "wi-1"}}  # type: ignore[dict-item]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(leaked, tool.output_schema)
+
+
+async def test_reply_is_plain_success(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "hello"}
+        )
+    assert result.is_error is False
+    assert result.structured_content == {
+        "success": True,
+        "result": {"leadReviewPending": False, "text": "org-a says: hello"},
+    }
+    assert served.core.calls == [Call(KEYS["key-a"], "writer", "hello", None)]
+
+
+async def test_gated_hides_ids(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "gated", "session": "s1"}
+        )
+    assert result.is_error is False
+    assert result.structured_content == {
+        "success": True,
+        "result": {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None},
+    }
+    assert "wi-secret" not in result.model_dump_json()
+    assert served.core.calls == [Call(KEYS["key-a"], "writer", "gated", "s1")]
+
+
+@pytest.mark.parametrize("message", ["busy", "duplicate"])
+async def test_busy_and_duplicate_are_the_generic_error(served: Served, message: str) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": message, "session": "s1"}
+        )
+    assert result.is_error is True
+    assert only_text(result) == GENERIC
+    assert result.structured_content is None
+    dumped = result.model_dump_json()
+    assert "LEAD_REVIEW_PENDING" not in dumped
+    assert "wi-secret" not in dumped
+
+
+async def test_engine_errors_keep_their_message(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        missing = await session.call_tool(
+            "send_action_agent_message", {"agent": "ghost", "message": "hi"}
+        )
+        denied = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "forbidden"}
+        )
+    assert missing.is_error is True
+    assert only_text(missing) == "no agent named ghost"
+    assert denied.is_error is True
+    assert only_text(denied) == "this agent is not yours"
+
+
+async def test_unexpected_error_leaks_nothing(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "crash"}
+        )
+    assert result.is_error is True
+    assert only_text(result) == GENERIC
+    assert "hunter2" not in result.model_dump_json()
+    # The traceback goes to the log for the operator.
+    assert any(rec.exc_info and "hunter2" in str(rec.exc_info[1]) for rec in caplog.records)
+
+
+async def test_missing_scope_names_it(served: Served) -> None:
+    async with mcp_session(served.url, "key-review-only") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "hello"}
+        )
+    assert result.is_error is True
+    assert "agent:trigger" in only_text(result)
+    assert served.core.calls == []
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"agent": "writer", "message": ""}, "message must not be empty"),
+        ({"agent": "writer", "message": "   "}, "message must not be empty"),
+        ({"agent": "writer", "message": "x" * 100_001}, "at most 100000 characters"),
+        ({"agent": " ", "message": "hello"}, "agent"),
+    ],
+)
+async def test_invalid_arguments_are_tool_errors(
+    served: Served, arguments: dict[str, Any], expected: str
+) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool("send_action_agent_message", arguments)
+    assert result.is_error is True
+    assert expected in only_text(result)
+    assert served.core.calls == []
+
+
+async def test_longest_message_is_accepted(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "x" * 100_000}
+        )
+    assert result.is_error is False
+    assert len(served.core.calls[0].message) == 100_000
+
+
+async def test_each_org_gets_its_own_principal(served: Served) -> None:
+    async with (
+        mcp_session(served.url, "key-a") as session_a,
+        mcp_session(served.url, "key-b") as session_b,
+    ):
+        result_b = await session_b.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "one", "session": "x"}
+        )
+        result_a = await session_a.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "two", "session": "x"}
+        )
+    assert result_a.structured_content == {
+        "success": True,
+        "result": {"leadReviewPending": False, "text": "org-a says: two"},
+    }
+    assert result_b.structured_content == {
+        "success": True,
+        "result": {"leadReviewPending": False, "text": "org-b says: one"},
+    }
+    assert served.core.calls == [
+        Call(KEYS["key-b"], "writer", "one", "x"),
+        Call(KEYS["key-a"], "writer", "two", "x"),
+    ]
+
+
+async def test_mcp_session_is_bound_to_its_creator(served: Served) -> None:
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    headers = {"Accept": "application/json, text/event-stream"}
+    async with httpx2.AsyncClient() as http:
+        opened = await http.post(
+            served.url, json=init, headers={**headers, "Authorization": "Bearer key-a"}
+        )
+        assert opened.status_code == 200
+        session_id = opened.headers["mcp-session-id"]
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        hijack = await http.post(
+            served.url,
+            json=ping,
+            headers={
+                **headers,
+                "Authorization": "Bearer key-b",
+                "Mcp-Session-Id": session_id,
+                "Mcp-Protocol-Version": "2025-11-25",
+            },
+        )
+        assert hijack.status_code == 404
+        await http.delete(
+            served.url, headers={"Authorization": "Bearer key-a", "Mcp-Session-Id": session_id}
+        )
+
+
+async def test_newest_client_default_mode_works(served: Served) -> None:
+    # mcp.Client defaults to mode="auto": it probes the 2026 per-request protocol first,
+    # which the SDK serves on a different path than the initialize handshake.
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": "Bearer key-b"}) as http,
+        Client(streamable_http_client(served.url, http_client=http)) as client,
+    ):
+        result = await client.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "modern"}
+        )
+    assert result.structured_content == {
+        "success": True,
+        "result": {"leadReviewPending": False, "text": "org-b says: modern"},
+    }
+    assert served.core.calls == [Call(KEYS["key-b"], "writer", "modern", None)]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-key"},
+        {"Authorization": "Basic a2V5LWE6"},
+        {"Authorization": "Bearer"},
+    ],
+)
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+async def test_unauthenticated_is_401(served: Served, headers: dict[str, str], method: str) -> None:
+    async with httpx2.AsyncClient() as http:
+        response = await http.request(
+            method,
+            served.url,
+            headers={**headers, "Accept": "application/json, text/event-stream"},
+            content=b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}',
+        )
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert response.json() == {
+        "error": {"message": "Missing or unknown API key.", "code": "unauthorized"}
+    }
+    assert served.core.calls == []
+
+
+async def test_unknown_host_is_refused(served: Served) -> None:
+    async with httpx2.AsyncClient() as http:
+        response = await http.post(
+            served.url,
+            headers={
+                "Authorization": "Bearer key-a",
+                "Host": "evil.example",
+                "Accept": "application/json, text/event-stream",
+            },
+            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        )
+    assert response.status_code == 421
+
+
+async def test_no_spin_and_quick_shutdown_after_disconnect(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        await session.call_tool("send_action_agent_message", {"agent": "w", "message": "hi"})
+    # The client has gone (its GET stream too). An idle server must not burn CPU...
+    cpu_before = time.process_time()
+    await asyncio.sleep(1.0)
+    assert time.process_time() - cpu_before < 0.3
+    # ...and must stop promptly.
+    started = time.monotonic()
+    await served.runner.cleanup()
+    assert time.monotonic() - started < 2.0
+
+
+async def test_streams_of_a_vanished_client_end(served: Served) -> None:
+    # A client that disappears without DELETE (crash, network loss) leaves its GET stream
+    # behind; the bridge must notice the closed socket and let the handler return.
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": "Bearer key-a"}) as http,
+        streamable_http_client(served.url, http_client=http, terminate_on_close=False) as (
+            read,
+            write,
+        ),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        await session.call_tool("send_action_agent_message", {"agent": "w", "message": "hi"})
+        # The client opens its standalone GET stream after initialize.
+        assert await eventually(lambda: any(r.method == "GET" for r in served.active))
+    # No DELETE was sent: only the closed socket tells the server that the client left.
+    assert await eventually(lambda: not served.active, within=3.0)
+    cpu_before = time.process_time()
+    await asyncio.sleep(1.0)
+    assert time.process_time() - cpu_before < 0.3
+
+
+async def test_quick_shutdown_while_a_client_stays_connected(served: Served) -> None:
+    # A connected client keeps its standalone GET stream open; shutdown must release it
+    # instead of waiting for aiohttp's shutdown timeout.
+    async with mcp_session(served.url, "key-a") as session:
+        await session.list_tools()
+        cpu_before = time.process_time()
+        await asyncio.sleep(1.0)
+        assert time.process_time() - cpu_before < 0.3
+        started = time.monotonic()
+        await served.runner.cleanup()
+        assert time.monotonic() - started < 2.0

@@ -1,0 +1,1 @@
+"""HTTP surfaces: OpenAI-compatible REST, agents API, hosted MCP, operator API, console."""
