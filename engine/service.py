@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from binding import routes
+from binding.schedules import ScheduleRunner
 from bots.base import Adapter, RouteMatch
 from engine import agents as agents_mod
 from engine import orgs
@@ -101,6 +102,7 @@ class Service:
             self.relay,
             RevisionRunner(self.turns),
             Sweeper(self.db, self.clock, self.ids),
+            ScheduleRunner(self.db, self.clock, self.turns),
         ]
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.pg import PostgresServer, start_postgres
+
+if TYPE_CHECKING:
+    from engine.service import Service
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -46,3 +50,26 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite+aiosqlite:///{tmp_path}/t.db"
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+@pytest.fixture
+def migrated_url(db_url: str) -> str:
+    """``db_url`` (sqlite and postgres) migrated to the newest schema."""
+    from engine.db import upgrade
+
+    upgrade(db_url)
+    return db_url
+
+
+@pytest.fixture
+async def service(migrated_url: str) -> AsyncIterator[Service]:
+    """A real Service on a migrated database with a FakeClock; no channel adapters and no
+    background loops (drive runners with ``engine.runners.drain``)."""
+    from engine.clock import FakeClock
+    from engine.config import Settings
+    from engine.service import Service
+
+    settings = Settings.model_validate({"database": {"url": migrated_url}})
+    svc = Service(settings, clock=FakeClock(), enable_adapters=False)
+    yield svc
+    await svc.stop()

@@ -1,0 +1,116 @@
+"""Scheduled triggers: run a worker on a cron expression with the ``scheduled`` binding.
+
+Each firing is claimed by advancing ``next_fire_at`` with a fenced update
+(``WHERE id = :id AND next_fire_at = :due``), so across replicas exactly one claims it.
+The inbound event id ``schedule:<id>:<due>`` makes a re-run of the same firing a
+duplicate, not a second turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from croniter import CroniterBadCronError, croniter
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from engine import schema as t
+from engine.clock import Clock, IdFactory, iso
+from engine.db import Database
+from engine.errors import ValidationError
+from engine.turns import TurnService, validate_message
+from engine.types import BindingKind, BindingSpec, Trigger
+
+log = logging.getLogger("leadgate.schedules")
+S = t.schedules.c
+
+
+def next_fire(cron: str, after_ms: int) -> int:
+    """The first firing strictly after ``after_ms`` (UTC)."""
+    try:
+        it = croniter(cron, datetime.fromtimestamp(after_ms / 1000, tz=UTC))
+    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        raise ValidationError(
+            f"invalid cron expression {cron!r}: {exc}", rule="schedule.cron"
+        ) from None
+    nxt: datetime = it.get_next(datetime)
+    return int(nxt.timestamp() * 1000)
+
+
+async def add_schedule(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    agent_id: str,
+    cron: str,
+    message: str,
+) -> dict[str, Any]:
+    """Store a schedule; its first firing is the next cron time after now."""
+    validate_message(message)
+    first = next_fire(cron, clock.now_ms())
+    schedule_id = ids.new("sch")
+    await conn.execute(
+        t.schedules.insert().values(
+            id=schedule_id,
+            org_id=org_id,
+            agent_id=agent_id,
+            cron=cron,
+            message=message,
+            next_fire_at=first,
+            active=True,
+            created_at=clock.now_ms(),
+        )
+    )
+    return {"id": schedule_id, "agentId": agent_id, "cron": cron, "nextFireAt": iso(first)}
+
+
+class ScheduleRunner:
+    """Fires due schedules, each firing exactly once across replicas."""
+
+    name = "schedules"
+
+    def __init__(self, db: Database, clock: Clock, turns: TurnService) -> None:
+        self.db = db
+        self.clock = clock
+        self.turns = turns
+
+    async def run_once(self) -> bool:
+        """Claim and run one due firing."""
+        now = self.clock.now_ms()
+        async with self.db.tx() as conn:
+            row = (
+                await conn.execute(
+                    self.db.skip_locked(
+                        sa.select(t.schedules)
+                        .where(S.active, S.next_fire_at <= now)
+                        .order_by(S.next_fire_at)
+                        .limit(1)
+                    )
+                )
+            ).first()
+            if row is None:
+                return False
+            res = await conn.execute(
+                t.schedules.update()
+                .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
+                .values(next_fire_at=next_fire(row.cron, max(now, row.next_fire_at)))
+            )
+            if not res.rowcount:
+                return True
+        trigger = Trigger(
+            org_id=row.org_id,
+            agent_id=row.agent_id,
+            session_key=f"schedule:{row.id}",
+            text=row.message,
+            binding=BindingSpec(BindingKind.scheduled, {"scheduleId": row.id}),
+            external_event_id=f"schedule:{row.id}:{row.next_fire_at}",
+        )
+        try:
+            await self.turns.run(trigger)
+        except Exception:
+            log.exception("scheduled run %s failed", row.id)
+        return True
