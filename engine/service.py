@@ -208,6 +208,13 @@ class Service:
                 await channel.close()
             except Exception:
                 log.exception("closing channel %s failed", channel.name)
+        for name in self.providers.names:
+            close = getattr(self.providers.get(name), "close", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:
+                    log.exception("closing model provider %s failed", name)
         await self.db.close()
 
     def build_app(self, role: str = "all") -> web.Application:

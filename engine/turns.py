@@ -395,17 +395,21 @@ class TurnService:
         try:
             for _ in range(MAX_MODEL_CALLS):
                 calls: list[ToolCall] = []
+                round_text: list[str] = []
                 request = ModelRequest(messages=messages, tools=tools, revision_feedback=feedback)
                 async for event in provider.stream(request):
                     if isinstance(event, TextDelta):
-                        parts.append(event.text)
+                        round_text.append(event.text)
                         if live is not None and event.text:
                             await live(event.text)
                     else:
                         calls.append(event)
+                parts.extend(round_text)
                 if not calls:
                     break
-                messages.append(ChatMessage("assistant", "".join(parts), tool_calls=tuple(calls)))
+                messages.append(
+                    ChatMessage("assistant", "".join(round_text), tool_calls=tuple(calls))
+                )
                 for call in calls:
                     result = await self._tool(ctx, call, tools)
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
