@@ -122,6 +122,19 @@ def _parser() -> argparse.ArgumentParser:
     sa_.add_argument("--cron", required=True)
     sa_.add_argument("--message", required=True)
 
+    flow = sub.add_parser("flow", help="ActionFlows")
+    flowsub = flow.add_subparsers(dest="flow_command", required=True)
+    fc = with_config(flowsub.add_parser("create", help="create a flow from a JSON node list"))
+    fc.add_argument("--org", required=True)
+    fc.add_argument("--name", required=True)
+    fc.add_argument("--nodes", required=True, help="JSON list of nodes, or @FILE")
+    fr = with_config(flowsub.add_parser("run", help="start a flow run"))
+    fr.add_argument("--org", required=True)
+    fr.add_argument("flow")
+    fs = with_config(flowsub.add_parser("show", help="show a flow run"))
+    fs.add_argument("--org", required=True)
+    fs.add_argument("run")
+
     demo = with_config(sub.add_parser("demo", help="create the demo organization (idempotent)"))
     demo.add_argument("--name", default="demo")
     return parser
@@ -194,6 +207,8 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
                     match=parse_match(args.channel, args.match),
                     silent=args.silent,
                 )
+            if cmd == "flow":
+                return await _flow(db, conn, clock, ids, org["id"], args, settings)
             if cmd == "schedule":
                 from binding.schedules import add_schedule
 
@@ -210,6 +225,38 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
             raise ValidationError(f"unknown command {cmd}", rule="cli.command")
     finally:
         await db.close()
+
+
+async def _flow(
+    db: Database,
+    conn: Any,
+    clock: Any,
+    ids: Any,
+    org_id: str,
+    args: argparse.Namespace,
+    settings: Settings,
+) -> dict[str, Any]:
+    from flows.runs import create_flow, run_view
+
+    if args.flow_command == "create":
+        try:
+            nodes = json.loads(args.nodes)
+        except ValueError:
+            raise ValidationError("--nodes is not valid JSON", rule="flow.nodes") from None
+        return await create_flow(conn, clock, ids, org_id, args.name, nodes)
+    if args.flow_command == "show":
+        return await run_view(conn, org_id, args.run)
+    # Running a flow runs turns: it needs the whole service, outside this transaction.
+    await conn.commit()
+    from engine.service import Service
+
+    service = Service(settings, enable_adapters=False)
+    try:
+        run_id = await service.flows.start(org_id, args.flow)
+        async with service.db.read() as rconn:
+            return await run_view(rconn, org_id, run_id)
+    finally:
+        await service.stop()
 
 
 async def _agent(
@@ -352,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             asyncio.run(_serve(settings, args.role))
             return 0
+        nodes = getattr(args, "nodes", None)
+        if isinstance(nodes, str) and nodes.startswith("@"):
+            try:
+                with open(nodes[1:], encoding="utf-8") as fh:
+                    args.nodes = fh.read()
+            except OSError as exc:
+                raise ValidationError(f"cannot read {nodes[1:]}: {exc.strerror}") from exc
         result = asyncio.run(_admin(settings, args))
         print(json.dumps(result, default=str))
         return 0

@@ -10,7 +10,7 @@ queue on the busy timeout instead of failing. Read-only transactions use a plain
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,21 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from engine.errors import ConfigError, NotMigratedError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+# Key in ``AsyncConnection.info`` holding the topics signalled during a write transaction.
+_TOPICS = "leadgate_after_commit_topics"
+
+
+def signal_after_commit(conn: AsyncConnection, topic: str) -> None:
+    """Run ``topic``'s in-process listeners once the current :meth:`Database.tx` commits.
+
+    Used to wake runners (the outbox relay) without polling and without racing the
+    commit: a listener never runs for a transaction that rolled back, and never before
+    the row it is woken for is visible.
+    """
+    topics = conn.info.get(_TOPICS)
+    if topics is not None:
+        topics.add(topic)
 
 
 class Database:
@@ -43,12 +58,27 @@ class Database:
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
         if self.is_sqlite:
             _install_sqlite_recipe(self.engine)
+        self._listeners: dict[str, list[Callable[[], None]]] = {}
+
+    def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
+        (see :func:`signal_after_commit`)."""
+        self._listeners.setdefault(topic, []).append(callback)
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncConnection]:
         """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success."""
-        async with self.engine.begin() as conn:
-            yield conn
+        topics: set[str] = set()
+        async with self.engine.connect() as conn:
+            conn.info[_TOPICS] = topics
+            try:
+                async with conn.begin():
+                    yield conn
+            finally:
+                conn.info.pop(_TOPICS, None)
+        for topic in topics:
+            for callback in self._listeners.get(topic, ()):
+                callback()
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:

@@ -8,6 +8,7 @@ User passwords, which are low-entropy, use argon2.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -15,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from argon2 import PasswordHasher
-from argon2.exceptions import VerifyMismatchError
+from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from engine import schema as t
@@ -25,6 +26,22 @@ from engine.errors import Conflict, NotFound, ValidationError
 
 KEY_PREFIX = "lg"
 _hasher = PasswordHasher()
+_dummy_hash: str | None = None
+
+
+def _verify_password(password_hash: str | None, password: str) -> bool:
+    """argon2 check; an unknown user is checked against a dummy hash so that both
+    failures cost the same time (no email enumeration by timing)."""
+    global _dummy_hash
+    if password_hash is None:
+        if _dummy_hash is None:
+            _dummy_hash = _hasher.hash(secrets.token_urlsafe(16))
+        password_hash = _dummy_hash
+        password = ""
+    try:
+        return bool(_hasher.verify(password_hash, password))
+    except (VerificationError, InvalidHashError):
+        return False
 
 
 def _hash_secret(secret: str) -> str:
@@ -171,11 +188,9 @@ async def login(
     row = (
         await conn.execute(sa.select(t.users).where(t.users.c.email == email.strip().lower()))
     ).first()
-    if row is None:
-        return None
-    try:
-        _hasher.verify(row.password_hash, password)
-    except VerifyMismatchError:
+    # argon2 is deliberately slow (tens of ms): keep it off the event loop.
+    ok = await asyncio.to_thread(_verify_password, row.password_hash if row else None, password)
+    if row is None or not ok:
         return None
     token = secrets.token_urlsafe(32)
     await conn.execute(
@@ -207,3 +222,41 @@ async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) 
     if row is None:
         return None
     return Principal(org_id=row.org_id, scopes=ROLE_SCOPES[Role(row.role)], user_id=row.id)
+
+
+async def delete_session(conn: AsyncConnection, token: str) -> bool:
+    """Log a console session out (delete its row); ``False`` when there was none."""
+    result = await conn.execute(
+        t.console_sessions.delete().where(t.console_sessions.c.token_hash == _hash_secret(token))
+    )
+    return bool(result.rowcount)
+
+
+async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
+    """A console user's public fields (never the password hash), with the org name."""
+    row = (
+        await conn.execute(
+            sa.select(
+                t.users.c.id,
+                t.users.c.email,
+                t.users.c.role,
+                t.users.c.org_id,
+                t.organizations.c.name.label("org_name"),
+            )
+            .select_from(
+                t.users.join(t.organizations, t.organizations.c.id == t.users.c.org_id)
+            )
+            .where(t.users.c.id == user_id)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no user {user_id!r}", rule="user.not_found")
+    role = Role(row.role)
+    return {
+        "id": row.id,
+        "email": row.email,
+        "role": role.value,
+        "orgId": row.org_id,
+        "orgName": row.org_name,
+        "scopes": sorted(s.value for s in ROLE_SCOPES[role]),
+    }

@@ -47,6 +47,9 @@ async def run_loop(
     """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off)."""
     failures = 0
     while not stop.is_set():
+        # Clear before working, not after: a wake that arrives while run_once runs (after
+        # its last claim found nothing) must not be lost until the next poll.
+        wake.clear()
         try:
             busy = await runner.run_once()
             failures = 0
@@ -57,7 +60,6 @@ async def run_loop(
             await asyncio.sleep(min(30.0, 0.5 * 2**failures))
         if busy:
             continue
-        wake.clear()
         with contextlib.suppress(TimeoutError):
             waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
             try:

@@ -267,3 +267,57 @@ console_sessions = sa.Table(
     sa.Column("expires_at", MS, nullable=False),
     sa.Column("created_at", MS, nullable=False),
 )
+
+flows = sa.Table(
+    "flows",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("nodes", sa.JSON, nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+    sa.UniqueConstraint("org_id", "name"),
+)
+
+flow_runs = sa.Table(
+    "flow_runs",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("flow_id", ID, nullable=False, index=True),
+    # running | waitingForHitl | completed | failed
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("outputs", sa.JSON, nullable=False),
+    sa.Column("start_index", sa.Integer, nullable=False),
+    sa.Column("resumed_from", ID),
+    sa.Column("error", sa.Text),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+)
+
+flow_run_events = sa.Table(
+    "flow_run_events",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("run_id", ID, nullable=False, index=True),
+    sa.Column("text", sa.Text, nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+continuations = sa.Table(
+    "continuations",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("run_id", ID, nullable=False),
+    sa.Column("node_index", sa.Integer, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("session_key", sa.String(500), nullable=False),
+    sa.Column("work_item_id", ID, index=True),
+    # waiting | resumed | closed
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("summary", sa.Text),
+    sa.Column("resumed_run_id", ID),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+)

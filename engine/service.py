@@ -29,6 +29,7 @@ from engine.providers.script import ScriptProvider
 from engine.runners import RevisionRunner, Runner, Sweeper, run_loop
 from engine.turns import ProviderRegistry, TurnService
 from engine.types import Outcome, Trigger
+from flows.runs import FlowResumer, FlowService
 from outbox.channel import Channel
 from outbox.relay import Relay
 from review.runner import LeadRunner
@@ -97,12 +98,14 @@ class Service:
             max_attempts=r.delivery_max_attempts,
         )
         self.lead_runner = LeadRunner(self.db, self.clock, self.ids, self.providers)
+        self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.runners: list[Runner] = [
             self.lead_runner,
             self.relay,
             RevisionRunner(self.turns),
             Sweeper(self.db, self.clock, self.ids),
             ScheduleRunner(self.db, self.clock, self.turns),
+            FlowResumer(self.flows),
         ]
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
@@ -241,6 +244,9 @@ class Service:
         openai_api.setup(app, self)
         agents_api.setup(app, self)
         operator_api.setup(app, self)
+        from web import console
+
+        console.setup(app, self)
         self._mount_mcp(app)
         for adapter in self.adapters:
             adapter.mount(app)

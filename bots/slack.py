@@ -1,0 +1,367 @@
+"""Slack: Events API in (slack-bolt), ``chat.postMessage`` out (slack-sdk).
+
+Inbound: a slack-bolt :class:`AsyncApp` verifies the signing secret (bad signature: 401
+from Bolt, no turn), answers ``url_verification`` and turns ``message`` / ``app_mention``
+events into a :class:`engine.types.Trigger`. The listener only spawns the turn and
+returns, so Slack gets its 200 at once; the turn's reply travels through the outbox.
+
+Each thread is one session (``slack:{team}:{channel}:{thread_ts or ts}``) and replies go
+into that thread. The external event id is built from the *message* (team, channel,
+ts), not from Slack's ``event_id``: a retried delivery (``X-Slack-Retry-Num``) and the
+``app_mention`` + ``message`` pair Slack sends for one post then share one id, and the
+core's de-duplication runs a single turn for all of them.
+
+Outbound: :class:`SlackChannel` posts with one shared ``AsyncWebClient`` and maps every
+failure onto the outcome classes of SPEC 6. ``chat.postMessage`` has no idempotency key,
+so anything that may have reached Slack without an answer is :class:`Uncertain`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
+from slack_bolt.async_app import AsyncApp
+from slack_bolt.authorization import AuthorizeResult
+from slack_sdk.errors import SlackApiError, SlackRequestError
+from slack_sdk.web.async_client import AsyncWebClient
+
+from bots.base import Core
+from engine.config import Settings, SlackSettings
+from engine.types import BindingKind, BindingSpec, Trigger
+from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+
+log = logging.getLogger(__name__)
+
+EVENTS_PATH = "/slack/events"
+
+# Message subtypes a person produces. Everything else (bot_message, message_changed,
+# message_deleted, channel_join, ...) is either a bot or a change notice, never a new ask.
+_HUMAN_SUBTYPES = frozenset({None, "thread_broadcast", "file_share", "me_message"})
+
+# "<@U123> do this" addresses the bot; the mention is not part of the request.
+_LEADING_MENTIONS = re.compile(r"^\s*(?:<@[UW][A-Z0-9]+(?:\|[^>]*)?>[\s,:]*)+")
+
+# chat.postMessage errors that say "not posted, and retrying will not help".
+# Unknown ok=false errors are treated the same way (see _map_api_error).
+PERMANENT_ERRORS = frozenset(
+    {
+        "channel_not_found",
+        "not_in_channel",
+        "is_archived",
+        "channel_is_archived",
+        "msg_too_long",
+        "no_text",
+        "too_many_attachments",
+        "invalid_auth",
+        "not_authed",
+        "token_revoked",
+        "token_expired",
+        "account_inactive",
+        "missing_scope",
+        "no_permission",
+        "restricted_action",
+        "restricted_action_read_only_channel",
+        "restricted_action_thread_only_channel",
+        "restricted_action_non_threadable_channel",
+        "team_access_not_granted",
+        "ekm_access_denied",
+        "org_login_required",
+        "invalid_arguments",
+        "invalid_blocks",
+        "invalid_thread_ts",
+        "cannot_reply_to_message",
+        "duplicate_channel_not_found",
+        "messages_tab_disabled",
+    }
+)
+# Answered, not posted, worth another try.
+RETRYABLE_ERRORS = frozenset(
+    {"ratelimited", "rate_limited", "service_unavailable", "request_timeout"}
+)
+# Slack documents these as "it's possible some aspect of the operation succeeded".
+UNCERTAIN_ERRORS = frozenset({"internal_error", "fatal_error"})
+
+
+@dataclass(frozen=True)
+class SlackPost:
+    """The parts of one human Slack message that a turn needs."""
+
+    team: str
+    channel: str
+    ts: str
+    thread_ts: str | None
+    text: str
+
+    @property
+    def thread(self) -> str:
+        """The thread this message belongs to (its own ts when it starts one)."""
+        return self.thread_ts or self.ts
+
+    @property
+    def session_key(self) -> str:
+        """One session per Slack thread."""
+        return f"slack:{self.team}:{self.channel}:{self.thread}"
+
+    @property
+    def external_event_id(self) -> str:
+        """Same for Slack's retries and for the app_mention/message pair of one post."""
+        return f"slack:{self.team}:{self.channel}:{self.ts}"
+
+    @property
+    def route_attrs(self) -> dict[str, str]:
+        """Match keys of a slack route."""
+        return {"team": self.team, "channel": self.channel}
+
+    @property
+    def address(self) -> dict[str, Any]:
+        """Where replies and approved output go: the message's thread."""
+        return {"team": self.team, "channel": self.channel, "thread_ts": self.thread}
+
+
+def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost | None:
+    """A :class:`SlackPost` for a human ``message``/``app_mention`` event, else ``None``.
+
+    Bot messages (``bot_id``, subtype ``bot_message``), edits, deletions, joins and
+    messages without text are ignored.
+    """
+    if event.get("type") not in ("message", "app_mention"):
+        return None
+    if event.get("bot_id") or event.get("bot_profile") or event.get("hidden"):
+        return None
+    if event.get("subtype") not in _HUMAN_SUBTYPES:
+        return None
+    team = body.get("team_id") or event.get("team")
+    channel = event.get("channel")
+    ts = event.get("ts")
+    raw_text = event.get("text")
+    if not (isinstance(team, str) and isinstance(channel, str) and isinstance(ts, str)):
+        return None
+    if not isinstance(raw_text, str):
+        return None
+    text = _LEADING_MENTIONS.sub("", raw_text).strip()
+    if not text:
+        return None
+    thread_ts = event.get("thread_ts")
+    return SlackPost(
+        team=team,
+        channel=channel,
+        ts=ts,
+        thread_ts=thread_ts if isinstance(thread_ts, str) and thread_ts else None,
+        text=text,
+    )
+
+
+class SlackChannel:
+    """Outbound Slack: ``chat.postMessage`` into the bound thread.
+
+    One :class:`AsyncWebClient` and one aiohttp session serve every send. The SDK's
+    default retry handlers are switched off: its connection-error handler would re-post
+    after a reset, and a re-post of a message that may have landed is a double post
+    (Slack has no idempotency key). Retries belong to the relay.
+    """
+
+    name = "slack"
+    max_chars = 40_000
+
+    def __init__(
+        self,
+        settings: SlackSettings,
+        *,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self._timeout = aiohttp.ClientTimeout(
+            total=timeout_s, sock_connect=min(connect_timeout_s, timeout_s)
+        )
+        self.client = AsyncWebClient(
+            token=settings.bot_token or None,
+            base_url=settings.api_url,
+            timeout=int(max(1, timeout_s)),
+            retry_handlers=[],
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    def _ensure_session(self) -> None:
+        # aiohttp wants a running loop for its session, so it is made on the first send;
+        # the session (not the SDK's per-call one) carries our timeouts.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self.client.session = self._session
+
+    async def send(self, message: OutboundMessage) -> SendOutcome:
+        """Post ``message.text`` to ``address.channel`` in thread ``address.thread_ts``."""
+        channel = message.address.get("channel")
+        if not isinstance(channel, str) or not channel:
+            return Permanent("slack: binding address has no channel")
+        thread_ts = message.address.get("thread_ts") or None
+        self._ensure_session()
+        try:
+            response = await self.client.chat_postMessage(
+                channel=channel, text=message.text, thread_ts=thread_ts
+            )
+        except SlackApiError as exc:
+            return _map_api_error(exc)
+        except SlackRequestError as exc:
+            # Raised by the SDK before anything is sent (bad arguments).
+            return Permanent(f"slack: invalid request: {exc}")
+        except aiohttp.ClientConnectorError as exc:
+            # Refused, unreachable, DNS failure: no connection, so nothing was written.
+            return Retry(f"slack: cannot connect: {exc}")
+        except aiohttp.ConnectionTimeoutError as exc:
+            # Timed out while connecting: the request was never written.
+            return Retry(f"slack: connect timeout: {exc}")
+        except TimeoutError:
+            return Uncertain("slack: no answer before the timeout; the post may have landed")
+        except (aiohttp.ClientError, OSError) as exc:
+            # Server disconnect, reset, broken payload after the request was written.
+            return Uncertain(f"slack: connection lost after sending: {exc!r}")
+        except Exception as exc:  # an SDK bug must not crash the relay
+            log.exception("slack: unexpected error from chat.postMessage")
+            return Uncertain(f"slack: unexpected error: {exc!r}")
+        ts = response.get("ts")
+        return Sent(str(ts) if ts is not None else None)
+
+    async def close(self) -> None:
+        """Close the shared HTTP session (idempotent)."""
+        session, self._session = self._session, None
+        self.client.session = None
+        if session is not None and not session.closed:
+            await session.close()
+
+
+def _map_api_error(exc: SlackApiError) -> SendOutcome:
+    response = exc.response
+    status = int(getattr(response, "status_code", 0) or 0)
+    data = getattr(response, "data", None)
+    code = data.get("error") if isinstance(data, dict) else None
+    what = f"slack: HTTP {status} {code or ''}".rstrip()
+    if status == 429 or code in ("ratelimited", "rate_limited"):
+        return Retry(what, delay_s=_retry_after(response))
+    if code in UNCERTAIN_ERRORS:
+        return Uncertain(what)
+    if status >= 500:
+        # A 5xx is an answer: Slack received the request and says the method did not
+        # complete. chat.postMessage answers ok only once the message is stored, Slack
+        # documents 500/502/503/504 as "not processed, try again", and slack-sdk's own
+        # ServerErrorRetryHandler retries them. The one documented exception, an
+        # ok=false "internal_error"/"fatal_error" body ("some aspect may have
+        # succeeded"), is Uncertain above. A 5xx with no such body is a retry.
+        return Retry(what, delay_s=_retry_after(response))
+    if code in RETRYABLE_ERRORS:
+        return Retry(what, delay_s=_retry_after(response))
+    # Every other ok=false answer describes the request or the workspace (bad channel,
+    # revoked token, archived, too long, ...): sending it again cannot succeed.
+    return Permanent(what if code else f"{what} {exc}")
+
+
+def _retry_after(response: Any) -> float | None:
+    headers = getattr(response, "headers", None) or {}
+    value = None
+    for key in ("Retry-After", "retry-after"):
+        if key in headers:
+            value = headers[key]
+            break
+    if isinstance(value, list):
+        value = value[0] if value else None
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+class SlackAdapter:
+    """Slack inbound (``POST /slack/events``) and outbound (:class:`SlackChannel`)."""
+
+    def __init__(self, settings: Settings, core: Core, *, channel: SlackChannel | None = None):
+        self.channel: SlackChannel = channel or SlackChannel(settings.slack)
+        self._core = core
+        bot_token = settings.slack.bot_token
+
+        async def authorize(enterprise_id: str | None, team_id: str | None) -> AuthorizeResult:
+            # A fixed bot token: no auth.test round trip per event or at startup.
+            return AuthorizeResult(
+                enterprise_id=enterprise_id, team_id=team_id, bot_token=bot_token or None
+            )
+
+        self.bolt = AsyncApp(
+            signing_secret=settings.slack.signing_secret,
+            authorize=authorize,
+            # A tokenless client for Bolt itself: our listeners never call the Web API,
+            # and anything Bolt might call goes to the configured base URL.
+            client=AsyncWebClient(base_url=settings.slack.api_url, retry_handlers=[]),
+            # The listener only spawns the turn, so running it before the response keeps
+            # the ack fast and means the turn is registered before Slack sees the 200.
+            process_before_response=True,
+            # Bot messages are filtered in parse_event for every bot, not only ours.
+            ignoring_self_events_enabled=False,
+            name="leadgate",
+        )
+
+        async def on_message(body: dict[str, Any], event: dict[str, Any]) -> None:
+            self.take(body, event)
+
+        async def on_other(body: dict[str, Any]) -> None:
+            # Acknowledge every other subscribed event so Slack does not retry it.
+            return None
+
+        self.bolt.event("message")(on_message)
+        self.bolt.event("app_mention")(on_message)
+        self.bolt.event(re.compile(".*"))(on_other)
+
+    def take(self, body: Mapping[str, Any], event: Mapping[str, Any]) -> None:
+        """Spawn the turn for one event (no-op for events that are not a human ask)."""
+        post = parse_event(body, event)
+        if post is None:
+            return
+        self._core.spawn(self._run(post), name=f"slack-turn:{post.external_event_id}")
+
+    async def _run(self, post: SlackPost) -> None:
+        route = await self._core.resolve_route(BindingKind.slack.value, post.route_attrs)
+        if route is None:
+            log.info("slack: no route for team=%s channel=%s", post.team, post.channel)
+            return
+        trigger = Trigger(
+            org_id=route.org_id,
+            agent_id=route.agent_id,
+            session_key=post.session_key,
+            text=post.text,
+            binding=BindingSpec(
+                kind=BindingKind.slack,
+                address=post.address,
+                silent=route.silent,
+                route_id=route.route_id,
+            ),
+            external_event_id=post.external_event_id,
+        )
+        # The outcome needs no action here: a Reply is already queued in the outbox, and
+        # Gated/Busy/Duplicate post nothing.
+        await self._core.submit(trigger)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """``POST /slack/events``: Bolt verifies, answers and dispatches."""
+        bolt_response = await self.bolt.async_dispatch(await to_bolt_request(request))
+        return await to_aiohttp_response(bolt_response)
+
+    def mount(self, app: web.Application) -> None:
+        """Add ``POST /slack/events`` and close the outbound client on shutdown."""
+        app.router.add_post(EVENTS_PATH, self.handle)
+        app.cleanup_ctx.append(self._lifecycle)
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        yield
+        # close() is idempotent, so the relay closing the channel too is harmless.
+        await self.channel.close()
+
+
+def create(settings: Settings, core: Core) -> SlackAdapter | None:
+    """The Slack adapter, or ``None`` when ``[slack] signing_secret`` is unset."""
+    if not settings.slack.signing_secret:
+        return None
+    return SlackAdapter(settings, core)

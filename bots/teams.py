@@ -1,0 +1,432 @@
+"""Microsoft Teams through the Bot Framework SDK (botbuilder ``CloudAdapter``).
+
+Inbound: ``POST /api/messages``. The Bot Framework JWT is checked by the SDK's
+``ConfigurationBotFrameworkAuthentication``; a message activity becomes a
+:class:`engine.types.Trigger` that runs in the background while the channel gets its
+``202`` at once. Outbound: :class:`TeamsChannel` rebuilds the stored conversation
+reference and posts through ``CloudAdapter.continue_conversation``.
+
+Authentication modes:
+
+* ``app_id`` set: every request must carry a valid Bot Framework bearer token; a missing,
+  malformed or unverifiable token is ``401`` and runs no turn. Outbound calls carry a
+  token the SDK fetches from the Microsoft identity platform.
+* ``app_id`` and ``app_password`` empty (``[teams] enabled = true``): no authentication
+  at all, inbound or outbound. For local testing only; a warning is logged at startup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import email.utils
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import urllib3.exceptions
+from aiohttp import web
+from botbuilder.core import Bot, TurnContext, serializer_helper
+from botbuilder.integration.aiohttp import (
+    CloudAdapter,
+    ConfigurationBotFrameworkAuthentication,
+)
+from botbuilder.schema import (
+    Activity,
+    ActivityTypes,
+    ConversationReference,
+    ErrorResponseException,
+)
+from msrest.exceptions import ClientRequestError
+
+from bots.base import Adapter, Core
+from engine.config import Settings, TeamsSettings
+from engine.errors import ConfigError
+from engine.types import BindingKind, BindingSpec, Trigger
+from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "teams"
+#: Teams rejects messages above roughly 28 KB of text.
+MAX_CHARS = 28_000
+
+_MENTION_TAG = re.compile(r"<at>(.*?)</at>", re.IGNORECASE | re.DOTALL)
+
+
+@dataclass(frozen=True)
+class _SdkConfig:
+    """The attribute names ``ConfigurationBotFrameworkAuthentication`` reads.
+
+    They correspond to the Azure settings MicrosoftAppId, MicrosoftAppPassword,
+    MicrosoftAppTenantId and MicrosoftAppType.
+    """
+
+    APP_ID: str
+    APP_PASSWORD: str
+    APP_TENANTID: str
+    APP_TYPE: str
+
+
+def sdk_config(teams: TeamsSettings) -> _SdkConfig:
+    """The SDK's configuration object: SingleTenant when a tenant is set, else MultiTenant."""
+    single = bool(teams.app_tenant_id)
+    if single and not (teams.app_id and teams.app_password):
+        raise ConfigError(
+            "[teams] app_tenant_id needs app_id and app_password (SingleTenant app)",
+            rule="config.teams",
+        )
+    return _SdkConfig(
+        APP_ID=teams.app_id,
+        APP_PASSWORD=teams.app_password,
+        APP_TENANTID=teams.app_tenant_id,
+        APP_TYPE="SingleTenant" if single else "MultiTenant",
+    )
+
+
+def _strip_bot_mention(activity: Activity) -> str:
+    """The message text without the bot's own ``<at>...</at>`` mention.
+
+    The SDK's ``remove_recipient_mention`` feeds the display name into ``re.sub`` as a
+    pattern, which breaks on names with regex metacharacters; this removes the mention
+    entity's text literally. Mentions of other people keep their display name.
+    """
+    text = activity.text or ""
+    bot_id = activity.recipient.id if activity.recipient else None
+    for entity in activity.entities or []:
+        if (entity.type or "").lower() != "mention":
+            continue
+        props = getattr(entity, "additional_properties", None) or {}
+        mentioned = props.get("mentioned") or {}
+        mention_text = props.get("text")
+        if bot_id and mentioned.get("id") == bot_id and mention_text:
+            text = text.replace(mention_text, " ")
+    return _MENTION_TAG.sub(r"\1", text).strip()
+
+
+def _tenant_of(activity: Activity) -> str:
+    # The SDK maps ConversationAccount.tenant_id to the JSON key "tenantID", while Teams
+    # sends "tenantId": the reliable place is channelData.tenant.id.
+    conversation = activity.conversation
+    if conversation is not None and conversation.tenant_id:
+        return str(conversation.tenant_id)
+    channel_data = activity.channel_data
+    if isinstance(channel_data, dict):
+        tenant = channel_data.get("tenant")
+        if isinstance(tenant, dict) and tenant.get("id"):
+            return str(tenant["id"])
+    return ""
+
+
+@dataclass(frozen=True)
+class _Inbound:
+    text: str
+    attrs: dict[str, str]
+    session_key: str
+    address: dict[str, Any]
+    event_id: str
+
+
+def parse_message(activity: Activity) -> _Inbound | None:
+    """A message activity as a channel-neutral inbound message (None: nothing to run)."""
+    if activity.type != ActivityTypes.message or activity.conversation is None:
+        return None
+    text = _strip_bot_mention(activity)
+    conversation_id = activity.conversation.id or ""
+    if not text or not conversation_id or not activity.id:
+        return None
+    tenant = _tenant_of(activity)
+    reference = TurnContext.get_conversation_reference(activity)
+    if reference.conversation is not None and not reference.conversation.tenant_id:
+        reference.conversation.tenant_id = tenant or None
+    return _Inbound(
+        text=text,
+        attrs={"tenant": tenant, "conversation": conversation_id},
+        session_key=f"teams:{tenant}:{conversation_id}",
+        address={"reference": reference.serialize(), "activity_id": activity.id},
+        event_id=f"teams:{activity.id}",
+    )
+
+
+class TeamsBot(Bot):  # type: ignore[misc]
+    """Turns message activities into triggers; never posts a turn's text itself."""
+
+    def __init__(self, core: Core) -> None:
+        self._core = core
+
+    async def on_turn(self, context: TurnContext) -> None:
+        """Parse and hand over; the route lookup and the turn run in the background."""
+        inbound = parse_message(context.activity)
+        if inbound is not None:
+            self._core.spawn(self._dispatch(inbound), name=f"teams-turn {inbound.event_id}")
+
+    async def _dispatch(self, inbound: _Inbound) -> None:
+        route = await self._core.resolve_route(CHANNEL, inbound.attrs)
+        if route is None:
+            log.info("teams: no route for %s; no turn", inbound.attrs)
+            return
+        await self._core.submit(
+            Trigger(
+                org_id=route.org_id,
+                agent_id=route.agent_id,
+                session_key=inbound.session_key,
+                text=inbound.text,
+                binding=BindingSpec(
+                    BindingKind.teams,
+                    inbound.address,
+                    silent=route.silent,
+                    route_id=route.route_id,
+                ),
+                external_event_id=inbound.event_id,
+            )
+        )
+
+
+def _retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _classify_transport_error(exc: BaseException) -> SendOutcome:
+    """Map a ``requests`` failure (msrest sends with requests) onto an outcome class.
+
+    Connect-phase failures (refused, DNS, connect timeout, TLS handshake) happen before
+    a byte of the request is written: retry. A read timeout or a connection dropped
+    while waiting for the answer means the connector may have posted: uncertain.
+    """
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return Retry(f"teams connector connect timeout: {exc}")
+    if isinstance(exc, requests.exceptions.ReadTimeout):
+        return Uncertain(f"teams connector read timeout after the request was sent: {exc}")
+    if isinstance(exc, requests.exceptions.SSLError):
+        return Retry(f"teams connector TLS error: {exc}")
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        reason: Any = exc.args[0] if exc.args else None
+        if isinstance(reason, urllib3.exceptions.MaxRetryError):
+            reason = reason.reason
+        if isinstance(
+            reason,
+            urllib3.exceptions.NewConnectionError | urllib3.exceptions.ConnectTimeoutError,
+        ):
+            return Retry(f"teams connector unreachable: {reason}")
+        return Uncertain(f"teams connector connection lost after the request was sent: {exc}")
+    return Uncertain(f"teams connector request failed: {exc}")
+
+
+def _classify_status(exc: ErrorResponseException) -> SendOutcome:
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    detail = f"teams connector HTTP {status}: {exc}"
+    if status == 429:
+        return Retry(detail, _retry_after(getattr(response, "headers", None)))
+    if status in (401, 403, 404):
+        return Permanent(detail)
+    if status == 408 or (isinstance(status, int) and status >= 500):
+        return Retry(detail, _retry_after(getattr(response, "headers", None)))
+    return Permanent(detail)
+
+
+class TeamsChannel:
+    """Posts replies and approved output through the Bot Connector.
+
+    ``kind == "reply"`` answers the triggering activity
+    (``POST .../conversations/{id}/activities/{activity_id}``); ``"gating"`` posts a new
+    message into the same conversation (``POST .../conversations/{id}/activities``).
+
+    Idempotency: the outgoing activity's ``id`` is set from the idempotency key, but the
+    SDK (``TurnContext.send_activities``) clears ``id`` before posting and the Connector
+    assigns its own ids, so Teams offers no de-duplication: a timed-out post is
+    :class:`Uncertain`. The SDK's own HTTP retries are switched off (retries are the
+    relay's, with backoff and Retry-After).
+    """
+
+    name = CHANNEL
+    max_chars = MAX_CHARS
+
+    def __init__(self, adapter: CloudAdapter, app_id: str, *, timeout_s: float = 30.0) -> None:
+        self._adapter = adapter
+        self._app_id = app_id
+        self._timeout_s = timeout_s
+
+    async def send(self, message: OutboundMessage) -> SendOutcome:
+        """Post ``message.text`` to the bound conversation; never raises for SDK errors."""
+        raw_reference = message.address.get("reference")
+        if not isinstance(raw_reference, dict):
+            return Permanent("teams binding has no conversation reference")
+        try:
+            reference = ConversationReference().deserialize(raw_reference)
+        except Exception as exc:  # msrest raises DeserializationError and friends
+            return Permanent(f"teams conversation reference is invalid: {exc}")
+        if not reference.service_url or reference.conversation is None:
+            return Permanent("teams conversation reference lacks serviceUrl or conversation")
+
+        reply_to: str | None = None
+        if message.kind == "reply":
+            reply_to = message.address.get("activity_id") or reference.activity_id
+        sent: list[str | None] = []
+        in_flight = False
+
+        async def post(turn_context: TurnContext) -> None:
+            nonlocal in_flight
+            client = turn_context.turn_state.get(self._adapter.BOT_CONNECTOR_CLIENT_KEY)
+            if client is not None:
+                # msrest's urllib3 retry policy would silently re-POST on some errors.
+                client.config.retry_policy.retries = 0
+                client.config.connection.timeout = self._timeout_s
+            # The SDK sets replyToId from the turn activity's id: for a continuation that
+            # is a fresh random id, so set it to what this delivery means (None: a new
+            # message in the conversation, posted to .../activities).
+            turn_context.activity.id = reply_to
+            activity = Activity(
+                type=ActivityTypes.message, text=message.text, id=message.idempotency_key
+            )
+            in_flight = True
+            try:
+                response = await turn_context.send_activity(activity)
+            finally:
+                if client is not None:
+                    await _close_client(client)
+            sent.append(getattr(response, "id", None) or None)
+
+        try:
+            await self._adapter.continue_conversation(reference, post, self._app_id)
+        except ErrorResponseException as exc:
+            return _classify_status(exc)
+        except ClientRequestError as exc:
+            inner = getattr(exc, "inner_exception", None)
+            return _classify_transport_error(inner if inner is not None else exc)
+        except requests.RequestException as exc:
+            # e.g. the token request to the Microsoft identity platform
+            return _classify_transport_error(exc)
+        except PermissionError as exc:
+            # The SDK raises PermissionError when it cannot obtain an access token.
+            return Retry(f"teams: no access token for the connector: {exc}")
+        except Exception as exc:
+            if in_flight:
+                return Uncertain(f"teams send failed mid-request: {exc!r}")
+            return Permanent(f"teams send failed before posting: {exc!r}")
+        return Sent(sent[0] if sent else None)
+
+    async def close(self) -> None:
+        """Nothing to release: connector clients are closed after each send."""
+
+
+async def _close_client(client: Any) -> None:
+    # ConnectorClient has no close(); leaving its async context closes the requests
+    # session (and its pooled sockets) that msrest opened for this one call.
+    try:
+        await client.__aexit__(None, None, None)
+    except Exception:  # closing is best effort
+        log.debug("teams: closing the connector client failed", exc_info=True)
+
+
+class TeamsAdapter:
+    """``POST /api/messages`` plus :class:`TeamsChannel`, sharing one ``CloudAdapter``."""
+
+    def __init__(
+        self,
+        settings: TeamsSettings,
+        core: Core,
+        *,
+        send_timeout_s: float = 30.0,
+        auth_timeout_s: float = 10.0,
+    ) -> None:
+        self._settings = settings
+        self._core = core
+        self._auth_timeout_s = auth_timeout_s
+        self.auth = ConfigurationBotFrameworkAuthentication(sdk_config(settings))
+        self.cloud_adapter = CloudAdapter(self.auth)
+        self.bot = TeamsBot(core)
+        self.teams_channel = TeamsChannel(
+            self.cloud_adapter, settings.app_id, timeout_s=send_timeout_s
+        )
+        self.channel: Channel = self.teams_channel
+        # Token validation may fetch the OpenID metadata with a blocking `requests.get`
+        # and no timeout; it runs on these threads so the event loop never blocks on it.
+        self._auth_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def auth_enabled(self) -> bool:
+        """False only in the local no-auth mode (empty app id and password)."""
+        return bool(self._settings.app_id or self._settings.app_password)
+
+    def mount(self, app: web.Application) -> None:
+        """Add ``POST /api/messages`` and the startup/shutdown hook."""
+        app.router.add_post("/api/messages", self.handle)
+        app.cleanup_ctx.append(self._lifecycle)
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        if not self.auth_enabled:
+            log.warning(
+                "teams: app_id and app_password are empty: /api/messages accepts "
+                "unauthenticated requests (local testing only)"
+            )
+        self._auth_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="teams-auth"
+        )
+        try:
+            yield
+        finally:
+            await self.channel.close()
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            self._auth_pool = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Verify, parse and acknowledge one activity (the turn runs in the background).
+
+        This does what ``CloudAdapter.process`` does, in two steps, so that an
+        authentication failure is told apart from every other error: the SDK lets a
+        malformed token surface as an arbitrary exception (a 500), which is a 401 here.
+        """
+        if request.content_type != "application/json":
+            return web.Response(status=415, text="expected application/json")
+        try:
+            body = await request.json()
+            activity = Activity().deserialize(body)
+        except Exception:
+            return web.Response(status=400, text="body is not an activity")
+        if not isinstance(body, dict) or not activity.type:
+            return web.Response(status=400, text="body is not an activity")
+        auth_header = request.headers.get("Authorization", "")
+        try:
+            auth_result = await self._authenticate(activity, auth_header)
+        except Exception as exc:
+            log.info("teams: rejected an unauthenticated request: %r", exc)
+            return web.Response(status=401, text="unauthorized")
+        invoke = await self.cloud_adapter.process_activity(auth_result, activity, self.bot.on_turn)
+        if invoke is not None:
+            return web.json_response(serializer_helper(invoke.body), status=invoke.status)
+        return web.Response(status=202)
+
+    async def _authenticate(self, activity: Activity, auth_header: str) -> Any:
+        def run() -> Any:
+            return asyncio.run(self.auth.authenticate_request(activity, auth_header))
+
+        if self._auth_pool is None:  # not started through the app (direct use in tests)
+            return await self.auth.authenticate_request(activity, auth_header)
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(
+            loop.run_in_executor(self._auth_pool, run), timeout=self._auth_timeout_s
+        )
+
+
+def create(settings: Settings, core: Core) -> Adapter | None:
+    """The Teams adapter, or None when ``[teams]`` is off (no app_id and not enabled)."""
+    teams = settings.teams
+    if not (teams.enabled or teams.app_id):
+        return None
+    return TeamsAdapter(teams, core)

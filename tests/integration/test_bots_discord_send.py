@@ -1,0 +1,265 @@
+"""Discord outbound: the real discord.py HTTP client against the REST stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import discord.http
+import pytest
+
+from bots.discord import DiscordChannel, configure_endpoints, nonce_for
+from engine.config import DiscordSettings
+from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.standins.discord_api import DiscordApiStandin
+
+TOKEN = "bot-token"
+APP = "1100000000000000001"
+CHANNEL = "800000000000000002"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def restore_route_base() -> Iterator[None]:
+    base = discord.http.Route.BASE
+    yield
+    discord.http.Route.BASE = base
+
+
+def gated(key: str = "delivery-1", **address: Any) -> OutboundMessage:
+    addr = {"channel_id": CHANNEL, "guild_id": "800000000000000001", **address}
+    return OutboundMessage(delivery_id=key, idempotency_key=key, address=addr, text="approved")
+
+
+def interaction_reply(key: str = "delivery-r", token: str = "itoken") -> OutboundMessage:
+    return OutboundMessage(
+        delivery_id=key,
+        idempotency_key=key,
+        address={
+            "channel_id": CHANNEL,
+            "application_id": APP,
+            "interaction_token": token,
+            "guild_id": "800000000000000001",
+        },
+        text="plain reply",
+        kind="reply",
+    )
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[DiscordApiStandin]:
+    async with DiscordApiStandin(token=TOKEN, application_id=APP) as dc:
+        yield dc
+
+
+def make_channel(api_url: str, token: str = TOKEN, timeout_s: float = 0.6) -> DiscordChannel:
+    st = DiscordSettings(bot_token=token, api_url=api_url)
+    configure_endpoints(st)
+    return DiscordChannel(st, timeout_s=timeout_s)
+
+
+@pytest.fixture
+async def channel(standin: DiscordApiStandin) -> AsyncIterator[DiscordChannel]:
+    ch = make_channel(standin.api_url)
+    yield ch
+    await ch.close()
+
+
+async def test_channel_post_with_nonce_and_reply_reference(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    outcome = await channel.send(gated(message_id="800000000000000077"))
+    assert isinstance(outcome, Sent) and outcome.external_id
+    [post] = standin.posts
+    assert post["op"] == "create_message" and post["channel_id"] == CHANNEL
+    assert post["content"] == "approved" and post["id"] == outcome.external_id
+    assert post["nonce"] == nonce_for("delivery-1") and len(post["nonce"]) <= 25
+    assert post["enforce_nonce"] is True
+    assert str(post["message_reference"]["message_id"]) == "800000000000000077"
+    assert post["message_reference"]["fail_if_not_exists"] is False
+    assert channel.name == "discord" and channel.max_chars == 2000
+
+
+async def test_gating_without_message_id_posts_plainly(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    # Approved output of an /ask interaction: a bot message in the channel.
+    message = gated(application_id=APP, interaction_token="itoken")
+    assert isinstance(await channel.send(message), Sent)
+    [post] = standin.posts
+    assert post["op"] == "create_message" and post["message_reference"] is None
+
+
+async def test_duplicate_nonce_posts_once(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    first = await channel.send(gated())
+    again = await channel.send(gated())
+    assert isinstance(first, Sent) and isinstance(again, Sent)
+    assert first.external_id == again.external_id
+    assert len(standin.requests) == 2 and len(standin.posts) == 1
+
+
+async def test_interaction_reply_edits_the_deferred_original(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    outcome = await channel.send(interaction_reply())
+    assert isinstance(outcome, Sent)
+    # Retrying the same delivery edits again (idempotent); a next part follows up.
+    assert isinstance(await channel.send(interaction_reply()), Sent)
+    assert isinstance(await channel.send(interaction_reply("delivery-r2")), Sent)
+    assert [(p["op"], p["token"], p["content"]) for p in standin.posts] == [
+        ("edit_original", "itoken", "plain reply"),
+        ("edit_original", "itoken", "plain reply"),
+        ("followup", "itoken", "plain reply"),
+    ]
+
+
+async def test_rate_limit_is_retry_with_its_delay(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    standin.queue("ratelimited:60")
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Retry) and outcome.delay_s == 60.0
+    standin.queue("ratelimited_novia:5")
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Retry) and outcome.delay_s == 5.0
+    assert standin.posts == []
+
+
+async def test_short_rate_limit_is_handled_by_discord_py(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    standin.queue("ratelimited:0.1", "ok")
+    assert isinstance(await channel.send(gated()), Sent)
+    assert len(standin.posts) == 1
+
+
+@pytest.mark.parametrize("mode", ["forbidden", "not_found", "unauthorized"])
+async def test_permanent_errors(
+    standin: DiscordApiStandin, channel: DiscordChannel, mode: str
+) -> None:
+    standin.queue(mode)
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Permanent), outcome
+
+
+async def test_rejected_token_is_permanent(standin: DiscordApiStandin) -> None:
+    ch = make_channel(standin.api_url, token="wrong")
+    try:
+        outcome = await ch.send(gated())
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Permanent), outcome
+
+
+async def test_no_token_and_no_interaction_is_permanent(standin: DiscordApiStandin) -> None:
+    ch = make_channel(standin.api_url, token="")
+    try:
+        assert isinstance(await ch.send(gated()), Permanent)
+        # With an interaction token, the follow-up webhook still works without a bot.
+        outcome = await ch.send(gated(application_id=APP, interaction_token="itoken"))
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Sent)
+    assert [p["op"] for p in standin.posts] == ["followup"]
+
+
+@pytest.mark.parametrize("mode", ["500", "503"])
+async def test_server_errors_are_retry_within_the_deadline(
+    standin: DiscordApiStandin, channel: DiscordChannel, mode: str
+) -> None:
+    # discord.py retries 500/502/504 itself after 1, 3, 5... seconds; the send's
+    # deadline (0.6 s) cuts that short while nothing is on the wire: Retry.
+    standin.set_channel_mode(CHANNEL, mode)
+    started = time.monotonic()
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Retry), outcome
+    assert time.monotonic() - started < 1.5
+    assert standin.posts == []
+
+
+async def test_connection_refused_is_retry() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ch = make_channel(f"http://127.0.0.1:{port}/api/v10")
+    try:
+        assert isinstance(await ch.send(gated()), Retry)  # via the bot (login first)
+        assert isinstance(await ch.send(interaction_reply()), Retry)  # via the webhook
+    finally:
+        await ch.close()
+
+
+async def test_hang_after_reading_is_uncertain(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    standin.queue("hang")
+    started = time.monotonic()
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Uncertain), outcome
+    assert time.monotonic() - started < 1.5
+    standin.queue("hang")
+    assert isinstance(await channel.send(interaction_reply()), Uncertain)
+
+
+async def test_reset_after_reading_is_uncertain(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    standin.queue("reset")
+    assert isinstance(await channel.send(gated()), Uncertain)
+    standin.queue("reset")
+    assert isinstance(await channel.send(interaction_reply()), Uncertain)
+    assert standin.posts == []
+
+
+async def test_delete_original_is_best_effort(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    assert await channel.delete_original(APP, "itoken") is True
+    assert await channel.delete_original(APP, "itoken") is True  # already gone: fine
+    # aiohttp itself re-sends an idempotent DELETE once after a dropped connection.
+    standin.queue("reset", "reset")
+    assert await channel.delete_original(APP, "other") is False
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_subprocess_mode_and_records_endpoint() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.standins.discord_api",
+        "--port",
+        "0",
+        "--latency-ms",
+        "5",
+        "--token",
+        TOKEN,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=2.5)
+        assert line.startswith(b"LISTENING ")
+        port = int(line.split()[1])
+        ch = make_channel(f"http://127.0.0.1:{port}/api/v10", timeout_s=2.0)
+        try:
+            assert isinstance(await ch.send(gated()), Sent)
+        finally:
+            await ch.close()
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/_standin/posts") as r:
+                posts = await r.json()
+        assert [(p["op"], p["channel_id"], p["content"]) for p in posts] == [
+            ("create_message", CHANNEL, "approved")
+        ]
+    finally:
+        proc.terminate()
+        await proc.wait()

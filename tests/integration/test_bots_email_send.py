@@ -1,0 +1,201 @@
+"""Outbound half of the email adapter: real aiosmtplib against the SMTP sink stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Mapping
+from email.message import EmailMessage
+from typing import Any
+
+import aiosmtplib
+import pytest
+
+from bots.base import RouteMatch
+from bots.email import EmailAdapter, EmailChannel, message_id_for
+from engine.config import EmailSettings
+from engine.types import Outcome, Reply, Trigger
+from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.standins.smtp import SmtpSink
+
+BOT = "bot@leadgate.example"
+ALICE = "alice@example.com"
+
+ADDRESS: dict[str, Any] = {
+    "to": ALICE,
+    "from": BOT,
+    "subject": "Re: Quarterly report",
+    "in_reply_to": "<m2@client.example>",
+    "references": "<m1@client.example> <m2@client.example>",
+}
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[SmtpSink]:
+    server = SmtpSink()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+def _channel(sink: SmtpSink, **settings: Any) -> EmailChannel:
+    return EmailChannel(
+        EmailSettings(smtp_host="127.0.0.1", smtp_port=sink.port, **settings),
+        timeout_s=0.5,
+        local_hostname="leadgate.test",
+    )
+
+
+def _message(
+    address: Mapping[str, Any] = ADDRESS, text: str = "Echo: hi", key: str = "dlv-42"
+) -> OutboundMessage:
+    return OutboundMessage(
+        delivery_id="42", idempotency_key=key, address=dict(address), text=text, kind="reply"
+    )
+
+
+async def test_reply_is_threaded_with_a_deterministic_message_id(sink: SmtpSink) -> None:
+    channel = _channel(sink)
+    outcome = await channel.send(_message())
+    assert outcome == Sent("<dlv-42@leadgate.example>")
+    [mail] = sink.messages
+    assert mail["mail_from"] == BOT and mail["rcpt_tos"] == [ALICE]
+    assert mail["from"] == BOT and mail["to"] == ALICE
+    assert mail["subject"] == "Re: Quarterly report"
+    assert mail["in_reply_to"] == "<m2@client.example>"
+    assert mail["references"] == "<m1@client.example> <m2@client.example>"
+    assert mail["message_id"] == "<dlv-42@leadgate.example>"
+    assert mail["auto_submitted"] == "auto-replied"
+    assert mail["reply_to"] is None
+    assert mail["body"].strip() == "Echo: hi"
+
+    # A resend of the same delivery carries the same Message-ID.
+    assert await channel.send(_message()) == Sent("<dlv-42@leadgate.example>")
+    assert [m["message_id"] for m in sink.messages] == ["<dlv-42@leadgate.example>"] * 2
+
+
+async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
+    """The address the inbound half stores is what the outbound half needs."""
+    triggers: list[Trigger] = []
+    tasks: list[asyncio.Future[Any]] = []
+
+    class Core:
+        async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch:
+            return RouteMatch("r", "o", "a", silent=False)
+
+        async def submit(self, trigger: Trigger) -> Outcome:
+            triggers.append(trigger)
+            return Reply("x")
+
+        def spawn(self, coro: Any, *, name: str) -> None:
+            tasks.append(asyncio.ensure_future(coro))
+
+    adapter = EmailAdapter(
+        EmailSettings(listen_host="127.0.0.1", smtp_host="127.0.0.1", smtp_port=sink.port),
+        Core(),
+        send_timeout_s=0.5,
+    )
+    await adapter.start()
+    try:
+        inbound = EmailMessage()
+        inbound["From"] = "Alice <alice@example.com>"
+        inbound["To"] = BOT
+        inbound["Subject"] = "Quarterly report"
+        inbound["Message-ID"] = "<orig@client.example>"
+        inbound.set_content("Summarise it please")
+        assert adapter.port
+        await aiosmtplib.send(
+            inbound,
+            sender=ALICE,
+            recipients=[BOT],
+            hostname="127.0.0.1",
+            port=adapter.port,
+            timeout=2,
+        )
+        await asyncio.gather(*tasks)
+        [trigger] = triggers
+        outcome = await adapter.channel.send(_message(trigger.binding.address, "Echo: done"))
+        assert isinstance(outcome, Sent)
+    finally:
+        await adapter.stop()
+    [mail] = sink.messages
+    assert mail["to"] == ALICE and mail["from"] == BOT
+    assert mail["subject"] == "Re: Quarterly report"
+    assert mail["in_reply_to"] == "<orig@client.example>"
+    assert mail["references"] == "<orig@client.example>"
+    assert mail["message_id"] == "<dlv-42@leadgate.example>"
+
+
+async def test_configured_from_address_keeps_replies_in_the_thread(sink: SmtpSink) -> None:
+    channel = _channel(sink, from_address="Lead Gate <noreply@mail.leadgate.example>")
+    outcome = await channel.send(_message())
+    assert outcome == Sent("<dlv-42@mail.leadgate.example>")
+    [mail] = sink.messages
+    assert mail["mail_from"] == "noreply@mail.leadgate.example"
+    assert mail["from"] == "Lead Gate <noreply@mail.leadgate.example>"
+    assert mail["reply_to"] == BOT
+
+
+async def test_dots_and_non_ascii_survive(sink: SmtpSink) -> None:
+    text = "Grüße!\n.\n.leading dot\n..two\nend"
+    address = {**ADDRESS, "subject": "Re: Grüße aus Köln"}
+    assert isinstance(await _channel(sink).send(_message(address, text)), Sent)
+    [mail] = sink.messages
+    assert mail["body"].rstrip("\n") == text
+    assert mail["subject"] == "Re: Grüße aus Köln"
+
+
+def test_message_id_is_derived_from_the_key() -> None:
+    assert message_id_for("dlv-1", "Bot <bot@x.example>") == "<dlv-1@x.example>"
+    assert message_id_for("a b:c<d>", "bot@x.example") == "<a-b-c-d-@x.example>"
+    assert message_id_for("k", "") == "<k@leadgate.invalid>"
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome_class"),
+    [
+        ("reject_rcpt", Permanent),
+        ("tempfail_rcpt", Retry),
+        ("hang_rcpt", Retry),  # timeout before any content was sent
+        ("tempfail", Retry),  # 451 after the content: the server refused it
+        ("reject", Permanent),  # 554 after the content
+        ("hang", Uncertain),  # the content was written, no verdict came back
+        ("drop", Uncertain),  # the content was written, then the connection died
+    ],
+)
+async def test_failure_modes(sink: SmtpSink, mode: str, outcome_class: type) -> None:
+    sink.fail_next(mode)
+    outcome = await _channel(sink).send(_message())
+    assert isinstance(outcome, outcome_class), outcome
+    assert sink.messages == []
+    # The next transaction goes through.
+    assert isinstance(await _channel(sink).send(_message()), Sent)
+
+
+async def test_connection_refused_is_retry() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    channel = EmailChannel(
+        EmailSettings(smtp_host="127.0.0.1", smtp_port=port), timeout_s=0.5, local_hostname="t"
+    )
+    assert isinstance(await channel.send(_message()), Retry)
+
+
+async def test_unusable_configuration_or_address_is_permanent(sink: SmtpSink) -> None:
+    no_relay = EmailChannel(EmailSettings(), timeout_s=0.5)
+    assert isinstance(await no_relay.send(_message()), Permanent)
+    channel = _channel(sink)
+    assert isinstance(await channel.send(_message({**ADDRESS, "to": ""})), Permanent)
+    assert isinstance(await channel.send(_message({"to": ALICE})), Permanent)  # no sender
+    bad_subject = {**ADDRESS, "to": "a@b.example\r\nBcc: victim@example.com"}
+    assert isinstance(await channel.send(_message(bad_subject)), Permanent)
+    assert sink.messages == []
+
+
+async def test_starttls_required_but_not_offered_is_permanent(sink: SmtpSink) -> None:
+    outcome = await _channel(sink, start_tls=True).send(_message())
+    assert isinstance(outcome, Permanent)
+    assert sink.messages == []

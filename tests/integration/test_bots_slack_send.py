@@ -1,0 +1,196 @@
+"""Slack outbound: the real slack-sdk client against the Web API stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bots.slack import SlackChannel
+from engine.config import SlackSettings
+from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.standins.slack_api import SlackApiStandin
+
+TOKEN = "xoxb-test-token"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def settings(api_url: str, token: str = TOKEN) -> SlackSettings:
+    return SlackSettings(signing_secret="s", bot_token=token, api_url=api_url)
+
+
+def message(channel: str = "C1", thread_ts: str | None = "1700000000.000100") -> OutboundMessage:
+    return OutboundMessage(
+        delivery_id="d1",
+        idempotency_key="d1",
+        address={"team": "T1", "channel": channel, "thread_ts": thread_ts},
+        text="approved text",
+    )
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[SlackApiStandin]:
+    async with SlackApiStandin(token=TOKEN) as slack:
+        yield slack
+
+
+@pytest.fixture
+async def channel(standin: SlackApiStandin) -> AsyncIterator[SlackChannel]:
+    ch = SlackChannel(settings(standin.api_url), timeout_s=0.5)
+    yield ch
+    await ch.close()
+
+
+async def test_post_into_the_thread(standin: SlackApiStandin, channel: SlackChannel) -> None:
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Sent)
+    assert standin.posts == [
+        {
+            "channel": "C1",
+            "text": "approved text",
+            "thread_ts": "1700000000.000100",
+            "ts": outcome.external_id,
+        }
+    ]
+    assert channel.name == "slack" and channel.max_chars == 40_000
+
+
+async def test_rate_limit_is_retry_with_its_delay(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    standin.queue("ratelimited:7")
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Retry) and outcome.delay_s == 7.0
+    assert standin.posts == []
+    # The SDK's own retry handlers are off: one attempt, the relay decides.
+    assert len(standin.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "channel_not_found",
+        "error:not_in_channel",
+        "error:is_archived",
+        "error:token_revoked",
+        "error:msg_too_long",
+        "error:some_new_error",
+    ],
+)
+async def test_permanent_errors(standin: SlackApiStandin, channel: SlackChannel, mode: str) -> None:
+    standin.queue(mode)
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Permanent), outcome
+    assert standin.posts == []
+
+
+async def test_invalid_auth_is_permanent(standin: SlackApiStandin) -> None:
+    ch = SlackChannel(settings(standin.api_url, token="xoxb-revoked"), timeout_s=0.5)
+    try:
+        outcome = await ch.send(message())
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Permanent) and "invalid_auth" in outcome.error
+
+
+@pytest.mark.parametrize("mode", ["500", "502", "503", "504", "error:service_unavailable"])
+async def test_server_errors_are_retry(
+    standin: SlackApiStandin, channel: SlackChannel, mode: str
+) -> None:
+    standin.queue(mode)
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Retry), outcome
+    assert len(standin.requests) == 1
+
+
+async def test_internal_error_body_is_uncertain(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    # Slack: "it's possible some aspect of the operation succeeded".
+    standin.queue("error:internal_error")
+    assert isinstance(await channel.send(message()), Uncertain)
+
+
+async def test_connection_refused_is_retry() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ch = SlackChannel(settings(f"http://127.0.0.1:{port}/api/"), timeout_s=0.5)
+    try:
+        outcome = await ch.send(message())
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Retry), outcome
+
+
+async def test_hang_after_reading_is_uncertain(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    standin.queue("hang")
+    started = time.monotonic()
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Uncertain), outcome
+    assert time.monotonic() - started < 1.5
+    assert len(standin.requests) == 1
+
+
+async def test_reset_after_reading_is_uncertain(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    standin.queue("reset")
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Uncertain), outcome
+    # Not re-posted by the SDK's connection-error retry handler.
+    assert len(standin.requests) == 1
+
+
+async def test_per_channel_mode_and_recovery(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    standin.set_channel_mode("C_BAD", "503")
+    assert isinstance(await channel.send(message("C_BAD")), Retry)
+    assert isinstance(await channel.send(message("C1", thread_ts=None)), Sent)
+    assert standin.posts[0]["thread_ts"] is None
+    await channel.close()
+    await channel.close()  # idempotent
+
+
+async def test_subprocess_mode_and_records_endpoint() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.standins.slack_api",
+        "--port",
+        "0",
+        "--latency-ms",
+        "5",
+        "--token",
+        TOKEN,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=2.5)
+        assert line.startswith(b"LISTENING ")
+        port = int(line.split()[1])
+        ch = SlackChannel(settings(f"http://127.0.0.1:{port}/api/"), timeout_s=1.0)
+        try:
+            assert isinstance(await ch.send(message()), Sent)
+        finally:
+            await ch.close()
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/_standin/posts") as r:
+                posts = await r.json()
+        assert [(p["channel"], p["text"], p["thread_ts"]) for p in posts] == [
+            ("C1", "approved text", "1700000000.000100")
+        ]
+    finally:
+        proc.terminate()
+        await proc.wait()

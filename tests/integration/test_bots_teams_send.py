@@ -1,0 +1,230 @@
+"""Outbound half of the Teams adapter: the real botbuilder SDK against the Connector stand-in.
+
+The SDK runs in no-auth mode (empty app id and password): with an app id it would first
+fetch a token from the Microsoft identity platform, which tests cannot reach. In no-auth
+mode the Connector calls carry no Authorization header (asserted below).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from botbuilder.schema import Activity
+
+from bots.base import RouteMatch
+from bots.teams import TeamsAdapter, parse_message
+from engine.config import TeamsSettings
+from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.standins.connector import ConnectorStandin, message_activity, post_activity
+
+CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
+ACTIVITY_ID = "1700000000001"
+
+
+class NullCore:
+    """The outbound half never calls the core."""
+
+    async def resolve_route(self, channel: str, attrs: Any) -> None:
+        return None
+
+    async def submit(self, trigger: Any) -> Any:
+        raise AssertionError("not used")
+
+    def spawn(self, coro: Any, *, name: str) -> None:
+        coro.close()
+
+
+@pytest.fixture
+async def connector() -> AsyncIterator[ConnectorStandin]:
+    standin = ConnectorStandin()
+    await standin.start()
+    try:
+        yield standin
+    finally:
+        await standin.close()
+
+
+@pytest.fixture
+def adapter() -> TeamsAdapter:
+    return TeamsAdapter(TeamsSettings(enabled=True), NullCore(), send_timeout_s=0.5)
+
+
+def _address(service_url: str) -> dict[str, Any]:
+    activity = Activity().deserialize(
+        message_activity(
+            service_url=service_url,
+            text="hi",
+            activity_id=ACTIVITY_ID,
+            conversation_id=CONVERSATION,
+        )
+    )
+    inbound = parse_message(activity)
+    assert inbound is not None
+    return inbound.address
+
+
+def _message(address: dict[str, Any], kind: str, text: str = "Echo: hi") -> OutboundMessage:
+    return OutboundMessage(
+        delivery_id="d-1", idempotency_key="delivery-d-1", address=address, text=text, kind=kind
+    )
+
+
+async def test_reply_goes_to_the_triggering_activity(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    outcome = await adapter.channel.send(_message(_address(connector.url), "reply"))
+    assert outcome == Sent("activity-1")
+    [posted] = connector.requests
+    assert posted["path"] == f"/v3/conversations/{CONVERSATION}/activities/{ACTIVITY_ID}"
+    assert posted["reply_to_id"] == ACTIVITY_ID
+    body = posted["activity"]
+    assert body["type"] == "message" and body["text"] == "Echo: hi"
+    assert body["replyToId"] == ACTIVITY_ID
+    assert body["conversation"]["id"] == CONVERSATION
+    assert body["from"]["id"] == "28:leadgate-bot" and body["recipient"]["id"] == "29:user-1"
+    # no-auth mode: no token on the Connector call
+    assert posted["authorization"] is None
+    # The SDK clears the activity id we set from the idempotency key: not on the wire.
+    assert "id" not in body
+
+
+async def test_gating_output_is_posted_proactively_into_the_conversation(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    outcome = await adapter.channel.send(
+        _message(_address(connector.url), "gating", "Approved: report")
+    )
+    assert isinstance(outcome, Sent) and outcome.external_id
+    [posted] = connector.requests
+    assert posted["path"] == f"/v3/conversations/{CONVERSATION}/activities"
+    assert posted["reply_to_id"] is None
+    assert posted["activity"]["text"] == "Approved: report"
+    assert "replyToId" not in posted["activity"]
+
+
+async def test_service_url_with_trailing_slash(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    outcome = await adapter.channel.send(_message(_address(connector.url + "/"), "reply"))
+    assert isinstance(outcome, Sent)
+    assert connector.requests[0]["path"].startswith("/v3/conversations/")
+
+
+async def test_inbound_address_round_trip(connector: ConnectorStandin) -> None:
+    """The address the inbound half stores is what the outbound half needs."""
+    triggers: list[Any] = []
+    tasks: list[asyncio.Future[Any]] = []
+
+    class Core(NullCore):
+        async def resolve_route(self, channel: str, attrs: Any) -> Any:
+            return RouteMatch("r", "o", "a", silent=False)
+
+        async def submit(self, trigger: Any) -> Any:
+            triggers.append(trigger)
+
+        def spawn(self, coro: Any, *, name: str) -> None:
+            tasks.append(asyncio.ensure_future(coro))
+
+    adapter = TeamsAdapter(TeamsSettings(enabled=True), Core(), send_timeout_s=0.5)
+    app = web.Application()
+    adapter.mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/api/messages"
+        activity = message_activity(service_url=connector.url, text="hi", activity_id="77")
+        assert (await post_activity(url, activity))[0] == 202
+        for task in tasks:
+            await task
+        [trigger] = triggers
+        outcome = await adapter.channel.send(_message(trigger.binding.address, "reply"))
+        assert isinstance(outcome, Sent)
+        assert connector.requests[0]["reply_to_id"] == "77"
+        assert (
+            connector.requests[0]["activity"]["conversation"]["id"]
+            == activity["conversation"]["id"]
+        )
+    finally:
+        await runner.cleanup()
+
+
+async def test_429_is_retry_with_retry_after(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    connector.fail_next("429", retry_after=7)
+    outcome = await adapter.channel.send(_message(_address(connector.url), "reply"))
+    assert isinstance(outcome, Retry)
+    assert outcome.delay_s == 7
+    assert len(connector.requests) == 1  # the SDK did not retry on its own
+
+
+@pytest.mark.parametrize("mode", ["500", "502", "503"])
+async def test_5xx_is_retry(adapter: TeamsAdapter, connector: ConnectorStandin, mode: str) -> None:
+    connector.fail_next(mode)
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Retry)
+    assert len(connector.requests) == 1  # msrest's retry policy is switched off
+
+
+@pytest.mark.parametrize("mode", ["401", "403", "404"])
+async def test_auth_and_missing_conversation_are_permanent(
+    adapter: TeamsAdapter, connector: ConnectorStandin, mode: str
+) -> None:
+    connector.fail_next(mode)
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Permanent)
+    assert mode in outcome.error
+
+
+async def test_hang_after_the_request_was_read_is_uncertain(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    connector.fail_next("hang")
+    outcome = await adapter.channel.send(_message(_address(connector.url), "reply"))
+    assert isinstance(outcome, Uncertain)
+    assert len(connector.requests) == 1
+
+
+async def test_reset_after_the_request_was_read_is_uncertain(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    connector.fail_next("reset")
+    outcome = await adapter.channel.send(_message(_address(connector.url), "reply"))
+    assert isinstance(outcome, Uncertain)
+    assert len(connector.requests) == 1
+
+
+async def test_connection_refused_is_retry(adapter: TeamsAdapter) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outcome = await adapter.channel.send(_message(_address(f"http://127.0.0.1:{port}"), "reply"))
+    assert isinstance(outcome, Retry)
+    assert outcome.delay_s is None
+
+
+@pytest.mark.parametrize(
+    "address",
+    [{}, {"reference": "nope"}, {"reference": {"conversation": {"id": "c"}}}],
+)
+async def test_unusable_address_is_permanent(
+    adapter: TeamsAdapter, connector: ConnectorStandin, address: dict[str, Any]
+) -> None:
+    outcome = await adapter.channel.send(_message(address, "reply"))
+    assert isinstance(outcome, Permanent)
+    assert connector.requests == []
+
+
+async def test_recovers_after_a_failure(adapter: TeamsAdapter, connector: ConnectorStandin) -> None:
+    connector.fail_next("503")
+    address = _address(connector.url)
+    assert isinstance(await adapter.channel.send(_message(address, "gating")), Retry)
+    assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    assert [r["mode"] for r in connector.requests] == ["503", "ok"]
+    assert len(connector.activities) == 1

@@ -1,0 +1,709 @@
+"""A Discord stand-in on 127.0.0.1: REST API v10 and the gateway websocket.
+
+Use in-process::
+
+    async with DiscordApiStandin(token="bot-token") as dc:
+        discord.http.Route.BASE = dc.api_url            # or [discord] api_url
+        DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(dc.gateway_url)   # or gateway_url
+        dc.queue("ratelimited:60", "ok")                # next write requests, in order
+        dc.set_channel_mode("123", "forbidden")         # sticky per channel id / token
+        await dc.wait_gateway_ready()
+        await dc.dispatch_message_create(channel_id="123", guild_id="9", content="hi")
+        dc.posts      # what was posted/edited/deleted, see below
+        dc.requests   # every write request, with the mode that answered it
+
+or as a subprocess::
+
+    python -m tests.standins.discord_api --port 0 [--latency-ms N] [--token T]
+    # prints "LISTENING <port>"; api_url http://127.0.0.1:<port>/api/v10,
+    # gateway ws://127.0.0.1:<port>/gateway
+
+HTTP control endpoints (JSON): ``GET /_standin/posts``, ``GET /_standin/requests``,
+``POST /_standin/modes`` (``{"queue": [...]}`` and/or ``{"channel": KEY, "mode": M|null}``),
+``POST /_standin/reset``, ``GET /_standin/gateway`` (``{"connected", "ready",
+"identifies"}``), ``POST /_standin/gateway/message_create`` (body: the keyword arguments
+of :meth:`DiscordApiStandin.dispatch_message_create`; answers the message payload).
+
+Records in ``posts`` (one dict each, ``op`` says what happened):
+``create_message`` (``channel_id, content, nonce, enforce_nonce, message_reference, id``),
+``followup`` (``application_id, token, content, id``), ``edit_original`` (same keys),
+``delete_original`` (``application_id, token``). A repeated nonce (``enforce_nonce``)
+inside ``nonce_window_s`` returns the first message and adds no record.
+
+Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
+(``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
+the channel id for channel messages and the interaction token for webhooks.
+
+======================  ==================================================================
+``ok``                  do it
+``ratelimited[:S]``     429 with ``Via``, ``Retry-After: S`` and ``{"retry_after": S}``
+                        (default 1); discord.py sleeps and retries when S <= 30
+``ratelimited_novia``   same without ``Via`` (what Cloudflare bans look like)
+``500`` (any 5xx)       that status, JSON body
+``forbidden``           403 ``{"code": 50001, "message": "Missing Access"}``
+``not_found``           404 ``{"code": 10003, "message": "Unknown Channel"}``
+``unauthorized``        401 ``{"code": 0, "message": "401: Unauthorized"}``
+``hang``                read the request, never answer (until the stand-in stops)
+``reset``               read the request, then reset the TCP connection (RST)
+======================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import signal
+import time
+from collections import deque
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import WSMsgType, web
+from nacl.signing import SigningKey
+
+from tests.standins.slack_api import abort_with_reset
+
+__all__ = ["DiscordApiStandin", "interaction_headers"]
+
+# Discord's gateway opcodes.
+_DISPATCH, _HEARTBEAT, _IDENTIFY, _RESUME, _HELLO, _HEARTBEAT_ACK = 0, 1, 2, 6, 10, 11
+_EPOCH_MS = 1_420_070_400_000
+
+
+def interaction_headers(
+    signing_key: SigningKey, body: bytes, *, timestamp: str | None = None
+) -> dict[str, str]:
+    """Headers Discord sends with an interaction whose raw body is ``body``."""
+    ts = timestamp or str(int(time.time()))
+    signature = signing_key.sign(ts.encode() + body).signature.hex()
+    return {
+        "Content-Type": "application/json",
+        "X-Signature-Ed25519": signature,
+        "X-Signature-Timestamp": ts,
+    }
+
+
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    # Exactly "application/json" (no charset): discord.py reads anything else as text.
+    response = web.Response(status=status, body=json.dumps(data).encode(), headers=headers)
+    response.headers["Content-Type"] = "application/json"
+    return response
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class DiscordApiStandin:
+    """Discord REST v10 + gateway with scriptable failures and nonce de-duplication."""
+
+    def __init__(
+        self,
+        *,
+        token: str = "standin-bot-token",
+        application_id: str = "1100000000000000001",
+        bot_user_id: str = "1100000000000000002",
+        latency_ms: int = 0,
+        nonce_window_s: float = 300.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.token = token
+        self.application_id = application_id
+        self.bot_user_id = bot_user_id
+        self.latency_ms = latency_ms
+        self.nonce_window_s = nonce_window_s
+        self.host = host
+        self._port = port
+        self.posts: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.identifies: list[dict[str, Any]] = []
+        self._queue: deque[str] = deque()
+        self._key_modes: dict[str, str] = {}
+        self._ids = itertools.count(1)
+        self._nonces: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
+        self._originals: dict[str, dict[str, Any]] = {}
+        self._deleted_originals: set[str] = set()
+        self._sockets: set[web.WebSocketResponse] = set()
+        self._ready_sockets: set[web.WebSocketResponse] = set()
+        self._seq = itertools.count(1)
+        self._ready = asyncio.Event()
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    # -- control ---------------------------------------------------------------------------
+
+    def queue(self, *modes: str) -> None:
+        """Answer the next write requests with ``modes``, in order."""
+        self._queue.extend(modes)
+
+    def set_channel_mode(self, key: str, mode: str | None) -> None:
+        """Answer every write to channel id / interaction token ``key`` with ``mode``."""
+        if mode is None:
+            self._key_modes.pop(key, None)
+        else:
+            self._key_modes[key] = mode
+
+    def reset(self) -> None:
+        """Forget records, modes and nonces."""
+        self.posts.clear()
+        self.requests.clear()
+        self._queue.clear()
+        self._key_modes.clear()
+        self._nonces.clear()
+        self._originals.clear()
+        self._deleted_originals.clear()
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (after :meth:`start`)."""
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def api_url(self) -> str:
+        """``[discord] api_url`` / ``discord.http.Route.BASE``."""
+        return f"{self.base_url}/api/v10"
+
+    @property
+    def gateway_url(self) -> str:
+        """``[discord] gateway_url`` / ``DiscordWebSocket.DEFAULT_GATEWAY``."""
+        return f"ws://{self.host}:{self._port}/gateway"
+
+    def new_snowflake(self) -> str:
+        """A fresh Discord-shaped id (timestamp bits + counter)."""
+        return str(((int(time.time() * 1000) - _EPOCH_MS) << 22) | (next(self._ids) & 0x3FFFFF))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application: REST, gateway and control routes."""
+        app = web.Application()
+        r = app.router
+        api = "/api/v{version:\\d+}"
+        r.add_get(f"{api}/users/@me", self._users_me)
+        r.add_get(f"{api}/oauth2/applications/@me", self._application_me)
+        r.add_get(f"{api}/gateway", self._gateway_info)
+        r.add_get(f"{api}/gateway/bot", self._gateway_info)
+        r.add_post(f"{api}/channels/{{channel_id}}/messages", self._create_message)
+        r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
+        r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
+        r.add_patch(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._edit_original)
+        r.add_delete(
+            f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._delete_original
+        )
+        r.add_get("/gateway", self._gateway)
+        r.add_get("/_standin/posts", self._get_posts)
+        r.add_get("/_standin/requests", self._get_requests)
+        r.add_post("/_standin/modes", self._set_modes)
+        r.add_post("/_standin/reset", self._reset)
+        r.add_get("/_standin/gateway", self._gateway_state)
+        r.add_post("/_standin/gateway/message_create", self._http_message_create)
+        return app
+
+    async def start(self) -> DiscordApiStandin:
+        """Listen on ``host:port`` (port 0 picks a free one)."""
+        self._release = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._runner = web.AppRunner(self.make_app(), shutdown_timeout=0.5, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        sockets = getattr(server, "sockets", None) or []
+        self._port = sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        """Close gateway sessions, release hanging requests, stop listening."""
+        self._release.set()
+        for ws in list(self._sockets):
+            await ws.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> DiscordApiStandin:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def bot_user(self) -> dict[str, Any]:
+        """The bot's user object."""
+        return {
+            "id": self.bot_user_id,
+            "username": "leadgate",
+            "discriminator": "0",
+            "global_name": "leadgate",
+            "avatar": None,
+            "bot": True,
+            "flags": 0,
+        }
+
+    def _message(
+        self,
+        *,
+        channel_id: str,
+        content: str,
+        author: dict[str, Any] | None = None,
+        guild_id: str | None = None,
+        nonce: str | None = None,
+        message_reference: dict[str, Any] | None = None,
+        webhook_id: str | None = None,
+        message_id: str | None = None,
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "id": message_id or self.new_snowflake(),
+            "channel_id": channel_id,
+            "type": 19 if message_reference else 0,
+            "content": content,
+            "author": author or self.bot_user(),
+            "timestamp": _now_iso(),
+            "edited_timestamp": None,
+            "tts": False,
+            "mention_everyone": False,
+            "mentions": [],
+            "mention_roles": [],
+            "attachments": [],
+            "embeds": [],
+            "pinned": False,
+            "flags": 0,
+            "components": [],
+        }
+        if guild_id:
+            message["guild_id"] = guild_id
+        if nonce is not None:
+            message["nonce"] = nonce
+        if message_reference:
+            message["message_reference"] = message_reference
+        if webhook_id:
+            message["webhook_id"] = webhook_id
+        return message
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _bot_authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization", "") == f"Bot {self.token}"
+
+    def _next_mode(self, key: str) -> str:
+        if self._queue:
+            return self._queue.popleft()
+        return self._key_modes.get(key, "ok")
+
+    async def _failure(self, request: web.Request, mode: str) -> web.StreamResponse | None:
+        """The response for a failure mode, or None for ``ok``."""
+        if mode == "ok":
+            return None
+        if mode == "hang":
+            await self._release.wait()
+            abort_with_reset(request)
+            return web.Response(status=503)
+        if mode == "reset":
+            abort_with_reset(request)
+            await asyncio.sleep(0.01)
+            return web.Response(status=500)
+        if mode.startswith("ratelimited"):
+            name, _, seconds = mode.partition(":")
+            retry_after = float(seconds or "1")
+            headers = {
+                "Retry-After": f"{retry_after:g}",
+                "X-RateLimit-Scope": "user",
+            }
+            if name != "ratelimited_novia":
+                headers["Via"] = "1.1 google"
+            return _json(
+                {
+                    "message": "You are being rate limited.",
+                    "retry_after": retry_after,
+                    "global": False,
+                },
+                status=429,
+                headers=headers,
+            )
+        if mode.isdigit():
+            return _json({"message": f"{mode}: Server Error", "code": 0}, status=int(mode))
+        if mode == "forbidden":
+            return _json({"message": "Missing Access", "code": 50001}, status=403)
+        if mode == "not_found":
+            return _json({"message": "Unknown Channel", "code": 10003}, status=404)
+        if mode == "unauthorized":
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        raise ValueError(f"unknown stand-in mode {mode!r}")
+
+    async def _latency(self) -> None:
+        if self.latency_ms:
+            await asyncio.sleep(self.latency_ms / 1000)
+
+    # -- REST ------------------------------------------------------------------------------
+
+    async def _users_me(self, request: web.Request) -> web.Response:
+        await self._latency()
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        return _json(self.bot_user())
+
+    async def _application_me(self, request: web.Request) -> web.Response:
+        await self._latency()
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        return _json(
+            {
+                "id": self.application_id,
+                "name": "leadgate",
+                "icon": None,
+                "description": "",
+                "summary": "",
+                "type": None,
+                "bot_public": True,
+                "bot_require_code_grant": False,
+                "verify_key": "0" * 64,
+                "flags": 0,
+                "owner": {
+                    "id": "1100000000000000009",
+                    "username": "owner",
+                    "discriminator": "0",
+                    "avatar": None,
+                },
+                "bot": self.bot_user(),
+                "team": None,
+            }
+        )
+
+    async def _gateway_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "url": self.gateway_url,
+                "shards": 1,
+                "session_start_limit": {
+                    "total": 1000,
+                    "remaining": 1000,
+                    "reset_after": 0,
+                    "max_concurrency": 1,
+                },
+            }
+        )
+
+    async def _create_message(self, request: web.Request) -> web.StreamResponse:
+        channel_id = request.match_info["channel_id"]
+        body = await request.json()
+        await self._latency()
+        mode = self._next_mode(channel_id)
+        nonce = body.get("nonce")
+        self.requests.append(
+            {
+                "op": "create_message",
+                "channel_id": channel_id,
+                "content": body.get("content"),
+                "nonce": nonce,
+                "enforce_nonce": body.get("enforce_nonce"),
+                "message_reference": body.get("message_reference"),
+                "mode": mode,
+            }
+        )
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        failure = await self._failure(request, mode)
+        if failure is not None:
+            return failure
+        content = body.get("content") or ""
+        if len(content) > 2000:
+            return _json(
+                {
+                    "message": "Invalid Form Body",
+                    "code": 50035,
+                    "errors": {
+                        "content": {
+                            "_errors": [
+                                {
+                                    "code": "BASE_TYPE_MAX_LENGTH",
+                                    "message": "Must be 2000 or fewer in length.",
+                                }
+                            ]
+                        }
+                    },
+                },
+                status=400,
+            )
+        now = time.monotonic()
+        if nonce is not None and body.get("enforce_nonce"):
+            seen = self._nonces.get((channel_id, str(nonce)))
+            if seen is not None and now - seen[0] < self.nonce_window_s:
+                return _json(seen[1])
+        reference = body.get("message_reference")
+        message = self._message(
+            channel_id=channel_id,
+            content=content,
+            nonce=str(nonce) if nonce is not None else None,
+            message_reference=reference,
+            guild_id=(reference or {}).get("guild_id"),
+        )
+        if nonce is not None and body.get("enforce_nonce"):
+            self._nonces[(channel_id, str(nonce))] = (now, message)
+        self.posts.append(
+            {
+                "op": "create_message",
+                "id": message["id"],
+                "channel_id": channel_id,
+                "content": content,
+                "nonce": nonce,
+                "enforce_nonce": body.get("enforce_nonce"),
+                "message_reference": reference,
+            }
+        )
+        return _json(message)
+
+    async def _webhook_write(
+        self, request: web.Request, op: str
+    ) -> tuple[dict[str, Any], web.StreamResponse | None]:
+        token = request.match_info["token"]
+        body: dict[str, Any] = {}
+        if request.can_read_body:
+            raw = await request.read()
+            body = json.loads(raw) if raw else {}
+        await self._latency()
+        mode = self._next_mode(token)
+        self.requests.append(
+            {
+                "op": op,
+                "application_id": request.match_info["app_id"],
+                "token": token,
+                "content": body.get("content"),
+                "mode": mode,
+            }
+        )
+        return body, await self._failure(request, mode)
+
+    async def _followup(self, request: web.Request) -> web.StreamResponse:
+        body, failure = await self._webhook_write(request, "followup")
+        if failure is not None:
+            return failure
+        app_id, token = request.match_info["app_id"], request.match_info["token"]
+        if app_id != self.application_id:
+            return _json({"message": "Unknown Webhook", "code": 10015}, status=404)
+        message = self._message(
+            channel_id="0", content=body.get("content") or "", webhook_id=app_id
+        )
+        self.posts.append(
+            {
+                "op": "followup",
+                "id": message["id"],
+                "application_id": app_id,
+                "token": token,
+                "content": body.get("content"),
+            }
+        )
+        if request.query.get("wait") in ("1", "true", "True"):
+            return _json(message)
+        return web.Response(status=204)
+
+    async def _get_original(self, request: web.Request) -> web.Response:
+        token = request.match_info["token"]
+        original = self._originals.get(token)
+        if original is None:
+            return _json({"message": "Unknown Message", "code": 10008}, status=404)
+        return _json(original)
+
+    async def _edit_original(self, request: web.Request) -> web.StreamResponse:
+        body, failure = await self._webhook_write(request, "edit_original")
+        if failure is not None:
+            return failure
+        app_id, token = request.match_info["app_id"], request.match_info["token"]
+        if app_id != self.application_id or token in self._deleted_originals:
+            return _json({"message": "Unknown Message", "code": 10008}, status=404)
+        original = self._originals.get(token)
+        if original is None:
+            original = self._message(channel_id="0", content="", webhook_id=app_id)
+        original = {**original, "content": body.get("content", original["content"])}
+        original["edited_timestamp"] = _now_iso()
+        self._originals[token] = original
+        self.posts.append(
+            {
+                "op": "edit_original",
+                "id": original["id"],
+                "application_id": app_id,
+                "token": token,
+                "content": body.get("content"),
+            }
+        )
+        return _json(original)
+
+    async def _delete_original(self, request: web.Request) -> web.StreamResponse:
+        _, failure = await self._webhook_write(request, "delete_original")
+        if failure is not None:
+            return failure
+        app_id, token = request.match_info["app_id"], request.match_info["token"]
+        if app_id != self.application_id or token in self._deleted_originals:
+            return _json({"message": "Unknown Message", "code": 10008}, status=404)
+        self._deleted_originals.add(token)
+        self._originals.pop(token, None)
+        self.posts.append({"op": "delete_original", "application_id": app_id, "token": token})
+        return web.Response(status=204)
+
+    # -- gateway ---------------------------------------------------------------------------
+
+    async def _gateway(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self._sockets.add(ws)
+        try:
+            # discord.py answers HELLO with a heartbeat, then IDENTIFY (or RESUME).
+            await ws.send_str(json.dumps({"op": _HELLO, "d": {"heartbeat_interval": 41250}}))
+            async for msg in ws:
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                frame = json.loads(msg.data)
+                op = frame.get("op")
+                if op == _HEARTBEAT:
+                    await ws.send_str(json.dumps({"op": _HEARTBEAT_ACK}))
+                elif op == _IDENTIFY:
+                    data = frame.get("d") or {}
+                    self.identifies.append(
+                        {"token": data.get("token"), "intents": data.get("intents")}
+                    )
+                    if data.get("token") != self.token:
+                        await ws.close(code=4004, message=b"Authentication failed.")
+                        break
+                    await self._send_dispatch(ws, "READY", self._ready_payload())
+                    self._ready_sockets.add(ws)
+                    self._ready.set()
+                elif op == _RESUME:
+                    await self._send_dispatch(ws, "RESUMED", {})
+                    self._ready_sockets.add(ws)
+                    self._ready.set()
+        finally:
+            self._sockets.discard(ws)
+            self._ready_sockets.discard(ws)
+            if not self._ready_sockets:
+                self._ready.clear()
+        return ws
+
+    def _ready_payload(self) -> dict[str, Any]:
+        return {
+            "v": 10,
+            "user": self.bot_user(),
+            "guilds": [],
+            "session_id": f"standin-session-{next(self._ids)}",
+            "resume_gateway_url": self.gateway_url,
+            "shard": [0, 1],
+            "application": {"id": self.application_id, "flags": 0},
+            "private_channels": [],
+            "relationships": [],
+            "user_settings": {},
+        }
+
+    async def _send_dispatch(self, ws: web.WebSocketResponse, event: str, data: Any) -> None:
+        frame = {"op": _DISPATCH, "t": event, "s": next(self._seq), "d": data}
+        await ws.send_str(json.dumps(frame))
+
+    async def wait_gateway_ready(self, within_s: float = 5.0) -> None:
+        """Wait until a client has identified and received READY."""
+        async with asyncio.timeout(within_s):
+            await self._ready.wait()
+
+    async def dispatch_message_create(
+        self,
+        *,
+        channel_id: str,
+        content: str,
+        guild_id: str | None = None,
+        author_id: str = "1100000000000000100",
+        author_name: str = "someone",
+        author_bot: bool = False,
+        message_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Send a MESSAGE_CREATE dispatch to every ready gateway session."""
+        author: dict[str, Any] = {
+            "id": author_id,
+            "username": author_name,
+            "discriminator": "0",
+            "global_name": author_name,
+            "avatar": None,
+        }
+        if author_bot:
+            author["bot"] = True
+        message = self._message(
+            channel_id=channel_id,
+            content=content,
+            author=author,
+            guild_id=guild_id,
+            message_id=message_id,
+        )
+        for ws in list(self._ready_sockets):
+            await self._send_dispatch(ws, "MESSAGE_CREATE", message)
+        return message
+
+    # -- control API -----------------------------------------------------------------------
+
+    async def _get_posts(self, request: web.Request) -> web.Response:
+        return _json(self.posts)
+
+    async def _get_requests(self, request: web.Request) -> web.Response:
+        return _json(self.requests)
+
+    async def _set_modes(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.queue(*body.get("queue", []))
+        if "channel" in body:
+            self.set_channel_mode(body["channel"], body.get("mode"))
+        return _json({"ok": True})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return _json({"ok": True})
+
+    async def _gateway_state(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "connected": len(self._sockets),
+                "ready": len(self._ready_sockets),
+                "identifies": self.identifies,
+            }
+        )
+
+    async def _http_message_create(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return _json(await self.dispatch_message_create(**body))
+
+
+async def _serve_forever(standin: DiscordApiStandin) -> None:
+    await standin.start()
+    print(f"LISTENING {standin.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await standin.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.standins.discord_api --port 0 [--latency-ms N] [--token T]``."""
+    parser = argparse.ArgumentParser(description="Discord REST + gateway stand-in")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency-ms", type=int, default=0)
+    parser.add_argument("--token", default="standin-bot-token")
+    parser.add_argument("--application-id", default="1100000000000000001")
+    args = parser.parse_args(argv)
+    standin = DiscordApiStandin(
+        token=args.token,
+        application_id=args.application_id,
+        latency_ms=args.latency_ms,
+        host=args.host,
+        port=args.port,
+    )
+    asyncio.run(_serve_forever(standin))
+
+
+if __name__ == "__main__":
+    main()

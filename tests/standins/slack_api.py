@@ -1,0 +1,354 @@
+"""A Slack Web API stand-in on 127.0.0.1 that speaks the real wire protocol.
+
+Use in-process::
+
+    async with SlackApiStandin(token="xoxb-test") as slack:
+        client = AsyncWebClient(token="xoxb-test", base_url=slack.api_url)
+        slack.queue("ratelimited:7", "ok")      # next chat.postMessage calls, in order
+        slack.set_channel_mode("C_GONE", "channel_not_found")   # sticky per channel
+        ...
+        slack.posts      # successful posts: [{"channel", "text", "thread_ts", "ts"}]
+        slack.requests   # every chat.postMessage attempt, with the mode that answered it
+
+or as a subprocess (for tests that run the service in another process)::
+
+    python -m tests.standins.slack_api --port 0 [--latency-ms N] [--token T]
+    # prints "LISTENING <port>"; api_url is http://127.0.0.1:<port>/api/
+
+HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts),
+``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
+``{"queue": [mode, ...]}`` and/or ``{"channel": ID, "mode": MODE|null}``,
+``POST /_standin/reset`` (clears records and modes).
+
+Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
+
+=====================  ==========================================================
+``ok``                 post and answer ``{"ok": true, "ts": ...}``
+``ratelimited[:S]``    HTTP 429, ``Retry-After: S`` (default 1), ``error=ratelimited``
+``500`` (any 5xx)      that status with an HTML body, as Slack's edge answers
+``error:CODE``         HTTP 200 ``{"ok": false, "error": CODE}``
+``channel_not_found``  shorthand for ``error:channel_not_found``
+``hang``               read the request, never answer (until the stand-in stops)
+``reset``              read the request, then reset the TCP connection (RST)
+=====================  ==========================================================
+
+A wrong bearer token gets ``{"ok": false, "error": "invalid_auth"}``, none gets
+``not_authed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import signal
+import socket
+import struct
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import parse_qsl
+
+from aiohttp import web
+from slack_sdk.signature import SignatureVerifier
+
+__all__ = ["SlackApiStandin", "abort_with_reset", "signed_headers"]
+
+
+def signed_headers(
+    signing_secret: str, body: str, *, timestamp: int | None = None, retry_num: int | None = None
+) -> dict[str, str]:
+    """Headers Slack sends with an Events API request whose raw body is ``body``."""
+    ts = str(int(time.time()) if timestamp is None else timestamp)
+    signature = SignatureVerifier(signing_secret).generate_signature(timestamp=ts, body=body)
+    assert signature is not None
+    headers = {
+        "Content-Type": "application/json",
+        "X-Slack-Request-Timestamp": ts,
+        "X-Slack-Signature": signature,
+    }
+    if retry_num is not None:
+        headers["X-Slack-Retry-Num"] = str(retry_num)
+        headers["X-Slack-Retry-Reason"] = "http_timeout"
+    return headers
+
+
+def abort_with_reset(request: web.Request) -> None:
+    """Reset the request's TCP connection (SO_LINGER 0 + close sends RST)."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class SlackApiStandin:
+    """Slack Web API (``auth.test``, ``chat.postMessage``) with scriptable failures."""
+
+    def __init__(
+        self,
+        *,
+        token: str = "xoxb-standin",
+        team_id: str = "T0STANDIN",
+        bot_user_id: str = "U0STANDIN",
+        bot_id: str = "B0STANDIN",
+        latency_ms: int = 0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.token = token
+        self.team_id = team_id
+        self.bot_user_id = bot_user_id
+        self.bot_id = bot_id
+        self.latency_ms = latency_ms
+        self.host = host
+        self._port = port
+        self.posts: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []
+        self._queue: deque[str] = deque()
+        self._channel_modes: dict[str, str] = {}
+        self._ts = itertools.count(1)
+        self._release = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+
+    # -- control ---------------------------------------------------------------------------
+
+    def queue(self, *modes: str) -> None:
+        """Answer the next ``chat.postMessage`` calls with ``modes``, in order."""
+        self._queue.extend(modes)
+
+    def set_channel_mode(self, channel: str, mode: str | None) -> None:
+        """Answer every post to ``channel`` with ``mode`` (``None`` clears it)."""
+        if mode is None:
+            self._channel_modes.pop(channel, None)
+        else:
+            self._channel_modes[channel] = mode
+
+    def reset(self) -> None:
+        """Forget records and modes."""
+        self.posts.clear()
+        self.requests.clear()
+        self._queue.clear()
+        self._channel_modes.clear()
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (after :meth:`start`)."""
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``."""
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def api_url(self) -> str:
+        """What ``AsyncWebClient(base_url=...)`` / ``[slack] api_url`` should be."""
+        return f"{self.base_url}/api/"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application (routes of the Web API and of the control API)."""
+        app = web.Application()
+        app.router.add_post("/api/{method}", self._api)
+        app.router.add_get("/api/{method}", self._api)
+        app.router.add_get("/_standin/posts", self._get_posts)
+        app.router.add_get("/_standin/requests", self._get_requests)
+        app.router.add_post("/_standin/modes", self._set_modes)
+        app.router.add_post("/_standin/reset", self._reset)
+        return app
+
+    async def start(self) -> SlackApiStandin:
+        """Listen on ``host:port`` (port 0 picks a free one)."""
+        self._release = asyncio.Event()
+        self._runner = web.AppRunner(self.make_app(), shutdown_timeout=0.5, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        sockets = getattr(server, "sockets", None) or []
+        self._port = sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        """Stop listening; hanging requests are released and their connections closed."""
+        self._release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> SlackApiStandin:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- Web API ---------------------------------------------------------------------------
+
+    async def _api(self, request: web.Request) -> web.StreamResponse:
+        params = await _read_params(request)
+        if self.latency_ms:
+            await asyncio.sleep(self.latency_ms / 1000)
+        method = request.match_info["method"]
+        auth_error = self._check_token(request, params)
+        if method == "auth.test":
+            if auth_error:
+                return _json({"ok": False, "error": auth_error})
+            return _json(
+                {
+                    "ok": True,
+                    "url": "https://standin.slack.com/",
+                    "team": "Stand-in",
+                    "user": "leadgate",
+                    "team_id": self.team_id,
+                    "user_id": self.bot_user_id,
+                    "bot_id": self.bot_id,
+                    "is_enterprise_install": False,
+                }
+            )
+        if method != "chat.postMessage":
+            return _json({"ok": False, "error": "unknown_method"}, status=404)
+        channel = str(params.get("channel") or "")
+        text = params.get("text")
+        thread_ts = params.get("thread_ts") or None
+        mode = self._next_mode(channel)
+        self.requests.append(
+            {"channel": channel, "text": text, "thread_ts": thread_ts, "mode": mode}
+        )
+        if auth_error:
+            return _json({"ok": False, "error": auth_error})
+        if mode == "hang":
+            await self._release.wait()
+            abort_with_reset(request)
+            return web.Response(status=503)
+        if mode == "reset":
+            abort_with_reset(request)
+            # Let connection_lost run so aiohttp does not try to write the response.
+            await asyncio.sleep(0.01)
+            return web.Response(status=500)
+        if mode.startswith("ratelimited"):
+            _, _, seconds = mode.partition(":")
+            retry_after = seconds or "1"
+            return _json(
+                {"ok": False, "error": "ratelimited"},
+                status=429,
+                headers={"Retry-After": retry_after},
+            )
+        if mode.isdigit():
+            return web.Response(
+                status=int(mode),
+                text=f"<html><body>{mode} server error</body></html>",
+                content_type="text/html",
+            )
+        if mode.startswith("error:") or mode == "channel_not_found":
+            code = mode.partition(":")[2] or mode
+            return _json({"ok": False, "error": code})
+        if not channel:
+            return _json({"ok": False, "error": "channel_not_found"})
+        if not text and not params.get("blocks"):
+            return _json({"ok": False, "error": "no_text"})
+        ts = f"{int(time.time())}.{next(self._ts):06d}"
+        self.posts.append({"channel": channel, "text": text, "thread_ts": thread_ts, "ts": ts})
+        message: dict[str, Any] = {
+            "type": "message",
+            "text": text,
+            "user": self.bot_user_id,
+            "bot_id": self.bot_id,
+            "ts": ts,
+        }
+        if thread_ts:
+            message["thread_ts"] = thread_ts
+        return _json({"ok": True, "channel": channel, "ts": ts, "message": message})
+
+    def _check_token(self, request: web.Request, params: dict[str, Any]) -> str | None:
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header.startswith("Bearer ") else params.get("token")
+        if not token:
+            return "not_authed"
+        if token != self.token:
+            return "invalid_auth"
+        return None
+
+    def _next_mode(self, channel: str) -> str:
+        if self._queue:
+            return self._queue.popleft()
+        return self._channel_modes.get(channel, "ok")
+
+    # -- control API -----------------------------------------------------------------------
+
+    async def _get_posts(self, request: web.Request) -> web.Response:
+        return _json(self.posts)
+
+    async def _get_requests(self, request: web.Request) -> web.Response:
+        return _json(self.requests)
+
+    async def _set_modes(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.queue(*body.get("queue", []))
+        if "channel" in body:
+            self.set_channel_mode(body["channel"], body.get("mode"))
+        return _json({"ok": True})
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return _json({"ok": True})
+
+
+async def _read_params(request: web.Request) -> dict[str, Any]:
+    """Merge query, JSON or form body, as the Web API accepts all three."""
+    params: dict[str, Any] = dict(request.query)
+    raw = await request.read()
+    if not raw:
+        return params
+    if request.content_type == "application/json":
+        data = json.loads(raw)
+        if isinstance(data, dict):
+            params.update(data)
+    else:
+        params.update(parse_qsl(raw.decode(), keep_blank_values=True))
+    return params
+
+
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps(data),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+async def _serve_forever(standin: SlackApiStandin) -> None:
+    await standin.start()
+    print(f"LISTENING {standin.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await standin.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.standins.slack_api --port 0 [--latency-ms N] [--token T]``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency-ms", type=int, default=0)
+    parser.add_argument("--token", default="xoxb-standin")
+    args = parser.parse_args(argv)
+    standin = SlackApiStandin(
+        token=args.token, latency_ms=args.latency_ms, host=args.host, port=args.port
+    )
+    asyncio.run(_serve_forever(standin))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""An SMTP sink on 127.0.0.1 (aiosmtpd served with ``loop.create_server``).
+
+It accepts mail like a real relay, records every accepted message, and can be told to
+fail the next transactions the ways real SMTP servers fail.
+
+In-process use::
+
+    sink = SmtpSink()
+    await sink.start()               # sink.port is the bound port (port 0 allowed)
+    sink.fail_next("hang")
+    ...
+    sink.messages                    # accepted messages, oldest first (see _describe)
+    sink.attempts                    # every transaction that reached RCPT or DATA
+    await sink.close()
+
+As a subprocess (acceptance tests)::
+
+    python -m tests.standins.smtp --port 0 --http-port 0
+    # prints "LISTENING <smtp port>" then "HTTP <http port>"
+
+HTTP side port (only with ``--http-port``):
+
+* ``GET  /_standin/messages``  -> JSON list of accepted messages
+* ``GET  /_standin/attempts``  -> JSON list of every transaction, with its ``mode``
+* ``POST /_standin/fail``      -> body ``{"mode": ..., "count": 1}``
+* ``POST /_standin/reset``     -> clears records and pending failures
+
+Failure modes (each consumes one transaction, chosen at ``MAIL FROM``):
+
+* ``"reject_rcpt"``   ``550 5.1.1`` at RCPT (refused recipient, permanent)
+* ``"tempfail_rcpt"`` ``450 4.2.1`` at RCPT (temporary)
+* ``"hang_rcpt"``     never answers RCPT (a timeout before any content was sent)
+* ``"tempfail"``      ``451 4.3.0`` after the message content (temporary)
+* ``"reject"``        ``554 5.7.1`` after the message content (permanent)
+* ``"hang"``          reads the whole message, never answers
+* ``"drop"``          reads the whole message, then closes the connection
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import email
+import email.policy
+import signal
+import sys
+import weakref
+from collections import deque
+from email.message import EmailMessage
+from typing import Any
+
+from aiohttp import web
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+FAILURE_MODES = frozenset(
+    {"reject_rcpt", "tempfail_rcpt", "hang_rcpt", "tempfail", "reject", "hang", "drop"}
+)
+
+
+def _describe(envelope: Envelope, raw: bytes, mode: str) -> dict[str, Any]:
+    """The record of one message: envelope, main headers, text body (LF line ends), raw."""
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    assert isinstance(msg, EmailMessage)
+    body_part = msg.get_body(preferencelist=("plain",))
+    body = body_part.get_content() if body_part is not None else ""
+    # The wire form has CRLF line ends; a decoded quoted-printable body keeps them.
+    body = body.replace("\r\n", "\n")
+    return {
+        "mode": mode,
+        "mail_from": envelope.mail_from,
+        "rcpt_tos": list(envelope.rcpt_tos),
+        "from": str(msg.get("From", "")),
+        "to": str(msg.get("To", "")),
+        "reply_to": str(msg.get("Reply-To", "")) or None,
+        "subject": str(msg.get("Subject", "")),
+        "message_id": str(msg.get("Message-ID", "")) or None,
+        "in_reply_to": str(msg.get("In-Reply-To", "")) or None,
+        "references": str(msg.get("References", "")) or None,
+        "auto_submitted": str(msg.get("Auto-Submitted", "")) or None,
+        "body": body,
+        "raw": raw.decode("utf-8", "replace"),
+    }
+
+
+class SmtpSink:
+    """A recording SMTP server with scripted failures."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        #: accepted messages, oldest first
+        self.messages: list[dict[str, Any]] = []
+        #: every transaction that reached RCPT or DATA, with its mode
+        self.attempts: list[dict[str, Any]] = []
+        self._failures: deque[str] = deque()
+        self._modes: weakref.WeakKeyDictionary[Envelope, str] = weakref.WeakKeyDictionary()
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: weakref.WeakSet[SMTP] = weakref.WeakSet()
+        self._closing = asyncio.Event()
+
+    def fail_next(self, mode: str, *, count: int = 1) -> None:
+        """Make the next ``count`` transactions fail with ``mode``."""
+        if mode not in FAILURE_MODES:
+            raise ValueError(f"unknown failure mode {mode!r}")
+        self._failures.extend([mode] * count)
+
+    def reset(self) -> None:
+        """Forget records and pending failures."""
+        self.messages.clear()
+        self.attempts.clear()
+        self._failures.clear()
+
+    async def start(self) -> None:
+        """Listen; ``self.port`` holds the bound port afterwards."""
+        loop = asyncio.get_running_loop()
+
+        def factory() -> SMTP:
+            smtp = SMTP(self, hostname="smtp-standin", ident="standin ESMTP", loop=loop)
+            self._connections.add(smtp)
+            return smtp
+
+        self._server = await loop.create_server(factory, self.host, self.port)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening, release hanging sessions and close connections."""
+        self._closing.set()
+        if self._server is not None:
+            self._server.close()
+            for smtp in list(self._connections):
+                if smtp.transport is not None:
+                    smtp.transport.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    # aiosmtpd hooks -------------------------------------------------------------------
+
+    async def handle_MAIL(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        mail_options: list[str],
+    ) -> str:
+        """Start a transaction and pick its failure mode."""
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        self._modes[envelope] = self._failures.popleft() if self._failures else "ok"
+        return "250 OK"
+
+    async def handle_RCPT(
+        self,
+        server: SMTP,
+        session: Session,
+        envelope: Envelope,
+        address: str,
+        rcpt_options: list[str],
+    ) -> str:
+        """Accept, refuse or stall a recipient according to the mode."""
+        mode = self._modes.get(envelope, "ok")
+        if mode.endswith("_rcpt"):
+            self.attempts.append(
+                {"mode": mode, "mail_from": envelope.mail_from, "rcpt_tos": [address]}
+            )
+        if mode == "reject_rcpt":
+            return "550 5.1.1 Recipient address rejected"
+        if mode == "tempfail_rcpt":
+            return "450 4.2.1 Mailbox temporarily unavailable"
+        if mode == "hang_rcpt":
+            await self._closing.wait()
+            return "421 4.3.2 Shutting down"
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 OK"
+
+    async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        """Record the message, then answer according to the mode."""
+        mode = self._modes.get(envelope, "ok")
+        raw = envelope.original_content or b""
+        record = _describe(envelope, raw, mode)
+        self.attempts.append(record)
+        if mode == "ok":
+            self.messages.append(record)
+            return "250 2.0.0 OK: queued"
+        if mode == "tempfail":
+            return "451 4.3.0 Temporary failure, try again later"
+        if mode == "reject":
+            return "554 5.7.1 Message rejected"
+        if mode == "hang":
+            await self._closing.wait()
+            return "421 4.3.2 Shutting down"
+        # "drop": the whole message was read; vanish without a reply.
+        if isinstance(server.transport, asyncio.Transport):
+            server.transport.abort()
+        await self._closing.wait()
+        return "421 4.3.2 Shutting down"
+
+    # HTTP side port -----------------------------------------------------------------
+
+    def make_http_app(self) -> web.Application:
+        """The control/records application for ``--http-port``."""
+
+        async def messages(request: web.Request) -> web.Response:
+            return web.json_response(self.messages)
+
+        async def attempts(request: web.Request) -> web.Response:
+            return web.json_response(self.attempts)
+
+        async def fail(request: web.Request) -> web.Response:
+            spec = await request.json()
+            try:
+                self.fail_next(str(spec["mode"]), count=int(spec.get("count", 1)))
+            except (KeyError, ValueError) as exc:
+                return web.json_response({"error": str(exc)}, status=400)
+            return web.json_response({"pending": len(self._failures)})
+
+        async def reset(request: web.Request) -> web.Response:
+            self.reset()
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_get("/_standin/messages", messages)
+        app.router.add_get("/_standin/attempts", attempts)
+        app.router.add_post("/_standin/fail", fail)
+        app.router.add_post("/_standin/reset", reset)
+        return app
+
+
+async def _main(host: str, port: int, http_port: int | None) -> None:
+    sink = SmtpSink(host, port)
+    await sink.start()
+    print(f"LISTENING {sink.port}", flush=True)
+    runner: web.AppRunner | None = None
+    if http_port is not None:
+        runner = web.AppRunner(sink.make_http_app())
+        await runner.setup()
+        await web.TCPSite(runner, host, http_port).start()
+        print(f"HTTP {runner.addresses[0][1]}", flush=True)
+    stop = asyncio.Event()
+    # SIGTERM (what a test harness sends) ends the process cleanly with exit code 0.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await sink.close()
+        if runner is not None:
+            await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.standins.smtp --port 0 [--http-port 0]``."""
+    parser = argparse.ArgumentParser(description="SMTP sink stand-in")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--http-port", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_main(args.host, args.port, args.http_port))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Discord inbound: the interactions endpoint and the gateway, against the stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import discord.gateway
+import discord.http
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from nacl.signing import SigningKey
+
+from bots import discord as discord_bot
+from bots.base import RouteMatch
+from engine.config import DiscordSettings, Settings
+from engine.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger
+from tests.standins.discord_api import DiscordApiStandin, interaction_headers
+
+GUILD = "800000000000000001"
+CHANNEL = "800000000000000002"
+ROUTE = RouteMatch(route_id="r1", org_id="o1", agent_id="a1", silent=False)
+
+
+@dataclass
+class FakeCore:
+    """Records what the adapter asks of the core; routes by exact attribute match."""
+
+    routes: list[tuple[dict[str, str], RouteMatch]] = field(default_factory=list)
+    outcome: Outcome = field(default_factory=lambda: Reply("fine"))
+    submit_delay_s: float = 0.0
+    triggers: list[Trigger] = field(default_factory=list)
+    lookups: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    tasks: list[asyncio.Task[object]] = field(default_factory=list)
+    submitted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        self.lookups.append((channel, dict(attrs)))
+        for match, route in self.routes:
+            if all(attrs.get(k) == v for k, v in match.items()):
+                return route
+        return None
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        self.triggers.append(trigger)
+        self.submitted.set()
+        await asyncio.sleep(self.submit_delay_s)
+        return self.outcome
+
+    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
+        async def run() -> object:
+            return await coro
+
+        self.tasks.append(asyncio.create_task(run(), name=name))
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self.tasks)
+
+
+@pytest.fixture(autouse=True)
+def restore_discord_globals() -> Any:
+    # create() sets discord.py's process-wide endpoints; put them back for other tests.
+    base = discord.http.Route.BASE
+    gateway = discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY
+    yield
+    discord.http.Route.BASE = base
+    discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = gateway
+
+
+@pytest.fixture
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+@pytest.fixture
+def core() -> FakeCore:
+    return FakeCore(routes=[({"guild": GUILD}, ROUTE)])
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[DiscordApiStandin]:
+    async with DiscordApiStandin(token="bot-token") as dc:
+        yield dc
+
+
+async def serve(settings: Settings, core: FakeCore) -> TestServer:
+    adapter = discord_bot.create(settings, core)
+    assert adapter is not None
+    app = web.Application()
+    adapter.mount(app)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    return srv
+
+
+@pytest.fixture
+async def server(
+    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> AsyncIterator[TestServer]:
+    settings = Settings(
+        discord=DiscordSettings(public_key=key.verify_key.encode().hex(), api_url=standin.api_url)
+    )
+    srv = await serve(settings, core)
+    yield srv
+    await srv.close()
+
+
+def ask_payload(
+    text: str = "what now?",
+    *,
+    interaction_id: str = "900000000000000001",
+    token: str = "itoken-1",
+    guild: str | None = GUILD,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "id": interaction_id,
+        "application_id": "1100000000000000001",
+        "type": 2,
+        "token": token,
+        "version": 1,
+        "channel_id": CHANNEL,
+        "data": {
+            "id": "700000000000000001",
+            "name": "ask",
+            "type": 1,
+            "options": [{"name": "message", "type": 3, "value": text}],
+        },
+    }
+    if guild:
+        payload["guild_id"] = guild
+    return payload
+
+
+async def post(
+    srv: TestServer,
+    payload: dict[str, Any],
+    key: SigningKey,
+    *,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    body = json.dumps(payload).encode()
+    sent_headers = interaction_headers(key, body) if headers is None else headers
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            srv.make_url("/discord/interactions"), data=body, headers=sent_headers
+        ) as r:
+            text = await r.text()
+            return r.status, (json.loads(text) if text else None)
+
+
+def test_off_without_key_and_token() -> None:
+    assert discord_bot.create(Settings(), FakeCore()) is None
+
+
+async def test_ping(server: TestServer, key: SigningKey) -> None:
+    assert await post(server, {"type": 1, "id": "1", "application_id": "2"}, key) == (
+        200,
+        {"type": 1},
+    )
+
+
+async def test_bad_or_missing_signature_is_401(
+    server: TestServer, key: SigningKey, core: FakeCore
+) -> None:
+    other = SigningKey.generate()
+    status, _ = await post(server, ask_payload(), other)
+    assert status == 401
+    status, _ = await post(server, ask_payload(), key, headers={"Content-Type": "application/json"})
+    assert status == 401
+    body = json.dumps(ask_payload()).encode()
+    headers = interaction_headers(key, body)
+    headers["X-Signature-Timestamp"] = str(int(headers["X-Signature-Timestamp"]) + 1)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            server.make_url("/discord/interactions"), data=body, headers=headers
+        ) as r:
+            assert r.status == 401
+    assert core.tasks == [] and core.triggers == []
+
+
+async def test_ask_is_deferred_at_once_and_runs_the_turn(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    core.submit_delay_s = 1.0
+    started = time.monotonic()
+    status, body = await post(server, ask_payload("what now?"), key)
+    elapsed = time.monotonic() - started
+    assert (status, body) == (200, {"type": 5})
+    assert elapsed < 0.5
+    await core.drain()
+    [trigger] = core.triggers
+    assert core.lookups == [("discord", {"guild": GUILD, "channel": CHANNEL})]
+    assert trigger.org_id == "o1" and trigger.agent_id == "a1"
+    assert trigger.text == "what now?"
+    assert trigger.session_key == f"discord:{GUILD}:{CHANNEL}"
+    assert trigger.external_event_id == "discord:interaction:900000000000000001"
+    assert trigger.binding.kind is BindingKind.discord
+    assert trigger.binding.address == {
+        "channel_id": CHANNEL,
+        "application_id": "1100000000000000001",
+        "interaction_token": "itoken-1",
+        "guild_id": GUILD,
+    }
+    assert trigger.binding.route_id == "r1" and trigger.binding.silent is False
+    # A plain reply is left for the outbox to edit into @original: nothing deleted here.
+    assert standin.posts == []
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [Gated(work_item_id="w1", revision=0), Busy(work_item_id="w1"), Duplicate()],
+    ids=["gated", "busy", "duplicate"],
+)
+async def test_invisible_outcomes_delete_the_deferred_response(
+    server: TestServer,
+    key: SigningKey,
+    core: FakeCore,
+    standin: DiscordApiStandin,
+    outcome: Outcome,
+) -> None:
+    core.outcome = outcome
+    status, body = await post(server, ask_payload(), key)
+    assert (status, body) == (200, {"type": 5})
+    await core.drain()
+    assert standin.posts == [
+        {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
+    ]
+
+
+async def test_silent_route_deletes_the_deferred_response(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    core.routes[:] = [({"channel": CHANNEL}, RouteMatch("r2", "o1", "a1", silent=True))]
+    await post(server, ask_payload(), key)
+    await core.drain()
+    assert core.triggers[0].binding.silent is True
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_no_route_runs_no_turn_and_leaves_nothing(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    core.routes.clear()
+    status, body = await post(server, ask_payload(), key)
+    assert (status, body) == (200, {"type": 5})
+    await core.drain()
+    assert core.triggers == []
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_direct_message_uses_at_me(
+    server: TestServer, key: SigningKey, core: FakeCore
+) -> None:
+    core.routes[:] = [({}, ROUTE)]
+    await post(server, ask_payload(guild=None), key)
+    await core.drain()
+    assert core.lookups == [("discord", {"guild": "@me", "channel": CHANNEL})]
+    assert core.triggers[0].session_key == f"discord:@me:{CHANNEL}"
+
+
+async def test_other_commands_run_nothing(
+    server: TestServer, key: SigningKey, core: FakeCore
+) -> None:
+    payload = ask_payload()
+    payload["data"]["name"] = "other"
+    status, body = await post(server, payload, key)
+    assert status == 200 and body["type"] == 4 and body["data"]["flags"] == 64
+    payload = ask_payload("   ")
+    status, body = await post(server, payload, key)
+    assert status == 200 and body["type"] == 4
+    assert core.tasks == []
+
+
+async def test_interactions_route_needs_a_public_key(
+    core: FakeCore, standin: DiscordApiStandin, key: SigningKey
+) -> None:
+    settings = Settings(discord=DiscordSettings(bot_token="bot-token", api_url=standin.api_url))
+    adapter = discord_bot.create(settings, core)
+    assert adapter is not None
+    app = web.Application()
+    adapter.mount(app)
+    assert all(
+        r.resource is None or r.resource.canonical != "/discord/interactions"
+        for r in app.router.routes()
+    )
+
+
+async def test_gateway_message_becomes_a_trigger(
+    core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    settings = Settings(
+        discord=DiscordSettings(
+            bot_token="bot-token", api_url=standin.api_url, gateway_url=standin.gateway_url
+        )
+    )
+    srv = await serve(settings, core)
+    try:
+        await standin.wait_gateway_ready(within_s=2.5)
+        [identify] = standin.identifies
+        assert identify["token"] == "bot-token"
+        assert identify["intents"] & discord.Intents(message_content=True).value
+        # Ignored: other bots and the bot itself.
+        await standin.dispatch_message_create(
+            channel_id=CHANNEL, guild_id=GUILD, content="beep", author_bot=True
+        )
+        await standin.dispatch_message_create(
+            channel_id=CHANNEL, guild_id=GUILD, content="me", author_id=standin.bot_user_id
+        )
+        sent = await standin.dispatch_message_create(
+            channel_id=CHANNEL, guild_id=GUILD, content=f"<@{standin.bot_user_id}> hi there"
+        )
+        async with asyncio.timeout(2):
+            await core.submitted.wait()
+        await core.drain()
+    finally:
+        await srv.close()
+    [trigger] = core.triggers
+    assert trigger.text == "hi there"
+    assert trigger.session_key == f"discord:{GUILD}:{CHANNEL}"
+    assert trigger.external_event_id == f"discord:message:{sent['id']}"
+    assert trigger.binding.address == {
+        "channel_id": CHANNEL,
+        "message_id": sent["id"],
+        "guild_id": GUILD,
+    }
+    assert core.lookups == [("discord", {"guild": GUILD, "channel": CHANNEL})]
+    # Shutdown closed the gateway connection.
+    assert standin.identifies and not standin._ready_sockets
+
+
+def test_nonce_is_stable_and_short() -> None:
+    assert discord_bot.nonce_for("delivery-1") == discord_bot.nonce_for("delivery-1")
+    assert discord_bot.nonce_for("delivery-1") != discord_bot.nonce_for("delivery-2")
+    assert len(discord_bot.nonce_for("x" * 500)) == 25
+
+
+async def test_gateway_start_survives_an_unreachable_discord(core: FakeCore) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = Settings(
+        discord=DiscordSettings(
+            bot_token="bot-token",
+            api_url=f"http://127.0.0.1:{port}/api/v10",
+            gateway_url=f"ws://127.0.0.1:{port}/gateway",
+        )
+    )
+    started = time.monotonic()
+    srv = await serve(settings, core)
+    await asyncio.sleep(0.2)  # the first login attempt fails: refused
+    await srv.close()
+    assert time.monotonic() - started < 2.0
+    assert core.tasks == []

@@ -1,0 +1,382 @@
+"""Inbound half of the email adapter: a real SMTP listener on 127.0.0.1, mail sent with
+aiosmtplib, and a fake core."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from email.message import EmailMessage
+from typing import Any
+
+import aiosmtplib
+import pytest
+from aiohttp import web
+
+from bots.base import RouteMatch
+from bots.email import EmailAdapter, create, reply_subject, strip_quoted
+from engine.config import EmailSettings, Settings
+from engine.types import BindingKind, Outcome, Reply, Trigger
+
+BOT = "bot@leadgate.example"
+ALICE = "alice@example.com"
+
+RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
+
+
+def _allow(*senders: str, address: str = BOT, silent: bool = False) -> RouteFn:
+    """A route for ``address`` whose sender allow-list is ``senders`` (exact or *@domain)."""
+
+    def routes(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        sender = attrs["sender"]
+        allowed = any(
+            sender == s or (s.startswith("*@") and sender.endswith(s[1:])) for s in senders
+        )
+        if channel == "email" and attrs["address"] == address and allowed:
+            return RouteMatch("route-1", "org-1", "agent-1", silent=silent)
+        return None
+
+    return routes
+
+
+class FakeCore:
+    def __init__(self, routes: RouteFn) -> None:
+        self._routes = routes
+        self.route_queries: list[dict[str, str]] = []
+        self.triggers: list[Trigger] = []
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        self.route_queries.append(dict(attrs))
+        return self._routes(channel, attrs)
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        self.triggers.append(trigger)
+        return Reply("ok")
+
+    def spawn(self, coro: Any, *, name: str) -> None:
+        self._tasks.add(asyncio.ensure_future(coro))
+
+    async def drain(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout=2)
+
+
+class Listener:
+    def __init__(self, adapter: EmailAdapter, core: FakeCore) -> None:
+        self.adapter = adapter
+        self.core = core
+        assert adapter.port
+        self.port = adapter.port
+
+    async def send(
+        self, message: EmailMessage | bytes, *, sender: str = ALICE, rcpt: list[str] | None = None
+    ) -> Any:
+        return await aiosmtplib.send(
+            message,
+            sender=sender,
+            recipients=rcpt or [BOT],
+            hostname="127.0.0.1",
+            port=self.port,
+            timeout=2,
+        )
+
+
+async def _listen(core: FakeCore) -> AsyncIterator[Listener]:
+    """The adapter mounted on a real aiohttp app; its cleanup_ctx runs the listener."""
+    adapter = EmailAdapter(EmailSettings(listen_host="127.0.0.1", listen_port=0), core)
+    app = web.Application()
+    adapter.mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()  # runs the startup half of cleanup_ctx
+    try:
+        yield Listener(adapter, core)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def listener() -> AsyncIterator[Listener]:
+    async for item in _listen(FakeCore(_allow(ALICE, "*@partner.example"))):
+        yield item
+
+
+def _mail(body: str = "Hello bot", **headers: str) -> EmailMessage:
+    msg = EmailMessage()
+    msg["From"] = headers.pop("From", "Alice <Alice@Example.com>")
+    msg["To"] = BOT
+    msg["Subject"] = headers.pop("Subject", "Quarterly report")
+    msg["Message-ID"] = headers.pop("Message_ID", "<m1@client.example>")
+    for name, value in headers.items():
+        msg[name.replace("_", "-")] = value
+    msg.set_content(body)
+    return msg
+
+
+async def test_plain_message_becomes_one_trigger(listener: Listener) -> None:
+    await listener.send(_mail("Please summarise the report."), rcpt=["Bot@Leadgate.Example"])
+    await listener.core.drain()
+
+    assert {"address": BOT, "sender": ALICE} in listener.core.route_queries
+    [trigger] = listener.core.triggers
+    assert (trigger.org_id, trigger.agent_id) == ("org-1", "agent-1")
+    assert trigger.text == "Please summarise the report."
+    assert trigger.session_key == f"email:{BOT}:<m1@client.example>"
+    assert trigger.external_event_id == f"email:{BOT}:<m1@client.example>"
+    assert trigger.binding.kind is BindingKind.email
+    assert trigger.binding.route_id == "route-1" and trigger.binding.silent is False
+    assert trigger.binding.address == {
+        "to": ALICE,
+        "from": BOT,
+        "subject": "Re: Quarterly report",
+        "in_reply_to": "<m1@client.example>",
+        "references": "<m1@client.example>",
+    }
+
+
+async def test_quoted_reply_text_is_stripped(listener: Listener) -> None:
+    body = (
+        "Yes, go ahead.\n"
+        "> earlier line quoted inline\n"
+        "Thanks\n"
+        "\n"
+        "On Mon, 1 Jan 2024 at 10:00, Lead Gate <bot@leadgate.example>\n"
+        "wrote:\n"
+        "> Echo: the previous answer\n"
+        "more history\n"
+    )
+    await listener.send(_mail(body))
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == ["Yes, go ahead.\nThanks"]
+
+
+def test_strip_quoted_forms() -> None:
+    assert strip_quoted("ok\nOn Tue, Bob wrote:\n> x") == "ok"
+    assert strip_quoted("ok\r\n-----Original Message-----\r\nFrom: x") == "ok"
+    assert strip_quoted("> only quoted\n>> more") == ""
+    assert strip_quoted("On my way, see you\nbye") == "On my way, see you\nbye"
+
+
+def test_reply_subject_is_not_doubled() -> None:
+    assert reply_subject("Report") == "Re: Report"
+    assert reply_subject("RE: Report") == "RE: Report"
+    assert reply_subject("re:Report") == "re:Report"
+    assert reply_subject("") == "Re:"
+    assert reply_subject("a\r\n b") == "Re: a b"
+
+
+async def test_threading_fields_follow_the_thread(listener: Listener) -> None:
+    await listener.send(
+        _mail(
+            "Follow-up",
+            Subject="Re: Quarterly report",
+            Message_ID="<m3@client.example>",
+            In_Reply_To="<m2@leadgate.example>",
+            References="<m1@client.example> <m2@leadgate.example>",
+        )
+    )
+    await listener.send(
+        _mail("No references", Message_ID="<m5@client.example>", In_Reply_To="<m4@x.example>")
+    )
+    await listener.core.drain()
+    first, second = listener.core.triggers
+    assert first.session_key == f"email:{BOT}:<m1@client.example>"
+    assert first.binding.address["subject"] == "Re: Quarterly report"
+    assert first.binding.address["in_reply_to"] == "<m3@client.example>"
+    assert first.binding.address["references"] == (
+        "<m1@client.example> <m2@leadgate.example> <m3@client.example>"
+    )
+    assert second.session_key == f"email:{BOT}:<m4@x.example>"
+    assert second.binding.address["references"] == "<m4@x.example> <m5@client.example>"
+
+
+async def test_missing_message_id_gets_a_stable_one(listener: Listener) -> None:
+    raw = (
+        b"From: alice@example.com\r\nTo: bot@leadgate.example\r\nSubject: hi\r\n\r\nno id here\r\n"
+    )
+    await listener.send(raw)
+    await listener.send(raw)
+    await listener.core.drain()
+    first, second = listener.core.triggers
+    assert first.external_event_id == second.external_event_id
+    assert first.external_event_id is not None
+    assert first.external_event_id.endswith("@leadgate.invalid>")
+    assert first.external_event_id == f"email:{BOT}:{first.session_key.split(':', 2)[2]}"
+
+
+async def test_multipart_with_latin1_and_broken_bytes(listener: Listener) -> None:
+    raw = (
+        b"From: alice@example.com\r\n"
+        b"To: bot@leadgate.example\r\n"
+        b"Subject: =?iso-8859-1?q?Gr=FC=DFe?=\r\n"
+        b"Message-ID: <mp@client.example>\r\n"
+        b"MIME-Version: 1.0\r\n"
+        b'Content-Type: multipart/alternative; boundary="b1"\r\n'
+        b"\r\n"
+        b"--b1\r\n"
+        b"Content-Type: text/plain; charset=iso-8859-1\r\n"
+        b"Content-Transfer-Encoding: 8bit\r\n"
+        b"\r\n"
+        b"Gr\xfc\xdfe aus K\xf6ln\r\n"
+        b"--b1\r\n"
+        b"Content-Type: text/html; charset=iso-8859-1\r\n"
+        b"\r\n"
+        b"<p>Gr\xfc\xdfe aus K\xf6ln</p>\r\n"
+        b"--b1--\r\n"
+    )
+    broken = (
+        b"From: alice@example.com\r\nTo: bot@leadgate.example\r\nSubject: bad\r\n"
+        b"Message-ID: <bad@client.example>\r\n"
+        b"Content-Type: text/plain; charset=utf-8\r\nContent-Transfer-Encoding: 8bit\r\n"
+        b"\r\nbroken \xff\xfe bytes\r\n"
+    )
+    unknown = (
+        b"From: alice@example.com\r\nTo: bot@leadgate.example\r\nSubject: odd\r\n"
+        b"Message-ID: <odd@client.example>\r\n"
+        b"Content-Type: text/plain; charset=x-no-such-charset\r\n"
+        b"\r\nplain words\r\n"
+    )
+    for raw_message in (raw, broken, unknown):
+        await listener.send(raw_message)
+    await listener.core.drain()
+    texts = [t.text for t in listener.core.triggers]
+    assert texts == ["Grüße aus Köln", "broken \ufffd\ufffd bytes", "plain words"]
+    assert listener.core.triggers[0].binding.address["subject"] == "Re: Grüße"
+
+
+async def test_html_only_message(listener: Listener) -> None:
+    msg = _mail()
+    msg.set_content(
+        "<html><head><style>p {color: red}</style></head><body>"
+        "<p>Hello &amp; welcome</p><div>second<br>line</div>"
+        "<blockquote>old quoted text</blockquote></body></html>",
+        subtype="html",
+    )
+    await listener.send(msg)
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == ["Hello & welcome\nsecond\nline"]
+
+
+async def test_unrouted_recipient_is_550_at_rcpt(listener: Listener) -> None:
+    with pytest.raises(aiosmtplib.SMTPRecipientsRefused) as info:
+        await listener.send(_mail(), rcpt=["nobody@leadgate.example"])
+    [refusal] = info.value.recipients
+    assert refusal.code == 550
+    await listener.core.drain()
+    assert listener.core.triggers == []
+
+
+async def test_sender_not_allowed_is_550(listener: Listener) -> None:
+    with pytest.raises(aiosmtplib.SMTPRecipientsRefused) as info:
+        await listener.send(_mail(From="mallory@evil.example"), sender="mallory@evil.example")
+    assert info.value.recipients[0].code == 550
+    # allowed by domain
+    await listener.send(_mail(From="carol@partner.example"), sender="carol@partner.example")
+    await listener.core.drain()
+    assert [t.binding.address["to"] for t in listener.core.triggers] == ["carol@partner.example"]
+
+
+async def test_from_header_must_be_allowed_too(listener: Listener) -> None:
+    # The envelope sender is allowed, but the reply would go to From: mallory.
+    with pytest.raises(aiosmtplib.SMTPDataError) as info:
+        await listener.send(_mail(From="mallory@evil.example"), sender=ALICE)
+    assert info.value.code == 550
+    await listener.core.drain()
+    assert listener.core.triggers == []
+
+
+async def test_oversize_message_is_552(listener: Listener) -> None:
+    with pytest.raises(aiosmtplib.SMTPResponseException) as info:
+        await listener.send(_mail("x" * 70 + ("\n" + "y" * 70) * 16_000))
+    assert info.value.code == 552
+    await listener.core.drain()
+    assert listener.core.triggers == []
+
+
+@pytest.mark.parametrize("body", ["", "   \n\n", "> only a quote\n"])
+async def test_empty_body_is_550(listener: Listener, body: str) -> None:
+    with pytest.raises(aiosmtplib.SMTPDataError) as info:
+        await listener.send(_mail(body))
+    assert info.value.code == 550
+    assert listener.core.triggers == []
+
+
+async def test_attachment_only_is_550(listener: Listener) -> None:
+    msg = EmailMessage()
+    msg["From"] = ALICE
+    msg["To"] = BOT
+    msg["Subject"] = "file"
+    msg.add_attachment(b"\x00\x01", maintype="application", subtype="octet-stream")
+    with pytest.raises(aiosmtplib.SMTPDataError) as info:
+        await listener.send(msg)
+    assert info.value.code == 550
+
+
+async def test_automatic_mail_runs_no_turn(listener: Listener) -> None:
+    await listener.send(_mail("I am out of office", Auto_Submitted="auto-replied"))
+    await listener.core.drain()
+    assert listener.core.triggers == []
+
+
+async def test_silent_route_and_several_recipients() -> None:
+    other = "sales@leadgate.example"
+
+    def routes(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        if attrs["sender"] != ALICE:
+            return None
+        if attrs["address"] == BOT:
+            return RouteMatch("r-bot", "org-1", "agent-1", silent=False)
+        if attrs["address"] == other:
+            return RouteMatch("r-sales", "org-1", "agent-2", silent=True)
+        return None
+
+    async for listener in _listen(FakeCore(routes)):
+        refused, _ = await listener.send(_mail(), rcpt=[BOT, other, "nobody@leadgate.example"])
+        assert set(refused) == {"nobody@leadgate.example"}
+        await listener.core.drain()
+        by_route = {t.binding.route_id: t for t in listener.core.triggers}
+        assert set(by_route) == {"r-bot", "r-sales"}
+        assert by_route["r-sales"].binding.silent is True
+        assert by_route["r-sales"].session_key == f"email:{other}:<m1@client.example>"
+        assert by_route["r-sales"].binding.address["from"] == other
+
+
+def test_create_depends_on_configuration() -> None:
+    core = FakeCore(_allow())
+    assert create(Settings(), core) is None
+    outbound_only = create(Settings(email=EmailSettings(smtp_host="127.0.0.1")), core)
+    assert isinstance(outbound_only, EmailAdapter) and not outbound_only.listens
+    inbound = create(Settings(email=EmailSettings(listen_host="127.0.0.1")), core)
+    assert isinstance(inbound, EmailAdapter) and inbound.listens
+    assert inbound.channel.name == "email" and inbound.channel.max_chars == 1_000_000
+
+
+async def test_outbound_only_adapter_does_not_listen() -> None:
+    adapter = EmailAdapter(EmailSettings(smtp_host="127.0.0.1"), FakeCore(_allow()))
+    app = web.Application()
+    adapter.mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    assert adapter.port is None
+    await runner.cleanup()
+
+
+async def test_null_sender_runs_no_turn() -> None:
+    # A bounce (MAIL FROM:<>) to a route without a sender allow-list: accepted, no turn.
+    async for listener in _listen(
+        FakeCore(lambda channel, attrs: RouteMatch("r", "o", "a", False))
+    ):
+        # aiosmtplib.send() would take an empty sender from From:, so talk SMTP directly.
+        async with aiosmtplib.SMTP(hostname="127.0.0.1", port=listener.port, timeout=2) as smtp:
+            await smtp.sendmail("", [BOT], _mail("Delivery failed").as_bytes())
+        await listener.core.drain()
+        assert listener.core.triggers == []
+
+
+async def test_route_lookup_failure_is_a_temporary_failure() -> None:
+    def broken(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        raise RuntimeError("database is down")
+
+    async for listener in _listen(FakeCore(broken)):
+        with pytest.raises(aiosmtplib.SMTPRecipientsRefused) as info:
+            await listener.send(_mail())
+        assert info.value.recipients[0].code == 451
+        assert listener.core.triggers == []

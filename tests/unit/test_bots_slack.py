@@ -1,0 +1,251 @@
+"""Slack inbound: real Bolt behind a real aiohttp server, requests signed for real."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from bots import slack
+from bots.base import RouteMatch
+from engine.config import Settings, SlackSettings
+from engine.types import BindingKind, Outcome, Reply, Trigger
+from tests.standins.slack_api import signed_headers
+
+SECRET = "slack-signing-secret"
+TEAM = "T0001"
+CHANNEL = "C0001"
+
+
+@dataclass
+class FakeCore:
+    """Records what the adapter asks of the core; routes by exact attribute match."""
+
+    routes: list[tuple[dict[str, str], RouteMatch]] = field(default_factory=list)
+    outcome: Outcome = field(default_factory=lambda: Reply("fine"))
+    submit_delay_s: float = 0.0
+    triggers: list[Trigger] = field(default_factory=list)
+    lookups: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    tasks: list[asyncio.Task[object]] = field(default_factory=list)
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        self.lookups.append((channel, dict(attrs)))
+        for match, route in self.routes:
+            if all(attrs.get(k) == v for k, v in match.items()):
+                return route
+        return None
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        self.triggers.append(trigger)
+        await asyncio.sleep(self.submit_delay_s)
+        return self.outcome
+
+    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
+        async def run() -> object:
+            return await coro
+
+        self.tasks.append(asyncio.create_task(run(), name=name))
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self.tasks)
+
+
+ROUTE = RouteMatch(route_id="r1", org_id="o1", agent_id="a1", silent=False)
+
+
+@pytest.fixture
+def core() -> FakeCore:
+    return FakeCore(routes=[({"team": TEAM}, ROUTE)])
+
+
+@pytest.fixture
+async def server(core: FakeCore) -> AsyncIterator[TestServer]:
+    settings = Settings(slack=SlackSettings(signing_secret=SECRET, bot_token="xoxb-x"))
+    adapter = slack.create(settings, core)
+    assert adapter is not None
+    app = web.Application()
+    adapter.mount(app)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    yield srv
+    await srv.close()
+
+
+def event_body(event: dict[str, Any], *, event_id: str = "Ev1") -> str:
+    return json.dumps(
+        {
+            "token": "legacy",
+            "team_id": TEAM,
+            "api_app_id": "A1",
+            "type": "event_callback",
+            "event_id": event_id,
+            "event_time": int(time.time()),
+            "event": event,
+        }
+    )
+
+
+def message(
+    text: str = "hello there", ts: str = "1700000000.000100", **extra: Any
+) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "channel": CHANNEL,
+        "user": "U1",
+        "text": text,
+        "ts": ts,
+        "channel_type": "channel",
+        **extra,
+    }
+
+
+async def post(
+    srv: TestServer, body: str, *, secret: str = SECRET, retry_num: int | None = None
+) -> tuple[int, str]:
+    headers = signed_headers(secret, body, retry_num=retry_num)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(srv.make_url("/slack/events"), data=body, headers=headers) as r:
+            return r.status, await r.text()
+
+
+def test_off_without_signing_secret() -> None:
+    assert slack.create(Settings(), FakeCore()) is None
+
+
+async def test_url_verification(server: TestServer, core: FakeCore) -> None:
+    body = json.dumps({"token": "t", "challenge": "c-123", "type": "url_verification"})
+    status, text = await post(server, body)
+    assert status == 200
+    assert json.loads(text) == {"challenge": "c-123"}
+    assert core.tasks == []
+
+
+async def test_message_becomes_one_trigger(server: TestServer, core: FakeCore) -> None:
+    status, _ = await post(server, event_body(message("hello there")))
+    assert status == 200
+    await core.drain()
+    assert core.lookups == [("slack", {"team": TEAM, "channel": CHANNEL})]
+    [trigger] = core.triggers
+    assert trigger.org_id == "o1" and trigger.agent_id == "a1"
+    assert trigger.text == "hello there"
+    assert trigger.session_key == f"slack:{TEAM}:{CHANNEL}:1700000000.000100"
+    assert trigger.external_event_id == f"slack:{TEAM}:{CHANNEL}:1700000000.000100"
+    assert trigger.binding.kind is BindingKind.slack
+    assert trigger.binding.address == {
+        "team": TEAM,
+        "channel": CHANNEL,
+        "thread_ts": "1700000000.000100",
+    }
+    assert trigger.binding.silent is False
+    assert trigger.binding.route_id == "r1"
+    assert trigger.internal is False
+
+
+async def test_thread_reply_joins_the_thread_session(server: TestServer, core: FakeCore) -> None:
+    event = message("more", ts="1700000000.000200", thread_ts="1700000000.000100")
+    await post(server, event_body(event))
+    await core.drain()
+    [trigger] = core.triggers
+    assert trigger.session_key == f"slack:{TEAM}:{CHANNEL}:1700000000.000100"
+    assert trigger.binding.address["thread_ts"] == "1700000000.000100"
+    # The message's own ts identifies the event, not the thread's.
+    assert trigger.external_event_id == f"slack:{TEAM}:{CHANNEL}:1700000000.000200"
+
+
+async def test_retry_and_mention_pair_share_the_event_id(
+    server: TestServer, core: FakeCore
+) -> None:
+    ts = "1700000000.000300"
+    await post(server, event_body(message("<@UBOT> do it", ts=ts), event_id="Ev1"))
+    await post(server, event_body(message("<@UBOT> do it", ts=ts), event_id="Ev1"), retry_num=1)
+    mention = {"type": "app_mention", "channel": CHANNEL, "user": "U1", "text": "<@UBOT> do it"}
+    await post(server, event_body({**mention, "ts": ts}, event_id="Ev2"))
+    await core.drain()
+    assert len(core.triggers) == 3
+    assert {t.external_event_id for t in core.triggers} == {f"slack:{TEAM}:{CHANNEL}:{ts}"}
+    # The leading bot mention is addressing, not content.
+    assert {t.text for t in core.triggers} == {"do it"}
+
+
+async def test_bad_signature_is_401_and_runs_nothing(server: TestServer, core: FakeCore) -> None:
+    status, _ = await post(server, event_body(message()), secret="wrong-secret")
+    assert status == 401
+    body = event_body(message())
+    headers = signed_headers(SECRET, body, timestamp=int(time.time()) - 3600)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.make_url("/slack/events"), data=body, headers=headers) as r:
+            assert r.status == 401
+        async with session.post(server.make_url("/slack/events"), data=body) as r:
+            assert r.status == 401
+    assert core.tasks == [] and core.triggers == []
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        message(bot_id="B1"),
+        message(subtype="bot_message", bot_id="B1", username="other-bot"),
+        message(subtype="message_changed"),
+        message(subtype="message_deleted"),
+        message(subtype="channel_join"),
+        message(text=""),
+        message(text="<@UBOT>"),
+        {k: v for k, v in message().items() if k != "text"},
+    ],
+    ids=["bot_id", "bot_message", "changed", "deleted", "join", "empty", "mention-only", "no-text"],
+)
+async def test_ignored_messages(server: TestServer, core: FakeCore, event: dict[str, Any]) -> None:
+    status, _ = await post(server, event_body(event))
+    assert status == 200
+    await core.drain()
+    assert core.triggers == [] and core.lookups == []
+
+
+async def test_no_route_runs_no_turn(server: TestServer, core: FakeCore) -> None:
+    core.routes.clear()
+    status, _ = await post(server, event_body(message()))
+    assert status == 200
+    await core.drain()
+    assert core.lookups == [("slack", {"team": TEAM, "channel": CHANNEL})]
+    assert core.triggers == []
+
+
+async def test_silent_route_makes_a_silent_binding(server: TestServer, core: FakeCore) -> None:
+    core.routes[:] = [({"channel": CHANNEL}, RouteMatch("r9", "o1", "a1", silent=True))]
+    await post(server, event_body(message()))
+    await core.drain()
+    [trigger] = core.triggers
+    assert trigger.binding.silent is True and trigger.binding.route_id == "r9"
+
+
+async def test_other_events_are_acknowledged(server: TestServer, core: FakeCore) -> None:
+    event = {"type": "reaction_added", "user": "U1", "reaction": "+1", "event_ts": "1.1"}
+    status, _ = await post(server, event_body(event))
+    # 200, not Bolt's 404 for unhandled requests, or Slack would retry it.
+    assert status == 200
+    assert core.tasks == []
+
+
+async def test_ack_does_not_wait_for_the_turn(server: TestServer, core: FakeCore) -> None:
+    core.submit_delay_s = 2.0
+    started = time.monotonic()
+    status, _ = await post(server, event_body(message()))
+    assert status == 200
+    assert time.monotonic() - started < 1.0
+    for task in core.tasks:
+        task.cancel()
+    await asyncio.gather(*core.tasks, return_exceptions=True)
+
+
+def test_parse_event_prefers_body_team() -> None:
+    post = slack.parse_event({"team_id": "T9"}, message("hi", team="T_OTHER"))
+    assert post is not None and post.team == "T9"
+    assert slack.parse_event({}, message("hi")) is None

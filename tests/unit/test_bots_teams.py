@@ -1,0 +1,346 @@
+"""Inbound half of the Teams adapter: real aiohttp app, real botbuilder SDK, fake core."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from bots.base import RouteMatch
+from bots.teams import TeamsAdapter, create, sdk_config
+from engine.config import Settings, TeamsSettings
+from engine.errors import ConfigError
+from engine.types import BindingKind, Outcome, Reply, Trigger
+from tests.standins.connector import message_activity, post_activity
+
+APP_ID = "11111111-2222-3333-4444-555555555555"
+SERVICE_URL = "http://127.0.0.1:9/teams/"
+
+RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
+
+
+def _route_all(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+    return RouteMatch(route_id="route-1", org_id="org-1", agent_id="agent-1", silent=False)
+
+
+class FakeCore:
+    """Records route look-ups and triggers; ``gate`` holds submit() open when cleared."""
+
+    def __init__(self, routes: RouteFn = _route_all) -> None:
+        self._routes = routes
+        self.route_queries: list[tuple[str, dict[str, str]]] = []
+        self.triggers: list[Trigger] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        self.route_queries.append((channel, dict(attrs)))
+        return self._routes(channel, attrs)
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        self.triggers.append(trigger)
+        await self.gate.wait()
+        return Reply("ok")
+
+    def spawn(self, coro: Any, *, name: str) -> None:
+        self._tasks.add(asyncio.ensure_future(coro))
+
+    async def drain(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout=2)
+
+
+class Server:
+    def __init__(self, adapter: TeamsAdapter, core: FakeCore, url: str) -> None:
+        self.adapter = adapter
+        self.core = core
+        self.url = url
+
+
+async def _serve(adapter: TeamsAdapter, core: FakeCore) -> AsyncIterator[Server]:
+    app = web.Application()
+    adapter.mount(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        yield Server(adapter, core, f"http://127.0.0.1:{port}/api/messages")
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def open_bot() -> AsyncIterator[Server]:
+    """No-auth mode (empty app id and password)."""
+    core = FakeCore()
+    async for server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
+        yield server
+
+
+@pytest.fixture
+async def secured_bot() -> AsyncIterator[Server]:
+    """App id configured: Bot Framework JWTs required."""
+    core = FakeCore()
+    settings = TeamsSettings(app_id=APP_ID, app_password="secret")
+    async for server in _serve(TeamsAdapter(settings, core, auth_timeout_s=0.3), core):
+        yield server
+
+
+class DnsGuard:
+    """Records host names looked up; fails every non-loopback look-up at once."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.hosts: list[str] = []
+        self.delay_s = delay_s
+
+
+@pytest.fixture
+def dns_guard(monkeypatch: pytest.MonkeyPatch) -> DnsGuard:
+    guard = DnsGuard()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host not in ("127.0.0.1", "localhost", "::1", None):
+            guard.hosts.append(str(host))
+            time.sleep(guard.delay_s)
+            raise socket.gaierror(socket.EAI_NONAME, "blocked by the test: no internet")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return guard
+
+
+def _b64(data: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+# A well-formed, unsigned JWT whose issuer is one the SDK trusts: validating it needs the
+# Bot Framework signing keys, which the SDK fetches from login.botframework.com.
+FORGED_JWT = (
+    _b64({"alg": "RS256", "typ": "JWT", "kid": "k1"})
+    + "."
+    + _b64({"iss": "https://api.botframework.com", "aud": APP_ID, "serviceurl": SERVICE_URL})
+    + ".c2lnbmF0dXJl"
+)
+
+
+async def test_message_becomes_one_trigger(open_bot: Server) -> None:
+    activity = message_activity(
+        service_url=SERVICE_URL,
+        text="please summarise the report",
+        activity_id="1700000000001",
+        conversation_id="19:abc@thread.tacv2;messageid=1700000000001",
+        tenant_id="tenant-9",
+        mention_bot=True,
+    )
+    status, _ = await post_activity(open_bot.url, activity)
+    assert status == 202
+    await open_bot.core.drain()
+
+    assert open_bot.core.route_queries == [
+        (
+            "teams",
+            {"tenant": "tenant-9", "conversation": "19:abc@thread.tacv2;messageid=1700000000001"},
+        )
+    ]
+    [trigger] = open_bot.core.triggers
+    assert trigger.org_id == "org-1" and trigger.agent_id == "agent-1"
+    assert trigger.text == "please summarise the report"
+    assert trigger.session_key == "teams:tenant-9:19:abc@thread.tacv2;messageid=1700000000001"
+    assert trigger.external_event_id == "teams:1700000000001"
+    assert trigger.binding.kind is BindingKind.teams
+    assert trigger.binding.route_id == "route-1" and trigger.binding.silent is False
+    address = trigger.binding.address
+    assert address["activity_id"] == "1700000000001"
+    reference = address["reference"]
+    assert reference["activityId"] == "1700000000001"
+    assert reference["serviceUrl"] == SERVICE_URL
+    assert reference["channelId"] == "msteams"
+    assert reference["conversation"]["id"] == "19:abc@thread.tacv2;messageid=1700000000001"
+    assert reference["bot"]["id"] == "28:leadgate-bot"
+    assert reference["user"]["id"] == "29:user-1"
+    json.dumps(address)  # JSON-able as stored on the binding
+
+
+async def test_only_the_bots_own_mention_is_stripped(open_bot: Server) -> None:
+    activity = message_activity(
+        service_url=SERVICE_URL, text="ask <at>Bob (QA)</at> about it", mention_bot=True
+    )
+    activity["entities"].append(
+        {
+            "type": "mention",
+            "mentioned": {"id": "29:bob", "name": "Bob (QA)"},
+            "text": "<at>Bob (QA)</at>",
+        }
+    )
+    assert (await post_activity(open_bot.url, activity))[0] == 202
+    await open_bot.core.drain()
+    assert [t.text for t in open_bot.core.triggers] == ["ask Bob (QA) about it"]
+
+
+async def test_bot_name_with_regex_characters(open_bot: Server) -> None:
+    activity = message_activity(
+        service_url=SERVICE_URL, text="hi there", bot_name="Lead+Gate (beta)*", mention_bot=True
+    )
+    assert (await post_activity(open_bot.url, activity))[0] == 202
+    await open_bot.core.drain()
+    assert [t.text for t in open_bot.core.triggers] == ["hi there"]
+
+
+async def test_unrouted_conversation_runs_no_turn() -> None:
+    core = FakeCore(routes=lambda channel, attrs: None)
+    async for server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
+        status, _ = await post_activity(
+            server.url, message_activity(service_url=SERVICE_URL, text="hi")
+        )
+        assert status == 202
+        await core.drain()
+        assert len(core.route_queries) == 1
+        assert core.triggers == []
+
+
+async def test_silent_route_gives_a_silent_binding() -> None:
+    core = FakeCore(routes=lambda c, a: RouteMatch("route-s", "org-1", "agent-1", silent=True))
+    async for server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
+        await post_activity(server.url, message_activity(service_url=SERVICE_URL, text="hi"))
+        await core.drain()
+        [trigger] = core.triggers
+        assert trigger.binding.silent is True and trigger.binding.route_id == "route-s"
+
+
+async def test_ack_does_not_wait_for_the_turn(open_bot: Server) -> None:
+    open_bot.core.gate.clear()  # the turn never finishes until released
+    started = time.monotonic()
+    status, _ = await post_activity(
+        open_bot.url, message_activity(service_url=SERVICE_URL, text="x")
+    )
+    assert status == 202
+    assert time.monotonic() - started < 1.0
+    open_bot.core.gate.set()
+    await open_bot.core.drain()
+    assert len(open_bot.core.triggers) == 1
+
+
+async def test_non_message_activities_and_empty_text_run_no_turn(open_bot: Server) -> None:
+    update = message_activity(service_url=SERVICE_URL, text="")
+    update["type"] = "conversationUpdate"
+    assert (await post_activity(open_bot.url, update))[0] == 202
+    only_mention = message_activity(service_url=SERVICE_URL, text="", mention_bot=True)
+    assert (await post_activity(open_bot.url, only_mention))[0] == 202
+    await open_bot.core.drain()
+    assert open_bot.core.route_queries == [] and open_bot.core.triggers == []
+
+
+async def test_malformed_requests(open_bot: Server) -> None:
+    from aiohttp import ClientSession
+
+    async with ClientSession() as session:
+        async with session.post(
+            open_bot.url, data="hello", headers={"Content-Type": "text/plain"}
+        ) as r:
+            assert r.status == 415
+        async with session.post(
+            open_bot.url, data="{", headers={"Content-Type": "application/json"}
+        ) as r:
+            assert r.status == 400
+        async with session.post(open_bot.url, json={"text": "no type"}) as r:
+            assert r.status == 400
+    assert open_bot.core.triggers == []
+
+
+async def test_no_auth_mode_warns_at_startup(caplog: pytest.LogCaptureFixture) -> None:
+    core = FakeCore()
+    with caplog.at_level(logging.WARNING, logger="bots.teams"):
+        async for _server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
+            pass
+    assert any("unauthenticated" in r.getMessage() for r in caplog.records)
+
+
+async def test_missing_token_is_401_without_network(
+    secured_bot: Server, dns_guard: DnsGuard
+) -> None:
+    activity = message_activity(service_url=SERVICE_URL, text="hi")
+    status, _ = await post_activity(secured_bot.url, activity)
+    assert status == 401
+    await secured_bot.core.drain()
+    assert secured_bot.core.triggers == [] and secured_bot.core.route_queries == []
+    assert dns_guard.hosts == []
+
+
+@pytest.mark.parametrize("token", ["garbage", "a.b.c", ""])
+async def test_garbage_token_is_401_without_network(
+    secured_bot: Server, dns_guard: DnsGuard, token: str
+) -> None:
+    activity = message_activity(service_url=SERVICE_URL, text="hi")
+    status, _ = await post_activity(secured_bot.url, activity, token=token)
+    assert status == 401
+    await secured_bot.core.drain()
+    assert secured_bot.core.triggers == []
+    assert dns_guard.hosts == []  # rejected before any key fetch
+
+
+async def test_forged_token_is_401_and_fails_fast(secured_bot: Server, dns_guard: DnsGuard) -> None:
+    # Checking this token's signature makes the SDK fetch the OpenID metadata; offline
+    # that fails, and the request is refused.
+    started = time.monotonic()
+    status, _ = await post_activity(
+        secured_bot.url, message_activity(service_url=SERVICE_URL, text="hi"), token=FORGED_JWT
+    )
+    assert status == 401
+    assert time.monotonic() - started < 1.0
+    assert "login.botframework.com" in dns_guard.hosts
+    assert secured_bot.core.triggers == []
+
+
+async def test_slow_key_fetch_times_out_without_blocking_the_loop(
+    secured_bot: Server, dns_guard: DnsGuard
+) -> None:
+    # The SDK fetches signing keys with a blocking requests.get; it runs off the loop and
+    # is bounded by auth_timeout_s (0.3 s here).
+    dns_guard.delay_s = 1.0
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.02)
+            ticks += 1
+
+    task = asyncio.ensure_future(ticker())
+    started = time.monotonic()
+    status, _ = await post_activity(
+        secured_bot.url, message_activity(service_url=SERVICE_URL, text="hi"), token=FORGED_JWT
+    )
+    elapsed = time.monotonic() - started
+    task.cancel()
+    assert status == 401
+    assert elapsed < 0.9
+    assert ticks >= 5  # the event loop kept running meanwhile
+    assert secured_bot.core.triggers == []
+
+
+def test_create_is_off_unless_enabled_or_app_id() -> None:
+    core = FakeCore.__new__(FakeCore)
+    assert create(Settings(), core) is None
+    assert isinstance(create(Settings(teams=TeamsSettings(enabled=True)), core), TeamsAdapter)
+    adapter = create(Settings(teams=TeamsSettings(app_id=APP_ID, app_password="pw")), core)
+    assert isinstance(adapter, TeamsAdapter) and adapter.auth_enabled
+    assert adapter.channel.name == "teams" and adapter.channel.max_chars == 28000
+
+
+def test_sdk_config_tenancy() -> None:
+    multi = sdk_config(TeamsSettings(app_id=APP_ID, app_password="pw"))
+    assert (multi.APP_ID, multi.APP_PASSWORD, multi.APP_TYPE) == (APP_ID, "pw", "MultiTenant")
+    single = sdk_config(TeamsSettings(app_id=APP_ID, app_password="pw", app_tenant_id="t-1"))
+    assert (single.APP_TYPE, single.APP_TENANTID) == ("SingleTenant", "t-1")
+    with pytest.raises(ConfigError):
+        sdk_config(TeamsSettings(app_id=APP_ID, app_tenant_id="t-1"))

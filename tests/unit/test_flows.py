@@ -1,0 +1,111 @@
+"""ActionFlows (SPEC 9) on the real engine, both backends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import schema as t
+from engine import workitems
+from engine.errors import ValidationError
+from engine.runners import drain
+from flows.runs import PAUSED_OUTPUT, WAITING_EVENT, FlowResumer, create_flow, run_view
+from review.decisions import human_approve
+from tests.helpers import make_agent, make_org
+
+
+async def _flow(service: Any, org: Any, nodes: list[dict[str, Any]]) -> str:
+    async with service.db.tx() as conn:
+        flow = await create_flow(conn, service.clock, service.ids, org.id, "f", nodes)
+    return str(flow["id"])
+
+
+async def _view(service: Any, org: Any, run_id: str) -> dict[str, Any]:
+    async with service.db.read() as conn:
+        return await run_view(conn, org.id, run_id)
+
+
+async def test_agent_without_lead_runs_through(service: Any) -> None:
+    org = await make_org(service)
+    await make_agent(service, org, "plain")
+    flow_id = await _flow(
+        service,
+        org,
+        [{"type": "agent", "agent": "plain", "prompt": "hi"}, {"type": "output", "value": 1}],
+    )
+    run = await _view(service, org, await service.flows.start(org.id, flow_id))
+    assert run["status"] == "completed"
+    assert run["outputs"] == [
+        {"data": {"text": "Echo: hi"}, "success": True},
+        {"data": 1, "success": True},
+    ]
+
+
+async def test_lead_node_pauses_then_resumes_in_a_new_run(service: Any) -> None:
+    org = await make_org(service)
+    await make_agent(service, org, "lead")
+    await make_agent(service, org, "worker", lead="lead")
+    flow_id = await _flow(
+        service,
+        org,
+        [
+            {"type": "output", "value": "before"},
+            {"type": "agent", "agent": "worker", "prompt": "write it #complete #escalate"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    run_id = await service.flows.start(org.id, flow_id)
+    paused = await _view(service, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    assert paused["outputs"][1] == PAUSED_OUTPUT == {"data": {}, "success": True}
+    assert WAITING_EVENT in paused["events"]
+    # No HITL request: the only human path is the work item itself.
+    await drain(service.lead_runner)
+    cont = paused["continuations"][0]
+    assert cont["status"] == "waiting"
+    async with service.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.continuations.c.work_item_id).where(t.continuations.c.id == cont["id"])
+        )
+    # The relay never delivers a continuation.
+    async with service.db.tx() as conn:
+        item = await workitems.get(conn, str(item_id))
+        assert item["status"] == "awaitingHuman"
+        await human_approve(conn, service.clock, service.ids, item, "user:test")
+    assert not await drain(service.relay)
+    async with service.db.read() as conn:
+        statuses = (
+            await conn.execute(
+                sa.select(t.deliveries.c.status).where(t.deliveries.c.work_item_id == item_id)
+            )
+        ).scalars().all()
+    assert statuses == ["continuation"]
+    assert await drain(FlowResumer(service.flows)) == 1
+    old = await _view(service, org, run_id)
+    assert old["status"] == "waitingForHitl"  # the paused run is history; a new run resumed
+    new_id = old["continuations"][0]["resumedRunId"]
+    assert old["continuations"][0]["summary"] == "Summary: write it #escalate"
+    new = await _view(service, org, new_id)
+    assert new["status"] == "completed"
+    assert new["resumedFrom"] == run_id
+    # Continues after the agent node; the summary is not copied into the node output.
+    assert new["outputs"] == [
+        {"data": "before", "success": True},
+        {"data": {}, "success": True},
+        {"data": "after", "success": True},
+    ]
+    async with service.db.read() as conn:
+        assert (await workitems.get(conn, str(item_id)))["status"] == "completed"
+    assert await drain(FlowResumer(service.flows)) == 0
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [[], [{"type": "nope"}], [{"type": "agent", "prompt": "x"}], [{"type": "output"}], "x"],
+)
+async def test_bad_flows_are_rejected(service: Any, nodes: Any) -> None:
+    org = await make_org(service)
+    with pytest.raises(ValidationError):
+        await _flow(service, org, nodes)
