@@ -31,7 +31,15 @@ want="$( (cat pyproject.toml; "$PY" -VV) | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ] \
     || ! "$PY" -c 'import importlib.metadata as m; [m.version(d) for d in ("leadgate", "pytest", "ruff", "mypy")]' >/dev/null 2>&1; then
     echo "installing leadgate[dev] into $VENV ..."
-    "$PY" -m pip install -q -e '.[dev]'
+    # This machine's pip config lists local mirrors that warn once per package; keep
+    # the output readable but show everything when the install fails.
+    pip_log="$(mktemp)"
+    if ! "$PY" -m pip install -q -e '.[dev]' >"$pip_log" 2>&1; then
+        cat "$pip_log" >&2
+        die "pip install failed"
+    fi
+    grep -v 'is ignored: it is neither a file nor a directory' "$pip_log" || true
+    rm -f "$pip_log"
     echo "$want" >"$STAMP"
 else
     echo "up to date: $VENV ($("$PY" --version))"
