@@ -118,3 +118,41 @@ async def resolve(
     return RouteMatch(
         route_id=best.id, org_id=best.org_id, agent_id=best.agent_id, silent=bool(best.silent)
     )
+
+
+def _route_view(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "agentId": row.agent_id,
+        "channel": row.channel,
+        "match": row.match,
+        "silent": bool(row.silent),
+        "active": bool(row.active),
+    }
+
+
+async def list_routes(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+    """The organization's routes, oldest first."""
+    rows = (
+        await conn.execute(
+            sa.select(t.routes).where(t.routes.c.org_id == org_id).order_by(t.routes.c.created_at)
+        )
+    ).all()
+    return [_route_view(r) for r in rows]
+
+
+async def disable_route(conn: AsyncConnection, org_id: str, route_id: str) -> dict[str, Any]:
+    """Deactivate a route: its channel triggers no longer reach the agent."""
+    from engine.errors import NotFound
+
+    row = (
+        await conn.execute(
+            t.routes.update()
+            .where(t.routes.c.id == route_id, t.routes.c.org_id == org_id)
+            .values(active=False)
+            .returning(*t.routes.c)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no route {route_id} in this organization", rule="route.not_found")
+    return _route_view(row)

@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     ra.add_argument("--match", action="append", default=[])
     ra.add_argument("--silent", action="store_true")
 
+    rl = with_config(routesub.add_parser("list", help="list the organization's routes"))
+    rl.add_argument("--org", required=True)
+    rd = with_config(routesub.add_parser("disable", help="deactivate a route"))
+    rd.add_argument("--org", required=True)
+    rd.add_argument("route")
+
     sched = sub.add_parser("schedule", help="scheduled triggers")
     schedsub = sched.add_subparsers(dest="schedule_command", required=True)
     sa_ = with_config(schedsub.add_parser("add", help="run an agent on a cron schedule"))
@@ -193,6 +199,12 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
                 return await _agent(conn, clock, ids, org["id"], args, frozenset(settings.models))
             if cmd == "policy":
                 return await policy.add_rule(conn, clock, ids, org["id"], args.pattern, args.action)
+            if cmd == "route" and args.route_command != "add":
+                from binding.routes import disable_route, list_routes
+
+                if args.route_command == "list":
+                    return await list_routes(conn, org["id"])
+                return await disable_route(conn, org["id"], args.route)
             if cmd == "route":
                 from binding.routes import add_route, parse_match
 

@@ -32,6 +32,8 @@ from engine.types import Outcome, Trigger
 from flows.runs import FlowResumer, FlowService
 from outbox.channel import Channel
 from outbox.relay import Relay
+from outbox.store import OUTBOX_TOPIC
+from outbox.store import listen as outbox_listen
 from review.runner import LeadRunner
 
 log = logging.getLogger("leadgate.service")
@@ -97,6 +99,9 @@ class Service:
             concurrency=r.relay_concurrency,
             max_attempts=r.delivery_max_attempts,
         )
+        # Every committed enqueue (lead or human approval, plain reply, operator retry)
+        # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
+        self.db.on_commit(OUTBOX_TOPIC, lambda: self.wake(self.relay.name))
         self.lead_runner = LeadRunner(self.db, self.clock, self.ids, self.providers)
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.runners: list[Runner] = [
@@ -181,25 +186,27 @@ class Service:
         poll = self.settings.runners.poll_interval_s
         for runner in self.runners:
             wake = self.wakes.setdefault(runner.name, asyncio.Event())
-            task = asyncio.get_running_loop().create_task(
-                run_loop(runner, wake=wake, stop=self._stop, poll_s=poll), name=runner.name
+            # Lead reviews wait on the model: run several loops; claims are fenced, so
+            # they never review one item twice.
+            loops = (
+                self.settings.runners.review_concurrency if runner is self.lead_runner else 1
             )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            for index in range(loops):
+                task = asyncio.get_running_loop().create_task(
+                    run_loop(runner, wake=wake, stop=self._stop, poll_s=poll),
+                    name=f"{runner.name}-{index}",
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         if self.db.is_postgres:
             self.spawn(self._listen(), name="pg-listen")
 
     async def _listen(self) -> None:
-        """PostgreSQL LISTEN: other replicas' NOTIFY wakes our relay at once."""
-        import asyncpg
-
-        url = self.settings.database.url.replace("postgresql+asyncpg://", "postgresql://")
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.add_listener("leadgate_outbox", lambda *_: self.wake("outbox-relay"))
-            await self._stop.wait()
-        finally:
-            await conn.close()
+        """PostgreSQL LISTEN: other replicas' NOTIFY wakes our relay at once
+        (reconnects when the connection drops)."""
+        await outbox_listen(
+            self.settings.database.url, lambda: self.wake(self.relay.name), self._stop
+        )
 
     async def stop(self) -> None:
         """Stop runners, wait for background work, close channels and the database."""
