@@ -102,7 +102,13 @@ class Service:
         # Every committed enqueue (lead or human approval, plain reply, operator retry)
         # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
         self.db.on_commit(OUTBOX_TOPIC, lambda: self.wake(self.relay.name))
-        self.lead_runner = LeadRunner(self.db, self.clock, self.ids, self.providers)
+        self.lead_runner = LeadRunner(
+            self.db,
+            self.clock,
+            self.ids,
+            self.providers,
+            on_verdict=self._after_verdict,
+        )
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.runners: list[Runner] = [
             self.lead_runner,
@@ -173,6 +179,10 @@ class Service:
     def wake(self, name: str) -> None:
         """Wake one runner now instead of at its next poll."""
         self.wakes.setdefault(name, asyncio.Event()).set()
+
+    def _after_verdict(self) -> None:
+        self.wake("outbox-relay")
+        self.wake("revision-dispatch")
 
     def wake_all(self) -> None:
         """Wake every runner (after an operator decision)."""

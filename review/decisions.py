@@ -84,6 +84,8 @@ async def commit_verdict(
             values={
                 **common,
                 "revision": item["revision"] + 1,
+                # A fresh submission gets a fresh count of expired review leases.
+                "lease_expiries": 0,
                 "pending_feedback": feedback or "Please revise.",
                 "last_feedback": feedback,
                 "last_activity_at": clock.now_ms(),
@@ -176,6 +178,7 @@ async def human_return(
         values={
             "revision": item["revision"] + 1,
             "extra_allowance": item["extra_allowance"] + 1,
+            "lease_expiries": 0,
             "pending_feedback": text,
             "last_feedback": text,
             "last_activity_at": clock.now_ms(),

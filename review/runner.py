@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -83,12 +84,20 @@ class LeadRunner:
     name = "lead-review"
 
     def __init__(
-        self, db: Database, clock: Clock, ids: IdFactory, providers: ProviderRegistry
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        providers: ProviderRegistry,
+        *,
+        on_verdict: Callable[[], None] = lambda: None,
     ) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.providers = providers
+        # Wakes the relay (approval) and the revision dispatcher (changes requested).
+        self.on_verdict = on_verdict
 
     async def expire_leases(self) -> int:
         """Return items whose review lease expired to the queue (3rd expiry: a human)."""
@@ -186,6 +195,8 @@ class LeadRunner:
                 )
             except TransitionError:
                 log.warning("lost the review lease of %s; verdict dropped", item["id"])
+                return
+        self.on_verdict()
 
     async def _decide(self, item: dict[str, Any]) -> tuple[Verdict, str | None, str | None]:
         async with self.db.read() as conn:

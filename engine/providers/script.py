@@ -37,7 +37,9 @@ class ScriptProvider:
             for piece in _chunks(text):
                 yield TextDelta(piece)
             if "complete_task" in offered:
-                yield ToolCall("call_revise", "complete_task", {"summary": text})
+                # The summary rule caps at 2,000 characters; long feedback is cut so the
+                # revision still completes (SPEC 11 says "that same text").
+                yield ToolCall("call_revise", "complete_task", {"summary": text[:2000]})
             return
         last = next((m.content for m in reversed(request.messages) if m.role == "user"), "")
         text = f"Echo: {last}"

@@ -1,0 +1,557 @@
+"""The operator JSON API (SPEC 5) over real HTTP on 127.0.0.1: the actionable queue and
+its cursor, the review detail, human decisions, delivery recovery, authentication by key
+scope and console role, organization isolation, and GETs that never change state."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine import orgs
+from engine import schema as t
+from engine.auth import Scope
+from engine.clock import MINUTE_MS, FakeClock, iso
+from engine.config import Settings
+from engine.db import upgrade
+from engine.runners import RevisionRunner, drain
+from engine.service import Service
+from engine.types import BindingKind, BindingSpec, Gated, Trigger
+from outbox.channel import OutboundMessage, SendOutcome, Uncertain
+from tests.helpers import Org, api_trigger, make_agent, make_key, make_org
+
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+CSRF = {"X-Leadgate-Console": "1"}
+PASSWORD = "correct horse battery"
+_TEMPLATE: list[Path] = []
+
+
+class TimeoutChannel:
+    """A Slack stand-in whose sends time out after the request was written."""
+
+    name = "slack"
+    max_chars = 4_000
+
+    def __init__(self) -> None:
+        self.sent: list[OutboundMessage] = []
+
+    async def send(self, message: OutboundMessage) -> SendOutcome:
+        self.sent.append(message)
+        return Uncertain("read timeout after the request was written")
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def migrated_url(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """conftest's migrated database, but SQLite files are copies of one migrated template."""
+    if not db_url.startswith("sqlite"):
+        upgrade(db_url)
+        return db_url
+    if not _TEMPLATE:
+        path = tmp_path_factory.mktemp("template") / "t.db"
+        upgrade(f"sqlite+aiosqlite:///{path}")
+        _TEMPLATE.append(path)
+    shutil.copyfile(_TEMPLATE[0], db_url.removeprefix("sqlite+aiosqlite:///"))
+    return db_url
+
+
+@dataclass
+class Env:
+    service: Service
+    client: TestClient[web.Request, web.Application]
+    org: Org
+    worker: dict[str, Any]
+    slack: TimeoutChannel
+
+    @property
+    def owner(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.org.key}"}
+
+    @property
+    def clock(self) -> FakeClock:
+        assert isinstance(self.service.clock, FakeClock)
+        return self.service.clock
+
+    async def turn(self, text: str, session: str, *, slack: bool = False) -> str:
+        binding = (
+            BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": "1.1"})
+            if slack
+            else BindingSpec(BindingKind.api)
+        )
+        out = await self.service.turns.run(
+            Trigger(self.org.id, self.worker["id"], session, f"{text} #complete", binding)
+        )
+        assert isinstance(out, Gated) and out.work_item_id
+        return out.work_item_id
+
+    async def escalated(self, session: str) -> str:
+        item_id = await self.turn("hard #escalate", session)
+        await drain(self.service.lead_runner)
+        return item_id
+
+    async def row(self, item_id: str) -> dict[str, Any]:
+        async with self.service.db.read() as conn:
+            found = (
+                await conn.execute(sa.select(t.work_items).where(t.work_items.c.id == item_id))
+            ).one()
+        return dict(found._mapping)
+
+    async def snapshot(self) -> tuple[Any, ...]:
+        """Every row a request could change."""
+        async with self.service.db.read() as conn:
+            out = []
+            for table in (t.work_items, t.deliveries, t.audit, t.messages):
+                rows = (await conn.execute(sa.select(table).order_by(table.c.id))).all()
+                out.append([tuple(r) for r in rows])
+        return tuple(out)
+
+    async def session_cookie(self, role: str, email: str) -> dict[str, str]:
+        async with self.service.db.tx() as conn:
+            await orgs.create_user(
+                conn, self.clock, self.service.ids, self.org.id, email, role, PASSWORD
+            )
+            token = await orgs.login(conn, self.clock, self.service.ids, email, PASSWORD, 3_600_000)
+        assert token
+        return {"Cookie": f"leadgate_session={token}"}
+
+
+@pytest.fixture
+async def env(migrated_url: str) -> AsyncIterator[Env]:
+    settings = Settings.model_validate({"database": {"url": migrated_url}})
+    slack = TimeoutChannel()
+    service = Service(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
+    org = await make_org(service)
+    await make_agent(service, org, "lead")
+    worker = await make_agent(service, org, "worker", lead="lead")
+    client = TestClient(TestServer(service.build_app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        yield Env(service, client, org, worker, slack)
+    finally:
+        await client.close()
+        await service.stop()
+
+
+async def get_json(env: Env, path: str, headers: dict[str, str] | None = None) -> Any:
+    resp = await env.client.get(path, headers=env.owner if headers is None else headers)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def post(
+    env: Env, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    resp = await env.client.post(path, json=body, headers=env.owner if headers is None else headers)
+    return resp.status, await resp.json()
+
+
+# ------------------------------------------------------------------------- the queue
+
+
+async def test_the_queue_lists_only_actionable_items(env: Env) -> None:
+    awaiting = await env.escalated("a")
+    unknown = await env.turn("post it", "unknown", slack=True)
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)  # the Slack send times out: deliveryUnknown
+    assert len(env.slack.sent) == 1
+    completed = await env.turn("done", "completed")
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)
+    approved = await env.turn("ok", "approved")
+    await drain(env.service.lead_runner)  # approved, delivery pending
+    reviewing = await env.turn("check", "reviewing")
+    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    queued = await env.turn("wait", "queued")
+    await env.service.turns.run(api_trigger(env.org, env.worker, "working", "progress"))
+    statuses = {
+        item_id: (await env.row(item_id))["status"]
+        for item_id in (awaiting, unknown, completed, approved, reviewing, queued)
+    }
+    assert statuses == {
+        awaiting: "awaitingHuman",
+        unknown: "approved",
+        completed: "completed",
+        approved: "approved",
+        reviewing: "reviewing",
+        queued: "reviewQueued",
+    }
+
+    page = await get_json(env, "/operator/reviews")
+    assert page["next"] is None
+    assert {i["id"] for i in page["items"]} == {awaiting, unknown}
+    by_id = {i["id"]: i for i in page["items"]}
+    assert by_id[awaiting]["status"] == "awaitingHuman"
+    assert by_id[unknown]["status"] == "approved"
+    for item in page["items"]:
+        assert item["agent"] == {"id": env.worker["id"], "name": "worker"}
+        assert item["revision"] == 0
+        assert item["updatedAt"] == iso((await env.row(item["id"]))["updated_at"])
+
+    # The uncertain delivery, as a human sees and resolves it.
+    detail = await get_json(env, f"/operator/reviews/{unknown}")
+    [dlv] = detail["deliveries"]
+    assert (dlv["status"], dlv["channel"], dlv["attempts"]) == ("deliveryUnknown", "slack", 1)
+    assert "timeout" in dlv["error"]
+    status, body = await post(env, f"/operator/deliveries/{dlv['id']}/retry")
+    assert status == 200
+    assert body["deliveries"][0]["status"] == "pending"
+    status, body = await post(env, f"/operator/deliveries/{dlv['id']}/retry")
+    assert status == 409  # no longer deliveryUnknown: nothing happens twice
+    await drain(env.service.relay)  # times out again
+    status, body = await post(env, f"/operator/deliveries/{dlv['id']}/confirm")
+    assert (status, body["status"]) == (200, "completed")
+    assert body["deliveries"][0]["status"] == "sent"
+    assert [a["action"] for a in body["audit"]][-2:] == ["deliveryConfirmed", "deliveryConfirmed"]
+    page = await get_json(env, "/operator/reviews")
+    assert [i["id"] for i in page["items"]] == [awaiting]
+
+
+@SQLITE_ONLY
+async def test_the_queue_pages_with_a_cursor(env: Env) -> None:
+    made = []
+    for n in range(5):
+        made.append(await env.escalated(f"s{n}"))
+        env.clock.advance(1)
+    seen: list[str] = []
+    path = "/operator/reviews?limit=2"
+    pages = 0
+    while True:
+        page = await get_json(env, path)
+        pages += 1
+        assert len(page["items"]) <= 2
+        seen += [i["id"] for i in page["items"]]
+        if page["next"] is None:
+            break
+        path = f"/operator/reviews?limit=2&cursor={page['next']}"
+    assert pages == 3
+    assert seen == made  # oldest first, no gaps, no repeats
+    exact = await get_json(env, "/operator/reviews?limit=5")
+    assert exact["next"] is None and len(exact["items"]) == 5
+    for bad in ("limit=0", "limit=201", "limit=x", "cursor=not-a-cursor"):
+        resp = await env.client.get(f"/operator/reviews?{bad}", headers=env.owner)
+        assert resp.status == 400, bad
+        assert "error" in await resp.json()
+
+
+# ------------------------------------------------------------------------ the detail
+
+
+@SQLITE_ONLY
+async def test_the_detail_has_everything_a_reviewer_needs(env: Env) -> None:
+    item_id = await env.turn("write the memo #revise", "a")
+    await drain(env.service.lead_runner)
+    await drain(RevisionRunner(env.service.turns))
+    await drain(env.service.lead_runner)
+    body = await get_json(env, f"/operator/reviews/{item_id}")
+    for key in ("id", "status", "revision", "completionPolicy", "taskContext", "summary"):
+        assert key in body
+    assert body["id"] == item_id
+    assert body["status"] == "approved"
+    assert body["revision"] == 1
+    assert body["completionPolicy"] == "requestHumanApproval"
+    assert body["taskContext"] == "write the memo #revise #complete"
+    assert body["summary"] == "Revised: Please revise."
+    assert body["snapshot"] == "Revised: Please revise."
+    [dlv] = body["deliveries"]
+    assert {"id", "status", "channel", "attempts", "error"} <= set(dlv)
+    assert (dlv["status"], dlv["channel"], dlv["attempts"], dlv["error"]) == (
+        "pending",
+        "api",
+        0,
+        None,
+    )
+    assert [a["action"] for a in body["audit"]] == [
+        "create",
+        "completeTask",
+        "claim",
+        "changesRequested",
+        "completeTask",
+        "claim",
+        "approve",
+    ]
+    for entry in body["audit"]:
+        assert {"actor", "action", "text", "at"} <= set(entry)
+        assert entry["at"] == iso(env.clock.now_ms())
+    assert body["audit"][3]["text"] == "Please revise."
+    missing = await env.client.get("/operator/reviews/wi_nope", headers=env.owner)
+    assert missing.status == 404
+
+
+# ---------------------------------------------------------------------- decisions
+
+
+async def test_decisions_answer_the_updated_detail(env: Env) -> None:
+    key = await make_key(env.service, env.org, Scope.review)
+    headers = {"Authorization": f"Bearer {key}"}
+    key_id = key.split(".")[1]
+
+    item = await env.escalated("approve")
+    status, body = await post(env, f"/operator/reviews/{item}/approve", headers=headers)
+    assert status == 200
+    assert body["status"] == "approved"
+    assert [d["status"] for d in body["deliveries"]] == ["pending"]
+    assert (body["audit"][-1]["actor"], body["audit"][-1]["action"]) == (
+        f"key:{key_id}",
+        "approve",
+    )
+    await drain(env.service.relay)
+    assert (await get_json(env, f"/operator/reviews/{item}"))["status"] == "completed"
+
+    # Racing reviewers: exactly one approval wins, one delivery is written.
+    item = await env.escalated("race")
+    answers = await asyncio.gather(
+        *(post(env, f"/operator/reviews/{item}/approve", headers=headers) for _ in range(4))
+    )
+    assert sorted(status for status, _ in answers) == [200, 409, 409, 409]
+    detail = await get_json(env, f"/operator/reviews/{item}")
+    assert len(detail["deliveries"]) == 1
+    assert [a["action"] for a in detail["audit"]].count("approve") == 1
+
+    item = await env.escalated("reject")
+    status, body = await post(
+        env, f"/operator/reviews/{item}/reject", {"reason": "Off topic."}, headers
+    )
+    assert (status, body["status"], body["deliveries"]) == (200, "rejected", [])
+    assert (body["audit"][-1]["action"], body["audit"][-1]["text"]) == ("reject", "Off topic.")
+
+    item = await env.escalated("return")
+    status, body = await post(
+        env, f"/operator/reviews/{item}/return", {"feedback": "Cite sources."}, headers
+    )
+    assert (status, body["status"], body["revision"], body["extraAllowance"]) == (
+        200,
+        "inProgress",
+        1,
+        1,
+    )
+    assert (body["audit"][-1]["action"], body["audit"][-1]["text"]) == ("return", "Cite sources.")
+    assert await drain(RevisionRunner(env.service.turns)) == 1
+    detail = await get_json(env, f"/operator/reviews/{item}")
+    assert (detail["status"], detail["snapshot"]) == ("reviewQueued", "Revised: Cite sources.")
+
+    # Cancel works from any live status (here: under review) and never from a final one.
+    claimed = await env.service.lead_runner.claim()
+    assert claimed is not None and claimed["id"] == item
+    status, body = await post(env, f"/operator/reviews/{item}/cancel", headers=headers)
+    assert (status, body["status"]) == (200, "cancelled")
+    assert (body["audit"][-1]["action"], body["audit"][-1]["from"]) == ("cancel", "reviewing")
+    await env.service.lead_runner.review(claimed)  # its verdict is dropped
+    before = await env.snapshot()
+    for action in ("cancel", "approve"):
+        status, body = await post(env, f"/operator/reviews/{item}/{action}", headers=headers)
+        assert status == 409
+        assert body["error"]["code"] == "invalid_transition"
+    assert await env.snapshot() == before
+
+
+@SQLITE_ONLY
+async def test_decision_texts_are_checked(env: Env) -> None:
+    item = await env.escalated("a")
+    before = await env.snapshot()
+    cases = [
+        ("reject", None),
+        ("reject", {}),
+        ("reject", {"reason": ""}),
+        ("reject", {"reason": "r" * 2_001}),
+        ("reject", {"reason": 7}),
+        ("return", {"feedback": ""}),
+        ("return", {"feedback": "f" * 10_001}),
+        ("return", {"reason": "wrong field"}),
+    ]
+    for action, body in cases:
+        status, answer = await post(env, f"/operator/reviews/{item}/{action}", body)
+        assert status == 400, (action, body)
+        assert answer["error"]["rule"] in ("decision.reason", "decision.feedback")
+    resp = await env.client.post(
+        f"/operator/reviews/{item}/reject", data=b"{not json", headers=env.owner
+    )
+    assert resp.status == 400
+    assert await env.snapshot() == before
+
+    status, body = await post(env, f"/operator/reviews/{item}/reject", {"reason": "r" * 2_000})
+    assert (status, body["status"], body["audit"][-1]["text"]) == (200, "rejected", "r" * 2_000)
+    item = await env.escalated("b")
+    status, body = await post(env, f"/operator/reviews/{item}/return", {"feedback": "f" * 10_000})
+    assert (status, body["status"], body["audit"][-1]["text"]) == (200, "inProgress", "f" * 10_000)
+
+
+@SQLITE_ONLY
+async def test_a_decision_from_the_wrong_status_is_409_and_changes_nothing(env: Env) -> None:
+    completed = await env.turn("done", "completed")
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)
+    rejected = await env.escalated("rejected")
+    assert (await post(env, f"/operator/reviews/{rejected}/reject", {"reason": "no"}))[0] == 200
+    approved = await env.turn("ok", "approved")
+    await drain(env.service.lead_runner)
+    reviewing = await env.turn("check", "reviewing")
+    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    queued = await env.turn("wait", "queued")
+    await env.service.turns.run(api_trigger(env.org, env.worker, "working", "progress"))
+    activity = await get_json(env, "/operator/activity")
+    in_progress = next(i["id"] for i in activity["items"] if i["status"] == "inProgress")
+    status, body = await post(env, f"/operator/reviews/{in_progress}/cancel")
+    assert (status, body["status"]) == (200, "cancelled")
+    await env.service.turns.run(api_trigger(env.org, env.worker, "again", "progress"))
+    activity = await get_json(env, "/operator/activity")
+    in_progress = next(i["id"] for i in activity["items"] if i["status"] == "inProgress")
+    items = {
+        "completed": completed,
+        "rejected": rejected,
+        "approved": approved,
+        "reviewing": reviewing,
+        "reviewQueued": queued,
+        "inProgress": in_progress,
+        "cancelled": body["id"],
+    }
+    for status_name, item in items.items():
+        assert (await env.row(item))["status"] == status_name
+
+    before = await env.snapshot()
+    for status_name, item in items.items():
+        for action, payload in (
+            ("approve", None),
+            ("reject", {"reason": "no"}),
+            ("return", {"feedback": "again"}),
+        ):
+            status, answer = await post(env, f"/operator/reviews/{item}/{action}", payload)
+            assert status == 409, (status_name, action)
+            assert answer["error"]["code"] == "invalid_transition"
+        if status_name in ("completed", "rejected", "cancelled"):
+            status, _ = await post(env, f"/operator/reviews/{item}/cancel")
+            assert status == 409, status_name
+    assert await env.snapshot() == before
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+@SQLITE_ONLY
+async def test_keys_need_the_review_scope(env: Env) -> None:
+    item = await env.escalated("a")
+    trigger_only = await make_key(env.service, env.org, Scope.trigger)
+    updater = await make_key(env.service, env.org, Scope.trigger, Scope.update)
+    review_only = await make_key(env.service, env.org, Scope.review)
+    requests = [
+        ("GET", "/operator/reviews"),
+        ("GET", f"/operator/reviews/{item}"),
+        ("GET", "/operator/activity"),
+        ("POST", f"/operator/reviews/{item}/cancel"),
+    ]
+    before = await env.snapshot()
+    for method, path in requests:
+        for headers, expected in (
+            ({}, 401),
+            ({"Authorization": "Bearer lg.key_nope.secret"}, 401),
+            ({"Authorization": "Basic dXNlcjpwYXNz"}, 401),
+            ({"Authorization": f"Bearer {trigger_only}"}, 403),
+            ({"Authorization": f"Bearer {updater}"}, 403),
+        ):
+            resp = await env.client.request(method, path, headers=headers)
+            assert resp.status == expected, (method, path, headers)
+            error = (await resp.json())["error"]
+            if expected == 403:
+                assert "agent:review" in error["message"]
+    assert await env.snapshot() == before
+    review = {"Authorization": f"Bearer {review_only}"}
+    assert (await get_json(env, "/operator/reviews", review))["items"][0]["id"] == item
+    assert (await get_json(env, f"/operator/reviews/{item}", review))["id"] == item
+    status, body = await post(env, f"/operator/reviews/{item}/approve", headers=review)
+    assert (status, body["status"]) == (200, "approved")
+
+
+@SQLITE_ONLY
+async def test_console_roles_and_the_csrf_header(env: Env) -> None:
+    item = await env.escalated("a")
+    viewer = await env.session_cookie("Viewer", "viewer@example.com")
+    member = await env.session_cookie("Member", "member@example.com")
+    before = await env.snapshot()
+    for path in ("/operator/reviews", f"/operator/reviews/{item}"):
+        resp = await env.client.get(path, headers=viewer)
+        assert resp.status == 403
+    status, _ = await post(env, f"/operator/reviews/{item}/approve", headers={**viewer, **CSRF})
+    assert status == 403
+    assert [i["id"] for i in (await get_json(env, "/operator/reviews", member))["items"]] == [item]
+    # A cookie-authenticated write without the console header is refused (CSRF).
+    status, body = await post(env, f"/operator/reviews/{item}/approve", headers=member)
+    assert status == 401
+    assert body["error"]["rule"] == "csrf"
+    assert await env.snapshot() == before
+    status, body = await post(env, f"/operator/reviews/{item}/approve", headers={**member, **CSRF})
+    assert (status, body["status"]) == (200, "approved")
+    user_id = body["audit"][-1]["actor"]
+    assert user_id.startswith("user:usr_")
+    # Sessions expire.
+    env.clock.advance(3_600_000 + 1)
+    resp = await env.client.get("/operator/reviews", headers=member)
+    assert resp.status == 401
+
+
+@SQLITE_ONLY
+async def test_another_organizations_items_are_not_found(env: Env) -> None:
+    item = await env.escalated("a")
+    unknown = await env.turn("post", "u", slack=True)
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)
+    other = await make_org(env.service, "other")
+    headers = {"Authorization": f"Bearer {other.key}"}
+    before = await env.snapshot()
+    assert (await get_json(env, "/operator/reviews", headers))["items"] == []
+    assert (await get_json(env, "/operator/activity", headers))["items"] == []
+    resp = await env.client.get(f"/operator/reviews/{item}", headers=headers)
+    assert resp.status == 404
+    for action in ("approve", "cancel", "reject", "return"):
+        status, _ = await post(
+            env,
+            f"/operator/reviews/{item}/{action}",
+            {"reason": "x", "feedback": "x"},
+            headers,
+        )
+        assert status == 404, action
+    dlv = (await get_json(env, f"/operator/reviews/{unknown}"))["deliveries"][0]
+    for action in ("confirm", "retry"):
+        status, _ = await post(env, f"/operator/deliveries/{dlv['id']}/{action}", headers=headers)
+        assert status == 404
+    assert await env.snapshot() == before
+
+
+# ---------------------------------------------------------------------- safe GETs
+
+
+@SQLITE_ONLY
+async def test_gets_never_change_state(env: Env) -> None:
+    awaiting = await env.escalated("a")
+    second = await env.escalated("d")
+    reviewing = await env.turn("slow", "b")
+    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    approved = await env.turn("ok", "c")
+    await drain(env.service.lead_runner)
+    # The lease has expired, but nobody ran the runner: a GET must not expire it.
+    env.clock.advance(20 * MINUTE_MS + 1)
+    before = await env.snapshot()
+    await get_json(env, "/operator/reviews")
+    page = await get_json(env, "/operator/reviews?limit=1")
+    assert page["next"] is not None
+    await get_json(env, f"/operator/reviews?limit=1&cursor={page['next']}")
+    await get_json(env, "/operator/activity")
+    for item in (awaiting, second, reviewing, approved):
+        await get_json(env, f"/operator/reviews/{item}")
+    assert await env.snapshot() == before
+    assert (await env.row(reviewing))["status"] == "reviewing"
+    # Agent Activity links to the detail and never carries the reviewed text.
+    activity = await get_json(env, "/operator/activity")
+    assert {i["id"] for i in activity["items"]} == {awaiting, second, reviewing, approved}
+    for entry in activity["items"]:
+        assert entry["detail"] == f"/operator/reviews/{entry['id']}"
+        assert "snapshot" not in entry and "summary" not in entry
+        assert "Echo:" not in str(entry)
