@@ -243,9 +243,7 @@ async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
                 t.users.c.org_id,
                 t.organizations.c.name.label("org_name"),
             )
-            .select_from(
-                t.users.join(t.organizations, t.organizations.c.id == t.users.c.org_id)
-            )
+            .select_from(t.users.join(t.organizations, t.organizations.c.id == t.users.c.org_id))
             .where(t.users.c.id == user_id)
         )
     ).first()

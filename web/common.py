@@ -18,10 +18,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION_COOKIE = "leadgate_session"
 
 
-def openai_error(status: int, message: str, type_: str, code: str | None) -> web.Response:
-    """An OpenAI-style error envelope."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+def openai_error(
+    status: int, message: str, type_: str, code: str | None, rule: str | None = None
+) -> web.Response:
+    """An OpenAI-style error envelope (plus ``rule``, the name of the broken rule)."""
+    error: dict[str, Any] = {"message": message, "type": type_, "param": None, "code": code}
+    if rule is not None:
+        error["rule"] = rule
+    return web.json_response({"error": error}, status=status)
 
 
 _OPENAI_TYPES = {
@@ -40,7 +44,7 @@ def error_response(
     """A JSON error in the surface's style (OpenAI envelope under /v1/)."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     if request.path.startswith("/v1/"):
-        resp = openai_error(status, message, _OPENAI_TYPES.get(status, "api_error"), code)
+        resp = openai_error(status, message, _OPENAI_TYPES.get(status, "api_error"), code, rule)
         if headers:
             resp.headers.update(headers)
         return resp
@@ -95,6 +99,13 @@ def bearer(request: web.Request) -> str | None:
     return token.strip()
 
 
+def require_console_header(request: web.Request) -> None:
+    """Cookie-authenticated writes must come from our own page (CSRF): a cross-site form
+    cannot set a custom header, and a cross-site fetch with one needs CORS we never grant."""
+    if request.headers.get("X-Leadgate-Console") != "1":
+        raise AuthError("console requests must carry X-Leadgate-Console: 1", rule="csrf")
+
+
 PrincipalLookup = Callable[[str | None, str | None], Awaitable[Principal | None]]
 
 
@@ -103,9 +114,7 @@ async def authenticate(request: web.Request, lookup: PrincipalLookup, *, cookie:
     token = bearer(request)
     session = request.cookies.get(SESSION_COOKIE) if cookie and token is None else None
     if cookie and session and request.method not in ("GET", "HEAD"):
-        # Cookie-authenticated writes must come from our own page (CSRF).
-        if request.headers.get("X-Leadgate-Console") != "1":
-            raise AuthError("console requests must carry X-Leadgate-Console: 1", rule="csrf")
+        require_console_header(request)
     principal = await lookup(token, session)
     if principal is None:
         raise AuthError(
