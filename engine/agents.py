@@ -255,6 +255,11 @@ async def save_agent(
             )
         values["model"] = model
     elif current is None:
+        if known_models is not None and "script" not in known_models:
+            raise ValidationError(
+                f"model is required; configured: {', '.join(sorted(known_models))}",
+                rule="agent.model",
+            )
         values["model"] = "script"
     if instructions is not UNSET:
         if not isinstance(instructions, str) or len(instructions) > 100_000:

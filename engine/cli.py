@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -373,7 +374,9 @@ async def _serve(settings: Settings, role: str) -> None:
 
     from engine.service import Service
 
-    service = Service(settings, enable_adapters=role != "worker")
+    # Every role builds the channel adapters: a worker's relay posts through their
+    # outbound halves (build_app mounts the inbound halves only for api/all).
+    service = Service(settings)
     await service.db.check_migrated()
     app = service.build_app(role)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
@@ -382,6 +385,9 @@ async def _serve(settings: Settings, role: str) -> None:
     await site.start()
     if role in ("worker", "all"):
         service.start_runners()
+    # Everything built so far (modules, the app) lives as long as the process: keep it out
+    # of later garbage collections, whose full passes over it took hundreds of ms each.
+    gc.freeze()
     server: Any = site._server
     port = server.sockets[0].getsockname()[1] if server is not None else settings.server.port
     log.info("leadgate listening on http://%s:%s (role %s)", settings.server.host, port, role)

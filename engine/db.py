@@ -10,6 +10,7 @@ queue on the busy timeout instead of failing. Read-only transactions use a plain
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -59,6 +60,8 @@ class Database:
         if self.is_sqlite:
             _install_sqlite_recipe(self.engine)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._write_owner: asyncio.Task[Any] | None = None
 
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
@@ -67,9 +70,15 @@ class Database:
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncConnection]:
-        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success."""
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success.
+
+        SQLite has one writer at a time. Within this process, writers queue on an asyncio
+        lock (FIFO, handed over at once) instead of on SQLite's busy handler, which polls
+        with sleeps of up to 100 ms and under concurrency starves writers for seconds.
+        Other processes (admin CLI, replicas) still meet the busy timeout.
+        """
         topics: set[str] = set()
-        async with self.engine.connect() as conn:
+        async with self._writer(), self.engine.connect() as conn:
             conn.info[_TOPICS] = topics
             try:
                 async with conn.begin():
@@ -79,6 +88,26 @@ class Database:
         for topic in topics:
             for callback in self._listeners.get(topic, ()):
                 callback()
+
+    @asynccontextmanager
+    async def _writer(self) -> AsyncIterator[None]:
+        if not self.is_sqlite:
+            yield
+            return
+        task = asyncio.current_task()
+        if task is not None and task is self._write_owner:
+            # SQLite could never have served it either (it would wait for itself).
+            raise RuntimeError("nested write transaction on SQLite")
+        # One lock per event loop: a Database may outlive a loop (tests).
+        loop = asyncio.get_running_loop()
+        if self._write_lock is None or self._write_lock[0] is not loop:
+            self._write_lock = (loop, asyncio.Lock())
+        async with self._write_lock[1]:
+            self._write_owner = task
+            try:
+                yield
+            finally:
+                self._write_owner = None
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:

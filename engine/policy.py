@@ -33,7 +33,9 @@ def compile_rule(pattern: str, action: str) -> Rule:
         raise ValidationError("policy pattern must be 1..2,000 characters", rule="policy.pattern")
     try:
         return Rule(re.compile(pattern), action)
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:
+        # re raises OverflowError for huge repeat counts and RecursionError for deep
+        # nesting; both are bad patterns, not crashes.
         raise ValidationError(
             f"policy pattern is not a valid regular expression: {exc}", rule="policy.pattern"
         ) from None

@@ -37,6 +37,7 @@ TASK_CONTEXT_LIMIT = 50_000
 SNAPSHOT_LIMIT = 100_000
 SUMMARY_LIMIT = 2_000
 MESSAGE_LIMIT = 100_000
+SESSION_KEY_LIMIT = 500  # sessions.key is VARCHAR(500)
 HISTORY_LIMIT = 50
 MAX_MODEL_CALLS = 4
 REVISION_LEASE_MS = 5 * 60_000
@@ -63,6 +64,9 @@ COMPLETE_TASK = ToolSpec(
 )
 
 DeltaSink = Callable[[str], Awaitable[None]]
+
+#: complete_task's tool result when the signal was recorded for this turn.
+SUBMITTED = json.dumps({"ok": True, "status": "submitted for lead review"})
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,10 @@ class TurnService:
         accepted (not busy, not a duplicate), before the model runs.
         """
         validate_message(trigger.text)
+        if not trigger.session_key or len(trigger.session_key) > SESSION_KEY_LIMIT:
+            raise ValidationError(
+                f"the session id must be 1..{SESSION_KEY_LIMIT} characters", rule="session.length"
+            )
         for attempt in range(3):
             try:
                 intake = await self._intake(trigger)
@@ -391,6 +399,7 @@ class TurnService:
         tools = [COMPLETE_TASK] if gated_turn and ctx.work_item_id else []
         live = on_delta if (not gated_turn and not rules) else None
         parts: list[str] = []
+        signalled = False  # this turn's complete_task was acknowledged
         feedback = revision_item["pending_feedback"] if revision_item else None
         try:
             for _ in range(MAX_MODEL_CALLS):
@@ -412,6 +421,7 @@ class TurnService:
                 )
                 for call in calls:
                     result = await self._tool(ctx, call, tools)
+                    signalled = signalled or result == SUBMITTED
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
         except ModelError:
             METRICS.turns.labels("error").inc()
@@ -421,7 +431,13 @@ class TurnService:
             log.exception("model provider failed")
             raise ModelError("the model failed while producing this turn") from exc
         return await self._finish(
-            ctx, gated_turn, rules, "".join(parts), revision_item, streamed=live is not None
+            ctx,
+            gated_turn,
+            rules,
+            "".join(parts),
+            revision_item,
+            streamed=live is not None,
+            signalled=signalled,
         )
 
     async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:
@@ -449,7 +465,7 @@ class TurnService:
             )
         if not res.rowcount:
             return json.dumps({"error": "no in-progress work item matches this turn"})
-        return json.dumps({"ok": True, "status": "submitted for lead review"})
+        return SUBMITTED
 
     async def read_signal(self, conn: AsyncConnection, ctx: TurnContext) -> str | None:
         """The summary complete_task left for this turn, or ``None``."""
@@ -472,6 +488,7 @@ class TurnService:
         revision_item: dict[str, Any] | None,
         *,
         streamed: bool = False,
+        signalled: bool = False,
     ) -> Outcome:
         signal: str | None = None
         if gated_turn and ctx.work_item_id:
@@ -482,21 +499,14 @@ class TurnService:
                 # Fail closed: when we cannot tell whether the work was handed off,
                 # the text is withheld.
                 log.exception("reading the completion signal failed; withholding the reply")
-                async with self.db.tx() as conn:
-                    await self._store_message(
-                        conn,
-                        ctx.org_id,
-                        ctx.session_id,
-                        ctx.work_item_id,
-                        "assistant",
-                        text,
-                        gated=True,
-                    )
-                    await self._release_revision(conn, revision_item)
-                METRICS.turns.labels("gated").inc()
-                return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+                return await self._withhold(ctx, text, revision_item)
         if signal is not None:
             return await self._submit(ctx, text, signal, revision_item)
+        if signalled:
+            # complete_task was acknowledged, but another turn of the same item signalled
+            # (or submitted) meanwhile and this turn's signal is gone: still withheld.
+            log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
+            return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, rules) if rules else text
         async with self.db.tx() as conn:
             await self._store_message(
@@ -521,6 +531,24 @@ class TurnService:
             self.on_delivery_queued()
         METRICS.turns.labels("plain").inc()
         return Reply(screened, streamed=streamed)
+
+    async def _withhold(
+        self, ctx: TurnContext, text: str, revision_item: dict[str, Any] | None
+    ) -> Outcome:
+        """Store the text withheld (leadGated) without a submission: fail closed."""
+        async with self.db.tx() as conn:
+            await self._store_message(
+                conn,
+                ctx.org_id,
+                ctx.session_id,
+                ctx.work_item_id,
+                "assistant",
+                text,
+                gated=True,
+            )
+            await self._release_revision(conn, revision_item)
+        METRICS.turns.labels("gated").inc()
+        return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
 
     async def _release_revision(
         self, conn: AsyncConnection, revision_item: dict[str, Any] | None

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review completes."
 SESSION_LIMIT = 200
+# The official OpenAI clients retry a 409 by default (twice), which would resend a turn
+# that was taken in (gated) or refused (busy); this header, which they obey, says not to.
+NO_RETRY = {"x-should-retry": "false"}
 
 
 def pending_body(*, gated: bool) -> dict[str, Any]:
@@ -133,7 +136,9 @@ def setup(app: web.Application, service: Service) -> None:
                         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
                     }
                 )
-            return web.json_response(pending_body(gated=isinstance(outcome, Gated)), status=409)
+            return web.json_response(
+                pending_body(gated=isinstance(outcome, Gated)), status=409, headers=NO_RETRY
+            )
 
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -167,7 +172,7 @@ def setup(app: web.Application, service: Service) -> None:
             await response.write_eof()
             return response
         if isinstance(outcome, Busy | Duplicate):
-            return web.json_response(pending_body(gated=False), status=409)
+            return web.json_response(pending_body(gated=False), status=409, headers=NO_RETRY)
         if isinstance(outcome, Reply) and outcome.text and not outcome.streamed:
             await delta(outcome.text)
         await response.write(_chunk(cid, model, created, {}, "stop"))

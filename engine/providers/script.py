@@ -50,7 +50,10 @@ class ScriptProvider:
                 raise ModelError("script model: #fail requested a runtime error mid-turn")
         if "#complete" in last and "complete_task" in offered:
             summary = " ".join(last.replace("#complete", " ").split())
-            yield ToolCall("call_complete", "complete_task", {"summary": f"Summary: {summary}"})
+            # Capped at the 2,000-character summary rule so long tasks still complete.
+            yield ToolCall(
+                "call_complete", "complete_task", {"summary": f"Summary: {summary}"[:2000]}
+            )
 
     async def _lead(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         envelope: dict[str, object] = {}

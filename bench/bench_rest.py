@@ -1,0 +1,358 @@
+"""Closed-loop load on ``POST /v1/chat/completions`` of the real service vs a bare endpoint.
+
+Starts, on 127.0.0.1 and in separate processes:
+
+* the real service (``leadgate serve``, SQLite in a temp dir, or with ``--postgres`` a
+  throwaway PostgreSQL from ``tests/pg.py``; ``script`` model; the demo organization from
+  ``leadgate demo``), through ``tests/service_proc.py``;
+* a bare aiohttp endpoint returning a fixed chat.completion (``bench/bare_server.py``).
+
+Then drives each with a bounded closed loop (``--concurrency`` clients, each sending its
+next request when the previous answer arrived) from one aiohttp client, for
+``--duration`` seconds after a short warm-up, and prints requests/s and p50/p99 latency:
+
+* ``bare``: the bare endpoint (the ceiling of this machine + client);
+* ``plain``: the ``plain`` agent (no lead): 200 ``Echo: ...``; one session per client;
+* ``gated``: the ``worker`` with ``#complete``, each on a fresh session (so gated, not
+  busy): 409 with the gated body; lead reviews then run in the background;
+* ``busy``: the ``worker`` on one session whose item is under review (the lead escalated):
+  409 busy, rejected at intake.
+
+and the ratio plain/bare (target >= 0.25). Usage::
+
+    .venv/bin/python -m bench.bench_rest [--duration 5] [--concurrency 16]
+        [--requests N] [--profile serve.prof] [--postgres]
+
+``--profile`` runs the service under cProfile for the whole run (startup included; combine
+with ``--only plain`` to focus) and prints its top functions (cumulative, internal time).
+``/proc`` CPU time of the server process per request is printed with every scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.service_proc import ServiceProcess, free_port  # noqa: E402
+
+Request = Callable[[int, int], tuple[bytes, dict[str, str]]]
+
+
+@dataclass
+class Result:
+    """One scenario's measurements."""
+
+    name: str
+    duration: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    unexpected: int = 0
+    server_cpu: float = math.nan
+    warmup_count: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def rps(self) -> float:
+        return self.count / self.duration if self.duration else 0.0
+
+    def pct(self, q: float) -> float:
+        data = sorted(self.latencies)
+        if not data:
+            return math.nan
+        return data[min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))] * 1000
+
+    def line(self) -> str:
+        statuses = " ".join(f"{code}x{n}" for code, n in sorted(self.statuses.items()))
+        return (
+            f"{self.name:<6} {self.rps:9.1f} req/s   p50 {self.pct(0.50):7.2f} ms   "
+            f"p99 {self.pct(0.99):7.2f} ms   n={self.count:<6} [{statuses}]"
+            + f"   server CPU {self.cpu_per_request():.2f} ms/req"
+            + (f"  UNEXPECTED={self.unexpected}" if self.unexpected else "")
+        )
+
+    def cpu_per_request(self) -> float:
+        total = self.count + self.warmup_count
+        return self.server_cpu / total * 1000 if total else math.nan
+
+
+async def closed_loop(
+    http: aiohttp.ClientSession,
+    name: str,
+    url: str,
+    make: Request,
+    check: Callable[[int, bytes], bool],
+    *,
+    concurrency: int,
+    duration: float,
+    requests: int | None,
+    warmup: float,
+) -> Result:
+    """``concurrency`` clients in a closed loop for ``duration`` s (or ``requests`` total)."""
+    result = Result(name)
+    sequence = [0] * concurrency
+
+    async def one(client: int, record: bool) -> None:
+        body, headers = make(client, sequence[client])
+        sequence[client] += 1
+        start = time.perf_counter()
+        async with http.post(url, data=body, headers=headers) as resp:
+            data = await resp.read()
+            status = resp.status
+        elapsed = time.perf_counter() - start
+        if not record:
+            result.warmup_count += 1
+        else:
+            result.latencies.append(elapsed)
+            result.statuses[status] += 1
+            if not check(status, data):
+                result.unexpected += 1
+
+    async def client_loop(client: int, until: float, record: bool, budget: list[int]) -> None:
+        while time.perf_counter() < until:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            await one(client, record)
+
+    if warmup > 0:
+        until = time.perf_counter() + warmup
+        await asyncio.gather(*(client_loop(c, until, False, [1 << 30]) for c in range(concurrency)))
+    budget = [requests if requests is not None else 1 << 30]
+    start = time.perf_counter()
+    until = start + (duration if requests is None else 3600)
+    await asyncio.gather(*(client_loop(c, until, True, budget) for c in range(concurrency)))
+    result.duration = time.perf_counter() - start
+    return result
+
+
+def start_bare(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = (workdir / "bare.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.bare_server", "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            req = urllib.request.Request(url, data=b"{}", method="POST")
+            with urllib.request.urlopen(req, timeout=1):
+                return proc, url
+        except (urllib.error.URLError, OSError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the bare endpoint did not start") from None
+            time.sleep(0.05)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (all its threads), from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return math.nan
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def metric_sum(proc: ServiceProcess, name: str, labels: str = "") -> float:
+    """Sum of a Prometheus counter of the service (series containing ``labels``)."""
+    with urllib.request.urlopen(f"{proc.url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line
+    )
+
+
+def wait_reviews(proc: ServiceProcess, expected: float, timeout: float = 120.0) -> float:
+    """Wait until the lead runner reviewed ``expected`` items; returns seconds waited."""
+    start = time.monotonic()
+    while metric_sum(proc, "leadgate_reviews_total") < expected:
+        if time.monotonic() - start > timeout:
+            break
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def body(model: str, text: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": text}]}).encode()
+
+
+async def run(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="leadgate-bench-"))
+    print(
+        f"bench_rest: {args.concurrency} concurrent clients, "
+        + (f"{args.requests} requests" if args.requests else f"{args.duration:g} s")
+        + f" per scenario after {args.warmup:g} s warm-up; {os.cpu_count()} CPUs; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    serve_args: tuple[str, ...] = ()
+    if args.profile:
+        serve_args = ("-m", "cProfile", "-o", args.profile)
+    database_url = None
+    pg = None
+    if args.postgres:
+        from tests.pg import start_postgres
+
+        pg = start_postgres()
+        database_url = pg.create_database(f"bench_{uuid.uuid4().hex[:12]}")
+    proc = ServiceProcess(
+        workdir / "service",
+        database_url=database_url,
+        config={"log": {"level": "WARNING"}},
+        serve_python_args=serve_args,
+    )
+    proc.upgrade()
+    demo = proc.seed_demo()
+    bare, bare_url = start_bare(workdir)
+    proc.start()
+    url = f"{proc.url}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {demo.key}", "Content-Type": "application/json"}
+    plain_body = body("plain", "hello")
+    gated_body = body("worker", "do the task #complete")
+    busy_body = body("worker", "are you done yet?")
+    run_id = uuid.uuid4().hex[:8]
+
+    def is_ok(status: int, data: bytes) -> bool:
+        return status == 200 and b'"Echo: hello"' in data
+
+    def is_gated(status: int, data: bytes) -> bool:
+        return status == 409 and b'"workItemId": null' in data
+
+    def is_busy(status: int, data: bytes) -> bool:
+        return status == 409 and b"LEAD_REVIEW_PENDING" in data and b"workItemId" not in data
+
+    scenarios: list[tuple[str, str, Request, Callable[[int, bytes], bool]]] = [
+        ("bare", bare_url, lambda c, i: (plain_body, {"Content-Type": "application/json"}), is_ok),
+        (
+            "plain",
+            url,
+            lambda c, i: (plain_body, {**auth, "X-Session-Id": f"p{run_id}-{c}"}),
+            is_ok,
+        ),
+        (
+            "gated",
+            url,
+            lambda c, i: (gated_body, {**auth, "X-Session-Id": f"g{run_id}-{c}-{i}"}),
+            is_gated,
+        ),
+        ("busy", url, lambda c, i: (busy_body, {**auth, "X-Session-Id": f"b{run_id}"}), is_busy),
+    ]
+    results: dict[str, Result] = {}
+    connector = aiohttp.TCPConnector(limit=args.concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=60)
+    code = 0
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            # The busy session: its item goes to awaitingHuman (the lead escalates) and stays.
+            async with http.post(
+                url,
+                data=body("worker", "#escalate #complete"),
+                headers={**auth, "X-Session-Id": f"b{run_id}"},
+            ) as resp:
+                assert resp.status == 409, await resp.text()
+            for name, target, make, check in scenarios:
+                if args.only and name not in args.only:
+                    continue
+                reviews_before = metric_sum(proc, "leadgate_reviews_total")
+                pid = bare.pid if name == "bare" else proc.pid
+                gated_before = metric_sum(proc, "leadgate_turns_total", 'outcome="gated"')
+                cpu_before = cpu_seconds(pid)
+                result = await closed_loop(
+                    http,
+                    name,
+                    target,
+                    make,
+                    check,
+                    concurrency=args.concurrency,
+                    duration=args.duration,
+                    requests=args.requests,
+                    warmup=args.warmup,
+                )
+                # Includes the warm-up requests: an estimate of server CPU per request.
+                result.server_cpu = cpu_seconds(pid) - cpu_before
+                results[name] = result
+                print(result.line(), flush=True)
+                if result.unexpected:
+                    code = 1
+                if name == "gated":
+                    # Warm-up turns were gated too: wait for every review to finish so
+                    # the next scenario does not compete with the lead runner.
+                    gated = metric_sum(proc, "leadgate_turns_total", 'outcome="gated"')
+                    waited = await asyncio.to_thread(
+                        wait_reviews, proc, reviews_before + gated - gated_before
+                    )
+                    print(f"       (lead reviews of the gated turns drained {waited:.1f}s later)")
+    finally:
+        bare.terminate()
+        bare.wait(timeout=10)
+        proc.stop()
+        if pg is not None:
+            pg.stop()
+    if "plain" in results and "bare" in results and results["bare"].rps:
+        ratio = results["plain"].rps / results["bare"].rps
+        verdict = "OK" if ratio >= 0.25 else "BELOW TARGET"
+        print(f"plain/bare = {ratio:.3f}  (target >= 0.25: {verdict})")
+    if args.profile:
+        stats = pstats.Stats(args.profile)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(30)
+    if args.keep or code:
+        print(f"(service log: {proc.log_path})")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per scenario")
+    parser.add_argument("--requests", type=int, help="requests per scenario instead")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds, not measured")
+    parser.add_argument("--only", action="append", help="run only these scenarios")
+    parser.add_argument("--profile", help="cProfile output file for the service")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs)")
+    parser.add_argument(
+        "--postgres", action="store_true", help="PostgreSQL (tests/pg.py) instead of SQLite"
+    )
+    args = parser.parse_args()
+    if args.profile:
+        args.profile = str(Path(args.profile).resolve())
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

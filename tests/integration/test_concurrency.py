@@ -1,0 +1,246 @@
+"""Concurrency on both backends: one active work item per (worker, session) under a burst
+of intakes, fenced transitions with exactly one winner, and no gating leak when two turns
+of one item both call complete_task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import schema as t
+from engine import workitems
+from engine.clock import FakeClock
+from engine.config import Settings
+from engine.errors import TransitionError
+from engine.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
+from engine.providers.script import ScriptProvider
+from engine.service import Service
+from engine.turns import visible_transcript
+from engine.types import Busy, Gated, Reply
+from engine.workitems import ACTIVE, Status
+from review.runner import LeadRunner
+from tests.helpers import Org, api_trigger, make_agent, make_org
+
+BURST = 20
+
+
+async def select_all(service: Service, query: sa.Select[Any]) -> list[dict[str, Any]]:
+    async with service.db.read() as conn:
+        return [dict(r._mapping) for r in (await conn.execute(query)).all()]
+
+
+async def lead_worker(service: Service, org: Org, model: str = "script") -> dict[str, Any]:
+    await make_agent(service, org, "lead")
+    return await make_agent(service, org, "worker", lead="lead", model=model)
+
+
+async def assert_one_active_item_per_session(service: Service) -> None:
+    w = t.work_items.c
+    dupes = await select_all(
+        service,
+        sa.select(w.agent_id, w.session_id, sa.func.count().label("n"))
+        .where(w.status.in_([s.value for s in ACTIVE]))
+        .group_by(w.agent_id, w.session_id)
+        .having(sa.func.count() > 1),
+    )
+    assert dupes == []
+
+
+async def test_a_burst_of_intakes_never_makes_two_active_items(service: Service) -> None:
+    org = await make_org(service)
+    worker = await lead_worker(service, org)
+
+    # Burst 1: plain messages on a brand-new session. All race to create the item; all
+    # must land in one item's task context.
+    texts = [f"<p{i:02d}>" for i in range(BURST)]
+    outcomes = await asyncio.gather(
+        *(service.turns.run(api_trigger(org, worker, text, session="fresh")) for text in texts)
+    )
+    assert all(isinstance(o, Reply) for o in outcomes), outcomes
+    items = await select_all(
+        service, sa.select(t.work_items).where(t.work_items.c.agent_id == worker["id"])
+    )
+    assert len(items) == 1
+    assert items[0]["status"] == "inProgress"
+    for text in texts:
+        assert items[0]["task_context"].count(text) == 1, text
+    await assert_one_active_item_per_session(service)
+
+    # Burst 2: another new session; some messages complete the task, after which the
+    # others are busy. Each message is either in the task context or rejected as busy.
+    texts = [f"<c{i:02d}>" + (" #complete" if i % 4 == 3 else "") for i in range(BURST)]
+    outcomes = await asyncio.gather(
+        *(service.turns.run(api_trigger(org, worker, text, session="mixed")) for text in texts)
+    )
+    await assert_one_active_item_per_session(service)
+    async with service.db.read() as conn:
+        sid = await conn.scalar(
+            sa.select(t.sessions.c.id).where(
+                t.sessions.c.agent_id == worker["id"], t.sessions.c.key == "mixed"
+            )
+        )
+    items = await select_all(
+        service, sa.select(t.work_items).where(t.work_items.c.session_id == sid)
+    )
+    assert len(items) == 1
+    [item] = items
+    assert item["status"] == "reviewQueued"
+    assert any(isinstance(o, Gated) for o in outcomes)
+    busy = 0
+    for text, outcome in zip(texts, outcomes, strict=True):
+        tag = text[:5]
+        if isinstance(outcome, Busy):
+            busy += 1
+            assert outcome.work_item_id == item["id"]
+            assert tag not in item["task_context"], tag
+        else:
+            assert isinstance(outcome, Reply | Gated), outcome
+            assert item["task_context"].count(tag) == 1, tag
+    events = await select_all(
+        service, sa.select(t.inbound_events).where(t.inbound_events.c.session_id == sid)
+    )
+    assert len(events) == BURST
+    assert sum(e["outcome"] == "rejectedBusy" for e in events) == busy
+    assert all(e["work_item_id"] == item["id"] for e in events)
+    users = await select_all(
+        service,
+        sa.select(t.messages).where(t.messages.c.session_id == sid, t.messages.c.role == "user"),
+    )
+    assert len(users) == BURST - busy
+
+
+async def test_concurrent_transitions_of_one_item_have_exactly_one_winner(
+    service: Service,
+) -> None:
+    org = await make_org(service)
+    worker = await lead_worker(service, org)
+    await service.turns.run(api_trigger(org, worker, "task"))
+    async with service.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
+        )
+    assert item_id is not None
+    targets = [Status.reviewQueued, Status.cancelled, Status.abandoned, Status.awaitingHuman] * 2
+
+    async def contend(dst: Status) -> Status:
+        async with service.db.tx() as conn:
+            await workitems.get(conn, item_id)  # read first, as a real caller does
+            await asyncio.sleep(0)
+            await workitems.transition(
+                conn,
+                service.clock,
+                service.ids,
+                item_id,
+                src=Status.inProgress,
+                dst=dst,
+                actor="race",
+                action=f"to-{dst}",
+            )
+        return dst
+
+    results = await asyncio.gather(*(contend(d) for d in targets), return_exceptions=True)
+    winners = [r for r in results if isinstance(r, Status)]
+    losers = [r for r in results if isinstance(r, TransitionError)]
+    assert len(winners) == 1, results
+    assert len(losers) == len(targets) - 1, results
+    async with service.db.read() as conn:
+        status = (await workitems.get(conn, item_id))["status"]
+    assert status == winners[0].value
+    audit = await select_all(
+        service,
+        sa.select(t.audit).where(t.audit.c.work_item_id == item_id, t.audit.c.actor == "race"),
+    )
+    assert [a["to_status"] for a in audit] == [winners[0].value]
+
+
+async def test_two_review_runners_never_claim_the_same_item(service: Service) -> None:
+    org = await make_org(service)
+    worker = await lead_worker(service, org)
+    out = await service.turns.run(api_trigger(org, worker, "done #complete"))
+    assert isinstance(out, Gated)
+    runners = [LeadRunner(service.db, service.clock, service.ids, service.providers) for _ in "ab"]
+    claims = await asyncio.gather(*(r.claim() for r in runners * 3))
+    claimed = [c for c in claims if c is not None]
+    assert len(claimed) == 1
+    assert claimed[0]["id"] == out.work_item_id
+    assert claimed[0]["status"] == "reviewing"
+
+
+# ------------------------------------------------------- two complete_task calls at once
+
+
+class Choreography:
+    """Turn A calls complete_task; while A is still running, turn B (same item) does too.
+
+    The provider tells the turns apart by arrival order of their first model call.
+    """
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.a_signalled = asyncio.Event()
+        self.b_signalled = asyncio.Event()
+        self.tool_results: dict[str, Any] = {}
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        last = request.messages[-1]
+        if last.role == "tool":
+            self.tool_results[str(last.tool_call_id)] = json.loads(last.content)
+            if last.tool_call_id == "call_A":
+                self.a_signalled.set()
+                await self.b_signalled.wait()
+            else:
+                self.b_signalled.set()
+            return
+        self.arrivals += 1
+        name = "A" if self.arrivals == 1 else "B"
+        yield TextDelta(f"text of turn {name}")
+        yield ToolCall(f"call_{name}", "complete_task", {"summary": f"summary {name}"})
+
+
+@pytest.fixture
+async def choreographed(migrated_url: str) -> AsyncIterator[tuple[Service, Choreography]]:
+    plan = Choreography()
+    settings = Settings.model_validate({"database": {"url": migrated_url}})
+    service = Service(
+        settings,
+        clock=FakeClock(),
+        providers={"script": ScriptProvider(), "plan": plan},
+        enable_adapters=False,
+    )
+    yield service, plan
+    await service.stop()
+
+
+async def test_an_acknowledged_complete_task_never_leaks_its_text(
+    choreographed: tuple[Service, Choreography],
+) -> None:
+    service, plan = choreographed
+    org = await make_org(service)
+    worker = await lead_worker(service, org, model="plan")
+
+    turn_a = asyncio.create_task(service.turns.run(api_trigger(org, worker, "task part 1")))
+    await asyncio.wait_for(plan.a_signalled.wait(), 30)
+    out_b = await service.turns.run(api_trigger(org, worker, "task part 2"))
+    out_a = await asyncio.wait_for(turn_a, 30)
+
+    # Both turns were told their work was submitted ...
+    assert plan.tool_results["call_A"].get("ok") is True
+    assert plan.tool_results["call_B"].get("ok") is True
+    # ... so neither may show its text before a review.
+    assert isinstance(out_b, Gated)
+    assert not isinstance(out_a, Reply), f"turn A's text leaked unreviewed: {out_a}"
+    async with service.db.read() as conn:
+        item = (
+            await conn.execute(
+                sa.select(t.work_items).where(t.work_items.c.agent_id == worker["id"])
+            )
+        ).one()
+        shown = await visible_transcript(conn, org.id, item.session_id)
+    assert item.status == "reviewQueued"
+    assert [r["role"] for r in shown] == ["user", "user"]
+    assert all("text of turn" not in r["content"] for r in shown)

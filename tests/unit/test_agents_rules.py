@@ -1,0 +1,495 @@
+"""Lead configuration save rules and preset-first resolution (SPEC 2); organizations,
+API keys, roles and scopes (SPEC 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import agents as agents_mod
+from engine import orgs
+from engine import schema as t
+from engine.agents import CompletionPolicy, validate_review_config
+from engine.auth import ROLE_SCOPES, Principal, Role, Scope
+from engine.clock import DAY_MS
+from engine.errors import Conflict, NotFound, PermissionDenied, ValidationError
+from engine.service import Service
+from tests.helpers import Org, make_agent, make_key, make_org
+
+SaveCall = Callable[[Any], Awaitable[Any]]
+
+
+async def table_rows(service: Service, *tables: sa.Table) -> dict[str, list[dict[str, Any]]]:
+    """Every row of ``tables``, ordered by id (to compare before/after)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    async with service.db.read() as conn:
+        for table in tables:
+            rows = (await conn.execute(sa.select(table).order_by(table.c.id))).all()
+            out[table.name] = [dict(r._mapping) for r in rows]
+    return out
+
+
+async def save(service: Service, org: Org, **kwargs: Any) -> dict[str, Any]:
+    async with service.db.tx() as conn:
+        return await agents_mod.save_agent(conn, service.clock, service.ids, org.id, **kwargs)
+
+
+async def preset(service: Service, org_id: str | None, name: str, **kwargs: Any) -> dict[str, Any]:
+    async with service.db.tx() as conn:
+        return await agents_mod.create_preset(
+            conn, service.clock, service.ids, org_id=org_id, name=name, **kwargs
+        )
+
+
+async def resolved(service: Service, org: Org, ref: str) -> agents_mod.LeadConfig | None:
+    async with service.db.read() as conn:
+        row = await agents_mod.find_agent(conn, org.id, ref)
+        return await agents_mod.resolve_lead(conn, row)
+
+
+# --------------------------------------------------------------------------- pure rules
+
+
+@pytest.mark.parametrize(
+    ("raw", "rule"),
+    [
+        ({"completionPolicy": "sometimes"}, "leadReviewConfig.completionPolicy"),
+        ({"completionPolicy": None}, "leadReviewConfig.completionPolicy"),
+        ({"completionPolicy": ["completeAutomatically"]}, "leadReviewConfig.completionPolicy"),
+        ({"maxRevisionRounds": 0}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": 6}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": -1}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": "3"}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": True}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": 2.5}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": 3.0}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRevisionRounds": None}, "leadReviewConfig.maxRevisionRounds"),
+        ({"maxRounds": 3}, "leadReviewConfig.unknown_key"),
+        ({"completionPolicy": "requestHumanApproval", "x": 1}, "leadReviewConfig.unknown_key"),
+        ("requestHumanApproval", "leadReviewConfig.type"),
+        ([1, 2], "leadReviewConfig.type"),
+    ],
+)
+def test_review_config_rejections(raw: Any, rule: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        validate_review_config(raw)
+    assert info.value.rule == rule
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (None, (CompletionPolicy.requestHumanApproval, 3)),
+        ({}, (CompletionPolicy.requestHumanApproval, 3)),
+        (
+            {"completionPolicy": "completeAutomatically"},
+            (CompletionPolicy.completeAutomatically, 3),
+        ),
+        ({"maxRevisionRounds": 1}, (CompletionPolicy.requestHumanApproval, 1)),
+        (
+            {"completionPolicy": "requestHumanApproval", "maxRevisionRounds": 5},
+            (CompletionPolicy.requestHumanApproval, 5),
+        ),
+    ],
+)
+def test_review_config_accepted_values_and_defaults(raw: Any, expected: Any) -> None:
+    assert validate_review_config(raw) == expected
+
+
+# ------------------------------------------------------------------------ save rules
+
+
+async def test_every_rejected_save_names_its_rule_and_changes_nothing(service: Service) -> None:
+    org = await make_org(service, "acme")
+    other = await make_org(service, "other")
+    lead = await make_agent(service, org, "lead")
+    await make_agent(service, org, "lead2")
+    await make_agent(service, org, "idle")
+    await save(service, org, agent_ref="idle", active=False)
+    await make_agent(service, org, "gone")
+    await save(service, org, agent_ref="gone", delete=True)
+    foreign = await make_agent(service, other, "foreign")
+    await preset(service, org.id, "with-lead", lead="lead")
+    worker = await make_agent(service, org, "w", lead="lead")
+    await make_agent(service, org, "pw", preset="with-lead")
+
+    cases: list[tuple[str, SaveCall]] = [
+        ("lead.self", lambda c: _save(service, org, c, agent_ref="w", lead="w")),
+        ("lead.self", lambda c: _save(service, org, c, agent_ref="w", lead=worker["id"])),
+        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead="nosuch")),
+        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead="foreign")),
+        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead=foreign["id"])),
+        ("lead.not_found", lambda c: _save(service, org, c, agent_ref="w", lead="nosuch")),
+        ("lead.inactive", lambda c: _save(service, org, c, name="x", lead="idle")),
+        ("lead.inactive", lambda c: _save(service, org, c, agent_ref="w", lead="idle")),
+        ("lead.deleted", lambda c: _save(service, org, c, name="x", lead="gone")),
+        ("lead.deleted", lambda c: _save(service, org, c, agent_ref="w", lead="gone")),
+        ("lead.preset_has_lead", lambda c: _save(service, org, c, agent_ref="pw", lead="lead2")),
+        (
+            "lead.preset_has_lead",
+            lambda c: _save(service, org, c, name="x", preset="with-lead", lead="lead2"),
+        ),
+        (
+            "lead.preset_has_lead",
+            lambda c: _save(service, org, c, agent_ref="w", preset="with-lead", lead="lead"),
+        ),
+        (
+            "leadReviewConfig.completionPolicy",
+            lambda c: _save(
+                service, org, c, name="x", lead="lead", review_config={"completionPolicy": "x"}
+            ),
+        ),
+        (
+            "leadReviewConfig.completionPolicy",
+            lambda c: _save(
+                service, org, c, agent_ref="w", review_config={"completionPolicy": "never"}
+            ),
+        ),
+        *[
+            (
+                "leadReviewConfig.maxRevisionRounds",
+                _rounds_case(service, org, bad),
+            )
+            for bad in (0, 6, "3", True, 2.5)
+        ],
+        (
+            "leadReviewConfig.unknown_key",
+            lambda c: _save(
+                service, org, c, agent_ref="w", review_config={"maxRevisionRounds": 2, "z": 1}
+            ),
+        ),
+        (
+            "preset.platform_lead",
+            lambda c: agents_mod.create_preset(
+                c, service.clock, service.ids, org_id=None, name="plat", lead="lead"
+            ),
+        ),
+        (
+            "preset.platform_lead",
+            lambda c: agents_mod.create_preset(
+                c,
+                service.clock,
+                service.ids,
+                org_id=None,
+                name="plat",
+                review_config={"maxRevisionRounds": 2},
+            ),
+        ),
+        (
+            "lead.inactive",
+            lambda c: agents_mod.create_preset(
+                c, service.clock, service.ids, org_id=org.id, name="p2", lead="idle"
+            ),
+        ),
+        (
+            "leadReviewConfig.maxRevisionRounds",
+            lambda c: agents_mod.create_preset(
+                c,
+                service.clock,
+                service.ids,
+                org_id=org.id,
+                name="p3",
+                lead="lead",
+                review_config={"maxRevisionRounds": 9},
+            ),
+        ),
+    ]
+    service.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    for rule, call in cases:
+        before = await table_rows(service, t.agents, t.presets)
+        with pytest.raises(ValidationError) as info:
+            async with service.db.tx() as conn:
+                await call(conn)
+        assert info.value.rule == rule, (rule, info.value.message)
+        assert info.value.status == 400
+        after = await table_rows(service, t.agents, t.presets)
+        assert after == before, f"a rejected save ({rule}) changed the database"
+    # the worker still has its original lead and defaults
+    config = await resolved(service, org, "w")
+    assert config is not None
+    assert config.lead_agent_id == lead["id"]
+    assert (config.completion_policy, config.max_revision_rounds) == (
+        CompletionPolicy.requestHumanApproval,
+        3,
+    )
+
+
+def _save(service: Service, org: Org, conn: Any, **kwargs: Any) -> Awaitable[Any]:
+    return agents_mod.save_agent(conn, service.clock, service.ids, org.id, **kwargs)
+
+
+def _rounds_case(service: Service, org: Org, bad: Any) -> SaveCall:
+    return lambda c: _save(
+        service, org, c, name="x", lead="lead", review_config={"maxRevisionRounds": bad}
+    )
+
+
+async def test_lead_defaults_preset_first_resolution_and_public_payload(
+    service: Service,
+) -> None:
+    org = await make_org(service)
+    lead = await make_agent(service, org, "lead")
+    own_lead = await make_agent(service, org, "own-lead")
+
+    # Defaults: requestHumanApproval / 3 when a lead is set without a config.
+    worker = await make_agent(service, org, "worker", lead="lead")
+    assert worker["lead_agent_id"] == lead["id"]
+    assert worker["completion_policy"] == "requestHumanApproval"
+    assert worker["max_revision_rounds"] == 3
+    # Public payloads never carry the lead fields.
+    body = agents_mod.public_agent(worker)
+    assert body["id"] == worker["id"]
+    for hidden in ("leadAgentId", "leadReviewConfig", "lead_agent_id", "completion"):
+        assert hidden not in repr(body)
+
+    tuned = await make_agent(
+        service,
+        org,
+        "tuned",
+        lead=lead["id"],
+        review_config={"completionPolicy": "completeAutomatically", "maxRevisionRounds": 5},
+    )
+    assert await resolved(service, org, tuned["id"]) == agents_mod.LeadConfig(
+        lead_agent_id=lead["id"],
+        completion_policy=CompletionPolicy.completeAutomatically,
+        max_revision_rounds=5,
+        source="agent",
+    )
+    # lead=None clears the worker's own lead: no gating at all.
+    await save(service, org, agent_ref="tuned", lead=None)
+    assert await resolved(service, org, "tuned") is None
+    # The boundary values 1 and 5 are accepted.
+    for rounds in (1, 5):
+        row = await save(
+            service, org, agent_ref="worker", review_config={"maxRevisionRounds": rounds}
+        )
+        assert row["max_revision_rounds"] == rounds
+
+    org_preset = await preset(
+        service,
+        org.id,
+        "reviewed",
+        lead="lead",
+        review_config={"completionPolicy": "completeAutomatically", "maxRevisionRounds": 2},
+    )
+    assert org_preset["kind"] == "organization"
+    assert org_preset["leadAgentId"] == lead["id"]
+    plain_preset = await preset(service, org.id, "plain-org-preset")
+    platform = await preset(service, None, "platform")
+    assert platform["kind"] == "platform"
+    assert platform["leadAgentId"] is None
+
+    # A worker with its own lead that later moves onto the org preset: the preset wins.
+    await make_agent(service, org, "w1", lead="own-lead", review_config={"maxRevisionRounds": 4})
+    await save(service, org, agent_ref="w1", preset="reviewed")
+    assert await resolved(service, org, "w1") == agents_mod.LeadConfig(
+        lead_agent_id=lead["id"],
+        completion_policy=CompletionPolicy.completeAutomatically,
+        max_revision_rounds=2,
+        source="preset",
+    )
+    # Platform preset: the worker's own columns apply.
+    await make_agent(service, org, "w2", lead="own-lead", preset=platform["id"])
+    config = await resolved(service, org, "w2")
+    assert config is not None
+    assert (config.lead_agent_id, config.source, config.max_revision_rounds) == (
+        own_lead["id"],
+        "agent",
+        3,
+    )
+    # Org preset without a lead: the worker's own columns apply too.
+    await make_agent(service, org, "w3", lead="own-lead", preset=plain_preset["id"])
+    config = await resolved(service, org, "w3")
+    assert config is not None
+    assert (config.lead_agent_id, config.source) == (own_lead["id"], "agent")
+    # No lead anywhere: None.
+    await make_agent(service, org, "w4", preset=platform["id"])
+    assert await resolved(service, org, "w4") is None
+    await make_agent(service, org, "w5")
+    assert await resolved(service, org, "w5") is None
+
+
+# ------------------------------------------------------------------- orgs and API keys
+
+
+@pytest.mark.parametrize(
+    ("values", "ok"),
+    [
+        (["agent:trigger"], True),
+        (["agent:trigger", "agent:review", "agent:trigger"], True),
+        (["agent:delete"], False),
+        (["agent:trigger", "admin"], False),
+        (["AGENT:TRIGGER"], False),
+        ([], False),
+    ],
+)
+def test_parse_scopes(values: list[str], ok: bool) -> None:
+    if ok:
+        assert orgs.parse_scopes(values) == frozenset(Scope(v) for v in values)
+    else:
+        with pytest.raises(ValidationError) as info:
+            orgs.parse_scopes(values)
+        assert info.value.rule == "key.scope"
+
+
+def test_role_scope_mapping() -> None:
+    assert Scope.review in ROLE_SCOPES[Role.owner]
+    assert Scope.review in ROLE_SCOPES[Role.admin]
+    assert Scope.review in ROLE_SCOPES[Role.member]
+    assert Scope.review not in ROLE_SCOPES[Role.viewer]
+    assert Scope.update in ROLE_SCOPES[Role.owner]
+    assert Scope.update in ROLE_SCOPES[Role.admin]
+    assert Scope.update not in ROLE_SCOPES[Role.member]
+    assert Scope.update not in ROLE_SCOPES[Role.viewer]
+    assert Scope.trigger in ROLE_SCOPES[Role.owner]
+    assert Scope.trigger in ROLE_SCOPES[Role.admin]
+    assert Scope.trigger in ROLE_SCOPES[Role.member]
+    assert Scope.trigger not in ROLE_SCOPES[Role.viewer]
+    viewer = Principal(org_id="o", scopes=ROLE_SCOPES[Role.viewer], user_id="u")
+    with pytest.raises(PermissionDenied) as info:
+        viewer.require(Scope.review)
+    assert info.value.rule == "scope.agent:review"
+    assert viewer.actor == "user:u"
+
+
+async def test_keys_are_hashed_scoped_and_never_cross_organizations(service: Service) -> None:
+    org = await make_org(service, "acme")
+    other = await make_org(service, "other")
+    prefix, key_id, secret = org.key.split(".")
+    _, other_id, other_secret = other.key.split(".")
+    assert prefix == "lg"
+    assert len(secret) >= 40
+    trigger_only = await make_key(service, org, Scope.trigger)
+
+    # Shown once, stored hashed: no raw secret anywhere in the tables.
+    dump = await table_rows(service, t.api_keys, t.organizations)
+    assert len(dump["api_keys"]) == 3
+    everything = repr(dump)
+    for raw in (org.key, other.key, trigger_only):
+        assert raw.split(".")[2] not in everything
+    row = next(r for r in dump["api_keys"] if r["id"] == key_id)
+    assert len(row["secret_hash"]) == 64
+    assert sorted(row["scopes"]) == ["agent:review", "agent:trigger", "agent:update"]
+    assert org.principal.org_id == org.id
+    assert org.principal.scopes == ROLE_SCOPES[Role.owner]
+    assert org.principal.key_id == key_id
+
+    # Scopes are enforced.
+    async with service.db.read() as conn:
+        principal = await orgs.authenticate_key(conn, trigger_only)
+    assert principal is not None
+    assert principal.org_id == org.id
+    assert principal.scopes == frozenset({Scope.trigger})
+    principal.require(Scope.trigger)
+    for missing in (Scope.review, Scope.update):
+        with pytest.raises(PermissionDenied) as denied:
+            principal.require(missing)
+        assert denied.value.rule == f"scope.{missing.value}"
+        assert denied.value.status == 403
+
+    # Malformed and mixed keys authenticate nobody.
+    bad = [
+        "",
+        "lg",
+        "lg.",
+        f"lg.{key_id}",
+        f"lg.{key_id}.",
+        f"xx.{key_id}.{secret}",
+        f"lg.{key_id}.{secret}x",
+        f"lg.{key_id}.{secret}.extra",
+        f"lg.{key_id}.{other_secret}",  # key id of one org, secret of another
+        f"lg.{other_id}.{secret}",
+        f"lg.nokey.{secret}",
+        f"lg.{key_id}.{secret}" + "a" * 200,
+        f"Bearer {org.key}",
+    ]
+    async with service.db.read() as conn:
+        for raw in bad:
+            assert await orgs.authenticate_key(conn, raw) is None, raw
+        assert await orgs.authenticate_key(conn, org.key) is not None
+
+    # Revoked: None; the other organization's key is unaffected.
+    async with service.db.tx() as conn:
+        await conn.execute(
+            t.api_keys.update()
+            .where(t.api_keys.c.id == key_id)
+            .values(revoked_at=service.clock.now_ms())
+        )
+    async with service.db.read() as conn:
+        assert await orgs.authenticate_key(conn, org.key) is None
+        still = await orgs.authenticate_key(conn, other.key)
+    assert still is not None and still.org_id == other.id
+
+    # Nothing crosses organizations: the other org cannot see our agent.
+    mine = await make_agent(service, org, "mine")
+    async with service.db.read() as conn:
+        for ref in (mine["id"], "mine"):
+            with pytest.raises(NotFound):
+                await agents_mod.find_agent(conn, other.id, ref)
+        assert (await agents_mod.find_agent(conn, org.id, mine["id"]))["id"] == mine["id"]
+
+    # A duplicate organization or a bad name writes nothing.
+    before = await table_rows(service, t.organizations, t.api_keys)
+    with pytest.raises(Conflict) as conflict:
+        async with service.db.tx() as conn:
+            await orgs.create_org(conn, service.clock, service.ids, "acme")
+    assert conflict.value.rule == "org.name_taken"
+    for name in ("", "   ", "x" * 201, "tab\there"):
+        with pytest.raises(ValidationError):
+            async with service.db.tx() as conn:
+                await orgs.create_org(conn, service.clock, service.ids, name)
+    assert await table_rows(service, t.organizations, t.api_keys) == before
+
+
+async def test_user_roles_map_to_scopes_through_console_sessions(service: Service) -> None:
+    org = await make_org(service)
+    expected = {
+        "Viewer": frozenset(),
+        "Member": frozenset({Scope.trigger, Scope.review}),
+        "Admin": frozenset({Scope.trigger, Scope.review, Scope.update}),
+        "Owner": frozenset({Scope.trigger, Scope.review, Scope.update}),
+    }
+    now = service.clock.now_ms()
+    # Users and sessions are inserted directly (argon2 hashing is deliberately slow and
+    # is not what this test is about); authenticate_session maps the role to scopes.
+    async with service.db.tx() as conn:
+        for role in expected:
+            await conn.execute(
+                t.users.insert().values(
+                    id=f"usr_{role}",
+                    org_id=org.id,
+                    email=f"{role.lower()}@example.com",
+                    role=role,
+                    password_hash="unused",
+                    created_at=now,
+                )
+            )
+            await conn.execute(
+                t.console_sessions.insert().values(
+                    id=f"cs_{role}",
+                    token_hash=orgs._hash_secret(f"token-{role}"),
+                    user_id=f"usr_{role}",
+                    expires_at=now + DAY_MS,
+                    created_at=now,
+                )
+            )
+    async with service.db.read() as conn:
+        for role, scopes in expected.items():
+            principal = await orgs.authenticate_session(conn, service.clock, f"token-{role}")
+            assert principal is not None, role
+            assert principal.scopes == scopes, role
+            assert (principal.org_id, principal.user_id) == (org.id, f"usr_{role}")
+        assert await orgs.authenticate_session(conn, service.clock, "token-nobody") is None
+    service.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    async with service.db.read() as conn:
+        assert await orgs.authenticate_session(conn, service.clock, "token-Member") is None
+    with pytest.raises(ValidationError) as info:
+        async with service.db.tx() as conn:
+            await orgs.create_user(
+                conn, service.clock, service.ids, org.id, "x@example.com", "Boss", "long enough"
+            )
+    assert info.value.rule == "user.role"

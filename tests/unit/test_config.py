@@ -1,0 +1,226 @@
+"""Configuration (SPEC 12): TOML file, ``LEADGATE_<SECTION>__<KEY>`` overrides, errors that
+name the offending key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import Settings, load_settings
+from engine.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "leadgate.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_without_a_file() -> None:
+    settings = load_settings(None, environ={})
+    assert settings.server.host == "127.0.0.1"
+    assert settings.server.port == 8080
+    assert settings.database.url == "sqlite+aiosqlite:///./leadgate.db"
+    assert set(settings.models) == {"script"}
+    assert settings.models["script"].provider == "script"
+
+
+def test_toml_values_are_loaded(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[server]
+host = "127.0.0.1"
+port = 8123
+public_url = "http://127.0.0.1:8123"
+
+[database]
+url = "sqlite+aiosqlite:///./other.db"
+
+[slack]
+signing_secret = "s3cret"
+
+[email]
+start_tls = true
+smtp_port = 2525
+""",
+    )
+    settings = load_settings(path, environ={})
+    assert settings.server.port == 8123
+    assert settings.server.public_url == "http://127.0.0.1:8123"
+    assert settings.database.url == "sqlite+aiosqlite:///./other.db"
+    assert settings.slack.signing_secret == "s3cret"
+    assert settings.email.start_tls is True
+    assert settings.email.smtp_port == 2525
+    # untouched sections keep their defaults
+    assert settings.discord.public_key == ""
+
+
+def test_config_example_toml_is_valid() -> None:
+    settings = load_settings(REPO / "config.example.toml", environ={})
+    assert "script" in settings.models
+    assert settings.models["script"].provider == "script"
+
+
+def test_env_override_wins_over_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 8123\n")
+    settings = load_settings(path, environ={"LEADGATE_SERVER__PORT": "9000"})
+    assert settings.server.port == 9000
+    assert isinstance(settings.server.port, int)
+
+
+def test_env_override_without_a_file_and_for_booleans() -> None:
+    settings = load_settings(
+        None,
+        environ={
+            "LEADGATE_SERVER__PORT": "9000",
+            "LEADGATE_EMAIL__START_TLS": "true",
+            "LEADGATE_DATABASE__URL": "postgresql+asyncpg://u@127.0.0.1/db",
+        },
+    )
+    assert settings.server.port == 9000
+    assert settings.email.start_tls is True
+    assert settings.database.url == "postgresql+asyncpg://u@127.0.0.1/db"
+
+
+def test_env_variables_that_are_not_overrides_are_ignored() -> None:
+    # LEADGATE_CONFIG / LEADGATE_PASSWORD are read by the CLI, not section overrides;
+    # other programs' variables are none of our business.
+    settings = load_settings(
+        None,
+        environ={
+            "LEADGATE_CONFIG": "/nonexistent.toml",
+            "LEADGATE_PASSWORD": "hunter22",
+            "PATH": "/usr/bin",
+            "OTHER__THING": "x",
+        },
+    )
+    assert settings == Settings()
+
+
+def test_unknown_key_in_toml_names_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 8080\nbogus_key = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "server.bogus_key" in info.value.message
+
+
+def test_unknown_section_in_toml_names_it(tmp_path: Path) -> None:
+    path = write(tmp_path, "[nonsense]\nx = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "nonsense" in info.value.message
+
+
+def test_unknown_key_in_env_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, environ={"LEADGATE_SERVER__BOGUS_KEY": "1"})
+    assert "server.bogus_key" in info.value.message
+
+
+def test_unknown_section_in_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, environ={"LEADGATE_NOPE__PORT": "1"})
+    assert "LEADGATE_NOPE__PORT" in info.value.message
+    assert info.value.rule == "config.unknown_key"
+
+
+def test_env_override_below_a_plain_value_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nhost = "127.0.0.1"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={"LEADGATE_SERVER__HOST__X": "1"})
+    assert "LEADGATE_SERVER__HOST__X" in info.value.message
+
+
+def test_wrong_type_in_toml_names_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nport = "not a number"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "server.port" in info.value.message
+
+
+def test_wrong_type_in_env_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, environ={"LEADGATE_SERVER__PORT": "eighty"})
+    assert "server.port" in info.value.message
+
+
+def test_out_of_range_value_names_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 70000\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "server.port" in info.value.message
+
+
+def test_section_given_as_a_scalar_is_rejected(tmp_path: Path) -> None:
+    path = write(tmp_path, 'server = "127.0.0.1"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "server" in info.value.message
+
+
+def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server\nport = = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "not valid TOML" in info.value.message
+    assert str(path) in info.value.message
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_settings(missing, environ={})
+    assert str(missing) in info.value.message
+
+
+def test_models_sections_are_dynamic(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+[models.script]
+provider = "script"
+
+[models.gpt]
+provider = "openai"
+base_url = "http://127.0.0.1:9999/v1"
+api_key = "from-file"
+model = "gpt-4o-mini"
+timeout_s = 5.5
+""",
+    )
+    settings = load_settings(path, environ={"LEADGATE_MODELS__GPT__API_KEY": "from-env"})
+    assert set(settings.models) == {"script", "gpt"}
+    gpt = settings.models["gpt"]
+    assert gpt.provider == "openai"
+    assert gpt.base_url == "http://127.0.0.1:9999/v1"
+    assert gpt.model == "gpt-4o-mini"
+    assert gpt.timeout_s == 5.5
+    assert gpt.api_key == "from-env"
+
+
+def test_models_section_can_come_from_env_alone() -> None:
+    settings = load_settings(
+        None,
+        environ={
+            "LEADGATE_MODELS__LOCAL__PROVIDER": "openai",
+            "LEADGATE_MODELS__LOCAL__MODEL": "m",
+        },
+    )
+    assert settings.models["local"].provider == "openai"
+    assert settings.models["local"].model == "m"
+
+
+def test_models_section_unknown_key_and_bad_provider(tmp_path: Path) -> None:
+    path = write(tmp_path, '[models.gpt]\nprovider = "openai"\ntemperature = 0.2\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "models.gpt.temperature" in info.value.message
+
+    path = write(tmp_path, '[models.gpt]\nprovider = "anthropic-direct"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "models.gpt.provider" in info.value.message

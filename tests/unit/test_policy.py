@@ -1,0 +1,194 @@
+"""Organization output policy (SPEC 3 Decision): ordered ``{pattern, action}`` rules on
+ungated replies; block replaces the whole reply, redact replaces matches."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import policy
+from engine import schema as t
+from engine.errors import ValidationError
+from engine.policy import BLOCK_NOTICE, REDACTED, Rule, compile_rule, screen
+from engine.runners import drain
+from engine.service import Service
+from engine.turns import visible_transcript
+from engine.types import Gated, Reply
+from tests.helpers import Org, api_trigger, make_agent, make_org
+
+# ------------------------------------------------------------------------- pure
+
+
+def rules(*pairs: tuple[str, str]) -> list[Rule]:
+    return [compile_rule(pattern, action) for pattern, action in pairs]
+
+
+def test_block_replaces_the_whole_reply() -> None:
+    assert screen("the secret is 42", rules(("secret", "block"))) == BLOCK_NOTICE
+    assert screen("nothing to see", rules(("secret", "block"))) == "nothing to see"
+    assert BLOCK_NOTICE and "secret" not in BLOCK_NOTICE
+
+
+def test_redact_replaces_every_match() -> None:
+    out = screen("pin 1234, card 5678 9012", rules((r"\d{4}", "redact")))
+    assert out == f"pin {REDACTED}, card {REDACTED} {REDACTED}"
+    assert REDACTED == "[redacted]"
+
+
+def test_rules_apply_in_order() -> None:
+    # redact first: the block no longer matches
+    assert screen("my dog", rules(("dog", "redact"), ("dog", "block"))) == "my [redacted]"
+    # block first: blocked
+    assert screen("my dog", rules(("dog", "block"), ("dog", "redact"))) == BLOCK_NOTICE
+    # a later rule sees the earlier rule's output
+    assert (
+        screen("my cat", rules(("cat", "redact"), (re.escape(REDACTED), "block"))) == BLOCK_NOTICE
+    )
+    assert screen("a-b", rules(("a", "redact"), ("b", "redact"))) == "[redacted]-[redacted]"
+    assert screen("unchanged", []) == "unchanged"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "action", "rule"),
+    [
+        ("(", "redact", "policy.pattern"),
+        ("[a-", "block", "policy.pattern"),
+        ("a**", "redact", "policy.pattern"),
+        ("(?P<x>a)(?P=y)", "redact", "policy.pattern"),
+        ("", "block", "policy.pattern"),
+        ("x" * 2001, "block", "policy.pattern"),
+        ("a{4294967296}", "redact", "policy.pattern"),  # OverflowError inside re
+        ("ok", "delete", "policy.action"),
+        ("ok", "BLOCK", "policy.action"),
+        ("ok", "", "policy.action"),
+    ],
+)
+def test_compile_rule_rejects_bad_rules_with_a_validation_error(
+    pattern: str, action: str, rule: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        compile_rule(pattern, action)
+    assert info.value.rule == rule
+
+
+def test_too_deeply_nested_pattern_is_a_validation_error() -> None:
+    # How deep re can nest depends on the recursion limit in force; pin it low so that
+    # the RecursionError path is taken whatever other code did to the limit.
+    pattern = "(" * 700 + "deep" + ")" * 700
+    re.purge()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 200)
+    try:
+        with pytest.raises(ValidationError) as info:
+            compile_rule(pattern, "block")
+    finally:
+        sys.setrecursionlimit(limit)
+    assert info.value.rule == "policy.pattern"
+
+
+# ----------------------------------------------------------------- on the turn path
+
+
+async def add(service: Service, org: Org, pattern: str, action: str) -> dict[str, Any]:
+    async with service.db.tx() as conn:
+        return await policy.add_rule(conn, service.clock, service.ids, org.id, pattern, action)
+
+
+async def test_policy_screens_plain_replies_in_order_per_organization(service: Service) -> None:
+    redacting = await make_org(service, "redacting")
+    blocking = await make_org(service, "blocking")
+    ordered = await make_org(service, "ordered")
+    free = await make_org(service, "free")
+
+    assert (await add(service, redacting, r"\d{4}", "redact"))["position"] == 1
+    assert (await add(service, redacting, "never-matches", "block"))["position"] == 2
+    await add(service, blocking, "forbidden", "block")
+    await add(service, ordered, "cat", "redact")
+    await add(service, ordered, re.escape(REDACTED), "block")
+
+    # Invalid rules are rejected when they are added, and nothing is written.
+    async with service.db.read() as conn:
+        before = await conn.scalar(sa.select(sa.func.count()).select_from(t.policy_rules))
+    for pattern, action in (("(", "redact"), ("a{4294967296}", "block"), ("ok", "erase")):
+        with pytest.raises(ValidationError):
+            await add(service, free, pattern, action)
+    async with service.db.read() as conn:
+        after = await conn.scalar(sa.select(sa.func.count()).select_from(t.policy_rules))
+    assert after == before == 5
+
+    names = iter(range(100))
+
+    async def reply(org: Org, text: str) -> Any:
+        agent = await make_agent(service, org, f"agent-{next(names)}")
+        deltas: list[str] = []
+
+        async def on_delta(piece: str) -> None:
+            deltas.append(piece)
+
+        out = await service.turns.run(api_trigger(org, agent, text), on_delta=on_delta)
+        async with service.db.read() as conn:
+            stored = await conn.scalar(
+                sa.select(t.messages.c.content)
+                .where(t.messages.c.org_id == org.id, t.messages.c.role == "assistant")
+                .order_by(t.messages.c.created_at.desc(), t.messages.c.id.desc())
+                .limit(1)
+            )
+        return out, deltas, stored
+
+    out, deltas, stored = await reply(redacting, "pin 1234 and 5678")
+    assert out == Reply("Echo: pin [redacted] and [redacted]")
+    assert stored == "Echo: pin [redacted] and [redacted]"
+    # With rules in force nothing streams live: the text is delivered whole once screened.
+    assert deltas == []
+
+    out, deltas, stored = await reply(blocking, "say forbidden things at length")
+    assert out == Reply(BLOCK_NOTICE)
+    assert stored == BLOCK_NOTICE
+    assert deltas == []
+
+    out, _, _ = await reply(ordered, "my cat")
+    assert out == Reply(BLOCK_NOTICE)
+
+    # An organization without rules is untouched, and its plain reply streams live.
+    out, deltas, stored = await reply(free, "pin 1234, forbidden cat")
+    assert out == Reply("Echo: pin 1234, forbidden cat", streamed=True)
+    assert "".join(deltas) == "Echo: pin 1234, forbidden cat"
+    assert stored == "Echo: pin 1234, forbidden cat"
+
+
+async def test_policy_is_not_applied_to_gated_text(service: Service) -> None:
+    org = await make_org(service)
+    await add(service, org, "Echo", "block")
+    await add(service, org, "secret", "redact")
+    await make_agent(service, org, "lead")
+    worker = await make_agent(service, org, "worker", lead="lead")
+
+    out = await service.turns.run(api_trigger(org, worker, "the secret plan #complete"))
+    assert isinstance(out, Gated)
+    async with service.db.read() as conn:
+        item = (
+            await conn.execute(sa.select(t.work_items).where(t.work_items.c.id == out.work_item_id))
+        ).one()
+        gated = await conn.scalar(
+            sa.select(t.messages.c.content).where(t.messages.c.id == item.gated_message_id)
+        )
+    assert item.snapshot == "Echo: the secret plan #complete"
+    assert gated == "Echo: the secret plan #complete"
+
+    # The lead reviews the unscreened text; once approved it is revealed as it was.
+    await drain(service.lead_runner)
+    await drain(service.relay)
+    async with service.db.read() as conn:
+        shown = await visible_transcript(conn, org.id, item.session_id)
+    assert [r["content"] for r in shown if r["role"] == "assistant"] == [
+        "Echo: the secret plan #complete"
+    ]
+
+    # An ungated turn of the same worker is screened.
+    again = await service.turns.run(api_trigger(org, worker, "another secret"))
+    assert again == Reply(BLOCK_NOTICE)

@@ -1,0 +1,305 @@
+"""Work items (SPEC 3): the one transition table, fenced transitions, lease tokens, audit;
+and the storage rules underneath (SQLite recipe, migrations check)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import schema as t
+from engine import workitems
+from engine.db import Database, upgrade
+from engine.errors import ConfigError, Conflict, NotMigratedError, TransitionError
+from engine.service import Service
+from engine.workitems import ACTIVE, TERMINAL, TRANSITIONS, Status, allowed
+from tests.helpers import api_trigger, make_agent, make_org
+
+S = Status
+
+#: The transitions SPEC 3-6 call for, written out independently of the engine's table.
+EXPECTED: dict[Status, set[Status]] = {
+    # complete_task; incomplete provenance; 7 days idle; cancel
+    S.inProgress: {S.reviewQueued, S.awaitingHuman, S.abandoned, S.cancelled},
+    # a lead run claims it; cancel
+    S.reviewQueued: {S.reviewing, S.cancelled},
+    # approved; changesRequested; escalated/exhausted/3rd lease expiry; lease expiry; cancel
+    S.reviewing: {S.approved, S.inProgress, S.awaitingHuman, S.reviewQueued, S.cancelled},
+    # human approve; reject; return to worker; cancel
+    S.awaitingHuman: {S.approved, S.rejected, S.inProgress, S.cancelled},
+    # delivered; delivery failed permanently; cancel
+    S.approved: {S.completed, S.failed, S.cancelled},
+    S.completed: set(),
+    S.rejected: set(),
+    S.failed: set(),
+    S.cancelled: set(),
+    S.abandoned: set(),
+}
+
+
+# ------------------------------------------------------------------ the table itself
+
+
+def test_terminal_and_active_statuses_match_the_spec() -> None:
+    assert {s.value for s in TERMINAL} == {
+        "completed",
+        "rejected",
+        "failed",
+        "cancelled",
+        "abandoned",
+    }
+    assert {s.value for s in ACTIVE} == {
+        "inProgress",
+        "reviewQueued",
+        "reviewing",
+        "awaitingHuman",
+        "approved",
+    }
+
+
+def test_the_unique_active_index_covers_exactly_the_active_statuses() -> None:
+    index = next(i for i in t.work_items.indexes if i.name == "uq_work_items_active")
+    assert index.unique
+    assert [c.name for c in index.columns] == ["agent_id", "session_id"]
+    for dialect in ("sqlite", "postgresql"):
+        where = str(index.dialect_options[dialect]["where"])
+        listed = {s for s in Status if f"'{s.value}'" in where}
+        assert listed == set(ACTIVE), dialect
+
+
+@pytest.mark.parametrize(("src", "dst"), list(product(Status, Status)))
+def test_every_pair_of_the_transition_table(src: Status, dst: Status) -> None:
+    assert allowed(src, dst) is (dst in EXPECTED[src])
+    if src in TERMINAL:
+        assert not allowed(src, dst)
+    if src == dst:
+        assert not allowed(src, dst)
+
+
+def test_table_is_exactly_the_expected_one() -> None:
+    assert {k: set(v) for k, v in TRANSITIONS.items()} == EXPECTED
+    # every non-terminal status can be cancelled; every terminal one is a dead end
+    for status in ACTIVE:
+        assert allowed(status, S.cancelled)
+    for status in TERMINAL:
+        assert TRANSITIONS[status] == frozenset()
+
+
+# ----------------------------------------------------------------- fenced transitions
+
+
+async def _item_and_audit(service: Service, item_id: str) -> tuple[dict[str, Any], int]:
+    async with service.db.read() as conn:
+        item = await workitems.get(conn, item_id)
+        count = await conn.scalar(
+            sa.select(sa.func.count()).where(t.audit.c.work_item_id == item_id)
+        )
+    return item, int(count or 0)
+
+
+async def _audit_rows(service: Service, item_id: str) -> list[dict[str, Any]]:
+    async with service.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(t.audit)
+                .where(t.audit.c.work_item_id == item_id)
+                .order_by(t.audit.c.created_at, t.audit.c.id)
+            )
+        ).all()
+    return [dict(r._mapping) for r in rows]
+
+
+async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
+    org = await make_org(service)
+    await make_agent(service, org, "lead")
+    worker = await make_agent(service, org, "worker", lead="lead")
+    await service.turns.run(api_trigger(org, worker, "start the task"))
+    async with service.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
+        )
+    assert item_id is not None
+    clock: Any = service.clock
+    clock.advance(1_000)
+
+    async def attempt(src: Status, dst: Status, **kwargs: Any) -> None:
+        # The failure is caught inside the transaction and the transaction commits:
+        # a fenced update that matched nothing must have written nothing at all.
+        error: TransitionError | None = None
+        async with service.db.tx() as conn:
+            try:
+                await workitems.transition(
+                    conn,
+                    service.clock,
+                    service.ids,
+                    item_id,
+                    src=src,
+                    dst=dst,
+                    actor="test",
+                    action="probe",
+                    **kwargs,
+                )
+            except TransitionError as exc:
+                error = exc
+        if error is not None:
+            raise error
+
+    async def move(src: Status, dst: Status, **kwargs: Any) -> dict[str, Any]:
+        async with service.db.tx() as conn:
+            return await workitems.transition(
+                conn,
+                service.clock,
+                service.ids,
+                item_id,
+                src=src,
+                dst=dst,
+                actor="test",
+                action=f"{src}->{dst}",
+                text="why",
+                **kwargs,
+            )
+
+    async def expect_unchanged(src: Status, dst: Status, rule: str, **kwargs: Any) -> None:
+        before = await _item_and_audit(service, item_id)
+        clock.advance(1_000)
+        with pytest.raises(TransitionError) as info:
+            await attempt(src, dst, **kwargs)
+        assert info.value.rule == rule
+        assert isinstance(info.value, Conflict) and info.value.status == 409
+        assert await _item_and_audit(service, item_id) == before
+
+    # Forbidden by the table: refused before any SQL.
+    await expect_unchanged(S.inProgress, S.approved, "workItem.transition")
+    await expect_unchanged(S.inProgress, S.completed, "workItem.transition")
+    # Allowed pair, but the item is not in ``src``.
+    await expect_unchanged(S.reviewQueued, S.reviewing, "workItem.status")
+    await expect_unchanged(S.awaitingHuman, S.approved, "workItem.status")
+    # Right status, wrong organization.
+    await expect_unchanged(S.inProgress, S.cancelled, "workItem.status", org_id="org_other")
+
+    row = await move(S.inProgress, S.reviewQueued)
+    assert row["status"] == "reviewQueued"
+    assert row["updated_at"] == service.clock.now_ms()
+    row = await move(S.reviewQueued, S.reviewing, values={"lease_token": "lease-1"})
+    assert row["lease_token"] == "lease-1"
+    # Lease-token fencing: a runner that lost its lease cannot commit.
+    await expect_unchanged(S.reviewing, S.approved, "workItem.status", lease_token="lease-2")
+    row = await move(S.reviewing, S.approved, lease_token="lease-1", values={"lease_token": None})
+    assert row["status"] == "approved"
+    await move(S.approved, S.completed)
+    # Terminal: nothing moves it any more.
+    for dst in Status:
+        await expect_unchanged(S.completed, dst, "workItem.transition")
+
+    audit = await _audit_rows(service, item_id)
+    assert [(a["action"], a["from_status"], a["to_status"]) for a in audit] == [
+        ("create", None, "inProgress"),
+        ("inProgress->reviewQueued", "inProgress", "reviewQueued"),
+        ("reviewQueued->reviewing", "reviewQueued", "reviewing"),
+        ("reviewing->approved", "reviewing", "approved"),
+        ("approved->completed", "approved", "completed"),
+    ]
+    assert all(a["org_id"] == org.id for a in audit)
+    assert all(a["actor"] == "test" and a["text"] == "why" for a in audit[1:])
+
+
+# ------------------------------------------------------------------------ storage
+
+
+async def test_sqlite_pragmas_are_on(tmp_path: Path) -> None:
+    db = Database(f"sqlite+aiosqlite:///{tmp_path}/p.db")
+    try:
+        async with db.read() as conn:
+            journal = (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar()
+            busy = (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar()
+            fks = (await conn.exec_driver_sql("PRAGMA foreign_keys")).scalar()
+        assert str(journal).lower() == "wal"
+        assert int(busy or 0) >= 5_000
+        assert fks == 1
+    finally:
+        await db.close()
+
+
+async def test_sqlite_write_transactions_begin_immediate(tmp_path: Path) -> None:
+    path = tmp_path / "lock.db"
+    db = Database(f"sqlite+aiosqlite:///{path}")
+    try:
+        async with db.tx() as conn:
+            await conn.exec_driver_sql("CREATE TABLE probe (n INTEGER)")
+
+        def other_writer_can_begin() -> bool:
+            raw = sqlite3.connect(path, timeout=0, isolation_level=None)
+            try:
+                raw.execute("BEGIN IMMEDIATE")
+                raw.execute("ROLLBACK")
+                return True
+            except sqlite3.OperationalError as exc:
+                assert "locked" in str(exc)
+                return False
+            finally:
+                raw.close()
+
+        # A write transaction holds the write lock from its first statement on, even
+        # before it writes anything (BEGIN IMMEDIATE, not a deferred BEGIN).
+        async with db.tx() as conn:
+            await conn.exec_driver_sql("SELECT count(*) FROM probe")
+            assert not other_writer_can_begin()
+        assert other_writer_can_begin()
+        # A read-only transaction does not.
+        async with db.read() as conn:
+            await conn.exec_driver_sql("SELECT count(*) FROM probe")
+            assert other_writer_can_begin()
+    finally:
+        await db.close()
+
+
+async def test_sqlite_concurrent_read_then_write_counters_are_exact(tmp_path: Path) -> None:
+    db = Database(f"sqlite+aiosqlite:///{tmp_path}/c.db")
+    try:
+        async with db.tx() as conn:
+            await conn.exec_driver_sql("CREATE TABLE counter (id INTEGER PRIMARY KEY, n INTEGER)")
+            await conn.exec_driver_sql("INSERT INTO counter VALUES (1, 0)")
+
+        async def bump(times: int) -> None:
+            for _ in range(times):
+                async with db.tx() as conn:
+                    n = (await conn.exec_driver_sql("SELECT n FROM counter WHERE id = 1")).scalar()
+                    await asyncio.sleep(0)  # let the other writer try to interleave
+                    await conn.execute(
+                        sa.text("UPDATE counter SET n = :n WHERE id = 1"), {"n": int(n or 0) + 1}
+                    )
+
+        await asyncio.gather(bump(40), bump(40), bump(40))
+        async with db.read() as conn:
+            final = (await conn.exec_driver_sql("SELECT n FROM counter")).scalar()
+        assert final == 120
+    finally:
+        await db.close()
+
+
+def test_only_sqlite_and_postgres_urls_are_accepted() -> None:
+    for url in ("mysql+aiomysql://u@127.0.0.1/db", "not a url at all"):
+        with pytest.raises(ConfigError):
+            Database(url)
+
+
+async def test_check_migrated_tells_to_run_db_upgrade(db_url: str) -> None:
+    db = Database(db_url)
+    try:
+        with pytest.raises(NotMigratedError) as info:
+            await db.check_migrated()
+        assert "leadgate db upgrade" in info.value.message
+        assert info.value.rule == "db.not_migrated"
+        revision = await asyncio.to_thread(upgrade, db_url)
+        assert revision
+        await db.check_migrated()
+        # and upgrading again is a no-op
+        assert await asyncio.to_thread(upgrade, db_url) == revision
+        await db.check_migrated()
+    finally:
+        await db.close()
