@@ -7,7 +7,7 @@ always resolves deliveries through the binding that is active when it posts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -44,6 +44,65 @@ async def get_or_create_session(
     return str(await conn.scalar(query))
 
 
+S = t.sessions.c
+
+
+class _Binding(NamedTuple):
+    """An active binding as :func:`open_session` read it."""
+
+    id: str
+    kind: str
+    address: Any
+    silent: bool
+
+
+# Built once (statement construction costs as much as execution on the turn path): the
+# session of (agent, key) with its active binding, if any, in one statement.
+_SESSION_AND_BINDING = (
+    sa.select(
+        S.id,
+        B.id.label("binding_id"),
+        B.kind.label("binding_kind"),
+        B.address.label("binding_address"),
+        B.silent.label("binding_silent"),
+    )
+    .select_from(t.sessions.outerjoin(t.bindings, sa.and_(B.session_id == S.id, B.active)))
+    .where(S.agent_id == sa.bindparam("p_agent_id"), S.key == sa.bindparam("p_key"))
+)
+
+
+async def open_session(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
+) -> tuple[str, Any]:
+    """:func:`get_or_create_session` plus the session's active binding (``None`` when it
+    has none) for :func:`activate`. One SELECT when the session exists (the usual case)."""
+    params = {"p_agent_id": agent_id, "p_key": key}
+    row = (await conn.execute(_SESSION_AND_BINDING, params)).first()
+    if row is None:
+        await conn.execute(
+            insert_ignore(
+                conn,
+                t.sessions,
+                id=ids.new("ses"),
+                org_id=org_id,
+                agent_id=agent_id,
+                key=key,
+                created_at=clock.now_ms(),
+            )
+        )
+        row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
+    current = None
+    if row.binding_id is not None:
+        current = _Binding(
+            row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
+        )
+    return str(row.id), current
+
+
+#: ``activate(current=UNREAD)``: read the active binding in ``activate`` itself.
+UNREAD: Any = object()
+
+
 async def activate(
     conn: AsyncConnection,
     clock: Clock,
@@ -51,11 +110,17 @@ async def activate(
     org_id: str,
     session_id: str,
     spec: BindingSpec,
+    current: Any = UNREAD,
 ) -> str:
-    """Make ``spec`` the session's active binding; returns its id (reused when unchanged)."""
-    current = (
-        await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
-    ).first()
+    """Make ``spec`` the session's active binding; returns its id (reused when unchanged).
+
+    ``current`` is the active binding as :func:`open_session` read it earlier in the same
+    transaction (saves a SELECT); by default it is read here.
+    """
+    if current is UNREAD:
+        current = (
+            await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
+        ).first()
     if (
         current is not None
         and current.kind == spec.kind.value

@@ -120,6 +120,43 @@ async def find_agent(
     return dict(row._mapping)
 
 
+_P = t.presets.c
+_PRESET_COLUMNS = {
+    "preset_org_id": _P.org_id,
+    "preset_lead_agent_id": _P.lead_agent_id,
+    "preset_completion_policy": _P.completion_policy,
+    "preset_max_revision_rounds": _P.max_revision_rounds,
+}
+# Built once: the turn path runs this on every intake, and building a statement (and its
+# cache key) costs as much as executing it.
+_AGENT_WITH_PRESET = (
+    sa.select(t.agents, *(col.label(name) for name, col in _PRESET_COLUMNS.items()))
+    .select_from(t.agents.outerjoin(t.presets, _P.id == t.agents.c.preset_id))
+    .where(
+        t.agents.c.org_id == sa.bindparam("p_org_id"),
+        sa.or_(
+            t.agents.c.id == sa.bindparam("p_ref"),
+            t.agents.c.slug == sa.bindparam("p_ref"),
+            t.agents.c.name == sa.bindparam("p_ref"),
+        ),
+        t.agents.c.deleted_at.is_(None),
+    )
+    .order_by(t.agents.c.created_at)
+)
+
+
+async def find_agent_and_lead(
+    conn: AsyncConnection, org_id: str, ref: str
+) -> tuple[dict[str, Any], LeadConfig | None]:
+    """:func:`find_agent` (not deleted) and :func:`resolve_lead` in one statement."""
+    row = (await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, "p_ref": ref})).first()
+    if row is None:
+        raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+    agent = dict(row._mapping)
+    preset = {name[len("preset_") :]: agent.pop(name) for name in _PRESET_COLUMNS}
+    return agent, _lead_of(agent, preset if agent["preset_id"] is not None else None)
+
+
 async def find_preset(conn: AsyncConnection, org_id: str, ref: str) -> dict[str, Any]:
     """An organization preset of ``org_id`` or a platform preset, by id or name."""
     p = t.presets.c
@@ -322,17 +359,23 @@ async def save_agent(
 
 async def resolve_lead(conn: AsyncConnection, agent: dict[str, Any]) -> LeadConfig | None:
     """Preset-first resolution. ``None`` = no gating at all for this worker."""
+    preset = None
     if agent["preset_id"] is not None:
         preset = (
             await conn.execute(sa.select(t.presets).where(t.presets.c.id == agent["preset_id"]))
         ).first()
-        if preset is not None and preset.org_id is not None and preset.lead_agent_id is not None:
-            return LeadConfig(
-                lead_agent_id=preset.lead_agent_id,
-                completion_policy=CompletionPolicy(preset.completion_policy or DEFAULT_POLICY),
-                max_revision_rounds=preset.max_revision_rounds or DEFAULT_ROUNDS,
-                source="preset",
-            )
+    return _lead_of(agent, None if preset is None else preset._mapping)
+
+
+def _lead_of(agent: dict[str, Any], preset: Any) -> LeadConfig | None:
+    """Preset-first resolution of ``agent`` given its preset row (mapping or ``None``)."""
+    if preset is not None and preset["org_id"] is not None and preset["lead_agent_id"] is not None:
+        return LeadConfig(
+            lead_agent_id=preset["lead_agent_id"],
+            completion_policy=CompletionPolicy(preset["completion_policy"] or DEFAULT_POLICY),
+            max_revision_rounds=preset["max_revision_rounds"] or DEFAULT_ROUNDS,
+            source="preset",
+        )
     if agent["lead_agent_id"] is None:
         return None
     return LeadConfig(

@@ -52,15 +52,17 @@ def screen(text: str, rules: list[Rule]) -> str:
     return text
 
 
+# Built once: every turn loads the rules.
+_RULES = (
+    sa.select(t.policy_rules.c.pattern, t.policy_rules.c.action)
+    .where(t.policy_rules.c.org_id == sa.bindparam("p_org_id"))
+    .order_by(t.policy_rules.c.position)
+)
+
+
 async def load_rules(conn: AsyncConnection, org_id: str) -> list[Rule]:
     """The organization's rules in order."""
-    rows = (
-        await conn.execute(
-            sa.select(t.policy_rules.c.pattern, t.policy_rules.c.action)
-            .where(t.policy_rules.c.org_id == org_id)
-            .order_by(t.policy_rules.c.position)
-        )
-    ).all()
+    rows = (await conn.execute(_RULES, {"p_org_id": org_id})).all()
     return [compile_rule(r.pattern, r.action) for r in rows]
 
 

@@ -8,7 +8,10 @@ builds the aiohttp application.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -37,6 +40,11 @@ from outbox.store import listen as outbox_listen
 from review.runner import LeadRunner
 
 log = logging.getLogger("leadgate.service")
+
+#: How long a valid API key's principal is cached in process: a key revoked meanwhile is
+#: refused at the latest this many seconds later (see Service.lookup_principal).
+PRINCIPAL_TTL_S = 5.0
+PRINCIPAL_CACHE_SIZE = 1024
 
 
 def build_providers(settings: Settings) -> dict[str, Provider]:
@@ -120,6 +128,8 @@ class Service:
         ]
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
+        # SHA-256 of a raw API key -> (monotonic expiry, principal); see lookup_principal.
+        self._principals: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
 
     def _create_adapters(self) -> list[Adapter]:
         from bots import discord, email, slack, teams
@@ -163,11 +173,32 @@ class Service:
     # ------------------------------------------------------------------ helpers
 
     async def lookup_principal(self, token: str | None, session: str | None) -> Principal | None:
-        """Principal of a bearer key or console session token."""
-        async with self.db.read() as conn:
-            if token:
-                return await orgs.authenticate_key(conn, token)
-            if session:
+        """Principal of a bearer key or console session token.
+
+        Valid API keys are cached in process for :data:`PRINCIPAL_TTL_S` seconds (at most
+        :data:`PRINCIPAL_CACHE_SIZE` keys, by SHA-256 of the raw key: the key itself is
+        never stored), so **a revoked key keeps working for up to that long** in a process
+        that saw it just before. Unknown, malformed and revoked keys are not cached (each
+        attempt is checked against the database), nor are console sessions (a logout
+        takes effect at once).
+        """
+        if token:
+            digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+            now = time.monotonic()
+            hit = self._principals.get(digest)
+            if hit is not None:
+                if hit[0] > now:
+                    return hit[1]
+                del self._principals[digest]
+            async with self.db.read() as conn:
+                principal = await orgs.authenticate_key(conn, token)
+            if principal is not None:
+                self._principals[digest] = (now + PRINCIPAL_TTL_S, principal)
+                while len(self._principals) > PRINCIPAL_CACHE_SIZE:
+                    self._principals.popitem(last=False)  # the oldest entry
+            return principal
+        if session:
+            async with self.db.read() as conn:
                 return await orgs.authenticate_session(conn, self.clock, session)
         return None
 
@@ -284,12 +315,12 @@ class Service:
             from engine.auth import Scope
 
             principal.require(Scope.trigger)
-            agent = await self.find_agent(principal.org_id, agent_ref)
             key = f"h:{session}" if session else f"default:{principal.key_id}"
+            # The agent is looked up (NotFound when unknown) inside the intake transaction.
             return await self.turns.run(
                 Trigger(
                     org_id=principal.org_id,
-                    agent_id=agent["id"],
+                    agent_id=agent_ref,
                     session_key=key,
                     text=message,
                     binding=BindingSpec(BindingKind.api),

@@ -65,6 +65,21 @@ COMPLETE_TASK = ToolSpec(
 
 DeltaSink = Callable[[str], Awaitable[None]]
 
+# Hot statements, built once: building a statement and its cache key costs about as much
+# event-loop time as executing it.
+_INSERT_MESSAGE = t.messages.insert()
+_INSERT_EVENT = t.inbound_events.insert()
+_M = t.messages.c
+_HISTORY = (
+    sa.select(_M.role, _M.content)
+    .where(
+        _M.session_id == sa.bindparam("p_session_id"),
+        _M.role.in_(["user", "assistant", "internal"]),
+    )
+    .order_by(_M.created_at.desc(), _M.id.desc())
+    .limit(HISTORY_LIMIT)
+)
+
 #: complete_task's tool result when the signal was recorded for this turn.
 SUBMITTED = json.dumps({"ok": True, "status": "submitted for lead review"})
 
@@ -80,6 +95,9 @@ class TurnContext:
     turn_id: str
     work_item_id: str | None = None
     revision: int | None = None
+    # False when the turn's binding can never post (api, studio, silent): a plain reply
+    # then has nothing to queue, whichever binding is active by the end of the turn.
+    binding_posts: bool = True
 
 
 class ProviderRegistry:
@@ -167,21 +185,32 @@ class TurnService:
         if isinstance(intake, Busy | Duplicate):
             METRICS.turns.labels("busy" if isinstance(intake, Busy) else "duplicate").inc()
             return intake
-        ctx, agent, gated_turn, rules = intake
+        ctx, agent, gated_turn, rules, history = intake
         if on_start is not None:
             await on_start()
-        return await self._execute(ctx, agent, gated_turn, rules, trigger.text, None, on_delta)
+        return await self._execute(
+            ctx, agent, gated_turn, rules, trigger.text, None, on_delta, history=history
+        )
 
     async def _intake(
         self, trigger: Trigger
-    ) -> Busy | Duplicate | tuple[TurnContext, dict[str, Any], bool, list[policy.Rule]]:
+    ) -> (
+        Busy
+        | Duplicate
+        | tuple[TurnContext, dict[str, Any], bool, list[policy.Rule], list[ChatMessage]]
+    ):
+        """One write transaction: the agent (by id, slug or name: REST and MCP pass the
+        caller's reference, so an unknown agent is a NotFound before any stream starts),
+        its lead, the session and its binding, the intake rules, the user message, the
+        policy rules and the history the model will see."""
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
-            agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
+            agent, lead = await agents_mod.find_agent_and_lead(
+                conn, trigger.org_id, trigger.agent_id
+            )
             if not agent["active"]:
                 raise ValidationError(f"agent {agent['name']!r} is inactive", rule="agent.inactive")
-            lead = await agents_mod.resolve_lead(conn, agent)
-            session_id = await bindings.get_or_create_session(
+            session_id, current_binding = await bindings.open_session(
                 conn, self.clock, self.ids, trigger.org_id, agent["id"], trigger.session_key
             )
             event_id = self.ids.new("evt")
@@ -204,15 +233,16 @@ class TurnService:
                     return Duplicate()
             else:
                 await conn.execute(
-                    t.inbound_events.insert().values(
-                        id=event_id,
-                        org_id=trigger.org_id,
-                        agent_id=agent["id"],
-                        session_id=session_id,
-                        outcome="accepted",
-                        content=trigger.text[:TASK_CONTEXT_LIMIT],
-                        created_at=now,
-                    )
+                    _INSERT_EVENT,
+                    {
+                        "id": event_id,
+                        "org_id": trigger.org_id,
+                        "agent_id": agent["id"],
+                        "session_id": session_id,
+                        "outcome": "accepted",
+                        "content": trigger.text[:TASK_CONTEXT_LIMIT],
+                        "created_at": now,
+                    },
                 )
             item_id: str | None = None
             revision: int | None = None
@@ -226,8 +256,18 @@ class TurnService:
                         .values(outcome="rejectedBusy", work_item_id=item["id"])
                     )
                     return Busy(work_item_id=item["id"])
+            if lead is not None and self.db.is_postgres:
+                # Read the binding again after the item lock: a concurrent intake of the
+                # session may have replaced it while we waited.
+                current_binding = bindings.UNREAD
             binding_id = await bindings.activate(
-                conn, self.clock, self.ids, trigger.org_id, session_id, trigger.binding
+                conn,
+                self.clock,
+                self.ids,
+                trigger.org_id,
+                session_id,
+                trigger.binding,
+                current_binding,
             )
             if lead is not None:
                 if item is None:
@@ -291,6 +331,7 @@ class TurnService:
                 conn, trigger.org_id, session_id, item_id, "user", trigger.text
             )
             rules = await policy.load_rules(conn, trigger.org_id)
+            history = await self._history(conn, session_id)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent["id"],
@@ -299,8 +340,9 @@ class TurnService:
             turn_id=self.ids.new("turn"),
             work_item_id=item_id,
             revision=revision,
+            binding_posts=trigger.binding.kind.is_channel and not trigger.binding.silent,
         )
-        return ctx, agent, lead is not None, rules
+        return ctx, agent, lead is not None, rules, history
 
     # ------------------------------------------------------------- revisions
 
@@ -349,6 +391,7 @@ class TurnService:
                 conn, item["org_id"], item["session_id"], item["id"], "internal", feedback
             )
             rules = await policy.load_rules(conn, item["org_id"])
+            history = await self._history(conn, item["session_id"])
         ctx = TurnContext(
             org_id=item["org_id"],
             agent_id=item["agent_id"],
@@ -358,20 +401,12 @@ class TurnService:
             work_item_id=item["id"],
             revision=item["revision"],
         )
-        return await self._execute(ctx, agent, True, rules, feedback, item, None)
+        return await self._execute(ctx, agent, True, rules, feedback, item, None, history=history)
 
     # -------------------------------------------------------------- the turn
 
     async def _history(self, conn: AsyncConnection, session_id: str) -> list[ChatMessage]:
-        m = t.messages.c
-        rows = (
-            await conn.execute(
-                sa.select(m.role, m.content)
-                .where(m.session_id == session_id, m.role.in_(["user", "assistant", "internal"]))
-                .order_by(m.created_at.desc(), m.id.desc())
-                .limit(HISTORY_LIMIT)
-            )
-        ).all()
+        rows = (await conn.execute(_HISTORY, {"p_session_id": session_id})).all()
         out: list[ChatMessage] = []
         for row in reversed(rows):
             if row.role == "internal":
@@ -389,10 +424,15 @@ class TurnService:
         text: str,
         revision_item: dict[str, Any] | None,
         on_delta: DeltaSink | None,
+        *,
+        history: list[ChatMessage] | None = None,
     ) -> Outcome:
+        """Run the model; ``history`` is the session's as read when the turn was taken in
+        (read here when not given)."""
         provider = self.providers.get(agent["model"])
-        async with self.db.read() as conn:
-            history = await self._history(conn, ctx.session_id)
+        if history is None:
+            async with self.db.read() as conn:
+                history = await self._history(conn, ctx.session_id)
         messages = [ChatMessage("system", agent["instructions"] or "You are a helpful agent.")]
         messages += history
         # complete_task only under a trusted context that names an inProgress item.
@@ -514,7 +554,7 @@ class TurnService:
             )
             await self._release_revision(conn, revision_item)
             queued = None
-            if revision_item is None:
+            if revision_item is None and ctx.binding_posts:
                 binding = await bindings.active_binding(conn, ctx.session_id)
                 if binding is not None and binding["id"] == ctx.binding_id:
                     from outbox.store import enqueue_reply
@@ -631,17 +671,18 @@ class TurnService:
     ) -> str:
         message_id = self.ids.new("msg")
         await conn.execute(
-            t.messages.insert().values(
-                id=message_id,
-                org_id=org_id,
-                session_id=session_id,
-                work_item_id=work_item_id,
-                role=role,
-                content=content,
-                lead_gated=gated,
-                tool_name=tool_name,
-                created_at=self.clock.now_ms(),
-            )
+            _INSERT_MESSAGE,
+            {
+                "id": message_id,
+                "org_id": org_id,
+                "session_id": session_id,
+                "work_item_id": work_item_id,
+                "role": role,
+                "content": content,
+                "lead_gated": gated,
+                "tool_name": tool_name,
+                "created_at": self.clock.now_ms(),
+            },
         )
         return message_id
 

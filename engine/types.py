@@ -56,6 +56,8 @@ class Trigger:
     """One external message for one worker agent in one session."""
 
     org_id: str
+    # The agent's id, or the caller's reference to it (id, slug or name: REST, MCP). The
+    # turn path resolves it inside the intake transaction (NotFound when unknown).
     agent_id: str
     session_key: str
     text: str

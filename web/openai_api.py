@@ -106,10 +106,11 @@ def setup(app: web.Application, service: Service) -> None:
         agent_ref, text, session, stream = parse_request(
             body, principal, request.headers.get("X-Session-Id")
         )
-        agent = await service.find_agent(principal.org_id, agent_ref)
+        # The agent is looked up (404 when unknown) inside the intake transaction, which
+        # runs before the stream starts.
         trigger = Trigger(
             org_id=principal.org_id,
-            agent_id=agent["id"],
+            agent_id=agent_ref,
             session_key=session,
             text=text,
             binding=BindingSpec(BindingKind.api),

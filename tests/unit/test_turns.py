@@ -146,6 +146,33 @@ async def lead_worker(
 # --------------------------------------------------------------------------- intake
 
 
+async def test_plain_turn_on_an_existing_session_is_cheap(
+    rig: tuple[Service, RecordingProvider],
+) -> None:
+    """A plain turn of an existing session with an unchanged binding, by the agent's slug
+    (as REST and MCP pass it): one intake and one finish transaction, the agent, session
+    (+ binding), policy and history reads, and only the three rows a turn must write."""
+    service, _ = rig
+    org = await make_org(service)
+    agent = await make_agent(service, org, "plain")
+    first = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello"))
+    assert first == Reply("Echo: hello")
+    statements: list[str] = []
+
+    def record(_conn: Any, _cur: Any, sql: str, *_: Any) -> None:
+        statements.append(sql.split()[0].upper())
+
+    sa.event.listen(service.db.engine.sync_engine, "before_cursor_execute", record)
+    try:
+        again = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello again"))
+    finally:
+        sa.event.remove(service.db.engine.sync_engine, "before_cursor_execute", record)
+    assert again == Reply("Echo: hello again")
+    work = sorted(s for s in statements if s != "BEGIN")
+    assert work == ["INSERT"] * 3 + ["SELECT"] * 4, statements
+    assert [m["role"] for m in await messages(service, agent)] == ["user", "assistant"] * 2
+
+
 async def test_intake_creates_then_appends_with_the_50k_cap(
     rig: tuple[Service, RecordingProvider],
 ) -> None:
