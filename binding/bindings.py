@@ -1,8 +1,9 @@
 """Sessions and their active trigger binding.
 
 Each intake records where the session's replies go. A session has exactly one active
-binding: a new address deactivates the old one in the same transaction, and the outbox
-always resolves deliveries through the binding that is active when it posts.
+binding: a new address deactivates the old one in the same transaction. A gating
+delivery is resolved through the binding that is active when the approval commits (its
+address is copied onto the delivery row in that transaction).
 """
 
 from __future__ import annotations

@@ -28,16 +28,19 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 _TOPICS = "leadgate_after_commit_topics"
 
 
-def signal_after_commit(conn: AsyncConnection, topic: str) -> None:
+def signal_after_commit(conn: AsyncConnection, topic: str, payload: Any = None) -> None:
     """Run ``topic``'s in-process listeners once the current :meth:`Database.tx` commits.
 
     Used to wake runners (the outbox relay) without polling and without racing the
     commit: a listener never runs for a transaction that rolled back, and never before
-    the row it is woken for is visible.
+    the row it is woken for is visible. ``payload`` (when not None) is handed to the
+    listeners registered with :meth:`Database.on_commit_payloads`, in signalling order.
     """
     topics = conn.info.get(_TOPICS)
     if topics is not None:
-        topics.add(topic)
+        payloads = topics.setdefault(topic, [])
+        if payload is not None:
+            payloads.append(payload)
 
 
 class Database:
@@ -60,6 +63,7 @@ class Database:
         if self.is_sqlite:
             _install_sqlite_recipe(self.engine)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
 
@@ -67,6 +71,16 @@ class Database:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
         (see :func:`signal_after_commit`)."""
         self._listeners.setdefault(topic, []).append(callback)
+
+    def on_commit_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Like :meth:`on_commit`, with the payloads the transaction signalled."""
+        self._payload_listeners.setdefault(topic, []).append(callback)
+
+    def off_commit_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Remove a callback added with :meth:`on_commit_payloads` (no-op if absent)."""
+        listeners = self._payload_listeners.get(topic, [])
+        if callback in listeners:
+            listeners.remove(callback)
 
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncConnection]:
@@ -77,7 +91,7 @@ class Database:
         with sleeps of up to 100 ms and under concurrency starves writers for seconds.
         Other processes (admin CLI, replicas) still meet the busy timeout.
         """
-        topics: set[str] = set()
+        topics: dict[str, list[Any]] = {}
         async with self._writer(), self.engine.connect() as conn:
             conn.info[_TOPICS] = topics
             try:
@@ -85,9 +99,12 @@ class Database:
                     yield conn
             finally:
                 conn.info.pop(_TOPICS, None)
-        for topic in topics:
+        for topic, payloads in topics.items():
             for callback in self._listeners.get(topic, ()):
                 callback()
+            if payloads:
+                for payload_callback in self._payload_listeners.get(topic, ()):
+                    payload_callback(payloads)
 
     @asynccontextmanager
     async def _writer(self) -> AsyncIterator[None]:

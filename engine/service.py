@@ -35,7 +35,7 @@ from engine.types import Outcome, Trigger
 from flows.runs import FlowResumer, FlowService
 from outbox.channel import Channel
 from outbox.relay import Relay
-from outbox.store import OUTBOX_TOPIC
+from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, set_local_relay
 from outbox.store import listen as outbox_listen
 from review.runner import LeadRunner
 
@@ -109,7 +109,8 @@ class Service:
         )
         # Every committed enqueue (lead or human approval, plain reply, operator retry)
         # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
-        self.db.on_commit(OUTBOX_TOPIC, lambda: self.wake(self.relay.name))
+        self.db.on_commit(OUTBOX_TOPIC, self._outbox_due)
+        self.relay.poked_on_enqueue = True
         self.lead_runner = LeadRunner(
             self.db,
             self.clock,
@@ -225,13 +226,15 @@ class Service:
     def start_runners(self) -> None:
         """Start every background runner loop."""
         poll = self.settings.runners.poll_interval_s
+        # Deliveries enqueued in this process go straight to this process's relay
+        # (already claimed, handed over after commit): no claim round trip.
+        self.db.on_commit_payloads(HANDOFF_TOPIC, self._outbox_handoff)
+        set_local_relay(self.db.engine, self.relay)
         for runner in self.runners:
             wake = self.wakes.setdefault(runner.name, asyncio.Event())
             # Lead reviews wait on the model: run several loops; claims are fenced, so
             # they never review one item twice.
-            loops = (
-                self.settings.runners.review_concurrency if runner is self.lead_runner else 1
-            )
+            loops = self.settings.runners.review_concurrency if runner is self.lead_runner else 1
             for index in range(loops):
                 task = asyncio.get_running_loop().create_task(
                     run_loop(runner, wake=wake, stop=self._stop, poll_s=poll),
@@ -245,15 +248,29 @@ class Service:
     async def _listen(self) -> None:
         """PostgreSQL LISTEN: other replicas' NOTIFY wakes our relay at once
         (reconnects when the connection drops)."""
-        await outbox_listen(
-            self.settings.database.url, lambda: self.wake(self.relay.name), self._stop
-        )
+        await outbox_listen(self.settings.database.url, self._outbox_due, self._stop)
+
+    def _outbox_due(self) -> None:
+        """A delivery became due (committed here, or NOTIFY from another replica)."""
+        self.relay.poke()
+        self.wake(self.relay.name)
+
+    def _outbox_handoff(self, rows: list[Any]) -> None:
+        """Deliveries committed here, already claimed for our relay."""
+        self.relay.accept(rows)
+        self.wake(self.relay.name)
 
     async def stop(self) -> None:
         """Stop runners, wait for background work, close channels and the database."""
+        set_local_relay(self.db.engine, None)
         self._stop.set()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
+        self.db.off_commit_payloads(HANDOFF_TOPIC, self._outbox_handoff)
+        try:
+            await self.relay.release_handoffs()
+        except Exception:
+            log.exception("releasing handed-over deliveries failed (their leases will expire)")
         for channel in self.channels.values():
             try:
                 await channel.close()

@@ -161,6 +161,61 @@ async def transition(
     return dict(row._mapping)
 
 
+async def transition_many(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item_ids: list[str],
+    *,
+    src: Status,
+    dst: Status,
+    actor: str,
+    action: str,
+) -> list[str]:
+    """:func:`transition` for many items at once (the outbox relay's batch commit).
+
+    One fenced ``UPDATE ... WHERE id IN (...) AND status = :from RETURNING`` and one
+    multi-row audit insert. Returns the ids that moved; an item that was not ``src`` is
+    left alone (the caller decides whether that matters).
+    """
+    if not allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    if not item_ids:
+        return []
+    now = clock.now_ms()
+    rows = (
+        await conn.execute(
+            t.work_items.update()
+            .where(W.id.in_(item_ids), W.status == src.value)
+            .values(status=dst.value, updated_at=now)
+            .returning(W.id, W.org_id)
+        )
+    ).all()
+    if rows:
+        await conn.execute(
+            t.audit.insert(),
+            [
+                {
+                    "id": ids.new("aud"),
+                    "org_id": row.org_id,
+                    "work_item_id": row.id,
+                    "delivery_id": None,
+                    "actor": actor,
+                    "action": action,
+                    "from_status": src.value,
+                    "to_status": dst.value,
+                    "text": None,
+                    "created_at": now,
+                }
+                for row in rows
+            ],
+        )
+        METRICS.transitions.labels(src.value, dst.value).inc(len(rows))
+    return [str(row.id) for row in rows]
+
+
 async def get(conn: AsyncConnection, item_id: str, org_id: str | None = None) -> dict[str, Any]:
     """A work item row (``TransitionError``-free read; ``NotFound`` when absent)."""
     from engine.errors import NotFound

@@ -17,18 +17,86 @@ assistant message: api/studio), ``silent`` (silent binding: post nothing),
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
-from typing import Any
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from binding.bindings import active_binding
 from engine import schema as t
 from engine.clock import Clock, IdFactory
+from engine.db import signal_after_commit
 from engine.types import CHANNEL_KINDS, BindingKind
 
+log = logging.getLogger("leadgate.outbox")
 D = t.deliveries.c
+
+#: PostgreSQL NOTIFY channel that wakes relays on every replica.
+NOTIFY_CHANNEL = "leadgate_outbox"
+#: :meth:`engine.db.Database.on_commit` topic that wakes this process's relay.
+OUTBOX_TOPIC = "outbox"
+#: :meth:`engine.db.Database.on_commit_payloads` topic carrying rows handed to it.
+HANDOFF_TOPIC = "outbox-handoff"
+
+
+class LocalRelay(Protocol):
+    """What the store needs from the relay running in this process (see
+    :func:`set_local_relay`)."""
+
+    handoff_token: str
+    send_lease_ms: int
+
+    def has_room(self) -> bool:
+        """Whether the relay can start another send now."""
+        ...
+
+
+_LOCAL_RELAYS: weakref.WeakKeyDictionary[Any, LocalRelay] = weakref.WeakKeyDictionary()
+
+
+def set_local_relay(engine: AsyncEngine, relay: LocalRelay | None) -> None:
+    """Register (or, with ``None``, forget) the relay whose loop runs in this process
+    on ``engine``'s database.
+
+    While one is registered and has room, a delivery enqueued through this engine is
+    written already claimed by it (``sending``, its hand-off lease token, a send lease)
+    in the enqueuing transaction itself, and the row is handed to it after commit
+    (:data:`HANDOFF_TOPIC` payloads): the send starts without a claim round trip, so an
+    approval reaches the channel a few milliseconds after it commits. Safety is that of
+    any claim: the lease fences the outcome commit, and if the process dies before the
+    outcome is committed, lease expiry makes a post ``deliveryUnknown``, never a second
+    post. Without a registered relay (API-only replicas, the CLI) rows are ``pending``
+    for whichever relay claims them.
+    """
+    key = engine.sync_engine
+    if relay is None:
+        _LOCAL_RELAYS.pop(key, None)
+    else:
+        _LOCAL_RELAYS[key] = relay
+
+
+def _hand_to_local_relay(conn: AsyncConnection, values: dict[str, Any], now: int) -> bool:
+    """Claim ``values`` (a new delivery row) for the local relay if it has room; the
+    hand-over itself happens after commit. Then no other relay needs waking."""
+    if values["status"] != DeliveryStatus.pending.value:
+        return False
+    local = _LOCAL_RELAYS.get(conn.engine.sync_engine)
+    if local is None or not local.has_room():
+        return False
+    values.update(
+        status=DeliveryStatus.sending.value,
+        lease_token=local.handoff_token,
+        lease_expires_at=now + local.send_lease_ms,
+        attempts=1,
+    )
+    signal_after_commit(conn, HANDOFF_TOPIC, values)
+    return True
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -85,8 +153,11 @@ async def enqueue_gating(
         "created_at": now,
         "updated_at": now,
     }
-    await conn.execute(t.deliveries.insert().values(**values))
-    await notify(conn)
+    if not _hand_to_local_relay(conn, values, now):
+        await conn.execute(t.deliveries.insert().values(**values))
+        await notify(conn)
+    else:
+        await conn.execute(t.deliveries.insert().values(**values))
     return values
 
 
@@ -104,32 +175,82 @@ async def enqueue_reply(
         return None
     now = clock.now_ms()
     delivery_id = ids.new("dlv")
-    await conn.execute(
-        t.deliveries.insert().values(
-            id=delivery_id,
-            org_id=org_id,
-            work_item_id=None,
-            kind="reply",
-            action="post",
-            channel=binding["kind"],
-            binding_id=binding["id"],
-            address=binding["address"],
-            text=text,
-            status=DeliveryStatus.pending.value,
-            attempts=0,
-            next_attempt_at=now,
-            created_at=now,
-            updated_at=now,
-        )
-    )
-    await notify(conn)
+    values: dict[str, Any] = {
+        "id": delivery_id,
+        "org_id": org_id,
+        "work_item_id": None,
+        "kind": "reply",
+        "action": "post",
+        "channel": binding["kind"],
+        "binding_id": binding["id"],
+        "address": binding["address"],
+        "text": text,
+        "status": DeliveryStatus.pending.value,
+        "attempts": 0,
+        "next_attempt_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
+    if not _hand_to_local_relay(conn, values, now):
+        await conn.execute(t.deliveries.insert().values(**values))
+        await notify(conn)
+    else:
+        await conn.execute(t.deliveries.insert().values(**values))
     return delivery_id
 
 
 async def notify(conn: AsyncConnection) -> None:
-    """Wake relays on other replicas (PostgreSQL NOTIFY is sent at commit)."""
+    """Wake relays once this transaction commits: this process's relay through the
+    database's after-commit hook (topic :data:`OUTBOX_TOPIC`), the other replicas through
+    PostgreSQL ``NOTIFY`` (delivered at commit, dropped on rollback)."""
+    signal_after_commit(conn, OUTBOX_TOPIC)
     if conn.dialect.name == "postgresql":
-        await conn.execute(sa.text("SELECT pg_notify('leadgate_outbox', '')"))
+        await conn.execute(sa.text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', '')"))
+
+
+async def listen(
+    dsn: str,
+    on_notify: Callable[[], None],
+    stop: asyncio.Event,
+    *,
+    reconnect_s: float = 1.0,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """PostgreSQL ``LISTEN`` on the outbox channel until ``stop`` is set.
+
+    ``on_notify`` runs for every notification, and once after each (re)connection so
+    that nothing enqueued while the connection was down waits for the next poll. A lost
+    connection is re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
+    ``postgresql+asyncpg://`` URL or a libpq one.
+    """
+    import asyncpg
+
+    dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
+    while not stop.is_set():
+        lost = asyncio.Event()
+        try:
+            conn = await asyncpg.connect(dsn)
+        except (OSError, asyncpg.PostgresError) as exc:
+            log.warning("outbox LISTEN: cannot connect (%s); retrying", exc)
+        else:
+            try:
+                conn.add_termination_listener(lambda *_, lost=lost: lost.set())
+                await conn.add_listener(NOTIFY_CHANNEL, lambda *_: on_notify())
+                on_notify()
+                if ready is not None:
+                    ready()
+                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
+                try:
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waiter in waiters:
+                        waiter.cancel()
+            finally:
+                with contextlib.suppress(Exception):
+                    await conn.close(timeout=2)
+        if not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
 
 
 async def for_item(conn: AsyncConnection, item_id: str) -> list[dict[str, Any]]:

@@ -1,0 +1,195 @@
+"""Several relays on one PostgreSQL, and the LISTEN/NOTIFY wake-up.
+
+* three relay processes (``python -m tests.relay_proc``, each its own engine and
+  LISTEN connection) drain 2,000 approved deliveries to the Slack stand-in process:
+  every one posted exactly once (the stand-in's own record), none left pending;
+* a delivery committed by another connection wakes a relay loop whose poll interval is
+  long, within about 100 ms; the listener survives losing its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from engine import schema as t
+from engine.clock import FakeClock, RandomIds, SystemClock
+from engine.config import Settings
+from engine.db import Database
+from engine.service import Service
+from outbox.channel import OutboundMessage, Sent
+from outbox.store import NOTIFY_CHANNEL, enqueue_reply
+from tests.outbox_support import (
+    MigratedTemplates,
+    RelayProcess,
+    ScriptedChannel,
+    StandinProcess,
+    delivery_counts,
+    make_org_and_agents,
+    seed_items,
+)
+
+N = 2_000
+REPLICAS = 3
+
+
+@pytest.fixture(scope="session")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> MigratedTemplates:
+    return MigratedTemplates(tmp_path_factory.mktemp("outbox-replica-templates"))
+
+
+@pytest.fixture
+def url(postgres_server: Any, templates: MigratedTemplates) -> str:
+    return templates.pg_url(postgres_server)
+
+
+@pytest.fixture
+def standin() -> Iterator[StandinProcess]:
+    proc = StandinProcess()
+    yield proc
+    proc.stop()
+
+
+async def test_three_relay_processes_drain_2000_exactly_once(
+    url: str, standin: StandinProcess
+) -> None:
+    db = Database(url)
+    clock = SystemClock()
+    relays = [
+        RelayProcess(url, standin.api_url, batch=50, concurrency=32, poll_s=30)
+        for _ in range(REPLICAS)
+    ]
+    try:
+        # Due only in an hour: nobody starts before every replica listens.
+        later = clock.now_ms() + 3_600_000
+        seeded = await seed_items(db, clock, RandomIds(), N, next_attempt_at=later)
+        for relay in relays:
+            relay.wait_ready()
+        started = time.perf_counter()
+        async with db.tx() as conn:
+            released = await conn.execute(
+                t.deliveries.update()
+                .where(t.deliveries.c.status == "pending")
+                .values(next_attempt_at=clock.now_ms())
+            )
+            assert released.rowcount == N
+            await conn.execute(sa.text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', '')"))
+        deadline = time.monotonic() + 60
+        while True:
+            counts = await delivery_counts(db)
+            if counts.get("sent") == N or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - started
+        stats = [relay.stop() for relay in relays]
+    finally:
+        for relay in relays:
+            if relay.proc.poll() is None:
+                relay.kill()
+    try:
+        counts = await delivery_counts(db)
+        assert counts == {"sent": N}, counts
+        posted = Counter(p["text"] for p in standin.posts())
+        assert len(posted) == N and max(posted.values()) == 1
+        assert set(posted) == {d["text"] for d in seeded.deliveries}
+        per_relay = [s.get("sent", 0) for s in stats]
+        assert sum(per_relay) == N
+        assert sum(1 for n in per_relay if n > 0) >= 2, per_relay
+        async with db.read() as conn:
+            completed = await conn.scalar(
+                sa.select(sa.func.count()).where(t.work_items.c.status == "completed")
+            )
+        assert completed == N
+        print(f"\n{N} deliveries by {REPLICAS} relays in {elapsed:.2f} s: {per_relay}")
+    finally:
+        await db.close()
+
+
+# ------------------------------------------------------------------- LISTEN/NOTIFY
+
+
+@pytest.fixture
+async def looping(url: str) -> AsyncIterator[tuple[Service, ScriptedChannel, asyncio.Queue[float]]]:
+    """A Service on PostgreSQL with its runner loops started and a 30 s poll: only a
+    NOTIFY can wake its relay quickly. The queue receives the time of each send."""
+    sends: asyncio.Queue[float] = asyncio.Queue()
+
+    def record(_: OutboundMessage) -> Sent:
+        sends.put_nowait(time.perf_counter())
+        return Sent("x")
+
+    channel = ScriptedChannel("slack", script=[record] * 10)
+    settings = Settings.model_validate(
+        {"database": {"url": url}, "runners": {"poll_interval_s": 30}}
+    )
+    service = Service(
+        settings, clock=FakeClock(), channels={"slack": channel}, enable_adapters=False
+    )
+    service.start_runners()
+    await asyncio.sleep(0.5)  # listener connected, loops idle
+    yield service, channel, sends
+    await service.stop()
+
+
+async def enqueue_elsewhere(url: str, org_id: str, clock: FakeClock) -> float:
+    """Commit a reply delivery through another engine; returns the commit time."""
+    other = Database(url)
+    try:
+        async with other.tx() as conn:
+            await enqueue_reply(
+                conn,
+                clock,
+                RandomIds(),
+                org_id=org_id,
+                binding={
+                    "id": "bnd_elsewhere",
+                    "kind": "slack",
+                    "silent": False,
+                    "address": {"channel": "C1"},
+                },
+                text="from another replica",
+            )
+        return time.perf_counter()
+    finally:
+        await other.close()
+
+
+async def test_notify_from_another_connection_wakes_the_relay(
+    url: str, looping: tuple[Service, ScriptedChannel, asyncio.Queue[float]]
+) -> None:
+    service, _, sends = looping
+    assert isinstance(service.clock, FakeClock)
+    org_id, _, _ = await make_org_and_agents(service.db, service.clock, service.ids)
+    latencies = []
+    for _ in range(3):
+        committed = await enqueue_elsewhere(url, org_id, service.clock)
+        sent = await asyncio.wait_for(sends.get(), timeout=5)
+        latencies.append(sent - committed)
+    print(f"\nNOTIFY wake-up latencies: {[f'{x * 1000:.1f} ms' for x in latencies]}")
+    assert min(latencies) < 0.1, latencies
+
+
+async def test_listener_reconnects_after_losing_its_connection(
+    url: str, looping: tuple[Service, ScriptedChannel, asyncio.Queue[float]]
+) -> None:
+    service, _, sends = looping
+    assert isinstance(service.clock, FakeClock)
+    org_id, _, _ = await make_org_and_agents(service.db, service.clock, service.ids)
+    async with service.db.tx() as conn:
+        killed = await conn.scalar(
+            sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+            )
+        )
+    assert killed == 1
+    await asyncio.sleep(1.5)  # the listener reconnects after 1 s
+    committed = await enqueue_elsewhere(url, org_id, service.clock)
+    sent = await asyncio.wait_for(sends.get(), timeout=5)
+    assert sent - committed < 0.5
