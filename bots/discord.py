@@ -608,33 +608,24 @@ class DiscordAdapter:
     async def _run_ask(self, ask: AskCommand) -> None:
         visible = False
         try:
-            route = await self._core.resolve_route(
-                BindingKind.discord.value, {"guild": ask.guild, "channel": ask.channel_id}
+            routed = await self._routed_trigger(
+                ask.guild,
+                ask.channel_id,
+                ask.text,
+                {
+                    "channel_id": ask.channel_id,
+                    "application_id": ask.application_id,
+                    "interaction_token": ask.token,
+                    "guild_id": ask.guild_id,
+                },
+                f"discord:interaction:{ask.interaction_id}",
             )
-            if route is None:
-                log.info("discord: no route for guild=%s channel=%s", ask.guild, ask.channel_id)
+            if routed is None:
                 return
-            trigger = Trigger(
-                org_id=route.org_id,
-                agent_id=route.agent_id,
-                session_key=f"discord:{ask.guild}:{ask.channel_id}",
-                text=ask.text,
-                binding=BindingSpec(
-                    kind=BindingKind.discord,
-                    address={
-                        "channel_id": ask.channel_id,
-                        "application_id": ask.application_id,
-                        "interaction_token": ask.token,
-                        "guild_id": ask.guild_id,
-                    },
-                    silent=route.silent,
-                    route_id=route.route_id,
-                ),
-                external_event_id=f"discord:interaction:{ask.interaction_id}",
-            )
+            trigger, silent = routed
             outcome = await self._core.submit(trigger)
             # Only a plain reply on a non-silent binding fills the deferred response.
-            visible = isinstance(outcome, Reply) and not route.silent
+            visible = isinstance(outcome, Reply) and not silent
         finally:
             if not visible:
                 await self.channel.delete_original(ask.application_id, ask.token)
@@ -651,31 +642,46 @@ class DiscordAdapter:
         self._core.spawn(self._run_post(post), name=f"discord-turn:message:{post.message_id}")
 
     async def _run_post(self, post: GatewayPost) -> None:
+        routed = await self._routed_trigger(
+            post.guild,
+            post.channel_id,
+            post.text,
+            {
+                "channel_id": post.channel_id,
+                "message_id": post.message_id,
+                "guild_id": post.guild_id,
+            },
+            f"discord:message:{post.message_id}",
+        )
+        if routed is not None:
+            # A Reply is already queued in the outbox; nothing else is ever shown.
+            await self._core.submit(routed[0])
+
+    async def _routed_trigger(
+        self, guild: str, channel_id: str, text: str, address: dict[str, Any], event_id: str
+    ) -> tuple[Trigger, bool] | None:
+        """The Trigger for a message in ``guild``/``channel_id`` and whether its route is
+        silent; ``None`` (logged) when no route answers there."""
         route = await self._core.resolve_route(
-            BindingKind.discord.value, {"guild": post.guild, "channel": post.channel_id}
+            BindingKind.discord.value, {"guild": guild, "channel": channel_id}
         )
         if route is None:
-            log.info("discord: no route for guild=%s channel=%s", post.guild, post.channel_id)
-            return
+            log.info("discord: no route for guild=%s channel=%s", guild, channel_id)
+            return None
         trigger = Trigger(
             org_id=route.org_id,
             agent_id=route.agent_id,
-            session_key=f"discord:{post.guild}:{post.channel_id}",
-            text=post.text,
+            session_key=f"discord:{guild}:{channel_id}",
+            text=text,
             binding=BindingSpec(
                 kind=BindingKind.discord,
-                address={
-                    "channel_id": post.channel_id,
-                    "message_id": post.message_id,
-                    "guild_id": post.guild_id,
-                },
+                address=address,
                 silent=route.silent,
                 route_id=route.route_id,
             ),
-            external_event_id=f"discord:message:{post.message_id}",
+            external_event_id=event_id,
         )
-        # A Reply is already queued in the outbox; nothing else is ever shown.
-        await self._core.submit(trigger)
+        return trigger, route.silent
 
     async def _gateway_lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         intents = discord.Intents.default()
