@@ -50,20 +50,17 @@ the channel id for channel messages and the interaction token for webhooks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
-import signal
 import time
-from collections import deque
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import WSMsgType, web
 from nacl.signing import SigningKey
 
-from tests.standins.slack_api import abort_with_reset
+from tests.standins.common import StandinBase, serve_main
 
 __all__ = ["DiscordApiStandin", "interaction_headers"]
 
@@ -96,7 +93,7 @@ def _now_iso() -> str:
     return datetime.now(UTC).isoformat()
 
 
-class DiscordApiStandin:
+class DiscordApiStandin(StandinBase):
     """Discord REST v10 + gateway with scriptable failures and nonce de-duplication."""
 
     def __init__(
@@ -113,15 +110,8 @@ class DiscordApiStandin:
         self.token = token
         self.application_id = application_id
         self.bot_user_id = bot_user_id
-        self.latency_ms = latency_ms
         self.nonce_window_s = nonce_window_s
-        self.host = host
-        self._port = port
-        self.posts: list[dict[str, Any]] = []
-        self.requests: list[dict[str, Any]] = []
         self.identifies: list[dict[str, Any]] = []
-        self._queue: deque[str] = deque()
-        self._key_modes: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._nonces: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
         self._originals: dict[str, dict[str, Any]] = {}
@@ -130,41 +120,16 @@ class DiscordApiStandin:
         self._ready_sockets: set[web.WebSocketResponse] = set()
         self._seq = itertools.count(1)
         self._ready = asyncio.Event()
-        self._release = asyncio.Event()
-        self._runner: web.AppRunner | None = None
+        super().__init__(latency_ms=latency_ms, host=host, port=port)
 
     # -- control ---------------------------------------------------------------------------
 
-    def queue(self, *modes: str) -> None:
-        """Answer the next write requests with ``modes``, in order."""
-        self._queue.extend(modes)
-
-    def set_channel_mode(self, key: str, mode: str | None) -> None:
-        """Answer every write to channel id / interaction token ``key`` with ``mode``."""
-        if mode is None:
-            self._key_modes.pop(key, None)
-        else:
-            self._key_modes[key] = mode
-
     def reset(self) -> None:
         """Forget records, modes and nonces."""
-        self.posts.clear()
-        self.requests.clear()
-        self._queue.clear()
-        self._key_modes.clear()
+        super().reset()
         self._nonces.clear()
         self._originals.clear()
         self._deleted_originals.clear()
-
-    @property
-    def port(self) -> int:
-        """The bound TCP port (after :meth:`start`)."""
-        return self._port
-
-    @property
-    def base_url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{self.host}:{self._port}"
 
     @property
     def api_url(self) -> str:
@@ -199,42 +164,19 @@ class DiscordApiStandin:
             f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._delete_original
         )
         r.add_get("/gateway", self._gateway)
-        r.add_get("/_standin/posts", self._get_posts)
-        r.add_get("/_standin/requests", self._get_requests)
-        r.add_post("/_standin/modes", self._set_modes)
-        r.add_post("/_standin/reset", self._reset)
+        self._add_control_routes(r)
         r.add_get("/_standin/gateway", self._gateway_state)
         r.add_post("/_standin/gateway/message_create", self._http_message_create)
         return app
 
-    async def start(self) -> DiscordApiStandin:
+    async def start(self) -> Self:
         """Listen on ``host:port`` (port 0 picks a free one)."""
-        self._release = asyncio.Event()
         self._ready = asyncio.Event()
-        self._runner = web.AppRunner(self.make_app(), shutdown_timeout=0.5, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port)
-        await site.start()
-        server = site._server
-        assert server is not None
-        sockets = getattr(server, "sockets", None) or []
-        self._port = sockets[0].getsockname()[1]
-        return self
+        return await super().start()
 
-    async def stop(self) -> None:
-        """Close gateway sessions, release hanging requests, stop listening."""
-        self._release.set()
+    async def _close_sessions(self) -> None:
         for ws in list(self._sockets):
             await ws.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> DiscordApiStandin:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- objects ---------------------------------------------------------------------------
 
@@ -295,23 +237,13 @@ class DiscordApiStandin:
     def _bot_authorized(self, request: web.Request) -> bool:
         return request.headers.get("Authorization", "") == f"Bot {self.token}"
 
-    def _next_mode(self, key: str) -> str:
-        if self._queue:
-            return self._queue.popleft()
-        return self._key_modes.get(key, "ok")
-
     async def _failure(self, request: web.Request, mode: str) -> web.StreamResponse | None:
         """The response for a failure mode, or None for ``ok``."""
         if mode == "ok":
             return None
-        if mode == "hang":
-            await self._release.wait()
-            abort_with_reset(request)
-            return web.Response(status=503)
-        if mode == "reset":
-            abort_with_reset(request)
-            await asyncio.sleep(0.01)
-            return web.Response(status=500)
+        cut = await self._hang_or_reset(request, mode)
+        if cut is not None:
+            return cut
         if mode.startswith("ratelimited"):
             name, _, seconds = mode.partition(":")
             retry_after = float(seconds or "1")
@@ -340,9 +272,7 @@ class DiscordApiStandin:
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
         raise ValueError(f"unknown stand-in mode {mode!r}")
 
-    async def _latency(self) -> None:
-        if self.latency_ms:
-            await asyncio.sleep(self.latency_ms / 1000)
+    _respond = staticmethod(_json)
 
     # -- REST ------------------------------------------------------------------------------
 
@@ -642,24 +572,7 @@ class DiscordApiStandin:
             await self._send_dispatch(ws, "MESSAGE_CREATE", message)
         return message
 
-    # -- control API -----------------------------------------------------------------------
-
-    async def _get_posts(self, request: web.Request) -> web.Response:
-        return _json(self.posts)
-
-    async def _get_requests(self, request: web.Request) -> web.Response:
-        return _json(self.requests)
-
-    async def _set_modes(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.queue(*body.get("queue", []))
-        if "channel" in body:
-            self.set_channel_mode(body["channel"], body.get("mode"))
-        return _json({"ok": True})
-
-    async def _reset(self, request: web.Request) -> web.Response:
-        self.reset()
-        return _json({"ok": True})
+    # -- control API (beyond the shared /_standin/posts|requests|modes|reset) ---------------
 
     async def _gateway_state(self, request: web.Request) -> web.Response:
         return _json(
@@ -675,34 +588,21 @@ class DiscordApiStandin:
         return _json(await self.dispatch_message_create(**body))
 
 
-async def _serve_forever(standin: DiscordApiStandin) -> None:
-    await standin.start()
-    print(f"LISTENING {standin.port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await standin.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m tests.standins.discord_api --port 0 [--latency-ms N] [--token T]``."""
-    parser = argparse.ArgumentParser(description="Discord REST + gateway stand-in")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--latency-ms", type=int, default=0)
-    parser.add_argument("--token", default="standin-bot-token")
-    parser.add_argument("--application-id", default="1100000000000000001")
-    args = parser.parse_args(argv)
-    standin = DiscordApiStandin(
-        token=args.token,
-        application_id=args.application_id,
-        latency_ms=args.latency_ms,
-        host=args.host,
-        port=args.port,
+    serve_main(
+        argv,
+        lambda args: DiscordApiStandin(
+            token=args.token,
+            application_id=args.application_id,
+            latency_ms=args.latency_ms,
+            host=args.host,
+            port=args.port,
+        ),
+        description="Discord REST + gateway stand-in",
+        default_token="standin-bot-token",
+        extra_options={"--application-id": "1100000000000000001"},
     )
-    asyncio.run(_serve_forever(standin))
 
 
 if __name__ == "__main__":

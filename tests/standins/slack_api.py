@@ -38,21 +38,16 @@ A wrong bearer token gets ``{"ok": false, "error": "invalid_auth"}``, none gets
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
 import itertools
 import json
-import signal
-import socket
-import struct
 import time
-from collections import deque
 from typing import Any
 from urllib.parse import parse_qsl
 
 from aiohttp import web
 from slack_sdk.signature import SignatureVerifier
+
+from tests.standins.common import StandinBase, abort_with_reset, serve_main
 
 __all__ = ["SlackApiStandin", "abort_with_reset", "signed_headers"]
 
@@ -75,19 +70,16 @@ def signed_headers(
     return headers
 
 
-def abort_with_reset(request: web.Request) -> None:
-    """Reset the request's TCP connection (SO_LINGER 0 + close sends RST)."""
-    transport = request.transport
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps(data),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
-class SlackApiStandin:
+class SlackApiStandin(StandinBase):
     """Slack Web API (``auth.test``, ``chat.postMessage``) with scriptable failures."""
 
     def __init__(
@@ -105,46 +97,14 @@ class SlackApiStandin:
         self.team_id = team_id
         self.bot_user_id = bot_user_id
         self.bot_id = bot_id
-        self.latency_ms = latency_ms
-        self.host = host
-        self._port = port
-        self.posts: list[dict[str, Any]] = []
-        self.requests: list[dict[str, Any]] = []
-        self._queue: deque[str] = deque()
-        self._channel_modes: dict[str, str] = {}
         self._ts = itertools.count(1)
-        self._release = asyncio.Event()
-        self._runner: web.AppRunner | None = None
+        super().__init__(latency_ms=latency_ms, host=host, port=port)
 
     # -- control ---------------------------------------------------------------------------
 
-    def queue(self, *modes: str) -> None:
-        """Answer the next ``chat.postMessage`` calls with ``modes``, in order."""
-        self._queue.extend(modes)
-
     def set_channel_mode(self, channel: str, mode: str | None) -> None:
         """Answer every post to ``channel`` with ``mode`` (``None`` clears it)."""
-        if mode is None:
-            self._channel_modes.pop(channel, None)
-        else:
-            self._channel_modes[channel] = mode
-
-    def reset(self) -> None:
-        """Forget records and modes."""
-        self.posts.clear()
-        self.requests.clear()
-        self._queue.clear()
-        self._channel_modes.clear()
-
-    @property
-    def port(self) -> int:
-        """The bound TCP port (after :meth:`start`)."""
-        return self._port
-
-    @property
-    def base_url(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{self.host}:{self._port}"
+        super().set_channel_mode(channel, mode)
 
     @property
     def api_url(self) -> str:
@@ -158,44 +118,14 @@ class SlackApiStandin:
         app = web.Application()
         app.router.add_post("/api/{method}", self._api)
         app.router.add_get("/api/{method}", self._api)
-        app.router.add_get("/_standin/posts", self._get_posts)
-        app.router.add_get("/_standin/requests", self._get_requests)
-        app.router.add_post("/_standin/modes", self._set_modes)
-        app.router.add_post("/_standin/reset", self._reset)
+        self._add_control_routes(app.router)
         return app
-
-    async def start(self) -> SlackApiStandin:
-        """Listen on ``host:port`` (port 0 picks a free one)."""
-        self._release = asyncio.Event()
-        self._runner = web.AppRunner(self.make_app(), shutdown_timeout=0.5, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port)
-        await site.start()
-        server = site._server
-        assert server is not None
-        sockets = getattr(server, "sockets", None) or []
-        self._port = sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        """Stop listening; hanging requests are released and their connections closed."""
-        self._release.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> SlackApiStandin:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- Web API ---------------------------------------------------------------------------
 
     async def _api(self, request: web.Request) -> web.StreamResponse:
         params = await _read_params(request)
-        if self.latency_ms:
-            await asyncio.sleep(self.latency_ms / 1000)
+        await self._latency()
         method = request.match_info["method"]
         auth_error = self._check_token(request, params)
         if method == "auth.test":
@@ -224,15 +154,9 @@ class SlackApiStandin:
         )
         if auth_error:
             return _json({"ok": False, "error": auth_error})
-        if mode == "hang":
-            await self._release.wait()
-            abort_with_reset(request)
-            return web.Response(status=503)
-        if mode == "reset":
-            abort_with_reset(request)
-            # Let connection_lost run so aiohttp does not try to write the response.
-            await asyncio.sleep(0.01)
-            return web.Response(status=500)
+        cut = await self._hang_or_reset(request, mode)
+        if cut is not None:
+            return cut
         if mode.startswith("ratelimited"):
             _, _, seconds = mode.partition(":")
             retry_after = seconds or "1"
@@ -276,29 +200,7 @@ class SlackApiStandin:
             return "invalid_auth"
         return None
 
-    def _next_mode(self, channel: str) -> str:
-        if self._queue:
-            return self._queue.popleft()
-        return self._channel_modes.get(channel, "ok")
-
-    # -- control API -----------------------------------------------------------------------
-
-    async def _get_posts(self, request: web.Request) -> web.Response:
-        return _json(self.posts)
-
-    async def _get_requests(self, request: web.Request) -> web.Response:
-        return _json(self.requests)
-
-    async def _set_modes(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.queue(*body.get("queue", []))
-        if "channel" in body:
-            self.set_channel_mode(body["channel"], body.get("mode"))
-        return _json({"ok": True})
-
-    async def _reset(self, request: web.Request) -> web.Response:
-        self.reset()
-        return _json({"ok": True})
+    _respond = staticmethod(_json)
 
 
 async def _read_params(request: web.Request) -> dict[str, Any]:
@@ -316,38 +218,16 @@ async def _read_params(request: web.Request) -> dict[str, Any]:
     return params
 
 
-def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=status,
-        text=json.dumps(data),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-async def _serve_forever(standin: SlackApiStandin) -> None:
-    await standin.start()
-    print(f"LISTENING {standin.port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await standin.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m tests.standins.slack_api --port 0 [--latency-ms N] [--token T]``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--latency-ms", type=int, default=0)
-    parser.add_argument("--token", default="xoxb-standin")
-    args = parser.parse_args(argv)
-    standin = SlackApiStandin(
-        token=args.token, latency_ms=args.latency_ms, host=args.host, port=args.port
+    serve_main(
+        argv,
+        lambda args: SlackApiStandin(
+            token=args.token, latency_ms=args.latency_ms, host=args.host, port=args.port
+        ),
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        default_token="xoxb-standin",
     )
-    asyncio.run(_serve_forever(standin))
 
 
 if __name__ == "__main__":
