@@ -30,6 +30,7 @@ from engine.providers.base import ChatMessage, ModelRequest, Provider, TextDelta
 from engine.sql import insert_ignore
 from engine.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger
 from engine.workitems import Status
+from outbox.store import enqueue_reply
 
 log = logging.getLogger("leadgate.turns")
 
@@ -214,36 +215,21 @@ class TurnService:
                 conn, self.clock, self.ids, trigger.org_id, agent["id"], trigger.session_key
             )
             event_id = self.ids.new("evt")
-            if trigger.external_event_id is not None:
-                res = await conn.execute(
-                    insert_ignore(
-                        conn,
-                        t.inbound_events,
-                        id=event_id,
-                        org_id=trigger.org_id,
-                        agent_id=agent["id"],
-                        session_id=session_id,
-                        outcome="accepted",
-                        content=trigger.text[:TASK_CONTEXT_LIMIT],
-                        external_event_id=trigger.external_event_id,
-                        created_at=now,
-                    )
-                )
-                if not res.rowcount:
-                    return Duplicate()
-            else:
-                await conn.execute(
-                    _INSERT_EVENT,
-                    {
-                        "id": event_id,
-                        "org_id": trigger.org_id,
-                        "agent_id": agent["id"],
-                        "session_id": session_id,
-                        "outcome": "accepted",
-                        "content": trigger.text[:TASK_CONTEXT_LIMIT],
-                        "created_at": now,
-                    },
-                )
+            event = {
+                "id": event_id,
+                "org_id": trigger.org_id,
+                "agent_id": agent["id"],
+                "session_id": session_id,
+                "outcome": "accepted",
+                "content": trigger.text[:TASK_CONTEXT_LIMIT],
+                "external_event_id": trigger.external_event_id,
+                "created_at": now,
+            }
+            if trigger.external_event_id is None:
+                # Nothing to de-duplicate: the prebuilt plain insert (hot REST path).
+                await conn.execute(_INSERT_EVENT, event)
+            elif not (await conn.execute(insert_ignore(conn, t.inbound_events, **event))).rowcount:
+                return Duplicate()
             item_id: str | None = None
             revision: int | None = None
             if lead is not None:
@@ -557,8 +543,6 @@ class TurnService:
             if revision_item is None and ctx.binding_posts:
                 binding = await bindings.active_binding(conn, ctx.session_id)
                 if binding is not None and binding["id"] == ctx.binding_id:
-                    from outbox.store import enqueue_reply
-
                     queued = await enqueue_reply(
                         conn,
                         self.clock,
