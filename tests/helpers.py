@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
+
 from engine import agents as agents_mod
-from engine import orgs
+from engine import orgs, workitems
+from engine import schema as t
 from engine.auth import Principal, Scope
 from engine.service import Service
 from engine.types import BindingKind, BindingSpec, Trigger
+from outbox.store import for_item
 
 
 @dataclass
@@ -56,3 +60,27 @@ def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1")
         text=text,
         binding=BindingSpec(BindingKind.api),
     )
+
+
+async def item_row(service: Service, item_id: str) -> dict[str, Any]:
+    """A work item as stored."""
+    async with service.db.read() as conn:
+        return await workitems.get(conn, item_id)
+
+
+async def item_deliveries(service: Service, item_id: str) -> list[dict[str, Any]]:
+    """A work item's delivery rows, oldest first."""
+    async with service.db.read() as conn:
+        return await for_item(conn, item_id)
+
+
+async def item_audit(service: Service, item_id: str) -> list[dict[str, Any]]:
+    """A work item's audit rows, oldest first."""
+    a = t.audit.c
+    async with service.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(t.audit).where(a.work_item_id == item_id).order_by(a.created_at, a.id)
+            )
+        ).all()
+    return [dict(r._mapping) for r in rows]

@@ -21,10 +21,12 @@ from engine.errors import TransitionError, ValidationError
 from engine.runners import RevisionRunner, Sweeper, drain
 from engine.service import Service
 from engine.types import BindingKind, BindingSpec, Gated, Reply, Trigger
-from outbox.store import for_item
 from review import decisions
 from review.queue import detail
 from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import item_audit as audit_rows
+from tests.helpers import item_deliveries as deliveries
+from tests.helpers import item_row as row
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 NON_TERMINAL = ["inProgress", "reviewQueued", "reviewing", "awaitingHuman", "approved"]
@@ -132,27 +134,6 @@ async def items_in_every_status(
     for status, item_id in ids.items():
         assert (await row(service, item_id))["status"] == status, status
     return ids
-
-
-async def row(service: Service, item_id: str) -> dict[str, Any]:
-    async with service.db.read() as conn:
-        return await workitems.get(conn, item_id)
-
-
-async def deliveries(service: Service, item_id: str) -> list[dict[str, Any]]:
-    async with service.db.read() as conn:
-        return await for_item(conn, item_id)
-
-
-async def audit_rows(service: Service, item_id: str) -> list[dict[str, Any]]:
-    a = t.audit.c
-    async with service.db.read() as conn:
-        rows = (
-            await conn.execute(
-                sa.select(t.audit).where(a.work_item_id == item_id).order_by(a.created_at, a.id)
-            )
-        ).all()
-    return [dict(r._mapping) for r in rows]
 
 
 async def state(service: Service, item_id: str) -> tuple[Any, ...]:

@@ -32,11 +32,13 @@ from engine.runners import RevisionRunner, drain
 from engine.service import Service
 from engine.turns import visible_transcript
 from engine.types import Gated
-from outbox.store import for_item
 from review import decisions
 from review.queue import detail
 from review.runner import LEAD_TOOLS, LeadRunner
 from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import item_audit as audit
+from tests.helpers import item_deliveries as deliveries
+from tests.helpers import item_row as row
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 LEAD_TOOL_NAMES = ["submit_lead_review", "inspect_lead_messages", "inspect_lead_artifacts"]
@@ -142,27 +144,6 @@ async def submit(
     assert isinstance(out, Gated), out
     assert out.work_item_id
     return out.work_item_id
-
-
-async def row(service: Service, item_id: str) -> dict[str, Any]:
-    async with service.db.read() as conn:
-        return await workitems.get(conn, item_id)
-
-
-async def deliveries(service: Service, item_id: str) -> list[dict[str, Any]]:
-    async with service.db.read() as conn:
-        return await for_item(conn, item_id)
-
-
-async def audit(service: Service, item_id: str) -> list[dict[str, Any]]:
-    a = t.audit.c
-    async with service.db.read() as conn:
-        rows = (
-            await conn.execute(
-                sa.select(t.audit).where(a.work_item_id == item_id).order_by(a.created_at, a.id)
-            )
-        ).all()
-    return [dict(r._mapping) for r in rows]
 
 
 async def actions(service: Service, item_id: str) -> list[str]:
