@@ -773,3 +773,17 @@ async def test_agents_writes_require_update_scope(env: Env) -> None:
     assert done.choices[0].message.content == "Echo: #complete"
     missing = await agents_call(env, "GET", key=None)
     assert_openai_error(missing, 401, "authentication_error")
+
+
+async def test_model_names_the_worker_by_id_or_slug(env: Env) -> None:
+    # SPEC 7: `model` is the worker's id or slug (the name works too).
+    created = await agents_call(env, "POST", body={"name": f"Release Notes {uuid.uuid4().hex[:6]}"})
+    assert created.status == 201, created.body
+    agent = created.json()
+    assert agent["slug"] != agent["name"]
+    for ref in (agent["id"], agent["slug"], agent["name"]):
+        done = client(env).chat.completions.create(
+            model=ref, messages=user(f"by {ref}"), extra_headers=session(uuid.uuid4().hex)
+        )
+        assert done.choices[0].message.content == f"Echo: by {ref}"
+        assert done.model == ref
