@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from engine import schema as t
 from engine.clock import Clock, IdFactory
+from engine.db import Conn
 from engine.sql import insert_ignore
 from engine.types import BindingSpec
 
@@ -71,9 +72,13 @@ _SESSION_AND_BINDING = (
     .where(S.agent_id == sa.bindparam("p_agent_id"), S.key == sa.bindparam("p_key"))
 )
 
+_ACTIVE_BINDING = sa.select(t.bindings).where(
+    B.session_id == sa.bindparam("p_session_id"), B.active
+)
+
 
 async def open_session(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
+    conn: Conn, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
 ) -> tuple[str, Any]:
     """:func:`get_or_create_session` plus the session's active binding (``None`` when it
     has none) for :func:`activate`. One SELECT when the session exists (the usual case)."""
@@ -100,12 +105,15 @@ async def open_session(
     return str(row.id), current
 
 
+_DEACTIVATE = t.bindings.update().where(B.id == sa.bindparam("p_id"))
+_INSERT_BINDING = t.bindings.insert()
+
 #: ``activate(current=UNREAD)``: read the active binding in ``activate`` itself.
 UNREAD: Any = object()
 
 
 async def activate(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     org_id: str,
@@ -119,9 +127,7 @@ async def activate(
     transaction (saves a SELECT); by default it is read here.
     """
     if current is UNREAD:
-        current = (
-            await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
-        ).first()
+        current = (await conn.execute(_ACTIVE_BINDING, {"p_session_id": session_id})).first()
     if (
         current is not None
         and current.kind == spec.kind.value
@@ -130,29 +136,28 @@ async def activate(
     ):
         return str(current.id)
     if current is not None:
-        await conn.execute(t.bindings.update().where(B.id == current.id).values(active=False))
+        await conn.execute(_DEACTIVATE, {"p_id": current.id, "active": False})
     binding_id = ids.new("bnd")
     await conn.execute(
-        t.bindings.insert().values(
-            id=binding_id,
-            org_id=org_id,
-            session_id=session_id,
-            kind=spec.kind.value,
-            address=spec.address,
-            silent=spec.silent,
-            route_id=spec.route_id,
-            active=True,
-            created_at=clock.now_ms(),
-        )
+        _INSERT_BINDING,
+        {
+            "id": binding_id,
+            "org_id": org_id,
+            "session_id": session_id,
+            "kind": spec.kind.value,
+            "address": spec.address,
+            "silent": spec.silent,
+            "route_id": spec.route_id,
+            "active": True,
+            "created_at": clock.now_ms(),
+        },
     )
     return binding_id
 
 
-async def active_binding(conn: AsyncConnection, session_id: str) -> dict[str, Any] | None:
+async def active_binding(conn: Conn, session_id: str) -> dict[str, Any] | None:
     """The session's active binding row, if any."""
-    row = (
-        await conn.execute(sa.select(t.bindings).where(B.session_id == session_id, B.active))
-    ).first()
+    row = (await conn.execute(_ACTIVE_BINDING, {"p_session_id": session_id})).first()
     return None if row is None else dict(row._mapping)
 
 

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from engine import schema as t
 from engine.clock import Clock, IdFactory, iso
+from engine.db import Conn
 from engine.errors import Conflict, NotFound, ValidationError
 from engine.orgs import validate_name
 
@@ -146,7 +147,7 @@ _AGENT_WITH_PRESET = (
 
 
 async def find_agent_and_lead(
-    conn: AsyncConnection, org_id: str, ref: str
+    conn: Conn, org_id: str, ref: str
 ) -> tuple[dict[str, Any], LeadConfig | None]:
     """:func:`find_agent` (not deleted) and :func:`resolve_lead` in one statement."""
     row = (await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, "p_ref": ref})).first()

@@ -11,16 +11,17 @@ queue on the busy timeout instead of failing. Read-only transactions use a plain
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from engine.errors import ConfigError, NotMigratedError
+from engine.inline_sqlite import InlineSqlite
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -28,7 +29,37 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 _TOPICS = "leadgate_after_commit_topics"
 
 
-def signal_after_commit(conn: AsyncConnection, topic: str, payload: Any = None) -> None:
+class Result(Protocol):
+    """What callers of :class:`Conn` use of a statement's result."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def first(self) -> sa.Row[Any] | None: ...
+
+    def one(self) -> sa.Row[Any]: ...
+
+    def all(self) -> Sequence[sa.Row[Any]]: ...
+
+    def scalar(self) -> Any: ...
+
+
+class Conn(Protocol):
+    """A connection inside a transaction, as the turn path's helpers use it: an
+    ``AsyncConnection``, or on SQLite the inline connection of :meth:`Database.fast_tx`."""
+
+    @property
+    def dialect(self) -> sa.Dialect: ...
+
+    @property
+    def info(self) -> dict[Any, Any]: ...
+
+    async def execute(
+        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
+    ) -> Result: ...
+
+
+def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
     """Run ``topic``'s in-process listeners once the current :meth:`Database.tx` commits.
 
     Used to wake runners (the outbox relay) without polling and without racing the
@@ -66,6 +97,9 @@ class Database:
         self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
+        self._inline: InlineSqlite | None = None
+        if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
+            self._inline = InlineSqlite(parsed.database, self.engine.dialect)
 
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
@@ -99,6 +133,42 @@ class Database:
                     yield conn
             finally:
                 conn.info.pop(_TOPICS, None)
+        self._after_commit(topics)
+
+    @asynccontextmanager
+    async def fast_tx(self) -> AsyncIterator[Conn]:
+        """A write transaction for short, hot paths (a turn's intake and reply).
+
+        On a SQLite file it runs on the inline connection (:mod:`engine.inline_sqlite`):
+        Core SELECT/INSERT/UPDATE/DELETE without RETURNING, no other awaits inside.
+        Elsewhere it is :meth:`tx`.
+        """
+        if self._inline is None:
+            async with self.tx() as conn:
+                yield conn
+            return
+        topics: dict[str, list[Any]] = {}
+        async with self._writer():
+            inline = self._inline.connection
+            await inline.begin_immediate()
+            inline.info[_TOPICS] = topics
+            try:
+                yield inline
+            except BaseException:
+                inline.rollback()
+                raise
+            else:
+                try:
+                    inline.commit()
+                except BaseException:
+                    inline.rollback()
+                    raise
+            finally:
+                inline.info.pop(_TOPICS, None)
+        self._inline.committed()
+        self._after_commit(topics)
+
+    def _after_commit(self, topics: dict[str, list[Any]]) -> None:
         for topic, payloads in topics.items():
             for callback in self._listeners.get(topic, ()):
                 callback()
@@ -134,6 +204,26 @@ class Database:
             async with conn.begin():
                 yield conn
 
+    @contextmanager
+    def record_statements(self) -> Iterator[list[str]]:
+        """Collect the SQL of every statement this process runs meanwhile, on the engine
+        and on the inline connection (tests and debugging; BEGIN/COMMIT included)."""
+        statements: list[str] = []
+
+        def on_engine(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+            statements.append(sql)
+
+        sync_engine = self.engine.sync_engine
+        event.listen(sync_engine, "before_cursor_execute", on_engine)
+        if self._inline is not None:
+            self._inline.connection.set_trace(statements.append)
+        try:
+            yield statements
+        finally:
+            event.remove(sync_engine, "before_cursor_execute", on_engine)
+            if self._inline is not None:
+                self._inline.connection.set_trace(None)
+
     def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
         """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway."""
         if self.is_postgres:
@@ -160,7 +250,9 @@ class Database:
             )
 
     async def close(self) -> None:
-        """Dispose of the pool."""
+        """Close the inline connection and dispose of the pool."""
+        if self._inline is not None:
+            await self._inline.close()
         await self.engine.dispose()
 
 

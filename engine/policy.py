@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from engine import schema as t
 from engine.clock import Clock, IdFactory
+from engine.db import Conn
 from engine.errors import ValidationError
 
 BLOCK_NOTICE = "This reply was withheld by your organization's output policy."
@@ -60,7 +61,7 @@ _RULES = (
 )
 
 
-async def load_rules(conn: AsyncConnection, org_id: str) -> list[Rule]:
+async def load_rules(conn: Conn, org_id: str) -> list[Rule]:
     """The organization's rules in order."""
     rows = (await conn.execute(_RULES, {"p_org_id": org_id})).all()
     return [compile_rule(r.pattern, r.action) for r in rows]

@@ -6,10 +6,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection
+
+from engine.db import Conn
 
 
-def insert_ignore(conn: AsyncConnection, table: sa.Table, **values: Any) -> Any:
+def insert_ignore(conn: Conn, table: sa.Table, **values: Any) -> Any:
     """``INSERT ... ON CONFLICT DO NOTHING`` in the connection's dialect."""
     if conn.dialect.name == "postgresql":
         return postgresql.insert(table).values(**values).on_conflict_do_nothing()

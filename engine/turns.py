@@ -23,7 +23,7 @@ from engine import agents as agents_mod
 from engine import policy, workitems
 from engine import schema as t
 from engine.clock import Clock, IdFactory
-from engine.db import Database
+from engine.db import Conn, Database
 from engine.errors import ModelError, TransitionError, ValidationError
 from engine.metrics import METRICS
 from engine.providers.base import ChatMessage, ModelRequest, Provider, TextDelta, ToolCall, ToolSpec
@@ -70,6 +70,13 @@ DeltaSink = Callable[[str], Awaitable[None]]
 # event-loop time as executing it.
 _INSERT_MESSAGE = t.messages.insert()
 _INSERT_EVENT = t.inbound_events.insert()
+_INSERT_WORK_ITEM = t.work_items.insert()
+_W = t.work_items.c
+_UPDATE_EVENT = t.inbound_events.update().where(t.inbound_events.c.id == sa.bindparam("p_id"))
+# Appending to an item's task: fenced by status so a concurrent move is not overwritten.
+_APPEND_TASK = t.work_items.update().where(
+    _W.id == sa.bindparam("p_id"), _W.status == Status.inProgress.value
+)
 _M = t.messages.c
 _HISTORY = (
     sa.select(_M.role, _M.content)
@@ -205,7 +212,7 @@ class TurnService:
         its lead, the session and its binding, the intake rules, the user message, the
         policy rules and the history the model will see."""
         now = self.clock.now_ms()
-        async with self.db.tx() as conn:
+        async with self.db.fast_tx() as conn:
             agent, lead = await agents_mod.find_agent_and_lead(
                 conn, trigger.org_id, trigger.agent_id
             )
@@ -237,9 +244,8 @@ class TurnService:
                 if item is not None and item["status"] != Status.inProgress:
                     # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
                     await conn.execute(
-                        t.inbound_events.update()
-                        .where(t.inbound_events.c.id == event_id)
-                        .values(outcome="rejectedBusy", work_item_id=item["id"])
+                        _UPDATE_EVENT,
+                        {"p_id": event_id, "outcome": "rejectedBusy", "work_item_id": item["id"]},
                     )
                     return Busy(work_item_id=item["id"])
             if lead is not None and self.db.is_postgres:
@@ -260,24 +266,25 @@ class TurnService:
                     item_id = self.ids.new("wi")
                     revision = 0
                     await conn.execute(
-                        t.work_items.insert().values(
-                            id=item_id,
-                            org_id=trigger.org_id,
-                            agent_id=agent["id"],
-                            session_id=session_id,
-                            lead_agent_id=lead.lead_agent_id,
-                            status=Status.inProgress.value,
-                            completion_policy=lead.completion_policy.value,
-                            max_revision_rounds=lead.max_revision_rounds,
-                            revision=0,
-                            extra_allowance=0,
-                            task_context=trigger.text[:TASK_CONTEXT_LIMIT],
-                            binding_id=binding_id,
-                            lease_expiries=0,
-                            last_activity_at=now,
-                            created_at=now,
-                            updated_at=now,
-                        )
+                        _INSERT_WORK_ITEM,
+                        {
+                            "id": item_id,
+                            "org_id": trigger.org_id,
+                            "agent_id": agent["id"],
+                            "session_id": session_id,
+                            "lead_agent_id": lead.lead_agent_id,
+                            "status": Status.inProgress.value,
+                            "completion_policy": lead.completion_policy.value,
+                            "max_revision_rounds": lead.max_revision_rounds,
+                            "revision": 0,
+                            "extra_allowance": 0,
+                            "task_context": trigger.text[:TASK_CONTEXT_LIMIT],
+                            "binding_id": binding_id,
+                            "lease_expiries": 0,
+                            "last_activity_at": now,
+                            "created_at": now,
+                            "updated_at": now,
+                        },
                     )
                     await workitems.audit(
                         conn,
@@ -294,25 +301,18 @@ class TurnService:
                     revision = item["revision"]
                     context = (item["task_context"] + "\n\n" + trigger.text)[:TASK_CONTEXT_LIMIT]
                     res = await conn.execute(
-                        t.work_items.update()
-                        .where(
-                            t.work_items.c.id == item_id,
-                            t.work_items.c.status == Status.inProgress.value,
-                        )
-                        .values(
-                            task_context=context,
-                            last_activity_at=now,
-                            binding_id=binding_id,
-                            updated_at=now,
-                        )
+                        _APPEND_TASK,
+                        {
+                            "p_id": item_id,
+                            "task_context": context,
+                            "last_activity_at": now,
+                            "binding_id": binding_id,
+                            "updated_at": now,
+                        },
                     )
                     if not res.rowcount:
                         raise TransitionError("work item changed during intake", rule="intake")
-                await conn.execute(
-                    t.inbound_events.update()
-                    .where(t.inbound_events.c.id == event_id)
-                    .values(work_item_id=item_id)
-                )
+                await conn.execute(_UPDATE_EVENT, {"p_id": event_id, "work_item_id": item_id})
             await self._store_message(
                 conn, trigger.org_id, session_id, item_id, "user", trigger.text
             )
@@ -391,7 +391,7 @@ class TurnService:
 
     # -------------------------------------------------------------- the turn
 
-    async def _history(self, conn: AsyncConnection, session_id: str) -> list[ChatMessage]:
+    async def _history(self, conn: Conn, session_id: str) -> list[ChatMessage]:
         rows = (await conn.execute(_HISTORY, {"p_session_id": session_id})).all()
         out: list[ChatMessage] = []
         for row in reversed(rows):
@@ -534,13 +534,23 @@ class TurnService:
             log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, rules) if rules else text
+        queued = None
+        if revision_item is None and not ctx.binding_posts:
+            # API, studio and silent turns only store the reply: the short transaction.
+            async with self.db.fast_tx() as fast:
+                await self._store_message(
+                    fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
+                )
+            METRICS.turns.labels("plain").inc()
+            return Reply(screened, streamed=streamed)
+        # A reply that may be queued for a channel: the outbox's in-process hand-off
+        # needs the general transaction.
         async with self.db.tx() as conn:
             await self._store_message(
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
             )
             await self._release_revision(conn, revision_item)
-            queued = None
-            if revision_item is None and ctx.binding_posts:
+            if revision_item is None:
                 binding = await bindings.active_binding(conn, ctx.session_id)
                 if binding is not None and binding["id"] == ctx.binding_id:
                     queued = await enqueue_reply(
@@ -574,9 +584,7 @@ class TurnService:
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
 
-    async def _release_revision(
-        self, conn: AsyncConnection, revision_item: dict[str, Any] | None
-    ) -> None:
+    async def _release_revision(self, conn: Conn, revision_item: dict[str, Any] | None) -> None:
         if revision_item is None:
             return
         w = t.work_items.c
@@ -643,7 +651,7 @@ class TurnService:
 
     async def _store_message(
         self,
-        conn: AsyncConnection,
+        conn: Conn,
         org_id: str,
         session_id: str,
         work_item_id: str | None,

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from engine import schema as t
 from engine.clock import Clock, IdFactory
+from engine.db import Conn
 from engine.errors import TransitionError
 from engine.metrics import METRICS
 
@@ -74,8 +75,11 @@ def allowed(src: Status, dst: Status) -> bool:
     return dst in TRANSITIONS[src]
 
 
+_INSERT_AUDIT = t.audit.insert()
+
+
 async def audit(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,
@@ -90,18 +94,19 @@ async def audit(
 ) -> None:
     """Append one audit row (who, when, what, text)."""
     await conn.execute(
-        t.audit.insert().values(
-            id=ids.new("aud"),
-            org_id=org_id,
-            work_item_id=work_item_id,
-            delivery_id=delivery_id,
-            actor=actor,
-            action=action,
-            from_status=from_status,
-            to_status=to_status,
-            text=text,
-            created_at=clock.now_ms(),
-        )
+        _INSERT_AUDIT,
+        {
+            "id": ids.new("aud"),
+            "org_id": org_id,
+            "work_item_id": work_item_id,
+            "delivery_id": delivery_id,
+            "actor": actor,
+            "action": action,
+            "from_status": from_status,
+            "to_status": to_status,
+            "text": text,
+            "created_at": clock.now_ms(),
+        },
     )
 
 
@@ -229,18 +234,21 @@ async def get(conn: AsyncConnection, item_id: str, org_id: str | None = None) ->
     return dict(row._mapping)
 
 
+_ACTIVE_FOR = sa.select(t.work_items).where(
+    W.agent_id == sa.bindparam("p_agent_id"),
+    W.session_id == sa.bindparam("p_session_id"),
+    W.status.in_([s.value for s in ACTIVE]),
+)
+_ACTIVE_FOR_UPDATE = _ACTIVE_FOR.with_for_update()
+
+
 async def active_for(
-    conn: AsyncConnection, agent_id: str, session_id: str, *, lock: bool = False
+    conn: Conn, agent_id: str, session_id: str, *, lock: bool = False
 ) -> dict[str, Any] | None:
-    """The active (non-terminal) item of a (worker, session), if any."""
-    query = sa.select(t.work_items).where(
-        W.agent_id == agent_id,
-        W.session_id == session_id,
-        W.status.in_([s.value for s in ACTIVE]),
-    )
-    if lock and conn.dialect.name == "postgresql":
-        query = query.with_for_update()
-    row = (await conn.execute(query)).first()
+    """The active (non-terminal) item of a (worker, session), if any (``lock``: FOR UPDATE
+    on PostgreSQL; SQLite serializes writers anyway)."""
+    query = _ACTIVE_FOR_UPDATE if lock and conn.dialect.name == "postgresql" else _ACTIVE_FOR
+    row = (await conn.execute(query, {"p_agent_id": agent_id, "p_session_id": session_id})).first()
     return None if row is None else dict(row._mapping)
 
 

@@ -157,18 +157,14 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     agent = await make_agent(service, org, "plain")
     first = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello"))
     assert first == Reply("Echo: hello")
-    statements: list[str] = []
-
-    def record(_conn: Any, _cur: Any, sql: str, *_: Any) -> None:
-        statements.append(sql.split()[0].upper())
-
-    sa.event.listen(service.db.engine.sync_engine, "before_cursor_execute", record)
-    try:
+    with service.db.record_statements() as statements:
         again = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello again"))
-    finally:
-        sa.event.remove(service.db.engine.sync_engine, "before_cursor_execute", record)
     assert again == Reply("Echo: hello again")
-    work = sorted(s for s in statements if s != "BEGIN")
+    work = sorted(
+        verb
+        for verb in (sql.split()[0].upper() for sql in statements)
+        if verb not in ("BEGIN", "COMMIT")
+    )
     assert work == ["INSERT"] * 3 + ["SELECT"] * 4, statements
     assert [m["role"] for m in await messages(service, agent)] == ["user", "assistant"] * 2
 
