@@ -139,33 +139,26 @@ class Database:
     async def fast_tx(self) -> AsyncIterator[Conn]:
         """A write transaction for short, hot paths (a turn's intake and reply).
 
-        On a SQLite file it runs on the inline connection (:mod:`engine.inline_sqlite`):
-        Core SELECT/INSERT/UPDATE/DELETE without RETURNING, no other awaits inside.
-        Elsewhere it is :meth:`tx`.
+        On a SQLite file it runs on the inline connection (:mod:`engine.inline_sqlite`,
+        with group commit): Core SELECT/INSERT/UPDATE/DELETE without RETURNING, and no
+        other awaits inside. Elsewhere it is :meth:`tx`.
         """
         if self._inline is None:
             async with self.tx() as conn:
                 yield conn
             return
         topics: dict[str, list[Any]] = {}
-        async with self._writer():
-            inline = self._inline.connection
-            await inline.begin_immediate()
+        task = asyncio.current_task()
+        if task is not None and task is self._write_owner:
+            raise RuntimeError("nested write transaction on SQLite")
+        async with self._inline.transaction(self._lock()) as inline:
             inline.info[_TOPICS] = topics
+            self._write_owner = task
             try:
                 yield inline
-            except BaseException:
-                inline.rollback()
-                raise
-            else:
-                try:
-                    inline.commit()
-                except BaseException:
-                    inline.rollback()
-                    raise
             finally:
+                self._write_owner = None
                 inline.info.pop(_TOPICS, None)
-        self._inline.committed()
         self._after_commit(topics)
 
     def _after_commit(self, topics: dict[str, list[Any]]) -> None:
@@ -185,16 +178,19 @@ class Database:
         if task is not None and task is self._write_owner:
             # SQLite could never have served it either (it would wait for itself).
             raise RuntimeError("nested write transaction on SQLite")
-        # One lock per event loop: a Database may outlive a loop (tests).
-        loop = asyncio.get_running_loop()
-        if self._write_lock is None or self._write_lock[0] is not loop:
-            self._write_lock = (loop, asyncio.Lock())
-        async with self._write_lock[1]:
+        async with self._lock():
             self._write_owner = task
             try:
                 yield
             finally:
                 self._write_owner = None
+
+    def _lock(self) -> asyncio.Lock:
+        """The writer lock; one per event loop, as a Database may outlive a loop (tests)."""
+        loop = asyncio.get_running_loop()
+        if self._write_lock is None or self._write_lock[0] is not loop:
+            self._write_lock = (loop, asyncio.Lock())
+        return self._write_lock[1]
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:

@@ -15,6 +15,10 @@ stdlib ``sqlite3`` connection:
 * waiting for another *process* that holds SQLite's write lock must not block the loop:
   the connection has ``busy_timeout = 0`` and ``BEGIN IMMEDIATE`` is retried with
   ``asyncio.sleep`` back-off instead (up to the same 30 s other connections wait);
+* group commit: transactions that start in the same event-loop iteration share one
+  SQLite transaction, each in its own SAVEPOINT (a failing one rolls back alone), and one
+  COMMIT at the start of the next iteration; each caller returns only after that COMMIT.
+  Under load this saves most of a commit's cost (about 100 us of WAL writes) per turn;
 * WAL checkpoints (which fsync) never run on the loop: ``wal_autocheckpoint = 0`` here and
   :class:`InlineSqlite` runs passive checkpoints in a worker thread every
   :data:`CHECKPOINT_EVERY` commits.
@@ -31,7 +35,8 @@ import asyncio
 import sqlite3
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +52,7 @@ CHECKPOINT_EVERY = 500
 _Processor = Callable[[Any], Any] | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Plan:
     """A statement compiled for a given set of parameter names."""
 
@@ -55,10 +60,13 @@ class _Plan:
     names: tuple[str, ...]
     processors: tuple[_Processor, ...]
     defaults: Mapping[str, Any]
-    # Expanding (IN) parameters the caller supplies: the SQL depends on their length.
+    # Set when the caller supplies an expanding (IN) parameter: the SQL depends on its
+    # length, so it is expanded per call.
     compiled: Any | None
     bind_processors: Mapping[str, _Processor]
     result_processors: tuple[_Processor, ...] | None
+    # Row class for the result columns, made on the first execution.
+    make_row: Callable[[Sequence[Any]], Row[Any]] | None = None
 
 
 class InlineResult:
@@ -151,6 +159,24 @@ class InlineConnection:
         if self._raw.in_transaction:
             self._raw.execute("ROLLBACK")
 
+    def savepoint(self, name: str) -> None:
+        """``SAVEPOINT name``."""
+        self._raw.execute(f"SAVEPOINT {name}")
+
+    def release(self, name: str) -> None:
+        """``RELEASE name``: keep what was done since the savepoint."""
+        try:
+            self._raw.execute(f"RELEASE {name}")
+        except sqlite3.Error as exc:
+            raise _wrap(exc, f"RELEASE {name}", ()) from exc
+
+    def rollback_to(self, name: str) -> None:
+        """Undo what was done since the savepoint and drop it (no-op when the whole
+        transaction is already gone, as after some I/O errors)."""
+        if self._raw.in_transaction:
+            self._raw.execute(f"ROLLBACK TO {name}")
+            self._raw.execute(f"RELEASE {name}")
+
     def close(self) -> None:
         """Close the underlying connection."""
         self._raw.close()
@@ -177,7 +203,7 @@ class InlineConnection:
         self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
     ) -> InlineResult:
         """Synchronous :meth:`execute`."""
-        params = dict(parameters) if parameters else {}
+        params: Mapping[str, Any] = parameters or {}
         keys = frozenset(params)
         per_statement = self._plans.get(statement)
         if per_statement is None:
@@ -192,27 +218,33 @@ class InlineConnection:
             bind_processors = {**plan.bind_processors, **state.processors}
             processors = tuple(bind_processors.get(n) for n in names)
             params = {**state.parameters, **params}
-        args = []
         defaults = plan.defaults
-        for name, proc in zip(names, processors, strict=True):
-            value = params[name] if name in params else defaults[name]
-            args.append(proc(value) if proc is not None else value)
+        args = [
+            (params[name] if name in params else defaults[name])
+            if proc is None
+            else proc(params[name] if name in params else defaults[name])
+            for name, proc in zip(names, processors, strict=True)
+        ]
         try:
             cursor = self._raw.execute(sql, args)
-            raw_rows = cursor.fetchall() if cursor.description else []
+            description = cursor.description
+            raw_rows = cursor.fetchall() if description else []
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, args) from exc
         rows: list[Row[Any]] = []
-        if cursor.description:
-            make = result_tuple([d[0] for d in cursor.description])
+        if description:
+            make = plan.make_row
+            if make is None:
+                make = plan.make_row = result_tuple([d[0] for d in description])
             result_processors = plan.result_processors
-            for raw in raw_rows:
-                if result_processors is not None:
-                    raw = tuple(
-                        p(v) if p is not None else v
-                        for p, v in zip(result_processors, raw, strict=True)
-                    )
-                rows.append(make(raw))
+            if result_processors is None:
+                rows = [make(raw) for raw in raw_rows]
+            else:
+                procs = result_processors
+                rows = [
+                    make([p(v) if p is not None else v for p, v in zip(procs, raw, strict=True)])
+                    for raw in raw_rows
+                ]
         return InlineResult(rows, cursor.rowcount)
 
     def _compile(self, statement: sa.Executable, keys: frozenset[str]) -> _Plan:
@@ -274,13 +306,29 @@ def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
     return cls(sql, args, exc)
 
 
+class _Group:
+    """One SQLite transaction shared by the transactions of one loop iteration."""
+
+    __slots__ = ("closing", "done", "lock", "members", "pending", "savepoints")
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self.lock = lock  # the writer lock, held by the group until it commits
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.members = asyncio.Lock()  # one member body at a time
+        self.pending = 0  # members that joined and have not finished their body
+        self.savepoints = 0
+        self.closing = False  # commit requested while a member was still inside
+
+
 class InlineSqlite:
-    """The process's inline connection to one SQLite file, plus its WAL checkpointer."""
+    """The process's inline connection to one SQLite file: group commit and the WAL
+    checkpointer."""
 
     def __init__(self, path: str, dialect: Dialect) -> None:
         self.path = path
         self.dialect = dialect
         self._conn: InlineConnection | None = None
+        self._group: _Group | None = None
         self._commits = 0
         self._checkpoint: asyncio.Future[None] | None = None
 
@@ -291,7 +339,67 @@ class InlineSqlite:
             self._conn = InlineConnection(self.path, self.dialect)
         return self._conn
 
-    def committed(self) -> None:
+    @asynccontextmanager
+    async def transaction(self, lock: asyncio.Lock) -> AsyncIterator[InlineConnection]:
+        """A transaction, committed (with its group) before this returns.
+
+        ``lock`` is the process's writer lock: a group takes it before ``BEGIN IMMEDIATE``
+        and releases it after ``COMMIT``, so other writers of this process queue behind
+        the whole group. An exception in the body rolls back this transaction only.
+        """
+        conn = self.connection
+        group = self._group
+        if group is None:
+            await lock.acquire()
+            try:
+                await conn.begin_immediate()
+            except BaseException:
+                lock.release()
+                raise
+            group = self._group = _Group(lock)
+            # Runs after every callback already queued for this iteration: the
+            # transactions those start join the group first.
+            asyncio.get_running_loop().call_soon(self._commit, group)
+        group.pending += 1
+        try:
+            async with group.members:
+                group.savepoints += 1
+                name = f"lg{group.savepoints}"
+                conn.savepoint(name)
+                try:
+                    yield conn
+                except BaseException:
+                    conn.rollback_to(name)
+                    raise
+                conn.release(name)
+        finally:
+            group.pending -= 1
+            if group.closing and group.pending == 0:
+                self._commit(group)
+        await asyncio.shield(group.done)
+
+    def _commit(self, group: _Group) -> None:
+        if self._group is group:
+            self._group = None  # later transactions start a new group
+        if group.pending:
+            group.closing = True  # the last member to finish commits
+            return
+        if group.done.done():
+            return
+        conn = self.connection
+        try:
+            conn.commit()
+        except BaseException as exc:
+            conn.rollback()
+            group.done.set_exception(exc)
+            group.done.exception()  # retrieved by the members that await it
+        else:
+            group.done.set_result(None)
+            self._committed()
+        finally:
+            group.lock.release()
+
+    def _committed(self) -> None:
         """Count a commit; every :data:`CHECKPOINT_EVERY`, checkpoint in a worker thread."""
         self._commits += 1
         if self._commits % CHECKPOINT_EVERY == 0 and (
@@ -309,7 +417,12 @@ class InlineSqlite:
             conn.close()
 
     async def close(self) -> None:
-        """Wait for a running checkpoint, then close the connection."""
+        """Wait for an open group and a running checkpoint, then close the connection."""
+        if self._group is not None:
+            try:
+                await asyncio.shield(self._group.done)
+            except Exception:
+                pass  # its members saw the error
         if self._checkpoint is not None:
             try:
                 await self._checkpoint

@@ -119,7 +119,9 @@ messages = sa.Table(
     sa.Column("lead_gated", sa.Boolean, nullable=False, default=False),
     sa.Column("tool_name", sa.String(100)),
     sa.Column("created_at", MS, nullable=False),
-    sa.Index("ix_messages_session_created", "session_id", "created_at"),
+    # The history read (newest 50 of a session by created_at, then id) walks this index
+    # in order and stops; it also serves every other lookup by session.
+    sa.Index("ix_messages_session_created_id", "session_id", "created_at", "id"),
 )
 
 work_items = sa.Table(
