@@ -309,11 +309,14 @@ def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
 class _Group:
     """One SQLite transaction shared by the transactions of one loop iteration."""
 
-    __slots__ = ("closing", "done", "lock", "members", "pending", "savepoints")
+    __slots__ = ("closing", "committed", "lock", "members", "pending", "savepoints", "waiters")
 
     def __init__(self, lock: asyncio.Lock) -> None:
         self.lock = lock  # the writer lock, held by the group until it commits
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # One future per member that finished its body: cancelling one member must not
+        # cancel the others' wait (a shared future would be cancelled with it).
+        self.waiters: list[asyncio.Future[None]] = []
+        self.committed: asyncio.Event = asyncio.Event()
         self.members = asyncio.Lock()  # one member body at a time
         self.pending = 0  # members that joined and have not finished their body
         self.savepoints = 0
@@ -372,11 +375,13 @@ class InlineSqlite:
                     conn.rollback_to(name)
                     raise
                 conn.release(name)
+            waiter = asyncio.get_running_loop().create_future()
+            group.waiters.append(waiter)
         finally:
             group.pending -= 1
             if group.closing and group.pending == 0:
                 self._commit(group)
-        await asyncio.shield(group.done)
+        await waiter
 
     def _commit(self, group: _Group) -> None:
         if self._group is group:
@@ -384,20 +389,27 @@ class InlineSqlite:
         if group.pending:
             group.closing = True  # the last member to finish commits
             return
-        if group.done.done():
+        if group.committed.is_set():
             return
         conn = self.connection
+        error: BaseException | None = None
         try:
             conn.commit()
         except BaseException as exc:
             conn.rollback()
-            group.done.set_exception(exc)
-            group.done.exception()  # retrieved by the members that await it
+            error = exc
         else:
-            group.done.set_result(None)
             self._committed()
         finally:
+            group.committed.set()
             group.lock.release()
+        for waiter in group.waiters:
+            if waiter.done():
+                continue  # its member was cancelled
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
     def _committed(self) -> None:
         """Count a commit; every :data:`CHECKPOINT_EVERY`, checkpoint in a worker thread."""
@@ -419,10 +431,7 @@ class InlineSqlite:
     async def close(self) -> None:
         """Wait for an open group and a running checkpoint, then close the connection."""
         if self._group is not None:
-            try:
-                await asyncio.shield(self._group.done)
-            except Exception:
-                pass  # its members saw the error
+            await self._group.committed.wait()
         if self._checkpoint is not None:
             try:
                 await self._checkpoint

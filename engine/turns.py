@@ -230,12 +230,19 @@ class TurnService:
                 "outcome": "accepted",
                 "content": trigger.text[:TASK_CONTEXT_LIMIT],
                 "external_event_id": trigger.external_event_id,
+                "work_item_id": None,
                 "created_at": now,
             }
-            if trigger.external_event_id is None:
-                # Nothing to de-duplicate: the prebuilt plain insert (hot REST path).
-                await conn.execute(_INSERT_EVENT, event)
-            elif not (await conn.execute(insert_ignore(conn, t.inbound_events, **event))).rowcount:
+            # An event with an external id is written first: that row is the
+            # de-duplication. Without one it is written once its outcome and work item are
+            # known; a plain chat turn (no lead) writes none, its user message is its record.
+            recorded = trigger.external_event_id is not None
+            if (
+                recorded
+                and not (
+                    await conn.execute(insert_ignore(conn, t.inbound_events, **event))
+                ).rowcount
+            ):
                 return Duplicate()
             item_id: str | None = None
             revision: int | None = None
@@ -243,10 +250,11 @@ class TurnService:
                 item = await workitems.active_for(conn, agent["id"], session_id, lock=True)
                 if item is not None and item["status"] != Status.inProgress:
                     # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
-                    await conn.execute(
-                        _UPDATE_EVENT,
-                        {"p_id": event_id, "outcome": "rejectedBusy", "work_item_id": item["id"]},
-                    )
+                    busy = {"outcome": "rejectedBusy", "work_item_id": item["id"]}
+                    if recorded:
+                        await conn.execute(_UPDATE_EVENT, {"p_id": event_id, **busy})
+                    else:
+                        await conn.execute(_INSERT_EVENT, {**event, **busy})
                     return Busy(work_item_id=item["id"])
             if lead is not None and self.db.is_postgres:
                 # Read the binding again after the item lock: a concurrent intake of the
@@ -312,7 +320,10 @@ class TurnService:
                     )
                     if not res.rowcount:
                         raise TransitionError("work item changed during intake", rule="intake")
-                await conn.execute(_UPDATE_EVENT, {"p_id": event_id, "work_item_id": item_id})
+                if recorded:
+                    await conn.execute(_UPDATE_EVENT, {"p_id": event_id, "work_item_id": item_id})
+                else:
+                    await conn.execute(_INSERT_EVENT, {**event, "work_item_id": item_id})
             await self._store_message(
                 conn, trigger.org_id, session_id, item_id, "user", trigger.text
             )

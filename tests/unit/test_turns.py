@@ -151,7 +151,8 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
 ) -> None:
     """A plain turn of an existing session with an unchanged binding, by the agent's slug
     (as REST and MCP pass it): one intake and one finish transaction, the agent, session
-    (+ binding), policy and history reads, and only the three rows a turn must write."""
+    (+ binding), policy and history reads, and only the user and assistant messages: no
+    inbound-event row (nothing to de-duplicate, no work item to audit)."""
     service, _ = rig
     org = await make_org(service)
     agent = await make_agent(service, org, "plain")
@@ -165,7 +166,8 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
         for verb in (sql.split()[0].upper() for sql in statements)
         if verb not in ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE")
     )
-    assert work == ["INSERT"] * 3 + ["SELECT"] * 4, statements
+    assert work == ["INSERT"] * 2 + ["SELECT"] * 4, statements
+    assert not [sql for sql in statements if "inbound_events" in sql]
     assert [m["role"] for m in await messages(service, agent)] == ["user", "assistant"] * 2
 
 
