@@ -35,8 +35,7 @@ import asyncio
 import sqlite3
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +322,14 @@ class _Group:
         self.closing = False  # commit requested while a member was still inside
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One transaction's place in a group (see :meth:`InlineSqlite.enter`)."""
+
+    group: _Group
+    savepoint: str
+
+
 class InlineSqlite:
     """The process's inline connection to one SQLite file: group commit and the WAL
     checkpointer."""
@@ -342,13 +349,13 @@ class InlineSqlite:
             self._conn = InlineConnection(self.path, self.dialect)
         return self._conn
 
-    @asynccontextmanager
-    async def transaction(self, lock: asyncio.Lock) -> AsyncIterator[InlineConnection]:
-        """A transaction, committed (with its group) before this returns.
+    async def enter(self, lock: asyncio.Lock) -> Member:
+        """Start a transaction: join this iteration's group (opening one, under the
+        process's writer ``lock``, when there is none), then take the group's member slot
+        and set a SAVEPOINT. End it with :meth:`leave`.
 
-        ``lock`` is the process's writer lock: a group takes it before ``BEGIN IMMEDIATE``
-        and releases it after ``COMMIT``, so other writers of this process queue behind
-        the whole group. An exception in the body rolls back this transaction only.
+        A group holds ``lock`` from before ``BEGIN IMMEDIATE`` until after ``COMMIT``, so
+        the process's other writers queue behind the whole group.
         """
         conn = self.connection
         group = self._group
@@ -365,23 +372,42 @@ class InlineSqlite:
             asyncio.get_running_loop().call_soon(self._commit, group)
         group.pending += 1
         try:
-            async with group.members:
-                group.savepoints += 1
-                name = f"lg{group.savepoints}"
-                conn.savepoint(name)
-                try:
-                    yield conn
-                except BaseException:
-                    conn.rollback_to(name)
-                    raise
-                conn.release(name)
-            waiter = asyncio.get_running_loop().create_future()
-            group.waiters.append(waiter)
+            await group.members.acquire()
+        except BaseException:
+            self._done_with(group)
+            raise
+        try:
+            group.savepoints += 1
+            name = f"lg{group.savepoints}"
+            conn.savepoint(name)
+        except BaseException:
+            group.members.release()
+            self._done_with(group)
+            raise
+        return Member(group, name)
+
+    def leave(self, member: Member, *, ok: bool) -> asyncio.Future[None] | None:
+        """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone.
+        When kept, returns the future that completes once the group committed (with the
+        commit's error if it failed); await it before reporting success."""
+        group = member.group
+        waiter: asyncio.Future[None] | None = None
+        try:
+            if ok:
+                self.connection.release(member.savepoint)
+                waiter = asyncio.get_running_loop().create_future()
+                group.waiters.append(waiter)
+            else:
+                self.connection.rollback_to(member.savepoint)
         finally:
-            group.pending -= 1
-            if group.closing and group.pending == 0:
-                self._commit(group)
-        await waiter
+            group.members.release()
+            self._done_with(group)
+        return waiter
+
+    def _done_with(self, group: _Group) -> None:
+        group.pending -= 1
+        if group.closing and group.pending == 0:
+            self._commit(group)
 
     def _commit(self, group: _Group) -> None:
         if self._group is group:

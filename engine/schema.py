@@ -122,6 +122,9 @@ messages = sa.Table(
     # The history read (newest 50 of a session by created_at, then id) walks this index
     # in order and stops; it also serves every other lookup by session.
     sa.Index("ix_messages_session_created_id", "session_id", "created_at", "id"),
+    # SQLite only: (session_id, rowid), the history cache's read of new rows
+    # (engine/history.py). PostgreSQL has no rowid and no such cache.
+    sa.Index("ix_messages_session_rowid", "session_id").ddl_if(dialect="sqlite"),
 )
 
 work_items = sa.Table(

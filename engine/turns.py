@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding import bindings
 from engine import agents as agents_mod
-from engine import policy, workitems
+from engine import history, policy, workitems
 from engine import schema as t
 from engine.clock import Clock, IdFactory
 from engine.db import Conn, Database
@@ -39,7 +39,6 @@ SNAPSHOT_LIMIT = 100_000
 SUMMARY_LIMIT = 2_000
 MESSAGE_LIMIT = 100_000
 SESSION_KEY_LIMIT = 500  # sessions.key is VARCHAR(500)
-HISTORY_LIMIT = 50
 MAX_MODEL_CALLS = 4
 REVISION_LEASE_MS = 5 * 60_000
 
@@ -77,17 +76,6 @@ _UPDATE_EVENT = t.inbound_events.update().where(t.inbound_events.c.id == sa.bind
 _APPEND_TASK = t.work_items.update().where(
     _W.id == sa.bindparam("p_id"), _W.status == Status.inProgress.value
 )
-_M = t.messages.c
-_HISTORY = (
-    sa.select(_M.role, _M.content)
-    .where(
-        _M.session_id == sa.bindparam("p_session_id"),
-        _M.role.in_(["user", "assistant", "internal"]),
-    )
-    .order_by(_M.created_at.desc(), _M.id.desc())
-    .limit(HISTORY_LIMIT)
-)
-
 #: complete_task's tool result when the signal was recorded for this turn.
 SUBMITTED = json.dumps({"ok": True, "status": "submitted for lead review"})
 
@@ -159,6 +147,8 @@ class TurnService:
         self.providers = providers
         self.on_review_queued = on_review_queued
         self.on_delivery_queued = on_delivery_queued
+        self.history = history.HistoryCache()
+        db.on_commit_payloads(history.TOPIC, self.history.apply)
 
     # ------------------------------------------------------------------ intake
 
@@ -403,16 +393,7 @@ class TurnService:
     # -------------------------------------------------------------- the turn
 
     async def _history(self, conn: Conn, session_id: str) -> list[ChatMessage]:
-        rows = (await conn.execute(_HISTORY, {"p_session_id": session_id})).all()
-        out: list[ChatMessage] = []
-        # Unpacked, not row.role: attribute access on rows costs more than the rest of
-        # this loop, which runs for up to 50 rows on every turn.
-        for role, content in reversed(rows):
-            if role == "internal":
-                out.append(ChatMessage("user", f"Feedback from your lead reviewer:\n{content}"))
-            else:
-                out.append(ChatMessage(role, content))
-        return out
+        return await self.history.read(conn, session_id)
 
     async def _execute(
         self,
