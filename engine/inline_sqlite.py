@@ -141,7 +141,8 @@ class InlineConnection:
                 self._raw.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
+                if not busy or time.monotonic() > deadline:
                     raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
