@@ -154,6 +154,11 @@ class InlineConnection:
         except sqlite3.Error as exc:
             raise _wrap(exc, "COMMIT", ()) from exc
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open."""
+        return self._raw.in_transaction
+
     def rollback(self) -> None:
         """Roll back the open transaction (no-op when none is open)."""
         if self._raw.in_transaction:
@@ -309,7 +314,16 @@ def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
 class _Group:
     """One SQLite transaction shared by the transactions of one loop iteration."""
 
-    __slots__ = ("closing", "committed", "lock", "members", "pending", "savepoints", "waiters")
+    __slots__ = (
+        "broken",
+        "closing",
+        "committed",
+        "lock",
+        "members",
+        "pending",
+        "savepoints",
+        "waiters",
+    )
 
     def __init__(self, lock: asyncio.Lock) -> None:
         self.lock = lock  # the writer lock, held by the group until it commits
@@ -321,6 +335,10 @@ class _Group:
         self.pending = 0  # members that joined and have not finished their body
         self.savepoints = 0
         self.closing = False  # commit requested while a member was still inside
+        # Set when SQLite rolled back the whole transaction under the group (a conflict
+        # clause such as OR ROLLBACK, disk full, I/O error): the work of every member is
+        # gone, so each of them fails with this error, and nobody joins any more.
+        self.broken: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +395,10 @@ class InlineSqlite:
         except BaseException:
             self._done_with(group)
             raise
+        if group.broken is not None:
+            group.members.release()
+            self._done_with(group)
+            raise group.broken
         try:
             group.savepoints += 1
             name = f"lg{group.savepoints}"
@@ -401,9 +423,24 @@ class InlineSqlite:
             else:
                 self.connection.rollback_to(member.savepoint)
         finally:
+            if not self.connection.in_transaction and group.broken is None:
+                self._break(group)
             group.members.release()
             self._done_with(group)
         return waiter
+
+    def _break(self, group: _Group) -> None:
+        """SQLite ended the group's transaction by itself: fail the group (see
+        :attr:`_Group.broken`); new transactions queue on the writer lock for a new one."""
+        group.broken = _wrap(
+            sqlite3.OperationalError(
+                "SQLite rolled back the whole transaction (a conflict clause or an I/O error)"
+            ),
+            "COMMIT",
+            (),
+        )
+        if self._group is group:
+            self._group = None
 
     def _done_with(self, group: _Group) -> None:
         group.pending -= 1
@@ -419,14 +456,16 @@ class InlineSqlite:
         if group.committed.is_set():
             return
         conn = self.connection
-        error: BaseException | None = None
+        error: BaseException | None = group.broken
         try:
-            conn.commit()
+            if error is None:
+                conn.commit()
         except BaseException as exc:
             conn.rollback()
             error = exc
         else:
-            self._committed()
+            if error is None:
+                self._committed()
         finally:
             group.committed.set()
             group.lock.release()

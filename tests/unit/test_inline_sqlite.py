@@ -1,0 +1,706 @@
+"""The inline SQLite connection and group commit (engine/inline_sqlite.py) behind
+``Database.fast_tx``, ``Database.record_statements`` and the after-commit listeners
+(engine/db.py). ``fast_tx`` on PostgreSQL is the general transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import closing
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from engine import inline_sqlite
+from engine import schema as t
+from engine.db import Database, signal_after_commit
+from engine.inline_sqlite import InlineConnection, InlineSqlite
+
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+B = t.bindings.c
+# Module-level statements, as the turn path builds them (the inline connection caches
+# one plan per statement object and set of parameter names).
+INSERT_BINDING = t.bindings.insert()
+ALL_BINDINGS = sa.select(t.bindings).order_by(B.id)
+BINDING_BY_ID = sa.select(t.bindings).where(B.id == sa.bindparam("p_id"))
+BINDINGS_IN = sa.select(B.id).where(B.id.in_(sa.bindparam("p_ids", expanding=True))).order_by(B.id)
+
+
+class Boom(Exception):
+    """Raised inside a transaction body on purpose."""
+
+
+@pytest.fixture
+async def db(migrated_url: str) -> AsyncIterator[Database]:
+    database = Database(migrated_url)
+    yield database
+    await database.close()
+
+
+def path_of(db: Database) -> str:
+    path = sa.engine.make_url(db.url).database
+    assert path
+    return path
+
+
+def binding(binding_id: str, **extra: Any) -> dict[str, Any]:
+    """Parameters of a ``bindings`` row (``silent`` and ``active`` left to their defaults)."""
+    return {
+        "id": binding_id,
+        "org_id": "org_1",
+        "session_id": "sess_1",
+        "kind": "api",
+        "address": {"channel": binding_id, "nested": [1, {"x": None}]},
+        "created_at": 1_000,
+        **extra,
+    }
+
+
+def raw_ids(path: str, table: str = "bindings") -> set[str]:
+    """The ids committed in ``table``, read by a separate plain sqlite3 connection."""
+    with closing(sqlite3.connect(path)) as raw:
+        return {row[0] for row in raw.execute(f"SELECT id FROM {table}")}
+
+
+async def committed_ids(db: Database) -> set[str]:
+    async with db.read() as conn:
+        return set((await conn.execute(sa.select(B.id))).scalars().all())
+
+
+# ------------------------------------------------------------------------ results
+
+
+@SQLITE_ONLY
+async def test_results_rows_and_rowcounts(db: Database) -> None:
+    """first/one/one_or_none/all/scalar, iteration, rowcount, and real Rows with attribute
+    and ``_mapping`` access, equal to what the async engine returns."""
+    async with db.fast_tx() as conn:
+        assert isinstance(conn, InlineConnection)
+        for binding_id in ("b1", "b2", "b3"):
+            res = await conn.execute(INSERT_BINDING, binding(binding_id))
+            assert res.rowcount == 1
+        rows = (await conn.execute(ALL_BINDINGS)).all()
+        assert [r.id for r in rows] == ["b1", "b2", "b3"]
+        assert [r._mapping["id"] for r in rows] == ["b1", "b2", "b3"]
+        assert isinstance(rows[0], sa.Row)
+        assert rows[0]._fields == tuple(c.name for c in t.bindings.c)
+
+        first = (await conn.execute(ALL_BINDINGS)).first()
+        assert first is not None and first.id == "b1"
+        one = (await conn.execute(BINDING_BY_ID, {"p_id": "b2"})).one()
+        assert (one.id, one.session_id, one[0]) == ("b2", "sess_1", "b2")
+        assert (await conn.execute(BINDING_BY_ID, {"p_id": "nope"})).one_or_none() is None
+        assert (await conn.execute(BINDING_BY_ID, {"p_id": "nope"})).first() is None
+        assert (await conn.execute(BINDING_BY_ID, {"p_id": "nope"})).scalar() is None
+        with pytest.raises(sa.exc.NoResultFound):
+            (await conn.execute(BINDING_BY_ID, {"p_id": "nope"})).one()
+        with pytest.raises(sa.exc.MultipleResultsFound):
+            (await conn.execute(ALL_BINDINGS)).one()
+        with pytest.raises(sa.exc.MultipleResultsFound):
+            (await conn.execute(ALL_BINDINGS)).one_or_none()
+        assert [r.id for r in await conn.execute(ALL_BINDINGS)] == ["b1", "b2", "b3"]
+
+        count = sa.select(sa.func.count()).select_from(t.bindings)
+        assert await conn.scalar(count) == 3
+        assert (await conn.execute(count)).scalar() == 3
+        labelled = sa.select(B.id.label("bid"), B.kind).where(B.id == "b3")
+        row = (await conn.execute(labelled)).one()
+        assert dict(row._mapping) == {"bid": "b3", "kind": "api"}
+
+        update = t.bindings.update().where(B.id.in_(["b1", "b2"])).values(kind="slack")
+        assert (await conn.execute(update)).rowcount == 2
+        nothing = t.bindings.update().where(B.id == "nope").values(kind="slack")
+        assert (await conn.execute(nothing)).rowcount == 0
+        delete = t.bindings.delete().where(B.id == sa.bindparam("p_id"))
+        assert (await conn.execute(delete, {"p_id": "b3"})).rowcount == 1
+        inline_rows = [dict(r._mapping) for r in (await conn.execute(ALL_BINDINGS)).all()]
+
+    async with db.read() as conn:
+        engine_rows = [dict(r._mapping) for r in (await conn.execute(ALL_BINDINGS)).all()]
+    assert inline_rows == engine_rows
+    assert [(r["id"], r["kind"]) for r in engine_rows] == [("b1", "slack"), ("b2", "slack")]
+
+
+@SQLITE_ONLY
+async def test_json_and_boolean_round_trip(db: Database) -> None:
+    """Bind and result processors: JSON is stored as JSON text and comes back as the same
+    object; booleans are stored as 0/1 and come back as bool, in both directions."""
+    address = {"team": "T1", "list": [1, 2.5, "three", None, True], "nested": {"k": {"v": []}}}
+    async with db.fast_tx() as conn:
+        await conn.execute(
+            INSERT_BINDING, binding("j1", address=address, silent=True, active=False)
+        )
+        row = (await conn.execute(BINDING_BY_ID, {"p_id": "j1"})).one()
+        assert row.address == address
+        assert row.silent is True
+        assert row.active is False
+        # A Boolean bind parameter in a WHERE clause goes through the processor too.
+        by_flag = sa.select(B.id).where(B.silent == sa.bindparam("p_silent"))
+        assert (await conn.execute(by_flag, {"p_silent": True})).scalar() == "j1"
+        assert (await conn.execute(by_flag, {"p_silent": False})).first() is None
+
+    with closing(sqlite3.connect(path_of(db))) as raw:
+        stored = raw.execute("SELECT address, silent, active FROM bindings").fetchone()
+    assert stored[1:] == (1, 0)
+    assert json.loads(stored[0]) == address
+    async with db.read() as conn:
+        engine_row = (await conn.execute(BINDING_BY_ID, {"p_id": "j1"})).one()
+    assert (engine_row.address, engine_row.silent, engine_row.active) == (address, True, False)
+
+
+@SQLITE_ONLY
+async def test_scalar_defaults_fill_in_but_never_override(db: Database) -> None:
+    """Python-side scalar column defaults are evaluated on insert; values given in
+    ``.values()`` or in the parameters win; one statement object run with different
+    parameter names gets a plan per name set."""
+    with_values = t.bindings.insert().values(active=False)
+    async with db.fast_tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("d1"))  # both defaulted
+        await conn.execute(INSERT_BINDING, binding("d2", silent=True))  # same statement
+        await conn.execute(INSERT_BINDING, binding("d3", silent=True, active=False))
+        await conn.execute(INSERT_BINDING, binding("d4"))  # back to the first plan
+        await conn.execute(with_values, binding("d5"))
+        await conn.execute(with_values, binding("d6", silent=True))
+        agent = {
+            "id": "a1",
+            "org_id": "o1",
+            "name": "n",
+            "slug": "n",
+            "model": "script",
+            "created_at": 1,
+            "updated_at": 1,
+        }
+        await conn.execute(t.organizations.insert(), {"id": "o1", "name": "acme", "created_at": 1})
+        await conn.execute(t.agents.insert(), agent)  # instructions="" and active=True
+        await conn.execute(
+            t.agents.insert().values(instructions="be brief"), {**agent, "id": "a2", "slug": "m"}
+        )
+        # An UPDATE with different parameter names per call sets only those columns.
+        update = t.bindings.update().where(B.id == sa.bindparam("p_id"))
+        await conn.execute(update, {"p_id": "d1", "kind": "slack"})
+        await conn.execute(update, {"p_id": "d2", "active": False})
+
+    async with db.read() as conn:
+        rows = {
+            r.id: (r.kind, r.silent, r.active) for r in (await conn.execute(ALL_BINDINGS)).all()
+        }
+        agents = {
+            r.id: (r.instructions, r.active)
+            for r in (await conn.execute(sa.select(t.agents))).all()
+        }
+    assert rows == {
+        "d1": ("slack", False, True),
+        "d2": ("api", True, False),
+        "d3": ("api", True, False),
+        "d4": ("api", False, True),
+        "d5": ("api", False, False),
+        "d6": ("api", True, False),
+    }
+    assert agents == {"a1": ("", True), "a2": ("be brief", True)}
+
+
+@SQLITE_ONLY
+async def test_callable_default_and_missing_parameter_are_refused(db: Database) -> None:
+    """What the inline connection cannot evaluate is refused, never stored as NULL."""
+    metadata = sa.MetaData()
+    extra = sa.Table(
+        "inline_extra",
+        metadata,
+        sa.Column("id", sa.String(40), primary_key=True),
+        sa.Column("v", sa.Integer, nullable=True, default=lambda: 7),
+    )
+    async with db.tx() as conn:
+        await conn.run_sync(metadata.create_all)
+    with pytest.raises(TypeError, match="cannot evaluate the default"):
+        async with db.fast_tx() as conn:
+            await conn.execute(extra.insert(), {"id": "x1"})
+    with pytest.raises(sa.exc.SQLAlchemyError, match="p_id"):
+        async with db.fast_tx() as conn:
+            await conn.execute(BINDING_BY_ID, {})
+    async with db.fast_tx() as conn:
+        await conn.execute(extra.insert(), {"id": "x2", "v": 3})  # given: fine
+    assert raw_ids(path_of(db), "inline_extra") == {"x2"}
+
+
+@SQLITE_ONLY
+async def test_expanding_in_lists_of_different_lengths(db: Database) -> None:
+    """A caller-supplied expanding IN parameter is expanded per call (lengths 1, 3, 0, 2,
+    and back), alone or with other parameters; literal IN lists work too."""
+    async with db.fast_tx() as conn:
+        assert isinstance(conn, InlineConnection)
+        for binding_id in ("e1", "e2", "e3", "e4"):
+            await conn.execute(INSERT_BINDING, binding(binding_id, silent=binding_id == "e2"))
+
+        async def ids(values: list[str]) -> list[str]:
+            return [r.id for r in (await conn.execute(BINDINGS_IN, {"p_ids": values})).all()]
+
+        assert await ids(["e1"]) == ["e1"]
+        assert await ids(["e4", "e2", "missing"]) == ["e2", "e4"]
+        assert await ids([]) == []
+        assert await ids(["e3", "e1"]) == ["e1", "e3"]
+        assert await ids(["e1"]) == ["e1"]
+        assert await ids(["e1", "e2", "e3", "e4"]) == ["e1", "e2", "e3", "e4"]
+
+        mixed = (
+            sa.select(B.id)
+            .where(
+                B.id.in_(sa.bindparam("p_ids", expanding=True)),
+                B.silent == sa.bindparam("p_silent"),
+                B.kind.in_(["api", "slack"]),
+            )
+            .order_by(B.id)
+        )
+        got = await conn.execute(mixed, {"p_ids": ["e1", "e2", "e3"], "p_silent": False})
+        assert [r.id for r in got] == ["e1", "e3"]
+        got = await conn.execute(mixed, {"p_ids": ["e2"], "p_silent": True})
+        assert [r.id for r in got] == ["e2"]
+        literal = sa.select(B.id).where(B.id.in_(["e4", "e3"])).order_by(B.id)
+        assert [r.id for r in await conn.execute(literal)] == ["e3", "e4"]
+        flags = sa.select(B.id).where(B.silent.in_(sa.bindparam("p_flags", expanding=True)))
+        assert [r.id for r in await conn.execute(flags, {"p_flags": [True]})] == ["e2"]
+        delete = t.bindings.delete().where(B.id.in_(sa.bindparam("p_ids", expanding=True)))
+        assert (await conn.execute(delete, {"p_ids": ["e1", "e4"]})).rowcount == 2
+    assert await committed_ids(db) == {"e2", "e3"}
+
+
+# ------------------------------------------------------------------------- errors
+
+
+@SQLITE_ONLY
+async def test_errors_are_sqlalchemy_dbapi_errors(db: Database) -> None:
+    """A duplicate primary key is an IntegrityError (the failed statement alone is undone
+    when caught; the whole transaction when it escapes); other SQLite errors are
+    OperationalError / DBAPIError, as on the async engine."""
+    async with db.fast_tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("p1"))
+        with pytest.raises(sa.exc.IntegrityError) as caught:
+            await conn.execute(INSERT_BINDING, binding("p1"))
+        assert isinstance(caught.value.orig, sqlite3.IntegrityError)
+        assert "UNIQUE" in str(caught.value.orig)
+        assert "INSERT INTO bindings" in str(caught.value.statement)
+        await conn.execute(INSERT_BINDING, binding("p2"))  # the transaction goes on
+    assert await committed_ids(db) == {"p1", "p2"}
+
+    with pytest.raises(sa.exc.IntegrityError):
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("p3"))
+            await conn.execute(INSERT_BINDING, binding("p1"))
+    assert await committed_ids(db) == {"p1", "p2"}, "p3 was rolled back with its transaction"
+
+    nowhere = sa.table("no_such_table", sa.column("x"))
+    with pytest.raises(sa.exc.OperationalError, match="no such table"):
+        async with db.fast_tx() as conn:
+            await conn.execute(sa.select(nowhere.c.x))
+    with pytest.raises(sa.exc.DBAPIError) as generic:
+        async with db.fast_tx() as conn:
+            await conn.execute(BINDING_BY_ID, {"p_id": object()})
+    assert not isinstance(generic.value, sa.exc.IntegrityError | sa.exc.OperationalError)
+    assert isinstance(generic.value.orig, sqlite3.Error)
+
+    # The async engine raises the same class for the same mistake.
+    with pytest.raises(sa.exc.IntegrityError):
+        async with db.tx() as engine_conn:
+            await engine_conn.execute(INSERT_BINDING, binding("p1"))
+
+
+@SQLITE_ONLY
+async def test_returning_and_non_core_statements_are_rejected(db: Database) -> None:
+    """RETURNING and anything but Core SELECT/INSERT/UPDATE/DELETE raise TypeError, and the
+    transaction they were in rolls back without leaving the writer lock held."""
+    refused: list[Any] = [
+        t.bindings.update().values(kind="x").returning(B.id),
+        t.bindings.insert().returning(B.id),
+        t.bindings.delete().returning(B.id),
+        sa.text("SELECT 1"),
+        sa.union(sa.select(B.id), sa.select(B.org_id)),
+    ]
+    for statement in refused:
+        with pytest.raises(TypeError, match=r"RETURNING|Core SELECT"):
+            async with db.fast_tx() as conn:
+                await conn.execute(INSERT_BINDING, binding("r1"))
+                await conn.execute(statement, binding("r2"))
+    assert await committed_ids(db) == set()
+    async with asyncio.timeout(1):  # neither lock is left held
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("r3"))
+        async with db.tx() as engine_conn:
+            await engine_conn.execute(INSERT_BINDING, binding("r4"))
+    assert await committed_ids(db) == {"r3", "r4"}
+
+
+@SQLITE_ONLY
+async def test_nested_write_transactions_fail_fast(db: Database) -> None:
+    """A write transaction inside fast_tx on SQLite would wait for itself: refused."""
+    async with asyncio.timeout(1):
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("n1"))
+            with pytest.raises(RuntimeError, match="nested"):
+                async with db.fast_tx():
+                    pass
+            with pytest.raises(RuntimeError, match="nested"):
+                async with db.tx():
+                    pass
+    assert await committed_ids(db) == {"n1"}
+
+
+# ------------------------------------------------------------------- group commit
+
+
+@SQLITE_ONLY
+async def test_concurrent_fast_tx_share_one_commit_and_fail_alone(db: Database) -> None:
+    """Transactions started in the same loop iteration share one BEGIN IMMEDIATE and one
+    COMMIT; the one that raises is rolled back alone; each member returns (and its
+    after-commit listeners run) only once the whole group is committed; the failed
+    member's listeners never run."""
+    path = path_of(db)
+    async with asyncio.timeout(1), db.fast_tx() as conn:  # open the inline connection
+        await conn.execute(INSERT_BINDING, binding("warm"))
+    members = 5
+    failing = 2
+    expected = {f"g{i}" for i in range(members) if i != failing}
+    visible_on_return: dict[int, set[str]] = {}
+    payload_calls: list[tuple[list[Any], set[str]]] = []
+    plain_calls: list[set[str]] = []
+    db.on_commit_payloads("grp", lambda p: payload_calls.append((p, raw_ids(path))))
+    db.on_commit("grp", lambda: plain_calls.append(raw_ids(path)))
+
+    async def member(i: int) -> None:
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(f"g{i}"))
+            signal_after_commit(conn, "grp", f"g{i}")
+            if i == failing:
+                raise Boom
+        visible_on_return[i] = raw_ids(path)
+
+    with db.record_statements() as statements:
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                *(member(i) for i in range(members)), return_exceptions=True
+            )
+
+    assert [type(r) for r in results] == [
+        Boom if i == failing else type(None) for i in range(members)
+    ]
+    assert statements.count("BEGIN IMMEDIATE") == 1, statements
+    assert statements.count("COMMIT") == 1, statements
+    assert sum(s.startswith("SAVEPOINT") for s in statements) == members
+    assert sum(s.startswith("ROLLBACK TO") for s in statements) == 1
+    assert "ROLLBACK" not in statements
+    inserts = [s for s in statements if s.startswith("INSERT")]
+    assert len(inserts) == members
+    # The single COMMIT comes after every member's statements.
+    assert statements.index("COMMIT") > statements.index(inserts[-1])
+
+    assert await committed_ids(db) == expected | {"warm"}
+    assert raw_ids(path) == expected | {"warm"}
+    # Even the first member returned only after the last member's row was committed.
+    assert sorted(visible_on_return) == sorted(i for i in range(members) if i != failing)
+    for i, seen in visible_on_return.items():
+        assert expected <= seen, i
+    assert sorted(p for payloads, _ in payload_calls for p in payloads) == sorted(expected)
+    assert all(len(payloads) == 1 for payloads, _ in payload_calls)
+    assert all(expected <= seen for _, seen in payload_calls), "listener ran before COMMIT"
+    assert len(plain_calls) == members - 1
+    assert all(expected <= seen for seen in plain_calls)
+
+
+@SQLITE_ONLY
+async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Database) -> None:
+    """A statement that makes SQLite roll back the whole transaction (here a conflict
+    clause, OR ROLLBACK; also disk full or I/O errors) takes the work of every member of
+    its group with it: each member is told so and none is told it succeeded; a
+    transaction arriving after that runs in a new group, not in a stray transaction."""
+    async with asyncio.timeout(1), db.fast_tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("dup"))
+    fired: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+    rollback_insert = t.bindings.insert().prefix_with("OR ROLLBACK")
+
+    async def member(binding_id: str, statement: sa.Insert = INSERT_BINDING) -> None:
+        async with db.fast_tx() as conn:
+            await conn.execute(statement, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+
+    async with asyncio.timeout(2):
+        results = await asyncio.gather(
+            member("a"), member("dup", rollback_insert), member("c"), return_exceptions=True
+        )
+    # "a" had finished its body in the group: its row is gone, and it is told so.
+    assert isinstance(results[0], sa.exc.OperationalError), results
+    assert "rolled back the whole transaction" in str(results[0])
+    assert isinstance(results[1], sa.exc.IntegrityError), results
+    # "c" came after the group broke: it waited for the writer lock and committed alone.
+    assert results[2] is None, results
+    assert fired == [["c"]]
+    assert raw_ids(path_of(db)) == {"dup", "c"}
+
+
+@SQLITE_ONLY
+async def test_sequential_fast_tx_each_commit(db: Database) -> None:
+    """Transactions that do not overlap in a loop iteration get their own commits, and the
+    group machinery leaves the writer lock free for the general transaction."""
+    with db.record_statements() as statements:
+        for i in range(3):
+            async with db.fast_tx() as conn:
+                await conn.execute(INSERT_BINDING, binding(f"s{i}"))
+        async with db.tx() as engine_conn:
+            await engine_conn.execute(INSERT_BINDING, binding("s-engine"))
+    # (The engine commits through the DBAPI, not a statement: only its BEGIN shows.)
+    assert statements.count("COMMIT") == 3
+    assert statements.count("BEGIN IMMEDIATE") == 3 + 1
+    assert await committed_ids(db) == {"s0", "s1", "s2", "s-engine"}
+
+
+@SQLITE_ONLY
+async def test_a_failed_group_commit_fails_every_member(db: Database) -> None:
+    """When the shared COMMIT itself fails (here a deferred foreign key violation of one
+    member), every member gets the error, nothing is stored, no listener runs, and the
+    next transaction works."""
+    fired: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+    agent = {
+        "id": "a1",
+        "org_id": "no-such-org",
+        "name": "n",
+        "slug": "n",
+        "model": "script",
+        "created_at": 1,
+        "updated_at": 1,
+    }
+
+    async def orphan() -> None:
+        async with db.fast_tx() as conn:
+            assert isinstance(conn, InlineConnection)
+            # Checked at COMMIT instead of at the INSERT (reset by COMMIT/ROLLBACK).
+            conn._raw.execute("PRAGMA defer_foreign_keys=ON")
+            await conn.execute(t.agents.insert(), agent)
+            signal_after_commit(conn, "grp", "orphan")
+
+    async def innocent() -> None:
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("i1"))
+            signal_after_commit(conn, "grp", "innocent")
+
+    results = await asyncio.gather(orphan(), innocent(), return_exceptions=True)
+    assert all(isinstance(r, sa.exc.IntegrityError) for r in results), results
+    assert "FOREIGN KEY" in str(results[0])
+    assert fired == []
+    assert await committed_ids(db) == set()
+    assert raw_ids(path_of(db), "agents") == set()
+    async with asyncio.timeout(1):
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("i2"))
+            signal_after_commit(conn, "grp", "after")
+    assert fired == [["after"]]
+    assert await committed_ids(db) == {"i2"}
+
+
+@SQLITE_ONLY
+async def test_checkpoints_run_in_a_worker_thread(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every CHECKPOINT_EVERY commits, a passive WAL checkpoint runs off the loop thread."""
+    monkeypatch.setattr(inline_sqlite, "CHECKPOINT_EVERY", 3)
+    threads: list[int] = []
+    finished: asyncio.Queue[int] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    original = InlineSqlite._run_checkpoint
+
+    def spy(self: InlineSqlite) -> None:
+        original(self)
+        loop.call_soon_threadsafe(finished.put_nowait, threading.get_ident())
+
+    monkeypatch.setattr(InlineSqlite, "_run_checkpoint", spy)
+
+    async def wait_for_checkpoints(n: int) -> None:
+        async with asyncio.timeout(1):
+            while len(threads) < n:
+                threads.append(await finished.get())
+        # A checkpoint is not started while the previous one runs: let its task finish.
+        await asyncio.sleep(0.02)
+
+    for i in range(5):
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(f"c{i}"))
+        if i == 2:
+            await wait_for_checkpoints(1)
+    assert len(threads) == 1
+    assert finished.empty()
+    async with db.fast_tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("c5"))  # the 6th commit
+    await wait_for_checkpoints(2)
+    assert len(threads) == 2
+    assert threading.get_ident() not in threads
+    assert len(await committed_ids(db)) == 6
+
+
+# ------------------------------------------------------------- other processes
+
+
+@SQLITE_ONLY
+async def test_fast_tx_waits_for_another_writer_without_blocking_the_loop(
+    db: Database,
+) -> None:
+    """Another connection (another process) holding SQLite's write lock: fast_tx waits,
+    the event loop keeps running meanwhile, and fast_tx proceeds once the lock is
+    released; it then sees the other writer's row."""
+    path = path_of(db)
+    async with db.fast_tx() as conn:  # the database is in WAL mode and the inline
+        await conn.execute(INSERT_BINDING, binding("w0"))  # connection is open
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute(
+            "INSERT INTO bindings (id, org_id, session_id, kind, address, silent, active,"
+            " created_at) VALUES ('other', 'o', 's', 'api', '{}', 0, 1, 1)"
+        )
+        hold_s = 0.3
+        # Released from a thread, so that a loop blocked inside SQLite would still get
+        # out (and fail the tick assertions) instead of hanging the test.
+        timer = threading.Timer(hold_s, lambda: other.execute("COMMIT"))
+        stamps: list[float] = []
+
+        async def ticker() -> None:
+            while True:
+                stamps.append(time.monotonic())
+                await asyncio.sleep(0.005)
+
+        seen: list[int] = []
+
+        async def writer() -> None:
+            async with db.fast_tx() as conn:
+                count = sa.select(sa.func.count()).select_from(t.bindings)
+                seen.append((await conn.execute(count)).scalar())
+                await conn.execute(INSERT_BINDING, binding("w1"))
+
+        ticking = asyncio.create_task(ticker())
+        started = time.monotonic()
+        timer.start()
+        writing = asyncio.create_task(writer())
+        await asyncio.sleep(hold_s / 2)
+        assert not writing.done(), "fast_tx went ahead while another process held the lock"
+        await asyncio.wait_for(writing, timeout=2)
+        finished = time.monotonic()
+        ticking.cancel()
+        timer.join()
+    finally:
+        other.close()
+
+    assert finished - started >= hold_s * 0.9
+    during = [s for s in stamps if started <= s <= started + hold_s]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert len(during) >= 10, "the loop did not run while fast_tx waited"
+    assert max(gaps) < 0.15, f"the loop was blocked for {max(gaps):.3f}s"
+    assert seen == [2], "fast_tx ran after the other transaction committed"
+    assert await committed_ids(db) == {"w0", "other", "w1"}
+
+
+@SQLITE_ONLY
+async def test_begin_immediate_gives_up_after_the_busy_wait(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After BUSY_WAIT_S the wait ends with OperationalError, and the process's writer lock
+    is released (the next transactions run once the other process is done)."""
+    monkeypatch.setattr(inline_sqlite, "BUSY_WAIT_S", 0.1)
+    path = path_of(db)
+    async with db.fast_tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("x0"))
+    with closing(sqlite3.connect(path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        with pytest.raises(sa.exc.OperationalError, match="locked"):
+            async with asyncio.timeout(2), db.fast_tx() as conn:
+                await conn.execute(INSERT_BINDING, binding("x1"))
+        assert 0.1 <= time.monotonic() - started < 1
+        other.execute("COMMIT")
+    async with asyncio.timeout(1):
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("x2"))
+        async with db.tx() as engine_conn:
+            await engine_conn.execute(INSERT_BINDING, binding("x3"))
+    assert await committed_ids(db) == {"x0", "x2", "x3"}
+
+
+# --------------------------------------------------------------- record_statements
+
+
+@SQLITE_ONLY
+async def test_record_statements_sees_inline_and_engine_sql(db: Database) -> None:
+    with db.record_statements() as statements:
+        async with db.fast_tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("rs1"))
+            await conn.execute(BINDING_BY_ID, {"p_id": "rs1"})
+        async with db.read() as engine_conn:
+            await engine_conn.execute(sa.select(B.id).where(B.kind == "marker"))
+    assert "BEGIN IMMEDIATE" in statements
+    assert "COMMIT" in statements
+    assert any(s.startswith("INSERT INTO bindings") and "rs1" in s for s in statements)
+    assert any(s.startswith("SELECT") and "rs1" in s for s in statements)
+    assert any("bindings.kind = ?" in s for s in statements), "engine statement missing"
+    # Recording stops with the block.
+    async with db.fast_tx() as conn:
+        await conn.execute(BINDING_BY_ID, {"p_id": "after"})
+    assert not any("after" in s for s in statements)
+
+
+# ------------------------------------------------------------------ both backends
+
+
+async def test_fast_tx_commits_rolls_back_and_signals_on_both_backends(
+    migrated_url: str,
+) -> None:
+    """fast_tx is the inline connection on a SQLite file and the general transaction on
+    PostgreSQL; either way it commits, rolls back on an exception and runs after-commit
+    listeners only after a commit."""
+    db = Database(migrated_url)
+    try:
+        plain: list[str] = []
+        payloads: list[list[Any]] = []
+        db.on_commit("topic", lambda: plain.append("fired"))
+        db.on_commit_payloads("topic", payloads.append)
+
+        async with db.fast_tx() as conn:
+            if db.is_sqlite:
+                assert isinstance(conn, InlineConnection)
+            else:
+                assert isinstance(conn, AsyncConnection)
+            await conn.execute(INSERT_BINDING, binding("f1", silent=True))
+            signal_after_commit(conn, "topic", {"id": "f1"})
+            signal_after_commit(conn, "topic", {"id": "f1-again"})
+            assert plain == [] and payloads == [], "a listener ran before the commit"
+        assert plain == ["fired"]
+        assert payloads == [[{"id": "f1"}, {"id": "f1-again"}]]
+
+        with pytest.raises(Boom):
+            async with db.fast_tx() as conn:
+                await conn.execute(INSERT_BINDING, binding("f2"))
+                signal_after_commit(conn, "topic", {"id": "f2"})
+                raise Boom
+        with pytest.raises(sa.exc.IntegrityError):
+            async with db.fast_tx() as conn:
+                await conn.execute(INSERT_BINDING, binding("f3"))
+                signal_after_commit(conn, "topic", {"id": "f3"})
+                await conn.execute(INSERT_BINDING, binding("f1"))
+        assert plain == ["fired"]
+        assert len(payloads) == 1
+
+        async with db.fast_tx() as conn:  # no payload: plain listeners only
+            signal_after_commit(conn, "topic")
+        assert plain == ["fired", "fired"]
+        assert len(payloads) == 1
+
+        async with db.read() as read_conn:
+            rows = (await read_conn.execute(ALL_BINDINGS)).all()
+        assert [(r.id, r.silent, r.active, r.address) for r in rows] == [
+            ("f1", True, True, binding("f1")["address"])
+        ]
+    finally:
+        await db.close()
