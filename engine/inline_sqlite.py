@@ -126,9 +126,10 @@ class InlineConnection:
             "PRAGMA foreign_keys=ON",
         ):
             self._raw.execute(pragma)
-        self._plans: weakref.WeakKeyDictionary[Any, dict[frozenset[str], _Plan]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Plans by id() of the statement object (a WeakKeyDictionary lookup costs more
+        # than running a small statement); a weak reference drops the entry when a
+        # transient statement is collected, before its id can be reused.
+        self._plans: dict[int, tuple[weakref.ref[Any], dict[frozenset[str], _Plan]]] = {}
 
     # ---------------------------------------------------------------- transactions
 
@@ -210,9 +211,10 @@ class InlineConnection:
         """Synchronous :meth:`execute`."""
         params: Mapping[str, Any] = parameters or {}
         keys = frozenset(params)
-        per_statement = self._plans.get(statement)
-        if per_statement is None:
-            per_statement = self._plans[statement] = {}
+        known = self._plans.get(id(statement))
+        if known is None or known[0]() is not statement:
+            known = self._plans[id(statement)] = (self._watch(statement), {})
+        per_statement = known[1]
         plan = per_statement.get(keys)
         if plan is None:
             plan = per_statement[keys] = self._compile(statement, keys)
@@ -243,7 +245,7 @@ class InlineConnection:
                 make = plan.make_row = result_tuple([d[0] for d in description])
             result_processors = plan.result_processors
             if result_processors is None:
-                rows = [make(raw) for raw in raw_rows]
+                rows = list(map(make, raw_rows))
             else:
                 procs = result_processors
                 rows = [
@@ -251,6 +253,17 @@ class InlineConnection:
                     for raw in raw_rows
                 ]
         return InlineResult(rows, cursor.rowcount)
+
+    def _watch(self, statement: Any) -> weakref.ref[Any]:
+        key = id(statement)
+        plans = self._plans
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            known = plans.get(key)
+            if known is not None and known[0] is ref:
+                del plans[key]
+
+        return weakref.ref(statement, forget)
 
     def _compile(self, statement: sa.Executable, keys: frozenset[str]) -> _Plan:
         if not isinstance(statement, sa.Select | sa.Insert | sa.Update | sa.Delete):

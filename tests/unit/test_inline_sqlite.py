@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import sqlite3
@@ -630,6 +631,24 @@ async def test_begin_immediate_gives_up_after_the_busy_wait(
 
 
 # --------------------------------------------------------------- record_statements
+
+
+@SQLITE_ONLY
+async def test_plans_of_collected_statements_are_dropped(db: Database) -> None:
+    """A statement built per call (not a module constant) is compiled for that call only:
+    its cached plan goes with it, and a new statement at a reused address never runs
+    another statement's SQL."""
+    async with db.fast_tx() as conn:
+        assert isinstance(conn, InlineConnection)
+        await conn.execute(INSERT_BINDING, binding("p0"))
+        before = len(conn._plans)
+        for i in range(200):
+            statement = sa.select(B.id).where(B.id == f"p{i % 2}")
+            assert (await conn.execute(statement)).scalar() == ("p0" if i % 2 == 0 else None)
+            del statement
+        gc.collect()
+        assert len(conn._plans) <= before + 1
+        assert (await conn.execute(BINDING_BY_ID, {"p_id": "p0"})).one().id == "p0"
 
 
 @SQLITE_ONLY
