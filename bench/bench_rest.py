@@ -19,9 +19,9 @@ next request when the previous answer arrived) from one aiohttp client, for
   409 busy, rejected at intake.
 
 and the ratio plain/bare (target >= 0.25): bare and plain alternate for ``--rounds``
-rounds (default 3) and the median of the per-round ratios is the figure. Usage::
+rounds (default 5) and the median of the per-round ratios is the figure. Usage::
 
-    .venv/bin/python -m bench.bench_rest [--duration 5] [--concurrency 16] [--rounds 3]
+    .venv/bin/python -m bench.bench_rest [--duration 5] [--concurrency 16] [--rounds 5]
         [--requests N] [--profile serve.prof] [--postgres]
 
 ``--profile`` runs the service under cProfile for the whole run (startup included; combine
@@ -354,7 +354,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds, not measured")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="alternating bare/plain rounds (median ratio)"
+        "--rounds", type=int, default=5, help="alternating bare/plain rounds (median ratio)"
     )
     parser.add_argument("--only", action="append", help="run only these scenarios")
     parser.add_argument("--profile", help="cProfile output file for the service")
