@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from engine import schema as t
 from engine.clock import Clock, IdFactory
 from engine.db import Conn
-from engine.sql import insert_ignore
+from engine.sql import insert_ignore, insert_ignore_stmt
 from engine.types import BindingSpec
 
 B = t.bindings.c
@@ -85,17 +85,14 @@ async def open_session(
     params = {"p_agent_id": agent_id, "p_key": key}
     row = (await conn.execute(_SESSION_AND_BINDING, params)).first()
     if row is None:
-        await conn.execute(
-            insert_ignore(
-                conn,
-                t.sessions,
-                id=ids.new("ses"),
-                org_id=org_id,
-                agent_id=agent_id,
-                key=key,
-                created_at=clock.now_ms(),
-            )
-        )
+        session = {
+            "id": ids.new("ses"),
+            "org_id": org_id,
+            "agent_id": agent_id,
+            "key": key,
+            "created_at": clock.now_ms(),
+        }
+        await conn.execute(insert_ignore_stmt(conn.dialect.name, t.sessions), session)
         row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
     current = None
     if row.binding_id is not None:

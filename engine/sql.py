@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sqlalchemy as sa
@@ -11,10 +12,18 @@ from engine.db import Conn
 
 
 def insert_ignore(conn: Conn, table: sa.Table, **values: Any) -> Any:
-    """``INSERT ... ON CONFLICT DO NOTHING`` in the connection's dialect."""
-    if conn.dialect.name == "postgresql":
-        return postgresql.insert(table).values(**values).on_conflict_do_nothing()
-    return sqlite.insert(table).values(**values).on_conflict_do_nothing()
+    """``INSERT ... ON CONFLICT DO NOTHING`` in the connection's dialect, values bound."""
+    return insert_ignore_stmt(conn.dialect.name, table).values(**values)
+
+
+@functools.cache
+def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` for ``dialect``, built once: execute it with
+    the row as parameters (hot paths: a new statement per call is compiled per call on
+    the inline SQLite connection)."""
+    if dialect == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    return sqlite.insert(table).on_conflict_do_nothing()
 
 
 def row_dict(row: sa.Row[Any] | None) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ from engine.db import Conn, Database
 from engine.errors import ModelError, TransitionError, ValidationError
 from engine.metrics import METRICS
 from engine.providers.base import ChatMessage, ModelRequest, Provider, TextDelta, ToolCall, ToolSpec
-from engine.sql import insert_ignore
+from engine.sql import insert_ignore_stmt
 from engine.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger
 from engine.workitems import Status
 from outbox.store import enqueue_reply
@@ -227,13 +227,10 @@ class TurnService:
             # de-duplication. Without one it is written once its outcome and work item are
             # known; a plain chat turn (no lead) writes none, its user message is its record.
             recorded = trigger.external_event_id is not None
-            if (
-                recorded
-                and not (
-                    await conn.execute(insert_ignore(conn, t.inbound_events, **event))
-                ).rowcount
-            ):
-                return Duplicate()
+            if recorded:
+                insert = insert_ignore_stmt(conn.dialect.name, t.inbound_events)
+                if not (await conn.execute(insert, event)).rowcount:
+                    return Duplicate()
             item_id: str | None = None
             revision: int | None = None
             if lead is not None:
