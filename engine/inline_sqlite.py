@@ -274,6 +274,7 @@ class InlineConnection:
         compiled = statement.compile(dialect=self.dialect, column_keys=column_keys)
         expanding = {p.key for p in compiled.post_compile_params}
         # Expand the literal IN lists once; only caller-supplied lists expand per call.
+        # (A required parameter the caller did not name fails here, in SQLAlchemy.)
         dummy: dict[str, Any] = {name: None for name in keys if name not in expanding}
         dummy.update({name: [None] for name in keys & expanding})
         state = compiled.construct_expanded_state(dummy)
@@ -283,9 +284,6 @@ class InlineConnection:
             for name, bind in compiled.binds.items()
         }
         bind_processors.update(state.processors)
-        missing = [n for n in names if n not in keys and n not in state.parameters]
-        if missing:
-            raise sa.exc.ArgumentError(f"no value for bind parameter(s) {missing}")
         defaults = {n: v for n, v in state.parameters.items() if n not in keys}
         # Python-side column defaults the compiler left to the execution context.
         for column in getattr(compiled, "insert_prefetch", ()) + getattr(
