@@ -16,34 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from engine import schema as t
 from engine.clock import Clock, IdFactory
 from engine.db import Conn
-from engine.sql import insert_ignore, insert_ignore_stmt
+from engine.sql import insert_ignore_stmt
 from engine.types import BindingSpec
 
 B = t.bindings.c
-
-
-async def get_or_create_session(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
-) -> str:
-    """The session id of (agent, key), created on first use (race-safe)."""
-    query = sa.select(t.sessions.c.id).where(
-        t.sessions.c.agent_id == agent_id, t.sessions.c.key == key
-    )
-    existing = await conn.scalar(query)
-    if existing:
-        return str(existing)
-    await conn.execute(
-        insert_ignore(
-            conn,
-            t.sessions,
-            id=ids.new("ses"),
-            org_id=org_id,
-            agent_id=agent_id,
-            key=key,
-            created_at=clock.now_ms(),
-        )
-    )
-    return str(await conn.scalar(query))
 
 
 S = t.sessions.c
@@ -80,8 +56,9 @@ _ACTIVE_BINDING = sa.select(t.bindings).where(
 async def open_session(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
 ) -> tuple[str, Any]:
-    """:func:`get_or_create_session` plus the session's active binding (``None`` when it
-    has none) for :func:`activate`. One SELECT when the session exists (the usual case)."""
+    """The session id of (agent, key), created on first use (race-safe), and its active
+    binding (``None`` when it has none) for :func:`activate`. One SELECT when the
+    session exists (the usual case)."""
     params = {"p_agent_id": agent_id, "p_key": key}
     row = (await conn.execute(_SESSION_AND_BINDING, params)).first()
     if row is None:

@@ -159,16 +159,21 @@ class Database:
         if not self.is_sqlite:
             yield
             return
-        task = asyncio.current_task()
-        if task is not None and task is self._write_owner:
-            # SQLite could never have served it either (it would wait for itself).
-            raise RuntimeError("nested write transaction on SQLite")
+        task = self._not_nested()
         async with self._lock():
             self._write_owner = task
             try:
                 yield
             finally:
                 self._write_owner = None
+
+    def _not_nested(self) -> asyncio.Task[Any] | None:
+        """The current task, unless it already holds a write transaction here (SQLite
+        could never serve the nested one either: it would wait for itself)."""
+        task = asyncio.current_task()
+        if task is not None and task is self._write_owner:
+            raise RuntimeError("nested write transaction on SQLite")
+        return task
 
     def _lock(self) -> asyncio.Lock:
         """The writer lock; one per event loop, as a Database may outlive a loop (tests)."""
@@ -249,9 +254,7 @@ class _InlineTx:
         self.topics: dict[str, list[Any]] = {}
 
     async def __aenter__(self) -> InlineConnection:
-        task = asyncio.current_task()
-        if task is not None and task is self.db._write_owner:
-            raise RuntimeError("nested write transaction on SQLite")
+        task = self.db._not_nested()
         self.member: Member = await self.inline.enter(self.db._lock())
         conn = self.inline.connection
         conn.info[_TOPICS] = self.topics

@@ -8,13 +8,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from engine.db import Conn
-
-
-def insert_ignore(conn: Conn, table: sa.Table, **values: Any) -> Any:
-    """``INSERT ... ON CONFLICT DO NOTHING`` in the connection's dialect, values bound."""
-    return insert_ignore_stmt(conn.dialect.name, table).values(**values)
-
 
 @functools.cache
 def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:

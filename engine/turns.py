@@ -315,7 +315,7 @@ class TurnService:
                 conn, trigger.org_id, session_id, item_id, "user", trigger.text
             )
             rules = await policy.load_rules(conn, trigger.org_id)
-            history = await self._history(conn, session_id)
+            history = await self.history.read(conn, session_id)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent["id"],
@@ -375,7 +375,7 @@ class TurnService:
                 conn, item["org_id"], item["session_id"], item["id"], "internal", feedback
             )
             rules = await policy.load_rules(conn, item["org_id"])
-            history = await self._history(conn, item["session_id"])
+            history = await self.history.read(conn, item["session_id"])
         ctx = TurnContext(
             org_id=item["org_id"],
             agent_id=item["agent_id"],
@@ -388,9 +388,6 @@ class TurnService:
         return await self._execute(ctx, agent, True, rules, feedback, item, None, history=history)
 
     # -------------------------------------------------------------- the turn
-
-    async def _history(self, conn: Conn, session_id: str) -> list[ChatMessage]:
-        return await self.history.read(conn, session_id)
 
     async def _execute(
         self,
@@ -409,7 +406,7 @@ class TurnService:
         provider = self.providers.get(agent["model"])
         if history is None:
             async with self.db.read() as conn:
-                history = await self._history(conn, ctx.session_id)
+                history = await self.history.read(conn, ctx.session_id)
         messages = [ChatMessage("system", agent["instructions"] or "You are a helpful agent.")]
         messages += history
         # complete_task only under a trusted context that names an inProgress item.
@@ -525,37 +522,36 @@ class TurnService:
             log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, rules) if rules else text
-        queued = None
         if revision_item is None and not ctx.binding_posts:
             # API, studio and silent turns only store the reply: the short transaction.
             async with self.db.fast_tx() as fast:
                 await self._store_message(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
                 )
-            METRICS.turns.labels("plain").inc()
-            return Reply(screened, streamed=streamed)
-        # A reply that may be queued for a channel: the outbox's in-process hand-off
-        # needs the general transaction.
+        else:
+            # A reply that may be queued for a channel: the outbox's in-process hand-off
+            # needs the general transaction.
+            await self._store_reply(ctx, screened, revision_item)
+        METRICS.turns.labels("plain").inc()
+        return Reply(screened, streamed=streamed)
+
+    async def _store_reply(
+        self, ctx: TurnContext, text: str, revision_item: dict[str, Any] | None
+    ) -> None:
+        queued = None
         async with self.db.tx() as conn:
             await self._store_message(
-                conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
+                conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text
             )
             await self._release_revision(conn, revision_item)
             if revision_item is None:
                 binding = await bindings.active_binding(conn, ctx.session_id)
                 if binding is not None and binding["id"] == ctx.binding_id:
                     queued = await enqueue_reply(
-                        conn,
-                        self.clock,
-                        self.ids,
-                        org_id=ctx.org_id,
-                        binding=binding,
-                        text=screened,
+                        conn, self.clock, self.ids, org_id=ctx.org_id, binding=binding, text=text
                     )
         if queued:
             self.on_delivery_queued()
-        METRICS.turns.labels("plain").inc()
-        return Reply(screened, streamed=streamed)
 
     async def _withhold(
         self, ctx: TurnContext, text: str, revision_item: dict[str, Any] | None

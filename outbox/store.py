@@ -127,6 +127,15 @@ def action_for(binding: dict[str, Any] | None) -> tuple[str, str]:
     return "post", kind.value
 
 
+async def _insert(conn: AsyncConnection, values: dict[str, Any], now: int) -> None:
+    """Insert a delivery row: handed to this process's relay after commit, or announced
+    to every relay (NOTIFY) when no local relay takes it."""
+    handed = _hand_to_local_relay(conn, values, now)
+    await conn.execute(t.deliveries.insert().values(**values))
+    if not handed:
+        await notify(conn)
+
+
 async def enqueue_gating(
     conn: AsyncConnection, clock: Clock, ids: IdFactory, item: dict[str, Any]
 ) -> dict[str, Any]:
@@ -153,11 +162,7 @@ async def enqueue_gating(
         "created_at": now,
         "updated_at": now,
     }
-    if not _hand_to_local_relay(conn, values, now):
-        await conn.execute(t.deliveries.insert().values(**values))
-        await notify(conn)
-    else:
-        await conn.execute(t.deliveries.insert().values(**values))
+    await _insert(conn, values, now)
     return values
 
 
@@ -191,11 +196,7 @@ async def enqueue_reply(
         "created_at": now,
         "updated_at": now,
     }
-    if not _hand_to_local_relay(conn, values, now):
-        await conn.execute(t.deliveries.insert().values(**values))
-        await notify(conn)
-    else:
-        await conn.execute(t.deliveries.insert().values(**values))
+    await _insert(conn, values, now)
     return delivery_id
 
 
