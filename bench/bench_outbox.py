@@ -161,13 +161,13 @@ class Standin:
 
 def slack_channel(api_url: str) -> Any:
     from bots.slack import SlackChannel
-    from engine.config import SlackSettings
+    from leadgate.core.config import SlackSettings
 
     return SlackChannel(SlackSettings(signing_secret="x", bot_token=TOKEN, api_url=api_url))
 
 
 async def fresh_sqlite(tmp: Path, name: str) -> str:
-    from engine.db import upgrade
+    from leadgate.database.db import upgrade
 
     url = f"sqlite+aiosqlite:///{tmp / name}"
     await asyncio.to_thread(upgrade, url)
@@ -211,9 +211,9 @@ async def direct_rate(standin: Standin, deliveries: list[dict[str, Any]], conc: 
 async def relay_rate_sqlite(
     standin: Standin, tmp: Path, n: int, run: int, batch: int, conc: int
 ) -> tuple[float, list[dict[str, Any]]]:
-    from engine.clock import RandomIds, SystemClock
-    from engine.db import Database
-    from engine.runners import drain
+    from leadgate.core.clock import RandomIds, SystemClock
+    from leadgate.core.runners import drain
+    from leadgate.database.db import Database
     from outbox.relay import Relay
     from tests.outbox_support import delivery_counts, seed_items
 
@@ -275,9 +275,9 @@ async def pg_drain(
 ) -> float:
     import sqlalchemy as sa
 
-    from engine import schema as t
-    from engine.clock import RandomIds, SystemClock
-    from engine.db import Database, upgrade
+    from leadgate.core.clock import RandomIds, SystemClock
+    from leadgate.database import schema as t
+    from leadgate.database.db import Database, upgrade
     from outbox.store import NOTIFY_CHANNEL
     from tests.outbox_support import RelayProcess, delivery_counts, seed_items
 
@@ -382,12 +382,11 @@ async def part_latency(args: argparse.Namespace, tmp: Path) -> list[str]:
 
 
 async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> list[str]:
-    from engine import workitems
-    from engine.clock import SystemClock
-    from engine.config import Settings
-    from engine.service import Service
-    from outbox.store import enqueue_gating
-    from review.decisions import human_approve
+    from leadgate.app import App
+    from leadgate.core.clock import SystemClock
+    from leadgate.core.config import Settings
+    from leadgate.domain import workitems
+    from leadgate.review.decisions import human_approve
     from tests.outbox_support import seed_items
 
     standin = Standin()
@@ -398,12 +397,12 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> list[str
             "slack": {"signing_secret": "bench", "bot_token": TOKEN, "api_url": standin.api_url},
         }
     )
-    service = Service(settings, clock=SystemClock())
+    service = App(settings, clock=SystemClock())
     n, rate, warm = args.latency_n, args.rate, 50
     # decisions: items await a human; each approval is review.decisions.human_approve
     # (status transition, audit row, gating delivery: one transaction).
     # enqueue: items are already approved; each "approval commit" is the outbox write
-    # of an approval alone (outbox.store.enqueue_gating in its own transaction).
+    # of an approval alone (Outbox.enqueue_gating in its own transaction).
     seeded = await seed_items(
         service.db,
         service.clock,
@@ -421,9 +420,9 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> list[str
         async with service.db.tx() as conn:
             if via == "decisions":
                 row = await workitems.get(conn, item["id"])
-                await human_approve(conn, service.clock, service.ids, row, "user:bench")
+                await human_approve(conn, service.outbox, row, "user:bench")
             else:
-                await enqueue_gating(conn, service.clock, service.ids, item)
+                await service.outbox.enqueue_gating(conn, await workitems.get(conn, item["id"]))
         commits[item["snapshot"]] = time.time()
         tx_ms.append((time.perf_counter() - began) * 1000)
 

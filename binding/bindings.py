@@ -13,11 +13,12 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from engine import schema as t
-from engine.clock import Clock, IdFactory
-from engine.db import Conn
-from engine.sql import insert_ignore_stmt
-from engine.types import BindingSpec
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.types import BindingSpec
+from leadgate.database import schema as t
+from leadgate.database.db import Conn
+from leadgate.database.sql import insert_ignore_stmt
+from leadgate.domain.rows import Binding, Session
 
 B = t.bindings.c
 
@@ -25,8 +26,9 @@ B = t.bindings.c
 S = t.sessions.c
 
 
-class _Binding(NamedTuple):
-    """An active binding as :func:`open_session` read it."""
+class CurrentBinding(NamedTuple):
+    """The active binding's fields :func:`activate` compares, as :func:`open_session`
+    read them with the session (one statement instead of two)."""
 
     id: str
     kind: str
@@ -55,7 +57,7 @@ _ACTIVE_BINDING = sa.select(t.bindings).where(
 
 async def open_session(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
-) -> tuple[str, Any]:
+) -> tuple[str, CurrentBinding | None]:
     """The session id of (agent, key), created on first use (race-safe), and its active
     binding (``None`` when it has none) for :func:`activate`. One SELECT when the
     session exists (the usual case)."""
@@ -73,7 +75,7 @@ async def open_session(
         row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
     current = None
     if row.binding_id is not None:
-        current = _Binding(
+        current = CurrentBinding(
             row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
         )
     return str(row.id), current
@@ -129,10 +131,10 @@ async def activate(
     return binding_id
 
 
-async def active_binding(conn: Conn, session_id: str) -> dict[str, Any] | None:
-    """The session's active binding row, if any."""
+async def active_binding(conn: Conn, session_id: str) -> Binding | None:
+    """The session's active binding, if any."""
     row = (await conn.execute(_ACTIVE_BINDING, {"p_session_id": session_id})).first()
-    return None if row is None else dict(row._mapping)
+    return None if row is None else Binding.from_row(row)
 
 
 async def deactivate_session(conn: AsyncConnection, session_id: str) -> int:
@@ -141,3 +143,14 @@ async def deactivate_session(conn: AsyncConnection, session_id: str) -> int:
         t.bindings.update().where(B.session_id == session_id, B.active).values(active=False)
     )
     return int(res.rowcount or 0)
+
+
+_FIND_SESSION = sa.select(t.sessions).where(
+    S.agent_id == sa.bindparam("p_agent_id"), S.key == sa.bindparam("p_key")
+)
+
+
+async def find_session(conn: Conn, agent_id: str, key: str) -> Session | None:
+    """The session of (agent, key), if a turn ever ran in it."""
+    row = (await conn.execute(_FIND_SESSION, {"p_agent_id": agent_id, "p_key": key})).first()
+    return None if row is None else Session.from_row(row)

@@ -14,10 +14,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from bots.base import RouteMatch
-from engine import schema as t
-from engine.clock import Clock, IdFactory
-from engine.errors import ValidationError
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.types import RouteMatch
+from leadgate.database import schema as t
 
 MATCH_KEYS: dict[str, frozenset[str]] = {
     "slack": frozenset({"team", "channel"}),
@@ -143,8 +143,6 @@ async def list_routes(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]
 
 async def disable_route(conn: AsyncConnection, org_id: str, route_id: str) -> dict[str, Any]:
     """Deactivate a route: its channel triggers no longer reach the agent."""
-    from engine.errors import NotFound
-
     row = (
         await conn.execute(
             t.routes.update()

@@ -2,7 +2,7 @@
 
 Inbound: a slack-bolt :class:`AsyncApp` verifies the signing secret (bad signature: 401
 from Bolt, no turn), answers ``url_verification`` and turns ``message`` / ``app_mention``
-events into a :class:`engine.types.Trigger`. The listener only spawns the turn and
+events into a :class:`leadgate.core.types.Trigger`. The listener only spawns the turn and
 returns, so Slack gets its 200 at once; the turn's reply travels through the outbox.
 
 Each thread is one session (``slack:{team}:{channel}:{thread_ts or ts}``) and replies go
@@ -18,6 +18,7 @@ so anything that may have reached Slack without an answer is :class:`Uncertain`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -33,8 +34,8 @@ from slack_sdk.errors import SlackApiError, SlackRequestError
 from slack_sdk.web.async_client import AsyncWebClient
 
 from bots.base import Core
-from engine.config import Settings, SlackSettings
-from engine.types import BindingKind, BindingSpec, Trigger
+from leadgate.core.config import Settings, SlackSettings
+from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,17 @@ class SlackPost:
     def address(self) -> dict[str, Any]:
         """Where replies and approved output go: the message's thread."""
         return {"team": self.team, "channel": self.channel, "thread_ts": self.thread}
+
+    def inbound(self) -> Inbound:
+        """The channel-neutral message."""
+        return Inbound(
+            channel=BindingKind.slack,
+            route_attrs=self.route_attrs,
+            session_key=self.session_key,
+            text=self.text,
+            address=self.address,
+            external_event_id=self.external_event_id,
+        )
 
 
 def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost | None:
@@ -320,29 +332,11 @@ class SlackAdapter:
         post = parse_event(body, event)
         if post is None:
             return
-        self._core.spawn(self._run(post), name=f"slack-turn:{post.external_event_id}")
-
-    async def _run(self, post: SlackPost) -> None:
-        route = await self._core.resolve_route(BindingKind.slack.value, post.route_attrs)
-        if route is None:
-            log.info("slack: no route for team=%s channel=%s", post.team, post.channel)
-            return
-        trigger = Trigger(
-            org_id=route.org_id,
-            agent_id=route.agent_id,
-            session_key=post.session_key,
-            text=post.text,
-            binding=BindingSpec(
-                kind=BindingKind.slack,
-                address=post.address,
-                silent=route.silent,
-                route_id=route.route_id,
-            ),
-            external_event_id=post.external_event_id,
-        )
         # The outcome needs no action here: a Reply is already queued in the outbox, and
         # Gated/Busy/Duplicate post nothing.
-        await self._core.submit(trigger)
+        self._core.spawn(
+            self._core.take_inbound(post.inbound()), name=f"slack-turn:{post.external_event_id}"
+        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """``POST /slack/events``: Bolt verifies, answers and dispatches."""
@@ -350,14 +344,13 @@ class SlackAdapter:
         return await to_aiohttp_response(bolt_response)
 
     def mount(self, app: web.Application) -> None:
-        """Add ``POST /slack/events`` and close the outbound client on shutdown."""
+        """Add ``POST /slack/events``."""
         app.router.add_post(EVENTS_PATH, self.handle)
-        app.cleanup_ctx.append(self._lifecycle)
 
-    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        """Slack needs no listener besides its HTTP route."""
         yield
-        # close() is idempotent, so the relay closing the channel too is harmless.
-        await self.channel.close()
 
 
 def create(settings: Settings, core: Core) -> SlackAdapter | None:

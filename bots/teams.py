@@ -2,7 +2,7 @@
 
 Inbound: ``POST /api/messages``. The Bot Framework JWT is checked by the SDK's
 ``ConfigurationBotFrameworkAuthentication``; a message activity becomes a
-:class:`engine.types.Trigger` that runs in the background while the channel gets its
+:class:`leadgate.core.types.Trigger` that runs in the background while the channel gets its
 ``202`` at once. Outbound: :class:`TeamsChannel` rebuilds the stored conversation
 reference and posts through ``CloudAdapter.continue_conversation``.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import email.utils
 import logging
 import re
@@ -44,9 +45,9 @@ from botbuilder.schema import (
 from msrest.exceptions import ClientRequestError
 
 from bots.base import Adapter, Core
-from engine.config import Settings, TeamsSettings
-from engine.errors import ConfigError
-from engine.types import BindingKind, BindingSpec, Trigger
+from leadgate.core.config import Settings, TeamsSettings
+from leadgate.core.errors import ConfigError
+from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
 log = logging.getLogger(__name__)
@@ -122,16 +123,7 @@ def _tenant_of(activity: Activity) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class _Inbound:
-    text: str
-    attrs: dict[str, str]
-    session_key: str
-    address: dict[str, Any]
-    event_id: str
-
-
-def parse_message(activity: Activity) -> _Inbound | None:
+def parse_message(activity: Activity) -> Inbound | None:
     """A message activity as a channel-neutral inbound message (None: nothing to run)."""
     if activity.type != ActivityTypes.message or activity.conversation is None:
         return None
@@ -143,12 +135,13 @@ def parse_message(activity: Activity) -> _Inbound | None:
     reference = TurnContext.get_conversation_reference(activity)
     if reference.conversation is not None and not reference.conversation.tenant_id:
         reference.conversation.tenant_id = tenant or None
-    return _Inbound(
-        text=text,
-        attrs={"tenant": tenant, "conversation": conversation_id},
+    return Inbound(
+        channel=BindingKind.teams,
+        route_attrs={"tenant": tenant, "conversation": conversation_id},
         session_key=f"teams:{tenant}:{conversation_id}",
+        text=text,
         address={"reference": reference.serialize(), "activity_id": activity.id},
-        event_id=f"teams:{activity.id}",
+        external_event_id=f"teams:{activity.id}",
     )
 
 
@@ -162,28 +155,9 @@ class TeamsBot(Bot):  # type: ignore[misc]
         """Parse and hand over; the route lookup and the turn run in the background."""
         inbound = parse_message(context.activity)
         if inbound is not None:
-            self._core.spawn(self._dispatch(inbound), name=f"teams-turn {inbound.event_id}")
-
-    async def _dispatch(self, inbound: _Inbound) -> None:
-        route = await self._core.resolve_route(CHANNEL, inbound.attrs)
-        if route is None:
-            log.info("teams: no route for %s; no turn", inbound.attrs)
-            return
-        await self._core.submit(
-            Trigger(
-                org_id=route.org_id,
-                agent_id=route.agent_id,
-                session_key=inbound.session_key,
-                text=inbound.text,
-                binding=BindingSpec(
-                    BindingKind.teams,
-                    inbound.address,
-                    silent=route.silent,
-                    route_id=route.route_id,
-                ),
-                external_event_id=inbound.event_id,
+            self._core.spawn(
+                self._core.take_inbound(inbound), name=f"teams-turn {inbound.external_event_id}"
             )
-        )
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -365,11 +339,12 @@ class TeamsAdapter:
         return bool(self._settings.app_id or self._settings.app_password)
 
     def mount(self, app: web.Application) -> None:
-        """Add ``POST /api/messages`` and the startup/shutdown hook."""
+        """Add ``POST /api/messages``."""
         app.router.add_post("/api/messages", self.handle)
-        app.cleanup_ctx.append(self._lifecycle)
 
-    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[None]:
+        """The thread pool that validates Bot Framework tokens."""
         if not self.auth_enabled:
             log.warning(
                 "teams: app_id and app_password are empty: /api/messages accepts "
@@ -381,7 +356,6 @@ class TeamsAdapter:
         try:
             yield
         finally:
-            await self.channel.close()
             self._auth_pool.shutdown(wait=False, cancel_futures=True)
             self._auth_pool = None
 

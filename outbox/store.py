@@ -21,82 +21,32 @@ import asyncio
 import contextlib
 import enum
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import asyncpg
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import active_binding
-from engine import schema as t
-from engine.clock import Clock, IdFactory
-from engine.db import signal_after_commit
-from engine.types import CHANNEL_KINDS, BindingKind
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.types import CHANNEL_KINDS, BindingKind
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, signal_after_commit
+from leadgate.domain import workitems
+from leadgate.domain.rows import Binding, Delivery, WorkItem
+from leadgate.domain.workitems import Status
 
 log = logging.getLogger("leadgate.outbox")
 D = t.deliveries.c
 
 #: PostgreSQL NOTIFY channel that wakes relays on every replica.
 NOTIFY_CHANNEL = "leadgate_outbox"
-#: :meth:`engine.db.Database.on_commit` topic that wakes this process's relay.
+#: :meth:`leadgate.database.db.Database.on_commit` topic that wakes this process's relay.
 OUTBOX_TOPIC = "outbox"
-#: :meth:`engine.db.Database.on_commit_payloads` topic carrying rows handed to it.
+#: :meth:`leadgate.database.db.Database.on_commit_payloads` topic carrying rows handed to it.
 HANDOFF_TOPIC = "outbox-handoff"
-
-
-class LocalRelay(Protocol):
-    """What the store needs from the relay running in this process (see
-    :func:`set_local_relay`)."""
-
-    handoff_token: str
-    send_lease_ms: int
-
-    def has_room(self) -> bool:
-        """Whether the relay can start another send now."""
-        ...
-
-
-_LOCAL_RELAYS: weakref.WeakKeyDictionary[Any, LocalRelay] = weakref.WeakKeyDictionary()
-
-
-def set_local_relay(engine: AsyncEngine, relay: LocalRelay | None) -> None:
-    """Register (or, with ``None``, forget) the relay whose loop runs in this process
-    on ``engine``'s database.
-
-    While one is registered and has room, a delivery enqueued through this engine is
-    written already claimed by it (``sending``, its hand-off lease token, a send lease)
-    in the enqueuing transaction itself, and the row is handed to it after commit
-    (:data:`HANDOFF_TOPIC` payloads): the send starts without a claim round trip, so an
-    approval reaches the channel a few milliseconds after it commits. Safety is that of
-    any claim: the lease fences the outcome commit, and if the process dies before the
-    outcome is committed, lease expiry makes a post ``deliveryUnknown``, never a second
-    post. Without a registered relay (API-only replicas, the CLI) rows are ``pending``
-    for whichever relay claims them.
-    """
-    key = engine.sync_engine
-    if relay is None:
-        _LOCAL_RELAYS.pop(key, None)
-    else:
-        _LOCAL_RELAYS[key] = relay
-
-
-def _hand_to_local_relay(conn: AsyncConnection, values: dict[str, Any], now: int) -> bool:
-    """Claim ``values`` (a new delivery row) for the local relay if it has room; the
-    hand-over itself happens after commit. Then no other relay needs waking."""
-    if values["status"] != DeliveryStatus.pending.value:
-        return False
-    local = _LOCAL_RELAYS.get(conn.engine.sync_engine)
-    if local is None or not local.has_room():
-        return False
-    values.update(
-        status=DeliveryStatus.sending.value,
-        lease_token=local.handoff_token,
-        lease_expires_at=now + local.send_lease_ms,
-        attempts=1,
-    )
-    signal_after_commit(conn, HANDOFF_TOPIC, values)
-    return True
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -111,14 +61,14 @@ class DeliveryStatus(enum.StrEnum):
     continuation = "continuation"
 
 
-def action_for(binding: dict[str, Any] | None) -> tuple[str, str]:
+def action_for(binding: Binding | None) -> tuple[str, str]:
     """(action, channel) for a gating delivery on ``binding`` (SPEC 6 table)."""
     if binding is None:
         return "post", "none"
-    kind = BindingKind(binding["kind"])
+    kind = BindingKind(binding.kind)
     if kind == BindingKind.flow:
         return "continuation", kind.value
-    if binding["silent"]:
+    if binding.silent:
         return "silent", kind.value
     if kind in (BindingKind.api, BindingKind.studio):
         return "reveal", kind.value
@@ -127,80 +77,132 @@ def action_for(binding: dict[str, Any] | None) -> tuple[str, str]:
     return "post", kind.value
 
 
-async def _insert(conn: AsyncConnection, values: dict[str, Any], now: int) -> None:
-    """Insert a delivery row: handed to this process's relay after commit, or announced
-    to every relay (NOTIFY) when no local relay takes it."""
-    handed = _hand_to_local_relay(conn, values, now)
-    await conn.execute(t.deliveries.insert().values(**values))
-    if not handed:
-        await notify(conn)
+class LocalRelay(Protocol):
+    """What :class:`Outbox` needs from the relay running in this process."""
+
+    handoff_token: str
+    send_lease_ms: int
+
+    def has_room(self) -> bool:
+        """Whether the relay can start another send now."""
+        ...
 
 
-async def enqueue_gating(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, item: dict[str, Any]
-) -> dict[str, Any]:
-    """Write the gating delivery of an approved item (call inside the approval tx)."""
-    binding = await active_binding(conn, item["session_id"])
-    action, channel = action_for(binding)
-    text = item["snapshot"] or item["summary"] or ""
-    now = clock.now_ms()
-    values = {
-        "id": ids.new("dlv"),
-        "org_id": item["org_id"],
-        "work_item_id": item["id"],
-        "kind": "gating",
-        "action": action,
-        "channel": channel,
-        "binding_id": binding["id"] if binding else None,
-        "address": binding["address"] if binding else {},
-        "text": text,
-        "status": (
-            DeliveryStatus.continuation if action == "continuation" else DeliveryStatus.pending
-        ).value,
-        "attempts": 0,
-        "next_attempt_at": now,
-        "created_at": now,
-        "updated_at": now,
-    }
-    await _insert(conn, values, now)
-    return values
+class Outbox:
+    """Writes delivery rows in the caller's transaction (the state change they deliver).
+
+    While this process runs a relay (:meth:`attach`) that has room, a new delivery is
+    written already claimed by it (``sending``, its hand-off lease token, a send lease)
+    and handed to it after commit (:data:`HANDOFF_TOPIC` payloads): the send starts
+    without a claim round trip, so an approval reaches the channel a few milliseconds
+    after it commits. Safety is that of any claim: the lease fences the outcome commit,
+    and if the process dies before the outcome is committed, lease expiry makes a post
+    ``deliveryUnknown``, never a second post. Without a relay (API-only replicas, the
+    CLI) rows are ``pending`` for whichever relay claims them, woken by :func:`notify`.
+    """
+
+    def __init__(self, clock: Clock, ids: IdFactory) -> None:
+        self.clock = clock
+        self.ids = ids
+        self._local: LocalRelay | None = None
+
+    def attach(self, relay: LocalRelay | None) -> None:
+        """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
+        self._local = relay
+
+    async def enqueue_gating(self, conn: AsyncConnection, item: WorkItem) -> Delivery:
+        """Write the gating delivery of an approved item (call inside the approval tx)."""
+        binding = await active_binding(conn, item.session_id)
+        action, channel = action_for(binding)
+        now = self.clock.now_ms()
+        values = {
+            "id": self.ids.new("dlv"),
+            "org_id": item.org_id,
+            "work_item_id": item.id,
+            "kind": "gating",
+            "action": action,
+            "channel": channel,
+            "binding_id": binding.id if binding else None,
+            "address": binding.address if binding else {},
+            "text": item.snapshot or item.summary or "",
+            "status": (
+                DeliveryStatus.continuation if action == "continuation" else DeliveryStatus.pending
+            ).value,
+            "attempts": 0,
+            "next_attempt_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+        return await self._insert(conn, values, now)
+
+    async def enqueue_reply(
+        self, conn: Conn, *, org_id: str, binding: Binding, text: str
+    ) -> Delivery | None:
+        """Queue a plain turn's reply on a channel binding (none for silent or api)."""
+        if binding.silent or BindingKind(binding.kind) not in CHANNEL_KINDS:
+            return None
+        now = self.clock.now_ms()
+        values: dict[str, Any] = {
+            "id": self.ids.new("dlv"),
+            "org_id": org_id,
+            "work_item_id": None,
+            "kind": "reply",
+            "action": "post",
+            "channel": binding.kind,
+            "binding_id": binding.id,
+            "address": binding.address,
+            "text": text,
+            "status": DeliveryStatus.pending.value,
+            "attempts": 0,
+            "next_attempt_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+        return await self._insert(conn, values, now)
+
+    async def _insert(self, conn: Conn, values: dict[str, Any], now: int) -> Delivery:
+        """Insert a delivery row: handed to this process's relay after commit, or
+        announced to every relay (NOTIFY) when no local relay takes it."""
+        handed = self._hand_over(conn, values, now)
+        await conn.execute(_INSERT_DELIVERY, values)
+        if not handed:
+            await notify(conn)
+        return delivery_of(values)
+
+    def _hand_over(self, conn: Conn, values: dict[str, Any], now: int) -> bool:
+        """Claim ``values`` for the local relay if it has room; the hand-over itself
+        happens after commit. Then no other relay needs waking."""
+        local = self._local
+        if values["status"] != DeliveryStatus.pending.value or local is None:
+            return False
+        if not local.has_room():
+            return False
+        values.update(
+            status=DeliveryStatus.sending.value,
+            lease_token=local.handoff_token,
+            lease_expires_at=now + local.send_lease_ms,
+            attempts=1,
+        )
+        signal_after_commit(conn, HANDOFF_TOPIC, values)
+        return True
 
 
-async def enqueue_reply(
-    conn: AsyncConnection,
-    clock: Clock,
-    ids: IdFactory,
-    *,
-    org_id: str,
-    binding: dict[str, Any],
-    text: str,
-) -> str | None:
-    """Queue a plain turn's reply on a channel binding (none for silent or api)."""
-    if binding["silent"] or BindingKind(binding["kind"]) not in CHANNEL_KINDS:
-        return None
-    now = clock.now_ms()
-    delivery_id = ids.new("dlv")
-    values: dict[str, Any] = {
-        "id": delivery_id,
-        "org_id": org_id,
-        "work_item_id": None,
-        "kind": "reply",
-        "action": "post",
-        "channel": binding["kind"],
-        "binding_id": binding["id"],
-        "address": binding["address"],
-        "text": text,
-        "status": DeliveryStatus.pending.value,
-        "attempts": 0,
-        "next_attempt_at": now,
-        "created_at": now,
-        "updated_at": now,
-    }
-    await _insert(conn, values, now)
-    return delivery_id
+_INSERT_DELIVERY = t.deliveries.insert()
+#: Columns a new delivery row leaves to their defaults.
+_UNSET_COLUMNS: dict[str, Any] = {
+    "lease_token": None,
+    "lease_expires_at": None,
+    "error": None,
+    "external_id": None,
+}
 
 
-async def notify(conn: AsyncConnection) -> None:
+def delivery_of(values: dict[str, Any]) -> Delivery:
+    """The :class:`Delivery` of a new row's inserted ``values``."""
+    return Delivery(**{**_UNSET_COLUMNS, **values})
+
+
+async def notify(conn: Conn) -> None:
     """Wake relays once this transaction commits: this process's relay through the
     database's after-commit hook (topic :data:`OUTBOX_TOPIC`), the other replicas through
     PostgreSQL ``NOTIFY`` (delivered at commit, dropped on rollback)."""
@@ -224,8 +226,6 @@ async def listen(
     connection is re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
     ``postgresql+asyncpg://`` URL or a libpq one.
     """
-    import asyncpg
-
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     while not stop.is_set():
         lost = asyncio.Event()
@@ -254,14 +254,14 @@ async def listen(
                 await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
 
 
-async def for_item(conn: AsyncConnection, item_id: str) -> list[dict[str, Any]]:
+async def for_item(conn: AsyncConnection, item_id: str) -> list[Delivery]:
     """Deliveries of a work item, oldest first."""
     rows = (
         await conn.execute(
             sa.select(t.deliveries).where(D.work_item_id == item_id).order_by(D.created_at, D.id)
         )
     ).all()
-    return [dict(r._mapping) for r in rows]
+    return [Delivery.from_row(r) for r in rows]
 
 
 async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> None:
@@ -276,27 +276,25 @@ async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> 
     )
 
 
-async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> dict[str, Any]:
+async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> Delivery:
     """A delivery of ``org_id`` (404 otherwise)."""
-    from engine.errors import NotFound
-
     row = (
         await conn.execute(sa.select(t.deliveries).where(D.id == delivery_id, D.org_id == org_id))
     ).first()
     if row is None:
         raise NotFound(f"no delivery {delivery_id}", rule="delivery.not_found")
-    return dict(row._mapping)
+    return Delivery.from_row(row)
 
 
 async def recover(
     conn: AsyncConnection,
     clock: Clock,
     ids: IdFactory,
-    delivery: dict[str, Any],
+    delivery: Delivery,
     *,
     action: str,
     actor: str,
-) -> dict[str, Any]:
+) -> Delivery:
     """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status.
 
     ``confirm``: the message did arrive -> delivery ``sent``, item ``completed``.
@@ -304,10 +302,6 @@ async def recover(
     ``approved``. A second click finds the delivery no longer ``deliveryUnknown`` and
     gets a 409; nothing happens twice.
     """
-    from engine import workitems
-    from engine.errors import TransitionError
-    from engine.workitems import Status
-
     now = clock.now_ms()
     if action == "confirm":
         values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None}
@@ -316,33 +310,34 @@ async def recover(
     row = (
         await conn.execute(
             t.deliveries.update()
-            .where(D.id == delivery["id"], D.status == DeliveryStatus.deliveryUnknown.value)
+            .where(D.id == delivery.id, D.status == DeliveryStatus.deliveryUnknown.value)
             .values(updated_at=now, **values)
             .returning(*t.deliveries.c)
         )
     ).first()
     if row is None:
         raise TransitionError(
-            f"delivery {delivery['id']} is {delivery['status']}, not deliveryUnknown; "
+            f"delivery {delivery.id} is {delivery.status}, not deliveryUnknown; "
             "only an uncertain delivery can be confirmed or retried",
             rule="delivery.status",
         )
+    updated = Delivery.from_row(row)
     await workitems.audit(
         conn,
         clock,
         ids,
-        org_id=row.org_id,
+        org_id=updated.org_id,
         actor=actor,
         action="deliveryConfirmed" if action == "confirm" else "deliveryRetried",
-        work_item_id=row.work_item_id,
-        delivery_id=row.id,
+        work_item_id=updated.work_item_id,
+        delivery_id=updated.id,
     )
-    if action == "confirm" and row.kind == "gating" and row.work_item_id:
+    if action == "confirm" and updated.kind == "gating" and updated.work_item_id:
         await workitems.transition(
             conn,
             clock,
             ids,
-            row.work_item_id,
+            updated.work_item_id,
             src=Status.approved,
             dst=Status.completed,
             actor=actor,
@@ -350,4 +345,4 @@ async def recover(
         )
     if action == "retry":
         await notify(conn)
-    return dict(row._mapping)
+    return updated

@@ -29,7 +29,7 @@ demo="$("$LG" demo --config "$CONFIG")"
 key="$(printf '%s' "$demo" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["apiKey"])')"
 url="$("$PY" - "$CONFIG" <<'PY'
 import sys
-from engine.config import load_settings
+from leadgate.core.config import load_settings
 s = load_settings(sys.argv[1])
 print(f"http://{s.server.host}:{s.server.port}")
 PY

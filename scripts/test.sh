@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need on a fresh Debian 12 machine, then runs
-# ruff, mypy and pytest. Extra arguments go to pytest:
+# ruff, mypy, lint-imports and pytest. Extra arguments go to pytest:
 #   scripts/test.sh                      # everything
 #   scripts/test.sh tests/unit -k foo    # a subset
 # Idempotent: a second run skips the installs.
@@ -70,6 +70,9 @@ if "$VENV/bin/ruff" check .; then :; else FAILED+=("ruff"); fi
 
 section "mypy"
 if "$VENV/bin/mypy"; then :; else FAILED+=("mypy"); fi
+
+section "lint-imports (layers contract in pyproject.toml)"
+if "$VENV/bin/lint-imports"; then :; else FAILED+=("lint-imports"); fi
 
 section "pytest"
 rc=0

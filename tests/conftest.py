@@ -1,16 +1,18 @@
 from __future__ import annotations
 
+import shutil
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.pg import PostgresServer, start_postgres
 
 if TYPE_CHECKING:
-    from engine.service import Service
+    from leadgate.app import App
+    from tests.stack import Stack
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -52,24 +54,59 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-@pytest.fixture
-def migrated_url(db_url: str) -> str:
-    """``db_url`` (sqlite and postgres) migrated to the newest schema."""
-    from engine.db import upgrade
+_SQLITE_TEMPLATE: list[Path] = []
 
-    upgrade(db_url)
+
+@pytest.fixture
+def migrated_url(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``db_url`` (sqlite and postgres) migrated to the newest schema. SQLite files are
+    copies of one migrated template (an Alembic run costs about a second)."""
+    from leadgate.database.db import upgrade
+
+    if not db_url.startswith("sqlite"):
+        upgrade(db_url)
+        return db_url
+    if not _SQLITE_TEMPLATE:
+        path = tmp_path_factory.mktemp("template") / "t.db"
+        upgrade(f"sqlite+aiosqlite:///{path}")
+        _SQLITE_TEMPLATE.append(path)
+    shutil.copyfile(_SQLITE_TEMPLATE[0], db_url.removeprefix("sqlite+aiosqlite:///"))
     return db_url
 
 
 @pytest.fixture
-async def service(migrated_url: str) -> AsyncIterator[Service]:
-    """A real Service on a migrated database with a FakeClock; no channel adapters and no
-    background loops (drive runners with ``engine.runners.drain``)."""
-    from engine.clock import FakeClock
-    from engine.config import Settings
-    from engine.service import Service
+async def service(migrated_url: str) -> AsyncIterator[App]:
+    """The real composition root on a migrated database with a FakeClock; no channel
+    adapters and no background loops (drive runners with ``leadgate.core.runners.drain``).
+    Integration tests use it; unit tests use ``stack``."""
+    from leadgate.app import App
+    from leadgate.core.clock import FakeClock
+    from leadgate.core.config import Settings
 
     settings = Settings.model_validate({"database": {"url": migrated_url}})
-    svc = Service(settings, clock=FakeClock(), enable_adapters=False)
-    yield svc
-    await svc.stop()
+    app = App(settings, clock=FakeClock(), enable_adapters=False)
+    yield app
+    await app.stop()
+
+
+@pytest.fixture
+async def make_stack(migrated_url: str) -> AsyncIterator[Callable[..., Stack]]:
+    """Build :class:`tests.stack.Stack` objects on ``migrated_url`` (keyword arguments as
+    :func:`tests.stack.build_stack`); each is stopped at teardown."""
+    from tests.stack import build_stack
+
+    made: list[Stack] = []
+
+    def make(**kwargs: Any) -> Stack:
+        made.append(build_stack(migrated_url, **kwargs))
+        return made[-1]
+
+    yield make
+    for stack in made:
+        await stack.stop()
+
+
+@pytest.fixture
+def stack(make_stack: Callable[..., Stack]) -> Stack:
+    """A :class:`tests.stack.Stack` with the script model (unit tests)."""
+    return make_stack()

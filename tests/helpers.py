@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
-from engine import agents as agents_mod
-from engine import orgs, workitems
-from engine import schema as t
-from engine.auth import Principal, Scope
-from engine.service import Service
-from engine.types import BindingKind, BindingSpec, Trigger
+from leadgate.core.auth import Principal, Scope
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import orgs, workitems
 from outbox.store import for_item
+
+
+class Env(Protocol):
+    """What the helpers need: a database, a clock and ids (an App or a Stack)."""
+
+    db: Database
+    clock: Clock
+    ids: IdFactory
 
 
 @dataclass
@@ -25,7 +34,7 @@ class Org:
     principal: Principal
 
 
-async def make_org(service: Service, name: str = "acme") -> Org:
+async def make_org(service: Env, name: str = "acme") -> Org:
     """Create an organization (Owner key with every scope)."""
     async with service.db.tx() as conn:
         org = await orgs.create_org(conn, service.clock, service.ids, name)
@@ -35,20 +44,21 @@ async def make_org(service: Service, name: str = "acme") -> Org:
     return Org(org["id"], org["apiKey"], principal)
 
 
-async def make_key(service: Service, org: Org, *scopes: Scope) -> str:
+async def make_key(service: Env, org: Org, *scopes: Scope) -> str:
     """A key with exactly ``scopes``."""
     async with service.db.tx() as conn:
         key = await orgs.create_key(conn, service.clock, service.ids, org.id, frozenset(scopes))
     return str(key["key"])
 
 
-async def make_agent(service: Service, org: Org, name: str, **kwargs: Any) -> dict[str, Any]:
+async def make_agent(service: Env, org: Org, name: str, **kwargs: Any) -> dict[str, Any]:
     """Create an agent (``lead=``, ``review_config=``, ``preset=`` as in save_agent)."""
     kwargs.setdefault("model", "script")
     async with service.db.tx() as conn:
-        return await agents_mod.save_agent(
+        agent = await agents_mod.save_agent(
             conn, service.clock, service.ids, org.id, name=name, **kwargs
         )
+    return agent._asdict()
 
 
 def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1") -> Trigger:
@@ -62,19 +72,19 @@ def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1")
     )
 
 
-async def item_row(service: Service, item_id: str) -> dict[str, Any]:
-    """A work item as stored."""
+async def item_row(service: Env, item_id: str) -> dict[str, Any]:
+    """A work item as stored (as a dict)."""
     async with service.db.read() as conn:
-        return await workitems.get(conn, item_id)
+        return (await workitems.get(conn, item_id))._asdict()
 
 
-async def item_deliveries(service: Service, item_id: str) -> list[dict[str, Any]]:
+async def item_deliveries(service: Env, item_id: str) -> list[dict[str, Any]]:
     """A work item's delivery rows, oldest first."""
     async with service.db.read() as conn:
-        return await for_item(conn, item_id)
+        return [d._asdict() for d in await for_item(conn, item_id)]
 
 
-async def item_audit(service: Service, item_id: str) -> list[dict[str, Any]]:
+async def item_audit(service: Env, item_id: str) -> list[dict[str, Any]]:
     """A work item's audit rows, oldest first."""
     a = t.audit.c
     async with service.db.read() as conn:

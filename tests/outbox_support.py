@@ -3,7 +3,7 @@
 * :class:`ScriptedChannel`: an in-test :class:`outbox.channel.Channel` that answers with
   scripted outcomes and records every :class:`OutboundMessage` it was given;
 * :func:`seed_items`: bulk-creates approved work items (with their gating deliveries,
-  exactly as :func:`outbox.store.enqueue_gating` writes them) or items awaiting a human,
+  exactly as :meth:`outbox.store.Outbox.enqueue_gating` writes them) or items awaiting a human,
   thousands per second, for the relay tests, the replica and crash tests and the bench;
 * :class:`MigratedTemplates`: databases migrated once per test session and copied
   (SQLite) or truncated (PostgreSQL) per test: a fresh migration costs about a second.
@@ -29,14 +29,26 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from engine import agents as agents_mod
-from engine import orgs
-from engine import schema as t
-from engine.clock import Clock, IdFactory
-from engine.db import Database
-from engine.types import BindingKind
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.types import BindingKind
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import orgs
+from leadgate.domain.rows import Binding
 from outbox.channel import OutboundMessage, SendOutcome, Sent
 from outbox.store import DeliveryStatus, action_for
+
+
+def binding_row(
+    binding_id: str,
+    kind: str = "slack",
+    address: dict[str, Any] | None = None,
+    silent: bool = False,
+) -> Binding:
+    """An active binding row for enqueue tests (no session behind it)."""
+    return Binding(binding_id, "org_x", "ses_x", kind, address or {}, silent, None, True, 0)
+
 
 # --------------------------------------------------------------------------- channel
 
@@ -126,7 +138,7 @@ async def make_org_and_agents(
         worker = await agents_mod.save_agent(
             conn, clock, ids, org["id"], name="worker", model="script", lead="lead"
         )
-    return str(org["id"]), str(worker["id"]), str(lead["id"])
+    return str(org["id"]), worker.id, lead.id
 
 
 async def seed_items(
@@ -216,7 +228,7 @@ async def seed_items(
             }
             items.append(item)
             if status == "approved" and with_deliveries:
-                action, channel = action_for(binding)
+                action, channel = action_for(Binding(**binding))
                 deliveries.append(
                     {
                         "id": ids.new("dlv"),
@@ -275,7 +287,7 @@ class MigratedTemplates:
         self._pg_template: str | None = None
 
     def sqlite_url(self, target: Path) -> str:
-        from engine.db import upgrade
+        from leadgate.database.db import upgrade
 
         if self._sqlite is None:
             path = self.workdir / "template.db"
@@ -290,7 +302,7 @@ class MigratedTemplates:
         One database per test session, truncated per test: creating a database from a
         template forces checkpoints and takes about a second on a busy machine.
         """
-        from engine.db import upgrade
+        from leadgate.database.db import upgrade
 
         if self._pg_template is None:
             name = f"outbox_{uuid.uuid4().hex[:8]}"

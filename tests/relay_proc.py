@@ -5,9 +5,9 @@
     python -m tests.relay_proc --db URL --slack-url URL [--token T] [--lease-ms N]
         [--batch N] [--concurrency N] [--timeout-s S] [--poll-s S]
 
-Builds :class:`engine.db.Database`, :class:`bots.slack.SlackChannel` (one shared
+Builds :class:`leadgate.database.db.Database`, :class:`bots.slack.SlackChannel` (one shared
 ``AsyncWebClient``) and :class:`outbox.relay.Relay`, and drives the relay with
-:func:`engine.runners.run_loop`, woken by PostgreSQL ``LISTEN``
+:func:`leadgate.core.runners.run_loop`, woken by PostgreSQL ``LISTEN``
 (:func:`outbox.store.listen`) on PostgreSQL and by its poll on SQLite (the in-process
 wake-up cannot cross processes). Prints ``READY`` once it listens, and on SIGTERM or
 SIGINT finishes the work in hand and prints ``STATS {"sent": n, ...}`` (this process's
@@ -25,10 +25,10 @@ from collections import Counter
 from typing import Any
 
 from bots.slack import SlackChannel
-from engine.clock import RandomIds, SystemClock
-from engine.config import SlackSettings
-from engine.db import Database
-from engine.runners import run_loop
+from leadgate.core.clock import RandomIds, SystemClock
+from leadgate.core.config import SlackSettings
+from leadgate.core.runners import run_loop
+from leadgate.database.db import Database
 from outbox.channel import OutboundMessage, SendOutcome
 from outbox.relay import Relay
 from outbox.store import listen

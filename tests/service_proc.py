@@ -2,7 +2,7 @@
 
 Acceptance tests and benchmarks use this to test the product from the outside: a TOML
 config file, ``leadgate db upgrade``, the admin CLI (JSON on stdout) and
-``leadgate serve``, all through ``python -m engine.cli`` in child processes. Nothing is
+``leadgate serve``, all through ``python -m leadgate.cli.main`` in child processes. Nothing is
 imported from the engine, so what is tested is exactly what ships.
 
 Typical use::
@@ -239,7 +239,7 @@ class ServiceProcess:
         role: default ``--role`` of :meth:`start` (``api``, ``worker`` or ``all``).
         port: fixed port (default: a free one, re-picked if taken at startup).
         python: interpreter for the children (default: this one, i.e. the venv's).
-        serve_python_args: interpreter options for ``serve`` only, before ``-m engine.cli``
+        serve_python_args: interpreter options for ``serve`` only, before ``-m leadgate.cli.main``
             (e.g. ``("-m", "cProfile", "-o", "serve.prof")`` to profile the service).
     """
 
@@ -316,7 +316,7 @@ class ServiceProcess:
         timeout: float = DEFAULT_ADMIN_TIMEOUT,
     ) -> subprocess.CompletedProcess[str]:
         """Run ``leadgate --config <file> ARGS...``; returns the completed process as is."""
-        cmd = [self.python, "-m", "engine.cli", "--config", str(self.config_path), *args]
+        cmd = [self.python, "-m", "leadgate.cli.main", "--config", str(self.config_path), *args]
         return subprocess.run(
             cmd,
             cwd=REPO_ROOT,
@@ -354,7 +354,7 @@ class ServiceProcess:
     ) -> list[Any]:
         """Run several admin commands concurrently (independent ones only; SQLite writers
         queue on the busy timeout); returns their JSON outputs in order."""
-        base = [self.python, "-m", "engine.cli", "--config", str(self.config_path)]
+        base = [self.python, "-m", "leadgate.cli.main", "--config", str(self.config_path)]
         env = _child_env(self.env)
         procs = [
             (
@@ -451,7 +451,7 @@ class ServiceProcess:
                     self.python,
                     *self.serve_python_args,
                     "-m",
-                    "engine.cli",
+                    "leadgate.cli.main",
                     "serve",
                     "--config",
                     str(self.config_path),

@@ -220,7 +220,7 @@ class Standin:
 
 _BATCH = """
 import contextlib, io, json, sys
-from engine.cli import main
+from leadgate.cli.main import main
 config, commands = sys.argv[1], json.loads(sys.argv[2])
 for args in commands:
     out, err = io.StringIO(), io.StringIO()
@@ -231,7 +231,7 @@ for args in commands:
 
 
 def admin_batch(proc: ServiceProcess, commands: Sequence[Sequence[str]]) -> list[Any]:
-    """Run admin commands through ``engine.cli.main`` (what ``leadgate`` runs), one after
+    """Run admin commands through ``leadgate.cli.main.main`` (what ``leadgate`` runs), one after
     the other in a single child process: one interpreter start instead of one per command.
     Returns their JSON outputs; raises on the first command that exits non-zero."""
     result = subprocess.run(

@@ -23,11 +23,11 @@ import pytest_asyncio
 from aiohttp import web
 from playwright.async_api import Browser, Dialog, Page, async_playwright, expect
 
-from engine import orgs
-from engine.db import upgrade
-from engine.runners import drain
-from engine.service import Service
-from engine.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.app import App
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.database.db import upgrade
+from leadgate.domain import orgs
 from outbox.channel import OutboundMessage, SendOutcome, Uncertain
 from tests.helpers import Org, api_trigger, make_agent, make_org
 
@@ -90,7 +90,7 @@ async def browser() -> AsyncIterator[Browser]:
 
 @dataclass
 class Console:
-    service: Service
+    service: App
     org: Org
     worker: dict[str, Any]
     url: str
@@ -128,11 +128,11 @@ class Console:
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def console(service: Service) -> AsyncIterator[Console]:
+async def console(service: App) -> AsyncIterator[Console]:
     org = await make_org(service)
     await make_agent(service, org, "lead")
     worker = await make_agent(service, org, "writer", lead="lead")
-    runner = web.AppRunner(service.build_app())
+    runner = web.AppRunner(service.web_app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

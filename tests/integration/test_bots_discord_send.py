@@ -15,7 +15,7 @@ import discord.http
 import pytest
 
 from bots.discord import DiscordChannel, configure_endpoints, nonce_for
-from engine.config import DiscordSettings
+from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.standins.discord_api import DiscordApiStandin
 

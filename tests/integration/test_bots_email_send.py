@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import AsyncIterator, Mapping
 from email.message import EmailMessage
@@ -13,9 +12,9 @@ import pytest
 
 from bots.base import RouteMatch
 from bots.email import EmailAdapter, EmailChannel, message_id_for
-from engine.config import EmailSettings
-from engine.types import Outcome, Reply, Trigger
+from leadgate.core.config import EmailSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.fakes import FakeCore
 from tests.standins.smtp import SmtpSink
 
 BOT = "bot@leadgate.example"
@@ -78,23 +77,10 @@ async def test_reply_is_threaded_with_a_deterministic_message_id(sink: SmtpSink)
 
 async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
     """The address the inbound half stores is what the outbound half needs."""
-    triggers: list[Trigger] = []
-    tasks: list[asyncio.Future[Any]] = []
-
-    class Core:
-        async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch:
-            return RouteMatch("r", "o", "a", silent=False)
-
-        async def submit(self, trigger: Trigger) -> Outcome:
-            triggers.append(trigger)
-            return Reply("x")
-
-        def spawn(self, coro: Any, *, name: str) -> None:
-            tasks.append(asyncio.ensure_future(coro))
-
+    core = FakeCore(lambda channel, attrs: RouteMatch("r", "o", "a", silent=False))
     adapter = EmailAdapter(
         EmailSettings(listen_host="127.0.0.1", smtp_host="127.0.0.1", smtp_port=sink.port),
-        Core(),
+        core,
         send_timeout_s=0.5,
     )
     await adapter.start()
@@ -114,8 +100,8 @@ async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
             port=adapter.port,
             timeout=2,
         )
-        await asyncio.gather(*tasks)
-        [trigger] = triggers
+        await core.drain()
+        [trigger] = core.triggers
         outcome = await adapter.channel.send(_message(trigger.binding.address, "Echo: done"))
         assert isinstance(outcome, Sent)
     finally:

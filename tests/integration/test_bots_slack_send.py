@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from bots.slack import SlackChannel
-from engine.config import SlackSettings
+from leadgate.core.config import SlackSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.standins.slack_api import SlackApiStandin
 

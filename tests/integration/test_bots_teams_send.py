@@ -7,7 +7,6 @@ mode the Connector calls carry no Authorization header (asserted below).
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,25 +17,13 @@ from botbuilder.schema import Activity
 
 from bots.base import RouteMatch
 from bots.teams import TeamsAdapter, parse_message
-from engine.config import TeamsSettings
+from leadgate.core.config import TeamsSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.fakes import FakeCore, mount_adapter
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
 ACTIVITY_ID = "1700000000001"
-
-
-class NullCore:
-    """The outbound half never calls the core."""
-
-    async def resolve_route(self, channel: str, attrs: Any) -> None:
-        return None
-
-    async def submit(self, trigger: Any) -> Any:
-        raise AssertionError("not used")
-
-    def spawn(self, coro: Any, *, name: str) -> None:
-        coro.close()
 
 
 @pytest.fixture
@@ -51,7 +38,7 @@ async def connector() -> AsyncIterator[ConnectorStandin]:
 
 @pytest.fixture
 def adapter() -> TeamsAdapter:
-    return TeamsAdapter(TeamsSettings(enabled=True), NullCore(), send_timeout_s=0.5)
+    return TeamsAdapter(TeamsSettings(enabled=True), FakeCore(), send_timeout_s=0.5)
 
 
 def _address(service_url: str) -> dict[str, Any]:
@@ -117,22 +104,10 @@ async def test_service_url_with_trailing_slash(
 
 async def test_inbound_address_round_trip(connector: ConnectorStandin) -> None:
     """The address the inbound half stores is what the outbound half needs."""
-    triggers: list[Any] = []
-    tasks: list[asyncio.Future[Any]] = []
-
-    class Core(NullCore):
-        async def resolve_route(self, channel: str, attrs: Any) -> Any:
-            return RouteMatch("r", "o", "a", silent=False)
-
-        async def submit(self, trigger: Any) -> Any:
-            triggers.append(trigger)
-
-        def spawn(self, coro: Any, *, name: str) -> None:
-            tasks.append(asyncio.ensure_future(coro))
-
-    adapter = TeamsAdapter(TeamsSettings(enabled=True), Core(), send_timeout_s=0.5)
+    core = FakeCore(lambda channel, attrs: RouteMatch("r", "o", "a", silent=False))
+    adapter = TeamsAdapter(TeamsSettings(enabled=True), core, send_timeout_s=0.5)
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -140,9 +115,8 @@ async def test_inbound_address_round_trip(connector: ConnectorStandin) -> None:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}/api/messages"
         activity = message_activity(service_url=connector.url, text="hi", activity_id="77")
         assert (await post_activity(url, activity))[0] == 202
-        for task in tasks:
-            await task
-        [trigger] = triggers
+        await core.drain()
+        [trigger] = core.triggers
         outcome = await adapter.channel.send(_message(trigger.binding.address, "reply"))
         assert isinstance(outcome, Sent)
         assert connector.requests[0]["reply_to_id"] == "77"

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.service import Service
+from leadgate.app import App
 from tests.helpers import api_trigger, make_agent, make_org
 
 REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("leadgate")
-LEADGATE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "engine.cli"]
+LEADGATE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "leadgate.cli.main"]
 TIMEOUT = 90
 
 
@@ -315,7 +315,7 @@ def turn_counts(text: str) -> dict[str, float]:
 
 
 async def test_metrics_count_turns_and_the_key_never_reaches_the_logs(
-    service: Service, caplog: pytest.LogCaptureFixture
+    service: App, caplog: pytest.LogCaptureFixture
 ) -> None:
     org = await make_org(service)
     await make_agent(service, org, "lead")
@@ -324,7 +324,7 @@ async def test_metrics_count_turns_and_the_key_never_reaches_the_logs(
     secret = org.key.split(".")[2]
     caplog.set_level(logging.DEBUG)
 
-    async with TestClient(TestServer(service.build_app(), host="127.0.0.1")) as client:
+    async with TestClient(TestServer(service.web_app(), host="127.0.0.1")) as client:
         before = turn_counts(await (await client.get("/metrics")).text())
         auth = {"Authorization": f"Bearer {org.key}"}
 
@@ -357,7 +357,7 @@ async def test_metrics_count_turns_and_the_key_never_reaches_the_logs(
     assert "# TYPE leadgate_turns_total counter" in after_text
 
     # also straight through the engine, with the key authenticated by the service
-    principal = await service.lookup_principal(org.key, None)
+    principal = await service.access.principal(org.key, None)
     assert principal is not None and principal.org_id == org.id
     await service.turns.run(api_trigger(org, plain, "again"))
 

@@ -12,34 +12,34 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine import workitems
-from engine.clock import FakeClock
-from engine.config import Settings
-from engine.errors import TransitionError
-from engine.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
-from engine.providers.script import ScriptProvider
-from engine.service import Service
-from engine.turns import visible_transcript
-from engine.types import Busy, Gated, Reply
-from engine.workitems import ACTIVE, Status
-from review.runner import LeadRunner
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.errors import TransitionError
+from leadgate.core.types import Busy, Gated, Reply
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.domain.workitems import ACTIVE, Status
+from leadgate.review.runner import LeadRunner
+from leadgate.turns.messages import visible_transcript
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
+from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import Org, api_trigger, make_agent, make_org
 
 BURST = 20
 
 
-async def select_all(service: Service, query: sa.Select[Any]) -> list[dict[str, Any]]:
+async def select_all(service: App, query: sa.Select[Any]) -> list[dict[str, Any]]:
     async with service.db.read() as conn:
         return [dict(r._mapping) for r in (await conn.execute(query)).all()]
 
 
-async def lead_worker(service: Service, org: Org, model: str = "script") -> dict[str, Any]:
+async def lead_worker(service: App, org: Org, model: str = "script") -> dict[str, Any]:
     await make_agent(service, org, "lead")
     return await make_agent(service, org, "worker", lead="lead", model=model)
 
 
-async def assert_one_active_item_per_session(service: Service) -> None:
+async def assert_one_active_item_per_session(service: App) -> None:
     w = t.work_items.c
     dupes = await select_all(
         service,
@@ -51,7 +51,7 @@ async def assert_one_active_item_per_session(service: Service) -> None:
     assert dupes == []
 
 
-async def test_a_burst_of_intakes_never_makes_two_active_items(service: Service) -> None:
+async def test_a_burst_of_intakes_never_makes_two_active_items(service: App) -> None:
     org = await make_org(service)
     worker = await lead_worker(service, org)
 
@@ -115,7 +115,7 @@ async def test_a_burst_of_intakes_never_makes_two_active_items(service: Service)
 
 
 async def test_concurrent_transitions_of_one_item_have_exactly_one_winner(
-    service: Service,
+    service: App,
 ) -> None:
     org = await make_org(service)
     worker = await lead_worker(service, org)
@@ -149,7 +149,7 @@ async def test_concurrent_transitions_of_one_item_have_exactly_one_winner(
     assert len(winners) == 1, results
     assert len(losers) == len(targets) - 1, results
     async with service.db.read() as conn:
-        status = (await workitems.get(conn, item_id))["status"]
+        status = (await workitems.get(conn, item_id)).status
     assert status == winners[0].value
     audit = await select_all(
         service,
@@ -158,17 +158,20 @@ async def test_concurrent_transitions_of_one_item_have_exactly_one_winner(
     assert [a["to_status"] for a in audit] == [winners[0].value]
 
 
-async def test_two_review_runners_never_claim_the_same_item(service: Service) -> None:
+async def test_two_review_runners_never_claim_the_same_item(service: App) -> None:
     org = await make_org(service)
     worker = await lead_worker(service, org)
     out = await service.turns.run(api_trigger(org, worker, "done #complete"))
     assert isinstance(out, Gated)
-    runners = [LeadRunner(service.db, service.clock, service.ids, service.providers) for _ in "ab"]
+    runners = [
+        LeadRunner(service.db, service.clock, service.ids, service.providers, service.outbox)
+        for _ in "ab"
+    ]
     claims = await asyncio.gather(*(r.claim() for r in runners * 3))
     claimed = [c for c in claims if c is not None]
     assert len(claimed) == 1
-    assert claimed[0]["id"] == out.work_item_id
-    assert claimed[0]["status"] == "reviewing"
+    assert claimed[0].id == out.work_item_id
+    assert claimed[0].status == "reviewing"
 
 
 # ------------------------------------------------------- two complete_task calls at once
@@ -203,10 +206,10 @@ class Choreography:
 
 
 @pytest.fixture
-async def choreographed(migrated_url: str) -> AsyncIterator[tuple[Service, Choreography]]:
+async def choreographed(migrated_url: str) -> AsyncIterator[tuple[App, Choreography]]:
     plan = Choreography()
     settings = Settings.model_validate({"database": {"url": migrated_url}})
-    service = Service(
+    service = App(
         settings,
         clock=FakeClock(),
         providers={"script": ScriptProvider(), "plan": plan},
@@ -217,7 +220,7 @@ async def choreographed(migrated_url: str) -> AsyncIterator[tuple[Service, Chore
 
 
 async def test_an_acknowledged_complete_task_never_leaks_its_text(
-    choreographed: tuple[Service, Choreography],
+    choreographed: tuple[App, Choreography],
 ) -> None:
     service, plan = choreographed
     org = await make_org(service)

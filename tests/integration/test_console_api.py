@@ -12,10 +12,10 @@ import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine import orgs
-from engine.clock import FakeClock
-from engine.runners import drain
-from engine.service import Service
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.runners import drain
+from leadgate.domain import orgs
 from tests.helpers import Org, api_trigger, make_agent, make_org
 
 PASSWORD = "correct horse battery"
@@ -26,7 +26,7 @@ sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 @dataclass
 class Env:
-    service: Service
+    service: App
     client: TestClient[web.Request, web.Application]
     org: Org
     worker: dict[str, Any] | None = None
@@ -71,9 +71,9 @@ class Env:
 
 
 @pytest.fixture
-async def env(service: Service) -> AsyncIterator[Env]:
+async def env(service: App) -> AsyncIterator[Env]:
     org = await make_org(service)
-    client = TestClient(TestServer(service.build_app(), host="127.0.0.1"))
+    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
     await client.start_server()
     try:
         yield Env(service, client, org)

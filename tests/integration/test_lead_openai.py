@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from engine import workitems
-from engine.clock import FakeClock
-from engine.config import Settings
-from engine.db import upgrade
-from engine.providers.openai import OpenAIProvider
-from engine.runners import RevisionRunner, drain
-from engine.service import Service
-from engine.types import Gated
-from outbox.store import for_item
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated
+from leadgate.database.db import upgrade
+from leadgate.domain import workitems
+from leadgate.runners.revisions import RevisionRunner
+from leadgate.turns.providers.openai import OpenAIProvider
+from tests.helpers import Org, api_trigger, item_deliveries, make_agent, make_org
 from tests.standins.model_server import ModelServer, ScriptedToolCall
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -47,7 +47,7 @@ async def model() -> AsyncIterator[ModelServer]:
 
 
 @pytest.fixture
-async def service(migrated_url: str, model: ModelServer) -> AsyncIterator[Service]:
+async def service(migrated_url: str, model: ModelServer) -> AsyncIterator[App]:
     settings = Settings.model_validate(
         {
             "database": {"url": migrated_url},
@@ -63,40 +63,40 @@ async def service(migrated_url: str, model: ModelServer) -> AsyncIterator[Servic
             },
         }
     )
-    svc = Service(settings, clock=FakeClock(), enable_adapters=False)
+    svc = App(settings, clock=FakeClock(), enable_adapters=False)
     yield svc
     await svc.stop()
 
 
-async def setup(service: Service) -> tuple[Org, dict[str, Any]]:
+async def setup(service: App) -> tuple[Org, dict[str, Any]]:
     org = await make_org(service)
     await make_agent(service, org, "lead", model="remote", instructions="Be strict.")
     worker = await make_agent(service, org, "worker", lead="lead", model="script")
     return org, worker
 
 
-async def submit(service: Service, org: Org, worker: dict[str, Any], text: str) -> str:
+async def submit(service: App, org: Org, worker: dict[str, Any], text: str) -> str:
     out = await service.turns.run(api_trigger(org, worker, f"{text} #complete"))
     assert isinstance(out, Gated) and out.work_item_id
     return out.work_item_id
 
 
-async def status(service: Service, item_id: str) -> dict[str, Any]:
+async def status(service: App, item_id: str) -> dict[str, Any]:
     async with service.db.read() as conn:
-        return await workitems.get(conn, item_id)
+        return (await workitems.get(conn, item_id))._asdict()
 
 
 def tool_names(body: dict[str, Any]) -> list[str]:
     return [tool["function"]["name"] for tool in body["tools"]]
 
 
-async def test_the_service_builds_an_openai_provider_for_the_lead(service: Service) -> None:
+async def test_the_service_builds_an_openai_provider_for_the_lead(service: App) -> None:
     provider = service.providers.get("remote")
     assert isinstance(provider, OpenAIProvider)
     assert provider.model == "lead-model"
 
 
-async def test_a_submit_lead_review_call_approves(service: Service, model: ModelServer) -> None:
+async def test_a_submit_lead_review_call_approves(service: App, model: ModelServer) -> None:
     org, worker = await setup(service)
     item_id = await submit(service, org, worker, "summarise the doc")
     model.push_tool_calls([{"name": "submit_lead_review", "arguments": {"verdict": "approved"}}])
@@ -119,9 +119,7 @@ async def test_a_submit_lead_review_call_approves(service: Service, model: Model
     assert envelope["previousFeedback"] is None
 
 
-async def test_inspect_then_verdict_takes_two_executions(
-    service: Service, model: ModelServer
-) -> None:
+async def test_inspect_then_verdict_takes_two_executions(service: App, model: ModelServer) -> None:
     org, worker = await setup(service)
     item_id = await submit(service, org, worker, "build it")
     model.push_tool_calls([ScriptedToolCall("inspect_lead_messages", {"limit": 10}, id="call_i")])
@@ -145,7 +143,7 @@ async def test_inspect_then_verdict_takes_two_executions(
 
 
 async def test_changes_requested_over_the_wire_then_approved(
-    service: Service, model: ModelServer
+    service: App, model: ModelServer
 ) -> None:
     org, worker = await setup(service)
     item_id = await submit(service, org, worker, "draft")
@@ -170,7 +168,7 @@ async def test_changes_requested_over_the_wire_then_approved(
 
 
 async def test_a_lead_that_never_submits_escalates_after_four_requests(
-    service: Service, model: ModelServer
+    service: App, model: ModelServer
 ) -> None:
     org, worker = await setup(service)
     item_id = await submit(service, org, worker, "task")
@@ -190,7 +188,7 @@ async def test_a_lead_that_never_submits_escalates_after_four_requests(
 
 
 async def test_an_invalid_verdict_over_the_wire_is_a_tool_error(
-    service: Service, model: ModelServer
+    service: App, model: ModelServer
 ) -> None:
     org, worker = await setup(service)
     item_id = await submit(service, org, worker, "task")
@@ -208,6 +206,5 @@ async def test_an_invalid_verdict_over_the_wire_is_a_tool_error(
     assert (await status(service, item_id))["status"] == "awaitingHuman"
 
 
-async def _deliveries(service: Service, item_id: str) -> list[dict[str, Any]]:
-    async with service.db.read() as conn:
-        return await for_item(conn, item_id)
+async def _deliveries(service: App, item_id: str) -> list[dict[str, Any]]:
+    return await item_deliveries(service, item_id)

@@ -24,10 +24,10 @@ from mcp.client.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, TextContent
 
-from engine.auth import Principal, Scope
-from engine.errors import NotFound, PermissionDenied
-from engine.types import Busy, Duplicate, Gated, Outcome, Reply
-from web.mcp import mount_mcp
+from leadgate.core.auth import Principal, Scope
+from leadgate.core.errors import NotFound, PermissionDenied
+from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
+from leadgate.web.mcp import mount_mcp
 
 GENERIC = "The operation could not be completed. Try again."
 
@@ -102,12 +102,24 @@ async def served() -> AsyncIterator[Served]:
             active.remove(request)
 
     app = web.Application(middlewares=[track])
-    mount_mcp(
+    mcp = mount_mcp(
         app,
         authenticate=authenticate,
         send_message=core.send_message,
         allowed_hosts=[f"127.0.0.1:{port}", f"localhost:{port}"],
     )
+
+    async def run_mcp(_app: web.Application) -> AsyncIterator[None]:
+        async with mcp.run():
+            yield
+
+    async def release(_app: web.Application) -> None:
+        mcp.release_streams()
+
+    # As the composition root does: the session manager runs with the app, and open GET
+    # streams are released when shutdown starts.
+    app.cleanup_ctx.append(run_mcp)
+    app.on_shutdown.append(release)
     runner = web.AppRunner(app, shutdown_timeout=5)
     await runner.setup()
     await web.SockSite(runner, sock).start()
@@ -252,7 +264,7 @@ async def test_missing_scope_names_it(served: Served) -> None:
     [
         ({"agent": "writer", "message": ""}, "message must not be empty"),
         ({"agent": "writer", "message": "   "}, "message must not be empty"),
-        ({"agent": "writer", "message": "x" * 100_001}, "at most 100000 characters"),
+        ({"agent": "writer", "message": "x" * 100_001}, "longer than 100,000 characters"),
         ({"agent": " ", "message": "hello"}, "agent"),
     ],
 )

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from engine.config import ModelSettings
-from engine.errors import ModelError
-from engine.providers.base import (
+from leadgate.core.config import ModelSettings
+from leadgate.core.errors import ModelError
+from leadgate.turns.providers.base import (
     ChatMessage,
     ModelEvent,
     ModelRequest,
@@ -26,7 +26,7 @@ from engine.providers.base import (
     ToolCall,
     ToolSpec,
 )
-from engine.providers.openai import OpenAIProvider
+from leadgate.turns.providers.openai import OpenAIProvider
 from tests.standins.model_server import ModelServer, ScriptedToolCall
 
 KEY = "sk-standin-secret-0123456789abcdef"

@@ -16,15 +16,16 @@ import sqlalchemy as sa
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine import orgs
-from engine import schema as t
-from engine.auth import Scope
-from engine.clock import MINUTE_MS, FakeClock, iso
-from engine.config import Settings
-from engine.db import upgrade
-from engine.runners import RevisionRunner, drain
-from engine.service import Service
-from engine.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.app import App
+from leadgate.core.auth import Scope
+from leadgate.core.clock import MINUTE_MS, FakeClock, iso
+from leadgate.core.config import Settings
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.database import schema as t
+from leadgate.database.db import upgrade
+from leadgate.domain import orgs
+from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, SendOutcome, Uncertain
 from tests.helpers import Org, api_trigger, make_agent, make_key, make_org
 
@@ -67,7 +68,7 @@ def migrated_url(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @dataclass
 class Env:
-    service: Service
+    service: App
     client: TestClient[web.Request, web.Application]
     org: Org
     worker: dict[str, Any]
@@ -129,11 +130,11 @@ class Env:
 async def env(migrated_url: str) -> AsyncIterator[Env]:
     settings = Settings.model_validate({"database": {"url": migrated_url}})
     slack = TimeoutChannel()
-    service = Service(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
+    service = App(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
     org = await make_org(service)
     await make_agent(service, org, "lead")
     worker = await make_agent(service, org, "worker", lead="lead")
-    client = TestClient(TestServer(service.build_app(), host="127.0.0.1"))
+    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
     await client.start_server()
     try:
         yield Env(service, client, org, worker, slack)
@@ -170,7 +171,7 @@ async def test_the_queue_lists_only_actionable_items(env: Env) -> None:
     approved = await env.turn("ok", "approved")
     await drain(env.service.lead_runner)  # approved, delivery pending
     reviewing = await env.turn("check", "reviewing")
-    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    assert getattr(await env.service.lead_runner.claim(), "id", None) == reviewing
     queued = await env.turn("wait", "queued")
     await env.service.turns.run(api_trigger(env.org, env.worker, "working", "progress"))
     statuses = {
@@ -341,7 +342,7 @@ async def test_decisions_answer_the_updated_detail(env: Env) -> None:
 
     # Cancel works from any live status (here: under review) and never from a final one.
     claimed = await env.service.lead_runner.claim()
-    assert claimed is not None and claimed["id"] == item
+    assert claimed is not None and claimed.id == item
     status, body = await post(env, f"/operator/reviews/{item}/cancel", headers=headers)
     assert (status, body["status"]) == (200, "cancelled")
     assert (body["audit"][-1]["action"], body["audit"][-1]["from"]) == ("cancel", "reviewing")
@@ -395,7 +396,7 @@ async def test_a_decision_from_the_wrong_status_is_409_and_changes_nothing(env: 
     approved = await env.turn("ok", "approved")
     await drain(env.service.lead_runner)
     reviewing = await env.turn("check", "reviewing")
-    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    assert getattr(await env.service.lead_runner.claim(), "id", None) == reviewing
     queued = await env.turn("wait", "queued")
     await env.service.turns.run(api_trigger(env.org, env.worker, "working", "progress"))
     activity = await get_json(env, "/operator/activity")
@@ -533,7 +534,7 @@ async def test_gets_never_change_state(env: Env) -> None:
     awaiting = await env.escalated("a")
     second = await env.escalated("d")
     reviewing = await env.turn("slow", "b")
-    assert (await env.service.lead_runner.claim() or {}).get("id") == reviewing
+    assert getattr(await env.service.lead_runner.claim(), "id", None) == reviewing
     approved = await env.turn("ok", "c")
     await drain(env.service.lead_runner)
     # The lease has expired, but nobody ran the runner: a GET must not expire it.

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine.clock import RandomIds, SystemClock
-from engine.db import Database
+from leadgate.core.clock import RandomIds, SystemClock
+from leadgate.database import schema as t
+from leadgate.database.db import Database
 from tests.outbox_support import (
     MigratedTemplates,
     RelayProcess,

@@ -18,18 +18,19 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine.clock import FakeClock, RandomIds, SystemClock
-from engine.config import Settings
-from engine.db import Database
-from engine.service import Service
+from leadgate.app import App
+from leadgate.core.clock import FakeClock, RandomIds, SystemClock
+from leadgate.core.config import Settings
+from leadgate.database import schema as t
+from leadgate.database.db import Database
 from outbox.channel import OutboundMessage, Sent
-from outbox.store import NOTIFY_CHANNEL, enqueue_reply
+from outbox.store import NOTIFY_CHANNEL, Outbox
 from tests.outbox_support import (
     MigratedTemplates,
     RelayProcess,
     ScriptedChannel,
     StandinProcess,
+    binding_row,
     delivery_counts,
     make_org_and_agents,
     seed_items,
@@ -115,7 +116,7 @@ async def test_three_relay_processes_drain_2000_exactly_once(
 
 
 @pytest.fixture
-async def looping(url: str) -> AsyncIterator[tuple[Service, ScriptedChannel, asyncio.Queue[float]]]:
+async def looping(url: str) -> AsyncIterator[tuple[App, ScriptedChannel, asyncio.Queue[float]]]:
     """A Service on PostgreSQL with its runner loops started and a 30 s poll: only a
     NOTIFY can wake its relay quickly. The queue receives the time of each send."""
     sends: asyncio.Queue[float] = asyncio.Queue()
@@ -128,9 +129,7 @@ async def looping(url: str) -> AsyncIterator[tuple[Service, ScriptedChannel, asy
     settings = Settings.model_validate(
         {"database": {"url": url}, "runners": {"poll_interval_s": 30}}
     )
-    service = Service(
-        settings, clock=FakeClock(), channels={"slack": channel}, enable_adapters=False
-    )
+    service = App(settings, clock=FakeClock(), channels={"slack": channel}, enable_adapters=False)
     service.start_runners()
     await asyncio.sleep(0.5)  # listener connected, loops idle
     yield service, channel, sends
@@ -142,17 +141,10 @@ async def enqueue_elsewhere(url: str, org_id: str, clock: FakeClock) -> float:
     other = Database(url)
     try:
         async with other.tx() as conn:
-            await enqueue_reply(
+            await Outbox(clock, RandomIds()).enqueue_reply(
                 conn,
-                clock,
-                RandomIds(),
                 org_id=org_id,
-                binding={
-                    "id": "bnd_elsewhere",
-                    "kind": "slack",
-                    "silent": False,
-                    "address": {"channel": "C1"},
-                },
+                binding=binding_row("bnd_elsewhere", address={"channel": "C1"}),
                 text="from another replica",
             )
         return time.perf_counter()
@@ -161,7 +153,7 @@ async def enqueue_elsewhere(url: str, org_id: str, clock: FakeClock) -> float:
 
 
 async def test_notify_from_another_connection_wakes_the_relay(
-    url: str, looping: tuple[Service, ScriptedChannel, asyncio.Queue[float]]
+    url: str, looping: tuple[App, ScriptedChannel, asyncio.Queue[float]]
 ) -> None:
     service, _, sends = looping
     assert isinstance(service.clock, FakeClock)
@@ -176,7 +168,7 @@ async def test_notify_from_another_connection_wakes_the_relay(
 
 
 async def test_listener_reconnects_after_losing_its_connection(
-    url: str, looping: tuple[Service, ScriptedChannel, asyncio.Queue[float]]
+    url: str, looping: tuple[App, ScriptedChannel, asyncio.Queue[float]]
 ) -> None:
     service, _, sends = looping
     assert isinstance(service.clock, FakeClock)

@@ -13,14 +13,14 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestClient, TestServer
 
 from bots.slack import SlackChannel
-from engine import schema as t
-from engine import workitems
-from engine.clock import FakeClock
-from engine.config import Settings, SlackSettings
-from engine.runners import drain
-from engine.service import Service
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings, SlackSettings
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.review import queue
 from outbox.relay import Relay
-from review import queue
 from tests.helpers import Org, make_agent, make_org
 from tests.outbox_support import MigratedTemplates, seed_items
 from tests.standins.slack_api import SlackApiStandin
@@ -54,9 +54,9 @@ def slack_channel(standin: SlackApiStandin, timeout_s: float = 10.0) -> SlackCha
 
 
 @pytest.fixture
-async def svc(url: str, slack: SlackApiStandin) -> AsyncIterator[Service]:
+async def svc(url: str, slack: SlackApiStandin) -> AsyncIterator[App]:
     settings = Settings.model_validate({"database": {"url": url}})
-    service = Service(
+    service = App(
         settings,
         clock=FakeClock(),
         channels={"slack": slack_channel(slack)},
@@ -67,11 +67,11 @@ async def svc(url: str, slack: SlackApiStandin) -> AsyncIterator[Service]:
 
 
 @pytest.fixture
-async def org(svc: Service) -> Org:
+async def org(svc: App) -> Org:
     return await make_org(svc)
 
 
-async def seed(svc: Service, org: Org, n: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
+async def seed(svc: App, org: Org, n: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
     lead = await make_agent(svc, org, "lead")
     worker = await make_agent(svc, org, "worker", lead="lead")
     seeded = await seed_items(
@@ -80,11 +80,11 @@ async def seed(svc: Service, org: Org, n: int = 1, **kwargs: Any) -> list[dict[s
     return seeded.deliveries
 
 
-def relay(svc: Service) -> Relay:
+def relay(svc: App) -> Relay:
     return Relay(svc.db, svc.clock, svc.ids, svc.channels, rand=lambda: 0.0)
 
 
-async def row_of(svc: Service, delivery_id: str) -> dict[str, Any]:
+async def row_of(svc: App, delivery_id: str) -> dict[str, Any]:
     async with svc.db.read() as conn:
         found = (
             await conn.execute(sa.select(t.deliveries).where(t.deliveries.c.id == delivery_id))
@@ -93,12 +93,12 @@ async def row_of(svc: Service, delivery_id: str) -> dict[str, Any]:
     return dict(found._mapping)
 
 
-async def item_status(svc: Service, item_id: str) -> str:
+async def item_status(svc: App, item_id: str) -> str:
     async with svc.db.read() as conn:
-        return str((await workitems.get(conn, item_id))["status"])
+        return str((await workitems.get(conn, item_id)).status)
 
 
-def clock(svc: Service) -> FakeClock:
+def clock(svc: App) -> FakeClock:
     assert isinstance(svc.clock, FakeClock)
     return svc.clock
 
@@ -106,9 +106,7 @@ def clock(svc: Service) -> FakeClock:
 # ---------------------------------------------------------------------- outcomes
 
 
-async def test_success_posts_into_the_thread(
-    svc: Service, org: Org, slack: SlackApiStandin
-) -> None:
+async def test_success_posts_into_the_thread(svc: App, org: Org, slack: SlackApiStandin) -> None:
     (dlv,) = await seed(svc, org)
     await drain(relay(svc))
     assert slack.posts == [
@@ -124,9 +122,7 @@ async def test_success_posts_into_the_thread(
     assert await item_status(svc, dlv["work_item_id"]) == "completed"
 
 
-async def test_429_is_retried_after_retry_after(
-    svc: Service, org: Org, slack: SlackApiStandin
-) -> None:
+async def test_429_is_retried_after_retry_after(svc: App, org: Org, slack: SlackApiStandin) -> None:
     (dlv,) = await seed(svc, org)
     slack.queue("ratelimited:7")
     now = clock(svc).now_ms()
@@ -144,7 +140,7 @@ async def test_429_is_retried_after_retry_after(
     assert await item_status(svc, dlv["work_item_id"]) == "completed"
 
 
-async def test_500_is_retried_with_backoff(svc: Service, org: Org, slack: SlackApiStandin) -> None:
+async def test_500_is_retried_with_backoff(svc: App, org: Org, slack: SlackApiStandin) -> None:
     (dlv,) = await seed(svc, org)
     slack.queue("500", "503")
     now = clock(svc).now_ms()
@@ -163,7 +159,7 @@ async def test_500_is_retried_with_backoff(svc: Service, org: Org, slack: SlackA
 
 
 async def test_channel_not_found_fails_delivery_and_item(
-    svc: Service, org: Org, slack: SlackApiStandin
+    svc: App, org: Org, slack: SlackApiStandin
 ) -> None:
     (dlv,) = await seed(svc, org)
     slack.set_channel_mode(dlv["address"]["channel"], "channel_not_found")
@@ -178,7 +174,7 @@ async def test_channel_not_found_fails_delivery_and_item(
 
 @pytest.mark.parametrize("mode", ["hang", "reset"])
 async def test_uncertain_sends_are_delivery_unknown_and_never_reposted(
-    svc: Service, org: Org, slack: SlackApiStandin, mode: str
+    svc: App, org: Org, slack: SlackApiStandin, mode: str
 ) -> None:
     svc.channels["slack"] = slack_channel(slack, timeout_s=0.3)
     (dlv,) = await seed(svc, org)
@@ -200,7 +196,7 @@ async def test_uncertain_sends_are_delivery_unknown_and_never_reposted(
 
 
 async def test_long_message_is_split_at_slack_limit(
-    svc: Service, org: Org, slack: SlackApiStandin
+    svc: App, org: Org, slack: SlackApiStandin
 ) -> None:
     words = [f"w{i:05d}" for i in range(15_000)]  # 104,999 characters
     text = " ".join(words)
@@ -217,13 +213,13 @@ async def test_long_message_is_split_at_slack_limit(
 
 
 @pytest.fixture
-async def http(svc: Service) -> AsyncIterator[TestClient[Any, Any]]:
-    server = TestServer(svc.build_app(), host="127.0.0.1")
+async def http(svc: App) -> AsyncIterator[TestClient[Any, Any]]:
+    server = TestServer(svc.web_app(), host="127.0.0.1")
     async with TestClient(server) as client:
         yield client
 
 
-async def unknown(svc: Service, org: Org, slack: SlackApiStandin) -> dict[str, Any]:
+async def unknown(svc: App, org: Org, slack: SlackApiStandin) -> dict[str, Any]:
     (dlv,) = await seed(svc, org)
     slack.queue("reset")
     await drain(relay(svc))
@@ -231,7 +227,7 @@ async def unknown(svc: Service, org: Org, slack: SlackApiStandin) -> dict[str, A
     return dlv
 
 
-async def audit_of(svc: Service, item_id: str) -> list[tuple[str, str]]:
+async def audit_of(svc: App, item_id: str) -> list[tuple[str, str]]:
     async with svc.db.read() as conn:
         rows = (
             await conn.execute(
@@ -244,7 +240,7 @@ async def audit_of(svc: Service, item_id: str) -> list[tuple[str, str]]:
 
 
 async def test_confirm_completes_and_is_audited(
-    svc: Service, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
+    svc: App, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
 ) -> None:
     dlv = await unknown(svc, org, slack)
     auth = {"Authorization": f"Bearer {org.key}"}
@@ -263,7 +259,7 @@ async def test_confirm_completes_and_is_audited(
 
 
 async def test_retry_posts_exactly_once_more_and_is_audited(
-    svc: Service, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
+    svc: App, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
 ) -> None:
     dlv = await unknown(svc, org, slack)
     auth = {"Authorization": f"Bearer {org.key}"}
@@ -282,7 +278,7 @@ async def test_retry_posts_exactly_once_more_and_is_audited(
 
 @pytest.mark.parametrize("action", ["confirm", "retry"])
 async def test_double_click_one_wins_the_other_409(
-    svc: Service,
+    svc: App,
     org: Org,
     slack: SlackApiStandin,
     http: TestClient[Any, Any],
@@ -316,7 +312,7 @@ async def test_double_click_one_wins_the_other_409(
 
 
 async def test_recovery_needs_delivery_unknown_and_the_right_org(
-    svc: Service, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
+    svc: App, org: Org, slack: SlackApiStandin, http: TestClient[Any, Any]
 ) -> None:
     (dlv,) = await seed(svc, org)
     auth = {"Authorization": f"Bearer {org.key}"}

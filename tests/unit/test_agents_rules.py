@@ -9,43 +9,44 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import agents as agents_mod
-from engine import orgs
-from engine import schema as t
-from engine.agents import CompletionPolicy, validate_review_config
-from engine.auth import ROLE_SCOPES, Principal, Role, Scope
-from engine.clock import DAY_MS
-from engine.errors import Conflict, NotFound, PermissionDenied, ValidationError
-from engine.service import Service
+from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
+from leadgate.core.clock import DAY_MS
+from leadgate.core.errors import Conflict, NotFound, PermissionDenied, ValidationError
+from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import orgs
+from leadgate.domain.agents import CompletionPolicy, validate_review_config
+from leadgate.domain.rows import Agent
 from tests.helpers import Org, make_agent, make_key, make_org
+from tests.stack import Stack
 
 SaveCall = Callable[[Any], Awaitable[Any]]
 
 
-async def table_rows(service: Service, *tables: sa.Table) -> dict[str, list[dict[str, Any]]]:
+async def table_rows(stack: Stack, *tables: sa.Table) -> dict[str, list[dict[str, Any]]]:
     """Every row of ``tables``, ordered by id (to compare before/after)."""
     out: dict[str, list[dict[str, Any]]] = {}
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         for table in tables:
             rows = (await conn.execute(sa.select(table).order_by(table.c.id))).all()
             out[table.name] = [dict(r._mapping) for r in rows]
     return out
 
 
-async def save(service: Service, org: Org, **kwargs: Any) -> dict[str, Any]:
-    async with service.db.tx() as conn:
-        return await agents_mod.save_agent(conn, service.clock, service.ids, org.id, **kwargs)
+async def save(stack: Stack, org: Org, **kwargs: Any) -> dict[str, Any]:
+    async with stack.db.tx() as conn:
+        return await agents_mod.save_agent(conn, stack.clock, stack.ids, org.id, **kwargs)
 
 
-async def preset(service: Service, org_id: str | None, name: str, **kwargs: Any) -> dict[str, Any]:
-    async with service.db.tx() as conn:
+async def preset(stack: Stack, org_id: str | None, name: str, **kwargs: Any) -> dict[str, Any]:
+    async with stack.db.tx() as conn:
         return await agents_mod.create_preset(
-            conn, service.clock, service.ids, org_id=org_id, name=name, **kwargs
+            conn, stack.clock, stack.ids, org_id=org_id, name=name, **kwargs
         )
 
 
-async def resolved(service: Service, org: Org, ref: str) -> agents_mod.LeadConfig | None:
-    async with service.db.read() as conn:
+async def resolved(stack: Stack, org: Org, ref: str) -> agents_mod.LeadConfig | None:
+    async with stack.db.read() as conn:
         row = await agents_mod.find_agent(conn, org.id, ref)
         return await agents_mod.resolve_lead(conn, row)
 
@@ -103,77 +104,77 @@ def test_review_config_accepted_values_and_defaults(raw: Any, expected: Any) -> 
 # ------------------------------------------------------------------------ save rules
 
 
-async def test_every_rejected_save_names_its_rule_and_changes_nothing(service: Service) -> None:
-    org = await make_org(service, "acme")
-    other = await make_org(service, "other")
-    lead = await make_agent(service, org, "lead")
-    await make_agent(service, org, "lead2")
-    await make_agent(service, org, "idle")
-    await save(service, org, agent_ref="idle", active=False)
-    await make_agent(service, org, "gone")
-    await save(service, org, agent_ref="gone", delete=True)
-    foreign = await make_agent(service, other, "foreign")
-    await preset(service, org.id, "with-lead", lead="lead")
-    worker = await make_agent(service, org, "w", lead="lead")
-    await make_agent(service, org, "pw", preset="with-lead")
+async def test_every_rejected_save_names_its_rule_and_changes_nothing(stack: Stack) -> None:
+    org = await make_org(stack, "acme")
+    other = await make_org(stack, "other")
+    lead = await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "lead2")
+    await make_agent(stack, org, "idle")
+    await save(stack, org, agent_ref="idle", active=False)
+    await make_agent(stack, org, "gone")
+    await save(stack, org, agent_ref="gone", delete=True)
+    foreign = await make_agent(stack, other, "foreign")
+    await preset(stack, org.id, "with-lead", lead="lead")
+    worker = await make_agent(stack, org, "w", lead="lead")
+    await make_agent(stack, org, "pw", preset="with-lead")
 
     cases: list[tuple[str, SaveCall]] = [
-        ("lead.self", lambda c: _save(service, org, c, agent_ref="w", lead="w")),
-        ("lead.self", lambda c: _save(service, org, c, agent_ref="w", lead=worker["id"])),
-        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead="nosuch")),
-        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead="foreign")),
-        ("lead.not_found", lambda c: _save(service, org, c, name="x", lead=foreign["id"])),
-        ("lead.not_found", lambda c: _save(service, org, c, agent_ref="w", lead="nosuch")),
-        ("lead.inactive", lambda c: _save(service, org, c, name="x", lead="idle")),
-        ("lead.inactive", lambda c: _save(service, org, c, agent_ref="w", lead="idle")),
-        ("lead.deleted", lambda c: _save(service, org, c, name="x", lead="gone")),
-        ("lead.deleted", lambda c: _save(service, org, c, agent_ref="w", lead="gone")),
-        ("lead.preset_has_lead", lambda c: _save(service, org, c, agent_ref="pw", lead="lead2")),
+        ("lead.self", lambda c: _save(stack, org, c, agent_ref="w", lead="w")),
+        ("lead.self", lambda c: _save(stack, org, c, agent_ref="w", lead=worker["id"])),
+        ("lead.not_found", lambda c: _save(stack, org, c, name="x", lead="nosuch")),
+        ("lead.not_found", lambda c: _save(stack, org, c, name="x", lead="foreign")),
+        ("lead.not_found", lambda c: _save(stack, org, c, name="x", lead=foreign["id"])),
+        ("lead.not_found", lambda c: _save(stack, org, c, agent_ref="w", lead="nosuch")),
+        ("lead.inactive", lambda c: _save(stack, org, c, name="x", lead="idle")),
+        ("lead.inactive", lambda c: _save(stack, org, c, agent_ref="w", lead="idle")),
+        ("lead.deleted", lambda c: _save(stack, org, c, name="x", lead="gone")),
+        ("lead.deleted", lambda c: _save(stack, org, c, agent_ref="w", lead="gone")),
+        ("lead.preset_has_lead", lambda c: _save(stack, org, c, agent_ref="pw", lead="lead2")),
         (
             "lead.preset_has_lead",
-            lambda c: _save(service, org, c, name="x", preset="with-lead", lead="lead2"),
+            lambda c: _save(stack, org, c, name="x", preset="with-lead", lead="lead2"),
         ),
         (
             "lead.preset_has_lead",
-            lambda c: _save(service, org, c, agent_ref="w", preset="with-lead", lead="lead"),
+            lambda c: _save(stack, org, c, agent_ref="w", preset="with-lead", lead="lead"),
         ),
         (
             "leadReviewConfig.completionPolicy",
             lambda c: _save(
-                service, org, c, name="x", lead="lead", review_config={"completionPolicy": "x"}
+                stack, org, c, name="x", lead="lead", review_config={"completionPolicy": "x"}
             ),
         ),
         (
             "leadReviewConfig.completionPolicy",
             lambda c: _save(
-                service, org, c, agent_ref="w", review_config={"completionPolicy": "never"}
+                stack, org, c, agent_ref="w", review_config={"completionPolicy": "never"}
             ),
         ),
         *[
             (
                 "leadReviewConfig.maxRevisionRounds",
-                _rounds_case(service, org, bad),
+                _rounds_case(stack, org, bad),
             )
             for bad in (0, 6, "3", True, 2.5)
         ],
         (
             "leadReviewConfig.unknown_key",
             lambda c: _save(
-                service, org, c, agent_ref="w", review_config={"maxRevisionRounds": 2, "z": 1}
+                stack, org, c, agent_ref="w", review_config={"maxRevisionRounds": 2, "z": 1}
             ),
         ),
         (
             "preset.platform_lead",
             lambda c: agents_mod.create_preset(
-                c, service.clock, service.ids, org_id=None, name="plat", lead="lead"
+                c, stack.clock, stack.ids, org_id=None, name="plat", lead="lead"
             ),
         ),
         (
             "preset.platform_lead",
             lambda c: agents_mod.create_preset(
                 c,
-                service.clock,
-                service.ids,
+                stack.clock,
+                stack.ids,
                 org_id=None,
                 name="plat",
                 review_config={"maxRevisionRounds": 2},
@@ -182,15 +183,15 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(service: S
         (
             "lead.inactive",
             lambda c: agents_mod.create_preset(
-                c, service.clock, service.ids, org_id=org.id, name="p2", lead="idle"
+                c, stack.clock, stack.ids, org_id=org.id, name="p2", lead="idle"
             ),
         ),
         (
             "leadReviewConfig.maxRevisionRounds",
             lambda c: agents_mod.create_preset(
                 c,
-                service.clock,
-                service.ids,
+                stack.clock,
+                stack.ids,
                 org_id=org.id,
                 name="p3",
                 lead="lead",
@@ -198,18 +199,18 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(service: S
             ),
         ),
     ]
-    service.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    stack.clock.advance(DAY_MS)  # type: ignore[attr-defined]
     for rule, call in cases:
-        before = await table_rows(service, t.agents, t.presets)
+        before = await table_rows(stack, t.agents, t.presets)
         with pytest.raises(ValidationError) as info:
-            async with service.db.tx() as conn:
+            async with stack.db.tx() as conn:
                 await call(conn)
         assert info.value.rule == rule, (rule, info.value.message)
         assert info.value.status == 400
-        after = await table_rows(service, t.agents, t.presets)
+        after = await table_rows(stack, t.agents, t.presets)
         assert after == before, f"a rejected save ({rule}) changed the database"
     # the worker still has its original lead and defaults
-    config = await resolved(service, org, "w")
+    config = await resolved(stack, org, "w")
     assert config is not None
     assert config.lead_agent_id == lead["id"]
     assert (config.completion_policy, config.max_revision_rounds) == (
@@ -218,59 +219,59 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(service: S
     )
 
 
-def _save(service: Service, org: Org, conn: Any, **kwargs: Any) -> Awaitable[Any]:
-    return agents_mod.save_agent(conn, service.clock, service.ids, org.id, **kwargs)
+def _save(stack: Stack, org: Org, conn: Any, **kwargs: Any) -> Awaitable[Any]:
+    return agents_mod.save_agent(conn, stack.clock, stack.ids, org.id, **kwargs)
 
 
-def _rounds_case(service: Service, org: Org, bad: Any) -> SaveCall:
+def _rounds_case(stack: Stack, org: Org, bad: Any) -> SaveCall:
     return lambda c: _save(
-        service, org, c, name="x", lead="lead", review_config={"maxRevisionRounds": bad}
+        stack, org, c, name="x", lead="lead", review_config={"maxRevisionRounds": bad}
     )
 
 
 async def test_lead_defaults_preset_first_resolution_and_public_payload(
-    service: Service,
+    stack: Stack,
 ) -> None:
-    org = await make_org(service)
-    lead = await make_agent(service, org, "lead")
-    own_lead = await make_agent(service, org, "own-lead")
+    org = await make_org(stack)
+    lead = await make_agent(stack, org, "lead")
+    own_lead = await make_agent(stack, org, "own-lead")
 
     # Defaults: requestHumanApproval / 3 when a lead is set without a config.
-    worker = await make_agent(service, org, "worker", lead="lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
     assert worker["lead_agent_id"] == lead["id"]
     assert worker["completion_policy"] == "requestHumanApproval"
     assert worker["max_revision_rounds"] == 3
     # Public payloads never carry the lead fields.
-    body = agents_mod.public_agent(worker)
+    body = agents_mod.public_agent(Agent(**worker))
     assert body["id"] == worker["id"]
     for hidden in ("leadAgentId", "leadReviewConfig", "lead_agent_id", "completion"):
         assert hidden not in repr(body)
 
     tuned = await make_agent(
-        service,
+        stack,
         org,
         "tuned",
         lead=lead["id"],
         review_config={"completionPolicy": "completeAutomatically", "maxRevisionRounds": 5},
     )
-    assert await resolved(service, org, tuned["id"]) == agents_mod.LeadConfig(
+    assert await resolved(stack, org, tuned["id"]) == agents_mod.LeadConfig(
         lead_agent_id=lead["id"],
         completion_policy=CompletionPolicy.completeAutomatically,
         max_revision_rounds=5,
         source="agent",
     )
     # lead=None clears the worker's own lead: no gating at all.
-    await save(service, org, agent_ref="tuned", lead=None)
-    assert await resolved(service, org, "tuned") is None
+    await save(stack, org, agent_ref="tuned", lead=None)
+    assert await resolved(stack, org, "tuned") is None
     # The boundary values 1 and 5 are accepted.
     for rounds in (1, 5):
         row = await save(
-            service, org, agent_ref="worker", review_config={"maxRevisionRounds": rounds}
+            stack, org, agent_ref="worker", review_config={"maxRevisionRounds": rounds}
         )
-        assert row["max_revision_rounds"] == rounds
+        assert row.max_revision_rounds == rounds
 
     org_preset = await preset(
-        service,
+        stack,
         org.id,
         "reviewed",
         lead="lead",
@@ -278,23 +279,23 @@ async def test_lead_defaults_preset_first_resolution_and_public_payload(
     )
     assert org_preset["kind"] == "organization"
     assert org_preset["leadAgentId"] == lead["id"]
-    plain_preset = await preset(service, org.id, "plain-org-preset")
-    platform = await preset(service, None, "platform")
+    plain_preset = await preset(stack, org.id, "plain-org-preset")
+    platform = await preset(stack, None, "platform")
     assert platform["kind"] == "platform"
     assert platform["leadAgentId"] is None
 
     # A worker with its own lead that later moves onto the org preset: the preset wins.
-    await make_agent(service, org, "w1", lead="own-lead", review_config={"maxRevisionRounds": 4})
-    await save(service, org, agent_ref="w1", preset="reviewed")
-    assert await resolved(service, org, "w1") == agents_mod.LeadConfig(
+    await make_agent(stack, org, "w1", lead="own-lead", review_config={"maxRevisionRounds": 4})
+    await save(stack, org, agent_ref="w1", preset="reviewed")
+    assert await resolved(stack, org, "w1") == agents_mod.LeadConfig(
         lead_agent_id=lead["id"],
         completion_policy=CompletionPolicy.completeAutomatically,
         max_revision_rounds=2,
         source="preset",
     )
     # Platform preset: the worker's own columns apply.
-    await make_agent(service, org, "w2", lead="own-lead", preset=platform["id"])
-    config = await resolved(service, org, "w2")
+    await make_agent(stack, org, "w2", lead="own-lead", preset=platform["id"])
+    config = await resolved(stack, org, "w2")
     assert config is not None
     assert (config.lead_agent_id, config.source, config.max_revision_rounds) == (
         own_lead["id"],
@@ -302,15 +303,15 @@ async def test_lead_defaults_preset_first_resolution_and_public_payload(
         3,
     )
     # Org preset without a lead: the worker's own columns apply too.
-    await make_agent(service, org, "w3", lead="own-lead", preset=plain_preset["id"])
-    config = await resolved(service, org, "w3")
+    await make_agent(stack, org, "w3", lead="own-lead", preset=plain_preset["id"])
+    config = await resolved(stack, org, "w3")
     assert config is not None
     assert (config.lead_agent_id, config.source) == (own_lead["id"], "agent")
     # No lead anywhere: None.
-    await make_agent(service, org, "w4", preset=platform["id"])
-    assert await resolved(service, org, "w4") is None
-    await make_agent(service, org, "w5")
-    assert await resolved(service, org, "w5") is None
+    await make_agent(stack, org, "w4", preset=platform["id"])
+    assert await resolved(stack, org, "w4") is None
+    await make_agent(stack, org, "w5")
+    assert await resolved(stack, org, "w5") is None
 
 
 # ------------------------------------------------------------------- orgs and API keys
@@ -356,17 +357,17 @@ def test_role_scope_mapping() -> None:
     assert viewer.actor == "user:u"
 
 
-async def test_keys_are_hashed_scoped_and_never_cross_organizations(service: Service) -> None:
-    org = await make_org(service, "acme")
-    other = await make_org(service, "other")
+async def test_keys_are_hashed_scoped_and_never_cross_organizations(stack: Stack) -> None:
+    org = await make_org(stack, "acme")
+    other = await make_org(stack, "other")
     prefix, key_id, secret = org.key.split(".")
     _, other_id, other_secret = other.key.split(".")
     assert prefix == "lg"
     assert len(secret) >= 40
-    trigger_only = await make_key(service, org, Scope.trigger)
+    trigger_only = await make_key(stack, org, Scope.trigger)
 
     # Shown once, stored hashed: no raw secret anywhere in the tables.
-    dump = await table_rows(service, t.api_keys, t.organizations)
+    dump = await table_rows(stack, t.api_keys, t.organizations)
     assert len(dump["api_keys"]) == 3
     everything = repr(dump)
     for raw in (org.key, other.key, trigger_only):
@@ -379,7 +380,7 @@ async def test_keys_are_hashed_scoped_and_never_cross_organizations(service: Ser
     assert org.principal.key_id == key_id
 
     # Scopes are enforced.
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         principal = await orgs.authenticate_key(conn, trigger_only)
     assert principal is not None
     assert principal.org_id == org.id
@@ -407,56 +408,56 @@ async def test_keys_are_hashed_scoped_and_never_cross_organizations(service: Ser
         f"lg.{key_id}.{secret}" + "a" * 200,
         f"Bearer {org.key}",
     ]
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         for raw in bad:
             assert await orgs.authenticate_key(conn, raw) is None, raw
         assert await orgs.authenticate_key(conn, org.key) is not None
 
     # Revoked: None; the other organization's key is unaffected.
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         await conn.execute(
             t.api_keys.update()
             .where(t.api_keys.c.id == key_id)
-            .values(revoked_at=service.clock.now_ms())
+            .values(revoked_at=stack.clock.now_ms())
         )
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         assert await orgs.authenticate_key(conn, org.key) is None
         still = await orgs.authenticate_key(conn, other.key)
     assert still is not None and still.org_id == other.id
 
     # Nothing crosses organizations: the other org cannot see our agent.
-    mine = await make_agent(service, org, "mine")
-    async with service.db.read() as conn:
+    mine = await make_agent(stack, org, "mine")
+    async with stack.db.read() as conn:
         for ref in (mine["id"], "mine"):
             with pytest.raises(NotFound):
                 await agents_mod.find_agent(conn, other.id, ref)
-        assert (await agents_mod.find_agent(conn, org.id, mine["id"]))["id"] == mine["id"]
+        assert (await agents_mod.find_agent(conn, org.id, mine["id"])).id == mine["id"]
 
     # A duplicate organization or a bad name writes nothing.
-    before = await table_rows(service, t.organizations, t.api_keys)
+    before = await table_rows(stack, t.organizations, t.api_keys)
     with pytest.raises(Conflict) as conflict:
-        async with service.db.tx() as conn:
-            await orgs.create_org(conn, service.clock, service.ids, "acme")
+        async with stack.db.tx() as conn:
+            await orgs.create_org(conn, stack.clock, stack.ids, "acme")
     assert conflict.value.rule == "org.name_taken"
     for name in ("", "   ", "x" * 201, "tab\there"):
         with pytest.raises(ValidationError):
-            async with service.db.tx() as conn:
-                await orgs.create_org(conn, service.clock, service.ids, name)
-    assert await table_rows(service, t.organizations, t.api_keys) == before
+            async with stack.db.tx() as conn:
+                await orgs.create_org(conn, stack.clock, stack.ids, name)
+    assert await table_rows(stack, t.organizations, t.api_keys) == before
 
 
-async def test_user_roles_map_to_scopes_through_console_sessions(service: Service) -> None:
-    org = await make_org(service)
+async def test_user_roles_map_to_scopes_through_console_sessions(stack: Stack) -> None:
+    org = await make_org(stack)
     expected = {
         "Viewer": frozenset(),
         "Member": frozenset({Scope.trigger, Scope.review}),
         "Admin": frozenset({Scope.trigger, Scope.review, Scope.update}),
         "Owner": frozenset({Scope.trigger, Scope.review, Scope.update}),
     }
-    now = service.clock.now_ms()
+    now = stack.clock.now_ms()
     # Users and sessions are inserted directly (argon2 hashing is deliberately slow and
     # is not what this test is about); authenticate_session maps the role to scopes.
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         for role in expected:
             await conn.execute(
                 t.users.insert().values(
@@ -477,19 +478,19 @@ async def test_user_roles_map_to_scopes_through_console_sessions(service: Servic
                     created_at=now,
                 )
             )
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         for role, scopes in expected.items():
-            principal = await orgs.authenticate_session(conn, service.clock, f"token-{role}")
+            principal = await orgs.authenticate_session(conn, stack.clock, f"token-{role}")
             assert principal is not None, role
             assert principal.scopes == scopes, role
             assert (principal.org_id, principal.user_id) == (org.id, f"usr_{role}")
-        assert await orgs.authenticate_session(conn, service.clock, "token-nobody") is None
-    service.clock.advance(DAY_MS)  # type: ignore[attr-defined]
-    async with service.db.read() as conn:
-        assert await orgs.authenticate_session(conn, service.clock, "token-Member") is None
+        assert await orgs.authenticate_session(conn, stack.clock, "token-nobody") is None
+    stack.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    async with stack.db.read() as conn:
+        assert await orgs.authenticate_session(conn, stack.clock, "token-Member") is None
     with pytest.raises(ValidationError) as info:
-        async with service.db.tx() as conn:
+        async with stack.db.tx() as conn:
             await orgs.create_user(
-                conn, service.clock, service.ids, org.id, "x@example.com", "Boss", "long enough"
+                conn, stack.clock, stack.ids, org.id, "x@example.com", "Boss", "long enough"
             )
     assert info.value.rule == "user.role"

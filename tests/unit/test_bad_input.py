@@ -10,16 +10,17 @@ import sqlalchemy as sa
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine import schema as t
-from engine.agents import CompletionPolicy, validate_review_config
-from engine.auth import Principal, Scope
-from engine.errors import ValidationError
-from engine.policy import REDACTED, compile_rule, screen
-from engine.service import Service
-from engine.turns import MESSAGE_LIMIT, validate_message
-from engine.types import BindingKind, BindingSpec, Reply, Trigger
+from leadgate.core.auth import Principal, Scope
+from leadgate.core.errors import ValidationError
+from leadgate.core.limits import MESSAGE_LIMIT, validate_message
+from leadgate.core.types import BindingKind, BindingSpec, Reply, Trigger
+from leadgate.database import schema as t
+from leadgate.domain.agents import CompletionPolicy, validate_review_config
+from leadgate.domain.policy import REDACTED, compile_rule, screen
+from leadgate.operations.sessions import api_session_key
+from leadgate.web.openai_api import parse_request
 from tests.helpers import api_trigger, make_agent, make_org
-from web.openai_api import parse_request
+from tests.stack import Stack
 
 HYPOTHESIS = settings(max_examples=80, deadline=None)
 
@@ -65,22 +66,22 @@ def test_validate_message_accepts_the_limit() -> None:
     assert validate_message(" x ") == " x "
 
 
-async def row_counts(service: Service) -> dict[str, int]:
-    async with service.db.read() as conn:
+async def row_counts(stack: Stack) -> dict[str, int]:
+    async with stack.db.read() as conn:
         return {
             table.name: int(await conn.scalar(sa.select(sa.func.count()).select_from(table)) or 0)
             for table in t.metadata.sorted_tables
         }
 
 
-async def test_bad_messages_write_nothing_on_any_way_in(service: Service) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    worker = await make_agent(service, org, "worker", lead="lead")
-    plain = await make_agent(service, org, "plain")
+async def test_bad_messages_write_nothing_on_any_way_in(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    plain = await make_agent(stack, org, "plain")
     # an existing in-progress item, so that an append would be visible too
-    assert await service.turns.run(api_trigger(org, worker, "start")) == Reply("Echo: start")
-    before = await row_counts(service)
+    assert await stack.turns.run(api_trigger(org, worker, "start")) == Reply("Echo: start")
+    before = await row_counts(stack)
     for agent in (worker, plain):
         for text, rule in BAD_MESSAGES:
             for event_id in (None, f"evt-{rule}-{len(text)}"):
@@ -93,32 +94,32 @@ async def test_bad_messages_write_nothing_on_any_way_in(service: Service) -> Non
                     external_event_id=event_id,
                 )
                 with pytest.raises(ValidationError) as info:
-                    await service.turns.run(trigger)
+                    await stack.turns.run(trigger)
                 assert info.value.rule == rule
-    assert await row_counts(service) == before
+    assert await row_counts(stack) == before
 
     # An over-long session key is refused the same way on both backends (it would not
     # fit the sessions table: SQLite would store it, PostgreSQL would fail mid-intake).
     for key in ("", "k" * 501):
         with pytest.raises(ValidationError) as info:
-            await service.turns.run(api_trigger(org, worker, "fine text", session=key))
+            await stack.turns.run(api_trigger(org, worker, "fine text", session=key))
         assert info.value.rule == "session.length"
     # An inactive worker takes nothing in.
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         await conn.execute(
             t.agents.update().where(t.agents.c.id == plain["id"]).values(active=False)
         )
-    before = await row_counts(service)
+    before = await row_counts(stack)
     with pytest.raises(ValidationError) as info:
-        await service.turns.run(api_trigger(org, plain, "hello?"))
+        await stack.turns.run(api_trigger(org, plain, "hello?"))
     assert info.value.rule == "agent.inactive"
-    assert await row_counts(service) == before
+    assert await row_counts(stack) == before
     # The longest session key fits.
-    assert await service.turns.run(api_trigger(org, worker, "x", session="k" * 500)) == Reply(
+    assert await stack.turns.run(api_trigger(org, worker, "x", session="k" * 500)) == Reply(
         "Echo: x"
     )
     # the item's task context and binding are untouched; a good message still works
-    ok = await service.turns.run(api_trigger(org, worker, "a" * MESSAGE_LIMIT))
+    ok = await stack.turns.run(api_trigger(org, worker, "a" * MESSAGE_LIMIT))
     assert ok == Reply("Echo: " + "a" * MESSAGE_LIMIT)
 
 
@@ -278,14 +279,15 @@ def test_parse_request_only_raises_validation_errors(
     body: dict[str, Any], header_session: str | None
 ) -> None:
     try:
-        model, text, session, stream = parse_request(body, PRINCIPAL, header_session)
+        parsed = parse_request(body)
+        session = api_session_key(PRINCIPAL, session=header_session, user=parsed.user)
     except ValidationError as exc:
         assert exc.status == 400
         assert exc.rule
         return
-    assert isinstance(model, str) and model == body["model"]
-    assert isinstance(text, str)
-    assert isinstance(stream, bool)
+    assert isinstance(parsed.model, str) and parsed.model == body["model"]
+    assert isinstance(parsed.text, str)
+    assert isinstance(parsed.stream, bool)
     assert isinstance(session, str) and len(session) <= 202
     if header_session:
         assert session == f"h:{header_session}"

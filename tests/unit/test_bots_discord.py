@@ -6,8 +6,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -20,48 +19,14 @@ from nacl.signing import SigningKey
 
 from bots import discord as discord_bot
 from bots.base import RouteMatch
-from engine.config import DiscordSettings, Settings
-from engine.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger
+from leadgate.core.config import DiscordSettings, Settings
+from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome
+from tests.fakes import FakeCore, mount_adapter
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 
 GUILD = "800000000000000001"
 CHANNEL = "800000000000000002"
 ROUTE = RouteMatch(route_id="r1", org_id="o1", agent_id="a1", silent=False)
-
-
-@dataclass
-class FakeCore:
-    """Records what the adapter asks of the core; routes by exact attribute match."""
-
-    routes: list[tuple[dict[str, str], RouteMatch]] = field(default_factory=list)
-    outcome: Outcome = field(default_factory=lambda: Reply("fine"))
-    submit_delay_s: float = 0.0
-    triggers: list[Trigger] = field(default_factory=list)
-    lookups: list[tuple[str, dict[str, str]]] = field(default_factory=list)
-    tasks: list[asyncio.Task[object]] = field(default_factory=list)
-    submitted: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
-        self.lookups.append((channel, dict(attrs)))
-        for match, route in self.routes:
-            if all(attrs.get(k) == v for k, v in match.items()):
-                return route
-        return None
-
-    async def submit(self, trigger: Trigger) -> Outcome:
-        self.triggers.append(trigger)
-        self.submitted.set()
-        await asyncio.sleep(self.submit_delay_s)
-        return self.outcome
-
-    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
-        async def run() -> object:
-            return await coro
-
-        self.tasks.append(asyncio.create_task(run(), name=name))
-
-    async def drain(self) -> None:
-        await asyncio.gather(*self.tasks)
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +59,7 @@ async def serve(settings: Settings, core: FakeCore) -> TestServer:
     adapter = discord_bot.create(settings, core)
     assert adapter is not None
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     return srv
@@ -285,7 +250,7 @@ async def test_interactions_route_needs_a_public_key(
     adapter = discord_bot.create(settings, core)
     assert adapter is not None
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     assert all(
         r.resource is None or r.resource.canonical != "/discord/interactions"
         for r in app.router.routes()

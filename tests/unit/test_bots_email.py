@@ -3,7 +3,6 @@ aiosmtplib, and a fake core."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from email.message import EmailMessage
 from typing import Any
@@ -14,8 +13,9 @@ from aiohttp import web
 
 from bots.base import RouteMatch
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
-from engine.config import EmailSettings, Settings
-from engine.types import BindingKind, Outcome, Reply, Trigger
+from leadgate.core.config import EmailSettings, Settings
+from leadgate.core.types import BindingKind
+from tests.fakes import FakeCore, mount_adapter
 
 BOT = "bot@leadgate.example"
 ALICE = "alice@example.com"
@@ -36,28 +36,6 @@ def _allow(*senders: str, address: str = BOT, silent: bool = False) -> RouteFn:
         return None
 
     return routes
-
-
-class FakeCore:
-    def __init__(self, routes: RouteFn) -> None:
-        self._routes = routes
-        self.route_queries: list[dict[str, str]] = []
-        self.triggers: list[Trigger] = []
-        self._tasks: set[asyncio.Future[Any]] = set()
-
-    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
-        self.route_queries.append(dict(attrs))
-        return self._routes(channel, attrs)
-
-    async def submit(self, trigger: Trigger) -> Outcome:
-        self.triggers.append(trigger)
-        return Reply("ok")
-
-    def spawn(self, coro: Any, *, name: str) -> None:
-        self._tasks.add(asyncio.ensure_future(coro))
-
-    async def drain(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout=2)
 
 
 class Listener:
@@ -84,7 +62,7 @@ async def _listen(core: FakeCore) -> AsyncIterator[Listener]:
     """The adapter mounted on a real aiohttp app; its cleanup_ctx runs the listener."""
     adapter = EmailAdapter(EmailSettings(listen_host="127.0.0.1", listen_port=0), core)
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     runner = web.AppRunner(app)
     await runner.setup()  # runs the startup half of cleanup_ctx
     try:
@@ -352,7 +330,7 @@ def test_create_depends_on_configuration() -> None:
 async def test_outbound_only_adapter_does_not_listen() -> None:
     adapter = EmailAdapter(EmailSettings(smtp_host="127.0.0.1"), FakeCore(_allow()))
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     runner = web.AppRunner(app)
     await runner.setup()
     assert adapter.port is None

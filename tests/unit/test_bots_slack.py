@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -16,46 +15,14 @@ from aiohttp.test_utils import TestServer
 
 from bots import slack
 from bots.base import RouteMatch
-from engine.config import Settings, SlackSettings
-from engine.types import BindingKind, Outcome, Reply, Trigger
+from leadgate.core.config import Settings, SlackSettings
+from leadgate.core.types import BindingKind
+from tests.fakes import FakeCore, mount_adapter
 from tests.standins.slack_api import signed_headers
 
 SECRET = "slack-signing-secret"
 TEAM = "T0001"
 CHANNEL = "C0001"
-
-
-@dataclass
-class FakeCore:
-    """Records what the adapter asks of the core; routes by exact attribute match."""
-
-    routes: list[tuple[dict[str, str], RouteMatch]] = field(default_factory=list)
-    outcome: Outcome = field(default_factory=lambda: Reply("fine"))
-    submit_delay_s: float = 0.0
-    triggers: list[Trigger] = field(default_factory=list)
-    lookups: list[tuple[str, dict[str, str]]] = field(default_factory=list)
-    tasks: list[asyncio.Task[object]] = field(default_factory=list)
-
-    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
-        self.lookups.append((channel, dict(attrs)))
-        for match, route in self.routes:
-            if all(attrs.get(k) == v for k, v in match.items()):
-                return route
-        return None
-
-    async def submit(self, trigger: Trigger) -> Outcome:
-        self.triggers.append(trigger)
-        await asyncio.sleep(self.submit_delay_s)
-        return self.outcome
-
-    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
-        async def run() -> object:
-            return await coro
-
-        self.tasks.append(asyncio.create_task(run(), name=name))
-
-    async def drain(self) -> None:
-        await asyncio.gather(*self.tasks)
 
 
 ROUTE = RouteMatch(route_id="r1", org_id="o1", agent_id="a1", silent=False)
@@ -72,7 +39,7 @@ async def server(core: FakeCore) -> AsyncIterator[TestServer]:
     adapter = slack.create(settings, core)
     assert adapter is not None
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     srv = TestServer(app, host="127.0.0.1")
     await srv.start_server()
     yield srv

@@ -16,9 +16,10 @@ from aiohttp import web
 
 from bots.base import RouteMatch
 from bots.teams import TeamsAdapter, create, sdk_config
-from engine.config import Settings, TeamsSettings
-from engine.errors import ConfigError
-from engine.types import BindingKind, Outcome, Reply, Trigger
+from leadgate.core.config import Settings, TeamsSettings
+from leadgate.core.errors import ConfigError
+from leadgate.core.types import BindingKind
+from tests.fakes import FakeCore, mount_adapter
 from tests.standins.connector import message_activity, post_activity
 
 APP_ID = "11111111-2222-3333-4444-555555555555"
@@ -31,33 +32,6 @@ def _route_all(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
     return RouteMatch(route_id="route-1", org_id="org-1", agent_id="agent-1", silent=False)
 
 
-class FakeCore:
-    """Records route look-ups and triggers; ``gate`` holds submit() open when cleared."""
-
-    def __init__(self, routes: RouteFn = _route_all) -> None:
-        self._routes = routes
-        self.route_queries: list[tuple[str, dict[str, str]]] = []
-        self.triggers: list[Trigger] = []
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self._tasks: set[asyncio.Future[Any]] = set()
-
-    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
-        self.route_queries.append((channel, dict(attrs)))
-        return self._routes(channel, attrs)
-
-    async def submit(self, trigger: Trigger) -> Outcome:
-        self.triggers.append(trigger)
-        await self.gate.wait()
-        return Reply("ok")
-
-    def spawn(self, coro: Any, *, name: str) -> None:
-        self._tasks.add(asyncio.ensure_future(coro))
-
-    async def drain(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout=2)
-
-
 class Server:
     def __init__(self, adapter: TeamsAdapter, core: FakeCore, url: str) -> None:
         self.adapter = adapter
@@ -67,7 +41,7 @@ class Server:
 
 async def _serve(adapter: TeamsAdapter, core: FakeCore) -> AsyncIterator[Server]:
     app = web.Application()
-    adapter.mount(app)
+    mount_adapter(app, adapter)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -81,7 +55,7 @@ async def _serve(adapter: TeamsAdapter, core: FakeCore) -> AsyncIterator[Server]
 @pytest.fixture
 async def open_bot() -> AsyncIterator[Server]:
     """No-auth mode (empty app id and password)."""
-    core = FakeCore()
+    core = FakeCore(_route_all)
     async for server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
         yield server
 
@@ -89,7 +63,7 @@ async def open_bot() -> AsyncIterator[Server]:
 @pytest.fixture
 async def secured_bot() -> AsyncIterator[Server]:
     """App id configured: Bot Framework JWTs required."""
-    core = FakeCore()
+    core = FakeCore(_route_all)
     settings = TeamsSettings(app_id=APP_ID, app_password="secret")
     async for server in _serve(TeamsAdapter(settings, core, auth_timeout_s=0.3), core):
         yield server
@@ -146,7 +120,7 @@ async def test_message_becomes_one_trigger(open_bot: Server) -> None:
     assert status == 202
     await open_bot.core.drain()
 
-    assert open_bot.core.route_queries == [
+    assert open_bot.core.lookups == [
         (
             "teams",
             {"tenant": "tenant-9", "conversation": "19:abc@thread.tacv2;messageid=1700000000001"},
@@ -237,7 +211,7 @@ async def test_non_message_activities_and_empty_text_run_no_turn(open_bot: Serve
     only_mention = message_activity(service_url=SERVICE_URL, text="", mention_bot=True)
     assert (await post_activity(open_bot.url, only_mention))[0] == 202
     await open_bot.core.drain()
-    assert open_bot.core.route_queries == [] and open_bot.core.triggers == []
+    assert open_bot.core.lookups == [] and open_bot.core.triggers == []
 
 
 async def test_malformed_requests(open_bot: Server) -> None:
@@ -258,7 +232,7 @@ async def test_malformed_requests(open_bot: Server) -> None:
 
 
 async def test_no_auth_mode_warns_at_startup(caplog: pytest.LogCaptureFixture) -> None:
-    core = FakeCore()
+    core = FakeCore(_route_all)
     with caplog.at_level(logging.WARNING, logger="bots.teams"):
         async for _server in _serve(TeamsAdapter(TeamsSettings(enabled=True), core), core):
             pass

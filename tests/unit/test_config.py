@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import Settings, load_settings
-from engine.errors import ConfigError
+from leadgate.core.config import Settings, load_settings
+from leadgate.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,35 +7,35 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine import workitems
-from engine.errors import ValidationError
-from engine.runners import drain
-from flows.runs import PAUSED_OUTPUT, WAITING_EVENT, FlowResumer, create_flow, run_view
-from review.decisions import human_approve
+from leadgate.core.errors import ValidationError
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.flows.runs import PAUSED_OUTPUT, WAITING_EVENT, FlowResumer, create_flow, run_view
+from leadgate.review.decisions import human_approve
 from tests.helpers import make_agent, make_org
 
 
-async def _flow(service: Any, org: Any, nodes: list[dict[str, Any]]) -> str:
-    async with service.db.tx() as conn:
-        flow = await create_flow(conn, service.clock, service.ids, org.id, "f", nodes)
+async def _flow(stack: Any, org: Any, nodes: list[dict[str, Any]]) -> str:
+    async with stack.db.tx() as conn:
+        flow = await create_flow(conn, stack.clock, stack.ids, org.id, "f", nodes)
     return str(flow["id"])
 
 
-async def _view(service: Any, org: Any, run_id: str) -> dict[str, Any]:
-    async with service.db.read() as conn:
+async def _view(stack: Any, org: Any, run_id: str) -> dict[str, Any]:
+    async with stack.db.read() as conn:
         return await run_view(conn, org.id, run_id)
 
 
-async def test_agent_without_lead_runs_through(service: Any) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "plain")
+async def test_agent_without_lead_runs_through(stack: Any) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "plain")
     flow_id = await _flow(
-        service,
+        stack,
         org,
         [{"type": "agent", "agent": "plain", "prompt": "hi"}, {"type": "output", "value": 1}],
     )
-    run = await _view(service, org, await service.flows.start(org.id, flow_id))
+    run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
     assert run["status"] == "completed"
     assert run["outputs"] == [
         {"data": {"text": "Echo: hi"}, "success": True},
@@ -43,12 +43,12 @@ async def test_agent_without_lead_runs_through(service: Any) -> None:
     ]
 
 
-async def test_lead_node_pauses_then_resumes_in_a_new_run(service: Any) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    await make_agent(service, org, "worker", lead="lead")
+async def test_lead_node_pauses_then_resumes_in_a_new_run(stack: Any) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
     flow_id = await _flow(
-        service,
+        stack,
         org,
         [
             {"type": "output", "value": "before"},
@@ -56,38 +56,42 @@ async def test_lead_node_pauses_then_resumes_in_a_new_run(service: Any) -> None:
             {"type": "output", "value": "after"},
         ],
     )
-    run_id = await service.flows.start(org.id, flow_id)
-    paused = await _view(service, org, run_id)
+    run_id = await stack.flows.start(org.id, flow_id)
+    paused = await _view(stack, org, run_id)
     assert paused["status"] == "waitingForHitl"
     assert paused["outputs"][1] == PAUSED_OUTPUT == {"data": {}, "success": True}
     assert WAITING_EVENT in paused["events"]
     # No HITL request: the only human path is the work item itself.
-    await drain(service.lead_runner)
+    await drain(stack.lead_runner)
     cont = paused["continuations"][0]
     assert cont["status"] == "waiting"
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         item_id = await conn.scalar(
             sa.select(t.continuations.c.work_item_id).where(t.continuations.c.id == cont["id"])
         )
     # The relay never delivers a continuation.
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         item = await workitems.get(conn, str(item_id))
-        assert item["status"] == "awaitingHuman"
-        await human_approve(conn, service.clock, service.ids, item, "user:test")
-    assert not await drain(service.relay)
-    async with service.db.read() as conn:
+        assert item.status == "awaitingHuman"
+        await human_approve(conn, stack.outbox, item, "user:test")
+    assert not await drain(stack.relay)
+    async with stack.db.read() as conn:
         statuses = (
-            await conn.execute(
-                sa.select(t.deliveries.c.status).where(t.deliveries.c.work_item_id == item_id)
+            (
+                await conn.execute(
+                    sa.select(t.deliveries.c.status).where(t.deliveries.c.work_item_id == item_id)
+                )
             )
-        ).scalars().all()
+            .scalars()
+            .all()
+        )
     assert statuses == ["continuation"]
-    assert await drain(FlowResumer(service.flows)) == 1
-    old = await _view(service, org, run_id)
+    assert await drain(FlowResumer(stack.flows)) == 1
+    old = await _view(stack, org, run_id)
     assert old["status"] == "waitingForHitl"  # the paused run is history; a new run resumed
     new_id = old["continuations"][0]["resumedRunId"]
     assert old["continuations"][0]["summary"] == "Summary: write it #escalate"
-    new = await _view(service, org, new_id)
+    new = await _view(stack, org, new_id)
     assert new["status"] == "completed"
     assert new["resumedFrom"] == run_id
     # Continues after the agent node; the summary is not copied into the node output.
@@ -96,16 +100,16 @@ async def test_lead_node_pauses_then_resumes_in_a_new_run(service: Any) -> None:
         {"data": {}, "success": True},
         {"data": "after", "success": True},
     ]
-    async with service.db.read() as conn:
-        assert (await workitems.get(conn, str(item_id)))["status"] == "completed"
-    assert await drain(FlowResumer(service.flows)) == 0
+    async with stack.db.read() as conn:
+        assert (await workitems.get(conn, str(item_id))).status == "completed"
+    assert await drain(FlowResumer(stack.flows)) == 0
 
 
 @pytest.mark.parametrize(
     "nodes",
     [[], [{"type": "nope"}], [{"type": "agent", "prompt": "x"}], [{"type": "output"}], "x"],
 )
-async def test_bad_flows_are_rejected(service: Any, nodes: Any) -> None:
-    org = await make_org(service)
+async def test_bad_flows_are_rejected(stack: Any, nodes: Any) -> None:
+    org = await make_org(stack)
     with pytest.raises(ValidationError):
-        await _flow(service, org, nodes)
+        await _flow(stack, org, nodes)

@@ -19,10 +19,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from engine import inline_sqlite
-from engine import schema as t
-from engine.db import Database, signal_after_commit
-from engine.inline_sqlite import InlineConnection, InlineSqlite
+from leadgate.database import inline_sqlite
+from leadgate.database import schema as t
+from leadgate.database.db import Database, signal_after_commit
+from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import policy
-from engine import schema as t
-from engine.errors import ValidationError
-from engine.policy import BLOCK_NOTICE, REDACTED, Rule, compile_rule, screen
-from engine.runners import drain
-from engine.service import Service
-from engine.turns import visible_transcript
-from engine.types import Gated, Reply
+from leadgate.core.errors import ValidationError
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated, Reply
+from leadgate.database import schema as t
+from leadgate.domain import policy
+from leadgate.domain.policy import BLOCK_NOTICE, REDACTED, Rule, compile_rule, screen
+from leadgate.turns.messages import visible_transcript
 from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.stack import Stack
 
 # ------------------------------------------------------------------------- pure
 
@@ -94,44 +94,44 @@ def test_too_deeply_nested_pattern_is_a_validation_error() -> None:
 # ----------------------------------------------------------------- on the turn path
 
 
-async def add(service: Service, org: Org, pattern: str, action: str) -> dict[str, Any]:
-    async with service.db.tx() as conn:
-        return await policy.add_rule(conn, service.clock, service.ids, org.id, pattern, action)
+async def add(stack: Stack, org: Org, pattern: str, action: str) -> dict[str, Any]:
+    async with stack.db.tx() as conn:
+        return await policy.add_rule(conn, stack.clock, stack.ids, org.id, pattern, action)
 
 
-async def test_policy_screens_plain_replies_in_order_per_organization(service: Service) -> None:
-    redacting = await make_org(service, "redacting")
-    blocking = await make_org(service, "blocking")
-    ordered = await make_org(service, "ordered")
-    free = await make_org(service, "free")
+async def test_policy_screens_plain_replies_in_order_per_organization(stack: Stack) -> None:
+    redacting = await make_org(stack, "redacting")
+    blocking = await make_org(stack, "blocking")
+    ordered = await make_org(stack, "ordered")
+    free = await make_org(stack, "free")
 
-    assert (await add(service, redacting, r"\d{4}", "redact"))["position"] == 1
-    assert (await add(service, redacting, "never-matches", "block"))["position"] == 2
-    await add(service, blocking, "forbidden", "block")
-    await add(service, ordered, "cat", "redact")
-    await add(service, ordered, re.escape(REDACTED), "block")
+    assert (await add(stack, redacting, r"\d{4}", "redact"))["position"] == 1
+    assert (await add(stack, redacting, "never-matches", "block"))["position"] == 2
+    await add(stack, blocking, "forbidden", "block")
+    await add(stack, ordered, "cat", "redact")
+    await add(stack, ordered, re.escape(REDACTED), "block")
 
     # Invalid rules are rejected when they are added, and nothing is written.
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         before = await conn.scalar(sa.select(sa.func.count()).select_from(t.policy_rules))
     for pattern, action in (("(", "redact"), ("a{4294967296}", "block"), ("ok", "erase")):
         with pytest.raises(ValidationError):
-            await add(service, free, pattern, action)
-    async with service.db.read() as conn:
+            await add(stack, free, pattern, action)
+    async with stack.db.read() as conn:
         after = await conn.scalar(sa.select(sa.func.count()).select_from(t.policy_rules))
     assert after == before == 5
 
     names = iter(range(100))
 
     async def reply(org: Org, text: str) -> Any:
-        agent = await make_agent(service, org, f"agent-{next(names)}")
+        agent = await make_agent(stack, org, f"agent-{next(names)}")
         deltas: list[str] = []
 
         async def on_delta(piece: str) -> None:
             deltas.append(piece)
 
-        out = await service.turns.run(api_trigger(org, agent, text), on_delta=on_delta)
-        async with service.db.read() as conn:
+        out = await stack.turns.run(api_trigger(org, agent, text), on_delta=on_delta)
+        async with stack.db.read() as conn:
             stored = await conn.scalar(
                 sa.select(t.messages.c.content)
                 .where(t.messages.c.org_id == org.id, t.messages.c.role == "assistant")
@@ -161,16 +161,16 @@ async def test_policy_screens_plain_replies_in_order_per_organization(service: S
     assert stored == "Echo: pin 1234, forbidden cat"
 
 
-async def test_policy_is_not_applied_to_gated_text(service: Service) -> None:
-    org = await make_org(service)
-    await add(service, org, "Echo", "block")
-    await add(service, org, "secret", "redact")
-    await make_agent(service, org, "lead")
-    worker = await make_agent(service, org, "worker", lead="lead")
+async def test_policy_is_not_applied_to_gated_text(stack: Stack) -> None:
+    org = await make_org(stack)
+    await add(stack, org, "Echo", "block")
+    await add(stack, org, "secret", "redact")
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
 
-    out = await service.turns.run(api_trigger(org, worker, "the secret plan #complete"))
+    out = await stack.turns.run(api_trigger(org, worker, "the secret plan #complete"))
     assert isinstance(out, Gated)
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         item = (
             await conn.execute(sa.select(t.work_items).where(t.work_items.c.id == out.work_item_id))
         ).one()
@@ -181,14 +181,14 @@ async def test_policy_is_not_applied_to_gated_text(service: Service) -> None:
     assert gated == "Echo: the secret plan #complete"
 
     # The lead reviews the unscreened text; once approved it is revealed as it was.
-    await drain(service.lead_runner)
-    await drain(service.relay)
-    async with service.db.read() as conn:
+    await drain(stack.lead_runner)
+    await drain(stack.relay)
+    async with stack.db.read() as conn:
         shown = await visible_transcript(conn, org.id, item.session_id)
     assert [r["content"] for r in shown if r["role"] == "assistant"] == [
         "Echo: the secret plan #complete"
     ]
 
     # An ungated turn of the same worker is screened.
-    again = await service.turns.run(api_trigger(org, worker, "another secret"))
+    again = await stack.turns.run(api_trigger(org, worker, "another secret"))
     assert again == Reply(BLOCK_NOTICE)

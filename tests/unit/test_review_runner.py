@@ -1,4 +1,4 @@
-"""The lead review runner (SPEC 4) through the real LeadRunner, Service and database.
+"""The lead review runner (SPEC 4) through the real LeadRunner, Stack and database.
 
 Verdict paths, revision accounting, the review lease, the lead's tools and its
 execution budget. The worker is always the built-in ``script`` model; the lead is either
@@ -10,39 +10,36 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shutil
 from collections.abc import AsyncIterator, Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from engine import agents as agents_mod
-from engine import schema as t
-from engine import workitems
-from engine.clock import MINUTE_MS, FakeClock, RandomIds
-from engine.config import Settings
-from engine.db import upgrade
-from engine.errors import ModelError
-from engine.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
-from engine.providers.script import ScriptProvider
-from engine.runners import RevisionRunner, drain
-from engine.service import Service
-from engine.turns import visible_transcript
-from engine.types import Gated
-from review import decisions
-from review.queue import detail
-from review.runner import LEAD_TOOLS, LeadRunner
+from leadgate.core.clock import MINUTE_MS, FakeClock, RandomIds
+from leadgate.core.errors import ModelError
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated
+from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import workitems
+from leadgate.review import decisions
+from leadgate.review.queue import detail
+from leadgate.review.runner import LEAD_TOOLS, LeadRunner
+from leadgate.runners.revisions import RevisionRunner
+from leadgate.turns.messages import visible_transcript
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
+from leadgate.turns.providers.script import ScriptProvider
+from outbox.store import Outbox
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
+from tests.stack import Stack, build_stack
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 LEAD_TOOL_NAMES = ["submit_lead_review", "inspect_lead_messages", "inspect_lead_artifacts"]
-_TEMPLATE: list[Path] = []
 
 Behaviour = Callable[[ModelRequest, int], Iterable[ModelEvent] | BaseException]
 
@@ -85,83 +82,62 @@ def verdict(value: str, feedback: str | None = None, call_id: str = "v1") -> Too
 
 
 @pytest.fixture
-def migrated_url(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """conftest's migrated database, but SQLite files are copies of one migrated
-    template (an Alembic run costs about a second)."""
-    if not db_url.startswith("sqlite"):
-        upgrade(db_url)
-        return db_url
-    if not _TEMPLATE:
-        path = tmp_path_factory.mktemp("template") / "t.db"
-        upgrade(f"sqlite+aiosqlite:///{path}")
-        _TEMPLATE.append(path)
-    shutil.copyfile(_TEMPLATE[0], db_url.removeprefix("sqlite+aiosqlite:///"))
-    return db_url
-
-
-@pytest.fixture
 def fake_lead() -> FakeLead:
     return FakeLead()
 
 
 @pytest.fixture
-async def service(migrated_url: str, fake_lead: FakeLead) -> AsyncIterator[Service]:
-    """conftest's ``service`` plus the ``fake`` lead model."""
-    settings = Settings.model_validate({"database": {"url": migrated_url}})
-    svc = Service(
-        settings,
-        clock=FakeClock(),
-        providers={"script": ScriptProvider(), "fake": fake_lead},
-        enable_adapters=False,
-    )
-    yield svc
-    await svc.stop()
+async def stack(migrated_url: str, fake_lead: FakeLead) -> AsyncIterator[Stack]:
+    """conftest's ``stack`` plus the ``fake`` lead model."""
+    stack = build_stack(migrated_url, providers={"script": ScriptProvider(), "fake": fake_lead})
+    yield stack
+    await stack.stop()
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 async def setup(
-    service: Service,
+    stack: Stack,
     *,
     lead_model: str = "script",
     config: dict[str, Any] | None = None,
     worker: str = "worker",
 ) -> tuple[Org, dict[str, Any], dict[str, Any]]:
-    org = await make_org(service)
-    lead = await make_agent(service, org, "lead", model=lead_model)
+    org = await make_org(stack)
+    lead = await make_agent(stack, org, "lead", model=lead_model)
     kwargs: dict[str, Any] = {"lead": "lead"}
     if config is not None:
         kwargs["review_config"] = config
-    agent = await make_agent(service, org, worker, **kwargs)
+    agent = await make_agent(stack, org, worker, **kwargs)
     return org, lead, agent
 
 
 async def submit(
-    service: Service, org: Org, worker: dict[str, Any], text: str, session: str = "s1"
+    stack: Stack, org: Org, worker: dict[str, Any], text: str, session: str = "s1"
 ) -> str:
-    out = await service.turns.run(api_trigger(org, worker, f"{text} #complete", session))
+    out = await stack.turns.run(api_trigger(org, worker, f"{text} #complete", session))
     assert isinstance(out, Gated), out
     assert out.work_item_id
     return out.work_item_id
 
 
-async def actions(service: Service, item_id: str) -> list[str]:
-    return [a["action"] for a in await audit(service, item_id)]
+async def actions(stack: Stack, item_id: str) -> list[str]:
+    return [a["action"] for a in await audit(stack, item_id)]
 
 
-async def settle(service: Service) -> None:
+async def settle(stack: Stack) -> None:
     """Run lead reviews and revision turns until neither has work."""
-    revisions = RevisionRunner(service.turns)
+    revisions = RevisionRunner(stack.turns)
     for _ in range(50):
-        if not (await drain(service.lead_runner) + await drain(revisions)):
+        if not (await drain(stack.lead_runner) + await drain(revisions)):
             return
     raise AssertionError("the runners never settled")
 
 
-async def messages(service: Service, item_id: str) -> list[tuple[str, str, bool]]:
+async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
     m = t.messages.c
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         rows = (
             await conn.execute(
                 sa.select(m.role, m.content, m.lead_gated)
@@ -172,9 +148,9 @@ async def messages(service: Service, item_id: str) -> list[tuple[str, str, bool]
     return [(r.role, r.content, bool(r.lead_gated)) for r in rows]
 
 
-def clock(service: Service) -> FakeClock:
-    assert isinstance(service.clock, FakeClock)
-    return service.clock
+def clock(stack: Stack) -> FakeClock:
+    assert isinstance(stack.clock, FakeClock)
+    return stack.clock
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -182,16 +158,16 @@ def clock(service: Service) -> FakeClock:
 
 @SQLITE_ONLY
 async def test_approved_moves_to_approved_with_exactly_one_gating_delivery(
-    service: Service,
+    stack: Stack,
 ) -> None:
-    org, lead, worker = await setup(service)
-    item_id = await submit(service, org, worker, "write the report")
-    assert (await row(service, item_id))["status"] == "reviewQueued"
-    assert await drain(service.lead_runner) == 1
-    item = await row(service, item_id)
+    org, lead, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    assert (await row(stack, item_id))["status"] == "reviewQueued"
+    assert await drain(stack.lead_runner) == 1
+    item = await row(stack, item_id)
     assert item["status"] == "approved"
     assert item["lease_token"] is None and item["lease_expires_at"] is None
-    [dlv] = await deliveries(service, item_id)
+    [dlv] = await deliveries(stack, item_id)
     assert (dlv["kind"], dlv["action"], dlv["channel"], dlv["status"]) == (
         "gating",
         "reveal",
@@ -199,7 +175,7 @@ async def test_approved_moves_to_approved_with_exactly_one_gating_delivery(
         "pending",
     )
     assert dlv["text"] == "Echo: write the report #complete"
-    last = (await audit(service, item_id))[-1]
+    last = (await audit(stack, item_id))[-1]
     assert (last["actor"], last["action"], last["from_status"], last["to_status"]) == (
         f"lead:{lead['id']}",
         "approve",
@@ -207,9 +183,9 @@ async def test_approved_moves_to_approved_with_exactly_one_gating_delivery(
         "approved",
     )
     # The relay reveals the withheld message and completes the item.
-    await drain(service.relay)
-    assert (await row(service, item_id))["status"] == "completed"
-    async with service.db.read() as conn:
+    await drain(stack.relay)
+    assert (await row(stack, item_id))["status"] == "completed"
+    async with stack.db.read() as conn:
         shown = await visible_transcript(conn, org.id, item["session_id"])
     assert [m["content"] for m in shown][-1] == "Echo: write the report #complete"
 
@@ -224,12 +200,12 @@ class CollidingIds:
         return "dlv_taken" if prefix == "dlv" else self._ids.new(prefix)
 
 
-async def test_approval_and_its_delivery_are_one_transaction(service: Service) -> None:
+async def test_approval_and_its_delivery_are_one_transaction(stack: Stack) -> None:
     """When writing the delivery fails, the approval (status and audit) rolls back too."""
-    org, _, worker = await setup(service)
-    item_id = await submit(service, org, worker, "task")
-    now = service.clock.now_ms()
-    async with service.db.tx() as conn:
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "task")
+    now = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
         await conn.execute(
             t.deliveries.insert().values(
                 id="dlv_taken",
@@ -247,63 +223,66 @@ async def test_approval_and_its_delivery_are_one_transaction(service: Service) -
                 updated_at=now,
             )
         )
-    broken = LeadRunner(service.db, service.clock, CollidingIds(), service.providers)
+    colliding = CollidingIds()
+    broken = LeadRunner(
+        stack.db, stack.clock, colliding, stack.providers, Outbox(stack.clock, colliding)
+    )
     claimed = await broken.claim()
-    assert claimed is not None and claimed["id"] == item_id
-    before = await audit(service, item_id)
+    assert claimed is not None and claimed.id == item_id
+    before = await audit(stack, item_id)
     with pytest.raises(IntegrityError):
         await broken.review(claimed)
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert item["status"] == "reviewing"
-    assert item["lease_token"] == claimed["lease_token"]
-    assert await deliveries(service, item_id) == []
-    assert await audit(service, item_id) == before
+    assert item["lease_token"] == claimed.lease_token
+    assert await deliveries(stack, item_id) == []
+    assert await audit(stack, item_id) == before
     # The same claim, committed with working ids, approves once.
-    await service.lead_runner.review(claimed)
-    assert (await row(service, item_id))["status"] == "approved"
-    assert len(await deliveries(service, item_id)) == 1
+    await stack.lead_runner.review(claimed)
+    assert (await row(stack, item_id))["status"] == "approved"
+    assert len(await deliveries(stack, item_id)) == 1
 
 
-async def test_a_runner_that_lost_its_lease_commits_nothing(service: Service) -> None:
-    org, _, worker = await setup(service)
-    item_id = await submit(service, org, worker, "task")
-    first = LeadRunner(service.db, service.clock, service.ids, service.providers)
-    second = LeadRunner(service.db, service.clock, service.ids, service.providers)
+async def test_a_runner_that_lost_its_lease_commits_nothing(stack: Stack) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "task")
+    first = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    second = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
     stale = await first.claim()
     assert stale is not None
-    clock(service).advance(20 * MINUTE_MS + 1)
+    clock(stack).advance(20 * MINUTE_MS + 1)
     assert await second.expire_leases() == 1
     fresh = await second.claim()
-    assert fresh is not None and fresh["lease_token"] != stale["lease_token"]
-    audit_before = await audit(service, item_id)
+    assert fresh is not None and fresh.lease_token != stale.lease_token
+    audit_before = await audit(stack, item_id)
 
     await first.review(stale)  # TransitionError inside: logged, verdict dropped
 
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert item["status"] == "reviewing"
-    assert item["lease_token"] == fresh["lease_token"]
-    assert await deliveries(service, item_id) == []
-    assert await audit(service, item_id) == audit_before
+    assert item["lease_token"] == fresh.lease_token
+    assert await deliveries(stack, item_id) == []
+    assert await audit(stack, item_id) == audit_before
 
     await second.review(fresh)
-    assert (await row(service, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "approved"
     await first.review(stale)  # still nothing: the item is no longer reviewing
-    assert len(await deliveries(service, item_id)) == 1
-    assert (await actions(service, item_id)).count("approve") == 1
+    assert len(await deliveries(stack, item_id)) == 1
+    assert (await actions(stack, item_id)).count("approve") == 1
 
 
-async def test_changes_requested_dispatches_feedback_then_approves(service: Service) -> None:
-    org, lead, worker = await setup(service)
-    item_id = await submit(service, org, worker, "draft it #revise")
-    await drain(service.lead_runner)
-    item = await row(service, item_id)
+async def test_changes_requested_dispatches_feedback_then_approves(stack: Stack) -> None:
+    org, lead, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "draft it #revise")
+    await drain(stack.lead_runner)
+    item = await row(stack, item_id)
     assert item["status"] == "inProgress"
     assert item["revision"] == 1
     assert item["pending_feedback"] == "Please revise."
     assert item["last_feedback"] == "Please revise."
     assert item["lease_token"] is None
-    assert await deliveries(service, item_id) == []
-    last = (await audit(service, item_id))[-1]
+    assert await deliveries(stack, item_id) == []
+    last = (await audit(stack, item_id))[-1]
     assert (last["actor"], last["action"], last["text"], last["to_status"]) == (
         f"lead:{lead['id']}",
         "changesRequested",
@@ -312,13 +291,13 @@ async def test_changes_requested_dispatches_feedback_then_approves(service: Serv
     )
 
     # The feedback reaches the worker as an internal turn; it revises and completes.
-    assert await drain(RevisionRunner(service.turns)) == 1
-    item = await row(service, item_id)
+    assert await drain(RevisionRunner(stack.turns)) == 1
+    item = await row(stack, item_id)
     assert item["status"] == "reviewQueued"
     assert item["pending_feedback"] is None
     assert item["snapshot"] == "Revised: Please revise."
     assert item["summary"] == "Revised: Please revise."
-    assert await messages(service, item_id) == [
+    assert await messages(stack, item_id) == [
         ("user", "draft it #revise #complete", False),
         ("tool", "Summary: draft it #revise", False),
         ("assistant", "Echo: draft it #revise #complete", True),
@@ -328,58 +307,58 @@ async def test_changes_requested_dispatches_feedback_then_approves(service: Serv
     ]
 
     # The next review approves revision 1 (the script lead revises only revision 0).
-    await drain(service.lead_runner)
-    item = await row(service, item_id)
+    await drain(stack.lead_runner)
+    item = await row(stack, item_id)
     assert (item["status"], item["revision"]) == ("approved", 1)
-    [dlv] = await deliveries(service, item_id)
+    [dlv] = await deliveries(stack, item_id)
     assert dlv["text"] == "Revised: Please revise."
-    await drain(service.relay)
-    async with service.db.read() as conn:
+    await drain(stack.relay)
+    async with stack.db.read() as conn:
         shown = [m["content"] for m in await visible_transcript(conn, org.id, item["session_id"])]
     # Only the approved revision is revealed; the first, rejected draft stays withheld.
     assert shown == ["draft it #revise #complete", "Revised: Please revise."]
 
 
 @SQLITE_ONLY
-async def test_escalated_goes_to_a_human(service: Service) -> None:
-    org, lead, worker = await setup(service)
-    item_id = await submit(service, org, worker, "risky #escalate")
-    await drain(service.lead_runner)
-    item = await row(service, item_id)
+async def test_escalated_goes_to_a_human(stack: Stack) -> None:
+    org, lead, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "risky #escalate")
+    await drain(stack.lead_runner)
+    item = await row(stack, item_id)
     assert item["status"] == "awaitingHuman"
     assert item["revision"] == 0
     assert item["last_feedback"] == "Needs a human."
-    assert await deliveries(service, item_id) == []
-    last = (await audit(service, item_id))[-1]
+    assert await deliveries(stack, item_id) == []
+    last = (await audit(stack, item_id))[-1]
     assert (last["actor"], last["action"], last["text"]) == (
         f"lead:{lead['id']}",
         "escalate",
         "Needs a human.",
     )
     # Busy while a human decides.
-    out = await service.turns.run(api_trigger(org, worker, "anything new?"))
+    out = await stack.turns.run(api_trigger(org, worker, "anything new?"))
     assert type(out).__name__ == "Busy"
 
 
 @SQLITE_ONLY
-async def test_completion_policy_is_shown_and_never_branched_on(service: Service) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
+async def test_completion_policy_is_shown_and_never_branched_on(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
     workers = {
         policy: await make_agent(
-            service, org, f"w-{policy}", lead="lead", review_config={"completionPolicy": policy}
+            stack, org, f"w-{policy}", lead="lead", review_config={"completionPolicy": policy}
         )
         for policy in ("completeAutomatically", "requestHumanApproval")
     }
-    default = await make_agent(service, org, "w-default", lead="lead")
+    default = await make_agent(stack, org, "w-default", lead="lead")
     paths: dict[str, list[list[tuple[str, str | None, str | None]]]] = {}
     for policy, worker in workers.items():
         paths[policy] = []
         for session, text in (("a", "plain"), ("b", "again #revise"), ("c", "hard #escalate")):
-            item_id = await submit(service, org, worker, text, session)
-            await settle(service)
-            await drain(service.relay)
-            async with service.db.read() as conn:
+            item_id = await submit(stack, org, worker, text, session)
+            await settle(stack)
+            await drain(stack.relay)
+            async with stack.db.read() as conn:
                 body = await detail(conn, org.id, item_id)
             assert body["completionPolicy"] == policy
             paths[policy].append([(a["action"], a["from"], a["to"]) for a in body["audit"]])
@@ -389,8 +368,8 @@ async def test_completion_policy_is_shown_and_never_branched_on(service: Service
         "delivered",
         "escalate",
     ]
-    item_id = await submit(service, org, default, "x")
-    async with service.db.read() as conn:
+    item_id = await submit(stack, org, default, "x")
+    async with stack.db.read() as conn:
         assert (await detail(conn, org.id, item_id))["completionPolicy"] == "requestHumanApproval"
 
 
@@ -405,71 +384,69 @@ def always_changes(request: ModelRequest, n: int) -> list[ModelEvent]:
 @SQLITE_ONLY
 @pytest.mark.parametrize("rounds", [None, 1, 5])
 async def test_rounds_run_out_then_a_human_decides(
-    service: Service, fake_lead: FakeLead, rounds: int | None
+    stack: Stack, fake_lead: FakeLead, rounds: int | None
 ) -> None:
     config = None if rounds is None else {"maxRevisionRounds": rounds}
-    org, _, worker = await setup(service, lead_model="fake", config=config)
+    org, _, worker = await setup(stack, lead_model="fake", config=config)
     fake_lead.behaviour = always_changes
-    item_id = await submit(service, org, worker, "task")
-    await settle(service)
+    item_id = await submit(stack, org, worker, "task")
+    await settle(stack)
     expected = 3 if rounds is None else rounds
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert item["max_revision_rounds"] == expected
     assert (item["status"], item["revision"]) == ("awaitingHuman", expected)
     assert len(fake_lead.requests) == expected + 1
-    acts = await actions(service, item_id)
+    acts = await actions(stack, item_id)
     assert acts.count("changesRequested") == expected
     assert acts[-1] == "roundsExhausted"
     assert item["last_feedback"] == f"Fix round {expected}"
     # Each round's feedback reached the worker as an internal turn.
-    internal = [c for r, c, _ in await messages(service, item_id) if r == "internal"]
+    internal = [c for r, c, _ in await messages(stack, item_id) if r == "internal"]
     assert internal == [f"Fix round {n}" for n in range(expected)]
-    assert await deliveries(service, item_id) == []
+    assert await deliveries(stack, item_id) == []
 
 
 @SQLITE_ONLY
-async def test_a_human_return_adds_one_allowance(service: Service, fake_lead: FakeLead) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
+async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLead) -> None:
+    org, _, worker = await setup(stack, lead_model="fake")
 
     def escalate_first(request: ModelRequest, n: int) -> list[ModelEvent]:
         return [verdict("escalated", "unsure")] if n == 1 else always_changes(request, n)
 
     fake_lead.behaviour = escalate_first
-    item_id = await submit(service, org, worker, "task")
-    await drain(service.lead_runner)
-    assert (await row(service, item_id))["status"] == "awaitingHuman"
+    item_id = await submit(stack, org, worker, "task")
+    await drain(stack.lead_runner)
+    assert (await row(stack, item_id))["status"] == "awaitingHuman"
 
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         item = await workitems.get(conn, item_id)
         await decisions.human_return(
-            conn, service.clock, service.ids, item, "user:alice", "Use the 2024 numbers."
+            conn, stack.clock, stack.ids, item, "user:alice", "Use the 2024 numbers."
         )
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert (item["status"], item["revision"], item["extra_allowance"]) == ("inProgress", 1, 1)
     assert item["pending_feedback"] == "Use the 2024 numbers."
 
     # The return is dispatched to the worker, and the lead still has all three rounds.
-    await settle(service)
-    item = await row(service, item_id)
+    await settle(stack)
+    item = await row(stack, item_id)
     assert (item["status"], item["revision"]) == ("awaitingHuman", 4)
-    msgs = await messages(service, item_id)
+    msgs = await messages(stack, item_id)
     assert ("internal", "Use the 2024 numbers.", False) in msgs
     assert ("assistant", "Revised: Use the 2024 numbers.", True) in msgs
-    acts = await actions(service, item_id)
+    acts = await actions(stack, item_id)
     assert acts.count("changesRequested") == 3
     assert acts[-1] == "roundsExhausted"
 
     # A return after the rounds ran out: one more revision, and the lead can approve it.
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         item = await workitems.get(conn, item_id)
-        await decisions.human_return(
-            conn, service.clock, service.ids, item, "user:alice", "Last go"
-        )
-    item = await row(service, item_id)
+        await decisions.human_return(conn, stack.clock, stack.ids, item, "user:alice", "Last go")
+    item = await row(stack, item_id)
     assert (item["revision"], item["extra_allowance"]) == (5, 2)
     fake_lead.behaviour = lambda request, n: [verdict("approved")]
-    await settle(service)
-    item = await row(service, item_id)
+    await settle(stack)
+    item = await row(stack, item_id)
     assert (item["status"], item["snapshot"]) == ("approved", "Revised: Last go")
 
 
@@ -478,60 +455,62 @@ async def test_a_human_return_adds_one_allowance(service: Service, fake_lead: Fa
 
 @SQLITE_ONLY
 async def test_lease_is_twenty_minutes_and_the_third_expiry_goes_to_a_human(
-    service: Service,
+    stack: Stack,
 ) -> None:
-    org, _, worker = await setup(service)
-    item_id = await submit(service, org, worker, "task")
-    runner = service.lead_runner
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "task")
+    runner = stack.lead_runner
     stale: dict[str, Any] | None = None
     for expiry in (1, 2, 3):
         claimed = await runner.claim()
-        assert claimed is not None and claimed["id"] == item_id
-        assert claimed["status"] == "reviewing"
-        assert claimed["lease_token"]
-        assert claimed["lease_expires_at"] == service.clock.now_ms() + 20 * MINUTE_MS
-        clock(service).advance(20 * MINUTE_MS)
+        assert claimed is not None and claimed.id == item_id
+        assert claimed.status == "reviewing"
+        assert claimed.lease_token
+        assert claimed.lease_expires_at == stack.clock.now_ms() + 20 * MINUTE_MS
+        clock(stack).advance(20 * MINUTE_MS)
         assert await runner.expire_leases() == 0  # exactly 20 minutes: still held
-        assert (await row(service, item_id))["status"] == "reviewing"
-        clock(service).advance(1)
+        assert (await row(stack, item_id))["status"] == "reviewing"
+        clock(stack).advance(1)
         assert await runner.expire_leases() == 1
-        item = await row(service, item_id)
+        item = await row(stack, item_id)
         assert item["lease_expiries"] == expiry
         assert item["lease_token"] is None and item["lease_expires_at"] is None
         assert item["status"] == ("awaitingHuman" if expiry == 3 else "reviewQueued")
-        last = (await audit(service, item_id))[-1]
+        last = (await audit(stack, item_id))[-1]
         assert (last["actor"], last["action"]) == ("system:lease", "leaseExpired")
         assert last["text"] == f"review lease expired ({expiry} of 3)"
         stale = claimed
     assert await runner.claim() is None  # awaitingHuman is not claimable
     assert stale is not None
     await runner.review(stale)  # its lease is gone: dropped
-    assert (await row(service, item_id))["status"] == "awaitingHuman"
-    assert await deliveries(service, item_id) == []
+    assert (await row(stack, item_id))["status"] == "awaitingHuman"
+    assert await deliveries(stack, item_id) == []
 
 
-async def test_racing_runners_claim_an_item_exactly_once(service: Service) -> None:
-    org, _, worker = await setup(service)
+async def test_racing_runners_claim_an_item_exactly_once(stack: Stack) -> None:
+    org, _, worker = await setup(stack)
     runners = [
-        LeadRunner(service.db, service.clock, service.ids, service.providers) for _ in range(4)
+        LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+        for _ in range(4)
     ]
     # Two instances, one after the other.
-    first_id = await submit(service, org, worker, "one", "s1")
-    assert (await runners[0].claim() or {}).get("id") == first_id
+    first_id = await submit(stack, org, worker, "one", "s1")
+    claimed = await runners[0].claim()
+    assert claimed is not None and claimed.id == first_id
     assert await runners[1].claim() is None
     # Concurrent tasks (separate connections; SKIP LOCKED on PostgreSQL).
-    second_id = await submit(service, org, worker, "two", "s2")
+    second_id = await submit(stack, org, worker, "two", "s2")
     claims = await asyncio.gather(*(r.claim() for r in runners))
     won = [c for c in claims if c is not None]
-    assert [c["id"] for c in won] == [second_id]
+    assert [c.id for c in won] == [second_id]
     # Whole review passes, concurrently, over several items: each approved exactly once.
-    ids = [await submit(service, org, worker, f"job {n}", f"job{n}") for n in range(3)]
+    ids = [await submit(stack, org, worker, f"job {n}", f"job{n}") for n in range(3)]
     for _ in range(3):
         await asyncio.gather(*(r.run_once() for r in runners))
     for item_id in ids:
-        assert (await row(service, item_id))["status"] == "approved"
-        assert len(await deliveries(service, item_id)) == 1
-        acts = await actions(service, item_id)
+        assert (await row(stack, item_id))["status"] == "approved"
+        assert len(await deliveries(stack, item_id)) == 1
+        acts = await actions(stack, item_id)
         assert (acts.count("claim"), acts.count("approve")) == (1, 1)
 
 
@@ -540,12 +519,12 @@ async def test_racing_runners_claim_an_item_exactly_once(service: Service) -> No
 
 @SQLITE_ONLY
 async def test_the_lead_gets_three_tools_and_a_server_built_envelope(
-    service: Service, fake_lead: FakeLead
+    stack: Stack, fake_lead: FakeLead
 ) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
-    item_id = await submit(service, org, worker, "draft #revise")
-    await settle(service)
-    assert (await row(service, item_id))["status"] == "approved"
+    org, _, worker = await setup(stack, lead_model="fake")
+    item_id = await submit(stack, org, worker, "draft #revise")
+    await settle(stack)
+    assert (await row(stack, item_id))["status"] == "approved"
     first, second = fake_lead.requests
     for request in (first, second):
         assert request.purpose == "lead"
@@ -570,9 +549,9 @@ async def test_the_lead_gets_three_tools_and_a_server_built_envelope(
 
 @SQLITE_ONLY
 async def test_inspect_tools_show_gated_messages_and_artifacts(
-    service: Service, fake_lead: FakeLead
+    stack: Stack, fake_lead: FakeLead
 ) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
+    org, _, worker = await setup(stack, lead_model="fake")
 
     def inspect_then_approve(request: ModelRequest, n: int) -> list[ModelEvent]:
         if n == 1:
@@ -585,9 +564,9 @@ async def test_inspect_tools_show_gated_messages_and_artifacts(
         return [verdict("approved")]
 
     fake_lead.behaviour = inspect_then_approve
-    item_id = await submit(service, org, worker, "build it")
-    await drain(service.lead_runner)
-    assert (await row(service, item_id))["status"] == "approved"
+    item_id = await submit(stack, org, worker, "build it")
+    await drain(stack.lead_runner)
+    assert (await row(stack, item_id))["status"] == "approved"
     assert len(fake_lead.requests) == 2
     results = {
         m.tool_call_id: m.content for m in fake_lead.requests[1].messages if m.role == "tool"
@@ -606,60 +585,60 @@ async def test_inspect_tools_show_gated_messages_and_artifacts(
 
 @SQLITE_ONLY
 async def test_no_verdict_after_four_executions_escalates(
-    service: Service, fake_lead: FakeLead
+    stack: Stack, fake_lead: FakeLead
 ) -> None:
-    org, lead, worker = await setup(service, lead_model="fake")
+    org, lead, worker = await setup(stack, lead_model="fake")
     fake_lead.behaviour = lambda request, n: [TextDelta("Looks fine to me.")]
-    item_id = await submit(service, org, worker, "task")
-    await drain(service.lead_runner)
+    item_id = await submit(stack, org, worker, "task")
+    await drain(stack.lead_runner)
     assert len(fake_lead.requests) == 4
     # Each further execution was reminded to give a verdict.
     assert (
         fake_lead.requests[1].messages[-1].content == "Call submit_lead_review with your verdict."
     )
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert item["status"] == "awaitingHuman"
-    last = (await audit(service, item_id))[-1]
+    last = (await audit(stack, item_id))[-1]
     assert (last["actor"], last["action"]) == (f"lead:{lead['id']}", "escalate")
     assert last["text"] == "no verdict after 4 lead executions"
 
 
 @SQLITE_ONLY
 async def test_a_model_error_on_the_last_execution_escalates(
-    service: Service, fake_lead: FakeLead
+    stack: Stack, fake_lead: FakeLead
 ) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
+    org, _, worker = await setup(stack, lead_model="fake")
 
     def fail_last(request: ModelRequest, n: int) -> list[ModelEvent] | BaseException:
         return ModelError("upstream 503") if n == 4 else [TextDelta("hmm")]
 
     fake_lead.behaviour = fail_last
-    item_id = await submit(service, org, worker, "task")
-    await drain(service.lead_runner)
+    item_id = await submit(stack, org, worker, "task")
+    await drain(stack.lead_runner)
     assert len(fake_lead.requests) == 4
-    assert (await row(service, item_id))["status"] == "awaitingHuman"
-    last = (await audit(service, item_id))[-1]
+    assert (await row(stack, item_id))["status"] == "awaitingHuman"
+    last = (await audit(stack, item_id))[-1]
     assert last["action"] == "escalate"
     assert "the lead model failed" in last["text"] and "upstream 503" in last["text"]
 
 
 @SQLITE_ONLY
-async def test_an_early_model_error_is_retried(service: Service, fake_lead: FakeLead) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
+async def test_an_early_model_error_is_retried(stack: Stack, fake_lead: FakeLead) -> None:
+    org, _, worker = await setup(stack, lead_model="fake")
     fake_lead.behaviour = lambda request, n: (
         ModelError("timeout") if n == 1 else [verdict("approved")]
     )
-    item_id = await submit(service, org, worker, "task")
-    await drain(service.lead_runner)
+    item_id = await submit(stack, org, worker, "task")
+    await drain(stack.lead_runner)
     assert len(fake_lead.requests) == 2
-    assert (await row(service, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "approved"
 
 
 @SQLITE_ONLY
 async def test_an_invalid_verdict_gets_a_tool_error_and_the_lead_retries(
-    service: Service, fake_lead: FakeLead
+    stack: Stack, fake_lead: FakeLead
 ) -> None:
-    org, _, worker = await setup(service, lead_model="fake")
+    org, _, worker = await setup(stack, lead_model="fake")
 
     def bad_then_good(request: ModelRequest, n: int) -> list[ModelEvent]:
         if n == 1:
@@ -669,14 +648,14 @@ async def test_an_invalid_verdict_gets_a_tool_error_and_the_lead_retries(
         return [verdict("changesRequested", "Add tests.", "ok")]
 
     fake_lead.behaviour = bad_then_good
-    item_id = await submit(service, org, worker, "task")
-    await drain(service.lead_runner)
+    item_id = await submit(stack, org, worker, "task")
+    await drain(stack.lead_runner)
     assert len(fake_lead.requests) == 3
     for request, call_id in ((fake_lead.requests[1], "bad1"), (fake_lead.requests[2], "bad2")):
         tool_msg = request.messages[-1]
         assert (tool_msg.role, tool_msg.tool_call_id) == ("tool", call_id)
         assert "verdict must be" in json.loads(tool_msg.content)["error"]
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert (item["status"], item["revision"], item["pending_feedback"]) == (
         "inProgress",
         1,
@@ -687,26 +666,26 @@ async def test_an_invalid_verdict_gets_a_tool_error_and_the_lead_retries(
 @SQLITE_ONLY
 @pytest.mark.parametrize("change", ["deactivate", "delete", "unconfigured model"])
 async def test_a_lead_that_cannot_run_escalates(
-    service: Service, fake_lead: FakeLead, change: str
+    stack: Stack, fake_lead: FakeLead, change: str
 ) -> None:
-    org, lead, worker = await setup(service, lead_model="fake")
-    item_id = await submit(service, org, worker, "task")
+    org, lead, worker = await setup(stack, lead_model="fake")
+    item_id = await submit(stack, org, worker, "task")
     changes: dict[str, dict[str, Any]] = {
         "deactivate": {"active": False},
         "delete": {"delete": True},
         "unconfigured model": {"model": "gone"},
     }
     kwargs = changes[change]
-    async with service.db.tx() as conn:
+    async with stack.db.tx() as conn:
         await agents_mod.save_agent(
-            conn, service.clock, service.ids, org.id, agent_ref=lead["id"], **kwargs
+            conn, stack.clock, stack.ids, org.id, agent_ref=lead["id"], **kwargs
         )
-    await drain(service.lead_runner)
+    await drain(stack.lead_runner)
     assert fake_lead.requests == []
-    item = await row(service, item_id)
+    item = await row(stack, item_id)
     assert item["status"] == "awaitingHuman"
-    assert await deliveries(service, item_id) == []
-    last = (await audit(service, item_id))[-1]
+    assert await deliveries(stack, item_id) == []
+    last = (await audit(stack, item_id))[-1]
     assert last["action"] == "escalate"
     expected = {
         "deactivate": "the lead agent is inactive",

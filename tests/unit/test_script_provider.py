@@ -8,16 +8,18 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine.errors import ModelError
-from engine.providers.base import ChatMessage, ModelEvent, ModelRequest, TextDelta, ToolCall
-from engine.providers.script import ScriptProvider
-from engine.runners import RevisionRunner, drain
-from engine.service import Service
-from engine.turns import COMPLETE_TASK, visible_transcript
-from engine.types import Gated, Reply
-from review.runner import LEAD_TOOLS
+from leadgate.core.errors import ModelError
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated, Reply
+from leadgate.database import schema as t
+from leadgate.review.runner import LEAD_TOOLS
+from leadgate.runners.revisions import RevisionRunner
+from leadgate.turns.context import COMPLETE_TASK
+from leadgate.turns.messages import visible_transcript
+from leadgate.turns.providers.base import ChatMessage, ModelEvent, ModelRequest, TextDelta, ToolCall
+from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import api_trigger, make_agent, make_org
+from tests.stack import Stack
 
 
 async def events_of(request: ModelRequest) -> list[ModelEvent]:
@@ -163,19 +165,19 @@ async def test_lead_verdicts(task: str, revision: int, verdict: dict[str, str]) 
 # ---------------------------------------------------------------- on the real path
 
 
-async def test_script_model_drives_the_whole_review_loop(service: Service) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    worker = await make_agent(service, org, "worker", lead="lead")
-    revisions = RevisionRunner(service.turns)
+async def test_script_model_drives_the_whole_review_loop(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    revisions = RevisionRunner(stack.turns)
 
-    out = await service.turns.run(api_trigger(org, worker, "draft it #revise #complete"))
+    out = await stack.turns.run(api_trigger(org, worker, "draft it #revise #complete"))
     assert isinstance(out, Gated)
     item_id = out.work_item_id
-    await drain(service.lead_runner)  # revision 0 + #revise -> changesRequested
+    await drain(stack.lead_runner)  # revision 0 + #revise -> changesRequested
 
     async def item() -> Any:
-        async with service.db.read() as conn:
+        async with stack.db.read() as conn:
             return (
                 await conn.execute(sa.select(t.work_items).where(t.work_items.c.id == item_id))
             ).one()
@@ -190,11 +192,11 @@ async def test_script_model_drives_the_whole_review_loop(service: Service) -> No
         "Revised: Please revise.",
     )
     assert row.pending_feedback is None
-    await drain(service.lead_runner)  # revision 1 -> approved
-    await drain(service.relay)
+    await drain(stack.lead_runner)  # revision 1 -> approved
+    await drain(stack.relay)
     row = await item()
     assert row.status == "completed"
-    async with service.db.read() as conn:
+    async with stack.db.read() as conn:
         shown = await visible_transcript(conn, org.id, row.session_id)
     assert [(r["role"], r["content"]) for r in shown] == [
         ("user", "draft it #revise #complete"),
@@ -202,23 +204,23 @@ async def test_script_model_drives_the_whole_review_loop(service: Service) -> No
     ]
 
     # #escalate -> a human must decide
-    out = await service.turns.run(
+    out = await stack.turns.run(
         api_trigger(org, worker, "hard one #escalate #complete", session="s2")
     )
     assert isinstance(out, Gated)
-    await drain(service.lead_runner)
-    async with service.db.read() as conn:
+    await drain(stack.lead_runner)
+    async with stack.db.read() as conn:
         status = await conn.scalar(
             sa.select(t.work_items.c.status).where(t.work_items.c.id == out.work_item_id)
         )
     assert status == "awaitingHuman"
 
 
-async def test_fail_on_the_turn_path(service: Service) -> None:
-    org = await make_org(service)
-    plain = await make_agent(service, org, "plain")
-    await make_agent(service, org, "lead")
-    worker = await make_agent(service, org, "worker", lead="lead")
+async def test_fail_on_the_turn_path(stack: Stack) -> None:
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
 
     deltas: list[str] = []
 
@@ -226,11 +228,11 @@ async def test_fail_on_the_turn_path(service: Service) -> None:
         deltas.append(piece)
 
     with pytest.raises(ModelError):
-        await service.turns.run(api_trigger(org, plain, "boom #fail"), on_delta=on_delta)
+        await stack.turns.run(api_trigger(org, plain, "boom #fail"), on_delta=on_delta)
     assert len(deltas) == 1 and "Echo: boom #fail".startswith(deltas[0])
     with pytest.raises(ModelError):
-        await service.turns.run(api_trigger(org, worker, "boom #fail #complete"))
-    async with service.db.read() as conn:
+        await stack.turns.run(api_trigger(org, worker, "boom #fail #complete"))
+    async with stack.db.read() as conn:
         assistant = await conn.scalar(
             sa.select(sa.func.count()).where(t.messages.c.role == "assistant")
         )
@@ -240,4 +242,4 @@ async def test_fail_on_the_turn_path(service: Service) -> None:
     assert assistant == 0, "a failed turn stores no assistant text"
     assert status == "inProgress", "a failed turn signals nothing"
     # the session keeps working afterwards
-    assert await service.turns.run(api_trigger(org, plain, "ok now")) == Reply("Echo: ok now")
+    assert await stack.turns.run(api_trigger(org, plain, "ok now")) == Reply("Echo: ok now")

@@ -11,24 +11,19 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import deactivate_session
-from engine import schema as t
-from engine.clock import DAY_MS, FakeClock
-from engine.config import Settings
-from engine.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
-from engine.providers.script import ScriptProvider
-from engine.runners import drain
-from engine.service import Service
-from engine.turns import (
-    SNAPSHOT_LIMIT,
-    SUMMARY_LIMIT,
-    TASK_CONTEXT_LIMIT,
-    TurnContext,
-    TurnService,
-    visible_transcript,
-)
-from engine.types import Busy, Duplicate, Gated, Reply, Trigger
-from engine.workitems import Status
+from leadgate.core.clock import DAY_MS, FakeClock
+from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
+from leadgate.core.runners import drain
+from leadgate.core.types import Busy, Duplicate, Gated, Reply, Trigger
+from leadgate.database import schema as t
+from leadgate.domain.workitems import Status, Sweeper
+from leadgate.turns.context import TurnContext
+from leadgate.turns.messages import visible_transcript
+from leadgate.turns.path import TurnService
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
+from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.stack import Stack, build_stack
 
 Handler = Callable[[ModelRequest], Awaitable[list[ModelEvent]]]
 
@@ -64,32 +59,26 @@ def completing(text: str, summary: Any, after_tool: str = "") -> Handler:
 
 
 @pytest.fixture
-async def rig(migrated_url: str) -> AsyncIterator[tuple[Service, RecordingProvider]]:
-    """A real Service (FakeClock, no adapters) with the script model and a recorder."""
+async def rig(migrated_url: str) -> AsyncIterator[tuple[Stack, RecordingProvider]]:
+    """A Stack (FakeClock) with the script model and a recorder."""
     rec = RecordingProvider()
-    settings = Settings.model_validate({"database": {"url": migrated_url}})
-    service = Service(
-        settings,
-        clock=FakeClock(),
-        providers={"script": ScriptProvider(), "rec": rec},
-        enable_adapters=False,
-    )
-    yield service, rec
-    await service.stop()
+    stack = build_stack(migrated_url, providers={"script": ScriptProvider(), "rec": rec})
+    yield stack, rec
+    await stack.stop()
 
 
-async def count(service: Service, table: sa.Table) -> int:
-    async with service.db.read() as conn:
+async def count(stack: Stack, table: sa.Table) -> int:
+    async with stack.db.read() as conn:
         return int(await conn.scalar(sa.select(sa.func.count()).select_from(table)) or 0)
 
 
-async def select_all(service: Service, query: sa.Select[Any]) -> list[dict[str, Any]]:
-    async with service.db.read() as conn:
+async def select_all(stack: Stack, query: sa.Select[Any]) -> list[dict[str, Any]]:
+    async with stack.db.read() as conn:
         return [dict(r._mapping) for r in (await conn.execute(query)).all()]
 
 
-async def session_id(service: Service, agent: dict[str, Any], key: str = "s1") -> str:
-    async with service.db.read() as conn:
+async def session_id(stack: Stack, agent: dict[str, Any], key: str = "s1") -> str:
+    async with stack.db.read() as conn:
         sid = await conn.scalar(
             sa.select(t.sessions.c.id).where(
                 t.sessions.c.agent_id == agent["id"], t.sessions.c.key == key
@@ -99,67 +88,65 @@ async def session_id(service: Service, agent: dict[str, Any], key: str = "s1") -
     return str(sid)
 
 
-async def items(service: Service, agent: dict[str, Any]) -> list[dict[str, Any]]:
+async def items(stack: Stack, agent: dict[str, Any]) -> list[dict[str, Any]]:
     w = t.work_items.c
     return await select_all(
-        service,
+        stack,
         sa.select(t.work_items).where(w.agent_id == agent["id"]).order_by(w.created_at, w.id),
     )
 
 
-async def messages(
-    service: Service, agent: dict[str, Any], key: str = "s1"
-) -> list[dict[str, Any]]:
+async def messages(stack: Stack, agent: dict[str, Any], key: str = "s1") -> list[dict[str, Any]]:
     m = t.messages.c
-    sid = await session_id(service, agent, key)
+    sid = await session_id(stack, agent, key)
     return await select_all(
-        service, sa.select(t.messages).where(m.session_id == sid).order_by(m.created_at, m.id)
+        stack, sa.select(t.messages).where(m.session_id == sid).order_by(m.created_at, m.id)
     )
 
 
-async def transcript(service: Service, org: Org, agent: dict[str, Any], key: str = "s1") -> Any:
-    sid = await session_id(service, agent, key)
-    async with service.db.read() as conn:
+async def transcript(stack: Stack, org: Org, agent: dict[str, Any], key: str = "s1") -> Any:
+    sid = await session_id(stack, agent, key)
+    async with stack.db.read() as conn:
         rows = await visible_transcript(conn, org.id, sid)
     return [(r["role"], r["content"]) for r in rows]
 
 
-async def force_status(service: Service, item_id: str, status: Status) -> None:
-    async with service.db.tx() as conn:
+async def force_status(stack: Stack, item_id: str, status: Status) -> None:
+    async with stack.db.tx() as conn:
         await conn.execute(
             t.work_items.update().where(t.work_items.c.id == item_id).values(status=status.value)
         )
 
 
-def clock_of(service: Service) -> FakeClock:
-    assert isinstance(service.clock, FakeClock)
-    return service.clock
+def clock_of(stack: Stack) -> FakeClock:
+    assert isinstance(stack.clock, FakeClock)
+    return stack.clock
 
 
 async def lead_worker(
-    service: Service, org: Org, name: str = "worker", model: str = "script"
+    stack: Stack, org: Org, name: str = "worker", model: str = "script"
 ) -> dict[str, Any]:
-    await make_agent(service, org, f"{name}-lead")
-    return await make_agent(service, org, name, lead=f"{name}-lead", model=model)
+    await make_agent(stack, org, f"{name}-lead")
+    return await make_agent(stack, org, name, lead=f"{name}-lead", model=model)
 
 
 # --------------------------------------------------------------------------- intake
 
 
 async def test_plain_turn_on_an_existing_session_is_cheap(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
     """A plain turn of an existing session with an unchanged binding, by the agent's slug
     (as REST and MCP pass it): one intake and one finish transaction, the agent, session
     (+ binding), policy and history reads, and only the user and assistant messages: no
     inbound-event row (nothing to de-duplicate, no work item to audit)."""
-    service, _ = rig
-    org = await make_org(service)
-    agent = await make_agent(service, org, "plain")
-    first = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello"))
+    stack, _ = rig
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    first = await stack.turns.run(api_trigger(org, {"id": "plain"}, "hello"))
     assert first == Reply("Echo: hello")
-    with service.db.record_statements() as statements:
-        again = await service.turns.run(api_trigger(org, {"id": "plain"}, "hello again"))
+    with stack.db.record_statements() as statements:
+        again = await stack.turns.run(api_trigger(org, {"id": "plain"}, "hello again"))
     assert again == Reply("Echo: hello again")
     work = sorted(
         verb
@@ -168,117 +155,117 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     )
     assert work == ["INSERT"] * 2 + ["SELECT"] * 4, statements
     assert not [sql for sql in statements if "inbound_events" in sql]
-    assert [m["role"] for m in await messages(service, agent)] == ["user", "assistant"] * 2
+    assert [m["role"] for m in await messages(stack, agent)] == ["user", "assistant"] * 2
 
 
 async def test_intake_creates_then_appends_with_the_50k_cap(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, _ = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org)
-    plain = await make_agent(service, org, "plain")
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    plain = await make_agent(stack, org, "plain")
 
     # 1. No active item: one is created inProgress; the task context is the message,
     #    truncated to 50,000 characters (the stored user message is not truncated).
     long = "a" * 60_000
-    out = await service.turns.run(api_trigger(org, worker, long, session="long"))
+    out = await stack.turns.run(api_trigger(org, worker, long, session="long"))
     assert out == Reply("Echo: " + long)
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert item["status"] == "inProgress"
     assert item["revision"] == 0
     assert item["task_context"] == long[:TASK_CONTEXT_LIMIT]
     assert len(item["task_context"]) == 50_000
     assert item["completion_policy"] == "requestHumanApproval"
     assert item["max_revision_rounds"] == 3
-    user_rows = [m for m in await messages(service, worker, "long") if m["role"] == "user"]
+    user_rows = [m for m in await messages(stack, worker, "long") if m["role"] == "user"]
     assert [len(m["content"]) for m in user_rows] == [60_000]
     assert user_rows[0]["work_item_id"] == item["id"]
 
     # 2. Active item inProgress: the message is appended (a blank line between).
-    clock_of(service).advance(5_000)
-    await service.turns.run(api_trigger(org, worker, "first", session="s1"))
-    clock_of(service).advance(5_000)
-    await service.turns.run(api_trigger(org, worker, "second", session="s1"))
-    appended = [i for i in await items(service, worker) if i["id"] != item["id"]]
+    clock_of(stack).advance(5_000)
+    await stack.turns.run(api_trigger(org, worker, "first", session="s1"))
+    clock_of(stack).advance(5_000)
+    await stack.turns.run(api_trigger(org, worker, "second", session="s1"))
+    appended = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert len(appended) == 1, "one active work item per (worker, session)"
     assert appended[0]["task_context"] == "first\n\nsecond"
-    assert appended[0]["last_activity_at"] == service.clock.now_ms()
+    assert appended[0]["last_activity_at"] == stack.clock.now_ms()
 
     # The 50,000 cap applies to the whole task context: whatever an append would add
     # beyond it is dropped (the start of the task is kept, the tail is cut).
-    await service.turns.run(api_trigger(org, worker, "b" * 49_990, session="cap"))
-    await service.turns.run(api_trigger(org, worker, "c" * 100, session="cap"))
-    cap = [i for i in await items(service, worker) if i["task_context"].startswith("b")]
+    await stack.turns.run(api_trigger(org, worker, "b" * 49_990, session="cap"))
+    await stack.turns.run(api_trigger(org, worker, "c" * 100, session="cap"))
+    cap = [i for i in await items(stack, worker) if i["task_context"].startswith("b")]
     assert len(cap) == 1
     assert cap[0]["task_context"] == "b" * 49_990 + "\n\n" + "c" * 8
     assert len(cap[0]["task_context"]) == TASK_CONTEXT_LIMIT
-    await service.turns.run(api_trigger(org, worker, "d" * 10, session="cap"))
-    cap = [i for i in await items(service, worker) if i["task_context"].startswith("b")]
+    await stack.turns.run(api_trigger(org, worker, "d" * 10, session="cap"))
+    cap = [i for i in await items(stack, worker) if i["task_context"].startswith("b")]
     assert len(cap[0]["task_context"]) == TASK_CONTEXT_LIMIT
     assert "d" not in cap[0]["task_context"]
 
     # Every accepted message is an inbound event linked to its item.
     events = await select_all(
-        service, sa.select(t.inbound_events).where(t.inbound_events.c.agent_id == worker["id"])
+        stack, sa.select(t.inbound_events).where(t.inbound_events.c.agent_id == worker["id"])
     )
     assert len(events) == 6
     assert {e["outcome"] for e in events} == {"accepted"}
     assert all(e["work_item_id"] for e in events)
 
     # A worker without a lead: plain chat, no work item at all.
-    assert await service.turns.run(api_trigger(org, plain, "hi")) == Reply("Echo: hi")
-    assert await items(service, plain) == []
+    assert await stack.turns.run(api_trigger(org, plain, "hi")) == Reply("Echo: hi")
+    assert await items(stack, plain) == []
 
 
 async def test_busy_rejects_records_and_runs_nothing(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org, model="rec")
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
     rec.handler = completing("the work", "did the work")
-    gated = await service.turns.run(api_trigger(org, worker, "please work"))
+    gated = await stack.turns.run(api_trigger(org, worker, "please work"))
     assert isinstance(gated, Gated)
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert item["status"] == "reviewQueued"
 
     for status in (Status.reviewQueued, Status.reviewing, Status.awaitingHuman, Status.approved):
-        await force_status(service, item["id"], status)
+        await force_status(stack, item["id"], status)
         calls = len(rec.requests)
-        message_count = await count(service, t.messages)
+        message_count = await count(stack, t.messages)
         text = f"more while {status}"
-        out = await service.turns.run(api_trigger(org, worker, text))
+        out = await stack.turns.run(api_trigger(org, worker, text))
         assert out == Busy(work_item_id=item["id"]), status
         assert len(rec.requests) == calls, "no model call on a busy turn"
-        assert await count(service, t.messages) == message_count, "no message stored"
-        [now] = await items(service, worker)
+        assert await count(stack, t.messages) == message_count, "no message stored"
+        [now] = await items(stack, worker)
         assert now["task_context"] == "please work", "a busy message is not appended"
         assert now["status"] == status.value
         rejected = await select_all(
-            service, sa.select(t.inbound_events).where(t.inbound_events.c.content == text)
+            stack, sa.select(t.inbound_events).where(t.inbound_events.c.content == text)
         )
         assert len(rejected) == 1
         assert rejected[0]["outcome"] == "rejectedBusy"
         assert rejected[0]["work_item_id"] == item["id"]
 
     # Once the item is terminal, the next message starts a new item.
-    await force_status(service, item["id"], Status.completed)
+    await force_status(stack, item["id"], Status.completed)
     rec.handler = RecordingProvider.default
-    assert await service.turns.run(api_trigger(org, worker, "new task")) == Reply("plain answer")
-    second = [i for i in await items(service, worker) if i["id"] != item["id"]]
+    assert await stack.turns.run(api_trigger(org, worker, "new task")) == Reply("plain answer")
+    second = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert [(i["status"], i["task_context"], i["revision"]) for i in second] == [
         ("inProgress", "new task", 0)
     ]
 
 
 async def test_duplicate_external_event_runs_no_second_turn(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org, model="rec")
-    plain = await make_agent(service, org, "plain", model="rec")
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
+    plain = await make_agent(stack, org, "plain", model="rec")
 
     for agent, event_id in ((worker, "slack:Ev1"), (plain, "slack:Ev2")):
         trigger = Trigger(
@@ -289,18 +276,18 @@ async def test_duplicate_external_event_runs_no_second_turn(
             binding=api_trigger(org, agent, "x").binding,
             external_event_id=event_id,
         )
-        assert await service.turns.run(trigger) == Reply("plain answer")
+        assert await stack.turns.run(trigger) == Reply("plain answer")
         calls = len(rec.requests)
-        stored = await count(service, t.messages)
-        assert await service.turns.run(trigger) == Duplicate()
+        stored = await count(stack, t.messages)
+        assert await stack.turns.run(trigger) == Duplicate()
         assert len(rec.requests) == calls
-        assert await count(service, t.messages) == stored
+        assert await count(stack, t.messages) == stored
         events = await select_all(
-            service,
+            stack,
             sa.select(t.inbound_events).where(t.inbound_events.c.external_event_id == event_id),
         )
         assert len(events) == 1
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert item["task_context"] == "hello once", "a duplicate is not appended"
 
 
@@ -308,24 +295,24 @@ async def test_duplicate_external_event_runs_no_second_turn(
 
 
 async def test_complete_task_is_offered_only_with_a_resolved_lead(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    lead = await make_agent(service, org, "lead")
-    plain = await make_agent(service, org, "plain", model="rec")
-    worker = await make_agent(service, org, "worker", lead="lead", model="rec")
-    async with service.db.tx() as conn:
-        from engine.agents import create_preset
+    stack, rec = rig
+    org = await make_org(stack)
+    lead = await make_agent(stack, org, "lead")
+    plain = await make_agent(stack, org, "plain", model="rec")
+    worker = await make_agent(stack, org, "worker", lead="lead", model="rec")
+    async with stack.db.tx() as conn:
+        from leadgate.domain.agents import create_preset
 
-        await create_preset(conn, service.clock, service.ids, org_id=org.id, name="p", lead="lead")
-        await create_preset(conn, service.clock, service.ids, org_id=None, name="plat")
-    via_preset = await make_agent(service, org, "via-preset", preset="p", model="rec")
-    via_platform = await make_agent(service, org, "via-platform", preset="plat", model="rec")
+        await create_preset(conn, stack.clock, stack.ids, org_id=org.id, name="p", lead="lead")
+        await create_preset(conn, stack.clock, stack.ids, org_id=None, name="plat")
+    via_preset = await make_agent(stack, org, "via-preset", preset="p", model="rec")
+    via_platform = await make_agent(stack, org, "via-platform", preset="plat", model="rec")
 
     async def tools_for(agent: dict[str, Any]) -> list[str]:
         rec.requests.clear()
-        await service.turns.run(api_trigger(org, agent, "what tools?"))
+        await stack.turns.run(api_trigger(org, agent, "what tools?"))
         assert len(rec.requests) == 1
         return [tool.name for tool in rec.requests[0].tools]
 
@@ -338,36 +325,36 @@ async def test_complete_task_is_offered_only_with_a_resolved_lead(
     assert set(spec.parameters["properties"]) == {"summary"}
 
     # The trusted context is server-side only: the model never sees the work item id.
-    [item] = await items(service, via_preset)
+    [item] = await items(stack, via_preset)
     for request in rec.requests:
         assert all(item["id"] not in m.content for m in request.messages)
         assert all(lead["id"] not in m.content for m in request.messages)
 
     # A plain worker's model calling complete_task anyway gets a tool error; nothing gated.
     rec.handler = completing("plain text", "sneaky", after_tool="!")
-    out = await service.turns.run(api_trigger(org, plain, "try it"))
+    out = await stack.turns.run(api_trigger(org, plain, "try it"))
     assert out == Reply("plain text!")
     tool_result = json.loads(rec.requests[-1].messages[-1].content)
     assert "error" in tool_result
-    assert not any(m["lead_gated"] for m in await messages(service, plain))
-    assert await items(service, plain) == []
+    assert not any(m["lead_gated"] for m in await messages(stack, plain))
+    assert await items(stack, plain) == []
 
 
-async def test_complete_task_summary_rules(rig: tuple[Service, RecordingProvider]) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org, model="rec")
+async def test_complete_task_summary_rules(rig: tuple[Stack, RecordingProvider]) -> None:
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
     bad_summaries: list[Any] = ["", "   \n\t ", "x" * (SUMMARY_LIMIT + 1), 123, None, ["a"]]
     for index, bad in enumerate(bad_summaries):
         rec.handler = completing(f"answer {index}", bad, after_tool=" (noted)")
-        out = await service.turns.run(api_trigger(org, worker, f"task {index}"))
+        out = await stack.turns.run(api_trigger(org, worker, f"task {index}"))
         assert out == Reply(f"answer {index} (noted)"), bad
         # the model received the violation as a tool error
         tool_message = rec.requests[-1].messages[-1]
         assert tool_message.role == "tool"
         assert tool_message.tool_call_id == "call_1"
         assert "error" in json.loads(tool_message.content)
-        [item] = await items(service, worker)
+        [item] = await items(stack, worker)
         assert item["status"] == "inProgress"
         assert item["signal_summary"] is None
         assert item["summary"] is None
@@ -382,17 +369,17 @@ async def test_complete_task_summary_rules(rig: tuple[Service, RecordingProvider
         ]
 
     rec.handler = broken
-    assert await service.turns.run(api_trigger(org, worker, "again")) == Reply("broken args")
+    assert await stack.turns.run(api_trigger(org, worker, "again")) == Reply("broken args")
     assert "error" in json.loads(rec.requests[-1].messages[-1].content)
-    assert not any(m["lead_gated"] for m in await messages(service, worker))
+    assert not any(m["lead_gated"] for m in await messages(stack, worker))
 
     # Exactly 2,000 characters is accepted.
     ok = "y" * SUMMARY_LIMIT
     rec.handler = completing("final answer", ok)
-    out = await service.turns.run(api_trigger(org, worker, "finish"))
+    out = await stack.turns.run(api_trigger(org, worker, "finish"))
     assert isinstance(out, Gated)
     assert json.loads(rec.requests[-1].messages[-1].content)["ok"] is True
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert (item["status"], item["summary"], item["snapshot"]) == (
         "reviewQueued",
         ok,
@@ -405,16 +392,16 @@ async def test_complete_task_summary_rules(rig: tuple[Service, RecordingProvider
 
 
 async def test_gated_text_is_hidden_until_approved_and_revealed(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, _ = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org)
-    out = await service.turns.run(api_trigger(org, worker, "write it #complete"))
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    out = await stack.turns.run(api_trigger(org, worker, "write it #complete"))
     assert isinstance(out, Gated)
     assert out.revision == 0
-    [item] = await items(service, worker)
-    rows = await messages(service, worker)
+    [item] = await items(stack, worker)
+    rows = await messages(stack, worker)
     assistant = [m for m in rows if m["role"] == "assistant"]
     assert [(m["content"], m["lead_gated"]) for m in assistant] == [
         ("Echo: write it #complete", True)
@@ -422,9 +409,9 @@ async def test_gated_text_is_hidden_until_approved_and_revealed(
     assert item["gated_message_id"] == assistant[0]["id"]
     assert item["snapshot"] == "Echo: write it #complete"
     assert item["summary"] == "Summary: write it"
-    assert await transcript(service, org, worker) == [("user", "write it #complete")]
+    assert await transcript(stack, org, worker) == [("user", "write it #complete")]
     audit = await select_all(
-        service,
+        stack,
         sa.select(t.audit)
         .where(t.audit.c.work_item_id == item["id"])
         .order_by(t.audit.c.created_at, t.audit.c.id),
@@ -435,14 +422,14 @@ async def test_gated_text_is_hidden_until_approved_and_revealed(
     ]
     assert audit[1]["text"] == "Summary: write it"
 
-    await drain(service.lead_runner)
-    [item] = await items(service, worker)
+    await drain(stack.lead_runner)
+    [item] = await items(stack, worker)
     assert item["status"] == "approved"
-    assert await transcript(service, org, worker) == [("user", "write it #complete")]
-    await drain(service.relay)
-    [item] = await items(service, worker)
+    assert await transcript(stack, org, worker) == [("user", "write it #complete")]
+    await drain(stack.relay)
+    [item] = await items(stack, worker)
     assert item["status"] == "completed"
-    assert await transcript(service, org, worker) == [
+    assert await transcript(stack, org, worker) == [
         ("user", "write it #complete"),
         ("assistant", "Echo: write it #complete"),
     ]
@@ -456,23 +443,23 @@ class UnreadableSignal(TurnService):
 
 
 async def test_fail_closed_when_the_signal_cannot_be_read(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, _ = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org)
-    plain = await make_agent(service, org, "plain")
-    turns = UnreadableSignal(service.db, service.clock, service.ids, service.providers)
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    plain = await make_agent(stack, org, "plain")
+    turns = UnreadableSignal(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
 
     for text in ("just chatting", "done #complete"):
         out = await turns.run(api_trigger(org, worker, text))
         assert isinstance(out, Gated), text
-    assistant = [m for m in await messages(service, worker) if m["role"] == "assistant"]
+    assistant = [m for m in await messages(stack, worker) if m["role"] == "assistant"]
     assert [(m["content"], m["lead_gated"]) for m in assistant] == [
         ("Echo: just chatting", True),
         ("Echo: done #complete", True),
     ]
-    assert await transcript(service, org, worker) == [
+    assert await transcript(stack, org, worker) == [
         ("user", "just chatting"),
         ("user", "done #complete"),
     ]
@@ -480,45 +467,45 @@ async def test_fail_closed_when_the_signal_cannot_be_read(
     assert await turns.run(api_trigger(org, plain, "hello")) == Reply("Echo: hello")
 
 
-async def test_snapshot_is_capped_at_100k(rig: tuple[Service, RecordingProvider]) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org, model="rec")
+async def test_snapshot_is_capped_at_100k(rig: tuple[Stack, RecordingProvider]) -> None:
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
     text = "".join(chr(ord("a") + i % 26) for i in range(SNAPSHOT_LIMIT + 50))
     rec.handler = completing(text, "big output")
-    out = await service.turns.run(api_trigger(org, worker, "produce a lot"))
+    out = await stack.turns.run(api_trigger(org, worker, "produce a lot"))
     assert isinstance(out, Gated)
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert item["snapshot"] == text[:SNAPSHOT_LIMIT]
     assert len(item["snapshot"]) == 100_000
-    gated = [m for m in await messages(service, worker) if m["role"] == "assistant"]
+    gated = [m for m in await messages(stack, worker) if m["role"] == "assistant"]
     assert gated[0]["content"] == text  # the withheld message itself is whole
     assert gated[0]["lead_gated"] is True
 
 
 async def test_incomplete_provenance_goes_to_a_human(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, rec = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org, model="rec")
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
 
     async def unbind_then_complete(request: ModelRequest) -> list[ModelEvent]:
         if request.messages[-1].role == "tool":
             return []
-        async with service.db.tx() as conn:
-            assert await deactivate_session(conn, await session_id(service, worker)) == 1
+        async with stack.db.tx() as conn:
+            assert await deactivate_session(conn, await session_id(stack, worker)) == 1
         return [TextDelta("finished"), ToolCall("c1", "complete_task", {"summary": "done"})]
 
     rec.handler = unbind_then_complete
-    service.wakes.clear()
-    out = await service.turns.run(api_trigger(org, worker, "task"))
+    stack.wakes.clear()
+    out = await stack.turns.run(api_trigger(org, worker, "task"))
     assert isinstance(out, Gated)
-    [item] = await items(service, worker)
+    [item] = await items(stack, worker)
     assert item["status"] == "awaitingHuman"
     assert item["snapshot"] == "finished"
     audit = await select_all(
-        service,
+        stack,
         sa.select(t.audit)
         .where(t.audit.c.work_item_id == item["id"])
         .order_by(t.audit.c.created_at, t.audit.c.id),
@@ -527,16 +514,16 @@ async def test_incomplete_provenance_goes_to_a_human(
     assert (audit[-1]["from_status"], audit[-1]["to_status"]) == ("inProgress", "awaitingHuman")
     assert "binding" in audit[-1]["text"]
     # no lead review was queued
-    assert "lead-review" not in service.wakes or not service.wakes["lead-review"].is_set()
-    assert await drain(service.lead_runner) == 0
+    assert "lead-review" not in stack.wakes or not stack.wakes["lead-review"].is_set()
+    assert await drain(stack.lead_runner) == 0
     # the text stays withheld
-    assert await transcript(service, org, worker) == [("user", "task")]
+    assert await transcript(stack, org, worker) == [("user", "task")]
 
     # Control: the same turn with the binding intact queues a review.
     rec.handler = completing("finished", "done")
-    await service.turns.run(api_trigger(org, worker, "task", session="s2"))
-    assert service.wakes["lead-review"].is_set()
-    second = [i for i in await items(service, worker) if i["id"] != item["id"]]
+    await stack.turns.run(api_trigger(org, worker, "task", session="s2"))
+    assert stack.wakes["lead-review"].is_set()
+    second = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert second[0]["status"] == "reviewQueued"
 
 
@@ -544,23 +531,23 @@ async def test_incomplete_provenance_goes_to_a_human(
 
 
 async def test_idle_in_progress_items_are_abandoned_after_7_days(
-    rig: tuple[Service, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider],
 ) -> None:
-    service, _ = rig
-    org = await make_org(service)
-    worker = await lead_worker(service, org)
-    sweeper = next(r for r in service.runners if r.name == "abandonment-sweeper")
-    clock = clock_of(service)
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    sweeper = Sweeper(stack.db, stack.clock, stack.ids)
+    clock = clock_of(stack)
 
-    await service.turns.run(api_trigger(org, worker, "idle task", session="idle"))
-    await service.turns.run(api_trigger(org, worker, "busy task", session="busy"))
-    gated = await service.turns.run(api_trigger(org, worker, "queued #complete", session="q"))
+    await stack.turns.run(api_trigger(org, worker, "idle task", session="idle"))
+    await stack.turns.run(api_trigger(org, worker, "busy task", session="busy"))
+    gated = await stack.turns.run(api_trigger(org, worker, "queued #complete", session="q"))
     assert isinstance(gated, Gated)
     clock.advance(6 * DAY_MS)
-    await service.turns.run(api_trigger(org, worker, "still here", session="busy"))
+    await stack.turns.run(api_trigger(org, worker, "still here", session="busy"))
 
     async def statuses() -> dict[str, str]:
-        return {i["task_context"].split()[0]: i["status"] for i in await items(service, worker)}
+        return {i["task_context"].split()[0]: i["status"] for i in await items(stack, worker)}
 
     clock.advance(DAY_MS - 1)  # the idle item is 7 days minus 1 ms old
     assert await drain(sweeper) == 0
@@ -581,12 +568,12 @@ async def test_idle_in_progress_items_are_abandoned_after_7_days(
     assert await drain(sweeper) == 0  # only inProgress items are abandoned
 
     audit = await select_all(
-        service, sa.select(t.audit).where(t.audit.c.action == "abandon").order_by(t.audit.c.id)
+        stack, sa.select(t.audit).where(t.audit.c.action == "abandon").order_by(t.audit.c.id)
     )
     assert len(audit) == 2
     assert {(a["from_status"], a["to_status"], a["actor"]) for a in audit} == {
         ("inProgress", "abandoned", "system:sweeper")
     }
     # The session is free again: the next message starts a new item.
-    await service.turns.run(api_trigger(org, worker, "fresh start", session="idle"))
+    await stack.turns.run(api_trigger(org, worker, "fresh start", session="idle"))
     assert (await statuses())["fresh"] == "inProgress"

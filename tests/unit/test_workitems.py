@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from engine import schema as t
-from engine import workitems
-from engine.db import Database, upgrade
-from engine.errors import ConfigError, Conflict, NotMigratedError, TransitionError
-from engine.service import Service
-from engine.workitems import ACTIVE, TERMINAL, TRANSITIONS, Status, allowed
+from leadgate.core.errors import ConfigError, Conflict, NotMigratedError, TransitionError
+from leadgate.database import schema as t
+from leadgate.database.db import Database, upgrade
+from leadgate.domain import workitems
+from leadgate.domain.workitems import ACTIVE, TERMINAL, TRANSITIONS, Status, allowed
 from tests.helpers import api_trigger, make_agent, make_org
+from tests.stack import Stack
 
 S = Status
 
@@ -93,8 +93,8 @@ def test_table_is_exactly_the_expected_one() -> None:
 # ----------------------------------------------------------------- fenced transitions
 
 
-async def _item_and_audit(service: Service, item_id: str) -> tuple[dict[str, Any], int]:
-    async with service.db.read() as conn:
+async def _item_and_audit(stack: Stack, item_id: str) -> tuple[dict[str, Any], int]:
+    async with stack.db.read() as conn:
         item = await workitems.get(conn, item_id)
         count = await conn.scalar(
             sa.select(sa.func.count()).where(t.audit.c.work_item_id == item_id)
@@ -102,8 +102,8 @@ async def _item_and_audit(service: Service, item_id: str) -> tuple[dict[str, Any
     return item, int(count or 0)
 
 
-async def _audit_rows(service: Service, item_id: str) -> list[dict[str, Any]]:
-    async with service.db.read() as conn:
+async def _audit_rows(stack: Stack, item_id: str) -> list[dict[str, Any]]:
+    async with stack.db.read() as conn:
         rows = (
             await conn.execute(
                 sa.select(t.audit)
@@ -114,29 +114,29 @@ async def _audit_rows(service: Service, item_id: str) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    worker = await make_agent(service, org, "worker", lead="lead")
-    await service.turns.run(api_trigger(org, worker, "start the task"))
-    async with service.db.read() as conn:
+async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await stack.turns.run(api_trigger(org, worker, "start the task"))
+    async with stack.db.read() as conn:
         item_id = await conn.scalar(
             sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
         )
     assert item_id is not None
-    clock: Any = service.clock
+    clock: Any = stack.clock
     clock.advance(1_000)
 
     async def attempt(src: Status, dst: Status, **kwargs: Any) -> None:
         # The failure is caught inside the transaction and the transaction commits:
         # a fenced update that matched nothing must have written nothing at all.
         error: TransitionError | None = None
-        async with service.db.tx() as conn:
+        async with stack.db.tx() as conn:
             try:
                 await workitems.transition(
                     conn,
-                    service.clock,
-                    service.ids,
+                    stack.clock,
+                    stack.ids,
                     item_id,
                     src=src,
                     dst=dst,
@@ -150,11 +150,11 @@ async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
             raise error
 
     async def move(src: Status, dst: Status, **kwargs: Any) -> dict[str, Any]:
-        async with service.db.tx() as conn:
-            return await workitems.transition(
+        async with stack.db.tx() as conn:
+            moved = await workitems.transition(
                 conn,
-                service.clock,
-                service.ids,
+                stack.clock,
+                stack.ids,
                 item_id,
                 src=src,
                 dst=dst,
@@ -163,15 +163,16 @@ async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
                 text="why",
                 **kwargs,
             )
+        return moved._asdict()
 
     async def expect_unchanged(src: Status, dst: Status, rule: str, **kwargs: Any) -> None:
-        before = await _item_and_audit(service, item_id)
+        before = await _item_and_audit(stack, item_id)
         clock.advance(1_000)
         with pytest.raises(TransitionError) as info:
             await attempt(src, dst, **kwargs)
         assert info.value.rule == rule
         assert isinstance(info.value, Conflict) and info.value.status == 409
-        assert await _item_and_audit(service, item_id) == before
+        assert await _item_and_audit(stack, item_id) == before
 
     # Forbidden by the table: refused before any SQL.
     await expect_unchanged(S.inProgress, S.approved, "workItem.transition")
@@ -184,7 +185,7 @@ async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
 
     row = await move(S.inProgress, S.reviewQueued)
     assert row["status"] == "reviewQueued"
-    assert row["updated_at"] == service.clock.now_ms()
+    assert row["updated_at"] == stack.clock.now_ms()
     row = await move(S.reviewQueued, S.reviewing, values={"lease_token": "lease-1"})
     assert row["lease_token"] == "lease-1"
     # Lease-token fencing: a runner that lost its lease cannot commit.
@@ -196,7 +197,7 @@ async def test_fenced_transitions_leases_and_audit(service: Service) -> None:
     for dst in Status:
         await expect_unchanged(S.completed, dst, "workItem.transition")
 
-    audit = await _audit_rows(service, item_id)
+    audit = await _audit_rows(stack, item_id)
     assert [(a["action"], a["from_status"], a["to_status"]) for a in audit] == [
         ("create", None, "inProgress"),
         ("inProgress->reviewQueued", "inProgress", "reviewQueued"),

@@ -1,0 +1,395 @@
+"""Discord, outbound: discord.py's REST client posting approved output and replies.
+
+:class:`DiscordChannel` posts through discord.py's HTTP client. Channel posts carry a
+nonce derived from the delivery's idempotency key with ``enforce_nonce``, so Discord
+itself drops a repeat inside its de-duplication window; a slash command's reply fills
+(or, when there is nothing to show, deletes) the interaction's deferred response.
+
+discord.py keeps its REST base and gateway URL in class attributes
+(``discord.http.Route.BASE``, ``DiscordWebSocket.DEFAULT_GATEWAY``);
+:func:`configure_endpoints` sets them once from the settings, which is how tests point
+the real SDK at a stand-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import hashlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import discord
+import discord.gateway
+import discord.http
+import yarl
+from discord.webhook.async_ import async_context as _webhook_adapter
+
+from leadgate.core.config import DiscordSettings
+from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+
+log = logging.getLogger(__name__)
+
+
+# Discord accepts a nonce of at most 25 characters.
+_NONCE_LEN = 25
+# A model's text must never ping @everyone/roles; a reply may ping its author.
+_ALLOWED_MENTIONS = discord.AllowedMentions(
+    everyone=False, users=False, roles=False, replied_user=True
+)
+_WEBHOOK_ALLOWED_MENTIONS: dict[str, Any] = {"parse": []}
+# Interaction tokens live 15 minutes; remembering a few thousand is plenty.
+_MAX_TRACKED_INTERACTIONS = 4096
+
+
+def nonce_for(idempotency_key: str) -> str:
+    """A stable Discord nonce (<= 25 characters) for one delivery."""
+    return hashlib.sha256(idempotency_key.encode()).hexdigest()[:_NONCE_LEN]
+
+
+def quiet_voice_warning() -> None:
+    # discord.py warns once per process that voice is unsupported; leadgate never uses
+    # voice, so the warning is only noise in the service's log.
+    discord.VoiceClient.warn_dave = False
+
+
+def configure_endpoints(settings: DiscordSettings) -> None:
+    """Point discord.py's class-level REST base (and gateway URL, if set) at ``settings``.
+
+    Both are process-wide in discord.py, so this is done once, at :func:`create` time.
+    """
+    discord.http.Route.BASE = settings.api_url.rstrip("/")
+    if settings.gateway_url:
+        discord.gateway.DiscordWebSocket.DEFAULT_GATEWAY = yarl.URL(settings.gateway_url)
+
+
+# -- what a send's HTTP requests did -------------------------------------------------------
+
+
+@dataclass
+class _Wire:
+    """What the write requests of one send did, as seen by aiohttp's tracing.
+
+    discord.py retries 5xx answers and short rate limits by itself, re-sending the same
+    request; the send as a whole is bounded by one deadline. When that deadline strikes,
+    this record says whether a write was out on the wire (maybe posted: Uncertain),
+    answered with 2xx (posted), or whether every attempt was answered without posting
+    and we were merely waiting for the next one (Retry).
+    """
+
+    in_flight: bool = False
+    written: bool = False
+    lost_after_write: bool = False
+    posted: bool = False
+    last_status: int | None = None
+
+
+_WIRE: contextvars.ContextVar[_Wire | None] = contextvars.ContextVar(
+    "leadgate_discord_wire", default=None
+)
+
+
+def _is_write(method: str) -> bool:
+    # Login and lookups are GETs; only writes can post something.
+    return method.upper() not in ("GET", "HEAD", "OPTIONS")
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    """Trace callbacks run in the task that makes the request, so a ContextVar set in
+    :meth:`DiscordChannel.send` tells which send a request belongs to."""
+
+    async def on_start(
+        session: aiohttp.ClientSession,
+        ctx: SimpleNamespace,
+        params: aiohttp.TraceRequestStartParams,
+    ) -> None:
+        wire = _WIRE.get()
+        if wire is not None and _is_write(params.method):
+            wire.in_flight, wire.written = True, False
+
+    async def on_headers_sent(
+        session: aiohttp.ClientSession,
+        ctx: SimpleNamespace,
+        params: aiohttp.TraceRequestHeadersSentParams,
+    ) -> None:
+        wire = _WIRE.get()
+        if wire is not None and _is_write(params.method):
+            wire.written = True
+
+    async def on_end(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceRequestEndParams
+    ) -> None:
+        wire = _WIRE.get()
+        if wire is not None and _is_write(params.method):
+            wire.in_flight = False
+            wire.last_status = params.response.status
+            if 200 <= params.response.status < 300:
+                wire.posted = True
+
+    async def on_exception(
+        session: aiohttp.ClientSession,
+        ctx: SimpleNamespace,
+        params: aiohttp.TraceRequestExceptionParams,
+    ) -> None:
+        wire = _WIRE.get()
+        if wire is not None and _is_write(params.method):
+            if wire.written:
+                wire.lost_after_write = True
+            wire.in_flight = False
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(on_start)
+    trace.on_request_headers_sent.append(on_headers_sent)
+    trace.on_request_end.append(on_end)
+    trace.on_request_exception.append(on_exception)
+    return trace
+
+
+class _NotConfigured(Exception):
+    """The address or the settings make this send impossible (never retried)."""
+
+
+# -- outbound ------------------------------------------------------------------------------
+
+
+class DiscordChannel:
+    """Outbound Discord through discord.py.
+
+    * ``kind == "reply"`` with an interaction token: edit the deferred original response
+      (``PATCH /webhooks/{app}/{token}/messages/@original``); an edit is idempotent. A
+      further message with a different idempotency key for the same interaction (the
+      relay's next chunk) becomes a follow-up instead of overwriting the first.
+    * otherwise (approved output, gateway replies): ``POST /channels/{id}/messages`` as
+      the bot, with ``nonce`` + ``enforce_nonce`` and a reply reference when the address
+      has a ``message_id``. Without a bot token, an interaction's follow-up webhook is
+      the only way left (valid for the token's 15 minutes).
+
+    Every send is bounded by ``timeout_s``, including discord.py's own retries of 5xx
+    answers and short rate limits.
+    """
+
+    name = "discord"
+    max_chars = 2000
+
+    def __init__(self, settings: DiscordSettings, *, timeout_s: float = 20.0) -> None:
+        self._token = settings.bot_token.strip()
+        self._timeout_s = timeout_s
+        self._trace = _trace_config()
+        self._client: discord.Client | None = None
+        self._logged_in = False
+        self._login_lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None
+        # interaction token -> idempotency key of the message that owns @original
+        self._original_owner: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _webhook_session(self) -> aiohttp.ClientSession:
+        # Interaction webhooks need no bot token, so they get a session of their own.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(trace_configs=[self._trace])
+        return self._session
+
+    async def _logged_in_client(self) -> discord.Client:
+        if not self._token:
+            raise _NotConfigured("discord: no bot token to post to a channel")
+        async with self._login_lock:
+            if self._client is None or self._client.is_closed():
+                quiet_voice_warning()
+                self._client = discord.Client(
+                    # No gateway connection is made; default intents only keep
+                    # discord.py from warning about a disabled guilds intent.
+                    intents=discord.Intents.default(),
+                    http_trace=self._trace,
+                    # The smallest value discord.py allows: a longer rate limit is
+                    # raised (RateLimited) and becomes a Retry with its delay instead
+                    # of a sleep inside the send.
+                    max_ratelimit_timeout=30.0,
+                )
+                self._logged_in = False
+            if not self._logged_in:
+                # GET /users/@me and /oauth2/applications/@me: nothing is posted.
+                await self._client.login(self._token)
+                self._logged_in = True
+            return self._client
+
+    # -- Channel protocol ----------------------------------------------------------------
+
+    async def send(self, message: OutboundMessage) -> SendOutcome:
+        """Post one message; every platform error is mapped, never raised."""
+        wire = _Wire()
+        reset = _WIRE.set(wire)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._send(message)
+        except _NotConfigured as exc:
+            return Permanent(str(exc))
+        except discord.LoginFailure as exc:
+            return Permanent(f"discord: bot token rejected: {exc}")
+        except discord.RateLimited as exc:
+            return Retry(f"discord: rate limited: {exc}", delay_s=exc.retry_after)
+        except discord.HTTPException as exc:
+            return _map_http_error(exc)
+        except TimeoutError:
+            return _on_deadline(wire, self._timeout_s)
+        except aiohttp.ClientConnectorError as exc:
+            # No connection was made, so nothing was written.
+            return Retry(f"discord: cannot connect: {exc}")
+        except (aiohttp.ClientError, OSError) as exc:
+            if wire.written or wire.lost_after_write:
+                return Uncertain(f"discord: connection lost after sending: {exc!r}")
+            return Retry(f"discord: connection failed before sending: {exc!r}")
+        except Exception as exc:  # an SDK surprise must not crash the relay
+            log.exception("discord: unexpected error while sending")
+            return Uncertain(f"discord: unexpected error: {exc!r}")
+        finally:
+            _WIRE.reset(reset)
+
+    async def _send(self, message: OutboundMessage) -> SendOutcome:
+        address = message.address
+        token = _str(address.get("interaction_token"))
+        app_id = _snowflake(address.get("application_id"))
+        if message.kind == "reply" and token and app_id:
+            owner = self._original_owner.get(token)
+            if owner is None or owner == message.idempotency_key:
+                self._remember_owner(token, message.idempotency_key)
+                return await self._edit_original(app_id, token, message.text)
+            return await self._follow_up(app_id, token, message.text)
+        channel_id = _snowflake(address.get("channel_id"))
+        if channel_id is None:
+            if token and app_id:
+                return await self._follow_up(app_id, token, message.text)
+            raise _NotConfigured("discord: binding address has no channel_id")
+        if not self._token and token and app_id:
+            return await self._follow_up(app_id, token, message.text)
+        client = await self._logged_in_client()
+        guild_id = _snowflake(address.get("guild_id"))
+        reference: discord.MessageReference | None = None
+        message_id = _snowflake(address.get("message_id"))
+        if message_id is not None:
+            reference = discord.MessageReference(
+                message_id=message_id,
+                channel_id=channel_id,
+                guild_id=guild_id,
+                # The triggering message may be gone by approval time: post anyway.
+                fail_if_not_exists=False,
+            )
+        target = client.get_partial_messageable(channel_id, guild_id=guild_id)
+        # discord.py sends the nonce with enforce_nonce=true (http.handle_message_parameters).
+        sent = await target.send(
+            message.text,
+            nonce=nonce_for(message.idempotency_key),
+            # None is the implementation's default; only the overload stubs omit it.
+            reference=reference,  # type: ignore[arg-type]
+            allowed_mentions=_ALLOWED_MENTIONS,
+        )
+        return Sent(str(sent.id))
+
+    def _remember_owner(self, token: str, key: str) -> None:
+        self._original_owner[token] = key
+        self._original_owner.move_to_end(token)
+        while len(self._original_owner) > _MAX_TRACKED_INTERACTIONS:
+            self._original_owner.popitem(last=False)
+
+    async def _edit_original(self, app_id: int, token: str, text: str) -> SendOutcome:
+        data = await _webhook_adapter.get().edit_original_interaction_response(
+            app_id,
+            token,
+            session=self._webhook_session(),
+            payload={"content": text, "allowed_mentions": _WEBHOOK_ALLOWED_MENTIONS},
+        )
+        return Sent(_message_id(data))
+
+    async def _follow_up(self, app_id: int, token: str, text: str) -> SendOutcome:
+        data = await _webhook_adapter.get().execute_webhook(
+            app_id,
+            token,
+            session=self._webhook_session(),
+            payload={"content": text, "allowed_mentions": _WEBHOOK_ALLOWED_MENTIONS},
+            wait=True,
+        )
+        return Sent(_message_id(data))
+
+    async def delete_original(self, application_id: str, token: str) -> bool:
+        """Delete an interaction's deferred response (best effort; True when gone)."""
+        app_id = _snowflake(application_id)
+        if app_id is None or not token:
+            return False
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await _webhook_adapter.get().delete_original_interaction_response(
+                    app_id, token, session=self._webhook_session()
+                )
+            return True
+        except discord.NotFound:
+            return True
+        except Exception as exc:
+            log.warning("discord: could not delete the deferred response: %r", exc)
+            return False
+
+    async def close(self) -> None:
+        """Close discord.py's HTTP session and the webhook session (idempotent)."""
+        client, self._client = self._client, None
+        self._logged_in = False
+        if client is not None and not client.is_closed():
+            await client.close()
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+
+
+def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
+    if wire.posted:
+        # A write was answered 2xx before the deadline cut the rest short.
+        return Sent(None)
+    if (wire.in_flight and wire.written) or wire.lost_after_write:
+        return Uncertain(f"discord: no answer within {timeout_s:g}s; the post may have landed")
+    # Nothing of ours was on the wire: every attempt so far was answered without
+    # posting (5xx, rate limit) or never left (connecting, waiting on a bucket).
+    status = f" (last answer HTTP {wire.last_status})" if wire.last_status else ""
+    return Retry(f"discord: not sent within {timeout_s:g}s{status}")
+
+
+def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
+    what = f"discord: HTTP {exc.status} code {exc.code}: {exc.text}".rstrip(": ")
+    if exc.status == 429:
+        return Retry(what, delay_s=_retry_after(exc))
+    if exc.status >= 500:
+        # An answer from Discord (after discord.py's own retries, all with the same
+        # nonce): not created. Retrying later with the same nonce is safe.
+        return Retry(what)
+    # 400 (bad body, too long), 401 (token), 403 (missing access), 404 (unknown channel,
+    # expired interaction): the same request will never succeed.
+    return Permanent(what)
+
+
+def _retry_after(exc: discord.HTTPException) -> float | None:
+    response = getattr(exc, "response", None)
+    headers = getattr(response, "headers", None) or {}
+    value = headers.get("Retry-After")
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _message_id(data: Any) -> str | None:
+    if isinstance(data, Mapping) and data.get("id") is not None:
+        return str(data["id"])
+    return None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _snowflake(value: Any) -> int | None:
+    try:
+        return int(value) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,200 @@
+"""Email, outbound: a threaded reply sent with aiosmtplib, step by step.
+
+:class:`EmailChannel` drives the SMTP exchange itself so that it knows whether the
+message's final dot was written: a failure before it is :class:`~outbox.channel.Retry`,
+after it :class:`~outbox.channel.Uncertain` (see :meth:`EmailChannel._deliver`). Each
+delivery carries a deterministic ``Message-ID`` derived from its idempotency key.
+"""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import email.utils
+import logging
+import re
+import socket
+from email.message import EmailMessage
+from typing import Any
+
+import aiosmtplib
+
+from bots.email_parse import MAX_CHARS, one_line
+from leadgate.core.config import EmailSettings
+from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+
+log = logging.getLogger(__name__)
+
+
+log = logging.getLogger(__name__)
+
+CHANNEL = "email"
+
+
+# ----------------------------------------------------------------------------- outbound
+
+
+def message_id_for(idempotency_key: str, from_address: str) -> str:
+    """``<{key}@{domain of from}>``: the same delivery always carries the same id."""
+    local = re.sub(r"[^A-Za-z0-9!#$%&'*+/=?^_`{|}~.-]", "-", idempotency_key)
+    local = re.sub(r"\.{2,}", ".", local).strip(".") or "leadgate"
+    domain = email.utils.parseaddr(from_address)[1].rpartition("@")[2] or "leadgate.invalid"
+    return f"<{local}@{domain}>"
+
+
+def build_reply(
+    address: dict[str, Any], text: str, idempotency_key: str, from_address: str
+) -> EmailMessage:
+    """The reply as a MIME message (raises ValueError for unusable header values)."""
+    msg = EmailMessage()
+    msg["From"] = from_address
+    msg["To"] = str(address["to"])
+    bound_from = str(address.get("from") or "")
+    if bound_from and bound_from.lower() != email.utils.parseaddr(from_address)[1].lower():
+        # A configured from_address (e.g. a no-reply sender) must not break the thread.
+        msg["Reply-To"] = bound_from
+    msg["Subject"] = one_line(address.get("subject")) or "Re:"
+    msg["Message-ID"] = message_id_for(idempotency_key, from_address)
+    msg["Date"] = email.utils.formatdate(usegmt=True)
+    if address.get("in_reply_to"):
+        msg["In-Reply-To"] = one_line(address["in_reply_to"])
+    if address.get("references"):
+        msg["References"] = one_line(address["references"])
+    # RFC 3834: a generated reply; well-behaved auto-responders will not answer it.
+    msg["Auto-Submitted"] = "auto-replied"
+    msg.set_content(text)
+    return msg
+
+
+def _smtp_payload(msg: EmailMessage) -> bytes:
+    """The DATA payload: CRLF lines, dot-stuffed, ending with the final ``.``."""
+    data = msg.as_bytes(policy=email.policy.SMTP)
+    data = re.sub(rb"(?m)^\.", b"..", data)
+    if not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    return data + b".\r\n"
+
+
+def _by_code(code: int, what: str) -> SendOutcome:
+    if 400 <= code < 500:
+        return Retry(f"{what} (temporary, {code})")
+    if code >= 500:
+        return Permanent(f"{what} ({code})")
+    return Retry(f"{what} (unexpected reply {code})")
+
+
+class EmailChannel:
+    """Sends replies through the configured SMTP relay (``smtp_host``)."""
+
+    name = CHANNEL
+    max_chars = MAX_CHARS
+
+    def __init__(
+        self,
+        settings: EmailSettings,
+        *,
+        timeout_s: float = 30.0,
+        local_hostname: str | None = None,
+    ) -> None:
+        self._settings = settings
+        self._timeout_s = timeout_s
+        # aiosmtplib would otherwise resolve the FQDN for EHLO on every connection.
+        self._local_hostname = local_hostname or socket.gethostname() or "localhost"
+
+    async def send(self, message: OutboundMessage) -> SendOutcome:
+        """Send one reply; never raises for SMTP errors."""
+        settings = self._settings
+        if not settings.smtp_host:
+            return Permanent("email: no [email] smtp_host configured")
+        address = message.address
+        from_address = settings.from_address or str(address.get("from") or "")
+        if not address.get("to") or not from_address:
+            return Permanent("email binding lacks a recipient or sender address")
+        try:
+            msg = build_reply(address, message.text, message.idempotency_key, from_address)
+            payload = _smtp_payload(msg)
+        except (ValueError, TypeError, UnicodeError) as exc:
+            return Permanent(f"email: cannot build the message: {exc}")
+        envelope_from = email.utils.parseaddr(from_address)[1]
+        envelope_to = email.utils.parseaddr(str(address["to"]))[1]
+        outcome = await self._deliver(envelope_from, envelope_to, payload)
+        if isinstance(outcome, Sent):
+            return Sent(str(msg["Message-ID"]))
+        return outcome
+
+    # One body on purpose: the SMTP exchange step by step, each step's failure mapped
+    # to Retry (before the final dot) or Uncertain (after it).
+    async def _deliver(self, mail_from: str, rcpt_to: str, payload: bytes) -> SendOutcome:
+        """One SMTP transaction, done step by step.
+
+        ``aiosmtplib.send`` raises the same timeout/disconnect errors whether they happen
+        before the message was transmitted or while waiting for the server's verdict on
+        it. Here DATA is sent as a command and, after ``354``, the content and its final
+        dot are written with the protocol's ``write``: a failure before that write is a
+        :class:`Retry` (nothing was handed over), one after it is :class:`Uncertain`
+        (the server may have queued the message before the connection broke).
+        """
+        s = self._settings
+        smtp = aiosmtplib.SMTP(
+            hostname=s.smtp_host,
+            port=s.smtp_port,
+            username=s.smtp_username or None,
+            password=s.smtp_password or None,
+            start_tls=s.start_tls,
+            timeout=self._timeout_s,
+            local_hostname=self._local_hostname,
+        )
+        try:
+            try:
+                await smtp.connect()
+                await smtp.mail(mail_from)
+                await smtp.rcpt(rcpt_to)
+                start = await smtp.execute_command(b"DATA")
+            except aiosmtplib.SMTPResponseException as exc:
+                return _by_code(exc.code, f"email: server refused: {exc.message}")
+            except aiosmtplib.SMTPRecipientsRefused as exc:
+                return Permanent(f"email: recipients refused: {exc}")
+            except (aiosmtplib.SMTPTimeoutError, aiosmtplib.SMTPServerDisconnected) as exc:
+                return Retry(f"email: {type(exc).__name__} before the message was sent: {exc}")
+            except aiosmtplib.SMTPConnectError as exc:
+                return Retry(f"email: cannot connect: {exc}")
+            except OSError as exc:
+                return Retry(f"email: network error before the message was sent: {exc}")
+            except (aiosmtplib.SMTPException, ValueError, UnicodeError) as exc:
+                # e.g. STARTTLS or AUTH required by config but not offered: a config issue
+                return Permanent(f"email: {type(exc).__name__}: {exc}")
+            if start.code != 354:
+                return _by_code(start.code, f"email: DATA refused: {start.message}")
+
+            protocol = smtp.protocol
+            if protocol is None:
+                return Retry("email: connection lost before the message was sent")
+            try:
+                protocol.write(payload)
+            except aiosmtplib.SMTPServerDisconnected as exc:
+                return Retry(f"email: connection lost before the message was sent: {exc}")
+            # From here on the server may have the whole message. No await between the
+            # write above and read_response below, so the reply cannot be missed.
+            try:
+                reply = await protocol.read_response(timeout=self._timeout_s)
+            except aiosmtplib.SMTPTimeoutError as exc:
+                return Uncertain(f"email: no reply after the message was sent: {exc}")
+            except (aiosmtplib.SMTPServerDisconnected, OSError) as exc:
+                return Uncertain(f"email: connection lost after the message was sent: {exc}")
+            except aiosmtplib.SMTPException as exc:
+                return Uncertain(f"email: unreadable reply after the message was sent: {exc}")
+            if reply.code == 250:
+                await self._quit(smtp)
+                return Sent()
+            return _by_code(reply.code, f"email: message refused: {reply.message}")
+        finally:
+            smtp.close()
+
+    async def _quit(self, smtp: aiosmtplib.SMTP) -> None:
+        try:
+            await smtp.quit(timeout=min(self._timeout_s, 5.0))
+        except Exception:  # the message is already accepted; QUIT is a courtesy
+            log.debug("email: QUIT failed", exc_info=True)
+
+    async def close(self) -> None:
+        """Nothing to release: one connection per send."""

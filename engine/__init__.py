@@ -1,1 +1,0 @@
-"""leadgate engine: config, database, organizations, agents, work items and turns."""

@@ -1,0 +1,1 @@
+"""leadgate: AI worker agents behind chat channels, REST and MCP, gated by Lead Review."""

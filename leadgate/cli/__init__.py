@@ -1,0 +1,1 @@
+"""The ``leadgate`` command line (``main.main`` is the console entry point)."""

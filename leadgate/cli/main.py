@@ -1,0 +1,104 @@
+"""``leadgate``: serve, and the admin commands (JSON on stdout, errors on stderr).
+
+Exit codes: 0 success, 2 a rule was broken (the message names it), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from leadgate.app import App
+from leadgate.cli.commands import COMMANDS
+from leadgate.cli.parser import build_parser
+from leadgate.core.clock import RandomIds, SystemClock
+from leadgate.core.config import Settings, load_settings
+from leadgate.core.errors import LeadgateError
+from leadgate.core.logs import setup_logging
+from leadgate.database.db import Database, upgrade
+from leadgate.operations.admin import Admin
+
+log = logging.getLogger("leadgate")
+
+
+async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
+    """Run one admin subcommand against the configured database."""
+    command = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
+    db = Database(settings.database.url)
+    try:
+        await db.check_migrated()
+        admin = Admin(db, SystemClock(), RandomIds(), frozenset(settings.models))
+        return await command(admin, args, settings)
+    finally:
+        await db.close()
+
+
+async def _serve(settings: Settings, role: str) -> None:
+    """``leadgate serve``: the HTTP surfaces and (worker, all) the runners, until SIGTERM."""
+    # Every role builds the channel adapters: a worker's relay posts through their
+    # outbound halves (the inbound halves are mounted for api/all only).
+    app = App(settings)
+    await app.db.check_migrated()
+    runner = web.AppRunner(
+        app.web_app(role, run_runners=role in ("worker", "all")),
+        handle_signals=False,
+        access_log=None,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    await site.start()
+    # Everything built so far (modules, the app) lives as long as the process: keep it out
+    # of later garbage collections, whose full passes over it took hundreds of ms each.
+    gc.freeze()
+    port = runner.addresses[0][1] if runner.addresses else settings.server.port
+    log.info("leadgate listening on http://%s:%s (role %s)", settings.server.host, port, role)
+    print(
+        json.dumps({"listening": f"http://{settings.server.host}:{port}", "role": role}), flush=True
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+        setup_logging(settings)
+        if args.command == "db":
+            print(json.dumps({"revision": upgrade(settings.database.url)}))
+            return 0
+        if args.command == "serve":
+            asyncio.run(_serve(settings, args.role))
+            return 0
+        result = asyncio.run(_admin(settings, args))
+        print(json.dumps(result, default=str))
+        return 0
+    except LeadgateError as exc:
+        print(f"leadgate: error: {exc.message} [{exc.rule}]", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            log.debug("command failed", exc_info=True)
+        print(f"leadgate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

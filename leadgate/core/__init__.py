@@ -1,0 +1,1 @@
+"""Core: errors, clock and ids, config, limits, shared types, metrics, runner loop."""

@@ -1,0 +1,171 @@
+"""Typed settings from a TOML file with ``LEADGATE_<SECTION>__<KEY>`` overrides.
+
+pydantic does the validation (types, ranges, unknown keys). The environment merge is a
+dozen lines written here because the ``[models.NAME]`` sections are dynamic and the
+override syntax is fixed by the spec; pydantic-settings' nested-delimiter source would
+need the same custom code around it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
+
+from leadgate.core.errors import ConfigError
+
+ENV_PREFIX = "LEADGATE_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    """``[server]``: where the HTTP surfaces listen."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    public_url: str = "http://127.0.0.1:8080"
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    console_secret: str = ""
+
+
+class DatabaseSettings(_Section):
+    """``[database]``: SQLite file by default, PostgreSQL for several replicas."""
+
+    url: str = "sqlite+aiosqlite:///./leadgate.db"
+    pool_size: int = Field(default=10, ge=1, le=200)
+
+
+class SlackSettings(_Section):
+    """``[slack]``: the channel is on when ``signing_secret`` is set."""
+
+    signing_secret: str = ""
+    bot_token: str = ""
+    api_url: str = "https://slack.com/api/"
+
+
+class DiscordSettings(_Section):
+    """``[discord]``: interactions are on when ``public_key`` is set; gateway with a token."""
+
+    bot_token: str = ""
+    public_key: str = ""
+    application_id: str = ""
+    api_url: str = "https://discord.com/api/v10"
+    gateway_url: str = ""
+
+
+class TeamsSettings(_Section):
+    """``[teams]``: Bot Framework app credentials (empty id = local, unauthenticated)."""
+
+    enabled: bool = False
+    app_id: str = ""
+    app_password: str = ""
+    app_tenant_id: str = ""
+
+
+class EmailSettings(_Section):
+    """``[email]``: inbound SMTP listener and outbound relay."""
+
+    listen_host: str = ""
+    listen_port: int = Field(default=0, ge=0, le=65535)
+    smtp_host: str = ""
+    smtp_port: int = Field(default=25, ge=0, le=65535)
+    smtp_username: str = ""
+    smtp_password: str = ""
+    start_tls: bool = False
+    from_address: str = ""
+
+
+class ModelSettings(_Section):
+    """``[models.NAME]``: a model provider an agent can name."""
+
+    provider: Literal["script", "openai"] = "script"
+    base_url: str = ""
+    api_key: str = ""
+    model: str = ""
+    timeout_s: float = Field(default=60.0, gt=0)
+
+
+class RunnerSettings(_Section):
+    """``[runners]``: background loops (poll intervals are only the safety net)."""
+
+    poll_interval_s: float = Field(default=2.0, gt=0)
+    review_concurrency: int = Field(default=4, ge=1, le=64)
+    relay_batch: int = Field(default=100, ge=1, le=1000)
+    relay_concurrency: int = Field(default=64, ge=1, le=1024)
+    delivery_max_attempts: int = Field(default=8, ge=1, le=100)
+
+
+class LogSettings(_Section):
+    """``[log]``: ``format = "json"`` for structured logs."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+
+
+class Settings(_Section):
+    """The whole configuration."""
+
+    server: ServerSettings = ServerSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    slack: SlackSettings = SlackSettings()
+    discord: DiscordSettings = DiscordSettings()
+    teams: TeamsSettings = TeamsSettings()
+    email: EmailSettings = EmailSettings()
+    models: dict[str, ModelSettings] = Field(
+        default_factory=lambda: {"script": ModelSettings(provider="script")}
+    )
+    runners: RunnerSettings = RunnerSettings()
+    log: LogSettings = LogSettings()
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if path[0] not in Settings.model_fields:
+            raise ConfigError(
+                f"unknown configuration section in environment variable {name}",
+                rule="config.unknown_key",
+            )
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name} does not name a section", rule="config.unknown_key")
+            node = child
+        node[path[-1]] = value
+
+
+def load_settings(
+    path: str | Path | None = None, environ: dict[str, str] | None = None
+) -> Settings:
+    """Read ``path`` (optional), apply environment overrides and validate.
+
+    Raises :class:`ConfigError` naming the offending key for unknown keys, wrong types,
+    unreadable files and TOML syntax errors.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    _apply_env(data, dict(os.environ if environ is None else environ))
+    try:
+        return Settings.model_validate(data)
+    except PydanticValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}", rule="config.invalid") from exc

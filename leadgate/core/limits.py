@@ -1,0 +1,58 @@
+"""Input limits, in one place: every surface and every runner checks against these.
+
+The operations layer validates what a person sent before anything is stored; the turn
+path relies on that and applies the storage caps (task context, snapshot).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leadgate.core.errors import ValidationError
+
+#: An external message (REST, MCP, channels, schedules, flow prompts).
+MESSAGE_LIMIT = 100_000
+#: The task context a work item keeps (the first message, then appended ones).
+TASK_CONTEXT_LIMIT = 50_000
+#: The submission snapshot (the withheld assistant text) a lead reviews.
+SNAPSHOT_LIMIT = 100_000
+#: complete_task's summary.
+SUMMARY_LIMIT = 2_000
+#: A human's rejection reason and return feedback (SPEC 5).
+REASON_LIMIT = 2_000
+FEEDBACK_LIMIT = 10_000
+#: A client's session name (X-Session-Id, ``user``, MCP ``session``).
+SESSION_NAME_LIMIT = 200
+#: ``sessions.key`` is VARCHAR(500): a stored session key, prefix included.
+SESSION_KEY_LIMIT = 500
+
+
+def validate_message(text: Any) -> str:
+    """External messages: non-empty, at most 100,000 characters, no NUL characters."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValidationError("the message must not be empty", rule="message.empty")
+    if len(text) > MESSAGE_LIMIT:
+        raise ValidationError(
+            f"the message is longer than {MESSAGE_LIMIT:,} characters", rule="message.too_long"
+        )
+    if "\x00" in text:
+        raise ValidationError("the message contains a NUL character", rule="message.invalid")
+    return text
+
+
+def validate_session_key(key: str) -> str:
+    """A stored session key: 1..500 characters."""
+    if not key or len(key) > SESSION_KEY_LIMIT:
+        raise ValidationError(
+            f"the session id must be 1..{SESSION_KEY_LIMIT} characters", rule="session.length"
+        )
+    return key
+
+
+def check_text(value: Any, *, name: str, limit: int, rule: str) -> str:
+    """Required decision text: 1..``limit`` characters after trimming."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{name} is required", rule=rule)
+    if len(value) > limit:
+        raise ValidationError(f"{name} must be at most {limit:,} characters", rule=rule)
+    return value

@@ -1,0 +1,66 @@
+"""A small framework for background runners (lead review, relay, sweeper, revisions).
+
+A runner has ``run_once() -> bool`` (claim with a lease, do the work, commit fenced;
+True when it did something). :func:`run_loop` repeats it, sleeping on a wake event with
+a slow poll as the safety net; :func:`drain` is burst mode: run until there is nothing
+left to do and return (tests, ``leadgate`` one-shot commands).
+
+Runners are woken through callables handed over at construction: whoever makes work
+for a runner gets the ``set`` of that runner's wake event (the composition root,
+:mod:`leadgate.app`, wires them), never a name to look up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+log = logging.getLogger("leadgate.runners")
+
+
+class Runner(Protocol):
+    """One kind of background work."""
+
+    name: str
+
+    async def run_once(self) -> bool:
+        """Do one unit (or batch) of work; True when there was any."""
+        ...
+
+
+async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:
+    """Burst mode: repeat ``run_once`` until it finds nothing; returns the rounds worked."""
+    worked = 0
+    while worked < max_rounds and await runner.run_once():
+        worked += 1
+    return worked
+
+
+async def run_loop(
+    runner: Runner, *, wake: asyncio.Event, stop: asyncio.Event, poll_s: float
+) -> None:
+    """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off)."""
+    failures = 0
+    while not stop.is_set():
+        # Clear before working, not after: a wake that arrives while run_once runs (after
+        # its last claim found nothing) must not be lost until the next poll.
+        wake.clear()
+        try:
+            busy = await runner.run_once()
+            failures = 0
+        except Exception:
+            failures += 1
+            log.exception("runner %s failed (%d in a row)", runner.name, failures)
+            busy = False
+            await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+        if busy:
+            continue
+        with contextlib.suppress(TimeoutError):
+            waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()

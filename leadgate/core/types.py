@@ -1,0 +1,158 @@
+"""Neutral types shared by every way in (REST, MCP, channels, schedules, flows).
+
+A surface turns its own request into a :class:`Trigger` (channels: an
+:class:`Inbound`), hands it to the operations layer and maps the :data:`Outcome` onto its
+own wire format. No surface re-implements a work-item rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class BindingKind(enum.StrEnum):
+    """Where a session's replies go. ``api`` covers REST and MCP."""
+
+    api = "api"
+    studio = "studio"
+    slack = "slack"
+    discord = "discord"
+    teams = "teams"
+    email = "email"
+    scheduled = "scheduled"
+    flow = "flow"
+
+    @property
+    def is_channel(self) -> bool:
+        """Channels post replies through the outbox; api/studio answer inline."""
+        return self in CHANNEL_KINDS
+
+
+CHANNEL_KINDS = frozenset(
+    {BindingKind.slack, BindingKind.discord, BindingKind.teams, BindingKind.email}
+)
+
+
+@dataclass(frozen=True)
+class BindingSpec:
+    """The conversation address a session replies to.
+
+    ``address`` is channel-specific JSON (Slack: ``{"team", "channel", "thread_ts"}``;
+    Discord: ``{"channel_id", "application_id", "interaction_token", "message_id"}``;
+    Teams: ``{"reference": <conversation reference dict>}``; email: ``{"to", "subject",
+    "message_id", "references"}``). ``silent`` bindings never post anything.
+    """
+
+    kind: BindingKind
+    address: dict[str, Any] = field(default_factory=dict)
+    silent: bool = False
+    route_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """One external message for one worker agent in one session."""
+
+    org_id: str
+    # The agent's id, or the caller's reference to it (id, slug or name: REST, MCP). The
+    # turn path resolves it inside the intake transaction (NotFound when unknown).
+    agent_id: str
+    session_key: str
+    text: str
+    binding: BindingSpec
+    # Platform event id for de-duplication of redelivered events (Slack retries).
+    external_event_id: str | None = None
+    # Internal turns (lead feedback, human return) are not external messages.
+    internal: bool = False
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The turn produced visible text (already screened by the output policy).
+
+    ``streamed`` is True when the text already went out delta by delta.
+    """
+
+    text: str
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
+class Gated:
+    """The turn called complete_task: its text is withheld pending Lead review.
+
+    ``work_item_id`` is kept for internal callers (flows, logs); public surfaces never
+    reveal it (SPEC 7, 8).
+    """
+
+    work_item_id: str | None
+    revision: int | None
+
+
+@dataclass(frozen=True)
+class Busy:
+    """The session's work item is under review: the message was rejected (recorded)."""
+
+    work_item_id: str
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """The same external event was already taken in: no second turn ran."""
+
+
+Outcome = Reply | Gated | Busy | Duplicate
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    """Which organization and agent answer an inbound channel trigger (a route)."""
+
+    route_id: str
+    org_id: str
+    agent_id: str
+    silent: bool
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One message that arrived on a channel, before any route is known.
+
+    ``route_attrs`` are the channel's route match keys (slack ``team``/``channel``,
+    discord ``guild``/``channel``, teams ``tenant``/``conversation``, email
+    ``address``/``sender``); ``address`` is where replies go (see :class:`BindingSpec`);
+    ``external_event_id`` de-duplicates the platform's redeliveries.
+    """
+
+    channel: BindingKind
+    route_attrs: dict[str, str]
+    session_key: str
+    text: str
+    address: dict[str, Any]
+    external_event_id: str
+
+    def trigger(self, route: RouteMatch) -> Trigger:
+        """The trigger for this message once ``route`` answers it."""
+        return Trigger(
+            org_id=route.org_id,
+            agent_id=route.agent_id,
+            session_key=self.session_key,
+            text=self.text,
+            binding=BindingSpec(
+                kind=self.channel,
+                address=self.address,
+                silent=route.silent,
+                route_id=route.route_id,
+            ),
+            external_event_id=self.external_event_id,
+        )
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What became of an :class:`Inbound` that a route answered."""
+
+    outcome: Outcome
+    route: RouteMatch

@@ -1,0 +1,1 @@
+"""Database: the schema, the one transaction API (SQLite inline, PostgreSQL), migrations."""

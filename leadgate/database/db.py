@@ -1,0 +1,309 @@
+"""Async database access: SQLite (embedded default) or PostgreSQL.
+
+SQLite notes (see shared/notes/database.md): Python's sqlite3 begins transactions lazily
+with a deferred ``BEGIN``; a read-then-write transaction then fails with "database is
+locked" and the busy timeout does not help. We take the documented recipe: autocommit
+at the driver level and our own ``BEGIN IMMEDIATE`` on every write transaction, so writers
+queue on the busy timeout instead of failing. Read-only transactions use a plain
+``BEGIN`` so that readers never queue behind writers (WAL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from leadgate.core.errors import ConfigError, NotMigratedError
+from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite, Member
+
+#: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
+MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
+
+# Key in ``AsyncConnection.info`` holding the topics signalled during a write transaction.
+_TOPICS = "leadgate_after_commit_topics"
+
+
+class Result(Protocol):
+    """What callers of :class:`Conn` use of a statement's result."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def first(self) -> sa.Row[Any] | None: ...
+
+    def one(self) -> sa.Row[Any]: ...
+
+    def all(self) -> Sequence[sa.Row[Any]]: ...
+
+    def scalar(self) -> Any: ...
+
+
+class Conn(Protocol):
+    """A connection inside a transaction, as the turn path's helpers use it: an
+    ``AsyncConnection``, or on SQLite the inline connection of :meth:`Database.fast_tx`."""
+
+    @property
+    def dialect(self) -> sa.Dialect: ...
+
+    @property
+    def info(self) -> dict[Any, Any]: ...
+
+    async def execute(
+        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
+    ) -> Result: ...
+
+
+def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
+    """Run ``topic``'s in-process listeners once the current :meth:`Database.tx` commits.
+
+    Used to wake runners (the outbox relay) without polling and without racing the
+    commit: a listener never runs for a transaction that rolled back, and never before
+    the row it is woken for is visible. ``payload`` (when not None) is handed to the
+    listeners registered with :meth:`Database.on_commit_payloads`, in signalling order.
+    """
+    topics = conn.info.get(_TOPICS)
+    if topics is not None:
+        payloads = topics.setdefault(topic, [])
+        if payload is not None:
+            payloads.append(payload)
+
+
+class Database:
+    """One engine plus the transaction helpers every module uses."""
+
+    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+        self.url = url
+        try:
+            parsed = sa.engine.make_url(url)
+        except sa.exc.ArgumentError as exc:
+            raise ConfigError(f"database.url is not a valid URL: {exc}") from exc
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        self.is_postgres = parsed.get_backend_name() == "postgresql"
+        if not (self.is_sqlite or self.is_postgres):
+            raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+        kwargs: dict[str, Any] = {}
+        if self.is_postgres:
+            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        self.engine: AsyncEngine = create_async_engine(url, **kwargs)
+        if self.is_sqlite:
+            _install_sqlite_recipe(self.engine)
+        self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
+        self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._write_owner: asyncio.Task[Any] | None = None
+        self._inline: InlineSqlite | None = None
+        if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
+            self._inline = InlineSqlite(parsed.database, self.engine.dialect)
+
+    def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
+        (see :func:`signal_after_commit`)."""
+        self._listeners.setdefault(topic, []).append(callback)
+
+    def on_commit_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Like :meth:`on_commit`, with the payloads the transaction signalled."""
+        self._payload_listeners.setdefault(topic, []).append(callback)
+
+    def off_commit_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Remove a callback added with :meth:`on_commit_payloads` (no-op if absent)."""
+        listeners = self._payload_listeners.get(topic, [])
+        if callback in listeners:
+            listeners.remove(callback)
+
+    @asynccontextmanager
+    async def tx(self) -> AsyncIterator[AsyncConnection]:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success.
+
+        SQLite has one writer at a time. Within this process, writers queue on an asyncio
+        lock (FIFO, handed over at once) instead of on SQLite's busy handler, which polls
+        with sleeps of up to 100 ms and under concurrency starves writers for seconds.
+        Other processes (admin CLI, replicas) still meet the busy timeout.
+        """
+        topics: dict[str, list[Any]] = {}
+        async with self._writer(), self.engine.connect() as conn:
+            conn.info[_TOPICS] = topics
+            try:
+                async with conn.begin():
+                    yield conn
+            finally:
+                conn.info.pop(_TOPICS, None)
+        self._after_commit(topics)
+
+    def fast_tx(self) -> AbstractAsyncContextManager[Conn]:
+        """A write transaction for short, hot paths (a turn's intake and reply).
+
+        On a SQLite file it runs on the inline connection (:mod:`leadgate.database.inline_sqlite`,
+        with group commit): Core SELECT/INSERT/UPDATE/DELETE without RETURNING, and no
+        other awaits inside. Elsewhere it is :meth:`tx`.
+        """
+        if self._inline is None:
+            return self.tx()
+        return _InlineTx(self, self._inline)
+
+    def _after_commit(self, topics: dict[str, list[Any]]) -> None:
+        for topic, payloads in topics.items():
+            for callback in self._listeners.get(topic, ()):
+                callback()
+            if payloads:
+                for payload_callback in self._payload_listeners.get(topic, ()):
+                    payload_callback(payloads)
+
+    @asynccontextmanager
+    async def _writer(self) -> AsyncIterator[None]:
+        if not self.is_sqlite:
+            yield
+            return
+        task = self._not_nested()
+        async with self._lock():
+            self._write_owner = task
+            try:
+                yield
+            finally:
+                self._write_owner = None
+
+    def _not_nested(self) -> asyncio.Task[Any] | None:
+        """The current task, unless it already holds a write transaction here (SQLite
+        could never serve the nested one either: it would wait for itself)."""
+        task = asyncio.current_task()
+        if task is not None and task is self._write_owner:
+            raise RuntimeError("nested write transaction on SQLite")
+        return task
+
+    def _lock(self) -> asyncio.Lock:
+        """The writer lock; one per event loop, as a Database may outlive a loop (tests)."""
+        loop = asyncio.get_running_loop()
+        if self._write_lock is None or self._write_lock[0] is not loop:
+            self._write_lock = (loop, asyncio.Lock())
+        return self._write_lock[1]
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A read-only transaction (plain ``BEGIN`` on SQLite)."""
+        async with self.engine.connect() as conn:
+            conn = await conn.execution_options(leadgate_readonly=True)
+            async with conn.begin():
+                yield conn
+
+    @contextmanager
+    def record_statements(self) -> Iterator[list[str]]:
+        """Collect the SQL of every statement this process runs meanwhile, on the engine
+        and on the inline connection (tests and debugging; BEGIN/COMMIT included)."""
+        statements: list[str] = []
+
+        def on_engine(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
+            statements.append(sql)
+
+        sync_engine = self.engine.sync_engine
+        event.listen(sync_engine, "before_cursor_execute", on_engine)
+        if self._inline is not None:
+            self._inline.connection.set_trace(statements.append)
+        try:
+            yield statements
+        finally:
+            event.remove(sync_engine, "before_cursor_execute", on_engine)
+            if self._inline is not None:
+                self._inline.connection.set_trace(None)
+
+    def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
+        """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway."""
+        if self.is_postgres:
+            return select.with_for_update(skip_locked=True)
+        return select
+
+    async def check_migrated(self) -> None:
+        """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
+        head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+
+        def current(sync_conn: sa.Connection) -> str | None:
+            return MigrationContext.configure(sync_conn).get_current_revision()
+
+        async with self.engine.connect() as conn:
+            rev = await conn.run_sync(current)
+        if rev != head:
+            raise NotMigratedError(
+                f"the database is at schema revision {rev or 'none'}, this version needs {head}: "
+                "run `leadgate db upgrade --config <your config>` first",
+                rule="db.not_migrated",
+            )
+
+    async def close(self) -> None:
+        """Close the inline connection and dispose of the pool."""
+        if self._inline is not None:
+            await self._inline.close()
+        await self.engine.dispose()
+
+
+class _InlineTx:
+    """:meth:`Database.fast_tx` on the inline SQLite connection (a class, not a generator
+    context manager: it runs twice per turn and this is measurably cheaper)."""
+
+    __slots__ = ("db", "inline", "member", "topics")
+
+    def __init__(self, db: Database, inline: InlineSqlite) -> None:
+        self.db = db
+        self.inline = inline
+        self.topics: dict[str, list[Any]] = {}
+
+    async def __aenter__(self) -> InlineConnection:
+        task = self.db._not_nested()
+        self.member: Member = await self.inline.enter(self.db._lock())
+        conn = self.inline.connection
+        conn.info[_TOPICS] = self.topics
+        self.db._write_owner = task
+        return conn
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.db._write_owner = None
+        self.inline.connection.info.pop(_TOPICS, None)
+        waiter = self.inline.leave(self.member, ok=exc_type is None)
+        if waiter is not None:
+            await waiter
+            self.db._after_commit(self.topics)
+
+
+def _install_sqlite_recipe(engine: AsyncEngine) -> None:
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        if conn.get_execution_options().get("leadgate_readonly"):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def alembic_config(url: str) -> Any:
+    """An Alembic ``Config`` pointing at our migrations and ``url``."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str) -> str:
+    """Migrate the database at ``url`` to the newest revision; returns that revision."""
+    cfg = alembic_config(url)
+    command.upgrade(cfg, "head")
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    return str(head)

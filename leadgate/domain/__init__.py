@@ -1,0 +1,1 @@
+"""Domain: organizations, keys, users, agents and lead rules, policy, work items, typed rows."""

@@ -1,0 +1,260 @@
+"""Organizations, users and API keys.
+
+API keys look like ``lg.<key id>.<secret>``. Only a SHA-256 of the secret is stored: the
+secret is 256 random bits, so a fast hash is the right tool (a slow password hash buys
+nothing against brute force of 2^256 and would cost milliseconds on every request).
+User passwords, which are low-entropy, use argon2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+import sqlalchemy as sa
+from argon2 import PasswordHasher
+from argon2.exceptions import InvalidHashError, VerificationError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import Conflict, NotFound, ValidationError
+from leadgate.database import schema as t
+
+KEY_PREFIX = "lg"
+_hasher = PasswordHasher()
+_dummy_hash: str | None = None
+
+
+def _verify_password(password_hash: str | None, password: str) -> bool:
+    """argon2 check; an unknown user is checked against a dummy hash so that both
+    failures cost the same time (no email enumeration by timing)."""
+    global _dummy_hash
+    if password_hash is None:
+        if _dummy_hash is None:
+            _dummy_hash = _hasher.hash(secrets.token_urlsafe(16))
+        password_hash = _dummy_hash
+        password = ""
+    try:
+        return bool(_hasher.verify(password_hash, password))
+    except (VerificationError, InvalidHashError):
+        return False
+
+
+def _hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_scopes(values: list[str]) -> frozenset[Scope]:
+    """Validate scope names; unknown ones are a clear error."""
+    scopes = set()
+    for value in values:
+        try:
+            scopes.add(Scope(value))
+        except ValueError:
+            allowed = ", ".join(s.value for s in Scope)
+            raise ValidationError(
+                f"unknown scope {value!r}; allowed: {allowed}", rule="key.scope"
+            ) from None
+    if not scopes:
+        raise ValidationError("an API key needs at least one scope", rule="key.scope")
+    return frozenset(scopes)
+
+
+def validate_name(name: str, what: str) -> str:
+    """Names: 1..200 printable characters, trimmed."""
+    name = name.strip()
+    if not name or len(name) > 200 or not name.isprintable():
+        raise ValidationError(
+            f"{what} name must be 1..200 printable characters", rule=f"{what}.name"
+        )
+    return name
+
+
+async def create_org(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, name: str
+) -> dict[str, Any]:
+    """Create an organization with an Owner key carrying every scope."""
+    name = validate_name(name, "organization")
+    exists = await conn.scalar(
+        sa.select(t.organizations.c.id).where(t.organizations.c.name == name)
+    )
+    if exists:
+        raise Conflict(f"an organization named {name!r} already exists", rule="org.name_taken")
+    org_id = ids.new("org")
+    await conn.execute(
+        t.organizations.insert().values(id=org_id, name=name, created_at=clock.now_ms())
+    )
+    key = await create_key(conn, clock, ids, org_id, ROLE_SCOPES[Role.owner])
+    return {"id": org_id, "name": name, "apiKey": key["key"]}
+
+
+async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
+    """An organization by id or name."""
+    row = (
+        await conn.execute(
+            sa.select(t.organizations).where(
+                sa.or_(t.organizations.c.id == ref, t.organizations.c.name == ref)
+            )
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no organization {ref!r}", rule="org.not_found")
+    return dict(row._mapping)
+
+
+async def create_key(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, scopes: frozenset[Scope]
+) -> dict[str, Any]:
+    """Create a key; the secret is returned once and never stored."""
+    key_id = ids.new("key")
+    secret = secrets.token_urlsafe(32)
+    await conn.execute(
+        t.api_keys.insert().values(
+            id=key_id,
+            org_id=org_id,
+            secret_hash=_hash_secret(secret),
+            scopes=sorted(s.value for s in scopes),
+            created_at=clock.now_ms(),
+        )
+    )
+    return {"id": key_id, "key": f"{KEY_PREFIX}.{key_id}.{secret}", "scopes": sorted(scopes)}
+
+
+async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
+    """The principal for a raw key, or ``None`` (unknown, malformed or revoked)."""
+    parts = raw.strip().split(".")
+    if len(parts) != 3 or parts[0] != KEY_PREFIX or len(raw) > 200:
+        return None
+    _, key_id, secret = parts
+    row = (
+        await conn.execute(
+            sa.select(t.api_keys).where(
+                t.api_keys.c.id == key_id, t.api_keys.c.revoked_at.is_(None)
+            )
+        )
+    ).first()
+    if row is None or not hmac.compare_digest(row.secret_hash, _hash_secret(secret)):
+        return None
+    return Principal(
+        org_id=row.org_id, scopes=frozenset(Scope(s) for s in row.scopes), key_id=key_id
+    )
+
+
+async def create_user(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    org_id: str,
+    email: str,
+    role: str,
+    password: str,
+) -> dict[str, Any]:
+    """Create a console user with a role; the password is stored as an argon2 hash."""
+    try:
+        role_enum = Role(role)
+    except ValueError:
+        raise ValidationError(
+            f"unknown role {role!r}; allowed: Owner, Admin, Member, Viewer", rule="user.role"
+        ) from None
+    email = email.strip().lower()
+    if "@" not in email or len(email) > 320:
+        raise ValidationError("user email must be an email address", rule="user.email")
+    if len(password) < 8:
+        raise ValidationError("password must be at least 8 characters", rule="user.password")
+    if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
+        raise Conflict(f"a user {email} already exists", rule="user.email_taken")
+    user_id = ids.new("usr")
+    await conn.execute(
+        t.users.insert().values(
+            id=user_id,
+            org_id=org_id,
+            email=email,
+            role=role_enum.value,
+            password_hash=_hasher.hash(password),
+            created_at=clock.now_ms(),
+        )
+    )
+    return {"id": user_id, "email": email, "role": role_enum.value, "orgId": org_id}
+
+
+async def login(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
+) -> str | None:
+    """Check a password; returns a new console session token or ``None``."""
+    row = (
+        await conn.execute(sa.select(t.users).where(t.users.c.email == email.strip().lower()))
+    ).first()
+    # argon2 is deliberately slow (tens of ms): keep it off the event loop.
+    ok = await asyncio.to_thread(_verify_password, row.password_hash if row else None, password)
+    if row is None or not ok:
+        return None
+    token = secrets.token_urlsafe(32)
+    await conn.execute(
+        t.console_sessions.insert().values(
+            id=ids.new("cs"),
+            token_hash=_hash_secret(token),
+            user_id=row.id,
+            expires_at=clock.now_ms() + ttl_ms,
+            created_at=clock.now_ms(),
+        )
+    )
+    return token
+
+
+async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) -> Principal | None:
+    """The principal of a console session cookie, or ``None``."""
+    row = (
+        await conn.execute(
+            sa.select(t.users.c.id, t.users.c.org_id, t.users.c.role)
+            .select_from(
+                t.console_sessions.join(t.users, t.users.c.id == t.console_sessions.c.user_id)
+            )
+            .where(
+                t.console_sessions.c.token_hash == _hash_secret(token),
+                t.console_sessions.c.expires_at > clock.now_ms(),
+            )
+        )
+    ).first()
+    if row is None:
+        return None
+    return Principal(org_id=row.org_id, scopes=ROLE_SCOPES[Role(row.role)], user_id=row.id)
+
+
+async def delete_session(conn: AsyncConnection, token: str) -> bool:
+    """Log a console session out (delete its row); ``False`` when there was none."""
+    result = await conn.execute(
+        t.console_sessions.delete().where(t.console_sessions.c.token_hash == _hash_secret(token))
+    )
+    return bool(result.rowcount)
+
+
+async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
+    """A console user's public fields (never the password hash), with the org name."""
+    row = (
+        await conn.execute(
+            sa.select(
+                t.users.c.id,
+                t.users.c.email,
+                t.users.c.role,
+                t.users.c.org_id,
+                t.organizations.c.name.label("org_name"),
+            )
+            .select_from(t.users.join(t.organizations, t.organizations.c.id == t.users.c.org_id))
+            .where(t.users.c.id == user_id)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no user {user_id!r}", rule="user.not_found")
+    role = Role(row.role)
+    return {
+        "id": row.id,
+        "email": row.email,
+        "role": role.value,
+        "orgId": row.org_id,
+        "orgName": row.org_name,
+        "scopes": sorted(s.value for s in ROLE_SCOPES[role]),
+    }

@@ -1,0 +1,316 @@
+"""Work items: the status enum, the one transition table, fenced updates.
+
+Every status change goes through :func:`transition`: a conditional
+``UPDATE ... WHERE id = :id AND status = :from [AND lease_token = :token] RETURNING *``.
+When nothing matched (someone else moved the item first, or a lease was lost) it raises
+:class:`leadgate.core.errors.TransitionError` and changes nothing, so two replicas can never
+both win. Each change writes an audit row in the same transaction.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import DAY_MS, Clock, IdFactory
+from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.metrics import METRICS
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, Database
+from leadgate.domain.rows import WorkItem
+
+#: An ``inProgress`` item idle this long becomes ``abandoned`` (SPEC 3 rule 4).
+ABANDON_AFTER_MS = 7 * DAY_MS
+
+
+class Status(enum.StrEnum):
+    """Work item statuses (SPEC 3)."""
+
+    #: the worker is working; external messages are appended to the task context
+    inProgress = "inProgress"
+    #: complete_task was signalled; waiting for a lead run to claim it
+    reviewQueued = "reviewQueued"
+    #: a lead run holds the 20-minute review lease
+    reviewing = "reviewing"
+    #: a human must decide (approve, reject, return, cancel)
+    awaitingHuman = "awaitingHuman"
+    #: approved; the gating delivery is pending, in flight, or deliveryUnknown
+    approved = "approved"
+    #: terminal: approved output was delivered (or needed no delivery)
+    completed = "completed"
+    #: terminal: a human rejected the work
+    rejected = "rejected"
+    #: terminal: the gating delivery failed permanently
+    failed = "failed"
+    #: terminal: cancelled by an operator
+    cancelled = "cancelled"
+    #: terminal: inProgress and idle for 7 days
+    abandoned = "abandoned"
+
+
+S = Status
+TERMINAL = frozenset({S.completed, S.rejected, S.failed, S.cancelled, S.abandoned})
+ACTIVE = frozenset(set(S) - TERMINAL)
+
+#: The one transition table: from-status -> statuses it may move to.
+TRANSITIONS: dict[Status, frozenset[Status]] = {
+    S.inProgress: frozenset({S.reviewQueued, S.awaitingHuman, S.abandoned, S.cancelled}),
+    S.reviewQueued: frozenset({S.reviewing, S.cancelled}),
+    S.reviewing: frozenset(
+        {S.approved, S.inProgress, S.awaitingHuman, S.reviewQueued, S.cancelled}
+    ),
+    S.awaitingHuman: frozenset({S.approved, S.rejected, S.inProgress, S.cancelled}),
+    S.approved: frozenset({S.completed, S.failed, S.cancelled}),
+    S.completed: frozenset(),
+    S.rejected: frozenset(),
+    S.failed: frozenset(),
+    S.cancelled: frozenset(),
+    S.abandoned: frozenset(),
+}
+
+W = t.work_items.c
+
+
+def allowed(src: Status, dst: Status) -> bool:
+    """Whether the transition table permits ``src -> dst``."""
+    return dst in TRANSITIONS[src]
+
+
+_INSERT_AUDIT = t.audit.insert()
+
+
+async def audit(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    actor: str,
+    action: str,
+    work_item_id: str | None = None,
+    delivery_id: str | None = None,
+    from_status: str | None = None,
+    to_status: str | None = None,
+    text: str | None = None,
+) -> None:
+    """Append one audit row (who, when, what, text)."""
+    await conn.execute(
+        _INSERT_AUDIT,
+        {
+            "id": ids.new("aud"),
+            "org_id": org_id,
+            "work_item_id": work_item_id,
+            "delivery_id": delivery_id,
+            "actor": actor,
+            "action": action,
+            "from_status": from_status,
+            "to_status": to_status,
+            "text": text,
+            "created_at": clock.now_ms(),
+        },
+    )
+
+
+async def transition(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item_id: str,
+    *,
+    src: Status,
+    dst: Status,
+    actor: str,
+    action: str,
+    text: str | None = None,
+    lease_token: str | None = None,
+    org_id: str | None = None,
+    values: dict[str, Any] | None = None,
+) -> WorkItem:
+    """Move ``item_id`` from ``src`` to ``dst``, fenced by status (and lease token).
+
+    Raises :class:`TransitionError` when the table forbids the move or no row matched.
+    """
+    if not allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    now = clock.now_ms()
+    stmt = (
+        t.work_items.update()
+        .where(W.id == item_id, W.status == src.value)
+        .values(status=dst.value, updated_at=now, **(values or {}))
+        .returning(*t.work_items.c)
+    )
+    if lease_token is not None:
+        stmt = stmt.where(W.lease_token == lease_token)
+    if org_id is not None:
+        stmt = stmt.where(W.org_id == org_id)
+    row = (await conn.execute(stmt)).first()
+    if row is None:
+        raise TransitionError(
+            f"work item {item_id} is not {src} (or its lease was lost); nothing changed",
+            rule="workItem.status",
+        )
+    await audit(
+        conn,
+        clock,
+        ids,
+        org_id=row.org_id,
+        actor=actor,
+        action=action,
+        work_item_id=item_id,
+        from_status=src.value,
+        to_status=dst.value,
+        text=text,
+    )
+    METRICS.transitions.labels(src.value, dst.value).inc()
+    return WorkItem.from_row(row)
+
+
+async def transition_many(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item_ids: list[str],
+    *,
+    src: Status,
+    dst: Status,
+    actor: str,
+    action: str,
+) -> list[str]:
+    """:func:`transition` for many items at once (the outbox relay's batch commit).
+
+    One fenced ``UPDATE ... WHERE id IN (...) AND status = :from RETURNING`` and one
+    multi-row audit insert. Returns the ids that moved; an item that was not ``src`` is
+    left alone (the caller decides whether that matters).
+    """
+    if not allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    if not item_ids:
+        return []
+    now = clock.now_ms()
+    rows = (
+        await conn.execute(
+            t.work_items.update()
+            .where(W.id.in_(item_ids), W.status == src.value)
+            .values(status=dst.value, updated_at=now)
+            .returning(W.id, W.org_id)
+        )
+    ).all()
+    if rows:
+        await conn.execute(
+            t.audit.insert(),
+            [
+                {
+                    "id": ids.new("aud"),
+                    "org_id": row.org_id,
+                    "work_item_id": row.id,
+                    "delivery_id": None,
+                    "actor": actor,
+                    "action": action,
+                    "from_status": src.value,
+                    "to_status": dst.value,
+                    "text": None,
+                    "created_at": now,
+                }
+                for row in rows
+            ],
+        )
+        METRICS.transitions.labels(src.value, dst.value).inc(len(rows))
+    return [str(row.id) for row in rows]
+
+
+async def get(conn: Conn, item_id: str, org_id: str | None = None) -> WorkItem:
+    """A work item (``NotFound`` when absent, or of another organization)."""
+    query = sa.select(t.work_items).where(W.id == item_id)
+    if org_id is not None:
+        query = query.where(W.org_id == org_id)
+    row = (await conn.execute(query)).first()
+    if row is None:
+        raise NotFound(f"no work item {item_id}", rule="workItem.not_found")
+    return WorkItem.from_row(row)
+
+
+_ACTIVE_FOR = sa.select(t.work_items).where(
+    W.agent_id == sa.bindparam("p_agent_id"),
+    W.session_id == sa.bindparam("p_session_id"),
+    W.status.in_([s.value for s in ACTIVE]),
+)
+_ACTIVE_FOR_UPDATE = _ACTIVE_FOR.with_for_update()
+
+
+async def active_for(
+    conn: Conn, agent_id: str, session_id: str, *, lock: bool = False
+) -> WorkItem | None:
+    """The active (non-terminal) item of a (worker, session), if any (``lock``: FOR UPDATE
+    on PostgreSQL; SQLite serializes writers anyway)."""
+    query = _ACTIVE_FOR_UPDATE if lock and conn.dialect.name == "postgresql" else _ACTIVE_FOR
+    row = (await conn.execute(query, {"p_agent_id": agent_id, "p_session_id": session_id})).first()
+    return None if row is None else WorkItem.from_row(row)
+
+
+async def sweep_abandoned(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
+) -> int:
+    """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count."""
+    cutoff = clock.now_ms() - idle_ms
+    rows = (
+        await conn.execute(
+            sa.select(W.id)
+            .where(W.status == S.inProgress.value, W.last_activity_at <= cutoff)
+            .limit(limit)
+        )
+    ).all()
+    moved = 0
+    for row in rows:
+        # Fenced on idleness too: an append racing the sweeper wins.
+        res = await conn.execute(
+            t.work_items.update()
+            .where(
+                W.id == row.id,
+                W.status == S.inProgress.value,
+                W.last_activity_at <= cutoff,
+            )
+            .values(status=S.abandoned.value, updated_at=clock.now_ms())
+            .returning(W.org_id)
+        )
+        updated = res.first()
+        if updated is None:
+            continue
+        moved += 1
+        await audit(
+            conn,
+            clock,
+            ids,
+            org_id=updated.org_id,
+            actor="system:sweeper",
+            action="abandon",
+            work_item_id=row.id,
+            from_status=S.inProgress.value,
+            to_status=S.abandoned.value,
+            text="idle for 7 days",
+        )
+        METRICS.transitions.labels(S.inProgress.value, S.abandoned.value).inc()
+    return moved
+
+
+class Sweeper:
+    """The abandonment sweeper: ``inProgress`` items idle for 7 days become ``abandoned``."""
+
+    name = "abandonment-sweeper"
+
+    def __init__(self, db: Database, clock: Clock, ids: IdFactory) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+
+    async def run_once(self) -> bool:
+        """Sweep one batch."""
+        async with self.db.tx() as conn:
+            moved = await sweep_abandoned(conn, self.clock, self.ids, ABANDON_AFTER_MS)
+        return moved > 0

@@ -1,0 +1,88 @@
+"""Who is calling: API keys (with a short in-process cache) and console sessions."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Any
+
+from leadgate.core.auth import Principal
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.database.db import Database
+from leadgate.domain import orgs
+
+#: How long a valid API key's principal is cached in process: a key revoked meanwhile is
+#: refused at the latest this many seconds later (see :meth:`Access.principal`).
+PRINCIPAL_TTL_S = 5.0
+PRINCIPAL_CACHE_SIZE = 1024
+#: A console session lasts this long.
+CONSOLE_SESSION_TTL_S = 12 * 3600
+
+
+class Access:
+    """Authentication for every surface."""
+
+    def __init__(self, db: Database, clock: Clock, ids: IdFactory) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        # SHA-256 of a raw API key -> (monotonic expiry, principal); see principal().
+        self._principals: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
+
+    async def principal(self, token: str | None, session: str | None) -> Principal | None:
+        """Principal of a bearer key or console session token.
+
+        Valid API keys are cached in process for :data:`PRINCIPAL_TTL_S` seconds (at most
+        :data:`PRINCIPAL_CACHE_SIZE` keys, by SHA-256 of the raw key: the key itself is
+        never stored), so **a revoked key keeps working for up to that long** in a process
+        that saw it just before. Unknown, malformed and revoked keys are not cached (each
+        attempt is checked against the database), nor are console sessions (a logout
+        takes effect at once).
+        """
+        if token:
+            return await self._key_principal(token)
+        if session:
+            async with self.db.read() as conn:
+                return await orgs.authenticate_session(conn, self.clock, session)
+        return None
+
+    async def key_principal(self, token: str) -> Principal | None:
+        """:meth:`principal` of a bearer key alone (MCP)."""
+        return await self._key_principal(token)
+
+    async def _key_principal(self, token: str) -> Principal | None:
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        now = time.monotonic()
+        hit = self._principals.get(digest)
+        if hit is not None:
+            if hit[0] > now:
+                return hit[1]
+            del self._principals[digest]
+        async with self.db.read() as conn:
+            principal = await orgs.authenticate_key(conn, token)
+        if principal is not None:
+            self._principals[digest] = (now + PRINCIPAL_TTL_S, principal)
+            while len(self._principals) > PRINCIPAL_CACHE_SIZE:
+                self._principals.popitem(last=False)  # the oldest entry
+        return principal
+
+    async def login(self, email: str, password: str) -> str | None:
+        """Check a console password; a new session token, or ``None``."""
+        async with self.db.tx() as conn:
+            return await orgs.login(
+                conn, self.clock, self.ids, email, password, CONSOLE_SESSION_TTL_S * 1000
+            )
+
+    async def logout(self, token: str) -> None:
+        """End a console session (no-op when it is unknown)."""
+        async with self.db.tx() as conn:
+            await orgs.delete_session(conn, token)
+
+    async def console_user(self, token: str | None) -> dict[str, Any] | None:
+        """The console user of a session token (``None``: no, unknown or expired session)."""
+        principal = await self.principal(None, token) if token else None
+        if principal is None or principal.user_id is None:
+            return None
+        async with self.db.read() as conn:
+            return await orgs.get_user(conn, principal.user_id)

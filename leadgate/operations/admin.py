@@ -1,0 +1,198 @@
+"""The admin CLI's operations: organizations, keys, users, agents, presets, policy,
+routes, schedules, flows and the demo organization.
+
+Whoever can read the configuration can run these (they talk to the database the config
+names), so they take no principal. Each is one transaction calling the domain; no rule
+is checked here that the domain already checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from binding import routes
+from leadgate.core.auth import ROLE_SCOPES, Role
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import NotFound
+from leadgate.database.db import Database
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import orgs, policy
+from leadgate.domain.agents import UNSET
+from leadgate.domain.rows import Agent
+from leadgate.flows import runs as flows
+from leadgate.runners.schedules import add_schedule
+
+DEMO_AGENTS = ("worker", "lead", "plain")
+
+
+class Admin:
+    """Admin operations on the database ``db`` (see the module docstring)."""
+
+    def __init__(
+        self, db: Database, clock: Clock, ids: IdFactory, model_names: frozenset[str]
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.model_names = model_names
+
+    async def _org_id(self, conn: Any, ref: str) -> str:
+        return str((await orgs.find_org(conn, ref))["id"])
+
+    async def create_org(self, name: str) -> dict[str, Any]:
+        """An organization with an Owner key carrying every scope."""
+        async with self.db.tx() as conn:
+            return await orgs.create_org(conn, self.clock, self.ids, name)
+
+    async def create_key(self, org: str, scopes: list[str]) -> dict[str, Any]:
+        """A key with exactly ``scopes`` (shown once)."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            return await orgs.create_key(
+                conn, self.clock, self.ids, org_id, orgs.parse_scopes(scopes)
+            )
+
+    async def create_user(self, org: str, email: str, role: str, password: str) -> dict[str, Any]:
+        """A console user."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            return await orgs.create_user(conn, self.clock, self.ids, org_id, email, role, password)
+
+    async def save_agent(
+        self, org: str, *, ref: str | None = None, delete: bool = False, **fields: Any
+    ) -> dict[str, Any]:
+        """Create (``ref`` None) or update an agent; the admin view shows the resolved lead."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            agent = await agents_mod.save_agent(
+                conn,
+                self.clock,
+                self.ids,
+                org_id,
+                agent_ref=ref,
+                delete=delete,
+                known_models=self.model_names,
+                **fields,
+            )
+            return await self._admin_view(conn, agent)
+
+    async def _admin_view(self, conn: Any, agent: Agent) -> dict[str, Any]:
+        out = agents_mod.public_agent(agent)
+        lead = await agents_mod.resolve_lead(conn, agent)
+        # Admin output shows the resolved lead; the public API never does.
+        out["lead"] = (
+            None
+            if lead is None
+            else {
+                "leadAgentId": lead.lead_agent_id,
+                "completionPolicy": lead.completion_policy.value,
+                "maxRevisionRounds": lead.max_revision_rounds,
+                "source": lead.source,
+            }
+        )
+        return out
+
+    async def create_preset(
+        self,
+        org: str | None,
+        name: str,
+        lead: str | None,
+        review_config: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """An organization preset (``org``), or a platform preset (``org`` None)."""
+        async with self.db.tx() as conn:
+            org_id = None if org is None else await self._org_id(conn, org)
+            return await agents_mod.create_preset(
+                conn,
+                self.clock,
+                self.ids,
+                org_id=org_id,
+                name=name,
+                lead=lead,
+                review_config=review_config,
+            )
+
+    async def add_policy_rule(self, org: str, pattern: str, action: str) -> dict[str, Any]:
+        """Append an output policy rule."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            return await policy.add_rule(conn, self.clock, self.ids, org_id, pattern, action)
+
+    async def add_route(
+        self, org: str, agent: str, channel: str, match: list[str], silent: bool
+    ) -> dict[str, Any]:
+        """Route a channel (``KEY=VALUE`` match keys) to an agent."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            found = await agents_mod.find_agent(conn, org_id, agent)
+            return await routes.add_route(
+                conn,
+                self.clock,
+                self.ids,
+                org_id=org_id,
+                agent_id=found.id,
+                channel=channel,
+                match=routes.parse_match(channel, match),
+                silent=silent,
+            )
+
+    async def list_routes(self, org: str) -> list[dict[str, Any]]:
+        """The organization's routes."""
+        async with self.db.tx() as conn:
+            return await routes.list_routes(conn, await self._org_id(conn, org))
+
+    async def disable_route(self, org: str, route_id: str) -> dict[str, Any]:
+        """Deactivate a route."""
+        async with self.db.tx() as conn:
+            return await routes.disable_route(conn, await self._org_id(conn, org), route_id)
+
+    async def add_schedule(self, org: str, agent: str, cron: str, message: str) -> dict[str, Any]:
+        """Run an agent on a cron schedule."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            found = await agents_mod.find_agent(conn, org_id, agent)
+            return await add_schedule(
+                conn,
+                self.clock,
+                self.ids,
+                org_id=org_id,
+                agent_id=found.id,
+                cron=cron,
+                message=message,
+            )
+
+    async def create_flow(self, org: str, name: str, nodes: Any) -> dict[str, Any]:
+        """A flow from its node list."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            return await flows.create_flow(conn, self.clock, self.ids, org_id, name, nodes)
+
+    async def show_run(self, org: str, run_id: str) -> dict[str, Any]:
+        """A flow run with its events and continuations."""
+        async with self.db.read() as conn:
+            return await flows.run_view(conn, await self._org_id(conn, org), run_id)
+
+    async def org_id(self, org: str) -> str:
+        """The id of an organization given by name or id."""
+        async with self.db.read() as conn:
+            return await self._org_id(conn, org)
+
+    async def demo(self, name: str) -> dict[str, Any]:
+        """A demo organization: ``worker`` reviewed by ``lead``, and ``plain``; idempotent
+        (a second run only mints a fresh Owner key)."""
+        async with self.db.tx() as conn:
+            try:
+                org_id = await self._org_id(conn, name)
+            except NotFound:
+                org = await orgs.create_org(conn, self.clock, self.ids, name)
+                org_id, key = str(org["id"]), str(org["apiKey"])
+                for agent, lead in (("lead", UNSET), ("worker", "lead"), ("plain", UNSET)):
+                    await agents_mod.save_agent(
+                        conn, self.clock, self.ids, org_id, name=agent, model="script", lead=lead
+                    )
+            else:
+                created = await orgs.create_key(
+                    conn, self.clock, self.ids, org_id, ROLE_SCOPES[Role.owner]
+                )
+                key = str(created["key"])
+        return {"org": name, "orgId": org_id, "apiKey": key, "agents": list(DEMO_AGENTS)}

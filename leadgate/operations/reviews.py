@@ -1,0 +1,105 @@
+"""Reviewers' operations: the actionable queue, the detail, decisions, delivery recovery.
+
+Every decision goes through the one fenced commit path of :mod:`leadgate.review.decisions`
+(two people deciding at once make one decision; the other gets a 409), and answers the
+updated detail. ``on_decided`` runs after each committed decision (wakes the relay, the
+revision dispatcher and the flow resumer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from leadgate.core.auth import Principal, Scope
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import ValidationError
+from leadgate.database.db import Database
+from leadgate.domain import workitems
+from leadgate.review import decisions, queue
+from outbox.store import Outbox, get_delivery, recover
+
+#: The human decisions (SPEC 5) and the delivery recovery actions.
+DECISIONS = ("approve", "reject", "return", "cancel")
+RECOVERIES = ("confirm", "retry")
+
+
+class Reviews:
+    """What the operator API, the console and the CLI do for reviewers."""
+
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        outbox: Outbox,
+        *,
+        on_decided: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.outbox = outbox
+        self.on_decided = on_decided
+
+    async def queue(
+        self, principal: Principal, *, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """The actionable queue (awaitingHuman, or approved with deliveryUnknown)."""
+        principal.require(Scope.review)
+        async with self.db.read() as conn:
+            return await queue.actionable(conn, principal.org_id, limit=limit, cursor=cursor)
+
+    async def detail(self, principal: Principal, item_id: str) -> dict[str, Any]:
+        """The review detail of one item of the caller's organization."""
+        principal.require(Scope.review)
+        async with self.db.read() as conn:
+            return await queue.detail(conn, principal.org_id, item_id)
+
+    async def activity(self, principal: Principal, *, limit: int = 50) -> dict[str, Any]:
+        """Agent Activity (never the approved text)."""
+        principal.require(Scope.review)
+        async with self.db.read() as conn:
+            return await queue.activity(conn, principal.org_id, limit=limit)
+
+    async def decide(
+        self, principal: Principal, item_id: str, action: str, text: object = None
+    ) -> dict[str, Any]:
+        """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel."""
+        principal.require(Scope.review)
+        if action not in DECISIONS:
+            raise ValidationError(
+                f"the decision must be one of {', '.join(DECISIONS)}", rule="decision.action"
+            )
+        actor = principal.actor
+        async with self.db.tx() as conn:
+            item = await workitems.get(conn, item_id, principal.org_id)
+            if action == "approve":
+                await decisions.human_approve(conn, self.outbox, item, actor)
+            elif action == "reject":
+                await decisions.human_reject(conn, self.clock, self.ids, item, actor, text)
+            elif action == "return":
+                await decisions.human_return(conn, self.clock, self.ids, item, actor, text)
+            else:
+                await decisions.cancel(conn, self.clock, self.ids, item, actor)
+            detail = await queue.detail(conn, principal.org_id, item_id)
+        self.on_decided()
+        return detail
+
+    async def recover(self, principal: Principal, delivery_id: str, action: str) -> dict[str, Any]:
+        """Confirm delivered, or retry, a ``deliveryUnknown`` delivery."""
+        principal.require(Scope.review)
+        if action not in RECOVERIES:
+            raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
+        async with self.db.tx() as conn:
+            delivery = await get_delivery(conn, delivery_id, principal.org_id)
+            row = await recover(
+                conn, self.clock, self.ids, delivery, action=action, actor=principal.actor
+            )
+            detail = (
+                await queue.detail(conn, principal.org_id, row.work_item_id)
+                if row.work_item_id
+                else {"id": row.id, "status": row.status}
+            )
+        self.on_decided()
+        return detail

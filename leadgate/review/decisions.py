@@ -1,0 +1,179 @@
+"""The verdict commit path (lead and human share it) and the other human decisions.
+
+Every decision is one transaction: a fenced status transition, its audit row and, for an
+approval, the gating delivery row. ``completionPolicy`` is shown on the detail; nothing
+here branches on it (SPEC 3).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
+from leadgate.domain import workitems
+from leadgate.domain.rows import WorkItem
+from leadgate.domain.workitems import Status
+from outbox.store import Outbox, cancel_for_item
+
+
+class Verdict(enum.StrEnum):
+    """What a lead (or a human approving) decides."""
+
+    approved = "approved"
+    changesRequested = "changesRequested"
+    escalated = "escalated"
+
+
+def rounds_remain(item: WorkItem) -> bool:
+    """A lead may send work back while ``revision < maxRevisionRounds + allowances``.
+
+    A human's return adds one allowance and is itself a revision, so returns never eat
+    into the lead's rounds.
+    """
+    return item.revision < item.max_revision_rounds + item.extra_allowance
+
+
+async def commit_verdict(
+    conn: AsyncConnection,
+    outbox: Outbox,
+    item: WorkItem,
+    verdict: Verdict,
+    *,
+    actor: str,
+    feedback: str | None,
+    src: Status,
+    lease_token: str | None = None,
+) -> WorkItem:
+    """Commit a verdict on ``item`` (currently ``src``); returns the updated row.
+
+    An approval writes the gating delivery through ``outbox`` in the same transaction;
+    changes requested without rounds left, and an escalation, go to a human.
+    """
+    values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None}
+    if verdict == Verdict.approved:
+        dst, action = Status.approved, "approve"
+    elif verdict == Verdict.changesRequested and rounds_remain(item):
+        dst, action = Status.inProgress, "changesRequested"
+        values.update(
+            revision=item.revision + 1,
+            # A fresh submission gets a fresh count of expired review leases.
+            lease_expiries=0,
+            pending_feedback=feedback or "Please revise.",
+            last_feedback=feedback,
+            last_activity_at=outbox.clock.now_ms(),
+        )
+    else:
+        dst = Status.awaitingHuman
+        action = "escalate" if verdict == Verdict.escalated else "roundsExhausted"
+        values["last_feedback"] = feedback
+    row = await workitems.transition(
+        conn,
+        outbox.clock,
+        outbox.ids,
+        item.id,
+        src=src,
+        dst=dst,
+        actor=actor,
+        action=action,
+        text=feedback,
+        lease_token=lease_token,
+        values=values,
+    )
+    if dst == Status.approved:
+        await outbox.enqueue_gating(conn, row)
+    return row
+
+
+async def human_approve(
+    conn: AsyncConnection, outbox: Outbox, item: WorkItem, actor: str
+) -> WorkItem:
+    """Approve from awaitingHuman: approved + gating delivery, one transaction."""
+    return await commit_verdict(
+        conn,
+        outbox,
+        item,
+        Verdict.approved,
+        actor=actor,
+        feedback=None,
+        src=Status.awaitingHuman,
+    )
+
+
+async def human_reject(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item: WorkItem,
+    actor: str,
+    reason: object,
+) -> WorkItem:
+    """Reject from awaitingHuman with a reason of 1..2,000 characters."""
+    text = check_text(reason, name="reason", limit=REASON_LIMIT, rule="decision.reason")
+    return await workitems.transition(
+        conn,
+        clock,
+        ids,
+        item.id,
+        src=Status.awaitingHuman,
+        dst=Status.rejected,
+        actor=actor,
+        action="reject",
+        text=text,
+    )
+
+
+async def human_return(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item: WorkItem,
+    actor: str,
+    feedback: object,
+) -> WorkItem:
+    """Return to the worker: inProgress, one extra revision allowance, feedback dispatched."""
+    text = check_text(feedback, name="feedback", limit=FEEDBACK_LIMIT, rule="decision.feedback")
+    return await workitems.transition(
+        conn,
+        clock,
+        ids,
+        item.id,
+        src=Status.awaitingHuman,
+        dst=Status.inProgress,
+        actor=actor,
+        action="return",
+        text=text,
+        values={
+            "revision": item.revision + 1,
+            "extra_allowance": item.extra_allowance + 1,
+            "lease_expiries": 0,
+            "pending_feedback": text,
+            "last_feedback": text,
+            "last_activity_at": clock.now_ms(),
+            "lease_token": None,
+            "lease_expires_at": None,
+        },
+    )
+
+
+async def cancel(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, item: WorkItem, actor: str
+) -> WorkItem:
+    """Cancel from any non-terminal status; unsent deliveries are cancelled too."""
+    src = Status(item.status)
+    row = await workitems.transition(
+        conn,
+        clock,
+        ids,
+        item.id,
+        src=src,
+        dst=Status.cancelled,
+        actor=actor,
+        action="cancel",
+        values={"lease_token": None, "lease_expires_at": None},
+    )
+    await cancel_for_item(conn, clock, item.id)
+    return row

@@ -1,0 +1,117 @@
+"""Scheduled triggers: run a worker on a cron expression with the ``scheduled`` binding.
+
+Each firing is claimed by advancing ``next_fire_at`` with a fenced update
+(``WHERE id = :id AND next_fire_at = :due``), so across replicas exactly one claims it.
+The inbound event id ``schedule:<id>:<due>`` makes a re-run of the same firing a
+duplicate, not a second turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from croniter import CroniterBadCronError, croniter
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import Clock, IdFactory, iso
+from leadgate.core.errors import ValidationError
+from leadgate.core.limits import validate_message
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+from leadgate.turns.path import TurnService
+
+log = logging.getLogger("leadgate.schedules")
+S = t.schedules.c
+
+
+def next_fire(cron: str, after_ms: int) -> int:
+    """The first firing strictly after ``after_ms`` (UTC)."""
+    try:
+        it = croniter(cron, datetime.fromtimestamp(after_ms / 1000, tz=UTC))
+    except (CroniterBadCronError, ValueError, KeyError) as exc:
+        raise ValidationError(
+            f"invalid cron expression {cron!r}: {exc}", rule="schedule.cron"
+        ) from None
+    nxt: datetime = it.get_next(datetime)
+    return int(nxt.timestamp() * 1000)
+
+
+async def add_schedule(
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    agent_id: str,
+    cron: str,
+    message: str,
+) -> dict[str, Any]:
+    """Store a schedule; its first firing is the next cron time after now."""
+    validate_message(message)
+    first = next_fire(cron, clock.now_ms())
+    schedule_id = ids.new("sch")
+    await conn.execute(
+        t.schedules.insert().values(
+            id=schedule_id,
+            org_id=org_id,
+            agent_id=agent_id,
+            cron=cron,
+            message=message,
+            next_fire_at=first,
+            active=True,
+            created_at=clock.now_ms(),
+        )
+    )
+    return {"id": schedule_id, "agentId": agent_id, "cron": cron, "nextFireAt": iso(first)}
+
+
+class ScheduleRunner:
+    """Fires due schedules, each firing exactly once across replicas."""
+
+    name = "schedules"
+
+    def __init__(self, db: Database, clock: Clock, turns: TurnService) -> None:
+        self.db = db
+        self.clock = clock
+        self.turns = turns
+
+    async def run_once(self) -> bool:
+        """Claim and run one due firing."""
+        now = self.clock.now_ms()
+        async with self.db.tx() as conn:
+            row = (
+                await conn.execute(
+                    self.db.skip_locked(
+                        sa.select(t.schedules)
+                        .where(S.active, S.next_fire_at <= now)
+                        .order_by(S.next_fire_at)
+                        .limit(1)
+                    )
+                )
+            ).first()
+            if row is None:
+                return False
+            res = await conn.execute(
+                t.schedules.update()
+                .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
+                .values(next_fire_at=next_fire(row.cron, max(now, row.next_fire_at)))
+            )
+            if not res.rowcount:
+                return True
+        trigger = Trigger(
+            org_id=row.org_id,
+            agent_id=row.agent_id,
+            session_key=f"schedule:{row.id}",
+            text=row.message,
+            binding=BindingSpec(BindingKind.scheduled, {"scheduleId": row.id}),
+            external_event_id=f"schedule:{row.id}:{row.next_fire_at}",
+        )
+        try:
+            await self.turns.run(trigger)
+        except Exception:
+            log.exception("scheduled run %s failed", row.id)
+        return True

@@ -1,0 +1,1 @@
+"""The turn path: intake, the model runtime with complete_task, gating, history, providers."""

@@ -1,0 +1,49 @@
+"""What a turn runs under: the trusted context and the ``complete_task`` tool."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from leadgate.core.limits import SUMMARY_LIMIT
+from leadgate.turns.providers.base import ToolSpec
+
+COMPLETE_TASK = ToolSpec(
+    name="complete_task",
+    description=(
+        "Call this once the task is finished. Your reply is then held for review by your "
+        "lead before anyone sees it. Give a short summary of what you did."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "summary": {
+                "type": "string",
+                "description": "What was done, 1 to 2,000 characters.",
+                "minLength": 1,
+                "maxLength": SUMMARY_LIMIT,
+            }
+        },
+        "required": ["summary"],
+        "additionalProperties": False,
+    },
+)
+
+#: complete_task's tool result when the signal was recorded for this turn.
+SUBMITTED = json.dumps({"ok": True, "status": "submitted for lead review"})
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """Trusted, server-side context of a turn. Never model input."""
+
+    org_id: str
+    agent_id: str
+    session_id: str
+    binding_id: str
+    turn_id: str
+    work_item_id: str | None = None
+    revision: int | None = None
+    # False when the turn's binding can never post (api, studio, silent): a plain reply
+    # then has nothing to queue, whichever binding is active by the end of the turn.
+    binding_posts: bool = True

@@ -1,0 +1,191 @@
+"""The history a worker's model sees: a session's newest 50 user/assistant/internal
+messages, oldest first (ordered by ``created_at``, then ``id``).
+
+Every turn reads it, and on SQLite that read was the turn's most expensive statement: 50
+rows, each a B-tree lookup from the index into the table. On the inline SQLite connection
+(:mod:`leadgate.database.inline_sqlite`) :class:`HistoryCache` keeps each recently active session's
+window in process and reads only the rows added since, by ``rowid``:
+
+* SQLite gives a new row ``max(rowid) + 1`` and writers are serialized, so every row
+  committed after the cached read has a larger rowid than the cached newest one, whatever
+  its ``created_at`` (clocks of other processes may differ) and whichever process wrote
+  it. Messages are never deleted, and the columns read here are never updated.
+* ``VACUUM`` may renumber rowids (tables without an INTEGER PRIMARY KEY). The delta read
+  starts *at* the cached newest row and checks that it still has the same id there;
+  if not, the entry is dropped and the window is read again in full.
+* The cache changes only after the transaction that read the delta commits (the entry is
+  handed to :func:`leadgate.database.db.signal_after_commit`): a rolled-back turn leaves no trace,
+  and an older entry never replaces a newer one.
+
+Elsewhere (PostgreSQL, the general transaction) the window is read with one query.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import sqlalchemy as sa
+
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, signal_after_commit
+from leadgate.database.inline_sqlite import InlineConnection
+from leadgate.turns.providers.base import ChatMessage
+
+HISTORY_LIMIT = 50
+#: Sessions and characters of message text the cache holds at most (least recently
+#: used sessions are dropped first).
+MAX_SESSIONS = 4096
+MAX_CHARS = 16_000_000
+#: The after-commit topic carrying new cache entries.
+TOPIC = "history"
+
+_ROLES = ("user", "assistant", "internal")
+_M = t.messages.c
+_ROWID: sa.ColumnClause[int] = sa.literal_column("messages.rowid")
+
+# Built once (statement construction costs as much as execution on the turn path).
+_WINDOW = (
+    sa.select(_M.role, _M.content, _M.created_at, _M.id)
+    .where(_M.session_id == sa.bindparam("p_session_id"), _M.role.in_(_ROLES))
+    .order_by(_M.created_at.desc(), _M.id.desc())
+    .limit(HISTORY_LIMIT)
+)
+_NEWEST = (
+    sa.select(_ROWID.label("rid"), _M.id)
+    .where(_M.session_id == sa.bindparam("p_session_id"))
+    .order_by(_ROWID.desc())
+    .limit(1)
+)
+_SINCE = (
+    sa.select(_ROWID.label("rid"), _M.id, _M.role, _M.content, _M.created_at)
+    .where(_M.session_id == sa.bindparam("p_session_id"), _ROWID >= sa.bindparam("p_rowid"))
+    .order_by(_ROWID)
+)
+
+
+def to_message(role: str, content: str) -> ChatMessage:
+    """A stored message as the model sees it (lead feedback is a user message)."""
+    if role == "internal":
+        return ChatMessage("user", f"Feedback from your lead reviewer:\n{content}")
+    return ChatMessage(role, content)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One session's window: sort keys and messages (oldest first) and its newest row."""
+
+    keys: tuple[tuple[int, str], ...]
+    messages: tuple[ChatMessage, ...]
+    last_rowid: int
+    last_id: str
+    chars: int
+
+
+def _build(
+    pairs: list[tuple[tuple[int, str], ChatMessage]], last_rowid: int, last_id: str
+) -> _Entry:
+    """An entry from ((created_at, id), message) pairs; the newest 50 are kept."""
+    if any(pairs[i][0] > pairs[i + 1][0] for i in range(len(pairs) - 1)):
+        pairs.sort(key=lambda pair: pair[0])
+    kept = pairs[-HISTORY_LIMIT:]
+    messages = tuple(m for _, m in kept)
+    return _Entry(
+        keys=tuple(k for k, _ in kept),
+        messages=messages,
+        last_rowid=last_rowid,
+        last_id=last_id,
+        chars=sum(len(m.content) for m in messages),
+    )
+
+
+def _extend(
+    entry: _Entry, fresh: list[tuple[tuple[int, str], ChatMessage]], last_rowid: int, last_id: str
+) -> _Entry:
+    """``entry`` with newer rows. The usual case (they sort after the window) appends and
+    trims; rows from a clock that ran behind go through :func:`_build`."""
+    if not fresh:
+        return replace(entry, last_rowid=last_rowid, last_id=last_id)
+    keys = [k for k, _ in fresh]
+    if (entry.keys and keys[0] <= entry.keys[-1]) or any(
+        keys[i] > keys[i + 1] for i in range(len(keys) - 1)
+    ):
+        pairs = list(zip(entry.keys, entry.messages, strict=True)) + fresh
+        return _build(pairs, last_rowid, last_id)
+    all_keys = entry.keys + tuple(keys)
+    messages = entry.messages + tuple(m for _, m in fresh)
+    chars = entry.chars + sum(len(m.content) for _, m in fresh)
+    overflow = len(all_keys) - HISTORY_LIMIT
+    if overflow > 0:
+        chars -= sum(len(m.content) for m in messages[:overflow])
+        all_keys, messages = all_keys[overflow:], messages[overflow:]
+    return _Entry(all_keys, messages, last_rowid, last_id, chars)
+
+
+class HistoryCache:
+    """Session windows kept in process for the inline SQLite path (see the module doc)."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS, max_chars: int = MAX_CHARS) -> None:
+        self.max_sessions = max_sessions
+        self.max_chars = max_chars
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._chars = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def read(self, conn: Conn, session_id: str) -> list[ChatMessage]:
+        """The session's window, read in ``conn``'s transaction."""
+        if not isinstance(conn, InlineConnection):
+            rows = (await conn.execute(_WINDOW, {"p_session_id": session_id})).all()
+            return [to_message(role, content) for role, content, _, _ in reversed(rows)]
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            params = {"p_session_id": session_id, "p_rowid": entry.last_rowid}
+            new: Sequence[Any] = conn.run(_SINCE, params).all()
+            if new and new[0][0] == entry.last_rowid and new[0][1] == entry.last_id:
+                self.hits += 1
+                if len(new) == 1:
+                    return list(entry.messages)
+                fresh = [((r[4], r[1]), to_message(r[2], r[3])) for r in new[1:] if r[2] in _ROLES]
+                entry = _extend(entry, fresh, new[-1][0], new[-1][1])
+                signal_after_commit(conn, TOPIC, (session_id, entry))
+                return list(entry.messages)
+            self.drop(session_id)  # renumbered (VACUUM): read it all again
+        self.misses += 1
+        newest: Any = conn.run(_NEWEST, {"p_session_id": session_id}).first()
+        if newest is None:
+            return []
+        window: Sequence[Any] = conn.run(_WINDOW, {"p_session_id": session_id}).all()
+        pairs = [((at, mid), to_message(role, content)) for role, content, at, mid in window]
+        entry = _build(pairs, newest[0], newest[1])
+        signal_after_commit(conn, TOPIC, (session_id, entry))
+        return list(entry.messages)
+
+    def apply(self, payloads: list[Any]) -> None:
+        """After-commit listener: store entries a committed transaction read, unless the
+        cache already holds a newer one for the session."""
+        for session_id, entry in payloads:
+            current = self._entries.get(session_id)
+            if current is not None:
+                if current.last_rowid > entry.last_rowid:
+                    continue
+                self._chars -= current.chars
+            self._entries[session_id] = entry
+            self._entries.move_to_end(session_id)
+            self._chars += entry.chars
+        while self._entries and (
+            len(self._entries) > self.max_sessions or self._chars > self.max_chars
+        ):
+            _, dropped = self._entries.popitem(last=False)
+            self._chars -= dropped.chars
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session's window."""
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self._chars -= entry.chars

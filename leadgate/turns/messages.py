@@ -1,0 +1,73 @@
+"""Transcript rows: storing a turn's messages and the visible reads of them.
+
+A message is ``user``, ``assistant``, ``tool`` or ``internal`` (lead feedback, a
+human's return). An assistant message of a turn that called ``complete_task`` is stored
+with ``lead_gated = true`` and stays out of every visible read until its item is
+approved (the relay's reveal clears the flag).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.database import schema as t
+from leadgate.database.db import Conn
+
+# Built once: the turn path stores two or three messages per turn.
+_INSERT_MESSAGE = t.messages.insert()
+
+
+async def store_message(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    session_id: str,
+    work_item_id: str | None,
+    role: str,
+    content: str,
+    tool_name: str | None = None,
+    gated: bool = False,
+) -> str:
+    """Insert one message; returns its id."""
+    message_id = ids.new("msg")
+    await conn.execute(
+        _INSERT_MESSAGE,
+        {
+            "id": message_id,
+            "org_id": org_id,
+            "session_id": session_id,
+            "work_item_id": work_item_id,
+            "role": role,
+            "content": content,
+            "lead_gated": gated,
+            "tool_name": tool_name,
+            "created_at": clock.now_ms(),
+        },
+    )
+    return message_id
+
+
+async def visible_transcript(
+    conn: AsyncConnection, org_id: str, session_id: str
+) -> list[dict[str, Any]]:
+    """The transcript as users may see it: leadGated rows are skipped."""
+    m = t.messages.c
+    rows = (
+        await conn.execute(
+            sa.select(m.id, m.role, m.content, m.created_at)
+            .where(
+                m.org_id == org_id,
+                m.session_id == session_id,
+                m.role.in_(["user", "assistant"]),
+                sa.not_(m.lead_gated),
+            )
+            .order_by(m.created_at, m.id)
+        )
+    ).all()
+    return [dict(r._mapping) for r in rows]

@@ -1,0 +1,426 @@
+"""The one turn path every way in ends on (SPEC 3).
+
+``TurnService.run(trigger)`` takes an external message in (:mod:`leadgate.turns.intake`),
+runs the worker model with ``complete_task`` offered only under a matching trusted
+context, and ends in one of :data:`leadgate.core.types.Outcome`. ``run_revision`` runs an
+internal revision turn (lead feedback or a human's return) on the same path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from binding import bindings
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import ModelError, TransitionError
+from leadgate.core.limits import (
+    SNAPSHOT_LIMIT,
+    SUMMARY_LIMIT,
+    validate_message,
+    validate_session_key,
+)
+from leadgate.core.metrics import METRICS
+from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, Database
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import policy, workitems
+from leadgate.domain.rows import Binding, WorkItem
+from leadgate.domain.workitems import Status
+from leadgate.turns.context import COMPLETE_TASK, SUBMITTED, TurnContext
+from leadgate.turns.history import TOPIC as HISTORY_TOPIC
+from leadgate.turns.history import HistoryCache
+from leadgate.turns.intake import Accepted, Intake
+from leadgate.turns.messages import store_message
+from leadgate.turns.providers.base import ChatMessage, ModelRequest, TextDelta, ToolCall, ToolSpec
+from leadgate.turns.providers.registry import ProviderRegistry
+from outbox.store import Outbox
+
+log = logging.getLogger("leadgate.turns")
+
+MAX_MODEL_CALLS = 4
+REVISION_LEASE_MS = 5 * 60_000
+
+DeltaSink = Callable[[str], Awaitable[None]]
+_W = t.work_items.c
+_READ_SIGNAL = sa.select(_W.signal_summary).where(
+    _W.id == sa.bindparam("p_item"), _W.signal_turn_id == sa.bindparam("p_turn")
+)
+
+
+class TurnService:
+    """Runs turns. One instance per process; safe to call concurrently.
+
+    ``on_review_queued`` is called after a submission committed (wakes the lead runner);
+    ``outbox`` queues plain replies on channel bindings in the reply's transaction.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        providers: ProviderRegistry,
+        outbox: Outbox,
+        *,
+        on_review_queued: Callable[[], None] = lambda: None,
+        on_delivery_queued: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.providers = providers
+        self.outbox = outbox
+        self.on_review_queued = on_review_queued
+        self.on_delivery_queued = on_delivery_queued
+        self.history = HistoryCache()
+        db.on_commit_payloads(HISTORY_TOPIC, self.history.apply)
+        self.intake = Intake(db, clock, ids, self.history)
+
+    async def run(
+        self,
+        trigger: Trigger,
+        *,
+        on_delta: DeltaSink | None = None,
+        on_start: Callable[[], Awaitable[None]] | None = None,
+    ) -> Outcome:
+        """Take ``trigger`` in and run the worker's turn.
+
+        ``on_delta`` receives text as the model produces it, but only when nothing can
+        withhold or rewrite it (no lead, no output policy rules); otherwise the text is
+        delivered whole after the turn. ``on_start`` is awaited once the message was
+        accepted (not busy, not a duplicate), before the model runs.
+        """
+        validate_message(trigger.text)
+        validate_session_key(trigger.session_key)
+        for attempt in range(3):
+            try:
+                intake = await self.intake.take(trigger)
+                break
+            except IntegrityError:
+                # PostgreSQL: a concurrent intake created the session's active item first;
+                # the unique partial index refused ours. Run the rules again.
+                if attempt == 2:
+                    raise
+        if isinstance(intake, Busy | Duplicate):
+            METRICS.turns.labels("busy" if isinstance(intake, Busy) else "duplicate").inc()
+            return intake
+        if on_start is not None:
+            await on_start()
+        return await self._execute(intake, trigger.text, None, on_delta)
+
+    # ------------------------------------------------------------- revisions
+
+    async def claim_revision(self) -> WorkItem | None:
+        """Claim one inProgress item whose feedback waits for an internal turn."""
+        now = self.clock.now_ms()
+        async with self.db.tx() as conn:
+            query = self.db.skip_locked(
+                sa.select(_W.id)
+                .where(
+                    _W.status == Status.inProgress.value,
+                    _W.pending_feedback.is_not(None),
+                    sa.or_(_W.lease_expires_at.is_(None), _W.lease_expires_at < now),
+                )
+                .order_by(_W.updated_at)
+                .limit(1)
+            )
+            item_id = await conn.scalar(query)
+            if item_id is None:
+                return None
+            token = self.ids.new("lease")
+            row = (
+                await conn.execute(
+                    t.work_items.update()
+                    .where(
+                        _W.id == item_id,
+                        _W.status == Status.inProgress.value,
+                        _W.pending_feedback.is_not(None),
+                    )
+                    .values(lease_token=token, lease_expires_at=now + REVISION_LEASE_MS)
+                    .returning(*t.work_items.c)
+                )
+            ).first()
+        return None if row is None else WorkItem.from_row(row)
+
+    async def run_revision(self, item: WorkItem) -> Outcome:
+        """Dispatch the stored feedback to the worker as a new internal turn."""
+        feedback = item.pending_feedback or ""
+        async with self.db.tx() as conn:
+            agent = await agents_mod.find_agent(
+                conn, item.org_id, item.agent_id, include_deleted=True
+            )
+            binding = await bindings.active_binding(conn, item.session_id)
+            await self._store(conn, item.org_id, item.session_id, item.id, "internal", feedback)
+            rules = await policy.load_rules(conn, item.org_id)
+            history = await self.history.read(conn, item.session_id)
+        ctx = TurnContext(
+            org_id=item.org_id,
+            agent_id=item.agent_id,
+            session_id=item.session_id,
+            binding_id=binding.id if binding else "",
+            turn_id=self.ids.new("turn"),
+            work_item_id=item.id,
+            revision=item.revision,
+        )
+        return await self._execute(Accepted(ctx, agent, True, rules, history), feedback, item, None)
+
+    # -------------------------------------------------------------- the turn
+
+    async def _execute(
+        self,
+        turn: Accepted,
+        text: str,
+        revision_item: WorkItem | None,
+        on_delta: DeltaSink | None,
+    ) -> Outcome:
+        """Run the model (at most :data:`MAX_MODEL_CALLS` rounds of tool calls)."""
+        ctx, agent, gated_turn, rules = turn.ctx, turn.agent, turn.gated, turn.rules
+        provider = self.providers.get(agent.model)
+        messages = [ChatMessage("system", agent.instructions or "You are a helpful agent.")]
+        messages += turn.history
+        # complete_task only under a trusted context that names an inProgress item.
+        tools = [COMPLETE_TASK] if gated_turn and ctx.work_item_id else []
+        live = on_delta if (not gated_turn and not rules) else None
+        parts: list[str] = []
+        signalled = False  # this turn's complete_task was acknowledged
+        feedback = revision_item.pending_feedback if revision_item else None
+        try:
+            for _ in range(MAX_MODEL_CALLS):
+                calls: list[ToolCall] = []
+                round_text: list[str] = []
+                request = ModelRequest(messages=messages, tools=tools, revision_feedback=feedback)
+                async for event in provider.stream(request):
+                    if isinstance(event, TextDelta):
+                        round_text.append(event.text)
+                        if live is not None and event.text:
+                            await live(event.text)
+                    else:
+                        calls.append(event)
+                parts.extend(round_text)
+                if not calls:
+                    break
+                messages.append(
+                    ChatMessage("assistant", "".join(round_text), tool_calls=tuple(calls))
+                )
+                for call in calls:
+                    result = await self._tool(ctx, call, tools)
+                    signalled = signalled or result == SUBMITTED
+                    messages.append(ChatMessage("tool", result, tool_call_id=call.id))
+        except ModelError:
+            METRICS.turns.labels("error").inc()
+            raise
+        except Exception as exc:
+            METRICS.turns.labels("error").inc()
+            log.exception("model provider failed")
+            raise ModelError("the model failed while producing this turn") from exc
+        return await self._finish(
+            turn, "".join(parts), revision_item, streamed=live is not None, signalled=signalled
+        )
+
+    async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:
+        if call.name not in {tool.name for tool in offered}:
+            return json.dumps({"error": f"unknown tool {call.name!r}"})
+        summary = call.arguments.get("summary")
+        if call.arguments_error or not isinstance(summary, str) or not summary.strip():
+            return json.dumps({"error": "complete_task needs a non-empty summary"})
+        if len(summary) > SUMMARY_LIMIT:
+            return json.dumps({"error": "summary must be at most 2,000 characters"})
+        async with self.db.tx() as conn:
+            res = await conn.execute(
+                t.work_items.update()
+                .where(
+                    _W.id == ctx.work_item_id,
+                    _W.status == Status.inProgress.value,
+                    _W.session_id == ctx.session_id,
+                    _W.agent_id == ctx.agent_id,
+                )
+                .values(signal_summary=summary, signal_turn_id=ctx.turn_id)
+            )
+            await self._store(
+                conn,
+                ctx.org_id,
+                ctx.session_id,
+                ctx.work_item_id,
+                "tool",
+                summary,
+                tool_name="complete_task",
+            )
+        if not res.rowcount:
+            return json.dumps({"error": "no in-progress work item matches this turn"})
+        return SUBMITTED
+
+    async def read_signal(self, conn: Conn, ctx: TurnContext) -> str | None:
+        """The summary complete_task left for this turn, or ``None``."""
+        row = (
+            await conn.execute(_READ_SIGNAL, {"p_item": ctx.work_item_id, "p_turn": ctx.turn_id})
+        ).first()
+        return None if row is None else row.signal_summary
+
+    async def _finish(
+        self,
+        turn: Accepted,
+        text: str,
+        revision_item: WorkItem | None,
+        *,
+        streamed: bool,
+        signalled: bool,
+    ) -> Outcome:
+        ctx = turn.ctx
+        signal: str | None = None
+        if turn.gated and ctx.work_item_id:
+            try:
+                async with self.db.read() as conn:
+                    signal = await self.read_signal(conn, ctx)
+            except Exception:
+                # Fail closed: when we cannot tell whether the work was handed off,
+                # the text is withheld.
+                log.exception("reading the completion signal failed; withholding the reply")
+                return await self._withhold(ctx, text, revision_item)
+        if signal is not None:
+            return await self._submit(ctx, text, signal, revision_item)
+        if signalled:
+            # complete_task was acknowledged, but another turn of the same item signalled
+            # (or submitted) meanwhile and this turn's signal is gone: still withheld.
+            log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
+            return await self._withhold(ctx, text, revision_item)
+        screened = policy.screen(text, turn.rules) if turn.rules else text
+        if revision_item is None and not ctx.binding_posts:
+            # API, studio and silent turns only store the reply: the short transaction.
+            async with self.db.fast_tx() as fast:
+                await self._store(
+                    fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
+                )
+        else:
+            # A reply that may be queued for a channel: the outbox's in-process hand-off
+            # needs the general transaction.
+            await self._store_reply(ctx, screened, revision_item)
+        METRICS.turns.labels("plain").inc()
+        return Reply(screened, streamed=streamed)
+
+    async def _store_reply(
+        self, ctx: TurnContext, text: str, revision_item: WorkItem | None
+    ) -> None:
+        queued = None
+        async with self.db.tx() as conn:
+            await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
+            await self._release_revision(conn, revision_item)
+            if revision_item is None:
+                binding = await bindings.active_binding(conn, ctx.session_id)
+                if binding is not None and binding.id == ctx.binding_id:
+                    queued = await self.outbox.enqueue_reply(
+                        conn, org_id=ctx.org_id, binding=binding, text=text
+                    )
+        if queued:
+            self.on_delivery_queued()
+
+    async def _withhold(
+        self, ctx: TurnContext, text: str, revision_item: WorkItem | None
+    ) -> Outcome:
+        """Store the text withheld (leadGated) without a submission: fail closed."""
+        async with self.db.tx() as conn:
+            await self._store(
+                conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
+            )
+            await self._release_revision(conn, revision_item)
+        METRICS.turns.labels("gated").inc()
+        return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+
+    async def _release_revision(self, conn: Conn, revision_item: WorkItem | None) -> None:
+        if revision_item is None:
+            return
+        await conn.execute(
+            t.work_items.update()
+            .where(_W.id == revision_item.id, _W.lease_token == revision_item.lease_token)
+            .values(pending_feedback=None, lease_token=None, lease_expires_at=None)
+        )
+
+    async def _submit(
+        self, ctx: TurnContext, text: str, summary: str, revision_item: WorkItem | None
+    ) -> Outcome:
+        """Store the withheld text and move the item on: ``reviewQueued``, or
+        ``awaitingHuman`` when the provenance is incomplete."""
+        async with self.db.tx() as conn:
+            message_id = await self._store(
+                conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
+            )
+            await self._release_revision(conn, revision_item)
+            item = await workitems.get(conn, str(ctx.work_item_id))
+            binding = await bindings.active_binding(conn, ctx.session_id)
+            problems = provenance_problems(ctx, item, binding, message_id)
+            values = {
+                "summary": summary,
+                "snapshot": text[:SNAPSHOT_LIMIT],
+                "gated_message_id": message_id,
+                "signal_summary": None,
+                "signal_turn_id": None,
+                "binding_id": binding.id if binding else None,
+                "last_activity_at": self.clock.now_ms(),
+            }
+            dst = Status.awaitingHuman if problems else Status.reviewQueued
+            try:
+                await workitems.transition(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    item.id,
+                    src=Status.inProgress,
+                    dst=dst,
+                    actor="system:turn",
+                    action="incompleteProvenance" if problems else "completeTask",
+                    text="; ".join(problems) if problems else summary,
+                    values=values,
+                )
+            except TransitionError:
+                # Cancelled (or otherwise moved) while the turn ran: the text stays withheld.
+                log.warning("work item %s left inProgress during the turn", item.id)
+        if not problems:
+            self.on_review_queued()
+        METRICS.turns.labels("gated").inc()
+        return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+
+    async def _store(
+        self,
+        conn: Conn,
+        org_id: str,
+        session_id: str,
+        work_item_id: str | None,
+        role: str,
+        content: str,
+        *,
+        tool_name: str | None = None,
+        gated: bool = False,
+    ) -> str:
+        return await store_message(
+            conn,
+            self.clock,
+            self.ids,
+            org_id=org_id,
+            session_id=session_id,
+            work_item_id=work_item_id,
+            role=role,
+            content=content,
+            tool_name=tool_name,
+            gated=gated,
+        )
+
+
+def provenance_problems(
+    ctx: TurnContext, item: WorkItem, binding: Binding | None, gated_message_id: str | None
+) -> list[str]:
+    """What is missing or inconsistent in a submission's provenance (empty = complete)."""
+    problems = []
+    if not ctx.work_item_id or item.id != ctx.work_item_id:
+        problems.append("work item id missing or inconsistent")
+    if not ctx.session_id or item.session_id != ctx.session_id:
+        problems.append("session missing or inconsistent")
+    if binding is None or binding.session_id != item.session_id:
+        problems.append("no active binding for the session")
+    if not gated_message_id:
+        problems.append("gated message id missing")
+    return problems

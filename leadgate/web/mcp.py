@@ -1,0 +1,484 @@
+"""Hosted MCP server (SPEC 8) mounted on the aiohttp application at ``/mcp``.
+
+The official ``mcp`` SDK serves the protocol (streamable HTTP, ``MCPServer``); this module
+adds what the SDK does not know about:
+
+* bearer-key authentication in front of MCP (401 before the SDK sees the request);
+* a small ASGI bridge, because the SDK speaks ASGI and the service is aiohttp (the
+  ``aiohttp-asgi`` package spins the loop at 100% CPU on SSE streams, see
+  ``shared/notes/mcp.md``);
+* the single public tool, ``send_action_agent_message``, which maps the turn
+  :data:`~leadgate.core.types.Outcome` onto the exact public results of SPEC 8.
+
+There is deliberately no operator tool here: reviewing, approving and reading work items
+are not part of the hosted MCP surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Final
+
+from aiohttp import web
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.authentication import AuthCredentials
+from starlette.types import Message
+from starlette.types import Scope as AsgiScope
+
+from leadgate.core.auth import Principal, Scope
+from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.limits import MESSAGE_LIMIT, validate_message
+from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
+
+logger = logging.getLogger(__name__)
+
+MCP_PATH: Final = "/mcp"
+TOOL_NAME: Final = "send_action_agent_message"
+MAX_MESSAGE_CHARS: Final = MESSAGE_LIMIT
+
+# SPEC 8: the only public text of a rejected (busy) call. It must not hint at the review.
+BUSY_TEXT: Final = "The operation could not be completed. Try again."
+# Unexpected failures say the same thing: nothing internal reaches the client.
+GENERIC_ERROR_TEXT: Final = BUSY_TEXT
+
+# Where the bridge leaves the caller in the ASGI scope for the tool to read.
+PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
+
+# How often a waiting ``receive()`` looks at the socket. aiohttp offers no public
+# "client went away" event once the body is read, so the bridge checks the transport at
+# this pace (a cheap attribute read, not a busy loop).
+_DISCONNECT_POLL_S: Final = 0.5
+
+Authenticate = Callable[[str], Awaitable[Principal | None]]
+SendMessage = Callable[[Principal, str, str, str | None], Awaitable[Outcome]]
+
+TOOL_DESCRIPTION: Final = """\
+Send a message to a leadgate Action Agent (an AI worker agent) and get its answer.
+
+Use `agent` to name the worker agent (its id or slug) and `message` for what you want
+it to do. Pass the same `session` string on later calls to continue one conversation;
+omit it to use your default session with that agent.
+
+The structured result is {"success": true, "result": {...}}:
+- `leadReviewPending: false`: `text` holds the agent's reply.
+- `leadReviewPending: true`: the agent finished the task and its work awaits review
+  before it is released; `text` is empty. Do not resend the same task.
+If the call fails with "The operation could not be completed. Try again.", the agent
+cannot take the message right now: wait, then try again later.
+"""
+
+
+class ActionAgentResult(BaseModel):
+    """What the agent answered (the ``result`` of a successful call)."""
+
+    # SPEC 8 fixes these camelCase wire names.
+    model_config = ConfigDict(extra="forbid")
+
+    leadReviewPending: bool = Field(
+        description="True when the agent's finished work awaits Lead review; text is then empty."
+    )
+    text: str = Field(description="The agent's reply (empty while Lead review is pending).")
+    # Present (always null) only on a pending review: the hosted surface never reveals
+    # work-item ids or revisions (SPEC 7, 8), so the schema admits nothing but null.
+    revision: None = Field(default=None, description="Always null.")
+    workItemId: None = Field(default=None, description="Always null.")
+
+
+class ActionAgentOutput(BaseModel):
+    """Structured result of a successful send_action_agent_message call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    success: bool
+    result: ActionAgentResult
+
+
+class McpLifecycle:
+    """The hosted MCP server's lifecycle, owned by the composition root.
+
+    :meth:`run` runs the SDK's session manager (enter it before the first request);
+    :meth:`release_streams` ends the standalone GET streams, which never end by
+    themselves (call it when the HTTP server starts shutting down, so that its graceful
+    wait does not sit out its timeout on them).
+    """
+
+    def __init__(self, manager: StreamableHTTPSessionManager, closing: asyncio.Event) -> None:
+        self._manager = manager
+        self._closing = closing
+
+    def release_streams(self) -> None:
+        """Let every open GET stream end."""
+        self._closing.set()
+
+    @contextlib.asynccontextmanager
+    async def run(self) -> AsyncIterator[None]:
+        """Run the session manager for the duration of the block."""
+        async with _session_manager(self._manager):
+            yield
+
+
+def mount_mcp(
+    app: web.Application,
+    *,
+    authenticate: Authenticate,
+    send_message: SendMessage,
+    allowed_hosts: list[str],
+) -> McpLifecycle:
+    """Serve the hosted MCP server on ``app`` at ``/mcp`` (GET, POST, DELETE).
+
+    ``authenticate`` turns the raw bearer key into a :class:`Principal` (``None`` for an
+    unknown key); ``send_message(principal, agent, message, session)`` runs one turn on the
+    shared turn path. ``allowed_hosts`` are the ``host[:port]`` values accepted in the
+    ``Host`` header (DNS-rebinding protection of the SDK); matching ``http``/``https``
+    origins are accepted in an ``Origin`` header.
+
+    Returns the server's :class:`McpLifecycle`; the caller runs it (the SDK's session
+    manager must run before the first request).
+    """
+    server = build_mcp_server(send_message)
+    origins = [f"{scheme}://{host}" for host in allowed_hosts for scheme in ("http", "https")]
+    # Creates server.session_manager; the returned Starlette app itself is not used.
+    server.streamable_http_app(
+        streamable_http_path=MCP_PATH,
+        stateless_http=False,
+        json_response=False,
+        transport_security=TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=list(allowed_hosts),
+            allowed_origins=origins,
+        ),
+    )
+    manager = server.session_manager
+    closing = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        principal = await _authenticate_request(request, authenticate)
+        if principal is None:
+            return _unauthorized()
+        return await _bridge(request, manager, principal, closing)
+
+    app.router.add_route("GET", MCP_PATH, handle)
+    app.router.add_route("POST", MCP_PATH, handle)
+    app.router.add_route("DELETE", MCP_PATH, handle)
+    return McpLifecycle(manager, closing)
+
+
+def build_mcp_server(send_message: SendMessage) -> MCPServer[Any]:
+    """Build the ``MCPServer`` with its one tool, ``send_action_agent_message``."""
+    server: MCPServer[Any] = MCPServer(
+        name="leadgate",
+        instructions=(
+            "leadgate runs AI worker agents. Use send_action_agent_message to talk to one."
+        ),
+    )
+
+    async def send_action_agent_message(
+        ctx: Context[Any, Any],
+        agent: Annotated[str, Field(description="The worker agent to message: its id or slug.")],
+        message: Annotated[
+            str,
+            Field(description=f"The message for the agent (1 to {MAX_MESSAGE_CHARS} characters)."),
+        ],
+        session: Annotated[
+            str | None,
+            Field(
+                description=(
+                    "Conversation to continue. Reuse the same value across calls; "
+                    "omit for your default session with this agent."
+                )
+            ),
+        ] = None,
+    ) -> Annotated[CallToolResult, ActionAgentOutput]:
+        principal = _principal_of(ctx)
+        try:
+            if principal is None:
+                # The bridge always puts one there; a missing one is a wiring bug.
+                raise RuntimeError("no principal in the MCP request scope")
+            principal.require(Scope.trigger)
+            agent, message, session = _validate_arguments(agent, message, session)
+            outcome = await send_message(principal, agent, message, session)
+            return outcome_to_result(outcome)
+        except LeadgateError as exc:
+            return _tool_error(exc.message)
+        except Exception:
+            logger.exception("send_action_agent_message failed")
+            return _tool_error(GENERIC_ERROR_TEXT)
+
+    server.add_tool(
+        send_action_agent_message,
+        name=TOOL_NAME,
+        title="Send a message to an Action Agent",
+        description=TOOL_DESCRIPTION,
+        annotations=ToolAnnotations(
+            read_only_hint=False,
+            destructive_hint=False,
+            idempotent_hint=False,
+            open_world_hint=True,
+        ),
+    )
+    return server
+
+
+def outcome_to_result(outcome: Outcome) -> CallToolResult:
+    """Map a turn outcome onto the exact public tool result of SPEC 8."""
+    if isinstance(outcome, Reply):
+        return _tool_success({"leadReviewPending": False, "text": outcome.text})
+    if isinstance(outcome, Gated):
+        # Never the real ids: public surfaces do not reveal work items (SPEC 7, 8).
+        return _tool_success(
+            {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None}
+        )
+    if isinstance(outcome, Busy | Duplicate):
+        return _tool_error(BUSY_TEXT)
+    raise TypeError(f"unknown outcome {outcome!r}")
+
+
+def _tool_success(result: dict[str, Any]) -> CallToolResult:
+    structured = {"success": True, "result": result}
+    # Clients that ignore structured content read the same JSON as text (MCP spec advice).
+    return CallToolResult(
+        content=[TextContent(type="text", text=json.dumps(structured))],
+        structured_content=structured,
+    )
+
+
+def _tool_error(text: str) -> CallToolResult:
+    # Returned, not raised: a raised ToolError gets an "Error executing tool ..." prefix,
+    # which would break the exact public text.
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+
+
+def _validate_arguments(
+    agent: str, message: str, session: str | None
+) -> tuple[str, str, str | None]:
+    agent = agent.strip()
+    if not agent:
+        raise ValidationError("agent must name a worker agent", rule="mcp.agent.empty")
+    validate_message(message)
+    # LLM clients often send "" for an optional argument: that means "no session".
+    if session is not None and not session.strip():
+        session = None
+    return agent, message, session
+
+
+def _principal_of(ctx: Context[Any, Any]) -> Principal | None:
+    # The HTTP request that carried this very call (not the one that opened the MCP
+    # session), so a key's scopes are always those of the current request.
+    request = ctx.request_context.request
+    scope = getattr(request, "scope", None)
+    if not isinstance(scope, dict):
+        return None
+    principal = scope.get(PRINCIPAL_SCOPE_KEY)
+    return principal if isinstance(principal, Principal) else None
+
+
+# --- authentication -----------------------------------------------------------------
+
+
+async def _authenticate_request(
+    request: web.Request, authenticate: Authenticate
+) -> Principal | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    try:
+        return await authenticate(key)
+    except LeadgateError as exc:
+        # An authenticate that raises AuthError means "unknown key", same as None.
+        if exc.status == 401:
+            return None
+        raise
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response(
+        {"error": {"message": "Missing or unknown API key.", "code": "unauthorized"}},
+        status=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _sdk_user(principal: Principal) -> AuthenticatedUser:
+    """The SDK's user object; the session manager binds each MCP session to it.
+
+    The SDK compares (client_id, issuer, subject) of the user that created a session with
+    the one of each later request and answers 404 on a mismatch, so a session id of one
+    organization, or of another key, is useless to anybody else.
+    """
+    token = AccessToken(
+        # Not the raw key: nothing secret needs to live in the SDK's objects.
+        token=principal.actor,
+        client_id=principal.org_id,
+        subject=principal.actor,
+        scopes=sorted(scope.value for scope in principal.scopes),
+    )
+    return AuthenticatedUser(token)
+
+
+# --- session manager lifecycle ------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _session_manager(manager: StreamableHTTPSessionManager) -> AsyncIterator[None]:
+    # run() opens an anyio task group, which must be exited by the task that entered it.
+    # aiohttp may run startup and cleanup in different tasks, so a dedicated task owns
+    # the manager for the life of the app.
+    started = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def own() -> None:
+        async with manager.run():
+            started.set()
+            await stop.wait()
+
+    task = asyncio.create_task(own(), name="leadgate-mcp-session-manager")
+    started_wait = asyncio.create_task(started.wait())
+    await asyncio.wait({task, started_wait}, return_when=asyncio.FIRST_COMPLETED)
+    started_wait.cancel()
+    if task.done():
+        task.result()  # re-raise why the manager could not start
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+# --- the ASGI bridge ----------------------------------------------------------------
+
+
+async def _bridge(
+    request: web.Request,
+    manager: StreamableHTTPSessionManager,
+    principal: Principal,
+    closing: asyncio.Event,
+) -> web.StreamResponse:
+    """Run one HTTP request through the SDK's ASGI handler and stream its answer back.
+
+    ``receive`` and ``send`` are the two ASGI callables, closures over one request's
+    state; they stay together here because their disconnect handling is one protocol.
+    """
+    scope = _asgi_scope(request, principal)
+    gone = asyncio.Event()  # the client went away, or the exchange is over
+    body_done = False
+    response: web.StreamResponse | None = None
+    send_lock = asyncio.Lock()
+
+    async def receive() -> Message:
+        nonlocal body_done
+        if not body_done:
+            try:
+                chunk = await request.content.readany()
+            except (ConnectionResetError, asyncio.IncompleteReadError):
+                body_done = True
+                gone.set()
+                return {"type": "http.disconnect"}
+            body_done = request.content.at_eof() or not chunk
+            return {"type": "http.request", "body": chunk, "more_body": not body_done}
+        # After the body, ASGI receive() must block until the client disconnects; the
+        # SDK's SSE responses listen here to stop streaming. Returning at once (what
+        # aiohttp-asgi does) makes them spin.
+        await _wait_disconnect(request, gone, closing if request.method == "GET" else None)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        nonlocal response
+        async with send_lock:
+            if gone.is_set():
+                return
+            try:
+                if message["type"] == "http.response.start":
+                    response = web.StreamResponse(status=message["status"])
+                    for raw_name, raw_value in message.get("headers", []):
+                        name = raw_name.decode("latin-1")
+                        # aiohttp frames the body itself (chunked); a copied length
+                        # would conflict with that.
+                        if name.lower() == "content-length":
+                            continue
+                        response.headers.add(name, raw_value.decode("latin-1"))
+                    await response.prepare(request)
+                elif message["type"] == "http.response.body" and response is not None:
+                    body = message.get("body", b"")
+                    if body:
+                        await response.write(body)
+                    if not message.get("more_body", False):
+                        await response.write_eof()
+            except ConnectionResetError:
+                # The client left mid-answer: tell the SDK through receive(), not by
+                # raising into its response task.
+                gone.set()
+
+    try:
+        await manager.handle_request(scope, receive, send)
+    finally:
+        gone.set()
+    if response is None:
+        # The SDK answered nothing (it crashed before responding).
+        return web.json_response(
+            {"error": {"message": GENERIC_ERROR_TEXT, "code": "internal_error"}}, status=500
+        )
+    return response
+
+
+async def _wait_disconnect(
+    request: web.Request, gone: asyncio.Event, closing: asyncio.Event | None
+) -> None:
+    events = [gone] if closing is None else [gone, closing]
+    waiters = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        while True:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                gone.set()
+                return
+            done, _ = await asyncio.wait(
+                waiters, timeout=_DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                return
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+def _asgi_scope(request: web.Request, principal: Principal) -> AsgiScope:
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    sock = transport.get_extra_info("sockname") if transport is not None else None
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": f"{request.version.major}.{request.version.minor}",
+        "method": request.method,
+        "scheme": request.scheme,
+        "path": request.path,
+        "raw_path": request.raw_path.split("?", 1)[0].encode("latin-1"),
+        "query_string": request.query_string.encode("latin-1"),
+        "root_path": "",
+        # ASGI wants lower-case names; Starlette looks them up that way.
+        "headers": [(name.lower(), value) for name, value in request.raw_headers],
+        "client": _host_port(peer),
+        "server": _host_port(sock),
+        "state": {},
+        "user": _sdk_user(principal),
+        "auth": AuthCredentials(sorted(scope.value for scope in principal.scopes)),
+        PRINCIPAL_SCOPE_KEY: principal,
+    }
+
+
+def _host_port(address: Any) -> tuple[str, int] | None:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None

@@ -1,0 +1,259 @@
+"""Committing send outcomes: each fenced by its lease token, with the work item's move.
+
+A delivery's outcome is committed with ``... WHERE id = :id AND lease_token = :token AND
+status = 'sending'``: a relay whose lease was taken back (expiry) commits nothing. The
+work item moves in the same transaction (``approved -> completed / failed``), and an
+api/studio reveal clears the gated message's ``leadGated`` flag there too.
+
+Successful sends are committed as a group in a handful of statements whatever its size;
+every other outcome is one row at a time (they are rare).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import TransitionError
+from leadgate.core.metrics import METRICS
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.domain.rows import Delivery
+from leadgate.domain.workitems import Status
+from outbox.channel import Permanent, Retry, SendOutcome, Sent
+from outbox.store import DeliveryStatus
+
+log = logging.getLogger("leadgate.relay")
+D = t.deliveries.c
+
+# The platform message ids of a committed group (one cached statement, run as an
+# executemany; the rows were fenced by the status update just before).
+_SET_EXTERNAL_ID = (
+    t.deliveries.update()
+    .where(D.id == sa.bindparam("b_id"))
+    .values(external_id=sa.bindparam("b_external"))
+)
+# Reveal (api/studio): the approved item's withheld assistant message becomes visible.
+_REVEAL_ONE = (
+    t.messages.update()
+    .where(
+        t.messages.c.id
+        == sa.select(t.work_items.c.gated_message_id)
+        .where(t.work_items.c.id == sa.bindparam("p_item"))
+        .scalar_subquery()
+    )
+    .values(lead_gated=False)
+)
+
+
+@dataclass
+class Done:
+    """A finished send waiting for its outcome to be committed."""
+
+    row: Delivery
+    outcome: SendOutcome
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How retryable failures are rescheduled (``backoff(attempts, retry_after)`` in
+    seconds) and when they give up."""
+
+    max_attempts: int
+    backoff: Callable[[int, float | None], float]
+
+
+class OutcomeCommitter:
+    """Commits groups of :class:`Done` inside the caller's transaction."""
+
+    def __init__(self, clock: Clock, ids: IdFactory, policy: RetryPolicy) -> None:
+        self.clock = clock
+        self.ids = ids
+        self.policy = policy
+        #: earliest retry scheduled by a commit (the relay claims again by then)
+        self.next_due: int | None = None
+
+    async def commit(self, conn: AsyncConnection, done: list[Done], now: int) -> None:
+        """Commit every outcome of ``done``."""
+        sent = [d for d in done if isinstance(d.outcome, Sent)]
+        if sent:
+            await self._commit_sent(conn, sent, now)
+        for item in done:
+            if not isinstance(item.outcome, Sent):
+                await self._commit_one(conn, item.row, item.outcome, now)
+
+    async def _commit_sent(self, conn: AsyncConnection, sent: list[Done], now: int) -> None:
+        """Successful sends: a few statements for the whole group, whatever its size."""
+        committed = await self._mark_sent(conn, sent, now)
+        external = [
+            {"b_id": d.row.id, "b_external": d.outcome.external_id}
+            for d in sent
+            if isinstance(d.outcome, Sent)
+            and d.outcome.external_id is not None
+            and d.row.id in committed
+        ]
+        if external:
+            await conn.execute(_SET_EXTERNAL_ID, external)
+        items: list[str] = []
+        reveal: list[str] = []
+        counts: Counter[tuple[str, str]] = Counter()
+        for d in sent:
+            row = d.row
+            if row.id not in committed:
+                log.warning("delivery %s: send lease lost before commit", row.id)
+                counts[row.channel, "leaseLost"] += 1
+                continue
+            counts[row.channel, "sent"] += 1
+            if row.kind == "gating" and row.work_item_id:
+                items.append(row.work_item_id)
+                if row.action == "reveal":
+                    reveal.append(row.work_item_id)
+        for (channel, label), count in counts.items():
+            METRICS.deliveries.labels(channel, label).inc(count)
+        if reveal:
+            await conn.execute(
+                t.messages.update()
+                .where(
+                    t.messages.c.id.in_(
+                        sa.select(t.work_items.c.gated_message_id).where(
+                            t.work_items.c.id.in_(reveal)
+                        )
+                    )
+                )
+                .values(lead_gated=False)
+            )
+        if items:
+            moved = await workitems.transition_many(
+                conn,
+                self.clock,
+                self.ids,
+                items,
+                src=Status.approved,
+                dst=Status.completed,
+                actor="system:relay",
+                action="delivered",
+            )
+            for item_id in set(items) - set(moved):
+                log.warning("work item %s was not approved when its delivery finished", item_id)
+
+    async def _mark_sent(self, conn: AsyncConnection, sent: list[Done], now: int) -> set[str]:
+        """``sending -> sent``, one fenced update per lease token; the ids that moved."""
+        by_token: dict[str | None, list[Done]] = {}
+        for d in sent:
+            by_token.setdefault(d.row.lease_token, []).append(d)
+        committed: set[str] = set()
+        for token, group in by_token.items():
+            rows = (
+                await conn.execute(
+                    t.deliveries.update()
+                    .where(
+                        D.id.in_([d.row.id for d in group]),
+                        D.lease_token == token,
+                        D.status == DeliveryStatus.sending.value,
+                    )
+                    .values(
+                        status=DeliveryStatus.sent.value,
+                        lease_token=None,
+                        lease_expires_at=None,
+                        updated_at=now,
+                        error=None,
+                    )
+                    .returning(D.id)
+                )
+            ).all()
+            committed.update(r.id for r in rows)
+        return committed
+
+    def _values_for(
+        self, row: Delivery, outcome: SendOutcome, now: int
+    ) -> tuple[dict[str, Any], Status | None, str]:
+        """The delivery's new values, the item's destination status (``None``: it stays
+        ``approved``) and the metrics label for one outcome."""
+        values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None, "updated_at": now}
+        label = type(outcome).__name__.lower()
+        if isinstance(outcome, Sent):
+            values.update(
+                status=DeliveryStatus.sent.value, external_id=outcome.external_id, error=None
+            )
+            return values, Status.completed, label
+        if isinstance(outcome, Retry):
+            if row.attempts >= self.policy.max_attempts:
+                values.update(
+                    status=DeliveryStatus.failed.value,
+                    error=f"gave up after {row.attempts} attempts: {outcome.error}",
+                )
+                return values, Status.failed, "failed"
+            delay = self.policy.backoff(row.attempts, outcome.delay_s)
+            values.update(
+                status=DeliveryStatus.pending.value,
+                error=outcome.error,
+                next_attempt_at=now + int(delay * 1000),
+            )
+            due = values["next_attempt_at"]
+            self.next_due = due if self.next_due is None else min(self.next_due, due)
+            return values, None, label
+        if isinstance(outcome, Permanent):
+            values.update(status=DeliveryStatus.failed.value, error=outcome.error)
+            return values, Status.failed, label
+        values.update(status=DeliveryStatus.deliveryUnknown.value, error=outcome.error)
+        return values, None, "deliveryUnknown"
+
+    async def _commit_one(
+        self, conn: AsyncConnection, row: Delivery, outcome: SendOutcome, now: int
+    ) -> None:
+        values, item_dst, label = self._values_for(row, outcome, now)
+        res = await conn.execute(
+            t.deliveries.update()
+            .where(
+                D.id == row.id,
+                D.lease_token == row.lease_token,
+                D.status == DeliveryStatus.sending.value,
+            )
+            .values(**values)
+        )
+        if not res.rowcount:
+            log.warning("delivery %s: send lease lost before commit", row.id)
+            METRICS.deliveries.labels(row.channel, "leaseLost").inc()
+            return
+        METRICS.deliveries.labels(row.channel, label).inc()
+        if row.action == "reveal" and isinstance(outcome, Sent):
+            await conn.execute(_REVEAL_ONE, {"p_item": row.work_item_id})
+        if row.kind != "gating" or row.work_item_id is None:
+            return
+        if item_dst is None:
+            if values["status"] == DeliveryStatus.deliveryUnknown.value:
+                await workitems.audit(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    org_id=row.org_id,
+                    actor="system:relay",
+                    action="deliveryUnknown",
+                    work_item_id=row.work_item_id,
+                    delivery_id=row.id,
+                    text=values.get("error"),
+                )
+            return
+        try:
+            await workitems.transition(
+                conn,
+                self.clock,
+                self.ids,
+                row.work_item_id,
+                src=Status.approved,
+                dst=item_dst,
+                actor="system:relay",
+                action="delivered" if item_dst == Status.completed else "deliveryFailed",
+                text=values.get("error"),
+            )
+        except TransitionError:
+            log.warning(
+                "work item %s was not approved when its delivery finished", row.work_item_id
+            )

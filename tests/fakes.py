@@ -1,0 +1,90 @@
+"""Fakes of the core's small ports, shared by the adapter tests (not mocks: they keep
+the state a test asserts on)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+from aiohttp import web
+
+from bots.base import Adapter
+from leadgate.core.types import Inbound, Outcome, Reply, Routed, RouteMatch, Trigger
+
+RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
+
+
+class FakeCore:
+    """:class:`bots.base.Core` that records what an adapter asks of it.
+
+    ``routes`` is a list of ``(match, route)`` pairs (exact match on the given keys, first
+    wins) or a function ``(channel, attrs) -> route``. ``submit`` (the turn) records the
+    trigger, waits for ``gate`` (set by default) and ``submit_delay_s``, and answers
+    ``outcome``.
+    """
+
+    def __init__(
+        self,
+        routes: list[tuple[dict[str, str], RouteMatch]] | RouteFn | None = None,
+        *,
+        outcome: Outcome | None = None,
+        submit_delay_s: float = 0.0,
+    ) -> None:
+        self.routes = routes if routes is not None else []
+        self.outcome: Outcome = outcome if outcome is not None else Reply("fine")
+        self.submit_delay_s = submit_delay_s
+        self.lookups: list[tuple[str, dict[str, str]]] = []
+        self.triggers: list[Trigger] = []
+        self.submitted = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.tasks: list[asyncio.Task[object]] = []
+
+    async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        self.lookups.append((channel, dict(attrs)))
+        if callable(self.routes):
+            return self.routes(channel, attrs)
+        for match, route in self.routes:
+            if all(attrs.get(k) == v for k, v in match.items()):
+                return route
+        return None
+
+    async def submit(self, trigger: Trigger) -> Outcome:
+        self.triggers.append(trigger)
+        self.submitted.set()
+        await self.gate.wait()
+        await asyncio.sleep(self.submit_delay_s)
+        return self.outcome
+
+    async def take_inbound(self, inbound: Inbound) -> Routed | None:
+        route = await self.resolve_route(inbound.channel.value, inbound.route_attrs)
+        if route is None:
+            return None
+        return Routed(await self.submit(inbound.trigger(route)), route)
+
+    def spawn(self, coro: Awaitable[object], *, name: str) -> None:
+        async def run() -> object:
+            return await coro
+
+        self.tasks.append(asyncio.create_task(run(), name=name))
+
+    async def drain(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=5)
+
+    @property
+    def route_queries(self) -> list[dict[str, str]]:
+        """The attributes of every route look-up, in order."""
+        return [attrs for _, attrs in self.lookups]
+
+
+def mount_adapter(app: web.Application, adapter: Adapter) -> None:
+    """Mount ``adapter`` on ``app`` the way the composition root does: its routes, its
+    lifespan for the app's lifetime, and its channel closed at the end."""
+    adapter.mount(app)
+
+    async def ctx(_app: web.Application) -> AsyncIterator[None]:
+        async with adapter.lifespan():
+            yield
+        await adapter.channel.close()
+
+    app.cleanup_ctx.append(ctx)
