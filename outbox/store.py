@@ -294,6 +294,8 @@ async def recover(
     *,
     action: str,
     actor: str,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> Delivery:
     """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status.
 
@@ -331,6 +333,8 @@ async def recover(
         action="deliveryConfirmed" if action == "confirm" else "deliveryRetried",
         work_item_id=updated.work_item_id,
         delivery_id=updated.id,
+        surface=surface,
+        identity=identity,
     )
     if action == "confirm" and updated.kind == "gating" and updated.work_item_id:
         await workitems.transition(
@@ -342,6 +346,8 @@ async def recover(
             dst=Status.completed,
             actor=actor,
             action="deliveryConfirmed",
+            surface=surface,
+            identity=identity,
         )
     if action == "retry":
         await notify(conn)

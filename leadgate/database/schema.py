@@ -199,6 +199,10 @@ audit = sa.Table(
     sa.Column("to_status", sa.String(20)),
     sa.Column("text", sa.Text),
     sa.Column("created_at", MS, nullable=False),
+    # Where a human decision was made (console, api, cli, slack, teams, discord, email)
+    # and the platform identity that made it (e.g. "slack:T1:U2"), beside ``actor``.
+    sa.Column("surface", sa.String(20)),
+    sa.Column("identity", sa.String(300)),
 )
 
 deliveries = sa.Table(

@@ -95,8 +95,11 @@ async def audit(
     from_status: str | None = None,
     to_status: str | None = None,
     text: str | None = None,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> None:
-    """Append one audit row (who, when, what, text)."""
+    """Append one audit row (who, when, what, text; for human decisions also the
+    surface and the platform identity)."""
     await conn.execute(
         _INSERT_AUDIT,
         {
@@ -110,6 +113,8 @@ async def audit(
             "to_status": to_status,
             "text": text,
             "created_at": clock.now_ms(),
+            "surface": surface,
+            "identity": identity,
         },
     )
 
@@ -128,6 +133,8 @@ async def transition(
     lease_token: str | None = None,
     org_id: str | None = None,
     values: dict[str, Any] | None = None,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Move ``item_id`` from ``src`` to ``dst``, fenced by status (and lease token).
 
@@ -165,6 +172,8 @@ async def transition(
         from_status=src.value,
         to_status=dst.value,
         text=text,
+        surface=surface,
+        identity=identity,
     )
     METRICS.transitions.labels(src.value, dst.value).inc()
     return WorkItem.from_row(row)

@@ -63,38 +63,66 @@ class Reviews:
             return await queue.activity(conn, principal.org_id, limit=limit)
 
     async def decide(
-        self, principal: Principal, item_id: str, action: str, text: object = None
+        self,
+        principal: Principal,
+        item_id: str,
+        action: str,
+        text: object = None,
+        *,
+        surface: str = "api",
+        identity: str | None = None,
     ) -> dict[str, Any]:
-        """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel."""
+        """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel.
+
+        ``surface`` (console, api, cli, slack, teams, discord, email) and ``identity``
+        (the platform identity, e.g. ``slack:T1:U2``) are audited beside the actor.
+        """
         principal.require(Scope.review)
         if action not in DECISIONS:
             raise ValidationError(
                 f"the decision must be one of {', '.join(DECISIONS)}", rule="decision.action"
             )
         actor = principal.actor
+        where = {"surface": surface, "identity": identity}
         async with self.db.tx() as conn:
             item = await workitems.get(conn, item_id, principal.org_id)
             if action == "approve":
-                await decisions.human_approve(conn, self.outbox, item, actor)
+                await decisions.human_approve(conn, self.outbox, item, actor, **where)
             elif action == "reject":
-                await decisions.human_reject(conn, self.clock, self.ids, item, actor, text)
+                await decisions.human_reject(conn, self.clock, self.ids, item, actor, text, **where)
             elif action == "return":
-                await decisions.human_return(conn, self.clock, self.ids, item, actor, text)
+                await decisions.human_return(conn, self.clock, self.ids, item, actor, text, **where)
             else:
-                await decisions.cancel(conn, self.clock, self.ids, item, actor)
+                await decisions.cancel(conn, self.clock, self.ids, item, actor, **where)
             detail = await queue.detail(conn, principal.org_id, item_id)
         self.on_decided()
         return detail
 
-    async def recover(self, principal: Principal, delivery_id: str, action: str) -> dict[str, Any]:
-        """Confirm delivered, or retry, a ``deliveryUnknown`` delivery."""
+    async def recover(
+        self,
+        principal: Principal,
+        delivery_id: str,
+        action: str,
+        *,
+        surface: str = "api",
+        identity: str | None = None,
+    ) -> dict[str, Any]:
+        """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
+        surface and identity as :meth:`decide`)."""
         principal.require(Scope.review)
         if action not in RECOVERIES:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
         async with self.db.tx() as conn:
             delivery = await get_delivery(conn, delivery_id, principal.org_id)
             row = await recover(
-                conn, self.clock, self.ids, delivery, action=action, actor=principal.actor
+                conn,
+                self.clock,
+                self.ids,
+                delivery,
+                action=action,
+                actor=principal.actor,
+                surface=surface,
+                identity=identity,
             )
             detail = (
                 await queue.detail(conn, principal.org_id, row.work_item_id)

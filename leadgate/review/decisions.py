@@ -47,6 +47,8 @@ async def commit_verdict(
     feedback: str | None,
     src: Status,
     lease_token: str | None = None,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Commit a verdict on ``item`` (currently ``src``); returns the updated row.
 
@@ -82,6 +84,8 @@ async def commit_verdict(
         text=feedback,
         lease_token=lease_token,
         values=values,
+        surface=surface,
+        identity=identity,
     )
     if dst == Status.approved:
         await outbox.enqueue_gating(conn, row)
@@ -89,7 +93,13 @@ async def commit_verdict(
 
 
 async def human_approve(
-    conn: AsyncConnection, outbox: Outbox, item: WorkItem, actor: str
+    conn: AsyncConnection,
+    outbox: Outbox,
+    item: WorkItem,
+    actor: str,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Approve from awaitingHuman: approved + gating delivery, one transaction."""
     return await commit_verdict(
@@ -100,6 +110,8 @@ async def human_approve(
         actor=actor,
         feedback=None,
         src=Status.awaitingHuman,
+        surface=surface,
+        identity=identity,
     )
 
 
@@ -110,6 +122,9 @@ async def human_reject(
     item: WorkItem,
     actor: str,
     reason: object,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Reject from awaitingHuman with a reason of 1..2,000 characters."""
     text = check_text(reason, name="reason", limit=REASON_LIMIT, rule="decision.reason")
@@ -123,6 +138,8 @@ async def human_reject(
         actor=actor,
         action="reject",
         text=text,
+        surface=surface,
+        identity=identity,
     )
 
 
@@ -133,6 +150,9 @@ async def human_return(
     item: WorkItem,
     actor: str,
     feedback: object,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Return to the worker: inProgress, one extra revision allowance, feedback dispatched."""
     text = check_text(feedback, name="feedback", limit=FEEDBACK_LIMIT, rule="decision.feedback")
@@ -146,6 +166,8 @@ async def human_return(
         actor=actor,
         action="return",
         text=text,
+        surface=surface,
+        identity=identity,
         values={
             "revision": item.revision + 1,
             "extra_allowance": item.extra_allowance + 1,
@@ -160,7 +182,14 @@ async def human_return(
 
 
 async def cancel(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, item: WorkItem, actor: str
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    item: WorkItem,
+    actor: str,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
 ) -> WorkItem:
     """Cancel from any non-terminal status; unsent deliveries are cancelled too."""
     src = Status(item.status)
@@ -174,6 +203,8 @@ async def cancel(
         actor=actor,
         action="cancel",
         values={"lease_token": None, "lease_expires_at": None},
+        surface=surface,
+        identity=identity,
     )
     await cancel_for_item(conn, clock, item.id)
     return row

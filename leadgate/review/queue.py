@@ -136,6 +136,8 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
                 "to": a.to_status,
                 "text": a.text,
                 "deliveryId": a.delivery_id,
+                "surface": a.surface,
+                "identity": a.identity,
             }
             for a in audit_rows
         ],

@@ -27,11 +27,24 @@ class ReviewBackend(Protocol):
     async def activity(self, principal: Principal, *, limit: int = 50) -> dict[str, Any]: ...
 
     async def decide(
-        self, principal: Principal, item_id: str, action: str, text: object = None
+        self,
+        principal: Principal,
+        item_id: str,
+        action: str,
+        text: object = None,
+        *,
+        surface: str = "api",
+        identity: str | None = None,
     ) -> dict[str, Any]: ...
 
     async def recover(
-        self, principal: Principal, delivery_id: str, action: str
+        self,
+        principal: Principal,
+        delivery_id: str,
+        action: str,
+        *,
+        surface: str = "api",
+        identity: str | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -46,6 +59,10 @@ def setup(
 
     async def reviewer(request: web.Request) -> Principal:
         return await authenticate(request, authenticate_with, cookie=True)
+
+    def surface_of(principal: Principal) -> str:
+        # A console session is a user without a key; a bearer key is the API.
+        return "console" if principal.key_id is None else "api"
 
     async def list_reviews(request: web.Request) -> web.Response:
         principal = await reviewer(request)
@@ -68,13 +85,22 @@ def setup(
             body = await json_body(request)
         field = _TEXT_FIELD.get(action)
         text = body.get(field) if field else None
-        detail = await reviews.decide(principal, request.match_info["item_id"], action, text)
+        detail = await reviews.decide(
+            principal,
+            request.match_info["item_id"],
+            action,
+            text,
+            surface=surface_of(principal),
+        )
         return web.json_response(detail)
 
     async def recover_delivery(request: web.Request) -> web.Response:
         principal = await reviewer(request)
         detail = await reviews.recover(
-            principal, request.match_info["delivery_id"], request.match_info["action"]
+            principal,
+            request.match_info["delivery_id"],
+            request.match_info["action"],
+            surface=surface_of(principal),
         )
         return web.json_response(detail)
 

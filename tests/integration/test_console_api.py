@@ -207,6 +207,7 @@ async def test_cookie_writes_need_the_console_header(env: Env) -> None:
     body = await ok.json()
     assert body["status"] == "approved"
     assert body["audit"][-1]["actor"].startswith("user:")
+    assert body["audit"][-1]["surface"] == "console"
 
 
 async def test_viewer_can_log_in_but_cannot_review(env: Env) -> None:

@@ -305,6 +305,8 @@ async def test_decisions_answer_the_updated_detail(env: Env) -> None:
         f"key:{key_id}",
         "approve",
     )
+    # The decision's surface is audited beside the actor: a bearer key is the API.
+    assert (body["audit"][-1]["surface"], body["audit"][-1]["identity"]) == ("api", None)
     await drain(env.service.relay)
     assert (await get_json(env, f"/operator/reviews/{item}"))["status"] == "completed"
 
