@@ -40,6 +40,7 @@ from aiohttp import web
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
+from bots import discord_review
 from bots.base import Core
 from bots.discord_out import (
     DiscordChannel,
@@ -47,6 +48,7 @@ from bots.discord_out import (
     nonce_for,
     quiet_voice_warning,
 )
+from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Inbound, Reply
@@ -198,6 +200,12 @@ class DiscordAdapter:
             ) from exc
         self.gateway: _GatewayClient | None = None
         self._stopping = asyncio.Event()
+        self._reviews: ChatReviewBackend | None = None
+
+    def enable_reviews(self, backend: ChatReviewBackend) -> None:
+        """Review cards' buttons and modals on the interactions endpoint (verified like
+        every interaction)."""
+        self._reviews = backend
 
     # -- interactions ------------------------------------------------------------------------
 
@@ -247,6 +255,8 @@ class DiscordAdapter:
             # Deferred: Discord shows "thinking..." until the outbox edits the response
             # (plain turn) or _run_ask deletes it (nothing to show).
             return web.json_response({"type": _DEFERRED_CHANNEL_MESSAGE})
+        if self._reviews is not None and discord_review.is_review(payload):
+            return web.json_response(await discord_review.handle(payload, self._reviews))
         return _error(400, f"unsupported interaction type {kind!r}")
 
     async def _run_ask(self, ask: AskCommand) -> None:

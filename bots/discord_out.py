@@ -18,7 +18,7 @@ import collections
 import contextvars
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +30,7 @@ import discord.http
 import yarl
 from discord.webhook.async_ import async_context as _webhook_adapter
 
+from bots import discord_review
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
@@ -222,11 +223,37 @@ class DiscordChannel:
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post one message; every platform error is mapped, never raised."""
+        return await self._guarded(lambda: self._send(message))
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """Edit the card posted as message ``external_id`` (``PATCH
+        /channels/{channel}/messages/{id}``; a decided card loses its buttons). An edit
+        is idempotent: an answer that never came is a Retry."""
+        outcome = await self._guarded(lambda: self._edit(message, external_id))
+        return Retry(outcome.error) if isinstance(outcome, Uncertain) else outcome
+
+    async def _edit(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        channel_id = _snowflake(message.address.get("channel_id"))
+        message_id = _snowflake(external_id)
+        if channel_id is None or message_id is None or message.card is None:
+            raise _NotConfigured("discord: card update without a channel, message or card")
+        client = await self._logged_in_client()
+        target = client.get_partial_messageable(channel_id).get_partial_message(message_id)
+        card = message.card
+        await target.edit(
+            content=discord_review.content(card),
+            view=None if card.outcome is not None else discord_review.view(card),
+            allowed_mentions=_ALLOWED_MENTIONS,
+        )
+        return Sent(external_id)
+
+    async def _guarded(self, work: Callable[[], Awaitable[SendOutcome]]) -> SendOutcome:
+        """Run one send or edit under the deadline, mapping every failure."""
         wire = _Wire()
         reset = _WIRE.set(wire)
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await self._send(message)
+                return await work()
         except _NotConfigured as exc:
             return Permanent(str(exc))
         except discord.LoginFailure as exc:
@@ -280,13 +307,20 @@ class DiscordChannel:
                 fail_if_not_exists=False,
             )
         target = client.get_partial_messageable(channel_id, guild_id=guild_id)
+        text = message.text
+        extra: dict[str, Any] = {}
+        if message.card is not None:
+            # A review card: its text cut to Discord's 2,000 characters, and its buttons.
+            text = discord_review.content(message.card)
+            extra["view"] = discord_review.view(message.card)
         # discord.py sends the nonce with enforce_nonce=true (http.handle_message_parameters).
         sent = await target.send(
-            message.text,
+            text,
             nonce=nonce_for(message.idempotency_key),
             # None is the implementation's default; only the overload stubs omit it.
             reference=reference,  # type: ignore[arg-type]
             allowed_mentions=_ALLOWED_MENTIONS,
+            **extra,
         )
         return Sent(str(sent.id))
 

@@ -196,5 +196,9 @@ class EmailChannel:
         except Exception:  # the message is already accepted; QUIT is a courtesy
             log.debug("email: QUIT failed", exc_info=True)
 
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """A sent mail cannot be edited (review cards by email are never updated)."""
+        return Permanent("email: a sent message cannot be edited")
+
     async def close(self) -> None:
         """Nothing to release: one connection per send."""

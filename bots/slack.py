@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,11 @@ from slack_bolt.async_app import AsyncApp
 from slack_bolt.authorization import AuthorizeResult
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from slack_sdk.web.async_client import AsyncWebClient
+from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
+from bots import slack_review
 from bots.base import Core
+from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
@@ -208,16 +211,63 @@ class SlackChannel:
             self.client.session = self._session
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
-        """Post ``message.text`` to ``address.channel`` in thread ``address.thread_ts``."""
+        """Post ``message.text`` to ``address.channel`` in thread ``address.thread_ts``
+        (a review card as Block Kit when ``message.card`` is set)."""
         channel = message.address.get("channel")
         if not isinstance(channel, str) or not channel:
             return Permanent("slack: binding address has no channel")
         thread_ts = message.address.get("thread_ts") or None
+        extra: dict[str, Any] = {}
+        text = message.text
+        if message.card is not None:
+            # Links in a card are never unfurled: no preview fetch, and a GET decides
+            # nothing anyway.
+            text = slack_review.fallback_text(message.card)
+            extra = {
+                "blocks": slack_review.blocks(message.card),
+                "unfurl_links": False,
+                "unfurl_media": False,
+            }
+        outcome = await self._call(
+            "chat.postMessage",
+            lambda: self.client.chat_postMessage(
+                channel=channel, text=text, thread_ts=thread_ts, **extra
+            ),
+        )
+        if not isinstance(outcome, AsyncSlackResponse):
+            return outcome
+        ts = outcome.get("ts")
+        return Sent(str(ts) if ts is not None else None)
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """``chat.update`` of the card posted as ``external_id`` (its ts). Editing again is
+        harmless, so an answer that never came is a Retry."""
+        channel = message.address.get("channel")
+        if not isinstance(channel, str) or not channel or message.card is None:
+            return Permanent("slack: card update without a channel or a card")
+        card = message.card
+        outcome = await self._call(
+            "chat.update",
+            lambda: self.client.chat_update(
+                channel=channel,
+                ts=external_id,
+                text=slack_review.fallback_text(card),
+                blocks=slack_review.blocks(card),
+            ),
+        )
+        if isinstance(outcome, AsyncSlackResponse):
+            return Sent(external_id)
+        if isinstance(outcome, Uncertain):
+            return Retry(outcome.error)
+        return outcome
+
+    async def _call(
+        self, method: str, call: Callable[[], Awaitable[AsyncSlackResponse]]
+    ) -> AsyncSlackResponse | SendOutcome:
+        """One Web API call: its response, or the outcome its failure maps onto."""
         self._ensure_session()
         try:
-            response = await self.client.chat_postMessage(
-                channel=channel, text=message.text, thread_ts=thread_ts
-            )
+            return await call()
         except SlackApiError as exc:
             return _map_api_error(exc)
         except SlackRequestError as exc:
@@ -235,10 +285,8 @@ class SlackChannel:
             # Server disconnect, reset, broken payload after the request was written.
             return Uncertain(f"slack: connection lost after sending: {exc!r}")
         except Exception as exc:  # an SDK bug must not crash the relay
-            log.exception("slack: unexpected error from chat.postMessage")
+            log.exception("slack: unexpected error from %s", method)
             return Uncertain(f"slack: unexpected error: {exc!r}")
-        ts = response.get("ts")
-        return Sent(str(ts) if ts is not None else None)
 
     async def close(self) -> None:
         """Close the shared HTTP session (idempotent)."""
@@ -326,6 +374,11 @@ class SlackAdapter:
         self.bolt.event("message")(on_message)
         self.bolt.event("app_mention")(on_message)
         self.bolt.event(re.compile(".*"))(on_other)
+
+    def enable_reviews(self, backend: ChatReviewBackend) -> None:
+        """Review-card buttons and modals on the same endpoint (``block_actions``,
+        ``view_submission``), verified by Bolt like every event."""
+        slack_review.register(self.bolt, backend, self._core.spawn)
 
     def take(self, body: Mapping[str, Any], event: Mapping[str, Any]) -> None:
         """Spawn the turn for one event (no-op for events that are not a human ask)."""

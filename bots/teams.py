@@ -24,14 +24,14 @@ import email.utils
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 import urllib3.exceptions
 from aiohttp import web
-from botbuilder.core import Bot, TurnContext, serializer_helper
+from botbuilder.core import Bot, CardFactory, TurnContext, serializer_helper
 from botbuilder.integration.aiohttp import (
     CloudAdapter,
     ConfigurationBotFrameworkAuthentication,
@@ -44,7 +44,9 @@ from botbuilder.schema import (
 )
 from msrest.exceptions import ClientRequestError
 
+from bots import teams_review
 from bots.base import Adapter, Core
+from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Inbound
@@ -237,7 +239,60 @@ class TeamsChannel:
         self._timeout_s = timeout_s
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
-        """Post ``message.text`` to the bound conversation; never raises for SDK errors."""
+        """Post ``message.text`` (or, ``message.card`` set, a review card as an
+        Adaptive Card) to the bound conversation; never raises for SDK errors."""
+        reply_to: str | None = None
+        if message.kind == "reply":
+            reply_to = message.address.get("activity_id") or None
+        if message.card is not None:
+            activity = Activity(
+                type=ActivityTypes.message,
+                attachments=[CardFactory.adaptive_card(teams_review.adaptive_card(message.card))],
+                summary=teams_review.summary_text(message.card),
+                id=message.idempotency_key,
+            )
+        else:
+            activity = Activity(
+                type=ActivityTypes.message, text=message.text, id=message.idempotency_key
+            )
+
+        async def post(turn_context: TurnContext) -> str | None:
+            response = await turn_context.send_activity(activity)
+            return getattr(response, "id", None) or None
+
+        return await self._continue(message, post, reply_to=reply_to, fallback_reply=True)
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """Replace the card posted as activity ``external_id``
+        (``PUT .../conversations/{id}/activities/{external_id}``). Repeating a replace is
+        harmless, so an answer that never came is a Retry."""
+        if message.card is None:
+            return Permanent("teams: card update without a card")
+        card = message.card
+
+        async def replace(turn_context: TurnContext) -> str | None:
+            await turn_context.update_activity(
+                Activity(
+                    type=ActivityTypes.message,
+                    id=external_id,
+                    attachments=[CardFactory.adaptive_card(teams_review.adaptive_card(card))],
+                )
+            )
+            return external_id
+
+        outcome = await self._continue(message, replace, reply_to=None, fallback_reply=False)
+        return Retry(outcome.error) if isinstance(outcome, Uncertain) else outcome
+
+    async def _continue(
+        self,
+        message: OutboundMessage,
+        call: Callable[[TurnContext], Awaitable[str | None]],
+        *,
+        reply_to: str | None,
+        fallback_reply: bool,
+    ) -> SendOutcome:
+        """Run ``call`` in a proactive turn on the stored conversation reference, mapping
+        every failure onto an outcome class."""
         raw_reference = message.address.get("reference")
         if not isinstance(raw_reference, dict):
             return Permanent("teams binding has no conversation reference")
@@ -247,14 +302,13 @@ class TeamsChannel:
             return Permanent(f"teams conversation reference is invalid: {exc}")
         if not reference.service_url or reference.conversation is None:
             return Permanent("teams conversation reference lacks serviceUrl or conversation")
+        if fallback_reply and message.kind == "reply" and reply_to is None:
+            reply_to = reference.activity_id
 
-        reply_to: str | None = None
-        if message.kind == "reply":
-            reply_to = message.address.get("activity_id") or reference.activity_id
         sent: list[str | None] = []
         in_flight = False
 
-        async def post(turn_context: TurnContext) -> None:
+        async def run(turn_context: TurnContext) -> None:
             nonlocal in_flight
             client = turn_context.turn_state.get(self._adapter.BOT_CONNECTOR_CLIENT_KEY)
             if client is not None:
@@ -265,19 +319,15 @@ class TeamsChannel:
             # is a fresh random id, so set it to what this delivery means (None: a new
             # message in the conversation, posted to .../activities).
             turn_context.activity.id = reply_to
-            activity = Activity(
-                type=ActivityTypes.message, text=message.text, id=message.idempotency_key
-            )
             in_flight = True
             try:
-                response = await turn_context.send_activity(activity)
+                sent.append(await call(turn_context))
             finally:
                 if client is not None:
                     await _close_client(client)
-            sent.append(getattr(response, "id", None) or None)
 
         try:
-            await self._adapter.continue_conversation(reference, post, self._app_id)
+            await self._adapter.continue_conversation(reference, run, self._app_id)
         except ErrorResponseException as exc:
             return _classify_status(exc)
         except ClientRequestError as exc:
@@ -324,7 +374,7 @@ class TeamsAdapter:
         self._auth_timeout_s = auth_timeout_s
         self.auth = ConfigurationBotFrameworkAuthentication(sdk_config(settings))
         self.cloud_adapter = CloudAdapter(self.auth)
-        self.bot = TeamsBot(core)
+        self.bot: Bot = TeamsBot(core)
         self.teams_channel = TeamsChannel(
             self.cloud_adapter, settings.app_id, timeout_s=send_timeout_s
         )
@@ -337,6 +387,11 @@ class TeamsAdapter:
     def auth_enabled(self) -> bool:
         """False only in the local no-auth mode (empty app id and password)."""
         return bool(self._settings.app_id or self._settings.app_password)
+
+    def enable_reviews(self, backend: ChatReviewBackend) -> None:
+        """Review cards' ``Action.Execute`` invokes (and remembering conversations for
+        ``notify add --channel teams``), on the same verified endpoint."""
+        self.bot = teams_review.ReviewingBot(self.bot, backend, self._core.spawn)
 
     def mount(self, app: web.Application) -> None:
         """Add ``POST /api/messages``."""
@@ -383,7 +438,10 @@ class TeamsAdapter:
             return web.Response(status=401, text="unauthorized")
         invoke = await self.cloud_adapter.process_activity(auth_result, activity, self.bot.on_turn)
         if invoke is not None:
-            return web.json_response(serializer_helper(invoke.body), status=invoke.status)
+            # A plain dict body (the review cards' invoke answers) is JSON already;
+            # serializer_helper only takes msrest models (interactivity.md).
+            body = invoke.body if isinstance(invoke.body, dict) else serializer_helper(invoke.body)
+            return web.json_response(body, status=invoke.status)
         return web.Response(status=202)
 
     async def _authenticate(self, activity: Activity, auth_header: str) -> Any:

@@ -37,9 +37,12 @@ from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
 from leadgate.operations.agents import Agents
+from leadgate.operations.chat_reviews import ChatReviews
 from leadgate.operations.messages import Messages
 from leadgate.operations.reviews import Reviews
+from leadgate.review.cards import ReviewNotifier
 from leadgate.review.runner import LeadRunner
+from leadgate.review.sla import SlaRunner
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
@@ -89,9 +92,19 @@ class App:
         self.providers = ProviderRegistry(providers or build_providers(settings))
         self.background = Background()
         self.outbox = Outbox(self.clock, self.ids)
+        # Review cards are written in the transaction that makes an item wait for a human.
+        self.notifier = ReviewNotifier(
+            self.clock,
+            self.ids,
+            self.outbox,
+            public_url=settings.server.public_url,
+            defaults=settings.review,
+        )
+        self.outbox.on_review_needed(self.notifier.open)
         self._build_runners(channels or {}, enable_adapters)
         self.access = Access(self.db, self.clock, self.ids)
         self.reviews = Reviews(self.db, self.clock, self.ids, self.outbox, on_decided=self.wake_all)
+        self._wire_chat_reviews()
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
         self._stop = asyncio.Event()
         self._stopped = False
@@ -128,6 +141,7 @@ class App:
             batch=r.relay_batch,
             concurrency=r.relay_concurrency,
             max_attempts=r.delivery_max_attempts,
+            review_needed=self.outbox.review_needed,
         )
         # Every committed enqueue (lead or human approval, plain reply, operator retry)
         # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
@@ -152,6 +166,17 @@ class App:
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
             _Loop(FlowResumer(self.flows)),
         ]
+
+    def _wire_chat_reviews(self) -> None:
+        """Chat decisions on the adapters that offer them (Slack, Teams, Discord), and
+        the SLA runner (reminders, escalation, expiry)."""
+        self.chat_reviews = ChatReviews(self.db, self.clock, self.reviews)
+        for adapter in self.adapters:
+            enable = getattr(adapter, "enable_reviews", None)
+            if enable is not None:
+                enable(self.chat_reviews)
+        self.sla_runner = SlaRunner(self.db, self.clock, self.ids, self.outbox, self.notifier)
+        self.loops.append(_Loop(self.sla_runner))
 
     @property
     def model_names(self) -> frozenset[str]:

@@ -17,8 +17,74 @@ of SPEC section 6:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class CardOutcome:
+    """How a review card's item was decided (the card shows it instead of buttons)."""
+
+    #: "Approved", "Rejected", "Returned to the worker", "Cancelled", "Delivery confirmed",
+    #: "Delivery retried", "Expired (rejected)"
+    title: str
+    #: who decided: a user's email, "API key key_...", "the lead", "expiry"
+    by: str
+    #: where: console, api, cli, slack, teams, discord, email, system
+    surface: str | None
+    at_ms: int
+    #: the reason or feedback, when the decision carried one
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class Card:
+    """A review card: what a reviewer needs to decide, in channel-neutral form.
+
+    The review layer builds it (:mod:`leadgate.review.cards`) and stores it on the
+    card's delivery row; each adapter renders it its own way (Block Kit, an Adaptive
+    Card, Discord components, plain text). ``outcome`` set = decided: no buttons.
+    ``reason`` ``awaitingHuman`` offers Approve / Reject / Return;
+    ``deliveryUnknown`` offers Confirm delivered / Retry for ``delivery_id``.
+    """
+
+    item_id: str
+    episode_id: str
+    #: notify (the item started waiting) | reminder | escalation
+    purpose: str
+    reason: str
+    delivery_id: str | None
+    agent: str
+    source: str
+    why: str
+    summary: str
+    revision: int
+    rounds: int
+    waiting_since_ms: int
+    link: str
+    outcome: CardOutcome | None = None
+
+    @property
+    def title(self) -> str:
+        """The card's headline."""
+        head = {"reminder": "Reminder: ", "escalation": "Escalation: "}.get(self.purpose, "")
+        what = "Delivery outcome unknown" if self.reason == "deliveryUnknown" else "Review needed"
+        return f"{head}{what}: {self.agent}"
+
+    def decided(self, outcome: CardOutcome) -> Card:
+        """The same card, decided."""
+        return replace(self, outcome=outcome)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON for the delivery row's address."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Card:
+        """Back from :meth:`to_json`."""
+        fields = dict(data)
+        outcome = fields.pop("outcome", None)
+        return cls(**fields, outcome=CardOutcome(**outcome) if outcome else None)
 
 
 @dataclass(frozen=True)
@@ -28,7 +94,8 @@ class OutboundMessage:
     ``idempotency_key`` is stable per delivery (derived from its id) so that platforms
     that de-duplicate (Discord nonce, email Message-ID, Teams activity id) do.
     ``kind`` is ``"reply"`` for a plain turn's immediate reply and ``"gating"`` for
-    approved output posted later.
+    approved output posted later; ``"card"`` posts a review ``card`` (``text`` is its
+    plain-text form) and ``"cardUpdate"`` is the payload of :meth:`Channel.update`.
     """
 
     delivery_id: str
@@ -36,6 +103,7 @@ class OutboundMessage:
     address: dict[str, Any]
     text: str
     kind: str = "gating"
+    card: Card | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +147,14 @@ class Channel(Protocol):
     max_chars: int
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
-        """Post one message. Must not raise for platform errors: map them."""
+        """Post one message (a review card when ``message.card`` is set). Must not raise
+        for platform errors: map them."""
+        ...
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """Edit the message ``external_id`` (what :meth:`send` returned for a card) in
+        place to show ``message.card``. An edit is idempotent, so a timeout is a
+        :class:`Retry` here, not :class:`Uncertain`."""
         ...
 
     async def close(self) -> None:

@@ -28,7 +28,7 @@ from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import Permanent, Retry, SendOutcome, Sent
-from outbox.store import DeliveryStatus
+from outbox.store import DeliveryStatus, ReviewNeeded
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -73,10 +73,19 @@ class RetryPolicy:
 class OutcomeCommitter:
     """Commits groups of :class:`Done` inside the caller's transaction."""
 
-    def __init__(self, clock: Clock, ids: IdFactory, policy: RetryPolicy) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        ids: IdFactory,
+        policy: RetryPolicy,
+        *,
+        review_needed: ReviewNeeded | None = None,
+    ) -> None:
         self.clock = clock
         self.ids = ids
         self.policy = policy
+        #: writes review cards when a gating delivery becomes deliveryUnknown
+        self.review_needed = review_needed
         #: earliest retry scheduled by a commit (the relay claims again by then)
         self.next_due: int | None = None
 
@@ -240,6 +249,8 @@ class OutcomeCommitter:
                     delivery_id=row.id,
                     text=values.get("error"),
                 )
+                if self.review_needed is not None:
+                    await self.review_needed(conn, row.work_item_id, "deliveryUnknown", row.id)
             return
         try:
             await workitems.transition(

@@ -51,10 +51,19 @@ from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.domain.rows import Delivery
-from outbox.channel import Channel, OutboundMessage, Permanent, SendOutcome, Sent, Uncertain
+from outbox.channel import (
+    Card,
+    Channel,
+    OutboundMessage,
+    Permanent,
+    Retry,
+    SendOutcome,
+    Sent,
+    Uncertain,
+)
 from outbox.outcomes import Done, OutcomeCommitter, RetryPolicy
 from outbox.pump import Pump
-from outbox.store import DeliveryStatus, delivery_of
+from outbox.store import CARD_KINDS, CARD_UPDATE, DeliveryStatus, ReviewNeeded, delivery_of
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -77,6 +86,8 @@ LEASE_EXPIRED_ERROR = (
 #: up; rows of a group that cannot be committed stay ``sending`` and their send lease
 #: expiry turns them into ``deliveryUnknown`` (never a second post).
 COMMIT_RETRY_DELAYS_S = (0.05, 0.5, 2.0)
+#: A card update whose card is not posted yet waits this long before looking again.
+CARD_NOT_POSTED_RETRY_S = 2.0
 
 
 def split_text(text: str, limit: int) -> list[str]:
@@ -118,6 +129,7 @@ class Relay:
         rand: Callable[[], float] = random.random,
         send_lease_ms: int = SEND_LEASE_MS,
         max_rows_per_run: int | None = None,
+        review_needed: ReviewNeeded | None = None,
     ) -> None:
         if batch < 1 or concurrency < 1 or max_attempts < 1 or send_lease_ms < 1:
             raise ValueError("batch, concurrency, max_attempts and send_lease_ms must be >= 1")
@@ -131,7 +143,10 @@ class Relay:
         self.rand = rand
         self.send_lease_ms = send_lease_ms
         self.max_rows_per_run = max_rows_per_run or 10 * batch
-        self.committer = OutcomeCommitter(clock, ids, RetryPolicy(max_attempts, self.backoff_s))
+        self.committer = OutcomeCommitter(
+            clock, ids, RetryPolicy(max_attempts, self.backoff_s), review_needed=review_needed
+        )
+        self.review_needed = review_needed
         self._sem = asyncio.Semaphore(concurrency)
         self._expiry_every_ms = max(1, min(EXPIRY_CHECK_MS, send_lease_ms // 4))
         self._next_expiry_check = 0
@@ -289,7 +304,9 @@ class Relay:
     async def expire_send_leases(self) -> int:
         """A relay died mid-send: posts become deliveryUnknown, internal ones pending."""
         now = self.clock.now_ms()
-        internal = D.action.in_(sorted(INTERNAL_ACTIONS))
+        # Internal actions are idempotent, and so is editing a card: both go back to
+        # pending. A post (a message or a card) may have landed: deliveryUnknown.
+        internal = sa.or_(D.action.in_(sorted(INTERNAL_ACTIONS)), D.kind == CARD_UPDATE)
         expired = self.db.skip_locked(
             sa.select(D.id).where(
                 D.status == DeliveryStatus.sending.value, D.lease_expires_at < now
@@ -317,10 +334,12 @@ class Relay:
                         lease_expires_at=None,
                         updated_at=now,
                     )
-                    .returning(D.id, D.action, D.channel, D.org_id, D.work_item_id)
+                    .returning(D.id, D.action, D.channel, D.org_id, D.work_item_id, D.kind)
                 )
             ).all()
-            unknown = [r for r in rows if r.action not in INTERNAL_ACTIONS]
+            unknown = [
+                r for r in rows if r.action not in INTERNAL_ACTIONS and r.kind != CARD_UPDATE
+            ]
             if unknown:
                 await conn.execute(
                     t.audit.insert(),
@@ -340,6 +359,10 @@ class Relay:
                         for r in unknown
                     ],
                 )
+                if self.review_needed is not None:
+                    for r in unknown:
+                        if r.kind == "gating" and r.work_item_id:
+                            await self.review_needed(conn, r.work_item_id, "deliveryUnknown", r.id)
         for r in unknown:
             log.warning("delivery %s: send lease expired mid-send: deliveryUnknown", r.id)
             METRICS.deliveries.labels(r.channel, "deliveryUnknown").inc()
@@ -405,6 +428,8 @@ class Relay:
             return Done(row, Uncertain(f"relay error: {type(exc).__name__}"))
 
     async def _send(self, row: Delivery) -> SendOutcome:
+        if row.kind in CARD_KINDS:
+            return await self._send_card(row)
         if row.action in INTERNAL_ACTIONS:
             return Sent()
         if row.channel == "none" or not row.binding_id:
@@ -428,6 +453,57 @@ class Relay:
                     return outcome
                 external = external or outcome.external_id
         return Sent(external)
+
+    async def _send_card(self, row: Delivery) -> SendOutcome:
+        """A review card: one message (the adapter cuts it to the platform's limits), or
+        the edit of a posted card, whose platform id is read from the card's own row."""
+        channel = self.channels.get(row.channel)
+        if channel is None:
+            return Permanent(f"channel {row.channel} is not configured")
+        raw = row.address.get("card")
+        try:
+            card = Card.from_json(raw) if isinstance(raw, dict) else None
+        except TypeError:
+            card = None
+        message = OutboundMessage(
+            delivery_id=row.id,
+            idempotency_key=row.id,
+            address=row.address,
+            text=row.text,
+            kind=row.kind,
+            card=card,
+        )
+        op = "update" if row.kind == CARD_UPDATE else "post"
+        async with self._sem:
+            try:
+                if row.kind == CARD_UPDATE:
+                    outcome = await self._update_card(channel, row, message)
+                else:
+                    outcome = await channel.send(message)
+            except Exception as exc:  # an adapter bug must not lose the delivery
+                log.exception("channel %s raised instead of mapping an error", row.channel)
+                outcome = Uncertain(f"adapter error: {type(exc).__name__}")
+        METRICS.cards.labels(row.channel, op, type(outcome).__name__.lower()).inc()
+        return outcome
+
+    async def _update_card(
+        self, channel: Channel, row: Delivery, message: OutboundMessage
+    ) -> SendOutcome:
+        card_delivery = row.address.get("card_delivery_id")
+        async with self.db.read() as conn:
+            posted = (
+                await conn.execute(
+                    sa.select(D.status, D.external_id).where(D.id == card_delivery)
+                )
+            ).first()
+        if posted is None:
+            return Permanent(f"card delivery {card_delivery} does not exist")
+        if posted.status == DeliveryStatus.sent.value and posted.external_id:
+            return await channel.update(message, str(posted.external_id))
+        if posted.status in (DeliveryStatus.pending.value, DeliveryStatus.sending.value):
+            # Decided while the card was still on its way: edit it once it is posted.
+            return Retry("the card is not posted yet", delay_s=CARD_NOT_POSTED_RETRY_S)
+        return Permanent(f"the card was not posted ({posted.status}); nothing to update")
 
     async def _send_part(
         self, channel: Channel, row: Delivery, index: int, part: str

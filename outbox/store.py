@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import asyncpg
@@ -47,6 +47,16 @@ NOTIFY_CHANNEL = "leadgate_outbox"
 OUTBOX_TOPIC = "outbox"
 #: :meth:`leadgate.database.db.Database.on_commit_payloads` topic carrying rows handed to it.
 HANDOFF_TOPIC = "outbox-handoff"
+#: Delivery kinds of review cards: a card post, and the in-place edit of a posted card.
+#: Neither is a gating delivery: the actionable queue and an item's completion ignore them.
+CARD = "card"
+CARD_UPDATE = "cardUpdate"
+CARD_KINDS = frozenset({CARD, CARD_UPDATE})
+
+#: ``(conn, work_item_id, reason, gating_delivery_id)``: an item started waiting for a
+#: human (``awaitingHuman``, or its gating delivery became ``deliveryUnknown``); the
+#: review layer writes its cards in ``conn``'s transaction (:meth:`Outbox.on_review_needed`).
+ReviewNeeded = Callable[[AsyncConnection, str, str, str | None], Awaitable[object]]
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -105,6 +115,27 @@ class Outbox:
         self.clock = clock
         self.ids = ids
         self._local: LocalRelay | None = None
+        self._review_needed: ReviewNeeded | None = None
+
+    def on_review_needed(self, hook: ReviewNeeded | None) -> None:
+        """Let ``hook`` write review cards whenever an item starts waiting for a human
+        (set by the composition root; the review layer sits above the outbox)."""
+        self._review_needed = hook
+
+    async def review_needed(
+        self, conn: AsyncConnection, item_id: str, reason: str, delivery_id: str | None = None
+    ) -> None:
+        """Call the review hook inside the transition's transaction, in a SAVEPOINT: a
+        failure to write cards is logged and rolled back alone, and never blocks the
+        transition itself (the item still reaches the actionable queue)."""
+        hook = self._review_needed
+        if hook is None:
+            return
+        try:
+            async with conn.begin_nested():
+                await hook(conn, item_id, reason, delivery_id)
+        except Exception:
+            log.exception("review cards for work item %s could not be written", item_id)
 
     def attach(self, relay: LocalRelay | None) -> None:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
@@ -151,6 +182,38 @@ class Outbox:
             "channel": binding.kind,
             "binding_id": binding.id,
             "address": binding.address,
+            "text": text,
+            "status": DeliveryStatus.pending.value,
+            "attempts": 0,
+            "next_attempt_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+        return await self._insert(conn, values, now)
+
+    async def enqueue_card(
+        self,
+        conn: Conn,
+        *,
+        org_id: str,
+        work_item_id: str,
+        channel: str,
+        address: dict[str, Any],
+        text: str,
+        kind: str = CARD,
+    ) -> Delivery:
+        """Queue a review card post (or, ``kind`` :data:`CARD_UPDATE`, the edit of a
+        posted card) in the caller's transaction: durable and retried like any delivery."""
+        now = self.clock.now_ms()
+        values: dict[str, Any] = {
+            "id": self.ids.new("dlv"),
+            "org_id": org_id,
+            "work_item_id": work_item_id,
+            "kind": kind,
+            "action": "post",
+            "channel": channel,
+            "binding_id": None,
+            "address": address,
             "text": text,
             "status": DeliveryStatus.pending.value,
             "attempts": 0,

@@ -13,10 +13,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from leadgate.core.errors import ConfigError
+from leadgate.core.durations import parse_duration
+from leadgate.core.errors import ConfigError, LeadgateError
 
 ENV_PREFIX = "LEADGATE_"
 
@@ -109,6 +110,32 @@ class LogSettings(_Section):
     format: Literal["text", "json"] = "text"
 
 
+class ReviewSettings(_Section):
+    """``[review]``: the default reminder, escalation and expiry times of review cards
+    (per organization / agent overrides: ``leadgate notify sla``). Durations like
+    ``30m``, ``2h``, ``1h30m``; ``off`` switches one off."""
+
+    remind_after: str = "30m"
+    remind_every: str = "off"
+    escalate_after: str = "off"
+    expire_after: str = "off"
+    expire_action: Literal["reject"] = "reject"
+
+    @field_validator("remind_after", "remind_every", "escalate_after", "expire_after")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        try:
+            parse_duration(value)
+        except LeadgateError as exc:
+            raise ValueError(exc.message) from None
+        return value
+
+    def ms(self, name: str) -> int | None:
+        """One of the durations in milliseconds (``None``: off)."""
+        value: str = getattr(self, name)
+        return parse_duration(value, name=f"review.{name}")
+
+
 class Settings(_Section):
     """The whole configuration."""
 
@@ -123,6 +150,7 @@ class Settings(_Section):
     )
     runners: RunnerSettings = RunnerSettings()
     log: LogSettings = LogSettings()
+    review: ReviewSettings = ReviewSettings()
 
 
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:

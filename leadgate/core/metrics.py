@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 
 class Metrics:
@@ -32,6 +32,44 @@ class Metrics:
             "leadgate_deliveries_total",
             "Delivery attempts by channel and outcome",
             ["channel", "outcome"],
+            registry=self.registry,
+        )
+
+        self._review_metrics()
+
+    def _review_metrics(self) -> None:
+        """Human review: decisions, their latency, reminders, escalations, expiries,
+        review cards (README "Review cards, chat decisions, reminders")."""
+        self.time_to_decision = Histogram(
+            "leadgate_review_time_to_decision_seconds",
+            "Time from an item starting to wait for a human to the decision",
+            ["reason"],
+            buckets=(60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 86400, 3 * 86400, 7 * 86400),
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "leadgate_review_decisions_total",
+            "Human decisions and delivery recoveries by surface and verdict",
+            ["surface", "verdict"],
+            registry=self.registry,
+        )
+        self.reminders = Counter(
+            "leadgate_review_reminders_total", "Review reminders fired", registry=self.registry
+        )
+        self.escalations = Counter(
+            "leadgate_review_escalations_total",
+            "Review escalations fired",
+            registry=self.registry,
+        )
+        self.expiries = Counter(
+            "leadgate_review_expiries_total",
+            "Items rejected because no decision came in time (not human rejections)",
+            registry=self.registry,
+        )
+        self.cards = Counter(
+            "leadgate_review_cards_total",
+            "Review card posts and in-place updates by channel and outcome",
+            ["channel", "op", "outcome"],
             registry=self.registry,
         )
 

@@ -330,3 +330,105 @@ continuations = sa.Table(
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
 )
+
+# --- Review destinations, reviewer links, review SLAs, episodes and cards (migration 0006)
+
+review_destinations = sa.Table(
+    "review_destinations",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False, index=True),
+    # NULL: the whole organization; else only this agent's items (agent-level
+    # destinations of a tier replace the organization's for that agent).
+    sa.Column("agent_id", ID),
+    sa.Column("channel", sa.String(20), nullable=False),  # slack | teams | discord | email
+    # notify: cards when an item starts waiting (and reminders); escalate: escalate_after
+    sa.Column("tier", sa.String(20), nullable=False),
+    sa.Column("target", sa.String(500), nullable=False),  # as the operator wrote it
+    sa.Column("address", sa.JSON, nullable=False),  # the channel address cards go to
+    sa.Column("created_at", MS, nullable=False),
+)
+
+user_links = sa.Table(
+    "user_links",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("user_id", ID, nullable=False, index=True),
+    sa.Column("platform", sa.String(20), nullable=False),  # slack | teams | discord
+    # slack "TEAM:USER", teams the AAD object id, discord the user id
+    sa.Column("identity", sa.String(300), nullable=False),
+    sa.Column("created_at", MS, nullable=False),
+    sa.UniqueConstraint("org_id", "platform", "identity"),
+)
+
+review_sla = sa.Table(
+    "review_sla",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),  # "" = the organization's own override
+    # Milliseconds; NULL inherits (agent -> organization -> [review] config), 0 is off.
+    sa.Column("remind_after_ms", MS),
+    sa.Column("remind_every_ms", MS),
+    sa.Column("escalate_after_ms", MS),
+    sa.Column("expire_after_ms", MS),
+    sa.Column("created_at", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+    sa.UniqueConstraint("org_id", "agent_id"),
+)
+
+review_episodes = sa.Table(
+    "review_episodes",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("work_item_id", ID, nullable=False, index=True),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("reason", sa.String(20), nullable=False),  # awaitingHuman | deliveryUnknown
+    sa.Column("delivery_id", ID),  # the gating delivery, for deliveryUnknown
+    sa.Column("started_at", MS, nullable=False),
+    # The earliest of the timers below (NULL when closed or nothing is left to fire).
+    sa.Column("due_at", MS, index=True),
+    sa.Column("next_remind_at", MS),
+    sa.Column("remind_every_ms", MS),
+    sa.Column("reminders", sa.Integer, nullable=False, default=0),
+    sa.Column("escalate_at", MS),
+    sa.Column("escalated_at", MS),
+    sa.Column("expire_at", MS),
+    sa.Column("expire_after_ms", MS),
+    sa.Column("closed_at", MS),
+    sa.Column("outcome", sa.String(40)),
+    sa.Column("created_at", MS, nullable=False),
+    # At most one open episode per work item.
+    sa.Index(
+        "uq_review_episodes_open",
+        "work_item_id",
+        unique=True,
+        sqlite_where=sa.text("closed_at IS NULL"),
+        postgresql_where=sa.text("closed_at IS NULL"),
+    ),
+)
+
+review_cards = sa.Table(
+    "review_cards",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("episode_id", ID, nullable=False, index=True),
+    sa.Column("work_item_id", ID, nullable=False),
+    sa.Column("delivery_id", ID, nullable=False),  # the outbox row that posts the card
+    sa.Column("channel", sa.String(20), nullable=False),
+    sa.Column("purpose", sa.String(20), nullable=False),  # notify | reminder | escalation
+    sa.Column("created_at", MS, nullable=False),
+)
+
+teams_conversations = sa.Table(
+    "teams_conversations",
+    metadata,
+    # The conversation id ("19:...@thread.tacv2"); the reference is the last one seen.
+    sa.Column("conversation_id", sa.String(300), primary_key=True),
+    sa.Column("tenant_id", sa.String(100)),
+    sa.Column("reference", sa.JSON, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+)

@@ -14,10 +14,12 @@ from typing import Any
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import ValidationError
+from leadgate.core.metrics import METRICS
 from leadgate.database.db import Database
 from leadgate.domain import workitems
+from leadgate.domain.workitems import Status
 from leadgate.review import decisions, queue
-from outbox.store import Outbox, get_delivery, recover
+from outbox.store import Outbox, get_delivery
 
 #: The human decisions (SPEC 5) and the delivery recovery actions.
 DECISIONS = ("approve", "reject", "return", "cancel")
@@ -82,21 +84,32 @@ class Reviews:
             raise ValidationError(
                 f"the decision must be one of {', '.join(DECISIONS)}", rule="decision.action"
             )
-        actor = principal.actor
-        where = {"surface": surface, "identity": identity}
         async with self.db.tx() as conn:
             item = await workitems.get(conn, item_id, principal.org_id)
-            if action == "approve":
-                await decisions.human_approve(conn, self.outbox, item, actor, **where)
-            elif action == "reject":
-                await decisions.human_reject(conn, self.clock, self.ids, item, actor, text, **where)
-            elif action == "return":
-                await decisions.human_return(conn, self.clock, self.ids, item, actor, text, **where)
-            else:
-                await decisions.cancel(conn, self.clock, self.ids, item, actor, **where)
+            # Every open review card of the item is updated in this transaction.
+            await decisions.decide(
+                conn,
+                self.outbox,
+                item,
+                action,
+                principal.actor,
+                text,
+                surface=surface,
+                identity=identity,
+            )
             detail = await queue.detail(conn, principal.org_id, item_id)
+        waited = "awaitingHuman" if item.status == Status.awaitingHuman.value else None
+        self._count(surface, action, waited, item.updated_at)
         self.on_decided()
         return detail
+
+    def _count(self, surface: str, verdict: str, waited: str | None, since_ms: int) -> None:
+        """Decision metrics: by surface and verdict; the time to decision of an item
+        that was waiting for a human (``waited``: awaitingHuman | deliveryUnknown)."""
+        METRICS.decisions.labels(surface, verdict).inc()
+        if waited is not None:
+            waited_s = max(0.0, (self.clock.now_ms() - since_ms) / 1000)
+            METRICS.time_to_decision.labels(waited).observe(waited_s)
 
     async def recover(
         self,
@@ -114,13 +127,12 @@ class Reviews:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
         async with self.db.tx() as conn:
             delivery = await get_delivery(conn, delivery_id, principal.org_id)
-            row = await recover(
+            row = await decisions.recover_delivery(
                 conn,
-                self.clock,
-                self.ids,
+                self.outbox,
                 delivery,
-                action=action,
-                actor=principal.actor,
+                action,
+                principal.actor,
                 surface=surface,
                 identity=identity,
             )
@@ -129,5 +141,7 @@ class Reviews:
                 if row.work_item_id
                 else {"id": row.id, "status": row.status}
             )
+        if delivery.kind == "gating":
+            self._count(surface, action, "deliveryUnknown", delivery.updated_at)
         self.on_decided()
         return detail

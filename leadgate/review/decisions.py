@@ -13,11 +13,14 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.durations import format_duration
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.domain import workitems
-from leadgate.domain.rows import WorkItem
+from leadgate.domain.rows import Delivery, WorkItem
 from leadgate.domain.workitems import Status
-from outbox.store import Outbox, cancel_for_item
+from leadgate.review import cards
+from outbox.channel import CardOutcome
+from outbox.store import Outbox, cancel_for_item, recover
 
 
 class Verdict(enum.StrEnum):
@@ -89,6 +92,8 @@ async def commit_verdict(
     )
     if dst == Status.approved:
         await outbox.enqueue_gating(conn, row)
+    elif dst == Status.awaitingHuman:
+        await outbox.review_needed(conn, row.id, Status.awaitingHuman.value)
     return row
 
 
@@ -208,3 +213,105 @@ async def cancel(
     )
     await cancel_for_item(conn, clock, item.id)
     return row
+
+
+# ------------------------------------------------- decisions with their review cards
+
+#: Shown on a card: a decision's text (reason, feedback) is cut to this.
+CARD_TEXT_LIMIT = 500
+
+
+async def decide(
+    conn: AsyncConnection,
+    outbox: Outbox,
+    item: WorkItem,
+    action: str,
+    actor: str,
+    text: object = None,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
+) -> WorkItem:
+    """One human decision (approve, reject, return, cancel) and, in the same
+    transaction, the in-place update of every open review card of the item: whoever
+    decides, wherever (chat, console, API, CLI), every card shows it."""
+    where = {"surface": surface, "identity": identity}
+    clock, ids = outbox.clock, outbox.ids
+    if action == "approve":
+        row = await human_approve(conn, outbox, item, actor, **where)
+    elif action == "reject":
+        row = await human_reject(conn, clock, ids, item, actor, text, **where)
+    elif action == "return":
+        row = await human_return(conn, clock, ids, item, actor, text, **where)
+    else:
+        row = await cancel(conn, clock, ids, item, actor, **where)
+    said = text if action in ("reject", "return") and isinstance(text, str) else None
+    await _close_cards(conn, outbox, item.id, action, actor, surface, said)
+    return row
+
+
+async def recover_delivery(
+    conn: AsyncConnection,
+    outbox: Outbox,
+    delivery: Delivery,
+    action: str,
+    actor: str,
+    *,
+    surface: str | None = None,
+    identity: str | None = None,
+) -> Delivery:
+    """Confirm delivered / retry a ``deliveryUnknown`` delivery; a gating delivery's
+    review cards are updated in the same transaction."""
+    row = await recover(
+        conn,
+        outbox.clock,
+        outbox.ids,
+        delivery,
+        action=action,
+        actor=actor,
+        surface=surface,
+        identity=identity,
+    )
+    if row.kind == "gating" and row.work_item_id:
+        await _close_cards(conn, outbox, row.work_item_id, action, actor, surface, None)
+    return row
+
+
+async def expire(conn: AsyncConnection, outbox: Outbox, item: WorkItem, after_ms: int) -> WorkItem:
+    """No decision within ``after_ms``: reject with the reason ``expired: no decision
+    within <duration>``, audited as an expiry (action ``expire``, actor
+    ``system:expiry``, surface ``system``), never as a human rejection."""
+    reason = f"expired: no decision within {format_duration(after_ms)}"
+    row = await workitems.transition(
+        conn,
+        outbox.clock,
+        outbox.ids,
+        item.id,
+        src=Status.awaitingHuman,
+        dst=Status.rejected,
+        actor="system:expiry",
+        action="expire",
+        text=reason,
+        surface="system",
+    )
+    await _close_cards(conn, outbox, item.id, "expire", "system:expiry", "system", reason)
+    return row
+
+
+async def _close_cards(
+    conn: AsyncConnection,
+    outbox: Outbox,
+    item_id: str,
+    action: str,
+    actor: str,
+    surface: str | None,
+    text: str | None,
+) -> None:
+    outcome = CardOutcome(
+        title=cards.OUTCOME_TITLES.get(action, action),
+        by=await cards.who(conn, actor),
+        surface=surface,
+        at_ms=outbox.clock.now_ms(),
+        text=cards.cut(text, CARD_TEXT_LIMIT) if text else None,
+    )
+    await cards.close_for_item(conn, outbox, item_id, outcome)

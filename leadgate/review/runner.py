@@ -143,6 +143,8 @@ class LeadRunner:
                     )
                 except TransitionError:
                     continue
+                if dst == Status.awaitingHuman:
+                    await self.outbox.review_needed(conn, row.id, dst.value)
         return len(rows)
 
     async def claim(self) -> WorkItem | None:

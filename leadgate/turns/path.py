@@ -379,6 +379,9 @@ class TurnService:
             except TransitionError:
                 # Cancelled (or otherwise moved) while the turn ran: the text stays withheld.
                 log.warning("work item %s left inProgress during the turn", item.id)
+            else:
+                if problems:
+                    await self.outbox.review_needed(conn, item.id, dst.value)
         if not problems:
             self.on_review_queued()
         METRICS.turns.labels("gated").inc()

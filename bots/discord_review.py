@@ -1,0 +1,216 @@
+"""Discord review cards: message components, a modal, and the interactions that decide.
+
+A card (:class:`outbox.channel.Card`) becomes a bot message: the facts and the summary
+in its content (cut to Discord's 2,000 characters, never dropped; the console link in
+``<...>`` so Discord shows no preview of it), and buttons (``discord.ui``):
+
+* awaitingHuman: Approve, Reject, Return to worker (``custom_id``
+  ``lg:<verb>:<work item id>:<episode id>``); Reject and Return answer with a modal
+  (type 9) asking for the reason (1..2,000) or the feedback (1..4,000 here: Discord's
+  limit for a text input; the rule itself allows 10,000);
+* deliveryUnknown: Confirm delivered and Retry (``lg:<verb>:<delivery id>:<episode>``);
+* a link button to the console (link buttons send no interaction).
+
+Clicks (type 3) and modal submissions (type 5) reach ``/discord/interactions``, verified
+with Ed25519 before anything is parsed. A click that decides is answered with the
+decided message (type 7, buttons removed); anything else (not allowed, already decided
+and by whom, a bad reason) with an ephemeral message (type 4, flag 64). The outbox
+edits every card of the item after any decision (``PATCH .../messages/{id}``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import discord
+
+from bots.review_base import ChatReviewBackend
+from leadgate.core.clock import iso
+from outbox.channel import Card
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "discord"
+CONTENT_MAX = 2_000
+INPUT_MAX = 4_000
+PREFIX = "lg"
+_MODAL = "modal"
+#: verb -> (text input custom id, label, max length, modal title)
+_MODALS = {
+    "reject": ("reason", "Reason", 2_000, "Reject"),
+    "return": ("feedback", "Feedback for the worker", INPUT_MAX, "Return to worker"),
+}
+_COMPONENT, _MODAL_SUBMIT = 3, 5
+_CHANNEL_MESSAGE, _UPDATE_MESSAGE, _OPEN_MODAL = 4, 7, 9
+_EPHEMERAL = 1 << 6
+_NO_MENTIONS: dict[str, Any] = {"parse": []}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - 1)].rstrip() + "…"
+
+
+def content(card: Card) -> str:
+    """The card as message content, at most 2,000 characters (the summary is cut)."""
+    since = card.waiting_since_ms // 1000
+    head = [
+        f"**{card.title}**",
+        f"**Agent:** {card.agent}",
+        f"**From:** {card.source}",
+        f"**Why:** {card.why}",
+        f"**Waiting since:** <t:{since}:f> (<t:{since}:R>)",
+        f"**Revision:** {card.revision} of {card.rounds}",
+    ]
+    if card.outcome is not None:
+        o = card.outcome
+        where = f" ({o.surface})" if o.surface else ""
+        line = f"**{o.title}** by {o.by}{where} at {iso(o.at_ms)}"
+        head.append(_cut(line + (f": {o.text}" if o.text else ""), 600))
+    top = "\n".join(head)
+    tail = f"\n<{card.link}>"
+    room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
+    if room < 50:
+        top = _cut(top, CONTENT_MAX - len(tail) - 80)
+        room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
+    return f"{top}\n**Summary**\n{_cut(card.summary or '(no summary)', room)}{tail}"
+
+
+def view(card: Card) -> discord.ui.View:
+    """The card's buttons (``None`` never: a decided card is edited with ``view=None``)."""
+    buttons = discord.ui.View(timeout=None)
+    if card.outcome is None:
+        if card.reason == "deliveryUnknown" and card.delivery_id:
+            target = card.delivery_id
+            spec = [
+                ("confirm", "Confirm delivered", discord.ButtonStyle.success),
+                ("retry", "Retry delivery", discord.ButtonStyle.secondary),
+            ]
+        else:
+            target = card.item_id
+            spec = [
+                ("approve", "Approve", discord.ButtonStyle.success),
+                ("reject", "Reject", discord.ButtonStyle.danger),
+                ("return", "Return to worker", discord.ButtonStyle.secondary),
+            ]
+        for verb, label, style in spec:
+            buttons.add_item(
+                discord.ui.Button(
+                    label=label,
+                    style=style,
+                    custom_id=f"{PREFIX}:{verb}:{target}:{card.episode_id}",
+                )
+            )
+    buttons.add_item(
+        discord.ui.Button(
+            label="Open in the console", style=discord.ButtonStyle.link, url=card.link
+        )
+    )
+    return buttons
+
+
+def _ephemeral(text: str) -> dict[str, Any]:
+    return {
+        "type": _CHANNEL_MESSAGE,
+        "data": {
+            "content": _cut(text, CONTENT_MAX),
+            "flags": _EPHEMERAL,
+            "allowed_mentions": _NO_MENTIONS,
+        },
+    }
+
+
+def _decided(card: Card) -> dict[str, Any]:
+    return {
+        "type": _UPDATE_MESSAGE,
+        "data": {
+            "content": content(card),
+            "components": [c for c in view(card).to_components()],
+            "allowed_mentions": _NO_MENTIONS,
+        },
+    }
+
+
+def _modal(verb: str, item_id: str, episode: str) -> dict[str, Any]:
+    field, label, max_length, title = _MODALS[verb]
+    return {
+        "type": _OPEN_MODAL,
+        "data": {
+            "custom_id": f"{PREFIX}:{verb}_{_MODAL}:{item_id}:{episode}",
+            "title": title,
+            "components": [
+                {
+                    "type": 1,
+                    "components": [
+                        {
+                            "type": 4,
+                            "custom_id": field,
+                            "style": 2,
+                            "label": label,
+                            "min_length": 1,
+                            "max_length": max_length,
+                            "required": True,
+                        }
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def is_review(payload: dict[str, Any]) -> bool:
+    """Whether an interaction belongs to a review card (component or modal)."""
+    custom_id = (payload.get("data") or {}).get("custom_id")
+    return (
+        payload.get("type") in (_COMPONENT, _MODAL_SUBMIT)
+        and isinstance(custom_id, str)
+        and custom_id.startswith(f"{PREFIX}:")
+    )
+
+
+def _text_value(components: Any, wanted: str) -> str | None:
+    """A modal's text input value; rows (type 1) and labels (type 18) both occur."""
+    for row in components or []:
+        if not isinstance(row, dict):
+            continue
+        inner = row.get("components") or ([row["component"]] if "component" in row else [])
+        for item in inner:
+            if isinstance(item, dict) and item.get("custom_id") == wanted:
+                value = item.get("value")
+                return value if isinstance(value, str) else None
+    return None
+
+
+async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[str, Any]:
+    """The interaction response for one review click or modal submission."""
+    data = payload.get("data") or {}
+    parts = str(data.get("custom_id")).split(":")
+    if len(parts) != 4:
+        return _ephemeral("This button is not supported.")
+    _, verb, target, episode = parts
+    user = (payload.get("member") or {}).get("user") or payload.get("user") or {}
+    who = str(user.get("id") or "")
+    message_id = str((payload.get("message") or {}).get("id") or "") or None
+    if payload.get("type") == _MODAL_SUBMIT:
+        verb = verb.removesuffix(f"_{_MODAL}")
+        if verb not in _MODALS:
+            return _ephemeral("This form is not supported.")
+        text = _text_value(data.get("components"), _MODALS[verb][0])
+        answer = await backend.decide(
+            PLATFORM, who, target, verb, text, episode_id=episode, message_id=message_id
+        )
+    elif verb == "approve":
+        answer = await backend.decide(
+            PLATFORM, who, target, verb, episode_id=episode, message_id=message_id
+        )
+    elif verb in _MODALS:
+        answer = await backend.check(PLATFORM, who, target, episode)
+        if answer.kind == "open":
+            return _modal(verb, target, episode)
+    elif verb in ("confirm", "retry"):
+        answer = await backend.recover(PLATFORM, who, target, verb, message_id=message_id)
+    else:
+        return _ephemeral("This button is not supported.")
+    if answer.decided and answer.card is not None:
+        return _decided(answer.card)
+    return _ephemeral(answer.text)

@@ -1,0 +1,78 @@
+"""What the chat adapters' review-card handlers ask of the core, and how they identify
+a click (``bots/slack_review.py``, ``bots/teams_review.py``, ``bots/discord_review.py``).
+
+:class:`ChatReviewBackend` is satisfied by
+:class:`leadgate.operations.chat_reviews.ChatReviews`; the adapters get it through
+``enable_reviews(backend)`` from the composition root. Card rendering lives beside each
+adapter; the card itself (:class:`outbox.channel.Card`) is channel-neutral.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from outbox.channel import Card
+
+
+class Answer(Protocol):
+    """What became of a click (:class:`leadgate.operations.chat_reviews.ChatAnswer`)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def card(self) -> Card | None: ...
+
+    @property
+    def decided(self) -> bool: ...
+
+
+class ChatReviewBackend(Protocol):
+    """Decisions from chat cards (see :mod:`leadgate.operations.chat_reviews`)."""
+
+    async def check(
+        self, platform: str, identity: str, item_id: str, episode_id: str | None = None
+    ) -> Answer:
+        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
+        ...
+
+    async def decide(
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        action: str,
+        text: object = None,
+        *,
+        episode_id: str | None = None,
+        message_id: str | None = None,
+    ) -> Answer:
+        """Approve / reject / return as the user linked to ``identity``."""
+        ...
+
+    async def recover(
+        self,
+        platform: str,
+        identity: str,
+        delivery_id: str,
+        action: str,
+        *,
+        message_id: str | None = None,
+    ) -> Answer:
+        """Confirm delivered / retry a deliveryUnknown delivery."""
+        ...
+
+    async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
+        """Keep a Teams conversation reference for ``notify add --channel teams``."""
+        ...
+
+
+#: Button actions of an awaitingHuman card and of a deliveryUnknown card.
+DECISION_ACTIONS = ("approve", "reject", "return")
+RECOVERY_ACTIONS = ("confirm", "retry")
+#: Longest reason and feedback the modals accept (the platform may allow less).
+REASON_MAX = 2_000
+FEEDBACK_MAX = 10_000

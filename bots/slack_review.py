@@ -1,0 +1,295 @@
+"""Slack review cards: Block Kit rendering, and the buttons and modals that decide.
+
+A card (:class:`outbox.channel.Card`) becomes a Block Kit message: the facts, the
+summary (cut to Slack's 3,000-character section limit, never dropped), a link to the
+console (a plain mrkdwn link, never a button: Slack sends an interaction for a URL
+button, and nothing reached by GET decides anything), and an ``actions`` block whose
+``block_id`` carries the card's episode:
+
+* awaitingHuman: buttons ``approve``, ``reject``, ``return`` (``value`` = work item id);
+  Reject and Return open a modal (``views.open`` with the click's ``trigger_id``)
+  asking for the reason (1..2,000 characters) or the feedback (1..3,000 here: Slack's
+  limit for a text input; the rule itself allows 10,000), with field errors answered as
+  ``response_action: errors``;
+* deliveryUnknown: ``confirm`` (Confirm delivered) and ``retry`` (``value`` = delivery id).
+
+Interactions arrive on ``/slack/events`` (Bolt verifies the signing secret first: a
+forged one is 401). Each click is decided before it is acknowledged (one short
+transaction); whoever may not decide, and whoever came second, is told so ephemerally
+through the interaction's ``response_url``. The card itself is edited by the outbox
+(``chat.update``) for every decision, wherever it was made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from slack_bolt.async_app import AsyncApp
+from slack_sdk.errors import SlackApiError
+
+from bots.review_base import ChatReviewBackend
+from outbox.channel import Card
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "slack"
+#: Slack's limits: section text, header text, a text input, the message's ``text``.
+SECTION_MAX = 3_000
+HEADER_MAX = 150
+INPUT_MAX = 3_000
+TEXT_MAX = 3_000
+BLOCK_PREFIX = "lg_review:"
+#: Modals: callback id -> (decision, input block id, input action id, label, max length)
+MODALS = {
+    "lg_reject": ("reject", "reason_b", "reason", "Reason", 2_000),
+    "lg_return": ("return", "feedback_b", "feedback", "Feedback for the worker", INPUT_MAX),
+}
+
+Spawn = Callable[..., None]
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _esc(text: str) -> str:
+    """Escape text for mrkdwn (Slack's three control characters)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _when(ms: int) -> str:
+    seconds = ms // 1000
+    return f"<!date^{seconds}^{{date_short_pretty}} at {{time}}|{seconds}>"
+
+
+def fallback_text(card: Card) -> str:
+    """The message's ``text`` (notifications, screen readers)."""
+    head = card.title
+    if card.outcome is not None:
+        head += f" ({card.outcome.title} by {card.outcome.by})"
+    return _cut(f"{head}: {card.summary}", TEXT_MAX)
+
+
+def blocks(card: Card) -> list[dict[str, Any]]:
+    """The card as Block Kit blocks (decided cards: the outcome instead of buttons)."""
+    facts = "\n".join(
+        [
+            f"*Agent:* {_esc(card.agent)}",
+            f"*From:* {_esc(card.source)}",
+            f"*Why:* {_esc(card.why)}",
+            f"*Waiting since:* {_when(card.waiting_since_ms)}",
+            f"*Revision:* {card.revision} of {card.rounds}",
+        ]
+    )
+    summary_head = "*Summary*\n"
+    out: list[dict[str, Any]] = [
+        {"type": "header", "text": {"type": "plain_text", "text": _cut(card.title, HEADER_MAX)}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": _cut(facts, SECTION_MAX)}},
+        {
+            "type": "section",
+            "text": {
+                "type": "mrkdwn",
+                "text": summary_head
+                + _cut(_esc(card.summary or "(no summary)"), SECTION_MAX - len(summary_head)),
+            },
+        },
+        {
+            "type": "context",
+            "elements": [{"type": "mrkdwn", "text": f"<{card.link}|Open in the leadgate console>"}],
+        },
+    ]
+    if card.outcome is not None:
+        o = card.outcome
+        where = f" ({o.surface})" if o.surface else ""
+        text = f"*{_esc(o.title)}* by {_esc(o.by)}{where} {_when(o.at_ms)}"
+        if o.text:
+            text += "\n>" + _esc(o.text).replace("\n", "\n>")
+        out.append({"type": "section", "text": {"type": "mrkdwn", "text": _cut(text, SECTION_MAX)}})
+        return out
+    if card.reason == "deliveryUnknown" and card.delivery_id:
+        buttons = [
+            _button("confirm", "Confirm delivered", card.delivery_id, "primary"),
+            _button("retry", "Retry delivery", card.delivery_id, None),
+        ]
+    else:
+        buttons = [
+            _button("approve", "Approve", card.item_id, "primary"),
+            _button("reject", "Reject", card.item_id, "danger"),
+            _button("return", "Return to worker", card.item_id, None),
+        ]
+    out.append({"type": "actions", "block_id": BLOCK_PREFIX + card.episode_id, "elements": buttons})
+    return out
+
+
+def _button(action_id: str, label: str, value: str, style: str | None) -> dict[str, Any]:
+    button: dict[str, Any] = {
+        "type": "button",
+        "action_id": action_id,
+        "text": {"type": "plain_text", "text": label},
+        "value": value,
+    }
+    if style:
+        button["style"] = style
+    return button
+
+
+def modal(callback_id: str, item_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The Reject / Return modal; ``private_metadata`` carries what the submission needs
+    (a ``view_submission`` has no channel of its own)."""
+    action, block_id, action_id, label, max_length = MODALS[callback_id]
+    title = "Reject" if action == "reject" else "Return to worker"
+    return {
+        "type": "modal",
+        "callback_id": callback_id,
+        "title": {"type": "plain_text", "text": title},
+        "submit": {"type": "plain_text", "text": title},
+        "close": {"type": "plain_text", "text": "Cancel"},
+        "private_metadata": json.dumps({"item": item_id, **meta}),
+        "blocks": [
+            {
+                "type": "input",
+                "block_id": block_id,
+                "label": {"type": "plain_text", "text": label},
+                "element": {
+                    "type": "plain_text_input",
+                    "action_id": action_id,
+                    "multiline": True,
+                    "min_length": 1,
+                    "max_length": max_length,
+                },
+            }
+        ],
+    }
+
+
+def notice(text: str) -> dict[str, Any]:
+    """A modal that only says ``text`` (the item was decided meanwhile)."""
+    return {
+        "type": "modal",
+        "title": {"type": "plain_text", "text": "leadgate"},
+        "close": {"type": "plain_text", "text": "Close"},
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": _esc(text)}}],
+    }
+
+
+def identity_of(body: dict[str, Any]) -> str:
+    """``TEAM:USER`` of whoever clicked (the form ``leadgate user link --slack`` takes)."""
+    user = body.get("user") or {}
+    team = user.get("team_id") or (body.get("team") or {}).get("id") or ""
+    return f"{team}:{user.get('id', '')}"
+
+
+def _episode(block_id: Any) -> str | None:
+    if isinstance(block_id, str) and block_id.startswith(BLOCK_PREFIX):
+        return block_id[len(BLOCK_PREFIX) :] or None
+    return None
+
+
+def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
+    """Add the review listeners to ``bolt`` (same endpoint, verified by Bolt)."""
+
+    def tell(respond: Any, text: str) -> None:
+        async def say() -> None:
+            try:
+                await respond(text=text, response_type="ephemeral", replace_original=False)
+            except (ValueError, SlackApiError, OSError) as exc:
+                log.info("slack: could not answer a review click: %r", exc)
+
+        spawn(say(), name="slack-review-answer")
+
+    async def on_decision(
+        ack: Callable[..., Awaitable[None]],
+        body: dict[str, Any],
+        action: dict[str, Any],
+        client: Any,
+        respond: Any,
+    ) -> None:
+        verb = str(action.get("action_id"))
+        item_id = str(action.get("value") or "")
+        episode = _episode(action.get("block_id"))
+        container = body.get("container") or {}
+        message_ts = container.get("message_ts")
+        who = identity_of(body)
+        if verb == "approve":
+            answer = await backend.decide(
+                PLATFORM, who, item_id, "approve", episode_id=episode, message_id=message_ts
+            )
+            await ack()
+            if not answer.decided:
+                tell(respond, answer.text)
+            return
+        answer = await backend.check(PLATFORM, who, item_id, episode)
+        if answer.kind != "open":
+            await ack()
+            tell(respond, answer.text)
+            return
+        callback = "lg_reject" if verb == "reject" else "lg_return"
+        meta = {
+            "episode": episode,
+            "channel": container.get("channel_id") or (body.get("channel") or {}).get("id"),
+            "ts": message_ts,
+        }
+        try:
+            await client.views_open(
+                trigger_id=body["trigger_id"], view=modal(callback, item_id, meta)
+            )
+        except (SlackApiError, KeyError, OSError) as exc:
+            log.warning("slack: could not open the %s modal: %r", verb, exc)
+            await ack()
+            tell(respond, "Could not open the form; please try again.")
+            return
+        await ack()
+
+    async def on_recovery(
+        ack: Callable[..., Awaitable[None]],
+        body: dict[str, Any],
+        action: dict[str, Any],
+        respond: Any,
+    ) -> None:
+        container = body.get("container") or {}
+        answer = await backend.recover(
+            PLATFORM,
+            identity_of(body),
+            str(action.get("value") or ""),
+            str(action.get("action_id")),
+            message_id=container.get("message_ts"),
+        )
+        await ack()
+        if not answer.decided:
+            tell(respond, answer.text)
+
+    async def on_submit(
+        ack: Callable[..., Awaitable[None]], body: dict[str, Any], view: dict[str, Any]
+    ) -> None:
+        decision, block_id, action_id, _, _ = MODALS[str(view.get("callback_id"))]
+        try:
+            meta = json.loads(view.get("private_metadata") or "{}")
+        except ValueError:
+            meta = {}
+        values = ((view.get("state") or {}).get("values") or {}).get(block_id) or {}
+        text = (values.get(action_id) or {}).get("value")
+        answer = await backend.decide(
+            PLATFORM,
+            identity_of(body),
+            str(meta.get("item") or ""),
+            decision,
+            text if isinstance(text, str) else None,
+            episode_id=meta.get("episode"),
+            message_id=meta.get("ts"),
+        )
+        if answer.kind == "invalid":
+            await ack(response_action="errors", errors={block_id: answer.text})
+        elif answer.decided:
+            await ack()
+        else:
+            await ack(response_action="update", view=notice(answer.text))
+
+    for verb in ("approve", "reject", "return"):
+        bolt.action(verb)(on_decision)
+    for verb in ("confirm", "retry"):
+        bolt.action(verb)(on_recovery)
+    for callback in MODALS:
+        bolt.view(callback)(on_submit)

@@ -1,0 +1,255 @@
+"""Teams review cards: Adaptive Cards with ``Action.Execute``, and the invokes that decide.
+
+A card (:class:`outbox.channel.Card`) becomes an Adaptive Card (version 1.4, what
+``Action.Execute`` needs): a fact set, the summary, and
+
+* awaitingHuman: ``Action.Execute`` ``approve``; ``Action.ShowCard`` Reject and Return
+  to worker, each revealing an ``Input.Text`` (``reason`` up to 2,000 characters,
+  ``feedback`` up to 10,000) and its own ``Action.Execute`` (``reject`` / ``return``);
+* deliveryUnknown: ``Action.Execute`` ``confirm`` and ``retry``;
+* always ``Action.OpenUrl`` to the console (opened by the client: nothing decides on GET).
+
+A click arrives as an ``invoke`` activity named ``adaptiveCard/action`` on
+``/api/messages``, verified like every Bot Framework activity. The clicker is
+``from.aadObjectId`` (what ``leadgate user link --teams`` takes). The invoke is answered
+in its HTTP response (the adapter's own route, not ``CloudAdapter.process``, whose
+4.17.1 serialisation of invoke answers is broken, see interactivity.md): the decided
+card (Teams replaces the clicked card with it), or a message only the clicker sees
+(not allowed, already decided, a missing reason). Every card of the item, in every
+conversation, is replaced by the outbox (``PUT .../activities/{id}``) after any decision.
+
+:class:`ReviewingBot` also remembers the conversation reference of every other activity
+it receives, so that an operator can name a Teams conversation by its id in
+``leadgate notify add --channel teams --to 19:...``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from botbuilder.core import Bot, InvokeResponse, TurnContext
+from botbuilder.schema import Activity, ActivityTypes
+
+from bots.review_base import FEEDBACK_MAX, REASON_MAX, Answer, ChatReviewBackend
+from leadgate.core.clock import iso
+from outbox.channel import Card
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "teams"
+CARD_TYPE = "application/vnd.microsoft.card.adaptive"
+MESSAGE_TYPE = "application/vnd.microsoft.activity.message"
+#: A Teams message holds about 28 KB; the summary is cut well inside it.
+SUMMARY_MAX = 10_000
+_REMEMBERED_MAX = 4096
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _iso(ms: int) -> str:
+    return iso(ms) or ""
+
+
+def summary_text(card: Card) -> str:
+    """The activity's ``summary`` (what notifications show)."""
+    return _cut(f"{card.title}: {card.summary}", 200)
+
+
+def adaptive_card(card: Card) -> dict[str, Any]:
+    """The card as Adaptive Card JSON (decided cards: the outcome instead of actions)."""
+    body: list[dict[str, Any]] = [
+        {
+            "type": "TextBlock",
+            "text": card.title,
+            "weight": "Bolder",
+            "size": "Medium",
+            "wrap": True,
+        },
+        {
+            "type": "FactSet",
+            "facts": [
+                {"title": "Agent", "value": card.agent},
+                {"title": "From", "value": card.source},
+                {"title": "Why", "value": card.why},
+                {"title": "Waiting since", "value": _iso(card.waiting_since_ms)},
+                {"title": "Revision", "value": f"{card.revision} of {card.rounds}"},
+            ],
+        },
+        {"type": "TextBlock", "text": "Summary", "weight": "Bolder", "wrap": True},
+        {
+            "type": "TextBlock",
+            "text": _cut(card.summary or "(no summary)", SUMMARY_MAX),
+            "wrap": True,
+        },
+    ]
+    actions: list[dict[str, Any]] = []
+    data = {"item": card.item_id, "episode": card.episode_id}
+    if card.outcome is not None:
+        o = card.outcome
+        where = f" ({o.surface})" if o.surface else ""
+        line = f"{o.title} by {o.by}{where} at {_iso(o.at_ms)}"
+        body.append(
+            {
+                "type": "TextBlock",
+                "text": line + (f": {o.text}" if o.text else ""),
+                "weight": "Bolder",
+                "color": "Good" if o.title.startswith(("Approved", "Delivery")) else "Attention",
+                "wrap": True,
+            }
+        )
+    elif card.reason == "deliveryUnknown" and card.delivery_id:
+        recovery = {"delivery": card.delivery_id, "episode": card.episode_id}
+        actions += [
+            _execute("confirm", "Confirm delivered", recovery, "positive"),
+            _execute("retry", "Retry delivery", recovery, None),
+        ]
+    else:
+        actions += [
+            _execute("approve", "Approve", data, "positive"),
+            _with_input("reject", "Reject…", "reason", "Reason", REASON_MAX, data),
+            _with_input("return", "Return to worker…", "feedback", "Feedback", FEEDBACK_MAX, data),
+        ]
+    actions.append({"type": "Action.OpenUrl", "title": "Open in the console", "url": card.link})
+    return {
+        "type": "AdaptiveCard",
+        "$schema": "http://adaptivecards.io/schemas/adaptive-card.json",
+        "version": "1.4",
+        "body": body,
+        "actions": actions,
+    }
+
+
+def _execute(verb: str, title: str, data: dict[str, Any], style: str | None) -> dict[str, Any]:
+    action: dict[str, Any] = {"type": "Action.Execute", "title": title, "verb": verb, "data": data}
+    if style:
+        action["style"] = style
+    return action
+
+
+def _with_input(
+    verb: str, title: str, field: str, label: str, max_length: int, data: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "type": "Action.ShowCard",
+        "title": title,
+        "card": {
+            "type": "AdaptiveCard",
+            "body": [
+                {
+                    "type": "Input.Text",
+                    "id": field,
+                    "label": label,
+                    "isMultiline": True,
+                    "isRequired": True,
+                    "maxLength": max_length,
+                    "errorMessage": f"{label} is required (at most {max_length:,} characters)",
+                }
+            ],
+            "actions": [_execute(verb, title.rstrip("…"), data, None)],
+        },
+    }
+
+
+def card_answer(card: Card) -> dict[str, Any]:
+    """An invoke answer that replaces the clicked card."""
+    return {"statusCode": 200, "type": CARD_TYPE, "value": adaptive_card(card)}
+
+
+def message_answer(text: str) -> dict[str, Any]:
+    """An invoke answer that shows ``text`` to the clicker only."""
+    return {"statusCode": 200, "type": MESSAGE_TYPE, "value": text}
+
+
+class ReviewingBot(Bot):  # type: ignore[misc]
+    """Answers review-card invokes; hands every other activity to ``inner``."""
+
+    def __init__(self, inner: Bot, backend: ChatReviewBackend, spawn: Callable[..., None]) -> None:
+        self.inner = inner
+        self.backend = backend
+        self.spawn = spawn
+        # conversation id -> serviceUrl last remembered (saves a write per message)
+        self._remembered: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    async def on_turn(self, context: TurnContext) -> None:
+        """An ``adaptiveCard/action`` invoke is a review click; anything else is
+        remembered (its conversation) and passed on."""
+        activity = context.activity
+        if activity.type == ActivityTypes.invoke and activity.name == "adaptiveCard/action":
+            body = await self.on_card_action(activity)
+            await context.send_activity(
+                Activity(
+                    type=ActivityTypes.invoke_response,
+                    value=InvokeResponse(status=200, body=body),
+                )
+            )
+            return
+        self._remember(activity)
+        await self.inner.on_turn(context)
+
+    async def on_card_action(self, activity: Activity) -> dict[str, Any]:
+        """The invoke answer for one ``Action.Execute`` click."""
+        value: dict[str, Any] = activity.value if isinstance(activity.value, dict) else {}
+        action: dict[str, Any] = value.get("action") or {}
+        if not isinstance(action, dict) or action.get("type") != "Action.Execute":
+            return message_answer("This action is not supported.")
+        verb = str(action.get("verb") or "")
+        data: dict[str, Any] = action.get("data") or {}
+        if not isinstance(data, dict):
+            data = {}
+        sender = activity.from_property
+        who = str(getattr(sender, "aad_object_id", None) or "")
+        message_id = activity.reply_to_id or None
+        answer: Answer
+        if verb in ("approve", "reject", "return"):
+            field = {"reject": "reason", "return": "feedback"}.get(verb)
+            answer = await self.backend.decide(
+                PLATFORM,
+                who,
+                str(data.get("item") or ""),
+                verb,
+                data.get(field) if field else None,
+                episode_id=data.get("episode"),
+                message_id=message_id,
+            )
+        elif verb in ("confirm", "retry"):
+            answer = await self.backend.recover(
+                PLATFORM, who, str(data.get("delivery") or ""), verb, message_id=message_id
+            )
+        else:
+            return message_answer("This action is not supported.")
+        if answer.card is not None and answer.kind in ("decided", "closed"):
+            return card_answer(answer.card)
+        return message_answer(answer.text)
+
+    def _remember(self, activity: Activity) -> None:
+        conversation = activity.conversation
+        if conversation is None or not conversation.id or not activity.service_url:
+            return
+        if self._remembered.get(conversation.id) == activity.service_url:
+            return
+        self._remembered[conversation.id] = activity.service_url
+        while len(self._remembered) > _REMEMBERED_MAX:
+            self._remembered.popitem(last=False)
+        reference = TurnContext.get_conversation_reference(activity).serialize()
+        tenant = _tenant(activity)
+        if tenant and isinstance(reference.get("conversation"), dict):
+            reference["conversation"].setdefault("tenantId", tenant)
+        self.spawn(
+            self.backend.remember_teams_conversation(reference),
+            name=f"teams-remember {conversation.id}",
+        )
+
+
+def _tenant(activity: Activity) -> str:
+    channel_data = activity.channel_data
+    if isinstance(channel_data, dict):
+        tenant = channel_data.get("tenant")
+        if isinstance(tenant, dict) and tenant.get("id"):
+            return str(tenant["id"])
+    conversation = activity.conversation
+    return str(getattr(conversation, "tenant_id", None) or "")

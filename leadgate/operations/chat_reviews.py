@@ -1,0 +1,205 @@
+"""Deciding from a chat card (Slack, Teams, Discord): who may, and what they are told.
+
+The chat adapters map a click (or a modal's submission) onto :meth:`ChatReviews.decide`
+or :meth:`ChatReviews.recover` with the platform and the clicker's platform identity.
+Only a platform user linked (``leadgate user link``) to a user of the item's
+organization whose role grants ``agent:review`` decides; anyone else is told
+:data:`FORBIDDEN` and nothing changes. Every decision goes through
+:meth:`leadgate.operations.reviews.Reviews.decide` / ``recover`` (the fenced commit
+path, audited with ``surface`` = the platform and ``identity`` = ``platform:id``), so
+two simultaneous clicks make one decision, and the other clicker is told who decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from leadgate.core.auth import Scope
+from leadgate.core.clock import Clock
+from leadgate.core.errors import NotFound, PermissionDenied, TransitionError, ValidationError
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, Database
+from leadgate.domain import links
+from leadgate.domain.links import Reviewer
+from leadgate.domain.workitems import Status
+from leadgate.operations.reviews import Reviews
+from leadgate.review import cards
+from leadgate.review.destinations import remember_teams_conversation
+from outbox.channel import Card
+from outbox.store import DeliveryStatus
+
+FORBIDDEN = "You cannot review in this organization."
+GONE = "This review no longer exists."
+STALE = "This card is out of date: the item is waiting for a decision again. Use its newest card."
+
+
+@dataclass(frozen=True)
+class ChatAnswer:
+    """What became of a click.
+
+    ``kind``: ``open`` (may decide: e.g. open the modal), ``decided`` (this click
+    decided), ``closed`` (already decided: ``text`` says by whom), ``forbidden``,
+    ``invalid`` (the text broke a rule: ``text`` says which), ``stale`` (an older
+    card). ``card`` is the clicked card as it looks now (decided cards: the outcome).
+    """
+
+    kind: str
+    text: str
+    card: Card | None = None
+
+    @property
+    def decided(self) -> bool:
+        """Whether this click made the decision."""
+        return self.kind == "decided"
+
+
+class ChatReviews:
+    """Chat decisions for the Slack, Teams and Discord adapters."""
+
+    def __init__(self, db: Database, clock: Clock, reviews: Reviews) -> None:
+        self.db = db
+        self.clock = clock
+        self.reviews = reviews
+
+    async def check(
+        self, platform: str, identity: str, item_id: str, episode_id: str | None = None
+    ) -> ChatAnswer:
+        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
+        async with self.db.read() as conn:
+            answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
+        return answer
+
+    async def decide(
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        action: str,
+        text: object = None,
+        *,
+        episode_id: str | None = None,
+        message_id: str | None = None,
+    ) -> ChatAnswer:
+        """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
+        as the leadgate user linked to ``identity`` on ``platform``."""
+        async with self.db.read() as conn:
+            answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
+        if answer.kind != "open" or reviewer is None:
+            return answer
+        try:
+            await self.reviews.decide(
+                reviewer.principal(),
+                item_id,
+                action,
+                text,
+                surface=platform,
+                identity=f"{platform}:{identity}",
+            )
+        except ValidationError as exc:
+            return ChatAnswer("invalid", exc.message)
+        except PermissionDenied:
+            return ChatAnswer("forbidden", FORBIDDEN)
+        except (TransitionError, NotFound):
+            return await self._closed(item_id, platform, message_id)
+        return await self._after(item_id, platform, message_id, "decided")
+
+    async def recover(
+        self,
+        platform: str,
+        identity: str,
+        delivery_id: str,
+        action: str,
+        *,
+        message_id: str | None = None,
+    ) -> ChatAnswer:
+        """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card."""
+        d = t.deliveries.c
+        async with self.db.read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(d.work_item_id, d.status, d.org_id, d.kind).where(d.id == delivery_id)
+                )
+            ).first()
+            if row is None or row.kind != "gating" or row.work_item_id is None:
+                return ChatAnswer("closed", GONE)
+            reviewer = await self._reviewer(conn, row.org_id, platform, identity)
+            if reviewer is None:
+                return ChatAnswer("forbidden", FORBIDDEN)
+            item_id = str(row.work_item_id)
+            if row.status != DeliveryStatus.deliveryUnknown.value:
+                return await self._closed_in(conn, item_id, platform, message_id)
+        try:
+            await self.reviews.recover(
+                reviewer.principal(),
+                delivery_id,
+                action,
+                surface=platform,
+                identity=f"{platform}:{identity}",
+            )
+        except ValidationError as exc:
+            return ChatAnswer("invalid", exc.message)
+        except PermissionDenied:
+            return ChatAnswer("forbidden", FORBIDDEN)
+        except (TransitionError, NotFound):
+            return await self._closed(item_id, platform, message_id)
+        return await self._after(item_id, platform, message_id, "decided")
+
+    async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
+        """Keep a Teams conversation's reference (so ``notify add --channel teams``
+        can name the conversation by its id)."""
+        async with self.db.tx() as conn:
+            await remember_teams_conversation(conn, self.clock, dict(reference))
+
+    # ------------------------------------------------------------------- helpers
+
+    async def _gate(
+        self, conn: Conn, platform: str, identity: str, item_id: str, episode_id: str | None
+    ) -> tuple[ChatAnswer, Reviewer | None]:
+        w = t.work_items.c
+        item = (await conn.execute(sa.select(w.org_id, w.status).where(w.id == item_id))).first()
+        if item is None:
+            return ChatAnswer("closed", GONE), None
+        # Who may review comes first: an outsider learns nothing about the item.
+        reviewer = await self._reviewer(conn, item.org_id, platform, identity)
+        if reviewer is None:
+            return ChatAnswer("forbidden", FORBIDDEN), None
+        if item.status != Status.awaitingHuman.value:
+            return await self._closed_in(conn, item_id, platform, None), reviewer
+        current = await cards.open_episode(conn, item_id)
+        if episode_id and current is not None and episode_id != current:
+            return ChatAnswer("stale", STALE), reviewer
+        return ChatAnswer("open", ""), reviewer
+
+    async def _reviewer(
+        self, conn: Conn, org_id: str, platform: str, identity: str
+    ) -> Reviewer | None:
+        reviewer = await links.reviewer(conn, org_id, platform, identity)
+        if reviewer is None or Scope.review not in reviewer.principal().scopes:
+            return None
+        return reviewer
+
+    async def _closed(self, item_id: str, platform: str, message_id: str | None) -> ChatAnswer:
+        async with self.db.read() as conn:
+            return await self._closed_in(conn, item_id, platform, message_id)
+
+    async def _closed_in(
+        self, conn: Conn, item_id: str, platform: str, message_id: str | None
+    ) -> ChatAnswer:
+        outcome = await cards.last_outcome(conn, item_id)
+        card = await cards.posted_card(conn, item_id, platform, message_id)
+        if outcome is None:
+            return ChatAnswer("closed", "This item is not waiting for a decision.", card)
+        line = cards.outcome_line(outcome)
+        text = f"Already {line[:1].lower()}{line[1:]}."
+        return ChatAnswer("closed", text, card.decided(outcome) if card else None)
+
+    async def _after(
+        self, item_id: str, platform: str, message_id: str | None, kind: str
+    ) -> ChatAnswer:
+        async with self.db.read() as conn:
+            outcome = await cards.last_outcome(conn, item_id)
+            card = await cards.posted_card(conn, item_id, platform, message_id)
+        text = cards.outcome_line(outcome) if outcome else "Done."
+        return ChatAnswer(kind, text, card.decided(outcome) if card and outcome else None)

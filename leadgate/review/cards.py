@@ -1,0 +1,365 @@
+"""Review cards: written through the outbox when an item starts waiting for a human,
+updated in place once it is decided.
+
+An **episode** is one stretch of waiting: an item enters ``awaitingHuman``, or its
+gating delivery becomes ``deliveryUnknown``. :meth:`ReviewNotifier.open` runs inside the
+transaction that caused it (through :meth:`outbox.store.Outbox.on_review_needed`): it
+writes the episode (with its reminder, escalation and expiry times) and one card
+delivery per destination, so a card is never lost (the transition commits it) and never
+doubled (the relay's fenced claims). Cards are ``card`` deliveries, never ``gating``
+ones: the actionable queue and the item's completion ignore them.
+
+:func:`close_for_item` runs inside every decision's transaction (human decisions,
+delivery recovery, expiry; see :mod:`leadgate.review.decisions`): it closes the open
+episode and, for each of its cards, cancels a card not yet sent or queues a
+``cardUpdate`` delivery that edits the posted card to show the outcome (email cards
+cannot be edited and are left alone).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from leadgate.core.clock import Clock, IdFactory, iso
+from leadgate.core.config import ReviewSettings
+from leadgate.database import schema as t
+from leadgate.database.db import Conn
+from leadgate.review.destinations import Destination, destinations_for, effective_sla
+from leadgate.review.facts import ReviewFacts, review_facts
+from outbox.channel import Card, CardOutcome
+from outbox.store import CARD, CARD_UPDATE, DeliveryStatus, Outbox
+
+log = logging.getLogger("leadgate.review.cards")
+
+E = t.review_episodes.c
+RC = t.review_cards.c
+D = t.deliveries.c
+U = t.users.c
+
+#: The plain-text form of a card cuts the summary here (email and fallback texts).
+TEXT_SUMMARY_LIMIT = 4_000
+#: What a decision's verb looks like on a card.
+OUTCOME_TITLES = {
+    "approve": "Approved",
+    "reject": "Rejected",
+    "return": "Returned to the worker",
+    "cancel": "Cancelled",
+    "confirm": "Delivery confirmed",
+    "retry": "Delivery retried",
+    "expire": "Expired (rejected)",
+}
+
+
+def cut(text: str, limit: int, marker: str = "…") -> str:
+    """``text`` cut to ``limit`` characters, the cut marked (never dropped)."""
+    if len(text) <= limit:
+        return text
+    return text[: max(0, limit - len(marker))].rstrip() + marker
+
+
+def plain_text(card: Card, *, summary_limit: int = TEXT_SUMMARY_LIMIT) -> str:
+    """The card as plain text (email body, chat fallback text)."""
+    lines = [card.title, ""]
+    if card.outcome is not None:
+        lines += [outcome_line(card.outcome), ""]
+    lines += [
+        f"Agent: {card.agent}",
+        f"From: {card.source}",
+        f"Why: {card.why}",
+        f"Waiting since: {iso(card.waiting_since_ms)}",
+        f"Revision: {card.revision} of {card.rounds}",
+        "",
+        "Summary:",
+        cut(card.summary or "(no summary)", summary_limit),
+        "",
+        f"Review it: {card.link}",
+    ]
+    return "\n".join(lines)
+
+
+def outcome_line(outcome: CardOutcome) -> str:
+    """``Approved by alice@example.com (slack) at 2026-...``."""
+    where = f" ({outcome.surface})" if outcome.surface else ""
+    line = f"{outcome.title} by {outcome.by}{where} at {iso(outcome.at_ms)}"
+    return line + (f": {outcome.text}" if outcome.text else "")
+
+
+async def who(conn: Conn, actor: str) -> str:
+    """An audit actor in words: a user's email, ``API key key_...``, ``the lead``."""
+    kind, _, ref = actor.partition(":")
+    if kind == "user":
+        email = (await conn.execute(sa.select(U.email).where(U.id == ref))).scalar()
+        return str(email) if email else actor
+    if kind == "key":
+        return f"API key {ref}"
+    if kind == "lead":
+        return "the lead"
+    if actor == "system:expiry":
+        return "expiry"
+    return actor
+
+
+class ReviewNotifier:
+    """Opens episodes and writes their cards (see the module docstring).
+
+    ``public_url`` makes the console link; ``defaults`` are the ``[review]`` timers.
+    """
+
+    def __init__(
+        self,
+        clock: Clock,
+        ids: IdFactory,
+        outbox: Outbox,
+        *,
+        public_url: str,
+        defaults: ReviewSettings,
+    ) -> None:
+        self.clock = clock
+        self.ids = ids
+        self.outbox = outbox
+        self.public_url = public_url.rstrip("/")
+        self.defaults = defaults
+
+    async def open(
+        self, conn: AsyncConnection, item_id: str, reason: str, delivery_id: str | None = None
+    ) -> str | None:
+        """Open an episode for ``item_id`` and queue its cards; the episode id (``None``
+        when one is already open: nothing is written twice)."""
+        open_already = (
+            await conn.execute(
+                sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None))
+            )
+        ).scalar()
+        if open_already is not None:
+            log.warning("work item %s already has an open review episode", item_id)
+            return None
+        facts = (await review_facts(conn, [item_id])).get(item_id)
+        if facts is None:
+            return None
+        sla = await effective_sla(conn, facts.org_id, facts.agent_id, self.defaults)
+        now = self.clock.now_ms()
+        remind_at = now + sla.remind_after_ms if sla.remind_after_ms else None
+        escalate_at = now + sla.escalate_after_ms if sla.escalate_after_ms else None
+        # deliveryUnknown is reminded about, never expired: a human must say what happened.
+        expire_after = sla.expire_after_ms if reason == "awaitingHuman" else None
+        expire_at = now + expire_after if expire_after else None
+        episode_id = self.ids.new("rep")
+        await conn.execute(
+            t.review_episodes.insert().values(
+                id=episode_id,
+                org_id=facts.org_id,
+                work_item_id=item_id,
+                agent_id=facts.agent_id,
+                reason=reason,
+                delivery_id=delivery_id or facts.delivery_id,
+                started_at=now,
+                due_at=earliest(remind_at, escalate_at, expire_at),
+                next_remind_at=remind_at,
+                remind_every_ms=sla.remind_every_ms,
+                reminders=0,
+                escalate_at=escalate_at,
+                escalated_at=None,
+                expire_at=expire_at,
+                expire_after_ms=expire_after,
+                closed_at=None,
+                outcome=None,
+                created_at=now,
+            )
+        )
+        await self.post(conn, episode_id, facts, "notify")
+        return episode_id
+
+    async def post(self, conn: Conn, episode_id: str, facts: ReviewFacts, purpose: str) -> int:
+        """Queue one card per destination of the tier ``purpose`` implies (``notify``
+        and ``reminder``: the notify tier; ``escalation``: the escalate tier)."""
+        tier = "escalate" if purpose == "escalation" else "notify"
+        sent = 0
+        for destination in await destinations_for(conn, facts.org_id, facts.agent_id, tier):
+            await self._post_one(conn, episode_id, facts, purpose, destination)
+            sent += 1
+        return sent
+
+    async def post_again(self, conn: Conn, episode: Any, purpose: str) -> int:
+        """A reminder or an escalation of an open episode (the SLA runner)."""
+        facts = (await review_facts(conn, [episode.work_item_id])).get(episode.work_item_id)
+        if facts is None or facts.reason is None:
+            return 0
+        return await self.post(conn, episode.id, facts, purpose)
+
+    async def _post_one(
+        self, conn: Conn, episode_id: str, facts: ReviewFacts, purpose: str, dest: Destination
+    ) -> None:
+        card = Card(
+            item_id=facts.item_id,
+            episode_id=episode_id,
+            purpose=purpose,
+            reason=facts.reason or "awaitingHuman",
+            delivery_id=facts.delivery_id,
+            agent=facts.agent_name,
+            source=facts.source,
+            why=facts.why,
+            summary=facts.summary,
+            revision=facts.revision,
+            rounds=facts.rounds,
+            waiting_since_ms=facts.waiting_since_ms,
+            link=f"{self.public_url}{facts.detail_path}",
+        )
+        address: dict[str, Any] = {**dest.address, "card": card.to_json()}
+        if dest.channel == "email":
+            lines = facts.summary.strip().splitlines()
+            address["subject"] = cut(f"{card.title}: {lines[0] if lines else facts.item_id}", 200)
+        delivery = await self.outbox.enqueue_card(
+            conn,
+            org_id=facts.org_id,
+            work_item_id=facts.item_id,
+            channel=dest.channel,
+            address=address,
+            text=plain_text(card),
+        )
+        await conn.execute(
+            t.review_cards.insert().values(
+                id=self.ids.new("rcard"),
+                org_id=facts.org_id,
+                episode_id=episode_id,
+                work_item_id=facts.item_id,
+                delivery_id=delivery.id,
+                channel=dest.channel,
+                purpose=purpose,
+                created_at=self.clock.now_ms(),
+            )
+        )
+
+
+def earliest(*times: int | None) -> int | None:
+    """The earliest of the given times that are set."""
+    present = [x for x in times if x is not None]
+    return min(present) if present else None
+
+
+async def close_for_item(
+    conn: AsyncConnection, outbox: Outbox, item_id: str, outcome: CardOutcome
+) -> int:
+    """Close the item's open episode and update its cards to ``outcome`` (inside the
+    decision's transaction); returns the number of card updates queued."""
+    clock = outbox.clock
+    episodes = [
+        str(r)
+        for r in (
+            await conn.execute(
+                sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None))
+            )
+        ).scalars()
+    ]
+    if not episodes:
+        return 0
+    now = clock.now_ms()
+    await conn.execute(
+        t.review_episodes.update()
+        .where(E.id.in_(episodes), E.closed_at.is_(None))
+        .values(closed_at=now, due_at=None, outcome=outcome.title[:40])
+    )
+    cards = (
+        await conn.execute(
+            sa.select(D.id, D.status, D.channel, D.address, D.org_id, D.work_item_id)
+            .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
+            .where(RC.episode_id.in_(episodes), D.kind == CARD)
+            .order_by(D.created_at, D.id)
+        )
+    ).all()
+    queued = 0
+    for c in cards:
+        status = c.status
+        if status == DeliveryStatus.pending.value:
+            res = await conn.execute(
+                t.deliveries.update()
+                .where(D.id == c.id, D.status == DeliveryStatus.pending.value)
+                .values(status=DeliveryStatus.cancelled.value, updated_at=now)
+            )
+            if res.rowcount:
+                continue  # never posted: nothing to edit
+            status = DeliveryStatus.sending.value  # claimed meanwhile (another replica)
+        if c.channel == "email":
+            continue  # a sent mail cannot be edited
+        if status not in (DeliveryStatus.sent.value, DeliveryStatus.sending.value):
+            continue  # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit
+        raw = (c.address or {}).get("card")
+        if not isinstance(raw, dict):
+            continue
+        decided = Card.from_json(raw).decided(outcome)
+        address = {**c.address, "card": decided.to_json(), "card_delivery_id": c.id}
+        await outbox.enqueue_card(
+            conn,
+            org_id=c.org_id,
+            work_item_id=c.work_item_id,
+            channel=c.channel,
+            address=address,
+            text=plain_text(decided),
+            kind=CARD_UPDATE,
+        )
+        queued += 1
+    return queued
+
+
+#: Audit actions that decide an item (or its delivery), with their card verb.
+DECISION_ACTIONS = {
+    "approve": "approve",
+    "reject": "reject",
+    "return": "return",
+    "cancel": "cancel",
+    "expire": "expire",
+    "deliveryConfirmed": "confirm",
+    "deliveryRetried": "retry",
+}
+
+
+async def last_outcome(conn: Conn, item_id: str) -> CardOutcome | None:
+    """The latest decision on ``item_id`` as a card shows it (``None``: none yet)."""
+    a = t.audit.c
+    row = (
+        await conn.execute(
+            sa.select(a.action, a.actor, a.surface, a.text, a.created_at)
+            .where(a.work_item_id == item_id, a.action.in_(list(DECISION_ACTIONS)))
+            .order_by(a.created_at.desc(), a.id.desc())
+            .limit(1)
+        )
+    ).first()
+    if row is None:
+        return None
+    verb = DECISION_ACTIONS[row.action]
+    return CardOutcome(
+        title=OUTCOME_TITLES[verb],
+        by=await who(conn, row.actor),
+        surface=row.surface,
+        at_ms=int(row.created_at),
+        text=cut(row.text, 500) if row.text and verb in ("reject", "return", "expire") else None,
+    )
+
+
+async def posted_card(
+    conn: Conn, item_id: str, channel: str, external_id: str | None
+) -> Card | None:
+    """The card of ``item_id`` posted on ``channel`` as message ``external_id`` (the
+    newest card there when ``external_id`` is unknown)."""
+    query = (
+        sa.select(D.address)
+        .where(D.work_item_id == item_id, D.kind == CARD, D.channel == channel)
+        .order_by(D.created_at.desc(), D.id.desc())
+        .limit(1)
+    )
+    if external_id:
+        query = query.where(D.external_id == external_id)
+    raw = (await conn.execute(query)).scalar()
+    card = raw.get("card") if isinstance(raw, dict) else None
+    return Card.from_json(card) if isinstance(card, dict) else None
+
+
+async def open_episode(conn: Conn, item_id: str) -> str | None:
+    """The id of the item's open episode, if any."""
+    found = (
+        await conn.execute(sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None)))
+    ).scalar()
+    return None if found is None else str(found)
