@@ -77,6 +77,8 @@ class ScriptedChannel:
         self.script: list[Script] = list(script)
         self.delay_s = delay_s
         self.calls: list[OutboundMessage] = []
+        self.updates: list[tuple[str, OutboundMessage]] = []
+        self.update_script: list[SendOutcome] = []
         self.gate: asyncio.Event | None = None
         self.in_flight = 0
         self.max_in_flight = 0
@@ -101,6 +103,13 @@ class ScriptedChannel:
             return answer  # type: ignore[no-any-return]
         finally:
             self.in_flight -= 1
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        """A card edit: recorded in ``updates`` (the edited id with the message);
+        ``update_script`` answers like ``script`` (default ``Sent``)."""
+        self.updates.append((external_id, message))
+        answer: Any = self.update_script.pop(0) if self.update_script else Sent(external_id)
+        return answer  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         self.closed = True

@@ -81,7 +81,9 @@ def build_stack(
     )
     lead = LeadRunner(db, clock, ids, registry, outbox, on_verdict=waker("verdict"))  # type: ignore[arg-type]
     channels = dict(channels or {})
-    relay = Relay(db, clock, ids, channels)
+    # As in the app: a gating delivery that becomes deliveryUnknown asks the outbox's
+    # review hook for cards (a no-op until a test sets one with on_review_needed).
+    relay = Relay(db, clock, ids, channels, review_needed=outbox.review_needed)
     # As in the app: every committed enqueue pokes the relay.
     db.on_commit(OUTBOX_TOPIC, relay.poke)
     relay.poked_on_enqueue = True

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from leadgate.app import App
+from leadgate.cli.review_commands import REVIEW_COMMANDS
 from leadgate.core.config import Settings
 from leadgate.core.errors import ValidationError
 from leadgate.operations.admin import Admin
@@ -171,3 +172,4 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("flow", "show"): flow_show,
     ("demo", None): demo,
 }
+COMMANDS.update(REVIEW_COMMANDS)

@@ -6,6 +6,7 @@ import argparse
 import os
 from collections.abc import Callable
 
+from leadgate.cli.review_commands import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
 
 DESCRIPTION = """leadgate: serve, and the admin commands (JSON on stdout, errors on stderr).
@@ -63,6 +64,7 @@ def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
     uc.add_argument("--email", required=True)
     uc.add_argument("--role", required=True, choices=[r.value for r in Role])
     uc.add_argument("--password", help="default: $LEADGATE_PASSWORD")
+    add_user_link_parsers(user)
 
 
 def _agents_presets_policy(sub: Sub[argparse.ArgumentParser]) -> None:
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _orgs_keys_users(sub)
     _agents_presets_policy(sub)
     _routes_schedules_flows(sub)
+    add_notify_parser(sub, _group)
     demo = _with_config(sub.add_parser("demo", help="create the demo organization (idempotent)"))
     demo.add_argument("--name", default="demo")
     return parser

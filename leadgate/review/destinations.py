@@ -313,8 +313,7 @@ async def set_sla(
                 agent_id=scope,
                 created_at=now,
                 updated_at=now,
-                **{f"{n}_ms": None for n in SLA_FIELDS},
-                **values,
+                **{**{f"{n}_ms": None for n in SLA_FIELDS}, **values},
             )
         )
     elif values:

@@ -6,8 +6,11 @@ The Bot Framework SDK posts a bot's messages to the ``serviceUrl`` of the conver
   (a reply to ``activityId``; proactive continuations set a reply id too),
 * ``POST {serviceUrl}/v3/conversations/{conversationId}/activities``.
 
-Both answer ``{"id": ...}``. This stand-in records every activity and can be told to fail
-the next requests in the ways the real connector fails.
+Both answer ``{"id": ...}``. A review card is edited in place with
+``PUT {serviceUrl}/v3/conversations/{conversationId}/activities/{activityId}`` (recorded
+in ``updates``, answered ``{"id": activityId}``; failure modes apply to it too). This
+stand-in records every activity and can be told to fail the next requests in the ways
+the real connector fails.
 
 In-process use::
 
@@ -28,6 +31,7 @@ Control endpoints (the same in both modes):
 
 * ``GET  /_standin/activities``  -> JSON list of answered posts (see :meth:`_record`)
 * ``GET  /_standin/requests``    -> JSON list of every post, with its ``mode``
+* ``GET  /_standin/updates``     -> JSON list of answered PUTs (card updates)
 * ``POST /_standin/fail``        -> body ``{"mode": ..., "count": 1, "retry_after": 3}``
 * ``POST /_standin/reset``       -> clears records and pending failures
 
@@ -67,6 +71,8 @@ class ConnectorStandin:
         self.activities: list[dict[str, Any]] = []
         #: every post (answered or failed), oldest first
         self.requests: list[dict[str, Any]] = []
+        #: answered PUTs (activity updates), oldest first
+        self.updates: list[dict[str, Any]] = []
         self._failures: deque[tuple[str, float | None]] = deque()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
@@ -89,6 +95,7 @@ class ConnectorStandin:
         """Forget records and pending failures."""
         self.activities.clear()
         self.requests.clear()
+        self.updates.clear()
         self._failures.clear()
 
     def make_app(self) -> web.Application:
@@ -98,6 +105,10 @@ class ConnectorStandin:
         app.router.add_post(
             "/v3/conversations/{conversation_id}/activities/{activity_id}", self._post
         )
+        app.router.add_put(
+            "/v3/conversations/{conversation_id}/activities/{activity_id}", self._put
+        )
+        app.router.add_get("/_standin/updates", self._get_updates)
         app.router.add_get("/_standin/activities", self._get_activities)
         app.router.add_get("/_standin/requests", self._get_requests)
         app.router.add_post("/_standin/fail", self._post_fail)
@@ -160,6 +171,24 @@ class ConnectorStandin:
             headers["Retry-After"] = str(int(retry_after) if retry_after is not None else 1)
         error = {"error": {"code": _ERROR_CODES.get(status, "ServiceError"), "message": mode}}
         return web.json_response(error, status=status, headers=headers)
+
+    async def _put(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            body = raw.decode("utf-8", "replace")
+        mode, retry_after = self._failures.popleft() if self._failures else ("ok", None)
+        record = self._record(request, body, mode)
+        self.requests.append(record)
+        if mode != "ok":
+            status = 503 if mode in ("hang", "reset") else int(mode)
+            return web.json_response({"error": {"code": "ServiceError", "message": mode}}, status=status)
+        self.updates.append(record)
+        return web.json_response({"id": request.match_info["activity_id"]})
+
+    async def _get_updates(self, request: web.Request) -> web.Response:
+        return web.json_response(self.updates)
 
     async def _get_activities(self, request: web.Request) -> web.Response:
         return web.json_response(self.activities)
@@ -235,6 +264,39 @@ def message_activity(
         "textFormat": "plain",
         "locale": "en-US",
         "entities": entities,
+        "channelData": {"tenant": {"id": tenant_id}},
+    }
+
+
+def invoke_activity(
+    *,
+    service_url: str,
+    verb: str,
+    data: dict[str, Any],
+    reply_to_id: str,
+    conversation_id: str,
+    aad_object_id: str,
+    tenant_id: str = "tenant-1",
+    user_id: str = "29:user-1",
+    bot_id: str = "28:leadgate-bot",
+) -> dict[str, Any]:
+    """An ``adaptiveCard/action`` invoke, as Teams POSTs it when someone clicks an
+    ``Action.Execute`` button (``data`` already holds the card's inputs)."""
+    return {
+        "type": "invoke",
+        "name": "adaptiveCard/action",
+        "id": f"f:{uuid.uuid4().hex}",
+        "timestamp": "2024-01-01T00:00:00.000Z",
+        "serviceUrl": service_url,
+        "channelId": "msteams",
+        "from": {"id": user_id, "name": "Reviewer", "aadObjectId": aad_object_id},
+        "conversation": {"id": conversation_id, "conversationType": "channel", "tenantId": tenant_id},
+        "recipient": {"id": bot_id, "name": "leadgate"},
+        "replyToId": reply_to_id,
+        "value": {
+            "action": {"type": "Action.Execute", "id": "a1", "verb": verb, "data": data},
+            "trigger": "manual",
+        },
         "channelData": {"tenant": {"id": tenant_id}},
     }
 

@@ -27,7 +27,10 @@ of :meth:`DiscordApiStandin.dispatch_message_create`; answers the message payloa
 Records in ``posts`` (one dict each, ``op`` says what happened):
 ``create_message`` (``channel_id, content, nonce, enforce_nonce, message_reference, id``),
 ``followup`` (``application_id, token, content, id``), ``edit_original`` (same keys),
-``delete_original`` (``application_id, token``). A repeated nonce (``enforce_nonce``)
+``delete_original`` (``application_id, token``), ``edit_message`` (``PATCH
+/channels/{id}/messages/{id}``: ``channel_id, message_id, content, components``; how a
+review card is updated). ``create_message`` records carry the message's ``components``
+too. A repeated nonce (``enforce_nonce``)
 inside ``nonce_window_s`` returns the first message and adds no record.
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
@@ -157,6 +160,9 @@ class DiscordApiStandin(StandinBase):
         r.add_get(f"{api}/gateway", self._gateway_info)
         r.add_get(f"{api}/gateway/bot", self._gateway_info)
         r.add_post(f"{api}/channels/{{channel_id}}/messages", self._create_message)
+        r.add_patch(
+            f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message
+        )
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
         r.add_patch(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._edit_original)
@@ -388,9 +394,36 @@ class DiscordApiStandin(StandinBase):
                 "nonce": nonce,
                 "enforce_nonce": body.get("enforce_nonce"),
                 "message_reference": reference,
+                "components": body.get("components") or [],
             }
         )
         return _json(message)
+
+    async def _edit_message(self, request: web.Request) -> web.StreamResponse:
+        channel_id = request.match_info["channel_id"]
+        message_id = request.match_info["message_id"]
+        body = await request.json()
+        await self._latency()
+        mode = self._next_mode(channel_id)
+        self.requests.append(
+            {"op": "edit_message", "channel_id": channel_id, "message_id": message_id, "mode": mode}
+        )
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        failure = await self._failure(request, mode)
+        if failure is not None:
+            return failure
+        content = body.get("content") or ""
+        self.posts.append(
+            {
+                "op": "edit_message",
+                "channel_id": channel_id,
+                "message_id": message_id,
+                "content": content,
+                "components": body.get("components") or [],
+            }
+        )
+        return _json(self._message(channel_id=channel_id, content=content, message_id=message_id))
 
     async def _webhook_write(
         self, request: web.Request, op: str

@@ -15,8 +15,13 @@ or as a subprocess (for tests that run the service in another process)::
     python -m tests.standins.slack_api --port 0 [--latency-ms N] [--token T]
     # prints "LISTENING <port>"; api_url is http://127.0.0.1:<port>/api/
 
+Review cards also use ``views.open``, ``chat.update`` and ``chat.postEphemeral`` (recorded
+in ``calls``, with ``method``; ``chat.update`` answers the modes below too, keyed by
+channel) and a ``response_url``: ``POST /response/{anything}`` records the JSON body in
+``calls`` with ``method`` ``response_url`` (:meth:`SlackApiStandin.response_url` makes one).
+
 HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts),
-``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
+``GET /_standin/calls``, ``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
 ``{"queue": [mode, ...]}`` and/or ``{"channel": ID, "mode": MODE|null}``,
 ``POST /_standin/reset`` (clears records and modes).
 
@@ -98,7 +103,18 @@ class SlackApiStandin(StandinBase):
         self.bot_user_id = bot_user_id
         self.bot_id = bot_id
         self._ts = itertools.count(1)
+        #: views.open / chat.update / chat.postEphemeral / response_url calls, in order
+        self.calls: list[dict[str, Any]] = []
         super().__init__(latency_ms=latency_ms, host=host, port=port)
+
+    def reset(self) -> None:
+        """Forget records (calls too) and modes."""
+        super().reset()
+        self.calls.clear()
+
+    def response_url(self, name: str) -> str:
+        """A ``response_url`` for an interaction payload (its posts land in ``calls``)."""
+        return f"{self.base_url}/response/{name}"
 
     # -- control ---------------------------------------------------------------------------
 
@@ -118,8 +134,51 @@ class SlackApiStandin(StandinBase):
         app = web.Application()
         app.router.add_post("/api/{method}", self._api)
         app.router.add_get("/api/{method}", self._api)
+        app.router.add_post("/response/{name}", self._response_url)
         self._add_control_routes(app.router)
+        app.router.add_get("/_standin/calls", self._get_calls)
         return app
+
+    async def _get_calls(self, request: web.Request) -> web.Response:
+        return _json(self.calls)
+
+    async def _response_url(self, request: web.Request) -> web.Response:
+        # Slack answers a response_url post with a bare "ok"; no Authorization is sent.
+        body = await request.json()
+        self.calls.append(
+            {
+                "method": "response_url",
+                "name": request.match_info["name"],
+                "authorization": request.headers.get("Authorization"),
+                **body,
+            }
+        )
+        return web.Response(text="ok")
+
+    async def _review_call(
+        self, request: web.Request, method: str, params: dict[str, Any], auth_error: str | None
+    ) -> web.StreamResponse:
+        """views.open, chat.update, chat.postEphemeral."""
+        if auth_error:
+            return _json({"ok": False, "error": auth_error})
+        channel = str(params.get("channel") or "")
+        if method == "chat.update":
+            mode = self._next_mode(channel)
+            cut = await self._hang_or_reset(request, mode)
+            if cut is not None:
+                return cut
+            if mode.startswith("error:"):
+                return _json({"ok": False, "error": mode.partition(":")[2]})
+            if mode.isdigit():
+                return web.Response(status=int(mode), text="error", content_type="text/html")
+        self.calls.append({"method": method, **params})
+        if method == "views.open":
+            return _json({"ok": True, "view": {"id": f"V{next(self._ts):08d}"}})
+        if method == "chat.update":
+            return _json(
+                {"ok": True, "channel": channel, "ts": params.get("ts"), "text": params.get("text")}
+            )
+        return _json({"ok": True, "message_ts": f"{int(time.time())}.{next(self._ts):06d}"})
 
     # -- Web API ---------------------------------------------------------------------------
 
@@ -143,6 +202,8 @@ class SlackApiStandin(StandinBase):
                     "is_enterprise_install": False,
                 }
             )
+        if method in ("views.open", "chat.update", "chat.postEphemeral"):
+            return await self._review_call(request, method, params, auth_error)
         if method != "chat.postMessage":
             return _json({"ok": False, "error": "unknown_method"}, status=404)
         channel = str(params.get("channel") or "")
@@ -179,7 +240,11 @@ class SlackApiStandin(StandinBase):
         if not text and not params.get("blocks"):
             return _json({"ok": False, "error": "no_text"})
         ts = f"{int(time.time())}.{next(self._ts):06d}"
-        self.posts.append({"channel": channel, "text": text, "thread_ts": thread_ts, "ts": ts})
+        post = {"channel": channel, "text": text, "thread_ts": thread_ts, "ts": ts}
+        for extra in ("blocks", "unfurl_links", "unfurl_media"):
+            if extra in params:
+                post[extra] = params[extra]
+        self.posts.append(post)
         message: dict[str, Any] = {
             "type": "message",
             "text": text,

@@ -1,0 +1,365 @@
+"""Review cards through the outbox (leadgate/review/cards.py) on the real Stack and
+database: one card per destination in the transaction that made the item wait, never
+a gating delivery, updated in place after any decision, cut to each channel's limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from bots import discord_review, slack_review, teams_review
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.domain.rows import Delivery
+from leadgate.review import decisions, queue
+from leadgate.review import destinations as dest
+from leadgate.review.cards import plain_text
+from leadgate.review.facts import review_facts
+from leadgate.runners.revisions import RevisionRunner
+from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
+from tests.helpers import api_trigger, make_agent
+from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env
+from tests.stack import Stack
+
+async def approve(env: ReviewEnv, item_id: str, actor: str = "user:x", **kw: Any) -> None:
+    async with env.stack.db.tx() as conn:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, "approve", actor, **kw)
+
+
+async def test_an_escalation_writes_one_card_per_destination_not_a_gating_delivery(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    item_id = await env.escalated("s1")
+
+    cards = await env.deliveries(item_id, "card")
+    # The escalate tier gets nothing yet; the notify tier one card, pending in the outbox.
+    assert [(c["channel"], c["address"]["channel"], c["status"]) for c in cards] == [
+        ("slack", REVIEW_CHANNEL, "pending")
+    ]
+    assert not await env.deliveries(item_id, "gating")
+    [episode] = await env.episodes(item_id)
+    assert episode["reason"] == "awaitingHuman" and episode["closed_at"] is None
+    assert episode["due_at"] == episode["started_at"] + 30 * 60_000  # remind_after 30m
+
+    card = Card.from_json(cards[0]["address"]["card"])
+    assert card.item_id == item_id and card.episode_id == episode["id"]
+    assert card.agent == "worker"
+    assert card.why == "The lead escalated it: Needs a human."
+    assert card.source == "the REST / MCP API"
+    assert card.summary == "Summary: hard #escalate"
+    assert (card.revision, card.rounds) == (0, 3)
+    assert card.link == f"{PUBLIC_URL}/console/#/review/{item_id}"
+    assert "Review it: " + card.link in cards[0]["text"]
+
+    # The actionable queue is unchanged by cards; the detail lists the card delivery.
+    async with env.stack.db.read() as conn:
+        page = await queue.actionable(conn, env.org.id)
+        detail = await queue.detail(conn, env.org.id, item_id)
+    assert [i["id"] for i in page["items"]] == [item_id]
+    assert [(d["channel"], d["status"]) for d in detail["deliveries"]] == [("slack", "pending")]
+
+    await drain(env.stack.relay)
+    [posted] = env.slack.calls
+    assert posted.kind == "card" and posted.card == card
+    assert (await env.deliveries(item_id, "card"))[0]["status"] == "sent"
+    async with env.stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "awaitingHuman"
+
+
+async def test_a_decision_updates_posted_cards_and_cancels_unsent_ones(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack, remind_after="1m")
+    item_id = await env.escalated("s1")
+    await drain(env.stack.relay)  # the first card is posted (ext-1)
+    env.stack.clock.advance(60_000)
+    assert await env.sla.run_once()  # a reminder card, not posted yet
+    reminder = (await env.deliveries(item_id, "card"))[-1]
+    assert reminder["status"] == "pending"
+
+    await approve(env, item_id, "user:x", surface="slack", identity="slack:T1:U1")
+
+    cards = await env.deliveries(item_id, "card")
+    assert [c["status"] for c in cards] == ["sent", "cancelled"]
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    assert update["address"]["card_delivery_id"] == cards[0]["id"]
+    decided = Card.from_json(update["address"]["card"])
+    assert decided.outcome is not None
+    assert (decided.outcome.title, decided.outcome.surface) == ("Approved", "slack")
+    [episode] = await env.episodes(item_id)
+    assert episode["closed_at"] is not None and episode["outcome"] == "Approved"
+
+    await drain(env.stack.relay)
+    [(edited, message)] = env.slack.updates
+    assert edited == cards[0]["external_id"]
+    assert message.card == decided
+    statuses = {d["kind"]: d["status"] for d in await env.deliveries(item_id)}
+    # The approval's gating delivery is an api reveal: the item completes on it alone.
+    assert statuses == {"gating": "sent", "card": "cancelled", "cardUpdate": "sent"}
+    async with env.stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "completed"
+
+
+async def test_an_update_waits_for_its_card_and_gives_up_when_it_never_posted(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    first = await env.escalated("s1")
+    second = await env.escalated("s2")
+    # Both cards are claimed (sending) when the decisions come: updates must wait.
+    claimed = await env.stack.relay.claim()
+    assert len(claimed) == 2
+    await approve(env, first)
+    await approve(env, second)
+    for item_id in (first, second):
+        assert len(await env.deliveries(item_id, "cardUpdate")) == 1
+    await drain(env.stack.relay)  # the updates find their cards still sending: Retry
+    assert not env.slack.updates
+    updates = [(await env.deliveries(i, "cardUpdate"))[0] for i in (first, second)]
+    assert [u["status"] for u in updates] == ["pending", "pending"]
+    assert all(u["error"] == "the card is not posted yet" for u in updates)
+
+    env.slack.script = [Sent("1700.1"), Permanent("channel_not_found")]
+    for done in [await env.stack.relay.deliver(row) for row in claimed]:
+        await env.stack.relay.complete([done])
+    env.stack.clock.advance(10_000)
+    await drain(env.stack.relay)
+    posted = {m.card.item_id: ext for ext, m in env.slack.updates if m.card}
+    assert posted == {claimed[0].work_item_id: "1700.1"}
+    failed = (await env.deliveries(claimed[1].work_item_id or "", "cardUpdate"))[0]
+    assert failed["status"] == "failed"
+    assert failed["error"] == "the card was not posted (failed); nothing to update"
+
+
+async def test_delivery_unknown_gets_a_recovery_card_and_confirm_closes_it(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    org, stack = env.org, env.stack
+    # A worker on a Slack binding: its approved answer is posted by the relay.
+    trigger = Trigger(
+        org_id=org.id,
+        agent_id=env.worker["id"],
+        session_key="slack:T1:C9:1.1",
+        text="ship it #complete",
+        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": "1.1"}),
+    )
+    await stack.turns.run(trigger)
+    env.slack.script = [Uncertain("timeout after sending")]
+    await drain(stack.lead_runner)
+    await drain(stack.relay)
+    async with stack.db.read() as conn:
+        item_id = str(
+            await conn.scalar(sa.select(t.work_items.c.id).where(t.work_items.c.org_id == org.id))
+        )
+    [gating] = await env.deliveries(item_id, "gating")
+    assert gating["status"] == "deliveryUnknown"
+    [card_row] = await env.deliveries(item_id, "card")
+    card = Card.from_json(card_row["address"]["card"])
+    assert (card.reason, card.delivery_id) == ("deliveryUnknown", gating["id"])
+    assert card.why == "Delivery outcome unknown: timeout after sending"
+    assert card.source == "Slack channel C9 in T1, thread 1.1"
+    [episode] = await env.episodes(item_id)
+    assert episode["expire_at"] is None  # never expired automatically
+
+    await drain(stack.relay)  # post the card
+    async with stack.db.tx() as conn:
+        delivery = await decisions.recover_delivery(
+            conn,
+            stack.outbox,
+            await _delivery(conn, gating["id"]),
+            "confirm",
+            "user:x",
+            surface="slack",
+        )
+    assert delivery.status == "sent"
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    outcome = Card.from_json(update["address"]["card"]).outcome
+    assert outcome is not None and outcome.title == "Delivery confirmed"
+    assert (await env.episodes(item_id))[0]["closed_at"] is not None
+
+
+async def _delivery(conn: Any, delivery_id: str) -> Delivery:
+    row = (
+        await conn.execute(sa.select(t.deliveries).where(t.deliveries.c.id == delivery_id))
+    ).first()
+    return Delivery.from_row(row)
+
+
+async def test_agent_destinations_replace_the_organizations_for_that_tier(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack, escalation=False)
+    stack = env.stack
+    async with stack.db.tx() as conn:
+        await dest.add_destination(
+            conn,
+            stack.clock,
+            stack.ids,
+            org_id=env.org.id,
+            agent_id=env.worker["id"],
+            channel="email",
+            target="Boss@Example.com",
+        )
+    item_id = await env.escalated("s1")
+    cards = await env.deliveries(item_id, "card")
+    assert [(c["channel"], c["address"]["to"]) for c in cards] == [("email", "boss@example.com")]
+    assert cards[0]["address"]["subject"] == "Review needed: worker: Summary: hard #escalate"
+
+
+async def test_a_failing_card_write_never_blocks_the_escalation(
+    make_stack: Callable[..., Stack], caplog: pytest.LogCaptureFixture
+) -> None:
+    env = await review_env(make_stack)
+
+    async def broken(conn: Any, *_: Any) -> None:
+        await conn.execute(sa.text("SELECT * FROM no_such_table"))
+
+    env.stack.outbox.on_review_needed(broken)
+    item_id = await env.escalated("s1")
+    async with env.stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "awaitingHuman"
+    assert not await env.deliveries(item_id, "card")
+    assert "review cards for work item" in caplog.text
+
+
+async def test_review_facts_say_why_for_each_way_to_a_human(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    stack = env.stack
+    escalated = await env.escalated("s1")
+    # Rounds used up: a lead that always asks for changes on a 1-round worker.
+    tight = await _make_tight_worker(env)
+    async with stack.db.read() as conn:
+        facts = await review_facts(conn, [escalated, tight, "wi_nope"], org_id=env.org.id)
+    assert set(facts) == {escalated, tight}
+    assert facts[escalated].reason == "awaitingHuman"
+    assert facts[tight].why == (
+        "Revision rounds used up (1 of 1); the lead asked for changes: Please revise."
+    )
+    assert facts[tight].detail_path == f"/console/#/review/{tight}"
+
+
+async def _make_tight_worker(env: ReviewEnv) -> str:
+    stack = env.stack
+    worker = await make_agent(
+        stack, env.org, "tight", lead="lead", review_config={"maxRevisionRounds": 1}
+    )
+    await stack.turns.run(api_trigger(env.org, worker, "x #revise #complete", "tight"))
+    await drain(stack.lead_runner)  # changes requested: revision 1
+    await drain(RevisionRunner(stack.turns))
+    # The lead asks once more (revision 1 approves in the script model): make it ask.
+    async with stack.db.read() as conn:
+        item_id = str(
+            await conn.scalar(
+                sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
+            )
+        )
+        item = await workitems.get(conn, item_id)
+    async with stack.db.tx() as conn:
+        claimed = await workitems.transition(
+            conn,
+            stack.clock,
+            stack.ids,
+            item.id,
+            src=workitems.Status(item.status),
+            dst=workitems.Status.reviewing,
+            actor="test",
+            action="claim",
+            values={"lease_token": "tok"},
+        )
+        await decisions.commit_verdict(
+            conn,
+            stack.outbox,
+            claimed,
+            decisions.Verdict.changesRequested,
+            actor="lead:x",
+            feedback="Please revise.",
+            src=workitems.Status.reviewing,
+            lease_token="tok",
+        )
+    return item_id
+
+
+# ------------------------------------------------------------- rendering limits
+
+
+def _card(summary: str, **kw: Any) -> Card:
+    base: dict[str, Any] = {
+        "item_id": "wi_1",
+        "episode_id": "rep_1",
+        "purpose": "notify",
+        "reason": "awaitingHuman",
+        "delivery_id": None,
+        "agent": "worker",
+        "source": "Slack channel C1",
+        "why": "The lead escalated it: " + "w" * 900,
+        "summary": summary,
+        "revision": 1,
+        "rounds": 3,
+        "waiting_since_ms": 1_780_000_000_000,
+        "link": "https://leadgate.example/console/#/review/wi_1",
+    }
+    base.update(kw)
+    return Card(**base)
+
+
+def test_long_summaries_are_cut_to_each_channels_limits_never_dropped() -> None:
+    summary = "<&>" + "s" * 11_990 + "TAIL"
+    card = _card(summary)
+
+    content = discord_review.content(card)
+    assert len(content) <= 2_000 and "**Summary**\n<&>sss" in content
+    assert content.endswith(f"…\n<{card.link}>") and "TAIL" not in content
+
+    blocks = slack_review.blocks(card)
+    texts = [b["text"]["text"] for b in blocks if b["type"] == "section"]
+    assert all(len(x) <= 3_000 for x in texts)
+    assert texts[1].startswith("*Summary*\n&lt;&amp;&gt;sss") and texts[1].endswith("…")
+    actions = blocks[-1]
+    assert actions["block_id"] == "lg_review:rep_1"
+    assert [(e["action_id"], e["value"]) for e in actions["elements"]] == [
+        ("approve", "wi_1"),
+        ("reject", "wi_1"),
+        ("return", "wi_1"),
+    ]
+    assert len(slack_review.fallback_text(card)) <= 3_000
+
+    adaptive = teams_review.adaptive_card(card)
+    assert adaptive["body"][3]["text"].endswith("…") and len(adaptive["body"][3]["text"]) <= 10_000
+    verbs = [a.get("verb") or a["card"]["actions"][0]["verb"] for a in adaptive["actions"][:3]]
+    assert verbs == ["approve", "reject", "return"]
+    assert adaptive["actions"][-1] == {
+        "type": "Action.OpenUrl",
+        "title": "Open in the console",
+        "url": card.link,
+    }
+    assert "TAIL" in plain_text(_card("short TAIL"))
+
+
+def test_decided_and_recovery_cards_show_no_decision_buttons() -> None:
+    outcome = CardOutcome("Rejected", "ann@example.com", "teams", 1_780_000_000_000, "no")
+    decided = _card("s").decided(outcome)
+    assert slack_review.blocks(decided)[-1]["type"] == "section"
+    assert (
+        "*Rejected* by ann@example.com (teams)" in slack_review.blocks(decided)[-1]["text"]["text"]
+    )
+    assert [a["type"] for a in teams_review.adaptive_card(decided)["actions"]] == ["Action.OpenUrl"]
+    assert "**Rejected** by ann@example.com (teams)" in discord_review.content(decided)
+
+    recovery = _card("s", reason="deliveryUnknown", delivery_id="dlv_9")
+    assert [
+        (e["action_id"], e["value"]) for e in slack_review.blocks(recovery)[-1]["elements"]
+    ] == [
+        ("confirm", "dlv_9"),
+        ("retry", "dlv_9"),
+    ]
+    assert recovery.title == "Delivery outcome unknown: worker"

@@ -1,0 +1,256 @@
+"""Reminders, escalation and expiry (leadgate/review/sla.py) on a fake clock, on SQLite
+and PostgreSQL: each fires exactly once, also with two runners on two connections
+pools at once; deliveryUnknown is reminded about, never expired; an expiry is audited
+and counted as an expiry, never as a human rejection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.core.clock import MINUTE_MS
+from leadgate.core.durations import format_duration, parse_duration
+from leadgate.core.errors import TransitionError, ValidationError
+from leadgate.core.metrics import METRICS
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.review import decisions
+from leadgate.review import destinations as dest
+from leadgate.review.cards import ReviewNotifier
+from leadgate.review.sla import SlaRunner
+from outbox.channel import Card, Uncertain
+from tests.helpers import item_audit
+from tests.review_support import ESCALATION_CHANNEL, REVIEW_CHANNEL, ReviewEnv, review_env
+from tests.stack import Stack
+
+HOUR = 60 * MINUTE_MS
+
+
+def purposes(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(Card.from_json(r["address"]["card"]).purpose, r["address"]["channel"]) for r in rows]
+
+
+def metric(counter: Any) -> float:
+    return float(counter._value.get())
+
+
+async def test_reminders_escalation_and_expiry_each_fire_once_on_the_clock(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(
+        make_stack, remind_after="30m", remind_every="1h", escalate_after="2h", expire_after="4h"
+    )
+    clock = env.stack.clock
+    item_id = await env.escalated("s1")
+    await drain(env.stack.relay)
+    expiries, rejections = metric(METRICS.expiries), _decisions("reject")
+
+    clock.advance(29 * MINUTE_MS)
+    assert not await env.sla.run_once()
+    clock.advance(MINUTE_MS)  # 30m
+    assert await env.sla.run_once()
+    assert not await env.sla.run_once()  # fired once
+    clock.advance(HOUR)  # 1h30: the next reminder
+    assert await env.sla.run_once()
+    clock.advance(30 * MINUTE_MS)  # 2h: escalation (and the 2h30 reminder is not due yet)
+    assert await env.sla.run_once()
+    assert not await env.sla.run_once()
+    cards = await env.deliveries(item_id, "card")
+    assert purposes(cards) == [
+        ("notify", REVIEW_CHANNEL),
+        ("reminder", REVIEW_CHANNEL),
+        ("reminder", REVIEW_CHANNEL),
+        ("escalation", ESCALATION_CHANNEL),
+    ]
+    await drain(env.stack.relay)  # every card posted
+
+    clock.advance(2 * HOUR)  # 4h: expiry (the reminders due meanwhile are not posted)
+    assert await env.sla.run_once()
+    assert not await env.sla.run_once()
+    async with env.stack.db.read() as conn:
+        item = await workitems.get(conn, item_id)
+    assert item.status == "rejected"
+    last = (await item_audit(env.stack, item_id))[-1]
+    assert (last["action"], last["actor"], last["surface"], last["to_status"]) == (
+        "expire",
+        "system:expiry",
+        "system",
+        "rejected",
+    )
+    assert last["text"] == "expired: no decision within 4h"
+    assert metric(METRICS.expiries) == expiries + 1
+    assert _decisions("reject") == rejections  # not counted as a human rejection
+    assert len(await env.deliveries(item_id, "card")) == 4
+    updates = await env.deliveries(item_id, "cardUpdate")
+    assert len(updates) == 4
+    outcome = Card.from_json(updates[0]["address"]["card"]).outcome
+    assert outcome is not None
+    assert (outcome.title, outcome.by, outcome.text) == (
+        "Expired (rejected)",
+        "expiry",
+        "expired: no decision within 4h",
+    )
+    clock.advance(24 * HOUR)
+    assert not await env.sla.run_once()
+
+
+def _decisions(verdict: str) -> float:
+    return sum(
+        sample.value
+        for family in METRICS.decisions.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("verdict") == verdict
+    )
+
+
+async def test_delivery_unknown_is_reminded_about_and_never_expired(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack, remind_after="10m", expire_after="20m")
+    stack = env.stack
+    trigger = Trigger(
+        org_id=env.org.id,
+        agent_id=env.worker["id"],
+        session_key="slack:T1:C9:1.1",
+        text="ship it #complete",
+        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": "1.1"}),
+    )
+    await stack.turns.run(trigger)
+    env.slack.script = [Uncertain("reset after sending")]
+    await drain(stack.lead_runner)
+    await drain(stack.relay)
+    [episode] = await env.episodes(_only(await _items(env)))
+    assert episode["reason"] == "deliveryUnknown" and episode["expire_at"] is None
+    stack.clock.advance(10 * MINUTE_MS)
+    assert await env.sla.run_once()
+    stack.clock.advance(30 * 24 * HOUR)
+    assert not await env.sla.run_once()
+    item_id = _only(await _items(env))
+    assert purposes(await env.deliveries(item_id, "card")) == [
+        ("notify", REVIEW_CHANNEL),
+        ("reminder", REVIEW_CHANNEL),
+    ]
+    async with stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "approved"
+
+
+async def _items(env: ReviewEnv) -> list[str]:
+    async with env.stack.db.read() as conn:
+        return [
+            str(r)
+            for r in (
+                await conn.execute(
+                    sa.select(t.work_items.c.id).where(t.work_items.c.org_id == env.org.id)
+                )
+            ).scalars()
+        ]
+
+
+def _only(values: list[str]) -> str:
+    assert len(values) == 1, values
+    return values[0]
+
+
+async def test_two_runners_at_once_fire_each_timer_exactly_once(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack, remind_after="10m", escalate_after="20m", expire_after="30m")
+    # A second process: its own engine (connection pool), outbox and notifier.
+    other = make_stack(clock=env.stack.clock)
+    notifier = ReviewNotifier(
+        other.clock,
+        other.ids,
+        other.outbox,
+        public_url="https://x",
+        defaults=env.notifier.defaults,
+    )
+    runners = [env.sla, SlaRunner(other.db, other.clock, other.ids, other.outbox, notifier)]
+    items = [await env.escalated(f"s{i}") for i in range(6)]
+    clock = env.stack.clock
+    for step in (10, 10, 10):
+        clock.advance(step * MINUTE_MS)
+        await asyncio.gather(*(r.run_once() for r in runners))
+        await asyncio.gather(*(r.run_once() for r in runners))
+    for item_id in items:
+        counts = Counter(p for p, _ in purposes(await env.deliveries(item_id, "card")))
+        assert counts == {"notify": 1, "reminder": 1, "escalation": 1}, counts
+        actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+        assert actions.count("expire") == 1
+        [episode] = await env.episodes(item_id)
+        assert (episode["reminders"], episode["closed_at"] is not None) == (1, True)
+
+
+async def test_a_decision_racing_the_expiry_makes_one_outcome(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack, expire_after="1h")
+    items = [await env.escalated(f"s{i}") for i in range(4)]
+    env.stack.clock.advance(HOUR)
+
+    async def approve(item_id: str) -> str:
+        try:
+            async with env.stack.db.tx() as conn:
+                item = await workitems.get(conn, item_id)
+                await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
+        except TransitionError:
+            return "lost"
+        return "won"
+
+    await asyncio.gather(env.sla.run_once(), *(approve(i) for i in items))
+    for item_id in items:
+        actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+        assert actions.count("expire") + actions.count("approve") == 1, actions
+        [episode] = await env.episodes(item_id)
+        assert episode["closed_at"] is not None
+
+
+async def test_agent_and_organization_overrides_apply_when_the_wait_starts(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)  # [review] defaults: remind 30m, nothing else
+    stack = env.stack
+    async with stack.db.tx() as conn:
+        common = {"org_id": env.org.id}
+        await dest.set_sla(
+            conn, stack.clock, stack.ids, agent_id=None, changes={"expire_after": HOUR}, **common
+        )
+        await dest.set_sla(
+            conn,
+            stack.clock,
+            stack.ids,
+            agent_id=env.worker["id"],
+            changes={"remind_after": 5 * MINUTE_MS, "escalate_after": None},
+            **common,
+        )
+        view = await dest.sla_view(conn, env.org.id, env.worker["id"])
+    assert view == {
+        "remindAfter": "5m",
+        "remindEvery": "inherit",
+        "escalateAfter": "off",
+        "expireAfter": "inherit",
+    }
+    item_id = await env.escalated("s1")
+    [episode] = await env.episodes(item_id)
+    start = episode["started_at"]
+    assert (episode["next_remind_at"], episode["escalate_at"], episode["expire_at"]) == (
+        start + 5 * MINUTE_MS,
+        None,
+        start + HOUR,
+    )
+
+
+def test_durations_parse_and_format() -> None:
+    assert parse_duration("1h30m") == 90 * MINUTE_MS
+    assert parse_duration(" 45S ") == 45_000
+    assert parse_duration("off") is None and parse_duration("0") is None
+    assert format_duration(90 * MINUTE_MS) == "1h30m" and format_duration(None) == "off"
+    for bad in ("30", "soon", "1h 30m", "-5m", "400d"):
+        with pytest.raises(ValidationError):
+            parse_duration(bad)
