@@ -1,0 +1,209 @@
+"""Chat decisions (leadgate/operations/chat_reviews.py) on the real composition root:
+only linked users whose role grants agent:review decide, through the fenced commit path,
+audited with the platform; everyone else is told and nothing changes; a late or second
+click is told who decided."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.runners import drain
+from leadgate.domain import links, orgs
+from leadgate.operations.chat_reviews import FORBIDDEN
+from leadgate.review import destinations as dest
+from leadgate.runners.revisions import RevisionRunner
+from outbox.channel import Card
+from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
+from tests.outbox_support import ScriptedChannel
+
+MEMBER = "T0001:U0MEMBER"
+VIEWER = "T0001:U0VIEWER"
+
+
+@pytest.fixture
+async def app(migrated_url: str) -> AsyncIterator[App]:
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "server": {"public_url": "https://lg.example"}}
+    )
+    service = App(
+        settings,
+        clock=FakeClock(),
+        enable_adapters=False,
+        channels={"slack": ScriptedChannel("slack")},
+    )
+    yield service
+    await service.stop()
+
+
+async def setup(app: App, name: str = "acme") -> tuple[Org, dict[str, Any]]:
+    org = await make_org(app, name)
+    await make_agent(app, org, "lead")
+    worker = await make_agent(app, org, "worker", lead="lead")
+    async with app.db.tx() as conn:
+        await dest.add_destination(
+            conn, app.clock, app.ids, org_id=org.id, agent_id=None, channel="slack", target="C0R"
+        )
+        for email, role, identity in (
+            (f"member@{name}.io", "Member", MEMBER),
+            (f"viewer@{name}.io", "Viewer", VIEWER),
+        ):
+            await orgs.create_user(conn, app.clock, app.ids, org.id, email, role, "password1")
+            await links.link(
+                conn,
+                app.clock,
+                app.ids,
+                org_id=org.id,
+                email=email,
+                platform="slack",
+                identity=identity,
+            )
+    return org, worker
+
+
+async def escalated(app: App, org: Org, worker: dict[str, Any], session: str) -> str:
+    await app.turns.run(api_trigger(org, worker, "hard #escalate #complete", session))
+    await drain(app.lead_runner)
+    await drain(app.relay)  # the card is posted
+    detail = (await app.reviews.queue(org.principal))["items"]
+    return str(next(i["id"] for i in detail if i["status"] == "awaitingHuman"))
+
+
+async def test_a_linked_member_decides_and_the_audit_names_the_platform(app: App) -> None:
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    slack = app.channels["slack"]
+    assert isinstance(slack, ScriptedChannel)
+    [posted] = slack.calls
+    assert posted.card is not None and posted.card.item_id == item_id
+
+    answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "approve", message_id="ext-1")
+    assert answer.decided
+    assert answer.card is not None and answer.card.outcome is not None
+    assert answer.card.outcome.by == "member@acme.io"
+    assert (await item_row(app, item_id))["status"] in ("approved", "completed")
+    approve = next(a for a in await item_audit(app, item_id) if a["action"] == "approve")
+    assert approve["surface"] == "slack" and approve["identity"] == f"slack:{MEMBER}"
+    assert approve["actor"].startswith("user:")
+    # The clicked card (and any other) is edited by the outbox.
+    await drain(app.relay)
+    [(edited, message)] = slack.updates
+    assert edited == "ext-1" and isinstance(message.card, Card)
+    assert message.card.outcome is not None and message.card.outcome.title == "Approved"
+
+
+async def test_unlinked_viewer_and_other_org_users_change_nothing(app: App) -> None:
+    org, worker = await setup(app)
+    other_org, _ = await setup(app, "other")  # MEMBER is linked there too, as its member
+    item_id = await escalated(app, org, worker, "s1")
+    async with app.db.tx() as conn:
+        await links.unlink(
+            conn, org_id=org.id, email="member@acme.io", platform="slack", identity=MEMBER
+        )
+    before = await item_audit(app, item_id)
+    for who in (MEMBER, VIEWER, "T0001:U0STRANGER"):
+        for action in ("approve", "reject"):
+            answer = await app.chat_reviews.decide("slack", who, item_id, action, "no")
+            assert (answer.kind, answer.text) == ("forbidden", FORBIDDEN)
+        assert (await app.chat_reviews.check("slack", who, item_id)).kind == "forbidden"
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+    assert await item_audit(app, item_id) == before
+    assert other_org.id != org.id
+
+
+async def test_two_clicks_at_once_make_one_decision_and_the_other_is_told(app: App) -> None:
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    answers = await asyncio.gather(
+        *(app.chat_reviews.decide("slack", MEMBER, item_id, "approve") for _ in range(3))
+    )
+    kinds = sorted(a.kind for a in answers)
+    assert kinds == ["closed", "closed", "decided"]
+    told = [a.text for a in answers if a.kind == "closed"]
+    assert all(t.startswith("Already approved by member@acme.io (slack) at ") for t in told)
+    actions = [a["action"] for a in await item_audit(app, item_id)]
+    assert actions.count("approve") == 1
+
+
+async def test_reasons_are_checked_and_late_clicks_answer_the_outcome(app: App) -> None:
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    for bad in (None, "   ", "x" * 2_001):
+        answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "reject", bad)
+        assert answer.kind == "invalid" and "reason" in answer.text
+    answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "reject", "off topic")
+    assert answer.decided
+    row = next(a for a in await item_audit(app, item_id) if a["action"] == "reject")
+    assert (row["text"], row["surface"]) == ("off topic", "slack")
+
+    late = await app.chat_reviews.decide("slack", MEMBER, item_id, "approve")
+    assert late.kind == "closed"
+    assert late.text.startswith("Already rejected by member@acme.io (slack)")
+    assert late.text.endswith(": off topic.")
+
+
+async def test_a_console_decision_is_what_a_late_click_hears(app: App) -> None:
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    await app.reviews.decide(org.principal, item_id, "return", "add tests", surface="console")
+    answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "approve")
+    assert answer.kind == "closed"
+    assert answer.text.startswith(
+        f"Already returned to the worker by API key {org.principal.key_id}"
+    )
+    slack = app.channels["slack"]
+    await drain(app.relay)
+    assert isinstance(slack, ScriptedChannel)
+    [(_, update)] = slack.updates
+    assert update.card is not None and update.card.outcome is not None
+    assert (update.card.outcome.title, update.card.outcome.surface) == (
+        "Returned to the worker",
+        "console",
+    )
+
+
+async def test_a_card_of_an_earlier_wait_is_out_of_date(app: App) -> None:
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    slack = app.channels["slack"]
+    assert isinstance(slack, ScriptedChannel)
+    old = slack.calls[0].card
+    assert old is not None
+    # Returned; the revision escalates again (#escalate is still in the task context).
+    await app.reviews.decide(org.principal, item_id, "return", "again", surface="api")
+    await drain(RevisionRunner(app.turns))
+    await drain(app.lead_runner)
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+    answer = await app.chat_reviews.decide(
+        "slack", MEMBER, item_id, "approve", episode_id=old.episode_id
+    )
+    assert answer.kind == "stale"
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+
+
+async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> None:
+    org, _ = await setup(app)
+    reference = {
+        "serviceUrl": "http://127.0.0.1:9/",
+        "conversation": {"id": "19:rev@thread.tacv2", "tenantId": "t1"},
+        "bot": {"id": "28:bot"},
+        "channelId": "msteams",
+    }
+    await app.chat_reviews.remember_teams_conversation(reference)
+    async with app.db.tx() as conn:
+        added = await dest.add_destination(
+            conn,
+            app.clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=None,
+            channel="teams",
+            target="19:rev@thread.tacv2",
+        )
+    assert added.address == {"reference": reference}
