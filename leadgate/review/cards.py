@@ -322,7 +322,13 @@ async def last_outcome(conn: Conn, item_id: str) -> CardOutcome | None:
     row = (
         await conn.execute(
             sa.select(a.action, a.actor, a.surface, a.text, a.created_at)
-            .where(a.work_item_id == item_id, a.action.in_(list(DECISION_ACTIONS)))
+            .select_from(t.audit.outerjoin(t.deliveries, D.id == a.delivery_id))
+            .where(
+                a.work_item_id == item_id,
+                a.action.in_(list(DECISION_ACTIONS)),
+                # Recovering a card's own uncertain post decides nothing about the item.
+                sa.or_(a.delivery_id.is_(None), D.kind == "gating"),
+            )
             .order_by(a.created_at.desc(), a.id.desc())
             .limit(1)
         )

@@ -122,6 +122,7 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
                 "status": d.status,
                 "channel": d.channel,
                 "action": d.action,
+                "kind": d.kind,
                 "attempts": d.attempts,
                 "error": d.error,
             }

@@ -14,6 +14,7 @@ import pytest
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
@@ -83,8 +84,12 @@ async def test_a_linked_member_decides_and_the_audit_names_the_platform(app: App
     [posted] = slack.calls
     assert posted.card is not None and posted.card.item_id == item_id
 
+    decided = _sample(METRICS.decisions, surface="slack", verdict="approve")
+    waited = _sample(METRICS.time_to_decision, "_count", reason="awaitingHuman")
     answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "approve", message_id="ext-1")
     assert answer.decided
+    assert _sample(METRICS.decisions, surface="slack", verdict="approve") == decided + 1
+    assert _sample(METRICS.time_to_decision, "_count", reason="awaitingHuman") == waited + 1
     assert answer.card is not None and answer.card.outcome is not None
     assert answer.card.outcome.by == "member@acme.io"
     assert (await item_row(app, item_id))["status"] in ("approved", "completed")
@@ -96,6 +101,17 @@ async def test_a_linked_member_decides_and_the_audit_names_the_platform(app: App
     [(edited, message)] = slack.updates
     assert edited == "ext-1" and isinstance(message.card, Card)
     assert message.card.outcome is not None and message.card.outcome.title == "Approved"
+
+
+def _sample(metric: Any, suffix: str = "_total", **labels: str) -> float:
+    return float(
+        sum(
+            s.value
+            for family in metric.collect()
+            for s in family.samples
+            if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+    )
 
 
 async def test_unlinked_viewer_and_other_org_users_change_nothing(app: App) -> None:

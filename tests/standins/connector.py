@@ -178,12 +178,13 @@ class ConnectorStandin:
             body: Any = json.loads(raw)
         except ValueError:
             body = raw.decode("utf-8", "replace")
-        mode, retry_after = self._failures.popleft() if self._failures else ("ok", None)
+        mode, _ = self._failures.popleft() if self._failures else ("ok", None)
         record = self._record(request, body, mode)
         self.requests.append(record)
         if mode != "ok":
             status = 503 if mode in ("hang", "reset") else int(mode)
-            return web.json_response({"error": {"code": "ServiceError", "message": mode}}, status=status)
+            error = {"error": {"code": "ServiceError", "message": mode}}
+            return web.json_response(error, status=status)
         self.updates.append(record)
         return web.json_response({"id": request.match_info["activity_id"]})
 
@@ -290,7 +291,11 @@ def invoke_activity(
         "serviceUrl": service_url,
         "channelId": "msteams",
         "from": {"id": user_id, "name": "Reviewer", "aadObjectId": aad_object_id},
-        "conversation": {"id": conversation_id, "conversationType": "channel", "tenantId": tenant_id},
+        "conversation": {
+            "id": conversation_id,
+            "conversationType": "channel",
+            "tenantId": tenant_id,
+        },
         "recipient": {"id": bot_id, "name": "leadgate"},
         "replyToId": reply_to_id,
         "value": {

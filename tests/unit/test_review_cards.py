@@ -26,6 +26,7 @@ from tests.helpers import api_trigger, make_agent
 from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env
 from tests.stack import Stack
 
+
 async def approve(env: ReviewEnv, item_id: str, actor: str = "user:x", **kw: Any) -> None:
     async with env.stack.db.tx() as conn:
         item = await workitems.get(conn, item_id)
@@ -363,3 +364,31 @@ def test_decided_and_recovery_cards_show_no_decision_buttons() -> None:
         ("retry", "dlv_9"),
     ]
     assert recovery.title == "Delivery outcome unknown: worker"
+
+
+async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    item_id = await env.escalated("s1")
+    env.slack.script = [Uncertain("slack: no answer before the timeout")]
+    await drain(env.stack.relay)
+    env.stack.clock.advance(3_600_000)
+    await drain(env.stack.relay)
+    [card] = await env.deliveries(item_id, "card")
+    assert (card["status"], card["error"]) == (
+        "deliveryUnknown",
+        "slack: no answer before the timeout",
+    )
+    assert len(env.slack.calls) == 1  # never retried automatically
+    async with env.stack.db.read() as conn:
+        page = await queue.actionable(conn, env.org.id)
+        detail = await queue.detail(conn, env.org.id, item_id)
+    # Visible like any delivery (with its kind), but the item is in the queue once, as
+    # awaitingHuman: a card never makes an item "deliveryUnknown".
+    assert [(i["id"], i["reason"]) for i in page["items"]] == [(item_id, "awaitingHuman")]
+    assert [(d["kind"], d["status"]) for d in detail["deliveries"]] == [("card", "deliveryUnknown")]
+    assert len(await env.episodes(item_id)) == 1
+    # A decision cannot edit a card whose post is uncertain: nothing is queued for it.
+    await approve(env, item_id)
+    assert not await env.deliveries(item_id, "cardUpdate")
