@@ -173,23 +173,30 @@ class Outbox:
         if binding.silent or BindingKind(binding.kind) not in CHANNEL_KINDS:
             return None
         now = self.clock.now_ms()
-        values: dict[str, Any] = {
+        values = self._post_row(
+            now,
+            org_id=org_id,
+            work_item_id=None,
+            kind="reply",
+            channel=binding.kind,
+            binding_id=binding.id,
+            address=binding.address,
+            text=text,
+        )
+        return await self._insert(conn, values, now)
+
+    def _post_row(self, now: int, **fields: Any) -> dict[str, Any]:
+        """A new pending ``post`` delivery row: ``fields`` plus the bookkeeping columns."""
+        return {
             "id": self.ids.new("dlv"),
-            "org_id": org_id,
-            "work_item_id": None,
-            "kind": "reply",
+            **fields,
             "action": "post",
-            "channel": binding.kind,
-            "binding_id": binding.id,
-            "address": binding.address,
-            "text": text,
             "status": DeliveryStatus.pending.value,
             "attempts": 0,
             "next_attempt_at": now,
             "created_at": now,
             "updated_at": now,
         }
-        return await self._insert(conn, values, now)
 
     async def enqueue_card(
         self,
@@ -205,22 +212,16 @@ class Outbox:
         """Queue a review card post (or, ``kind`` :data:`CARD_UPDATE`, the edit of a
         posted card) in the caller's transaction: durable and retried like any delivery."""
         now = self.clock.now_ms()
-        values: dict[str, Any] = {
-            "id": self.ids.new("dlv"),
-            "org_id": org_id,
-            "work_item_id": work_item_id,
-            "kind": kind,
-            "action": "post",
-            "channel": channel,
-            "binding_id": None,
-            "address": address,
-            "text": text,
-            "status": DeliveryStatus.pending.value,
-            "attempts": 0,
-            "next_attempt_at": now,
-            "created_at": now,
-            "updated_at": now,
-        }
+        values = self._post_row(
+            now,
+            org_id=org_id,
+            work_item_id=work_item_id,
+            kind=kind,
+            channel=channel,
+            binding_id=None,
+            address=address,
+            text=text,
+        )
         return await self._insert(conn, values, now)
 
     async def _insert(self, conn: Conn, values: dict[str, Any], now: int) -> Delivery:

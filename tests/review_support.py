@@ -11,12 +11,13 @@ import sqlalchemy as sa
 
 from leadgate.core.config import ReviewSettings
 from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.review import destinations as dest
 from leadgate.review.cards import ReviewNotifier
 from leadgate.review.sla import SlaRunner
 from outbox.channel import Card
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Env, Org, api_trigger, make_agent, make_org
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack
 
@@ -99,25 +100,43 @@ async def review_env(
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
-    async with stack.db.tx() as conn:
-        await dest.add_destination(
-            conn,
-            stack.clock,
-            stack.ids,
-            org_id=org.id,
-            agent_id=None,
-            channel="slack",
-            target=f"T0001:{REVIEW_CHANNEL}",
-        )
-        if escalation:
-            await dest.add_destination(
-                conn,
-                stack.clock,
-                stack.ids,
-                org_id=org.id,
-                agent_id=None,
-                channel="slack",
-                target=ESCALATION_CHANNEL,
-                tier="escalate",
-            )
+    await add_destination(stack, org.id, "slack", f"T0001:{REVIEW_CHANNEL}")
+    if escalation:
+        await add_destination(stack, org.id, "slack", ESCALATION_CHANNEL, tier="escalate")
     return ReviewEnv(stack, channels, notifier, sla, org, worker)
+
+
+async def add_destination(
+    env: Env,
+    org_id: str,
+    channel: str,
+    target: str,
+    *,
+    tier: str = "notify",
+    agent_id: str | None = None,
+) -> dest.Destination:
+    """``leadgate notify add`` in a test."""
+    async with env.db.tx() as conn:
+        return await dest.add_destination(
+            conn,
+            env.clock,
+            env.ids,
+            org_id=org_id,
+            agent_id=agent_id,
+            channel=channel,
+            target=target,
+            tier=tier,
+        )
+
+
+def slack_trigger(env: ReviewEnv, text: str, thread: str = "1.1") -> Trigger:
+    """A message of the worker's from a Slack thread (its answer is posted by the relay)."""
+    return Trigger(
+        org_id=env.org.id,
+        agent_id=env.worker["id"],
+        session_key=f"slack:T1:C9:{thread}",
+        text=text,
+        binding=BindingSpec(
+            BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": thread}
+        ),
+    )

@@ -12,6 +12,7 @@ two simultaneous clicks make one decision, and the other clicker is told who dec
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -88,22 +89,19 @@ class ChatReviews:
             answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
         if answer.kind != "open" or reviewer is None:
             return answer
-        try:
-            await self.reviews.decide(
+        return await self._commit(
+            self.reviews.decide(
                 reviewer.principal(),
                 item_id,
                 action,
                 text,
                 surface=platform,
                 identity=f"{platform}:{identity}",
-            )
-        except ValidationError as exc:
-            return ChatAnswer("invalid", exc.message)
-        except PermissionDenied:
-            return ChatAnswer("forbidden", FORBIDDEN)
-        except (TransitionError, NotFound):
-            return await self._closed(item_id, platform, message_id)
-        return await self._after(item_id, platform, message_id, "decided")
+            ),
+            item_id,
+            platform,
+            message_id,
+        )
 
     async def recover(
         self,
@@ -130,21 +128,18 @@ class ChatReviews:
             item_id = str(row.work_item_id)
             if row.status != DeliveryStatus.deliveryUnknown.value:
                 return await self._closed_in(conn, item_id, platform, message_id)
-        try:
-            await self.reviews.recover(
+        return await self._commit(
+            self.reviews.recover(
                 reviewer.principal(),
                 delivery_id,
                 action,
                 surface=platform,
                 identity=f"{platform}:{identity}",
-            )
-        except ValidationError as exc:
-            return ChatAnswer("invalid", exc.message)
-        except PermissionDenied:
-            return ChatAnswer("forbidden", FORBIDDEN)
-        except (TransitionError, NotFound):
-            return await self._closed(item_id, platform, message_id)
-        return await self._after(item_id, platform, message_id, "decided")
+            ),
+            item_id,
+            platform,
+            message_id,
+        )
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
         """Keep a Teams conversation's reference (so ``notify add --channel teams``
@@ -153,6 +148,25 @@ class ChatReviews:
             await remember_teams_conversation(conn, self.clock, dict(reference))
 
     # ------------------------------------------------------------------- helpers
+
+    async def _commit(
+        self,
+        decision: Awaitable[object],
+        item_id: str,
+        platform: str,
+        message_id: str | None,
+    ) -> ChatAnswer:
+        """Await the decision (the fenced commit path) and say what became of it."""
+        try:
+            await decision
+        except ValidationError as exc:
+            return ChatAnswer("invalid", exc.message)
+        except PermissionDenied:
+            return ChatAnswer("forbidden", FORBIDDEN)
+        except (TransitionError, NotFound):
+            # Someone else decided first (or the item went away): say who and what.
+            return await self._closed(item_id, platform, message_id)
+        return await self._after(item_id, platform, message_id, "decided")
 
     async def _gate(
         self, conn: Conn, platform: str, identity: str, item_id: str, episode_id: str | None

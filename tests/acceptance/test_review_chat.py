@@ -244,6 +244,16 @@ def escalate_in_slack(svc: ServiceProcess, marker: str) -> str:
     return ts
 
 
+def waiting_in_slack(
+    svc: ServiceProcess, slack_api: Standin
+) -> tuple[Operator, str, dict[str, Any], str]:
+    """An item escalated from Slack: (operator, its marker, its Slack card, its id)."""
+    marker = uuid.uuid4().hex[:10]
+    escalate_in_slack(svc, marker)
+    card = slack_card(slack_api, marker)
+    return Operator(svc), marker, card, buttons(card)["approve"]["value"]
+
+
 def slack_card(slack_api: Standin, marker: str) -> dict[str, Any]:
     def find() -> dict[str, Any] | None:
         for post in slack_api.records("posts"):
@@ -410,11 +420,7 @@ def test_escalated_slack_turn_posts_cards_and_a_member_approves_from_slack(
 
 
 def test_unlinked_and_viewer_clicks_change_nothing(svc: ServiceProcess, slack_api: Standin) -> None:
-    op = Operator(svc)
-    marker = uuid.uuid4().hex[:10]
-    escalate_in_slack(svc, marker)
-    card = slack_card(slack_api, marker)
-    item_id = buttons(card)["approve"]["value"]
+    op, _, card, item_id = waiting_in_slack(svc, slack_api)
     before = op.detail(item_id)["audit"]
     names = [
         click(svc, slack_api, card, "approve", "U0STRANGER"),
@@ -440,11 +446,7 @@ def test_unlinked_and_viewer_clicks_change_nothing(svc: ServiceProcess, slack_ap
 def test_two_concurrent_approve_clicks_make_one_decision(
     svc: ServiceProcess, slack_api: Standin
 ) -> None:
-    op = Operator(svc)
-    marker = uuid.uuid4().hex[:10]
-    escalate_in_slack(svc, marker)
-    card = slack_card(slack_api, marker)
-    item_id = buttons(card)["approve"]["value"]
+    op, marker, card, item_id = waiting_in_slack(svc, slack_api)
     bodies = [
         interaction(slack_api, card, "approve", MEMBER["slack"], f"race-{marker}-{i}")
         for i in range(2)
@@ -478,11 +480,7 @@ def test_two_concurrent_approve_clicks_make_one_decision(
 def test_reject_through_the_modal_records_the_reason(
     svc: ServiceProcess, slack_api: Standin
 ) -> None:
-    op = Operator(svc)
-    marker = uuid.uuid4().hex[:10]
-    escalate_in_slack(svc, marker)
-    card = slack_card(slack_api, marker)
-    item_id = buttons(card)["reject"]["value"]
+    op, marker, card, item_id = waiting_in_slack(svc, slack_api)
     name = click(svc, slack_api, card, "reject", MEMBER["slack"])
     [opened] = wait_until(
         lambda: calls(slack_api, "views.open", trigger_id=f"trigger-{name}"), what="the modal"
@@ -518,10 +516,7 @@ def test_reject_through_the_modal_records_the_reason(
 
 
 def test_a_console_approval_updates_the_slack_card(svc: ServiceProcess, slack_api: Standin) -> None:
-    marker = uuid.uuid4().hex[:10]
-    escalate_in_slack(svc, marker)
-    card = slack_card(slack_api, marker)
-    item_id = buttons(card)["approve"]["value"]
+    _, _, card, item_id = waiting_in_slack(svc, slack_api)
     cookie = _session_cookie(svc)
     status, raw = http(
         "POST",
@@ -559,11 +554,7 @@ def _session_cookie(svc: ServiceProcess) -> str:
 def test_a_forged_signature_is_401_and_no_get_decides(
     svc: ServiceProcess, slack_api: Standin
 ) -> None:
-    op = Operator(svc)
-    marker = uuid.uuid4().hex[:10]
-    escalate_in_slack(svc, marker)
-    card = slack_card(slack_api, marker)
-    item_id = buttons(card)["approve"]["value"]
+    op, _, card, item_id = waiting_in_slack(svc, slack_api)
     body = interaction(slack_api, card, "approve", MEMBER["slack"], "forged")
     status, _ = slack_post(svc, body, form=True, secret="not-the-secret")
     assert status == 401

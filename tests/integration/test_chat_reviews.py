@@ -23,6 +23,7 @@ from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card
 from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
 from tests.outbox_support import ScriptedChannel
+from tests.review_support import add_destination
 
 MEMBER = "T0001:U0MEMBER"
 VIEWER = "T0001:U0VIEWER"
@@ -47,10 +48,8 @@ async def setup(app: App, name: str = "acme") -> tuple[Org, dict[str, Any]]:
     org = await make_org(app, name)
     await make_agent(app, org, "lead")
     worker = await make_agent(app, org, "worker", lead="lead")
+    await add_destination(app, org.id, "slack", "C0R")
     async with app.db.tx() as conn:
-        await dest.add_destination(
-            conn, app.clock, app.ids, org_id=org.id, agent_id=None, channel="slack", target="C0R"
-        )
         for email, role, identity in (
             (f"member@{name}.io", "Member", MEMBER),
             (f"viewer@{name}.io", "Viewer", VIEWER),

@@ -12,7 +12,6 @@ import sqlalchemy as sa
 
 from bots import discord_review, slack_review, teams_review
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery
@@ -23,7 +22,7 @@ from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
 from tests.helpers import api_trigger, make_agent
-from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env
+from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env, slack_trigger
 from tests.stack import Stack
 
 
@@ -145,14 +144,7 @@ async def test_delivery_unknown_gets_a_recovery_card_and_confirm_closes_it(
     env = await review_env(make_stack)
     org, stack = env.org, env.stack
     # A worker on a Slack binding: its approved answer is posted by the relay.
-    trigger = Trigger(
-        org_id=org.id,
-        agent_id=env.worker["id"],
-        session_key="slack:T1:C9:1.1",
-        text="ship it #complete",
-        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": "1.1"}),
-    )
-    await stack.turns.run(trigger)
+    await stack.turns.run(slack_trigger(env, "ship it #complete"))
     env.slack.script = [Uncertain("timeout after sending")]
     await drain(stack.lead_runner)
     await drain(stack.relay)

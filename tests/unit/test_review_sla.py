@@ -18,7 +18,6 @@ from leadgate.core.durations import format_duration, parse_duration
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.review import decisions
@@ -27,7 +26,13 @@ from leadgate.review.cards import ReviewNotifier
 from leadgate.review.sla import SlaRunner
 from outbox.channel import Card, Uncertain
 from tests.helpers import item_audit
-from tests.review_support import ESCALATION_CHANNEL, REVIEW_CHANNEL, ReviewEnv, review_env
+from tests.review_support import (
+    ESCALATION_CHANNEL,
+    REVIEW_CHANNEL,
+    ReviewEnv,
+    review_env,
+    slack_trigger,
+)
 from tests.stack import Stack
 
 HOUR = 60 * MINUTE_MS
@@ -115,13 +120,7 @@ async def test_delivery_unknown_is_reminded_about_and_never_expired(
 ) -> None:
     env = await review_env(make_stack, remind_after="10m", expire_after="20m")
     stack = env.stack
-    trigger = Trigger(
-        org_id=env.org.id,
-        agent_id=env.worker["id"],
-        session_key="slack:T1:C9:1.1",
-        text="ship it #complete",
-        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": "1.1"}),
-    )
+    trigger = slack_trigger(env, "ship it #complete")
     await stack.turns.run(trigger)
     env.slack.script = [Uncertain("reset after sending")]
     await drain(stack.lead_runner)
