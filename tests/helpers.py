@@ -94,3 +94,17 @@ async def item_audit(service: Env, item_id: str) -> list[dict[str, Any]]:
             )
         ).all()
     return [dict(r._mapping) for r in rows]
+
+
+async def session_item(service: Env, session_key: str) -> str:
+    """The id of the newest work item of the session ``session_key``."""
+    w = t.work_items.c
+    async with service.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(w.id)
+            .select_from(t.work_items.join(t.sessions, t.sessions.c.id == w.session_id))
+            .where(t.sessions.c.key == session_key)
+            .order_by(w.created_at.desc())
+        )
+    assert item_id, f"no work item in session {session_key}"
+    return str(item_id)

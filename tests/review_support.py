@@ -17,7 +17,7 @@ from leadgate.review import destinations as dest
 from leadgate.review.cards import ReviewNotifier
 from leadgate.review.sla import SlaRunner
 from outbox.channel import Card
-from tests.helpers import Env, Org, api_trigger, make_agent, make_org
+from tests.helpers import Env, Org, api_trigger, make_agent, make_org, session_item
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack
 
@@ -45,16 +45,7 @@ class ReviewEnv:
         """A work item of the worker that the lead escalated (awaitingHuman)."""
         await self.stack.turns.run(api_trigger(self.org, self.worker, text, session))
         await drain(self.stack.lead_runner)
-        async with self.stack.db.read() as conn:
-            w = t.work_items.c
-            item_id = await conn.scalar(
-                sa.select(w.id)
-                .select_from(t.work_items.join(t.sessions, t.sessions.c.id == w.session_id))
-                .where(t.sessions.c.key == session)
-                .order_by(w.created_at.desc())
-            )
-        assert item_id
-        return str(item_id)
+        return await session_item(self.stack, session)
 
     async def deliveries(self, item_id: str, kind: str | None = None) -> list[dict[str, Any]]:
         d = t.deliveries.c

@@ -20,7 +20,7 @@ from leadgate.review import decisions
 from leadgate.review.queue import detail
 from leadgate.runners.revisions import RevisionRunner
 from outbox.store import Outbox
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org, session_item
 from tests.helpers import item_audit as audit_rows
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
@@ -43,16 +43,7 @@ async def setup(stack: Stack) -> tuple[Org, dict[str, Any]]:
 async def run(stack: Stack, org: Org, worker: dict[str, Any], text: str, session: str) -> str:
     out = await stack.turns.run(api_trigger(org, worker, text, session))
     assert isinstance(out, Gated | Reply)
-    async with stack.db.read() as conn:
-        w = t.work_items.c
-        item_id = await conn.scalar(
-            sa.select(w.id)
-            .select_from(t.work_items.join(t.sessions, t.sessions.c.id == w.session_id))
-            .where(t.sessions.c.key == session)
-            .order_by(w.created_at.desc())
-        )
-    assert item_id
-    return str(item_id)
+    return await session_item(stack, session)
 
 
 async def escalated(stack: Stack, org: Org, worker: dict[str, Any], session: str) -> str:
