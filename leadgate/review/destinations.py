@@ -209,6 +209,11 @@ async def add_destination(
     if tier not in TIERS:
         raise ValidationError("tier must be notify or escalate", rule="notify.tier")
     address = await parse_target(conn, channel, target)
+    if channel == "teams":
+        # A whole conversation reference is kept in the address; its id names it.
+        target = str(address["reference"]["conversation"]["id"])
+    if len(target.strip()) > 500:
+        raise ValidationError("the target is longer than 500 characters", rule="notify.target")
     scope = RD.agent_id.is_(None) if agent_id is None else RD.agent_id == agent_id
     existing = (
         await conn.execute(

@@ -6,6 +6,7 @@ click is told who decided."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -222,3 +223,16 @@ async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> No
             target="19:rev@thread.tacv2",
         )
     assert added.address == {"reference": reference}
+    # A whole reference as JSON works too (named by its conversation id).
+    other = {**reference, "conversation": {"id": "19:json@thread.tacv2"}, "padding": "x" * 600}
+    async with app.db.tx() as conn:
+        by_json = await dest.add_destination(
+            conn,
+            app.clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=None,
+            channel="teams",
+            target=json.dumps(other),
+        )
+    assert (by_json.target, by_json.address) == ("19:json@thread.tacv2", {"reference": other})
