@@ -19,7 +19,6 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
-from leadgate.review import destinations as dest
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card
 from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
@@ -212,27 +211,9 @@ async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> No
         "channelId": "msteams",
     }
     await app.chat_reviews.remember_teams_conversation(reference)
-    async with app.db.tx() as conn:
-        added = await dest.add_destination(
-            conn,
-            app.clock,
-            app.ids,
-            org_id=org.id,
-            agent_id=None,
-            channel="teams",
-            target="19:rev@thread.tacv2",
-        )
+    added = await add_destination(app, org.id, "teams", "19:rev@thread.tacv2")
     assert added.address == {"reference": reference}
     # A whole reference as JSON works too (named by its conversation id).
     other = {**reference, "conversation": {"id": "19:json@thread.tacv2"}, "padding": "x" * 600}
-    async with app.db.tx() as conn:
-        by_json = await dest.add_destination(
-            conn,
-            app.clock,
-            app.ids,
-            org_id=org.id,
-            agent_id=None,
-            channel="teams",
-            target=json.dumps(other),
-        )
+    by_json = await add_destination(app, org.id, "teams", json.dumps(other))
     assert (by_json.target, by_json.address) == ("19:json@thread.tacv2", {"reference": other})
