@@ -38,6 +38,7 @@ from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
 from leadgate.operations.agents import Agents
 from leadgate.operations.messages import Messages
+from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
 from leadgate.review.runner import LeadRunner
 from leadgate.runners.revisions import RevisionRunner
@@ -45,7 +46,7 @@ from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
-from leadgate.web import agents_api, console, openai_api, operator_api
+from leadgate.web import agents_api, console, openai_api, operator_api, operator_events
 from leadgate.web.common import error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from outbox.channel import Channel
@@ -93,6 +94,7 @@ class App:
         self.access = Access(self.db, self.clock, self.ids)
         self.reviews = Reviews(self.db, self.clock, self.ids, self.outbox, on_decided=self.wake_all)
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
+        self.oversight = Oversight(self.db, self.clock)
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()
@@ -243,7 +245,10 @@ class App:
         lookup = self.access.principal
         openai_api.setup(app, authenticate_with=lookup, chat=self.messages, ids=self.ids)
         agents_api.setup(app, authenticate_with=lookup, agents=self.agents)
-        operator_api.setup(app, authenticate_with=lookup, reviews=self.reviews)
+        operator_api.setup(
+            app, authenticate_with=lookup, reviews=self.reviews, insights=self.oversight
+        )
+        operator_events.setup(app, authenticate_with=lookup, feed=self.oversight)
         console.setup(
             app, access=self.access, clock=self.clock, public_url=self.settings.server.public_url
         )
