@@ -47,7 +47,7 @@ from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
 from leadgate.web import agents_api, console, openai_api, operator_api, operator_events
-from leadgate.web.common import error_middleware
+from leadgate.web.common import add_request_id, error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from outbox.channel import Channel
 from outbox.relay import Relay
@@ -232,6 +232,7 @@ class App:
         app = web.Application(
             middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
         )
+        app.on_response_prepare.append(add_request_id)
         app.router.add_get("/healthz", self._healthz(role))
         app.router.add_get("/metrics", _metrics)
         surfaces = role != "worker"
