@@ -111,7 +111,7 @@ def requester(kind: str | None, address: Any, session_key: str | None) -> str:
             return f"user {key[2:]}"
         if key.startswith("default:"):
             return f"default session of {key[len('default:') :]}"
-        return key or "API caller"
+        return f"session {key}" if key else "API caller"
     if kind == "slack":
         return f"Slack channel {addr.get('channel', '?')} (team {addr.get('team', '?')})"
     if kind == "discord":

@@ -57,7 +57,7 @@ def _chart(kind: Any, title: str, colors: list[str]) -> Any:
     return kind(
         js=[],
         width=640,
-        height=300,
+        height=320,
         title=title,
         style=Style(colors=tuple(colors) or ("#1f5fbf",), **_STYLE),
         legend_at_bottom=True,
@@ -68,6 +68,8 @@ def _chart(kind: Any, title: str, colors: list[str]) -> Any:
         x_label_rotation=0,
         truncate_label=-1,
         margin=16,
+        margin_bottom=24,
+        max_scale=6,
         disable_xml_declaration=False,
     )
 
