@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from leadgate.app import App
 from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
 from leadgate.core.errors import ValidationError
@@ -173,6 +172,10 @@ async def flow_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
 
 async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
     """``leadgate flow run --org ORG FLOW``: runs turns, so it needs the whole service."""
+    # Imported here: the composition root pulls in every SDK (about 3 s), which the
+    # other commands do not need.
+    from leadgate.app import App
+
     org_id = await admin.org_id(args.org)
     app = App(settings, enable_adapters=False)
     try:

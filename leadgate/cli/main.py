@@ -18,7 +18,6 @@ from typing import Any
 
 from aiohttp import web
 
-from leadgate.app import App
 from leadgate.cli.commands import COMMANDS
 from leadgate.cli.context import discover, help_epilog, where
 from leadgate.cli.output import render
@@ -50,6 +49,10 @@ async def _serve(settings: Settings, role: str) -> None:
     """``leadgate serve``: the HTTP surfaces and (worker, all) the runners, until SIGTERM."""
     if role != "worker":
         check_ports(settings)  # before anything starts: a clear error, nothing half-done
+    # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
+    # and operator commands do not need.
+    from leadgate.app import App
+
     # Every role builds the channel adapters: a worker's relay posts through their
     # outbound halves (the inbound halves are mounted for api/all only).
     app = App(settings)

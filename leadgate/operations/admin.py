@@ -19,10 +19,16 @@ from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, policy
 from leadgate.domain.agents import UNSET
 from leadgate.domain.rows import Agent
-from leadgate.flows import runs as flows
-from leadgate.runners.schedules import add_schedule
 
 DEMO_AGENTS = ("worker", "lead", "plain")
+
+
+def _flows() -> Any:
+    """:mod:`leadgate.flows.runs`, imported on first use: it pulls in the turn path and
+    the model SDKs (about a second), which every other admin command can do without."""
+    from leadgate.flows import runs
+
+    return runs
 
 
 class Admin:
@@ -183,6 +189,8 @@ class Admin:
 
     async def add_schedule(self, org: str, agent: str, cron: str, message: str) -> dict[str, Any]:
         """Run an agent on a cron schedule."""
+        from leadgate.runners.schedules import add_schedule  # see _flows()
+
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
             found = await agents_mod.find_agent(conn, org_id, agent)
@@ -200,12 +208,18 @@ class Admin:
         """A flow from its node list."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            return await flows.create_flow(conn, self.clock, self.ids, org_id, name, nodes)
+            flow: dict[str, Any] = await _flows().create_flow(
+                conn, self.clock, self.ids, org_id, name, nodes
+            )
+            return flow
 
     async def show_run(self, org: str, run_id: str) -> dict[str, Any]:
         """A flow run with its events and continuations."""
         async with self.db.read() as conn:
-            return await flows.run_view(conn, await self._org_id(conn, org), run_id)
+            run: dict[str, Any] = await _flows().run_view(
+                conn, await self._org_id(conn, org), run_id
+            )
+            return run
 
     async def org_id(self, org: str) -> str:
         """The id of an organization given by name or id."""
