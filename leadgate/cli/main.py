@@ -107,16 +107,21 @@ def main(argv: list[str] | None = None) -> int:
         print(render(result, args.format, command))
         return 0
     except LeadgateError as exc:
-        print(f"leadgate: error: {exc.message} [{exc.rule}]", file=sys.stderr)
-        print(f"leadgate: ({where(choice, settings)})", file=sys.stderr)
+        # One line, the rule last (scripts look for "[rule]" at the end).
+        print(
+            f"leadgate: error: {exc.message} ({where(choice, settings)}) [{exc.rule}]",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         with contextlib.suppress(Exception):
             log.debug("command failed", exc_info=True)
-        print(f"leadgate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        print(f"leadgate: ({where(choice, settings)})", file=sys.stderr)
+        print(
+            f"leadgate: error: {type(exc).__name__}: {exc} ({where(choice, settings)})",
+            file=sys.stderr,
+        )
         return 1
 
 
