@@ -188,10 +188,7 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
         ("return", "return an awaitingHuman item to the worker with feedback"),
         ("cancel", "cancel any non-terminal item"),
     ):
-        p = review(action, help_text)
-        p.add_argument("--org", required=True)
-        p.add_argument("item", metavar="WORK_ITEM_ID")
-        _as_option(p)
+        p = _acting(review(action, help_text), "item", "WORK_ITEM_ID")
         if action == "reject":
             p.add_argument("--reason", required=True, help="1..2,000 characters; - reads stdin")
         if action == "return":
@@ -203,13 +200,13 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
         ("confirm", "the message did arrive: delivery sent, item completed"),
         ("retry", "it did not: send again"),
     ):
-        p = delivery(action, help_text)
-        p.add_argument("--org", required=True)
-        p.add_argument("delivery", metavar="DELIVERY_ID")
-        _as_option(p)
+        _acting(delivery(action, help_text), "delivery", "DELIVERY_ID")
 
 
-def _as_option(p: argparse.ArgumentParser) -> None:
+def _acting(p: argparse.ArgumentParser, target: str, metavar: str) -> argparse.ArgumentParser:
+    """A decision command: ``--org``, the target id and ``--as``."""
+    p.add_argument("--org", required=True)
+    p.add_argument(target, metavar=metavar)
     p.add_argument(
         "--as",
         dest="as_email",
@@ -217,6 +214,7 @@ def _as_option(p: argparse.ArgumentParser) -> None:
         help="audit the decision as this console user (needs a role with agent:review); "
         "default: the command line, as cli:<your operating-system user>",
     )
+    return p
 
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter

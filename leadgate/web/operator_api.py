@@ -68,8 +68,9 @@ def _int(request: web.Request, name: str, default: int, rule: str) -> int:
         raise ValidationError(f"{name} must be an integer", rule=rule) from None
 
 
-def _opt(request: web.Request, name: str) -> str | None:
-    return request.query.get(name) or None
+def _opts(request: web.Request, *names: str) -> dict[str, str | None]:
+    """Optional query parameters (an empty value is no value)."""
+    return {name: request.query.get(name) or None for name in names}
 
 
 def setup(
@@ -93,11 +94,8 @@ def setup(
         page = await reviews.queue(
             principal,
             limit=_int(request, "limit", 50, "queue.limit"),
-            cursor=_opt(request, "cursor"),
-            agent=_opt(request, "agent"),
-            channel=_opt(request, "channel"),
-            reason=_opt(request, "reason"),
             order=request.query.get("order") or "oldest",
+            **_opts(request, "cursor", "agent", "channel", "reason"),
         )
         return web.json_response(page)
 
@@ -137,13 +135,7 @@ def setup(
         page = await reviews.activity(
             principal,
             limit=_int(request, "limit", 50, "activity.limit"),
-            cursor=_opt(request, "cursor"),
-            agent=_opt(request, "agent"),
-            status=_opt(request, "status"),
-            channel=_opt(request, "channel"),
-            since=_opt(request, "since"),
-            until=_opt(request, "until"),
-            q=_opt(request, "q"),
+            **_opts(request, "cursor", "agent", "status", "channel", "since", "until", "q"),
         )
         return web.json_response(page)
 

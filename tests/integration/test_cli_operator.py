@@ -31,9 +31,9 @@ from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.domain import orgs
-from outbox.channel import OutboundMessage, SendOutcome, Uncertain
 from tests.helpers import make_agent, make_org
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
+from tests.integration.test_operator_api import TimeoutChannel
 
 ME = getpass.getuser()
 
@@ -65,22 +65,11 @@ def par(cwd: Path, *calls: tuple[str, ...] | tuple[tuple[str, ...], dict[str, An
         return [f.result() for f in futures]
 
 
-class TimeoutSlack:
-    name = "slack"
-    max_chars = 4_000
-
-    async def send(self, message: OutboundMessage) -> SendOutcome:
-        return Uncertain("read timeout after the request was written")
-
-    async def close(self) -> None:
-        return None
-
-
 async def _seed(url: str) -> dict[str, Any]:
     app = App(
         Settings.model_validate({"database": {"url": url}}),
         enable_adapters=False,
-        channels={"slack": TimeoutSlack()},
+        channels={"slack": TimeoutChannel()},
     )
     try:
         org = await make_org(app, "acme")

@@ -26,24 +26,13 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import OutboundMessage, SendOutcome, Uncertain
 from tests.helpers import Org, make_agent, make_org
+from tests.integration.test_operator_api import TimeoutChannel
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 PASSWORD = "correct horse battery"
 SLACK = {"team": "T1", "channel": "C9", "thread_ts": "9.9"}
 ENVELOPE = {"message", "type", "param", "code", "rule"}
-
-
-class TimeoutSlack:
-    name = "slack"
-    max_chars = 4_000
-
-    async def send(self, message: OutboundMessage) -> SendOutcome:
-        return Uncertain("read timeout after the request was written")
-
-    async def close(self) -> None:
-        return None
 
 
 @dataclass
@@ -95,7 +84,7 @@ class Env:
 async def env(migrated_url: str) -> AsyncIterator[Env]:
     settings = Settings.model_validate({"database": {"url": migrated_url}})
     service = App(
-        settings, clock=FakeClock(), enable_adapters=False, channels={"slack": TimeoutSlack()}
+        settings, clock=FakeClock(), enable_adapters=False, channels={"slack": TimeoutChannel()}
     )
     org = await make_org(service)
     await make_agent(service, org, "lead")
