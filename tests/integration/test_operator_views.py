@@ -11,11 +11,11 @@ import io
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp import ClientResponse, web
+from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 
 from leadgate.app import App
@@ -26,7 +26,8 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import make_agent, make_org
+from tests.integration.test_operator_api import Env as OperatorEnv
 from tests.integration.test_operator_api import TimeoutChannel
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -36,23 +37,12 @@ ENVELOPE = {"message", "type", "param", "code", "rule"}
 
 
 @dataclass
-class Env:
-    service: App
-    client: TestClient[web.Request, web.Application]
-    org: Org
-    worker: dict[str, Any]
-    other: dict[str, Any]
+class Env(OperatorEnv):
+    """The operator API's test environment, with a second worker agent."""
 
-    @property
-    def owner(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.org.key}"}
+    other: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def clock(self) -> FakeClock:
-        assert isinstance(self.service.clock, FakeClock)
-        return self.service.clock
-
-    async def turn(
+    async def item(
         self, text: str, session: str, *, agent: dict[str, Any] | None = None, slack: bool = False
     ) -> str:
         binding = BindingSpec(BindingKind.slack, SLACK) if slack else BindingSpec(BindingKind.api)
@@ -83,9 +73,8 @@ class Env:
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
     settings = Settings.model_validate({"database": {"url": migrated_url}})
-    service = App(
-        settings, clock=FakeClock(), enable_adapters=False, channels={"slack": TimeoutChannel()}
-    )
+    slack = TimeoutChannel()
+    service = App(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
     org = await make_org(service)
     await make_agent(service, org, "lead")
     worker = await make_agent(service, org, "worker", lead="lead")
@@ -93,7 +82,7 @@ async def env(migrated_url: str) -> AsyncIterator[Env]:
     client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
     await client.start_server()
     try:
-        yield Env(service, client, org, worker, other)
+        yield Env(service, client, org, worker, slack, other)
     finally:
         await client.close()
         await service.stop()
@@ -112,9 +101,9 @@ async def assert_envelope(resp: ClientResponse, status: int, rule: str) -> dict[
 
 
 async def test_the_queue_is_built_for_triage(env: Env) -> None:
-    first = await env.turn("draft the launch note #escalate", "a")
-    slack = await env.turn("translate the FAQ #escalate", "b", agent=env.other, slack=True)
-    unknown = await env.turn("post the update", "c", slack=True)
+    first = await env.item("draft the launch note #escalate", "a")
+    slack = await env.item("translate the FAQ #escalate", "b", agent=env.other, slack=True)
+    unknown = await env.item("post the update", "c", slack=True)
     await drain(env.service.relay)  # the send times out: deliveryUnknown
 
     page = await env.get("/operator/reviews")
@@ -163,7 +152,7 @@ async def test_the_queue_is_built_for_triage(env: Env) -> None:
 
 @SQLITE_ONLY
 async def test_the_detail_names_actors_shows_the_destination_and_the_verdicts(env: Env) -> None:
-    item = await env.turn("post the weekly update #escalate", "d", slack=True)
+    item = await env.item("post the weekly update #escalate", "d", slack=True)
     cookie = await env.user("mia@example.com", "member", name="Mia Jones")
     resp = await env.client.post(
         f"/operator/reviews/{item}/return", json={"feedback": "Add numbers."}, headers=cookie
@@ -212,8 +201,8 @@ async def test_the_detail_names_actors_shows_the_destination_and_the_verdicts(en
 
 @SQLITE_ONLY
 async def test_activity_filters_searches_and_pages_without_the_text(env: Env) -> None:
-    made = [await env.turn(f"rename invoice {n} #escalate", f"s{n}") for n in range(3)]
-    pct = await env.turn("100% done #escalate", "pct", agent=env.other, slack=True)
+    made = [await env.item(f"rename invoice {n} #escalate", f"s{n}") for n in range(3)]
+    pct = await env.item("100% done #escalate", "pct", agent=env.other, slack=True)
     t_mid = env.clock.now_ms() - MINUTE_MS // 2  # between the last two items
     body = await env.get("/operator/activity")
     assert [i["id"] for i in body["items"]] == [pct, *reversed(made)]
@@ -257,18 +246,18 @@ async def test_activity_filters_searches_and_pages_without_the_text(env: Env) ->
 @SQLITE_ONLY
 async def test_insights_count_decisions_agreement_times_rounds_and_deliveries(env: Env) -> None:
     cookie = await env.user("mia@example.com", "Member")
-    approved = await env.turn("a #escalate", "a")
+    approved = await env.item("a #escalate", "a")
     env.clock.advance(4 * MINUTE_MS)
     assert (
         await env.client.post(f"/operator/reviews/{approved}/approve", headers=cookie)
     ).status == 200
-    rejected = await env.turn("b #escalate", "b")
+    rejected = await env.item("b #escalate", "b")
     env.clock.advance(2 * MINUTE_MS)
     resp = await env.client.post(
         f"/operator/reviews/{rejected}/reject", json={"reason": "no"}, headers=cookie
     )
     assert resp.status == 200
-    await env.turn("c", "c")  # the lead approves it itself
+    await env.item("c", "c")  # the lead approves it itself
     await drain(env.service.relay)
     data = await env.get("/operator/insights?days=7")
     assert data["days"] == 7 and len(data["decisions"]["perDay"]) == 7
@@ -323,7 +312,7 @@ async def test_events_follow_the_organization_only(env: Env) -> None:
     assert await read_event(mine) == ("hello", {"queue": 0})
     assert await read_event(theirs) == ("hello", {"queue": 0})
 
-    item = await env.turn("news #escalate", "e")
+    item = await env.item("news #escalate", "e")
     name, data = await read_event(mine)
     assert name == "change" and item in data["items"]
     while data["queue"] != 1:  # a change may be seen half-way (the item, then the verdict)
