@@ -39,6 +39,7 @@ from leadgate.operations.access import Access
 from leadgate.operations.agents import Agents
 from leadgate.operations.chat_reviews import ChatReviews
 from leadgate.operations.messages import Messages
+from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
 from leadgate.review.cards import ReviewNotifier
 from leadgate.review.runner import LeadRunner
@@ -48,8 +49,8 @@ from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
-from leadgate.web import agents_api, console, openai_api, operator_api
-from leadgate.web.common import error_middleware
+from leadgate.web import agents_api, console, openai_api, operator_api, operator_events
+from leadgate.web.common import add_request_id, error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from outbox.channel import Channel
 from outbox.relay import Relay
@@ -106,6 +107,7 @@ class App:
         self.reviews = Reviews(self.db, self.clock, self.ids, self.outbox, on_decided=self.wake_all)
         self._wire_chat_reviews()
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
+        self.oversight = Oversight(self.db, self.clock)
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()
@@ -255,6 +257,7 @@ class App:
         app = web.Application(
             middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
         )
+        app.on_response_prepare.append(add_request_id)
         app.router.add_get("/healthz", self._healthz(role))
         app.router.add_get("/metrics", _metrics)
         surfaces = role != "worker"
@@ -268,7 +271,10 @@ class App:
         lookup = self.access.principal
         openai_api.setup(app, authenticate_with=lookup, chat=self.messages, ids=self.ids)
         agents_api.setup(app, authenticate_with=lookup, agents=self.agents)
-        operator_api.setup(app, authenticate_with=lookup, reviews=self.reviews)
+        operator_api.setup(
+            app, authenticate_with=lookup, reviews=self.reviews, insights=self.oversight
+        )
+        operator_events.setup(app, authenticate_with=lookup, feed=self.oversight)
         console.setup(
             app, access=self.access, clock=self.clock, public_url=self.settings.server.public_url
         )

@@ -8,16 +8,22 @@ what the function returns.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
+import socket
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-from leadgate.app import App
 from leadgate.cli.review_commands import REVIEW_COMMANDS
+from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
 from leadgate.core.errors import ValidationError
 from leadgate.operations.admin import Admin
+from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
+from outbox.store import Outbox
 
 Command = Callable[[Admin, argparse.Namespace, Settings], Awaitable[Any]]
 
@@ -54,14 +60,40 @@ async def org_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any
 
 
 async def key_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
-    """``leadgate key create --org ORG --scope S ...``."""
-    return await admin.create_key(args.org, args.scopes)
+    """``leadgate key create --org ORG --scope S ... [--name LABEL]``."""
+    return await admin.create_key(args.org, args.scopes, args.name)
+
+
+async def key_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate key list --org ORG``."""
+    return await admin.list_keys(args.org)
+
+
+async def key_revoke(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate key revoke --org ORG KEY_ID``."""
+    return await admin.revoke_key(args.org, args.key_id)
+
+
+def read_password(given: str | None) -> str:
+    """``--password``, else ``$LEADGATE_PASSWORD``, else asked twice without echo on a
+    terminal, else the first line of standard input."""
+    if given:
+        return given
+    if os.environ.get("LEADGATE_PASSWORD"):
+        return os.environ["LEADGATE_PASSWORD"]
+    if sys.stdin.isatty():
+        first = getpass.getpass("Password for the console user: ")
+        if getpass.getpass("Repeat the password: ") != first:
+            raise ValidationError("the two passwords differ", rule="user.password")
+        return first
+    return sys.stdin.readline().rstrip("\r\n")
 
 
 async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
-    """``leadgate user create --org ORG --email E --role R [--password P]``."""
-    password = args.password or os.environ.get("LEADGATE_PASSWORD", "")
-    return await admin.create_user(args.org, args.email, args.role, password)
+    """``leadgate user create --org ORG --email E --role R [--name N] [--password P]``."""
+    return await admin.create_user(
+        args.org, args.email, args.role, read_password(args.password), args.name
+    )
 
 
 async def agent_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
@@ -141,6 +173,10 @@ async def flow_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
 
 async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
     """``leadgate flow run --org ORG FLOW``: runs turns, so it needs the whole service."""
+    # Imported here: the composition root pulls in every SDK (about 3 s), which the
+    # other commands do not need.
+    from leadgate.app import App
+
     org_id = await admin.org_id(args.org)
     app = App(settings, enable_adapters=False)
     try:
@@ -151,13 +187,118 @@ async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -
 
 
 async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
-    """``leadgate demo [--name demo]``: the quick-start organization (idempotent)."""
-    return await admin.demo(args.name)
+    """``leadgate demo [--name demo] [--key-file FILE [--rotate-key]]``: the quick-start
+    organization (idempotent); with ``--key-file`` the Owner key is kept in that file
+    (mode 0600, never in the database) and reused while it is valid."""
+    path = Path(args.key_file) if args.key_file else None
+    kept = None
+    if path is not None and path.is_file():
+        kept = path.read_text(encoding="utf-8").strip() or None
+    result = await admin.demo(args.name, key=kept, rotate=args.rotate_key)
+    if path is not None and not result["keyReused"]:
+        _write_secret(path, str(result["apiKey"]))
+    if path is not None:
+        result["keyFile"] = str(path)
+    return result
+
+
+def _write_secret(path: Path, secret: str) -> None:
+    """Write ``secret`` to ``path`` readable by its owner only (0600 from the start)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(secret + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------- operator commands
+
+
+def _reviews(admin: Admin) -> Reviews:
+    # No relay in this process: an approval's delivery row is left pending for the
+    # service's relay (woken by NOTIFY on PostgreSQL, by its poll on SQLite).
+    return Reviews(admin.db, admin.clock, admin.ids, Outbox(admin.clock, admin.ids))
+
+
+def os_user() -> str:
+    """The operating-system user running the command (audited as ``cli:<user>``)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in the environment or the password database
+        return f"uid{os.getuid()}"
+
+
+async def _principal(admin: Admin, args: argparse.Namespace) -> Principal:
+    return await admin.reviewer(args.org, getattr(args, "as_email", None), f"cli:{os_user()}")
+
+
+def _identity() -> str:
+    return f"os:{os_user()}@{socket.gethostname()}"
+
+
+def _text(value: str) -> str:
+    return sys.stdin.read().strip() if value == "-" else value
+
+
+async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate review list --org ORG [--agent A] [--channel C] [--reason R] ...``."""
+    return await _reviews(admin).queue(
+        await _principal(admin, args),
+        limit=args.limit,
+        cursor=args.cursor,
+        agent=args.agent,
+        channel=args.channel,
+        reason=args.reason,
+        order=args.order,
+    )
+
+
+async def review_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate review show --org ORG WORK_ITEM_ID``."""
+    return await _reviews(admin).detail(await _principal(admin, args), args.item)
+
+
+def _decision(action: str) -> Command:
+    async def decide(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+        text = None
+        if action == "reject":
+            text = _text(args.reason)
+        elif action == "return":
+            text = _text(args.feedback)
+        return await _reviews(admin).decide(
+            await _principal(admin, args),
+            args.item,
+            action,
+            text,
+            surface="cli",
+            identity=_identity(),
+        )
+
+    decide.__doc__ = f"``leadgate review {action} --org ORG WORK_ITEM_ID [--as EMAIL]``."
+    return decide
+
+
+def _recovery(action: str) -> Command:
+    async def recover(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+        return await _reviews(admin).recover(
+            await _principal(admin, args),
+            args.delivery,
+            action,
+            surface="cli",
+            identity=_identity(),
+        )
+
+    recover.__doc__ = f"``leadgate delivery {action} --org ORG DELIVERY_ID [--as EMAIL]``."
+    return recover
 
 
 COMMANDS: dict[tuple[str, str | None], Command] = {
     ("org", "create"): org_create,
     ("key", "create"): key_create,
+    ("key", "list"): key_list,
+    ("key", "revoke"): key_revoke,
     ("user", "create"): user_create,
     ("agent", "create"): agent_create,
     ("agent", "update"): agent_update,
@@ -171,5 +312,9 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("flow", "run"): flow_run,
     ("flow", "show"): flow_show,
     ("demo", None): demo,
+    ("review", "list"): review_list,
+    ("review", "show"): review_show,
+    **{("review", action): _decision(action) for action in DECISIONS},
+    **{("delivery", action): _recovery(action) for action in RECOVERIES},
 }
 COMMANDS.update(REVIEW_COMMANDS)

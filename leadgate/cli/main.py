@@ -1,4 +1,5 @@
-"""``leadgate``: serve, and the admin commands (JSON on stdout, errors on stderr).
+"""``leadgate``: serve, the admin and operator commands (JSON on stdout, or ``--format
+table``; errors on stderr, each naming the config file and database in use).
 
 Exit codes: 0 success, 2 a rule was broken (the message names it), 1 anything else.
 """
@@ -17,9 +18,11 @@ from typing import Any
 
 from aiohttp import web
 
-from leadgate.app import App
 from leadgate.cli.commands import COMMANDS
+from leadgate.cli.context import discover, help_epilog, where
+from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
+from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
 from leadgate.core.errors import LeadgateError
@@ -44,6 +47,12 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
 
 async def _serve(settings: Settings, role: str) -> None:
     """``leadgate serve``: the HTTP surfaces and (worker, all) the runners, until SIGTERM."""
+    if role != "worker":
+        check_ports(settings)  # before anything starts: a clear error, nothing half-done
+    # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
+    # and operator commands do not need.
+    from leadgate.app import App
+
     # Every role builds the channel adapters: a worker's relay posts through their
     # outbound halves (the inbound halves are mounted for api/all only).
     app = App(settings)
@@ -75,28 +84,44 @@ async def _serve(settings: Settings, role: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
-    args = build_parser().parse_args(argv)
+    raw = sys.argv[1:] if argv is None else argv
+    epilog = help_epilog(raw) if {"-h", "--help"} & set(raw) else ""
+    args = build_parser(epilog).parse_args(raw)
+    choice = discover(args.config)
+    settings: Settings | None = None
     try:
-        settings = load_settings(args.config)
+        settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":
             print(json.dumps({"revision": upgrade(settings.database.url)}))
+            return 0
+        if args.command == "serve" and args.check_ports:
+            check_ports(settings)
+            print(json.dumps({"ports": "free"}))
             return 0
         if args.command == "serve":
             asyncio.run(_serve(settings, args.role))
             return 0
         result = asyncio.run(_admin(settings, args))
-        print(json.dumps(result, default=str))
+        command = (args.command, getattr(args, f"{args.command}_command", None))
+        print(render(result, args.format, command))
         return 0
     except LeadgateError as exc:
-        print(f"leadgate: error: {exc.message} [{exc.rule}]", file=sys.stderr)
+        # One line, the rule last (scripts look for "[rule]" at the end).
+        print(
+            f"leadgate: error: {exc.message} ({where(choice, settings)}) [{exc.rule}]",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         with contextlib.suppress(Exception):
             log.debug("command failed", exc_info=True)
-        print(f"leadgate: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"leadgate: error: {type(exc).__name__}: {exc} ({where(choice, settings)})",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -3,35 +3,46 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 
 from leadgate.cli.review_commands import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
+from leadgate.core.errors import ValidationError
 
-DESCRIPTION = """leadgate: serve, and the admin commands (JSON on stdout, errors on stderr).
+DESCRIPTION = """leadgate: serve, the admin commands and the operator commands (JSON on stdout,
+or --format table; errors on stderr).
 
-Exit codes: 0 success, 2 a rule was broken (the message names it), 1 anything else."""
+Exit codes: 0 success, 2 a rule was broken (the message names it: not found, wrong status,
+bad input, missing permission), 1 anything else (the database cannot be reached, ...)."""
 
 # argparse has no public name for the object add_subparsers() returns.
 Sub = argparse._SubParsersAction
 
 
 def _with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    # --config is accepted before and after the subcommand.
-    p.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file")
+    # --config and --format are accepted before and after the subcommand.
+    p.add_argument("--config", default=argparse.SUPPRESS, help=CONFIG_HELP)
+    p.add_argument(
+        "--format", default=argparse.SUPPRESS, choices=["json", "table"], help=FORMAT_HELP
+    )
     return p
+
+
+CONFIG_HELP = "TOML config file (default: $LEADGATE_CONFIG, else ./config.toml, else built-in)"
+FORMAT_HELP = "output: json (default) or table"
 
 
 def _group(
     sub: Sub[argparse.ArgumentParser], name: str, help_: str
 ) -> Callable[[str, str], argparse.ArgumentParser]:
     """A command group (``leadgate NAME ...``); returns a maker of its subcommands."""
-    group = sub.add_parser(name, help=help_)
+    group = sub.add_parser(name, help=help_, epilog=EPILOG[0], formatter_class=_FORMATTER)
     subs = group.add_subparsers(dest=f"{name}_command", required=True)
 
     def command(cmd: str, help_text: str) -> argparse.ArgumentParser:
-        return _with_config(subs.add_parser(cmd, help=help_text))
+        return _with_config(
+            subs.add_parser(cmd, help=help_text, epilog=EPILOG[0], formatter_class=_FORMATTER)
+        )
 
     return command
 
@@ -57,13 +68,31 @@ def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
     kc = key("create", "create a scoped API key")
     kc.add_argument("--org", required=True)
     kc.add_argument("--scope", action="append", required=True, dest="scopes")
+    kc.add_argument("--name", help="a label shown by key list and in the audit trail")
+    key("list", "list the organization's keys (never their secrets)").add_argument(
+        "--org", required=True
+    )
+    kr = key("revoke", "revoke a key (refused everywhere within 5 seconds)")
+    kr.add_argument("--org", required=True)
+    kr.add_argument("key_id", metavar="KEY_ID")
 
     user = _group(sub, "user", "console users")
     uc = user("create", "create a console user")
     uc.add_argument("--org", required=True)
     uc.add_argument("--email", required=True)
-    uc.add_argument("--role", required=True, choices=[r.value for r in Role])
-    uc.add_argument("--password", help="default: $LEADGATE_PASSWORD")
+    uc.add_argument(
+        "--role",
+        required=True,
+        type=_role,
+        metavar="{" + ",".join(r.value for r in Role) + "}",
+        help="any case: member = Member",
+    )
+    uc.add_argument("--name", help="display name shown in the console's audit trail")
+    uc.add_argument(
+        "--password",
+        help="default: $LEADGATE_PASSWORD, else asked without echo on a terminal, "
+        "else the first line of standard input",
+    )
     add_user_link_parsers(user)
 
 
@@ -130,21 +159,111 @@ def _routes_schedules_flows(sub: Sub[argparse.ArgumentParser]) -> None:
     fs.add_argument("run")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``leadgate`` argument parser (subcommand names match
-    :data:`leadgate.cli.commands.COMMANDS`)."""
-    parser = argparse.ArgumentParser(prog="leadgate", description=DESCRIPTION)
-    parser.add_argument(
-        "--config", default=os.environ.get("LEADGATE_CONFIG"), help="TOML config file"
+def _role(value: str) -> str:
+    try:
+        return Role.parse(value).value
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
+    """``review ...`` and ``delivery ...``: every operator action, for operators
+    without a browser."""
+    review = _group(sub, "review", "the Lead Reviews queue and human decisions")
+    rl = review("list", "the actionable queue, waiting longest first")
+    rl.add_argument("--org", required=True)
+    rl.add_argument("--agent", help="only this agent (id, slug or name)")
+    rl.add_argument("--channel", help="only this channel (api, slack, discord, teams, email, ...)")
+    rl.add_argument(
+        "--reason",
+        help="escalated, roundsExhausted, incompleteProvenance, leaseExpired, deliveryUnknown",
     )
+    rl.add_argument("--order", choices=["oldest", "newest"], default="oldest")
+    rl.add_argument("--limit", type=int, default=50)
+    rl.add_argument("--cursor", help="the next page (printed by the previous page)")
+    rs = review("show", "a work item's review detail")
+    rs.add_argument("--org", required=True)
+    rs.add_argument("item", metavar="WORK_ITEM_ID")
+    for action, help_text in (
+        ("approve", "approve an awaitingHuman item (its delivery is queued)"),
+        ("reject", "reject an awaitingHuman item with a reason"),
+        ("return", "return an awaitingHuman item to the worker with feedback"),
+        ("cancel", "cancel any non-terminal item"),
+    ):
+        p = _acting(review(action, help_text), "item", "WORK_ITEM_ID")
+        if action == "reject":
+            p.add_argument("--reason", required=True, help="1..2,000 characters; - reads stdin")
+        if action == "return":
+            p.add_argument(
+                "--feedback", required=True, help="1..10,000 characters; - reads stdin"
+            )
+    delivery = _group(sub, "delivery", "recovery of uncertain (deliveryUnknown) deliveries")
+    for action, help_text in (
+        ("confirm", "the message did arrive: delivery sent, item completed"),
+        ("retry", "it did not: send again"),
+    ):
+        _acting(delivery(action, help_text), "delivery", "DELIVERY_ID")
+
+
+def _acting(p: argparse.ArgumentParser, target: str, metavar: str) -> argparse.ArgumentParser:
+    """A decision command: ``--org``, the target id and ``--as``."""
+    p.add_argument("--org", required=True)
+    p.add_argument(target, metavar=metavar)
+    p.add_argument(
+        "--as",
+        dest="as_email",
+        metavar="EMAIL",
+        help="audit the decision as this console user (needs a role with agent:review); "
+        "default: the command line, as cli:<your operating-system user>",
+    )
+    return p
+
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+#: The ``--help`` footer naming the config and database (set by :func:`build_parser`).
+EPILOG = [""]
+
+
+def build_parser(epilog: str = "") -> argparse.ArgumentParser:
+    """The ``leadgate`` argument parser (subcommand names match
+    :data:`leadgate.cli.commands.COMMANDS`); ``epilog`` ends every ``--help``."""
+    EPILOG[0] = epilog
+    parser = argparse.ArgumentParser(
+        prog="leadgate", description=DESCRIPTION, epilog=epilog, formatter_class=_FORMATTER
+    )
+    parser.add_argument("--config", default=None, help=CONFIG_HELP)
+    parser.add_argument("--format", default="json", choices=["json", "table"], help=FORMAT_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = _with_config(sub.add_parser("serve", help="run the service"))
+    serve = _with_config(
+        sub.add_parser("serve", help="run the service", epilog=epilog, formatter_class=_FORMATTER)
+    )
     serve.add_argument("--role", choices=["api", "worker", "all"], default="all")
+    serve.add_argument(
+        "--check-ports",
+        action="store_true",
+        help="only check that the HTTP (and inbound SMTP) ports are free, then exit",
+    )
     _group(sub, "db", "database commands")("upgrade", "migrate to the newest schema")
     _orgs_keys_users(sub)
     _agents_presets_policy(sub)
     _routes_schedules_flows(sub)
     add_notify_parser(sub, _group)
-    demo = _with_config(sub.add_parser("demo", help="create the demo organization (idempotent)"))
+    _operators(sub)
+    demo = _with_config(
+        sub.add_parser(
+            "demo",
+            help="create the demo organization (idempotent)",
+            epilog=epilog,
+            formatter_class=_FORMATTER,
+        )
+    )
     demo.add_argument("--name", default="demo")
+    demo.add_argument(
+        "--key-file",
+        help="reuse the Owner key kept in this file while it is valid; a new key is "
+        "written there (mode 0600) otherwise",
+    )
+    demo.add_argument(
+        "--rotate-key", action="store_true", help="revoke the kept key and mint a new one"
+    )
     return parser

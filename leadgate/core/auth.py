@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from leadgate.core.errors import PermissionDenied
+from leadgate.core.errors import PermissionDenied, ValidationError
 
 
 class Scope(enum.StrEnum):
@@ -24,6 +24,15 @@ class Role(enum.StrEnum):
     member = "Member"
     viewer = "Viewer"
 
+    @classmethod
+    def parse(cls, value: str) -> Role:
+        """A role by name, case-insensitively (``member`` is ``Member``)."""
+        for role in cls:
+            if role.value.lower() == value.strip().lower():
+                return role
+        allowed = ", ".join(r.value for r in cls)
+        raise ValidationError(f"unknown role {value!r}; allowed: {allowed}", rule="user.role")
+
 
 ROLE_SCOPES: dict[Role, frozenset[Scope]] = {
     Role.owner: frozenset({Scope.trigger, Scope.review, Scope.update}),
@@ -41,12 +50,17 @@ class Principal:
     scopes: frozenset[Scope]
     key_id: str | None = None
     user_id: str | None = None
+    #: The audit name of a caller that is neither a key nor a user (``cli:alice``: the
+    #: command line run by operating-system user alice).
+    name: str | None = None
 
     @property
     def actor(self) -> str:
         """Audit name of the caller."""
         if self.user_id:
             return f"user:{self.user_id}"
+        if self.key_id is None and self.name:
+            return self.name
         return f"key:{self.key_id}"
 
     def require(self, scope: Scope) -> None:

@@ -22,6 +22,8 @@ def setup_logging(settings: Settings) -> None:
     formatter = structlog.stdlib.ProcessorFormatter(
         processor=renderer,
         foreign_pre_chain=[
+            # The request id (and whatever else a surface binds) on every line.
+            structlog.contextvars.merge_contextvars,
             structlog.stdlib.add_log_level,
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso"),

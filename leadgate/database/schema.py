@@ -36,6 +36,8 @@ users = sa.Table(
     sa.Column("role", sa.String(20), nullable=False),
     sa.Column("password_hash", sa.String(200), nullable=False),
     sa.Column("created_at", MS, nullable=False),
+    # Display name for audit actors in the console (optional; the email is shown too).
+    sa.Column("name", sa.String(200)),
 )
 
 api_keys = sa.Table(
@@ -47,6 +49,8 @@ api_keys = sa.Table(
     sa.Column("scopes", sa.JSON, nullable=False),
     sa.Column("created_at", MS, nullable=False),
     sa.Column("revoked_at", MS),
+    # Optional label (``leadgate key create --name``), shown by ``key list`` and the audit.
+    sa.Column("name", sa.String(200)),
 )
 
 presets = sa.Table(
@@ -157,6 +161,8 @@ work_items = sa.Table(
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
     sa.Index("ix_work_items_status_updated", "status", "updated_at"),
+    # Agent Activity: an organization's items, newest first.
+    sa.Index("ix_work_items_org_updated", "org_id", "updated_at"),
     # One active work item per (worker, session), enforced by the database itself.
     sa.Index(
         "uq_work_items_active",
@@ -203,6 +209,8 @@ audit = sa.Table(
     # and the platform identity that made it (e.g. "slack:T1:U2"), beside ``actor``.
     sa.Column("surface", sa.String(20)),
     sa.Column("identity", sa.String(300)),
+    # The console's change cursor: an organization's newest audit rows (operator events).
+    sa.Index("ix_audit_org_created", "org_id", "created_at"),
 )
 
 deliveries = sa.Table(

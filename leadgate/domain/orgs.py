@@ -20,7 +20,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
-from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import Conflict, NotFound, ValidationError
 from leadgate.database import schema as t
 
@@ -88,7 +88,7 @@ async def create_org(
     await conn.execute(
         t.organizations.insert().values(id=org_id, name=name, created_at=clock.now_ms())
     )
-    key = await create_key(conn, clock, ids, org_id, ROLE_SCOPES[Role.owner])
+    key = await create_key(conn, clock, ids, org_id, ROLE_SCOPES[Role.owner], name="owner")
     return {"id": org_id, "name": name, "apiKey": key["key"]}
 
 
@@ -107,11 +107,19 @@ async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
 
 
 async def create_key(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, scopes: frozenset[Scope]
+    conn: AsyncConnection,
+    clock: Clock,
+    ids: IdFactory,
+    org_id: str,
+    scopes: frozenset[Scope],
+    *,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Create a key; the secret is returned once and never stored."""
+    """Create a key (``name``: an optional label); the secret is returned once and never
+    stored."""
     key_id = ids.new("key")
     secret = secrets.token_urlsafe(32)
+    label = validate_name(name, "key") if name is not None else None
     await conn.execute(
         t.api_keys.insert().values(
             id=key_id,
@@ -119,9 +127,13 @@ async def create_key(
             secret_hash=_hash_secret(secret),
             scopes=sorted(s.value for s in scopes),
             created_at=clock.now_ms(),
+            name=label,
         )
     )
-    return {"id": key_id, "key": f"{KEY_PREFIX}.{key_id}.{secret}", "scopes": sorted(scopes)}
+    out = {"id": key_id, "key": f"{KEY_PREFIX}.{key_id}.{secret}", "scopes": sorted(scopes)}
+    if label is not None:
+        out["name"] = label
+    return out
 
 
 async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
@@ -152,14 +164,13 @@ async def create_user(
     email: str,
     role: str,
     password: str,
+    *,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Create a console user with a role; the password is stored as an argon2 hash."""
-    try:
-        role_enum = Role(role)
-    except ValueError:
-        raise ValidationError(
-            f"unknown role {role!r}; allowed: Owner, Admin, Member, Viewer", rule="user.role"
-        ) from None
+    """Create a console user with a role (any case: ``member`` is ``Member``) and an
+    optional display name; the password is stored as an argon2 hash."""
+    role_enum = Role.parse(role)
+    label = validate_name(name, "user") if name is not None else None
     email = email.strip().lower()
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
@@ -176,9 +187,13 @@ async def create_user(
             role=role_enum.value,
             password_hash=_hasher.hash(password),
             created_at=clock.now_ms(),
+            name=label,
         )
     )
-    return {"id": user_id, "email": email, "role": role_enum.value, "orgId": org_id}
+    out = {"id": user_id, "email": email, "role": role_enum.value, "orgId": org_id}
+    if label is not None:
+        out["name"] = label
+    return out
 
 
 async def login(
@@ -241,6 +256,7 @@ async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
                 t.users.c.email,
                 t.users.c.role,
                 t.users.c.org_id,
+                t.users.c.name,
                 t.organizations.c.name.label("org_name"),
             )
             .select_from(t.users.join(t.organizations, t.organizations.c.id == t.users.c.org_id))
@@ -256,5 +272,72 @@ async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
         "role": role.value,
         "orgId": row.org_id,
         "orgName": row.org_name,
+        "name": row.name,
         "scopes": sorted(s.value for s in ROLE_SCOPES[role]),
     }
+
+
+async def list_keys(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+    """The organization's API keys, oldest first (never a secret or its hash)."""
+    k = t.api_keys.c
+    rows = await conn.execute(
+        sa.select(k.id, k.name, k.scopes, k.created_at, k.revoked_at)
+        .where(k.org_id == org_id)
+        .order_by(k.created_at, k.id)
+    )
+    return [
+        {
+            "id": r.id,
+            "name": r.name,
+            "scopes": sorted(r.scopes),
+            "createdAt": iso(r.created_at),
+            "revokedAt": iso(r.revoked_at),
+            "active": r.revoked_at is None,
+        }
+        for r in rows
+    ]
+
+
+async def revoke_key(
+    conn: AsyncConnection, clock: Clock, org_id: str, key_id: str
+) -> dict[str, Any]:
+    """Revoke a key of ``org_id`` (its holders are refused within the principal cache
+    time, 5 s). Revoking a revoked key is a 409; another organization's key is a 404."""
+    k = t.api_keys.c
+    row = (
+        await conn.execute(
+            sa.select(k.id, k.revoked_at).where(k.id == key_id, k.org_id == org_id)
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no API key {key_id!r} in this organization", rule="key.not_found")
+    if row.revoked_at is not None:
+        raise Conflict(f"API key {key_id} is already revoked", rule="key.revoked")
+    now = clock.now_ms()
+    await conn.execute(
+        t.api_keys.update().where(k.id == key_id, k.revoked_at.is_(None)).values(revoked_at=now)
+    )
+    return {"id": key_id, "revokedAt": iso(now), "active": False}
+
+
+async def key_status(conn: AsyncConnection, raw: str) -> tuple[str, str] | None:
+    """(key id, organization id) of a raw key that is valid now, else ``None``."""
+    principal = await authenticate_key(conn, raw)
+    if principal is None or principal.key_id is None:
+        return None
+    return principal.key_id, principal.org_id
+
+
+async def find_user(conn: AsyncConnection, org_id: str, email: str) -> dict[str, Any]:
+    """A console user of ``org_id`` by email (404 otherwise)."""
+    u = t.users.c
+    row = (
+        await conn.execute(
+            sa.select(u.id, u.email, u.name, u.role).where(
+                u.org_id == org_id, u.email == email.strip().lower()
+            )
+        )
+    ).first()
+    if row is None:
+        raise NotFound(f"no console user {email!r} in this organization", rule="user.not_found")
+    return {"id": row.id, "email": row.email, "name": row.name, "role": row.role}

@@ -11,18 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 from binding import routes
-from leadgate.core.auth import ROLE_SCOPES, Role
+from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound
+from leadgate.core.errors import NotFound, PermissionDenied
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, policy
 from leadgate.domain.agents import UNSET
 from leadgate.domain.rows import Agent
-from leadgate.flows import runs as flows
-from leadgate.runners.schedules import add_schedule
 
 DEMO_AGENTS = ("worker", "lead", "plain")
+
+
+def _flows() -> Any:
+    """:mod:`leadgate.flows.runs`, imported on first use: it pulls in the turn path and
+    the model SDKs (about a second), which every other admin command can do without."""
+    from leadgate.flows import runs
+
+    return runs
 
 
 class Admin:
@@ -44,19 +50,54 @@ class Admin:
         async with self.db.tx() as conn:
             return await orgs.create_org(conn, self.clock, self.ids, name)
 
-    async def create_key(self, org: str, scopes: list[str]) -> dict[str, Any]:
-        """A key with exactly ``scopes`` (shown once)."""
+    async def create_key(
+        self, org: str, scopes: list[str], name: str | None = None
+    ) -> dict[str, Any]:
+        """A key with exactly ``scopes`` and an optional label (shown once)."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
             return await orgs.create_key(
-                conn, self.clock, self.ids, org_id, orgs.parse_scopes(scopes)
+                conn, self.clock, self.ids, org_id, orgs.parse_scopes(scopes), name=name
             )
 
-    async def create_user(self, org: str, email: str, role: str, password: str) -> dict[str, Any]:
-        """A console user."""
+    async def list_keys(self, org: str) -> list[dict[str, Any]]:
+        """The organization's keys (ids, labels, scopes, revoked or not; never secrets)."""
+        async with self.db.read() as conn:
+            return await orgs.list_keys(conn, await self._org_id(conn, org))
+
+    async def revoke_key(self, org: str, key_id: str) -> dict[str, Any]:
+        """Revoke a key (refused everywhere within the 5 s principal cache time)."""
+        async with self.db.tx() as conn:
+            return await orgs.revoke_key(conn, self.clock, await self._org_id(conn, org), key_id)
+
+    async def create_user(
+        self, org: str, email: str, role: str, password: str, name: str | None = None
+    ) -> dict[str, Any]:
+        """A console user (role in any case)."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            return await orgs.create_user(conn, self.clock, self.ids, org_id, email, role, password)
+            return await orgs.create_user(
+                conn, self.clock, self.ids, org_id, email, role, password, name=name
+            )
+
+    async def reviewer(self, org: str, as_email: str | None, name: str) -> Principal:
+        """Who a command-line decision is made as: the console user ``as_email`` (who
+        must hold ``agent:review``), or, without one, the command line itself, audited
+        as ``name`` (``cli:<operating-system user>``). Whoever can read the config can
+        reach the database anyway; this is about an honest audit trail."""
+        async with self.db.read() as conn:
+            org_id = await self._org_id(conn, org)
+            if as_email is None:
+                return Principal(org_id=org_id, scopes=frozenset({Scope.review}), name=name)
+            user = await orgs.find_user(conn, org_id, as_email)
+        scopes = ROLE_SCOPES[Role(user["role"])]
+        if Scope.review not in scopes:
+            raise PermissionDenied(
+                f"{user['email']} is a {user['role']}: that role cannot review "
+                "(Owner, Admin and Member can)",
+                rule="scope.agent:review",
+            )
+        return Principal(org_id=org_id, scopes=scopes, user_id=str(user["id"]))
 
     async def save_agent(
         self, org: str, *, ref: str | None = None, delete: bool = False, **fields: Any
@@ -148,6 +189,8 @@ class Admin:
 
     async def add_schedule(self, org: str, agent: str, cron: str, message: str) -> dict[str, Any]:
         """Run an agent on a cron schedule."""
+        from leadgate.runners.schedules import add_schedule  # see _flows()
+
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
             found = await agents_mod.find_agent(conn, org_id, agent)
@@ -165,34 +208,66 @@ class Admin:
         """A flow from its node list."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            return await flows.create_flow(conn, self.clock, self.ids, org_id, name, nodes)
+            flow: dict[str, Any] = await _flows().create_flow(
+                conn, self.clock, self.ids, org_id, name, nodes
+            )
+            return flow
 
     async def show_run(self, org: str, run_id: str) -> dict[str, Any]:
         """A flow run with its events and continuations."""
         async with self.db.read() as conn:
-            return await flows.run_view(conn, await self._org_id(conn, org), run_id)
+            run: dict[str, Any] = await _flows().run_view(
+                conn, await self._org_id(conn, org), run_id
+            )
+            return run
 
     async def org_id(self, org: str) -> str:
         """The id of an organization given by name or id."""
         async with self.db.read() as conn:
             return await self._org_id(conn, org)
 
-    async def demo(self, name: str) -> dict[str, Any]:
-        """A demo organization: ``worker`` reviewed by ``lead``, and ``plain``; idempotent
-        (a second run only mints a fresh Owner key)."""
+    async def demo(
+        self, name: str, *, key: str | None = None, rotate: bool = False
+    ) -> dict[str, Any]:
+        """A demo organization: ``worker`` reviewed by ``lead``, and ``plain``; idempotent.
+
+        ``key`` is the Owner key a previous run printed (``scripts/run.sh`` keeps it in a
+        file): while it is valid for this organization it is reused (``keyReused``);
+        otherwise, or with ``rotate``, a new Owner key is minted, and ``rotate`` revokes
+        the old one. Without ``key`` every run mints a new key."""
         async with self.db.tx() as conn:
             try:
                 org_id = await self._org_id(conn, name)
             except NotFound:
                 org = await orgs.create_org(conn, self.clock, self.ids, name)
-                org_id, key = str(org["id"]), str(org["apiKey"])
+                org_id, fresh = str(org["id"]), str(org["apiKey"])
                 for agent, lead in (("lead", UNSET), ("worker", "lead"), ("plain", UNSET)):
                     await agents_mod.save_agent(
                         conn, self.clock, self.ids, org_id, name=agent, model="script", lead=lead
                     )
-            else:
-                created = await orgs.create_key(
-                    conn, self.clock, self.ids, org_id, ROLE_SCOPES[Role.owner]
-                )
-                key = str(created["key"])
-        return {"org": name, "orgId": org_id, "apiKey": key, "agents": list(DEMO_AGENTS)}
+                return self._demo_out(name, org_id, fresh, reused=False, revoked=None)
+            known = await orgs.key_status(conn, key) if key else None
+            valid = known is not None and known[1] == org_id
+            if valid and not rotate:
+                return self._demo_out(name, org_id, str(key), reused=True, revoked=None)
+            revoked = None
+            if valid and known is not None:
+                await orgs.revoke_key(conn, self.clock, org_id, known[0])
+                revoked = known[0]
+            created = await orgs.create_key(
+                conn, self.clock, self.ids, org_id, ROLE_SCOPES[Role.owner], name="demo owner"
+            )
+        return self._demo_out(name, org_id, str(created["key"]), reused=False, revoked=revoked)
+
+    @staticmethod
+    def _demo_out(
+        name: str, org_id: str, key: str, *, reused: bool, revoked: str | None
+    ) -> dict[str, Any]:
+        return {
+            "org": name,
+            "orgId": org_id,
+            "apiKey": key,
+            "agents": list(DEMO_AGENTS),
+            "keyReused": reused,
+            "revokedKeyId": revoked,
+        }

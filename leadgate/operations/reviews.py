@@ -45,12 +45,21 @@ class Reviews:
         self.on_decided = on_decided
 
     async def queue(
-        self, principal: Principal, *, limit: int = 50, cursor: str | None = None
+        self,
+        principal: Principal,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        **filters: Any,
     ) -> dict[str, Any]:
-        """The actionable queue (awaitingHuman, or approved with deliveryUnknown)."""
+        """The actionable queue (awaitingHuman, or approved with deliveryUnknown);
+        ``filters``: ``agent``, ``channel``, ``reason``, ``order`` (see
+        :func:`leadgate.review.queue.actionable`)."""
         principal.require(Scope.review)
         async with self.db.read() as conn:
-            return await queue.actionable(conn, principal.org_id, limit=limit, cursor=cursor)
+            return await queue.actionable(
+                conn, principal.org_id, limit=limit, cursor=cursor, **filters
+            )
 
     async def detail(self, principal: Principal, item_id: str) -> dict[str, Any]:
         """The review detail of one item of the caller's organization."""
@@ -58,11 +67,15 @@ class Reviews:
         async with self.db.read() as conn:
             return await queue.detail(conn, principal.org_id, item_id)
 
-    async def activity(self, principal: Principal, *, limit: int = 50) -> dict[str, Any]:
-        """Agent Activity (never the approved text)."""
+    async def activity(
+        self, principal: Principal, *, limit: int = 50, **filters: Any
+    ) -> dict[str, Any]:
+        """Agent Activity (never the approved text); ``filters``: ``cursor``, ``agent``,
+        ``status``, ``channel``, ``since``, ``until``, ``q`` (see
+        :func:`leadgate.review.queue.activity`)."""
         principal.require(Scope.review)
         async with self.db.read() as conn:
-            return await queue.activity(conn, principal.org_id, limit=limit)
+            return await queue.activity(conn, principal.org_id, limit=limit, **filters)
 
     async def decide(
         self,

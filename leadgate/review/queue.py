@@ -1,92 +1,359 @@
 """Read models for operators: the actionable queue, the review detail, agent activity.
 
-Reads only: nothing here changes state (GET is safe).
+Reads only: nothing here changes state (GET is safe). The queue is built for triage: each
+row says what the work is (summary preview), who asked and on which channel, why it
+needs a human (the lead's escalation text, rounds used, or an uncertain delivery) and
+since when it waits; it is sorted oldest first and filtered by agent, channel and reason.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from binding.bindings import active_binding
 from leadgate.core.clock import iso
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
 from leadgate.domain import workitems
+from leadgate.domain.rows import Binding
 from leadgate.domain.workitems import Status
+from leadgate.review.labels import channel_name, destination, requester, resolve_actors
 from outbox.store import DeliveryStatus, for_item
 
 W = t.work_items.c
 D = t.deliveries.c
 A = t.agents.c
+B = t.bindings.c
+S = t.sessions.c
+AU = t.audit.c
 PAGE_MAX = 200
+PREVIEW_CHARS = 240
+
+#: Why an item is in the queue: the audit action that moved it to awaitingHuman.
+REASON_OF_ACTION = {
+    "escalate": "escalated",
+    "roundsExhausted": "roundsExhausted",
+    "incompleteProvenance": "incompleteProvenance",
+    "leaseExpired": "leaseExpired",
+}
+REASONS = (*REASON_OF_ACTION.values(), "deliveryUnknown", "other")
+ORDERS = ("oldest", "newest")
+CHANNELS = ("api", "studio", "slack", "discord", "teams", "email", "scheduled", "flow", "none")
+COMPLETION_POLICY_NOTE = (
+    "completionPolicy is recorded from the lead configuration when the work item is "
+    "created and shown here for reference. It does not decide anything: the verdict does "
+    "(approved is delivered; escalated, or changes requested with no rounds left, comes to "
+    "a human)."
+)
 
 
-def _encode_cursor(updated_at: int, item_id: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([updated_at, item_id]).encode()).decode()
+def _encode_cursor(*parts: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(parts)).encode()).decode()
 
 
-def _decode_cursor(cursor: str) -> tuple[int, str]:
+def _decode_cursor(cursor: str, rule: str) -> tuple[int, str]:
     try:
-        updated_at, item_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return int(updated_at), str(item_id)
+        at, item_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return int(at), str(item_id)
     except (ValueError, TypeError):
-        raise ValidationError("cursor is not valid", rule="queue.cursor") from None
+        raise ValidationError("cursor is not valid", rule=rule) from None
 
 
-def _unknown_delivery() -> sa.ColumnElement[bool]:
-    return sa.exists(
-        sa.select(D.id).where(
+def parse_time(value: str | None, name: str) -> int | None:
+    """``since`` / ``until``: epoch milliseconds, or an ISO 8601 date or time (UTC unless
+    it names a zone)."""
+    if value is None or value == "":
+        return None
+    if value.isdigit():
+        return int(value)
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValidationError(
+            f"{name} must be an ISO 8601 time or epoch milliseconds", rule=f"activity.{name}"
+        ) from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return int(parsed.timestamp() * 1000)
+
+
+def _check_limit(limit: int, rule: str) -> None:
+    if not 1 <= limit <= PAGE_MAX:
+        raise ValidationError(f"limit must be 1..{PAGE_MAX}", rule=rule)
+
+
+def _check_choice(value: str | None, allowed: tuple[str, ...], name: str, rule: str) -> None:
+    if value is not None and value not in allowed:
+        raise ValidationError(f"{name} must be one of {', '.join(allowed)}", rule=rule)
+
+
+def _into_human(column: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
+    """``column`` of the item's newest audit row that moved it to awaitingHuman."""
+    return (
+        sa.select(column)
+        .where(AU.work_item_id == W.id, AU.to_status == Status.awaitingHuman.value)
+        .order_by(AU.created_at.desc(), AU.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def _actionable(org_id: str) -> sa.Subquery:
+    """The actionable queue of ``org_id`` with the columns operators triage by."""
+    unknown_since = (
+        sa.select(sa.func.max(D.updated_at))
+        .where(
             D.work_item_id == W.id,
             D.kind == "gating",
             D.status == DeliveryStatus.deliveryUnknown.value,
         )
+        .scalar_subquery()
     )
-
-
-async def actionable(
-    conn: AsyncConnection, org_id: str, *, limit: int = 50, cursor: str | None = None
-) -> dict[str, Any]:
-    """awaitingHuman items, and approved items whose gating delivery is deliveryUnknown."""
-    if not 1 <= limit <= PAGE_MAX:
-        raise ValidationError(f"limit must be 1..{PAGE_MAX}", rule="queue.limit")
-    query = (
-        sa.select(W.id, W.status, W.revision, W.updated_at, W.agent_id, A.name.label("agent_name"))
-        .select_from(t.work_items.join(t.agents, A.id == W.agent_id))
+    last_action = _into_human(AU.action)
+    reason = sa.case(
+        (W.status == Status.approved.value, sa.literal("deliveryUnknown")),
+        else_=sa.case(REASON_OF_ACTION, value=last_action, else_=sa.literal("other")),
+    )
+    waiting = sa.case((W.status == Status.awaitingHuman.value, W.updated_at), else_=unknown_since)
+    return (
+        sa.select(
+            W.id,
+            W.status,
+            W.revision,
+            W.max_revision_rounds,
+            W.extra_allowance,
+            W.updated_at,
+            W.created_at,
+            W.agent_id,
+            A.name.label("agent_name"),
+            W.summary,
+            W.task_context,
+            sa.func.coalesce(B.kind, "none").label("channel"),
+            B.address.label("address"),
+            S.key.label("session_key"),
+            reason.label("reason"),
+            waiting.label("waiting_since"),
+        )
+        .select_from(
+            t.work_items.join(t.agents, A.id == W.agent_id)
+            .outerjoin(t.bindings, B.id == W.binding_id)
+            .outerjoin(t.sessions, S.id == W.session_id)
+        )
         .where(
             W.org_id == org_id,
             sa.or_(
                 W.status == Status.awaitingHuman.value,
-                sa.and_(W.status == Status.approved.value, _unknown_delivery()),
+                sa.and_(W.status == Status.approved.value, unknown_since.is_not(None)),
             ),
         )
-        .order_by(W.updated_at, W.id)
-        .limit(limit + 1)
+        .subquery("q")
     )
+
+
+def _preview(summary: str | None, task_context: str) -> tuple[str, str]:
+    text, source = (summary, "summary") if summary else (task_context, "taskContext")
+    text = " ".join(text.split())
+    if len(text) > PREVIEW_CHARS:
+        text = text[: PREVIEW_CHARS - 1] + "…"
+    return text, source
+
+
+async def _agent_ids(conn: AsyncConnection, org_id: str, ref: str | None) -> list[str] | None:
+    """Agent filter: ids of the agents named ``ref`` (id, slug or name)."""
+    if not ref:
+        return None
+    rows = await conn.execute(
+        sa.select(A.id).where(A.org_id == org_id, sa.or_(A.id == ref, A.slug == ref, A.name == ref))
+    )
+    return [r.id for r in rows]
+
+
+async def actionable(
+    conn: AsyncConnection,
+    org_id: str,
+    *,
+    limit: int = 50,
+    cursor: str | None = None,
+    agent: str | None = None,
+    channel: str | None = None,
+    reason: str | None = None,
+    order: str = "oldest",
+) -> dict[str, Any]:
+    """awaitingHuman items, and approved items whose gating delivery is deliveryUnknown,
+    waiting longest first (``order="newest"``: the reverse), filtered by agent (id, slug
+    or name), channel (binding kind) and reason. ``total`` counts the filtered queue,
+    ``counts`` the whole queue by agent, channel and reason (the console's filters)."""
+    _check_limit(limit, "queue.limit")
+    _check_choice(channel, CHANNELS, "channel", "queue.channel")
+    _check_choice(reason, REASONS, "reason", "queue.reason")
+    _check_choice(order, ORDERS, "order", "queue.order")
+    q = _actionable(org_id)
+    agent_ids = await _agent_ids(conn, org_id, agent)
+    filters: list[sa.ColumnElement[bool]] = []
+    if agent_ids is not None:
+        filters.append(q.c.agent_id.in_(agent_ids))
+    if channel:
+        filters.append(q.c.channel == channel)
+    if reason:
+        filters.append(q.c.reason == reason)
+    counts = await _counts(conn, q, agent_ids, channel, reason)
+    newest = order == "newest"
+    sort = (q.c.waiting_since.desc(), q.c.id.desc()) if newest else (q.c.waiting_since, q.c.id)
+    query = sa.select(q).where(*filters).order_by(*sort).limit(limit + 1)
     if cursor:
-        after_ts, after_id = _decode_cursor(cursor)
-        query = query.where(
-            sa.or_(W.updated_at > after_ts, sa.and_(W.updated_at == after_ts, W.id > after_id))
-        )
+        at, after_id = _decode_cursor(cursor, "queue.cursor")
+        if newest:
+            query = query.where(
+                sa.or_(q.c.waiting_since < at, sa.and_(q.c.waiting_since == at, q.c.id < after_id))
+            )
+        else:
+            query = query.where(
+                sa.or_(q.c.waiting_since > at, sa.and_(q.c.waiting_since == at, q.c.id > after_id))
+            )
     rows = (await conn.execute(query)).all()
     page = rows[:limit]
-    items = [
-        {
-            "id": r.id,
-            "status": r.status,
-            "agent": {"id": r.agent_id, "name": r.agent_name},
-            "revision": r.revision,
-            "updatedAt": iso(r.updated_at),
-            "reason": "awaitingHuman" if r.status == Status.awaitingHuman else "deliveryUnknown",
-            "detail": f"/operator/reviews/{r.id}",
-        }
-        for r in page
-    ]
-    nxt = _encode_cursor(page[-1].updated_at, page[-1].id) if len(rows) > limit else None
-    return {"items": items, "next": nxt}
+    texts = await _reason_texts(conn, [r.id for r in page])
+    items = []
+    for r in page:
+        preview, source = _preview(r.summary, r.task_context)
+        items.append(
+            {
+                "id": r.id,
+                "status": r.status,
+                "agent": {"id": r.agent_id, "name": r.agent_name},
+                "revision": r.revision,
+                "roundsUsed": r.revision,
+                "roundsAllowed": r.max_revision_rounds + r.extra_allowance,
+                "updatedAt": iso(r.updated_at),
+                "createdAt": iso(r.created_at),
+                "waitingSince": iso(r.waiting_since),
+                "reason": r.reason,
+                "reasonText": texts.get(r.id),
+                "preview": preview,
+                "previewOf": source,
+                "channel": r.channel,
+                "channelName": channel_name(r.channel),
+                "requester": requester(r.channel, r.address, r.session_key),
+                "detail": f"/operator/reviews/{r.id}",
+            }
+        )
+    nxt = _encode_cursor(page[-1].waiting_since, page[-1].id) if len(rows) > limit else None
+    return {"items": items, "next": nxt, **counts}
+
+
+async def _counts(
+    conn: AsyncConnection,
+    q: sa.Subquery,
+    agent_ids: list[str] | None,
+    channel: str | None,
+    reason: str | None,
+) -> dict[str, Any]:
+    """One GROUP BY over the whole queue: the facet counts and the filtered total."""
+    rows = (
+        await conn.execute(
+            sa.select(
+                q.c.agent_id, q.c.agent_name, q.c.channel, q.c.reason, sa.func.count().label("n")
+            ).group_by(q.c.agent_id, q.c.agent_name, q.c.channel, q.c.reason)
+        )
+    ).all()
+    by_agent: dict[str, dict[str, Any]] = {}
+    by_channel: dict[str, int] = {}
+    by_reason: dict[str, int] = {}
+    total = 0
+    for r in rows:
+        entry = by_agent.setdefault(
+            r.agent_id, {"id": r.agent_id, "name": r.agent_name, "count": 0}
+        )
+        entry["count"] += r.n
+        by_channel[r.channel] = by_channel.get(r.channel, 0) + r.n
+        by_reason[r.reason] = by_reason.get(r.reason, 0) + r.n
+        if (
+            (agent_ids is None or r.agent_id in agent_ids)
+            and (not channel or r.channel == channel)
+            and (not reason or r.reason == reason)
+        ):
+            total += r.n
+    return {
+        "total": total,
+        "counts": {
+            "all": sum(by_channel.values()),
+            "agents": sorted(by_agent.values(), key=lambda e: str(e["name"])),
+            "channels": by_channel,
+            "reasons": by_reason,
+        },
+    }
+
+
+async def queue_size(conn: AsyncConnection, org_id: str) -> int:
+    """How many items the actionable queue holds (the console's navigation count)."""
+    q = _actionable(org_id)
+    return int(await conn.scalar(sa.select(sa.func.count()).select_from(q)) or 0)
+
+
+async def _reason_texts(conn: AsyncConnection, ids: list[str]) -> dict[str, str]:
+    """The text of each item's newest move to awaitingHuman (the lead's escalation text,
+    the system's reason) or of its delivery becoming uncertain."""
+    if not ids:
+        return {}
+    rows = await conn.execute(
+        sa.select(AU.work_item_id, AU.text)
+        .where(
+            AU.work_item_id.in_(ids),
+            sa.or_(AU.to_status == Status.awaitingHuman.value, AU.action == "deliveryUnknown"),
+        )
+        .order_by(AU.created_at, AU.id)
+    )
+    out: dict[str, str] = {}
+    for r in rows:
+        if r.text:
+            out[r.work_item_id] = r.text  # the newest wins
+    return out
+
+
+_VERDICTS = {
+    "approve": "approved",
+    "changesRequested": "changesRequested",
+    "roundsExhausted": "changesRequested",
+    "escalate": "escalated",
+    "reject": "rejected",
+    "return": "returned",
+    "cancel": "cancelled",
+}
+
+
+def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """Each verdict on the item per revision, oldest first: the lead's (approved,
+    changesRequested, escalated) and the humans' (approved, rejected, returned,
+    cancelled), with their feedback and time. A revision starts at 0 and each
+    changesRequested that went back to the worker, or human return, starts the next."""
+    history: list[dict[str, Any]] = []
+    revision = 0
+    for a in audit_rows:
+        verdict = _VERDICTS.get(a.action)
+        if verdict is None or a.actor.startswith("system:"):
+            continue
+        by = "lead" if a.actor.startswith("lead:") else "human"
+        history.append(
+            {
+                "revision": revision,
+                "by": by,
+                "actor": a.actor,
+                "verdict": verdict,
+                "roundsExhausted": a.action == "roundsExhausted",
+                "feedback": a.text,
+                "at": iso(a.created_at),
+            }
+        )
+        if a.to_status == Status.inProgress.value:
+            revision += 1
+    return history
 
 
 async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, Any]:
@@ -101,6 +368,22 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
             .order_by(t.audit.c.created_at, t.audit.c.id)
         )
     ).all()
+    bound = (
+        await conn.execute(sa.select(B.kind, B.address).where(B.id == item.binding_id))
+    ).first()
+    session_key = await conn.scalar(sa.select(S.key).where(S.id == item.session_id))
+    channel = bound.kind if bound is not None else "none"
+    actors = await resolve_actors(conn, org_id, [a.actor for a in audit_rows])
+    gating = next((d for d in deliveries if d.kind == "gating"), None)
+    if gating is not None:
+        # Already approved: where it went (the binding was resolved at approval).
+        target = destination(await _binding(conn, gating.binding_id))
+    else:
+        target = destination(await active_binding(conn, item.session_id))
+    history = verdict_history(audit_rows)
+    for entry in history:
+        entry["actorName"] = actors[entry["actor"]].name
+    into_human = [a for a in audit_rows if a.to_status == Status.awaitingHuman.value]
     return {
         "id": item.id,
         "status": item.status,
@@ -109,22 +392,36 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
         "revision": item.revision,
         "maxRevisionRounds": item.max_revision_rounds,
         "extraAllowance": item.extra_allowance,
+        "roundsUsed": item.revision,
+        "roundsAllowed": item.max_revision_rounds + item.extra_allowance,
         "completionPolicy": item.completion_policy,
+        "completionPolicyNote": COMPLETION_POLICY_NOTE,
         "taskContext": item.task_context,
         "summary": item.summary,
         "snapshot": item.snapshot,
         "lastFeedback": item.last_feedback,
         "createdAt": iso(item.created_at),
         "updatedAt": iso(item.updated_at),
+        "channel": channel,
+        "channelName": channel_name(channel),
+        "requester": requester(channel, bound.address if bound else None, session_key),
+        "reason": (
+            REASON_OF_ACTION.get(into_human[-1].action, "other")
+            if item.status == Status.awaitingHuman.value and into_human
+            else None
+        ),
+        "destination": target,
+        "reviews": history,
         "deliveries": [
             {
                 "id": d.id,
                 "status": d.status,
+                "kind": d.kind,
                 "channel": d.channel,
                 "action": d.action,
-                "kind": d.kind,
                 "attempts": d.attempts,
                 "error": d.error,
+                "updatedAt": iso(d.updated_at),
             }
             for d in deliveries
         ],
@@ -132,6 +429,9 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
             {
                 "at": iso(a.created_at),
                 "actor": a.actor,
+                "actorKind": actors[a.actor].kind,
+                "actorName": actors[a.actor].name,
+                "actorEmail": actors[a.actor].email,
                 "action": a.action,
                 "from": a.from_status,
                 "to": a.to_status,
@@ -145,18 +445,94 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
     }
 
 
-async def activity(conn: AsyncConnection, org_id: str, *, limit: int = 50) -> dict[str, Any]:
-    """Agent Activity: recent work items linked to their review detail, without the
-    approved text (no snapshot, no summary)."""
-    if not 1 <= limit <= PAGE_MAX:
-        raise ValidationError(f"limit must be 1..{PAGE_MAX}", rule="activity.limit")
-    rows = (
+async def _binding(conn: AsyncConnection, binding_id: str | None) -> Binding | None:
+    if binding_id is None:
+        return None
+    row = (await conn.execute(sa.select(t.bindings).where(B.id == binding_id))).first()
+    return None if row is None else Binding.from_row(row)
+
+
+ACTIVITY_STATUSES = tuple(s.value for s in Status)
+
+
+def _like_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+async def activity(
+    conn: AsyncConnection,
+    org_id: str,
+    *,
+    limit: int = 50,
+    cursor: str | None = None,
+    agent: str | None = None,
+    status: str | None = None,
+    channel: str | None = None,
+    since: int | str | None = None,
+    until: int | str | None = None,
+    q: str | None = None,
+) -> dict[str, Any]:
+    """Agent Activity: the organization's work items, newest first, linked to their
+    review detail, filtered by agent, status, channel and time (``updatedAt`` in
+    ``[since, until)``, epoch ms or ISO 8601), and searched by summary text (``q``,
+    case-insensitive). The approved text (snapshot, summary) is never part of the
+    answer: the search matches the summary without returning it."""
+    _check_limit(limit, "activity.limit")
+    _check_choice(status, ACTIVITY_STATUSES, "status", "activity.status")
+    _check_choice(channel, CHANNELS, "channel", "activity.channel")
+    if q is not None and len(q) > 200:
+        raise ValidationError("the search text is longer than 200 characters", rule="activity.q")
+    query = (
+        sa.select(
+            W.id,
+            W.status,
+            W.revision,
+            W.updated_at,
+            W.created_at,
+            A.name.label("agent_name"),
+            A.id.label("agent_id"),
+            sa.func.coalesce(B.kind, "none").label("channel"),
+            B.address.label("address"),
+            S.key.label("session_key"),
+        )
+        .select_from(
+            t.work_items.join(t.agents, A.id == W.agent_id)
+            .outerjoin(t.bindings, B.id == W.binding_id)
+            .outerjoin(t.sessions, S.id == W.session_id)
+        )
+        .where(W.org_id == org_id)
+        .order_by(W.updated_at.desc(), W.id.desc())
+        .limit(limit + 1)
+    )
+    agent_ids = await _agent_ids(conn, org_id, agent)
+    if agent_ids is not None:
+        query = query.where(W.agent_id.in_(agent_ids))
+    if status:
+        query = query.where(W.status == status)
+    if channel == "none":
+        query = query.where(B.kind.is_(None))
+    elif channel:
+        query = query.where(B.kind == channel)
+    since_ms = since if isinstance(since, int) else parse_time(since, "since")
+    until_ms = until if isinstance(until, int) else parse_time(until, "until")
+    if since_ms is not None:
+        query = query.where(W.updated_at >= since_ms)
+    if until_ms is not None:
+        query = query.where(W.updated_at < until_ms)
+    if q and q.strip():
+        query = query.where(W.summary.ilike(f"%{_like_escape(q.strip())}%", escape="\\"))
+    if cursor:
+        at, before_id = _decode_cursor(cursor, "activity.cursor")
+        query = query.where(
+            sa.or_(W.updated_at < at, sa.and_(W.updated_at == at, W.id < before_id))
+        )
+    rows = (await conn.execute(query)).all()
+    page = rows[:limit]
+    agents = (
         await conn.execute(
-            sa.select(W.id, W.status, W.revision, W.updated_at, A.name.label("agent_name"))
-            .select_from(t.work_items.join(t.agents, A.id == W.agent_id))
-            .where(W.org_id == org_id)
-            .order_by(W.updated_at.desc(), W.id.desc())
-            .limit(limit)
+            sa.select(A.id, A.name)
+            .where(A.org_id == org_id, A.deleted_at.is_(None))
+            .order_by(A.name)
         )
     ).all()
     return {
@@ -164,11 +540,18 @@ async def activity(conn: AsyncConnection, org_id: str, *, limit: int = 50) -> di
             {
                 "id": r.id,
                 "agent": r.agent_name,
+                "agentId": r.agent_id,
                 "status": r.status,
                 "revision": r.revision,
+                "channel": r.channel,
+                "channelName": channel_name(r.channel),
+                "requester": requester(r.channel, r.address, r.session_key),
+                "createdAt": iso(r.created_at),
                 "updatedAt": iso(r.updated_at),
                 "detail": f"/operator/reviews/{r.id}",
             }
-            for r in rows
-        ]
+            for r in page
+        ],
+        "next": _encode_cursor(page[-1].updated_at, page[-1].id) if len(rows) > limit else None,
+        "agents": [{"id": a.id, "name": a.name} for a in agents],
     }

@@ -212,8 +212,11 @@ class TurnService:
                     result = await self._tool(ctx, call, tools)
                     signalled = signalled or result == SUBMITTED
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
-        except ModelError:
+        except ModelError as exc:
             METRICS.turns.labels("error").inc()
+            # Logged once, here, for every surface (the request id rides the log context);
+            # the message names the provider and status, never the key or any text.
+            log.warning("model error: %s [%s]", exc.message, exc.rule)
             raise
         except Exception as exc:
             METRICS.turns.labels("error").inc()

@@ -1,16 +1,20 @@
-"""Shared HTTP plumbing: JSON errors, body parsing, authentication."""
+"""Shared HTTP plumbing: the one JSON error envelope, request ids, body parsing,
+authentication."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import AuthError, LeadgateError, ValidationError
+from leadgate.core.errors import AuthError, LeadgateError, ModelError, ValidationError
 
 log = logging.getLogger("leadgate.web")
 
@@ -18,59 +22,104 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SESSION_COOKIE = "leadgate_session"
 
 
-def openai_error(
-    status: int, message: str, type_: str, code: str | None, rule: str | None = None
-) -> web.Response:
-    """An OpenAI-style error envelope (plus ``rule``, the name of the broken rule)."""
-    error: dict[str, Any] = {"message": message, "type": type_, "param": None, "code": code}
-    if rule is not None:
-        error["rule"] = rule
-    return web.json_response({"error": error}, status=status)
-
-
-_OPENAI_TYPES = {
+#: ``type`` of the error envelope per HTTP status (the OpenAI names, kept on every surface).
+ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
 }
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = web.RequestKey("request_id", str)
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def error_body(
+    status: int, message: str, code: str | None, rule: str | None, *, type_: str | None = None
+) -> dict[str, Any]:
+    """The one error envelope of every HTTP surface (REST, operator API, console, MCP):
+    ``{"error": {"message", "type", "param", "code", "rule"}}`` — the OpenAI shape, plus
+    ``rule``, the name of the rule that was broken."""
+    error: dict[str, Any] = {
+        "message": message,
+        "type": type_ or ERROR_TYPES.get(status, "api_error" if status < 500 else "server_error"),
+        "param": None,
+        "code": code,
+        "rule": rule,
+    }
+    return {"error": error}
+
+
+def openai_error(
+    status: int, message: str, type_: str, code: str | None, rule: str | None = None
+) -> web.Response:
+    """An error response with an explicit OpenAI ``type`` (see :func:`error_body`)."""
+    return web.json_response(error_body(status, message, code, rule, type_=type_), status=status)
 
 
 def error_response(
     request: web.Request, status: int, message: str, code: str, rule: str
 ) -> web.Response:
-    """A JSON error in the surface's style (OpenAI envelope under /v1/)."""
+    """A JSON error response in the one envelope (:func:`error_body`); 401 answers say
+    ``WWW-Authenticate: Bearer``."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    if request.path.startswith("/v1/"):
-        resp = openai_error(status, message, _OPENAI_TYPES.get(status, "api_error"), code, rule)
-        if headers:
-            resp.headers.update(headers)
-        return resp
     return web.json_response(
-        {"error": {"message": message, "code": code, "rule": rule}}, status=status, headers=headers
+        error_body(status, message, code, rule), status=status, headers=headers
     )
+
+
+def request_id(request: web.Request) -> str:
+    """The request's id: the client's ``X-Request-Id`` when it is a sane token, else a
+    new one. Logged with every line of the request and returned in the same header."""
+    if REQUEST_ID in request:
+        return request[REQUEST_ID]
+    offered = request.headers.get(REQUEST_ID_HEADER, "")
+    rid = offered if _REQUEST_ID_OK.fullmatch(offered) else uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    return rid
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every response (streams too) carries ``X-Request-Id``."""
+    response.headers[REQUEST_ID_HEADER] = request_id(request)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes a JSON error; nothing crashes the process or leaks internals."""
-    try:
-        return await handler(request)
-    except LeadgateError as exc:
-        return error_response(request, exc.status, exc.message, exc.code, exc.rule)
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(
-            request, 413, "the request body is too large", "request_too_large", "body.size"
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(request, exc.status, exc.reason, "http_error", "http")
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request, 500, "internal error", "internal_error", "internal")
+    """Every failure becomes a JSON error; nothing crashes the process or leaks internals.
+
+    Each log line of the request carries its ``request_id``. A 5xx is logged once here
+    (an unexpected exception with its traceback); a model or provider error is logged
+    once where it happens (the turn path), so not again here.
+    """
+    with structlog.contextvars.bound_contextvars(request_id=request_id(request)):
+        try:
+            return await handler(request)
+        except LeadgateError as exc:
+            if exc.status >= 500 and not isinstance(exc, ModelError):
+                log.error(
+                    "%s %s failed: %d %s [%s]",
+                    request.method,
+                    request.path,
+                    exc.status,
+                    exc.code,
+                    exc.rule,
+                )
+            return error_response(request, exc.status, exc.message, exc.code, exc.rule)
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(
+                request, 413, "the request body is too large", "request_too_large", "body.size"
+            )
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(request, exc.status, exc.reason, "http_error", "http")
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(request, 500, "internal error", "internal_error", "internal")
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
+from leadgate.web.common import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +305,7 @@ async def _authenticate_request(
 
 def _unauthorized() -> web.Response:
     return web.json_response(
-        {"error": {"message": "Missing or unknown API key.", "code": "unauthorized"}},
+        error_body(401, "Missing or unknown API key.", "unauthorized", "auth.key"),
         status=401,
         headers={"WWW-Authenticate": "Bearer"},
     )
@@ -427,7 +428,7 @@ async def _bridge(
     if response is None:
         # The SDK answered nothing (it crashed before responding).
         return web.json_response(
-            {"error": {"message": GENERIC_ERROR_TEXT, "code": "internal_error"}}, status=500
+            error_body(500, GENERIC_ERROR_TEXT, "internal_error", "internal"), status=500
         )
     return response
 

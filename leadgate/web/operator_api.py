@@ -12,6 +12,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import ValidationError
+from leadgate.web import charts
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
 
 
@@ -19,12 +20,14 @@ class ReviewBackend(Protocol):
     """What the routes need (:class:`leadgate.operations.reviews.Reviews`)."""
 
     async def queue(
-        self, principal: Principal, *, limit: int = 50, cursor: str | None = None
+        self, principal: Principal, *, limit: int = 50, cursor: str | None = None, **filters: Any
     ) -> dict[str, Any]: ...
 
     async def detail(self, principal: Principal, item_id: str) -> dict[str, Any]: ...
 
-    async def activity(self, principal: Principal, *, limit: int = 50) -> dict[str, Any]: ...
+    async def activity(
+        self, principal: Principal, *, limit: int = 50, **filters: Any
+    ) -> dict[str, Any]: ...
 
     async def decide(
         self,
@@ -52,10 +55,32 @@ class ReviewBackend(Protocol):
 _TEXT_FIELD = {"reject": "reason", "return": "feedback"}
 
 
+class InsightsBackend(Protocol):
+    """What the insights routes need (:class:`leadgate.operations.oversight.Oversight`)."""
+
+    async def insights(self, principal: Principal, *, days: int = 30) -> dict[str, Any]: ...
+
+
+def _int(request: web.Request, name: str, default: int, rule: str) -> int:
+    try:
+        return int(request.query.get(name, str(default)))
+    except ValueError:
+        raise ValidationError(f"{name} must be an integer", rule=rule) from None
+
+
+def _opts(request: web.Request, *names: str) -> dict[str, str | None]:
+    """Optional query parameters (an empty value is no value)."""
+    return {name: request.query.get(name) or None for name in names}
+
+
 def setup(
-    app: web.Application, *, authenticate_with: PrincipalLookup, reviews: ReviewBackend
+    app: web.Application,
+    *,
+    authenticate_with: PrincipalLookup,
+    reviews: ReviewBackend,
+    insights: InsightsBackend | None = None,
 ) -> None:
-    """Register the routes."""
+    """Register the routes (``insights``: also ``/operator/insights`` and its charts)."""
 
     async def reviewer(request: web.Request) -> Principal:
         return await authenticate(request, authenticate_with, cookie=True)
@@ -66,11 +91,12 @@ def setup(
 
     async def list_reviews(request: web.Request) -> web.Response:
         principal = await reviewer(request)
-        try:
-            limit = int(request.query.get("limit", "50"))
-        except ValueError:
-            raise ValidationError("limit must be an integer", rule="queue.limit") from None
-        page = await reviews.queue(principal, limit=limit, cursor=request.query.get("cursor"))
+        page = await reviews.queue(
+            principal,
+            limit=_int(request, "limit", 50, "queue.limit"),
+            order=request.query.get("order") or "oldest",
+            **_opts(request, "cursor", "agent", "channel", "reason"),
+        )
         return web.json_response(page)
 
     async def get_review(request: web.Request) -> web.Response:
@@ -106,7 +132,33 @@ def setup(
 
     async def activity(request: web.Request) -> web.Response:
         principal = await reviewer(request)
-        return web.json_response(await reviews.activity(principal))
+        page = await reviews.activity(
+            principal,
+            limit=_int(request, "limit", 50, "activity.limit"),
+            **_opts(request, "cursor", "agent", "status", "channel", "since", "until", "q"),
+        )
+        return web.json_response(page)
+
+    async def get_insights(request: web.Request) -> web.Response:
+        assert insights is not None
+        principal = await reviewer(request)
+        days = _int(request, "days", 30, "insights.days")
+        return web.json_response(await insights.insights(principal, days=days))
+
+    async def chart(request: web.Request) -> web.Response:
+        assert insights is not None
+        principal = await reviewer(request)
+        days = _int(request, "days", 30, "insights.days")
+        data = await insights.insights(principal, days=days)
+        return web.Response(
+            body=charts.render(request.match_info["name"], data),
+            content_type="image/svg+xml",
+            headers={
+                "Content-Security-Policy": charts.SVG_CSP,
+                "X-Content-Type-Options": "nosniff",
+                "Cache-Control": "no-store",
+            },
+        )
 
     app.router.add_get("/operator/reviews", list_reviews)
     app.router.add_get("/operator/reviews/{item_id}", get_review)
@@ -115,3 +167,7 @@ def setup(
         "/operator/deliveries/{delivery_id}/{action:confirm|retry}", recover_delivery
     )
     app.router.add_get("/operator/activity", activity)
+    if insights is not None:
+        app.router.add_get("/operator/insights", get_insights)
+        names = "|".join(charts.CHARTS)
+        app.router.add_get(f"/operator/insights/charts/{{name:{names}}}.svg", chart)

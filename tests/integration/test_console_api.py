@@ -99,6 +99,7 @@ async def test_login_sets_a_strict_httponly_session_cookie_and_me_answers(env: E
             "role": "Member",
             "orgId": env.org.id,
             "orgName": "acme",
+            "name": None,
             "scopes": ["agent:review", "agent:trigger"],
         }
     }

@@ -385,7 +385,13 @@ async def test_unauthenticated_is_401(served: Served, headers: dict[str, str], m
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"] == "Bearer"
     assert response.json() == {
-        "error": {"message": "Missing or unknown API key.", "code": "unauthorized"}
+        "error": {
+            "message": "Missing or unknown API key.",
+            "type": "authentication_error",
+            "param": None,
+            "code": "unauthorized",
+            "rule": "auth.key",
+        }
     }
     assert served.core.calls == []
 

@@ -2,6 +2,8 @@
 //
 // Every piece of data from the server is put on the page with textContent (through
 // el() below), never as HTML. Every POST carries X-Leadgate-Console: 1 (CSRF guard).
+// Live updates come from GET /operator/events (server-sent events): the queue, the
+// detail and the navigation count follow the database without a reload.
 "use strict";
 
 (() => {
@@ -9,6 +11,29 @@
   const REASON_MAX = 2000;
   const FEEDBACK_MAX = 10000;
   const TERMINAL = new Set(["completed", "rejected", "failed", "cancelled", "abandoned"]);
+  const STATUSES = [
+    "inProgress", "reviewQueued", "reviewing", "awaitingHuman", "approved",
+    "completed", "rejected", "failed", "cancelled", "abandoned",
+  ];
+  const CHANNELS = ["api", "studio", "slack", "discord", "teams", "email", "scheduled", "flow"];
+  const REASON_LABELS = {
+    escalated: "Lead escalated",
+    roundsExhausted: "Changes requested, no rounds left",
+    incompleteProvenance: "Incomplete provenance",
+    leaseExpired: "Lead review kept failing",
+    deliveryUnknown: "Delivery uncertain",
+    other: "Other",
+  };
+  const RANGES = { "": "Any time", "1h": "Last hour", "24h": "Last 24 hours", "7d": "Last 7 days", "30d": "Last 30 days" };
+  const RANGE_MS = { "1h": 3600e3, "24h": 86400e3, "7d": 7 * 86400e3, "30d": 30 * 86400e3 };
+  const CHARTS = [
+    ["decisions", "Decisions per day, by verdict"],
+    ["deciders", "Decisions per day, lead or human"],
+    ["time", "Time to decision (minutes)"],
+    ["agreement", "Lead–human agreement"],
+    ["rounds", "Revision rounds used"],
+    ["deliveries", "Deliveries by outcome"],
+  ];
 
   const $ = (id) => document.getElementById(id);
   const enc = encodeURIComponent;
@@ -16,6 +41,15 @@
 
   let user = null;
   let cursors = [null]; // queue pages visited: cursors[i] is the cursor of page i
+  let filters = { agent: "", channel: "", reason: "", order: "oldest" };
+  let activity = { agent: "", status: "", channel: "", range: "", q: "", draft: null, cursors: [null] };
+  let insightDays = 30;
+  let current = { view: null, id: null }; // what the page shows (for live updates)
+  let events = null;
+  let refreshTimer = null;
+  // Each render takes a number; a response that is not the newest one is dropped, so a
+  // slow answer to an old filter never overwrites a newer one.
+  let renderSeq = 0;
 
   class ApiError extends Error {
     constructor(status, message, rule) {
@@ -67,11 +101,35 @@
     return node;
   }
 
-  const badge = (text, kind) => el("span", { class: `badge ${kind}-${text}` }, text);
+  const badge = (text, kind, label) => el("span", { class: `badge ${kind}-${text}` }, label || text);
   const when = (iso) => (iso ? el("time", { datetime: iso }, new Date(iso).toLocaleString()) : "—");
   const reviewLink = (id) => el("a", { href: `#/review/${enc(id)}` }, id);
   const textBlock = (text, id) =>
     text ? el("pre", { class: "text", id }, text) : el("p", { class: "empty", id }, "(none)");
+
+  function ago(iso) {
+    if (!iso) return "—";
+    const s = Math.max(0, (Date.now() - new Date(iso).getTime()) / 1000);
+    if (s < 60) return "just now";
+    if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+    if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+    return `${Math.floor(s / 86400)} d ago`;
+  }
+  const waited = (iso) =>
+    iso ? el("time", { datetime: iso, "data-ago": "", title: new Date(iso).toLocaleString() }, ago(iso)) : "—";
+
+  function select(id, label, value, options, onchange) {
+    return el(
+      "label",
+      { for: id },
+      label,
+      el(
+        "select",
+        { id, onchange: (e) => onchange(e.target.value) },
+        options.map(([v, text]) => el("option", { value: v, selected: v === value }, text))
+      )
+    );
+  }
 
   // ------------------------------------------------------------------ messages
 
@@ -98,11 +156,13 @@
     }
     if (err.status === 401 && err.rule !== "csrf") {
       user = null;
+      stopEvents();
       showLogin("Your session has ended. Log in again.");
       return;
     }
     if (err.status === 403 && err.rule.startsWith("scope.")) {
-      showRoleMessage(location.hash === "#/activity" ? "Agent Activity" : "Lead Reviews");
+      const titles = { activity: "Agent Activity", insights: "Insights" };
+      showRoleMessage(titles[current.view] || "Lead Reviews");
       return;
     }
     showError(err.message);
@@ -121,6 +181,76 @@
     );
   }
 
+  // --------------------------------------------------------------- live updates
+
+  function setCount(n) {
+    const badgeEl = $("queue-count");
+    badgeEl.textContent = n > 0 ? fmt(n) : "";
+    badgeEl.title = `${n} waiting for a decision`;
+    badgeEl.hidden = !(n > 0);
+  }
+
+  function startEvents() {
+    stopEvents();
+    if (!user || !user.scopes || !user.scopes.includes("agent:review")) return;
+    const source = new EventSource("/operator/events");
+    events = source;
+    source.addEventListener("open", () => {
+      $("live").textContent = "live";
+      $("live").classList.add("on");
+      $("live").hidden = false;
+    });
+    source.addEventListener("hello", (e) => setCount(JSON.parse(e.data).queue));
+    source.addEventListener("change", (e) => {
+      const data = JSON.parse(e.data);
+      setCount(data.queue);
+      onChange(data.items);
+    });
+    source.addEventListener("end", () => stopEvents());
+    source.addEventListener("error", () => {
+      $("live").textContent = "reconnecting…";
+      $("live").classList.remove("on");
+      if (source.readyState === EventSource.CLOSED && events === source) {
+        events = null;
+        setTimeout(() => user && !events && startEvents(), 5000);
+      }
+    });
+  }
+
+  function stopEvents() {
+    if (events) events.close();
+    events = null;
+    $("live").hidden = true;
+  }
+
+  // Something changed in the organization: refresh what the page shows (debounced).
+  function onChange(items) {
+    const mine = current.view === "detail" ? items === null || items.includes(current.id) : true;
+    if (!mine || current.view === "insights") return;
+    if (current.view === "activity" && activity.cursors.length > 1) return; // paging: keep still
+    if (document.querySelector("#app-view textarea:focus, #app-view input:focus")) {
+      // Someone is typing: do not pull the page from under them; refresh after.
+      clearTimeout(refreshTimer);
+      refreshTimer = setTimeout(() => onChange(items), 1500);
+      return;
+    }
+    if ($("approve-dialog").open) return;
+    clearTimeout(refreshTimer);
+    refreshTimer = setTimeout(async () => {
+      try {
+        if (current.view === "queue") await showQueue(false);
+        else if (current.view === "activity") await showActivity(false);
+        else if (current.view === "detail") {
+          const seq = ++renderSeq;
+          const data = await api("GET", `/operator/reviews/${enc(current.id)}`);
+          if (seq === renderSeq && current.view === "detail" && current.id === data.id) renderDetail(data, false);
+        }
+      } catch (err) {
+        handle(err);
+      }
+    }, 150);
+  }
+
   // --------------------------------------------------------------- login / out
 
   function showLogin(message) {
@@ -136,11 +266,13 @@
 
   function loggedIn(u) {
     user = u;
-    $("who-name").textContent = `${u.email} (${u.role}, ${u.orgName})`;
+    const name = u.name ? `${u.name} <${u.email}>` : u.email;
+    $("who-name").textContent = `${name} (${u.role}, ${u.orgName})`;
     $("nav").hidden = false;
     $("who").hidden = false;
     $("login-view").hidden = true;
     $("app-view").hidden = false;
+    startEvents();
   }
 
   async function onLogin(event) {
@@ -172,6 +304,8 @@
       return;
     }
     user = null;
+    stopEvents();
+    setCount(0);
     cursors = [null];
     history.replaceState(null, "", "#/reviews");
     showLogin();
@@ -187,55 +321,110 @@
     if (heading) heading.focus({ preventScroll: true });
   }
 
-  async function showQueue() {
+  function place(children, focus) {
+    if (focus) view(...children);
+    else $("app-view").replaceChildren(...children);
+  }
+
+  function queueQuery() {
     const cursor = cursors[cursors.length - 1];
-    const query = `limit=${PAGE_SIZE}` + (cursor ? `&cursor=${enc(cursor)}` : "");
-    const data = await api("GET", `/operator/reviews?${query}`);
+    const q = new URLSearchParams({ limit: String(PAGE_SIZE), order: filters.order });
+    for (const k of ["agent", "channel", "reason"]) if (filters[k]) q.set(k, filters[k]);
+    if (cursor) q.set("cursor", cursor);
+    return q.toString();
+  }
+
+  function queueFilters(data) {
+    const c = data.counts;
+    const agents = [["", `All agents (${c.all})`], ...c.agents.map((a) => [a.name, `${a.name} (${a.count})`])];
+    if (filters.agent && !c.agents.some((a) => a.name === filters.agent)) agents.push([filters.agent, `${filters.agent} (0)`]);
+    const channels = [["", "All channels"], ...Object.entries(c.channels).map(([k, n]) => [k, `${k} (${n})`])];
+    if (filters.channel && !(filters.channel in c.channels)) channels.push([filters.channel, `${filters.channel} (0)`]);
+    const reasons = [["", "All reasons"], ...Object.entries(c.reasons).map(([k, n]) => [k, `${REASON_LABELS[k] || k} (${n})`])];
+    if (filters.reason && !(filters.reason in c.reasons)) reasons.push([filters.reason, `${REASON_LABELS[filters.reason] || filters.reason} (0)`]);
+    const set = (key) => (value) => {
+      filters[key] = value;
+      cursors = [null];
+      showQueue(false).catch(handle);
+    };
+    return el(
+      "div",
+      { class: "filters", role: "group", "aria-label": "Filter the queue" },
+      select("filter-agent", "Agent", filters.agent, agents, set("agent")),
+      select("filter-channel", "Channel", filters.channel, channels, set("channel")),
+      select("filter-reason", "Why it is here", filters.reason, reasons, set("reason")),
+      select("filter-order", "Order", filters.order, [["oldest", "Waiting longest first"], ["newest", "Newest first"]], set("order"))
+    );
+  }
+
+  function whyCell(item) {
+    const rounds = `round ${item.roundsUsed} of ${item.roundsAllowed}`;
+    return el(
+      "td",
+      {},
+      badge(item.reason, "reason", REASON_LABELS[item.reason] || item.reason),
+      item.reasonText ? el("span", { class: "why" }, item.reasonText) : null,
+      el("span", { class: "sub" }, rounds)
+    );
+  }
+
+  async function showQueue(focus = true) {
+    current = { view: "queue", id: null };
+    const seq = ++renderSeq;
+    const data = await api("GET", `/operator/reviews?${queueQuery()}`);
+    if (seq !== renderSeq) return;
+    setCount(data.counts.all);
     const rows = data.items.map((item) =>
       el(
         "tr",
         { "data-id": item.id },
-        el("td", {}, reviewLink(item.id)),
+        el(
+          "td",
+          { class: "cell-text" },
+          el("a", { class: "preview", href: `#/review/${enc(item.id)}` }, item.preview || "(no summary)"),
+          el("code", { class: "sub" }, item.id)
+        ),
         el("td", {}, item.agent ? item.agent.name : ""),
-        el("td", {}, badge(item.status, "status")),
-        el("td", {}, badge(item.reason, "reason")),
-        el("td", { class: "num" }, item.revision),
-        el("td", {}, when(item.updatedAt))
+        el("td", {}, item.requester, el("span", { class: "sub" }, item.channelName)),
+        whyCell(item),
+        el("td", {}, waited(item.waitingSince), el("span", { class: "sub" }, badge(item.status, "status")))
       )
     );
     const pager = el(
       "div",
       { class: "pager" },
-      el(
-        "button",
-        { type: "button", disabled: cursors.length === 1, onclick: () => page(-1) },
-        "Previous page"
-      ),
+      el("button", { type: "button", disabled: cursors.length === 1, onclick: () => page(-1) }, "Previous page"),
       el("span", {}, `Page ${cursors.length}`),
-      el("button", { type: "button", disabled: !data.next, onclick: () => page(1, data.next) }, "Next page"),
-      el("button", { type: "button", onclick: () => page(0) }, "Refresh")
+      el("button", { type: "button", disabled: !data.next, onclick: () => page(1, data.next) }, "Next page")
     );
-    view(
-      el("h1", { tabindex: "-1" }, "Lead Reviews"),
-      el(
-        "p",
-        { class: "hint" },
-        "Work items waiting for a human decision, and approved items whose delivery is uncertain."
-      ),
-      rows.length
-        ? el(
-            "table",
-            { id: "queue" },
-            el("caption", { class: "sr-only" }, "Actionable work items"),
-            el(
-              "thead",
-              {},
-              el("tr", {}, ["Work item", "Agent", "Status", "Reason", "Revision", "Updated"].map((h) => el("th", { scope: "col" }, h)))
-            ),
-            el("tbody", {}, rows)
-          )
-        : el("p", { class: "empty", id: "queue-empty" }, "Nothing needs a decision right now."),
-      pager
+    const filtered = filters.agent || filters.channel || filters.reason;
+    place(
+      [
+        el("h1", { tabindex: "-1" }, "Lead Reviews"),
+        el(
+          "p",
+          { class: "hint" },
+          "Work waiting for a human decision, and approved work whose delivery is uncertain. ",
+          "This page updates by itself."
+        ),
+        queueFilters(data),
+        el("p", { class: "count", id: "queue-total" }, filtered ? `${fmt(data.total)} of ${fmt(data.counts.all)} waiting` : `${fmt(data.total)} waiting`),
+        rows.length
+          ? el(
+              "table",
+              { id: "queue" },
+              el("caption", { class: "sr-only" }, "Actionable work items"),
+              el(
+                "thead",
+                {},
+                el("tr", {}, ["Work", "Agent", "Requester", "Why it is here", "Waiting since"].map((h) => el("th", { scope: "col" }, h)))
+              ),
+              el("tbody", {}, rows)
+            )
+          : el("p", { class: "empty", id: "queue-empty" }, filtered ? "Nothing matches these filters." : "Nothing needs a decision right now."),
+        pager,
+      ],
+      focus
     );
   }
 
@@ -250,8 +439,56 @@
     }
   }
 
-  async function showActivity() {
-    const data = await api("GET", "/operator/activity");
+  // ------------------------------------------------------------- agent activity
+
+  function activityQuery() {
+    const q = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    for (const k of ["agent", "status", "channel", "q"]) if (activity[k]) q.set(k, activity[k]);
+    if (activity.range) q.set("since", String(Date.now() - RANGE_MS[activity.range]));
+    const cursor = activity.cursors[activity.cursors.length - 1];
+    if (cursor) q.set("cursor", cursor);
+    return q.toString();
+  }
+
+  async function showActivity(focus = true) {
+    current = { view: "activity", id: null };
+    const seq = ++renderSeq;
+    const data = await api("GET", `/operator/activity?${activityQuery()}`);
+    if (seq !== renderSeq) return;
+    const set = (key) => (value) => {
+      activity[key] = value;
+      activity.cursors = [null];
+      showActivity(false).catch(handle);
+    };
+    // What is typed survives a live refresh of the page (activity.draft).
+    const search = el("input", {
+      id: "activity-q",
+      type: "search",
+      value: activity.draft ?? activity.q,
+      maxlength: 200,
+      placeholder: "words in the summary",
+      oninput: (e) => (activity.draft = e.target.value),
+    });
+    const form = el(
+      "form",
+      {
+        class: "filters",
+        role: "search",
+        "aria-label": "Filter and search work items",
+        onsubmit: (e) => {
+          e.preventDefault();
+          search.blur();
+          activity.draft = null;
+          set("q")(search.value.trim());
+        },
+      },
+      select("activity-agent", "Agent", activity.agent, [["", "All agents"], ...data.agents.map((a) => [a.name, a.name])], set("agent")),
+      select("activity-status", "Status", activity.status, [["", "All statuses"], ...STATUSES.map((s) => [s, s])], set("status")),
+      select("activity-channel", "Channel", activity.channel, [["", "All channels"], ...CHANNELS.map((c) => [c, c])], set("channel")),
+      select("activity-range", "Updated", activity.range, Object.entries(RANGES), set("range")),
+      el("label", { for: "activity-q" }, "Search summaries", search),
+      el("button", { type: "submit" }, "Search")
+    );
     const rows = data.items.map((item) =>
       el(
         "tr",
@@ -259,40 +496,125 @@
         el("td", {}, reviewLink(item.id)),
         el("td", {}, item.agent),
         el("td", {}, badge(item.status, "status")),
+        el("td", {}, item.requester, el("span", { class: "sub" }, item.channelName)),
         el("td", { class: "num" }, item.revision),
         el("td", {}, when(item.updatedAt))
       )
     );
-    view(
-      el("h1", { tabindex: "-1" }, "Agent Activity"),
-      el("p", { class: "hint" }, "Recent work items of your organization. Open one for its review detail."),
-      rows.length
-        ? el(
-            "table",
-            { id: "activity" },
-            el("caption", { class: "sr-only" }, "Recent work items"),
-            el(
-              "thead",
-              {},
-              el("tr", {}, ["Work item", "Agent", "Status", "Revision", "Updated"].map((h) => el("th", { scope: "col" }, h)))
-            ),
-            el("tbody", {}, rows)
-          )
-        : el("p", { class: "empty" }, "No work items yet.")
+    const pages = activity.cursors;
+    const pager = el(
+      "div",
+      { class: "pager" },
+      el(
+        "button",
+        { type: "button", disabled: pages.length === 1, onclick: () => { pages.pop(); showActivity().catch(handle); } },
+        "Previous page"
+      ),
+      el("span", {}, `Page ${pages.length}`),
+      el(
+        "button",
+        { type: "button", disabled: !data.next, onclick: () => { pages.push(data.next); showActivity().catch(handle); } },
+        "Next page"
+      )
+    );
+    place(
+      [
+        el("h1", { tabindex: "-1" }, "Agent Activity"),
+        el(
+          "p",
+          { class: "hint" },
+          "Work items of your organization, newest first. Search looks in the summaries; results never show the approved text: open an item for its review detail."
+        ),
+        form,
+        rows.length
+          ? el(
+              "table",
+              { id: "activity" },
+              el("caption", { class: "sr-only" }, "Work items"),
+              el(
+                "thead",
+                {},
+                el("tr", {}, ["Work item", "Agent", "Status", "Requester", "Revision", "Updated"].map((h) => el("th", { scope: "col" }, h)))
+              ),
+              el("tbody", {}, rows)
+            )
+          : el("p", { class: "empty", id: "activity-empty" }, "No work items match."),
+        pager,
+      ],
+      focus
     );
   }
 
-  async function showDetail(id) {
-    renderDetail(await api("GET", `/operator/reviews/${enc(id)}`));
+  // ------------------------------------------------------------------ insights
+
+  const minutes = (ms) => (ms === null || ms === undefined ? "—" : `${(ms / 60000).toFixed(1)} min`);
+
+  async function showInsights(focus = true) {
+    current = { view: "insights", id: null };
+    const seq = ++renderSeq;
+    const data = await api("GET", `/operator/insights?days=${insightDays}`);
+    if (seq !== renderSeq) return;
+    const d = data.decisions;
+    const t = data.timeToDecision;
+    const a = data.agreement;
+    const card = (title, big, sub, id) =>
+      el("div", { class: "card", id }, el("span", { class: "sub" }, title), el("span", { class: "big" }, big), el("span", { class: "sub" }, sub));
+    const total = Object.values(d.byVerdict).reduce((x, y) => x + y, 0);
+    const stamp = Date.now();
+    place(
+      [
+        el("h1", { tabindex: "-1" }, "Insights"),
+        el(
+          "div",
+          { class: "filters" },
+          select("insights-days", "Period", String(insightDays), [["7", "Last 7 days"], ["30", "Last 30 days"], ["90", "Last 90 days"]], (v) => {
+            insightDays = Number(v);
+            showInsights(false).catch(handle);
+          })
+        ),
+        el(
+          "div",
+          { class: "cards" },
+          card("Decisions", fmt(total), `lead ${d.byDecider.lead || 0} · human ${d.byDecider.human || 0}`, "card-decisions"),
+          card("Lead time to verdict", minutes(t.lead.medianMs), `median · p90 ${minutes(t.lead.p90Ms)} · ${t.lead.count} verdicts`, "card-lead-time"),
+          card("Human time to decision", minutes(t.human.medianMs), `median · p90 ${minutes(t.human.p90Ms)} · ${t.human.count} decisions`, "card-human-time"),
+          card(
+            "Lead–human agreement",
+            a.rate === null ? "—" : `${Math.round(a.rate * 100)}%`,
+            `confirmed ${a.confirmed} · overrode ${a.overrode}`,
+            "card-agreement"
+          ),
+          card("Deliveries", fmt(Object.values(data.deliveries.byOutcome).reduce((x, y) => x + y, 0)), Object.entries(data.deliveries.byOutcome).map(([k, n]) => `${k} ${n}`).join(" · ") || "none", "card-deliveries")
+        ),
+        el(
+          "p",
+          { class: "hint" },
+          "Agreement: when the lead escalated, or asked for changes with no rounds left, and a human then decided: approving overrode the lead; rejecting or returning confirmed it."
+        ),
+        el(
+          "div",
+          { class: "charts" },
+          CHARTS.map(([name, title]) =>
+            el(
+              "figure",
+              {},
+              el("img", { id: `chart-${name}`, src: `/operator/insights/charts/${name}.svg?days=${insightDays}&t=${stamp}`, alt: title, width: 640, height: 320 }),
+              el("figcaption", { class: "sr-only" }, title)
+            )
+          )
+        ),
+      ],
+      focus
+    );
   }
 
-  async function refresh(id) {
-    clearMessages();
-    try {
-      renderDetail(await api("GET", `/operator/reviews/${enc(id)}`), false);
-    } catch (err) {
-      handle(err);
-    }
+  // -------------------------------------------------------------------- detail
+
+  async function showDetail(id) {
+    current = { view: "detail", id };
+    const seq = ++renderSeq;
+    const data = await api("GET", `/operator/reviews/${enc(id)}`);
+    if (seq === renderSeq) renderDetail(data);
   }
 
   // Run a POST that answers the updated detail; buttons are disabled while it runs.
@@ -302,6 +624,7 @@
     buttons.forEach((b) => (b.disabled = true));
     try {
       const detail = await api("POST", path, body);
+      ++renderSeq; // newer than any refresh still in flight
       if (detail && detail.deliveries) renderDetail(detail, false);
       else await route();
       notify(done);
@@ -332,6 +655,7 @@
         id: `${id}-form`,
         onsubmit: (e) => {
           e.preventDefault();
+          area.blur();
           onSubmit(area.value);
         },
       },
@@ -341,19 +665,30 @@
     );
   }
 
+  function confirmApprove(d, base) {
+    const dialog = $("approve-dialog");
+    $("approve-destination").textContent = d.destination.description;
+    dialog.returnValue = "";
+    dialog.onclose = () => {
+      if (dialog.returnValue === "approve") act(`${base}/approve`, {}, "Approved.");
+    };
+    dialog.showModal();
+    $("approve-keep").focus();
+  }
+
   function decisionPanel(d) {
     const base = `/operator/reviews/${enc(d.id)}`;
     const parts = [el("h2", {}, "Decision")];
+    parts.push(
+      el("p", { class: "sub" }, d.status === "awaitingHuman" ? "If you approve:" : "Delivery:"),
+      el("p", { class: "destination", id: "destination" }, d.destination.description)
+    );
     if (d.status === "awaitingHuman") {
       parts.push(
         el(
           "div",
           { class: "row" },
-          el(
-            "button",
-            { type: "button", class: "primary", id: "approve", onclick: () => act(`${base}/approve`, {}, "Approved.") },
-            "Approve"
-          )
+          el("button", { type: "button", class: "primary", id: "approve", onclick: () => confirmApprove(d, base) }, "Approve…")
         ),
         textForm("reject", `Reason for rejecting (1–${fmt(REASON_MAX)} characters)`, REASON_MAX, "Reject", (reason) =>
           act(`${base}/reject`, { reason }, "Rejected.")
@@ -367,26 +702,24 @@
         )
       );
     } else {
-      parts.push(el("p", { class: "hint" }, `No decision is open: the item is ${d.status}.`));
+      const what = {
+        approved: "Approved: the delivery is on its way (this page follows it).",
+        inProgress: "The worker is revising; the lead reviews the next submission (this page follows it).",
+        reviewQueued: "Waiting for the lead's review.",
+        reviewing: "The lead is reviewing.",
+      };
+      parts.push(el("p", { class: "hint", id: "no-decision" }, what[d.status] || `No decision is open: the item is ${d.status}.`));
     }
     if (!TERMINAL.has(d.status)) {
       const confirmRow = el(
         "div",
         { class: "row confirm", hidden: true },
         el("span", {}, "Cancelling stops this work item for good."),
-        el(
-          "button",
-          { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, {}, "Cancelled.") },
-          "Yes, cancel it"
-        ),
+        el("button", { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, {}, "Cancelled.") }, "Yes, cancel it"),
         el("button", { type: "button", onclick: () => (confirmRow.hidden = true) }, "Keep it")
       );
       parts.push(
-        el(
-          "div",
-          { class: "row" },
-          el("button", { type: "button", id: "cancel", onclick: () => (confirmRow.hidden = false) }, "Cancel work item…")
-        ),
+        el("div", { class: "row" }, el("button", { type: "button", id: "cancel", onclick: () => (confirmRow.hidden = false) }, "Cancel work item…")),
         confirmRow
       );
     }
@@ -398,11 +731,7 @@
     return el(
       "table",
       { id: "deliveries" },
-      el(
-        "thead",
-        {},
-        el("tr", {}, ["Delivery", "Channel", "Action", "Status", "Attempts", "Error", ""].map((h) => el("th", { scope: "col" }, h)))
-      ),
+      el("thead", {}, el("tr", {}, ["Delivery", "Channel", "Action", "Status", "Attempts", "Error", ""].map((h) => el("th", { scope: "col" }, h)))),
       el(
         "tbody",
         {},
@@ -421,20 +750,36 @@
               {},
               x.status === "deliveryUnknown"
                 ? [
-                    el(
-                      "button",
-                      { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") },
-                      "Confirm delivered"
-                    ),
+                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
                     " ",
-                    el(
-                      "button",
-                      { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, "Delivery queued again.") },
-                      "Retry delivery"
-                    ),
+                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, "Delivery queued again.") }, "Retry delivery"),
                   ]
                 : ""
             )
+          )
+        )
+      )
+    );
+  }
+
+  function verdictTable(d) {
+    if (!d.reviews.length) return el("p", { class: "empty", id: "verdicts-empty" }, "No verdicts yet.");
+    return el(
+      "table",
+      { id: "verdicts" },
+      el("thead", {}, el("tr", {}, ["Revision", "By", "Verdict", "Feedback", "When"].map((h) => el("th", { scope: "col" }, h)))),
+      el(
+        "tbody",
+        {},
+        d.reviews.map((r) =>
+          el(
+            "tr",
+            {},
+            el("td", { class: "num" }, r.revision),
+            el("td", {}, r.actorName, el("span", { class: "sub" }, r.by)),
+            el("td", {}, badge(r.verdict, "verdict"), r.roundsExhausted ? el("span", { class: "sub" }, "no rounds left") : null),
+            el("td", { class: "cell-text" }, r.feedback || ""),
+            el("td", {}, when(r.at))
           )
         )
       )
@@ -446,7 +791,7 @@
     return el(
       "table",
       { id: "audit" },
-      el("thead", {}, el("tr", {}, ["When", "Actor", "Action", "Status", "Text"].map((h) => el("th", { scope: "col" }, h)))),
+      el("thead", {}, el("tr", {}, ["When", "Who", "Where", "Action", "Status", "Text"].map((h) => el("th", { scope: "col" }, h)))),
       el(
         "tbody",
         {},
@@ -455,7 +800,8 @@
             "tr",
             {},
             el("td", {}, when(a.at)),
-            el("td", {}, a.actor),
+            el("td", { title: a.actor }, a.actorName, a.actorEmail && a.actorEmail !== a.actorName ? el("span", { class: "sub" }, a.actorEmail) : null),
+            el("td", {}, a.surface || "—", a.identity ? el("span", { class: "sub" }, a.identity) : null),
             el("td", {}, a.action),
             el("td", {}, a.from || a.to ? `${a.from || "—"} → ${a.to || "—"}` : ""),
             el("td", { class: "cell-text" }, a.text || "")
@@ -466,50 +812,48 @@
   }
 
   function renderDetail(d, focus = true) {
+    if (current.view !== "detail" || current.id !== d.id) current = { view: "detail", id: d.id };
     const meta = [
       ["Status", badge(d.status, "status"), "detail-status"],
       ["Agent", d.agent ? d.agent.name : "—"],
-      ["Revision", `${d.revision} (max rounds ${d.maxRevisionRounds}, extra ${d.extraAllowance})`],
-      ["Completion policy", d.completionPolicy],
+      ["Requester", `${d.requester} (${d.channelName})`, "detail-requester"],
+      ["Revision", `round ${d.roundsUsed} of ${d.roundsAllowed} (max rounds ${d.maxRevisionRounds}, extra ${d.extraAllowance})`],
+      [
+        "Completion policy",
+        [el("span", {}, d.completionPolicy), el("span", { class: "policy-note sub", id: "policy-note" }, d.completionPolicyNote)],
+      ],
       ["Created", when(d.createdAt)],
-      ["Updated", when(d.updatedAt)],
+      ["Updated", when(d.updatedAt), "detail-updated"],
     ];
-    const content = [
-      el(
-        "p",
-        { class: "row start" },
-        el("a", { href: "#/reviews" }, "← Lead Reviews"),
-        el("button", { type: "button", onclick: () => refresh(d.id) }, "Refresh")
-      ),
-      el("h1", { tabindex: "-1" }, "Work item ", el("code", {}, d.id)),
-      el(
-        "dl",
-        { class: "meta" },
-        meta.map(([k, v, id]) => [el("dt", {}, k), el("dd", { id }, v)])
-      ),
-      el(
-        "div",
-        { class: "detail" },
+    place(
+      [
+        el("p", { class: "row start" }, el("a", { href: "#/reviews" }, "← Lead Reviews")),
+        el("h1", { tabindex: "-1" }, "Work item ", el("code", {}, d.id)),
+        el("dl", { class: "meta" }, meta.map(([k, v, id]) => [el("dt", {}, k), el("dd", { id }, v)])),
         el(
           "div",
-          {},
-          el("h2", {}, "Summary"),
-          textBlock(d.summary, "summary"),
-          el("h2", {}, "Snapshot"),
-          textBlock(d.snapshot, "snapshot"),
-          el("h2", {}, "Task context"),
-          textBlock(d.taskContext, "task-context"),
-          d.lastFeedback ? [el("h2", {}, "Last feedback"), textBlock(d.lastFeedback, "last-feedback")] : null
+          { class: "detail" },
+          el(
+            "div",
+            {},
+            el("h2", {}, "Summary"),
+            textBlock(d.summary, "summary"),
+            el("h2", {}, "Snapshot"),
+            textBlock(d.snapshot, "snapshot"),
+            el("h2", {}, "Task context"),
+            textBlock(d.taskContext, "task-context")
+          ),
+          decisionPanel(d)
         ),
-        decisionPanel(d)
-      ),
-      el("h2", {}, "Deliveries"),
-      deliveriesTable(d),
-      el("h2", {}, "Audit trail"),
-      auditTable(d),
-    ];
-    if (focus) view(...content);
-    else $("app-view").replaceChildren(...content);
+        el("h2", {}, "Verdicts, per revision"),
+        verdictTable(d),
+        el("h2", {}, "Deliveries"),
+        deliveriesTable(d),
+        el("h2", {}, "Audit trail"),
+        auditTable(d),
+      ],
+      focus
+    );
   }
 
   // -------------------------------------------------------------------- router
@@ -518,9 +862,9 @@
     if (!user) return;
     clearMessages();
     const hash = location.hash || "#/reviews";
+    const section = hash.startsWith("#/activity") ? "#/activity" : hash.startsWith("#/insights") ? "#/insights" : "#/reviews";
     for (const link of $("nav").querySelectorAll("a")) {
-      const current = link.getAttribute("href") === (hash === "#/activity" ? "#/activity" : "#/reviews");
-      if (current) link.setAttribute("aria-current", "page");
+      if (link.getAttribute("href") === section) link.setAttribute("aria-current", "page");
       else link.removeAttribute("aria-current");
     }
     try {
@@ -528,6 +872,8 @@
         await showDetail(decodeURIComponent(hash.slice("#/review/".length)));
       } else if (hash === "#/activity") {
         await showActivity();
+      } else if (hash === "#/insights") {
+        await showInsights();
       } else {
         cursors = [null];
         await showQueue();
@@ -541,6 +887,9 @@
     $("login-form").addEventListener("submit", onLogin);
     $("logout").addEventListener("click", onLogout);
     window.addEventListener("hashchange", route);
+    setInterval(() => {
+      for (const t of document.querySelectorAll("time[data-ago]")) t.textContent = ago(t.getAttribute("datetime"));
+    }, 30000);
     try {
       const data = await api("GET", "/console/me");
       loggedIn(data.user);

@@ -1,0 +1,95 @@
+"""Which configuration file the ``leadgate`` command uses, and how it says so.
+
+Discovery, first match wins: ``--config FILE``, then ``$LEADGATE_CONFIG``, then
+``./config.toml`` in the current directory, else the built-in defaults. ``--help`` and
+every error name the file and the database (a PostgreSQL password is never shown), so a
+command can never silently write to a database the operator did not mean.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from leadgate.core.config import Settings, load_settings
+from leadgate.core.errors import LeadgateError
+
+LOCAL_CONFIG = "config.toml"
+ENV_CONFIG = "LEADGATE_CONFIG"
+
+
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The configuration file a command uses and why."""
+
+    path: str | None
+    source: str  # "--config", "$LEADGATE_CONFIG", "./config.toml", "defaults"
+
+    def describe(self) -> str:
+        """``config.toml (found in the current directory)``, and so on."""
+        if self.path is None:
+            return "built-in defaults (no --config, no $LEADGATE_CONFIG, no ./config.toml)"
+        reason = {
+            "--config": "from --config",
+            "$LEADGATE_CONFIG": "from $LEADGATE_CONFIG",
+            "./config.toml": "found in the current directory",
+        }[self.source]
+        return f"{self.path} ({reason})"
+
+
+def discover(
+    explicit: str | None, environ: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> ConfigChoice:
+    """The configuration file to use (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    if explicit:
+        return ConfigChoice(explicit, "--config")
+    if env.get(ENV_CONFIG):
+        return ConfigChoice(env[ENV_CONFIG], "$LEADGATE_CONFIG")
+    local = (cwd or Path.cwd()) / LOCAL_CONFIG
+    if local.is_file():
+        return ConfigChoice(f"./{LOCAL_CONFIG}", "./config.toml")
+    return ConfigChoice(None, "defaults")
+
+
+def config_in_argv(argv: Sequence[str]) -> str | None:
+    """The last ``--config`` value in ``argv`` (for ``--help``, before parsing)."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--config="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def safe_url(url: str) -> str:
+    """A database URL without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "(unparsable database url)"
+
+
+def where(choice: ConfigChoice, settings: Settings | None) -> str:
+    """``config: ... ; database: ...`` for help texts and error messages."""
+    database = safe_url(settings.database.url) if settings is not None else "unknown"
+    return f"config: {choice.describe()}; database: {database}"
+
+
+def help_epilog(argv: Sequence[str]) -> str:
+    """The ``--help`` footer: which file and database this command would use."""
+    choice = discover(config_in_argv(argv))
+    try:
+        settings: Settings | None = load_settings(choice.path)
+        problem = ""
+    except LeadgateError as exc:
+        settings, problem = None, f"\n  (the config cannot be loaded: {exc.message})"
+    return (
+        "Configuration, first match wins: --config FILE, $LEADGATE_CONFIG, ./config.toml, "
+        f"built-in defaults.\nThis command would use {where(choice, settings)}{problem}"
+    )

@@ -1,0 +1,111 @@
+"""How the ``leadgate`` command prints results: JSON (the default, for scripts) or, with
+``--format table``, aligned text columns for people."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: Columns of ``--format table`` for list results, by command.
+COLUMNS: dict[tuple[str, str | None], list[str]] = {
+    ("review", "list"): [
+        "id",
+        "agent",
+        "channel",
+        "requester",
+        "reason",
+        "roundsUsed",
+        "waitingSince",
+        "preview",
+    ],
+    ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
+    ("route", "list"): ["id", "agent", "channel", "match", "silent", "active"],
+}
+CELL_MAX = 60
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        value = value.get("name") or value.get("id") or json.dumps(value)
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    text = " ".join(str(value).split())
+    return text if len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
+
+
+def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """Rows as aligned columns (``columns``: which keys, default: every scalar key)."""
+    if not rows:
+        return "(none)"
+    cols = columns or [k for k, v in rows[0].items() if not isinstance(v, dict | list)]
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)
+
+
+def _pairs(data: dict[str, Any], keys: list[str]) -> str:
+    width = max(len(k) for k in keys)
+    return "\n".join(f"{k.ljust(width)}  {_cell(data.get(k))}" for k in keys if k in data)
+
+
+def _detail(d: dict[str, Any]) -> str:
+    head = _pairs(
+        d,
+        [
+            "id",
+            "status",
+            "agent",
+            "channel",
+            "requester",
+            "reason",
+            "revision",
+            "roundsAllowed",
+            "completionPolicy",
+            "createdAt",
+            "updatedAt",
+        ],
+    )
+    dest = d.get("destination") or {}
+    parts = [
+        head,
+        f"\nApproval goes to: {dest.get('description', '-')}",
+        f"\nSummary:\n{d.get('summary') or '(none)'}",
+        f"\nSnapshot:\n{d.get('snapshot') or '(none)'}",
+        f"\nTask context:\n{d.get('taskContext') or '(none)'}",
+        "\nVerdicts:\n"
+        + table(d.get("reviews", []), ["revision", "by", "actorName", "verdict", "feedback", "at"]),
+        "\nDeliveries:\n"
+        + table(
+            d.get("deliveries", []), ["id", "channel", "action", "status", "attempts", "error"]
+        ),
+        "\nAudit:\n"
+        + table(d.get("audit", []), ["at", "actorName", "surface", "action", "from", "to", "text"]),
+    ]
+    return "\n".join(parts)
+
+
+def render(result: Any, fmt: str, command: tuple[str, str | None]) -> str:
+    """``result`` as ``fmt`` (``json`` or ``table``)."""
+    if fmt == "json":
+        return json.dumps(result, default=str)
+    columns = COLUMNS.get(command)
+    if isinstance(result, list):
+        return table(result, columns)
+    if isinstance(result, dict) and isinstance(result.get("items"), list):
+        lines = [table(result["items"], columns)]
+        if "total" in result:
+            lines.append(f"\n{result['total']} item(s)")
+        if result.get("next"):
+            lines.append(f"more: --cursor {result['next']}")
+        return "\n".join(lines)
+    if isinstance(result, dict) and "audit" in result and "deliveries" in result:
+        return _detail(result)
+    if isinstance(result, dict):
+        return _pairs(result, list(result))
+    return str(result)

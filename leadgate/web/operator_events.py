@@ -1,0 +1,161 @@
+"""``GET /operator/events``: live updates for the console (server-sent events).
+
+Bearer key with ``agent:review`` or a console session, confined to the caller's
+organization. Each connection checks the organization's change mark (see
+:mod:`leadgate.review.changes`: two index reads) about once a second and, when it moved,
+sends one event::
+
+    event: change
+    id: <mark>
+    data: {"items": ["wi_…", …] | null, "queue": <actionable queue size>}
+
+``items`` names the work items that changed (``null``: too many, refresh everything).
+The first event is ``hello`` with the queue size; a comment line (``: keepalive``) goes
+out every ``HEARTBEAT_S`` seconds of silence; ``end`` is sent when the session or key
+stops being valid. Because the mark lives in the database, an event reaches every
+replica's clients and survives restarts (a reconnecting ``EventSource`` sends
+``Last-Event-ID``; a different mark answers at once with a full refresh).
+
+Memory per connection is bounded: at most one event is built at a time and the next
+check waits until it was written (a slow client slows only its own stream). At most
+``MAX_STREAMS`` streams are open per process (503 beyond); all end at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from leadgate.core.auth import Principal
+from leadgate.core.errors import LeadgateError
+from leadgate.web.common import PrincipalLookup, authenticate, error_response
+
+log = logging.getLogger("leadgate.web.events")
+
+POLL_S = 1.0
+HEARTBEAT_S = 15.0
+#: How often a stream checks that its key or session is still valid.
+REAUTH_S = 30.0
+MAX_STREAMS = 256
+
+
+class MarkLike(Protocol):
+    """An opaque change mark (compared for equality, sent as the event id)."""
+
+    def token(self) -> str: ...
+
+
+class ChangeFeed(Protocol):
+    """What the stream needs (:class:`leadgate.operations.oversight.Oversight`)."""
+
+    async def mark(self, principal: Principal) -> Any: ...
+
+    async def changes(self, principal: Principal, since: Any) -> dict[str, Any]: ...
+
+    async def queue_size(self, principal: Principal) -> int: ...
+
+
+def _event(name: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
+    head = f"event: {name}\n" + (f"id: {event_id}\n" if event_id else "")
+    return f"{head}data: {json.dumps(data)}\n\n".encode()
+
+
+def setup(
+    app: web.Application,
+    *,
+    authenticate_with: PrincipalLookup,
+    feed: ChangeFeed,
+    poll_s: float = POLL_S,
+    heartbeat_s: float = HEARTBEAT_S,
+) -> None:
+    """Register ``GET /operator/events``."""
+    closing = asyncio.Event()
+    open_streams: set[web.StreamResponse] = set()
+
+    async def on_shutdown(_: web.Application) -> None:
+        closing.set()
+
+    app.on_shutdown.append(on_shutdown)
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        principal = await authenticate(request, authenticate_with, cookie=True)
+        current = await feed.mark(principal)  # 403 here for a key without agent:review
+        if len(open_streams) >= MAX_STREAMS:
+            busy = error_response(
+                request, 503, "too many live streams; try again soon", "unavailable", "events.limit"
+            )
+            busy.headers["Retry-After"] = "5"
+            return busy
+        size = await feed.queue_size(principal)
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",  # proxies: do not buffer the stream
+            }
+        )
+        await resp.prepare(request)
+        open_streams.add(resp)
+        try:
+            await resp.write(b"retry: 3000\n\n")
+            await resp.write(_event("hello", {"queue": size}, current.token()))
+            resumed = request.headers.get("Last-Event-ID")
+            if resumed and resumed != current.token():
+                await resp.write(_event("change", {"items": None, "queue": size}, current.token()))
+            await _follow(request, resp, principal, current)
+        except ConnectionResetError:
+            pass  # the client went away
+        finally:
+            open_streams.discard(resp)
+        return resp
+
+    async def _follow(
+        request: web.Request, resp: web.StreamResponse, principal: Principal, current: Any
+    ) -> None:
+        last_write = last_auth = time.monotonic()
+        failing = False
+        while not closing.is_set():
+            try:
+                await asyncio.wait_for(closing.wait(), timeout=poll_s)
+                return
+            except TimeoutError:
+                pass
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return
+            now = time.monotonic()
+            if now - last_auth >= REAUTH_S:
+                last_auth = now
+                try:
+                    principal = await authenticate(request, authenticate_with, cookie=True)
+                except LeadgateError:
+                    await resp.write(_event("end", {"reason": "the session or key is not valid"}))
+                    return
+            try:
+                new = await feed.mark(principal)
+                if new != current:
+                    changed = await feed.changes(principal, current)
+                    await resp.write(_event("change", changed, new.token()))
+                    current, last_write = new, now
+                failing = False
+            except LeadgateError as exc:
+                await resp.write(_event("end", {"reason": exc.message}))
+                return
+            except ConnectionResetError:
+                raise
+            except Exception:
+                # A database hiccup: keep the stream, try again at the next tick; log
+                # the first failure of a run only.
+                if not failing:
+                    log.warning("operator events: reading the change mark failed", exc_info=True)
+                failing = True
+            if now - last_write >= heartbeat_s:
+                await resp.write(b": keepalive\n\n")
+                last_write = now
+
+    app.router.add_get("/operator/events", events)

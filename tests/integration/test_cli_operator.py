@@ -1,0 +1,413 @@
+"""The operator side of the real ``leadgate`` command (issue 15), as subprocesses: config
+discovery (``--config``, ``$LEADGATE_CONFIG``, ``./config.toml``, defaults; named on
+``--help`` and in errors), ``key list|revoke``, case-insensitive roles and password
+prompts (stdin, environment, a real pseudo-terminal without echo), ``review ...`` and
+``delivery ...`` with JSON and ``--format table``, clear errors and exit codes, the demo
+key file and the port check.
+
+Work items are made in-process through the real turn path on the same SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import pty
+import select
+import socket
+import sqlite3
+import stat
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from leadgate.app import App
+from leadgate.core.config import Settings
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.domain import orgs
+from tests.helpers import make_agent, make_org
+from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
+from tests.integration.test_operator_api import TimeoutChannel
+
+ME = getpass.getuser()
+
+
+def lg(cwd: Path, *args: str, stdin: str = "", env: dict[str, str] | None = None) -> Run:
+    proc = subprocess.run(
+        [*LEADGATE, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**_env(), **(env or {})},
+        cwd=cwd,
+        input=stdin,
+    )
+    return Run(tuple(args), proc.returncode, proc.stdout.strip(), proc.stderr.strip())
+
+
+def par(cwd: Path, *calls: tuple[str, ...] | tuple[tuple[str, ...], dict[str, Any]]) -> list[Run]:
+    """Independent commands at once (each is a fresh process): ``(args...)`` or
+    ``((args...), {"stdin": ..., "env": ...})``."""
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = []
+        for call in calls:
+            if len(call) == 2 and isinstance(call[1], dict):
+                args, kwargs = call
+                futures.append(pool.submit(lg, cwd, *args, **kwargs))  # type: ignore[arg-type]
+            else:
+                futures.append(pool.submit(lg, cwd, *call))  # type: ignore[arg-type]
+        return [f.result() for f in futures]
+
+
+async def _seed(url: str) -> dict[str, Any]:
+    app = App(
+        Settings.model_validate({"database": {"url": url}}),
+        enable_adapters=False,
+        channels={"slack": TimeoutChannel()},
+    )
+    try:
+        org = await make_org(app, "acme")
+        other = await make_org(app, "globex")
+        await make_agent(app, org, "lead")
+        worker = await make_agent(app, org, "worker", lead="lead")
+        items = []
+        for n in range(4):
+            out = await app.turns.run(
+                Trigger(
+                    org.id,
+                    worker["id"],
+                    f"s{n}",
+                    f"task {n} #complete #escalate",
+                    BindingSpec(BindingKind.api),
+                )
+            )
+            assert isinstance(out, Gated)
+            items.append(out.work_item_id)
+        slack = BindingSpec(BindingKind.slack, {"team": "T", "channel": "C", "thread_ts": "1"})
+        out = await app.turns.run(Trigger(org.id, worker["id"], "u", "post #complete", slack))
+        assert isinstance(out, Gated)
+        await drain(app.lead_runner)
+        await drain(app.relay)  # the slack send times out: deliveryUnknown
+        async with app.db.tx() as conn:
+            for email, role in (("mia@example.com", "Member"), ("vic@example.com", "Viewer")):
+                await orgs.create_user(conn, app.clock, app.ids, org.id, email, role, "x" * 12)
+        detail = await app.reviews.detail(org.principal, str(out.work_item_id))
+        return {
+            "items": items,
+            "unknown": out.work_item_id,
+            "delivery": detail["deliveries"][0]["id"],
+            "other_key": other.key,
+            "key": org.key,
+        }
+    finally:
+        await app.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("cli-operator")
+    db = root / "lg.db"
+    # ./config.toml in the working directory: the commands below carry no --config.
+    write_config(root / "config.toml", db)
+    assert lg(root, "db", "upgrade").code == 0
+    seeded = asyncio.run(_seed(f"sqlite+aiosqlite:///{db}"))
+    return {"root": root, "db": db, **seeded}
+
+
+def rows(world: dict[str, Any], sql: str) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(world["db"]) as conn:
+        return conn.execute(sql).fetchall()
+
+
+# ------------------------------------------------------------------ config discovery
+
+
+def test_config_discovery_order_is_named_on_help_and_in_errors(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    root: Path = world["root"]
+    other = write_config(tmp_path / "other.toml", tmp_path / "other.db")
+    pg = write_config(tmp_path / "pg.toml", tmp_path / "x.db")
+    pg.write_text(
+        pg.read_text().replace(
+            f'url = "sqlite+aiosqlite:///{tmp_path / "x.db"}"',
+            'url = "postgresql+asyncpg://leadgate:hunter2@127.0.0.1:1/leadgate"',
+        )
+    )
+    via_env = {"env": {"LEADGATE_CONFIG": str(other)}}
+    helped, listed, missing, from_env, explicit, bare, secret = par(
+        root,
+        ("review", "list", "--help"),
+        ("review", "list", "--org", "acme"),  # ./config.toml is used without --config
+        ("review", "show", "--org", "acme", "wi_nope"),
+        (("review", "list", "--org", "acme"), via_env),
+        (("review", "list", "--org", "acme", "--config", str(root / "config.toml")), via_env),
+        (("--config", str(tmp_path / "absent.toml"), "key", "list", "--org", "acme"), {}),
+        ("key", "list", "--org", "acme", "--config", str(pg)),
+    )
+    assert helped.code == 0
+    assert "./config.toml (found in the current directory)" in helped.out
+    assert f"database: sqlite+aiosqlite:///{world['db']}" in helped.out
+    assert listed.json()["total"] == 5
+    missing.rule_error("workItem.not_found")
+    assert "config: ./config.toml (found in the current directory)" in missing.err
+    assert f"database: sqlite+aiosqlite:///{world['db']}" in missing.err
+    from_env.rule_error("db.not_migrated")  # the env file wins over ./config.toml
+    assert f"config: {other} (from $LEADGATE_CONFIG)" in from_env.err
+    assert explicit.json()["total"] == 5  # --config wins over the environment
+    assert bare.code == 2 and "cannot read config file" in bare.err
+    assert "absent.toml (from --config)" in bare.err
+    defaults = lg(tmp_path, "key", "list", "--org", "acme")
+    defaults.rule_error("db.not_migrated")
+    assert "built-in defaults" in defaults.err
+    assert "sqlite+aiosqlite:///./leadgate.db" in defaults.err
+    assert secret.code == 1 and "hunter2" not in secret.err and "***" in secret.err
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def test_key_list_and_revoke(world: dict[str, Any]) -> None:
+    root: Path = world["root"]
+    made = lg(root, "key", "create", "--org", "acme", "--scope", "agent:review", "--name", "ci")
+    key = made.json()
+    listing, table = par(
+        root,
+        ("key", "list", "--org", "acme"),
+        ("key", "list", "--org", "acme", "--format", "table"),
+    )
+    listed = {k["id"]: k for k in listing.json()}
+    assert listed[key["id"]] == {
+        "id": key["id"],
+        "name": "ci",
+        "scopes": ["agent:review"],
+        "createdAt": listed[key["id"]]["createdAt"],
+        "revokedAt": None,
+        "active": True,
+    }
+    assert "secret" not in json.dumps(listed) and key["key"].split(".")[2] not in json.dumps(listed)
+    assert table.code == 0 and table.out.splitlines()[0].split()[:3] == ["ID", "NAME", "SCOPES"]
+    revoked = lg(root, "key", "revoke", "--org", "acme", key["id"]).json()
+    assert revoked["active"] is False and revoked["revokedAt"]
+    twice, elsewhere, listing = par(
+        root,
+        ("key", "revoke", "--org", "acme", key["id"]),
+        ("key", "revoke", "--org", "globex", key["id"]),
+        ("key", "list", "--org", "acme"),
+    )
+    twice.rule_error("key.revoked")
+    elsewhere.rule_error("key.not_found")
+    after = {k["id"]: k for k in listing.json()}
+    assert after[key["id"]]["active"] is False
+    [(revoked_at,)] = rows(world, f"SELECT revoked_at FROM api_keys WHERE id = '{key['id']}'")
+    assert revoked_at is not None  # authenticate_key refuses revoked keys
+
+
+# --------------------------------------------------------------- users and passwords
+
+
+def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environment(
+    world: dict[str, Any],
+) -> None:
+    root: Path = world["root"]
+    common = ("user", "create", "--org", "acme")
+    piped, env, short, bad = par(
+        root,
+        ((*common, "--email", "a@example.com", "--role", "member"), {"stdin": "pw from stdin\n"}),
+        (
+            (*common, "--email", "b@example.com", "--role", "ADMIN"),
+            {"env": {"LEADGATE_PASSWORD": "pw from env!"}},
+        ),
+        ((*common, "--email", "c@example.com", "--role", "viewer"), {"stdin": ""}),
+        ((*common, "--email", "d@example.com", "--role", "boss"), {"stdin": "x" * 10}),
+    )
+    assert piped.json()["role"] == "Member"
+    assert env.json()["role"] == "Admin"
+    short.rule_error("user.password")
+    assert bad.code == 2 and "unknown role 'boss'" in bad.err and "Traceback" not in bad.err
+    [(count,)] = rows(world, "SELECT count(*) FROM users WHERE email LIKE '_@example.com'")
+    assert count == 2
+
+
+def test_on_a_terminal_the_password_is_asked_twice_without_echo(world: dict[str, Any]) -> None:
+    env = {**_env(), "TERM": "dumb"}
+    args = [
+        *LEADGATE,
+        "user",
+        "create",
+        "--org",
+        "acme",
+        "--email",
+        "tty@example.com",
+        "--role",
+        "Member",
+        "--name",
+        "Tia",
+    ]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal
+        os.chdir(world["root"])
+        os.execve(args[0], args, env)
+    out = b""
+
+    def read_until(marker: bytes) -> None:
+        nonlocal out
+        deadline = time.monotonic() + TIMEOUT
+        while marker not in out:
+            assert time.monotonic() < deadline, out
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    break
+
+    read_until(b"Password for the console user: ")
+    os.write(fd, b"typed on a tty\n")
+    read_until(b"Repeat the password: ")
+    os.write(fd, b"typed on a tty\n")
+    read_until(b'"role": "Member"')
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    assert b"typed on a tty" not in out  # no echo
+    assert rows(world, "SELECT name FROM users WHERE email = 'tty@example.com'") == [("Tia",)]
+
+
+# ------------------------------------------------------------- reviews and deliveries
+
+
+def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any]) -> None:
+    root: Path = world["root"]
+    first, second, third, fourth = world["items"]
+    acme = ("--org", "acme")
+    delivery = world["delivery"]
+    listed, table, shown, *refused = par(
+        root,
+        ("review", "list", *acme, "--reason", "escalated"),
+        ("review", "list", *acme, "--format", "table"),
+        ("review", "show", *acme, first, "--format", "table"),
+        ("review", "cancel", *acme, fourth, "--as", "vic@example.com"),
+        ("review", "cancel", *acme, fourth, "--as", "nobody@example.com"),
+        ("review", "reject", *acme, fourth, "--reason", ""),
+        ("review", "show", "--org", "globex", first),
+        ("review", "show", "--org", "nope", first),
+        ("review", "list", *acme, "--reason", "bored"),
+        ("delivery", "confirm", "--org", "globex", delivery),
+        ("review", "reject", *acme, second),
+    )
+    assert [i["id"] for i in listed.json()["items"]][:1] == [first]
+    assert table.code == 0
+    header, *lines = table.out.splitlines()
+    assert header.split()[:4] == ["ID", "AGENT", "CHANNEL", "REQUESTER"]
+    assert any(first in line and "Summary: task 0" in line for line in lines)
+    assert "Approval goes to: API: the stored answer is revealed" in shown.out
+    assert "lead agent lead" in shown.out
+    rules = [
+        "scope.agent:review",
+        "user.not_found",
+        "decision.reason",
+        "workItem.not_found",
+        "org.not_found",
+        "queue.reason",
+        "delivery.not_found",
+    ]
+    for run, rule in zip(refused, rules, strict=False):
+        run.rule_error(rule)
+    usage = refused[-1]
+    assert usage.code == 2 and "--reason" in usage.err
+
+    approved, rejected, returned, cancelled, retried = par(
+        root,
+        ("review", "approve", *acme, first),
+        (("review", "reject", *acme, second, "--reason", "-"), {"stdin": "Wrong numbers.\n"}),
+        ("review", "return", *acme, third, "--feedback", "More detail.", "--as", "MIA@example.com"),
+        ("review", "cancel", *acme, fourth),
+        ("delivery", "retry", "--org", "acme", delivery),
+    )
+    assert approved.json()["status"] == "approved"
+    audit = approved.json()["audit"][-1]
+    assert (audit["actor"], audit["surface"]) == (f"cli:{ME}", "cli")
+    assert audit["identity"] == f"os:{ME}@{socket.gethostname()}"
+    assert audit["actorName"] == f"{ME} (command line)"
+    assert rejected.json()["status"] == "rejected"
+    assert rejected.json()["audit"][-1]["text"] == "Wrong numbers."
+    assert returned.json()["status"] == "inProgress"
+    last = returned.json()["audit"][-1]
+    assert (last["actorName"], last["actorEmail"], last["surface"]) == (
+        "mia@example.com",
+        "mia@example.com",
+        "cli",
+    )
+    assert cancelled.json()["status"] == "cancelled"
+    assert retried.json()["deliveries"][0]["status"] == "pending"
+
+    again, confirm = par(
+        root,
+        ("review", "approve", *acme, first),
+        ("delivery", "confirm", "--org", "acme", delivery),
+    )
+    again.rule_error("workItem.status")  # 409: a decision happens once
+    confirm.rule_error("delivery.status")  # no longer deliveryUnknown
+    surfaces = rows(world, "SELECT action FROM audit WHERE surface = 'cli'")
+    assert sorted(a for (a,) in surfaces) == [
+        "approve",
+        "cancel",
+        "deliveryRetried",
+        "reject",
+        "return",
+    ]
+
+
+# ------------------------------------------------------------ demo key and ports
+
+
+def test_the_demo_key_is_kept_in_a_private_file_reused_and_rotated(tmp_path: Path) -> None:
+    write_config(tmp_path / "config.toml", tmp_path / "demo.db")
+    assert lg(tmp_path, "db", "upgrade").code == 0
+    key_file = tmp_path / ".leadgate-demo-key"
+    first = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
+    assert first["keyReused"] is False
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert key_file.read_text().strip() == first["apiKey"]
+    again = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
+    assert (again["keyReused"], again["apiKey"]) == (True, first["apiKey"])
+    rotated = lg(tmp_path, "demo", "--key-file", str(key_file), "--rotate-key").json()
+    assert rotated["keyReused"] is False and rotated["apiKey"] != first["apiKey"]
+    assert rotated["revokedKeyId"] == first["apiKey"].split(".")[1]
+    assert key_file.read_text().strip() == rotated["apiKey"]
+    keys = {k["id"]: k["active"] for k in lg(tmp_path, "key", "list", "--org", "demo").json()}
+    assert keys == {first["apiKey"].split(".")[1]: False, rotated["apiKey"].split(".")[1]: True}
+    # A stale file (its key revoked elsewhere) gets a fresh key instead of a dead one.
+    lg(tmp_path, "key", "revoke", "--org", "demo", rotated["apiKey"].split(".")[1]).json()
+    fresh = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
+    assert fresh["keyReused"] is False and fresh["apiKey"] not in (
+        first["apiKey"],
+        rotated["apiKey"],
+    )
+    secret = fresh["apiKey"].split(".")[2]
+    with sqlite3.connect(tmp_path / "demo.db") as conn:
+        assert secret not in repr(conn.execute("SELECT * FROM api_keys").fetchall())
+
+
+def test_a_port_in_use_is_a_clear_error_before_anything_is_written(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = tmp_path / "config.toml"
+        write_config(config, tmp_path / "never.db")
+        config.write_text(config.read_text().replace("port = 0", f"port = {port}"))
+        checked = lg(tmp_path, "serve", "--check-ports")
+        checked.rule_error("server.port_in_use")
+        assert f"127.0.0.1:{port} is already in use" in checked.err
+        served = lg(tmp_path, "serve")
+        served.rule_error("server.port_in_use")
+    assert not (tmp_path / "never.db").exists()
+    assert lg(tmp_path, "serve", "--check-ports").json() == {"ports": "free"}
