@@ -5,6 +5,11 @@ Worker: ``Echo: <last message>``; ``#complete`` also calls complete_task with
 on an internal revision turn it replies ``Revised: <feedback>`` and completes with that text.
 Lead: ``#escalate`` in the task context -> escalated; ``#revise`` -> changesRequested with
 ``Please revise.`` on revision 0, approved afterwards; otherwise approved.
+
+Usage: the model counts its own tokens, one per 4 characters (rounded up) of text:
+``prompt_tokens`` over the content of every message it was sent, ``completion_tokens``
+over the text it produced plus the JSON arguments of its tool calls. The figures are
+reported after the call's last event (none when ``#fail`` ended it).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 from collections.abc import AsyncIterator
 
 from leadgate.core.errors import ModelError
+from leadgate.core.types import Usage
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 
 
@@ -20,11 +26,27 @@ def _chunks(text: str, size: int = 16) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
+def count_tokens(text: str) -> int:
+    """The script model's token count of ``text``: one per 4 characters, rounded up."""
+    return -(-len(text) // 4)
+
+
 class ScriptProvider:
     """Deterministic worker and lead behaviour for demos and tests."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        """Yield the scripted events for ``request``."""
+        """Yield the scripted events for ``request``, then their :class:`Usage`."""
+        completion = 0
+        async for event in self._events(request):
+            if isinstance(event, TextDelta):
+                completion += count_tokens(event.text)
+            elif isinstance(event, ToolCall):
+                completion += count_tokens(json.dumps(event.arguments))
+            yield event
+        prompt = sum(count_tokens(m.content) for m in request.messages)
+        yield Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+    async def _events(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         if request.messages and request.messages[-1].role == "tool":
             return  # the tool result was delivered; the scripted turn is over
         if request.purpose == "lead":
