@@ -104,8 +104,9 @@ async def before_commit(conn: Conn, key: str, flush: Flush, item: Any) -> None:
 
 
 async def _flush_before_commit(conn: Conn, queues: dict[str, tuple[Flush, list[Any]]]) -> None:
-    while queues:  # a flush may queue more (it does not today)
-        _key, (flush, items) = queues.popitem()
+    while queues:  # in the order the queues were opened; a flush may open another
+        key = next(iter(queues))
+        flush, items = queues.pop(key)
         await flush(conn, items)
 
 

@@ -360,5 +360,5 @@ idempotency_keys = sa.Table(
     sa.Column("created_at", MS, nullable=False, index=True),
     # While the first request runs: when it counts as dead (its process crashed).
     sa.Column("lease_expires_at", MS, nullable=False),
-    sa.Column("response", sa.JSON),
+    sa.Column("response", sa.JSON(none_as_null=True)),
 )

@@ -113,6 +113,4 @@ class EventHub:
 
     async def listen(self, dsn: str, stop: asyncio.Event) -> None:
         """PostgreSQL ``LISTEN`` on the session events channel until ``stop``."""
-        await pg_listen(
-            dsn, self.wake_all, stop, channel=NOTIFY_CHANNEL, on_payload=self.notified
-        )
+        await pg_listen(dsn, self.wake_all, stop, channel=NOTIFY_CHANNEL, on_payload=self.notified)

@@ -144,9 +144,7 @@ class Transcripts:
         data = [public_message(*row) for row in rows[:limit]]
         return {"object": "list", "data": data, "has_more": len(rows) > limit}
 
-    async def _page(
-        self, conn: Conn, session_id: str, after: str | None, limit: int
-    ) -> list[Any]:
+    async def _page(self, conn: Conn, session_id: str, after: str | None, limit: int) -> list[Any]:
         params: dict[str, Any] = {"p_sid": session_id, "p_limit": limit + 1}
         if not after:
             return list((await conn.execute(_PAGE, params)).all())
