@@ -31,6 +31,7 @@ Studio page's stream too (console cookie instead of a key).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ async def stream_events(
         return response
     finally:
         hub.unsubscribe(waiter)
-    await response.write_eof()
+    with contextlib.suppress(ConnectionError):  # shutting down; the client may be gone
+        await response.write_eof()
     return response
 
 
