@@ -31,7 +31,6 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
-from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic import ValidationError as PydanticValidationError
@@ -271,9 +270,8 @@ def build_mcp_server(
         ctx: ServerRequestContext[Any, Any], params: mt.CallToolRequestParams
     ) -> CallToolResult:
         if params.name != TOOL_NAME:
-            raise MCPError(
-                code=mt.INVALID_PARAMS, message=f"Unknown tool: {params.name}", data=params.name
-            )
+            # As the SDK's MCPServer answers it: a tool result, not a protocol error.
+            return _tool_error(f"Unknown tool: {params.name}")
         principal = _principal_of(ctx)
         try:
             if principal is None:
