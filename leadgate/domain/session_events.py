@@ -142,18 +142,28 @@ async def status_changed(
 
 async def _flush(conn: Conn, queued: list[_Queued]) -> None:
     """Write the transaction's events: one statement per session, sessions in id order."""
+    if len(queued) == 1:  # the usual case (a turn's message, a decision): no grouping
+        first = queued[0]
+        await _write(conn, first.session_id, queued, first.kind == MESSAGE)
+        return
     by_session: dict[str, list[_Queued]] = {}
     for event in queued:
         by_session.setdefault(event.session_id, []).append(event)
-    postgres = conn.dialect.name == "postgresql"
     for session_id in sorted(by_session):
         events = by_session[session_id]
-        has_message = any(e.kind == MESSAGE for e in events)
-        if postgres:
-            await _insert_postgres(conn, session_id, events, has_message)
+        await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+
+
+async def _write(
+    conn: Conn, session_id: str, events: Sequence[_Queued], has_message: bool
+) -> None:
+    for start in range(0, len(events), _MAX_ROWS):  # one statement, bar huge transactions
+        chunk = events[start : start + _MAX_ROWS]
+        if conn.dialect.name == "postgresql":
+            await _insert_postgres(conn, session_id, chunk, has_message)
         else:
-            await conn.execute(_sqlite_insert(len(events)), _sqlite_params(session_id, events))
-        signal_after_commit(conn, TOPIC, (session_id, has_message))
+            await conn.execute(_sqlite_insert(len(chunk)), _sqlite_params(session_id, chunk))
+    signal_after_commit(conn, TOPIC, (session_id, has_message))
 
 
 _MAX_SEQ = (
@@ -186,12 +196,19 @@ def _sqlite_insert(count: int) -> sa.Insert:
 
 def _sqlite_params(session_id: str, events: Sequence[_Queued]) -> dict[str, Any]:
     params: dict[str, Any] = {"p_sid": session_id}
-    for i, event in enumerate(events):
-        params[f"p_kind{i}"] = event.kind
-        params[f"p_msg{i}"] = event.message_id
-        params[f"p_status{i}"] = event.status
-        params[f"p_at{i}"] = event.created_at
+    for (kind, message, status, at), event in zip(_PARAM_NAMES, events, strict=False):
+        params[kind] = event.kind
+        params[message] = event.message_id
+        params[status] = event.status
+        params[at] = event.created_at
     return params
+
+
+#: Rows per statement at most (a transaction writes one or two per session).
+_MAX_ROWS = 32
+_PARAM_NAMES = [
+    (f"p_kind{i}", f"p_msg{i}", f"p_status{i}", f"p_at{i}") for i in range(_MAX_ROWS)
+]
 
 
 # Counter, rows and NOTIFY in one round trip (see the module docstring for the order).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -227,7 +226,7 @@ class TurnService:
             turn, "".join(parts), revision_item, streamed=live is not None, signalled=signalled
         )
         if isinstance(outcome, Reply) and usage is not None:
-            outcome = replace(outcome, usage=usage)
+            outcome = Reply(outcome.text, outcome.streamed, usage)
         return outcome
 
     async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:

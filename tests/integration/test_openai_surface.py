@@ -286,8 +286,8 @@ async def test_models_list_the_organizations_active_agents(env: Env) -> None:
 async def test_usage_is_the_script_models_count(env: Env) -> None:
     body = await (await env.chat("plain", "count these words")).json()
     usage = body["usage"]
-    # System prompt "You are a helpful agent." (24 characters: 6 tokens) and the user
-    # message (17: 5); the reply "Echo: count these words" (23: 6).
+    # System prompt "You are a helpful agent." (24 characters) and the user message (17):
+    # 41 characters, 11 tokens; the reply "Echo: count these words" (23): 6.
     assert usage == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
     choice = body["choices"][0]
     assert choice["logprobs"] is None and choice["message"]["refusal"] is None

@@ -128,7 +128,7 @@ async def test_after_a_tool_result_the_scripted_turn_is_over() -> None:
 
 async def test_usage_counts_one_token_per_four_characters() -> None:
     request = ModelRequest(
-        messages=[ChatMessage("system", "abcd"), ChatMessage("user", "hello")],  # 1 + 2
+        messages=[ChatMessage("system", "abcd"), ChatMessage("user", "hello")],  # 9 chars
         tools=[COMPLETE_TASK],
     )
     events = await events_of(request)
@@ -136,8 +136,8 @@ async def test_usage_counts_one_token_per_four_characters() -> None:
     assert events[-1] == Usage(prompt_tokens=3, completion_tokens=3)
     request = ModelRequest(messages=[ChatMessage("user", "x #complete")], tools=[COMPLETE_TASK])
     events = await events_of(request)
-    # "Echo: x #complete" = 5 tokens, plus json.dumps({"summary": "Summary: x"}) = 7.
-    assert events[-1] == Usage(prompt_tokens=3, completion_tokens=5 + 7)
+    # "Echo: x #complete" (17) plus json.dumps({"summary": "Summary: x"}) (25) = 42: 11.
+    assert events[-1] == Usage(prompt_tokens=3, completion_tokens=11)
     assert text_of(events) == "Echo: x #complete"
 
 
