@@ -43,7 +43,8 @@ from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
-from leadgate.web.mcp_resources import Resources, TranscriptReads, Watcher
+from leadgate.web.mcp_resources import Resources, Watcher
+from leadgate.web.sessions_api import SessionReads
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def mount_mcp(
     authenticate: Authenticate,
     send_message: SendMessage,
     allowed_hosts: list[str],
-    transcripts: TranscriptReads | None = None,
+    transcripts: SessionReads | None = None,
     watch: Watch | None = None,
     version: str = "",
     session_idle_s: float = SESSION_IDLE_S,

@@ -41,6 +41,7 @@ from mcp.shared.exceptions import MCPError
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import LeadgateError, NotFound
+from leadgate.web.sessions_api import SessionReads
 
 log = logging.getLogger("leadgate.mcp")
 
@@ -57,22 +58,6 @@ SEND_TIMEOUT_S: Final = 5.0
 PrincipalOf = Callable[[ServerRequestContext[Any, Any]], Principal | None]
 #: What the event hub calls on a session's wake-up: ``(session_id, has_message)``.
 Watcher = Callable[[str, bool], None]
-
-
-class TranscriptReads(Protocol):
-    """What the resources read (:class:`leadgate.operations.transcripts.Transcripts`)."""
-
-    async def messages(
-        self,
-        principal: Principal,
-        agent_ref: str,
-        name: str,
-        *,
-        after: str | None = None,
-        limit: int = 100,
-    ) -> dict[str, Any]: ...
-
-    async def open(self, principal: Principal, agent_ref: str, name: str) -> str: ...
 
 
 class Notifier(Protocol):
@@ -117,7 +102,7 @@ class Resources:
 
     def __init__(
         self,
-        reads: TranscriptReads,
+        reads: SessionReads,
         principal_of: PrincipalOf,
         parse_limit: Callable[[str | None], int],
     ) -> None:

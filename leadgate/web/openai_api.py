@@ -296,9 +296,11 @@ def setup(
     ) -> web.StreamResponse:
         """Run the turn; with a ``claim``, store its answer for the key's later requests
         (or release the key when nothing was taken in)."""
-        exchange = _Exchange(request, parsed, f"chatcmpl-{ids.new('c')}", keep=claim is not None)
+        exchange = _Exchange(
+            request, parsed, f"chatcmpl-{ids.new('c')}", chat, principal, session, claim
+        )
         try:
-            response, stored = await exchange.run(chat, principal, session, claim)
+            response, stored = await exchange.run()
         except BaseException:
             if claim is not None and idempotency is not None and not exchange.recorded:
                 await idempotency.release(principal, claim)
@@ -343,34 +345,55 @@ class _Exchange:
     taken in, so a retry may run the turn).
     """
 
-    def __init__(self, request: web.Request, parsed: ChatRequest, cid: str, *, keep: bool) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        parsed: ChatRequest,
+        cid: str,
+        chat: ChatBackend,
+        principal: Principal,
+        session: str | None,
+        claim: Claim | None,
+    ) -> None:
         self.request = request
         self.parsed = parsed
         self.cid = cid
-        self.keep = keep
+        self.chat = chat
+        self.principal = principal
+        self.session = session
+        self.claim = claim
+        self.keep = claim is not None
         self.created = int(time.time())
         self.recorded = False
 
-    async def run(
-        self, chat: ChatBackend, principal: Principal, session: str | None, claim: Claim | None
-    ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+    async def _send(
+        self,
+        on_start: Callable[[], Awaitable[None]],
+        on_delta: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Outcome:
+        parsed = self.parsed
+        return await self.chat.send(
+            self.principal,
+            parsed.model,
+            parsed.text,
+            session=self.session,
+            user=parsed.user,
+            on_delta=on_delta,
+            on_start=on_start,
+            external_event_id=self.claim.external_event_id if self.claim else None,
+        )
+
+    async def run(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+        """Run the turn and answer it (see the class docstring)."""
         if self.parsed.stream:
-            return await self._stream(chat, principal, session, claim)
+            return await self._stream()
         parsed = self.parsed
 
         async def taken_in() -> None:
             self.recorded = True
 
         try:
-            outcome = await chat.send(
-                principal,
-                parsed.model,
-                parsed.text,
-                session=session,
-                user=parsed.user,
-                on_start=taken_in,
-                external_event_id=claim.external_event_id if claim else None,
-            )
+            outcome = await self._send(taken_in)
         except Exception as exc:
             if not self.recorded:
                 raise
@@ -399,9 +422,7 @@ class _Exchange:
         stored = {"status": status, "body": body} if self.keep else None
         return web.json_response(body, status=status, headers=headers), stored
 
-    async def _stream(
-        self, chat: ChatBackend, principal: Principal, session: str | None, claim: Claim | None
-    ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+    async def _stream(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
         parsed = self.parsed
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -417,16 +438,7 @@ class _Exchange:
             await chunks.chunk({"content": piece}, None)
 
         try:
-            outcome = await chat.send(
-                principal,
-                parsed.model,
-                parsed.text,
-                session=session,
-                user=parsed.user,
-                on_delta=delta,
-                on_start=start,
-                external_event_id=claim.external_event_id if claim else None,
-            )
+            outcome = await self._send(start, delta)
         except Exception as exc:
             if not response.prepared:
                 if not self.recorded:

@@ -24,16 +24,14 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientResponse
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError as SchemaError
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from leadgate.app import App
-from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from tests.helpers import Org, make_agent, make_org
+from tests.serving import served_app
 
 DOCUMENT = Path(__file__).with_name("openai_schemas.json")
 URI = "urn:openai-openapi"
@@ -78,22 +76,12 @@ def db_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def api(migrated_url: str) -> AsyncIterator[tuple[TestClient[Any, Any], Org]]:
-    service = App(
-        Settings.model_validate({"database": {"url": migrated_url}}),
-        clock=FakeClock(),
-        enable_adapters=False,
-    )
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    await make_agent(service, org, "worker", lead="lead")
-    await make_agent(service, org, "plain")
-    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
-    await client.start_server()
-    try:
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
         yield client, org
-    finally:
-        await client.close()
-        await service.stop()
 
 
 async def chat(

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse, web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS, TTL_MS, fingerprint
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import Org, make_agent, make_org
+from tests.serving import served_app
 
 
 class GateProvider:
@@ -94,27 +94,19 @@ class Env:
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
     gate = GateProvider()
-    service = App(
-        Settings.model_validate({"database": {"url": migrated_url}}),
-        clock=FakeClock(),
-        providers={"script": ScriptProvider(), "gate": gate},
-        enable_adapters=False,
-    )
-    org = await make_org(service)
-    other = await make_org(service, "other")
-    await make_agent(service, org, "lead")
-    await make_agent(service, org, "worker", lead="lead")
-    await make_agent(service, org, "plain")
-    await make_agent(service, org, "slow", model="gate")
-    await make_agent(service, other, "theirs")
-    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
-    await client.start_server()
-    try:
-        yield Env(service, client, org, other, gate)
-    finally:
-        gate.release.set()
-        await client.close()
-        await service.stop()
+    providers = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers) as (service, client):
+        org = await make_org(service)
+        other = await make_org(service, "other")
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        await make_agent(service, org, "slow", model="gate")
+        await make_agent(service, other, "theirs")
+        try:
+            yield Env(service, client, org, other, gate)
+        finally:
+            gate.release.set()
 
 
 # -------------------------------------------------------------------- Idempotency-Key

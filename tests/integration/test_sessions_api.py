@@ -17,14 +17,13 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientResponse, web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
-from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from tests.helpers import Org, make_agent, make_key, make_org
+from tests.serving import served_app
 
 HEARTBEAT_S = 0.3
 
@@ -62,26 +61,15 @@ class Env:
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
-    settings = Settings.model_validate(
-        {
-            "database": {"url": migrated_url},
-            "api": {"events_heartbeat_s": HEARTBEAT_S, "events_write_timeout_s": 0.5},
-        }
-    )
-    service = App(settings, clock=FakeClock(), enable_adapters=False)
-    org = await make_org(service)
-    other = await make_org(service, "other")
-    await make_agent(service, org, "lead")
-    await make_agent(service, org, "worker", lead="lead")
-    await make_agent(service, org, "plain")
-    await make_agent(service, other, "plain")
-    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
-    await client.start_server()
-    try:
+    api = {"events_heartbeat_s": HEARTBEAT_S, "events_write_timeout_s": 0.5}
+    async with served_app(migrated_url, config={"api": api}) as (service, client):
+        org = await make_org(service)
+        other = await make_org(service, "other")
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        await make_agent(service, other, "plain")
         yield Env(service, client, org, other)
-    finally:
-        await client.close()
-        await service.stop()
 
 
 async def eventually(condition: Callable[[], bool], within: float) -> bool:
@@ -366,3 +354,37 @@ async def test_shutdown_ends_open_streams(env: Env) -> None:
     assert time.monotonic() - started < 3.0
     assert env.service.event_hub.readers == 0
     stream.close()
+
+
+async def test_a_stream_hears_another_replica(pg_url: str) -> None:
+    """Two services on one PostgreSQL: a turn on one wakes the stream on the other
+    through LISTEN/NOTIFY (the heartbeat, which would also re-read, is far away)."""
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    api = {"events_heartbeat_s": 15.0}
+    async with (
+        served_app(pg_url, config={"api": api}) as (reader, reader_client),
+        served_app(pg_url, config={"api": api}) as (writer, writer_client),
+    ):
+        org = await make_org(writer)
+        await make_agent(writer, org, "plain")
+        headers = {"Authorization": f"Bearer {org.key}"}
+        resp = await reader_client.get("/v1/agents/plain/sessions/r/events", headers=headers)
+        assert resp.status == 200
+        stream = Stream(resp)
+        for _ in range(100):  # the reader's LISTEN connection is up once it woke everyone
+            if reader.event_hub.readers:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        sent = await writer_client.post(
+            "/v1/chat/completions",
+            json={"model": "plain", "messages": [{"role": "user", "content": "across"}]},
+            headers={**headers, "X-Session-Id": "r"},
+        )
+        assert sent.status == 200
+        first = await stream.next(within=5.0)
+        second = await stream.next(within=5.0)
+        assert [first["data"]["content"], second["data"]["content"]] == ["across", "Echo: across"]
+        stream.close()

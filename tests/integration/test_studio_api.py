@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
-from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from leadgate.database import schema as t
 from leadgate.domain import orgs
 from tests.helpers import Org, make_agent, make_org
+from tests.serving import served_app
 
 PASSWORD = "correct horse battery"
 CSRF = {"X-Leadgate-Console": "1"}
@@ -55,22 +54,12 @@ def db_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
-    service = App(
-        Settings.model_validate({"database": {"url": migrated_url}}),
-        clock=FakeClock(),
-        enable_adapters=False,
-    )
-    org = await make_org(service)
-    await make_agent(service, org, "lead")
-    await make_agent(service, org, "worker", lead="lead")
-    await make_agent(service, org, "plain")
-    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
-    await client.start_server()
-    try:
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
         yield Env(service, client, org)
-    finally:
-        await client.close()
-        await service.stop()
 
 
 async def test_page_and_assets_have_the_strict_policy(env: Env) -> None:

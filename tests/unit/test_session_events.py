@@ -20,8 +20,32 @@ from leadgate.domain.session_events import public_status
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
 from leadgate.turns.messages import store_message
-from tests.helpers import api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.stack import Stack
+
+
+async def store(
+    conn: Any,
+    stack: Stack,
+    org: Org,
+    session_id: str,
+    content: str,
+    *,
+    role: str = "user",
+    gated: bool = False,
+) -> None:
+    """One message stored in ``conn``'s transaction (as the turn path stores them)."""
+    await store_message(
+        conn,
+        stack.clock,
+        stack.ids,
+        org_id=org.id,
+        session_id=session_id,
+        work_item_id=None,
+        role=role,
+        content=content,
+        gated=gated,
+    )
 
 
 async def log_of(stack: Stack, session_id: str) -> list[tuple[Any, ...]]:
@@ -120,28 +144,10 @@ async def test_events_share_their_transaction(stack: Stack) -> None:
     sid = await session_of(stack, agent)
     with pytest.raises(RuntimeError, match="rolled back"):
         async with stack.db.tx() as conn:
-            await store_message(
-                conn,
-                stack.clock,
-                stack.ids,
-                org_id=org.id,
-                session_id=sid,
-                work_item_id=None,
-                role="user",
-                content="never",
-            )
+            await store(conn, stack, org, sid, "never")
             raise RuntimeError("rolled back")
     async with stack.db.fast_tx() as fast:
-        await store_message(
-            fast,
-            stack.clock,
-            stack.ids,
-            org_id=org.id,
-            session_id=sid,
-            work_item_id=None,
-            role="user",
-            content="kept",
-        )
+        await store(fast, stack, org, sid, "kept")
     # Nothing of the rolled-back transaction; its number went to the next writer.
     assert [(e[0], e[3]) for e in await log_of(stack, sid)] == [
         (1, "one"),
@@ -157,17 +163,7 @@ async def test_hidden_messages_write_no_event(stack: Stack) -> None:
     sid = await session_of(stack, agent)
     async with stack.db.tx() as conn:
         for role, gated in (("tool", False), ("internal", False), ("assistant", True)):
-            await store_message(
-                conn,
-                stack.clock,
-                stack.ids,
-                org_id=org.id,
-                session_id=sid,
-                work_item_id=None,
-                role=role,
-                content="hidden",
-                gated=gated,
-            )
+            await store(conn, stack, org, sid, "hidden", role=role, gated=gated)
     assert len(await log_of(stack, sid)) == 2
 
 
@@ -200,16 +196,7 @@ async def test_a_resuming_reader_never_sees_a_gap(stack: Stack) -> None:
     async def writer(index: int) -> None:
         for n in range(per_writer):
             async with stack.db.tx() as conn:
-                await store_message(
-                    conn,
-                    stack.clock,
-                    stack.ids,
-                    org_id=org.id,
-                    session_id=sid,
-                    work_item_id=None,
-                    role="user",
-                    content=f"w{index}-{n}",
-                )
+                await store(conn, stack, org, sid, f"w{index}-{n}")
                 # Runs after the log's flush (queues flush in order): the counter's
                 # row lock (PostgreSQL) is held across this sleep.
                 await before_commit(conn, "test-hold", hold, None)
