@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,14 +34,18 @@ from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.core.types import Outcome
 from leadgate.database.db import Database
+from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
 from leadgate.operations.agents import Agents
 from leadgate.operations.chat_reviews import ChatReviews
+from leadgate.operations.event_hub import EventHub
+from leadgate.operations.idempotency import Idempotency
 from leadgate.operations.messages import Messages
 from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
+from leadgate.operations.transcripts import Transcripts
 from leadgate.review.cards import ReviewNotifier
 from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
@@ -49,9 +54,18 @@ from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
-from leadgate.web import agents_api, console, openai_api, operator_api, operator_events
+from leadgate.web import (
+    agents_api,
+    console,
+    openai_api,
+    operator_api,
+    operator_events,
+    sessions_api,
+    studio,
+)
 from leadgate.web.common import add_request_id, error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
+from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox
@@ -108,6 +122,14 @@ class App:
         self._wire_chat_reviews()
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
         self.oversight = Oversight(self.db, self.clock)
+
+        # Session reads (transcripts, review-status events, MCP resources, Studio): the
+        # hub wakes their readers after every commit here, and on PostgreSQL after every
+        # NOTIFY of another replica (started with the surfaces).
+        self.transcripts = Transcripts(self.db, self.clock, self.ids)
+        self.event_hub = EventHub()
+        self.db.on_commit_payloads(SESSION_EVENTS_TOPIC, self.event_hub.committed)
+        self.idempotency = Idempotency(self.db, self.clock)
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()
@@ -269,7 +291,34 @@ class App:
 
     def _mount_surfaces(self, app: web.Application) -> None:
         lookup = self.access.principal
-        openai_api.setup(app, authenticate_with=lookup, chat=self.messages, ids=self.ids)
+        openai_api.setup(
+            app,
+            authenticate_with=lookup,
+            chat=self.messages,
+            ids=self.ids,
+            models=self.agents,
+            idempotency=self.idempotency,
+        )
+        api = self.settings.api
+        streams = StreamSettings(
+            heartbeat_s=api.events_heartbeat_s, write_timeout_s=api.events_write_timeout_s
+        )
+        sessions_api.setup(
+            app,
+            authenticate_with=lookup,
+            reads=self.transcripts,
+            hub=self.event_hub,
+            settings=streams,
+        )
+        studio.setup(
+            app,
+            authenticate_with=lookup,
+            chat=self.messages,
+            agents=self.agents,
+            reads=self.transcripts,
+            hub=self.event_hub,
+            settings=streams,
+        )
         agents_api.setup(app, authenticate_with=lookup, agents=self.agents)
         operator_api.setup(
             app, authenticate_with=lookup, reviews=self.reviews, insights=self.oversight
@@ -283,6 +332,11 @@ class App:
             authenticate=self.access.key_principal,
             send_message=self._mcp_send,
             allowed_hosts=self._mcp_hosts(),
+            transcripts=self.transcripts,
+            watch=self.event_hub.watch,
+            version=package_version(),
+            session_idle_s=api.mcp_session_idle_s,
+            max_sessions=api.mcp_max_sessions,
         )
         for adapter in self.adapters:
             adapter.mount(app)
@@ -317,6 +371,12 @@ class App:
                 # Last in, first out: stop() (runners, channels, database) runs last.
                 stack.push_async_callback(self.stop)
                 if surfaces:
+                    if self.db.is_postgres:
+                        # Event streams on this replica hear writes of every replica.
+                        self.background.spawn(
+                            self.event_hub.listen(self.settings.database.url, self._stop),
+                            name="pg-listen-session-events",
+                        )
                     if self._mcp is not None:
                         await stack.enter_async_context(self._mcp.run())
                     for adapter in self.adapters:
@@ -332,6 +392,15 @@ class App:
         # aiohttp's graceful shutdown finish instead of waiting for its timeout.
         if self._mcp is not None:
             self._mcp.release_streams()
+        self.event_hub.close()  # review-status event streams end too
+
+
+def package_version() -> str:
+    """The installed leadgate version (MCP ``serverInfo.version``)."""
+    try:
+        return importlib.metadata.version("leadgate")
+    except importlib.metadata.PackageNotFoundError:  # running from a bare checkout
+        return "0+unknown"
 
 
 async def _metrics(_: web.Request) -> web.Response:

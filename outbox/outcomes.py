@@ -3,7 +3,8 @@
 A delivery's outcome is committed with ``... WHERE id = :id AND lease_token = :token AND
 status = 'sending'``: a relay whose lease was taken back (expiry) commits nothing. The
 work item moves in the same transaction (``approved -> completed / failed``), and an
-api/studio reveal clears the gated message's ``leadGated`` flag there too.
+api/studio reveal clears the gated message's ``leadGated`` flag there too, and announces
+the revealed message in its session's public event log.
 
 Successful sends are committed as a group in a handful of statements whatever its size;
 every other outcome is one row at a time (they are rare).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.domain import workitems
+from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import Permanent, Retry, SendOutcome, Sent
@@ -50,6 +51,7 @@ _REVEAL_ONE = (
         .scalar_subquery()
     )
     .values(lead_gated=False)
+    .returning(t.messages.c.id, t.messages.c.session_id)
 )
 
 
@@ -127,7 +129,7 @@ class OutcomeCommitter:
         for (channel, label), count in counts.items():
             METRICS.deliveries.labels(channel, label).inc(count)
         if reveal:
-            await conn.execute(
+            revealed = await conn.execute(
                 t.messages.update()
                 .where(
                     t.messages.c.id.in_(
@@ -137,7 +139,9 @@ class OutcomeCommitter:
                     )
                 )
                 .values(lead_gated=False)
+                .returning(t.messages.c.id, t.messages.c.session_id)
             )
+            await self._announce(conn, revealed.all())
         if items:
             moved = await workitems.transition_many(
                 conn,
@@ -151,6 +155,12 @@ class OutcomeCommitter:
             )
             for item_id in set(items) - set(moved):
                 log.warning("work item %s was not approved when its delivery finished", item_id)
+
+    async def _announce(self, conn: AsyncConnection, revealed: Sequence[Any]) -> None:
+        """Revealed messages become ``message`` events of their sessions (queued before
+        the items' move to ``completed``, so ``delivered`` follows them)."""
+        for message_id, session_id in revealed:
+            await session_events.message_visible(conn, self.clock, session_id, message_id)
 
     async def _mark_sent(self, conn: AsyncConnection, sent: list[Done], now: int) -> set[str]:
         """``sending -> sent``, one fenced update per lease token; the ids that moved."""
@@ -233,7 +243,8 @@ class OutcomeCommitter:
             return
         METRICS.deliveries.labels(row.channel, label).inc()
         if row.action == "reveal" and isinstance(outcome, Sent):
-            await conn.execute(_REVEAL_ONE, {"p_item": row.work_item_id})
+            revealed = await conn.execute(_REVEAL_ONE, {"p_item": row.work_item_id})
+            await self._announce(conn, revealed.all())
         if row.kind != "gating" or row.work_item_id is None:
             return
         if item_dst is None:

@@ -492,9 +492,7 @@ class Relay:
         card_delivery = row.address.get("card_delivery_id")
         async with self.db.read() as conn:
             posted = (
-                await conn.execute(
-                    sa.select(D.status, D.external_id).where(D.id == card_delivery)
-                )
+                await conn.execute(sa.select(D.status, D.external_id).where(D.id == card_delivery))
             ).first()
         if posted is None:
             return Permanent(f"card delivery {card_delivery} does not exist")

@@ -282,12 +282,15 @@ async def listen(
     *,
     reconnect_s: float = 1.0,
     ready: Callable[[], None] | None = None,
+    channel: str = NOTIFY_CHANNEL,
+    on_payload: Callable[[str], None] | None = None,
 ) -> None:
-    """PostgreSQL ``LISTEN`` on the outbox channel until ``stop`` is set.
+    """PostgreSQL ``LISTEN`` on ``channel`` (default: the outbox's) until ``stop`` is set.
 
-    ``on_notify`` runs for every notification, and once after each (re)connection so
-    that nothing enqueued while the connection was down waits for the next poll. A lost
-    connection is re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
+    ``on_notify`` runs for every notification (``on_payload`` instead, with the
+    payload, when given), and once after each (re)connection so that nothing enqueued
+    while the connection was down waits for the next poll. A lost connection is
+    re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
     ``postgresql+asyncpg://`` URL or a libpq one.
     """
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
@@ -296,11 +299,14 @@ async def listen(
         try:
             conn = await asyncpg.connect(dsn)
         except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("outbox LISTEN: cannot connect (%s); retrying", exc)
+            log.warning("LISTEN %s: cannot connect (%s); retrying", channel, exc)
         else:
             try:
                 conn.add_termination_listener(lambda *_, lost=lost: lost.set())
-                await conn.add_listener(NOTIFY_CHANNEL, lambda *_: on_notify())
+                if on_payload is None:
+                    await conn.add_listener(channel, lambda *_: on_notify())
+                else:
+                    await conn.add_listener(channel, lambda *args: on_payload(str(args[-1])))
                 on_notify()
                 if ready is not None:
                     ready()

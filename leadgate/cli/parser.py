@@ -194,9 +194,7 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
         if action == "reject":
             p.add_argument("--reason", required=True, help="1..2,000 characters; - reads stdin")
         if action == "return":
-            p.add_argument(
-                "--feedback", required=True, help="1..10,000 characters; - reads stdin"
-            )
+            p.add_argument("--feedback", required=True, help="1..10,000 characters; - reads stdin")
     delivery = _group(sub, "delivery", "recovery of uncertain (deliveryUnknown) deliveries")
     for action, help_text in (
         ("confirm", "the message did arrive: delivery sent, item completed"),

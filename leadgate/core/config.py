@@ -136,6 +136,15 @@ class ReviewSettings(_Section):
         return parse_duration(value, name=f"review.{name}")
 
 
+class ApiSettings(_Section):
+    """``[api]``: the session read surfaces (event streams) and hosted MCP sessions."""
+
+    events_heartbeat_s: float = Field(default=15.0, gt=0, le=15)
+    events_write_timeout_s: float = Field(default=30.0, gt=0)
+    mcp_session_idle_s: float = Field(default=600.0, gt=0)
+    mcp_max_sessions: int = Field(default=1000, ge=1)
+
+
 class Settings(_Section):
     """The whole configuration."""
 
@@ -151,6 +160,8 @@ class Settings(_Section):
     runners: RunnerSettings = RunnerSettings()
     log: LogSettings = LogSettings()
     review: ReviewSettings = ReviewSettings()
+
+    api: ApiSettings = ApiSettings()
 
 
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:

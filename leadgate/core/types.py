@@ -69,14 +69,36 @@ class Trigger:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Tokens one model call (or a whole turn: their sum) used, as the provider reports
+    them (the ``script`` model counts its own: see its module)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """prompt + completion."""
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+        )
+
+
+@dataclass(frozen=True)
 class Reply:
     """The turn produced visible text (already screened by the output policy).
 
-    ``streamed`` is True when the text already went out delta by delta.
+    ``streamed`` is True when the text already went out delta by delta; ``usage`` is the
+    turn's token count (``None`` when the provider reported none; not part of equality).
     """
 
     text: str
     streamed: bool = False
+    usage: Usage | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.resources
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Protocol
 
@@ -32,6 +32,11 @@ MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations
 
 # Key in ``AsyncConnection.info`` holding the topics signalled during a write transaction.
 _TOPICS = "leadgate_after_commit_topics"
+# Key in ``AsyncConnection.info`` holding the write transaction's before-commit queues.
+_BEFORE = "leadgate_before_commit"
+
+#: Writes a before-commit queue's items as the transaction's last statements.
+Flush = Callable[["Conn", list[Any]], Awaitable[None]]
 
 
 class Result(Protocol):
@@ -77,6 +82,32 @@ def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
         payloads = topics.setdefault(topic, [])
         if payload is not None:
             payloads.append(payload)
+
+
+async def before_commit(conn: Conn, key: str, flush: Flush, item: Any) -> None:
+    """Queue ``item``; ``flush(conn, items)`` writes the queue of ``key`` once, after the
+    rest of the current :meth:`Database.tx` / :meth:`Database.fast_tx` body and just
+    before its commit (nothing is written when the body fails).
+
+    Used where the *last* statement of a transaction matters: a row lock taken there is
+    the last lock the transaction takes, so it cannot close a lock cycle, and the queued
+    rows go in one statement. Outside such a transaction ``flush`` runs at once.
+    """
+    queues: dict[str, tuple[Flush, list[Any]]] | None = conn.info.get(_BEFORE)
+    if queues is None:
+        await flush(conn, [item])
+        return
+    entry = queues.get(key)
+    if entry is None:
+        entry = queues[key] = (flush, [])
+    entry[1].append(item)
+
+
+async def _flush_before_commit(conn: Conn, queues: dict[str, tuple[Flush, list[Any]]]) -> None:
+    while queues:  # in the order the queues were opened; a flush may open another
+        key = next(iter(queues))
+        flush, items = queues.pop(key)
+        await flush(conn, items)
 
 
 class Database:
@@ -131,13 +162,17 @@ class Database:
         Other processes (admin CLI, replicas) still meet the busy timeout.
         """
         topics: dict[str, list[Any]] = {}
+        before: dict[str, tuple[Flush, list[Any]]] = {}
         async with self._writer(), self.engine.connect() as conn:
             conn.info[_TOPICS] = topics
+            conn.info[_BEFORE] = before
             try:
                 async with conn.begin():
                     yield conn
+                    await _flush_before_commit(conn, before)
             finally:
                 conn.info.pop(_TOPICS, None)
+                conn.info.pop(_BEFORE, None)
         self._after_commit(topics)
 
     def fast_tx(self) -> AbstractAsyncContextManager[Conn]:
@@ -248,25 +283,38 @@ class _InlineTx:
     """:meth:`Database.fast_tx` on the inline SQLite connection (a class, not a generator
     context manager: it runs twice per turn and this is measurably cheaper)."""
 
-    __slots__ = ("db", "inline", "member", "topics")
+    __slots__ = ("before", "db", "inline", "member", "topics")
 
     def __init__(self, db: Database, inline: InlineSqlite) -> None:
         self.db = db
         self.inline = inline
         self.topics: dict[str, list[Any]] = {}
+        self.before: dict[str, tuple[Flush, list[Any]]] = {}
 
     async def __aenter__(self) -> InlineConnection:
         task = self.db._not_nested()
         self.member: Member = await self.inline.enter(self.db._lock())
         conn = self.inline.connection
         conn.info[_TOPICS] = self.topics
+        conn.info[_BEFORE] = self.before
         self.db._write_owner = task
         return conn
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.db._write_owner = None
-        self.inline.connection.info.pop(_TOPICS, None)
-        waiter = self.inline.leave(self.member, ok=exc_type is None)
+        conn = self.inline.connection
+        ok = exc_type is None
+        try:
+            if ok and self.before:
+                # Inside this member's savepoint: a failing flush rolls back the member.
+                await _flush_before_commit(conn, self.before)
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            self.db._write_owner = None
+            conn.info.pop(_TOPICS, None)
+            conn.info.pop(_BEFORE, None)
+            waiter = self.inline.leave(self.member, ok=ok)
         if waiter is not None:
             await waiter
             self.db._after_commit(self.topics)

@@ -95,6 +95,9 @@ sessions = sa.Table(
     sa.Column("key", sa.String(500), nullable=False),
     sa.Column("created_at", MS, nullable=False),
     sa.UniqueConstraint("agent_id", "key"),
+    # The last sequence number of the session's public event log (session_events), on
+    # PostgreSQL: its row lock orders concurrent writers (see domain/session_events.py).
+    sa.Column("event_seq", sa.BigInteger, nullable=False, default=0, server_default="0"),
 )
 
 bindings = sa.Table(
@@ -439,4 +442,33 @@ teams_conversations = sa.Table(
     sa.Column("tenant_id", sa.String(100)),
     sa.Column("reference", sa.JSON, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+)
+
+session_events = sa.Table(
+    "session_events",
+    metadata,
+    # The public, per-session event log read by the review-status SSE stream (and MCP
+    # resource subscriptions): "message" (a visible message stored or revealed) and
+    # "review" (the held work's public status). Written in the transaction of the change
+    # it reports; (session_id, seq) is its order (domain/session_events.py).
+    sa.Column("session_id", ID, primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("kind", sa.String(10), nullable=False),
+    sa.Column("message_id", ID),
+    sa.Column("status", sa.String(20)),
+    sa.Column("created_at", MS, nullable=False),
+)
+
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    # Idempotency-Key of POST /v1/chat/completions: only a SHA-256 of (org, key) is kept,
+    # with a SHA-256 of the request it was first used with and that request's answer.
+    sa.Column("org_id", ID, primary_key=True),
+    sa.Column("key_hash", sa.String(64), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("created_at", MS, nullable=False, index=True),
+    # While the first request runs: when it counts as dead (its process crashed).
+    sa.Column("lease_expires_at", MS, nullable=False),
+    sa.Column("response", sa.JSON(none_as_null=True)),
 )

@@ -305,9 +305,7 @@ async def revoke_key(
     time, 5 s). Revoking a revoked key is a 409; another organization's key is a 404."""
     k = t.api_keys.c
     row = (
-        await conn.execute(
-            sa.select(k.id, k.revoked_at).where(k.id == key_id, k.org_id == org_id)
-        )
+        await conn.execute(sa.select(k.id, k.revoked_at).where(k.id == key_id, k.org_id == org_id))
     ).first()
     if row is None:
         raise NotFound(f"no API key {key_id!r} in this organization", rule="key.not_found")

@@ -147,6 +147,7 @@ class Session(NamedTuple):
     agent_id: str
     key: str
     created_at: int
+    event_seq: int
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Self:

@@ -4,7 +4,9 @@ Every status change goes through :func:`transition`: a conditional
 ``UPDATE ... WHERE id = :id AND status = :from [AND lease_token = :token] RETURNING *``.
 When nothing matched (someone else moved the item first, or a lease was lost) it raises
 :class:`leadgate.core.errors.TransitionError` and changes nothing, so two replicas can never
-both win. Each change writes an audit row in the same transaction.
+both win. Each change writes an audit row in the same transaction, and a public
+``review`` event of the item's session when its public status changed
+(:mod:`leadgate.domain.session_events`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.domain import session_events
 from leadgate.domain.rows import WorkItem
 
 #: An ``inProgress`` item idle this long becomes ``abandoned`` (SPEC 3 rule 4).
@@ -175,6 +178,9 @@ async def transition(
         surface=surface,
         identity=identity,
     )
+    await session_events.status_changed(
+        conn, clock, row.session_id, src.value, dst.value, row.revision
+    )
     METRICS.transitions.labels(src.value, dst.value).inc()
     return WorkItem.from_row(row)
 
@@ -208,9 +214,13 @@ async def transition_many(
             t.work_items.update()
             .where(W.id.in_(item_ids), W.status == src.value)
             .values(status=dst.value, updated_at=now)
-            .returning(W.id, W.org_id)
+            .returning(W.id, W.org_id, W.session_id, W.revision)
         )
     ).all()
+    for row in rows:
+        await session_events.status_changed(
+            conn, clock, row.session_id, src.value, dst.value, row.revision
+        )
     if rows:
         await conn.execute(
             t.audit.insert(),
@@ -286,7 +296,7 @@ async def sweep_abandoned(
                 W.last_activity_at <= cutoff,
             )
             .values(status=S.abandoned.value, updated_at=clock.now_ms())
-            .returning(W.org_id)
+            .returning(W.org_id, W.session_id, W.revision)
         )
         updated = res.first()
         if updated is None:
@@ -303,6 +313,9 @@ async def sweep_abandoned(
             from_status=S.inProgress.value,
             to_status=S.abandoned.value,
             text="idle for 7 days",
+        )
+        await session_events.status_changed(
+            conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision
         )
         METRICS.transitions.labels(S.inProgress.value, S.abandoned.value).inc()
     return moved

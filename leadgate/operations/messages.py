@@ -43,17 +43,24 @@ class Messages:
         user: str | None = None,
         on_delta: DeltaSink | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
+        binding: BindingKind = BindingKind.api,
+        external_event_id: str | None = None,
     ) -> Outcome:
         """One api-binding turn for ``agent_ref`` (id, slug or name) of the caller's
         organization; the agent is looked up (NotFound) in the intake transaction, and
-        the message limits are checked by the turn path before anything is stored."""
+        the message limits are checked by the turn path before anything is stored.
+
+        ``binding`` is ``api`` (REST, MCP) or ``studio``; ``external_event_id`` makes the
+        intake take the message at most once (``Duplicate`` afterwards), as for a
+        channel's redelivered event (REST's ``Idempotency-Key``)."""
         principal.require(Scope.trigger)
         trigger = Trigger(
             org_id=principal.org_id,
             agent_id=agent_ref,
             session_key=api_session_key(principal, session=session, user=user),
             text=text,
-            binding=BindingSpec(BindingKind.api),
+            binding=BindingSpec(binding),
+            external_event_id=external_event_id,
         )
         return await self.turns.run(trigger, on_delta=on_delta, on_start=on_start)
 

@@ -266,7 +266,7 @@ class LeadRunner:
         async for event in provider.stream(request):
             if isinstance(event, TextDelta):
                 text.append(event.text)
-            else:
+            elif isinstance(event, ToolCall):
                 calls.append(event)
         return "".join(text), calls
 

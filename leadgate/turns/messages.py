@@ -16,9 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.domain import session_events
 
 # Built once: the turn path stores two or three messages per turn.
 _INSERT_MESSAGE = t.messages.insert()
+#: Roles a visible transcript shows (and the session event log announces).
+_VISIBLE_ROLES = frozenset({"user", "assistant"})
 
 
 async def store_message(
@@ -34,7 +37,8 @@ async def store_message(
     tool_name: str | None = None,
     gated: bool = False,
 ) -> str:
-    """Insert one message; returns its id."""
+    """Insert one message; returns its id. A visible one (user or assistant, not gated)
+    is announced in the session's public event log in the same transaction."""
     message_id = ids.new("msg")
     await conn.execute(
         _INSERT_MESSAGE,
@@ -50,6 +54,8 @@ async def store_message(
             "created_at": clock.now_ms(),
         },
     )
+    if role in _VISIBLE_ROLES and not gated:
+        await session_events.message_visible(conn, clock, session_id, message_id)
     return message_id
 
 

@@ -25,7 +25,7 @@ from leadgate.core.limits import (
     validate_session_key,
 )
 from leadgate.core.metrics import METRICS
-from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger
+from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
@@ -189,6 +189,7 @@ class TurnService:
         live = on_delta if (not gated_turn and not rules) else None
         parts: list[str] = []
         signalled = False  # this turn's complete_task was acknowledged
+        usage: Usage | None = None  # summed over the turn's model calls
         feedback = revision_item.pending_feedback if revision_item else None
         try:
             for _ in range(MAX_MODEL_CALLS):
@@ -200,6 +201,8 @@ class TurnService:
                         round_text.append(event.text)
                         if live is not None and event.text:
                             await live(event.text)
+                    elif isinstance(event, Usage):
+                        usage = event if usage is None else usage + event
                     else:
                         calls.append(event)
                 parts.extend(round_text)
@@ -222,9 +225,12 @@ class TurnService:
             METRICS.turns.labels("error").inc()
             log.exception("model provider failed")
             raise ModelError("the model failed while producing this turn") from exc
-        return await self._finish(
+        outcome = await self._finish(
             turn, "".join(parts), revision_item, streamed=live is not None, signalled=signalled
         )
+        if isinstance(outcome, Reply) and usage is not None:
+            outcome = Reply(outcome.text, outcome.streamed, usage)
+        return outcome
 
     async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:
         if call.name not in {tool.name for tool in offered}:

@@ -21,16 +21,19 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
+import mcp_types as mt
 from aiohttp import web
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
 from starlette.authentication import AuthCredentials
 from starlette.types import Message
 from starlette.types import Scope as AsgiScope
@@ -39,7 +42,10 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
+from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import error_body
+from leadgate.web.mcp_resources import Resources, Watcher
+from leadgate.web.sessions_api import SessionReads
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +66,24 @@ PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
 # this pace (a cheap attribute read, not a busy loop).
 _DISCONNECT_POLL_S: Final = 0.5
 
+#: An MCP session with no request in flight this long ends (the SDK's idle timeout).
+SESSION_IDLE_S: Final = 600.0
+#: Open MCP sessions at most (a new one beyond that gets 503).
+MAX_SESSIONS: Final = 1000
+
 Authenticate = Callable[[str], Awaitable[Principal | None]]
 SendMessage = Callable[[Principal, str, str, str | None], Awaitable[Outcome]]
+#: ``EventHub.watch``: calls a watcher on every session wake-up; returns its stop.
+Watch = Callable[[Watcher], Callable[[], None]]
+
+INSTRUCTIONS: Final = (
+    "leadgate runs AI worker agents. Use send_action_agent_message to talk to one."
+)
+RESOURCE_INSTRUCTIONS: Final = (
+    " When its work awaits Lead review (leadReviewPending), read or subscribe to the "
+    "session's transcript, leadgate://agents/{agent}/sessions/{session}/messages "
+    "(session 'default' when you sent none): the approved answer appears there."
+)
 
 TOOL_DESCRIPTION: Final = """\
 Send a message to a leadgate Action Agent (an AI worker agent) and get its answer.
@@ -107,24 +129,35 @@ class ActionAgentOutput(BaseModel):
 class McpLifecycle:
     """The hosted MCP server's lifecycle, owned by the composition root.
 
-    :meth:`run` runs the SDK's session manager (enter it before the first request);
-    :meth:`release_streams` ends the standalone GET streams, which never end by
-    themselves (call it when the HTTP server starts shutting down, so that its graceful
-    wait does not sit out its timeout on them).
+    :meth:`run` runs the SDK's session manager (enter it before the first request) and
+    the resource-update sender; :meth:`release_streams` ends the standalone GET streams,
+    which never end by themselves (call it when the HTTP server starts shutting down, so
+    that its graceful wait does not sit out its timeout on them).
     """
 
-    def __init__(self, manager: StreamableHTTPSessionManager, closing: asyncio.Event) -> None:
+    def __init__(
+        self,
+        manager: StreamableHTTPSessionManager,
+        closing: asyncio.Event,
+        resources: Resources | None = None,
+    ) -> None:
         self._manager = manager
         self._closing = closing
+        self.resources = resources
 
     def release_streams(self) -> None:
         """Let every open GET stream end."""
         self._closing.set()
+        if self.resources is not None:
+            self.resources.listen_handler.close()
 
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
         """Run the session manager for the duration of the block."""
-        async with _session_manager(self._manager):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(_session_manager(self._manager))
+            if self.resources is not None:
+                await stack.enter_async_context(self.resources.running())
             yield
 
 
@@ -134,6 +167,11 @@ def mount_mcp(
     authenticate: Authenticate,
     send_message: SendMessage,
     allowed_hosts: list[str],
+    transcripts: SessionReads | None = None,
+    watch: Watch | None = None,
+    version: str = "",
+    session_idle_s: float = SESSION_IDLE_S,
+    max_sessions: int = MAX_SESSIONS,
 ) -> McpLifecycle:
     """Serve the hosted MCP server on ``app`` at ``/mcp`` (GET, POST, DELETE).
 
@@ -141,18 +179,30 @@ def mount_mcp(
     unknown key); ``send_message(principal, agent, message, session)`` runs one turn on the
     shared turn path. ``allowed_hosts`` are the ``host[:port]`` values accepted in the
     ``Host`` header (DNS-rebinding protection of the SDK); matching ``http``/``https``
-    origins are accepted in an ``Origin`` header.
+    origins are accepted in an ``Origin`` header. With ``transcripts`` (and ``watch``, the
+    hub's :meth:`~leadgate.operations.event_hub.EventHub.watch`) the transcript resource
+    template and its subscriptions are served (:mod:`leadgate.web.mcp_resources`).
+    ``version`` is ``serverInfo.version``. An MCP session with no request in flight for
+    ``session_idle_s`` ends (its id then answers 404); at most ``max_sessions`` are open
+    (a new one beyond that gets 503).
 
     Returns the server's :class:`McpLifecycle`; the caller runs it (the SDK's session
     manager must run before the first request).
     """
-    server = build_mcp_server(send_message)
+    resources = (
+        Resources(transcripts, _principal_of, parse_limit) if transcripts is not None else None
+    )
+    server = build_mcp_server(send_message, resources=resources, version=version)
+    if resources is not None and watch is not None:
+        watch(resources.changed)
     origins = [f"{scheme}://{host}" for host in allowed_hosts for scheme in ("http", "https")]
     # Creates server.session_manager; the returned Starlette app itself is not used.
     server.streamable_http_app(
         streamable_http_path=MCP_PATH,
         stateless_http=False,
         json_response=False,
+        session_idle_timeout=session_idle_s,
+        max_sessions=max_sessions,
         transport_security=TransportSecuritySettings(
             enable_dns_rebinding_protection=True,
             allowed_hosts=list(allowed_hosts),
@@ -171,42 +221,74 @@ def mount_mcp(
     app.router.add_route("GET", MCP_PATH, handle)
     app.router.add_route("POST", MCP_PATH, handle)
     app.router.add_route("DELETE", MCP_PATH, handle)
-    return McpLifecycle(manager, closing)
+    return McpLifecycle(manager, closing, resources)
 
 
-def build_mcp_server(send_message: SendMessage) -> MCPServer[Any]:
-    """Build the ``MCPServer`` with its one tool, ``send_action_agent_message``."""
-    server: MCPServer[Any] = MCPServer(
-        name="leadgate",
-        instructions=(
-            "leadgate runs AI worker agents. Use send_action_agent_message to talk to one."
+class SendArguments(BaseModel):
+    """The arguments of ``send_action_agent_message`` (its input schema)."""
+
+    model_config = ConfigDict(title="send_action_agent_messageArguments")
+
+    agent: str = Field(description="The worker agent to message: its id or slug.")
+    message: str = Field(
+        description=f"The message for the agent (1 to {MAX_MESSAGE_CHARS} characters)."
+    )
+    session: str | None = Field(
+        default=None,
+        description=(
+            "Conversation to continue. Reuse the same value across calls; "
+            "omit for your default session with this agent."
         ),
     )
 
-    async def send_action_agent_message(
-        ctx: Context[Any, Any],
-        agent: Annotated[str, Field(description="The worker agent to message: its id or slug.")],
-        message: Annotated[
-            str,
-            Field(description=f"The message for the agent (1 to {MAX_MESSAGE_CHARS} characters)."),
-        ],
-        session: Annotated[
-            str | None,
-            Field(
-                description=(
-                    "Conversation to continue. Reuse the same value across calls; "
-                    "omit for your default session with this agent."
-                )
-            ),
-        ] = None,
-    ) -> Annotated[CallToolResult, ActionAgentOutput]:
+
+def build_mcp_server(
+    send_message: SendMessage, *, resources: Resources | None = None, version: str = ""
+) -> Server[Any]:
+    """The lowlevel ``Server``: the one tool, ``send_action_agent_message``, and (with
+    ``resources``) the transcript template. Capabilities are derived from the handlers
+    given, so nothing is advertised that is not served (no prompts at all: an unknown
+    ``prompts/get`` is -32601, method not found)."""
+    tool = mt.Tool(
+        name=TOOL_NAME,
+        title="Send a message to an Action Agent",
+        description=TOOL_DESCRIPTION,
+        input_schema=SendArguments.model_json_schema(),
+        output_schema=ActionAgentOutput.model_json_schema(),
+        annotations=ToolAnnotations(
+            read_only_hint=False,
+            destructive_hint=False,
+            idempotent_hint=False,
+            open_world_hint=True,
+        ),
+    )
+
+    async def list_tools(
+        ctx: ServerRequestContext[Any, Any], params: mt.PaginatedRequestParams | None
+    ) -> mt.ListToolsResult:
+        return mt.ListToolsResult(tools=[tool])
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any, Any], params: mt.CallToolRequestParams
+    ) -> CallToolResult:
+        if params.name != TOOL_NAME:
+            # As the SDK's MCPServer answers it: a tool result, not a protocol error.
+            return _tool_error(f"Unknown tool: {params.name}")
         principal = _principal_of(ctx)
         try:
             if principal is None:
                 # The bridge always puts one there; a missing one is a wiring bug.
                 raise RuntimeError("no principal in the MCP request scope")
             principal.require(Scope.trigger)
-            agent, message, session = _validate_arguments(agent, message, session)
+            try:
+                args = SendArguments.model_validate(params.arguments or {})
+            except PydanticValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}"
+                    for err in exc.errors()
+                )
+                return _tool_error(f"invalid arguments: {problems}")
+            agent, message, session = _validate_arguments(args.agent, args.message, args.session)
             outcome = await send_message(principal, agent, message, session)
             return outcome_to_result(outcome)
         except LeadgateError as exc:
@@ -215,19 +297,24 @@ def build_mcp_server(send_message: SendMessage) -> MCPServer[Any]:
             logger.exception("send_action_agent_message failed")
             return _tool_error(GENERIC_ERROR_TEXT)
 
-    server.add_tool(
-        send_action_agent_message,
-        name=TOOL_NAME,
-        title="Send a message to an Action Agent",
-        description=TOOL_DESCRIPTION,
-        annotations=ToolAnnotations(
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=True,
-        ),
+    handlers: dict[str, Any] = {}
+    if resources is not None:
+        handlers = {
+            "on_list_resources": resources.list_resources,
+            "on_list_resource_templates": resources.list_templates,
+            "on_read_resource": resources.read,
+            "on_subscribe_resource": resources.subscribe,
+            "on_unsubscribe_resource": resources.unsubscribe,
+            "on_subscriptions_listen": resources.listen,
+        }
+    return Server(
+        "leadgate",
+        version=version,
+        instructions=INSTRUCTIONS if resources is None else INSTRUCTIONS + RESOURCE_INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+        **handlers,
     )
-    return server
 
 
 def outcome_to_result(outcome: Outcome) -> CallToolResult:
@@ -272,11 +359,10 @@ def _validate_arguments(
     return agent, message, session
 
 
-def _principal_of(ctx: Context[Any, Any]) -> Principal | None:
+def _principal_of(ctx: ServerRequestContext[Any, Any]) -> Principal | None:
     # The HTTP request that carried this very call (not the one that opened the MCP
     # session), so a key's scopes are always those of the current request.
-    request = ctx.request_context.request
-    scope = getattr(request, "scope", None)
+    scope = getattr(ctx.request, "scope", None)
     if not isinstance(scope, dict):
         return None
     principal = scope.get(PRINCIPAL_SCOPE_KEY)

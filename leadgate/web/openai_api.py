@@ -1,4 +1,21 @@
-"""``POST /v1/chat/completions``: OpenAI-compatible, on the shared turn path (SPEC 7)."""
+"""OpenAI-compatible REST (SPEC 7): ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+Bodies follow OpenAI's published schemas to the letter (``tests/contract`` validates them
+against a trimmed copy of the OpenAPI document): ``chat.completion`` with
+``logprobs: null``, ``message.refusal: null`` and ``usage``; chunks with
+``finish_reason: null`` until the end and, with ``stream_options.include_usage``,
+``usage: null`` on every chunk and one last usage chunk with ``choices: []``; every error
+envelope with ``param``. The 409 of a gated or busy turn keeps exactly the seed's type,
+code and message (and ``workItemId``/``revision`` rules); a mid-stream failure is one
+``data: {"error": ...}`` frame whose ``error`` is the non-streaming envelope's.
+
+Retries never double a message:
+
+* every error answered after the message was taken in carries ``x-should-retry: false``,
+  which the official clients obey (they retry 5xx, 409 and connection errors otherwise);
+* ``Idempotency-Key`` (:mod:`leadgate.operations.idempotency`): the same key within 24 h
+  gets the first answer again (or the same 409) and runs no second turn.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +27,24 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from leadgate.core.auth import Principal
+from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
-from leadgate.core.errors import LeadgateError, ModelError, ValidationError
-from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
-from leadgate.web.common import PrincipalLookup, authenticate, json_body, openai_error
+from leadgate.core.errors import LeadgateError, NotFound, ValidationError
+from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
+from leadgate.domain.rows import Agent
+from leadgate.operations.idempotency import Claim, fingerprint
+from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
 
 PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review completes."
-# The official OpenAI clients retry a 409 by default (twice), which would resend a turn
-# that was taken in (gated) or refused (busy); this header, which they obey, says not to.
+# The official OpenAI clients retry a 409 and every 5xx by default, which would resend a
+# turn that was taken in; this header, which they obey, says not to.
 NO_RETRY = {"x-should-retry": "false"}
+# The answer to a request whose Idempotency-Key was taken over after the process that
+# ran its turn died: the message was taken in once, the answer was lost with the process.
+LOST_MESSAGE = (
+    "The first request with this Idempotency-Key was interrupted after its message was "
+    "taken in; its answer is lost. Read the session transcript."
+)
 
 
 def pending_body(*, gated: bool) -> dict[str, Any]:
@@ -27,6 +52,7 @@ def pending_body(*, gated: bool) -> dict[str, Any]:
     error: dict[str, Any] = {
         "message": PENDING_MESSAGE,
         "type": "lead_review_pending",
+        "param": None,
         "code": "LEAD_REVIEW_PENDING",
     }
     if gated:
@@ -62,7 +88,28 @@ class ChatBackend(Protocol):
         user: str | None = None,
         on_delta: Callable[[str], Awaitable[None]] | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
+        external_event_id: str | None = None,
     ) -> Outcome: ...
+
+
+class ModelBackend(Protocol):
+    """The organization's agents (``operations.agents.Agents``)."""
+
+    async def list(self, principal: Principal) -> list[Agent]: ...
+
+    async def get(self, principal: Principal, ref: str) -> Agent: ...
+
+
+class IdempotencyBackend(Protocol):
+    """``operations.idempotency.Idempotency``."""
+
+    async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim: ...
+
+    async def finish(
+        self, principal: Principal, claim: Claim, response: dict[str, Any]
+    ) -> None: ...
+
+    async def release(self, principal: Principal, claim: Claim) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +120,7 @@ class ChatRequest:
     text: str
     user: str | None
     stream: bool
+    include_usage: bool = False
 
 
 def parse_request(body: dict[str, Any]) -> ChatRequest:
@@ -96,22 +144,37 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ValidationError("`stream` must be a boolean", rule="stream.type")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        # One turn, one answer: several choices would be several turns of one message.
+        raise ValidationError("leadgate answers with one choice: `n` must be 1", rule="n.one")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ValidationError("`stream_options` must be an object", rule="stream_options")
+        flag = options.get("include_usage", False)
+        if not isinstance(flag, bool):
+            raise ValidationError(
+                "`stream_options.include_usage` must be a boolean", rule="stream_options"
+            )
+        include_usage = flag
     user = body.get("user")
-    return ChatRequest(model, text, user if isinstance(user, str) and user else None, stream)
+    return ChatRequest(
+        model, text, user if isinstance(user, str) and user else None, stream, include_usage
+    )
 
 
-def _chunk(cid: str, model: str, created: int, delta: dict[str, Any], finish: str | None) -> bytes:
-    payload = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+def _usage(usage: Usage | None) -> dict[str, int]:
+    usage = usage or Usage()
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
     }
-    return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def _completion(cid: str, model: str, created: int, text: str) -> dict[str, Any]:
+def _completion(cid: str, model: str, created: int, reply: Reply) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",
@@ -120,93 +183,319 @@ def _completion(cid: str, model: str, created: int, text: str) -> dict[str, Any]
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": reply.text, "refusal": None},
+                "logprobs": None,
                 "finish_reason": "stop",
             }
         ],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "usage": _usage(reply.usage),
     }
 
 
-async def _error_frame(response: web.StreamResponse, exc: Exception) -> web.StreamResponse:
-    """A mid-stream failure: exactly one ``data: {"error": ...}`` frame, no ``[DONE]``."""
+def _model(agent: Agent, owner: str) -> dict[str, Any]:
+    return {
+        "id": agent.slug,
+        "object": "model",
+        "created": agent.created_at // 1000,
+        "owned_by": owner,
+    }
+
+
+class _Chunks:
+    """The ``data:`` frames of one streamed answer (kept when they must be replayable)."""
+
+    def __init__(
+        self, response: web.StreamResponse, cid: str, model: str, include_usage: bool, keep: bool
+    ) -> None:
+        self.response = response
+        self.base: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.include_usage = include_usage
+        self.frames: list[str] | None = [] if keep else None
+
+    async def frame(self, payload: str) -> None:
+        text = f"data: {payload}\n\n"
+        if self.frames is not None:
+            self.frames.append(text)
+        await self.response.write(text.encode())
+
+    async def chunk(self, delta: dict[str, Any], finish: str | None) -> None:
+        payload: dict[str, Any] = {
+            **self.base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        if self.include_usage:
+            payload["usage"] = None
+        await self.frame(json.dumps(payload))
+
+    async def finish(self, usage: Usage | None) -> None:
+        await self.chunk({}, "stop")
+        if self.include_usage:
+            await self.frame(json.dumps({**self.base, "choices": [], "usage": _usage(usage)}))
+        await self.frame("[DONE]")
+
+
+def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """Status and envelope of ``exc`` exactly as the error middleware answers it."""
     if isinstance(exc, LeadgateError):
-        error = {"message": exc.message, "type": "server_error", "code": exc.code}
-        if isinstance(exc, ModelError):
-            error["type"] = "model_error"
+        resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
     else:
-        error = {"message": "internal error", "type": "server_error", "code": "internal_error"}
-    await response.write(f"data: {json.dumps({'error': error})}\n\n".encode())
-    await response.write_eof()
-    return response
+        resp = error_response(request, 500, "internal error", "internal_error", "internal")
+    assert isinstance(resp.body, bytes)
+    return resp.status, json.loads(resp.body)
 
 
 def setup(
-    app: web.Application, *, authenticate_with: PrincipalLookup, chat: ChatBackend, ids: IdFactory
+    app: web.Application,
+    *,
+    authenticate_with: PrincipalLookup,
+    chat: ChatBackend,
+    ids: IdFactory,
+    models: ModelBackend | None = None,
+    idempotency: IdempotencyBackend | None = None,
 ) -> None:
-    """Register ``POST /v1/chat/completions``."""
+    """Register ``POST /v1/chat/completions`` and (with ``models``) ``GET /v1/models``."""
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         principal = await authenticate(request, authenticate_with, cookie=False)
         body = await json_body(request)
         parsed = parse_request(body)
         session = request.headers.get("X-Session-Id")
-        cid = f"chatcmpl-{ids.new('c')}"
-        created = int(time.time())
-        model = parsed.model
-        if not parsed.stream:
-            outcome = await chat.send(
-                principal, parsed.model, parsed.text, session=session, user=parsed.user
+        key = request.headers.get("Idempotency-Key")
+        if key is None or idempotency is None:
+            return await _turn(request, principal, parsed, session, None)
+        request_print = fingerprint(
+            json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+            (session or "").encode(),
+        )
+        claim = await idempotency.begin(principal, key, request_print)
+        if claim.action == "replay" and claim.response is not None:
+            return await _replay(request, claim.response)
+        if claim.action == "running":
+            resp = error_response(
+                request,
+                409,
+                "a request with this Idempotency-Key is still running; retry shortly",
+                "idempotency_in_progress",
+                "idempotency.in_progress",
             )
-            if isinstance(outcome, Reply):
-                return web.json_response(_completion(cid, model, created, outcome.text))
-            return web.json_response(
-                pending_body(gated=isinstance(outcome, Gated)), status=409, headers=NO_RETRY
-            )
+            resp.headers["Retry-After"] = str(claim.retry_after_s)
+            return resp
+        return await _turn(request, principal, parsed, session, claim)
 
+    async def _turn(
+        request: web.Request,
+        principal: Principal,
+        parsed: ChatRequest,
+        session: str | None,
+        claim: Claim | None,
+    ) -> web.StreamResponse:
+        """Run the turn; with a ``claim``, store its answer for the key's later requests
+        (or release the key when nothing was taken in)."""
+        exchange = _Exchange(
+            request, parsed, f"chatcmpl-{ids.new('c')}", chat, principal, session, claim
+        )
+        try:
+            response, stored = await exchange.run()
+        except BaseException:
+            if claim is not None and idempotency is not None and not exchange.recorded:
+                await idempotency.release(principal, claim)
+            raise
+        if claim is not None and idempotency is not None:
+            if stored is None:
+                await idempotency.release(principal, claim)
+            else:
+                await idempotency.finish(principal, claim, stored)
+        return response
+
+    async def list_models(request: web.Request) -> web.Response:
+        assert models is not None
+        principal = await authenticate(request, authenticate_with, cookie=False)
+        principal.require(Scope.trigger)
+        rows = await models.list(principal)
+        data = [_model(agent, principal.org_id) for agent in rows if agent.active]
+        return web.json_response({"object": "list", "data": data})
+
+    async def get_model(request: web.Request) -> web.Response:
+        assert models is not None
+        principal = await authenticate(request, authenticate_with, cookie=False)
+        principal.require(Scope.trigger)
+        ref = request.match_info["model"]
+        agent = await models.get(principal, ref)
+        if not agent.active:
+            raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+        return web.json_response(_model(agent, principal.org_id))
+
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    if models is not None:
+        app.router.add_get("/v1/models", list_models)
+        app.router.add_get("/v1/models/{model}", get_model)
+
+
+class _Exchange:
+    """One chat completion request's turn and its answer.
+
+    ``recorded`` turns true once the message was taken in (the turn path's ``on_start``):
+    from then on every error carries ``x-should-retry: false``. :meth:`run` returns the
+    response and, for an idempotent request, the answer to store (``None``: nothing was
+    taken in, so a retry may run the turn).
+    """
+
+    def __init__(
+        self,
+        request: web.Request,
+        parsed: ChatRequest,
+        cid: str,
+        chat: ChatBackend,
+        principal: Principal,
+        session: str | None,
+        claim: Claim | None,
+    ) -> None:
+        self.request = request
+        self.parsed = parsed
+        self.cid = cid
+        self.chat = chat
+        self.principal = principal
+        self.session = session
+        self.claim = claim
+        self.keep = claim is not None
+        self.created = int(time.time())
+        self.recorded = False
+
+    async def _send(
+        self,
+        on_start: Callable[[], Awaitable[None]],
+        on_delta: Callable[[str], Awaitable[None]] | None = None,
+    ) -> Outcome:
+        parsed = self.parsed
+        return await self.chat.send(
+            self.principal,
+            parsed.model,
+            parsed.text,
+            session=self.session,
+            user=parsed.user,
+            on_delta=on_delta,
+            on_start=on_start,
+            external_event_id=self.claim.external_event_id if self.claim else None,
+        )
+
+    async def run(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+        """Run the turn and answer it (see the class docstring)."""
+        if self.parsed.stream:
+            return await self._stream()
+        parsed = self.parsed
+
+        async def taken_in() -> None:
+            self.recorded = True
+
+        try:
+            outcome = await self._send(taken_in)
+        except Exception as exc:
+            if not self.recorded:
+                raise
+            return self._json(*_error_json(self.request, exc))
+        if isinstance(outcome, Reply):
+            completion = _completion(self.cid, parsed.model, self.created, outcome)
+            return self._json(200, completion)
+        return self._json(*self._refused(outcome))
+
+    def _refused(self, outcome: Outcome) -> tuple[int, dict[str, Any]]:
+        """The 409 of a turn that produced no answer (gated, busy, or a lost answer)."""
+        if isinstance(outcome, Gated | Busy):
+            return 409, pending_body(gated=isinstance(outcome, Gated))
+        # Duplicate: only a takeover of an Idempotency-Key after a crash reaches here.
+        return _error_json(
+            self.request,
+            _LostAnswer(LOST_MESSAGE, rule="idempotency.lost"),
+        )
+
+    def _json(
+        self, status: int, body: dict[str, Any]
+    ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+        # Every non-200 answer here comes after the intake decided (taken in, busy or
+        # lost): retrying it would not help, and an idempotent retry gets it again.
+        headers = NO_RETRY if status >= 400 else None
+        stored = {"status": status, "body": body} if self.keep else None
+        return web.json_response(body, status=status, headers=headers), stored
+
+    async def _stream(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+        parsed = self.parsed
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        chunks = _Chunks(response, self.cid, parsed.model, parsed.include_usage, self.keep)
 
         async def start() -> None:
-            await response.prepare(request)
-            await response.write(
-                _chunk(cid, model, created, {"role": "assistant", "content": ""}, None)
-            )
+            self.recorded = True
+            await response.prepare(self.request)
+            await chunks.chunk({"role": "assistant", "content": ""}, None)
 
         async def delta(piece: str) -> None:
-            await response.write(_chunk(cid, model, created, {"content": piece}, None))
+            await chunks.chunk({"content": piece}, None)
 
         try:
-            outcome = await chat.send(
-                principal,
-                parsed.model,
-                parsed.text,
-                session=session,
-                user=parsed.user,
-                on_delta=delta,
-                on_start=start,
-            )
+            outcome = await self._send(start, delta)
         except Exception as exc:
             if not response.prepared:
-                raise
-            return await _error_frame(response, exc)
-        if isinstance(outcome, Busy | Duplicate):
-            return web.json_response(pending_body(gated=False), status=409, headers=NO_RETRY)
-        if isinstance(outcome, Reply) and outcome.text and not outcome.streamed:
-            await delta(outcome.text)
-        await response.write(_chunk(cid, model, created, {}, "stop"))
-        await response.write(b"data: [DONE]\n\n")
+                if not self.recorded:
+                    raise
+                return self._json(*_error_json(self.request, exc))
+            # Exactly one error frame, the non-streaming envelope, and no [DONE].
+            await chunks.frame(json.dumps(_error_json(self.request, exc)[1]))
+            await response.write_eof()
+            return response, self._frames(chunks)
+        if not response.prepared:
+            return self._json(*self._refused(outcome))
+        if isinstance(outcome, Reply):
+            if outcome.text and not outcome.streamed:
+                await delta(outcome.text)
+            await chunks.finish(outcome.usage)
+        else:
+            await chunks.finish(None)  # gated: no text, no workItemId anywhere
+        await response.write_eof()
+        return response, self._frames(chunks)
+
+    @staticmethod
+    def _frames(chunks: _Chunks) -> dict[str, Any] | None:
+        return None if chunks.frames is None else {"status": 200, "frames": chunks.frames}
+
+
+class _LostAnswer(LeadgateError):
+    """The answer of a taken-over Idempotency-Key's first request was lost."""
+
+    status = 409
+    code = "idempotency_answer_lost"
+
+
+async def _replay(request: web.Request, stored: dict[str, Any]) -> web.StreamResponse:
+    """The stored answer of an Idempotency-Key's first request, again."""
+    headers = {"Idempotent-Replayed": "true"}
+    frames = stored.get("frames")
+    if isinstance(frames, list):
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await response.prepare(request)
+        for frame in frames:
+            await response.write(str(frame).encode())
         await response.write_eof()
         return response
-
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    status = int(stored.get("status", 200))
+    if status >= 400:
+        headers.update(NO_RETRY)
+    return web.json_response(stored.get("body"), status=status, headers=headers)
 
 
 __all__ = [
+    "NO_RETRY",
     "PENDING_MESSAGE",
     "ChatBackend",
-    "openai_error",
+    "IdempotencyBackend",
+    "ModelBackend",
     "parse_request",
     "pending_body",
     "setup",

@@ -27,17 +27,24 @@ import pytest
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 PENDING = "This turn is pending Lead review. Retry after the review completes."
+# The seed's 409s, plus the `param` every OpenAI error envelope carries (null).
 GATED_BODY = {
     "error": {
         "message": PENDING,
         "type": "lead_review_pending",
+        "param": None,
         "code": "LEAD_REVIEW_PENDING",
         "workItemId": None,
         "revision": None,
     }
 }
 BUSY_BODY = {
-    "error": {"message": PENDING, "type": "lead_review_pending", "code": "LEAD_REVIEW_PENDING"}
+    "error": {
+        "message": PENDING,
+        "type": "lead_review_pending",
+        "param": None,
+        "code": "LEAD_REVIEW_PENDING",
+    }
 }
 LEAD_FIELDS = ("leadAgentId", "leadReviewConfig")
 TIMEOUT = 30.0

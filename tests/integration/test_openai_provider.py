@@ -18,6 +18,7 @@ from openai import AsyncOpenAI
 
 from leadgate.core.config import ModelSettings
 from leadgate.core.errors import ModelError
+from leadgate.core.types import Usage
 from leadgate.turns.providers.base import (
     ChatMessage,
     ModelEvent,
@@ -72,8 +73,13 @@ def ask(text: str = "hello", tools: list[ToolSpec] | None = None) -> ModelReques
     return ModelRequest(messages=[ChatMessage("user", text)], tools=tools or [])
 
 
-async def collect(provider: OpenAIProvider, request: ModelRequest) -> list[ModelEvent]:
+async def collect_all(provider: OpenAIProvider, request: ModelRequest) -> list[ModelEvent]:
     return [event async for event in provider.stream(request)]
+
+
+async def collect(provider: OpenAIProvider, request: ModelRequest) -> list[ModelEvent]:
+    """The text and tool-call events (the trailing token counts are checked on their own)."""
+    return [e for e in await collect_all(provider, request) if not isinstance(e, Usage)]
 
 
 async def failure(provider: OpenAIProvider, request: ModelRequest) -> ModelError:
@@ -105,13 +111,16 @@ async def test_text_streams_as_several_deltas_in_order(
 ) -> None:
     server.push_text("The quick brown fox jumps.", pieces=4)
 
-    events = await collect(provider, ask())
+    events = await collect_all(provider, ask())
 
-    assert len(events) == 4
-    assert all(isinstance(e, TextDelta) for e in events)
+    # Four deltas, then the server's own token counts, passed through unchanged.
+    assert len(events) == 5
+    assert all(isinstance(e, TextDelta) for e in events[:4])
+    assert events[4] == Usage(prompt_tokens=1, completion_tokens=1)
     assert "".join(texts(events)) == "The quick brown fox jumps."
     body = server.last_request
     assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
     assert body["model"] == "test-model"
     assert server.headers[-1]["Authorization"] == f"Bearer {KEY}"
 

@@ -289,9 +289,9 @@ def test_parse_request_only_raises_validation_errors(
     assert isinstance(parsed.text, str)
     assert isinstance(parsed.stream, bool)
     assert isinstance(session, str) and len(session) <= 202
-    if header_session:
-        assert session == f"h:{header_session}"
-    elif isinstance(body.get("user"), str) and body["user"]:
-        assert session == f"u:{body['user']}"
+    # One namespace: X-Session-Id, else `user`; neither (or "default") is the default.
+    name = header_session or (body["user"] if isinstance(body.get("user"), str) else None)
+    if name and name != "default":
+        assert session == f"h:{name}"
     else:
         assert session == "default:key_1"

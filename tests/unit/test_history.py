@@ -43,9 +43,17 @@ class Recorder:
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         if self.session is not None:
-            sid = await session_id(self.stack, *self.session)
-            truth = await full_window(self.stack, sid)
-            self.seen.append((list(request.messages[1:]), truth))
+            # Concurrent turns of other sessions may reach the model before the checked
+            # session's first intake committed (PostgreSQL): nothing to compare yet.
+            s = t.sessions.c
+            agent_id, key = self.session
+            async with self.stack.db.read() as conn:
+                sid = await conn.scalar(
+                    sa.select(s.id).where(s.agent_id == agent_id, s.key == key)
+                )
+            if sid is not None:
+                truth = await full_window(self.stack, str(sid))
+                self.seen.append((list(request.messages[1:]), truth))
         async for event in self.script.stream(request):
             yield event
 

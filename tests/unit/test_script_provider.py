@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
-from leadgate.core.types import Gated, Reply
+from leadgate.core.types import Gated, Reply, Usage
 from leadgate.database import schema as t
 from leadgate.review.runner import LEAD_TOOLS
 from leadgate.runners.revisions import RevisionRunner
@@ -82,7 +82,8 @@ async def test_complete_tag_calls_complete_task_with_the_summary(
     [call] = calls_of(events)
     assert call.name == "complete_task"
     assert call.arguments == {"summary": summary}
-    assert isinstance(events[-1], ToolCall), "the tool call comes after the text"
+    assert isinstance(events[-2], ToolCall), "the tool call comes after the text"
+    assert isinstance(events[-1], Usage), "then the call's token counts"
 
 
 async def test_complete_tag_without_the_tool_offered_is_plain_text() -> None:
@@ -120,7 +121,24 @@ async def test_revision_turn_replies_revised_and_completes_with_that_text() -> N
 async def test_after_a_tool_result_the_scripted_turn_is_over() -> None:
     request = worker_request("write it #complete")
     request.messages.append(ChatMessage("tool", '{"ok": true}', tool_call_id="call_complete"))
-    assert await events_of(request) == []
+    # Nothing but the prompt's token count.
+    [usage] = await events_of(request)
+    assert isinstance(usage, Usage) and usage.completion_tokens == 0
+
+
+async def test_usage_counts_one_token_per_four_characters() -> None:
+    request = ModelRequest(
+        messages=[ChatMessage("system", "abcd"), ChatMessage("user", "hello")],  # 9 chars
+        tools=[COMPLETE_TASK],
+    )
+    events = await events_of(request)
+    # "Echo: hello" (11 characters) = 3 tokens; no tool call without #complete.
+    assert events[-1] == Usage(prompt_tokens=3, completion_tokens=3)
+    request = ModelRequest(messages=[ChatMessage("user", "x #complete")], tools=[COMPLETE_TASK])
+    events = await events_of(request)
+    # "Echo: x #complete" (17) plus json.dumps({"summary": "Summary: x"}) (25) = 42: 11.
+    assert events[-1] == Usage(prompt_tokens=3, completion_tokens=11)
+    assert text_of(events) == "Echo: x #complete"
 
 
 # --------------------------------------------------------------------------- lead

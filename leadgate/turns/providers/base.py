@@ -1,8 +1,10 @@
 """The model provider Protocol.
 
 A provider turns a :class:`ModelRequest` into a stream of :class:`TextDelta` and
-:class:`ToolCall` events. The turn path executes tool calls and, when any were made,
-calls the provider again with the tool results appended (at most a few rounds).
+:class:`ToolCall` events, and (when it knows them) one
+:class:`~leadgate.core.types.Usage` with the call's token counts. The turn path
+executes tool calls and, when any were made, calls the provider again with the tool
+results appended (at most a few rounds).
 Providers raise :class:`leadgate.core.errors.ModelError` for any failure of the model.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
+
+from leadgate.core.types import Usage
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,12 @@ class TextDelta:
     text: str
 
 
-ModelEvent = TextDelta | ToolCall
+ModelEvent = TextDelta | ToolCall | Usage
 
 
 class Provider(Protocol):
     """A model backend."""
 
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        """Yield text deltas and tool calls for one model call."""
+        """Yield text deltas and tool calls for one model call (and its usage)."""
         ...

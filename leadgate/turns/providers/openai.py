@@ -4,9 +4,11 @@ OpenAI, Azure OpenAI (``.../openai/v1/``), vLLM, Ollama and LiteLLM all speak th
 ``POST {base_url}/chat/completions`` protocol; this provider drives it through the
 official ``openai`` SDK with ``stream=True`` and function tools.
 
-Text deltas are yielded as they arrive. Tool calls arrive as fragments keyed by
-``index`` (id and name first, then the JSON arguments in pieces); they are reassembled
-and yielded once the stream has finished, because the arguments are only complete then.
+Text deltas are yielded as they arrive; the server's token counts (asked for with
+``stream_options.include_usage``) are passed through as one last ``Usage`` event. Tool
+calls arrive as fragments keyed by ``index`` (id and name first, then the JSON arguments
+in pieces); they are reassembled and yielded once the stream has finished, because the
+arguments are only complete then.
 
 Every failure (transport, timeout, HTTP status, a broken or truncated stream) becomes
 :class:`leadgate.core.errors.ModelError`. Its message names the server and the HTTP status but
@@ -35,6 +37,7 @@ from openai.types.chat import (
 from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 
 from leadgate.core.errors import ModelError
+from leadgate.core.types import Usage
 from leadgate.turns.providers.base import (
     ChatMessage,
     ModelEvent,
@@ -129,6 +132,7 @@ class OpenAIProvider:
         started = False
         partial: dict[int, _PartialToolCall] = {}
         finish_reason: str | None = None
+        usage: Usage | None = None
         try:
             response = await self._client.chat.completions.create(
                 model=self.model,
@@ -136,10 +140,17 @@ class OpenAIProvider:
                 # Some servers reject an empty ``tools`` array, so none means no key.
                 tools=tools if tools else omit,
                 stream=True,
+                # The server's own token counts, in one last chunk (passed through).
+                stream_options={"include_usage": True},
             )
             async with response as chunks:
                 async for chunk in chunks:
                     started = True
+                    if chunk.usage is not None:
+                        usage = Usage(
+                            prompt_tokens=chunk.usage.prompt_tokens or 0,
+                            completion_tokens=chunk.usage.completion_tokens or 0,
+                        )
                     for choice in chunk.choices or ():
                         # We never ask for n > 1; ignore anything but the first choice.
                         if choice.index != 0:
@@ -173,6 +184,8 @@ class OpenAIProvider:
             )
         for index in sorted(partial):
             yield self._finish_tool_call(index, partial[index])
+        if usage is not None:
+            yield usage
 
     def _finish_tool_call(self, index: int, call: _PartialToolCall) -> ToolCall:
         if not call.name:

@@ -5,14 +5,21 @@ Worker: ``Echo: <last message>``; ``#complete`` also calls complete_task with
 on an internal revision turn it replies ``Revised: <feedback>`` and completes with that text.
 Lead: ``#escalate`` in the task context -> escalated; ``#revise`` -> changesRequested with
 ``Please revise.`` on revision 0, approved afterwards; otherwise approved.
+
+Usage: the model counts its own tokens, one per 4 characters (rounded up):
+``prompt_tokens`` of the content of all the messages it was sent, ``completion_tokens``
+of the text it produced plus the JSON arguments of its tool calls. The figures are
+reported after the call's last event (none when ``#fail`` ended it).
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import AsyncIterator
 
 from leadgate.core.errors import ModelError
+from leadgate.core.types import Usage
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 
 
@@ -20,11 +27,31 @@ def _chunks(text: str, size: int = 16) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
+_CONTENT = operator.attrgetter("content")
+
+
+def _tokens(characters: int) -> int:
+    """The script model's token count of ``characters``: one per 4, rounded up."""
+    return -(-characters // 4)
+
+
 class ScriptProvider:
     """Deterministic worker and lead behaviour for demos and tests."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        """Yield the scripted events for ``request``."""
+        """Yield the scripted events for ``request``, then their :class:`Usage`."""
+        produced = 0  # characters
+        async for event in self._events(request):
+            if isinstance(event, TextDelta):
+                produced += len(event.text)
+            elif isinstance(event, ToolCall):
+                produced += len(json.dumps(event.arguments))
+            yield event
+        # map/attrgetter: no Python-level call per message of the (50-message) history.
+        sent = sum(map(len, map(_CONTENT, request.messages)))
+        yield Usage(prompt_tokens=_tokens(sent), completion_tokens=_tokens(produced))
+
+    async def _events(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         if request.messages and request.messages[-1].role == "tool":
             return  # the tool result was delivered; the scripted turn is over
         if request.purpose == "lead":

@@ -1,7 +1,7 @@
 """review destinations, reviewer links, review SLAs, episodes, cards, Teams conversations
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01 12:00:00
 
 Review cards tell reviewers where they already are (Slack, Teams, Discord, email) and
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0006"
-down_revision = "0004"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

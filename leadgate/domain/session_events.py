@@ -1,0 +1,261 @@
+"""The public session event log: what the review-status SSE stream and MCP resource
+subscriptions replay (SPEC 13).
+
+Two kinds of event, one log per session, each with a sequence number ``seq`` that is the
+stream's ``id:``:
+
+* ``message``: a visible message (user or assistant, not leadGated) was stored, or a
+  gated one was revealed by the relay (``message_id`` names it; readers join its row);
+* ``review``: the session's held work changed its public status (``pending`` for every
+  non-terminal status of held work, then ``delivered``, ``rejected``, ``cancelled``,
+  ``failed`` or ``abandoned``). Nothing else: no work item id, revision or reviewer text.
+
+Events are written in the transaction of the change they report (a message stored, a
+message revealed, a work item moved), by :func:`message_visible` and
+:func:`status_changed`, which the few places that do those things call. They are queued
+and written by one statement per session as the **last** statement of that transaction
+(:func:`leadgate.database.db.before_commit`).
+
+Why a resuming reader (``Last-Event-ID: n``, then ``seq > n`` in ``seq`` order) can
+neither miss nor repeat an event, also with concurrent writers:
+
+* **No repeat**: it reads strictly after the last ``seq`` it delivered, and ``seq`` is
+  unique per session (the primary key).
+* **No loss** needs: whenever a reader sees ``seq = n``, every smaller ``seq`` of that
+  session is already visible to it (then nothing can appear later below its position).
+  That holds because numbers are handed out in commit order:
+
+  - SQLite: one writer at a time for the whole file (``BEGIN IMMEDIATE`` everywhere; in
+    process the writer lock and group commit, whose members are savepoints of one
+    transaction). The statement takes ``MAX(seq) + 1..k`` of the session inside the
+    writing transaction, so every smaller number was committed before it, or is in the
+    same transaction; a WAL reader's snapshot is a prefix of the commit order. (A member
+    rolled back alone returns its numbers to the next writer: no gap, nothing seen.)
+  - PostgreSQL: the statement first does ``UPDATE sessions SET event_seq = event_seq + k``
+    on the session's row. That row lock is held until commit; a concurrent writer of the
+    same session waits for it and then (READ COMMITTED re-reads the newest committed
+    row version) continues from the committed counter. So the blocks of numbers of one
+    session are handed out in commit order, and a writer that rolls back gives its
+    block back. A transaction only acquires the lock after the previous holder's commit
+    is visible to new snapshots, so a snapshot that sees ``n`` sees every smaller one.
+    Lock order is safe because the statement is the transaction's last: a transaction
+    holding a session's counter lock waits for nothing but the counters of other
+    sessions, which one transaction takes in session id order.
+
+The same statement wakes readers: in process through the after-commit topic
+:data:`TOPIC` (payload ``(session_id, has_message)``), on other PostgreSQL replicas
+through ``pg_notify`` on :data:`NOTIFY_CHANNEL` (payload ``"<session_id> <m|r>"``, sent
+at commit, dropped on rollback) folded into the same statement, so a plain turn with no
+reader costs one INSERT per transaction that stored a visible message and nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+
+from leadgate.core.clock import Clock
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, before_commit, signal_after_commit
+
+#: Event kinds.
+MESSAGE = "message"
+REVIEW = "review"
+#: The after-commit topic that wakes this process's readers.
+TOPIC = "session-events"
+#: PostgreSQL NOTIFY channel that wakes readers on every replica.
+NOTIFY_CHANNEL = "leadgate_session_events"
+#: Public review statuses (``pending`` covers every non-terminal status of held work).
+PUBLIC_STATUSES = ("pending", "delivered", "rejected", "cancelled", "failed", "abandoned")
+
+_E = t.session_events.c
+_M = t.messages.c
+_QUEUE = "session-events"
+_HELD = frozenset({"reviewQueued", "reviewing", "awaitingHuman", "approved"})
+_TERMINAL = {
+    "completed": "delivered",
+    "rejected": "rejected",
+    "cancelled": "cancelled",
+    "failed": "failed",
+    "abandoned": "abandoned",
+}
+
+
+class SessionEvent(NamedTuple):
+    """One event as a reader gets it (a message event carries its message's columns)."""
+
+    seq: int
+    kind: str
+    status: str | None
+    message_id: str | None
+    role: str | None
+    content: str | None
+    created_at: int | None
+
+
+class _Queued(NamedTuple):
+    session_id: str
+    kind: str
+    message_id: str | None
+    status: str | None
+    created_at: int
+
+
+def public_status(status: str, revision: int) -> str | None:
+    """The public status of a work item, or ``None`` while its work is not held.
+
+    A new ``inProgress`` item is not held (its turns answer as usual); it is held from its
+    first submission on, so an item back in ``inProgress`` for a revision
+    (``revision > 0``) is still ``pending`` to the client.
+    """
+    if status in _TERMINAL:
+        return _TERMINAL[status]
+    if status in _HELD or (status == "inProgress" and revision > 0):
+        return "pending"
+    return None
+
+
+async def message_visible(conn: Conn, clock: Clock, session_id: str, message_id: str) -> None:
+    """A visible message was stored or revealed in ``conn``'s transaction."""
+    await before_commit(
+        conn, _QUEUE, _flush, _Queued(session_id, MESSAGE, message_id, None, clock.now_ms())
+    )
+
+
+async def status_changed(
+    conn: Conn, clock: Clock, session_id: str, src: str, dst: str, revision: int
+) -> None:
+    """A work item of ``session_id`` moved ``src -> dst`` (``revision`` after the move):
+    a ``review`` event when its public status changed."""
+    after = public_status(dst, revision)
+    if after is None or after == public_status(src, revision):
+        return
+    await before_commit(
+        conn, _QUEUE, _flush, _Queued(session_id, REVIEW, None, after, clock.now_ms())
+    )
+
+
+# --------------------------------------------------------------------------- writing
+
+
+async def _flush(conn: Conn, queued: list[_Queued]) -> None:
+    """Write the transaction's events: one statement per session, sessions in id order."""
+    if len(queued) == 1:  # the usual case (a turn's message, a decision): no grouping
+        first = queued[0]
+        await _write(conn, first.session_id, queued, first.kind == MESSAGE)
+        return
+    by_session: dict[str, list[_Queued]] = {}
+    for event in queued:
+        by_session.setdefault(event.session_id, []).append(event)
+    for session_id in sorted(by_session):
+        events = by_session[session_id]
+        await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+
+
+async def _write(conn: Conn, session_id: str, events: Sequence[_Queued], has_message: bool) -> None:
+    for start in range(0, len(events), _MAX_ROWS):  # one statement, bar huge transactions
+        chunk = events[start : start + _MAX_ROWS]
+        if conn.dialect.name == "postgresql":
+            await _insert_postgres(conn, session_id, chunk, has_message)
+        else:
+            await conn.execute(_sqlite_insert(len(chunk)), _sqlite_params(session_id, chunk))
+    signal_after_commit(conn, TOPIC, (session_id, has_message))
+
+
+_MAX_SEQ = (
+    sa.select(sa.func.coalesce(sa.func.max(_E.seq), 0))
+    .where(_E.session_id == sa.bindparam("p_sid"))
+    .scalar_subquery()
+)
+# Statements built once per row count (a transaction writes one or two events per
+# session): the inline connection caches compiled plans by statement object.
+_SQLITE_INSERTS: dict[int, sa.Insert] = {}
+
+
+def _sqlite_insert(count: int) -> sa.Insert:
+    stmt = _SQLITE_INSERTS.get(count)
+    if stmt is None:
+        rows = [
+            {
+                "session_id": sa.bindparam("p_sid"),
+                "seq": _MAX_SEQ + (i + 1),
+                "kind": sa.bindparam(f"p_kind{i}"),
+                "message_id": sa.bindparam(f"p_msg{i}"),
+                "status": sa.bindparam(f"p_status{i}"),
+                "created_at": sa.bindparam(f"p_at{i}"),
+            }
+            for i in range(count)
+        ]
+        stmt = _SQLITE_INSERTS[count] = t.session_events.insert().values(rows)
+    return stmt
+
+
+def _sqlite_params(session_id: str, events: Sequence[_Queued]) -> dict[str, Any]:
+    params: dict[str, Any] = {"p_sid": session_id}
+    for (kind, message, status, at), event in zip(_PARAM_NAMES, events, strict=False):
+        params[kind] = event.kind
+        params[message] = event.message_id
+        params[status] = event.status
+        params[at] = event.created_at
+    return params
+
+
+#: Rows per statement at most (a transaction writes one or two per session).
+_MAX_ROWS = 32
+_PARAM_NAMES = [(f"p_kind{i}", f"p_msg{i}", f"p_status{i}", f"p_at{i}") for i in range(_MAX_ROWS)]
+
+
+# Counter, rows and NOTIFY in one round trip (see the module docstring for the order).
+_POSTGRES_INSERT = sa.text(
+    "WITH s AS ("
+    " UPDATE sessions SET event_seq = event_seq + :n WHERE id = :sid RETURNING event_seq"
+    "), e AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT :sid, s.event_seq - :n + v.i, v.kind, v.message_id, v.status, v.created_at"
+    " FROM s, unnest(CAST(:kinds AS varchar[]), CAST(:message_ids AS varchar[]),"
+    " CAST(:statuses AS varchar[]), CAST(:created AS bigint[]))"
+    " WITH ORDINALITY AS v(kind, message_id, status, created_at, i)"
+    ") SELECT pg_notify(:channel, :payload) FROM s"
+)
+
+
+async def _insert_postgres(
+    conn: Conn, session_id: str, events: Sequence[_Queued], has_message: bool
+) -> None:
+    result = await conn.execute(
+        _POSTGRES_INSERT,
+        {
+            "n": len(events),
+            "sid": session_id,
+            "kinds": [e.kind for e in events],
+            "message_ids": [e.message_id for e in events],
+            "statuses": [e.status for e in events],
+            "created": [e.created_at for e in events],
+            "channel": NOTIFY_CHANNEL,
+            "payload": f"{session_id} {'m' if has_message else 'r'}",
+        },
+    )
+    if result.first() is None:
+        # Every event names a session its transaction stored a message or item of.
+        raise RuntimeError(f"session {session_id} does not exist; its events were not written")
+
+
+# --------------------------------------------------------------------------- reading
+
+_READ = (
+    sa.select(_E.seq, _E.kind, _E.status, _E.message_id, _M.role, _M.content, _M.created_at)
+    .select_from(t.session_events.outerjoin(t.messages, _M.id == _E.message_id))
+    .where(_E.session_id == sa.bindparam("p_sid"), _E.seq > sa.bindparam("p_after"))
+    .order_by(_E.seq)
+    .limit(sa.bindparam("p_limit"))
+)
+
+
+async def read(conn: Conn, session_id: str, *, after: int, limit: int) -> list[SessionEvent]:
+    """Up to ``limit`` events of ``session_id`` after ``seq = after``, in order."""
+    rows = (
+        await conn.execute(_READ, {"p_sid": session_id, "p_after": after, "p_limit": limit})
+    ).all()
+    return [SessionEvent._make(row) for row in rows]

@@ -1,0 +1,166 @@
+"""``Idempotency-Key`` of ``POST /v1/chat/completions``: one turn per key.
+
+The same key in the same organization within :data:`TTL_MS` (24 h) runs at most one turn:
+the first request's answer is stored and every later request gets it back (or the same
+409); a request with the same key but a different body (or session) is refused (400,
+``idempotency.mismatch``). Only a SHA-256 of (organization, key) is stored, with a
+SHA-256 of the request (its fingerprint).
+
+While the first request runs, a second one gets 409 ``idempotency.in_progress`` with
+``Retry-After``. If the process running it dies, its claim lapses after
+:data:`LEASE_MS`; the next request takes it over and runs the turn again with the same
+external event id, which the intake de-duplicates in its own transaction
+(``inbound_events``): a message that was already taken in is not taken twice (the turn
+answers :class:`~leadgate.core.types.Duplicate`, which the route reports as an answer
+that was lost with the crash), and one that was not is taken now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from leadgate.core.auth import Principal
+from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock
+from leadgate.core.errors import ValidationError
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+from leadgate.database.sql import insert_ignore_stmt
+
+#: How long a key's first answer is kept and replayed.
+TTL_MS = 24 * HOUR_MS
+#: How long a request that took a key may run before another one may take it over.
+LEASE_MS = 15 * MINUTE_MS
+#: Keys are 1..255 printable ASCII characters.
+KEY_LIMIT = 255
+#: Expired keys are deleted at most this often per process.
+SWEEP_EVERY_MS = 10 * MINUTE_MS
+
+_K = t.idempotency_keys.c
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What :meth:`Idempotency.begin` decided.
+
+    ``run``: this request runs the turn, with ``external_event_id`` (then
+    :meth:`Idempotency.finish` or :meth:`Idempotency.release`). ``replay``: answer
+    ``response`` (what :meth:`finish` stored). ``running``: the first request is still
+    running; retry after ``retry_after_s``.
+    """
+
+    action: str
+    key_hash: str
+    external_event_id: str | None = None
+    response: dict[str, Any] | None = None
+    retry_after_s: int = 1
+
+
+def fingerprint(*parts: bytes) -> str:
+    """SHA-256 of a request's parts (each length-prefixed, so they cannot run together)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def _check_key(key: str) -> str:
+    if not 1 <= len(key) <= KEY_LIMIT or not all(" " <= ch <= "~" for ch in key):
+        raise ValidationError(
+            f"Idempotency-Key must be 1 to {KEY_LIMIT} printable ASCII characters",
+            rule="idempotency.key",
+        )
+    return key
+
+
+class Idempotency:
+    """Claims, answers and releases idempotency keys (see the module docstring)."""
+
+    def __init__(self, db: Database, clock: Clock) -> None:
+        self.db = db
+        self.clock = clock
+        self._next_sweep = 0
+
+    async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim:
+        """Claim ``key`` for this request, or say why not (400 when the key was used for
+        another request)."""
+        key_hash = fingerprint(principal.org_id.encode(), _check_key(key).encode())
+        org = principal.org_id
+        now = self.clock.now_ms()
+        await self._sweep(now)
+        fresh = {
+            "org_id": org,
+            "key_hash": key_hash,
+            "fingerprint": request_fingerprint,
+            "created_at": now,
+            "lease_expires_at": now + LEASE_MS,
+            "response": None,
+        }
+        where = (_K.org_id == org, _K.key_hash == key_hash)
+        async with self.db.tx() as conn:
+            insert = insert_ignore_stmt(conn.dialect.name, t.idempotency_keys)
+            if (await conn.execute(insert, fresh)).rowcount:
+                return Claim("run", key_hash, _external_id(org, key_hash, now))
+            query = sa.select(t.idempotency_keys).where(*where)
+            if self.db.is_postgres:
+                query = query.with_for_update()
+            row = (await conn.execute(query)).one()
+            if row.created_at <= now - TTL_MS:
+                # Older than a day: the key is free again (a new turn, a new event id).
+                await conn.execute(t.idempotency_keys.update().where(*where).values(fresh))
+                return Claim("run", key_hash, _external_id(org, key_hash, now))
+            if row.fingerprint != request_fingerprint:
+                raise ValidationError(
+                    "this Idempotency-Key was used for a different request in the last 24 "
+                    "hours; send a new key with a new request",
+                    rule="idempotency.mismatch",
+                )
+            if row.response is not None:
+                return Claim("replay", key_hash, response=dict(row.response))
+            if row.lease_expires_at > now:
+                wait_s = max(1, min(30, -(-(row.lease_expires_at - now) // 1000)))
+                return Claim("running", key_hash, retry_after_s=wait_s)
+            # The request that took the key died mid-turn: take it over. The intake
+            # de-duplicates on the same event id, so its message is not taken twice.
+            await conn.execute(
+                t.idempotency_keys.update().where(*where).values(lease_expires_at=now + LEASE_MS)
+            )
+            return Claim("run", key_hash, _external_id(org, key_hash, row.created_at))
+
+    async def finish(self, principal: Principal, claim: Claim, response: dict[str, Any]) -> None:
+        """Store the answer of the request that ran the turn (replayed from now on)."""
+        async with self.db.tx() as conn:
+            await conn.execute(
+                t.idempotency_keys.update()
+                .where(_K.org_id == principal.org_id, _K.key_hash == claim.key_hash)
+                .values(response=response)
+            )
+
+    async def release(self, principal: Principal, claim: Claim) -> None:
+        """The request failed before its message was taken in: forget the key, so that a
+        retry runs the turn."""
+        async with self.db.tx() as conn:
+            await conn.execute(
+                t.idempotency_keys.delete().where(
+                    _K.org_id == principal.org_id,
+                    _K.key_hash == claim.key_hash,
+                    _K.response.is_(None),
+                )
+            )
+
+    async def _sweep(self, now: int) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_EVERY_MS
+        async with self.db.tx() as conn:
+            await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
+
+
+def _external_id(org_id: str, key_hash: str, created_at: int) -> str:
+    # The intake's de-duplication id (inbound_events.external_event_id, unique): one per
+    # claim of the key, the same for a takeover of that claim.
+    return f"idem:{org_id}:{key_hash}:{created_at}"

@@ -1,0 +1,298 @@
+"""The hosted MCP server's resources (SPEC 13): a session transcript, and its updates.
+
+Resource template ``leadgate://agents/{agent}/sessions/{session}/messages``: reading it
+gives the JSON text of the transcript page REST answers
+(``{"object": "list", "data": [...], "has_more"}``; ``?after=<message id>&limit=1..100``
+may follow, as on REST). ``{agent}`` and ``{session}`` are percent-encoded as in a URL
+path; the session is the public session name (MCP's ``session`` argument, or
+``default``). Another organization's agent is "Unknown resource" (-32602).
+
+Updates (a message stored or revealed in the session) reach subscribers both ways the
+protocol has:
+
+* handshake era (``initialize``, up to 2025-11-25): ``resources/subscribe`` keeps the
+  subscriber's connection; ``notifications/resources/updated`` goes out on its standalone
+  stream. Subscriptions end with ``resources/unsubscribe`` or the MCP session (idle
+  expiry, DELETE): the connection's teardown removes them (bounded per connection and in
+  all).
+* 2026-07-28 (``server/discover``): ``subscriptions/listen`` with
+  ``resourceSubscriptions``; the SDK's :class:`~mcp.server.subscriptions.ListenHandler`
+  serves the stream (bounded backlog) after this module checked that the caller may read
+  every URI it asked for.
+
+Wake-ups come from :class:`leadgate.operations.event_hub.EventHub` (any replica); they
+are queued (bounded, dropped when full: a client re-reads anyway) and sent by one task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, Protocol
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import mcp_types as mt
+from mcp.server.context import ServerRequestContext
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ResourceUpdated
+from mcp.shared.exceptions import MCPError
+
+from leadgate.core.auth import Principal
+from leadgate.core.errors import LeadgateError, NotFound
+from leadgate.web.sessions_api import SessionReads
+
+log = logging.getLogger("leadgate.mcp")
+
+URI_TEMPLATE: Final = "leadgate://agents/{agent}/sessions/{session}/messages"
+TEMPLATE_NAME: Final = "session_messages"
+#: Subscriptions kept at most, per connection and in all (the oldest are dropped).
+MAX_PER_CONNECTION: Final = 100
+MAX_SUBSCRIPTIONS: Final = 10_000
+#: Wake-ups waiting to be sent at most (more are dropped: clients re-read anyway).
+MAX_PENDING: Final = 10_000
+#: A notification that cannot be written this fast is dropped with its subscription.
+SEND_TIMEOUT_S: Final = 5.0
+
+PrincipalOf = Callable[[ServerRequestContext[Any, Any]], Principal | None]
+#: What the event hub calls on a session's wake-up: ``(session_id, has_message)``.
+Watcher = Callable[[str, bool], None]
+
+
+class Notifier(Protocol):
+    """Where a handshake-era notification goes (the SDK's connection or session)."""
+
+    async def send_resource_updated(self, uri: str) -> None: ...
+
+
+def resource_uri(agent: str, session: str) -> str:
+    """The transcript resource of ``session`` with ``agent``."""
+    return URI_TEMPLATE.format(agent=quote(agent, safe=""), session=quote(session, safe=""))
+
+
+def parse_uri(uri: str) -> tuple[str, str, str | None, str | None]:
+    """(agent, session, after, limit) of a transcript URI; -32602 otherwise."""
+    parts = urlsplit(uri)
+    path = parts.path.split("/")
+    # leadgate://agents/<agent>/sessions/<session>/messages -> ["", agent, "sessions", ...]
+    if (
+        parts.scheme != "leadgate"
+        or parts.netloc != "agents"
+        or len(path) != 5
+        or path[0] != ""
+        or path[2] != "sessions"
+        or path[4] != "messages"
+        or not path[1]
+        or not path[3]
+    ):
+        raise _unknown(uri)
+    query = parse_qs(parts.query)
+    after = query.get("after", [None])[-1]
+    limit = query.get("limit", [None])[-1]
+    return unquote(path[1]), unquote(path[3]), after, limit
+
+
+def _unknown(uri: str) -> MCPError:
+    return MCPError(code=mt.INVALID_PARAMS, message=f"Unknown resource: {uri}", data={"uri": uri})
+
+
+class Resources:
+    """Resource handlers for the lowlevel ``Server`` and the update fan-out."""
+
+    def __init__(
+        self,
+        reads: SessionReads,
+        principal_of: PrincipalOf,
+        parse_limit: Callable[[str | None], int],
+    ) -> None:
+        self.reads = reads
+        self.principal_of = principal_of
+        self.parse_limit = parse_limit
+        self.bus = InMemorySubscriptionBus()
+        self.listen_handler = ListenHandler(self.bus)
+        # session id -> {(connection key, uri): notifier} (handshake era)
+        self._subscribed: dict[str, dict[tuple[int, str], Notifier]] = {}
+        self._by_connection: dict[int, dict[str, str]] = {}  # key -> {uri: session id}
+        # session id -> {uri: open listen streams} (2026-07-28)
+        self._listening: dict[str, dict[str, int]] = {}
+        self._pending: asyncio.Queue[str] = asyncio.Queue(MAX_PENDING)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def list_resources(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.PaginatedRequestParams | None
+    ) -> mt.ListResourcesResult:
+        """No fixed resources: transcripts are reached through the template."""
+        return mt.ListResourcesResult(resources=[])
+
+    async def list_templates(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.PaginatedRequestParams | None
+    ) -> mt.ListResourceTemplatesResult:
+        """The transcript template."""
+        return mt.ListResourceTemplatesResult(
+            resource_templates=[
+                mt.ResourceTemplate(
+                    uri_template=URI_TEMPLATE,
+                    name=TEMPLATE_NAME,
+                    title="Session transcript",
+                    description=(
+                        "The visible messages of one session with an agent, oldest first, "
+                        "as JSON {object, data: [{id, role, content, createdAt}], has_more}. "
+                        "An answer held for Lead review appears here once it is approved. "
+                        "Subscribe to hear when a message is added or revealed."
+                    ),
+                    mime_type="application/json",
+                )
+            ]
+        )
+
+    async def read(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.ReadResourceRequestParams
+    ) -> mt.ReadResourceResult:
+        """One transcript page as JSON text."""
+        uri = str(params.uri)
+        principal = self._principal(ctx)
+        agent, session, after, limit = parse_uri(uri)
+        try:
+            page = await self.reads.messages(
+                principal, agent, session, after=after, limit=self.parse_limit(limit)
+            )
+        except NotFound:
+            raise _unknown(uri) from None
+        except LeadgateError as exc:
+            raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
+        text = json.dumps(page)
+        return mt.ReadResourceResult(
+            contents=[mt.TextResourceContents(uri=uri, mime_type="application/json", text=text)]
+        )
+
+    async def subscribe(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.SubscribeRequestParams
+    ) -> mt.EmptyResult:
+        """Handshake era: notify this connection when the session's transcript changes."""
+        uri = str(params.uri)
+        session_id = await self._open(ctx, uri)
+        # The per-connection state the SDK tears down with the MCP session; not a public
+        # attribute of ServerSession in mcp 2.3, so reached defensively: without it the
+        # subscription lives until unsubscribe or the global bound.
+        connection = getattr(ctx.session, "_connection", None)
+        notifier: Notifier = connection if connection is not None else ctx.session
+        key = id(connection if connection is not None else ctx.session)
+        if key not in self._by_connection and connection is not None:
+            connection.exit_stack.callback(self._forget_connection, key)
+        uris = self._by_connection.setdefault(key, {})
+        if uri not in uris and len(uris) >= MAX_PER_CONNECTION:
+            self._remove(key, next(iter(uris)))
+        uris[uri] = session_id
+        self._subscribed.setdefault(session_id, {})[(key, uri)] = notifier
+        while self.subscriptions > MAX_SUBSCRIPTIONS:
+            oldest = next(iter(self._by_connection))
+            self._remove(oldest, next(iter(self._by_connection[oldest])))
+        return mt.EmptyResult()
+
+    async def unsubscribe(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.UnsubscribeRequestParams
+    ) -> mt.EmptyResult:
+        """Handshake era: stop notifying this connection about ``uri``."""
+        connection = getattr(ctx.session, "_connection", None)
+        self._remove(id(connection if connection is not None else ctx.session), str(params.uri))
+        return mt.EmptyResult()
+
+    async def listen(
+        self, ctx: ServerRequestContext[Any, Any], params: mt.SubscriptionsListenRequestParams
+    ) -> mt.SubscriptionsListenResult:
+        """2026-07-28: a listen stream, once every requested URI is the caller's to read."""
+        uris = list(params.notifications.resource_subscriptions or [])
+        sessions = [(await self._open(ctx, uri), uri) for uri in uris]
+        for session_id, uri in sessions:
+            counts = self._listening.setdefault(session_id, {})
+            counts[uri] = counts.get(uri, 0) + 1
+        try:
+            return await self.listen_handler(ctx, params)
+        finally:
+            for session_id, uri in sessions:
+                counts = self._listening.get(session_id, {})
+                counts[uri] = counts.get(uri, 1) - 1
+                if counts.get(uri) == 0:
+                    del counts[uri]
+                if not counts:
+                    self._listening.pop(session_id, None)
+
+    # ------------------------------------------------------------------ fan-out
+
+    @property
+    def subscriptions(self) -> int:
+        """Handshake-era subscriptions held (all connections)."""
+        return sum(len(uris) for uris in self._by_connection.values())
+
+    def changed(self, session_id: str, has_message: bool) -> None:
+        """Hub watcher: queue a notification when a message was stored or revealed."""
+        if not has_message:
+            return
+        if session_id not in self._subscribed and session_id not in self._listening:
+            return
+        try:
+            self._pending.put_nowait(session_id)
+        except asyncio.QueueFull:
+            log.warning("MCP resource notifications are backed up; one was dropped")
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Send queued notifications for the duration of the block."""
+        task = asyncio.create_task(self._send_forever(), name="leadgate-mcp-resource-updates")
+        try:
+            yield
+        finally:
+            self.listen_handler.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _send_forever(self) -> None:
+        while True:
+            session_id = await self._pending.get()
+            for (key, uri), notifier in list(self._subscribed.get(session_id, {}).items()):
+                try:
+                    await asyncio.wait_for(notifier.send_resource_updated(uri), SEND_TIMEOUT_S)
+                except Exception:
+                    log.info("MCP subscriber of %s is gone; subscription dropped", uri)
+                    self._remove(key, uri)
+            for uri in list(self._listening.get(session_id, {})):
+                await self.bus.publish(ResourceUpdated(uri=uri))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _principal(self, ctx: ServerRequestContext[Any, Any]) -> Principal:
+        principal = self.principal_of(ctx)
+        if principal is None:  # the bridge always puts one there
+            raise MCPError(code=mt.INTERNAL_ERROR, message="no caller")
+        return principal
+
+    async def _open(self, ctx: ServerRequestContext[Any, Any], uri: str) -> str:
+        """The session id behind ``uri`` (created when no turn ran in it yet), after
+        checking that the caller may read it."""
+        principal = self._principal(ctx)
+        agent, session, _, _ = parse_uri(uri)
+        try:
+            return await self.reads.open(principal, agent, session)
+        except NotFound:
+            raise _unknown(uri) from None
+        except LeadgateError as exc:
+            raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
+
+    def _remove(self, key: int, uri: str) -> None:
+        session_id = self._by_connection.get(key, {}).pop(uri, None)
+        if not self._by_connection.get(key, True):
+            self._by_connection.pop(key, None)
+        if session_id is None:
+            return
+        subscribers = self._subscribed.get(session_id, {})
+        subscribers.pop((key, uri), None)
+        if not subscribers:
+            self._subscribed.pop(session_id, None)
+
+    def _forget_connection(self, key: int) -> None:
+        for uri in list(self._by_connection.get(key, {})):
+            self._remove(key, uri)
+        self._by_connection.pop(key, None)

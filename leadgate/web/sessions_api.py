@@ -1,0 +1,225 @@
+"""Sessions as their clients see them (SPEC 13): the transcript and the review-status SSE.
+
+* ``GET /v1/agents/{agent}/sessions/{session}/messages[?after=<message id>&limit=1..100]``:
+  ``{"object": "list", "data": [{"id", "role", "content", "createdAt"}], "has_more"}``,
+  visible messages oldest first (an unknown session is an empty list).
+* ``GET /v1/agents/{agent}/sessions/{session}/events``: ``text/event-stream`` of the
+  session's public event log (:mod:`leadgate.domain.session_events`)::
+
+      id: 7
+      event: message
+      data: {"id": "msg_...", "role": "assistant", "content": "...", "createdAt": "..."}
+
+      id: 8
+      event: review
+      data: {"status": "delivered"}
+
+  From the start of the log, or after ``Last-Event-ID`` (the ``id`` of the last event a
+  client received: nothing is sent twice or skipped). A ``: keepalive`` comment goes out
+  whenever ``heartbeat_s`` passed without an event. The handler reads the durable log
+  itself, a page at a time, when woken (:class:`leadgate.operations.event_hub.EventHub`)
+  or at each heartbeat: what a connection holds is one page, plus the socket buffers. A
+  reader that does not take a write within ``write_timeout_s`` is dropped (it resumes
+  with ``Last-Event-ID``). Shutdown ends every stream.
+
+``{session}`` is the public session name (``X-Session-Id``, ``user``, MCP ``session``, or
+``default``); ``{agent}`` the worker's id, slug or name; bearer key with
+``agent:trigger``; another organization's agent is 404. :func:`stream_events` serves the
+Studio page's stream too (console cookie instead of a key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from leadgate.core.auth import Principal
+from leadgate.core.errors import ValidationError
+from leadgate.domain.session_events import SessionEvent
+from leadgate.operations.transcripts import parse_limit, public_event
+from leadgate.web.common import PrincipalLookup, authenticate
+
+log = logging.getLogger("leadgate.web.events")
+
+#: Events read (and held) per query.
+PAGE = 50
+
+
+class SessionReads(Protocol):
+    """What the routes read (:class:`leadgate.operations.transcripts.Transcripts`)."""
+
+    async def messages(
+        self,
+        principal: Principal,
+        agent_ref: str,
+        name: str,
+        *,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> dict[str, Any]: ...
+
+    async def open(self, principal: Principal, agent_ref: str, name: str) -> str: ...
+
+    async def events(self, session_id: str, *, after: int, limit: int) -> list[SessionEvent]: ...
+
+
+class Wakeup(Protocol):
+    """A reader's wake-up flag (:class:`leadgate.operations.event_hub.Waiter`)."""
+
+    event: asyncio.Event
+
+
+class Wakeups(Protocol):
+    """Wake-ups for sessions (:class:`leadgate.operations.event_hub.EventHub`)."""
+
+    closing: asyncio.Event
+
+    def subscribe(self, session_id: str) -> Any: ...
+
+    def unsubscribe(self, waiter: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Timing of event streams (injectable: tests use short ones)."""
+
+    heartbeat_s: float = 15.0
+    write_timeout_s: float = 30.0
+    page: int = PAGE
+
+
+class _Dropped(Exception):
+    """The reader stopped reading (a write timed out) or went away."""
+
+
+def last_event_id(request: web.Request) -> int:
+    """The ``Last-Event-ID`` header: where a resuming reader left off (0: the start)."""
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValidationError(
+            "Last-Event-ID must be the id of an event of this stream", rule="events.last_event_id"
+        )
+    return int(raw)
+
+
+async def stream_events(
+    request: web.Request,
+    reads: SessionReads,
+    hub: Wakeups,
+    settings: StreamSettings,
+    principal: Principal,
+    agent: str,
+    name: str,
+) -> web.StreamResponse:
+    """Serve one session's event stream (see the module docstring)."""
+    after = last_event_id(request)
+    session_id = await reads.open(principal, agent, name)  # 404 before any stream
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold events back
+        }
+    )
+    await response.prepare(request)
+    waiter = hub.subscribe(session_id)
+
+    async def send(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(response.write(data), settings.write_timeout_s)
+        except TimeoutError:
+            raise _Dropped("write timed out") from None
+        except (ConnectionError, RuntimeError) as exc:  # reset, or a closing transport
+            raise _Dropped(str(exc)) from None
+
+    try:
+        await send(b": connected\n\n")
+        while not hub.closing.is_set():
+            waiter.event.clear()
+            events = await reads.events(session_id, after=after, limit=settings.page)
+            for event in events:
+                name_, data = public_event(event)
+                await send(
+                    f"id: {event.seq}\nevent: {name_}\ndata: {json.dumps(data)}\n\n".encode()
+                )
+                after = event.seq
+            if len(events) == settings.page:
+                continue  # more to catch up on
+            try:
+                await asyncio.wait_for(waiter.event.wait(), settings.heartbeat_s)
+            except TimeoutError:
+                await send(b": keepalive\n\n")
+    except _Dropped as exc:
+        log.info("event stream of session %s dropped: %s", session_id, exc)
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    except Exception:
+        # The reader resumes with Last-Event-ID; nothing is lost with the connection.
+        log.exception("event stream of session %s failed", session_id)
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    finally:
+        hub.unsubscribe(waiter)
+    with contextlib.suppress(ConnectionError):  # shutting down; the client may be gone
+        await response.write_eof()
+    return response
+
+
+async def transcript_response(
+    request: web.Request, reads: SessionReads, principal: Principal
+) -> web.Response:
+    """The transcript page named by the request's path and query."""
+    page = await reads.messages(
+        principal,
+        request.match_info["agent"],
+        request.match_info["session"],
+        after=request.query.get("after") or None,
+        limit=parse_limit(request.query.get("limit")),
+    )
+    return web.json_response(page)
+
+
+async def events_response(
+    request: web.Request,
+    reads: SessionReads,
+    hub: Wakeups,
+    settings: StreamSettings,
+    principal: Principal,
+) -> web.StreamResponse:
+    """The event stream of the session named by the request's path."""
+    agent, name = request.match_info["agent"], request.match_info["session"]
+    return await stream_events(request, reads, hub, settings, principal, agent, name)
+
+
+def setup(
+    app: web.Application,
+    *,
+    authenticate_with: PrincipalLookup,
+    reads: SessionReads,
+    hub: Wakeups,
+    settings: StreamSettings | None = None,
+) -> None:
+    """Register the transcript and events routes under ``/v1/agents/{agent}/sessions``."""
+    stream_settings = settings or StreamSettings()
+
+    async def messages(request: web.Request) -> web.Response:
+        principal = await authenticate(request, authenticate_with, cookie=False)
+        return await transcript_response(request, reads, principal)
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        principal = await authenticate(request, authenticate_with, cookie=False)
+        return await events_response(request, reads, hub, stream_settings, principal)
+
+    base = "/v1/agents/{agent}/sessions/{session}"
+    app.router.add_get(f"{base}/messages", messages)
+    app.router.add_get(f"{base}/events", events)

@@ -1,0 +1,207 @@
+"use strict";
+// leadgate Studio: chat with one session of an agent.
+// The session is rendered from its review-status event stream (EventSource resumes with
+// Last-Event-ID by itself), so an answer held for Lead review shows "pending review" and
+// is replaced in place by the approved answer when it is revealed, without a reload.
+// Text is always set as text, never as HTML. Every write carries X-Leadgate-Console: 1
+// (the console's CSRF rule); the console session cookie does the rest.
+(() => {
+  const BASE = "/console/studio";
+  const ENDED = {
+    rejected: "Lead review rejected this answer; nothing was released.",
+    cancelled: "This work was cancelled; nothing was released.",
+    failed: "The approved answer could not be delivered.",
+    abandoned: "This work was abandoned.",
+  };
+  const $ = (id) => document.getElementById(id);
+
+  let source = null; // the open session's EventSource
+  let pendingBubble = null; // the "pending review" bubble waiting for its answer
+  let provisional = []; // bubbles from our own POST, waiting for their message event
+  let unclaimed = []; // assistant texts that arrived as events before our POST answered
+  let reviewsSeen = 0; // review events so far (a POST's "pending" after one is stale)
+
+  function showError(text) {
+    const box = $("error");
+    box.textContent = text || "";
+    box.hidden = !text;
+  }
+
+  async function api(path, options = {}) {
+    const init = { method: options.method || "GET", credentials: "same-origin", headers: {} };
+    if (init.method !== "GET") init.headers["X-Leadgate-Console"] = "1";
+    if (options.body !== undefined) {
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(options.body);
+    }
+    const resp = await fetch(path, init);
+    let data = null;
+    try {
+      data = await resp.json();
+    } catch (_) {
+      data = null;
+    }
+    if (!resp.ok) {
+      const message = data && data.error && data.error.message;
+      const err = new Error(message || `HTTP ${resp.status}`);
+      err.status = resp.status;
+      throw err;
+    }
+    return data;
+  }
+
+  function bubble(role, text) {
+    const li = document.createElement("li");
+    li.className = `msg ${role}`;
+    li.textContent = text;
+    $("transcript").appendChild(li);
+    li.scrollIntoView({ block: "nearest" });
+    return li;
+  }
+
+  function pendingReview() {
+    const li = bubble("assistant", "pending review");
+    li.classList.add("pending");
+    return li;
+  }
+
+  function onMessage(data) {
+    const known = Array.from($("transcript").children).some((li) => li.dataset.id === data.id);
+    if (known) return;
+    const i = provisional.findIndex((p) => p.role === data.role && p.text === data.content);
+    if (i >= 0) {
+      provisional.splice(i, 1)[0].li.dataset.id = data.id;
+      return;
+    }
+    if (data.role === "assistant" && pendingBubble) {
+      // The approved answer, in the place of its "pending review".
+      pendingBubble.textContent = data.content;
+      pendingBubble.classList.remove("pending");
+      pendingBubble.dataset.id = data.id;
+      pendingBubble = null;
+      return;
+    }
+    bubble(data.role, data.content).dataset.id = data.id;
+    if (data.role === "assistant") unclaimed.push(data.content);
+  }
+
+  function onReview(status) {
+    reviewsSeen += 1;
+    if (status === "pending") {
+      if (!pendingBubble) pendingBubble = pendingReview();
+    } else if (ENDED[status] && pendingBubble) {
+      pendingBubble.textContent = ENDED[status];
+      pendingBubble.classList.replace("pending", "ended");
+      pendingBubble = null;
+    }
+    // "delivered" follows its revealed message, which already filled the bubble.
+  }
+
+  function sessionPath() {
+    const agent = encodeURIComponent($("agent").value);
+    const session = encodeURIComponent($("session").value.trim() || "default");
+    return `${BASE}/agents/${agent}/sessions/${session}`;
+  }
+
+  function openSession() {
+    if (source) source.close();
+    $("transcript").replaceChildren();
+    pendingBubble = null;
+    provisional = [];
+    unclaimed = [];
+    reviewsSeen = 0;
+    showError("");
+    $("link").textContent = "connecting…";
+    source = new EventSource(`${sessionPath()}/events`);
+    source.onopen = () => {
+      $("link").textContent = "live";
+    };
+    source.onerror = () => {
+      const closed = source.readyState === EventSource.CLOSED;
+      $("link").textContent = closed ? "disconnected: open the session again" : "reconnecting…";
+    };
+    source.addEventListener("message", (e) => onMessage(JSON.parse(e.data)));
+    source.addEventListener("review", (e) => onReview(JSON.parse(e.data).status));
+    $("message").focus();
+  }
+
+  async function send(text) {
+    const user = bubble("user", text);
+    provisional.push({ role: "user", text, li: user });
+    unclaimed = [];
+    const before = reviewsSeen;
+    const button = $("send-form").querySelector("button");
+    button.disabled = true;
+    try {
+      const answer = await api(`${sessionPath()}/messages`, {
+        method: "POST",
+        body: { message: text },
+      });
+      if (answer.outcome === "reply") {
+        const k = unclaimed.indexOf(answer.text);
+        if (k >= 0) {
+          unclaimed.splice(k, 1); // the stream showed it already
+        } else {
+          provisional.push({ role: "assistant", text: answer.text, li: bubble("assistant", answer.text) });
+        }
+      } else if (answer.outcome === "pending" && !pendingBubble && reviewsSeen === before) {
+        pendingBubble = pendingReview();
+      }
+    } catch (err) {
+      showError(err.message);
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  async function start() {
+    try {
+      const me = await api("/console/me");
+      $("who").textContent = me.user.email;
+    } catch (err) {
+      $("login-view").hidden = false;
+      return;
+    }
+    $("login-view").hidden = true;
+    try {
+      const agents = await api(`${BASE}/agents`);
+      const select = $("agent");
+      select.replaceChildren();
+      for (const agent of agents.data) {
+        const option = document.createElement("option");
+        option.value = agent.slug;
+        option.textContent = agent.name;
+        select.appendChild(option);
+      }
+      $("chat-view").hidden = false;
+    } catch (err) {
+      showError(err.status === 403 ? "Your role cannot chat with agents." : err.message);
+    }
+  }
+
+  $("login-form").addEventListener("submit", async (e) => {
+    e.preventDefault();
+    showError("");
+    try {
+      await api("/console/login", {
+        method: "POST",
+        body: { email: $("login-email").value, password: $("login-password").value },
+      });
+      await start();
+    } catch (err) {
+      showError(err.message);
+    }
+  });
+  $("open-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    openSession();
+  });
+  $("send-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("message").value;
+    if (!text.trim()) return;
+    $("message").value = "";
+    send(text);
+  });
+  start();
+})();

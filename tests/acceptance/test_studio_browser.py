@@ -1,0 +1,131 @@
+"""Studio (SPEC 13) in headless Chromium (Playwright) against the real ``leadgate serve``:
+a Member signs in, chats with an agent on the ``studio`` binding; a plain reply appears
+at once; a gated turn shows "pending review", and after the operator approves, the
+approved answer replaces it in place through the events stream, without a reload."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx2
+import pytest
+import pytest_asyncio
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
+PASSWORD = "correct horse battery"
+MEMBER = "studio-member@example.com"
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def svc(
+    demo_template: DemoTemplate, tmp_path_factory: pytest.TempPathFactory, service_guard: Any
+) -> Iterator[ServiceProcess]:
+    proc = start_from_template(demo_template, tmp_path_factory.mktemp("studio"))
+    with service_guard(proc):
+        assert proc.demo is not None
+        proc.admin(
+            "user", "create", "--org", proc.demo.org, "--email", MEMBER,
+            "--role", "Member", "--password", PASSWORD,
+        )  # fmt: skip
+        yield proc
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            await browser.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    context = await browser.new_context(viewport={"width": 1100, "height": 900})
+    try:
+        yield await context.new_page()
+    finally:
+        await context.close()
+
+
+async def sign_in_and_open(page: Page, svc: ServiceProcess, agent: str, session: str) -> None:
+    await page.goto(f"{svc.url}/console/studio/")
+    await page.get_by_label("Email").fill(MEMBER)
+    await page.get_by_label("Password").fill(PASSWORD)
+    await page.get_by_role("button", name="Log in").click()
+    await expect(page.locator("#chat-view")).to_be_visible()
+    await page.get_by_label("Agent", exact=True).select_option(agent)
+    await page.get_by_label("Session", exact=True).fill(session)
+    await page.get_by_role("button", name="Open").click()
+    await expect(page.locator("#link")).to_have_text("live")
+
+
+async def say(page: Page, text: str) -> None:
+    await page.get_by_label("Message", exact=True).fill(text)
+    await page.get_by_role("button", name="Send").click()
+
+
+async def approve_held(svc: ServiceProcess, marker: str) -> None:
+    """Operator approval of the awaitingHuman item whose task holds ``marker``."""
+    assert svc.demo is not None
+    auth = {"Authorization": f"Bearer {svc.demo.key}"}
+    async with httpx2.AsyncClient(base_url=svc.url, headers=auth, timeout=TIMEOUT) as http:
+        for _ in range(int(TIMEOUT / 0.1)):
+            for item in (await http.get("/operator/reviews")).json()["items"]:
+                detail = (await http.get(f"/operator/reviews/{item['id']}")).json()
+                if marker in detail["taskContext"]:
+                    resp = await http.post(f"/operator/reviews/{item['id']}/approve")
+                    assert resp.status_code == 200, resp.text
+                    return
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"no item waiting with {marker!r}")
+
+
+async def test_plain_reply_appears_at_once(page: Page, svc: ServiceProcess) -> None:
+    await sign_in_and_open(page, svc, "plain", f"st-{uuid.uuid4().hex[:8]}")
+    await say(page, "hello studio")
+    transcript = page.locator("#transcript li")
+    await expect(transcript).to_have_text(["hello studio", "Echo: hello studio"])
+    # Rendered once each, even though the reply came both in the answer and the stream.
+    await asyncio.sleep(0.5)
+    await expect(transcript).to_have_count(2)
+
+
+async def test_held_turn_is_pending_then_the_approved_answer_in_place(
+    page: Page, svc: ServiceProcess
+) -> None:
+    session = f"st-{uuid.uuid4().hex[:8]}"
+    marker = f"write it {session} #escalate #complete"
+    await sign_in_and_open(page, svc, "worker", session)
+    await say(page, marker)
+    bubbles = page.locator("#transcript li")
+    await expect(bubbles).to_have_text([marker, "pending review"])
+    held = bubbles.nth(1)
+    handle = await held.element_handle()
+    assert handle is not None
+    await page.screenshot(path="/tmp/studio-pending.png")
+    await approve_held(svc, session)
+    # The same element now holds the approved answer: revealed in place, no reload.
+    await expect(held).to_have_text(f"Echo: {marker}", timeout=TIMEOUT * 1000)
+    await expect(bubbles).to_have_count(2)
+    assert await handle.text_content() == f"Echo: {marker}"
+    assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    await page.screenshot(path="/tmp/studio-approved.png")
+    # Reloading renders the same session from its event log.
+    await page.reload()
+    await expect(page.locator("#chat-view")).to_be_visible()
+    await page.get_by_label("Agent", exact=True).select_option("worker")
+    await page.get_by_label("Session", exact=True).fill(session)
+    await page.get_by_role("button", name="Open").click()
+    await expect(bubbles).to_have_text([marker, f"Echo: {marker}"])

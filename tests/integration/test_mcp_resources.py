@@ -1,0 +1,252 @@
+"""The hosted MCP server's transcript resource, its subscriptions and the conformance
+fixes (SPEC 13, issue 12), through the real app on 127.0.0.1 and the official ``mcp``
+client, in both protocol eras: handshake (``initialize``, ``resources/subscribe``,
+``notifications/resources/updated``) and 2026-07-28 (``server/discover``,
+``subscriptions/listen``). Runners are drained by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import mcp_types as mt
+import pytest
+from aiohttp import web
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.client.subscriptions import listen
+from mcp.shared.exceptions import MCPError
+
+from leadgate.app import App, package_version
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.runners import drain
+from tests.helpers import Org, make_agent, make_org
+
+TOOL = "send_action_agent_message"
+
+
+@dataclass
+class Env:
+    service: App
+    url: str
+    org: Org
+    other: Org
+    updates: list[str] = field(default_factory=list)
+
+    async def settle(self) -> None:
+        await drain(self.service.lead_runner)
+        await drain(self.service.relay)
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    """SQLite only: the surface, not the database (tests/unit covers both)."""
+    return f"sqlite+aiosqlite:///{tmp_path}/t.db"
+
+
+@pytest.fixture
+async def env(migrated_url: str) -> AsyncIterator[Env]:
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "api": {"mcp_session_idle_s": 1.0}}
+    )
+    service = App(settings, clock=FakeClock(), enable_adapters=False)
+    org = await make_org(service)
+    other = await make_org(service, "other")
+    await make_agent(service, org, "lead")
+    await make_agent(service, org, "worker", lead="lead")
+    await make_agent(service, other, "theirs")
+    # As `leadgate serve` runs it (aiohttp's TestServer cancels handlers when a client
+    # disconnects, which the service's server does not do).
+    runner = web.AppRunner(service.web_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield Env(service, f"http://{host}:{port}/mcp", org, other)
+    finally:
+        await runner.cleanup()
+        await service.stop()
+
+
+@asynccontextmanager
+async def session(env: Env, key: str | None = None) -> AsyncIterator[ClientSession]:
+    async def on_message(message: Any) -> None:
+        if isinstance(message, mt.ResourceUpdatedNotification):
+            env.updates.append(str(message.params.uri))
+
+    # mcp 2.x: the bearer key travels on an httpx2 client given to the transport.
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key or env.org.key}"}) as http,
+        streamable_http_client(env.url, http_client=http) as (read, write),
+        ClientSession(read, write, message_handler=on_message) as client,
+    ):
+        yield client
+
+
+def uri(agent: str, name: str) -> str:
+    return f"leadgate://agents/{agent}/sessions/{name}/messages"
+
+
+async def transcript(client: ClientSession, resource: str) -> dict[str, Any]:
+    result = await client.read_resource(resource)
+    [content] = result.contents
+    assert isinstance(content, mt.TextResourceContents)
+    assert content.mime_type == "application/json"
+    return dict(json.loads(content.text))
+
+
+async def test_handshake_capabilities_and_server_info(env: Env) -> None:
+    async with session(env) as client:
+        init = await client.initialize()
+        caps = init.capabilities
+        assert caps.prompts is None  # nothing served, nothing advertised
+        assert caps.tools is not None
+        assert caps.resources is not None and caps.resources.subscribe is True
+        assert init.server_info.name == "leadgate"
+        assert init.server_info.version == package_version() != ""
+        with pytest.raises(MCPError) as unknown:
+            await client.get_prompt("nothing")
+        assert unknown.value.error.code == mt.METHOD_NOT_FOUND
+        templates = (await client.list_resource_templates()).resource_templates
+        assert [t.uri_template for t in templates] == [
+            "leadgate://agents/{agent}/sessions/{session}/messages"
+        ]
+        assert (await client.list_resources()).resources == []
+        bad_tool = await client.call_tool("approve_work_item", {})
+        assert bad_tool.is_error is True  # as the SDK's MCPServer: a tool error result
+
+
+async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
+    resource = uri("worker", "m1")
+    async with session(env) as client:
+        await client.initialize()
+        assert await transcript(client, resource) == {
+            "object": "list",
+            "data": [],
+            "has_more": False,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # removed in 2026-07-28
+            await client.subscribe_resource(resource)
+        result = await client.call_tool(
+            TOOL, {"agent": "worker", "message": "ship it #complete", "session": "m1"}
+        )
+        assert result.structured_content == {
+            "success": True,
+            "result": {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None},
+        }
+        # Stored: the user message (an update), and no answer yet.
+        for _ in range(100):
+            if env.updates:
+                break
+            await asyncio.sleep(0.02)
+        assert env.updates == [resource]
+        held = await transcript(client, resource)
+        assert [(m["role"], m["content"]) for m in held["data"]] == [("user", "ship it #complete")]
+        await env.settle()  # the lead approves; the relay reveals
+        for _ in range(100):
+            if len(env.updates) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert env.updates == [resource, resource]
+        done = await transcript(client, resource)
+        assert [m["content"] for m in done["data"]] == [
+            "ship it #complete",
+            "Echo: ship it #complete",
+        ]
+        assert "wi_" not in json.dumps(done)
+        assert env.service._mcp is not None and env.service._mcp.resources is not None
+        assert env.service._mcp.resources.subscriptions == 1
+    # The MCP session ended (DELETE): its subscription is gone with it.
+    for _ in range(100):
+        if env.service._mcp.resources.subscriptions == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert env.service._mcp.resources.subscriptions == 0
+
+
+async def test_the_same_session_as_rest_and_the_default(env: Env) -> None:
+    async with session(env) as client:
+        await client.initialize()
+        await client.call_tool(TOOL, {"agent": "worker", "message": "named", "session": "n"})
+        await client.call_tool(TOOL, {"agent": "worker", "message": "unnamed"})
+        named = await transcript(client, uri("worker", "n"))
+        default = await transcript(client, uri("worker", "default"))
+        paged = await transcript(client, uri("worker", "n") + "?limit=1")
+    assert [m["content"] for m in named["data"]] == ["named", "Echo: named"]
+    assert [m["content"] for m in default["data"]] == ["unnamed", "Echo: unnamed"]
+    assert len(paged["data"]) == 1 and paged["has_more"] is True
+
+
+async def test_another_organizations_resource_is_unknown(env: Env) -> None:
+    async with session(env, env.other.key) as client:
+        await client.initialize()
+        for resource in (uri("worker", "m1"), "leadgate://agents/worker/nope", "file:///etc"):
+            with pytest.raises(MCPError) as read:
+                await client.read_resource(resource)
+            assert read.value.error.code == mt.INVALID_PARAMS
+        with (
+            warnings.catch_warnings(),
+            pytest.raises(MCPError) as sub,
+        ):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            await client.subscribe_resource(uri("worker", "m1"))
+        assert sub.value.error.code == mt.INVALID_PARAMS
+        # Its own agent is fine.
+        assert (await transcript(client, uri("theirs", "x")))["data"] == []
+
+
+async def test_2026_listen_gets_the_update(env: Env) -> None:
+    resource = uri("worker", "modern")
+    async with session(env) as client:
+        await client.discover()
+        async with listen(client, resource_subscriptions=[resource]) as sub:
+            await client.call_tool(
+                TOOL, {"agent": "worker", "message": "new era", "session": "modern"}
+            )
+            event = await asyncio.wait_for(sub.__anext__(), 5.0)
+            assert getattr(event, "uri", None) == resource
+        page = await transcript(client, resource)
+        assert [m["content"] for m in page["data"]] == ["new era", "Echo: new era"]
+        with pytest.raises(MCPError) as refused:
+            async with listen(client, resource_subscriptions=[uri("theirs", "x")]):
+                pass
+        assert refused.value.error.code == mt.INVALID_PARAMS
+
+
+async def test_idle_sessions_expire(env: Env) -> None:
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Authorization": f"Bearer {env.org.key}",
+    }
+    async with httpx2.AsyncClient() as http:
+        opened = await http.post(env.url, json=init, headers=headers)
+        assert opened.status_code == 200
+        sid = {**headers, "Mcp-Session-Id": opened.headers["mcp-session-id"]}
+        sid["Mcp-Protocol-Version"] = "2025-11-25"
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        assert (await http.post(env.url, json=ping, headers=sid)).status_code == 200
+        # No request in flight for longer than the idle timeout (1 s here): gone.
+        await asyncio.sleep(2.0)
+        assert (await http.post(env.url, json=ping, headers=sid)).status_code == 404
+        # A new session works.
+        assert (await http.post(env.url, json=init, headers=headers)).status_code == 200

@@ -1,0 +1,309 @@
+"""The OpenAI-compatible route's additions (SPEC 7, issue 12) through a real aiohttp
+server on 127.0.0.1, on SQLite and PostgreSQL: Idempotency-Key (one turn per key,
+replays, mismatch, in progress, takeover after a crash), ``x-should-retry: false`` after
+a message was taken in, ``/v1/models``, ``usage``, ``n`` and ``stream_options``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestClient
+
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.database import schema as t
+from leadgate.operations.idempotency import LEASE_MS, TTL_MS, fingerprint
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
+from leadgate.turns.providers.script import ScriptProvider
+from tests.helpers import Org, make_agent, make_org
+from tests.serving import served_app
+
+
+class GateProvider:
+    """A model that answers only when released (a turn kept in flight)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        self.calls += 1
+        await self.release.wait()
+        yield TextDelta("slow answer")
+
+
+@dataclass
+class Env:
+    service: App
+    client: TestClient[web.Request, web.Application]
+    org: Org
+    other: Org
+    gate: GateProvider
+
+    @property
+    def clock(self) -> FakeClock:
+        assert isinstance(self.service.clock, FakeClock)
+        return self.service.clock
+
+    async def chat(
+        self,
+        model: str,
+        text: str,
+        *,
+        key: str | None = None,
+        idem: str | None = None,
+        session: str | None = None,
+        **extra: Any,
+    ) -> ClientResponse:
+        headers = {"Authorization": f"Bearer {key or self.org.key}"}
+        if idem is not None:
+            headers["Idempotency-Key"] = idem
+        if session is not None:
+            headers["X-Session-Id"] = session
+        body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+        return await self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+    async def user_messages(self, agent: str, session: str) -> list[str]:
+        resp = await self.client.get(
+            f"/v1/agents/{agent}/sessions/{session}/messages",
+            headers={"Authorization": f"Bearer {self.org.key}"},
+        )
+        return [m["content"] for m in (await resp.json())["data"] if m["role"] == "user"]
+
+    async def task_context(self, session: str) -> str:
+        async with self.service.db.read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(t.work_items.c.task_context)
+                    .select_from(
+                        t.work_items.join(t.sessions, t.sessions.c.id == t.work_items.c.session_id)
+                    )
+                    .where(t.sessions.c.key == f"h:{session}")
+                )
+            ).one()
+        return str(row.task_context)
+
+
+@pytest.fixture
+async def env(migrated_url: str) -> AsyncIterator[Env]:
+    gate = GateProvider()
+    providers = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers) as (service, client):
+        org = await make_org(service)
+        other = await make_org(service, "other")
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        await make_agent(service, org, "slow", model="gate")
+        await make_agent(service, other, "theirs")
+        try:
+            yield Env(service, client, org, other, gate)
+        finally:
+            gate.release.set()
+
+
+# -------------------------------------------------------------------- Idempotency-Key
+
+
+async def test_same_key_runs_one_turn_and_answers_the_same(env: Env) -> None:
+    first = await env.chat("plain", "once please", idem="k-1", session="i1")
+    again = await env.chat("plain", "once please", idem="k-1", session="i1")
+    assert first.status == again.status == 200
+    assert await first.json() == await again.json()  # the very same completion id
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert await env.user_messages("plain", "i1") == ["once please"]
+    # Another key is another request; the same key in another organization too.
+    await env.chat("plain", "once please", idem="k-2", session="i1")
+    assert await env.user_messages("plain", "i1") == ["once please"] * 2
+    theirs = await env.chat("theirs", "once please", key=env.other.key, idem="k-1", session="i1")
+    assert theirs.status == 200 and "Idempotent-Replayed" not in theirs.headers
+
+
+async def test_same_key_other_request_is_400_naming_the_rule(env: Env) -> None:
+    assert (await env.chat("plain", "a", idem="k-m", session="m")).status == 200
+    for changed in (
+        env.chat("plain", "b", idem="k-m", session="m"),
+        env.chat("plain", "a", idem="k-m", session="other-session"),
+    ):
+        resp = await changed
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["rule"] == "idempotency.mismatch" and error["param"] is None
+    bad = await env.chat("plain", "a", idem="\u00e9", session="m")
+    assert bad.status == 400 and (await bad.json())["error"]["rule"] == "idempotency.key"
+    assert await env.user_messages("plain", "m") == ["a"]
+
+
+async def test_gated_and_failed_answers_are_replayed_not_rerun(env: Env) -> None:
+    gated = await env.chat("worker", "ship #complete", idem="k-g", session="g")
+    assert gated.status == 409
+    again = await env.chat("worker", "ship #complete", idem="k-g", session="g")
+    # The same 409 (gated, with the null ids), not "busy".
+    assert await again.json() == await gated.json()
+    assert "workItemId" in (await again.json())["error"]
+    failed = await env.chat("worker", "break #fail", idem="k-f", session="f")
+    assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
+    retried = await env.chat("worker", "break #fail", idem="k-f", session="f")
+    assert retried.status == 502 and await retried.json() == await failed.json()
+    assert await env.user_messages("worker", "f") == ["break #fail"]
+    assert await env.task_context("f") == "break #fail"
+
+
+async def test_a_second_request_while_the_first_runs_is_told_to_wait(env: Env) -> None:
+    first = asyncio.create_task(env.chat("slow", "wait", idem="k-slow", session="w"))
+    for _ in range(200):
+        if env.gate.calls:
+            break
+        await asyncio.sleep(0.01)
+    assert env.gate.calls == 1
+    second = await env.chat("slow", "wait", idem="k-slow", session="w")
+    assert second.status == 409
+    assert int(second.headers["Retry-After"]) >= 1
+    assert (await second.json())["error"]["rule"] == "idempotency.in_progress"
+    env.gate.release.set()
+    done = await first
+    assert done.status == 200
+    third = await env.chat("slow", "wait", idem="k-slow", session="w")
+    assert await third.json() == await done.json()
+    assert env.gate.calls == 1
+
+
+async def claim_and_crash(env: Env, text: str, key: str, session: str, *, taken_in: bool) -> None:
+    """What a process that took ``key`` and died leaves behind: the key's claim (and,
+    when ``taken_in``, the message, taken in under the claim's event id)."""
+    body = {"model": "plain", "messages": [{"role": "user", "content": text}]}
+    request_print = fingerprint(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), session.encode()
+    )
+    claim = await env.service.idempotency.begin(env.org.principal, key, request_print)
+    assert claim.action == "run"
+    if taken_in:
+        await env.service.messages.send(
+            env.org.principal,
+            "plain",
+            text,
+            session=session,
+            external_event_id=claim.external_event_id,
+        )
+
+
+async def test_a_crashed_first_request_is_taken_over_without_a_second_message(env: Env) -> None:
+    await claim_and_crash(env, "crash after intake", "k-c1", "c1", taken_in=True)
+    running = await env.chat("plain", "crash after intake", idem="k-c1", session="c1")
+    assert running.status == 409  # its lease has not lapsed yet
+    env.clock.advance(LEASE_MS + 1)
+    resp = await env.chat("plain", "crash after intake", idem="k-c1", session="c1")
+    assert resp.status == 409 and resp.headers["x-should-retry"] == "false"
+    assert (await resp.json())["error"]["rule"] == "idempotency.lost"
+    assert await env.user_messages("plain", "c1") == ["crash after intake"]
+    # A crash before the intake: the takeover runs the turn, once.
+    await claim_and_crash(env, "crash before intake", "k-c2", "c2", taken_in=False)
+    env.clock.advance(LEASE_MS + 1)
+    resp = await env.chat("plain", "crash before intake", idem="k-c2", session="c2")
+    assert resp.status == 200
+    assert await env.user_messages("plain", "c2") == ["crash before intake"]
+
+
+async def test_a_key_is_free_again_after_a_day(env: Env) -> None:
+    await env.chat("plain", "day one", idem="k-d", session="d")
+    env.clock.advance(TTL_MS + 1)
+    resp = await env.chat("plain", "day two", idem="k-d", session="d")
+    assert resp.status == 200 and "Idempotent-Replayed" not in resp.headers
+    assert await env.user_messages("plain", "d") == ["day one", "day two"]
+
+
+async def test_errors_before_the_intake_leave_the_key_free(env: Env) -> None:
+    missing = await env.chat("nobody", "hi", idem="k-n", session="n")
+    assert missing.status == 404 and "x-should-retry" not in missing.headers
+    await make_agent(env.service, env.org, "nobody")
+    assert (await env.chat("nobody", "hi", idem="k-n", session="n")).status == 200
+
+
+async def test_streamed_answer_is_replayed_frame_for_frame(env: Env) -> None:
+    first = await env.chat("plain", "stream me", idem="k-s", session="s", stream=True)
+    body = await first.read()
+    again = await env.chat("plain", "stream me", idem="k-s", session="s", stream=True)
+    assert again.headers["Content-Type"].startswith("text/event-stream")
+    assert await again.read() == body
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert await env.user_messages("plain", "s") == ["stream me"]
+
+
+# -------------------------------------------------------------------- x-should-retry
+
+
+@pytest.mark.parametrize("agent", ["plain", "worker"])
+async def test_a_failed_turn_says_do_not_retry(env: Env, agent: str) -> None:
+    resp = await env.chat(agent, "please #fail", session=f"x-{agent}")
+    assert resp.status == 502 and resp.headers["x-should-retry"] == "false"
+    error = (await resp.json())["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    # Refused before anything was taken in: retrying is fine.
+    bad = await env.chat(agent, "", session=f"x-{agent}")
+    assert bad.status == 400 and "x-should-retry" not in bad.headers
+    assert await env.user_messages(agent, f"x-{agent}") == ["please #fail"]
+
+
+# ------------------------------------------------------------------ to the letter
+
+
+async def test_models_list_the_organizations_active_agents(env: Env) -> None:
+    headers = {"Authorization": f"Bearer {env.org.key}"}
+    listing = await (await env.client.get("/v1/models", headers=headers)).json()
+    assert listing["object"] == "list"
+    assert {m["id"] for m in listing["data"]} == {"lead", "worker", "plain", "slow"}
+    model = next(m for m in listing["data"] if m["id"] == "plain")
+    assert set(model) == {"id", "object", "created", "owned_by"}
+    assert model["object"] == "model" and isinstance(model["created"], int)
+    one = await env.client.get("/v1/models/plain", headers=headers)
+    assert await one.json() == model
+    theirs = await env.client.get("/v1/models/theirs", headers=headers)
+    assert theirs.status == 404
+    assert (await theirs.json())["error"]["type"] == "not_found_error"
+    async with env.service.db.tx() as conn:
+        await conn.execute(t.agents.update().where(t.agents.c.slug == "slow").values(active=False))
+    listing = await (await env.client.get("/v1/models", headers=headers)).json()
+    assert "slow" not in {m["id"] for m in listing["data"]}
+    assert (await env.client.get("/v1/models/slow", headers=headers)).status == 404
+
+
+async def test_usage_is_the_script_models_count(env: Env) -> None:
+    body = await (await env.chat("plain", "count these words")).json()
+    usage = body["usage"]
+    # System prompt "You are a helpful agent." (24 characters) and the user message (17):
+    # 41 characters, 11 tokens; the reply "Echo: count these words" (23): 6.
+    assert usage == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
+    choice = body["choices"][0]
+    assert choice["logprobs"] is None and choice["message"]["refusal"] is None
+
+
+async def test_n_other_than_one_is_400(env: Env) -> None:
+    for n in (2, 0, True, "1"):
+        resp = await env.chat("plain", "hi", n=n)
+        assert resp.status == 400, n
+        assert (await resp.json())["error"]["rule"] == "n.one"
+    assert (await env.chat("plain", "hi", n=1)).status == 200
+
+
+async def test_include_usage_sends_the_usage_chunk_last(env: Env) -> None:
+    resp = await env.chat("plain", "stream it", stream=True, stream_options={"include_usage": True})
+    frames = [f for f in (await resp.read()).decode().split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    chunks = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    plain = await env.chat("plain", "stream it", stream=True)
+    assert all(
+        "usage" not in json.loads(f[len("data: ") :])
+        for f in (await plain.read()).decode().split("\n\n")
+        if f and f != "data: [DONE]"
+    )

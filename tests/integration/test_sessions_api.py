@@ -1,0 +1,390 @@
+"""The session read surfaces (SPEC 13) through a real aiohttp server on 127.0.0.1, on
+SQLite and PostgreSQL: the transcript route (paging, visible rows, one session namespace,
+404 across organizations) and the review-status SSE stream (pending -> message ->
+delivered, Last-Event-ID resumes without loss or repeat, heartbeats, a reader that stops
+reading is dropped, shutdown ends streams). Runners are drained by hand (FakeClock)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestClient
+
+from leadgate.app import App
+from leadgate.core.auth import Scope
+from leadgate.core.runners import drain
+from tests.helpers import Org, make_agent, make_key, make_org
+from tests.serving import served_app
+
+HEARTBEAT_S = 0.3
+
+
+@dataclass
+class Env:
+    service: App
+    client: TestClient[web.Request, web.Application]
+    org: Org
+    other: Org
+
+    def auth(self, key: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key or self.org.key}"}
+
+    async def chat(
+        self, model: str, text: str, *, key: str | None = None, **extra: Any
+    ) -> ClientResponse:
+        headers = self.auth(key)
+        headers.update(extra.pop("headers", {}))
+        body = {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+        return await self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+    async def transcript(
+        self, agent: str, session: str, key: str | None = None, **query: str
+    ) -> ClientResponse:
+        return await self.client.get(
+            f"/v1/agents/{agent}/sessions/{session}/messages", params=query, headers=self.auth(key)
+        )
+
+    async def settle(self) -> None:
+        """Run the lead runner and the relay until nothing is left (approval, reveal)."""
+        await drain(self.service.lead_runner)
+        await drain(self.service.relay)
+
+
+@pytest.fixture
+async def env(migrated_url: str) -> AsyncIterator[Env]:
+    api = {"events_heartbeat_s": HEARTBEAT_S, "events_write_timeout_s": 0.5}
+    async with served_app(migrated_url, config={"api": api}) as (service, client):
+        org = await make_org(service)
+        other = await make_org(service, "other")
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        await make_agent(service, other, "plain")
+        yield Env(service, client, org, other)
+
+
+async def eventually(condition: Callable[[], bool], within: float) -> bool:
+    """Poll ``condition`` until it holds or ``within`` seconds pass."""
+    for _ in range(int(within / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+def texts(page: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in page["data"]]
+
+
+# ------------------------------------------------------------------------ transcript
+
+
+async def test_transcript_pages_oldest_first(env: Env) -> None:
+    for text in ("one", "two", "three"):
+        assert (await env.chat("plain", text, headers={"X-Session-Id": "p"})).status == 200
+    page = await (await env.transcript("plain", "p")).json()
+    assert page["object"] == "list" and page["has_more"] is False
+    assert texts(page) == [
+        ("user", "one"),
+        ("assistant", "Echo: one"),
+        ("user", "two"),
+        ("assistant", "Echo: two"),
+        ("user", "three"),
+        ("assistant", "Echo: three"),
+    ]
+    first = page["data"][0]
+    assert set(first) == {"id", "role", "content", "createdAt"}
+    assert first["createdAt"].endswith("Z")
+    head = await (await env.transcript("plain", "p", limit="2")).json()
+    assert texts(head) == texts(page)[:2] and head["has_more"] is True
+    rest = await (await env.transcript("plain", "p", after=head["data"][-1]["id"])).json()
+    assert texts(rest) == texts(page)[2:] and rest["has_more"] is False
+
+
+@pytest.mark.parametrize(
+    ("query", "rule"),
+    [
+        ({"limit": "0"}, "transcript.limit"),
+        ({"limit": "101"}, "transcript.limit"),
+        ({"limit": "ten"}, "transcript.limit"),
+        ({"after": "msg_unknown"}, "transcript.after"),
+    ],
+)
+async def test_bad_paging_is_400_naming_the_rule(
+    env: Env, query: dict[str, str], rule: str
+) -> None:
+    await env.chat("plain", "hi", headers={"X-Session-Id": "q"})
+    resp = await env.transcript("plain", "q", **query)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["rule"] == rule and error["param"] is None
+
+
+async def test_one_session_name_whichever_way_it_came(env: Env) -> None:
+    await env.chat("plain", "by header", headers={"X-Session-Id": "same"})
+    await env.chat("plain", "by user", user="same")
+    await env.chat("plain", "by default")  # neither: the key's default session
+    same = await (await env.transcript("plain", "same")).json()
+    assert [t for r, t in texts(same) if r == "user"] == ["by header", "by user"]
+    default = await (await env.transcript("plain", "default")).json()
+    assert [t for r, t in texts(default) if r == "user"] == ["by default"]
+    # "default" as a header is that default session too.
+    await env.chat("plain", "named default", headers={"X-Session-Id": "default"})
+    default = await (await env.transcript("plain", "default")).json()
+    assert [t for r, t in texts(default) if r == "user"] == ["by default", "named default"]
+    # Another key of the organization has its own default session.
+    key = await make_key(env.service, env.org, Scope.trigger)
+    assert (await (await env.transcript("plain", "default", key)).json())["data"] == []
+
+
+async def test_gated_answer_is_absent_until_approved_then_in_place(env: Env) -> None:
+    s = {"X-Session-Id": "g"}
+    await env.chat("worker", "first", headers=s)
+    gated = await env.chat("worker", "ship it #complete", headers=s)
+    assert gated.status == 409
+    before = await (await env.transcript("worker", "g")).json()
+    assert texts(before) == [
+        ("user", "first"),
+        ("assistant", "Echo: first"),
+        ("user", "ship it #complete"),
+    ]
+    assert "workItemId" not in json.dumps(before) and "wi_" not in json.dumps(before)
+    await env.settle()
+    after = await (await env.transcript("worker", "g")).json()
+    assert texts(after) == [*texts(before), ("assistant", "Echo: ship it #complete")]
+
+
+async def test_unknown_session_is_empty_and_other_org_is_404(env: Env) -> None:
+    assert await (await env.transcript("plain", "never-used")).json() == {
+        "object": "list",
+        "data": [],
+        "has_more": False,
+    }
+    await env.chat("plain", "mine", headers={"X-Session-Id": "x"})
+    # The other organization's key: our agent does not exist for it (its own "plain"
+    # is another agent with another session "x").
+    theirs = await env.transcript("plain", "x", env.other.key)
+    assert (await theirs.json())["data"] == []
+    agent_id = (await (await env.client.get("/v1/agents", headers=env.auth())).json())["data"]
+    ours = next(a["id"] for a in agent_id if a["slug"] == "plain")
+    for path in ("messages", "events"):
+        resp = await env.client.get(
+            f"/v1/agents/{ours}/sessions/x/{path}", headers=env.auth(env.other.key)
+        )
+        assert resp.status == 404, path
+        assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_reads_need_a_key_with_trigger(env: Env) -> None:
+    review_only = await make_key(env.service, env.org, Scope.review)
+    for path in ("messages", "events"):
+        resp = await env.client.get(f"/v1/agents/plain/sessions/x/{path}")
+        assert resp.status == 401
+        resp = await env.client.get(
+            f"/v1/agents/plain/sessions/x/{path}", headers=env.auth(review_only)
+        )
+        assert resp.status == 403
+
+
+# ---------------------------------------------------------------------------- events
+
+
+class Stream:
+    """An open SSE response, read event by event."""
+
+    def __init__(self, resp: ClientResponse) -> None:
+        self.resp = resp
+        self.comments: list[str] = []
+
+    async def next(self, within: float = 10.0) -> dict[str, Any]:
+        """The next event within ``within`` seconds (comments are collected aside)."""
+        return await asyncio.wait_for(self._next(), within)
+
+    async def _next(self) -> dict[str, Any]:
+        fields: dict[str, str] = {}
+        while True:
+            raw = await self.resp.content.readline()
+            assert raw, "the stream ended"
+            line = raw.decode().rstrip("\n")
+            if not line:
+                if fields:
+                    return {
+                        "id": int(fields["id"]),
+                        "event": fields["event"],
+                        "data": json.loads(fields["data"]),
+                    }
+                continue
+            if line.startswith(":"):
+                self.comments.append(line)
+                continue
+            name, _, value = line.partition(": ")
+            fields[name] = value
+
+    def close(self) -> None:
+        self.resp.close()
+
+
+async def open_stream(
+    env: Env, agent: str, session: str, last: int | None = None, key: str | None = None
+) -> Stream:
+    headers = env.auth(key)
+    if last is not None:
+        headers["Last-Event-ID"] = str(last)
+    resp = await env.client.get(f"/v1/agents/{agent}/sessions/{session}/events", headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    return Stream(resp)
+
+
+async def test_stream_pending_then_message_then_delivered_and_resume(env: Env) -> None:
+    stream = await open_stream(env, "worker", "e")  # before the session exists
+    assert (
+        await env.chat("worker", "do it #complete", headers={"X-Session-Id": "e"})
+    ).status == 409
+    user = await stream.next()
+    pending = await stream.next()
+    assert (user["event"], user["data"]["role"], user["data"]["content"]) == (
+        "message",
+        "user",
+        "do it #complete",
+    )
+    assert (pending["event"], pending["data"]) == ("review", {"status": "pending"})
+    await env.settle()
+    answer = await stream.next()
+    delivered = await stream.next()
+    assert (answer["event"], answer["data"]["content"]) == ("message", "Echo: do it #complete")
+    assert set(answer["data"]) == {"id", "role", "content", "createdAt"}
+    assert (delivered["event"], delivered["data"]) == ("review", {"status": "delivered"})
+    ids = [e["id"] for e in (user, pending, answer, delivered)]
+    assert ids == sorted(ids) and len(set(ids)) == 4
+    stream.close()
+    # Nothing about the work item anywhere.
+    for event in (user, pending, answer, delivered):
+        assert not {"workItemId", "revision", "reason"} & set(event["data"])
+    # Reconnect after the second event: exactly the third and fourth, then new ones.
+    again = await open_stream(env, "worker", "e", last=pending["id"])
+    assert [await again.next(), await again.next()] == [answer, delivered]
+    await env.chat("worker", "and now", headers={"X-Session-Id": "e"})
+    newer = [await again.next(), await again.next()]
+    assert [e["data"]["content"] for e in newer] == ["and now", "Echo: and now"]
+    assert newer[0]["id"] == delivered["id"] + 1
+    again.close()
+    # From the start: everything once, in order.
+    full = await open_stream(env, "worker", "e")
+    replay = [await full.next() for _ in range(6)]
+    assert replay == [user, pending, answer, delivered, *newer]
+    full.close()
+
+
+async def test_stream_resumes_only_with_a_valid_id(env: Env) -> None:
+    resp = await env.client.get(
+        "/v1/agents/plain/sessions/z/events", headers={**env.auth(), "Last-Event-ID": "abc"}
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["rule"] == "events.last_event_id"
+
+
+async def test_heartbeat_comments_while_idle(env: Env) -> None:
+    stream = await open_stream(env, "plain", "hb")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await stream.next(within=HEARTBEAT_S * 3.5)
+    assert stream.comments[0] == ": connected"
+    assert stream.comments.count(": keepalive") >= 2, stream.comments
+    assert time.monotonic() - started >= HEARTBEAT_S * 3
+    stream.close()
+
+
+async def test_many_events_arrive_in_pages_without_gaps(env: Env) -> None:
+    for n in range(40):  # 80 events: more than one page
+        await env.chat("plain", f"m{n}", headers={"X-Session-Id": "many"})
+    stream = await open_stream(env, "plain", "many")
+    events = [await stream.next() for _ in range(80)]
+    assert [e["id"] for e in events] == list(range(1, 81))
+    assert [e["data"]["content"] for e in events[::2]] == [f"m{n}" for n in range(40)]
+    stream.close()
+
+
+async def test_a_reader_that_stops_reading_is_dropped(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="leadgate.web.events")
+    big = "x" * 90_000
+    for _ in range(25):  # about 4.5 MB of events, far more than the socket buffers
+        await env.chat("plain", big, headers={"X-Session-Id": "slow"})
+    host, port = env.client.server.host, env.client.server.port
+    assert isinstance(port, int)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, port))
+    try:
+        sock.sendall(
+            (
+                "GET /v1/agents/plain/sessions/slow/events HTTP/1.1\r\n"
+                f"Host: {host}:{port}\r\nAuthorization: Bearer {env.org.key}\r\n\r\n"
+            ).encode()
+        )
+        hub = env.service.event_hub
+        assert await eventually(lambda: hub.readers == 1, 5.0), "the stream did not start"
+        # It never reads: once the buffers are full a write waits, times out (0.5 s)
+        # and the server drops the connection and its reader.
+        assert await eventually(lambda: hub.readers == 0, 10.0), "the reader was not dropped"
+        assert any("dropped: write timed out" in r.getMessage() for r in caplog.records)
+    finally:
+        sock.close()
+    # Everybody else is served as before.
+    stream = await open_stream(env, "plain", "slow", last=49)
+    assert (await stream.next())["id"] == 50
+    stream.close()
+
+
+async def test_shutdown_ends_open_streams(env: Env) -> None:
+    stream = await open_stream(env, "plain", "bye")
+    started = time.monotonic()
+    await env.client.close()
+    assert time.monotonic() - started < 3.0
+    assert env.service.event_hub.readers == 0
+    stream.close()
+
+
+async def test_a_stream_hears_another_replica(pg_url: str) -> None:
+    """Two services on one PostgreSQL: a turn on one wakes the stream on the other
+    through LISTEN/NOTIFY (the heartbeat, which would also re-read, is far away)."""
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    api = {"events_heartbeat_s": 15.0}
+    async with (
+        served_app(pg_url, config={"api": api}) as (reader, reader_client),
+        served_app(pg_url, config={"api": api}) as (writer, writer_client),
+    ):
+        org = await make_org(writer)
+        await make_agent(writer, org, "plain")
+        headers = {"Authorization": f"Bearer {org.key}"}
+        resp = await reader_client.get("/v1/agents/plain/sessions/r/events", headers=headers)
+        assert resp.status == 200
+        stream = Stream(resp)
+        for _ in range(100):  # the reader's LISTEN connection is up once it woke everyone
+            if reader.event_hub.readers:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        sent = await writer_client.post(
+            "/v1/chat/completions",
+            json={"model": "plain", "messages": [{"role": "user", "content": "across"}]},
+            headers={**headers, "X-Session-Id": "r"},
+        )
+        assert sent.status == 200
+        first = await stream.next(within=5.0)
+        second = await stream.next(within=5.0)
+        assert [first["data"]["content"], second["data"]["content"]] == ["across", "Echo: across"]
+        stream.close()

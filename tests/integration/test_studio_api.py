@@ -1,0 +1,145 @@
+"""Studio's HTTP side (SPEC 13) through a real aiohttp server on 127.0.0.1: the console
+cookie and its CSRF rule, roles, the ``studio`` binding, the page's strict CSP, and the
+events stream on the cookie. (The page itself: tests/acceptance/test_studio_browser.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from leadgate.app import App
+from leadgate.database import schema as t
+from leadgate.domain import orgs
+from tests.helpers import Org, make_agent, make_org
+from tests.serving import served_app
+
+PASSWORD = "correct horse battery"
+CSRF = {"X-Leadgate-Console": "1"}
+
+
+@dataclass
+class Env:
+    service: App
+    client: TestClient[web.Request, web.Application]
+    org: Org
+
+    async def login(self, email: str, role: str, org: Org | None = None) -> None:
+        async with self.service.db.tx() as conn:
+            await orgs.create_user(
+                conn,
+                self.service.clock,
+                self.service.ids,
+                (org or self.org).id,
+                email,
+                role,
+                PASSWORD,
+            )
+        resp = await self.client.post(
+            "/console/login", json={"email": email, "password": PASSWORD}, headers=CSRF
+        )
+        assert resp.status == 200
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    """SQLite only: the surface (the reads it shares are tested on both backends)."""
+    return f"sqlite+aiosqlite:///{tmp_path}/t.db"
+
+
+@pytest.fixture
+async def env(migrated_url: str) -> AsyncIterator[Env]:
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        yield Env(service, client, org)
+
+
+async def test_page_and_assets_have_the_strict_policy(env: Env) -> None:
+    for path, kind in (
+        ("/console/studio/", "text/html"),
+        ("/console/studio/static/studio.js", "text/javascript"),
+        ("/console/studio/static/studio.css", "text/css"),
+    ):
+        resp = await env.client.get(path)
+        assert resp.status == 200 and resp.content_type == kind
+        csp = resp.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp and "script-src 'self'" in csp
+        assert "unsafe-inline" not in csp
+    moved = await env.client.get("/console/studio", allow_redirects=False)
+    assert moved.status == 302 and moved.headers["Location"] == "/console/studio/"
+    console = await (await env.client.get("/console/")).text()
+    assert 'href="/console/studio/"' in console
+
+
+async def test_member_chats_on_the_studio_binding(env: Env) -> None:
+    await env.login("mia@example.com", "Member")
+    agents = await (await env.client.get("/console/studio/agents")).json()
+    assert {a["slug"] for a in agents["data"]} == {"lead", "worker", "plain"}
+    path = "/console/studio/agents/plain/sessions/chat/messages"
+    no_header = await env.client.post(path, json={"message": "hi"})
+    assert no_header.status == 401 and (await no_header.json())["error"]["rule"] == "csrf"
+    reply = await env.client.post(path, json={"message": "hi"}, headers=CSRF)
+    assert await reply.json() == {"outcome": "reply", "text": "Echo: hi"}
+    gated = await env.client.post(
+        "/console/studio/agents/worker/sessions/chat/messages",
+        json={"message": "x #escalate #complete"},
+        headers=CSRF,
+    )
+    assert await gated.json() == {"outcome": "pending"}
+    busy = await env.client.post(
+        "/console/studio/agents/worker/sessions/chat/messages",
+        json={"message": "again"},
+        headers=CSRF,
+    )
+    assert busy.status == 409 and (await busy.json())["error"]["rule"] == "studio.busy"
+    empty = await env.client.post(path, json={"message": ""}, headers=CSRF)
+    assert empty.status == 400
+    async with env.service.db.read() as conn:
+        kinds = (
+            await conn.execute(
+                sa.select(t.bindings.c.kind)
+                .select_from(
+                    t.bindings.join(t.sessions, t.sessions.c.id == t.bindings.c.session_id)
+                )
+                .where(t.sessions.c.key == "h:chat", t.bindings.c.active)
+            )
+        ).scalars()
+        assert set(kinds) == {"studio"}
+    page = await (await env.client.get(path)).json()
+    assert [m["content"] for m in page["data"]] == ["hi", "Echo: hi"]
+    stream = await env.client.get("/console/studio/agents/plain/sessions/chat/events")
+    assert stream.status == 200
+    first = (await stream.content.readline()).decode()
+    assert first == ": connected\n"
+    stream.close()
+
+
+async def test_viewers_and_strangers_cannot_chat(env: Env) -> None:
+    anonymous = await env.client.get("/console/studio/agents")
+    assert anonymous.status == 401
+    await env.login("vic@example.com", "Viewer")
+    assert (await env.client.get("/console/studio/agents")).status == 403
+    denied = await env.client.post(
+        "/console/studio/agents/plain/sessions/s/messages", json={"message": "hi"}, headers=CSRF
+    )
+    assert denied.status == 403
+
+
+async def test_another_organizations_user_gets_404(env: Env) -> None:
+    other = await make_org(env.service, "other")
+    await env.login("otto@example.com", "Member", other)
+    for method, path in (
+        ("GET", "/console/studio/agents/plain/sessions/s/messages"),
+        ("GET", "/console/studio/agents/plain/sessions/s/events"),
+        ("POST", "/console/studio/agents/plain/sessions/s/messages"),
+    ):
+        resp = await env.client.request(method, path, json={"message": "hi"}, headers=CSRF)
+        assert resp.status == 404, (method, path)

@@ -1,0 +1,38 @@
+"""The real composition root served on 127.0.0.1 for integration tests (aiohttp's test
+client), on a migrated database, with a FakeClock and no channel adapters or background
+loops (drive runners with ``leadgate.core.runners.drain``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.turns.providers.base import Provider
+
+Client = TestClient[web.Request, web.Application]
+
+
+@asynccontextmanager
+async def served_app(
+    url: str,
+    *,
+    config: dict[str, Any] | None = None,
+    providers: dict[str, Provider] | None = None,
+) -> AsyncIterator[tuple[App, Client]]:
+    """``App`` on ``url`` (extra config sections in ``config``) and a client of it."""
+    settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
+    service = App(settings, clock=FakeClock(), providers=providers, enable_adapters=False)
+    client: Client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        yield service, client
+    finally:
+        await client.close()
+        await service.stop()

@@ -1,0 +1,259 @@
+"""The public session event log (leadgate/domain/session_events.py) on SQLite and PostgreSQL:
+what each change writes, in which order, in the same transaction, and that a resuming
+reader can never see a number before the numbers below it (concurrent writers)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated, Reply
+from leadgate.database import schema as t
+from leadgate.database.db import before_commit
+from leadgate.domain import session_events, workitems
+from leadgate.domain.session_events import public_status
+from leadgate.domain.workitems import Status
+from leadgate.review import decisions
+from leadgate.turns.messages import store_message
+from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.stack import Stack
+
+
+async def store(
+    conn: Any,
+    stack: Stack,
+    org: Org,
+    session_id: str,
+    content: str,
+    *,
+    role: str = "user",
+    gated: bool = False,
+) -> None:
+    """One message stored in ``conn``'s transaction (as the turn path stores them)."""
+    await store_message(
+        conn,
+        stack.clock,
+        stack.ids,
+        org_id=org.id,
+        session_id=session_id,
+        work_item_id=None,
+        role=role,
+        content=content,
+        gated=gated,
+    )
+
+
+async def log_of(stack: Stack, session_id: str) -> list[tuple[Any, ...]]:
+    async with stack.db.read() as conn:
+        events = await session_events.read(conn, session_id, after=0, limit=1000)
+    return [(e.seq, e.kind, e.status or e.role, e.content) for e in events]
+
+
+async def session_of(stack: Stack, agent: dict[str, Any], key: str = "s1") -> str:
+    s = t.sessions.c
+    async with stack.db.read() as conn:
+        return str(
+            (
+                await conn.execute(sa.select(s.id).where(s.agent_id == agent["id"], s.key == key))
+            ).scalar_one()
+        )
+
+
+@pytest.mark.parametrize(
+    ("status", "revision", "public"),
+    [
+        ("inProgress", 0, None),  # a new item: its turns answer as usual
+        ("inProgress", 1, "pending"),  # back with the worker after a submission
+        ("reviewQueued", 0, "pending"),
+        ("reviewing", 0, "pending"),
+        ("awaitingHuman", 2, "pending"),
+        ("approved", 0, "pending"),
+        ("completed", 0, "delivered"),
+        ("rejected", 0, "rejected"),
+        ("cancelled", 0, "cancelled"),
+        ("failed", 0, "failed"),
+        ("abandoned", 0, "abandoned"),
+    ],
+)
+def test_public_status(status: str, revision: int, public: str | None) -> None:
+    assert public_status(status, revision) == public
+    assert public is None or public in session_events.PUBLIC_STATUSES
+
+
+async def test_plain_turn_writes_one_message_event_per_message(stack: Stack) -> None:
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    assert await stack.turns.run(api_trigger(org, agent, "hello")) == Reply("Echo: hello")
+    sid = await session_of(stack, agent)
+    assert await log_of(stack, sid) == [
+        (1, "message", "user", "hello"),
+        (2, "message", "assistant", "Echo: hello"),
+    ]
+
+
+async def test_gated_turn_then_approval_reveals_then_delivers(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    out = await stack.turns.run(api_trigger(org, worker, "ship it #complete"))
+    assert isinstance(out, Gated)
+    sid = await session_of(stack, worker)
+    # The user message, then the held work: no assistant text, no item id anywhere.
+    assert await log_of(stack, sid) == [
+        (1, "message", "user", "ship it #complete"),
+        (2, "review", "pending", None),
+    ]
+    await drain(stack.lead_runner)  # reviewQueued -> reviewing -> approved: still pending
+    assert len(await log_of(stack, sid)) == 2
+    await drain(stack.relay)  # reveal + completed, in one transaction
+    assert (await log_of(stack, sid))[2:] == [
+        (3, "message", "assistant", "Echo: ship it #complete"),
+        (4, "review", "delivered", None),
+    ]
+
+
+async def test_rejection_is_a_status_without_the_reason(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    out = await stack.turns.run(api_trigger(org, worker, "x #escalate #complete"))
+    assert isinstance(out, Gated) and out.work_item_id
+    await drain(stack.lead_runner)  # escalated -> awaitingHuman (still pending)
+    async with stack.db.tx() as conn:
+        item = await workitems.get(conn, out.work_item_id)
+        await decisions.human_reject(
+            conn, stack.clock, stack.ids, item, "user:u1", "secret reviewer reason"
+        )
+    sid = await session_of(stack, worker)
+    log = await log_of(stack, sid)
+    assert [e[2] for e in log] == ["user", "pending", "rejected"]
+    async with stack.db.read() as conn:
+        raw = (await conn.execute(sa.select(t.session_events))).all()
+    assert "secret" not in repr(raw) and out.work_item_id not in repr(raw)
+
+
+async def test_events_share_their_transaction(stack: Stack) -> None:
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, agent, "one"))
+    sid = await session_of(stack, agent)
+    with pytest.raises(RuntimeError, match="rolled back"):
+        async with stack.db.tx() as conn:
+            await store(conn, stack, org, sid, "never")
+            raise RuntimeError("rolled back")
+    async with stack.db.fast_tx() as fast:
+        await store(fast, stack, org, sid, "kept")
+    # Nothing of the rolled-back transaction; its number went to the next writer.
+    assert [(e[0], e[3]) for e in await log_of(stack, sid)] == [
+        (1, "one"),
+        (2, "Echo: one"),
+        (3, "kept"),
+    ]
+
+
+async def test_hidden_messages_write_no_event(stack: Stack) -> None:
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, agent, "one"))
+    sid = await session_of(stack, agent)
+    async with stack.db.tx() as conn:
+        for role, gated in (("tool", False), ("internal", False), ("assistant", True)):
+            await store(conn, stack, org, sid, "hidden", role=role, gated=gated)
+    assert len(await log_of(stack, sid)) == 2
+
+
+async def test_commit_wakes_readers_with_the_session(stack: Stack) -> None:
+    seen: list[list[Any]] = []
+    stack.db.on_commit_payloads(session_events.TOPIC, seen.append)
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, agent, "hi"))
+    sid = await session_of(stack, agent)
+    assert seen == [[(sid, True)], [(sid, True)]]
+
+
+async def test_a_resuming_reader_never_sees_a_gap(stack: Stack) -> None:
+    """Concurrent writers on one session, each holding the session's counter until a
+    random delay before its commit (a second before-commit step after the log's flush),
+    while a reader keeps reading ``seq > last``. Every page the reader gets must continue
+    exactly at ``last + 1`` with no gap: if numbers were not handed out in commit order,
+    the reader would see a later number before an earlier one committed."""
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, agent, "start"))
+    sid = await session_of(stack, agent)
+    rng = random.Random(12)
+    writers, per_writer = 6, 8
+
+    async def hold(_conn: Any, _items: list[Any]) -> None:
+        await asyncio.sleep(rng.random() * 0.01)
+
+    async def writer(index: int) -> None:
+        for n in range(per_writer):
+            async with stack.db.tx() as conn:
+                await store(conn, stack, org, sid, f"w{index}-{n}")
+                # Runs after the log's flush (queues flush in order): the counter's
+                # row lock (PostgreSQL) is held across this sleep.
+                await before_commit(conn, "test-hold", hold, None)
+
+    seen: list[int] = [1, 2]
+    done = asyncio.Event()
+
+    async def reader() -> None:
+        while True:
+            finished = done.is_set()
+            async with stack.db.read() as conn:
+                page = await session_events.read(conn, sid, after=seen[-1], limit=1000)
+            numbers = [e.seq for e in page]
+            assert numbers == list(range(seen[-1] + 1, seen[-1] + 1 + len(numbers))), numbers
+            seen.extend(numbers)
+            if finished:
+                return
+            await asyncio.sleep(0)
+
+    read_task = asyncio.create_task(reader())
+    await asyncio.gather(*(writer(i) for i in range(writers)))
+    done.set()
+    await read_task
+    assert seen == list(range(1, 2 + writers * per_writer + 1))
+    contents = {e[3] for e in await log_of(stack, sid)}
+    assert {f"w{i}-{n}" for i in range(writers) for n in range(per_writer)} <= contents
+
+
+async def test_transition_many_writes_a_status_event_per_item(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    ids = []
+    for key in ("a", "b"):
+        out = await stack.turns.run(api_trigger(org, worker, "x #escalate #complete", key))
+        assert isinstance(out, Gated) and out.work_item_id
+        ids.append(out.work_item_id)
+    await drain(stack.lead_runner)
+    async with stack.db.tx() as conn:
+        for item_id in ids:
+            await conn.execute(
+                t.work_items.update()
+                .where(t.work_items.c.id == item_id)
+                .values(status=Status.approved.value)
+            )
+    async with stack.db.tx() as conn:
+        moved = await workitems.transition_many(
+            conn,
+            stack.clock,
+            stack.ids,
+            ids,
+            src=Status.approved,
+            dst=Status.failed,
+            actor="test",
+            action="test",
+        )
+    assert sorted(moved) == sorted(ids)
+    for key in ("a", "b"):
+        log = await log_of(stack, await session_of(stack, worker, key))
+        assert [e[2] for e in log] == ["user", "pending", "failed"]
