@@ -450,7 +450,11 @@
     return q.toString();
   }
 
+  // A filter change or a live refresh replaces only the results: the filter form
+  // stays the same DOM, so what someone is typing (and where) is never swapped out
+  // from under them by a response that lands mid-keystroke.
   async function showActivity(focus = true) {
+    const keepForm = !focus && current.view === "activity";
     current = { view: "activity", id: null };
     const seq = ++renderSeq;
     const data = await api("GET", `/operator/activity?${activityQuery()}`);
@@ -473,6 +477,7 @@
       "form",
       {
         class: "filters",
+        id: "activity-filters",
         role: "search",
         "aria-label": "Filter and search work items",
         onsubmit: (e) => {
@@ -517,6 +522,27 @@
         "Next page"
       )
     );
+    const results = [
+      rows.length
+        ? el(
+            "table",
+            { id: "activity" },
+            el("caption", { class: "sr-only" }, "Work items"),
+            el(
+              "thead",
+              {},
+              el("tr", {}, ["Work item", "Agent", "Status", "Requester", "Revision", "Updated"].map((h) => el("th", { scope: "col" }, h)))
+            ),
+            el("tbody", {}, rows)
+          )
+        : el("p", { class: "empty", id: "activity-empty" }, "No work items match."),
+      pager,
+    ];
+    const shown = $("activity-results");
+    if (keepForm && shown && $("activity-filters")) {
+      shown.replaceChildren(...results);
+      return;
+    }
     place(
       [
         el("h1", { tabindex: "-1" }, "Agent Activity"),
@@ -526,20 +552,7 @@
           "Work items of your organization, newest first. Search looks in the summaries; results never show the approved text: open an item for its review detail."
         ),
         form,
-        rows.length
-          ? el(
-              "table",
-              { id: "activity" },
-              el("caption", { class: "sr-only" }, "Work items"),
-              el(
-                "thead",
-                {},
-                el("tr", {}, ["Work item", "Agent", "Status", "Requester", "Revision", "Updated"].map((h) => el("th", { scope: "col" }, h)))
-              ),
-              el("tbody", {}, rows)
-            )
-          : el("p", { class: "empty", id: "activity-empty" }, "No work items match."),
-        pager,
+        el("div", { id: "activity-results", "aria-live": "polite" }, results),
       ],
       focus
     );
