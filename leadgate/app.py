@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,11 +29,13 @@ from bots.base import Adapter
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
+from leadgate.core.decoding import BODY_TIMEOUT_KEY
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.core.types import Outcome
 from leadgate.database.db import Database
+from leadgate.domain.processes import Liveness
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
@@ -40,13 +43,14 @@ from leadgate.operations.agents import Agents
 from leadgate.operations.messages import Messages
 from leadgate.operations.reviews import Reviews
 from leadgate.review.runner import LeadRunner
+from leadgate.runners.recovery import TurnRecovery
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
 from leadgate.web import agents_api, console, openai_api, operator_api
-from leadgate.web.common import error_middleware
+from leadgate.web.common import bearer, error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from outbox.channel import Channel
 from outbox.relay import Relay
@@ -85,7 +89,19 @@ class App:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.ids = ids or RandomIds()
-        self.db = Database(settings.database.url, pool_size=settings.database.pool_size)
+        self.db = Database(
+            settings.database.url,
+            pool_size=settings.database.pool_size,
+            busy_timeout_s=settings.database.busy_timeout_s,
+        )
+        # This process's row in `processes`: the owner named on every lease it takes, so
+        # that another process takes its leases back at once when it is known dead.
+        self.liveness = Liveness(
+            self.db,
+            self.clock,
+            self.ids,
+            dead_after_ms=int(settings.runners.dead_after_s * 1000),
+        )
         self.providers = ProviderRegistry(providers or build_providers(settings))
         self.background = Background()
         self.outbox = Outbox(self.clock, self.ids)
@@ -102,6 +118,7 @@ class App:
         """The turn path, the adapters and the runners, wired by wake callables."""
         r = self.settings.runners
         review_wake, self._relay_wake, revision_wake = (asyncio.Event() for _ in range(3))
+        owner = self.liveness.owner
         self.turns = TurnService(
             self.db,
             self.clock,
@@ -110,6 +127,7 @@ class App:
             self.outbox,
             on_review_queued=review_wake.set,
             on_delivery_queued=self._outbox_due,
+            owner=owner,
         )
         self.messages = Messages(self.db, self.turns, self.background)
         self.adapters: list[Adapter] = []
@@ -128,6 +146,7 @@ class App:
             batch=r.relay_batch,
             concurrency=r.relay_concurrency,
             max_attempts=r.delivery_max_attempts,
+            owner=owner,
         )
         # Every committed enqueue (lead or human approval, plain reply, operator retry)
         # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
@@ -139,7 +158,13 @@ class App:
             revision_wake.set()
 
         self.lead_runner = LeadRunner(
-            self.db, self.clock, self.ids, self.providers, self.outbox, on_verdict=after_verdict
+            self.db,
+            self.clock,
+            self.ids,
+            self.providers,
+            self.outbox,
+            on_verdict=after_verdict,
+            owner=owner,
         )
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.loops = [
@@ -151,6 +176,7 @@ class App:
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
             _Loop(FlowResumer(self.flows)),
+            _Loop(TurnRecovery(self.turns)),
         ]
 
     @property
@@ -177,8 +203,11 @@ class App:
 
     # ----------------------------------------------------------------- runners
 
-    def start_runners(self) -> None:
-        """Start every background runner loop (and the PostgreSQL listener)."""
+    async def start_runners(self) -> None:
+        """Register this process, then start every background runner loop, the heartbeat
+        and (PostgreSQL) the listener."""
+        await self.liveness.register()
+        self.background.spawn(self._heartbeat(), name="heartbeat")
         poll = self.settings.runners.poll_interval_s
         # Deliveries enqueued in this process go straight to this process's relay
         # (already claimed, handed over after commit): no claim round trip.
@@ -198,6 +227,21 @@ class App:
                 name="pg-listen",
             )
 
+    async def _heartbeat(self) -> None:
+        """Refresh this process's heartbeat and reap dead processes until stopped (a
+        database fault is logged and retried at the next beat)."""
+        every = self.settings.runners.heartbeat_s
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=every)
+            if self._stop.is_set():
+                return
+            try:
+                await self.liveness.beat()
+                await self.liveness.reap()
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
     async def stop(self) -> None:
         """Stop runners, wait for background work, close channels, providers, database
         (idempotent: the app's cleanup and a test's teardown may both call it)."""
@@ -214,6 +258,10 @@ class App:
             await self.relay.release_handoffs()
         except Exception:
             log.exception("releasing handed-over deliveries failed (their leases will expire)")
+        try:
+            await self.liveness.unregister()
+        except Exception:
+            log.warning("could not unregister this process (its leases lapse by themselves)")
         for channel in self.channels.values():
             try:
                 await channel.close()
@@ -230,8 +278,10 @@ class App:
         app = web.Application(
             middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
         )
+        app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))
-        app.router.add_get("/metrics", _metrics)
+        if not self.settings.server.metrics_host:
+            app.router.add_get("/metrics", self.metrics_handler())
         surfaces = role != "worker"
         if surfaces:
             self._mount_surfaces(app)
@@ -291,7 +341,7 @@ class App:
                     for adapter in self.adapters:
                         await stack.enter_async_context(adapter.lifespan())
                 if run_runners:
-                    self.start_runners()
+                    await self.start_runners()
                 yield
 
         return ctx
@@ -302,6 +352,42 @@ class App:
         if self._mcp is not None:
             self._mcp.release_streams()
 
+    def metrics_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """``GET /metrics``: counters across every organization, so not for everyone.
 
-async def _metrics(_: web.Request) -> web.Response:
-    return web.Response(body=METRICS.render(), content_type="text/plain")
+        With ``[server] metrics_token`` it needs that bearer token (401 otherwise). With
+        ``metrics_host`` it is served only on that separate listener (``metrics_app``).
+        Without either it is open only while the service listens on a loopback address.
+        """
+        server = self.settings.server
+        token = server.metrics_token
+        loopback = server.host in ("127.0.0.1", "::1", "localhost") or bool(server.metrics_host)
+
+        async def metrics(request: web.Request) -> web.Response:
+            if token:
+                given = bearer(request) or ""
+                if not hmac.compare_digest(given.encode(), token.encode()):
+                    return web.json_response(
+                        {"error": {"message": "metrics need the token", "code": "unauthorized"}},
+                        status=401,
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+            elif not loopback:
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": "set [server] metrics_token or metrics_host to read metrics",
+                            "code": "forbidden",
+                        }
+                    },
+                    status=403,
+                )
+            return web.Response(body=METRICS.render(), content_type="text/plain")
+
+        return metrics
+
+    def metrics_app(self) -> web.Application:
+        """The separate ``/metrics`` listener's application (``[server] metrics_host``)."""
+        app = web.Application(middlewares=[error_middleware], client_max_size=1024)
+        app.router.add_get("/metrics", self.metrics_handler())
+        return app

@@ -50,6 +50,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import Channel, OutboundMessage, Permanent, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done, OutcomeCommitter, RetryPolicy
@@ -118,6 +119,7 @@ class Relay:
         rand: Callable[[], float] = random.random,
         send_lease_ms: int = SEND_LEASE_MS,
         max_rows_per_run: int | None = None,
+        owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         if batch < 1 or concurrency < 1 or max_attempts < 1 or send_lease_ms < 1:
             raise ValueError("batch, concurrency, max_attempts and send_lease_ms must be >= 1")
@@ -130,6 +132,8 @@ class Relay:
         self.max_attempts = max_attempts
         self.rand = rand
         self.send_lease_ms = send_lease_ms
+        #: this process (``lease_owner`` of its send leases; see domain.processes)
+        self.owner = owner
         self.max_rows_per_run = max_rows_per_run or 10 * batch
         self.committer = OutcomeCommitter(clock, ids, RetryPolicy(max_attempts, self.backoff_s))
         self._sem = asyncio.Semaphore(concurrency)
@@ -287,13 +291,17 @@ class Relay:
     # ------------------------------------------------------------------- leases
 
     async def expire_send_leases(self) -> int:
-        """A relay died mid-send: posts become deliveryUnknown, internal ones pending."""
+        """A relay died mid-send: posts become deliveryUnknown, internal ones pending.
+
+        Taken back when the send lease expired, or at once when its holder is known dead
+        (:mod:`leadgate.domain.processes`). Either way a post that was in flight stays
+        uncertain: it may have landed, so it is never retried by itself.
+        """
         now = self.clock.now_ms()
         internal = D.action.in_(sorted(INTERNAL_ACTIONS))
+        lapsed = sa.or_(D.lease_expires_at < now, owner_gone(D.lease_owner))
         expired = self.db.skip_locked(
-            sa.select(D.id).where(
-                D.status == DeliveryStatus.sending.value, D.lease_expires_at < now
-            )
+            sa.select(D.id).where(D.status == DeliveryStatus.sending.value, lapsed)
         )
         async with self.db.tx() as conn:
             chosen = await self._locked_ids(conn, expired)
@@ -305,7 +313,7 @@ class Relay:
                     .where(
                         D.id.in_(expired.scalar_subquery() if chosen is None else chosen),
                         D.status == DeliveryStatus.sending.value,
-                        D.lease_expires_at < now,
+                        lapsed,
                     )
                     .values(
                         status=sa.case(
@@ -315,6 +323,7 @@ class Relay:
                         error=sa.case((internal, sa.null()), else_=LEASE_EXPIRED_ERROR),
                         lease_token=None,
                         lease_expires_at=None,
+                        lease_owner=None,
                         updated_at=now,
                     )
                     .returning(D.id, D.action, D.channel, D.org_id, D.work_item_id)
@@ -384,6 +393,7 @@ class Relay:
                     status=DeliveryStatus.sending.value,
                     lease_token=token,
                     lease_expires_at=now + self.send_lease_ms,
+                    lease_owner=self.owner(),
                     attempts=D.attempts + 1,
                     updated_at=now,
                 )

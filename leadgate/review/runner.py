@@ -21,6 +21,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
+from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review.decisions import Verdict, commit_verdict
@@ -100,6 +101,7 @@ class LeadRunner:
         outbox: Outbox,
         *,
         on_verdict: Callable[[], None] = lambda: None,
+        owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -108,15 +110,20 @@ class LeadRunner:
         self.outbox = outbox
         # Wakes the relay (approval) and the revision dispatcher (changes requested).
         self.on_verdict = on_verdict
+        #: this process (``lease_owner`` of its review leases; see domain.processes)
+        self.owner = owner
 
     async def expire_leases(self) -> int:
-        """Return items whose review lease expired to the queue (3rd expiry: a human)."""
+        """Return items whose review lease expired, or whose holder is known dead
+        (:mod:`leadgate.domain.processes`: taken back at once), to the queue (the 3rd
+        time: a human)."""
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
             rows = (
                 await conn.execute(
                     sa.select(W.id, W.lease_token, W.lease_expiries).where(
-                        W.status == Status.reviewing.value, W.lease_expires_at < now
+                        W.status == Status.reviewing.value,
+                        sa.or_(W.lease_expires_at < now, owner_gone(W.lease_owner)),
                     )
                 )
             ).all()
@@ -138,6 +145,7 @@ class LeadRunner:
                         values={
                             "lease_token": None,
                             "lease_expires_at": None,
+                            "lease_owner": None,
                             "lease_expiries": expiries,
                         },
                     )
@@ -172,6 +180,7 @@ class LeadRunner:
                     values={
                         "lease_token": self.ids.new("lease"),
                         "lease_expires_at": now + LEASE_MS,
+                        "lease_owner": self.owner(),
                     },
                 )
             except TransitionError:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import IdFactory
+from leadgate.core.decoding import header_text
 from leadgate.core.errors import LeadgateError, ModelError, ValidationError
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.web.common import PrincipalLookup, authenticate, json_body, openai_error
@@ -150,7 +151,7 @@ def setup(
         principal = await authenticate(request, authenticate_with, cookie=False)
         body = await json_body(request)
         parsed = parse_request(body)
-        session = request.headers.get("X-Session-Id")
+        session = header_text(request, "X-Session-Id")
         cid = f"chatcmpl-{ids.new('c')}"
         created = int(time.time())
         model = parsed.model

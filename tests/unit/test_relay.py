@@ -594,7 +594,7 @@ async def test_in_process_wake_delivers_without_waiting_for_the_poll(
         return Sent("x")
 
     channel.script = [mark]
-    stack.start_runners()  # poll interval 30 s: only a wake-up can be this fast
+    await stack.start_runners()  # poll interval 30 s: only a wake-up can be this fast
     await asyncio.sleep(0.2)  # let the loops go idle
     async with stack.db.tx() as conn:
         row = await workitems.get(conn, seeded.items[0]["id"])
@@ -634,7 +634,7 @@ async def test_running_service_hands_approvals_to_its_relay_without_a_claim(
         return Sent("ts")
 
     channel.script = [mark, mark]
-    stack.start_runners()
+    await stack.start_runners()
     await asyncio.sleep(0.2)
     async with stack.db.tx() as conn:
         row = await workitems.get(conn, seeded.items[0]["id"])
