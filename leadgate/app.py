@@ -49,7 +49,7 @@ from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
-from leadgate.web import agents_api, console, openai_api, operator_api
+from leadgate.web import agents_api, console, openai_api, openapi, operator_api
 from leadgate.web.common import bearer, error_middleware
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from outbox.channel import Channel
@@ -305,6 +305,7 @@ class App:
         )
         for adapter in self.adapters:
             adapter.mount(app)
+        openapi.setup(app, public_url=self.settings.server.public_url)
 
     async def _mcp_send(
         self, principal: Principal, agent: str, message: str, session: str | None
