@@ -71,6 +71,8 @@ _OBJECT_OR_ID = (
     "assistant_thread",
     "function_data",
 )
+# Event fields Bolt's matchers compare or hash (a list there fails inside Bolt).
+_EVENT_STRINGS = ("subtype", "channel_type", "text", "ts", "thread_ts", "bot_id", "event_ts")
 # Set per request: what the listener could not do (answered by the route, not by Bolt).
 _FAILURE: contextvars.ContextVar[list[LeadgateError] | None] = contextvars.ContextVar(
     "leadgate_slack_failure", default=None
@@ -388,15 +390,20 @@ class SlackAdapter:
         raw = await read_body(request)
         timestamp = request.headers.get("X-Slack-Request-Timestamp", "")
         signature = request.headers.get("X-Slack-Signature", "")
+        try:
+            # The verifier reads the body as UTF-8: bytes that are not cannot be verified.
+            text = decode_text(raw)
+        except ValidationError:
+            text = None
         if not (
-            timestamp.isascii()
+            text is not None
+            and timestamp.isascii()
             and timestamp.isdigit()
             and len(timestamp) < 16
             and signature.isascii()
             and self._verifier.is_valid(raw, timestamp, signature)
         ):
             return web.json_response({"error": "invalid request"}, status=401)
-        text = decode_text(raw)
         _check_shape(_decode(text, request.content_type))
         failures: list[LeadgateError] = []
         reset = _FAILURE.set(failures)
@@ -455,6 +462,10 @@ def _check_shape(body: Mapping[str, Any]) -> None:
         if not isinstance(event, dict):
             raise bad("event")
         layers.append(event)
+    if event is not None:
+        for key in _EVENT_STRINGS:
+            if not isinstance(event.get(key, ""), str | None):
+                raise bad(f"event.{key}")
     for layer in layers:
         if not isinstance(layer.get("type", ""), str):
             raise bad("type")
