@@ -143,6 +143,8 @@ class Relay:
         # arrive already claimed under this token, after their transaction committed.
         self.handoff_token = ids.new("lease")
         self._handed: list[Delivery] = []
+        # Outcomes of sends that happened but could not be committed yet (database down).
+        self._uncommitted: list[Done] = []
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -194,6 +196,14 @@ class Relay:
         """Expire send leases (when due), then claim, send and commit until nothing is
         due. True when it did any work."""
         worked = False
+        if self._uncommitted:
+            group, self._uncommitted = self._uncommitted, []
+            try:
+                await self.complete(group)
+            except Exception:
+                self._uncommitted = group + self._uncommitted
+                raise
+            worked = True
         now = self.clock.now_ms()
         if now >= self._next_expiry_check:
             self._next_expiry_check = now + self._expiry_every_ms
@@ -273,11 +283,14 @@ class Relay:
                 return
             except Exception:
                 if delay is None:
-                    log.exception(
-                        "could not commit %d delivery outcomes; their send leases will "
-                        "expire (posts become deliveryUnknown)",
+                    # Kept and committed again at the next run (the database may be
+                    # back well within the send lease); if this process dies first, the
+                    # lease lapses and the posts become deliveryUnknown (never re-sent).
+                    log.warning(
+                        "could not commit %d delivery outcomes yet; retrying them next run",
                         len(group),
                     )
+                    self._uncommitted.extend(group)
                     return
                 log.warning("committing delivery outcomes failed (attempt %d)", attempt + 1)
                 await asyncio.sleep(delay)

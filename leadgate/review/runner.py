@@ -15,7 +15,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
-from leadgate.core.errors import ModelError, NotFound, TransitionError
+from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -112,6 +112,7 @@ class LeadRunner:
         self.on_verdict = on_verdict
         #: this process (``lease_owner`` of its review leases; see domain.processes)
         self.owner = owner
+        self._held: list[WorkItem] = []
 
     async def expire_leases(self) -> int:
         """Return items whose review lease expired, or whose holder is known dead
@@ -188,6 +189,7 @@ class LeadRunner:
 
     async def run_once(self) -> bool:
         """Expire leases, then claim and review one item. True when it did work."""
+        await self._release_held()
         await self.expire_leases()
         item = await self.claim()
         if item is None:
@@ -199,22 +201,52 @@ class LeadRunner:
         """Run the lead on a claimed item and commit its verdict (fenced by the lease)."""
         verdict, feedback, why = await self._decide(item)
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
-        async with self.db.tx() as conn:
-            try:
-                await commit_verdict(
-                    conn,
-                    self.outbox,
-                    item,
-                    verdict,
-                    actor=f"lead:{item.lead_agent_id}",
-                    feedback=feedback if why is None else why,
-                    src=Status.reviewing,
-                    lease_token=item.lease_token,
-                )
-            except TransitionError:
-                log.warning("lost the review lease of %s; verdict dropped", item.id)
-                return
+        try:
+            async with self.db.tx() as conn:
+                try:
+                    await commit_verdict(
+                        conn,
+                        self.outbox,
+                        item,
+                        verdict,
+                        actor=f"lead:{item.lead_agent_id}",
+                        feedback=feedback if why is None else why,
+                        src=Status.reviewing,
+                        lease_token=item.lease_token,
+                    )
+                except TransitionError:
+                    log.warning("lost the review lease of %s; verdict dropped", item.id)
+                    return
+        except Unavailable:
+            # The verdict could not be stored (database down): give the item back to the
+            # queue as soon as the database is back, instead of holding its 20-minute
+            # lease while alive.
+            self._held.append(item)
+            raise
         self.on_verdict()
+
+    async def _release_held(self) -> None:
+        """Return items whose verdict could not be committed to ``reviewQueued``."""
+        while self._held:
+            item = self._held[0]
+            async with self.db.tx() as conn:
+                try:
+                    await workitems.transition(
+                        conn,
+                        self.clock,
+                        self.ids,
+                        item.id,
+                        src=Status.reviewing,
+                        dst=Status.reviewQueued,
+                        actor="system:lead",
+                        action="leaseReleased",
+                        text="the verdict could not be stored; the review runs again",
+                        lease_token=item.lease_token,
+                        values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
+                    )
+                except TransitionError:
+                    pass  # taken back or moved meanwhile
+            self._held.pop(0)
 
     async def _decide(self, item: WorkItem) -> tuple[Verdict, str | None, str | None]:
         """(verdict, the lead's feedback, why the system escalated instead or None)."""

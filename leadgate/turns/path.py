@@ -8,6 +8,7 @@ internal revision turn (lead feedback or a human's return) on the same path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -48,6 +49,8 @@ from outbox.store import Outbox
 log = logging.getLogger("leadgate.turns")
 
 MAX_MODEL_CALLS = 4
+#: How often a recorded channel turn retries its last transaction on a database fault.
+FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
 
 DeltaSink = Callable[[str], Awaitable[None]]
@@ -355,16 +358,29 @@ class TurnService:
                     result = await self._tool(ctx, call, tools)
                     signalled = signalled or result == SUBMITTED
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
-        except ModelError:
+        except (ModelError, Unavailable):
+            # Unavailable: complete_task's write met a database fault (a 503, not a model
+            # failure).
             METRICS.turns.labels("error").inc()
             raise
         except Exception as exc:
             METRICS.turns.labels("error").inc()
             log.exception("model provider failed")
             raise ModelError("the model failed while producing this turn") from exc
-        return await self._finish(
-            turn, "".join(parts), revision_item, streamed=live is not None, signalled=signalled
-        )
+        text = "".join(parts)
+        for attempt in range(FINISH_RETRIES + 1):
+            try:
+                return await self._finish(
+                    turn, text, revision_item, streamed=live is not None, signalled=signalled
+                )
+            except Unavailable:
+                # A recorded channel turn keeps its answer in hand while the database is
+                # away (nobody waits on an HTTP request): its last transaction is tried
+                # again, rather than left for recovery to redo the model's work.
+                if not turn.ctx.run_fenced or attempt == FINISH_RETRIES:
+                    raise
+                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+        raise AssertionError("unreachable")
 
     async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:
         if call.name not in {tool.name for tool in offered}:
@@ -420,6 +436,11 @@ class TurnService:
             try:
                 async with self.db.read() as conn:
                     signal = await self.read_signal(conn, ctx)
+            except Unavailable:
+                # Nothing is shown either way; raising keeps the turn whole, so that its
+                # last transaction can be tried again (a channel turn) or the client
+                # retries (REST), instead of withholding text no review will ever see.
+                raise
             except Exception:
                 # Fail closed: when we cannot tell whether the work was handed off,
                 # the text is withheld.

@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-BEARER = [{"bearer": []}]
+BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 NONE: list[dict[str, list[str]]] = []
 
 _ERROR = {

@@ -141,7 +141,10 @@ class SlackRig:
         }
         try:
             status, _ = http(
-                "POST", f"{self.proc.url}/slack/events", data=body.encode(), headers=headers,
+                "POST",
+                f"{self.proc.url}/slack/events",
+                data=body.encode(),
+                headers=headers,
                 timeout=timeout,
             )
         except OSError:
@@ -151,9 +154,7 @@ class SlackRig:
 
     def operator(self, path: str) -> Any:
         assert self.proc.demo is not None
-        return get_json(
-            f"{self.proc.url}{path}", {"Authorization": f"Bearer {self.proc.demo.key}"}
-        )
+        return get_json(f"{self.proc.url}{path}", {"Authorization": f"Bearer {self.proc.demo.key}"})
 
     def decide(self, item_id: str, action: str) -> int:
         assert self.proc.demo is not None
@@ -216,15 +217,17 @@ class SlackRig:
             assert counts["lost"] == 0, (counts, self.proc.log_tail(40))
             assert doubled == 0, counts
             self.check_audit()
-        return {k: counts[k] for k in ("accepted", "answered", "in_queue", "notice", "lost", "doubled")}
+        return {
+            k: counts[k] for k in ("accepted", "answered", "in_queue", "notice", "lost", "doubled")
+        }
 
     def _queued_threads(self) -> set[str]:
         threads = set()
         for item in self.queue():
             detail = self.operator(f"/operator/reviews/{item['id']}")
-            for delivery in detail["deliveries"]:
-                if delivery["status"] == "deliveryUnknown" or item["status"] == "awaitingHuman":
-                    threads |= self._threads_of(detail)
+            unknown = any(d["status"] == "deliveryUnknown" for d in detail["deliveries"])
+            if unknown or item["status"] == "awaitingHuman":
+                threads |= self._threads_of(detail)
         return threads
 
     def _threads_of(self, detail: dict[str, Any]) -> set[str]:
@@ -246,7 +249,7 @@ def message_counts(db: Path) -> tuple[int, int]:
     """(user messages, assistant messages) in an SQLite file."""
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         users = conn.execute("SELECT count(*) FROM messages WHERE role = 'user'").fetchone()[0]
-        replies = conn.execute(
-            "SELECT count(*) FROM messages WHERE role = 'assistant'"
-        ).fetchone()[0]
+        replies = conn.execute("SELECT count(*) FROM messages WHERE role = 'assistant'").fetchone()[
+            0
+        ]
     return int(users), int(replies)

@@ -20,7 +20,6 @@ from leadgate.core.decoding import (
     decode_json,
     header_text,
     json_object,
-    read_body,
 )
 from leadgate.core.errors import RateLimited, Unavailable, ValidationError
 from leadgate.operations.logins import LoginGuard
@@ -130,7 +129,9 @@ async def test_client_text_headers_are_printable_ascii() -> None:
     client = await _client(app)
     try:
         assert (await client.get("/h", headers={"X-Session-Id": "abc-1"})).status == 200
-        bad = await client.get("/h", headers={"X-Session-Id": "caf\u00e9".encode().decode("latin-1")})
+        bad = await client.get(
+            "/h", headers={"X-Session-Id": "caf\u00e9".encode().decode("latin-1")}
+        )
         assert bad.status == 400
         assert (await bad.json())["error"]["rule"] == "header.x-session-id"
     finally:
