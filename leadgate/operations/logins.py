@@ -33,8 +33,8 @@ from leadgate.core.errors import RateLimited, Unavailable
 
 LOGIN_LIMIT = 10
 LOGIN_WINDOW_MS = 60_000
-CHECK_SLOTS = 2
-CHECK_QUEUE = 8
+CHECK_SLOTS = 1
+CHECK_QUEUE = 16
 MAX_KEYS = 10_000
 
 

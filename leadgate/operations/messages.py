@@ -28,6 +28,8 @@ from leadgate.turns.intake import Accepted
 from leadgate.turns.path import DeltaSink, TurnService
 
 log = logging.getLogger("leadgate.messages")
+#: Recorded channel turns run at once by this process (see Messages.run_recorded).
+MAX_BACKGROUND_TURNS = 256
 
 
 class Messages:
@@ -37,6 +39,7 @@ class Messages:
         self.db = db
         self.turns = turns
         self.background = background
+        self._running = 0
 
     async def send(
         self,
@@ -107,12 +110,26 @@ class Messages:
 
     async def run_recorded(self, recorded: Recorded) -> Routed | None:
         """The second half, in the background: run the recorded turn (``None`` for a
-        rejected message). A failing turn leaves a failure notice for the person."""
+        rejected message, or for one left to the recovery runner). A failing turn leaves
+        a failure notice for the person.
+
+        At most :data:`MAX_BACKGROUND_TURNS` run at once: under a flood of channel
+        messages (or a slow model) the rest stay recorded and the recovery runner takes
+        them one session at a time, instead of piling up tasks in memory.
+        """
         if recorded.rejected is not None:
             return None
         if recorded.outcome is not None:
             return Routed(recorded.outcome, recorded.route)
-        outcome = await self.turns.execute(recorded.turn)
+        turn: Accepted = recorded.turn
+        if self._running >= MAX_BACKGROUND_TURNS and turn.ctx.run_token is not None:
+            self.turns.orphans.add(turn.ctx.run_token)
+            return None
+        self._running += 1
+        try:
+            outcome = await self.turns.execute(turn)
+        finally:
+            self._running -= 1
         return Routed(outcome, recorded.route)
 
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:

@@ -338,3 +338,33 @@ async def test_gateway_start_survives_an_unreachable_discord(core: FakeCore) -> 
     await srv.close()
     assert time.monotonic() - started < 2.0
     assert core.tasks == []
+
+
+async def test_interaction_timestamps_have_a_freshness_window(
+    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    from leadgate.core.clock import FakeClock
+
+    clock = FakeClock()
+    settings = Settings(
+        discord=DiscordSettings(public_key=key.verify_key.encode().hex(), api_url=standin.api_url)
+    )
+    adapter = discord_bot.DiscordAdapter(settings, core, clock=clock)
+    app = web.Application()
+    mount_adapter(app, adapter)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        body = json.dumps({"type": 1}).encode()
+        now_s = clock.now_ms() // 1000
+        for age, expected in ((0, 200), (299, 200), (-299, 200), (301, 401), (3600, 401)):
+            headers = interaction_headers(key, body, timestamp=str(now_s - age))
+            status, _ = await post(srv, {"type": 1}, key, headers=headers)
+            assert status == expected, (age, status)
+        # The same signed body is refused once the clock has moved past the window.
+        headers = interaction_headers(key, body, timestamp=str(now_s))
+        clock.advance(301_000)
+        assert (await post(srv, {"type": 1}, key, headers=headers))[0] == 401
+        assert core.recorded == []
+    finally:
+        await srv.close()
