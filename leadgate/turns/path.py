@@ -162,11 +162,7 @@ class TurnService:
         async with self.db.tx() as conn:
             await runs.finish(conn, token, fenced=ctx.run_fenced)
             if notice and ctx.binding_posts:
-                binding = await bindings.active_binding(conn, ctx.session_id)
-                if binding is not None and binding.id == ctx.binding_id:
-                    queued = await self.outbox.enqueue_reply(
-                        conn, org_id=ctx.org_id, binding=binding, text=notice
-                    )
+                queued = await self._queue_reply(conn, ctx, notice)
         if queued:
             self.on_delivery_queued()
 
@@ -477,13 +473,17 @@ class TurnService:
             await self._release_revision(conn, revision_item)
             await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
             if revision_item is None:
-                binding = await bindings.active_binding(conn, ctx.session_id)
-                if binding is not None and binding.id == ctx.binding_id:
-                    queued = await self.outbox.enqueue_reply(
-                        conn, org_id=ctx.org_id, binding=binding, text=text
-                    )
+                queued = await self._queue_reply(conn, ctx, text)
         if queued:
             self.on_delivery_queued()
+
+    async def _queue_reply(self, conn: Conn, ctx: TurnContext, text: str) -> object | None:
+        """Queue ``text`` as a reply on the turn's binding, if it is still the session's
+        active one (a channel binding that posts)."""
+        binding = await bindings.active_binding(conn, ctx.session_id)
+        if binding is None or binding.id != ctx.binding_id:
+            return None
+        return await self.outbox.enqueue_reply(conn, org_id=ctx.org_id, binding=binding, text=text)
 
     async def _withhold(
         self, ctx: TurnContext, text: str, revision_item: WorkItem | None

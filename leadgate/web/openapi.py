@@ -109,6 +109,14 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
+def _text_body(name: str, limit: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "minLength": 1, "maxLength": limit}},
+        "required": [name],
+    }
+
+
 OPERATIONS: list[Operation] = [
     Operation(
         "post",
@@ -143,24 +151,13 @@ OPERATIONS: list[Operation] = [
     Operation("get", "/operator/reviews/{item_id}", "Review detail"),
     Operation("post", "/operator/reviews/{item_id}/approve", "Approve", body=_ANY_JSON),
     Operation(
-        "post",
-        "/operator/reviews/{item_id}/reject",
-        "Reject",
-        body={
-            "type": "object",
-            "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 2000}},
-            "required": ["reason"],
-        },
+        "post", "/operator/reviews/{item_id}/reject", "Reject", body=_text_body("reason", 2000)
     ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/return",
         "Return to the worker",
-        body={
-            "type": "object",
-            "properties": {"feedback": {"type": "string", "minLength": 1, "maxLength": 10000}},
-            "required": ["feedback"],
-        },
+        body=_text_body("feedback", 10_000),
     ),
     Operation("post", "/operator/reviews/{item_id}/cancel", "Cancel", body=_ANY_JSON),
     Operation("post", "/operator/deliveries/{delivery_id}/confirm", "Confirm delivered"),
@@ -208,9 +205,9 @@ def document(public_url: str) -> dict[str, Any]:
             )
         entry: dict[str, Any] = {
             "summary": op.summary,
-            "operationId": f"{op.method}{op.path}".replace("/", "_").replace("{", "").replace(
-                "}", ""
-            ),
+            "operationId": f"{op.method}{op.path}".replace("/", "_")
+            .replace("{", "")
+            .replace("}", ""),
             "security": op.security,
             "responses": responses,
         }

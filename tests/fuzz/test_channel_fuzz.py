@@ -173,37 +173,23 @@ ask_fields = st.fixed_dictionaries(
 )
 
 
+def ask(**fields: Any) -> dict[str, Any]:
+    """An APPLICATION_COMMAND interaction with ``fields`` set (or replaced)."""
+    return {"type": 2, "id": "1", "application_id": "2", "token": "t", **fields}
+
+
 @SETTINGS
 @given(payload=values | ask_fields)
+@example(payload=ask(channel_id="3", data={"name": "ask", "options": "a string"}))
 @example(
-    payload={
-        "type": 2,
-        "id": "1",
-        "application_id": "2",
-        "token": "t",
-        "channel_id": "3",
-        "data": {"name": "ask", "options": "a string"},
-    }
+    payload=ask(channel="x", data={"name": "ask", "options": [{"name": "message", "value": "hi"}]})
 )
 @example(
-    payload={
-        "type": 2,
-        "id": "1",
-        "application_id": "2",
-        "token": "t",
-        "channel": "x",
-        "data": {"name": "ask", "options": [{"name": "message", "value": "hi"}]},
-    }
-)
-@example(
-    payload={
-        "type": 2,
-        "id": "9",
-        "application_id": "2",
-        "token": "t",
-        "channel_id": "3",
-        "data": {"name": "ask", "options": [{"name": "message", "value": "x\x00"}]},
-    }
+    payload=ask(
+        id="9",
+        channel_id="3",
+        data={"name": "ask", "options": [{"name": "message", "value": "x\x00"}]},
+    )
 )
 @example(payload={"type": 1})
 def test_signed_discord_interactions(fuzz_service: Fuzzed, payload: Any) -> None:
