@@ -228,25 +228,33 @@ class LeadRunner:
     async def _release_held(self) -> None:
         """Return items whose verdict could not be committed to ``reviewQueued``."""
         while self._held:
-            item = self._held[0]
-            async with self.db.tx() as conn:
-                try:
-                    await workitems.transition(
-                        conn,
-                        self.clock,
-                        self.ids,
-                        item.id,
-                        src=Status.reviewing,
-                        dst=Status.reviewQueued,
-                        actor="system:lead",
-                        action="leaseReleased",
-                        text="the verdict could not be stored; the review runs again",
-                        lease_token=item.lease_token,
-                        values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
-                    )
-                except TransitionError:
-                    pass  # taken back or moved meanwhile
-            self._held.pop(0)
+            # Several review loops share this list: take the item first.
+            item = self._held.pop(0)
+            try:
+                await self._release(item)
+            except Exception:
+                self._held.append(item)
+                raise
+
+    async def _release(self, item: WorkItem) -> None:
+        """Give one held item back to the queue (fenced by its lease)."""
+        async with self.db.tx() as conn:
+            try:
+                await workitems.transition(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    item.id,
+                    src=Status.reviewing,
+                    dst=Status.reviewQueued,
+                    actor="system:lead",
+                    action="leaseReleased",
+                    text="the verdict could not be stored; the review runs again",
+                    lease_token=item.lease_token,
+                    values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
+                )
+            except TransitionError:
+                pass  # taken back or moved meanwhile
 
     async def _decide(self, item: WorkItem) -> tuple[Verdict, str | None, str | None]:
         """(verdict, the lead's feedback, why the system escalated instead or None)."""

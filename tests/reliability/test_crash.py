@@ -33,7 +33,7 @@ from tests.reliability.conftest import (
     sqlite_service,
 )
 
-BURST = 60
+BURST = 45
 LONG_BURST = 400
 
 
@@ -92,6 +92,7 @@ def run_crash(proc: Any, slack: Standin, count: int, name: str) -> dict[str, Any
     return result
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_sigkill_mid_burst_loses_and_doubles_nothing(
     backend: str, rel_template: Any, slack_api: Standin, tmp_path: Path, request: Any

@@ -123,6 +123,7 @@ def wait_all_completed(rig_proc: ServiceProcess, within_s: float = 60.0) -> dict
         time.sleep(0.3)
 
 
+@pytest.mark.timeout(300)
 def test_postgres_restarted_mid_load(
     pg_url: str, postgres_server: PostgresServer, tmp_path: Path, slack_api: Standin
 ) -> None:
@@ -144,7 +145,9 @@ def test_postgres_restarted_mid_load(
         assert ok_after, "the service did not recover by itself"
         recovery_s = ok_after[0] - back_at
         final = wait_all_completed(proc)
-        assert set(final) <= {"completed"}, final
+        # awaitingHuman: a gated turn whose complete_task signal was committed just before
+        # its reply could not be (leadgate.turns.runs: submitted once, to a human).
+        assert set(final) <= {"completed", "awaitingHuman"}, final
         figures(
             "postgres-restart",
             requests=len(load.results),
@@ -158,10 +161,13 @@ def test_postgres_restarted_mid_load(
         )
 
 
+@pytest.mark.timeout(300)
 def test_relay_connections_killed_with_pg_terminate_backend(
     pg_url: str, postgres_server: PostgresServer, tmp_path: Path, slack_api: Standin
 ) -> None:
-    proc = pg_service(pg_url, tmp_path / "svc", slack_config(slack_api))
+    proc = pg_service(
+        pg_url, tmp_path / "svc", slack_config(slack_api, database={"busy_timeout_s": 2.0})
+    )
     database = pg_url.rsplit("/", 1)[1]
     kill_sql = (
         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
@@ -175,8 +181,8 @@ def test_relay_connections_killed_with_pg_terminate_backend(
         killed = 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
             futures = [pool.submit(rig.post, m) for m in rig.sent]
-            for _ in range(6):
-                time.sleep(0.25)
+            for _ in range(4):
+                time.sleep(0.3)
                 killed += int(postgres_server.psql(kill_sql).strip() or 0)
             for future in futures:
                 future.result()
@@ -197,7 +203,7 @@ def test_relay_connections_killed_with_pg_terminate_backend(
 
 @contextlib.contextmanager
 def held_sqlite_lock(db: Path) -> Iterator[None]:
-    other = sqlite3.connect(db, isolation_level=None, timeout=0)
+    other = sqlite3.connect(db, isolation_level=None, timeout=10)
     try:
         other.execute("BEGIN IMMEDIATE")
         yield

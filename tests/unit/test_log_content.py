@@ -25,12 +25,17 @@ def test_library_payload_logs_stay_out_unless_asked_for(
 ) -> None:
     settings = Settings.model_validate({"log": {"level": "DEBUG", "include_content": include}})
     setup_logging(settings)
+    names = ("slack_sdk.web.base_client", "discord.webhook.async_", "openai._base_client")
+    for name in names:  # other tests may have set levels on these
+        logging.getLogger(name).setLevel(logging.DEBUG)
     # What the SDKs log at DEBUG: request bodies (message text, withheld output) and
     # webhook URLs holding interaction tokens.
     logging.getLogger("slack_sdk.web.base_client").debug("body: {'text': 'SECRET-TEXT'}")
     logging.getLogger("discord.webhook.async_").debug("PATCH /webhooks/1/TOKEN-123/messages")
     logging.getLogger("openai._base_client").debug("Request options: SECRET-PROMPT")
-    logging.getLogger("leadgate.turns").debug("a turn of ours")
+    ours = logging.getLogger("leadgate.test_log_content")
+    ours.setLevel(logging.DEBUG)  # other tests may have raised the package's level
+    ours.debug("a turn of ours")
     logging.getLogger("discord.http").warning("rate limited")
     err = capsys.readouterr().err
     for secret in ("SECRET-TEXT", "TOKEN-123", "SECRET-PROMPT"):

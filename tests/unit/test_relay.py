@@ -298,9 +298,13 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     assert (await delivery(stack, dlv["id"]))["status"] == "sending"
     assert (await item(stack, item_id))["status"] == "approved"
     monkeypatch.undo()
-    # The row is still leased: nothing is claimed (and nothing posted) a second time.
-    assert await relay.run_once() is False
+    # The row is still leased: nothing is claimed (and nothing posted) a second time; the
+    # outcome the relay kept is committed at its next run, within the send lease.
+    assert await relay.run_once() is True
     assert len(channel.calls) == 1
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
+    assert (await item(stack, item_id))["status"] == "completed"
+    assert await relay.run_once() is False
 
 
 async def test_retry_honours_retry_after_and_keeps_the_idempotency_key(
