@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slack_sdk.signature import SignatureVerifier
 
 from leadgate.turns.runs import FAILURE_NOTICE
 from tests.acceptance.channel_kit import Standin, admin_batch, get_json, http, route
 from tests.service_proc import ServiceProcess, clone_sqlite, make_template
+from tests.standins.slack_api import signed_headers
 
 SECRET = "reliability-signing-secret"
 TOKEN = "xoxb-reliability"
@@ -131,14 +131,7 @@ class SlackRig:
                 },
             }
         )
-        stamp = str(int(time.time()))
-        signature = SignatureVerifier(SECRET).generate_signature(timestamp=stamp, body=body)
-        assert signature is not None
-        headers = {
-            "Content-Type": "application/json",
-            "X-Slack-Request-Timestamp": stamp,
-            "X-Slack-Signature": signature,
-        }
+        headers = signed_headers(SECRET, body)
         try:
             status, _ = http(
                 "POST",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,49 @@ def test_sigkill_long_form(
         result = run_crash(proc, slack_api, LONG_BURST, f"sigkill-long-{backend}-{run}")
         assert result["lost"] == 0 and result["doubled"] == 0
         slack_api.control("reset")
+
+
+REST_TURNS = 40
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_mid_rest_burst_leaves_no_item_stranded(rel_template: Any, tmp_path: Path) -> None:
+    """REST ``#complete`` turns cut by a SIGKILL, retried by the client as the openai
+    client does (a request that got no answer is sent again, same session): every item
+    ends reviewed (``completed``) or with a human (``awaitingHuman``: a signal committed by
+    a cut turn), none left ``inProgress`` for the 7-day sweeper."""
+    from tests.reliability.conftest import sqlite_service
+    from tests.reliability.test_faults import chat, wait_all_completed
+
+    proc = sqlite_service(rel_template, tmp_path / "svc", {"runners": {"poll_interval_s": 0.2}})
+    proc.start()
+    texts = [f"rest {i} #complete" for i in range(REST_TURNS)]
+    answers: dict[str, int] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
+        futures = {pool.submit(chat, proc, "worker", t, timeout=10): t for t in texts}
+        done = 0
+        for future in concurrent.futures.as_completed(futures):
+            answers[futures[future]] = future.result()[0]
+            done += 1
+            if done == REST_TURNS // 4:
+                proc.kill()
+                killed_at = time.monotonic()
+    cut = [t for t, status in answers.items() if status not in (200, 409)]
+    proc.start()
+    restarted = time.monotonic()
+    retried = {t: chat(proc, "worker", t)[0] for t in cut}  # the client's retry
+    final = wait_all_completed(proc, within_s=90)
+    figures(
+        "sigkill-rest",
+        turns=REST_TURNS,
+        answered_before_kill=REST_TURNS - len(cut),
+        cut=len(cut),
+        retry_statuses=dict(sorted(Counter(retried.values()).items())),
+        items=final,
+        restart_s=round(restarted - killed_at, 2),
+    )
+    proc.stop()
+    assert cut, "the kill came after every answer"
+    assert set(retried.values()) <= {409}, retried  # gated again, or busy (surfaced)
+    assert set(final) <= {"completed", "awaitingHuman"}, final
+    assert sum(final.values()) == REST_TURNS
