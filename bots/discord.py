@@ -56,7 +56,7 @@ from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object, read_body
 from leadgate.core.errors import ConfigError
-from leadgate.core.types import BindingKind, Duplicate, Inbound, Reply, Routed
+from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
 
@@ -67,6 +67,8 @@ INTERACTIONS_PATH = "/discord/interactions"
 FRESHNESS_S = 300
 #: Discord wants the interaction answered within 3 s: recording must end well before.
 RECORD_DEADLINE_S = 2.5
+#: How long to wait before deleting a deferred answer decided while recording.
+_DEFERRED_SETTLE_S = 1.0
 ASK_COMMAND = "ask"
 ASK_OPTION = "message"
 
@@ -307,6 +309,11 @@ class DiscordAdapter:
             # duplicate (a replayed interaction) never touches the earlier reply.
             if routed is None or isinstance(routed.outcome, Duplicate):
                 return
+            if isinstance(routed.outcome, Busy):
+                # Known while recording, so this runs as the deferred answer leaves:
+                # let Discord have it first, or the delete finds nothing and the
+                # "thinking..." state would stay.
+                await asyncio.sleep(_DEFERRED_SETTLE_S)
             if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
