@@ -426,7 +426,7 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> list[str
         commits[item["snapshot"]] = time.time()
         tx_ms.append((time.perf_counter() - began) * 1000)
 
-    service.start_runners()
+    await service.start_runners()
     try:
         # Warm up: connections, the HTTP session, SQLite caches.
         for item in seeded.items[:warm]:

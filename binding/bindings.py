@@ -137,6 +137,12 @@ async def active_binding(conn: Conn, session_id: str) -> Binding | None:
     return None if row is None else Binding.from_row(row)
 
 
+async def get_binding(conn: Conn, binding_id: str) -> Binding | None:
+    """A binding by id (active or not), if it exists."""
+    row = (await conn.execute(sa.select(t.bindings).where(B.id == binding_id))).first()
+    return None if row is None else Binding.from_row(row)
+
+
 async def deactivate_session(conn: AsyncConnection, session_id: str) -> int:
     """Deactivate the session's bindings (deliveries then fail as "no active binding")."""
     res = await conn.execute(

@@ -2,10 +2,14 @@
 
 An adapter module (``bots/slack.py`` ...) has two thin halves:
 
-* inbound: verify the platform's authenticity mechanism, parse the request into a
-  neutral :class:`leadgate.core.types.Inbound`, acknowledge fast, and hand it to
-  :meth:`Core.take_inbound` (the one "route -> trigger -> submit" step, shared by every
-  adapter; in the background when the platform wants a quick ack);
+* inbound: verify the platform's authenticity mechanism on the raw bytes, decode the
+  body through :mod:`leadgate.core.decoding`, parse it into a neutral
+  :class:`leadgate.core.types.Inbound` and hand it to :func:`accept`, the one step
+  shared by every adapter: the message is **recorded durably before the platform is
+  answered** (:meth:`Core.record_inbound`, one short transaction, within the platform's
+  deadline), and its turn runs in the background (:meth:`Core.run_recorded`). A process
+  that dies after the answer leaves a recorded run that another process (or this one
+  after its restart) takes over;
 * outbound: a :class:`outbox.channel.Channel` whose ``send`` maps SDK errors onto the
   outcome classes. Replies of plain turns and approved output both go through the outbox,
   so the inbound half never posts a turn's text itself.
@@ -15,13 +19,15 @@ Nothing outside ``bots/`` imports a channel SDK.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 from aiohttp import web
 
-from leadgate.core.types import Inbound, Routed, RouteMatch
+from leadgate.core.errors import LeadgateError, Unavailable
+from leadgate.core.types import Inbound, Recorded, Routed, RouteMatch
 from outbox.channel import Channel
 
 
@@ -29,9 +35,15 @@ class Core(Protocol):
     """What an inbound adapter may ask of the core
     (:class:`leadgate.operations.messages.Messages`)."""
 
-    async def take_inbound(self, inbound: Inbound) -> Routed | None:
-        """Route ``inbound`` and run its turn on the shared wait path; ``None`` when no
-        route answers (no turn ran). A plain reply is queued for posting."""
+    async def record_inbound(self, inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        """Route ``inbound`` and take it in durably (await before answering the platform);
+        ``None`` when no route answers. A message that breaks a message rule is
+        recorded as rejected and (``notice``) answered with a reply saying why."""
+        ...
+
+    async def run_recorded(self, recorded: Recorded) -> Routed | None:
+        """Run the recorded turn on the shared wait path (``None``: it was rejected). A
+        plain reply is queued for posting; a failed turn queues a failure notice."""
         ...
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
@@ -69,3 +81,83 @@ class Adapter(Protocol):
         """Run the inbound listeners that are not HTTP routes (a gateway, SMTP) for the
         duration of the block."""
         ...
+
+
+AfterRun = Callable[[Routed | None], Awaitable[None]]
+
+
+async def accept(
+    core: Core,
+    inbound: Inbound,
+    *,
+    name: str,
+    deadline_s: float | None = None,
+    notice: bool = True,
+    then: AfterRun | None = None,
+) -> Recorded | None:
+    """Record ``inbound`` (awaited: call before answering the platform), then run its turn
+    in the background and hand the result to ``then`` (not called when the turn failed).
+
+    ``deadline_s``: the platform's answer deadline minus a margin. When recording takes
+    longer (the database is slow), this raises :class:`Unavailable` (answer 503: the
+    platform will redeliver) while the recording goes on: if it commits after all, its
+    turn still runs, and the redelivery is a duplicate.
+    """
+    recording = asyncio.ensure_future(core.record_inbound(inbound, notice=notice))
+
+    def run(recorded: Recorded | None) -> None:
+        if recorded is not None:
+            core.spawn(_run(core, recorded, then), name=name)
+
+    try:
+        if deadline_s is None:
+            recorded = await recording
+        else:
+            recorded = await asyncio.wait_for(asyncio.shield(recording), deadline_s)
+    except TimeoutError:
+        recording.add_done_callback(
+            lambda task: (
+                run(task.result()) if not task.cancelled() and not task.exception() else None
+            )
+        )
+        raise Unavailable(
+            "the message could not be recorded in time; it is safe to send it again",
+            rule="inbound.deadline",
+            retry_after_s=1,
+        ) from None
+    run(recorded)
+    return recorded
+
+
+async def _run(core: Core, recorded: Recorded, then: AfterRun | None) -> None:
+    # A failing turn raises here (logged by spawn); the person already has a failure
+    # notice queued, so ``then`` runs only after a turn that ended normally.
+    routed = await core.run_recorded(recorded)
+    if then is not None:
+        await then(routed)
+
+
+def error_answer(exc: LeadgateError) -> web.Response:
+    """A channel endpoint's JSON answer to a refused request (400, 413, 503 ...), the same
+    with or without the service's error middleware (no traceback, Retry-After kept)."""
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return web.json_response(
+        {"error": {"message": exc.message, "code": exc.code, "rule": exc.rule}},
+        status=exc.status,
+        headers=headers,
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def answering_errors(handler: Handler) -> Handler:
+    """Wrap a channel route so a refused request gets :func:`error_answer`."""
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except LeadgateError as exc:
+            return error_answer(exc)
+
+    return route

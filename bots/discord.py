@@ -3,12 +3,18 @@
 Inbound, two ways:
 
 * ``POST /discord/interactions`` (when ``[discord] public_key`` is set): the Ed25519
-  signature is checked with PyNaCl (401 and no turn when it fails), PING is answered,
-  and the slash command ``ask`` (one string option ``message``) is answered at once with
-  a deferred response (type 5, well inside Discord's 3 seconds) while the turn runs in
+  signature is checked with PyNaCl on the raw body, and the signed timestamp must be
+  within :data:`FRESHNESS_S` of the adapter's clock (401 and no turn otherwise: a body
+  signed an hour ago is refused); the body then goes through the one decoding path
+  (400). PING is answered, and the slash command ``ask`` (one string option
+  ``message``) is **recorded** first (:func:`bots.base.accept`, well inside Discord's 3
+  seconds) and then answered with a deferred response (type 5) while the turn runs in
   the background. A plain turn's reply reaches the user when the outbox edits that
-  deferred response; for a gated, busy, duplicate, silent or unrouted turn the deferred
-  response is deleted, so no "thinking..." state lingers and nothing is visible.
+  deferred response; for a gated, busy, silent turn the deferred response is deleted,
+  so no "thinking..." state lingers and nothing is visible. A message that breaks a
+  message rule, or that no route answers, gets an ephemeral answer saying so. A
+  replayed interaction (the same interaction id) is a duplicate: it is answered
+  ephemerally and never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
 
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -41,7 +46,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from bots import discord_review
-from bots.base import Core
+from bots.base import Core, accept, answering_errors
 from bots.discord_out import (
     DiscordChannel,
     configure_endpoints,
@@ -49,15 +54,23 @@ from bots.discord_out import (
     quiet_voice_warning,
 )
 from bots.review_base import ChatReviewBackend
+from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
+from leadgate.core.decoding import json_object, read_body
 from leadgate.core.errors import ConfigError
-from leadgate.core.types import BindingKind, Inbound, Reply
+from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
 
 log = logging.getLogger(__name__)
 
 INTERACTIONS_PATH = "/discord/interactions"
+#: How far a signed interaction timestamp may be from our clock (replay window).
+FRESHNESS_S = 300
+#: Discord wants the interaction answered within 3 s: recording must end well before.
+RECORD_DEADLINE_S = 2.5
+#: How long to wait before deleting a deferred answer decided while recording.
+_DEFERRED_SETTLE_S = 1.0
 ASK_COMMAND = "ask"
 ASK_OPTION = "message"
 
@@ -110,22 +123,42 @@ class GatewayPost:
         return self.guild_id or "@me"
 
 
+def _ident(value: Any) -> str | None:
+    """A snowflake or token as Discord sends it (a string, or a number), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    return value if isinstance(value, str) and value else None
+
+
 def parse_ask(payload: Mapping[str, Any]) -> AskCommand | None:
-    """The ``ask`` command of an APPLICATION_COMMAND interaction, else ``None``."""
-    data = payload.get("data") or {}
-    if payload.get("type") != _APPLICATION_COMMAND or data.get("name") != ASK_COMMAND:
+    """The ``ask`` command of an APPLICATION_COMMAND interaction, else ``None`` (also for
+    fields of the wrong JSON type: a verified body is still not trusted for its shape)."""
+    data = payload.get("data")
+    if payload.get("type") != _APPLICATION_COMMAND or not isinstance(data, dict):
+        return None
+    if data.get("name") != ASK_COMMAND:
         return None
     text = ""
-    for option in data.get("options") or []:
-        if option.get("name") == ASK_OPTION and isinstance(option.get("value"), str):
+    options = data.get("options")
+    for option in options if isinstance(options, list) else []:
+        if (
+            isinstance(option, dict)
+            and option.get("name") == ASK_OPTION
+            and isinstance(option.get("value"), str)
+        ):
             text = option["value"].strip()
-    channel_id = payload.get("channel_id") or (payload.get("channel") or {}).get("id")
-    interaction_id = payload.get("id")
-    application_id = payload.get("application_id")
-    token = payload.get("token")
+    channel = payload.get("channel")
+    channel_id = _ident(payload.get("channel_id")) or (
+        _ident(channel.get("id")) if isinstance(channel, dict) else None
+    )
+    interaction_id = _ident(payload.get("id"))
+    application_id = _ident(payload.get("application_id"))
+    token = _ident(payload.get("token"))
     if not (text and channel_id and interaction_id and application_id and token):
         return None
-    guild_id = payload.get("guild_id")
+    guild_id = _ident(payload.get("guild_id"))
     return AskCommand(
         interaction_id=str(interaction_id),
         application_id=str(application_id),
@@ -181,14 +214,26 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def _ephemeral(text: str) -> web.Response:
+    return web.json_response(
+        {"type": _CHANNEL_MESSAGE, "data": {"content": text, "flags": _EPHEMERAL}}
+    )
+
+
 class DiscordAdapter:
     """Discord inbound (interactions endpoint, gateway) and outbound (:class:`DiscordChannel`)."""
 
     def __init__(
-        self, settings: Settings, core: Core, *, channel: DiscordChannel | None = None
+        self,
+        settings: Settings,
+        core: Core,
+        *,
+        channel: DiscordChannel | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._settings = settings.discord
         self._core = core
+        self._clock = clock or SystemClock()
         self.channel: DiscordChannel = channel or DiscordChannel(settings.discord)
         public_key = settings.discord.public_key.strip()
         try:
@@ -210,12 +255,17 @@ class DiscordAdapter:
     # -- interactions ------------------------------------------------------------------------
 
     def verify(self, headers: Mapping[str, str], body: bytes) -> bool:
-        """Whether ``body`` carries a valid Ed25519 signature of the application's key."""
+        """Whether ``body`` carries a valid Ed25519 signature of the application's key,
+        made within :data:`FRESHNESS_S` of now (the timestamp is part of what is signed)."""
         if self._verify_key is None:
             return False
         signature = headers.get("X-Signature-Ed25519", "")
         timestamp = headers.get("X-Signature-Timestamp", "")
-        if not signature or not timestamp:
+        if not signature or not timestamp or not signature.isascii():
+            return False
+        if not (timestamp.isascii() and timestamp.isdigit() and len(timestamp) < 16):
+            return False
+        if abs(self._clock.now_ms() // 1000 - int(timestamp)) > FRESHNESS_S:
             return False
         try:
             self._verify_key.verify(timestamp.encode() + body, bytes.fromhex(signature))
@@ -225,15 +275,10 @@ class DiscordAdapter:
 
     async def handle_interaction(self, request: web.Request) -> web.Response:
         """``POST /discord/interactions``."""
-        body = await request.read()
+        body = await read_body(request)
         if not self.verify(request.headers, body):
             return _error(401, "invalid request signature")
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            return _error(400, "body is not JSON")
-        if not isinstance(payload, dict):
-            return _error(400, "body is not a JSON object")
+        payload = json_object(body, allow_nul=True)
         kind = payload.get("type")
         if kind == _PING:
             return web.json_response({"type": _PONG})
@@ -249,39 +294,56 @@ class DiscordAdapter:
                         },
                     }
                 )
-            self._core.spawn(
-                self._run_ask(ask), name=f"discord-turn:interaction:{ask.interaction_id}"
-            )
-            # Deferred: Discord shows "thinking..." until the outbox edits the response
-            # (plain turn) or _run_ask deletes it (nothing to show).
-            return web.json_response({"type": _DEFERRED_CHANNEL_MESSAGE})
+            return await self._take_ask(ask)
         if self._reviews is not None and discord_review.is_review(payload):
             return web.json_response(await discord_review.handle(payload, self._reviews))
-        return _error(400, f"unsupported interaction type {kind!r}")
+        return _error(400, "unsupported interaction type")
 
-    async def _run_ask(self, ask: AskCommand) -> None:
-        visible = False
-        try:
-            inbound = _inbound(
-                ask.guild,
-                ask.channel_id,
-                ask.text,
-                {
-                    "channel_id": ask.channel_id,
-                    "application_id": ask.application_id,
-                    "interaction_token": ask.token,
-                    "guild_id": ask.guild_id,
-                },
-                f"discord:interaction:{ask.interaction_id}",
-            )
-            routed = await self._core.take_inbound(inbound)
-            # Only a plain reply on a non-silent binding fills the deferred response.
-            visible = (
-                routed is not None and isinstance(routed.outcome, Reply) and not routed.route.silent
-            )
-        finally:
-            if not visible:
+    async def _take_ask(self, ask: AskCommand) -> web.Response:
+        """Record the ask, then answer: deferred while the turn runs, or ephemeral."""
+        inbound = _inbound(
+            ask.guild,
+            ask.channel_id,
+            ask.text,
+            {
+                "channel_id": ask.channel_id,
+                "application_id": ask.application_id,
+                "interaction_token": ask.token,
+                "guild_id": ask.guild_id,
+            },
+            f"discord:interaction:{ask.interaction_id}",
+        )
+
+        async def after(routed: Routed | None) -> None:
+            # Only a plain reply on a non-silent binding fills the deferred response. A
+            # duplicate (a replayed interaction) never touches the earlier reply.
+            if routed is None or isinstance(routed.outcome, Duplicate):
+                return
+            if isinstance(routed.outcome, Busy):
+                # Known while recording, so this runs as the deferred answer leaves:
+                # let Discord have it first, or the delete finds nothing and the
+                # "thinking..." state would stay.
+                await asyncio.sleep(_DEFERRED_SETTLE_S)
+            if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
+
+        recorded = await accept(
+            self._core,
+            inbound,
+            name=f"discord-turn:interaction:{ask.interaction_id}",
+            deadline_s=RECORD_DEADLINE_S,
+            notice=False,
+            then=after,
+        )
+        if recorded is None:
+            return _ephemeral("Nobody answers /ask in this channel.")
+        if recorded.rejected is not None:
+            return _ephemeral(f"Your message was not processed: {recorded.rejected}.")
+        if isinstance(recorded.outcome, Duplicate):
+            return _ephemeral("This request was already received.")
+        # Deferred: Discord shows "thinking..." until the outbox edits the response
+        # (plain turn) or ``after`` deletes it (nothing to show).
+        return web.json_response({"type": _DEFERRED_CHANNEL_MESSAGE})
 
     # -- gateway -----------------------------------------------------------------------------
 
@@ -303,9 +365,11 @@ class DiscordAdapter:
             },
             f"discord:message:{post.message_id}",
         )
-        # A Reply is queued in the outbox; nothing else is ever shown.
+        # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
+        # answer to wait for: record and run in the background.
         self._core.spawn(
-            self._core.take_inbound(inbound), name=f"discord-turn:message:{post.message_id}"
+            accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}"),
+            name=f"discord-record:message:{post.message_id}",
         )
 
     @contextlib.asynccontextmanager
@@ -375,7 +439,7 @@ class DiscordAdapter:
     def mount(self, app: web.Application) -> None:
         """Add the interactions route (with a public key)."""
         if self._verify_key is not None:
-            app.router.add_post(INTERACTIONS_PATH, self.handle_interaction)
+            app.router.add_post(INTERACTIONS_PATH, answering_errors(self.handle_interaction))
 
 
 def _inbound(

@@ -11,9 +11,12 @@ thread and loop). Authenticity is the route's sender allow-list:
   (otherwise ``550 5.7.1``); the message must be at most 1 MB (``552``) and have a
   non-empty text body after quoted text is removed (``550 5.6.0``).
 
-Accepted mail is answered ``250`` at once and runs one turn per routed recipient in the
-background. Automatic mail (null sender, ``Auto-Submitted`` other than ``no``) is
-accepted and dropped so that two auto-responders cannot loop (RFC 3834).
+Accepted mail is recorded durably (one turn per routed recipient, :func:`bots.base.accept`)
+before it is answered ``250``; the turns run in the background. A database that cannot
+record it gets ``451`` (the sending server retries). A mail whose text breaks a message
+rule (NUL, over 100,000 characters) is answered with a reply saying why. Automatic mail
+(null sender, ``Auto-Submitted`` other than ``no``) is accepted and dropped so that two
+auto-responders cannot loop (RFC 3834).
 
 Outbound: :class:`EmailChannel` sends a threaded reply with ``aiosmtplib``, step by step,
 so that it knows whether the message's final dot was written (see :meth:`_deliver`).
@@ -31,10 +34,11 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-from bots.base import Adapter, Core
+from bots.base import Adapter, Core, accept
 from bots.email_out import EmailChannel, build_reply, message_id_for
 from bots.email_parse import parse_mail, reply_subject, strip_quoted
 from leadgate.core.config import EmailSettings, Settings
+from leadgate.core.errors import LeadgateError
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from outbox.channel import Channel
 
@@ -162,7 +166,18 @@ class EmailHandler:
                 # Per recipient: one mail to two routed addresses is two triggers.
                 external_event_id=f"email:{recipient}:{mail.message_id}",
             )
-            self._core.spawn(self._core.take_inbound(inbound), name=f"email-turn {mail.message_id}")
+            # Recorded before the 250: once the sender is told OK, the mail is ours.
+            try:
+                await accept(self._core, inbound, name=f"email-turn {mail.message_id}")
+            except LeadgateError as exc:
+                if exc.status >= 500:
+                    log.warning("email: could not record the mail (%s); asking to retry", exc.code)
+                    return _TEMPFAIL
+                log.info("email: refused a mail: %s", exc.rule)
+                return "554 5.6.0 Message could not be processed"
+            except Exception:
+                log.exception("email: recording the mail failed")
+                return _TEMPFAIL
         return "250 2.0.0 OK"
 
 

@@ -1,9 +1,15 @@
 """Slack: Events API in (slack-bolt), ``chat.postMessage`` out (slack-sdk).
 
-Inbound: a slack-bolt :class:`AsyncApp` verifies the signing secret (bad signature: 401
-from Bolt, no turn), answers ``url_verification`` and turns ``message`` / ``app_mention``
-events into a :class:`leadgate.core.types.Trigger`. The listener only spawns the turn and
-returns, so Slack gets its 200 at once; the turn's reply travels through the outbox.
+Inbound: the signature is checked first, on the raw body, with slack_sdk's
+``SignatureVerifier`` (a bad or missing signature or a non-numeric timestamp: 401, the
+body is never parsed); the body is then decoded through :mod:`leadgate.core.decoding`
+(JSON, or a form whose ``payload`` is JSON; 400 for anything else, for a shape Bolt
+cannot read, or for identifiers that cannot be stored) and handed to a slack-bolt
+:class:`AsyncApp`, which answers ``url_verification`` and turns ``message`` /
+``app_mention`` events into a :class:`leadgate.core.types.Inbound`. The listener
+**records** the message (:func:`bots.base.accept`) before Bolt answers 200, within
+Slack's 3 seconds (past 2.5 s, or with the database unavailable: 503, and Slack
+redelivers); the turn runs in the background and its reply travels through the outbox.
 
 Each thread is one session (``slack:{team}:{channel}:{thread_ts or ts}``) and replies go
 into that thread. The external event id is built from the *message* (team, channel,
@@ -19,31 +25,61 @@ so anything that may have reached Slack without an answer is :class:`Uncertain`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 import aiohttp
 from aiohttp import web
-from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
+from slack_bolt.adapter.aiohttp import to_aiohttp_response
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.authorization import AuthorizeResult
+from slack_bolt.request.async_request import AsyncBoltRequest
 from slack_sdk.errors import SlackApiError, SlackRequestError
+from slack_sdk.signature import SignatureVerifier
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from bots import slack_review
-from bots.base import Core
+from bots.base import Core, accept, answering_errors
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, SlackSettings
+from leadgate.core.decoding import decode_text, json_object, read_body
+from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
 log = logging.getLogger(__name__)
 
 EVENTS_PATH = "/slack/events"
+#: Slack gives up on a request after 3 s; recording must be done well before.
+RECORD_DEADLINE_S = 2.5
+
+# Keys Bolt reads as an object or an id string (slack_bolt.request.internals): any other
+# JSON type there makes Bolt itself fail, so such a body is a 400 before it gets there.
+_OBJECT_OR_ID = (
+    "team",
+    "user",
+    "channel",
+    "enterprise",
+    "view",
+    "container",
+    "message",
+    "previous_message",
+    "item",
+    "assistant_thread",
+    "function_data",
+)
+# Event fields Bolt's matchers compare or hash (a list there fails inside Bolt).
+_EVENT_STRINGS = ("subtype", "channel_type", "text", "ts", "thread_ts", "bot_id", "event_ts")
+# Set per request: what the listener could not do (answered by the route, not by Bolt).
+_FAILURE: contextvars.ContextVar[list[LeadgateError] | None] = contextvars.ContextVar(
+    "leadgate_slack_failure", default=None
+)
 
 # Message subtypes a person produces. Everything else (bot_message, message_changed,
 # message_deleted, channel_join, ...) is either a bot or a change notice, never a new ask.
@@ -342,6 +378,7 @@ class SlackAdapter:
     def __init__(self, settings: Settings, core: Core, *, channel: SlackChannel | None = None):
         self.channel: SlackChannel = channel or SlackChannel(settings.slack)
         self._core = core
+        self._verifier = SignatureVerifier(settings.slack.signing_secret)
         bot_token = settings.slack.bot_token
 
         async def authorize(enterprise_id: str | None, team_id: str | None) -> AuthorizeResult:
@@ -365,7 +402,13 @@ class SlackAdapter:
         )
 
         async def on_message(body: dict[str, Any], event: dict[str, Any]) -> None:
-            self.take(body, event)
+            try:
+                await self.take(body, event)
+            except LeadgateError as exc:
+                failures = _FAILURE.get()
+                if failures is None:
+                    raise
+                failures.append(exc)
 
         async def on_other(body: dict[str, Any]) -> None:
             # Acknowledge every other subscribed event so Slack does not retry it.
@@ -380,30 +423,114 @@ class SlackAdapter:
         ``view_submission``), verified by Bolt like every event."""
         slack_review.register(self.bolt, backend, self._core.spawn)
 
-    def take(self, body: Mapping[str, Any], event: Mapping[str, Any]) -> None:
-        """Spawn the turn for one event (no-op for events that are not a human ask)."""
+    async def take(self, body: Mapping[str, Any], event: Mapping[str, Any]) -> None:
+        """Record one event's message, then run its turn in the background (no-op for
+        events that are not a human ask)."""
         post = parse_event(body, event)
         if post is None:
             return
         # The outcome needs no action here: a Reply is already queued in the outbox, and
         # Gated/Busy/Duplicate post nothing.
-        self._core.spawn(
-            self._core.take_inbound(post.inbound()), name=f"slack-turn:{post.external_event_id}"
+        await accept(
+            self._core,
+            post.inbound(),
+            name=f"slack-turn:{post.external_event_id}",
+            deadline_s=RECORD_DEADLINE_S,
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """``POST /slack/events``: Bolt verifies, answers and dispatches."""
-        bolt_response = await self.bolt.async_dispatch(await to_bolt_request(request))
+        """``POST /slack/events``: verify, decode, then Bolt answers and dispatches."""
+        raw = await read_body(request)
+        timestamp = request.headers.get("X-Slack-Request-Timestamp", "")
+        signature = request.headers.get("X-Slack-Signature", "")
+        try:
+            # The verifier reads the body as UTF-8: bytes that are not cannot be verified.
+            text = decode_text(raw)
+        except ValidationError:
+            text = None
+        if not (
+            text is not None
+            and timestamp.isascii()
+            and timestamp.isdigit()
+            and len(timestamp) < 16
+            and signature.isascii()
+            and self._verifier.is_valid(raw, timestamp, signature)
+        ):
+            return web.json_response({"error": "invalid request"}, status=401)
+        _check_shape(_decode(text, request.content_type))
+        failures: list[LeadgateError] = []
+        reset = _FAILURE.set(failures)
+        try:
+            bolt_request = AsyncBoltRequest(
+                body=text,
+                query=request.query_string,
+                headers={k: list(request.headers.getall(k)) for k in request.headers},
+            )
+            bolt_response = await self.bolt.async_dispatch(bolt_request)
+        except Exception as exc:
+            # A verified body of a shape Bolt cannot read (no listener of ours ran).
+            log.info("slack: Bolt could not read a verified request: %s", type(exc).__name__)
+            raise ValidationError(
+                "the body is not a Slack request Bolt can read", rule="slack.shape"
+            ) from None
+        finally:
+            _FAILURE.reset(reset)
+        if failures:
+            raise failures[0]
         return await to_aiohttp_response(bolt_response)
 
     def mount(self, app: web.Application) -> None:
         """Add ``POST /slack/events``."""
-        app.router.add_post(EVENTS_PATH, self.handle)
+        app.router.add_post(EVENTS_PATH, answering_errors(self.handle))
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
         """Slack needs no listener besides its HTTP route."""
         yield
+
+
+def _decode(text: str, content_type: str) -> dict[str, Any]:
+    """The body as Bolt will read it: JSON, or a form whose ``payload`` is JSON."""
+    if content_type == "application/json" or text.lstrip().startswith("{"):
+        return json_object(text, allow_nul=True)
+    try:
+        form = parse_qsl(text, keep_blank_values=True, strict_parsing=bool(text))
+    except ValueError:
+        raise ValidationError("the body is not a form", rule="body.form") from None
+    fields = dict(form)
+    if "payload" in fields:
+        return json_object(fields["payload"], allow_nul=True)
+    return fields
+
+
+def _check_shape(body: Mapping[str, Any]) -> None:
+    """The fields Bolt reads must have the JSON types Slack sends (400 otherwise)."""
+
+    def bad(where: str) -> ValidationError:
+        return ValidationError(f"unexpected JSON type for {where}", rule="slack.shape")
+
+    layers: list[Mapping[str, Any]] = [body]
+    event = body.get("event")
+    if event is not None:
+        if not isinstance(event, dict):
+            raise bad("event")
+        layers.append(event)
+    if event is not None:
+        for key in _EVENT_STRINGS:
+            if not isinstance(event.get(key, ""), str | None):
+                raise bad(f"event.{key}")
+    for layer in layers:
+        if not isinstance(layer.get("type", ""), str):
+            raise bad("type")
+        for key in _OBJECT_OR_ID:
+            value = layer.get(key)
+            if value is not None and not isinstance(value, dict | str):
+                raise bad(key)
+        auths = layer.get("authorizations")
+        if auths is not None and not (
+            isinstance(auths, list) and all(isinstance(a, dict) for a in auths)
+        ):
+            raise bad("authorizations")
 
 
 def create(settings: Settings, core: Core) -> SlackAdapter | None:

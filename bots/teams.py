@@ -1,9 +1,12 @@
 """Microsoft Teams through the Bot Framework SDK (botbuilder ``CloudAdapter``).
 
-Inbound: ``POST /api/messages``. The Bot Framework JWT is checked by the SDK's
-``ConfigurationBotFrameworkAuthentication``; a message activity becomes a
-:class:`leadgate.core.types.Trigger` that runs in the background while the channel gets its
-``202`` at once. Outbound: :class:`TeamsChannel` rebuilds the stored conversation
+Inbound: ``POST /api/messages``. The body is read and decoded through the one decoding
+path (413 over the size limit, 400 for bad JSON); the Bot Framework JWT, a bearer token
+whose claims are checked against the activity's ``serviceUrl``, is then checked by the
+SDK's ``ConfigurationBotFrameworkAuthentication``; a message activity becomes a
+:class:`leadgate.core.types.Inbound` that is **recorded** (:func:`bots.base.accept`)
+before the channel gets its ``202`` (Teams allows 15 s), and its turn runs in the
+background. Outbound: :class:`TeamsChannel` rebuilds the stored conversation
 reference and posts through ``CloudAdapter.continue_conversation``.
 
 Authentication modes:
@@ -45,9 +48,10 @@ from botbuilder.schema import (
 from msrest.exceptions import ClientRequestError
 
 from bots import teams_review
-from bots.base import Adapter, Core
+from bots.base import Adapter, Core, accept, answering_errors
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, TeamsSettings
+from leadgate.core.decoding import json_object, read_body
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
@@ -57,6 +61,9 @@ log = logging.getLogger(__name__)
 CHANNEL = "teams"
 #: Teams rejects messages above roughly 28 KB of text.
 MAX_CHARS = 28_000
+
+#: Teams waits 15 s for the answer to an activity; recording ends well before.
+RECORD_DEADLINE_S = 10.0
 
 _MENTION_TAG = re.compile(r"<at>(.*?)</at>", re.IGNORECASE | re.DOTALL)
 
@@ -129,7 +136,14 @@ def parse_message(activity: Activity) -> Inbound | None:
     """A message activity as a channel-neutral inbound message (None: nothing to run)."""
     if activity.type != ActivityTypes.message or activity.conversation is None:
         return None
-    text = _strip_bot_mention(activity)
+    if not isinstance(activity.text, str) or not isinstance(activity.id, str):
+        return None
+    if not isinstance(activity.conversation.id, str):
+        return None
+    try:
+        text = _strip_bot_mention(activity)
+    except (TypeError, AttributeError):
+        return None  # entities of the wrong JSON types: not a message we can read
     conversation_id = activity.conversation.id or ""
     if not text or not conversation_id or not activity.id:
         return None
@@ -154,11 +168,14 @@ class TeamsBot(Bot):  # type: ignore[misc]
         self._core = core
 
     async def on_turn(self, context: TurnContext) -> None:
-        """Parse and hand over; the route lookup and the turn run in the background."""
+        """Parse and record (before the 202); the turn runs in the background."""
         inbound = parse_message(context.activity)
         if inbound is not None:
-            self._core.spawn(
-                self._core.take_inbound(inbound), name=f"teams-turn {inbound.external_event_id}"
+            await accept(
+                self._core,
+                inbound,
+                name=f"teams-turn {inbound.external_event_id}",
+                deadline_s=RECORD_DEADLINE_S,
             )
 
 
@@ -395,7 +412,7 @@ class TeamsAdapter:
 
     def mount(self, app: web.Application) -> None:
         """Add ``POST /api/messages``."""
-        app.router.add_post("/api/messages", self.handle)
+        app.router.add_post("/api/messages", answering_errors(self.handle))
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -423,12 +440,12 @@ class TeamsAdapter:
         """
         if request.content_type != "application/json":
             return web.Response(status=415, text="expected application/json")
+        body = json_object(await read_body(request), allow_nul=True)
         try:
-            body = await request.json()
             activity = Activity().deserialize(body)
         except Exception:
             return web.Response(status=400, text="body is not an activity")
-        if not isinstance(body, dict) or not activity.type:
+        if not isinstance(activity.type, str) or not activity.type:
             return web.Response(status=400, text="body is not an activity")
         auth_header = request.headers.get("Authorization", "")
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,11 +30,13 @@ from bots.base import Adapter
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
+from leadgate.core.decoding import BODY_TIMEOUT_KEY
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.core.types import Outcome
 from leadgate.database.db import Database
+from leadgate.domain.processes import Liveness
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
@@ -49,6 +52,7 @@ from leadgate.operations.transcripts import Transcripts
 from leadgate.review.cards import ReviewNotifier
 from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
+from leadgate.runners.recovery import TurnRecovery
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner
 from leadgate.turns.path import TurnService
@@ -58,12 +62,13 @@ from leadgate.web import (
     agents_api,
     console,
     openai_api,
+    openapi,
     operator_api,
     operator_events,
     sessions_api,
     studio,
 )
-from leadgate.web.common import add_request_id, error_middleware
+from leadgate.web.common import add_request_id, bearer, error_middleware, error_response
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
@@ -103,7 +108,19 @@ class App:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.ids = ids or RandomIds()
-        self.db = Database(settings.database.url, pool_size=settings.database.pool_size)
+        self.db = Database(
+            settings.database.url,
+            pool_size=settings.database.pool_size,
+            busy_timeout_s=settings.database.busy_timeout_s,
+        )
+        # This process's row in `processes`: the owner named on every lease it takes, so
+        # that another process takes its leases back at once when it is known dead.
+        self.liveness = Liveness(
+            self.db,
+            self.clock,
+            self.ids,
+            dead_after_ms=int(settings.runners.dead_after_s * 1000),
+        )
         self.providers = ProviderRegistry(providers or build_providers(settings))
         self.background = Background()
         self.outbox = Outbox(self.clock, self.ids)
@@ -139,6 +156,7 @@ class App:
         """The turn path, the adapters and the runners, wired by wake callables."""
         r = self.settings.runners
         review_wake, self._relay_wake, revision_wake = (asyncio.Event() for _ in range(3))
+        owner = self.liveness.owner
         self.turns = TurnService(
             self.db,
             self.clock,
@@ -147,6 +165,7 @@ class App:
             self.outbox,
             on_review_queued=review_wake.set,
             on_delivery_queued=self._outbox_due,
+            owner=owner,
         )
         self.messages = Messages(self.db, self.turns, self.background)
         self.adapters: list[Adapter] = []
@@ -166,6 +185,7 @@ class App:
             concurrency=r.relay_concurrency,
             max_attempts=r.delivery_max_attempts,
             review_needed=self.outbox.review_needed,
+            owner=owner,
         )
         # Every committed enqueue (lead or human approval, plain reply, operator retry)
         # wakes this process's relay at once; other replicas hear PostgreSQL NOTIFY.
@@ -177,7 +197,13 @@ class App:
             revision_wake.set()
 
         self.lead_runner = LeadRunner(
-            self.db, self.clock, self.ids, self.providers, self.outbox, on_verdict=after_verdict
+            self.db,
+            self.clock,
+            self.ids,
+            self.providers,
+            self.outbox,
+            on_verdict=after_verdict,
+            owner=owner,
         )
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.loops = [
@@ -189,6 +215,7 @@ class App:
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
             _Loop(FlowResumer(self.flows)),
+            _Loop(TurnRecovery(self.turns)),
         ]
 
     def _wire_chat_reviews(self) -> None:
@@ -226,8 +253,11 @@ class App:
 
     # ----------------------------------------------------------------- runners
 
-    def start_runners(self) -> None:
-        """Start every background runner loop (and the PostgreSQL listener)."""
+    async def start_runners(self) -> None:
+        """Register this process, then start every background runner loop, the heartbeat
+        and (PostgreSQL) the listener."""
+        await self.liveness.register()
+        self.background.spawn(self._heartbeat(), name="heartbeat")
         poll = self.settings.runners.poll_interval_s
         # Deliveries enqueued in this process go straight to this process's relay
         # (already claimed, handed over after commit): no claim round trip.
@@ -247,6 +277,21 @@ class App:
                 name="pg-listen",
             )
 
+    async def _heartbeat(self) -> None:
+        """Refresh this process's heartbeat and reap dead processes until stopped (a
+        database fault is logged and retried at the next beat)."""
+        every = self.settings.runners.heartbeat_s
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=every)
+            if self._stop.is_set():
+                return
+            try:
+                await self.liveness.beat()
+                await self.liveness.reap()
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
     async def stop(self) -> None:
         """Stop runners, wait for background work, close channels, providers, database
         (idempotent: the app's cleanup and a test's teardown may both call it)."""
@@ -263,6 +308,10 @@ class App:
             await self.relay.release_handoffs()
         except Exception:
             log.exception("releasing handed-over deliveries failed (their leases will expire)")
+        try:
+            await self.liveness.unregister()
+        except Exception:
+            log.warning("could not unregister this process (its leases lapse by themselves)")
         for channel in self.channels.values():
             try:
                 await channel.close()
@@ -280,8 +329,10 @@ class App:
             middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
         )
         app.on_response_prepare.append(add_request_id)
+        app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))
-        app.router.add_get("/metrics", _metrics)
+        if not self.settings.server.metrics_host:
+            app.router.add_get("/metrics", self.metrics_handler())
         surfaces = role != "worker"
         if surfaces:
             self._mount_surfaces(app)
@@ -340,6 +391,7 @@ class App:
         )
         for adapter in self.adapters:
             adapter.mount(app)
+        openapi.setup(app, public_url=self.settings.server.public_url)
 
     async def _mcp_send(
         self, principal: Principal, agent: str, message: str, session: str | None
@@ -382,7 +434,7 @@ class App:
                     for adapter in self.adapters:
                         await stack.enter_async_context(adapter.lifespan())
                 if run_runners:
-                    self.start_runners()
+                    await self.start_runners()
                 yield
 
         return ctx
@@ -394,6 +446,44 @@ class App:
             self._mcp.release_streams()
         self.event_hub.close()  # review-status event streams end too
 
+    def metrics_handler(self) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """``GET /metrics``: counters across every organization, so not for everyone.
+
+        With ``[server] metrics_token`` it needs that bearer token (401 otherwise). With
+        ``metrics_host`` it is served only on that separate listener (``metrics_app``).
+        Without either it is open only while the service listens on a loopback address.
+        """
+        server = self.settings.server
+        token = server.metrics_token
+        loopback = server.host in ("127.0.0.1", "::1", "localhost") or bool(server.metrics_host)
+
+        async def metrics(request: web.Request) -> web.Response:
+            if token:
+                given = bearer(request) or ""
+                if not hmac.compare_digest(given.encode(), token.encode()):
+                    resp = error_response(
+                        request, 401, "metrics need the token", "unauthorized", "metrics.token"
+                    )
+                    resp.headers["WWW-Authenticate"] = "Bearer"
+                    return resp
+            elif not loopback:
+                return error_response(
+                    request,
+                    403,
+                    "set [server] metrics_token or metrics_host to read metrics",
+                    "forbidden",
+                    "metrics.exposed",
+                )
+            return web.Response(body=METRICS.render(), content_type="text/plain")
+
+        return metrics
+
+    def metrics_app(self) -> web.Application:
+        """The separate ``/metrics`` listener's application (``[server] metrics_host``)."""
+        app = web.Application(middlewares=[error_middleware], client_max_size=1024)
+        app.router.add_get("/metrics", self.metrics_handler())
+        return app
+
 
 def package_version() -> str:
     """The installed leadgate version (MCP ``serverInfo.version``)."""
@@ -401,7 +491,3 @@ def package_version() -> str:
         return importlib.metadata.version("leadgate")
     except importlib.metadata.PackageNotFoundError:  # running from a bare checkout
         return "0+unknown"
-
-
-async def _metrics(_: web.Request) -> web.Response:
-    return web.Response(body=METRICS.render(), content_type="text/plain")

@@ -50,6 +50,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
     Card,
@@ -130,6 +131,7 @@ class Relay:
         send_lease_ms: int = SEND_LEASE_MS,
         max_rows_per_run: int | None = None,
         review_needed: ReviewNeeded | None = None,
+        owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         if batch < 1 or concurrency < 1 or max_attempts < 1 or send_lease_ms < 1:
             raise ValueError("batch, concurrency, max_attempts and send_lease_ms must be >= 1")
@@ -142,6 +144,8 @@ class Relay:
         self.max_attempts = max_attempts
         self.rand = rand
         self.send_lease_ms = send_lease_ms
+        #: this process (``lease_owner`` of its send leases; see domain.processes)
+        self.owner = owner
         self.max_rows_per_run = max_rows_per_run or 10 * batch
         self.committer = OutcomeCommitter(
             clock, ids, RetryPolicy(max_attempts, self.backoff_s), review_needed=review_needed
@@ -154,6 +158,8 @@ class Relay:
         # arrive already claimed under this token, after their transaction committed.
         self.handoff_token = ids.new("lease")
         self._handed: list[Delivery] = []
+        # Outcomes of sends that happened but could not be committed yet (database down).
+        self._uncommitted: list[Done] = []
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -205,6 +211,14 @@ class Relay:
         """Expire send leases (when due), then claim, send and commit until nothing is
         due. True when it did any work."""
         worked = False
+        if self._uncommitted:
+            group, self._uncommitted = self._uncommitted, []
+            try:
+                await self.complete(group)
+            except Exception:
+                self._uncommitted = group + self._uncommitted
+                raise
+            worked = True
         now = self.clock.now_ms()
         if now >= self._next_expiry_check:
             self._next_expiry_check = now + self._expiry_every_ms
@@ -284,11 +298,14 @@ class Relay:
                 return
             except Exception:
                 if delay is None:
-                    log.exception(
-                        "could not commit %d delivery outcomes; their send leases will "
-                        "expire (posts become deliveryUnknown)",
+                    # Kept and committed again at the next run (the database may be
+                    # back well within the send lease); if this process dies first, the
+                    # lease lapses and the posts become deliveryUnknown (never re-sent).
+                    log.warning(
+                        "could not commit %d delivery outcomes yet; retrying them next run",
                         len(group),
                     )
+                    self._uncommitted.extend(group)
                     return
                 log.warning("committing delivery outcomes failed (attempt %d)", attempt + 1)
                 await asyncio.sleep(delay)
@@ -302,15 +319,19 @@ class Relay:
     # ------------------------------------------------------------------- leases
 
     async def expire_send_leases(self) -> int:
-        """A relay died mid-send: posts become deliveryUnknown, internal ones pending."""
+        """A relay died mid-send: posts become deliveryUnknown, internal ones pending.
+
+        Taken back when the send lease expired, or at once when its holder is known dead
+        (:mod:`leadgate.domain.processes`). Either way a post that was in flight stays
+        uncertain: it may have landed, so it is never retried by itself.
+        """
         now = self.clock.now_ms()
         # Internal actions are idempotent, and so is editing a card: both go back to
         # pending. A post (a message or a card) may have landed: deliveryUnknown.
         internal = sa.or_(D.action.in_(sorted(INTERNAL_ACTIONS)), D.kind == CARD_UPDATE)
+        lapsed = sa.or_(D.lease_expires_at < now, owner_gone(D.lease_owner))
         expired = self.db.skip_locked(
-            sa.select(D.id).where(
-                D.status == DeliveryStatus.sending.value, D.lease_expires_at < now
-            )
+            sa.select(D.id).where(D.status == DeliveryStatus.sending.value, lapsed)
         )
         async with self.db.tx() as conn:
             chosen = await self._locked_ids(conn, expired)
@@ -322,7 +343,7 @@ class Relay:
                     .where(
                         D.id.in_(expired.scalar_subquery() if chosen is None else chosen),
                         D.status == DeliveryStatus.sending.value,
-                        D.lease_expires_at < now,
+                        lapsed,
                     )
                     .values(
                         status=sa.case(
@@ -332,6 +353,7 @@ class Relay:
                         error=sa.case((internal, sa.null()), else_=LEASE_EXPIRED_ERROR),
                         lease_token=None,
                         lease_expires_at=None,
+                        lease_owner=None,
                         updated_at=now,
                     )
                     .returning(D.id, D.action, D.channel, D.org_id, D.work_item_id, D.kind)
@@ -407,6 +429,7 @@ class Relay:
                     status=DeliveryStatus.sending.value,
                     lease_token=token,
                     lease_expires_at=now + self.send_lease_ms,
+                    lease_owner=self.owner(),
                     attempts=D.attempts + 1,
                     updated_at=now,
                 )

@@ -92,6 +92,8 @@ class LocalRelay(Protocol):
 
     handoff_token: str
     send_lease_ms: int
+    #: the process holding what is handed over (``lease_owner``)
+    owner: Callable[[], str | None]
 
     def has_room(self) -> bool:
         """Whether the relay can start another send now."""
@@ -245,6 +247,7 @@ class Outbox:
             status=DeliveryStatus.sending.value,
             lease_token=local.handoff_token,
             lease_expires_at=now + local.send_lease_ms,
+            lease_owner=local.owner(),
             attempts=1,
         )
         signal_after_commit(conn, HANDOFF_TOPIC, values)
@@ -254,6 +257,7 @@ class Outbox:
 _INSERT_DELIVERY = t.deliveries.insert()
 #: Columns a new delivery row leaves to their defaults.
 _UNSET_COLUMNS: dict[str, Any] = {
+    "lease_owner": None,
     "lease_token": None,
     "lease_expires_at": None,
     "error": None,

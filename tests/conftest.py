@@ -15,12 +15,19 @@ if TYPE_CHECKING:
     from tests.stack import Stack
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Anything that uses the real PostgreSQL carries the `postgres` marker, so that
     # `-m "not postgres"` runs the rest without starting a server.
     for item in items:
         if "postgres_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)
+    # The long form of the reliability and fuzz suites runs only when asked for
+    # (`-m long`): deselected otherwise, never skipped.
+    if "long" not in (config.getoption("-m") or ""):
+        dropped = [i for i in items if i.get_closest_marker("long") is not None]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [i for i in items if i.get_closest_marker("long") is None]
 
 
 @pytest.fixture(scope="session")

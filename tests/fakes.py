@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from aiohttp import web
 
 from bots.base import Adapter
-from leadgate.core.types import Inbound, Outcome, Reply, Routed, RouteMatch, Trigger
+from leadgate.core.types import Inbound, Outcome, Recorded, Reply, Routed, RouteMatch, Trigger
 
 RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
 
@@ -39,6 +39,7 @@ class FakeCore:
         self.gate = asyncio.Event()
         self.gate.set()
         self.tasks: list[asyncio.Task[object]] = []
+        self.recorded: list[Inbound] = []
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         self.lookups.append((channel, dict(attrs)))
@@ -57,10 +58,19 @@ class FakeCore:
         return self.outcome
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
+        recorded = await self.record_inbound(inbound)
+        return None if recorded is None else await self.run_recorded(recorded)
+
+    async def record_inbound(self, inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        """Route (the fake's "record"); the trigger is submitted by run_recorded."""
         route = await self.resolve_route(inbound.channel.value, inbound.route_attrs)
         if route is None:
             return None
-        return Routed(await self.submit(inbound.trigger(route)), route)
+        self.recorded.append(inbound)
+        return Recorded(route, turn=inbound.trigger(route))
+
+    async def run_recorded(self, recorded: Recorded) -> Routed | None:
+        return Routed(await self.submit(recorded.turn), recorded.route)
 
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         async def run() -> object:

@@ -61,10 +61,25 @@ async def _serve(settings: Settings, role: str) -> None:
         app.web_app(role, run_runners=role in ("worker", "all")),
         handle_signals=False,
         access_log=None,
+        # Idle connections, and connections that never finish sending their request
+        # headers (slow-loris), are closed after this; bodies have their own timeout.
+        keepalive_timeout=settings.server.idle_timeout_s,
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
     await site.start()
+    metrics_runner: web.AppRunner | None = None
+    if settings.server.metrics_host:
+        metrics_runner = web.AppRunner(
+            app.metrics_app(), handle_signals=False, access_log=None, keepalive_timeout=5
+        )
+        await metrics_runner.setup()
+        metrics_site = web.TCPSite(
+            metrics_runner, settings.server.metrics_host, settings.server.metrics_port
+        )
+        await metrics_site.start()
+        host, mport = metrics_runner.addresses[0][:2]
+        print(json.dumps({"metrics": f"http://{host}:{mport}/metrics"}), flush=True)
     # Everything built so far (modules, the app) lives as long as the process: keep it out
     # of later garbage collections, whose full passes over it took hundreds of ms each.
     gc.freeze()
@@ -79,6 +94,8 @@ async def _serve(settings: Settings, role: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()
 
 

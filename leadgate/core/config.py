@@ -33,7 +33,17 @@ class ServerSettings(_Section):
     port: int = Field(default=8080, ge=0, le=65535)
     public_url: str = "http://127.0.0.1:8080"
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
-    console_secret: str = ""
+    #: A connection may stay idle (before its first request's headers are in, or between
+    #: keep-alive requests) this long before it is closed: slow-loris and idle sockets.
+    idle_timeout_s: float = Field(default=15.0, gt=0)
+    #: A request body must arrive within this many seconds (408 otherwise).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set.
+    metrics_token: str = ""
+    #: Serve ``/metrics`` (and ``/healthz``) on a separate listener instead of the main
+    #: port when set (``metrics_port`` 0 picks a free one); the main port then has none.
+    metrics_host: str = ""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
 
 class DatabaseSettings(_Section):
@@ -41,6 +51,9 @@ class DatabaseSettings(_Section):
 
     url: str = "sqlite+aiosqlite:///./leadgate.db"
     pool_size: int = Field(default=10, ge=1, le=200)
+    #: How long a request waits for the database (SQLite writer lock, PostgreSQL pool or
+    #: connect) before it is answered 503 with Retry-After, nothing stored.
+    busy_timeout_s: float = Field(default=5.0, gt=0, le=300)
 
 
 class SlackSettings(_Section):
@@ -101,6 +114,11 @@ class RunnerSettings(_Section):
     relay_batch: int = Field(default=100, ge=1, le=1000)
     relay_concurrency: int = Field(default=64, ge=1, le=1024)
     delivery_max_attempts: int = Field(default=8, ge=1, le=100)
+    #: Every process writes a heartbeat this often; leases of a process whose heartbeat
+    #: is older than ``dead_after_s`` (or, on the same host, whose pid is gone) are taken
+    #: back at once instead of waiting out the lease.
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    dead_after_s: float = Field(default=30.0, gt=0)
 
 
 class LogSettings(_Section):
@@ -108,6 +126,9 @@ class LogSettings(_Section):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = "text"
+    #: Message text, tokens and request bodies never reach the log unless this is true
+    #: (even at DEBUG, where libraries log request payloads).
+    include_content: bool = False
 
 
 class ReviewSettings(_Section):

@@ -11,7 +11,12 @@
     ├── NotFound (404)            no such thing in *this* organization
     ├── Conflict (409)            the thing exists but is in the wrong state
     │   └── TransitionError       a fenced work-item update matched no row
-    └── ModelError (502)          the model provider failed during a turn
+    ├── PayloadTooLarge (413)     the request body is over the size limit
+    ├── RequestTimeout (408)      the request body did not arrive in time
+    ├── RateLimited (429)         too many attempts; ``retry_after_s`` says when to retry
+    ├── ModelError (502)          the model provider failed during a turn
+    └── Unavailable (503)         the database is busy past its bound, full or unreachable:
+                                  nothing of the request was stored; retry later
 
 Every error that reaches a user carries ``rule``: a short, stable name of the rule that
 was broken (for example ``lead.self``), and a human message that says what to do.
@@ -25,11 +30,17 @@ class LeadgateError(Exception):
 
     status: int = 500
     code: str = "internal_error"
+    #: seconds a client should wait before trying again (a ``Retry-After`` header)
+    retry_after_s: int | None = None
 
-    def __init__(self, message: str, *, rule: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, rule: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.rule = rule or self.code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def to_dict(self) -> dict[str, str]:
         """Public JSON shape of the error (no internals, no secrets)."""
@@ -94,3 +105,36 @@ class ModelError(LeadgateError):
 
     status = 502
     code = "model_error"
+
+
+class PayloadTooLarge(LeadgateError):
+    """The request body is larger than ``[server] max_body_bytes``."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class RequestTimeout(LeadgateError):
+    """The client did not send its request body within the server's body timeout."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class RateLimited(LeadgateError):
+    """Too many attempts in a window (console logins); retry after ``retry_after_s``."""
+
+    status = 429
+    code = "rate_limited"
+
+
+class Unavailable(LeadgateError):
+    """The database cannot take the request now (busy past the bound, disk full,
+    unreachable or restarting). The request's transaction rolled back: nothing of it was
+    stored. Retrying after ``retry_after_s`` is safe."""
+
+    status = 503
+    code = "unavailable"
+    retry_after_s: int | None = 2
+    #: what the database said (for the log; never sent to clients)
+    detail: str = ""

@@ -6,6 +6,7 @@ path relies on that and applies the storage caps (task context, snapshot).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from leadgate.core.errors import ValidationError
@@ -37,7 +38,15 @@ def validate_message(text: Any) -> str:
         )
     if "\x00" in text:
         raise ValidationError("the message contains a NUL character", rule="message.invalid")
+    if not text.isascii() and _SURROGATE.search(text):
+        raise ValidationError(
+            "the message contains a lone UTF-16 surrogate (not a character)",
+            rule="message.invalid",
+        )
     return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def validate_session_key(key: str) -> str:
@@ -46,6 +55,8 @@ def validate_session_key(key: str) -> str:
         raise ValidationError(
             f"the session id must be 1..{SESSION_KEY_LIMIT} characters", rule="session.length"
         )
+    if "\x00" in key or (not key.isascii() and _SURROGATE.search(key)):
+        raise ValidationError("the session id contains invalid characters", rule="session.text")
     return key
 
 

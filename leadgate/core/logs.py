@@ -10,9 +10,47 @@ import structlog
 
 from leadgate.core.config import Settings
 
+#: Libraries that log request and response payloads (message text, lead-gated output,
+#: interaction tokens in webhook URLs, bearer headers) at DEBUG.
+CONTENT_LOGGERS = (
+    "slack_bolt",
+    "slack_sdk",
+    "discord",
+    "openai",
+    "httpx",
+    "httpcore",
+    "msrest",
+    "botbuilder",
+    "botframework",
+    "urllib3",
+    "requests",
+    "aiosmtplib",
+    "aiosmtpd",
+    "mail.log",
+    "mcp",
+    "sqlalchemy",
+    "aiosqlite",
+    "asyncpg",
+)
+
+
+class ContentFilter(logging.Filter):
+    """Drops records below INFO from :data:`CONTENT_LOGGERS` (``[log] include_content =
+    false``, the default): at DEBUG those carry message text and tokens. Our own loggers
+    never log message text at any level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.INFO:
+            return True
+        name = record.name
+        return not any(name == p or name.startswith(p + ".") for p in CONTENT_LOGGERS)
+
 
 def setup_logging(settings: Settings) -> None:
-    """Log to stderr at ``[log] level``, as text or (``format = "json"``) JSON lines."""
+    """Log to stderr at ``[log] level``, as text or (``format = "json"``) JSON lines.
+
+    Message text, tokens and payloads stay out of the log unless ``[log]
+    include_content = true`` (see :class:`ContentFilter`)."""
     level = getattr(logging, settings.log.level)
     renderer: Any = (
         structlog.processors.JSONRenderer()
@@ -31,6 +69,8 @@ def setup_logging(settings: Settings) -> None:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
+    if not settings.log.include_content:
+        handler.addFilter(ContentFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -17,6 +17,8 @@ import contextlib
 import logging
 from typing import Protocol
 
+from leadgate.core.errors import Unavailable
+
 log = logging.getLogger("leadgate.runners")
 
 
@@ -50,6 +52,13 @@ async def run_loop(
         try:
             busy = await runner.run_once()
             failures = 0
+        except Unavailable as exc:
+            # The database is busy, full or down: back off (capped low, so the runner
+            # resumes within seconds of the fault's end) and say so without a traceback.
+            failures += 1
+            log.warning("runner %s: database unavailable (%s); retrying", runner.name, exc.detail)
+            busy = False
+            await asyncio.sleep(min(5.0, 0.25 * 2**failures))
         except Exception:
             failures += 1
             log.exception("runner %s failed (%d in a row)", runner.name, failures)

@@ -178,3 +178,20 @@ class Routed:
 
     outcome: Outcome
     route: RouteMatch
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """An :class:`Inbound` taken in durably, before the platform is answered.
+
+    ``outcome`` is set when no turn runs (busy, duplicate); ``rejected`` holds why the
+    message itself was refused (too long, NUL: the person was sent a notice saying so);
+    otherwise ``turn`` is the accepted turn (opaque outside the turn path) that
+    ``run_recorded`` runs in the background. A process that dies before it finishes
+    leaves a recorded run that the recovery runner takes over.
+    """
+
+    route: RouteMatch
+    outcome: Outcome | None = None
+    rejected: str | None = None
+    turn: Any = None

@@ -25,6 +25,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from leadgate.core.errors import ConfigError, NotMigratedError
+from leadgate.database.faults import unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite, Member
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
@@ -113,8 +114,12 @@ async def _flush_before_commit(conn: Conn, queues: dict[str, tuple[Flush, list[A
 class Database:
     """One engine plus the transaction helpers every module uses."""
 
-    def __init__(self, url: str, *, pool_size: int = 10) -> None:
+    def __init__(self, url: str, *, pool_size: int = 10, busy_timeout_s: float = 30.0) -> None:
         self.url = url
+        #: The bound on waiting for a writer slot (SQLite: another process's write lock;
+        #: this process's writer queue), and on PostgreSQL for a pooled connection. Past
+        #: it a transaction fails with :class:`leadgate.core.errors.Unavailable` (503).
+        self.busy_timeout_s = busy_timeout_s
         try:
             parsed = sa.engine.make_url(url)
         except sa.exc.ArgumentError as exc:
@@ -125,17 +130,27 @@ class Database:
             raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
         kwargs: dict[str, Any] = {}
         if self.is_postgres:
-            kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+            kwargs.update(
+                pool_size=pool_size,
+                max_overflow=pool_size,
+                pool_pre_ping=True,
+                pool_timeout=busy_timeout_s,
+                # A server that does not answer the connect is as down as one that
+                # refuses it: bounded, so the request gets its 503 in time.
+                connect_args={"timeout": max(1.0, busy_timeout_s)},
+            )
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
         if self.is_sqlite:
-            _install_sqlite_recipe(self.engine)
+            _install_sqlite_recipe(self.engine, busy_timeout_s)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
         self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
         self._inline: InlineSqlite | None = None
         if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
-            self._inline = InlineSqlite(parsed.database, self.engine.dialect)
+            self._inline = InlineSqlite(
+                parsed.database, self.engine.dialect, busy_wait_s=busy_timeout_s
+            )
 
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
@@ -163,16 +178,20 @@ class Database:
         """
         topics: dict[str, list[Any]] = {}
         before: dict[str, tuple[Flush, list[Any]]] = {}
-        async with self._writer(), self.engine.connect() as conn:
-            conn.info[_TOPICS] = topics
-            conn.info[_BEFORE] = before
-            try:
-                async with conn.begin():
-                    yield conn
-                    await _flush_before_commit(conn, before)
-            finally:
-                conn.info.pop(_TOPICS, None)
-                conn.info.pop(_BEFORE, None)
+        try:
+            async with self._writer(), self.engine.connect() as conn:
+                conn.info[_TOPICS] = topics
+                conn.info[_BEFORE] = before
+                try:
+                    async with conn.begin():
+                        yield conn
+                        await _flush_before_commit(conn, before)
+                finally:
+                    conn.info.pop(_TOPICS, None)
+                    conn.info.pop(_BEFORE, None)
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
         self._after_commit(topics)
 
     def fast_tx(self) -> AbstractAsyncContextManager[Conn]:
@@ -200,12 +219,23 @@ class Database:
             yield
             return
         task = self._not_nested()
-        async with self._lock():
+        lock = self._lock()
+        async with asyncio.timeout(self._lock_wait_s):
+            await lock.acquire()
+        try:
             self._write_owner = task
             try:
                 yield
             finally:
                 self._write_owner = None
+        finally:
+            lock.release()
+
+    @property
+    def _lock_wait_s(self) -> float:
+        # The writer queue in this process, plus SQLite's own wait (the busy bound) for
+        # another process's lock: past this, a transaction gives up (Unavailable).
+        return self.busy_timeout_s + 1.0
 
     def _not_nested(self) -> asyncio.Task[Any] | None:
         """The current task, unless it already holds a write transaction here (SQLite
@@ -225,10 +255,14 @@ class Database:
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A read-only transaction (plain ``BEGIN`` on SQLite)."""
-        async with self.engine.connect() as conn:
-            conn = await conn.execution_options(leadgate_readonly=True)
-            async with conn.begin():
-                yield conn
+        try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(leadgate_readonly=True)
+                async with conn.begin():
+                    yield conn
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
 
     @contextmanager
     def record_statements(self) -> Iterator[list[str]]:
@@ -293,7 +327,12 @@ class _InlineTx:
 
     async def __aenter__(self) -> InlineConnection:
         task = self.db._not_nested()
-        self.member: Member = await self.inline.enter(self.db._lock())
+        try:
+            async with asyncio.timeout(self.db._lock_wait_s):
+                self.member: Member = await self.inline.enter(self.db._lock())
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
         conn = self.inline.connection
         conn.info[_TOPICS] = self.topics
         conn.info[_BEFORE] = self.before
@@ -315,12 +354,25 @@ class _InlineTx:
             conn.info.pop(_TOPICS, None)
             conn.info.pop(_BEFORE, None)
             waiter = self.inline.leave(self.member, ok=ok)
-        if waiter is not None:
-            await waiter
-            self.db._after_commit(self.topics)
+        try:
+            if waiter is not None:
+                await waiter
+                self.db._after_commit(self.topics)
+        except Exception as failure:
+            _raise_unavailable(failure)
+            raise
+        if isinstance(exc, Exception):
+            _raise_unavailable(exc)
 
 
-def _install_sqlite_recipe(engine: AsyncEngine) -> None:
+def _raise_unavailable(exc: BaseException) -> None:
+    """Re-raise a database fault as :class:`Unavailable` (503); other errors pass."""
+    fault = unavailable(exc)
+    if fault is not None and fault is not exc:
+        raise fault from exc
+
+
+def _install_sqlite_recipe(engine: AsyncEngine, busy_timeout_s: float) -> None:
     sync_engine = engine.sync_engine
 
     @event.listens_for(sync_engine, "connect")
@@ -329,7 +381,7 @@ def _install_sqlite_recipe(engine: AsyncEngine) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 

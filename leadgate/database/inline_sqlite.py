@@ -43,7 +43,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect, Row
 from sqlalchemy.engine.result import result_tuple
 
-#: Total time ``BEGIN IMMEDIATE`` waits for another process's write lock (as busy_timeout).
+#: Default total time ``BEGIN IMMEDIATE`` waits for another process's write lock.
 BUSY_WAIT_S = 30.0
 #: Passive WAL checkpoint (in a worker thread) after this many inline commits.
 CHECKPOINT_EVERY = 500
@@ -114,8 +114,9 @@ class InlineConnection:
     hands it out under its writer lock only.
     """
 
-    def __init__(self, path: str, dialect: Dialect) -> None:
+    def __init__(self, path: str, dialect: Dialect, *, busy_wait_s: float = BUSY_WAIT_S) -> None:
         self.dialect = dialect
+        self.busy_wait_s = busy_wait_s
         self.info: dict[Any, Any] = {}
         self._raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         for pragma in (
@@ -136,7 +137,7 @@ class InlineConnection:
     async def begin_immediate(self) -> None:
         """``BEGIN IMMEDIATE``; while another process writes, wait without blocking."""
         delay = 0.001
-        deadline = time.monotonic() + BUSY_WAIT_S
+        deadline = time.monotonic() + self.busy_wait_s
         while True:
             try:
                 self._raw.execute("BEGIN IMMEDIATE")
@@ -364,9 +365,10 @@ class InlineSqlite:
     """The process's inline connection to one SQLite file: group commit and the WAL
     checkpointer."""
 
-    def __init__(self, path: str, dialect: Dialect) -> None:
+    def __init__(self, path: str, dialect: Dialect, *, busy_wait_s: float = BUSY_WAIT_S) -> None:
         self.path = path
         self.dialect = dialect
+        self.busy_wait_s = busy_wait_s
         self._conn: InlineConnection | None = None
         self._group: _Group | None = None
         self._commits = 0
@@ -376,7 +378,7 @@ class InlineSqlite:
     def connection(self) -> InlineConnection:
         """The connection, opened on first use."""
         if self._conn is None:
-            self._conn = InlineConnection(self.path, self.dialect)
+            self._conn = InlineConnection(self.path, self.dialect, busy_wait_s=self.busy_wait_s)
         return self._conn
 
     async def enter(self, lock: asyncio.Lock) -> Member:

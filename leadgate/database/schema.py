@@ -163,6 +163,8 @@ work_items = sa.Table(
     sa.Column("last_activity_at", MS, nullable=False),
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+    # The process (``processes.id``) holding the review or revision lease, if known.
+    sa.Column("lease_owner", ID),
     sa.Index("ix_work_items_status_updated", "status", "updated_at"),
     # Agent Activity: an organization's items, newest first.
     sa.Index("ix_work_items_org_updated", "org_id", "updated_at"),
@@ -238,6 +240,8 @@ deliveries = sa.Table(
     sa.Column("external_id", sa.String(200)),
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+    # The process (``processes.id``) holding the send lease, if known.
+    sa.Column("lease_owner", ID),
     sa.Index("ix_deliveries_status_due", "status", "next_attempt_at"),
 )
 
@@ -471,4 +475,44 @@ idempotency_keys = sa.Table(
     # While the first request runs: when it counts as dead (its process crashed).
     sa.Column("lease_expires_at", MS, nullable=False),
     sa.Column("response", sa.JSON(none_as_null=True)),
+)
+
+# Live service processes (migration 0007). A row is written at startup and refreshed by a
+# heartbeat; the row of a process known dead (same host and its pid gone, or a heartbeat
+# missed for ``[runners] dead_after_s``) is deleted, and a lease whose owner has no row
+# here is taken back at once.
+processes = sa.Table(
+    "processes",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("host", sa.String(200), nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    # Distinguishes a reused pid: the process's start time as the kernel reports it.
+    sa.Column("start_token", sa.String(40), nullable=False),
+    sa.Column("role", sa.String(20), nullable=False),
+    sa.Column("started_at", MS, nullable=False),
+    sa.Column("heartbeat_at", MS, nullable=False),
+)
+
+# Turns recorded before their platform was answered (migration 0007): written in the
+# intake transaction, deleted in the turn's last one. A row left by a process that died
+# is re-run, closed or surfaced by the recovery runner (leadgate.runners.recovery).
+turn_runs = sa.Table(
+    "turn_runs",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
+    sa.Column("org_id", ID, nullable=False),
+    sa.Column("agent_id", ID, nullable=False),
+    sa.Column("session_id", ID, nullable=False, index=True),
+    sa.Column("binding_id", ID, nullable=False),
+    sa.Column("work_item_id", ID),
+    sa.Column("message_id", ID, nullable=False),
+    # rerun (channels: nobody else will ask again) | client (api: the client retries)
+    sa.Column("policy", sa.String(10), nullable=False),
+    sa.Column("turn_id", ID, nullable=False),
+    sa.Column("lease_owner", ID),
+    sa.Column("lease_token", ID, nullable=False, index=True),
+    sa.Column("lease_expires_at", MS, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False, default=1),
+    sa.Column("created_at", MS, nullable=False),
 )

@@ -199,20 +199,45 @@ async def create_user(
 async def login(
     conn: AsyncConnection, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
 ) -> str | None:
-    """Check a password; returns a new console session token or ``None``."""
-    row = (
-        await conn.execute(sa.select(t.users).where(t.users.c.email == email.strip().lower()))
-    ).first()
+    """Check a password; returns a new console session token or ``None`` (one
+    connection: tests and tools; the console uses the steps below, argon2 outside any
+    write transaction)."""
+    found = await login_user(conn, email)
     # argon2 is deliberately slow (tens of ms): keep it off the event loop.
-    ok = await asyncio.to_thread(_verify_password, row.password_hash if row else None, password)
-    if row is None or not ok:
+    ok = await asyncio.to_thread(verify_password, found[1] if found else None, password)
+    if found is None or not ok:
         return None
+    return await create_console_session(conn, clock, ids, found[0], ttl_ms)
+
+
+async def login_user(conn: AsyncConnection, email: str) -> tuple[str, str] | None:
+    """(user id, password hash) of a console user by email, if any."""
+    row = (
+        await conn.execute(
+            sa.select(t.users.c.id, t.users.c.password_hash).where(
+                t.users.c.email == email.strip().lower()
+            )
+        )
+    ).first()
+    return None if row is None else (row.id, row.password_hash)
+
+
+def verify_password(password_hash: str | None, password: str) -> bool:
+    """argon2 check (blocking, CPU-bound: run it in a worker thread); an unknown user
+    (``None``) is checked against a dummy hash so both failures cost the same time."""
+    return _verify_password(password_hash, password)
+
+
+async def create_console_session(
+    conn: AsyncConnection, clock: Clock, ids: IdFactory, user_id: str, ttl_ms: int
+) -> str:
+    """A new console session for ``user_id``; returns its token (only a hash is stored)."""
     token = secrets.token_urlsafe(32)
     await conn.execute(
         t.console_sessions.insert().values(
             id=ids.new("cs"),
             token_hash=_hash_secret(token),
-            user_id=row.id,
+            user_id=user_id,
             expires_at=clock.now_ms() + ttl_ms,
             created_at=clock.now_ms(),
         )

@@ -43,6 +43,7 @@ class WorkItem(NamedTuple):
     last_activity_at: int
     created_at: int
     updated_at: int
+    lease_owner: str | None = None
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Self:
@@ -113,6 +114,7 @@ class Delivery(NamedTuple):
     external_id: str | None
     created_at: int
     updated_at: int
+    lease_owner: str | None = None
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Self:

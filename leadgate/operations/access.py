@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict
@@ -11,6 +12,7 @@ from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database.db import Database
 from leadgate.domain import orgs
+from leadgate.operations.logins import LoginGuard
 
 #: How long a valid API key's principal is cached in process: a key revoked meanwhile is
 #: refused at the latest this many seconds later (see :meth:`Access.principal`).
@@ -29,6 +31,7 @@ class Access:
         self.ids = ids
         # SHA-256 of a raw API key -> (monotonic expiry, principal); see principal().
         self._principals: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
+        self.logins = LoginGuard(clock)
 
     async def principal(self, token: str | None, session: str | None) -> Principal | None:
         """Principal of a bearer key or console session token.
@@ -67,11 +70,30 @@ class Access:
                 self._principals.popitem(last=False)  # the oldest entry
         return principal
 
-    async def login(self, email: str, password: str) -> str | None:
-        """Check a console password; a new session token, or ``None``."""
+    async def login(self, email: str, password: str, *, address: str = "unknown") -> str | None:
+        """Check a console password; a new session token, or ``None``.
+
+        The attempt is counted per address and per account before anything else
+        (:class:`~leadgate.operations.logins.LoginGuard`: 429 with Retry-After past the
+        limit, 503 when too many checks wait); the user is read in a read transaction,
+        argon2 runs in a worker thread in a bounded slot, and only a correct password
+        writes, in a short transaction of its own.
+        """
+        ticket = self.logins.admit(address, email)
+        if len(email) > 320 or len(password) > 1024:
+            return None
+        async with self.db.read() as conn:
+            found = await orgs.login_user(conn, email)
+        async with self.logins.check_slot():
+            ok = await asyncio.to_thread(
+                orgs.verify_password, found[1] if found else None, password
+            )
+        if found is None or not ok:
+            return None
+        self.logins.succeeded(ticket)
         async with self.db.tx() as conn:
-            return await orgs.login(
-                conn, self.clock, self.ids, email, password, CONSOLE_SESSION_TTL_S * 1000
+            return await orgs.create_console_session(
+                conn, self.clock, self.ids, found[0], CONSOLE_SESSION_TTL_S * 1000
             )
 
     async def logout(self, token: str) -> None:

@@ -8,21 +8,28 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from binding import routes
 from leadgate.core.auth import Principal, Scope
+from leadgate.core.decoding import check_value
+from leadgate.core.errors import ValidationError
+from leadgate.core.limits import validate_message, validate_session_key
 from leadgate.core.tasks import Background
 from leadgate.core.types import (
     BindingKind,
     BindingSpec,
     Inbound,
     Outcome,
+    Recorded,
     Routed,
     RouteMatch,
     Trigger,
 )
 from leadgate.database.db import Database
 from leadgate.operations.sessions import api_session_key
+from leadgate.turns.intake import Accepted
 from leadgate.turns.path import DeltaSink, TurnService
 
 log = logging.getLogger("leadgate.messages")
+#: Recorded channel turns run at once by this process (see Messages.run_recorded).
+MAX_BACKGROUND_TURNS = 256
 
 
 class Messages:
@@ -32,6 +39,7 @@ class Messages:
         self.db = db
         self.turns = turns
         self.background = background
+        self._running = 0
 
     async def send(
         self,
@@ -70,19 +78,79 @@ class Messages:
             return await routes.resolve(conn, channel, attrs)
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
-        """The one "route -> trigger -> submit" step of every channel adapter.
+        """:meth:`record_inbound` then :meth:`run_recorded`, in one call.
 
         ``None`` when no route answers there (logged; no turn runs). A plain reply is
         already queued in the outbox when this returns; gated, busy and duplicate
         outcomes post nothing.
         """
+        recorded = await self.record_inbound(inbound)
+        return None if recorded is None else await self.run_recorded(recorded)
+
+    async def record_inbound(self, inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        """The first half of every channel adapter's one shared step, awaited before the
+        platform is answered: route, check, and take the message in durably (one short
+        transaction; an accepted message is recorded as a run that survives a crash).
+
+        ``None``: no route answers there. A message that breaks a message rule (too
+        long, NUL, not text) is recorded as rejected and, with ``notice``, answered with
+        a reply saying why (Discord interactions answer in their HTTP response instead).
+        Identifiers that cannot be stored (NUL, lone surrogates, over-long) are a
+        :class:`ValidationError`: the adapter answers 400 and nothing is stored.
+        """
+        _check_identifiers(inbound)
         route = await self.resolve_route(inbound.channel.value, inbound.route_attrs)
         if route is None:
             log.info("%s: no route for %s; no turn", inbound.channel.value, inbound.route_attrs)
             return None
-        outcome = await self.turns.run(inbound.trigger(route))
-        return Routed(outcome, route)
+        trigger = inbound.trigger(route)
+        try:
+            validate_message(trigger.text)
+        except ValidationError as exc:
+            if notice:
+                await self.turns.reject_inbound(trigger, exc.message)
+            return Recorded(route, rejected=exc.message)
+        taken = await self.turns.take(trigger)
+        if isinstance(taken, Accepted):
+            return Recorded(route, turn=taken)
+        return Recorded(route, outcome=taken)
+
+    async def run_recorded(self, recorded: Recorded) -> Routed | None:
+        """The second half, in the background: run the recorded turn (``None`` for a
+        rejected message, or for one left to the recovery runner). A failing turn leaves
+        a failure notice for the person.
+
+        At most :data:`MAX_BACKGROUND_TURNS` run at once: under a flood of channel
+        messages (or a slow model) the rest stay recorded and the recovery runner takes
+        them one session at a time, instead of piling up tasks in memory.
+        """
+        if recorded.rejected is not None:
+            return None
+        if recorded.outcome is not None:
+            return Routed(recorded.outcome, recorded.route)
+        turn: Accepted = recorded.turn
+        if self._running >= MAX_BACKGROUND_TURNS and turn.ctx.run_token is not None:
+            self.turns.orphans.add(turn.ctx.run_token)
+            return None
+        self._running += 1
+        try:
+            outcome = await self.turns.execute(turn)
+        finally:
+            self._running -= 1
+        return Routed(outcome, recorded.route)
 
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         """Run ``coro`` in the background (tracked, logged on failure, awaited on shutdown)."""
         self.background.spawn(coro, name=name)
+
+
+def _check_identifiers(inbound: Inbound) -> None:
+    """What an adapter parsed out of a (verified) body must be storable as it is."""
+    check_value(
+        {"attrs": inbound.route_attrs, "address": inbound.address, "id": inbound.external_event_id}
+    )
+    validate_session_key(inbound.session_key)
+    if len(inbound.external_event_id) > 300 or any(
+        len(value) > 300 for value in inbound.route_attrs.values()
+    ):
+        raise ValidationError("an identifier in the request is too long", rule="inbound.id")

@@ -15,12 +15,13 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
-from leadgate.core.errors import ModelError, NotFound, TransitionError
+from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
+from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review.decisions import Verdict, commit_verdict
@@ -100,6 +101,7 @@ class LeadRunner:
         outbox: Outbox,
         *,
         on_verdict: Callable[[], None] = lambda: None,
+        owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -108,15 +110,21 @@ class LeadRunner:
         self.outbox = outbox
         # Wakes the relay (approval) and the revision dispatcher (changes requested).
         self.on_verdict = on_verdict
+        #: this process (``lease_owner`` of its review leases; see domain.processes)
+        self.owner = owner
+        self._held: list[WorkItem] = []
 
     async def expire_leases(self) -> int:
-        """Return items whose review lease expired to the queue (3rd expiry: a human)."""
+        """Return items whose review lease expired, or whose holder is known dead
+        (:mod:`leadgate.domain.processes`: taken back at once), to the queue (the 3rd
+        time: a human)."""
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
             rows = (
                 await conn.execute(
                     sa.select(W.id, W.lease_token, W.lease_expiries).where(
-                        W.status == Status.reviewing.value, W.lease_expires_at < now
+                        W.status == Status.reviewing.value,
+                        sa.or_(W.lease_expires_at < now, owner_gone(W.lease_owner)),
                     )
                 )
             ).all()
@@ -138,6 +146,7 @@ class LeadRunner:
                         values={
                             "lease_token": None,
                             "lease_expires_at": None,
+                            "lease_owner": None,
                             "lease_expiries": expiries,
                         },
                     )
@@ -174,6 +183,7 @@ class LeadRunner:
                     values={
                         "lease_token": self.ids.new("lease"),
                         "lease_expires_at": now + LEASE_MS,
+                        "lease_owner": self.owner(),
                     },
                 )
             except TransitionError:
@@ -181,6 +191,7 @@ class LeadRunner:
 
     async def run_once(self) -> bool:
         """Expire leases, then claim and review one item. True when it did work."""
+        await self._release_held()
         await self.expire_leases()
         item = await self.claim()
         if item is None:
@@ -192,22 +203,60 @@ class LeadRunner:
         """Run the lead on a claimed item and commit its verdict (fenced by the lease)."""
         verdict, feedback, why = await self._decide(item)
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
+        try:
+            async with self.db.tx() as conn:
+                try:
+                    await commit_verdict(
+                        conn,
+                        self.outbox,
+                        item,
+                        verdict,
+                        actor=f"lead:{item.lead_agent_id}",
+                        feedback=feedback if why is None else why,
+                        src=Status.reviewing,
+                        lease_token=item.lease_token,
+                    )
+                except TransitionError:
+                    log.warning("lost the review lease of %s; verdict dropped", item.id)
+                    return
+        except Unavailable:
+            # The verdict could not be stored (database down): give the item back to the
+            # queue as soon as the database is back, instead of holding its 20-minute
+            # lease while alive.
+            self._held.append(item)
+            raise
+        self.on_verdict()
+
+    async def _release_held(self) -> None:
+        """Return items whose verdict could not be committed to ``reviewQueued``."""
+        while self._held:
+            # Several review loops share this list: take the item first.
+            item = self._held.pop(0)
+            try:
+                await self._release(item)
+            except Exception:
+                self._held.append(item)
+                raise
+
+    async def _release(self, item: WorkItem) -> None:
+        """Give one held item back to the queue (fenced by its lease)."""
         async with self.db.tx() as conn:
             try:
-                await commit_verdict(
+                await workitems.transition(
                     conn,
-                    self.outbox,
-                    item,
-                    verdict,
-                    actor=f"lead:{item.lead_agent_id}",
-                    feedback=feedback if why is None else why,
+                    self.clock,
+                    self.ids,
+                    item.id,
                     src=Status.reviewing,
+                    dst=Status.reviewQueued,
+                    actor="system:lead",
+                    action="leaseReleased",
+                    text="the verdict could not be stored; the review runs again",
                     lease_token=item.lease_token,
+                    values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
                 )
             except TransitionError:
-                log.warning("lost the review lease of %s; verdict dropped", item.id)
-                return
-        self.on_verdict()
+                pass  # taken back or moved meanwhile
 
     async def _decide(self, item: WorkItem) -> tuple[Verdict, str | None, str | None]:
         """(verdict, the lead's feedback, why the system escalated instead or None)."""

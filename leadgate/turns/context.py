@@ -47,3 +47,7 @@ class TurnContext:
     # False when the turn's binding can never post (api, studio, silent): a plain reply
     # then has nothing to queue, whichever binding is active by the end of the turn.
     binding_posts: bool = True
+    # The lease token of the turn's recorded run (leadgate.turns.runs), deleted in the
+    # turn's last transaction; ``run_fenced``: a lost lease rolls that transaction back.
+    run_token: str | None = None
+    run_fenced: bool = False

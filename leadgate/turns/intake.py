@@ -15,6 +15,7 @@ rejected inbound event and not appended.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.limits import TASK_CONTEXT_LIMIT
-from leadgate.core.types import Busy, Duplicate, Trigger
+from leadgate.core.types import BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
@@ -33,6 +34,7 @@ from leadgate.domain import policy, workitems
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
+from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
 from leadgate.turns.history import HistoryCache
 from leadgate.turns.messages import store_message
@@ -63,6 +65,8 @@ class Accepted:
 
 
 IntakeResult = Accepted | Busy | Duplicate
+#: Bindings whose clients wait for the answer and retry a cut turn themselves.
+_CLIENT_KINDS = frozenset({BindingKind.api, BindingKind.studio})
 
 
 @dataclass
@@ -90,11 +94,21 @@ class _Event:
 class Intake:
     """Runs the intake transaction (see the module docstring)."""
 
-    def __init__(self, db: Database, clock: Clock, ids: IdFactory, history: HistoryCache) -> None:
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        history: HistoryCache,
+        *,
+        owner: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.history = history
+        #: the process that runs what it takes in (``lease_owner`` of recorded runs)
+        self.owner = owner
 
     async def take(self, trigger: Trigger) -> IntakeResult:
         """Take ``trigger`` in (one transaction on the inline connection on SQLite).
@@ -143,7 +157,7 @@ class Intake:
                     conn, trigger, agent, lead, session_id, binding_id, item, now
                 )
                 await event.finish(conn, work_item_id=item_id)
-            await store_message(
+            message_id = await store_message(
                 conn,
                 self.clock,
                 self.ids,
@@ -153,6 +167,32 @@ class Intake:
                 role="user",
                 content=trigger.text,
             )
+            turn_id = self.ids.new("turn")
+            run_token = None
+            kind = trigger.binding.kind
+            if kind.is_channel or (lead is not None and kind in _CLIENT_KINDS):
+                # Recorded: if this process dies before the turn's last transaction, the
+                # recovery runner takes the run over (leadgate.turns.runs).
+                run_token = self.ids.new("lease")
+                await runs.record(
+                    conn,
+                    {
+                        "id": self.ids.new("run"),
+                        "org_id": trigger.org_id,
+                        "agent_id": agent.id,
+                        "session_id": session_id,
+                        "binding_id": binding_id,
+                        "work_item_id": item_id,
+                        "message_id": message_id,
+                        "policy": runs.RERUN if kind.is_channel else runs.CLIENT,
+                        "turn_id": turn_id,
+                        "lease_owner": self.owner(),
+                        "lease_token": run_token,
+                        "lease_expires_at": now + runs.RUN_LEASE_MS,
+                        "attempts": 1,
+                        "created_at": now,
+                    },
+                )
             rules = await policy.load_rules(conn, trigger.org_id)
             history = await self.history.read(conn, session_id)
         ctx = TurnContext(
@@ -160,10 +200,12 @@ class Intake:
             agent_id=agent.id,
             session_id=session_id,
             binding_id=binding_id,
-            turn_id=self.ids.new("turn"),
+            turn_id=turn_id,
             work_item_id=item_id,
             revision=revision,
             binding_posts=trigger.binding.kind.is_channel and not trigger.binding.silent,
+            run_token=run_token,
+            run_fenced=run_token is not None and kind.is_channel,
         )
         return Accepted(ctx, agent, lead is not None, rules, history)
 

@@ -8,8 +8,10 @@ internal revision turn (lead feedback or a human's return) on the same path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 import sqlalchemy as sa
@@ -17,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import ModelError, TransitionError
+from leadgate.core.errors import LeadgateError, ModelError, TransitionError, Unavailable
 from leadgate.core.limits import (
     SNAPSHOT_LIMIT,
     SUMMARY_LIMIT,
@@ -25,13 +27,16 @@ from leadgate.core.limits import (
     validate_session_key,
 )
 from leadgate.core.metrics import METRICS
-from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
+from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, workitems
+from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Binding, WorkItem
 from leadgate.domain.workitems import Status
+from leadgate.turns import runs
 from leadgate.turns.context import COMPLETE_TASK, SUBMITTED, TurnContext
 from leadgate.turns.history import TOPIC as HISTORY_TOPIC
 from leadgate.turns.history import HistoryCache
@@ -44,6 +49,8 @@ from outbox.store import Outbox
 log = logging.getLogger("leadgate.turns")
 
 MAX_MODEL_CALLS = 4
+#: How often a recorded channel turn retries its last transaction on a database fault.
+FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
 
 DeltaSink = Callable[[str], Awaitable[None]]
@@ -70,6 +77,7 @@ class TurnService:
         *,
         on_review_queued: Callable[[], None] = lambda: None,
         on_delivery_queued: Callable[[], None] = lambda: None,
+        owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -80,7 +88,11 @@ class TurnService:
         self.on_delivery_queued = on_delivery_queued
         self.history = HistoryCache()
         db.on_commit_payloads(HISTORY_TOPIC, self.history.apply)
-        self.intake = Intake(db, clock, ids, self.history)
+        self.intake = Intake(db, clock, ids, self.history, owner=owner)
+        self.owner = owner
+        #: lease tokens of this process's recorded runs whose turn stopped on a database
+        #: fault: the recovery runner takes them over once the database is back
+        self.orphans: set[str] = set()
 
     async def run(
         self,
@@ -96,6 +108,16 @@ class TurnService:
         delivered whole after the turn. ``on_start`` is awaited once the message was
         accepted (not busy, not a duplicate), before the model runs.
         """
+        intake = await self.take(trigger)
+        if isinstance(intake, Busy | Duplicate):
+            return intake
+        if on_start is not None:
+            await on_start()
+        return await self.execute(intake, on_delta=on_delta)
+
+    async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:
+        """The intake alone (one short transaction): what a channel awaits before it
+        answers its platform. An accepted channel turn is recorded as a run."""
         validate_message(trigger.text)
         validate_session_key(trigger.session_key)
         for attempt in range(3):
@@ -109,10 +131,120 @@ class TurnService:
                     raise
         if isinstance(intake, Busy | Duplicate):
             METRICS.turns.labels("busy" if isinstance(intake, Busy) else "duplicate").inc()
-            return intake
-        if on_start is not None:
-            await on_start()
-        return await self._execute(intake, trigger.text, None, on_delta)
+        return intake
+
+    async def execute(self, turn: Accepted, *, on_delta: DeltaSink | None = None) -> Outcome:
+        """Run an accepted turn. When it fails, a recorded channel run tells the person
+        (a failure notice, the run closed, in one transaction); a database fault leaves
+        the run to the recovery runner (nothing can be written now)."""
+        try:
+            return await self._execute(turn, "", None, on_delta)
+        except Exception as exc:
+            if turn.ctx.run_token is not None:
+                await self._fail_run(turn.ctx, exc)
+            raise
+
+    async def _fail_run(self, ctx: TurnContext, exc: Exception) -> None:
+        token = ctx.run_token
+        if isinstance(exc, Unavailable) or token is None:
+            if token is not None:
+                self.orphans.add(token)
+            return
+        try:
+            await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
+        except Exception:
+            log.warning("closing failed run %s failed; recovery takes it over", token)
+            self.orphans.add(token)
+
+    async def _close_run(self, ctx: TurnContext, token: str, *, notice: str | None) -> None:
+        """Delete the runs of ``token`` and (channels that post) queue ``notice``."""
+        queued = None
+        async with self.db.tx() as conn:
+            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            if notice and ctx.binding_posts:
+                queued = await self._queue_reply(conn, ctx, notice)
+        if queued:
+            self.on_delivery_queued()
+
+    async def reject_inbound(self, trigger: Trigger, reason: str) -> bool:
+        """A channel message that breaks a message rule (too long, NUL ...): recorded as
+        a rejected inbound event and answered with a notice saying why, in one
+        transaction; no turn. A platform's redelivery of it is a duplicate (no second
+        notice). False when it was a duplicate or nothing can be posted."""
+        now = self.clock.now_ms()
+        queued = None
+        async with self.db.tx() as conn:
+            agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
+            session_id, current = await bindings.open_session(
+                conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
+            )
+            event = {
+                "id": self.ids.new("evt"),
+                "org_id": trigger.org_id,
+                "agent_id": agent.id,
+                "session_id": session_id,
+                "work_item_id": None,
+                "outcome": "rejectedInvalid",
+                # What can be stored of it (PostgreSQL text holds no NUL).
+                "content": _storable(trigger.text)[:1000],
+                "external_event_id": trigger.external_event_id,
+                "created_at": now,
+            }
+            insert = insert_ignore_stmt(conn.dialect.name, t.inbound_events)
+            if not (await conn.execute(insert, event)).rowcount:
+                return False
+            await bindings.activate(
+                conn, self.clock, self.ids, trigger.org_id, session_id, trigger.binding, current
+            )
+            binding = await bindings.active_binding(conn, session_id)
+            if binding is not None and not trigger.binding.silent:
+                queued = await self.outbox.enqueue_reply(
+                    conn,
+                    org_id=trigger.org_id,
+                    binding=binding,
+                    text=f"Your message was not processed: {reason}.",
+                )
+        if queued:
+            self.on_delivery_queued()
+        return queued is not None
+
+    # ----------------------------------------------------------- recovery
+
+    async def resume(self, claimed: runs.Claimed) -> Outcome | None:
+        """Carry out a claimed run (see :mod:`leadgate.turns.runs`): re-run the turn, or
+        send the failure notice of a run that never finished. ``None``: nothing ran."""
+        async with self.db.read() as conn:
+            binding = await bindings.get_binding(conn, claimed.binding_id)
+            item = await workitems.get(conn, claimed.work_item_id) if claimed.work_item_id else None
+        kind = BindingKind(binding.kind) if binding is not None else BindingKind.api
+        ctx = TurnContext(
+            org_id=claimed.org_id,
+            agent_id=claimed.agent_id,
+            session_id=claimed.session_id,
+            binding_id=claimed.binding_id,
+            turn_id=claimed.turn_id,
+            work_item_id=claimed.work_item_id,
+            revision=item.revision if item is not None else None,
+            binding_posts=binding is not None and kind.is_channel and not binding.silent,
+            run_token=claimed.token,
+            run_fenced=True,
+        )
+        if claimed.action == "gaveUp":
+            await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
+            return None
+        if claimed.action != runs.RERUN:
+            return None
+        async with self.db.read() as conn:
+            agent = await agents_mod.find_agent(
+                conn, claimed.org_id, claimed.agent_id, include_deleted=True
+            )
+            rules = await policy.load_rules(conn, claimed.org_id)
+            history = await self.history.read(conn, claimed.session_id)
+        turn = Accepted(ctx, agent, item is not None, rules, history)
+        try:
+            return await self.execute(turn)
+        except LeadgateError:
+            return None
 
     # ------------------------------------------------------------- revisions
 
@@ -125,7 +257,11 @@ class TurnService:
                 .where(
                     _W.status == Status.inProgress.value,
                     _W.pending_feedback.is_not(None),
-                    sa.or_(_W.lease_expires_at.is_(None), _W.lease_expires_at < now),
+                    sa.or_(
+                        _W.lease_expires_at.is_(None),
+                        _W.lease_expires_at < now,
+                        owner_gone(_W.lease_owner),
+                    ),
                 )
                 .order_by(_W.updated_at)
                 .limit(1)
@@ -142,7 +278,11 @@ class TurnService:
                         _W.status == Status.inProgress.value,
                         _W.pending_feedback.is_not(None),
                     )
-                    .values(lease_token=token, lease_expires_at=now + REVISION_LEASE_MS)
+                    .values(
+                        lease_token=token,
+                        lease_expires_at=now + REVISION_LEASE_MS,
+                        lease_owner=self.owner(),
+                    )
                     .returning(*t.work_items.c)
                 )
             ).first()
@@ -215,19 +355,35 @@ class TurnService:
                     result = await self._tool(ctx, call, tools)
                     signalled = signalled or result == SUBMITTED
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
-        except ModelError as exc:
+        except (ModelError, Unavailable) as exc:
+            # Unavailable: complete_task's write met a database fault (a 503, not a model
+            # failure).
             METRICS.turns.labels("error").inc()
             # Logged once, here, for every surface (the request id rides the log context);
             # the message names the provider and status, never the key or any text.
-            log.warning("model error: %s [%s]", exc.message, exc.rule)
+            what = "model error" if isinstance(exc, ModelError) else "database unavailable"
+            log.warning("%s: %s [%s]", what, exc.message, exc.rule)
             raise
         except Exception as exc:
             METRICS.turns.labels("error").inc()
             log.exception("model provider failed")
             raise ModelError("the model failed while producing this turn") from exc
-        outcome = await self._finish(
-            turn, "".join(parts), revision_item, streamed=live is not None, signalled=signalled
-        )
+        text = "".join(parts)
+        for attempt in range(FINISH_RETRIES + 1):
+            try:
+                outcome = await self._finish(
+                    turn, text, revision_item, streamed=live is not None, signalled=signalled
+                )
+                break
+            except Unavailable:
+                # A recorded channel turn keeps its answer in hand while the database is
+                # away (nobody waits on an HTTP request): its last transaction is tried
+                # again, rather than left for recovery to redo the model's work.
+                if not turn.ctx.run_fenced or attempt == FINISH_RETRIES:
+                    raise
+                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+        else:  # pragma: no cover - the loop always breaks or raises
+            raise AssertionError("unreachable")
         if isinstance(outcome, Reply) and usage is not None:
             outcome = Reply(outcome.text, outcome.streamed, usage)
         return outcome
@@ -286,6 +442,11 @@ class TurnService:
             try:
                 async with self.db.read() as conn:
                     signal = await self.read_signal(conn, ctx)
+            except Unavailable:
+                # Nothing is shown either way; raising keeps the turn whole, so that its
+                # last transaction can be tried again (a channel turn) or the client
+                # retries (REST), instead of withholding text no review will ever see.
+                raise
             except Exception:
                 # Fail closed: when we cannot tell whether the work was handed off,
                 # the text is withheld.
@@ -305,6 +466,7 @@ class TurnService:
                 await self._store(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
                 )
+                await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
         else:
             # A reply that may be queued for a channel: the outbox's in-process hand-off
             # needs the general transaction.
@@ -319,14 +481,19 @@ class TurnService:
         async with self.db.tx() as conn:
             await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
             await self._release_revision(conn, revision_item)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
             if revision_item is None:
-                binding = await bindings.active_binding(conn, ctx.session_id)
-                if binding is not None and binding.id == ctx.binding_id:
-                    queued = await self.outbox.enqueue_reply(
-                        conn, org_id=ctx.org_id, binding=binding, text=text
-                    )
+                queued = await self._queue_reply(conn, ctx, text)
         if queued:
             self.on_delivery_queued()
+
+    async def _queue_reply(self, conn: Conn, ctx: TurnContext, text: str) -> object | None:
+        """Queue ``text`` as a reply on the turn's binding, if it is still the session's
+        active one (a channel binding that posts)."""
+        binding = await bindings.active_binding(conn, ctx.session_id)
+        if binding is None or binding.id != ctx.binding_id:
+            return None
+        return await self.outbox.enqueue_reply(conn, org_id=ctx.org_id, binding=binding, text=text)
 
     async def _withhold(
         self, ctx: TurnContext, text: str, revision_item: WorkItem | None
@@ -337,6 +504,7 @@ class TurnService:
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
 
@@ -346,7 +514,9 @@ class TurnService:
         await conn.execute(
             t.work_items.update()
             .where(_W.id == revision_item.id, _W.lease_token == revision_item.lease_token)
-            .values(pending_feedback=None, lease_token=None, lease_expires_at=None)
+            .values(
+                pending_feedback=None, lease_token=None, lease_expires_at=None, lease_owner=None
+            )
         )
 
     async def _submit(
@@ -359,6 +529,7 @@ class TurnService:
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
             item = await workitems.get(conn, str(ctx.work_item_id))
             binding = await bindings.active_binding(conn, ctx.session_id)
             problems = provenance_problems(ctx, item, binding, message_id)
@@ -420,6 +591,14 @@ class TurnService:
             tool_name=tool_name,
             gated=gated,
         )
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _storable(text: str) -> str:
+    """``text`` with what no database can store (NUL, lone surrogates) replaced."""
+    return _UNSTORABLE.sub("\ufffd", text)
 
 
 def provenance_problems(

@@ -10,11 +10,18 @@ Every label is one of our own words or a number; nothing a user typed is drawn.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pygal
 from pygal.style import Style
+
+# pygal appends a legacy ``sys.meta_path`` finder (for its optional map plugins, which
+# we do not use) that has ``find_module`` but no ``find_spec``: anything walking
+# ``sys.meta_path`` the modern way (pytest's importlib mode, importlib.util users)
+# fails with AttributeError once it is there. Take it out again.
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "PluginImportFixer"]
 
 #: The charts the console shows, in page order: name -> title.
 CHARTS = {

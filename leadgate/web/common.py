@@ -3,7 +3,6 @@ authentication."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import uuid
@@ -14,7 +13,9 @@ import structlog
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import AuthError, LeadgateError, ModelError, ValidationError
+from leadgate.core.decoding import json_object, read_body
+from leadgate.core.errors import AuthError, LeadgateError, ModelError
+from leadgate.database.faults import unavailable
 
 log = logging.getLogger("leadgate.web")
 
@@ -108,7 +109,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                     exc.code,
                     exc.rule,
                 )
-            return error_response(request, exc.status, exc.message, exc.code, exc.rule)
+            resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+            if exc.retry_after_s is not None:
+                resp.headers["Retry-After"] = str(exc.retry_after_s)
+            return resp
         except web.HTTPRequestEntityTooLarge:
             return error_response(
                 request, 413, "the request body is too large", "request_too_large", "body.size"
@@ -117,26 +121,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             if exc.status < 400:
                 raise
             return error_response(request, exc.status, exc.reason, "http_error", "http")
-        except Exception:
+        except Exception as exc:
+            fault = unavailable(exc)
+            if fault is not None:
+                # A database fault that escaped the transaction helpers: still a 503.
+                log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
+                resp = error_response(request, 503, fault.message, fault.code, fault.rule)
+                resp.headers["Retry-After"] = str(fault.retry_after_s)
+                return resp
             log.exception("unhandled error on %s %s", request.method, request.path)
             return error_response(request, 500, "internal error", "internal_error", "internal")
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object body (400 for anything else, 413 when too large)."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValidationError("the body is not valid UTF-8", rule="body.utf8") from None
-    except ValueError:
-        raise ValidationError("the body is not valid JSON", rule="body.json") from None
-    if not isinstance(body, dict):
-        raise ValidationError("the body must be a JSON object", rule="body.object")
-    return body
+    """The request's JSON object body through the one decoding path
+    (:mod:`leadgate.core.decoding`: 400 naming the rule, 413 too large, 408 too slow)."""
+    return json_object(await read_body(request))
 
 
 def bearer(request: web.Request) -> str | None:

@@ -6,13 +6,14 @@ the page carries ``X-Leadgate-Console: 1`` (CSRF: :func:`web.common.require_cons
 through ``authenticate`` for the operator API, directly here for logout). Login needs that
 header or a JSON content type, neither of which a cross-site form can send.
 
-Failed logins are limited per client address (``LOGIN_FAILURES`` per minute, then 429),
-with the same 401 message for an unknown email and a wrong password.
+Login attempts are limited per client address and per account before the password is
+checked (:mod:`leadgate.operations.logins`: 10 per minute, then 429 with a Retry-After
+that says when there is room again), with the same 401 message for an unknown email and
+a wrong password.
 """
 
 from __future__ import annotations
 
-import collections
 import importlib.resources
 from typing import Any, Protocol
 
@@ -21,11 +22,9 @@ from aiohttp import web
 from leadgate.core.clock import Clock
 from leadgate.core.errors import AuthError, ValidationError
 from leadgate.operations.access import CONSOLE_SESSION_TTL_S as SESSION_TTL_S
-from leadgate.web.common import SESSION_COOKIE, error_response, json_body, require_console_header
+from leadgate.web.common import SESSION_COOKIE, json_body, require_console_header
 
 STATIC = importlib.resources.files("leadgate.web").joinpath("static")
-LOGIN_FAILURES = 10
-LOGIN_WINDOW_MS = 60_000
 BAD_LOGIN = "the email or password is not correct"
 
 # The page needs nothing from anywhere else; inline script and style are refused too.
@@ -38,44 +37,6 @@ _ASSETS = {
     "console.js": "text/javascript",
     "console.css": "text/css",
 }
-
-
-class LoginThrottle:
-    """Failed logins per client address in a sliding window (in memory, per process)."""
-
-    def __init__(
-        self, clock: Clock, *, limit: int = LOGIN_FAILURES, window_ms: int = LOGIN_WINDOW_MS
-    ) -> None:
-        self.clock = clock
-        self.limit = limit
-        self.window_ms = window_ms
-        self._failures: dict[str, collections.deque[int]] = {}
-
-    def _recent(self, address: str) -> collections.deque[int] | None:
-        times = self._failures.get(address)
-        if times is None:
-            return None
-        horizon = self.clock.now_ms() - self.window_ms
-        while times and times[0] <= horizon:
-            times.popleft()
-        if not times:
-            del self._failures[address]
-            return None
-        return times
-
-    def retry_after_s(self, address: str) -> int:
-        """Seconds until the next attempt is allowed (0: allowed now)."""
-        times = self._recent(address)
-        if times is None or len(times) < self.limit:
-            return 0
-        return max(1, -(-(times[0] + self.window_ms - self.clock.now_ms()) // 1000))
-
-    def failed(self, address: str) -> None:
-        """Record one failed attempt."""
-        if len(self._failures) > 10_000:  # bound memory: forget addresses gone quiet
-            for stale in list(self._failures):
-                self._recent(stale)
-        self._failures.setdefault(address, collections.deque()).append(self.clock.now_ms())
 
 
 def _asset(name: str) -> web.Response:
@@ -96,7 +57,7 @@ def _asset(name: str) -> web.Response:
 class ConsoleAccess(Protocol):
     """What the console needs (:class:`leadgate.operations.access.Access`)."""
 
-    async def login(self, email: str, password: str) -> str | None: ...
+    async def login(self, email: str, password: str, *, address: str = ...) -> str | None: ...
 
     async def logout(self, token: str) -> None: ...
 
@@ -104,9 +65,8 @@ class ConsoleAccess(Protocol):
 
 
 def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_url: str) -> None:
-    """Register the console routes (handlers are closures over ``access`` and the login
-    throttle, as in the other surfaces; the long part is login's checks, in order)."""
-    throttle = LoginThrottle(clock)
+    """Register the console routes (handlers are closures over ``access``, as in the
+    other surfaces; the long part is login's checks, in order)."""
     # Behind a TLS-terminating proxy the request itself looks like plain http.
     secure = public_url.startswith("https://")
     session_user = access.console_user
@@ -124,28 +84,14 @@ def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_u
         if request.content_type != "application/json":
             require_console_header(request)
         address = request.remote or "unknown"
-        wait = throttle.retry_after_s(address)
-        if wait:
-            resp = error_response(
-                request,
-                429,
-                f"too many failed logins; try again in {wait} seconds",
-                "rate_limited",
-                "console.login_rate",
-            )
-            resp.headers["Retry-After"] = str(wait)
-            return resp
         body = await json_body(request)
         email, password = body.get("email"), body.get("password")
         if not isinstance(email, str) or not isinstance(password, str) or not email or not password:
             raise ValidationError("email and password are required", rule="console.login")
-        if len(email) > 320 or len(password) > 1024:
-            throttle.failed(address)
-            raise AuthError(BAD_LOGIN, rule="console.login")
-        token = await access.login(email, password)
+        # Counted before the password check (429 with Retry-After past the limit).
+        token = await access.login(email, password, address=address)
         user = await session_user(token)
         if token is None or user is None:
-            throttle.failed(address)
             raise AuthError(BAD_LOGIN, rule="console.login")
         resp = web.json_response({"user": user})
         resp.set_cookie(

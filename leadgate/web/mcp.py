@@ -39,6 +39,7 @@ from starlette.types import Message
 from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
+from leadgate.core.decoding import decode_json, read_body
 from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
@@ -458,6 +459,11 @@ async def _bridge(
     state; they stay together here because their disconnect handling is one protocol.
     """
     scope = _asgi_scope(request, principal)
+    # The whole body first, through the one decoding path: the size limit (413), the
+    # body timeout and (POST) the JSON checks apply before the SDK sees anything.
+    body = await read_body(request)
+    if body:
+        decode_json(body)
     gone = asyncio.Event()  # the client went away, or the exchange is over
     body_done = False
     response: web.StreamResponse | None = None
@@ -466,14 +472,8 @@ async def _bridge(
     async def receive() -> Message:
         nonlocal body_done
         if not body_done:
-            try:
-                chunk = await request.content.readany()
-            except (ConnectionResetError, asyncio.IncompleteReadError):
-                body_done = True
-                gone.set()
-                return {"type": "http.disconnect"}
-            body_done = request.content.at_eof() or not chunk
-            return {"type": "http.request", "body": chunk, "more_body": not body_done}
+            body_done = True
+            return {"type": "http.request", "body": body, "more_body": False}
         # After the body, ASGI receive() must block until the client disconnects; the
         # SDK's SSE responses listen here to stop streaming. Returning at once (what
         # aiohttp-asgi does) makes them spin.

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
+from leadgate.core.decoding import header_text
 from leadgate.core.errors import LeadgateError, NotFound, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.domain.rows import Agent
@@ -264,7 +265,7 @@ def setup(
         principal = await authenticate(request, authenticate_with, cookie=False)
         body = await json_body(request)
         parsed = parse_request(body)
-        session = request.headers.get("X-Session-Id")
+        session = header_text(request, "X-Session-Id")
         key = request.headers.get("Idempotency-Key")
         if key is None or idempotency is None:
             return await _turn(request, principal, parsed, session, None)

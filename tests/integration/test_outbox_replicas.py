@@ -130,7 +130,7 @@ async def looping(url: str) -> AsyncIterator[tuple[App, ScriptedChannel, asyncio
         {"database": {"url": url}, "runners": {"poll_interval_s": 30}}
     )
     service = App(settings, clock=FakeClock(), channels={"slack": channel}, enable_adapters=False)
-    service.start_runners()
+    await service.start_runners()
     await asyncio.sleep(0.5)  # listener connected, loops idle
     yield service, channel, sends
     await service.stop()

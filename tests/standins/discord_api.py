@@ -160,9 +160,7 @@ class DiscordApiStandin(StandinBase):
         r.add_get(f"{api}/gateway", self._gateway_info)
         r.add_get(f"{api}/gateway/bot", self._gateway_info)
         r.add_post(f"{api}/channels/{{channel_id}}/messages", self._create_message)
-        r.add_patch(
-            f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message
-        )
+        r.add_patch(f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message)
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
         r.add_patch(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._edit_original)

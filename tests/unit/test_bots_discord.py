@@ -180,8 +180,8 @@ async def test_ask_is_deferred_at_once_and_runs_the_turn(
 
 @pytest.mark.parametrize(
     "outcome",
-    [Gated(work_item_id="w1", revision=0), Busy(work_item_id="w1"), Duplicate()],
-    ids=["gated", "busy", "duplicate"],
+    [Gated(work_item_id="w1", revision=0), Busy(work_item_id="w1")],
+    ids=["gated", "busy"],
 )
 async def test_invisible_outcomes_delete_the_deferred_response(
     server: TestServer,
@@ -199,6 +199,18 @@ async def test_invisible_outcomes_delete_the_deferred_response(
     ]
 
 
+async def test_a_duplicate_never_touches_the_earlier_reply(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    # A replayed interaction (same id) is a duplicate: the reply the first one got (the
+    # same interaction token) must stay, so nothing is deleted or edited.
+    core.outcome = Duplicate()
+    status, _ = await post(server, ask_payload(), key)
+    assert status == 200
+    await core.drain()
+    assert standin.posts == []
+
+
 async def test_silent_route_deletes_the_deferred_response(
     server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
 ) -> None:
@@ -214,10 +226,13 @@ async def test_no_route_runs_no_turn_and_leaves_nothing(
 ) -> None:
     core.routes.clear()
     status, body = await post(server, ask_payload(), key)
-    assert (status, body) == (200, {"type": 5})
+    # Known before the answer (the route lookup is part of recording): said at once, to
+    # the asker alone, and nothing is deferred or left to delete.
+    assert status == 200
+    assert body["type"] == 4 and body["data"]["flags"] == 64
     await core.drain()
     assert core.triggers == []
-    assert [p["op"] for p in standin.posts] == ["delete_original"]
+    assert standin.posts == []
 
 
 async def test_direct_message_uses_at_me(
@@ -323,3 +338,33 @@ async def test_gateway_start_survives_an_unreachable_discord(core: FakeCore) -> 
     await srv.close()
     assert time.monotonic() - started < 2.0
     assert core.tasks == []
+
+
+async def test_interaction_timestamps_have_a_freshness_window(
+    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    from leadgate.core.clock import FakeClock
+
+    clock = FakeClock()
+    settings = Settings(
+        discord=DiscordSettings(public_key=key.verify_key.encode().hex(), api_url=standin.api_url)
+    )
+    adapter = discord_bot.DiscordAdapter(settings, core, clock=clock)
+    app = web.Application()
+    mount_adapter(app, adapter)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        body = json.dumps({"type": 1}).encode()
+        now_s = clock.now_ms() // 1000
+        for age, expected in ((0, 200), (299, 200), (-299, 200), (301, 401), (3600, 401)):
+            headers = interaction_headers(key, body, timestamp=str(now_s - age))
+            status, _ = await post(srv, {"type": 1}, key, headers=headers)
+            assert status == expected, (age, status)
+        # The same signed body is refused once the clock has moved past the window.
+        headers = interaction_headers(key, body, timestamp=str(now_s))
+        clock.advance(301_000)
+        assert (await post(srv, {"type": 1}, key, headers=headers))[0] == 401
+        assert core.recorded == []
+    finally:
+        await srv.close()

@@ -48,9 +48,7 @@ class Recorder:
             s = t.sessions.c
             agent_id, key = self.session
             async with self.stack.db.read() as conn:
-                sid = await conn.scalar(
-                    sa.select(s.id).where(s.agent_id == agent_id, s.key == key)
-                )
+                sid = await conn.scalar(sa.select(s.id).where(s.agent_id == agent_id, s.key == key))
             if sid is not None:
                 truth = await full_window(self.stack, str(sid))
                 self.seen.append((list(request.messages[1:]), truth))

@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from leadgate.core.errors import Unavailable
 from leadgate.database import inline_sqlite
 from leadgate.database import schema as t
 from leadgate.database.db import Database, signal_after_commit
@@ -435,8 +436,9 @@ async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Dat
             member("a"), member("dup", rollback_insert), member("c"), return_exceptions=True
         )
     # "a" had finished its body in the group: its row is gone, and it is told so.
-    assert isinstance(results[0], sa.exc.OperationalError), results
-    assert "rolled back the whole transaction" in str(results[0])
+    # SQLite ended the whole transaction (an I/O error or a conflict clause): a 503.
+    assert isinstance(results[0], Unavailable), results
+    assert "rolled back the whole transaction" in str(results[0].__cause__)
     assert isinstance(results[1], sa.exc.IntegrityError), results
     # "c" came after the group broke: it waited for the writer lock and committed alone.
     assert results[2] is None, results
@@ -608,18 +610,23 @@ async def test_fast_tx_waits_for_another_writer_without_blocking_the_loop(
 async def test_begin_immediate_gives_up_after_the_busy_wait(
     db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After BUSY_WAIT_S the wait ends with OperationalError, and the process's writer lock
-    is released (the next transactions run once the other process is done)."""
-    monkeypatch.setattr(inline_sqlite, "BUSY_WAIT_S", 0.1)
+    """After the busy bound the wait ends with Unavailable (a 503; caused by SQLite's
+    "locked"), and the process's writer lock is released (the next transactions run
+    once the other process is done)."""
+    monkeypatch.setattr(db, "busy_timeout_s", 0.1)
     path = path_of(db)
     async with db.fast_tx() as conn:
         await conn.execute(INSERT_BINDING, binding("x0"))
+    assert db._inline is not None
+    monkeypatch.setattr(db._inline.connection, "busy_wait_s", 0.1)
     with closing(sqlite3.connect(path, isolation_level=None)) as other:
         other.execute("BEGIN IMMEDIATE")
         started = time.monotonic()
-        with pytest.raises(sa.exc.OperationalError, match="locked"):
+        with pytest.raises(Unavailable) as info:
             async with asyncio.timeout(2), db.fast_tx() as conn:
                 await conn.execute(INSERT_BINDING, binding("x1"))
+        assert isinstance(info.value.__cause__, sa.exc.OperationalError)
+        assert "locked" in str(info.value.__cause__)
         assert 0.1 <= time.monotonic() - started < 1
         other.execute("COMMIT")
     async with asyncio.timeout(1):

@@ -298,9 +298,13 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     assert (await delivery(stack, dlv["id"]))["status"] == "sending"
     assert (await item(stack, item_id))["status"] == "approved"
     monkeypatch.undo()
-    # The row is still leased: nothing is claimed (and nothing posted) a second time.
-    assert await relay.run_once() is False
+    # The row is still leased: nothing is claimed (and nothing posted) a second time; the
+    # outcome the relay kept is committed at its next run, within the send lease.
+    assert await relay.run_once() is True
     assert len(channel.calls) == 1
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
+    assert (await item(stack, item_id))["status"] == "completed"
+    assert await relay.run_once() is False
 
 
 async def test_retry_honours_retry_after_and_keeps_the_idempotency_key(
@@ -594,7 +598,7 @@ async def test_in_process_wake_delivers_without_waiting_for_the_poll(
         return Sent("x")
 
     channel.script = [mark]
-    stack.start_runners()  # poll interval 30 s: only a wake-up can be this fast
+    await stack.start_runners()  # poll interval 30 s: only a wake-up can be this fast
     await asyncio.sleep(0.2)  # let the loops go idle
     async with stack.db.tx() as conn:
         row = await workitems.get(conn, seeded.items[0]["id"])
@@ -634,7 +638,7 @@ async def test_running_service_hands_approvals_to_its_relay_without_a_claim(
         return Sent("ts")
 
     channel.script = [mark, mark]
-    stack.start_runners()
+    await stack.start_runners()
     await asyncio.sleep(0.2)
     async with stack.db.tx() as conn:
         row = await workitems.get(conn, seeded.items[0]["id"])

@@ -1,7 +1,7 @@
 """operators: audit and work-item indexes for the console's reads, names for users and keys
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-02 09:00:00
 
 The console's live updates read, about once a second per open console, the newest audit
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0008"
-down_revision = "0006"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,155 @@
+"""The one way request bodies and headers are read and decoded, for every surface.
+
+Every HTTP route (REST, agents, operator, console, MCP) and every channel body (Slack,
+Discord, Teams) goes through :func:`read_body` and :func:`decode_json` before anything
+else looks at the bytes; a channel verifies its signature on the raw bytes first.
+
+* :func:`read_body` enforces the one body-size limit (``[server] max_body_bytes``, the
+  application's ``client_max_size``: 413) and the body read timeout (408), so a slow or
+  huge upload can neither stall a handler nor grow memory.
+* :func:`decode_json`: strict UTF-8 (Python's codec refuses encoded surrogates and
+  overlong forms), standard JSON only (no ``NaN``/``Infinity``), at most
+  :data:`MAX_DEPTH` levels of nesting (checked without recursion; Python's own parser
+  raises ``RecursionError`` far deeper), no lone surrogate escapes (``"\\ud800"``: they
+  cannot be stored or encoded) and, unless ``allow_nul``, no NUL characters (PostgreSQL
+  text cannot hold them). Every failure is a 400 naming the rule.
+
+Hand-written on purpose: the standard library's ``json`` does the parsing; what it lacks
+(a depth bound and the surrogate/NUL checks) is one iterative walk here, cheaper than a
+second parser as a dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+from aiohttp import web
+
+from leadgate.core.errors import PayloadTooLarge, RequestTimeout, ValidationError
+
+#: Deepest nesting of arrays/objects a body may have (Slack blocks need about 10).
+MAX_DEPTH = 64
+#: Default time a client has to send its whole body.
+BODY_TIMEOUT_S = 30.0
+#: Where the application keeps its body timeout (see :func:`read_body`).
+BODY_TIMEOUT_KEY = web.AppKey("leadgate_body_timeout_s", float)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body: 413 over the size limit (also before reading, from Content-Length),
+    408 when it does not arrive within the body timeout, 400 when the client cut it."""
+    limit = request.client_max_size
+    if limit and request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"the request body is larger than {limit:,} bytes", rule="body.size")
+    timeout = request.config_dict.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(
+            f"the request body is larger than {limit:,} bytes", rule="body.size"
+        ) from None
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout:g} seconds", rule="body.timeout"
+        ) from None
+    except (ConnectionError, asyncio.IncompleteReadError, web.HTTPBadRequest) as exc:
+        raise ValidationError("the request body is incomplete", rule="body.incomplete") from exc
+
+
+def decode_text(raw: bytes) -> str:
+    """``raw`` as strict UTF-8 (400 ``body.utf8`` otherwise)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValidationError("the body is not valid UTF-8", rule="body.utf8") from None
+
+
+def decode_json(raw: bytes | str, *, allow_nul: bool = False, max_depth: int = MAX_DEPTH) -> Any:
+    """Decode a JSON document (see the module docstring for every check)."""
+    text = decode_text(raw) if isinstance(raw, bytes) else raw
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValidationError(
+            f"the body is nested deeper than {max_depth} levels", rule="body.depth"
+        ) from None
+    except ValueError:
+        raise ValidationError("the body is not valid JSON", rule="body.json") from None
+    check_value(value, allow_nul=allow_nul, max_depth=max_depth)
+    return value
+
+
+def check_value(value: Any, *, allow_nul: bool = False, max_depth: int = MAX_DEPTH) -> None:
+    """Walk a decoded JSON value without recursion: depth, lone surrogates, NULs."""
+    bad = _SURROGATE if allow_nul else _SURROGATE_OR_NUL
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii() or not allow_nul:
+                _check_text(node, bad)
+            continue
+        if isinstance(node, dict):
+            if depth > max_depth:
+                raise ValidationError(
+                    f"the body is nested deeper than {max_depth} levels", rule="body.depth"
+                )
+            for key, child in node.items():
+                _check_text(key, bad)
+                if isinstance(child, dict | list | str):
+                    stack.append((child, depth + 1))
+        elif isinstance(node, list):
+            if depth > max_depth:
+                raise ValidationError(
+                    f"the body is nested deeper than {max_depth} levels", rule="body.depth"
+                )
+            stack.extend(
+                (child, depth + 1) for child in node if isinstance(child, dict | list | str)
+            )
+
+
+def _check_text(text: str, bad: re.Pattern[str]) -> None:
+    found = bad.search(text)
+    if found is None:
+        return
+    if found.group() == "\x00":
+        raise ValidationError("the body contains a NUL character", rule="body.nul")
+    raise ValidationError(
+        "the body contains a lone UTF-16 surrogate (not a character)", rule="body.surrogate"
+    )
+
+
+def json_object(raw: bytes | str, *, allow_nul: bool = False) -> dict[str, Any]:
+    """:func:`decode_json` of a body that must be a JSON object (400 otherwise)."""
+    value = decode_json(raw, allow_nul=allow_nul)
+    if not isinstance(value, dict):
+        raise ValidationError("the body must be a JSON object", rule="body.object")
+    return value
+
+
+def header_text(request: web.Request, name: str, *, limit: int = 1024) -> str | None:
+    """A header holding client text (``X-Session-Id``...): printable ASCII only.
+
+    aiohttp hands non-ASCII header bytes over as surrogate escapes; they and control
+    characters are a 400 here instead of an error wherever the value is used later.
+    """
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    if len(value) > limit or not value.isascii() or not value.isprintable():
+        raise ValidationError(
+            f"the {name} header must be at most {limit} printable ASCII characters",
+            rule=f"header.{name.lower()}",
+        )
+    return value

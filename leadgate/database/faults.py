@@ -1,0 +1,109 @@
+"""Which database errors mean "the database cannot take this now" (503), not a bug.
+
+:func:`unavailable` looks through an exception (SQLAlchemy's wrapper, the DBAPI error
+and their causes) and answers an :class:`leadgate.core.errors.Unavailable` for:
+
+* SQLite: busy/locked past the bound (another process holds the write lock), disk full,
+  I/O errors, a file that cannot be opened, and a group transaction that SQLite rolled
+  back under us (:mod:`leadgate.database.inline_sqlite`, caused by one of those);
+* PostgreSQL: no connection (refused, reset, closed by the server, terminated by an
+  administrator: ``pg_terminate_backend``), the server starting up or shutting down,
+  too many connections, disk full (SQLSTATE classes 08, 53, 57P), pool timeouts.
+
+Anything else (an integrity error, a syntax error: a bug) is not unavailability and
+stays what it is.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import sqlalchemy as sa
+
+from leadgate.core.errors import Unavailable
+
+# SQLite primary result codes that say "not now".
+_SQLITE_CODES = frozenset(
+    {
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_READONLY,
+    }
+)
+_SQLITE_TEXT = (
+    "database is locked",
+    "database table is locked",
+    "disk is full",
+    "disk i/o error",
+    "unable to open database",
+    "rolled back the whole transaction",
+    "attempt to write a readonly database",
+)
+_PG_STATES = ("08", "53", "57P")
+_PG_TEXT = (
+    "connection was closed",
+    "connection is closed",
+    "terminating connection",
+    "the database system is",
+    "connection refused",
+    "cannot connect",
+    "connection reset",
+    "server closed the connection",
+    "underlying connection is closed",
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or any(item is s for s in seen) or len(seen) > 12:
+            continue
+        seen.append(item)
+        todo.extend((getattr(item, "orig", None), item.__cause__, item.__context__))
+    return seen
+
+
+def _why(exc: BaseException) -> str | None:
+    for item in _chain(exc):
+        if isinstance(item, sa.exc.TimeoutError):
+            return "no database connection became free in time"
+        code = getattr(item, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in _SQLITE_CODES:
+            return str(item)
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if isinstance(state, str) and state.startswith(_PG_STATES):
+            return str(item)
+        if isinstance(item, sa.exc.DBAPIError) and item.connection_invalidated:
+            return "the database connection was lost"
+        if isinstance(item, ConnectionError | TimeoutError):
+            return str(item) or type(item).__name__
+        if type(item).__module__.startswith("asyncpg") and (
+            "Connection" in type(item).__name__ or "Shutdown" in type(item).__name__
+        ):
+            return str(item) or type(item).__name__
+        if isinstance(item, sa.exc.OperationalError | sa.exc.InterfaceError | OSError):
+            text = str(item).lower()
+            if any(t in text for t in _SQLITE_TEXT + _PG_TEXT):
+                return str(item)
+    return None
+
+
+def unavailable(exc: BaseException) -> Unavailable | None:
+    """An :class:`Unavailable` when ``exc`` is a database fault of the kinds above."""
+    if isinstance(exc, Unavailable):
+        return exc
+    why = _why(exc)
+    if why is None:
+        return None
+    # The detail (file paths, server text) is for the log, not for clients.
+    error = Unavailable(
+        "the service cannot store this request right now; nothing was stored, please retry shortly",
+        rule="service.unavailable",
+    )
+    error.detail = why[:300]
+    return error

@@ -1,0 +1,174 @@
+"""Live service processes: who holds a lease, and which holders are known dead.
+
+Every ``leadgate serve`` process registers a row in ``processes`` (host, pid, the pid's
+start time) and refreshes its heartbeat every ``[runners] heartbeat_s``. A process is
+known dead when
+
+* it ran on this host (same hostname and boot) and its pid is gone, or now belongs to
+  another program (the kernel's start time differs): found at once, e.g. at the restart
+  after a SIGKILL; or
+* its heartbeat is older than ``[runners] dead_after_s`` (another host, PostgreSQL).
+
+:meth:`Liveness.reap` deletes the rows of dead processes. Review, revision, send and
+turn-run leases name their holder (``lease_owner``); :func:`owner_gone` is the SQL
+condition "its holder has no row any more", under which a runner takes a lease back at
+once instead of waiting out its expiry. A process alive but stalled past
+``dead_after_s`` loses its leases too; every commit is fenced by its lease token, so it
+can no longer commit what it held (a post in flight then becomes ``deliveryUnknown``,
+never a second post). When such a process notices its row is gone it registers anew.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from leadgate.core.clock import Clock, IdFactory
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+
+log = logging.getLogger("leadgate.processes")
+P = t.processes.c
+
+
+def host_key() -> str:
+    """This machine as seen by pids: hostname plus the kernel's boot id (a pid is only
+    meaningful within one boot of one host)."""
+    boot = ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:36]
+    except OSError:
+        pass
+    return f"{socket.gethostname()[:150]}/{boot}"
+
+
+def start_token(pid: int) -> str | None:
+    """The pid's start time (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or
+    ``None`` when there is no such process. Without /proc: "alive" by ``kill(pid, 0)``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+    # The command name (field 2) is in parentheses and may contain spaces.
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else "?"
+
+
+def owner_gone(column: Any) -> Any:
+    """SQL: the lease in ``column`` names a process that is not registered (any more)."""
+    return sa.and_(column.is_not(None), ~sa.exists().where(P.id == column))
+
+
+class Liveness:
+    """This process's row in ``processes``: register, heartbeat, reap the dead."""
+
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        *,
+        role: str = "all",
+        dead_after_ms: int = 30_000,
+    ) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        self.role = role
+        self.dead_after_ms = dead_after_ms
+        self.host = host_key()
+        self.pid = os.getpid()
+        #: this process's id while registered (the ``lease_owner`` of what it claims)
+        self.id: str | None = None
+
+    def owner(self) -> str | None:
+        """The ``lease_owner`` to write on a claim (``None`` before registration)."""
+        return self.id
+
+    async def register(self) -> str:
+        """Insert this process's row (then reap: a predecessor killed on this host is
+        found dead at once)."""
+        now = self.clock.now_ms()
+        process_id = self.ids.new("prc")
+        async with self.db.tx() as conn:
+            await conn.execute(
+                t.processes.insert().values(
+                    id=process_id,
+                    host=self.host,
+                    pid=self.pid,
+                    start_token=start_token(self.pid) or "?",
+                    role=self.role,
+                    started_at=now,
+                    heartbeat_at=now,
+                )
+            )
+        self.id = process_id
+        await self.reap()
+        return process_id
+
+    async def beat(self) -> None:
+        """Refresh the heartbeat; re-register if another process reaped our row."""
+        if self.id is None:
+            await self.register()
+            return
+        async with self.db.tx() as conn:
+            res = await conn.execute(
+                t.processes.update().where(P.id == self.id).values(heartbeat_at=self.clock.now_ms())
+            )
+        if not res.rowcount:
+            log.error(
+                "process %s was declared dead (heartbeat missed); its leases were taken "
+                "back; registering again",
+                self.id,
+            )
+            await self.register()
+
+    async def reap(self) -> int:
+        """Delete the rows of processes known dead (see the module docstring)."""
+        now = self.clock.now_ms()
+        async with self.db.read() as conn:
+            rows = (await conn.execute(sa.select(P.id, P.host, P.pid, P.start_token))).all()
+        dead = [
+            r.id
+            for r in rows
+            if r.id != self.id and r.host == self.host and _gone(r.pid, r.start_token)
+        ]
+        async with self.db.tx() as conn:
+            cond = P.heartbeat_at < now - self.dead_after_ms
+            if dead:
+                cond = sa.or_(cond, P.id.in_(dead))
+            if self.id is not None:
+                cond = sa.and_(cond, P.id != self.id)
+            res = await conn.execute(t.processes.delete().where(cond))
+        count = int(res.rowcount or 0)
+        if count:
+            log.warning("%d dead process(es) found; their leases are taken back", count)
+        return count
+
+    async def unregister(self) -> None:
+        """Clean shutdown: delete our row (what we still hold is free at once)."""
+        if self.id is None:
+            return
+        async with self.db.tx() as conn:
+            await conn.execute(t.processes.delete().where(P.id == self.id))
+        self.id = None
+
+
+def _gone(pid: int, token: str) -> bool:
+    current = start_token(pid)
+    if current is None:
+        return True
+    return token != "?" and current != "?" and current != token

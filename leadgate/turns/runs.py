@@ -1,0 +1,190 @@
+"""Recorded turn runs: a turn taken in before its platform was answered, until it ends.
+
+A channel message (and a gated api turn) is recorded in its intake transaction together
+with a ``turn_runs`` row leased to the process that took it in; the turn's last
+transaction (reply queued, text withheld, submission, failure notice) deletes the row.
+A row that outlives its process (SIGKILL, power loss) is found by the recovery runner
+(:mod:`leadgate.runners.recovery`) as soon as the process is known dead (or the lease
+expired) and is claimed under a new lease token; :func:`claim` decides what happens:
+
+* the dead turn had already committed its ``complete_task`` signal (the handoff
+  happened, its withheld text was lost): the signal is submitted exactly once, to a human
+  (``inProgress -> awaitingHuman``, audit ``turnInterrupted``; it is in the actionable
+  queue); re-running the model would make a second, different handoff;
+* ``rerun`` (channels: nobody else will ask again): the turn runs again from the stored
+  message; its reply is queued fenced by the run's lease token, so at most one run
+  commits; several recorded messages of one session are answered by one turn;
+* ``client`` (REST/MCP: the official clients retry a turn cut by a lost connection, and
+  their retry is a new message): the run is closed, the first message stays in the
+  transcript (and the item's task context) as it was stored, and the item waits in
+  ``inProgress`` for the retry;
+* after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
+  the person gets a failure notice and the run is closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
+from leadgate.core.errors import TransitionError
+from leadgate.database import schema as t
+from leadgate.database.db import Conn, Database
+from leadgate.domain import workitems
+from leadgate.domain.processes import owner_gone
+from leadgate.domain.workitems import Status
+
+R = t.turn_runs.c
+W = t.work_items.c
+
+RERUN = "rerun"
+CLIENT = "client"
+#: How long a live process may run a recorded turn before another may take it over.
+RUN_LEASE_MS = 15 * MINUTE_MS
+MAX_ATTEMPTS = 3
+FAILURE_NOTICE = "Sorry, I could not answer your message (the agent failed). Please try again."
+
+_INSERT = t.turn_runs.insert()
+_FINISH = t.turn_runs.delete().where(R.lease_token == sa.bindparam("p_token"))
+
+
+async def record(conn: Conn, values: dict[str, Any]) -> None:
+    """Insert a run row (inside the intake transaction)."""
+    await conn.execute(_INSERT, values)
+
+
+async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
+    """Delete the runs of lease ``token`` (in the turn's last transaction). ``fenced``:
+    the turn would post, so a lost lease (another process re-ran it) rolls it back."""
+    if token is None:
+        return
+    res = await conn.execute(_FINISH, {"p_token": token})
+    if fenced and not res.rowcount:
+        raise TransitionError("this turn's run was taken over by another process", rule="run")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """Runs of one session claimed under one lease token, and what to do with them."""
+
+    action: str  # rerun | surfaced | closed | gaveUp
+    token: str
+    org_id: str
+    agent_id: str
+    session_id: str
+    binding_id: str
+    work_item_id: str | None
+    turn_id: str
+    run_ids: tuple[str, ...]
+
+
+async def claim(
+    db: Database,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    owner: str | None,
+    orphans: set[str],
+) -> Claimed | None:
+    """Claim the oldest takeable run and every takeable run of its session.
+
+    Takeable: its lease expired, its holder is known dead (:func:`owner_gone`), or it is
+    one of ``orphans`` (this process's runs whose turn stopped on a database fault).
+    """
+    now = clock.now_ms()
+    takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
+    if orphans:
+        takeable = sa.or_(takeable, R.lease_token.in_(sorted(orphans)))
+    async with db.tx() as conn:
+        first = (
+            await conn.execute(
+                db.skip_locked(
+                    sa.select(R.session_id).where(takeable).order_by(R.created_at).limit(1)
+                )
+            )
+        ).first()
+        if first is None:
+            return None
+        rows = (
+            await conn.execute(
+                db.skip_locked(
+                    sa.select(t.turn_runs)
+                    .where(takeable, R.session_id == first.session_id)
+                    .order_by(R.created_at, R.id)
+                )
+            )
+        ).all()
+        if not rows:
+            return None
+        token = ids.new("lease")
+        turn_id = ids.new("turn")
+        newest = rows[-1]
+        res = await conn.execute(
+            t.turn_runs.update()
+            .where(R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows}))
+            .values(
+                lease_owner=owner,
+                lease_token=token,
+                lease_expires_at=now + RUN_LEASE_MS,
+                attempts=R.attempts + 1,
+                turn_id=turn_id,
+            )
+        )
+        if res.rowcount != len(rows):
+            raise TransitionError("turn runs changed while being claimed", rule="run")
+        for row in rows:
+            orphans.discard(row.lease_token)
+        action = RERUN if any(r.policy == RERUN for r in rows) else CLIENT
+        item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
+        if item_id is not None:
+            item = await workitems.get(conn, item_id)
+            dead_turns = {r.turn_id for r in rows}
+            if item.status != Status.inProgress.value:
+                action = "closed"  # it moved on (cancelled, or submitted by another turn)
+            elif item.signal_turn_id in dead_turns and item.signal_summary:
+                await _surface(conn, clock, ids, item.id, item.signal_summary)
+                action = "surfaced"
+        if action == RERUN and max(r.attempts for r in rows) >= MAX_ATTEMPTS:
+            action = "gaveUp"
+        if action in ("closed", "surfaced", CLIENT):
+            await finish(conn, token, fenced=False)
+            action = "closed" if action == CLIENT else action
+    return Claimed(
+        action=action,
+        token=token,
+        org_id=newest.org_id,
+        agent_id=newest.agent_id,
+        session_id=newest.session_id,
+        binding_id=newest.binding_id,
+        work_item_id=item_id,
+        turn_id=turn_id,
+        run_ids=tuple(r.id for r in rows),
+    )
+
+
+async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summary: str) -> None:
+    """The dead turn's handoff, submitted once, to a human (its text was never stored)."""
+    await workitems.transition(
+        conn,
+        clock,
+        ids,
+        item_id,
+        src=Status.inProgress,
+        dst=Status.awaitingHuman,
+        actor="system:recovery",
+        action="turnInterrupted",
+        text=(
+            "the worker's turn was cut off after complete_task (its process died); the "
+            "summary was kept, the reply text was not stored"
+        ),
+        values={
+            "summary": summary,
+            "snapshot": "",
+            "signal_summary": None,
+            "signal_turn_id": None,
+            "last_activity_at": clock.now_ms(),
+        },
+    )

@@ -1,0 +1,298 @@
+"""The service's own OpenAPI 3.1 document, ``GET /openapi.json`` (no authentication).
+
+It describes the REST, agents, operator and console APIs, and is what the fuzz suite
+(``tests/fuzz``, schemathesis) generates requests from. It is built from **one
+declarative list**, :data:`OPERATIONS`: a route added elsewhere is described by
+appending an :class:`Operation` here (or calling :func:`describe` at import time of the
+surface); nothing else needs changing. Channel endpoints (Slack, Discord, Teams) and
+``/mcp`` speak their platform's protocol and are documented by those platforms; they
+are listed without body schemas. Server-sent event streams (``.../events``) never end
+by themselves and the console's and studio's pages are for browsers: they are not in
+the document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
+NONE: list[dict[str, list[str]]] = []
+
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "code": {"type": ["string", "null"]},
+                "rule": {"type": "string"},
+            },
+            "required": ["message"],
+        }
+    },
+    "required": ["error"],
+}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+CHAT_REQUEST = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+                    "content": {
+                        "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]
+                    },
+                },
+                "required": ["role", "content"],
+            },
+        },
+        "stream": {"type": "boolean"},
+        "user": {"type": "string"},
+    },
+    "required": ["model", "messages"],
+}
+LEAD_REVIEW_CONFIG = {
+    "type": "object",
+    "properties": {
+        "completionPolicy": {
+            "type": "string",
+            "enum": ["completeAutomatically", "requestHumanApproval"],
+        },
+        "maxRevisionRounds": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "additionalProperties": False,
+}
+AGENT_BODY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 200},
+        "model": {"type": "string"},
+        "instructions": {"type": "string"},
+        "presetId": {"type": ["string", "null"]},
+        "leadAgentId": {"type": ["string", "null"]},
+        "leadReviewConfig": {"anyOf": [LEAD_REVIEW_CONFIG, {"type": "null"}]},
+        "active": {"type": "boolean"},
+    },
+}
+_ANY_JSON: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One documented route."""
+
+    method: str
+    path: str
+    summary: str
+    #: ``BEARER`` (API key or, where allowed, the console cookie) or ``NONE``
+    security: list[dict[str, list[str]]] = field(default_factory=lambda: BEARER)
+    body: dict[str, Any] | None = None
+    #: extra parameters beyond the path's own ``{name}`` segments
+    parameters: list[dict[str, Any]] = field(default_factory=list)
+    #: status -> description; every operation may also answer the common errors
+    responses: dict[str, str] = field(default_factory=lambda: {"200": "OK"})
+    content_type: str = "application/json"
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def _text_body(name: str, limit: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "minLength": 1, "maxLength": limit}},
+        "required": [name],
+    }
+
+
+OPERATIONS: list[Operation] = [
+    Operation(
+        "post",
+        "/v1/chat/completions",
+        "OpenAI-compatible chat completion with a worker agent (model = agent id or slug)",
+        body=CHAT_REQUEST,
+        parameters=[
+            {
+                "name": "X-Session-Id",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string", "maxLength": 200},
+            },
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string", "maxLength": 200},
+            },
+        ],
+        responses={"200": "A completion (or an SSE stream)", "409": "LEAD_REVIEW_PENDING"},
+    ),
+    Operation("get", "/v1/models", "The organization's worker agents as models"),
+    Operation("get", "/v1/models/{model}", "One worker agent as a model"),
+    Operation(
+        "get",
+        "/v1/agents/{agent}/sessions/{session}/messages",
+        "A session's visible transcript (approved answers included once revealed)",
+        parameters=[
+            _query("after", {"type": "string"}),
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+        ],
+    ),
+    Operation("get", "/v1/agents", "List the organization's agents"),
+    Operation(
+        "post", "/v1/agents", "Create an agent", body=AGENT_BODY, responses={"201": "Created"}
+    ),
+    Operation("get", "/v1/agents/{agent_id}", "Get an agent"),
+    Operation("patch", "/v1/agents/{agent_id}", "Update an agent", body=AGENT_BODY),
+    Operation(
+        "get",
+        "/operator/reviews",
+        "The actionable queue",
+        parameters=[
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            _query("cursor", {"type": "string"}),
+        ],
+    ),
+    Operation("get", "/operator/reviews/{item_id}", "Review detail"),
+    Operation("post", "/operator/reviews/{item_id}/approve", "Approve", body=_ANY_JSON),
+    Operation(
+        "post", "/operator/reviews/{item_id}/reject", "Reject", body=_text_body("reason", 2000)
+    ),
+    Operation(
+        "post",
+        "/operator/reviews/{item_id}/return",
+        "Return to the worker",
+        body=_text_body("feedback", 10_000),
+    ),
+    Operation("post", "/operator/reviews/{item_id}/cancel", "Cancel", body=_ANY_JSON),
+    Operation("post", "/operator/deliveries/{delivery_id}/confirm", "Confirm delivered"),
+    Operation("post", "/operator/deliveries/{delivery_id}/retry", "Retry the delivery"),
+    Operation(
+        "get",
+        "/operator/activity",
+        "Agent Activity",
+        parameters=[
+            _query(name, {"type": "string"}) for name in ("agent", "status", "channel", "q")
+        ]
+        + [
+            _query("since", {"type": "integer"}),
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            _query("cursor", {"type": "string"}),
+        ],
+    ),
+    Operation(
+        "get",
+        "/operator/insights",
+        "Review insights over the last days",
+        parameters=[_query("days", {"type": "integer", "enum": [7, 30, 90]})],
+    ),
+    Operation(
+        "get",
+        "/operator/insights/charts/{name}",
+        "One insights chart (SVG)",
+        parameters=[_query("days", {"type": "integer", "enum": [7, 30, 90]})],
+        responses={"200": "An image/svg+xml chart"},
+    ),
+    Operation(
+        "post",
+        "/console/login",
+        "Log in to the operator console (sets the session cookie)",
+        security=NONE,
+        body={
+            "type": "object",
+            "properties": {"email": {"type": "string"}, "password": {"type": "string"}},
+            "required": ["email", "password"],
+        },
+        responses={"200": "Logged in", "401": "Wrong email or password", "429": "Too many"},
+    ),
+    Operation("post", "/console/logout", "Log out", security=NONE),
+    Operation("get", "/console/me", "The console user", security=NONE),
+    Operation("get", "/healthz", "Health", security=NONE),
+    Operation("get", "/openapi.json", "This document", security=NONE),
+]
+
+
+def describe(operation: Operation) -> None:
+    """Add an operation (for surfaces that register routes of their own)."""
+    OPERATIONS.append(operation)
+
+
+def document(public_url: str) -> dict[str, Any]:
+    """The OpenAPI document of :data:`OPERATIONS`."""
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        params = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in _path_names(op.path)
+        ] + op.parameters
+        responses: dict[str, Any] = {
+            status: {"description": text} for status, text in op.responses.items()
+        }
+        for status, text in _COMMON.items():
+            responses.setdefault(
+                status,
+                {"description": text, "content": {"application/json": {"schema": _ERROR}}},
+            )
+        entry: dict[str, Any] = {
+            "summary": op.summary,
+            "operationId": f"{op.method}{op.path}".replace("/", "_")
+            .replace("{", "")
+            .replace("}", ""),
+            "security": op.security,
+            "responses": responses,
+        }
+        if params:
+            entry["parameters"] = params
+        if op.body is not None:
+            entry["requestBody"] = {
+                "required": op.method != "post" or bool(op.body),
+                "content": {op.content_type: {"schema": op.body}},
+            }
+        paths.setdefault(op.path, {})[op.method] = entry
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "leadgate", "version": "1"},
+        "servers": [{"url": public_url}],
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "paths": paths,
+    }
+
+
+_COMMON = {
+    "400": "The request broke a rule (the error names it)",
+    "401": "No or unknown credentials",
+    "403": "Missing permission",
+    "404": "Not found in this organization",
+    "408": "The body did not arrive in time",
+    "413": "The body is too large",
+    "503": "The database cannot take the request now; retry after Retry-After",
+}
+
+
+def _path_names(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{")]
+
+
+def setup(app: web.Application, *, public_url: str) -> None:
+    """Serve ``GET /openapi.json``."""
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(document(public_url))
+
+    app.router.add_get("/openapi.json", openapi)

@@ -1,0 +1,127 @@
+"""The fuzz suite's service: the real ``leadgate serve`` with Slack, Discord (interactions)
+and Teams (local no-auth mode) on, routes to the demo ``plain`` agent, SQLite.
+
+``fuzzed`` (module scope) is that service plus what the tests sign with and a way to
+fingerprint the database (row counts of the tables a request could write): a request
+that was refused must leave the fingerprint unchanged.
+
+Bounded for CI (``FUZZ_EXAMPLES`` per operation or strategy); ``-m long`` runs the long
+form (``LONG_EXAMPLES``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from nacl.signing import SigningKey
+
+from tests.acceptance.channel_kit import admin_batch, route
+from tests.service_proc import ServiceProcess, clone_sqlite, make_template
+
+FUZZ_EXAMPLES = 12
+LONG_EXAMPLES = 300
+SLACK_SECRET = "fuzz-signing-secret"
+#: Tables a request (not a background runner) writes; audit and deliveries are also
+#: written by runners working on earlier accepted requests.
+REQUEST_TABLES = (
+    "agents",
+    "api_keys",
+    "bindings",
+    "console_sessions",
+    "inbound_events",
+    "messages",
+    "policy_rules",
+    "routes",
+    "sessions",
+    "turn_runs",
+    "users",
+    "work_items",
+)
+
+
+def examples(config: pytest.Config) -> int:
+    """How many examples per operation: the CI bound, or the long form's."""
+    return LONG_EXAMPLES if "long" in (config.getoption("-m") or "") else FUZZ_EXAMPLES
+
+
+@dataclass
+class Fuzzed:
+    """The service under fuzz and what the tests need to talk to it."""
+
+    proc: ServiceProcess
+    discord_key: SigningKey
+    key: str
+
+    @property
+    def db_path(self) -> Path:
+        assert self.proc.sqlite_file is not None
+        return self.proc.sqlite_file
+
+    def fingerprint(self) -> dict[str, int]:
+        """Row counts of :data:`REQUEST_TABLES` (read straight from the SQLite file)."""
+        with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as conn:
+            return {
+                name: int(conn.execute(f"SELECT count(*) FROM {name}").fetchone()[0])
+                for name in REQUEST_TABLES
+            }
+
+    def quiet_fingerprint(self, within_s: float = 15.0) -> dict[str, int]:
+        """:meth:`fingerprint` once no recorded turn is still running (channel turns of
+        earlier accepted requests finish in the background and write their replies)."""
+        deadline = time.monotonic() + within_s
+        last = self.fingerprint()
+        while True:
+            time.sleep(0.02)
+            now = self.fingerprint()
+            if now == last and now["turn_runs"] == 0:
+                return now
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the service did not settle: {now}")
+            last = now
+
+    def log_problems(self) -> list[str]:
+        """Lines of the service log that mean a request crashed somewhere."""
+        marks = ("unhandled error", "Error handling request", "Traceback")
+        return [line for line in self.proc.log_text().splitlines() if any(m in line for m in marks)]
+
+
+@pytest.fixture(scope="session")
+def fuzz_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+    template = make_template(tmp_path_factory.mktemp("fuzz-template"))
+    key = SigningKey.generate()
+    proc = ServiceProcess(
+        tmp_path_factory.mktemp("fuzz-svc"),
+        config={
+            "runners": {"poll_interval_s": 0.5},
+            "slack": {
+                "signing_secret": SLACK_SECRET,
+                "bot_token": "xoxb-fuzz",
+                # Nothing listens there: replies are retried later, harmlessly.
+                "api_url": "http://127.0.0.1:9/api/",
+            },
+            "discord": {"public_key": key.verify_key.encode().hex()},
+            "teams": {"enabled": True},
+        },
+    )
+    assert proc.sqlite_file is not None
+    clone_sqlite(template.database, proc.sqlite_file)
+    proc.demo = template.demo
+    org = template.demo.org
+    admin_batch(
+        proc,
+        [
+            route(org, "plain", "slack"),
+            route(org, "plain", "discord"),
+            route(org, "plain", "teams"),
+        ],
+    )
+    proc.start()
+    try:
+        yield Fuzzed(proc, key, template.demo.key)
+    finally:
+        proc.stop(check=False)

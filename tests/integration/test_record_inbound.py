@@ -1,0 +1,87 @@
+"""The channels' shared step through the real composition root: recorded before the
+answer, run after; rule-breaking messages answered with a notice; unstorable ids 400."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from binding import routes
+from leadgate.app import App
+from leadgate.core.errors import ValidationError
+from leadgate.core.types import BindingKind, Inbound
+from leadgate.database import schema as t
+from tests.helpers import make_agent, make_org
+
+
+def mail(text: str, message_id: str = "<m1@example.com>", **address: str) -> Inbound:
+    return Inbound(
+        channel=BindingKind.email,
+        route_attrs={"address": "plain@leadgate.test", "sender": "ann@example.com"},
+        session_key=f"email:plain@leadgate.test:{message_id}",
+        text=text,
+        address={"to": "ann@example.com", "subject": "Re: hi", **address},
+        external_event_id=f"email:plain@leadgate.test:{message_id}",
+    )
+
+
+async def setup_route(service: App) -> None:
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    async with service.db.tx() as conn:
+        await routes.add_route(
+            conn,
+            service.clock,
+            service.ids,
+            org_id=org.id,
+            agent_id=plain["id"],
+            channel="email",
+            match={},
+            silent=False,
+        )
+
+
+async def rows(service: App, table: sa.Table) -> list[dict[str, object]]:
+    async with service.db.read() as conn:
+        return [dict(r._mapping) for r in (await conn.execute(sa.select(table))).all()]
+
+
+async def test_recorded_before_the_turn_runs(service: App) -> None:
+    await setup_route(service)
+    recorded = await service.messages.record_inbound(mail("hello"))
+    assert recorded is not None and recorded.turn is not None
+    # Durable now: the message and its run are stored, though no turn has run yet.
+    assert [m["content"] for m in await rows(service, t.messages)] == ["hello"]
+    assert len(await rows(service, t.turn_runs)) == 1
+    routed = await service.messages.run_recorded(recorded)
+    assert routed is not None
+    assert await rows(service, t.turn_runs) == []
+    replies = [d["text"] for d in await rows(service, t.deliveries)]
+    assert replies == ["Echo: hello"]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("x" * 100_001, "100,000 characters"), ("a\x00b", "NUL"), ("a\ud800b", "surrogate")],
+)
+async def test_rule_breaking_mail_gets_a_notice_once(service: App, text: str, says: str) -> None:
+    await setup_route(service)
+    first = await service.messages.record_inbound(mail(text))
+    assert first is not None and first.rejected is not None and says in first.rejected
+    again = await service.messages.record_inbound(mail(text))  # the sender retries
+    assert again is not None and again.rejected is not None
+    notices = [d["text"] for d in await rows(service, t.deliveries)]
+    assert len(notices) == 1 and says in notices[0]
+    events = await rows(service, t.inbound_events)
+    assert [e["outcome"] for e in events] == ["rejectedInvalid"]
+    assert "\x00" not in str(events[0]["content"])
+    assert await rows(service, t.messages) == []  # no turn, no transcript row
+
+
+async def test_unstorable_identifiers_are_refused_with_nothing_stored(service: App) -> None:
+    await setup_route(service)
+    with pytest.raises(ValidationError):
+        await service.messages.record_inbound(mail("hi", message_id="<a\x00b@x>"))
+    with pytest.raises(ValidationError):
+        await service.messages.record_inbound(mail("hi", subject="\ud800"))
+    assert await rows(service, t.sessions) == []

@@ -1,0 +1,177 @@
+"""The one decoding path: every bad body is a 400 naming its rule, never a crash; the
+body-size limit and the body timeout; client text headers; the login guard's counting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leadgate.core.clock import FakeClock
+from leadgate.core.decoding import (
+    BODY_TIMEOUT_KEY,
+    MAX_DEPTH,
+    decode_json,
+    header_text,
+    json_object,
+)
+from leadgate.core.errors import RateLimited, Unavailable, ValidationError
+from leadgate.operations.logins import LoginGuard
+from leadgate.web.common import error_middleware, json_body
+
+BAD_BODIES = [
+    (b"\xff\xfe", "body.utf8"),
+    (b'"\xed\xa0\x80"', "body.utf8"),  # an encoded surrogate is not UTF-8
+    (b"{", "body.json"),
+    (b"NaN", "body.json"),
+    (b'{"a": Infinity}', "body.json"),
+    (b"1" * 5000, "body.json"),  # past Python's int digit limit
+    (b"[" * 2000 + b"]" * 2000, "body.depth"),  # RecursionError in json
+    (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "body.depth"),
+    (b'{"a": "x\\ud800"}', "body.surrogate"),
+    (b'{"\\udfff": 1}', "body.surrogate"),
+    (b'{"a": "x\\u0000y"}', "body.nul"),
+    (b'{"a\\u0000": 1}', "body.nul"),
+]
+
+
+@pytest.mark.parametrize(("raw", "rule"), BAD_BODIES)
+def test_bad_bodies_are_400s_naming_the_rule(raw: bytes, rule: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        decode_json(raw)
+    assert info.value.status == 400
+    assert info.value.rule == rule
+
+
+def test_the_limits_themselves_are_fine() -> None:
+    deep = "[" * MAX_DEPTH + "]" * MAX_DEPTH
+    assert decode_json(deep) is not None
+    assert decode_json('{"a": "é \\u00e9 😀"}') == {"a": "é é 😀"}
+    # Channels keep a NUL inside text (the message rule answers it with a notice) ...
+    assert decode_json(b'{"text": "a\\u0000b"}', allow_nul=True) == {"text": "a\x00b"}
+    # ... but never a lone surrogate, which cannot be stored at all.
+    with pytest.raises(ValidationError):
+        decode_json(b'{"text": "a\\ud800"}', allow_nul=True)
+    with pytest.raises(ValidationError) as info:
+        json_object(b"[1, 2]")
+    assert info.value.rule == "body.object"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_decode_json_only_ever_raises_validation_errors(raw: bytes) -> None:
+    try:
+        value = decode_json(raw)
+    except ValidationError as exc:
+        assert exc.rule.startswith("body.")
+        return
+    # What passes is re-encodable as strict UTF-8 (storable anywhere).
+    json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+async def _client(app: web.Application) -> TestClient[Any, Any]:
+    client: TestClient[Any, Any] = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+async def test_size_limit_and_body_timeout_through_the_http_path() -> None:
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response(await json_body(request))
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=1024)
+    app[BODY_TIMEOUT_KEY] = 0.3
+    app.router.add_post("/echo", echo)
+    client = await _client(app)
+    try:
+        ok = await client.post("/echo", json={"a": 1})
+        assert ok.status == 200
+        big = await client.post("/echo", data=b"x" * 4096)
+        assert big.status == 413
+        assert (await big.json())["error"]["rule"] == "body.size"
+        deep = await client.post("/echo", data=b"[" * 900 + b"]" * 900)
+        assert deep.status in (400, 413)
+
+        async def slow() -> Any:
+            yield b'{"a":'
+            await asyncio.sleep(1.0)
+            yield b"1}"
+
+        late = await client.post("/echo", data=slow())
+        assert late.status == 408
+        assert "Traceback" not in await late.text()
+    finally:
+        await client.close()
+
+
+async def test_client_text_headers_are_printable_ascii() -> None:
+    seen: list[str | None] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(header_text(request, "X-Session-Id"))
+        return web.json_response({})
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/h", handler)
+    client = await _client(app)
+    try:
+        assert (await client.get("/h", headers={"X-Session-Id": "abc-1"})).status == 200
+        bad = await client.get(
+            "/h", headers={"X-Session-Id": "caf\u00e9".encode().decode("latin-1")}
+        )
+        assert bad.status == 400
+        assert (await bad.json())["error"]["rule"] == "header.x-session-id"
+    finally:
+        await client.close()
+    assert seen == ["abc-1"]
+
+
+async def test_login_guard_counts_before_the_check_and_says_when() -> None:
+    clock = FakeClock()
+    guard = LoginGuard(clock, limit=3, window_ms=60_000)
+    tickets = [guard.admit("10.0.0.1", "ann@example.com") for _ in range(3)]
+    # In-flight attempts count: the 4th is refused before any password was checked.
+    with pytest.raises(RateLimited) as info:
+        guard.admit("10.0.0.1", "ann@example.com")
+    assert info.value.retry_after_s == 60
+    # Per account too, from another address; and the wait shrinks with time.
+    clock.advance(20_000)
+    with pytest.raises(RateLimited) as info:
+        guard.admit("10.9.9.9", "ANN@example.com ")
+    assert info.value.retry_after_s == 40
+    # A success gives its slot back.
+    guard.succeeded(tickets[0])
+    guard.admit("10.0.0.1", "ann@example.com")
+    clock.advance(40_001)
+    guard.admit("10.0.0.1", "ann@example.com")
+
+
+async def test_password_check_slots_are_bounded() -> None:
+    guard = LoginGuard(FakeClock(), slots=1, queue=1)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with guard.check_slot():
+            await release.wait()
+
+    first = asyncio.create_task(hold())
+    second = asyncio.create_task(hold())
+    await asyncio.sleep(0.01)
+    with pytest.raises(Unavailable):
+        async with guard.check_slot():
+            pass
+    release.set()
+    await asyncio.gather(first, second)

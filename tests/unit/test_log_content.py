@@ -1,0 +1,43 @@
+"""DEBUG logs never carry message text or tokens unless ``[log] include_content``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from leadgate.core.config import Settings
+from leadgate.core.logs import setup_logging
+
+
+@pytest.fixture
+def restore_logging() -> object:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield None
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_library_payload_logs_stay_out_unless_asked_for(
+    include: bool, capsys: pytest.CaptureFixture[str], restore_logging: object
+) -> None:
+    settings = Settings.model_validate({"log": {"level": "DEBUG", "include_content": include}})
+    setup_logging(settings)
+    names = ("slack_sdk.web.base_client", "discord.webhook.async_", "openai._base_client")
+    for name in names:  # other tests may have set levels on these
+        logging.getLogger(name).setLevel(logging.DEBUG)
+    # What the SDKs log at DEBUG: request bodies (message text, withheld output) and
+    # webhook URLs holding interaction tokens.
+    logging.getLogger("slack_sdk.web.base_client").debug("body: {'text': 'SECRET-TEXT'}")
+    logging.getLogger("discord.webhook.async_").debug("PATCH /webhooks/1/TOKEN-123/messages")
+    logging.getLogger("openai._base_client").debug("Request options: SECRET-PROMPT")
+    ours = logging.getLogger("leadgate.test_log_content")
+    ours.setLevel(logging.DEBUG)  # other tests may have raised the package's level
+    ours.debug("a turn of ours")
+    logging.getLogger("discord.http").warning("rate limited")
+    err = capsys.readouterr().err
+    for secret in ("SECRET-TEXT", "TOKEN-123", "SECRET-PROMPT"):
+        assert (secret in err) is include
+    assert "a turn of ours" in err and "rate limited" in err

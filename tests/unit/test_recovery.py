@@ -1,0 +1,202 @@
+"""Recorded turns and dead-process lease takeback (leadgate.turns.runs, domain.processes).
+
+A process "dies" here by never running the turn it recorded: its ``lease_owner`` is a
+process id that is not registered (the row a dead process leaves behind is reaped). On
+both databases.
+"""
+
+from __future__ import annotations
+
+import os
+
+import sqlalchemy as sa
+
+from leadgate.core.clock import MINUTE_MS
+from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.database import schema as t
+from leadgate.domain import processes
+from leadgate.domain.processes import Liveness
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.turns import runs
+from leadgate.turns.intake import Accepted
+from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
+from tests.stack import Stack
+
+DEAD = "prc_dead_process"
+
+
+def slack_trigger(org: Org, agent: dict[str, object], text: str, ts: str) -> Trigger:
+    return Trigger(
+        org_id=org.id,
+        agent_id=str(agent["id"]),
+        session_key=f"slack:T1:C1:{ts}",
+        text=text,
+        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": ts}),
+        external_event_id=f"slack:T1:C1:{ts}",
+    )
+
+
+async def count(stack: Stack, table: sa.Table) -> int:
+    async with stack.db.read() as conn:
+        return int(await conn.scalar(sa.select(sa.func.count()).select_from(table)) or 0)
+
+
+async def replies(stack: Stack) -> list[str]:
+    d = t.deliveries.c
+    async with stack.db.read() as conn:
+        rows = (await conn.execute(sa.select(d.text).where(d.kind == "reply"))).all()
+    return [r.text for r in rows]
+
+
+async def test_a_recorded_channel_turn_of_a_dead_process_is_run_once(stack: Stack) -> None:
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    stack.turns.intake.owner = lambda: DEAD
+    taken = await stack.turns.take(slack_trigger(org, plain, "hello", "1.1"))
+    assert isinstance(taken, Accepted)
+    assert await count(stack, t.turn_runs) == 1
+    # The process died before running it: nothing was answered yet.
+    assert await replies(stack) == []
+    recovery = TurnRecovery(stack.turns)
+    assert await drain(recovery) == 1
+    assert await replies(stack) == ["Echo: hello"]
+    assert await count(stack, t.turn_runs) == 0
+    # A finished turn is never run again.
+    assert await drain(recovery) == 0
+    # Its redelivery is a duplicate, not a second turn.
+    again = await stack.turns.take(slack_trigger(org, plain, "hello", "1.1"))
+    assert type(again).__name__ == "Duplicate"
+
+
+async def test_a_run_of_a_live_process_is_left_alone_until_its_lease_lapses(stack: Stack) -> None:
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    await stack.turns.take(slack_trigger(org, plain, "hi", "2.1"))
+    other = TurnRecovery(stack.turns)
+    stack.turns.owner = lambda: "prc_other"
+    assert await drain(other) == 0  # its owner is alive: never two live runs
+    stack.clock.advance(runs.RUN_LEASE_MS + 1)
+    assert await drain(other) == 1  # a stalled run is taken over after its lease
+    assert await replies(stack) == ["Echo: hi"]
+
+
+async def test_a_signal_committed_by_a_dead_turn_is_submitted_once_to_a_human(
+    stack: Stack,
+) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    taken = await stack.turns.take(slack_trigger(org, worker, "draft it #complete", "3.1"))
+    assert isinstance(taken, Accepted)
+    item_id = taken.ctx.work_item_id
+    assert item_id is not None
+    # The dead turn got as far as its complete_task signal, then the process died.
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.work_items.update()
+            .where(t.work_items.c.id == item_id)
+            .values(signal_summary="Summary: draft it", signal_turn_id=taken.ctx.turn_id)
+        )
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    item = await item_row(stack, item_id)
+    assert item["status"] == "awaitingHuman"
+    assert item["summary"] == "Summary: draft it"
+    assert item["signal_summary"] is None
+    assert [a["action"] for a in await item_audit(stack, item_id)][-1] == "turnInterrupted"
+    assert await count(stack, t.turn_runs) == 0
+    assert await replies(stack) == []  # no second handoff, no model re-run
+
+
+async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    taken = await stack.turns.take(api_trigger(org, worker, "work on it"))
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    # The message stays as stored; the item waits for the client's retry.
+    assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "inProgress"
+    stack.turns.intake.owner = lambda: None
+    retried = await stack.turns.run(api_trigger(org, worker, "work on it #complete"))
+    assert type(retried).__name__ == "Gated"
+
+
+async def test_a_failing_turn_leaves_a_notice_and_gives_up_after_three_attempts(
+    stack: Stack,
+) -> None:
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    stack.turns.intake.owner = lambda: DEAD
+    await stack.turns.take(slack_trigger(org, plain, "boom #fail", "4.1"))
+    recovery = TurnRecovery(stack.turns)
+    assert await drain(recovery) == 1
+    # The model failed: the person is told, the run is closed.
+    assert await replies(stack) == [runs.FAILURE_NOTICE]
+    assert await count(stack, t.turn_runs) == 0
+    # A run whose process keeps dying is given up after MAX_ATTEMPTS, with the notice.
+    await stack.turns.take(slack_trigger(org, plain, "again", "4.2"))
+    async with stack.db.tx() as conn:
+        await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
+    assert await drain(recovery) == 1
+    assert await replies(stack) == [runs.FAILURE_NOTICE, runs.FAILURE_NOTICE]
+
+
+async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.lead_runner.owner = live.owner
+    await stack.turns.run(api_trigger(org, worker, "do it #complete"))
+    item = await stack.lead_runner.claim()
+    assert item is not None and item.lease_owner == live.id
+    # Alive: its 20-minute lease holds.
+    assert await stack.lead_runner.expire_leases() == 0
+    # Dead (its row reaped): taken back at once, long before the lease expires.
+    await live.unregister()
+    assert await stack.lead_runner.expire_leases() == 1
+    assert (await item_row(stack, item.id))["status"] == "reviewQueued"
+    # A send lease likewise: a post in flight when its process died stays uncertain.
+    stack.relay.owner = lambda: DEAD
+    await drain(stack.lead_runner)
+    rows = await stack.relay.claim()
+    assert [r.lease_owner for r in rows] == [DEAD] and rows[0].action == "reveal"
+    assert await stack.relay.expire_send_leases() == 1  # internal action: pending again
+
+
+async def test_liveness_reaps_dead_processes_of_this_host_and_silent_ones(stack: Stack) -> None:
+    me = Liveness(stack.db, stack.clock, stack.ids, dead_after_ms=30_000)
+    await me.register()
+    now = stack.clock.now_ms()
+    gone_pid = max(os.getpid() + 1000, 4_000_000)  # no such pid
+    async with stack.db.tx() as conn:
+        for pid, host, beat, name in (
+            (gone_pid, me.host, now, "prc_same_host_gone"),
+            (os.getpid(), me.host, now, "prc_pid_reused"),  # same pid, other start time
+            (1, "elsewhere/boot", now - MINUTE_MS, "prc_silent"),
+            (1, "elsewhere/boot", now, "prc_alive_elsewhere"),
+        ):
+            await conn.execute(
+                t.processes.insert().values(
+                    id=name,
+                    host=host,
+                    pid=pid,
+                    start_token="not-its-start",
+                    role="all",
+                    started_at=now,
+                    heartbeat_at=beat,
+                )
+            )
+    assert await me.reap() == 3
+    async with stack.db.read() as conn:
+        left = set((await conn.execute(sa.select(t.processes.c.id))).scalars())
+    assert left == {me.id, "prc_alive_elsewhere"}
+    assert processes.start_token(os.getpid()) is not None
