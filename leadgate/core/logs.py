@@ -52,13 +52,21 @@ def setup_logging(settings: Settings) -> None:
     Message text, tokens and payloads stay out of the log unless ``[log]
     include_content = true`` (see :class:`ContentFilter`)."""
     level = getattr(logging, settings.log.level)
+    # Tracebacks are plain: no frame locals, which would carry message text, prompts
+    # and tokens into the log (rich's pretty tracebacks show them).
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if settings.log.format == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
+        else structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback
+        )
     )
     formatter = structlog.stdlib.ProcessorFormatter(
-        processor=renderer,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            *([structlog.processors.format_exc_info] if settings.log.format == "json" else []),
+            renderer,
+        ],
         foreign_pre_chain=[
             # The request id (and whatever else a surface binds) on every line.
             structlog.contextvars.merge_contextvars,

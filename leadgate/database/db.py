@@ -128,7 +128,9 @@ class Database:
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         if not (self.is_sqlite or self.is_postgres):
             raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
-        kwargs: dict[str, Any] = {}
+        # Statement parameters hold message text: never put them into error messages
+        # (which reach the log).
+        kwargs: dict[str, Any] = {"hide_parameters": True}
         if self.is_postgres:
             kwargs.update(
                 pool_size=pool_size,

@@ -41,3 +41,22 @@ def test_library_payload_logs_stay_out_unless_asked_for(
     for secret in ("SECRET-TEXT", "TOKEN-123", "SECRET-PROMPT"):
         assert (secret in err) is include
     assert "a turn of ours" in err and "rate limited" in err
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_tracebacks_never_show_frame_locals(
+    fmt: str, capsys: pytest.CaptureFixture[str], restore_logging: object
+) -> None:
+    setup_logging(Settings.model_validate({"log": {"format": fmt}}))
+
+    def fail(text: str) -> None:
+        raise RuntimeError("boom")
+
+    secret = "-".join(("SECRET", "IN", "A", "LOCAL"))  # not in any source line shown
+    try:
+        fail(secret)
+    except RuntimeError:
+        logging.getLogger("leadgate.test_log_content").exception("it failed")
+    err = capsys.readouterr().err
+    assert "it failed" in err and "RuntimeError: boom" in err and "fail" in err
+    assert "SECRET-IN-A-LOCAL" not in err
