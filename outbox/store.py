@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import asyncpg
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
@@ -110,7 +109,7 @@ class Outbox:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
         self._local = relay
 
-    async def enqueue_gating(self, conn: AsyncConnection, item: WorkItem) -> Delivery:
+    async def enqueue_gating(self, conn: Conn, item: WorkItem) -> Delivery:
         """Write the gating delivery of an approved item (call inside the approval tx)."""
         binding = await active_binding(conn, item.session_id)
         action, channel = action_for(binding)
@@ -254,7 +253,7 @@ async def listen(
                 await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
 
 
-async def for_item(conn: AsyncConnection, item_id: str) -> list[Delivery]:
+async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
     """Deliveries of a work item, oldest first."""
     rows = (
         await conn.execute(
@@ -264,7 +263,7 @@ async def for_item(conn: AsyncConnection, item_id: str) -> list[Delivery]:
     return [Delivery.from_row(r) for r in rows]
 
 
-async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> None:
+async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     """Cancel an item's unsent deliveries (the item was cancelled)."""
     await conn.execute(
         t.deliveries.update()
@@ -276,7 +275,7 @@ async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> 
     )
 
 
-async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> Delivery:
+async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
     """A delivery of ``org_id`` (404 otherwise)."""
     row = (
         await conn.execute(sa.select(t.deliveries).where(D.id == delivery_id, D.org_id == org_id))
@@ -287,7 +286,7 @@ async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> 
 
 
 async def recover(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     delivery: Delivery,

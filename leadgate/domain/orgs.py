@@ -17,12 +17,12 @@ from typing import Any
 import sqlalchemy as sa
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import Conflict, NotFound, ValidationError
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 
 KEY_PREFIX = "lg"
 _hasher = PasswordHasher()
@@ -74,9 +74,7 @@ def validate_name(name: str, what: str) -> str:
     return name
 
 
-async def create_org(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, name: str
-) -> dict[str, Any]:
+async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dict[str, Any]:
     """Create an organization with an Owner key carrying every scope."""
     name = validate_name(name, "organization")
     exists = await conn.scalar(
@@ -92,7 +90,7 @@ async def create_org(
     return {"id": org_id, "name": name, "apiKey": key["key"]}
 
 
-async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
+async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
     """An organization by id or name."""
     row = (
         await conn.execute(
@@ -107,7 +105,7 @@ async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
 
 
 async def create_key(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, scopes: frozenset[Scope]
+    conn: Conn, clock: Clock, ids: IdFactory, org_id: str, scopes: frozenset[Scope]
 ) -> dict[str, Any]:
     """Create a key; the secret is returned once and never stored."""
     key_id = ids.new("key")
@@ -124,7 +122,7 @@ async def create_key(
     return {"id": key_id, "key": f"{KEY_PREFIX}.{key_id}.{secret}", "scopes": sorted(scopes)}
 
 
-async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
+async def authenticate_key(conn: Conn, raw: str) -> Principal | None:
     """The principal for a raw key, or ``None`` (unknown, malformed or revoked)."""
     parts = raw.strip().split(".")
     if len(parts) != 3 or parts[0] != KEY_PREFIX or len(raw) > 200:
@@ -145,7 +143,7 @@ async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
 
 
 async def create_user(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     org_id: str,
@@ -182,7 +180,7 @@ async def create_user(
 
 
 async def login(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
+    conn: Conn, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
 ) -> str | None:
     """Check a password; returns a new console session token or ``None``."""
     row = (
@@ -205,7 +203,7 @@ async def login(
     return token
 
 
-async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) -> Principal | None:
+async def authenticate_session(conn: Conn, clock: Clock, token: str) -> Principal | None:
     """The principal of a console session cookie, or ``None``."""
     row = (
         await conn.execute(
@@ -224,7 +222,7 @@ async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) 
     return Principal(org_id=row.org_id, scopes=ROLE_SCOPES[Role(row.role)], user_id=row.id)
 
 
-async def delete_session(conn: AsyncConnection, token: str) -> bool:
+async def delete_session(conn: Conn, token: str) -> bool:
     """Log a console session out (delete its row); ``False`` when there was none."""
     result = await conn.execute(
         t.console_sessions.delete().where(t.console_sessions.c.token_hash == _hash_secret(token))
@@ -232,7 +230,7 @@ async def delete_session(conn: AsyncConnection, token: str) -> bool:
     return bool(result.rowcount)
 
 
-async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
+async def get_user(conn: Conn, user_id: str) -> dict[str, Any]:
     """A console user's public fields (never the password hash), with the org name."""
     row = (
         await conn.execute(

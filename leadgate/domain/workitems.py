@@ -13,7 +13,6 @@ import enum
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import DAY_MS, Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
@@ -120,7 +119,7 @@ async def audit(
 
 
 async def transition(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item_id: str,
@@ -180,7 +179,7 @@ async def transition(
 
 
 async def transition_many(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item_ids: list[str],
@@ -264,7 +263,7 @@ async def active_for(
 
 
 async def sweep_abandoned(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
+    conn: Conn, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
 ) -> int:
     """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count."""
     cutoff = clock.now_ms() - idle_ms

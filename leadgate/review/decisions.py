@@ -10,10 +10,9 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status
@@ -38,7 +37,7 @@ def rounds_remain(item: WorkItem) -> bool:
 
 
 async def commit_verdict(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item: WorkItem,
     verdict: Verdict,
@@ -93,7 +92,7 @@ async def commit_verdict(
 
 
 async def human_approve(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item: WorkItem,
     actor: str,
@@ -116,7 +115,7 @@ async def human_approve(
 
 
 async def human_reject(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,
@@ -144,7 +143,7 @@ async def human_reject(
 
 
 async def human_return(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,
@@ -182,7 +181,7 @@ async def human_return(
 
 
 async def cancel(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,

@@ -10,11 +10,11 @@ import json
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import iso
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from outbox.store import DeliveryStatus, for_item
@@ -48,7 +48,7 @@ def _unknown_delivery() -> sa.ColumnElement[bool]:
 
 
 async def actionable(
-    conn: AsyncConnection, org_id: str, *, limit: int = 50, cursor: str | None = None
+    conn: Conn, org_id: str, *, limit: int = 50, cursor: str | None = None
 ) -> dict[str, Any]:
     """awaitingHuman items, and approved items whose gating delivery is deliveryUnknown."""
     if not 1 <= limit <= PAGE_MAX:
@@ -89,7 +89,7 @@ async def actionable(
     return {"items": items, "next": nxt}
 
 
-async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, Any]:
+async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
     """Everything a reviewer needs (reviewers only: snapshot and summary are here)."""
     item = await workitems.get(conn, item_id, org_id)
     agent_name = await conn.scalar(sa.select(A.name).where(A.id == item.agent_id))
@@ -144,7 +144,7 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
     }
 
 
-async def activity(conn: AsyncConnection, org_id: str, *, limit: int = 50) -> dict[str, Any]:
+async def activity(conn: Conn, org_id: str, *, limit: int = 50) -> dict[str, Any]:
     """Agent Activity: recent work items linked to their review detail, without the
     approved text (no snapshot, no summary)."""
     if not 1 <= limit <= PAGE_MAX:
