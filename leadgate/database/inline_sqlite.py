@@ -167,8 +167,8 @@ class InlineConnection:
     def run(self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None) -> Result:
         """Synchronous :meth:`execute` of one parameter set."""
         params: Mapping[str, Any] = parameters or {}
-        plan = self._plans.plan(statement, frozenset(params))
-        sql, args = plan.args(params)
+        plan, extracted = self._plans.plan(statement, frozenset(params))
+        sql, args = plan.args(params, extracted)
         try:
             cursor = self._raw.execute(sql, args)
             description = cursor.description
@@ -183,11 +183,11 @@ class InlineConnection:
         """executemany: one statement, many parameter sets (no rows returned)."""
         if not parameters:
             return Result([], 0)
-        plan = self._plans.plan(statement, frozenset(parameters[0]))
+        plan, extracted = self._plans.plan(statement, frozenset(parameters[0]))
         if plan.keys is not None or plan.compiled is not None:
             raise TypeError("executemany runs no RETURNING and no expanding IN statements")
         sql = plan.sql
-        batch = [plan.args(p)[1] for p in parameters]
+        batch = [plan.args(p, extracted)[1] for p in parameters]
         try:
             cursor = self._raw.executemany(sql, batch)
         except sqlite3.Error as exc:

@@ -102,8 +102,8 @@ class PgConnection:
         if parameters is not None and not isinstance(parameters, Mapping):
             return await self._many(statement, parameters)
         params: Mapping[str, Any] = parameters or {}
-        plan = self._plans.plan(statement, frozenset(params))
-        sql, args = plan.args(params)
+        plan, extracted = self._plans.plan(statement, frozenset(params))
+        sql, args = plan.args(params, extracted)
         if self._trace is not None:
             self._trace(sql)
         try:
@@ -127,10 +127,10 @@ class PgConnection:
     ) -> Result:
         if not parameters:
             return Result([], 0)
-        plan = self._plans.plan(statement, frozenset(parameters[0]))
+        plan, extracted = self._plans.plan(statement, frozenset(parameters[0]))
         if plan.keys is not None or plan.compiled is not None:
             raise TypeError("executemany runs no RETURNING and no expanding IN statements")
-        batch = [plan.args(p)[1] for p in parameters]
+        batch = [plan.args(p, extracted)[1] for p in parameters]
         if self._trace is not None:
             self._trace(plan.sql)
         try:

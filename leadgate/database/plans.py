@@ -46,9 +46,21 @@ class Plan:
     make_row: Callable[[Sequence[Any]], Row[Any]] | None
     #: INSERT/UPDATE/DELETE ... RETURNING (its rowcount is the number of rows returned)
     returning: bool = False
+    #: Python-side column defaults by bind name (for :meth:`args` with extracted values)
+    prefetch: Mapping[str, Any] | None = None
+    #: the compiled statement, kept for statements reused by cache key (see PlanCache)
+    full: Any | None = None
 
-    def args(self, params: Mapping[str, Any]) -> tuple[str, list[Any]]:
-        """(SQL, positional arguments) for one execution with ``params``."""
+    def args(
+        self, params: Mapping[str, Any], extracted: Sequence[Any] | None = None
+    ) -> tuple[str, list[Any]]:
+        """(SQL, positional arguments) for one execution with ``params``.
+
+        ``extracted`` are the literal bound values of the statement *object* executed,
+        when the plan was compiled from another object with the same SQLAlchemy cache key
+        (a statement built per call); the plan's own literals are then not used."""
+        if extracted is not None:
+            return self._args_extracted(params, extracted)
         sql, names, processors = self.sql, self.names, self.processors
         if self.compiled is not None:
             state = self.compiled.construct_expanded_state(params)
@@ -62,6 +74,30 @@ class Plan:
             if proc is None
             else proc(params[name] if name in params else defaults[name])
             for name, proc in zip(names, processors, strict=True)
+        ]
+
+    def _args_extracted(
+        self, params: Mapping[str, Any], extracted: Sequence[Any]
+    ) -> tuple[str, list[Any]]:
+        full = self.full
+        assert full is not None, "a plan reused by cache key keeps its compiled statement"
+        values = full.construct_params(params, extracted_parameters=extracted, _no_postcompile=True)
+        if self.prefetch:
+            for name, value in self.prefetch.items():
+                if name not in params:
+                    values[name] = value
+        if self.compiled is not None or full.post_compile_params:
+            state = full._process_parameters_for_postcompile(values)
+            names = tuple(state.positiontup or ())
+            bind_processors = {**self.bind_processors, **state.processors}
+            merged = state.parameters
+            return state.statement, [
+                merged[n] if bind_processors.get(n) is None else bind_processors[n](merged[n])
+                for n in names
+            ]
+        return self.sql, [
+            values[n] if p is None else p(values[n])
+            for n, p in zip(self.names, self.processors, strict=True)
         ]
 
     def rows(
@@ -87,13 +123,19 @@ class Plan:
         ]
 
 
-def compile_plan(statement: sa.Executable, keys: frozenset[str], dialect: Dialect) -> Plan:
-    """Compile ``statement`` for ``dialect`` given the parameter names the caller passes."""
+def compile_plan(
+    statement: sa.Executable, keys: frozenset[str], dialect: Dialect, cache_key: Any = None
+) -> Plan:
+    """Compile ``statement`` for ``dialect`` given the parameter names the caller passes
+    (``cache_key``: the statement's SQLAlchemy cache key, to reuse the plan for other
+    statement objects with the same key)."""
     if isinstance(statement, sa.TextClause):
         compiled: Any = statement.compile(dialect=dialect)
     elif isinstance(statement, sa.Select | sa.Insert | sa.Update | sa.Delete):
         column_keys = sorted(keys) if isinstance(statement, sa.Insert | sa.Update) else None
-        compiled = statement.compile(dialect=dialect, column_keys=column_keys)
+        compiled = statement.compile(
+            dialect=dialect, column_keys=column_keys, cache_key=cache_key
+        )
     else:
         raise TypeError(f"only Core SELECT/INSERT/UPDATE/DELETE and text() run here: {statement!r}")
     expanding = {p.key for p in compiled.post_compile_params}
@@ -110,13 +152,14 @@ def compile_plan(statement: sa.Executable, keys: frozenset[str], dialect: Dialec
     bind_processors.update(state.processors)
     defaults = {n: v for n, v in state.parameters.items() if n not in keys}
     # Python-side column defaults the compiler left to the execution context.
+    prefetch: dict[str, Any] = {}
     for column in getattr(compiled, "insert_prefetch", ()) + getattr(
         compiled, "update_prefetch", ()
     ):
         default = column.default if column.key in defaults else None
         if default is None or not default.is_scalar:
             raise TypeError(f"cannot evaluate the default of {column} outside SQLAlchemy")
-        defaults[column.key] = default.arg
+        defaults[column.key] = prefetch[column.key] = default.arg
     result_keys: tuple[str, ...] | None = None
     result_processors = None
     make_row = None
@@ -140,30 +183,66 @@ def compile_plan(statement: sa.Executable, keys: frozenset[str], dialect: Dialec
         result_processors=result_processors,
         make_row=make_row,
         returning=result_keys is not None and not isinstance(statement, sa.Select),
+        prefetch=prefetch,
+        full=compiled if cache_key is not None else None,
     )
 
 
 class PlanCache:
-    """Plans by statement object and parameter names, for one dialect.
+    """Plans by statement object, or by SQLAlchemy cache key, and parameter names.
 
-    Keyed by ``id()`` of the statement (a WeakKeyDictionary lookup costs more than running
-    a small statement); a weak reference drops the entry when a transient statement is
-    collected, before its id can be reused.
+    Two levels:
+
+    * by ``id()`` of the statement object (hot statements are built once at import
+      time; a WeakKeyDictionary lookup would cost more than running a small statement),
+      with a weak reference that drops the entry when a transient statement is
+      collected, before its id can be reused;
+    * by the statement's SQLAlchemy cache key, for statements built per call
+      (``update().where(id == item_id)``): generating the key costs a few tens of
+      microseconds, compiling the statement a millisecond. Such a plan runs with the
+      literal values extracted from the object at hand (``Plan.args(extracted=...)``).
     """
+
+    #: Plans kept by cache key (least recently compiled first out).
+    MAX_BY_KEY = 4096
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
-        self._plans: dict[int, tuple[weakref.ref[Any], dict[frozenset[str], Plan]]] = {}
+        self._plans: dict[
+            int, tuple[weakref.ref[Any], dict[frozenset[str], tuple[Plan, Any]]]
+        ] = {}
+        self._by_key: dict[tuple[Any, frozenset[str]], Plan] = {}
+        self.compiled = 0  # statements compiled (tests: hot paths compile once)
 
-    def plan(self, statement: sa.Executable, keys: frozenset[str]) -> Plan:
-        """The plan of ``statement`` for parameters named ``keys`` (compiled on first use)."""
+    def plan(self, statement: sa.Executable, keys: frozenset[str]) -> tuple[Plan, Any]:
+        """(plan, extracted literal values or None) of ``statement`` for parameters
+        named ``keys``; pass both to :meth:`Plan.args`."""
         known = self._plans.get(id(statement))
         if known is None or known[0]() is not statement:
             known = self._plans[id(statement)] = (self._watch(statement), {})
-        plan = known[1].get(keys)
-        if plan is None:
-            plan = known[1][keys] = compile_plan(statement, keys, self.dialect)
-        return plan
+        found = known[1].get(keys)
+        if found is None:
+            found = known[1][keys] = self._find(statement, keys)
+        return found
+
+    def _find(self, statement: sa.Executable, keys: frozenset[str]) -> tuple[Plan, Any]:
+        cache_key = None
+        if not isinstance(statement, sa.TextClause):
+            cache_key = statement._generate_cache_key()  # type: ignore[attr-defined]
+        if cache_key is None:
+            self.compiled += 1
+            return compile_plan(statement, keys, self.dialect), None
+        by_key = (cache_key.key, keys)
+        plan = self._by_key.get(by_key)
+        if plan is not None:
+            return plan, cache_key.bindparams
+        self.compiled += 1
+        plan = compile_plan(statement, keys, self.dialect, cache_key)
+        if len(self._by_key) >= self.MAX_BY_KEY:
+            del self._by_key[next(iter(self._by_key))]
+        self._by_key[by_key] = plan
+        # Compiled from this very object: its literals are the plan's own.
+        return plan, None
 
     def _watch(self, statement: Any) -> weakref.ref[Any]:
         key = id(statement)
