@@ -210,6 +210,12 @@ def body(model: str, text: str) -> bytes:
 
 
 async def run(args: argparse.Namespace) -> int:
+    """Run the scenarios and print them; the exit code."""
+    return (await measure(args))[0]
+
+
+async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
+    """Run the scenarios and print them; (exit code, plain/bare ratio per round)."""
     workdir = Path(tempfile.mkdtemp(prefix="leadgate-bench-"))
     print(
         f"bench_rest: {args.concurrency} concurrent clients, "
@@ -342,7 +348,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"(service log: {proc.log_path})")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
-    return code
+    return code, ratios
 
 
 def main() -> int:

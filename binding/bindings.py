@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.types import BindingSpec
@@ -143,7 +142,7 @@ async def get_binding(conn: Conn, binding_id: str) -> Binding | None:
     return None if row is None else Binding.from_row(row)
 
 
-async def deactivate_session(conn: AsyncConnection, session_id: str) -> int:
+async def deactivate_session(conn: Conn, session_id: str) -> int:
     """Deactivate the session's bindings (deliveries then fail as "no active binding")."""
     res = await conn.execute(
         t.bindings.update().where(B.session_id == session_id, B.active).values(active=False)

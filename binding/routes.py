@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.types import RouteMatch
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 
 MATCH_KEYS: dict[str, frozenset[str]] = {
     "slack": frozenset({"team", "channel"}),
@@ -63,7 +63,7 @@ def matches(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) ->
 
 
 async def add_route(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,
@@ -96,9 +96,7 @@ async def add_route(
     }
 
 
-async def resolve(
-    conn: AsyncConnection, channel: str, attrs: Mapping[str, str]
-) -> RouteMatch | None:
+async def resolve(conn: Conn, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
     """The most specific active route of ``channel`` matching ``attrs``."""
     rows = (
         await conn.execute(
@@ -131,7 +129,7 @@ def _route_view(row: Any) -> dict[str, Any]:
     }
 
 
-async def list_routes(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+async def list_routes(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     """The organization's routes, oldest first."""
     rows = (
         await conn.execute(
@@ -141,7 +139,7 @@ async def list_routes(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]
     return [_route_view(r) for r in rows]
 
 
-async def disable_route(conn: AsyncConnection, org_id: str, route_id: str) -> dict[str, Any]:
+async def disable_route(conn: Conn, org_id: str, route_id: str) -> dict[str, Any]:
     """Deactivate a route: its channel triggers no longer reach the agent."""
     row = (
         await conn.execute(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import sqlalchemy as sa
 from aiohttp import web
 
 from bots import discord, email, slack, teams
@@ -408,7 +409,7 @@ class App:
     def _healthz(self, role: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def healthz(_: web.Request) -> web.Response:
             async with self.db.read() as conn:
-                await conn.exec_driver_sql("SELECT 1")
+                await conn.execute(sa.text("SELECT 1"))
             return web.json_response({"status": "ok", "role": role})
 
         return healthz

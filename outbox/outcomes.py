@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
@@ -91,7 +91,7 @@ class OutcomeCommitter:
         #: earliest retry scheduled by a commit (the relay claims again by then)
         self.next_due: int | None = None
 
-    async def commit(self, conn: AsyncConnection, done: list[Done], now: int) -> None:
+    async def commit(self, conn: Conn, done: list[Done], now: int) -> None:
         """Commit every outcome of ``done``."""
         sent = [d for d in done if isinstance(d.outcome, Sent)]
         if sent:
@@ -100,7 +100,7 @@ class OutcomeCommitter:
             if not isinstance(item.outcome, Sent):
                 await self._commit_one(conn, item.row, item.outcome, now)
 
-    async def _commit_sent(self, conn: AsyncConnection, sent: list[Done], now: int) -> None:
+    async def _commit_sent(self, conn: Conn, sent: list[Done], now: int) -> None:
         """Successful sends: a few statements for the whole group, whatever its size."""
         committed = await self._mark_sent(conn, sent, now)
         external = [
@@ -156,13 +156,13 @@ class OutcomeCommitter:
             for item_id in set(items) - set(moved):
                 log.warning("work item %s was not approved when its delivery finished", item_id)
 
-    async def _announce(self, conn: AsyncConnection, revealed: Sequence[Any]) -> None:
+    async def _announce(self, conn: Conn, revealed: Sequence[Any]) -> None:
         """Revealed messages become ``message`` events of their sessions (queued before
         the items' move to ``completed``, so ``delivered`` follows them)."""
         for message_id, session_id in revealed:
             await session_events.message_visible(conn, self.clock, session_id, message_id)
 
-    async def _mark_sent(self, conn: AsyncConnection, sent: list[Done], now: int) -> set[str]:
+    async def _mark_sent(self, conn: Conn, sent: list[Done], now: int) -> set[str]:
         """``sending -> sent``, one fenced update per lease token; the ids that moved."""
         by_token: dict[str | None, list[Done]] = {}
         for d in sent:
@@ -224,9 +224,7 @@ class OutcomeCommitter:
         values.update(status=DeliveryStatus.deliveryUnknown.value, error=outcome.error)
         return values, None, "deliveryUnknown"
 
-    async def _commit_one(
-        self, conn: AsyncConnection, row: Delivery, outcome: SendOutcome, now: int
-    ) -> None:
+    async def _commit_one(self, conn: Conn, row: Delivery, outcome: SendOutcome, now: int) -> None:
         values, item_dst, label = self._values_for(row, outcome, now)
         res = await conn.execute(
             t.deliveries.update()

@@ -44,12 +44,11 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
@@ -390,7 +389,7 @@ class Relay:
             METRICS.deliveries.labels(r.channel, "deliveryUnknown").inc()
         return len(rows)
 
-    async def _locked_ids(self, conn: AsyncConnection, query: sa.Select[Any]) -> list[str] | None:
+    async def _locked_ids(self, conn: Conn, query: sa.Select[Any]) -> list[str] | None:
         """PostgreSQL: run the ``FOR UPDATE SKIP LOCKED`` selection on its own and return
         the ids it locked. Inside ``UPDATE ... WHERE id IN (subquery)`` the planner may
         evaluate the subquery more than once, and with SKIP LOCKED each evaluation picks
@@ -406,7 +405,7 @@ class Relay:
         async with self.db.tx() as conn:
             return await self._claim_in(conn, limit or self.batch)
 
-    async def _claim_in(self, conn: AsyncConnection, limit: int) -> list[Delivery]:
+    async def _claim_in(self, conn: Conn, limit: int) -> list[Delivery]:
         now = self.clock.now_ms()
         token = self.ids.new("lease")
         due = self.db.skip_locked(

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import asyncpg
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
@@ -56,7 +55,7 @@ CARD_KINDS = frozenset({CARD, CARD_UPDATE})
 #: ``(conn, work_item_id, reason, gating_delivery_id)``: an item started waiting for a
 #: human (``awaitingHuman``, or its gating delivery became ``deliveryUnknown``); the
 #: review layer writes its cards in ``conn``'s transaction (:meth:`Outbox.on_review_needed`).
-ReviewNeeded = Callable[[AsyncConnection, str, str, str | None], Awaitable[object]]
+ReviewNeeded = Callable[[Conn, str, str, str | None], Awaitable[object]]
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -125,7 +124,7 @@ class Outbox:
         self._review_needed = hook
 
     async def review_needed(
-        self, conn: AsyncConnection, item_id: str, reason: str, delivery_id: str | None = None
+        self, conn: Conn, item_id: str, reason: str, delivery_id: str | None = None
     ) -> None:
         """Call the review hook inside the transition's transaction, in a SAVEPOINT: a
         failure to write cards is logged and rolled back alone, and never blocks the
@@ -143,7 +142,7 @@ class Outbox:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
         self._local = relay
 
-    async def enqueue_gating(self, conn: AsyncConnection, item: WorkItem) -> Delivery:
+    async def enqueue_gating(self, conn: Conn, item: WorkItem) -> Delivery:
         """Write the gating delivery of an approved item (call inside the approval tx)."""
         binding = await active_binding(conn, item.session_id)
         action, channel = action_for(binding)
@@ -328,7 +327,7 @@ async def listen(
                 await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
 
 
-async def for_item(conn: AsyncConnection, item_id: str) -> list[Delivery]:
+async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
     """Deliveries of a work item, oldest first."""
     rows = (
         await conn.execute(
@@ -338,7 +337,7 @@ async def for_item(conn: AsyncConnection, item_id: str) -> list[Delivery]:
     return [Delivery.from_row(r) for r in rows]
 
 
-async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> None:
+async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     """Cancel an item's unsent deliveries (the item was cancelled)."""
     await conn.execute(
         t.deliveries.update()
@@ -350,7 +349,7 @@ async def cancel_for_item(conn: AsyncConnection, clock: Clock, item_id: str) -> 
     )
 
 
-async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> Delivery:
+async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
     """A delivery of ``org_id`` (404 otherwise)."""
     row = (
         await conn.execute(sa.select(t.deliveries).where(D.id == delivery_id, D.org_id == org_id))
@@ -361,7 +360,7 @@ async def get_delivery(conn: AsyncConnection, delivery_id: str, org_id: str) -> 
 
 
 async def recover(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     delivery: Delivery,

@@ -1,16 +1,27 @@
-"""Async database access: SQLite (embedded default) or PostgreSQL.
+"""The one transaction API: SQLite (embedded default) or PostgreSQL.
 
-SQLite notes (see shared/notes/database.md): Python's sqlite3 begins transactions lazily
-with a deferred ``BEGIN``; a read-then-write transaction then fails with "database is
-locked" and the busy timeout does not help. We take the documented recipe: autocommit
-at the driver level and our own ``BEGIN IMMEDIATE`` on every write transaction, so writers
-queue on the busy timeout instead of failing. Read-only transactions use a plain
-``BEGIN`` so that readers never queue behind writers (WAL).
+Every module talks to the database through :meth:`Database.tx` (a write transaction)
+and :meth:`Database.read` (a read-only one); both run SQLAlchemy Core statements compiled
+once (:mod:`leadgate.database.plans`) on a thin driver, fast on both backends:
+
+* SQLite file: write transactions on the inline ``sqlite3`` connection on the event loop
+  with group commit (:mod:`.inline_sqlite`: ``BEGIN IMMEDIATE``, so read-then-write never
+  fails with "database is locked"; waiting for another process's lock is an asyncio
+  sleep), reads on read-only inline connections (WAL: readers never wait for writers).
+  A transaction's body must await nothing but its connection: the group's other members
+  and SQLite's single writer wait for it.
+* PostgreSQL: ``asyncpg`` directly (:mod:`.pg`), one pooled connection per transaction;
+  ``FOR UPDATE SKIP LOCKED`` and the fenced updates are plain Core, as before.
+* SQLite in memory (some unit tests): SQLAlchemy's async engine.
+
+Errors are SQLAlchemy's (``IntegrityError``, ``OperationalError`` ...) on every path.
+Alembic (migrations, the schema check) keeps SQLAlchemy's engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.resources
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -26,7 +37,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from leadgate.core.errors import ConfigError, NotMigratedError
 from leadgate.database.faults import unavailable
-from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite, Member
+from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
+from leadgate.database.pg import PgPool
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
 MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
@@ -46,6 +58,8 @@ class Result(Protocol):
     @property
     def rowcount(self) -> int: ...
 
+    def __iter__(self) -> Iterator[sa.Row[Any]]: ...
+
     def first(self) -> sa.Row[Any] | None: ...
 
     def one(self) -> sa.Row[Any]: ...
@@ -54,10 +68,14 @@ class Result(Protocol):
 
     def scalar(self) -> Any: ...
 
+    def scalar_one(self) -> Any: ...
+
+    def scalars(self) -> Any: ...
+
 
 class Conn(Protocol):
-    """A connection inside a transaction, as the turn path's helpers use it: an
-    ``AsyncConnection``, or on SQLite the inline connection of :meth:`Database.fast_tx`."""
+    """A connection inside a transaction of :meth:`Database.tx` or :meth:`Database.read`
+    (the inline SQLite connection, an asyncpg connection, or SQLAlchemy's)."""
 
     @property
     def dialect(self) -> sa.Dialect: ...
@@ -66,8 +84,18 @@ class Conn(Protocol):
     def info(self) -> dict[Any, Any]: ...
 
     async def execute(
-        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
+        self,
+        statement: sa.Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     ) -> Result: ...
+
+    async def scalar(
+        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
+    ) -> Any: ...
+
+    def begin_nested(self) -> AbstractAsyncContextManager[Any]:
+        """A SAVEPOINT: an error in the block undoes the block's writes alone."""
+        ...
 
 
 def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
@@ -87,7 +115,7 @@ def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
 
 async def before_commit(conn: Conn, key: str, flush: Flush, item: Any) -> None:
     """Queue ``item``; ``flush(conn, items)`` writes the queue of ``key`` once, after the
-    rest of the current :meth:`Database.tx` / :meth:`Database.fast_tx` body and just
+    rest of the current :meth:`Database.tx` body and just
     before its commit (nothing is written when the body fails).
 
     Used where the *last* statement of a transaction matters: a row lock taken there is
@@ -112,7 +140,7 @@ async def _flush_before_commit(conn: Conn, queues: dict[str, tuple[Flush, list[A
 
 
 class Database:
-    """One engine plus the transaction helpers every module uses."""
+    """The process's database: the one transaction API over the backend's driver."""
 
     def __init__(self, url: str, *, pool_size: int = 10, busy_timeout_s: float = 30.0) -> None:
         self.url = url
@@ -132,13 +160,12 @@ class Database:
         # (which reach the log).
         kwargs: dict[str, Any] = {"hide_parameters": True}
         if self.is_postgres:
+            # Only Alembic and the schema check use the engine: a small pool. A server
+            # that does not answer the connect is as down as one that refuses it.
             kwargs.update(
-                pool_size=pool_size,
-                max_overflow=pool_size,
+                pool_size=1,
+                max_overflow=1,
                 pool_pre_ping=True,
-                pool_timeout=busy_timeout_s,
-                # A server that does not answer the connect is as down as one that
-                # refuses it: bounded, so the request gets its 503 in time.
                 connect_args={"timeout": max(1.0, busy_timeout_s)},
             )
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
@@ -149,9 +176,22 @@ class Database:
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
         self._inline: InlineSqlite | None = None
+        self._readers: InlineReaders | None = None
+        self._pg: PgPool | None = None
         if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
             self._inline = InlineSqlite(
                 parsed.database, self.engine.dialect, busy_wait_s=busy_timeout_s
+            )
+            self._readers = InlineReaders(parsed.database, self.engine.dialect)
+        if self.is_postgres:
+            # Bounded: waiting for a pooled connection or a connect past the busy bound
+            # is a 503 (Unavailable), not a request hanging on.
+            self._pg = PgPool(
+                url,
+                self.engine.dialect,
+                size=pool_size,
+                acquire_timeout_s=busy_timeout_s,
+                connect_timeout_s=max(1.0, busy_timeout_s),
             )
 
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
@@ -169,15 +209,58 @@ class Database:
         if callback in listeners:
             listeners.remove(callback)
 
-    @asynccontextmanager
-    async def tx(self) -> AsyncIterator[AsyncConnection]:
-        """A write transaction (``BEGIN IMMEDIATE`` on SQLite), committed on success.
+    # -------------------------------------------------------------- transactions
 
-        SQLite has one writer at a time. Within this process, writers queue on an asyncio
-        lock (FIFO, handed over at once) instead of on SQLite's busy handler, which polls
-        with sleeps of up to 100 ms and under concurrency starves writers for seconds.
-        Other processes (admin CLI, replicas) still meet the busy timeout.
+    def tx(self) -> AbstractAsyncContextManager[Conn]:
+        """A write transaction, committed when the block ends without an error.
+
+        SQLite has one writer: within this process writers queue on an asyncio lock (FIFO)
+        and transactions started in one loop iteration share one commit (group commit;
+        each caller returns after the COMMIT). Other processes (admin CLI, replicas) meet
+        ``BEGIN IMMEDIATE``'s non-blocking wait.
         """
+        if self._inline is not None:
+            return _InlineTx(self, self._inline)
+        if self._pg is not None:
+            return self._pg_tx()
+        return self._engine_tx()
+
+    def read(self) -> AbstractAsyncContextManager[Conn]:
+        """A read-only transaction (one consistent snapshot for its statements)."""
+        if self._readers is not None:
+            return _InlineRead(self._readers)
+        if self._pg is not None:
+            return self._pg_read()
+        return self._engine_read()
+
+    @asynccontextmanager
+    async def _pg_tx(self) -> AsyncIterator[Conn]:
+        assert self._pg is not None
+        topics: dict[str, list[Any]] = {}
+        before: dict[str, tuple[Flush, list[Any]]] = {}
+        try:
+            async with self._pg.transaction() as conn:
+                conn.info[_TOPICS] = topics
+                conn.info[_BEFORE] = before
+                yield conn
+                await _flush_before_commit(conn, before)
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
+        self._after_commit(topics)
+
+    @asynccontextmanager
+    async def _pg_read(self) -> AsyncIterator[Conn]:
+        assert self._pg is not None
+        try:
+            async with self._pg.transaction(readonly=True) as conn:
+                yield conn
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
+
+    @asynccontextmanager
+    async def _engine_tx(self) -> AsyncIterator[Conn]:
         topics: dict[str, list[Any]] = {}
         before: dict[str, tuple[Flush, list[Any]]] = {}
         try:
@@ -186,8 +269,9 @@ class Database:
                 conn.info[_BEFORE] = before
                 try:
                     async with conn.begin():
-                        yield conn
-                        await _flush_before_commit(conn, before)
+                        wrapped = _EngineConn(conn)
+                        yield wrapped
+                        await _flush_before_commit(wrapped, before)
                 finally:
                     conn.info.pop(_TOPICS, None)
                     conn.info.pop(_BEFORE, None)
@@ -196,16 +280,16 @@ class Database:
             raise
         self._after_commit(topics)
 
-    def fast_tx(self) -> AbstractAsyncContextManager[Conn]:
-        """A write transaction for short, hot paths (a turn's intake and reply).
-
-        On a SQLite file it runs on the inline connection (:mod:`leadgate.database.inline_sqlite`,
-        with group commit): Core SELECT/INSERT/UPDATE/DELETE without RETURNING, and no
-        other awaits inside. Elsewhere it is :meth:`tx`.
-        """
-        if self._inline is None:
-            return self.tx()
-        return _InlineTx(self, self._inline)
+    @asynccontextmanager
+    async def _engine_read(self) -> AsyncIterator[Conn]:
+        try:
+            async with self.engine.connect() as conn:
+                conn = await conn.execution_options(leadgate_readonly=True)
+                async with conn.begin():
+                    yield _EngineConn(conn)
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
 
     def _after_commit(self, topics: dict[str, list[Any]]) -> None:
         for topic, payloads in topics.items():
@@ -217,9 +301,6 @@ class Database:
 
     @asynccontextmanager
     async def _writer(self) -> AsyncIterator[None]:
-        if not self.is_sqlite:
-            yield
-            return
         task = self._not_nested()
         lock = self._lock()
         async with asyncio.timeout(self._lock_wait_s):
@@ -254,22 +335,10 @@ class Database:
             self._write_lock = (loop, asyncio.Lock())
         return self._write_lock[1]
 
-    @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncConnection]:
-        """A read-only transaction (plain ``BEGIN`` on SQLite)."""
-        try:
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(leadgate_readonly=True)
-                async with conn.begin():
-                    yield conn
-        except Exception as exc:
-            _raise_unavailable(exc)
-            raise
-
     @contextmanager
     def record_statements(self) -> Iterator[list[str]]:
-        """Collect the SQL of every statement this process runs meanwhile, on the engine
-        and on the inline connection (tests and debugging; BEGIN/COMMIT included)."""
+        """Collect the SQL of every statement this process runs meanwhile, on every
+        driver (tests and debugging; SQLite's BEGIN/COMMIT included)."""
         statements: list[str] = []
 
         def on_engine(_conn: Any, _cursor: Any, sql: str, *_: Any) -> None:
@@ -279,12 +348,20 @@ class Database:
         event.listen(sync_engine, "before_cursor_execute", on_engine)
         if self._inline is not None:
             self._inline.connection.set_trace(statements.append)
+        if self._readers is not None:
+            self._readers.set_trace(statements.append)
+        if self._pg is not None:
+            self._pg.trace = statements.append
         try:
             yield statements
         finally:
             event.remove(sync_engine, "before_cursor_execute", on_engine)
             if self._inline is not None:
                 self._inline.connection.set_trace(None)
+            if self._readers is not None:
+                self._readers.set_trace(None)
+            if self._pg is not None:
+                self._pg.trace = None
 
     def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
         """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway."""
@@ -309,15 +386,51 @@ class Database:
             )
 
     async def close(self) -> None:
-        """Close the inline connection and dispose of the pool."""
+        """Close the drivers' connections and dispose of the engine."""
         if self._inline is not None:
             await self._inline.close()
+        if self._readers is not None:
+            self._readers.close()
+        if self._pg is not None:
+            await self._pg.close()
         await self.engine.dispose()
 
 
+class _EngineConn:
+    """SQLAlchemy's ``AsyncConnection`` as a :class:`Conn` (in-memory SQLite only)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: AsyncConnection) -> None:
+        self._conn = conn
+
+    @property
+    def dialect(self) -> sa.Dialect:
+        return self._conn.dialect
+
+    @property
+    def info(self) -> dict[Any, Any]:
+        return self._conn.info
+
+    async def execute(
+        self,
+        statement: sa.Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    ) -> Result:
+        return await self._conn.execute(statement, parameters)  # type: ignore[arg-type]
+
+    async def scalar(
+        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
+    ) -> Any:
+        return await self._conn.scalar(statement, parameters)
+
+    def begin_nested(self) -> AbstractAsyncContextManager[Any]:
+        return self._conn.begin_nested()
+
+
 class _InlineTx:
-    """:meth:`Database.fast_tx` on the inline SQLite connection (a class, not a generator
-    context manager: it runs twice per turn and this is measurably cheaper)."""
+    """:meth:`Database.tx` on the inline SQLite connection (a class, not a generator
+    context manager: it runs on every hot path and this is measurably cheaper)."""
 
     __slots__ = ("before", "db", "inline", "member", "topics")
 
@@ -344,18 +457,28 @@ class _InlineTx:
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         conn = self.inline.connection
         ok = exc_type is None
+        flush_error: BaseException | None = None
         try:
             if ok and self.before:
                 # Inside this member's savepoint: a failing flush rolls back the member.
                 await _flush_before_commit(conn, self.before)
-        except BaseException:
-            ok = False
-            raise
+        except BaseException as failure:
+            ok, flush_error = False, failure
         finally:
             self.db._write_owner = None
             conn.info.pop(_TOPICS, None)
             conn.info.pop(_BEFORE, None)
             waiter = self.inline.leave(self.member, ok=ok)
+        if not ok:
+            if waiter is not None:
+                with contextlib.suppress(Exception):  # this member's own error wins
+                    await waiter
+            error = flush_error if flush_error is not None else exc
+            if isinstance(error, Exception):
+                _raise_unavailable(error)
+            if flush_error is not None:
+                raise flush_error
+            return
         try:
             if waiter is not None:
                 await waiter
@@ -363,8 +486,6 @@ class _InlineTx:
         except Exception as failure:
             _raise_unavailable(failure)
             raise
-        if isinstance(exc, Exception):
-            _raise_unavailable(exc)
 
 
 def _raise_unavailable(exc: BaseException) -> None:
@@ -372,6 +493,28 @@ def _raise_unavailable(exc: BaseException) -> None:
     fault = unavailable(exc)
     if fault is not None and fault is not exc:
         raise fault from exc
+
+
+class _InlineRead:
+    """:meth:`Database.read` on a read-only inline connection."""
+
+    __slots__ = ("conn", "readers")
+
+    def __init__(self, readers: InlineReaders) -> None:
+        self.readers = readers
+
+    async def __aenter__(self) -> InlineConnection:
+        try:
+            self.conn = self.readers.take()
+        except Exception as exc:
+            _raise_unavailable(exc)
+            raise
+        return self.conn
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.readers.give(self.conn)
+        if isinstance(exc, Exception):
+            _raise_unavailable(exc)
 
 
 def _install_sqlite_recipe(engine: AsyncEngine, busy_timeout_s: float) -> None:

@@ -53,6 +53,9 @@ _PG_TEXT = (
     "connection reset",
     "server closed the connection",
     "underlying connection is closed",
+    # asyncpg, on a connection the server dropped in the middle of an operation
+    "another operation is in progress",
+    "cannot switch to state",
 )
 
 

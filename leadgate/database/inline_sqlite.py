@@ -23,10 +23,15 @@ stdlib ``sqlite3`` connection:
   :class:`InlineSqlite` runs passive checkpoints in a worker thread every
   :data:`CHECKPOINT_EVERY` commits.
 
-Only what the turn path needs is supported: SELECT, INSERT, UPDATE and DELETE without
-RETURNING; results offer ``first``/``one``/``one_or_none``/``all``/``scalar`` and
-``rowcount`` like SQLAlchemy's, with real :class:`sqlalchemy.engine.Row` rows. Errors are
-raised as SQLAlchemy's DBAPI exceptions (``IntegrityError`` ...), as on the async engine.
+Core SELECT, INSERT, UPDATE and DELETE (with RETURNING), ``text()`` and executemany are
+supported (compilation: :mod:`leadgate.database.plans`); results offer
+``first``/``one``/``one_or_none``/``all``/``scalar``/``scalars`` and ``rowcount`` like
+SQLAlchemy's, with real :class:`sqlalchemy.engine.Row` rows. Errors are raised as
+SQLAlchemy's DBAPI exceptions (``IntegrityError`` ...), as on the async engine.
+
+Reads run on a small pool of read-only connections (:class:`InlineReaders`), each in its
+own deferred transaction (a consistent WAL snapshot), also on the loop's thread: WAL
+readers never wait for the writer.
 """
 
 from __future__ import annotations
@@ -34,103 +39,57 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Dialect, Row
-from sqlalchemy.engine.result import result_tuple
+from sqlalchemy.engine import Dialect
+
+from leadgate.database.plans import PlanCache, Result
+
+#: For callers that name the result class of this driver.
+InlineResult = Result
 
 #: Default total time ``BEGIN IMMEDIATE`` waits for another process's write lock.
 BUSY_WAIT_S = 30.0
 #: Passive WAL checkpoint (in a worker thread) after this many inline commits.
 CHECKPOINT_EVERY = 500
 
-_Processor = Callable[[Any], Any] | None
-
-
-@dataclass(slots=True)
-class _Plan:
-    """A statement compiled for a given set of parameter names."""
-
-    sql: str
-    names: tuple[str, ...]
-    processors: tuple[_Processor, ...]
-    defaults: Mapping[str, Any]
-    # Set when the caller supplies an expanding (IN) parameter: the SQL depends on its
-    # length, so it is expanded per call.
-    compiled: Any | None
-    bind_processors: Mapping[str, _Processor]
-    result_processors: tuple[_Processor, ...] | None
-    # Row class for the result columns, made on the first execution.
-    make_row: Callable[[Sequence[Any]], Row[Any]] | None = None
-
-
-class InlineResult:
-    """The rows (already fetched) and rowcount of one statement."""
-
-    __slots__ = ("_rows", "rowcount")
-
-    def __init__(self, rows: list[Row[Any]], rowcount: int) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-
-    def first(self) -> Row[Any] | None:
-        """The first row, or None."""
-        return self._rows[0] if self._rows else None
-
-    def one(self) -> Row[Any]:
-        """Exactly one row (``NoResultFound``/``MultipleResultsFound`` otherwise)."""
-        if not self._rows:
-            raise sa.exc.NoResultFound("No row was found when one was required")
-        if len(self._rows) > 1:
-            raise sa.exc.MultipleResultsFound("Multiple rows were found when one was required")
-        return self._rows[0]
-
-    def one_or_none(self) -> Row[Any] | None:
-        """One row, None for none (``MultipleResultsFound`` for more)."""
-        if len(self._rows) > 1:
-            raise sa.exc.MultipleResultsFound("Multiple rows were found when one or none was")
-        return self.first()
-
-    def all(self) -> Sequence[Row[Any]]:
-        """Every row."""
-        return self._rows
-
-    def scalar(self) -> Any:
-        """The first column of the first row, or None."""
-        return self._rows[0][0] if self._rows else None
-
-    def __iter__(self) -> Iterator[Row[Any]]:
-        return iter(self._rows)
-
 
 class InlineConnection:
     """One ``sqlite3`` connection executing SQLAlchemy Core statements inline.
 
     Not thread-safe and not for concurrent transactions: :class:`leadgate.database.db.Database`
-    hands it out under its writer lock only.
+    hands it out under its writer lock (write transactions) or one reader at a time.
     """
 
-    def __init__(self, path: str, dialect: Dialect, *, busy_wait_s: float = BUSY_WAIT_S) -> None:
+    def __init__(
+        self,
+        path: str,
+        dialect: Dialect,
+        *,
+        readonly: bool = False,
+        busy_wait_s: float = BUSY_WAIT_S,
+    ) -> None:
         self.dialect = dialect
         self.busy_wait_s = busy_wait_s
         self.info: dict[Any, Any] = {}
+        self._nested = 0
         self._raw = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        for pragma in (
-            "PRAGMA journal_mode=WAL",
-            "PRAGMA synchronous=NORMAL",
+        pragmas = [
             "PRAGMA busy_timeout=0",
             "PRAGMA wal_autocheckpoint=0",
             "PRAGMA foreign_keys=ON",
-        ):
+        ]
+        if readonly:
+            pragmas.append("PRAGMA query_only=ON")
+        else:
+            pragmas[:0] = ["PRAGMA journal_mode=WAL", "PRAGMA synchronous=NORMAL"]
+        for pragma in pragmas:
             self._raw.execute(pragma)
-        # Plans by id() of the statement object (a WeakKeyDictionary lookup costs more
-        # than running a small statement); a weak reference drops the entry when a
-        # transient statement is collected, before its id can be reused.
-        self._plans: dict[int, tuple[weakref.ref[Any], dict[frozenset[str], _Plan]]] = {}
+        self._plans = PlanCache(dialect)
 
     # ---------------------------------------------------------------- transactions
 
@@ -148,6 +107,10 @@ class InlineConnection:
                     raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def begin_read(self) -> None:
+        """``BEGIN`` (deferred): the read snapshot starts at the first statement."""
+        self._raw.execute("BEGIN")
 
     def commit(self) -> None:
         """Commit the open transaction."""
@@ -184,6 +147,23 @@ class InlineConnection:
             self._raw.execute(f"ROLLBACK TO {name}")
             self._raw.execute(f"RELEASE {name}")
 
+    @asynccontextmanager
+    async def begin_nested(self) -> AsyncIterator[None]:
+        """A SAVEPOINT inside the open transaction: an error in the block undoes the
+        block's writes alone (and propagates)."""
+        self._nested += 1
+        name = f"lg_nested_{self._nested}"
+        self.savepoint(name)
+        try:
+            yield
+        except BaseException:
+            self.rollback_to(name)
+            raise
+        else:
+            self.release(name)
+        finally:
+            self._nested -= 1
+
     def close(self) -> None:
         """Close the underlying connection."""
         self._raw.close()
@@ -195,9 +175,14 @@ class InlineConnection:
     # ------------------------------------------------------------------ statements
 
     async def execute(
-        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
-    ) -> InlineResult:
-        """Run ``statement`` with ``parameters``; rows are fetched at once."""
+        self,
+        statement: sa.Executable,
+        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    ) -> Result:
+        """Run ``statement`` with ``parameters`` (a list of them: executemany); rows are
+        fetched at once."""
+        if parameters is not None and not isinstance(parameters, Mapping):
+            return self.run_many(statement, parameters)
         return self.run(statement, parameters)
 
     async def scalar(
@@ -206,111 +191,35 @@ class InlineConnection:
         """The first column of the first row, or None."""
         return self.run(statement, parameters).scalar()
 
-    def run(
-        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
-    ) -> InlineResult:
-        """Synchronous :meth:`execute`."""
+    def run(self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None) -> Result:
+        """Synchronous :meth:`execute` of one parameter set."""
         params: Mapping[str, Any] = parameters or {}
-        keys = frozenset(params)
-        known = self._plans.get(id(statement))
-        if known is None or known[0]() is not statement:
-            known = self._plans[id(statement)] = (self._watch(statement), {})
-        per_statement = known[1]
-        plan = per_statement.get(keys)
-        if plan is None:
-            plan = per_statement[keys] = self._compile(statement, keys)
-        sql, names, processors = plan.sql, plan.names, plan.processors
-        if plan.compiled is not None:
-            state = plan.compiled.construct_expanded_state(params)
-            sql, names = state.statement, tuple(state.positiontup or ())
-            bind_processors = {**plan.bind_processors, **state.processors}
-            processors = tuple(bind_processors.get(n) for n in names)
-            params = {**state.parameters, **params}
-        defaults = plan.defaults
-        args = [
-            (params[name] if name in params else defaults[name])
-            if proc is None
-            else proc(params[name] if name in params else defaults[name])
-            for name, proc in zip(names, processors, strict=True)
-        ]
+        plan, extracted = self._plans.plan(statement, frozenset(params))
+        sql, args = plan.args(params, extracted)
         try:
             cursor = self._raw.execute(sql, args)
             description = cursor.description
             raw_rows = cursor.fetchall() if description else []
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, args) from exc
-        rows: list[Row[Any]] = []
-        if description:
-            make = plan.make_row
-            if make is None:
-                make = plan.make_row = result_tuple([d[0] for d in description])
-            result_processors = plan.result_processors
-            if result_processors is None:
-                rows = list(map(make, raw_rows))
-            else:
-                procs = result_processors
-                rows = [
-                    make([p(v) if p is not None else v for p, v in zip(procs, raw, strict=True)])
-                    for raw in raw_rows
-                ]
-        return InlineResult(rows, cursor.rowcount)
+        rows = plan.rows(raw_rows, lambda: [d[0] for d in description])
+        # With RETURNING, the rows returned are the rows changed.
+        return Result(rows, len(rows) if plan.returning else cursor.rowcount)
 
-    def _watch(self, statement: Any) -> weakref.ref[Any]:
-        key = id(statement)
-        plans = self._plans
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            known = plans.get(key)
-            if known is not None and known[0] is ref:
-                del plans[key]
-
-        return weakref.ref(statement, forget)
-
-    def _compile(self, statement: sa.Executable, keys: frozenset[str]) -> _Plan:
-        if not isinstance(statement, sa.Select | sa.Insert | sa.Update | sa.Delete):
-            raise TypeError(f"inline SQLite runs Core SELECT/INSERT/UPDATE/DELETE: {statement!r}")
-        if not isinstance(statement, sa.Select) and statement._returning:
-            raise TypeError("inline SQLite does not run RETURNING statements")
-        column_keys = sorted(keys) if isinstance(statement, sa.Insert | sa.Update) else None
-        compiled = statement.compile(dialect=self.dialect, column_keys=column_keys)
-        expanding = {p.key for p in compiled.post_compile_params}
-        # Expand the literal IN lists once; only caller-supplied lists expand per call.
-        # (A required parameter the caller did not name fails here, in SQLAlchemy.)
-        dummy: dict[str, Any] = {name: None for name in keys if name not in expanding}
-        dummy.update({name: [None] for name in keys & expanding})
-        state = compiled.construct_expanded_state(dummy)
-        names = tuple(state.positiontup or ())
-        bind_processors: dict[str, _Processor] = {
-            name: bind.type.dialect_impl(self.dialect).bind_processor(self.dialect)
-            for name, bind in compiled.binds.items()
-        }
-        bind_processors.update(state.processors)
-        defaults = {n: v for n, v in state.parameters.items() if n not in keys}
-        # Python-side column defaults the compiler left to the execution context.
-        for column in getattr(compiled, "insert_prefetch", ()) + getattr(
-            compiled, "update_prefetch", ()
-        ):
-            default = column.default if column.key in defaults else None
-            if default is None or not default.is_scalar:
-                raise TypeError(f"inline SQLite cannot evaluate the default of {column}")
-            defaults[column.key] = default.arg
-        result_processors = None
-        if isinstance(statement, sa.Select):
-            procs = tuple(
-                col.type.dialect_impl(self.dialect).result_processor(self.dialect, None)
-                for col in statement.selected_columns
-            )
-            if any(p is not None for p in procs):
-                result_processors = procs
-        return _Plan(
-            sql=state.statement,
-            names=names,
-            processors=tuple(bind_processors.get(n) for n in names),
-            defaults=defaults,
-            compiled=compiled if keys & expanding else None,
-            bind_processors=bind_processors,
-            result_processors=result_processors,
-        )
+    def run_many(self, statement: sa.Executable, parameters: Sequence[Mapping[str, Any]]) -> Result:
+        """executemany: one statement, many parameter sets (no rows returned)."""
+        if not parameters:
+            return Result([], 0)
+        plan, extracted = self._plans.plan(statement, frozenset(parameters[0]))
+        if plan.keys is not None or plan.compiled is not None:
+            raise TypeError("executemany runs no RETURNING and no expanding IN statements")
+        sql = plan.sql
+        batch = [plan.args(p, extracted)[1] for p in parameters]
+        try:
+            cursor = self._raw.executemany(sql, batch)
+        except sqlite3.Error as exc:
+            raise _wrap(exc, sql, batch[:1]) from exc
+        return Result([], cursor.rowcount)
 
 
 def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
@@ -424,15 +333,17 @@ class InlineSqlite:
 
     def leave(self, member: Member, *, ok: bool) -> asyncio.Future[None] | None:
         """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone.
-        When kept, returns the future that completes once the group committed (with the
-        commit's error if it failed); await it before reporting success."""
+        Returns the future that completes once the group committed (with the commit's
+        error if it failed): await it before reporting success. A member that failed
+        awaits it too before reporting its error: it may have failed on what another
+        member of the group wrote (a fenced update that lost to it), and whoever reads
+        next must see that write."""
         group = member.group
-        waiter: asyncio.Future[None] | None = None
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        group.waiters.append(waiter)
         try:
             if ok:
                 self.connection.release(member.savepoint)
-                waiter = asyncio.get_running_loop().create_future()
-                group.waiters.append(waiter)
             else:
                 self.connection.rollback_to(member.savepoint)
         finally:
@@ -520,3 +431,52 @@ class InlineSqlite:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+class InlineReaders:
+    """Read-only inline connections to one SQLite file, one per concurrent reader.
+
+    A read transaction takes a connection for its duration (``BEGIN`` ... ``COMMIT``: one
+    WAL snapshot for all its statements) and gives it back; connections are opened on
+    demand and at most :attr:`keep` idle ones are kept.
+    """
+
+    def __init__(self, path: str, dialect: Dialect, *, keep: int = 8) -> None:
+        self.path = path
+        self.dialect = dialect
+        self.keep = keep
+        self._idle: list[InlineConnection] = []
+        self._trace: Callable[[str], None] | None = None
+
+    def take(self) -> InlineConnection:
+        """A connection with a read transaction begun."""
+        conn = (
+            self._idle.pop()
+            if self._idle
+            else InlineConnection(self.path, self.dialect, readonly=True)
+        )
+        conn.set_trace(self._trace)
+        conn.begin_read()
+        return conn
+
+    def give(self, conn: InlineConnection) -> None:
+        """End the read transaction and keep (or close) the connection."""
+        try:
+            conn.rollback()  # nothing to keep: a read-only transaction
+        except Exception:
+            conn.close()
+            return
+        conn.info.clear()
+        if len(self._idle) < self.keep:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def set_trace(self, callback: Callable[[str], None] | None) -> None:
+        """Trace every reader's statements (tests; see Database.record_statements)."""
+        self._trace = callback
+
+    def close(self) -> None:
+        """Close every idle connection."""
+        while self._idle:
+            self._idle.pop().close()

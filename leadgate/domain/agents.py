@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import Conflict, NotFound, ValidationError
@@ -156,7 +155,7 @@ async def find_agent_and_lead(conn: Conn, org_id: str, ref: str) -> tuple[Agent,
     return agent, _lead_of(agent, preset if agent.preset_id is not None else None)
 
 
-async def find_preset(conn: AsyncConnection, org_id: str, ref: str) -> Preset:
+async def find_preset(conn: Conn, org_id: str, ref: str) -> Preset:
     """An organization preset of ``org_id`` or a platform preset, by id or name."""
     p = t.presets.c
     row = (
@@ -172,9 +171,7 @@ async def find_preset(conn: AsyncConnection, org_id: str, ref: str) -> Preset:
     return Preset.from_row(row)
 
 
-async def _check_lead(
-    conn: AsyncConnection, org_id: str, lead_ref: str, worker_id: str | None
-) -> str:
+async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | None) -> str:
     a = t.agents.c
     row = (
         await conn.execute(
@@ -197,7 +194,7 @@ async def _check_lead(
 
 
 async def create_preset(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,
@@ -237,7 +234,7 @@ async def create_preset(
 
 
 async def save_agent(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     org_id: str,
@@ -288,9 +285,7 @@ async def save_agent(
     return Agent.from_row(row)
 
 
-async def _name_values(
-    conn: AsyncConnection, org_id: str, name: Any, current: Agent | None
-) -> dict[str, Any]:
+async def _name_values(conn: Conn, org_id: str, name: Any, current: Agent | None) -> dict[str, Any]:
     """Rule ``agent.name`` (required, printable) and ``agent.name_taken`` (slug unique)."""
     if name is UNSET:
         if current is None:
@@ -347,7 +342,7 @@ def _instructions_values(instructions: Any) -> dict[str, Any]:
     return {"instructions": instructions}
 
 
-async def _preset_values(conn: AsyncConnection, org_id: str, preset: Any) -> dict[str, Any]:
+async def _preset_values(conn: Conn, org_id: str, preset: Any) -> dict[str, Any]:
     """Rule ``preset.not_found``: the preset is this organization's or a platform one."""
     if preset is UNSET:
         return {}
@@ -368,7 +363,7 @@ def _activity_values(active: Any, delete: bool, now: int) -> dict[str, Any]:
 
 
 async def _lead_values(
-    conn: AsyncConnection, org_id: str, lead: Any, preset_id: str | None, current: Agent | None
+    conn: Conn, org_id: str, lead: Any, preset_id: str | None, current: Agent | None
 ) -> dict[str, Any]:
     """Rules ``lead.preset_has_lead``, then ``lead.not_found`` / ``lead.self`` /
     ``lead.deleted`` / ``lead.inactive`` (:func:`_check_lead`); ``None`` clears."""
@@ -382,7 +377,7 @@ async def _lead_values(
     return {"lead_agent_id": await _check_lead(conn, org_id, lead, current.id if current else None)}
 
 
-async def _check_preset_has_no_lead(conn: AsyncConnection, preset_id: str | None) -> None:
+async def _check_preset_has_no_lead(conn: Conn, preset_id: str | None) -> None:
     """Rule ``lead.preset_has_lead``: an organization preset with a lead decides."""
     if preset_id is None:
         return
@@ -431,7 +426,7 @@ def _lead_of(agent: Agent, preset: Any) -> LeadConfig | None:
     )
 
 
-async def list_agents(conn: AsyncConnection, org_id: str) -> list[Agent]:
+async def list_agents(conn: Conn, org_id: str) -> list[Agent]:
     """The organization's agents (not deleted), oldest first."""
     a = t.agents.c
     rows = (

@@ -14,7 +14,6 @@ import re
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role
 from leadgate.core.clock import Clock, IdFactory, iso
@@ -65,7 +64,7 @@ def check_identity(platform: str, identity: str) -> str:
 
 
 async def link(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,
@@ -105,7 +104,7 @@ async def link(
 
 
 async def unlink(
-    conn: AsyncConnection, *, org_id: str, email: str, platform: str, identity: str
+    conn: Conn, *, org_id: str, email: str, platform: str, identity: str
 ) -> dict[str, Any]:
     """Remove one link (NotFound when there is none)."""
     identity = check_identity(platform, identity)
@@ -123,7 +122,7 @@ async def unlink(
     return {"email": user.email, "platform": platform, "identity": identity, "unlinked": True}
 
 
-async def list_links(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+async def list_links(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     """The organization's links with each user's email and role."""
     rows = (
         await conn.execute(
@@ -164,7 +163,7 @@ async def reviewer(conn: Conn, org_id: str, platform: str, identity: str) -> Rev
     return None if row is None else Reviewer(row.id, row.email, row.role, row.org_id)
 
 
-async def _user(conn: AsyncConnection, org_id: str, email: str) -> Any:
+async def _user(conn: Conn, org_id: str, email: str) -> Any:
     row = (
         await conn.execute(
             sa.select(U.id, U.email).where(U.org_id == org_id, U.email == email.strip().lower())
@@ -175,7 +174,7 @@ async def _user(conn: AsyncConnection, org_id: str, email: str) -> Any:
     return row
 
 
-async def _view(conn: AsyncConnection, org_id: str, platform: str, identity: str) -> dict[str, Any]:
+async def _view(conn: Conn, org_id: str, platform: str, identity: str) -> dict[str, Any]:
     found = await reviewer(conn, org_id, platform, identity)
     assert found is not None
     return {

@@ -17,12 +17,12 @@ from typing import Any
 import sqlalchemy as sa
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import Conflict, NotFound, ValidationError
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 
 KEY_PREFIX = "lg"
 _hasher = PasswordHasher()
@@ -74,9 +74,7 @@ def validate_name(name: str, what: str) -> str:
     return name
 
 
-async def create_org(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, name: str
-) -> dict[str, Any]:
+async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dict[str, Any]:
     """Create an organization with an Owner key carrying every scope."""
     name = validate_name(name, "organization")
     exists = await conn.scalar(
@@ -92,7 +90,7 @@ async def create_org(
     return {"id": org_id, "name": name, "apiKey": key["key"]}
 
 
-async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
+async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
     """An organization by id or name."""
     row = (
         await conn.execute(
@@ -107,7 +105,7 @@ async def find_org(conn: AsyncConnection, ref: str) -> dict[str, Any]:
 
 
 async def create_key(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     org_id: str,
@@ -136,7 +134,7 @@ async def create_key(
     return out
 
 
-async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
+async def authenticate_key(conn: Conn, raw: str) -> Principal | None:
     """The principal for a raw key, or ``None`` (unknown, malformed or revoked)."""
     parts = raw.strip().split(".")
     if len(parts) != 3 or parts[0] != KEY_PREFIX or len(raw) > 200:
@@ -157,7 +155,7 @@ async def authenticate_key(conn: AsyncConnection, raw: str) -> Principal | None:
 
 
 async def create_user(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     org_id: str,
@@ -197,7 +195,7 @@ async def create_user(
 
 
 async def login(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
+    conn: Conn, clock: Clock, ids: IdFactory, email: str, password: str, ttl_ms: int
 ) -> str | None:
     """Check a password; returns a new console session token or ``None`` (one
     connection: tests and tools; the console uses the steps below, argon2 outside any
@@ -210,7 +208,7 @@ async def login(
     return await create_console_session(conn, clock, ids, found[0], ttl_ms)
 
 
-async def login_user(conn: AsyncConnection, email: str) -> tuple[str, str] | None:
+async def login_user(conn: Conn, email: str) -> tuple[str, str] | None:
     """(user id, password hash) of a console user by email, if any."""
     row = (
         await conn.execute(
@@ -229,7 +227,7 @@ def verify_password(password_hash: str | None, password: str) -> bool:
 
 
 async def create_console_session(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, user_id: str, ttl_ms: int
+    conn: Conn, clock: Clock, ids: IdFactory, user_id: str, ttl_ms: int
 ) -> str:
     """A new console session for ``user_id``; returns its token (only a hash is stored)."""
     token = secrets.token_urlsafe(32)
@@ -245,7 +243,7 @@ async def create_console_session(
     return token
 
 
-async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) -> Principal | None:
+async def authenticate_session(conn: Conn, clock: Clock, token: str) -> Principal | None:
     """The principal of a console session cookie, or ``None``."""
     row = (
         await conn.execute(
@@ -264,7 +262,7 @@ async def authenticate_session(conn: AsyncConnection, clock: Clock, token: str) 
     return Principal(org_id=row.org_id, scopes=ROLE_SCOPES[Role(row.role)], user_id=row.id)
 
 
-async def delete_session(conn: AsyncConnection, token: str) -> bool:
+async def delete_session(conn: Conn, token: str) -> bool:
     """Log a console session out (delete its row); ``False`` when there was none."""
     result = await conn.execute(
         t.console_sessions.delete().where(t.console_sessions.c.token_hash == _hash_secret(token))
@@ -272,7 +270,7 @@ async def delete_session(conn: AsyncConnection, token: str) -> bool:
     return bool(result.rowcount)
 
 
-async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
+async def get_user(conn: Conn, user_id: str) -> dict[str, Any]:
     """A console user's public fields (never the password hash), with the org name."""
     row = (
         await conn.execute(
@@ -302,7 +300,7 @@ async def get_user(conn: AsyncConnection, user_id: str) -> dict[str, Any]:
     }
 
 
-async def list_keys(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
+async def list_keys(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     """The organization's API keys, oldest first (never a secret or its hash)."""
     k = t.api_keys.c
     rows = await conn.execute(
@@ -323,9 +321,7 @@ async def list_keys(conn: AsyncConnection, org_id: str) -> list[dict[str, Any]]:
     ]
 
 
-async def revoke_key(
-    conn: AsyncConnection, clock: Clock, org_id: str, key_id: str
-) -> dict[str, Any]:
+async def revoke_key(conn: Conn, clock: Clock, org_id: str, key_id: str) -> dict[str, Any]:
     """Revoke a key of ``org_id`` (its holders are refused within the principal cache
     time, 5 s). Revoking a revoked key is a 409; another organization's key is a 404."""
     k = t.api_keys.c
@@ -343,7 +339,7 @@ async def revoke_key(
     return {"id": key_id, "revokedAt": iso(now), "active": False}
 
 
-async def key_status(conn: AsyncConnection, raw: str) -> tuple[str, str] | None:
+async def key_status(conn: Conn, raw: str) -> tuple[str, str] | None:
     """(key id, organization id) of a raw key that is valid now, else ``None``."""
     principal = await authenticate_key(conn, raw)
     if principal is None or principal.key_id is None:
@@ -351,7 +347,7 @@ async def key_status(conn: AsyncConnection, raw: str) -> tuple[str, str] | None:
     return principal.key_id, principal.org_id
 
 
-async def find_user(conn: AsyncConnection, org_id: str, email: str) -> dict[str, Any]:
+async def find_user(conn: Conn, org_id: str, email: str) -> dict[str, Any]:
     """A console user of ``org_id`` by email (404 otherwise)."""
     u = t.users.c
     row = (

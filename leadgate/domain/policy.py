@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import ValidationError
@@ -68,7 +67,7 @@ async def load_rules(conn: Conn, org_id: str) -> list[Rule]:
 
 
 async def add_rule(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, pattern: str, action: str
+    conn: Conn, clock: Clock, ids: IdFactory, org_id: str, pattern: str, action: str
 ) -> dict[str, Any]:
     """Append a rule to the organization's policy."""
     compile_rule(pattern, action)

@@ -15,7 +15,6 @@ import enum
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import DAY_MS, Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
@@ -77,6 +76,26 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
 W = t.work_items.c
 
 
+def _fenced_update(*fences: Any) -> Any:
+    return (
+        t.work_items.update()
+        .where(W.id == sa.bindparam("p_id"), W.status == sa.bindparam("p_src"), *fences)
+        .returning(*t.work_items.c)
+    )
+
+
+# The fenced UPDATE of :func:`transition`, built once per fence combination (lease token,
+# organization): the new values are parameters named after their columns.
+_TRANSITIONS: dict[tuple[bool, bool], Any] = {
+    (False, False): _fenced_update(),
+    (True, False): _fenced_update(W.lease_token == sa.bindparam("p_lease")),
+    (False, True): _fenced_update(W.org_id == sa.bindparam("p_org")),
+    (True, True): _fenced_update(
+        W.lease_token == sa.bindparam("p_lease"), W.org_id == sa.bindparam("p_org")
+    ),
+}
+
+
 def allowed(src: Status, dst: Status) -> bool:
     """Whether the transition table permits ``src -> dst``."""
     return dst in TRANSITIONS[src]
@@ -123,7 +142,7 @@ async def audit(
 
 
 async def transition(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item_id: str,
@@ -147,18 +166,19 @@ async def transition(
         raise TransitionError(
             f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
         )
-    now = clock.now_ms()
-    stmt = (
-        t.work_items.update()
-        .where(W.id == item_id, W.status == src.value)
-        .values(status=dst.value, updated_at=now, **(values or {}))
-        .returning(*t.work_items.c)
-    )
+    params: dict[str, Any] = {
+        **(values or {}),
+        "status": dst.value,
+        "updated_at": clock.now_ms(),
+        "p_id": item_id,
+        "p_src": src.value,
+    }
     if lease_token is not None:
-        stmt = stmt.where(W.lease_token == lease_token)
+        params["p_lease"] = lease_token
     if org_id is not None:
-        stmt = stmt.where(W.org_id == org_id)
-    row = (await conn.execute(stmt)).first()
+        params["p_org"] = org_id
+    stmt = _TRANSITIONS[lease_token is not None, org_id is not None]
+    row = (await conn.execute(stmt, params)).first()
     if row is None:
         raise TransitionError(
             f"work item {item_id} is not {src} (or its lease was lost); nothing changed",
@@ -186,7 +206,7 @@ async def transition(
 
 
 async def transition_many(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item_ids: list[str],
@@ -274,7 +294,7 @@ async def active_for(
 
 
 async def sweep_abandoned(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
+    conn: Conn, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
 ) -> int:
     """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count."""
     cutoff = clock.now_ms() - idle_ms

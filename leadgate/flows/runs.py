@@ -21,7 +21,6 @@ import logging
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import find_session
 from leadgate.core.clock import Clock, IdFactory, iso
@@ -29,7 +28,7 @@ from leadgate.core.errors import Conflict, NotFound, TransitionError, Validation
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
@@ -65,7 +64,7 @@ def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
 
 
 async def create_flow(
-    conn: AsyncConnection, clock: Clock, ids: IdFactory, org_id: str, name: str, nodes: Any
+    conn: Conn, clock: Clock, ids: IdFactory, org_id: str, name: str, nodes: Any
 ) -> dict[str, Any]:
     """Store a flow after checking its nodes and that every agent exists."""
     nodes = validate_nodes(nodes)
@@ -85,7 +84,7 @@ async def create_flow(
     return {"id": flow_id, "name": name, "nodes": nodes}
 
 
-async def find_flow(conn: AsyncConnection, org_id: str, ref: str) -> dict[str, Any]:
+async def find_flow(conn: Conn, org_id: str, ref: str) -> dict[str, Any]:
     """A flow of the organization by id or name."""
     row = (
         await conn.execute(
@@ -99,7 +98,7 @@ async def find_flow(conn: AsyncConnection, org_id: str, ref: str) -> dict[str, A
     return dict(row._mapping)
 
 
-async def run_view(conn: AsyncConnection, org_id: str, run_id: str) -> dict[str, Any]:
+async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
     """A run with its events and continuations (for the CLI and tests)."""
     row = (
         await conn.execute(sa.select(t.flow_runs).where(R.id == run_id, R.org_id == org_id))
@@ -146,7 +145,7 @@ class FlowService:
         self.ids = ids
         self.turns = turns
 
-    async def _event(self, conn: AsyncConnection, run_id: str, text: str) -> None:
+    async def _event(self, conn: Conn, run_id: str, text: str) -> None:
         await conn.execute(
             t.flow_run_events.insert().values(
                 id=self.ids.new("fre"), run_id=run_id, text=text, created_at=self.clock.now_ms()
@@ -163,7 +162,7 @@ class FlowService:
 
     async def new_run(
         self,
-        conn: AsyncConnection,
+        conn: Conn,
         org_id: str,
         flow_id: str,
         outputs: list[Any],

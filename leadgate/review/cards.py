@@ -22,7 +22,6 @@ import logging
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
@@ -125,7 +124,7 @@ class ReviewNotifier:
         self.defaults = defaults
 
     async def open(
-        self, conn: AsyncConnection, item_id: str, reason: str, delivery_id: str | None = None
+        self, conn: Conn, item_id: str, reason: str, delivery_id: str | None = None
     ) -> str | None:
         """Open an episode for ``item_id`` and queue its cards; the episode id (``None``
         when one is already open: nothing is written twice)."""
@@ -240,9 +239,7 @@ def earliest(*times: int | None) -> int | None:
     return min(present) if present else None
 
 
-async def close_for_item(
-    conn: AsyncConnection, outbox: Outbox, item_id: str, outcome: CardOutcome
-) -> int:
+async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: CardOutcome) -> int:
     """Close the item's open episode and update its cards to ``outcome`` (inside the
     decision's transaction); returns the number of card updates queued."""
     clock = outbox.clock

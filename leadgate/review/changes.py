@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 
 AU = t.audit.c
 #: How far behind the newest row a late commit may be and still be noticed.
@@ -36,7 +36,7 @@ class Mark(NamedTuple):
         return f"{self.newest}-{self.recent}"
 
 
-async def mark(conn: AsyncConnection, org_id: str) -> Mark:
+async def mark(conn: Conn, org_id: str) -> Mark:
     """The organization's current mark."""
     newest = await conn.scalar(sa.select(sa.func.max(AU.created_at)).where(AU.org_id == org_id))
     if newest is None:
@@ -49,7 +49,7 @@ async def mark(conn: AsyncConnection, org_id: str) -> Mark:
     return Mark(int(newest), int(recent or 0))
 
 
-async def changed_items(conn: AsyncConnection, org_id: str, since: Mark) -> list[str] | None:
+async def changed_items(conn: Conn, org_id: str, since: Mark) -> list[str] | None:
     """Ids of the items with audit rows since ``since`` (a superset: rows up to
     ``SKEW_MS`` older are included), or ``None`` when there are more than ``MAX_ITEMS``."""
     rows = await conn.execute(

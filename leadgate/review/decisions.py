@@ -10,11 +10,10 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery, WorkItem
 from leadgate.domain.workitems import Status
@@ -41,7 +40,7 @@ def rounds_remain(item: WorkItem) -> bool:
 
 
 async def commit_verdict(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item: WorkItem,
     verdict: Verdict,
@@ -98,7 +97,7 @@ async def commit_verdict(
 
 
 async def human_approve(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item: WorkItem,
     actor: str,
@@ -121,7 +120,7 @@ async def human_approve(
 
 
 async def human_reject(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,
@@ -149,7 +148,7 @@ async def human_reject(
 
 
 async def human_return(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,
@@ -187,7 +186,7 @@ async def human_return(
 
 
 async def cancel(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     item: WorkItem,
@@ -222,7 +221,7 @@ CARD_TEXT_LIMIT = 500
 
 
 async def decide(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item: WorkItem,
     action: str,
@@ -251,7 +250,7 @@ async def decide(
 
 
 async def recover_delivery(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     delivery: Delivery,
     action: str,
@@ -277,7 +276,7 @@ async def recover_delivery(
     return row
 
 
-async def expire(conn: AsyncConnection, outbox: Outbox, item: WorkItem, after_ms: int) -> WorkItem:
+async def expire(conn: Conn, outbox: Outbox, item: WorkItem, after_ms: int) -> WorkItem:
     """No decision within ``after_ms``: reject with the reason ``expired: no decision
     within <duration>``, audited as an expiry (action ``expire``, actor
     ``system:expiry``, surface ``system``), never as a human rejection."""
@@ -299,7 +298,7 @@ async def expire(conn: AsyncConnection, outbox: Outbox, item: WorkItem, after_ms
 
 
 async def _close_cards(
-    conn: AsyncConnection,
+    conn: Conn,
     outbox: Outbox,
     item_id: str,
     action: str,

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
@@ -161,9 +160,7 @@ async def _teams_reference(conn: Conn, target: str) -> dict[str, Any]:
     return dict(row.reference)
 
 
-async def remember_teams_conversation(
-    conn: AsyncConnection, clock: Clock, reference: dict[str, Any]
-) -> None:
+async def remember_teams_conversation(conn: Conn, clock: Clock, reference: dict[str, Any]) -> None:
     """Keep the latest conversation reference of a Teams conversation (upsert)."""
     conversation = reference.get("conversation") or {}
     conversation_id = conversation.get("id")
@@ -191,7 +188,7 @@ async def remember_teams_conversation(
 
 
 async def add_destination(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,
@@ -242,7 +239,7 @@ async def add_destination(
     return Destination(**values)
 
 
-async def remove_destination(conn: AsyncConnection, org_id: str, destination_id: str) -> None:
+async def remove_destination(conn: Conn, org_id: str, destination_id: str) -> None:
     """Remove one destination (404 for another organization's)."""
     res = await conn.execute(
         t.review_destinations.delete().where(RD.id == destination_id, RD.org_id == org_id)
@@ -288,7 +285,7 @@ async def destinations_for(conn: Conn, org_id: str, agent_id: str, tier: str) ->
 
 
 async def set_sla(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,

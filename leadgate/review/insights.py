@@ -23,11 +23,11 @@ from collections import Counter
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import DAY_MS, iso
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain.workitems import Status
 
 AU = t.audit.c
@@ -78,9 +78,7 @@ def _stats(values: list[int]) -> dict[str, Any]:
     return {"count": len(values), "medianMs": statistics.median(ordered), "p90Ms": p90}
 
 
-async def insights(
-    conn: AsyncConnection, org_id: str, *, now_ms: int, days: int = 30
-) -> dict[str, Any]:
+async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> dict[str, Any]:
     """The insights of ``org_id`` over the ``days`` UTC days up to ``now_ms``."""
     if not 1 <= days <= MAX_DAYS:
         raise ValidationError(f"days must be 1..{MAX_DAYS}", rule="insights.days")

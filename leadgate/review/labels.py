@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain.rows import Binding
 from outbox.store import action_for
 
@@ -37,9 +37,7 @@ class Actor(NamedTuple):
     email: str | None
 
 
-async def resolve_actors(
-    conn: AsyncConnection, org_id: str, actors: Iterable[str]
-) -> dict[str, Actor]:
+async def resolve_actors(conn: Conn, org_id: str, actors: Iterable[str]) -> dict[str, Actor]:
     """Each ``kind:id`` actor of ``actors`` with its display name (one query per kind,
     confined to ``org_id``: an id of another organization stays a bare id)."""
     wanted: dict[str, set[str]] = {}

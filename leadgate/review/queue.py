@@ -15,12 +15,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import active_binding
 from leadgate.core.clock import iso
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.domain.rows import Binding
 from leadgate.domain.workitems import Status
@@ -165,7 +165,7 @@ def _preview(summary: str | None, task_context: str) -> tuple[str, str]:
     return text, source
 
 
-async def _agent_ids(conn: AsyncConnection, org_id: str, ref: str | None) -> list[str] | None:
+async def _agent_ids(conn: Conn, org_id: str, ref: str | None) -> list[str] | None:
     """Agent filter: ids of the agents named ``ref`` (id, slug or name)."""
     if not ref:
         return None
@@ -176,7 +176,7 @@ async def _agent_ids(conn: AsyncConnection, org_id: str, ref: str | None) -> lis
 
 
 async def actionable(
-    conn: AsyncConnection,
+    conn: Conn,
     org_id: str,
     *,
     limit: int = 50,
@@ -249,7 +249,7 @@ async def actionable(
 
 
 async def _counts(
-    conn: AsyncConnection,
+    conn: Conn,
     q: sa.Subquery,
     agent_ids: list[str] | None,
     channel: str | None,
@@ -291,13 +291,13 @@ async def _counts(
     }
 
 
-async def queue_size(conn: AsyncConnection, org_id: str) -> int:
+async def queue_size(conn: Conn, org_id: str) -> int:
     """How many items the actionable queue holds (the console's navigation count)."""
     q = _actionable(org_id)
     return int(await conn.scalar(sa.select(sa.func.count()).select_from(q)) or 0)
 
 
-async def _reason_texts(conn: AsyncConnection, ids: list[str]) -> dict[str, str]:
+async def _reason_texts(conn: Conn, ids: list[str]) -> dict[str, str]:
     """The text of each item's newest move to awaitingHuman (the lead's escalation text,
     the system's reason) or of its delivery becoming uncertain."""
     if not ids:
@@ -356,7 +356,7 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
     return history
 
 
-async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, Any]:
+async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
     """Everything a reviewer needs (reviewers only: snapshot and summary are here)."""
     item = await workitems.get(conn, item_id, org_id)
     agent_name = await conn.scalar(sa.select(A.name).where(A.id == item.agent_id))
@@ -445,7 +445,7 @@ async def detail(conn: AsyncConnection, org_id: str, item_id: str) -> dict[str, 
     }
 
 
-async def _binding(conn: AsyncConnection, binding_id: str | None) -> Binding | None:
+async def _binding(conn: Conn, binding_id: str | None) -> Binding | None:
     if binding_id is None:
         return None
     row = (await conn.execute(sa.select(t.bindings).where(B.id == binding_id))).first()
@@ -460,7 +460,7 @@ def _like_escape(text: str) -> str:
 
 
 async def activity(
-    conn: AsyncConnection,
+    conn: Conn,
     org_id: str,
     *,
     limit: int = 50,

@@ -112,7 +112,10 @@ class LeadRunner:
         self.on_verdict = on_verdict
         #: this process (``lease_owner`` of its review leases; see domain.processes)
         self.owner = owner
-        self._held: list[WorkItem] = []
+        #: (item id, lease token) of claimed items to give back to the queue
+        self._held: list[tuple[str, str | None]] = []
+        #: lease tokens of claims whose commit may or may not have landed
+        self._uncertain: list[str] = []
 
     async def expire_leases(self) -> int:
         """Return items whose review lease expired, or whose holder is known dead
@@ -159,35 +162,43 @@ class LeadRunner:
     async def claim(self) -> WorkItem | None:
         """Claim the oldest queued item; ``None`` when the queue is empty."""
         now = self.clock.now_ms()
-        async with self.db.tx() as conn:
-            item_id = await conn.scalar(
-                self.db.skip_locked(
-                    sa.select(W.id)
-                    .where(W.status == Status.reviewQueued.value)
-                    .order_by(W.updated_at, W.id)
-                    .limit(1)
+        token = self.ids.new("lease")
+        try:
+            async with self.db.tx() as conn:
+                item_id = await conn.scalar(
+                    self.db.skip_locked(
+                        sa.select(W.id)
+                        .where(W.status == Status.reviewQueued.value)
+                        .order_by(W.updated_at, W.id)
+                        .limit(1)
+                    )
                 )
-            )
-            if item_id is None:
-                return None
-            try:
-                return await workitems.transition(
-                    conn,
-                    self.clock,
-                    self.ids,
-                    item_id,
-                    src=Status.reviewQueued,
-                    dst=Status.reviewing,
-                    actor="system:lead",
-                    action="claim",
-                    values={
-                        "lease_token": self.ids.new("lease"),
-                        "lease_expires_at": now + LEASE_MS,
-                        "lease_owner": self.owner(),
-                    },
-                )
-            except TransitionError:
-                return None
+                if item_id is None:
+                    return None
+                try:
+                    return await workitems.transition(
+                        conn,
+                        self.clock,
+                        self.ids,
+                        item_id,
+                        src=Status.reviewQueued,
+                        dst=Status.reviewing,
+                        actor="system:lead",
+                        action="claim",
+                        values={
+                            "lease_token": token,
+                            "lease_expires_at": now + LEASE_MS,
+                            "lease_owner": self.owner(),
+                        },
+                    )
+                except TransitionError:
+                    return None
+        except Unavailable:
+            # The connection may have dropped after the COMMIT reached the server: the
+            # claim may stand. Give back whatever holds this token once the database is
+            # back, rather than leave it reviewing for the whole lease.
+            self._uncertain.append(token)
+            raise
 
     async def run_once(self) -> bool:
         """Expire leases, then claim and review one item. True when it did work."""
@@ -201,7 +212,13 @@ class LeadRunner:
 
     async def review(self, item: WorkItem) -> None:
         """Run the lead on a claimed item and commit its verdict (fenced by the lease)."""
-        verdict, feedback, why = await self._decide(item)
+        try:
+            verdict, feedback, why = await self._decide(item)
+        except Unavailable:
+            self._held.append(
+                (item.id, item.lease_token)
+            )  # the lead's reads failed: review it again later
+            raise
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
         try:
             async with self.db.tx() as conn:
@@ -223,22 +240,36 @@ class LeadRunner:
             # The verdict could not be stored (database down): give the item back to the
             # queue as soon as the database is back, instead of holding its 20-minute
             # lease while alive.
-            self._held.append(item)
+            self._held.append((item.id, item.lease_token))
             raise
         self.on_verdict()
 
     async def _release_held(self) -> None:
         """Return items whose verdict could not be committed to ``reviewQueued``."""
+        while self._uncertain:
+            token = self._uncertain.pop(0)
+            try:
+                async with self.db.read() as conn:
+                    item_id = await conn.scalar(
+                        sa.select(W.id).where(
+                            W.lease_token == token, W.status == Status.reviewing.value
+                        )
+                    )
+            except Exception:
+                self._uncertain.append(token)
+                raise
+            if item_id is not None:
+                self._held.append((item_id, token))
         while self._held:
             # Several review loops share this list: take the item first.
-            item = self._held.pop(0)
+            held = self._held.pop(0)
             try:
-                await self._release(item)
+                await self._release(*held)
             except Exception:
-                self._held.append(item)
+                self._held.append(held)
                 raise
 
-    async def _release(self, item: WorkItem) -> None:
+    async def _release(self, item_id: str, lease_token: str | None) -> None:
         """Give one held item back to the queue (fenced by its lease)."""
         async with self.db.tx() as conn:
             try:
@@ -246,13 +277,13 @@ class LeadRunner:
                     conn,
                     self.clock,
                     self.ids,
-                    item.id,
+                    item_id,
                     src=Status.reviewing,
                     dst=Status.reviewQueued,
                     actor="system:lead",
                     action="leaseReleased",
                     text="the verdict could not be stored; the review runs again",
-                    lease_token=item.lease_token,
+                    lease_token=lease_token,
                     values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
                 )
             except TransitionError:

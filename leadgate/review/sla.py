@@ -21,13 +21,12 @@ import logging
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
@@ -81,7 +80,7 @@ class SlaRunner:
                 continue  # decided meanwhile: that decision closed the episode
         return fired > 0
 
-    async def _fire(self, conn: AsyncConnection, ep: Any, now: int) -> int:
+    async def _fire(self, conn: Conn, ep: Any, now: int) -> int:
         if ep.expire_at is not None and ep.expire_at <= now:
             return await self._expire(conn, ep)
         purposes: list[str] = []
@@ -119,7 +118,7 @@ class SlaRunner:
             log.info("review %s: %s for work item %s", ep.id, purpose, ep.work_item_id)
         return len(purposes)
 
-    async def _expire(self, conn: AsyncConnection, ep: Any) -> int:
+    async def _expire(self, conn: Conn, ep: Any) -> int:
         try:
             item = await workitems.get(conn, ep.work_item_id)
         except NotFound:

@@ -41,6 +41,9 @@ class TurnRecovery:
         try:
             await self.turns.resume(claimed)
         except Exception:
-            # The run keeps its lease; it is claimed again when that lapses.
+            # Claimed again on the next pass rather than when its lease lapses (minutes):
+            # each claim counts an attempt, so a run that keeps failing gets its failure
+            # notice after MAX_ATTEMPTS instead of being retried for ever.
+            self.turns.orphans.add(claimed.token)
             log.exception("recovering session %s failed", claimed.session_id)
         return True

@@ -14,14 +14,13 @@ from typing import Any
 
 import sqlalchemy as sa
 from croniter import CroniterBadCronError, croniter
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import ValidationError
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.schedules")
@@ -41,7 +40,7 @@ def next_fire(cron: str, after_ms: int) -> int:
 
 
 async def add_schedule(
-    conn: AsyncConnection,
+    conn: Conn,
     clock: Clock,
     ids: IdFactory,
     *,

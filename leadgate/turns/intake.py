@@ -118,7 +118,7 @@ class Intake:
         policy, history); the steps that are more than a statement are methods.
         """
         now = self.clock.now_ms()
-        async with self.db.fast_tx() as conn:
+        async with self.db.tx() as conn:
             agent, lead = await agents_mod.find_agent_and_lead(
                 conn, trigger.org_id, trigger.agent_id
             )

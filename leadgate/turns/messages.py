@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
@@ -59,9 +58,7 @@ async def store_message(
     return message_id
 
 
-async def visible_transcript(
-    conn: AsyncConnection, org_id: str, session_id: str
-) -> list[dict[str, Any]]:
+async def visible_transcript(conn: Conn, org_id: str, session_id: str) -> list[dict[str, Any]]:
     """The transcript as users may see it: leadGated rows are skipped."""
     m = t.messages.c
     rows = (

@@ -462,7 +462,7 @@ class TurnService:
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts:
             # API, studio and silent turns only store the reply: the short transaction.
-            async with self.db.fast_tx() as fast:
+            async with self.db.tx() as fast:
                 await self._store(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
                 )

@@ -20,6 +20,7 @@ Retries never double a message:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text
 from leadgate.core.errors import LeadgateError, NotFound, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
+from leadgate.database.faults import unavailable
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
 from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
+
+log = logging.getLogger("leadgate.web")
 
 PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review completes."
 # The official OpenAI clients retry a 409 and every 5xx by default, which would resend a
@@ -242,9 +246,11 @@ class _Chunks:
 
 def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str, Any]]:
     """Status and envelope of ``exc`` exactly as the error middleware answers it."""
-    if isinstance(exc, LeadgateError):
-        resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+    error = exc if isinstance(exc, LeadgateError) else unavailable(exc)
+    if error is not None:
+        resp = error_response(request, error.status, error.message, error.code, error.rule)
     else:
+        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
         resp = error_response(request, 500, "internal error", "internal_error", "internal")
     assert isinstance(resp.body, bytes)
     return resp.status, json.loads(resp.body)

@@ -141,7 +141,7 @@ async def test_two_clicks_at_once_make_one_decision_and_the_other_is_told(app: A
     kinds = sorted(a.kind for a in answers)
     assert kinds == ["closed", "closed", "decided"]
     told = [a.text for a in answers if a.kind == "closed"]
-    assert all(t.startswith("Already approved by member@acme.io (slack) at ") for t in told)
+    assert all(t.startswith("Already approved by member@acme.io (slack) at ") for t in told), told
     actions = [a["action"] for a in await item_audit(app, item_id)]
     assert actions.count("approve") == 1
 

@@ -191,6 +191,7 @@ class SlackRig:
             by_thread.setdefault(str(post["thread_ts"]), []).append(str(post["text"]))
         queued_threads = self._queued_threads()
         counts = Counter[str]()
+        lost: list[str] = []
         for message in self.sent:
             if not message.accepted:
                 continue
@@ -204,10 +205,11 @@ class SlackRig:
                 counts["in_queue"] += 1
             else:
                 counts["lost"] += 1
+                lost.append(message.ts)
         doubled = sum(n - 1 for n in Counter((p["thread_ts"], p["text"]) for p in posts).values())
         counts["doubled"] = doubled
         if final:
-            assert counts["lost"] == 0, (counts, self.proc.log_tail(40))
+            assert counts["lost"] == 0, (counts, self._where(lost), self.proc.log_tail(40))
             assert doubled == 0, counts
             self.check_audit()
         return {
@@ -222,6 +224,19 @@ class SlackRig:
             if unknown or item["status"] == "awaitingHuman":
                 threads |= self._threads_of(detail)
         return threads
+
+    def _where(self, lost: list[str]) -> dict[str, Any]:
+        """What became of the lost messages' work items (for the failure message)."""
+        found: dict[str, Any] = {ts: "no work item" for ts in lost}
+        for row in self.operator("/operator/activity?limit=200")["items"]:
+            detail = self.operator(f"/operator/reviews/{row['id']}")
+            for ts in self._threads_of(detail) & set(lost):
+                found[ts] = {
+                    "status": detail["status"],
+                    "deliveries": [(d["status"], d.get("kind")) for d in detail["deliveries"]],
+                    "audit": [(a["action"], a.get("to")) for a in detail["audit"]][-4:],
+                }
+        return found
 
     def _threads_of(self, detail: dict[str, Any]) -> set[str]:
         # The item's messages carry their Slack ts in the test's texts ("... ts=<ts>").

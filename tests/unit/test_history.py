@@ -71,10 +71,10 @@ async def full_window(stack: Stack, sid: str) -> list[ChatMessage]:
 
 
 async def cached_read(stack: Stack, sid: str, cache: HistoryCache | None = None) -> Any:
-    """The window as the turn path reads it: in a fast_tx, through the cache."""
+    """The window as the turn path reads it: in a transaction, through the cache."""
     if cache is None:  # (an empty cache is falsy: it has a __len__)
         cache = stack.turns.history
-    async with stack.db.fast_tx() as conn:
+    async with stack.db.tx() as conn:
         return await cache.read(conn, sid)
 
 
@@ -341,18 +341,18 @@ async def test_a_rolled_back_transaction_leaves_the_cache_alone(stack: Stack) ->
         await insert_message(stack, sid, f"m{i}", created_at=1_000 + i)
 
     with pytest.raises(Boom):
-        async with stack.db.fast_tx() as conn:
+        async with stack.db.tx() as conn:
             assert contents(await cache.read(conn, sid)) == ["m0", "m1", "m2"]
             raise Boom
     assert (len(cache), cache.hits, cache.misses) == (0, 0, 1)
 
-    async with stack.db.fast_tx() as conn:
+    async with stack.db.tx() as conn:
         assert contents(await cache.read(conn, sid)) == ["m0", "m1", "m2"]
         assert len(cache) == 0, "stored before the commit"
     assert (len(cache), cache.hits, cache.misses) == (1, 0, 2)
 
     with pytest.raises(Boom):
-        async with stack.db.fast_tx() as conn:
+        async with stack.db.tx() as conn:
             await conn.execute(
                 t.messages.insert(),
                 {

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from leadgate.core.clock import MINUTE_MS, FakeClock, RandomIds
-from leadgate.core.errors import ModelError
+from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
@@ -693,3 +693,65 @@ async def test_a_lead_that_cannot_run_escalates(
         "unconfigured model": "model 'gone' is not configured",
     }[change]
     assert last["text"] == expected
+
+
+# ------------------------------------------------------------------ database faults
+
+
+class _DownFor:
+    """``Database.read``/``tx`` replaced for the next ``n`` calls: the call's own work
+    runs (or not, ``before``) and then the database is "gone" (Unavailable)."""
+
+    def __init__(self, real: Callable[[], Any], n: int, *, after_commit: bool) -> None:
+        self.real, self.n, self.after_commit = real, n, after_commit
+
+    def __call__(self) -> Any:
+        if self.n == 0:
+            return self.real()
+        self.n -= 1
+        real, after = self.real, self.after_commit
+
+        class _Ctx:
+            async def __aenter__(self) -> Any:
+                if not after:
+                    raise Unavailable("database down", rule="service.unavailable")
+                self.inner = real()
+                return await self.inner.__aenter__()
+
+            async def __aexit__(self, *exc: Any) -> None:
+                await self.inner.__aexit__(*exc)
+                if exc[0] is None:  # committed, but the caller is told otherwise
+                    raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
+
+        return _Ctx()
+
+
+async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    item = await stack.lead_runner.claim()
+    assert item is not None and item.id == item_id
+    monkeypatch.setattr(stack.db, "read", _DownFor(stack.db.read, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await stack.lead_runner.review(item)
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    # The next pass (the database is back) gives it back and reviews it: no 20-minute wait.
+    assert await drain(stack.lead_runner) == 1
+    assert (await row(stack, item_id))["status"] == "approved"
+    assert "leaseReleased" in await actions(stack, item_id)
+
+
+async def test_a_claim_whose_commit_is_uncertain_is_given_back(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    monkeypatch.setattr(stack.db, "tx", _DownFor(stack.db.tx, 1, after_commit=True))
+    with pytest.raises(Unavailable):
+        await stack.lead_runner.claim()
+    assert (await row(stack, item_id))["status"] == "reviewing"  # the claim did land
+    assert await drain(stack.lead_runner) == 1
+    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await actions(stack, item_id)).count("leaseReleased") == 1

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from binding.bindings import deactivate_session
 from leadgate.core.clock import DAY_MS, FakeClock
@@ -16,6 +15,7 @@ from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIM
 from leadgate.core.runners import drain
 from leadgate.core.types import Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain.workitems import Status, Sweeper
 from leadgate.turns.context import TurnContext
 from leadgate.turns.messages import visible_transcript
@@ -442,7 +442,7 @@ async def test_gated_text_is_hidden_until_approved_and_revealed(
 class UnreadableSignal(TurnService):
     """Reading the completion signal fails (database hiccup, bug...)."""
 
-    async def read_signal(self, conn: AsyncConnection, ctx: TurnContext) -> str | None:
+    async def read_signal(self, conn: Conn, ctx: TurnContext) -> str | None:
         raise RuntimeError("signal store unavailable")
 
 

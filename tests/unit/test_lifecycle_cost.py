@@ -1,0 +1,58 @@
+"""What a gated work item's whole life costs the database, counted: a regression in the
+fast path shows up here as a failed count, not as a slower benchmark.
+
+One lifecycle = a REST turn that calls ``complete_task`` on a fresh session (intake,
+model, submit), the lead's review (claim, the lead's turn, verdict), and the delivery
+(the api binding reveals the stored answer; the item completes). The budgets are the
+counts measured when they were set; lowering one is progress (tighten it), raising one
+needs a reason in the commit (see docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from leadgate.core.runners import drain
+from leadgate.core.types import Gated
+from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.stack import Stack, build_stack
+
+#: Statements (BEGIN/COMMIT/SAVEPOINT/RELEASE not counted) per lifecycle, by backend.
+STATEMENT_BUDGET = {"sqlite": 42, "postgres": 44}
+#: Write and read transactions per lifecycle (SQLite, where BEGINs are traced).
+TRANSACTION_BUDGET = 12
+
+_FRAMING = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE", "ROLLBACK")
+
+
+@pytest.fixture
+async def stack(migrated_url: str) -> AsyncIterator[Stack]:
+    built = build_stack(migrated_url)
+    yield built
+    await built.stop()
+
+
+async def _lifecycle(stack: Stack, org: Org, worker: dict[str, Any], session: str) -> None:
+    trigger = api_trigger(org, worker, f"write {session} #complete", session=session)
+    assert isinstance(await stack.turns.run(trigger), Gated)
+    assert await drain(stack.lead_runner) == 1
+    assert await drain(stack.relay) >= 1
+
+
+async def test_a_gated_lifecycle_stays_within_its_statement_budget(stack: Stack) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "worker-lead")
+    worker = await make_agent(stack, org, "worker", lead="worker-lead")
+    await _lifecycle(stack, org, worker, "warm")  # caches (agents, plans) as in a running service
+    with stack.db.record_statements() as statements:
+        await _lifecycle(stack, org, worker, "measured")
+    verbs = Counter(sql.split()[0].upper() for sql in statements)
+    work = sum(n for verb, n in verbs.items() if verb not in _FRAMING)
+    backend = "postgres" if stack.db.is_postgres else "sqlite"
+    assert work <= STATEMENT_BUDGET[backend], (work, verbs, statements)
+    if not stack.db.is_postgres:
+        assert verbs["BEGIN"] <= TRANSACTION_BUDGET, (verbs, statements)
