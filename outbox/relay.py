@@ -48,7 +48,8 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.faults import unavailable
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
@@ -63,7 +64,14 @@ from outbox.channel import (
 )
 from outbox.outcomes import Done, OutcomeCommitter, RetryPolicy
 from outbox.pump import Pump
-from outbox.store import CARD_KINDS, CARD_UPDATE, DeliveryStatus, ReviewNeeded, delivery_of
+from outbox.store import (
+    CARD_KINDS,
+    CARD_UPDATE,
+    OUTBOX_TOPIC,
+    DeliveryStatus,
+    ReviewNeeded,
+    delivery_of,
+)
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -159,6 +167,9 @@ class Relay:
         self._handed: list[Delivery] = []
         # Outcomes of sends that happened but could not be committed yet (database down).
         self._uncommitted: list[Done] = []
+        #: lease tokens of claims that failed on a database fault (see
+        #: :meth:`release_uncertain_claims`)
+        self._uncertain_claims: list[str] = []
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -210,6 +221,8 @@ class Relay:
         """Expire send leases (when due), then claim, send and commit until nothing is
         due. True when it did any work."""
         worked = False
+        if self._uncertain_claims and await self.release_uncertain_claims():
+            worked = True
         if self._uncommitted:
             group, self._uncommitted = self._uncommitted, []
             try:
@@ -277,13 +290,16 @@ class Relay:
         retries) and the claim error is raised: outcomes of sends that happened are
         never dropped because the claim part failed.
         """
+        token = self.ids.new("lease")
         try:
             now = self.clock.now_ms()
             async with self.db.tx() as conn:
                 if group:
                     await self.committer.commit(conn, group, now)
-                return await self._claim_in(conn, limit) if limit else []
-        except Exception:
+                return await self._claim_in(conn, limit, token) if limit else []
+        except Exception as exc:
+            if limit and unavailable(exc) is not None:
+                self._uncertain_claims.append(token)
             if group:
                 await self._commit_group(group)
             if not limit:
@@ -402,12 +418,43 @@ class Relay:
     async def claim(self, limit: int | None = None) -> list[Delivery]:
         """Claim up to ``limit`` (default ``batch``) due deliveries under one lease token
         (fenced; SKIP LOCKED on PostgreSQL)."""
-        async with self.db.tx() as conn:
-            return await self._claim_in(conn, limit or self.batch)
-
-    async def _claim_in(self, conn: Conn, limit: int) -> list[Delivery]:
-        now = self.clock.now_ms()
         token = self.ids.new("lease")
+        try:
+            async with self.db.tx() as conn:
+                return await self._claim_in(conn, limit or self.batch, token)
+        except Exception as exc:
+            if unavailable(exc) is not None:
+                self._uncertain_claims.append(token)
+            raise
+
+    async def release_uncertain_claims(self) -> int:
+        """Claims whose transaction failed on a database fault may still have committed
+        (the connection dropped after the COMMIT reached the server): their rows would sit
+        in ``sending`` for the whole send lease. Nothing of them was sent (the claim
+        raised before any send), so they go straight back to ``pending``."""
+        released = 0
+        while self._uncertain_claims:
+            token = self._uncertain_claims[0]
+            async with self.db.tx() as conn:
+                res = await conn.execute(
+                    t.deliveries.update()
+                    .where(D.lease_token == token, D.status == DeliveryStatus.sending.value)
+                    .values(
+                        status=DeliveryStatus.pending.value,
+                        lease_token=None,
+                        lease_expires_at=None,
+                        lease_owner=None,
+                        attempts=D.attempts - 1,
+                    )
+                )
+                if res.rowcount:
+                    signal_after_commit(conn, OUTBOX_TOPIC)
+            self._uncertain_claims.pop(0)
+            released += int(res.rowcount or 0)
+        return released
+
+    async def _claim_in(self, conn: Conn, limit: int, token: str) -> list[Delivery]:
+        now = self.clock.now_ms()
         due = self.db.skip_locked(
             sa.select(D.id)
             .where(D.status == DeliveryStatus.pending.value, D.next_attempt_at <= now)

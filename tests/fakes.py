@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 
 from bots.base import Adapter
+from leadgate.core.errors import Unavailable
 from leadgate.core.types import Inbound, Outcome, Recorded, Reply, Routed, RouteMatch, Trigger
 
 RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
@@ -98,3 +100,31 @@ def mount_adapter(app: web.Application, adapter: Adapter) -> None:
         await adapter.channel.close()
 
     app.cleanup_ctx.append(ctx)
+
+
+class DownFor:
+    """``Database.read``/``tx`` replaced for the next ``n`` calls: the call's own work
+    runs (or not, ``before``) and then the database is "gone" (Unavailable)."""
+
+    def __init__(self, real: Callable[[], Any], n: int, *, after_commit: bool) -> None:
+        self.real, self.n, self.after_commit = real, n, after_commit
+
+    def __call__(self) -> Any:
+        if self.n == 0:
+            return self.real()
+        self.n -= 1
+        real, after = self.real, self.after_commit
+
+        class _Ctx:
+            async def __aenter__(self) -> Any:
+                if not after:
+                    raise Unavailable("database down", rule="service.unavailable")
+                self.inner = real()
+                return await self.inner.__aenter__()
+
+            async def __aexit__(self, *exc: Any) -> None:
+                await self.inner.__aexit__(*exc)
+                if exc[0] is None:  # committed, but the caller is told otherwise
+                    raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
+
+        return _Ctx()

@@ -77,6 +77,17 @@ class Reviews:
         async with self.db.read() as conn:
             return await queue.activity(conn, principal.org_id, limit=limit, **filters)
 
+    async def uncertain(
+        self, principal: Principal, *, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]:
+        """Every ``deliveryUnknown`` delivery, gating or not (see
+        :func:`leadgate.review.queue.uncertain_deliveries`)."""
+        principal.require(Scope.review)
+        async with self.db.read() as conn:
+            return await queue.uncertain_deliveries(
+                conn, principal.org_id, limit=limit, cursor=cursor
+            )
+
     async def decide(
         self,
         principal: Principal,

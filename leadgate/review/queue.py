@@ -555,3 +555,39 @@ async def activity(
         "next": _encode_cursor(page[-1].updated_at, page[-1].id) if len(rows) > limit else None,
         "agents": [{"id": a.id, "name": a.name} for a in agents],
     }
+
+
+async def uncertain_deliveries(
+    conn: Conn, org_id: str, *, limit: int = 50, cursor: str | None = None
+) -> dict[str, Any]:
+    """Every ``deliveryUnknown`` delivery of the organization, oldest first: the gating
+    ones (their items are in the actionable queue too) and the ones no work item gates
+    (plain replies, notices, review cards), which only this list shows. The text is not
+    part of the answer; the address says where it was being posted."""
+    _check_limit(limit, "deliveries.limit")
+    query = (
+        sa.select(D.id, D.kind, D.channel, D.work_item_id, D.address, D.error, D.updated_at)
+        .where(D.org_id == org_id, D.status == DeliveryStatus.deliveryUnknown.value)
+        .order_by(D.updated_at, D.id)
+        .limit(limit + 1)
+    )
+    if cursor:
+        at, after_id = _decode_cursor(cursor, "deliveries.cursor")
+        query = query.where(sa.or_(D.updated_at > at, sa.and_(D.updated_at == at, D.id > after_id)))
+    rows = (await conn.execute(query)).all()
+    page = rows[:limit]
+    return {
+        "deliveries": [
+            {
+                "id": r.id,
+                "kind": r.kind,
+                "channel": r.channel,
+                "workItemId": r.work_item_id,
+                "address": r.address,
+                "error": r.error,
+                "since": iso(r.updated_at),
+            }
+            for r in page
+        ],
+        "next": _encode_cursor(page[-1].updated_at, page[-1].id) if len(rows) > limit else None,
+    }

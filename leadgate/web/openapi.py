@@ -179,6 +179,15 @@ OPERATIONS: list[Operation] = [
         body=_text_body("feedback", 10_000),
     ),
     Operation("post", "/operator/reviews/{item_id}/cancel", "Cancel", body=_ANY_JSON),
+    Operation(
+        "get",
+        "/operator/deliveries",
+        "Every deliveryUnknown delivery (plain replies and notices included)",
+        parameters=[
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            _query("cursor", {"type": "string"}),
+        ],
+    ),
     Operation("post", "/operator/deliveries/{delivery_id}/confirm", "Confirm delivered"),
     Operation("post", "/operator/deliveries/{delivery_id}/retry", "Retry the delivery"),
     Operation(

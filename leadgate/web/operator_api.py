@@ -29,6 +29,10 @@ class ReviewBackend(Protocol):
         self, principal: Principal, *, limit: int = 50, **filters: Any
     ) -> dict[str, Any]: ...
 
+    async def uncertain(
+        self, principal: Principal, *, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]: ...
+
     async def decide(
         self,
         principal: Principal,
@@ -139,6 +143,15 @@ def setup(
         )
         return web.json_response(page)
 
+    async def uncertain(request: web.Request) -> web.Response:
+        principal = await reviewer(request)
+        page = await reviews.uncertain(
+            principal,
+            limit=_int(request, "limit", 50, "deliveries.limit"),
+            **_opts(request, "cursor"),
+        )
+        return web.json_response(page)
+
     async def get_insights(request: web.Request) -> web.Response:
         assert insights is not None
         principal = await reviewer(request)
@@ -167,6 +180,7 @@ def setup(
         "/operator/deliveries/{delivery_id}/{action:confirm|retry}", recover_delivery
     )
     app.router.add_get("/operator/activity", activity)
+    app.router.add_get("/operator/deliveries", uncertain)
     if insights is not None:
         app.router.add_get("/operator/insights", get_insights)
         names = "|".join(charts.CHARTS)

@@ -217,6 +217,34 @@ async def test_the_queue_lists_only_actionable_items(env: Env) -> None:
     assert [i["id"] for i in page["items"]] == [awaiting]
 
 
+async def test_every_uncertain_delivery_is_listed_plain_replies_included(env: Env) -> None:
+    gated = await env.turn("post it", "unknown", slack=True)
+    await drain(env.service.lead_runner)
+    plain = await make_agent(env.service, env.org, "plain")
+    binding = BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C2", "thread_ts": "2.2"})
+    await env.service.turns.run(Trigger(env.org.id, plain["id"], "p", "hello", binding))
+    await drain(env.service.relay)  # both sends time out: deliveryUnknown
+    assert len(env.slack.sent) == 2
+    page = await get_json(env, "/operator/deliveries")
+    assert page["next"] is None
+    by_item = {d["workItemId"]: d for d in page["deliveries"]}
+    assert set(by_item) == {gated, None}  # the plain reply has no work item: only here
+    assert (by_item[None]["kind"], by_item[None]["channel"]) == ("reply", "slack")
+    assert by_item[None]["address"]["channel"] == "C2"
+    assert "text" not in by_item[None] and "timeout" in by_item[None]["error"]
+    first = await get_json(env, "/operator/deliveries?limit=1")
+    assert len(first["deliveries"]) == 1 and first["next"]
+    rest = await get_json(env, f"/operator/deliveries?limit=1&cursor={first['next']}")
+    assert {first["deliveries"][0]["id"], rest["deliveries"][0]["id"]} == {
+        d["id"] for d in page["deliveries"]
+    }
+    # Confirming the plain reply takes it off the list.
+    status, _ = await post(env, f"/operator/deliveries/{by_item[None]['id']}/confirm")
+    assert status == 200, _
+    page = await get_json(env, "/operator/deliveries")
+    assert [d["workItemId"] for d in page["deliveries"]] == [gated]
+
+
 @SQLITE_ONLY
 async def test_the_queue_pages_with_a_cursor(env: Env) -> None:
     made = []

@@ -7,7 +7,8 @@ accepted, answered, in queue, failed with a notice, lost, doubled, recovery time
 :class:`SlackRig` is a service with Slack pointed at the Slack Web API stand-in (a
 subprocess), routes to ``plain`` (every channel) and ``worker`` (channel ``C0WORK``),
 signed Events API posts, and the invariant check: every accepted message is answered (a
-post in its thread), visible in the actionable queue, or failed with a notice; no
+post in its thread), visible to operators (the actionable queue, or the list of uncertain
+deliveries, `GET /operator/deliveries`), or failed with a notice; no
 delivery posted twice; every work item's audit trail ends in its status.
 """
 
@@ -223,6 +224,11 @@ class SlackRig:
             unknown = any(d["status"] == "deliveryUnknown" for d in detail["deliveries"])
             if unknown or item["status"] == "awaitingHuman":
                 threads |= self._threads_of(detail)
+        # Uncertain posts no work item gates (plain replies): the operators' list.
+        for delivery in self.operator("/operator/deliveries?limit=200")["deliveries"]:
+            thread = delivery["address"].get("thread_ts")
+            if thread:
+                threads.add(str(thread))
         return threads
 
     def _where(self, lost: list[str]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from binding.bindings import deactivate_session
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
-from leadgate.core.errors import TransitionError
+from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -33,6 +33,7 @@ from outbox.channel import Permanent, Retry, Sent, Uncertain
 from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, DeliveryStatus, for_item, recover
+from tests.fakes import DownFor
 from tests.helpers import Org, item_row, make_agent, make_org
 from tests.outbox_support import (
     MigratedTemplates,
@@ -728,3 +729,26 @@ async def test_a_poked_relay_claims_and_an_idle_one_does_not_spin(
     fake_clock(stack).advance(600)
     await drain(relay)
     assert channel.texts()[-2:] == ["retried", "retried"]
+
+
+async def test_a_claim_whose_commit_is_uncertain_is_sent_once_without_waiting_the_lease(
+    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim committed but the relay was told it failed (the connection dropped at
+    COMMIT): its rows go back to pending at the next run, not after the 2-minute send
+    lease, and are posted exactly once."""
+    org = await make_org(stack)
+    item_id = await gated_item(stack, org, BindingSpec(BindingKind.slack, address=SLACK_ADDRESS))
+    await drain(stack.lead_runner)
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    with pytest.raises(Unavailable):
+        await stack.relay.claim()
+    async with stack.db.read() as conn:
+        (dlv,) = [d._asdict() for d in await for_item(conn, item_id)]
+    assert dlv["status"] == "sending"  # the claim did land
+    await drain(stack.relay)
+    assert len(channel.calls) == 1
+    async with stack.db.read() as conn:
+        (dlv,) = [d._asdict() for d in await for_item(conn, item_id)]
+    assert (dlv["status"], dlv["attempts"]) == ("sent", 1)
+    assert (await item(stack, item_id))["status"] == "completed"

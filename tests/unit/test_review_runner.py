@@ -32,6 +32,7 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.store import Outbox
+from tests.fakes import DownFor
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -698,34 +699,6 @@ async def test_a_lead_that_cannot_run_escalates(
 # ------------------------------------------------------------------ database faults
 
 
-class _DownFor:
-    """``Database.read``/``tx`` replaced for the next ``n`` calls: the call's own work
-    runs (or not, ``before``) and then the database is "gone" (Unavailable)."""
-
-    def __init__(self, real: Callable[[], Any], n: int, *, after_commit: bool) -> None:
-        self.real, self.n, self.after_commit = real, n, after_commit
-
-    def __call__(self) -> Any:
-        if self.n == 0:
-            return self.real()
-        self.n -= 1
-        real, after = self.real, self.after_commit
-
-        class _Ctx:
-            async def __aenter__(self) -> Any:
-                if not after:
-                    raise Unavailable("database down", rule="service.unavailable")
-                self.inner = real()
-                return await self.inner.__aenter__()
-
-            async def __aexit__(self, *exc: Any) -> None:
-                await self.inner.__aexit__(*exc)
-                if exc[0] is None:  # committed, but the caller is told otherwise
-                    raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
-
-        return _Ctx()
-
-
 async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -733,7 +706,7 @@ async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
     item_id = await submit(stack, org, worker, "write the report")
     item = await stack.lead_runner.claim()
     assert item is not None and item.id == item_id
-    monkeypatch.setattr(stack.db, "read", _DownFor(stack.db.read, 1, after_commit=False))
+    monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
     with pytest.raises(Unavailable):
         await stack.lead_runner.review(item)
     assert (await row(stack, item_id))["status"] == "reviewing"
@@ -748,7 +721,7 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
 ) -> None:
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
-    monkeypatch.setattr(stack.db, "tx", _DownFor(stack.db.tx, 1, after_commit=True))
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
     with pytest.raises(Unavailable):
         await stack.lead_runner.claim()
     assert (await row(stack, item_id))["status"] == "reviewing"  # the claim did land
