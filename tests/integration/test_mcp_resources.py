@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -104,7 +105,9 @@ async def transcript(client: ClientSession, resource: str) -> dict[str, Any]:
     return dict(json.loads(content.text))
 
 
-async def test_handshake_capabilities_and_server_info(env: Env) -> None:
+async def test_handshake_capabilities_and_server_info(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
     async with session(env) as client:
         init = await client.initialize()
         caps = init.capabilities
@@ -116,6 +119,8 @@ async def test_handshake_capabilities_and_server_info(env: Env) -> None:
         with pytest.raises(MCPError) as unknown:
             await client.get_prompt("nothing")
         assert unknown.value.error.code == mt.METHOD_NOT_FOUND
+        # A client's unknown method is the client's mistake: nothing at ERROR, no traceback.
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
         templates = (await client.list_resource_templates()).resource_templates
         assert [t.uri_template for t in templates] == [
             "leadgate://agents/{agent}/sessions/{session}/messages"
