@@ -132,7 +132,9 @@ def test_sigkill_mid_rest_burst_leaves_no_item_stranded(rel_template: Any, tmp_p
     """REST ``#complete`` turns cut by a SIGKILL, retried by the client as the openai
     client does (a request that got no answer is sent again, same session): every item
     ends reviewed (``completed``) or with a human (``awaitingHuman``: a signal committed by
-    a cut turn), none left ``inProgress`` for the 7-day sweeper."""
+    a cut turn), none left ``inProgress`` for the 7-day sweeper. A retry that arrives
+    after its cut turn's item was already delivered is a new message, with an item of
+    its own (README, "Reliability and security")."""
     from tests.reliability.conftest import sqlite_service
     from tests.reliability.test_faults import chat, wait_all_completed
 
@@ -167,4 +169,7 @@ def test_sigkill_mid_rest_burst_leaves_no_item_stranded(rel_template: Any, tmp_p
     assert cut, "the kill came after every answer"
     assert set(retried.values()) <= {409}, retried  # gated again, or busy (surfaced)
     assert set(final) <= {"completed", "awaitingHuman"}, final
-    assert sum(final.values()) == REST_TURNS
+    # Every turn made its item; a cut turn whose item was already reviewed and delivered
+    # when the client's retry arrived makes a second one for the retry (a new message:
+    # without an Idempotency-Key the service cannot tell it from a new request).
+    assert REST_TURNS <= sum(final.values()) <= REST_TURNS + len(cut), final
