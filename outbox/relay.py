@@ -49,7 +49,6 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
-from leadgate.database.faults import unavailable
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
@@ -167,7 +166,7 @@ class Relay:
         self._handed: list[Delivery] = []
         # Outcomes of sends that happened but could not be committed yet (database down).
         self._uncommitted: list[Done] = []
-        #: lease tokens of claims that failed on a database fault (see
+        #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
         self._uncertain_claims: list[str] = []
         self._active = 0
@@ -297,8 +296,8 @@ class Relay:
                 if group:
                     await self.committer.commit(conn, group, now)
                 return await self._claim_in(conn, limit, token) if limit else []
-        except Exception as exc:
-            if limit and unavailable(exc) is not None:
+        except Exception:
+            if limit:  # whatever failed, the claim may have committed: nothing was sent
                 self._uncertain_claims.append(token)
             if group:
                 await self._commit_group(group)
@@ -422,13 +421,12 @@ class Relay:
         try:
             async with self.db.tx() as conn:
                 return await self._claim_in(conn, limit or self.batch, token)
-        except Exception as exc:
-            if unavailable(exc) is not None:
-                self._uncertain_claims.append(token)
+        except Exception:
+            self._uncertain_claims.append(token)  # may have committed; nothing was sent
             raise
 
     async def release_uncertain_claims(self) -> int:
-        """Claims whose transaction failed on a database fault may still have committed
+        """Claims whose transaction failed (a database fault above all) may still have committed
         (the connection dropped after the COMMIT reached the server): their rows would sit
         in ``sending`` for the whole send lease. Nothing of them was sent (the claim
         raised before any send), so they go straight back to ``pending``."""

@@ -17,6 +17,7 @@ when the server cannot be reached or the connection dropped, ``DBAPIError`` othe
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -242,9 +243,10 @@ class PgPool:
             try:
                 await pool.release(raw)
             except _DRIVER_ERRORS:
-                # A connection the server dropped mid-operation cannot be reset: close
-                # it; the pool opens a new one when it needs it.
-                raw.terminate()
+                # A connection the server dropped mid-operation cannot be reset: close it
+                # (asyncpg may already have taken it back); the pool opens a new one.
+                with contextlib.suppress(Exception):
+                    raw.terminate()
 
     async def close(self) -> None:
         """Close every pooled connection."""

@@ -193,7 +193,7 @@ class LeadRunner:
                     )
                 except TransitionError:
                     return None
-        except Unavailable:
+        except Exception:
             # The connection may have dropped after the COMMIT reached the server: the
             # claim may stand. Give back whatever holds this token once the database is
             # back, rather than leave it reviewing for the whole lease.
