@@ -232,6 +232,9 @@ async def test_every_uncertain_delivery_is_listed_plain_replies_included(env: En
     assert (by_item[None]["kind"], by_item[None]["channel"]) == ("reply", "slack")
     assert by_item[None]["address"]["channel"] == "C2"
     assert "text" not in by_item[None] and "timeout" in by_item[None]["error"]
+    other = await make_org(env.service, "other")  # another organization sees none of them
+    theirs = await get_json(env, "/operator/deliveries", {"Authorization": f"Bearer {other.key}"})
+    assert theirs == {"deliveries": [], "next": None}
     first = await get_json(env, "/operator/deliveries?limit=1")
     assert len(first["deliveries"]) == 1 and first["next"]
     rest = await get_json(env, f"/operator/deliveries?limit=1&cursor={first['next']}")
