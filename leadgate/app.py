@@ -51,6 +51,7 @@ from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
 from leadgate.operations.transcripts import Transcripts
 from leadgate.review.cards import ReviewNotifier
+from leadgate.review.decisions import Verdict
 from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
 from leadgate.runners.recovery import TurnRecovery
@@ -164,7 +165,7 @@ class App:
             self.ids,
             self.providers,
             self.outbox,
-            on_review_queued=review_wake.set,
+            on_review_queued=lambda: self._review_due(review_wake),
             on_delivery_queued=self._outbox_due,
             owner=owner,
         )
@@ -193,9 +194,10 @@ class App:
         self.db.on_commit(OUTBOX_TOPIC, self._outbox_due)
         self.relay.poked_on_enqueue = True
 
-        def after_verdict() -> None:
-            self._relay_wake.set()
-            revision_wake.set()
+        def after_verdict(verdict: Verdict) -> None:
+            # An approval's delivery wakes the relay itself (hand-off or after-commit hook).
+            if verdict == Verdict.changesRequested:
+                revision_wake.set()
 
         self.lead_runner = LeadRunner(
             self.db,
@@ -206,6 +208,9 @@ class App:
             on_verdict=after_verdict,
             owner=owner,
         )
+        # Every submission committed here pokes the lead runner, so its idle passes
+        # skip the claim while the queue is known empty (other replicas' items: poll).
+        self.lead_runner.poked_on_enqueue = True
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
@@ -237,6 +242,11 @@ class App:
 
     # ------------------------------------------------------------------ wake-ups
 
+    def _review_due(self, wake: asyncio.Event) -> None:
+        """A submission committed in this process: an item waits for its lead."""
+        self.lead_runner.poke()
+        wake.set()
+
     def _outbox_due(self) -> None:
         """A delivery became due (committed here, or NOTIFY from another replica)."""
         self.relay.poke()
@@ -249,6 +259,7 @@ class App:
 
     def wake_all(self) -> None:
         """Wake every runner (after a human decision or a delivery recovery)."""
+        self.lead_runner.poke()
         for loop in self.loops:
             loop.wake.set()
 

@@ -54,6 +54,30 @@ _REVEAL_ONE = (
     .returning(t.messages.c.id, t.messages.c.session_id)
 )
 
+# The same for a committed group, and the group's fenced ``sending -> sent``.
+_REVEAL = (
+    t.messages.update()
+    .where(
+        t.messages.c.id.in_(
+            sa.select(t.work_items.c.gated_message_id).where(
+                t.work_items.c.id.in_(sa.bindparam("p_items", expanding=True))
+            )
+        )
+    )
+    .returning(t.messages.c.id, t.messages.c.session_id)
+)
+_MARK_SENT_ANY = (
+    t.deliveries.update()
+    .where(
+        D.id.in_(sa.bindparam("p_ids", expanding=True)),
+        D.status == DeliveryStatus.sending.value,
+    )
+    .returning(D.id)
+)
+_MARK_SENT = _MARK_SENT_ANY.where(D.lease_token == sa.bindparam("p_token"))
+#: (claims always carry a token; a row without one is fenced on that, as SQL's = cannot)
+_MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
+
 
 @dataclass
 class Done:
@@ -129,18 +153,7 @@ class OutcomeCommitter:
         for (channel, label), count in counts.items():
             METRICS.deliveries.labels(channel, label).inc(count)
         if reveal:
-            revealed = await conn.execute(
-                t.messages.update()
-                .where(
-                    t.messages.c.id.in_(
-                        sa.select(t.work_items.c.gated_message_id).where(
-                            t.work_items.c.id.in_(reveal)
-                        )
-                    )
-                )
-                .values(lead_gated=False)
-                .returning(t.messages.c.id, t.messages.c.session_id)
-            )
+            revealed = await conn.execute(_REVEAL, {"p_items": reveal, "lead_gated": False})
             await self._announce(conn, revealed.all())
         if items:
             moved = await workitems.transition_many(
@@ -171,20 +184,16 @@ class OutcomeCommitter:
         for token, group in by_token.items():
             rows = (
                 await conn.execute(
-                    t.deliveries.update()
-                    .where(
-                        D.id.in_([d.row.id for d in group]),
-                        D.lease_token == token,
-                        D.status == DeliveryStatus.sending.value,
-                    )
-                    .values(
-                        status=DeliveryStatus.sent.value,
-                        lease_token=None,
-                        lease_expires_at=None,
-                        updated_at=now,
-                        error=None,
-                    )
-                    .returning(D.id)
+                    _MARK_SENT if token is not None else _MARK_SENT_NO_TOKEN,
+                    {
+                        "p_ids": [d.row.id for d in group],
+                        **({"p_token": token} if token is not None else {}),
+                        "status": DeliveryStatus.sent.value,
+                        "lease_token": None,
+                        "lease_expires_at": None,
+                        "updated_at": now,
+                        "error": None,
+                    },
                 )
             ).all()
             committed.update(r.id for r in rows)

@@ -79,7 +79,8 @@ def build_stack(
         on_review_queued=waker("lead-review"),  # type: ignore[arg-type]
         on_delivery_queued=waker("outbox-relay"),  # type: ignore[arg-type]
     )
-    lead = LeadRunner(db, clock, ids, registry, outbox, on_verdict=waker("verdict"))  # type: ignore[arg-type]
+    verdict_wake = waker("verdict")
+    lead = LeadRunner(db, clock, ids, registry, outbox, on_verdict=lambda v: verdict_wake())  # type: ignore[operator]
     channels = dict(channels or {})
     # As in the app: a gating delivery that becomes deliveryUnknown asks the outbox's
     # review hook for cards (a no-op until a test sets one with on_review_needed).

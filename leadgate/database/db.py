@@ -45,6 +45,8 @@ MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations
 
 # Key in ``AsyncConnection.info`` holding the topics signalled during a write transaction.
 _TOPICS = "leadgate_after_commit_topics"
+#: Locked forms of statements kept by :meth:`Database.skip_locked` (built-once ones).
+_SKIP_LOCKED_CACHE = 256
 # Key in ``AsyncConnection.info`` holding the write transaction's before-commit queues.
 _BEFORE = "leadgate_before_commit"
 
@@ -154,6 +156,7 @@ class Database:
             raise ConfigError(f"database.url is not a valid URL: {exc}") from exc
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
         self.is_postgres = parsed.get_backend_name() == "postgresql"
+        self._skip_locked: dict[int, tuple[sa.Select[Any], sa.Select[Any]]] = {}
         if not (self.is_sqlite or self.is_postgres):
             raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
         # Statement parameters hold message text: never put them into error messages
@@ -364,10 +367,19 @@ class Database:
                 self._pg.trace = None
 
     def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
-        """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway."""
-        if self.is_postgres:
-            return select.with_for_update(skip_locked=True)
-        return select
+        """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway.
+
+        The locked form of a statement built once is built once too (kept with its
+        source, so the plan cache, which keys on the object, compiles it once)."""
+        if not self.is_postgres:
+            return select
+        known = self._skip_locked.get(id(select))
+        if known is not None and known[0] is select:
+            return known[1]
+        locked = select.with_for_update(skip_locked=True)
+        if len(self._skip_locked) < _SKIP_LOCKED_CACHE:
+            self._skip_locked[id(select)] = (select, locked)
+        return locked
 
     async def check_migrated(self) -> None:
         """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""

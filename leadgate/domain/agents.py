@@ -105,15 +105,23 @@ def public_agent(agent: Agent) -> dict[str, Any]:
     }
 
 
+_A = t.agents.c
+_REF: sa.BindParameter[str] = sa.bindparam("p_ref")
+#: Built once: the plan cache keys on the statement object (see database.plans).
+_FIND_ANY = (
+    sa.select(t.agents)
+    .where(
+        _A.org_id == sa.bindparam("p_org"), sa.or_(_A.id == _REF, _A.slug == _REF, _A.name == _REF)
+    )
+    .order_by(_A.created_at)
+)
+_FIND = _FIND_ANY.where(_A.deleted_at.is_(None))
+
+
 async def find_agent(conn: Conn, org_id: str, ref: str, *, include_deleted: bool = False) -> Agent:
     """An agent of ``org_id`` by id, slug or name (404 otherwise, also across orgs)."""
-    a = t.agents.c
-    query = sa.select(t.agents).where(
-        a.org_id == org_id, sa.or_(a.id == ref, a.slug == ref, a.name == ref)
-    )
-    if not include_deleted:
-        query = query.where(a.deleted_at.is_(None))
-    row = (await conn.execute(query.order_by(a.created_at))).first()
+    query = _FIND_ANY if include_deleted else _FIND
+    row = (await conn.execute(query, {"p_org": org_id, "p_ref": ref})).first()
     if row is None:
         raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
     return Agent.from_row(row)

@@ -231,10 +231,8 @@ async def transition_many(
     now = clock.now_ms()
     rows = (
         await conn.execute(
-            t.work_items.update()
-            .where(W.id.in_(item_ids), W.status == src.value)
-            .values(status=dst.value, updated_at=now)
-            .returning(W.id, W.org_id, W.session_id, W.revision)
+            _TRANSITION_MANY,
+            {"p_ids": item_ids, "p_src": src.value, "status": dst.value, "updated_at": now},
         )
     ).all()
     for row in rows:
@@ -243,7 +241,7 @@ async def transition_many(
         )
     if rows:
         await conn.execute(
-            t.audit.insert(),
+            _INSERT_AUDIT,
             [
                 {
                     "id": ids.new("aud"),
@@ -264,12 +262,23 @@ async def transition_many(
     return [str(row.id) for row in rows]
 
 
+# Built once (the plan cache keys on the statement object): a statement built per
+# call costs its construction and cache key, more than SQLite takes to run it.
+_TRANSITION_MANY = (
+    t.work_items.update()
+    .where(W.id.in_(sa.bindparam("p_ids", expanding=True)), W.status == sa.bindparam("p_src"))
+    .returning(W.id, W.org_id, W.session_id, W.revision)
+)
+_GET = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
+_GET_IN_ORG = _GET.where(W.org_id == sa.bindparam("p_org"))
+
+
 async def get(conn: Conn, item_id: str, org_id: str | None = None) -> WorkItem:
     """A work item (``NotFound`` when absent, or of another organization)."""
-    query = sa.select(t.work_items).where(W.id == item_id)
-    if org_id is not None:
-        query = query.where(W.org_id == org_id)
-    row = (await conn.execute(query)).first()
+    if org_id is None:
+        row = (await conn.execute(_GET, {"p_id": item_id})).first()
+    else:
+        row = (await conn.execute(_GET_IN_ORG, {"p_id": item_id, "p_org": org_id})).first()
     if row is None:
         raise NotFound(f"no work item {item_id}", rule="workItem.not_found")
     return WorkItem.from_row(row)

@@ -8,6 +8,7 @@ its lease (another replica re-claimed the item after expiry) cannot commit anyth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.domain.processes import owner_gone
-from leadgate.domain.rows import WorkItem
+from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review.decisions import Verdict, commit_verdict
 from leadgate.turns.providers.base import (
@@ -41,7 +42,32 @@ log = logging.getLogger("leadgate.review")
 LEASE_MS = 20 * MINUTE_MS
 MAX_EXPIRIES = 3
 MAX_EXECUTIONS = 4
+#: :meth:`LeadRunner.run_once` looks for expired or orphaned review leases this often (by
+#: its clock): a lease lasts 20 minutes, a dead holder is reaped every heartbeat.
+EXPIRY_CHECK_MS = 1_000
+#: A runner told of every enqueue (``poked_on_enqueue``) that found the queue empty
+#: still claims at least this often: items queued by another replica wake it no faster
+#: than its poll anyway.
+CLAIM_RECHECK_MS = 1_000
 W = t.work_items.c
+
+# Built once: the plan cache keys on the statement object (see leadgate.database.plans).
+_EXPIRED = sa.select(W.id, W.lease_token, W.lease_expiries).where(
+    W.status == Status.reviewing.value,
+    sa.or_(W.lease_expires_at < sa.bindparam("p_now"), owner_gone(W.lease_owner)),
+)
+#: The oldest queued items; two, so a claim also learns whether more are waiting.
+_QUEUED = (
+    sa.select(W.id)
+    .where(W.status == Status.reviewQueued.value)
+    .order_by(W.updated_at, W.id)
+    .limit(2)
+)
+#: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
+_MAX_LEADS = 1_000
+_BY_LEASE = sa.select(W.id).where(
+    W.lease_token == sa.bindparam("p_token"), W.status == Status.reviewing.value
+)
 
 LEAD_TOOLS = [
     ToolSpec(
@@ -100,7 +126,7 @@ class LeadRunner:
         providers: ProviderRegistry,
         outbox: Outbox,
         *,
-        on_verdict: Callable[[], None] = lambda: None,
+        on_verdict: Callable[[Verdict], object] = lambda verdict: None,
         owner: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.db = db
@@ -108,7 +134,8 @@ class LeadRunner:
         self.ids = ids
         self.providers = providers
         self.outbox = outbox
-        # Wakes the relay (approval) and the revision dispatcher (changes requested).
+        #: called with each verdict after its commit (changes requested: the revision
+        #: dispatcher has work; an approval's delivery wakes the relay by itself)
         self.on_verdict = on_verdict
         #: this process (``lease_owner`` of its review leases; see domain.processes)
         self.owner = owner
@@ -116,21 +143,29 @@ class LeadRunner:
         self._held: list[tuple[str, str | None]] = []
         #: lease tokens of claims whose commit may or may not have landed
         self._uncertain: list[str] = []
+        #: Set by the composition root when every enqueue in this process calls
+        #: :meth:`poke`: a pass then skips the claim while the queue is known empty.
+        self.poked_on_enqueue = False
+        self._pokes = 0
+        #: ``_pokes`` as of the last claim that left the queue empty (-1: not known empty)
+        self._empty_at = -1
+        self._last_empty_claim = 0
+        self._next_expiry_check = 0
+        #: the lead agent read in a claim's transaction, by (item id, lease token)
+        self._leads: dict[tuple[str, str | None], Agent] = {}
 
     async def expire_leases(self) -> int:
         """Return items whose review lease expired, or whose holder is known dead
         (:mod:`leadgate.domain.processes`: taken back at once), to the queue (the 3rd
         time: a human)."""
         now = self.clock.now_ms()
+        # Read first: almost always nothing has expired, and a read takes no write lock.
+        # Each move below is fenced by status and token, so a stale read moves nothing.
+        async with self.db.read() as conn:
+            if (await conn.execute(_EXPIRED, {"p_now": now})).first() is None:
+                return 0
         async with self.db.tx() as conn:
-            rows = (
-                await conn.execute(
-                    sa.select(W.id, W.lease_token, W.lease_expiries).where(
-                        W.status == Status.reviewing.value,
-                        sa.or_(W.lease_expires_at < now, owner_gone(W.lease_owner)),
-                    )
-                )
-            ).all()
+            rows = (await conn.execute(_EXPIRED, {"p_now": now})).all()
             for row in rows:
                 expiries = row.lease_expiries + 1
                 dst = Status.awaitingHuman if expiries >= MAX_EXPIRIES else Status.reviewQueued
@@ -159,28 +194,30 @@ class LeadRunner:
                     await self.outbox.review_needed(conn, row.id, dst.value)
         return len(rows)
 
+    def poke(self) -> None:
+        """An item was queued for review (after its commit): claim at the next pass."""
+        self._pokes += 1
+
     async def claim(self) -> WorkItem | None:
-        """Claim the oldest queued item; ``None`` when the queue is empty."""
+        """Claim the oldest queued item; ``None`` when the queue is empty.
+
+        The lead agent is read in the claim's transaction (the review needs it next)."""
         now = self.clock.now_ms()
         token = self.ids.new("lease")
+        pokes = self._pokes  # before the read: a poke after it means "look again"
         try:
             async with self.db.tx() as conn:
-                item_id = await conn.scalar(
-                    self.db.skip_locked(
-                        sa.select(W.id)
-                        .where(W.status == Status.reviewQueued.value)
-                        .order_by(W.updated_at, W.id)
-                        .limit(1)
-                    )
-                )
-                if item_id is None:
+                ids = (await conn.execute(self.db.skip_locked(_QUEUED))).scalars().all()
+                if len(ids) < 2:
+                    self._empty_at, self._last_empty_claim = pokes, now
+                if not ids:
                     return None
                 try:
-                    return await workitems.transition(
+                    item = await workitems.transition(
                         conn,
                         self.clock,
                         self.ids,
-                        item_id,
+                        ids[0],
                         src=Status.reviewQueued,
                         dst=Status.reviewing,
                         actor="system:lead",
@@ -193,6 +230,12 @@ class LeadRunner:
                     )
                 except TransitionError:
                     return None
+                with contextlib.suppress(NotFound):  # _decide escalates: read it again there
+                    lead = await agents_mod.find_agent(conn, item.org_id, item.lead_agent_id)
+                    if len(self._leads) > _MAX_LEADS:  # claimed, never reviewed (tests)
+                        self._leads.clear()
+                    self._leads[item.id, token] = lead
+                return item
         except Exception:
             # The connection may have dropped after the COMMIT reached the server: the
             # claim may stand. Give back whatever holds this token once the database is
@@ -201,9 +244,21 @@ class LeadRunner:
             raise
 
     async def run_once(self) -> bool:
-        """Expire leases, then claim and review one item. True when it did work."""
+        """Expire leases (when due), then claim and review one item. True when it did
+        work."""
         await self._release_held()
-        await self.expire_leases()
+        now = self.clock.now_ms()
+        expired = 0
+        if now >= self._next_expiry_check:
+            self._next_expiry_check = now + EXPIRY_CHECK_MS
+            expired = await self.expire_leases()
+        if (
+            self.poked_on_enqueue
+            and not expired
+            and self._empty_at == self._pokes
+            and now - self._last_empty_claim < CLAIM_RECHECK_MS
+        ):
+            return False  # the last claim emptied the queue and nothing was queued since
         item = await self.claim()
         if item is None:
             return False
@@ -242,7 +297,7 @@ class LeadRunner:
             # lease while alive.
             self._held.append((item.id, item.lease_token))
             raise
-        self.on_verdict()
+        self.on_verdict(verdict if why is None else Verdict.escalated)
 
     async def _release_held(self) -> None:
         """Return items whose verdict could not be committed to ``reviewQueued``."""
@@ -250,11 +305,7 @@ class LeadRunner:
             token = self._uncertain.pop(0)
             try:
                 async with self.db.read() as conn:
-                    item_id = await conn.scalar(
-                        sa.select(W.id).where(
-                            W.lease_token == token, W.status == Status.reviewing.value
-                        )
-                    )
+                    item_id = await conn.scalar(_BY_LEASE, {"p_token": token})
             except Exception:
                 self._uncertain.append(token)
                 raise
@@ -287,15 +338,18 @@ class LeadRunner:
                     values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
                 )
             except TransitionError:
-                pass  # taken back or moved meanwhile
+                return  # taken back or moved meanwhile
+        self.poke()
 
     async def _decide(self, item: WorkItem) -> tuple[Verdict, str | None, str | None]:
         """(verdict, the lead's feedback, why the system escalated instead or None)."""
-        async with self.db.read() as conn:
-            try:
-                lead = await agents_mod.find_agent(conn, item.org_id, item.lead_agent_id)
-            except NotFound:
-                return Verdict.escalated, None, "the lead agent no longer exists"
+        lead = self._leads.pop((item.id, item.lease_token), None)
+        if lead is None:
+            async with self.db.read() as conn:
+                try:
+                    lead = await agents_mod.find_agent(conn, item.org_id, item.lead_agent_id)
+                except NotFound:
+                    return Verdict.escalated, None, "the lead agent no longer exists"
         if not lead.active:
             return Verdict.escalated, None, "the lead agent is inactive"
         try:

@@ -55,6 +55,38 @@ REVISION_LEASE_MS = 5 * 60_000
 
 DeltaSink = Callable[[str], Awaitable[None]]
 _W = t.work_items.c
+# Hot statements are built once: the plan cache keys on the statement object, and
+# building one per call (with its cache key) costs more than SQLite takes to run it.
+_REVISION_DUE = (
+    sa.select(_W.id)
+    .where(
+        _W.status == Status.inProgress.value,
+        _W.pending_feedback.is_not(None),
+        sa.or_(
+            _W.lease_expires_at.is_(None),
+            _W.lease_expires_at < sa.bindparam("p_now"),
+            owner_gone(_W.lease_owner),
+        ),
+    )
+    .order_by(_W.updated_at)
+    .limit(1)
+)
+_CLAIM_REVISION = (
+    t.work_items.update()
+    .where(
+        _W.id == sa.bindparam("p_id"),
+        _W.status == Status.inProgress.value,
+        _W.pending_feedback.is_not(None),
+    )
+    .returning(*t.work_items.c)
+)
+#: complete_task's signal, fenced on the turn's own item, session and worker
+_SIGNAL = t.work_items.update().where(
+    _W.id == sa.bindparam("p_id"),
+    _W.status == Status.inProgress.value,
+    _W.session_id == sa.bindparam("p_session"),
+    _W.agent_id == sa.bindparam("p_agent"),
+)
 _READ_SIGNAL = sa.select(_W.signal_summary).where(
     _W.id == sa.bindparam("p_item"), _W.signal_turn_id == sa.bindparam("p_turn")
 )
@@ -251,39 +283,24 @@ class TurnService:
     async def claim_revision(self) -> WorkItem | None:
         """Claim one inProgress item whose feedback waits for an internal turn."""
         now = self.clock.now_ms()
+        # Read first: mostly nothing is due, and a read takes no write lock (the claim
+        # below is fenced, so a stale read claims nothing).
+        async with self.db.read() as conn:
+            if await conn.scalar(_REVISION_DUE, {"p_now": now}) is None:
+                return None
         async with self.db.tx() as conn:
-            query = self.db.skip_locked(
-                sa.select(_W.id)
-                .where(
-                    _W.status == Status.inProgress.value,
-                    _W.pending_feedback.is_not(None),
-                    sa.or_(
-                        _W.lease_expires_at.is_(None),
-                        _W.lease_expires_at < now,
-                        owner_gone(_W.lease_owner),
-                    ),
-                )
-                .order_by(_W.updated_at)
-                .limit(1)
-            )
-            item_id = await conn.scalar(query)
+            item_id = await conn.scalar(self.db.skip_locked(_REVISION_DUE), {"p_now": now})
             if item_id is None:
                 return None
-            token = self.ids.new("lease")
             row = (
                 await conn.execute(
-                    t.work_items.update()
-                    .where(
-                        _W.id == item_id,
-                        _W.status == Status.inProgress.value,
-                        _W.pending_feedback.is_not(None),
-                    )
-                    .values(
-                        lease_token=token,
-                        lease_expires_at=now + REVISION_LEASE_MS,
-                        lease_owner=self.owner(),
-                    )
-                    .returning(*t.work_items.c)
+                    _CLAIM_REVISION,
+                    {
+                        "p_id": item_id,
+                        "lease_token": self.ids.new("lease"),
+                        "lease_expires_at": now + REVISION_LEASE_MS,
+                        "lease_owner": self.owner(),
+                    },
                 )
             ).first()
         return None if row is None else WorkItem.from_row(row)
@@ -398,14 +415,14 @@ class TurnService:
             return json.dumps({"error": "summary must be at most 2,000 characters"})
         async with self.db.tx() as conn:
             res = await conn.execute(
-                t.work_items.update()
-                .where(
-                    _W.id == ctx.work_item_id,
-                    _W.status == Status.inProgress.value,
-                    _W.session_id == ctx.session_id,
-                    _W.agent_id == ctx.agent_id,
-                )
-                .values(signal_summary=summary, signal_turn_id=ctx.turn_id)
+                _SIGNAL,
+                {
+                    "p_id": ctx.work_item_id,
+                    "p_session": ctx.session_id,
+                    "p_agent": ctx.agent_id,
+                    "signal_summary": summary,
+                    "signal_turn_id": ctx.turn_id,
+                },
             )
             await self._store(
                 conn,
@@ -438,6 +455,10 @@ class TurnService:
     ) -> Outcome:
         ctx = turn.ctx
         signal: str | None = None
+        if turn.gated and ctx.work_item_id and signalled:
+            # This turn's complete_task was acknowledged: its signal is read in the
+            # submission's own transaction (withheld there if it was superseded).
+            return await self._submit(ctx, text, None, revision_item)
         if turn.gated and ctx.work_item_id:
             try:
                 async with self.db.read() as conn:
@@ -520,52 +541,77 @@ class TurnService:
         )
 
     async def _submit(
-        self, ctx: TurnContext, text: str, summary: str, revision_item: WorkItem | None
+        self, ctx: TurnContext, text: str, summary: str | None, revision_item: WorkItem | None
     ) -> Outcome:
         """Store the withheld text and move the item on: ``reviewQueued``, or
-        ``awaitingHuman`` when the provenance is incomplete."""
+        ``awaitingHuman`` when the provenance is incomplete.
+
+        ``summary`` None: read this turn's signal first, in the same transaction; when it
+        is gone (another turn of the item signalled or submitted meanwhile) the text is
+        only stored withheld."""
         async with self.db.tx() as conn:
             message_id = await self._store(
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
             await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
-            item = await workitems.get(conn, str(ctx.work_item_id))
-            binding = await bindings.active_binding(conn, ctx.session_id)
-            problems = provenance_problems(ctx, item, binding, message_id)
-            values = {
-                "summary": summary,
-                "snapshot": text[:SNAPSHOT_LIMIT],
-                "gated_message_id": message_id,
-                "signal_summary": None,
-                "signal_turn_id": None,
-                "binding_id": binding.id if binding else None,
-                "last_activity_at": self.clock.now_ms(),
-            }
-            dst = Status.awaitingHuman if problems else Status.reviewQueued
-            try:
-                await workitems.transition(
-                    conn,
-                    self.clock,
-                    self.ids,
-                    item.id,
-                    src=Status.inProgress,
-                    dst=dst,
-                    actor="system:turn",
-                    action="incompleteProvenance" if problems else "completeTask",
-                    text="; ".join(problems) if problems else summary,
-                    values=values,
-                )
-            except TransitionError:
-                # Cancelled (or otherwise moved) while the turn ran: the text stays withheld.
-                log.warning("work item %s left inProgress during the turn", item.id)
+            if summary is None:
+                try:
+                    summary = await self.read_signal(conn, ctx)
+                except Unavailable:
+                    raise  # nothing is shown; the turn is tried again whole (see _finish)
+                except Exception:
+                    # Fail closed: when we cannot tell whether the work was handed off,
+                    # the text is withheld.
+                    log.exception("reading the completion signal failed; withholding")
+            if summary is None:
+                log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
+                problems: list[str] | None = None
             else:
-                if problems:
-                    await self.outbox.review_needed(conn, item.id, dst.value)
-        if not problems:
+                problems = await self._move_on(conn, ctx, text, summary, message_id)
+        if problems is not None and not problems:
             self.on_review_queued()
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+
+    async def _move_on(
+        self, conn: Conn, ctx: TurnContext, text: str, summary: str, message_id: str
+    ) -> list[str] | None:
+        """The submission's transition (in ``conn``); the provenance problems found, or
+        None when the item had left ``inProgress`` and nothing moved."""
+        item = await workitems.get(conn, str(ctx.work_item_id))
+        binding = await bindings.active_binding(conn, ctx.session_id)
+        problems = provenance_problems(ctx, item, binding, message_id)
+        values = {
+            "summary": summary,
+            "snapshot": text[:SNAPSHOT_LIMIT],
+            "gated_message_id": message_id,
+            "signal_summary": None,
+            "signal_turn_id": None,
+            "binding_id": binding.id if binding else None,
+            "last_activity_at": self.clock.now_ms(),
+        }
+        dst = Status.awaitingHuman if problems else Status.reviewQueued
+        try:
+            await workitems.transition(
+                conn,
+                self.clock,
+                self.ids,
+                item.id,
+                src=Status.inProgress,
+                dst=dst,
+                actor="system:turn",
+                action="incompleteProvenance" if problems else "completeTask",
+                text="; ".join(problems) if problems else summary,
+                values=values,
+            )
+        except TransitionError:
+            # Cancelled (or otherwise moved) while the turn ran: the text stays withheld.
+            log.warning("work item %s left inProgress during the turn", item.id)
+            return None
+        if problems:
+            await self.outbox.review_needed(conn, item.id, dst.value)
+        return problems
 
     async def _store(
         self,

@@ -704,7 +704,10 @@ async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
 ) -> None:
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
-    item = await stack.lead_runner.claim()
+    # Claimed by another runner: this one has not read the lead agent in the claim's
+    # transaction, so its review reads it (and that read fails).
+    other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    item = await other.claim()
     assert item is not None and item.id == item_id
     monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
     with pytest.raises(Unavailable):
