@@ -134,6 +134,14 @@ messages = sa.Table(
     sa.Index("ix_messages_session_rowid", "session_id").ddl_if(dialect="sqlite"),
 )
 
+#: The partial index's predicate, literally: a query can use the index only when its own
+#: WHERE repeats this text (with bound parameters in its place neither SQLite nor a
+#: generic PostgreSQL plan can prove the implication, and they scan instead).
+ACTIVE_ITEM_PREDICATE = (
+    "status IN ('inProgress','reviewQueued','reviewing','awaitingHuman','approved')"
+)
+
+
 work_items = sa.Table(
     "work_items",
     metadata,
@@ -174,12 +182,8 @@ work_items = sa.Table(
         "agent_id",
         "session_id",
         unique=True,
-        sqlite_where=sa.text(
-            "status IN ('inProgress','reviewQueued','reviewing','awaitingHuman','approved')"
-        ),
-        postgresql_where=sa.text(
-            "status IN ('inProgress','reviewQueued','reviewing','awaitingHuman','approved')"
-        ),
+        sqlite_where=sa.text(ACTIVE_ITEM_PREDICATE),
+        postgresql_where=sa.text(ACTIVE_ITEM_PREDICATE),
     ),
 )
 

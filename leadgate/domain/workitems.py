@@ -287,7 +287,8 @@ async def get(conn: Conn, item_id: str, org_id: str | None = None) -> WorkItem:
 _ACTIVE_FOR = sa.select(t.work_items).where(
     W.agent_id == sa.bindparam("p_agent_id"),
     W.session_id == sa.bindparam("p_session_id"),
-    W.status.in_([s.value for s in ACTIVE]),
+    # The unique partial index's own predicate, so that this lookup uses that index.
+    sa.text(t.ACTIVE_ITEM_PREDICATE.replace("status", "work_items.status", 1)),
 )
 _ACTIVE_FOR_UPDATE = _ACTIVE_FOR.with_for_update()
 

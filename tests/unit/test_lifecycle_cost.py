@@ -10,11 +10,13 @@ needs a reason in the commit (see docs/performance.md).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
@@ -60,3 +62,28 @@ async def test_a_gated_lifecycle_stays_within_its_statement_budget(stack: Stack)
     assert work <= STATEMENT_BUDGET[backend], (work, verbs, statements)
     if not stack.db.is_postgres:
         assert verbs["BEGIN"] <= TRANSACTION_BUDGET, (verbs, statements)
+
+
+async def test_the_active_item_lookup_uses_the_unique_partial_index(stack: Stack) -> None:
+    """Intake looks up a session's active item on every gated turn: it must use the
+    ``(agent_id, session_id)`` partial index, not scan the active items (a scan grows
+    with the review backlog). The lookup repeats the index's predicate literally."""
+    from leadgate.database.schema import ACTIVE_ITEM_PREDICATE
+    from leadgate.domain.workitems import _ACTIVE_FOR, ACTIVE
+
+    assert set(re.findall(r"'(\w+)'", ACTIVE_ITEM_PREDICATE)) == {s.value for s in ACTIVE}
+    sql = str(_ACTIVE_FOR.compile(dialect=stack.db.engine.dialect))
+    if stack.db.is_postgres:
+        plan_sql = "EXPLAIN " + re.sub(r"\$\d+::VARCHAR", "'x'", sql)
+        # Without statistics PostgreSQL may still pick a scan on an empty table: turn
+        # sequential scans off to ask whether the index is usable at all.
+        async with stack.db.engine.connect() as conn:  # SQLAlchemy's own: EXPLAIN's rows
+            await conn.execute(sa.text("SET enable_seqscan = off"))
+            plan = " ".join(str(r[0]) for r in (await conn.execute(sa.text(plan_sql))).all())
+    else:
+        async with stack.db.read() as conn:
+            rows = await conn.execute(
+                sa.text("EXPLAIN QUERY PLAN " + sql.replace("?", "'x'")),
+            )
+            plan = " ".join(str(r[-1]) for r in rows.all())
+    assert "uq_work_items_active" in plan, plan
