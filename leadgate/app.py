@@ -137,7 +137,9 @@ class App:
         self.outbox.on_review_needed(self.notifier.open)
         self._build_runners(channels or {}, enable_adapters)
         self.access = Access(self.db, self.clock, self.ids)
-        self.reviews = Reviews(self.db, self.clock, self.ids, self.outbox, on_decided=self.wake_all)
+        self.reviews = Reviews(
+            self.db, self.clock, self.ids, self.outbox, on_decided=self._after_decision
+        )
         self._wire_chat_reviews()
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
         self.oversight = Oversight(self.db, self.clock)
@@ -257,11 +259,17 @@ class App:
         self.relay.accept(rows)
         self._relay_wake.set()
 
-    def wake_all(self) -> None:
-        """Wake every runner (after a human decision or a delivery recovery)."""
-        self.lead_runner.poke()
+    #: Runners a committed human decision or delivery recovery may give work to (the
+    #: relay hears of new deliveries from the outbox itself; see _outbox_due).
+    _DECISION_RUNNERS = frozenset({"outbox-relay", "revision-dispatch", "flow-resume"})
+
+    def _after_decision(self) -> None:
+        """Wake the runners a decision may have given work to: not every loop (each
+        woken loop runs a pass against the database, which the decision's own request
+        then waits behind)."""
         for loop in self.loops:
-            loop.wake.set()
+            if loop.runner.name in self._DECISION_RUNNERS:
+                loop.wake.set()
 
     # ----------------------------------------------------------------- runners
 
