@@ -231,7 +231,9 @@ class PlanCache:
         by_key = (cache_key.key, keys)
         plan = self._by_key.get(by_key)
         if plan is not None:
-            return plan, cache_key.bindparams
+            # Without literal values (``t.audit.insert()`` built in two places) the plan's
+            # own arguments are this object's too: take the fast path of Plan.args.
+            return plan, (cache_key.bindparams or None)
         self.compiled += 1
         plan = compile_plan(statement, keys, self.dialect, cache_key)
         if len(self._by_key) >= self.MAX_BY_KEY:
