@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -259,7 +260,7 @@ async def part_sqlite(args: argparse.Namespace, tmp: Path) -> list[str]:
         f"   direct AsyncWebClient, no database : {fmt_rates(direct)}",
         f"   relay on SQLite                    : {fmt_rates(relayed)}",
         f"   relay / direct                     : best {best_ratio:.2f}, mean {mean_ratio:.2f}"
-        f"   (target >= 0.70)",
+        f"   (target >= 0.90)",
     ]
 
 
@@ -436,6 +437,11 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> tuple[li
             await asyncio.sleep(0.01)
         commits.clear()
         tx_ms.clear()
+        # As `leadgate serve` does once it is up (leadgate.cli.main): what was built so far
+        # lives as long as the process; left in the young generations, a full collection
+        # over this process's heap (the bench and the test helpers too) stalled it for
+        # ~200 ms inside the measured window.
+        gc.freeze()
         tasks = []
         start = time.perf_counter() + 0.05
         for i, item in enumerate(seeded.items[warm:]):
@@ -465,7 +471,7 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> tuple[li
     return [
         f"3. Approval commit -> stand-in receipt, SQLite, {n} approvals ({via}) offered "
         f"open-loop at {rate}/s (achieved {n / offered:.0f}/s)",
-        f"   p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {latencies[-1]:.1f} ms   (target p99 < 20 ms)",
+        f"   p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {latencies[-1]:.1f} ms   (target p99 <= 5 ms)",
         f"   approval transactions (incl. waiting for SQLite's writer): p50 "
         f"{statistics.median(tx_ms):.1f} ms, p99 {sorted(tx_ms)[int(len(tx_ms) * 0.99)]:.1f} ms;"
         f" committed at {n / committed_in:.0f}/s",
