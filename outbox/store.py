@@ -327,13 +327,16 @@ async def listen(
                 await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
 
 
+_FOR_ITEM = (
+    sa.select(t.deliveries)
+    .where(D.work_item_id == sa.bindparam("p_item"))
+    .order_by(D.created_at, D.id)
+)
+
+
 async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
     """Deliveries of a work item, oldest first."""
-    rows = (
-        await conn.execute(
-            sa.select(t.deliveries).where(D.work_item_id == item_id).order_by(D.created_at, D.id)
-        )
-    ).all()
+    rows = (await conn.execute(_FOR_ITEM, {"p_item": item_id})).all()
     return [Delivery.from_row(r) for r in rows]
 
 

@@ -297,6 +297,16 @@ class FlowService:
         return True
 
 
+_W = t.work_items.c
+#: A waiting continuation whose work item was approved (built once).
+_RESUMABLE = (
+    sa.select(t.continuations, _W.summary.label("item_summary"))
+    .select_from(t.continuations.join(t.work_items, _W.id == C.work_item_id))
+    .where(C.status == "waiting", _W.status == Status.approved.value)
+    .limit(1)
+)
+
+
 class FlowResumer:
     """Resumes paused flows whose continuation's work item was approved."""
 
@@ -308,18 +318,13 @@ class FlowResumer:
     async def run_once(self) -> bool:
         """Resume one approved continuation (fenced: exactly one replica wins)."""
         db, clock, ids = self.flows.db, self.flows.clock, self.flows.ids
-        w = t.work_items.c
+        # Read first: every human decision wakes this runner, and almost none of them
+        # approved a continuation; a read takes no write lock (the claim below is fenced).
+        async with db.read() as conn:
+            if (await conn.execute(_RESUMABLE)).first() is None:
+                return False
         async with db.tx() as conn:
-            row = (
-                await conn.execute(
-                    db.skip_locked(
-                        sa.select(t.continuations, w.summary.label("item_summary"))
-                        .select_from(t.continuations.join(t.work_items, w.id == C.work_item_id))
-                        .where(C.status == "waiting", w.status == Status.approved.value)
-                        .limit(1)
-                    )
-                )
-            ).first()
+            row = (await conn.execute(db.skip_locked(_RESUMABLE))).first()
             if row is None:
                 return False
             res = await conn.execute(

@@ -128,11 +128,7 @@ class ReviewNotifier:
     ) -> str | None:
         """Open an episode for ``item_id`` and queue its cards; the episode id (``None``
         when one is already open: nothing is written twice)."""
-        open_already = (
-            await conn.execute(
-                sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None))
-            )
-        ).scalar()
+        open_already = (await conn.execute(_OPEN_EPISODES, {"p_item": item_id})).scalar()
         if open_already is not None:
             log.warning("work item %s already has an open review episode", item_id)
             return None
@@ -239,34 +235,34 @@ def earliest(*times: int | None) -> int | None:
     return min(present) if present else None
 
 
+# A decision's card bookkeeping, built once (the plan cache keys on the statement object).
+_OPEN_EPISODES = sa.select(E.id).where(
+    E.work_item_id == sa.bindparam("p_item"), E.closed_at.is_(None)
+)
+_CLOSE_EPISODES = t.review_episodes.update().where(
+    E.id.in_(sa.bindparam("p_ids", expanding=True)), E.closed_at.is_(None)
+)
+_CARDS_OF = (
+    sa.select(D.id, D.status, D.channel, D.address, D.org_id, D.work_item_id)
+    .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
+    .where(RC.episode_id.in_(sa.bindparam("p_ids", expanding=True)), D.kind == CARD)
+    .order_by(D.created_at, D.id)
+)
+
+
 async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: CardOutcome) -> int:
     """Close the item's open episode and update its cards to ``outcome`` (inside the
     decision's transaction); returns the number of card updates queued."""
     clock = outbox.clock
-    episodes = [
-        str(r)
-        for r in (
-            await conn.execute(
-                sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None))
-            )
-        ).scalars()
-    ]
+    episodes = [str(r) for r in (await conn.execute(_OPEN_EPISODES, {"p_item": item_id})).scalars()]
     if not episodes:
         return 0
     now = clock.now_ms()
     await conn.execute(
-        t.review_episodes.update()
-        .where(E.id.in_(episodes), E.closed_at.is_(None))
-        .values(closed_at=now, due_at=None, outcome=outcome.title[:40])
+        _CLOSE_EPISODES,
+        {"p_ids": episodes, "closed_at": now, "due_at": None, "outcome": outcome.title[:40]},
     )
-    cards = (
-        await conn.execute(
-            sa.select(D.id, D.status, D.channel, D.address, D.org_id, D.work_item_id)
-            .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
-            .where(RC.episode_id.in_(episodes), D.kind == CARD)
-            .order_by(D.created_at, D.id)
-        )
-    ).all()
+    cards = (await conn.execute(_CARDS_OF, {"p_ids": episodes})).all()
     queued = 0
     for c in cards:
         status = c.status

@@ -260,6 +260,17 @@ async def list_destinations(conn: Conn, org_id: str) -> list[Destination]:
     return [Destination.from_row(r) for r in rows]
 
 
+_DESTINATIONS = (
+    sa.select(t.review_destinations)
+    .where(
+        RD.org_id == sa.bindparam("p_org"),
+        RD.tier == sa.bindparam("p_tier"),
+        sa.or_(RD.agent_id.is_(None), RD.agent_id == sa.bindparam("p_agent")),
+    )
+    .order_by(RD.created_at, RD.id)
+)
+
+
 async def destinations_for(conn: Conn, org_id: str, agent_id: str, tier: str) -> list[Destination]:
     """Where ``tier`` cards of ``agent_id``'s items go: the agent's own destinations of
     that tier if it has any, else the organization's."""
@@ -267,13 +278,7 @@ async def destinations_for(conn: Conn, org_id: str, agent_id: str, tier: str) ->
         Destination.from_row(r)
         for r in (
             await conn.execute(
-                sa.select(t.review_destinations)
-                .where(
-                    RD.org_id == org_id,
-                    RD.tier == tier,
-                    sa.or_(RD.agent_id.is_(None), RD.agent_id == agent_id),
-                )
-                .order_by(RD.created_at, RD.id)
+                _DESTINATIONS, {"p_org": org_id, "p_tier": tier, "p_agent": agent_id}
             )
         ).all()
     ]
@@ -340,17 +345,19 @@ async def sla_view(conn: Conn, org_id: str, agent_id: str | None) -> dict[str, A
     return out
 
 
+_SLA_ROWS = sa.select(t.review_sla).where(
+    SLA.org_id == sa.bindparam("p_org"),
+    SLA.agent_id.in_(sa.bindparam("p_agents", expanding=True)),
+)
+
+
 async def effective_sla(conn: Conn, org_id: str, agent_id: str, defaults: ReviewSettings) -> Sla:
     """The timers that apply to ``agent_id``'s items: agent override, organization
     override, then ``[review]``."""
     rows = {
         r.agent_id: r
         for r in (
-            await conn.execute(
-                sa.select(t.review_sla).where(
-                    SLA.org_id == org_id, SLA.agent_id.in_(["", agent_id])
-                )
-            )
+            await conn.execute(_SLA_ROWS, {"p_org": org_id, "p_agents": ["", agent_id]})
         ).all()
     }
     resolved: dict[str, int | None] = {}

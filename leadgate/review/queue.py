@@ -356,22 +356,27 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
     return history
 
 
+# The detail's reads, built once (every decision answers the detail; the plan cache keys
+# on the statement object).
+_AGENT_NAME = sa.select(A.name).where(A.id == sa.bindparam("p_id"))
+_AUDIT_OF = (
+    sa.select(t.audit)
+    .where(t.audit.c.work_item_id == sa.bindparam("p_item"))
+    .order_by(t.audit.c.created_at, t.audit.c.id)
+)
+_BOUND = sa.select(B.kind, B.address).where(B.id == sa.bindparam("p_id"))
+_SESSION_KEY = sa.select(S.key).where(S.id == sa.bindparam("p_id"))
+_BINDING = sa.select(t.bindings).where(B.id == sa.bindparam("p_id"))
+
+
 async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
     """Everything a reviewer needs (reviewers only: snapshot and summary are here)."""
     item = await workitems.get(conn, item_id, org_id)
-    agent_name = await conn.scalar(sa.select(A.name).where(A.id == item.agent_id))
+    agent_name = await conn.scalar(_AGENT_NAME, {"p_id": item.agent_id})
     deliveries = await for_item(conn, item_id)
-    audit_rows = (
-        await conn.execute(
-            sa.select(t.audit)
-            .where(t.audit.c.work_item_id == item_id)
-            .order_by(t.audit.c.created_at, t.audit.c.id)
-        )
-    ).all()
-    bound = (
-        await conn.execute(sa.select(B.kind, B.address).where(B.id == item.binding_id))
-    ).first()
-    session_key = await conn.scalar(sa.select(S.key).where(S.id == item.session_id))
+    audit_rows = (await conn.execute(_AUDIT_OF, {"p_item": item_id})).all()
+    bound = (await conn.execute(_BOUND, {"p_id": item.binding_id})).first()
+    session_key = await conn.scalar(_SESSION_KEY, {"p_id": item.session_id})
     channel = bound.kind if bound is not None else "none"
     actors = await resolve_actors(conn, org_id, [a.actor for a in audit_rows])
     gating = next((d for d in deliveries if d.kind == "gating"), None)
@@ -448,7 +453,7 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
 async def _binding(conn: Conn, binding_id: str | None) -> Binding | None:
     if binding_id is None:
         return None
-    row = (await conn.execute(sa.select(t.bindings).where(B.id == binding_id))).first()
+    row = (await conn.execute(_BINDING, {"p_id": binding_id})).first()
     return None if row is None else Binding.from_row(row)
 
 
