@@ -37,6 +37,7 @@ from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.core.types import Outcome
 from leadgate.database.db import Database
+from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.workitems import Sweeper
@@ -160,6 +161,7 @@ class App:
         """The turn path, the adapters and the runners, wired by wake callables."""
         r = self.settings.runners
         review_wake, self._relay_wake, revision_wake = (asyncio.Event() for _ in range(3))
+        self._review_wake = review_wake
         owner = self.liveness.owner
         self.turns = TurnService(
             self.db,
@@ -167,7 +169,7 @@ class App:
             self.ids,
             self.providers,
             self.outbox,
-            on_review_queued=lambda: self._review_due(review_wake),
+            on_review_queued=self._review_due,
             on_delivery_queued=self._outbox_due,
             owner=owner,
         )
@@ -244,10 +246,11 @@ class App:
 
     # ------------------------------------------------------------------ wake-ups
 
-    def _review_due(self, wake: asyncio.Event) -> None:
-        """A submission committed in this process: an item waits for its lead."""
+    def _review_due(self) -> None:
+        """An item waits for its lead (a submission committed here, or NOTIFY from any
+        replica's)."""
         self.lead_runner.poke()
-        wake.set()
+        self._review_wake.set()
 
     def _outbox_due(self) -> None:
         """A delivery became due (committed here, or NOTIFY from another replica)."""
@@ -295,6 +298,17 @@ class App:
             self.background.spawn(
                 outbox_listen(self.settings.database.url, self._outbox_due, self._stop),
                 name="pg-listen",
+            )
+            # Submissions on API replicas reach the lead runners of worker replicas now,
+            # not at their next poll.
+            self.background.spawn(
+                outbox_listen(
+                    self.settings.database.url,
+                    self._review_due,
+                    self._stop,
+                    channel=workitems.REVIEW_CHANNEL,
+                ),
+                name="pg-listen-reviews",
             )
 
     async def _heartbeat(self) -> None:

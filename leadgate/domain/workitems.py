@@ -24,6 +24,11 @@ from leadgate.database.db import Conn, Database
 from leadgate.domain import session_events
 from leadgate.domain.rows import WorkItem
 
+#: PostgreSQL NOTIFY channel: an item was queued for its lead (wakes lead runners on
+#: every replica; within one process the turn path pokes its runner directly).
+REVIEW_CHANNEL = "leadgate_reviews"
+_NOTIFY_REVIEW = sa.text(f"SELECT pg_notify('{REVIEW_CHANNEL}', '')")
+
 #: An ``inProgress`` item idle this long becomes ``abandoned`` (SPEC 3 rule 4).
 ABANDON_AFTER_MS = 7 * DAY_MS
 
@@ -203,6 +208,13 @@ async def transition(
     )
     METRICS.transitions.labels(src.value, dst.value).inc()
     return WorkItem.from_row(row)
+
+
+async def notify_review_queued(conn: Conn) -> None:
+    """Tell every replica's lead runner, once this transaction commits, that an item
+    waits for review (PostgreSQL ``NOTIFY``; SQLite has one process per file)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(_NOTIFY_REVIEW)
 
 
 async def transition_many(

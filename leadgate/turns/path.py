@@ -611,6 +611,8 @@ class TurnService:
             return None
         if problems:
             await self.outbox.review_needed(conn, item.id, dst.value)
+        else:
+            await workitems.notify_review_queued(conn)
         return problems
 
     async def _store(

@@ -185,3 +185,38 @@ async def test_listener_reconnects_after_losing_its_connection(
     committed = await enqueue_elsewhere(url, org_id, service.clock)
     sent = await asyncio.wait_for(sends.get(), timeout=5)
     assert sent - committed < 0.5
+
+
+async def test_a_submission_on_another_replica_wakes_this_lead_runner(
+    url: str, looping: tuple[App, ScriptedChannel, asyncio.Queue[float]]
+) -> None:
+    """An API replica's submission reaches a worker replica's lead runner through
+    NOTIFY, not at its next poll (30 s here): the item is reviewed within a second."""
+    from leadgate.core.types import Gated
+    from tests.helpers import api_trigger, make_agent, make_org
+    from tests.stack import build_stack
+
+    service, _, _ = looping
+    api_replica = build_stack(url)
+    try:
+        org = await make_org(api_replica, name=f"replicas-{time.monotonic_ns()}")
+        await make_agent(api_replica, org, "lead")
+        worker = await make_agent(api_replica, org, "worker", lead="lead")
+        outcome = await api_replica.turns.run(api_trigger(org, worker, "do it #complete"))
+        assert isinstance(outcome, Gated)
+        submitted = time.perf_counter()
+        while True:
+            async with service.db.read() as conn:
+                status = await conn.scalar(
+                    sa.select(t.work_items.c.status).where(
+                        t.work_items.c.id == outcome.work_item_id
+                    )
+                )
+            if status != "reviewQueued" or time.perf_counter() - submitted > 5:
+                break
+            await asyncio.sleep(0.02)
+        reviewed_after = time.perf_counter() - submitted
+    finally:
+        await api_replica.stop()
+    assert status in ("approved", "completed"), status
+    assert reviewed_after < 1.0, reviewed_after

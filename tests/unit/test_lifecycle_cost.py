@@ -24,7 +24,8 @@ from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.stack import Stack, build_stack
 
 #: Statements (BEGIN/COMMIT/SAVEPOINT/RELEASE not counted) per lifecycle, by backend.
-STATEMENT_BUDGET = {"sqlite": 39, "postgres": 41}
+#: PostgreSQL's one more: the submission's NOTIFY to the lead runners of other replicas.
+STATEMENT_BUDGET = {"sqlite": 39, "postgres": 42}
 #: Write and read transactions per lifecycle (SQLite, where BEGINs are traced).
 TRANSACTION_BUDGET = 7
 
