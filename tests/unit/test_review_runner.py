@@ -731,3 +731,65 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
     assert await drain(stack.lead_runner) == 1
     assert (await row(stack, item_id))["status"] == "approved"
     assert (await actions(stack, item_id)).count("leaseReleased") == 1
+
+
+# ------------------------------------------------------------ passes that find nothing
+
+
+async def test_a_poked_runner_skips_the_claim_while_its_queue_is_known_empty(
+    stack: Stack,
+) -> None:
+    """Told of every submission (``poked_on_enqueue``, as the service wires it), a pass
+    after the claim that emptied the queue runs no statement at all; a poke, or a second
+    by the clock, makes the next pass claim again."""
+    runner = stack.lead_runner
+    runner.poked_on_enqueue = True
+    stack.turns.on_review_queued = runner.poke
+    org, _, worker = await setup(stack)
+    first = await submit(stack, org, worker, "first", session="a")
+    assert await drain(runner) == 1
+    assert (await row(stack, first))["status"] == "approved"
+    with stack.db.record_statements() as idle:
+        assert await runner.run_once() is False
+    assert idle == []
+    # A submission pokes the runner: the next pass claims and reviews it.
+    second = await submit(stack, org, worker, "second", session="b")
+    assert await drain(runner) == 1
+    assert (await row(stack, second))["status"] == "approved"
+    # Queued behind the runner's back (another replica, no NOTIFY on SQLite): picked up
+    # once a second has passed since the empty claim, not before.
+    stack.turns.on_review_queued = lambda: None
+    third = await submit(stack, org, worker, "third", session="c")
+    assert await runner.run_once() is False
+    assert (await row(stack, third))["status"] == "reviewQueued"
+    clock(stack).advance(1_000)
+    assert await drain(runner) == 1
+    assert (await row(stack, third))["status"] == "approved"
+
+
+async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
+    """Expired leases are looked for at most every EXPIRY_CHECK_MS by the runner's clock
+    (a read, and a write transaction only when something expired)."""
+    from leadgate.review.runner import EXPIRY_CHECK_MS
+
+    runner = stack.lead_runner
+    org, _, worker = await setup(stack)
+    await runner.run_once()  # the first pass checks
+    item_id = await submit(stack, org, worker, "held")
+    other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    assert await other.claim() is not None  # held by a runner that never reviews it
+    clock(stack).advance(20 * MINUTE_MS + 1)  # its lease is over...
+    with stack.db.record_statements() as statements:
+        assert await runner.run_once() is True  # ...the check is due: taken back, reviewed
+    assert (await row(stack, item_id))["status"] == "approved"
+    assert any("lease_expiries" in s for s in statements)
+    # Within the next second no pass looks again.
+    with stack.db.record_statements() as statements:
+        await runner.run_once()
+    assert not any(
+        "lease_expiries" in s and s.lstrip().upper().startswith("SELECT") for s in statements
+    )
+    clock(stack).advance(EXPIRY_CHECK_MS)
+    with stack.db.record_statements() as statements:
+        await runner.run_once()
+    assert any("lease_expiries" in s for s in statements)
