@@ -239,8 +239,10 @@ class LeadRunner:
         except Exception:
             # The connection may have dropped after the COMMIT reached the server: the
             # claim may stand. Give back whatever holds this token once the database is
-            # back, rather than leave it reviewing for the whole lease.
+            # back, rather than leave it reviewing for the whole lease. Nor is the queue
+            # known to be empty any more: the next pass claims.
             self._uncertain.append(token)
+            self._empty_at = -1
             raise
 
     async def run_once(self) -> bool:
