@@ -98,6 +98,32 @@ async def claim(
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
     if orphans:
         takeable = sa.or_(takeable, R.lease_token.in_(sorted(orphans)))
+    token = ids.new("lease")
+    updated: list[str] = []  # the token, once the claim's UPDATE ran
+    try:
+        return await _claim_in(
+            db, clock, ids, takeable, now, token, owner=owner, orphans=orphans, updated=updated
+        )
+    except Exception:
+        # The claim's COMMIT may or may not have landed: the runs hold either their old
+        # tokens (still in ``orphans``: discarded only after the commit) or this one.
+        # Either way the next pass takes them, instead of after the run lease (minutes).
+        orphans.update(updated)
+        raise
+
+
+async def _claim_in(
+    db: Database,
+    clock: Clock,
+    ids: IdFactory,
+    takeable: Any,
+    now: int,
+    token: str,
+    *,
+    owner: str | None,
+    orphans: set[str],
+    updated: list[str],
+) -> Claimed | None:
     async with db.tx() as conn:
         first = (
             await conn.execute(
@@ -119,9 +145,9 @@ async def claim(
         ).all()
         if not rows:
             return None
-        token = ids.new("lease")
         turn_id = ids.new("turn")
         newest = rows[-1]
+        updated.append(token)
         res = await conn.execute(
             t.turn_runs.update()
             .where(R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows}))
@@ -135,8 +161,6 @@ async def claim(
         )
         if res.rowcount != len(rows):
             raise TransitionError("turn runs changed while being claimed", rule="run")
-        for row in rows:
-            orphans.discard(row.lease_token)
         action = RERUN if any(r.policy == RERUN for r in rows) else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:
@@ -152,6 +176,8 @@ async def claim(
         if action in ("closed", "surfaced", CLIENT):
             await finish(conn, token, fenced=False)
             action = "closed" if action == CLIENT else action
+    for row in rows:  # committed: these tokens are gone
+        orphans.discard(row.lease_token)
     return Claimed(
         action=action,
         token=token,

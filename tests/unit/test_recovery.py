@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS
+from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
@@ -20,6 +22,7 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
+from tests.fakes import DownFor
 from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
 from tests.stack import Stack
 
@@ -200,3 +203,29 @@ async def test_liveness_reaps_dead_processes_of_this_host_and_silent_ones(stack:
         left = set((await conn.execute(sa.select(t.processes.c.id))).scalars())
     assert left == {me.id, "prc_alive_elsewhere"}
     assert processes.start_token(os.getpid()) is not None
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["commit-lost", "commit-landed"])
+async def test_a_recovery_claim_whose_commit_failed_is_taken_again_at_once(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """A turn stopped by a database fault is an orphan: the recovery runner takes it at
+    its next pass. When that claim's COMMIT fails (lost, or landed while the connection
+    died), the run is taken again at the following pass, not after its 15-minute lease."""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    taken = await stack.turns.take(slack_trigger(org, plain, "hello", "7.1"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token
+    stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
+    recovery = TurnRecovery(stack.turns)
+    down = DownFor(stack.db.tx, 1, after_commit=landed)
+    monkeypatch.setattr(stack.db, "tx", down)
+    with pytest.raises(Unavailable):
+        await recovery.run_once()
+    monkeypatch.setattr(stack.db, "tx", down.real)
+    assert await drain(recovery) == 1  # the live owner's lease has 15 minutes left
+    assert await replies(stack) == ["Echo: hello"]
+    assert await count(stack, t.turn_runs) == 0
