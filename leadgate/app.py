@@ -213,9 +213,13 @@ class App:
             owner=owner,
         )
         # Every submission committed here pokes the lead runner, so its idle passes
-        # skip the claim while the queue is known empty (other replicas' items: poll).
+        # skip the claim while the queue is known empty (other replicas' submissions
+        # arrive by NOTIFY on PostgreSQL; anything else by the recheck and the poll).
         self.lead_runner.poked_on_enqueue = True
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
+        flow_wake = asyncio.Event()
+        # What a human decision can give work to (see _after_decision).
+        self._decision_wakes = (revision_wake, flow_wake)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice.
@@ -224,7 +228,7 @@ class App:
             _Loop(RevisionRunner(self.turns), revision_wake),
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
-            _Loop(FlowResumer(self.flows)),
+            _Loop(FlowResumer(self.flows), flow_wake),
             _Loop(TurnRecovery(self.turns)),
         ]
 
@@ -262,17 +266,13 @@ class App:
         self.relay.accept(rows)
         self._relay_wake.set()
 
-    #: Runners a committed human decision or delivery recovery may give work to (the
-    #: relay hears of new deliveries from the outbox itself; see _outbox_due).
-    _DECISION_RUNNERS = frozenset({"outbox-relay", "revision-dispatch", "flow-resume"})
-
     def _after_decision(self) -> None:
-        """Wake the runners a decision may have given work to: not every loop (each
-        woken loop runs a pass against the database, which the decision's own request
-        then waits behind)."""
-        for loop in self.loops:
-            if loop.runner.name in self._DECISION_RUNNERS:
-                loop.wake.set()
+        """Wake the runners a decision may have given work to (a returned item's
+        revision, an approved flow continuation): not every loop, since each woken loop
+        runs a pass against the database that the decision's own request waits behind.
+        New and retried deliveries wake the relay themselves (see _outbox_due)."""
+        for wake in self._decision_wakes:
+            wake.set()
 
     # ----------------------------------------------------------------- runners
 

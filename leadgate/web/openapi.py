@@ -111,6 +111,13 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
+#: The cursor pagination every operator list takes.
+_PAGE = [
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+    _query("cursor", {"type": "string"}),
+]
+
+
 def _text_body(name: str, limit: int) -> dict[str, Any]:
     return {
         "type": "object",
@@ -162,10 +169,7 @@ OPERATIONS: list[Operation] = [
         "get",
         "/operator/reviews",
         "The actionable queue",
-        parameters=[
-            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
-            _query("cursor", {"type": "string"}),
-        ],
+        parameters=_PAGE,
     ),
     Operation("get", "/operator/reviews/{item_id}", "Review detail"),
     Operation("post", "/operator/reviews/{item_id}/approve", "Approve", body=_ANY_JSON),
@@ -183,10 +187,7 @@ OPERATIONS: list[Operation] = [
         "get",
         "/operator/deliveries",
         "Every deliveryUnknown delivery (plain replies and notices included)",
-        parameters=[
-            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
-            _query("cursor", {"type": "string"}),
-        ],
+        parameters=_PAGE,
     ),
     Operation("post", "/operator/deliveries/{delivery_id}/confirm", "Confirm delivered"),
     Operation("post", "/operator/deliveries/{delivery_id}/retry", "Retry the delivery"),

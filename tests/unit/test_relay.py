@@ -32,7 +32,7 @@ from outbox import relay as relay_mod
 from outbox.channel import Permanent, Retry, Sent, Uncertain
 from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
-from outbox.store import HANDOFF_TOPIC, DeliveryStatus, for_item, recover
+from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
 from tests.fakes import DownFor
 from tests.helpers import Org, item_row, make_agent, make_org
 from tests.outbox_support import (
@@ -503,11 +503,15 @@ async def test_recover_confirm_completes_the_item(stack: Stack, channel: Scripte
 
 async def test_recover_retry_posts_once_more(stack: Stack, channel: ScriptedChannel) -> None:
     item_id, row = await unknown_delivery(stack, channel)
+    woken: list[str] = []
+    stack.db.on_commit(OUTBOX_TOPIC, lambda: woken.append("relay"))
     async with stack.db.tx() as conn:
         await recover(
             conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
         )
     assert (await delivery(stack, row["id"]))["status"] == "pending"
+    # Due again: the relays are told at commit, as for any enqueue (not at their poll).
+    assert woken == ["relay"]
     await drain(relay_for(stack))
     await drain(relay_for(stack))
     final = await delivery(stack, row["id"])
