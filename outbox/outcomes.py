@@ -25,6 +25,7 @@ from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.database.sql import unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
@@ -70,7 +71,7 @@ _MARK_SENT_ANY = (
     t.deliveries.update()
     .where(
         D.id.in_(sa.bindparam("p_ids", expanding=True)),
-        D.status == DeliveryStatus.sending.value,
+        unindexed(D.status) == DeliveryStatus.sending.value,
     )
     .returning(D.id)
 )

@@ -49,6 +49,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.sql import unindexed
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
@@ -202,7 +203,7 @@ class Relay:
                 .where(
                     D.id.in_([r.id for r in rows]),
                     D.lease_token == self.handoff_token,
-                    D.status == DeliveryStatus.sending.value,
+                    unindexed(D.status) == DeliveryStatus.sending.value,
                 )
                 .values(
                     status=DeliveryStatus.pending.value,
@@ -356,7 +357,7 @@ class Relay:
                     t.deliveries.update()
                     .where(
                         D.id.in_(expired.scalar_subquery() if chosen is None else chosen),
-                        D.status == DeliveryStatus.sending.value,
+                        unindexed(D.status) == DeliveryStatus.sending.value,
                         lapsed,
                     )
                     .values(
@@ -467,7 +468,7 @@ class Relay:
                 t.deliveries.update()
                 .where(
                     D.id.in_(due.scalar_subquery() if chosen is None else chosen),
-                    D.status == DeliveryStatus.pending.value,
+                    unindexed(D.status) == DeliveryStatus.pending.value,
                 )
                 .values(
                     status=DeliveryStatus.sending.value,

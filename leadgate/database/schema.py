@@ -173,7 +173,8 @@ work_items = sa.Table(
     sa.Column("updated_at", MS, nullable=False),
     # The process (``processes.id``) holding the review or revision lease, if known.
     sa.Column("lease_owner", ID),
-    sa.Index("ix_work_items_status_updated", "status", "updated_at"),
+    # The lead runner's claim order (updated_at, id) read straight off the index.
+    sa.Index("ix_work_items_status_updated", "status", "updated_at", "id"),
     # Agent Activity: an organization's items, newest first.
     sa.Index("ix_work_items_org_updated", "org_id", "updated_at"),
     # One active work item per (worker, session), enforced by the database itself.
@@ -246,7 +247,8 @@ deliveries = sa.Table(
     sa.Column("updated_at", MS, nullable=False),
     # The process (``processes.id``) holding the send lease, if known.
     sa.Column("lease_owner", ID),
-    sa.Index("ix_deliveries_status_due", "status", "next_attempt_at"),
+    # The relay's claim order (next_attempt_at, id) read straight off the index.
+    sa.Index("ix_deliveries_status_due", "status", "next_attempt_at", "id"),
 )
 
 policy_rules = sa.Table(

@@ -7,6 +7,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 
 @functools.cache
@@ -22,3 +24,32 @@ def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:
 def row_dict(row: sa.Row[Any] | None) -> dict[str, Any] | None:
     """A result row as a plain dict (``None`` passes)."""
     return None if row is None else dict(row._mapping)
+
+
+class unindexed(FunctionElement[Any]):  # lower case: used like a SQL function
+    """A column that SQLite must not look up by index in this term: ``+column`` on
+    SQLite, the plain column elsewhere.
+
+    Batch updates fenced by status (``WHERE id IN (...) AND status = 'pending'``): without
+    statistics SQLite's planner prefers the equality on the indexed status column to the
+    primary-key list, so every batch scanned *all* rows in that status (the whole backlog:
+    quadratic in it). A unary ``+`` is SQLite's documented way to disqualify a term from
+    index use (sqlite.org/optoverview.html, "Disqualifying WHERE clause terms using
+    unary-+"); PostgreSQL plans from statistics and keeps the plain column.
+    """
+
+    inherit_cache = True
+
+    def __init__(self, column: sa.ColumnElement[Any]) -> None:
+        super().__init__(column)
+        self.type = column.type
+
+
+@compiles(unindexed)
+def _unindexed(element: unindexed, compiler: Any, **kw: Any) -> str:
+    return str(compiler.process(element.clauses, **kw))
+
+
+@compiles(unindexed, "sqlite")
+def _unindexed_sqlite(element: unindexed, compiler: Any, **kw: Any) -> str:
+    return "+" + str(compiler.process(element.clauses, **kw))

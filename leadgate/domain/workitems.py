@@ -21,6 +21,7 @@ from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.sql import unindexed
 from leadgate.domain import session_events
 from leadgate.domain.rows import WorkItem
 
@@ -278,7 +279,10 @@ async def transition_many(
 # call costs its construction and cache key, more than SQLite takes to run it.
 _TRANSITION_MANY = (
     t.work_items.update()
-    .where(W.id.in_(sa.bindparam("p_ids", expanding=True)), W.status == sa.bindparam("p_src"))
+    .where(
+        W.id.in_(sa.bindparam("p_ids", expanding=True)),
+        unindexed(W.status) == sa.bindparam("p_src"),
+    )
     .returning(W.id, W.org_id, W.session_id, W.revision)
 )
 _GET = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))

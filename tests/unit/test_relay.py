@@ -587,6 +587,39 @@ async def test_a_claim_takes_at_most_its_limit(stack: Stack) -> None:
     assert (await delivery_counts(stack.db)) == {"pending": 20, "sending": 20}
 
 
+@pytest.mark.parametrize("url", ["sqlite"], indirect=True)
+async def test_batch_statements_look_rows_up_by_id_not_by_status(stack: Stack) -> None:
+    """SQLite plans without statistics: ``WHERE id IN (...) AND status = 'pending'`` used
+    the status index and read every row in that status (the whole backlog, on every
+    batch), and ``ORDER BY next_attempt_at, id`` sorted every row sharing a timestamp
+    before the claim's ``LIMIT``. The relay's batch statements (claim, mark sent, the items'
+    move to completed) must look their rows up by primary key, and the claims read their
+    order off the index. (PostgreSQL plans from statistics; the same statements run there
+    in every other test of this module.)"""
+    await seed_items(stack.db, stack.clock, stack.ids, 30)  # one timestamp: one burst
+    with stack.db.record_statements() as statements:
+        assert await drain(relay_for(stack, batch=10)) >= 1
+    assert await delivery_counts(stack.db) == {"sent": 30}
+    batch = [
+        sql
+        for sql in statements
+        if sql.startswith(("UPDATE deliveries", "UPDATE work_items")) and " IN (" in sql
+    ]
+    claims = [sql for sql in batch if "status='sending'" in sql.replace(" ", "")]
+    assert claims and len(batch) > len(claims)
+    async with stack.db.read() as conn:
+        for sql in batch:
+            table = sql.split()[1]
+            plan = [
+                str(r[-1]) for r in (await conn.execute(sa.text("EXPLAIN QUERY PLAN " + sql))).all()
+            ]
+            assert plan[0] == f"SEARCH {table} USING INDEX sqlite_autoindex_{table}_1 (id=?)", (
+                sql,
+                plan,
+            )
+            assert not any("TEMP B-TREE" in step for step in plan), (sql, plan)
+
+
 async def test_run_once_is_false_when_idle(stack: Stack) -> None:
     assert await relay_for(stack).run_once() is False
 
