@@ -54,30 +54,45 @@ _ACTIVE_BINDING = sa.select(t.bindings).where(
 )
 
 
+class OpenSession(NamedTuple):
+    """What :func:`open_session` found or made."""
+
+    id: str
+    #: the active binding (``None`` when it has none), for :func:`activate`
+    binding: CurrentBinding | None
+    #: made by this transaction: nothing else (a binding, an item, a message) can refer
+    #: to it yet, since no other transaction sees it before this one commits
+    created: bool
+
+
 async def open_session(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
-) -> tuple[str, CurrentBinding | None]:
-    """The session id of (agent, key), created on first use (race-safe), and its active
-    binding (``None`` when it has none) for :func:`activate`. One SELECT when the
-    session exists (the usual case)."""
+) -> OpenSession:
+    """The session of (agent, key), created on first use (race-safe), with its active
+    binding. One SELECT when the session exists (the usual case), a SELECT and an
+    INSERT when this transaction creates it."""
     params = {"p_agent_id": agent_id, "p_key": key}
     row = (await conn.execute(_SESSION_AND_BINDING, params)).first()
     if row is None:
+        session_id = ids.new("ses")
         session = {
-            "id": ids.new("ses"),
+            "id": session_id,
             "org_id": org_id,
             "agent_id": agent_id,
             "key": key,
             "created_at": clock.now_ms(),
         }
-        await conn.execute(insert_ignore_stmt(conn.dialect.name, t.sessions), session)
+        res = await conn.execute(insert_ignore_stmt(conn.dialect.name, t.sessions), session)
+        if res.rowcount == 1:
+            return OpenSession(session_id, None, True)
+        # Another transaction created it first (PostgreSQL: we waited for its commit).
         row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
     current = None
     if row.binding_id is not None:
         current = CurrentBinding(
             row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
         )
-    return str(row.id), current
+    return OpenSession(str(row.id), current, False)
 
 
 _DEACTIVATE = t.bindings.update().where(B.id == sa.bindparam("p_id"))

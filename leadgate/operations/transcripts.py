@@ -119,10 +119,10 @@ class Transcripts:
             return ref.session_id
         key = api_session_key(principal, session=name)
         async with self.db.tx() as conn:
-            session_id, _ = await bindings.open_session(
+            opened = await bindings.open_session(
                 conn, self.clock, self.ids, principal.org_id, ref.agent_id, key
             )
-        return session_id
+        return opened.id
 
     async def messages(
         self,

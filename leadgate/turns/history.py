@@ -124,6 +124,10 @@ def _extend(
     return _Entry(all_keys, messages, last_rowid, last_id, chars)
 
 
+#: The entry of a session cached when it was created (rowids start at 1).
+_NEW_SESSION = _Entry(keys=(), messages=(), last_rowid=0, last_id="", chars=0)
+
+
 class HistoryCache:
     """Session windows kept in process for the inline SQLite path (see the module doc)."""
 
@@ -147,11 +151,19 @@ class HistoryCache:
         if entry is not None:
             params = {"p_session_id": session_id, "p_rowid": entry.last_rowid}
             new: Sequence[Any] = conn.run(_SINCE, params).all()
-            if new and new[0][0] == entry.last_rowid and new[0][1] == entry.last_id:
+            if entry is _NEW_SESSION:
+                skip = 0  # cached before its first row: every row is new
+            elif new and new[0][0] == entry.last_rowid and new[0][1] == entry.last_id:
+                skip = 1
+            else:
+                skip = -1
+            if skip >= 0:
                 self.hits += 1
-                if len(new) == 1:
+                if len(new) == skip:
                     return list(entry.messages)
-                fresh = [((r[4], r[1]), to_message(r[2], r[3])) for r in new[1:] if r[2] in _ROLES]
+                fresh = [
+                    ((r[4], r[1]), to_message(r[2], r[3])) for r in new[skip:] if r[2] in _ROLES
+                ]
                 entry = _extend(entry, fresh, new[-1][0], new[-1][1])
                 signal_after_commit(conn, TOPIC, (session_id, entry))
                 return list(entry.messages)
@@ -165,6 +177,14 @@ class HistoryCache:
         entry = _build(pairs, newest[0], newest[1])
         signal_after_commit(conn, TOPIC, (session_id, entry))
         return list(entry.messages)
+
+    def started(self, conn: Conn, session_id: str) -> None:
+        """``conn``'s transaction created the session: once it commits, cache the session
+        as it was before its first row (empty), so that its next turn reads only the rows
+        since (all of them) instead of the window. The turn that created it needs no read:
+        its only message is the one it stored."""
+        if isinstance(conn, InlineConnection):
+            signal_after_commit(conn, TOPIC, (session_id, _NEW_SESSION))
 
     def apply(self, payloads: list[Any]) -> None:
         """After-commit listener: store entries a committed transaction read, unless the

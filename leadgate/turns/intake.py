@@ -36,7 +36,7 @@ from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import HistoryCache
+from leadgate.turns.history import HistoryCache, to_message
 from leadgate.turns.messages import store_message
 from leadgate.turns.providers.base import ChatMessage
 
@@ -124,14 +124,14 @@ class Intake:
             )
             if not agent.active:
                 raise ValidationError(f"agent {agent.name!r} is inactive", rule="agent.inactive")
-            session_id, current_binding = await bindings.open_session(
+            session_id, current_binding, new_session = await bindings.open_session(
                 conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
             )
             event = self._event(trigger, agent, session_id, now)
             if trigger.external_event_id is not None and not await event.record_first(conn):
                 return Duplicate()
             item: WorkItem | None = None
-            if lead is not None:
+            if lead is not None and not new_session:  # a new session has no item yet
                 item = await workitems.active_for(conn, agent.id, session_id, lock=True)
                 if item is not None and item.status != Status.inProgress:
                     # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
@@ -194,7 +194,12 @@ class Intake:
                     },
                 )
             rules = await policy.load_rules(conn, trigger.org_id)
-            history = await self.history.read(conn, session_id)
+            if new_session:
+                # Its only message is the one just stored.
+                history = [to_message("user", trigger.text)]
+                self.history.started(conn, session_id)
+            else:
+                history = await self.history.read(conn, session_id)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,

@@ -207,7 +207,7 @@ class TurnService:
         queued = None
         async with self.db.tx() as conn:
             agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
-            session_id, current = await bindings.open_session(
+            session_id, current, _ = await bindings.open_session(
                 conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
             )
             event = {
@@ -444,6 +444,12 @@ class TurnService:
         ).first()
         return None if row is None else row.signal_summary
 
+    async def signalled_item(self, conn: Conn, ctx: TurnContext) -> tuple[str | None, WorkItem]:
+        """The turn's work item and the summary its complete_task left (``None`` when
+        another turn's signal or submission replaced it), in one SELECT."""
+        item = await workitems.get(conn, str(ctx.work_item_id))
+        return (item.signal_summary if item.signal_turn_id == ctx.turn_id else None), item
+
     async def _finish(
         self,
         turn: Accepted,
@@ -555,9 +561,12 @@ class TurnService:
             )
             await self._release_revision(conn, revision_item)
             await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
+            item: WorkItem | None = None
             if summary is None:
+                # The signal is a column of the item the transition reads anyway: one
+                # SELECT for both.
                 try:
-                    summary = await self.read_signal(conn, ctx)
+                    summary, item = await self.signalled_item(conn, ctx)
                 except Unavailable:
                     raise  # nothing is shown; the turn is tried again whole (see _finish)
                 except Exception:
@@ -568,18 +577,26 @@ class TurnService:
                 log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
                 problems: list[str] | None = None
             else:
-                problems = await self._move_on(conn, ctx, text, summary, message_id)
+                problems = await self._move_on(conn, ctx, text, summary, message_id, item)
         if problems is not None and not problems:
             self.on_review_queued()
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
 
     async def _move_on(
-        self, conn: Conn, ctx: TurnContext, text: str, summary: str, message_id: str
+        self,
+        conn: Conn,
+        ctx: TurnContext,
+        text: str,
+        summary: str,
+        message_id: str,
+        item: WorkItem | None = None,
     ) -> list[str] | None:
         """The submission's transition (in ``conn``); the provenance problems found, or
-        None when the item had left ``inProgress`` and nothing moved."""
-        item = await workitems.get(conn, str(ctx.work_item_id))
+        None when the item had left ``inProgress`` and nothing moved. ``item``: the item
+        as this transaction already read it."""
+        if item is None:
+            item = await workitems.get(conn, str(ctx.work_item_id))
         binding = await bindings.active_binding(conn, ctx.session_id)
         problems = provenance_problems(ctx, item, binding, message_id)
         values = {

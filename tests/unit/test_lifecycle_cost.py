@@ -25,7 +25,7 @@ from tests.stack import Stack, build_stack
 
 #: Statements (BEGIN/COMMIT/SAVEPOINT/RELEASE not counted) per lifecycle, by backend.
 #: PostgreSQL's one more: the submission's NOTIFY to the lead runners of other replicas.
-STATEMENT_BUDGET = {"sqlite": 39, "postgres": 42}
+STATEMENT_BUDGET = {"sqlite": 34, "postgres": 37}
 #: Write and read transactions per lifecycle (SQLite, where BEGINs are traced).
 TRANSACTION_BUDGET = 7
 

@@ -16,6 +16,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status, Sweeper
 from leadgate.turns.context import TurnContext
 from leadgate.turns.messages import visible_transcript
@@ -445,6 +446,9 @@ class UnreadableSignal(TurnService):
     async def read_signal(self, conn: Conn, ctx: TurnContext) -> str | None:
         raise RuntimeError("signal store unavailable")
 
+    async def signalled_item(self, conn: Conn, ctx: TurnContext) -> tuple[str | None, WorkItem]:
+        raise RuntimeError("signal store unavailable")
+
 
 async def test_fail_closed_when_the_signal_cannot_be_read(
     rig: tuple[Stack, RecordingProvider],
@@ -467,6 +471,9 @@ async def test_fail_closed_when_the_signal_cannot_be_read(
         ("user", "just chatting"),
         ("user", "done #complete"),
     ]
+    # Nothing was handed off: no review sees work whose signal could not be read.
+    [item] = await items(stack, worker)
+    assert item["status"] == "inProgress"
     # A worker without a lead never reads a signal: unaffected.
     assert await turns.run(api_trigger(org, plain, "hello")) == Reply("Echo: hello")
 
