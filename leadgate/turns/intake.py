@@ -128,6 +128,11 @@ class Intake:
                 conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
             )
             event = self._event(trigger, agent, session_id, now)
+            new_item_id: str | None = None
+            if lead is not None and new_session:
+                # A new session's item is new too: its id goes into the event row now
+                # (no second write of the event once the item exists).
+                new_item_id = event.values["work_item_id"] = self.ids.new("wi")
             if trigger.external_event_id is not None and not await event.record_first(conn):
                 return Duplicate()
             item: WorkItem | None = None
@@ -154,9 +159,10 @@ class Intake:
             revision: int | None = None
             if lead is not None:
                 item_id, revision = await self._open_item(
-                    conn, trigger, agent, lead, session_id, binding_id, item, now
+                    conn, trigger, agent, lead, session_id, binding_id, item, now, new_item_id
                 )
-                await event.finish(conn, work_item_id=item_id)
+                if item_id != new_item_id or not event.recorded:
+                    await event.finish(conn, work_item_id=item_id)
             message_id = await store_message(
                 conn,
                 self.clock,
@@ -241,13 +247,14 @@ class Intake:
         binding_id: str,
         item: WorkItem | None,
         now: int,
+        new_item_id: str | None = None,
     ) -> tuple[str, int]:
-        """Create the session's work item, or append to the ``inProgress`` one; returns
-        (item id, revision)."""
+        """Create the session's work item (with ``new_item_id`` if given), or append to
+        the ``inProgress`` one; returns (item id, revision)."""
         if item is not None:
             await self._append(conn, item, trigger.text, binding_id, now)
             return item.id, item.revision
-        item_id = self.ids.new("wi")
+        item_id = new_item_id or self.ids.new("wi")
         await conn.execute(
             _INSERT_WORK_ITEM,
             {

@@ -19,8 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.runners import drain
-from leadgate.core.types import Gated
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
 
 #: Statements (BEGIN/COMMIT/SAVEPOINT/RELEASE not counted) per lifecycle, by backend.
@@ -28,6 +29,10 @@ from tests.stack import Stack, build_stack
 STATEMENT_BUDGET = {"sqlite": 34, "postgres": 37}
 #: Write and read transactions per lifecycle (SQLite, where BEGINs are traced).
 TRANSACTION_BUDGET = 7
+#: The same lifecycle from a Slack thread (a channel binding: the message is recorded
+#: as a run and de-duplicated by its event id; the approved answer is posted).
+SLACK_STATEMENT_BUDGET = {"sqlite": 34, "postgres": 37}
+SLACK_TRANSACTION_BUDGET = 7
 
 _FRAMING = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE", "ROLLBACK")
 
@@ -63,6 +68,46 @@ async def test_a_gated_lifecycle_stays_within_its_statement_budget(stack: Stack)
     assert work <= STATEMENT_BUDGET[backend], (work, verbs, statements)
     if not stack.db.is_postgres:
         assert verbs["BEGIN"] <= TRANSACTION_BUDGET, (verbs, statements)
+
+
+def _slack_trigger(org: Org, worker: dict[str, Any], ts: str) -> Trigger:
+    return Trigger(
+        org_id=org.id,
+        agent_id=str(worker["id"]),
+        session_key=f"slack:T1:C1:{ts}",
+        text=f"write {ts} #complete",
+        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": ts}),
+        external_event_id=f"slack:T1:C1:{ts}",
+    )
+
+
+async def test_a_slack_lifecycle_stays_within_its_statement_budget(migrated_url: str) -> None:
+    channel = ScriptedChannel("slack")
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    stack.turns.on_review_queued = stack.lead_runner.poke
+    stack.lead_runner.poked_on_enqueue = True
+
+    async def lifecycle(ts: str) -> None:
+        assert isinstance(await stack.turns.run(_slack_trigger(org, worker, ts)), Gated)
+        assert await drain(stack.lead_runner) == 1
+        assert await drain(stack.relay) >= 1
+
+    try:
+        org = await make_org(stack)
+        await make_agent(stack, org, "worker-lead")
+        worker = await make_agent(stack, org, "worker", lead="worker-lead")
+        await lifecycle("1.1")  # caches, as in a running service
+        with stack.db.record_statements() as statements:
+            await lifecycle("2.2")
+    finally:
+        await stack.stop()
+    assert channel.texts() == ["Echo: write 1.1 #complete", "Echo: write 2.2 #complete"]
+    verbs = Counter(sql.split()[0].upper() for sql in statements)
+    work = sum(n for verb, n in verbs.items() if verb not in _FRAMING)
+    backend = "postgres" if stack.db.is_postgres else "sqlite"
+    assert work <= SLACK_STATEMENT_BUDGET[backend], (work, verbs, statements)
+    if not stack.db.is_postgres:
+        assert verbs["BEGIN"] <= SLACK_TRANSACTION_BUDGET, (verbs, statements)
 
 
 async def test_the_active_item_lookup_uses_the_unique_partial_index(stack: Stack) -> None:
