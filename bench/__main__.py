@@ -86,6 +86,7 @@ def outbox_args(args: argparse.Namespace) -> argparse.Namespace:
 def life_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(
         duration=args.duration,
+        slices=args.slices,
         concurrency=16,
         rounds=args.rounds,
         rate=200,
@@ -272,6 +273,12 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per scenario")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=3,
+        help="lifecycle rounds: plain, REST and Slack phases interleaved in this many slices",
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {','.join(PARTS)}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

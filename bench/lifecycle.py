@@ -6,8 +6,8 @@ model, verdict, gating delivery in the verdict's transaction) and the delivery (
 the api binding; a ``chat.postMessage`` to the Slack stand-in on a Slack binding), until
 the item is ``completed``. Each lifecycle is on a fresh session.
 
-Parts (each round alternates plain turns and lifecycles, so ratios are taken side by
-side in one run on a shared machine):
+Parts (each round interleaves plain turns and lifecycles in ``--slices`` slices, so
+ratios are taken side by side in one run on a shared machine):
 
 * ``sqlite``: plain REST turns/s, REST lifecycles/s (api binding), Slack lifecycles/s
   (signed Events API ``message`` events, each a new thread; the lifecycle ends when the
@@ -136,12 +136,12 @@ async def closed_loop(
 
 
 async def wait_for(predicate: Callable[[], bool], limit_s: float = 300.0) -> float:
-    """Poll ``predicate`` (every 20 ms) until true; returns the time it became true."""
+    """Poll ``predicate`` (every 5 ms) until true; returns the time it became true."""
     deadline = time.perf_counter() + limit_s
     while not predicate():
         if time.perf_counter() > deadline:
             raise TimeoutError("the lifecycles did not complete in time")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.005)
     return time.perf_counter()
 
 
@@ -173,10 +173,32 @@ class Service:
         self.auth = {"Authorization": f"Bearer {self.demo.key}", "Content-Type": "application/json"}
 
 
-async def rest_round(
-    http: aiohttp.ClientSession, svc: Service, args: Any, tag: str
-) -> tuple[float, float, float, float]:
-    """(plain turns/s, CPU ms per plain turn, lifecycles/s, CPU ms per lifecycle)."""
+@dataclass
+class Tally:
+    """What one kind of work did over a round's slices: count, wall time, service CPU."""
+
+    n: int = 0
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+
+    def add(self, n: int, seconds: float, cpu_s: float = 0.0) -> None:
+        self.n += n
+        self.seconds += seconds
+        self.cpu_s += cpu_s
+
+    @property
+    def rate(self) -> float:
+        return self.n / self.seconds if self.seconds else math.nan
+
+    @property
+    def cpu_ms(self) -> float:
+        return self.cpu_s / self.n * 1000 if self.n else math.nan
+
+
+async def plain_slice(
+    http: aiohttp.ClientSession, svc: Service, args: Any, tag: str, seconds: float
+) -> tuple[int, float, float]:
+    """Plain REST turns for ``seconds``: (turns, elapsed, service CPU seconds)."""
     proc, url = svc.proc, f"{svc.proc.url}/v1/chat/completions"
     plain = chat_body("plain", "hello")
 
@@ -186,8 +208,16 @@ async def rest_round(
             assert resp.status == 200, await resp.text()
 
     cpu0 = cpu_seconds(proc.pid)
-    n, elapsed = await closed_loop(args.concurrency, args.duration, send_plain)
-    plain_rps, plain_cpu = n / elapsed, (cpu_seconds(proc.pid) - cpu0) / n * 1000
+    n, elapsed = await closed_loop(args.concurrency, seconds, send_plain)
+    return n, elapsed, cpu_seconds(proc.pid) - cpu0
+
+
+async def rest_slice(
+    http: aiohttp.ClientSession, svc: Service, args: Any, tag: str, seconds: float
+) -> tuple[int, float, float]:
+    """REST lifecycles submitted for ``seconds``, until every one is completed:
+    (lifecycles, first submission to last completion, service CPU seconds)."""
+    proc, url = svc.proc, f"{svc.proc.url}/v1/chat/completions"
     gated = chat_body("worker", "do the task #complete")
     done0 = completed(proc)
 
@@ -198,21 +228,16 @@ async def rest_round(
 
     cpu0 = cpu_seconds(proc.pid)
     start = time.perf_counter()
-    n, _ = await closed_loop(args.concurrency, args.duration, send_gated)
+    n, _ = await closed_loop(args.concurrency, seconds, send_gated)
     end = await wait_for(lambda: completed(proc) >= done0 + n)
-    return plain_rps, plain_cpu, n / (end - start), (cpu_seconds(proc.pid) - cpu0) / n * 1000
+    return n, end - start, cpu_seconds(proc.pid) - cpu0
 
 
-async def slack_round(
-    http: aiohttp.ClientSession,
-    url: str,
-    standin: Standin,
-    args: Any,
-    tag: str,
-    processes: list[ServiceProcess] | None = None,
-) -> float:
-    """Slack lifecycles/s: signed message events, each a new thread, until every approved
-    answer reached the stand-in."""
+async def slack_slice(
+    http: aiohttp.ClientSession, url: str, standin: Standin, args: Any, tag: str, seconds: float
+) -> tuple[int, float]:
+    """Slack lifecycles (signed message events, each a new thread) submitted for
+    ``seconds``, until every approved answer reached the stand-in: (lifecycles, elapsed)."""
     posts0 = standin.count()
     counter = [0]
 
@@ -223,9 +248,34 @@ async def slack_round(
             assert resp.status == 200, await resp.text()
 
     start = time.perf_counter()
-    n, _ = await closed_loop(args.concurrency, args.duration, send)
+    n, _ = await closed_loop(args.concurrency, seconds, send)
     end = await wait_for(lambda: standin.count() >= posts0 + n)
-    return n / (end - start)
+    return n, end - start
+
+
+async def slack_round(
+    http: aiohttp.ClientSession, url: str, standin: Standin, args: Any, tag: str
+) -> float:
+    """Slack lifecycles/s over ``args.duration`` seconds."""
+    n, elapsed = await slack_slice(http, url, standin, args, tag, args.duration)
+    return n / elapsed
+
+
+async def interleaved_round(
+    http: aiohttp.ClientSession, svc: Service, standin: Standin, args: Any, tag: str
+) -> Round:
+    """One round: plain turns, REST lifecycles and Slack lifecycles, ``args.slices``
+    times each in turn (``args.duration`` seconds of each in all), so that all three see
+    the machine at the same speed: on a shared VM the speed drifts over seconds, and one
+    long phase of each let a slow spell land on one side of a ratio."""
+    plain, rest, slack = Tally(), Tally(), Tally()
+    seconds = args.duration / args.slices
+    events = f"{svc.proc.url}/slack/events"
+    for k in range(args.slices):
+        plain.add(*await plain_slice(http, svc, args, tag, seconds))
+        rest.add(*await rest_slice(http, svc, args, f"{tag}.{k}", seconds))
+        slack.add(*await slack_slice(http, events, standin, args, f"{tag}.{k}", seconds))
+    return Round(plain.rate, plain.cpu_ms, rest.rate, rest.cpu_ms, slack.rate)
 
 
 async def approve_part(
@@ -294,15 +344,13 @@ async def sqlite_parts(args: Any, figures: Figures, parts: set[str]) -> None:
         async with aiohttp.ClientSession(connector=connector) as http:
             if "sqlite" in parts:
                 for r in range(args.rounds):
-                    plain_rps, plain_cpu, lps, lcpu = await rest_round(http, svc, args, f"{r}")
-                    slack = await slack_round(
-                        http, f"{svc.proc.url}/slack/events", standin, args, f"{r}"
-                    )
-                    figures.rounds.append(Round(plain_rps, plain_cpu, lps, lcpu, slack))
+                    one = await interleaved_round(http, svc, standin, args, f"{r}")
+                    figures.rounds.append(one)
                     print(
-                        f"   round {r}: plain {plain_rps:.0f}/s ({plain_cpu:.2f} ms CPU), "
-                        f"REST lifecycles {lps:.0f}/s ({lcpu:.2f} ms CPU), "
-                        f"Slack lifecycles {slack:.0f}/s",
+                        f"   round {r}: plain {one.plain_rps:.0f}/s "
+                        f"({one.plain_cpu_ms:.2f} ms CPU), "
+                        f"REST lifecycles {one.rest_lps:.0f}/s ({one.rest_cpu_ms:.2f} ms CPU), "
+                        f"Slack lifecycles {one.slack_lps:.0f}/s",
                         flush=True,
                     )
                 figures.peak_rss_mb = peak_rss_mb(svc.proc.pid)
