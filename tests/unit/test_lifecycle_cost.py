@@ -62,12 +62,20 @@ async def test_a_gated_lifecycle_stays_within_its_statement_budget(stack: Stack)
     await _lifecycle(stack, org, worker, "warm")  # caches (agents, plans) as in a running service
     with stack.db.record_statements() as statements:
         await _lifecycle(stack, org, worker, "measured")
+    _assert_within(stack, statements, STATEMENT_BUDGET, TRANSACTION_BUDGET)
+
+
+def _assert_within(
+    stack: Stack, statements: list[str], budget: dict[str, int], transactions: int
+) -> None:
+    """``statements`` (framing aside) within ``budget`` for the backend, and (SQLite,
+    where BEGINs are traced) at most ``transactions`` transactions."""
     verbs = Counter(sql.split()[0].upper() for sql in statements)
     work = sum(n for verb, n in verbs.items() if verb not in _FRAMING)
     backend = "postgres" if stack.db.is_postgres else "sqlite"
-    assert work <= STATEMENT_BUDGET[backend], (work, verbs, statements)
+    assert work <= budget[backend], (work, verbs, statements)
     if not stack.db.is_postgres:
-        assert verbs["BEGIN"] <= TRANSACTION_BUDGET, (verbs, statements)
+        assert verbs["BEGIN"] <= transactions, (verbs, statements)
 
 
 def _slack_trigger(org: Org, worker: dict[str, Any], ts: str) -> Trigger:
@@ -102,12 +110,7 @@ async def test_a_slack_lifecycle_stays_within_its_statement_budget(migrated_url:
     finally:
         await stack.stop()
     assert channel.texts() == ["Echo: write 1.1 #complete", "Echo: write 2.2 #complete"]
-    verbs = Counter(sql.split()[0].upper() for sql in statements)
-    work = sum(n for verb, n in verbs.items() if verb not in _FRAMING)
-    backend = "postgres" if stack.db.is_postgres else "sqlite"
-    assert work <= SLACK_STATEMENT_BUDGET[backend], (work, verbs, statements)
-    if not stack.db.is_postgres:
-        assert verbs["BEGIN"] <= SLACK_TRANSACTION_BUDGET, (verbs, statements)
+    _assert_within(stack, statements, SLACK_STATEMENT_BUDGET, SLACK_TRANSACTION_BUDGET)
 
 
 async def test_the_active_item_lookup_uses_the_unique_partial_index(stack: Stack) -> None:
