@@ -752,3 +752,37 @@ async def test_a_failing_nested_block_rolls_back_alone(db: Database) -> None:
             await conn.execute(INSERT_BINDING, binding("n2"))
         await conn.execute(INSERT_BINDING, binding("n3"))
     assert await committed_ids(db) == {"n0", "n2", "n3"}
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_pooled_postgres_connection_is_released_without_a_reset_round_trip(
+    migrated_url: str,
+) -> None:
+    """asyncpg's pool by default sends ``SELECT pg_advisory_unlock_all(); CLOSE ALL;
+    UNLISTEN *; RESET ALL;`` when a connection is released: one more round trip per
+    transaction. Ours sends nothing after ``COMMIT`` (the server's last statement of that
+    backend stays the COMMIT), and a transaction that failed is still rolled back."""
+    import asyncpg
+
+    from leadgate.database.pg import asyncpg_dsn
+
+    db = Database(migrated_url)
+    other = await asyncpg.connect(asyncpg_dsn(migrated_url))
+    try:
+        async with db.tx() as conn:
+            pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+            await conn.execute(INSERT_BINDING, binding("r1"))
+        last = await other.fetchval("SELECT query FROM pg_stat_activity WHERE pid = $1", pid)
+        assert last.strip().upper().rstrip(";") == "COMMIT", last
+        with pytest.raises(Boom):
+            async with db.tx() as conn:
+                assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) == pid
+                await conn.execute(INSERT_BINDING, binding("r2"))
+                raise Boom
+        async with db.read() as conn:
+            assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) == pid  # reused
+            ids = (await conn.execute(ALL_BINDINGS)).all()
+        assert [r.id for r in ids] == ["r1"]
+    finally:
+        await other.close()
+        await db.close()
