@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.database import schema as t
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
@@ -107,10 +108,24 @@ async def test_a_slack_lifecycle_stays_within_its_statement_budget(migrated_url:
         await lifecycle("1.1")  # caches, as in a running service
         with stack.db.record_statements() as statements:
             await lifecycle("2.2")
+        # Each event names the item its message opened (a new session's event is written
+        # once, with the new item's id).
+        async with stack.db.read() as conn:
+            events = (
+                await conn.execute(
+                    sa.select(t.inbound_events.c.external_event_id, t.work_items.c.task_context)
+                    .join(t.work_items, t.work_items.c.id == t.inbound_events.c.work_item_id)
+                    .order_by(t.inbound_events.c.external_event_id)
+                )
+            ).all()
     finally:
         await stack.stop()
     assert channel.texts() == ["Echo: write 1.1 #complete", "Echo: write 2.2 #complete"]
     _assert_within(stack, statements, SLACK_STATEMENT_BUDGET, SLACK_TRANSACTION_BUDGET)
+    assert [tuple(e) for e in events] == [
+        ("slack:T1:C1:1.1", "write 1.1 #complete"),
+        ("slack:T1:C1:2.2", "write 2.2 #complete"),
+    ]
 
 
 async def test_the_active_item_lookup_uses_the_unique_partial_index(stack: Stack) -> None:
