@@ -114,7 +114,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
     figures = lifecycle.Figures()
     life_parts = {p for p in ("lifecycle", "approve") if p in parts}
     if life_parts:
-        print("lifecycles (SQLite): plain turns vs gated lifecycles, alternating", flush=True)
+        print("lifecycles (SQLite): plain turns vs gated lifecycles, interleaved", flush=True)
         await lifecycle.sqlite_parts(
             life_args(args), figures, {"sqlite" if p == "lifecycle" else p for p in life_parts}
         )

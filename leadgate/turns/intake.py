@@ -161,7 +161,7 @@ class Intake:
                 item_id, revision = await self._open_item(
                     conn, trigger, agent, lead, session_id, binding_id, item, now, new_item_id
                 )
-                if item_id != new_item_id or not event.recorded:
+                if not (event.recorded and item_id == new_item_id):  # else written with it
                     await event.finish(conn, work_item_id=item_id)
             message_id = await store_message(
                 conn,
