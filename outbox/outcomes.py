@@ -30,7 +30,7 @@ from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import Permanent, Retry, SendOutcome, Sent
-from outbox.store import DeliveryStatus, ReviewNeeded
+from outbox.store import REVEAL_ONE, DeliveryStatus, ReviewNeeded
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -42,19 +42,6 @@ _SET_EXTERNAL_ID = (
     .where(D.id == sa.bindparam("b_id"))
     .values(external_id=sa.bindparam("b_external"))
 )
-# Reveal (api/studio): the approved item's withheld assistant message becomes visible.
-_REVEAL_ONE = (
-    t.messages.update()
-    .where(
-        t.messages.c.id
-        == sa.select(t.work_items.c.gated_message_id)
-        .where(t.work_items.c.id == sa.bindparam("p_item"))
-        .scalar_subquery()
-    )
-    .values(lead_gated=False)
-    .returning(t.messages.c.id, t.messages.c.session_id)
-)
-
 # The same for a committed group, and the group's fenced ``sending -> sent``.
 _REVEAL = (
     t.messages.update()
@@ -251,7 +238,7 @@ class OutcomeCommitter:
             return
         METRICS.deliveries.labels(row.channel, label).inc()
         if row.action == "reveal" and isinstance(outcome, Sent):
-            revealed = await conn.execute(_REVEAL_ONE, {"p_item": row.work_item_id})
+            revealed = await conn.execute(REVEAL_ONE, {"p_item": row.work_item_id})
             await self._announce(conn, revealed.all())
         if row.kind != "gating" or row.work_item_id is None:
             return

@@ -67,6 +67,7 @@ from outbox.pump import Pump
 from outbox.store import (
     CARD_KINDS,
     CARD_UPDATE,
+    INTERNAL_ACTIONS,
     OUTBOX_TOPIC,
     DeliveryStatus,
     ReviewNeeded,
@@ -85,7 +86,6 @@ _NEVER = 2**62
 CLAIM_RECHECK_MS = 1_000
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 300.0
-INTERNAL_ACTIONS = frozenset({"reveal", "silent", "scheduled"})
 NO_BINDING_ERROR = "no active binding for the session"
 LEASE_EXPIRED_ERROR = (
     "send lease expired: the relay stopped mid-send; the message may or may not have been posted"

@@ -22,7 +22,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import asyncpg
 import sqlalchemy as sa
@@ -30,10 +30,11 @@ import sqlalchemy as sa
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.metrics import METRICS
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
-from leadgate.domain import workitems
+from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
 from leadgate.domain.workitems import Status
 
@@ -51,6 +52,11 @@ HANDOFF_TOPIC = "outbox-handoff"
 CARD = "card"
 CARD_UPDATE = "cardUpdate"
 CARD_KINDS = frozenset({CARD, CARD_UPDATE})
+#: Gating actions with nothing to send (SPEC 6): the approval's own transaction writes
+#: their delivery ``sent`` and completes the item; the relay never sees them.
+INTERNAL_ACTIONS = frozenset({"reveal", "silent", "scheduled"})
+#: The audit actor of an item completed by an internal delivery.
+OUTBOX_ACTOR = "system:outbox"
 
 #: ``(conn, work_item_id, reason, gating_delivery_id)``: an item started waiting for a
 #: human (``awaitingHuman``, or its gating delivery became ``deliveryUnknown``); the
@@ -84,6 +90,14 @@ def action_for(binding: Binding | None) -> tuple[str, str]:
     if kind == BindingKind.scheduled:
         return "scheduled", kind.value
     return "post", kind.value
+
+
+class Gating(NamedTuple):
+    """An approved item's gating delivery, and the item after it (``completed`` when
+    the delivery was internal and is done)."""
+
+    delivery: Delivery
+    item: WorkItem
 
 
 class LocalRelay(Protocol):
@@ -142,8 +156,17 @@ class Outbox:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
         self._local = relay
 
-    async def enqueue_gating(self, conn: Conn, item: WorkItem) -> Delivery:
-        """Write the gating delivery of an approved item (call inside the approval tx)."""
+    async def enqueue_gating(self, conn: Conn, item: WorkItem) -> Gating:
+        """Write the gating delivery of an approved item (call inside the approval tx);
+        returns it with the item as it now stands.
+
+        A channel post is queued for the relay. An internal action (reveal, silent,
+        scheduled) has nothing to send, so it is done here: the delivery is written
+        ``sent``, a reveal clears the gated message's ``leadGated``, and the item moves
+        ``approved -> completed``, all in the approval's transaction (SPEC 6: success is
+        the delivery ``sent`` and the item ``completed`` in one transaction). Doing it
+        through the relay cost a second transaction and a relay pass for every
+        api-bound lifecycle, with no send that could fail in between."""
         binding = await active_binding(conn, item.session_id)
         action, channel = action_for(binding)
         now = self.clock.now_ms()
@@ -165,7 +188,31 @@ class Outbox:
             "created_at": now,
             "updated_at": now,
         }
-        return await self._insert(conn, values, now)
+        if action in INTERNAL_ACTIONS:
+            return await self._deliver_internal(conn, item, values)
+        return Gating(await self._insert(conn, values, now), item)
+
+    async def _deliver_internal(self, conn: Conn, item: WorkItem, values: dict[str, Any]) -> Gating:
+        values.update(status=DeliveryStatus.sent.value, attempts=1)
+        await conn.execute(_INSERT_DELIVERY, values)
+        if values["action"] == "reveal":
+            revealed = await conn.execute(REVEAL_ONE, {"p_item": item.id})
+            # The message event is queued before the item's move, so ``delivered``
+            # follows it in the session's event log (as after a relay's reveal).
+            for row in revealed.all():
+                await session_events.message_visible(conn, self.clock, row.session_id, row.id)
+        completed = await workitems.transition(
+            conn,
+            self.clock,
+            self.ids,
+            item.id,
+            src=Status.approved,
+            dst=Status.completed,
+            actor=OUTBOX_ACTOR,
+            action="delivered",
+        )
+        METRICS.deliveries.labels(values["channel"], "sent").inc()
+        return Gating(delivery_of(values), completed)
 
     async def enqueue_reply(
         self, conn: Conn, *, org_id: str, binding: Binding, text: str
@@ -254,6 +301,18 @@ class Outbox:
 
 
 _INSERT_DELIVERY = t.deliveries.insert()
+#: Reveal (api/studio): the approved item's withheld assistant message becomes visible.
+REVEAL_ONE = (
+    t.messages.update()
+    .where(
+        t.messages.c.id
+        == sa.select(t.work_items.c.gated_message_id)
+        .where(t.work_items.c.id == sa.bindparam("p_item"))
+        .scalar_subquery()
+    )
+    .values(lead_gated=False)
+    .returning(t.messages.c.id, t.messages.c.session_id)
+)
 #: Columns a new delivery row leaves to their defaults.
 _UNSET_COLUMNS: dict[str, Any] = {
     "lease_owner": None,

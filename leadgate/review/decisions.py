@@ -54,7 +54,9 @@ async def commit_verdict(
 ) -> WorkItem:
     """Commit a verdict on ``item`` (currently ``src``); returns the updated row.
 
-    An approval writes the gating delivery through ``outbox`` in the same transaction;
+    An approval writes the gating delivery through ``outbox`` in the same transaction
+    (and, when it has nothing to send, completes the item there: the row returned is
+    then ``completed``);
     changes requested without rounds left, and an escalation, go to a human.
     """
     values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None}
@@ -90,7 +92,8 @@ async def commit_verdict(
         identity=identity,
     )
     if dst == Status.approved:
-        await outbox.enqueue_gating(conn, row)
+        # An internal delivery (api reveal, silent, scheduled) completes the item here.
+        row = (await outbox.enqueue_gating(conn, row)).item
     elif dst == Status.awaitingHuman:
         await outbox.review_needed(conn, row.id, Status.awaitingHuman.value)
     return row

@@ -102,9 +102,9 @@ async def test_a_submit_lead_review_call_approves(service: App, model: ModelServ
     model.push_tool_calls([{"name": "submit_lead_review", "arguments": {"verdict": "approved"}}])
     await drain(service.lead_runner)
     item = await status(service, item_id)
-    assert item["status"] == "approved"
+    assert item["status"] == "completed"  # approved; the reveal is done in the same commit
     [dlv] = await _deliveries(service, item_id)
-    assert (dlv["kind"], dlv["action"]) == ("gating", "reveal")
+    assert (dlv["kind"], dlv["action"], dlv["status"]) == ("gating", "reveal", "sent")
     [request] = model.requests
     assert request["model"] == "lead-model"
     assert tool_names(request) == LEAD_TOOL_NAMES
@@ -128,7 +128,7 @@ async def test_inspect_then_verdict_takes_two_executions(service: App, model: Mo
         text="Checked the transcript.",
     )
     await drain(service.lead_runner)
-    assert (await status(service, item_id))["status"] == "approved"
+    assert (await status(service, item_id))["status"] == "completed"
     assert len(model.requests) == 2
     second = model.requests[1]
     assert tool_names(second) == LEAD_TOOL_NAMES
@@ -162,7 +162,7 @@ async def test_changes_requested_over_the_wire_then_approved(
     await drain(RevisionRunner(service.turns))
     await drain(service.lead_runner)
     item = await status(service, item_id)
-    assert (item["status"], item["snapshot"]) == ("approved", "Revised: Add a title.")
+    assert (item["status"], item["snapshot"]) == ("completed", "Revised: Add a title.")
     envelope = json.loads(model.requests[1]["messages"][1]["content"])
     assert (envelope["revision"], envelope["previousFeedback"]) == (1, "Add a title.")
 

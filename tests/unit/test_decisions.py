@@ -46,6 +46,21 @@ async def run(stack: Stack, org: Org, worker: dict[str, Any], text: str, session
     return await session_item(stack, session)
 
 
+async def slack_run(stack: Stack, org: Org, worker: dict[str, Any], text: str, session: str) -> str:
+    """A gated turn from a Slack thread (no Slack channel is configured in the stack)."""
+    out = await stack.turns.run(
+        Trigger(
+            org_id=org.id,
+            agent_id=worker["id"],
+            session_key=session,
+            text=text,
+            binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1"}),
+        )
+    )
+    assert isinstance(out, Gated) and out.work_item_id
+    return out.work_item_id
+
+
 async def escalated(stack: Stack, org: Org, worker: dict[str, Any], session: str) -> str:
     item_id = await run(stack, org, worker, "hard #escalate #complete", session)
     await drain(stack.lead_runner)
@@ -67,23 +82,16 @@ async def items_in_every_status(stack: Stack, org: Org, worker: dict[str, Any]) 
         item = await workitems.get(conn, ids["rejected"])
         await decisions.human_reject(conn, stack.clock, stack.ids, item, "user:x", "no")
 
+    # An api item completes in its approval's transaction (the reveal sends nothing).
     ids["completed"] = await run(stack, org, worker, "done #complete", "completed")
+    await drain(stack.lead_runner)
     # A Slack binding with no Slack channel configured: the delivery fails permanently.
-    out = await stack.turns.run(
-        Trigger(
-            org_id=org.id,
-            agent_id=worker["id"],
-            session_key="failed",
-            text="post it #complete",
-            binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1"}),
-        )
-    )
-    assert isinstance(out, Gated) and out.work_item_id
-    ids["failed"] = out.work_item_id
+    ids["failed"] = await slack_run(stack, org, worker, "post it #complete", "failed")
     await drain(stack.lead_runner)
     await drain(stack.relay)
 
-    ids["approved"] = await run(stack, org, worker, "ok #complete", "approved")
+    # Approved on a channel binding: its post waits for the relay (not drained here).
+    ids["approved"] = await slack_run(stack, org, worker, "ok #complete", "approved")
     await drain(stack.lead_runner)
 
     ids["cancelled"] = await run(stack, org, worker, "never mind", "cancelled")
@@ -132,19 +140,25 @@ async def test_human_approve_writes_the_gating_delivery_in_the_same_transaction(
     org, worker = await setup(stack)
     item_id = await escalated(stack, org, worker, "a")
     updated = await decide(stack, item_id, "approve")
-    assert updated["status"] == "approved"
+    # The api binding's reveal sends nothing: the approval's transaction completes it.
+    assert updated["status"] == "completed"
+    assert (await row(stack, item_id))["status"] == "completed"
     [dlv] = await deliveries(stack, item_id)
-    assert (dlv["kind"], dlv["action"], dlv["status"]) == ("gating", "reveal", "pending")
+    assert (dlv["kind"], dlv["action"], dlv["status"]) == ("gating", "reveal", "sent")
     assert dlv["text"] == "Echo: hard #escalate #complete"
-    last = (await audit_rows(stack, item_id))[-1]
-    assert (last["actor"], last["action"], last["from_status"], last["to_status"]) == (
+    approve, delivered = (await audit_rows(stack, item_id))[-2:]
+    assert (approve["actor"], approve["action"], approve["from_status"]) == (
         "user:alice",
         "approve",
         "awaitingHuman",
-        "approved",
     )
-    await drain(stack.relay)
-    assert (await row(stack, item_id))["status"] == "completed"
+    assert approve["to_status"] == "approved"
+    assert (delivered["actor"], delivered["action"], delivered["to_status"]) == (
+        "system:outbox",
+        "delivered",
+        "completed",
+    )
+    assert await drain(stack.relay) == 0
 
     # Atomicity: a delivery insert that fails rolls the approval back.
     other = await escalated(stack, org, worker, "b")

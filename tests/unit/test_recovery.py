@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
@@ -23,7 +23,15 @@ from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
 from tests.fakes import DownFor
-from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
+from tests.helpers import (
+    Org,
+    api_trigger,
+    item_audit,
+    item_deliveries,
+    item_row,
+    make_agent,
+    make_org,
+)
 from tests.stack import Stack
 
 DEAD = "prc_dead_process"
@@ -169,10 +177,23 @@ async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> 
     assert (await item_row(stack, item.id))["status"] == "reviewQueued"
     # A send lease likewise: a post in flight when its process died stays uncertain.
     stack.relay.owner = lambda: DEAD
+    slack = BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": "1.1"})
+    out = await stack.turns.run(
+        Trigger(
+            org_id=org.id,
+            agent_id=worker["id"],
+            session_key="slack:T1:C1:1.1",
+            text="post it #complete",
+            binding=slack,
+        )
+    )
+    assert isinstance(out, Gated)
     await drain(stack.lead_runner)
-    rows = await stack.relay.claim()
-    assert [r.lease_owner for r in rows] == [DEAD] and rows[0].action == "reveal"
-    assert await stack.relay.expire_send_leases() == 1  # internal action: pending again
+    rows = [r for r in await stack.relay.claim() if r.work_item_id == out.work_item_id]
+    assert [r.lease_owner for r in rows] == [DEAD] and rows[0].action == "post"
+    assert await stack.relay.expire_send_leases() == 1
+    [dlv] = await item_deliveries(stack, str(out.work_item_id))
+    assert dlv["status"] == "deliveryUnknown"
 
 
 async def test_liveness_reaps_dead_processes_of_this_host_and_silent_ones(stack: Stack) -> None:

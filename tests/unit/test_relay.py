@@ -147,19 +147,18 @@ async def gated_item(
     return str(out.work_item_id)
 
 
-async def test_api_binding_reveals_without_a_channel_call(
+async def test_api_binding_reveals_in_the_approval_transaction_without_a_channel_call(
     stack: Stack, channel: ScriptedChannel
 ) -> None:
     org = await make_org(stack)
     item_id = await gated_item(stack, org, BindingSpec(BindingKind.api))
-    await drain(stack.lead_runner)
-    row = await item(stack, item_id)
     async with stack.db.read() as conn:
+        row = await item(stack, item_id)
         gated = await conn.scalar(
             sa.select(t.messages.c.lead_gated).where(t.messages.c.id == row["gated_message_id"])
         )
-    assert row["status"] == "approved" and gated is True
-    assert await drain(stack.relay) >= 1
+    assert row["status"] == "reviewQueued" and gated is True
+    await drain(stack.lead_runner)
     row = await item(stack, item_id)
     async with stack.db.read() as conn:
         gated = await conn.scalar(
@@ -168,9 +167,31 @@ async def test_api_binding_reveals_without_a_channel_call(
         (dlv,) = [d._asdict() for d in await for_item(conn, item_id)]
     assert gated is False
     assert row["status"] == "completed"
-    assert (dlv["action"], dlv["status"]) == ("reveal", "sent")
-    assert channel.calls == []
+    assert (dlv["action"], dlv["status"], dlv["attempts"]) == ("reveal", "sent", 1)
     assert "delivered" in await audit_actions(stack, item_id)
+    assert await drain(stack.relay) == 0
+    assert channel.calls == []
+
+
+async def test_an_internal_delivery_left_pending_is_still_done_by_the_relay(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """Rows an older version wrote ``pending`` (reveal, silent, scheduled) before an
+    upgrade are done by the relay as before: no channel call, item completed."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 3, kind=BindingKind.api)
+    async with stack.db.tx() as conn:
+        for action, d in zip(("reveal", "silent", "scheduled"), seeded.deliveries, strict=True):
+            await conn.execute(
+                t.deliveries.update().where(t.deliveries.c.id == d["id"]).values(action=action)
+            )
+    assert await drain(stack.relay) >= 1
+    assert channel.calls == []
+    for seeded_item in seeded.items:
+        assert (await item(stack, seeded_item["id"]))["status"] == "completed"
+    async with stack.db.read() as conn:
+        for d in seeded.deliveries:
+            [row] = [r._asdict() for r in await for_item(conn, d["work_item_id"])]
+            assert row["status"] == "sent"
 
 
 async def test_channel_binding_posts_the_snapshot_into_the_thread(
@@ -720,7 +741,7 @@ async def test_handed_over_rows_not_started_go_back_to_pending_at_shutdown(
     try:
         async with stack.db.tx() as conn:
             item_row = await workitems.get(conn, seeded.items[0]["id"])
-            values = (await stack.outbox.enqueue_gating(conn, item_row))._asdict()
+            values = (await stack.outbox.enqueue_gating(conn, item_row)).delivery._asdict()
     finally:
         stack.outbox.attach(None)
         stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)

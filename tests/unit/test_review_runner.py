@@ -158,34 +158,40 @@ def clock(stack: Stack) -> FakeClock:
 
 
 @SQLITE_ONLY
-async def test_approved_moves_to_approved_with_exactly_one_gating_delivery(
+async def test_an_approval_completes_an_api_item_with_exactly_one_gating_delivery(
     stack: Stack,
 ) -> None:
+    """On the api binding the approval's transaction reveals the withheld message and
+    completes the item: the reveal has nothing to send, so the relay has nothing to do."""
     org, lead, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
     assert (await row(stack, item_id))["status"] == "reviewQueued"
     assert await drain(stack.lead_runner) == 1
     item = await row(stack, item_id)
-    assert item["status"] == "approved"
+    assert item["status"] == "completed"
     assert item["lease_token"] is None and item["lease_expires_at"] is None
     [dlv] = await deliveries(stack, item_id)
-    assert (dlv["kind"], dlv["action"], dlv["channel"], dlv["status"]) == (
+    assert (dlv["kind"], dlv["action"], dlv["channel"], dlv["status"], dlv["attempts"]) == (
         "gating",
         "reveal",
         "api",
-        "pending",
+        "sent",
+        1,
     )
     assert dlv["text"] == "Echo: write the report #complete"
-    last = (await audit(stack, item_id))[-1]
-    assert (last["actor"], last["action"], last["from_status"], last["to_status"]) == (
+    approve, delivered = (await audit(stack, item_id))[-2:]
+    assert (approve["actor"], approve["action"], approve["from_status"]) == (
         f"lead:{lead['id']}",
         "approve",
         "reviewing",
-        "approved",
     )
-    # The relay reveals the withheld message and completes the item.
-    await drain(stack.relay)
-    assert (await row(stack, item_id))["status"] == "completed"
+    assert approve["to_status"] == "approved" and approve["created_at"] == delivered["created_at"]
+    assert (delivered["actor"], delivered["action"], delivered["to_status"]) == (
+        "system:outbox",
+        "delivered",
+        "completed",
+    )
+    assert await drain(stack.relay) == 0
     async with stack.db.read() as conn:
         shown = await visible_transcript(conn, org.id, item["session_id"])
     assert [m["content"] for m in shown][-1] == "Echo: write the report #complete"
@@ -240,7 +246,7 @@ async def test_approval_and_its_delivery_are_one_transaction(stack: Stack) -> No
     assert await audit(stack, item_id) == before
     # The same claim, committed with working ids, approves once.
     await stack.lead_runner.review(claimed)
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     assert len(await deliveries(stack, item_id)) == 1
 
 
@@ -266,7 +272,7 @@ async def test_a_runner_that_lost_its_lease_commits_nothing(stack: Stack) -> Non
     assert await audit(stack, item_id) == audit_before
 
     await second.review(fresh)
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     await first.review(stale)  # still nothing: the item is no longer reviewing
     assert len(await deliveries(stack, item_id)) == 1
     assert (await actions(stack, item_id)).count("approve") == 1
@@ -310,7 +316,7 @@ async def test_changes_requested_dispatches_feedback_then_approves(stack: Stack)
     # The next review approves revision 1 (the script lead revises only revision 0).
     await drain(stack.lead_runner)
     item = await row(stack, item_id)
-    assert (item["status"], item["revision"]) == ("approved", 1)
+    assert (item["status"], item["revision"]) == ("completed", 1)
     [dlv] = await deliveries(stack, item_id)
     assert dlv["text"] == "Revised: Please revise."
     await drain(stack.relay)
@@ -448,7 +454,7 @@ async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLe
     fake_lead.behaviour = lambda request, n: [verdict("approved")]
     await settle(stack)
     item = await row(stack, item_id)
-    assert (item["status"], item["snapshot"]) == ("approved", "Revised: Last go")
+    assert (item["status"], item["snapshot"]) == ("completed", "Revised: Last go")
 
 
 # ---------------------------------------------------------------------------- lease
@@ -509,7 +515,7 @@ async def test_racing_runners_claim_an_item_exactly_once(stack: Stack) -> None:
     for _ in range(3):
         await asyncio.gather(*(r.run_once() for r in runners))
     for item_id in ids:
-        assert (await row(stack, item_id))["status"] == "approved"
+        assert (await row(stack, item_id))["status"] == "completed"
         assert len(await deliveries(stack, item_id)) == 1
         acts = await actions(stack, item_id)
         assert (acts.count("claim"), acts.count("approve")) == (1, 1)
@@ -525,7 +531,7 @@ async def test_the_lead_gets_three_tools_and_a_server_built_envelope(
     org, _, worker = await setup(stack, lead_model="fake")
     item_id = await submit(stack, org, worker, "draft #revise")
     await settle(stack)
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     first, second = fake_lead.requests
     for request in (first, second):
         assert request.purpose == "lead"
@@ -567,7 +573,7 @@ async def test_inspect_tools_show_gated_messages_and_artifacts(
     fake_lead.behaviour = inspect_then_approve
     item_id = await submit(stack, org, worker, "build it")
     await drain(stack.lead_runner)
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     assert len(fake_lead.requests) == 2
     results = {
         m.tool_call_id: m.content for m in fake_lead.requests[1].messages if m.role == "tool"
@@ -632,7 +638,7 @@ async def test_an_early_model_error_is_retried(stack: Stack, fake_lead: FakeLead
     item_id = await submit(stack, org, worker, "task")
     await drain(stack.lead_runner)
     assert len(fake_lead.requests) == 2
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
 
 
 @SQLITE_ONLY
@@ -715,7 +721,7 @@ async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
     assert (await row(stack, item_id))["status"] == "reviewing"
     # The next pass (the database is back) gives it back and reviews it: no 20-minute wait.
     assert await drain(stack.lead_runner) == 1
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     assert "leaseReleased" in await actions(stack, item_id)
 
 
@@ -729,7 +735,7 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
         await stack.lead_runner.claim()
     assert (await row(stack, item_id))["status"] == "reviewing"  # the claim did land
     assert await drain(stack.lead_runner) == 1
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     assert (await actions(stack, item_id)).count("leaseReleased") == 1
 
 
@@ -748,14 +754,14 @@ async def test_a_poked_runner_skips_the_claim_while_its_queue_is_known_empty(
     org, _, worker = await setup(stack)
     first = await submit(stack, org, worker, "first", session="a")
     assert await drain(runner) == 1
-    assert (await row(stack, first))["status"] == "approved"
+    assert (await row(stack, first))["status"] == "completed"
     with stack.db.record_statements() as idle:
         assert await runner.run_once() is False
     assert idle == []
     # A submission pokes the runner: the next pass claims and reviews it.
     second = await submit(stack, org, worker, "second", session="b")
     assert await drain(runner) == 1
-    assert (await row(stack, second))["status"] == "approved"
+    assert (await row(stack, second))["status"] == "completed"
     # Queued behind the runner's back (another replica, no NOTIFY on SQLite): picked up
     # once a second has passed since the empty claim, not before.
     stack.turns.on_review_queued = lambda: None
@@ -764,7 +770,7 @@ async def test_a_poked_runner_skips_the_claim_while_its_queue_is_known_empty(
     assert (await row(stack, third))["status"] == "reviewQueued"
     clock(stack).advance(1_000)
     assert await drain(runner) == 1
-    assert (await row(stack, third))["status"] == "approved"
+    assert (await row(stack, third))["status"] == "completed"
 
 
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
@@ -781,7 +787,7 @@ async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None
     clock(stack).advance(20 * MINUTE_MS + 1)  # its lease is over...
     with stack.db.record_statements() as statements:
         assert await runner.run_once() is True  # ...the check is due: taken back, reviewed
-    assert (await row(stack, item_id))["status"] == "approved"
+    assert (await row(stack, item_id))["status"] == "completed"
     assert any("lease_expiries" in s for s in statements)
     # Within the next second no pass looks again.
     with stack.db.record_statements() as statements:

@@ -108,9 +108,11 @@ async def test_gated_turn_then_approval_reveals_then_delivers(stack: Stack) -> N
         (1, "message", "user", "ship it #complete"),
         (2, "review", "pending", None),
     ]
-    await drain(stack.lead_runner)  # reviewQueued -> reviewing -> approved: still pending
+    claimed = await stack.lead_runner.claim()  # reviewQueued -> reviewing: still pending
+    assert claimed is not None
     assert len(await log_of(stack, sid)) == 2
-    await drain(stack.relay)  # reveal + completed, in one transaction
+    # The approval's transaction reveals and completes (an api reveal sends nothing).
+    await stack.lead_runner.review(claimed)
     assert (await log_of(stack, sid))[2:] == [
         (3, "message", "assistant", "Echo: ship it #complete"),
         (4, "review", "delivered", None),
