@@ -150,12 +150,20 @@ def completed(proc: ServiceProcess) -> float:
 
 
 class Service:
-    """A service process with the demo organization and a Slack route to the worker."""
+    """A service process with the demo organization and a Slack route to the worker
+    (``env``: for its children, e.g. ``PYTHONPATH`` of another checkout: ``bench.ab``)."""
 
-    def __init__(self, workdir: Path, standin: Standin, database_url: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        standin: Standin,
+        database_url: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.proc = ServiceProcess(
             workdir,
             database_url=database_url,
+            env=env or {},
             config={
                 "log": {"level": "WARNING"},
                 "slack": {
