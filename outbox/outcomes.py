@@ -30,7 +30,7 @@ from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import Permanent, Retry, SendOutcome, Sent
-from outbox.store import REVEAL_ONE, DeliveryStatus, ReviewNeeded
+from outbox.store import DeliveryStatus, ReviewNeeded, reveal
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -237,9 +237,8 @@ class OutcomeCommitter:
             METRICS.deliveries.labels(row.channel, "leaseLost").inc()
             return
         METRICS.deliveries.labels(row.channel, label).inc()
-        if row.action == "reveal" and isinstance(outcome, Sent):
-            revealed = await conn.execute(REVEAL_ONE, {"p_item": row.work_item_id})
-            await self._announce(conn, revealed.all())
+        if row.action == "reveal" and isinstance(outcome, Sent) and row.work_item_id:
+            await reveal(conn, self.clock, row.work_item_id)
         if row.kind != "gating" or row.work_item_id is None:
             return
         if item_dst is None:

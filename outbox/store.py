@@ -196,11 +196,7 @@ class Outbox:
         values.update(status=DeliveryStatus.sent.value, attempts=1)
         await conn.execute(_INSERT_DELIVERY, values)
         if values["action"] == "reveal":
-            revealed = await conn.execute(REVEAL_ONE, {"p_item": item.id})
-            # The message event is queued before the item's move, so ``delivered``
-            # follows it in the session's event log (as after a relay's reveal).
-            for row in revealed.all():
-                await session_events.message_visible(conn, self.clock, row.session_id, row.id)
+            await reveal(conn, self.clock, item.id)
         completed = await workitems.transition(
             conn,
             self.clock,
@@ -300,9 +296,18 @@ class Outbox:
         return True
 
 
+async def reveal(conn: Conn, clock: Clock, item_id: str) -> None:
+    """Make an approved item's withheld assistant message visible (api/studio) and queue
+    its ``message`` event: before the item's move to ``completed``, so ``delivered``
+    follows it in the session's event log."""
+    revealed = await conn.execute(_REVEAL_ONE, {"p_item": item_id})
+    for row in revealed.all():
+        await session_events.message_visible(conn, clock, row.session_id, row.id)
+
+
 _INSERT_DELIVERY = t.deliveries.insert()
 #: Reveal (api/studio): the approved item's withheld assistant message becomes visible.
-REVEAL_ONE = (
+_REVEAL_ONE = (
     t.messages.update()
     .where(
         t.messages.c.id
