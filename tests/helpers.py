@@ -72,6 +72,22 @@ def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1")
     )
 
 
+def slack_trigger(org: Org, agent: dict[str, Any], text: str, thread_ts: str) -> Trigger:
+    """A message in Slack thread ``thread_ts`` (team T1, channel C1) for ``agent``, on
+    the thread's session, with the event id that de-duplicates redeliveries."""
+    key = f"slack:T1:C1:{thread_ts}"
+    return Trigger(
+        org_id=org.id,
+        agent_id=str(agent["id"]),
+        session_key=key,
+        text=text,
+        binding=BindingSpec(
+            BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": thread_ts}
+        ),
+        external_event_id=key,
+    )
+
+
 async def item_row(service: Env, item_id: str) -> dict[str, Any]:
     """A work item as stored (as a dict)."""
     async with service.db.read() as conn:

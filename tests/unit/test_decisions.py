@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from leadgate.core.clock import DAY_MS, FakeClock, RandomIds, iso
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
+from leadgate.core.types import Gated, Reply
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Sweeper
@@ -20,7 +20,7 @@ from leadgate.review import decisions
 from leadgate.review.queue import detail
 from leadgate.runners.revisions import RevisionRunner
 from outbox.store import Outbox
-from tests.helpers import Org, api_trigger, make_agent, make_org, session_item
+from tests.helpers import Org, api_trigger, make_agent, make_org, session_item, slack_trigger
 from tests.helpers import item_audit as audit_rows
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
@@ -48,15 +48,7 @@ async def run(stack: Stack, org: Org, worker: dict[str, Any], text: str, session
 
 async def slack_run(stack: Stack, org: Org, worker: dict[str, Any], text: str, session: str) -> str:
     """A gated turn from a Slack thread (no Slack channel is configured in the stack)."""
-    out = await stack.turns.run(
-        Trigger(
-            org_id=org.id,
-            agent_id=worker["id"],
-            session_key=session,
-            text=text,
-            binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1"}),
-        )
-    )
+    out = await stack.turns.run(slack_trigger(org, worker, text, session))
     assert isinstance(out, Gated) and out.work_item_id
     return out.work_item_id
 

@@ -20,9 +20,9 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.core.types import Gated
 from leadgate.database import schema as t
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
 
@@ -90,17 +90,6 @@ def _assert_within(
         assert verbs["BEGIN"] <= transactions, (verbs, statements)
 
 
-def _slack_trigger(org: Org, worker: dict[str, Any], ts: str) -> Trigger:
-    return Trigger(
-        org_id=org.id,
-        agent_id=str(worker["id"]),
-        session_key=f"slack:T1:C1:{ts}",
-        text=f"write {ts} #complete",
-        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": ts}),
-        external_event_id=f"slack:T1:C1:{ts}",
-    )
-
-
 async def test_a_slack_lifecycle_stays_within_its_statement_budget(migrated_url: str) -> None:
     channel = ScriptedChannel("slack")
     stack = build_stack(migrated_url, channels={"slack": channel})
@@ -108,7 +97,10 @@ async def test_a_slack_lifecycle_stays_within_its_statement_budget(migrated_url:
     stack.lead_runner.poked_on_enqueue = True
 
     async def lifecycle(ts: str) -> None:
-        assert isinstance(await stack.turns.run(_slack_trigger(org, worker, ts)), Gated)
+        assert isinstance(
+            await stack.turns.run(slack_trigger(org, worker, f"write {ts} #complete", ts)),
+            Gated,
+        )
         assert await drain(stack.lead_runner) == 1
         assert await drain(stack.relay) >= 1
 

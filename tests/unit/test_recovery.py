@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
@@ -24,28 +24,17 @@ from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
 from tests.fakes import DownFor
 from tests.helpers import (
-    Org,
     api_trigger,
     item_audit,
     item_deliveries,
     item_row,
     make_agent,
     make_org,
+    slack_trigger,
 )
 from tests.stack import Stack
 
 DEAD = "prc_dead_process"
-
-
-def slack_trigger(org: Org, agent: dict[str, object], text: str, ts: str) -> Trigger:
-    return Trigger(
-        org_id=org.id,
-        agent_id=str(agent["id"]),
-        session_key=f"slack:T1:C1:{ts}",
-        text=text,
-        binding=BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": ts}),
-        external_event_id=f"slack:T1:C1:{ts}",
-    )
 
 
 async def count(stack: Stack, table: sa.Table) -> int:
@@ -177,16 +166,7 @@ async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> 
     assert (await item_row(stack, item.id))["status"] == "reviewQueued"
     # A send lease likewise: a post in flight when its process died stays uncertain.
     stack.relay.owner = lambda: DEAD
-    slack = BindingSpec(BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": "1.1"})
-    out = await stack.turns.run(
-        Trigger(
-            org_id=org.id,
-            agent_id=worker["id"],
-            session_key="slack:T1:C1:1.1",
-            text="post it #complete",
-            binding=slack,
-        )
-    )
+    out = await stack.turns.run(slack_trigger(org, worker, "post it #complete", "1.1"))
     assert isinstance(out, Gated)
     await drain(stack.lead_runner)
     rows = [r for r in await stack.relay.claim() if r.work_item_id == out.work_item_id]

@@ -242,12 +242,14 @@ async def test_silent_and_scheduled_post_nothing_and_complete(
     org = await make_org(stack)
     item_id = await gated_item(stack, org, binding)
     await drain(stack.lead_runner)
-    await drain(stack.relay)
+    # Done by the approval's own transaction (SPEC 6): nothing is left for the relay.
     async with stack.db.read() as conn:
         (dlv,) = [d._asdict() for d in await for_item(conn, item_id)]
-    assert (dlv["action"], dlv["status"]) == (action, "sent")
-    assert channel.calls == []
+    assert (dlv["action"], dlv["status"], dlv["attempts"]) == (action, "sent", 1)
     assert (await item(stack, item_id))["status"] == "completed"
+    assert (await audit_actions(stack, item_id))[-2:] == ["approve", "delivered"]
+    assert await drain(stack.relay) == 0
+    assert channel.calls == []
 
 
 async def test_flow_continuation_is_never_picked_up(stack: Stack, channel: ScriptedChannel) -> None:
