@@ -397,19 +397,58 @@ async def pg_part(args: Any, figures: Figures) -> None:
                         )
                         worker.start(role="worker")
                         procs.append(worker)
+                database = url.rsplit("/", 1)[1].split("?")[0]
+                xacts0, pg_cpu0 = _xacts(pg, database), postgres_cpu_seconds()
+                cpu0 = sum(cpu_seconds(p.pid) for p in procs)
                 try:
                     async with aiohttp.ClientSession() as http:
-                        lps = await slack_round(
-                            http, f"{svc.proc.url}/slack/events", standin, args, f"pg{layout}{r}"
+                        n, elapsed = await slack_slice(
+                            http,
+                            f"{svc.proc.url}/slack/events",
+                            standin,
+                            args,
+                            f"pg{layout}{r}",
+                            args.duration,
                         )
+                    cpu = sum(cpu_seconds(p.pid) for p in procs) - cpu0
+                    pg_cpu = postgres_cpu_seconds() - pg_cpu0
                 finally:
                     for p in reversed(procs):
                         p.stop()
+                # Read after the stop: a backend reports its counts when it exits.
+                xacts = _xacts(pg, database) - xacts0
+                lps = n / elapsed
                 (figures.pg_one if layout == "one" else figures.pg_split).append(lps)
-                print(f"   round {r} {layout}: {lps:.0f} lifecycles/s", flush=True)
+                print(
+                    f"   round {r} {layout}: {lps:.0f} lifecycles/s; per lifecycle "
+                    f"{xacts / n:.1f} transactions, CPU {cpu / n * 1000:.1f} ms in leadgate "
+                    f"+ {pg_cpu / n * 1000:.1f} ms in PostgreSQL",
+                    flush=True,
+                )
     finally:
         standin.stop()
         pg.stop()
+
+
+def _xacts(pg: Any, database: str) -> int:
+    """Transactions committed and rolled back in ``database`` so far (pg_stat_database)."""
+    out = pg.psql(
+        f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{database}'"
+    )
+    return int(out.strip().splitlines()[-1].strip() or 0)
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds of every ``postgres`` process on this machine (backends included)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(postgres)" in text:
+            total += cpu_seconds(int(stat.parent.name))
+    return total
 
 
 def cores_and_load() -> str:

@@ -149,6 +149,9 @@ class LeadRunner:
         self._pokes = 0
         #: ``_pokes`` as of the last claim that left the queue empty (-1: not known empty)
         self._empty_at = -1
+        #: claims under way: each stands for one poke since the queue was last seen
+        #: empty, so one submission wakes every review loop but only one of them claims
+        self._claiming = 0
         self._last_empty_claim = 0
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
@@ -205,11 +208,14 @@ class LeadRunner:
         now = self.clock.now_ms()
         token = self.ids.new("lease")
         pokes = self._pokes  # before the read: a poke after it means "look again"
+        self._claiming += 1
         try:
             async with self.db.tx() as conn:
                 ids = (await conn.execute(self.db.skip_locked(_QUEUED))).scalars().all()
                 if len(ids) < 2:
                     self._empty_at, self._last_empty_claim = pokes, now
+                else:
+                    self._empty_at = -1  # more are waiting: the next pass claims
                 if not ids:
                     return None
                 try:
@@ -244,6 +250,8 @@ class LeadRunner:
             self._uncertain.append(token)
             self._empty_at = -1
             raise
+        finally:
+            self._claiming -= 1
 
     async def run_once(self) -> bool:
         """Expire leases (when due), then claim and review one item. True when it did
@@ -257,10 +265,14 @@ class LeadRunner:
         if (
             self.poked_on_enqueue
             and not expired
-            and self._empty_at == self._pokes
+            and self._empty_at >= 0
+            and self._claiming >= self._pokes - self._empty_at
             and now - self._last_empty_claim < CLAIM_RECHECK_MS
         ):
-            return False  # the last claim emptied the queue and nothing was queued since
+            # The last claim emptied the queue, and every poke since has a claim under
+            # way for it: another claim now would find nothing (the review loops share
+            # one wake event, so a single submission wakes all of them).
+            return False
         item = await self.claim()
         if item is None:
             return False

@@ -773,6 +773,26 @@ async def test_a_poked_runner_skips_the_claim_while_its_queue_is_known_empty(
     assert (await row(stack, third))["status"] == "completed"
 
 
+async def test_one_submission_wakes_every_review_loop_but_one_claims(stack: Stack) -> None:
+    """The service runs several review loops on one wake event: a submission wakes all
+    of them, and only as many claims run as there were pokes since the queue was last
+    seen empty; the other loops run no statement. Two submissions: two claims."""
+    runner = stack.lead_runner
+    runner.poked_on_enqueue = True
+    stack.turns.on_review_queued = runner.poke
+    org, _, worker = await setup(stack)
+    assert await runner.run_once() is False  # an empty claim: the queue is known empty
+    for wave, sessions in enumerate((["a"], ["b", "c"])):
+        for session in sessions:
+            await submit(stack, org, worker, f"task {session}", session=session)
+        with stack.db.record_statements() as statements:
+            results = await asyncio.gather(*(runner.run_once() for _ in range(4)))
+        claims = [s for s in statements if "ORDER BY work_items.updated_at, work_items.id" in s]
+        assert len(claims) == len(sessions), (wave, claims)
+        assert results.count(True) == len(sessions)
+    assert await runner.run_once() is False
+
+
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
     """Expired leases are looked for at most every EXPIRY_CHECK_MS by the runner's clock
     (a read, and a write transaction only when something expired)."""
