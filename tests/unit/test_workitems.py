@@ -212,19 +212,49 @@ async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
 # ------------------------------------------------------------------------ storage
 
 
+async def test_a_postgresql_read_runs_outside_a_transaction_block_and_refuses_writes(
+    pg_url: str,
+) -> None:
+    """READ COMMITTED gives each statement its own snapshot inside a block or not, so a
+    read sends no BEGIN/COMMIT (two round trips fewer); a write there is refused before
+    it reaches the server."""
+    await asyncio.to_thread(upgrade, pg_url)
+    db = Database(pg_url)
+    try:
+        began = sa.text("SELECT transaction_timestamp()")
+        async with db.read() as conn:
+            first = (await conn.execute(began)).scalar()
+            await conn.execute(sa.text("SELECT pg_sleep(0.002)"))
+            # In a block both statements would report the block's start.
+            assert (await conn.execute(began)).scalar() != first
+            with pytest.raises(TypeError, match="only SELECT"):
+                await conn.execute(
+                    t.organizations.insert(), {"id": "o1", "name": "x", "created_at": 1}
+                )
+        async with db.read() as conn:
+            assert (
+                await conn.execute(sa.select(sa.func.count()).select_from(t.organizations))
+            ).scalar() == 0
+    finally:
+        await db.close()
+
+
 async def test_sqlite_pragmas_are_on(tmp_path: Path) -> None:
     db = Database(f"sqlite+aiosqlite:///{tmp_path}/p.db")
     try:
         async with db.tx() as conn:
             journal = (await conn.execute(sa.text("PRAGMA journal_mode"))).scalar()
             fks = (await conn.execute(sa.text("PRAGMA foreign_keys"))).scalar()
+            # Savepoints' statement journal in memory, not spilled to temp files
+            # (every group-commit member runs in a savepoint).
+            temp_store = (await conn.execute(sa.text("PRAGMA temp_store"))).scalar()
         async with db.read() as conn:
             read_only = (await conn.execute(sa.text("PRAGMA query_only"))).scalar()
             # The loop never blocks in SQLite's busy handler: waiting for another
             # process's lock is an asyncio sleep (test_inline_sqlite covers it).
             busy = (await conn.execute(sa.text("PRAGMA busy_timeout"))).scalar()
         assert str(journal).lower() == "wal"
-        assert fks == 1
+        assert fks == 1 and temp_store == 2
         assert read_only == 1 and busy == 0
     finally:
         await db.close()
