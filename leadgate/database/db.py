@@ -229,7 +229,9 @@ class Database:
         return self._engine_tx()
 
     def read(self) -> AbstractAsyncContextManager[Conn]:
-        """A read-only transaction (one consistent snapshot for its statements)."""
+        """A read-only transaction: on SQLite one snapshot for all its statements; on
+        PostgreSQL (READ COMMITTED) each statement sees what was committed when it
+        started, and the statements run outside a transaction block."""
         if self._readers is not None:
             return _InlineRead(self._readers)
         if self._pg is not None:
@@ -256,7 +258,7 @@ class Database:
     async def _pg_read(self) -> AsyncIterator[Conn]:
         assert self._pg is not None
         try:
-            async with self._pg.transaction(readonly=True) as conn:
+            async with self._pg.read() as conn:
                 yield conn
         except Exception as exc:
             _raise_unavailable(exc)

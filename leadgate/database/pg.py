@@ -92,17 +92,21 @@ def _wrap(exc: BaseException, sql: str, args: Any) -> sa.exc.DBAPIError:
 class PgConnection:
     """One pooled asyncpg connection inside a transaction, running Core statements."""
 
-    __slots__ = ("_plans", "_raw", "_trace", "dialect", "info")
+    __slots__ = ("_plans", "_raw", "_readonly", "_trace", "dialect", "info")
 
     def __init__(
         self,
         raw: asyncpg.Connection,
         plans: PlanCache,
         trace: Callable[[str], None] | None,
+        *,
+        readonly: bool = False,
     ) -> None:
         self._raw = raw
         self._plans = plans
         self._trace = trace
+        #: a read (no transaction block): only SELECT statements
+        self._readonly = readonly
         self.dialect: Dialect = plans.dialect
         self.info: dict[Any, Any] = {}
 
@@ -115,6 +119,8 @@ class PgConnection:
         if parameters is not None and not isinstance(parameters, Mapping):
             return await self._many(statement, parameters)
         params: Mapping[str, Any] = parameters or {}
+        if self._readonly and not _is_select(statement):
+            raise TypeError("a read runs only SELECT statements; write in Database.tx()")
         plan, extracted = self._plans.plan(statement, frozenset(params))
         sql, args = plan.args(params, extracted)
         if self._trace is not None:
@@ -161,6 +167,13 @@ class PgConnection:
         except _DRIVER_ERRORS as exc:
             raise _wrap(exc, plan.sql, batch[:1]) from exc
         return Result([], len(batch))
+
+
+def _is_select(statement: sa.Executable) -> bool:
+    """A statement that only reads (a Core SELECT, or text starting with SELECT)."""
+    if isinstance(statement, sa.TextClause):
+        return statement.text.lstrip().upper().startswith("SELECT")
+    return isinstance(statement, sa.Select | sa.CompoundSelect)
 
 
 def _is_text_query(statement: sa.Executable, sql: str) -> bool:
@@ -257,6 +270,28 @@ class PgPool:
             except _DRIVER_ERRORS:
                 # A connection the server dropped mid-operation cannot be reset: close it
                 # (asyncpg may already have taken it back); the pool opens a new one.
+                with contextlib.suppress(Exception):
+                    raw.terminate()
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[PgConnection]:
+        """A pooled connection for SELECT statements, outside a transaction block.
+
+        At PostgreSQL's READ COMMITTED level every statement sees the data committed when
+        it started, inside ``BEGIN READ ONLY`` ... ``COMMIT`` or not: the block added two
+        round trips per read (a Slack event's route lookup was three instead of one) and
+        no consistency. Writes are refused here instead of by the server."""
+        pool = await self._ensure()
+        try:
+            raw = await pool.acquire(timeout=self.acquire_timeout_s)
+        except _DRIVER_ERRORS as exc:
+            raise _wrap(exc, "CONNECT", ()) from exc
+        try:
+            yield PgConnection(raw, self.plans, self.trace, readonly=True)
+        finally:
+            try:
+                await pool.release(raw)
+            except _DRIVER_ERRORS:
                 with contextlib.suppress(Exception):
                     raw.terminate()
 
