@@ -238,14 +238,28 @@ class PgPool:
         return self._pool
 
     @asynccontextmanager
-    async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgConnection]:
-        """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error)."""
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection from the pool, given back (or closed, if broken) at the end."""
         pool = await self._ensure()
         try:
             raw = await pool.acquire(timeout=self.acquire_timeout_s)
         except _DRIVER_ERRORS as exc:
             raise _wrap(exc, "CONNECT", ()) from exc
         try:
+            yield raw
+        finally:
+            try:
+                await pool.release(raw)
+            except _DRIVER_ERRORS:
+                # A connection the server dropped mid-operation cannot be reset: close it
+                # (asyncpg may already have taken it back); the pool opens a new one.
+                with contextlib.suppress(Exception):
+                    raw.terminate()
+
+    @asynccontextmanager
+    async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgConnection]:
+        """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error)."""
+        async with self._connection() as raw:
             tr = raw.transaction(readonly=readonly)
             try:
                 await tr.start()
@@ -264,14 +278,6 @@ class PgPool:
                 await tr.commit()
             except _DRIVER_ERRORS as exc:
                 raise _wrap(exc, "COMMIT", ()) from exc
-        finally:
-            try:
-                await pool.release(raw)
-            except _DRIVER_ERRORS:
-                # A connection the server dropped mid-operation cannot be reset: close it
-                # (asyncpg may already have taken it back); the pool opens a new one.
-                with contextlib.suppress(Exception):
-                    raw.terminate()
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[PgConnection]:
@@ -281,19 +287,8 @@ class PgPool:
         it started, inside ``BEGIN READ ONLY`` ... ``COMMIT`` or not: the block added two
         round trips per read (a Slack event's route lookup was three instead of one) and
         no consistency. Writes are refused here instead of by the server."""
-        pool = await self._ensure()
-        try:
-            raw = await pool.acquire(timeout=self.acquire_timeout_s)
-        except _DRIVER_ERRORS as exc:
-            raise _wrap(exc, "CONNECT", ()) from exc
-        try:
+        async with self._connection() as raw:
             yield PgConnection(raw, self.plans, self.trace, readonly=True)
-        finally:
-            try:
-                await pool.release(raw)
-            except _DRIVER_ERRORS:
-                with contextlib.suppress(Exception):
-                    raw.terminate()
 
     async def close(self) -> None:
         """Close every pooled connection."""
