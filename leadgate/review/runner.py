@@ -49,6 +49,8 @@ EXPIRY_CHECK_MS = 1_000
 #: still claims at least this often: items queued by another replica wake it no faster
 #: than its poll anyway.
 CLAIM_RECHECK_MS = 1_000
+#: Claims one pass runs again when pokes landed during its empty claim (see run_once).
+MAX_RECLAIMS = 3
 W = t.work_items.c
 
 # Built once: the plan cache keys on the statement object (see leadgate.database.plans).
@@ -274,6 +276,13 @@ class LeadRunner:
             # one wake event, so a single submission wakes all of them).
             return False
         item = await self.claim()
+        for _ in range(MAX_RECLAIMS):
+            if item is not None or self._claiming >= self._pokes - self._empty_at:
+                break
+            # A poke landed while this claim ran and no other claim covers it: the claim
+            # may have read the queue before that item's commit (PostgreSQL), and the
+            # loops it woke left it to this one. Look again now, not at the next poll.
+            item = await self.claim()
         if item is None:
             return False
         await self.review(item)

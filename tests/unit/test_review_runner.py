@@ -793,6 +793,47 @@ async def test_one_submission_wakes_every_review_loop_but_one_claims(stack: Stac
     assert await runner.run_once() is False
 
 
+async def test_a_poke_during_an_empty_claim_is_claimed_by_the_same_pass(pg_url: str) -> None:
+    """PostgreSQL: a submission commits (and pokes) while a claim is under way that read
+    the queue before it. The loops that poke woke see the claim and sleep; when it comes
+    back empty, the same pass claims again, instead of leaving the item to the poll."""
+    import contextlib
+    import contextvars
+
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    stack = build_stack(pg_url)
+    try:
+        runner = stack.lead_runner
+        runner.poked_on_enqueue = True
+        stack.turns.on_review_queued = runner.poke
+        org, _, worker = await setup(stack)
+        assert await runner.run_once() is False  # the queue is known empty
+        clock(stack).advance(1_000)  # the recheck second: the next pass claims unpoked
+        real_tx, late = stack.db.tx, []
+
+        @contextlib.asynccontextmanager
+        async def claim_then_submit() -> AsyncIterator[Any]:
+            async with real_tx() as conn:
+                yield conn
+                if not late:  # the claim read an empty queue; now the item commits
+                    late.append("")
+                    stack.db.tx = real_tx  # type: ignore[method-assign]
+                    late[0] = await asyncio.create_task(
+                        submit(stack, org, worker, "late", session="late"),
+                        context=contextvars.Context(),
+                    )
+                    # Woken by that poke, another loop sees this claim and sleeps.
+                    assert await runner.run_once() is False
+
+        stack.db.tx = claim_then_submit  # type: ignore[method-assign]
+        assert await runner.run_once() is True
+        assert (await row(stack, late[0]))["status"] == "completed"
+    finally:
+        await stack.stop()
+
+
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
     """Expired leases are looked for at most every EXPIRY_CHECK_MS by the runner's clock
     (a read, and a write transaction only when something expired)."""
