@@ -39,6 +39,7 @@ from leadgate.core.types import Outcome
 from leadgate.database.db import Database
 from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
+from leadgate.domain.session_events import NOTIFY_CHANNEL as SESSION_EVENTS_CHANNEL
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
@@ -76,8 +77,8 @@ from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
 from outbox.relay import Relay
-from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox
-from outbox.store import listen as outbox_listen
+from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox, listen_all
+from outbox.store import NOTIFY_CHANNEL as OUTBOX_CHANNEL
 
 log = logging.getLogger("leadgate.app")
 
@@ -276,9 +277,10 @@ class App:
 
     # ----------------------------------------------------------------- runners
 
-    async def start_runners(self) -> None:
+    async def start_runners(self, *, listen: bool = True) -> None:
         """Register this process, then start every background runner loop, the heartbeat
-        and (PostgreSQL) the listener."""
+        and (PostgreSQL, unless ``listen`` is false: the caller listens for them, see
+        :meth:`_listen`) the listener of the outbox and review channels."""
         await self.liveness.register()
         self.background.spawn(self._heartbeat(), name="heartbeat")
         poll = self.settings.runners.poll_interval_s
@@ -294,21 +296,30 @@ class App:
                 )
                 self._runner_tasks.add(task)
                 task.add_done_callback(self._runner_tasks.discard)
-        if self.db.is_postgres:
+        if listen:
+            self._listen(runners=True, surfaces=False)
+
+    def _listen(self, *, runners: bool, surfaces: bool) -> None:
+        """PostgreSQL: one LISTEN connection for every channel this process needs (see
+        :func:`outbox.store.listen_all` for why one): deliveries due and items queued for
+        review (runners; submissions on API replicas reach the lead runners of worker
+        replicas now, not at their next poll), session events (surfaces: event streams
+        here hear writes of every replica)."""
+        if not self.db.is_postgres:
+            return
+        channels: dict[str, Callable[[str], None]] = {}
+        on_connect: list[Callable[[], None]] = []
+        if runners:
+            channels[OUTBOX_CHANNEL] = lambda _payload: self._outbox_due()
+            channels[workitems.REVIEW_CHANNEL] = lambda _payload: self._review_due()
+            on_connect += [self._outbox_due, self._review_due]
+        if surfaces:
+            channels[SESSION_EVENTS_CHANNEL] = self.event_hub.notified
+            on_connect.append(self.event_hub.wake_all)
+        if channels:
             self.background.spawn(
-                outbox_listen(self.settings.database.url, self._outbox_due, self._stop),
+                listen_all(self.settings.database.url, channels, self._stop, on_connect=on_connect),
                 name="pg-listen",
-            )
-            # Submissions on API replicas reach the lead runners of worker replicas now,
-            # not at their next poll.
-            self.background.spawn(
-                outbox_listen(
-                    self.settings.database.url,
-                    self._review_due,
-                    self._stop,
-                    channel=workitems.REVIEW_CHANNEL,
-                ),
-                name="pg-listen-reviews",
             )
 
     async def _heartbeat(self) -> None:
@@ -457,18 +468,13 @@ class App:
                 # Last in, first out: stop() (runners, channels, database) runs last.
                 stack.push_async_callback(self.stop)
                 if surfaces:
-                    if self.db.is_postgres:
-                        # Event streams on this replica hear writes of every replica.
-                        self.background.spawn(
-                            self.event_hub.listen(self.settings.database.url, self._stop),
-                            name="pg-listen-session-events",
-                        )
                     if self._mcp is not None:
                         await stack.enter_async_context(self._mcp.run())
                     for adapter in self.adapters:
                         await stack.enter_async_context(adapter.lifespan())
                 if run_runners:
-                    await self.start_runners()
+                    await self.start_runners(listen=False)
+                self._listen(runners=run_runners, surfaces=surfaces)
                 yield
 
         return ctx

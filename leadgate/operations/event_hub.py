@@ -7,7 +7,8 @@ per-connection buffer bounded by what the reader itself fetched.
 
 Wake-ups come from the after-commit topic of this process's transactions
 (:meth:`EventHub.committed`) and, on PostgreSQL, from ``LISTEN`` on the log's NOTIFY
-channel (:meth:`EventHub.listen`), so a stream on one replica hears writes on every other.
+channel (:meth:`EventHub.notified`, on the process's one listener connection: see
+:func:`outbox.store.listen_all`), so a stream on one replica hears writes on every other.
 After a (re)connection of that listener every reader is woken once, as a notification
 may have been missed while it was down; SSE streams also re-read on their heartbeat, which
 covers writes of other processes on SQLite (the admin CLI) as well.
@@ -19,9 +20,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
-
-from leadgate.domain.session_events import NOTIFY_CHANNEL
-from outbox.store import listen as pg_listen
 
 log = logging.getLogger("leadgate.events")
 
@@ -110,7 +108,3 @@ class EventHub:
         """Shutting down: every waiting reader wakes up and ends."""
         self.closing.set()
         self.wake_all()
-
-    async def listen(self, dsn: str, stop: asyncio.Event) -> None:
-        """PostgreSQL ``LISTEN`` on the session events channel until ``stop``."""
-        await pg_listen(dsn, self.wake_all, stop, channel=NOTIFY_CHANNEL, on_payload=self.notified)

@@ -388,3 +388,47 @@ async def test_a_stream_hears_another_replica(pg_url: str) -> None:
         second = await stream.next(within=5.0)
         assert [first["data"]["content"], second["data"]["content"]] == ["across", "Echo: across"]
         stream.close()
+
+
+async def test_a_replica_listens_on_one_connection_for_every_channel(pg_url: str) -> None:
+    """PostgreSQL signals every listening backend of the database for every NOTIFY
+    (each then reads the queue in a transaction of its own), whatever it listens to: a
+    process running surfaces and runners listens on its three channels (session events,
+    outbox, reviews) over one connection, not three."""
+    import asyncpg
+    from aiohttp.test_utils import TestServer
+
+    from leadgate.core.clock import FakeClock
+    from leadgate.core.config import Settings
+    from leadgate.database.db import upgrade
+    from leadgate.database.pg import asyncpg_dsn
+
+    await asyncio.to_thread(upgrade, pg_url)
+    settings = Settings.model_validate({"database": {"url": pg_url}})
+    service = App(settings, clock=FakeClock(), enable_adapters=False)
+    client = TestClient(TestServer(service.web_app(run_runners=True), host="127.0.0.1"))
+    probe = await asyncpg.connect(asyncpg_dsn(pg_url))
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        "AND query LIKE 'LISTEN %'"
+    )
+    try:
+        await client.start_server()
+        for _ in range(100):
+            if await probe.fetch(listening):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the others, if there were any, would be up by now
+        assert len(await probe.fetch(listening)) == 1
+        # ...and it hears each channel: a NOTIFY on the review channel wakes the runner.
+        pokes = service.lead_runner._pokes
+        await probe.execute("SELECT pg_notify('leadgate_reviews', '')")
+        for _ in range(100):
+            if service.lead_runner._pokes > pokes:
+                break
+            await asyncio.sleep(0.02)
+        assert service.lead_runner._pokes > pokes
+    finally:
+        await client.close()
+        await service.stop()
+        await probe.close()
