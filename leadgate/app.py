@@ -257,6 +257,13 @@ class App:
         self.lead_runner.poke()
         self._review_wake.set()
 
+    def _review_notified(self, sender: str) -> None:
+        """``NOTIFY leadgate_reviews`` from any replica (the payload names the sender's
+        Database): this process's own submissions poked the lead runner at commit, and a
+        second poke would start a claim that finds nothing."""
+        if sender != self.db.notify_tag:
+            self._review_due()
+
     def _outbox_due(self) -> None:
         """A delivery became due (committed here, or NOTIFY from another replica)."""
         self.relay.poke()
@@ -311,7 +318,7 @@ class App:
         on_connect: list[Callable[[], None]] = []
         if runners:
             channels[OUTBOX_CHANNEL] = lambda _payload: self._outbox_due()
-            channels[workitems.REVIEW_CHANNEL] = lambda _payload: self._review_due()
+            channels[workitems.REVIEW_CHANNEL] = self._review_notified
             on_connect += [self._outbox_due, self._review_due]
         if surfaces:
             channels[SESSION_EVENTS_CHANNEL] = self.event_hub.notified

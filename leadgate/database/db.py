@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Protocol
@@ -49,6 +50,8 @@ _TOPICS = "leadgate_after_commit_topics"
 _SKIP_LOCKED_CACHE = 256
 # Key in ``AsyncConnection.info`` holding the write transaction's before-commit queues.
 _BEFORE = "leadgate_before_commit"
+# Key in ``AsyncConnection.info`` holding the Database's NOTIFY sender tag.
+_SENDER = "leadgate_notify_sender"
 
 #: Writes a before-commit queue's items as the transaction's last statements.
 Flush = Callable[["Conn", list[Any]], Awaitable[None]]
@@ -100,6 +103,12 @@ class Conn(Protocol):
         ...
 
 
+def notify_sender(conn: Conn) -> str:
+    """The tag of the :class:`Database` whose transaction ``conn`` is, for NOTIFY payloads
+    (PostgreSQL): its own listener skips what this process already handled at commit."""
+    return str(conn.info.get(_SENDER, ""))
+
+
 def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
     """Run ``topic``'s in-process listeners once the current :meth:`Database.tx` commits.
 
@@ -146,6 +155,8 @@ class Database:
 
     def __init__(self, url: str, *, pool_size: int = 10, busy_timeout_s: float = 30.0) -> None:
         self.url = url
+        #: Sent as the payload of this Database's NOTIFYs (see :func:`notify_sender`).
+        self.notify_tag = secrets.token_hex(8)
         #: The bound on waiting for a writer slot (SQLite: another process's write lock;
         #: this process's writer queue), and on PostgreSQL for a pooled connection. Past
         #: it a transaction fails with :class:`leadgate.core.errors.Unavailable` (503).
@@ -247,6 +258,7 @@ class Database:
             async with self._pg.transaction() as conn:
                 conn.info[_TOPICS] = topics
                 conn.info[_BEFORE] = before
+                conn.info[_SENDER] = self.notify_tag
                 yield conn
                 await _flush_before_commit(conn, before)
         except Exception as exc:

@@ -20,7 +20,7 @@ from leadgate.core.clock import DAY_MS, Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, notify_sender
 from leadgate.database.sql import unindexed
 from leadgate.domain import session_events
 from leadgate.domain.rows import WorkItem
@@ -28,7 +28,7 @@ from leadgate.domain.rows import WorkItem
 #: PostgreSQL NOTIFY channel: an item was queued for its lead (wakes lead runners on
 #: every replica; within one process the turn path pokes its runner directly).
 REVIEW_CHANNEL = "leadgate_reviews"
-_NOTIFY_REVIEW = sa.text(f"SELECT pg_notify('{REVIEW_CHANNEL}', '')")
+_NOTIFY_REVIEW = sa.text(f"SELECT pg_notify('{REVIEW_CHANNEL}', :sender)")
 
 #: An ``inProgress`` item idle this long becomes ``abandoned`` (SPEC 3 rule 4).
 ABANDON_AFTER_MS = 7 * DAY_MS
@@ -213,9 +213,11 @@ async def transition(
 
 async def notify_review_queued(conn: Conn) -> None:
     """Tell every replica's lead runner, once this transaction commits, that an item
-    waits for review (PostgreSQL ``NOTIFY``; SQLite has one process per file)."""
+    waits for review (PostgreSQL ``NOTIFY``; SQLite has one process per file). The
+    payload names the sending :class:`~leadgate.database.db.Database`: its own process
+    poked its runner at commit and skips the notification."""
     if conn.dialect.name == "postgresql":
-        await conn.execute(_NOTIFY_REVIEW)
+        await conn.execute(_NOTIFY_REVIEW, {"sender": notify_sender(conn)})
 
 
 async def transition_many(
