@@ -261,14 +261,6 @@ async def slack_slice(
     return n, end - start
 
 
-async def slack_round(
-    http: aiohttp.ClientSession, url: str, standin: Standin, args: Any, tag: str
-) -> float:
-    """Slack lifecycles/s over ``args.duration`` seconds."""
-    n, elapsed = await slack_slice(http, url, standin, args, tag, args.duration)
-    return n / elapsed
-
-
 async def interleaved_round(
     http: aiohttp.ClientSession, svc: Service, standin: Standin, args: Any, tag: str
 ) -> Round:

@@ -217,6 +217,7 @@ class App:
         # skip the claim while the queue is known empty (other replicas' submissions
         # arrive by NOTIFY on PostgreSQL; anything else by the recheck and the poll).
         self.lead_runner.poked_on_enqueue = True
+        self.lead_runner.wake = review_wake.set
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         flow_wake = asyncio.Event()
         # What a human decision can give work to (see _after_decision).

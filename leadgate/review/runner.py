@@ -49,8 +49,6 @@ EXPIRY_CHECK_MS = 1_000
 #: still claims at least this often: items queued by another replica wake it no faster
 #: than its poll anyway.
 CLAIM_RECHECK_MS = 1_000
-#: Claims one pass runs again when pokes landed during its empty claim (see run_once).
-MAX_RECLAIMS = 3
 W = t.work_items.c
 
 # Built once: the plan cache keys on the statement object (see leadgate.database.plans).
@@ -154,6 +152,9 @@ class LeadRunner:
         #: claims under way: each stands for one poke since the queue was last seen
         #: empty, so one submission wakes every review loop but only one of them claims
         self._claiming = 0
+        #: Set by the composition root to the review loops' wake: called when a claim
+        #: ends with more pokes than claims to answer them (see :meth:`claim`).
+        self.wake: Callable[[], None] = lambda: None
         self._last_empty_claim = 0
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
@@ -254,6 +255,11 @@ class LeadRunner:
             raise
         finally:
             self._claiming -= 1
+            if self._empty_at >= 0 and self._pokes - self._empty_at > self._claiming:
+                # Pokes landed while this claim ran that no claim answers: the loops
+                # they woke saw it under way and slept, and it may have read the queue
+                # before their items' commits, or taken another item. Wake them again.
+                self.wake()
 
     async def run_once(self) -> bool:
         """Expire leases (when due), then claim and review one item. True when it did
@@ -276,13 +282,6 @@ class LeadRunner:
             # one wake event, so a single submission wakes all of them).
             return False
         item = await self.claim()
-        for _ in range(MAX_RECLAIMS):
-            if item is not None or self._claiming >= self._pokes - self._empty_at:
-                break
-            # A poke landed while this claim ran and no other claim covers it: the claim
-            # may have read the queue before that item's commit (PostgreSQL), and the
-            # loops it woke left it to this one. Look again now, not at the next poll.
-            item = await self.claim()
         if item is None:
             return False
         await self.review(item)

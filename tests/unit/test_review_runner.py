@@ -793,10 +793,11 @@ async def test_one_submission_wakes_every_review_loop_but_one_claims(stack: Stac
     assert await runner.run_once() is False
 
 
-async def test_a_poke_during_an_empty_claim_is_claimed_by_the_same_pass(pg_url: str) -> None:
+async def test_a_poke_during_an_empty_claim_wakes_the_loops_again(pg_url: str) -> None:
     """PostgreSQL: a submission commits (and pokes) while a claim is under way that read
     the queue before it. The loops that poke woke see the claim and sleep; when it comes
-    back empty, the same pass claims again, instead of leaving the item to the poll."""
+    back empty it wakes them again (the loops' shared wake), and the next pass claims,
+    instead of leaving the item to the poll."""
     import contextlib
     import contextvars
 
@@ -808,8 +809,11 @@ async def test_a_poke_during_an_empty_claim_is_claimed_by_the_same_pass(pg_url: 
         runner = stack.lead_runner
         runner.poked_on_enqueue = True
         stack.turns.on_review_queued = runner.poke
+        wakes: list[int] = []
+        runner.wake = lambda: wakes.append(1)
         org, _, worker = await setup(stack)
         assert await runner.run_once() is False  # the queue is known empty
+        assert wakes == []
         clock(stack).advance(1_000)  # the recheck second: the next pass claims unpoked
         real_tx, late = stack.db.tx, []
 
@@ -828,8 +832,11 @@ async def test_a_poke_during_an_empty_claim_is_claimed_by_the_same_pass(pg_url: 
                     assert await runner.run_once() is False
 
         stack.db.tx = claim_then_submit  # type: ignore[method-assign]
+        assert await runner.run_once() is False  # its claim came back empty...
+        assert wakes == [1]  # ...and woke the loops again
         assert await runner.run_once() is True
         assert (await row(stack, late[0]))["status"] == "completed"
+        assert wakes == [1]  # that claim answered the poke: no further wake
     finally:
         await stack.stop()
 
