@@ -56,12 +56,28 @@ _EXPIRED = sa.select(W.id, W.lease_token, W.lease_expiries).where(
     W.status == Status.reviewing.value,
     sa.or_(W.lease_expires_at < sa.bindparam("p_now"), owner_gone(W.lease_owner)),
 )
-#: The oldest queued items; two, so a claim also learns whether more are waiting.
-_QUEUED = (
+_IS_QUEUED = W.status == Status.reviewQueued.value
+#: SQLite: the oldest queued items; two, so a claim also learns whether more are waiting
+#: (its writers are serialized: no claim runs beside another).
+_QUEUED = sa.select(W.id).where(_IS_QUEUED).order_by(W.updated_at, W.id).limit(2)
+_HEAD = (
     sa.select(W.id)
-    .where(W.status == Status.reviewQueued.value)
+    .where(_IS_QUEUED)
     .order_by(W.updated_at, W.id)
-    .limit(2)
+    .limit(1)
+    .with_for_update(skip_locked=True)
+    .cte("head")
+)
+_OTHER = t.work_items.alias("other")
+#: PostgreSQL: the oldest queued item not locked by another claim, locked, and whether
+#: any other is queued. Only the taken row is locked: ``LIMIT 2 ... FOR UPDATE`` would
+#: lock the one it only peeked at too, and a claim running beside it would skip that
+#: one and take the queue for empty while it still held an item.
+_QUEUED_LOCKED = sa.select(
+    _HEAD.c.id,
+    sa.exists()
+    .where(_OTHER.c.status == Status.reviewQueued.value, _OTHER.c.id != _HEAD.c.id)
+    .label("more"),
 )
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
@@ -214,19 +230,24 @@ class LeadRunner:
         self._claiming += 1
         try:
             async with self.db.tx() as conn:
-                ids = (await conn.execute(self.db.skip_locked(_QUEUED))).scalars().all()
-                if len(ids) < 2:
-                    self._empty_at, self._last_empty_claim = pokes, now
+                if self.db.is_postgres:
+                    row = (await conn.execute(_QUEUED_LOCKED)).first()
+                    head, more = (row[0], bool(row[1])) if row is not None else (None, False)
                 else:
+                    ids = (await conn.execute(_QUEUED)).scalars().all()
+                    head, more = (ids[0] if ids else None), len(ids) > 1
+                if more:
                     self._empty_at = -1  # more are waiting: the next pass claims
-                if not ids:
+                else:
+                    self._empty_at, self._last_empty_claim = pokes, now
+                if head is None:
                     return None
                 try:
                     item = await workitems.transition(
                         conn,
                         self.clock,
                         self.ids,
-                        ids[0],
+                        head,
                         src=Status.reviewQueued,
                         dst=Status.reviewing,
                         actor="system:lead",

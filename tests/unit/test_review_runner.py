@@ -841,6 +841,44 @@ async def test_a_poke_during_an_empty_claim_wakes_the_loops_again(pg_url: str) -
         await stack.stop()
 
 
+async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
+    """PostgreSQL: two items queued, a second claim runs while the first one's
+    transaction is still open. It takes the second item: the first claim locked only the
+    row it took, not the one it peeked at to learn that more were waiting (which would
+    make the second claim skip it and take the queue for empty)."""
+    import contextlib
+    import contextvars
+
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    stack = build_stack(pg_url)
+    try:
+        runner = stack.lead_runner
+        org, _, worker = await setup(stack)
+        for session in ("a", "b"):
+            await submit(stack, org, worker, f"task {session}", session=session)
+        real_tx, beside = stack.db.tx, []
+
+        @contextlib.asynccontextmanager
+        async def claim_beside() -> AsyncIterator[Any]:
+            async with real_tx() as conn:
+                yield conn
+                if not beside:  # the first claim took its item; its COMMIT is still due
+                    beside.append(None)
+                    stack.db.tx = real_tx  # type: ignore[method-assign]
+                    beside[0] = await asyncio.create_task(
+                        runner.claim(), context=contextvars.Context()
+                    )
+
+        stack.db.tx = claim_beside  # type: ignore[method-assign]
+        first = await runner.claim()
+        assert first is not None and beside[0] is not None
+        assert beside[0].id != first.id
+    finally:
+        await stack.stop()
+
+
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
     """Expired leases are looked for at most every EXPIRY_CHECK_MS by the runner's clock
     (a read, and a write transaction only when something expired)."""
