@@ -231,8 +231,8 @@ class LeadRunner:
         try:
             async with self.db.tx() as conn:
                 if self.db.is_postgres:
-                    row = (await conn.execute(_QUEUED_LOCKED)).first()
-                    head, more = (row[0], bool(row[1])) if row is not None else (None, False)
+                    found = (await conn.execute(_QUEUED_LOCKED)).first()
+                    head, more = (found.id, bool(found.more)) if found else (None, False)
                 else:
                     ids = (await conn.execute(_QUEUED)).scalars().all()
                     head, more = (ids[0] if ids else None), len(ids) > 1
