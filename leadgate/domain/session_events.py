@@ -149,9 +149,26 @@ async def _flush(conn: Conn, queued: list[_Queued]) -> None:
     by_session: dict[str, list[_Queued]] = {}
     for event in queued:
         by_session.setdefault(event.session_id, []).append(event)
-    for session_id in sorted(by_session):
-        events = by_session[session_id]
-        await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+    if conn.dialect.name == "postgresql":
+        for session_id in sorted(by_session):
+            events = by_session[session_id]
+            await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+        return
+    # SQLite: one executemany per number of events, not one statement per session (a
+    # relay's outcome commit answers up to a batch of sessions; each statement run
+    # alone costs its Python round about as much as SQLite's own work on the row).
+    same_count: dict[int, list[dict[str, Any]]] = {}
+    for session_id, events in by_session.items():
+        if len(events) > _MAX_ROWS:
+            await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+            continue
+        same_count.setdefault(len(events), []).append(_sqlite_params(session_id, events))
+        signal_after_commit(conn, TOPIC, (session_id, any(e.kind == MESSAGE for e in events)))
+    for count, params in same_count.items():
+        if len(params) == 1:
+            await conn.execute(_sqlite_insert(count), params[0])
+        else:
+            await conn.execute(_sqlite_insert(count), params)
 
 
 async def _write(conn: Conn, session_id: str, events: Sequence[_Queued], has_message: bool) -> None:

@@ -259,3 +259,34 @@ async def test_transition_many_writes_a_status_event_per_item(stack: Stack) -> N
     for key in ("a", "b"):
         log = await log_of(stack, await session_of(stack, worker, key))
         assert [e[2] for e in log] == ["user", "pending", "failed"]
+
+
+async def test_one_transaction_over_many_sessions_numbers_each_session_alone(
+    stack: Stack,
+) -> None:
+    """A transaction that touches several sessions (a relay's outcome commit) numbers
+    each session's events on from its own last number, whatever the grouping of the
+    statements (on SQLite one executemany per count of events), and wakes each session's
+    readers once."""
+    seen: list[list[Any]] = []
+    stack.db.on_commit_payloads(session_events.TOPIC, seen.append)
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    keys = ("a", "b", "c", "d")
+    for key in keys:
+        await stack.turns.run(api_trigger(org, agent, f"hi {key}", key))
+    sids = {key: await session_of(stack, agent, key) for key in keys}
+    seen.clear()
+    async with stack.db.tx() as conn:
+        for key, count in (("a", 1), ("b", 2), ("c", 1), ("d", 3)):
+            for i in range(count):
+                await store(conn, stack, org, sids[key], f"{key}{i}")
+    for key, count in (("a", 1), ("b", 2), ("c", 1), ("d", 3)):
+        log = await log_of(stack, sids[key])
+        assert [(e[0], e[3]) for e in log] == [
+            (1, f"hi {key}"),
+            (2, f"Echo: hi {key}"),
+            *((3 + i, f"{key}{i}") for i in range(count)),
+        ]
+    assert len(seen) == 1
+    assert sorted(seen[0]) == sorted((sid, True) for sid in sids.values())
