@@ -280,6 +280,14 @@ class PgPool:
                 raise _wrap(exc, "COMMIT", ()) from exc
 
     @asynccontextmanager
+    async def autocommit(self) -> AsyncIterator[PgConnection]:
+        """A pooled connection outside a transaction block, for a transaction of one
+        statement (PostgreSQL runs a single statement atomically): one round trip
+        instead of ``BEGIN``, the statement, ``COMMIT``."""
+        async with self._connection() as raw:
+            yield PgConnection(raw, self.plans, self.trace)
+
+    @asynccontextmanager
     async def read(self) -> AsyncIterator[PgConnection]:
         """A pooled connection for SELECT statements, outside a transaction block.
 

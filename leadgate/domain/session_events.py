@@ -238,6 +238,51 @@ _POSTGRES_INSERT = sa.text(
 )
 
 
+#: PostgreSQL: a visible message, its ``message`` event and the NOTIFY in one statement
+#: (what a transaction of store_message alone writes; see :func:`visible_message_alone`).
+_POSTGRES_MESSAGE = sa.text(
+    "WITH m AS ("
+    " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
+    " lead_gated, tool_name, created_at)"
+    " VALUES (:id, :org_id, :sid, :work_item_id, :role, :content, false, NULL, :created)"
+    "), s AS ("
+    " UPDATE sessions SET event_seq = event_seq + 1 WHERE id = :sid RETURNING event_seq"
+    "), e AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT :sid, s.event_seq, :kind, :id, NULL, :created FROM s"
+    ") SELECT pg_notify(:channel, :payload) FROM s"
+)
+
+
+def visible_message_alone(
+    message_id: str,
+    *,
+    org_id: str,
+    session_id: str,
+    work_item_id: str | None,
+    role: str,
+    content: str,
+    created_at: int,
+) -> tuple[sa.TextClause, dict[str, Any], tuple[str, tuple[str, bool]]]:
+    """PostgreSQL: (statement, parameters, after-commit signal) storing a visible
+    message with its ``message`` event, for a transaction that writes nothing else
+    (:meth:`leadgate.database.db.Database.write_alone`). The statement returns one row,
+    none when the session does not exist."""
+    params = {
+        "id": message_id,
+        "org_id": org_id,
+        "sid": session_id,
+        "work_item_id": work_item_id,
+        "role": role,
+        "content": content,
+        "created": created_at,
+        "kind": MESSAGE,
+        "channel": NOTIFY_CHANNEL,
+        "payload": f"{session_id} m",
+    }
+    return _POSTGRES_MESSAGE, params, (TOPIC, (session_id, True))
+
+
 async def _insert_postgres(
     conn: Conn, session_id: str, events: Sequence[_Queued], has_message: bool
 ) -> None:

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
-from leadgate.database.db import Conn
+from leadgate.database.db import Conn, Database
 from leadgate.domain import session_events
 
 # Built once: the turn path stores two or three messages per turn.
@@ -55,6 +55,48 @@ async def store_message(
     )
     if role in _VISIBLE_ROLES and not gated:
         await session_events.message_visible(conn, clock, session_id, message_id)
+    return message_id
+
+
+async def store_visible_alone(
+    db: Database,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    session_id: str,
+    work_item_id: str | None,
+    role: str,
+    content: str,
+) -> str:
+    """:func:`store_message` of a visible message as a transaction of its own; returns
+    its id. On PostgreSQL one statement outside a transaction block (one round trip, not
+    four: ``BEGIN``, the message, its event, ``COMMIT``)."""
+    if not db.is_postgres:
+        async with db.tx() as conn:
+            return await store_message(
+                conn,
+                clock,
+                ids,
+                org_id=org_id,
+                session_id=session_id,
+                work_item_id=work_item_id,
+                role=role,
+                content=content,
+            )
+    message_id = ids.new("msg")
+    statement, params, signal = session_events.visible_message_alone(
+        message_id,
+        org_id=org_id,
+        session_id=session_id,
+        work_item_id=work_item_id,
+        role=role,
+        content=content,
+        created_at=clock.now_ms(),
+    )
+    result = await db.write_alone(statement, params, signals=[signal])
+    if result.first() is None:
+        raise RuntimeError(f"session {session_id} does not exist; the message was not stored")
     return message_id
 
 

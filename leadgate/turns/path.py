@@ -41,7 +41,7 @@ from leadgate.turns.context import COMPLETE_TASK, SUBMITTED, TurnContext
 from leadgate.turns.history import TOPIC as HISTORY_TOPIC
 from leadgate.turns.history import HistoryCache
 from leadgate.turns.intake import Accepted, Intake
-from leadgate.turns.messages import store_message
+from leadgate.turns.messages import store_message, store_visible_alone
 from leadgate.turns.providers.base import ChatMessage, ModelRequest, TextDelta, ToolCall, ToolSpec
 from leadgate.turns.providers.registry import ProviderRegistry
 from outbox.store import Outbox
@@ -487,8 +487,20 @@ class TurnService:
             log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, turn.rules) if turn.rules else text
-        if revision_item is None and not ctx.binding_posts:
-            # API, studio and silent turns only store the reply: the short transaction.
+        if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
+            # API and studio turns only store the reply: on PostgreSQL one statement.
+            await store_visible_alone(
+                self.db,
+                self.clock,
+                self.ids,
+                org_id=ctx.org_id,
+                session_id=ctx.session_id,
+                work_item_id=ctx.work_item_id,
+                role="assistant",
+                content=screened,
+            )
+        elif revision_item is None and not ctx.binding_posts:
+            # Silent channel turns store the reply and end their run: the short transaction.
             async with self.db.tx() as fast:
                 await self._store(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
