@@ -13,8 +13,10 @@ stream's ``id:``:
 Events are written in the transaction of the change they report (a message stored, a
 message revealed, a work item moved), by :func:`message_visible` and
 :func:`status_changed`, which the few places that do those things call. They are queued
-and written by one statement per session as the **last** statement of that transaction
-(:func:`leadgate.database.db.before_commit`).
+and written as the **last** statements of that transaction
+(:func:`leadgate.database.db.before_commit`): on SQLite one statement per session (an
+``executemany`` over the sessions with as many events), on PostgreSQL one statement for
+all of them.
 
 Why a resuming reader (``Last-Event-ID: n``, then ``seq > n`` in ``seq`` order) can
 neither miss nor repeat an event, also with concurrent writers:
@@ -150,9 +152,7 @@ async def _flush(conn: Conn, queued: list[_Queued]) -> None:
     for event in queued:
         by_session.setdefault(event.session_id, []).append(event)
     if conn.dialect.name == "postgresql":
-        for session_id in sorted(by_session):
-            events = by_session[session_id]
-            await _write(conn, session_id, events, any(e.kind == MESSAGE for e in events))
+        await _insert_postgres_many(conn, by_session)
         return
     # SQLite: one executemany per number of events, not one statement per session (a
     # relay's outcome commit answers up to a batch of sessions; each statement run
@@ -281,6 +281,67 @@ def visible_message_alone(
         "payload": f"{session_id} m",
     }
     return _POSTGRES_MESSAGE, params, (TOPIC, (session_id, True))
+
+
+# Several sessions in one round trip (a relay's outcome commit answers a batch of them):
+# the counters are locked in session id order first (``locked``), as one statement per
+# session in id order did, so two such transactions cannot wait on each other in a cycle.
+_POSTGRES_INSERT_MANY = sa.text(
+    "WITH locked AS ("
+    " SELECT id FROM sessions WHERE id = ANY(CAST(:sids AS varchar[])) ORDER BY id FOR UPDATE"
+    "), input AS ("
+    " SELECT * FROM unnest(CAST(:sids AS varchar[]), CAST(:counts AS int[]),"
+    " CAST(:payloads AS varchar[])) AS i(sid, n, payload)"
+    "), s AS ("
+    " UPDATE sessions SET event_seq = sessions.event_seq + input.n"
+    " FROM locked JOIN input ON input.sid = locked.id WHERE sessions.id = locked.id"
+    " RETURNING sessions.id, sessions.event_seq, input.n, input.payload"
+    "), e AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT v.sid, s.event_seq - s.n + v.i, v.kind, v.message_id, v.status, v.created_at"
+    " FROM unnest(CAST(:ev_sids AS varchar[]), CAST(:ev_ords AS int[]),"
+    " CAST(:kinds AS varchar[]), CAST(:message_ids AS varchar[]),"
+    " CAST(:statuses AS varchar[]), CAST(:created AS bigint[]))"
+    " AS v(sid, i, kind, message_id, status, created_at) JOIN s ON s.id = v.sid"
+    ") SELECT pg_notify(:channel, s.payload) FROM s"
+)
+
+
+async def _insert_postgres_many(conn: Conn, by_session: dict[str, list[_Queued]]) -> None:
+    sids = sorted(by_session)
+    if len(sids) == 1:
+        events = by_session[sids[0]]
+        await _write(conn, sids[0], events, any(e.kind == MESSAGE for e in events))
+        return
+    ev_sids: list[str] = []
+    ev_ords: list[int] = []
+    flat: list[_Queued] = []
+    payloads: list[str] = []
+    for sid in sids:
+        events = by_session[sid]
+        has_message = any(e.kind == MESSAGE for e in events)
+        payloads.append(f"{sid} {'m' if has_message else 'r'}")
+        ev_sids += [sid] * len(events)
+        ev_ords += range(1, len(events) + 1)
+        flat += events
+        signal_after_commit(conn, TOPIC, (sid, has_message))
+    result = await conn.execute(
+        _POSTGRES_INSERT_MANY,
+        {
+            "sids": sids,
+            "counts": [len(by_session[sid]) for sid in sids],
+            "payloads": payloads,
+            "ev_sids": ev_sids,
+            "ev_ords": ev_ords,
+            "kinds": [e.kind for e in flat],
+            "message_ids": [e.message_id for e in flat],
+            "statuses": [e.status for e in flat],
+            "created": [e.created_at for e in flat],
+            "channel": NOTIFY_CHANNEL,
+        },
+    )
+    if len(result.all()) != len(sids):
+        raise RuntimeError("a session of these events does not exist; none was written")
 
 
 async def _insert_postgres(

@@ -290,3 +290,39 @@ async def test_one_transaction_over_many_sessions_numbers_each_session_alone(
         ]
     assert len(seen) == 1
     assert sorted(seen[0]) == sorted((sid, True) for sid in sids.values())
+
+
+async def test_writers_over_the_same_sessions_in_any_order_neither_wait_in_a_cycle(
+    stack: Stack,
+) -> None:
+    """Concurrent transactions each store messages in the same three sessions, in
+    different orders, holding the counters until a random delay before commit. The
+    counters are taken in session id order whatever the order of the writes (on
+    PostgreSQL one statement for all of them), so no two transactions wait on each other
+    in a cycle (a deadlock would fail one of them), and each session's numbers run on
+    without a gap or a repeat."""
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    keys = ("x", "y", "z")
+    for key in keys:
+        await stack.turns.run(api_trigger(org, agent, f"start {key}", key))
+    sids = [await session_of(stack, agent, key) for key in keys]
+    rng = random.Random(7)
+    writers, per_writer = 5, 6
+
+    async def hold(_conn: Any, _items: list[Any]) -> None:
+        await asyncio.sleep(rng.random() * 0.01)
+
+    async def writer(index: int) -> None:
+        for n in range(per_writer):
+            order = sids[:]
+            rng.shuffle(order)
+            async with stack.db.tx() as conn:
+                for sid in order:
+                    await store(conn, stack, org, sid, f"w{index}-{n}")
+                await before_commit(conn, "test-hold", hold, None)
+
+    await asyncio.gather(*(writer(i) for i in range(writers)))
+    for sid in sids:
+        log = await log_of(stack, sid)
+        assert [e[0] for e in log] == list(range(1, 3 + writers * per_writer))
