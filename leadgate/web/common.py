@@ -4,8 +4,8 @@ authentication."""
 from __future__ import annotations
 
 import logging
+import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -78,7 +78,8 @@ def request_id(request: web.Request) -> str:
     if REQUEST_ID in request:
         return request[REQUEST_ID]
     offered = request.headers.get(REQUEST_ID_HEADER, "")
-    rid = offered if _REQUEST_ID_OK.fullmatch(offered) else uuid.uuid4().hex
+    # 128 random bits as 32 hex digits: what uuid4().hex gave, without its Python work.
+    rid = offered if offered and _REQUEST_ID_OK.fullmatch(offered) else os.urandom(16).hex()
     request[REQUEST_ID] = rid
     return rid
 
@@ -96,41 +97,45 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     (an unexpected exception with its traceback); a model or provider error is logged
     once where it happens (the turn path), so not again here.
     """
-    with structlog.contextvars.bound_contextvars(request_id=request_id(request)):
-        try:
-            return await handler(request)
-        except LeadgateError as exc:
-            if exc.status >= 500 and not isinstance(exc, ModelError):
-                log.error(
-                    "%s %s failed: %d %s [%s]",
-                    request.method,
-                    request.path,
-                    exc.status,
-                    exc.code,
-                    exc.rule,
-                )
-            resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-            if exc.retry_after_s is not None:
-                resp.headers["Retry-After"] = str(exc.retry_after_s)
-            return resp
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                request, 413, "the request body is too large", "request_too_large", "body.size"
+    # bind/reset rather than bound_contextvars(), which copies the whole context to save
+    # and restore keys this middleware alone sets.
+    tokens = structlog.contextvars.bind_contextvars(request_id=request_id(request))
+    try:
+        return await handler(request)
+    except LeadgateError as exc:
+        if exc.status >= 500 and not isinstance(exc, ModelError):
+            log.error(
+                "%s %s failed: %d %s [%s]",
+                request.method,
+                request.path,
+                exc.status,
+                exc.code,
+                exc.rule,
             )
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return error_response(request, exc.status, exc.reason, "http_error", "http")
-        except Exception as exc:
-            fault = unavailable(exc)
-            if fault is not None:
-                # A database fault that escaped the transaction helpers: still a 503.
-                log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
-                resp = error_response(request, 503, fault.message, fault.code, fault.rule)
-                resp.headers["Retry-After"] = str(fault.retry_after_s)
-                return resp
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(request, 500, "internal error", "internal_error", "internal")
+        resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+        if exc.retry_after_s is not None:
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(
+            request, 413, "the request body is too large", "request_too_large", "body.size"
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(request, exc.status, exc.reason, "http_error", "http")
+    except Exception as exc:
+        fault = unavailable(exc)
+        if fault is not None:
+            # A database fault that escaped the transaction helpers: still a 503.
+            log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
+            resp = error_response(request, 503, fault.message, fault.code, fault.rule)
+            resp.headers["Retry-After"] = str(fault.retry_after_s)
+            return resp
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(request, 500, "internal error", "internal_error", "internal")
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
