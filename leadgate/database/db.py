@@ -102,6 +102,12 @@ class Conn(Protocol):
         """A SAVEPOINT: an error in the block undoes the block's writes alone."""
         ...
 
+    def cache_token(self, tables: Sequence[str]) -> object | None:
+        """Equal on two calls only if no row of ``tables`` can have changed in between
+        (inline SQLite, see :meth:`InlineConnection.cache_token`); None where that cannot
+        be known cheaply (PostgreSQL: other replicas write without telling)."""
+        ...
+
 
 def notify_sender(conn: Conn) -> str:
     """The tag of the :class:`Database` whose transaction ``conn`` is, for NOTIFY payloads
@@ -484,6 +490,10 @@ class _EngineConn:
         self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
     ) -> Any:
         return await self._conn.scalar(statement, parameters)
+
+    def cache_token(self, tables: Sequence[str]) -> object | None:
+        """Nothing is cached through SQLAlchemy's engine."""
+        return None
 
     def begin_nested(self) -> AbstractAsyncContextManager[Any]:
         return self._conn.begin_nested()

@@ -96,6 +96,10 @@ class InlineConnection:
         for pragma in pragmas:
             self._raw.execute(pragma)
         self._plans = PlanCache(dialect)
+        #: writes through this connection by table, and of anything (``text()`` DML,
+        #: rollbacks): see :meth:`cache_token`
+        self._table_writes: dict[str, int] = {}
+        self._any_writes = 0
 
     # ---------------------------------------------------------------- transactions
 
@@ -130,8 +134,30 @@ class InlineConnection:
         """Whether a transaction is open."""
         return self._raw.in_transaction
 
+    def cache_token(self, tables: Sequence[str]) -> object | None:
+        """A value that is equal on two calls only if no row of ``tables`` can have
+        changed in between: no commit by any other connection (``PRAGMA data_version``),
+        no write to them through this one, no rollback here. Taken inside a write
+        transaction (which no other connection can commit beside), it says whether
+        what was read of ``tables`` under an equal token may be used again."""
+        version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        writes = self._table_writes
+        return (version, self._any_writes, *(writes.get(table, 0) for table in tables))
+
+    def forget_reads(self) -> None:
+        """What was read in the transaction may be gone (SQLite ended it by itself):
+        no earlier :meth:`cache_token` equals the next one."""
+        self._any_writes += 1
+
+    def _wrote(self, table: str) -> None:
+        if table == "*":
+            self._any_writes += 1
+        else:
+            self._table_writes[table] = self._table_writes.get(table, 0) + 1
+
     def rollback(self) -> None:
         """Roll back the open transaction (no-op when none is open)."""
+        self._any_writes += 1  # what was read since may be gone
         if self._raw.in_transaction:
             self._raw.execute("ROLLBACK")
 
@@ -149,6 +175,7 @@ class InlineConnection:
     def rollback_to(self, name: str) -> None:
         """Undo what was done since the savepoint and drop it (no-op when the whole
         transaction is already gone, as after some I/O errors)."""
+        self._any_writes += 1  # what was read since may be gone
         if self._raw.in_transaction:
             self._raw.execute(f"ROLLBACK TO {name}")
             self._raw.execute(f"RELEASE {name}")
@@ -202,6 +229,8 @@ class InlineConnection:
         params: Mapping[str, Any] = parameters or {}
         plan, extracted = self._plans.plan(statement, frozenset(params))
         sql, args = plan.args(params, extracted)
+        if plan.writes is not None:
+            self._wrote(plan.writes)
         try:
             cursor = self._raw.execute(sql, args)
             description = cursor.description
@@ -221,6 +250,8 @@ class InlineConnection:
             raise TypeError("executemany runs no RETURNING and no expanding IN statements")
         sql = plan.sql
         batch = [plan.args(p, extracted)[1] for p in parameters]
+        if plan.writes is not None:
+            self._wrote(plan.writes)
         try:
             cursor = self._raw.executemany(sql, batch)
         except sqlite3.Error as exc:
@@ -362,6 +393,7 @@ class InlineSqlite:
     def _break(self, group: _Group) -> None:
         """SQLite ended the group's transaction by itself: fail the group (see
         :attr:`_Group.broken`); new transactions queue on the writer lock for a new one."""
+        self.connection.forget_reads()
         group.broken = _wrap(
             sqlite3.OperationalError(
                 "SQLite rolled back the whole transaction (a conflict clause or an I/O error)"

@@ -135,6 +135,10 @@ class PgConnection:
             raise _wrap(exc, sql, args) from exc
         return Result([], _rowcount(status))
 
+    def cache_token(self, tables: Sequence[str]) -> object | None:
+        """Never: other replicas change rows without telling this connection."""
+        return None
+
     async def scalar(
         self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
     ) -> Any:

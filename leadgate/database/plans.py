@@ -50,6 +50,9 @@ class Plan:
     prefetch: Mapping[str, Any] | None = None
     #: the compiled statement, kept for statements reused by cache key (see PlanCache)
     full: Any | None = None
+    #: the table an INSERT/UPDATE/DELETE writes; ``"*"`` for a ``text()`` statement that
+    #: is not a plain SELECT (it may write anything); None for a SELECT
+    writes: str | None = None
 
     def args(
         self, params: Mapping[str, Any], extracted: Sequence[Any] | None = None
@@ -183,7 +186,19 @@ def compile_plan(
         returning=result_keys is not None and not isinstance(statement, sa.Select),
         prefetch=prefetch,
         full=compiled if cache_key is not None else None,
+        writes=_written_table(statement, state.statement),
     )
+
+
+def _written_table(statement: sa.Executable, sql: str) -> str | None:
+    if isinstance(statement, sa.Insert | sa.Update | sa.Delete):
+        target = statement.table
+        # A join or an alias as the target: counted as "anything" (an alias's name is
+        # not its table's).
+        return target.name if isinstance(target, sa.TableClause) else "*"
+    if isinstance(statement, sa.TextClause) and not sql.lstrip()[:6].upper() == "SELECT":
+        return "*"
+    return None
 
 
 class PlanCache:

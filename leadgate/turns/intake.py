@@ -29,9 +29,9 @@ from leadgate.core.types import BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
-from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, workitems
 from leadgate.domain.agents import LeadConfig
+from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
@@ -109,6 +109,8 @@ class Intake:
         self.history = history
         #: the process that runs what it takes in (``lease_owner`` of recorded runs)
         self.owner = owner
+        #: the agent and policy rules of recent intakes (SQLite; see its module)
+        self.config = ConfigCache()
 
     async def take(self, trigger: Trigger) -> IntakeResult:
         """Take ``trigger`` in (one transaction on the inline connection on SQLite).
@@ -119,9 +121,7 @@ class Intake:
         """
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
-            agent, lead = await agents_mod.find_agent_and_lead(
-                conn, trigger.org_id, trigger.agent_id
-            )
+            agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
             if not agent.active:
                 raise ValidationError(f"agent {agent.name!r} is inactive", rule="agent.inactive")
             session_id, current_binding, new_session = await bindings.open_session(
@@ -199,7 +199,7 @@ class Intake:
                         "created_at": now,
                     },
                 )
-            rules = await policy.load_rules(conn, trigger.org_id)
+            rules = await self.config.rules(conn, trigger.org_id)
             if new_session:
                 # Its only message is the one just stored.
                 history = [to_message("user", trigger.text)]

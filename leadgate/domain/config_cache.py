@@ -1,0 +1,67 @@
+"""What every intake reads of an organization's configuration, kept between transactions.
+
+Each turn's intake reads its agent (with the lead its preset or own settings resolve to)
+and the organization's policy rules: two statements, about a tenth of a plain turn on
+SQLite, for rows that change a few times a day. :class:`ConfigCache` keeps what it read
+with the connection's :meth:`~leadgate.database.db.Conn.cache_token` over the tables the
+rows come from (agents, presets, policy rules), and uses it again only under an equal
+token: on the inline SQLite writer that means no other connection committed anything
+(``PRAGMA data_version``: the CLI, another process), nothing was written to those tables
+through this one and nothing was rolled back since. The token is taken inside the
+intake's write transaction, beside which no other connection can commit. On PostgreSQL
+there is no token (other replicas write without telling): every intake reads.
+"""
+
+from __future__ import annotations
+
+from leadgate.database.db import Conn
+from leadgate.domain import agents, policy
+from leadgate.domain.agents import LeadConfig
+from leadgate.domain.rows import Agent
+
+#: The tables the cached rows are read from.
+TABLES = ("agents", "presets", "policy_rules")
+#: Entries kept at most (then the cache starts over).
+MAX_ENTRIES = 4096
+
+
+class ConfigCache:
+    """Agents with their lead, and policy rules, by organization (see the module)."""
+
+    def __init__(self) -> None:
+        self._agents: dict[tuple[str, str], tuple[object, Agent, LeadConfig | None]] = {}
+        self._rules: dict[str, tuple[object, tuple[policy.Rule, ...]]] = {}
+        self.reads = 0  # statements run for lookups (tests)
+
+    async def agent_and_lead(
+        self, conn: Conn, org_id: str, ref: str
+    ) -> tuple[Agent, LeadConfig | None]:
+        """:func:`leadgate.domain.agents.find_agent_and_lead`, read again only when
+        its tables may have changed."""
+        token = conn.cache_token(TABLES)
+        key = (org_id, ref)
+        known = self._agents.get(key)
+        if token is not None and known is not None and known[0] == token:
+            return known[1], known[2]
+        self.reads += 1
+        agent, lead = await agents.find_agent_and_lead(conn, org_id, ref)
+        if token is not None:
+            if len(self._agents) >= MAX_ENTRIES:
+                self._agents.clear()
+            self._agents[key] = (token, agent, lead)
+        return agent, lead
+
+    async def rules(self, conn: Conn, org_id: str) -> list[policy.Rule]:
+        """:func:`leadgate.domain.policy.load_rules`, read again only when they may have
+        changed."""
+        token = conn.cache_token(TABLES)
+        known = self._rules.get(org_id)
+        if token is not None and known is not None and known[0] == token:
+            return list(known[1])
+        self.reads += 1
+        rules = await policy.load_rules(conn, org_id)
+        if token is not None:
+            if len(self._rules) >= MAX_ENTRIES:
+                self._rules.clear()
+            self._rules[org_id] = (token, tuple(rules))
+        return rules
