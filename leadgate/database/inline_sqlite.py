@@ -37,6 +37,7 @@ readers never wait for the writer.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -56,6 +57,9 @@ InlineResult = Result
 BUSY_WAIT_S = 30.0
 #: Passive WAL checkpoint (in a worker thread) after this many inline commits.
 CHECKPOINT_EVERY = 500
+
+
+_SERIALS = itertools.count()
 
 
 class InlineConnection:
@@ -100,6 +104,8 @@ class InlineConnection:
         #: rollbacks): see :meth:`cache_token`
         self._table_writes: dict[str, int] = {}
         self._any_writes = 0
+        # data_version compares only between calls on one connection: a token names it.
+        self._serial = next(_SERIALS)
 
     # ---------------------------------------------------------------- transactions
 
@@ -142,7 +148,7 @@ class InlineConnection:
         what was read of ``tables`` under an equal token may be used again."""
         version = self._raw.execute("PRAGMA data_version").fetchone()[0]
         writes = self._table_writes
-        return (version, self._any_writes, *(writes.get(table, 0) for table in tables))
+        return (self._serial, version, self._any_writes, *(writes.get(t, 0) for t in tables))
 
     def forget_reads(self) -> None:
         """What was read in the transaction may be gone (SQLite ended it by itself):
