@@ -333,15 +333,22 @@ async def _insert_postgres_many(conn: Conn, by_session: dict[str, list[_Queued]]
             "payloads": payloads,
             "ev_sids": ev_sids,
             "ev_ords": ev_ords,
-            "kinds": [e.kind for e in flat],
-            "message_ids": [e.message_id for e in flat],
-            "statuses": [e.status for e in flat],
-            "created": [e.created_at for e in flat],
+            **_columns(flat),
             "channel": NOTIFY_CHANNEL,
         },
     )
     if len(result.all()) != len(sids):
         raise RuntimeError("a session of these events does not exist; none was written")
+
+
+def _columns(events: Sequence[_Queued]) -> dict[str, list[Any]]:
+    """The events' columns as the arrays the PostgreSQL statements unnest."""
+    return {
+        "kinds": [e.kind for e in events],
+        "message_ids": [e.message_id for e in events],
+        "statuses": [e.status for e in events],
+        "created": [e.created_at for e in events],
+    }
 
 
 async def _insert_postgres(
@@ -352,10 +359,7 @@ async def _insert_postgres(
         {
             "n": len(events),
             "sid": session_id,
-            "kinds": [e.kind for e in events],
-            "message_ids": [e.message_id for e in events],
-            "statuses": [e.status for e in events],
-            "created": [e.created_at for e in events],
+            **_columns(events),
             "channel": NOTIFY_CHANNEL,
             "payload": f"{session_id} {'m' if has_message else 'r'}",
         },
