@@ -72,6 +72,9 @@ async def store_visible_alone(
     """:func:`store_message` of a visible message as a transaction of its own; returns
     its id. On PostgreSQL one statement outside a transaction block (one round trip, not
     four: ``BEGIN``, the message, its event, ``COMMIT``)."""
+    if role not in _VISIBLE_ROLES:
+        # The one statement always writes the message event: a hidden role would leak.
+        raise ValueError(f"store_visible_alone stores user or assistant messages, not {role!r}")
     if not db.is_postgres:
         async with db.tx() as conn:
             return await store_message(
