@@ -786,3 +786,39 @@ async def test_a_pooled_postgres_connection_is_released_without_a_reset_round_tr
     finally:
         await other.close()
         await db.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_postgres_runs_a_caller_supplied_in_list_as_one_array_parameter(
+    migrated_url: str,
+) -> None:
+    """On PostgreSQL ``IN (<list the caller passes>)`` is ``= ANY($n)``: one SQL text
+    (one prepared statement) for every length, empty lists included, with the same rows
+    as an expanded list; a literal list of a statement built per call keeps its own
+    values (SQLAlchemy's per-object values), and NOT IN is left as it is."""
+    db = Database(migrated_url)
+    try:
+        async with db.tx() as conn:
+            for binding_id in ("e1", "e2", "e3", "e4"):
+                await conn.execute(INSERT_BINDING, binding(binding_id, silent=binding_id == "e2"))
+        with db.record_statements() as statements:
+            async with db.read() as conn:
+                got = [
+                    [r.id for r in (await conn.execute(BINDINGS_IN, {"p_ids": values})).all()]
+                    for values in (["e1"], ["e4", "e2", "missing"], [], ("e3", "e1"), {"e2"})
+                ]
+        assert got == [["e1"], ["e2", "e4"], [], ["e1", "e3"], ["e2"]]
+        assert len(set(statements)) == 1 and "= ANY(" in statements[0], statements
+        async with db.read() as conn:
+            for wanted in (["e4", "e3"], ["e1"]):
+                literal = sa.select(B.id).where(B.id.in_(wanted)).order_by(B.id)
+                assert [r.id for r in await conn.execute(literal)] == sorted(wanted)
+            not_in = sa.select(B.id).where(B.id.not_in(sa.bindparam("p_ids", expanding=True)))
+            rows = await conn.execute(not_in.order_by(B.id), {"p_ids": ["e1", "e2"]})
+            assert [r.id for r in rows] == ["e3", "e4"]
+        async with db.tx() as conn:
+            delete = t.bindings.delete().where(B.id.in_(sa.bindparam("p_ids", expanding=True)))
+            assert (await conn.execute(delete, {"p_ids": ["e1", "e4"]})).rowcount == 2
+        assert await committed_ids(db) == {"e2", "e3"}
+    finally:
+        await db.close()
