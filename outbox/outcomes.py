@@ -7,7 +7,8 @@ api/studio reveal clears the gated message's ``leadGated`` flag there too, and a
 the revealed message in its session's public event log.
 
 Successful sends are committed as a group in a handful of statements whatever its size;
-every other outcome is one row at a time (they are rare).
+every other outcome is one row at a time (they are rare). On PostgreSQL a group of posts
+(no reveal) is one statement outside a transaction block (:meth:`OutcomeCommitter.commit_alone`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Conn
+from leadgate.database.db import Conn, Database
 from leadgate.database.sql import unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
@@ -65,6 +66,55 @@ _MARK_SENT_ANY = (
 _MARK_SENT = _MARK_SENT_ANY.where(D.lease_token == sa.bindparam("p_token"))
 #: (claims always carry a token; a row without one is fenced on that, as SQL's = cannot)
 _MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
+
+
+# A group of successful posts on PostgreSQL, as one statement (see
+# OutcomeCommitter.commit_alone): the same fenced moves, audit rows and session events as
+# the transaction of ``commit``, in one round trip instead of seven (BEGIN, the deliveries,
+# their external ids, the items, their audit rows, the session events, COMMIT). Measured
+# with four relay replicas: the outcome commit's round trips were most of the relay's
+# and of PostgreSQL's CPU per delivery. The sessions' counters are locked in id order
+# before they move, as session_events does.
+_COMMIT_POSTS = sa.text(
+    "WITH input AS ("
+    " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:tokens AS varchar[]),"
+    " CAST(:externals AS varchar[])) AS i(id, token, external_id)"
+    "), sent AS ("
+    " UPDATE deliveries AS d SET status = :sent, lease_token = NULL, lease_expires_at = NULL,"
+    " updated_at = :now, error = NULL, external_id = COALESCE(i.external_id, d.external_id)"
+    " FROM input AS i"
+    " WHERE d.id = i.id AND d.status = :sending AND d.lease_token IS NOT DISTINCT FROM i.token"
+    " RETURNING d.id, d.kind, d.work_item_id"
+    "), moved AS ("
+    " UPDATE work_items AS w SET status = :dst, updated_at = :now"
+    " FROM sent WHERE sent.kind = 'gating' AND w.id = sent.work_item_id AND w.status = :src"
+    " RETURNING w.id, w.org_id, w.session_id"
+    "), audit_rows AS ("
+    " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action, from_status,"
+    " to_status, text, created_at)"
+    " SELECT a.audit_id, moved.org_id, moved.id, NULL, :actor, :action, :src, :dst, NULL, :now"
+    " FROM moved JOIN unnest(CAST(:audit_items AS varchar[]), CAST(:audit_ids AS varchar[]))"
+    " AS a(item, audit_id) ON a.item = moved.id"
+    "), locked AS ("
+    " SELECT id FROM sessions WHERE id IN (SELECT session_id FROM moved) ORDER BY id FOR UPDATE"
+    "), counts AS ("
+    " SELECT session_id AS sid, count(*) AS n FROM moved GROUP BY session_id"
+    "), s AS ("
+    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
+    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
+    " RETURNING sessions.id, sessions.event_seq, counts.n"
+    "), events AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT m.session_id,"
+    " s.event_seq - s.n + row_number() OVER (PARTITION BY m.session_id ORDER BY m.id),"
+    " :kind, NULL, :event_status, :now"
+    " FROM moved AS m JOIN s ON s.id = m.session_id"
+    ") SELECT"
+    " ARRAY(SELECT id FROM sent) AS sent,"
+    " ARRAY(SELECT id FROM moved) AS moved,"
+    " ARRAY(SELECT id FROM s) AS sessions,"
+    " (SELECT count(pg_notify(:channel, s.id || ' r')) FROM s) AS notified"
+)
 
 
 @dataclass
@@ -111,6 +161,64 @@ class OutcomeCommitter:
         for item in done:
             if not isinstance(item.outcome, Sent):
                 await self._commit_one(conn, item.row, item.outcome, now)
+
+    async def commit_alone(self, db: Database, done: list[Done], now: int) -> bool:
+        """PostgreSQL: commit a group of successful posts in one statement outside a
+        transaction block (:data:`_COMMIT_POSTS`). False, with nothing done, when the
+        group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
+        if not db.is_postgres or not done:
+            return False
+        sent: list[tuple[Delivery, Sent]] = []
+        for d in done:
+            if not isinstance(d.outcome, Sent) or d.row.action == "reveal":
+                return False
+            sent.append((d.row, d.outcome))
+        src, dst = Status.approved.value, Status.completed.value
+        event_status = session_events.public_status(dst, 0)
+        if event_status is None or event_status == session_events.public_status(src, 0):
+            return False  # (never: ``completed`` is public and ``approved`` is not)
+        items = [row.work_item_id for row, _ in sent if row.kind == "gating" and row.work_item_id]
+        result = await db.write_alone(
+            _COMMIT_POSTS,
+            {
+                "ids": [row.id for row, _ in sent],
+                "tokens": [row.lease_token for row, _ in sent],
+                "externals": [outcome.external_id for _, outcome in sent],
+                "sent": DeliveryStatus.sent.value,
+                "sending": DeliveryStatus.sending.value,
+                "now": now,
+                "src": src,
+                "dst": dst,
+                "actor": "system:relay",
+                "action": "delivered",
+                "audit_items": items,
+                "audit_ids": [self.ids.new("aud") for _ in items],
+                "kind": session_events.REVIEW,
+                "event_status": event_status,
+                "channel": session_events.NOTIFY_CHANNEL,
+            },
+            signals_from=lambda row: [
+                (session_events.TOPIC, (session_id, False)) for session_id in row.sessions
+            ],
+        )
+        row = result.one()
+        committed, moved = set(row.sent), set(row.moved)
+        counts: Counter[tuple[str, str]] = Counter()
+        for delivery, _ in sent:
+            if delivery.id in committed:
+                counts[delivery.channel, "sent"] += 1
+            else:
+                log.warning("delivery %s: send lease lost before commit", delivery.id)
+                counts[delivery.channel, "leaseLost"] += 1
+        for (channel, label), count in counts.items():
+            METRICS.deliveries.labels(channel, label).inc(count)
+        if moved:
+            METRICS.transitions.labels(src, dst).inc(len(moved))
+        for delivery, _ in sent:
+            item_id = delivery.work_item_id
+            if delivery.id in committed and item_id in items and item_id not in moved:
+                log.warning("work item %s was not approved when its delivery finished", item_id)
+        return True
 
     async def _commit_sent(self, conn: Conn, sent: list[Done], now: int) -> None:
         """Successful sends: a few statements for the whole group, whatever its size."""

@@ -251,6 +251,7 @@ class Database:
         parameters: Mapping[str, Any],
         *,
         signals: Sequence[tuple[str, Any]] = (),
+        signals_from: Callable[[sa.Row[Any]], Sequence[tuple[str, Any]]] | None = None,
     ) -> Result:
         """One statement that is a whole write transaction by itself.
 
@@ -258,12 +259,13 @@ class Database:
         atomic anyway: one round trip instead of three (``BEGIN``, it, ``COMMIT``), which
         are most of a short transaction's cost there. Elsewhere it is a :meth:`tx` of
         that statement. ``signals`` (``(topic, payload)`` pairs) are signalled after its
-        commit, as :func:`signal_after_commit` does inside a transaction.
+        commit, as :func:`signal_after_commit` does inside a transaction, and so are
+        those ``signals_from`` makes of each row the statement returned.
         """
         if self._pg is None:
             async with self.tx() as conn:
                 result = await conn.execute(statement, parameters)
-                for topic, payload in signals:
+                for topic, payload in _signals(result, signals, signals_from):
                     signal_after_commit(conn, topic, payload)
             return result
         try:
@@ -273,7 +275,7 @@ class Database:
             _raise_unavailable(exc)
             raise
         topics: dict[str, list[Any]] = {}
-        for topic, payload in signals:
+        for topic, payload in _signals(result, signals, signals_from):
             payloads = topics.setdefault(topic, [])
             if payload is not None:
                 payloads.append(payload)
@@ -557,6 +559,17 @@ class _InlineTx:
         except Exception as failure:
             _raise_unavailable(failure)
             raise
+
+
+def _signals(
+    result: Result,
+    signals: Sequence[tuple[str, Any]],
+    signals_from: Callable[[sa.Row[Any]], Sequence[tuple[str, Any]]] | None,
+) -> list[tuple[str, Any]]:
+    """:meth:`Database.write_alone`'s signals: the fixed ones, then the rows' own."""
+    if signals_from is None:
+        return list(signals)
+    return [*signals, *(signal for row in result.all() for signal in signals_from(row))]
 
 
 def _raise_unavailable(exc: BaseException) -> None:

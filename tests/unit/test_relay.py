@@ -25,9 +25,10 @@ from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
-from leadgate.domain import workitems
+from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.review import decisions, queue
+from outbox import outcomes as outcomes_mod
 from outbox import relay as relay_mod
 from outbox.channel import Permanent, Retry, Sent, Uncertain
 from outbox.outcomes import Done
@@ -315,8 +316,14 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     async def broken(*args: Any, **kwargs: Any) -> list[str]:
         raise RuntimeError("database went away mid-commit")
 
-    # The item's move fails: the delivery's move to sent is rolled back with it.
+    # The item's move fails: the delivery's move to sent is rolled back with it. (On
+    # PostgreSQL the posts' outcomes are one statement: it fails after its moves.)
     monkeypatch.setattr(workitems, "transition_many", broken)
+    failing = outcomes_mod._COMMIT_POSTS.text.replace(
+        " AS notified", " AS notified, (SELECT 1 / (count(*) - count(*)) FROM moved) AS boom"
+    )
+    assert failing != outcomes_mod._COMMIT_POSTS.text
+    monkeypatch.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))
     monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
     await relay.run_once()
     assert (await delivery(stack, dlv["id"]))["status"] == "sending"
@@ -329,6 +336,83 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     assert (await delivery(stack, dlv["id"]))["status"] == "sent"
     assert (await item(stack, item_id))["status"] == "completed"
     assert await relay.run_once() is False
+
+
+async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """A group of successful posts (on PostgreSQL one statement outside a transaction
+    block, on SQLite the outcome transaction) writes the same rows: each delivery fenced
+    by its lease token (a lost lease moves nothing), the item ``approved -> completed``
+    only if it still is approved, its ``delivered`` audit row, the session's ``review``
+    event after the events already there, the platform's message id, and the in-process
+    wake-up of the session's readers."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 3)
+    relay = relay_for(stack)
+    rows = {r.work_item_id: r for r in await relay.claim()}
+    ok, lost, moved_away = (rows[i["id"]] for i in seeded.items)
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.work_items.update()
+            .where(t.work_items.c.id == moved_away.work_item_id)
+            .values(status="cancelled")
+        )
+        for session_id in (seeded.items[0]["session_id"], seeded.items[2]["session_id"]):
+            await session_events.message_visible(conn, stack.clock, session_id, "msg_before")
+    woken: list[list[Any]] = []
+    stack.db.on_commit_payloads(session_events.TOPIC, woken.append)
+    done = [
+        Done(ok, Sent("1700000001.000100")),
+        Done(lost._replace(lease_token="lease_someone_else"), Sent("x")),
+        Done(moved_away, Sent(None)),
+    ]
+    with stack.db.record_statements() as statements:
+        await relay.complete(done)
+    if stack.db.is_postgres:
+        assert [s.split()[0] for s in statements] == ["WITH"], statements
+
+    first = await delivery(stack, ok.id)
+    assert (first["status"], first["external_id"], first["lease_token"]) == (
+        "sent",
+        "1700000001.000100",
+        None,
+    )
+    assert (await delivery(stack, lost.id))["status"] == "sending"
+    assert (await delivery(stack, moved_away.id))["status"] == "sent"
+    assert (await item(stack, ok.work_item_id))["status"] == "completed"
+    assert (await item(stack, lost.work_item_id))["status"] == "approved"
+    assert (await item(stack, moved_away.work_item_id))["status"] == "cancelled"
+    assert "delivered" in await audit_actions(stack, ok.work_item_id)
+    assert "delivered" not in await audit_actions(stack, moved_away.work_item_id)
+    async with stack.db.read() as conn:
+        events = (
+            await conn.execute(
+                sa.select(
+                    t.session_events.c.session_id,
+                    t.session_events.c.seq,
+                    t.session_events.c.kind,
+                    t.session_events.c.status,
+                )
+                .where(t.session_events.c.session_id.in_([i["session_id"] for i in seeded.items]))
+                .order_by(t.session_events.c.session_id, t.session_events.c.seq)
+            )
+        ).all()
+        audit = (
+            await conn.execute(
+                sa.select(t.audit.c.actor, t.audit.c.from_status, t.audit.c.to_status).where(
+                    t.audit.c.work_item_id == ok.work_item_id, t.audit.c.action == "delivered"
+                )
+            )
+        ).one()
+    first_session, _, third_session = (i["session_id"] for i in seeded.items)
+    assert first_session < third_session  # ids follow creation: the events' order
+    assert [tuple(e) for e in events] == [
+        (first_session, 1, "message", None),
+        (first_session, 2, "review", "delivered"),
+        (third_session, 1, "message", None),
+    ]
+    assert tuple(audit) == ("system:relay", "approved", "completed")
+    assert [p for payloads in woken for p in payloads] == [(first_session, False)]
 
 
 async def test_retry_honours_retry_after_and_keeps_the_idempotency_key(
@@ -570,7 +654,16 @@ async def test_pipeline_drains_many_with_bounded_concurrency_and_grouped_commits
         commits.append(len(done))
         await original(conn, done, now)
 
+    alone = relay.committer.commit_alone
+
+    async def counting_alone(db: Any, done: list[Any], now: int) -> bool:
+        committed = await alone(db, done, now)
+        if committed:
+            commits.append(len(done))
+        return committed
+
     monkeypatch.setattr(relay.committer, "commit", counting)
+    monkeypatch.setattr(relay.committer, "commit_alone", counting_alone)
     assert await drain(relay) >= 1
     assert slow.max_in_flight <= 8
     assert sorted(slow.texts()) == sorted(
