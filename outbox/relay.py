@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -96,6 +96,37 @@ LEASE_EXPIRED_ERROR = (
 COMMIT_RETRY_DELAYS_S = (0.05, 0.5, 2.0)
 #: A card update whose card is not posted yet waits this long before looking again.
 CARD_NOT_POSTED_RETRY_S = 2.0
+
+# PostgreSQL's claim as one statement, run outside a transaction block (one round trip;
+# the claim transaction was four: BEGIN, the locked selection, the update, COMMIT). The
+# selection is a MATERIALIZED CTE: evaluated exactly once, so SKIP LOCKED cannot pick
+# other rows on a second evaluation and take more than the LIMIT (which an
+# ``UPDATE ... WHERE id IN (subquery)`` may do; see Relay._locked_ids).
+_DUE = (
+    sa.select(D.id)
+    .where(
+        D.status == DeliveryStatus.pending.value,
+        D.next_attempt_at <= sa.bindparam("p_now"),
+    )
+    .order_by(D.next_attempt_at, D.id)
+    .limit(sa.bindparam("p_limit"))
+    .with_for_update(skip_locked=True)
+    .cte("due")
+    .prefix_with("MATERIALIZED")
+)
+_CLAIM_ALONE = (
+    t.deliveries.update()
+    .where(D.id == _DUE.c.id, D.status == DeliveryStatus.pending.value)
+    .values(
+        status=DeliveryStatus.sending.value,
+        lease_token=sa.bindparam("p_token"),
+        lease_expires_at=sa.bindparam("p_expires"),
+        lease_owner=sa.bindparam("p_owner"),
+        attempts=D.attempts + 1,
+        updated_at=sa.bindparam("p_now"),
+    )
+    .returning(*t.deliveries.c)
+)
 
 
 def split_text(text: str, limit: int) -> list[str]:
@@ -297,8 +328,11 @@ class Relay:
             # trip; the claim's transaction then holds no outcome rows either).
             if group and await self.committer.commit_alone(self.db, group, now):
                 group = []
+            if not group:
                 if not limit:
                     return []
+                if self.db.is_postgres:
+                    return await self._claim_alone(limit, token)
             async with self.db.tx() as conn:
                 if group:
                     await self.committer.commit(conn, group, now)
@@ -428,6 +462,8 @@ class Relay:
         (fenced; SKIP LOCKED on PostgreSQL)."""
         token = self.ids.new("lease")
         try:
+            if self.db.is_postgres:
+                return await self._claim_alone(limit or self.batch, token)
             async with self.db.tx() as conn:
                 return await self._claim_in(conn, limit or self.batch, token)
         except Exception:
@@ -460,6 +496,21 @@ class Relay:
             released += int(res.rowcount or 0)
         return released
 
+    async def _claim_alone(self, limit: int, token: str) -> list[Delivery]:
+        """PostgreSQL: :meth:`_claim_in` as one statement of its own (:data:`_CLAIM_ALONE`)."""
+        now = self.clock.now_ms()
+        result = await self.db.write_alone(
+            _CLAIM_ALONE,
+            {
+                "p_now": now,
+                "p_limit": limit,
+                "p_token": token,
+                "p_expires": now + self.send_lease_ms,
+                "p_owner": self.owner(),
+            },
+        )
+        return _in_claim_order(result.all())
+
     async def _claim_in(self, conn: Conn, limit: int, token: str) -> list[Delivery]:
         now = self.clock.now_ms()
         due = self.db.skip_locked(
@@ -489,9 +540,7 @@ class Relay:
                 .returning(*t.deliveries.c)
             )
         ).all()
-        out = [Delivery.from_row(r) for r in rows]
-        out.sort(key=lambda r: (r.next_attempt_at, r.id))
-        return out
+        return _in_claim_order(rows)
 
     # -------------------------------------------------------------------- sends
 
@@ -604,3 +653,10 @@ class Relay:
         base = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempts - 1))
         delay = base * (0.5 + 0.5 * self.rand())
         return float(max(delay, retry_after or 0.0))
+
+
+def _in_claim_order(rows: Sequence[sa.Row[Any]]) -> list[Delivery]:
+    """Claimed rows as deliveries, oldest due first (RETURNING keeps no order)."""
+    out = [Delivery.from_row(r) for r in rows]
+    out.sort(key=lambda r: (r.next_attempt_at, r.id))
+    return out

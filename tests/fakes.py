@@ -128,3 +128,20 @@ class DownFor:
                     raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
 
         return _Ctx()
+
+
+class DownAloneFor:
+    """``Database.write_alone`` replaced for the next ``n`` calls, as :class:`DownFor`:
+    the statement runs (or not, ``before``) and then the database is "gone"."""
+
+    def __init__(self, real: Callable[..., Any], n: int, *, after_commit: bool) -> None:
+        self.real, self.n, self.after_commit = real, n, after_commit
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.n == 0:
+            return await self.real(*args, **kwargs)
+        self.n -= 1
+        if not self.after_commit:
+            raise Unavailable("database down", rule="service.unavailable")
+        await self.real(*args, **kwargs)
+        raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
