@@ -303,21 +303,28 @@ class PgPool:
     @asynccontextmanager
     async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgConnection]:
         """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error)."""
+        trace = self.trace
         async with self._connection() as raw:
             tr = raw.transaction(readonly=readonly)
+            if trace is not None:
+                trace("BEGIN")  # each its own round trip, counted like statements
             try:
                 await tr.start()
             except _DRIVER_ERRORS as exc:
                 raise _wrap(exc, "BEGIN", ()) from exc
-            conn = PgConnection(raw, self.plans, self.trace)
+            conn = PgConnection(raw, self.plans, trace)
             try:
                 yield conn
             except BaseException:
+                if trace is not None:
+                    trace("ROLLBACK")
                 try:
                     await tr.rollback()
                 except _DRIVER_ERRORS:
                     pass  # the connection is gone; the server rolled back already
                 raise
+            if trace is not None:
+                trace("COMMIT")
             try:
                 await tr.commit()
             except _DRIVER_ERRORS as exc:
