@@ -2,8 +2,10 @@
 
 The pipeline keeps at most one database "turn" in flight: a single transaction that
 commits every outcome finished since the previous turn and, when the pipeline wants
-more, claims the next batch. Sends run meanwhile (up to the relay's concurrency, with
-half a batch queued behind). Each pass of :meth:`Pump.run` is these named steps:
+more, claims the next batch (on PostgreSQL each its own statement). Sends run meanwhile
+(up to the relay's concurrency, with up to half a batch, and at most one round of sends,
+queued behind; a claim takes at most about two rounds, so that replicas share a backlog
+evenly). Each pass of :meth:`Pump.run` is these named steps:
 
 1. :meth:`~Pump.start_handed`: start rows this process handed over (no claim needed);
 2. :meth:`~Pump.start_turn`: when idle, commit finished outcomes and/or claim more;
@@ -73,7 +75,14 @@ class Pump:
         self.turn_limit = 0
         self.more = claim  # due rows may be waiting for a claim
         self.claimed = 0
-        self.high_water = relay.concurrency + max(1, relay.batch // 2)
+        # Rows queued behind the sends: enough to cover a claim's latency, and never more
+        # than one round of sends (rows held here wait while other replicas may be idle:
+        # with 4 replicas of concurrency 8 and batches of 100, the last batches of a
+        # backlog left two replicas posting 100 rows more than the other two).
+        queued = max(1, min(relay.batch // 2, relay.concurrency))
+        self.high_water = relay.concurrency + queued
+        #: the most one claim takes: what the sends can start within about two rounds
+        self.claim_max = min(relay.batch, relay.concurrency + self.high_water)
         self.failure: BaseException | None = None
         self.progress = asyncio.Event()
         self.loop = asyncio.get_running_loop()
@@ -142,7 +151,7 @@ class Pump:
         )
         if not (want or commit_now):
             return
-        self.turn_limit = min(relay.batch, relay.max_rows_per_run - self.claimed) if want else 0
+        self.turn_limit = min(self.claim_max, relay.max_rows_per_run - self.claimed) if want else 0
         group, self.finished = self.finished, []
         self.turn = asyncio.create_task(relay.turn(group, self.turn_limit))
         self.turn.add_done_callback(lambda _: self.progress.set())

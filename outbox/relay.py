@@ -15,7 +15,9 @@ claim-send-commit lockstep.
 
 * one database "turn" at a time: a single transaction that commits every outcome
   finished since the previous turn and, when the pipeline wants more, claims the next
-  batch; sends run meanwhile (up to ``concurrency``, with half a batch queued behind);
+  batch (on PostgreSQL each its own statement outside a transaction block); sends run
+  meanwhile (up to ``concurrency``, with at most one round of sends or half a batch
+  queued behind; see :mod:`outbox.pump`);
 * a group of successful sends is a handful of statements whatever its size (one fenced
   ``UPDATE ... WHERE id IN (...)`` per lease token, the platform ids, one ``UPDATE`` of
   the work items, one multi-row audit insert); outcomes linger up to

@@ -30,7 +30,7 @@ from leadgate.domain.rows import Delivery
 from leadgate.review import decisions, queue
 from outbox import outcomes as outcomes_mod
 from outbox import relay as relay_mod
-from outbox.channel import Permanent, Retry, Sent, Uncertain
+from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
@@ -688,6 +688,39 @@ async def test_pipeline_drains_many_with_bounded_concurrency_and_grouped_commits
         )
     assert statuses == {"completed": 300}
     assert sent == 320 and audits == 300
+
+
+async def test_a_replica_holds_about_two_rounds_of_sends_not_a_whole_batch(
+    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay whose sends are slow (concurrency 2, batch 100) claims what it can start
+    within about two rounds (2 in flight + 4 queued), not a whole batch: another replica
+    takes the rest meanwhile instead of waiting for this one to work through it."""
+    await seed_items(stack.db, stack.clock, stack.ids, 40)
+    channel.gate = asyncio.Event()
+    both_sending = asyncio.Event()
+    send = channel.send
+
+    async def counted(message: OutboundMessage) -> SendOutcome:
+        if len(channel.calls) == 1:  # this is the second send
+            both_sending.set()
+        return await send(message)
+
+    monkeypatch.setattr(channel, "send", counted)
+    slow = relay_for(stack, batch=100, concurrency=2)
+    other = relay_for(stack, batch=100, concurrency=64)
+    run = asyncio.create_task(slow.run_once())
+    try:
+        async with asyncio.timeout(5):
+            await both_sending.wait()
+        counts = await delivery_counts(stack.db)
+        assert counts == {"sending": 6, "pending": 34}, counts
+        assert len(await other.claim()) == 34  # the other replica's, to send meanwhile
+    finally:
+        channel.gate.set()
+        await run
+    assert len(channel.calls) == 6
+    assert await delivery_counts(stack.db) == {"sent": 6, "sending": 34}
 
 
 async def test_a_claim_takes_at_most_its_limit(stack: Stack) -> None:
