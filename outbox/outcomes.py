@@ -177,7 +177,12 @@ class OutcomeCommitter:
         event_status = session_events.public_status(dst, 0)
         if event_status is None or event_status == session_events.public_status(src, 0):
             return False  # (never: ``completed`` is public and ``approved`` is not)
-        items = [row.work_item_id for row, _ in sent if row.kind == "gating" and row.work_item_id]
+        # Each item once (its audit row too), as transition_many's IN list does.
+        items = list(
+            dict.fromkeys(
+                row.work_item_id for row, _ in sent if row.kind == "gating" and row.work_item_id
+            )
+        )
         result = await db.write_alone(
             _COMMIT_POSTS,
             {
@@ -214,10 +219,9 @@ class OutcomeCommitter:
             METRICS.deliveries.labels(channel, label).inc(count)
         if moved:
             METRICS.transitions.labels(src, dst).inc(len(moved))
-        for delivery, _ in sent:
-            item_id = delivery.work_item_id
-            if delivery.id in committed and item_id in items and item_id not in moved:
-                log.warning("work item %s was not approved when its delivery finished", item_id)
+        wanted = {d.work_item_id for d, _ in sent if d.id in committed and d.kind == "gating"}
+        for item_id in wanted - moved - {None}:
+            log.warning("work item %s was not approved when its delivery finished", item_id)
         return True
 
     async def _commit_sent(self, conn: Conn, sent: list[Done], now: int) -> None:

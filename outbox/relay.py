@@ -322,11 +322,13 @@ class Relay:
         self._last_empty_claim = self.clock.now_ms()
 
     async def turn(self, group: list[Done], limit: int) -> list[Delivery]:
-        """Commit ``group`` and claim up to ``limit`` rows, in one transaction.
+        """Commit ``group`` and claim up to ``limit`` rows: in one transaction on SQLite;
+        on PostgreSQL the outcomes first (one statement for a group of posts), then the
+        claim (one statement).
 
-        When that transaction fails, the outcomes are committed on their own (with
-        retries) and the claim error is raised: outcomes of sends that happened are
-        never dropped because the claim part failed.
+        When that fails, the outcomes are committed on their own (with retries) and the
+        claim error is raised: outcomes of sends that happened are never dropped because
+        the claim part failed.
         """
         token = self.ids.new("lease")
         try:
