@@ -334,11 +334,11 @@ class Relay:
         try:
             now = self.clock.now_ms()
             if self.db.is_postgres:
-                # Each its own round trip: the posts' outcomes in one statement (or, for
-                # other outcomes, a transaction), then the claim in one statement.
-                if group and not await self.committer.commit_alone(self.db, group, now):
+                # The posts' outcomes in one statement (other outcomes: a transaction),
+                # then the claim in one statement.
+                if group:
                     await self.complete(group)
-                group = []
+                    group = []
                 return await self._claim_alone(limit, token) if limit else []
             async with self.db.tx() as conn:
                 if group:
