@@ -69,13 +69,12 @@ _MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
 
 
 # A group of successful posts on PostgreSQL, as one statement (see
-# OutcomeCommitter.commit_alone): the same fenced moves, audit rows and session events as
-# the transaction of ``commit``, in one round trip instead of seven (BEGIN, the deliveries,
-# their external ids, the items, their audit rows, the session events, COMMIT). Measured
-# with four relay replicas: the outcome commit's round trips were most of the relay's
-# and of PostgreSQL's CPU per delivery. The sessions' counters are locked in id order
-# before they move, as session_events does.
-_COMMIT_POSTS = sa.text(
+# OutcomeCommitter.commit_alone): the same fenced moves and audit rows as the transaction
+# of ``commit``, and the session events session_events writes for the items' move, in one
+# round trip instead of seven (BEGIN, the deliveries, their external ids, the items, their
+# audit rows, the session events, COMMIT). Measured with four relay replicas: the outcome
+# commit's round trips were most of the relay's and of PostgreSQL's CPU per delivery.
+_SENT_AND_MOVED = (
     "WITH input AS ("
     " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:tokens AS varchar[]),"
     " CAST(:externals AS varchar[])) AS i(id, token, external_id)"
@@ -95,25 +94,24 @@ _COMMIT_POSTS = sa.text(
     " SELECT a.audit_id, moved.org_id, moved.id, NULL, :actor, :action, :src, :dst, NULL, :now"
     " FROM moved JOIN unnest(CAST(:audit_items AS varchar[]), CAST(:audit_ids AS varchar[]))"
     " AS a(item, audit_id) ON a.item = moved.id"
-    "), locked AS ("
-    " SELECT id FROM sessions WHERE id IN (SELECT session_id FROM moved) ORDER BY id FOR UPDATE"
-    "), counts AS ("
-    " SELECT session_id AS sid, count(*) AS n FROM moved GROUP BY session_id"
-    "), s AS ("
-    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
-    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
-    " RETURNING sessions.id, sessions.event_seq, counts.n"
-    "), events AS ("
-    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
-    " SELECT m.session_id,"
-    " s.event_seq - s.n + row_number() OVER (PARTITION BY m.session_id ORDER BY m.id),"
-    " :kind, NULL, :event_status, :now"
-    " FROM moved AS m JOIN s ON s.id = m.session_id"
-    ") SELECT"
-    " ARRAY(SELECT id FROM sent) AS sent,"
-    " ARRAY(SELECT id FROM moved) AS moved,"
-    " ARRAY(SELECT id FROM s) AS sessions,"
-    " (SELECT count(pg_notify(:channel, s.id || ' r')) FROM s) AS notified"
+    ")"
+)
+_SRC, _DST = Status.approved, Status.completed
+
+
+def _moved_events() -> session_events.MovedItemEvents:
+    events = session_events.postgres_moved_item_events("moved", _SRC.value, _DST.value)
+    if events is None:  # completed is a public status and approved is not: never
+        raise RuntimeError("approved -> completed changes no public status")
+    return events
+
+
+_EVENTS = _moved_events()
+_COMMIT_POSTS = sa.text(
+    _SENT_AND_MOVED
+    + _EVENTS.ctes
+    + " SELECT ARRAY(SELECT id FROM sent) AS sent, ARRAY(SELECT id FROM moved) AS moved, "
+    + _EVENTS.columns
 )
 
 
@@ -168,60 +166,38 @@ class OutcomeCommitter:
         group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
         if not db.is_postgres or not done:
             return False
-        sent: list[tuple[Delivery, Sent]] = []
-        for d in done:
-            if not isinstance(d.outcome, Sent) or d.row.action == "reveal":
-                return False
-            sent.append((d.row, d.outcome))
-        src, dst = Status.approved.value, Status.completed.value
-        event_status = session_events.public_status(dst, 0)
-        if event_status is None or event_status == session_events.public_status(src, 0):
-            return False  # (never: ``completed`` is public and ``approved`` is not)
+        if any(not isinstance(d.outcome, Sent) or d.row.action == "reveal" for d in done):
+            return False
         # Each item once (its audit row too), as transition_many's IN list does.
-        items = list(
-            dict.fromkeys(
-                row.work_item_id for row, _ in sent if row.kind == "gating" and row.work_item_id
-            )
-        )
+        items = list(dict.fromkeys(i for d in done if (i := _gating_item(d.row))))
         result = await db.write_alone(
             _COMMIT_POSTS,
             {
-                "ids": [row.id for row, _ in sent],
-                "tokens": [row.lease_token for row, _ in sent],
-                "externals": [outcome.external_id for _, outcome in sent],
+                "ids": [d.row.id for d in done],
+                "tokens": [d.row.lease_token for d in done],
+                "externals": [
+                    d.outcome.external_id if isinstance(d.outcome, Sent) else None for d in done
+                ],
                 "sent": DeliveryStatus.sent.value,
                 "sending": DeliveryStatus.sending.value,
                 "now": now,
-                "src": src,
-                "dst": dst,
+                "src": _SRC.value,
+                "dst": _DST.value,
                 "actor": "system:relay",
                 "action": "delivered",
                 "audit_items": items,
                 "audit_ids": [self.ids.new("aud") for _ in items],
-                "kind": session_events.REVIEW,
-                "event_status": event_status,
-                "channel": session_events.NOTIFY_CHANNEL,
+                **_EVENTS.params,
+                "ev_at": now,
             },
-            signals_from=lambda row: [
-                (session_events.TOPIC, (session_id, False)) for session_id in row.sessions
-            ],
+            signals_from=lambda row: session_events.woken(row.ev_sessions),
         )
         row = result.one()
-        committed, moved = set(row.sent), set(row.moved)
-        counts: Counter[tuple[str, str]] = Counter()
-        for delivery, _ in sent:
-            if delivery.id in committed:
-                counts[delivery.channel, "sent"] += 1
-            else:
-                log.warning("delivery %s: send lease lost before commit", delivery.id)
-                counts[delivery.channel, "leaseLost"] += 1
-        for (channel, label), count in counts.items():
-            METRICS.deliveries.labels(channel, label).inc(count)
+        committed = _report_sent(done, set(row.sent))
+        moved = set(row.moved)
         if moved:
-            METRICS.transitions.labels(src, dst).inc(len(moved))
-        wanted = {d.work_item_id for d, _ in sent if d.id in committed and d.kind == "gating"}
-        for item_id in wanted - moved - {None}:
-            log.warning("work item %s was not approved when its delivery finished", item_id)
+            METRICS.transitions.labels(_SRC.value, _DST.value).inc(len(moved))
+        _warn_not_moved([_gating_item(d.row) for d in committed], moved)
         return True
 
     async def _commit_sent(self, conn: Conn, sent: list[Done], now: int) -> None:
@@ -238,20 +214,12 @@ class OutcomeCommitter:
             await conn.execute(_SET_EXTERNAL_ID, external)
         items: list[str] = []
         reveal: list[str] = []
-        counts: Counter[tuple[str, str]] = Counter()
-        for d in sent:
-            row = d.row
-            if row.id not in committed:
-                log.warning("delivery %s: send lease lost before commit", row.id)
-                counts[row.channel, "leaseLost"] += 1
-                continue
-            counts[row.channel, "sent"] += 1
-            if row.kind == "gating" and row.work_item_id:
-                items.append(row.work_item_id)
-                if row.action == "reveal":
-                    reveal.append(row.work_item_id)
-        for (channel, label), count in counts.items():
-            METRICS.deliveries.labels(channel, label).inc(count)
+        for d in _report_sent(sent, committed):
+            item_id = _gating_item(d.row)
+            if item_id:
+                items.append(item_id)
+                if d.row.action == "reveal":
+                    reveal.append(item_id)
         if reveal:
             revealed = await conn.execute(_REVEAL, {"p_items": reveal, "lead_gated": False})
             await self._announce(conn, revealed.all())
@@ -266,8 +234,7 @@ class OutcomeCommitter:
                 actor="system:relay",
                 action="delivered",
             )
-            for item_id in set(items) - set(moved):
-                log.warning("work item %s was not approved when its delivery finished", item_id)
+            _warn_not_moved(items, set(moved))
 
     async def _announce(self, conn: Conn, revealed: Sequence[Any]) -> None:
         """Revealed messages become ``message`` events of their sessions (queued before
@@ -385,3 +352,30 @@ class OutcomeCommitter:
             log.warning(
                 "work item %s was not approved when its delivery finished", row.work_item_id
             )
+
+
+def _gating_item(row: Delivery) -> str | None:
+    """The work item a delivery completes when it is sent (gating deliveries), or None."""
+    return row.work_item_id if row.kind == "gating" else None
+
+
+def _report_sent(sent: Sequence[Done], committed: set[str]) -> list[Done]:
+    """Count successful sends by whether their ``sent`` was committed (a lost send lease
+    is logged); returns the committed ones."""
+    counts: Counter[tuple[str, str]] = Counter()
+    kept: list[Done] = []
+    for d in sent:
+        if d.row.id in committed:
+            counts[d.row.channel, "sent"] += 1
+            kept.append(d)
+        else:
+            log.warning("delivery %s: send lease lost before commit", d.row.id)
+            counts[d.row.channel, "leaseLost"] += 1
+    for (channel, label), count in counts.items():
+        METRICS.deliveries.labels(channel, label).inc(count)
+    return kept
+
+
+def _warn_not_moved(items: Sequence[str | None], moved: set[str]) -> None:
+    for item_id in set(items) - moved - {None}:
+        log.warning("work item %s was not approved when its delivery finished", item_id)

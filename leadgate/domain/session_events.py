@@ -307,6 +307,61 @@ _POSTGRES_INSERT_MANY = sa.text(
 )
 
 
+class MovedItemEvents(NamedTuple):
+    """SQL and parameters that write, inside another PostgreSQL statement, the events
+    :func:`status_changed` would queue for the work items that statement moved."""
+
+    #: CTEs to append after the statement's own (each starts with ``, ``)
+    ctes: str
+    #: select-list items: ``ev_sessions`` (the sessions written) and the NOTIFYs
+    columns: str
+    params: dict[str, Any]
+
+
+def postgres_moved_item_events(moved: str, src: str, dst: str) -> MovedItemEvents | None:
+    """For a statement whose CTE ``moved`` returns ``id`` and ``session_id`` of the work
+    items it moved ``src -> dst`` (at revision > 0 or not: the held and terminal public
+    statuses do not depend on it): one ``review`` event per item, the counters locked in
+    session id order as :data:`_POSTGRES_INSERT_MANY` does, and each session NOTIFYed.
+    ``None`` when the move changes no public status (no event, as :func:`status_changed`).
+    The caller binds ``:ev_at`` (the events' time) besides :attr:`MovedItemEvents.params`
+    and wakes this process's readers after commit with :func:`woken` of ``ev_sessions``."""
+    after = public_status(dst, 0)
+    if after is None or after == public_status(src, 0) or public_status(dst, 1) != after:
+        return None
+    ctes = (
+        ", ev_locked AS ("
+        f" SELECT id FROM sessions WHERE id IN (SELECT session_id FROM {moved})"
+        " ORDER BY id FOR UPDATE"
+        "), ev_counts AS ("
+        f" SELECT session_id AS sid, count(*) AS n FROM {moved} GROUP BY session_id"
+        "), ev_s AS ("
+        " UPDATE sessions SET event_seq = sessions.event_seq + ev_counts.n"
+        " FROM ev_locked JOIN ev_counts ON ev_counts.sid = ev_locked.id"
+        " WHERE sessions.id = ev_locked.id"
+        " RETURNING sessions.id, sessions.event_seq, ev_counts.n"
+        "), ev_rows AS ("
+        " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+        " SELECT m.session_id,"
+        " ev_s.event_seq - ev_s.n + row_number() OVER (PARTITION BY m.session_id ORDER BY m.id),"
+        " :ev_kind, NULL, :ev_status, :ev_at"
+        f" FROM {moved} AS m JOIN ev_s ON ev_s.id = m.session_id"
+        ")"
+    )
+    columns = (
+        "ARRAY(SELECT id FROM ev_s) AS ev_sessions,"
+        " (SELECT count(pg_notify(:ev_channel, ev_s.id || ' r')) FROM ev_s) AS ev_notified"
+    )
+    params = {"ev_kind": REVIEW, "ev_status": after, "ev_channel": NOTIFY_CHANNEL}
+    return MovedItemEvents(ctes, columns, params)
+
+
+def woken(session_ids: Sequence[str]) -> list[tuple[str, Any]]:
+    """The after-commit signals that wake this process's readers of ``session_ids``
+    (status events only, as :func:`postgres_moved_item_events` writes)."""
+    return [(TOPIC, (session_id, False)) for session_id in session_ids]
+
+
 async def _insert_postgres_many(conn: Conn, by_session: dict[str, list[_Queued]]) -> None:
     sids = sorted(by_session)
     if len(sids) == 1:

@@ -320,7 +320,7 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     # PostgreSQL the posts' outcomes are one statement: it fails after its moves.)
     monkeypatch.setattr(workitems, "transition_many", broken)
     failing = outcomes_mod._COMMIT_POSTS.text.replace(
-        " AS notified", " AS notified, (SELECT 1 / (count(*) - count(*)) FROM moved) AS boom"
+        " AS ev_notified", " AS ev_notified, (SELECT 1 / (count(*) - count(*)) FROM moved) AS b"
     )
     assert failing != outcomes_mod._COMMIT_POSTS.text
     monkeypatch.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))

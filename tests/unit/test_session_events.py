@@ -326,3 +326,16 @@ async def test_writers_over_the_same_sessions_in_any_order_neither_wait_in_a_cyc
     for sid in sids:
         log = await log_of(stack, sid)
         assert [e[0] for e in log] == list(range(1, 3 + writers * per_writer))
+
+
+def test_moved_item_events_are_written_only_when_the_public_status_changes() -> None:
+    """The SQL another PostgreSQL statement embeds for the items it moved: none for a
+    move between held statuses (as ``status_changed`` queues none), a ``review`` event
+    with the new public status otherwise, its sessions woken after commit."""
+    assert session_events.postgres_moved_item_events("moved", "reviewQueued", "reviewing") is None
+    events = session_events.postgres_moved_item_events("moved", "approved", "completed")
+    assert events is not None
+    assert events.params["ev_status"] == "delivered"
+    assert events.params["ev_kind"] == session_events.REVIEW
+    assert "FROM moved" in events.ctes and "ORDER BY id FOR UPDATE" in events.ctes
+    assert session_events.woken(["s1"]) == [(session_events.TOPIC, ("s1", False))]
