@@ -37,6 +37,7 @@ from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.core.types import Outcome
 from leadgate.database.db import Database
+from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
 from leadgate.domain.session_events import NOTIFY_CHANNEL as SESSION_EVENTS_CHANNEL
@@ -312,7 +313,8 @@ class App:
         :func:`outbox.store.listen_all` for why one): deliveries due and items queued for
         review (runners; submissions on API replicas reach the lead runners of worker
         replicas now, not at their next poll), session events (surfaces: event streams
-        here hear writes of every replica)."""
+        here hear writes of every replica), and changes of agents, presets and policy
+        rules (either: what lets the intake keep them between turns)."""
         if not self.db.is_postgres:
             return
         channels: dict[str, Callable[[str], None]] = {}
@@ -321,12 +323,26 @@ class App:
             channels[OUTBOX_CHANNEL] = lambda _payload: self._outbox_due()
             channels[workitems.REVIEW_CHANNEL] = self._review_notified
             on_connect += [self._outbox_due, self._review_due]
+        on_lost: list[Callable[[], None]] = []
         if surfaces:
             channels[SESSION_EVENTS_CHANNEL] = self.event_hub.notified
             on_connect.append(self.event_hub.wake_all)
+        changes = self.db.table_changes
+        if channels and changes is not None:
+            # Agents, presets and policy rules changed by any writer: the intake's cache
+            # of them is used only while this connection is up (TableChanges).
+            channels[CHANGES_CHANNEL] = changes.notified
+            on_connect.append(changes.connected)
+            on_lost.append(changes.lost)
         if channels:
             self.background.spawn(
-                listen_all(self.settings.database.url, channels, self._stop, on_connect=on_connect),
+                listen_all(
+                    self.settings.database.url,
+                    channels,
+                    self._stop,
+                    on_connect=on_connect,
+                    on_lost=on_lost,
+                ),
                 name="pg-listen",
             )
 

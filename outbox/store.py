@@ -369,6 +369,7 @@ async def listen_all(
     stop: asyncio.Event,
     *,
     on_connect: Sequence[Callable[[], None]] = (),
+    on_lost: Sequence[Callable[[], None]] = (),
     reconnect_s: float = 1.0,
     ready: Callable[[], None] | None = None,
 ) -> None:
@@ -380,7 +381,8 @@ async def listen_all(
     backend reads the queue in a transaction of its own (measured: with three listener
     connections per process those wake-ups were more transactions per gated lifecycle
     than the lifecycle's own). ``on_connect`` callbacks run after each (re)connection, so
-    that nothing sent while the connection was down waits for the next poll. A lost
+    that nothing sent while the connection was down waits for the next poll, and
+    ``on_lost`` callbacks when a connection they ran for is gone (or stopped). A lost
     connection is re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
     ``postgresql+asyncpg://`` URL or a libpq one.
     """
@@ -393,12 +395,14 @@ async def listen_all(
         except (OSError, asyncpg.PostgresError) as exc:
             log.warning("LISTEN %s: cannot connect (%s); retrying", names, exc)
         else:
+            connected = False
             try:
                 conn.add_termination_listener(lambda *_, lost=lost: lost.set())
                 for channel, handler in channels.items():
                     await conn.add_listener(
                         channel, lambda *args, handler=handler: handler(str(args[-1]))
                     )
+                connected = True
                 for callback in on_connect:
                     callback()
                 if ready is not None:
@@ -410,6 +414,9 @@ async def listen_all(
                     for waiter in waiters:
                         waiter.cancel()
             finally:
+                if connected:
+                    for callback in on_lost:
+                        callback()
                 with contextlib.suppress(Exception):
                     await conn.close(timeout=2)
         if not stop.is_set():

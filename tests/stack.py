@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from leadgate.core.clock import FakeClock, IdFactory, RandomIds
 from leadgate.database.db import Database
+from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.flows.runs import FlowService
 from leadgate.review.runner import LeadRunner
 from leadgate.turns.path import TurnService
@@ -22,7 +23,7 @@ from leadgate.turns.providers.registry import ProviderRegistry
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.channel import Channel
 from outbox.relay import Relay
-from outbox.store import OUTBOX_TOPIC, Outbox
+from outbox.store import OUTBOX_TOPIC, Outbox, listen_all
 
 
 @dataclass
@@ -41,12 +42,61 @@ class Stack:
     channels: dict[str, Channel] = field(default_factory=dict)
     wakes: dict[str, asyncio.Event] = field(default_factory=dict)
 
+    #: PostgreSQL, after :meth:`listen_for_changes`: the table names heard, in order
+    heard: asyncio.Queue[str] | None = None
+    _listening: tuple[asyncio.Event, asyncio.Task[None]] | None = None
+
     def wake(self, name: str) -> None:
         """Record a wake-up (the app would wake the runner of that name)."""
         self.wakes.setdefault(name, asyncio.Event()).set()
 
+    async def listen_for_changes(self) -> None:
+        """PostgreSQL: LISTEN for changes of agents, presets and policy rules as the
+        service does (``App._listen``), so the intake keeps them between turns; returns
+        once listening. No-op on SQLite."""
+        changes = self.db.table_changes
+        if changes is None or self._listening is not None:
+            return
+        heard: asyncio.Queue[str] = asyncio.Queue()
+        self.heard = heard
+
+        def notified(payload: str) -> None:
+            changes.notified(payload)
+            heard.put_nowait(payload)
+
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(
+            listen_all(
+                self.db.url,
+                {CHANGES_CHANNEL: notified},
+                stop,
+                on_connect=[changes.connected],
+                on_lost=[changes.lost],
+                ready=ready.set,
+            )
+        )
+        self._listening = (stop, task)
+        await asyncio.wait_for(ready.wait(), timeout=10)
+
+    async def heard_of(self, table: str) -> None:
+        """PostgreSQL: wait (bounded) until this process heard of a change of ``table``
+        committed by another connection. No-op when not listening (SQLite's
+        ``data_version`` knows at once)."""
+        if self.heard is None:
+            return
+        while True:
+            payload = await asyncio.wait_for(self.heard.get(), timeout=10)
+            name, _, sender = payload.partition(" ")
+            if name == table and sender != self.db.notify_tag:
+                return
+
     async def stop(self) -> None:
-        """Close providers and the database."""
+        """Stop listening; close providers and the database."""
+        if self._listening is not None:
+            stop, task = self._listening
+            self._listening = None
+            stop.set()
+            await task
         await self.providers.close()
         await self.db.close()
 

@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from leadgate.core.errors import ConfigError, NotMigratedError
 from leadgate.database.faults import unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
-from leadgate.database.pg import PgPool
+from leadgate.database.pg import PgPool, TableChanges
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
 MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
@@ -212,7 +212,15 @@ class Database:
                 size=pool_size,
                 acquire_timeout_s=busy_timeout_s,
                 connect_timeout_s=max(1.0, busy_timeout_s),
+                tag=self.notify_tag,
             )
+
+    @property
+    def table_changes(self) -> TableChanges | None:
+        """PostgreSQL: the writes to the notifying tables this process knows of (its
+        LISTEN connection feeds :meth:`TableChanges.notified`, see
+        :data:`leadgate.database.pg.CHANGES_CHANNEL`); None on SQLite."""
+        return None if self._pg is None else self._pg.changes
 
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``

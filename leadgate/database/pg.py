@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import re
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,18 +32,114 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import OPERATORS
 from sqlalchemy.sql.elements import BindParameter
 
-from leadgate.database.plans import PlanCache, Result
+from leadgate.database.plans import Plan, PlanCache, Result
 
 #: asyncpg's per-connection prepared-statement cache (the service runs ~150 distinct
 #: statements; the default of 100 would evict hot ones).
 STATEMENT_CACHE_SIZE = 1024
 CONNECT_TIMEOUT_S = 10.0
+#: Tables whose writes PostgreSQL announces on :data:`CHANGES_CHANNEL`, whoever writes
+#: them (a statement trigger each, migration 0010; payload: the table's name).
+NOTIFYING_TABLES = frozenset({"agents", "presets", "policy_rules"})
+CHANGES_CHANNEL = "leadgate_table_changes"
+#: The session setting the triggers put into the payload, after the table's name.
+SENDER_SETTING = "leadgate.sender"
+# The target of a text() write; one that names none may write anything.
+_WRITE_TARGET = re.compile(
+    r"\b(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM|TRUNCATE(?:\s+TABLE)?(?:\s+ONLY)?)\s+\"?(\w+)",
+    re.IGNORECASE,
+)
 
 
 def asyncpg_dsn(url: str) -> str:
     """A libpq DSN for asyncpg from an SQLAlchemy ``postgresql+asyncpg://`` URL."""
     parsed = sa.engine.make_url(url)
     return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class TableChanges:
+    """What this process knows of writes to :data:`NOTIFYING_TABLES`, as a token that
+    changes with each: what lets a cache of their rows (the intake's agents and policy
+    rules) be used again on PostgreSQL, as ``PRAGMA data_version`` does on SQLite.
+
+    Writes reach it two ways. Through this process's connections: a statement that
+    writes one of the tables counts when its transaction has ended (committed or rolled
+    back), so nothing read before the commit is used after it; inside that transaction
+    the connection gives no token at all (its reads see its own uncommitted rows). From
+    every other writer (other replicas, the CLI, ``psql``): the tables' triggers NOTIFY
+    :data:`CHANGES_CHANNEL` at commit, and the process's LISTEN connection calls
+    :meth:`notified` (its own writes' notifications are skipped by tag). A change
+    committed elsewhere is therefore seen by this process's reads at once and by its
+    cache once the notification arrived (on one host, well under a millisecond after
+    the writer's commit returned). Without a LISTEN connection, or while it reconnects,
+    :meth:`token` is None: nothing is cached, every intake reads.
+    """
+
+    __slots__ = ("_counts", "_epoch", "_listening", "_targets", "tag")
+
+    def __init__(self, tag: str = "") -> None:
+        #: this process's connections' ``leadgate.sender`` (the triggers put it into the
+        #: payload): its own writes are counted when their transaction ends, not again
+        #: when their notification comes back
+        self.tag = tag
+        self._counts: dict[str, int] = {}
+        self._listening = 0
+        # Bumped when a LISTEN connection comes or goes: tokens from before never match.
+        self._epoch = 0
+        self._targets: dict[str, frozenset[str]] = {}
+
+    def token(self, tables: Sequence[str]) -> object | None:
+        """Equal on two calls only if no write to ``tables`` became known in between;
+        None when that cannot be known (no LISTEN connection, or a table that does not
+        notify)."""
+        if self._listening <= 0 or not NOTIFYING_TABLES.issuperset(tables):
+            return None
+        counts = self._counts
+        return (self._epoch, *(counts.get(t, 0) for t in tables))
+
+    def wrote(self, tables: Iterable[str]) -> None:
+        """Rows of ``tables`` changed (or may have)."""
+        counts = self._counts
+        for table in tables:
+            counts[table] = counts.get(table, 0) + 1
+
+    def notified(self, payload: str) -> None:
+        """A notification on :data:`CHANGES_CHANNEL`: ``"<table> <sender tag>"``."""
+        table, _, sender = payload.partition(" ")
+        if sender and sender == self.tag:
+            return
+        if table in NOTIFYING_TABLES:
+            self.wrote((table,))
+        else:
+            self._epoch += 1
+
+    def connected(self) -> None:
+        """A LISTEN connection on :data:`CHANGES_CHANNEL` is up (what was committed while
+        none was is read again: the epoch changes)."""
+        self._listening += 1
+        self._epoch += 1
+
+    def lost(self) -> None:
+        """A LISTEN connection :meth:`connected` before is gone."""
+        self._listening = max(0, self._listening - 1)
+        self._epoch += 1
+
+    def tracked(self, plan: Plan) -> frozenset[str]:
+        """The notifying tables ``plan`` writes (all of them for a ``text()`` write that
+        names no table); empty for reads and other tables. Kept per SQL text."""
+        if plan.writes is None:
+            return frozenset()
+        known = self._targets.get(plan.sql)
+        if known is None:
+            if plan.writes != "*":
+                targets = {plan.writes}
+            else:
+                targets = {m.lower() for m in _WRITE_TARGET.findall(plan.sql)} or {"*"}
+            known = NOTIFYING_TABLES if "*" in targets else NOTIFYING_TABLES & targets
+            if len(self._targets) >= 4096:  # expanded IN lists make texts per length
+                self._targets.clear()
+            self._targets[plan.sql] = known
+        return known
 
 
 async def _init(conn: asyncpg.Connection) -> None:
@@ -96,7 +193,7 @@ def _wrap(exc: BaseException, sql: str, args: Any) -> sa.exc.DBAPIError:
 class PgConnection:
     """One pooled asyncpg connection inside a transaction, running Core statements."""
 
-    __slots__ = ("_plans", "_raw", "_readonly", "_trace", "dialect", "info")
+    __slots__ = ("_changes", "_plans", "_raw", "_readonly", "_trace", "dialect", "info", "wrote")
 
     def __init__(
         self,
@@ -105,14 +202,19 @@ class PgConnection:
         trace: Callable[[str], None] | None,
         *,
         readonly: bool = False,
+        changes: TableChanges | None = None,
     ) -> None:
         self._raw = raw
         self._plans = plans
         self._trace = trace
         #: a read (no transaction block): only SELECT statements
         self._readonly = readonly
+        self._changes = changes
         self.dialect: Dialect = plans.dialect
         self.info: dict[Any, Any] = {}
+        #: notifying tables written here (counted in ``changes`` when the pool's
+        #: transaction or autocommit block ends)
+        self.wrote: set[str] = set()
 
     async def execute(
         self,
@@ -126,6 +228,8 @@ class PgConnection:
         if self._readonly and not _is_select(statement):
             raise TypeError("a read runs only SELECT statements; write in Database.tx()")
         plan, extracted = self._plans.plan(statement, frozenset(params))
+        if plan.writes is not None and self._changes is not None:
+            self.wrote.update(self._changes.tracked(plan))
         sql, args = plan.args(params, extracted)
         if self._trace is not None:
             self._trace(sql)
@@ -140,8 +244,12 @@ class PgConnection:
         return Result([], _rowcount(status))
 
     def cache_token(self, tables: Sequence[str]) -> object | None:
-        """Never: other replicas change rows without telling this connection."""
-        return None
+        """:meth:`TableChanges.token`: None without a LISTEN connection (other replicas
+        change rows without telling this connection), and in a transaction that wrote
+        one of ``tables`` (what it reads of them is its own, not yet committed)."""
+        if self._changes is None or (self.wrote and not self.wrote.isdisjoint(tables)):
+            return None
+        return self._changes.token(tables)
 
     async def scalar(
         self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
@@ -167,6 +275,8 @@ class PgConnection:
         plan, extracted = self._plans.plan(statement, frozenset(parameters[0]))
         if plan.keys is not None or plan.compiled is not None:
             raise TypeError("executemany runs no RETURNING and no expanding IN statements")
+        if plan.writes is not None and self._changes is not None:
+            self.wrote.update(self._changes.tracked(plan))
         batch = [plan.args(p, extracted)[1] for p in parameters]
         if self._trace is not None:
             self._trace(plan.sql)
@@ -256,6 +366,7 @@ class PgPool:
         size: int,
         acquire_timeout_s: float | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        tag: str = "",
     ) -> None:
         self.dsn = asyncpg_dsn(url)
         self.plans = PlanCache(array_in_dialect(dialect))
@@ -264,6 +375,8 @@ class PgPool:
         self.connect_timeout_s = connect_timeout_s
         self._pool: asyncpg.Pool | None = None
         self.trace: Callable[[str], None] | None = None
+        #: writes to the notifying tables, for caches of their rows
+        self.changes = TableChanges(tag)
 
     async def _ensure(self) -> asyncpg.Pool:
         if self._pool is None:
@@ -276,6 +389,8 @@ class PgPool:
                     init=_init,
                     reset=_keep_session,
                     timeout=self.connect_timeout_s,
+                    # Sent with the connection's startup (no round trip of its own).
+                    server_settings={SENDER_SETTING: self.changes.tag},
                 )
             except _DRIVER_ERRORS as exc:
                 raise _wrap(exc, "CONNECT", ()) from exc
@@ -312,23 +427,27 @@ class PgPool:
                 await tr.start()
             except _DRIVER_ERRORS as exc:
                 raise _wrap(exc, "BEGIN", ()) from exc
-            conn = PgConnection(raw, self.plans, trace)
+            conn = PgConnection(raw, self.plans, trace, changes=self.changes)
             try:
-                yield conn
-            except BaseException:
-                if trace is not None:
-                    trace("ROLLBACK")
                 try:
-                    await tr.rollback()
-                except _DRIVER_ERRORS:
-                    pass  # the connection is gone; the server rolled back already
-                raise
-            if trace is not None:
-                trace("COMMIT")
-            try:
-                await tr.commit()
-            except _DRIVER_ERRORS as exc:
-                raise _wrap(exc, "COMMIT", ()) from exc
+                    yield conn
+                except BaseException:
+                    if trace is not None:
+                        trace("ROLLBACK")
+                    try:
+                        await tr.rollback()
+                    except _DRIVER_ERRORS:
+                        pass  # the connection is gone; the server rolled back already
+                    raise
+                if trace is not None:
+                    trace("COMMIT")
+                try:
+                    await tr.commit()
+                except _DRIVER_ERRORS as exc:
+                    raise _wrap(exc, "COMMIT", ()) from exc
+            finally:
+                if conn.wrote:  # committed or not, what was read meanwhile may be stale
+                    self.changes.wrote(conn.wrote)
 
     @asynccontextmanager
     async def autocommit(self) -> AsyncIterator[PgConnection]:
@@ -336,7 +455,12 @@ class PgPool:
         statement (PostgreSQL runs a single statement atomically): one round trip
         instead of ``BEGIN``, the statement, ``COMMIT``."""
         async with self._connection() as raw:
-            yield PgConnection(raw, self.plans, self.trace)
+            conn = PgConnection(raw, self.plans, self.trace, changes=self.changes)
+            try:
+                yield conn
+            finally:
+                if conn.wrote:
+                    self.changes.wrote(conn.wrote)
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[PgConnection]:
@@ -347,7 +471,7 @@ class PgPool:
         round trips per read (a Slack event's route lookup was three instead of one) and
         no consistency. Writes are refused here instead of by the server."""
         async with self._connection() as raw:
-            yield PgConnection(raw, self.plans, self.trace, readonly=True)
+            yield PgConnection(raw, self.plans, self.trace, readonly=True, changes=self.changes)
 
     async def close(self) -> None:
         """Close every pooled connection."""

@@ -9,7 +9,12 @@ token: on the inline SQLite writer that means no other connection committed anyt
 (``PRAGMA data_version``: the CLI, another process), nothing was written to those tables
 through this one and nothing was rolled back since. The token is taken inside the
 intake's write transaction, beside which no other connection can commit. On PostgreSQL
-there is no token (other replicas write without telling): every intake reads.
+the token is :class:`leadgate.database.pg.TableChanges`': the tables' triggers NOTIFY
+every replica of each write (migration 0010), so a change another replica, the CLI or
+``psql`` commits is used from the moment its notification arrives (well under a
+millisecond on one host; an intake already under way meanwhile may still use what was
+kept, as it would had it started just before the commit). Without the process's LISTEN
+connection (or while it reconnects) there is no token: every intake reads.
 """
 
 from __future__ import annotations

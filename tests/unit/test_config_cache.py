@@ -3,15 +3,27 @@ again only while nothing they are read from can have changed, whoever changed it
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
+import leadgate.database
 from leadgate.core.types import Reply
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Database, upgrade
+from leadgate.database.pg import (
+    CHANGES_CHANNEL,
+    NOTIFYING_TABLES,
+    SENDER_SETTING,
+    TableChanges,
+)
+from leadgate.database.plans import PlanCache
 from leadgate.domain import agents, policy
+from leadgate.domain.config_cache import TABLES
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.stack import Stack, build_stack
 
@@ -19,6 +31,7 @@ from tests.stack import Stack, build_stack
 @pytest.fixture
 async def stack(migrated_url: str) -> AsyncIterator[Stack]:
     built = build_stack(migrated_url)
+    await built.listen_for_changes()  # PostgreSQL: as the service does
     yield built
     await built.stop()
 
@@ -27,15 +40,99 @@ async def turn(stack: Stack, org: Org, text: str) -> object:
     return await stack.turns.run(api_trigger(org, {"id": "plain"}, text))
 
 
-async def test_a_second_turn_reads_neither_agent_nor_rules_on_sqlite(stack: Stack) -> None:
+async def test_a_second_turn_reads_neither_agent_nor_rules(stack: Stack) -> None:
     org = await make_org(stack)
     await make_agent(stack, org, "plain")
     cache = stack.turns.intake.config
     assert await turn(stack, org, "one") == Reply("Echo: one")
     reads = cache.reads
-    assert await turn(stack, org, "two") == Reply("Echo: two")
-    # PostgreSQL has no token: other replicas write without telling, so it reads.
-    assert cache.reads == (reads + 2 if stack.db.is_postgres else reads)
+    with stack.db.record_statements() as statements:
+        assert await turn(stack, org, "two") == Reply("Echo: two")
+    assert cache.reads == reads
+    assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
+
+
+@pytest.fixture
+def migrated_pg(pg_url: str) -> str:
+    upgrade(pg_url)
+    return pg_url
+
+
+async def test_postgres_reads_them_every_turn_while_it_hears_of_no_change(
+    migrated_pg: str,
+) -> None:
+    """Without a LISTEN connection (or while it is down) another replica's change would
+    go unnoticed: nothing is kept."""
+    stack = build_stack(migrated_pg)
+    try:
+        org = await make_org(stack)
+        await make_agent(stack, org, "plain")
+        cache = stack.turns.intake.config
+        assert await turn(stack, org, "one") == Reply("Echo: one")
+        reads = cache.reads
+        assert await turn(stack, org, "two") == Reply("Echo: two")
+        assert cache.reads == reads + 2
+        changes = stack.db.table_changes
+        assert changes is not None
+        changes.connected()
+        assert await turn(stack, org, "three") == Reply("Echo: three")
+        assert await turn(stack, org, "four") == Reply("Echo: four")
+        assert cache.reads == reads + 4  # read once more, then kept
+        changes.lost()
+        assert await turn(stack, org, "five") == Reply("Echo: five")
+        assert cache.reads == reads + 6
+    finally:
+        await stack.stop()
+
+
+def test_the_migration_notifies_on_the_channel_and_tables_the_process_listens_to() -> None:
+    versions = Path(leadgate.database.__file__).parent / "migrations" / "versions"
+    spec = importlib.util.spec_from_file_location(
+        "m0010", versions / "0010_config_change_notify.py"
+    )
+    assert spec is not None and spec.loader is not None
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    assert migration.CHANNEL == CHANGES_CHANNEL
+    assert migration.SENDER == SENDER_SETTING
+    assert frozenset(migration.TABLES) == NOTIFYING_TABLES == frozenset(TABLES)
+
+
+def test_a_notification_of_its_own_write_is_not_counted_twice() -> None:
+    changes = TableChanges("mine")
+    changes.connected()
+    token = changes.token(TABLES)
+    assert token is not None
+    changes.notified("agents mine")  # counted when its transaction ended
+    assert changes.token(TABLES) == token
+    changes.notified("agents other")
+    changes.notified("policy_rules ")  # no tag: psql, a migration
+    after = changes.token(TABLES)
+    assert after != token
+    changes.notified("something else")  # unknown: everything is read again
+    assert changes.token(TABLES) != after
+    assert changes.token(["messages"]) is None  # no trigger tells of it
+    changes.lost()
+    assert changes.token(TABLES) is None
+
+
+def test_text_writes_count_for_the_tables_they_name() -> None:
+    changes = TableChanges()
+    plans = PlanCache(postgresql.dialect())
+
+    def tracked(statement: sa.Executable, **params: object) -> frozenset[str]:
+        return changes.tracked(plans.plan(statement, frozenset(params))[0])
+
+    assert tracked(sa.text("UPDATE agents SET active = false")) == {"agents"}
+    assert tracked(sa.text("WITH m AS (INSERT INTO messages VALUES (1)) SELECT 1")) == set()
+    assert tracked(sa.text("DELETE FROM policy_rules; TRUNCATE presets")) == {
+        "policy_rules",
+        "presets",
+    }
+    assert tracked(sa.text("VACUUM")) == NOTIFYING_TABLES  # names nothing: anything
+    assert tracked(sa.select(t.agents.c.id)) == set()
+    assert tracked(t.presets.delete()) == {"presets"}
+    assert tracked(t.messages.delete()) == set()
 
 
 async def test_a_change_made_here_is_seen_by_the_next_turn(stack: Stack) -> None:
@@ -91,6 +188,7 @@ async def test_a_change_committed_by_another_connection_is_seen(
             await policy.add_rule(conn, stack.clock, stack.ids, org.id, "secret", "redact")
     finally:
         await other.close()
+    await stack.heard_of("policy_rules")
     assert await turn(stack, org, "a secret") == Reply("Echo: a [redacted]")
     other = Database(migrated_url)
     try:
@@ -100,5 +198,6 @@ async def test_a_change_committed_by_another_connection_is_seen(
             )
     finally:
         await other.close()
+    await stack.heard_of("agents")
     with pytest.raises(Exception, match="inactive"):
         await turn(stack, org, "deactivated")
