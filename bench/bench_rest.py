@@ -18,7 +18,7 @@ next request when the previous answer arrived) from one aiohttp client, for
 * ``busy``: the ``worker`` on one session whose item is under review (the lead escalated):
   409 busy, rejected at intake.
 
-and the ratio plain/bare (target >= 0.30 in every round): bare and plain alternate for ``--rounds``
+and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and plain alternate for ``--rounds``
 rounds (default 5) and the median of the per-round ratios is the figure. Usage::
 
     .venv/bin/python -m bench.bench_rest [--duration 5] [--concurrency 16] [--rounds 5]
@@ -336,12 +336,13 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     ratios = [plain.rps / bare.rps for bare, plain in pairs if bare.rps]
     if ratios:
         ratio = statistics.median(ratios)
-        verdict = "OK" if min(ratios) >= 0.30 else "BELOW TARGET"
+        target = 0.15 if args.postgres else 0.30  # the row for the backend
+        verdict = "OK" if min(ratios) >= target else "BELOW TARGET"
         rounds = ", ".join(f"{r:.3f}" for r in ratios)
         print(f"plain/bare per round: {rounds}")
         print(
             f"plain/bare = {ratio:.3f} (median of {len(ratios)})  "
-            f"(target >= 0.30 in every round: {verdict})"
+            f"(target >= {target:.2f} in every round: {verdict})"
         )
     if args.profile:
         stats = pstats.Stats(args.profile)
