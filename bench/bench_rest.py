@@ -18,8 +18,9 @@ next request when the previous answer arrived) from one aiohttp client, for
 * ``busy``: the ``worker`` on one session whose item is under review (the lead escalated):
   409 busy, rejected at intake.
 
-and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and plain alternate for ``--rounds``
-rounds (default 5) and the median of the per-round ratios is the figure. Usage::
+and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and
+plain alternate for ``--rounds`` rounds (default 5) and the median of the per-round
+ratios is the figure. Usage::
 
     .venv/bin/python -m bench.bench_rest [--duration 5] [--concurrency 16] [--rounds 5]
         [--requests N] [--profile serve.prof] [--postgres]
