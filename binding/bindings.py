@@ -65,6 +65,22 @@ class OpenSession(NamedTuple):
     created: bool
 
 
+async def existing_session(conn: Conn, agent_id: str, key: str) -> OpenSession | None:
+    """The session of (agent, key) with its active binding, if it exists (one SELECT;
+    a read: nothing is created)."""
+    row = (await conn.execute(_SESSION_AND_BINDING, {"p_agent_id": agent_id, "p_key": key})).first()
+    return None if row is None else _opened(row)
+
+
+def _opened(row: Any) -> OpenSession:
+    current = None
+    if row.binding_id is not None:
+        current = CurrentBinding(
+            row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
+        )
+    return OpenSession(str(row.id), current, False)
+
+
 async def open_session(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
 ) -> OpenSession:
@@ -87,12 +103,17 @@ async def open_session(
             return OpenSession(session_id, None, True)
         # Another transaction created it first (PostgreSQL: we waited for its commit).
         row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
-    current = None
-    if row.binding_id is not None:
-        current = CurrentBinding(
-            row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
-        )
-    return OpenSession(str(row.id), current, False)
+    return _opened(row)
+
+
+def is_unchanged(current: Any, spec: BindingSpec) -> bool:
+    """Whether the active binding ``current`` already is ``spec`` (:func:`activate`
+    then writes nothing)."""
+    return bool(
+        current.kind == spec.kind.value
+        and current.address == spec.address
+        and bool(current.silent) == spec.silent
+    )
 
 
 _DEACTIVATE = t.bindings.update().where(B.id == sa.bindparam("p_id"))
@@ -118,12 +139,7 @@ async def activate(
     """
     if current is UNREAD:
         current = (await conn.execute(_ACTIVE_BINDING, {"p_session_id": session_id})).first()
-    if (
-        current is not None
-        and current.kind == spec.kind.value
-        and current.address == spec.address
-        and bool(current.silent) == spec.silent
-    ):
+    if current is not None and is_unchanged(current, spec):
         return str(current.id)
     if current is not None:
         await conn.execute(_DEACTIVATE, {"p_id": current.id, "active": False})

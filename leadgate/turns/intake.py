@@ -11,6 +11,15 @@ Intake rules for a worker with a resolved lead: no active item -> create one
 ``inProgress`` with the message (truncated to 50,000 characters) as task context; an
 ``inProgress`` item -> append; any other non-terminal status -> busy, recorded as a
 rejected inbound event and not appended.
+
+A plain turn on PostgreSQL (an agent without a lead, an existing session whose binding
+stays, no external event id, no run to record) writes nothing but its user message and
+that message's session event. It is taken in without a transaction block
+(:meth:`Intake._take_plain`): the reads, then the message and its event as one
+statement (``Database.write_alone``), then the history: three round trips instead of
+``BEGIN``, the same statements and ``COMMIT``. Nothing is lost by it: the one write is
+atomic by itself, and at READ COMMITTED each read sees what was committed when it
+started, inside a transaction block or not.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
 from leadgate.turns.history import HistoryCache, to_message
-from leadgate.turns.messages import store_message
+from leadgate.turns.messages import store_message, store_visible_alone
 from leadgate.turns.providers.base import ChatMessage
 
 # Hot statements, built once: building a statement and its cache key costs about as much
@@ -119,6 +128,14 @@ class Intake:
         in this order (agent, session, de-duplication, busy check, binding, item, message,
         policy, history); the steps that are more than a statement are methods.
         """
+        if (
+            self.db.is_postgres
+            and trigger.external_event_id is None
+            and not trigger.binding.kind.is_channel
+        ):
+            plain = await self._take_plain(trigger)
+            if plain is not None:
+                return plain
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
             agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
@@ -219,6 +236,48 @@ class Intake:
             run_fenced=run_token is not None and kind.is_channel,
         )
         return Accepted(ctx, agent, lead is not None, rules, history)
+
+    async def _take_plain(self, trigger: Trigger) -> Accepted | None:
+        """PostgreSQL: a plain turn taken in without a transaction block (see the
+        module docstring); None when the turn is not one (then :meth:`take` runs the
+        transaction: the agent and rules it reads here come from the cache there)."""
+        async with self.db.read() as conn:
+            agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
+            if lead is not None or not agent.active:
+                return None
+            session = await bindings.existing_session(conn, agent.id, trigger.session_key)
+            if (
+                session is None
+                or session.binding is None
+                or not bindings.is_unchanged(session.binding, trigger.binding)
+            ):
+                return None
+            rules = await self.config.rules(conn, trigger.org_id)
+        await store_visible_alone(
+            self.db,
+            self.clock,
+            self.ids,
+            org_id=trigger.org_id,
+            session_id=session.id,
+            work_item_id=None,
+            role="user",
+            content=trigger.text,
+        )
+        async with self.db.read() as conn:
+            history = await self.history.read(conn, session.id)
+        ctx = TurnContext(
+            org_id=trigger.org_id,
+            agent_id=agent.id,
+            session_id=session.id,
+            binding_id=session.binding.id,
+            turn_id=self.ids.new("turn"),
+            work_item_id=None,
+            revision=None,
+            binding_posts=False,  # not a channel
+            run_token=None,
+            run_fenced=False,
+        )
+        return Accepted(ctx, agent, False, rules, history)
 
     def _event(self, trigger: Trigger, agent: Agent, session_id: str, now: int) -> _Event:
         # A plain chat turn (no lead, no external id) writes no event at all: its user

@@ -9,13 +9,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from binding.bindings import deactivate_session
+from binding.bindings import active_binding, deactivate_session
 from leadgate.core.clock import DAY_MS, FakeClock
+from leadgate.core.errors import ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
 from leadgate.core.runners import drain
-from leadgate.core.types import Busy, Duplicate, Gated, Reply, Trigger
+from leadgate.core.types import BindingKind, BindingSpec, Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.domain import agents, session_events
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status, Sweeper
 from leadgate.turns.context import TurnContext
@@ -143,10 +145,10 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     inbound-event row (nothing to de-duplicate, no work item to audit). Each of the two
     transactions adds one statement: the session event of its visible message (an INSERT
     on SQLite; on PostgreSQL one ``WITH`` statement: counter, rows and NOTIFY). On
-    PostgreSQL the finish is that one ``WITH`` statement with the assistant message in
-    it, run outside a transaction block (one round trip). The agent and the policy rules
-    come from the intake's cache (on PostgreSQL while the process LISTENs for their
-    changes, as the service does)."""
+    PostgreSQL each message is that one ``WITH`` statement with the message in it, run
+    outside a transaction block (one round trip), and so are the intake's reads. The
+    agent and the policy rules come from the intake's cache (on PostgreSQL while the
+    process LISTENs for their changes, as the service does)."""
     stack, _ = rig
     await stack.listen_for_changes()
     org = await make_org(stack)
@@ -165,15 +167,78 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     # changed since (leadgate.domain.config_cache): session and history only.
     assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
     if stack.db.is_postgres:
-        assert work == sorted(["INSERT"] + ["WITH"] * 2 + ["SELECT"] * 2), statements
+        # No transaction block (Intake._take_plain): the session read, the user message
+        # with its event, the history, then the finish: four round trips.
+        assert statements[0].startswith("SELECT sessions.id"), statements
+        assert "INSERT INTO messages" in statements[1], statements
         assert "INSERT INTO messages" in statements[-1], statements  # the finish
-        assert len(statements) == 7  # round trips: BEGIN, 4 statements, COMMIT, finish
+        assert work == sorted(["WITH"] * 2 + ["SELECT"] * 2), statements
+        assert len(statements) == 4, statements
     else:
         assert work == sorted(["INSERT"] * 4 + ["SELECT"] * 2), statements
         assert statements.count("PRAGMA data_version") == 2  # each lookup's check
     assert len([sql for sql in statements if "session_events" in sql]) == 2
     assert not [sql for sql in statements if "inbound_events" in sql]
     assert [m["role"] for m in await messages(stack, agent)] == ["user", "assistant"] * 2
+
+
+async def test_a_plain_turn_writes_and_sees_what_the_transaction_would(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """On PostgreSQL a plain turn of an existing session is taken in without a
+    transaction block (Intake._take_plain); on both backends the model sees the history
+    with the new message last, the session's events are numbered in order, and whatever
+    makes the turn not plain (a new binding, a deactivated agent, a lead) goes through
+    the transaction with its rules."""
+    stack, rec = rig
+    await stack.listen_for_changes()
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain", model="rec")
+    await make_agent(stack, org, "plain-lead")
+    assert await stack.turns.run(api_trigger(org, agent, "one")) == Reply("plain answer")
+    assert await stack.turns.run(api_trigger(org, agent, "two")) == Reply("plain answer")
+    seen = [(m.role, m.content) for m in rec.requests[-1].messages if m.role != "system"]
+    assert seen == [("user", "one"), ("assistant", "plain answer"), ("user", "two")]
+    sid = await session_id(stack, agent)
+    async with stack.db.read() as conn:
+        events = await session_events.read(conn, sid, after=0, limit=10)
+    assert [(e.seq, e.role, e.content) for e in events] == [
+        (1, "user", "one"),
+        (2, "assistant", "plain answer"),
+        (3, "user", "two"),
+        (4, "assistant", "plain answer"),
+    ]
+    # Another binding for the session: written by the transaction.
+    studio = Trigger(
+        org_id=org.id,
+        agent_id=agent["id"],
+        session_key="s1",
+        text="three",
+        binding=BindingSpec(BindingKind.studio),
+    )
+    assert await stack.turns.run(studio) == Reply("plain answer")
+    async with stack.db.read() as conn:
+        active = await active_binding(conn, sid)
+    assert active is not None and active.kind == "studio"
+    # A lead now: the next message opens a work item.
+    async with stack.db.tx() as conn:
+        await agents.save_agent(
+            conn, stack.clock, stack.ids, org.id, agent_ref="plain", lead="plain-lead"
+        )
+    await stack.turns.run(api_trigger(org, agent, "four"))
+    assert [i["status"] for i in await items(stack, agent)] == ["inProgress"]
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.agents.update().where(t.agents.c.id == agent["id"]).values(active=False)
+        )
+    with pytest.raises(ValidationError, match="inactive"):
+        await stack.turns.run(api_trigger(org, agent, "five"))
+    assert [m["content"] for m in await messages(stack, agent) if m["role"] == "user"] == [
+        "one",
+        "two",
+        "three",
+        "four",
+    ]
 
 
 async def test_intake_creates_then_appends_with_the_50k_cap(
