@@ -789,6 +789,43 @@ async def test_a_pooled_postgres_connection_is_released_without_a_reset_round_tr
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_pooled_postgres_connection_comes_back_from_the_idle_list_until_it_is_dropped(
+    migrated_url: str,
+) -> None:
+    """A connection whose use ended cleanly is handed out again without asyncpg's
+    acquire; one the server dropped meanwhile (asyncpg takes it back by itself) is not:
+    the next use gets a new backend and works. Nothing is left checked out at close."""
+    import asyncpg
+
+    from leadgate.database.pg import asyncpg_dsn
+
+    db = Database(migrated_url)
+    other = await asyncpg.connect(asyncpg_dsn(migrated_url))
+    try:
+        async with db.read() as conn:
+            pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+        async with db.tx() as conn:
+            assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) == pid
+            await conn.execute(INSERT_BINDING, binding("i1"))
+        assert await other.fetchval("SELECT pg_terminate_backend($1)", pid)
+        deadline = time.monotonic() + 10
+        while True:  # the client sees the server close the socket
+            async with db.read() as conn:
+                try:
+                    now = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+                except sa.exc.DBAPIError:
+                    now = None  # the dropped one, used before the client noticed
+            if now not in (None, pid) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        assert now not in (None, pid)
+        assert await committed_ids(db) == {"i1"}
+    finally:
+        await other.close()
+        await asyncio.wait_for(db.close(), timeout=10)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_postgres_runs_a_caller_supplied_in_list_as_one_array_parameter(
     migrated_url: str,
 ) -> None:
