@@ -17,6 +17,7 @@ when the server cannot be reached or the connection dropped, ``DBAPIError`` othe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import json
@@ -385,27 +386,38 @@ class PgPool:
         self._pool: asyncpg.Pool | None = None
         #: connections whose last use ended cleanly, still checked out of ``_pool``
         self._idle: list[asyncpg.Connection] = []
+        #: tasks in asyncpg's acquire (while any wait, connections go back to asyncpg)
+        self._waiting = 0
+        self._making = asyncio.Lock()
         self.trace: Callable[[str], None] | None = None
         #: writes to the notifying tables, for caches of their rows
         self.changes = TableChanges(tag)
 
     async def _ensure(self) -> asyncpg.Pool:
-        if self._pool is None:
-            try:
-                self._pool = await asyncpg.create_pool(
-                    self.dsn,
-                    min_size=1,
-                    max_size=2 * self.size,
-                    statement_cache_size=STATEMENT_CACHE_SIZE,
-                    init=_init,
-                    reset=_keep_session,
-                    timeout=self.connect_timeout_s,
-                    # Sent with the connection's startup (no round trip of its own).
-                    server_settings={SENDER_SETTING: self.changes.tag},
-                )
-            except _DRIVER_ERRORS as exc:
-                raise _wrap(exc, "CONNECT", ()) from exc
+        if self._pool is not None:
+            return self._pool
+        # One pool, however many callers arrive while it is being made (each would
+        # otherwise make its own and all but the last would leak their connections).
+        async with self._making:
+            if self._pool is None:
+                self._pool = await self._make()
         return self._pool
+
+    async def _make(self) -> asyncpg.Pool:
+        try:
+            return await asyncpg.create_pool(
+                self.dsn,
+                min_size=1,
+                max_size=2 * self.size,
+                statement_cache_size=STATEMENT_CACHE_SIZE,
+                init=_init,
+                reset=_keep_session,
+                timeout=self.connect_timeout_s,
+                # Sent with the connection's startup (no round trip of its own).
+                server_settings={SENDER_SETTING: self.changes.tag},
+            )
+        except _DRIVER_ERRORS as exc:
+            raise _wrap(exc, "CONNECT", ()) from exc
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -417,8 +429,10 @@ class PgPool:
         PostgreSQL turn's event-loop time (py-spy: ``wait_for`` for the acquire timeout,
         a ``shield`` task and a timeout scope for each release, four times per turn);
         they remain the way in when no connection is idle (with the timeout: a 503 past
-        it) and the way out after an error, where asyncpg finishes a cancelled query or
-        terminates a broken connection.
+        it), the way out while anyone waits in that way in (so that they are served in
+        asyncpg's order, not starved by later callers served from here), and the way
+        out after an error, where asyncpg finishes a cancelled query or terminates a
+        broken connection.
         """
         raw = await self._acquire()
         try:
@@ -426,9 +440,16 @@ class PgPool:
         except BaseException:
             await self._release(raw)
             raise
-        if self._pool is not None and _usable(raw) and not raw.is_in_transaction():
+        if (
+            self._waiting == 0
+            and self._pool is not None
+            and _usable(raw)
+            and not raw.is_in_transaction()
+        ):
             self._idle.append(raw)
         else:
+            # Someone waits in asyncpg's queue: only a release there wakes them (a
+            # connection parked here would leave them waiting until their timeout).
             await self._release(raw)
 
     async def _acquire(self) -> asyncpg.Connection:
@@ -439,10 +460,13 @@ class PgPool:
                 return raw
             await self._release(raw)  # the server went away meanwhile: asyncpg cleans up
         pool = await self._ensure()
+        self._waiting += 1
         try:
             return await pool.acquire(timeout=self.acquire_timeout_s)
         except _DRIVER_ERRORS as exc:
             raise _wrap(exc, "CONNECT", ()) from exc
+        finally:
+            self._waiting -= 1
 
     async def _release(self, raw: asyncpg.Connection) -> None:
         pool = self._pool

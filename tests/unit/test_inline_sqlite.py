@@ -826,6 +826,57 @@ async def test_a_pooled_postgres_connection_comes_back_from_the_idle_list_until_
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_callers_waiting_for_a_postgres_connection_are_served_not_starved(
+    migrated_url: str,
+) -> None:
+    """More callers than connections: one that had to wait in asyncpg's queue gets the
+    next connection given back (none is parked on the idle list while anyone waits), so
+    nobody runs into the acquire timeout while the others keep going."""
+    db = Database(migrated_url, pool_size=1, busy_timeout_s=3.0)  # two connections
+    done: list[int] = []
+
+    async def caller(index: int) -> None:
+        for _ in range(10):
+            async with db.read() as conn:
+                await conn.scalar(sa.text("SELECT pg_sleep(0.002)"))
+        done.append(index)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(caller(i) for i in range(12))), timeout=30)
+        assert sorted(done) == list(range(12))
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_first_uses_at_once_make_one_postgres_pool(migrated_url: str) -> None:
+    """Callers arriving while the pool is being made share it: the connections to the
+    database stay within the pool's bound (one pool each used to be made, and all but
+    the last leaked)."""
+    import asyncpg
+
+    from leadgate.database.pg import asyncpg_dsn
+
+    db = Database(migrated_url, pool_size=1)  # at most two connections
+    other = await asyncpg.connect(asyncpg_dsn(migrated_url))
+    try:
+
+        async def first_use() -> None:
+            async with db.read() as conn:
+                await conn.scalar(sa.text("SELECT pg_sleep(0.05)"))
+
+        await asyncio.gather(*(first_use() for _ in range(8)))
+        count = await other.fetchval(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        assert count <= 2
+    finally:
+        await other.close()
+        await db.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_postgres_runs_a_caller_supplied_in_list_as_one_array_parameter(
     migrated_url: str,
 ) -> None:
