@@ -35,9 +35,9 @@ class CurrentBinding(NamedTuple):
     silent: bool
 
 
-# Built once (statement construction costs as much as execution on the turn path): the
-# session of (agent, key) with its active binding, if any, in one statement.
-_SESSION_AND_BINDING = (
+#: Built once (statement construction costs as much as execution on the turn path): the
+#: session of (agent, key) with its active binding, if any, in one statement.
+SESSION_AND_BINDING = (
     sa.select(
         S.id,
         B.id.label("binding_id"),
@@ -65,14 +65,8 @@ class OpenSession(NamedTuple):
     created: bool
 
 
-async def existing_session(conn: Conn, agent_id: str, key: str) -> OpenSession | None:
-    """The session of (agent, key) with its active binding, if it exists (one SELECT;
-    a read: nothing is created)."""
-    row = (await conn.execute(_SESSION_AND_BINDING, {"p_agent_id": agent_id, "p_key": key})).first()
-    return None if row is None else _opened(row)
-
-
-def _opened(row: Any) -> OpenSession:
+def session_from_row(row: Any) -> OpenSession:
+    """An existing session from a row with :data:`SESSION_AND_BINDING`'s columns."""
     current = None
     if row.binding_id is not None:
         current = CurrentBinding(
@@ -88,7 +82,7 @@ async def open_session(
     binding. One SELECT when the session exists (the usual case), a SELECT and an
     INSERT when this transaction creates it."""
     params = {"p_agent_id": agent_id, "p_key": key}
-    row = (await conn.execute(_SESSION_AND_BINDING, params)).first()
+    row = (await conn.execute(SESSION_AND_BINDING, params)).first()
     if row is None:
         session_id = ids.new("ses")
         session = {
@@ -102,8 +96,8 @@ async def open_session(
         if res.rowcount == 1:
             return OpenSession(session_id, None, True)
         # Another transaction created it first (PostgreSQL: we waited for its commit).
-        row = (await conn.execute(_SESSION_AND_BINDING, params)).one()
-    return _opened(row)
+        row = (await conn.execute(SESSION_AND_BINDING, params)).one()
+    return session_from_row(row)
 
 
 def is_unchanged(current: Any, spec: BindingSpec) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from binding import bindings
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
 from leadgate.database.inline_sqlite import InlineConnection
@@ -64,6 +65,48 @@ _SINCE = (
     .where(_M.session_id == sa.bindparam("p_session_id"), _ROWID >= sa.bindparam("p_rowid"))
     .order_by(_ROWID)
 )
+
+
+# PostgreSQL: the session of (agent, key) with its active binding and its window, in
+# one statement (one row per message; one with NULL message columns when it has none).
+_WINDOW_OF_SESSION = (
+    sa.select(_M.role, _M.content, _M.created_at, _M.id)
+    .where(_M.session_id == t.sessions.c.id, _M.role.in_(_ROLES))
+    .order_by(_M.created_at.desc(), _M.id.desc())
+    .limit(HISTORY_LIMIT)
+    .lateral("w")
+)
+_SESSION_AND_WINDOW = bindings.SESSION_AND_BINDING.add_columns(
+    _WINDOW_OF_SESSION.c.role,
+    _WINDOW_OF_SESSION.c.content,
+    _WINDOW_OF_SESSION.c.created_at.label("message_at"),
+    _WINDOW_OF_SESSION.c.id.label("message_id"),
+).outerjoin(_WINDOW_OF_SESSION, sa.true())
+
+#: ((created_at, id), message) of a window, in any order.
+Keyed = list[tuple[tuple[int, str], ChatMessage]]
+
+
+async def session_and_window(
+    conn: Conn, agent_id: str, key: str
+) -> tuple[bindings.OpenSession, Keyed] | None:
+    """The session of (agent, key) with its active binding and its window (with sort
+    keys, for :func:`window_with`), in one read; None when it does not exist."""
+    rows = (await conn.execute(_SESSION_AND_WINDOW, {"p_agent_id": agent_id, "p_key": key})).all()
+    if not rows:
+        return None
+    window = [
+        ((r.message_at, r.message_id), to_message(r.role, r.content))
+        for r in rows
+        if r.message_id is not None
+    ]
+    return bindings.session_from_row(rows[0]), window
+
+
+def window_with(window: Keyed, newer: Keyed) -> list[ChatMessage]:
+    """The window a model sees once ``newer`` rows are stored after ``window`` was read:
+    the newest 50 of both, oldest first (as a read after storing them would give)."""
+    return list(_build(window + newer, 0, "").messages)
 
 
 def to_message(role: str, content: str) -> ChatMessage:

@@ -15,11 +15,14 @@ rejected inbound event and not appended.
 A plain turn on PostgreSQL (an agent without a lead, an existing session whose binding
 stays, no external event id, no run to record) writes nothing but its user message and
 that message's session event. It is taken in without a transaction block
-(:meth:`Intake._take_plain`): the reads, then the message and its event as one
-statement (``Database.write_alone``), then the history: three round trips instead of
-``BEGIN``, the same statements and ``COMMIT``. Nothing is lost by it: the one write is
+(:meth:`Intake._take_plain`): one read (the session, its binding and its history
+window; the agent and the policy rules come from the cache), then the message and its
+event as one statement (``Database.write_alone``): two round trips instead of
+``BEGIN``, three statements and ``COMMIT``. Nothing is lost by it: the one write is
 atomic by itself, and at READ COMMITTED each read sees what was committed when it
-started, inside a transaction block or not.
+started, inside a transaction block or not (the window read before the message is
+stored, with the message added, is the window a read after storing it gives; a message
+another turn stores meanwhile is one that came after this one's).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import HistoryCache, to_message
+from leadgate.turns.history import HistoryCache, session_and_window, to_message, window_with
 from leadgate.turns.messages import store_message, store_visible_alone
 from leadgate.turns.providers.base import ChatMessage
 
@@ -245,15 +248,17 @@ class Intake:
             agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
             if lead is not None or not agent.active:
                 return None
-            session = await bindings.existing_session(conn, agent.id, trigger.session_key)
-            if (
-                session is None
-                or session.binding is None
-                or not bindings.is_unchanged(session.binding, trigger.binding)
+            found = await session_and_window(conn, agent.id, trigger.session_key)
+            if found is None:
+                return None
+            session, window = found
+            if session.binding is None or not bindings.is_unchanged(
+                session.binding, trigger.binding
             ):
                 return None
             rules = await self.config.rules(conn, trigger.org_id)
-        await store_visible_alone(
+        now = self.clock.now_ms()
+        message_id = await store_visible_alone(
             self.db,
             self.clock,
             self.ids,
@@ -262,9 +267,9 @@ class Intake:
             work_item_id=None,
             role="user",
             content=trigger.text,
+            created_at=now,
         )
-        async with self.db.read() as conn:
-            history = await self.history.read(conn, session.id)
+        history = window_with(window, [((now, message_id), to_message("user", trigger.text))])
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,

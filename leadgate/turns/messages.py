@@ -35,6 +35,7 @@ async def store_message(
     content: str,
     tool_name: str | None = None,
     gated: bool = False,
+    created_at: int | None = None,
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
     is announced in the session's public event log in the same transaction."""
@@ -50,7 +51,7 @@ async def store_message(
             "content": content,
             "lead_gated": gated,
             "tool_name": tool_name,
-            "created_at": clock.now_ms(),
+            "created_at": clock.now_ms() if created_at is None else created_at,
         },
     )
     if role in _VISIBLE_ROLES and not gated:
@@ -68,10 +69,12 @@ async def store_visible_alone(
     work_item_id: str | None,
     role: str,
     content: str,
+    created_at: int | None = None,
 ) -> str:
     """:func:`store_message` of a visible message as a transaction of its own; returns
     its id. On PostgreSQL one statement outside a transaction block (one round trip, not
-    four: ``BEGIN``, the message, its event, ``COMMIT``)."""
+    four: ``BEGIN``, the message, its event, ``COMMIT``). ``created_at`` defaults to
+    the clock's now."""
     if role not in _VISIBLE_ROLES:
         # The one statement always writes the message event: a hidden role would leak.
         raise ValueError(f"store_visible_alone stores user or assistant messages, not {role!r}")
@@ -86,6 +89,7 @@ async def store_visible_alone(
                 work_item_id=work_item_id,
                 role=role,
                 content=content,
+                created_at=created_at,
             )
     message_id = ids.new("msg")
     statement, params, signal = session_events.visible_message_alone(
@@ -95,7 +99,7 @@ async def store_visible_alone(
         work_item_id=work_item_id,
         role=role,
         content=content,
-        created_at=clock.now_ms(),
+        created_at=clock.now_ms() if created_at is None else created_at,
     )
     result = await db.write_alone(statement, params, signals=[signal])
     if result.first() is None:

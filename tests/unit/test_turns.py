@@ -167,13 +167,15 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     # changed since (leadgate.domain.config_cache): session and history only.
     assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
     if stack.db.is_postgres:
-        # No transaction block (Intake._take_plain): the session read, the user message
-        # with its event, the history, then the finish: four round trips.
+        # No transaction block (Intake._take_plain): the session with its binding and
+        # history window, the user message with its event, then the finish: three
+        # round trips.
         assert statements[0].startswith("SELECT sessions.id"), statements
+        assert "LATERAL" in statements[0], statements
         assert "INSERT INTO messages" in statements[1], statements
         assert "INSERT INTO messages" in statements[-1], statements  # the finish
-        assert work == sorted(["WITH"] * 2 + ["SELECT"] * 2), statements
-        assert len(statements) == 4, statements
+        assert work == sorted(["WITH"] * 2 + ["SELECT"]), statements
+        assert len(statements) == 3, statements
     else:
         assert work == sorted(["INSERT"] * 4 + ["SELECT"] * 2), statements
         assert statements.count("PRAGMA data_version") == 2  # each lookup's check
