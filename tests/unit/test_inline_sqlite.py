@@ -548,6 +548,29 @@ async def test_checkpoints_run_in_a_worker_thread(
     assert len(await committed_ids(db)) == 6
 
 
+@SQLITE_ONLY
+async def test_checkpoints_keep_the_wal_from_growing(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that keeps committing while the checkpoints run beside it: each
+    checkpoint restarts the WAL, so it holds only the frames of the commits since. A
+    passive checkpoint alone (frames appended while it copied are left over) never let
+    SQLite restart it: the WAL grew by every commit's frames, for good."""
+    monkeypatch.setattr(inline_sqlite, "CHECKPOINT_EVERY", 20)
+    inline = db._inline
+    assert inline is not None
+    commits = 2_000
+    for i in range(commits):
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(f"w{i}"))
+    if inline._checkpoint is not None:
+        await inline._checkpoint
+    with closing(sqlite3.connect(path_of(db), isolation_level=None)) as other:
+        _busy, frames, _done = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert 0 <= frames < commits // 2, frames  # each commit wrote at least one frame
+    assert len(await committed_ids(db)) == commits
+
+
 # ------------------------------------------------------------- other processes
 
 
