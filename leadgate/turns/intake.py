@@ -129,7 +129,9 @@ class Intake:
 
         One body on purpose: every statement here runs inside the one short transaction,
         in this order (agent, session, de-duplication, busy check, binding, item, message,
-        policy, history); the steps that are more than a statement are methods.
+        policy, history); the steps that are more than a statement are methods. On
+        PostgreSQL a turn that may be plain tries :meth:`_take_plain` first (no
+        transaction block; see the module docstring).
         """
         if (
             self.db.is_postgres
