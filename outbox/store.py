@@ -47,6 +47,11 @@ NOTIFY_CHANNEL = "leadgate_outbox"
 OUTBOX_TOPIC = "outbox"
 #: :meth:`leadgate.database.db.Database.on_commit_payloads` topic carrying rows handed to it.
 HANDOFF_TOPIC = "outbox-handoff"
+#: How often a LISTEN connection must answer a liveness check, and
+#: how long it has to answer (see :func:`listen_all`): a silently dead listener is found
+#: within about their sum.
+LISTEN_CHECK_S = 5.0
+LISTEN_CHECK_TIMEOUT_S = 5.0
 #: Delivery kinds of review cards: a card post, and the in-place edit of a posted card.
 #: Neither is a gating delivery: the actionable queue and an item's completion ignore them.
 CARD = "card"
@@ -372,6 +377,8 @@ async def listen_all(
     on_lost: Sequence[Callable[[], None]] = (),
     reconnect_s: float = 1.0,
     ready: Callable[[], None] | None = None,
+    check_s: float = LISTEN_CHECK_S,
+    check_timeout_s: float = LISTEN_CHECK_TIMEOUT_S,
 ) -> None:
     """PostgreSQL ``LISTEN`` on every channel of ``channels`` over one connection, until
     ``stop`` is set; each notification's payload goes to its channel's handler.
@@ -385,6 +392,12 @@ async def listen_all(
     ``on_lost`` callbacks when a connection they ran for is gone (or stopped). A lost
     connection is re-opened after ``reconnect_s``. ``dsn`` may be an SQLAlchemy
     ``postgresql+asyncpg://`` URL or a libpq one.
+
+    A connection that dies without a word (the server's host gone, a firewall dropping an
+    idle flow: no FIN, no termination event) would otherwise look alive for ever, and
+    what relies on hearing every change (the intake's configuration cache) would go stale
+    with it. So every ``check_s`` the connection must answer a no-op ``LISTEN`` within
+    ``check_timeout_s``, or it counts as lost: ``on_lost`` runs and it is re-opened.
     """
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     names = ", ".join(channels)
@@ -407,21 +420,58 @@ async def listen_all(
                     callback()
                 if ready is not None:
                     ready()
-                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for waiter in waiters:
-                        waiter.cancel()
+                check = f"LISTEN {_quoted(next(iter(channels)))}"
+                await _hold(conn, stop, lost, check, check_s, check_timeout_s, names)
             finally:
                 if connected:
                     for callback in on_lost:
                         callback()
-                with contextlib.suppress(Exception):
-                    await conn.close(timeout=2)
+                if lost.is_set():
+                    conn.terminate()  # no goodbye to a connection that may not answer
+                else:
+                    with contextlib.suppress(Exception):
+                        await conn.close(timeout=2)
         if not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=reconnect_s)
+
+
+async def _hold(
+    conn: asyncpg.Connection,
+    stop: asyncio.Event,
+    lost: asyncio.Event,
+    check: str,
+    check_s: float,
+    check_timeout_s: float,
+    names: str,
+) -> None:
+    """Until ``stop``, or until the connection is lost (``lost`` is set then): its
+    termination, or a liveness check (``check``) unanswered within ``check_timeout_s``.
+
+    The check repeats a LISTEN (a no-op for PostgreSQL) rather than ``SELECT 1``, so that
+    ``pg_stat_activity`` still shows the connection for what it is."""
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
+    try:
+        while not (stop.is_set() or lost.is_set()):
+            await asyncio.wait(waiters, timeout=check_s, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() or lost.is_set():
+                return
+            try:
+                await asyncio.wait_for(conn.execute(check), timeout=check_timeout_s)
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning(
+                    "LISTEN %s: the connection did not answer a liveness check (%s); reconnecting",
+                    names,
+                    type(exc).__name__,
+                )
+                lost.set()
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 _FOR_ITEM = (

@@ -1,0 +1,155 @@
+"""A LISTEN connection that dies without a word is found and replaced.
+
+A TCP proxy on 127.0.0.1 stands between the listener and PostgreSQL. "Going silent" stops
+forwarding bytes on the connections it carries without closing them: what a host that
+vanished or a firewall that dropped an idle flow looks like to the client (no FIN, no
+reset, no termination event). The listener must count the connection as lost (so the
+configuration cache stops being used) and open a new one, which hears notifications again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from outbox.store import listen_all
+
+
+class SilenceableProxy:
+    """Forwards 127.0.0.1 TCP connections to ``target``; :meth:`go_silent` makes every
+    connection open at that moment drop all further bytes, both ways, without closing."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.server: asyncio.Server | None = None
+        self.silenced: set[int] = set()
+        self.open: set[int] = set()
+        self._next = 0
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self.server.sockets[0].getsockname()[1]
+        return port
+
+    def go_silent(self) -> None:
+        self.silenced |= self.open
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._next += 1
+        number = self._next
+        self.open.add(number)
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if number in self.silenced:
+                        continue  # swallowed: the peer hears nothing, and no FIN either
+                    dst.write(data)
+                    await dst.drain()
+            if number not in self.silenced:
+                dst.close()
+
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            self.open.discard(number)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture
+async def proxied_url(pg_url: str) -> AsyncIterator[tuple[str, SilenceableProxy]]:
+    url = make_url(pg_url)
+    assert url.host is not None and url.port is not None
+    proxy = SilenceableProxy(url.host, url.port)
+    port = await proxy.start()
+    yield url.set(host="127.0.0.1", port=port).render_as_string(hide_password=False), proxy
+    await proxy.stop()
+
+
+async def test_a_listener_gone_silent_is_counted_lost_and_replaced(
+    pg_url: str, proxied_url: tuple[str, SilenceableProxy]
+) -> None:
+    url, proxy = proxied_url
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    events: asyncio.Queue[str] = asyncio.Queue()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        listen_all(
+            url,
+            {"liveness_test": heard.put_nowait},
+            stop,
+            on_connect=[lambda: events.put_nowait("connected")],
+            on_lost=[lambda: events.put_nowait("lost")],
+            reconnect_s=0.05,
+            check_s=0.1,
+            check_timeout_s=0.3,
+        )
+    )
+    notifier = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        assert await asyncio.wait_for(events.get(), timeout=10) == "connected"
+        await notifier.execute("NOTIFY liveness_test, 'before'")
+        assert await asyncio.wait_for(heard.get(), timeout=5) == "before"
+
+        proxy.go_silent()
+        await notifier.execute("NOTIFY liveness_test, 'unheard'")
+        # Lost within a check and its timeout, then connected again through the proxy.
+        assert await asyncio.wait_for(events.get(), timeout=5) == "lost"
+        assert await asyncio.wait_for(events.get(), timeout=5) == "connected"
+        await notifier.execute("NOTIFY liveness_test, 'after'")
+        assert await asyncio.wait_for(heard.get(), timeout=5) == "after"
+        assert heard.empty()  # 'unheard' went into the silent connection
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+        await notifier.close()
+    assert await asyncio.wait_for(events.get(), timeout=1) == "lost"  # stopped
+
+
+async def test_a_quiet_but_healthy_listener_is_kept(
+    pg_url: str, proxied_url: tuple[str, SilenceableProxy]
+) -> None:
+    """Liveness checks alone do not cost a connection that answers them."""
+    url, _ = proxied_url
+    events: list[str] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        listen_all(
+            url,
+            {"liveness_test": lambda _: None},
+            stop,
+            on_connect=[lambda: events.append("connected")],
+            on_lost=[lambda: events.append("lost")],
+            check_s=0.02,
+            check_timeout_s=1.0,
+        )
+    )
+    try:
+        for _ in range(200):
+            if events:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # about fifteen checks
+        assert events == ["connected"]
+        # The checks keep the connection recognisable to an operator.
+        other = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            shown = await other.fetchval(
+                "SELECT query FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        finally:
+            await other.close()
+        assert shown == 'LISTEN "liveness_test"'
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
