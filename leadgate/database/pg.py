@@ -22,6 +22,7 @@ import contextlib
 import copy
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -39,6 +40,9 @@ from leadgate.database.plans import Plan, PlanCache, Result
 #: statements; the default of 100 would evict hot ones).
 STATEMENT_CACHE_SIZE = 1024
 CONNECT_TIMEOUT_S = 10.0
+#: A connection on the pool's idle list unused this long goes back to asyncpg's pool,
+#: which closes it after its own 300 s of inactivity (see :meth:`PgPool._connection`).
+IDLE_S = 60.0
 #: Tables whose writes PostgreSQL announces on :data:`CHANGES_CHANNEL`, whoever writes
 #: them (a statement trigger each, migration 0010; payload: the table's name).
 NOTIFYING_TABLES = frozenset({"agents", "presets", "policy_rules"})
@@ -377,6 +381,7 @@ class PgPool:
         acquire_timeout_s: float | None = None,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         tag: str = "",
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dsn = asyncpg_dsn(url)
         self.plans = PlanCache(array_in_dialect(dialect))
@@ -384,8 +389,10 @@ class PgPool:
         self.acquire_timeout_s = acquire_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._pool: asyncpg.Pool | None = None
-        #: connections whose last use ended cleanly, still checked out of ``_pool``
-        self._idle: list[asyncpg.Connection] = []
+        #: connections whose last use ended cleanly (and when), still checked out of
+        #: ``_pool``; the oldest first
+        self._idle: list[tuple[asyncpg.Connection, float]] = []
+        self.monotonic = monotonic
         #: tasks in asyncpg's acquire (while any wait, connections go back to asyncpg)
         self._waiting = 0
         self._making = asyncio.Lock()
@@ -432,7 +439,9 @@ class PgPool:
         it), the way out while anyone waits in that way in (so that they are served in
         asyncpg's order, not starved by later callers served from here), and the way
         out after an error, where asyncpg finishes a cancelled query or terminates a
-        broken connection.
+        broken connection. A connection left on the list for :data:`IDLE_S` goes back to
+        asyncpg, whose inactivity timeout closes it: a burst's connections are not kept
+        open for ever (any use, the heartbeat's too, trims the list).
         """
         raw = await self._acquire()
         try:
@@ -446,16 +455,27 @@ class PgPool:
             and _usable(raw)
             and not raw.is_in_transaction()
         ):
-            self._idle.append(raw)
+            idle = self._idle
+            now = self.monotonic()
+            idle.append((raw, now))
+            if idle[0][1] < now - IDLE_S:
+                await self._trim(now - IDLE_S)
         else:
             # Someone waits in asyncpg's queue: only a release there wakes them (a
             # connection parked here would leave them waiting until their timeout).
             await self._release(raw)
 
+    async def _trim(self, cutoff: float) -> None:
+        """Hand connections idle since before ``cutoff`` back to asyncpg's pool."""
+        idle = self._idle
+        while idle and idle[0][1] < cutoff:
+            raw, _ = idle.pop(0)
+            await self._release(raw)
+
     async def _acquire(self) -> asyncpg.Connection:
         idle = self._idle
         while idle:
-            raw = idle.pop()
+            raw, _ = idle.pop()
             if _usable(raw):
                 return raw
             await self._release(raw)  # the server went away meanwhile: asyncpg cleans up
@@ -542,7 +562,7 @@ class PgPool:
         """Close every pooled connection."""
         if self._pool is not None:
             idle, self._idle = self._idle, []
-            for raw in idle:
+            for raw, _ in idle:
                 await self._release(raw)
             pool, self._pool = self._pool, None
             await pool.close()

@@ -933,3 +933,49 @@ async def test_postgres_runs_a_caller_supplied_in_list_as_one_array_parameter(
         assert await committed_ids(db) == {"e2", "e3"}
     finally:
         await db.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_postgres_connections_idle_past_the_bound_go_back_to_asyncpg(
+    migrated_url: str,
+) -> None:
+    """A burst's connections wait on the idle list, but not for ever: once one has been
+    unused for ``IDLE_S`` the next use hands it back to asyncpg's pool (whose inactivity
+    timeout closes it), keeping the connection just used."""
+    from sqlalchemy.dialects.postgresql import asyncpg as pg_asyncpg
+
+    from leadgate.database.pg import IDLE_S, PgPool
+
+    now = [1000.0]
+    dialect = pg_asyncpg.dialect()  # type: ignore[no-untyped-call]
+    pool = PgPool(migrated_url, dialect, size=4, monotonic=lambda: now[0])
+    try:
+        release = asyncio.Event()
+        holding: asyncio.Queue[None] = asyncio.Queue()
+
+        async def hold() -> int:
+            async with pool.read() as conn:
+                pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+                holding.put_nowait(None)
+                await release.wait()
+            return int(pid)
+
+        burst = [asyncio.create_task(hold()) for _ in range(3)]
+        for _ in burst:
+            await asyncio.wait_for(holding.get(), timeout=10)
+        release.set()
+        pids = set(await asyncio.gather(*burst))
+        assert len(pids) == 3 and len(pool._idle) == 3
+
+        now[0] += IDLE_S / 2
+        async with pool.read() as conn:
+            await conn.scalar(sa.text("SELECT 1"))
+        assert len(pool._idle) == 3  # not idle long enough yet
+
+        now[0] += IDLE_S / 2 + 1
+        async with pool.read() as conn:
+            used = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+        assert used in pids and len(pool._idle) == 1 and pool._idle[0][1] == now[0]
+        assert pool._pool is not None and pool._pool.get_idle_size() == 2  # asyncpg's now
+    finally:
+        await pool.close()
