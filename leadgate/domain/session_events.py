@@ -238,19 +238,36 @@ _POSTGRES_INSERT = sa.text(
 )
 
 
+def postgres_message_ctes(session: str) -> str:
+    """PostgreSQL: CTEs ``m``, ``s`` and ``e`` (to follow ``WITH`` or a comma) storing
+    the visible message ``:id`` with its ``message`` event in the session that
+    ``session`` (a CTE of at most one row, with its ``id``) names: the message row, the
+    session's counter (``s`` returns ``id`` and ``event_seq``; empty when ``session``
+    is) and the event. Parameters: ``:id``, ``:org_id``, ``:work_item_id``, ``:role``,
+    ``:content``, ``:created``, ``:kind``."""
+    return (
+        "m AS ("
+        " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
+        " lead_gated, tool_name, created_at)"
+        " SELECT :id, :org_id, src.id, :work_item_id, :role, :content, false, NULL, :created"
+        f" FROM {session} AS src"
+        "), s AS ("
+        " UPDATE sessions SET event_seq = sessions.event_seq + 1"
+        f" FROM {session} AS src WHERE sessions.id = src.id"
+        " RETURNING sessions.id, sessions.event_seq"
+        "), e AS ("
+        " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+        " SELECT s.id, s.event_seq, :kind, :id, NULL, :created FROM s"
+        ")"
+    )
+
+
 #: PostgreSQL: a visible message, its ``message`` event and the NOTIFY in one statement
 #: (what a transaction of store_message alone writes; see :func:`visible_message_alone`).
 _POSTGRES_MESSAGE = sa.text(
-    "WITH m AS ("
-    " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
-    " lead_gated, tool_name, created_at)"
-    " VALUES (:id, :org_id, :sid, :work_item_id, :role, :content, false, NULL, :created)"
-    "), s AS ("
-    " UPDATE sessions SET event_seq = event_seq + 1 WHERE id = :sid RETURNING event_seq"
-    "), e AS ("
-    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
-    " SELECT :sid, s.event_seq, :kind, :id, NULL, :created FROM s"
-    ") SELECT pg_notify(:channel, :payload) FROM s"
+    "WITH src AS (SELECT CAST(:sid AS varchar) AS id), "
+    + postgres_message_ctes("src")
+    + " SELECT pg_notify(:channel, :payload) FROM s"
 )
 
 

@@ -22,6 +22,7 @@ Elsewhere (PostgreSQL, the general transaction) the window is read with one quer
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -30,9 +31,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from binding import bindings
+from leadgate.core.types import BindingSpec
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, signal_after_commit
+from leadgate.database.db import Conn, Database, signal_after_commit
 from leadgate.database.inline_sqlite import InlineConnection
+from leadgate.domain import session_events
 from leadgate.turns.providers.base import ChatMessage
 
 HISTORY_LIMIT = 50
@@ -67,40 +70,91 @@ _SINCE = (
 )
 
 
-# PostgreSQL: the session of (agent, key) with its active binding and its window, in
-# one statement (one row per message; one with NULL message columns when it has none).
-_WINDOW_OF_SESSION = (
-    sa.select(_M.role, _M.content, _M.created_at, _M.id)
-    .where(_M.session_id == t.sessions.c.id, _M.role.in_(_ROLES))
-    .order_by(_M.created_at.desc(), _M.id.desc())
-    .limit(HISTORY_LIMIT)
-    .lateral("w")
-)
-_SESSION_AND_WINDOW = bindings.SESSION_AND_BINDING.add_columns(
-    _WINDOW_OF_SESSION.c.role,
-    _WINDOW_OF_SESSION.c.content,
-    _WINDOW_OF_SESSION.c.created_at.label("message_at"),
-    _WINDOW_OF_SESSION.c.id.label("message_id"),
-).outerjoin(_WINDOW_OF_SESSION, sa.true())
-
 #: ((created_at, id), message) of a window, in any order.
 Keyed = list[tuple[tuple[int, str], ChatMessage]]
 
+# PostgreSQL: a plain turn's whole intake in one statement (see store_into_window): the
+# session of (agent, key) with its active binding (sb); the user message and its event
+# stored only when that binding is the one the turn comes through (ok, then the message
+# CTEs of session_events); the window, as of the statement's start (the message just
+# stored is not in it: the caller adds it), aggregated into one row.
+_STORE_INTO_WINDOW = sa.text(
+    "WITH sb AS ("
+    " SELECT s.id, b.id AS binding_id, b.kind AS binding_kind,"
+    " b.address AS binding_address, b.silent AS binding_silent"
+    " FROM sessions AS s LEFT JOIN bindings AS b ON b.session_id = s.id AND b.active"
+    " WHERE s.agent_id = :agent_id AND s.key = :key"
+    "), ok AS ("
+    " SELECT id FROM sb WHERE binding_kind = :binding_kind"
+    " AND CAST(binding_address AS jsonb) = CAST(:binding_address AS jsonb)"
+    " AND COALESCE(binding_silent, false) = :binding_silent LIMIT 1"
+    "), "
+    + session_events.postgres_message_ctes("ok")
+    + ", n AS MATERIALIZED (SELECT pg_notify(:channel, s.id || ' m') FROM s)"
+    " SELECT sb.id, sb.binding_id, sb.binding_kind, sb.binding_address, sb.binding_silent,"
+    " (SELECT count(*) FROM n) AS stored,"
+    " w.roles, w.contents, w.created, w.ids"
+    " FROM sb LEFT JOIN LATERAL ("
+    " SELECT array_agg(x.role) AS roles, array_agg(x.content) AS contents,"
+    " array_agg(x.created_at) AS created, array_agg(x.id) AS ids FROM ("
+    " SELECT role, content, created_at, id FROM messages"
+    " WHERE session_id = sb.id AND role IN ("
+    + ", ".join(f"'{role}'" for role in _ROLES)
+    + f") ORDER BY created_at DESC, id DESC LIMIT {HISTORY_LIMIT}"
+    ") AS x) AS w ON true LIMIT 1"
+)
 
-async def session_and_window(
-    conn: Conn, agent_id: str, key: str
+
+async def store_into_window(
+    db: Database,
+    message_id: str,
+    *,
+    org_id: str,
+    agent_id: str,
+    key: str,
+    binding: BindingSpec,
+    content: str,
+    created_at: int,
 ) -> tuple[bindings.OpenSession, Keyed] | None:
-    """The session of (agent, key) with its active binding and its window (with sort
-    keys, for :func:`window_with`), in one read; None when it does not exist."""
-    rows = (await conn.execute(_SESSION_AND_WINDOW, {"p_agent_id": agent_id, "p_key": key})).all()
-    if not rows:
+    """PostgreSQL: store the user message ``message_id`` of a plain turn, with its
+    session event, in the session of (agent, key), provided the session exists and its
+    active binding is ``binding`` already; return that session and its window as it was
+    before the message (for :func:`window_with`). One statement outside a transaction
+    block (``Database.write_alone``): one round trip where a read and then the write
+    were two. ``None``, with nothing written, when the session is missing or its binding
+    is another: the turn takes the transaction then."""
+    result = await db.write_alone(
+        _STORE_INTO_WINDOW,
+        {
+            "agent_id": agent_id,
+            "key": key,
+            "binding_kind": binding.kind.value,
+            "binding_address": json.dumps(binding.address),
+            "binding_silent": binding.silent,
+            "id": message_id,
+            "org_id": org_id,
+            "work_item_id": None,
+            "role": "user",
+            "content": content,
+            "created": created_at,
+            "kind": session_events.MESSAGE,
+            "channel": session_events.NOTIFY_CHANNEL,
+        },
+        signals_from=lambda row: [(session_events.TOPIC, (row.id, True))] if row.stored else [],
+    )
+    row = result.first()
+    if row is None or not row.stored:
         return None
-    window = [
-        ((r.message_at, r.message_id), to_message(r.role, r.content))
-        for r in rows
-        if r.message_id is not None
+    window: Keyed = [
+        ((created, message), to_message(role, text))
+        for role, text, created, message in zip(
+            row.roles or (), row.contents or (), row.created or (), row.ids or (), strict=True
+        )
     ]
-    return bindings.session_from_row(rows[0]), window
+    current = bindings.CurrentBinding(
+        row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
+    )
+    return bindings.OpenSession(str(row.id), current, False), window
 
 
 def window_with(window: Keyed, newer: Keyed) -> list[ChatMessage]:

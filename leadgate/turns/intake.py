@@ -15,14 +15,15 @@ rejected inbound event and not appended.
 A plain turn on PostgreSQL (an agent without a lead, an existing session whose binding
 stays, no external event id, no run to record) writes nothing but its user message and
 that message's session event. It is taken in without a transaction block
-(:meth:`Intake._take_plain`): one read (the session, its binding and its history
-window; the agent and the policy rules come from the cache), then the message and its
-event as one statement (``Database.write_alone``): two round trips instead of
-``BEGIN``, three statements and ``COMMIT``. Nothing is lost by it: the one write is
-atomic by itself, and at READ COMMITTED each read sees what was committed when it
-started, inside a transaction block or not (the window read before the message is
-stored, with the message added, is the window a read after storing it gives; a message
-another turn stores meanwhile is one that came after this one's).
+(:meth:`Intake._take_plain`), as one statement (``Database.write_alone``,
+:func:`leadgate.turns.history.store_into_window`): it finds the session and its active
+binding, stores the message and its event only if that binding is the turn's, and
+returns the history window as it was before the message (the agent and the policy rules
+come from the cache). One round trip instead of ``BEGIN``, three statements and
+``COMMIT``. Nothing is lost by it: the statement is atomic by itself; the window read
+in it, with the message added, is the window a read after storing it gives (a message
+another turn stores meanwhile is one that came after this one's); when the session is
+missing or its binding differs it writes nothing and the transaction runs instead.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import HistoryCache, session_and_window, to_message, window_with
-from leadgate.turns.messages import store_message, store_visible_alone
+from leadgate.turns.history import HistoryCache, store_into_window, to_message, window_with
+from leadgate.turns.messages import store_message
 from leadgate.turns.providers.base import ChatMessage
 
 # Hot statements, built once: building a statement and its cache key costs about as much
@@ -246,31 +247,27 @@ class Intake:
         """PostgreSQL: a plain turn taken in without a transaction block (see the
         module docstring); None when the turn is not one (then :meth:`take` runs the
         transaction: the agent and rules it reads here come from the cache there)."""
-        async with self.db.read() as conn:
+        async with self.db.read() as conn:  # the cache's, usually without a round trip
             agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
             if lead is not None or not agent.active:
                 return None
-            found = await session_and_window(conn, agent.id, trigger.session_key)
-            if found is None:
-                return None
-            session, window = found
-            if session.binding is None or not bindings.is_unchanged(
-                session.binding, trigger.binding
-            ):
-                return None
             rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
-        message_id = await store_visible_alone(
+        message_id = self.ids.new("msg")
+        found = await store_into_window(
             self.db,
-            self.clock,
-            self.ids,
+            message_id,
             org_id=trigger.org_id,
-            session_id=session.id,
-            work_item_id=None,
-            role="user",
+            agent_id=agent.id,
+            key=trigger.session_key,
+            binding=trigger.binding,
             content=trigger.text,
             created_at=now,
         )
+        if found is None:
+            return None
+        session, window = found
+        assert session.binding is not None  # stored only into a session bound so
         history = window_with(window, [((now, message_id), to_message("user", trigger.text))])
         ctx = TurnContext(
             org_id=trigger.org_id,

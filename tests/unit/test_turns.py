@@ -21,6 +21,7 @@ from leadgate.domain import agents, session_events
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status, Sweeper
 from leadgate.turns.context import TurnContext
+from leadgate.turns.history import store_into_window
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
@@ -146,7 +147,8 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     transactions adds one statement: the session event of its visible message (an INSERT
     on SQLite; on PostgreSQL one ``WITH`` statement: counter, rows and NOTIFY). On
     PostgreSQL each message is that one ``WITH`` statement with the message in it, run
-    outside a transaction block (one round trip), and so are the intake's reads. The
+    outside a transaction block (one round trip); the intake's also finds the session,
+    checks its binding and reads the window. The
     agent and the policy rules come from the intake's cache (on PostgreSQL while the
     process LISTENs for their changes, as the service does)."""
     stack, _ = rig
@@ -168,14 +170,13 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
     if stack.db.is_postgres:
         # No transaction block (Intake._take_plain): the session with its binding and
-        # history window, the user message with its event, then the finish: three
-        # round trips.
-        assert statements[0].startswith("SELECT sessions.id"), statements
+        # history window and the user message with its event in one statement, then
+        # the finish: two round trips.
         assert "LATERAL" in statements[0], statements
-        assert "INSERT INTO messages" in statements[1], statements
+        assert "INSERT INTO messages" in statements[0], statements
         assert "INSERT INTO messages" in statements[-1], statements  # the finish
-        assert work == sorted(["WITH"] * 2 + ["SELECT"]), statements
-        assert len(statements) == 3, statements
+        assert work == ["WITH"] * 2, statements
+        assert len(statements) == 2, statements
     else:
         assert work == sorted(["INSERT"] * 4 + ["SELECT"] * 2), statements
         assert statements.count("PRAGMA data_version") == 2  # each lookup's check
@@ -241,6 +242,63 @@ async def test_a_plain_turn_writes_and_sees_what_the_transaction_would(
         "three",
         "four",
     ]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_the_one_statement_intake_stores_only_into_the_same_binding(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """PostgreSQL's plain intake statement (history.store_into_window) compares the
+    active binding in SQL: the same JSON address in another key order is the same
+    binding; another address, another silence or a missing session write nothing (the
+    turn then takes the transaction); what it stores is numbered after what was there,
+    and the window it returns is the one from before the message."""
+    stack, _ = rig
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    address = {"a": 1, "b": [1, {"c": "d"}]}
+    first = Trigger(
+        org_id=org.id,
+        agent_id=agent["id"],
+        session_key="s1",
+        text="one",
+        binding=BindingSpec(BindingKind.api, address=address),
+    )
+    assert await stack.turns.run(first) == Reply("Echo: one")
+    sid = await session_id(stack, agent)
+
+    async def store(binding: BindingSpec, key: str = "s1", text: str = "x") -> object:
+        return await store_into_window(
+            stack.db,
+            stack.ids.new("msg"),
+            org_id=org.id,
+            agent_id=agent["id"],
+            key=key,
+            binding=binding,
+            content=text,
+            created_at=stack.clock.now_ms(),
+        )
+
+    assert await store(BindingSpec(BindingKind.api, address={"a": 1, "b": [1]})) is None
+    assert await store(BindingSpec(BindingKind.api, address=address, silent=True)) is None
+    assert await store(BindingSpec(BindingKind.studio, address=address)) is None
+    assert await store(BindingSpec(BindingKind.api, address=address), key="s2") is None
+    assert [m["content"] for m in await messages(stack, agent)] == ["one", "Echo: one"]
+
+    reordered = BindingSpec(BindingKind.api, address={"b": [1, {"c": "d"}], "a": 1})
+    found = await store(reordered, text="two")
+    assert isinstance(found, tuple)
+    session, window = found
+    assert session.id == sid and session.binding is not None
+    assert session.binding.address == address
+    assert [(m.role, m.content) for _, m in sorted(window)] == [
+        ("user", "one"),
+        ("assistant", "Echo: one"),
+    ]
+    assert [m["content"] for m in await messages(stack, agent)] == ["one", "Echo: one", "two"]
+    async with stack.db.read() as conn:
+        events = await session_events.read(conn, sid, after=0, limit=10)
+    assert [(e.seq, e.content) for e in events] == [(1, "one"), (2, "Echo: one"), (3, "two")]
 
 
 async def test_intake_creates_then_appends_with_the_50k_cap(
