@@ -47,6 +47,18 @@ IDLE_S = 60.0
 #: them (a statement trigger each, migration 0010; payload: the table's name).
 NOTIFYING_TABLES = frozenset({"agents", "presets", "policy_rules"})
 CHANGES_CHANNEL = "leadgate_table_changes"
+#: Planner settings of the pool's connections. No bitmap scans: every hot statement
+#: looks rows up by an index that also gives their order, and the one that hurt was the
+#: history window (the newest 50 messages of a session, ``ORDER BY ... LIMIT``). Its
+#: session is a join parameter, so PostgreSQL plans for an average session: a few rows
+#: while the statistics are missing (a new database) or most sessions are short. It
+#: then read every message of the session with a bitmap scan and sorted them, where
+#: walking the index backwards reads 50; a long session's turns grew dearer with each
+#: message (PostgreSQL's CPU per plain turn 0.42 -> 0.97 ms over three rounds of 4,800
+#: turns on 16 sessions). Without bitmap scans the index walk is the plan. What a bitmap
+#: scan would serve here (ORs across two indexes) runs on small tables or behind an
+#: organization's index.
+PLANNER_SETTINGS = {"enable_bitmapscan": "off"}
 #: The session setting the triggers put into the payload, after the table's name.
 SENDER_SETTING = "leadgate.sender"
 # The target of a text() write; one that names none may write anything.
@@ -339,7 +351,7 @@ def _is_text_query(statement: sa.Executable, sql: str) -> bool:
     # SQLAlchemy knows the columns of Core statements; for text() only the SQL tells
     # whether rows come back (asyncpg's fetch would hide a command's row count).
     return isinstance(statement, sa.TextClause) and sql.lstrip().upper().startswith(
-        ("SELECT", "WITH", "VALUES", "SHOW")
+        ("SELECT", "WITH", "VALUES", "SHOW", "EXPLAIN")
     )
 
 
@@ -421,7 +433,7 @@ class PgPool:
                 reset=_keep_session,
                 timeout=self.connect_timeout_s,
                 # Sent with the connection's startup (no round trip of its own).
-                server_settings={SENDER_SETTING: self.changes.tag},
+                server_settings={SENDER_SETTING: self.changes.tag, **PLANNER_SETTINGS},
             )
         except _DRIVER_ERRORS as exc:
             raise _wrap(exc, "CONNECT", ()) from exc

@@ -301,6 +301,58 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
     assert [(e.seq, e.content) for e in events] == [(1, "one"), (2, "Echo: one"), (3, "two")]
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """The history window is read by walking the session's index backwards for 50 rows,
+    whatever PostgreSQL guesses a session's length to be. Without statistics (a new
+    database) or with many short sessions it guesses a few rows and, left to itself,
+    reads every message of the session and sorts them: each turn of a long session
+    cost more than the one before (leadgate.database.pg.PLANNER_SETTINGS)."""
+    stack, _ = rig
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    sessions = [
+        {"id": f"ses_{n:04d}", "org_id": org.id, "agent_id": agent["id"], "key": f"k{n}"}
+        for n in range(16)
+    ]
+    # As sixteen clients' turns write them: the sessions' messages interleaved.
+    rows = [
+        {
+            "id": f"msg_{s['id']}_{i:04d}",
+            "org_id": org.id,
+            "session_id": s["id"],
+            "role": "user",
+            "content": "x",
+            "created_at": i,
+        }
+        for i in range(500)
+        for s in sessions
+    ]
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.sessions.insert(), [{**s, "created_at": 0, "event_seq": 0} for s in sessions]
+        )
+        await conn.execute(
+            t.messages.insert(),
+            [{**r, "work_item_id": None, "lead_gated": False, "tool_name": None} for r in rows],
+        )
+    async with stack.db.tx() as conn:  # EXPLAIN is no SELECT for Database.read()
+        plan = "\n".join(
+            r[0]
+            for r in await conn.execute(
+                sa.text(
+                    "EXPLAIN SELECT w.* FROM sessions AS s, LATERAL (SELECT id FROM messages"
+                    " WHERE session_id = s.id AND role IN ('user', 'assistant', 'internal')"
+                    " ORDER BY created_at DESC, id DESC LIMIT 50) AS w WHERE s.id = :sid"
+                ),
+                {"sid": "ses_0000"},
+            )
+        )
+    assert "Index Scan Backward" in plan and "Sort" not in plan, plan
+
+
 async def test_intake_creates_then_appends_with_the_50k_cap(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
