@@ -73,6 +73,8 @@ class Result:
     statuses: Counter[int] = field(default_factory=Counter)
     unexpected: int = 0
     server_cpu: float = math.nan
+    #: PostgreSQL's backends over the scenario (``--postgres``; NaN otherwise)
+    postgres_cpu: float = math.nan
     warmup_count: int = 0
 
     @property
@@ -95,12 +97,21 @@ class Result:
             f"{self.name:<6} {self.rps:9.1f} req/s   p50 {self.pct(0.50):7.2f} ms   "
             f"p99 {self.pct(0.99):7.2f} ms   n={self.count:<6} [{statuses}]"
             + f"   server CPU {self.cpu_per_request():.2f} ms/req"
+            + (
+                ""
+                if math.isnan(self.postgres_cpu)
+                else f" + {self.per_request(self.postgres_cpu):.2f} in PostgreSQL"
+            )
             + (f"  UNEXPECTED={self.unexpected}" if self.unexpected else "")
         )
 
     def cpu_per_request(self) -> float:
+        return self.per_request(self.server_cpu)
+
+    def per_request(self, seconds: float) -> float:
+        """``seconds`` of CPU per request (warm-up included), in ms."""
         total = self.count + self.warmup_count
-        return self.server_cpu / total * 1000 if total else math.nan
+        return seconds / total * 1000 if total else math.nan
 
 
 async def closed_loop(
@@ -183,6 +194,19 @@ def cpu_seconds(pid: int | None) -> float:
         return math.nan
     ticks = int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds of every ``postgres`` process on this machine (backends included)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if "(postgres)" in text:
+            total += cpu_seconds(int(stat.parent.name))
+    return total
 
 
 def metric_sum(proc: ServiceProcess, name: str, labels: str = "") -> float:
@@ -302,6 +326,7 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
                 pid = bare.pid if name == "bare" else proc.pid
                 gated_before = metric_sum(proc, "leadgate_turns_total", 'outcome="gated"')
                 cpu_before = cpu_seconds(pid)
+                pg_before = postgres_cpu_seconds() if args.postgres and name != "bare" else None
                 result = await closed_loop(
                     http,
                     name,
@@ -315,6 +340,8 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
                 )
                 # Includes the warm-up requests: an estimate of server CPU per request.
                 result.server_cpu = cpu_seconds(pid) - cpu_before
+                if pg_before is not None:
+                    result.postgres_cpu = postgres_cpu_seconds() - pg_before
                 results.setdefault(name, []).append(result)
                 print(result.line(), flush=True)
                 if result.unexpected:

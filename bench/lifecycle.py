@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 
 from bench.bench_outbox import TOKEN, Standin
-from bench.bench_rest import cpu_seconds, metric_sum
+from bench.bench_rest import cpu_seconds, metric_sum, postgres_cpu_seconds
 from tests.service_proc import ServiceProcess
 
 SIGNING_SECRET = "bench-signing-secret"
@@ -428,19 +428,6 @@ def _xacts(pg: Any, database: str) -> int:
         f"SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = '{database}'"
     )
     return int(out.strip().splitlines()[-1].strip() or 0)
-
-
-def postgres_cpu_seconds() -> float:
-    """CPU seconds of every ``postgres`` process on this machine (backends included)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        if "(postgres)" in text:
-            total += cpu_seconds(int(stat.parent.name))
-    return total
 
 
 def cores_and_load() -> str:
