@@ -74,7 +74,9 @@ _SINCE = (
 Keyed = list[tuple[tuple[int, str], ChatMessage]]
 
 # PostgreSQL: a plain turn's whole intake in one statement (see store_into_window): the
-# session of (agent, key) with its active binding (sb); the user message and its event
+# session of (agent, key) with its active binding (sb: bindings.SESSION_AND_BINDING's
+# query and columns, written out because its compiled form casts its parameters in a way
+# text() cannot take); the user message and its event
 # stored only when that binding is the one the turn comes through (ok, then the message
 # CTEs of session_events); the window, as of the statement's start (the message just
 # stored is not in it: the caller adds it), aggregated into one row.
@@ -151,10 +153,7 @@ async def store_into_window(
             row.roles or (), row.contents or (), row.created or (), row.ids or (), strict=True
         )
     ]
-    current = bindings.CurrentBinding(
-        row.binding_id, row.binding_kind, row.binding_address, row.binding_silent
-    )
-    return bindings.OpenSession(str(row.id), current, False), window
+    return bindings.session_from_row(row), window
 
 
 def window_with(window: Keyed, newer: Keyed) -> list[ChatMessage]:
