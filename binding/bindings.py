@@ -8,6 +8,7 @@ address is copied onto the delivery row in that transaction).
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -102,12 +103,32 @@ async def open_session(
 
 def is_unchanged(current: Any, spec: BindingSpec) -> bool:
     """Whether the active binding ``current`` already is ``spec`` (:func:`activate`
-    then writes nothing)."""
+    then writes nothing). :data:`UNCHANGED_SQL` is the same test in SQL: change both."""
     return bool(
         current.kind == spec.kind.value
         and current.address == spec.address
         and bool(current.silent) == spec.silent
     )
+
+
+#: PostgreSQL: :func:`is_unchanged` as a condition on a row with the columns of
+#: :data:`SESSION_AND_BINDING` (the JSON address compared as ``jsonb``: key order does not
+#: matter, as for Python's ``==`` of dicts), with the parameters of
+#: :func:`unchanged_params`. False when the session has no active binding.
+UNCHANGED_SQL = (
+    "binding_kind = :binding_kind"
+    " AND CAST(binding_address AS jsonb) = CAST(:binding_address AS jsonb)"
+    " AND COALESCE(binding_silent, false) = :binding_silent"
+)
+
+
+def unchanged_params(spec: BindingSpec) -> dict[str, Any]:
+    """The parameters of :data:`UNCHANGED_SQL` for ``spec``."""
+    return {
+        "binding_kind": spec.kind.value,
+        "binding_address": json.dumps(spec.address),
+        "binding_silent": spec.silent,
+    }
 
 
 _DEACTIVATE = t.bindings.update().where(B.id == sa.bindparam("p_id"))

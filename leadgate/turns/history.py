@@ -22,13 +22,13 @@ Elsewhere (PostgreSQL, the general transaction) the window is read with one quer
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import psycopg2
 
 from binding import bindings
 from leadgate.core.types import BindingSpec
@@ -74,23 +74,21 @@ _SINCE = (
 Keyed = list[tuple[tuple[int, str], ChatMessage]]
 
 # PostgreSQL: a plain turn's whole intake in one statement (see store_into_window): the
-# session of (agent, key) with its active binding (sb: bindings.SESSION_AND_BINDING's
-# query and columns, written out because its compiled form casts its parameters in a way
-# text() cannot take); the user message and its event
-# stored only when that binding is the one the turn comes through (ok, then the message
+# session of (agent, key) with its active binding (sb: bindings.SESSION_AND_BINDING,
+# compiled with named parameters); the user message and its event stored only when that
+# binding is the one the turn comes through (ok: bindings.UNCHANGED_SQL, then the message
 # CTEs of session_events); the window, as of the statement's start (the message just
 # stored is not in it: the caller adds it), aggregated into one row.
+_SESSION_AND_BINDING_SQL = str(
+    # psycopg2's compiler writes plain ``:name`` parameters (asyncpg's adds casts, which
+    # text() would not read as parameters); only the SQL text is used.
+    bindings.SESSION_AND_BINDING.compile(
+        dialect=psycopg2.dialect(paramstyle="named")  # type: ignore[no-untyped-call]
+    )
+)
 _STORE_INTO_WINDOW = sa.text(
-    "WITH sb AS ("
-    " SELECT s.id, b.id AS binding_id, b.kind AS binding_kind,"
-    " b.address AS binding_address, b.silent AS binding_silent"
-    " FROM sessions AS s LEFT JOIN bindings AS b ON b.session_id = s.id AND b.active"
-    " WHERE s.agent_id = :agent_id AND s.key = :key"
-    "), ok AS ("
-    " SELECT id FROM sb WHERE binding_kind = :binding_kind"
-    " AND CAST(binding_address AS jsonb) = CAST(:binding_address AS jsonb)"
-    " AND COALESCE(binding_silent, false) = :binding_silent LIMIT 1"
-    "), "
+    f"WITH sb AS ({_SESSION_AND_BINDING_SQL}),"
+    f" ok AS (SELECT id FROM sb WHERE {bindings.UNCHANGED_SQL} LIMIT 1), "
     + session_events.postgres_message_ctes("ok")
     + ", n AS MATERIALIZED (SELECT pg_notify(:channel, s.id || ' m') FROM s)"
     " SELECT sb.id, sb.binding_id, sb.binding_kind, sb.binding_address, sb.binding_silent,"
@@ -128,11 +126,9 @@ async def store_into_window(
     result = await db.write_alone(
         _STORE_INTO_WINDOW,
         {
-            "agent_id": agent_id,
-            "key": key,
-            "binding_kind": binding.kind.value,
-            "binding_address": json.dumps(binding.address),
-            "binding_silent": binding.silent,
+            "p_agent_id": agent_id,
+            "p_key": key,
+            **bindings.unchanged_params(binding),
             "id": message_id,
             "org_id": org_id,
             "work_item_id": None,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from binding.bindings import active_binding, deactivate_session
+from binding.bindings import active_binding, deactivate_session, is_unchanged, unchanged_params
 from leadgate.core.clock import DAY_MS, FakeClock
 from leadgate.core.errors import ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
@@ -21,7 +21,7 @@ from leadgate.domain import agents, session_events
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status, Sweeper
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import store_into_window
+from leadgate.turns.history import _STORE_INTO_WINDOW, store_into_window
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
@@ -279,13 +279,24 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
             created_at=stack.clock.now_ms(),
         )
 
-    assert await store(BindingSpec(BindingKind.api, address={"a": 1, "b": [1]})) is None
-    assert await store(BindingSpec(BindingKind.api, address=address, silent=True)) is None
-    assert await store(BindingSpec(BindingKind.studio, address=address)) is None
+    async with stack.db.read() as conn:
+        current = await active_binding(conn, sid)
+    assert current is not None
+    others = [
+        BindingSpec(BindingKind.api, address={"a": 1, "b": [1]}),
+        BindingSpec(BindingKind.api, address={"a": 1.5, "b": [1, {"c": "d"}]}),
+        BindingSpec(BindingKind.api, address=address, silent=True),
+        BindingSpec(BindingKind.studio, address=address),
+    ]
+    for other in others:
+        # The SQL test (bindings.UNCHANGED_SQL) answers as bindings.is_unchanged does.
+        assert not is_unchanged(current, other)
+        assert await store(other) is None, other
     assert await store(BindingSpec(BindingKind.api, address=address), key="s2") is None
     assert [m["content"] for m in await messages(stack, agent)] == ["one", "Echo: one"]
 
     reordered = BindingSpec(BindingKind.api, address={"b": [1, {"c": "d"}], "a": 1})
+    assert is_unchanged(current, reordered)
     found = await store(reordered, text="two")
     assert isinstance(found, tuple)
     session, window = found
@@ -338,18 +349,23 @@ async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
             t.messages.insert(),
             [{**r, "work_item_id": None, "lead_gated": False, "tool_name": None} for r in rows],
         )
+    # The intake's own statement, explained (not run: nothing is written).
+    statement = sa.text("EXPLAIN " + _STORE_INTO_WINDOW.text)
+    params = {
+        "p_agent_id": agent["id"],
+        "p_key": "k0",
+        **unchanged_params(BindingSpec(BindingKind.api)),
+        "id": "msg_x",
+        "org_id": org.id,
+        "work_item_id": None,
+        "role": "user",
+        "content": "x",
+        "created": 1,
+        "kind": "message",
+        "channel": "c",
+    }
     async with stack.db.tx() as conn:  # EXPLAIN is no SELECT for Database.read()
-        plan = "\n".join(
-            r[0]
-            for r in await conn.execute(
-                sa.text(
-                    "EXPLAIN SELECT w.* FROM sessions AS s, LATERAL (SELECT id FROM messages"
-                    " WHERE session_id = s.id AND role IN ('user', 'assistant', 'internal')"
-                    " ORDER BY created_at DESC, id DESC LIMIT 50) AS w WHERE s.id = :sid"
-                ),
-                {"sid": "ses_0000"},
-            )
-        )
+        plan = "\n".join(r[0] for r in await conn.execute(statement, params))
     assert "Index Scan Backward" in plan and "Sort" not in plan, plan
 
 
