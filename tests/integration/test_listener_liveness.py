@@ -30,6 +30,7 @@ class SilenceableProxy:
         self.silenced: set[int] = set()
         self.open: set[int] = set()
         self._next = 0
+        self._writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -44,6 +45,7 @@ class SilenceableProxy:
         number = self._next
         self.open.add(number)
         up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._writers += [writer, up_writer]
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(ConnectionError):
@@ -61,8 +63,11 @@ class SilenceableProxy:
             self.open.discard(number)
 
     async def stop(self) -> None:
+        """Stop listening and close every flow (the silenced ones kept theirs open)."""
         if self.server is not None:
             self.server.close()
+        for writer in self._writers:
+            writer.close()
 
 
 @pytest.fixture
