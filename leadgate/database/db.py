@@ -222,6 +222,12 @@ class Database:
         :data:`leadgate.database.pg.CHANGES_CHANNEL`); None on SQLite."""
         return None if self._pg is None else self._pg.changes
 
+    @property
+    def connection_uses(self) -> int:
+        """PostgreSQL: pooled connections handed out so far (tests count them); 0 on
+        SQLite."""
+        return 0 if self._pg is None else self._pg.uses
+
     def on_commit(self, topic: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every committed :meth:`tx` that signalled ``topic``
         (see :func:`signal_after_commit`)."""
@@ -277,8 +283,7 @@ class Database:
                     signal_after_commit(conn, topic, payload)
             return result
         try:
-            async with self._pg.autocommit() as pg:
-                result = await pg.execute(statement, parameters)
+            result = await self._pg.execute_alone(statement, parameters)
         except Exception as exc:
             _raise_unavailable(exc)
             raise

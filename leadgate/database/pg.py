@@ -230,7 +230,7 @@ class PgConnection:
         self.dialect: Dialect = plans.dialect
         self.info: dict[Any, Any] = {}
         #: notifying tables written here (counted in ``changes`` when the pool's
-        #: transaction or autocommit block ends)
+        #: transaction or single statement ends)
         self.wrote: set[str] = set()
 
     async def execute(
@@ -407,6 +407,8 @@ class PgPool:
         self.monotonic = monotonic
         #: tasks in asyncpg's acquire (while any wait, connections go back to asyncpg)
         self._waiting = 0
+        #: connections handed out so far (tests count them)
+        self.uses = 0
         self._making = asyncio.Lock()
         self.trace: Callable[[str], None] | None = None
         #: writes to the notifying tables, for caches of their rows
@@ -461,6 +463,10 @@ class PgPool:
         except BaseException:
             await self._release(raw)
             raise
+        await self._give_back(raw)
+
+    async def _give_back(self, raw: asyncpg.Connection) -> None:
+        """The end of a clean use of ``raw``: onto the idle list, or back to asyncpg."""
         if (
             self._waiting == 0
             and self._pool is not None
@@ -485,6 +491,7 @@ class PgPool:
             await self._release(raw)
 
     async def _acquire(self) -> asyncpg.Connection:
+        self.uses += 1
         idle = self._idle
         while idle:
             raw, _ = idle.pop()
@@ -546,18 +553,27 @@ class PgPool:
                 if conn.wrote:  # committed or not, what was read meanwhile may be stale
                     self.changes.wrote(conn.wrote)
 
-    @asynccontextmanager
-    async def autocommit(self) -> AsyncIterator[PgConnection]:
-        """A pooled connection outside a transaction block, for a transaction of one
-        statement (PostgreSQL runs a single statement atomically): one round trip
-        instead of ``BEGIN``, the statement, ``COMMIT``."""
-        async with self._connection() as raw:
-            conn = PgConnection(raw, self.plans, self.trace, changes=self.changes)
-            try:
-                yield conn
-            finally:
-                if conn.wrote:
-                    self.changes.wrote(conn.wrote)
+    async def execute_alone(
+        self, statement: sa.Executable, parameters: Mapping[str, Any]
+    ) -> Result:
+        """One statement on a pooled connection outside a transaction block, as a
+        transaction by itself (PostgreSQL runs a single statement atomically): one round
+        trip instead of ``BEGIN``, the statement, ``COMMIT``. Written out rather than
+        around :meth:`_connection`: an async generator per ``async with`` (each also
+        registered with the event loop and dropped again) costs a few microseconds,
+        and a plain turn runs two of these."""
+        raw = await self._acquire()
+        conn = PgConnection(raw, self.plans, self.trace, changes=self.changes)
+        try:
+            result = await conn.execute(statement, parameters)
+        except BaseException:
+            await self._release(raw)
+            raise
+        finally:
+            if conn.wrote:
+                self.changes.wrote(conn.wrote)
+        await self._give_back(raw)
+        return result
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[PgConnection]:

@@ -42,14 +42,14 @@ from leadgate.core.types import BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
-from leadgate.domain import policy, workitems
+from leadgate.domain import config_cache, policy, workitems
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import HistoryCache, store_into_window, to_message, window_with
+from leadgate.turns.history import HistoryCache, store_into_window, to_message
 from leadgate.turns.messages import store_message
 from leadgate.turns.providers.base import ChatMessage
 
@@ -247,11 +247,24 @@ class Intake:
         """PostgreSQL: a plain turn taken in without a transaction block (see the
         module docstring); None when the turn is not one (then :meth:`take` runs the
         transaction: the agent and rules it reads here come from the cache there)."""
-        async with self.db.read() as conn:  # the cache's, usually without a round trip
-            agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
+        changes = self.db.table_changes
+        known = self.config.known(
+            None if changes is None else changes.token(config_cache.TABLES),
+            trigger.org_id,
+            trigger.agent_id,
+        )
+        if known is not None:
+            agent, lead, rules = known
             if lead is not None or not agent.active:
                 return None
-            rules = await self.config.rules(conn, trigger.org_id)
+        else:
+            async with self.db.read() as conn:
+                agent, lead = await self.config.agent_and_lead(
+                    conn, trigger.org_id, trigger.agent_id
+                )
+                if lead is not None or not agent.active:
+                    return None
+                rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
         message_id = self.ids.new("msg")
         found = await store_into_window(
@@ -268,7 +281,7 @@ class Intake:
             return None
         session, window = found
         assert session.binding is not None  # stored only into a session bound so
-        history = window_with(window, [((now, message_id), to_message("user", trigger.text))])
+        history = window.with_newest((now, message_id), ChatMessage("user", trigger.text))
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,

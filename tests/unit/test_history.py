@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import given
+from hypothesis import strategies as st
 
 from leadgate.core.clock import FakeClock
 from leadgate.database import schema as t
 from leadgate.turns import history
-from leadgate.turns.history import HISTORY_LIMIT, HistoryCache, to_message
+from leadgate.turns.history import HISTORY_LIMIT, HistoryCache, Window, to_message
 from leadgate.turns.providers.base import ChatMessage, ModelEvent, ModelRequest
 from leadgate.turns.providers.registry import ProviderRegistry
 from leadgate.turns.providers.script import ScriptProvider
@@ -178,6 +180,45 @@ def test_to_message_maps_lead_feedback_to_a_user_message() -> None:
     assert to_message("internal", "fix it") == ChatMessage("user", FEEDBACK + "fix it")
     assert to_message("user", "hi") == ChatMessage("user", "hi")
     assert to_message("assistant", "yo") == ChatMessage("assistant", "yo")
+
+
+_ROWS = st.lists(
+    st.tuples(
+        st.integers(0, 20), st.sampled_from(["user", "assistant", "internal"]), st.text(max_size=3)
+    ),
+    max_size=HISTORY_LIMIT,
+)
+
+
+@given(rows=_ROWS, newest=st.integers(0, 20), shuffle=st.randoms(use_true_random=False))
+def test_a_window_read_in_one_statement_is_the_newest_50_oldest_first(
+    rows: list[tuple[int, str, str]], newest: int, shuffle: Any
+) -> None:
+    """PostgreSQL's plain intake gets the window as arrays, newest first (or, should the
+    server ever hand them over otherwise, in any order); with the turn's own message
+    added, what the model sees is what sorting everything by (created_at, id) and taking
+    the newest 50 gives, lead feedback shown as a user message."""
+    stored = [(created, f"msg_{n:03d}", role, text) for n, (created, role, text) in enumerate(rows)]
+    mine = ((newest, "msg_new"), ChatMessage("user", "mine"))
+    expected = [
+        message
+        for _, message in sorted(
+            [((c, i), to_message(role, text)) for c, i, role, text in stored] + [mine],
+            key=lambda pair: pair[0],
+        )
+    ][-HISTORY_LIMIT:]
+    for order in ("newest first", "shuffled"):
+        given_rows = sorted(stored, key=lambda r: (r[0], r[1]), reverse=True)
+        if order == "shuffled":
+            shuffle.shuffle(given_rows)
+        window = Window.newest_first(
+            [r[2] for r in given_rows],
+            [r[3] for r in given_rows],
+            [r[0] for r in given_rows],
+            [r[1] for r in given_rows],
+        )
+        assert window.keys == sorted(window.keys)
+        assert window.with_newest(*mine) == expected, order
 
 
 async def test_window_after_many_turns_equals_a_full_query(

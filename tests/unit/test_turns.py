@@ -157,9 +157,11 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     agent = await make_agent(stack, org, "plain")
     first = await stack.turns.run(api_trigger(org, {"id": "plain"}, "hello"))
     assert first == Reply("Echo: hello")
+    uses = stack.db.connection_uses
     with stack.db.record_statements() as statements:
         again = await stack.turns.run(api_trigger(org, {"id": "plain"}, "hello again"))
     assert again == Reply("Echo: hello again")
+    uses = stack.db.connection_uses - uses
     work = sorted(
         verb
         for verb in (sql.split()[0].upper() for sql in statements)
@@ -177,6 +179,9 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
         assert "INSERT INTO messages" in statements[-1], statements  # the finish
         assert work == ["WITH"] * 2, statements
         assert len(statements) == 2, statements
+        # ...and a pooled connection for each of them alone: none for the kept agent
+        # and rules (ConfigCache.known).
+        assert uses == 2
     else:
         assert work == sorted(["INSERT"] * 4 + ["SELECT"] * 2), statements
         assert statements.count("PRAGMA data_version") == 2  # each lookup's check
@@ -302,7 +307,7 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
     session, window = found
     assert session.id == sid and session.binding is not None
     assert session.binding.address == address
-    assert [(m.role, m.content) for _, m in sorted(window)] == [
+    assert [(m.role, m.content) for m in window.messages] == [
         ("user", "one"),
         ("assistant", "Echo: one"),
     ]
