@@ -91,7 +91,13 @@ def decode_json(raw: bytes | str, *, allow_nul: bool = False, max_depth: int = M
         ) from None
     except ValueError:
         raise ValidationError("the body is not valid JSON", rule="body.json") from None
-    check_value(value, allow_nul=allow_nul, max_depth=max_depth)
+    if text is raw or "\\u" in text or text.count("{") + text.count("[") > max_depth:
+        check_value(value, allow_nul=allow_nul, max_depth=max_depth)
+    # Else there is nothing to find in a body decoded from bytes: a lone surrogate or a
+    # NUL in its strings can only come from a \u escape (strict UTF-8 has no
+    # surrogates, and json.loads refuses raw control characters in strings), and a
+    # document with no more brackets than max_depth cannot nest deeper (brackets
+    # inside strings only raise the count). A str handed in may hold raw surrogates.
     return value
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any
 
 import sqlalchemy as sa
@@ -178,7 +179,16 @@ class Window:
         if "internal" in roles:
             messages = [to_message(role, text) for role, text in zip(roles, contents, strict=True)]
         else:
-            messages = list(map(ChatMessage, roles, contents))  # type: ignore[arg-type]
+            # tuple.__new__ builds each named tuple from (role, content, defaults) in C;
+            # ChatMessage(...) runs the named tuple's Python __new__ per row (twice the
+            # cost of the whole list).
+            messages = list(
+                map(
+                    tuple.__new__,
+                    repeat(ChatMessage),
+                    zip(roles, contents, repeat(()), repeat(None), strict=False),
+                )
+            )
         return cls(keys, messages)
 
     def with_newest(self, key: tuple[int, str], message: ChatMessage) -> list[ChatMessage]:

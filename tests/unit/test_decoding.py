@@ -17,6 +17,7 @@ from leadgate.core.clock import FakeClock
 from leadgate.core.decoding import (
     BODY_TIMEOUT_KEY,
     MAX_DEPTH,
+    check_value,
     decode_json,
     header_text,
     json_object,
@@ -80,6 +81,40 @@ def test_decode_json_only_ever_raises_validation_errors(raw: bytes) -> None:
         return
     # What passes is re-encodable as strict UTF-8 (storable anywhere).
     json.dumps(value, ensure_ascii=False).encode("utf-8")
+
+
+deep_values = st.recursive(
+    st.text(alphabet=st.sampled_from("ab\x00\ud800\udfff{[\\u")),
+    lambda children: (
+        st.lists(children, max_size=2) | st.dictionaries(st.text(max_size=2), children)
+    ),
+    max_leaves=MAX_DEPTH + 8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(deep_values, st.booleans(), st.booleans())
+def test_a_body_is_refused_exactly_when_its_full_walk_refuses_it(
+    value: Any, ascii_only: bool, allow_nul: bool
+) -> None:
+    """decode_json skips the walk of a body from bytes with no \\u escape and no more
+    brackets than MAX_DEPTH; the answer is the walk's all the same."""
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:
+        return  # a lone surrogate only travels as an escape
+    try:
+        check_value(json.loads(text), allow_nul=allow_nul)
+        walked: str | None = None
+    except ValidationError as exc:
+        walked = exc.rule
+    try:
+        decode_json(raw, allow_nul=allow_nul)
+        decoded: str | None = None
+    except ValidationError as exc:
+        decoded = exc.rule
+    assert decoded == walked
 
 
 async def _client(app: web.Application) -> TestClient[Any, Any]:
