@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib.metadata
 import logging
@@ -42,6 +43,7 @@ from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
 from leadgate.domain.session_events import NOTIFY_CHANNEL as SESSION_EVENTS_CHANNEL
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
+from leadgate.domain.session_events import mark_watched
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
@@ -151,7 +153,11 @@ class App:
         # hub wakes their readers after every commit here, and on PostgreSQL after every
         # NOTIFY of another replica (started with the surfaces).
         self.transcripts = Transcripts(self.db, self.clock, self.ids)
-        self.event_hub = EventHub()
+        # On PostgreSQL other replicas NOTIFY a session's events only while a reader here
+        # keeps it marked watched (session_events.mark_watched).
+        self.event_hub = EventHub(
+            functools.partial(mark_watched, self.db) if self.db.is_postgres else None
+        )
         self.db.on_commit_payloads(SESSION_EVENTS_TOPIC, self.event_hub.committed)
         self.idempotency = Idempotency(self.db, self.clock)
         self._stop = asyncio.Event()
@@ -327,6 +333,7 @@ class App:
         if surfaces:
             channels[SESSION_EVENTS_CHANNEL] = self.event_hub.notified
             on_connect.append(self.event_hub.wake_all)
+            self.background.spawn(self.event_hub.renew_forever(self._stop), name="watched-sessions")
         changes = self.db.table_changes
         if channels and changes is not None:
             # Agents, presets and policy rules changed by any writer: the intake's cache
@@ -454,6 +461,7 @@ class App:
             allowed_hosts=self._mcp_hosts(),
             transcripts=self.transcripts,
             watch=self.event_hub.watch,
+            keep_notified=self.event_hub.keep_notified,
             version=package_version(),
             session_idle_s=api.mcp_session_idle_s,
             max_sessions=api.mcp_max_sessions,

@@ -98,6 +98,9 @@ sessions = sa.Table(
     # The last sequence number of the session's public event log (session_events), on
     # PostgreSQL: its row lock orders concurrent writers (see domain/session_events.py).
     sa.Column("event_seq", sa.BigInteger, nullable=False, default=0, server_default="0"),
+    # PostgreSQL: until when (ms since the epoch, the server's clock) some replica has a
+    # reader of the session's events; its writers NOTIFY only until then (0: never).
+    sa.Column("watched_until", sa.BigInteger, nullable=False, default=0, server_default="0"),
 )
 
 bindings = sa.Table(

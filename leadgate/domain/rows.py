@@ -150,6 +150,8 @@ class Session(NamedTuple):
     key: str
     created_at: int
     event_seq: int
+    #: PostgreSQL: its events are NOTIFYed until then (ms, the server's clock)
+    watched_until: int
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> Self:

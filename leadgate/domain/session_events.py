@@ -49,6 +49,23 @@ The same statement wakes readers: in process through the after-commit topic
 through ``pg_notify`` on :data:`NOTIFY_CHANNEL` (payload ``"<session_id> <m|r>"``, sent
 at commit, dropped on rollback) folded into the same statement, so a plain turn with no
 reader costs one INSERT per transaction that stored a visible message and nothing more.
+
+**Only watched sessions are NOTIFYed** (PostgreSQL). PostgreSQL signals every listening
+backend of the database for each NOTIFY, whatever its channel; each wakes, reads the
+queue and passes the notification to its replica, which parses it: about an eighth of a
+plain turn's cost, for sessions nobody reads (nearly all of them: API clients, chat
+threads). So the statement NOTIFYs only while ``sessions.watched_until`` (ms, the
+server's clock) lies ahead (:func:`notify_if_watched`, on the row its ``UPDATE sessions``
+returns). A replica whose reader (an SSE stream, an MCP subscription) starts on a
+session sets it with :func:`mark_watched` and waits for that commit before the reader's
+first read of the log (:meth:`leadgate.operations.event_hub.EventHub.keep_notified`),
+and renews it every :data:`WATCH_RENEW_S` while a reader stays; a mark runs out
+:data:`WATCH_TTL_S` after the last renewal (a replica that died leaves NOTIFYs on that
+long). Why no wake-up is lost: the mark is an ``UPDATE`` of the session's row, like the
+event statement's counter, so the two are ordered by its row lock. A writer that takes
+the row first commits before the mark can, and the reader's first read, after the mark,
+sees its events. A writer that comes after the mark either sees it committed or waits
+for it, and then (READ COMMITTED re-reads the row it waited for) sees it and NOTIFYs.
 """
 
 from __future__ import annotations
@@ -60,7 +77,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, before_commit, signal_after_commit
+from leadgate.database.db import Conn, Database, before_commit, signal_after_commit
 
 #: Event kinds.
 MESSAGE = "message"
@@ -224,17 +241,51 @@ _MAX_ROWS = 32
 _PARAM_NAMES = [(f"p_kind{i}", f"p_msg{i}", f"p_status{i}", f"p_at{i}") for i in range(_MAX_ROWS)]
 
 
+#: PostgreSQL: the server's clock in ms since the epoch (``sessions.watched_until``'s).
+PG_NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+#: How long a mark of :func:`mark_watched` holds: the replica renews it every
+#: :data:`WATCH_RENEW_S` while a reader is there, so a replica gone without a word
+#: leaves NOTIFYs on for this long at most.
+WATCH_TTL_S = 120.0
+WATCH_RENEW_S = 30.0
+
+
+def notify_if_watched(alias: str, channel: str, payload: str) -> str:
+    """PostgreSQL: the select-list expression that NOTIFYs ``payload`` on ``channel``
+    (SQL expressions) when the session row ``alias`` (the ``RETURNING`` of the statement's
+    ``UPDATE sessions``, with ``watched_until``) is watched; NULL, and no NOTIFY,
+    otherwise. One row either way (callers count the rows)."""
+    return f"CASE WHEN {alias}.watched_until > {PG_NOW_MS} THEN pg_notify({channel}, {payload}) END"
+
+
+_MARK_WATCHED = sa.text(
+    "UPDATE sessions SET watched_until = GREATEST(watched_until,"
+    f" {PG_NOW_MS} + CAST(:ttl_ms AS bigint))"
+    " WHERE id = ANY(CAST(:sids AS varchar[]))"
+)
+
+
+async def mark_watched(db: Database, session_ids: Sequence[str]) -> None:
+    """PostgreSQL: the sessions' events are NOTIFYed to every replica for the next
+    :data:`WATCH_TTL_S` (see the module docstring); committed when this returns."""
+    if session_ids:
+        await db.write_alone(
+            _MARK_WATCHED, {"sids": list(session_ids), "ttl_ms": int(WATCH_TTL_S * 1000)}
+        )
+
+
 # Counter, rows and NOTIFY in one round trip (see the module docstring for the order).
 _POSTGRES_INSERT = sa.text(
     "WITH s AS ("
-    " UPDATE sessions SET event_seq = event_seq + :n WHERE id = :sid RETURNING event_seq"
+    " UPDATE sessions SET event_seq = event_seq + :n WHERE id = :sid"
+    " RETURNING event_seq, watched_until"
     "), e AS ("
     " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
     " SELECT :sid, s.event_seq - :n + v.i, v.kind, v.message_id, v.status, v.created_at"
     " FROM s, unnest(CAST(:kinds AS varchar[]), CAST(:message_ids AS varchar[]),"
     " CAST(:statuses AS varchar[]), CAST(:created AS bigint[]))"
     " WITH ORDINALITY AS v(kind, message_id, status, created_at, i)"
-    ") SELECT pg_notify(:channel, :payload) FROM s"
+    f") SELECT {notify_if_watched('s', ':channel', ':payload')} FROM s"
 )
 
 
@@ -242,9 +293,10 @@ def postgres_message_ctes(session: str) -> str:
     """PostgreSQL: CTEs ``m``, ``s`` and ``e`` (to follow ``WITH`` or a comma) storing
     the visible message ``:id`` with its ``message`` event in the session that
     ``session`` (a CTE of at most one row, with its ``id``) names: the message row, the
-    session's counter (``s`` returns ``id`` and ``event_seq``; empty when ``session``
-    is) and the event. Parameters: ``:id``, ``:org_id``, ``:work_item_id``, ``:role``,
-    ``:content``, ``:created``, ``:kind``."""
+    session's counter (``s`` returns ``id``, ``event_seq`` and ``watched_until``, for
+    :func:`notify_if_watched`; empty when ``session`` is) and the event. Parameters:
+    ``:id``, ``:org_id``, ``:work_item_id``, ``:role``, ``:content``, ``:created``,
+    ``:kind``."""
     return (
         "m AS ("
         " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
@@ -254,7 +306,7 @@ def postgres_message_ctes(session: str) -> str:
         "), s AS ("
         " UPDATE sessions SET event_seq = sessions.event_seq + 1"
         f" FROM {session} AS src WHERE sessions.id = src.id"
-        " RETURNING sessions.id, sessions.event_seq"
+        " RETURNING sessions.id, sessions.event_seq, sessions.watched_until"
         "), e AS ("
         " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
         " SELECT s.id, s.event_seq, :kind, :id, NULL, :created FROM s"
@@ -267,7 +319,7 @@ def postgres_message_ctes(session: str) -> str:
 _POSTGRES_MESSAGE = sa.text(
     "WITH src AS (SELECT CAST(:sid AS varchar) AS id), "
     + postgres_message_ctes("src")
-    + " SELECT pg_notify(:channel, :payload) FROM s"
+    + f" SELECT {notify_if_watched('s', ':channel', ':payload')} FROM s"
 )
 
 
@@ -312,7 +364,7 @@ _POSTGRES_INSERT_MANY = sa.text(
     "), s AS ("
     " UPDATE sessions SET event_seq = sessions.event_seq + input.n"
     " FROM locked JOIN input ON input.sid = locked.id WHERE sessions.id = locked.id"
-    " RETURNING sessions.id, sessions.event_seq, input.n, input.payload"
+    " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, input.n, input.payload"
     "), e AS ("
     " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
     " SELECT v.sid, s.event_seq - s.n + v.i, v.kind, v.message_id, v.status, v.created_at"
@@ -320,7 +372,7 @@ _POSTGRES_INSERT_MANY = sa.text(
     " CAST(:kinds AS varchar[]), CAST(:message_ids AS varchar[]),"
     " CAST(:statuses AS varchar[]), CAST(:created AS bigint[]))"
     " AS v(sid, i, kind, message_id, status, created_at) JOIN s ON s.id = v.sid"
-    ") SELECT pg_notify(:channel, s.payload) FROM s"
+    f") SELECT {notify_if_watched('s', ':channel', 's.payload')} FROM s"
 )
 
 
@@ -356,7 +408,7 @@ def postgres_moved_item_events(moved: str, src: str, dst: str) -> MovedItemEvent
         " UPDATE sessions SET event_seq = sessions.event_seq + ev_counts.n"
         " FROM ev_locked JOIN ev_counts ON ev_counts.sid = ev_locked.id"
         " WHERE sessions.id = ev_locked.id"
-        " RETURNING sessions.id, sessions.event_seq, ev_counts.n"
+        " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, ev_counts.n"
         "), ev_rows AS ("
         " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
         " SELECT m.session_id,"
@@ -367,7 +419,9 @@ def postgres_moved_item_events(moved: str, src: str, dst: str) -> MovedItemEvent
     )
     columns = (
         "ARRAY(SELECT id FROM ev_s) AS ev_sessions,"
-        " (SELECT count(pg_notify(:ev_channel, ev_s.id || ' r')) FROM ev_s) AS ev_notified"
+        " (SELECT count("
+        + notify_if_watched("ev_s", ":ev_channel", "ev_s.id || ' r'")
+        + ") FROM ev_s) AS ev_notified"
     )
     params = {"ev_kind": REVIEW, "ev_status": after, "ev_channel": NOTIFY_CHANNEL}
     return MovedItemEvents(ctes, columns, params)

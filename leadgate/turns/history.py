@@ -88,7 +88,9 @@ _STORE_INTO_WINDOW = sa.text(
     f"WITH sb AS ({_SESSION_AND_BINDING_SQL}),"
     f" ok AS (SELECT id FROM sb WHERE {bindings.UNCHANGED_SQL} LIMIT 1), "
     + session_events.postgres_message_ctes("ok")
-    + ", n AS MATERIALIZED (SELECT pg_notify(:channel, s.id || ' m') FROM s)"
+    + ", n AS MATERIALIZED (SELECT "
+    + session_events.notify_if_watched("s", ":channel", "s.id || ' m'")
+    + " FROM s)"
     " SELECT sb.id, sb.binding_id, sb.binding_kind, sb.binding_address, sb.binding_silent,"
     " (SELECT count(*) FROM n) AS stored,"
     " w.roles, w.contents, w.created, w.ids"

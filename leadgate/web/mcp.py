@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final
 
 import mcp_types as mt
@@ -74,8 +74,11 @@ MAX_SESSIONS: Final = 1000
 
 Authenticate = Callable[[str], Awaitable[Principal | None]]
 SendMessage = Callable[[Principal, str, str, str | None], Awaitable[Outcome]]
-#: ``EventHub.watch``: calls a watcher on every session wake-up; returns its stop.
-Watch = Callable[[Watcher], Callable[[], None]]
+#: ``EventHub.watch``: calls a watcher on every session wake-up and keeps the sessions
+#: the second callable names notified by every replica; returns its stop.
+Watch = Callable[[Watcher, Callable[[], Iterable[str]]], Callable[[], None]]
+#: ``EventHub.keep_notified``: returns once every replica NOTIFYs the session's events.
+KeepNotified = Callable[[str], Awaitable[None]]
 
 INSTRUCTIONS: Final = (
     "leadgate runs AI worker agents. Use send_action_agent_message to talk to one."
@@ -170,6 +173,7 @@ def mount_mcp(
     allowed_hosts: list[str],
     transcripts: SessionReads | None = None,
     watch: Watch | None = None,
+    keep_notified: KeepNotified | None = None,
     version: str = "",
     session_idle_s: float = SESSION_IDLE_S,
     max_sessions: int = MAX_SESSIONS,
@@ -180,9 +184,11 @@ def mount_mcp(
     unknown key); ``send_message(principal, agent, message, session)`` runs one turn on the
     shared turn path. ``allowed_hosts`` are the ``host[:port]`` values accepted in the
     ``Host`` header (DNS-rebinding protection of the SDK); matching ``http``/``https``
-    origins are accepted in an ``Origin`` header. With ``transcripts`` (and ``watch``, the
-    hub's :meth:`~leadgate.operations.event_hub.EventHub.watch`) the transcript resource
-    template and its subscriptions are served (:mod:`leadgate.web.mcp_resources`).
+    origins are accepted in an ``Origin`` header. With ``transcripts`` (and ``watch`` and
+    ``keep_notified``, the hub's :meth:`~leadgate.operations.event_hub.EventHub.watch`
+    and :meth:`~leadgate.operations.event_hub.EventHub.keep_notified`) the transcript
+    resource template and its subscriptions are served
+    (:mod:`leadgate.web.mcp_resources`).
     ``version`` is ``serverInfo.version``. An MCP session with no request in flight for
     ``session_idle_s`` ends (its id then answers 404); at most ``max_sessions`` are open
     (a new one beyond that gets 503).
@@ -191,11 +197,13 @@ def mount_mcp(
     manager must run before the first request).
     """
     resources = (
-        Resources(transcripts, _principal_of, parse_limit) if transcripts is not None else None
+        Resources(transcripts, _principal_of, parse_limit, keep_notified=keep_notified)
+        if transcripts is not None
+        else None
     )
     server = build_mcp_server(send_message, resources=resources, version=version)
     if resources is not None and watch is not None:
-        watch(resources.changed)
+        watch(resources.changed, resources.sessions)
     origins = [f"{scheme}://{host}" for host in allowed_hosts for scheme in ("http", "https")]
     # Creates server.session_manager; the returned Starlette app itself is not used.
     server.streamable_http_app(

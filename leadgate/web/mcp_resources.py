@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -105,8 +105,11 @@ class Resources:
         reads: SessionReads,
         principal_of: PrincipalOf,
         parse_limit: Callable[[str | None], int],
+        *,
+        keep_notified: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.reads = reads
+        self._keep_notified = keep_notified
         self.principal_of = principal_of
         self.parse_limit = parse_limit
         self.bus = InMemorySubscriptionBus()
@@ -173,6 +176,7 @@ class Resources:
         """Handshake era: notify this connection when the session's transcript changes."""
         uri = str(params.uri)
         session_id = await self._open(ctx, uri)
+        await self._notified(session_id, uri)
         # The per-connection state the SDK tears down with the MCP session; not a public
         # attribute of ServerSession in mcp 2.3, so reached defensively: without it the
         # subscription lives until unsubscribe or the global bound.
@@ -205,6 +209,8 @@ class Resources:
         """2026-07-28: a listen stream, once every requested URI is the caller's to read."""
         uris = list(params.notifications.resource_subscriptions or [])
         sessions = [(await self._open(ctx, uri), uri) for uri in uris]
+        for session_id, uri in sessions:
+            await self._notified(session_id, uri)
         for session_id, uri in sessions:
             counts = self._listening.setdefault(session_id, {})
             counts[uri] = counts.get(uri, 0) + 1
@@ -280,6 +286,20 @@ class Resources:
             raise _unknown(uri) from None
         except LeadgateError as exc:
             raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
+
+    async def _notified(self, session_id: str, uri: str) -> None:
+        """Every replica's writes to the session wake this one from now on (before the
+        subscription is confirmed: the client's next read covers what came before)."""
+        if self._keep_notified is None:
+            return
+        try:
+            await self._keep_notified(session_id)
+        except LeadgateError as exc:
+            raise MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri}) from None
+
+    def sessions(self) -> set[str]:
+        """The sessions subscribed to here now (the hub renews their marks)."""
+        return set(self._subscribed) | set(self._listening)
 
     def _remove(self, key: int, uri: str) -> None:
         session_id = self._by_connection.get(key, {}).pop(uri, None)

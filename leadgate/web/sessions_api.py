@@ -84,6 +84,8 @@ class Wakeups(Protocol):
 
     def unsubscribe(self, waiter: Any) -> None: ...
 
+    async def keep_notified(self, session_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class StreamSettings:
@@ -122,6 +124,9 @@ async def stream_events(
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
     session_id = await reads.open(principal, agent, name)  # 404 before any stream
+    # Every replica's writes to the session wake readers from here on (a 503 if the mark
+    # fails); the first read of the log, after subscribing, covers what came before.
+    await hub.keep_notified(session_id)
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +226,47 @@ async def test_2026_listen_gets_the_update(env: Env) -> None:
             async with listen(client, resource_subscriptions=[uri("theirs", "x")]):
                 pass
         assert refused.value.error.code == mt.INVALID_PARAMS
+
+
+async def test_subscribed_sessions_are_kept_notified_by_every_replica(env: Env) -> None:
+    """On PostgreSQL other replicas NOTIFY a session's events only while it is marked
+    watched: a subscription (either era) marks its session before it is confirmed, and
+    the hub's renewals cover the sessions subscribed here until they are not. (SQLite
+    has no marks; a recording one stands in for PostgreSQL's.)"""
+    marked: list[list[str]] = []
+
+    async def mark(session_ids: Sequence[str]) -> None:
+        marked.append(sorted(session_ids))
+
+    hub = env.service.event_hub
+    hub.mark = mark
+    old, modern = uri("worker", "old"), uri("worker", "modern")
+    async with session(env) as client:
+        await client.initialize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # removed in 2026-07-28
+            await client.subscribe_resource(old)
+        assert len(marked) == 1
+        async with session(env) as modern_client:
+            await modern_client.discover()
+            async with listen(modern_client, resource_subscriptions=[modern]):
+                assert len(marked) == 2
+                await hub.renew()
+                assert marked[-1] == sorted(marked[0] + marked[1])
+            assert env.service._mcp is not None and env.service._mcp.resources is not None
+            resources = env.service._mcp.resources
+            for _ in range(100):  # the server ends the listen stream after the client
+                if resources.sessions() == set(marked[0]):
+                    break
+                await asyncio.sleep(0.02)
+            await hub.renew()
+            assert marked[-1] == marked[0]  # the listen stream ended
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            await client.unsubscribe_resource(old)
+        renewals = len(marked)
+        await hub.renew()
+        assert len(marked) == renewals  # nothing is read here any more
 
 
 async def test_idle_sessions_expire(env: Env) -> None:

@@ -11,7 +11,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
+from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from tests.helpers import Org, make_agent, make_key, make_org
 from tests.serving import served_app
@@ -301,6 +302,29 @@ async def test_heartbeat_comments_while_idle(env: Env) -> None:
     assert stream.comments[0] == ": connected"
     assert stream.comments.count(": keepalive") >= 2, stream.comments
     assert time.monotonic() - started >= HEARTBEAT_S * 3
+    stream.close()
+
+
+async def test_a_stream_whose_session_cannot_be_marked_watched_is_a_503(env: Env) -> None:
+    """PostgreSQL marks the session watched before the stream starts (other replicas
+    NOTIFY it only then); a database that cannot is a 503 with Retry-After, before any
+    stream, and the next try streams. (SQLite has no marks; a failing one stands in.)"""
+    failures = [Unavailable("the database is unavailable", rule="database.unavailable")]
+    marked: list[str] = []
+
+    async def mark(session_ids: Sequence[str]) -> None:
+        if failures:
+            raise failures.pop()
+        marked.extend(session_ids)
+
+    env.service.event_hub.mark = mark
+    resp = await env.client.get("/v1/agents/plain/sessions/down/events", headers=env.auth())
+    assert resp.status == 503
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert (await resp.json())["error"]["rule"] == "database.unavailable"
+    assert env.service.event_hub.readers == 0
+    stream = await open_stream(env, "plain", "down")
+    assert len(marked) == 1
     stream.close()
 
 
