@@ -20,6 +20,7 @@ connection (or while it reconnects) there is no token: every intake reads.
 from __future__ import annotations
 
 from leadgate.database.db import Conn
+from leadgate.database.pg import TableChanges
 from leadgate.domain import agents, policy
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.rows import Agent
@@ -39,20 +40,33 @@ class ConfigCache:
         self.reads = 0  # statements run for lookups (tests)
 
     def known(
-        self, token: object | None, org_id: str, ref: str
+        self, changes: TableChanges | None, org_id: str, ref: str
     ) -> tuple[Agent, LeadConfig | None, list[policy.Rule]] | None:
-        """The agent with its lead and the rules, when both are kept under ``token``
-        (PostgreSQL: :meth:`leadgate.database.pg.TableChanges.token`, taken without a
-        connection); None otherwise: then look them up through a connection. A plain
+        """PostgreSQL: the agent with its lead and the rules, when both are kept under
+        the token of ``changes`` (the pool's :class:`TableChanges`, no connection
+        needed); None otherwise: then look them up through a connection. A plain
         PostgreSQL turn needs no connection for them at all (acquiring one and handing
         it back cost about 3% of the turn)."""
-        if token is None:
+        token = None if changes is None else changes.token(TABLES)
+        agent = self._kept_agent(token, (org_id, ref))
+        rules = self._kept_rules(token, org_id)
+        if agent is None or rules is None:
             return None
-        agent = self._agents.get((org_id, ref))
-        rules = self._rules.get(org_id)
-        if agent is None or rules is None or agent[0] != token or rules[0] != token:
+        return agent[0], agent[1], rules
+
+    def _kept_agent(
+        self, token: object | None, key: tuple[str, str]
+    ) -> tuple[Agent, LeadConfig | None] | None:
+        known = self._agents.get(key)
+        if token is None or known is None or known[0] != token:
             return None
-        return agent[1], agent[2], list(rules[1])
+        return known[1], known[2]
+
+    def _kept_rules(self, token: object | None, org_id: str) -> list[policy.Rule] | None:
+        known = self._rules.get(org_id)
+        if token is None or known is None or known[0] != token:
+            return None
+        return list(known[1])
 
     async def agent_and_lead(
         self, conn: Conn, org_id: str, ref: str
@@ -61,9 +75,9 @@ class ConfigCache:
         its tables may have changed."""
         token = conn.cache_token(TABLES)
         key = (org_id, ref)
-        known = self._agents.get(key)
-        if token is not None and known is not None and known[0] == token:
-            return known[1], known[2]
+        kept = self._kept_agent(token, key)
+        if kept is not None:
+            return kept
         self.reads += 1
         agent, lead = await agents.find_agent_and_lead(conn, org_id, ref)
         if token is not None:
@@ -76,9 +90,9 @@ class ConfigCache:
         """:func:`leadgate.domain.policy.load_rules`, read again only when they may have
         changed."""
         token = conn.cache_token(TABLES)
-        known = self._rules.get(org_id)
-        if token is not None and known is not None and known[0] == token:
-            return list(known[1])
+        kept = self._kept_rules(token, org_id)
+        if kept is not None:
+            return kept
         self.reads += 1
         rules = await policy.load_rules(conn, org_id)
         if token is not None:

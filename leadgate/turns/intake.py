@@ -42,7 +42,7 @@ from leadgate.core.types import BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
-from leadgate.domain import config_cache, policy, workitems
+from leadgate.domain import policy, workitems
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.rows import Agent, WorkItem
@@ -247,12 +247,7 @@ class Intake:
         """PostgreSQL: a plain turn taken in without a transaction block (see the
         module docstring); None when the turn is not one (then :meth:`take` runs the
         transaction: the agent and rules it reads here come from the cache there)."""
-        changes = self.db.table_changes
-        known = self.config.known(
-            None if changes is None else changes.token(config_cache.TABLES),
-            trigger.org_id,
-            trigger.agent_id,
-        )
+        known = self.config.known(self.db.table_changes, trigger.org_id, trigger.agent_id)
         if known is not None:
             agent, lead, rules = known
             if lead is not None or not agent.active:
