@@ -269,6 +269,60 @@ async def test_subscribed_sessions_are_kept_notified_by_every_replica(env: Env) 
         assert len(marked) == renewals  # nothing is read here any more
 
 
+async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> None:
+    """PostgreSQL, two services: a turn taken by one replica reaches the MCP subscriber
+    of another (resources/updated), though writers NOTIFY only watched sessions: the
+    subscription marked its session before it was confirmed."""
+    import asyncpg
+
+    from leadgate.database.db import upgrade
+    from leadgate.database.pg import asyncpg_dsn
+    from tests.serving import served_app
+
+    await asyncio.to_thread(upgrade, pg_url)
+    settings = Settings.model_validate({"database": {"url": pg_url}})
+    reader = App(settings, clock=FakeClock(), enable_adapters=False)
+    runner = web.AppRunner(reader.web_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    probe = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        async with served_app(pg_url) as (writer, writer_client):
+            org = await make_org(writer)
+            await make_agent(writer, org, "plain")
+            for _ in range(200):  # both replicas' LISTEN connections are up
+                listening = await probe.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'"
+                )
+                if listening >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            env = Env(reader, f"http://{host}:{port}/mcp", org, org)
+            resource = uri("plain", "across")
+            async with session(env) as client:
+                await client.initialize()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    await client.subscribe_resource(resource)
+                sent = await writer_client.post(
+                    "/v1/chat/completions",
+                    json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": f"Bearer {org.key}", "X-Session-Id": "across"},
+                )
+                assert sent.status == 200
+                for _ in range(250):
+                    if env.updates:
+                        break
+                    await asyncio.sleep(0.02)
+                assert env.updates and set(env.updates) == {resource}
+    finally:
+        await probe.close()
+        await runner.cleanup()
+        await reader.stop()
+
+
 async def test_idle_sessions_expire(env: Env) -> None:
     init = {
         "jsonrpc": "2.0",
