@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import runpy
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,13 +29,18 @@ def install(stats: dict[str, list[float]]) -> None:
     """Wrap the inline connection's statement entry points, tallying into ``stats``."""
     from leadgate.database.inline_sqlite import InlineConnection
 
-    names: dict[int, str] = {}  # str(statement) compiles: once per statement object
+    # str(statement) compiles: once per statement object. Weak keys: a statement built
+    # per call is collected, and an id() could be reused by another one.
+    names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def name_of(statement: Any, prefix: str = "") -> str:
-        key = id(statement)
-        name = names.get(key)
+        name = names.get(statement)
         if name is None:
-            name = names[key] = prefix + " ".join(str(statement).split())[:140]
+            text = " ".join(str(statement).split())
+            # An UPDATE built without values prints every column in its SET list: the
+            # WHERE clause is what tells two of them apart.
+            text = re.sub(r"^(UPDATE \S+ SET) .*? (WHERE|RETURNING) ", r"\1 ... \2 ", text)
+            name = names[statement] = prefix + text[:140]
         return name
 
     def tally(name: str, calls: int, started: float) -> None:
