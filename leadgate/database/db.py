@@ -295,6 +295,13 @@ class Database:
         self._after_commit(topics)
         return result
 
+    def committed_token(self, tables: Sequence[str]) -> object | None:
+        """A token for caching what a :meth:`read` started after this call reads of
+        ``tables``: equal on two calls only if no write to them was committed in between
+        (by this process or any other). Inline SQLite only (see
+        :meth:`InlineConnection.committed_token`); None elsewhere: read every time."""
+        return None if self._inline is None else self._inline.committed_token(tables)
+
     def read(self) -> AbstractAsyncContextManager[Conn]:
         """A read-only transaction: on SQLite one snapshot for all its statements; on
         PostgreSQL (READ COMMITTED) each statement sees what was committed when it

@@ -113,6 +113,9 @@ class InlineConnection:
         #: rollbacks): see :meth:`cache_token`
         self._table_writes: dict[str, int] = {}
         self._any_writes = 0
+        #: the two counts as they stood when the open transaction began (everything
+        #: written before it had been committed or rolled back): see :meth:`committed_token`
+        self._writes_at_begin: tuple[int, dict[str, int]] = (0, {})
         # data_version compares only between calls on one connection: a token names it.
         self._serial = next(_SERIALS)
 
@@ -125,6 +128,7 @@ class InlineConnection:
         while True:
             try:
                 self._raw.execute("BEGIN IMMEDIATE")
+                self._writes_at_begin = (self._any_writes, dict(self._table_writes))
                 return
             except sqlite3.OperationalError as exc:
                 busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
@@ -136,6 +140,7 @@ class InlineConnection:
     def begin_read(self) -> None:
         """``BEGIN`` (deferred): the read snapshot starts at the first statement."""
         self._raw.execute("BEGIN")
+        self._writes_at_begin = (self._any_writes, dict(self._table_writes))
 
     def commit(self) -> None:
         """Commit the open transaction."""
@@ -159,6 +164,21 @@ class InlineConnection:
         writes = self._table_writes
         return (self._serial, version, self._any_writes, *(writes.get(t, 0) for t in tables))
 
+    def committed_token(self, tables: Sequence[str]) -> object | None:
+        """Like :meth:`cache_token`, for reads made on *another* connection (a reader)
+        after the call: it counts this connection's writes to ``tables`` only once they
+        are committed, so a reader's snapshot taken after the call has seen every write
+        it counts. A write still in the open transaction (not visible to readers) leaves
+        it unchanged until the COMMIT; a commit by any other connection changes it. Safe
+        outside a transaction too (``PRAGMA data_version`` then reads the WAL's header).
+        """
+        version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        if self._raw.in_transaction:
+            any_writes, writes = self._writes_at_begin
+        else:  # every write so far has been committed or rolled back
+            any_writes, writes = self._any_writes, self._table_writes
+        return (self._serial, version, any_writes, *(writes.get(t, 0) for t in tables))
+
     def forget_reads(self) -> None:
         """What was read in the transaction may be gone (SQLite ended it by itself):
         no earlier :meth:`cache_token` equals the next one."""
@@ -177,7 +197,9 @@ class InlineConnection:
             self._raw.execute("ROLLBACK")
 
     def savepoint(self, name: str) -> None:
-        """``SAVEPOINT name``."""
+        """``SAVEPOINT name`` (outside a transaction it begins one)."""
+        if not self._raw.in_transaction:
+            self._writes_at_begin = (self._any_writes, dict(self._table_writes))
         self._raw.execute(f"SAVEPOINT {name}")
 
     def release(self, name: str) -> None:
@@ -341,6 +363,11 @@ class InlineSqlite:
         if self._conn is None:
             self._conn = InlineConnection(self.path, self.dialect, busy_wait_s=self.busy_wait_s)
         return self._conn
+
+    def committed_token(self, tables: Sequence[str]) -> object | None:
+        """:meth:`InlineConnection.committed_token` of the writer; None before it is
+        opened (or after :meth:`close`): nothing can be known then."""
+        return None if self._conn is None else self._conn.committed_token(tables)
 
     async def enter(self, lock: asyncio.Lock) -> Member:
         """Start a transaction: join this iteration's group (opening one, under the

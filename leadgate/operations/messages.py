@@ -40,6 +40,7 @@ class Messages:
         self.turns = turns
         self.background = background
         self._running = 0
+        self._routes = routes.RouteCache(db)
 
     async def send(
         self,
@@ -74,8 +75,7 @@ class Messages:
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         """Most specific active route of ``channel`` matching ``attrs``."""
-        async with self.db.read() as conn:
-            return await routes.resolve(conn, channel, attrs)
+        return await self._routes.resolve(channel, attrs)
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
         """:meth:`record_inbound` then :meth:`run_recorded`, in one call.

@@ -85,3 +85,17 @@ async def test_unstorable_identifiers_are_refused_with_nothing_stored(service: A
     with pytest.raises(ValidationError):
         await service.messages.record_inbound(mail("hi", subject="\ud800"))
     assert await rows(service, t.sessions) == []
+
+
+async def test_the_next_message_finds_its_route_without_a_statement(service: App) -> None:
+    """Every channel message resolves its route before the platform is answered; on
+    SQLite the routes are kept until a write to them is committed (RouteCache)."""
+    await setup_route(service)
+    assert await service.messages.record_inbound(mail("one", "<r1@example.com>")) is not None
+    with service.db.record_statements() as statements:
+        assert await service.messages.record_inbound(mail("two", "<r2@example.com>")) is not None
+    route_reads = [sql for sql in statements if "FROM routes" in sql]
+    assert len(route_reads) == (0 if service.db.is_sqlite else 1)
+    async with service.db.tx() as conn:
+        await conn.execute(sa.update(t.routes).values(active=False))
+    assert await service.messages.record_inbound(mail("three", "<r3@example.com>")) is None

@@ -1,0 +1,124 @@
+"""The channels' route lookup kept between messages (binding/routes.py RouteCache): used
+again only while no write to the routes can have been committed since, whoever wrote."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from binding import routes
+from leadgate.core.types import RouteMatch
+from leadgate.database.db import Database
+from tests.helpers import Org, make_agent, make_org
+from tests.stack import Stack, build_stack
+
+ATTRS = {"team": "T1", "channel": "C1"}
+
+
+@pytest.fixture
+async def stack(migrated_url: str) -> AsyncIterator[Stack]:
+    built = build_stack(migrated_url)
+    yield built
+    await built.stop()
+
+
+async def add(stack: Stack, org: Org, agent_id: str, **match: str) -> str:
+    async with stack.db.tx() as conn:
+        route = await routes.add_route(
+            conn,
+            stack.clock,
+            stack.ids,
+            org_id=org.id,
+            agent_id=agent_id,
+            channel="slack",
+            match=match,
+            silent=False,
+        )
+    return str(route["id"])
+
+
+async def setup(stack: Stack) -> tuple[Org, str, str]:
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    return org, str(agent["id"]), await add(stack, org, str(agent["id"]))
+
+
+def kept_on(stack: Stack) -> bool:
+    return stack.db.is_sqlite
+
+
+async def test_a_second_lookup_runs_no_statement_on_sqlite(stack: Stack) -> None:
+    _, _, route_id = await setup(stack)
+    cache = routes.RouteCache(stack.db)
+    first = await cache.resolve("slack", ATTRS)
+    assert isinstance(first, RouteMatch) and first.route_id == route_id
+    assert await cache.resolve("slack", {"team": "T2", "channel": "C9"}) == first
+    # PostgreSQL's other replicas write without telling: read every time there.
+    assert cache.reads == (1 if kept_on(stack) else 2)
+    assert await cache.resolve("discord", {"guild": "G"}) is None  # kept per channel
+
+
+async def test_a_route_changed_here_is_seen_by_the_next_lookup(stack: Stack) -> None:
+    org, agent_id, route_id = await setup(stack)
+    cache = routes.RouteCache(stack.db)
+    assert (await cache.resolve("slack", ATTRS) or RouteMatch("", "", "", False)).route_id == (
+        route_id
+    )
+    narrower = await add(stack, org, agent_id, channel="C1")
+    assert (await cache.resolve("slack", ATTRS) or RouteMatch("", "", "", False)).route_id == (
+        narrower
+    )
+    async with stack.db.tx() as conn:
+        await routes.disable_route(conn, org.id, narrower)
+        await routes.disable_route(conn, org.id, route_id)
+    assert await cache.resolve("slack", ATTRS) is None
+
+
+async def test_a_write_not_yet_committed_is_not_kept_past_its_commit(stack: Stack) -> None:
+    """A lookup while the writer's transaction is open reads the committed routes (a
+    reader's snapshot); what it keeps must not outlive that transaction's commit."""
+    org, _, route_id = await setup(stack)
+    cache = routes.RouteCache(stack.db)
+    async with stack.db.tx() as conn:
+        await routes.disable_route(conn, org.id, route_id)
+        during = await cache.resolve("slack", ATTRS)
+        assert during is not None and during.route_id == route_id
+    assert await cache.resolve("slack", ATTRS) is None
+
+
+async def test_a_rolled_back_write_leaves_the_routes_as_they_were(stack: Stack) -> None:
+    org, _, route_id = await setup(stack)
+    cache = routes.RouteCache(stack.db)
+    with pytest.raises(RuntimeError, match="undone"):
+        async with stack.db.tx() as conn:
+            await routes.disable_route(conn, org.id, route_id)
+            raise RuntimeError("undone")
+    found = await cache.resolve("slack", ATTRS)
+    assert found is not None and found.route_id == route_id
+
+
+async def test_a_change_committed_by_another_connection_is_seen(
+    stack: Stack, migrated_url: str
+) -> None:
+    """``leadgate route disable`` runs in another process, on its own connection."""
+    org, _, route_id = await setup(stack)
+    cache = routes.RouteCache(stack.db)
+    assert await cache.resolve("slack", ATTRS) is not None
+    other = Database(migrated_url)
+    try:
+        async with other.tx() as conn:
+            await routes.disable_route(conn, org.id, route_id)
+    finally:
+        await other.close()
+    assert await cache.resolve("slack", ATTRS) is None
+
+
+async def test_no_token_before_the_writer_opens_or_after_it_closed(migrated_url: str) -> None:
+    db = Database(migrated_url)
+    assert db.committed_token(routes.TABLES) is None  # nothing opened yet
+    async with db.tx():
+        pass
+    assert (db.committed_token(routes.TABLES) is not None) == migrated_url.startswith("sqlite")
+    await db.close()
+    assert db.committed_token(routes.TABLES) is None
