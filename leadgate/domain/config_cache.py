@@ -2,7 +2,8 @@
 
 Each turn's intake reads its agent (with the lead its preset or own settings resolve to)
 and the organization's policy rules: two statements, about a tenth of a plain turn on
-SQLite, for rows that change a few times a day. :class:`ConfigCache` keeps what it read
+SQLite, for rows that change a few times a day. The lead runner's claim reads the lead
+agent of every item it reviews (:meth:`ConfigCache.agent`). :class:`ConfigCache` keeps what it read
 with the connection's :meth:`~leadgate.database.db.Conn.cache_token` over the tables the
 rows come from (agents, presets, policy rules), and uses it again only under an equal
 token: on the inline SQLite writer that means no other connection committed anything
@@ -37,6 +38,7 @@ class ConfigCache:
     def __init__(self) -> None:
         self._agents: dict[tuple[str, str], tuple[object, Agent, LeadConfig | None]] = {}
         self._rules: dict[str, tuple[object, tuple[policy.Rule, ...]]] = {}
+        self._plain: dict[tuple[str, str], tuple[object, Agent]] = {}
         self.reads = 0  # statements run for lookups (tests)
 
     def known(
@@ -100,3 +102,20 @@ class ConfigCache:
                 self._rules.clear()
             self._rules[org_id] = (token, tuple(rules))
         return rules
+
+    async def agent(self, conn: Conn, org_id: str, ref: str) -> Agent:
+        """:func:`leadgate.domain.agents.find_agent` (not deleted; NotFound otherwise),
+        read again only when its tables may have changed: the lead runner's claim reads
+        the lead agent of every item it reviews."""
+        token = conn.cache_token(TABLES)
+        key = (org_id, ref)
+        known = self._plain.get(key)
+        if token is not None and known is not None and known[0] == token:
+            return known[1]
+        self.reads += 1
+        agent = await agents.find_agent(conn, org_id, ref)
+        if token is not None:
+            if len(self._plain) >= MAX_ENTRIES:
+                self._plain.clear()
+            self._plain[key] = (token, agent)
+        return agent

@@ -20,8 +20,8 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
-from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
+from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
@@ -175,6 +175,8 @@ class LeadRunner:
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
         self._leads: dict[tuple[str, str | None], Agent] = {}
+        #: the lead agents read at claims, kept while their tables are unchanged
+        self.config = ConfigCache()
 
     async def expire_leases(self) -> int:
         """Return items whose review lease expired, or whose holder is known dead
@@ -261,7 +263,7 @@ class LeadRunner:
                 except TransitionError:
                     return None
                 with contextlib.suppress(NotFound):  # _decide escalates: read it again there
-                    lead = await agents_mod.find_agent(conn, item.org_id, item.lead_agent_id)
+                    lead = await self.config.agent(conn, item.org_id, item.lead_agent_id)
                     if len(self._leads) > _MAX_LEADS:  # claimed, never reviewed (tests)
                         self._leads.clear()
                     self._leads[item.id, token] = lead
@@ -390,7 +392,7 @@ class LeadRunner:
         if lead is None:
             async with self.db.read() as conn:
                 try:
-                    lead = await agents_mod.find_agent(conn, item.org_id, item.lead_agent_id)
+                    lead = await self.config.agent(conn, item.org_id, item.lead_agent_id)
                 except NotFound:
                     return Verdict.escalated, None, "the lead agent no longer exists"
         if not lead.active:

@@ -22,6 +22,7 @@ from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
+from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.review import decisions
@@ -700,6 +701,37 @@ async def test_a_lead_that_cannot_run_escalates(
         "unconfigured model": "model 'gone' is not configured",
     }[change]
     assert last["text"] == expected
+
+
+async def test_a_lead_changed_after_it_reviewed_is_read_again(
+    stack: Stack, migrated_url: str
+) -> None:
+    """The claim keeps the lead agent between reviews (ConfigCache.agent): a change made
+    here, or committed by another process (the CLI), is seen by the next claim."""
+    await stack.listen_for_changes()  # PostgreSQL: kept only while it hears of changes
+    org, lead, worker = await setup(stack)
+    first = await submit(stack, org, worker, "task one", session="s1")
+    assert await drain(stack.lead_runner) == 1
+    assert (await row(stack, first))["status"] == "completed"
+    async with stack.db.tx() as conn:
+        await agents_mod.save_agent(
+            conn, stack.clock, stack.ids, org.id, agent_ref=lead["id"], active=False
+        )
+    second = await submit(stack, org, worker, "task two", session="s2")
+    assert await drain(stack.lead_runner) == 1
+    assert (await audit(stack, second))[-1]["text"] == "the lead agent is inactive"
+    other = Database(migrated_url)
+    try:
+        async with other.tx() as conn:
+            await agents_mod.save_agent(
+                conn, stack.clock, stack.ids, org.id, agent_ref=lead["id"], active=True
+            )
+    finally:
+        await other.close()
+    await stack.heard_of("agents")
+    third = await submit(stack, org, worker, "task three", session="s3")
+    assert await drain(stack.lead_runner) == 1
+    assert (await row(stack, third))["status"] == "completed"
 
 
 # ------------------------------------------------------------------ database faults
