@@ -134,15 +134,17 @@ def best_route(rows: Sequence[Any], channel: str, attrs: Mapping[str, str]) -> R
 
 class RouteCache:
     """Each channel's active routes, read again only when a write to ``routes`` may
-    have been committed since (:meth:`Database.committed_token`: this process's
-    committed writes and ``PRAGMA data_version`` for every other writer, such as the
-    CLI's ``leadgate route disable``).
+    have been committed since (:meth:`Database.committed_token`). On SQLite: this
+    process's committed writes and ``PRAGMA data_version`` for every other writer, such
+    as the CLI's ``leadgate route disable``. On PostgreSQL: :class:`TableChanges`, fed
+    by the table's trigger (migration 0012) through the process's LISTEN connection; a
+    change another replica commits is used from the moment its notification arrives.
 
     Every inbound channel message resolves its route before the platform is answered,
     and the routes change a few times a day: the read was about 3% of a Slack
-    lifecycle's CPU (a read transaction on a reader connection whose page cache the
-    last commit emptied). Where no token can be had (PostgreSQL, whose other replicas
-    write without telling) every lookup reads, as before.
+    lifecycle's CPU on SQLite (a read transaction on a reader connection whose page
+    cache the last commit emptied) and a round trip on PostgreSQL. Where no token can
+    be had (PostgreSQL while it does not listen) every lookup reads.
     """
 
     #: channels kept at most (there are four; a bound all the same)

@@ -298,9 +298,15 @@ class Database:
     def committed_token(self, tables: Sequence[str]) -> object | None:
         """A token for caching what a :meth:`read` started after this call reads of
         ``tables``: equal on two calls only if no write to them was committed in between
-        (by this process or any other). Inline SQLite only (see
-        :meth:`InlineConnection.committed_token`); None elsewhere: read every time."""
-        return None if self._inline is None else self._inline.committed_token(tables)
+        (by this process or any other). Inline SQLite: see
+        :meth:`InlineConnection.committed_token`. PostgreSQL: :class:`TableChanges`,
+        which counts this process's writes when their transaction has ended and other
+        writers' when their notification arrives; None while it does not listen, or for
+        a table that does not notify. None elsewhere: read every time."""
+        if self._inline is not None:
+            return self._inline.committed_token(tables)
+        changes = self.table_changes
+        return None if changes is None else changes.token(tables)
 
     def read(self) -> AbstractAsyncContextManager[Conn]:
         """A read-only transaction: on SQLite one snapshot for all its statements; on

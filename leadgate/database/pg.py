@@ -44,8 +44,8 @@ CONNECT_TIMEOUT_S = 10.0
 #: which closes it after its own 300 s of inactivity (see :meth:`PgPool._connection`).
 IDLE_S = 60.0
 #: Tables whose writes PostgreSQL announces on :data:`CHANGES_CHANNEL`, whoever writes
-#: them (a statement trigger each, migration 0010; payload: the table's name).
-NOTIFYING_TABLES = frozenset({"agents", "presets", "policy_rules"})
+#: them (a statement trigger each, migrations 0010 and 0012; payload: the table's name).
+NOTIFYING_TABLES = frozenset({"agents", "presets", "policy_rules", "routes"})
 CHANGES_CHANNEL = "leadgate_table_changes"
 #: Planner settings of the pool's connections. No bitmap scans: every hot statement
 #: looks rows up by an index that also gives their order, and the one that hurt was the

@@ -88,8 +88,9 @@ async def test_unstorable_identifiers_are_refused_with_nothing_stored(service: A
 
 
 async def test_the_next_message_finds_its_route_without_a_statement(service: App) -> None:
-    """Every channel message resolves its route before the platform is answered; on
-    SQLite the routes are kept until a write to them is committed (RouteCache)."""
+    """Every channel message resolves its route before the platform is answered; the
+    routes are kept until a write to them is committed (RouteCache). On PostgreSQL only
+    while the process LISTENs, which this fixture (no background loops) does not."""
     await setup_route(service)
     assert await service.messages.record_inbound(mail("one", "<r1@example.com>")) is not None
     with service.db.record_statements() as statements:

@@ -95,7 +95,13 @@ def test_the_migration_notifies_on_the_channel_and_tables_the_process_listens_to
     spec.loader.exec_module(migration)
     assert migration.CHANNEL == CHANGES_CHANNEL
     assert migration.SENDER == SENDER_SETTING
-    assert frozenset(migration.TABLES) == NOTIFYING_TABLES == frozenset(TABLES)
+    spec = importlib.util.spec_from_file_location("m0012", versions / "0012_routes_notify.py")
+    assert spec is not None and spec.loader is not None
+    routes_migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(routes_migration)
+    assert routes_migration.FUNCTION == migration.FUNCTION
+    assert frozenset(migration.TABLES) == frozenset(TABLES)
+    assert frozenset(migration.TABLES + routes_migration.TABLES) == NOTIFYING_TABLES
 
 
 def test_a_notification_of_its_own_write_is_not_counted_twice() -> None:

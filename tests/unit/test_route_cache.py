@@ -9,7 +9,7 @@ import pytest
 
 from binding import routes
 from leadgate.core.types import RouteMatch
-from leadgate.database.db import Database
+from leadgate.database.db import Database, upgrade
 from tests.helpers import Org, make_agent, make_org
 from tests.stack import Stack, build_stack
 
@@ -19,6 +19,7 @@ ATTRS = {"team": "T1", "channel": "C1"}
 @pytest.fixture
 async def stack(migrated_url: str) -> AsyncIterator[Stack]:
     built = build_stack(migrated_url)
+    await built.listen_for_changes()  # PostgreSQL: as the service does
     yield built
     await built.stop()
 
@@ -44,19 +45,46 @@ async def setup(stack: Stack) -> tuple[Org, str, str]:
     return org, str(agent["id"]), await add(stack, org, str(agent["id"]))
 
 
-def kept_on(stack: Stack) -> bool:
-    return stack.db.is_sqlite
-
-
-async def test_a_second_lookup_runs_no_statement_on_sqlite(stack: Stack) -> None:
+async def test_a_second_lookup_runs_no_statement(stack: Stack) -> None:
     _, _, route_id = await setup(stack)
     cache = routes.RouteCache(stack.db)
     first = await cache.resolve("slack", ATTRS)
     assert isinstance(first, RouteMatch) and first.route_id == route_id
-    assert await cache.resolve("slack", {"team": "T2", "channel": "C9"}) == first
-    # PostgreSQL's other replicas write without telling: read every time there.
-    assert cache.reads == (1 if kept_on(stack) else 2)
+    with stack.db.record_statements() as statements:
+        assert await cache.resolve("slack", {"team": "T2", "channel": "C9"}) == first
+    assert cache.reads == 1
+    assert not [sql for sql in statements if "routes" in sql]
     assert await cache.resolve("discord", {"guild": "G"}) is None  # kept per channel
+    assert cache.reads == 2
+
+
+@pytest.fixture
+def migrated_pg(pg_url: str) -> str:
+    upgrade(pg_url)
+    return pg_url
+
+
+async def test_postgres_reads_every_time_while_it_hears_of_no_change(migrated_pg: str) -> None:
+    """Without a LISTEN connection (or while it is down) another replica's change would
+    go unnoticed: nothing is kept."""
+    stack = build_stack(migrated_pg)
+    try:
+        await setup(stack)
+        cache = routes.RouteCache(stack.db)
+        for _ in range(2):
+            assert await cache.resolve("slack", ATTRS) is not None
+        assert cache.reads == 2
+        changes = stack.db.table_changes
+        assert changes is not None
+        changes.connected()
+        for _ in range(2):
+            assert await cache.resolve("slack", ATTRS) is not None
+        assert cache.reads == 3  # read once more, then kept
+        changes.lost()
+        assert await cache.resolve("slack", ATTRS) is not None
+        assert cache.reads == 4
+    finally:
+        await stack.stop()
 
 
 async def test_a_route_changed_here_is_seen_by_the_next_lookup(stack: Stack) -> None:
@@ -111,10 +139,12 @@ async def test_a_change_committed_by_another_connection_is_seen(
             await routes.disable_route(conn, org.id, route_id)
     finally:
         await other.close()
+    await stack.heard_of("routes")
     assert await cache.resolve("slack", ATTRS) is None
 
 
 async def test_no_token_before_the_writer_opens_or_after_it_closed(migrated_url: str) -> None:
+    """SQLite; on PostgreSQL none without a LISTEN connection."""
     db = Database(migrated_url)
     assert db.committed_token(routes.TABLES) is None  # nothing opened yet
     async with db.tx():
