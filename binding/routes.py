@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.kept import Kept
 from leadgate.core.types import RouteMatch
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -147,28 +148,22 @@ class RouteCache:
     be had (PostgreSQL while it does not listen) every lookup reads.
     """
 
-    #: channels kept at most (there are four; a bound all the same)
-    MAX_ENTRIES = 64
-
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._kept: dict[str, tuple[object, tuple[Any, ...]]] = {}
+        # by channel: there are four, so the bound never starts it over
+        self._kept: Kept[str, tuple[Any, ...]] = Kept(max_entries=64)
         self.reads = 0  # lookups that ran the statement (tests)
 
     async def resolve(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         """:func:`resolve` in a read transaction, or from what was kept under an equal
         token."""
         token = self.db.committed_token(TABLES)
-        kept = self._kept.get(channel)
-        if token is not None and kept is not None and kept[0] == token:
-            return best_route(kept[1], channel, attrs)
-        self.reads += 1
-        async with self.db.read() as conn:
-            rows = await active_routes(conn, channel)
-        if token is not None:
-            if len(self._kept) >= self.MAX_ENTRIES:
-                self._kept.clear()
-            self._kept[channel] = (token, rows)
+        rows = self._kept.get(token, channel)
+        if rows is None:
+            self.reads += 1
+            async with self.db.read() as conn:
+                rows = await active_routes(conn, channel)
+            self._kept.put(token, channel, rows)
         return best_route(rows, channel, attrs)
 
 

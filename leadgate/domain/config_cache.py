@@ -2,24 +2,26 @@
 
 Each turn's intake reads its agent (with the lead its preset or own settings resolve to)
 and the organization's policy rules: two statements, about a tenth of a plain turn on
-SQLite, for rows that change a few times a day. The lead runner's claim reads the lead
-agent of every item it reviews (:meth:`ConfigCache.agent`). :class:`ConfigCache` keeps what it read
-with the connection's :meth:`~leadgate.database.db.Conn.cache_token` over the tables the
-rows come from (agents, presets, policy rules), and uses it again only under an equal
-token: on the inline SQLite writer that means no other connection committed anything
-(``PRAGMA data_version``: the CLI, another process), nothing was written to those tables
-through this one and nothing was rolled back since. The token is taken inside the
-intake's write transaction, beside which no other connection can commit. On PostgreSQL
-the token is :class:`leadgate.database.pg.TableChanges`': the tables' triggers NOTIFY
-every replica of each write (migration 0010), so a change another replica, the CLI or
-``psql`` commits is used from the moment its notification arrives (well under a
-millisecond on one host; an intake already under way meanwhile may still use what was
-kept, as it would had it started just before the commit). Without the process's LISTEN
-connection (or while it reconnects) there is no token: every intake reads.
+SQLite, for rows that change a few times a day; the lead runner's claim reads the lead
+agent of every item it reviews (:meth:`ConfigCache.agent`). :class:`ConfigCache` keeps
+what it read (:class:`leadgate.core.kept.Kept`) with the connection's
+:meth:`~leadgate.database.db.Conn.cache_token` over the tables the rows come from
+(agents, presets, policy rules), and uses it again only under an equal token: on the
+inline SQLite writer that means no other connection committed anything
+(``PRAGMA data_version``: the CLI, another process), nothing was written to those tables through
+this one and nothing was rolled back since. The token is taken inside the intake's write
+transaction, beside which no other connection can commit. On PostgreSQL the token is
+:class:`leadgate.database.pg.TableChanges`: the tables' triggers NOTIFY every replica
+of each write (migration 0010), so a change another replica, the CLI or ``psql`` commits
+is used from the moment its notification arrives (well under a millisecond on one host;
+an intake already under way meanwhile may still use what was kept, as it would had it
+started just before the commit). Without the process's LISTEN connection (or while it
+reconnects) there is no token: every intake reads.
 """
 
 from __future__ import annotations
 
+from leadgate.core.kept import Kept
 from leadgate.database.db import Conn
 from leadgate.database.pg import TableChanges
 from leadgate.domain import agents, policy
@@ -33,12 +35,13 @@ MAX_ENTRIES = 4096
 
 
 class ConfigCache:
-    """Agents with their lead, and policy rules, by organization (see the module)."""
+    """Agents with their lead, lead agents, and policy rules, by organization (see the
+    module)."""
 
     def __init__(self) -> None:
-        self._agents: dict[tuple[str, str], tuple[object, Agent, LeadConfig | None]] = {}
-        self._rules: dict[str, tuple[object, tuple[policy.Rule, ...]]] = {}
-        self._plain: dict[tuple[str, str], tuple[object, Agent]] = {}
+        self._agents: Kept[tuple[str, str], tuple[Agent, LeadConfig | None]] = Kept(MAX_ENTRIES)
+        self._rules: Kept[str, tuple[policy.Rule, ...]] = Kept(MAX_ENTRIES)
+        self._plain: Kept[tuple[str, str], Agent] = Kept(MAX_ENTRIES)
         self.reads = 0  # statements run for lookups (tests)
 
     def known(
@@ -50,25 +53,11 @@ class ConfigCache:
         PostgreSQL turn needs no connection for them at all (acquiring one and handing
         it back cost about 3% of the turn)."""
         token = None if changes is None else changes.token(TABLES)
-        agent = self._kept_agent(token, (org_id, ref))
-        rules = self._kept_rules(token, org_id)
+        agent = self._agents.get(token, (org_id, ref))
+        rules = self._rules.get(token, org_id)
         if agent is None or rules is None:
             return None
-        return agent[0], agent[1], rules
-
-    def _kept_agent(
-        self, token: object | None, key: tuple[str, str]
-    ) -> tuple[Agent, LeadConfig | None] | None:
-        known = self._agents.get(key)
-        if token is None or known is None or known[0] != token:
-            return None
-        return known[1], known[2]
-
-    def _kept_rules(self, token: object | None, org_id: str) -> list[policy.Rule] | None:
-        known = self._rules.get(org_id)
-        if token is None or known is None or known[0] != token:
-            return None
-        return list(known[1])
+        return agent[0], agent[1], list(rules)
 
     async def agent_and_lead(
         self, conn: Conn, org_id: str, ref: str
@@ -76,31 +65,24 @@ class ConfigCache:
         """:func:`leadgate.domain.agents.find_agent_and_lead`, read again only when
         its tables may have changed."""
         token = conn.cache_token(TABLES)
-        key = (org_id, ref)
-        kept = self._kept_agent(token, key)
+        kept = self._agents.get(token, (org_id, ref))
         if kept is not None:
             return kept
         self.reads += 1
-        agent, lead = await agents.find_agent_and_lead(conn, org_id, ref)
-        if token is not None:
-            if len(self._agents) >= MAX_ENTRIES:
-                self._agents.clear()
-            self._agents[key] = (token, agent, lead)
-        return agent, lead
+        found = await agents.find_agent_and_lead(conn, org_id, ref)
+        self._agents.put(token, (org_id, ref), found)
+        return found
 
     async def rules(self, conn: Conn, org_id: str) -> list[policy.Rule]:
         """:func:`leadgate.domain.policy.load_rules`, read again only when they may have
         changed."""
         token = conn.cache_token(TABLES)
-        kept = self._kept_rules(token, org_id)
+        kept = self._rules.get(token, org_id)
         if kept is not None:
-            return kept
+            return list(kept)
         self.reads += 1
         rules = await policy.load_rules(conn, org_id)
-        if token is not None:
-            if len(self._rules) >= MAX_ENTRIES:
-                self._rules.clear()
-            self._rules[org_id] = (token, tuple(rules))
+        self._rules.put(token, org_id, tuple(rules))
         return rules
 
     async def agent(self, conn: Conn, org_id: str, ref: str) -> Agent:
@@ -108,14 +90,10 @@ class ConfigCache:
         read again only when its tables may have changed: the lead runner's claim reads
         the lead agent of every item it reviews."""
         token = conn.cache_token(TABLES)
-        key = (org_id, ref)
-        known = self._plain.get(key)
-        if token is not None and known is not None and known[0] == token:
-            return known[1]
+        kept = self._plain.get(token, (org_id, ref))
+        if kept is not None:
+            return kept
         self.reads += 1
         agent = await agents.find_agent(conn, org_id, ref)
-        if token is not None:
-            if len(self._plain) >= MAX_ENTRIES:
-                self._plain.clear()
-            self._plain[key] = (token, agent)
+        self._plain.put(token, (org_id, ref), agent)
         return agent
