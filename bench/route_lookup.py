@@ -23,7 +23,7 @@ from binding import routes
 from leadgate.core.types import RouteMatch
 from leadgate.database import schema as t
 from leadgate.database.db import upgrade
-from tests.helpers import make_agent, make_org
+from tests.helpers import make_agent, make_org, make_route
 from tests.stack import build_stack
 
 ATTRS = {"team": "T1", "channel": "C1"}
@@ -36,17 +36,7 @@ async def run(n: int, rounds: int) -> None:
     try:
         org = await make_org(stack)
         agent = await make_agent(stack, org, "plain")
-        async with stack.db.tx() as conn:
-            await routes.add_route(
-                conn,
-                stack.clock,
-                stack.ids,
-                org_id=org.id,
-                agent_id=str(agent["id"]),
-                channel="slack",
-                match={},
-                silent=False,
-            )
+        await make_route(stack, org, str(agent["id"]), "slack")
         cache = routes.RouteCache(stack.db)
 
         async def every_time() -> RouteMatch | None:

@@ -117,3 +117,13 @@ async def make_stack(migrated_url: str) -> AsyncIterator[Callable[..., Stack]]:
 def stack(make_stack: Callable[..., Stack]) -> Stack:
     """A :class:`tests.stack.Stack` with the script model (unit tests)."""
     return make_stack()
+
+
+@pytest.fixture
+async def listening_stack(make_stack: Callable[..., Stack]) -> Stack:
+    """:func:`stack` that, on PostgreSQL, LISTENs for changes of the notifying tables as
+    the service does (so what is kept under ``TableChanges`` is kept); SQLite needs
+    nothing."""
+    built = make_stack()
+    await built.listen_for_changes()
+    return built

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
+from binding import routes
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
@@ -59,6 +60,30 @@ async def make_agent(service: Env, org: Org, name: str, **kwargs: Any) -> dict[s
             conn, service.clock, service.ids, org.id, name=name, **kwargs
         )
     return agent._asdict()
+
+
+async def make_route(
+    service: Env,
+    org: Org,
+    agent_id: str,
+    channel: str,
+    match: dict[str, str] | None = None,
+    *,
+    silent: bool = False,
+) -> str:
+    """Route ``channel`` triggers matching ``match`` to the agent; the route's id."""
+    async with service.db.tx() as conn:
+        route = await routes.add_route(
+            conn,
+            service.clock,
+            service.ids,
+            org_id=org.id,
+            agent_id=agent_id,
+            channel=channel,
+            match=match or {},
+            silent=silent,
+        )
+    return str(route["id"])
 
 
 def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1") -> Trigger:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from binding import routes
 from leadgate.app import App
 from leadgate.core.errors import ValidationError
 from leadgate.core.types import BindingKind, Inbound
 from leadgate.database import schema as t
-from tests.helpers import make_agent, make_org
+from tests.helpers import make_agent, make_org, make_route
 
 
 def mail(text: str, message_id: str = "<m1@example.com>", **address: str) -> Inbound:
@@ -28,17 +27,7 @@ def mail(text: str, message_id: str = "<m1@example.com>", **address: str) -> Inb
 async def setup_route(service: App) -> None:
     org = await make_org(service)
     plain = await make_agent(service, org, "plain")
-    async with service.db.tx() as conn:
-        await routes.add_route(
-            conn,
-            service.clock,
-            service.ids,
-            org_id=org.id,
-            agent_id=plain["id"],
-            channel="email",
-            match={},
-            silent=False,
-        )
+    await make_route(service, org, plain["id"], "email")
 
 
 async def rows(service: App, table: sa.Table) -> list[dict[str, object]]:

@@ -4,7 +4,6 @@ again only while nothing they are read from can have changed, whoever changed it
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,8 @@ from tests.stack import Stack, build_stack
 
 
 @pytest.fixture
-async def stack(migrated_url: str) -> AsyncIterator[Stack]:
-    built = build_stack(migrated_url)
-    await built.listen_for_changes()  # PostgreSQL: as the service does
-    yield built
-    await built.stop()
+def stack(listening_stack: Stack) -> Stack:
+    return listening_stack
 
 
 async def turn(stack: Stack, org: Org, text: str) -> object:

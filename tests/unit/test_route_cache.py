@@ -3,46 +3,26 @@ again only while no write to the routes can have been committed since, whoever w
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from binding import routes
 from leadgate.core.types import RouteMatch
 from leadgate.database.db import Database, upgrade
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import Org, make_agent, make_org, make_route
 from tests.stack import Stack, build_stack
 
 ATTRS = {"team": "T1", "channel": "C1"}
 
 
 @pytest.fixture
-async def stack(migrated_url: str) -> AsyncIterator[Stack]:
-    built = build_stack(migrated_url)
-    await built.listen_for_changes()  # PostgreSQL: as the service does
-    yield built
-    await built.stop()
-
-
-async def add(stack: Stack, org: Org, agent_id: str, **match: str) -> str:
-    async with stack.db.tx() as conn:
-        route = await routes.add_route(
-            conn,
-            stack.clock,
-            stack.ids,
-            org_id=org.id,
-            agent_id=agent_id,
-            channel="slack",
-            match=match,
-            silent=False,
-        )
-    return str(route["id"])
+def stack(listening_stack: Stack) -> Stack:
+    return listening_stack
 
 
 async def setup(stack: Stack) -> tuple[Org, str, str]:
     org = await make_org(stack)
     agent = await make_agent(stack, org, "plain")
-    return org, str(agent["id"]), await add(stack, org, str(agent["id"]))
+    return org, str(agent["id"]), await make_route(stack, org, str(agent["id"]), "slack")
 
 
 async def test_a_second_lookup_runs_no_statement(stack: Stack) -> None:
@@ -93,7 +73,7 @@ async def test_a_route_changed_here_is_seen_by_the_next_lookup(stack: Stack) -> 
     assert (await cache.resolve("slack", ATTRS) or RouteMatch("", "", "", False)).route_id == (
         route_id
     )
-    narrower = await add(stack, org, agent_id, channel="C1")
+    narrower = await make_route(stack, org, agent_id, "slack", {"channel": "C1"})
     assert (await cache.resolve("slack", ATTRS) or RouteMatch("", "", "", False)).route_id == (
         narrower
     )
