@@ -132,3 +132,25 @@ async def test_no_token_before_the_writer_opens_or_after_it_closed(migrated_url:
     assert (db.committed_token(routes.TABLES) is not None) == migrated_url.startswith("sqlite")
     await db.close()
     assert db.committed_token(routes.TABLES) is None
+
+
+async def test_the_most_specific_route_wins_and_the_oldest_on_a_tie(stack: Stack) -> None:
+    """SPEC: "the most specific route wins" (most match keys; the oldest on a tie, as the
+    README says), whether the routes were read or kept."""
+    org, agent_id, catch_all = await setup(stack)
+    by_team = await make_route(stack, org, agent_id, "slack", {"team": "T1"})
+    await make_route(stack, org, agent_id, "slack", {"channel": "C1"})  # a tie, younger
+    cache = routes.RouteCache(stack.db)
+    tie = await cache.resolve("slack", ATTRS)
+    assert tie is not None and tie.route_id == by_team
+    both = await make_route(stack, org, agent_id, "slack", {"team": "T1", "channel": "C1"})
+    for _ in range(2):  # read, then kept
+        assert [
+            (found.route_id if found else None)
+            for found in [
+                await cache.resolve("slack", ATTRS),
+                await cache.resolve("slack", {"team": "T1", "channel": "C2"}),
+                await cache.resolve("slack", {"team": "T9", "channel": "C9"}),
+            ]
+        ] == [both, by_team, catch_all]
+    assert cache.reads == 2  # once before the new route, once after
