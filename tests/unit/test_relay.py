@@ -357,6 +357,11 @@ async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
             .where(t.work_items.c.id == moved_away.work_item_id)
             .values(status="cancelled")
         )
+        await conn.execute(
+            t.deliveries.update()
+            .where(t.deliveries.c.id == moved_away.id)
+            .values(external_id="posted-earlier")
+        )
         for session_id in (seeded.items[0]["session_id"], seeded.items[2]["session_id"]):
             await session_events.message_visible(conn, stack.clock, session_id, "msg_before")
     woken: list[list[Any]] = []
@@ -377,8 +382,15 @@ async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
         "1700000001.000100",
         None,
     )
-    assert (await delivery(stack, lost.id))["status"] == "sending"
-    assert (await delivery(stack, moved_away.id))["status"] == "sent"
+    # A lost lease writes nothing, not even the message id; no id keeps the row's own.
+    assert [(await delivery(stack, lost.id))[k] for k in ("status", "external_id")] == [
+        "sending",
+        None,
+    ]
+    assert [(await delivery(stack, moved_away.id))[k] for k in ("status", "external_id")] == [
+        "sent",
+        "posted-earlier",
+    ]
     assert (await item(stack, ok.work_item_id))["status"] == "completed"
     assert (await item(stack, lost.work_item_id))["status"] == "approved"
     assert (await item(stack, moved_away.work_item_id))["status"] == "cancelled"
