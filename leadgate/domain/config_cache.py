@@ -85,6 +85,12 @@ class ConfigCache:
         self._rules.put(token, org_id, tuple(rules))
         return rules
 
+    def kept_agent(self, changes: TableChanges | None, org_id: str, ref: str) -> Agent | None:
+        """PostgreSQL: the agent :meth:`agent` keeps under the token of ``changes`` (no
+        connection needed), or None: then look it up through a connection."""
+        token = None if changes is None else changes.token(TABLES)
+        return self._plain.get(token, (org_id, ref))
+
     async def agent(self, conn: Conn, org_id: str, ref: str) -> Agent:
         """:func:`leadgate.domain.agents.find_agent` (not deleted; NotFound otherwise),
         read again only when its tables may have changed: the lead runner's claim reads

@@ -20,7 +20,7 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
-from leadgate.domain import workitems
+from leadgate.domain import session_events, workitems
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Agent, WorkItem
@@ -69,16 +69,73 @@ _HEAD = (
     .cte("head")
 )
 _OTHER = t.work_items.alias("other")
-#: PostgreSQL: the oldest queued item not locked by another claim, locked, and whether
-#: any other is queued. Only the taken row is locked: ``LIMIT 2 ... FOR UPDATE`` would
-#: lock the one it only peeked at too, and a claim running beside it would skip that
-#: one and take the queue for empty while it still held an item.
-_QUEUED_LOCKED = sa.select(
-    _HEAD.c.id,
-    sa.exists()
-    .where(_OTHER.c.status == Status.reviewQueued.value, _OTHER.c.id != _HEAD.c.id)
-    .label("more"),
+_CLAIM_SRC, _CLAIM_DST = Status.reviewQueued, Status.reviewing
+if not workitems.allowed(_CLAIM_SRC, _CLAIM_DST) or any(
+    session_events.public_status(_CLAIM_DST.value, revision)
+    != session_events.public_status(_CLAIM_SRC.value, revision)
+    for revision in (0, 1)
+):
+    # The one-statement claim below writes no session event: it relies on this move
+    # being allowed and changing no public status (workitems.transition would write none).
+    raise RuntimeError("reviewQueued -> reviewing must be allowed and change no public status")
+_CLAIMED = (
+    t.work_items.update()
+    .where(W.id == _HEAD.c.id, W.status == _CLAIM_SRC.value)
+    .values(
+        status=_CLAIM_DST.value,
+        updated_at=sa.bindparam("p_now"),
+        lease_token=sa.bindparam("p_token"),
+        lease_expires_at=sa.bindparam("p_expires"),
+        lease_owner=sa.bindparam("p_owner"),
+    )
+    .returning(*t.work_items.c)
+    .cte("claimed")
 )
+_A = t.audit.c
+_CLAIM_AUDIT = (
+    t.audit.insert()
+    .from_select(
+        [
+            _A.id,
+            _A.org_id,
+            _A.work_item_id,
+            _A.actor,
+            _A.action,
+            _A.from_status,
+            _A.to_status,
+            _A.created_at,
+        ],
+        sa.select(
+            sa.bindparam("p_audit_id", type_=_A.id.type),
+            _CLAIMED.c.org_id,
+            _CLAIMED.c.id,
+            sa.literal("system:lead", _A.actor.type),
+            sa.literal("claim", _A.action.type),
+            sa.literal(_CLAIM_SRC.value, _A.from_status.type),
+            sa.literal(_CLAIM_DST.value, _A.to_status.type),
+            sa.bindparam("p_now", type_=_A.created_at.type),
+        ),
+    )
+    .cte("claim_audit")
+)
+#: PostgreSQL: the whole claim as one statement, run outside a transaction block
+#: (:meth:`Database.write_alone`): the oldest queued item not locked by another claim
+#: (:data:`_HEAD`) moved ``reviewQueued -> reviewing`` under the claim's lease, fenced by
+#: status as :func:`leadgate.domain.workitems.transition` fences it, its ``claim`` audit
+#: row, and whether any other item is queued. One round trip where the transaction took
+#: five (``BEGIN``, the head, the move, the audit row, ``COMMIT``), and one for an empty
+#: queue where it took three. Empty claims are common with several worker replicas:
+#: every enqueue's NOTIFY wakes each of them, and all but one find nothing (with two
+#: workers, one empty claim per gated lifecycle, measured with ``log_statement``). Only
+#: the taken row is locked: ``LIMIT 2 ... FOR UPDATE`` would lock the one it only peeked
+#: at too, and a claim running beside it would skip that one and take the queue for
+#: empty while it still held an item.
+_CLAIM_ALONE = sa.select(
+    _CLAIMED,
+    sa.exists()
+    .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
+    .label("more"),
+).add_cte(_CLAIM_AUDIT)
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
 _BY_LEASE = sa.select(W.id).where(
@@ -172,6 +229,8 @@ class LeadRunner:
         #: ends with more pokes than claims to answer them (see :meth:`claim`).
         self.wake: Callable[[], None] = lambda: None
         self._last_empty_claim = 0
+        #: ``_pokes`` as of the start of the claim that last reported (:meth:`_queue_seen`)
+        self._seen_pokes = -1
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
         self._leads: dict[tuple[str, str | None], Agent] = {}
@@ -225,23 +284,20 @@ class LeadRunner:
     async def claim(self) -> WorkItem | None:
         """Claim the oldest queued item; ``None`` when the queue is empty.
 
-        The lead agent is read in the claim's transaction (the review needs it next)."""
+        On SQLite the lead agent is read in the claim's transaction (the review needs it
+        next); on PostgreSQL the claim is one statement (:data:`_CLAIM_ALONE`) and the
+        lead agent comes from the configuration cache, or is read by the review."""
         now = self.clock.now_ms()
         token = self.ids.new("lease")
         pokes = self._pokes  # before the read: a poke after it means "look again"
         self._claiming += 1
         try:
+            if self.db.is_postgres:
+                return await self._claim_alone(now, token, pokes)
             async with self.db.tx() as conn:
-                if self.db.is_postgres:
-                    found = (await conn.execute(_QUEUED_LOCKED)).first()
-                    head, more = (found.id, bool(found.more)) if found else (None, False)
-                else:
-                    ids = (await conn.execute(_QUEUED)).scalars().all()
-                    head, more = (ids[0] if ids else None), len(ids) > 1
-                if more:
-                    self._empty_at = -1  # more are waiting: the next pass claims
-                else:
-                    self._empty_at, self._last_empty_claim = pokes, now
+                ids = (await conn.execute(_QUEUED)).scalars().all()
+                head, more = (ids[0] if ids else None), len(ids) > 1
+                self._queue_seen(more, pokes, now)
                 if head is None:
                     return None
                 try:
@@ -250,8 +306,8 @@ class LeadRunner:
                         self.clock,
                         self.ids,
                         head,
-                        src=Status.reviewQueued,
-                        dst=Status.reviewing,
+                        src=_CLAIM_SRC,
+                        dst=_CLAIM_DST,
                         actor="system:lead",
                         action="claim",
                         values={
@@ -263,10 +319,9 @@ class LeadRunner:
                 except TransitionError:
                     return None
                 with contextlib.suppress(NotFound):  # _decide escalates: read it again there
-                    lead = await self.config.agent(conn, item.org_id, item.lead_agent_id)
-                    if len(self._leads) > _MAX_LEADS:  # claimed, never reviewed (tests)
-                        self._leads.clear()
-                    self._leads[item.id, token] = lead
+                    self._keep_lead(
+                        item, token, await self.config.agent(conn, item.org_id, item.lead_agent_id)
+                    )
                 return item
         except Exception:
             # The connection may have dropped after the COMMIT reached the server: the
@@ -283,6 +338,50 @@ class LeadRunner:
                 # they woke saw it under way and slept, and it may have read the queue
                 # before their items' commits, or taken another item. Wake them again.
                 self.wake()
+
+    async def _claim_alone(self, now: int, token: str, pokes: int) -> WorkItem | None:
+        """PostgreSQL: :meth:`claim` in one statement (:data:`_CLAIM_ALONE`). The lead
+        agent comes from the configuration cache when it is kept there (no connection);
+        otherwise :meth:`_decide` reads it."""
+        result = await self.db.write_alone(
+            _CLAIM_ALONE,
+            {
+                "p_now": now,
+                "p_token": token,
+                "p_expires": now + LEASE_MS,
+                "p_owner": self.owner(),
+                "p_audit_id": self.ids.new("aud"),
+            },
+        )
+        row = result.first()
+        self._queue_seen(row is not None and bool(row.more), pokes, now)
+        if row is None:
+            return None
+        item = WorkItem.from_row(row[: len(WorkItem._fields)])
+        METRICS.transitions.labels(_CLAIM_SRC.value, _CLAIM_DST.value).inc()
+        lead = self.config.kept_agent(self.db.table_changes, item.org_id, item.lead_agent_id)
+        if lead is not None:
+            self._keep_lead(item, token, lead)
+        return item
+
+    def _queue_seen(self, more: bool, pokes: int, now: int) -> None:
+        """What a claim that started at ``pokes`` learned of the queue: more waiting (the
+        next pass claims), or empty after it. A claim that started before the one that
+        last reported is ignored: on PostgreSQL a claim learns the queue only when its
+        statement returns, and claims may return out of order; the later claim read the
+        queue after the older one, so what the older one saw tells nothing new."""
+        if pokes < self._seen_pokes:
+            return
+        self._seen_pokes = pokes
+        if more:
+            self._empty_at = -1
+        else:
+            self._empty_at, self._last_empty_claim = pokes, now
+
+    def _keep_lead(self, item: WorkItem, token: str, lead: Agent) -> None:
+        if len(self._leads) > _MAX_LEADS:  # claimed, never reviewed (tests)
+            self._leads.clear()
+        self._leads[item.id, token] = lead
 
     async def run_once(self) -> bool:
         """Expire leases (when due), then claim and review one item. True when it did

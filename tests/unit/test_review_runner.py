@@ -26,6 +26,7 @@ from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.review import decisions
+from leadgate.review import runner as runner_module
 from leadgate.review.queue import detail
 from leadgate.review.runner import LEAD_TOOLS, LeadRunner
 from leadgate.runners.revisions import RevisionRunner
@@ -33,7 +34,7 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.store import Outbox
-from tests.fakes import DownFor
+from tests.fakes import DownAloneFor, DownFor
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -762,7 +763,11 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
 ) -> None:
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
-    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    if stack.db.is_postgres:  # the claim is one statement outside a transaction block
+        alone = DownAloneFor(stack.db.write_alone, 1, after_commit=True)
+        monkeypatch.setattr(stack.db, "write_alone", alone)
+    else:
+        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
     with pytest.raises(Unavailable):
         await stack.lead_runner.claim()
     assert (await row(stack, item_id))["status"] == "reviewing"  # the claim did land
@@ -825,12 +830,12 @@ async def test_one_submission_wakes_every_review_loop_but_one_claims(stack: Stac
     assert await runner.run_once() is False
 
 
-async def test_a_poke_during_an_empty_claim_wakes_the_loops_again(pg_url: str) -> None:
+async def test_a_poke_during_an_empty_claim_is_answered_once(pg_url: str) -> None:
     """PostgreSQL: a submission commits (and pokes) while a claim is under way that read
-    the queue before it. The loops that poke woke see the claim and sleep; when it comes
-    back empty it wakes them again (the loops' shared wake), and the next pass claims,
-    instead of leaving the item to the poll."""
-    import contextlib
+    the queue before it (the claim is one statement: it reports the queue when it
+    returns). The loop that poke woke claims and reviews the item; the older claim then
+    comes back empty, and what it saw, older than what the newer claim saw, changes
+    nothing: no wake-up, and the next pass knows the queue empty and runs no statement."""
     import contextvars
 
     from leadgate.database.db import upgrade
@@ -847,28 +852,29 @@ async def test_a_poke_during_an_empty_claim_wakes_the_loops_again(pg_url: str) -
         assert await runner.run_once() is False  # the queue is known empty
         assert wakes == []
         clock(stack).advance(1_000)  # the recheck second: the next pass claims unpoked
-        real_tx, late = stack.db.tx, []
+        real_alone, late = stack.db.write_alone, []
 
-        @contextlib.asynccontextmanager
-        async def claim_then_submit() -> AsyncIterator[Any]:
-            async with real_tx() as conn:
-                yield conn
-                if not late:  # the claim read an empty queue; now the item commits
-                    late.append("")
-                    stack.db.tx = real_tx  # type: ignore[method-assign]
-                    late[0] = await asyncio.create_task(
-                        submit(stack, org, worker, "late", session="late"),
-                        context=contextvars.Context(),
-                    )
-                    # Woken by that poke, another loop sees this claim and sleeps.
-                    assert await runner.run_once() is False
+        async def claim_then_submit(*args: Any, **kwargs: Any) -> Any:
+            # The claim read an empty queue; before it returns, the item commits and pokes.
+            result = await real_alone(*args, **kwargs)
+            stack.db.write_alone = real_alone  # type: ignore[method-assign]
+            late.append(
+                await asyncio.create_task(
+                    submit(stack, org, worker, "late", session="late"),
+                    context=contextvars.Context(),
+                )
+            )
+            # Woken by that poke, another loop claims and reviews it.
+            assert await runner.run_once() is True
+            return result
 
-        stack.db.tx = claim_then_submit  # type: ignore[method-assign]
-        assert await runner.run_once() is False  # its claim came back empty...
-        assert wakes == [1]  # ...and woke the loops again
-        assert await runner.run_once() is True
+        stack.db.write_alone = claim_then_submit  # type: ignore[method-assign]
+        assert await runner.run_once() is False  # the older claim came back empty
         assert (await row(stack, late[0]))["status"] == "completed"
-        assert wakes == [1]  # that claim answered the poke: no further wake
+        assert wakes == []
+        with stack.db.record_statements() as idle:
+            assert await runner.run_once() is False
+        assert idle == []
     finally:
         await stack.stop()
 
@@ -878,7 +884,6 @@ async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
     transaction is still open. It takes the second item: the first claim locked only the
     row it took, not the one it peeked at to learn that more were waiting (which would
     make the second claim skip it and take the queue for empty)."""
-    import contextlib
     import contextvars
 
     from leadgate.database.db import upgrade
@@ -890,23 +895,21 @@ async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
         org, _, worker = await setup(stack)
         for session in ("a", "b"):
             await submit(stack, org, worker, f"task {session}", session=session)
-        real_tx, beside = stack.db.tx, []
-
-        @contextlib.asynccontextmanager
-        async def claim_beside() -> AsyncIterator[Any]:
-            async with real_tx() as conn:
-                yield conn
-                if not beside:  # the first claim took its item; its COMMIT is still due
-                    beside.append(None)
-                    stack.db.tx = real_tx  # type: ignore[method-assign]
-                    beside[0] = await asyncio.create_task(
-                        runner.claim(), context=contextvars.Context()
-                    )
-
-        stack.db.tx = claim_beside  # type: ignore[method-assign]
-        first = await runner.claim()
-        assert first is not None and beside[0] is not None
-        assert beside[0].id != first.id
+        # The first claim's statement, in a transaction held open: it has taken the
+        # oldest item and peeked at the other, and its COMMIT is still due.
+        async with stack.db.tx() as conn:
+            params = {
+                "p_now": stack.clock.now_ms(),
+                "p_token": "lease_first",
+                "p_expires": stack.clock.now_ms() + 60_000,
+                "p_owner": None,
+                "p_audit_id": "aud_first",
+            }
+            first = (await conn.execute(runner_module._CLAIM_ALONE, params)).first()
+            beside = await asyncio.create_task(runner.claim(), context=contextvars.Context())
+        assert first is not None and first.more
+        assert beside is not None
+        assert beside.id != first.id
     finally:
         await stack.stop()
 
