@@ -87,6 +87,38 @@ _SIGNAL = t.work_items.update().where(
     _W.session_id == sa.bindparam("p_session"),
     _W.agent_id == sa.bindparam("p_agent"),
 )
+#: PostgreSQL: complete_task's signal and its tool message as one statement outside a
+#: transaction block (``Database.write_alone``): one round trip where the transaction
+#: took four (``BEGIN``, the signal, the message, ``COMMIT``). A tool message has no
+#: session event (store_message writes none for it); the message is stored whether or
+#: not the signal matched, as the transaction stores it.
+_SIGNAL_ROW = (
+    _SIGNAL.values(
+        signal_summary=sa.bindparam("signal_summary"),
+        signal_turn_id=sa.bindparam("signal_turn_id"),
+    )
+    .returning(_W.id)
+    .cte("signal")
+)
+_M = t.messages.c
+_TOOL_MESSAGE = (
+    t.messages.insert()
+    .values(
+        id=sa.bindparam("m_id", type_=_M.id.type),
+        org_id=sa.bindparam("m_org", type_=_M.org_id.type),
+        session_id=sa.bindparam("p_session", type_=_M.session_id.type),
+        work_item_id=sa.bindparam("p_id", type_=_M.work_item_id.type),
+        role="tool",
+        content=sa.bindparam("m_content", type_=_M.content.type),
+        lead_gated=False,
+        tool_name=COMPLETE_TASK.name,
+        created_at=sa.bindparam("m_at", type_=_M.created_at.type),
+    )
+    .cte("tool_message")
+)
+_SIGNAL_ALONE = (
+    sa.select(sa.func.count().label("signalled")).select_from(_SIGNAL_ROW).add_cte(_TOOL_MESSAGE)
+)
 _READ_SIGNAL = sa.select(_W.signal_summary).where(
     _W.id == sa.bindparam("p_item"), _W.signal_turn_id == sa.bindparam("p_turn")
 )
@@ -413,27 +445,39 @@ class TurnService:
             return json.dumps({"error": "complete_task needs a non-empty summary"})
         if len(summary) > SUMMARY_LIMIT:
             return json.dumps({"error": "summary must be at most 2,000 characters"})
-        async with self.db.tx() as conn:
-            res = await conn.execute(
-                _SIGNAL,
+        signal = {
+            "p_id": ctx.work_item_id,
+            "p_session": ctx.session_id,
+            "p_agent": ctx.agent_id,
+            "signal_summary": summary,
+            "signal_turn_id": ctx.turn_id,
+        }
+        if self.db.is_postgres:
+            alone = await self.db.write_alone(
+                _SIGNAL_ALONE,
                 {
-                    "p_id": ctx.work_item_id,
-                    "p_session": ctx.session_id,
-                    "p_agent": ctx.agent_id,
-                    "signal_summary": summary,
-                    "signal_turn_id": ctx.turn_id,
+                    **signal,
+                    "m_id": self.ids.new("msg"),
+                    "m_org": ctx.org_id,
+                    "m_content": summary,
+                    "m_at": self.clock.now_ms(),
                 },
             )
-            await self._store(
-                conn,
-                ctx.org_id,
-                ctx.session_id,
-                ctx.work_item_id,
-                "tool",
-                summary,
-                tool_name="complete_task",
-            )
-        if not res.rowcount:
+            signalled = bool(alone.scalar())
+        else:
+            async with self.db.tx() as conn:
+                res = await conn.execute(_SIGNAL, signal)
+                await self._store(
+                    conn,
+                    ctx.org_id,
+                    ctx.session_id,
+                    ctx.work_item_id,
+                    "tool",
+                    summary,
+                    tool_name=COMPLETE_TASK.name,
+                )
+            signalled = bool(res.rowcount)
+        if not signalled:
             return json.dumps({"error": "no in-progress work item matches this turn"})
         return SUBMITTED
 

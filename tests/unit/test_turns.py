@@ -604,6 +604,58 @@ async def test_complete_task_summary_rules(rig: tuple[Stack, RecordingProvider])
     assert item["signal_summary"] is None
 
 
+async def test_complete_task_records_its_signal_and_its_tool_message(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """complete_task writes its signal on the turn's in-progress item and stores its tool
+    message (no session event: a tool message is not visible), in one transaction, on
+    PostgreSQL one statement. When the item is no longer in progress (cancelled while
+    the model ran) the tool answers an error and no signal is written, and the tool
+    message is stored all the same."""
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
+    rec.handler = completing("final answer", "the summary")
+    with stack.db.record_statements() as statements:
+        assert isinstance(await stack.turns.run(api_trigger(org, worker, "do it")), Gated)
+    if stack.db.is_postgres:
+        # The signal and the tool message: one statement, no transaction block of its own.
+        [signal] = [sql for sql in statements if "SET signal_summary" in sql]
+        assert signal.startswith("WITH") and "INSERT INTO messages" in signal, signal
+        at = statements.index(signal)
+        assert (statements[at - 1], statements[at + 1]) != ("BEGIN", "COMMIT"), statements
+    [item] = await items(stack, worker)
+    assert (item["status"], item["summary"]) == ("reviewQueued", "the summary")
+    tool = [m for m in await messages(stack, worker) if m["role"] == "tool"]
+    assert [(m["content"], m["tool_name"], m["work_item_id"]) for m in tool] == [
+        ("the summary", "complete_task", item["id"])
+    ]
+    sid = await session_id(stack, worker)
+    async with stack.db.read() as conn:
+        events = await session_events.read(conn, sid, after=0, limit=20)
+    assert tool[0]["id"] not in {e.message_id for e in events}
+
+    async def cancel_then_complete(request: ModelRequest) -> list[ModelEvent]:
+        if request.messages[-1].role == "tool":
+            return [TextDelta(" (after the tool)")]
+        async with stack.db.tx() as conn:
+            await conn.execute(
+                t.work_items.update()
+                .where(t.work_items.c.session_id == await session_id(stack, worker, "s2"))
+                .values(status="cancelled")
+            )
+        return [TextDelta("late"), ToolCall("c2", "complete_task", {"summary": "too late"})]
+
+    rec.handler = cancel_then_complete
+    await stack.turns.run(api_trigger(org, worker, "another", session="s2"))
+    answer = json.loads(rec.requests[-1].messages[-1].content)
+    assert answer == {"error": "no in-progress work item matches this turn"}
+    [cancelled] = [i for i in await items(stack, worker) if i["id"] != item["id"]]
+    assert (cancelled["status"], cancelled["signal_summary"]) == ("cancelled", None)
+    late = [m for m in await messages(stack, worker, "s2") if m["role"] == "tool"]
+    assert [(m["content"], m["tool_name"]) for m in late] == [("too late", "complete_task")]
+
+
 # ----------------------------------------------------------------------- gating
 
 
