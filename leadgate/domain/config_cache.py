@@ -21,6 +21,9 @@ reconnects) there is no token: every intake reads.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 from leadgate.core.kept import Kept
 from leadgate.database.db import Conn
 from leadgate.database.pg import TableChanges
@@ -32,6 +35,9 @@ from leadgate.domain.rows import Agent
 TABLES = ("agents", "presets", "policy_rules")
 #: Entries kept at most (then the cache starts over).
 MAX_ENTRIES = 4096
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class ConfigCache:
@@ -64,26 +70,19 @@ class ConfigCache:
     ) -> tuple[Agent, LeadConfig | None]:
         """:func:`leadgate.domain.agents.find_agent_and_lead`, read again only when
         its tables may have changed."""
-        token = conn.cache_token(TABLES)
-        kept = self._agents.get(token, (org_id, ref))
-        if kept is not None:
-            return kept
-        self.reads += 1
-        found = await agents.find_agent_and_lead(conn, org_id, ref)
-        self._agents.put(token, (org_id, ref), found)
-        return found
+        return await self._through(
+            self._agents, conn, (org_id, ref), lambda: agents.find_agent_and_lead(conn, org_id, ref)
+        )
 
     async def rules(self, conn: Conn, org_id: str) -> list[policy.Rule]:
         """:func:`leadgate.domain.policy.load_rules`, read again only when they may have
         changed."""
-        token = conn.cache_token(TABLES)
-        kept = self._rules.get(token, org_id)
-        if kept is not None:
-            return list(kept)
-        self.reads += 1
-        rules = await policy.load_rules(conn, org_id)
-        self._rules.put(token, org_id, tuple(rules))
-        return rules
+
+        async def load() -> tuple[policy.Rule, ...]:
+            return tuple(await policy.load_rules(conn, org_id))
+
+        kept: tuple[policy.Rule, ...] = await self._through(self._rules, conn, org_id, load)
+        return list(kept)
 
     def kept_agent(self, changes: TableChanges | None, org_id: str, ref: str) -> Agent | None:
         """PostgreSQL: the agent :meth:`agent` keeps under the token of ``changes`` (no
@@ -95,11 +94,21 @@ class ConfigCache:
         """:func:`leadgate.domain.agents.find_agent` (not deleted; NotFound otherwise),
         read again only when its tables may have changed: the lead runner's claim reads
         the lead agent of every item it reviews."""
+        return await self._through(
+            self._plain, conn, (org_id, ref), lambda: agents.find_agent(conn, org_id, ref)
+        )
+
+    async def _through(
+        self, store: Kept[K, V], conn: Conn, key: K, read: Callable[[], Awaitable[V]]
+    ) -> V:
+        """``store``'s value for ``key`` under ``conn``'s token of :data:`TABLES`, or
+        ``read()``'s, then kept under that token (taken before the read: a change
+        committed meanwhile gives the next lookup another token)."""
         token = conn.cache_token(TABLES)
-        kept = self._plain.get(token, (org_id, ref))
+        kept = store.get(token, key)
         if kept is not None:
             return kept
         self.reads += 1
-        agent = await agents.find_agent(conn, org_id, ref)
-        self._plain.put(token, (org_id, ref), agent)
-        return agent
+        value = await read()
+        store.put(token, key, value)
+        return value
