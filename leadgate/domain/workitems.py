@@ -211,6 +211,74 @@ async def transition(
     return WorkItem.from_row(row)
 
 
+def moved_with_audit(
+    ids: sa.ColumnElement[Any],
+    *,
+    src: Status,
+    dst: Status,
+    actor: str,
+    action: str,
+    values: dict[str, Any],
+    name: str,
+) -> tuple[Any, Any]:
+    """PostgreSQL CTEs for :func:`transition` inside one statement: the items whose id is
+    ``ids`` (a column of another CTE, e.g. a ``FOR UPDATE SKIP LOCKED`` head) moved
+    ``src -> dst`` fenced by status, with ``values`` (column -> bound parameter), as CTE
+    ``name`` returning the whole rows; and their audit rows (id ``:p_audit_id``, time
+    ``:p_now``), a CTE the statement must add (``add_cte``). For moves that change no
+    public status only: the statement writes no session event, as :func:`transition`
+    would write none; a move the table forbids or that would need one raises at once
+    (these are built at import time)."""
+    if not allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    if any(
+        session_events.public_status(dst.value, revision)
+        != session_events.public_status(src.value, revision)
+        for revision in (0, 1)
+    ):
+        raise TransitionError(
+            f"{src} -> {dst} changes the public status: it needs a session event",
+            rule="workItem.transition",
+        )
+    moved = (
+        t.work_items.update()
+        .where(W.id == ids, W.status == src.value)
+        .values(status=dst.value, updated_at=sa.bindparam("p_now"), **values)
+        .returning(*t.work_items.c)
+        .cte(name)
+    )
+    a = t.audit.c
+    audited = (
+        t.audit.insert()
+        .from_select(
+            [
+                a.id,
+                a.org_id,
+                a.work_item_id,
+                a.actor,
+                a.action,
+                a.from_status,
+                a.to_status,
+                a.created_at,
+            ],
+            sa.select(
+                sa.bindparam("p_audit_id", type_=a.id.type),
+                moved.c.org_id,
+                moved.c.id,
+                sa.literal(actor, a.actor.type),
+                sa.literal(action, a.action.type),
+                sa.literal(src.value, a.from_status.type),
+                sa.literal(dst.value, a.to_status.type),
+                sa.bindparam("p_now", type_=a.created_at.type),
+            ),
+        )
+        .cte(f"{name}_audit")
+    )
+    return moved, audited
+
+
 async def notify_review_queued(conn: Conn) -> None:
     """Tell every replica's lead runner, once this transaction commits, that an item
     waits for review (PostgreSQL ``NOTIFY``; SQLite has one process per file). The

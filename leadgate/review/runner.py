@@ -20,7 +20,7 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
-from leadgate.domain import session_events, workitems
+from leadgate.domain import workitems
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Agent, WorkItem
@@ -70,53 +70,18 @@ _HEAD = (
 )
 _OTHER = t.work_items.alias("other")
 _CLAIM_SRC, _CLAIM_DST = Status.reviewQueued, Status.reviewing
-if not workitems.allowed(_CLAIM_SRC, _CLAIM_DST) or any(
-    session_events.public_status(_CLAIM_DST.value, revision)
-    != session_events.public_status(_CLAIM_SRC.value, revision)
-    for revision in (0, 1)
-):
-    # The one-statement claim below writes no session event: it relies on this move
-    # being allowed and changing no public status (workitems.transition would write none).
-    raise RuntimeError("reviewQueued -> reviewing must be allowed and change no public status")
-_CLAIMED = (
-    t.work_items.update()
-    .where(W.id == _HEAD.c.id, W.status == _CLAIM_SRC.value)
-    .values(
-        status=_CLAIM_DST.value,
-        updated_at=sa.bindparam("p_now"),
-        lease_token=sa.bindparam("p_token"),
-        lease_expires_at=sa.bindparam("p_expires"),
-        lease_owner=sa.bindparam("p_owner"),
-    )
-    .returning(*t.work_items.c)
-    .cte("claimed")
-)
-_A = t.audit.c
-_CLAIM_AUDIT = (
-    t.audit.insert()
-    .from_select(
-        [
-            _A.id,
-            _A.org_id,
-            _A.work_item_id,
-            _A.actor,
-            _A.action,
-            _A.from_status,
-            _A.to_status,
-            _A.created_at,
-        ],
-        sa.select(
-            sa.bindparam("p_audit_id", type_=_A.id.type),
-            _CLAIMED.c.org_id,
-            _CLAIMED.c.id,
-            sa.literal("system:lead", _A.actor.type),
-            sa.literal("claim", _A.action.type),
-            sa.literal(_CLAIM_SRC.value, _A.from_status.type),
-            sa.literal(_CLAIM_DST.value, _A.to_status.type),
-            sa.bindparam("p_now", type_=_A.created_at.type),
-        ),
-    )
-    .cte("claim_audit")
+_CLAIMED, _CLAIM_AUDIT = workitems.moved_with_audit(
+    _HEAD.c.id,
+    src=_CLAIM_SRC,
+    dst=_CLAIM_DST,
+    actor="system:lead",
+    action="claim",
+    values={
+        "lease_token": sa.bindparam("p_token"),
+        "lease_expires_at": sa.bindparam("p_expires"),
+        "lease_owner": sa.bindparam("p_owner"),
+    },
+    name="claimed",
 )
 #: PostgreSQL: the whole claim as one statement, run outside a transaction block
 #: (:meth:`Database.write_alone`): the oldest queued item not locked by another claim

@@ -81,6 +81,25 @@ def test_every_pair_of_the_transition_table(src: Status, dst: Status) -> None:
         assert not allowed(src, dst)
 
 
+def test_a_one_statement_move_is_built_only_for_allowed_moves_without_an_event() -> None:
+    """``moved_with_audit`` (PostgreSQL's one-statement moves, the lead's claim) writes no
+    session event: it refuses a move the table forbids and one that changes the public
+    status (which needs the event ``transition`` would write)."""
+    head = sa.select(t.work_items.c.id).cte("head")
+
+    def build(src: Status, dst: Status) -> Any:
+        return workitems.moved_with_audit(
+            head.c.id, src=src, dst=dst, actor="a", action="x", values={}, name="m"
+        )
+
+    moved, audited = build(S.reviewQueued, S.reviewing)
+    assert (moved.name, audited.name) == ("m", "m_audit")
+    with pytest.raises(TransitionError, match="cannot go"):
+        build(S.reviewQueued, S.approved)
+    with pytest.raises(TransitionError, match="public status"):
+        build(S.approved, S.completed)
+
+
 def test_table_is_exactly_the_expected_one() -> None:
     assert {k: set(v) for k, v in TRANSITIONS.items()} == EXPECTED
     # every non-terminal status can be cancelled; every terminal one is a dead end
