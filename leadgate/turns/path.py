@@ -32,7 +32,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
-from leadgate.domain import policy, workitems
+from leadgate.domain import policy, session_events, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Binding, WorkItem
 from leadgate.domain.workitems import Status
@@ -122,6 +122,75 @@ _SIGNAL_ALONE = (
 _READ_SIGNAL = sa.select(_W.signal_summary).where(
     _W.id == sa.bindparam("p_item"), _W.signal_turn_id == sa.bindparam("p_turn")
 )
+
+
+def _submit_alone() -> sa.TextClause:
+    """PostgreSQL: a first submission whose provenance is complete, as one statement
+    outside a transaction block (``Database.write_alone``); see :meth:`TurnService._submit`.
+
+    It writes what the submission's transaction writes (the withheld answer, the end of
+    the turn's run, the fenced move ``inProgress -> reviewQueued`` taking the summary
+    complete_task left, its audit row, its session event, the lead runners' NOTIFY) only
+    when every condition under which that transaction would move the item holds, with the
+    item (and the run, when the turn is fenced on it) locked: this turn's signal, the
+    item's session, an active binding of that session, and the run still this turn's.
+    Otherwise it writes nothing, and the transaction decides as before (withheld, a
+    human's review for incomplete provenance, a lost run). One round trip where the
+    transaction took ten (``BEGIN``, the message, the run, the item, the binding, the move,
+    its audit row, the NOTIFY, the session event, ``COMMIT``)."""
+    src, dst = Status.inProgress, Status.reviewQueued
+    if not workitems.allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    events = session_events.postgres_moved_item_events("moved", src.value, dst.value)
+    if events is None:  # inProgress is shown as working, reviewQueued as held: never
+        raise TransitionError(
+            f"{src} -> {dst} changes no public status", rule="workItem.transition"
+        )
+    return sa.text(
+        "WITH run_locked AS ("
+        " SELECT id FROM turn_runs WHERE lease_token = :run_token FOR UPDATE"
+        "), ok AS MATERIALIZED ("
+        " SELECT w.id, w.org_id, w.session_id, w.signal_summary,"
+        " (SELECT b.id FROM bindings AS b WHERE b.session_id = w.session_id AND b.active"
+        " LIMIT 1) AS binding_id"
+        " FROM work_items AS w"
+        " WHERE w.id = :item AND w.status = :src AND w.session_id = :session"
+        " AND w.signal_turn_id = :turn"
+        " AND (NOT CAST(:fenced AS boolean) OR EXISTS (SELECT 1 FROM run_locked))"
+        " FOR UPDATE OF w"
+        "), go AS (SELECT * FROM ok WHERE binding_id IS NOT NULL"
+        "), answer AS ("
+        " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
+        " lead_gated, tool_name, created_at)"
+        " SELECT CAST(:m_id AS varchar), go.org_id, go.session_id, go.id, 'assistant',"
+        " CAST(:content AS varchar), true, NULL, CAST(:now AS bigint) FROM go"
+        "), run_done AS ("
+        " DELETE FROM turn_runs WHERE id IN (SELECT id FROM run_locked)"
+        " AND EXISTS (SELECT 1 FROM go)"
+        "), moved AS ("
+        " UPDATE work_items AS w SET status = :dst, summary = go.signal_summary,"
+        " snapshot = :snapshot, gated_message_id = :m_id, signal_summary = NULL,"
+        " signal_turn_id = NULL, binding_id = go.binding_id, last_activity_at = :now,"
+        " updated_at = :now"
+        " FROM go WHERE w.id = go.id"
+        " RETURNING w.id, w.org_id, w.session_id, go.signal_summary AS summary"
+        "), audit_row AS ("
+        " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action,"
+        " from_status, to_status, text, created_at)"
+        " SELECT CAST(:audit_id AS varchar), moved.org_id, moved.id, NULL, 'system:turn',"
+        " 'completeTask', CAST(:src AS varchar), CAST(:dst AS varchar), moved.summary,"
+        " CAST(:now AS bigint) FROM moved"
+        ")" + events.ctes + " SELECT (SELECT count(*) FROM moved) AS moved,"
+        " (SELECT count(pg_notify(:review_channel, :sender)) FROM moved) AS notified, "
+        + events.columns
+    ).bindparams(
+        src=src.value, dst=dst.value, review_channel=workitems.REVIEW_CHANNEL, **events.params
+    )
+
+
+_SUBMIT_ALONE = _submit_alone()
 
 
 class TurnService:
@@ -611,6 +680,18 @@ class TurnService:
         ``summary`` None: read this turn's signal first, in the same transaction; when it
         is gone (another turn of the item signalled or submitted meanwhile) the text is
         only stored withheld."""
+        try:
+            alone = revision_item is None and await self._submit_alone(ctx, text)
+        except Unavailable:
+            raise  # nothing is shown; the turn is tried again whole (see _finish)
+        except Exception:
+            # The statement wrote nothing: the transaction decides, failing closed.
+            log.exception("the one-statement submission failed; trying the transaction")
+            alone = False
+        if alone:
+            self.on_review_queued()
+            METRICS.turns.labels("gated").inc()
+            return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
         async with self.db.tx() as conn:
             message_id = await self._store(
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
@@ -638,6 +719,38 @@ class TurnService:
             self.on_review_queued()
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+
+    async def _submit_alone(self, ctx: TurnContext, text: str) -> bool:
+        """PostgreSQL: the submission as one statement (:data:`_SUBMIT_ALONE`) when its
+        provenance is complete; False, with nothing written, when the transaction must
+        decide (another backend, a superseded signal, a moved item, no active binding, a
+        lost run). A revision turn's submission also releases the item's revision lease,
+        an update of the same row: it keeps the transaction."""
+        if not self.db.is_postgres or not ctx.work_item_id:
+            return False
+        now = self.clock.now_ms()
+        result = await self.db.write_alone(
+            _SUBMIT_ALONE,
+            {
+                "run_token": ctx.run_token,
+                "fenced": ctx.run_fenced,
+                "item": ctx.work_item_id,
+                "session": ctx.session_id,
+                "turn": ctx.turn_id,
+                "m_id": self.ids.new("msg"),
+                "content": text,
+                "snapshot": text[:SNAPSHOT_LIMIT],
+                "audit_id": self.ids.new("aud"),
+                "now": now,
+                "ev_at": now,
+                "sender": self.db.notify_tag,
+            },
+            signals_from=lambda row: session_events.woken(row.ev_sessions),
+        )
+        if not result.one().moved:
+            return False
+        METRICS.transitions.labels(Status.inProgress.value, Status.reviewQueued.value).inc()
+        return True
 
     async def _move_on(
         self,

@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 
 from binding.bindings import active_binding, deactivate_session, is_unchanged, unchanged_params
 from leadgate.core.clock import DAY_MS, FakeClock
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import agents, session_events
 from leadgate.domain.rows import WorkItem
-from leadgate.domain.workitems import Status, Sweeper
+from leadgate.domain.workitems import REVIEW_CHANNEL, Status, Sweeper
 from leadgate.turns.context import TurnContext
 from leadgate.turns.history import _STORE_INTO_WINDOW, store_into_window
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.stack import Stack, build_stack
 
 Handler = Callable[[ModelRequest], Awaitable[list[ModelEvent]]]
@@ -712,6 +715,10 @@ class UnreadableSignal(TurnService):
     async def signalled_item(self, conn: Conn, ctx: TurnContext) -> tuple[str | None, WorkItem]:
         raise RuntimeError("signal store unavailable")
 
+    async def _submit_alone(self, ctx: TurnContext, text: str) -> bool:
+        # PostgreSQL reads the signal inside the one-statement submission.
+        raise RuntimeError("signal store unavailable")
+
 
 async def test_fail_closed_when_the_signal_cannot_be_read(
     rig: tuple[Stack, RecordingProvider],
@@ -799,6 +806,78 @@ async def test_incomplete_provenance_goes_to_a_human(
     assert stack.wakes["lead-review"].is_set()
     second = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert second[0]["status"] == "reviewQueued"
+
+
+async def test_a_submission_writes_its_event_and_wakes_the_lead_runners_of_every_replica(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    listener = None
+    heard: list[str] = []
+    if stack.db.is_postgres:
+        listener = await asyncpg.connect(asyncpg_dsn(stack.db.url))
+        await listener.add_listener(REVIEW_CHANNEL, lambda *args: heard.append(args[3]))
+    try:
+        with stack.db.record_statements() as statements:
+            out = await stack.turns.run(api_trigger(org, worker, "write it #complete"))
+        assert isinstance(out, Gated)
+        [item] = await items(stack, worker)
+        assert item["status"] == "reviewQueued"
+        async with stack.db.read() as conn:
+            events = await session_events.read(
+                conn, await session_id(stack, worker), after=0, limit=10
+            )
+        # The user's message, then the item held for review; the withheld answer has none.
+        assert [(e.kind, e.status) for e in events] == [
+            ("message", None),
+            (session_events.REVIEW, "pending"),
+        ]
+        if listener is not None:
+            for _ in range(100):
+                if heard:
+                    break
+                await asyncio.sleep(0.01)
+            # Other replicas' runners hear the submission; this process's own listener
+            # skips its tag (it poked its runner at commit).
+            assert heard == [stack.db.notify_tag]
+            # The whole submission is one statement outside a transaction block: the
+            # turn's only transaction is its intake.
+            submissions = [sql for sql in statements if "run_locked" in sql]
+            assert len(submissions) == 1
+            assert [sql.split()[0] for sql in statements].count("BEGIN") == 1, statements
+    finally:
+        if listener is not None:
+            await listener.close()
+
+
+async def test_a_channel_turn_whose_run_was_taken_over_submits_nothing(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
+
+    async def taken_over_then_complete(request: ModelRequest) -> list[ModelEvent]:
+        if request.messages[-1].role == "tool":
+            return []
+        # Another process took the run over (its lease lapsed) while the model ran.
+        async with stack.db.tx() as conn:
+            await conn.execute(t.turn_runs.update().values(lease_token="another-process"))
+        return [TextDelta("finished"), ToolCall("c1", "complete_task", {"summary": "done"})]
+
+    rec.handler = taken_over_then_complete
+    with pytest.raises(TransitionError) as raised:
+        await stack.turns.run(slack_trigger(org, worker, "task", "7.1"))
+    assert raised.value.rule == "run"
+    # Nothing of the submission was written: the process that holds the run now decides.
+    [item] = await items(stack, worker)
+    assert (item["status"], item["gated_message_id"]) == ("inProgress", None)
+    assert item["signal_summary"] == "done"
+    rows = await select_all(stack, sa.select(t.messages).where(t.messages.c.role == "assistant"))
+    assert rows == []
+    assert await count(stack, t.turn_runs) == 1
 
 
 # ---------------------------------------------------------------------- sweeper
