@@ -109,6 +109,9 @@ def test_sigkill_mid_burst_loses_and_doubles_nothing(
 
 
 @pytest.mark.long
+# Five services started, loaded and killed in turn: on PostgreSQL about 30 s each on a
+# slow machine, past the suite's default timeout of 120 s for one test.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_sigkill_long_form(
     backend: str, rel_template: Any, slack_api: Standin, tmp_path: Path, request: Any
