@@ -97,6 +97,14 @@ def action_for(binding: Binding | None) -> tuple[str, str]:
     return "post", kind.value
 
 
+#: Binding kinds whose (not silent) binding gets its approved answer as a channel post.
+POST_KINDS = frozenset(
+    kind.value
+    for kind in BindingKind
+    if action_for(Binding("", "", "", kind.value, {}, False, None, True, 0))[0] == "post"
+)
+
+
 class Gating(NamedTuple):
     """An approved item's gating delivery, and the item after it (``completed`` when
     the delivery was internal and is done)."""
@@ -276,15 +284,18 @@ class Outbox:
     async def _insert(self, conn: Conn, values: dict[str, Any], now: int) -> Delivery:
         """Insert a delivery row: handed to this process's relay after commit, or
         announced to every relay (NOTIFY) when no local relay takes it."""
-        handed = self._hand_over(conn, values, now)
+        handed = self.claim_for_local(values, now)
+        if handed:
+            signal_after_commit(conn, HANDOFF_TOPIC, values)
         await conn.execute(_INSERT_DELIVERY, values)
         if not handed:
             await notify(conn)
         return delivery_of(values)
 
-    def _hand_over(self, conn: Conn, values: dict[str, Any], now: int) -> bool:
-        """Claim ``values`` for the local relay if it has room; the hand-over itself
-        happens after commit. Then no other relay needs waking."""
+    def claim_for_local(self, values: dict[str, Any], now: int) -> bool:
+        """Write ``values`` (a new pending row) already claimed for the local relay if it
+        has room; its caller hands the row over (:data:`HANDOFF_TOPIC`) after commit.
+        Then no other relay needs waking."""
         local = self._local
         if values["status"] != DeliveryStatus.pending.value or local is None:
             return False
@@ -297,8 +308,22 @@ class Outbox:
             lease_owner=local.owner(),
             attempts=1,
         )
-        signal_after_commit(conn, HANDOFF_TOPIC, values)
         return True
+
+    def post_values(self, item: WorkItem, now: int) -> dict[str, Any]:
+        """The gating delivery row of ``item`` as a channel post, without the binding's
+        columns (``channel``, ``binding_id``, ``address``: the caller's statement takes
+        them from the binding it checked)."""
+        return {
+            **_UNSET_COLUMNS,
+            **self._post_row(
+                now,
+                org_id=item.org_id,
+                work_item_id=item.id,
+                kind="gating",
+                text=item.snapshot or item.summary or "",
+            ),
+        }
 
 
 async def reveal(conn: Conn, clock: Clock, item_id: str) -> None:

@@ -10,16 +10,27 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import sqlalchemy as sa
+
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
+from leadgate.core.errors import TransitionError
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
-from leadgate.database.db import Conn
-from leadgate.domain import workitems
+from leadgate.core.metrics import METRICS
+from leadgate.database.db import Conn, Database
+from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review import cards
 from outbox.channel import CardOutcome
-from outbox.store import Outbox, cancel_for_item, recover
+from outbox.store import (
+    HANDOFF_TOPIC,
+    NOTIFY_CHANNEL,
+    OUTBOX_TOPIC,
+    Outbox,
+    cancel_for_item,
+    recover,
+)
 
 
 class Verdict(enum.StrEnum):
@@ -97,6 +108,128 @@ async def commit_verdict(
     elif dst == Status.awaitingHuman:
         await outbox.review_needed(conn, row.id, Status.awaitingHuman.value)
     return row
+
+
+def _approve_alone() -> sa.TextClause:
+    """PostgreSQL: a lead's approval of an item whose answer is a channel post, as one
+    statement outside a transaction block (:func:`approve_alone`)."""
+    src, dst = Status.reviewing, Status.approved
+    if not workitems.allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    if any(
+        session_events.public_status(src.value, r) != session_events.public_status(dst.value, r)
+        for r in (0, 1)
+    ):
+        raise TransitionError(
+            f"{src} -> {dst} changes the public status: it needs a session event",
+            rule="workItem.transition",
+        )
+    return sa.text(
+        "WITH b AS MATERIALIZED ("
+        " SELECT id, kind, address FROM bindings"
+        " WHERE id = :binding AND session_id = :session AND active AND NOT silent"
+        "), moved AS ("
+        " UPDATE work_items SET status = :dst, lease_token = NULL, lease_expires_at = NULL,"
+        " updated_at = :now"
+        " WHERE id = :item AND status = :src AND lease_token = :lease"
+        " AND EXISTS (SELECT 1 FROM b)"
+        " RETURNING id, org_id"
+        "), audit_row AS ("
+        " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action,"
+        " from_status, to_status, text, created_at)"
+        " SELECT CAST(:audit_id AS varchar), moved.org_id, moved.id, NULL,"
+        " CAST(:actor AS varchar), 'approve', CAST(:src AS varchar), CAST(:dst AS varchar),"
+        " CAST(:feedback AS varchar), CAST(:now AS bigint) FROM moved"
+        "), delivery AS ("
+        " INSERT INTO deliveries (id, org_id, work_item_id, kind, action, channel,"
+        " binding_id, address, text, status, attempts, next_attempt_at, lease_token,"
+        " lease_expires_at, lease_owner, created_at, updated_at)"
+        " SELECT CAST(:d_id AS varchar), moved.org_id, moved.id, 'gating', 'post', b.kind,"
+        " b.id, b.address, CAST(:d_text AS text), CAST(:d_status AS varchar),"
+        " CAST(:d_attempts AS integer), CAST(:now AS bigint), CAST(:d_lease AS varchar),"
+        " CAST(:d_expires AS bigint), CAST(:d_owner AS varchar), CAST(:now AS bigint),"
+        " CAST(:now AS bigint)"
+        " FROM moved CROSS JOIN b"
+        " RETURNING channel, binding_id, address"
+        ")"
+        " SELECT d.channel, d.binding_id, d.address,"
+        " (SELECT count(pg_notify(:relays, '')) FROM delivery"
+        " WHERE NOT CAST(:handed AS boolean)) AS notified"
+        " FROM delivery AS d"
+    ).bindparams(src=src.value, dst=dst.value, relays=NOTIFY_CHANNEL)
+
+
+_APPROVE_ALONE = _approve_alone()
+
+
+async def approve_alone(
+    db: Database,
+    outbox: Outbox,
+    item: WorkItem,
+    binding_id: str,
+    *,
+    actor: str,
+    feedback: str | None,
+) -> bool:
+    """PostgreSQL: :func:`commit_verdict` of a lead's approval of ``item`` (``reviewing``
+    under its lease) whose gating delivery is a channel post on ``binding_id``, as one
+    statement outside a transaction block: the fenced move to ``approved``, its audit row
+    and the delivery (claimed for this process's relay when it has room, else announced
+    to every relay). One round trip where the transaction took six or seven (``BEGIN``,
+    the move, its audit row, the binding, the delivery, the relays' NOTIFY, ``COMMIT``).
+    ``reviewing -> approved`` changes no public status: no session event.
+
+    False, with nothing written, when the lease is lost or the binding is no longer the
+    session's active, posting one: :func:`commit_verdict` then decides as before."""
+    if not db.is_postgres:
+        return False
+    now = outbox.clock.now_ms()
+    values = outbox.post_values(item, now)
+    handed = outbox.claim_for_local(values, now)
+
+    def signals(row: sa.Row[Any]) -> list[tuple[str, Any]]:
+        if not handed:
+            return [(OUTBOX_TOPIC, None)]
+        return [
+            (
+                HANDOFF_TOPIC,
+                {
+                    **values,
+                    "channel": row.channel,
+                    "binding_id": row.binding_id,
+                    "address": row.address,
+                },
+            )
+        ]
+
+    result = await db.write_alone(
+        _APPROVE_ALONE,
+        {
+            "binding": binding_id,
+            "session": item.session_id,
+            "item": item.id,
+            "lease": item.lease_token,
+            "now": now,
+            "audit_id": outbox.ids.new("aud"),
+            "actor": actor,
+            "feedback": feedback,
+            "d_id": values["id"],
+            "d_text": values["text"],
+            "d_status": values["status"],
+            "d_attempts": values["attempts"],
+            "d_lease": values["lease_token"],
+            "d_expires": values["lease_expires_at"],
+            "d_owner": values["lease_owner"],
+            "handed": handed,
+        },
+        signals_from=signals,
+    )
+    if result.first() is None:
+        return False
+    METRICS.transitions.labels(Status.reviewing.value, Status.approved.value).inc()
+    return True
 
 
 async def human_approve(

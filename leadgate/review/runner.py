@@ -25,7 +25,7 @@ from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
-from leadgate.review.decisions import Verdict, commit_verdict
+from leadgate.review.decisions import Verdict, approve_alone, commit_verdict
 from leadgate.turns.providers.base import (
     ChatMessage,
     ModelRequest,
@@ -35,7 +35,7 @@ from leadgate.turns.providers.base import (
     ToolSpec,
 )
 from leadgate.turns.providers.registry import ProviderRegistry
-from outbox.store import Outbox
+from outbox.store import POST_KINDS, Outbox
 
 log = logging.getLogger("leadgate.review")
 
@@ -95,11 +95,24 @@ _CLAIMED, _CLAIM_AUDIT = workitems.moved_with_audit(
 #: the taken row is locked: ``LIMIT 2 ... FOR UPDATE`` would lock the one it only peeked
 #: at too, and a claim running beside it would skip that one and take the queue for
 #: empty while it still held an item.
+_B = t.bindings.c
 _CLAIM_ALONE = sa.select(
     _CLAIMED,
     sa.exists()
     .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
     .label("more"),
+    # The session's active binding when an approval would post there: the approval can
+    # then be one statement too (review.decisions.approve_alone).
+    sa.select(_B.id)
+    .where(
+        _B.session_id == _CLAIMED.c.session_id,
+        _B.active,
+        sa.not_(_B.silent),
+        _B.kind.in_(sorted(POST_KINDS)),
+    )
+    .limit(1)
+    .scalar_subquery()
+    .label("post_binding"),
 ).add_cte(_CLAIM_AUDIT)
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
@@ -199,6 +212,8 @@ class LeadRunner:
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
         self._leads: dict[tuple[str, str | None], Agent] = {}
+        #: PostgreSQL: the posting binding each claim saw (key as :attr:`_leads`)
+        self._posts: dict[tuple[str, str | None], str] = {}
         #: the lead agents read at claims, kept while their tables are unchanged
         self.config = ConfigCache()
 
@@ -324,6 +339,10 @@ class LeadRunner:
             return None
         item = WorkItem.from_row(row[: len(WorkItem._fields)])
         METRICS.transitions.labels(_CLAIM_SRC.value, _CLAIM_DST.value).inc()
+        if row.post_binding is not None:
+            if len(self._posts) > _MAX_LEADS:  # claimed, never reviewed (tests)
+                self._posts.clear()
+            self._posts[item.id, token] = row.post_binding
         lead = self.config.kept_agent(self.db.table_changes, item.org_id, item.lead_agent_id)
         if lead is not None:
             self._keep_lead(item, token, lead)
@@ -384,7 +403,19 @@ class LeadRunner:
             )  # the lead's reads failed: review it again later
             raise
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
+        actor = f"lead:{item.lead_agent_id}"
+        posts_to = self._posts.pop((item.id, item.lease_token), None)
         try:
+            if (
+                verdict == Verdict.approved
+                and why is None
+                and posts_to is not None
+                and await approve_alone(
+                    self.db, self.outbox, item, posts_to, actor=actor, feedback=feedback
+                )
+            ):
+                self.on_verdict(verdict)
+                return
             async with self.db.tx() as conn:
                 try:
                     await commit_verdict(
@@ -392,7 +423,7 @@ class LeadRunner:
                         self.outbox,
                         item,
                         verdict,
-                        actor=f"lead:{item.lead_agent_id}",
+                        actor=actor,
                         feedback=feedback if why is None else why,
                         src=Status.reviewing,
                         lease_token=item.lease_token,

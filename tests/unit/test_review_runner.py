@@ -13,16 +13,19 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from binding.bindings import active_binding, deactivate_session
 from leadgate.core.clock import MINUTE_MS, FakeClock, RandomIds
 from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.review import decisions
@@ -33,9 +36,9 @@ from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
-from outbox.store import Outbox
+from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
 from tests.fakes import DownAloneFor, DownFor
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
@@ -278,6 +281,118 @@ async def test_a_runner_that_lost_its_lease_commits_nothing(stack: Stack) -> Non
     await first.review(stale)  # still nothing: the item is no longer reviewing
     assert len(await deliveries(stack, item_id)) == 1
     assert (await actions(stack, item_id)).count("approve") == 1
+
+
+async def submit_slack(stack: Stack, org: Org, worker: dict[str, Any], ts: str) -> str:
+    """A ``#complete`` turn in Slack thread ``ts``: the item's answer will be a post."""
+    out = await stack.turns.run(slack_trigger(org, worker, f"task {ts} #complete", ts))
+    assert isinstance(out, Gated) and out.work_item_id
+    return out.work_item_id
+
+
+async def test_a_slack_approval_writes_its_post_claimed_for_this_process(stack: Stack) -> None:
+    """The lead approves a Slack-bound item: approved, audited, and the post written on
+    the session's binding already claimed for this process's relay, which gets it after
+    commit. On PostgreSQL all of it is one statement outside a transaction block."""
+    org, lead, worker = await setup(stack)
+    item_id = await submit_slack(stack, org, worker, "5.1")
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.outbox.attach(relay)
+    try:
+        claimed = await stack.lead_runner.claim()
+        assert claimed is not None and claimed.id == item_id
+        with stack.db.record_statements() as statements:
+            await stack.lead_runner.review(claimed)
+    finally:
+        stack.outbox.attach(None)
+        stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    item = await row(stack, item_id)
+    assert (item["status"], item["lease_token"]) == ("approved", None)
+    [post] = await deliveries(stack, item_id)
+    async with stack.db.read() as conn:
+        binding = await active_binding(conn, item["session_id"])
+    assert binding is not None
+    assert (post["kind"], post["action"], post["channel"]) == ("gating", "post", "slack")
+    assert (post["binding_id"], post["address"]) == (binding.id, binding.address)
+    assert post["text"] == item["snapshot"] == "Echo: task 5.1 #complete"
+    assert (post["status"], post["lease_token"], post["attempts"]) == (
+        "sending",
+        relay.handoff_token,
+        1,
+    )
+    assert [r.id for r in relay.take_handed()] == [post["id"]]
+    last = (await audit(stack, item_id))[-1]
+    assert (last["action"], last["from_status"], last["to_status"], last["actor"]) == (
+        "approve",
+        "reviewing",
+        "approved",
+        f"lead:{lead['id']}",
+    )
+    if stack.db.is_postgres:
+        assert [sql.split()[0] for sql in statements].count("BEGIN") == 0, statements
+
+
+async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(stack: Stack) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit_slack(stack, org, worker, "5.2")
+    listener = None
+    heard: list[str] = []
+    if stack.db.is_postgres:
+        listener = await asyncpg.connect(asyncpg_dsn(stack.db.url))
+        await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.append(args[2]))
+    try:
+        stack.relay.take_poke()
+        assert await drain(stack.lead_runner) == 1
+        [post] = await deliveries(stack, item_id)
+        assert (post["status"], post["lease_token"], post["attempts"]) == ("pending", None, 0)
+        assert stack.relay.take_poke()  # this process's relay, at commit
+        if listener is not None:  # and the other replicas' relays
+            for _ in range(100):
+                if heard:
+                    break
+                await asyncio.sleep(0.01)
+            assert heard == [NOTIFY_CHANNEL]
+    finally:
+        if listener is not None:
+            await listener.close()
+
+
+async def test_an_approval_whose_binding_went_away_after_the_claim_posts_nowhere(
+    stack: Stack,
+) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit_slack(stack, org, worker, "5.3")
+    claimed = await stack.lead_runner.claim()
+    assert claimed is not None
+    async with stack.db.tx() as conn:
+        assert await deactivate_session(conn, claimed.session_id) == 1
+    await stack.lead_runner.review(claimed)
+    # As the transaction decides (SPEC 6): a post with no binding, which the relay fails.
+    [post] = await deliveries(stack, item_id)
+    assert (post["action"], post["channel"], post["binding_id"]) == ("post", "none", None)
+    assert (await row(stack, item_id))["status"] == "approved"
+
+
+async def test_a_runner_that_lost_the_lease_of_a_slack_item_writes_no_post(stack: Stack) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit_slack(stack, org, worker, "5.4")
+    first = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    second = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    stale = await first.claim()
+    assert stale is not None
+    clock(stack).advance(20 * MINUTE_MS + 1)
+    assert await second.expire_leases() == 1
+    fresh = await second.claim()
+    assert fresh is not None
+    audit_before = await audit(stack, item_id)
+    await first.review(stale)  # the verdict is dropped
+    assert await deliveries(stack, item_id) == []
+    assert await audit(stack, item_id) == audit_before
+    item = await row(stack, item_id)
+    assert (item["status"], item["lease_token"]) == ("reviewing", fresh.lease_token)
+    await second.review(fresh)
+    assert len(await deliveries(stack, item_id)) == 1
 
 
 async def test_changes_requested_dispatches_feedback_then_approves(stack: Stack) -> None:
@@ -774,6 +889,28 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
     assert await drain(stack.lead_runner) == 1
     assert (await row(stack, item_id))["status"] == "completed"
     assert (await actions(stack, item_id)).count("leaseReleased") == 1
+
+
+async def test_an_approval_whose_commit_is_uncertain_posts_once(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org, _, worker = await setup(stack)
+    item_id = await submit_slack(stack, org, worker, "6.1")
+    claimed = await stack.lead_runner.claim()
+    assert claimed is not None
+    if stack.db.is_postgres:  # the approval is one statement outside a transaction block
+        alone = DownAloneFor(stack.db.write_alone, 1, after_commit=True)
+        monkeypatch.setattr(stack.db, "write_alone", alone)
+    else:
+        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    with pytest.raises(Unavailable):
+        await stack.lead_runner.review(claimed)
+    # The approval did land: giving the item back to the queue finds it approved.
+    await drain(stack.lead_runner)
+    assert (await row(stack, item_id))["status"] == "approved"
+    assert len(await deliveries(stack, item_id)) == 1
+    assert (await actions(stack, item_id)).count("approve") == 1
+    assert "leaseReleased" not in await actions(stack, item_id)
 
 
 # ------------------------------------------------------------ passes that find nothing
