@@ -85,20 +85,44 @@ async def open_session(
     params = {"p_agent_id": agent_id, "p_key": key}
     row = (await conn.execute(SESSION_AND_BINDING, params)).first()
     if row is None:
-        session_id = ids.new("ses")
-        session = {
-            "id": session_id,
-            "org_id": org_id,
-            "agent_id": agent_id,
-            "key": key,
-            "created_at": clock.now_ms(),
-        }
+        session = session_values(clock, ids, org_id, agent_id, key)
+        session_id = session["id"]
         res = await conn.execute(insert_ignore_stmt(conn.dialect.name, t.sessions), session)
         if res.rowcount == 1:
             return OpenSession(session_id, None, True)
         # Another transaction created it first (PostgreSQL: we waited for its commit).
         row = (await conn.execute(SESSION_AND_BINDING, params)).one()
     return session_from_row(row)
+
+
+def session_values(
+    clock: Clock, ids: IdFactory, org_id: str, agent_id: str, key: str
+) -> dict[str, Any]:
+    """A new ``sessions`` row of (agent, key)."""
+    return {
+        "id": ids.new("ses"),
+        "org_id": org_id,
+        "agent_id": agent_id,
+        "key": key,
+        "created_at": clock.now_ms(),
+    }
+
+
+def binding_values(
+    clock: Clock, ids: IdFactory, org_id: str, session_id: str, spec: BindingSpec
+) -> dict[str, Any]:
+    """A new active ``bindings`` row of ``spec`` for the session."""
+    return {
+        "id": ids.new("bnd"),
+        "org_id": org_id,
+        "session_id": session_id,
+        "kind": spec.kind.value,
+        "address": spec.address,
+        "silent": spec.silent,
+        "route_id": spec.route_id,
+        "active": True,
+        "created_at": clock.now_ms(),
+    }
 
 
 def is_unchanged(current: Any, spec: BindingSpec) -> bool:
@@ -158,22 +182,9 @@ async def activate(
         return str(current.id)
     if current is not None:
         await conn.execute(_DEACTIVATE, {"p_id": current.id, "active": False})
-    binding_id = ids.new("bnd")
-    await conn.execute(
-        _INSERT_BINDING,
-        {
-            "id": binding_id,
-            "org_id": org_id,
-            "session_id": session_id,
-            "kind": spec.kind.value,
-            "address": spec.address,
-            "silent": spec.silent,
-            "route_id": spec.route_id,
-            "active": True,
-            "created_at": clock.now_ms(),
-        },
-    )
-    return binding_id
+    values = binding_values(clock, ids, org_id, session_id, spec)
+    await conn.execute(_INSERT_BINDING, values)
+    return str(values["id"])
 
 
 async def active_binding(conn: Conn, session_id: str) -> Binding | None:

@@ -130,21 +130,53 @@ async def audit(
     surface and the platform identity)."""
     await conn.execute(
         _INSERT_AUDIT,
-        {
-            "id": ids.new("aud"),
-            "org_id": org_id,
-            "work_item_id": work_item_id,
-            "delivery_id": delivery_id,
-            "actor": actor,
-            "action": action,
-            "from_status": from_status,
-            "to_status": to_status,
-            "text": text,
-            "created_at": clock.now_ms(),
-            "surface": surface,
-            "identity": identity,
-        },
+        audit_values(
+            clock,
+            ids,
+            org_id=org_id,
+            actor=actor,
+            action=action,
+            work_item_id=work_item_id,
+            delivery_id=delivery_id,
+            from_status=from_status,
+            to_status=to_status,
+            text=text,
+            surface=surface,
+            identity=identity,
+        ),
     )
+
+
+def audit_values(
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    actor: str,
+    action: str,
+    work_item_id: str | None = None,
+    delivery_id: str | None = None,
+    from_status: str | None = None,
+    to_status: str | None = None,
+    text: str | None = None,
+    surface: str | None = None,
+    identity: str | None = None,
+) -> dict[str, Any]:
+    """A new ``audit`` row, as :func:`audit` appends it."""
+    return {
+        "id": ids.new("aud"),
+        "org_id": org_id,
+        "work_item_id": work_item_id,
+        "delivery_id": delivery_id,
+        "actor": actor,
+        "action": action,
+        "from_status": from_status,
+        "to_status": to_status,
+        "text": text,
+        "created_at": clock.now_ms(),
+        "surface": surface,
+        "identity": identity,
+    }
 
 
 async def transition(

@@ -28,11 +28,15 @@ missing or its binding differs it writes nothing and the transaction runs instea
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
@@ -42,7 +46,7 @@ from leadgate.core.types import BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
-from leadgate.domain import policy, workitems
+from leadgate.domain import policy, session_events, workitems
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.rows import Agent, WorkItem
@@ -50,7 +54,7 @@ from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
 from leadgate.turns.history import HistoryCache, store_into_window, to_message
-from leadgate.turns.messages import store_message
+from leadgate.turns.messages import message_values, store_message
 from leadgate.turns.providers.base import ChatMessage
 
 # Hot statements, built once: building a statement and its cache key costs about as much
@@ -80,6 +84,90 @@ class Accepted:
 IntakeResult = Accepted | Busy | Duplicate
 #: Bindings whose clients wait for the answer and retry a cut turn themselves.
 _CLIENT_KINDS = frozenset({BindingKind.api, BindingKind.studio})
+
+
+#: Sessions (agent id, key) this process opened or saw lately: their next intake skips
+#: :meth:`Intake._take_new`, whose statement would find them and write nothing.
+MAX_SEEN_SESSIONS = 4096
+
+
+@functools.lru_cache(maxsize=16)
+def _new_session_alone(shape: tuple[tuple[str, tuple[str, ...]], ...]) -> sa.Select[Any]:
+    """PostgreSQL: the rows of a new session's intake (``shape``: each table with the
+    columns its row sets, ``sessions`` first) as one statement, each row inserted only
+    when the session is (``INSERT ... ON CONFLICT DO NOTHING``): when (agent, key) exists
+    already nothing is written. Parameters are ``<table>_<column>``. Built from the
+    same row builders the intake transaction uses, so both write the same rows."""
+    (first, session_columns), *others = shape
+    if first != "sessions":
+        raise ValueError("the session's row comes first")
+
+    def param(table: sa.Table, column: str) -> Any:
+        return sa.bindparam(f"{table.name}_{column}", type_=table.c[column].type)
+
+    created = (
+        pg_insert(t.sessions)
+        .values({c: param(t.sessions, c) for c in session_columns})
+        .on_conflict_do_nothing()
+        .returning(t.sessions.c.id)
+        .cte("new_session")
+    )
+    rows = []
+    for name, columns in others:
+        table = t.metadata.tables[name]
+        selected = sa.select(*[param(table, c) for c in columns]).select_from(created)
+        rows.append(
+            table.insert()
+            .from_select([table.c[c] for c in columns], selected, include_defaults=False)
+            .cte(f"new_{name}")
+        )
+    return sa.select(created.c.id).add_cte(*rows)
+
+
+def _recorded(kind: BindingKind, gated: bool) -> bool:
+    """Whether a turn through ``kind`` is recorded as a run (``turn_runs``)."""
+    return kind.is_channel or (gated and kind in _CLIENT_KINDS)
+
+
+def _item_values(
+    item_id: str,
+    trigger: Trigger,
+    agent: Agent,
+    lead: LeadConfig,
+    session_id: str,
+    binding_id: str,
+    now: int,
+) -> dict[str, Any]:
+    """A new ``inProgress`` work item of ``trigger``'s message."""
+    return {
+        "id": item_id,
+        "org_id": trigger.org_id,
+        "agent_id": agent.id,
+        "session_id": session_id,
+        "lead_agent_id": lead.lead_agent_id,
+        "status": Status.inProgress.value,
+        "completion_policy": lead.completion_policy.value,
+        "max_revision_rounds": lead.max_revision_rounds,
+        "revision": 0,
+        "extra_allowance": 0,
+        "task_context": trigger.text[:TASK_CONTEXT_LIMIT],
+        "binding_id": binding_id,
+        "lease_expiries": 0,
+        "last_activity_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _created(trigger: Trigger, item_id: str) -> dict[str, Any]:
+    """The arguments of a new item's ``create`` audit row."""
+    return {
+        "org_id": trigger.org_id,
+        "actor": "system:intake",
+        "action": "create",
+        "work_item_id": item_id,
+        "to_status": Status.inProgress.value,
+    }
 
 
 @dataclass
@@ -124,6 +212,8 @@ class Intake:
         self.owner = owner
         #: the agent and policy rules of recent intakes (SQLite; see its module)
         self.config = ConfigCache()
+        #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
+        self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     async def take(self, trigger: Trigger) -> IntakeResult:
         """Take ``trigger`` in (one transaction on the inline connection on SQLite).
@@ -142,6 +232,10 @@ class Intake:
             plain = await self._take_plain(trigger)
             if plain is not None:
                 return plain
+        if self.db.is_postgres:
+            opened = await self._take_new(trigger)
+            if opened is not None:
+                return opened
         now = self.clock.now_ms()
         async with self.db.tx() as conn:
             agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
@@ -199,30 +293,17 @@ class Intake:
             turn_id = self.ids.new("turn")
             run_token = None
             kind = trigger.binding.kind
-            if kind.is_channel or (lead is not None and kind in _CLIENT_KINDS):
+            if _recorded(kind, lead is not None):
                 # Recorded: if this process dies before the turn's last transaction, the
                 # recovery runner takes the run over (leadgate.turns.runs).
-                run_token = self.ids.new("lease")
-                await runs.record(
-                    conn,
-                    {
-                        "id": self.ids.new("run"),
-                        "org_id": trigger.org_id,
-                        "agent_id": agent.id,
-                        "session_id": session_id,
-                        "binding_id": binding_id,
-                        "work_item_id": item_id,
-                        "message_id": message_id,
-                        "policy": runs.RERUN if kind.is_channel else runs.CLIENT,
-                        "turn_id": turn_id,
-                        "lease_owner": self.owner(),
-                        "lease_token": run_token,
-                        "lease_expires_at": now + runs.RUN_LEASE_MS,
-                        "attempts": 1,
-                        "created_at": now,
-                    },
+                run = self._run_values(
+                    trigger, agent, session_id, binding_id, item_id, message_id, turn_id, now
                 )
+                run_token = run["lease_token"]
+                await runs.record(conn, run)
             rules = await self.config.rules(conn, trigger.org_id)
+            if self.db.is_postgres:
+                self._saw(agent.id, trigger.session_key)
             if new_session:
                 # Its only message is the one just stored.
                 history = [to_message("user", trigger.text)]
@@ -242,6 +323,106 @@ class Intake:
             run_fenced=run_token is not None and kind.is_channel,
         )
         return Accepted(ctx, agent, lead is not None, rules, history)
+
+    async def _take_new(self, trigger: Trigger) -> Accepted | None:
+        """PostgreSQL: the intake of a message that opens a new session, as one
+        statement outside a transaction block (:func:`_new_session_alone`): the session,
+        its binding, the inbound event, the work item and its ``create`` audit row (a
+        worker with a lead), the user message and its session event, and the run. One
+        round trip where the transaction took eleven (``BEGIN``, the session's lookup
+        and its insert, seven rows, the event, ``COMMIT``). None, with nothing written,
+        when the transaction must decide: the agent or its lead are not kept (no
+        connection is taken for them here), the agent is inactive, or the session exists
+        (it was seen here lately, or the statement finds it)."""
+        known = self.config.known(self.db.table_changes, trigger.org_id, trigger.agent_id)
+        if known is None:
+            return None
+        agent, lead, rules = known
+        key = trigger.session_key
+        if not agent.active or (agent.id, key) in self._seen:
+            return None
+        now = self.clock.now_ms()
+        clock, ids, org_id, kind = self.clock, self.ids, trigger.org_id, trigger.binding.kind
+        # Every column given: defaults computed in Python are not applied inside a CTE.
+        session = {
+            **bindings.session_values(clock, ids, org_id, agent.id, key),
+            "event_seq": 1,
+            "watched_until": 0,
+        }
+        session_id = str(session["id"])
+        binding = bindings.binding_values(clock, ids, org_id, session_id, trigger.binding)
+        binding_id = str(binding["id"])
+        rows: dict[str, dict[str, Any]] = {"sessions": session, "bindings": binding}
+        item_id: str | None = None
+        event = self._event(trigger, agent, session_id, now)
+        if lead is not None:
+            item_id = event.values["work_item_id"] = self.ids.new("wi")
+        if lead is not None or trigger.external_event_id is not None:
+            rows["inbound_events"] = event.values
+        if lead is not None and item_id is not None:
+            rows["work_items"] = _item_values(
+                item_id, trigger, agent, lead, session_id, binding_id, now
+            )
+            rows["audit"] = workitems.audit_values(clock, ids, **_created(trigger, item_id))
+        message = message_values(
+            clock,
+            ids,
+            org_id=org_id,
+            session_id=session_id,
+            work_item_id=item_id,
+            role="user",
+            content=trigger.text,
+        )
+        rows["messages"] = message
+        # Its first event (as store_message queues it, numbered from the session's 0).
+        rows["session_events"] = {
+            "session_id": session_id,
+            "seq": 1,
+            "kind": session_events.MESSAGE,
+            "message_id": message["id"],
+            "status": None,
+            "created_at": now,
+        }
+        turn_id = self.ids.new("turn")
+        run_token: str | None = None
+        if _recorded(kind, lead is not None):
+            run = self._run_values(
+                trigger, agent, session_id, binding_id, item_id, message["id"], turn_id, now
+            )
+            run_token = run["lease_token"]
+            rows["turn_runs"] = run
+        shape = tuple((name, tuple(values)) for name, values in rows.items())
+        try:
+            result = await self.db.write_alone(
+                _new_session_alone(shape),
+                {f"{name}_{c}": v for name, values in rows.items() for c, v in values.items()},
+                # (a new session is nobody's to watch on another replica yet: no NOTIFY)
+                signals=[(session_events.TOPIC, (session_id, True))],
+            )
+        except IntegrityError:
+            return None  # e.g. its external event id was recorded: the transaction decides
+        self._saw(agent.id, key)
+        if result.first() is None:
+            return None
+        ctx = TurnContext(
+            org_id=org_id,
+            agent_id=agent.id,
+            session_id=session_id,
+            binding_id=binding_id,
+            turn_id=turn_id,
+            work_item_id=item_id,
+            revision=0 if item_id is not None else None,
+            binding_posts=kind.is_channel and not trigger.binding.silent,
+            run_token=run_token,
+            run_fenced=run_token is not None and kind.is_channel,
+        )
+        return Accepted(ctx, agent, lead is not None, rules, [to_message("user", trigger.text)])
+
+    def _saw(self, agent_id: str, key: str) -> None:
+        self._seen[agent_id, key] = None
+        self._seen.move_to_end((agent_id, key))
+        if len(self._seen) > MAX_SEEN_SESSIONS:
+            self._seen.popitem(last=False)
 
     async def _take_plain(self, trigger: Trigger) -> Accepted | None:
         """PostgreSQL: a plain turn taken in without a transaction block (see the
@@ -291,6 +472,35 @@ class Intake:
         )
         return Accepted(ctx, agent, False, rules, history)
 
+    def _run_values(
+        self,
+        trigger: Trigger,
+        agent: Agent,
+        session_id: str,
+        binding_id: str,
+        item_id: str | None,
+        message_id: str,
+        turn_id: str,
+        now: int,
+    ) -> dict[str, Any]:
+        """The ``turn_runs`` row recording this turn (a new lease token)."""
+        return {
+            "id": self.ids.new("run"),
+            "org_id": trigger.org_id,
+            "agent_id": agent.id,
+            "session_id": session_id,
+            "binding_id": binding_id,
+            "work_item_id": item_id,
+            "message_id": message_id,
+            "policy": runs.RERUN if trigger.binding.kind.is_channel else runs.CLIENT,
+            "turn_id": turn_id,
+            "lease_owner": self.owner(),
+            "lease_token": self.ids.new("lease"),
+            "lease_expires_at": now + runs.RUN_LEASE_MS,
+            "attempts": 1,
+            "created_at": now,
+        }
+
     def _event(self, trigger: Trigger, agent: Agent, session_id: str, now: int) -> _Event:
         # A plain chat turn (no lead, no external id) writes no event at all: its user
         # message is its record.
@@ -328,35 +538,9 @@ class Intake:
         item_id = new_item_id or self.ids.new("wi")
         await conn.execute(
             _INSERT_WORK_ITEM,
-            {
-                "id": item_id,
-                "org_id": trigger.org_id,
-                "agent_id": agent.id,
-                "session_id": session_id,
-                "lead_agent_id": lead.lead_agent_id,
-                "status": Status.inProgress.value,
-                "completion_policy": lead.completion_policy.value,
-                "max_revision_rounds": lead.max_revision_rounds,
-                "revision": 0,
-                "extra_allowance": 0,
-                "task_context": trigger.text[:TASK_CONTEXT_LIMIT],
-                "binding_id": binding_id,
-                "lease_expiries": 0,
-                "last_activity_at": now,
-                "created_at": now,
-                "updated_at": now,
-            },
+            _item_values(item_id, trigger, agent, lead, session_id, binding_id, now),
         )
-        await workitems.audit(
-            conn,
-            self.clock,
-            self.ids,
-            org_id=trigger.org_id,
-            actor="system:intake",
-            action="create",
-            work_item_id=item_id,
-            to_status=Status.inProgress.value,
-        )
+        await workitems.audit(conn, self.clock, self.ids, **_created(trigger, item_id))
         return item_id, 0
 
     async def _append(

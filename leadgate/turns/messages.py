@@ -39,24 +39,49 @@ async def store_message(
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
     is announced in the session's public event log in the same transaction."""
-    message_id = ids.new("msg")
-    await conn.execute(
-        _INSERT_MESSAGE,
-        {
-            "id": message_id,
-            "org_id": org_id,
-            "session_id": session_id,
-            "work_item_id": work_item_id,
-            "role": role,
-            "content": content,
-            "lead_gated": gated,
-            "tool_name": tool_name,
-            "created_at": clock.now_ms() if created_at is None else created_at,
-        },
+    values = message_values(
+        clock,
+        ids,
+        org_id=org_id,
+        session_id=session_id,
+        work_item_id=work_item_id,
+        role=role,
+        content=content,
+        tool_name=tool_name,
+        gated=gated,
+        created_at=created_at,
     )
+    await conn.execute(_INSERT_MESSAGE, values)
     if role in _VISIBLE_ROLES and not gated:
-        await session_events.message_visible(conn, clock, session_id, message_id)
-    return message_id
+        await session_events.message_visible(conn, clock, session_id, values["id"])
+    return str(values["id"])
+
+
+def message_values(
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    session_id: str,
+    work_item_id: str | None,
+    role: str,
+    content: str,
+    tool_name: str | None = None,
+    gated: bool = False,
+    created_at: int | None = None,
+) -> dict[str, Any]:
+    """A new ``messages`` row (a new id; ``created_at`` defaults to the clock's now)."""
+    return {
+        "id": ids.new("msg"),
+        "org_id": org_id,
+        "session_id": session_id,
+        "work_item_id": work_item_id,
+        "role": role,
+        "content": content,
+        "lead_gated": gated,
+        "tool_name": tool_name,
+        "created_at": clock.now_ms() if created_at is None else created_at,
+    }
 
 
 async def store_visible_alone(

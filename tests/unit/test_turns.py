@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,6 +27,7 @@ from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import REVIEW_CHANNEL, Status, Sweeper
 from leadgate.turns.context import TurnContext
 from leadgate.turns.history import _STORE_INTO_WINDOW, store_into_window
+from leadgate.turns.intake import Accepted, Intake
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
@@ -375,6 +378,128 @@ async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
     async with stack.db.tx() as conn:  # EXPLAIN is no SELECT for Database.read()
         plan = "\n".join(r[0] for r in await conn.execute(statement, params))
     assert "Index Scan Backward" in plan and "Sort" not in plan, plan
+
+
+_ID = re.compile(r"^[a-z]+_[0-9a-f]{16,}$")
+_OPENED = (
+    t.sessions,
+    t.bindings,
+    t.inbound_events,
+    t.work_items,
+    t.messages,
+    t.turn_runs,
+    t.session_events,
+)
+
+
+async def opened_rows(stack: Stack, session_id: str, key: str, ts: str) -> list[Any]:
+    """Every row an intake wrote for a new session, ids numbered by first appearance
+    and the session key (and thread) replaced, so that two sessions' rows compare."""
+    names: dict[str, str] = {}
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: norm(v) for k, v in value.items()}
+        if isinstance(value, str) and _ID.match(value):
+            return names.setdefault(value, f"<id{len(names)}>")
+        if isinstance(value, str):
+            return value.replace(key, "<key>").replace(ts, "<ts>")
+        return value
+
+    out: list[Any] = []
+    async with stack.db.read() as conn:
+        for table in (*_OPENED, t.audit):
+            if table is t.sessions:
+                where = table.c.id == session_id
+            elif table is t.audit:
+                items = sa.select(t.work_items.c.id).where(t.work_items.c.session_id == session_id)
+                where = table.c.work_item_id.in_(items)
+            else:
+                where = table.c.session_id == session_id
+            rows = (await conn.execute(sa.select(table).where(where))).all()
+            out.append((table.name, [{k: norm(v) for k, v in r._mapping.items()} for r in rows]))
+    return out
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize(
+    ("gated", "kind"), [(True, "api"), (True, "slack"), (False, "slack"), (False, "api")]
+)
+async def test_a_new_session_is_opened_in_one_statement_with_the_transactions_rows(
+    rig: tuple[Stack, RecordingProvider], monkeypatch: pytest.MonkeyPatch, gated: bool, kind: str
+) -> None:
+    """PostgreSQL: a message that opens a session is taken in by one statement outside a
+    transaction block (Intake._take_new), which writes exactly the rows the intake
+    transaction writes, and the turn runs with the same context and history."""
+    stack, _ = rig
+    await stack.listen_for_changes()  # as the service: the intake keeps the agent
+    org = await make_org(stack)
+    agent = await lead_worker(stack, org) if gated else await make_agent(stack, org, "plain")
+
+    def trigger(n: int) -> Trigger:
+        if kind == "api":
+            return api_trigger(org, agent, "hello there", session=f"key-{n}")
+        return slack_trigger(org, agent, "hello there", f"{n}.1")
+
+    await stack.turns.take(trigger(0))  # the agent and the rules are kept from here on
+    with stack.db.record_statements() as statements:
+        alone = await stack.turns.take(trigger(1))
+    # (a plain REST turn first tries the existing session's one statement: none)
+    assert len(statements) == (2 if kind == "api" and not gated else 1), statements
+    assert "new_session" in statements[-1]
+
+    async def by_transaction(self: Intake, trigger: Trigger) -> None:
+        return None
+
+    monkeypatch.setattr(Intake, "_take_new", by_transaction)
+    with stack.db.record_statements() as statements:
+        taken = await stack.turns.take(trigger(2))
+    assert "BEGIN" in [sql.split()[0] for sql in statements]
+    assert isinstance(alone, Accepted) and isinstance(taken, Accepted)
+    assert await opened_rows(stack, alone.ctx.session_id, trigger(1).session_key, "1.1") == (
+        await opened_rows(stack, taken.ctx.session_id, trigger(2).session_key, "2.1")
+    )
+    for field in ("revision", "binding_posts", "run_fenced"):
+        assert getattr(alone.ctx, field) == getattr(taken.ctx, field), field
+    assert (alone.ctx.run_token is None) == (taken.ctx.run_token is None)
+    assert (alone.ctx.work_item_id is None) == (taken.ctx.work_item_id is None) == (not gated)
+    assert (alone.gated, alone.rules, alone.history) == (taken.gated, taken.rules, taken.history)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_session_another_process_opened_is_left_to_the_transaction(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """Another process's intake, which has not seen the session: its one statement finds
+    the session and writes nothing; the transaction then de-duplicates a redelivered
+    event and appends a new message to the session's item."""
+    stack, _ = rig
+    await stack.listen_for_changes()
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    other = TurnService(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    await other.take(slack_trigger(org, worker, "warm up", "9.0"))  # keeps the agent
+    first = slack_trigger(org, worker, "draft it", "9.1")
+    taken = await stack.turns.take(first)
+    assert isinstance(taken, Accepted)
+    with stack.db.record_statements() as statements:
+        assert isinstance(await other.take(first), Duplicate)
+    assert "new_session" in statements[0] and statements[1] == "BEGIN"
+    follow_up = dataclasses.replace(
+        first, text="and add tests", external_event_id=f"{first.external_event_id}:2"
+    )
+    appended = await other.take(follow_up)
+    assert isinstance(appended, Accepted)
+    assert (appended.ctx.session_id, appended.ctx.work_item_id) == (
+        taken.ctx.session_id,
+        taken.ctx.work_item_id,
+    )
+    sessions = await select_all(
+        stack, sa.select(t.sessions).where(t.sessions.c.key == first.session_key)
+    )
+    assert len(sessions) == 1
+    [item] = [i for i in await items(stack, worker) if i["id"] == taken.ctx.work_item_id]
+    assert item["task_context"] == "draft it\n\nand add tests"
 
 
 async def test_intake_creates_then_appends_with_the_50k_cap(
