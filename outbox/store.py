@@ -97,12 +97,18 @@ def action_for(binding: Binding | None) -> tuple[str, str]:
     return "post", kind.value
 
 
+def _kinds(action: str) -> frozenset[str]:
+    return frozenset(
+        kind.value
+        for kind in BindingKind
+        if action_for(Binding("", "", "", kind.value, {}, False, None, True, 0))[0] == action
+    )
+
+
 #: Binding kinds whose (not silent) binding gets its approved answer as a channel post.
-POST_KINDS = frozenset(
-    kind.value
-    for kind in BindingKind
-    if action_for(Binding("", "", "", kind.value, {}, False, None, True, 0))[0] == "post"
-)
+POST_KINDS = _kinds("post")
+#: Binding kinds whose (not silent) binding sees its approved answer revealed.
+REVEAL_KINDS = _kinds("reveal")
 
 
 class Gating(NamedTuple):

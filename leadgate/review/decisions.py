@@ -26,7 +26,10 @@ from outbox.channel import CardOutcome
 from outbox.store import (
     HANDOFF_TOPIC,
     NOTIFY_CHANNEL,
+    OUTBOX_ACTOR,
     OUTBOX_TOPIC,
+    POST_KINDS,
+    REVEAL_KINDS,
     Outbox,
     cancel_for_item,
     recover,
@@ -164,26 +167,117 @@ def _approve_alone() -> sa.TextClause:
 _APPROVE_ALONE = _approve_alone()
 
 
+def _reveal_alone() -> sa.TextClause:
+    """PostgreSQL: a lead's approval of an item whose answer is revealed (an api or
+    studio binding), with that internal delivery done, as one statement outside a
+    transaction block (:func:`approve_alone`)."""
+    for src, dst in ((Status.reviewing, Status.approved), (Status.approved, Status.completed)):
+        if not workitems.allowed(src, dst):
+            raise TransitionError(
+                f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+            )
+    delivered = session_events.public_status(Status.completed.value, 0)
+    if delivered is None or session_events.public_status(Status.reviewing.value, 0) == delivered:
+        raise TransitionError("completing an item must change its public status", rule="event")
+    return sa.text(
+        "WITH b AS MATERIALIZED ("
+        " SELECT id, kind, address FROM bindings"
+        " WHERE id = :binding AND session_id = :session AND active AND NOT silent"
+        # One update for both moves (reviewing -> approved -> completed): a statement
+        # cannot change a row twice. Each move has its audit row, as in the transaction.
+        "), done AS ("
+        " UPDATE work_items SET status = :completed, lease_token = NULL,"
+        " lease_expires_at = NULL, updated_at = :now"
+        " WHERE id = :item AND status = :reviewing AND lease_token = :lease"
+        " AND EXISTS (SELECT 1 FROM b)"
+        " RETURNING id, org_id, session_id, gated_message_id"
+        "), audit_rows AS ("
+        " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action,"
+        " from_status, to_status, text, created_at)"
+        " SELECT CAST(:audit_approve AS varchar), org_id, id, NULL, CAST(:actor AS varchar),"
+        " 'approve', CAST(:reviewing AS varchar), CAST(:approved AS varchar),"
+        " CAST(:feedback AS varchar), CAST(:now AS bigint) FROM done"
+        " UNION ALL"
+        " SELECT CAST(:audit_delivered AS varchar), org_id, id, NULL,"
+        " CAST(:outbox_actor AS varchar), 'delivered', CAST(:approved AS varchar),"
+        " CAST(:completed AS varchar), NULL, CAST(:now AS bigint) FROM done"
+        "), delivery AS ("
+        " INSERT INTO deliveries (id, org_id, work_item_id, kind, action, channel,"
+        " binding_id, address, text, status, attempts, next_attempt_at, created_at,"
+        " updated_at)"
+        " SELECT CAST(:d_id AS varchar), done.org_id, done.id, 'gating', 'reveal', b.kind,"
+        " b.id, b.address, CAST(:d_text AS text), 'sent', 1, CAST(:now AS bigint),"
+        " CAST(:now AS bigint), CAST(:now AS bigint) FROM done CROSS JOIN b"
+        "), revealed AS ("
+        " UPDATE messages SET lead_gated = false FROM done"
+        " WHERE messages.id = done.gated_message_id"
+        " RETURNING messages.id, messages.session_id"
+        # The session's events as the transaction numbers them: the message, then the
+        # item delivered.
+        "), ev_s AS ("
+        " UPDATE sessions SET event_seq = sessions.event_seq + 1"
+        " + (SELECT count(*) FROM revealed)"
+        " FROM done WHERE sessions.id = done.session_id"
+        " RETURNING sessions.id, sessions.event_seq, sessions.watched_until"
+        "), ev_rows AS ("
+        " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+        " SELECT ev_s.id, ev_s.event_seq - 1, :message_kind, revealed.id, NULL,"
+        " CAST(:now AS bigint) FROM ev_s CROSS JOIN revealed"
+        " UNION ALL"
+        " SELECT ev_s.id, ev_s.event_seq, :review_kind, NULL, :delivered, CAST(:now AS bigint)"
+        " FROM ev_s"
+        ")"
+        " SELECT ev_s.id AS session_id, (SELECT count(*) FROM revealed) AS revealed, "
+        + session_events.notify_if_watched("ev_s", ":events_channel", "ev_s.id || ' m'")
+        + " AS notified FROM ev_s"
+    ).bindparams(
+        reviewing=Status.reviewing.value,
+        approved=Status.approved.value,
+        completed=Status.completed.value,
+        outbox_actor=OUTBOX_ACTOR,
+        message_kind=session_events.MESSAGE,
+        review_kind=session_events.REVIEW,
+        delivered=delivered,
+        events_channel=session_events.NOTIFY_CHANNEL,
+    )
+
+
+_REVEAL_ALONE = _reveal_alone()
+
+
 async def approve_alone(
     db: Database,
     outbox: Outbox,
     item: WorkItem,
     binding_id: str,
+    binding_kind: str,
     *,
     actor: str,
     feedback: str | None,
 ) -> bool:
     """PostgreSQL: :func:`commit_verdict` of a lead's approval of ``item`` (``reviewing``
-    under its lease) whose gating delivery is a channel post on ``binding_id``, as one
-    statement outside a transaction block: the fenced move to ``approved``, its audit row
-    and the delivery (claimed for this process's relay when it has room, else announced
-    to every relay). One round trip where the transaction took six or seven (``BEGIN``,
-    the move, its audit row, the binding, the delivery, the relays' NOTIFY, ``COMMIT``).
-    ``reviewing -> approved`` changes no public status: no session event.
+    under its lease) as one statement outside a transaction block, when its gating
+    delivery on ``binding_id`` (of ``binding_kind``, as the claim saw it) is one of:
 
-    False, with nothing written, when the lease is lost or the binding is no longer the
-    session's active, posting one: :func:`commit_verdict` then decides as before."""
+    * a channel post: the fenced move to ``approved``, its audit row and the delivery
+      (claimed for this process's relay when it has room, else announced to every
+      relay). One round trip where the transaction took six or seven (``BEGIN``, the
+      move, its audit row, the binding, the delivery, the relays' NOTIFY, ``COMMIT``).
+      ``reviewing -> approved`` changes no public status: no session event.
+    * a reveal (:func:`_reveal`): the item approved and completed with both audit rows,
+      the delivery ``sent``, the withheld answer visible, the session's two events.
+      One round trip where the transaction took ten.
+
+    False, with nothing written, for another binding, when the lease is lost, or when
+    the binding is no longer the session's active one: :func:`commit_verdict` then
+    decides as before."""
     if not db.is_postgres:
+        return False
+    if binding_kind in REVEAL_KINDS:
+        return await _reveal(
+            db, outbox, item, binding_id, binding_kind, actor=actor, feedback=feedback
+        )
+    if binding_kind not in POST_KINDS:
         return False
     now = outbox.clock.now_ms()
     values = outbox.post_values(item, now)
@@ -229,6 +323,43 @@ async def approve_alone(
     if result.first() is None:
         return False
     METRICS.transitions.labels(Status.reviewing.value, Status.approved.value).inc()
+    return True
+
+
+async def _reveal(
+    db: Database,
+    outbox: Outbox,
+    item: WorkItem,
+    binding_id: str,
+    channel: str,
+    *,
+    actor: str,
+    feedback: str | None,
+) -> bool:
+    now = outbox.clock.now_ms()
+    result = await db.write_alone(
+        _REVEAL_ALONE,
+        {
+            "binding": binding_id,
+            "session": item.session_id,
+            "item": item.id,
+            "lease": item.lease_token,
+            "now": now,
+            "audit_approve": outbox.ids.new("aud"),
+            "audit_delivered": outbox.ids.new("aud"),
+            "actor": actor,
+            "feedback": feedback,
+            "d_id": outbox.ids.new("dlv"),
+            "d_text": item.snapshot or item.summary or "",
+        },
+        signals_from=lambda row: [(session_events.TOPIC, (row.session_id, bool(row.revealed)))],
+    )
+    row = result.first()
+    if row is None:
+        return False
+    METRICS.transitions.labels(Status.reviewing.value, Status.approved.value).inc()
+    METRICS.transitions.labels(Status.approved.value, Status.completed.value).inc()
+    METRICS.deliveries.labels(channel, "sent").inc()
     return True
 
 

@@ -35,7 +35,7 @@ from leadgate.turns.providers.base import (
     ToolSpec,
 )
 from leadgate.turns.providers.registry import ProviderRegistry
-from outbox.store import POST_KINDS, Outbox
+from outbox.store import POST_KINDS, REVEAL_KINDS, Outbox
 
 log = logging.getLogger("leadgate.review")
 
@@ -101,18 +101,22 @@ _CLAIM_ALONE = sa.select(
     sa.exists()
     .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
     .label("more"),
-    # The session's active binding when an approval would post there: the approval can
-    # then be one statement too (review.decisions.approve_alone).
-    sa.select(_B.id)
-    .where(
-        _B.session_id == _CLAIMED.c.session_id,
-        _B.active,
-        sa.not_(_B.silent),
-        _B.kind.in_(sorted(POST_KINDS)),
-    )
-    .limit(1)
-    .scalar_subquery()
-    .label("post_binding"),
+    # The session's active binding (and its kind) when an approval would post there or
+    # reveal the answer: the approval can then be one statement too
+    # (review.decisions.approve_alone).
+    *(
+        sa.select(column)
+        .where(
+            _B.session_id == _CLAIMED.c.session_id,
+            _B.active,
+            sa.not_(_B.silent),
+            _B.kind.in_(sorted(POST_KINDS | REVEAL_KINDS)),
+        )
+        .limit(1)
+        .scalar_subquery()
+        .label(label)
+        for column, label in ((_B.id, "gating_binding"), (_B.kind, "gating_kind"))
+    ),
 ).add_cte(_CLAIM_AUDIT)
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
@@ -212,8 +216,9 @@ class LeadRunner:
         self._next_expiry_check = 0
         #: the lead agent read in a claim's transaction, by (item id, lease token)
         self._leads: dict[tuple[str, str | None], Agent] = {}
-        #: PostgreSQL: the posting binding each claim saw (key as :attr:`_leads`)
-        self._posts: dict[tuple[str, str | None], str] = {}
+        #: PostgreSQL: the posting or revealing binding (id, kind) each claim saw (key as
+        #: :attr:`_leads`)
+        self._gating: dict[tuple[str, str | None], tuple[str, str]] = {}
         #: the lead agents read at claims, kept while their tables are unchanged
         self.config = ConfigCache()
 
@@ -339,10 +344,10 @@ class LeadRunner:
             return None
         item = WorkItem.from_row(row[: len(WorkItem._fields)])
         METRICS.transitions.labels(_CLAIM_SRC.value, _CLAIM_DST.value).inc()
-        if row.post_binding is not None:
-            if len(self._posts) > _MAX_LEADS:  # claimed, never reviewed (tests)
-                self._posts.clear()
-            self._posts[item.id, token] = row.post_binding
+        if row.gating_binding is not None:
+            if len(self._gating) > _MAX_LEADS:  # claimed, never reviewed (tests)
+                self._gating.clear()
+            self._gating[item.id, token] = (row.gating_binding, row.gating_kind)
         lead = self.config.kept_agent(self.db.table_changes, item.org_id, item.lead_agent_id)
         if lead is not None:
             self._keep_lead(item, token, lead)
@@ -404,14 +409,14 @@ class LeadRunner:
             raise
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
         actor = f"lead:{item.lead_agent_id}"
-        posts_to = self._posts.pop((item.id, item.lease_token), None)
+        gating = self._gating.pop((item.id, item.lease_token), None)
         try:
             if (
                 verdict == Verdict.approved
                 and why is None
-                and posts_to is not None
+                and gating is not None
                 and await approve_alone(
-                    self.db, self.outbox, item, posts_to, actor=actor, feedback=feedback
+                    self.db, self.outbox, item, *gating, actor=actor, feedback=feedback
                 )
             ):
                 self.on_verdict(verdict)

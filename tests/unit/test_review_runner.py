@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -372,6 +373,78 @@ async def test_an_approval_whose_binding_went_away_after_the_claim_posts_nowhere
     [post] = await deliveries(stack, item_id)
     assert (post["action"], post["channel"], post["binding_id"]) == ("post", "none", None)
     assert (await row(stack, item_id))["status"] == "approved"
+
+
+_ID = re.compile(r"^[a-z]+_[0-9a-f]{16,}$")
+
+
+async def item_rows(stack: Stack, item_id: str, key: str) -> list[Any]:
+    """What an item's life wrote (the item, its audit rows, deliveries and messages, its
+    session's events), ids numbered by first appearance and the session key replaced."""
+    names: dict[str, str] = {}
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: norm(v) for k, v in value.items()}
+        if isinstance(value, str) and _ID.match(value):
+            return names.setdefault(value, f"<id{len(names)}>")
+        return value.replace(key, "<key>") if isinstance(value, str) else value
+
+    item = await row(stack, item_id)
+    e = t.session_events.c
+    async with stack.db.read() as conn:
+        events = (
+            await conn.execute(
+                sa.select(t.session_events)
+                .where(e.session_id == item["session_id"])
+                .order_by(e.seq)
+            )
+        ).all()
+        texts = (
+            await conn.execute(
+                sa.select(t.messages)
+                .where(t.messages.c.work_item_id == item_id)
+                .order_by(t.messages.c.created_at, t.messages.c.id)
+            )
+        ).all()
+    return [
+        norm(item),
+        [norm(a) for a in await audit(stack, item_id)],
+        [norm(d) for d in await deliveries(stack, item_id)],
+        [norm(dict(m._mapping)) for m in texts],
+        [norm(dict(ev._mapping)) for ev in events],
+    ]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_an_api_approval_in_one_statement_writes_what_the_transaction_writes(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the lead's approval of an api-bound item (the answer revealed, the
+    item completed) is one statement outside a transaction block, which writes exactly
+    what the verdict's transaction writes."""
+    org, _, worker = await setup(stack)
+    one = await submit(stack, org, worker, "task", session="session-one")
+    claimed = await stack.lead_runner.claim()
+    assert claimed is not None and claimed.id == one
+    with stack.db.record_statements() as statements:
+        await stack.lead_runner.review(claimed)
+    # (the lead agent's read first: this stack does not LISTEN for its changes)
+    assert "BEGIN" not in statements and "revealed" in statements[-1], statements
+
+    async def by_transaction(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+    two = await submit(stack, org, worker, "task", session="session-two")
+    claimed = await stack.lead_runner.claim()
+    assert claimed is not None and claimed.id == two
+    with stack.db.record_statements() as statements:
+        await stack.lead_runner.review(claimed)
+    assert "BEGIN" in statements
+    first = await item_rows(stack, one, "session-one")
+    assert first[0]["status"] == "completed"
+    assert first == await item_rows(stack, two, "session-two")
 
 
 async def test_a_runner_that_lost_the_lease_of_a_slack_item_writes_no_post(stack: Stack) -> None:
