@@ -6,7 +6,8 @@
 
 Each row is a ratio (or a latency) measured side by side in this run, with its minimum,
 median and maximum over ``--rounds`` rounds, its target, and the command that measures
-it alone. The header names the machine's cores and its load before and after. The
+it alone. The header names the machine's cores, its load and how late it wakes an
+idle sleeper (:func:`sleep_overshoot`), before and after. The
 physical limits of the same run (the bare endpoint, direct posting) are the
 denominators of the ratios. ``docs/performance.md`` explains each row and what bounds it.
 """
@@ -21,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,6 +269,25 @@ async def pg_replicas(args: argparse.Namespace) -> list[float]:
     return ratios
 
 
+def sleep_overshoot(seconds: float = 2.0, step_s: float = 0.001) -> str:
+    """How late this machine wakes an idle process that sleeps 1 ms (p50 / p99 / max
+    over ``seconds``): the scheduling noise under every latency row. A VM whose idle
+    sleeps wake milliseconds late cannot show a p99 of a few milliseconds for anything
+    that crosses processes, whatever the service does."""
+    late: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        time.sleep(step_s)
+        late.append((time.perf_counter() - began - step_s) * 1000)
+    late.sort()
+    p99 = late[min(len(late) - 1, int(len(late) * 0.99))]
+    return (
+        f"an idle 1 ms sleep wakes late by p50 {late[len(late) // 2]:.2f}, "
+        f"p99 {p99:.2f}, max {late[-1]:.2f} ms"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -288,10 +309,13 @@ def main() -> int:
         f"{before[1]:.2f} {before[2]:.2f}; {args.rounds} rounds",
         flush=True,
     )
+    jitter = sleep_overshoot()
+    print(f"scheduling: {jitter}", flush=True)
     rows = asyncio.run(run(args))
     after = os.getloadavg()
     print()
     print(f"{os.cpu_count()} CPUs; load average before {before[0]:.2f}, after {after[0]:.2f}")
+    print(f"scheduling before: {jitter}; after: {sleep_overshoot()}")
     print("| figure | min / median / max | target | | command |")
     print("|---|---|---|---|---|")
     for row in rows:
