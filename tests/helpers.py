@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -149,3 +150,25 @@ async def session_item(service: Env, session_key: str) -> str:
         )
     assert item_id, f"no work item in session {session_key}"
     return str(item_id)
+
+
+class Anonymizer:
+    """Makes the rows of two runs comparable: ids (``RandomIds``) numbered by first
+    appearance, and each of ``marks`` (a session key, a thread) replaced, in strings and
+    in JSON objects. One instance per run."""
+
+    ID = re.compile(r"^[a-z]+_[0-9a-f]{16,}$")
+
+    def __init__(self, *marks: str) -> None:
+        self.marks = marks
+        self.names: dict[str, str] = {}
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, str) and self.ID.match(value):
+            return self.names.setdefault(value, f"<id{len(self.names)}>")
+        if isinstance(value, str):
+            for n, mark in enumerate(self.marks):
+                value = value.replace(mark, f"<mark{n}>")
+        return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, api_trigger, make_agent, make_org, slack_trigger
+from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.stack import Stack, build_stack
 
 Handler = Callable[[ModelRequest], Awaitable[list[ModelEvent]]]
@@ -64,6 +63,19 @@ def completing(text: str, summary: Any, after_tool: str = "") -> Handler:
         if request.messages[-1].role == "tool":
             return [TextDelta(after_tool)] if after_tool else []
         return [TextDelta(text), ToolCall("call_1", "complete_task", {"summary": summary})]
+
+    return handler
+
+
+def then_complete(meddle: Callable[[], Awaitable[None]]) -> Handler:
+    """A handler: ``meddle()`` while the model runs, then ``finished`` and
+    complete_task("done")."""
+
+    async def handler(request: ModelRequest) -> list[ModelEvent]:
+        if request.messages[-1].role == "tool":
+            return []
+        await meddle()
+        return [TextDelta("finished"), ToolCall("c1", "complete_task", {"summary": "done"})]
 
     return handler
 
@@ -380,7 +392,6 @@ async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
     assert "Index Scan Backward" in plan and "Sort" not in plan, plan
 
 
-_ID = re.compile(r"^[a-z]+_[0-9a-f]{16,}$")
 _OPENED = (
     t.sessions,
     t.bindings,
@@ -393,18 +404,9 @@ _OPENED = (
 
 
 async def opened_rows(stack: Stack, session_id: str, key: str, ts: str) -> list[Any]:
-    """Every row an intake wrote for a new session, ids numbered by first appearance
-    and the session key (and thread) replaced, so that two sessions' rows compare."""
-    names: dict[str, str] = {}
-
-    def norm(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: norm(v) for k, v in value.items()}
-        if isinstance(value, str) and _ID.match(value):
-            return names.setdefault(value, f"<id{len(names)}>")
-        if isinstance(value, str):
-            return value.replace(key, "<key>").replace(ts, "<ts>")
-        return value
+    """Every row an intake wrote for a new session (:class:`Anonymizer`'d with the
+    session key and thread), so that two sessions' rows compare."""
+    norm = Anonymizer(key, ts)
 
     out: list[Any] = []
     async with stack.db.read() as conn:
@@ -896,14 +898,11 @@ async def test_incomplete_provenance_goes_to_a_human(
     org = await make_org(stack)
     worker = await lead_worker(stack, org, model="rec")
 
-    async def unbind_then_complete(request: ModelRequest) -> list[ModelEvent]:
-        if request.messages[-1].role == "tool":
-            return []
+    async def unbind() -> None:
         async with stack.db.tx() as conn:
             assert await deactivate_session(conn, await session_id(stack, worker)) == 1
-        return [TextDelta("finished"), ToolCall("c1", "complete_task", {"summary": "done"})]
 
-    rec.handler = unbind_then_complete
+    rec.handler = then_complete(unbind)
     stack.wakes.clear()
     out = await stack.turns.run(api_trigger(org, worker, "task"))
     assert isinstance(out, Gated)
@@ -984,15 +983,12 @@ async def test_a_channel_turn_whose_run_was_taken_over_submits_nothing(
     org = await make_org(stack)
     worker = await lead_worker(stack, org, model="rec")
 
-    async def taken_over_then_complete(request: ModelRequest) -> list[ModelEvent]:
-        if request.messages[-1].role == "tool":
-            return []
+    async def taken_over() -> None:
         # Another process took the run over (its lease lapsed) while the model ran.
         async with stack.db.tx() as conn:
             await conn.execute(t.turn_runs.update().values(lease_token="another-process"))
-        return [TextDelta("finished"), ToolCall("c1", "complete_task", {"summary": "done"})]
 
-    rec.handler = taken_over_then_complete
+    rec.handler = then_complete(taken_over)
     with pytest.raises(TransitionError) as raised:
         await stack.turns.run(slack_trigger(org, worker, "task", "7.1"))
     assert raised.value.rule == "run"
