@@ -282,6 +282,11 @@ class App:
         self.relay.accept(rows)
         self._relay_wake.set()
 
+    def _outbox_doubt(self, rows: list[dict[str, Any]]) -> None:
+        """Deliveries claimed for our relay by a write that may not have committed."""
+        self.relay.in_doubt(rows)
+        self._relay_wake.set()
+
     def _after_decision(self) -> None:
         """Wake the runners a decision may have given work to (a returned item's
         revision, an approved flow continuation): not every loop, since each woken loop
@@ -302,6 +307,7 @@ class App:
         # Deliveries enqueued in this process go straight to this process's relay
         # (already claimed, handed over after commit): no claim round trip.
         self.db.on_commit_payloads(HANDOFF_TOPIC, self._outbox_handoff)
+        self.db.on_doubt_payloads(HANDOFF_TOPIC, self._outbox_doubt)
         self.outbox.attach(self.relay)
         for loop in self.loops:
             for index in range(loop.loops):
@@ -380,7 +386,9 @@ class App:
             await asyncio.wait(list(self._runner_tasks), timeout=SHUTDOWN_WAIT_S)
         await self.background.wait(SHUTDOWN_WAIT_S)
         self.db.off_commit_payloads(HANDOFF_TOPIC, self._outbox_handoff)
+        self.db.off_doubt_payloads(HANDOFF_TOPIC, self._outbox_doubt)
         try:
+            await self.relay.release_doubted()
             await self.relay.release_handoffs()
         except Exception:
             log.exception("releasing handed-over deliveries failed (their leases will expire)")

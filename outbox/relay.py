@@ -208,6 +208,8 @@ class Relay:
         #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
         self._uncertain_claims: list[str] = []
+        #: hand-offs whose write may or may not have committed (see :meth:`in_doubt`)
+        self._doubted: list[str] = []
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -232,14 +234,35 @@ class Relay:
     async def release_handoffs(self) -> int:
         """Shutting down: give rows handed over but not started back to ``pending``."""
         rows, self._handed = self._handed, []
-        if not rows:
+        return await self._unhand([r.id for r in rows])
+
+    def in_doubt(self, rows: list[dict[str, Any]]) -> None:
+        """Rows written claimed for this relay by a write that failed with a database
+        fault (``Database.on_doubt_payloads``): they were never handed over, and may be
+        in the database all the same, ``sending`` under this relay's hand-off lease,
+        where nothing would post them before the lease expired (and then as an uncertain
+        send). :meth:`run_once` gives back the ones that exist."""
+        self._doubted.extend(row["id"] for row in rows)
+        self.poke()
+
+    async def release_doubted(self) -> int:
+        """Give rows :meth:`in_doubt` named back to ``pending`` (fenced by this relay's
+        hand-off lease: a write that did not commit left nothing to give back)."""
+        ids = list(self._doubted)
+        released = await self._unhand(ids)
+        del self._doubted[: len(ids)]
+        return released
+
+    async def _unhand(self, ids: list[str]) -> int:
+        """Rows handed over to this relay and never started, back to ``pending``; a
+        committed release wakes the relays."""
+        if not ids:
             return 0
-        now = self.clock.now_ms()
         async with self.db.tx() as conn:
             res = await conn.execute(
                 t.deliveries.update()
                 .where(
-                    D.id.in_([r.id for r in rows]),
+                    D.id.in_(ids),
                     D.lease_token == self.handoff_token,
                     unindexed(D.status) == DeliveryStatus.sending.value,
                 )
@@ -247,10 +270,13 @@ class Relay:
                     status=DeliveryStatus.pending.value,
                     lease_token=None,
                     lease_expires_at=None,
+                    lease_owner=None,
                     attempts=D.attempts - 1,
-                    updated_at=now,
+                    updated_at=self.clock.now_ms(),
                 )
             )
+            if res.rowcount:
+                signal_after_commit(conn, OUTBOX_TOPIC)
         return int(res.rowcount or 0)
 
     # ------------------------------------------------------------------ the loop
@@ -260,6 +286,8 @@ class Relay:
         due. True when it did any work."""
         worked = False
         if self._uncertain_claims and await self.release_uncertain_claims():
+            worked = True
+        if self._doubted and await self.release_doubted():
             worked = True
         if self._uncommitted:
             group, self._uncommitted = self._uncommitted, []

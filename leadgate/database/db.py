@@ -193,6 +193,7 @@ class Database:
             _install_sqlite_recipe(self.engine, busy_timeout_s)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
         self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
+        self._doubt_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
         self._inline: InlineSqlite | None = None
@@ -243,6 +244,21 @@ class Database:
         if callback in listeners:
             listeners.remove(callback)
 
+    def on_doubt_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Call ``callback`` with ``topic``'s payloads when a transaction (or
+        :meth:`write_alone`) that signalled them failed with a database fault: it may
+        have committed (the connection dropped after the COMMIT reached the server) or
+        not. What was promised to happen after commit did not happen; the listener
+        makes good what may be in the database (fenced, so a rollback leaves nothing to
+        do)."""
+        self._doubt_listeners.setdefault(topic, []).append(callback)
+
+    def off_doubt_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
+        """Remove a callback added with :meth:`on_doubt_payloads` (no-op if absent)."""
+        listeners = self._doubt_listeners.get(topic, [])
+        if callback in listeners:
+            listeners.remove(callback)
+
     # -------------------------------------------------------------- transactions
 
     def tx(self) -> AbstractAsyncContextManager[Conn]:
@@ -266,6 +282,7 @@ class Database:
         *,
         signals: Sequence[tuple[str, Any]] = (),
         signals_from: Callable[[sa.Row[Any]], Sequence[tuple[str, Any]]] | None = None,
+        in_doubt: Sequence[tuple[str, Any]] = (),
     ) -> Result:
         """One statement that is a whole write transaction by itself.
 
@@ -274,25 +291,29 @@ class Database:
         are most of a short transaction's cost there. Elsewhere it is a :meth:`tx` of
         that statement. ``signals`` (``(topic, payload)`` pairs) are signalled after its
         commit, as :func:`signal_after_commit` does inside a transaction, and so are
-        those ``signals_from`` makes of each row the statement returned.
+        those ``signals_from`` makes of each row the statement returned. When it fails
+        with a database fault, ``signals`` and ``in_doubt`` go to the
+        :meth:`on_doubt_payloads` listeners (what ``signals_from`` would have made of
+        the rows is unknown then: ``in_doubt`` stands for it).
         """
         if self._pg is None:
-            async with self.tx() as conn:
-                result = await conn.execute(statement, parameters)
-                for topic, payload in _signals(result, signals, signals_from):
-                    signal_after_commit(conn, topic, payload)
+            try:
+                async with self.tx() as conn:
+                    result = await conn.execute(statement, parameters)
+                    for topic, payload in _signals(result, signals, signals_from):
+                        signal_after_commit(conn, topic, payload)
+            except Exception as exc:
+                # (the transaction hands what it signalled to the listeners itself)
+                self._in_doubt(exc, _by_topic(in_doubt))
+                raise
             return result
         try:
             result = await self._pg.execute_alone(statement, parameters)
         except Exception as exc:
+            self._in_doubt(exc, _by_topic((*signals, *in_doubt)))
             _raise_unavailable(exc)
             raise
-        topics: dict[str, list[Any]] = {}
-        for topic, payload in _signals(result, signals, signals_from):
-            payloads = topics.setdefault(topic, [])
-            if payload is not None:
-                payloads.append(payload)
-        self._after_commit(topics)
+        self._after_commit(_by_topic(_signals(result, signals, signals_from)))
         return result
 
     def committed_token(self, tables: Sequence[str]) -> object | None:
@@ -323,6 +344,7 @@ class Database:
         assert self._pg is not None
         topics: dict[str, list[Any]] = {}
         before: dict[str, tuple[Flush, list[Any]]] = {}
+        committing = False
         try:
             async with self._pg.transaction() as conn:
                 conn.info[_TOPICS] = topics
@@ -330,7 +352,10 @@ class Database:
                 conn.info[_SENDER] = self.notify_tag
                 yield conn
                 await _flush_before_commit(conn, before)
+                committing = True
         except Exception as exc:
+            if committing:  # (before the COMMIT, a failure rolls everything back)
+                self._in_doubt(exc, topics)
             _raise_unavailable(exc)
             raise
         self._after_commit(topics)
@@ -349,6 +374,7 @@ class Database:
     async def _engine_tx(self) -> AsyncIterator[Conn]:
         topics: dict[str, list[Any]] = {}
         before: dict[str, tuple[Flush, list[Any]]] = {}
+        committing = False
         try:
             async with self._writer(), self.engine.connect() as conn:
                 conn.info[_TOPICS] = topics
@@ -358,10 +384,13 @@ class Database:
                         wrapped = _EngineConn(conn)
                         yield wrapped
                         await _flush_before_commit(wrapped, before)
+                        committing = True
                 finally:
                     conn.info.pop(_TOPICS, None)
                     conn.info.pop(_BEFORE, None)
         except Exception as exc:
+            if committing:
+                self._in_doubt(exc, topics)
             _raise_unavailable(exc)
             raise
         self._after_commit(topics)
@@ -376,6 +405,16 @@ class Database:
         except Exception as exc:
             _raise_unavailable(exc)
             raise
+
+    def _in_doubt(self, exc: BaseException, topics: Mapping[str, list[Any]]) -> None:
+        """A write failed: when with a database fault, hand its payloads to the
+        :meth:`on_doubt_payloads` listeners."""
+        if unavailable(exc) is None:
+            return  # an error of the statement itself: rolled back
+        for topic, payloads in topics.items():
+            if payloads:
+                for callback in self._doubt_listeners.get(topic, ()):
+                    callback(payloads)
 
     def _after_commit(self, topics: dict[str, list[Any]]) -> None:
         for topic, payloads in topics.items():
@@ -583,6 +622,7 @@ class _InlineTx:
                 await waiter
                 self.db._after_commit(self.topics)
         except Exception as failure:
+            self.db._in_doubt(failure, self.topics)
             _raise_unavailable(failure)
             raise
 
@@ -596,6 +636,14 @@ def _signals(
     if signals_from is None:
         return list(signals)
     return [*signals, *(signal for row in result.all() for signal in signals_from(row))]
+
+
+def _by_topic(signals: Sequence[tuple[str, Any]]) -> dict[str, list[Any]]:
+    """``(topic, payload)`` pairs as the payloads of each topic (None: no payload)."""
+    topics: dict[str, list[Any]] = {}
+    for topic, payload in signals:
+        topics.setdefault(topic, []).extend(() if payload is None else (payload,))
+    return topics
 
 
 def _raise_unavailable(exc: BaseException) -> None:

@@ -8,6 +8,7 @@ execution budget. The worker is always the built-in ``script`` model; the lead i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -42,6 +43,7 @@ from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, sl
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
+from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -959,6 +961,71 @@ async def test_an_approval_whose_commit_is_uncertain_posts_once(
     assert len(await deliveries(stack, item_id)) == 1
     assert (await actions(stack, item_id)).count("approve") == 1
     assert "leaseReleased" not in await actions(stack, item_id)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("path", ["statement", "transaction"])
+async def test_a_post_claimed_for_this_relay_by_an_uncertain_approval_is_posted_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """The approval wrote its post already claimed for this process's relay, and its
+    commit reached the database but the answer did not: the post was never handed over.
+    The relay is told (Database.on_doubt_payloads) and gives the post back to the
+    queue at its next pass, so it goes out once, now, instead of sitting ``sending``
+    until its lease expires and then waiting for an operator as an uncertain send."""
+    channel = ScriptedChannel("slack")
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+    stack.outbox.attach(relay)
+    try:
+        org, _, worker = await setup(stack)
+        item_id = await submit_slack(stack, org, worker, "6.2")
+        claimed = await stack.lead_runner.claim()
+        assert claimed is not None
+        # The approval commits; the connection drops before the answer arrives. (A
+        # SQLite commit is local: never in doubt this way.)
+        pool = stack.db._pg
+        assert pool is not None
+        if path == "statement":
+            real = pool.execute_alone
+
+            async def statement_then_drop(*args: Any, **kwargs: Any) -> Any:
+                await real(*args, **kwargs)
+                monkeypatch.setattr(pool, "execute_alone", real)
+                raise ConnectionResetError("connection reset by peer")
+
+            monkeypatch.setattr(pool, "execute_alone", statement_then_drop)
+        else:
+
+            async def by_transaction(*args: Any, **kwargs: Any) -> bool:
+                return False
+
+            monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+            real_tx = pool.transaction
+
+            @contextlib.asynccontextmanager
+            async def commit_then_drop(**kwargs: Any) -> AsyncIterator[Any]:
+                async with real_tx(**kwargs) as conn:
+                    yield conn
+                monkeypatch.setattr(pool, "transaction", real_tx)
+                raise ConnectionResetError("connection reset by peer")
+
+            monkeypatch.setattr(pool, "transaction", commit_then_drop)
+        with pytest.raises(Unavailable):
+            await stack.lead_runner.review(claimed)
+        [post] = await deliveries(stack, item_id)
+        assert (post["status"], post["lease_token"]) == ("sending", relay.handoff_token)
+        assert relay.take_handed() == []  # never handed over
+        await drain(relay)
+        assert channel.texts() == ["Echo: task 6.2 #complete"]
+        [post] = await deliveries(stack, item_id)
+        assert (post["status"], post["attempts"]) == ("sent", 1)
+        assert (await row(stack, item_id))["status"] == "completed"
+    finally:
+        stack.outbox.attach(None)
+        await stack.stop()
 
 
 # ------------------------------------------------------------ passes that find nothing
