@@ -243,6 +243,26 @@ async def transition(
     return WorkItem.from_row(row)
 
 
+def require_move(src: Status, dst: Status, *, event: bool) -> None:
+    """For statements that write a move themselves (built at import time): raise
+    :class:`TransitionError` unless the transition table allows ``src -> dst`` and the
+    move changes the public status (a session event is due) exactly when ``event``."""
+    if not allowed(src, dst):
+        raise TransitionError(
+            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
+        )
+    changes = any(
+        session_events.public_status(dst.value, revision)
+        != session_events.public_status(src.value, revision)
+        for revision in (0, 1)
+    )
+    if changes != event:
+        raise TransitionError(
+            f"{src} -> {dst} {'changes no' if event else 'changes the'} public status",
+            rule="workItem.transition",
+        )
+
+
 def moved_with_audit(
     ids: sa.ColumnElement[Any],
     *,
@@ -261,19 +281,7 @@ def moved_with_audit(
     public status only: the statement writes no session event, as :func:`transition`
     would write none; a move the table forbids or that would need one raises at once
     (these are built at import time)."""
-    if not allowed(src, dst):
-        raise TransitionError(
-            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
-        )
-    if any(
-        session_events.public_status(dst.value, revision)
-        != session_events.public_status(src.value, revision)
-        for revision in (0, 1)
-    ):
-        raise TransitionError(
-            f"{src} -> {dst} changes the public status: it needs a session event",
-            rule="workItem.transition",
-        )
+    require_move(src, dst, event=False)
     moved = (
         t.work_items.update()
         .where(W.id == ids, W.status == src.value)

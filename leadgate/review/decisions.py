@@ -14,7 +14,6 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
-from leadgate.core.errors import TransitionError
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS
 from leadgate.database.db import Conn, Database
@@ -117,18 +116,7 @@ def _approve_alone() -> sa.TextClause:
     """PostgreSQL: a lead's approval of an item whose answer is a channel post, as one
     statement outside a transaction block (:func:`approve_alone`)."""
     src, dst = Status.reviewing, Status.approved
-    if not workitems.allowed(src, dst):
-        raise TransitionError(
-            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
-        )
-    if any(
-        session_events.public_status(src.value, r) != session_events.public_status(dst.value, r)
-        for r in (0, 1)
-    ):
-        raise TransitionError(
-            f"{src} -> {dst} changes the public status: it needs a session event",
-            rule="workItem.transition",
-        )
+    workitems.require_move(src, dst, event=False)
     return sa.text(
         "WITH b AS MATERIALIZED ("
         " SELECT id, kind, address FROM bindings"
@@ -171,14 +159,9 @@ def _reveal_alone() -> sa.TextClause:
     """PostgreSQL: a lead's approval of an item whose answer is revealed (an api or
     studio binding), with that internal delivery done, as one statement outside a
     transaction block (:func:`approve_alone`)."""
-    for src, dst in ((Status.reviewing, Status.approved), (Status.approved, Status.completed)):
-        if not workitems.allowed(src, dst):
-            raise TransitionError(
-                f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
-            )
+    workitems.require_move(Status.reviewing, Status.approved, event=False)
+    workitems.require_move(Status.approved, Status.completed, event=True)
     delivered = session_events.public_status(Status.completed.value, 0)
-    if delivered is None or session_events.public_status(Status.reviewing.value, 0) == delivered:
-        raise TransitionError("completing an item must change its public status", rule="event")
     return sa.text(
         "WITH b AS MATERIALIZED ("
         " SELECT id, kind, address FROM bindings"

@@ -139,15 +139,9 @@ def _submit_alone() -> sa.TextClause:
     transaction took ten (``BEGIN``, the message, the run, the item, the binding, the move,
     its audit row, the NOTIFY, the session event, ``COMMIT``)."""
     src, dst = Status.inProgress, Status.reviewQueued
-    if not workitems.allowed(src, dst):
-        raise TransitionError(
-            f"a work item cannot go from {src} to {dst}", rule="workItem.transition"
-        )
+    workitems.require_move(src, dst, event=True)
     events = session_events.postgres_moved_item_events("moved", src.value, dst.value)
-    if events is None:  # inProgress is shown as working, reviewQueued as held: never
-        raise TransitionError(
-            f"{src} -> {dst} changes no public status", rule="workItem.transition"
-        )
+    assert events is not None  # (require_move: the move changes the public status)
     return sa.text(
         "WITH run_locked AS ("
         " SELECT id FROM turn_runs WHERE lease_token = :run_token FOR UPDATE"

@@ -98,6 +98,12 @@ def test_a_one_statement_move_is_built_only_for_allowed_moves_without_an_event()
         build(S.reviewQueued, S.approved)
     with pytest.raises(TransitionError, match="public status"):
         build(S.approved, S.completed)
+    # The statements that write the event themselves (the submission, the reveal)
+    # require a move that changes the public status.
+    workitems.require_move(S.inProgress, S.reviewQueued, event=True)
+    workitems.require_move(S.approved, S.completed, event=True)
+    with pytest.raises(TransitionError, match="changes no public status"):
+        workitems.require_move(S.reviewQueued, S.reviewing, event=True)
 
 
 def test_table_is_exactly_the_expected_one() -> None:
