@@ -504,6 +504,43 @@ async def test_a_session_another_process_opened_is_left_to_the_transaction(
     assert item["task_context"] == "draft it\n\nand add tests"
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_two_replicas_opening_the_same_session_at_once_open_it_once(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """Two processes take the first two messages of one new session at the same time:
+    one statement opens the session; the other finds it (its insert waits for the first
+    commit, then does nothing) and its transaction appends to the same item."""
+    stack, _ = rig
+    await stack.listen_for_changes()
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    replicas = [
+        TurnService(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+        for _ in range(2)
+    ]
+    for n, replica in enumerate(replicas):  # each keeps the agent, as a running service
+        await replica.take(api_trigger(org, worker, "warm up", session=f"warm-{n}"))
+    with stack.db.record_statements() as statements:
+        taken = await asyncio.gather(
+            *(
+                replica.take(api_trigger(org, worker, text, session="together"))
+                for replica, text in zip(replicas, ("first", "second"), strict=True)
+            )
+        )
+    assert all(isinstance(one, Accepted) for one in taken)
+    # both tried the one statement; one of them then took the transaction
+    assert sum("new_session" in sql for sql in statements) == 2
+    assert statements.count("BEGIN") == 1
+    sessions = await select_all(stack, sa.select(t.sessions).where(t.sessions.c.key == "together"))
+    [session] = sessions
+    assert {one.ctx.session_id for one in taken if isinstance(one, Accepted)} == {session["id"]}
+    [item] = [i for i in await items(stack, worker) if i["session_id"] == session["id"]]
+    assert sorted(item["task_context"].split("\n\n")) == ["first", "second"]
+    user = [m["content"] for m in await messages(stack, worker, "together") if m["role"] == "user"]
+    assert sorted(user) == ["first", "second"]
+
+
 async def test_intake_creates_then_appends_with_the_50k_cap(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
