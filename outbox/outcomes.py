@@ -164,7 +164,7 @@ class OutcomeCommitter:
         """PostgreSQL: commit a group of successful posts in one statement outside a
         transaction block (:data:`_COMMIT_POSTS`). False, with nothing done, when the
         group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
-        if not db.is_postgres or not done:
+        if not db.statements_alone or not done:
             return False
         if any(not isinstance(d.outcome, Sent) or d.row.action == "reveal" for d in done):
             return False

@@ -108,9 +108,11 @@ def build_stack(
     channels: dict[str, Channel] | None = None,
     clock: FakeClock | None = None,
     ids: IdFactory | None = None,
+    statements_alone: bool = True,
 ) -> Stack:
-    """A :class:`Stack` on the migrated database at ``url``."""
-    db = Database(url)
+    """A :class:`Stack` on the migrated database at ``url`` (``statements_alone``: see
+    :attr:`Database.statements_alone`)."""
+    db = Database(url, statements_alone=statements_alone)
     clock = clock or FakeClock()
     ids = ids or RandomIds()
     registry = ProviderRegistry(providers or {"script": ScriptProvider()})

@@ -159,7 +159,14 @@ async def _flush_before_commit(conn: Conn, queues: dict[str, tuple[Flush, list[A
 class Database:
     """The process's database: the one transaction API over the backend's driver."""
 
-    def __init__(self, url: str, *, pool_size: int = 10, busy_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 10,
+        busy_timeout_s: float = 30.0,
+        statements_alone: bool = True,
+    ) -> None:
         self.url = url
         #: Sent as the payload of this Database's NOTIFYs (see :func:`notify_sender`).
         self.notify_tag = secrets.token_hex(8)
@@ -176,6 +183,14 @@ class Database:
         self._skip_locked: dict[int, tuple[sa.Select[Any], sa.Select[Any]]] = {}
         if not (self.is_sqlite or self.is_postgres):
             raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+        #: Whether a write that has a one-statement form runs as that statement (see
+        #: :meth:`write_alone`); otherwise its transaction writes the same rows. Only
+        #: PostgreSQL has such forms: they are data-modifying CTEs, which SQLite lacks,
+        #: and there a short transaction on the inline connection shares its commit
+        #: (group commit) anyway. Domain code asks this, never which backend it is on;
+        #: False on PostgreSQL (``statements_alone=False``) runs every such write as its
+        #: transaction, which tests compare the statements against, row for row.
+        self.statements_alone = self.is_postgres and statements_alone
         # Statement parameters hold message text: never put them into error messages
         # (which reach the log).
         kwargs: dict[str, Any] = {"hide_parameters": True}

@@ -254,7 +254,7 @@ async def approve_alone(
     False, with nothing written, for another binding, when the lease is lost, or when
     the binding is no longer the session's active one: :func:`commit_verdict` then
     decides as before."""
-    if not db.is_postgres:
+    if not db.statements_alone:
         return False
     if binding_kind in REVEAL_KINDS:
         return await _reveal(

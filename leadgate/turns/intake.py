@@ -225,14 +225,14 @@ class Intake:
         transaction block; see the module docstring).
         """
         if (
-            self.db.is_postgres
+            self.db.statements_alone
             and trigger.external_event_id is None
             and not trigger.binding.kind.is_channel
         ):
             plain = await self._take_plain(trigger)
             if plain is not None:
                 return plain
-        if self.db.is_postgres:
+        if self.db.statements_alone:
             opened = await self._take_new(trigger)
             if opened is not None:
                 return opened
@@ -302,7 +302,7 @@ class Intake:
                 run_token = run["lease_token"]
                 await runs.record(conn, run)
             rules = await self.config.rules(conn, trigger.org_id)
-            if self.db.is_postgres:
+            if self.db.statements_alone:
                 self._saw(agent.id, trigger.session_key)
             if new_session:
                 # Its only message is the one just stored.

@@ -103,7 +103,7 @@ async def store_visible_alone(
     if role not in _VISIBLE_ROLES:
         # The one statement always writes the message event: a hidden role would leak.
         raise ValueError(f"store_visible_alone stores user or assistant messages, not {role!r}")
-    if not db.is_postgres:
+    if not db.statements_alone:
         async with db.tx() as conn:
             return await store_message(
                 conn,

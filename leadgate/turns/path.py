@@ -515,7 +515,7 @@ class TurnService:
             "signal_summary": summary,
             "signal_turn_id": ctx.turn_id,
         }
-        if self.db.is_postgres:
+        if self.db.statements_alone:
             alone = await self.db.write_alone(
                 _SIGNAL_ALONE,
                 {
@@ -720,7 +720,7 @@ class TurnService:
         decide (another backend, a superseded signal, a moved item, no active binding, a
         lost run). A revision turn's submission also releases the item's revision lease,
         an update of the same row: it keeps the transaction."""
-        if not self.db.is_postgres or not ctx.work_item_id:
+        if not self.db.statements_alone or not ctx.work_item_id:
             return False
         now = self.clock.now_ms()
         result = await self.db.write_alone(

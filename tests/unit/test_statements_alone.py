@@ -1,0 +1,173 @@
+"""PostgreSQL runs many writes of a gated work item's life as one statement outside a
+transaction block (``Database.statements_alone``); their transactions are what SQLite
+runs and what PostgreSQL runs when a statement declines. Here the same conversations run
+twice on one database, each in its own organization: once with the statements, once
+with every such write as its transaction. Every row either run wrote must be the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.core.runners import drain
+from leadgate.core.types import Busy, Gated, Reply, Trigger
+from leadgate.database import schema as t
+from leadgate.runners.revisions import RevisionRunner
+from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
+from tests.outbox_support import ScriptedChannel
+from tests.stack import Stack
+
+pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+#: How each one-statement write begins: a new session's intake, a plain turn's intake, its
+#: visible reply, complete_task's signal, the submission, the approval (a post or a
+#: reveal) and the relay's outcome commit.
+_STATEMENTS = (
+    "WITH new_session AS",
+    "WITH sb AS",
+    "WITH src AS",
+    "WITH tool_message AS",
+    "WITH run_locked AS",
+    "WITH b AS MATERIALIZED",
+    "WITH input AS",
+)
+
+#: Tables whose rows hold a hash of a random secret: equal in no two runs.
+_SECRETS = {"api_keys", "users", "organizations"}
+
+
+async def org_rows(stack: Stack, org_id: str, *marks: str) -> dict[str, list[Any]]:
+    """Every row of ``org_id`` in every table (a session's events through its session),
+    :class:`Anonymizer`'d with ``marks``. Rows are put in an order that does not depend
+    on ids (sorted by their other columns) before the ids are numbered."""
+    sessions = sa.select(t.sessions.c.id).where(t.sessions.c.org_id == org_id)
+    raw: dict[str, list[dict[str, Any]]] = {}
+    async with stack.db.read() as conn:
+        for table in t.metadata.sorted_tables:
+            if table.name in _SECRETS:
+                continue
+            if "org_id" in table.c:
+                where = table.c.org_id == org_id
+            elif "session_id" in table.c:
+                where = table.c.session_id.in_(sessions)
+            else:
+                continue
+            rows = (await conn.execute(sa.select(table).where(where))).all()
+            raw[table.name] = [dict(r._mapping) for r in rows]
+    anonymize = Anonymizer(*marks)
+
+    def norm(value: Any) -> Any:
+        # Ids inside strings too (an actor is "lead:<agent id>").
+        if isinstance(value, dict):
+            return {k: norm(v) for k, v in value.items()}
+        if isinstance(value, str):
+            value = _ID_IN.sub(lambda m: str(anonymize(m.group(0))), value)
+        return anonymize(value)
+
+    def shape(row: dict[str, Any]) -> str:
+        return _ID_IN.sub("<id>", json.dumps(row, sort_keys=True, default=str))
+
+    return {name: [norm(r) for r in sorted(rows, key=shape)] for name, rows in sorted(raw.items())}
+
+
+_ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
+
+
+async def settle(stack: Stack) -> None:
+    """Lead reviews, revision turns and the relay until none has work."""
+    revisions = RevisionRunner(stack.turns)
+    for _ in range(50):
+        worked = await drain(stack.lead_runner) + await drain(revisions)
+        if not worked + await drain(stack.relay):
+            return
+    raise AssertionError("the runners never settled")
+
+
+async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
+    """The same conversations, step by step, with the clock moving between steps: a
+    gated worker on the api binding and in a Slack thread (approvals, a busy message, a
+    revision, follow-ups that open new items), and a plain agent on both. Returns the
+    organization and the turns' outcomes."""
+    await stack.listen_for_changes()  # as the service: the intake keeps the agents
+    org: Org = await make_org(stack, f"org-{thread}")
+    await make_agent(stack, org, "lead", model="script")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    plain = await make_agent(stack, org, "plain")
+    outcomes: list[str] = []
+
+    async def run(trigger: Trigger) -> None:
+        stack.clock.advance(1_000)
+        outcomes.append(type(await stack.turns.run(trigger)).__name__)
+
+    def slack(agent: dict[str, Any], text: str, n: int) -> Trigger:
+        trigger = slack_trigger(org, agent, text, f"{thread}.{n}")
+        # (one event id per message, as Slack's are)
+        return dataclasses.replace(trigger, external_event_id=f"{thread}-{text}")
+
+    # Warm-up: a turn of each agent, so that both are kept from here on.
+    await run(api_trigger(org, plain, "warm", "warm-plain"))
+    await run(api_trigger(org, worker, "warm #complete", "warm-worker"))
+    await settle(stack)
+    for step in (
+        lambda: run(api_trigger(org, worker, "write it #complete", "api-1")),
+        lambda: run(api_trigger(org, worker, "and one more thing", "api-1")),  # busy
+        lambda: run(slack(worker, "post it #complete", 1)),
+        lambda: settle(stack),
+        lambda: run(api_trigger(org, worker, "again #revise #complete", "api-1")),
+        lambda: run(slack(worker, "thanks, more #complete", 1)),
+        lambda: settle(stack),
+        lambda: run(api_trigger(org, plain, "hello", "plain-1")),
+        lambda: run(api_trigger(org, plain, "hello again", "plain-1")),
+        lambda: run(slack(plain, "hi there", 2)),
+        lambda: run(slack(plain, "hi again", 2)),
+        lambda: settle(stack),
+    ):
+        stack.clock.advance(1_000)
+        await step()
+    return org.id, outcomes
+
+
+async def test_every_statement_writes_what_its_transaction_writes(
+    make_stack: Callable[..., Stack],
+) -> None:
+    alone = make_stack(channels={"slack": ScriptedChannel()})
+    by_tx = make_stack(channels={"slack": ScriptedChannel()}, statements_alone=False)
+    assert alone.db.statements_alone and not by_tx.db.statements_alone
+
+    with alone.db.record_statements() as alone_sql:
+        a_org, alone_outcomes = await conversations(alone, "1111")
+    with by_tx.db.record_statements() as tx_sql:
+        b_org, tx_outcomes = await conversations(by_tx, "2222")
+
+    assert alone_outcomes == tx_outcomes
+    assert alone_outcomes.count(Gated.__name__) == 5, alone_outcomes
+    assert alone_outcomes.count(Busy.__name__) == 1, alone_outcomes
+    assert alone_outcomes.count(Reply.__name__) == 5, alone_outcomes
+    # The first run took every statement, the second none.
+    for mark in _STATEMENTS:
+        assert any(sql.startswith(mark) for sql in alone_sql), mark
+        assert not any(sql.startswith(mark) for sql in tx_sql), mark
+
+    written = await org_rows(alone, a_org, "1111")
+    expected = await org_rows(by_tx, b_org, "2222")
+    assert written.keys() == expected.keys()
+    for name, rows in expected.items():
+        assert written[name] == rows, _difference(name, written[name], rows)
+
+
+def _difference(table: str, written: list[Any], expected: list[Any]) -> str:
+    """The first row of ``table`` that differs, column by column (a readable failure)."""
+    if len(written) != len(expected):
+        return f"{table}: {len(written)} rows written, {len(expected)} by the transactions"
+    for one, other in zip(written, expected, strict=True):
+        if one != other:
+            columns = {k: (one.get(k), other.get(k)) for k in one if one.get(k) != other.get(k)}
+            return f"{table}: {columns} (statement, transaction) in {other}"
+    return table
