@@ -19,6 +19,9 @@ import sqlalchemy as sa
 from leadgate.core.runners import drain
 from leadgate.core.types import Busy, Gated, Reply, Trigger
 from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.domain.workitems import Status
+from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
@@ -92,9 +95,10 @@ async def settle(stack: Stack) -> None:
 
 async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
     """The same conversations, step by step, with the clock moving between steps: a
-    gated worker on the api binding and in a Slack thread (approvals, a busy message, a
-    revision, follow-ups that open new items), and a plain agent on both. Returns the
-    organization and the turns' outcomes."""
+    gated worker on the api binding and in Slack threads (approvals, a busy message, a
+    revision, an escalation a person approves, a silent thread, follow-ups that open new
+    items), and a plain agent on both, whose session moves from a Slack thread to the
+    api and back. Returns the organization and the turns' outcomes."""
     await stack.listen_for_changes()  # as the service: the intake keeps the agents
     org: Org = await make_org(stack, f"org-{thread}")
     await make_agent(stack, org, "lead", model="script")
@@ -106,10 +110,26 @@ async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
         stack.clock.advance(1_000)
         outcomes.append(type(await stack.turns.run(trigger)).__name__)
 
-    def slack(agent: dict[str, Any], text: str, n: int) -> Trigger:
+    def slack(agent: dict[str, Any], text: str, n: int, *, silent: bool = False) -> Trigger:
         trigger = slack_trigger(org, agent, text, f"{thread}.{n}")
         # (one event id per message, as Slack's are)
-        return dataclasses.replace(trigger, external_event_id=f"{thread}-{text}")
+        return dataclasses.replace(
+            trigger,
+            external_event_id=f"{thread}-{text}",
+            binding=dataclasses.replace(trigger.binding, silent=silent),
+        )
+
+    async def people_approve() -> None:
+        async with stack.db.tx() as conn:
+            waiting = await conn.execute(
+                sa.select(t.work_items.c.id).where(
+                    t.work_items.c.org_id == org.id,
+                    t.work_items.c.status == Status.awaitingHuman.value,
+                )
+            )
+            for item_id in waiting.scalars().all():
+                item = await workitems.get(conn, item_id)
+                await decisions.human_approve(conn, stack.outbox, item, "user:alice")
 
     # Warm-up: a turn of each agent, so that both are kept from here on.
     await run(api_trigger(org, plain, "warm", "warm-plain"))
@@ -127,6 +147,14 @@ async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
         lambda: run(api_trigger(org, plain, "hello again", "plain-1")),
         lambda: run(slack(plain, "hi there", 2)),
         lambda: run(slack(plain, "hi again", 2)),
+        lambda: run(slack(worker, "ask a person #escalate #complete", 3)),
+        lambda: run(slack(worker, "quietly #complete", 4, silent=True)),
+        lambda: settle(stack),
+        lambda: people_approve(),
+        lambda: settle(stack),
+        lambda: run(slack(worker, "after the person #complete", 3)),
+        lambda: run(api_trigger(org, plain, "from the api now", f"slack:T1:C1:{thread}.2")),
+        lambda: run(slack(plain, "back in slack", 2)),
         lambda: settle(stack),
     ):
         stack.clock.advance(1_000)
@@ -137,8 +165,9 @@ async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
 async def test_every_statement_writes_what_its_transaction_writes(
     make_stack: Callable[..., Stack],
 ) -> None:
-    alone = make_stack(channels={"slack": ScriptedChannel()})
-    by_tx = make_stack(channels={"slack": ScriptedChannel()}, statements_alone=False)
+    posted, posted_by_tx = ScriptedChannel(), ScriptedChannel()
+    alone = make_stack(channels={"slack": posted})
+    by_tx = make_stack(channels={"slack": posted_by_tx}, statements_alone=False)
     assert alone.db.statements_alone and not by_tx.db.statements_alone
 
     with alone.db.record_statements() as alone_sql:
@@ -147,15 +176,20 @@ async def test_every_statement_writes_what_its_transaction_writes(
         b_org, tx_outcomes = await conversations(by_tx, "2222")
 
     assert alone_outcomes == tx_outcomes
-    assert alone_outcomes.count(Gated.__name__) == 5, alone_outcomes
+    assert alone_outcomes.count(Gated.__name__) == 8, alone_outcomes
     assert alone_outcomes.count(Busy.__name__) == 1, alone_outcomes
-    assert alone_outcomes.count(Reply.__name__) == 5, alone_outcomes
+    assert alone_outcomes.count(Reply.__name__) == 7, alone_outcomes
     # The first run took every statement, the second none.
     for mark in _STATEMENTS:
         assert any(sql.startswith(mark) for sql in alone_sql), mark
         assert not any(sql.startswith(mark) for sql in tx_sql), mark
 
+    # Seven posts (no silent one), in the same order, and every item done.
+    texts = [m.text.replace("1111", "#") for m in posted.calls]
+    assert len(texts) == 7 and not any("quietly" in text for text in texts), texts
+    assert texts == [m.text.replace("2222", "#") for m in posted_by_tx.calls]
     written = await org_rows(alone, a_org, "1111")
+    assert {item["status"] for item in written["work_items"]} == {Status.completed.value}
     expected = await org_rows(by_tx, b_org, "2222")
     assert written.keys() == expected.keys()
     for name, rows in expected.items():
