@@ -23,6 +23,7 @@ from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
+from outbox.store import HANDOFF_TOPIC
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack
@@ -93,13 +94,24 @@ async def settle(stack: Stack) -> None:
     raise AssertionError("the runners never settled")
 
 
-async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
+async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str, list[str], int]:
     """The same conversations, step by step, with the clock moving between steps: a
     gated worker on the api binding and in Slack threads (approvals, a busy message, a
     revision, an escalation a person approves, a silent thread, follow-ups that open new
     items), and a plain agent on both, whose session moves from a Slack thread to the
-    api and back. Returns the organization and the turns' outcomes."""
+    api and back. ``local``: posts are written claimed for this process's relay and
+    handed to it after commit, as in a process that runs one. Returns the organization,
+    the turns' outcomes and how many posts were handed over."""
     await stack.listen_for_changes()  # as the service: the intake keeps the agents
+    handed: list[Any] = []
+    if local:
+
+        def accept(rows: list[dict[str, Any]]) -> None:
+            handed.extend(rows)
+            stack.relay.accept(rows)
+
+        stack.db.on_commit_payloads(HANDOFF_TOPIC, accept)
+        stack.outbox.attach(stack.relay)
     org: Org = await make_org(stack, f"org-{thread}")
     await make_agent(stack, org, "lead", model="script")
     worker = await make_agent(stack, org, "worker", lead="lead")
@@ -159,11 +171,12 @@ async def conversations(stack: Stack, thread: str) -> tuple[str, list[str]]:
     ):
         stack.clock.advance(1_000)
         await step()
-    return org.id, outcomes
+    return org.id, outcomes, len(handed)
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["relay-claims", "handed-over"])
 async def test_every_statement_writes_what_its_transaction_writes(
-    make_stack: Callable[..., Stack],
+    make_stack: Callable[..., Stack], local: bool
 ) -> None:
     posted, posted_by_tx = ScriptedChannel(), ScriptedChannel()
     alone = make_stack(channels={"slack": posted})
@@ -171,11 +184,13 @@ async def test_every_statement_writes_what_its_transaction_writes(
     assert alone.db.statements_alone and not by_tx.db.statements_alone
 
     with alone.db.record_statements() as alone_sql:
-        a_org, alone_outcomes = await conversations(alone, "1111")
+        a_org, alone_outcomes, a_handed = await conversations(alone, "1111", local=local)
     with by_tx.db.record_statements() as tx_sql:
-        b_org, tx_outcomes = await conversations(by_tx, "2222")
+        b_org, tx_outcomes, b_handed = await conversations(by_tx, "2222", local=local)
 
     assert alone_outcomes == tx_outcomes
+    # Handed over: the gating posts and the plain replies of the Slack threads.
+    assert a_handed == b_handed == (7 if local else 0)
     assert alone_outcomes.count(Gated.__name__) == 8, alone_outcomes
     assert alone_outcomes.count(Busy.__name__) == 1, alone_outcomes
     assert alone_outcomes.count(Reply.__name__) == 7, alone_outcomes
