@@ -84,24 +84,35 @@ async def org_rows(stack: Stack, org_id: str, *marks: str) -> dict[str, list[Any
 _ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
 
 
-async def settle(stack: Stack) -> None:
-    """Lead reviews, revision turns and the relay until none has work."""
+async def review(stack: Stack) -> None:
+    """Lead reviews and revision turns until neither has work (the relay waits)."""
     revisions = RevisionRunner(stack.turns)
     for _ in range(50):
-        worked = await drain(stack.lead_runner) + await drain(revisions)
-        if not worked + await drain(stack.relay):
+        if not await drain(stack.lead_runner) + await drain(revisions):
+            return
+    raise AssertionError("the reviews never settled")
+
+
+async def settle(stack: Stack) -> None:
+    """Lead reviews, revision turns and the relay until none has work."""
+    for _ in range(50):
+        await review(stack)
+        if not await drain(stack.relay):
             return
     raise AssertionError("the runners never settled")
 
 
-async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str, list[str], int]:
+async def conversations(
+    stack: Stack, thread: str, *, local: bool
+) -> tuple[list[dict[str, list[Any]]], list[str], int]:
     """The same conversations, step by step, with the clock moving between steps: a
     gated worker on the api binding and in Slack threads (approvals, a busy message, a
     revision, an escalation a person approves, a silent thread, follow-ups that open new
     items), and a plain agent on both, whose session moves from a Slack thread to the
     api and back. ``local``: posts are written claimed for this process's relay and
-    handed to it after commit, as in a process that runs one. Returns the organization,
-    the turns' outcomes and how many posts were handed over."""
+    handed to it after commit, as in a process that runs one. Returns the organization's
+    rows after each step (:func:`org_rows`), the turns' outcomes and how many posts
+    were handed over."""
     await stack.listen_for_changes()  # as the service: the intake keeps the agents
     handed: list[Any] = []
     if local:
@@ -117,6 +128,7 @@ async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str,
     worker = await make_agent(stack, org, "worker", lead="lead")
     plain = await make_agent(stack, org, "plain")
     outcomes: list[str] = []
+    snapshots: list[dict[str, list[Any]]] = []
 
     async def run(trigger: Trigger) -> None:
         stack.clock.advance(1_000)
@@ -151,6 +163,7 @@ async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str,
         lambda: run(api_trigger(org, worker, "write it #complete", "api-1")),
         lambda: run(api_trigger(org, worker, "and one more thing", "api-1")),  # busy
         lambda: run(slack(worker, "post it #complete", 1)),
+        lambda: review(stack),  # (the approvals' rows before the relay sends)
         lambda: settle(stack),
         lambda: run(api_trigger(org, worker, "again #revise #complete", "api-1")),
         lambda: run(slack(worker, "thanks, more #complete", 1)),
@@ -161,6 +174,7 @@ async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str,
         lambda: run(slack(plain, "hi again", 2)),
         lambda: run(slack(worker, "ask a person #escalate #complete", 3)),
         lambda: run(slack(worker, "quietly #complete", 4, silent=True)),
+        lambda: review(stack),
         lambda: settle(stack),
         lambda: people_approve(),
         lambda: settle(stack),
@@ -171,7 +185,8 @@ async def conversations(stack: Stack, thread: str, *, local: bool) -> tuple[str,
     ):
         stack.clock.advance(1_000)
         await step()
-    return org.id, outcomes, len(handed)
+        snapshots.append(await org_rows(stack, org.id, thread))
+    return snapshots, outcomes, len(handed)
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["relay-claims", "handed-over"])
@@ -184,9 +199,9 @@ async def test_every_statement_writes_what_its_transaction_writes(
     assert alone.db.statements_alone and not by_tx.db.statements_alone
 
     with alone.db.record_statements() as alone_sql:
-        a_org, alone_outcomes, a_handed = await conversations(alone, "1111", local=local)
+        written, alone_outcomes, a_handed = await conversations(alone, "1111", local=local)
     with by_tx.db.record_statements() as tx_sql:
-        b_org, tx_outcomes, b_handed = await conversations(by_tx, "2222", local=local)
+        expected, tx_outcomes, b_handed = await conversations(by_tx, "2222", local=local)
 
     assert alone_outcomes == tx_outcomes
     # Handed over: the gating posts and the plain replies of the Slack threads.
@@ -203,12 +218,14 @@ async def test_every_statement_writes_what_its_transaction_writes(
     texts = [m.text.replace("1111", "#") for m in posted.calls]
     assert len(texts) == 7 and not any("quietly" in text for text in texts), texts
     assert texts == [m.text.replace("2222", "#") for m in posted_by_tx.calls]
-    written = await org_rows(alone, a_org, "1111")
-    assert {item["status"] for item in written["work_items"]} == {Status.completed.value}
-    expected = await org_rows(by_tx, b_org, "2222")
-    assert written.keys() == expected.keys()
-    for name, rows in expected.items():
-        assert written[name] == rows, _difference(name, written[name], rows)
+    final = written[-1]["work_items"]
+    assert {item["status"] for item in final} == {Status.completed.value}
+    # Every row, after every step.
+    assert len(written) == len(expected)
+    for step, (one, other) in enumerate(zip(written, expected, strict=True)):
+        assert one.keys() == other.keys()
+        for name, rows in other.items():
+            assert one[name] == rows, f"after step {step}: " + _difference(name, one[name], rows)
 
 
 def _difference(table: str, written: list[Any], expected: list[Any]) -> str:
