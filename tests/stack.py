@@ -13,10 +13,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 from leadgate.core.clock import FakeClock, IdFactory, RandomIds
+from leadgate.core.runners import drain
 from leadgate.database.db import Database
 from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.flows.runs import FlowService
 from leadgate.review.runner import LeadRunner
+from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry
@@ -89,6 +91,18 @@ class Stack:
             name, _, sender = payload.partition(" ")
             if name == table and sender != self.db.notify_tag:
                 return
+
+    async def settle(self, *, relay: bool = False) -> None:
+        """Run lead reviews and revision turns (with ``relay``, the relay too) until none
+        has work."""
+        revisions = RevisionRunner(self.turns)
+        for _ in range(50):
+            worked = await drain(self.lead_runner) + await drain(revisions)
+            if relay:
+                worked += await drain(self.relay)
+            if not worked:
+                return
+        raise AssertionError("the runners never settled")
 
     async def stop(self) -> None:
         """Stop listening; close providers and the database."""

@@ -134,15 +134,6 @@ async def actions(stack: Stack, item_id: str) -> list[str]:
     return [a["action"] for a in await audit(stack, item_id)]
 
 
-async def settle(stack: Stack) -> None:
-    """Run lead reviews and revision turns until neither has work."""
-    revisions = RevisionRunner(stack.turns)
-    for _ in range(50):
-        if not (await drain(stack.lead_runner) + await drain(revisions)):
-            return
-    raise AssertionError("the runners never settled")
-
-
 async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
     m = t.messages.c
     async with stack.db.read() as conn:
@@ -530,7 +521,7 @@ async def test_completion_policy_is_shown_and_never_branched_on(stack: Stack) ->
         paths[policy] = []
         for session, text in (("a", "plain"), ("b", "again #revise"), ("c", "hard #escalate")):
             item_id = await submit(stack, org, worker, text, session)
-            await settle(stack)
+            await stack.settle()
             await drain(stack.relay)
             async with stack.db.read() as conn:
                 body = await detail(conn, org.id, item_id)
@@ -564,7 +555,7 @@ async def test_rounds_run_out_then_a_human_decides(
     org, _, worker = await setup(stack, lead_model="fake", config=config)
     fake_lead.behaviour = always_changes
     item_id = await submit(stack, org, worker, "task")
-    await settle(stack)
+    await stack.settle()
     expected = 3 if rounds is None else rounds
     item = await row(stack, item_id)
     assert item["max_revision_rounds"] == expected
@@ -602,7 +593,7 @@ async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLe
     assert item["pending_feedback"] == "Use the 2024 numbers."
 
     # The return is dispatched to the worker, and the lead still has all three rounds.
-    await settle(stack)
+    await stack.settle()
     item = await row(stack, item_id)
     assert (item["status"], item["revision"]) == ("awaitingHuman", 4)
     msgs = await messages(stack, item_id)
@@ -619,7 +610,7 @@ async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLe
     item = await row(stack, item_id)
     assert (item["revision"], item["extra_allowance"]) == (5, 2)
     fake_lead.behaviour = lambda request, n: [verdict("approved")]
-    await settle(stack)
+    await stack.settle()
     item = await row(stack, item_id)
     assert (item["status"], item["snapshot"]) == ("completed", "Revised: Last go")
 
@@ -697,7 +688,7 @@ async def test_the_lead_gets_three_tools_and_a_server_built_envelope(
 ) -> None:
     org, _, worker = await setup(stack, lead_model="fake")
     item_id = await submit(stack, org, worker, "draft #revise")
-    await settle(stack)
+    await stack.settle()
     assert (await row(stack, item_id))["status"] == "completed"
     first, second = fake_lead.requests
     for request in (first, second):

@@ -16,13 +16,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from leadgate.core.runners import drain
 from leadgate.core.types import Busy, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
-from leadgate.runners.revisions import RevisionRunner
 from outbox.store import HANDOFF_TOPIC
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
@@ -84,24 +82,6 @@ async def org_rows(stack: Stack, org_id: str, *marks: str) -> dict[str, list[Any
 _ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
 
 
-async def review(stack: Stack) -> None:
-    """Lead reviews and revision turns until neither has work (the relay waits)."""
-    revisions = RevisionRunner(stack.turns)
-    for _ in range(50):
-        if not await drain(stack.lead_runner) + await drain(revisions):
-            return
-    raise AssertionError("the reviews never settled")
-
-
-async def settle(stack: Stack) -> None:
-    """Lead reviews, revision turns and the relay until none has work."""
-    for _ in range(50):
-        await review(stack)
-        if not await drain(stack.relay):
-            return
-    raise AssertionError("the runners never settled")
-
-
 async def conversations(
     stack: Stack, thread: str, *, local: bool
 ) -> tuple[list[dict[str, list[Any]]], list[str], int]:
@@ -158,30 +138,30 @@ async def conversations(
     # Warm-up: a turn of each agent, so that both are kept from here on.
     await run(api_trigger(org, plain, "warm", "warm-plain"))
     await run(api_trigger(org, worker, "warm #complete", "warm-worker"))
-    await settle(stack)
+    await stack.settle(relay=True)
     for step in (
         lambda: run(api_trigger(org, worker, "write it #complete", "api-1")),
         lambda: run(api_trigger(org, worker, "and one more thing", "api-1")),  # busy
         lambda: run(slack(worker, "post it #complete", 1)),
-        lambda: review(stack),  # (the approvals' rows before the relay sends)
-        lambda: settle(stack),
+        lambda: stack.settle(),  # (the approvals' rows before the relay sends)
+        lambda: stack.settle(relay=True),
         lambda: run(api_trigger(org, worker, "again #revise #complete", "api-1")),
         lambda: run(slack(worker, "thanks, more #complete", 1)),
-        lambda: settle(stack),
+        lambda: stack.settle(relay=True),
         lambda: run(api_trigger(org, plain, "hello", "plain-1")),
         lambda: run(api_trigger(org, plain, "hello again", "plain-1")),
         lambda: run(slack(plain, "hi there", 2)),
         lambda: run(slack(plain, "hi again", 2)),
         lambda: run(slack(worker, "ask a person #escalate #complete", 3)),
         lambda: run(slack(worker, "quietly #complete", 4, silent=True)),
-        lambda: review(stack),
-        lambda: settle(stack),
+        lambda: stack.settle(),
+        lambda: stack.settle(relay=True),
         lambda: people_approve(),
-        lambda: settle(stack),
+        lambda: stack.settle(relay=True),
         lambda: run(slack(worker, "after the person #complete", 3)),
         lambda: run(api_trigger(org, plain, "from the api now", f"slack:T1:C1:{thread}.2")),
         lambda: run(slack(plain, "back in slack", 2)),
-        lambda: settle(stack),
+        lambda: stack.settle(relay=True),
     ):
         stack.clock.advance(1_000)
         await step()
