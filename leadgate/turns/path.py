@@ -125,8 +125,8 @@ _READ_SIGNAL = sa.select(_W.signal_summary).where(
 
 
 def _submit_alone() -> sa.TextClause:
-    """PostgreSQL: a first submission whose provenance is complete, as one statement
-    outside a transaction block (``Database.write_alone``); see :meth:`TurnService._submit`.
+    """PostgreSQL: a submission whose provenance is complete, as one statement outside a
+    transaction block (``Database.write_alone``); see :meth:`TurnService._submit`.
 
     It writes what the submission's transaction writes (the withheld answer, the end of
     the turn's run, the fenced move ``inProgress -> reviewQueued`` taking the summary
@@ -137,10 +137,16 @@ def _submit_alone() -> sa.TextClause:
     Otherwise it writes nothing, and the transaction decides as before (withheld, a
     human's review for incomplete provenance, a lost run). One round trip where the
     transaction took ten (``BEGIN``, the message, the run, the item, the binding, the move,
-    its audit row, the NOTIFY, the session event, ``COMMIT``)."""
+    its audit row, the NOTIFY, the session event, ``COMMIT``).
+
+    A revision's submission (``:rev_lease``, the revision runner's lease; NULL for a
+    first one) also gives that lease back with the move, when the item still holds it,
+    as the transaction's release does before its move. Its session event is not written:
+    a revised item is ``pending`` to the client before and after (public_status)."""
     src, dst = Status.inProgress, Status.reviewQueued
     workitems.require_move(src, dst, event=True)
-    events = session_events.postgres_moved_item_events("moved", src.value, dst.value)
+    # (the events are those of a first submission; a revision's move is not public)
+    events = session_events.postgres_moved_item_events("first_moved", src.value, dst.value)
     assert events is not None  # (require_move: the move changes the public status)
     return sa.text(
         "WITH run_locked AS ("
@@ -167,9 +173,20 @@ def _submit_alone() -> sa.TextClause:
         " UPDATE work_items AS w SET status = :dst, summary = go.signal_summary,"
         " snapshot = :snapshot, gated_message_id = :m_id, signal_summary = NULL,"
         " signal_turn_id = NULL, binding_id = go.binding_id, last_activity_at = :now,"
-        " updated_at = :now"
+        " updated_at = :now,"
+        # The revision's lease given back (a NULL :rev_lease matches nothing).
+        " pending_feedback = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
+        " THEN NULL ELSE w.pending_feedback END,"
+        " lease_token = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
+        " THEN NULL ELSE w.lease_token END,"
+        " lease_expires_at = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
+        " THEN NULL ELSE w.lease_expires_at END,"
+        " lease_owner = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
+        " THEN NULL ELSE w.lease_owner END"
         " FROM go WHERE w.id = go.id"
-        " RETURNING w.id, w.org_id, w.session_id, go.signal_summary AS summary"
+        " RETURNING w.id, w.org_id, w.session_id, w.revision,"
+        " go.signal_summary AS summary"
+        "), first_moved AS (SELECT * FROM moved WHERE revision = 0"
         "), audit_row AS ("
         " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action,"
         " from_status, to_status, text, created_at)"
@@ -675,7 +692,7 @@ class TurnService:
         is gone (another turn of the item signalled or submitted meanwhile) the text is
         only stored withheld."""
         try:
-            alone = revision_item is None and await self._submit_alone(ctx, text)
+            alone = await self._submit_alone(ctx, text, revision_item)
         except Unavailable:
             raise  # nothing is shown; the turn is tried again whole (see _finish)
         except Exception:
@@ -714,12 +731,13 @@ class TurnService:
         METRICS.turns.labels("gated").inc()
         return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
 
-    async def _submit_alone(self, ctx: TurnContext, text: str) -> bool:
+    async def _submit_alone(
+        self, ctx: TurnContext, text: str, revision_item: WorkItem | None
+    ) -> bool:
         """PostgreSQL: the submission as one statement (:data:`_SUBMIT_ALONE`) when its
-        provenance is complete; False, with nothing written, when the transaction must
-        decide (another backend, a superseded signal, a moved item, no active binding, a
-        lost run). A revision turn's submission also releases the item's revision lease,
-        an update of the same row: it keeps the transaction."""
+        provenance is complete, a revision's with its lease given back; False, with
+        nothing written, when the transaction must decide (another backend, a superseded
+        signal, a moved item, no active binding, a lost run)."""
         if not self.db.statements_alone or not ctx.work_item_id:
             return False
         now = self.clock.now_ms()
@@ -738,6 +756,7 @@ class TurnService:
                 "now": now,
                 "ev_at": now,
                 "sender": self.db.notify_tag,
+                "rev_lease": None if revision_item is None else revision_item.lease_token,
             },
             signals_from=lambda row: session_events.woken(row.ev_sessions),
         )

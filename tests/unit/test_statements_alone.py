@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from leadgate.core.runners import drain
 from leadgate.core.types import Busy, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
+from leadgate.runners.revisions import RevisionRunner
 from outbox.store import HANDOFF_TOPIC
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
@@ -94,6 +96,7 @@ async def conversations(
     rows after each step (:func:`org_rows`), the turns' outcomes and how many posts
     were handed over."""
     await stack.listen_for_changes()  # as the service: the intake keeps the agents
+    stack.turns.owner = lambda: f"process-{thread}"  # (revision leases name their owner)
     handed: list[Any] = []
     if local:
 
@@ -147,6 +150,9 @@ async def conversations(
         lambda: stack.settle(relay=True),
         lambda: run(api_trigger(org, worker, "again #revise #complete", "api-1")),
         lambda: run(slack(worker, "thanks, more #complete", 1)),
+        # One at a time: the changes requested, the revision's submission, the approvals.
+        lambda: drain(stack.lead_runner),
+        lambda: drain(RevisionRunner(stack.turns)),
         lambda: stack.settle(relay=True),
         lambda: run(api_trigger(org, plain, "hello", "plain-1")),
         lambda: run(api_trigger(org, plain, "hello again", "plain-1")),
