@@ -145,3 +145,13 @@ class DownAloneFor:
             raise Unavailable("database down", rule="service.unavailable")
         await self.real(*args, **kwargs)
         raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
+
+
+def lose_the_next_commit(monkeypatch: Any, db: Any, *, alone: bool) -> None:
+    """The next write of ``db`` commits and its caller is told the connection dropped at
+    COMMIT (Unavailable): the next ``write_alone`` statement when ``alone`` (a write
+    PostgreSQL runs as one statement), else the next ``tx``."""
+    if alone:
+        monkeypatch.setattr(db, "write_alone", DownAloneFor(db.write_alone, 1, after_commit=True))
+    else:
+        monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=True))

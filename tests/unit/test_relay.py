@@ -34,7 +34,7 @@ from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent,
 from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
-from tests.fakes import DownAloneFor, DownFor
+from tests.fakes import lose_the_next_commit
 from tests.helpers import Org, item_row, make_agent, make_org
 from tests.outbox_support import (
     MigratedTemplates,
@@ -938,11 +938,8 @@ async def test_a_claim_whose_commit_is_uncertain_is_sent_once_without_waiting_th
     org = await make_org(stack)
     item_id = await gated_item(stack, org, BindingSpec(BindingKind.slack, address=SLACK_ADDRESS))
     await drain(stack.lead_runner)
-    if stack.db.is_postgres:  # the claim is one statement there
-        down = DownAloneFor(stack.db.write_alone, 1, after_commit=True)
-        monkeypatch.setattr(stack.db, "write_alone", down)
-    else:
-        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    # (on PostgreSQL the claim is one statement there)
+    lose_the_next_commit(monkeypatch, stack.db, alone=stack.db.is_postgres)
     with pytest.raises(Unavailable):
         await stack.relay.claim()
     async with stack.db.read() as conn:

@@ -38,7 +38,7 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
-from tests.fakes import DownAloneFor, DownFor
+from tests.fakes import DownFor, lose_the_next_commit
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -338,7 +338,7 @@ async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(stack: S
     item_id = await submit_slack(stack, org, worker, "5.2")
     listener = None
     heard: list[str] = []
-    if stack.db.is_postgres:
+    if stack.db.statements_alone:
         listener = await asyncpg.connect(asyncpg_dsn(stack.db.url))
         await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.append(args[2]))
     try:
@@ -919,11 +919,8 @@ async def test_a_claim_whose_commit_is_uncertain_is_given_back(
 ) -> None:
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
-    if stack.db.is_postgres:  # the claim is one statement outside a transaction block
-        alone = DownAloneFor(stack.db.write_alone, 1, after_commit=True)
-        monkeypatch.setattr(stack.db, "write_alone", alone)
-    else:
-        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    # (on PostgreSQL the claim is one statement outside a transaction block)
+    lose_the_next_commit(monkeypatch, stack.db, alone=stack.db.is_postgres)
     with pytest.raises(Unavailable):
         await stack.lead_runner.claim()
     assert (await row(stack, item_id))["status"] == "reviewing"  # the claim did land
@@ -939,11 +936,7 @@ async def test_an_approval_whose_commit_is_uncertain_posts_once(
     item_id = await submit_slack(stack, org, worker, "6.1")
     claimed = await stack.lead_runner.claim()
     assert claimed is not None
-    if stack.db.is_postgres:  # the approval is one statement outside a transaction block
-        alone = DownAloneFor(stack.db.write_alone, 1, after_commit=True)
-        monkeypatch.setattr(stack.db, "write_alone", alone)
-    else:
-        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=True))
+    lose_the_next_commit(monkeypatch, stack.db, alone=stack.db.statements_alone)
     with pytest.raises(Unavailable):
         await stack.lead_runner.review(claimed)
     # The approval did land: giving the item back to the queue finds it approved.

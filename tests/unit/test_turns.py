@@ -188,7 +188,7 @@ async def test_plain_turn_on_an_existing_session_is_cheap(
     # The agent and the policy rules were read by the first turn and nothing of them
     # changed since (leadgate.domain.config_cache): session and history only.
     assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
-    if stack.db.is_postgres:
+    if stack.db.statements_alone:
         # No transaction block (Intake._take_plain): the session with its binding and
         # history window and the user message with its event in one statement, then
         # the finish: two round trips.
@@ -785,7 +785,7 @@ async def test_complete_task_records_its_signal_and_its_tool_message(
     rec.handler = completing("final answer", "the summary")
     with stack.db.record_statements() as statements:
         assert isinstance(await stack.turns.run(api_trigger(org, worker, "do it")), Gated)
-    if stack.db.is_postgres:
+    if stack.db.statements_alone:
         # The signal and the tool message: one statement, no transaction block of its own.
         [signal] = [sql for sql in statements if "SET signal_summary" in sql]
         assert signal.startswith("WITH") and "INSERT INTO messages" in signal, signal
