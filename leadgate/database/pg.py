@@ -23,7 +23,7 @@ import copy
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,7 +41,7 @@ from leadgate.database.plans import Plan, PlanCache, Result
 STATEMENT_CACHE_SIZE = 1024
 CONNECT_TIMEOUT_S = 10.0
 #: A connection on the pool's idle list unused this long goes back to asyncpg's pool,
-#: which closes it after its own 300 s of inactivity (see :meth:`PgPool._connection`).
+#: which closes it after its own 300 s of inactivity (see :meth:`PgPool._acquire`).
 IDLE_S = 60.0
 #: Tables whose writes PostgreSQL announces on :data:`CHANGES_CHANNEL`, whoever writes
 #: them (a statement trigger each, migrations 0010 and 0012; payload: the table's name).
@@ -210,7 +210,17 @@ def _wrap(exc: BaseException, sql: str, args: Any) -> sa.exc.DBAPIError:
 class PgConnection:
     """One pooled asyncpg connection inside a transaction, running Core statements."""
 
-    __slots__ = ("_changes", "_plans", "_raw", "_readonly", "_trace", "dialect", "info", "wrote")
+    __slots__ = (
+        "_changes",
+        "_plans",
+        "_raw",
+        "_readonly",
+        "_reconnect",
+        "_trace",
+        "dialect",
+        "info",
+        "wrote",
+    )
 
     def __init__(
         self,
@@ -220,6 +230,7 @@ class PgConnection:
         *,
         readonly: bool = False,
         changes: TableChanges | None = None,
+        reconnect: Callable[[asyncpg.Connection], Awaitable[asyncpg.Connection]] | None = None,
     ) -> None:
         self._raw = raw
         self._plans = plans
@@ -227,6 +238,9 @@ class PgConnection:
         #: a read (no transaction block): only SELECT statements
         self._readonly = readonly
         self._changes = changes
+        #: a read's way to a fresh connection when the server dropped this one (a
+        #: SELECT outside a transaction block runs again safely); used once
+        self._reconnect = reconnect
         self.dialect: Dialect = plans.dialect
         self.info: dict[Any, Any] = {}
         #: notifying tables written here (counted in ``changes`` when the pool's
@@ -250,15 +264,20 @@ class PgConnection:
         sql, args = plan.args(params, extracted)
         if self._trace is not None:
             self._trace(sql)
-        try:
-            if plan.keys is not None or _is_text_query(statement, sql):
-                records = await self._raw.fetch(sql, *args)
-                rows = plan.rows(records, lambda: list(records[0].keys()))
-                return Result(rows, len(rows))
-            status = await self._raw.execute(sql, *args)
-        except _DRIVER_ERRORS as exc:
-            raise _wrap(exc, sql, args) from exc
-        return Result([], _rowcount(status))
+        while True:
+            try:
+                if plan.keys is not None or _is_text_query(statement, sql):
+                    records = await self._raw.fetch(sql, *args)
+                    # (called inside plan.rows, never kept: the loop cannot rebind it)
+                    rows = plan.rows(records, lambda: list(records[0].keys()))  # noqa: B023
+                    return Result(rows, len(rows))
+                status = await self._raw.execute(sql, *args)
+                return Result([], _rowcount(status))
+            except _DRIVER_ERRORS as exc:
+                reconnect, self._reconnect = self._reconnect, None
+                if reconnect is None or _usable(self._raw):
+                    raise _wrap(exc, sql, args) from exc
+            self._raw = await reconnect(self._raw)
 
     def cache_token(self, tables: Sequence[str]) -> object | None:
         """:meth:`TableChanges.token`: None without a LISTEN connection (other replicas
@@ -440,31 +459,6 @@ class PgPool:
         except _DRIVER_ERRORS as exc:
             raise _wrap(exc, "CONNECT", ()) from exc
 
-    @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
-        """A connection from the pool, given back (or closed, if broken) at the end.
-
-        Connections that ended their last use cleanly wait in :attr:`_idle` (last in,
-        first out: its prepared statements are warm) and are handed out from there with
-        no await. asyncpg's own acquire and release cost about a sixth of a plain
-        PostgreSQL turn's event-loop time (py-spy: ``wait_for`` for the acquire timeout,
-        a ``shield`` task and a timeout scope for each release, four times per turn);
-        they remain the way in when no connection is idle (with the timeout: a 503 past
-        it), the way out while anyone waits in that way in (so that they are served in
-        asyncpg's order, not starved by later callers served from here), and the way
-        out after an error, where asyncpg finishes a cancelled query or terminates a
-        broken connection. A connection left on the list for :data:`IDLE_S` goes back to
-        asyncpg, whose inactivity timeout closes it: a burst's connections are not kept
-        open for ever (any use, the heartbeat's too, trims the list).
-        """
-        raw = await self._acquire()
-        try:
-            yield raw
-        except BaseException:
-            await self._release(raw)
-            raise
-        await self._give_back(raw)
-
     async def _give_back(self, raw: asyncpg.Connection) -> None:
         """The end of a clean use of ``raw``: onto the idle list, or back to asyncpg."""
         if (
@@ -483,21 +477,59 @@ class PgPool:
             # connection parked here would leave them waiting until their timeout).
             await self._release(raw)
 
+    async def _renew(self) -> None:
+        """Replace every pooled connection opened so far: one the server dropped says
+        the others are likely gone too (a restart, a failover, ``pg_terminate_backend``),
+        though the process learns of each only when it reads from it. The idle ones are
+        closed now; those in use are closed when given back to asyncpg, whose own idle
+        ones reconnect on their next acquire (``expire_connections``). Several uses
+        failing at once renew more than once: bounded by the pool's size."""
+        idle = self._idle
+        while idle:
+            raw, _ = idle.pop()
+            if _usable(raw):  # (asyncpg takes back one it saw closed by itself)
+                raw.terminate()  # no round trip: it may be as dead as the one that failed
+            await self._hand_back(raw)
+        if self._pool is not None:
+            await self._pool.expire_connections()
+
+    async def _reconnect(self, lost: asyncpg.Connection) -> asyncpg.Connection:
+        """A fresh connection in place of ``lost``, which the server dropped while the
+        caller had sent nothing that could have changed data (a read, a ``BEGIN``)."""
+        await self._release(lost)
+        return await self._acquire()
+
     async def _trim(self, cutoff: float) -> None:
         """Hand connections idle since before ``cutoff`` back to asyncpg's pool."""
         idle = self._idle
         while idle and idle[0][1] < cutoff:
             raw, _ = idle.pop(0)
-            await self._release(raw)
+            await self._hand_back(raw)
 
     async def _acquire(self) -> asyncpg.Connection:
+        """A connection from the pool, for :meth:`_give_back` after a clean use and
+        :meth:`_release` after an error.
+
+        Connections that ended their last use cleanly wait in :attr:`_idle` (last in,
+        first out: its prepared statements are warm) and are handed out from there with
+        no await. asyncpg's own acquire and release cost about a sixth of a plain
+        PostgreSQL turn's event-loop time (py-spy: ``wait_for`` for the acquire timeout,
+        a ``shield`` task and a timeout scope for each release, four times per turn);
+        they remain the way in when no connection is idle (with the timeout: a 503 past
+        it), the way out while anyone waits in that way in (so that they are served in
+        asyncpg's order, not starved by later callers served from here), and the way
+        out after an error, where asyncpg finishes a cancelled query or terminates a
+        broken connection. A connection left on the list for :data:`IDLE_S` goes back to
+        asyncpg, whose inactivity timeout closes it: a burst's connections are not kept
+        open for ever (any use, the heartbeat's too, trims the list).
+        """
         self.uses += 1
         idle = self._idle
         while idle:
             raw, _ = idle.pop()
             if _usable(raw):
                 return raw
-            await self._release(raw)  # the server went away meanwhile: asyncpg cleans up
+            await self._release(raw)  # the server dropped it meanwhile: renew them all
         pool = await self._ensure()
         self._waiting += 1
         try:
@@ -508,6 +540,13 @@ class PgPool:
             self._waiting -= 1
 
     async def _release(self, raw: asyncpg.Connection) -> None:
+        """The end of a use of ``raw`` that failed: back to asyncpg (which finishes a
+        cancelled query), and the pool renewed if the server dropped ``raw``."""
+        if not _usable(raw):
+            await self._renew()
+        await self._hand_back(raw)
+
+    async def _hand_back(self, raw: asyncpg.Connection) -> None:
         pool = self._pool
         try:
             if pool is None:
@@ -521,16 +560,27 @@ class PgPool:
 
     @asynccontextmanager
     async def transaction(self, *, readonly: bool = False) -> AsyncIterator[PgConnection]:
-        """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error)."""
+        """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error).
+
+        A ``BEGIN`` that finds the connection dropped by the server has changed nothing:
+        it runs once more on a fresh connection (:meth:`_reconnect`)."""
         trace = self.trace
-        async with self._connection() as raw:
+        raw = await self._acquire()
+        try:
             tr = raw.transaction(readonly=readonly)
             if trace is not None:
                 trace("BEGIN")  # each its own round trip, counted like statements
             try:
                 await tr.start()
             except _DRIVER_ERRORS as exc:
-                raise _wrap(exc, "BEGIN", ()) from exc
+                if _usable(raw):
+                    raise _wrap(exc, "BEGIN", ()) from exc
+                raw = await self._reconnect(raw)
+                tr = raw.transaction(readonly=readonly)
+                try:
+                    await tr.start()
+                except _DRIVER_ERRORS as again:
+                    raise _wrap(again, "BEGIN", ()) from again
             conn = PgConnection(raw, self.plans, trace, changes=self.changes)
             try:
                 try:
@@ -552,14 +602,18 @@ class PgPool:
             finally:
                 if conn.wrote:  # committed or not, what was read meanwhile may be stale
                     self.changes.wrote(conn.wrote)
+        except BaseException:
+            await self._release(raw)
+            raise
+        await self._give_back(raw)
 
     async def execute_alone(
         self, statement: sa.Executable, parameters: Mapping[str, Any]
     ) -> Result:
         """One statement on a pooled connection outside a transaction block, as a
         transaction by itself (PostgreSQL runs a single statement atomically): one round
-        trip instead of ``BEGIN``, the statement, ``COMMIT``. Written out rather than
-        around :meth:`_connection`: an async generator per ``async with`` (each also
+        trip instead of ``BEGIN``, the statement, ``COMMIT``. Not a context manager (as
+        :meth:`read` is): an async generator per ``async with`` (each also
         registered with the event loop and dropped again) costs a few microseconds,
         and a plain turn runs two of these."""
         raw = await self._acquire()
@@ -582,15 +636,28 @@ class PgPool:
         At PostgreSQL's READ COMMITTED level every statement sees the data committed when
         it started, inside ``BEGIN READ ONLY`` ... ``COMMIT`` or not: the block added two
         round trips per read (a Slack event's route lookup was three instead of one) and
-        no consistency. Writes are refused here instead of by the server."""
-        async with self._connection() as raw:
-            yield PgConnection(raw, self.plans, self.trace, readonly=True, changes=self.changes)
+        no consistency. Writes are refused here instead of by the server. A statement
+        that finds the connection dropped by the server runs once more on a fresh one."""
+        conn = PgConnection(
+            await self._acquire(),
+            self.plans,
+            self.trace,
+            readonly=True,
+            changes=self.changes,
+            reconnect=self._reconnect,
+        )
+        try:
+            yield conn
+        except BaseException:
+            await self._release(conn._raw)
+            raise
+        await self._give_back(conn._raw)
 
     async def close(self) -> None:
         """Close every pooled connection."""
         if self._pool is not None:
             idle, self._idle = self._idle, []
             for raw, _ in idle:
-                await self._release(raw)
+                await self._hand_back(raw)
             pool, self._pool = self._pool, None
             await pool.close()
