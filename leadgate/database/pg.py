@@ -481,8 +481,9 @@ class PgPool:
         """Replace every pooled connection opened so far: one the server dropped says
         the others are likely gone too (a restart, a failover, ``pg_terminate_backend``),
         though the process learns of each only when it reads from it. The idle ones are
-        closed now; those in use are closed when given back to asyncpg, whose own idle
-        ones reconnect on their next acquire (``expire_connections``). Several uses
+        closed now and asyncpg's own reconnect on their next acquire
+        (``expire_connections``). One in use meanwhile is kept if its use ends cleanly
+        (it answered after the fault), else it fails and renews in turn. Several uses
         failing at once renew more than once: bounded by the pool's size."""
         idle = self._idle
         while idle:

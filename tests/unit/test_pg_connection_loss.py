@@ -13,6 +13,7 @@ connections after it are fresh.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 import sqlalchemy as sa
@@ -26,85 +27,100 @@ pytestmark = pytest.mark.timeout(60)
 SELECT_ONE = sa.text("SELECT 1")
 
 
-def kill_every_backend(server: PostgresServer, url: str) -> int:
-    """Terminate every connection to ``url``'s database and wait until each is gone.
+def kill_backends(server: PostgresServer, url: str, pid: int | None = None) -> int:
+    """Terminate every connection to ``url``'s database (or the one of ``pid``) and wait
+    until each is gone.
 
     Run synchronously on purpose: the event loop is blocked meanwhile, so no pooled
     connection has noticed its socket close when the test goes on (as with a restart
     the process had no reason to read from the socket during)."""
     database = url.rsplit("/", 1)[1]
+    which = "pid <> pg_backend_pid()" if pid is None else f"pid = {pid}"
     return int(
         server.psql(
             "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
-            f"WHERE datname = '{database}' AND pid <> pg_backend_pid()"
+            f"WHERE datname = '{database}' AND {which}"
         ).strip()
     )
 
 
-async def warm(db: Database, connections: int) -> None:
-    """Leave ``connections`` pooled connections idle (concurrent reads open them)."""
+async def backends(db: Database, connections: int) -> set[int]:
+    """The server pids of ``connections`` pooled connections used at once (which then
+    wait idle in the pool)."""
 
-    async def hold() -> None:
+    async def hold() -> int:
         async with db.read() as conn:
-            await conn.execute(sa.text("SELECT pg_sleep(0.05)"))
+            return int(await conn.scalar(sa.text("SELECT pg_backend_pid() FROM pg_sleep(0.05)")))
 
-    await asyncio.gather(*(hold() for _ in range(connections)))
+    return set(await asyncio.gather(*(hold() for _ in range(connections))))
 
 
 @pytest.fixture
-def migrated_pg(pg_url: str) -> str:
-    upgrade(pg_url)
-    return pg_url
+async def dropped(pg_url: str, postgres_server: PostgresServer) -> AsyncIterator[Database]:
+    """A migrated database whose four idle pooled connections the server dropped."""
+    await asyncio.to_thread(upgrade, pg_url)
+    db = Database(pg_url)
+    try:
+        assert len(await backends(db, 4)) == 4
+        assert kill_backends(postgres_server, pg_url) >= 4
+        yield db
+    finally:
+        await db.close()
+
+
+async def organization_ids(db: Database) -> list[str]:
+    async with db.read() as conn:
+        return sorted((await conn.execute(sa.text("SELECT id FROM organizations"))).scalars())
+
+
+INSERT = sa.text("INSERT INTO organizations (id, name, created_at) VALUES (:id, :id, 1)")
 
 
 async def test_a_read_on_a_dropped_connection_runs_again_on_a_fresh_one(
-    migrated_pg: str, postgres_server: PostgresServer
+    dropped: Database,
 ) -> None:
-    db = Database(migrated_pg)
-    try:
-        await warm(db, 3)
-        assert kill_every_backend(postgres_server, migrated_pg) >= 3
-        async with db.read() as conn:
-            assert await conn.scalar(SELECT_ONE) == 1
-            assert await conn.scalar(SELECT_ONE) == 1
-    finally:
-        await db.close()
+    async with dropped.read() as conn:
+        assert await conn.scalar(SELECT_ONE) == 1
+        assert await conn.scalar(SELECT_ONE) == 1
 
 
 async def test_a_transaction_whose_begin_meets_a_dropped_connection_runs_on_a_fresh_one(
-    migrated_pg: str, postgres_server: PostgresServer
+    dropped: Database,
 ) -> None:
-    db = Database(migrated_pg)
-    try:
-        await warm(db, 3)
-        assert kill_every_backend(postgres_server, migrated_pg) >= 3
-        async with db.tx() as conn:
-            await conn.execute(
-                sa.text("INSERT INTO organizations (id, name, created_at) VALUES ('o1', 'x', 1)")
-            )
-        async with db.read() as conn:
-            assert await conn.scalar(sa.text("SELECT count(*) FROM organizations")) == 1
-    finally:
-        await db.close()
+    async with dropped.tx() as conn:
+        await conn.execute(INSERT, {"id": "o1"})
+    assert await organization_ids(dropped) == ["o1"]
 
 
 async def test_a_write_alone_on_a_dropped_connection_is_a_503_and_renews_the_pool(
-    migrated_pg: str, postgres_server: PostgresServer
+    dropped: Database,
 ) -> None:
     """The statement may have committed before the connection died: no retry here (the
-    client retries a 503). The first dead connection renews the rest, so the writes
-    after it, however many at once, find live ones."""
-    db = Database(migrated_pg)
-    insert = sa.text("INSERT INTO organizations (id, name, created_at) VALUES (:id, :id, 1)")
+    client retries a 503). The writes after it, however many at once, find live
+    connections."""
+    with pytest.raises(Unavailable) as raised:
+        await dropped.write_alone(INSERT, {"id": "lost"})
+    assert raised.value.rule == "service.unavailable"
+    await asyncio.gather(*(dropped.write_alone(INSERT, {"id": f"o{i}"}) for i in range(3)))
+    assert await organization_ids(dropped) == ["o0", "o1", "o2"]
+
+
+async def test_one_dropped_connection_renews_the_whole_pool(
+    pg_url: str, postgres_server: PostgresServer
+) -> None:
+    """A restart or failover drops every connection, though each is found only when
+    used: after the first, none opened before it is used again (the idle ones are
+    closed, asyncpg's reconnect on their next acquire)."""
+    await asyncio.to_thread(upgrade, pg_url)
+    db = Database(pg_url)
     try:
-        await warm(db, 4)
-        assert kill_every_backend(postgres_server, migrated_pg) >= 4
-        with pytest.raises(Unavailable) as raised:
-            await db.write_alone(insert, {"id": "lost"})
-        assert raised.value.rule == "service.unavailable"
-        await asyncio.gather(*(db.write_alone(insert, {"id": f"o{i}"}) for i in range(3)))
+        before = await backends(db, 4)
+        async with db.read() as conn:  # the newest idle one, next in line again after
+            newest = int(await conn.scalar(sa.text("SELECT pg_backend_pid()")))
+        assert kill_backends(postgres_server, pg_url, newest) == 1
         async with db.read() as conn:
-            ids = (await conn.execute(sa.text("SELECT id FROM organizations"))).scalars()
-            assert sorted(ids) == ["o0", "o1", "o2"]
+            assert await conn.scalar(SELECT_ONE) == 1
+        after = await backends(db, 4)
+        assert not after & before, (before, after)
     finally:
         await db.close()
