@@ -541,8 +541,9 @@ class PgPool:
             self._waiting -= 1
 
     async def _release(self, raw: asyncpg.Connection) -> None:
-        """The end of a use of ``raw`` that failed: back to asyncpg (which finishes a
-        cancelled query), and the pool renewed if the server dropped ``raw``."""
+        """``raw`` back to asyncpg (after an error, asyncpg finishes a cancelled query
+        or cleans up a broken connection), the pool renewed first if the server dropped
+        ``raw``."""
         if not _usable(raw):
             await self._renew()
         await self._hand_back(raw)
