@@ -70,6 +70,9 @@ class Figures:
     approve_p50_ms: float = math.nan
     approve_p99_ms: float = math.nan
     approve_rate: float = math.nan
+    #: service CPU during the approvals (their requests and what they set off: the
+    #: reveals, the card updates) per approval
+    approve_cpu_ms: float = math.nan
     pg_one: list[float] = field(default_factory=list)
     pg_split: list[float] = field(default_factory=list)
 
@@ -324,7 +327,9 @@ async def approve_part(
 
     t0 = time.perf_counter() + 0.2
     started = time.perf_counter()
+    cpu0 = cpu_seconds(proc.pid)
     await asyncio.gather(*(approve(i, t0 + k / args.rate) for k, i in enumerate(ids[:n])))
+    figures.approve_cpu_ms = (cpu_seconds(proc.pid) - cpu0) / max(1, len(latencies)) * 1000
     latencies.sort()
     figures.approve_rate = len(latencies) / (time.perf_counter() - started)
     figures.approve_p50_ms = statistics.median(latencies)
@@ -358,7 +363,8 @@ async def sqlite_parts(args: Any, figures: Figures, parts: set[str]) -> None:
                 await approve_part(http, svc, args, figures)
                 print(
                     f"   approvals at {args.rate}/s: p50 {figures.approve_p50_ms:.1f} ms, "
-                    f"p99 {figures.approve_p99_ms:.1f} ms",
+                    f"p99 {figures.approve_p99_ms:.1f} ms; "
+                    f"{figures.approve_cpu_ms:.2f} ms of service CPU per approval",
                     flush=True,
                 )
     finally:
