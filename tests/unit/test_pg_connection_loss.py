@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
 from leadgate.core.errors import Unavailable
 from leadgate.database.db import Database, upgrade
+from leadgate.database.pg import IDLE_S, PgPool
 from tests.pg import PostgresServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +46,7 @@ def kill_backends(server: PostgresServer, url: str, pid: int | None = None) -> i
     )
 
 
-async def backends(db: Database, connections: int) -> set[int]:
+async def backends(db: Database | PgPool, connections: int) -> set[int]:
     """The server pids of ``connections`` pooled connections used at once (which then
     wait idle in the pool)."""
 
@@ -124,3 +126,25 @@ async def test_one_dropped_connection_renews_the_whole_pool(
         assert not after & before, (before, after)
     finally:
         await db.close()
+
+
+async def test_connections_parked_in_asyncpgs_pool_are_renewed_too(
+    pg_url: str, postgres_server: PostgresServer
+) -> None:
+    """Connections idle past ``IDLE_S`` go back to asyncpg's own pool, where the
+    process cannot close them one by one: the renewal expires them there, and asyncpg
+    opens fresh ones on their next acquire."""
+    now = [0.0]
+    dialect = asyncpg_dialect()  # type: ignore[no-untyped-call]
+    pool = PgPool(pg_url, dialect, size=4, monotonic=lambda: now[0])
+    try:
+        assert len(await backends(pool, 4)) == 4
+        now[0] = IDLE_S + 1  # the next use ends by handing the other three to asyncpg
+        await backends(pool, 1)
+        assert kill_backends(postgres_server, pg_url) == 4
+        # The one left on the process's list fails and is replaced from asyncpg's pool,
+        # whose connections are as dead.
+        async with pool.read() as conn:
+            assert await conn.scalar(SELECT_ONE) == 1
+    finally:
+        await pool.close()
