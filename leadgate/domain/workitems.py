@@ -406,8 +406,13 @@ async def get(conn: Conn, item_id: str, org_id: str | None = None) -> WorkItem:
     else:
         row = (await conn.execute(_GET_IN_ORG, {"p_id": item_id, "p_org": org_id})).first()
     if row is None:
-        raise NotFound(f"no work item {item_id}", rule="workItem.not_found")
+        raise not_found(item_id)
     return WorkItem.from_row(row)
+
+
+def not_found(item_id: str) -> NotFound:
+    """The error of a work item that is absent or of another organization."""
+    return NotFound(f"no work item {item_id}", rule="workItem.not_found")
 
 
 _ACTIVE_FOR = sa.select(t.work_items).where(
