@@ -239,13 +239,19 @@ def earliest(*times: int | None) -> int | None:
 _OPEN_EPISODES = sa.select(E.id).where(
     E.work_item_id == sa.bindparam("p_item"), E.closed_at.is_(None)
 )
-_CLOSE_EPISODES = t.review_episodes.update().where(
-    E.id.in_(sa.bindparam("p_ids", expanding=True)), E.closed_at.is_(None)
+#: Closes the item's open episode (one at most: ``open`` never opens a second) and
+#: names it; the cards are then read per episode. Neither takes a list of ids: an
+#: expanding parameter is compiled again on every execution (over half of this
+#: bookkeeping's time in a profile of approvals).
+_CLOSE_EPISODES = (
+    t.review_episodes.update()
+    .where(E.work_item_id == sa.bindparam("p_item"), E.closed_at.is_(None))
+    .returning(E.id)
 )
 _CARDS_OF = (
     sa.select(D.id, D.status, D.channel, D.address, D.org_id, D.work_item_id)
     .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
-    .where(RC.episode_id.in_(sa.bindparam("p_ids", expanding=True)), D.kind == CARD)
+    .where(RC.episode_id == sa.bindparam("p_episode"), D.kind == CARD)
     .order_by(D.created_at, D.id)
 )
 
@@ -254,15 +260,16 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
     """Close the item's open episode and update its cards to ``outcome`` (inside the
     decision's transaction); returns the number of card updates queued."""
     clock = outbox.clock
-    episodes = [str(r) for r in (await conn.execute(_OPEN_EPISODES, {"p_item": item_id})).scalars()]
-    if not episodes:
-        return 0
     now = clock.now_ms()
-    await conn.execute(
+    closed = await conn.execute(
         _CLOSE_EPISODES,
-        {"p_ids": episodes, "closed_at": now, "due_at": None, "outcome": outcome.title[:40]},
+        {"p_item": item_id, "closed_at": now, "due_at": None, "outcome": outcome.title[:40]},
     )
-    cards = (await conn.execute(_CARDS_OF, {"p_ids": episodes})).all()
+    cards = [
+        card
+        for episode in [str(r) for r in closed.scalars()]
+        for card in (await conn.execute(_CARDS_OF, {"p_episode": episode})).all()
+    ]
     queued = 0
     for c in cards:
         status = c.status
