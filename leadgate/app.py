@@ -228,7 +228,12 @@ class App:
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         flow_wake = asyncio.Event()
         # What a human decision can give work to (see _after_decision).
-        self._decision_wakes = (revision_wake, flow_wake)
+        self._decision_wakes: dict[str, tuple[asyncio.Event, ...]] = {
+            "return": (revision_wake,),
+            "approve": (flow_wake,),
+            "confirm": (revision_wake, flow_wake),
+            "retry": (revision_wake, flow_wake),
+        }
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice.
@@ -287,12 +292,15 @@ class App:
         self.relay.in_doubt(rows)
         self._relay_wake.set()
 
-    def _after_decision(self) -> None:
-        """Wake the runners a decision may have given work to (a returned item's
-        revision, an approved flow continuation): not every loop, since each woken loop
-        runs a pass against the database that the decision's own request waits behind.
-        New and retried deliveries wake the relay themselves (see _outbox_due)."""
-        for wake in self._decision_wakes:
+    def _after_decision(self, action: str) -> None:
+        """Wake the runners ``action`` may have given work to: a returned item's
+        revision, an approved flow continuation (a delivery's recovery: both, as it is
+        rare). Not every loop, nor both for every decision: each woken loop runs a pass
+        against the database that the next decision's request waits behind (at 200
+        approvals/s, two reads per approval that found nothing). A rejection or a
+        cancellation gives none of them work. New and retried deliveries wake the relay
+        themselves (see _outbox_due)."""
+        for wake in self._decision_wakes.get(action, ()):
             wake.set()
 
     # ----------------------------------------------------------------- runners

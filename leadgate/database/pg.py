@@ -247,6 +247,12 @@ class PgConnection:
         #: transaction or single statement ends)
         self.wrote: set[str] = set()
 
+    @property
+    def raw(self) -> asyncpg.Connection:
+        """The asyncpg connection this one runs on now (a read that met a dropped
+        connection has moved to a fresh one): what the pool takes back."""
+        return self._raw
+
     async def execute(
         self,
         statement: sa.Executable,
@@ -651,9 +657,9 @@ class PgPool:
         try:
             yield conn
         except BaseException:
-            await self._release(conn._raw)
+            await self._release(conn.raw)
             raise
-        await self._give_back(conn._raw)
+        await self._give_back(conn.raw)
 
     async def close(self) -> None:
         """Close every pooled connection."""

@@ -2,8 +2,9 @@
 
 Every decision goes through the one fenced commit path of :mod:`leadgate.review.decisions`
 (two people deciding at once make one decision; the other gets a 409), and answers the
-updated detail. ``on_decided`` runs after each committed decision (wakes the relay, the
-revision dispatcher and the flow resumer).
+updated detail. ``on_decided`` runs after each committed decision with its action (the
+app wakes the runner the decision may have given work to: a returned item's revision,
+an approved flow continuation).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Reviews:
         ids: IdFactory,
         outbox: Outbox,
         *,
-        on_decided: Callable[[], None] = lambda: None,
+        on_decided: Callable[[str], None] = lambda action: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -124,7 +125,7 @@ class Reviews:
             detail = await queue.detail(conn, principal.org_id, item_id)
         waited = "awaitingHuman" if item.status == Status.awaitingHuman.value else None
         self._count(surface, action, waited, item.updated_at)
-        self.on_decided()
+        self.on_decided(action)
         return detail
 
     def _count(self, surface: str, verdict: str, waited: str | None, since_ms: int) -> None:
@@ -167,5 +168,5 @@ class Reviews:
             )
         if delivery.kind == "gating":
             self._count(surface, action, "deliveryUnknown", delivery.updated_at)
-        self.on_decided()
+        self.on_decided(action)
         return detail
