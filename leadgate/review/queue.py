@@ -362,8 +362,8 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
 
 # The detail's reads, built once (every decision answers the detail; the plan cache keys
 # on the statement object). Three statements: the item with its names and destination,
-# its deliveries, its audit with the actors' names (nine before: each decision paid for
-# them inside its write transaction, a third of an approval's CPU).
+# its deliveries, its audit with the actors' names. They were nine, which each decision
+# ran inside its write transaction: a third of the decision handler's profile.
 _ITEM_BINDING = t.bindings.alias("item_binding")
 _DEST = t.bindings.alias("dest")
 _GATING = sa.exists().where(D.work_item_id == W.id, D.kind == "gating")

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.flows.runs import create_flow
 from tests.helpers import Org, api_trigger, item_row, make_agent, make_org
@@ -59,7 +60,8 @@ async def awaiting_human(app: App, item_id: str) -> None:
 async def test_a_returned_item_is_revised_at_once(app: App) -> None:
     org, worker = await setup(app)
     out = await app.turns.run(api_trigger(org, worker, "hard #escalate #complete", "s1"))
-    item_id = str(out.work_item_id)  # type: ignore[union-attr]
+    assert isinstance(out, Gated) and out.work_item_id
+    item_id = out.work_item_id
     await awaiting_human(app, item_id)
     await app.reviews.decide(org.principal, item_id, "return", "add the tests")
 
