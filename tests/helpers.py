@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import pytest
 import sqlalchemy as sa
 
 from binding import routes
@@ -17,6 +18,13 @@ from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from outbox.store import for_item
+
+#: ``resources/subscribe`` is what 2025-era MCP clients send, and MCP tests send it
+#: on purpose (the 2026-07-28 protocol replaced it with ``subscriptions/listen``, tested
+#: too); the SDK's client warns that the call is deprecated.
+LEGACY_SUBSCRIBE = pytest.mark.filterwarnings(
+    "ignore:resources/(un)?subscribe is removed:mcp.shared.exceptions.MCPDeprecationWarning"
+)
 
 
 class Env(Protocol):

@@ -26,6 +26,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from tests.helpers import LEGACY_SUBSCRIBE
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 TIMEOUT = 30.0
@@ -273,6 +274,7 @@ async def mcp_session(env: Env, updates: list[str]) -> AsyncIterator[ClientSessi
         yield session
 
 
+@LEGACY_SUBSCRIBE
 async def test_mcp_resource_read_and_subscription_update(env: Env) -> None:
     s = sid()
     resource = f"leadgate://agents/worker/sessions/{s}/messages"

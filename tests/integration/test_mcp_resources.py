@@ -29,7 +29,7 @@ from leadgate.app import App, package_version
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_org
 
 TOOL = "send_action_agent_message"
 
@@ -130,6 +130,7 @@ async def test_handshake_capabilities_and_server_info(
         assert bad_tool.is_error is True  # as the SDK's MCPServer: a tool error result
 
 
+@LEGACY_SUBSCRIBE
 async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
     resource = uri("worker", "m1")
     async with session(env) as client:
@@ -192,6 +193,7 @@ async def test_the_same_session_as_rest_and_the_default(env: Env) -> None:
     assert len(paged["data"]) == 1 and paged["has_more"] is True
 
 
+@LEGACY_SUBSCRIBE
 async def test_another_organizations_resource_is_unknown(env: Env) -> None:
     async with session(env, env.other.key) as client:
         await client.initialize()
@@ -228,6 +230,7 @@ async def test_2026_listen_gets_the_update(env: Env) -> None:
         assert refused.value.error.code == mt.INVALID_PARAMS
 
 
+@LEGACY_SUBSCRIBE
 async def test_subscribed_sessions_are_kept_notified_by_every_replica(env: Env) -> None:
     """On PostgreSQL other replicas NOTIFY a session's events only while it is marked
     watched: a subscription (either era) marks its session before it is confirmed, and
@@ -269,6 +272,7 @@ async def test_subscribed_sessions_are_kept_notified_by_every_replica(env: Env) 
         assert len(marked) == renewals  # nothing is read here any more
 
 
+@LEGACY_SUBSCRIBE
 async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> None:
     """PostgreSQL, two services: a turn taken by one replica reaches the MCP subscriber
     of another (resources/updated), though writers NOTIFY only watched sessions: the
