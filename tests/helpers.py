@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +28,21 @@ from outbox.store import for_item
 LEGACY_SUBSCRIBE = pytest.mark.filterwarnings(
     "ignore:resources/(un)?subscribe is removed:mcp.shared.exceptions.MCPDeprecationWarning"
 )
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> bool:
+    """Poll ``check`` (a function, or an async one) every 50 ms until it holds or
+    ``within`` seconds pass; whether it held."""
+
+    async def holds() -> bool:
+        result = check()
+        return bool(await result) if inspect.isawaitable(result) else bool(result)
+
+    for _ in range(int(within / 0.05)):
+        if await holds():
+            return True
+        await asyncio.sleep(0.05)
+    return await holds()
 
 
 class Env(Protocol):

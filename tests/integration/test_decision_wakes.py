@@ -4,8 +4,7 @@ loops poll only every 30 s here (``App._after_decision``)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from leadgate.core.config import Settings
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.flows.runs import create_flow
-from tests.helpers import Org, api_trigger, item_row, make_agent, make_org
+from tests.helpers import Org, api_trigger, eventually, item_row, make_agent, make_org
 
 #: Well under the poll: only the decision's wake can make the runner act this soon.
 WITHIN_S = 10.0
@@ -34,15 +33,6 @@ async def app(migrated_url: str) -> AsyncIterator[App]:
     await service.stop()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], within: float = WITHIN_S) -> bool:
-    """Poll ``check`` until it holds or ``within`` seconds pass."""
-    for _ in range(int(within / 0.05)):
-        if await check():
-            return True
-        await asyncio.sleep(0.05)
-    return await check()
-
-
 async def setup(app: App) -> tuple[Org, dict[str, Any]]:
     org = await make_org(app)
     await make_agent(app, org, "lead")
@@ -54,7 +44,7 @@ async def awaiting_human(app: App, item_id: str) -> None:
     async def waiting() -> bool:
         return (await item_row(app, item_id))["status"] == "awaitingHuman"
 
-    assert await eventually(waiting)
+    assert await eventually(waiting, WITHIN_S)
 
 
 async def test_a_returned_item_is_revised_at_once(app: App) -> None:
@@ -71,7 +61,7 @@ async def test_a_returned_item_is_revised_at_once(app: App) -> None:
         # (escalated again by the script lead) came back for review.
         return row["pending_feedback"] is None and row["status"] != "inProgress"
 
-    assert await eventually(revised)
+    assert await eventually(revised, WITHIN_S)
     assert (await item_row(app, item_id))["revision"] == 1
 
 
@@ -94,4 +84,4 @@ async def test_an_approved_flow_continuation_resumes_at_once(app: App) -> None:
         async with app.db.read() as conn:
             return await conn.scalar(sa.select(c.resumed_run_id)) is not None
 
-    assert await eventually(resumed)
+    assert await eventually(resumed, WITHIN_S)

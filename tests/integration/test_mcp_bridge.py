@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import NotFound, PermissionDenied
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.web.mcp import mount_mcp
+from tests.helpers import eventually
 
 GENERIC = "The operation could not be completed. Try again."
 
@@ -139,15 +140,6 @@ async def mcp_session(url: str, key: str) -> AsyncIterator[ClientSession]:
     ):
         await session.initialize()
         yield session
-
-
-async def eventually(condition: Callable[[], bool], within: float = 2.0) -> bool:
-    """Poll ``condition`` until it holds or ``within`` seconds pass."""
-    for _ in range(int(within / 0.05)):
-        if condition():
-            return True
-        await asyncio.sleep(0.05)
-    return condition()
 
 
 def only_text(result: CallToolResult) -> str:

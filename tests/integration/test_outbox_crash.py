@@ -11,8 +11,6 @@ none posted twice.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from tests.helpers import eventually
 from tests.outbox_support import (
     MigratedTemplates,
     RelayProcess,
@@ -56,19 +55,6 @@ def standin() -> Iterator[StandinProcess]:
     proc.stop()
 
 
-async def wait_for(predicate: object, within_s: float, what: str) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        result = predicate() if callable(predicate) else predicate
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_sigkill_mid_send_loses_nothing_and_posts_nothing_twice(
     url: str, standin: StandinProcess
 ) -> None:
@@ -80,10 +66,8 @@ async def test_sigkill_mid_send_loses_nothing_and_posts_nothing_twice(
         survivor: RelayProcess | None = None
         try:
             first.wait_ready()
-            await wait_for(
-                lambda: len(standin.requests()) >= OK_FIRST + HANGING,
-                30,
-                "the first relay to have every concurrency slot hanging",
+            assert await eventually(lambda: len(standin.requests()) >= OK_FIRST + HANGING, 30), (
+                "the first relay never had every concurrency slot hanging"
             )
             assert first.proc.poll() is None
             first.kill()
@@ -95,7 +79,7 @@ async def test_sigkill_mid_send_loses_nothing_and_posts_nothing_twice(
                 counts = await delivery_counts(db)
                 return not counts.get("pending") and not counts.get("sending")
 
-            await wait_for(settled, 30, "every delivery to settle")
+            assert await eventually(settled, 30), "the deliveries did not settle"
             stats = survivor.stop()
         finally:
             for proc in (first, survivor):

@@ -11,7 +11,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from leadgate.app import App
 from leadgate.core.auth import Scope
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from tests.helpers import Org, make_agent, make_key, make_org
+from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
 
 HEARTBEAT_S = 0.3
@@ -71,15 +71,6 @@ async def env(migrated_url: str) -> AsyncIterator[Env]:
         await make_agent(service, org, "plain")
         await make_agent(service, other, "plain")
         yield Env(service, client, org, other)
-
-
-async def eventually(condition: Callable[[], bool], within: float) -> bool:
-    """Poll ``condition`` until it holds or ``within`` seconds pass."""
-    for _ in range(int(within / 0.05)):
-        if condition():
-            return True
-        await asyncio.sleep(0.05)
-    return condition()
 
 
 def texts(page: dict[str, Any]) -> list[tuple[str, str]]:
