@@ -366,14 +366,14 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
 # ran inside its write transaction: a third of the decision handler's profile.
 _ITEM_BINDING = t.bindings.alias("item_binding")
 _DEST = t.bindings.alias("dest")
-_GATING = sa.exists().where(D.work_item_id == W.id, D.kind == "gating")
+_ITS_GATING = (D.work_item_id == W.id, D.kind == "gating")
 #: Where an approval of the item goes: once approved, the binding its gating delivery
 #: was resolved to (at approval); before, the session's active binding (SPEC 6).
 _DEST_ID = sa.case(
     (
-        _GATING,
+        sa.exists().where(*_ITS_GATING),
         sa.select(D.binding_id)
-        .where(D.work_item_id == W.id, D.kind == "gating")
+        .where(*_ITS_GATING)
         .order_by(D.created_at, D.id)
         .limit(1)
         .scalar_subquery(),
