@@ -1,0 +1,109 @@
+"""The review detail (``leadgate.review.queue.detail``): where an approval goes and who
+each audit actor is, read in three statements (the item with its names and
+destination, its deliveries, its audit with its actors' names)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from binding.bindings import deactivate_session
+from leadgate.core.errors import NotFound
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.domain import workitems
+from leadgate.review import decisions
+from leadgate.review.queue import detail
+from tests.helpers import make_key, make_org
+from tests.stack import Stack
+from tests.unit.test_decisions import escalated, setup, slack_run
+
+
+async def unbind(stack: Stack, item_id: str) -> None:
+    async with stack.db.tx() as conn:
+        item = await workitems.get(conn, item_id)
+        assert await deactivate_session(conn, item.session_id) == 1
+
+
+async def test_an_approved_item_goes_where_its_approval_sent_it(stack: Stack) -> None:
+    """Once approved, the destination is the binding the gating delivery was resolved
+    to, though the session has since lost it; before, the session's active binding."""
+    org, worker = await setup(stack)
+    approved = await slack_run(stack, org, worker, "post it #complete", "7.7")
+    await drain(stack.lead_runner)  # approved; its post waits for the relay
+    waiting = await escalated(stack, org, worker, "waiting")
+    await unbind(stack, approved)
+    await unbind(stack, waiting)
+    async with stack.db.read() as conn:
+        sent = await detail(conn, org.id, approved)
+        held = await detail(conn, org.id, waiting)
+    assert sent["status"] == "approved"
+    assert (sent["destination"]["channel"], sent["destination"]["thread"]) == ("slack", "7.7")
+    assert sent["channel"] == "slack"
+    assert held["status"] == "awaitingHuman"
+    assert held["destination"]["channel"] == "none"
+    assert held["destination"]["description"].startswith("The session has no active binding")
+    assert held["channel"] == "api"
+
+
+async def test_each_actor_is_named_within_the_organization(stack: Stack) -> None:
+    org, worker = await setup(stack)
+    other = await make_org(stack, "other")
+    await make_key(stack, org)
+    async with stack.db.tx() as conn:
+        for uid, org_id, name, email in (
+            ("usr_named", org.id, "Alice", "alice@acme.io"),
+            ("usr_plain", org.id, None, "bob@acme.io"),
+            ("usr_other", other.id, "Carol", "carol@other.io"),
+        ):
+            await conn.execute(
+                t.users.insert().values(
+                    id=uid,
+                    org_id=org_id,
+                    email=email,
+                    role="Member",
+                    password_hash="x",
+                    created_at=1,
+                    name=name,
+                )
+            )
+    names = {}
+    for actor in ("user:usr_named", "user:usr_plain", "user:usr_other", "user:usr_gone"):
+        item_id = await escalated(stack, org, worker, actor)
+        async with stack.db.tx() as conn:
+            item = await workitems.get(conn, item_id)
+            await decisions.human_reject(conn, stack.clock, stack.ids, item, actor, "no")
+            audit = (await detail(conn, org.id, item_id))["audit"]
+        names[actor] = next((a["actorName"], a["actorEmail"]) for a in audit if a["actor"] == actor)
+        lead = next(a for a in audit if a["actor"].startswith("lead:"))
+        assert lead["actorName"] == "lead agent lead"
+        assert {a["actorName"] for a in audit if a["actor"] == "system:intake"} == {
+            "leadgate (intake)"
+        }
+    assert names == {
+        "user:usr_named": ("Alice", "alice@acme.io"),
+        "user:usr_plain": ("bob@acme.io", "bob@acme.io"),
+        # Another organization's user, and one deleted: a bare id, nothing of theirs.
+        "user:usr_other": ("deleted user usr_other", None),
+        "user:usr_gone": ("deleted user usr_gone", None),
+    }
+    key_item = await escalated(stack, org, worker, "by-key")
+    async with stack.db.tx() as conn:
+        item = await workitems.get(conn, key_item)
+        await decisions.human_reject(conn, stack.clock, stack.ids, item, org.principal.actor, "no")
+        audit = (await detail(conn, org.id, key_item))["audit"]
+        key_name = await conn.scalar(
+            sa.select(t.api_keys.c.name).where(t.api_keys.c.id == org.principal.key_id)
+        )
+    assert audit[-1]["actorName"] == f"API key {key_name} ({org.principal.key_id})"
+    assert audit[-1]["actorKind"] == "key"
+
+
+async def test_another_organizations_item_is_not_found(stack: Stack) -> None:
+    org, worker = await setup(stack)
+    other = await make_org(stack, "other")
+    item_id = await escalated(stack, org, worker, "mine")
+    async with stack.db.read() as conn:
+        with pytest.raises(NotFound) as err:
+            await detail(conn, other.id, item_id)
+    assert err.value.rule == "workItem.not_found"
