@@ -11,10 +11,10 @@ from binding.bindings import deactivate_session
 from leadgate.core.errors import NotFound
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.domain import workitems
+from leadgate.domain import orgs, workitems
 from leadgate.review import decisions
 from leadgate.review.queue import detail
-from tests.helpers import make_key, make_org
+from tests.helpers import make_org
 from tests.stack import Stack
 from tests.unit.test_decisions import escalated, setup, slack_run
 
@@ -49,43 +49,38 @@ async def test_an_approved_item_goes_where_its_approval_sent_it(stack: Stack) ->
 async def test_each_actor_is_named_within_the_organization(stack: Stack) -> None:
     org, worker = await setup(stack)
     other = await make_org(stack, "other")
-    await make_key(stack, org)
+    users = {}
     async with stack.db.tx() as conn:
-        for uid, org_id, name, email in (
-            ("usr_named", org.id, "Alice", "alice@acme.io"),
-            ("usr_plain", org.id, None, "bob@acme.io"),
-            ("usr_other", other.id, "Carol", "carol@other.io"),
+        for label, org_id, name, email in (
+            ("named", org.id, "Alice", "alice@acme.io"),
+            ("plain", org.id, None, "bob@acme.io"),
+            ("other", other.id, "Carol", "carol@other.io"),
         ):
-            await conn.execute(
-                t.users.insert().values(
-                    id=uid,
-                    org_id=org_id,
-                    email=email,
-                    role="Member",
-                    password_hash="x",
-                    created_at=1,
-                    name=name,
-                )
+            made = await orgs.create_user(
+                conn, stack.clock, stack.ids, org_id, email, "Member", "password1", name=name
             )
+            users[label] = f"user:{made['id']}"
+    users["gone"] = "user:usr_gone"
     names = {}
-    for actor in ("user:usr_named", "user:usr_plain", "user:usr_other", "user:usr_gone"):
-        item_id = await escalated(stack, org, worker, actor)
+    for label, actor in users.items():
+        item_id = await escalated(stack, org, worker, label)
         async with stack.db.tx() as conn:
             item = await workitems.get(conn, item_id)
             await decisions.human_reject(conn, stack.clock, stack.ids, item, actor, "no")
             audit = (await detail(conn, org.id, item_id))["audit"]
-        names[actor] = next((a["actorName"], a["actorEmail"]) for a in audit if a["actor"] == actor)
+        names[label] = next((a["actorName"], a["actorEmail"]) for a in audit if a["actor"] == actor)
         lead = next(a for a in audit if a["actor"].startswith("lead:"))
         assert lead["actorName"] == "lead agent lead"
         assert {a["actorName"] for a in audit if a["actor"] == "system:intake"} == {
             "leadgate (intake)"
         }
+    bare = {label: actor.removeprefix("user:") for label, actor in users.items()}
     assert names == {
-        "user:usr_named": ("Alice", "alice@acme.io"),
-        "user:usr_plain": ("bob@acme.io", "bob@acme.io"),
+        "named": ("Alice", "alice@acme.io"),
+        "plain": ("bob@acme.io", "bob@acme.io"),
         # Another organization's user, and one deleted: a bare id, nothing of theirs.
-        "user:usr_other": ("deleted user usr_other", None),
-        "user:usr_gone": ("deleted user usr_gone", None),
+        "other": (f"deleted user {bare['other']}", None),
+        "gone": ("deleted user usr_gone", None),
     }
     key_item = await escalated(stack, org, worker, "by-key")
     async with stack.db.tx() as conn:
