@@ -1,6 +1,7 @@
-"""A person's decision wakes the runner it gave work to, and only that one: a returned
-item's revision and an approved flow continuation start at once, though the runner
-loops poll only every 30 s here (``App._after_decision``)."""
+"""A person's decision wakes the runner it gave work to (``App._after_decision``): a
+returned item's revision and an approved flow continuation start at once, though the
+runner loops poll only every 30 s here. (That other decisions wake neither runner is
+what the mapping says; nothing here could see a wasted pass.)"""
 
 from __future__ import annotations
 
