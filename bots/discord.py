@@ -458,7 +458,7 @@ def _inbound(
 
 def create(settings: Settings, core: Core) -> DiscordAdapter | None:
     """The Discord adapter, or ``None`` when neither ``public_key`` nor ``bot_token`` is set."""
-    if not settings.discord.public_key.strip() and not settings.discord.bot_token.strip():
+    if not settings.discord.on:
         return None
     configure_endpoints(settings.discord)
     return DiscordAdapter(settings, core)

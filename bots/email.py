@@ -268,6 +268,6 @@ def create(settings: Settings, core: Core) -> Adapter | None:
     127.0.0.1, port 0 picks a free port); outbound needs ``smtp_host``.
     """
     mail = settings.email
-    if not (mail.listen_host or mail.listen_port or mail.smtp_host):
+    if not mail.on:
         return None
     return EmailAdapter(mail, core)

@@ -535,6 +535,6 @@ def _check_shape(body: Mapping[str, Any]) -> None:
 
 def create(settings: Settings, core: Core) -> SlackAdapter | None:
     """The Slack adapter, or ``None`` when ``[slack] signing_secret`` is unset."""
-    if not settings.slack.signing_secret:
+    if not settings.slack.on:
         return None
     return SlackAdapter(settings, core)

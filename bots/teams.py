@@ -476,6 +476,6 @@ class TeamsAdapter:
 def create(settings: Settings, core: Core) -> Adapter | None:
     """The Teams adapter, or None when ``[teams]`` is off (no app_id and not enabled)."""
     teams = settings.teams
-    if not (teams.enabled or teams.app_id):
+    if not teams.on:
         return None
     return TeamsAdapter(teams, core)

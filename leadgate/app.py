@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import importlib
 import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,8 +28,7 @@ from urllib.parse import urlparse
 import sqlalchemy as sa
 from aiohttp import web
 
-from bots import discord, email, slack, teams
-from bots.base import Adapter
+from bots.base import Adapter, Core
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
@@ -85,7 +85,30 @@ from outbox.store import NOTIFY_CHANNEL as OUTBOX_CHANNEL
 
 log = logging.getLogger("leadgate.app")
 
-ADAPTER_MODULES = (slack, discord, teams, email)
+#: The channel adapters, each with the switch of its config section. A module is imported
+#: only when its channel is on: the platform SDKs (botbuilder, discord.py, slack-bolt,
+#: aiosmtpd) cost startup time and memory a deployment without that channel never uses.
+ADAPTER_MODULES: tuple[tuple[str, Callable[[Settings], bool]], ...] = (
+    ("bots.slack", lambda s: s.slack.on),
+    ("bots.discord", lambda s: s.discord.on),
+    ("bots.teams", lambda s: s.teams.on),
+    ("bots.email", lambda s: s.email.on),
+)
+
+
+def create_adapters(settings: Settings, core: Core) -> list[Adapter]:
+    """The adapters of the channels ``settings`` turns on, their modules imported here."""
+    adapters: list[Adapter] = []
+    for name, on in ADAPTER_MODULES:
+        if not on(settings):
+            continue
+        create: Callable[[Settings, Core], Adapter | None] = importlib.import_module(name).create
+        adapter = create(settings, core)
+        if adapter is not None:
+            adapters.append(adapter)
+    return adapters
+
+
 #: How long shutdown waits for background work (turns in flight) before cancelling it.
 SHUTDOWN_WAIT_S = 10.0
 
@@ -182,12 +205,7 @@ class App:
             owner=owner,
         )
         self.messages = Messages(self.db, self.turns, self.background)
-        self.adapters: list[Adapter] = []
-        if enable_adapters:
-            for module in ADAPTER_MODULES:
-                adapter = module.create(self.settings, self.messages)
-                if adapter is not None:
-                    self.adapters.append(adapter)
+        self.adapters = create_adapters(self.settings, self.messages) if enable_adapters else []
         self.channels: dict[str, Channel] = {a.channel.name: a.channel for a in self.adapters}
         self.channels.update(channels)
         self.relay = Relay(

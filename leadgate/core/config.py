@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from leadgate.core.durations import parse_duration
@@ -63,6 +63,11 @@ class SlackSettings(_Section):
     bot_token: str = ""
     api_url: str = "https://slack.com/api/"
 
+    @property
+    def on(self) -> bool:
+        """Whether the service runs the Slack channel."""
+        return bool(self.signing_secret)
+
 
 class DiscordSettings(_Section):
     """``[discord]``: interactions are on when ``public_key`` is set; gateway with a token."""
@@ -73,6 +78,11 @@ class DiscordSettings(_Section):
     api_url: str = "https://discord.com/api/v10"
     gateway_url: str = ""
 
+    @property
+    def on(self) -> bool:
+        """Whether the service runs the Discord channel (interactions, gateway or both)."""
+        return bool(self.public_key.strip() or self.bot_token.strip())
+
 
 class TeamsSettings(_Section):
     """``[teams]``: Bot Framework app credentials (empty id = local, unauthenticated)."""
@@ -81,6 +91,11 @@ class TeamsSettings(_Section):
     app_id: str = ""
     app_password: str = ""
     app_tenant_id: str = ""
+
+    @property
+    def on(self) -> bool:
+        """Whether the service runs the Teams channel."""
+        return self.enabled or bool(self.app_id)
 
 
 class EmailSettings(_Section):
@@ -95,6 +110,11 @@ class EmailSettings(_Section):
     start_tls: bool = False
     from_address: str = ""
 
+    @property
+    def on(self) -> bool:
+        """Whether the service runs email: inbound when a listener is set, outbound with a relay."""
+        return bool(self.listen_host or self.listen_port or self.smtp_host)
+
 
 class ModelSettings(_Section):
     """``[models.NAME]``: a model provider an agent can name."""
@@ -104,6 +124,14 @@ class ModelSettings(_Section):
     api_key: str = ""
     model: str = ""
     timeout_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _openai_names_its_model(self) -> ModelSettings:
+        # Checked with the rest of the file, not when the provider is first built:
+        # otherwise the service would stop at startup with a traceback.
+        if self.provider == "openai" and not self.model.strip():
+            raise ValueError("an openai model needs `model`, the model name to request")
+        return self
 
 
 class RunnerSettings(_Section):

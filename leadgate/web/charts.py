@@ -10,18 +10,27 @@ Every label is one of our own words or a number; nothing a user typed is drawn.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-import pygal
-from pygal.style import Style
 
-# pygal appends a legacy ``sys.meta_path`` finder (for its optional map plugins, which
-# we do not use) that has ``find_module`` but no ``find_spec``: anything walking
-# ``sys.meta_path`` the modern way (pytest's importlib mode, importlib.util users)
-# fails with AttributeError once it is there. Take it out again.
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "PluginImportFixer"]
+@functools.cache
+def _pygal() -> ModuleType:
+    # Imported on the first chart, not with the service: most processes never draw one,
+    # and pygal's import is a tenth of the service's startup.
+    pygal = importlib.import_module("pygal")
+    importlib.import_module("pygal.style")
+    # pygal appends a legacy ``sys.meta_path`` finder (for its optional map plugins, which
+    # we do not use) that has ``find_module`` but no ``find_spec``: anything walking
+    # ``sys.meta_path`` the modern way (pytest's importlib mode, importlib.util users)
+    # fails with AttributeError once it is there. Take it out again.
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "PluginImportFixer"]
+    return pygal
+
 
 #: The charts the console shows, in page order: name -> title.
 CHARTS = {
@@ -60,13 +69,14 @@ _STYLE = dict(
 )
 
 
-def _chart(kind: Any, title: str, colors: list[str]) -> Any:
-    return kind(
+def _chart(kind: str, title: str, colors: list[str]) -> Any:
+    pygal = _pygal()
+    return getattr(pygal, kind)(
         js=[],
         width=640,
         height=320,
         title=title,
-        style=Style(colors=tuple(colors) or ("#1f5fbf",), **_STYLE),
+        style=pygal.style.Style(colors=tuple(colors) or ("#1f5fbf",), **_STYLE),
         legend_at_bottom=True,
         legend_at_bottom_columns=4,
         print_values=False,
@@ -90,7 +100,7 @@ def _day_labels(days: list[str]) -> list[str]:
 def _decisions(data: dict[str, Any]) -> Any:
     per_day = data["decisions"]["perDay"]
     present = [v for v in _VERDICTS if any(d["byVerdict"].get(v) for d in per_day)]
-    chart = _chart(pygal.StackedBar, CHARTS["decisions"], [_COLORS[v] for v in present])
+    chart = _chart("StackedBar", CHARTS["decisions"], [_COLORS[v] for v in present])
     chart.x_labels = _day_labels([d["day"] for d in per_day])
     for verdict in present:
         chart.add(verdict, [d["byVerdict"].get(verdict, 0) for d in per_day])
@@ -100,7 +110,7 @@ def _decisions(data: dict[str, Any]) -> Any:
 def _deciders(data: dict[str, Any]) -> Any:
     per_day = data["decisions"]["perDay"]
     present = [w for w in ("lead", "human") if any(d["byDecider"].get(w) for d in per_day)]
-    chart = _chart(pygal.StackedBar, CHARTS["deciders"], [_COLORS[w] for w in present])
+    chart = _chart("StackedBar", CHARTS["deciders"], [_COLORS[w] for w in present])
     chart.x_labels = _day_labels([d["day"] for d in per_day])
     for who in present:
         chart.add(who, [d["byDecider"].get(who, 0) for d in per_day])
@@ -113,7 +123,7 @@ def _minutes(ms: float | None) -> float | None:
 
 def _time(data: dict[str, Any]) -> Any:
     ttd = data["timeToDecision"]
-    chart = _chart(pygal.Bar, CHARTS["time"], ["#1f5fbf", "#8fb3e8"])
+    chart = _chart("Bar", CHARTS["time"], ["#1f5fbf", "#8fb3e8"])
     if not ttd["lead"]["count"] and not ttd["human"]["count"]:
         return chart
     chart.x_labels = ["lead", "human"]
@@ -124,7 +134,7 @@ def _time(data: dict[str, Any]) -> Any:
 
 def _agreement(data: dict[str, Any]) -> Any:
     agreement = data["agreement"]
-    chart = _chart(pygal.StackedBar, CHARTS["agreement"], ["#1e7a3c", "#b3261e"])
+    chart = _chart("StackedBar", CHARTS["agreement"], ["#1e7a3c", "#b3261e"])
     if not agreement["confirmed"] and not agreement["overrode"]:
         return chart
     kinds = ("escalated", "changesRequested")
@@ -136,7 +146,7 @@ def _agreement(data: dict[str, Any]) -> Any:
 
 def _rounds(data: dict[str, Any]) -> Any:
     rounds = data["roundsUsed"]
-    chart = _chart(pygal.Bar, CHARTS["rounds"], ["#5b4bb7"])
+    chart = _chart("Bar", CHARTS["rounds"], ["#5b4bb7"])
     if not rounds:
         return chart
     chart.x_labels = [str(r["rounds"]) for r in rounds]
@@ -146,7 +156,7 @@ def _rounds(data: dict[str, Any]) -> Any:
 
 def _deliveries(data: dict[str, Any]) -> Any:
     by_outcome = data["deliveries"]["byOutcome"]
-    chart = _chart(pygal.Bar, CHARTS["deliveries"], ["#1f5fbf"])
+    chart = _chart("Bar", CHARTS["deliveries"], ["#1f5fbf"])
     if not by_outcome:
         return chart
     names = sorted(by_outcome)

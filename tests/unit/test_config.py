@@ -224,3 +224,13 @@ def test_models_section_unknown_key_and_bad_provider(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert "models.gpt.provider" in info.value.message
+
+
+def test_an_openai_model_without_a_model_name_is_a_config_error(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, '[models.gpt]\nprovider = "openai"\nbase_url = "http://127.0.0.1:1/v1"\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert info.value.rule == "config.invalid"
+    assert "models.gpt" in info.value.message and "`model`" in info.value.message

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 from leadgate.core.config import Settings
 from leadgate.core.errors import ModelError
 from leadgate.turns.providers.base import Provider
-from leadgate.turns.providers.openai import OpenAIProvider
 from leadgate.turns.providers.script import ScriptProvider
 
 log = logging.getLogger("leadgate.providers")
@@ -20,7 +20,11 @@ def build_providers(settings: Settings) -> dict[str, Provider]:
         if model.provider == "script":
             providers[name] = ScriptProvider()
         else:
-            providers[name] = OpenAIProvider(
+            # Imported here: the openai SDK is most of the service's startup time and a
+            # quarter of its memory, and a service whose models are all ``script`` (the
+            # demo, the test suite) never uses it.
+            openai_provider = importlib.import_module("leadgate.turns.providers.openai")
+            providers[name] = openai_provider.OpenAIProvider(
                 base_url=model.base_url,
                 api_key=model.api_key,
                 model=model.model,
