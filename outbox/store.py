@@ -185,11 +185,33 @@ class Outbox:
         ``approved -> completed``, all in the approval's transaction (SPEC 6: success is
         the delivery ``sent`` and the item ``completed`` in one transaction). Doing it
         through the relay cost a second transaction and a relay pass for every
-        api-bound lifecycle, with no send that could fail in between."""
+        api-bound lifecycle, with no send that could fail in between. (An approval
+        itself uses :meth:`gating_row` before its move, so that an internal delivery
+        completes the item in the move's own ``UPDATE``: :class:`workitems.Then`.)"""
+        values = await self.gating_row(conn, item)
+        if not is_internal(values):
+            return Gating(await self.write_gating(conn, values), item)
+        delivery = await self.deliver_internal(conn, item, values)
+        completed = await workitems.transition(
+            conn,
+            self.clock,
+            self.ids,
+            item.id,
+            src=Status.approved,
+            dst=Status.completed,
+            actor=OUTBOX_ACTOR,
+            action="delivered",
+        )
+        return Gating(delivery, completed)
+
+    async def gating_row(self, conn: Conn, item: WorkItem) -> dict[str, Any]:
+        """The gating delivery row of ``item`` for its session's active binding (read
+        here), not yet written: :meth:`write_gating` queues a post,
+        :meth:`deliver_internal` does an internal action (:func:`is_internal`)."""
         binding = await active_binding(conn, item.session_id)
         action, channel = action_for(binding)
         now = self.clock.now_ms()
-        values = {
+        return {
             "id": self.ids.new("dlv"),
             "org_id": item.org_id,
             "work_item_id": item.id,
@@ -207,27 +229,25 @@ class Outbox:
             "created_at": now,
             "updated_at": now,
         }
-        if action in INTERNAL_ACTIONS:
-            return await self._deliver_internal(conn, item, values)
-        return Gating(await self._insert(conn, values, now), item)
 
-    async def _deliver_internal(self, conn: Conn, item: WorkItem, values: dict[str, Any]) -> Gating:
+    async def write_gating(self, conn: Conn, values: dict[str, Any]) -> Delivery:
+        """Queue a gating row of :meth:`gating_row` that has something to send (a post,
+        or a flow's continuation)."""
+        return await self._insert(conn, values, values["created_at"])
+
+    async def deliver_internal(
+        self, conn: Conn, item: WorkItem, values: dict[str, Any]
+    ) -> Delivery:
+        """Do an internal gating delivery of :meth:`gating_row`: the row written
+        ``sent`` and, for a reveal, the withheld answer made visible with its session
+        event. The item's move to ``completed`` is the caller's, after this (so
+        ``delivered`` follows the message in the session's events)."""
         values.update(status=DeliveryStatus.sent.value, attempts=1)
         await conn.execute(_INSERT_DELIVERY, values)
         if values["action"] == "reveal":
             await reveal(conn, self.clock, item.id)
-        completed = await workitems.transition(
-            conn,
-            self.clock,
-            self.ids,
-            item.id,
-            src=Status.approved,
-            dst=Status.completed,
-            actor=OUTBOX_ACTOR,
-            action="delivered",
-        )
         METRICS.deliveries.labels(values["channel"], "sent").inc()
-        return Gating(delivery_of(values), completed)
+        return delivery_of(values)
 
     async def enqueue_reply(
         self, conn: Conn, *, org_id: str, binding: Binding, text: str
@@ -330,6 +350,12 @@ class Outbox:
                 text=item.snapshot or item.summary or "",
             ),
         }
+
+
+def is_internal(values: dict[str, Any]) -> bool:
+    """Whether a gating row of :meth:`Outbox.gating_row` has nothing to send (reveal,
+    silent, scheduled): it is done in the approval's transaction."""
+    return values["action"] in INTERNAL_ACTIONS
 
 
 async def reveal(conn: Conn, clock: Clock, item_id: str) -> None:

@@ -31,6 +31,7 @@ from outbox.store import (
     REVEAL_KINDS,
     Outbox,
     cancel_for_item,
+    is_internal,
     recover,
 )
 
@@ -73,8 +74,21 @@ async def commit_verdict(
     changes requested without rounds left, and an escalation, go to a human.
     """
     values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None}
+    gating: dict[str, Any] | None = None
+    then: workitems.Then | None = None
     if verdict == Verdict.approved:
         dst, action = Status.approved, "approve"
+        gating = await outbox.gating_row(conn, item)
+        if is_internal(gating):
+            # Nothing to send (an api reveal, a silent or scheduled binding): the item
+            # is delivered in this transaction, and its move goes on to ``completed``
+            # in the approval's own UPDATE.
+            internal = gating
+
+            async def deliver(done: WorkItem) -> None:
+                await outbox.deliver_internal(conn, done, internal)
+
+            then = workitems.Then(Status.completed, OUTBOX_ACTOR, "delivered", deliver)
     elif verdict == Verdict.changesRequested and rounds_remain(item):
         dst, action = Status.inProgress, "changesRequested"
         values.update(
@@ -103,10 +117,10 @@ async def commit_verdict(
         values=values,
         surface=surface,
         identity=identity,
+        then=then,
     )
-    if dst == Status.approved:
-        # An internal delivery (api reveal, silent, scheduled) completes the item here.
-        row = (await outbox.enqueue_gating(conn, row)).item
+    if gating is not None and then is None:
+        await outbox.write_gating(conn, gating)
     elif dst == Status.awaitingHuman:
         await outbox.review_needed(conn, row.id, Status.awaitingHuman.value)
     return row

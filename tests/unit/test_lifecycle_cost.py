@@ -47,7 +47,9 @@ from tests.stack import Stack, build_stack
 #: approval with its reveal, a transaction of eight: 12 -> 5, 1 -> 0, 14 -> 5. Every
 #: step is then one statement outside a transaction block: the new session's intake,
 #: complete_task's signal, the submission, the claim, the approval.)
-STATEMENT_BUDGET = {"sqlite": 32, "postgres": 5}
+#: (SQLite: the lead's approval moves the item on to ``completed`` in its own UPDATE,
+#: ``workitems.Then``, where the reveal's move was a second one: 32 -> 31.)
+STATEMENT_BUDGET = {"sqlite": 31, "postgres": 5}
 #: Transactions (``BEGIN``) per lifecycle. On PostgreSQL a statement run alone
 #: (``Database.write_alone``: a new session's intake, complete_task's signal, the
 #: submission, the lead's claim and approval, the relay's claim and outcome commit) is
@@ -206,8 +208,10 @@ async def test_the_active_item_lookup_uses_the_unique_partial_index(stack: Stack
 #: completed with its audit row, the session event), the review episode closed and its
 #: cards read, and the detail's three reads. (The detail was nine reads: 21 -> 15 on
 #: both backends; the episode was read, then closed by a list of ids and its cards read
-#: by that list: 15 -> 14.)
-APPROVAL_STATEMENT_BUDGET = 14
+#: by that list: 15 -> 14. The move goes on to completed in the approval's UPDATE
+#: (``workitems.Then``) and both audit rows are one executemany, which SQLite's trace
+#: counts per row: 14 -> 13 on SQLite, 14 -> 12 on PostgreSQL.)
+APPROVAL_STATEMENT_BUDGET = {"sqlite": 13, "postgres": 12}
 
 
 async def test_a_human_approval_stays_within_its_statement_budget(stack: Stack) -> None:
@@ -238,7 +242,8 @@ async def test_a_human_approval_stays_within_its_statement_budget(stack: Stack) 
     ]
     verbs = Counter(sql.split()[0].upper() for sql in statements)
     work = sum(n for verb, n in verbs.items() if verb not in _FRAMING)
-    assert work <= APPROVAL_STATEMENT_BUDGET, (work, verbs, statements)
+    backend = "postgres" if stack.db.is_postgres else "sqlite"
+    assert work <= APPROVAL_STATEMENT_BUDGET[backend], (work, verbs, statements)
     assert verbs["BEGIN"] == 1, verbs
     async with stack.db.read() as conn:
         episodes = (

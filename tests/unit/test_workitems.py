@@ -234,6 +234,70 @@ async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
     assert all(a["actor"] == "test" and a["text"] == "why" for a in audit[1:])
 
 
+async def test_a_move_and_the_move_after_it_in_one_update(stack: Stack) -> None:
+    """``transition(..., then=Then(...))``: both moves checked against the table and
+    fenced as one; each has its audit row, in order; ``between`` runs once, after the
+    fence held, with the item as it ends up."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await stack.turns.run(api_trigger(org, worker, "start the task"))
+    async with stack.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
+        )
+    assert item_id is not None
+    seen: list[str] = []
+
+    async def between(item: Any) -> None:
+        seen.append(item.status)
+
+    async def through(then_to: Status, **kwargs: Any) -> Any:
+        async with stack.db.tx() as conn:
+            return await workitems.transition(
+                conn,
+                stack.clock,
+                stack.ids,
+                item_id,
+                src=S.reviewing,
+                dst=S.approved,
+                actor="lead:x",
+                action="approve",
+                text="fine",
+                then=workitems.Then(then_to, "system:outbox", "delivered", between),
+                **kwargs,
+            )
+
+    for src, dst, values in (
+        (S.inProgress, S.reviewQueued, {}),
+        (S.reviewQueued, S.reviewing, {"lease_token": "lease-1"}),
+    ):
+        async with stack.db.tx() as conn:
+            await workitems.transition(
+                conn, stack.clock, stack.ids, item_id, src=src, dst=dst, actor="t", action="t",
+                values=values,
+            )  # fmt: skip
+    before = await _item_and_audit(stack, item_id)
+    # approved -> inProgress is not in the table: refused before any SQL.
+    with pytest.raises(TransitionError) as info:
+        await through(S.inProgress, lease_token="lease-1")
+    assert info.value.rule == "workItem.transition"
+    # A lost lease fences both moves; ``between`` never ran.
+    with pytest.raises(TransitionError) as info:
+        await through(S.completed, lease_token="lease-2")
+    assert info.value.rule == "workItem.status"
+    assert await _item_and_audit(stack, item_id) == before and seen == []
+
+    done = await through(S.completed, lease_token="lease-1", values={"lease_token": None})
+    assert (done.status, done.lease_token, seen) == ("completed", None, ["completed"])
+    audit = await _audit_rows(stack, item_id)
+    keys = ("actor", "action", "from_status", "to_status", "text")
+    assert [tuple(a[k] for k in keys) for a in audit[-2:]] == [
+        ("lead:x", "approve", "reviewing", "approved", "fine"),
+        ("system:outbox", "delivered", "approved", "completed", None),
+    ]
+
+
 # ------------------------------------------------------------------------ storage
 
 
