@@ -21,7 +21,7 @@ from typing import Any
 @functools.cache
 def _pygal() -> ModuleType:
     # Imported on the first chart, not with the service: most processes never draw one,
-    # and pygal's import is a tenth of the service's startup.
+    # and pygal's import took 0.15 s (``python -X importtime``).
     pygal = importlib.import_module("pygal")
     importlib.import_module("pygal.style")
     # pygal appends a legacy ``sys.meta_path`` finder (for its optional map plugins, which
