@@ -17,7 +17,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database, upgrade
 from leadgate.domain import workitems
 from leadgate.domain.workitems import ACTIVE, TERMINAL, TRANSITIONS, Status, allowed
-from tests.helpers import api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.stack import Stack
 
 S = Status
@@ -139,7 +139,8 @@ async def _audit_rows(stack: Stack, item_id: str) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
+async def _new_item(stack: Stack) -> tuple[Org, str]:
+    """An organization and the id of its worker's new ``inProgress`` item."""
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
@@ -149,6 +150,11 @@ async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
             sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
         )
     assert item_id is not None
+    return org, item_id
+
+
+async def test_fenced_transitions_leases_and_audit(stack: Stack) -> None:
+    org, item_id = await _new_item(stack)
     clock: Any = stack.clock
     clock.advance(1_000)
 
@@ -238,15 +244,7 @@ async def test_a_move_and_the_move_after_it_in_one_update(stack: Stack) -> None:
     """``transition(..., then=Then(...))``: both moves checked against the table and
     fenced as one; each has its audit row, in order; ``between`` runs once, after the
     fence held, with the item as it ends up."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    await stack.turns.run(api_trigger(org, worker, "start the task"))
-    async with stack.db.read() as conn:
-        item_id = await conn.scalar(
-            sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == worker["id"])
-        )
-    assert item_id is not None
+    _, item_id = await _new_item(stack)
     seen: list[str] = []
 
     async def between(item: Any) -> None:
