@@ -404,7 +404,7 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> tuple[li
     # decisions: items await a human; each approval is review.decisions.human_approve
     # (status transition, audit row, gating delivery: one transaction).
     # enqueue: items are already approved; each "approval commit" is the outbox write
-    # of an approval alone (Outbox.enqueue_gating in its own transaction).
+    # of an approval alone (Outbox.gating_row and write_gating in their own transaction).
     seeded = await seed_items(
         service.db,
         service.clock,
@@ -424,7 +424,8 @@ async def latency_run(args: argparse.Namespace, tmp: Path, via: str) -> tuple[li
                 row = await workitems.get(conn, item["id"])
                 await human_approve(conn, service.outbox, row, "user:bench")
             else:
-                await service.outbox.enqueue_gating(conn, await workitems.get(conn, item["id"]))
+                row = await workitems.get(conn, item["id"])
+                await service.outbox.write_gating(conn, await service.outbox.gating_row(conn, row))
         commits[item["snapshot"]] = time.time()
         tx_ms.append((time.perf_counter() - began) * 1000)
 

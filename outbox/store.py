@@ -22,7 +22,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import asyncpg
 import sqlalchemy as sa
@@ -111,14 +111,6 @@ POST_KINDS = _kinds("post")
 REVEAL_KINDS = _kinds("reveal")
 
 
-class Gating(NamedTuple):
-    """An approved item's gating delivery, and the item after it (``completed`` when
-    the delivery was internal and is done)."""
-
-    delivery: Delivery
-    item: WorkItem
-
-
 class LocalRelay(Protocol):
     """What :class:`Outbox` needs from the relay running in this process."""
 
@@ -175,39 +167,21 @@ class Outbox:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""
         self._local = relay
 
-    async def enqueue_gating(self, conn: Conn, item: WorkItem) -> Gating:
-        """Write the gating delivery of an approved item (call inside the approval tx);
-        returns it with the item as it now stands.
-
-        A channel post is queued for the relay. An internal action (reveal, silent,
-        scheduled) has nothing to send, so it is done here: the delivery is written
-        ``sent``, a reveal clears the gated message's ``leadGated``, and the item moves
-        ``approved -> completed``, all in the approval's transaction (SPEC 6: success is
-        the delivery ``sent`` and the item ``completed`` in one transaction). Doing it
-        through the relay cost a second transaction and a relay pass for every
-        api-bound lifecycle, with no send that could fail in between. (An approval
-        itself uses :meth:`gating_row` before its move, so that an internal delivery
-        completes the item in the move's own ``UPDATE``: :class:`workitems.Then`.)"""
-        values = await self.gating_row(conn, item)
-        if not is_internal(values):
-            return Gating(await self.write_gating(conn, values), item)
-        delivery = await self.deliver_internal(conn, item, values)
-        completed = await workitems.transition(
-            conn,
-            self.clock,
-            self.ids,
-            item.id,
-            src=Status.approved,
-            dst=Status.completed,
-            actor=OUTBOX_ACTOR,
-            action="delivered",
-        )
-        return Gating(delivery, completed)
-
     async def gating_row(self, conn: Conn, item: WorkItem) -> dict[str, Any]:
         """The gating delivery row of ``item`` for its session's active binding (read
-        here), not yet written: :meth:`write_gating` queues a post,
-        :meth:`deliver_internal` does an internal action (:func:`is_internal`)."""
+        here), not yet written. An approval (``review.decisions.commit_verdict``) reads
+        it before its move, then, in its transaction:
+
+        * a channel post (or a flow's continuation): :meth:`write_gating` queues it for
+          the relay, after the move to ``approved``;
+        * an internal action (:func:`is_internal`: reveal, silent, scheduled) has
+          nothing to send, so it is done at once: :meth:`deliver_internal` writes the
+          row ``sent`` and reveals the withheld answer, between the move to
+          ``approved`` and the move on to ``completed``, which the approval's own
+          ``UPDATE`` makes (``workitems.Then``). SPEC 6: success is the delivery
+          ``sent`` and the item ``completed`` in one transaction; through the relay it
+          cost a second transaction and a relay pass, with no send that could fail in
+          between."""
         binding = await active_binding(conn, item.session_id)
         action, channel = action_for(binding)
         now = self.clock.now_ms()
@@ -232,11 +206,11 @@ class Outbox:
 
     async def write_gating(self, conn: Conn, values: dict[str, Any]) -> Delivery:
         """Queue a gating row of :meth:`gating_row` that has something to send (a post,
-        or a flow's continuation)."""
+        or a flow's continuation), in the approval's transaction."""
         return await self._insert(conn, values, values["created_at"])
 
     async def deliver_internal(
-        self, conn: Conn, item: WorkItem, values: dict[str, Any]
+        self, conn: Conn, values: dict[str, Any], item: WorkItem
     ) -> Delivery:
         """Do an internal gating delivery of :meth:`gating_row`: the row written
         ``sent`` and, for a reveal, the withheld answer made visible with its session

@@ -3,8 +3,9 @@
 * :class:`ScriptedChannel`: an in-test :class:`outbox.channel.Channel` that answers with
   scripted outcomes and records every :class:`OutboundMessage` it was given;
 * :func:`seed_items`: bulk-creates approved work items (with their gating deliveries,
-  exactly as :meth:`outbox.store.Outbox.enqueue_gating` writes them) or items awaiting a human,
-  thousands per second, for the relay tests, the replica and crash tests and the bench;
+  exactly as an approval writes them: :meth:`outbox.store.Outbox.write_gating`) or items
+  awaiting a human, thousands per second, for the relay tests, the replica and crash
+  tests and the bench;
 * :class:`MigratedTemplates`: databases migrated once per test session and copied
   (SQLite) or truncated (PostgreSQL) per test: a fresh migration costs about a second.
 """

@@ -194,7 +194,7 @@ class Then:
     status: Status
     actor: str
     action: str
-    between: Callable[[WorkItem], Awaitable[None]]
+    between: Callable[[WorkItem], Awaitable[object]]
 
 
 async def transition(

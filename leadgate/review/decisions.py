@@ -8,6 +8,7 @@ here branches on it (SPEC 3).
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import sqlalchemy as sa
@@ -83,11 +84,7 @@ async def commit_verdict(
             # Nothing to send (an api reveal, a silent or scheduled binding): the item
             # is delivered in this transaction, and its move goes on to ``completed``
             # in the approval's own UPDATE.
-            internal = gating
-
-            async def deliver(done: WorkItem) -> None:
-                await outbox.deliver_internal(conn, done, internal)
-
+            deliver = functools.partial(outbox.deliver_internal, conn, gating)
             then = workitems.Then(Status.completed, OUTBOX_ACTOR, "delivered", deliver)
     elif verdict == Verdict.changesRequested and rounds_remain(item):
         dst, action = Status.inProgress, "changesRequested"

@@ -881,7 +881,8 @@ async def test_handed_over_rows_not_started_go_back_to_pending_at_shutdown(
     try:
         async with stack.db.tx() as conn:
             item_row = await workitems.get(conn, seeded.items[0]["id"])
-            values = (await stack.outbox.enqueue_gating(conn, item_row)).delivery._asdict()
+            gating = await stack.outbox.gating_row(conn, item_row)
+            values = (await stack.outbox.write_gating(conn, gating))._asdict()
     finally:
         stack.outbox.attach(None)
         stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)
