@@ -19,7 +19,8 @@ this process, as ``bench.bench_outbox`` does. Then prints:
    named by SQLite's ``dbstat``). A commit writes each page it changed once, so each
    B-tree a group of transactions touches costs about one frame per commit.
 
-Figures and what they showed are in docs/performance.md ("Where the SQLite time goes").
+Figures and what they showed are in docs/performance-history.md (session 11: "where the
+SQLite time goes").
 """
 
 from __future__ import annotations

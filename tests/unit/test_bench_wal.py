@@ -1,4 +1,4 @@
-"""``bench.sqlite_costs`` reads WAL files itself: its counts are what docs/performance.md
+"""``bench.sqlite_costs`` reads WAL files itself: its counts are what docs/performance-history.md
 reports, so they are checked here against writes whose pages are known."""
 
 from __future__ import annotations
