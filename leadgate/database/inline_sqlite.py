@@ -369,6 +369,12 @@ class InlineSqlite:
         opened (or after :meth:`close`): nothing can be known then."""
         return None if self._conn is None else self._conn.committed_token(tables)
 
+    def joins_at_once(self) -> bool:
+        """Whether :meth:`enter` would join this iteration's group without waiting: one
+        is open and no member is inside it or queued for it."""
+        group = self._group
+        return group is not None and group.pending == 0
+
     async def enter(self, lock: asyncio.Lock) -> Member:
         """Start a transaction: join this iteration's group (opening one, under the
         process's writer ``lock``, when there is none), then take the group's member slot

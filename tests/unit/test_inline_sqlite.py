@@ -663,6 +663,46 @@ async def test_begin_immediate_gives_up_after_the_busy_wait(
     assert await committed_ids(db) == {"x0", "x2", "x3"}
 
 
+@SQLITE_ONLY
+async def test_a_transaction_behind_a_member_that_does_not_finish_gives_up(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer queue in the process is bounded: a transaction queued behind a member
+    whose body does not finish (it awaits something that does not come) gives up with
+    Unavailable after the lock wait, having written nothing, and the member's work
+    commits once it finishes. (A transaction that joins an open group with no member
+    inside cannot wait, and skips the bound's timer: ``InlineSqlite.joins_at_once``.)"""
+    monkeypatch.setattr(Database, "_lock_wait_s", property(lambda self: 0.1))
+    async with asyncio.timeout(1), db.tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("warm"))
+    inside, release = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("held"))
+            inside.set()
+            await release.wait()
+
+    async def write(binding_id: str) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+
+    held = asyncio.create_task(holder())
+    # Started in the same loop iteration: it joins the holder's group and waits for the
+    # member slot; the next one waits for the writer lock behind the closing group.
+    joined = asyncio.create_task(write("joined"))
+    await asyncio.wait_for(inside.wait(), 1)
+    assert db._inline is not None and not db._inline.joins_at_once()
+    for waiting in (joined, asyncio.create_task(write("queued"))):
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(waiting, 2)
+        assert time.monotonic() - started < 1
+    release.set()
+    await asyncio.wait_for(held, 1)
+    assert await committed_ids(db) == {"warm", "held"}
+
+
 # --------------------------------------------------------------- record_statements
 
 
