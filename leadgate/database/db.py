@@ -595,15 +595,8 @@ class _InlineTx:
 
     async def __aenter__(self) -> InlineConnection:
         task = self.db._not_nested()
-        inline = self.inline
         try:
-            if inline.joins_at_once():
-                # Nothing to queue behind, so no timer for the bound (under load most
-                # transactions join an open group; see bench.tx_cost).
-                self.member: Member = await inline.enter(self.db._lock())
-            else:
-                async with asyncio.timeout(self.db._lock_wait_s):
-                    self.member = await inline.enter(self.db._lock())
+            self.member: Member = await self.inline.enter(self.db._lock(), self.db._lock_wait_s)
         except Exception as exc:
             _raise_unavailable(exc)
             raise

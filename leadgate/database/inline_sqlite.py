@@ -369,20 +369,24 @@ class InlineSqlite:
         opened (or after :meth:`close`): nothing can be known then."""
         return None if self._conn is None else self._conn.committed_token(tables)
 
-    def joins_at_once(self) -> bool:
-        """Whether :meth:`enter` would join this iteration's group without waiting: one
-        is open and no member is inside it or queued for it."""
-        group = self._group
-        return group is not None and group.pending == 0
-
-    async def enter(self, lock: asyncio.Lock) -> Member:
+    async def enter(self, lock: asyncio.Lock, wait_s: float) -> Member:
         """Start a transaction: join this iteration's group (opening one, under the
         process's writer ``lock``, when there is none), then take the group's member slot
         and set a SAVEPOINT. End it with :meth:`leave`.
 
         A group holds ``lock`` from before ``BEGIN IMMEDIATE`` until after ``COMMIT``, so
-        the process's other writers queue behind the whole group.
+        the process's other writers queue behind the whole group. Waiting (for ``lock``
+        or the member slot) ends with :class:`TimeoutError` after ``wait_s``.
         """
+        group = self._group
+        if group is not None and group.pending == 0:
+            # Joining an open group with nobody inside or queued: the slot is free, so
+            # no timer for the bound (under load most transactions; see bench.tx_cost).
+            return await self._enter(lock)
+        async with asyncio.timeout(wait_s):
+            return await self._enter(lock)
+
+    async def _enter(self, lock: asyncio.Lock) -> Member:
         conn = self.connection
         group = self._group
         if group is None:
