@@ -57,7 +57,7 @@ async def run(args: argparse.Namespace) -> None:
     sides: dict[str, Service] = {}
     try:
         for name, tree in (("head", ROOT), ("base", base)):
-            sides[name] = Service(tmp / name, standin, env={"PYTHONPATH": str(tree)})
+            sides[name] = Service(tmp / name, standin, root=tree)
             sides[name].proc.start()
         tallies = {name: {k: Tally() for k in ("plain", "rest", "slack")} for name in sides}
         opts = types.SimpleNamespace(concurrency=args.concurrency, duration=args.seconds)

@@ -44,7 +44,7 @@ import aiohttp
 
 from bench.bench_outbox import TOKEN, Standin
 from bench.bench_rest import cpu_seconds, metric_sum, postgres_cpu_seconds
-from tests.service_proc import ServiceProcess
+from tests.service_proc import REPO_ROOT, ServiceProcess
 
 SIGNING_SECRET = "bench-signing-secret"
 TEAM, CHANNEL = "TBENCH", "CBENCH"
@@ -154,19 +154,19 @@ def completed(proc: ServiceProcess) -> float:
 
 class Service:
     """A service process with the demo organization and a Slack route to the worker
-    (``env``: for its children, e.g. ``PYTHONPATH`` of another checkout: ``bench.ab``)."""
+    (``root``: the source tree it runs, e.g. another revision's for ``bench.ab``)."""
 
     def __init__(
         self,
         workdir: Path,
         standin: Standin,
         database_url: str | None = None,
-        env: dict[str, str] | None = None,
+        root: Path = REPO_ROOT,
     ) -> None:
         self.proc = ServiceProcess(
             workdir,
             database_url=database_url,
-            env=env or {},
+            root=root,
             config={
                 "log": {"level": "WARNING"},
                 "slack": {

@@ -11,8 +11,10 @@ microseconds of process CPU per transaction and transactions per second, min / m
 max over the rounds.
 
 To compare two builds, run it in both, alternating (the VM's speed drifts):
-``git worktree add /tmp/base REV`` and ``PYTHONPATH=/tmp/base .venv/bin/python -m
-bench.tx_cost`` for the other one.
+``git worktree add /tmp/base REV``, then ``cd /tmp/base && <this venv>/bin/python -m
+bench.tx_cost`` (copy this file there if REV predates it). Run it *from* the other tree:
+with ``-m`` the working directory comes first on ``sys.path``, so ``PYTHONPATH`` alone
+would time this checkout again.
 """
 
 from __future__ import annotations

@@ -211,15 +211,15 @@ def toml_dumps(data: Mapping[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _child_env(*overrides: Mapping[str, str] | None) -> dict[str, str]:
+def _child_env(*overrides: Mapping[str, str] | None, root: Path = REPO_ROOT) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not (k.startswith("LEADGATE_") and "__" in k) and k != "LEADGATE_CONFIG"
     }
     env["PYTHONUNBUFFERED"] = "1"
-    # The repository on the path, whatever the caller's working directory.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    # The source tree on the path, whatever the caller's working directory.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     for extra in overrides:
         if extra:
             env.update({k: str(v) for k, v in extra.items()})
@@ -241,6 +241,9 @@ class ServiceProcess:
         python: interpreter for the children (default: this one, i.e. the venv's).
         serve_python_args: interpreter options for ``serve`` only, before ``-m leadgate.cli.main``
             (e.g. ``("-m", "cProfile", "-o", "serve.prof")`` to profile the service).
+        root: the source tree the children run (default: this checkout). It is their
+            working directory: with ``-m``, that directory comes first on ``sys.path``,
+            before ``PYTHONPATH`` and the venv's editable install (``bench.ab``).
     """
 
     workdir: Path
@@ -251,6 +254,7 @@ class ServiceProcess:
     port: int | None = None
     python: str = sys.executable
     serve_python_args: tuple[str, ...] = ()
+    root: Path = REPO_ROOT
     demo: Demo | None = None
 
     _fixed_port: bool = field(init=False, default=False)
@@ -319,8 +323,8 @@ class ServiceProcess:
         cmd = [self.python, "-m", "leadgate.cli.main", "--config", str(self.config_path), *args]
         return subprocess.run(
             cmd,
-            cwd=REPO_ROOT,
-            env=_child_env(self.env, env),
+            cwd=self.root,
+            env=_child_env(self.env, env, root=self.root),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -355,13 +359,13 @@ class ServiceProcess:
         """Run several admin commands concurrently (independent ones only; SQLite writers
         queue on the busy timeout); returns their JSON outputs in order."""
         base = [self.python, "-m", "leadgate.cli.main", "--config", str(self.config_path)]
-        env = _child_env(self.env)
+        env = _child_env(self.env, root=self.root)
         procs = [
             (
                 list(args),
                 subprocess.Popen(
                     [*base, *args],
-                    cwd=REPO_ROOT,
+                    cwd=self.root,
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -458,8 +462,8 @@ class ServiceProcess:
                     "--role",
                     role,
                 ],
-                cwd=REPO_ROOT,
-                env=_child_env(self.env, env),
+                cwd=self.root,
+                env=_child_env(self.env, env, root=self.root),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
