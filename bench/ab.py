@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import math
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -60,6 +62,11 @@ async def run(args: argparse.Namespace) -> None:
             sides[name] = Service(tmp / name, standin, root=tree)
             sides[name].proc.start()
         tallies = {name: {k: Tally() for k in ("plain", "rest", "slack")} for name in sides}
+        # CPU per plain turn and per REST lifecycle of each slice, by side: slice k of
+        # both sides ran back to back, so their ratio is the change under one VM spell.
+        per_slice: dict[str, dict[str, list[float]]] = {
+            name: {"plain": [], "rest": []} for name in sides
+        }
         opts = types.SimpleNamespace(concurrency=args.concurrency, duration=args.seconds)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
             for name, svc in sides.items():  # warm-up: plans, caches, connections
@@ -69,8 +76,10 @@ async def run(args: argparse.Namespace) -> None:
                 for name in ("head", "base") if k % 4 in (0, 3) else ("base", "head"):
                     svc, tally = sides[name], tallies[name]
                     tag = f"{name}{k}"
-                    tally["plain"].add(*await plain_slice(http, svc, opts, tag, args.seconds))
-                    tally["rest"].add(*await rest_slice(http, svc, opts, tag, args.seconds))
+                    for kind, run_slice in (("plain", plain_slice), ("rest", rest_slice)):
+                        n, elapsed, cpu_s = await run_slice(http, svc, opts, tag, args.seconds)
+                        tally[kind].add(n, elapsed, cpu_s)
+                        per_slice[name][kind].append(cpu_s / n * 1000 if n else math.nan)
                     events = f"{svc.proc.url}/slack/events"
                     tally["slack"].add(
                         *await slack_slice(http, events, standin, opts, tag, args.seconds)
@@ -91,7 +100,19 @@ async def run(args: argparse.Namespace) -> None:
     head, base_t = tallies["head"], tallies["base"]
     for kind in ("plain", "rest"):
         change = head[kind].cpu_ms / base_t[kind].cpu_ms - 1
-        print(f"  CPU per {kind}: head vs base {change:+.1%}")
+        low, mid, high = paired_spread(per_slice["head"][kind], per_slice["base"][kind])
+        print(
+            f"  CPU per {kind}: head vs base {change:+.1%} "
+            f"(slice by slice: min {low:+.1%}, median {mid:+.1%}, max {high:+.1%})"
+        )
+
+
+def paired_spread(head: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Min, median and max over slices of ``head[k] / base[k] - 1``: each pair ran back
+    to back, so the spread is how far one VM spell moved a single comparison (a change
+    whose median sits inside a control run's spread is no change)."""
+    changes = sorted(h / b - 1 for h, b in zip(head, base, strict=True))
+    return changes[0], statistics.median(changes), changes[-1]
 
 
 def main() -> None:
