@@ -110,8 +110,18 @@ async def run(args: argparse.Namespace) -> None:
 def paired_spread(head: list[float], base: list[float]) -> tuple[float, float, float]:
     """Min, median and max over slices of ``head[k] / base[k] - 1``: each pair ran back
     to back, so the spread is how far one VM spell moved a single comparison (a change
-    whose median sits inside a control run's spread is no change)."""
-    changes = sorted(h / b - 1 for h, b in zip(head, base, strict=True))
+    whose median sits inside a control run's spread is no change).
+
+    A pair where either side completed nothing (NaN) is left out: NaN has no place in a
+    sorted list, and would put the median anywhere. With no pair left, all three are NaN.
+    """
+    changes = sorted(
+        h / b - 1
+        for h, b in zip(head, base, strict=True)
+        if not (math.isnan(h) or math.isnan(b)) and b > 0
+    )
+    if not changes:
+        return math.nan, math.nan, math.nan
     return changes[0], statistics.median(changes), changes[-1]
 
 
