@@ -15,7 +15,8 @@ def test_the_spread_is_over_back_to_back_pairs() -> None:
 
 
 def test_a_slice_that_completed_nothing_is_left_out() -> None:
-    # Unfiltered, the NaN lands somewhere in the sorted list and moves the median.
+    # Unfiltered, the NaNs stay where they are in the sorted list (NaN compares false
+    # both ways) and come out as the minimum and the maximum.
     low, mid, high = paired_spread([math.nan, 1.2, 0.8, 1.0], [1.0, 1.0, 1.0, math.nan])
     assert (low, mid, high) == pytest.approx((-0.2, 0.0, 0.2))
 
