@@ -118,6 +118,10 @@ class InlineConnection:
         self._writes_at_begin: tuple[int, dict[str, int]] = (0, {})
         # data_version compares only between calls on one connection: a token names it.
         self._serial = next(_SERIALS)
+        #: ``PRAGMA data_version`` as first read in the open BEGIN IMMEDIATE transaction
+        #: (None: not read yet, or no such transaction): see :meth:`_data_version`
+        self._held_version: int | None = None
+        self._holding = False
 
     # ---------------------------------------------------------------- transactions
 
@@ -129,6 +133,8 @@ class InlineConnection:
             try:
                 self._raw.execute("BEGIN IMMEDIATE")
                 self._writes_at_begin = (self._any_writes, dict(self._table_writes))
+                self._held_version = None
+                self._holding = True
                 return
             except sqlite3.OperationalError as exc:
                 busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
@@ -141,9 +147,11 @@ class InlineConnection:
         """``BEGIN`` (deferred): the read snapshot starts at the first statement."""
         self._raw.execute("BEGIN")
         self._writes_at_begin = (self._any_writes, dict(self._table_writes))
+        self._holding = False
 
     def commit(self) -> None:
         """Commit the open transaction."""
+        self._holding = False
         try:
             self._raw.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -160,7 +168,7 @@ class InlineConnection:
         no write to them through this one, no rollback here. Taken inside a write
         transaction (which no other connection can commit beside), it says whether
         what was read of ``tables`` under an equal token may be used again."""
-        version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         writes = self._table_writes
         return (self._serial, version, self._any_writes, *(writes.get(t, 0) for t in tables))
 
@@ -172,12 +180,24 @@ class InlineConnection:
         it unchanged until the COMMIT; a commit by any other connection changes it. Safe
         outside a transaction too (``PRAGMA data_version`` then reads the WAL's header).
         """
-        version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         if self._raw.in_transaction:
             any_writes, writes = self._writes_at_begin
         else:  # every write so far has been committed or rolled back
             any_writes, writes = self._any_writes, self._table_writes
         return (self._serial, version, any_writes, *(writes.get(t, 0) for t in tables))
+
+    def _data_version(self) -> int:
+        """``PRAGMA data_version``, read once per write transaction: while this
+        connection holds SQLite's write lock (from BEGIN IMMEDIATE to its end) no other
+        connection can commit, so the value cannot change. Under group commit a write
+        transaction holds many of ours, each taking a token."""
+        if self._holding and self._raw.in_transaction:
+            if self._held_version is None:
+                self._held_version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+            return self._held_version
+        version: int = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        return version
 
     def forget_reads(self) -> None:
         """What was read in the transaction may be gone (SQLite ended it by itself):
@@ -193,6 +213,7 @@ class InlineConnection:
     def rollback(self) -> None:
         """Roll back the open transaction (no-op when none is open)."""
         self._any_writes += 1  # what was read since may be gone
+        self._holding = False
         if self._raw.in_transaction:
             self._raw.execute("ROLLBACK")
 
@@ -200,6 +221,7 @@ class InlineConnection:
         """``SAVEPOINT name`` (outside a transaction it begins one)."""
         if not self._raw.in_transaction:
             self._writes_at_begin = (self._any_writes, dict(self._table_writes))
+            self._holding = False  # a deferred transaction: others may commit beside it
         self._raw.execute(f"SAVEPOINT {name}")
 
     def release(self, name: str) -> None:
@@ -313,6 +335,7 @@ class _Group:
         "broken",
         "closing",
         "committed",
+        "kept",
         "lock",
         "members",
         "pending",
@@ -329,6 +352,9 @@ class _Group:
         self.members = asyncio.Lock()  # one member body at a time
         self.pending = 0  # members that joined and have not finished their body
         self.savepoints = 0
+        # Whether a member's work is in the open transaction: until one is, a member
+        # runs without a SAVEPOINT and fails by rolling the whole transaction back.
+        self.kept = False
         self.closing = False  # commit requested while a member was still inside
         # Set when SQLite rolled back the whole transaction under the group (a conflict
         # clause such as OR ROLLBACK, disk full, I/O error): the work of every member is
@@ -338,10 +364,11 @@ class _Group:
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One transaction's place in a group (see :meth:`InlineSqlite.enter`)."""
+    """One transaction's place in a group (see :meth:`InlineSqlite.enter`); ``savepoint``
+    is None for a member that runs first in the group's transaction."""
 
     group: _Group
-    savepoint: str
+    savepoint: str | None
 
 
 class InlineSqlite:
@@ -411,9 +438,18 @@ class InlineSqlite:
             self._done_with(group)
             raise group.broken
         try:
-            group.savepoints += 1
-            name = f"lg{group.savepoints}"
-            conn.savepoint(name)
+            if not conn.in_transaction:
+                # A member that ran first rolled the transaction back (see leave).
+                await conn.begin_immediate()
+            name = None
+            if group.kept:
+                # Others' work is in the transaction: this member's failure must undo
+                # its own writes alone. A SAVEPOINT costs a copy of every page the member
+                # then writes (the statement journal): 8% of a plain turn's instructions
+                # when every member took one (bench.instructions), so the first does not.
+                group.savepoints += 1
+                name = f"lg{group.savepoints}"
+                conn.savepoint(name)
         except BaseException:
             group.members.release()
             self._done_with(group)
@@ -430,13 +466,20 @@ class InlineSqlite:
         group = member.group
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         group.waiters.append(waiter)
+        conn, name = self.connection, member.savepoint
         try:
             if ok:
-                self.connection.release(member.savepoint)
+                if name is not None:
+                    conn.release(name)
+                group.kept = True
+            elif name is None:
+                # Nothing but its own work in the transaction: undo all of it; the next
+                # member (if any) begins a new one.
+                conn.rollback()
             else:
-                self.connection.rollback_to(member.savepoint)
+                conn.rollback_to(name)
         finally:
-            if not self.connection.in_transaction and group.broken is None:
+            if not conn.in_transaction and group.broken is None and (ok or name is not None):
                 self._break(group)
             group.members.release()
             self._done_with(group)
@@ -472,7 +515,7 @@ class InlineSqlite:
         conn = self.connection
         error: BaseException | None = group.broken
         try:
-            if error is None:
+            if error is None and conn.in_transaction:  # not: every member rolled back
                 # On the loop's thread on purpose: a committer thread cost 15-17% more
                 # CPU per lifecycle, whose small groups each paid the hand-off (README,
                 # "Group commit").

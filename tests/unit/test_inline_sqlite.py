@@ -400,7 +400,8 @@ async def test_concurrent_transactions_share_one_commit_and_fail_alone(db: Datab
     ]
     assert statements.count("BEGIN IMMEDIATE") == 1, statements
     assert statements.count("COMMIT") == 1, statements
-    assert sum(s.startswith("SAVEPOINT") for s in statements) == members
+    # The first member runs without one: nobody else's work is there to keep.
+    assert sum(s.startswith("SAVEPOINT") for s in statements) == members - 1
     assert sum(s.startswith("ROLLBACK TO") for s in statements) == 1
     assert "ROLLBACK" not in statements
     inserts = [s for s in statements if s.startswith("INSERT")]
@@ -419,6 +420,65 @@ async def test_concurrent_transactions_share_one_commit_and_fail_alone(db: Datab
     assert all(expected <= seen for _, seen in payload_calls), "listener ran before COMMIT"
     assert len(plain_calls) == members - 1
     assert all(expected <= seen for seen in plain_calls)
+
+
+@SQLITE_ONLY
+async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
+    db: Database,
+) -> None:
+    """The member that runs first in a group's transaction takes no SAVEPOINT: when it
+    fails, the whole transaction (its work alone) is rolled back and the members after
+    it run in a new one, which commits; when every member fails, nothing is committed
+    and the next transaction works. The first may also fail on a statement after which
+    SQLite itself ended the transaction (a conflict clause): nobody else's work was in
+    it, so the others still commit."""
+    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+        await conn.execute(INSERT_BINDING, binding("dup"))
+    fired: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+    rollback_insert = t.bindings.insert().prefix_with("OR ROLLBACK")
+
+    async def member(binding_id: str, fail: bool = False, statement: Any = INSERT_BINDING) -> None:
+        async with db.tx() as conn:
+            await conn.execute(statement, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+            if fail:
+                raise Boom
+
+    with db.record_statements() as statements:
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                member("f1", fail=True), member("k1"), member("k2"), return_exceptions=True
+            )
+    assert [type(r) for r in results] == [Boom, type(None), type(None)]
+    assert statements.count("BEGIN IMMEDIATE") == 2, statements
+    assert statements.count("ROLLBACK") == 1, statements
+    assert statements.count("COMMIT") == 1, statements
+    assert sum(s.startswith("SAVEPOINT") for s in statements) == 1, statements
+    assert sorted(fired) == [["k1"], ["k2"]]
+    assert raw_ids(path_of(db)) == {"dup", "k1", "k2"}
+
+    fired.clear()
+    with db.record_statements() as statements:
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                member("f2", fail=True), member("f3", fail=True), return_exceptions=True
+            )
+    assert [type(r) for r in results] == [Boom, Boom]
+    assert "COMMIT" not in statements, statements
+    assert fired == []
+
+    async with asyncio.timeout(2):
+        results = await asyncio.gather(
+            member("dup", statement=rollback_insert), member("k3"), return_exceptions=True
+        )
+    assert isinstance(results[0], sa.exc.IntegrityError), results
+    assert results[1] is None, results
+    assert fired == [["k3"]]
+    assert raw_ids(path_of(db)) == {"dup", "k1", "k2", "k3"}
+    async with asyncio.timeout(1), db.tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("after"))
+    assert raw_ids(path_of(db)) == {"dup", "k1", "k2", "k3", "after"}
 
 
 @SQLITE_ONLY

@@ -49,7 +49,11 @@ from tests.stack import Stack, build_stack
 #: complete_task's signal, the submission, the claim, the approval.)
 #: (SQLite: the lead's approval moves the item on to ``completed`` in its own UPDATE,
 #: ``workitems.Then``, where the reveal's move was a second one: 32 -> 31.)
-STATEMENT_BUDGET = {"sqlite": 31, "postgres": 5}
+#: (SQLite: ``PRAGMA data_version`` read once per write transaction, where the intake's
+#: agent and rules lookups each read it: 31 -> 30. Not counted above, SAVEPOINT and
+#: RELEASE went too for a transaction that runs first in its group: 51 -> 40 statements
+#: sent to SQLite in all, with one transaction per group as here.)
+STATEMENT_BUDGET = {"sqlite": 30, "postgres": 5}
 #: Transactions (``BEGIN``) per lifecycle. On PostgreSQL a statement run alone
 #: (``Database.write_alone``: a new session's intake, complete_task's signal, the
 #: submission, the lead's claim and approval, the relay's claim and outcome commit) is
@@ -67,7 +71,8 @@ ROUND_TRIP_BUDGET = 5
 #: statement, 19, 2 and 23; with the lead's approval one statement (the delivery a
 #: channel post), 15, 1 and 17; with the new session's intake one statement, 7, 0 and
 #: 7: every step of the lifecycle is one statement outside a transaction block.
-SLACK_STATEMENT_BUDGET = {"sqlite": 34, "postgres": 7}
+#: (SQLite: one ``PRAGMA data_version`` per write transaction, above: 34 -> 33.)
+SLACK_STATEMENT_BUDGET = {"sqlite": 33, "postgres": 7}
 SLACK_TRANSACTION_BUDGET = {"sqlite": 7, "postgres": 0}
 SLACK_ROUND_TRIP_BUDGET = 7
 
