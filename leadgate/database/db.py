@@ -612,7 +612,7 @@ class _InlineTx:
         flush_error: BaseException | None = None
         try:
             if ok and self.before:
-                # Inside this member's savepoint: a failing flush rolls back the member.
+                # Inside this member's transaction: a failing flush rolls back the member.
                 await _flush_before_commit(conn, self.before)
         except BaseException as failure:
             ok, flush_error = False, failure

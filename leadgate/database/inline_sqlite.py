@@ -16,9 +16,12 @@ stdlib ``sqlite3`` connection:
   the connection has ``busy_timeout = 0`` and ``BEGIN IMMEDIATE`` is retried with
   ``asyncio.sleep`` back-off instead (up to the same 30 s other connections wait);
 * group commit: transactions that start in the same event-loop iteration share one
-  SQLite transaction, each in its own SAVEPOINT (a failing one rolls back alone), and one
-  COMMIT at the start of the next iteration; each caller returns only after that COMMIT.
-  Under load this saves most of a commit's cost (about 100 us of WAL writes) per turn;
+  SQLite transaction and one COMMIT at the start of the next iteration; each caller
+  returns only after that COMMIT. Under load this saves most of a commit's cost (about
+  100 us of WAL writes) per turn. A failing one rolls back alone: its writes are undone
+  by rolling the SQLite transaction back and running the writes of the members kept so
+  far again (recorded as they ran; see :meth:`InlineSqlite.leave`), which costs nothing
+  until a member fails, where a SAVEPOINT per member cost 8% of a plain turn;
 * WAL checkpoints (which fsync) never run on the loop: ``wal_autocheckpoint = 0`` here and
   :class:`InlineSqlite` runs checkpoints in a worker thread every
   :data:`CHECKPOINT_EVERY` commits: a passive one, then a restart of the WAL, which
@@ -67,6 +70,10 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024
 _SERIALS = itertools.count()
 
 
+#: One write statement as run: (SQL, arguments, whether executemany).
+Write = tuple[str, Any, bool]
+
+
 class InlineConnection:
     """One ``sqlite3`` connection executing SQLAlchemy Core statements inline.
 
@@ -91,11 +98,12 @@ class InlineConnection:
             "PRAGMA busy_timeout=0",
             "PRAGMA wal_autocheckpoint=0",
             "PRAGMA foreign_keys=ON",
-            # The statement journal of savepoints (every group-commit member runs in
-            # one) in memory: by default SQLite spills it past 64 KiB to a temp file in
-            # /var/tmp, and a group of ten members wrote ~200 pages there per lifecycle
-            # (pwrite64 was 13% of the service's CPU). It only serves ROLLBACK TO inside
-            # a live transaction; the WAL alone makes a commit durable.
+            # The statement journal of savepoints (nested blocks; every group-commit
+            # member ran in one until session 22) in memory: by default SQLite spills it
+            # past 64 KiB to a temp file in /var/tmp, and a group of ten members wrote
+            # ~200 pages there per lifecycle (pwrite64 was 13% of the service's CPU). It
+            # only serves ROLLBACK TO inside a live transaction; the WAL alone makes a
+            # commit durable.
             "PRAGMA temp_store=MEMORY",
         ]
         if readonly:
@@ -122,6 +130,8 @@ class InlineConnection:
         #: (None: not read yet, or no such transaction): see :meth:`_data_version`
         self._held_version: int | None = None
         self._holding = False
+        #: the writes of the open group member, recorded while set (see :meth:`replay`)
+        self._log: list[Write] | None = None
 
     # ---------------------------------------------------------------- transactions
 
@@ -246,15 +256,49 @@ class InlineConnection:
         self._nested += 1
         name = f"lg_nested_{self._nested}"
         self.savepoint(name)
+        log = self._log
+        mark = len(log) if log is not None else 0
         try:
             yield
         except BaseException:
             self.rollback_to(name)
+            if log is not None:
+                del log[mark:]  # undone: not the member's work any more
             raise
         else:
             self.release(name)
         finally:
             self._nested -= 1
+
+    def record(self, log: list[Write] | None) -> None:
+        """Append every write statement run from now on to ``log`` (None: stop)."""
+        self._log = log
+
+    def begin_again(self, logs: Sequence[list[Write]]) -> None:
+        """``BEGIN IMMEDIATE`` without waiting (SQLITE_BUSY raises), then run ``logs``'
+        statements again, in order: the transaction as it stood after them.
+
+        Sound because the transaction they ran in began as this one does, on the same
+        database (no other connection can commit while a group holds the process's
+        writer lock and SQLite's, and none did in between: BUSY otherwise), and their
+        statements compute from the database alone: ids and times are parameters, and
+        no statement calls ``random()`` or a clock."""
+        try:
+            self._raw.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
+        self._writes_at_begin = (self._any_writes, dict(self._table_writes))
+        self._held_version = None
+        self._holding = True
+        for log in logs:
+            for sql, args, many in log:
+                try:
+                    if many:
+                        self._raw.executemany(sql, args)
+                    else:
+                        self._raw.execute(sql, args)
+                except sqlite3.Error as exc:
+                    raise _wrap(exc, sql, args) from exc
 
     def close(self) -> None:
         """Close the underlying connection."""
@@ -296,6 +340,8 @@ class InlineConnection:
             raw_rows = cursor.fetchall() if description else []
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, args) from exc
+        if plan.writes is not None and self._log is not None:
+            self._log.append((sql, args, False))
         rows = plan.rows(raw_rows, lambda: [d[0] for d in description])
         # With RETURNING, the rows returned are the rows changed.
         return Result(rows, len(rows) if plan.returning else cursor.rowcount)
@@ -315,6 +361,8 @@ class InlineConnection:
             cursor = self._raw.executemany(sql, batch)
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, batch[:1]) from exc
+        if self._log is not None:
+            self._log.append((sql, batch, True))
         return Result([], cursor.rowcount)
 
 
@@ -335,11 +383,10 @@ class _Group:
         "broken",
         "closing",
         "committed",
-        "kept",
         "lock",
+        "logs",
         "members",
         "pending",
-        "savepoints",
         "waiters",
     )
 
@@ -351,10 +398,10 @@ class _Group:
         self.committed: asyncio.Event = asyncio.Event()
         self.members = asyncio.Lock()  # one member body at a time
         self.pending = 0  # members that joined and have not finished their body
-        self.savepoints = 0
-        # Whether a member's work is in the open transaction: until one is, a member
-        # runs without a SAVEPOINT and fails by rolling the whole transaction back.
-        self.kept = False
+        # The writes of each member whose work is in the transaction, in order: a
+        # member that fails rolls the transaction back and these run again (members
+        # take no SAVEPOINT: see InlineSqlite.enter).
+        self.logs: list[list[Write]] = []
         self.closing = False  # commit requested while a member was still inside
         # Set when SQLite rolled back the whole transaction under the group (a conflict
         # clause such as OR ROLLBACK, disk full, I/O error): the work of every member is
@@ -364,11 +411,11 @@ class _Group:
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One transaction's place in a group (see :meth:`InlineSqlite.enter`); ``savepoint``
-    is None for a member that runs first in the group's transaction."""
+    """One transaction's place in a group (see :meth:`InlineSqlite.enter`) and the
+    writes it ran."""
 
     group: _Group
-    savepoint: str | None
+    log: list[Write]
 
 
 class InlineSqlite:
@@ -399,7 +446,7 @@ class InlineSqlite:
     async def enter(self, lock: asyncio.Lock, wait_s: float) -> Member:
         """Start a transaction: join this iteration's group (opening one, under the
         process's writer ``lock``, when there is none), then take the group's member slot
-        and set a SAVEPOINT. End it with :meth:`leave`.
+        and record the member's writes. End it with :meth:`leave`.
 
         A group holds ``lock`` from before ``BEGIN IMMEDIATE`` until after ``COMMIT``, so
         the process's other writers queue behind the whole group. Waiting (for ``lock``
@@ -439,25 +486,24 @@ class InlineSqlite:
             raise group.broken
         try:
             if not conn.in_transaction:
-                # A member that ran first rolled the transaction back (see leave).
+                # The members before failed and rolled it back with nothing kept.
                 await conn.begin_immediate()
-            name = None
-            if group.kept:
-                # Others' work is in the transaction: this member's failure must undo
-                # its own writes alone. A SAVEPOINT costs a copy of every page the member
-                # then writes (the statement journal): 8% of a plain turn's instructions
-                # when every member took one (bench.instructions), so the first does not.
-                group.savepoints += 1
-                name = f"lg{group.savepoints}"
-                conn.savepoint(name)
         except BaseException:
             group.members.release()
             self._done_with(group)
             raise
-        return Member(group, name)
+        # No SAVEPOINT: one costs a copy of every page the member then writes (SQLite's
+        # statement journal), 8% of a plain turn's instructions (bench.instructions),
+        # for the rare member that fails. Its writes are recorded instead: a member
+        # that fails rolls the transaction back and the kept members' writes run again.
+        log: list[Write] = []
+        conn.record(log)
+        return Member(group, log)
 
     def leave(self, member: Member, *, ok: bool) -> asyncio.Future[None] | None:
-        """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone.
+        """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone
+        (the SQLite transaction rolled back, then begun again with the writes of the
+        members kept so far run once more: :meth:`InlineConnection.begin_again`).
         Returns the future that completes once the group committed (with the commit's
         error if it failed): await it before reporting success. A member that failed
         awaits it too before reporting its error: it may have failed on what another
@@ -466,21 +512,25 @@ class InlineSqlite:
         group = member.group
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         group.waiters.append(waiter)
-        conn, name = self.connection, member.savepoint
+        conn = self.connection
+        conn.record(None)
         try:
             if ok:
-                if name is not None:
-                    conn.release(name)
-                group.kept = True
-            elif name is None:
-                # Nothing but its own work in the transaction: undo all of it; the next
-                # member (if any) begins a new one.
+                if conn.in_transaction:
+                    group.logs.append(member.log)
+                elif group.broken is None:
+                    self._break(group)  # SQLite ended the transaction under the body
+            elif group.broken is None:
+                # Undo everything (a no-op if SQLite already has), then redo the kept
+                # members' writes; with none kept the next member begins anew.
                 conn.rollback()
-            else:
-                conn.rollback_to(name)
+                if group.logs:
+                    try:
+                        conn.begin_again(group.logs)
+                    except Exception:  # BUSY, or a redo failed: nobody's work is there
+                        conn.rollback()
+                        self._break(group)
         finally:
-            if not conn.in_transaction and group.broken is None and (ok or name is not None):
-                self._break(group)
             group.members.release()
             self._done_with(group)
         return waiter
