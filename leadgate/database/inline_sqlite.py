@@ -130,7 +130,7 @@ class InlineConnection:
         #: (None: not read yet, or no such transaction): see :meth:`_data_version`
         self._held_version: int | None = None
         self._holding = False
-        #: the writes of the open group member, recorded while set (see :meth:`replay`)
+        #: the writes of the open group member, recorded while set (see :meth:`begin_again`)
         self._log: list[Write] | None = None
 
     # ---------------------------------------------------------------- transactions
