@@ -910,17 +910,22 @@ async def test_tx_commits_rolls_back_and_signals_on_both_backends(
 # ------------------------------------------------------------------- savepoints
 
 
+async def _nested_blocks(conn: Any) -> None:
+    """Write n0, then n1 in a nested block that fails, then n2 in one that succeeds."""
+    await conn.execute(INSERT_BINDING, binding("n0"))
+    with pytest.raises(RuntimeError):
+        async with conn.begin_nested():
+            await conn.execute(INSERT_BINDING, binding("n1"))
+            raise RuntimeError("the block fails")
+    async with conn.begin_nested():
+        await conn.execute(INSERT_BINDING, binding("n2"))
+
+
 async def test_a_failing_nested_block_rolls_back_alone(db: Database) -> None:
     """``begin_nested`` (a SAVEPOINT) on every driver: the block's writes go when it
     fails, the transaction's other writes stay; a block that succeeds is kept."""
     async with db.tx() as conn:
-        await conn.execute(INSERT_BINDING, binding("n0"))
-        with pytest.raises(RuntimeError):
-            async with conn.begin_nested():
-                await conn.execute(INSERT_BINDING, binding("n1"))
-                raise RuntimeError("the block fails")
-        async with conn.begin_nested():
-            await conn.execute(INSERT_BINDING, binding("n2"))
+        await _nested_blocks(conn)
         await conn.execute(INSERT_BINDING, binding("n3"))
     assert await committed_ids(db) == {"n0", "n2", "n3"}
 
@@ -936,13 +941,7 @@ async def test_writes_run_again_after_a_failed_member_leave_out_a_failed_nested_
 
     async def kept() -> None:
         async with db.tx() as conn:
-            await conn.execute(INSERT_BINDING, binding("n0"))
-            with pytest.raises(RuntimeError):
-                async with conn.begin_nested():
-                    await conn.execute(INSERT_BINDING, binding("n1"))
-                    raise RuntimeError("the block fails")
-            async with conn.begin_nested():
-                await conn.execute(INSERT_BINDING, binding("n2"))
+            await _nested_blocks(conn)
 
     async def failing() -> None:
         async with db.tx() as conn:
