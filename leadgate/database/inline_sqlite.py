@@ -274,19 +274,34 @@ class InlineConnection:
         """Append every write statement run from now on to ``log`` (None: stop)."""
         self._log = log
 
-    def begin_again(self, logs: Sequence[list[Write]]) -> None:
+    def rollback_for_again(self) -> int:
+        """Roll back the open write transaction for :meth:`begin_again`; returns the
+        ``PRAGMA data_version`` it began on (read before the ROLLBACK, while no other
+        connection can have committed since the BEGIN)."""
+        version: int = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        self.rollback()
+        return version
+
+    def begin_again(self, logs: Sequence[list[Write]], version: int) -> None:
         """``BEGIN IMMEDIATE`` without waiting (SQLITE_BUSY raises), then run ``logs``'
         statements again, in order: the transaction as it stood after them.
 
-        Sound because the transaction they ran in began as this one does, on the same
-        database (no other connection can commit while a group holds the process's
-        writer lock and SQLite's, and none did in between: BUSY otherwise), and their
-        statements compute from the database alone: ids and times are parameters, and
-        no statement calls ``random()`` or a clock."""
+        Sound because the new transaction begins on the database the rolled-back one
+        began on (``version``, from :meth:`rollback_for_again`: if another connection
+        committed in between, this raises instead), and the statements compute from the
+        database alone: ids and times are parameters, and no statement calls
+        ``random()`` or a clock."""
         try:
             self._raw.execute("BEGIN IMMEDIATE")
+            now = self._raw.execute("PRAGMA data_version").fetchone()[0]
         except sqlite3.Error as exc:
             raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
+        if now != version:
+            raise _wrap(
+                sqlite3.OperationalError("another connection committed before the redo"),
+                "BEGIN IMMEDIATE",
+                (),
+            )
         self._writes_at_begin = (self._any_writes, dict(self._table_writes))
         self._held_version = None
         self._holding = True
@@ -521,19 +536,31 @@ class InlineSqlite:
                 elif group.broken is None:
                     self._break(group)  # SQLite ended the transaction under the body
             elif group.broken is None:
-                # Undo everything (a no-op if SQLite already has), then redo the kept
-                # members' writes; with none kept the next member begins anew.
-                conn.rollback()
-                if group.logs:
-                    try:
-                        conn.begin_again(group.logs)
-                    except Exception:  # BUSY, or a redo failed: nobody's work is there
-                        conn.rollback()
-                        self._break(group)
+                self._undo(group)
         finally:
             group.members.release()
             self._done_with(group)
         return waiter
+
+    def _undo(self, group: _Group) -> None:
+        """A member failed: undo its writes alone (see :meth:`leave`)."""
+        conn = self.connection
+        if not group.logs:
+            # Nothing kept to lose: undo this member's work (a no-op if SQLite has ended
+            # the transaction); the next member, if any, begins anew.
+            conn.rollback()
+        elif not conn.in_transaction:
+            # SQLite ended the transaction under the member (a conflict clause, an I/O
+            # error) and let go of its write lock: the kept work is gone, and another
+            # connection may have committed since, so it cannot be redone.
+            self._break(group)
+        else:
+            version = conn.rollback_for_again()
+            try:
+                conn.begin_again(group.logs, version)
+            except Exception:  # BUSY, a commit in between, or a redo that failed
+                conn.rollback()
+                self._break(group)
 
     def _break(self, group: _Group) -> None:
         """SQLite ended the group's transaction by itself: fail the group (see

@@ -483,13 +483,11 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 
 
 @SQLITE_ONLY
-async def test_a_member_after_which_sqlite_ended_the_transaction_fails_alone(
-    db: Database,
-) -> None:
+async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Database) -> None:
     """A statement that makes SQLite roll back the whole transaction (here a conflict
-    clause, OR ROLLBACK) takes the work of every member of its group with it: the
-    members before it have their writes run again in a new transaction, so only the
-    member that failed fails, and the group commits."""
+    clause, OR ROLLBACK; also disk full or I/O errors) takes the work of every member of
+    its group with it: each member is told so and none is told it succeeded; a
+    transaction arriving after that runs in a new group, not in a stray transaction."""
     async with asyncio.timeout(1), db.tx() as conn:
         await conn.execute(INSERT_BINDING, binding("dup"))
     fired: list[list[Any]] = []
@@ -501,65 +499,106 @@ async def test_a_member_after_which_sqlite_ended_the_transaction_fails_alone(
             await conn.execute(statement, binding(binding_id))
             signal_after_commit(conn, "grp", binding_id)
 
-    with db.record_statements() as statements:
-        async with asyncio.timeout(2):
-            results = await asyncio.gather(
-                member("a"), member("dup", rollback_insert), member("c"), return_exceptions=True
-            )
-    assert results[0] is None, results
+    async with asyncio.timeout(2):
+        results = await asyncio.gather(
+            member("a"), member("dup", rollback_insert), member("c"), return_exceptions=True
+        )
+    # "a" had finished its body in the group: its row is gone, and it is told so (SQLite
+    # let go of its write lock: what "a" wrote cannot be redone). A 503.
+    assert isinstance(results[0], Unavailable), results
+    assert "rolled back the whole transaction" in str(results[0].__cause__)
     assert isinstance(results[1], sa.exc.IntegrityError), results
+    # "c" came after the group broke: it waited for the writer lock and committed alone.
     assert results[2] is None, results
-    assert sorted(fired) == [["a"], ["c"]]
-    assert raw_ids(path_of(db)) == {"dup", "a", "c"}
-    assert statements.count("COMMIT") == 1, statements
+    assert fired == [["c"]]
+    assert raw_ids(path_of(db)) == {"dup", "c"}
 
 
 @SQLITE_ONLY
-async def test_a_group_whose_kept_writes_cannot_run_again_fails_every_member(
-    db: Database,
+async def test_kept_writes_are_not_redone_over_another_connections_commit(
+    db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """If the writes of the members kept so far cannot run again after a member failed
-    (another connection wrote in between, SQLITE_BUSY, I/O errors), every member of the
-    group is told its work is gone (a 503: SQLite rolled the transaction back) and none
-    is told it succeeded; a transaction arriving after that runs in a new group."""
+    """The kept members' writes are run again only on the database they ran on: if
+    another connection commits between the rollback and the new BEGIN (it could take
+    SQLite's write lock in that instant), every member of the group is told its work is
+    gone (a 503) and none is told it succeeded; nothing of the group is committed, and
+    a transaction arriving after that runs in a new group."""
     async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     path = path_of(db)
     fired: list[list[Any]] = []
     db.on_commit_payloads("grp", fired.append)
+    rollback_for_again = InlineConnection.rollback_for_again
+
+    def and_another_commit(self: InlineConnection) -> int:
+        version = rollback_for_again(self)
+        with closing(sqlite3.connect(path)) as other, other:
+            other.execute(
+                "INSERT INTO bindings (id, org_id, session_id, kind, address, silent,"
+                " active, created_at) VALUES ('other', 'o', 's', 'api', '{}', 0, 1, 1)"
+            )
+        return version
+
+    monkeypatch.setattr(InlineConnection, "rollback_for_again", and_another_commit)
+
+    async def member(binding_id: str, fail: bool = False) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+            if fail:
+                raise Boom
+
+    async def later() -> None:
+        await asyncio.sleep(0)
+        await member("c")
+
+    async with asyncio.timeout(2):
+        results = await asyncio.gather(
+            member("a"), member("b", fail=True), later(), return_exceptions=True
+        )
+    assert isinstance(results[0], Unavailable), results
+    assert "rolled back the whole transaction" in str(results[0].__cause__)
+    assert isinstance(results[1], Boom), results
+    assert results[2] is None, results
+    assert fired == [["c"]]
+    assert raw_ids(path) == {"warm", "other", "c"}
+
+
+@SQLITE_ONLY
+async def test_kept_writes_that_cannot_run_again_fail_every_member(db: Database) -> None:
+    """If a kept member's write fails when run again (here another connection committed
+    the row "a" inserted while the failing member held no write lock), every member of
+    the group is told its work is gone (a 503)."""
+    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+        await conn.execute(INSERT_BINDING, binding("warm"))
+    path = path_of(db)
 
     async def kept() -> None:
         async with db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("a"))
-            signal_after_commit(conn, "grp", "a")
 
     async def spoiler() -> None:
         async with db.tx() as conn:
             assert isinstance(conn, InlineConnection)
-            # End the group's transaction behind its back and have another connection
-            # commit the row "a" inserted: running "a"'s INSERT again now fails.
+            # End the group's transaction behind its back, have another connection
+            # commit the row "a" inserted, and begin again: the redo of "a" fails.
             conn._raw.execute("ROLLBACK")
             with closing(sqlite3.connect(path)) as other, other:
                 other.execute(
                     "INSERT INTO bindings (id, org_id, session_id, kind, address, silent,"
                     " active, created_at) VALUES ('a', 'o', 's', 'api', '{}', 0, 1, 1)"
                 )
+            conn._raw.execute("BEGIN IMMEDIATE")
             raise Boom
 
-    async def later() -> None:
-        await asyncio.sleep(0)
-        async with db.tx() as conn:
-            await conn.execute(INSERT_BINDING, binding("c"))
-            signal_after_commit(conn, "grp", "c")
-
     async with asyncio.timeout(2):
-        results = await asyncio.gather(kept(), spoiler(), later(), return_exceptions=True)
+        results = await asyncio.gather(kept(), spoiler(), return_exceptions=True)
     assert isinstance(results[0], Unavailable), results
-    assert "rolled back the whole transaction" in str(results[0].__cause__)
     assert isinstance(results[1], Boom), results
-    assert results[2] is None, results
-    assert fired == [["c"]]
-    assert raw_ids(path) == {"warm", "a", "c"}
+    assert raw_ids(path) == {"warm", "a"}
+    async with asyncio.timeout(1), db.tx() as conn:
+        await conn.execute(INSERT_BINDING, binding("after"))
+    assert raw_ids(path) == {"warm", "a", "after"}
 
 
 @SQLITE_ONLY
