@@ -116,6 +116,10 @@ class InlineConnection:
             ]
         for pragma in pragmas:
             self._raw.execute(pragma)
+        # One cursor for every statement: Connection.execute makes a cursor per call
+        # (and registers a weak reference to it); statements here run one at a time and
+        # are read to the end before the next.
+        self._cur = self._raw.cursor()
         self._plans = PlanCache(dialect)
         #: writes through this connection by table, and of anything (``text()`` DML,
         #: rollbacks): see :meth:`cache_token`
@@ -141,7 +145,7 @@ class InlineConnection:
         deadline = time.monotonic() + self.busy_wait_s
         while True:
             try:
-                self._raw.execute("BEGIN IMMEDIATE")
+                self._cur.execute("BEGIN IMMEDIATE")
                 self._writes_at_begin = (self._any_writes, dict(self._table_writes))
                 self._held_version = None
                 self._holding = True
@@ -163,7 +167,7 @@ class InlineConnection:
         """Commit the open transaction."""
         self._holding = False
         try:
-            self._raw.execute("COMMIT")
+            self._cur.execute("COMMIT")
         except sqlite3.Error as exc:
             raise _wrap(exc, "COMMIT", ()) from exc
 
@@ -204,9 +208,9 @@ class InlineConnection:
         transaction holds many of ours, each taking a token."""
         if self._holding and self._raw.in_transaction:
             if self._held_version is None:
-                self._held_version = self._raw.execute("PRAGMA data_version").fetchone()[0]
+                self._held_version = self._cur.execute("PRAGMA data_version").fetchone()[0]
             return self._held_version
-        version: int = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        version: int = self._cur.execute("PRAGMA data_version").fetchone()[0]
         return version
 
     def forget_reads(self) -> None:
@@ -350,7 +354,7 @@ class InlineConnection:
         if plan.writes is not None:
             self._wrote(plan.writes)
         try:
-            cursor = self._raw.execute(sql, args)
+            cursor = self._cur.execute(sql, args)
             description = cursor.description
             raw_rows = cursor.fetchall() if description else []
         except sqlite3.Error as exc:
@@ -373,7 +377,7 @@ class InlineConnection:
         if plan.writes is not None:
             self._wrote(plan.writes)
         try:
-            cursor = self._raw.executemany(sql, batch)
+            cursor = self._cur.executemany(sql, batch)
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, batch[:1]) from exc
         if self._log is not None:
