@@ -147,8 +147,7 @@ class InlineConnection:
             try:
                 self._cur.execute("BEGIN IMMEDIATE")
                 self._writes_at_begin = (self._any_writes, dict(self._table_writes))
-                self._held_version = None
-                self._holding = True
+                self._began_writing()
                 return
             except sqlite3.OperationalError as exc:
                 busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
@@ -162,6 +161,12 @@ class InlineConnection:
         self._raw.execute("BEGIN")
         self._writes_at_begin = (self._any_writes, dict(self._table_writes))
         self._holding = False
+
+    def _began_writing(self) -> None:
+        # This connection holds SQLite's write lock until the transaction ends: see
+        # _data_version.
+        self._held_version = None
+        self._holding = True
 
     def commit(self) -> None:
         """Commit the open transaction."""
@@ -282,7 +287,7 @@ class InlineConnection:
         """Roll back the open write transaction for :meth:`begin_again`; returns the
         ``PRAGMA data_version`` it began on (read before the ROLLBACK, while no other
         connection can have committed since the BEGIN)."""
-        version: int = self._raw.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         self.rollback()
         return version
 
@@ -294,10 +299,15 @@ class InlineConnection:
         began on (``version``, from :meth:`rollback_for_again`: if another connection
         committed in between, this raises instead), and the statements compute from the
         database alone: ids and times are parameters, and no statement calls
-        ``random()`` or a clock."""
+        ``random()`` or a clock.
+
+        :meth:`committed_token`'s counts stay those of the first BEGIN: the writes run
+        again were counted when they first ran, and until the COMMIT a reader has seen
+        none of them."""
         try:
-            self._raw.execute("BEGIN IMMEDIATE")
-            now = self._raw.execute("PRAGMA data_version").fetchone()[0]
+            self._cur.execute("BEGIN IMMEDIATE")
+            self._began_writing()
+            now = self._data_version()
         except sqlite3.Error as exc:
             raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
         if now != version:
@@ -306,16 +316,13 @@ class InlineConnection:
                 "BEGIN IMMEDIATE",
                 (),
             )
-        self._writes_at_begin = (self._any_writes, dict(self._table_writes))
-        self._held_version = None
-        self._holding = True
         for log in logs:
             for sql, args, many in log:
                 try:
                     if many:
-                        self._raw.executemany(sql, args)
+                        self._cur.executemany(sql, args)
                     else:
-                        self._raw.execute(sql, args)
+                        self._cur.execute(sql, args)
                 except sqlite3.Error as exc:
                     raise _wrap(exc, sql, args) from exc
 

@@ -483,6 +483,38 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 
 
 @SQLITE_ONLY
+async def test_a_redone_transaction_keeps_the_committed_token_of_its_first_begin(
+    db: Database,
+) -> None:
+    """``committed_token`` taken inside a write transaction counts only what was
+    committed before it began: a reader's snapshot then has not seen the transaction's
+    writes. After a member failed and the kept writes were run again, the token still
+    leaves those writes out, so one taken after the COMMIT differs and what a reader
+    read in between is not used again (the route cache, the kept reads)."""
+    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+        await conn.execute(INSERT_BINDING, binding("warm"))
+    during: list[object | None] = []
+
+    async def member(binding_id: str | None, fail: bool = False) -> None:
+        async with db.tx() as conn:
+            if binding_id is None:
+                during.append(db.committed_token(["bindings"]))
+                return
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            if fail:
+                raise Boom
+
+    async with asyncio.timeout(2):
+        results = await asyncio.gather(
+            member("a"), member("b", fail=True), member(None), return_exceptions=True
+        )
+    assert [type(r) for r in results] == [type(None), Boom, type(None)]
+    assert raw_ids(path_of(db)) == {"warm", "a"}
+    assert during[0] is not None
+    assert db.committed_token(["bindings"]) != during[0]
+
+
+@SQLITE_ONLY
 async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Database) -> None:
     """A statement that makes SQLite roll back the whole transaction (here a conflict
     clause, OR ROLLBACK; also disk full or I/O errors) takes the work of every member of
