@@ -322,8 +322,12 @@ def moved_with_audit(
     """PostgreSQL CTEs for :func:`transition` inside one statement: the items whose id is
     ``ids`` (a column of another CTE, e.g. a ``FOR UPDATE SKIP LOCKED`` head) moved
     ``src -> dst`` fenced by status, with ``values`` (column -> bound parameter), as CTE
-    ``name`` returning the whole rows; and their audit rows (id ``:p_audit_id``, time
-    ``:p_now``), a CTE the statement must add (``add_cte``). For moves that change no
+    ``name`` returning the whole rows; and their audit rows (id ``:p_audit_id``), a CTE
+    the statement must add (``add_cte``). The move's time is ``:p_now``, or the item's
+    last update when that is later: a caller reads its clock before it waits for a
+    connection, and a write that committed during the wait (the item's submission, say)
+    may carry a later time; the audit trail, read in time order, must not put this move
+    before it. For moves that change no
     public status only: the statement writes no session event, as :func:`transition`
     would write none; a move the table forbids or that would need one raises at once
     (these are built at import time)."""
@@ -331,7 +335,13 @@ def moved_with_audit(
     moved = (
         t.work_items.update()
         .where(W.id == ids, W.status == src.value)
-        .values(status=dst.value, updated_at=sa.bindparam("p_now"), **values)
+        .values(
+            status=dst.value,
+            updated_at=sa.func.greatest(
+                sa.bindparam("p_now", type_=W.updated_at.type), W.updated_at
+            ),
+            **values,
+        )
         .returning(*t.work_items.c)
         .cte(name)
     )
@@ -357,7 +367,7 @@ def moved_with_audit(
                 sa.literal(action, a.action.type),
                 sa.literal(src.value, a.from_status.type),
                 sa.literal(dst.value, a.to_status.type),
-                sa.bindparam("p_now", type_=a.created_at.type),
+                moved.c.updated_at,
             ),
         )
         .cte(f"{name}_audit")

@@ -1150,6 +1150,37 @@ async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
         await stack.stop()
 
 
+async def test_a_claim_whose_clock_read_precedes_the_submission_is_audited_after_it(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: a claim reads its clock, then waits for a pooled connection; an item's
+    submission commits during the wait, with a later time. The claim takes that item;
+    its audit row (and the item's ``updated_at``) carry the submission's time, not the
+    older one, so the trail read in time order still begins with ``create`` (the long
+    crash suite once saw ``claim`` 1 ms before ``create``)."""
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    stack = build_stack(pg_url)
+    try:
+        runner = stack.lead_runner
+        org, _, worker = await setup(stack)
+        before = stack.clock.now_ms()  # the claim's clock read...
+        clock(stack).advance(5)
+        item_id = await submit(stack, org, worker, "task")  # ...the submission commits
+        submitted = (await row(stack, item_id))["updated_at"]
+        assert submitted == before + 5
+        claimed = await runner._claim_alone(before, "lease_late", runner._pokes)
+        assert claimed is not None and claimed.id == item_id
+        assert claimed.updated_at == submitted
+        trail = [(a["action"], a["created_at"]) for a in await audit(stack, item_id)]
+        moves = [action for action, _ in trail if action in ("create", "claim")]
+        assert moves == ["create", "claim"], trail
+        assert dict(trail)["claim"] == submitted
+    finally:
+        await stack.stop()
+
+
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
     """Expired leases are looked for at most every EXPIRY_CHECK_MS by the runner's clock
     (a read, and a write transaction only when something expired)."""
