@@ -53,3 +53,29 @@ def _unindexed(element: unindexed, compiler: Any, **kw: Any) -> str:
 @compiles(unindexed, "sqlite")
 def _unindexed_sqlite(element: unindexed, compiler: Any, **kw: Any) -> str:
     return "+" + str(compiler.process(element.clauses, **kw))
+
+
+class later_of(FunctionElement[Any]):  # lower case: used like a SQL function
+    """The later of two times: ``GREATEST(a, b)`` on PostgreSQL, the two-argument
+    (scalar) ``max(a, b)`` on SQLite.
+
+    A work item's move takes this of its own clock reading and the item's
+    ``updated_at``: the clock was read before the statement waited for a connection or
+    a lock, or on another replica whose clock runs behind, and a move must not carry a
+    time before the move it follows (the audit trail is read in time order)."""
+
+    inherit_cache = True
+
+    def __init__(self, a: Any, b: Any) -> None:
+        super().__init__(a, b)
+        self.type = sa.BigInteger()
+
+
+@compiles(later_of)
+def _later_of(element: later_of, compiler: Any, **kw: Any) -> str:
+    return f"greatest({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(later_of, "sqlite")
+def _later_of_sqlite(element: later_of, compiler: Any, **kw: Any) -> str:
+    return f"max({compiler.process(element.clauses, **kw)})"

@@ -23,7 +23,7 @@ from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, notify_sender
-from leadgate.database.sql import unindexed
+from leadgate.database.sql import later_of, unindexed
 from leadgate.domain import session_events
 from leadgate.domain.rows import WorkItem
 
@@ -84,10 +84,16 @@ TRANSITIONS: dict[Status, frozenset[Status]] = {
 W = t.work_items.c
 
 
+#: A move's time: the mover's clock, or the item's last update when that is later
+#: (:class:`~leadgate.database.sql.later_of`); audit rows take the time the row got.
+_MOVED_AT = later_of(sa.bindparam("p_at", type_=W.updated_at.type), W.updated_at)
+
+
 def _fenced_update(*fences: Any) -> Any:
     return (
         t.work_items.update()
         .where(W.id == sa.bindparam("p_id"), W.status == sa.bindparam("p_src"), *fences)
+        .values(updated_at=_MOVED_AT)
         .returning(*t.work_items.c)
     )
 
@@ -233,7 +239,7 @@ async def transition(
     params: dict[str, Any] = {
         **(values or {}),
         "status": (dst if then is None else then.status).value,
-        "updated_at": clock.now_ms(),
+        "p_at": clock.now_ms(),
         "p_id": item_id,
         "p_src": src.value,
     }
@@ -261,6 +267,7 @@ async def transition(
         surface=surface,
         identity=identity,
     )
+    first["created_at"] = row.updated_at
     item = WorkItem.from_row(row)
     if then is None:
         await conn.execute(_INSERT_AUDIT, first)
@@ -279,6 +286,7 @@ async def transition(
             from_status=dst.value,
             to_status=then.status.value,
         )
+        second["created_at"] = row.updated_at
         # Both audit rows in one statement; ``first``'s id was made first: it sorts first.
         await conn.execute(_INSERT_AUDIT, [first, second])
         await session_events.status_changed(
@@ -337,9 +345,7 @@ def moved_with_audit(
         .where(W.id == ids, W.status == src.value)
         .values(
             status=dst.value,
-            updated_at=sa.func.greatest(
-                sa.bindparam("p_now", type_=W.updated_at.type), W.updated_at
-            ),
+            updated_at=later_of(sa.bindparam("p_now", type_=W.updated_at.type), W.updated_at),
             **values,
         )
         .returning(*t.work_items.c)
@@ -411,7 +417,7 @@ async def transition_many(
     rows = (
         await conn.execute(
             _TRANSITION_MANY,
-            {"p_ids": item_ids, "p_src": src.value, "status": dst.value, "updated_at": now},
+            {"p_ids": item_ids, "p_src": src.value, "status": dst.value, "p_at": now},
         )
     ).all()
     for row in rows:
@@ -432,7 +438,7 @@ async def transition_many(
                     "from_status": src.value,
                     "to_status": dst.value,
                     "text": None,
-                    "created_at": now,
+                    "created_at": row.updated_at,
                 }
                 for row in rows
             ],
@@ -449,7 +455,8 @@ _TRANSITION_MANY = (
         W.id.in_(sa.bindparam("p_ids", expanding=True)),
         unindexed(W.status) == sa.bindparam("p_src"),
     )
-    .returning(W.id, W.org_id, W.session_id, W.revision)
+    .values(updated_at=_MOVED_AT)
+    .returning(W.id, W.org_id, W.session_id, W.revision, W.updated_at)
 )
 _GET = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
 _GET_IN_ORG = _GET.where(W.org_id == sa.bindparam("p_org"))

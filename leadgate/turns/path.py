@@ -173,7 +173,7 @@ def _submit_alone() -> sa.TextClause:
         " UPDATE work_items AS w SET status = :dst, summary = go.signal_summary,"
         " snapshot = :snapshot, gated_message_id = :m_id, signal_summary = NULL,"
         " signal_turn_id = NULL, binding_id = go.binding_id, last_activity_at = :now,"
-        " updated_at = :now,"
+        " updated_at = GREATEST(CAST(:now AS bigint), w.updated_at),"
         # The revision's lease given back (a NULL :rev_lease matches nothing).
         " pending_feedback = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
         " THEN NULL ELSE w.pending_feedback END,"
@@ -184,7 +184,7 @@ def _submit_alone() -> sa.TextClause:
         " lease_owner = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
         " THEN NULL ELSE w.lease_owner END"
         " FROM go WHERE w.id = go.id"
-        " RETURNING w.id, w.org_id, w.session_id, w.revision,"
+        " RETURNING w.id, w.org_id, w.session_id, w.revision, w.updated_at,"
         " go.signal_summary AS summary"
         "), first_moved AS (SELECT * FROM moved WHERE revision = 0"
         "), audit_row AS ("
@@ -192,7 +192,7 @@ def _submit_alone() -> sa.TextClause:
         " from_status, to_status, text, created_at)"
         " SELECT CAST(:audit_id AS varchar), moved.org_id, moved.id, NULL, 'system:turn',"
         " 'completeTask', CAST(:src AS varchar), CAST(:dst AS varchar), moved.summary,"
-        " CAST(:now AS bigint) FROM moved"
+        " moved.updated_at FROM moved"
         ")" + events.ctes + " SELECT (SELECT count(*) FROM moved) AS moved,"
         " (SELECT count(pg_notify(:review_channel, :sender)) FROM moved) AS notified, "
         + events.columns

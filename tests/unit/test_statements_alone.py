@@ -8,6 +8,7 @@ with every such write as its transaction. Every row either run wrote must be the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -85,7 +86,7 @@ _ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
 
 
 async def conversations(
-    stack: Stack, thread: str, *, local: bool
+    stack: Stack, thread: str, *, local: bool, back_ms: int = 0
 ) -> tuple[list[dict[str, list[Any]]], list[str], int]:
     """The same conversations, step by step, with the clock moving between steps: a
     gated worker on the api binding and in Slack threads (approvals, a busy message, a
@@ -94,7 +95,9 @@ async def conversations(
     api and back. ``local``: posts are written claimed for this process's relay and
     handed to it after commit, as in a process that runs one. Returns the organization's
     rows after each step (:func:`org_rows`), the turns' outcomes and how many posts
-    were handed over."""
+    were handed over. ``back_ms``: taken off the 1 s the clock moves before each step (a
+    step's writer read its clock before the previous step's writes, as on a replica
+    whose clock runs behind)."""
     await stack.listen_for_changes()  # as the service: the intake keeps the agents
     stack.turns.owner = lambda: f"process-{thread}"  # (revision leases name their owner)
     handed: list[Any] = []
@@ -169,7 +172,7 @@ async def conversations(
         lambda: run(slack(plain, "back in slack", 2)),
         lambda: stack.settle(relay=True),
     ):
-        stack.clock.advance(1_000)
+        stack.clock.advance(1_000 - back_ms)
         await step()
         snapshots.append(await org_rows(stack, org.id, thread))
     return snapshots, outcomes, len(handed)
@@ -212,6 +215,42 @@ async def test_every_statement_writes_what_its_transaction_writes(
         assert one.keys() == other.keys()
         for name, rows in other.items():
             assert one[name] == rows, f"after step {step}: " + _difference(name, one[name], rows)
+
+
+async def test_moves_by_a_clock_behind_write_what_their_transactions_write(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The same conversations with the clock going back 1.5 s before each step (net
+    half a second back per step; a turn moves it on 1 s): every move takes the item's
+    last update when the mover's clock reads earlier, in the statements as in the
+    transactions, so each item's audit trail, read in time order, is the order its moves
+    were made in."""
+    alone = make_stack(channels={"slack": ScriptedChannel()})
+    by_tx = make_stack(channels={"slack": ScriptedChannel()}, statements_alone=False)
+    written, alone_outcomes, _ = await conversations(alone, "1111", local=True, back_ms=2_500)
+    expected, tx_outcomes, _ = await conversations(by_tx, "2222", local=True, back_ms=2_500)
+    assert alone_outcomes == tx_outcomes
+    for step, (one, other) in enumerate(zip(written, expected, strict=True)):
+        for name, rows in other.items():
+            assert one[name] == rows, f"after step {step}: " + _difference(name, one[name], rows)
+    for stack in (alone, by_tx):
+        a = t.audit.c
+        async with stack.db.read() as conn:
+            rows = (
+                await conn.execute(
+                    sa.select(a.work_item_id, a.id, a.action, a.from_status, a.to_status)
+                    .where(a.work_item_id.is_not(None))
+                    .order_by(a.work_item_id, a.created_at, a.id)
+                )
+            ).all()
+        trails: dict[str, list[Any]] = {}
+        for row in rows:
+            trails.setdefault(row.work_item_id, []).append(row)
+        assert len(trails) >= 8
+        for trail in trails.values():
+            assert trail[0].action == "create", trail
+            for before, after in itertools.pairwise(trail):
+                assert after.from_status == before.to_status, trail
 
 
 def _difference(table: str, written: list[Any], expected: list[Any]) -> str:

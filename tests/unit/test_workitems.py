@@ -296,6 +296,51 @@ async def test_a_move_and_the_move_after_it_in_one_update(stack: Stack) -> None:
     ]
 
 
+async def test_a_move_by_a_clock_behind_the_item_keeps_the_trail_in_order(
+    stack: Stack,
+) -> None:
+    """A mover whose clock reads earlier than the item's last update (read before it
+    waited for a connection, or on a replica whose clock runs behind): the move, one at
+    a time or in a batch, takes the item's time, and the audit trail read in time order
+    still lists the moves in the order they happened. (A clock ahead of the item moves
+    it to its own time: ``test_fenced_transitions_leases_and_audit``.)"""
+    from leadgate.core.clock import FakeClock
+
+    _, item_id = await _new_item(stack)
+    clock: Any = stack.clock
+    clock.advance(1_000)
+    behind = FakeClock(stack.clock.now_ms() - 5_000)  # before even the item's creation
+    async with stack.db.tx() as conn:
+        await workitems.transition(
+            conn, stack.clock, stack.ids, item_id, src=S.inProgress, dst=S.reviewQueued,
+            actor="t", action="queued",
+        )  # fmt: skip
+    at = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        moved = await workitems.transition(
+            conn, behind, stack.ids, item_id, src=S.reviewQueued, dst=S.reviewing,
+            actor="t", action="claimed", values={"lease_token": "lease-1"},
+        )  # fmt: skip
+        assert moved.updated_at == at
+    async with stack.db.tx() as conn:
+        done = await workitems.transition(
+            conn, behind, stack.ids, item_id, src=S.reviewing, dst=S.approved,
+            actor="t", action="approved", lease_token="lease-1",
+        )  # fmt: skip
+        assert done.updated_at == at
+        assert await workitems.transition_many(
+            conn, behind, stack.ids, [item_id], src=S.approved, dst=S.completed,
+            actor="t", action="delivered",
+        ) == [item_id]  # fmt: skip
+    audit = await _audit_rows(stack, item_id)
+    assert [(a["action"], a["created_at"]) for a in audit[1:]] == [
+        ("queued", at),
+        ("claimed", at),
+        ("approved", at),
+        ("delivered", at),
+    ]
+
+
 # ------------------------------------------------------------------------ storage
 
 
