@@ -519,15 +519,14 @@ async def sweep_abandoned(
                 W.status == S.inProgress.value,
                 W.last_activity_at <= cutoff,
             )
-            .values(status=S.abandoned.value, updated_at=clock.now_ms())
-            .returning(W.org_id, W.session_id, W.revision)
+            .values(status=S.abandoned.value, updated_at=later_of(clock.now_ms(), W.updated_at))
+            .returning(W.org_id, W.session_id, W.revision, W.updated_at)
         )
         updated = res.first()
         if updated is None:
             continue
         moved += 1
-        await audit(
-            conn,
+        values = audit_values(
             clock,
             ids,
             org_id=updated.org_id,
@@ -538,6 +537,8 @@ async def sweep_abandoned(
             to_status=S.abandoned.value,
             text="idle for 7 days",
         )
+        values["created_at"] = updated.updated_at
+        await conn.execute(_INSERT_AUDIT, values)
         await session_events.status_changed(
             conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision
         )
