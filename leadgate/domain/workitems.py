@@ -335,10 +335,9 @@ def moved_with_audit(
     last update when that is later: a caller reads its clock before it waits for a
     connection, and a write that committed during the wait (the item's submission, say)
     may carry a later time; the audit trail, read in time order, must not put this move
-    before it. For moves that change no
-    public status only: the statement writes no session event, as :func:`transition`
-    would write none; a move the table forbids or that would need one raises at once
-    (these are built at import time)."""
+    before it. For moves that change no public status only: the statement writes no
+    session event, as :func:`transition` would write none; a move the table forbids or
+    that would need one raises at once (these are built at import time)."""
     require_move(src, dst, event=False)
     moved = (
         t.work_items.update()
