@@ -114,12 +114,12 @@ class InlineConnection:
                 "PRAGMA synchronous=NORMAL",
                 f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}",
             ]
-        for pragma in pragmas:
-            self._raw.execute(pragma)
         # One cursor for every statement: Connection.execute makes a cursor per call
         # (and registers a weak reference to it); statements here run one at a time and
         # are read to the end before the next.
         self._cur = self._raw.cursor()
+        for pragma in pragmas:
+            self._cur.execute(pragma)
         self._plans = PlanCache(dialect)
         #: writes through this connection by table, and of anything (``text()`` DML,
         #: rollbacks): see :meth:`cache_token`
@@ -158,7 +158,7 @@ class InlineConnection:
 
     def begin_read(self) -> None:
         """``BEGIN`` (deferred): the read snapshot starts at the first statement."""
-        self._raw.execute("BEGIN")
+        self._cur.execute("BEGIN")
         self._writes_at_begin = (self._any_writes, dict(self._table_writes))
         self._holding = False
 
@@ -234,19 +234,19 @@ class InlineConnection:
         self._any_writes += 1  # what was read since may be gone
         self._holding = False
         if self._raw.in_transaction:
-            self._raw.execute("ROLLBACK")
+            self._cur.execute("ROLLBACK")
 
     def savepoint(self, name: str) -> None:
         """``SAVEPOINT name`` (outside a transaction it begins one)."""
         if not self._raw.in_transaction:
             self._writes_at_begin = (self._any_writes, dict(self._table_writes))
             self._holding = False  # a deferred transaction: others may commit beside it
-        self._raw.execute(f"SAVEPOINT {name}")
+        self._cur.execute(f"SAVEPOINT {name}")
 
     def release(self, name: str) -> None:
         """``RELEASE name``: keep what was done since the savepoint."""
         try:
-            self._raw.execute(f"RELEASE {name}")
+            self._cur.execute(f"RELEASE {name}")
         except sqlite3.Error as exc:
             raise _wrap(exc, f"RELEASE {name}", ()) from exc
 
@@ -255,8 +255,8 @@ class InlineConnection:
         transaction is already gone, as after some I/O errors)."""
         self._any_writes += 1  # what was read since may be gone
         if self._raw.in_transaction:
-            self._raw.execute(f"ROLLBACK TO {name}")
-            self._raw.execute(f"RELEASE {name}")
+            self._cur.execute(f"ROLLBACK TO {name}")
+            self._cur.execute(f"RELEASE {name}")
 
     @asynccontextmanager
     async def begin_nested(self) -> AsyncIterator[None]:

@@ -169,8 +169,10 @@ def audit_values(
     text: str | None = None,
     surface: str | None = None,
     identity: str | None = None,
+    created_at: int | None = None,
 ) -> dict[str, Any]:
-    """A new ``audit`` row, as :func:`audit` appends it."""
+    """A new ``audit`` row, as :func:`audit` appends it; at ``created_at`` (a move's
+    time, as its row got it) or the clock's time."""
     return {
         "id": ids.new("aud"),
         "org_id": org_id,
@@ -181,7 +183,7 @@ def audit_values(
         "from_status": from_status,
         "to_status": to_status,
         "text": text,
-        "created_at": clock.now_ms(),
+        "created_at": clock.now_ms() if created_at is None else created_at,
         "surface": surface,
         "identity": identity,
     }
@@ -266,8 +268,8 @@ async def transition(
         text=text,
         surface=surface,
         identity=identity,
+        created_at=row.updated_at,
     )
-    first["created_at"] = row.updated_at
     item = WorkItem.from_row(row)
     if then is None:
         await conn.execute(_INSERT_AUDIT, first)
@@ -285,8 +287,8 @@ async def transition(
             work_item_id=item_id,
             from_status=dst.value,
             to_status=then.status.value,
+            created_at=row.updated_at,
         )
-        second["created_at"] = row.updated_at
         # Both audit rows in one statement; ``first``'s id was made first: it sorts first.
         await conn.execute(_INSERT_AUDIT, [first, second])
         await session_events.status_changed(
@@ -525,19 +527,21 @@ async def sweep_abandoned(
         if updated is None:
             continue
         moved += 1
-        values = audit_values(
-            clock,
-            ids,
-            org_id=updated.org_id,
-            actor="system:sweeper",
-            action="abandon",
-            work_item_id=row.id,
-            from_status=S.inProgress.value,
-            to_status=S.abandoned.value,
-            text="idle for 7 days",
+        await conn.execute(
+            _INSERT_AUDIT,
+            audit_values(
+                clock,
+                ids,
+                org_id=updated.org_id,
+                actor="system:sweeper",
+                action="abandon",
+                work_item_id=row.id,
+                from_status=S.inProgress.value,
+                to_status=S.abandoned.value,
+                text="idle for 7 days",
+                created_at=updated.updated_at,
+            ),
         )
-        values["created_at"] = updated.updated_at
-        await conn.execute(_INSERT_AUDIT, values)
         await session_events.status_changed(
             conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision
         )

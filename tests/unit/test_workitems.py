@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ConfigError, Conflict, NotMigratedError, TransitionError
 from leadgate.database import schema as t
 from leadgate.database.db import Database, upgrade
@@ -304,8 +305,6 @@ async def test_a_move_by_a_clock_behind_the_item_keeps_the_trail_in_order(
     a time or in a batch, takes the item's time, and the audit trail read in time order
     still lists the moves in the order they happened. (A clock ahead of the item moves
     it to its own time: ``test_fenced_transitions_leases_and_audit``.)"""
-    from leadgate.core.clock import FakeClock
-
     _, item_id = await _new_item(stack)
     clock: Any = stack.clock
     clock.advance(1_000)
