@@ -13,9 +13,10 @@ counts the same within about half a percent, whatever the machine is doing.
 Each scenario runs twice, with ``--small`` and ``--large`` units, and the difference
 divided by the units is the count per unit (start-up and warm-up cancel out).
 ``--base REV`` counts ``REV`` the same way (exported with ``git archive``) and prints
-the change; ``--repeats`` runs each count more than once to show its spread. The working
-tree counts about 0.2% more than an exported copy of the same commit (``--base HEAD``
-on a clean tree: plain 932,814 -> 934,260): read a change that small as none.
+the change; ``--repeats`` runs each count more than once to show its spread. The same
+code counted in the working tree and in an exported copy has differed by up to 0.2%
+(``--base HEAD`` on a clean tree: plain 932,814 -> 934,260; another time a REST
+lifecycle matched to 0.01%): read a change that small as none.
 
 What it does not count: the HTTP request (aiohttp, the OpenAI envelope, Slack's
 signed request through slack-bolt), the kernel (system calls, such as the WAL's
