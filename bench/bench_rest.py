@@ -16,7 +16,10 @@ next request when the previous answer arrived) from one aiohttp client, for
 * ``gated``: the ``worker`` with ``#complete``, each on a fresh session (so gated, not
   busy): 409 with the gated body; lead reviews then run in the background;
 * ``busy``: the ``worker`` on one session whose item is under review (the lead escalated):
-  409 busy, rejected at intake.
+  409 busy, rejected at intake;
+* ``unknown`` (only with ``--only unknown``; given with ``bare`` and ``plain``, the three alternate):
+  a model the organization does not have: 404 ``agent.not_found`` from the intake, what a
+  refused request costs.
 
 and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and
 plain alternate for ``--rounds`` rounds (default 5) and the median of the per-round
@@ -274,6 +277,7 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     plain_body = body("plain", "hello")
     gated_body = body("worker", "do the task #complete")
     busy_body = body("worker", "are you done yet?")
+    unknown_body = body("no-such-agent", "hello")
     run_id = uuid.uuid4().hex[:8]
 
     def is_ok(status: int, data: bytes) -> bool:
@@ -284,6 +288,9 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
 
     def is_busy(status: int, data: bytes) -> bool:
         return status == 409 and b"LEAD_REVIEW_PENDING" in data and b"workItemId" not in data
+
+    def is_unknown_model(status: int, data: bytes) -> bool:
+        return status == 404 and b"agent.not_found" in data
 
     scenarios: list[tuple[str, str, Request, Callable[[int, bytes], bool]]] = [
         ("bare", bare_url, lambda c, i: (plain_body, {"Content-Type": "application/json"}), is_ok),
@@ -300,11 +307,19 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
             is_gated,
         ),
         ("busy", url, lambda c, i: (busy_body, {**auth, "X-Session-Id": f"b{run_id}"}), is_busy),
+        (
+            "unknown",
+            url,
+            lambda c, i: (unknown_body, {**auth, "X-Session-Id": f"s{run_id}-{c}"}),
+            is_unknown_model,
+        ),
     ]
     by_name = {scenario[0]: scenario for scenario in scenarios}
     # bare and plain alternate for --rounds rounds: the machine is shared and noisy, and
     # the ratio of each adjacent pair is less exposed to a slow spell than one long run.
     order = [name for _ in range(args.rounds) for name in ("bare", "plain")] + ["gated", "busy"]
+    if args.only and "unknown" in args.only:  # opt-in: not one of the rows
+        order = [name for _ in range(args.rounds) for name in ("bare", "unknown", "plain")]
     results: dict[str, list[Result]] = {}
     connector = aiohttp.TCPConnector(limit=args.concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=60)

@@ -529,7 +529,8 @@ class InlineSqlite:
     def leave(self, member: Member, *, ok: bool) -> asyncio.Future[None] | None:
         """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone
         (the SQLite transaction rolled back, then begun again with the writes of the
-        members kept so far run once more: :meth:`InlineConnection.begin_again`).
+        members kept so far run once more: :meth:`InlineConnection.begin_again`; a
+        member that wrote nothing has nothing to roll back).
         Returns the future that completes once the group committed (with the commit's
         error if it failed): await it before reporting success. A member that failed
         awaits it too before reporting its error: it may have failed on what another
@@ -546,7 +547,11 @@ class InlineSqlite:
                     group.logs.append(member.log)
                 elif group.broken is None:
                     self._break(group)  # SQLite ended the transaction under the body
-            elif group.broken is None:
+            elif group.broken is None and (member.log or not conn.in_transaction):
+                # A member that wrote nothing (it failed on a read: an unknown or
+                # inactive agent, a request refused before its first write) left the
+                # transaction as the members before it left it: nothing to undo, and the
+                # kept members' writes are not run again.
                 self._undo(group)
         finally:
             group.members.release()

@@ -483,6 +483,61 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 
 
 @SQLITE_ONLY
+async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
+    db: Database,
+) -> None:
+    """A member that fails having written nothing (a read that found no agent, a request
+    refused before its first write, a write SQLite refused and backed out by itself, its
+    default ABORT) costs the group nothing: no ROLLBACK, the kept members' writes are not
+    run again, whether it ran first, between or last; the others commit once."""
+    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+        await conn.execute(INSERT_BINDING, binding("dup"))
+    fired: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+
+    async def writer(binding_id: str) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+
+    async def reader_that_fails() -> None:
+        async with db.tx() as conn:
+            await conn.execute(sa.select(t.bindings.c.id).where(t.bindings.c.id == "absent"))
+            signal_after_commit(conn, "grp", "never")
+            raise Boom
+
+    async def refused_write() -> None:
+        async with db.tx() as conn:
+            signal_after_commit(conn, "grp", "never")
+            await conn.execute(INSERT_BINDING, binding("dup"))  # primary key taken
+
+    with db.record_statements() as statements:
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                reader_that_fails(),
+                writer("k1"),
+                refused_write(),
+                writer("k2"),
+                reader_that_fails(),
+                return_exceptions=True,
+            )
+    assert [type(r) for r in results] == [
+        Boom,
+        type(None),
+        sa.exc.IntegrityError,
+        type(None),
+        Boom,
+    ], results
+    assert statements.count("BEGIN IMMEDIATE") == 1, statements
+    assert "ROLLBACK" not in statements, statements
+    assert statements.count("COMMIT") == 1, statements
+    inserts = [json.loads(s.split("'")[9])["channel"] for s in statements if s.startswith("INSERT")]
+    assert inserts == ["k1", "dup", "k2"], inserts  # each once: nothing ran again
+    assert sorted(fired) == [["k1"], ["k2"]]
+    assert raw_ids(path_of(db)) == {"dup", "k1", "k2"}
+
+
+@SQLITE_ONLY
 async def test_a_redone_transaction_keeps_the_committed_token_of_its_first_begin(
     db: Database,
 ) -> None:
@@ -600,7 +655,9 @@ async def test_kept_writes_are_not_redone_over_another_connections_commit(
 async def test_kept_writes_that_cannot_run_again_fail_every_member(db: Database) -> None:
     """If a kept member's write fails when run again (here another connection committed
     the row "a" inserted while the failing member held no write lock), every member of
-    the group is told its work is gone (a 503)."""
+    the group is told its work is gone (a 503). (The failing member writes too: one that
+    wrote nothing leaves the transaction alone, see
+    ``test_a_member_that_fails_before_writing_leaves_the_group_as_it_was``.)"""
     async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     path = path_of(db)
@@ -612,6 +669,7 @@ async def test_kept_writes_that_cannot_run_again_fail_every_member(db: Database)
     async def spoiler() -> None:
         async with db.tx() as conn:
             assert isinstance(conn, InlineConnection)
+            await conn.execute(INSERT_BINDING, binding("s"))
             # End the group's transaction behind its back, have another connection
             # commit the row "a" inserted, and begin again: the redo of "a" fails.
             conn._raw.execute("ROLLBACK")

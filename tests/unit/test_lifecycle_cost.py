@@ -11,6 +11,7 @@ needs a reason in the commit (see docs/performance.md).
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.config import ReviewSettings
+from leadgate.core.errors import NotFound
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
@@ -259,3 +261,29 @@ async def test_a_human_approval_stays_within_its_statement_budget(stack: Stack) 
             )
         ).all()
     assert [e.closed_at for e in episodes] == [stack.clock.now_ms()]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_refused_intakes_beside_plain_turns_cost_those_turns_nothing(stack: Stack) -> None:
+    """Turns for an agent the organization does not have fail in their intake having
+    written nothing: in a group-commit transaction with other turns they roll nothing
+    back, so those turns' writes run once (a client sending a wrong model name made every
+    turn grouped with it write twice, or more)."""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    ghost = {"id": "no-such-agent"}
+    await stack.turns.run(api_trigger(org, plain, "warm", session="warm"))
+
+    async def good(c: int) -> None:
+        await stack.turns.run(api_trigger(org, plain, f"hello {c}", session=f"p{c}"))
+
+    async def refused(c: int) -> None:
+        with pytest.raises(NotFound):
+            await stack.turns.run(api_trigger(org, ghost, "hello", session=f"x{c}"))
+
+    with stack.db.record_statements() as statements:
+        # Interleaved: refused intakes run first, between and last in the groups.
+        await asyncio.gather(*(f(c) for c in range(4) for f in (refused, good)), refused(9))
+    assert "ROLLBACK" not in statements, statements
+    stored = [sql for sql in statements if sql.startswith("INSERT INTO messages")]
+    assert len(stored) == 8, stored  # each good turn's message and answer, once
