@@ -17,9 +17,9 @@ next request when the previous answer arrived) from one aiohttp client, for
   busy): 409 with the gated body; lead reviews then run in the background;
 * ``busy``: the ``worker`` on one session whose item is under review (the lead escalated):
   409 busy, rejected at intake;
-* ``unknown`` (only with ``--only unknown``; given with ``bare`` and ``plain``, the three alternate):
-  a model the organization does not have: 404 ``agent.not_found`` from the intake, what a
-  refused request costs.
+* ``unknown`` (only with ``--only unknown``; given with ``bare`` and ``plain``, the three
+  alternate): a model the organization does not have: 404 ``agent.not_found`` from the
+  intake, what a refused request costs.
 
 and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and
 plain alternate for ``--rounds`` rounds (default 5) and the median of the per-round

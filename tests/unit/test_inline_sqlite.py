@@ -486,10 +486,11 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
     db: Database,
 ) -> None:
-    """A member that fails having written nothing (a read that found no agent, a request
+    """A member that fails having changed nothing (a read that found no agent, a request
     refused before its first write, a write SQLite refused and backed out by itself, its
-    default ABORT) costs the group nothing: no ROLLBACK, the kept members' writes are not
-    run again, whether it ran first, between or last; the others commit once."""
+    default ABORT, a fenced update that matched no row) costs the group nothing: no
+    ROLLBACK, the kept members' writes are not run again, whether it ran first, between
+    or last; the others commit once."""
     async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("dup"))
     fired: list[list[Any]] = []
@@ -511,6 +512,16 @@ async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
             signal_after_commit(conn, "grp", "never")
             await conn.execute(INSERT_BINDING, binding("dup"))  # primary key taken
 
+    async def lost_fence() -> None:
+        async with db.tx() as conn:
+            moved = await conn.execute(
+                t.bindings.update()
+                .where(t.bindings.c.id == "dup", t.bindings.c.active.is_(False))
+                .values(active=True)
+            )
+            assert moved.rowcount == 0
+            raise Boom  # as a fenced transition that matched nothing does
+
     with db.record_statements() as statements:
         async with asyncio.timeout(2):
             results = await asyncio.gather(
@@ -518,6 +529,7 @@ async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
                 writer("k1"),
                 refused_write(),
                 writer("k2"),
+                lost_fence(),
                 reader_that_fails(),
                 return_exceptions=True,
             )
@@ -526,6 +538,7 @@ async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
         type(None),
         sa.exc.IntegrityError,
         type(None),
+        Boom,
         Boom,
     ], results
     assert statements.count("BEGIN IMMEDIATE") == 1, statements
