@@ -26,7 +26,7 @@ from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
-from leadgate.database.sql import unindexed
+from leadgate.database.sql import later_of_sql, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
@@ -86,7 +86,7 @@ _SENT_AND_MOVED = (
     " RETURNING d.id, d.kind, d.work_item_id"
     "), moved AS ("
     " UPDATE work_items AS w SET status = :dst,"
-    " updated_at = GREATEST(CAST(:now AS bigint), w.updated_at)"
+    f" updated_at = {later_of_sql('now', 'w.updated_at')}"
     " FROM sent WHERE sent.kind = 'gating' AND w.id = sent.work_item_id AND w.status = :src"
     " RETURNING w.id, w.org_id, w.session_id, w.updated_at"
     "), audit_rows AS ("

@@ -366,16 +366,17 @@ class InlineConnection:
             raw_rows = cursor.fetchall() if description else []
         except sqlite3.Error as exc:
             raise _wrap(exc, sql, args) from exc
-        # A write that changed no row (a fenced update that lost, an INSERT OR IGNORE
-        # that ignored) leaves nothing to run again (no row changed, so no trigger
-        # fired). Recorded whenever the count is not sure: -1 (not a row write) or rows
-        # returned by a statement the plan does not know as a RETURNING one.
-        if plan.returning:
-            changed = len(raw_rows)
-        else:
-            changed = cursor.rowcount if description is None else -1
-        if plan.writes is not None and self._log is not None and changed != 0:
-            self._log.append((sql, args, False))
+        if plan.writes is not None and self._log is not None:
+            # A write that changed no row (a fenced update that lost, an INSERT OR
+            # IGNORE that ignored) leaves nothing to run again (no row changed, so no
+            # trigger fired). Recorded whenever the count is not sure: -1 (not a row
+            # write) or rows from a statement the plan does not know as RETURNING.
+            if plan.returning:
+                changed = len(raw_rows)
+            else:
+                changed = cursor.rowcount if description is None else -1
+            if changed != 0:
+                self._log.append((sql, args, False))
         rows = plan.rows(raw_rows, lambda: [d[0] for d in description])
         # With RETURNING, the rows returned are the rows changed.
         return Result(rows, len(rows) if plan.returning else cursor.rowcount)

@@ -62,7 +62,8 @@ class later_of(FunctionElement[Any]):  # lower case: used like a SQL function
     A work item's move takes this of its own clock reading and the item's
     ``updated_at``: the clock was read before the statement waited for a connection or
     a lock, or on another replica whose clock runs behind, and a move must not carry a
-    time before the move it follows (the audit trail is read in time order)."""
+    time before the move it follows (the audit trail is read in time order).
+    Hand-written PostgreSQL statements use :func:`later_of_sql`."""
 
     inherit_cache = True
 
@@ -79,3 +80,10 @@ def _later_of(element: later_of, compiler: Any, **kw: Any) -> str:
 @compiles(later_of, "sqlite")
 def _later_of_sqlite(element: later_of, compiler: Any, **kw: Any) -> str:
     return f"max({compiler.process(element.clauses, **kw)})"
+
+
+def later_of_sql(param: str, column: str) -> str:
+    """:class:`later_of` written out for a hand-written PostgreSQL statement (``text()``,
+    which cannot hold the construct): the later of bound parameter ``:param`` and
+    ``column``."""
+    return f"GREATEST(CAST(:{param} AS bigint), {column})"

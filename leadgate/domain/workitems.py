@@ -133,9 +133,10 @@ async def audit(
     text: str | None = None,
     surface: str | None = None,
     identity: str | None = None,
+    created_at: int | None = None,
 ) -> None:
     """Append one audit row (who, when, what, text; for human decisions also the
-    surface and the platform identity)."""
+    surface and the platform identity), at ``created_at`` or the clock's time."""
     await conn.execute(
         _INSERT_AUDIT,
         audit_values(
@@ -151,6 +152,7 @@ async def audit(
             text=text,
             surface=surface,
             identity=identity,
+            created_at=created_at,
         ),
     )
 
@@ -527,20 +529,18 @@ async def sweep_abandoned(
         if updated is None:
             continue
         moved += 1
-        await conn.execute(
-            _INSERT_AUDIT,
-            audit_values(
-                clock,
-                ids,
-                org_id=updated.org_id,
-                actor="system:sweeper",
-                action="abandon",
-                work_item_id=row.id,
-                from_status=S.inProgress.value,
-                to_status=S.abandoned.value,
-                text="idle for 7 days",
-                created_at=updated.updated_at,
-            ),
+        await audit(
+            conn,
+            clock,
+            ids,
+            org_id=updated.org_id,
+            actor="system:sweeper",
+            action="abandon",
+            work_item_id=row.id,
+            from_status=S.inProgress.value,
+            to_status=S.abandoned.value,
+            text="idle for 7 days",
+            created_at=updated.updated_at,
         )
         await session_events.status_changed(
             conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision

@@ -18,6 +18,7 @@ from leadgate.core.durations import format_duration
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS
 from leadgate.database.db import Conn, Database
+from leadgate.database.sql import later_of_sql
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery, WorkItem
 from leadgate.domain.workitems import Status
@@ -134,7 +135,7 @@ def _approve_alone() -> sa.TextClause:
         " WHERE id = :binding AND session_id = :session AND active AND NOT silent"
         "), moved AS ("
         " UPDATE work_items SET status = :dst, lease_token = NULL, lease_expires_at = NULL,"
-        " updated_at = GREATEST(CAST(:now AS bigint), updated_at)"
+        f" updated_at = {later_of_sql('now', 'updated_at')}"
         " WHERE id = :item AND status = :src AND lease_token = :lease"
         " AND EXISTS (SELECT 1 FROM b)"
         " RETURNING id, org_id, updated_at"
@@ -181,7 +182,7 @@ def _reveal_alone() -> sa.TextClause:
         # cannot change a row twice. Each move has its audit row, as in the transaction.
         "), done AS ("
         " UPDATE work_items SET status = :completed, lease_token = NULL,"
-        " lease_expires_at = NULL, updated_at = GREATEST(CAST(:now AS bigint), updated_at)"
+        f" lease_expires_at = NULL, updated_at = {later_of_sql('now', 'updated_at')}"
         " WHERE id = :item AND status = :reviewing AND lease_token = :lease"
         " AND EXISTS (SELECT 1 FROM b)"
         " RETURNING id, org_id, session_id, gated_message_id, updated_at"

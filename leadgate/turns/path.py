@@ -30,7 +30,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
-from leadgate.database.sql import insert_ignore_stmt
+from leadgate.database.sql import insert_ignore_stmt, later_of_sql
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, session_events, workitems
 from leadgate.domain.processes import owner_gone
@@ -173,7 +173,7 @@ def _submit_alone() -> sa.TextClause:
         " UPDATE work_items AS w SET status = :dst, summary = go.signal_summary,"
         " snapshot = :snapshot, gated_message_id = :m_id, signal_summary = NULL,"
         " signal_turn_id = NULL, binding_id = go.binding_id, last_activity_at = :now,"
-        " updated_at = GREATEST(CAST(:now AS bigint), w.updated_at),"
+        f" updated_at = {later_of_sql('now', 'w.updated_at')},"
         # The revision's lease given back (a NULL :rev_lease matches nothing).
         " pending_feedback = CASE WHEN w.lease_token = CAST(:rev_lease AS varchar)"
         " THEN NULL ELSE w.pending_feedback END,"
