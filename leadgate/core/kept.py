@@ -30,6 +30,10 @@ class Kept(Generic[K, V]):
         self.max_entries = max_entries
         self._entries: dict[K, tuple[object, V]] = {}
 
+    def __contains__(self, key: object) -> bool:
+        """Whether a value is kept for ``key`` under any token (a cheap first look)."""
+        return key in self._entries
+
     def get(self, token: object | None, key: K) -> V | None:
         """The value kept for ``key`` under ``token``, or None."""
         if token is None:

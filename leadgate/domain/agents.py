@@ -105,6 +105,11 @@ def public_agent(agent: Agent) -> dict[str, Any]:
     }
 
 
+def unknown_agent(ref: str) -> NotFound:
+    """The error for an agent ``ref`` names that ``ref``'s organization does not have."""
+    return NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+
+
 _A = t.agents.c
 _REF: sa.BindParameter[str] = sa.bindparam("p_ref")
 #: Built once: the plan cache keys on the statement object (see database.plans).
@@ -123,7 +128,7 @@ async def find_agent(conn: Conn, org_id: str, ref: str, *, include_deleted: bool
     query = _FIND_ANY if include_deleted else _FIND
     row = (await conn.execute(query, {"p_org": org_id, "p_ref": ref})).first()
     if row is None:
-        raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+        raise unknown_agent(ref)
     return Agent.from_row(row)
 
 
@@ -156,7 +161,7 @@ async def find_agent_and_lead(conn: Conn, org_id: str, ref: str) -> tuple[Agent,
     """:func:`find_agent` (not deleted) and :func:`resolve_lead` in one statement."""
     row = (await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, "p_ref": ref})).first()
     if row is None:
-        raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+        raise unknown_agent(ref)
     agent = Agent.from_row(row)
     mapping = row._mapping
     preset = {name[len("preset_") :]: mapping[name] for name in _PRESET_COLUMNS}

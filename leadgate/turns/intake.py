@@ -222,8 +222,10 @@ class Intake:
         in this order (agent, session, de-duplication, busy check, binding, item, message,
         policy, history); the steps that are more than a statement are methods. On
         PostgreSQL a turn that may be plain tries :meth:`_take_plain` first (no
-        transaction block; see the module docstring).
+        transaction block; see the module docstring). A model already found missing is
+        refused before any of it (:meth:`ConfigCache.refuse_unknown`).
         """
+        self.config.refuse_unknown(self.db.committed_token, trigger.org_id, trigger.agent_id)
         if (
             self.db.statements_alone
             and trigger.external_event_id is None

@@ -31,9 +31,10 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text
-from leadgate.core.errors import LeadgateError, NotFound, ValidationError
+from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
+from leadgate.domain import agents
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
 from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
@@ -334,7 +335,7 @@ def setup(
         ref = request.match_info["model"]
         agent = await models.get(principal, ref)
         if not agent.active:
-            raise NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+            raise agents.unknown_agent(ref)
         return web.json_response(_model(agent, principal.org_id))
 
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 import leadgate.database
+from leadgate.core.errors import NotFound
 from leadgate.core.types import Reply
 from leadgate.database import schema as t
 from leadgate.database.db import Database, upgrade
@@ -46,6 +47,55 @@ async def test_a_second_turn_reads_neither_agent_nor_rules(stack: Stack) -> None
         assert await turn(stack, org, "two") == Reply("Echo: two")
     assert cache.reads == reads
     assert not [sql for sql in statements if "FROM agents" in sql or "policy_rules" in sql]
+
+
+async def refused(stack: Stack, org: Org, text: str) -> str:
+    """The rule of the turn's refusal for an unknown model."""
+    with pytest.raises(NotFound, match="no agent 'plain' in this organization") as caught:
+        await turn(stack, org, text)
+    return caught.value.rule
+
+
+async def test_a_model_found_missing_is_refused_without_a_statement_until_it_exists(
+    stack: Stack,
+) -> None:
+    """A client naming a model its organization lacks is answered from what the last
+    lookup found, before the writer (SQLite) or a connection (PostgreSQL) is taken."""
+    org = await make_org(stack)
+    cache = stack.turns.intake.config
+    assert await refused(stack, org, "one") == "agent.not_found"
+    reads, uses = cache.reads, stack.db.connection_uses
+    with stack.db.record_statements() as statements:
+        assert await refused(stack, org, "two") == "agent.not_found"
+        assert await refused(stack, org, "three") == "agent.not_found"
+    # No BEGIN IMMEDIATE, no SELECT: on SQLite only the token's PRAGMA data_version.
+    assert [sql for sql in statements if sql != "PRAGMA data_version"] == []
+    assert cache.reads == reads
+    assert stack.db.connection_uses == uses  # PostgreSQL: no connection taken
+    other = await make_org(stack, name="other")  # another organization's miss is its own
+    await make_agent(stack, other, "plain")
+    assert await turn(stack, other, "theirs") == Reply("Echo: theirs")
+    await make_agent(stack, org, "plain")  # a write to agents here: looked up again
+    assert await turn(stack, org, "four") == Reply("Echo: four")
+
+
+async def test_a_model_found_missing_is_found_once_another_connection_adds_it(
+    stack: Stack, migrated_url: str
+) -> None:
+    """The CLI (another process) creates the agent a client has been asking for."""
+    org = await make_org(stack)
+    assert await refused(stack, org, "one") == "agent.not_found"
+    assert await refused(stack, org, "two") == "agent.not_found"
+    other = Database(migrated_url)
+    try:
+        async with other.tx() as conn:
+            await agents.save_agent(
+                conn, stack.clock, stack.ids, org.id, name="plain", model="script"
+            )
+    finally:
+        await other.close()
+    await stack.heard_of("agents")
+    assert await turn(stack, org, "three") == Reply("Echo: three")
 
 
 @pytest.fixture
