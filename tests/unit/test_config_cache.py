@@ -62,6 +62,8 @@ async def test_a_model_found_missing_is_refused_without_a_statement_until_it_exi
     """A client naming a model its organization lacks is answered from what the last
     lookup found, before the writer (SQLite) or a connection (PostgreSQL) is taken."""
     org = await make_org(stack)
+    other = await make_org(stack, name="other")
+    await make_agent(stack, other, "plain")
     cache = stack.turns.intake.config
     assert await refused(stack, org, "one") == "agent.not_found"
     reads, uses = cache.reads, stack.db.connection_uses
@@ -72,8 +74,7 @@ async def test_a_model_found_missing_is_refused_without_a_statement_until_it_exi
     assert [sql for sql in statements if sql != "PRAGMA data_version"] == []
     assert cache.reads == reads
     assert stack.db.connection_uses == uses  # PostgreSQL: no connection taken
-    other = await make_org(stack, name="other")  # another organization's miss is its own
-    await make_agent(stack, other, "plain")
+    # The miss is this organization's: another one's agent of that name is found.
     assert await turn(stack, other, "theirs") == Reply("Echo: theirs")
     await make_agent(stack, org, "plain")  # a write to agents here: looked up again
     assert await turn(stack, org, "four") == Reply("Echo: four")
