@@ -588,6 +588,24 @@ async def test_unknown_model_is_404_envelope(env: Env) -> None:
         client(env).chat.completions.create(model="no-such-agent", messages=user("hi"))
 
 
+async def test_a_model_asked_for_before_it_exists_answers_once_it_is_created(env: Env) -> None:
+    """The service keeps a miss (no writer, no SELECT for the next request), but not past
+    the agent's creation: through its own API, or by the CLI (another process)."""
+    assert env.proc.demo is not None
+    for how in ("api", "cli"):
+        name = f"typo-{how}-{uuid.uuid4().hex[:8]}"
+        for _ in range(3):  # the first looks it up, the others are answered from the miss
+            raw = await raw_post(env, {"model": name, "messages": user("hi")})
+            assert assert_openai_error(raw, 404, "not_found_error")["rule"] == "agent.not_found"
+        if how == "api":
+            created = await raw_post(env, {"name": name}, path="/v1/agents")
+            assert created.status == 201, created.body
+        else:
+            env.proc.admin("agent", "create", "--org", env.proc.demo.org, "--name", name)
+        answer = client(env).chat.completions.create(model=name, messages=user("hi"))
+        assert answer.choices[0].message.content
+
+
 async def test_body_over_the_limit_is_413(env: Env) -> None:
     big = "x" * (1_048_576 + 10)
     raw = await raw_post(env, {"model": "plain", "messages": user(big)})
