@@ -41,7 +41,9 @@ def kill_backends(server: PostgresServer, url: str, pid: int | None = None) -> i
     return int(
         server.psql(
             "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
-            f"WHERE datname = '{database}' AND {which}"
+            # Client connections only: an autovacuum worker on the freshly written
+            # database shows in pg_stat_activity with its datname too.
+            f"WHERE datname = '{database}' AND backend_type = 'client backend' AND {which}"
         ).strip()
     )
 
