@@ -97,6 +97,8 @@ class ChatBackend(Protocol):
         external_event_id: str | None = None,
     ) -> Outcome: ...
 
+    def refuse_unknown(self, principal: Principal, agent_ref: str) -> None: ...
+
 
 class ModelBackend(Protocol):
     """The organization's agents (``operations.agents.Agents``)."""
@@ -276,6 +278,9 @@ def setup(
         key = request.headers.get("Idempotency-Key")
         if key is None or idempotency is None:
             return await _turn(request, principal, parsed, session, None)
+        # A model already found missing is refused before the key is claimed (the
+        # claim and its release would be two writes for a 404).
+        chat.refuse_unknown(principal, parsed.model)
         request_print = fingerprint(
             json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
             (session or "").encode(),

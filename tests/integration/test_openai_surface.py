@@ -17,12 +17,13 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
+from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS, TTL_MS, fingerprint
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import Org, make_agent, make_key, make_org
 from tests.serving import served_app
 
 
@@ -140,6 +141,27 @@ async def test_same_key_other_request_is_400_naming_the_rule(env: Env) -> None:
     bad = await env.chat("plain", "a", idem="\u00e9", session="m")
     assert bad.status == 400 and (await bad.json())["error"]["rule"] == "idempotency.key"
     assert await env.user_messages("plain", "m") == ["a"]
+
+
+async def test_a_model_found_missing_is_refused_before_its_key_is_claimed(env: Env) -> None:
+    """An unknown model answers 404 ``agent.not_found`` with or without a key. Once it
+    was found missing, a keyed request for it claims no key (a claim and its release
+    would be two writes for a 404), and once the agent exists the key runs its turn."""
+    first = await env.chat("later", "hi", idem="k-u1", session="u")
+    assert first.status == 404 and (await first.json())["error"]["rule"] == "agent.not_found"
+    with env.service.db.record_statements() as statements:
+        again = await env.chat("later", "hi", idem="k-u2", session="u")
+    assert again.status == 404 and (await again.json())["error"]["rule"] == "agent.not_found"
+    assert not [sql for sql in statements if "idempotency_keys" in sql], statements
+    # A key without the trigger scope is still told so, not the kept 404.
+    reviewer = await make_key(env.service, env.org, Scope.review)
+    denied = await env.chat("later", "hi", key=reviewer, idem="k-u3", session="u")
+    assert denied.status == 403
+    await make_agent(env.service, env.org, "later")
+    for key in ("k-u1", "k-u2"):
+        resp = await env.chat("later", "hi", idem=key, session="u")
+        assert resp.status == 200 and "Idempotent-Replayed" not in resp.headers
+    assert await env.user_messages("later", "u") == ["hi", "hi"]
 
 
 async def test_gated_and_failed_answers_are_replayed_not_rerun(env: Env) -> None:
