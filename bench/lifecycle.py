@@ -59,6 +59,7 @@ class Round:
     rest_lps: float = math.nan
     rest_cpu_ms: float = math.nan
     slack_lps: float = math.nan
+    slack_cpu_ms: float = math.nan
 
 
 @dataclass
@@ -277,8 +278,10 @@ async def interleaved_round(
     for k in range(args.slices):
         plain.add(*await plain_slice(http, svc, args, tag, seconds))
         rest.add(*await rest_slice(http, svc, args, f"{tag}.{k}", seconds))
-        slack.add(*await slack_slice(http, events, standin, args, f"{tag}.{k}", seconds))
-    return Round(plain.rate, plain.cpu_ms, rest.rate, rest.cpu_ms, slack.rate)
+        cpu0 = cpu_seconds(svc.proc.pid)
+        n, elapsed = await slack_slice(http, events, standin, args, f"{tag}.{k}", seconds)
+        slack.add(n, elapsed, cpu_seconds(svc.proc.pid) - cpu0)
+    return Round(plain.rate, plain.cpu_ms, rest.rate, rest.cpu_ms, slack.rate, slack.cpu_ms)
 
 
 async def approve_part(
@@ -355,7 +358,7 @@ async def sqlite_parts(args: Any, figures: Figures, parts: set[str]) -> None:
                         f"   round {r}: plain {one.plain_rps:.0f}/s "
                         f"({one.plain_cpu_ms:.2f} ms CPU), "
                         f"REST lifecycles {one.rest_lps:.0f}/s ({one.rest_cpu_ms:.2f} ms CPU), "
-                        f"Slack lifecycles {one.slack_lps:.0f}/s",
+                        f"Slack lifecycles {one.slack_lps:.0f}/s ({one.slack_cpu_ms:.2f} ms CPU)",
                         flush=True,
                     )
                 figures.peak_rss_mb = peak_rss_mb(svc.proc.pid)
