@@ -76,12 +76,10 @@ class Messages:
     def refuse_unknown(self, principal: Principal, agent_ref: str) -> None:
         """Raise NotFound (``agent.not_found``) when ``agent_ref`` was lately found to
         name no agent of the caller's organization and none has been made since
-        (:meth:`leadgate.domain.config_cache.ConfigCache.refuse_unknown`; no statement).
-        For work a request would do before its turn: REST's Idempotency-Key claim."""
+        (:meth:`leadgate.turns.intake.Intake.refuse_unknown`; no statement). For work a
+        request would do before its turn: REST's Idempotency-Key claim."""
         principal.require(Scope.trigger)
-        self.turns.intake.config.refuse_unknown(
-            self.db.committed_token, principal.org_id, agent_ref
-        )
+        self.turns.intake.refuse_unknown(principal.org_id, agent_ref)
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         """Most specific active route of ``channel`` matching ``attrs``."""

@@ -215,6 +215,12 @@ class Intake:
         #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
 
+    def refuse_unknown(self, org_id: str, ref: str) -> None:
+        """Raise NotFound when ``ref`` was lately found to name no agent of ``org_id``
+        and nothing it is read from has been committed since
+        (:meth:`ConfigCache.refuse_unknown`; no statement, no connection)."""
+        self.config.refuse_unknown(self.db.committed_token, org_id, ref)
+
     async def take(self, trigger: Trigger) -> IntakeResult:
         """Take ``trigger`` in (one transaction on the inline connection on SQLite).
 
@@ -225,7 +231,7 @@ class Intake:
         transaction block; see the module docstring). A model already found missing is
         refused before any of it (:meth:`ConfigCache.refuse_unknown`).
         """
-        self.config.refuse_unknown(self.db.committed_token, trigger.org_id, trigger.agent_id)
+        self.refuse_unknown(trigger.org_id, trigger.agent_id)
         if (
             self.db.statements_alone
             and trigger.external_event_id is None
