@@ -158,10 +158,11 @@ async def test_a_model_found_missing_is_refused_before_its_key_is_claimed(env: E
     denied = await env.chat("later", "hi", key=reviewer, idem="k-u3", session="u")
     assert denied.status == 403
     await make_agent(env.service, env.org, "later")
-    for key in ("k-u1", "k-u2"):
+    # None of the refusals kept anything under its key (README, Idempotency-Key).
+    for key in ("k-u1", "k-u2", "k-u3"):
         resp = await env.chat("later", "hi", idem=key, session="u")
         assert resp.status == 200 and "Idempotent-Replayed" not in resp.headers
-    assert await env.user_messages("later", "u") == ["hi", "hi"]
+    assert await env.user_messages("later", "u") == ["hi"] * 3
 
 
 async def test_gated_and_failed_answers_are_replayed_not_rerun(env: Env) -> None:
