@@ -5,18 +5,39 @@ from __future__ import annotations
 import logging
 
 import pytest
+from slack_sdk.web.async_client import AsyncWebClient
 
 from leadgate.core.config import Settings
-from leadgate.core.logs import setup_logging
+from leadgate.core.logs import LEVEL_TESTED_LOGGERS, setup_logging
 
 
 @pytest.fixture
 def restore_logging() -> object:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    levels = {name: logging.getLogger(name).level for name in LEVEL_TESTED_LOGGERS}
     yield None
     root.handlers[:] = handlers
     root.setLevel(level)
+    for name, was in levels.items():
+        logging.getLogger(name).setLevel(was)
+
+
+@pytest.mark.parametrize(
+    ("level", "include", "built"),
+    [("WARNING", False, False), ("DEBUG", False, False), ("DEBUG", True, True)],
+)
+def test_slack_sdk_builds_its_debug_lines_only_when_they_can_be_shown(
+    level: str, include: bool, built: bool, restore_logging: object
+) -> None:
+    # slack_sdk formats its request and response lines when ``logger.level <= DEBUG``
+    # (the logger's own level; an unset one is 0), on every Web API call.
+    logging.getLogger("slack_sdk.web.async_base_client").setLevel(logging.NOTSET)
+    setup_logging(Settings.model_validate({"log": {"level": level, "include_content": include}}))
+    client = AsyncWebClient(token="xoxb-test")
+    assert (client.logger.level <= logging.DEBUG) is built
+    shown = logging.DEBUG if built else max(getattr(logging, level), logging.INFO)
+    assert client.logger.getEffectiveLevel() == shown
 
 
 @pytest.mark.parametrize("include", [False, True])
