@@ -352,6 +352,83 @@ def visible_message_alone(
     return _POSTGRES_MESSAGE, params, (TOPIC, (session_id, True))
 
 
+class VisibleMessage(NamedTuple):
+    """A visible message (user or assistant) to store with its ``message`` event."""
+
+    id: str
+    org_id: str
+    session_id: str
+    work_item_id: str | None
+    role: str
+    content: str
+    created_at: int
+
+
+#: PostgreSQL: several visible messages, of one session or many, with their events and
+#: NOTIFYs in one statement (what :data:`_POSTGRES_MESSAGE` writes for one). The counters
+#: are locked in session id order, as :data:`_POSTGRES_INSERT_MANY` locks them; a message
+#: whose session does not exist is not stored (the rows returned name the sessions that
+#: do).
+_POSTGRES_MESSAGES_MANY = sa.text(
+    "WITH visible AS ("
+    " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:org_ids AS varchar[]),"
+    " CAST(:sids AS varchar[]), CAST(:work_item_ids AS varchar[]), CAST(:roles AS varchar[]),"
+    " CAST(:contents AS text[]), CAST(:created AS bigint[]), CAST(:ords AS int[]))"
+    " AS i(id, org_id, sid, work_item_id, role, content, created_at, ord)"
+    "), counts AS ("
+    " SELECT sid, count(*) AS n FROM visible GROUP BY sid"
+    "), locked AS ("
+    " SELECT id FROM sessions WHERE id IN (SELECT sid FROM counts) ORDER BY id FOR UPDATE"
+    "), s AS ("
+    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
+    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
+    " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, counts.n"
+    "), m AS ("
+    " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
+    " lead_gated, tool_name, created_at)"
+    " SELECT visible.id, visible.org_id, visible.sid, visible.work_item_id, visible.role,"
+    " visible.content, false, NULL, visible.created_at"
+    " FROM visible JOIN s ON s.id = visible.sid"
+    "), e AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT visible.sid, s.event_seq - s.n + visible.ord, :kind, visible.id, NULL,"
+    " visible.created_at"
+    " FROM visible JOIN s ON s.id = visible.sid"
+    ") SELECT s.id, " + notify_if_watched("s", ":channel", "s.id || ' m'") + " AS notified FROM s"
+)
+
+
+async def store_visible_many(db: Database, messages: Sequence[VisibleMessage]) -> list[bool]:
+    """PostgreSQL: store ``messages`` with their ``message`` events in one statement
+    outside a transaction block (committed when this returns); for each message, whether
+    it was stored (False: its session does not exist, and nothing of it was written).
+    The messages of one session get their events in the order given."""
+    ords: list[int] = []
+    seen: dict[str, int] = {}
+    for message in messages:
+        seen[message.session_id] = seen.get(message.session_id, 0) + 1
+        ords.append(seen[message.session_id])
+    result = await db.write_alone(
+        _POSTGRES_MESSAGES_MANY,
+        {
+            "ids": [m.id for m in messages],
+            "org_ids": [m.org_id for m in messages],
+            "sids": [m.session_id for m in messages],
+            "work_item_ids": [m.work_item_id for m in messages],
+            "roles": [m.role for m in messages],
+            "contents": [m.content for m in messages],
+            "created": [m.created_at for m in messages],
+            "ords": ords,
+            "kind": MESSAGE,
+            "channel": NOTIFY_CHANNEL,
+        },
+        signals_from=lambda row: [(TOPIC, (row.id, True))],
+        in_doubt=[(TOPIC, (session_id, True)) for session_id in seen],
+    )
+    stored = {row.id for row in result.all()}
+    return [m.session_id in stored for m in messages]
+
+
 # Several sessions in one round trip (a relay's outcome commit answers a batch of them):
 # the counters are locked in session id order first (``locked``), as one statement per
 # session in id order did, so two such transactions cannot wait on each other in a cycle.

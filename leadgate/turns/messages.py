@@ -8,6 +8,7 @@ approved (the relay's reveal clears the flag).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,6 +16,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.groups import Grouped
 from leadgate.domain import session_events
 
 # Built once: the turn path stores two or three messages per turn.
@@ -84,52 +86,85 @@ def message_values(
     }
 
 
-async def store_visible_alone(
-    db: Database,
-    clock: Clock,
-    ids: IdFactory,
-    *,
-    org_id: str,
-    session_id: str,
-    work_item_id: str | None,
-    role: str,
-    content: str,
-    created_at: int | None = None,
-) -> str:
-    """:func:`store_message` of a visible message as a transaction of its own; returns
-    its id. On PostgreSQL one statement outside a transaction block (one round trip, not
-    four: ``BEGIN``, the message, its event, ``COMMIT``). ``created_at`` defaults to
-    the clock's now."""
-    if role not in _VISIBLE_ROLES:
-        # The one statement always writes the message event: a hidden role would leak.
-        raise ValueError(f"store_visible_alone stores user or assistant messages, not {role!r}")
-    if not db.statements_alone:
-        async with db.tx() as conn:
-            return await store_message(
-                conn,
-                clock,
-                ids,
-                org_id=org_id,
-                session_id=session_id,
-                work_item_id=work_item_id,
-                role=role,
-                content=content,
-                created_at=created_at,
-            )
-    message_id = ids.new("msg")
-    statement, params, signal = session_events.visible_message_alone(
-        message_id,
-        org_id=org_id,
-        session_id=session_id,
-        work_item_id=work_item_id,
-        role=role,
-        content=content,
-        created_at=clock.now_ms() if created_at is None else created_at,
-    )
-    result = await db.write_alone(statement, params, signals=[signal])
-    if result.first() is None:
-        raise RuntimeError(f"session {session_id} does not exist; the message was not stored")
-    return message_id
+class VisibleWrites:
+    """:func:`store_message` of visible messages (user or assistant) as transactions of
+    their own, for a service's turns.
+
+    On PostgreSQL each is one statement outside a transaction block (one round trip, not
+    four: ``BEGIN``, the message, its event, ``COMMIT``), and the messages of concurrent
+    turns go in one statement (:class:`leadgate.database.groups.Grouped`: a reply costs
+    PostgreSQL and the service mostly what a statement costs, whatever it writes)."""
+
+    def __init__(self, db: Database, clock: Clock, ids: IdFactory, *, in_flight: int = 1) -> None:
+        self.db = db
+        self.clock = clock
+        self.ids = ids
+        #: The grouped writes (PostgreSQL), or None.
+        self.group: Grouped[session_events.VisibleMessage, bool] | None = None
+        if db.statements_alone:
+            self.group = Grouped(self._alone, self._many, in_flight=in_flight)
+
+    async def store(
+        self,
+        *,
+        org_id: str,
+        session_id: str,
+        work_item_id: str | None,
+        role: str,
+        content: str,
+        created_at: int | None = None,
+    ) -> str:
+        """Store the message, committed when this returns; returns its id.
+        ``created_at`` defaults to the clock's now."""
+        if role not in _VISIBLE_ROLES:
+            # The statement always writes the message event: a hidden role would leak.
+            raise ValueError(f"VisibleWrites stores user or assistant messages, not {role!r}")
+        if self.group is None:
+            async with self.db.tx() as conn:
+                return await store_message(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    org_id=org_id,
+                    session_id=session_id,
+                    work_item_id=work_item_id,
+                    role=role,
+                    content=content,
+                    created_at=created_at,
+                )
+        message = session_events.VisibleMessage(
+            self.ids.new("msg"),
+            org_id,
+            session_id,
+            work_item_id,
+            role,
+            content,
+            self.clock.now_ms() if created_at is None else created_at,
+        )
+        if not await self.group(message):
+            raise RuntimeError(f"session {session_id} does not exist; the message was not stored")
+        return message.id
+
+    async def _alone(self, message: session_events.VisibleMessage) -> bool:
+        statement, params, signal = session_events.visible_message_alone(
+            message.id,
+            org_id=message.org_id,
+            session_id=message.session_id,
+            work_item_id=message.work_item_id,
+            role=message.role,
+            content=message.content,
+            created_at=message.created_at,
+        )
+        result = await self.db.write_alone(statement, params, signals=[signal])
+        return result.first() is not None
+
+    async def _many(self, messages: Sequence[session_events.VisibleMessage]) -> list[bool]:
+        return await session_events.store_visible_many(self.db, messages)
+
+    async def close(self) -> None:
+        """Wait for the grouped writes under way."""
+        if self.group is not None:
+            await self.group.close()
 
 
 async def visible_transcript(conn: Conn, org_id: str, session_id: str) -> list[dict[str, Any]]:

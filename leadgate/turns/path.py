@@ -41,7 +41,7 @@ from leadgate.turns.context import COMPLETE_TASK, SUBMITTED, TurnContext
 from leadgate.turns.history import TOPIC as HISTORY_TOPIC
 from leadgate.turns.history import HistoryCache
 from leadgate.turns.intake import Accepted, Intake
-from leadgate.turns.messages import store_message, store_visible_alone
+from leadgate.turns.messages import VisibleWrites, store_message
 from leadgate.turns.providers.base import ChatMessage, ModelRequest, TextDelta, ToolCall, ToolSpec
 from leadgate.turns.providers.registry import ProviderRegistry
 from outbox.store import Outbox
@@ -233,6 +233,8 @@ class TurnService:
         self.history = HistoryCache()
         db.on_commit_payloads(HISTORY_TOPIC, self.history.apply)
         self.intake = Intake(db, clock, ids, self.history, owner=owner)
+        #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
+        self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner
         #: lease tokens of this process's recorded runs whose turn stopped on a database
         #: fault: the recovery runner takes them over once the database is back
@@ -613,10 +615,7 @@ class TurnService:
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
             # API and studio turns only store the reply: on PostgreSQL one statement.
-            await store_visible_alone(
-                self.db,
-                self.clock,
-                self.ids,
+            await self.visible.store(
                 org_id=ctx.org_id,
                 session_id=ctx.session_id,
                 work_item_id=ctx.work_item_id,

@@ -7,6 +7,7 @@ with every such write as its transaction. Every row either run wrote must be the
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -262,3 +263,64 @@ def _difference(table: str, written: list[Any], expected: list[Any]) -> str:
             columns = {k: (one.get(k), other.get(k)) for k in one if one.get(k) != other.get(k)}
             return f"{table}: {columns} (statement, transaction) in {other}"
     return table
+
+
+async def test_replies_written_together_write_what_their_transactions_write(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """Replies of concurrent API turns go in one statement (``VisibleWrites``): five
+    replies, three in one session, while another is in flight. Their rows are the ones
+    five transactions write one after another, the events of a session in the order the
+    replies were given; a reply whose session does not exist fails alone."""
+    alone = make_stack()
+    by_tx = make_stack(statements_alone=False)
+    written: list[dict[str, list[Any]]] = []
+    for stack, thread in ((alone, "1111"), (by_tx, "2222")):
+        org: Org = await make_org(stack, f"org-{thread}")
+        plain = await make_agent(stack, org, "plain")
+        # (sessions a, b and c at different event counts: no two event rows alike)
+        for key in "abbbcccc":
+            stack.clock.advance(1_000)
+            await stack.turns.run(api_trigger(org, plain, "hello", f"{thread}-{key}"))
+        async with stack.db.read() as conn:
+            sessions = dict(
+                (
+                    await conn.execute(
+                        sa.select(t.sessions.c.key, t.sessions.c.id).where(
+                            t.sessions.c.org_id == org.id
+                        )
+                    )
+                ).all()
+            )
+        order = [sessions[f"{thread}-{key}"] for key in "abaca"] + ["no-such-session"]
+        stack.clock.advance(1_000)
+        stores = [
+            stack.turns.visible.store(
+                org_id=org.id,
+                session_id=session_id,
+                work_item_id=None,
+                role="assistant",
+                content=f"reply {n}",
+            )
+            for n, session_id in enumerate(order)
+        ]
+        grouped = stack.turns.visible.group
+        before = (0, 0) if grouped is None else (grouped.statements, grouped.items)
+        with stack.db.record_statements() as sql:
+            if stack is alone:
+                results = await asyncio.gather(*stores, return_exceptions=True)
+            else:
+                results = [await store for store in stores[:-1]]
+                stores[-1].close()
+        assert all(isinstance(r, str) for r in results[:-1]), results
+        if stack is alone:
+            # The first alone, the other five in one statement (refused there for the
+            # missing session only), and nothing written for it.
+            assert grouped is not None
+            assert (grouped.statements - before[0], grouped.items - before[1]) == (2, 6)
+            assert [s[:16] for s in sql] == ["WITH src AS (SEL", "WITH visible AS "]
+            assert isinstance(results[-1], RuntimeError)
+        written.append(await org_rows(stack, org.id, thread))
+    assert written[0].keys() == written[1].keys()
+    for name, rows in written[1].items():
+        assert written[0][name] == rows, _difference(name, written[0][name], rows)
