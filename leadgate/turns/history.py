@@ -17,16 +17,20 @@ window in process and reads only the rows added since, by ``rowid``:
   handed to :func:`leadgate.database.db.signal_after_commit`): a rolled-back turn leaves no trace,
   and an older entry never replaces a newer one.
 
-Elsewhere (PostgreSQL, the general transaction) the window is read with one query.
+Elsewhere (PostgreSQL, the general transaction) the window is read with one query. A
+plain turn on PostgreSQL reads it in the statement that stores its message
+(:func:`store_into_window`; the turns that arrive together in one statement,
+:class:`PlainIntakes`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg2
@@ -35,6 +39,7 @@ from binding import bindings
 from leadgate.core.types import BindingSpec
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.groups import Grouped
 from leadgate.database.inline_sqlite import InlineConnection
 from leadgate.domain import session_events
 from leadgate.turns.providers.base import ChatMessage
@@ -146,6 +151,148 @@ async def store_into_window(
     return bindings.session_from_row(row), Window.newest_first(
         row.roles or [], row.contents or [], row.created or [], row.ids or []
     )
+
+
+class PlainIntake(NamedTuple):
+    """A plain turn's user message to store into its session (see
+    :func:`store_into_window`)."""
+
+    message_id: str
+    org_id: str
+    agent_id: str
+    key: str
+    binding: BindingSpec
+    content: str
+    created_at: int
+
+
+# PostgreSQL: store_into_window for several turns at once (:class:`PlainIntakes`): the
+# same CTEs over the rows of ``intake`` (k: the turn's place in the statement), the
+# counters locked in session id order as session_events' statements for many sessions
+# lock them, the events of one session in the turns' order, and each turn's window.
+_ROW_UNCHANGED = (
+    "sb.binding_kind = intake.b_kind"
+    " AND CAST(sb.binding_address AS jsonb) = CAST(intake.b_address AS jsonb)"
+    " AND COALESCE(sb.binding_silent, false) = intake.b_silent"
+)
+_STORE_INTO_WINDOWS = sa.text(
+    "WITH intake AS MATERIALIZED ("
+    " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:org_ids AS varchar[]),"
+    " CAST(:agent_ids AS varchar[]), CAST(:keys AS varchar[]), CAST(:kinds AS varchar[]),"
+    " CAST(:addresses AS varchar[]), CAST(:silents AS boolean[]), CAST(:contents AS text[]),"
+    " CAST(:created AS bigint[])) WITH ORDINALITY"
+    " AS i(id, org_id, agent_id, key, b_kind, b_address, b_silent, content, created_at, k)"
+    "), sb AS MATERIALIZED ("
+    " SELECT intake.k, sessions.id, bindings.id AS binding_id, bindings.kind AS binding_kind,"
+    " bindings.address AS binding_address, bindings.silent AS binding_silent"
+    " FROM intake JOIN sessions"
+    " ON sessions.agent_id = intake.agent_id AND sessions.key = intake.key"
+    " LEFT OUTER JOIN bindings ON bindings.session_id = sessions.id AND bindings.active"
+    "), ok AS MATERIALIZED ("
+    " SELECT DISTINCT ON (sb.k) sb.k, sb.id AS sid, intake.id, intake.org_id, intake.content,"
+    " intake.created_at FROM sb JOIN intake ON intake.k = sb.k"
+    f" WHERE {_ROW_UNCHANGED} ORDER BY sb.k"
+    "), counts AS ("
+    " SELECT sid, count(*) AS n FROM ok GROUP BY sid"
+    "), locked AS ("
+    " SELECT id FROM sessions WHERE id IN (SELECT sid FROM counts) ORDER BY id FOR UPDATE"
+    "), s AS ("
+    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
+    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
+    " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, counts.n"
+    "), m AS ("
+    " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
+    " lead_gated, tool_name, created_at)"
+    " SELECT ok.id, ok.org_id, ok.sid, NULL, 'user', ok.content, false, NULL, ok.created_at"
+    " FROM ok JOIN s ON s.id = ok.sid"
+    "), e AS ("
+    " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
+    " SELECT ok.sid,"
+    " s.event_seq - s.n + row_number() OVER (PARTITION BY ok.sid ORDER BY ok.k),"
+    " :kind, ok.id, NULL, ok.created_at FROM ok JOIN s ON s.id = ok.sid"
+    "), n AS MATERIALIZED (SELECT s.id, "
+    + session_events.notify_if_watched("s", ":channel", "s.id || ' m'")
+    + " AS notified FROM s)"
+    " SELECT DISTINCT ON (sb.k) sb.k, sb.id, sb.binding_id, sb.binding_kind,"
+    " sb.binding_address, sb.binding_silent,"
+    " (ok.k IS NOT NULL AND EXISTS (SELECT 1 FROM n WHERE n.id = sb.id)) AS stored,"
+    " w.roles, w.contents, w.created, w.ids"
+    " FROM sb LEFT JOIN ok ON ok.k = sb.k LEFT JOIN LATERAL ("
+    " SELECT array_agg(x.role) AS roles, array_agg(x.content) AS contents,"
+    " array_agg(x.created_at) AS created, array_agg(x.id) AS ids FROM ("
+    " SELECT role, content, created_at, id FROM messages"
+    " WHERE session_id = sb.id AND role IN ("
+    + ", ".join(f"'{role}'" for role in _ROLES)
+    + f") ORDER BY created_at DESC, id DESC LIMIT {HISTORY_LIMIT}"
+    ") AS x) AS w ON true ORDER BY sb.k, (ok.k IS NOT NULL) DESC"
+)
+
+
+async def store_into_windows(
+    db: Database, intakes: Sequence[PlainIntake]
+) -> list[tuple[bindings.OpenSession, Window] | None]:
+    """PostgreSQL: :func:`store_into_window` for several turns in one statement, each
+    turn's outcome in order (``None``: its session is missing or bound otherwise, and
+    nothing of it was written). Turns of one session get their events in the order
+    given; each window is the session's as the statement found it (as for turns whose
+    statements run at the same time)."""
+    params: dict[str, Any] = {
+        "ids": [i.message_id for i in intakes],
+        "org_ids": [i.org_id for i in intakes],
+        "agent_ids": [i.agent_id for i in intakes],
+        "keys": [i.key for i in intakes],
+        "kinds": [],
+        "addresses": [],
+        "silents": [],
+        "contents": [i.content for i in intakes],
+        "created": [i.created_at for i in intakes],
+        "kind": session_events.MESSAGE,
+        "channel": session_events.NOTIFY_CHANNEL,
+    }
+    for intake in intakes:
+        unchanged = bindings.unchanged_params(intake.binding)
+        params["kinds"].append(unchanged["binding_kind"])
+        params["addresses"].append(unchanged["binding_address"])
+        params["silents"].append(unchanged["binding_silent"])
+    result = await db.write_alone(
+        _STORE_INTO_WINDOWS,
+        params,
+        signals_from=lambda row: [(session_events.TOPIC, (row.id, True))] if row.stored else [],
+    )
+    found: list[tuple[bindings.OpenSession, Window] | None] = [None] * len(intakes)
+    for row in result.all():
+        if row.stored:
+            found[row.k - 1] = (
+                bindings.session_from_row(row),
+                Window.newest_first(
+                    row.roles or [], row.contents or [], row.created or [], row.ids or []
+                ),
+            )
+    return found
+
+
+class PlainIntakes:
+    """:func:`store_into_window` for a service's plain turns: the intakes of concurrent
+    turns go in one statement (:class:`leadgate.database.groups.Grouped`), as the
+    replies do (:class:`leadgate.turns.messages.VisibleWrites`)."""
+
+    def __init__(self, db: Database, *, in_flight: int = 1) -> None:
+        self.db = db
+        self.group: Grouped[PlainIntake, tuple[bindings.OpenSession, Window] | None] = Grouped(
+            self._alone, functools.partial(store_into_windows, db), in_flight=in_flight
+        )
+
+    async def _alone(self, intake: PlainIntake) -> tuple[bindings.OpenSession, Window] | None:
+        return await store_into_window(
+            self.db,
+            intake.message_id,
+            org_id=intake.org_id,
+            agent_id=intake.agent_id,
+            key=intake.key,
+            binding=intake.binding,
+            content=intake.content,
+            created_at=intake.created_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)

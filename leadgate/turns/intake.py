@@ -16,7 +16,8 @@ A plain turn on PostgreSQL (an agent without a lead, an existing session whose b
 stays, no external event id, no run to record) writes nothing but its user message and
 that message's session event. It is taken in without a transaction block
 (:meth:`Intake._take_plain`), as one statement (``Database.write_alone``,
-:func:`leadgate.turns.history.store_into_window`): it finds the session and its active
+:func:`leadgate.turns.history.store_into_window`; the intakes of concurrent turns in one
+statement, :class:`leadgate.turns.history.PlainIntakes`): it finds the session and its active
 binding, stores the message and its event only if that binding is the turn's, and
 returns the history window as it was before the message (the agent and the policy rules
 come from the cache). One round trip instead of ``BEGIN``, three statements and
@@ -53,7 +54,7 @@ from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import HistoryCache, store_into_window, to_message
+from leadgate.turns.history import HistoryCache, PlainIntake, PlainIntakes, to_message
 from leadgate.turns.messages import message_values, store_message
 from leadgate.turns.providers.base import ChatMessage
 
@@ -214,6 +215,8 @@ class Intake:
         self.config = ConfigCache()
         #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
         self._seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        #: PostgreSQL: plain turns' intakes (concurrent ones in one statement)
+        self.plain = PlainIntakes(db)
 
     def refuse_unknown(self, org_id: str, ref: str) -> None:
         """Raise NotFound when ``ref`` was lately found to name no agent of ``org_id``
@@ -451,15 +454,16 @@ class Intake:
                 rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
         message_id = self.ids.new("msg")
-        found = await store_into_window(
-            self.db,
-            message_id,
-            org_id=trigger.org_id,
-            agent_id=agent.id,
-            key=trigger.session_key,
-            binding=trigger.binding,
-            content=trigger.text,
-            created_at=now,
+        found = await self.plain.group(
+            PlainIntake(
+                message_id,
+                trigger.org_id,
+                agent.id,
+                trigger.session_key,
+                trigger.binding,
+                trigger.text,
+                now,
+            )
         )
         if found is None:
             return None

@@ -324,3 +324,57 @@ async def test_replies_written_together_write_what_their_transactions_write(
     assert written[0].keys() == written[1].keys()
     for name, rows in written[1].items():
         assert written[0][name] == rows, _difference(name, written[0][name], rows)
+
+
+async def test_plain_intakes_taken_together_write_what_their_transactions_write(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The intakes of concurrent plain turns go in one statement (``PlainIntakes``):
+    six turns while another's intake is in flight, two of them in one session, one opening a
+    session and one whose session is bound to a Slack thread (both declined by the
+    statement, taken by the transaction). Their rows are the ones the transactions
+    write one after another, and so is each turn's history but the second of the shared
+    session's (taken together, neither sees the other's message, as when their
+    statements run at the same time)."""
+    alone = make_stack(channels={"slack": ScriptedChannel()})
+    by_tx = make_stack(channels={"slack": ScriptedChannel()}, statements_alone=False)
+    written: list[dict[str, list[Any]]] = []
+    histories: list[list[list[str]]] = []
+    for stack, thread in ((alone, "1111"), (by_tx, "2222")):
+        await stack.listen_for_changes()  # (the agent comes from the cache: no read first)
+        org: Org = await make_org(stack, f"org-{thread}")
+        plain = await make_agent(stack, org, "plain")
+        # Sessions at different event counts: no two event rows alike.
+        for key in ["a", "b", "b", "b", "c", "c", "c", "c", "c"]:
+            stack.clock.advance(1_000)
+            await stack.turns.run(api_trigger(org, plain, f"hello {key}", f"{thread}-{key}"))
+        for n in range(2):
+            stack.clock.advance(1_000)
+            await stack.turns.run(slack_trigger(org, plain, f"in slack {n}", f"{thread}.9"))
+        stack.clock.advance(1_000)
+        triggers = [
+            api_trigger(org, plain, "first", f"{thread}-a"),
+            api_trigger(org, plain, "second", f"{thread}-b"),
+            api_trigger(org, plain, "third", f"{thread}-a"),
+            api_trigger(org, plain, "fourth", f"{thread}-new"),
+            api_trigger(org, plain, "fifth", f"slack:T1:C1:{thread}.9"),
+            api_trigger(org, plain, "sixth", f"{thread}-c"),
+            api_trigger(org, plain, "seventh", f"{thread}-b"),
+        ]
+        group = stack.turns.intake.plain.group
+        before = (group.statements, group.items)
+        if stack is alone:
+            taken = await asyncio.gather(*(stack.turns.intake.take(tr) for tr in triggers))
+            # The first alone, the other six in one statement.
+            assert (group.statements - before[0], group.items - before[1]) == (2, 7)
+        else:
+            taken = [await stack.turns.intake.take(tr) for tr in triggers]
+            assert (group.statements, group.items) == before
+        histories.append([[m.content for m in turn.history] for turn in taken])
+        written.append(await org_rows(stack, org.id, thread))
+    assert written[0].keys() == written[1].keys()
+    for name, rows in written[1].items():
+        assert written[0][name] == rows, _difference(name, written[0][name], rows)
+    together, apart = histories
+    assert together[:6] == apart[:6]
+    assert together[6] == [h for h in apart[6] if h != "second"]
