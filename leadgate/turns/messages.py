@@ -161,11 +161,6 @@ class VisibleWrites:
     async def _many(self, messages: Sequence[session_events.VisibleMessage]) -> list[bool]:
         return await session_events.store_visible_many(self.db, messages)
 
-    async def close(self) -> None:
-        """Wait for the grouped writes under way."""
-        if self.group is not None:
-            await self.group.close()
-
 
 async def visible_transcript(conn: Conn, org_id: str, session_id: str) -> list[dict[str, Any]]:
     """The transcript as users may see it: leadGated rows are skipped."""
