@@ -13,7 +13,7 @@ connections after it are fresh.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import sqlalchemy as sa
@@ -21,6 +21,7 @@ from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 
 from leadgate.core.errors import Unavailable
 from leadgate.database.db import Database, upgrade
+from leadgate.database.groups import Grouped
 from leadgate.database.pg import IDLE_S, PgPool
 from tests.pg import PostgresServer
 
@@ -150,3 +151,32 @@ async def test_connections_parked_in_asyncpgs_pool_are_renewed_too(
             assert await conn.scalar(SELECT_ONE) == 1
     finally:
         await pool.close()
+
+
+INSERT_MANY = sa.text(
+    "INSERT INTO organizations (id, name, created_at)"
+    " SELECT id, id, 1 FROM unnest(CAST(:ids AS varchar[])) AS i(id)"
+)
+
+
+async def test_grouped_writes_behind_one_that_met_a_dropped_connection_are_written(
+    dropped: Database,
+) -> None:
+    """Writes grouped while the first is under way (``Grouped``): the first meets a
+    dropped connection and is a 503 alone (it may have committed); the ones that
+    waited behind it go together on a live connection."""
+
+    async def alone(org_id: str) -> None:
+        await dropped.write_alone(INSERT, {"id": org_id})
+
+    async def many(org_ids: Sequence[str]) -> list[None]:
+        await dropped.write_alone(INSERT_MANY, {"ids": list(org_ids)})
+        return [None] * len(org_ids)
+
+    grouped: Grouped[str, None] = Grouped(alone, many)
+    results = await asyncio.gather(
+        *(grouped(org_id) for org_id in ("lost", "o1", "o2", "o3")), return_exceptions=True
+    )
+    assert isinstance(results[0], Unavailable) and results[1:] == [None, None, None]
+    assert (grouped.statements, grouped.items) == (2, 4)
+    assert await organization_ids(dropped) == ["o1", "o2", "o3"]
