@@ -64,8 +64,8 @@ class Grouped(Generic[T, R]):
         self._queue: deque[tuple[T, asyncio.Future[R]]] = deque()
         # Strong references: the event loop keeps only weak ones to tasks.
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Statements run, and items handed to them (a refused group's items count again
-        #: when they go alone): how well writes group, for tests and debugging.
+        #: Statements run (a refused group adds one per item, each then run alone) and
+        #: items taken (each once): how well writes group, for tests and debugging.
         self.statements = 0
         self.items = 0
 
