@@ -352,6 +352,27 @@ def visible_message_alone(
     return _POSTGRES_MESSAGE, params, (TOPIC, (session_id, True))
 
 
+def postgres_counters_ctes(rows: str) -> str:
+    """PostgreSQL: CTEs ``counts``, ``locked`` and ``s`` (to follow ``WITH`` or a comma)
+    that take one event number per row of the CTE ``rows`` (with a ``sid`` column) from
+    its session's counter: the counters locked in session id order (as
+    :data:`_POSTGRES_INSERT_MANY` locks them, so that no two such statements wait on each
+    other in a cycle); ``s`` returns each session's ``id``, ``event_seq`` (the last number
+    taken), ``watched_until`` and ``n`` (how many), none for a session that does not
+    exist."""
+    return (
+        "counts AS ("
+        f" SELECT sid, count(*) AS n FROM {rows} GROUP BY sid"
+        "), locked AS ("
+        " SELECT id FROM sessions WHERE id IN (SELECT sid FROM counts) ORDER BY id FOR UPDATE"
+        "), s AS ("
+        " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
+        " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
+        " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, counts.n"
+        ")"
+    )
+
+
 class VisibleMessage(NamedTuple):
     """A visible message (user or assistant) to store with its ``message`` event."""
 
@@ -375,15 +396,7 @@ _POSTGRES_MESSAGES_MANY = sa.text(
     " CAST(:sids AS varchar[]), CAST(:work_item_ids AS varchar[]), CAST(:roles AS varchar[]),"
     " CAST(:contents AS text[]), CAST(:created AS bigint[]), CAST(:ords AS int[]))"
     " AS i(id, org_id, sid, work_item_id, role, content, created_at, ord)"
-    "), counts AS ("
-    " SELECT sid, count(*) AS n FROM visible GROUP BY sid"
-    "), locked AS ("
-    " SELECT id FROM sessions WHERE id IN (SELECT sid FROM counts) ORDER BY id FOR UPDATE"
-    "), s AS ("
-    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
-    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
-    " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, counts.n"
-    "), m AS ("
+    "), " + postgres_counters_ctes("visible") + ", m AS ("
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
     " lead_gated, tool_name, created_at)"
     " SELECT visible.id, visible.org_id, visible.sid, visible.work_item_id, visible.role,"

@@ -89,6 +89,17 @@ _SESSION_AND_BINDING_SQL = str(
         dialect=psycopg2.dialect(paramstyle="named")  # type: ignore[no-untyped-call]
     )
 )
+# PostgreSQL: the window of the session ``sb.id`` (the newest 50 rows, newest first), as
+# one row of arrays, for a LATERAL join.
+_WINDOW_OF_SB = (
+    "SELECT array_agg(x.role) AS roles, array_agg(x.content) AS contents,"
+    " array_agg(x.created_at) AS created, array_agg(x.id) AS ids FROM ("
+    " SELECT role, content, created_at, id FROM messages"
+    " WHERE session_id = sb.id AND role IN ("
+    + ", ".join(f"'{role}'" for role in _ROLES)
+    + f") ORDER BY created_at DESC, id DESC LIMIT {HISTORY_LIMIT}"
+    ") AS x"
+)
 _STORE_INTO_WINDOW = sa.text(
     f"WITH sb AS ({_SESSION_AND_BINDING_SQL}),"
     f" ok AS (SELECT id FROM sb WHERE {bindings.UNCHANGED_SQL} LIMIT 1), "
@@ -99,14 +110,7 @@ _STORE_INTO_WINDOW = sa.text(
     " SELECT sb.id, sb.binding_id, sb.binding_kind, sb.binding_address, sb.binding_silent,"
     " (SELECT count(*) FROM n) AS stored,"
     " w.roles, w.contents, w.created, w.ids"
-    " FROM sb LEFT JOIN LATERAL ("
-    " SELECT array_agg(x.role) AS roles, array_agg(x.content) AS contents,"
-    " array_agg(x.created_at) AS created, array_agg(x.id) AS ids FROM ("
-    " SELECT role, content, created_at, id FROM messages"
-    " WHERE session_id = sb.id AND role IN ("
-    + ", ".join(f"'{role}'" for role in _ROLES)
-    + f") ORDER BY created_at DESC, id DESC LIMIT {HISTORY_LIMIT}"
-    ") AS x) AS w ON true LIMIT 1"
+    f" FROM sb LEFT JOIN LATERAL ({_WINDOW_OF_SB}) AS w ON true LIMIT 1"
 )
 
 
@@ -192,15 +196,7 @@ _STORE_INTO_WINDOWS = sa.text(
     " SELECT DISTINCT ON (sb.k) sb.k, sb.id AS sid, intake.id, intake.org_id, intake.content,"
     " intake.created_at FROM sb JOIN intake ON intake.k = sb.k"
     f" WHERE {_ROW_UNCHANGED} ORDER BY sb.k"
-    "), counts AS ("
-    " SELECT sid, count(*) AS n FROM ok GROUP BY sid"
-    "), locked AS ("
-    " SELECT id FROM sessions WHERE id IN (SELECT sid FROM counts) ORDER BY id FOR UPDATE"
-    "), s AS ("
-    " UPDATE sessions SET event_seq = sessions.event_seq + counts.n"
-    " FROM locked JOIN counts ON counts.sid = locked.id WHERE sessions.id = locked.id"
-    " RETURNING sessions.id, sessions.event_seq, sessions.watched_until, counts.n"
-    "), m AS ("
+    "), " + session_events.postgres_counters_ctes("ok") + ", m AS ("
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
     " lead_gated, tool_name, created_at)"
     " SELECT ok.id, ok.org_id, ok.sid, NULL, 'user', ok.content, false, NULL, ok.created_at"
@@ -217,14 +213,8 @@ _STORE_INTO_WINDOWS = sa.text(
     " sb.binding_address, sb.binding_silent,"
     " (ok.k IS NOT NULL AND EXISTS (SELECT 1 FROM n WHERE n.id = sb.id)) AS stored,"
     " w.roles, w.contents, w.created, w.ids"
-    " FROM sb LEFT JOIN ok ON ok.k = sb.k LEFT JOIN LATERAL ("
-    " SELECT array_agg(x.role) AS roles, array_agg(x.content) AS contents,"
-    " array_agg(x.created_at) AS created, array_agg(x.id) AS ids FROM ("
-    " SELECT role, content, created_at, id FROM messages"
-    " WHERE session_id = sb.id AND role IN ("
-    + ", ".join(f"'{role}'" for role in _ROLES)
-    + f") ORDER BY created_at DESC, id DESC LIMIT {HISTORY_LIMIT}"
-    ") AS x) AS w ON true ORDER BY sb.k, (ok.k IS NOT NULL) DESC"
+    f" FROM sb LEFT JOIN ok ON ok.k = sb.k LEFT JOIN LATERAL ({_WINDOW_OF_SB}) AS w ON true"
+    " ORDER BY sb.k, (ok.k IS NOT NULL) DESC"
 )
 
 
