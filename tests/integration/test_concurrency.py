@@ -247,3 +247,45 @@ async def test_an_acknowledged_complete_task_never_leaks_its_text(
     assert item.status == "reviewQueued"
     assert [r["role"] for r in shown] == ["user", "user"]
     assert all("text of turn" not in r["content"] for r in shown)
+
+
+async def test_a_burst_of_plain_turns_keeps_every_transcript_and_event_log_whole(
+    service: App,
+) -> None:
+    """Twenty plain turns at once over four sessions (on PostgreSQL their intakes and
+    replies go in shared statements): each turn's message and reply are stored once, and
+    each session's event log numbers its messages 1..n without a gap or a repeat."""
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    keys = [f"burst-{n}" for n in range(4)]
+    for key in keys:  # (the sessions exist: the turns below are all plain intakes)
+        await service.turns.run(api_trigger(org, plain, f"open {key}", session=key))
+    texts = [(keys[i % 4], f"<b{i:02d}>") for i in range(BURST)]
+    outcomes = await asyncio.gather(
+        *(service.turns.run(api_trigger(org, plain, text, session=key)) for key, text in texts)
+    )
+    assert all(isinstance(o, Reply) for o in outcomes), outcomes
+    for key in keys:
+        async with service.db.read() as conn:
+            sid = await conn.scalar(
+                sa.select(t.sessions.c.id).where(
+                    t.sessions.c.agent_id == plain["id"], t.sessions.c.key == key
+                )
+            )
+            transcript = await visible_transcript(conn, org.id, str(sid))
+        users = sorted(m["content"] for m in transcript if m["role"] == "user")
+        assert users == sorted([f"open {key}"] + [text for k, text in texts if k == key])
+        assert sum(m["role"] == "assistant" for m in transcript) == len(users)
+        events = await select_all(
+            service,
+            sa.select(t.session_events.c.seq, t.session_events.c.message_id).where(
+                t.session_events.c.session_id == sid
+            ),
+        )
+        assert sorted(e["seq"] for e in events) == list(range(1, len(transcript) + 1))
+        assert sorted(e["message_id"] for e in events) == sorted(m["id"] for m in transcript)
+    if service.db.statements_alone:
+        intakes, replies = service.turns.intake.plain.group, service.turns.visible.group
+        assert replies is not None
+        # Shared: fewer statements than turns (the first of a burst goes alone).
+        assert intakes.statements < intakes.items and replies.statements < replies.items
