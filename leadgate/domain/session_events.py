@@ -316,8 +316,9 @@ def postgres_message_ctes(session: str) -> str:
 
 #: PostgreSQL: a visible message, its ``message`` event and the NOTIFY in one statement
 #: (what a transaction of store_message alone writes; see :func:`visible_message_alone`).
+#: Nothing, not even the message, when the session does not exist.
 _POSTGRES_MESSAGE = sa.text(
-    "WITH src AS (SELECT CAST(:sid AS varchar) AS id), "
+    "WITH src AS (SELECT id FROM sessions WHERE id = CAST(:sid AS varchar)), "
     + postgres_message_ctes("src")
     + f" SELECT {notify_if_watched('s', ':channel', ':payload')} FROM s"
 )

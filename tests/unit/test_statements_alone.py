@@ -320,6 +320,20 @@ async def test_replies_written_together_write_what_their_transactions_write(
             assert (grouped.statements - before[0], grouped.items - before[1]) == (2, 6)
             assert [s[:16] for s in sql] == ["WITH src AS (SEL", "WITH visible AS "]
             assert isinstance(results[-1], RuntimeError)
+            # Alone too (nothing under way), a missing session stores nothing at all.
+            with pytest.raises(RuntimeError, match="does not exist"):
+                await stack.turns.visible.store(
+                    org_id=org.id,
+                    session_id="no-such-session",
+                    work_item_id=None,
+                    role="assistant",
+                    content="lost",
+                )
+            async with stack.db.read() as conn:
+                orphans = await conn.scalar(
+                    sa.select(sa.func.count()).where(t.messages.c.session_id == "no-such-session")
+                )
+            assert orphans == 0
         written.append(await org_rows(stack, org.id, thread))
     assert written[0].keys() == written[1].keys()
     for name, rows in written[1].items():
