@@ -133,11 +133,6 @@ class Grouped(Generic[T, R]):
         finally:
             self._done()
 
-    async def close(self) -> None:
-        """Wait for the grouped writes under way (the service's shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
 
 async def _outcome(run: Callable[[T], Awaitable[R]], item: T) -> R | Exception:
     try:

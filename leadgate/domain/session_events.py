@@ -315,42 +315,13 @@ def postgres_message_ctes(session: str) -> str:
 
 
 #: PostgreSQL: a visible message, its ``message`` event and the NOTIFY in one statement
-#: (what a transaction of store_message alone writes; see :func:`visible_message_alone`).
+#: (what a transaction of store_message alone writes; see :func:`store_visible_alone`).
 #: Nothing, not even the message, when the session does not exist.
 _POSTGRES_MESSAGE = sa.text(
     "WITH src AS (SELECT id FROM sessions WHERE id = CAST(:sid AS varchar)), "
     + postgres_message_ctes("src")
     + f" SELECT {notify_if_watched('s', ':channel', ':payload')} FROM s"
 )
-
-
-def visible_message_alone(
-    message_id: str,
-    *,
-    org_id: str,
-    session_id: str,
-    work_item_id: str | None,
-    role: str,
-    content: str,
-    created_at: int,
-) -> tuple[sa.TextClause, dict[str, Any], tuple[str, tuple[str, bool]]]:
-    """PostgreSQL: (statement, parameters, after-commit signal) storing a visible
-    message with its ``message`` event, for a transaction that writes nothing else
-    (:meth:`leadgate.database.db.Database.write_alone`). The statement returns one row,
-    none when the session does not exist."""
-    params = {
-        "id": message_id,
-        "org_id": org_id,
-        "sid": session_id,
-        "work_item_id": work_item_id,
-        "role": role,
-        "content": content,
-        "created": created_at,
-        "kind": MESSAGE,
-        "channel": NOTIFY_CHANNEL,
-        "payload": f"{session_id} m",
-    }
-    return _POSTGRES_MESSAGE, params, (TOPIC, (session_id, True))
 
 
 def postgres_counters_ctes(rows: str) -> str:
@@ -410,6 +381,29 @@ _POSTGRES_MESSAGES_MANY = sa.text(
     " FROM visible JOIN s ON s.id = visible.sid"
     ") SELECT s.id, " + notify_if_watched("s", ":channel", "s.id || ' m'") + " AS notified FROM s"
 )
+
+
+async def store_visible_alone(db: Database, message: VisibleMessage) -> bool:
+    """PostgreSQL: store ``message`` with its ``message`` event in one statement outside
+    a transaction block (committed when this returns); whether it was stored (False:
+    its session does not exist, and nothing of it was written)."""
+    result = await db.write_alone(
+        _POSTGRES_MESSAGE,
+        {
+            "id": message.id,
+            "org_id": message.org_id,
+            "sid": message.session_id,
+            "work_item_id": message.work_item_id,
+            "role": message.role,
+            "content": message.content,
+            "created": message.created_at,
+            "kind": MESSAGE,
+            "channel": NOTIFY_CHANNEL,
+            "payload": f"{message.session_id} m",
+        },
+        signals=[(TOPIC, (message.session_id, True))],
+    )
+    return result.first() is not None
 
 
 async def store_visible_many(db: Database, messages: Sequence[VisibleMessage]) -> list[bool]:

@@ -115,19 +115,11 @@ _STORE_INTO_WINDOW = sa.text(
 
 
 async def store_into_window(
-    db: Database,
-    message_id: str,
-    *,
-    org_id: str,
-    agent_id: str,
-    key: str,
-    binding: BindingSpec,
-    content: str,
-    created_at: int,
+    db: Database, intake: PlainIntake
 ) -> tuple[bindings.OpenSession, Window] | None:
-    """PostgreSQL: store the user message ``message_id`` of a plain turn, with its
+    """PostgreSQL: store the user message of a plain turn (``intake``), with its
     session event, in the session of (agent, key), provided the session exists and its
-    active binding is ``binding`` already; return that session and its window as it was
+    active binding is the turn's already; return that session and its window as it was
     before the message (:meth:`Window.with_newest` adds the message). One statement
     outside a transaction block (``Database.write_alone``): one round trip where a read
     and then the write were two. ``None``, with nothing written, when the session is
@@ -135,15 +127,15 @@ async def store_into_window(
     result = await db.write_alone(
         _STORE_INTO_WINDOW,
         {
-            "p_agent_id": agent_id,
-            "p_key": key,
-            **bindings.unchanged_params(binding),
-            "id": message_id,
-            "org_id": org_id,
+            "p_agent_id": intake.agent_id,
+            "p_key": intake.key,
+            **bindings.unchanged_params(intake.binding),
+            "id": intake.message_id,
+            "org_id": intake.org_id,
             "work_item_id": None,
             "role": "user",
-            "content": content,
-            "created": created_at,
+            "content": intake.content,
+            "created": intake.created_at,
             "kind": session_events.MESSAGE,
             "channel": session_events.NOTIFY_CHANNEL,
         },
@@ -261,27 +253,16 @@ async def store_into_windows(
     return found
 
 
-class PlainIntakes:
+class PlainIntakes(Grouped[PlainIntake, "tuple[bindings.OpenSession, Window] | None"]):
     """:func:`store_into_window` for a service's plain turns: the intakes of concurrent
-    turns go in one statement (:class:`leadgate.database.groups.Grouped`), as the
-    replies do (:class:`leadgate.turns.messages.VisibleWrites`)."""
+    turns go in one statement (:func:`store_into_windows`), as the replies do
+    (:class:`leadgate.turns.messages.VisibleWrites`)."""
 
     def __init__(self, db: Database, *, in_flight: int = 1) -> None:
-        self.db = db
-        self.group: Grouped[PlainIntake, tuple[bindings.OpenSession, Window] | None] = Grouped(
-            self._alone, functools.partial(store_into_windows, db), in_flight=in_flight
-        )
-
-    async def _alone(self, intake: PlainIntake) -> tuple[bindings.OpenSession, Window] | None:
-        return await store_into_window(
-            self.db,
-            intake.message_id,
-            org_id=intake.org_id,
-            agent_id=intake.agent_id,
-            key=intake.key,
-            binding=intake.binding,
-            content=intake.content,
-            created_at=intake.created_at,
+        super().__init__(
+            functools.partial(store_into_window, db),
+            functools.partial(store_into_windows, db),
+            in_flight=in_flight,
         )
 
 

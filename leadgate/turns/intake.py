@@ -454,7 +454,7 @@ class Intake:
                 rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
         message_id = self.ids.new("msg")
-        found = await self.plain.group(
+        found = await self.plain(
             PlainIntake(
                 message_id,
                 trigger.org_id,

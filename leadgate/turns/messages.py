@@ -8,7 +8,7 @@ approved (the relay's reveal clears the flag).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from typing import Any
 
 import sqlalchemy as sa
@@ -102,7 +102,11 @@ class VisibleWrites:
         #: The grouped writes (PostgreSQL), or None.
         self.group: Grouped[session_events.VisibleMessage, bool] | None = None
         if db.statements_alone:
-            self.group = Grouped(self._alone, self._many, in_flight=in_flight)
+            self.group = Grouped(
+                functools.partial(session_events.store_visible_alone, db),
+                functools.partial(session_events.store_visible_many, db),
+                in_flight=in_flight,
+            )
 
     async def store(
         self,
@@ -144,22 +148,6 @@ class VisibleWrites:
         if not await self.group(message):
             raise RuntimeError(f"session {session_id} does not exist; the message was not stored")
         return message.id
-
-    async def _alone(self, message: session_events.VisibleMessage) -> bool:
-        statement, params, signal = session_events.visible_message_alone(
-            message.id,
-            org_id=message.org_id,
-            session_id=message.session_id,
-            work_item_id=message.work_item_id,
-            role=message.role,
-            content=message.content,
-            created_at=message.created_at,
-        )
-        result = await self.db.write_alone(statement, params, signals=[signal])
-        return result.first() is not None
-
-    async def _many(self, messages: Sequence[session_events.VisibleMessage]) -> list[bool]:
-        return await session_events.store_visible_many(self.db, messages)
 
 
 async def visible_transcript(conn: Conn, org_id: str, session_id: str) -> list[dict[str, Any]]:

@@ -285,7 +285,7 @@ async def test_a_burst_of_plain_turns_keeps_every_transcript_and_event_log_whole
         assert sorted(e["seq"] for e in events) == list(range(1, len(transcript) + 1))
         assert sorted(e["message_id"] for e in events) == sorted(m["id"] for m in transcript)
     if service.db.statements_alone:
-        intakes, replies = service.turns.intake.plain.group, service.turns.visible.group
+        intakes, replies = service.turns.intake.plain, service.turns.visible.group
         assert replies is not None
         # Shared: fewer statements than turns (the first of a burst goes alone).
         assert intakes.statements < intakes.items and replies.statements < replies.items

@@ -185,7 +185,7 @@ async def test_a_caller_cancelled_while_its_group_runs_strands_nobody() -> None:
     calls[1].cancel()  # its item is in the statement under way
     fake.finish()
     assert await calls[2] == "wrote c"
-    await grouped.close()
+    await settle()  # (the group's task ends)
     assert grouped._running == 0  # the next write goes alone again
     nxt = asyncio.ensure_future(grouped("d"))
     await settle()

@@ -375,7 +375,7 @@ async def test_plain_intakes_taken_together_write_what_their_transactions_write(
             api_trigger(org, plain, "sixth", f"{thread}-c"),
             api_trigger(org, plain, "seventh", f"{thread}-b"),
         ]
-        group = stack.turns.intake.plain.group
+        group = stack.turns.intake.plain
         before = (group.statements, group.items)
         if stack is alone:
             taken = await asyncio.gather(*(stack.turns.intake.take(tr) for tr in triggers))

@@ -25,7 +25,7 @@ from leadgate.domain import agents, session_events
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import REVIEW_CHANNEL, Status, Sweeper
 from leadgate.turns.context import TurnContext
-from leadgate.turns.history import _STORE_INTO_WINDOW, store_into_window
+from leadgate.turns.history import _STORE_INTO_WINDOW, PlainIntake, store_into_window
 from leadgate.turns.intake import Accepted, Intake
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
@@ -295,13 +295,9 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
     async def store(binding: BindingSpec, key: str = "s1", text: str = "x") -> object:
         return await store_into_window(
             stack.db,
-            stack.ids.new("msg"),
-            org_id=org.id,
-            agent_id=agent["id"],
-            key=key,
-            binding=binding,
-            content=text,
-            created_at=stack.clock.now_ms(),
+            PlainIntake(
+                stack.ids.new("msg"), org.id, agent["id"], key, binding, text, stack.clock.now_ms()
+            ),
         )
 
     async with stack.db.read() as conn:
