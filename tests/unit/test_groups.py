@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from leadgate.core.errors import Unavailable
 from leadgate.database.groups import Grouped
@@ -197,3 +199,144 @@ async def test_a_caller_cancelled_while_its_group_runs_strands_nobody() -> None:
 def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError):
         Grouped(FakeWrites().alone, FakeWrites().many, in_flight=0)
+
+
+class Statement:
+    """One statement of :class:`ScriptedWrites`, in flight until the test ends it."""
+
+    def __init__(self, kind: str, items: list[str], retry: bool) -> None:
+        self.kind, self.items, self.retry = kind, items, retry
+        self.end: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+
+class ScriptedWrites:
+    """Writes whose every statement the test ends, each with or without a fault. An
+    item's name says how the database takes it: ``ok…`` is written, ``refused…`` makes
+    its statement fail (nothing written), ``missing…`` is left out of a group (and fails
+    alone). A fault writes nothing, so an item written twice would show in ``written``."""
+
+    def __init__(self) -> None:
+        self.statements: list[Statement] = []
+        self.written: list[str] = []
+        self.seen: set[str] = set()
+
+    def pending(self) -> list[Statement]:
+        return [s for s in self.statements if not s.end.done()]
+
+    async def _start(self, kind: str, items: list[str]) -> bool:
+        statement = Statement(kind, items, retry=bool(self.seen & set(items)))
+        self.seen.update(items)
+        self.statements.append(statement)
+        return await statement.end
+
+    async def alone(self, item: str) -> str:
+        if await self._start("alone", [item]):
+            raise Unavailable("the database went away")
+        if item.startswith("refused"):
+            raise ValueError(f"refused {item}")
+        if item.startswith("missing"):
+            raise RuntimeError(f"no {item}")
+        self.written.append(item)
+        return f"wrote {item}"
+
+    async def many(self, items: Sequence[str]) -> list[str | Exception]:
+        if await self._start("many", list(items)):
+            raise Unavailable("the database went away")
+        if any(item.startswith("refused") for item in items):
+            raise ValueError("the statement was refused")
+        outcomes: list[str | Exception] = []
+        for item in items:
+            if item.startswith("missing"):
+                outcomes.append(RuntimeError(f"no {item}"))
+            else:
+                self.written.append(item)
+                outcomes.append(f"wrote {item}")
+        return outcomes
+
+
+_ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("call"), st.sampled_from(["ok", "ok", "ok", "refused", "missing"])),
+        st.tuples(st.just("finish"), st.integers(0, 7), st.booleans()),
+        st.tuples(st.just("cancel"), st.integers(0, 7)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(actions=_ACTIONS, in_flight=st.integers(1, 3), most=st.sampled_from([2, 3, 64]))
+def test_any_interleaving_gives_each_caller_its_own_outcome_once(
+    actions: list[tuple[object, ...]], in_flight: int, most: int
+) -> None:
+    """Calls, ends of statements (some with a fault) and cancellations in any order:
+    at most ``in_flight`` first statements run at once, an item is written at most once,
+    no item is retried after a fault, nobody is stranded, and every caller that was not
+    cancelled gets what its own item's write gave."""
+    asyncio.run(_interleaving(actions, in_flight, most))
+
+
+async def _interleaving(actions: list[tuple[object, ...]], in_flight: int, most: int) -> None:
+    fake = ScriptedWrites()
+    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=in_flight, most=most)
+    calls: dict[str, asyncio.Task[str]] = {}
+    faulted: set[str] = set()
+
+    def check_in_flight() -> None:
+        # Retries of a refused group run beside each other in its place.
+        first = [s for s in fake.pending() if not s.retry]
+        assert len(first) <= in_flight, [s.items for s in first]
+        assert all(len(s.items) <= most for s in fake.statements)
+
+    for action in actions:
+        if action[0] == "call":
+            item = f"{action[1]}{len(calls)}"
+            calls[item] = asyncio.ensure_future(grouped(item))
+        elif action[0] == "finish" and (pending := fake.pending()):
+            statement = pending[int(str(action[1])) % len(pending)]
+            if action[2]:
+                faulted.update(statement.items)
+            statement.end.set_result(bool(action[2]))
+        elif action[0] == "cancel" and (live := [t for t in calls.values() if not t.done()]):
+            live[int(str(action[1])) % len(live)].cancel()
+        await settle()
+        check_in_flight()
+    for _ in range(200):
+        if not (pending := fake.pending()):
+            break
+        for statement in pending:
+            statement.end.set_result(False)
+        await settle()
+        check_in_flight()
+
+    assert all(call.done() for call in calls.values()), "a caller was stranded"
+    assert len(fake.written) == len(set(fake.written)), fake.written
+    for item, call in calls.items():
+        appearances = [s for s in fake.statements if item in s.items]
+        # At most a group that was refused, then the item alone.
+        assert len(appearances) <= 2
+        if len(appearances) == 2:
+            assert appearances[0].kind == "many" and not appearances[0].end.result()
+        if item in faulted:
+            assert appearances[-1].end.result(), "an item was written again after a fault"
+        if call.cancelled():
+            continue
+        error = call.exception()
+        if item in faulted:
+            assert isinstance(error, Unavailable)
+        elif item.startswith("ok"):
+            assert error is None and call.result() == f"wrote {item}"
+            assert item in fake.written
+        elif item.startswith("refused"):
+            assert isinstance(error, ValueError)
+        else:
+            assert isinstance(error, RuntimeError)
+        assert (error is None) == (item in fake.written)
+    assert grouped.statements == len(fake.statements)
+    assert grouped.items == len(fake.seen)
+    # Idle again: the next write goes alone at once.
+    nxt = asyncio.ensure_future(grouped("ok-last"))
+    await settle()
+    assert fake.pending()[-1].items == ["ok-last"] and len(fake.pending()) == 1
+    fake.pending()[0].end.set_result(False)
+    assert await nxt == "wrote ok-last"
