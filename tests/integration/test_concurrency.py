@@ -249,6 +249,32 @@ async def test_an_acknowledged_complete_task_never_leaks_its_text(
     assert all("text of turn" not in r["content"] for r in shown)
 
 
+async def assert_sessions_whole(
+    service: App, org: Org, agent: dict[str, Any], sent: dict[str, list[str]]
+) -> None:
+    """Each session (by key) holds the user messages ``sent`` to it once each, a reply
+    to each, and an event log that numbers its messages 1..n without a gap or a repeat."""
+    for key, texts in sent.items():
+        async with service.db.read() as conn:
+            sid = await conn.scalar(
+                sa.select(t.sessions.c.id).where(
+                    t.sessions.c.agent_id == agent["id"], t.sessions.c.key == key
+                )
+            )
+            transcript = await visible_transcript(conn, org.id, str(sid))
+        users = sorted(m["content"] for m in transcript if m["role"] == "user")
+        assert users == sorted(texts), key
+        assert sum(m["role"] == "assistant" for m in transcript) == len(users)
+        events = await select_all(
+            service,
+            sa.select(t.session_events.c.seq, t.session_events.c.message_id).where(
+                t.session_events.c.session_id == sid
+            ),
+        )
+        assert sorted(e["seq"] for e in events) == list(range(1, len(transcript) + 1))
+        assert sorted(e["message_id"] for e in events) == sorted(m["id"] for m in transcript)
+
+
 async def test_a_burst_of_plain_turns_keeps_every_transcript_and_event_log_whole(
     service: App,
 ) -> None:
@@ -265,27 +291,65 @@ async def test_a_burst_of_plain_turns_keeps_every_transcript_and_event_log_whole
         *(service.turns.run(api_trigger(org, plain, text, session=key)) for key, text in texts)
     )
     assert all(isinstance(o, Reply) for o in outcomes), outcomes
-    for key in keys:
-        async with service.db.read() as conn:
-            sid = await conn.scalar(
-                sa.select(t.sessions.c.id).where(
-                    t.sessions.c.agent_id == plain["id"], t.sessions.c.key == key
-                )
-            )
-            transcript = await visible_transcript(conn, org.id, str(sid))
-        users = sorted(m["content"] for m in transcript if m["role"] == "user")
-        assert users == sorted([f"open {key}"] + [text for k, text in texts if k == key])
-        assert sum(m["role"] == "assistant" for m in transcript) == len(users)
-        events = await select_all(
-            service,
-            sa.select(t.session_events.c.seq, t.session_events.c.message_id).where(
-                t.session_events.c.session_id == sid
-            ),
-        )
-        assert sorted(e["seq"] for e in events) == list(range(1, len(transcript) + 1))
-        assert sorted(e["message_id"] for e in events) == sorted(m["id"] for m in transcript)
+    await assert_sessions_whole(
+        service,
+        org,
+        plain,
+        {key: [f"open {key}"] + [text for k, text in texts if k == key] for key in keys},
+    )
     if service.db.statements_alone:
         intakes, replies = service.turns.intake.plain, service.turns.visible.group
         assert replies is not None
         # Shared: fewer statements than turns (the first of a burst goes alone).
         assert intakes.statements < intakes.items and replies.statements < replies.items
+
+
+@pytest.fixture
+def migrated_pg_url(pg_url: str) -> str:
+    """A fresh PostgreSQL database at the newest schema (two replicas share it)."""
+    from leadgate.database.db import upgrade
+
+    upgrade(pg_url)
+    return pg_url
+
+
+async def test_two_replicas_bursting_into_the_same_sessions_lose_nothing(
+    migrated_pg_url: str,
+) -> None:
+    """Two replicas on one PostgreSQL, each with twenty plain turns at once into the same
+    four sessions: each replica groups its own turns' statements, and both take event
+    numbers from the same session counters. Every turn is answered, every message and
+    reply is stored once, and each session's event log runs 1..n with no gap or repeat."""
+    settings = Settings.model_validate({"database": {"url": migrated_pg_url}})
+    replicas = [App(settings, clock=FakeClock(), enable_adapters=False) for _ in range(2)]
+    try:
+        first = replicas[0]
+        org = await make_org(first)
+        plain = await make_agent(first, org, "plain")
+        keys = [f"shared-{n}" for n in range(4)]
+        for key in keys:
+            await first.turns.run(api_trigger(org, plain, f"open {key}", session=key))
+        turns = [
+            (replica, keys[i % 4], f"<r{r}-{i:02d}>")
+            for i in range(BURST)
+            for r, replica in enumerate(replicas)
+        ]
+        outcomes = await asyncio.gather(
+            *(
+                replica.turns.run(api_trigger(org, plain, text, session=key))
+                for replica, key, text in turns
+            )
+        )
+        assert all(isinstance(o, Reply) for o in outcomes), outcomes
+        await assert_sessions_whole(
+            first,
+            org,
+            plain,
+            {key: [f"open {key}"] + [text for _, k, text in turns if k == key] for key in keys},
+        )
+        for replica in replicas:
+            intakes = replica.turns.intake.plain
+            assert intakes is not None and intakes.statements < intakes.items
+    finally:
+        for replica in replicas:
+            await replica.stop()
