@@ -19,7 +19,11 @@ next request when the previous answer arrived) from one aiohttp client, for
   409 busy, rejected at intake;
 * ``unknown`` (only with ``--only unknown``; given with ``bare`` and ``plain``, the three
   alternate): a model the organization does not have: 404 ``agent.not_found`` from the
-  intake, what a refused request costs.
+  intake, what a refused request costs;
+* ``floor`` (only with ``--only floor``, alternating the same way): the plain turn's
+  writes with nothing around them, aiohttp and ``sqlite3`` on the same schema
+  (``bench/floor_server.py``): how close to the bare endpoint any SQLite plain turn could
+  come on this machine. Prints floor/bare per round.
 
 and the ratio plain/bare (target >= 0.30 in every round; 0.15 on PostgreSQL): bare and
 plain alternate for ``--rounds`` rounds (default 5) and the median of the per-round
@@ -64,6 +68,7 @@ if str(ROOT) not in sys.path:
 from tests.service_proc import ServiceProcess, free_port  # noqa: E402
 
 Request = Callable[[int, int], tuple[bytes, dict[str, str]]]
+FLOOR_AUTH = {"Authorization": "Bearer floor", "Content-Type": "application/json"}
 
 
 @dataclass
@@ -167,11 +172,13 @@ async def closed_loop(
     return result
 
 
-def start_bare(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_endpoint(workdir: Path, module: str, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``python -m <module> --port N <args>`` (``bench.bare_server`` or
+    ``bench.floor_server``) and wait until it answers; (process, completions URL)."""
     port = free_port()
-    log = (workdir / "bare.log").open("wb")
+    log = (workdir / f"{module.rsplit('.', 1)[-1]}.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_server", "--port", str(port)],
+        [sys.executable, "-m", module, "--port", str(port), *args],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -183,10 +190,27 @@ def start_bare(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             req = urllib.request.Request(url, data=b"{}", method="POST")
             with urllib.request.urlopen(req, timeout=1):
                 return proc, url
+        except urllib.error.HTTPError:  # it answered (the floor wants its token)
+            return proc, url
         except (urllib.error.URLError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the bare endpoint did not start") from None
+                raise RuntimeError(f"{module} did not start") from None
             time.sleep(0.05)
+
+
+def start_bare(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The bare endpoint (``bench/bare_server.py``)."""
+    return start_endpoint(workdir, "bench.bare_server")
+
+
+async def start_floor(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The floor (``bench/floor_server.py``) on a SQLite file of its own, migrated."""
+    from leadgate.database.db import upgrade
+
+    database = workdir / "floor.db"
+    # Alembic's env refuses a running loop in its thread; a worker thread has none.
+    await asyncio.to_thread(upgrade, f"sqlite+aiosqlite:///{database}")
+    return start_endpoint(workdir, "bench.floor_server", "--database", str(database))
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -271,6 +295,9 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     proc.upgrade()
     demo = proc.seed_demo()
     bare, bare_url = start_bare(workdir)
+    floor = floor_url = None
+    if args.only and "floor" in args.only:
+        floor, floor_url = await start_floor(workdir)
     proc.start()
     url = f"{proc.url}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {demo.key}", "Content-Type": "application/json"}
@@ -313,13 +340,23 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
             lambda c, i: (unknown_body, {**auth, "X-Session-Id": f"s{run_id}-{c}"}),
             is_unknown_model,
         ),
+        (
+            "floor",
+            floor_url or "",
+            lambda c, i: (
+                plain_body,
+                {**FLOOR_AUTH, "X-Session-Id": f"f{run_id}-{c}"},
+            ),
+            is_ok,
+        ),
     ]
     by_name = {scenario[0]: scenario for scenario in scenarios}
     # bare and plain alternate for --rounds rounds: the machine is shared and noisy, and
     # the ratio of each adjacent pair is less exposed to a slow spell than one long run.
     order = [name for _ in range(args.rounds) for name in ("bare", "plain")] + ["gated", "busy"]
-    if args.only and "unknown" in args.only:  # opt-in: not one of the issue's rows
-        order = [name for _ in range(args.rounds) for name in ("bare", "unknown", "plain")]
+    for extra in ("unknown", "floor"):  # opt-in: not one of the issue's rows
+        if args.only and extra in args.only:
+            order = [name for _ in range(args.rounds) for name in ("bare", extra, "plain")]
     results: dict[str, list[Result]] = {}
     connector = aiohttp.TCPConnector(limit=args.concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=60)
@@ -338,7 +375,7 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
                     continue
                 _, target, make, check = by_name[name]
                 reviews_before = metric_sum(proc, "leadgate_reviews_total")
-                pid = bare.pid if name == "bare" else proc.pid
+                pid = {"bare": bare.pid, "floor": floor.pid if floor else None}.get(name, proc.pid)
                 gated_before = metric_sum(proc, "leadgate_turns_total", 'outcome="gated"')
                 cpu_before = cpu_seconds(pid)
                 pg_before = postgres_cpu_seconds() if args.postgres and name != "bare" else None
@@ -370,8 +407,10 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
                     )
                     print(f"       (lead reviews of the gated turns drained {waited:.1f}s later)")
     finally:
-        bare.terminate()
-        bare.wait(timeout=10)
+        for endpoint in (bare, floor):
+            if endpoint is not None:
+                endpoint.terminate()
+                endpoint.wait(timeout=10)
         proc.stop()
         if pg is not None:
             pg.stop()
@@ -379,14 +418,21 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     ratios = [plain.rps / bare.rps for bare, plain in pairs if bare.rps]
     if ratios:
         ratio = statistics.median(ratios)
-        target = 0.15 if args.postgres else 0.30  # the issue's row for the backend
-        verdict = "OK" if min(ratios) >= target else "BELOW TARGET"
+        goal = 0.15 if args.postgres else 0.30  # the issue's row for the backend
+        verdict = "OK" if min(ratios) >= goal else "BELOW TARGET"
         rounds = ", ".join(f"{r:.3f}" for r in ratios)
         print(f"plain/bare per round: {rounds}")
         print(
             f"plain/bare = {ratio:.3f} (median of {len(ratios)})  "
-            f"(target >= {target:.2f} in every round: {verdict})"
+            f"(target >= {goal:.2f} in every round: {verdict})"
         )
+    floors = [
+        floor.rps / bare.rps
+        for bare, floor in zip(results.get("bare", []), results.get("floor", []), strict=False)
+        if bare.rps
+    ]
+    if floors:
+        print("floor/bare per round: " + ", ".join(f"{r:.3f}" for r in floors))
     if args.profile:
         stats = pstats.Stats(args.profile)
         stats.sort_stats("cumulative").print_stats(40)
