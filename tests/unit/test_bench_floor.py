@@ -1,6 +1,7 @@
-"""``bench.floor_server``: the floor ``bench_rest --only floor`` reports must write what a
-plain turn writes (a user message, a reply, an event each, in order), or its figure is
-not the floor of the same work."""
+"""The benches' floors: ``bench.floor_server`` (``bench_rest --only floor``) must write what
+a plain turn writes (a user message, a reply, an event each, in order), and the relay's
+floor (``bench_outbox --floor``) must post every delivery once and mark it sent, or
+their figures are not floors of the same work."""
 
 from __future__ import annotations
 
@@ -63,3 +64,20 @@ async def test_each_turn_writes_its_message_reply_and_events_and_answers_the_ech
     ]
     # Nothing left open: every write was committed by its group.
     assert not floor.open and not floor.waiters
+
+
+async def test_the_relay_floor_posts_every_delivery_once_and_marks_it_sent(
+    tmp_path: Path,
+) -> None:
+    from bench.bench_outbox import Standin, floor_rate_sqlite
+
+    standin = Standin()
+    try:
+        # A batch smaller than the concurrency, which is smaller than the deliveries:
+        # several claims and outcome groups. The function checks the stand-in's posts
+        # (each text once) and the rows (all sent) itself, and raises SystemExit if not.
+        rate = await floor_rate_sqlite(standin, tmp_path, 40, 0, 7, 5)
+        assert rate > 0
+        assert len(standin.posts()) == 40
+    finally:
+        standin.stop()
