@@ -462,6 +462,8 @@ def main() -> int:
         "--postgres", action="store_true", help="PostgreSQL (tests/pg.py) instead of SQLite"
     )
     args = parser.parse_args()
+    if args.postgres and args.only and "floor" in args.only:
+        parser.error("the floor is SQLite's plain turn: drop --postgres or --only floor")
     if args.profile:
         args.profile = str(Path(args.profile).resolve())
     return asyncio.run(run(args))
