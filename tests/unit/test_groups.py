@@ -77,6 +77,15 @@ class FakeWrites:
         return outcomes
 
 
+def calling(
+    items: Sequence[str], *, in_flight: int = 1, most: int = 64
+) -> tuple[FakeWrites, Grouped[str, str], list[asyncio.Future[str]]]:
+    """A fake, a :class:`Grouped` over it, and a call started for each of ``items``."""
+    fake = FakeWrites()
+    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=in_flight, most=most)
+    return fake, grouped, [asyncio.ensure_future(grouped(item)) for item in items]
+
+
 async def settle() -> None:
     """Let every ready task run until all wait on a statement (or are done)."""
     for _ in range(20):
@@ -84,9 +93,7 @@ async def settle() -> None:
 
 
 async def test_a_write_that_finds_none_running_goes_alone_at_once() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    call = asyncio.ensure_future(grouped("a"))
+    fake, grouped, [call] = calling("a")
     await settle()
     assert fake.shapes() == [("alone", ["a"])]
     fake.finish()
@@ -95,9 +102,7 @@ async def test_a_write_that_finds_none_running_goes_alone_at_once() -> None:
 
 
 async def test_writes_that_arrive_while_one_runs_go_in_one_statement() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abcd"]
+    fake, grouped, calls = calling("abcd")
     await settle()
     assert fake.shapes() == [("alone", ["a"])]  # b, c and d wait for it
     fake.finish()
@@ -109,9 +114,7 @@ async def test_writes_that_arrive_while_one_runs_go_in_one_statement() -> None:
 
 
 async def test_in_flight_writes_run_alone_before_any_waits() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=2)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abc"]
+    fake, _, calls = calling("abc", in_flight=2)
     await settle()
     assert fake.shapes() == [("alone", ["a"]), ("alone", ["b"])]
     fake.finish()
@@ -123,9 +126,7 @@ async def test_in_flight_writes_run_alone_before_any_waits() -> None:
 
 
 async def test_a_group_is_at_most_most_items() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1, most=2)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abcde"]
+    fake, _, calls = calling("abcde", most=2)
     await settle()
     for _ in range(3):
         fake.finish()
@@ -135,9 +136,7 @@ async def test_a_group_is_at_most_most_items() -> None:
 
 
 async def test_an_item_the_statement_did_not_write_fails_only_its_caller() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in ("a", "b", "missing-c", "d")]
+    fake, _, calls = calling(("a", "b", "missing-c", "d"))
     await settle()
     fake.finish()
     await settle()
@@ -148,9 +147,7 @@ async def test_an_item_the_statement_did_not_write_fails_only_its_caller() -> No
 
 
 async def test_a_refused_group_is_written_alone_so_only_the_refused_item_fails() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in ("a", "b", "refused-c", "d")]
+    fake, grouped, calls = calling(("a", "b", "refused-c", "d"))
     await settle()
     fake.finish()
     await settle()
@@ -165,9 +162,7 @@ async def test_a_refused_group_is_written_alone_so_only_the_refused_item_fails()
 
 
 async def test_a_database_fault_in_a_group_reaches_every_caller_and_nothing_is_retried() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abc"]
+    fake, _, calls = calling("abc")
     await settle()
     fake.finish()
     await settle()
@@ -180,9 +175,7 @@ async def test_a_database_fault_in_a_group_reaches_every_caller_and_nothing_is_r
 
 
 async def test_a_cancelled_waiting_call_is_left_out_and_others_go_on() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abc"]
+    fake, _, calls = calling("abc")
     await settle()
     calls[1].cancel()
     fake.finish()
@@ -195,9 +188,7 @@ async def test_a_cancelled_waiting_call_is_left_out_and_others_go_on() -> None:
 
 
 async def test_a_caller_cancelled_while_its_group_runs_strands_nobody() -> None:
-    fake = FakeWrites()
-    grouped: Grouped[str, str] = Grouped(fake.alone, fake.many, in_flight=1)
-    calls = [asyncio.ensure_future(grouped(item)) for item in "abc"]
+    fake, grouped, calls = calling("abc")
     await settle()
     fake.finish()
     await settle()
