@@ -354,9 +354,10 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     # bare and plain alternate for --rounds rounds: the machine is shared and noisy, and
     # the ratio of each adjacent pair is less exposed to a slow spell than one long run.
     order = [name for _ in range(args.rounds) for name in ("bare", "plain")] + ["gated", "busy"]
-    for extra in ("unknown", "floor"):  # opt-in: not one of the issue's rows
-        if args.only and extra in args.only:
-            order = [name for _ in range(args.rounds) for name in ("bare", extra, "plain")]
+    # unknown and floor are opt-in (not the issue's rows); given, they go between the two.
+    extras = [name for name in ("unknown", "floor") if args.only and name in args.only]
+    if extras:
+        order = [name for _ in range(args.rounds) for name in ("bare", *extras, "plain")]
     results: dict[str, list[Result]] = {}
     connector = aiohttp.TCPConnector(limit=args.concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=60)
@@ -414,8 +415,7 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
         proc.stop()
         if pg is not None:
             pg.stop()
-    pairs = list(zip(results.get("bare", []), results.get("plain", []), strict=False))
-    ratios = [plain.rps / bare.rps for bare, plain in pairs if bare.rps]
+    ratios = to_bare(results, "plain")
     if ratios:
         ratio = statistics.median(ratios)
         goal = 0.15 if args.postgres else 0.30  # the issue's row for the backend
@@ -426,11 +426,7 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
             f"plain/bare = {ratio:.3f} (median of {len(ratios)})  "
             f"(target >= {goal:.2f} in every round: {verdict})"
         )
-    floors = [
-        floor.rps / bare.rps
-        for bare, floor in zip(results.get("bare", []), results.get("floor", []), strict=False)
-        if bare.rps
-    ]
+    floors = to_bare(results, "floor")
     if floors:
         print("floor/bare per round: " + ", ".join(f"{r:.3f}" for r in floors))
     if args.profile:
@@ -442,6 +438,12 @@ async def measure(args: argparse.Namespace) -> tuple[int, list[float]]:
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     return code, ratios
+
+
+def to_bare(results: dict[str, list[Result]], name: str) -> list[float]:
+    """``name``'s rate over the bare endpoint's, round by round (each pair alternated)."""
+    pairs = zip(results.get("bare", []), results.get(name, []), strict=False)
+    return [other.rps / bare.rps for bare, other in pairs if bare.rps]
 
 
 def main() -> int:
