@@ -13,8 +13,8 @@ button, and nothing reached by GET decides anything), and an ``actions`` block w
   ``response_action: errors``;
 * deliveryUnknown: ``confirm`` (Confirm delivered) and ``retry`` (``value`` = delivery id).
 
-Interactions arrive on ``/slack/events`` (Bolt verifies the signing secret first: a
-forged one is 401). Each click is decided before it is acknowledged (one short
+Interactions arrive on ``/slack/events`` (its handler verifies the signing secret first:
+a forged one is 401). Each click is decided before it is acknowledged (one short
 transaction); whoever may not decide, and whoever came second, is told so ephemerally
 through the interaction's ``response_url``. The card itself is edited by the outbox
 (``chat.update``) for every decision, wherever it was made.
@@ -189,7 +189,8 @@ def _episode(block_id: Any) -> str | None:
 
 
 def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
-    """Add the review listeners to ``bolt`` (same endpoint, verified by Bolt)."""
+    """Add the review listeners to ``bolt`` (same endpoint: verified by
+    :meth:`bots.slack.SlackAdapter.handle` before Bolt sees it)."""
 
     def tell(respond: Any, text: str) -> None:
         async def say() -> None:

@@ -156,6 +156,24 @@ async def test_bad_signature_is_401_and_runs_nothing(server: TestServer, core: F
 
 
 @pytest.mark.parametrize(
+    ("body", "rule"),
+    [
+        # json.dumps writes the lone surrogate as the escape \ud800, as a client would.
+        (event_body(message("half a pair: \ud800")), "body.surrogate"),
+        (event_body(message(nested=json.loads("[" * 70 + "]" * 70))), "body.depth"),
+    ],
+    ids=["lone-surrogate-escape", "too-deep"],
+)
+async def test_signed_bodies_are_checked_before_bolt_reads_them(
+    server: TestServer, core: FakeCore, body: str, rule: str
+) -> None:
+    status, text = await post(server, body)
+    assert status == 400 and json.loads(text)["error"]["rule"] == rule
+    await core.drain()
+    assert core.tasks == [] and core.triggers == [] and core.lookups == []
+
+
+@pytest.mark.parametrize(
     "event",
     [
         message(bot_id="B1"),
