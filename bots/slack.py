@@ -398,12 +398,11 @@ class SlackAdapter:
             process_before_response=True,
             # Bot messages are filtered in parse_event for every bot, not only ours.
             ignoring_self_events_enabled=False,
-            # handle() verified the signature on the raw bytes before anything parsed
-            # them (401 otherwise); Bolt's middleware would compute the same HMAC again
-            # (Bolt's docs: fine to turn off behind a verifier). 6 us of ~64 per event.
-            request_verification_enabled=False,
+            # Bolt's own signature check stays on although handle() verified first: a
+            # second guard should anything ever dispatch to Bolt another way (it costs
+            # 6 us of Bolt's ~64 per event: docs/performance-history.md, session 27).
             # say/set_status/... for assistant threads: no listener of ours takes them,
-            # and building them cost another 5 us per event.
+            # and building them cost 5 us per event.
             attaching_conversation_kwargs_enabled=False,
             name="leadgate",
         )
