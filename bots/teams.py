@@ -1,9 +1,12 @@
 """Microsoft Teams through the Bot Framework SDK (botbuilder ``CloudAdapter``).
 
-Inbound: ``POST /api/messages``. The body is read and decoded through the one decoding
-path (413 over the size limit, 400 for bad JSON); the Bot Framework JWT, a bearer token
-whose claims are checked against the activity's ``serviceUrl``, is then checked by the
-SDK's ``ConfigurationBotFrameworkAuthentication``; a message activity becomes a
+Inbound: ``POST /api/messages``. With authentication on, a request whose
+``Authorization`` is not a bearer JWT (its header segment unreadable) is ``401`` before
+its body is read. The body is then read and decoded through the one decoding path (413
+over the size limit, 400 for bad JSON); the Bot Framework JWT, whose claims are checked
+against the activity's ``serviceUrl`` and ``channelId`` (so the signature check needs the
+parsed body), is then checked by the SDK's ``ConfigurationBotFrameworkAuthentication``;
+a message activity becomes a
 :class:`leadgate.core.types.Inbound` that is **recorded** (:func:`bots.base.accept`)
 before the channel gets its ``202`` (Teams allows 15 s), and its turn runs in the
 background. Outbound: :class:`TeamsChannel` rebuilds the stored conversation
@@ -31,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jwt
 import requests
 import urllib3.exceptions
 from aiohttp import web
@@ -438,6 +442,10 @@ class TeamsAdapter:
         authentication failure is told apart from every other error: the SDK lets a
         malformed token surface as an arbitrary exception (a 500), which is a 401 here.
         """
+        auth_header = request.headers.get("Authorization", "")
+        if self.auth_enabled and not _bearer_jwt(auth_header):
+            # No body is read for a sender that cannot even present a token.
+            return web.Response(status=401, text="unauthorized")
         if request.content_type != "application/json":
             return web.Response(status=415, text="expected application/json")
         body = json_object(await read_body(request), allow_nul=True)
@@ -447,7 +455,6 @@ class TeamsAdapter:
             return web.Response(status=400, text="body is not an activity")
         if not isinstance(activity.type, str) or not activity.type:
             return web.Response(status=400, text="body is not an activity")
-        auth_header = request.headers.get("Authorization", "")
         try:
             auth_result = await self._authenticate(activity, auth_header)
         except Exception as exc:
@@ -471,6 +478,19 @@ class TeamsAdapter:
         return await asyncio.wait_for(
             loop.run_in_executor(self._auth_pool, run), timeout=self._auth_timeout_s
         )
+
+
+def _bearer_jwt(header: str) -> bool:
+    """Whether ``header`` is ``Bearer <JWT>`` with a readable JOSE header (no signature
+    checked: that needs the activity, see the module docstring)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    try:
+        jwt.get_unverified_header(token)
+    except jwt.PyJWTError:
+        return False
+    return True
 
 
 def create(settings: Settings, core: Core) -> Adapter | None:

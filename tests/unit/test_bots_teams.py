@@ -262,6 +262,28 @@ async def test_garbage_token_is_401_without_network(
     assert dns_guard.hosts == []  # rejected before any key fetch
 
 
+@pytest.mark.parametrize("token", [None, "", "garbage", "a.b.c", FORGED_JWT])
+async def test_without_a_bearer_jwt_the_body_is_not_read(
+    secured_bot: Server, dns_guard: DnsGuard, token: str | None
+) -> None:
+    from aiohttp import ClientSession
+
+    # Not JSON, not even the right content type: a 400 or 415 would mean it was read.
+    headers = {"Content-Type": "text/plain"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    async with (
+        ClientSession() as session,
+        session.post(secured_bot.url, data="{", headers=headers) as r,
+    ):
+        status = r.status
+    if token == FORGED_JWT:
+        assert status == 415  # a readable token: the body's checks come next
+    else:
+        assert status == 401
+    assert secured_bot.core.triggers == [] and dns_guard.hosts == []
+
+
 async def test_forged_token_is_401_and_fails_fast(secured_bot: Server, dns_guard: DnsGuard) -> None:
     # Checking this token's signature makes the SDK fetch the OpenID metadata; offline
     # that fails, and the request is refused.
