@@ -484,7 +484,9 @@ def _bearer_jwt(header: str) -> bool:
     """Whether ``header`` is ``Bearer <JWT>`` with a readable JOSE header (no signature
     checked: that needs the activity, see the module docstring)."""
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
+    # A JWT is base64url ASCII; aiohttp hands other header bytes over as surrogate
+    # escapes, which PyJWT's UTF-8 encode would raise on (UnicodeEncodeError, not its own).
+    if scheme.lower() != "bearer" or not token or not token.isascii():
         return False
     try:
         jwt.get_unverified_header(token)

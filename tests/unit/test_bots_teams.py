@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from bots.base import RouteMatch
 from bots.teams import TeamsAdapter, create, sdk_config
@@ -282,6 +283,22 @@ async def test_without_a_bearer_jwt_the_body_is_not_read(
     else:
         assert status == 401
     assert secured_bot.core.triggers == [] and dns_guard.hosts == []
+
+
+async def test_a_token_of_non_ascii_bytes_is_401(secured_bot: Server) -> None:
+    # Raw bytes on the wire: aiohttp's client would not send a byte that is not UTF-8.
+    url = URL(secured_bot.url)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(
+        b"POST " + url.raw_path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer \xff\xfe.e30.x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+    )
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    assert status_line.split()[1] == b"401"
+    assert secured_bot.core.triggers == []
 
 
 async def test_forged_token_is_401_and_fails_fast(secured_bot: Server, dns_guard: DnsGuard) -> None:
