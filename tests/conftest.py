@@ -52,6 +52,16 @@ def pg_url(postgres_server: PostgresServer) -> Iterator[str]:
         print(f"warning: could not drop test database {name}: {exc}")
 
 
+@pytest.fixture
+def migrated_pg(pg_url: str) -> str:
+    """``pg_url`` migrated to the newest schema (for tests of PostgreSQL alone, such as
+    two replicas sharing one database)."""
+    from leadgate.database.db import upgrade
+
+    upgrade(pg_url)
+    return pg_url
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh database on each backend: `sqlite+aiosqlite:///...` or PostgreSQL."""

@@ -304,23 +304,14 @@ async def test_a_burst_of_plain_turns_keeps_every_transcript_and_event_log_whole
         assert intakes.statements < intakes.items and replies.statements < replies.items
 
 
-@pytest.fixture
-def migrated_pg_url(pg_url: str) -> str:
-    """A fresh PostgreSQL database at the newest schema (two replicas share it)."""
-    from leadgate.database.db import upgrade
-
-    upgrade(pg_url)
-    return pg_url
-
-
 async def test_two_replicas_bursting_into_the_same_sessions_lose_nothing(
-    migrated_pg_url: str,
+    migrated_pg: str,
 ) -> None:
     """Two replicas on one PostgreSQL, each with twenty plain turns at once into the same
     four sessions: each replica groups its own turns' statements, and both take event
     numbers from the same session counters. Every turn is answered, every message and
     reply is stored once, and each session's event log runs 1..n with no gap or repeat."""
-    settings = Settings.model_validate({"database": {"url": migrated_pg_url}})
+    settings = Settings.model_validate({"database": {"url": migrated_pg}})
     replicas = [App(settings, clock=FakeClock(), enable_adapters=False) for _ in range(2)]
     try:
         first = replicas[0]

@@ -14,7 +14,7 @@ import leadgate.database
 from leadgate.core.errors import NotFound
 from leadgate.core.types import Reply
 from leadgate.database import schema as t
-from leadgate.database.db import Database, upgrade
+from leadgate.database.db import Database
 from leadgate.database.pg import (
     CHANGES_CHANNEL,
     NOTIFYING_TABLES,
@@ -97,12 +97,6 @@ async def test_a_model_found_missing_is_found_once_another_connection_adds_it(
         await other.close()
     await stack.heard_of("agents")
     assert await turn(stack, org, "three") == Reply("Echo: three")
-
-
-@pytest.fixture
-def migrated_pg(pg_url: str) -> str:
-    upgrade(pg_url)
-    return pg_url
 
 
 async def test_postgres_reads_them_every_turn_while_it_hears_of_no_change(

@@ -7,7 +7,7 @@ import pytest
 
 from binding import routes
 from leadgate.core.types import RouteMatch
-from leadgate.database.db import Database, upgrade
+from leadgate.database.db import Database
 from tests.helpers import Org, make_agent, make_org, make_route
 from tests.stack import Stack, build_stack
 
@@ -36,12 +36,6 @@ async def test_a_second_lookup_runs_no_statement(stack: Stack) -> None:
     assert not [sql for sql in statements if "routes" in sql]
     assert await cache.resolve("discord", {"guild": "G"}) is None  # kept per channel
     assert cache.reads == 2
-
-
-@pytest.fixture
-def migrated_pg(pg_url: str) -> str:
-    upgrade(pg_url)
-    return pg_url
 
 
 async def test_postgres_reads_every_time_while_it_hears_of_no_change(migrated_pg: str) -> None:

@@ -67,14 +67,6 @@ async def pg(migrated_pg: str) -> AsyncIterator[tuple[Stack, Heard]]:
         await stack.stop()
 
 
-@pytest.fixture
-def migrated_pg(pg_url: str) -> str:
-    from leadgate.database.db import upgrade
-
-    upgrade(pg_url)
-    return pg_url
-
-
 async def session_id(stack: Stack, agent: dict[str, Any], key: str) -> str:
     s = t.sessions.c
     async with stack.db.read() as conn:
