@@ -55,7 +55,7 @@ from bots import teams_review
 from bots.base import Adapter, Core, accept, answering_errors
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, TeamsSettings
-from leadgate.core.decoding import json_object, read_body
+from leadgate.core.decoding import bearer_token, json_object, read_body
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
@@ -442,8 +442,8 @@ class TeamsAdapter:
         authentication failure is told apart from every other error: the SDK lets a
         malformed token surface as an arbitrary exception (a 500), which is a 401 here.
         """
-        auth_header = request.headers.get("Authorization", "")
-        if self.auth_enabled and not _bearer_jwt(auth_header):
+        token = bearer_token(request)
+        if self.auth_enabled and (token is None or not _readable_jwt(token)):
             # No body is read for a sender that cannot even present a token.
             return web.Response(status=401, text="unauthorized")
         if request.content_type != "application/json":
@@ -456,7 +456,9 @@ class TeamsAdapter:
         if not isinstance(activity.type, str) or not activity.type:
             return web.Response(status=400, text="body is not an activity")
         try:
-            auth_result = await self._authenticate(activity, auth_header)
+            auth_result = await self._authenticate(
+                activity, request.headers.get("Authorization", "")
+            )
         except Exception as exc:
             log.info("teams: rejected an unauthenticated request: %r", exc)
             return web.Response(status=401, text="unauthorized")
@@ -480,14 +482,10 @@ class TeamsAdapter:
         )
 
 
-def _bearer_jwt(header: str) -> bool:
-    """Whether ``header`` is ``Bearer <JWT>`` with a readable JOSE header (no signature
-    checked: that needs the activity, see the module docstring)."""
-    scheme, _, token = header.partition(" ")
-    # A JWT is base64url ASCII; aiohttp hands other header bytes over as surrogate
-    # escapes, which PyJWT's UTF-8 encode would raise on (UnicodeEncodeError, not its own).
-    if scheme.lower() != "bearer" or not token or not token.isascii():
-        return False
+def _readable_jwt(token: str) -> bool:
+    """Whether ``token`` (printable ASCII, from :func:`bearer_token`) is a JWT whose JOSE
+    header decodes (no signature checked: that needs the activity, see the module
+    docstring)."""
     try:
         jwt.get_unverified_header(token)
     except jwt.PyJWTError:

@@ -32,7 +32,7 @@ from bots.base import Adapter, Core
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
-from leadgate.core.decoding import BODY_TIMEOUT_KEY
+from leadgate.core.decoding import BODY_TIMEOUT_KEY, bearer_token
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
@@ -75,7 +75,7 @@ from leadgate.web import (
     sessions_api,
     studio,
 )
-from leadgate.web.common import add_request_id, bearer, error_middleware, error_response
+from leadgate.web.common import add_request_id, error_middleware, error_response
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
@@ -565,7 +565,7 @@ class App:
 
         async def metrics(request: web.Request) -> web.Response:
             if token:
-                given = bearer(request) or ""
+                given = bearer_token(request) or ""
                 if not hmac.compare_digest(given.encode(), token.encode()):
                     resp = error_response(
                         request, 401, "metrics need the token", "unauthorized", "metrics.token"

@@ -38,8 +38,9 @@ class ServerSettings(_Section):
     idle_timeout_s: float = Field(default=15.0, gt=0)
     #: A request body must arrive within this many seconds (408 otherwise).
     body_timeout_s: float = Field(default=30.0, gt=0)
-    #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set.
-    metrics_token: str = ""
+    #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set
+    #: (printable ASCII without blanks: a bearer token is read as nothing else).
+    metrics_token: str = Field(default="", pattern=r"^[!-~]*$")
     #: Serve ``/metrics`` (and ``/healthz``) on a separate listener instead of the main
     #: port when set (``metrics_port`` 0 picks a free one); the main port then has none.
     metrics_host: str = ""

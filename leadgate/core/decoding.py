@@ -7,6 +7,7 @@ else looks at the bytes; a channel verifies its signature on the raw bytes first
 * :func:`read_body` enforces the one body-size limit (``[server] max_body_bytes``, the
   application's ``client_max_size``: 413) and the body read timeout (408), so a slow or
   huge upload can neither stall a handler nor grow memory.
+* :func:`bearer_token`: the one reading of ``Authorization: Bearer``.
 * :func:`decode_json`: strict UTF-8 (Python's codec refuses encoded surrogates and
   overlong forms), standard JSON only (no ``NaN``/``Infinity``), at most
   :data:`MAX_DEPTH` levels of nesting (checked without recursion; Python's own parser
@@ -147,6 +148,19 @@ def json_object(raw: bytes | str, *, allow_nul: bool = False) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValidationError("the body must be a JSON object", rule="body.object")
     return value
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>`` (scheme in any case, blanks around
+    the token dropped), or ``None``: no header, another scheme, no token, or a token that
+    is not printable ASCII. Every key and token this service issues is printable ASCII;
+    aiohttp hands other header bytes over as surrogate escapes, which no key lookup,
+    SQL parameter or encoder downstream should ever see (they raised there: a 500)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or not token.isascii() or not token.isprintable():
+        return None
+    return token
 
 
 def header_text(request: web.Request, name: str, *, limit: int = 1024) -> str | None:

@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import json_object, read_body
+from leadgate.core.decoding import bearer_token, json_object, read_body
 from leadgate.core.errors import AuthError, LeadgateError, ModelError
 from leadgate.database.faults import unavailable
 
@@ -144,15 +144,6 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     return json_object(await read_body(request))
 
 
-def bearer(request: web.Request) -> str | None:
-    """The bearer token of the request, if any."""
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
-
-
 def require_console_header(request: web.Request) -> None:
     """Cookie-authenticated writes must come from our own page (CSRF): a cross-site form
     cannot set a custom header, and a cross-site fetch with one needs CORS we never grant."""
@@ -165,7 +156,7 @@ PrincipalLookup = Callable[[str | None, str | None], Awaitable[Principal | None]
 
 async def authenticate(request: web.Request, lookup: PrincipalLookup, *, cookie: bool) -> Principal:
     """Bearer key, or (where allowed) the console session cookie. 401 otherwise."""
-    token = bearer(request)
+    token = bearer_token(request)
     session = request.cookies.get(SESSION_COOKIE) if cookie and token is None else None
     if cookie and session and request.method not in ("GET", "HEAD"):
         require_console_header(request)

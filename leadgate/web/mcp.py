@@ -39,7 +39,7 @@ from starlette.types import Message
 from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.decoding import decode_json, read_body
+from leadgate.core.decoding import bearer_token, decode_json, read_body
 from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
@@ -384,10 +384,8 @@ def _principal_of(ctx: ServerRequestContext[Any, Any]) -> Principal | None:
 async def _authenticate_request(
     request: web.Request, authenticate: Authenticate
 ) -> Principal | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
+    key = bearer_token(request)
+    if key is None:
         return None
     try:
         return await authenticate(key)

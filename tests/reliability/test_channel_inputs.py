@@ -9,6 +9,7 @@ the real service.
 * Slow-loris: connections that never finish their request headers, and idle keep-alive
   connections, are closed after ``[server] idle_timeout_s``.
 * ``/metrics`` with ``[server] metrics_token`` needs that bearer token.
+* A bearer token with bytes that are not UTF-8 is 401 on every surface, never a 500.
 """
 
 from __future__ import annotations
@@ -157,3 +158,28 @@ def test_metrics_need_the_token_when_one_is_set(rel_template: Any, tmp_path: Pat
             "GET", f"{proc.url}/metrics", headers={"Authorization": "Bearer m-secret"}
         )
         assert status == 200 and b"leadgate_turns_total" in body
+
+
+def test_a_bearer_token_with_bytes_that_are_not_utf8_is_401_everywhere(
+    rel_template: Any, tmp_path: Path
+) -> None:
+    """aiohttp hands such bytes over as surrogate escapes; they reached the key lookup's
+    SQL and the metrics token's compare, and each answered 500."""
+    proc = ServiceProcess(tmp_path / "svc", config={"server": {"metrics_token": "m-secret"}})
+    assert proc.sqlite_file is not None
+    clone_sqlite(rel_template.database, proc.sqlite_file)
+    chat = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    with proc.start():
+        # http.client sends "\xff" as that one byte.
+        for token in ("\xff", "lg.\xff.x", "lg.key_1.secret\xff"):
+            headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+            for method, path, body in [
+                ("GET", "/metrics", None),
+                ("POST", "/v1/chat/completions", chat),
+                ("GET", "/v1/agents", None),
+                ("GET", "/operator/reviews", None),
+                ("POST", "/mcp", {}),
+            ]:
+                status, _ = http(method, f"{proc.url}{path}", json_body=body, headers=headers)
+                assert status == 401, (token, path, status)
+        assert proc.healthy()

@@ -155,6 +155,15 @@ def test_out_of_range_value_names_the_key(tmp_path: Path) -> None:
     assert "server.port" in info.value.message
 
 
+def test_a_metrics_token_that_no_bearer_header_could_carry_is_refused() -> None:
+    # A bearer token is read as printable ASCII without blanks (decoding.bearer_token).
+    for token in ("two words", "caf\u00e9"):
+        with pytest.raises(ConfigError) as info:
+            load_settings(None, environ={"LEADGATE_SERVER__METRICS_TOKEN": token})
+        assert "server.metrics_token" in info.value.message
+    assert load_settings(None, environ={"LEADGATE_SERVER__METRICS_TOKEN": "m-Secret_1"})
+
+
 def test_section_given_as_a_scalar_is_rejected(tmp_path: Path) -> None:
     path = write(tmp_path, 'server = "127.0.0.1"\n')
     with pytest.raises(ConfigError) as info:

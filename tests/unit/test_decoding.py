@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +17,7 @@ from leadgate.core.clock import FakeClock
 from leadgate.core.decoding import (
     BODY_TIMEOUT_KEY,
     MAX_DEPTH,
+    bearer_token,
     check_value,
     decode_json,
     header_text,
@@ -150,6 +151,26 @@ async def test_size_limit_and_body_timeout_through_the_http_path() -> None:
         assert "Traceback" not in await late.text()
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        (None, None),
+        ("Basic dXNlcjpwdw==", None),
+        ("Bearer", None),
+        ("Bearer    ", None),
+        ("Bearer lg.id.secret", "lg.id.secret"),
+        ("bearer  lg.id.secret ", "lg.id.secret"),
+        # Not ASCII (bytes that are not UTF-8 arrive as surrogate escapes, refused the same
+        # way: tests/reliability/test_channel_inputs.py sends them to every surface).
+        ("Bearer caf\u00e9", None),
+        ("Bearer a\x7fb", None),
+    ],
+)
+def test_a_bearer_token_is_printable_ascii_or_none(header: str | None, token: str | None) -> None:
+    headers = {} if header is None else {"Authorization": header}
+    assert bearer_token(make_mocked_request("GET", "/", headers=headers)) == token
 
 
 async def test_client_text_headers_are_printable_ascii() -> None:
