@@ -8,6 +8,10 @@ else looks at the bytes; a channel verifies its signature on the raw bytes first
   application's ``client_max_size``: 413) and the body read timeout (408), so a slow or
   huge upload can neither stall a handler nor grow memory.
 * :func:`bearer_token`: the one reading of ``Authorization: Bearer``.
+* :func:`decimal_int`: the one reading of a count, time or id number a client wrote (query
+  parameters, ``Last-Event-ID``): ASCII digits only (``str.isdigit`` also passes ``"²"``,
+  which ``int`` refuses) and at most :data:`INT64_MAX`, the widest integer both databases
+  store (a larger one raised ``OverflowError`` in the driver: a 500).
 * :func:`decode_json`: strict UTF-8 (Python's codec refuses encoded surrogates and
   overlong forms), standard JSON only (no ``NaN``/``Infinity``), at most
   :data:`MAX_DEPTH` levels of nesting (checked without recursion; Python's own parser
@@ -28,6 +32,7 @@ import re
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from leadgate.core.errors import PayloadTooLarge, RequestTimeout, ValidationError
 
@@ -37,6 +42,8 @@ MAX_DEPTH = 64
 BODY_TIMEOUT_S = 30.0
 #: Where the application keeps its body timeout (see :func:`read_body`).
 BODY_TIMEOUT_KEY = web.AppKey("leadgate_body_timeout_s", float)
+#: The largest integer SQLite and PostgreSQL (``BIGINT``) hold.
+INT64_MAX = 2**63 - 1
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
@@ -47,8 +54,9 @@ def _no_constant(name: str) -> Any:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The raw body: 413 over the size limit (also before reading, from Content-Length),
-    408 when it does not arrive within the body timeout, 400 when the client cut it."""
+    """The raw body: 413 over the size limit (also before reading, from Content-Length;
+    a compressed body counts decompressed), 408 when it does not arrive within the body
+    timeout, 400 when the client cut it or its ``Content-Encoding`` does not decode."""
     limit = request.client_max_size
     if limit and request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"the request body is larger than {limit:,} bytes", rule="body.size")
@@ -69,8 +77,27 @@ async def read_body(request: web.Request) -> bytes:
         raise RequestTimeout(
             f"the request body did not arrive within {timeout:g} seconds", rule="body.timeout"
         ) from None
+    except web.RequestPayloadError as exc:
+        # aiohttp's parser failed on the body (bad gzip, broken chunked framing); it names
+        # the cause. Either is the client's doing, never a 500.
+        if isinstance(exc.__cause__, ContentEncodingError):
+            raise ValidationError(
+                "the request body does not decode as its Content-Encoding says",
+                rule="body.encoding",
+            ) from None
+        raise ValidationError("the request body is malformed", rule="body.incomplete") from None
     except (ConnectionError, asyncio.IncompleteReadError, web.HTTPBadRequest) as exc:
         raise ValidationError("the request body is incomplete", rule="body.incomplete") from exc
+
+
+def decimal_int(raw: str, *, maximum: int = INT64_MAX) -> int | None:
+    """``raw`` as a non-negative integer of ASCII digits, at most ``maximum``; ``None``
+    otherwise (the caller answers 400 with its own rule)."""
+    # 19 digits hold INT64_MAX; the length test also keeps int() off huge strings.
+    if not raw or len(raw) > 19 or not raw.isascii() or not raw.isdigit():
+        return None
+    value = int(raw)
+    return value if value <= maximum else None
 
 
 def decode_text(raw: bytes) -> str:

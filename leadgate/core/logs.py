@@ -7,6 +7,8 @@ import sys
 from typing import Any
 
 import structlog
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from leadgate.core.config import Settings
 
@@ -59,6 +61,26 @@ class ContentFilter(logging.Filter):
         return not any(name == p or name.startswith(p + ".") for p in CONTENT_LOGGERS)
 
 
+class MalformedRequestFilter(logging.Filter):
+    """aiohttp's server logs a request it could not parse (a bad request line, header or
+    body framing; it answers 400) at ERROR, with a traceback that quotes the offending
+    bytes: any client could fill the log with errors and with what it sent. Such a record
+    becomes one INFO line naming the error's class and the peer, nothing the client wrote.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "malformed request from %s (%s)"
+            record.args = (peer, type(exc).__name__)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+            # The logger let the ERROR through; the INFO line obeys ``[log] level``.
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
 def setup_logging(settings: Settings) -> None:
     """Log to stderr at ``[log] level``, as text or (``format = "json"``) JSON lines.
 
@@ -101,4 +123,7 @@ def setup_logging(settings: Settings) -> None:
     for name in LEVEL_TESTED_LOGGERS:
         logging.getLogger(name).setLevel(shown)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestFilter) for f in server.filters):
+        server.addFilter(MalformedRequestFilter())
     logging.getLogger("alembic").setLevel(logging.WARNING)

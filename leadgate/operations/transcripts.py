@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from binding import bindings
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory, iso
+from leadgate.core.decoding import decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -82,10 +83,7 @@ def parse_limit(raw: str | None) -> int:
     """``limit``: an integer 1..100 (400 naming the rule otherwise); default 100."""
     if raw is None or raw == "":
         return PAGE_MAX
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
+    limit = decimal_int(raw) or 0
     if not 1 <= limit <= PAGE_MAX:
         raise ValidationError(
             f"limit must be an integer from 1 to {PAGE_MAX}", rule="transcript.limit"

@@ -17,6 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from leadgate.core.clock import iso
+from leadgate.core.decoding import INT64_MAX, decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
@@ -65,9 +66,18 @@ def _encode_cursor(*parts: Any) -> str:
 def _decode_cursor(cursor: str, rule: str) -> tuple[int, str]:
     try:
         at, item_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return int(at), str(item_id)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         raise ValidationError("cursor is not valid", rule=rule) from None
+    # Only what _encode_cursor writes: a time the database can hold and an id of ASCII (a
+    # float, a huge number or a lone surrogate failed later, in the query: a 500).
+    if (
+        type(at) is not int
+        or not -INT64_MAX <= at <= INT64_MAX
+        or not isinstance(item_id, str)
+        or not item_id.isascii()
+    ):
+        raise ValidationError("cursor is not valid", rule=rule)
+    return at, item_id
 
 
 def parse_time(value: str | None, name: str) -> int | None:
@@ -75,8 +85,13 @@ def parse_time(value: str | None, name: str) -> int | None:
     it names a zone)."""
     if value is None or value == "":
         return None
-    if value.isdigit():
-        return int(value)
+    if value.isascii() and value.isdigit():
+        at = decimal_int(value)
+        if at is None:
+            raise ValidationError(
+                f"{name} is beyond any time the service stores", rule=f"activity.{name}"
+            )
+        return at
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:

@@ -557,8 +557,11 @@ def _asgi_scope(request: web.Request, principal: Principal) -> AsgiScope:
         "method": request.method,
         "scheme": request.scheme,
         "path": request.path,
-        "raw_path": request.raw_path.split("?", 1)[0].encode("latin-1"),
-        "query_string": request.query_string.encode("latin-1"),
+        # ASGI wants the target's bytes as sent, still percent-encoded. aiohttp's decoded
+        # query (``query_string``) may hold any character, and latin-1 raised on them: a
+        # 500 for ``/mcp?x=%E2%80%AE``. The raw target holds what came off the wire.
+        "raw_path": _wire_bytes(request.raw_path.split("?", 1)[0]),
+        "query_string": _wire_bytes(request.rel_url.raw_query_string),
         "root_path": "",
         # ASGI wants lower-case names; Starlette looks them up that way.
         "headers": [(name.lower(), value) for name, value in request.raw_headers],
@@ -569,6 +572,12 @@ def _asgi_scope(request: web.Request, principal: Principal) -> AsgiScope:
         "auth": AuthCredentials(sorted(scope.value for scope in principal.scopes)),
         PRINCIPAL_SCOPE_KEY: principal,
     }
+
+
+def _wire_bytes(text: str) -> bytes:
+    # aiohttp decoded the request line as UTF-8 with surrogate escapes for the bytes that
+    # were not; this gives the bytes back.
+    return text.encode("utf-8", "surrogateescape")
 
 
 def _host_port(address: Any) -> tuple[str, int] | None:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
+from leadgate.core.decoding import decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.web import charts
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
@@ -66,10 +67,13 @@ class InsightsBackend(Protocol):
 
 
 def _int(request: web.Request, name: str, default: int, rule: str) -> int:
-    try:
-        return int(request.query.get(name, str(default)))
-    except ValueError:
-        raise ValidationError(f"{name} must be an integer", rule=rule) from None
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    value = decimal_int(raw)
+    if value is None:
+        raise ValidationError(f"{name} must be a non-negative integer", rule=rule)
+    return value
 
 
 def _opts(request: web.Request, *names: str) -> dict[str, str | None]:

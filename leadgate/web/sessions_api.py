@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
+from leadgate.core.decoding import decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.transcripts import parse_limit, public_event
@@ -105,11 +106,12 @@ def last_event_id(request: web.Request) -> int:
     raw = request.headers.get("Last-Event-ID", "").strip()
     if not raw:
         return 0
-    if not raw.isdigit():
+    after = decimal_int(raw)
+    if after is None:
         raise ValidationError(
             "Last-Event-ID must be the id of an event of this stream", rule="events.last_event_id"
         )
-    return int(raw)
+    return after
 
 
 async def stream_events(

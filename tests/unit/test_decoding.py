@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from leadgate.core.clock import FakeClock
 from leadgate.core.decoding import (
     BODY_TIMEOUT_KEY,
+    INT64_MAX,
     MAX_DEPTH,
     bearer_token,
     check_value,
+    decimal_int,
     decode_json,
     header_text,
     json_object,
@@ -171,6 +173,33 @@ async def test_size_limit_and_body_timeout_through_the_http_path() -> None:
 def test_a_bearer_token_is_printable_ascii_or_none(header: str | None, token: str | None) -> None:
     headers = {} if header is None else {"Authorization": header}
     assert bearer_token(make_mocked_request("GET", "/", headers=headers)) == token
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("0", 0),
+        ("0042", 42),
+        (str(INT64_MAX), INT64_MAX),
+        (str(INT64_MAX + 1), None),  # no database column holds it
+        ("9" * 5000, None),  # past int()'s digit limit: refused before int() sees it
+        ("\u00b2", None),  # "²": str.isdigit says yes, int() raises
+        ("\u0661", None),  # Arabic-Indic one: int() would take it
+        ("-1", None),
+        ("+1", None),
+        (" 1", None),
+        ("1.0", None),
+        ("", None),
+    ],
+)
+def test_a_client_number_is_ascii_digits_within_64_bits(raw: str, value: int | None) -> None:
+    assert decimal_int(raw) == value
+
+
+@given(st.text(max_size=25) | st.integers(min_value=-(2**80), max_value=2**80).map(str))
+def test_decimal_int_never_raises(raw: str) -> None:
+    value = decimal_int(raw)
+    assert value is None or (0 <= value <= INT64_MAX and int(raw) == value)
 
 
 async def test_client_text_headers_are_printable_ascii() -> None:

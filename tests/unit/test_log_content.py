@@ -81,3 +81,29 @@ def test_tracebacks_never_show_frame_locals(
     err = capsys.readouterr().err
     assert "it failed" in err and "RuntimeError: boom" in err and "fail" in err
     assert "SECRET-IN-A-LOCAL" not in err
+
+
+def test_a_request_aiohttp_could_not_parse_is_one_info_line_without_what_was_sent(
+    restore_logging: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiohttp.http_exceptions import InvalidURLError
+
+    setup_logging(Settings.model_validate({"log": {"level": "INFO"}}))
+    server = logging.getLogger("aiohttp.server")
+    try:
+        raise InvalidURLError("Invalid char in url path: b'GET /x\\xffsecret'")
+    except InvalidURLError as exc:
+        # What aiohttp's RequestHandler.handle_error does with a parse error.
+        server.exception("Error handling request from %s", "10.0.0.7", exc_info=exc)
+    server.error("something else broke")
+    err = capsys.readouterr().err
+    assert "malformed request from 10.0.0.7 (InvalidURLError)" in err
+    assert "[info" in err and "secret" not in err and "Traceback" not in err
+    assert "something else broke" in err  # other aiohttp errors still show
+
+    setup_logging(Settings.model_validate({"log": {"level": "WARNING"}}))
+    try:
+        raise InvalidURLError("x")
+    except InvalidURLError as exc:
+        server.exception("Error handling request from %s", "10.0.0.7", exc_info=exc)
+    assert "malformed" not in capsys.readouterr().err

@@ -1,0 +1,202 @@
+"""What a client can put around a body: query values, headers, the request target and the
+body's ``Content-Encoding``, against the real service.
+
+Each case here answered 500 until session 31 (a throwaway probe of odd bytes and numbers
+on every route found them): a count or time past 64 bits reached the SQLite driver
+(``OverflowError``), ``"²"`` passed ``str.isdigit`` and failed ``int``, a cursor holding
+``Infinity`` or a lone surrogate failed in its query, a gzip body that is not gzip failed
+in aiohttp's reader, and ``/mcp?x=%E2%80%AE`` failed to encode for the SDK's scope. A
+request line aiohttp cannot parse was answered 400 but logged at ERROR with a traceback
+quoting the request; it is now one INFO line.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import socket
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import requests
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from tests.fuzz.conftest import FUZZ_EXAMPLES, Fuzzed
+
+SESSION = requests.Session()
+SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES * 4,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+)
+CHAT: dict[str, Any] = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+#: The routes that take counts, times and cursors in their query, and each one's rules.
+PAGED = {
+    "/operator/reviews": ("queue",),
+    "/operator/activity": ("activity",),
+    "/operator/deliveries": ("deliveries",),
+    "/operator/insights": ("insights",),
+    "/v1/agents/plain/sessions/s1/messages": ("transcript",),
+}
+
+
+def auth(svc: Fuzzed, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {svc.key}", "Accept": "application/json", **extra}
+
+
+def get(svc: Fuzzed, target: str, **headers: str) -> requests.Response:
+    response = SESSION.get(f"{svc.proc.url}{target}", headers=auth(svc, **headers), timeout=20)
+    assert response.status_code < 500, (target, response.status_code, response.text[:300])
+    assert "Traceback" not in response.text
+    return response
+
+
+def rule_of(response: requests.Response) -> str:
+    return str(response.json()["error"]["rule"])
+
+
+def cursor(value: Any) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode()
+
+
+@pytest.mark.parametrize(
+    ("target", "rule"),
+    [
+        ("/operator/activity?since=9223372036854775808", "activity.since"),
+        ("/operator/activity?until=99999999999999999999999999", "activity.until"),
+        (f"/operator/activity?since={quote('²')}", "activity.since"),
+        (f"/operator/reviews?limit={quote('²')}", "queue.limit"),
+        ("/operator/reviews?limit=99999999999999999999", "queue.limit"),
+        (f"/operator/insights?days={quote('²')}", "insights.days"),
+        (f"/v1/agents/plain/sessions/s1/messages?limit={quote('١')}", "transcript.limit"),
+        (f"/operator/reviews?cursor={cursor([10**30, 'wi_1'])}", "queue.cursor"),
+        (f"/operator/activity?cursor={quote(base64.b64encode(b'[1e400, 1]'))}", "activity.cursor"),
+        (f"/operator/deliveries?cursor={cursor([1, chr(0xD800)])}", "deliveries.cursor"),
+        (f"/operator/deliveries?cursor={cursor([1.5, 'dl_1'])}", "deliveries.cursor"),
+        (f"/operator/reviews?cursor={cursor(['[' * 600 + ']' * 600, 'x'])}", "queue.cursor"),
+    ],
+)
+def test_numbers_no_database_holds_and_odd_cursors_are_400(
+    fuzz_service: Fuzzed, target: str, rule: str
+) -> None:
+    response = get(fuzz_service, target)
+    assert (response.status_code, rule_of(response)) == (400, rule)
+
+
+def test_a_last_event_id_of_odd_digits_is_400(fuzz_service: Fuzzed) -> None:
+    path = "/v1/agents/plain/sessions/s1/events"
+    for value in ("²", "9" * 30):
+        response = SESSION.get(
+            f"{fuzz_service.proc.url}{path}",
+            headers={**auth(fuzz_service), "Last-Event-ID": value.encode().decode("latin-1")},
+            timeout=20,
+        )
+        assert (response.status_code, rule_of(response)) == (400, "events.last_event_id")
+
+
+numbers = st.one_of(
+    st.integers(min_value=-(2**80), max_value=2**80).map(str),
+    st.text(max_size=25),
+    st.sampled_from(["²", "١٢٣", "1e400", "-0", " 1", "0x10", "9223372036854775807"]),
+)
+
+
+@SETTINGS
+@given(name=st.sampled_from(["limit", "since", "until", "days", "cursor"]), value=numbers)
+@example(name="since", value="9223372036854775808")
+def test_any_query_value_is_an_answer_or_a_400_naming_its_rule(
+    fuzz_service: Fuzzed, name: str, value: str
+) -> None:
+    for path, (prefix,) in PAGED.items():
+        response = get(fuzz_service, f"{path}?{name}={quote(value)}")
+        if response.status_code == 400:
+            assert rule_of(response).startswith((prefix + ".", "activity.")), response.text
+
+
+@SETTINGS
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats() | st.text(),
+        lambda kids: st.lists(kids, max_size=3),
+        max_leaves=6,
+    )
+)
+def test_any_cursor_is_a_page_or_a_400(fuzz_service: Fuzzed, value: Any) -> None:
+    encoded = base64.urlsafe_b64encode(json.dumps(value).encode()).decode()
+    for path in ("/operator/reviews", "/operator/activity", "/operator/deliveries"):
+        response = get(fuzz_service, f"{path}?cursor={encoded}")
+        assert response.status_code in (200, 400), response.text
+
+
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service: Fuzzed) -> None:
+    url = fuzz_service.proc.url
+    headers = {
+        **auth(fuzz_service),
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "X-Leadgate-Console": "1",
+    }
+    before = fuzz_service.quiet_fingerprint()
+    for path in ("/v1/chat/completions", "/mcp", "/console/login", "/v1/agents"):
+        response = SESSION.post(f"{url}{path}", data=b'{"not": "gzip"}', headers=headers)
+        assert (response.status_code, rule_of(response)) == (400, "body.encoding"), path
+    assert fuzz_service.fingerprint() == before
+    # A body that is gzip is read as what it decompresses to, and counts at that size.
+    good = SESSION.post(
+        f"{url}/v1/chat/completions", data=gzip.compress(json.dumps(CHAT).encode()), headers=headers
+    )
+    assert good.status_code == 200, good.text
+    assert good.json()["choices"][0]["message"]["content"]
+    bomb = gzip.compress(b'{"a": "' + b"x" * (3 * 1_048_576) + b'"}')
+    assert len(bomb) < 10_000
+    big = SESSION.post(f"{url}/v1/chat/completions", data=bomb, headers=headers)
+    assert (big.status_code, rule_of(big)) == (413, "body.size")
+
+
+def test_mcp_takes_any_query_string(fuzz_service: Fuzzed) -> None:
+    init: dict[str, Any] = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "edge", "version": "1"},
+        },
+    }
+    for query in ("x=%E2%80%AE", "x=%FF", "since=%D9%A1"):
+        response = SESSION.post(
+            f"{fuzz_service.proc.url}/mcp?{query}",
+            json=init,
+            headers=auth(fuzz_service, Accept="application/json, text/event-stream"),
+            timeout=20,
+        )
+        assert response.status_code == 200, (query, response.status_code, response.text[:300])
+
+
+def raw_request(svc: Fuzzed, request_line: bytes) -> bytes:
+    port = int(svc.proc.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request_line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_a_request_line_aiohttp_cannot_parse_is_400_and_one_quiet_log_line(
+    fuzz_service: Fuzzed,
+) -> None:
+    marker = b"/v1/agents/\xffsecret-looking-bytes"
+    answer = raw_request(fuzz_service, b"GET " + marker + b" HTTP/1.1")
+    # aiohttp's own plain-text 400 (it answers before any handler or middleware runs).
+    assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+    log = fuzz_service.proc.log_text()
+    assert "secret-looking-bytes" not in log
+    assert "malformed request from 127.0.0.1 (InvalidURLError)" in log
+    assert fuzz_service.log_problems() == []
