@@ -36,7 +36,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from bots.base import Adapter, Core, accept
 from bots.email_out import EmailChannel, build_reply, message_id_for
-from bots.email_parse import parse_mail, reply_subject, strip_quoted
+from bots.email_parse import parse_mail, reply_subject, strip_quoted, utf8_address
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
@@ -93,6 +93,13 @@ class EmailHandler:
         """Accept a recipient only when it and the envelope sender resolve to a route."""
         recipient = address.strip().lower()
         sender = _envelope_sender(envelope)
+        # aiosmtpd hands over bytes that are not UTF-8 as surrogate escapes; such an
+        # address can be neither looked up nor stored (the route lookup raised, and the
+        # sender was told to retry a mail that could never be taken).
+        if utf8_address(sender) != sender:
+            return "553 5.1.7 The sender address is not valid UTF-8"
+        if utf8_address(recipient) != recipient:
+            return "553 5.1.3 The recipient address is not valid UTF-8"
         try:
             route = await self._core.resolve_route(
                 CHANNEL, {"address": recipient, "sender": sender}

@@ -24,7 +24,9 @@ MAX_CHARS = 1_000_000
 # Long threads would grow References without bound; RFC 5322 allows trimming the middle.
 MAX_REFERENCES = 20
 
-_MSGID = re.compile(r"<[^<>\s]+>")
+# No blanks or control characters: an id goes back out in In-Reply-To and References.
+_MSGID = re.compile(r"<[^<>\s\x00-\x1f\x7f]+>")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _WROTE = re.compile(r"\bwrote:\s*$", re.IGNORECASE)
 _ORIGINAL = re.compile(r"^\s*-{2,}\s*(Original Message|Forwarded message)\s*-{2,}", re.I)
 _HTML_DROP = re.compile(r"<(script|style|head)\b.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
@@ -96,7 +98,22 @@ def _msgids(value: object) -> list[str]:
 
 
 def one_line(value: object) -> str:
-    return " ".join(str(value or "").split())
+    """``value`` on one line: runs of blanks and control characters (a NUL from an
+    encoded word, say) become one space."""
+    return " ".join(_CONTROL.sub(" ", str(value or "")).split())
+
+
+def utf8_address(address: str) -> str | None:
+    """An address as the text it is: ``None`` when it is not UTF-8 or holds a control
+    character. The email package and aiosmtpd hand 8-bit bytes over as surrogate escapes
+    (an SMTPUTF8 ``jürgen@example.de`` too); those are decoded here, and an address that
+    does not decode could be neither stored (the databases refuse lone surrogates) nor
+    written to again."""
+    try:
+        text = address.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        return None
+    return None if _CONTROL.search(text) else text
 
 
 def reply_subject(subject: str) -> str:
@@ -140,7 +157,7 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
     try:
         addresses = message["From"].addresses if message["From"] is not None else ()
         if addresses:
-            header_from = addresses[0].addr_spec
+            header_from = utf8_address(addresses[0].addr_spec) or ""
     except Exception:  # an unparseable From header: fall back to the envelope
         header_from = ""
     sender = (header_from or envelope_sender).strip().lower()

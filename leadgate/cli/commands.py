@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import os
 import socket
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 from leadgate.cli.review_commands import REVIEW_COMMANDS
 from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
+from leadgate.core.decoding import decode_json
 from leadgate.core.errors import ValidationError
 from leadgate.operations.admin import Admin
 from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
@@ -155,10 +155,14 @@ def _read_nodes(value: str) -> Any:
             raise ValidationError(
                 f"cannot read {value[1:]}: {exc.strerror}", rule="flow.nodes"
             ) from exc
+        except UnicodeDecodeError:
+            raise ValidationError(f"{value[1:]} is not UTF-8 text", rule="flow.nodes") from None
     try:
-        return json.loads(value)
-    except ValueError:
-        raise ValidationError("--nodes is not valid JSON", rule="flow.nodes") from None
+        # The service's own JSON reading: depth-bounded, no lone surrogates or NUL.
+        return decode_json(value)
+    except ValidationError as exc:
+        what = exc.message.removeprefix("the body ")
+        raise ValidationError(f"--nodes {what}", rule="flow.nodes") from None
 
 
 async def flow_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:

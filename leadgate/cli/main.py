@@ -25,7 +25,7 @@ from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
-from leadgate.core.errors import LeadgateError
+from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.logs import setup_logging
 from leadgate.database.db import Database, upgrade
 from leadgate.operations.admin import Admin
@@ -99,6 +99,30 @@ async def _serve(settings: Settings, role: str) -> None:
     await runner.cleanup()
 
 
+#: Arguments that name files: any bytes the file system takes are fine there.
+PATH_ARGUMENTS = frozenset({"config", "key_file"})
+
+
+def check_text_arguments(args: argparse.Namespace) -> None:
+    """Every argument but a path must be text: Python hands command-line bytes that are
+    not UTF-8 over as surrogate escapes, which no database stores (exit 1 with a
+    ``UnicodeEncodeError`` until this check)."""
+    for dest, value in sorted(vars(args).items()):
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if not isinstance(item, str) or dest in PATH_ARGUMENTS:
+                continue
+            if dest == "nodes" and item.startswith("@"):
+                continue  # @FILE: a path too
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                name = dest.replace("_", "-")
+                raise ValidationError(
+                    f"the {name} argument is not valid UTF-8 text", rule="cli.utf8"
+                ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     raw = sys.argv[1:] if argv is None else argv
@@ -107,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     choice = discover(args.config)
     settings: Settings | None = None
     try:
+        check_text_arguments(args)
         settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":

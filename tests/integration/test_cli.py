@@ -103,6 +103,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     fresh = write_config(root / "fresh.toml", root / "fresh.db")
     acme = ("--org", "acme")
     r: dict[str, Run] = {}
+    (root / "latin1.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         upgrade = pool.submit(run, cfg, "db", "upgrade")
@@ -147,6 +148,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "cron_bad": [
                 *("schedule", "add", *acme, "--agent", "lead"),
                 *("--cron", "61 * * * *", "--message", "hi"),
+            ],
+            # A Latin-1 shell's "café": the byte 0xe9 reaches Python as a surrogate escape.
+            "argv_bytes": ["policy", "add", *acme, "--pattern", "caf\udce9", "--action", "block"],
+            "nodes_deep": ["flow", "create", *acme, "--name", "f1", "--nodes", "[" * 99 + "]" * 99],
+            "nodes_surrogate": ["flow", "create", *acme, "--name", "f2", "--nodes", '["\\ud800"]'],
+            "nodes_latin1": [
+                *("flow", "create", *acme, "--name", "f3", "--nodes", f"@{root / 'latin1.json'}")
             ],
         },
     )
@@ -300,7 +308,16 @@ def test_policy_route_and_schedule_errors(world: dict[str, Any]) -> None:
     runs(world)["route_bad"].rule_error("route.match")
     assert "guild" in runs(world)["route_bad"].err
     runs(world)["cron_bad"].rule_error("schedule.cron")
-    for table in ("policy_rules", "routes", "schedules"):
+    runs(world)["argv_bytes"].rule_error("cli.utf8")
+    assert "the pattern argument is not valid UTF-8" in runs(world)["argv_bytes"].err
+    for name, says in [
+        ("nodes_deep", "nested deeper than 64 levels"),
+        ("nodes_surrogate", "lone UTF-16 surrogate"),
+        ("nodes_latin1", "latin1.json is not UTF-8 text"),
+    ]:
+        runs(world)[name].rule_error("flow.nodes")
+        assert says in runs(world)[name].err, runs(world)[name]
+    for table in ("policy_rules", "routes", "schedules", "flows"):
         assert db_rows(world, f"SELECT count(*) FROM {table}") == [(0,)], table
 
 

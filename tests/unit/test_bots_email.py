@@ -3,6 +3,7 @@ aiosmtplib, and a fake core."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from email.message import EmailMessage
 from typing import Any
@@ -358,3 +359,73 @@ async def test_route_lookup_failure_is_a_temporary_failure() -> None:
             await listener.send(_mail())
         assert info.value.recipients[0].code == 451
         assert listener.core.triggers == []
+
+
+async def _smtp_raw(port: int, commands: list[bytes]) -> list[bytes]:
+    """One SMTP conversation of raw command lines (bytes no client library would send);
+    the reply line of each (the last line of a multi-line reply)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def reply() -> bytes:
+        while True:
+            line = await reader.readline()
+            if line[3:4] != b"-":
+                return line.rstrip()
+
+    replies = [await reply()]
+    for command in commands:
+        writer.write(command + b"\r\n")
+        await writer.drain()
+        replies.append(await reply())
+    writer.close()
+    return replies
+
+
+async def test_an_address_that_is_not_utf8_is_553_at_rcpt(listener: Listener) -> None:
+    # aiosmtpd hands such bytes over as surrogate escapes; the route lookup raised on
+    # them and answered 451, so the sender's server retried a mail we could never take.
+    replies = await _smtp_raw(
+        listener.port,
+        [
+            b"EHLO client.example",
+            b"MAIL FROM:<al\xffice@example.com>",
+            b"RCPT TO:<" + BOT.encode() + b">",
+            b"RSET",
+            b"MAIL FROM:<" + ALICE.encode() + b">",
+            b"RCPT TO:<b\xffot@leadgate.example>",
+            b"QUIT",
+        ],
+    )
+    assert replies[3].startswith(b"553 5.1.7"), replies
+    assert replies[6].startswith(b"553 5.1.3"), replies
+    await listener.core.drain()
+    assert listener.core.triggers == []
+
+
+async def test_utf8_addresses_and_headers_are_read_as_text() -> None:
+    sender = "jürgen@exämple.de"
+    async for listener in _listen(FakeCore(_allow(sender))):
+        raw = (
+            f"From: Jürgen <{sender}>\r\nTo: {BOT}\r\n"
+            "Subject: =?utf-8?q?Gr=C3=BC=C3=9Fe=00und_mehr?=\r\n"
+            "Message-ID: <a\x01b@exämple.de>\r\n\r\nHallo Welt\r\n"
+        ).encode()
+        replies = await _smtp_raw(
+            listener.port,
+            [
+                b"EHLO client.example",
+                f"MAIL FROM:<{sender}> SMTPUTF8".encode(),
+                f"RCPT TO:<{BOT}>".encode(),
+                b"DATA",
+                raw + b".",
+                b"QUIT",
+            ],
+        )
+        assert replies[5].startswith(b"250"), replies
+        await listener.core.drain()
+        [trigger] = listener.core.triggers
+        # The From: address as text, not as surrogate escapes of its UTF-8 bytes.
+        assert trigger.binding.address["to"] == sender
+        # A NUL from an encoded word is a blank; a control character ends no id.
+        assert trigger.binding.address["subject"] == "Re: Grüße und mehr"
+        assert "\x01" not in trigger.external_event_id
