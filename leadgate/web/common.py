@@ -14,7 +14,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import bearer_token, json_object, read_body
-from leadgate.core.errors import AuthError, LeadgateError, ModelError
+from leadgate.core.errors import AuthError, LeadgateError, ModelError, ValidationError
 from leadgate.database.faults import unavailable
 
 log = logging.getLogger("leadgate.web")
@@ -101,6 +101,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     # and restore keys this middleware alone sets.
     tokens = structlog.contextvars.bind_contextvars(request_id=request_id(request))
     try:
+        # No id, name or search term holds a NUL, and PostgreSQL text cannot: a path
+        # parameter or query value with one failed in the driver there (a 500). The raw
+        # target still has it percent-encoded; aiohttp refuses a literal one.
+        if "%00" in request.raw_path:
+            raise ValidationError("the URL holds a NUL character (%00)", rule="url.nul")
         return await handler(request)
     except LeadgateError as exc:
         if exc.status >= 500 and not isinstance(exc, ModelError):

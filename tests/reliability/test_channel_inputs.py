@@ -10,6 +10,7 @@ the real service.
   connections, are closed after ``[server] idle_timeout_s``.
 * ``/metrics`` with ``[server] metrics_token`` needs that bearer token.
 * A bearer token with bytes that are not UTF-8 is 401 on every surface, never a 500.
+* A NUL in the URL (``%00``) is 400 ``url.nul`` on PostgreSQL, whose text cannot hold it.
 """
 
 from __future__ import annotations
@@ -183,3 +184,31 @@ def test_a_bearer_token_with_bytes_that_are_not_utf8_is_401_everywhere(
                 status, _ = http(method, f"{proc.url}{path}", json_body=body, headers=headers)
                 assert status == 401, (token, path, status)
         assert proc.healthy()
+
+
+def test_a_nul_in_the_url_is_400_on_postgresql(pg_url: str, tmp_path: Path) -> None:
+    """PostgreSQL text cannot hold a NUL: a path parameter or query value with one failed
+    in the driver (500 on every route that looks one up) until the URL was checked."""
+    proc = ServiceProcess(tmp_path / "svc", database_url=pg_url)
+    proc.upgrade()
+    demo = proc.seed_demo()
+    headers = {"Authorization": f"Bearer {demo.key}", "Accept": "application/json"}
+    with proc.start():
+        for method, path in [
+            ("GET", "/operator/reviews/%00"),
+            ("POST", "/operator/reviews/wi%00x/approve"),
+            ("POST", "/operator/deliveries/%00/retry"),
+            ("GET", "/v1/agents/%00"),
+            ("GET", "/v1/models/%00"),
+            ("GET", "/v1/agents/plain/sessions/%00/messages"),
+            ("GET", "/operator/activity?q=a%00b"),
+            ("GET", "/operator/reviews?agent=%00"),
+        ]:
+            status, body = http(method, f"{proc.url}{path}", headers=headers)
+            assert status == 400, (path, status, body[:200])
+            assert json.loads(body)["error"]["rule"] == "url.nul", path
+        # The same routes still answer ids that merely do not exist.
+        status, _ = http("GET", f"{proc.url}/operator/reviews/wi_nope", headers=headers)
+        assert status == 404
+        assert proc.healthy()
+    assert "Traceback" not in proc.log_text()
