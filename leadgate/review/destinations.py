@@ -160,13 +160,21 @@ async def _teams_reference(conn: Conn, target: str) -> dict[str, Any]:
     return dict(row.reference)
 
 
+def _fits(value: object, length: int) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= length and value.isprintable()
+
+
 async def remember_teams_conversation(conn: Conn, clock: Clock, reference: dict[str, Any]) -> None:
     """Keep the latest conversation reference of a Teams conversation (upsert)."""
     conversation = reference.get("conversation") or {}
     conversation_id = conversation.get("id")
-    if not isinstance(conversation_id, str) or not conversation_id or len(conversation_id) > 300:
+    # Ids as the columns hold them: printable (PostgreSQL text cannot hold the NUL an
+    # unauthenticated local-mode activity may carry) and within the column's length.
+    if not _fits(conversation_id, 300):
         return
     tenant = conversation.get("tenantId") or conversation.get("tenantID")
+    if not _fits(tenant, 100):
+        tenant = None
     now = clock.now_ms()
     res = await conn.execute(
         t.teams_conversations.update()

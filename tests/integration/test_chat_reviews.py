@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
+from leadgate.database import schema as t
 from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
 from leadgate.runners.revisions import RevisionRunner
@@ -217,3 +219,19 @@ async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> No
     other = {**reference, "conversation": {"id": "19:json@thread.tacv2"}, "padding": "x" * 600}
     by_json = await add_destination(app, org.id, "teams", json.dumps(other))
     assert (by_json.target, by_json.address) == ("19:json@thread.tacv2", {"reference": other})
+    # What an unauthenticated local-mode activity may carry never fails the write
+    # (PostgreSQL refused the NUL, and a tenant longer than its column).
+    for conversation in (
+        {"id": "19:a\x00b@thread.tacv2"},
+        {"id": "19:" + "x" * 400},
+        {"id": "19:odd@thread.tacv2", "tenantId": "t\x00" + "y" * 200},
+    ):
+        await app.chat_reviews.remember_teams_conversation(
+            {**reference, "conversation": conversation}
+        )
+    async with app.db.read() as conn:
+        kept = {
+            row.conversation_id: row.tenant_id
+            for row in await conn.execute(sa.select(t.teams_conversations))
+        }
+    assert kept == {"19:rev@thread.tacv2": "t1", "19:odd@thread.tacv2": None}
