@@ -68,13 +68,14 @@ def _decode_cursor(cursor: str, rule: str) -> tuple[int, str]:
         at, item_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except (ValueError, TypeError, RecursionError):
         raise ValidationError("cursor is not valid", rule=rule) from None
-    # Only what _encode_cursor writes: a time the database can hold and an id of ASCII (a
-    # float, a huge number or a lone surrogate failed later, in the query: a 500).
+    # Only what _encode_cursor writes: a time the database can hold and an id of printable
+    # ASCII (a float, a huge number, a lone surrogate or, on PostgreSQL, a NUL failed
+    # later, in the query: a 500).
     if (
         type(at) is not int
         or not -INT64_MAX <= at <= INT64_MAX
         or not isinstance(item_id, str)
-        or not item_id.isascii()
+        or not (item_id.isascii() and item_id.isprintable())
     ):
         raise ValidationError("cursor is not valid", rule=rule)
     return at, item_id

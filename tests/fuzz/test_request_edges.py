@@ -78,6 +78,7 @@ def cursor(value: Any) -> str:
         (f"/operator/activity?cursor={quote(base64.b64encode(b'[1e400, 1]'))}", "activity.cursor"),
         (f"/operator/deliveries?cursor={cursor([1, chr(0xD800)])}", "deliveries.cursor"),
         (f"/operator/deliveries?cursor={cursor([1.5, 'dl_1'])}", "deliveries.cursor"),
+        (f"/operator/activity?cursor={cursor([1, 'wi' + chr(0)])}", "activity.cursor"),
         (f"/operator/reviews?cursor={cursor(['[' * 600 + ']' * 600, 'x'])}", "queue.cursor"),
     ],
 )
