@@ -462,7 +462,9 @@ class App:
         )
         api = self.settings.api
         streams = StreamSettings(
-            heartbeat_s=api.events_heartbeat_s, write_timeout_s=api.events_write_timeout_s
+            heartbeat_s=api.events_heartbeat_s,
+            write_timeout_s=api.events_write_timeout_s,
+            max_streams=api.events_max_streams,
         )
         sessions_api.setup(
             app,

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import Unavailable, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.transcripts import parse_limit, public_event
 from leadgate.web.common import PrincipalLookup, authenticate
@@ -81,6 +81,9 @@ class Wakeups(Protocol):
 
     closing: asyncio.Event
 
+    @property
+    def readers(self) -> int: ...
+
     def subscribe(self, session_id: str) -> Any: ...
 
     def unsubscribe(self, waiter: Any) -> None: ...
@@ -95,6 +98,9 @@ class StreamSettings:
     heartbeat_s: float = 15.0
     write_timeout_s: float = 30.0
     page: int = PAGE
+    #: Open streams per process at most (``[api] events_max_streams``): each holds a
+    #: connection, a file descriptor and about 17 KB of the process's memory.
+    max_streams: int = 1000
 
 
 class _Dropped(Exception):
@@ -125,6 +131,10 @@ async def stream_events(
 ) -> web.StreamResponse:
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
+    if hub.readers >= settings.max_streams:
+        raise Unavailable(
+            "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
+        )
     session_id = await reads.open(principal, agent, name)  # 404 before any stream
     # Every replica's writes to the session wake readers from here on (a 503 if the mark
     # fails); the first read of the log, after subscribing, covers what came before.

@@ -458,3 +458,23 @@ async def test_a_replica_listens_on_one_connection_for_every_channel(pg_url: str
         await client.close()
         await service.stop()
         await probe.close()
+
+
+async def test_streams_beyond_the_limit_are_503_until_one_closes(migrated_url: str) -> None:
+    api = {"events_heartbeat_s": HEARTBEAT_S, "events_max_streams": 2}
+    async with served_app(migrated_url, config={"api": api}) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        env = Env(service, client, org, org)
+        first = await open_stream(env, "plain", "a")
+        second = await open_stream(env, "plain", "b")
+        refused = await client.get("/v1/agents/plain/sessions/c/events", headers=env.auth())
+        assert (refused.status, refused.headers["Retry-After"]) == (503, "5")
+        assert (await refused.json())["error"]["rule"] == "events.limit"
+        first.close()
+        assert await eventually(lambda: service.event_hub.readers == 1, 5.0)
+        third = await open_stream(env, "plain", "c")
+        assert service.event_hub.readers == 2
+        third.close()
+        second.close()
+        assert await eventually(lambda: service.event_hub.readers == 0, 5.0)
