@@ -36,6 +36,16 @@ GONE = "This review no longer exists."
 STALE = "This card is out of date: the item is waiting for a decision again. Use its newest card."
 
 
+def _unreadable(identity: str, *ids: str | None) -> ChatAnswer | None:
+    """The answer to a click whose ids no card of ours carries (a NUL, say, which
+    PostgreSQL text cannot hold: the lookup failed there, a 500), else ``None``."""
+    if not identity.isprintable():
+        return ChatAnswer("forbidden", FORBIDDEN)
+    if any(value is not None and not value.isprintable() for value in ids):
+        return ChatAnswer("closed", GONE)
+    return None
+
+
 @dataclass(frozen=True)
 class ChatAnswer:
     """What became of a click.
@@ -68,6 +78,8 @@ class ChatReviews:
         self, platform: str, identity: str, item_id: str, episode_id: str | None = None
     ) -> ChatAnswer:
         """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
+        if (odd := _unreadable(identity, item_id, episode_id)) is not None:
+            return odd
         async with self.db.read() as conn:
             answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
         return answer
@@ -85,6 +97,8 @@ class ChatReviews:
     ) -> ChatAnswer:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
         as the leadgate user linked to ``identity`` on ``platform``."""
+        if (odd := _unreadable(identity, item_id, episode_id, message_id)) is not None:
+            return odd
         async with self.db.read() as conn:
             answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
         if answer.kind != "open" or reviewer is None:
@@ -113,6 +127,8 @@ class ChatReviews:
         message_id: str | None = None,
     ) -> ChatAnswer:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card."""
+        if (odd := _unreadable(identity, delivery_id, message_id)) is not None:
+            return odd
         d = t.deliveries.c
         async with self.db.read() as conn:
             row = (

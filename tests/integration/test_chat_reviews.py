@@ -235,3 +235,25 @@ async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> No
             for row in await conn.execute(sa.select(t.teams_conversations))
         }
     assert kept == {"19:rev@thread.tacv2": "t1", "19:odd@thread.tacv2": None}
+
+
+async def test_a_click_naming_ids_no_card_carries_changes_nothing(app: App) -> None:
+    # A NUL failed the lookups on PostgreSQL (a 500 to Slack, Discord and Teams).
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    reviews = app.chat_reviews
+    nul = "\x00"
+    assert (await reviews.check("slack", MEMBER, item_id + nul)).kind == "closed"
+    assert (await reviews.check("slack", MEMBER + nul, item_id)).kind == "forbidden"
+    for answer in (
+        await reviews.decide("slack", MEMBER, item_id + nul, "approve"),
+        await reviews.decide("slack", MEMBER, item_id, "approve", episode_id="ep" + nul),
+        await reviews.decide("slack", MEMBER, item_id, "approve", message_id=nul),
+        await reviews.recover("slack", MEMBER, "dl" + nul, "confirm"),
+    ):
+        assert answer.kind == "closed", answer
+    forbidden = await reviews.decide("slack", MEMBER + nul, item_id, "approve")
+    assert forbidden.kind == "forbidden"
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+    # The same click with the card's own ids decides.
+    assert (await reviews.decide("slack", MEMBER, item_id, "approve")).decided
