@@ -198,3 +198,18 @@ class Anonymizer:
             for n, mark in enumerate(self.marks):
                 value = value.replace(mark, f"<mark{n}>")
         return value
+
+
+def mcp_initialize(protocol: str = "2025-06-18") -> dict[str, Any]:
+    """A raw MCP ``initialize`` JSON-RPC request (for tests that speak to ``/mcp`` without
+    the SDK's client)."""
+    return {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": protocol,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }

@@ -23,6 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 
+from tests.helpers import mcp_initialize
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 TOOL = "send_action_agent_message"
@@ -144,16 +145,7 @@ async def test_gated_then_approved_then_the_session_answers_again(svc: ServicePr
 
 
 async def test_without_or_with_a_bad_key_is_401(svc: ServiceProcess) -> None:
-    initialize = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
+    initialize = mcp_initialize()
     headers = {"Accept": "application/json, text/event-stream"}
     async with aiohttp.ClientSession() as http:
         for auth in (None, "Bearer lg.key_nope.secret", "Basic abc"):

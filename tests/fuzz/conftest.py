@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
+from hypothesis import HealthCheck, settings
 from nacl.signing import SigningKey
 
 from tests.acceptance.channel_kit import admin_batch, route
@@ -25,6 +27,17 @@ from tests.service_proc import ServiceProcess, clone_sqlite, make_template
 
 FUZZ_EXAMPLES = 12
 LONG_EXAMPLES = 300
+#: One HTTP session (keep-alive) for every fuzz test's requests.
+SESSION = requests.Session()
+#: Hypothesis settings of the strategies that are not schemathesis's: repeatable
+#: (derandomized, no example database), no deadline (a real service answers).
+SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES * 4,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    database=None,
+)
 SLACK_SECRET = "fuzz-signing-secret"
 #: Tables a request (not a background runner) writes; audit and deliveries are also
 #: written by runners working on earlier accepted requests.

@@ -17,19 +17,10 @@ from typing import Any
 
 import pytest
 import requests
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.fuzz.conftest import FUZZ_EXAMPLES, SLACK_SECRET, Fuzzed
-
-SESSION = requests.Session()
-SETTINGS = settings(
-    max_examples=FUZZ_EXAMPLES * 4,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
+from tests.fuzz.conftest import SESSION, SETTINGS, SLACK_SECRET, Fuzzed
 
 scalars = (
     st.none()

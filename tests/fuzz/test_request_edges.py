@@ -21,19 +21,12 @@ from urllib.parse import quote
 
 import pytest
 import requests
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.fuzz.conftest import FUZZ_EXAMPLES, Fuzzed
+from tests.fuzz.conftest import SESSION, SETTINGS, Fuzzed
+from tests.helpers import mcp_initialize
 
-SESSION = requests.Session()
-SETTINGS = settings(
-    max_examples=FUZZ_EXAMPLES * 4,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-    database=None,
-)
 CHAT: dict[str, Any] = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
 #: The routes that take counts, times and cursors in their query, and each one's rules.
 PAGED = {
@@ -160,16 +153,7 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service
 
 
 def test_mcp_takes_any_query_string(fuzz_service: Fuzzed) -> None:
-    init: dict[str, Any] = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "edge", "version": "1"},
-        },
-    }
+    init = mcp_initialize()
     for query in ("x=%E2%80%AE", "x=%FF", "since=%D9%A1"):
         response = SESSION.post(
             f"{fuzz_service.proc.url}/mcp?{query}",

@@ -28,7 +28,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import NotFound, PermissionDenied
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.web.mcp import mount_mcp
-from tests.helpers import eventually
+from tests.helpers import eventually, mcp_initialize
 
 GENERIC = "The operation could not be completed. Try again."
 
@@ -305,16 +305,7 @@ async def test_each_org_gets_its_own_principal(served: Served) -> None:
 
 
 async def test_mcp_session_is_bound_to_its_creator(served: Served) -> None:
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
+    init = mcp_initialize("2025-11-25")
     headers = {"Accept": "application/json, text/event-stream"}
     async with httpx2.AsyncClient() as http:
         opened = await http.post(

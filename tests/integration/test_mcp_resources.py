@@ -29,7 +29,7 @@ from leadgate.app import App, package_version
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
-from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_org
+from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_org, mcp_initialize
 
 TOOL = "send_action_agent_message"
 
@@ -328,16 +328,7 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
 
 
 async def test_idle_sessions_expire(env: Env) -> None:
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-11-25",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
+    init = mcp_initialize("2025-11-25")
     headers = {
         "Accept": "application/json, text/event-stream",
         "Authorization": f"Bearer {env.org.key}",
