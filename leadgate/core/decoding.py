@@ -90,14 +90,14 @@ async def read_body(request: web.Request) -> bytes:
         raise ValidationError("the request body is incomplete", rule="body.incomplete") from exc
 
 
-def decimal_int(raw: str, *, maximum: int = INT64_MAX) -> int | None:
-    """``raw`` as a non-negative integer of ASCII digits, at most ``maximum``; ``None``
-    otherwise (the caller answers 400 with its own rule)."""
+def decimal_int(raw: str) -> int | None:
+    """``raw`` as a non-negative integer of ASCII digits, at most :data:`INT64_MAX`;
+    ``None`` otherwise (the caller answers 400 with its own rule)."""
     # 19 digits hold INT64_MAX; the length test also keeps int() off huge strings.
     if not raw or len(raw) > 19 or not raw.isascii() or not raw.isdigit():
         return None
     value = int(raw)
-    return value if value <= maximum else None
+    return value if value <= INT64_MAX else None
 
 
 def decode_text(raw: bytes) -> str:

@@ -86,11 +86,13 @@ def parse_time(value: str | None, name: str) -> int | None:
     it names a zone)."""
     if value is None or value == "":
         return None
-    if value.isascii() and value.isdigit():
+    if value.isdigit():
         at = decimal_int(value)
-        if at is None:
+        if at is None:  # "²", or past any time a database column holds
             raise ValidationError(
-                f"{name} is beyond any time the service stores", rule=f"activity.{name}"
+                f"{name} must be epoch milliseconds (ASCII digits, at most {INT64_MAX}) "
+                "or an ISO 8601 time",
+                rule=f"activity.{name}",
             )
         return at
     try:
