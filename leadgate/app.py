@@ -77,7 +77,7 @@ from leadgate.web import (
 )
 from leadgate.web.common import add_request_id, error_middleware, error_response
 from leadgate.web.mcp import McpLifecycle, mount_mcp
-from leadgate.web.sessions_api import StreamSettings
+from leadgate.web.sessions_api import StreamSettings, StreamSlots
 from outbox.channel import Channel
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox, listen_all
@@ -464,7 +464,7 @@ class App:
         streams = StreamSettings(
             heartbeat_s=api.events_heartbeat_s,
             write_timeout_s=api.events_write_timeout_s,
-            max_streams=api.events_max_streams,
+            slots=StreamSlots(api.events_max_streams),
         )
         sessions_api.setup(
             app,

@@ -63,7 +63,6 @@ class EventHub:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._waiters: dict[str, set[Waiter]] = {}
-        self._readers = 0
         self._watchers: list[Watcher] = []
         self._sources: list[Callable[[], Iterable[str]]] = []
         #: Set when the process shuts down: readers end their streams.
@@ -129,15 +128,13 @@ class EventHub:
         it when done)."""
         waiter = Waiter(session_id)
         self._waiters.setdefault(session_id, set()).add(waiter)
-        self._readers += 1
         return waiter
 
     def unsubscribe(self, waiter: Waiter) -> None:
         """Forget ``waiter`` (idempotent)."""
         waiters = self._waiters.get(waiter.session_id)
-        if waiters is not None and waiter in waiters:
+        if waiters is not None:
             waiters.discard(waiter)
-            self._readers -= 1
             if not waiters:
                 del self._waiters[waiter.session_id]
 
@@ -163,7 +160,7 @@ class EventHub:
     @property
     def readers(self) -> int:
         """Waiting readers (all sessions)."""
-        return self._readers
+        return sum(len(w) for w in self._waiters.values())
 
     def wake(self, session_id: str, has_message: bool) -> None:
         """``session_id`` has new events."""

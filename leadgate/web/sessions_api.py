@@ -34,7 +34,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -81,9 +82,6 @@ class Wakeups(Protocol):
 
     closing: asyncio.Event
 
-    @property
-    def readers(self) -> int: ...
-
     def subscribe(self, session_id: str) -> Any: ...
 
     def unsubscribe(self, waiter: Any) -> None: ...
@@ -91,16 +89,43 @@ class Wakeups(Protocol):
     async def keep_notified(self, session_id: str) -> None: ...
 
 
+class StreamSlots:
+    """The event streams one process has open, at most ``limit`` (``[api]
+    events_max_streams``): each holds a connection, a file descriptor and about 17 KB of
+    the process's memory.
+
+    A slot is taken before a new stream's first await (its session lookup, the
+    PostgreSQL watch mark), so a burst of opens cannot all pass the check before any of
+    them is counted, and it is given back however the stream ends.
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[None]:
+        """Hold a slot for the block; 503 ``events.limit`` when none is free."""
+        if self.taken >= self.limit:
+            raise Unavailable(
+                "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
+            )
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
+
+
 @dataclass(frozen=True)
 class StreamSettings:
-    """Timing of event streams (injectable: tests use short ones)."""
+    """Timing of event streams (injectable: tests use short ones) and the process's
+    stream slots (one :class:`StreamSlots` shared by the REST and Studio routes)."""
 
     heartbeat_s: float = 15.0
     write_timeout_s: float = 30.0
     page: int = PAGE
-    #: Open streams per process at most (``[api] events_max_streams``): each holds a
-    #: connection, a file descriptor and about 17 KB of the process's memory.
-    max_streams: int = 1000
+    slots: StreamSlots = field(default_factory=StreamSlots)
 
 
 class _Dropped(Exception):
@@ -131,10 +156,20 @@ async def stream_events(
 ) -> web.StreamResponse:
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
-    if hub.readers >= settings.max_streams:
-        raise Unavailable(
-            "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
-        )
+    with settings.slots.take():
+        return await _stream(request, reads, hub, settings, principal, agent, name, after)
+
+
+async def _stream(
+    request: web.Request,
+    reads: SessionReads,
+    hub: Wakeups,
+    settings: StreamSettings,
+    principal: Principal,
+    agent: str,
+    name: str,
+    after: int,
+) -> web.StreamResponse:
     session_id = await reads.open(principal, agent, name)  # 404 before any stream
     # Every replica's writes to the session wake readers from here on (a 503 if the mark
     # fails); the first read of the log, after subscribing, covers what came before.

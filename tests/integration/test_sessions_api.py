@@ -478,3 +478,15 @@ async def test_streams_beyond_the_limit_are_503_until_one_closes(migrated_url: s
         third.close()
         second.close()
         assert await eventually(lambda: service.event_hub.readers == 0, 5.0)
+        # A burst of opens at once: the slot is taken before a stream's first await, so
+        # no more than the limit get through (each one's session lookup and PostgreSQL
+        # mark used to run between the check and the count).
+        burst = await asyncio.gather(
+            *(
+                client.get(f"/v1/agents/plain/sessions/burst{i}/events", headers=env.auth())
+                for i in range(8)
+            )
+        )
+        assert sorted(r.status for r in burst) == [200, 200] + [503] * 6
+        for r in burst:
+            r.close()
