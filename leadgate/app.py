@@ -75,9 +75,9 @@ from leadgate.web import (
     sessions_api,
     studio,
 )
-from leadgate.web.common import add_request_id, error_middleware, error_response
+from leadgate.web.common import StreamSlots, add_request_id, error_middleware, error_response
 from leadgate.web.mcp import McpLifecycle, mount_mcp
-from leadgate.web.sessions_api import StreamSettings, StreamSlots
+from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox, listen_all

@@ -1,12 +1,13 @@
 """Shared HTTP plumbing: the one JSON error envelope, request ids, body parsing,
-authentication."""
+authentication, event stream slots."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -14,7 +15,13 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import bearer_token, json_object, read_body
-from leadgate.core.errors import AuthError, LeadgateError, ModelError, ValidationError
+from leadgate.core.errors import (
+    AuthError,
+    LeadgateError,
+    ModelError,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.database.faults import unavailable
 
 log = logging.getLogger("leadgate.web")
@@ -147,6 +154,34 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     """The request's JSON object body through the one decoding path
     (:mod:`leadgate.core.decoding`: 400 naming the rule, 413 too large, 408 too slow)."""
     return json_object(await read_body(request))
+
+
+class StreamSlots:
+    """The event streams of one kind a process has open, at most ``limit`` (session
+    events: ``[api] events_max_streams``; the operator feed: 256): each holds a
+    connection, a file descriptor and memory (about 17 KB for a session's).
+
+    A slot is taken before a new stream's first await (its session lookup, the
+    PostgreSQL watch mark), so a burst of opens cannot all pass the check before any of
+    them is counted, and it is given back however the stream ends.
+    """
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[None]:
+        """Hold a slot for the block; 503 ``events.limit`` when none is free."""
+        if self.taken >= self.limit:
+            raise Unavailable(
+                "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
+            )
+        self.taken += 1
+        try:
+            yield
+        finally:
+            self.taken -= 1
 
 
 def require_console_header(request: web.Request) -> None:

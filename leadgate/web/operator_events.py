@@ -33,7 +33,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import LeadgateError
-from leadgate.web.common import PrincipalLookup, authenticate, error_response
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -75,7 +75,7 @@ def setup(
 ) -> None:
     """Register ``GET /operator/events``."""
     closing = asyncio.Event()
-    open_streams: set[web.StreamResponse] = set()
+    slots = StreamSlots(MAX_STREAMS)
 
     async def on_shutdown(_: web.Application) -> None:
         closing.set()
@@ -85,12 +85,13 @@ def setup(
     async def events(request: web.Request) -> web.StreamResponse:
         principal = await authenticate(request, authenticate_with, cookie=True)
         current = await feed.mark(principal)  # 403 here for a key without agent:review
-        if len(open_streams) >= MAX_STREAMS:
-            busy = error_response(
-                request, 503, "too many live streams; try again soon", "unavailable", "events.limit"
-            )
-            busy.headers["Retry-After"] = "5"
-            return busy
+        # The slot is taken before the stream's next await (see StreamSlots).
+        with slots.take():
+            return await _stream(request, principal, current)
+
+    async def _stream(
+        request: web.Request, principal: Principal, current: Any
+    ) -> web.StreamResponse:
         size = await feed.queue_size(principal)
         resp = web.StreamResponse(
             headers={
@@ -100,7 +101,6 @@ def setup(
             }
         )
         await resp.prepare(request)
-        open_streams.add(resp)
         try:
             await resp.write(b"retry: 3000\n\n")
             await resp.write(_event("hello", {"queue": size}, current.token()))
@@ -110,8 +110,6 @@ def setup(
             await _follow(request, resp, principal, current)
         except ConnectionResetError:
             pass  # the client went away
-        finally:
-            open_streams.discard(resp)
         return resp
 
     async def _follow(

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,10 +41,10 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int
-from leadgate.core.errors import Unavailable, ValidationError
+from leadgate.core.errors import ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.transcripts import parse_limit, public_event
-from leadgate.web.common import PrincipalLookup, authenticate
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -87,34 +86,6 @@ class Wakeups(Protocol):
     def unsubscribe(self, waiter: Any) -> None: ...
 
     async def keep_notified(self, session_id: str) -> None: ...
-
-
-class StreamSlots:
-    """The event streams one process has open, at most ``limit`` (``[api]
-    events_max_streams``): each holds a connection, a file descriptor and about 17 KB of
-    the process's memory.
-
-    A slot is taken before a new stream's first await (its session lookup, the
-    PostgreSQL watch mark), so a burst of opens cannot all pass the check before any of
-    them is counted, and it is given back however the stream ends.
-    """
-
-    def __init__(self, limit: int = 1000) -> None:
-        self.limit = limit
-        self.taken = 0
-
-    @contextlib.contextmanager
-    def take(self) -> Iterator[None]:
-        """Hold a slot for the block; 503 ``events.limit`` when none is free."""
-        if self.taken >= self.limit:
-            raise Unavailable(
-                "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
-            )
-        self.taken += 1
-        try:
-            yield
-        finally:
-            self.taken -= 1
 
 
 @dataclass(frozen=True)
