@@ -127,75 +127,63 @@ async def stream_events(
 ) -> web.StreamResponse:
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
+    # The slot is taken before the first await (see StreamSlots).
     with settings.slots.take():
-        return await _stream(request, reads, hub, settings, principal, agent, name, after)
+        session_id = await reads.open(principal, agent, name)  # 404 before any stream
+        # Every replica's writes to the session wake readers from here on (a 503 if the mark
+        # fails); the first read of the log, after subscribing, covers what came before.
+        await hub.keep_notified(session_id)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies must not hold events back
+            }
+        )
+        await response.prepare(request)
+        waiter = hub.subscribe(session_id)
 
-
-async def _stream(
-    request: web.Request,
-    reads: SessionReads,
-    hub: Wakeups,
-    settings: StreamSettings,
-    principal: Principal,
-    agent: str,
-    name: str,
-    after: int,
-) -> web.StreamResponse:
-    session_id = await reads.open(principal, agent, name)  # 404 before any stream
-    # Every replica's writes to the session wake readers from here on (a 503 if the mark
-    # fails); the first read of the log, after subscribing, covers what came before.
-    await hub.keep_notified(session_id)
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not hold events back
-        }
-    )
-    await response.prepare(request)
-    waiter = hub.subscribe(session_id)
-
-    async def send(data: bytes) -> None:
-        try:
-            await asyncio.wait_for(response.write(data), settings.write_timeout_s)
-        except TimeoutError:
-            raise _Dropped("write timed out") from None
-        except (ConnectionError, RuntimeError) as exc:  # reset, or a closing transport
-            raise _Dropped(str(exc)) from None
-
-    try:
-        await send(b": connected\n\n")
-        while not hub.closing.is_set():
-            waiter.event.clear()
-            events = await reads.events(session_id, after=after, limit=settings.page)
-            for event in events:
-                name_, data = public_event(event)
-                await send(
-                    f"id: {event.seq}\nevent: {name_}\ndata: {json.dumps(data)}\n\n".encode()
-                )
-                after = event.seq
-            if len(events) == settings.page:
-                continue  # more to catch up on
+        async def send(data: bytes) -> None:
             try:
-                await asyncio.wait_for(waiter.event.wait(), settings.heartbeat_s)
+                await asyncio.wait_for(response.write(data), settings.write_timeout_s)
             except TimeoutError:
-                await send(b": keepalive\n\n")
-    except _Dropped as exc:
-        log.info("event stream of session %s dropped: %s", session_id, exc)
-        if request.transport is not None:
-            request.transport.close()
+                raise _Dropped("write timed out") from None
+            except (ConnectionError, RuntimeError) as exc:  # reset, or a closing transport
+                raise _Dropped(str(exc)) from None
+
+        try:
+            await send(b": connected\n\n")
+            while not hub.closing.is_set():
+                waiter.event.clear()
+                events = await reads.events(session_id, after=after, limit=settings.page)
+                for event in events:
+                    name_, data = public_event(event)
+                    await send(
+                        f"id: {event.seq}\nevent: {name_}\ndata: {json.dumps(data)}\n\n".encode()
+                    )
+                    after = event.seq
+                if len(events) == settings.page:
+                    continue  # more to catch up on
+                try:
+                    await asyncio.wait_for(waiter.event.wait(), settings.heartbeat_s)
+                except TimeoutError:
+                    await send(b": keepalive\n\n")
+        except _Dropped as exc:
+            log.info("event stream of session %s dropped: %s", session_id, exc)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        except Exception:
+            # The reader resumes with Last-Event-ID; nothing is lost with the connection.
+            log.exception("event stream of session %s failed", session_id)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        finally:
+            hub.unsubscribe(waiter)
+        with contextlib.suppress(ConnectionError):  # shutting down; the client may be gone
+            await response.write_eof()
         return response
-    except Exception:
-        # The reader resumes with Last-Event-ID; nothing is lost with the connection.
-        log.exception("event stream of session %s failed", session_id)
-        if request.transport is not None:
-            request.transport.close()
-        return response
-    finally:
-        hub.unsubscribe(waiter)
-    with contextlib.suppress(ConnectionError):  # shutting down; the client may be gone
-        await response.write_eof()
-    return response
 
 
 async def transcript_response(
