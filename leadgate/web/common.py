@@ -96,6 +96,22 @@ async def add_request_id(request: web.Request, response: web.StreamResponse) -> 
     response.headers[REQUEST_ID_HEADER] = request_id(request)
 
 
+def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:
+    """503 with ``Retry-After``, logged as a warning with what the database said (which
+    clients never see). Overload and database faults are expected and retried: an ERROR
+    per request would page someone for every client retrying."""
+    log.warning(
+        "%s %s: 503 [%s]%s",
+        request.method,
+        request.path,
+        exc.rule,
+        f" ({exc.detail})" if exc.detail else "",
+    )
+    resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+    resp.headers["Retry-After"] = str(exc.retry_after_s or 1)
+    return resp
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure becomes a JSON error; nothing crashes the process or leaks internals.
@@ -114,6 +130,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if "%00" in request.raw_path:
             raise ValidationError("the URL holds a NUL character (%00)", rule="url.nul")
         return await handler(request)
+    except Unavailable as exc:
+        return _unavailable_response(request, exc)
     except LeadgateError as exc:
         if exc.status >= 500 and not isinstance(exc, ModelError):
             log.error(
@@ -140,10 +158,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         fault = unavailable(exc)
         if fault is not None:
             # A database fault that escaped the transaction helpers: still a 503.
-            log.warning("database unavailable on %s %s: %s", request.method, request.path, exc)
-            resp = error_response(request, 503, fault.message, fault.code, fault.rule)
-            resp.headers["Retry-After"] = str(fault.retry_after_s)
-            return resp
+            return _unavailable_response(request, fault)
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(request, 500, "internal error", "internal_error", "internal")
     finally:

@@ -1,13 +1,17 @@
 """The one decoding path: every bad body is a 400 naming its rule, never a crash; the
-body-size limit and the body timeout; client text headers; the login guard's counting."""
+body-size limit and the body timeout; client text headers; the login guard's counting;
+a 503's log line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sqlite3
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from hypothesis import given, settings
@@ -260,3 +264,45 @@ async def test_password_check_slots_are_bounded() -> None:
             pass
     release.set()
     await asyncio.gather(first, second)
+
+
+async def test_a_503_is_one_warning_naming_the_rule_and_what_the_database_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Overload and database faults are expected and retried by clients: one WARNING per
+    request with what the database said (never sent to the client), not an ERROR each."""
+    fault = Unavailable("the service cannot store this request", rule="service.unavailable")
+    fault.detail = "disk I/O error on /var/lib/leadgate.db"
+
+    async def busy(request: web.Request) -> web.Response:
+        raise Unavailable("too many live event streams", rule="events.limit", retry_after_s=5)
+
+    async def faulty(request: web.Request) -> web.Response:
+        raise fault
+
+    async def locked(request: web.Request) -> web.Response:
+        # What SQLAlchemy raises for SQLite's busy timeout (a fault no helper translated).
+        raise sa.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+
+    app = web.Application(middlewares=[error_middleware])
+    for name, handler in (("busy", busy), ("faulty", faulty), ("locked", locked)):
+        app.router.add_get(f"/{name}", handler)
+    client = await _client(app)
+    caplog.set_level(logging.INFO, logger="leadgate.web")
+    try:
+        answers = {}
+        for name in ("busy", "faulty", "locked"):
+            resp = await client.get(f"/{name}")
+            answers[name] = (resp.status, resp.headers["Retry-After"], await resp.json())
+    finally:
+        await client.close()
+    assert answers["busy"][:2] == (503, "5")
+    assert answers["busy"][2]["error"]["rule"] == "events.limit"
+    assert answers["faulty"][:2] == (503, "2")
+    assert "disk" not in json.dumps(answers["faulty"][2])
+    assert answers["locked"][2]["error"]["rule"] == "service.unavailable"
+    records = [r for r in caplog.records if r.name == "leadgate.web"]
+    assert [r.levelname for r in records] == ["WARNING"] * 3
+    assert records[0].getMessage() == "GET /busy: 503 [events.limit]"
+    assert records[1].getMessage().endswith("(disk I/O error on /var/lib/leadgate.db)")
+    assert "database is locked" in records[2].getMessage()
