@@ -52,12 +52,13 @@ async def _serve(settings: Settings, role: str) -> None:
     # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
     # and operator commands do not need.
     from leadgate.app import App
+    from leadgate.web.runner import ServiceRunner
 
     # Every role builds the channel adapters: a worker's relay posts through their
     # outbound halves (the inbound halves are mounted for api/all only).
     app = App(settings)
     await app.db.check_migrated()
-    runner = web.AppRunner(
+    runner = ServiceRunner(
         app.web_app(role, run_runners=role in ("worker", "all")),
         handle_signals=False,
         access_log=None,
@@ -70,7 +71,7 @@ async def _serve(settings: Settings, role: str) -> None:
     await site.start()
     metrics_runner: web.AppRunner | None = None
     if settings.server.metrics_host:
-        metrics_runner = web.AppRunner(
+        metrics_runner = ServiceRunner(
             app.metrics_app(), handle_signals=False, access_log=None, keepalive_timeout=5
         )
         await metrics_runner.setup()

@@ -7,7 +7,8 @@ on every route found them): a count or time past 64 bits reached the SQLite driv
 ``Infinity`` or a lone surrogate failed in its query, a gzip body that is not gzip failed
 in aiohttp's reader, and ``/mcp?x=%E2%80%AE`` failed to encode for the SDK's scope. A
 request line aiohttp cannot parse was answered 400 but logged at ERROR with a traceback
-quoting the request; it is now one INFO line.
+quoting the request; it is now one INFO line. Until session 32 that 400 was aiohttp's own
+plain text, quoting the request line; it is now the JSON envelope (``http.malformed``).
 """
 
 from __future__ import annotations
@@ -164,24 +165,45 @@ def test_mcp_takes_any_query_string(fuzz_service: Fuzzed) -> None:
         assert response.status_code == 200, (query, response.status_code, response.text[:300])
 
 
-def raw_request(svc: Fuzzed, request_line: bytes) -> bytes:
+def raw_exchange(svc: Fuzzed, head: bytes) -> bytes:
+    """Send ``head`` as it is on a new connection; everything the service answers."""
     port = int(svc.proc.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request_line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        sock.sendall(head)
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
     return data
 
 
-def test_a_request_line_aiohttp_cannot_parse_is_400_and_one_quiet_log_line(
-    fuzz_service: Fuzzed,
+SECRET = b"secret-looking-bytes"
+UNPARSEABLE = {
+    "request target": b"GET /v1/agents/\xff" + SECRET + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "header without a colon": b"GET /health HTTP/1.1\r\nHost: x\r\n" + SECRET + b"\r\n\r\n",
+    "header line too long": b"GET /health HTTP/1.1\r\nX-A: " + SECRET * 600 + b"\r\n\r\n",
+    "both body framings": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    "not HTTP at all": b"\x16\x03\x01\x02\x00" + SECRET + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("head", UNPARSEABLE.values(), ids=list(UNPARSEABLE))
+def test_a_request_aiohttp_cannot_parse_is_a_json_400_and_one_quiet_log_line(
+    fuzz_service: Fuzzed, head: bytes
 ) -> None:
-    marker = b"/v1/agents/\xffsecret-looking-bytes"
-    answer = raw_request(fuzz_service, b"GET " + marker + b" HTTP/1.1")
-    # aiohttp's own plain-text 400 (it answers before any handler or middleware runs).
-    assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+    answer = raw_exchange(fuzz_service, head)
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.split(b" ", 2)[1] == b"400", answer[:300]
+    # The one error envelope, naming the rule; not aiohttp's text quoting the bytes back.
+    assert b"application/json" in headers.lower(), answer[:300]
+    assert json.loads(body)["error"]["rule"] == "http.malformed"
+    assert SECRET not in answer
     log = fuzz_service.proc.log_text()
-    assert "secret-looking-bytes" not in log
-    assert "malformed request from 127.0.0.1 (InvalidURLError)" in log
+    assert SECRET.decode() not in log
     assert fuzz_service.log_problems() == []
+
+
+def test_a_malformed_request_is_logged_as_one_info_line(fuzz_service: Fuzzed) -> None:
+    raw_exchange(fuzz_service, UNPARSEABLE["request target"])
+    assert "malformed request from 127.0.0.1 (InvalidURLError)" in fuzz_service.proc.log_text()
