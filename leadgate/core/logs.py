@@ -71,9 +71,14 @@ class MalformedRequestFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
-            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            record.msg = "malformed request from %s (%s)"
-            record.args = (peer, type(exc).__name__)
+            if isinstance(record.args, tuple) and record.args:
+                record.msg = "malformed request from %s (%s)"
+                record.args = (record.args[0], type(exc).__name__)
+            else:
+                # aiohttp draining a broken body after the answer ("Unhandled exception"):
+                # the request was already answered 400 and logged by its route.
+                record.msg = "malformed request body, connection closed (%s)"
+                record.args = (type(exc).__name__,)
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.exc_info = record.exc_text = None
             # The logger let the ERROR through; the INFO line obeys ``[log] level``.

@@ -74,9 +74,17 @@ def error_response(
     """A JSON error response in the one envelope (:func:`error_body`); 401 answers say
     ``WWW-Authenticate: Bearer``."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return web.json_response(
+    response = web.json_response(
         error_body(status, message, code, rule), status=status, headers=headers
     )
+    body = request.content
+    if body.exception() is not None or not body.is_eof():
+        # The body broke (bad gzip, broken chunks) or was never all sent (too large, too
+        # slow, refused before it was read): aiohttp closes such a connection after the
+        # answer anyway. Saying so (``Connection: close``) keeps a keep-alive client from
+        # sending its next request into the closing socket, where it was reset.
+        response.force_close()
+    return response
 
 
 def request_id(request: web.Request) -> str:

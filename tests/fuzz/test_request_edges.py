@@ -140,6 +140,9 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service
     for path in ("/v1/chat/completions", "/mcp", "/console/login", "/v1/agents"):
         response = SESSION.post(f"{url}{path}", data=b'{"not": "gzip"}', headers=headers)
         assert (response.status_code, rule_of(response)) == (400, "body.encoding"), path
+        # aiohttp closes a connection whose body broke; the answer says so, or the next
+        # request on it (this session's) was sent into the closing socket and reset.
+        assert response.headers.get("Connection", "").lower() == "close", path
     assert fuzz_service.fingerprint() == before
     # A body that is gzip is read as what it decompresses to, and counts at that size.
     good = SESSION.post(

@@ -87,6 +87,7 @@ def test_a_request_aiohttp_could_not_parse_is_one_info_line_without_what_was_sen
     restore_logging: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from aiohttp.http_exceptions import InvalidURLError
+    from aiohttp.web import RequestPayloadError
 
     setup_logging(Settings.model_validate({"log": {"level": "INFO"}}))
     server = logging.getLogger("aiohttp.server")
@@ -96,8 +97,15 @@ def test_a_request_aiohttp_could_not_parse_is_one_info_line_without_what_was_sen
         # What aiohttp's RequestHandler.handle_error does with a parse error.
         server.exception("Error handling request from %s", "10.0.0.7", exc_info=exc)
     server.error("something else broke")
+    try:
+        raise RequestPayloadError("Can not decode content-encoding: gzip")
+    except RequestPayloadError as exc:
+        # What aiohttp logs when draining a body that broke after the route answered.
+        server.exception("Unhandled exception", exc_info=exc)
     err = capsys.readouterr().err
     assert "malformed request from 10.0.0.7 (InvalidURLError)" in err
+    assert "malformed request body, connection closed (RequestPayloadError)" in err
+    assert "gzip" not in err
     assert "[info" in err and "secret" not in err and "Traceback" not in err
     assert "something else broke" in err  # other aiohttp errors still show
 
