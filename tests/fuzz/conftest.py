@@ -1,5 +1,7 @@
 """The fuzz suite's service: the real ``leadgate serve`` with Slack, Discord (interactions)
-and Teams (local no-auth mode) on, routes to the demo ``plain`` agent, SQLite.
+and Teams (local no-auth mode) on, routes to the demo ``plain`` agent, SQLite; and the same
+service on PostgreSQL (``pg_fuzz_service``) for the request-edge tests (``edge_service``
+runs a test on both).
 
 ``fuzzed`` (module scope) is that service plus what the tests sign with and a way to
 fingerprint the database (row counts of the tables a request could write): a request
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -23,7 +27,8 @@ from hypothesis import HealthCheck, settings
 from nacl.signing import SigningKey
 
 from tests.acceptance.channel_kit import admin_batch, route
-from tests.service_proc import ServiceProcess, clone_sqlite, make_template
+from tests.pg import PostgresServer
+from tests.service_proc import Demo, ServiceProcess, clone_sqlite, make_template
 
 FUZZ_EXAMPLES = 12
 LONG_EXAMPLES = 300
@@ -103,28 +108,22 @@ class Fuzzed:
         return [line for line in self.proc.log_text().splitlines() if any(m in line for m in marks)]
 
 
-@pytest.fixture(scope="session")
-def fuzz_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
-    template = make_template(tmp_path_factory.mktemp("fuzz-template"))
-    key = SigningKey.generate()
-    proc = ServiceProcess(
-        tmp_path_factory.mktemp("fuzz-svc"),
-        config={
-            "runners": {"poll_interval_s": 0.5},
-            "slack": {
-                "signing_secret": SLACK_SECRET,
-                "bot_token": "xoxb-fuzz",
-                # Nothing listens there: replies are retried later, harmlessly.
-                "api_url": "http://127.0.0.1:9/api/",
-            },
-            "discord": {"public_key": key.verify_key.encode().hex()},
-            "teams": {"enabled": True},
+def _config(key: SigningKey) -> dict[str, Any]:
+    return {
+        "runners": {"poll_interval_s": 0.5},
+        "slack": {
+            "signing_secret": SLACK_SECRET,
+            "bot_token": "xoxb-fuzz",
+            # Nothing listens there: replies are retried later, harmlessly.
+            "api_url": "http://127.0.0.1:9/api/",
         },
-    )
-    assert proc.sqlite_file is not None
-    clone_sqlite(template.database, proc.sqlite_file)
-    proc.demo = template.demo
-    org = template.demo.org
+        "discord": {"public_key": key.verify_key.encode().hex()},
+        "teams": {"enabled": True},
+    }
+
+
+def _serve(proc: ServiceProcess, key: SigningKey, demo: Demo) -> Iterator[Fuzzed]:
+    org = demo.org
     admin_batch(
         proc,
         [
@@ -135,6 +134,41 @@ def fuzz_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     )
     proc.start()
     try:
-        yield Fuzzed(proc, key, template.demo.key)
+        yield Fuzzed(proc, key, demo.key)
     finally:
         proc.stop(check=False)
+
+
+@pytest.fixture(scope="session")
+def fuzz_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+    template = make_template(tmp_path_factory.mktemp("fuzz-template"))
+    key = SigningKey.generate()
+    proc = ServiceProcess(tmp_path_factory.mktemp("fuzz-svc"), config=_config(key))
+    assert proc.sqlite_file is not None
+    clone_sqlite(template.database, proc.sqlite_file)
+    proc.demo = template.demo
+    yield from _serve(proc, key, template.demo)
+
+
+@pytest.fixture(scope="session")
+def pg_fuzz_service(
+    postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fuzzed]:
+    """The same service on PostgreSQL, for the request-edge tests: there a NUL or a number
+    past 64 bits fails in the driver rather than in SQLite's (session 31's probes)."""
+    key = SigningKey.generate()
+    url = postgres_server.create_database(f"fuzz_{uuid.uuid4().hex[:12]}")
+    proc = ServiceProcess(
+        tmp_path_factory.mktemp("fuzz-pg-svc"), database_url=url, config=_config(key)
+    )
+    proc.upgrade()
+    yield from _serve(proc, key, proc.seed_demo())
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def edge_service(request: pytest.FixtureRequest) -> Fuzzed:
+    """:func:`fuzz_service` and :func:`pg_fuzz_service` in turn (tests that need no
+    fingerprint, which reads the SQLite file)."""
+    name = "fuzz_service" if request.param == "sqlite" else "pg_fuzz_service"
+    service: Fuzzed = request.getfixturevalue(name)
+    return service
