@@ -1,9 +1,9 @@
 """The fuzz suite's service: the real ``leadgate serve`` with Slack, Discord (interactions)
-and Teams (local no-auth mode) on, routes to the demo ``plain`` agent, SQLite; and the same
-service on PostgreSQL (``pg_fuzz_service``) for the request-edge tests (``edge_service``
-runs a test on both).
+and Teams (local no-auth mode) on, routes to the demo ``plain`` agent, on SQLite
+(``fuzz_service``) and on PostgreSQL (``pg_fuzz_service``); ``each_backend`` runs a test
+on both.
 
-``fuzzed`` (module scope) is that service plus what the tests sign with and a way to
+A :class:`Fuzzed` (session scope) is a service plus what the tests sign with and a way to
 fingerprint the database (row counts of the tables a request could write): a request
 that was refused must leave the fingerprint unchanged.
 
@@ -74,6 +74,8 @@ class Fuzzed:
     proc: ServiceProcess
     discord_key: SigningKey
     key: str
+    #: the PostgreSQL server and database name, when the service runs on PostgreSQL
+    postgres: tuple[PostgresServer, str] | None = None
 
     @property
     def db_path(self) -> Path:
@@ -81,7 +83,13 @@ class Fuzzed:
         return self.proc.sqlite_file
 
     def fingerprint(self) -> dict[str, int]:
-        """Row counts of :data:`REQUEST_TABLES` (read straight from the SQLite file)."""
+        """Row counts of :data:`REQUEST_TABLES`, read straight from the SQLite file or
+        (on PostgreSQL) with one ``psql`` query."""
+        if self.postgres is not None:
+            server, database = self.postgres
+            counts = ", ".join(f"(SELECT count(*) FROM {name})" for name in REQUEST_TABLES)
+            row = server.psql(f"SELECT {counts}", database=database).strip().split("|")
+            return dict(zip(REQUEST_TABLES, map(int, row), strict=True))
         with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as conn:
             return {
                 name: int(conn.execute(f"SELECT count(*) FROM {name}").fetchone()[0])
@@ -122,7 +130,12 @@ def _config(key: SigningKey) -> dict[str, Any]:
     }
 
 
-def _serve(proc: ServiceProcess, key: SigningKey, demo: Demo) -> Iterator[Fuzzed]:
+def _serve(
+    proc: ServiceProcess,
+    key: SigningKey,
+    demo: Demo,
+    postgres: tuple[PostgresServer, str] | None = None,
+) -> Iterator[Fuzzed]:
     org = demo.org
     admin_batch(
         proc,
@@ -134,7 +147,7 @@ def _serve(proc: ServiceProcess, key: SigningKey, demo: Demo) -> Iterator[Fuzzed
     )
     proc.start()
     try:
-        yield Fuzzed(proc, key, demo.key)
+        yield Fuzzed(proc, key, demo.key, postgres)
     finally:
         proc.stop(check=False)
 
@@ -154,21 +167,22 @@ def fuzz_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
 def pg_fuzz_service(
     postgres_server: PostgresServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fuzzed]:
-    """The same service on PostgreSQL, for the request-edge tests: there a NUL or a number
-    past 64 bits fails in the driver rather than in SQLite's (session 31's probes)."""
+    """The same service on PostgreSQL: there a NUL or a number past 64 bits fails in the
+    driver, and a channel id longer than its column in the database (session 31's probes
+    found both where SQLite took them)."""
     key = SigningKey.generate()
-    url = postgres_server.create_database(f"fuzz_{uuid.uuid4().hex[:12]}")
+    database = f"fuzz_{uuid.uuid4().hex[:12]}"
+    url = postgres_server.create_database(database)
     proc = ServiceProcess(
         tmp_path_factory.mktemp("fuzz-pg-svc"), database_url=url, config=_config(key)
     )
     proc.upgrade()
-    yield from _serve(proc, key, proc.seed_demo())
+    yield from _serve(proc, key, proc.seed_demo(), (postgres_server, database))
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def edge_service(request: pytest.FixtureRequest) -> Fuzzed:
-    """:func:`fuzz_service` and :func:`pg_fuzz_service` in turn (tests that need no
-    fingerprint, which reads the SQLite file)."""
+def each_backend(request: pytest.FixtureRequest) -> Fuzzed:
+    """:func:`fuzz_service` and :func:`pg_fuzz_service` in turn."""
     name = "fuzz_service" if request.param == "sqlite" else "pg_fuzz_service"
     service: Fuzzed = request.getfixturevalue(name)
     return service

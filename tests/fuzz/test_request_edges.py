@@ -77,18 +77,18 @@ def cursor(value: Any) -> str:
     ],
 )
 def test_numbers_no_database_holds_and_odd_cursors_are_400(
-    edge_service: Fuzzed, target: str, rule: str
+    each_backend: Fuzzed, target: str, rule: str
 ) -> None:
-    response = get(edge_service, target)
+    response = get(each_backend, target)
     assert (response.status_code, rule_of(response)) == (400, rule)
 
 
-def test_a_last_event_id_of_odd_digits_is_400(edge_service: Fuzzed) -> None:
+def test_a_last_event_id_of_odd_digits_is_400(each_backend: Fuzzed) -> None:
     path = "/v1/agents/plain/sessions/s1/events"
     for value in ("²", "9" * 30):
         response = SESSION.get(
-            f"{edge_service.proc.url}{path}",
-            headers={**auth(edge_service), "Last-Event-ID": value.encode().decode("latin-1")},
+            f"{each_backend.proc.url}{path}",
+            headers={**auth(each_backend), "Last-Event-ID": value.encode().decode("latin-1")},
             timeout=20,
         )
         assert (response.status_code, rule_of(response)) == (400, "events.last_event_id")
@@ -105,10 +105,10 @@ numbers = st.one_of(
 @given(name=st.sampled_from(["limit", "since", "until", "days", "cursor"]), value=numbers)
 @example(name="since", value="9223372036854775808")
 def test_any_query_value_is_an_answer_or_a_400_naming_its_rule(
-    edge_service: Fuzzed, name: str, value: str
+    each_backend: Fuzzed, name: str, value: str
 ) -> None:
     for path, (prefix,) in PAGED.items():
-        response = get(edge_service, f"{path}?{name}={quote(value)}")
+        response = get(each_backend, f"{path}?{name}={quote(value)}")
         if response.status_code == 400:
             assert rule_of(response).startswith((prefix + ".", "activity.", "url.")), response.text
 
@@ -121,10 +121,10 @@ def test_any_query_value_is_an_answer_or_a_400_naming_its_rule(
         max_leaves=6,
     )
 )
-def test_any_cursor_is_a_page_or_a_400(edge_service: Fuzzed, value: Any) -> None:
+def test_any_cursor_is_a_page_or_a_400(each_backend: Fuzzed, value: Any) -> None:
     encoded = base64.urlsafe_b64encode(json.dumps(value).encode()).decode()
     for path in ("/operator/reviews", "/operator/activity", "/operator/deliveries"):
-        response = get(edge_service, f"{path}?cursor={encoded}")
+        response = get(each_backend, f"{path}?cursor={encoded}")
         assert response.status_code in (200, 400), response.text
 
 
@@ -144,7 +144,7 @@ LOOKUPS = (
 @example(value="wi\x00x")
 @example(value="9" * 30)
 def test_any_path_parameter_is_an_answer_or_a_4xx_naming_its_rule(
-    edge_service: Fuzzed, value: str | bytes
+    each_backend: Fuzzed, value: str | bytes
 ) -> None:
     """Any text or bytes where an id goes: found, 404, or a 400 naming the rule (a NUL is
     ``url.nul``), on both backends; never a 5xx."""
@@ -152,12 +152,12 @@ def test_any_path_parameter_is_an_answer_or_a_4xx_naming_its_rule(
         method, template = line.split(" ")
         target = template.format(quote(value, safe=""))
         response = SESSION.request(
-            method, f"{edge_service.proc.url}{target}", headers=auth(edge_service), timeout=20
+            method, f"{each_backend.proc.url}{target}", headers=auth(each_backend), timeout=20
         )
         assert response.status_code < 500, (line, value, response.status_code, response.text[:300])
         if response.status_code >= 400:
             assert response.json()["error"]["rule"], (line, response.text[:300])
-    assert edge_service.log_problems() == []
+    assert each_backend.log_problems() == []
 
 
 def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service: Fuzzed) -> None:
@@ -188,13 +188,13 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service
     assert (big.status_code, rule_of(big)) == (413, "body.size")
 
 
-def test_mcp_takes_any_query_string(edge_service: Fuzzed) -> None:
+def test_mcp_takes_any_query_string(each_backend: Fuzzed) -> None:
     init = mcp_initialize()
     for query in ("x=%E2%80%AE", "x=%FF", "since=%D9%A1"):
         response = SESSION.post(
-            f"{edge_service.proc.url}/mcp?{query}",
+            f"{each_backend.proc.url}/mcp?{query}",
             json=init,
-            headers=auth(edge_service, Accept="application/json, text/event-stream"),
+            headers=auth(each_backend, Accept="application/json, text/event-stream"),
             timeout=20,
         )
         assert response.status_code == 200, (query, response.status_code, response.text[:300])
