@@ -75,7 +75,7 @@ from leadgate.web import (
     sessions_api,
     studio,
 )
-from leadgate.web.common import StreamSlots, add_request_id, error_middleware, error_response
+from leadgate.web.common import StreamSlots, error_middleware, error_response, stamp_response
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
@@ -438,7 +438,7 @@ class App:
         app = web.Application(
             middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
         )
-        app.on_response_prepare.append(add_request_id)
+        app.on_response_prepare.append(stamp_response)
         app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))
         if not self.settings.server.metrics_host:
@@ -589,6 +589,7 @@ class App:
     def metrics_app(self) -> web.Application:
         """The separate ``/metrics`` listener's application (``[server] metrics_host``)."""
         app = web.Application(middlewares=[error_middleware], client_max_size=1024)
+        app.on_response_prepare.append(stamp_response)
         app.router.add_get("/metrics", self.metrics_handler())
         return app
 

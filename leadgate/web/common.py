@@ -99,9 +99,17 @@ def request_id(request: web.Request) -> str:
     return rid
 
 
-async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: every response (streams too) carries ``X-Request-Id``."""
-    response.headers[REQUEST_ID_HEADER] = request_id(request)
+#: ``Server`` of every response: the product, without aiohttp's and Python's versions
+#: (which only help someone match a request to a known flaw).
+SERVER_NAME = "leadgate"
+
+
+async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: every response (streams too) carries ``X-Request-Id``
+    and ``Server: leadgate``."""
+    headers = response.headers
+    headers[REQUEST_ID_HEADER] = request_id(request)
+    headers["Server"] = SERVER_NAME
 
 
 def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:

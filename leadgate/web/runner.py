@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from leadgate.web.common import error_body
+from leadgate.web.common import SERVER_NAME, error_body
 
 #: What a client is told about a request aiohttp could not parse: the rule, never its bytes.
 MALFORMED_MESSAGE = (
@@ -45,7 +45,7 @@ class _JsonErrorsHandler(RequestHandler):
             body = error_body(status, "internal error", "internal_error", "internal")
         else:
             body = error_body(status, MALFORMED_MESSAGE, "malformed_request", "http.malformed")
-        response = web.json_response(body, status=status)
+        response = web.json_response(body, status=status, headers={"Server": SERVER_NAME})
         response.force_close()
         return response
 

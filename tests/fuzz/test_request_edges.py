@@ -232,6 +232,7 @@ def test_a_request_aiohttp_cannot_parse_is_a_json_400_and_one_quiet_log_line(
     assert status_line.split(b" ", 2)[1] == b"400", answer[:300]
     # The one error envelope, naming the rule; not aiohttp's text quoting the bytes back.
     assert b"application/json" in headers.lower(), answer[:300]
+    assert b"\r\nserver: leadgate\r\n" in b"\r\n" + headers.lower() + b"\r\n", headers
     assert json.loads(body)["error"]["rule"] == "http.malformed"
     assert SECRET not in answer
     log = fuzz_service.proc.log_text()

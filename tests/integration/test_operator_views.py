@@ -373,6 +373,8 @@ async def test_one_error_envelope_on_every_surface_with_a_request_id(env: Env) -
     assert odd.headers["X-Request-Id"] != "bad id;" and len(odd.headers["X-Request-Id"]) == 32
     ok = await env.client.get("/healthz")
     assert ok.headers["X-Request-Id"]
+    # The product's name, not aiohttp's and Python's versions; on errors and on MCP too.
+    assert {r.headers["Server"] for r in (ok, odd, mcp, login)} == {"leadgate"}
 
 
 @SQLITE_ONLY
