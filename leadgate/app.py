@@ -75,7 +75,15 @@ from leadgate.web import (
     sessions_api,
     studio,
 )
-from leadgate.web.common import StreamSlots, error_middleware, error_response, stamp_response
+from leadgate.web.common import (
+    INFLIGHT,
+    Inflight,
+    StreamSlots,
+    error_middleware,
+    error_response,
+    inflight_middleware,
+    stamp_response,
+)
 from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
@@ -435,9 +443,12 @@ class App:
     def web_app(self, role: str = "all", *, run_runners: bool = False) -> web.Application:
         """The aiohttp application. ``role`` ``worker`` serves only health and metrics;
         ``run_runners`` starts the background runners with the app (``leadgate serve``)."""
+        inflight = Inflight(self.settings.server.max_inflight)
         app = web.Application(
-            middlewares=[error_middleware], client_max_size=self.settings.server.max_body_bytes
+            middlewares=[error_middleware, inflight_middleware(inflight)],
+            client_max_size=self.settings.server.max_body_bytes,
         )
+        app[INFLIGHT] = inflight
         app.on_response_prepare.append(stamp_response)
         app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))

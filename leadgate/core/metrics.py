@@ -35,6 +35,14 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.unavailable = Counter(
+            "leadgate_unavailable_responses_total",
+            "Requests answered 503 with Retry-After, by rule (server.busy: shed at "
+            "[server] max_inflight; service.unavailable: a database fault; events.limit)",
+            ["rule"],
+            registry=self.registry,
+        )
+
         self._review_metrics()
 
     def _review_metrics(self) -> None:

@@ -7,11 +7,13 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import bearer_token, json_object, read_body
@@ -22,6 +24,7 @@ from leadgate.core.errors import (
     Unavailable,
     ValidationError,
 )
+from leadgate.core.metrics import METRICS
 from leadgate.database.faults import unavailable
 
 log = logging.getLogger("leadgate.web")
@@ -116,6 +119,7 @@ def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Respons
     """503 with ``Retry-After``, logged as a warning with what the database said (which
     clients never see). Overload and database faults are expected and retried: an ERROR
     per request would page someone for every client retrying."""
+    METRICS.unavailable.labels(exc.rule).inc()
     log.warning(
         "%s %s: 503 [%s]%s",
         request.method,
@@ -185,6 +189,88 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     """The request's JSON object body through the one decoding path
     (:mod:`leadgate.core.decoding`: 400 naming the rule, 413 too large, 408 too slow)."""
     return json_object(await read_body(request))
+
+
+class Inflight:
+    """The requests a process is answering at once, at most ``limit`` (``[server]
+    max_inflight``). Beyond it a request is answered 503 ``server.busy`` with
+    ``Retry-After: 1`` at once, before its body is read: an overloaded service sheds
+    what it cannot take instead of queueing every request until clients time out, and
+    the official clients retry a 503 after the wait. ``/healthz`` and ``/metrics`` are
+    always answered. A long-lived stream stops counting once it holds a slot of its own
+    bound (:func:`detach_stream`).
+
+    Shed requests are counted (``shed``, and ``leadgate_unavailable_responses_total``)
+    and logged as one WARNING per ``LOG_EVERY_S`` at most: a line per refused request
+    would add to the overload it reports.
+    """
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self, limit: int = 1000, *, now: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.count = 0
+        self.shed = 0
+        self._now = now
+        self._logged_shed = 0
+        self._next_log = 0.0
+
+    def refuse(self, request: web.Request) -> web.Response:
+        """The 503 for a request beyond the limit (counted; logged now and then)."""
+        self.shed += 1
+        METRICS.unavailable.labels("server.busy").inc()
+        now = self._now()
+        if now >= self._next_log:
+            log.warning(
+                "%d request(s) shed with 503 [server.busy] at [server] max_inflight = %d"
+                " (the latest: %s %s)",
+                self.shed - self._logged_shed,
+                self.limit,
+                request.method,
+                request.path,
+            )
+            self._logged_shed, self._next_log = self.shed, now + self.LOG_EVERY_S
+        response = error_response(
+            request,
+            503,
+            "the service is answering as many requests as it can; try again shortly",
+            "unavailable",
+            "server.busy",
+        )
+        response.headers["Retry-After"] = "1"
+        return response
+
+
+INFLIGHT = web.AppKey("leadgate_inflight", Inflight)
+_DETACHED = web.RequestKey("leadgate_detached", bool)
+#: Answered however busy the process is: monitoring must see an overloaded service.
+_ALWAYS_ANSWERED = frozenset({"/healthz", "/metrics"})
+
+
+def inflight_middleware(inflight: Inflight) -> Middleware:
+    """The middleware counting requests against ``inflight``."""
+
+    @web.middleware
+    async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if inflight.count >= inflight.limit and request.path not in _ALWAYS_ANSWERED:
+            return inflight.refuse(request)
+        inflight.count += 1
+        try:
+            return await handler(request)
+        finally:
+            if _DETACHED not in request:
+                inflight.count -= 1
+
+    return bounded
+
+
+def detach_stream(request: web.Request) -> None:
+    """``request`` is a long-lived stream bounded by a limit of its own (event streams,
+    the operator feed, an MCP ``GET`` stream): it no longer counts as in flight."""
+    inflight = request.config_dict.get(INFLIGHT)
+    if inflight is not None and _DETACHED not in request:
+        request[_DETACHED] = True
+        inflight.count -= 1
 
 
 class StreamSlots:

@@ -44,7 +44,7 @@ from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
-from leadgate.web.common import error_body
+from leadgate.web.common import detach_stream, error_body
 from leadgate.web.mcp_resources import Resources, Watcher
 from leadgate.web.sessions_api import SessionReads
 
@@ -225,6 +225,9 @@ def mount_mcp(
         principal = await _authenticate_request(request, authenticate)
         if principal is None:
             return _unauthorized()
+        if request.method == "GET":
+            # The session's standing stream, bounded by the session limit instead.
+            detach_stream(request)
         return await _bridge(request, manager, principal, closing)
 
     app.router.add_route("GET", MCP_PATH, handle)

@@ -23,7 +23,7 @@ from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS, TTL_MS, fingerprint
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, make_agent, make_key, make_org
+from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
 
 
@@ -330,3 +330,40 @@ async def test_include_usage_sends_the_usage_chunk_last(env: Env) -> None:
         for f in (await plain.read()).decode().split("\n\n")
         if f and f != "data: [DONE]"
     )
+
+
+# -------------------------------------------------------------------- overload
+
+
+async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url: str) -> None:
+    """``[server] max_inflight``: a request beyond it is 503 ``server.busy`` with
+    Retry-After at once (not queued behind the others); health, and open event streams,
+    which have their own bound, do not count; the service takes requests again as soon as
+    one ends."""
+    gate = GateProvider()
+    providers = {"script": ScriptProvider(), "gate": gate}
+    config = {"server": {"max_inflight": 2}, "api": {"events_heartbeat_s": 0.3}}
+    async with served_app(migrated_url, config=config, providers=providers) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        await make_agent(service, org, "slow", model="gate")
+        env = Env(service, client, org, org, gate)
+        auth = {"Authorization": f"Bearer {org.key}"}
+        streams = [
+            await client.get(f"/v1/agents/plain/sessions/watch{i}/events", headers=auth)
+            for i in range(3)
+        ]
+        assert [s.status for s in streams] == [200] * 3
+        held = [asyncio.create_task(env.chat("slow", "wait", session=f"h{i}")) for i in range(2)]
+        assert await eventually(lambda: gate.calls == 2, 5.0)
+        refused = await env.chat("plain", "one too many", session="busy")
+        assert (refused.status, refused.headers["Retry-After"]) == (503, "1")
+        assert (await refused.json())["error"]["rule"] == "server.busy"
+        assert (await client.get("/healthz")).status == 200
+        gate.release.set()
+        assert [r.status for r in await asyncio.gather(*held)] == [200, 200]
+        assert await env.user_messages("plain", "busy") == []  # refused before anything
+        again = await env.chat("plain", "room now", session="busy")
+        assert again.status == 200
+        for stream in streams:
+            stream.close()
