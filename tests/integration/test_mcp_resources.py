@@ -298,7 +298,8 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
             await make_agent(writer, org, "plain")
             for _ in range(200):  # both replicas' LISTEN connections are up
                 listening = await probe.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'"
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND query LIKE 'LISTEN %'"
                 )
                 if listening >= 2:
                     break

@@ -177,7 +177,8 @@ async def test_listener_reconnects_after_losing_its_connection(
         killed = await conn.scalar(
             sa.text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+                "WHERE datname = current_database() AND query LIKE 'LISTEN%' "
+                "AND pid <> pg_backend_pid()"
             )
         )
     assert killed == 1  # the one listener: the outbox's and the lead runners' channels

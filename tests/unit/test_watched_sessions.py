@@ -156,7 +156,8 @@ async def blocked(probe: asyncpg.Connection, query_start: str) -> None:
     lock (bounded)."""
     for _ in range(500):
         waiting = await probe.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock'"
             " AND query LIKE $1",
             query_start + "%",
         )
