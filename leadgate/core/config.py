@@ -39,7 +39,7 @@ class ServerSettings(_Section):
     #: A request body must arrive within this many seconds (408 otherwise).
     body_timeout_s: float = Field(default=30.0, gt=0)
     #: Requests one process answers at once; beyond, 503 ``server.busy`` with
-    #: Retry-After (event and MCP streams have their own bounds and do not count).
+    #: Retry-After, 1-3 s (event and MCP streams have their own bounds and do not count).
     max_inflight: int = Field(default=1000, ge=1)
     #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set
     #: (printable ASCII without blanks: a bearer token is read as nothing else).

@@ -33,7 +33,8 @@ def test_shed_requests_are_counted_and_logged_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     clock = [100.0]
-    inflight = Inflight(2, now=lambda: clock[0])
+    draws = iter([0.0, 0.25, 0.9995, 0.5])
+    inflight = Inflight(2, now=lambda: clock[0], jitter=lambda: next(draws))
     shed_before = METRICS.unavailable.labels("server.busy")._value.get()
     caplog.set_level(logging.WARNING, logger="leadgate.web")
     answers = []
@@ -41,7 +42,14 @@ def test_shed_requests_are_counted_and_logged_once_per_interval(
         answers.append(inflight.refuse(make_mocked_request("POST", path)))
     clock[0] += Inflight.LOG_EVERY_S
     answers.append(inflight.refuse(make_mocked_request("GET", "/v1/models")))
-    assert {(a.status, a.headers["Retry-After"]) for a in answers} == {(503, "1")}
+    # The waits asked for are spread over 1-3 s, so refused clients do not all return
+    # at once: whole seconds in Retry-After, exact in retry-after-ms (OpenAI's clients).
+    assert [(a.status, a.headers["Retry-After"], a.headers["retry-after-ms"]) for a in answers] == [
+        (503, "1", "1000"),
+        (503, "2", "1500"),
+        (503, "3", "2999"),
+        (503, "2", "2000"),
+    ]
     assert json.loads(answers[0].text or "")["error"]["rule"] == "server.busy"
     assert inflight.shed == 4
     assert METRICS.unavailable.labels("server.busy")._value.get() == shed_before + 4
