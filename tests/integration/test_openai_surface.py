@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
+from openai import AsyncOpenAI
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
@@ -23,6 +24,7 @@ from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS, TTL_MS, fingerprint
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
+from leadgate.web.common import INFLIGHT
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
 
@@ -339,7 +341,7 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
     """``[server] max_inflight``: a request beyond it is 503 ``server.busy`` with
     Retry-After at once (not queued behind the others); health, and open event streams,
     which have their own bound, do not count; the service takes requests again as soon as
-    one ends."""
+    one ends, and the official ``openai`` client's own retry gets its answer."""
     gate = GateProvider()
     providers = {"script": ScriptProvider(), "gate": gate}
     config = {"server": {"max_inflight": 2}, "api": {"events_heartbeat_s": 0.3}}
@@ -362,8 +364,21 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
         assert 1000 <= int(refused.headers["retry-after-ms"]) < 3000
         assert (await refused.json())["error"]["rule"] == "server.busy"
         assert (await client.get("/healthz")).status == 200
+        # The official client retries the 503 after the wait it names (1-3 s): room made
+        # during that wait answers it.
+        inflight = client.server.app[INFLIGHT]
+        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
+        call = asyncio.create_task(
+            official.chat.completions.create(
+                model="plain", messages=[{"role": "user", "content": "retried"}]
+            )
+        )
+        assert await eventually(lambda: inflight.shed == 2, 5.0)
         gate.release.set()
         assert [r.status for r in await asyncio.gather(*held)] == [200, 200]
+        assert (await call).choices[0].message.content == "Echo: retried"
+        assert inflight.shed == 2
+        await official.close()
         assert await env.user_messages("plain", "busy") == []  # refused before anything
         again = await env.chat("plain", "room now", session="busy")
         assert again.status == 200
