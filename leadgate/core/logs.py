@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -59,6 +61,37 @@ class ContentFilter(logging.Filter):
             return True
         name = record.name
         return not any(name == p or name.startswith(p + ".") for p in CONTENT_LOGGERS)
+
+
+class Tally:
+    """Like events (requests shed, connections refused) counted and logged as one WARNING
+    every ``every_s`` at most, with how many there were since the last line: a line per
+    event would feed the flood it reports. ``message`` takes that number first, then the
+    arguments of :meth:`add`."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        *,
+        every_s: float = 10.0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = 0
+        self._logger = logger
+        self._message = message
+        self._every_s = every_s
+        self._now = now
+        self._logged = 0
+        self._next = 0.0
+
+    def add(self, *args: object) -> None:
+        """Count one event; log the line when the interval has passed."""
+        self.total += 1
+        now = self._now()
+        if now >= self._next:
+            self._logger.warning(self._message, self.total - self._logged, *args)
+            self._logged, self._next = self.total, now + self._every_s
 
 
 class MalformedRequestFilter(logging.Filter):

@@ -25,6 +25,7 @@ from leadgate.core.errors import (
     Unavailable,
     ValidationError,
 )
+from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
 from leadgate.database.faults import unavailable
 
@@ -208,11 +209,8 @@ class Inflight:
     client's two retries).
 
     Shed requests are counted (``shed``, and ``leadgate_unavailable_responses_total``)
-    and logged as one WARNING per ``LOG_EVERY_S`` at most: a line per refused request
-    would add to the overload it reports.
+    and logged as one WARNING every 10 s at most (:class:`~leadgate.core.logs.Tally`).
     """
-
-    LOG_EVERY_S = 10.0
 
     def __init__(
         self,
@@ -223,27 +221,23 @@ class Inflight:
     ) -> None:
         self.limit = limit
         self.count = 0
-        self.shed = 0
-        self._now = now
         self._jitter = jitter
-        self._logged_shed = 0
-        self._next_log = 0.0
+        self._shed = Tally(
+            log,
+            "%d request(s) shed with 503 [server.busy] at [server] max_inflight = %d"
+            " (the latest: %s %s)",
+            now=now,
+        )
+
+    @property
+    def shed(self) -> int:
+        """Requests refused so far."""
+        return self._shed.total
 
     def refuse(self, request: web.Request) -> web.Response:
         """The 503 for a request beyond the limit (counted; logged now and then)."""
-        self.shed += 1
+        self._shed.add(self.limit, request.method, request.path)
         METRICS.unavailable.labels("server.busy").inc()
-        now = self._now()
-        if now >= self._next_log:
-            log.warning(
-                "%d request(s) shed with 503 [server.busy] at [server] max_inflight = %d"
-                " (the latest: %s %s)",
-                self.shed - self._logged_shed,
-                self.limit,
-                request.method,
-                request.path,
-            )
-            self._logged_shed, self._next_log = self.shed, now + self.LOG_EVERY_S
         response = error_response(
             request,
             503,

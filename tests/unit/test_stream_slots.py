@@ -40,7 +40,7 @@ def test_shed_requests_are_counted_and_logged_once_per_interval(
     answers = []
     for path in ("/v1/chat/completions", "/mcp", "/v1/agents"):
         answers.append(inflight.refuse(make_mocked_request("POST", path)))
-    clock[0] += Inflight.LOG_EVERY_S
+    clock[0] += 10.0
     answers.append(inflight.refuse(make_mocked_request("GET", "/v1/models")))
     # The waits asked for are spread over 1-3 s, so refused clients do not all return
     # at once: whole seconds in Retry-After, exact in retry-after-ms (OpenAI's clients).
