@@ -28,8 +28,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -39,6 +41,7 @@ from bots.email_out import EmailChannel, build_reply, message_id_for
 from bots.email_parse import parse_mail, reply_subject, strip_quoted, utf8_address
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
+from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from outbox.channel import Channel
 
@@ -191,6 +194,44 @@ class EmailHandler:
 # ----------------------------------------------------------------------------- adapter
 
 
+class _CountedSMTP(SMTP):
+    """aiosmtpd's session protocol, counted in its adapter's ``open_sessions`` while its
+    connection is open (``[email] max_connections``)."""
+
+    def __init__(self, adapter: EmailAdapter, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._adapter = adapter
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._counted:
+            self._counted = True
+            self._adapter.open_sessions += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._adapter.open_sessions -= 1
+        super().connection_lost(error)
+
+
+class _TooManySessions(asyncio.Protocol):
+    """A connection beyond ``[email] max_connections``: ``421`` and closed at once (RFC
+    5321 3.8), before any SMTP session or read. The sending server keeps the mail and
+    retries later; a flood of idle connections cannot hold more than the limit."""
+
+    def __init__(self, adapter: EmailAdapter) -> None:
+        self._adapter = adapter
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        self._adapter.refusals.add(self._adapter.max_connections)
+        host = self._adapter.hostname
+        transport.write(f"421 4.3.2 {host} too many connections, try again later\r\n".encode())
+        transport.close()
+
+
 class EmailAdapter:
     """The SMTP listener (when configured) plus :class:`EmailChannel`."""
 
@@ -202,6 +243,7 @@ class EmailAdapter:
         send_timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
         hostname: str | None = None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
         self._idle_timeout_s = idle_timeout_s
@@ -215,6 +257,24 @@ class EmailAdapter:
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
         self._connections: weakref.WeakSet[SMTP] = weakref.WeakSet()
+        #: SMTP sessions whose connection is open now
+        self.open_sessions = 0
+        #: connections refused with 421 (counted; one WARNING every 10 s at most)
+        self.refusals = Tally(
+            log,
+            "email: %d SMTP connection(s) refused (421) at [email] max_connections = %d",
+            now=now,
+        )
+
+    @property
+    def hostname(self) -> str:
+        """The name the listener greets with."""
+        return self._hostname
+
+    @property
+    def max_connections(self) -> int:
+        """``[email] max_connections``."""
+        return self._settings.max_connections
 
     @property
     def listens(self) -> bool:
@@ -224,8 +284,11 @@ class EmailAdapter:
     def mount(self, app: web.Application) -> None:
         """Email has no HTTP routes (the SMTP listener runs in :meth:`lifespan`)."""
 
-    def _protocol(self) -> SMTP:
-        smtp = SMTP(
+    def _protocol(self) -> asyncio.BaseProtocol:
+        if self.open_sessions >= self.max_connections:
+            return _TooManySessions(self)
+        smtp = _CountedSMTP(
+            self,
             self.handler,
             data_size_limit=MAX_MESSAGE_BYTES,
             enable_SMTPUTF8=True,

@@ -113,6 +113,9 @@ class EmailSettings(_Section):
     smtp_password: str = ""
     start_tls: bool = False
     from_address: str = ""
+    #: Inbound SMTP sessions open at once; a connection beyond gets ``421`` and is closed
+    #: (the sending server retries later, as for Postfix's process limit).
+    max_connections: int = Field(default=100, ge=1)
 
     @property
     def on(self) -> bool:

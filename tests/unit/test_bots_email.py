@@ -4,6 +4,7 @@ aiosmtplib, and a fake core."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from email.message import EmailMessage
 from typing import Any
@@ -17,6 +18,7 @@ from bots.email import EmailAdapter, create, reply_subject, strip_quoted
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.types import BindingKind
 from tests.fakes import FakeCore, mount_adapter
+from tests.helpers import eventually
 
 BOT = "bot@leadgate.example"
 ALICE = "alice@example.com"
@@ -429,3 +431,46 @@ async def test_utf8_addresses_and_headers_are_read_as_text() -> None:
         # A NUL from an encoded word is a blank; a control character ends no id.
         assert trigger.binding.address["subject"] == "Re: Grüße und mehr"
         assert "\x01" not in trigger.external_event_id
+
+
+async def test_connections_beyond_the_limit_get_421_and_are_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``[email] max_connections``: idle sessions up to the limit hold; one more is
+    answered ``421`` and closed before anything is read (the sender retries later); a
+    closed session makes room. Refusals are one WARNING with their count."""
+    settings = EmailSettings(listen_host="127.0.0.1", listen_port=0, max_connections=2)
+    adapter = EmailAdapter(settings, FakeCore(_allow(ALICE)), hostname="mx.test")
+    app = web.Application()
+    mount_adapter(app, adapter)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    caplog.set_level(logging.WARNING, logger="bots.email")
+    opened: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", adapter.port)
+            assert (await reader.readline()).startswith(b"220 ")
+            opened.append((reader, writer))
+        assert adapter.open_sessions == 2
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", adapter.port)
+            assert (
+                await reader.read()
+                == b"421 4.3.2 mx.test too many connections, try again later\r\n"
+            )
+            writer.close()
+        assert adapter.refusals.total == 2
+        _, first = opened.pop(0)
+        first.close()
+        await first.wait_closed()
+        assert await eventually(lambda: adapter.open_sessions == 1, 2.0)
+        replies = await _smtp_raw(adapter.port, [b"EHLO client.test", b"QUIT"])
+        assert replies[0].startswith(b"220 ") and replies[-1].startswith(b"221")
+    finally:
+        for _, writer in opened:
+            writer.close()
+        await runner.cleanup()
+    assert await eventually(lambda: adapter.open_sessions == 0, 2.0)
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert lines == ["email: 1 SMTP connection(s) refused (421) at [email] max_connections = 2"]
