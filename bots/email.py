@@ -195,19 +195,20 @@ class EmailHandler:
 
 
 class _CountedSMTP(SMTP):
-    """aiosmtpd's session protocol, counted in its adapter's ``open_sessions`` while its
-    connection is open (``[email] max_connections``)."""
+    """aiosmtpd's session protocol, counted in its adapter's ``open_sessions`` from its
+    creation until its connection is lost (``[email] max_connections``).
+
+    Counted when made, not in ``connection_made``: asyncio accepts up to its backlog of
+    connections at once and makes each one's protocol before any ``connection_made``
+    runs, so a count taken there let 141 sessions past a limit of 100 (a throwaway probe
+    of 3,000 connections at once). Without TLS, asyncio schedules ``connection_made`` in
+    the same step that makes the protocol, so ``connection_lost`` follows for each."""
 
     def __init__(self, adapter: EmailAdapter, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._adapter = adapter
-        self._counted = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._counted:
-            self._counted = True
-            self._adapter.open_sessions += 1
-        super().connection_made(transport)
+        self._counted = True
+        adapter.open_sessions += 1
 
     def connection_lost(self, error: Exception | None) -> None:
         if self._counted:

@@ -448,19 +448,23 @@ async def test_connections_beyond_the_limit_get_421_and_are_closed(
     caplog.set_level(logging.WARNING, logger="bots.email")
     opened: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
-        for _ in range(2):
+        # Six at once: asyncio makes every accepted connection's protocol before any
+        # connection_made runs, so the count is taken when the protocol is made.
+        async def connect() -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
             reader, writer = await asyncio.open_connection("127.0.0.1", adapter.port)
-            assert (await reader.readline()).startswith(b"220 ")
-            opened.append((reader, writer))
+            return await reader.readline(), reader, writer
+
+        burst = await asyncio.gather(*(connect() for _ in range(6)))
+        refusal = b"421 4.3.2 mx.test too many connections, try again later\r\n"
+        assert sorted(line[:3] for line, _, _ in burst) == [b"220"] * 2 + [b"421"] * 4
+        for line, reader, writer in burst:
+            if line.startswith(b"220 "):
+                opened.append((reader, writer))
+            else:
+                assert line == refusal and await reader.read() == b""  # closed after it
+                writer.close()
         assert adapter.open_sessions == 2
-        for _ in range(2):
-            reader, writer = await asyncio.open_connection("127.0.0.1", adapter.port)
-            assert (
-                await reader.read()
-                == b"421 4.3.2 mx.test too many connections, try again later\r\n"
-            )
-            writer.close()
-        assert adapter.refusals.total == 2
+        assert adapter.refusals.total == 4
         _, first = opened.pop(0)
         first.close()
         await first.wait_closed()
