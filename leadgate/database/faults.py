@@ -71,28 +71,37 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def _text(item: BaseException) -> str:
+    """What the driver said, without SQLAlchemy's ``[SQL: ...]`` and ``[parameters: ...]``
+    lines: the parameters hold what clients sent (message text), which stays out of the
+    log."""
+    if isinstance(item, sa.exc.StatementError) and item.orig is not None:
+        item = item.orig
+    return str(item).split("\n", 1)[0] or type(item).__name__
+
+
 def _why(exc: BaseException) -> str | None:
     for item in _chain(exc):
         if isinstance(item, sa.exc.TimeoutError):
             return "no database connection became free in time"
         code = getattr(item, "sqlite_errorcode", None)
         if isinstance(code, int) and code & 0xFF in _SQLITE_CODES:
-            return str(item)
+            return _text(item)
         state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
         if isinstance(state, str) and state.startswith(_PG_STATES):
-            return str(item)
+            return _text(item)
         if isinstance(item, sa.exc.DBAPIError) and item.connection_invalidated:
             return "the database connection was lost"
         if isinstance(item, ConnectionError | TimeoutError):
-            return str(item) or type(item).__name__
+            return _text(item)
         if type(item).__module__.startswith("asyncpg") and (
             "Connection" in type(item).__name__ or "Shutdown" in type(item).__name__
         ):
-            return str(item) or type(item).__name__
+            return _text(item)
         if isinstance(item, sa.exc.OperationalError | sa.exc.InterfaceError | OSError):
             text = str(item).lower()
             if any(t in text for t in _SQLITE_TEXT + _PG_TEXT):
-                return str(item)
+                return _text(item)
     return None
 
 

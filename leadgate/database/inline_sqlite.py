@@ -402,13 +402,15 @@ class InlineConnection:
 
 
 def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
-    """The SQLAlchemy exception the async engine would have raised for ``exc``."""
+    """The SQLAlchemy exception the async engine would have raised for ``exc`` (its
+    parameters hidden, as the engine's are: they are what clients sent, message text,
+    and this exception's text reaches logs and tracebacks)."""
     cls: type[sa.exc.DBAPIError] = sa.exc.DBAPIError
     if isinstance(exc, sqlite3.IntegrityError):
         cls = sa.exc.IntegrityError
     elif isinstance(exc, sqlite3.OperationalError):
         cls = sa.exc.OperationalError
-    return cls(sql, args, exc)
+    return cls(sql, args, exc, hide_parameters=True)
 
 
 class _Group:

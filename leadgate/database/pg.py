@@ -190,7 +190,8 @@ _DRIVER_ERRORS = (
 
 
 def _wrap(exc: BaseException, sql: str, args: Any) -> sa.exc.DBAPIError:
-    """The SQLAlchemy exception the async engine would have raised for ``exc``."""
+    """The SQLAlchemy exception the async engine would have raised for ``exc`` (its
+    parameters hidden, as the engine's are)."""
     cls: type[sa.exc.DBAPIError] = sa.exc.DBAPIError
     if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
         cls = sa.exc.IntegrityError
@@ -204,7 +205,10 @@ def _wrap(exc: BaseException, sql: str, args: Any) -> sa.exc.DBAPIError:
         | asyncpg.PostgresConnectionError,
     ):
         cls = sa.exc.OperationalError
-    return cls(sql, args, exc if isinstance(exc, Exception) else Exception(str(exc)))
+    # hide_parameters, as the engine is made: the parameters are what clients sent
+    # (message text), and this exception's text reaches logs and tracebacks.
+    orig = exc if isinstance(exc, Exception) else Exception(str(exc))
+    return cls(sql, args, orig, hide_parameters=True)
 
 
 class PgConnection:

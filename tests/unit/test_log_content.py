@@ -1,14 +1,18 @@
-"""DEBUG logs never carry message text or tokens unless ``[log] include_content``."""
+"""DEBUG logs never carry message text or tokens unless ``[log] include_content``; nor do
+database errors (their statements' parameters are hidden)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import sqlalchemy as sa
 from slack_sdk.web.async_client import AsyncWebClient
 
 from leadgate.core.config import Settings
 from leadgate.core.logs import LEVEL_TESTED_LOGGERS, setup_logging
+from leadgate.database import schema as t
+from leadgate.database.db import Database
 
 
 @pytest.fixture
@@ -115,3 +119,22 @@ def test_a_request_aiohttp_could_not_parse_is_one_info_line_without_what_was_sen
     except InvalidURLError as exc:
         server.exception("Error handling request from %s", "10.0.0.7", exc_info=exc)
     assert "malformed" not in capsys.readouterr().err
+
+
+async def test_database_errors_never_carry_the_statements_parameters(migrated_url: str) -> None:
+    """The parameters of a failed statement are what clients sent (names, message text):
+    a database error's text, which reaches logs and tracebacks, leaves them out on both
+    backends' fast paths, as the SQLAlchemy engine is made to (``hide_parameters``)."""
+    db = Database(migrated_url)
+    secret = "a-secret-organization-name"
+    row = {"id": "org_1", "name": secret, "created_at": 1}
+    try:
+        async with db.tx() as conn:
+            await conn.execute(sa.insert(t.organizations).values(**row))
+        with pytest.raises(sa.exc.IntegrityError) as info:
+            async with db.tx() as conn:
+                await conn.execute(sa.insert(t.organizations).values(**row))
+    finally:
+        await db.close()
+    assert secret not in str(info.value)
+    assert "hidden due to hide_parameters" in str(info.value)
