@@ -77,8 +77,10 @@ from leadgate.web import (
 )
 from leadgate.web.common import (
     INFLIGHT,
+    UNAVAILABLE_LOG,
     Inflight,
     StreamSlots,
+    UnavailableLog,
     error_middleware,
     error_response,
     inflight_middleware,
@@ -449,6 +451,7 @@ class App:
             client_max_size=self.settings.server.max_body_bytes,
         )
         app[INFLIGHT] = inflight
+        app[UNAVAILABLE_LOG] = UnavailableLog()
         app.on_response_prepare.append(stamp_response)
         app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))

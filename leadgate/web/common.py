@@ -117,18 +117,39 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     headers["Server"] = SERVER_NAME
 
 
+class UnavailableLog:
+    """The WARNING lines of 503 answers in an application (``app[UNAVAILABLE_LOG]``): one
+    per rule every 10 s at most, with how many there were, the latest request and what
+    the database said (clients never see that). A database outage's clients retry by the
+    thousand; a line each would add to the outage, and an ERROR each would page someone
+    for every retry. Without one, an application logs each 503 (one line, not ERROR)."""
+
+    def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
+        self._by_rule: dict[str, Tally] = {}
+
+    def add(self, request: web.Request, exc: Unavailable) -> None:
+        """Count one 503 answer of ``exc``'s rule; log the line when it is due."""
+        tally = self._by_rule.get(exc.rule)
+        if tally is None:
+            tally = self._by_rule[exc.rule] = Tally(
+                log, "%d request(s) answered 503 [%s] (the latest: %s %s%s)", now=self._now
+            )
+        tally.add(exc.rule, request.method, request.path, f": {exc.detail}" if exc.detail else "")
+
+
+UNAVAILABLE_LOG = web.AppKey("leadgate_unavailable_log", UnavailableLog)
+
+
 def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:
-    """503 with ``Retry-After``, logged as a warning with what the database said (which
-    clients never see). Overload and database faults are expected and retried: an ERROR
-    per request would page someone for every client retrying."""
+    """503 with ``Retry-After``, counted and logged (:class:`UnavailableLog`)."""
     METRICS.unavailable.labels(exc.rule).inc()
-    log.warning(
-        "%s %s: 503 [%s]%s",
-        request.method,
-        request.path,
-        exc.rule,
-        f" ({exc.detail})" if exc.detail else "",
-    )
+    lines = request.config_dict.get(UNAVAILABLE_LOG)
+    if lines is not None:
+        lines.add(request, exc)
+    else:
+        detail = f" ({exc.detail})" if exc.detail else ""
+        log.warning("%s %s: 503 [%s]%s", request.method, request.path, exc.rule, detail)
     resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
     resp.headers["Retry-After"] = str(exc.retry_after_s or 1)
     return resp

@@ -31,7 +31,7 @@ from leadgate.core.decoding import (
 )
 from leadgate.core.errors import RateLimited, Unavailable, ValidationError
 from leadgate.operations.logins import LoginGuard
-from leadgate.web.common import error_middleware, json_body
+from leadgate.web.common import UNAVAILABLE_LOG, UnavailableLog, error_middleware, json_body
 
 BAD_BODIES = [
     (b"\xff\xfe", "body.utf8"),
@@ -306,3 +306,46 @@ async def test_a_503_is_one_warning_naming_the_rule_and_what_the_database_said(
     assert records[0].getMessage() == "GET /busy: 503 [events.limit]"
     assert records[1].getMessage().endswith("(disk I/O error on /var/lib/leadgate.db)")
     assert "database is locked" in records[2].getMessage()
+
+
+async def test_an_applications_503s_are_one_line_per_rule_every_10_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With ``app[UNAVAILABLE_LOG]`` (as the service has), an outage's retrying clients
+    make one WARNING per rule every 10 s, with their count, the latest request and what
+    the database said (not the statement's parameters)."""
+    clock = [50.0]
+
+    async def locked(request: web.Request) -> web.Response:
+        # SQLAlchemy's text of it carries the statement and its parameters (what a client
+        # sent): the log gets what SQLite said, nothing more.
+        raise sa.exc.OperationalError(
+            "INSERT INTO messages (content) VALUES (?)",
+            ("a secret message",),
+            sqlite3.OperationalError("database is locked"),
+        )
+
+    async def busy(request: web.Request) -> web.Response:
+        raise Unavailable("too many live event streams", rule="events.limit", retry_after_s=5)
+
+    app = web.Application(middlewares=[error_middleware])
+    app[UNAVAILABLE_LOG] = UnavailableLog(now=lambda: clock[0])
+    app.router.add_post("/locked", locked)
+    app.router.add_get("/busy", busy)
+    client = await _client(app)
+    caplog.set_level(logging.WARNING, logger="leadgate.web")
+    try:
+        statuses = [(await client.post("/locked")).status for _ in range(4)]
+        statuses.append((await client.get("/busy")).status)
+        clock[0] += 10.0
+        statuses.append((await client.post("/locked")).status)
+    finally:
+        await client.close()
+    assert statuses == [503] * 6
+    assert [r.getMessage() for r in caplog.records if r.name == "leadgate.web"] == [
+        "1 request(s) answered 503 [service.unavailable]"
+        " (the latest: POST /locked: database is locked)",
+        "1 request(s) answered 503 [events.limit] (the latest: GET /busy)",
+        "4 request(s) answered 503 [service.unavailable]"
+        " (the latest: POST /locked: database is locked)",
+    ]
