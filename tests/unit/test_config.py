@@ -3,9 +3,11 @@ name the offending key."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from leadgate.core.config import Settings, load_settings
 from leadgate.core.errors import ConfigError
@@ -63,6 +65,21 @@ def test_config_example_toml_is_valid() -> None:
     settings = load_settings(REPO / "config.example.toml", environ={})
     assert "script" in settings.models
     assert settings.models["script"].provider == "script"
+
+
+def test_config_example_toml_documents_every_key() -> None:
+    """SPEC 12: every configuration key is documented in ``config.example.toml`` (a key
+    added to a section without its line there fails here)."""
+    with (REPO / "config.example.toml").open("rb") as f:
+        example = tomllib.load(f)
+    missing = [
+        f"[{section}] {key}"
+        for section, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        for key in field.annotation.model_fields
+        if key not in example.get(section, {})
+    ]
+    assert missing == []
 
 
 def test_env_override_wins_over_the_file(tmp_path: Path) -> None:
