@@ -77,10 +77,10 @@ from leadgate.web import (
 )
 from leadgate.web.common import (
     INFLIGHT,
-    UNAVAILABLE_LOG,
+    UNAVAILABLE_ANSWERS,
     Inflight,
     StreamSlots,
-    UnavailableLog,
+    UnavailableAnswers,
     error_middleware,
     error_response,
     inflight_middleware,
@@ -451,7 +451,7 @@ class App:
             client_max_size=self.settings.server.max_body_bytes,
         )
         app[INFLIGHT] = inflight
-        app[UNAVAILABLE_LOG] = UnavailableLog()
+        app[UNAVAILABLE_ANSWERS] = UnavailableAnswers()
         app.on_response_prepare.append(stamp_response)
         app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))
@@ -603,6 +603,7 @@ class App:
     def metrics_app(self) -> web.Application:
         """The separate ``/metrics`` listener's application (``[server] metrics_host``)."""
         app = web.Application(middlewares=[error_middleware], client_max_size=1024)
+        app[UNAVAILABLE_ANSWERS] = UnavailableAnswers()
         app.on_response_prepare.append(stamp_response)
         app.router.add_get("/metrics", self.metrics_handler())
         return app

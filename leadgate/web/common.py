@@ -117,42 +117,59 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     headers["Server"] = SERVER_NAME
 
 
-class UnavailableLog:
-    """The WARNING lines of 503 answers in an application (``app[UNAVAILABLE_LOG]``): one
-    per rule every 10 s at most, with how many there were, the latest request and what
-    the database said (clients never see that). A database outage's clients retry by the
-    thousand; a line each would add to the outage, and an ERROR each would page someone
-    for every retry. Without one, an application logs each 503 (one line, not ERROR)."""
+class UnavailableAnswers:
+    """How an application answers a 503 (``app[UNAVAILABLE_ANSWERS]``), whatever its rule:
+    a database fault (``service.unavailable``), overload (``server.busy``,
+    ``events.limit``, ``console.login_busy``).
 
-    def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
+    * The wait asked for is the error's ``retry_after_s`` plus up to 2 s more, drawn at
+      random (``Retry-After`` in whole seconds, ``retry-after-ms`` exactly, which the
+      OpenAI clients read first): one fixed wait sent every refused client back at the
+      same moment (a throwaway probe, 2,000 official-client calls at once against an
+      in-flight limit of 50: 985 still refused after the client's two retries; 146 with
+      the spread).
+    * The WARNING lines: one per rule every 10 s at most, with how many there were, the
+      latest request and what the database said (clients never see that). An outage's
+      clients retry by the thousand; a line each would add to it, and an ERROR each
+      would page someone for every retry.
+    * ``leadgate_unavailable_responses_total{rule}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
         self._now = now
+        self._jitter = jitter
         self._by_rule: dict[str, Tally] = {}
 
-    def add(self, request: web.Request, exc: Unavailable) -> None:
-        """Count one 503 answer of ``exc``'s rule; log the line when it is due."""
+    def answer(self, request: web.Request, exc: Unavailable) -> web.Response:
+        """The 503 for ``exc`` (counted; logged now and then)."""
+        METRICS.unavailable.labels(exc.rule).inc()
         tally = self._by_rule.get(exc.rule)
         if tally is None:
             tally = self._by_rule[exc.rule] = Tally(
                 log, "%d request(s) answered 503 [%s] (the latest: %s %s%s)", now=self._now
             )
         tally.add(exc.rule, request.method, request.path, f": {exc.detail}" if exc.detail else "")
+        response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+        wait_ms = (exc.retry_after_s or 1) * 1000 + int(2000 * self._jitter())
+        response.headers["Retry-After"] = str(-(-wait_ms // 1000))
+        response.headers["retry-after-ms"] = str(wait_ms)
+        return response
 
 
-UNAVAILABLE_LOG = web.AppKey("leadgate_unavailable_log", UnavailableLog)
+UNAVAILABLE_ANSWERS = web.AppKey("leadgate_unavailable_answers", UnavailableAnswers)
+#: For applications without their own (the service's have one each).
+_SHARED_ANSWERS = UnavailableAnswers()
 
 
 def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:
-    """503 with ``Retry-After``, counted and logged (:class:`UnavailableLog`)."""
-    METRICS.unavailable.labels(exc.rule).inc()
-    lines = request.config_dict.get(UNAVAILABLE_LOG)
-    if lines is not None:
-        lines.add(request, exc)
-    else:
-        detail = f" ({exc.detail})" if exc.detail else ""
-        log.warning("%s %s: 503 [%s]%s", request.method, request.path, exc.rule, detail)
-    resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-    resp.headers["Retry-After"] = str(exc.retry_after_s or 1)
-    return resp
+    """The 503 for ``exc``, as the application answers them (:class:`UnavailableAnswers`)."""
+    answers = request.config_dict.get(UNAVAILABLE_ANSWERS) or _SHARED_ANSWERS
+    return answers.answer(request, exc)
 
 
 @web.middleware
@@ -216,60 +233,19 @@ async def json_body(request: web.Request) -> dict[str, Any]:
 
 class Inflight:
     """The requests a process is answering at once, at most ``limit`` (``[server]
-    max_inflight``). Beyond it a request is answered 503 ``server.busy`` with
-    ``Retry-After`` at once, before its body is read: an overloaded service sheds
-    what it cannot take instead of queueing every request until clients time out, and
-    the official clients retry a 503 after the wait. ``/healthz`` and ``/metrics`` are
-    always answered. A long-lived stream stops counting once it holds a slot of its own
-    bound (:func:`detach_stream`).
-
-    The wait asked for is spread between 1 and 3 seconds (``Retry-After`` in whole
-    seconds, ``retry-after-ms`` exactly, which the OpenAI clients read first): the same
-    wait for every refused client sent them all back at once (a throwaway probe, 2,000
-    official-client calls at once against a limit of 50: 985 still refused after the
-    client's two retries).
-
-    Shed requests are counted (``shed``, and ``leadgate_unavailable_responses_total``)
-    and logged as one WARNING every 10 s at most (:class:`~leadgate.core.logs.Tally`).
+    max_inflight``). Beyond it a request is answered 503 ``server.busy`` at once, before
+    its body is read: an overloaded service sheds what it cannot take instead of queueing
+    every request until clients time out, and the official clients retry a 503 after the
+    wait it names (:class:`UnavailableAnswers`). ``/healthz`` and ``/metrics`` are always
+    answered. A long-lived stream stops counting once it holds a slot of its own bound
+    (:meth:`StreamSlots.take`, :func:`detach_stream`).
     """
 
-    def __init__(
-        self,
-        limit: int = 1000,
-        *,
-        now: Callable[[], float] = time.monotonic,
-        jitter: Callable[[], float] = random.random,
-    ) -> None:
+    def __init__(self, limit: int = 1000) -> None:
         self.limit = limit
         self.count = 0
-        self._jitter = jitter
-        self._shed = Tally(
-            log,
-            "%d request(s) shed with 503 [server.busy] at [server] max_inflight = %d"
-            " (the latest: %s %s)",
-            now=now,
-        )
-
-    @property
-    def shed(self) -> int:
-        """Requests refused so far."""
-        return self._shed.total
-
-    def refuse(self, request: web.Request) -> web.Response:
-        """The 503 for a request beyond the limit (counted; logged now and then)."""
-        self._shed.add(self.limit, request.method, request.path)
-        METRICS.unavailable.labels("server.busy").inc()
-        response = error_response(
-            request,
-            503,
-            "the service is answering as many requests as it can; try again shortly",
-            "unavailable",
-            "server.busy",
-        )
-        wait_ms = 1000 + int(2000 * self._jitter())
-        response.headers["Retry-After"] = str(-(-wait_ms // 1000))
-        response.headers["retry-after-ms"] = str(wait_ms)
-        return response
+        #: requests refused so far
+        self.shed = 0
 
 
 INFLIGHT = web.AppKey("leadgate_inflight", Inflight)
@@ -279,12 +255,18 @@ _ALWAYS_ANSWERED = frozenset({"/healthz", "/metrics"})
 
 
 def inflight_middleware(inflight: Inflight) -> Middleware:
-    """The middleware counting requests against ``inflight``."""
+    """The middleware counting requests against ``inflight`` (inside
+    :func:`error_middleware`, which answers its 503)."""
 
     @web.middleware
     async def bounded(request: web.Request, handler: Handler) -> web.StreamResponse:
         if inflight.count >= inflight.limit and request.path not in _ALWAYS_ANSWERED:
-            return inflight.refuse(request)
+            inflight.shed += 1
+            raise Unavailable(
+                "the service is answering as many requests as it can; try again shortly",
+                rule="server.busy",
+                retry_after_s=1,
+            )
         inflight.count += 1
         try:
             return await handler(request)
@@ -319,12 +301,14 @@ class StreamSlots:
         self.taken = 0
 
     @contextlib.contextmanager
-    def take(self) -> Iterator[None]:
-        """Hold a slot for the block; 503 ``events.limit`` when none is free."""
+    def take(self, request: web.Request) -> Iterator[None]:
+        """Hold a slot for ``request``'s stream for the block; 503 ``events.limit`` when
+        none is free. Holding one, the stream no longer counts as in flight."""
         if self.taken >= self.limit:
             raise Unavailable(
                 "too many live event streams; try again soon", rule="events.limit", retry_after_s=5
             )
+        detach_stream(request)
         self.taken += 1
         try:
             yield

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import LeadgateError
-from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, detach_stream
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -86,8 +86,7 @@ def setup(
         principal = await authenticate(request, authenticate_with, cookie=True)
         current = await feed.mark(principal)  # 403 here for a key without agent:review
         # The slot is taken before the stream's next await (see StreamSlots).
-        with slots.take():
-            detach_stream(request)  # bounded by its slot now, not by the in-flight limit
+        with slots.take(request):
             return await _stream(request, principal, current)
 
     async def _stream(

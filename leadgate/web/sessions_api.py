@@ -44,7 +44,7 @@ from leadgate.core.decoding import decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.transcripts import parse_limit, public_event
-from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, detach_stream
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -128,8 +128,7 @@ async def stream_events(
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
     # The slot is taken before the first await (see StreamSlots).
-    with settings.slots.take():
-        detach_stream(request)  # bounded by its slot now, not by the in-flight limit
+    with settings.slots.take(request):
         session_id = await reads.open(principal, agent, name)  # 404 before any stream
         # Every replica's writes to the session wake readers from here on (a 503 if the mark
         # fails); the first read of the log, after subscribing, covers what came before.

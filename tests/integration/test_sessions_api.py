@@ -469,7 +469,8 @@ async def test_streams_beyond_the_limit_are_503_until_one_closes(migrated_url: s
         first = await open_stream(env, "plain", "a")
         second = await open_stream(env, "plain", "b")
         refused = await client.get("/v1/agents/plain/sessions/c/events", headers=env.auth())
-        assert (refused.status, refused.headers["Retry-After"]) == (503, "5")
+        assert refused.status == 503
+        assert 5 <= int(refused.headers["Retry-After"]) <= 7  # 5 s, spread by up to 2
         assert (await refused.json())["error"]["rule"] == "events.limit"
         first.close()
         assert await eventually(lambda: service.event_hub.readers == 1, 5.0)

@@ -30,8 +30,14 @@ from leadgate.core.decoding import (
     json_object,
 )
 from leadgate.core.errors import RateLimited, Unavailable, ValidationError
+from leadgate.core.metrics import METRICS
 from leadgate.operations.logins import LoginGuard
-from leadgate.web.common import UNAVAILABLE_LOG, UnavailableLog, error_middleware, json_body
+from leadgate.web.common import (
+    UNAVAILABLE_ANSWERS,
+    UnavailableAnswers,
+    error_middleware,
+    json_body,
+)
 
 BAD_BODIES = [
     (b"\xff\xfe", "body.utf8"),
@@ -266,55 +272,17 @@ async def test_password_check_slots_are_bounded() -> None:
     await asyncio.gather(first, second)
 
 
-async def test_a_503_is_one_warning_naming_the_rule_and_what_the_database_said(
+async def test_a_503_is_spread_counted_and_logged_per_rule_every_10_s(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Overload and database faults are expected and retried by clients: one WARNING per
-    request with what the database said (never sent to the client), not an ERROR each."""
-    fault = Unavailable("the service cannot store this request", rule="service.unavailable")
-    fault.detail = "disk I/O error on /var/lib/leadgate.db"
-
-    async def busy(request: web.Request) -> web.Response:
-        raise Unavailable("too many live event streams", rule="events.limit", retry_after_s=5)
-
-    async def faulty(request: web.Request) -> web.Response:
-        raise fault
-
-    async def locked(request: web.Request) -> web.Response:
-        # What SQLAlchemy raises for SQLite's busy timeout (a fault no helper translated).
-        raise sa.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
-
-    app = web.Application(middlewares=[error_middleware])
-    for name, handler in (("busy", busy), ("faulty", faulty), ("locked", locked)):
-        app.router.add_get(f"/{name}", handler)
-    client = await _client(app)
-    caplog.set_level(logging.INFO, logger="leadgate.web")
-    try:
-        answers = {}
-        for name in ("busy", "faulty", "locked"):
-            resp = await client.get(f"/{name}")
-            answers[name] = (resp.status, resp.headers["Retry-After"], await resp.json())
-    finally:
-        await client.close()
-    assert answers["busy"][:2] == (503, "5")
-    assert answers["busy"][2]["error"]["rule"] == "events.limit"
-    assert answers["faulty"][:2] == (503, "2")
-    assert "disk" not in json.dumps(answers["faulty"][2])
-    assert answers["locked"][2]["error"]["rule"] == "service.unavailable"
-    records = [r for r in caplog.records if r.name == "leadgate.web"]
-    assert [r.levelname for r in records] == ["WARNING"] * 3
-    assert records[0].getMessage() == "GET /busy: 503 [events.limit]"
-    assert records[1].getMessage().endswith("(disk I/O error on /var/lib/leadgate.db)")
-    assert "database is locked" in records[2].getMessage()
-
-
-async def test_an_applications_503s_are_one_line_per_rule_every_10_s(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """With ``app[UNAVAILABLE_LOG]`` (as the service has), an outage's retrying clients
-    make one WARNING per rule every 10 s, with their count, the latest request and what
-    the database said (not the statement's parameters)."""
+    """Every 503, whatever its rule: the wait it names is the rule's own plus up to 2 s
+    drawn at random (whole seconds in Retry-After, exact in retry-after-ms, which the
+    OpenAI clients read first), so refused clients do not all come back at once; one
+    WARNING per rule every 10 s with their count, the latest request and what the
+    database said, which the client is never told (nor are the statement's parameters
+    logged); never an ERROR."""
     clock = [50.0]
+    draws = iter([0.0, 0.25, 0.9995, 0.5, 0.0])
 
     async def locked(request: web.Request) -> web.Response:
         # SQLAlchemy's text of it carries the statement and its parameters (what a client
@@ -329,23 +297,41 @@ async def test_an_applications_503s_are_one_line_per_rule_every_10_s(
         raise Unavailable("too many live event streams", rule="events.limit", retry_after_s=5)
 
     app = web.Application(middlewares=[error_middleware])
-    app[UNAVAILABLE_LOG] = UnavailableLog(now=lambda: clock[0])
+    app[UNAVAILABLE_ANSWERS] = UnavailableAnswers(now=lambda: clock[0], jitter=lambda: next(draws))
     app.router.add_post("/locked", locked)
     app.router.add_get("/busy", busy)
     client = await _client(app)
-    caplog.set_level(logging.WARNING, logger="leadgate.web")
+    caplog.set_level(logging.INFO, logger="leadgate.web")
+    before = METRICS.unavailable.labels("service.unavailable")._value.get()
+    answers = []
     try:
-        statuses = [(await client.post("/locked")).status for _ in range(4)]
-        statuses.append((await client.get("/busy")).status)
+        for _ in range(3):
+            answers.append(await client.post("/locked"))
+        answers.append(await client.get("/busy"))
         clock[0] += 10.0
-        statuses.append((await client.post("/locked")).status)
+        answers.append(await client.post("/locked"))
+        bodies = [await a.json() for a in answers]
     finally:
         await client.close()
-    assert statuses == [503] * 6
-    assert [r.getMessage() for r in caplog.records if r.name == "leadgate.web"] == [
+    assert [(a.status, a.headers["Retry-After"], a.headers["retry-after-ms"]) for a in answers] == [
+        (503, "2", "2000"),
+        (503, "3", "2500"),
+        (503, "4", "3999"),
+        (503, "6", "6000"),
+        (503, "2", "2000"),
+    ]
+    assert [b["error"]["rule"] for b in bodies] == ["service.unavailable"] * 3 + [
+        "events.limit",
+        "service.unavailable",
+    ]
+    assert "locked" not in json.dumps(bodies)  # what the database said stays in the log
+    assert METRICS.unavailable.labels("service.unavailable")._value.get() == before + 4
+    records = [r for r in caplog.records if r.name == "leadgate.web"]
+    assert {r.levelname for r in records} == {"WARNING"}
+    assert [r.getMessage() for r in records] == [
         "1 request(s) answered 503 [service.unavailable]"
         " (the latest: POST /locked: database is locked)",
         "1 request(s) answered 503 [events.limit] (the latest: GET /busy)",
-        "4 request(s) answered 503 [service.unavailable]"
+        "3 request(s) answered 503 [service.unavailable]"
         " (the latest: POST /locked: database is locked)",
     ]
