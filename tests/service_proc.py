@@ -241,6 +241,8 @@ class ServiceProcess:
         python: interpreter for the children (default: this one, i.e. the venv's).
         serve_python_args: interpreter options for ``serve`` only, before ``-m leadgate.cli.main``
             (e.g. ``("-m", "cProfile", "-o", "serve.prof")`` to profile the service).
+        serve_prefix: a command that runs ``serve`` (e.g. ``("prlimit", "--nofile=600:600")``
+            for a process limit of its own).
         root: the source tree the children run (default: this checkout). It is their
             working directory: with ``-m``, that directory comes first on ``sys.path``,
             before ``PYTHONPATH`` and the venv's editable install (``bench.ab``).
@@ -254,6 +256,7 @@ class ServiceProcess:
     port: int | None = None
     python: str = sys.executable
     serve_python_args: tuple[str, ...] = ()
+    serve_prefix: tuple[str, ...] = ()
     root: Path = REPO_ROOT
     demo: Demo | None = None
 
@@ -452,6 +455,7 @@ class ServiceProcess:
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
                 [
+                    *self.serve_prefix,
                     self.python,
                     *self.serve_python_args,
                     "-m",

@@ -52,7 +52,23 @@ async def _serve(settings: Settings, role: str) -> None:
     # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
     # and operator commands do not need.
     from leadgate.app import App
-    from leadgate.web.runner import ServiceRunner
+    from leadgate.web.runner import (
+        RESERVED_FILES,
+        ConnectionLimit,
+        ServiceRunner,
+        connection_budget,
+        raise_open_files_limit,
+    )
+
+    open_files = raise_open_files_limit()
+    metrics_connections = 64 if settings.server.metrics_host else 0
+    reserved = (
+        RESERVED_FILES
+        + settings.database.pool_size
+        + (settings.email.max_connections if settings.email.on else 0)
+        + metrics_connections
+    )
+    max_connections = connection_budget(settings.server.max_connections, open_files, reserved)
 
     # Every role builds the channel adapters: a worker's relay posts through their
     # outbound halves (the inbound halves are mounted for api/all only).
@@ -65,6 +81,7 @@ async def _serve(settings: Settings, role: str) -> None:
         # Idle connections, and connections that never finish sending their request
         # headers (slow-loris), are closed after this; bodies have their own timeout.
         keepalive_timeout=settings.server.idle_timeout_s,
+        limit=ConnectionLimit(max_connections),
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
@@ -72,7 +89,11 @@ async def _serve(settings: Settings, role: str) -> None:
     metrics_runner: web.AppRunner | None = None
     if settings.server.metrics_host:
         metrics_runner = ServiceRunner(
-            app.metrics_app(), handle_signals=False, access_log=None, keepalive_timeout=5
+            app.metrics_app(),
+            handle_signals=False,
+            access_log=None,
+            keepalive_timeout=5,
+            limit=ConnectionLimit(metrics_connections, listener="metrics"),
         )
         await metrics_runner.setup()
         metrics_site = web.TCPSite(
@@ -85,7 +106,14 @@ async def _serve(settings: Settings, role: str) -> None:
     # of later garbage collections, whose full passes over it took hundreds of ms each.
     gc.freeze()
     port = runner.addresses[0][1] if runner.addresses else settings.server.port
-    log.info("leadgate listening on http://%s:%s (role %s)", settings.server.host, port, role)
+    log.info(
+        "leadgate listening on http://%s:%s (role %s, at most %d connections, %d open files)",
+        settings.server.host,
+        port,
+        role,
+        max_connections,
+        open_files,
+    )
     print(
         json.dumps({"listening": f"http://{settings.server.host}:{port}", "role": role}), flush=True
     )

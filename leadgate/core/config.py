@@ -41,6 +41,11 @@ class ServerSettings(_Section):
     #: Requests one process answers at once; beyond, 503 ``server.busy`` with
     #: Retry-After, 1-3 s (event and MCP streams have their own bounds and do not count).
     max_inflight: int = Field(default=1000, ge=1)
+    #: Connections the listener holds at once (about 5 KB each). At the limit a new one
+    #: closes the longest-idle one; with none idle it is answered 503
+    #: ``server.connections`` and closed. Lowered at start, with a WARNING, to what the
+    #: process's open-files limit leaves room for.
+    max_connections: int = Field(default=4096, ge=1)
     #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set
     #: (printable ASCII without blanks: a bearer token is read as nothing else).
     metrics_token: str = Field(default="", pattern=r"^[!-~]*$")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -40,6 +40,19 @@ class Metrics:
             "Requests answered 503 with Retry-After, by rule (server.busy: shed at "
             "[server] max_inflight; service.unavailable: a database fault; events.limit)",
             ["rule"],
+            registry=self.registry,
+        )
+        self.http_connections = Gauge(
+            "leadgate_http_connections",
+            "HTTP connections open now, by listener (main; metrics: the separate listener)",
+            ["listener"],
+            registry=self.registry,
+        )
+        self.http_connections_closed = Counter(
+            "leadgate_http_connections_closed_total",
+            "Connections closed at [server] max_connections (evicted: idle, to make room; "
+            "refused: 503 server.connections, every open one busy)",
+            ["listener", "reason"],
             registry=self.registry,
         )
 

@@ -1,5 +1,6 @@
 """The service's aiohttp runner: a request aiohttp cannot parse is answered in the one JSON
-error envelope, like every other refused request.
+error envelope, like every other refused request, and a listener holds at most ``[server]
+max_connections`` connections (:class:`ConnectionLimit`).
 
 aiohttp answers such a request (a bad request line, header or body framing) itself, before
 any handler or middleware runs, with a plain-text 400 that quotes the offending bytes back.
@@ -12,11 +13,23 @@ service, so an aiohttp upgrade that moves these hooks fails there, not in produc
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from leadgate.core.logs import Tally
+from leadgate.core.metrics import METRICS
 from leadgate.web.common import SERVER_NAME, error_body
+
+log = logging.getLogger("leadgate.web")
 
 #: What a client is told about a request aiohttp could not parse: the rule, never its bytes.
 MALFORMED_MESSAGE = (
@@ -24,10 +37,128 @@ MALFORMED_MESSAGE = (
 )
 
 
-class _JsonErrorsHandler(RequestHandler):
-    """aiohttp's per-connection protocol, answering its own errors as JSON."""
+class ConnectionLimit:
+    """At most ``limit`` open connections on one listener (``[server] max_connections``).
 
-    __slots__ = ()
+    Every connection costs a file descriptor until it closes, and a process may open only
+    so many (``RLIMIT_NOFILE``): without a bound, a flood of idle connections (each held
+    up to ``idle_timeout_s``) took them all, and the service could accept no request, open
+    no database file and make no post until they timed out (a throwaway probe: 1,100 idle
+    connections against a limit of 1,024 files, ``/healthz`` unanswered for 10 s and
+    122,881 log lines of ``socket.accept() out of system resource``).
+
+    At the limit, a new connection closes the connection idle the longest (waiting for its
+    first request's headers, or between keep-alive requests; aiohttp's own test of
+    idleness), so requests keep being answered however many idle connections someone
+    opens; the HTTP clients reconnect when a kept-alive connection closes. Only when every
+    open connection has a request under way is the new one answered 503
+    ``server.connections`` with ``Retry-After`` and closed, before anything is read.
+    Counted when aiohttp makes the connection's protocol, not when it connects, for the
+    reason :class:`bots.email._CountedSMTP` gives. Both are counted in
+    ``leadgate_http_connections_closed_total{listener,reason}`` and logged as one WARNING
+    every 10 s at most.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        listener: str = "main",
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = limit
+        self.listener = listener
+        #: connections open now (made and not yet lost or closed to make room)
+        self.open = 0
+        self.evictions = Tally(
+            log,
+            "http: %d idle connection(s) closed to make room for new ones "
+            "(%s listener at [server] max_connections = %d)",
+            now=now,
+        )
+        self.refusals = Tally(
+            log,
+            "http: %d connection(s) answered 503 [server.connections] and closed: "
+            "every one of the %s listener's %d connections had a request under way",
+            now=now,
+        )
+        METRICS.http_connections.labels(listener).set_function(lambda: self.open)
+
+    def evicted(self) -> None:
+        """Count an idle connection closed to make room."""
+        self.open -= 1
+        self.evictions.add(self.listener, self.limit)
+        METRICS.http_connections_closed.labels(self.listener, "evicted").inc()
+
+    def refused(self) -> None:
+        """Count a connection refused with 503."""
+        self.refusals.add(self.listener, self.limit)
+        METRICS.http_connections_closed.labels(self.listener, "refused").inc()
+
+
+#: A connection beyond the limit while every open one is busy: the whole answer, sent
+#: before its request is read (loopback clients still read it when their request was in).
+_REFUSAL_BODY = json.dumps(
+    error_body(
+        503,
+        "the service holds as many connections as it can; try again shortly",
+        "service_unavailable",
+        "server.connections",
+    )
+).encode()
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Server: " + SERVER_NAME.encode() + b"\r\n"
+    b"Content-Type: application/json; charset=utf-8\r\n"
+    b"Retry-After: 2\r\nretry-after-ms: 2000\r\nConnection: close\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class _RefusedConnection(asyncio.Protocol):
+    """A connection beyond :class:`ConnectionLimit` with none idle to close: the 503, then
+    closed at once (holding its descriptor while it waits for the request would let a
+    flood take them all again)."""
+
+    def __init__(self, limit: ConnectionLimit) -> None:
+        self._limit = limit
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        self._limit.refused()
+        transport.write(_REFUSAL)
+        transport.close()
+
+
+class _JsonErrorsHandler(RequestHandler):
+    """aiohttp's per-connection protocol, answering its own errors as JSON and counted in
+    its listener's :class:`ConnectionLimit`."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, manager: Any, *, limit: ConnectionLimit | None, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limit = limit
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request's headers (the first, or the next on a kept-alive
+        connection): what aiohttp's keep-alive timer closes."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def evict(self) -> None:
+        """Close this idle connection to make room (counted once)."""
+        limit, self._limit = self._limit, None
+        if limit is not None:
+            limit.evicted()
+        self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        limit, self._limit = self._limit, None
+        if limit is not None:
+            limit.open -= 1
+        super().connection_lost(exc)
 
     def handle_error(
         self,
@@ -51,24 +182,89 @@ class _JsonErrorsHandler(RequestHandler):
 
 
 class _JsonErrorsServer(web.Server):
-    """aiohttp's low-level server, making :class:`_JsonErrorsHandler` connections."""
+    """aiohttp's low-level server, making :class:`_JsonErrorsHandler` connections up to
+    its :class:`ConnectionLimit`."""
 
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorsHandler(self, loop=self._loop, **self._kwargs)
+    limit: ConnectionLimit | None = None
+
+    def __call__(self) -> asyncio.BaseProtocol:  # type: ignore[override]
+        limit = self.limit
+        if limit is not None:
+            if limit.open >= limit.limit and not self._close_one_idle():
+                return _RefusedConnection(limit)
+            limit.open += 1
+        return _JsonErrorsHandler(self, limit=limit, loop=self._loop, **self._kwargs)
+
+    def _close_one_idle(self) -> bool:
+        # Oldest first: the server's connections are a dict, in the order they came.
+        for handler in self._connections:
+            if isinstance(handler, _JsonErrorsHandler) and handler.idle:
+                handler.evict()
+                return True
+        return False
 
 
 class ServiceRunner(web.AppRunner):
     """``web.AppRunner`` whose connections answer unparseable requests in the JSON
-    envelope (rule ``http.malformed``) instead of aiohttp's plain text."""
+    envelope (rule ``http.malformed``) instead of aiohttp's plain text, and whose listener
+    holds at most ``limit``'s connections (:class:`ConnectionLimit`; none: unbounded)."""
+
+    def __init__(
+        self, app: web.Application, *, limit: ConnectionLimit | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self.limit = limit
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()
         # The same server (the application's handler and request factory, our keyword
         # arguments), built with the subclass.
-        return _JsonErrorsServer(
+        server = _JsonErrorsServer(
             made.request_handler,
             request_factory=made.request_factory,
             handler_cancellation=made.handler_cancellation,
             loop=made._loop,
             **made._kwargs,
         )
+        server.limit = self.limit
+        return server
+
+
+#: Descriptors kept for everything but the HTTP listeners' connections (the database,
+#: channel clients and model providers, log and database files), on top of the database
+#: pool and the SMTP listener's own bound (:func:`connection_budget`).
+RESERVED_FILES = 256
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (what a service
+    manager leaves at 1,024 by default, to spare programs that use ``select``; asyncio
+    uses epoll) and return the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit above the kernel's nr_open
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_budget(configured: int, open_files: int, reserved: int) -> int:
+    """``[server] max_connections``, lowered (with a WARNING) when it and ``reserved``
+    other descriptors would not fit in ``open_files``: the limit must bind before the
+    process runs out of descriptors, or a flood would stall it anyway."""
+    room = open_files - reserved
+    if configured <= room:
+        return configured
+    lowered = max(1, room)
+    log.warning(
+        "[server] max_connections = %d lowered to %d: this process may open %d files "
+        "(RLIMIT_NOFILE; raise its hard limit, e.g. LimitNOFILE= in a systemd unit) and "
+        "keeps %d of them for the database, channels and SMTP",
+        configured,
+        lowered,
+        open_files,
+        reserved,
+    )
+    return lowered

@@ -1,0 +1,151 @@
+"""``[server] max_connections`` on a real listener (:class:`ServiceRunner` on 127.0.0.1,
+raw sockets and aiohttp's client): the longest-idle connection makes room, a busy one
+never does, and with every connection busy a newcomer is answered 503 in the envelope."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from leadgate.core.metrics import METRICS
+from leadgate.web.runner import ConnectionLimit, ServiceRunner
+from tests.helpers import eventually
+
+
+class Clock:
+    """The limit's log interval, moved by hand."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@asynccontextmanager
+async def listener(
+    limit: ConnectionLimit, release: asyncio.Event
+) -> AsyncIterator[tuple[str, int]]:
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"ok": "slow"})
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    app.router.add_get("/slow", slow)
+    runner = ServiceRunner(app, limit=limit, access_log=None, keepalive_timeout=30)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield host, port
+    finally:
+        await runner.cleanup()
+
+
+async def request(host: str, port: int, path: str = "/") -> tuple[int, bytes]:
+    """One request on a fresh connection: its status and body."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    raw = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def closed_count(reason: str, listener: str = "test") -> float:
+    value = METRICS.registry.get_sample_value(
+        "leadgate_http_connections_closed_total", {"listener": listener, "reason": reason}
+    )
+    return value or 0.0
+
+
+async def test_idle_connections_make_room_oldest_first(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    limit = ConnectionLimit(3, listener="test", now=clock)
+    evicted_before = closed_count("evicted")
+    caplog.set_level(logging.WARNING, logger="leadgate.web")
+    async with listener(limit, asyncio.Event()) as (host, port):
+        idle = [await asyncio.open_connection(host, port) for _ in range(3)]
+        assert await eventually(lambda: limit.open == 3)
+        # A fourth connection closes the first (idle the longest), and is answered.
+        assert await request(host, port) == (200, b'{"ok": true}')
+        assert closed_count("evicted") - evicted_before == 1
+        assert await asyncio.wait_for(idle[0][0].read(), 2) == b""  # closed by the server
+        assert not idle[1][0].at_eof() and not idle[2][0].at_eof()
+        for _, writer in idle:
+            writer.close()
+        assert await eventually(lambda: limit.open == 0)
+        # A kept-alive connection that has had its answer is idle too: the oldest now.
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://{host}:{port}/") as resp:
+                assert resp.status == 200
+            idle = [await asyncio.open_connection(host, port) for _ in range(2)]
+            assert await eventually(lambda: limit.open == 3)
+            assert (await request(host, port))[0] == 200
+            assert closed_count("evicted") - evicted_before == 2  # the session's, not these
+            assert not any(reader.at_eof() for reader, _ in idle)
+            # The client opens a new connection for its next request.
+            async with session.get(f"http://{host}:{port}/") as resp:
+                assert resp.status == 200
+        assert await eventually(lambda: limit.open == 2)  # the two idle ones
+        gauge = METRICS.registry.get_sample_value("leadgate_http_connections", {"listener": "test"})
+        assert gauge == limit.open
+        for _, writer in idle:
+            writer.close()
+    # One WARNING for the lot, within the log interval.
+    lines = [r.getMessage() for r in caplog.records if "to make room" in r.getMessage()]
+    assert lines == [
+        "http: 1 idle connection(s) closed to make room for new ones "
+        "(test listener at [server] max_connections = 3)"
+    ]
+    assert limit.open == 0
+
+
+async def test_with_every_connection_busy_a_newcomer_is_a_503_in_the_envelope() -> None:
+    release = asyncio.Event()
+    limit = ConnectionLimit(2, listener="test")
+    refused_before = closed_count("refused")
+    async with listener(limit, release) as (host, port):
+        busy = [asyncio.create_task(request(host, port, "/slow")) for _ in range(2)]
+        assert await eventually(lambda: limit.open == 2)
+        await asyncio.sleep(0.1)  # both requests read and under way
+        status, body = await request(host, port)
+        assert status == 503
+        error = json.loads(body)["error"]
+        assert error["rule"] == "server.connections" and error["code"] == "service_unavailable"
+        assert closed_count("refused") - refused_before == 1
+        # The busy ones were never closed to make room; once they end there is room again.
+        release.set()
+        assert [r[0] for r in await asyncio.gather(*busy)] == [200, 200]
+        assert await eventually(lambda: limit.open == 0)
+        assert (await request(host, port))[0] == 200
+
+
+async def test_the_503_carries_retry_after_and_closes() -> None:
+    release = asyncio.Event()
+    limit = ConnectionLimit(1, listener="test")
+    async with listener(limit, release) as (host, port):
+        busy = asyncio.create_task(request(host, port, "/slow"))
+        assert await eventually(lambda: limit.open == 1)
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection(host, port)
+        raw = await asyncio.wait_for(reader.read(), 5)  # no request sent: answered anyway
+        writer.close()
+        head = raw.partition(b"\r\n\r\n")[0].decode().lower()
+        assert head.startswith("http/1.1 503")
+        assert "retry-after: 2" in head and "connection: close" in head
+        assert "server: leadgate" in head
+        release.set()
+        await busy
