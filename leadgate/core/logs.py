@@ -119,6 +119,36 @@ class MalformedRequestFilter(logging.Filter):
         return True
 
 
+#: How asyncio's loop reports a listening socket's ``accept`` failing for want of
+#: descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM).
+ACCEPT_FAILED = "socket.accept() out of system resource"
+
+
+class AcceptFailureFilter(logging.Filter):
+    """asyncio logs every failed ``accept`` at ERROR with its traceback, and Python 3.11
+    retries the rest of the backlog at once, so a process out of descriptors wrote
+    122,881 log lines while 1,100 idle connections lasted (session 33's probe, before
+    ``[server] max_connections`` bounded the listener). Such records become one WARNING
+    every 10 s with their count; the listener's bound keeps the service from getting
+    there."""
+
+    def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.failures = Tally(
+            logging.getLogger("leadgate.web"),
+            "http: accept failed %d time(s) (%s): the process is out of descriptors or "
+            "memory; see [server] max_connections and RLIMIT_NOFILE",
+            now=now,
+        )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(ACCEPT_FAILED):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        self.failures.add(exc.strerror if isinstance(exc, OSError) else "unknown error")
+        return False
+
+
 def setup_logging(settings: Settings) -> None:
     """Log to stderr at ``[log] level``, as text or (``format = "json"``) JSON lines.
 
@@ -164,4 +194,7 @@ def setup_logging(settings: Settings) -> None:
     server = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, MalformedRequestFilter) for f in server.filters):
         server.addFilter(MalformedRequestFilter())
+    loop_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, AcceptFailureFilter) for f in loop_logger.filters):
+        loop_logger.addFilter(AcceptFailureFilter())
     logging.getLogger("alembic").setLevel(logging.WARNING)

@@ -138,3 +138,38 @@ async def test_database_errors_never_carry_the_statements_parameters(migrated_ur
         await db.close()
     assert secret not in str(info.value)
     assert "hidden due to hide_parameters" in str(info.value)
+
+
+def test_failed_accepts_are_one_warning_not_a_traceback_each(
+    restore_logging: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+    import errno
+
+    from leadgate.core.logs import ACCEPT_FAILED, AcceptFailureFilter
+
+    loop_logger = logging.getLogger("asyncio")
+    for old in [f for f in loop_logger.filters if isinstance(f, AcceptFailureFilter)]:
+        loop_logger.removeFilter(old)  # a fresh 10-s window for this test
+    setup_logging(Settings.model_validate({"log": {"level": "INFO"}}))
+    loop = asyncio.new_event_loop()
+    try:
+        # How the loop reports each connection it could not accept (asyncio's
+        # selector_events), here 300 times as a descriptor flood did.
+        for _ in range(300):
+            loop.call_exception_handler(
+                {
+                    "message": ACCEPT_FAILED,
+                    "exception": OSError(errno.EMFILE, "Too many open files"),
+                }
+            )
+        loop.call_exception_handler({"message": "Task exception was never retrieved"})
+    finally:
+        loop.close()
+    err = capsys.readouterr().err
+    assert err.count("accept failed") == 1
+    assert "http: accept failed 1 time(s) (Too many open files)" in err
+    assert ACCEPT_FAILED not in err and "Traceback" not in err
+    assert "Task exception was never retrieved" in err  # the loop's other errors still show
+    [installed] = [f for f in loop_logger.filters if isinstance(f, AcceptFailureFilter)]
+    assert installed.failures.total == 300
