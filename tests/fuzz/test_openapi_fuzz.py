@@ -4,8 +4,8 @@ Every documented operation (REST, agents, operator, console) is called with requ
 schemathesis generates from the served document, valid and invalid (wrong types,
 missing fields, odd strings), with the demo Owner key: no 5xx, no traceback in any
 response, and a refused request (4xx) writes nothing. ``409`` from a chat completion is
-a turn held for review (it was accepted), not a refusal. The bounded form runs on SQLite
-and PostgreSQL; the long form (``-m long``) on SQLite.
+a turn held for review (it was accepted), not a refusal. Both forms, the bounded one and
+the long one (``-m long``), run on SQLite and on PostgreSQL.
 
 (schemathesis' own pytest plugin does not run under this pytest version, so each
 operation is driven through its hypothesis strategy, ``APIOperation.as_strategy``.)
@@ -85,8 +85,8 @@ def test_no_5xx_no_traceback_no_write_on_refusal(
 
 @pytest.mark.long
 @pytest.mark.parametrize("label", LABELS)
-def test_long_form(fuzz_service: Fuzzed, api_schema: Any, label: str) -> None:
-    assert fuzz_operation(fuzz_service, api_schema, label, LONG_EXAMPLES) > 0
+def test_long_form(each_backend: Fuzzed, api_schema: Any, label: str) -> None:
+    assert fuzz_operation(each_backend, api_schema, label, LONG_EXAMPLES) > 0
 
 
 def test_every_route_is_documented(fuzz_service: Fuzzed, api_schema: Any) -> None:
