@@ -291,7 +291,8 @@ _COMMON = {
     "404": "Not found in this organization",
     "408": "The body did not arrive in time",
     "413": "The body is too large",
-    "503": "The database cannot take the request now; retry after Retry-After",
+    "503": "The service cannot take the request now (a database fault, or overload); "
+    "retry after Retry-After",
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import resource
 import time
 from collections.abc import Callable
@@ -52,7 +53,8 @@ class ConnectionLimit:
     idleness), so requests keep being answered however many idle connections someone
     opens; the HTTP clients reconnect when a kept-alive connection closes. Only when every
     open connection has a request under way is the new one answered 503
-    ``server.connections`` with ``Retry-After`` and closed, before anything is read.
+    ``server.connections`` with ``Retry-After`` (1-3 s) and closed, before anything is
+    read.
     Counted when aiohttp makes the connection's protocol, not when it connects, for the
     reason :class:`bots.email._CountedSMTP` gives. Both are counted in
     ``leadgate_http_connections_closed_total{listener,reason}`` and logged as one WARNING
@@ -65,9 +67,11 @@ class ConnectionLimit:
         *,
         listener: str = "main",
         now: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
     ) -> None:
         self.limit = limit
         self.listener = listener
+        self._jitter = jitter
         #: connections open now (made and not yet lost or closed to make room)
         self.open = 0
         self.evictions = Tally(
@@ -90,10 +94,12 @@ class ConnectionLimit:
         self.evictions.add(self.listener, self.limit)
         METRICS.http_connections_closed.labels(self.listener, "evicted").inc()
 
-    def refused(self) -> None:
-        """Count a connection refused with 503."""
+    def refused(self) -> int:
+        """Count a connection refused with 503; the wait to ask for, in milliseconds: 1 s
+        plus up to 2 s drawn at random, as for every 503 (``UnavailableAnswers``)."""
         self.refusals.add(self.listener, self.limit)
         METRICS.http_connections_closed.labels(self.listener, "refused").inc()
+        return 1000 + int(2000 * self._jitter())
 
 
 #: A connection beyond the limit while every open one is busy: the whole answer, sent
@@ -106,13 +112,17 @@ _REFUSAL_BODY = json.dumps(
         "server.connections",
     )
 ).encode()
-_REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"Server: " + SERVER_NAME.encode() + b"\r\n"
-    b"Content-Type: application/json; charset=utf-8\r\n"
-    b"Retry-After: 2\r\nretry-after-ms: 2000\r\nConnection: close\r\n"
-    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
-)
+
+
+def _refusal(wait_ms: int) -> bytes:
+    """The 503 asking for ``wait_ms`` (``Retry-After`` in whole seconds, rounded up)."""
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\n"
+        b"Server: " + SERVER_NAME.encode() + b"\r\n"
+        b"Content-Type: application/json; charset=utf-8\r\n"
+        b"Retry-After: %d\r\nretry-after-ms: %d\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n" % (-(-wait_ms // 1000), wait_ms, len(_REFUSAL_BODY))
+    ) + _REFUSAL_BODY
 
 
 class _RefusedConnection(asyncio.Protocol):
@@ -125,8 +135,8 @@ class _RefusedConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
-        self._limit.refused()
-        transport.write(_REFUSAL)
+        wait_ms = self._limit.refused()
+        transport.write(_refusal(wait_ms))
         transport.close()
 
 

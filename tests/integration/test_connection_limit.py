@@ -31,12 +31,14 @@ class Clock:
 
 @asynccontextmanager
 async def listener(
-    limit: ConnectionLimit, release: asyncio.Event
+    limit: ConnectionLimit, release: asyncio.Event, entered: list[int] | None = None
 ) -> AsyncIterator[tuple[str, int]]:
     async def hello(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     async def slow(request: web.Request) -> web.Response:
+        if entered is not None:
+            entered.append(1)
         await release.wait()
         return web.json_response({"ok": "slow"})
 
@@ -117,10 +119,10 @@ async def test_with_every_connection_busy_a_newcomer_is_a_503_in_the_envelope() 
     release = asyncio.Event()
     limit = ConnectionLimit(2, listener="test")
     refused_before = closed_count("refused")
-    async with listener(limit, release) as (host, port):
+    entered: list[int] = []
+    async with listener(limit, release, entered) as (host, port):
         busy = [asyncio.create_task(request(host, port, "/slow")) for _ in range(2)]
-        assert await eventually(lambda: limit.open == 2)
-        await asyncio.sleep(0.1)  # both requests read and under way
+        assert await eventually(lambda: len(entered) == 2)  # both under way
         status, body = await request(host, port)
         assert status == 503
         error = json.loads(body)["error"]
@@ -135,17 +137,22 @@ async def test_with_every_connection_busy_a_newcomer_is_a_503_in_the_envelope() 
 
 async def test_the_503_carries_retry_after_and_closes() -> None:
     release = asyncio.Event()
-    limit = ConnectionLimit(1, listener="test")
-    async with listener(limit, release) as (host, port):
+    limit = ConnectionLimit(1, listener="test", jitter=lambda: 0.75)
+    entered: list[int] = []
+    async with listener(limit, release, entered) as (host, port):
         busy = asyncio.create_task(request(host, port, "/slow"))
-        assert await eventually(lambda: limit.open == 1)
-        await asyncio.sleep(0.1)
+        assert await eventually(lambda: len(entered) == 1)
         reader, writer = await asyncio.open_connection(host, port)
         raw = await asyncio.wait_for(reader.read(), 5)  # no request sent: answered anyway
         writer.close()
-        head = raw.partition(b"\r\n\r\n")[0].decode().lower()
+        raw_head, _, body = raw.partition(b"\r\n\r\n")
+        head = raw_head.decode().lower()
         assert head.startswith("http/1.1 503")
-        assert "retry-after: 2" in head and "connection: close" in head
+        # 1 s and up to 2 s more, drawn at random (here 0.75 of it), as for every 503.
+        assert "retry-after: 3\r\n" in head and "retry-after-ms: 2500\r\n" in head
+        assert "connection: close" in head
+        assert f"content-length: {len(body)}" in head
+        assert json.loads(body)["error"]["rule"] == "server.connections"
         assert "server: leadgate" in head
         release.set()
         await busy
