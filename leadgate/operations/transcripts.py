@@ -28,6 +28,10 @@ from leadgate.operations.sessions import api_session_key
 
 #: ``limit`` of a transcript page: 1..100, 100 when not given.
 PAGE_MAX = 100
+#: A page ends early (``has_more`` true) once its messages' text passes this many
+#: characters, with at least one message: a hundred messages of 100,000 characters made
+#: a 9 MB answer, which the service held in full while a client did not read it.
+PAGE_MAX_CHARS = 1_000_000
 
 _M = t.messages.c
 _VISIBLE = (
@@ -132,15 +136,22 @@ class Transcripts:
         limit: int = PAGE_MAX,
     ) -> dict[str, Any]:
         """One page of the visible transcript, oldest first:
-        ``{"object": "list", "data": [...], "has_more"}``. An unknown session is empty;
-        ``after`` must be the id of a message of this session."""
+        ``{"object": "list", "data": [...], "has_more"}``, at most ``limit`` messages and
+        :data:`PAGE_MAX_CHARS` characters of text (one message, whatever its length). An
+        unknown session is empty; ``after`` must be the id of a message of this session."""
         ref = await self.find(principal, agent_ref, name)
         if ref.session_id is None:
             return {"object": "list", "data": [], "has_more": False}
         async with self.db.read() as conn:
             rows = await self._page(conn, ref.session_id, after, limit)
-        data = [public_message(*row) for row in rows[:limit]]
-        return {"object": "list", "data": data, "has_more": len(rows) > limit}
+        data: list[dict[str, Any]] = []
+        chars = 0
+        for row in rows[:limit]:
+            chars += len(row.content or "")
+            if data and chars > PAGE_MAX_CHARS:
+                break
+            data.append(public_message(*row))
+        return {"object": "list", "data": data, "has_more": len(rows) > len(data)}
 
     async def _page(self, conn: Conn, session_id: str, after: str | None, limit: int) -> list[Any]:
         params: dict[str, Any] = {"p_sid": session_id, "p_limit": limit + 1}

@@ -23,6 +23,7 @@ from leadgate.app import App
 from leadgate.core.auth import Scope
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
+from leadgate.operations.transcripts import PAGE_MAX_CHARS
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
 
@@ -100,6 +101,29 @@ async def test_transcript_pages_oldest_first(env: Env) -> None:
     assert texts(head) == texts(page)[:2] and head["has_more"] is True
     rest = await (await env.transcript("plain", "p", after=head["data"][-1]["id"])).json()
     assert texts(rest) == texts(page)[2:] and rest["has_more"] is False
+
+
+async def test_a_page_ends_early_past_a_million_characters(env: Env) -> None:
+    """A page holds at most PAGE_MAX_CHARS characters of text (always one message):
+    ``has_more`` says there is more, and ``after`` pages through all of it."""
+    long = "x" * 99_000  # just under the 100,000-character message limit
+    for i in range(8):
+        text = f"{i} {long}"
+        assert (await env.chat("plain", text, headers={"X-Session-Id": "long"})).status == 200
+    seen: list[str] = []
+    after: str | None = None
+    sizes: list[int] = []
+    while True:
+        query = {"after": after} if after else {}
+        page = await (await env.transcript("plain", "long", **query)).json()
+        sizes.append(len(page["data"]))
+        assert sum(len(m["content"]) for m in page["data"]) <= PAGE_MAX_CHARS
+        seen += [m["content"] for m in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["data"][-1]["id"]
+    assert sizes == [10, 6]  # 16 messages of about 99,000 characters
+    assert seen == [t for i in range(8) for t in (f"{i} {long}", f"Echo: {i} {long}")]
 
 
 @pytest.mark.parametrize(
