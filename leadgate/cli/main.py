@@ -55,6 +55,7 @@ async def _serve(settings: Settings, role: str) -> None:
     from leadgate.web.runner import (
         RESERVED_FILES,
         ConnectionLimit,
+        SendBounds,
         ServiceRunner,
         connection_budget,
         raise_open_files_limit,
@@ -82,6 +83,7 @@ async def _serve(settings: Settings, role: str) -> None:
         # headers (slow-loris), are closed after this; bodies have their own timeout.
         keepalive_timeout=settings.server.idle_timeout_s,
         limit=ConnectionLimit(max_connections),
+        sends=SendBounds(settings.server.send_timeout_s, settings.server.max_unsent_bytes),
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)

@@ -46,6 +46,12 @@ class ServerSettings(_Section):
     #: ``server.connections`` and closed. Lowered at start, with a WARNING, to what the
     #: process's open-files limit leaves room for.
     max_connections: int = Field(default=4096, ge=1)
+    #: A connection whose client takes nothing of its answer for this long is reset
+    #: (nginx's ``send_timeout``: a client that keeps reading, however slowly, stays).
+    send_timeout_s: float = Field(default=30.0, gt=0)
+    #: Bytes of answers waiting for clients that do not read them, at most; beyond, the
+    #: connections whose last progress is oldest are reset.
+    max_unsent_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)
     #: ``GET /metrics`` needs ``Authorization: Bearer <metrics_token>`` when set
     #: (printable ASCII without blanks: a bearer token is read as nothing else).
     metrics_token: str = Field(default="", pattern=r"^[!-~]*$")

@@ -50,9 +50,16 @@ class Metrics:
         )
         self.http_connections_closed = Counter(
             "leadgate_http_connections_closed_total",
-            "Connections closed at [server] max_connections (evicted: idle, to make room; "
-            "refused: 503 server.connections, every open one busy)",
+            "Connections closed by a bound: [server] max_connections (evicted: idle, to "
+            "make room; refused: 503 server.connections, every open one busy), "
+            "send_timeout_s (send_timeout) and max_unsent_bytes (unsent_bytes)",
             ["listener", "reason"],
+            registry=self.registry,
+        )
+        self.http_unsent_bytes = Gauge(
+            "leadgate_http_unsent_bytes",
+            "Bytes of answers waiting for clients that read slower than they are sent",
+            ["listener"],
             registry=self.registry,
         )
 

@@ -1,6 +1,7 @@
 """The service's aiohttp runner: a request aiohttp cannot parse is answered in the one JSON
-error envelope, like every other refused request, and a listener holds at most ``[server]
-max_connections`` connections (:class:`ConnectionLimit`).
+error envelope, like every other refused request; a listener holds at most ``[server]
+max_connections`` connections (:class:`ConnectionLimit`), and answers their clients do not
+read are bounded in time and bytes (:class:`SendBounds`).
 
 aiohttp answers such a request (a bad request line, header or body framing) itself, before
 any handler or middleware runs, with a plain-text 400 that quotes the offending bytes back.
@@ -102,6 +103,125 @@ class ConnectionLimit:
         return 1000 + int(2000 * self._jitter())
 
 
+class SendBounds:
+    """Answers their clients do not read, bounded in time and bytes (``[server]
+    send_timeout_s``, ``max_unsent_bytes``).
+
+    What the kernel's socket buffer cannot take of an answer waits in the process (in the
+    transport's buffer, and the response's body with it) until the client reads it or
+    goes. A throwaway probe: 20 clients that asked for a 9 MB transcript page (100
+    messages of 99,000 characters) and never read it took the service from 129 to 466 MB,
+    and held it there; a few hundred would have taken gigabytes, with any key of any
+    organization.
+
+    A connection whose transport has paused writing (its buffer past asyncio's
+    high-water mark) is *stalled*. It is reset (its buffer dropped) once its buffer has
+    not shrunk for ``send_timeout_s``: as nginx's ``send_timeout``, a client that keeps
+    reading, however slowly, keeps its connection. Whenever the stalled connections'
+    buffers together pass ``max_unsent_bytes``, the ones whose last progress is oldest
+    are reset until they fit. Counted in ``leadgate_http_connections_closed_total``
+    (``send_timeout``, ``unsent_bytes``), logged as one WARNING every 10 s at most; the
+    bytes waiting are ``leadgate_http_unsent_bytes``.
+    """
+
+    def __init__(
+        self,
+        send_timeout_s: float = 30.0,
+        max_unsent_bytes: int = 64 << 20,
+        *,
+        listener: str = "main",
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.send_timeout_s = send_timeout_s
+        self.max_unsent_bytes = max_unsent_bytes
+        self.listener = listener
+        self._now = now
+        # stalled connection -> [its unsent bytes at its last progress, when that was]
+        self._stalled: dict[_JsonErrorsHandler, list[float]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._check_soon = False
+        self.timeouts = Tally(
+            log,
+            "http: %d connection(s) reset: their clients took nothing of the answer for "
+            "[server] send_timeout_s = %s (%s listener)",
+            now=now,
+        )
+        self.over_budget = Tally(
+            log,
+            "http: %d connection(s) reset: answers waiting for clients that did not read "
+            "them passed [server] max_unsent_bytes = %d (%s listener)",
+            now=now,
+        )
+        METRICS.http_unsent_bytes.labels(listener).set_function(self.unsent)
+
+    def unsent(self) -> int:
+        """Bytes of answers waiting on stalled connections now."""
+        return sum(handler.unsent for handler in self._stalled)
+
+    @property
+    def stalled_count(self) -> int:
+        """Connections stalled now."""
+        return len(self._stalled)
+
+    def stalled(self, handler: _JsonErrorsHandler) -> None:
+        """``handler``'s transport paused writing: watch it."""
+        self._stalled[handler] = [handler.unsent, self._now()]
+        loop = asyncio.get_running_loop()
+        if not self._check_soon:
+            # Not from inside the transport's write that paused it.
+            self._check_soon = True
+            loop.call_soon(self._budget_soon)
+        if self._timer is None:
+            self._timer = loop.call_later(min(1.0, self.send_timeout_s / 4), self._tick)
+
+    def resumed(self, handler: _JsonErrorsHandler) -> None:
+        """``handler`` is writing again, or gone."""
+        self._stalled.pop(handler, None)
+
+    def check(self) -> None:
+        """Reset the stalled connections past the timeout, then keep the budget."""
+        now = self._now()
+        for handler, progress in list(self._stalled.items()):
+            unsent = handler.unsent
+            if unsent < progress[0]:
+                progress[0], progress[1] = unsent, now
+            elif now - progress[1] >= self.send_timeout_s:
+                self._reset(handler, "send_timeout")
+        self._keep_budget()
+
+    def _budget_soon(self) -> None:
+        self._check_soon = False
+        self._keep_budget()
+
+    def _keep_budget(self) -> None:
+        total = self.unsent()
+        if total <= self.max_unsent_bytes:
+            return
+        oldest_first = sorted(self._stalled.items(), key=lambda item: item[1][1])
+        for handler, _ in oldest_first:
+            total -= handler.unsent
+            self._reset(handler, "unsent_bytes")
+            if total <= self.max_unsent_bytes:
+                break
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.check()
+        if self._stalled:
+            self._timer = asyncio.get_running_loop().call_later(
+                min(1.0, self.send_timeout_s / 4), self._tick
+            )
+
+    def _reset(self, handler: _JsonErrorsHandler, reason: str) -> None:
+        self._stalled.pop(handler, None)
+        handler.reset()
+        METRICS.http_connections_closed.labels(self.listener, reason).inc()
+        if reason == "send_timeout":
+            self.timeouts.add(self.send_timeout_s, self.listener)
+        else:
+            self.over_budget.add(self.max_unsent_bytes, self.listener)
+
+
 #: A connection beyond the limit while every open one is busy: the whole answer, sent
 #: before its request is read (loopback clients still read it when their request was in).
 _REFUSAL_BODY = json.dumps(
@@ -144,11 +264,42 @@ class _JsonErrorsHandler(RequestHandler):
     """aiohttp's per-connection protocol, answering its own errors as JSON and counted in
     its listener's :class:`ConnectionLimit`."""
 
-    __slots__ = ("_limit",)
+    __slots__ = ("_limit", "_sends")
 
-    def __init__(self, manager: Any, *, limit: ConnectionLimit | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        limit: ConnectionLimit | None,
+        sends: SendBounds | None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._limit = limit
+        self._sends = sends
+
+    @property
+    def unsent(self) -> int:
+        """Bytes written to the connection that the kernel has not taken yet."""
+        transport = self.transport
+        return transport.get_write_buffer_size() if transport is not None else 0
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._sends is not None:
+            self._sends.stalled(self)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._sends is not None:
+            self._sends.resumed(self)
+
+    def reset(self) -> None:
+        """Drop what is unsent and close at once (``close`` would wait for the client to
+        read it)."""
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
 
     @property
     def idle(self) -> bool:
@@ -168,6 +319,8 @@ class _JsonErrorsHandler(RequestHandler):
         limit, self._limit = self._limit, None
         if limit is not None:
             limit.open -= 1
+        if self._sends is not None:
+            self._sends.resumed(self)
         super().connection_lost(exc)
 
     def handle_error(
@@ -196,6 +349,7 @@ class _JsonErrorsServer(web.Server):
     its :class:`ConnectionLimit`."""
 
     limit: ConnectionLimit | None = None
+    sends: SendBounds | None = None
 
     def __call__(self) -> asyncio.BaseProtocol:  # type: ignore[override]
         limit = self.limit
@@ -203,7 +357,9 @@ class _JsonErrorsServer(web.Server):
             if limit.open >= limit.limit and not self._close_one_idle():
                 return _RefusedConnection(limit)
             limit.open += 1
-        return _JsonErrorsHandler(self, limit=limit, loop=self._loop, **self._kwargs)
+        return _JsonErrorsHandler(
+            self, limit=limit, sends=self.sends, loop=self._loop, **self._kwargs
+        )
 
     def _close_one_idle(self) -> bool:
         # Oldest first: the server's connections are a dict, in the order they came.
@@ -216,14 +372,21 @@ class _JsonErrorsServer(web.Server):
 
 class ServiceRunner(web.AppRunner):
     """``web.AppRunner`` whose connections answer unparseable requests in the JSON
-    envelope (rule ``http.malformed``) instead of aiohttp's plain text, and whose listener
-    holds at most ``limit``'s connections (:class:`ConnectionLimit`; none: unbounded)."""
+    envelope (rule ``http.malformed``) instead of aiohttp's plain text, whose listener
+    holds at most ``limit``'s connections (:class:`ConnectionLimit`) and whose unread
+    answers are bounded by ``sends`` (:class:`SendBounds`; none: unbounded)."""
 
     def __init__(
-        self, app: web.Application, *, limit: ConnectionLimit | None = None, **kwargs: Any
+        self,
+        app: web.Application,
+        *,
+        limit: ConnectionLimit | None = None,
+        sends: SendBounds | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(app, **kwargs)
         self.limit = limit
+        self.sends = sends
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()
@@ -237,6 +400,7 @@ class ServiceRunner(web.AppRunner):
             **made._kwargs,
         )
         server.limit = self.limit
+        server.sends = self.sends
         return server
 
 

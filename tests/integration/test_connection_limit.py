@@ -1,12 +1,18 @@
-"""``[server] max_connections`` on a real listener (:class:`ServiceRunner` on 127.0.0.1,
-raw sockets and aiohttp's client): the longest-idle connection makes room, a busy one
-never does, and with every connection busy a newcomer is answered 503 in the envelope."""
+"""The listener's bounds on a real listener (:class:`ServiceRunner` on 127.0.0.1, raw
+sockets and aiohttp's client).
+
+``[server] max_connections``: the longest-idle connection makes room, a busy one never
+does, and with every connection busy a newcomer is answered 503 in the envelope.
+``send_timeout_s`` and ``max_unsent_bytes``: an answer its client does not read is
+dropped after the timeout, or sooner when such answers pass the byte budget; a client
+that keeps reading keeps its connection."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from leadgate.core.metrics import METRICS
-from leadgate.web.runner import ConnectionLimit, ServiceRunner
+from leadgate.web.runner import ConnectionLimit, SendBounds, ServiceRunner
 from tests.helpers import eventually
 
 
@@ -29,9 +35,17 @@ class Clock:
         return self.t
 
 
+BIG = 16 * 1024 * 1024
+#: More than one unread BIG answer leaves in the process (the kernel takes a few MB).
+BUDGET = 20 * 1024 * 1024
+
+
 @asynccontextmanager
 async def listener(
-    limit: ConnectionLimit, release: asyncio.Event, entered: list[int] | None = None
+    limit: ConnectionLimit | None,
+    release: asyncio.Event,
+    entered: list[int] | None = None,
+    sends: SendBounds | None = None,
 ) -> AsyncIterator[tuple[str, int]]:
     async def hello(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -42,10 +56,17 @@ async def listener(
         await release.wait()
         return web.json_response({"ok": "slow"})
 
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * BIG)
+
     app = web.Application()
     app.router.add_get("/", hello)
     app.router.add_get("/slow", slow)
-    runner = ServiceRunner(app, limit=limit, access_log=None, keepalive_timeout=30)
+    app.router.add_get("/big", big)
+    # A failing test leaves stalled answers behind: do not wait a minute for them.
+    runner = ServiceRunner(
+        app, limit=limit, sends=sends, access_log=None, keepalive_timeout=30, shutdown_timeout=1
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -156,3 +177,76 @@ async def test_the_503_carries_retry_after_and_closes() -> None:
         assert "server: leadgate" in head
         release.set()
         await busy
+
+
+async def unread_answer(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Ask for a 16 MB answer on a connection with a small receive buffer, and read none
+    of it: the kernel takes little, the rest waits in the service."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.transport.pause_reading()
+    writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    return reader, writer
+
+
+async def reset_by_server(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, already: int = 0
+) -> bool:
+    """Whether the server reset the connection (reading it through, after the ``already``
+    bytes read, ends in an error or short of the whole answer)."""
+    writer.transport.resume_reading()
+    got = already
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), 5):
+            got += len(chunk)
+    except ConnectionResetError:
+        return True
+    finally:
+        writer.close()
+    return got < BIG
+
+
+async def test_unread_answers_past_the_byte_budget_are_dropped_oldest_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sends = SendBounds(send_timeout_s=600, max_unsent_bytes=BUDGET, listener="test")
+    before = closed_count("unsent_bytes")
+    caplog.set_level(logging.WARNING, logger="leadgate.web")
+    async with listener(None, asyncio.Event(), sends=sends) as (host, port):
+        first = await unread_answer(host, port)
+        assert await eventually(lambda: sends.stalled_count == 1)
+        second = await unread_answer(host, port)
+        # Two unread answers pass the budget: the one stalled first is dropped.
+        assert await eventually(lambda: closed_count("unsent_bytes") - before == 1)
+        assert sends.stalled_count == 1 and 0 < sends.unsent() <= BUDGET
+        assert await reset_by_server(*first)
+        assert not await reset_by_server(*second)  # read through: the whole 16 MB
+        assert await eventually(lambda: sends.stalled_count == 0)
+    assert any(f"max_unsent_bytes = {BUDGET}" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_answer_left_unread_past_the_send_timeout_is_dropped() -> None:
+    clock = Clock()
+    sends = SendBounds(send_timeout_s=5, listener="test", now=clock)
+    before = closed_count("send_timeout")
+    async with listener(None, asyncio.Event(), sends=sends) as (host, port):
+        idle_reader = await unread_answer(host, port)
+        slow_reader = await unread_answer(host, port)
+        assert await eventually(lambda: sends.stalled_count == 2)
+        clock.t = 4.0
+        # One client reads a little: its answer made progress, the other's did not.
+        unsent = sends.unsent()
+        slow_reader[1].transport.resume_reading()
+        await slow_reader[0].readexactly(6 << 20)
+        slow_reader[1].transport.pause_reading()
+        assert await eventually(lambda: sends.unsent() < unsent)
+        sends.check()
+        clock.t = 6.0
+        sends.check()  # 6 s without progress for one, 2 s for the other
+        assert closed_count("send_timeout") - before == 1
+        assert sends.stalled_count == 1
+        assert await reset_by_server(*idle_reader)
+        assert not await reset_by_server(*slow_reader, already=6 << 20)

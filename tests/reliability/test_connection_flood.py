@@ -1,4 +1,5 @@
-"""A flood of idle connections does not stall the service (``[server] max_connections``).
+"""A flood of idle connections does not stall the service (``[server] max_connections``),
+and a client that reads nothing of its answers does not keep them (``send_timeout_s``).
 
 The real ``leadgate serve`` under an open-files limit of its own (``prlimit``, 600: below
 the default ``max_connections``, as under a service manager's 1,024), then 500 idle
@@ -83,3 +84,60 @@ def test_idle_connections_beyond_the_open_files_limit_do_not_stall_it(
             service_fds=open_files,
             log_lines=len(log.splitlines()),
         )
+
+
+def closed_by(proc: ServiceProcess, reason: str) -> float:
+    """``leadgate_http_connections_closed_total`` of the main listener for ``reason``."""
+    status, metrics = http("GET", f"{proc.url}/metrics")
+    assert status == 200
+    for line in metrics.decode().splitlines():
+        if (
+            line.startswith("leadgate_http_connections_closed_total{")
+            and f'reason="{reason}"' in line
+            and 'listener="main"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_client_that_reads_nothing_is_reset_after_the_send_timeout(
+    rel_template: Any, tmp_path: Path
+) -> None:
+    """Twelve transcript pages of about 1 MB (five long turns) pipelined on one
+    connection whose client reads none of them: the service stops answering it once its
+    buffer is full, and resets it after ``send_timeout_s`` instead of holding the answers
+    for as long as the client stays."""
+    proc = ServiceProcess(tmp_path / "svc", config={"server": {"send_timeout_s": 1.0}})
+    assert proc.sqlite_file is not None and rel_template.demo is not None
+    clone_sqlite(rel_template.database, proc.sqlite_file)
+    proc.demo = rel_template.demo
+    key = proc.demo.key
+    with proc.start():
+        long_turn = {"model": "plain", "messages": [{"role": "user", "content": "x" * 99_000}]}
+        for _ in range(5):
+            status, _ = http(
+                "POST",
+                f"{proc.url}/v1/chat/completions",
+                json_body=long_turn,
+                headers={"Authorization": f"Bearer {key}", "X-Session-Id": "long"},
+            )
+            assert status == 200
+        host, port = "127.0.0.1", int(proc.url.rsplit(":", 1)[1])
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, port))
+        request = (
+            "GET /v1/agents/plain/sessions/long/messages HTTP/1.1\r\n"
+            f"Host: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+        ).encode()
+        started = time.monotonic()
+        sock.sendall(request * 12)
+        deadline = started + 10
+        while closed_by(proc, "send_timeout") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reset_s = time.monotonic() - started
+        assert closed_by(proc, "send_timeout") == 1
+        assert 1.0 <= reset_s < 5.0
+        sock.close()
+        assert "took nothing of the answer for [server] send_timeout_s = 1.0" in proc.log_text()
+        figures("unread_answers", pipelined=12, send_timeout_s=1.0, reset_s=round(reset_s, 2))
