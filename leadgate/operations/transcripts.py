@@ -39,13 +39,32 @@ _VISIBLE = (
     _M.role.in_(["user", "assistant"]),
     sa.not_(_M.lead_gated),
 )
-_PAGE = (
+
+
+def _within_chars(page: sa.Select[Any]) -> sa.Select[Any]:
+    """``page``'s rows whose earlier rows' text stays within ``p_chars``: the fitting
+    rows and at most one more (which tells :meth:`Transcripts.messages` that there
+    is more). Cut in the database so that a page of long messages is not fetched whole
+    to send a tenth of it (a hundred rows of 100,000 characters were 10 MB per request,
+    and on PostgreSQL concurrent reads each held theirs while they waited)."""
+    rows = page.subquery("page")
+    text = sa.func.coalesce(sa.func.length(rows.c.content), 0)
+    running = sa.func.sum(text).over(order_by=(rows.c.created_at, rows.c.id))
+    measured = sa.select(rows, (running - text).label("chars_before")).subquery("measured")
+    return (
+        sa.select(measured.c.id, measured.c.role, measured.c.content, measured.c.created_at)
+        .where(measured.c.chars_before <= sa.bindparam("p_chars", type_=sa.BigInteger))
+        .order_by(measured.c.created_at, measured.c.id)
+    )
+
+
+_PAGE = _within_chars(
     sa.select(_M.id, _M.role, _M.content, _M.created_at)
     .where(*_VISIBLE)
     .order_by(_M.created_at, _M.id)
     .limit(sa.bindparam("p_limit"))
 )
-_PAGE_AFTER = (
+_PAGE_AFTER = _within_chars(
     sa.select(_M.id, _M.role, _M.content, _M.created_at)
     .where(
         *_VISIBLE,
@@ -154,7 +173,11 @@ class Transcripts:
         return {"object": "list", "data": data, "has_more": len(rows) > len(data)}
 
     async def _page(self, conn: Conn, session_id: str, after: str | None, limit: int) -> list[Any]:
-        params: dict[str, Any] = {"p_sid": session_id, "p_limit": limit + 1}
+        params: dict[str, Any] = {
+            "p_sid": session_id,
+            "p_limit": limit + 1,
+            "p_chars": PAGE_MAX_CHARS,
+        }
         if not after:
             return list((await conn.execute(_PAGE, params)).all())
         position = (await conn.execute(_POSITION, {"p_id": after, "p_sid": session_id})).first()

@@ -23,7 +23,7 @@ from leadgate.app import App
 from leadgate.core.auth import Scope
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.operations.transcripts import PAGE_MAX_CHARS
+from leadgate.operations.transcripts import PAGE_MAX, PAGE_MAX_CHARS
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
 
@@ -124,6 +124,14 @@ async def test_a_page_ends_early_past_a_million_characters(env: Env) -> None:
         after = page["data"][-1]["id"]
     assert sizes == [10, 6]  # 16 messages of about 99,000 characters
     assert seen == [t for i in range(8) for t in (f"{i} {long}", f"Echo: {i} {long}")]
+    # The page is cut in the database: it sends the ten rows and one more (the sign that
+    # there is more), not all sixteen.
+    reads = env.service.transcripts
+    ref = await reads.find(env.org.principal, "plain", "long")
+    assert ref.session_id is not None
+    async with env.service.db.read() as conn:
+        rows = await reads._page(conn, ref.session_id, None, PAGE_MAX)
+    assert len(rows) == 11
 
 
 @pytest.mark.parametrize(
