@@ -117,6 +117,18 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
     headers["Server"] = SERVER_NAME
 
 
+def spread_wait_ms(retry_after_s: int, jitter: float) -> int:
+    """The wait a 503 asks for, in milliseconds: its rule's ``retry_after_s`` plus up to
+    2 s more (``jitter`` in [0, 1); see :class:`UnavailableAnswers`)."""
+    return retry_after_s * 1000 + int(2000 * jitter)
+
+
+def retry_headers(wait_ms: int) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms`` (exact, which
+    the OpenAI clients read first) for a wait of ``wait_ms``."""
+    return {"Retry-After": str(-(-wait_ms // 1000)), "retry-after-ms": str(wait_ms)}
+
+
 class UnavailableAnswers:
     """How an application answers a 503 (``app[UNAVAILABLE_ANSWERS]``), whatever its rule:
     a database fault (``service.unavailable``), overload (``server.busy``,
@@ -155,9 +167,9 @@ class UnavailableAnswers:
             )
         tally.add(exc.rule, request.method, request.path, f": {exc.detail}" if exc.detail else "")
         response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-        wait_ms = (exc.retry_after_s or 1) * 1000 + int(2000 * self._jitter())
-        response.headers["Retry-After"] = str(-(-wait_ms // 1000))
-        response.headers["retry-after-ms"] = str(wait_ms)
+        response.headers.update(
+            retry_headers(spread_wait_ms(exc.retry_after_s or 1, self._jitter()))
+        )
         return response
 
 

@@ -29,7 +29,7 @@ from aiohttp.web_request import BaseRequest
 
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
-from leadgate.web.common import SERVER_NAME, error_body
+from leadgate.web.common import SERVER_NAME, error_body, retry_headers, spread_wait_ms
 
 log = logging.getLogger("leadgate.web")
 
@@ -100,7 +100,7 @@ class ConnectionLimit:
         plus up to 2 s drawn at random, as for every 503 (``UnavailableAnswers``)."""
         self.refusals.add(self.listener, self.limit)
         METRICS.http_connections_closed.labels(self.listener, "refused").inc()
-        return 1000 + int(2000 * self._jitter())
+        return spread_wait_ms(1, self._jitter())
 
 
 class SendBounds:
@@ -235,14 +235,16 @@ _REFUSAL_BODY = json.dumps(
 
 
 def _refusal(wait_ms: int) -> bytes:
-    """The 503 asking for ``wait_ms`` (``Retry-After`` in whole seconds, rounded up)."""
-    return (
-        b"HTTP/1.1 503 Service Unavailable\r\n"
-        b"Server: " + SERVER_NAME.encode() + b"\r\n"
-        b"Content-Type: application/json; charset=utf-8\r\n"
-        b"Retry-After: %d\r\nretry-after-ms: %d\r\nConnection: close\r\n"
-        b"Content-Length: %d\r\n\r\n" % (-(-wait_ms // 1000), wait_ms, len(_REFUSAL_BODY))
-    ) + _REFUSAL_BODY
+    """The 503 asking for ``wait_ms``, with the headers every 503 carries."""
+    headers = {
+        "Server": SERVER_NAME,
+        "Content-Type": "application/json; charset=utf-8",
+        **retry_headers(wait_ms),
+        "Connection": "close",
+        "Content-Length": str(len(_REFUSAL_BODY)),
+    }
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    return f"HTTP/1.1 503 Service Unavailable\r\n{head}\r\n".encode() + _REFUSAL_BODY
 
 
 class _RefusedConnection(asyncio.Protocol):
