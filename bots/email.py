@@ -280,7 +280,7 @@ class EmailAdapter:
     @property
     def listens(self) -> bool:
         """Whether inbound SMTP is configured (port 0 = any free port)."""
-        return bool(self._settings.listen_host or self._settings.listen_port)
+        return self._settings.listens
 
     def mount(self, app: web.Application) -> None:
         """Email has no HTTP routes (the SMTP listener runs in :meth:`lifespan`)."""

@@ -53,22 +53,17 @@ async def _serve(settings: Settings, role: str) -> None:
     # and operator commands do not need.
     from leadgate.app import App
     from leadgate.web.runner import (
-        RESERVED_FILES,
+        METRICS_CONNECTIONS,
         ConnectionLimit,
         SendBounds,
         ServiceRunner,
         connection_budget,
         raise_open_files_limit,
+        reserved_files,
     )
 
     open_files = raise_open_files_limit()
-    metrics_connections = 64 if settings.server.metrics_host else 0
-    reserved = (
-        RESERVED_FILES
-        + settings.database.pool_size
-        + (settings.email.max_connections if settings.email.on else 0)
-        + metrics_connections
-    )
+    reserved = reserved_files(settings, role)
     max_connections = connection_budget(settings.server.max_connections, open_files, reserved)
 
     # Every role builds the channel adapters: a worker's relay posts through their
@@ -95,7 +90,7 @@ async def _serve(settings: Settings, role: str) -> None:
             handle_signals=False,
             access_log=None,
             keepalive_timeout=5,
-            limit=ConnectionLimit(metrics_connections, listener="metrics"),
+            limit=ConnectionLimit(METRICS_CONNECTIONS, listener="metrics"),
         )
         await metrics_runner.setup()
         metrics_site = web.TCPSite(

@@ -133,6 +133,11 @@ class EmailSettings(_Section):
         """Whether the service runs email: inbound when a listener is set, outbound with a relay."""
         return bool(self.listen_host or self.listen_port or self.smtp_host)
 
+    @property
+    def listens(self) -> bool:
+        """Whether inbound SMTP is configured (``listen_port = 0`` with a host: any free port)."""
+        return bool(self.listen_host or self.listen_port)
+
 
 class ModelSettings(_Section):
     """``[models.NAME]``: a model provider an agent can name."""

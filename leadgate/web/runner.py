@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from leadgate.core.config import Settings
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
 from leadgate.web.common import SERVER_NAME, error_body, retry_headers, spread_wait_ms
@@ -410,6 +411,20 @@ class ServiceRunner(web.AppRunner):
 #: channel clients and model providers, log and database files), on top of the database
 #: pool and the SMTP listener's own bound (:func:`connection_budget`).
 RESERVED_FILES = 256
+
+#: ``max_connections`` of the separate metrics listener (``[server] metrics_host``).
+METRICS_CONNECTIONS = 64
+
+
+def reserved_files(settings: Settings, role: str) -> int:
+    """The descriptors ``serve`` keeps beside the main listener's connections:
+    :data:`RESERVED_FILES`, the database pool, the metrics listener's bound when it runs,
+    and the SMTP listener's bound when this role listens for mail (api and all, with
+    ``[email] listen_host`` or ``listen_port``; an outbound-only relay opens one
+    connection at a time, which the 256 cover)."""
+    smtp = settings.email.max_connections if settings.email.listens and role != "worker" else 0
+    metrics = METRICS_CONNECTIONS if settings.server.metrics_host else 0
+    return RESERVED_FILES + settings.database.pool_size + smtp + metrics
 
 
 def raise_open_files_limit() -> int:

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from leadgate.web.runner import connection_budget, raise_open_files_limit
+from leadgate.core.config import Settings
+from leadgate.web.runner import connection_budget, raise_open_files_limit, reserved_files
 
 
 def test_a_limit_that_fits_is_kept(caplog: pytest.LogCaptureFixture) -> None:
@@ -27,6 +28,21 @@ def test_a_limit_that_does_not_fit_is_lowered_with_a_warning(
     assert "RLIMIT_NOFILE" in line
     # Never below one: the listener still answers (and the warning says why it is tiny).
     assert connection_budget(10, 100, 266) == 1
+
+
+def test_the_smtp_bound_is_kept_only_where_mail_is_received() -> None:
+    base = Settings.model_validate({"database": {"pool_size": 10}})
+    assert reserved_files(base, "all") == 256 + 10
+    # An outbound-only relay (smtp_host alone) opens no listener: nothing kept for it.
+    outbound = Settings.model_validate({"email": {"smtp_host": "127.0.0.1"}})
+    assert outbound.email.on
+    assert reserved_files(outbound, "all") == reserved_files(base, "all")
+    inbound = Settings.model_validate(
+        {"email": {"listen_port": 2525, "max_connections": 40}, "server": {"metrics_host": "x"}}
+    )
+    assert reserved_files(inbound, "api") == 256 + 10 + 40 + 64
+    # A worker mounts no surfaces, so it runs no SMTP listener; the metrics one it does.
+    assert reserved_files(inbound, "worker") == 256 + 10 + 64
 
 
 @pytest.fixture
