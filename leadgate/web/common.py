@@ -335,13 +335,24 @@ def require_console_header(request: web.Request) -> None:
         raise AuthError("console requests must carry X-Leadgate-Console: 1", rule="csrf")
 
 
+def session_cookie(request: web.Request) -> str | None:
+    """The console session cookie's value, or ``None`` when it is missing or is not
+    printable ASCII (the tokens this service issues always are). A cookie's other bytes
+    reach us as surrogate escapes, which the token's hash could not encode (a 500): such
+    a cookie is as good as none, so the request is refused as not logged in."""
+    value = request.cookies.get(SESSION_COOKIE)
+    if not value or len(value) > 256 or not value.isascii() or not value.isprintable():
+        return None
+    return value
+
+
 PrincipalLookup = Callable[[str | None, str | None], Awaitable[Principal | None]]
 
 
 async def authenticate(request: web.Request, lookup: PrincipalLookup, *, cookie: bool) -> Principal:
     """Bearer key, or (where allowed) the console session cookie. 401 otherwise."""
     token = bearer_token(request)
-    session = request.cookies.get(SESSION_COOKIE) if cookie and token is None else None
+    session = session_cookie(request) if cookie and token is None else None
     if cookie and session and request.method not in ("GET", "HEAD"):
         require_console_header(request)
     principal = await lookup(token, session)

@@ -22,7 +22,12 @@ from aiohttp import web
 from leadgate.core.clock import Clock
 from leadgate.core.errors import AuthError, ValidationError
 from leadgate.operations.access import CONSOLE_SESSION_TTL_S as SESSION_TTL_S
-from leadgate.web.common import SESSION_COOKIE, json_body, require_console_header
+from leadgate.web.common import (
+    SESSION_COOKIE,
+    json_body,
+    require_console_header,
+    session_cookie,
+)
 
 STATIC = importlib.resources.files("leadgate.web").joinpath("static")
 BAD_LOGIN = "the email or password is not correct"
@@ -106,7 +111,7 @@ def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_u
         return resp
 
     async def logout(request: web.Request) -> web.Response:
-        token = request.cookies.get(SESSION_COOKIE)
+        token = session_cookie(request)
         if token:
             require_console_header(request)
             await access.logout(token)
@@ -115,7 +120,7 @@ def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_u
         return resp
 
     async def me(request: web.Request) -> web.Response:
-        user = await session_user(request.cookies.get(SESSION_COOKIE))
+        user = await session_user(session_cookie(request))
         if user is None:
             raise AuthError("not logged in to the console", rule="console.session")
         return web.json_response({"user": user})

@@ -4,6 +4,8 @@ cookie-authenticated writes, and roles on the operator API."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -256,3 +258,37 @@ async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env)
     redirect = await env.client.get("/console", allow_redirects=False)
     assert redirect.status == 302
     assert redirect.headers["Location"] == "/console/"
+
+
+async def raw_get(env: Env, head: bytes) -> tuple[int, dict[str, Any]]:
+    """One request written byte for byte (an HTTP client would refuse to send such
+    headers), and its status and JSON body."""
+    url = env.client.make_url("/")
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(head + b"Host: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        raw = await reader.read()
+    finally:
+        writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    body = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(body)
+
+
+@sqlite_only
+async def test_a_cookie_that_is_not_printable_ascii_is_no_session(env: Env) -> None:
+    # Bytes that are not UTF-8 reach the handlers as surrogate escapes, which the token's
+    # hash could not encode: a 500 with a traceback until the cookie was checked.
+    for cookie in (b"\xff\xfeabc", "caf\u00e9".encode()):
+        for target in (b"GET /console/me", b"GET /operator/reviews"):
+            status, body = await raw_get(
+                env, target + b" HTTP/1.1\r\nCookie: leadgate_session=" + cookie + b"\r\n"
+            )
+            assert status == 401, (target, cookie, body)
+            assert body["error"]["rule"] in ("console.session", "auth.key")
+        status, body = await raw_get(
+            env,
+            b"POST /console/logout HTTP/1.1\r\nX-Leadgate-Console: 1\r\nContent-Length: 0\r\n"
+            b"Cookie: leadgate_session=" + cookie + b"\r\n",
+        )
+        assert (status, body) == (200, {"loggedOut": True})
