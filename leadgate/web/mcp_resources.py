@@ -18,7 +18,10 @@ protocol has:
 * 2026-07-28 (``server/discover``): ``subscriptions/listen`` with
   ``resourceSubscriptions``; the SDK's :class:`~mcp.server.subscriptions.ListenHandler`
   serves the stream (bounded backlog) after this module checked that the caller may read
-  every URI it asked for.
+  every URI it asked for. Its events go through :class:`SessionBus`, which hands a
+  session's update only to the streams opened on that session: the same URI text names
+  a different session in each organization (and each key's ``default``), and the SDK's
+  in-memory bus matches on the text alone.
 
 Wake-ups come from :class:`leadgate.operations.event_hub.EventHub` (any replica); they
 are queued (bounded, dropped when full: a client re-reads anyway) and sent by one task.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,7 +40,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import mcp_types as mt
 from mcp.server.context import ServerRequestContext
-from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ResourceUpdated
+from mcp.server.subscriptions import ListenHandler, ResourceUpdated, ServerEvent
 from mcp.shared.exceptions import MCPError
 
 from leadgate.core.auth import Principal
@@ -56,6 +60,77 @@ MAX_PENDING: Final = 10_000
 SEND_TIMEOUT_S: Final = 5.0
 
 PrincipalOf = Callable[[ServerRequestContext[Any, Any]], Principal | None]
+EventListener = Callable[[ServerEvent], None]
+
+#: (session id, URI) pairs the listen call under way has been checked for; read by
+#: :meth:`SessionBus.subscribe`, which the SDK's handler calls in that call's task (the
+#: handler's interface passes the bus no caller).
+_LISTENING_TO: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "leadgate_mcp_listening_to", default=()
+)
+
+
+class SessionBus:
+    """The SDK's ``SubscriptionBus`` for listen streams, keyed by session id.
+
+    :meth:`updated` reaches only the streams whose caller was checked for that session,
+    with a ``ResourceUpdated`` for each URI of it they listen to. :meth:`publish` (the
+    protocol's own method, for list-changed events, which name nothing of an
+    organization's) still reaches every stream; nothing here calls it.
+    """
+
+    def __init__(self) -> None:
+        # session id -> {subscription token: (listener, the session's URIs it asked for)}
+        self._by_session: dict[str, dict[object, tuple[EventListener, tuple[str, ...]]]] = {}
+        self._all: dict[object, EventListener] = {}
+
+    def subscribe(self, listener: EventListener) -> Callable[[], None]:
+        """Register one stream's listener for the sessions its listen call was checked for."""
+        token = object()
+        wanted: dict[str, list[str]] = {}
+        for session_id, uri in _LISTENING_TO.get():
+            wanted.setdefault(session_id, []).append(uri)
+        for session_id, uris in wanted.items():
+            self._by_session.setdefault(session_id, {})[token] = (listener, tuple(uris))
+        self._all[token] = listener
+
+        def unsubscribe() -> None:
+            self._all.pop(token, None)
+            for session_id in wanted:
+                streams = self._by_session.get(session_id, {})
+                streams.pop(token, None)
+                if not streams:
+                    self._by_session.pop(session_id, None)
+
+        return unsubscribe
+
+    async def publish(self, event: ServerEvent) -> None:
+        """Deliver ``event`` to every stream."""
+        for listener in list(self._all.values()):
+            _deliver(listener, event)
+        await asyncio.sleep(0)  # let the streams drain between events, as the SDK's bus
+
+    async def updated(self, session_id: str) -> None:
+        """Tell the streams listening to ``session_id`` that its transcript changed."""
+        for listener, uris in list(self._by_session.get(session_id, {}).values()):
+            for uri in uris:
+                _deliver(listener, ResourceUpdated(uri=uri))
+        await asyncio.sleep(0)
+
+    def sessions(self) -> set[str]:
+        """The sessions some stream listens to."""
+        return set(self._by_session)
+
+    def listens_to(self, session_id: str) -> bool:
+        """Whether some stream listens to ``session_id``."""
+        return session_id in self._by_session
+
+
+def _deliver(listener: EventListener, event: ServerEvent) -> None:
+    try:
+        listener(event)
+    except Exception:  # one stream's failure must not starve the others
+        log.exception("MCP listen stream failed to take an update; continuing")
 #: What the event hub calls on a session's wake-up: ``(session_id, has_message)``.
 Watcher = Callable[[str, bool], None]
 
@@ -112,13 +187,11 @@ class Resources:
         self._keep_notified = keep_notified
         self.principal_of = principal_of
         self.parse_limit = parse_limit
-        self.bus = InMemorySubscriptionBus()
+        self.bus = SessionBus()
         self.listen_handler = ListenHandler(self.bus)
         # session id -> {(connection key, uri): notifier} (handshake era)
         self._subscribed: dict[str, dict[tuple[int, str], Notifier]] = {}
         self._by_connection: dict[int, dict[str, str]] = {}  # key -> {uri: session id}
-        # session id -> {uri: open listen streams} (2026-07-28)
-        self._listening: dict[str, dict[str, int]] = {}
         self._pending: asyncio.Queue[str] = asyncio.Queue(MAX_PENDING)
 
     # ------------------------------------------------------------------ handlers
@@ -211,19 +284,11 @@ class Resources:
         sessions = [(await self._open(ctx, uri), uri) for uri in uris]
         for session_id, uri in sessions:
             await self._notified(session_id, uri)
-        for session_id, uri in sessions:
-            counts = self._listening.setdefault(session_id, {})
-            counts[uri] = counts.get(uri, 0) + 1
+        checked = _LISTENING_TO.set(tuple(sessions))
         try:
             return await self.listen_handler(ctx, params)
         finally:
-            for session_id, uri in sessions:
-                counts = self._listening.get(session_id, {})
-                counts[uri] = counts.get(uri, 1) - 1
-                if counts.get(uri) == 0:
-                    del counts[uri]
-                if not counts:
-                    self._listening.pop(session_id, None)
+            _LISTENING_TO.reset(checked)
 
     # ------------------------------------------------------------------ fan-out
 
@@ -236,7 +301,7 @@ class Resources:
         """Hub watcher: queue a notification when a message was stored or revealed."""
         if not has_message:
             return
-        if session_id not in self._subscribed and session_id not in self._listening:
+        if session_id not in self._subscribed and not self.bus.listens_to(session_id):
             return
         try:
             self._pending.put_nowait(session_id)
@@ -264,8 +329,7 @@ class Resources:
                 except Exception:
                     log.info("MCP subscriber of %s is gone; subscription dropped", uri)
                     self._remove(key, uri)
-            for uri in list(self._listening.get(session_id, {})):
-                await self.bus.publish(ResourceUpdated(uri=uri))
+            await self.bus.updated(session_id)
 
     # ------------------------------------------------------------------ helpers
 
@@ -299,7 +363,7 @@ class Resources:
 
     def sessions(self) -> set[str]:
         """The sessions subscribed to here now (the hub renews their marks)."""
-        return set(self._subscribed) | set(self._listening)
+        return set(self._subscribed) | self.bus.sessions()
 
     def _remove(self, key: int, uri: str) -> None:
         session_id = self._by_connection.get(key, {}).pop(uri, None)

@@ -26,10 +26,11 @@ from mcp.client.subscriptions import listen
 from mcp.shared.exceptions import MCPError
 
 from leadgate.app import App, package_version
+from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
-from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_org, mcp_initialize
+from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_key, make_org, mcp_initialize
 
 TOOL = "send_action_agent_message"
 
@@ -228,6 +229,37 @@ async def test_2026_listen_gets_the_update(env: Env) -> None:
             async with listen(client, resource_subscriptions=[uri("theirs", "x")]):
                 pass
         assert refused.value.error.code == mt.INVALID_PARAMS
+
+
+async def test_a_listen_stream_hears_only_its_own_sessions(env: Env) -> None:
+    """The same URI text names another session in each organization, and in each key's
+    ``default``: an update goes only to the streams opened on its session. Each stream
+    also listens to a session only it writes to; its first event must be that one's (a
+    stray update would have been written to it first: one task sends them in order)."""
+    await make_agent(env.service, env.other, "worker")
+    second_key = await make_key(env.service, env.org, Scope.trigger)
+    shared, default = uri("worker", "shared"), uri("worker", "default")
+    async with (
+        session(env) as a,
+        session(env, env.other.key) as b,
+        session(env, second_key) as c,
+    ):
+        for client in (a, b, c):
+            await client.discover()
+        async with (
+            listen(a, resource_subscriptions=[shared, default]) as heard_a,
+            listen(b, resource_subscriptions=[shared, uri("worker", "b-own")]) as heard_b,
+            listen(c, resource_subscriptions=[default, uri("worker", "c-own")]) as heard_c,
+        ):
+            await a.call_tool(TOOL, {"agent": "worker", "message": "mine", "session": "shared"})
+            await a.call_tool(TOOL, {"agent": "worker", "message": "mine too"})
+            heard = {getattr(await asyncio.wait_for(heard_a.__anext__(), 5.0), "uri", None)}
+            while heard != {shared, default}:
+                heard.add(getattr(await asyncio.wait_for(heard_a.__anext__(), 5.0), "uri", None))
+            for client, stream, own in ((b, heard_b, "b-own"), (c, heard_c, "c-own")):
+                await client.call_tool(TOOL, {"agent": "worker", "message": "x", "session": own})
+                event = await asyncio.wait_for(stream.__anext__(), 5.0)
+                assert getattr(event, "uri", None) == uri("worker", own)
 
 
 @LEGACY_SUBSCRIBE
