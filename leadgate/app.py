@@ -478,6 +478,7 @@ class App:
         streams = StreamSettings(
             heartbeat_s=api.events_heartbeat_s,
             write_timeout_s=api.events_write_timeout_s,
+            reauth_s=api.events_reauth_s,
             slots=StreamSlots(api.events_max_streams),
         )
         sessions_api.setup(
@@ -500,7 +501,12 @@ class App:
         operator_api.setup(
             app, authenticate_with=lookup, reviews=self.reviews, insights=self.oversight
         )
-        operator_events.setup(app, authenticate_with=lookup, feed=self.oversight)
+        operator_events.setup(
+            app,
+            authenticate_with=lookup,
+            feed=self.oversight,
+            reauth_s=self.settings.api.events_reauth_s,
+        )
         console.setup(
             app, access=self.access, clock=self.clock, public_url=self.settings.server.public_url
         )
@@ -515,6 +521,7 @@ class App:
             version=package_version(),
             session_idle_s=api.mcp_session_idle_s,
             max_sessions=api.mcp_max_sessions,
+            reauth_s=api.events_reauth_s,
         )
         for adapter in self.adapters:
             adapter.mount(app)

@@ -214,6 +214,9 @@ class ApiSettings(_Section):
     events_heartbeat_s: float = Field(default=15.0, gt=0, le=15)
     events_write_timeout_s: float = Field(default=30.0, gt=0)
     events_max_streams: int = Field(default=1000, ge=1)
+    #: Open event streams (session, Studio, operator feed) and MCP streams check their
+    #: key or console session again this often, and end once it is revoked or logged out.
+    events_reauth_s: float = Field(default=5.0, gt=0, le=5)
     mcp_session_idle_s: float = Field(default=600.0, gt=0)
     mcp_max_sessions: int = Field(default=1000, ge=1)
 

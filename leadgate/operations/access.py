@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +17,7 @@ from leadgate.operations.logins import LoginGuard
 #: refused at the latest this many seconds later (see :meth:`Access.principal`).
 PRINCIPAL_TTL_S = 5.0
 PRINCIPAL_CACHE_SIZE = 1024
+_TTL_MS = int(PRINCIPAL_TTL_S * 1000)
 #: A console session lasts this long.
 CONSOLE_SESSION_TTL_S = 12 * 3600
 
@@ -29,8 +29,8 @@ class Access:
         self.db = db
         self.clock = clock
         self.ids = ids
-        # SHA-256 of a raw API key -> (monotonic expiry, principal); see principal().
-        self._principals: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
+        # SHA-256 of a raw API key -> (expiry on self.clock in ms, principal); see principal().
+        self._principals: OrderedDict[bytes, tuple[int, Principal]] = OrderedDict()
         self.logins = LoginGuard(clock)
 
     async def principal(self, token: str | None, session: str | None) -> Principal | None:
@@ -56,16 +56,19 @@ class Access:
 
     async def _key_principal(self, token: str) -> Principal | None:
         digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-        now = time.monotonic()
+        now = self.clock.now_ms()
         hit = self._principals.get(digest)
         if hit is not None:
-            if hit[0] > now:
+            # The service's clock (injectable: tests move it); an entry whose expiry lies
+            # further ahead than the cache's lifetime means the clock was set back, and
+            # is as stale as an expired one.
+            if now < hit[0] <= now + _TTL_MS:
                 return hit[1]
             del self._principals[digest]
         async with self.db.read() as conn:
             principal = await orgs.authenticate_key(conn, token)
         if principal is not None:
-            self._principals[digest] = (now + PRINCIPAL_TTL_S, principal)
+            self._principals[digest] = (now + _TTL_MS, principal)
             while len(self._principals) > PRINCIPAL_CACHE_SIZE:
                 self._principals.popitem(last=False)  # the oldest entry
         return principal

@@ -20,7 +20,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import mcp_types as mt
@@ -71,6 +73,9 @@ _DISCONNECT_POLL_S: Final = 0.5
 SESSION_IDLE_S: Final = 600.0
 #: Open MCP sessions at most (a new one beyond that gets 503).
 MAX_SESSIONS: Final = 1000
+#: How often an open stream (the GET stream, a POST answered as SSE such as a listen
+#: stream) checks its key again: it ends once the key is revoked.
+REAUTH_S: Final = 5.0
 
 Authenticate = Callable[[str], Awaitable[Principal | None]]
 SendMessage = Callable[[Principal, str, str, str | None], Awaitable[Outcome]]
@@ -177,6 +182,7 @@ def mount_mcp(
     version: str = "",
     session_idle_s: float = SESSION_IDLE_S,
     max_sessions: int = MAX_SESSIONS,
+    reauth_s: float = REAUTH_S,
 ) -> McpLifecycle:
     """Serve the hosted MCP server on ``app`` at ``/mcp`` (GET, POST, DELETE).
 
@@ -191,7 +197,8 @@ def mount_mcp(
     (:mod:`leadgate.web.mcp_resources`).
     ``version`` is ``serverInfo.version``. An MCP session with no request in flight for
     ``session_idle_s`` ends (its id then answers 404); at most ``max_sessions`` are open
-    (a new one beyond that gets 503).
+    (a new one beyond that gets 503). A request still streaming checks its key every
+    ``reauth_s`` and ends, as if its client had gone, once the key is no longer valid.
 
     Returns the server's :class:`McpLifecycle`; the caller runs it (the SDK's session
     manager must run before the first request).
@@ -228,7 +235,14 @@ def mount_mcp(
         if request.method == "GET":
             # The session's standing stream, bounded by the session limit instead.
             detach_stream(request)
-        return await _bridge(request, manager, principal, closing)
+
+        async def still_valid() -> bool:
+            try:
+                return await _authenticate_request(request, authenticate) is not None
+            except LeadgateError:
+                return True  # the database, not the key: check again next time
+
+        return await _bridge(request, manager, principal, closing, Recheck(still_valid, reauth_s))
 
     app.router.add_route("GET", MCP_PATH, handle)
     app.router.add_route("POST", MCP_PATH, handle)
@@ -456,11 +470,20 @@ async def _session_manager(manager: StreamableHTTPSessionManager) -> AsyncIterat
 # --- the ASGI bridge ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Recheck:
+    """How a streaming request checks its key again, and how often."""
+
+    still_valid: Callable[[], Awaitable[bool]]
+    every_s: float
+
+
 async def _bridge(
     request: web.Request,
     manager: StreamableHTTPSessionManager,
     principal: Principal,
     closing: asyncio.Event,
+    recheck: Recheck,
 ) -> web.StreamResponse:
     """Run one HTTP request through the SDK's ASGI handler and stream its answer back.
 
@@ -486,7 +509,7 @@ async def _bridge(
         # After the body, ASGI receive() must block until the client disconnects; the
         # SDK's SSE responses listen here to stop streaming. Returning at once (what
         # aiohttp-asgi does) makes them spin.
-        await _wait_disconnect(request, gone, closing if request.method == "GET" else None)
+        await _wait_disconnect(request, gone, closing if request.method == "GET" else None, recheck)
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
@@ -529,10 +552,11 @@ async def _bridge(
 
 
 async def _wait_disconnect(
-    request: web.Request, gone: asyncio.Event, closing: asyncio.Event | None
+    request: web.Request, gone: asyncio.Event, closing: asyncio.Event | None, recheck: Recheck
 ) -> None:
     events = [gone] if closing is None else [gone, closing]
     waiters = [asyncio.create_task(event.wait()) for event in events]
+    next_check = time.monotonic() + recheck.every_s
     try:
         while True:
             transport = request.transport
@@ -544,6 +568,14 @@ async def _wait_disconnect(
             )
             if done:
                 return
+            if time.monotonic() >= next_check:
+                if not await recheck.still_valid():
+                    # Told to the SDK as the client's leaving: the stream ends cleanly,
+                    # and the client's next request (a re-listen) is a 401.
+                    logger.info("MCP stream ended: its key is no longer valid")
+                    gone.set()
+                    return
+                next_check = time.monotonic() + recheck.every_s
     finally:
         for waiter in waiters:
             waiter.cancel()

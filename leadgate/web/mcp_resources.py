@@ -131,6 +131,8 @@ def _deliver(listener: EventListener, event: ServerEvent) -> None:
         listener(event)
     except Exception:  # one stream's failure must not starve the others
         log.exception("MCP listen stream failed to take an update; continuing")
+
+
 #: What the event hub calls on a session's wake-up: ``(session_id, has_message)``.
 Watcher = Callable[[str, bool], None]
 

@@ -12,9 +12,10 @@ sends one event::
 ``items`` names the work items that changed (``null``: too many, refresh everything).
 The first event is ``hello`` with the queue size; a comment line (``: keepalive``) goes
 out every ``HEARTBEAT_S`` seconds of silence; ``end`` is sent when the session or key
-stops being valid. Because the mark lives in the database, an event reaches every
-replica's clients and survives restarts (a reconnecting ``EventSource`` sends
-``Last-Event-ID``; a different mark answers at once with a full refresh).
+stops being valid (checked every ``REAUTH_S``, 5 s). Because the mark lives in the
+database, an event reaches every replica's clients and survives restarts (a
+reconnecting ``EventSource`` sends ``Last-Event-ID``; a different mark answers at once
+with a full refresh).
 
 Memory per connection is bounded: at most one event is built at a time and the next
 check waits until it was written (a slow client slows only its own stream). At most
@@ -33,14 +34,16 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import LeadgateError
+from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
 log = logging.getLogger("leadgate.web.events")
 
 POLL_S = 1.0
 HEARTBEAT_S = 15.0
-#: How often a stream checks that its key or session is still valid.
-REAUTH_S = 30.0
+#: How often a stream checks that its key or session is still valid: the key cache's
+#: lifetime, so a revoked key's stream ends when its requests start being refused.
+REAUTH_S = PRINCIPAL_TTL_S
 MAX_STREAMS = 256
 
 
@@ -72,6 +75,7 @@ def setup(
     feed: ChangeFeed,
     poll_s: float = POLL_S,
     heartbeat_s: float = HEARTBEAT_S,
+    reauth_s: float = REAUTH_S,
 ) -> None:
     """Register ``GET /operator/events``."""
     closing = asyncio.Event()
@@ -127,7 +131,7 @@ def setup(
             if transport is None or transport.is_closing():
                 return
             now = time.monotonic()
-            if now - last_auth >= REAUTH_S:
+            if now - last_auth >= reauth_s:
                 last_auth = now
                 try:
                     principal = await authenticate(request, authenticate_with, cookie=True)

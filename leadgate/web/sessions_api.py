@@ -20,7 +20,11 @@
   itself, a page at a time, when woken (:class:`leadgate.operations.event_hub.EventHub`)
   or at each heartbeat: what a connection holds is one page, plus the socket buffers. A
   reader that does not take a write within ``write_timeout_s`` is dropped (it resumes
-  with ``Last-Event-ID``). Shutdown ends every stream.
+  with ``Last-Event-ID``). Shutdown ends every stream. The key (or console session) is
+  checked again every ``reauth_s`` (5 s, the key cache's lifetime): once it is revoked,
+  or the session logged out or expired, the stream sends
+  ``event: end`` / ``data: {"reason": "..."}`` and ends, so a revoked key stops reading
+  as soon as it stops doing anything else.
 
 ``{session}`` is the public session name (``X-Session-Id``, ``user``, MCP ``session``, or
 ``default``); ``{agent}`` the worker's id, slug or name; bearer key with
@@ -34,6 +38,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,8 +47,9 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.domain.session_events import SessionEvent
+from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.operations.transcripts import parse_limit, public_event
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
 
@@ -95,6 +102,8 @@ class StreamSettings:
 
     heartbeat_s: float = 15.0
     write_timeout_s: float = 30.0
+    #: How often an open stream checks its key or console session again.
+    reauth_s: float = PRINCIPAL_TTL_S
     page: int = PAGE
     slots: StreamSlots = field(default_factory=StreamSlots)
 
@@ -116,6 +125,10 @@ def last_event_id(request: web.Request) -> int:
     return after
 
 
+Recheck = Callable[[], Awaitable[Principal]]
+"""The caller's principal again (an ``AuthError`` once its key or session is gone)."""
+
+
 async def stream_events(
     request: web.Request,
     reads: SessionReads,
@@ -124,6 +137,7 @@ async def stream_events(
     principal: Principal,
     agent: str,
     name: str,
+    recheck: Recheck,
 ) -> web.StreamResponse:
     """Serve one session's event stream (see the module docstring)."""
     after = last_event_id(request)
@@ -153,21 +167,41 @@ async def stream_events(
 
         try:
             await send(b": connected\n\n")
+            last_write = last_auth = time.monotonic()
+            woken = True  # read the log: at the start, when woken, at each heartbeat
             while not hub.closing.is_set():
                 waiter.event.clear()
-                events = await reads.events(session_id, after=after, limit=settings.page)
-                for event in events:
-                    name_, data = public_event(event)
-                    await send(
-                        f"id: {event.seq}\nevent: {name_}\ndata: {json.dumps(data)}\n\n".encode()
-                    )
-                    after = event.seq
-                if len(events) == settings.page:
-                    continue  # more to catch up on
+                if time.monotonic() - last_auth >= settings.reauth_s:
+                    try:
+                        await recheck()
+                    except LeadgateError:
+                        reason = {"reason": "the key or console session is no longer valid"}
+                        await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
+                        break
+                    last_auth = time.monotonic()
+                if woken:
+                    events = await reads.events(session_id, after=after, limit=settings.page)
+                    for event in events:
+                        name_, data = public_event(event)
+                        await send(
+                            f"id: {event.seq}\nevent: {name_}\n"
+                            f"data: {json.dumps(data)}\n\n".encode()
+                        )
+                        after = event.seq
+                        last_write = time.monotonic()
+                    if len(events) == settings.page:
+                        continue  # more to catch up on
+                # Woken by the hub, by the heartbeat, or (without reading) to check again.
+                quiet = time.monotonic() - last_write
+                wait_s = max(min(settings.heartbeat_s - quiet, settings.reauth_s), 0.0)
                 try:
-                    await asyncio.wait_for(waiter.event.wait(), settings.heartbeat_s)
+                    await asyncio.wait_for(waiter.event.wait(), wait_s)
+                    woken = True
                 except TimeoutError:
-                    await send(b": keepalive\n\n")
+                    woken = time.monotonic() - last_write >= settings.heartbeat_s
+                    if woken:
+                        await send(b": keepalive\n\n")
+                        last_write = time.monotonic()
         except _Dropped as exc:
             log.info("event stream of session %s dropped: %s", session_id, exc)
             if request.transport is not None:
@@ -205,11 +239,19 @@ async def events_response(
     reads: SessionReads,
     hub: Wakeups,
     settings: StreamSettings,
-    principal: Principal,
+    authenticate_with: PrincipalLookup,
+    *,
+    cookie: bool,
 ) -> web.StreamResponse:
-    """The event stream of the session named by the request's path."""
+    """The event stream of the session named by the request's path (authenticated here,
+    and again every ``settings.reauth_s`` while it is open)."""
+
+    def recheck() -> Awaitable[Principal]:
+        return authenticate(request, authenticate_with, cookie=cookie)
+
+    principal = await recheck()
     agent, name = request.match_info["agent"], request.match_info["session"]
-    return await stream_events(request, reads, hub, settings, principal, agent, name)
+    return await stream_events(request, reads, hub, settings, principal, agent, name, recheck)
 
 
 def setup(
@@ -228,8 +270,9 @@ def setup(
         return await transcript_response(request, reads, principal)
 
     async def events(request: web.Request) -> web.StreamResponse:
-        principal = await authenticate(request, authenticate_with, cookie=False)
-        return await events_response(request, reads, hub, stream_settings, principal)
+        return await events_response(
+            request, reads, hub, stream_settings, authenticate_with, cookie=False
+        )
 
     base = "/v1/agents/{agent}/sessions/{session}"
     app.router.add_get(f"{base}/messages", messages)

@@ -141,8 +141,9 @@ def setup(
         return await transcript_response(request, reads, principal)
 
     async def events(request: web.Request) -> web.StreamResponse:
-        principal = await authenticate(request, authenticate_with, cookie=True)
-        return await events_response(request, reads, hub, stream_settings, principal)
+        return await events_response(
+            request, reads, hub, stream_settings, authenticate_with, cookie=True
+        )
 
     session = f"{BASE}/agents/{{agent}}/sessions/{{session}}"
     app.router.add_get(BASE, to_page)

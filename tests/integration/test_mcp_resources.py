@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.client.subscriptions import listen
+from mcp.client.subscriptions import SubscriptionLost, listen
 from mcp.shared.exceptions import MCPError
 
 from leadgate.app import App, package_version
@@ -30,6 +30,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
+from leadgate.domain import orgs
 from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_key, make_org, mcp_initialize
 
 TOOL = "send_action_agent_message"
@@ -57,7 +58,10 @@ def db_url(tmp_path: Path) -> str:
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
     settings = Settings.model_validate(
-        {"database": {"url": migrated_url}, "api": {"mcp_session_idle_s": 1.0}}
+        {
+            "database": {"url": migrated_url},
+            "api": {"mcp_session_idle_s": 1.0, "events_reauth_s": 0.05},
+        }
     )
     service = App(settings, clock=FakeClock(), enable_adapters=False)
     org = await make_org(service)
@@ -260,6 +264,22 @@ async def test_a_listen_stream_hears_only_its_own_sessions(env: Env) -> None:
                 await client.call_tool(TOOL, {"agent": "worker", "message": "x", "session": own})
                 event = await asyncio.wait_for(stream.__anext__(), 5.0)
                 assert getattr(event, "uri", None) == uri("worker", own)
+
+
+async def test_a_listen_stream_ends_once_its_key_is_revoked(env: Env) -> None:
+    key = await make_key(env.service, env.org, Scope.trigger)
+    async with session(env, key) as client:
+        await client.discover()
+        async with listen(client, resource_subscriptions=[uri("worker", "rv")]) as stream:
+            async with env.service.db.tx() as conn:
+                await orgs.revoke_key(conn, env.service.clock, env.org.id, key.split(".")[1])
+            assert isinstance(env.service.clock, FakeClock)
+            env.service.clock.advance(5_001)  # past the key cache's lifetime
+            with pytest.raises((SubscriptionLost, StopAsyncIteration)):
+                await asyncio.wait_for(stream.__anext__(), 10.0)
+        with pytest.raises(MCPError):  # and the key opens nothing new
+            async with listen(client, resource_subscriptions=[uri("worker", "rv")]):
+                pass
 
 
 @LEGACY_SUBSCRIBE

@@ -19,6 +19,7 @@ from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 
 from leadgate.app import App
+from leadgate.core.auth import Scope
 from leadgate.core.clock import MINUTE_MS, FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.logs import setup_logging
@@ -26,7 +27,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
-from tests.helpers import make_agent, make_org
+from tests.helpers import make_agent, make_key, make_org
 from tests.integration.test_operator_api import Env as OperatorEnv
 from tests.integration.test_operator_api import TimeoutChannel
 
@@ -72,7 +73,10 @@ class Env(OperatorEnv):
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
-    settings = Settings.model_validate({"database": {"url": migrated_url}})
+    # Streams check their key or session again at each tick (1 s) instead of every 5 s.
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "api": {"events_reauth_s": 0.05}}
+    )
     slack = TimeoutChannel()
     service = App(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
     org = await make_org(service)
@@ -336,6 +340,26 @@ async def test_events_follow_the_organization_only(env: Env) -> None:
     assert (await read_event(resumed))[0] == "hello"
     assert await read_event(resumed) == ("change", {"items": None, "queue": 1})
     resumed.close()
+
+
+@SQLITE_ONLY
+async def test_events_end_once_the_key_is_revoked_or_the_session_logged_out(env: Env) -> None:
+    key = await make_key(env.service, env.org, Scope.review)
+    by_key = await env.client.get("/operator/events", headers={"Authorization": f"Bearer {key}"})
+    member = await env.user("mia@example.com", "Member")
+    by_cookie = await env.client.get("/operator/events", headers=member)
+    for stream in (by_key, by_cookie):
+        assert (await read_event(stream))[0] == "hello"
+    async with env.service.db.tx() as conn:
+        await orgs.revoke_key(conn, env.clock, env.org.id, key.split(".")[1])
+    env.clock.advance(5_001)  # past the key cache's lifetime on the service's clock
+    reason = {"reason": "the session or key is not valid"}
+    assert await read_event(by_key) == ("end", reason)
+    assert (await env.client.post("/console/logout", headers=member)).status == 200
+    assert await read_event(by_cookie) == ("end", reason)
+    for stream in (by_key, by_cookie):
+        async with asyncio.timeout(5):
+            assert await stream.content.read() == b""
 
 
 @SQLITE_ONLY

@@ -21,8 +21,10 @@ from aiohttp.test_utils import TestClient
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
+from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
+from leadgate.domain import orgs
 from leadgate.operations.transcripts import PAGE_MAX, PAGE_MAX_CHARS
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
@@ -63,7 +65,11 @@ class Env:
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
-    api = {"events_heartbeat_s": HEARTBEAT_S, "events_write_timeout_s": 0.5}
+    api = {
+        "events_heartbeat_s": HEARTBEAT_S,
+        "events_write_timeout_s": 0.5,
+        "events_reauth_s": 0.05,
+    }
     async with served_app(migrated_url, config={"api": api}) as (service, client):
         org = await make_org(service)
         other = await make_org(service, "other")
@@ -242,7 +248,7 @@ class Stream:
             if not line:
                 if fields:
                     return {
-                        "id": int(fields["id"]),
+                        "id": int(fields["id"]) if "id" in fields else None,
                         "event": fields["event"],
                         "data": json.loads(fields["data"]),
                     }
@@ -315,6 +321,36 @@ async def test_stream_resumes_only_with_a_valid_id(env: Env) -> None:
     )
     assert resp.status == 400
     assert (await resp.json())["error"]["rule"] == "events.last_event_id"
+
+
+async def test_a_stream_ends_once_its_key_is_revoked(env: Env) -> None:
+    """A stream checks its key again every ``events_reauth_s``. Keys are cached for
+    5 s of the service's clock, so the revocation is seen once that clock passed them."""
+    key = await make_key(env.service, env.org, Scope.trigger)
+    revoked = await open_stream(env, "plain", "rv", key=key)
+    kept = await open_stream(env, "plain", "rv")  # the Owner key, still valid
+    async with env.service.db.tx() as conn:
+        await orgs.revoke_key(conn, env.service.clock, env.org.id, key.split(".")[1])
+    # Still cached: the stream goes on and hears the session's next message.
+    assert (await env.chat("plain", "one", headers={"X-Session-Id": "rv"})).status == 200
+    assert (await revoked.next())["data"]["content"] == "one"
+    assert (await kept.next())["data"]["content"] == "one"
+    assert isinstance(env.service.clock, FakeClock)
+    env.service.clock.advance(5_001)
+    event = await revoked.next()
+    while event["event"] == "message":  # the reply to "one" may still be on its way
+        event = await revoked.next()
+    assert event["event"] == "end" and event["id"] is None
+    assert event["data"] == {"reason": "the key or console session is no longer valid"}
+    assert await revoked.resp.content.read() == b""  # and the stream is over
+    assert (await env.chat("plain", "two", headers={"X-Session-Id": "rv"})).status == 200
+    for _ in range(3):  # the stream that is still allowed goes on
+        event = await kept.next()
+        if event["data"].get("content") == "two":
+            break
+    else:
+        raise AssertionError("the kept stream did not hear the second message")
+    kept.close()
 
 
 async def test_heartbeat_comments_while_idle(env: Env) -> None:
