@@ -111,14 +111,18 @@ def unknown_agent(ref: str) -> NotFound:
 
 
 _A = t.agents.c
+_ID_SHAPED = re.compile(r"agt_", re.IGNORECASE)
 _REF: sa.BindParameter[str] = sa.bindparam("p_ref")
+#: What a reference matches first: the id, then the slug, then the name (the oldest
+#: agent among equals). An id is always that agent's, whatever another agent is named.
+_REF_ORDER = (sa.case((_A.id == _REF, 0), (_A.slug == _REF, 1), else_=2), _A.created_at)
 #: Built once: the plan cache keys on the statement object (see database.plans).
 _FIND_ANY = (
     sa.select(t.agents)
     .where(
         _A.org_id == sa.bindparam("p_org"), sa.or_(_A.id == _REF, _A.slug == _REF, _A.name == _REF)
     )
-    .order_by(_A.created_at)
+    .order_by(*_REF_ORDER)
 )
 _FIND = _FIND_ANY.where(_A.deleted_at.is_(None))
 
@@ -146,14 +150,10 @@ _AGENT_WITH_PRESET = (
     .select_from(t.agents.outerjoin(t.presets, _P.id == t.agents.c.preset_id))
     .where(
         t.agents.c.org_id == sa.bindparam("p_org_id"),
-        sa.or_(
-            t.agents.c.id == sa.bindparam("p_ref"),
-            t.agents.c.slug == sa.bindparam("p_ref"),
-            t.agents.c.name == sa.bindparam("p_ref"),
-        ),
+        sa.or_(_A.id == _REF, _A.slug == _REF, _A.name == _REF),
         t.agents.c.deleted_at.is_(None),
     )
-    .order_by(t.agents.c.created_at)
+    .order_by(*_REF_ORDER)
 )
 
 
@@ -188,9 +188,10 @@ async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | N
     a = t.agents.c
     row = (
         await conn.execute(
-            sa.select(t.agents).where(
-                a.org_id == org_id, sa.or_(a.id == lead_ref, a.slug == lead_ref, a.name == lead_ref)
-            )
+            sa.select(t.agents)
+            .where(a.org_id == org_id, sa.or_(a.id == _REF, a.slug == _REF, a.name == _REF))
+            .order_by(*_REF_ORDER),
+            {"p_ref": lead_ref},
         )
     ).first()
     if row is None:
@@ -307,6 +308,12 @@ async def _name_values(conn: Conn, org_id: str, name: Any, current: Agent | None
     if not isinstance(name, str):
         raise ValidationError("name must be a string", rule="agent.name")
     clean = validate_name(name, "agent")
+    if _ID_SHAPED.match(clean):
+        # An id is how clients, the console and the leads name one agent for good; a name
+        # shaped like one would be read as that id, or take over another agent's.
+        raise ValidationError(
+            "an agent's name must not look like an agent id (agt_...)", rule="agent.name"
+        )
     slug = slugify(clean)
     clash = await conn.scalar(
         sa.select(t.agents.c.id).where(

@@ -120,6 +120,8 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(stack: Sta
 
     cases: list[tuple[str, SaveCall]] = [
         ("lead.self", lambda c: _save(stack, org, c, agent_ref="w", lead="w")),
+        ("agent.name", lambda c: _save(stack, org, c, agent_ref="idle", name=worker["id"])),
+        ("agent.name", lambda c: _save(stack, org, c, name="AGT_x")),
         ("lead.self", lambda c: _save(stack, org, c, agent_ref="w", lead=worker["id"])),
         ("lead.not_found", lambda c: _save(stack, org, c, name="x", lead="nosuch")),
         ("lead.not_found", lambda c: _save(stack, org, c, name="x", lead="foreign")),
@@ -217,6 +219,25 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(stack: Sta
         CompletionPolicy.requestHumanApproval,
         3,
     )
+
+
+async def test_an_id_names_its_agent_before_any_name(stack: Stack) -> None:
+    """A name like another agent's id (saved before names were checked) does not take
+    over lookups by that id; the id, then the slug, then the name is matched."""
+    org = await make_org(stack, "acme")
+    gated = await make_agent(stack, org, "gated", lead=(await make_agent(stack, org, "l"))["id"])
+    plain = await make_agent(stack, org, "plain")
+    async with stack.db.tx() as conn:  # older than `gated` too, as it would be in a real clash
+        await conn.execute(
+            t.agents.update()
+            .where(t.agents.c.id == plain["id"])
+            .values(name=gated["id"], created_at=gated["created_at"] - 1)
+        )
+    async with stack.db.read() as conn:
+        assert (await agents_mod.find_agent(conn, org.id, gated["id"])).id == gated["id"]
+        agent, lead = await agents_mod.find_agent_and_lead(conn, org.id, gated["id"])
+        assert agent.id == gated["id"] and lead is not None
+        assert (await agents_mod.find_agent(conn, org.id, "plain")).id == plain["id"]
 
 
 def _save(stack: Stack, org: Org, conn: Any, **kwargs: Any) -> Awaitable[Any]:
