@@ -197,24 +197,72 @@ async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     path = Path(args.key_file) if args.key_file else None
     kept = None
     if path is not None and path.is_file():
-        kept = path.read_text(encoding="utf-8").strip() or None
-    result = await admin.demo(args.name, key=kept, rotate=args.rotate_key)
-    if path is not None and not result["keyReused"]:
-        _write_secret(path, str(result["apiKey"]))
+        try:
+            kept = path.read_text(encoding="utf-8").strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _key_file_error(path, exc) from None
+    # The file is made ready before the database is touched: a key minted (and the kept
+    # one revoked) with nowhere to keep it would be lost.
+    pending = _SecretFile.open(path) if path is not None else None
+    try:
+        result = await admin.demo(args.name, key=kept, rotate=args.rotate_key)
+        if pending is not None and not result["keyReused"]:
+            pending.commit(str(result["apiKey"]))
+    finally:
+        if pending is not None:
+            pending.discard()
     if path is not None:
         result["keyFile"] = str(path)
     return result
 
 
-def _write_secret(path: Path, secret: str) -> None:
-    """Write ``secret`` to ``path`` readable by its owner only (0600 from the start)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(secret + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+def _key_file_error(path: Path, exc: Exception) -> ValidationError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return ValidationError(f"cannot use --key-file {path}: {reason}", rule="demo.key_file")
+
+
+class _SecretFile:
+    """A secret's file, written readable by its owner only (0600 from the start) through a
+    temporary file beside it that :meth:`open` creates and :meth:`commit` moves in place."""
+
+    def __init__(self, path: Path, tmp: Path, fd: int) -> None:
+        self.path, self.tmp, self.fd = path, tmp, fd
+
+    @classmethod
+    def open(cls, path: Path) -> _SecretFile:
+        """Check that ``path`` can be written now (rule ``demo.key_file`` otherwise)."""
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(21, "Is a directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise _key_file_error(path, exc) from None
+        return cls(path, tmp, fd)
+
+    def commit(self, secret: str) -> None:
+        """Write ``secret`` and move it in place; if that fails, the error carries the
+        secret (it exists only here now), for the operator to keep by hand."""
+        try:
+            with os.fdopen(self.fd, "w", encoding="utf-8") as fh:
+                self.fd = -1
+                fh.write(secret + "\n")
+            os.chmod(self.tmp, 0o600)
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            raise ValidationError(
+                f"the new key could not be written to {self.path} ({exc.strerror or exc}); "
+                f"it is valid, keep it now: {secret}",
+                rule="demo.key_file",
+            ) from None
+
+    def discard(self) -> None:
+        """Remove the temporary file if it was not moved in place."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------- operator commands

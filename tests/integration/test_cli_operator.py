@@ -397,6 +397,23 @@ def test_the_demo_key_is_kept_in_a_private_file_reused_and_rotated(tmp_path: Pat
         assert secret not in repr(conn.execute("SELECT * FROM api_keys").fetchall())
 
 
+def test_a_key_file_that_cannot_be_written_stops_demo_before_any_key_changes(
+    tmp_path: Path,
+) -> None:
+    write_config(tmp_path / "config.toml", tmp_path / "demo.db")
+    assert lg(tmp_path, "db", "upgrade").code == 0
+    key_file = tmp_path / "kf" / "key"
+    first = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
+    (tmp_path / "kf" / "key.tmp").mkdir()  # where the new key would be written first
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    for target in (key_file, tmp_path / "blocker" / "key", tmp_path / "kf"):
+        lg(tmp_path, "demo", "--key-file", str(target), "--rotate-key").rule_error("demo.key_file")
+    # The kept key is still the one valid Owner key of demo, and still in its file.
+    keys = lg(tmp_path, "key", "list", "--org", "demo").json()
+    assert [(k["id"], k["active"]) for k in keys] == [(first["apiKey"].split(".")[1], True)]
+    assert key_file.read_text().strip() == first["apiKey"]
+
+
 def test_a_port_in_use_is_a_clear_error_before_anything_is_written(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
