@@ -101,10 +101,26 @@ class TransitionError(Conflict):
 
 
 class ModelError(LeadgateError):
-    """The model provider failed while producing a turn."""
+    """The model provider failed while producing a turn.
+
+    ``detail`` is the provider's own words (its error message), shown to the caller after
+    ``message`` but never logged: a server may echo the request, message text included.
+    :attr:`summary` is what logs get.
+    """
 
     status = 502
     code = "model_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rule: str | None = None,
+        retry_after_s: int | None = None,
+        detail: str = "",
+    ) -> None:
+        super().__init__(message + detail, rule=rule, retry_after_s=retry_after_s)
+        self.summary = message
 
 
 class PayloadTooLarge(LeadgateError):

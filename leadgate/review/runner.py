@@ -517,7 +517,9 @@ class LeadRunner:
             try:
                 text, calls = await self._execute(provider, messages)
             except Exception as exc:
-                log.warning("lead execution %d failed: %s", execution, exc)
+                # A provider's own words may echo the request: logs get the summary.
+                shown = exc.summary if isinstance(exc, ModelError) else exc
+                log.warning("lead execution %d failed: %s", execution, shown)
                 if execution == MAX_EXECUTIONS:
                     return Verdict.escalated, None, f"the lead model failed: {exc}"
                 continue

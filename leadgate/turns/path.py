@@ -491,9 +491,12 @@ class TurnService:
             # failure).
             METRICS.turns.labels("error").inc()
             # Logged once, here, for every surface (the request id rides the log context);
-            # the message names the provider and status, never the key or any text.
-            what = "model error" if isinstance(exc, ModelError) else "database unavailable"
-            log.warning("%s: %s [%s]", what, exc.message, exc.rule)
+            # the line names the provider and status, never the key or any text (not the
+            # provider's own words either: they may echo the request).
+            if isinstance(exc, ModelError):
+                log.warning("model error: %s [%s]", exc.summary, exc.rule)
+            else:
+                log.warning("database unavailable: %s [%s]", exc.message, exc.rule)
             raise
         except Exception as exc:
             METRICS.turns.labels("error").inc()

@@ -4,6 +4,7 @@ pointing at the model stand-in (real HTTP, SSE and tool calls), worker on ``scri
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database.db import upgrade
@@ -185,6 +187,29 @@ async def test_a_lead_that_never_submits_escalates_after_four_requests(
     }
     assert (await status(service, item_id))["status"] == "awaitingHuman"
     assert await _deliveries(service, item_id) == []
+
+
+async def test_a_servers_echo_of_the_request_stays_out_of_the_log(
+    service: App, model: ModelServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model server's error may quote the request (message text); the caller gets its
+    words, the log only which server failed and how."""
+    org, worker = await setup(service)
+    remote = await make_agent(service, org, "remote-worker", model="remote")
+    echo = 'bad request, you sent: {"content": "PRIVATE-TEXT-42"}'
+    for _ in range(5):  # one for the worker's turn, four for the lead's executions
+        model.push_error(400, echo)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(ModelError) as info:
+        await service.turns.run(api_trigger(org, remote, "PRIVATE-TEXT-42 hello"))
+    assert "PRIVATE-TEXT-42" in info.value.message  # the caller's own text, for the caller
+    await submit(service, org, worker, "PRIVATE-TEXT-42 task")
+    await drain(service.lead_runner)  # the lead's four executions fail the same way
+    # Our loggers (the SDKs' DEBUG lines are [log] include_content's, dropped by default).
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("leadgate"))
+    assert "model error: the model server at" in logged
+    assert "lead execution 4 failed: the model server at" in logged
+    assert "PRIVATE-TEXT-42" not in logged
 
 
 async def test_an_invalid_verdict_over_the_wire_is_a_tool_error(

@@ -247,18 +247,21 @@ class OpenAIProvider:
                 what = "rejected the request"
             request_id = f", request id {exc.request_id}" if exc.request_id else ""
             return ModelError(
-                f"the model server at {server} {what} (HTTP {status}{request_id}){detail}",
+                f"the model server at {server} {what} (HTTP {status}{request_id})",
                 rule=rule,
+                detail=detail,
             )
         if isinstance(exc, openai.APIError):
             # An ``error`` object sent inside an otherwise successful stream.
             return ModelError(
-                f"the model server at {server} reported an error mid-answer{self._detail(exc)}",
+                f"the model server at {server} reported an error mid-answer",
                 rule="model.server_error",
+                detail=self._detail(exc),
             )
         return ModelError(
-            f"the model call to {server} failed: {self._redact(str(exc))}",
+            f"the model call to {server} failed",
             rule="model.error",
+            detail=f": {self._redact(str(exc))}",
         )
 
     def _detail(self, exc: openai.APIError) -> str:
