@@ -9,6 +9,7 @@ command can never silently write to a database the operator did not mean.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +69,22 @@ def config_in_argv(argv: Sequence[str]) -> str | None:
 
 
 def safe_url(url: str) -> str:
-    """A database URL without its password."""
+    """A database URL without its password, in its user part or in its query
+    (``?password=``, ``?sslpassword=``...: any parameter whose name says secret)."""
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
+        shown = parsed.set(query={}).render_as_string(hide_password=True)
+        query = [
+            f"{name}={'***' if _SECRET_PARAMETER.search(name) else value}"
+            for name, values in parsed.query.items()
+            for value in ((values,) if isinstance(values, str) else values)
+        ]
+        return shown + ("?" + "&".join(query) if query else "")
     except Exception:
         return "(unparsable database url)"
+
+
+_SECRET_PARAMETER = re.compile(r"pass|secret|token|key", re.IGNORECASE)
 
 
 def where(choice: ConfigChoice, settings: Settings | None) -> str:

@@ -176,8 +176,9 @@ class Database:
         self.busy_timeout_s = busy_timeout_s
         try:
             parsed = sa.engine.make_url(url)
-        except sa.exc.ArgumentError as exc:
-            raise ConfigError(f"database.url is not a valid URL: {exc}") from exc
+        except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
+            # The message never quotes the URL: it may hold a password.
+            raise ConfigError(f"database.url is not a valid URL: {exc}") from None
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         self._skip_locked: dict[int, tuple[sa.Select[Any], sa.Select[Any]]] = {}
