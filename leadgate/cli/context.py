@@ -47,7 +47,7 @@ def discover(
 ) -> ConfigChoice:
     """The configuration file to use (see the module docstring)."""
     env = os.environ if environ is None else environ
-    if explicit:
+    if explicit is not None:  # even "": load_settings refuses it (not the defaults)
         return ConfigChoice(explicit, "--config")
     if env.get(ENV_CONFIG):
         return ConfigChoice(env[ENV_CONFIG], "$LEADGATE_CONFIG")

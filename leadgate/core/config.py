@@ -269,6 +269,9 @@ def load_settings(
     """
     data: dict[str, Any] = {}
     if path is not None:
+        if not str(path).strip():
+            # `--config ""` is a mistake, not a wish for the built-in defaults.
+            raise ConfigError("the config file name is empty")
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
@@ -276,6 +279,10 @@ def load_settings(
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 (byte {exc.start}): TOML files are UTF-8"
+            ) from None
     _apply_env(data, dict(os.environ if environ is None else environ))
     try:
         return Settings.model_validate(data)

@@ -196,6 +196,17 @@ def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
     assert str(path) in info.value.message
 
 
+def test_a_file_that_is_not_utf8_or_an_empty_name_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[server]\nhost = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert info.value.message == f"config file {path} is not UTF-8 (byte 20): TOML files are UTF-8"
+    with pytest.raises(ConfigError) as empty:  # `--config ""`: not the built-in defaults
+        load_settings("", environ={})
+    assert empty.value.message == "the config file name is empty"
+
+
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigError) as info:
