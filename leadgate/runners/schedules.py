@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from croniter import CroniterBadCronError, croniter
+from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import ValidationError
@@ -28,14 +28,25 @@ S = t.schedules.c
 
 
 def next_fire(cron: str, after_ms: int) -> int:
-    """The first firing strictly after ``after_ms`` (UTC)."""
+    """The first firing strictly after ``after_ms`` (UTC); rule ``schedule.cron`` for an
+    expression that is not five fields (croniter would read a sixth as seconds) or that
+    never fires (``0 0 31 2 *``)."""
+    if len(cron.split()) != 5:
+        raise ValidationError(
+            f"invalid cron expression {cron!r}: five fields (minute hour day month weekday)",
+            rule="schedule.cron",
+        )
     try:
         it = croniter(cron, datetime.fromtimestamp(after_ms / 1000, tz=UTC))
+        nxt: datetime = it.get_next(datetime)
+    except CroniterBadDateError:
+        raise ValidationError(
+            f"cron expression {cron!r} never fires", rule="schedule.cron"
+        ) from None
     except (CroniterBadCronError, ValueError, KeyError) as exc:
         raise ValidationError(
             f"invalid cron expression {cron!r}: {exc}", rule="schedule.cron"
         ) from None
-    nxt: datetime = it.get_next(datetime)
     return int(nxt.timestamp() * 1000)
 
 
@@ -94,10 +105,19 @@ class ScheduleRunner:
             ).first()
             if row is None:
                 return False
+            try:
+                advance: dict[str, Any] = {
+                    "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
+                }
+            except ValidationError:
+                # Checked when it was added; croniter looks only so many years ahead, so
+                # a rare date can still run out. This firing runs, and it is the last.
+                log.warning("schedule %s has no next firing and is deactivated", row.id)
+                advance = {"active": False}
             res = await conn.execute(
                 t.schedules.update()
                 .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
-                .values(next_fire_at=next_fire(row.cron, max(now, row.next_fire_at)))
+                .values(**advance)
             )
             if not res.rowcount:
                 return True
