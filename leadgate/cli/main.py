@@ -36,7 +36,13 @@ log = logging.getLogger("leadgate")
 async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
     """Run one admin subcommand against the configured database."""
     command = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
-    db = Database(settings.database.url)
+    # The service's own bounds: [database] busy_timeout_s is how long a command waits for
+    # another process's write lock before it says so.
+    db = Database(
+        settings.database.url,
+        pool_size=settings.database.pool_size,
+        busy_timeout_s=settings.database.busy_timeout_s,
+    )
     try:
         await db.check_migrated()
         admin = Admin(db, SystemClock(), RandomIds(), frozenset(settings.models))

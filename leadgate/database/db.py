@@ -527,6 +527,8 @@ class Database:
             return MigrationContext.configure(sync_conn).get_current_revision()
 
         async with self.engine.connect() as conn:
+            # A read: on SQLite it must not wait for (or hold) the write lock.
+            conn = await conn.execution_options(leadgate_readonly=True)
             rev = await conn.run_sync(current)
         if rev != head:
             raise NotMigratedError(

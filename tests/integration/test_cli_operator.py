@@ -414,6 +414,32 @@ def test_a_key_file_that_cannot_be_written_stops_demo_before_any_key_changes(
     assert key_file.read_text().strip() == first["apiKey"]
 
 
+def test_commands_read_past_a_write_lock_and_wait_for_one_only_busy_timeout_s(
+    tmp_path: Path,
+) -> None:
+    """Another process's write transaction: a read command does not wait for it (it took
+    the write lock itself, and waited 30 s whatever the config said), and a write command
+    gives up after ``[database] busy_timeout_s`` with a clear error."""
+    config = write_config(tmp_path / "config.toml", tmp_path / "lock.db")
+    config.write_text(
+        config.read_text().replace("[database]\n", "[database]\nbusy_timeout_s = 1.0\n", 1)
+    )
+    assert lg(tmp_path, "db", "upgrade").code == 0
+    assert lg(tmp_path, "org", "create", "acme").code == 0  # the first connection sets WAL
+    holder = sqlite3.connect(tmp_path / "lock.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        keys = lg(tmp_path, "key", "list", "--org", "acme")
+        assert keys.code == 0 and [k["name"] for k in keys.json()] == ["owner"]
+        started = time.monotonic()
+        blocked = lg(tmp_path, "key", "create", "--org", "acme", "--scope", "agent:trigger")
+        assert time.monotonic() - started < 15  # 1 s of waiting, plus the process's start
+        blocked.rule_error("service.unavailable")
+    finally:
+        holder.close()
+    assert [k["name"] for k in lg(tmp_path, "key", "list", "--org", "acme").json()] == ["owner"]
+
+
 def test_a_port_in_use_is_a_clear_error_before_anything_is_written(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
