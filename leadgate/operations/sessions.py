@@ -11,6 +11,8 @@ key (or console user), stored as ``default:<key id or user id>``.
 
 from __future__ import annotations
 
+import re
+
 from leadgate.core.auth import Principal
 from leadgate.core.errors import ValidationError
 from leadgate.core.limits import SESSION_NAME_LIMIT
@@ -30,4 +32,15 @@ def api_session_key(principal: Principal, *, session: str | None, user: str | No
             f"the session id is longer than {SESSION_NAME_LIMIT} characters",
             rule="session.length",
         )
+    if _CONTROL.search(name):
+        # Checked here, where every surface's name becomes a key: reading or watching a
+        # session stores it too (an empty session to wait on), and PostgreSQL text holds
+        # no NUL.
+        raise ValidationError(
+            "the session id contains a control character or a lone surrogate",
+            rule="session.text",
+        )
     return f"h:{name}"
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")

@@ -19,6 +19,7 @@ from typing import Any
 import httpx2
 import mcp_types as mt
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -30,6 +31,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
+from leadgate.database import schema as t
 from leadgate.domain import orgs
 from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_key, make_org, mcp_initialize
 
@@ -215,6 +217,20 @@ async def test_another_organizations_resource_is_unknown(env: Env) -> None:
         assert sub.value.error.code == mt.INVALID_PARAMS
         # Its own agent is fine.
         assert (await transcript(client, uri("theirs", "x")))["data"] == []
+        # A session name no surface accepts (PostgreSQL text cannot hold a NUL) is refused
+        # before anything is stored, as a read and as a subscription.
+        for name in ("%00", "a%01b"):
+            resource = f"leadgate://agents/theirs/sessions/{name}/messages"
+            with pytest.raises(MCPError) as bad:
+                await client.read_resource(resource)
+            assert bad.value.error.code == mt.INVALID_PARAMS
+            with warnings.catch_warnings(), pytest.raises(MCPError) as bad_sub:
+                warnings.simplefilter("ignore", DeprecationWarning)
+                await client.subscribe_resource(resource)
+            assert bad_sub.value.error.code == mt.INVALID_PARAMS
+    async with env.service.db.read() as conn:
+        keys = (await conn.execute(sa.select(t.sessions.c.key))).scalars().all()
+    assert not [k for k in keys if "\x00" in k or "\x01" in k]
 
 
 async def test_2026_listen_gets_the_update(env: Env) -> None:

@@ -295,3 +295,15 @@ def test_parse_request_only_raises_validation_errors(
         assert session == f"h:{name}"
     else:
         assert session == "default:key_1"
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "tab\there", "\x7f", "x\x85", "\ud800"])
+def test_a_public_session_name_with_a_control_character_is_refused(name: str) -> None:
+    principal = Principal(org_id="org_1", scopes=frozenset(), key_id="key_1")
+    with pytest.raises(ValidationError) as info:
+        api_session_key(principal, session=name)
+    assert info.value.rule == "session.text"
+    with pytest.raises(ValidationError):
+        api_session_key(principal, session=None, user=name)  # the REST body's `user` too
+    # Any other text is a name: spaces, accents, emoji.
+    assert api_session_key(principal, session="Café ☕ 2") == "h:Café ☕ 2"
