@@ -71,13 +71,16 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = [
-            part.get("text", "")
+        texts: list[Any] = [
+            part.get("text")
             for part in content
             if isinstance(part, dict) and part.get("type") == "text"
         ]
+        if any(not isinstance(text, str) for text in texts):
+            # As OpenAI answers: a text part carries its text as a string.
+            raise ValidationError("a text part's text must be a string", rule="messages.content")
         if texts:
-            return "\n".join(str(t) for t in texts)
+            return "\n".join(texts)
     raise ValidationError("message content must be a string or text parts", rule="messages.content")
 
 

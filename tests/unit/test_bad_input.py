@@ -307,3 +307,16 @@ def test_a_public_session_name_with_a_control_character_is_refused(name: str) ->
         api_session_key(principal, session=None, user=name)  # the REST body's `user` too
     # Any other text is a name: spaces, accents, emoji.
     assert api_session_key(principal, session="Café ☕ 2") == "h:Café ☕ 2"
+
+
+@pytest.mark.parametrize("text", [{"a": 1}, 5, None, ["x"], True])
+def test_a_text_part_whose_text_is_not_a_string_is_refused(text: Any) -> None:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": "fine"}, {"type": "text"}]
+    parts[1]["text"] = text
+    if text is None:
+        del parts[1]["text"]  # no text at all is refused the same way
+    with pytest.raises(ValidationError) as info:
+        parse_request({"model": "w", "messages": [{"role": "user", "content": parts}]})
+    assert info.value.rule == "messages.content"
+    ok = parse_request({"model": "w", "messages": [{"role": "user", "content": parts[:1] * 2}]})
+    assert ok.text == "fine\nfine"
