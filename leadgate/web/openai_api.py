@@ -37,6 +37,7 @@ from leadgate.database.faults import unavailable
 from leadgate.domain import agents
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
+from leadgate.operations.sessions import api_session_key
 from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
 
 log = logging.getLogger("leadgate.web")
@@ -284,10 +285,14 @@ def setup(
         # A model already found missing is refused before the key is claimed (the
         # claim and its release would be two writes for a 404).
         chat.refuse_unknown(principal, parsed.model)
-        request_print = fingerprint(
-            json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
-            (session or "").encode(),
-        )
+        parts = [json.dumps(body, sort_keys=True, separators=(",", ":")).encode()]
+        parts.append((session or "").encode())
+        target = api_session_key(principal, session=session, user=parsed.user)
+        if target.startswith("default:"):
+            # The default session is each key's own: the same body from another key of
+            # the organization is another request (it was given the first key's answer).
+            parts.append(target.encode())
+        request_print = fingerprint(*parts)
         claim = await idempotency.begin(principal, key, request_print)
         if claim.action == "replay" and claim.response is not None:
             return await _replay(request, claim.response)

@@ -140,6 +140,15 @@ async def test_same_key_other_request_is_400_naming_the_rule(env: Env) -> None:
         assert resp.status == 400
         error = (await resp.json())["error"]
         assert error["rule"] == "idempotency.mismatch" and error["param"] is None
+    # No session named: each key's own default session, so another key's same body is
+    # another request (it was given the first key's answer, and its session got nothing).
+    assert (await env.chat("plain", "d", idem="k-d")).status == 200
+    other_key = await make_key(env.service, env.org, Scope.trigger)
+    resp = await env.chat("plain", "d", key=other_key, idem="k-d")
+    assert resp.status == 400
+    assert (await resp.json())["error"]["rule"] == "idempotency.mismatch"
+    replayed = await env.chat("plain", "d", idem="k-d")  # the first key still gets its answer
+    assert replayed.status == 200 and replayed.headers["Idempotent-Replayed"] == "true"
     bad = await env.chat("plain", "a", idem="\u00e9", session="m")
     assert bad.status == 400 and (await bad.json())["error"]["rule"] == "idempotency.key"
     assert await env.user_messages("plain", "m") == ["a"]
