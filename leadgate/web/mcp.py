@@ -512,13 +512,21 @@ async def _bridge(
         await _wait_disconnect(request, gone, closing if request.method == "GET" else None, recheck)
         return {"type": "http.disconnect"}
 
+    plain_error: tuple[int, bytearray] | None = None
+
     async def send(message: Message) -> None:
-        nonlocal response
+        nonlocal response, plain_error
         async with send_lock:
             if gone.is_set():
                 return
             try:
-                if message["type"] == "http.response.start":
+                if message["type"] == "http.response.start" and _plain_error(message):
+                    plain_error = (message["status"], bytearray())
+                elif message["type"] == "http.response.body" and plain_error is not None:
+                    plain_error[1].extend(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        response = _enveloped(*plain_error)
+                elif message["type"] == "http.response.start":
                     response = web.StreamResponse(status=message["status"])
                     for raw_name, raw_value in message.get("headers", []):
                         name = raw_name.decode("latin-1")
@@ -549,6 +557,34 @@ async def _bridge(
             error_body(500, GENERIC_ERROR_TEXT, "internal_error", "internal"), status=500
         )
     return response
+
+
+#: The SDK's own plain-text refusals (its transport security checks), by their text:
+#: the rule our envelope names.
+_SDK_REFUSALS: Final = {
+    "Invalid Host header": "mcp.host",
+    "Invalid Origin header": "mcp.origin",
+    "Invalid Content-Type header": "mcp.content_type",
+    "Request body too large": "body.too_large",
+}
+
+
+def _plain_error(start: Message) -> bool:
+    """Whether the SDK is answering an error that is not JSON (JSON-RPC errors are)."""
+    if start["status"] < 400:
+        return False
+    for raw_name, raw_value in start.get("headers", []):
+        if raw_name.lower() == b"content-type":
+            return not raw_value.lower().startswith(b"application/json")
+    return True
+
+
+def _enveloped(status: int, body: bytes | bytearray) -> web.Response:
+    """One of the SDK's plain-text refusals in the envelope of every other HTTP error."""
+    text = body.decode("utf-8", "replace").strip()[:200] or "the request was refused"
+    rule = _SDK_REFUSALS.get(text, "mcp.request")
+    body_ = error_body(status, text, None, rule, type_="invalid_request_error")
+    return web.json_response(body_, status=status)
 
 
 async def _wait_disconnect(

@@ -390,7 +390,27 @@ async def test_unknown_host_is_refused(served: Served) -> None:
             },
             json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
         )
-    assert response.status_code == 421
+        assert response.status_code == 421
+        # The SDK's plain-text refusals come in the envelope of every other HTTP error.
+        assert response.json()["error"] == {
+            "message": "Invalid Host header",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+            "rule": "mcp.host",
+        }
+        foreign = await http.post(
+            served.url,
+            headers={
+                "Authorization": "Bearer key-a",
+                "Origin": "https://evil.example",
+                "Accept": "application/json, text/event-stream",
+            },
+            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        )
+        assert foreign.status_code == 403
+        assert foreign.headers["Content-Type"].startswith("application/json")
+        assert foreign.json()["error"]["rule"] == "mcp.origin"
 
 
 async def test_no_spin_and_quick_shutdown_after_disconnect(served: Served) -> None:
