@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from typing import Any
 
@@ -51,6 +52,19 @@ _SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+class _OutOfRange(ValueError):
+    """A JSON number too large for a float (``1e999``)."""
+
+
+def _finite_float(text: str) -> float:
+    # json.loads makes 1e999 an infinity, which no JSON can hold: written back out it
+    # would be ``Infinity``, which json.dumps emits and no client parses.
+    value = float(text)
+    if math.isinf(value):
+        raise _OutOfRange(text)
+    return value
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -112,7 +126,11 @@ def decode_json(raw: bytes | str, *, allow_nul: bool = False, max_depth: int = M
     """Decode a JSON document (see the module docstring for every check)."""
     text = decode_text(raw) if isinstance(raw, bytes) else raw
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except _OutOfRange:
+        raise ValidationError(
+            "the body holds a number too large to represent", rule="body.number"
+        ) from None
     except RecursionError:
         raise ValidationError(
             f"the body is nested deeper than {max_depth} levels", rule="body.depth"
