@@ -80,13 +80,13 @@ def read_password(given: str | None) -> str:
     if given:
         return given
     if os.environ.get("LEADGATE_PASSWORD"):
-        return os.environ["LEADGATE_PASSWORD"]
+        return _utf8(os.environ["LEADGATE_PASSWORD"], "$LEADGATE_PASSWORD")
     if sys.stdin.isatty():
-        first = getpass.getpass("Password for the console user: ")
+        first = _utf8(getpass.getpass("Password for the console user: "), "the password")
         if getpass.getpass("Repeat the password: ") != first:
             raise ValidationError("the two passwords differ", rule="user.password")
         return first
-    return sys.stdin.readline().rstrip("\r\n")
+    return _utf8(sys.stdin.readline(), "standard input").rstrip("\r\n")
 
 
 async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
@@ -291,7 +291,18 @@ def _identity() -> str:
 
 
 def _text(value: str) -> str:
-    return sys.stdin.read().strip() if value == "-" else value
+    return _utf8(sys.stdin.read(), "standard input").strip() if value == "-" else value
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` read from the environment or a stream, which Python decodes with surrogate
+    escapes: bytes that are not UTF-8 are exit 2 ``cli.utf8`` here, not an encoding error
+    where the text is used."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(f"{where} is not valid UTF-8 text", rule="cli.utf8") from None
+    return text
 
 
 async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:

@@ -111,7 +111,6 @@ def unknown_agent(ref: str) -> NotFound:
 
 
 _A = t.agents.c
-_ID_SHAPED = re.compile(r"agt_", re.IGNORECASE)
 _REF: sa.BindParameter[str] = sa.bindparam("p_ref")
 #: What a reference matches first: the id, then the slug, then the name (the oldest
 #: agent among equals). An id is always that agent's, whatever another agent is named.
@@ -307,13 +306,7 @@ async def _name_values(conn: Conn, org_id: str, name: Any, current: Agent | None
         return {}
     if not isinstance(name, str):
         raise ValidationError("name must be a string", rule="agent.name")
-    clean = validate_name(name, "agent")
-    if _ID_SHAPED.match(clean):
-        # An id is how clients, the console and the leads name one agent for good; a name
-        # shaped like one would be read as that id, or take over another agent's.
-        raise ValidationError(
-            "an agent's name must not look like an agent id (agt_...)", rule="agent.name"
-        )
+    clean = validate_name(name, "agent", id_prefix="agt")
     slug = slugify(clean)
     clash = await conn.scalar(
         sa.select(t.agents.c.id).where(

@@ -64,19 +64,25 @@ def parse_scopes(values: list[str]) -> frozenset[Scope]:
     return frozenset(scopes)
 
 
-def validate_name(name: str, what: str) -> str:
-    """Names: 1..200 printable characters, trimmed."""
+def validate_name(name: str, what: str, *, id_prefix: str | None = None) -> str:
+    """Names: 1..200 printable characters, trimmed; with ``id_prefix``, not shaped like
+    an id of that kind (``agt_...``), which the name would be mistaken for wherever a
+    reference takes an id or a name."""
     name = name.strip()
     if not name or len(name) > 200 or not name.isprintable():
         raise ValidationError(
             f"{what} name must be 1..200 printable characters", rule=f"{what}.name"
+        )
+    if id_prefix is not None and name.lower().startswith(id_prefix + "_"):
+        raise ValidationError(
+            f"{what} name must not look like an id ({id_prefix}_...)", rule=f"{what}.name"
         )
     return name
 
 
 async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dict[str, Any]:
     """Create an organization with an Owner key carrying every scope."""
-    name = validate_name(name, "organization")
+    name = validate_name(name, "organization", id_prefix="org")
     exists = await conn.scalar(
         sa.select(t.organizations.c.id).where(t.organizations.c.name == name)
     )
@@ -94,9 +100,10 @@ async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
     """An organization by id or name."""
     row = (
         await conn.execute(
-            sa.select(t.organizations).where(
-                sa.or_(t.organizations.c.id == ref, t.organizations.c.name == ref)
-            )
+            sa.select(t.organizations)
+            .where(sa.or_(t.organizations.c.id == ref, t.organizations.c.name == ref))
+            # The id first: an organization named like another's id must not take it over.
+            .order_by(sa.case((t.organizations.c.id == ref, 0), else_=1))
         )
     ).first()
     if row is None:

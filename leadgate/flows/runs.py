@@ -31,6 +31,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
+from leadgate.domain.orgs import validate_name
 from leadgate.domain.workitems import Status
 from leadgate.turns.path import TurnService
 
@@ -66,7 +67,9 @@ def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
 async def create_flow(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, name: str, nodes: Any
 ) -> dict[str, Any]:
-    """Store a flow after checking its nodes and that every agent exists."""
+    """Store a flow after checking its name (rule ``flow.name``), its nodes and that every
+    agent exists."""
+    name = validate_name(name, "flow", id_prefix="flw")
     nodes = validate_nodes(nodes)
     for node in nodes:
         if node["type"] == "agent":
@@ -88,9 +91,9 @@ async def find_flow(conn: Conn, org_id: str, ref: str) -> dict[str, Any]:
     """A flow of the organization by id or name."""
     row = (
         await conn.execute(
-            sa.select(t.flows).where(
-                t.flows.c.org_id == org_id, sa.or_(t.flows.c.id == ref, t.flows.c.name == ref)
-            )
+            sa.select(t.flows)
+            .where(t.flows.c.org_id == org_id, sa.or_(t.flows.c.id == ref, t.flows.c.name == ref))
+            .order_by(sa.case((t.flows.c.id == ref, 0), else_=1))
         )
     ).first()
     if row is None:

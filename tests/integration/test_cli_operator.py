@@ -217,7 +217,7 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
 ) -> None:
     root: Path = world["root"]
     common = ("user", "create", "--org", "acme")
-    piped, env, short, bad = par(
+    piped, env, short, bad, latin = par(
         root,
         ((*common, "--email", "a@example.com", "--role", "member"), {"stdin": "pw from stdin\n"}),
         (
@@ -226,11 +226,27 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
         ),
         ((*common, "--email", "c@example.com", "--role", "viewer"), {"stdin": ""}),
         ((*common, "--email", "d@example.com", "--role", "boss"), {"stdin": "x" * 10}),
+        # Bytes that are not UTF-8 (b"\xe9t\xe9..."), as the environment hands them over.
+        (
+            (*common, "--email", "e@example.com", "--role", "member"),
+            {"env": {"LEADGATE_PASSWORD": "\udce9t\udce9 password"}},
+        ),
     )
     assert piped.json()["role"] == "Member"
     assert env.json()["role"] == "Admin"
     short.rule_error("user.password")
     assert bad.code == 2 and "unknown role 'boss'" in bad.err and "Traceback" not in bad.err
+    latin.rule_error("cli.utf8")
+    piped_latin = subprocess.run(
+        [*LEADGATE, *common, "--email", "f@example.com", "--role", "member"],
+        capture_output=True,
+        env=_env(),
+        cwd=root,
+        input=b"\xe9t\xe9 password\n",
+        timeout=TIMEOUT,
+    )
+    assert piped_latin.returncode == 2, piped_latin
+    assert b"[cli.utf8]" in piped_latin.stderr and b"Traceback" not in piped_latin.stderr
     [(count,)] = rows(world, "SELECT count(*) FROM users WHERE email LIKE '_@example.com'")
     assert count == 2
 

@@ -45,6 +45,8 @@ BAD_BODIES = [
     (b"{", "body.json"),
     (b"NaN", "body.json"),
     (b'{"a": Infinity}', "body.json"),
+    (b'{"a": 1e999}', "body.number"),  # an infinity, which JSON cannot write back
+    (b"[-1.5e400]", "body.number"),
     (b"1" * 5000, "body.json"),  # past Python's int digit limit
     (b"[" * 2000 + b"]" * 2000, "body.depth"),  # RecursionError in json
     (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "body.depth"),

@@ -10,8 +10,15 @@ import sqlalchemy as sa
 from leadgate.core.errors import ValidationError
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.domain import workitems
-from leadgate.flows.runs import PAUSED_OUTPUT, WAITING_EVENT, FlowResumer, create_flow, run_view
+from leadgate.domain import orgs, workitems
+from leadgate.flows.runs import (
+    PAUSED_OUTPUT,
+    WAITING_EVENT,
+    FlowResumer,
+    create_flow,
+    find_flow,
+    run_view,
+)
 from leadgate.review.decisions import human_approve
 from tests.helpers import make_agent, make_org
 
@@ -113,3 +120,49 @@ async def test_bad_flows_are_rejected(stack: Any, nodes: Any) -> None:
     org = await make_org(stack)
     with pytest.raises(ValidationError):
         await _flow(stack, org, nodes)
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [
+        ("", "flow.name"),
+        ("tab\there", "flow.name"),
+        ("x" * 201, "flow.name"),
+        ("FLW_1", "flow.name"),
+    ],
+)
+async def test_a_flow_name_is_checked_like_every_other_name(
+    stack: Any, name: str, rule: str
+) -> None:
+    org = await make_org(stack)
+    nodes = [{"type": "output", "value": 1}]
+    with pytest.raises(ValidationError) as info:
+        async with stack.db.tx() as conn:
+            await create_flow(conn, stack.clock, stack.ids, org.id, name, nodes)
+    assert info.value.rule == rule
+    async with stack.db.tx() as conn:
+        flow = await create_flow(conn, stack.clock, stack.ids, org.id, " ok ", nodes)
+    assert flow["name"] == "ok"
+
+
+async def test_an_id_names_its_flow_and_its_organization_before_any_name(stack: Any) -> None:
+    org = await make_org(stack)
+    nodes = [{"type": "output", "value": 1}]
+    async with stack.db.tx() as conn:
+        first = await create_flow(conn, stack.clock, stack.ids, org.id, "first", nodes)
+        second = await create_flow(conn, stack.clock, stack.ids, org.id, "second", nodes)
+        # Saved before names were checked: a name that is the other's id.
+        await conn.execute(
+            t.flows.update().where(t.flows.c.id == second["id"]).values(name=first["id"])
+        )
+        other = await orgs.create_org(conn, stack.clock, stack.ids, "other")
+        await conn.execute(
+            t.organizations.update().where(t.organizations.c.id == other["id"]).values(name=org.id)
+        )
+    async with stack.db.read() as conn:
+        assert (await find_flow(conn, org.id, first["id"]))["id"] == first["id"]
+        assert (await orgs.find_org(conn, org.id))["id"] == org.id
+    with pytest.raises(ValidationError) as info:
+        async with stack.db.tx() as conn:
+            await orgs.create_org(conn, stack.clock, stack.ids, "org_lookalike")
+    assert info.value.rule == "organization.name"
