@@ -291,8 +291,19 @@ async def test_attachment_only_is_550(listener: Listener) -> None:
     assert info.value.code == 550
 
 
-async def test_automatic_mail_runs_no_turn(listener: Listener) -> None:
-    await listener.send(_mail("I am out of office", Auto_Submitted="auto-replied"))
+@pytest.mark.parametrize(
+    "mark",
+    [
+        {"Auto_Submitted": "auto-replied"},
+        {"Precedence": "bulk"},
+        {"Precedence": "List"},
+        {"Precedence": "auto_reply", "X_Autorespond": "yes"},
+        {"X_Autoreply": "yes"},
+        {"List_Id": "Team <team.lists.example>"},
+    ],
+)
+async def test_automatic_mail_runs_no_turn(listener: Listener, mark: dict[str, str]) -> None:
+    await listener.send(_mail("I am out of office", **mark))
     await listener.core.drain()
     assert listener.core.triggers == []
 
