@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import socket
 import time
@@ -41,6 +42,7 @@ from bots.email_out import EmailChannel, build_reply, message_id_for
 from bots.email_parse import parse_mail, reply_subject, strip_quoted, utf8_address
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
+from leadgate.core.limits import SESSION_KEY_LIMIT
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from outbox.channel import Channel
@@ -166,7 +168,7 @@ class EmailHandler:
             inbound = Inbound(
                 channel=BindingKind.email,
                 route_attrs={"address": recipient, "sender": mail.sender},
-                session_key=f"email:{recipient}:{mail.root_id}",
+                session_key=_bounded(f"email:{recipient}:{mail.root_id}", SESSION_KEY_LIMIT),
                 text=mail.text,
                 address={
                     "to": mail.sender,
@@ -176,7 +178,7 @@ class EmailHandler:
                     "references": mail.references,
                 },
                 # Per recipient: one mail to two routed addresses is two triggers.
-                external_event_id=f"email:{recipient}:{mail.message_id}",
+                external_event_id=_bounded(f"email:{recipient}:{mail.message_id}", EVENT_ID_LIMIT),
             )
             # Recorded before the 250: once the sender is told OK, the mail is ours.
             try:
@@ -191,6 +193,22 @@ class EmailHandler:
                 log.exception("email: recording the mail failed")
                 return _TEMPFAIL
         return "250 2.0.0 OK"
+
+
+#: What the core stores of an inbound event id and a session key (longer is refused).
+EVENT_ID_LIMIT = 300
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text``, or when it is longer than ``limit`` its head and a digest of the whole.
+
+    A legal ``Message-ID`` may run to nearly 1,000 characters, and a mail to several
+    recipients must not be refused for one long address after the others were recorded;
+    the same mail still gives the same id (retries de-duplicate, replies thread)."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{text[: limit - len(digest) - 1]}~{digest}"
 
 
 # ----------------------------------------------------------------------------- adapter

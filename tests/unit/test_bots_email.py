@@ -331,6 +331,31 @@ async def test_silent_route_and_several_recipients() -> None:
         assert by_route["r-sales"].binding.address["from"] == other
 
 
+async def test_long_ids_are_bounded_so_no_recipient_is_refused_after_another_was_taken() -> None:
+    """A legal Message-ID may be nearly 1,000 characters and an address 254: the ids the
+    core stores (event id at most 300, session key 500) keep a digest instead, the same
+    for the same mail, so one long recipient cannot refuse a mail another recipient
+    already took (the sender would see a bounce while a reply went out)."""
+    long_address = "a" * 240 + "@leadgate.example"
+    message_id = "<" + "m" * 900 + "@client.example>"
+    def routes(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        return RouteMatch("route-1", "org-1", "agent-1", silent=False)
+
+    async for listener in _listen(FakeCore(routes)):
+        await listener.send(_mail(Message_ID=message_id), rcpt=[BOT, long_address])
+        await listener.send(_mail(Message_ID=message_id), rcpt=[BOT, long_address])  # again
+        await listener.core.drain()
+        recorded = listener.core.recorded
+        assert [i.route_attrs["address"] for i in recorded] == [BOT, long_address] * 2
+        for inbound in recorded:
+            assert len(inbound.external_event_id) <= 300
+            assert len(inbound.session_key) <= 500
+        first, again = recorded[:2], recorded[2:]
+        assert [i.external_event_id for i in first] == [i.external_event_id for i in again]
+        assert len({i.external_event_id for i in first}) == 2
+        assert recorded[0].address["in_reply_to"] == message_id  # threading keeps the id
+
+
 def test_create_depends_on_configuration() -> None:
     core = FakeCore(_allow())
     assert create(Settings(), core) is None
