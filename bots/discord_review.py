@@ -25,7 +25,8 @@ from typing import Any
 
 import discord
 
-from bots.review_base import ChatReviewBackend
+from bots.review_base import ChatReviewBackend, obj
+from bots.review_base import text as text_of
 from leadgate.core.clock import iso
 from outbox.channel import Card
 
@@ -160,7 +161,7 @@ def _modal(verb: str, item_id: str, episode: str) -> dict[str, Any]:
 
 def is_review(payload: dict[str, Any]) -> bool:
     """Whether an interaction belongs to a review card (component or modal)."""
-    custom_id = (payload.get("data") or {}).get("custom_id")
+    custom_id = obj(payload.get("data")).get("custom_id")
     return (
         payload.get("type") in (_COMPONENT, _MODAL_SUBMIT)
         and isinstance(custom_id, str)
@@ -170,11 +171,11 @@ def is_review(payload: dict[str, Any]) -> bool:
 
 def _text_value(components: Any, wanted: str) -> str | None:
     """A modal's text input value; rows (type 1) and labels (type 18) both occur."""
-    for row in components or []:
+    for row in components if isinstance(components, list) else []:
         if not isinstance(row, dict):
             continue
         inner = row.get("components") or ([row["component"]] if "component" in row else [])
-        for item in inner:
+        for item in inner if isinstance(inner, list) else []:
             if isinstance(item, dict) and item.get("custom_id") == wanted:
                 value = item.get("value")
                 return value if isinstance(value, str) else None
@@ -183,14 +184,14 @@ def _text_value(components: Any, wanted: str) -> str | None:
 
 async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[str, Any]:
     """The interaction response for one review click or modal submission."""
-    data = payload.get("data") or {}
+    data = obj(payload.get("data"))
     parts = str(data.get("custom_id")).split(":")
     if len(parts) != 4:
         return _ephemeral("This button is not supported.")
     _, verb, target, episode = parts
-    user = (payload.get("member") or {}).get("user") or payload.get("user") or {}
-    who = str(user.get("id") or "")
-    message_id = str((payload.get("message") or {}).get("id") or "") or None
+    user = obj(obj(payload.get("member")).get("user")) or obj(payload.get("user"))
+    who = text_of(user.get("id")) or ""
+    message_id = text_of(obj(payload.get("message")).get("id"))
     if payload.get("type") == _MODAL_SUBMIT:
         verb = verb.removesuffix(f"_{_MODAL}")
         if verb not in _MODALS:

@@ -9,9 +9,23 @@ adapter; the card itself (:class:`outbox.channel.Card`) is channel-neutral.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from outbox.channel import Card
+
+
+def obj(value: Any) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else an empty one.
+
+    A click's payload is signed by the platform, but its fields are still only JSON: a
+    string or list where an object belongs must read as absent (a refusal the clicker
+    sees), not raise on ``.get`` (a 500 with a traceback)."""
+    return value if isinstance(value, dict) else {}
+
+
+def text(value: Any) -> str | None:
+    """``value`` if it is a non-empty string, else ``None`` (see :func:`obj`)."""
+    return value if isinstance(value, str) and value else None
 
 
 class Answer(Protocol):

@@ -541,6 +541,18 @@ def _check_shape(body: Mapping[str, Any]) -> None:
             isinstance(auths, list) and all(isinstance(a, dict) for a in auths)
         ):
             raise bad("authorizations")
+    # Interactive payloads (review cards): Bolt indexes the first action and reads the
+    # view's type itself, before any listener of ours (a 500 from Bolt otherwise).
+    actions = body.get("actions")
+    if actions is not None and not (
+        isinstance(actions, list) and all(isinstance(a, dict) for a in actions)
+    ):
+        raise bad("actions")
+    if body.get("type") == "block_actions" and not actions:
+        raise bad("actions")
+    view = body.get("view")
+    if view is not None and not (isinstance(view, dict) and isinstance(view.get("type"), str)):
+        raise bad("view")
 
 
 def create(settings: Settings, core: Core) -> SlackAdapter | None:

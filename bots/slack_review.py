@@ -30,7 +30,8 @@ from typing import Any
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.errors import SlackApiError
 
-from bots.review_base import ChatReviewBackend
+from bots.review_base import ChatReviewBackend, obj
+from bots.review_base import text as text_of
 from outbox.channel import Card
 
 log = logging.getLogger(__name__)
@@ -177,9 +178,9 @@ def notice(text: str) -> dict[str, Any]:
 
 def identity_of(body: dict[str, Any]) -> str:
     """``TEAM:USER`` of whoever clicked (the form ``leadgate user link --slack`` takes)."""
-    user = body.get("user") or {}
-    team = user.get("team_id") or (body.get("team") or {}).get("id") or ""
-    return f"{team}:{user.get('id', '')}"
+    user = obj(body.get("user"))
+    team = text_of(user.get("team_id")) or text_of(obj(body.get("team")).get("id")) or ""
+    return f"{team}:{text_of(user.get('id')) or ''}"
 
 
 def _episode(block_id: Any) -> str | None:
@@ -208,11 +209,12 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         client: Any,
         respond: Any,
     ) -> None:
+        action = obj(action)
         verb = str(action.get("action_id"))
-        item_id = str(action.get("value") or "")
+        item_id = text_of(action.get("value")) or ""
         episode = _episode(action.get("block_id"))
-        container = body.get("container") or {}
-        message_ts = container.get("message_ts")
+        container = obj(body.get("container"))
+        message_ts = text_of(container.get("message_ts"))
         who = identity_of(body)
         if verb == "approve":
             answer = await backend.decide(
@@ -230,7 +232,8 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         callback = "lg_reject" if verb == "reject" else "lg_return"
         meta = {
             "episode": episode,
-            "channel": container.get("channel_id") or (body.get("channel") or {}).get("id"),
+            "channel": text_of(container.get("channel_id"))
+            or text_of(obj(body.get("channel")).get("id")),
             "ts": message_ts,
         }
         try:
@@ -250,13 +253,13 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         action: dict[str, Any],
         respond: Any,
     ) -> None:
-        container = body.get("container") or {}
+        action = obj(action)
         answer = await backend.recover(
             PLATFORM,
             identity_of(body),
-            str(action.get("value") or ""),
+            text_of(action.get("value")) or "",
             str(action.get("action_id")),
-            message_id=container.get("message_ts"),
+            message_id=text_of(obj(body.get("container")).get("message_ts")),
         )
         await ack()
         if not answer.decided:
@@ -267,19 +270,19 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
     ) -> None:
         decision, block_id, action_id, _, _ = MODALS[str(view.get("callback_id"))]
         try:
-            meta = json.loads(view.get("private_metadata") or "{}")
+            meta = obj(json.loads(text_of(view.get("private_metadata")) or "{}"))
         except ValueError:
             meta = {}
-        values = ((view.get("state") or {}).get("values") or {}).get(block_id) or {}
-        text = (values.get(action_id) or {}).get("value")
+        values = obj(obj(obj(view.get("state")).get("values")).get(block_id))
+        given = obj(values.get(action_id)).get("value")
         answer = await backend.decide(
             PLATFORM,
             identity_of(body),
-            str(meta.get("item") or ""),
+            text_of(meta.get("item")) or "",
             decision,
-            text if isinstance(text, str) else None,
-            episode_id=meta.get("episode"),
-            message_id=meta.get("ts"),
+            given if isinstance(given, str) else None,
+            episode_id=text_of(meta.get("episode")),
+            message_id=text_of(meta.get("ts")),
         )
         if answer.kind == "invalid":
             await ack(response_action="errors", errors={block_id: answer.text})

@@ -464,6 +464,11 @@ class TeamsAdapter:
             return web.Response(status=401, text="unauthorized")
         invoke = await self.cloud_adapter.process_activity(auth_result, activity, self.bot.on_turn)
         if invoke is not None:
+            if invoke.status == 501:
+                # The SDK's answer to an invoke no handler of ours takes (a message
+                # extension, a task module): it asked for something we do not serve,
+                # which is the caller's request, not our failure.
+                return web.json_response({"error": "this invoke is not supported"}, status=400)
             # A plain dict body (the review cards' invoke answers) is JSON already;
             # serializer_helper only takes msrest models (interactivity.md).
             body = invoke.body if isinstance(invoke.body, dict) else serializer_helper(invoke.body)

@@ -36,12 +36,16 @@ GONE = "This review no longer exists."
 STALE = "This card is out of date: the item is waiting for a decision again. Use its newest card."
 
 
-def _unreadable(identity: str, *ids: str | None) -> ChatAnswer | None:
+def _unreadable(identity: object, *ids: object) -> ChatAnswer | None:
     """The answer to a click whose ids no card of ours carries (a NUL, say, which
-    PostgreSQL text cannot hold: the lookup failed there, a 500), else ``None``."""
-    if not identity.isprintable():
+    PostgreSQL text cannot hold: the lookup failed there, a 500; or a number or an object
+    where a card puts a string), else ``None``."""
+    if not isinstance(identity, str) or not identity.isprintable():
         return ChatAnswer("forbidden", FORBIDDEN)
-    if any(value is not None and not value.isprintable() for value in ids):
+    if any(
+        value is not None and (not isinstance(value, str) or not value.isprintable())
+        for value in ids
+    ):
         return ChatAnswer("closed", GONE)
     return None
 

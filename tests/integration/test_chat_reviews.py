@@ -254,6 +254,16 @@ async def test_a_click_naming_ids_no_card_carries_changes_nothing(app: App) -> N
         assert answer.kind == "closed", answer
     forbidden = await reviews.decide("slack", MEMBER + nul, item_id, "approve")
     assert forbidden.kind == "forbidden"
+    # JSON of another type where a card puts a string (a Teams invoke's `episode` as an
+    # object, a Slack modal's `ts` as a number): an AttributeError, a 500, before.
+    odd: Any = {"episode": "x"}
+    assert (await reviews.decide("teams", MEMBER, item_id, "approve", episode_id=odd)).kind == (
+        "closed"
+    )
+    assert (await reviews.decide("slack", MEMBER, item_id, "approve", message_id=1.5)).kind == (
+        "closed"
+    )
+    assert (await reviews.check("slack", odd, item_id)).kind == "forbidden"
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
     # The same click with the card's own ids decides.
     assert (await reviews.decide("slack", MEMBER, item_id, "approve")).decided

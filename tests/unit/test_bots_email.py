@@ -338,6 +338,7 @@ async def test_long_ids_are_bounded_so_no_recipient_is_refused_after_another_was
     already took (the sender would see a bounce while a reply went out)."""
     long_address = "a" * 240 + "@leadgate.example"
     message_id = "<" + "m" * 900 + "@client.example>"
+
     def routes(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         return RouteMatch("route-1", "org-1", "agent-1", silent=False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from bots import slack
+from bots import slack, slack_review
 from bots.base import RouteMatch
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.types import BindingKind
@@ -234,3 +235,46 @@ def test_parse_event_prefers_body_team() -> None:
     post = slack.parse_event({"team_id": "T9"}, message("hi", team="T_OTHER"))
     assert post is not None and post.team == "T9"
     assert slack.parse_event({}, message("hi")) is None
+
+
+def interactive(payload: dict[str, Any]) -> str:
+    return "payload=" + urllib.parse.quote(json.dumps(payload))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"type": "block_actions", "team": {"id": TEAM}, "user": {"id": "U1"}, "actions": []},
+        {"type": "block_actions", "team": {"id": TEAM}, "actions": ["approve"]},
+        {"type": "block_actions", "team": {"id": TEAM}, "actions": {"action_id": "approve"}},
+        {"type": "view_submission", "team": {"id": TEAM}, "view": {"callback_id": "lg_reject"}},
+        {"type": "view_submission", "team": {"id": TEAM}, "view": "lg_reject"},
+    ],
+    ids=["no-actions", "action-string", "actions-object", "view-without-type", "view-string"],
+)
+async def test_signed_clicks_of_a_shape_slack_never_sends_are_400(
+    server: TestServer, core: FakeCore, payload: dict[str, Any]
+) -> None:
+    # Bolt indexes the first action and reads the view's type before any listener runs:
+    # these were 500s with a traceback.
+    body = interactive(payload)
+    headers = {
+        **signed_headers(SECRET, body),
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.make_url("/slack/events"), data=body, headers=headers) as r:
+            status, text = r.status, await r.text()
+    assert status == 400 and json.loads(text)["error"]["rule"] == "slack.shape"
+
+
+@pytest.mark.parametrize(
+    ("body", "identity"),
+    [
+        ({"user": "U1", "team": {"id": TEAM}}, f"{TEAM}:"),
+        ({"user": {"id": ["U1"], "team_id": 5}, "team": "x"}, ":"),
+        ({"user": {"id": "U1", "team_id": TEAM}}, f"{TEAM}:U1"),
+    ],
+)
+def test_a_clickers_identity_reads_odd_types_as_absent(body: dict[str, Any], identity: str) -> None:
+    assert slack_review.identity_of(body) == identity

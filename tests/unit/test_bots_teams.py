@@ -215,6 +215,19 @@ async def test_non_message_activities_and_empty_text_run_no_turn(open_bot: Serve
     assert open_bot.core.lookups == [] and open_bot.core.triggers == []
 
 
+async def test_an_invoke_no_handler_takes_is_400_not_501(open_bot: Server) -> None:
+    for name in ("composeExtension/query", None):
+        invoke = message_activity(service_url=SERVICE_URL, text="")
+        invoke["type"] = "invoke"
+        invoke.pop("text", None)
+        if name is not None:
+            invoke["name"] = name
+        status, body = await post_activity(open_bot.url, invoke)
+        assert status == 400, (name, body)
+    await open_bot.core.drain()
+    assert open_bot.core.triggers == []
+
+
 async def test_malformed_requests(open_bot: Server) -> None:
     from aiohttp import ClientSession
 
