@@ -111,10 +111,15 @@ SERVER_NAME = "leadgate"
 
 async def stamp_response(request: web.Request, response: web.StreamResponse) -> None:
     """``on_response_prepare``: every response (streams too) carries ``X-Request-Id``
-    and ``Server: leadgate``."""
+    and ``Server: leadgate``; a JSON answer that says nothing of caching is ``no-store``
+    and ``nosniff``: every one is for the caller who asked (a review's detail, a
+    transcript), never for a shared cache or the browser's back button."""
     headers = response.headers
     headers[REQUEST_ID_HEADER] = request_id(request)
     headers["Server"] = SERVER_NAME
+    if response.content_type == "application/json" and "Cache-Control" not in headers:
+        headers["Cache-Control"] = "no-store"
+        headers["X-Content-Type-Options"] = "nosniff"
 
 
 def spread_wait_ms(retry_after_s: int, jitter: float) -> int:

@@ -399,6 +399,12 @@ async def test_one_error_envelope_on_every_surface_with_a_request_id(env: Env) -
     assert ok.headers["X-Request-Id"]
     # The product's name, not aiohttp's and Python's versions; on errors and on MCP too.
     assert {r.headers["Server"] for r in (ok, odd, mcp, login)} == {"leadgate"}
+    # Every JSON answer is the caller's alone: kept by no cache, sniffed as nothing else.
+    me = await env.client.get("/console/me")
+    detail = await env.client.get("/operator/reviews", headers=env.owner)
+    for resp in (ok, odd, login, me, detail, rest):
+        assert resp.headers["Cache-Control"] == "no-store", resp.url
+        assert resp.headers["X-Content-Type-Options"] == "nosniff", resp.url
 
 
 @SQLITE_ONLY
