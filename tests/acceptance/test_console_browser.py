@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp import web
+from aiohttp import ClientSession, web
 from playwright.async_api import Browser, Dialog, Page, async_playwright, expect
 
 from leadgate.app import App
@@ -346,6 +346,39 @@ async def test_member_rejects_with_a_reason_and_server_errors_are_shown(
     await expect(page.get_by_role("alert")).to_be_hidden()
     await expect(page.locator("#audit")).to_contain_text("The figures in section 2 are wrong.")
     await expect(page.get_by_role("button", name="Reject")).to_have_count(0)
+
+
+async def test_typed_feedback_survives_live_updates_and_a_decision_made_elsewhere_shows(
+    console: Console, page: Page
+) -> None:
+    item = await console.awaiting_item("draft the memo", "s9")
+    await console.open(page, "mo@example.com", "Member")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
+    feedback = page.get_by_label(re.compile("Feedback for the worker"))
+    await feedback.fill("Use the Q3 figures.")
+    await feedback.evaluate("el => el.blur()")  # the box loses focus
+    # Another item's change re-renders this page too (the feed reports recent items):
+    # the detail is rebuilt, and what was typed is still there.
+    await page.evaluate("document.querySelector('#detail-status').dataset.old = '1'")
+    await console.awaiting_item("another one", "s10")
+    await expect(page.locator("#detail-status[data-old]")).to_have_count(0, timeout=10_000)
+    await expect(feedback).to_have_value("Use the Q3 figures.")
+    await expect(page.locator("#return-count")).to_have_text("19 / 10,000")
+
+    # Another reviewer rejects while this one has the approval dialog open: once it is
+    # closed, the page catches up instead of offering a decision that is gone.
+    await page.get_by_role("button", name="Approve…").click()
+    async with ClientSession() as http:
+        async with http.post(
+            f"{console.url}/operator/reviews/{item}/reject",
+            json={"reason": "Decided elsewhere."},
+            headers={"Authorization": f"Bearer {console.org.key}"},
+        ) as resp:
+            assert resp.status == 200
+    await page.locator("#approve-keep").click()
+    await expect(page.locator("#detail-status")).to_have_text("rejected", timeout=10_000)
+    await expect(page.get_by_role("button", name="Approve…")).to_have_count(0)
 
 
 async def test_markup_is_text_and_activity_filters_and_searches_without_the_text(

@@ -47,6 +47,10 @@
   let current = { view: null, id: null }; // what the page shows (for live updates)
   let events = null;
   let refreshTimer = null;
+  // What a reviewer typed into a decision form, by item and form: it survives the live
+  // re-renders of the page (another item's change re-renders this one too), and goes
+  // once the decision is made.
+  const drafts = new Map();
   // Each render takes a number; a response that is not the newest one is dropped, so a
   // slow answer to an old filter never overwrites a newer one.
   let renderSeq = 0;
@@ -234,7 +238,12 @@
       refreshTimer = setTimeout(() => onChange(items), 1500);
       return;
     }
-    if ($("approve-dialog").open) return;
+    if ($("approve-dialog").open) {
+      // The reviewer is confirming: refresh once the dialog is closed, not never.
+      clearTimeout(refreshTimer);
+      refreshTimer = setTimeout(() => onChange(items), 1500);
+      return;
+    }
     clearTimeout(refreshTimer);
     refreshTimer = setTimeout(async () => {
       try {
@@ -638,11 +647,22 @@
     try {
       const detail = await api("POST", path, body);
       ++renderSeq; // newer than any refresh still in flight
+      for (const key of [...drafts.keys()]) if (key.startsWith(`${current.id}:`)) drafts.delete(key);
       if (detail && detail.deliveries) renderDetail(detail, false);
       else await route();
       notify(done);
     } catch (err) {
       buttons.forEach((b) => (b.disabled = false));
+      if (err instanceof ApiError && err.status === 409) {
+        // Decided (or moved) by someone else meanwhile: show the item as it is now,
+        // then say why this decision did not count.
+        try {
+          await route();
+        } catch (reload) {
+          handle(reload);
+          return;
+        }
+      }
       handle(err);
     }
   }
@@ -658,7 +678,13 @@
   }
 
   function textForm(id, label, max, submitText, onSubmit) {
+    const key = `${current.id}:${id}`;
     const area = el("textarea", { id: `${id}-text`, rows: 4, "aria-describedby": `${id}-count` });
+    area.value = drafts.get(key) || "";
+    area.addEventListener("input", () => {
+      if (area.value) drafts.set(key, area.value);
+      else drafts.delete(key);
+    });
     const count = el("span", { class: "count", id: `${id}-count` });
     counter(area, count, max);
     return el(
