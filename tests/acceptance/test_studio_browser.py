@@ -111,6 +111,14 @@ async def test_held_turn_is_pending_then_the_approved_answer_in_place(
     await say(page, marker)
     bubbles = page.locator("#transcript li")
     await expect(bubbles).to_have_text([marker, "pending review"])
+    # A message refused while the turn is held leaves the transcript and goes back into
+    # the box (nothing was stored), with the reason shown until the review is over.
+    await say(page, "another one while pending")
+    await expect(page.locator("#error")).to_contain_text("under review")
+    await expect(bubbles).to_have_text([marker, "pending review"])
+    await expect(page.get_by_label("Message", exact=True)).to_have_value(
+        "another one while pending"
+    )
     held = bubbles.nth(1)
     handle = await held.element_handle()
     assert handle is not None
@@ -119,6 +127,7 @@ async def test_held_turn_is_pending_then_the_approved_answer_in_place(
     # The same element now holds the approved answer: revealed in place, no reload.
     await expect(held).to_have_text(f"Echo: {marker}", timeout=TIMEOUT * 1000)
     await expect(bubbles).to_have_count(2)
+    await expect(page.locator("#error")).to_be_hidden()
     assert await handle.text_content() == f"Echo: {marker}"
     assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
     await page.screenshot(path="/tmp/studio-approved.png")

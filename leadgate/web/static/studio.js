@@ -94,6 +94,7 @@
       pendingBubble.classList.replace("pending", "ended");
       pendingBubble = null;
     }
+    if (status !== "pending") showError(""); // "under review" is over
     // "delivered" follows its revealed message, which already filled the bubble.
   }
 
@@ -122,12 +123,15 @@
     };
     source.addEventListener("message", (e) => onMessage(JSON.parse(e.data)));
     source.addEventListener("review", (e) => onReview(JSON.parse(e.data).status));
+    source.addEventListener("end", loggedOut); // logged out, or the session expired
     $("message").focus();
   }
 
   async function send(text) {
+    showError("");
     const user = bubble("user", text);
-    provisional.push({ role: "user", text, li: user });
+    const mine = { role: "user", text, li: user };
+    provisional.push(mine);
     unclaimed = [];
     const before = reviewsSeen;
     const button = $("send-form").querySelector("button");
@@ -148,10 +152,27 @@
         pendingBubble = pendingReview();
       }
     } catch (err) {
+      // Refused: nothing was stored, so the message leaves the transcript and goes back
+      // into the box to be sent again.
+      user.remove();
+      provisional = provisional.filter((p) => p !== mine);
+      if (!$("message").value) $("message").value = text;
+      if (err.status === 401) {
+        loggedOut();
+        return;
+      }
       showError(err.message);
     } finally {
       button.disabled = false;
     }
+  }
+
+  function loggedOut() {
+    if (source) source.close();
+    source = null;
+    $("link").textContent = "";
+    showError("Your console session has ended. Log in again.");
+    $("login-view").hidden = false;
   }
 
   async function start() {
