@@ -242,7 +242,10 @@ class Settings(_Section):
 
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if "__" not in name:
+            _check_not_a_misspelt_override(name)
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
         if path[0] not in Settings.model_fields:
@@ -257,6 +260,20 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
                 raise ConfigError(f"{name} does not name a section", rule="config.unknown_key")
             node = child
         node[path[-1]] = value
+
+
+def _check_not_a_misspelt_override(name: str) -> None:
+    """``LEADGATE_SERVER_PORT`` (one underscore) or ``LEADGATE_SERVER`` names a section
+    but is no override: refused, rather than silently leaving the setting as it was."""
+    rest = name[len(ENV_PREFIX) :].lower()
+    for section in Settings.model_fields:
+        if rest == section or rest.startswith(section + "_"):
+            key = rest[len(section) + 1 :].upper() or "KEY"
+            raise ConfigError(
+                f"environment variable {name} is not an override: write "
+                f"{ENV_PREFIX}{section.upper()}__{key} (two underscores after the section)",
+                rule="config.unknown_key",
+            )
 
 
 def load_settings(

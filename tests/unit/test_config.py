@@ -103,6 +103,14 @@ def test_env_override_without_a_file_and_for_booleans() -> None:
     assert settings.database.url == "postgresql+asyncpg://u@127.0.0.1/db"
 
 
+@pytest.mark.parametrize("name", ["LEADGATE_SERVER_PORT", "LEADGATE_LOG_LEVEL", "LEADGATE_SERVER"])
+def test_an_override_with_one_underscore_is_refused_not_ignored(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ={name: "1"})
+    assert info.value.rule == "config.unknown_key"
+    assert "two underscores" in info.value.message
+
+
 def test_env_variables_that_are_not_overrides_are_ignored() -> None:
     # LEADGATE_CONFIG / LEADGATE_PASSWORD are read by the CLI, not section overrides;
     # other programs' variables are none of our business.
