@@ -98,6 +98,11 @@ class EmailHandler:
         """Accept a recipient only when it and the envelope sender resolve to a route."""
         recipient = address.strip().lower()
         sender = _envelope_sender(envelope)
+        if len(envelope.rcpt_tos) >= MAX_RECIPIENTS:
+            # Each routed recipient is a turn and a reply: one mail must not start
+            # hundreds. 452 is RFC 5321's "too many recipients": the sending server
+            # delivers the rest in another transaction.
+            return "452 4.5.3 Too many recipients"
         # aiosmtpd hands over bytes that are not UTF-8 as surrogate escapes; such an
         # address can be neither looked up nor stored (the route lookup raised, and the
         # sender was told to retry a mail that could never be taken).
@@ -195,6 +200,9 @@ class EmailHandler:
         return "250 2.0.0 OK"
 
 
+#: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT
+#: commands; a mail to more is delivered again for the rest, after a 452).
+MAX_RECIPIENTS = 100
 #: What the core stores of an inbound event id and a session key (longer is refused).
 EVENT_ID_LIMIT = 300
 

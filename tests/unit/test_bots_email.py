@@ -357,6 +357,18 @@ async def test_long_ids_are_bounded_so_no_recipient_is_refused_after_another_was
         assert recorded[0].address["in_reply_to"] == message_id  # threading keeps the id
 
 
+async def test_a_mail_takes_at_most_a_hundred_recipients() -> None:
+    def routes(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        return RouteMatch("route-1", "org-1", "agent-1", silent=True)
+
+    everyone = [f"desk{i}@leadgate.example" for i in range(101)]
+    async for listener in _listen(FakeCore(routes)):
+        refused, _ = await listener.send(_mail(), rcpt=everyone)
+        assert {address: code for address, (code, _) in refused.items()} == {everyone[-1]: 452}
+        await listener.core.drain()
+        assert len(listener.core.recorded) == 100
+
+
 def test_create_depends_on_configuration() -> None:
     core = FakeCore(_allow())
     assert create(Settings(), core) is None
