@@ -197,11 +197,14 @@ def json_object(raw: bytes | str, *, allow_nul: bool = False) -> dict[str, Any]:
 
 def bearer_token(request: web.Request) -> str | None:
     """The token of ``Authorization: Bearer <token>`` (scheme in any case, blanks around
-    the token dropped), or ``None``: no header, another scheme, no token, or a token that
-    is not printable ASCII. Every key and token this service issues is printable ASCII;
+    the token dropped), or ``None``: no header or two, another scheme, no token, or a
+    token that is not printable ASCII. Every key and token this service issues is printable ASCII;
     aiohttp hands other header bytes over as surrogate escapes, which no key lookup,
     SQL parameter or encoder downstream should ever see (they raised there: a 500)."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    values = request.headers.getall("Authorization", [])
+    if len(values) != 1:  # none, or two: which one was meant is anybody's guess
+        return None
+    scheme, _, token = values[0].partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token or not token.isascii() or not token.isprintable():
         return None

@@ -30,7 +30,9 @@ SESSION_KEY_LIMIT = 500
 
 def validate_message(text: Any) -> str:
     """External messages: non-empty, at most 100,000 characters, no NUL characters."""
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise ValidationError("the message must be a string", rule="message.type")
+    if not text.strip():
         raise ValidationError("the message must not be empty", rule="message.empty")
     if len(text) > MESSAGE_LIMIT:
         raise ValidationError(

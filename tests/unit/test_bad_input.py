@@ -320,3 +320,10 @@ def test_a_text_part_whose_text_is_not_a_string_is_refused(text: Any) -> None:
     assert info.value.rule == "messages.content"
     ok = parse_request({"model": "w", "messages": [{"role": "user", "content": parts[:1] * 2}]})
     assert ok.text == "fine\nfine"
+
+
+@pytest.mark.parametrize("value", [123, None, ["hi"], {"text": "hi"}])
+def test_a_message_that_is_no_string_names_its_type(value: Any) -> None:
+    with pytest.raises(ValidationError) as info:
+        validate_message(value)
+    assert info.value.rule == "message.type"

@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 from leadgate.core.clock import FakeClock
 from leadgate.core.decoding import (
@@ -185,6 +186,12 @@ async def test_size_limit_and_body_timeout_through_the_http_path() -> None:
 def test_a_bearer_token_is_printable_ascii_or_none(header: str | None, token: str | None) -> None:
     headers = {} if header is None else {"Authorization": header}
     assert bearer_token(make_mocked_request("GET", "/", headers=headers)) == token
+
+
+def test_two_authorization_headers_are_no_token() -> None:
+    # Which one was meant is anybody's guess (a proxy's and the client's): a 401.
+    headers = CIMultiDict([("Authorization", "Bearer lg.a.b"), ("Authorization", "Bearer lg.c.d")])
+    assert bearer_token(make_mocked_request("GET", "/", headers=headers)) is None
 
 
 @pytest.mark.parametrize(
