@@ -300,11 +300,29 @@ def load_settings(
             raise ConfigError(
                 f"config file {path} is not UTF-8 (byte {exc.start}): TOML files are UTF-8"
             ) from None
+        _check_types(data)
     _apply_env(data, dict(os.environ if environ is None else environ))
     try:
         return Settings.model_validate(data)
     except PydanticValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"invalid configuration: {problems}", rule="config.invalid") from exc
+        raise ConfigError(
+            f"invalid configuration: {_problems(exc.errors())}", rule="config.invalid"
+        ) from exc
+
+
+def _check_types(data: dict[str, Any]) -> None:
+    """A file's values must have their keys' types: TOML has them, so ``port = true`` or
+    ``enabled = "yes"`` is a mistake to name, not a value to coerce (to port 1, and to a
+    channel turned on). Environment variables are text, so they are coerced after."""
+    try:
+        Settings.model_validate(data, strict=True)
+    except PydanticValidationError as exc:
+        wrong = [err for err in exc.errors() if str(err["type"]).endswith("_type")]
+        if wrong:
+            raise ConfigError(
+                f"invalid configuration: {_problems(wrong)}", rule="config.invalid"
+            ) from None
+
+
+def _problems(errors: Any) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in errors)

@@ -167,6 +167,26 @@ def test_wrong_type_in_toml_names_the_key(tmp_path: Path) -> None:
     assert "server.port" in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("toml", "where"),
+    [
+        ("[server]\nport = true\n", "server.port"),  # was port 1
+        ('[teams]\nenabled = "yes"\n', "teams.enabled"),  # was Teams on
+        ('[server]\nmax_connections = "100"\n', "server.max_connections"),
+        ("[database]\npool_size = 2.0\n", "database.pool_size"),
+    ],
+)
+def test_a_file_value_of_the_wrong_type_is_not_coerced(
+    tmp_path: Path, toml: str, where: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, toml), environ={})
+    assert info.value.rule == "config.invalid" and where in info.value.message
+    # An integer where a number with a fraction is asked for is still a number.
+    settings = load_settings(write(tmp_path, "[runners]\npoll_interval_s = 2\n"), environ={})
+    assert settings.runners.poll_interval_s == 2.0
+
+
 def test_wrong_type_in_env_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(None, environ={"LEADGATE_SERVER__PORT": "eighty"})
