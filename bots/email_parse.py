@@ -7,7 +7,6 @@ are collected. Automatic mail (RFC 3834) is recognised so that it runs no turn.
 
 from __future__ import annotations
 
-import codecs
 import email
 import email.policy
 import email.utils
@@ -46,10 +45,9 @@ def _decode_part(part: email.message.Message) -> str:
         return ""
     charset = part.get_content_charset() or "utf-8"
     try:
-        codecs.lookup(charset)
-    except LookupError:
-        charset = "utf-8"
-    return payload.decode(charset, errors="replace")
+        return payload.decode(charset, errors="replace")
+    except LookupError:  # unknown, or a codec that is no text encoding (base64, rot13)
+        return payload.decode("utf-8", errors="replace")
 
 
 def _html_to_text(markup: str) -> str:

@@ -723,6 +723,13 @@ def alembic_config(url: str) -> Any:
 
 def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision."""
+    try:
+        backend = sa.engine.make_url(url).get_backend_name()
+    except (sa.exc.ArgumentError, ValueError) as exc:
+        raise ConfigError(f"database.url is not a valid URL: {exc}") from None
+    if backend not in ("sqlite", "postgresql"):
+        # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
+        raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
     cfg = alembic_config(url)
     command.upgrade(cfg, "head")
     head = ScriptDirectory.from_config(cfg).get_current_head()

@@ -353,6 +353,10 @@ async def test_typed_feedback_survives_live_updates_and_a_decision_made_elsewher
 ) -> None:
     item = await console.awaiting_item("draft the memo", "s9")
     await console.open(page, "mo@example.com", "Member")
+    await page.goto(f"{console.url}/console/#/review/%E0%A4%A")  # no URI at all
+    await expect(page.get_by_role("alert")).to_have_text(
+        "Error: There is no work item at this address."
+    )
     await page.goto(f"{console.url}/console/#/review/{item}")
     await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
     feedback = page.get_by_label(re.compile("Feedback for the worker"))

@@ -6,7 +6,7 @@ import pytest
 
 from leadgate.cli.context import safe_url
 from leadgate.core.errors import ConfigError
-from leadgate.database.db import Database
+from leadgate.database.db import Database, upgrade
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,10 @@ def test_a_url_that_does_not_parse_is_a_config_error_without_the_url(url: str) -
         Database(url)
     assert "pw-5" not in info.value.message
     assert info.value.message.startswith("database.url is not a valid URL")
+
+
+@pytest.mark.parametrize("url", ["mysql://u:pw-6@h/db", "postgresql+asyncpg://u:pw-6@h:5x/db"])
+def test_db_upgrade_refuses_a_url_it_cannot_migrate_before_loading_a_driver(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        upgrade(url)
+    assert "pw-6" not in info.value.message

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bots.email_parse import _html_to_text
+from bots.email_parse import _html_to_text, parse_mail
 
 
 class Scanned(str):
@@ -41,3 +41,15 @@ def test_the_walk_is_linear_on_unclosed_and_repeated_tags(unit: str) -> None:
     Scanned.walked = 0
     _html_to_text(markup)
     assert Scanned.walked <= 2 * len(markup)
+
+
+@pytest.mark.parametrize("charset", ["base64", "rot13", "no-such-charset", "latin-1"])
+def test_a_charset_that_is_no_text_encoding_reads_as_utf8(charset: str) -> None:
+    # base64 and rot13 are codecs but no text encodings: a LookupError, which turned the
+    # mail into "550 Message has no text body" with a traceback in the log.
+    raw = (
+        "From: a@example.com\r\nTo: b@x.example\r\nSubject: s\r\nMessage-ID: <x@y>\r\n"
+        f"Content-Type: text/plain; charset={charset}\r\n\r\nhello there\r\n"
+    ).encode()
+    mail = parse_mail(raw, "a@example.com")
+    assert mail is not None and mail.text == "hello there"

@@ -908,7 +908,14 @@
     }
     try {
       if (hash.startsWith("#/review/")) {
-        await showDetail(decodeURIComponent(hash.slice("#/review/".length)));
+        let id;
+        try {
+          id = decodeURIComponent(hash.slice("#/review/".length));
+        } catch (_) {
+          id = null; // a hand-edited address: no item has that id
+        }
+        if (id === null) showError("There is no work item at this address.");
+        else await showDetail(id);
       } else if (hash === "#/activity") {
         await showActivity();
       } else if (hash === "#/insights") {
