@@ -381,15 +381,17 @@ async def test_unauthenticated_is_401(served: Served, headers: dict[str, str], m
 
 async def test_unknown_host_is_refused(served: Served) -> None:
     async with httpx2.AsyncClient() as http:
-        response = await http.post(
-            served.url,
-            headers={
+
+        async def ping(**extra: str) -> httpx2.Response:
+            headers = {
                 "Authorization": "Bearer key-a",
-                "Host": "evil.example",
                 "Accept": "application/json, text/event-stream",
-            },
-            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
-        )
+                **extra,
+            }
+            body = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+            return await http.post(served.url, headers=headers, json=body)
+
+        response = await ping(Host="evil.example")
         assert response.status_code == 421
         # The SDK's plain-text refusals come in the envelope of every other HTTP error.
         assert response.json()["error"] == {
@@ -399,15 +401,7 @@ async def test_unknown_host_is_refused(served: Served) -> None:
             "code": None,
             "rule": "mcp.host",
         }
-        foreign = await http.post(
-            served.url,
-            headers={
-                "Authorization": "Bearer key-a",
-                "Origin": "https://evil.example",
-                "Accept": "application/json, text/event-stream",
-            },
-            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
-        )
+        foreign = await ping(Origin="https://evil.example")
         assert foreign.status_code == 403
         assert foreign.headers["Content-Type"].startswith("application/json")
         assert foreign.json()["error"]["rule"] == "mcp.origin"
