@@ -31,6 +31,9 @@ COMPLETE_TASK = ToolSpec(
 
 #: complete_task's tool result when the signal was recorded for this turn.
 SUBMITTED = json.dumps({"ok": True, "status": "submitted for lead review"})
+#: complete_task's tool result when the turn's item had left inProgress (submitted by
+#: another turn of the session, or cancelled): no signal, and the turn is withheld.
+ITEM_GONE = json.dumps({"error": "no in-progress work item matches this turn"})
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Binding, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
-from leadgate.turns.context import COMPLETE_TASK, SUBMITTED, TurnContext
+from leadgate.turns.context import COMPLETE_TASK, ITEM_GONE, SUBMITTED, TurnContext
 from leadgate.turns.history import TOPIC as HISTORY_TOPIC
 from leadgate.turns.history import HistoryCache
 from leadgate.turns.intake import Accepted, Intake
@@ -460,6 +460,12 @@ class TurnService:
         live = on_delta if (not gated_turn and not rules) else None
         parts: list[str] = []
         signalled = False  # this turn's complete_task was acknowledged
+        # This turn's valid complete_task found its item no longer inProgress (another
+        # turn of the session submitted first, or it was cancelled): the text was meant
+        # for review, so it is withheld, never shown as a reply. (A summary that breaks
+        # the rules is a tool error the model may mend; without a signal the turn is
+        # plain, SPEC 3.)
+        handed_off = False
         usage: Usage | None = None  # summed over the turn's model calls
         feedback = revision_item.pending_feedback if revision_item else None
         try:
@@ -485,6 +491,7 @@ class TurnService:
                 for call in calls:
                     result = await self._tool(ctx, call, tools)
                     signalled = signalled or result == SUBMITTED
+                    handed_off = handed_off or result == ITEM_GONE
                     messages.append(ChatMessage("tool", result, tool_call_id=call.id))
         except (ModelError, Unavailable) as exc:
             # Unavailable: complete_task's write met a database fault (a 503, not a model
@@ -506,7 +513,12 @@ class TurnService:
         for attempt in range(FINISH_RETRIES + 1):
             try:
                 outcome = await self._finish(
-                    turn, text, revision_item, streamed=live is not None, signalled=signalled
+                    turn,
+                    text,
+                    revision_item,
+                    streamed=live is not None,
+                    signalled=signalled,
+                    handed_off=handed_off,
                 )
                 break
             except Unavailable:
@@ -563,7 +575,7 @@ class TurnService:
                 )
             signalled = bool(res.rowcount)
         if not signalled:
-            return json.dumps({"error": "no in-progress work item matches this turn"})
+            return ITEM_GONE
         return SUBMITTED
 
     async def read_signal(self, conn: Conn, ctx: TurnContext) -> str | None:
@@ -587,6 +599,7 @@ class TurnService:
         *,
         streamed: bool,
         signalled: bool,
+        handed_off: bool = False,
     ) -> Outcome:
         ctx = turn.ctx
         signal: str | None = None
@@ -614,6 +627,11 @@ class TurnService:
             # complete_task was acknowledged, but another turn of the same item signalled
             # (or submitted) meanwhile and this turn's signal is gone: still withheld.
             log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
+            return await self._withhold(ctx, text, revision_item)
+        if handed_off:
+            # complete_task was called but never acknowledged: the turn meant its text
+            # for review, and no review will see it. Fail closed.
+            log.warning("completion signal of turn %s found its item gone; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:

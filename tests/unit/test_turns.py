@@ -812,13 +812,53 @@ async def test_complete_task_records_its_signal_and_its_tool_message(
         return [TextDelta("late"), ToolCall("c2", "complete_task", {"summary": "too late"})]
 
     rec.handler = cancel_then_complete
-    await stack.turns.run(api_trigger(org, worker, "another", session="s2"))
+    # The turn meant its text for review: withheld, though no review will see it.
+    late_turn = await stack.turns.run(api_trigger(org, worker, "another", session="s2"))
+    assert isinstance(late_turn, Gated), late_turn
     answer = json.loads(rec.requests[-1].messages[-1].content)
     assert answer == {"error": "no in-progress work item matches this turn"}
     [cancelled] = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert (cancelled["status"], cancelled["signal_summary"]) == ("cancelled", None)
     late = [m for m in await messages(stack, worker, "s2") if m["role"] == "tool"]
     assert [(m["content"], m["tool_name"]) for m in late] == [("too late", "complete_task")]
+    [withheld] = [m for m in await messages(stack, worker, "s2") if m["role"] == "assistant"]
+    assert (withheld["content"], withheld["lead_gated"]) == ("late (after the tool)", True)
+    assert ("assistant", "late (after the tool)") not in await transcript(stack, org, worker, "s2")
+
+
+async def test_a_complete_task_that_comes_after_another_turn_submitted_is_withheld(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """Two turns of one session share its inProgress item. The one whose complete_task
+    comes second finds the item already submitted: its signal is refused, and its text,
+    meant for review, is withheld too (it was a 200 with the unreviewed text)."""
+    stack, rec = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org, model="rec")
+    slow_in_model = asyncio.Event()
+    fast_done = asyncio.Event()
+
+    async def handler(request: ModelRequest) -> list[ModelEvent]:
+        if request.messages[-1].role == "tool":
+            return []
+        if request.messages[-1].content == "slow part":
+            slow_in_model.set()
+            await fast_done.wait()
+            return [TextDelta("SLOW WORK"), ToolCall("c1", "complete_task", {"summary": "slow"})]
+        return [TextDelta("FAST WORK"), ToolCall("c2", "complete_task", {"summary": "fast"})]
+
+    rec.handler = handler
+    slow = asyncio.create_task(stack.turns.run(api_trigger(org, worker, "slow part")))
+    await asyncio.wait_for(slow_in_model.wait(), 10)
+    assert isinstance(await stack.turns.run(api_trigger(org, worker, "fast part")), Gated)
+    fast_done.set()
+    assert isinstance(await asyncio.wait_for(slow, 10), Gated)
+    [item] = await items(stack, worker)
+    assert (item["status"], item["summary"]) == ("reviewQueued", "fast")
+    said = [(m["content"], m["lead_gated"]) for m in await messages(stack, worker)]
+    assert ("SLOW WORK", True) in said and ("FAST WORK", True) in said, said
+    shown = str(await transcript(stack, org, worker))
+    assert "SLOW" not in shown and "FAST" not in shown, shown
 
 
 # ----------------------------------------------------------------------- gating
