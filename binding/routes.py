@@ -44,6 +44,9 @@ def parse_match(channel: str, pairs: list[str]) -> dict[str, str]:
             raise ValidationError(
                 f"{channel} routes match on {allowed}, not {key!r}", rule="route.match"
             )
+        if key in match:
+            # One value per key: a second one used to replace the first without a word.
+            raise ValidationError(f"match key {key!r} given twice", rule="route.match")
         match[key] = value.lower() if channel == "email" else value
     return match
 

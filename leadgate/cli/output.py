@@ -19,7 +19,8 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
         "preview",
     ],
     ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
-    ("route", "list"): ["id", "agent", "channel", "match", "silent", "active"],
+    ("route", "list"): ["id", "agentId", "channel", "match", "silent", "active"],
+    ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
 }
 CELL_MAX = 60
 
@@ -90,6 +91,23 @@ def _detail(d: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _destinations(d: dict[str, Any], columns: list[str] | None) -> str:
+    """``notify list``: the destinations, then the timers (override and effective)."""
+    sla = d.get("sla") or {}
+    override, effective = sla.get("override") or {}, sla.get("effective") or {}
+    timers = [
+        {"timer": name, "override": override.get(name), "effective": effective.get(name)}
+        for name in dict.fromkeys([*override, *effective])
+    ]
+    return "\n".join(
+        [
+            table(d["destinations"], columns),
+            "\nReview timers:",
+            table(timers, ["timer", "override", "effective"]),
+        ]
+    )
+
+
 def render(result: Any, fmt: str, command: tuple[str, str | None]) -> str:
     """``result`` as ``fmt`` (``json`` or ``table``)."""
     if fmt == "json":
@@ -106,6 +124,8 @@ def render(result: Any, fmt: str, command: tuple[str, str | None]) -> str:
         return "\n".join(lines)
     if isinstance(result, dict) and "audit" in result and "deliveries" in result:
         return _detail(result)
+    if isinstance(result, dict) and isinstance(result.get("destinations"), list):
+        return _destinations(result, columns)
     if isinstance(result, dict):
         return _pairs(result, list(result))
     return str(result)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from leadgate.cli.review_commands import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
@@ -17,6 +19,16 @@ bad input, missing permission), 1 anything else (the database cannot be reached,
 
 # argparse has no public name for the object add_subparsers() returns.
 Sub = argparse._SubParsersAction
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors end with a rule like every other error
+    (``[cli.usage]``), so a script reads one format; exit code 2 as before. Subcommand
+    parsers are of this class too (argparse builds them with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message} [cli.usage]\n")
 
 
 def _with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,17 +59,23 @@ def _group(
     return command
 
 
-def _lead_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lead")
+def _lead_options(p: argparse.ArgumentParser, no_lead: bool = False) -> None:
+    lead: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup = p
+    if no_lead:
+        # Setting a lead and clearing it in one command is refused (exit 2), not decided
+        # by which flag the code happened to look at first.
+        lead = p.add_mutually_exclusive_group()
+        lead.add_argument("--no-lead", action="store_true", help="clear the worker's own lead")
+    lead.add_argument("--lead")
     p.add_argument("--completion-policy")
     p.add_argument("--max-revision-rounds", type=int)
 
 
-def _agent_options(p: argparse.ArgumentParser) -> None:
+def _agent_options(p: argparse.ArgumentParser, no_lead: bool = False) -> None:
     p.add_argument("--preset")
     p.add_argument("--model")
     p.add_argument("--instructions")
-    _lead_options(p)
+    _lead_options(p, no_lead)
 
 
 def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
@@ -106,11 +124,11 @@ def _agents_presets_policy(sub: Sub[argparse.ArgumentParser]) -> None:
     au.add_argument("agent")
     au.add_argument("--org", required=True)
     au.add_argument("--name")
-    au.add_argument("--no-lead", action="store_true", help="clear the worker's own lead")
-    _agent_options(au)
-    au.add_argument("--deactivate", action="store_true")
-    au.add_argument("--activate", action="store_true")
-    au.add_argument("--delete", action="store_true")
+    _agent_options(au, no_lead=True)
+    state = au.add_mutually_exclusive_group()
+    state.add_argument("--deactivate", action="store_true")
+    state.add_argument("--activate", action="store_true")
+    state.add_argument("--delete", action="store_true")
 
     preset = _group(sub, "preset", "presets")
     pc = preset("create", "create a preset")
@@ -226,7 +244,7 @@ def build_parser(epilog: str = "") -> argparse.ArgumentParser:
     """The ``leadgate`` argument parser (subcommand names match
     :data:`leadgate.cli.commands.COMMANDS`); ``epilog`` ends every ``--help``."""
     EPILOG[0] = epilog
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="leadgate", description=DESCRIPTION, epilog=epilog, formatter_class=_FORMATTER
     )
     parser.add_argument("--config", default=None, help=CONFIG_HELP)

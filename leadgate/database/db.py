@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -184,6 +185,7 @@ class Database:
         self._skip_locked: dict[int, tuple[sa.Select[Any], sa.Select[Any]]] = {}
         if not (self.is_sqlite or self.is_postgres):
             raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+        check_sqlite_path(parsed)
         #: Whether a write that has a one-statement form runs as that statement (see
         #: :meth:`write_alone`); otherwise its transaction writes the same rows. Only
         #: PostgreSQL has such forms: they are data-modifying CTEs, which SQLite lacks,
@@ -522,6 +524,14 @@ class Database:
     async def check_migrated(self) -> None:
         """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
         head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+        if self._inline is not None and not os.path.exists(self._inline.path):
+            # Connecting would create the file, empty: a misspelt path left a stray
+            # database behind each time it was used.
+            raise NotMigratedError(
+                f"the database file {self._inline.path} does not exist: create it with "
+                "`leadgate db upgrade --config <your config>`",
+                rule="db.not_migrated",
+            )
 
         def current(sync_conn: sa.Connection) -> str | None:
             return MigrationContext.configure(sync_conn).get_current_revision()
@@ -721,6 +731,20 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
+def check_sqlite_path(url: sa.engine.URL) -> None:
+    """A SQLite file path SQLite can open: not a directory, in a directory that exists
+    (both were ``unable to open database file`` from deep in the driver, exit 1, and now
+    and then an ``Event loop is closed`` traceback as the failed engine was torn down)."""
+    path = url.database
+    if url.get_backend_name() != "sqlite" or path in (None, "", ":memory:"):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"database.url names a directory, not a database file: {path}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"the folder of the database file does not exist: {folder}")
+
+
 def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision."""
     try:
@@ -730,6 +754,7 @@ def upgrade(url: str) -> str:
     if backend not in ("sqlite", "postgresql"):
         # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
         raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+    check_sqlite_path(sa.engine.make_url(url))
     cfg = alembic_config(url)
     command.upgrade(cfg, "head")
     head = ScriptDirectory.from_config(cfg).get_current_head()

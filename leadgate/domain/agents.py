@@ -105,6 +105,11 @@ def public_agent(agent: Agent) -> dict[str, Any]:
     }
 
 
+def ref_params(ref: str) -> dict[str, str]:
+    """The parameters :data:`REF_MATCH` binds for the reference ``ref``."""
+    return {"p_ref": ref, "p_slug": slugify(ref)}
+
+
 def unknown_agent(ref: str) -> NotFound:
     """The error for an agent ``ref`` names that ``ref``'s organization does not have."""
     return NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
@@ -112,16 +117,19 @@ def unknown_agent(ref: str) -> NotFound:
 
 _A = t.agents.c
 _REF: sa.BindParameter[str] = sa.bindparam("p_ref")
-#: What a reference matches first: the id, then the slug, then the name (the oldest
-#: agent among equals). An id is always that agent's, whatever another agent is named.
-_REF_ORDER = (sa.case((_A.id == _REF, 0), (_A.slug == _REF, 1), else_=2), _A.created_at)
+_SLUG: sa.BindParameter[str] = sa.bindparam("p_slug")
+#: An agent a reference names: its id, or its name in any case and spacing that gives the
+#: same slug. Names are unique by slug, so "Worker", "worker" and "WORKER" are one agent
+#: (looked up case-sensitively, "WORKER" was a 404 for an agent "Worker" that a second
+#: agent "worker" could not be created beside). Bind with :func:`ref_params`.
+REF_MATCH = sa.or_(_A.id == _REF, _A.slug == _SLUG, _A.name == _REF)
+#: What a reference matches first: the id, then the name (the oldest agent among equals,
+#: for agents from before slugs were unique). An id is always that agent's, whatever
+#: another agent is named.
+_REF_ORDER = (sa.case((_A.id == _REF, 0), else_=1), _A.created_at)
 #: Built once: the plan cache keys on the statement object (see database.plans).
 _FIND_ANY = (
-    sa.select(t.agents)
-    .where(
-        _A.org_id == sa.bindparam("p_org"), sa.or_(_A.id == _REF, _A.slug == _REF, _A.name == _REF)
-    )
-    .order_by(*_REF_ORDER)
+    sa.select(t.agents).where(_A.org_id == sa.bindparam("p_org"), REF_MATCH).order_by(*_REF_ORDER)
 )
 _FIND = _FIND_ANY.where(_A.deleted_at.is_(None))
 
@@ -129,7 +137,7 @@ _FIND = _FIND_ANY.where(_A.deleted_at.is_(None))
 async def find_agent(conn: Conn, org_id: str, ref: str, *, include_deleted: bool = False) -> Agent:
     """An agent of ``org_id`` by id, slug or name (404 otherwise, also across orgs)."""
     query = _FIND_ANY if include_deleted else _FIND
-    row = (await conn.execute(query, {"p_org": org_id, "p_ref": ref})).first()
+    row = (await conn.execute(query, {"p_org": org_id, **ref_params(ref)})).first()
     if row is None:
         raise unknown_agent(ref)
     return Agent.from_row(row)
@@ -149,7 +157,7 @@ _AGENT_WITH_PRESET = (
     .select_from(t.agents.outerjoin(t.presets, _P.id == t.agents.c.preset_id))
     .where(
         t.agents.c.org_id == sa.bindparam("p_org_id"),
-        sa.or_(_A.id == _REF, _A.slug == _REF, _A.name == _REF),
+        REF_MATCH,
         t.agents.c.deleted_at.is_(None),
     )
     .order_by(*_REF_ORDER)
@@ -158,7 +166,9 @@ _AGENT_WITH_PRESET = (
 
 async def find_agent_and_lead(conn: Conn, org_id: str, ref: str) -> tuple[Agent, LeadConfig | None]:
     """:func:`find_agent` (not deleted) and :func:`resolve_lead` in one statement."""
-    row = (await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, "p_ref": ref})).first()
+    row = (
+        await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, **ref_params(ref)})
+    ).first()
     if row is None:
         raise unknown_agent(ref)
     agent = Agent.from_row(row)
@@ -184,13 +194,10 @@ async def find_preset(conn: Conn, org_id: str, ref: str) -> Preset:
 
 
 async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | None) -> str:
-    a = t.agents.c
     row = (
         await conn.execute(
-            sa.select(t.agents)
-            .where(a.org_id == org_id, sa.or_(a.id == _REF, a.slug == _REF, a.name == _REF))
-            .order_by(*_REF_ORDER),
-            {"p_ref": lead_ref},
+            sa.select(t.agents).where(_A.org_id == org_id, REF_MATCH).order_by(*_REF_ORDER),
+            ref_params(lead_ref),
         )
     ).first()
     if row is None:

@@ -21,7 +21,7 @@ from leadgate.core.decoding import INT64_MAX, decimal_int
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
-from leadgate.domain import workitems
+from leadgate.domain import agents, workitems
 from leadgate.domain.rows import Binding, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review.labels import (
@@ -188,13 +188,18 @@ def _preview(summary: str | None, task_context: str) -> tuple[str, str]:
 
 
 async def _agent_ids(conn: Conn, org_id: str, ref: str | None) -> list[str] | None:
-    """Agent filter: ids of the agents named ``ref`` (id, slug or name)."""
+    """Agent filter: ids of the agents named ``ref`` (id, slug or name; deleted agents
+    too, whose items stay); ``agent.not_found`` for none, so a misspelt filter is an error
+    rather than an empty page."""
     if not ref:
         return None
     rows = await conn.execute(
-        sa.select(A.id).where(A.org_id == org_id, sa.or_(A.id == ref, A.slug == ref, A.name == ref))
+        sa.select(A.id).where(A.org_id == org_id, agents.REF_MATCH), agents.ref_params(ref)
     )
-    return [r.id for r in rows]
+    ids = [r.id for r in rows]
+    if not ids:
+        raise agents.unknown_agent(ref)
+    return ids
 
 
 async def actionable(
@@ -572,7 +577,7 @@ async def activity(
         )
     rows = (await conn.execute(query)).all()
     page = rows[:limit]
-    agents = (
+    listed = (
         await conn.execute(
             sa.select(A.id, A.name)
             .where(A.org_id == org_id, A.deleted_at.is_(None))
@@ -597,7 +602,7 @@ async def activity(
             for r in page
         ],
         "next": _encode_cursor(page[-1].updated_at, page[-1].id) if len(rows) > limit else None,
-        "agents": [{"id": a.id, "name": a.name} for a in agents],
+        "agents": [{"id": a.id, "name": a.name} for a in listed],
     }
 
 

@@ -1,0 +1,123 @@
+"""Command-line edges found by the session 35 audit follow-up, through the real entry point
+(``leadgate.cli.main.main``, in process): options that contradict each other, a repeated
+match key, a misspelt agent filter, agent names in another case, the table format of
+``route list`` and ``notify list``, and database paths SQLite cannot use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from leadgate.cli.main import main
+from tests.integration.test_review_cli import Cli, cli  # noqa: F401 (the fixture)
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run ``args``; it must be a usage error: exit 2, nothing on stdout, ``[cli.usage]``."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    out, err = capsys.readouterr()
+    assert (exit_.value.code, out) == (2, ""), err
+    assert err.rstrip().endswith("[cli.usage]"), err
+    return err
+
+
+def test_contradicting_options_are_refused_before_anything_changes(
+    cli: Cli, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = ["--config", str(cli.config)]
+    before = cli.ok("agent", "update", "worker", "--org", "demo")
+    err = usage_error(
+        capsys, *config, "agent", "update", "worker", "--org", "demo", "--activate", "--deactivate"
+    )
+    assert "not allowed with argument" in err
+    usage_error(capsys, *config, "agent", "update", "worker", "--org", "demo", "--delete",
+                "--activate")  # fmt: skip
+    usage_error(capsys, *config, "agent", "update", "worker", "--org", "demo", "--no-lead",
+                "--lead", "lead")  # fmt: skip
+    after = cli.ok("agent", "update", "worker", "--org", "demo")
+    assert {**after, "updatedAt": None} == {**before, "updatedAt": None}
+    # A mistyped command says the rule too.
+    usage_error(capsys, *config, "agent", "updat", "worker")
+
+
+def test_a_match_key_given_twice_is_refused(cli: Cli) -> None:
+    err = cli.rule(
+        "route.match", "route", "add", "--org", "demo", "--agent", "worker", "--channel",
+        "slack", "--match", "channel=C1", "--match", "channel=C2",
+    )  # fmt: skip
+    assert "'channel' given twice" in err
+    assert cli.ok("route", "list", "--org", "demo") == []
+
+
+def test_an_agent_filter_naming_no_agent_is_an_error_not_an_empty_queue(cli: Cli) -> None:
+    cli.rule("agent.not_found", "review", "list", "--org", "demo", "--agent", "nosuch")
+    assert cli.ok("review", "list", "--org", "demo", "--agent", "worker")["items"] == []
+
+
+def test_agent_names_are_found_in_any_case(cli: Cli) -> None:
+    """Names are unique by slug, so "WORKER" can only mean the agent "worker"."""
+    worker = cli.ok("agent", "update", "worker", "--org", "demo")
+    assert cli.ok("agent", "update", "WORKER", "--org", "demo")["id"] == worker["id"]
+    route = cli.ok(
+        "route", "add", "--org", "demo", "--agent", "Worker", "--channel", "slack",
+        "--match", "channel=C1",
+    )  # fmt: skip
+    assert route["agentId"] == worker["id"]
+    cli.ok("review", "list", "--org", "demo", "--agent", "WoRkEr")
+
+
+def test_table_format_of_routes_and_review_destinations(
+    cli: Cli, capsys: pytest.CaptureFixture[str]
+) -> None:
+    worker = cli.ok("agent", "update", "worker", "--org", "demo")
+    cli.ok("route", "add", "--org", "demo", "--agent", "worker", "--channel", "slack",
+           "--match", "channel=C1")  # fmt: skip
+    cli.ok("notify", "add", "--org", "demo", "--channel", "slack", "--to", "T01:C0REV")
+    config = ["--config", str(cli.config), "--format", "table"]
+
+    assert main([*config, "route", "list", "--org", "demo"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["ID", "AGENTID", "CHANNEL", "MATCH", "SILENT", "ACTIVE"]
+    assert worker["id"] in row.split() and '{"channel":' in row
+
+    assert main([*config, "notify", "list", "--org", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "{'" not in out, out  # no Python dict printed raw
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "CHANNEL", "TO", "TIER", "AGENT", "CREATEDAT"]
+    assert lines[1].split()[1:5] == ["slack", "T01:C0REV", "notify", "-"]
+    assert "Review timers:" in lines
+    assert any(line.split() == ["remindAfter", "inherit", "30m"] for line in lines), out
+
+
+@pytest.mark.parametrize("shape", ["missing", "directory", "no_folder"])
+def test_a_database_path_sqlite_cannot_use_is_a_clear_error_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shape: str
+) -> None:
+    db = {
+        "missing": tmp_path / "typo.db",
+        "directory": tmp_path / "dir.db",
+        "no_folder": tmp_path / "nowhere" / "l.db",
+    }[shape]
+    if shape == "directory":
+        db.mkdir()
+    config = tmp_path / "leadgate.toml"
+    config.write_text(f'[database]\nurl = "sqlite+aiosqlite:///{db}"\n', encoding="utf-8")
+    commands = [["review", "list", "--org", "demo"], ["org", "create", "acme"]]
+    if shape != "missing":
+        commands.append(["db", "upgrade"])  # upgrade creates a missing file, as it should
+    for command in commands:
+        assert main(["--config", str(config), *command]) == 2, command
+        out, err = capsys.readouterr()
+        assert out == "" and "Traceback" not in err
+        says = {
+            "missing": f"the database file {db} does not exist",
+            "directory": f"names a directory, not a database file: {db}",
+            "no_folder": f"the folder of the database file does not exist: {db.parent}",
+        }[shape]
+        assert says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["leadgate.toml", *(["dir.db"] if shape == "directory" else [])]
+    )
