@@ -225,7 +225,7 @@ class App:
             self.channels,
             batch=r.relay_batch,
             concurrency=r.relay_concurrency,
-            max_attempts=r.delivery_max_attempts,
+            stalled_after=r.delivery_max_attempts,
             review_needed=self.outbox.review_needed,
             owner=owner,
         )

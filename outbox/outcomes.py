@@ -128,9 +128,15 @@ class Done:
 @dataclass(frozen=True)
 class RetryPolicy:
     """How retryable failures are rescheduled (``backoff(attempts, retry_after)`` in
-    seconds) and when they give up."""
+    seconds) and after how many attempts a delivery counts as stalled.
 
-    max_attempts: int
+    A retryable failure never gives up: it was definitely not posted, and approved
+    output must not be dropped because a platform was down for a while (it was
+    ``failed`` after 8 attempts, about two minutes, terminal and in no queue). Past
+    ``stalled_after`` attempts each retry is logged as a WARNING and counted with the
+    outcome ``stalled``, for an alert; the backoff is capped (5 minutes)."""
+
+    stalled_after: int
     backoff: Callable[[int, float | None], float]
 
 
@@ -281,13 +287,18 @@ class OutcomeCommitter:
             )
             return values, Status.completed, label
         if isinstance(outcome, Retry):
-            if row.attempts >= self.policy.max_attempts:
-                values.update(
-                    status=DeliveryStatus.failed.value,
-                    error=f"gave up after {row.attempts} attempts: {outcome.error}",
-                )
-                return values, Status.failed, "failed"
             delay = self.policy.backoff(row.attempts, outcome.delay_s)
+            if row.attempts >= self.policy.stalled_after:
+                label = "stalled"
+                log.warning(
+                    "delivery %s on %s still not posted after %d attempts (%s); "
+                    "next attempt in %.0f s",
+                    row.id,
+                    row.channel,
+                    row.attempts,
+                    outcome.error,
+                    delay,
+                )
             values.update(
                 status=DeliveryStatus.pending.value,
                 error=outcome.error,

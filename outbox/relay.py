@@ -171,29 +171,29 @@ class Relay:
         *,
         batch: int = 100,
         concurrency: int = 64,
-        max_attempts: int = 8,
+        stalled_after: int = 8,
         rand: Callable[[], float] = random.random,
         send_lease_ms: int = SEND_LEASE_MS,
         max_rows_per_run: int | None = None,
         review_needed: ReviewNeeded | None = None,
         owner: Callable[[], str | None] = lambda: None,
     ) -> None:
-        if batch < 1 or concurrency < 1 or max_attempts < 1 or send_lease_ms < 1:
-            raise ValueError("batch, concurrency, max_attempts and send_lease_ms must be >= 1")
+        if batch < 1 or concurrency < 1 or stalled_after < 1 or send_lease_ms < 1:
+            raise ValueError("batch, concurrency, stalled_after and send_lease_ms must be >= 1")
         self.db = db
         self.clock = clock
         self.ids = ids
         self.channels = channels
         self.batch = batch
         self.concurrency = concurrency
-        self.max_attempts = max_attempts
+        self.stalled_after = stalled_after
         self.rand = rand
         self.send_lease_ms = send_lease_ms
         #: this process (``lease_owner`` of its send leases; see domain.processes)
         self.owner = owner
         self.max_rows_per_run = max_rows_per_run or 10 * batch
         self.committer = OutcomeCommitter(
-            clock, ids, RetryPolicy(max_attempts, self.backoff_s), review_needed=review_needed
+            clock, ids, RetryPolicy(stalled_after, self.backoff_s), review_needed=review_needed
         )
         self.review_needed = review_needed
         self._sem = asyncio.Semaphore(concurrency)

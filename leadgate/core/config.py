@@ -164,6 +164,9 @@ class RunnerSettings(_Section):
     review_concurrency: int = Field(default=4, ge=1, le=64)
     relay_batch: int = Field(default=100, ge=1, le=1000)
     relay_concurrency: int = Field(default=64, ge=1, le=1024)
+    #: Attempts after which a delivery that keeps meeting retryable failures is reported
+    #: as stalled (WARNING, metric outcome ``stalled``); it goes on being retried (the
+    #: name is kept so that existing files still load).
     delivery_max_attempts: int = Field(default=8, ge=1, le=100)
     #: Every process writes a heartbeat this often; leases of a process whose heartbeat
     #: is older than ``dead_after_s`` (or, on the same host, whose pid is gone) are taken

@@ -22,6 +22,7 @@ from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.errors import TransitionError, Unavailable
+from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -468,21 +469,35 @@ async def test_backoff_is_exponential_with_injectable_jitter(stack: Stack) -> No
     assert capped.backoff_s(30, None) == relay_mod.BACKOFF_CAP_S
 
 
-async def test_attempts_are_bounded_then_delivery_and_item_fail(
-    stack: Stack, channel: ScriptedChannel
+async def test_retryable_failures_never_give_up_and_are_reported_once_stalled(
+    stack: Stack, channel: ScriptedChannel, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A platform down for a long while: the approved output is posted when it is back
+    (it was ``failed`` after 8 attempts, about two minutes, in no queue). Past
+    ``stalled_after`` attempts each retry is a WARNING and the ``stalled`` outcome."""
     item_id, dlv = await seed_one(stack)
     clock = fake_clock(stack)
-    channel.script = [Retry("HTTP 500")] * 10
-    relay = relay_for(stack, max_attempts=3)
-    for _ in range(5):
+    channel.script = [Retry("HTTP 503")] * 12
+    relay = relay_for(stack, stalled_after=3)
+    def stalled() -> float:
+        labels = {"channel": "slack", "outcome": "stalled"}
+        return METRICS.registry.get_sample_value("leadgate_deliveries_total", labels) or 0.0
+
+    before = stalled()
+    for _ in range(12):
         await drain(relay)
-        clock.advance(600_000)
-    row = await delivery(stack, dlv["id"])
-    assert row["status"] == "failed" and row["attempts"] == 3
-    assert row["error"] == "gave up after 3 attempts: HTTP 500"
-    assert len(channel.calls) == 3
-    assert (await item(stack, item_id))["status"] == "failed"
+        row = await delivery(stack, dlv["id"])
+        assert row["status"] == "pending" and row["error"] == "HTTP 503", row
+        # the backoff is capped: the next attempt is never more than 5 minutes away
+        assert row["next_attempt_at"] - clock.now_ms() <= 300_000
+        assert (await item(stack, item_id))["status"] == "approved"
+        clock.advance(300_000)
+    assert len(channel.calls) == 12 and row["attempts"] == 12
+    assert stalled() - before == 10  # attempts 3..12
+    assert "still not posted after 12 attempts (HTTP 503)" in caplog.text
+    await drain(relay)  # the platform is back (the script is spent: Sent)
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
+    assert (await item(stack, item_id))["status"] == "completed"
 
 
 async def test_permanent_fails_with_the_error_recorded(
