@@ -232,8 +232,15 @@ def _classify_status(exc: ErrorResponseException) -> SendOutcome:
         return Retry(detail, _retry_after(getattr(response, "headers", None)))
     if status in (401, 403, 404):
         return Permanent(detail)
-    if status == 408 or (isinstance(status, int) and status >= 500):
+    if status in (408, 503):
+        # Not processed: the request was not read in time (408), or the service refused
+        # it (503, with Retry-After). Known to be pre-write, so sent again.
         return Retry(detail, _retry_after(getattr(response, "headers", None)))
+    if isinstance(status, int) and status >= 500:
+        # 500, and a gateway's 502/504 in front of the Connector, may come after the
+        # activity was stored; the Connector has no idempotency key, so sending again
+        # could post twice. A person decides (SPEC 6: only pre-write 5xx are retried).
+        return Uncertain(detail)
     return Permanent(detail)
 
 

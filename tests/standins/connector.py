@@ -36,7 +36,8 @@ Control endpoints (the same in both modes):
 * ``POST /_standin/reset``       -> clears records and pending failures
 
 Failure modes (each consumes one post): ``"429"`` (Too Many Requests with
-``Retry-After``), ``"500"``, ``"502"``, ``"503"``, ``"401"``, ``"403"``, ``"404"``,
+``Retry-After``), ``"408"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``,
+``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
 aborts the TCP connection).
 
@@ -58,7 +59,9 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-FAILURE_MODES = frozenset({"429", "500", "502", "503", "401", "403", "404", "hang", "reset"})
+FAILURE_MODES = frozenset(
+    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset"}
+)
 
 
 class ConnectorStandin:
