@@ -230,7 +230,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(request, exc.status, exc.reason, "http_error", "http")
+        answer = error_response(request, exc.status, exc.reason, "http_error", "http")
+        if "Allow" in exc.headers:
+            # A 405 must say which methods the path takes (RFC 9110 15.5.6).
+            answer.headers["Allow"] = exc.headers["Allow"]
+        return answer
     except Exception as exc:
         fault = unavailable(exc)
         if fault is not None:

@@ -46,7 +46,7 @@ from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
-from leadgate.web.common import detach_stream, error_body
+from leadgate.web.common import detach_stream, error_body, retry_headers
 from leadgate.web.mcp_resources import Resources, Watcher
 from leadgate.web.sessions_api import SessionReads
 
@@ -68,6 +68,9 @@ PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
 # "client went away" event once the body is read, so the bridge checks the transport at
 # this pace (a cheap attribute read, not a busy loop).
 _DISCONNECT_POLL_S: Final = 0.5
+
+#: When a client refused a session (all ``max_sessions`` open) is told to try again.
+SESSION_FULL_RETRY_MS: Final = 5_000
 
 #: An MCP session with no request in flight this long ends (the SDK's idle timeout).
 SESSION_IDLE_S: Final = 600.0
@@ -495,7 +498,10 @@ async def _bridge(
     # body timeout and (POST) the JSON checks apply before the SDK sees anything.
     body = await read_body(request)
     if body:
-        decode_json(body)
+        try:
+            decode_json(body)
+        except ValidationError as exc:
+            return _jsonrpc_refusal(body, exc)
     gone = asyncio.Event()  # the client went away, or the exchange is over
     body_done = False
     response: web.StreamResponse | None = None
@@ -535,6 +541,9 @@ async def _bridge(
                         if name.lower() == "content-length":
                             continue
                         response.headers.add(name, raw_value.decode("latin-1"))
+                    if message["status"] == 503 and "Retry-After" not in response.headers:
+                        # The SDK's "too many open sessions": every 503 says when to retry.
+                        response.headers.update(retry_headers(SESSION_FULL_RETRY_MS))
                     await response.prepare(request)
                 elif message["type"] == "http.response.body" and response is not None:
                     body = message.get("body", b"")
@@ -577,6 +586,31 @@ def _plain_error(start: Message) -> bool:
         if raw_name.lower() == b"content-type":
             return not raw_value.lower().startswith(b"application/json")
     return True
+
+
+#: Our JSON checks that mean the body is no JSON at all (JSON-RPC's parse error); the
+#: others (NUL, lone surrogate, depth, huge number) refuse what a request carries.
+_NOT_JSON = frozenset({"body.json", "body.utf8"})
+
+
+def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
+    """A POST body that fails the service's JSON checks, answered as JSON-RPC (HTTP 400,
+    as the SDK answers its own parse errors) so the MCP client matches it to its request
+    and shows the rule; it was the REST envelope, which the client could only report as
+    "Server returned an error response"."""
+    request_id: str | int | None = None
+    if exc.rule not in _NOT_JSON:
+        try:
+            # The stdlib parser takes NUL and lone surrogates; only the id is read.
+            message = json.loads(body)
+        except (ValueError, RecursionError):
+            message = None
+        found = message.get("id") if isinstance(message, dict) else None
+        if isinstance(found, str | int) and not isinstance(found, bool):
+            request_id = found
+    code = -32700 if exc.rule in _NOT_JSON else -32602
+    error = {"code": code, "message": f"{exc.message} [{exc.rule}]", "data": {"rule": exc.rule}}
+    return web.json_response({"jsonrpc": "2.0", "id": request_id, "error": error}, status=400)
 
 
 def _enveloped(status: int, body: bytes | bytearray) -> web.Response:

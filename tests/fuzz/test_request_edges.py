@@ -188,6 +188,20 @@ def test_a_body_that_does_not_decode_as_its_content_encoding_is_400(fuzz_service
     assert (big.status_code, rule_of(big)) == (413, "body.size")
 
 
+def test_a_method_a_path_does_not_take_is_405_saying_which_it_takes(
+    fuzz_service: Fuzzed,
+) -> None:
+    """RFC 9110 15.5.6: a 405 carries ``Allow`` (the envelope dropped it)."""
+    url = fuzz_service.proc.url
+    for method, path in [("PUT", "/v1/chat/completions"), ("GET", "/v1/chat/completions"),
+                         ("DELETE", "/v1/agents"), ("PUT", "/mcp")]:  # fmt: skip
+        response = SESSION.request(method, f"{url}{path}", headers=auth(fuzz_service), timeout=20)
+        assert response.status_code == 405, (method, path, response.text[:200])
+        assert response.json()["error"]["rule"] == "http"
+        allowed = {m.strip() for m in response.headers["Allow"].split(",")}
+        assert allowed and method not in allowed, (path, allowed)
+
+
 def test_mcp_takes_any_query_string(each_backend: Fuzzed) -> None:
     init = mcp_initialize()
     for query in ("x=%E2%80%AE", "x=%FF", "since=%D9%A1"):

@@ -22,6 +22,7 @@ from aiohttp.typedefs import Handler
 from mcp import ClientSession
 from mcp.client.client import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 
 from leadgate.core.auth import Principal, Scope
@@ -87,6 +88,12 @@ class Served:
 
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
+    async with serving() as served:
+        yield served
+
+
+@asynccontextmanager
+async def serving(**mount_options: Any) -> AsyncIterator[Served]:
     # Bind first so allowed_hosts can name the real port, as the service does from its config.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -108,6 +115,7 @@ async def served() -> AsyncIterator[Served]:
         authenticate=authenticate,
         send_message=core.send_message,
         allowed_hosts=[f"127.0.0.1:{port}", f"localhost:{port}"],
+        **mount_options,
     )
 
     async def run_mcp(_app: web.Application) -> AsyncIterator[None]:
@@ -268,6 +276,68 @@ async def test_invalid_arguments_are_tool_errors(
     assert result.is_error is True
     assert expected in only_text(result)
     assert served.core.calls == []
+
+
+async def test_a_body_failing_the_json_checks_is_a_jsonrpc_error_the_client_matches(
+    served: Served,
+) -> None:
+    """NUL, a lone surrogate or deep nesting are refused before the SDK sees the body,
+    as JSON-RPC errors naming the rule (it was the REST envelope, which the client could
+    only report as "Server returned an error response")."""
+    async with mcp_session(served.url, "key-a") as session:
+        with pytest.raises(MCPError) as refused:
+            await session.call_tool(
+                "send_action_agent_message", {"agent": "writer", "message": "a\x00b"}
+            )
+        assert refused.value.error.code == -32602
+        assert refused.value.error.message.endswith("[body.nul]"), refused.value.error
+        # The session goes on.
+        after = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "hi"}
+        )
+        assert after.is_error is False and "org-a says: hi" in only_text(after)
+    assert [call.message for call in served.core.calls] == ["hi"]
+    headers = {
+        "Authorization": "Bearer key-a",
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+    }
+    deep = '{"jsonrpc": "2.0", "id": 7, "method": "ping", "params": {"x": ' + "[" * 80 + "]" * 80
+    async with httpx2.AsyncClient() as http:
+        for body, code, rule, request_id in [
+            ("{nope", -32700, "body.json", None),
+            ('{"jsonrpc": "2.0", "id": "s", "method": "ping", "params": {"x": "\\ud800"}}',
+             -32602, "body.surrogate", "s"),  # fmt: skip
+            (deep + "}}", -32602, "body.depth", 7),
+        ]:
+            answer = await http.post(served.url, content=body, headers=headers)
+            assert answer.status_code == 400
+            assert answer.headers["content-type"].startswith("application/json")
+            got = answer.json()
+            assert (got["jsonrpc"], got["id"], got["error"]["code"]) == ("2.0", request_id, code)
+            assert got["error"]["data"] == {"rule": rule}
+
+
+async def test_sessions_past_the_limit_are_503_with_retry_after() -> None:
+    """At most ``max_sessions`` are open; the next initialize is a 503 that says when to
+    try again, like every other 503 of the service (the SDK's own answer had no
+    ``Retry-After``), and a closed session makes room."""
+    async with serving(max_sessions=2) as served:
+        async with mcp_session(served.url, "key-a"), mcp_session(served.url, "key-a"):
+            async with httpx2.AsyncClient() as http:
+                answer = await http.post(
+                    served.url,
+                    json=mcp_initialize(),
+                    headers={
+                        "Authorization": "Bearer key-a",
+                        "Accept": "application/json, text/event-stream",
+                    },
+                )
+            assert answer.status_code == 503, answer.text
+            assert int(answer.headers["Retry-After"]) >= 1
+            assert answer.json()["error"]["code"] == -32603
+        async with mcp_session(served.url, "key-a") as session:  # room again
+            await session.send_ping()
 
 
 async def test_longest_message_is_accepted(served: Served) -> None:
