@@ -135,6 +135,101 @@ class ChatRequest:
     include_usage: bool = False
 
 
+def _number(body: dict[str, Any], name: str, low: float, high: float, *, whole: bool) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    kind = int if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+        what, span = (
+            ("an integer", f"{low:,} to {high:,}")
+            if whole
+            else ("a number", f"{low:g} to {high:g}")
+        )
+        raise ValidationError(f"`{name}` must be {what} from {span}", rule=f"{name}.range")
+
+
+def _check_options(body: dict[str, Any]) -> None:
+    """The optional OpenAI parameters leadgate knows: the wrong type or range is a 400
+    naming the parameter (they were dropped unread, and ``"user": 5`` quietly chose the
+    default session). What the agent cannot do for a client is refused, not pretended:
+    client-side tools, a guaranteed JSON answer, log probabilities, audio. Sampling
+    parameters (``temperature``, ``max_tokens``, ...) are checked and then belong to the
+    agent: its model configuration decides them (README)."""
+    for name, (low, high) in {
+        "max_tokens": (1, 2**31 - 1),
+        "max_completion_tokens": (1, 2**31 - 1),
+        "seed": (-(2**63), 2**63 - 1),
+        "top_logprobs": (0, 20),
+    }.items():
+        _number(body, name, low, high, whole=True)
+    for name, (low, high) in {
+        "temperature": (0, 2),
+        "top_p": (0, 1),
+        "presence_penalty": (-2, 2),
+        "frequency_penalty": (-2, 2),
+    }.items():
+        _number(body, name, low, high, whole=False)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ValidationError("`user` must be a string", rule="user.type")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str)
+        or (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop))
+    ):
+        raise ValidationError("`stop` must be a string or up to 4 strings", rule="stop.type")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and len(metadata) <= 16
+        and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise ValidationError(
+            "`metadata` must be an object of at most 16 string values", rule="metadata.type"
+        )
+    for name in ("logprobs", "parallel_tool_calls", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ValidationError(f"`{name}` must be a boolean", rule=f"{name}.type")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ValidationError(
+            "leadgate does not return log probabilities", rule="logprobs.unsupported"
+        )
+    for name in ("tools", "functions"):
+        tools = body.get(name)
+        if tools is not None and not isinstance(tools, list):
+            raise ValidationError(f"`{name}` must be an array", rule="tools.type")
+        if tools:
+            raise ValidationError(
+                "the agent runs its own tools; client-side function calling is not offered",
+                rule="tools.unsupported",
+            )
+    for name in ("tool_choice", "function_call"):
+        choice = body.get(name)
+        if choice is not None and choice not in ("none", "auto"):
+            raise ValidationError(
+                f"`{name}` may only be none or auto: the agent runs its own tools",
+                rule="tools.unsupported",
+            )
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValidationError(
+                "`response_format.type` must be text, json_object or json_schema",
+                rule="response_format.type",
+            )
+        if kind != "text":
+            raise ValidationError(
+                "leadgate cannot guarantee a JSON answer: the agent's text is returned as it "
+                "is (ask for JSON in the message instead)",
+                rule="response_format.unsupported",
+            )
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (modalities is not None and modalities != ["text"]):
+        raise ValidationError("leadgate answers with text only", rule="modalities.unsupported")
+
+
 def parse_request(body: dict[str, Any]) -> ChatRequest:
     """The :class:`ChatRequest` of an OpenAI request body (400 naming the rule)."""
     model = body.get("model")
@@ -170,7 +265,13 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
             raise ValidationError(
                 "`stream_options.include_usage` must be a boolean", rule="stream_options"
             )
+        if not stream:
+            # As OpenAI answers it: the options describe a stream.
+            raise ValidationError(
+                "`stream_options` is only allowed when `stream` is true", rule="stream_options"
+            )
         include_usage = flag
+    _check_options(body)
     user = body.get("user")
     return ChatRequest(
         model, text, user if isinstance(user, str) and user else None, stream, include_usage

@@ -61,6 +61,22 @@ CHAT_REQUEST = {
         },
         "stream": {"type": "boolean"},
         "user": {"type": "string"},
+        # Checked, then the agent's model configuration decides them (README).
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "stop": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            ]
+        },
+        "metadata": {
+            "type": "object",
+            "additionalProperties": {"type": "string"},
+            "maxProperties": 16,
+        },
     },
     "required": ["model", "messages"],
 }

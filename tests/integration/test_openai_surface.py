@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
+import openai
 from openai import AsyncOpenAI
 
 from leadgate.app import App
@@ -325,6 +326,62 @@ async def test_n_other_than_one_is_400(env: Env) -> None:
         assert resp.status == 400, n
         assert (await resp.json())["error"]["rule"] == "n.one"
     assert (await env.chat("plain", "hi", n=1)).status == 200
+
+
+REFUSED_OPTIONS: list[tuple[dict[str, Any], str]] = [
+    ({"user": 5}, "user.type"),  # it chose the default session without a word
+    ({"max_tokens": "x"}, "max_tokens.range"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens.range"),
+    ({"temperature": 5}, "temperature.range"),
+    ({"top_p": True}, "top_p.range"),
+    ({"stop": [1]}, "stop.type"),
+    ({"metadata": "x"}, "metadata.type"),
+    ({"tools": "x"}, "tools.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.unsupported"),
+    ({"tool_choice": "required"}, "tools.unsupported"),
+    ({"response_format": {"type": "json_object"}}, "response_format.unsupported"),
+    ({"response_format": "json"}, "response_format.type"),
+    ({"logprobs": True}, "logprobs.unsupported"),
+    ({"modalities": ["text", "audio"]}, "modalities.unsupported"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+]
+
+
+async def test_parameters_are_checked_and_what_the_agent_cannot_do_is_refused(
+    env: Env,
+) -> None:
+    """They were dropped unread: ``max_tokens="x"`` was a 200, and a client asking for
+    JSON got free text its parser then failed on."""
+    for extra, rule in REFUSED_OPTIONS:
+        resp = await env.chat("plain", "hi", session="opts", **extra)
+        assert resp.status == 400, extra
+        assert (await resp.json())["error"]["rule"] == rule, extra
+    assert await env.user_messages("plain", "opts") == []  # nothing taken in
+    # The sampling parameters a client commonly sends are checked, then the agent's.
+    official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
+    answer = await official.chat.completions.create(
+        model="plain",
+        messages=[{"role": "user", "content": "with options"}],
+        max_tokens=50,
+        temperature=0.2,
+        top_p=1,
+        stop=["\n\n"],
+        seed=7,
+        metadata={"team": "a"},
+        tool_choice="none",
+        response_format={"type": "text"},
+        logprobs=False,
+    )
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        await official.chat.completions.create(
+            model="plain",
+            messages=[{"role": "user", "content": "json please"}],
+            response_format={"type": "json_object"},
+        )
+    assert "cannot guarantee a JSON answer" in str(refused.value)
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["rule"] == "response_format.unsupported"
 
 
 async def test_include_usage_sends_the_usage_chunk_last(env: Env) -> None:
