@@ -504,3 +504,40 @@ async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     await expect(page.locator("#detail-status")).to_have_text("completed")
     await expect(deliveries).to_contain_text("sent")
     await expect(page.get_by_role("button", name="Confirm delivered")).to_have_count(0)
+
+
+async def test_an_emptied_later_page_and_an_unknown_item_leave_no_stale_queue(
+    console: Console, page: Page
+) -> None:
+    """Decisions made elsewhere that empty page 2 bring the first page back (it said
+    "Nothing needs a decision" beside a count of waiting items); an address naming no
+    work item replaces the page (the queue stayed under the error, no longer updating)."""
+    pager = await make_agent(console.service, console.org, "pager", lead="lead")
+    items = [
+        await console.awaiting_item(f"page item {n}", f"p{n}", agent=pager) for n in range(27)
+    ]
+    await console.open(page, "pat@example.com", "Member")
+    await page.locator("#filter-agent").select_option("pager")
+    await expect(page.locator("#queue-total")).to_have_text(re.compile(r"^27 of \d+ waiting$"))
+    await page.get_by_role("button", name="Next page").click()
+    await expect(page.locator("#queue tbody tr")).to_have_count(2)
+    await expect(queue_row(page, items[26])).to_be_visible()
+    async with ClientSession() as http:
+        for item in items[25:]:  # page 2, oldest first: the last two
+            async with http.post(
+                f"{console.url}/operator/reviews/{item}/cancel",
+                json={},
+                headers={"Authorization": f"Bearer {console.org.key}"},
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+    await expect(page.locator(".pager span")).to_have_text("Page 1", timeout=LIVE_MS)
+    await expect(page.locator("#queue tbody tr")).to_have_count(25)
+    await expect(page.locator("#queue-empty")).to_have_count(0)
+
+    await page.goto(f"{console.url}/console/#/review/wi_nosuch")
+    await expect(page.get_by_role("heading", name="No such work item")).to_be_visible()
+    await expect(page.get_by_role("alert")).to_be_visible()
+    await expect(page.locator("#queue")).to_have_count(0)
+    await page.get_by_role("link", name="Back to Lead Reviews").click()
+    await expect(page.locator("#queue tbody tr").first).to_be_visible()
+    await expect(page.get_by_role("alert")).to_be_hidden()

@@ -382,6 +382,12 @@
     const seq = ++renderSeq;
     const data = await api("GET", `/operator/reviews?${queueQuery()}`);
     if (seq !== renderSeq) return;
+    if (!data.items.length && cursors.length > 1) {
+      // Decisions made meanwhile emptied this later page: show the first one, which
+      // holds what still waits (an empty page 2 said "Nothing needs a decision").
+      cursors = [null];
+      return showQueue(focus);
+    }
     setCount(data.counts.all);
     const rows = data.items.map((item) =>
       el(
@@ -635,8 +641,29 @@
   async function showDetail(id) {
     current = { view: "detail", id };
     const seq = ++renderSeq;
-    const data = await api("GET", `/operator/reviews/${enc(id)}`);
+    let data;
+    try {
+      data = await api("GET", `/operator/reviews/${enc(id)}`);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 404 && seq === renderSeq) {
+        showMissing(err.message);
+        return;
+      }
+      throw err;
+    }
     if (seq === renderSeq) renderDetail(data);
+  }
+
+  // An address that names no work item: say so in place of the page, with the way back
+  // (the previous page stayed under the error, no longer updating).
+  function showMissing(message) {
+    current = { view: "missing", id: null };
+    ++renderSeq; // newer than any refresh still in flight
+    view(
+      el("h1", { tabindex: "-1" }, "No such work item"),
+      el("p", {}, el("a", { href: "#/reviews" }, "Back to Lead Reviews"))
+    );
+    showError(message);
   }
 
   // Run a POST that answers the updated detail; buttons are disabled while it runs.
@@ -914,7 +941,7 @@
         } catch (_) {
           id = null; // a hand-edited address: no item has that id
         }
-        if (id === null) showError("There is no work item at this address.");
+        if (id === null) showMissing("There is no work item at this address.");
         else await showDetail(id);
       } else if (hash === "#/activity") {
         await showActivity();
