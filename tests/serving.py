@@ -19,17 +19,31 @@ from leadgate.turns.providers.base import Provider
 Client = TestClient[web.Request, web.Application]
 
 
+class ServedLikeProduction(TestServer):
+    """aiohttp's test server cancels a request's handler when its client goes away;
+    ``leadgate serve`` does not (aiohttp's default): a handler runs to its end."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)
+
+
 @asynccontextmanager
 async def served_app(
     url: str,
     *,
     config: dict[str, Any] | None = None,
     providers: dict[str, Provider] | None = None,
+    like_production: bool = False,
 ) -> AsyncIterator[tuple[App, Client]]:
-    """``App`` on ``url`` (extra config sections in ``config``) and a client of it."""
+    """``App`` on ``url`` (extra config sections in ``config``) and a client of it
+    (``like_production``: handlers are not cancelled when their client goes away)."""
     settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
     service = App(settings, clock=FakeClock(), providers=providers, enable_adapters=False)
-    client: Client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
+    server = (ServedLikeProduction if like_production else TestServer)(
+        service.web_app(), host="127.0.0.1"
+    )
+    client: Client = TestClient(server)
     await client.start_server()
     try:
         yield service, client

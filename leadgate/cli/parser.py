@@ -244,7 +244,7 @@ def build_parser(epilog: str = "") -> argparse.ArgumentParser:
     """The ``leadgate`` argument parser (subcommand names match
     :data:`leadgate.cli.commands.COMMANDS`); ``epilog`` ends every ``--help``."""
     EPILOG[0] = epilog
-    parser = Parser(
+    parser: argparse.ArgumentParser = Parser(
         prog="leadgate", description=DESCRIPTION, epilog=epilog, formatter_class=_FORMATTER
     )
     parser.add_argument("--config", default=None, help=CONFIG_HELP)

@@ -521,9 +521,7 @@ class Database:
             self._skip_locked[id(select)] = (select, locked)
         return locked
 
-    async def check_migrated(self) -> None:
-        """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
-        head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+    def _check_file_exists(self) -> None:
         if self._inline is not None and not os.path.exists(self._inline.path):
             # Connecting would create the file, empty: a misspelt path left a stray
             # database behind each time it was used.
@@ -532,6 +530,11 @@ class Database:
                 "`leadgate db upgrade --config <your config>`",
                 rule="db.not_migrated",
             )
+
+    async def check_migrated(self) -> None:
+        """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
+        head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+        self._check_file_exists()
 
         def current(sync_conn: sa.Connection) -> str | None:
             return MigrationContext.configure(sync_conn).get_current_revision()

@@ -166,9 +166,7 @@ _AGENT_WITH_PRESET = (
 
 async def find_agent_and_lead(conn: Conn, org_id: str, ref: str) -> tuple[Agent, LeadConfig | None]:
     """:func:`find_agent` (not deleted) and :func:`resolve_lead` in one statement."""
-    row = (
-        await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, **ref_params(ref)})
-    ).first()
+    row = (await conn.execute(_AGENT_WITH_PRESET, {"p_org_id": org_id, **ref_params(ref)})).first()
     if row is None:
         raise unknown_agent(ref)
     agent = Agent.from_row(row)

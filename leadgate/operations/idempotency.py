@@ -7,9 +7,11 @@ the first request's answer is stored and every later request gets it back (or th
 SHA-256 of the request (its fingerprint).
 
 While the first request runs, a second one gets 409 ``idempotency.in_progress`` with
-``Retry-After``. If the process running it dies, its claim lapses after
-:data:`LEASE_MS`; the next request takes it over and runs the turn again with the same
-external event id, which the intake de-duplicates in its own transaction
+``Retry-After`` (at most :data:`RETRY_AFTER_MAX_S`). The request running keeps its claim
+fresh (:meth:`Idempotency.held` renews it every :data:`RENEW_EVERY_S`); once nothing
+renews it (its process died, or a database fault kept its release from being written) it
+lapses after :data:`LEASE_MS`, and the next request takes it over and runs the turn again
+with the same external event id, which the intake de-duplicates in its own transaction
 (``inbound_events``): a message that was already taken in is not taken twice (the turn
 answers :class:`~leadgate.core.types.Duplicate`, which the route reports as an answer
 that was lost with the crash), and one that was not is taken now.
@@ -17,7 +19,11 @@ that was lost with the crash), and one that was not is taken now.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +38,23 @@ from leadgate.database.sql import insert_ignore_stmt
 
 #: How long a key's first answer is kept and replayed.
 TTL_MS = 24 * HOUR_MS
-#: How long a request that took a key may run before another one may take it over.
-LEASE_MS = 15 * MINUTE_MS
+#: How long a claim nobody renews holds the key (its request died, or could not release
+#: it): a minute, not the 15 it was, which locked a key that long after a crash, a
+#: database fault, or a client gone mid-stream.
+LEASE_MS = MINUTE_MS
+#: How often a running request renews its claim (real seconds: a background task).
+RENEW_EVERY_S = 20.0
+#: The longest ``Retry-After`` of ``idempotency.in_progress``: the official clients wait
+#: that long between their (two) retries, so a wait taken from the lease left them
+#: idle for up to a minute for an answer that came in seconds.
+RETRY_AFTER_MAX_S = 5
 #: Keys are 1..255 printable ASCII characters.
 KEY_LIMIT = 255
 #: Expired keys are deleted at most this often per process.
 SWEEP_EVERY_MS = 10 * MINUTE_MS
 
 _K = t.idempotency_keys.c
+log = logging.getLogger("leadgate.idempotency")
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,7 @@ class Idempotency:
             if row.response is not None:
                 return Claim("replay", key_hash, response=dict(row.response))
             if row.lease_expires_at > now:
-                wait_s = max(1, min(30, -(-(row.lease_expires_at - now) // 1000)))
+                wait_s = max(1, min(RETRY_AFTER_MAX_S, -(-(row.lease_expires_at - now) // 1000)))
                 return Claim("running", key_hash, retry_after_s=wait_s)
             # The request that took the key died mid-turn: take it over. The intake
             # de-duplicates on the same event id, so its message is not taken twice.
@@ -130,6 +145,35 @@ class Idempotency:
                 t.idempotency_keys.update().where(*where).values(lease_expires_at=now + LEASE_MS)
             )
             return Claim("run", key_hash, _external_id(org, key_hash, row.created_at))
+
+    @contextlib.asynccontextmanager
+    async def held(self, principal: Principal, claim: Claim) -> AsyncIterator[None]:
+        """Keep ``claim`` from lapsing while its request runs (a turn may take minutes)."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(RENEW_EVERY_S)
+                try:
+                    async with self.db.tx() as conn:
+                        await conn.execute(
+                            t.idempotency_keys.update()
+                            .where(
+                                _K.org_id == principal.org_id,
+                                _K.key_hash == claim.key_hash,
+                                _K.response.is_(None),
+                            )
+                            .values(lease_expires_at=self.clock.now_ms() + LEASE_MS)
+                        )
+                except Exception as exc:  # the next round tries again
+                    log.warning("renewing an Idempotency-Key claim failed: %s", type(exc).__name__)
+
+        task = asyncio.create_task(renew())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def finish(self, principal: Principal, claim: Claim, response: dict[str, Any]) -> None:
         """Store the answer of the request that ran the turn (replayed from now on)."""

@@ -631,7 +631,7 @@ class TurnService:
         if handed_off:
             # complete_task was called but never acknowledged: the turn meant its text
             # for review, and no review will see it. Fail closed.
-            log.warning("completion signal of turn %s found its item gone; withholding", ctx.turn_id)
+            log.warning("signal of turn %s found its item gone; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:

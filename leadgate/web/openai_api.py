@@ -19,10 +19,12 @@ Retries never double a message:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +33,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import LeadgateError, Unavailable, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
@@ -122,6 +124,8 @@ class IdempotencyBackend(Protocol):
     ) -> None: ...
 
     async def release(self, principal: Principal, claim: Claim) -> None: ...
+
+    def held(self, principal: Principal, claim: Claim) -> AbstractAsyncContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -329,12 +333,36 @@ class _Chunks:
         }
         self.include_usage = include_usage
         self.frames: list[str] | None = [] if keep else None
+        #: The client went away mid-stream. The turn goes on to its end all the same (its
+        #: message was taken in): the answer is stored in the transcript, and an
+        #: Idempotency-Key's retry gets the whole stream. It used to end the turn as a
+        #: "model failure", its answer lost and its key locked as still running.
+        self.gone = False
+
+    async def start(self, request: web.Request) -> None:
+        """Send the headers and the role chunk (nothing, if the client is gone)."""
+        try:
+            await self.response.prepare(request)
+        except ConnectionError:
+            self.gone = True
+        await self.chunk({"role": "assistant", "content": ""}, None)
 
     async def frame(self, payload: str) -> None:
         text = f"data: {payload}\n\n"
         if self.frames is not None:
             self.frames.append(text)
-        await self.response.write(text.encode())
+        if self.gone:
+            return
+        try:
+            await self.response.write(text.encode())
+        except ConnectionError:  # aiohttp's ClientConnectionResetError is one
+            self.gone = True
+
+    async def end(self) -> None:
+        """The end of the stream."""
+        if not self.gone:
+            with contextlib.suppress(ConnectionError):
+                await self.response.write_eof()
 
     async def chunk(self, delta: dict[str, Any], finish: str | None) -> None:
         payload: dict[str, Any] = {
@@ -422,7 +450,11 @@ def setup(
             request, parsed, f"chatcmpl-{ids.new('c')}", chat, principal, session, claim
         )
         try:
-            response, stored = await exchange.run()
+            if claim is None or idempotency is None:
+                response, stored = await exchange.run()
+            else:
+                async with idempotency.held(principal, claim):
+                    response, stored = await exchange.run()
         except BaseException:
             if claim is not None and idempotency is not None and not exchange.recorded:
                 await idempotency.release(principal, claim)
@@ -519,11 +551,28 @@ class _Exchange:
         except Exception as exc:
             if not self.recorded:
                 raise
-            return self._json(*_error_json(self.request, exc))
+            return self._json(*self._after_intake(exc))
         if isinstance(outcome, Reply):
             completion = _completion(self.cid, parsed.model, self.created, outcome)
             return self._json(200, completion)
         return self._json(*self._refused(outcome))
+
+    def _after_intake(self, exc: BaseException) -> tuple[int, dict[str, Any]]:
+        """The answer to a failure after the message was taken in. A database fault then
+        is no "nothing was stored, retry": the message was stored, and sending it again
+        would send it twice (``turn.interrupted``, still 503, never retried)."""
+        fault = None if isinstance(exc, LeadgateError) else unavailable(exc)
+        if isinstance(exc, Unavailable) or fault is not None:
+            return _error_json(
+                self.request,
+                Unavailable(
+                    "the message was taken in, but its turn could not finish: the database "
+                    "is unavailable. Do not send it again (it would be sent twice); its "
+                    "answer, if any, will be in the session transcript",
+                    rule="turn.interrupted",
+                ),
+            )
+        return _error_json(self.request, exc)
 
     def _refused(self, outcome: Outcome) -> tuple[int, dict[str, Any]]:
         """The 409 of a turn that produced no answer (gated, busy, or a lost answer)."""
@@ -550,11 +599,12 @@ class _Exchange:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         chunks = _Chunks(response, self.cid, parsed.model, parsed.include_usage, self.keep)
+        started = False
 
         async def start() -> None:
-            self.recorded = True
-            await response.prepare(self.request)
-            await chunks.chunk({"role": "assistant", "content": ""}, None)
+            nonlocal started
+            self.recorded = started = True
+            await chunks.start(self.request)
 
         async def delta(piece: str) -> None:
             await chunks.chunk({"content": piece}, None)
@@ -562,15 +612,15 @@ class _Exchange:
         try:
             outcome = await self._send(start, delta)
         except Exception as exc:
-            if not response.prepared:
+            if not started:
                 if not self.recorded:
                     raise
-                return self._json(*_error_json(self.request, exc))
+                return self._json(*self._after_intake(exc))
             # Exactly one error frame, the non-streaming envelope, and no [DONE].
-            await chunks.frame(json.dumps(_error_json(self.request, exc)[1]))
-            await response.write_eof()
+            await chunks.frame(json.dumps(self._after_intake(exc)[1]))
+            await chunks.end()
             return response, self._frames(chunks)
-        if not response.prepared:
+        if not started:
             return self._json(*self._refused(outcome))
         if isinstance(outcome, Reply):
             if outcome.text and not outcome.streamed:
@@ -578,7 +628,7 @@ class _Exchange:
             await chunks.finish(outcome.usage)
         else:
             await chunks.finish(None)  # gated: no text, no workItemId anywhere
-        await response.write_eof()
+        await chunks.end()
         return response, self._frames(chunks)
 
     @staticmethod

@@ -513,9 +513,7 @@ async def test_an_emptied_later_page_and_an_unknown_item_leave_no_stale_queue(
     "Nothing needs a decision" beside a count of waiting items); an address naming no
     work item replaces the page (the queue stayed under the error, no longer updating)."""
     pager = await make_agent(console.service, console.org, "pager", lead="lead")
-    items = [
-        await console.awaiting_item(f"page item {n}", f"p{n}", agent=pager) for n in range(27)
-    ]
+    items = [await console.awaiting_item(f"page item {n}", f"p{n}", agent=pager) for n in range(27)]
     await console.open(page, "pat@example.com", "Member")
     await page.locator("#filter-agent").select_option("pager")
     await expect(page.locator("#queue-total")).to_have_text(re.compile(r"^27 of \d+ waiting$"))

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from leadgate.cli.main import main
-from tests.integration.test_review_cli import Cli, cli  # noqa: F401 (the fixture)
+from tests.integration.test_review_cli import Cli, demo_cli
+
+
+@pytest.fixture
+def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return demo_cli(tmp_path, capsys)
 
 
 def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -306,8 +306,12 @@ async def test_a_body_failing_the_json_checks_is_a_jsonrpc_error_the_client_matc
     async with httpx2.AsyncClient() as http:
         for body, code, rule, request_id in [
             ("{nope", -32700, "body.json", None),
-            ('{"jsonrpc": "2.0", "id": "s", "method": "ping", "params": {"x": "\\ud800"}}',
-             -32602, "body.surrogate", "s"),  # fmt: skip
+            (
+                '{"jsonrpc": "2.0", "id": "s", "method": "ping", "params": {"x": "\\ud800"}}',
+                -32602,
+                "body.surrogate",
+                "s",
+            ),
             (deep + "}}", -32602, "body.depth", 7),
         ]:
             answer = await http.post(served.url, content=body, headers=headers)

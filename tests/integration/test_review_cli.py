@@ -37,6 +37,11 @@ class Cli:
 
 @pytest.fixture
 def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
+    return demo_cli(tmp_path, capsys)
+
+
+def demo_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """A migrated SQLite database with the demo organization and two console users."""
     config = tmp_path / "leadgate.toml"
     config.write_text(
         f'[database]\nurl = "sqlite+aiosqlite:///{tmp_path}/l.db"\n'

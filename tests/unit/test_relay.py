@@ -479,6 +479,7 @@ async def test_retryable_failures_never_give_up_and_are_reported_once_stalled(
     clock = fake_clock(stack)
     channel.script = [Retry("HTTP 503")] * 12
     relay = relay_for(stack, stalled_after=3)
+
     def stalled() -> float:
         labels = {"channel": "slack", "outcome": "stalled"}
         return METRICS.registry.get_sample_value("leadgate_deliveries_total", labels) or 0.0
