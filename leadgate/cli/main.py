@@ -85,6 +85,10 @@ async def _serve(settings: Settings, role: str) -> None:
         keepalive_timeout=settings.server.idle_timeout_s,
         limit=ConnectionLimit(max_connections),
         sends=SendBounds(settings.server.send_timeout_s, settings.server.max_unsent_bytes),
+        # aiohttp waits this long for handlers to end, then as long again for them to
+        # end once told (a request body read is cancelled), and only then cancels them:
+        # half the grace each.
+        shutdown_timeout=settings.server.shutdown_grace_s / 2,
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
@@ -125,7 +129,9 @@ async def _serve(settings: Settings, role: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down")
+    log.info(
+        "shutting down (requests in flight get %g s to finish)", settings.server.shutdown_grace_s
+    )
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await runner.cleanup()

@@ -49,6 +49,10 @@ class ServerSettings(_Section):
     #: A connection whose client takes nothing of its answer for this long is reset
     #: (nginx's ``send_timeout``: a client that keeps reading, however slowly, stays).
     send_timeout_s: float = Field(default=30.0, gt=0)
+    #: On SIGTERM, requests in flight get this long to finish; then their handlers are
+    #: cancelled (a turn waiting on a model that hangs held the exit for 2 minutes, past
+    #: a service manager's stop timeout: systemd 90 s, Kubernetes 30 s).
+    shutdown_grace_s: float = Field(default=20.0, gt=0, le=600)
     #: Bytes of answers waiting for clients that do not read them, at most; beyond, the
     #: connections whose last progress is oldest are reset.
     max_unsent_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024)

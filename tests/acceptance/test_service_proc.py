@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import signal
+import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -16,9 +19,11 @@ from tests.service_proc import (
     AdminError,
     DemoTemplate,
     ServiceProcess,
+    clone_sqlite,
     start_from_template,
     toml_dumps,
 )
+from tests.standins.model_server import ModelServer
 
 
 def post(proc: ServiceProcess, model: str, text: str, session: str = "s") -> tuple[int, Any]:
@@ -115,3 +120,45 @@ def test_postgresql(leadgate_pg: ServiceProcess) -> None:
     assert status == 409 and body["error"]["workItemId"] is None
     status, body = post(leadgate_pg, "worker", "again", session="pg-1")
     assert status == 409 and "workItemId" not in body["error"]
+
+
+async def test_sigterm_cancels_a_request_stuck_on_its_model_after_the_grace(
+    demo_template: DemoTemplate, tmp_path: Path
+) -> None:
+    """A turn waiting on a model that hangs held the exit for two minutes (aiohttp's
+    default 60 s, twice), past a service manager's stop timeout; with ``[server]
+    shutdown_grace_s`` it is cancelled once the grace has passed, and the exit is clean."""
+    async with ModelServer() as model:
+        model.push_hang()
+        proc = ServiceProcess(
+            tmp_path,
+            config={
+                "server": {"shutdown_grace_s": 2.0},
+                "models": {
+                    "hangs": {
+                        "provider": "openai",
+                        "base_url": model.base_url,
+                        "api_key": "sk-test",
+                        "model": "m",
+                        "timeout_s": 60.0,
+                    }
+                },
+            },
+        )
+        assert proc.sqlite_file is not None
+        clone_sqlite(demo_template.database, proc.sqlite_file)
+        proc.demo = demo_template.demo
+        proc.admin("agent", "create", "--org", "demo", "--name", "stuck", "--model", "hangs")
+        proc.start()
+        try:
+            request = asyncio.create_task(asyncio.to_thread(post, proc, "stuck", "hello"))
+            await model.wait_for_requests(1, within_s=10)
+            started = time.monotonic()
+            assert await asyncio.to_thread(proc.stop, 20) == 0
+            took = time.monotonic() - started
+            assert took < 2.0 + 4.0, took  # the grace, and the rest of a clean exit
+            assert "requests in flight get 2 s to finish" in proc.log_text()
+            with contextlib.suppress(Exception):  # the connection closed unanswered
+                await request
+        finally:
+            proc.stop(check=False)
