@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
@@ -198,6 +199,9 @@ class LeadRunner:
         self._held: list[tuple[str, str | None]] = []
         #: lease tokens of claims whose commit may or may not have landed
         self._uncertain: list[str] = []
+        #: verdicts the lead gave whose commit met a database fault: committed (fenced by
+        #: their lease) once the database is back, not asked of the lead a second time
+        self._verdicts: list[_Kept] = []
         #: Set by the composition root when every enqueue in this process calls
         #: :meth:`poke`: a pass then skips the claim while the queue is known empty.
         self.poked_on_enqueue = False
@@ -375,6 +379,7 @@ class LeadRunner:
     async def run_once(self) -> bool:
         """Expire leases (when due), then claim and review one item. True when it did
         work."""
+        await self._commit_kept()
         await self._release_held()
         now = self.clock.now_ms()
         expired = 0
@@ -408,8 +413,24 @@ class LeadRunner:
             )  # the lead's reads failed: review it again later
             raise
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
-        actor = f"lead:{item.lead_agent_id}"
         gating = self._gating.pop((item.id, item.lease_token), None)
+        await self._commit(_Kept(item, verdict, feedback, why, gating))
+
+    async def _commit_kept(self) -> None:
+        """Commit the verdicts a database fault kept from their commit."""
+        while self._verdicts:
+            await self._commit(self._verdicts.pop(0))
+
+    async def _commit(self, kept: _Kept) -> None:
+        """Commit one verdict (fenced by the item's review lease)."""
+        item, verdict, feedback, why, gating = (
+            kept.item,
+            kept.verdict,
+            kept.feedback,
+            kept.why,
+            kept.gating,
+        )
+        actor = f"lead:{item.lead_agent_id}"
         try:
             if (
                 verdict == Verdict.approved
@@ -437,10 +458,11 @@ class LeadRunner:
                     log.warning("lost the review lease of %s; verdict dropped", item.id)
                     return
         except Unavailable:
-            # The verdict could not be stored (database down): give the item back to the
-            # queue as soon as the database is back, instead of holding its 20-minute
-            # lease while alive.
-            self._held.append((item.id, item.lease_token))
+            # The verdict could not be stored (database down): kept, and committed on the
+            # runner's first pass once the database is back, under the item's lease (the
+            # lead is not asked again: it might not answer the same). If the lease is
+            # gone by then, the fence drops it and the item's next review decides.
+            self._verdicts.append(kept)
             raise
         self.on_verdict(verdict if why is None else Verdict.escalated)
 
@@ -591,3 +613,14 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
         return None
     feedback = call.arguments.get("feedback")
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A lead's verdict on a claimed item, until it is committed."""
+
+    item: WorkItem
+    verdict: Verdict
+    feedback: str | None
+    why: str | None
+    gating: tuple[str, str] | None

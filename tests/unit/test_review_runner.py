@@ -914,6 +914,40 @@ async def test_a_review_whose_reads_fail_goes_back_to_the_queue_at_once(
     assert "leaseReleased" in await actions(stack, item_id)
 
 
+async def test_a_verdict_whose_commit_failed_is_committed_later_without_a_second_lead_run(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lead decided; the database was away for the commit. The verdict is kept and
+    committed on the next pass (the README's promise): the item was given back to the
+    queue and the lead asked again, which need not answer the same."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    claimed = await runner.claim()
+    assert claimed is not None
+    decided = 0
+    real_decide = runner._decide
+
+    async def counting(item: Any) -> Any:
+        nonlocal decided
+        decided += 1
+        return await real_decide(item)
+
+    async def by_transaction(*args: Any, **kwargs: Any) -> bool:
+        return False  # the verdict's transaction on either backend
+
+    monkeypatch.setattr(runner, "_decide", counting)
+    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await runner.review(claimed)
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    await drain(runner)  # the database is back
+    assert (await row(stack, item_id))["status"] == "completed"
+    assert decided == 1
+    assert "leaseReleased" not in await actions(stack, item_id)
+
+
 async def test_a_claim_whose_commit_is_uncertain_is_given_back(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
