@@ -144,7 +144,12 @@ async def test_the_queue_is_built_for_triage(env: Env) -> None:
     assert await ids("channel=slack") == [slack, unknown]
     assert await ids("reason=deliveryUnknown") == [unknown]
     assert await ids("agent=worker&channel=slack") == [unknown]
-    assert await ids("agent=nobody") == []
+    # A filter naming no agent is an error, not an empty queue (a misspelt name looked
+    # like "nothing waits").
+    nobody = await env.client.get("/operator/reviews?agent=nobody", headers=env.owner)
+    assert nobody.status == 404
+    assert (await nobody.json())["error"]["rule"] == "agent.not_found"
+    assert await ids("agent=WORKER") == [first, unknown]  # names in any case
     assert await ids("order=newest") == [unknown, slack, first]
     body = await env.get("/operator/reviews?order=newest&limit=2")
     rest = await env.get(f"/operator/reviews?order=newest&limit=2&cursor={body['next']}")
