@@ -51,7 +51,13 @@ _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def error_body(
-    status: int, message: str, code: str | None, rule: str | None, *, type_: str | None = None
+    status: int,
+    message: str,
+    code: str | None,
+    rule: str | None,
+    *,
+    type_: str | None = None,
+    param: str | None = None,
 ) -> dict[str, Any]:
     """The one error envelope of every HTTP surface (REST, operator API, console, MCP):
     ``{"error": {"message", "type", "param", "code", "rule"}}`` — the OpenAI shape, plus
@@ -59,7 +65,7 @@ def error_body(
     error: dict[str, Any] = {
         "message": message,
         "type": type_ or ERROR_TYPES.get(status, "api_error" if status < 500 else "server_error"),
-        "param": None,
+        "param": param,
         "code": code,
         "rule": rule,
     }
@@ -74,13 +80,19 @@ def openai_error(
 
 
 def error_response(
-    request: web.Request, status: int, message: str, code: str, rule: str
+    request: web.Request,
+    status: int,
+    message: str,
+    code: str,
+    rule: str,
+    *,
+    param: str | None = None,
 ) -> web.Response:
     """A JSON error response in the one envelope (:func:`error_body`); 401 answers say
     ``WWW-Authenticate: Bearer``."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     response = web.json_response(
-        error_body(status, message, code, rule), status=status, headers=headers
+        error_body(status, message, code, rule, param=param), status=status, headers=headers
     )
     body = request.content
     if body.exception() is not None or not body.is_eof():

@@ -153,6 +153,38 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, *, whole: 
         raise ValidationError(f"`{name}` must be {what} from {span}", rule=f"{name}.range")
 
 
+#: The request parameters :func:`_check_options` reads (besides ``user``); an error about
+#: one names it as the envelope's ``param``, as OpenAI's do.
+CHECKED_OPTIONS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "top_logprobs",
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop",
+        "metadata",
+        "logprobs",
+        "parallel_tool_calls",
+        "store",
+        "tools",
+        "functions",
+        "tool_choice",
+        "function_call",
+        "response_format",
+        "modalities",
+        "audio",
+    }
+)
+
+
+#: Every request parameter an error's ``param`` may name.
+REQUEST_PARAMS = CHECKED_OPTIONS | {"model", "messages", "n", "stream", "stream_options", "user"}
+
+
 def _check_options(body: dict[str, Any]) -> None:
     """The optional OpenAI parameters leadgate knows: the wrong type or range is a 400
     naming the parameter (they were dropped unread, and ``"user": 5`` quietly chose the
@@ -160,6 +192,11 @@ def _check_options(body: dict[str, Any]) -> None:
     client-side tools, a guaranteed JSON answer, log probabilities, audio. Sampling
     parameters (``temperature``, ``max_tokens``, ...) are checked and then belong to the
     agent: its model configuration decides them (README)."""
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ValidationError("`user` must be a string", rule="user.type")
+    if CHECKED_OPTIONS.isdisjoint(body):
+        return  # the common request: none of them (about 4 us less per request)
     for name, (low, high) in {
         "max_tokens": (1, 2**31 - 1),
         "max_completion_tokens": (1, 2**31 - 1),
@@ -174,9 +211,6 @@ def _check_options(body: dict[str, Any]) -> None:
         "frequency_penalty": (-2, 2),
     }.items():
         _number(body, name, low, high, whole=False)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise ValidationError("`user` must be a string", rule="user.type")
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str)
@@ -213,7 +247,7 @@ def _check_options(body: dict[str, Any]) -> None:
         if choice is not None and choice not in ("none", "auto"):
             raise ValidationError(
                 f"`{name}` may only be none or auto: the agent runs its own tools",
-                rule="tools.unsupported",
+                rule=f"{name}.unsupported",
             )
     response_format = body.get("response_format")
     if response_format is not None:
@@ -406,7 +440,19 @@ def setup(
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         principal = await authenticate(request, authenticate_with, cookie=False)
         body = await json_body(request)
-        parsed = parse_request(body)
+        try:
+            parsed = parse_request(body)
+        except ValidationError as exc:
+            # ``param`` names the request parameter the rule is about, as OpenAI's do.
+            field = exc.rule.split(".", 1)[0]
+            return error_response(
+                request,
+                exc.status,
+                exc.message,
+                exc.code,
+                exc.rule,
+                param=field if field in REQUEST_PARAMS else None,
+            )
         session = header_text(request, "X-Session-Id")
         key = request.headers.get("Idempotency-Key")
         if key is None or idempotency is None:

@@ -426,7 +426,7 @@ REFUSED_OPTIONS: list[tuple[dict[str, Any], str]] = [
     ({"metadata": "x"}, "metadata.type"),
     ({"tools": "x"}, "tools.type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.unsupported"),
-    ({"tool_choice": "required"}, "tools.unsupported"),
+    ({"tool_choice": "required"}, "tool_choice.unsupported"),
     ({"response_format": {"type": "json_object"}}, "response_format.unsupported"),
     ({"response_format": "json"}, "response_format.type"),
     ({"logprobs": True}, "logprobs.unsupported"),
@@ -443,7 +443,9 @@ async def test_parameters_are_checked_and_what_the_agent_cannot_do_is_refused(
     for extra, rule in REFUSED_OPTIONS:
         resp = await env.chat("plain", "hi", session="opts", **extra)
         assert resp.status == 400, extra
-        assert (await resp.json())["error"]["rule"] == rule, extra
+        error = (await resp.json())["error"]
+        assert error["rule"] == rule, extra
+        assert error["param"] == rule.split(".")[0], extra  # as OpenAI names it
     assert await env.user_messages("plain", "opts") == []  # nothing taken in
     # The sampling parameters a client commonly sends are checked, then the agent's.
     official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
