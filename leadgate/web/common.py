@@ -247,15 +247,30 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             # A 405 must say which methods the path takes (RFC 9110 15.5.6).
             answer.headers["Allow"] = exc.headers["Allow"]
         return answer
+    except ConnectionError as exc:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            # The client went away while its answer was written: nobody to answer, no
+            # fault of ours or the database's (it was counted as a database 503). 499 is
+            # nginx's "client closed request"; aiohttp drops the answer quietly (raising
+            # instead, aiohttp logged an ERROR with a traceback).
+            log.info("%s %s: the client went away", request.method, request.path)
+            return web.Response(status=499)
+        return _fault_or_bug(request, exc)
     except Exception as exc:
-        fault = unavailable(exc)
-        if fault is not None:
-            # A database fault that escaped the transaction helpers: still a 503.
-            return _unavailable_response(request, fault)
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request, 500, "internal error", "internal_error", "internal")
+        return _fault_or_bug(request, exc)
     finally:
         structlog.contextvars.reset_contextvars(**tokens)
+
+
+def _fault_or_bug(request: web.Request, exc: BaseException) -> web.Response:
+    """A 503 for a database fault that escaped the transaction helpers; else a 500
+    (logged with its traceback: called while ``exc`` is being handled)."""
+    fault = unavailable(exc)
+    if fault is not None:
+        return _unavailable_response(request, fault)
+    log.exception("unhandled error on %s %s", request.method, request.path)
+    return error_response(request, 500, "internal error", "internal_error", "internal")
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
