@@ -39,7 +39,14 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from bots.base import Adapter, Core, accept
 from bots.email_out import EmailChannel, build_reply, message_id_for
-from bots.email_parse import parse_mail, reply_subject, strip_quoted, utf8_address
+from bots.email_parse import (
+    MAX_MULTIPARTS,
+    TooManyParts,
+    parse_mail,
+    reply_subject,
+    strip_quoted,
+    utf8_address,
+)
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
 from leadgate.core.limits import SESSION_KEY_LIMIT
@@ -141,6 +148,9 @@ class EmailHandler:
             # Up to a megabyte of MIME, parsed in pure Python: off the event loop, so one
             # mail does not hold up every other request while it is taken apart.
             mail = await asyncio.to_thread(parse_mail, raw, envelope_sender)
+        except TooManyParts:
+            log.info("email: refused a message of more than %d MIME parts", MAX_MULTIPARTS)
+            return "554 5.6.0 Message has too many MIME parts"
         except Exception:
             log.warning("email: unparseable message", exc_info=True)
             return "554 5.6.0 Message could not be parsed"

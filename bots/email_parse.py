@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 MAX_CHARS = 1_000_000
 # Long threads would grow References without bound; RFC 5322 allows trimming the middle.
 MAX_REFERENCES = 20
+#: ``multipart`` parts a message may declare: real mail nests a handful (alternative
+#: inside mixed inside a forward); 3,000 nested ones took 2.4 s of parsing.
+MAX_MULTIPARTS = 100
+_MULTIPART = re.compile(rb"content-type:[ \t]*multipart/", re.IGNORECASE)
+
+
+class TooManyParts(ValueError):
+    """The message declares more than :data:`MAX_MULTIPARTS` multipart parts."""
+
 
 # No blanks or control characters: an id goes back out in In-Reply-To and References.
 _MSGID = re.compile(r"<[^<>\s\x00-\x1f\x7f]+>")
@@ -188,7 +197,10 @@ class ParsedMail:
 
 
 def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
-    """Parse ``raw``; None when it has no text body (after quoted text is removed)."""
+    """Parse ``raw``; None when it has no text body (after quoted text is removed).
+    :class:`TooManyParts` before any parsing for a message nested past the bound."""
+    if len(_MULTIPART.findall(raw)) > MAX_MULTIPARTS:
+        raise TooManyParts(f"more than {MAX_MULTIPARTS} multipart parts")
     message = email.message_from_bytes(raw, policy=email.policy.default)
     assert isinstance(message, EmailMessage)
     own = _msgids(message.get("Message-ID"))

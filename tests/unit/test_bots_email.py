@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from email.message import EmailMessage
 from typing import Any
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from bots.base import RouteMatch
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
+from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.types import BindingKind
 from tests.fakes import FakeCore, mount_adapter
@@ -270,6 +272,38 @@ async def test_oversize_message_is_552(listener: Listener) -> None:
     assert info.value.code == 552
     await listener.core.drain()
     assert listener.core.triggers == []
+
+
+def _nested(depth: int, text: str = "the innermost text") -> bytes:
+    """A message whose body is ``depth`` multiparts, each inside the one before."""
+    head = f"From: {ALICE}\r\nTo: {BOT}\r\nSubject: deep\r\nMessage-ID: <deep@x>\r\n"
+    opening = "".join(
+        f"Content-Type: multipart/mixed; boundary=b{n}\r\n\r\n--b{n}\r\n" for n in range(depth)
+    )
+    closing = "".join(f"\r\n--b{n}--\r\n" for n in reversed(range(depth)))
+    inner = f"Content-Type: text/plain\r\n\r\n{text}"
+    return (head + opening + inner + closing).encode()
+
+
+async def test_a_message_nested_past_the_bound_is_refused_before_parsing(
+    listener: Listener,
+) -> None:
+    """3,000 nested multiparts took 2.4 s of parsing; past MAX_MULTIPARTS (100) the
+    message is refused (554) after a scan of its bytes."""
+    bomb = _nested(3_000)
+    started = time.perf_counter()
+    with pytest.raises(TooManyParts):
+        parse_mail(bomb, ALICE)
+    assert time.perf_counter() - started < 0.5
+    with pytest.raises(aiosmtplib.SMTPDataError) as info:
+        await listener.send(bomb)
+    assert (info.value.code, info.value.message) == (554, "5.6.0 Message has too many MIME parts")
+    # Real mail nests a handful of levels, and even 100 are read.
+    mail = parse_mail(_nested(MAX_MULTIPARTS), ALICE)
+    assert mail is not None and mail.text == "the innermost text"
+    await listener.send(_nested(5))
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == ["the innermost text"]
 
 
 @pytest.mark.parametrize("body", ["", "   \n\n", "> only a quote\n"])
