@@ -49,7 +49,7 @@ from bots.email_parse import (
 )
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
-from leadgate.core.limits import SESSION_KEY_LIMIT
+from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from outbox.channel import Channel
@@ -213,8 +213,6 @@ class EmailHandler:
 #: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT
 #: commands; a mail to more is delivered again for the rest, after a 452).
 MAX_RECIPIENTS = 100
-#: What the core stores of an inbound event id and a session key (longer is refused).
-EVENT_ID_LIMIT = 300
 
 
 def _bounded(text: str, limit: int) -> str:

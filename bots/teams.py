@@ -228,14 +228,12 @@ def _classify_status(exc: ErrorResponseException) -> SendOutcome:
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
     detail = f"teams connector HTTP {status}: {exc}"
-    if status == 429:
+    if status in (408, 429, 503):
+        # Not processed: rate limited (429), the request not read in time (408), or the
+        # service refusing it (503). Known to be pre-write, so sent again (Retry-After).
         return Retry(detail, _retry_after(getattr(response, "headers", None)))
     if status in (401, 403, 404):
         return Permanent(detail)
-    if status in (408, 503):
-        # Not processed: the request was not read in time (408), or the service refused
-        # it (503, with Retry-After). Known to be pre-write, so sent again.
-        return Retry(detail, _retry_after(getattr(response, "headers", None)))
     if isinstance(status, int) and status >= 500:
         # 500, and a gateway's 502/504 in front of the Connector, may come after the
         # activity was stored; the Connector has no idempotency key, so sending again

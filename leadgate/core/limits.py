@@ -26,6 +26,8 @@ FEEDBACK_LIMIT = 10_000
 SESSION_NAME_LIMIT = 200
 #: ``sessions.key`` is VARCHAR(500): a stored session key, prefix included.
 SESSION_KEY_LIMIT = 500
+#: ``inbound_events.external_event_id`` is VARCHAR(300); a route attribute is held to it too.
+EVENT_ID_LIMIT = 300
 
 
 def validate_message(text: Any) -> str:

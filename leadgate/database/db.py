@@ -175,17 +175,10 @@ class Database:
         #: this process's writer queue), and on PostgreSQL for a pooled connection. Past
         #: it a transaction fails with :class:`leadgate.core.errors.Unavailable` (503).
         self.busy_timeout_s = busy_timeout_s
-        try:
-            parsed = sa.engine.make_url(url)
-        except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
-            # The message never quotes the URL: it may hold a password.
-            raise ConfigError(f"database.url is not a valid URL: {exc}") from None
+        parsed = checked_url(url)
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         self._skip_locked: dict[int, tuple[sa.Select[Any], sa.Select[Any]]] = {}
-        if not (self.is_sqlite or self.is_postgres):
-            raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
-        check_sqlite_path(parsed)
         #: Whether a write that has a one-statement form runs as that statement (see
         #: :meth:`write_alone`); otherwise its transaction writes the same rows. Only
         #: PostgreSQL has such forms: they are data-modifying CTEs, which SQLite lacks,
@@ -734,30 +727,34 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
-def check_sqlite_path(url: sa.engine.URL) -> None:
-    """A SQLite file path SQLite can open: not a directory, in a directory that exists
-    (both were ``unable to open database file`` from deep in the driver, exit 1, and now
-    and then an ``Event loop is closed`` traceback as the failed engine was torn down)."""
-    path = url.database
-    if url.get_backend_name() != "sqlite" or path in (None, "", ":memory:"):
-        return
+def checked_url(url: str) -> sa.engine.URL:
+    """``database.url`` parsed: a SQLite or PostgreSQL URL, and for a SQLite file a path
+    SQLite can open, not a directory and in a folder that exists (both were ``unable to
+    open database file`` from deep in the driver, exit 1, and now and then an ``Event loop
+    is closed`` traceback as the failed engine was torn down). :class:`ConfigError`
+    otherwise, whose message never quotes the URL (it may hold a password)."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
+        raise ConfigError(f"database.url is not a valid URL: {exc}") from None
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
+        raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+    path = parsed.database
+    if backend != "sqlite" or path in (None, "", ":memory:"):
+        return parsed
     if os.path.isdir(path):
         raise ConfigError(f"database.url names a directory, not a database file: {path}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"the folder of the database file does not exist: {folder}")
+    return parsed
 
 
 def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision."""
-    try:
-        backend = sa.engine.make_url(url).get_backend_name()
-    except (sa.exc.ArgumentError, ValueError) as exc:
-        raise ConfigError(f"database.url is not a valid URL: {exc}") from None
-    if backend not in ("sqlite", "postgresql"):
-        # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
-        raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
-    check_sqlite_path(sa.engine.make_url(url))
+    checked_url(url)
     cfg = alembic_config(url)
     command.upgrade(cfg, "head")
     head = ScriptDirectory.from_config(cfg).get_current_head()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from leadgate.core.limits import EVENT_ID_LIMIT
+
 metadata = sa.MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -201,7 +203,7 @@ inbound_events = sa.Table(
     sa.Column("work_item_id", ID),
     sa.Column("outcome", sa.String(30), nullable=False),  # accepted | rejectedBusy
     sa.Column("content", sa.Text, nullable=False),
-    sa.Column("external_event_id", sa.String(300), unique=True),
+    sa.Column("external_event_id", sa.String(EVENT_ID_LIMIT), unique=True),
     sa.Column("created_at", MS, nullable=False),
 )
 

@@ -10,7 +10,7 @@ from binding import routes
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import check_value
 from leadgate.core.errors import ValidationError
-from leadgate.core.limits import validate_message, validate_session_key
+from leadgate.core.limits import EVENT_ID_LIMIT, validate_message, validate_session_key
 from leadgate.core.tasks import Background
 from leadgate.core.types import (
     BindingKind,
@@ -158,7 +158,7 @@ def _check_identifiers(inbound: Inbound) -> None:
         {"attrs": inbound.route_attrs, "address": inbound.address, "id": inbound.external_event_id}
     )
     validate_session_key(inbound.session_key)
-    if len(inbound.external_event_id) > 300 or any(
-        len(value) > 300 for value in inbound.route_attrs.values()
+    if len(inbound.external_event_id) > EVENT_ID_LIMIT or any(
+        len(value) > EVENT_ID_LIMIT for value in inbound.route_attrs.values()
     ):
         raise ValidationError("an identifier in the request is too long", rule="inbound.id")

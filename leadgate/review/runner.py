@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import sqlalchemy as sa
 
@@ -423,13 +423,7 @@ class LeadRunner:
 
     async def _commit(self, kept: _Kept) -> None:
         """Commit one verdict (fenced by the item's review lease)."""
-        item, verdict, feedback, why, gating = (
-            kept.item,
-            kept.verdict,
-            kept.feedback,
-            kept.why,
-            kept.gating,
-        )
+        item, verdict, feedback, why, gating = kept
         actor = f"lead:{item.lead_agent_id}"
         try:
             if (
@@ -615,8 +609,7 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
 
 
-@dataclass(frozen=True)
-class _Kept:
+class _Kept(NamedTuple):
     """A lead's verdict on a claimed item, until it is committed."""
 
     item: WorkItem

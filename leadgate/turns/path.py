@@ -623,15 +623,11 @@ class TurnService:
                 return await self._withhold(ctx, text, revision_item)
         if signal is not None:
             return await self._submit(ctx, text, signal, revision_item)
-        if signalled:
-            # complete_task was acknowledged, but another turn of the same item signalled
-            # (or submitted) meanwhile and this turn's signal is gone: still withheld.
-            log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
-            return await self._withhold(ctx, text, revision_item)
-        if handed_off:
-            # complete_task was called but never acknowledged: the turn meant its text
-            # for review, and no review will see it. Fail closed.
-            log.warning("signal of turn %s found its item gone; withholding", ctx.turn_id)
+        if signalled or handed_off:
+            # The turn meant its text for review, but its signal is gone (another turn of
+            # the item signalled or submitted meanwhile) or was refused (the item had
+            # left inProgress): still withheld, never shown unreviewed.
+            log.warning("completion signal of turn %s is gone; withholding", ctx.turn_id)
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:

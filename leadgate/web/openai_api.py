@@ -153,18 +153,22 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, *, whole: 
         raise ValidationError(f"`{name}` must be {what} from {span}", rule=f"{name}.range")
 
 
+#: The numeric parameters :func:`_check_options` checks: (lowest, highest, integer only).
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "max_tokens": (1, 2**31 - 1, True),
+    "max_completion_tokens": (1, 2**31 - 1, True),
+    "seed": (-(2**63), 2**63 - 1, True),
+    "top_logprobs": (0, 20, True),
+    "temperature": (0, 2, False),
+    "top_p": (0, 1, False),
+    "presence_penalty": (-2, 2, False),
+    "frequency_penalty": (-2, 2, False),
+}
 #: The request parameters :func:`_check_options` reads (besides ``user``); an error about
 #: one names it as the envelope's ``param``, as OpenAI's do.
 CHECKED_OPTIONS = frozenset(
     {
-        "max_tokens",
-        "max_completion_tokens",
-        "seed",
-        "top_logprobs",
-        "temperature",
-        "top_p",
-        "presence_penalty",
-        "frequency_penalty",
+        *_RANGES,
         "stop",
         "metadata",
         "logprobs",
@@ -197,20 +201,8 @@ def _check_options(body: dict[str, Any]) -> None:
         raise ValidationError("`user` must be a string", rule="user.type")
     if CHECKED_OPTIONS.isdisjoint(body):
         return  # the common request: none of them (about 4 us less per request)
-    for name, (low, high) in {
-        "max_tokens": (1, 2**31 - 1),
-        "max_completion_tokens": (1, 2**31 - 1),
-        "seed": (-(2**63), 2**63 - 1),
-        "top_logprobs": (0, 20),
-    }.items():
-        _number(body, name, low, high, whole=True)
-    for name, (low, high) in {
-        "temperature": (0, 2),
-        "top_p": (0, 1),
-        "presence_penalty": (-2, 2),
-        "frequency_penalty": (-2, 2),
-    }.items():
-        _number(body, name, low, high, whole=False)
+    for name, (low, high, whole) in _RANGES.items():
+        _number(body, name, low, high, whole=whole)
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str)
@@ -309,11 +301,8 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
                 "`stream_options` is only allowed when `stream` is true", rule="stream_options"
             )
         include_usage = flag
-    _check_options(body)
-    user = body.get("user")
-    return ChatRequest(
-        model, text, user if isinstance(user, str) and user else None, stream, include_usage
-    )
+    _check_options(body)  # (``user``, when given, is a string from here on)
+    return ChatRequest(model, text, body.get("user") or None, stream, include_usage)
 
 
 def _usage(usage: Usage | None) -> dict[str, int]:
@@ -607,8 +596,9 @@ class _Exchange:
         """The answer to a failure after the message was taken in. A database fault then
         is no "nothing was stored, retry": the message was stored, and sending it again
         would send it twice (``turn.interrupted``, still 503, never retried)."""
-        fault = None if isinstance(exc, LeadgateError) else unavailable(exc)
-        if isinstance(exc, Unavailable) or fault is not None:
+        # (A model error is never read as a database fault, whatever its causes are.)
+        fault = exc if isinstance(exc, LeadgateError) else unavailable(exc)
+        if isinstance(fault, Unavailable):
             return _error_json(
                 self.request,
                 Unavailable(
