@@ -1,11 +1,15 @@
 """Microsoft Teams through the Bot Framework SDK (botbuilder ``CloudAdapter``).
 
-Inbound: ``POST /api/messages``. With authentication on, a request whose
-``Authorization`` is not a bearer JWT (its header segment unreadable) is ``401`` before
-its body is read. The body is then read and decoded through the one decoding path (413
-over the size limit, 400 for bad JSON); the Bot Framework JWT, whose claims are checked
-against the activity's ``serviceUrl`` and ``channelId`` (so the signature check needs the
-parsed body), is then checked by the SDK's ``ConfigurationBotFrameworkAuthentication``;
+Inbound: ``POST /api/messages``. With authentication on, the Bot Framework JWT is
+verified before the body is read: a request whose ``Authorization`` is not a bearer JWT
+(its header segment unreadable) is ``401`` at once, and then the SDK's
+``ConfigurationBotFrameworkAuthentication`` checks the token's signature, issuer,
+audience (our app id) and lifetime on its own (an activity without ``serviceUrl`` and
+``channelId``: the SDK checks neither then), so a sender without a valid token never gets
+its body parsed. The body is then read and decoded through the one decoding path (413
+over the size limit, 400 for bad JSON), and the SDK checks the token again against the
+parsed activity: its ``serviceurl`` claim must name the activity's ``serviceUrl``, and its
+signing key must be endorsed for the activity's ``channelId``. Then
 a message activity becomes a
 :class:`leadgate.core.types.Inbound` that is **recorded** (:func:`bots.base.accept`)
 before the channel gets its ``202`` (Teams allows 15 s), and its turn runs in the
@@ -448,8 +452,14 @@ class TeamsAdapter:
         malformed token surface as an arbitrary exception (a 500), which is a 401 here.
         """
         token = bearer_token(request)
-        if self.auth_enabled and (token is None or not _readable_jwt(token)):
-            # No body is read for a sender that cannot even present a token.
+        auth_header = request.headers.get("Authorization", "")
+        if self.auth_enabled and (
+            token is None
+            or not _readable_jwt(token)
+            # The token alone (signature, issuer, audience, lifetime): no body is read
+            # for a sender that cannot present a valid one.
+            or await self._authenticate(Activity(), auth_header) is None
+        ):
             return web.Response(status=401, text="unauthorized")
         if request.content_type != "application/json":
             return web.Response(status=415, text="expected application/json")
@@ -460,12 +470,10 @@ class TeamsAdapter:
             return web.Response(status=400, text="body is not an activity")
         if not isinstance(activity.type, str) or not activity.type:
             return web.Response(status=400, text="body is not an activity")
-        try:
-            auth_result = await self._authenticate(
-                activity, request.headers.get("Authorization", "")
-            )
-        except Exception as exc:
-            log.info("teams: rejected an unauthenticated request: %r", exc)
+        # Again with the activity: the token must be the one issued for this serviceUrl
+        # and channel (in no-auth mode, the SDK's anonymous identity).
+        auth_result = await self._authenticate(activity, auth_header)
+        if auth_result is None:
             return web.Response(status=401, text="unauthorized")
         invoke = await self.cloud_adapter.process_activity(auth_result, activity, self.bot.on_turn)
         if invoke is not None:
@@ -481,21 +489,27 @@ class TeamsAdapter:
         return web.Response(status=202)
 
     async def _authenticate(self, activity: Activity, auth_header: str) -> Any:
+        """The SDK's authentication result, or None when it refuses the request (the SDK
+        raises arbitrary exceptions for a bad token, so any of them is a refusal)."""
+
         def run() -> Any:
             return asyncio.run(self.auth.authenticate_request(activity, auth_header))
 
-        if self._auth_pool is None:  # not started through the app (direct use in tests)
-            return await self.auth.authenticate_request(activity, auth_header)
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(
-            loop.run_in_executor(self._auth_pool, run), timeout=self._auth_timeout_s
-        )
+        try:
+            if self._auth_pool is None:  # not started through the app (direct use in tests)
+                return await self.auth.authenticate_request(activity, auth_header)
+            loop = asyncio.get_running_loop()
+            return await asyncio.wait_for(
+                loop.run_in_executor(self._auth_pool, run), timeout=self._auth_timeout_s
+            )
+        except Exception as exc:
+            log.info("teams: rejected an unauthenticated request: %r", exc)
+            return None
 
 
 def _readable_jwt(token: str) -> bool:
     """Whether ``token`` (printable ASCII, from :func:`bearer_token`) is a JWT whose JOSE
-    header decodes (no signature checked: that needs the activity, see the module
-    docstring)."""
+    header decodes (no signature checked: the SDK does that next)."""
     try:
         jwt.get_unverified_header(token)
     except jwt.PyJWTError:

@@ -21,6 +21,7 @@ from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind
 from tests.fakes import FakeCore, mount_adapter
+from tests.standins.botframework_keys import BotFrameworkKeys, rsa_key
 from tests.standins.connector import message_activity, post_activity
 
 APP_ID = "11111111-2222-3333-4444-555555555555"
@@ -291,11 +292,10 @@ async def test_without_a_bearer_jwt_the_body_is_not_read(
         session.post(secured_bot.url, data="{", headers=headers) as r,
     ):
         status = r.status
-    if token == FORGED_JWT:
-        assert status == 415  # a readable token: the body's checks come next
-    else:
-        assert status == 401
-    assert secured_bot.core.triggers == [] and dns_guard.hosts == []
+    assert status == 401
+    assert secured_bot.core.triggers == []
+    # Only a readable token makes the SDK look for its signing key (offline: refused).
+    assert dns_guard.hosts == ([] if token != FORGED_JWT else ["login.botframework.com"])
 
 
 async def test_a_token_of_non_ascii_bytes_is_401(secured_bot: Server) -> None:
@@ -352,6 +352,105 @@ async def test_slow_key_fetch_times_out_without_blocking_the_loop(
     assert elapsed < 0.9
     assert ticks >= 5  # the event loop kept running meanwhile
     assert secured_bot.core.triggers == []
+
+
+async def _signed_bot(
+    monkeypatch: pytest.MonkeyPatch, keys: BotFrameworkKeys
+) -> AsyncIterator[Server]:
+    """A secured bot whose SDK fetches its signing keys from ``keys`` (on 127.0.0.1)."""
+    from botframework.connector.auth import ChannelValidation
+
+    await keys.start()
+    monkeypatch.setattr(ChannelValidation, "open_id_metadata_endpoint", keys.metadata_url)
+    core = FakeCore(_route_all)
+    settings = TeamsSettings(app_id=APP_ID, app_password="secret")
+    try:
+        async for server in _serve(TeamsAdapter(settings, core, auth_timeout_s=5.0), core):
+            yield server
+    finally:
+        await keys.close()
+
+
+@pytest.fixture
+def keys() -> BotFrameworkKeys:
+    return BotFrameworkKeys()
+
+
+@pytest.fixture
+async def signed_bot(
+    monkeypatch: pytest.MonkeyPatch, keys: BotFrameworkKeys
+) -> AsyncIterator[Server]:
+    async for server in _signed_bot(monkeypatch, keys):
+        yield server
+
+
+async def test_a_token_the_connector_signed_runs_the_turn(
+    signed_bot: Server, keys: BotFrameworkKeys
+) -> None:
+    token = keys.token(app_id=APP_ID, service_url=SERVICE_URL)
+    activity = message_activity(service_url=SERVICE_URL, text="hi", activity_id="1700000000009")
+    status, _ = await post_activity(signed_bot.url, activity, token=token)
+    assert status == 202
+    await signed_bot.core.drain()
+    [trigger] = signed_bot.core.triggers
+    assert trigger.external_event_id == "teams:1700000000009"
+
+
+@pytest.mark.parametrize(
+    "claims",
+    [
+        {"key": "forged"},  # signed by another key under the same kid
+        {"lifetime_s": -900},  # expired beyond the SDK's 5 minutes of tolerance
+        {"app_id": "99999999-2222-3333-4444-555555555555"},  # for another bot
+        {"issuer": "https://sts.windows.net/evil/"},
+    ],
+)
+async def test_the_token_is_verified_before_the_body_is_read(
+    signed_bot: Server, keys: BotFrameworkKeys, claims: dict[str, Any]
+) -> None:
+    from aiohttp import ClientSession
+
+    arguments: dict[str, Any] = {"app_id": APP_ID, "service_url": SERVICE_URL}
+    arguments.update(claims)
+    if arguments.pop("key", None) == "forged":
+        arguments["key"] = rsa_key()
+    good = keys.token(app_id=APP_ID, service_url=SERVICE_URL)
+    bad = keys.token(**arguments)
+    statuses = []
+    async with ClientSession() as session:
+        for token in (good, bad):
+            # Not JSON, not even the right content type: a 415 means the body was read.
+            headers = {"Content-Type": "text/plain", "Authorization": f"Bearer {token}"}
+            async with session.post(signed_bot.url, data="{", headers=headers) as r:
+                statuses.append(r.status)
+    assert statuses == [415, 401]
+    assert signed_bot.core.triggers == []
+
+
+async def test_a_token_issued_for_another_service_url_is_401(
+    signed_bot: Server, keys: BotFrameworkKeys
+) -> None:
+    # A valid token replayed with an activity that names another connector to answer.
+    token = keys.token(app_id=APP_ID, service_url="http://127.0.0.1:9/other/")
+    status, _ = await post_activity(
+        signed_bot.url, message_activity(service_url=SERVICE_URL, text="hi"), token=token
+    )
+    assert status == 401
+    await signed_bot.core.drain()
+    assert signed_bot.core.triggers == [] and signed_bot.core.route_queries == []
+
+
+async def test_a_key_not_endorsed_for_the_activitys_channel_is_401(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = BotFrameworkKeys(endorsements=("webchat",))
+    async for bot in _signed_bot(monkeypatch, keys):
+        token = keys.token(app_id=APP_ID, service_url=SERVICE_URL)
+        activity = message_activity(service_url=SERVICE_URL, text="hi")  # channelId msteams
+        status, _ = await post_activity(bot.url, activity, token=token)
+        assert status == 401
+        await bot.core.drain()
+        assert bot.core.triggers == []
 
 
 def test_create_is_off_unless_enabled_or_app_id() -> None:
