@@ -358,10 +358,13 @@ async def _signed_bot(
     monkeypatch: pytest.MonkeyPatch, keys: BotFrameworkKeys
 ) -> AsyncIterator[Server]:
     """A secured bot whose SDK fetches its signing keys from ``keys`` (on 127.0.0.1)."""
-    from botframework.connector.auth import ChannelValidation
+    from botframework.connector.auth import ChannelValidation, JwtTokenExtractor
 
     await keys.start()
     monkeypatch.setattr(ChannelValidation, "open_id_metadata_endpoint", keys.metadata_url)
+    # The SDK caches metadata per URL for a day: a later test on the same port must not
+    # be handed this test's key.
+    monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
     core = FakeCore(_route_all)
     settings = TeamsSettings(app_id=APP_ID, app_password="secret")
     try:
