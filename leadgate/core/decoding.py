@@ -47,7 +47,8 @@ BODY_TIMEOUT_KEY = web.AppKey("leadgate_body_timeout_s", float)
 INT64_MAX = 2**63 - 1
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
+#: What no database stores in text: NUL (PostgreSQL) and lone surrogates (both).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def _no_constant(name: str) -> Any:
@@ -149,7 +150,7 @@ def decode_json(raw: bytes | str, *, allow_nul: bool = False, max_depth: int = M
 
 def check_value(value: Any, *, allow_nul: bool = False, max_depth: int = MAX_DEPTH) -> None:
     """Walk a decoded JSON value without recursion: depth, lone surrogates, NULs."""
-    bad = _SURROGATE if allow_nul else _SURROGATE_OR_NUL
+    bad = _SURROGATE if allow_nul else UNSTORABLE
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()

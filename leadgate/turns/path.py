@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 
 import sqlalchemy as sa
@@ -19,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.decoding import UNSTORABLE
 from leadgate.core.errors import LeadgateError, ModelError, TransitionError, Unavailable
 from leadgate.core.limits import (
     SNAPSHOT_LIMIT,
@@ -856,12 +856,9 @@ class TurnService:
         )
 
 
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
 def _storable(text: str) -> str:
     """``text`` with what no database can store (NUL, lone surrogates) replaced."""
-    return _UNSTORABLE.sub("\ufffd", text)
+    return UNSTORABLE.sub("\ufffd", text)
 
 
 def provenance_problems(
