@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import socket
 import time
@@ -49,7 +48,7 @@ from bots.email_parse import (
 )
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import LeadgateError
-from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT
+from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from outbox.channel import Channel
@@ -183,7 +182,7 @@ class EmailHandler:
             inbound = Inbound(
                 channel=BindingKind.email,
                 route_attrs={"address": recipient, "sender": mail.sender},
-                session_key=_bounded(f"email:{recipient}:{mail.root_id}", SESSION_KEY_LIMIT),
+                session_key=bounded(f"email:{recipient}:{mail.root_id}", SESSION_KEY_LIMIT),
                 text=mail.text,
                 address={
                     "to": mail.sender,
@@ -193,7 +192,7 @@ class EmailHandler:
                     "references": mail.references,
                 },
                 # Per recipient: one mail to two routed addresses is two triggers.
-                external_event_id=_bounded(f"email:{recipient}:{mail.message_id}", EVENT_ID_LIMIT),
+                external_event_id=bounded(f"email:{recipient}:{mail.message_id}", EVENT_ID_LIMIT),
             )
             # Recorded before the 250: once the sender is told OK, the mail is ours.
             try:
@@ -213,18 +212,6 @@ class EmailHandler:
 #: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT
 #: commands; a mail to more is delivered again for the rest, after a 452).
 MAX_RECIPIENTS = 100
-
-
-def _bounded(text: str, limit: int) -> str:
-    """``text``, or when it is longer than ``limit`` its head and a digest of the whole.
-
-    A legal ``Message-ID`` may run to nearly 1,000 characters, and a mail to several
-    recipients must not be refused for one long address after the others were recorded;
-    the same mail still gives the same id (retries de-duplicate, replies thread)."""
-    if len(text) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"{text[: limit - len(digest) - 1]}~{digest}"
 
 
 # ----------------------------------------------------------------------------- adapter

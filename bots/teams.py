@@ -61,6 +61,7 @@ from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.decoding import bearer_token, json_object, read_body
 from leadgate.core.errors import ConfigError
+from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
@@ -162,10 +163,14 @@ def parse_message(activity: Activity) -> Inbound | None:
     return Inbound(
         channel=BindingKind.teams,
         route_attrs={"tenant": tenant, "conversation": conversation_id},
-        session_key=f"teams:{tenant}:{conversation_id}",
+        session_key=bounded(f"teams:{tenant}:{conversation_id}", SESSION_KEY_LIMIT),
         text=text,
         address={"reference": reference.serialize(), "activity_id": activity.id},
-        external_event_id=f"teams:{activity.id}",
+        # A message's id is unique only in its conversation (a millisecond timestamp):
+        # two conversations posting in the same millisecond are two messages.
+        external_event_id=bounded(
+            f"teams:{tenant}:{conversation_id}:{activity.id}", EVENT_ID_LIMIT
+        ),
     )
 
 

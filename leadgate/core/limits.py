@@ -6,6 +6,7 @@ path relies on that and applies the storage caps (task context, snapshot).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -51,6 +52,19 @@ def validate_message(text: Any) -> str:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text``, or when it is longer than ``limit`` its head and a digest of the whole.
+
+    For keys built from what a platform sends (a ``Message-ID`` may run to nearly 1,000
+    characters, a Teams conversation id has no documented bound): a message must not be
+    refused for one long id after others were recorded, and the same input still gives
+    the same key (retries de-duplicate, replies thread)."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{text[: limit - len(digest) - 1]}~{digest}"
 
 
 def validate_session_key(key: str) -> str:

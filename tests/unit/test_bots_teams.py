@@ -132,7 +132,10 @@ async def test_message_becomes_one_trigger(open_bot: Server) -> None:
     assert trigger.org_id == "org-1" and trigger.agent_id == "agent-1"
     assert trigger.text == "please summarise the report"
     assert trigger.session_key == "teams:tenant-9:19:abc@thread.tacv2;messageid=1700000000001"
-    assert trigger.external_event_id == "teams:1700000000001"
+    assert (
+        trigger.external_event_id
+        == "teams:tenant-9:19:abc@thread.tacv2;messageid=1700000000001:1700000000001"
+    )
     assert trigger.binding.kind is BindingKind.teams
     assert trigger.binding.route_id == "route-1" and trigger.binding.silent is False
     address = trigger.binding.address
@@ -145,6 +148,43 @@ async def test_message_becomes_one_trigger(open_bot: Server) -> None:
     assert reference["bot"]["id"] == "28:leadgate-bot"
     assert reference["user"]["id"] == "29:user-1"
     json.dumps(address)  # JSON-able as stored on the binding
+
+
+async def test_a_message_id_is_one_message_only_within_its_conversation(open_bot: Server) -> None:
+    # Teams message ids are millisecond timestamps: two conversations (or tenants) posting
+    # in the same millisecond send the same id, and a retry sends its own id again.
+    same_id = "1700000000123"
+    for tenant, conversation in [("t-1", "19:a@thread"), ("t-2", "19:a@thread"), ("t-1", "19:b")]:
+        activity = message_activity(
+            service_url=SERVICE_URL,
+            text="hi",
+            activity_id=same_id,
+            tenant_id=tenant,
+            conversation_id=conversation,
+        )
+        assert (await post_activity(open_bot.url, activity))[0] == 202
+    retry = message_activity(
+        service_url=SERVICE_URL,
+        text="hi",
+        activity_id=same_id,
+        tenant_id="t-1",
+        conversation_id="19:a@thread",
+    )
+    assert (await post_activity(open_bot.url, retry))[0] == 202
+    await open_bot.core.drain()
+    ids = [t.external_event_id for t in open_bot.core.triggers]
+    assert len(ids) == 4 and len(set(ids)) == 3 and ids[0] == ids[3]
+
+
+async def test_long_conversation_ids_give_bounded_keys(open_bot: Server) -> None:
+    conversation = "19:" + "x" * 1000 + "@thread.tacv2"
+    for conv in (conversation, conversation + "y"):
+        activity = message_activity(service_url=SERVICE_URL, text="hi", conversation_id=conv)
+        assert (await post_activity(open_bot.url, activity))[0] == 202
+    await open_bot.core.drain()
+    first, second = open_bot.core.triggers
+    assert len(first.session_key) <= 500 and len(first.external_event_id) <= 300
+    assert first.session_key != second.session_key
 
 
 async def test_only_the_bots_own_mention_is_stripped(open_bot: Server) -> None:
@@ -396,7 +436,7 @@ async def test_a_token_the_connector_signed_runs_the_turn(
     assert status == 202
     await signed_bot.core.drain()
     [trigger] = signed_bot.core.triggers
-    assert trigger.external_event_id == "teams:1700000000009"
+    assert trigger.external_event_id == "teams:tenant-1:19:general@thread.tacv2:1700000000009"
 
 
 @pytest.mark.parametrize(
