@@ -66,9 +66,10 @@ def build_reply(
     return msg
 
 
-def _smtp_payload(msg: EmailMessage) -> bytes:
-    """The DATA payload: CRLF lines, dot-stuffed, ending with the final ``.``."""
-    data = msg.as_bytes(policy=email.policy.SMTP)
+def _smtp_payload(msg: EmailMessage, *, utf8: bool = False) -> bytes:
+    """The DATA payload: CRLF lines, dot-stuffed, ending with the final ``.``
+    (``utf8``: headers as UTF-8, RFC 6532, for an SMTPUTF8 transaction)."""
+    data = msg.as_bytes(policy=email.policy.SMTPUTF8 if utf8 else email.policy.SMTP)
     data = re.sub(rb"(?m)^\.", b"..", data)
     if not data.endswith(b"\r\n"):
         data += b"\r\n"
@@ -110,21 +111,25 @@ class EmailChannel:
         from_address = settings.from_address or str(address.get("from") or "")
         if not address.get("to") or not from_address:
             return Permanent("email binding lacks a recipient or sender address")
-        try:
-            msg = build_reply(address, message.text, message.idempotency_key, from_address)
-            payload = _smtp_payload(msg)
-        except (ValueError, TypeError, UnicodeError) as exc:
-            return Permanent(f"email: cannot build the message: {exc}")
         envelope_from = email.utils.parseaddr(from_address)[1]
         envelope_to = email.utils.parseaddr(str(address["to"]))[1]
-        outcome = await self._deliver(envelope_from, envelope_to, payload)
+        # A correspondent at jürgen@exämple.de is answered there: SMTPUTF8 (RFC 6531).
+        utf8 = not (envelope_from + envelope_to).isascii()
+        try:
+            msg = build_reply(address, message.text, message.idempotency_key, from_address)
+            payload = _smtp_payload(msg, utf8=utf8)
+        except (ValueError, TypeError, UnicodeError) as exc:
+            return Permanent(f"email: cannot build the message: {exc}")
+        outcome = await self._deliver(envelope_from, envelope_to, payload, utf8=utf8)
         if isinstance(outcome, Sent):
             return Sent(str(msg["Message-ID"]))
         return outcome
 
     # One body on purpose: the SMTP exchange step by step, each step's failure mapped
     # to Retry (before the final dot) or Uncertain (after it).
-    async def _deliver(self, mail_from: str, rcpt_to: str, payload: bytes) -> SendOutcome:
+    async def _deliver(
+        self, mail_from: str, rcpt_to: str, payload: bytes, *, utf8: bool = False
+    ) -> SendOutcome:
         """One SMTP transaction, done step by step.
 
         ``aiosmtplib.send`` raises the same timeout/disconnect errors whether they happen
@@ -147,8 +152,19 @@ class EmailChannel:
         try:
             try:
                 await smtp.connect()
-                await smtp.mail(mail_from)
-                await smtp.rcpt(rcpt_to)
+                options: list[str] = []
+                if utf8:
+                    if smtp.is_ehlo_or_helo_needed:
+                        await smtp.ehlo()
+                    if not smtp.supports_extension("smtputf8"):
+                        return Permanent(
+                            "email: the relay does not offer SMTPUTF8, which a non-ASCII "
+                            "address needs"
+                        )
+                    options = ["SMTPUTF8"]
+                encoding = "utf-8" if utf8 else "ascii"
+                await smtp.mail(mail_from, options=options, encoding=encoding)
+                await smtp.rcpt(rcpt_to, encoding=encoding)
                 start = await smtp.execute_command(b"DATA")
             except aiosmtplib.SMTPResponseException as exc:
                 return _by_code(exc.code, f"email: server refused: {exc.message}")

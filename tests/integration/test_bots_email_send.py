@@ -133,6 +133,31 @@ async def test_dots_and_non_ascii_survive(sink: SmtpSink) -> None:
     assert mail["subject"] == "Re: Grüße aus Köln"
 
 
+async def test_a_correspondent_at_a_utf8_address_is_answered_there(sink: SmtpSink) -> None:
+    jurgen = "jürgen@exämple.de"
+    address = {**ADDRESS, "to": f"Jürgen <{jurgen}>", "subject": "Re: Grüße"}
+    outcome = await _channel(sink).send(_message(address, "Hallo Jürgen"))
+    assert outcome == Sent("<dlv-42@leadgate.example>")
+    [mail] = sink.messages
+    assert mail["rcpt_tos"] == [jurgen] and mail["mail_from"] == BOT
+    assert mail["to"] == f"Jürgen <{jurgen}>" and mail["subject"] == "Re: Grüße"
+    assert mail["body"].strip() == "Hallo Jürgen"
+    # An ASCII exchange stays as it was (no SMTPUTF8 asked for).
+    assert isinstance(await _channel(sink).send(_message(key="dlv-43")), Sent)
+
+
+async def test_a_utf8_address_without_smtputf8_at_the_relay_is_permanent() -> None:
+    sink = SmtpSink(smtputf8=False)
+    await sink.start()
+    try:
+        address = {**ADDRESS, "to": "jürgen@exämple.de"}
+        outcome = await _channel(sink).send(_message(address))
+        assert isinstance(outcome, Permanent) and "SMTPUTF8" in outcome.error
+        assert sink.attempts == [] and sink.messages == []
+    finally:
+        await sink.close()
+
+
 def test_message_id_is_derived_from_the_key() -> None:
     assert message_id_for("dlv-1", "Bot <bot@x.example>") == "<dlv-1@x.example>"
     assert message_id_for("a b:c<d>", "bot@x.example") == "<a-b-c-d-@x.example>"

@@ -85,9 +85,11 @@ def _describe(envelope: Envelope, raw: bytes, mode: str) -> dict[str, Any]:
 class SmtpSink:
     """A recording SMTP server with scripted failures."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, smtputf8: bool = True) -> None:
         self.host = host
         self.port = port
+        #: offer SMTPUTF8 (RFC 6531), as Postfix and the big providers do
+        self.smtputf8 = smtputf8
         #: accepted messages, oldest first
         self.messages: list[dict[str, Any]] = []
         #: every transaction that reached RCPT or DATA, with its mode
@@ -115,7 +117,13 @@ class SmtpSink:
         loop = asyncio.get_running_loop()
 
         def factory() -> SMTP:
-            smtp = SMTP(self, hostname="smtp-standin", ident="standin ESMTP", loop=loop)
+            smtp = SMTP(
+                self,
+                hostname="smtp-standin",
+                ident="standin ESMTP",
+                loop=loop,
+                enable_SMTPUTF8=self.smtputf8,
+            )
             self._connections.add(smtp)
             return smtp
 
