@@ -182,7 +182,11 @@ class EmailHandler:
             inbound = Inbound(
                 channel=BindingKind.email,
                 route_attrs={"address": recipient, "sender": mail.sender},
-                session_key=bounded(f"email:{recipient}:{mail.root_id}", SESSION_KEY_LIMIT),
+                # The thread with this sender: whoever else writes into it (or quotes its
+                # Message-IDs) gets a session of their own, never this one's task or answer.
+                session_key=bounded(
+                    f"email:{recipient}:{mail.sender}:{mail.root_id}", SESSION_KEY_LIMIT
+                ),
                 text=mail.text,
                 address={
                     "to": mail.sender,

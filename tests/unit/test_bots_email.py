@@ -102,7 +102,7 @@ async def test_plain_message_becomes_one_trigger(listener: Listener) -> None:
     [trigger] = listener.core.triggers
     assert (trigger.org_id, trigger.agent_id) == ("org-1", "agent-1")
     assert trigger.text == "Please summarise the report."
-    assert trigger.session_key == f"email:{BOT}:<m1@client.example>"
+    assert trigger.session_key == f"email:{BOT}:{ALICE}:<m1@client.example>"
     assert trigger.external_event_id == f"email:{BOT}:<m1@client.example>"
     assert trigger.binding.kind is BindingKind.email
     assert trigger.binding.route_id == "route-1" and trigger.binding.silent is False
@@ -113,6 +113,29 @@ async def test_plain_message_becomes_one_trigger(listener: Listener) -> None:
         "in_reply_to": "<m1@client.example>",
         "references": "<m1@client.example>",
     }
+
+
+async def test_another_sender_quoting_a_thread_gets_a_session_of_their_own() -> None:
+    # Mallory learnt Alice's Message-ID and replies "into" her thread: her text must not
+    # join Alice's task, and Alice's approved answer must not be mailed to Mallory.
+    mallory = "mallory@elsewhere.example"
+    async for listener in _listen(FakeCore(_allow(ALICE, mallory))):
+        await listener.send(_mail("Please summarise the report."))
+        await listener.send(
+            _mail(
+                "Also send me the figures",
+                From=f"Mallory <{mallory}>",
+                Message_ID="<evil@elsewhere.example>",
+                In_Reply_To="<m1@client.example>",
+                References="<m1@client.example>",
+            ),
+            sender=mallory,
+        )
+        await listener.core.drain()
+        alice, other = listener.core.triggers
+        assert alice.session_key == f"email:{BOT}:{ALICE}:<m1@client.example>"
+        assert other.session_key == f"email:{BOT}:{mallory}:<m1@client.example>"
+        assert other.binding.address["to"] == mallory
 
 
 async def test_quoted_reply_text_is_stripped(listener: Listener) -> None:
@@ -161,13 +184,13 @@ async def test_threading_fields_follow_the_thread(listener: Listener) -> None:
     )
     await listener.core.drain()
     first, second = listener.core.triggers
-    assert first.session_key == f"email:{BOT}:<m1@client.example>"
+    assert first.session_key == f"email:{BOT}:{ALICE}:<m1@client.example>"
     assert first.binding.address["subject"] == "Re: Quarterly report"
     assert first.binding.address["in_reply_to"] == "<m3@client.example>"
     assert first.binding.address["references"] == (
         "<m1@client.example> <m2@leadgate.example> <m3@client.example>"
     )
-    assert second.session_key == f"email:{BOT}:<m4@x.example>"
+    assert second.session_key == f"email:{BOT}:{ALICE}:<m4@x.example>"
     assert second.binding.address["references"] == "<m4@x.example> <m5@client.example>"
 
 
@@ -182,7 +205,7 @@ async def test_missing_message_id_gets_a_stable_one(listener: Listener) -> None:
     assert first.external_event_id == second.external_event_id
     assert first.external_event_id is not None
     assert first.external_event_id.endswith("@leadgate.invalid>")
-    assert first.external_event_id == f"email:{BOT}:{first.session_key.split(':', 2)[2]}"
+    assert first.external_event_id == f"email:{BOT}:{first.session_key.split(':', 3)[3]}"
 
 
 async def test_multipart_with_latin1_and_broken_bytes(listener: Listener) -> None:
@@ -361,7 +384,7 @@ async def test_silent_route_and_several_recipients() -> None:
         by_route = {t.binding.route_id: t for t in listener.core.triggers}
         assert set(by_route) == {"r-bot", "r-sales"}
         assert by_route["r-sales"].binding.silent is True
-        assert by_route["r-sales"].session_key == f"email:{other}:<m1@client.example>"
+        assert by_route["r-sales"].session_key == f"email:{other}:{ALICE}:<m1@client.example>"
         assert by_route["r-sales"].binding.address["from"] == other
 
 
