@@ -209,7 +209,9 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         if answer.kind == "open":
             return _modal(verb, target, episode)
     elif verb in ("confirm", "retry"):
-        answer = await backend.recover(PLATFORM, who, target, verb, message_id=message_id)
+        answer = await backend.recover(
+            PLATFORM, who, target, verb, episode_id=episode, message_id=message_id
+        )
     else:
         return _ephemeral("This button is not supported.")
     if answer.decided and answer.card is not None:

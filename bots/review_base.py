@@ -74,9 +74,11 @@ class ChatReviewBackend(Protocol):
         delivery_id: str,
         action: str,
         *,
+        episode_id: str | None = None,
         message_id: str | None = None,
     ) -> Answer:
-        """Confirm delivered / retry a deliveryUnknown delivery."""
+        """Confirm delivered / retry a deliveryUnknown delivery (from the card of
+        ``episode_id``)."""
         ...
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:

@@ -259,6 +259,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             identity_of(body),
             text_of(action.get("value")) or "",
             str(action.get("action_id")),
+            episode_id=_episode(action.get("block_id")),
             message_id=text_of(obj(body.get("container")).get("message_ts")),
         )
         await ack()

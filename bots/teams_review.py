@@ -218,7 +218,12 @@ class ReviewingBot(Bot):  # type: ignore[misc]
             )
         elif verb in ("confirm", "retry"):
             answer = await self.backend.recover(
-                PLATFORM, who, str(data.get("delivery") or ""), verb, message_id=message_id
+                PLATFORM,
+                who,
+                str(data.get("delivery") or ""),
+                verb,
+                episode_id=data.get("episode"),
+                message_id=message_id,
             )
         else:
             return message_answer("This action is not supported.")

@@ -128,10 +128,12 @@ class ChatReviews:
         delivery_id: str,
         action: str,
         *,
+        episode_id: str | None = None,
         message_id: str | None = None,
     ) -> ChatAnswer:
-        """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card."""
-        if (odd := _unreadable(identity, delivery_id, message_id)) is not None:
+        """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
+        (``episode_id``: the card's; a card of an earlier stretch of waiting is stale)."""
+        if (odd := _unreadable(identity, delivery_id, episode_id, message_id)) is not None:
             return odd
         d = t.deliveries.c
         async with self.db.read() as conn:
@@ -148,6 +150,9 @@ class ChatReviews:
             item_id = str(row.work_item_id)
             if row.status != DeliveryStatus.deliveryUnknown.value:
                 return await self._closed_in(conn, item_id, platform, message_id)
+            if await self._stale(conn, item_id, episode_id):
+                # A retry that ended unknown again opened a new card: this one is old.
+                return ChatAnswer("stale", STALE)
         return await self._commit(
             self.reviews.recover(
                 reviewer.principal(),
@@ -201,10 +206,17 @@ class ChatReviews:
             return ChatAnswer("forbidden", FORBIDDEN), None
         if item.status != Status.awaitingHuman.value:
             return await self._closed_in(conn, item_id, platform, None), reviewer
-        current = await cards.open_episode(conn, item_id)
-        if episode_id and current is not None and episode_id != current:
+        if await self._stale(conn, item_id, episode_id):
             return ChatAnswer("stale", STALE), reviewer
         return ChatAnswer("open", ""), reviewer
+
+    @staticmethod
+    async def _stale(conn: Conn, item_id: str, episode_id: str | None) -> bool:
+        """Whether a card of episode ``episode_id`` is older than the item's open one."""
+        if not episode_id:
+            return False
+        current = await cards.open_episode(conn, item_id)
+        return current is not None and episode_id != current
 
     async def _reviewer(
         self, conn: Conn, org_id: str, platform: str, identity: str

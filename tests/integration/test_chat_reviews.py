@@ -22,8 +22,16 @@ from leadgate.database import schema as t
 from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import Card
-from tests.helpers import Org, api_trigger, item_audit, item_row, make_agent, make_org
+from outbox.channel import Card, OutboundMessage, SendOutcome, Sent, Uncertain
+from tests.helpers import (
+    Org,
+    api_trigger,
+    item_audit,
+    item_row,
+    make_agent,
+    make_org,
+    slack_trigger,
+)
 from tests.outbox_support import ScriptedChannel
 from tests.review_support import add_destination
 
@@ -202,6 +210,46 @@ async def test_a_card_of_an_earlier_wait_is_out_of_date(app: App) -> None:
     )
     assert answer.kind == "stale"
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+
+
+async def test_a_recovery_card_of_an_earlier_unknown_send_is_out_of_date(app: App) -> None:
+    # A Retry that ends unknown again opens a new card; a click on the first card's
+    # buttons came from someone looking at the old state and must change nothing.
+    org, worker = await setup(app)
+    slack = app.channels["slack"]
+    assert isinstance(slack, ScriptedChannel)
+
+    def answer(message: OutboundMessage) -> SendOutcome:
+        if message.kind == "card":
+            return Sent(f"card-{len(slack.calls)}")
+        return Uncertain("read timeout after the request was written")
+
+    slack.script = [answer] * 10
+    await app.turns.run(slack_trigger(org, worker, "post it #complete", "1700.1"))
+    await drain(app.lead_runner)
+    await drain(app.relay)  # the post times out: deliveryUnknown, and its card is posted
+    first = next(c.card for c in slack.calls if c.card is not None)
+    delivery_id = first.delivery_id
+    assert delivery_id is not None
+    retried = await app.chat_reviews.recover(
+        "slack", MEMBER, delivery_id, "retry", episode_id=first.episode_id
+    )
+    assert retried.kind == "decided"
+    await drain(app.relay)  # unknown again: a second card
+    second = [c.card for c in slack.calls if c.card is not None][-1]
+    assert second.episode_id != first.episode_id
+    attempts = len([c for c in slack.calls if c.card is None])
+    for verb in ("retry", "confirm"):
+        stale = await app.chat_reviews.recover(
+            "slack", MEMBER, delivery_id, verb, episode_id=first.episode_id
+        )
+        assert stale.kind == "stale"
+    await drain(app.relay)
+    assert len([c for c in slack.calls if c.card is None]) == attempts  # no third post
+    confirmed = await app.chat_reviews.recover(
+        "slack", MEMBER, delivery_id, "confirm", episode_id=second.episode_id
+    )
+    assert confirmed.kind == "decided"
 
 
 async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> None:
