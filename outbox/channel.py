@@ -143,7 +143,9 @@ class Channel(Protocol):
 
     #: binding kind this channel serves ("slack", "discord", "teams", "email")
     name: str
-    #: longest text one platform message may carry; longer text is split by the relay
+    #: longest text one platform message may carry; longer text is split by the relay.
+    #: Characters, unless the channel has a ``text_size(text) -> int`` saying how its
+    #: platform counts (Teams: the bytes of the JSON it posts).
     max_chars: int
 
     async def send(self, message: OutboundMessage) -> SendOutcome:

@@ -136,25 +136,56 @@ _CLAIM_ALONE = (
 )
 
 
-def split_text(text: str, limit: int) -> list[str]:
-    """Split ``text`` into parts of at most ``limit`` characters, on line breaks or
-    spaces where possible. Nothing is dropped: ``"".join`` of the parts, modulo the
-    break characters, gives the text back."""
-    if len(text) <= limit:
-        return [text]
+def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[str]:
+    """Split ``text`` into parts of at most ``limit`` (as ``size`` measures: characters
+    unless a channel counts otherwise, see :attr:`outbox.channel.Channel.max_chars`), on
+    line breaks or spaces where possible. Nothing is dropped: ``"".join`` of the parts,
+    modulo the break characters, gives the text back."""
     parts: list[str] = []
     rest = text
-    while len(rest) > limit:
-        cut = rest.rfind("\n", 0, limit)
-        if cut < limit // 2:
-            cut = rest.rfind(" ", 0, limit)
-        if cut < limit // 2:
-            cut = limit
+    while rest:
+        end = limit if size is len else _longest_fitting(rest, limit, size)
+        if end >= len(rest):
+            break
+        cut = rest.rfind("\n", 0, end)
+        if cut < end // 2:
+            cut = rest.rfind(" ", 0, end)
+        if cut < end // 2:
+            cut = end
         parts.append(rest[:cut])
-        rest = rest[cut:].lstrip("\n ") if cut < limit else rest[cut:]
-    if rest:
+        rest = rest[cut:].lstrip("\n ") if cut < end else rest[cut:]
+    if rest or not parts:
         parts.append(rest)
     return parts
+
+
+def _longest_fitting(text: str, limit: int, size: Callable[[str], int]) -> int:
+    """The length of the longest head of ``text`` whose size is at most ``limit`` (at
+    least 1: one character too large alone still goes out). A size counts each
+    character at least once and grows with the head. Most text costs about the same per
+    character, so a guess in proportion, then galloping from it, brackets the answer in
+    a few probes (each probe measures a head of up to ``limit`` characters); a binary
+    search settles the rest."""
+    high = min(len(text), limit)
+    whole = size(text[:high])
+    if whole <= limit:
+        return high
+    guess = max(1, min(high - 1, high * limit // whole))
+    if size(text[:guess]) > limit:
+        low, high = 1, max(1, guess - 1)
+    else:
+        low, step = guess, 1
+        while low + step < high and size(text[: low + step]) <= limit:
+            low += step
+            step *= 2
+        high = min(high - 1, low + step - 1)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if size(text[:middle]) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class Relay:
@@ -573,7 +604,8 @@ class Relay:
             return Permanent(f"channel {row.channel} is not configured")
         if not row.text:
             return Sent()
-        parts = split_text(row.text, channel.max_chars)
+        # (a channel whose limit is not in characters says how it measures)
+        parts = split_text(row.text, channel.max_chars, getattr(channel, "text_size", len))
         external: str | None = None
         async with self._sem:
             for index, part in enumerate(parts):

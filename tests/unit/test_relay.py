@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from binding.bindings import deactivate_session
+from bots import teams as bots_teams
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
@@ -582,6 +583,32 @@ async def test_long_messages_are_split_in_order_with_nothing_dropped(stack: Stac
         f"{dlv['id']}.{i}" for i in range(1, len(parts))
     ]
     assert (await item(stack, item_id))["status"] == "completed"
+
+
+async def test_a_channel_that_counts_bytes_gets_parts_that_fit_in_bytes(stack: Stack) -> None:
+    # Teams counts the JSON it posts: 30,000 CJK characters are 180,000 bytes there,
+    # and a part of 26,000 characters was refused (413).
+    teams = ScriptedChannel("slack", max_chars=bots_teams.MAX_TEXT_BYTES)
+    teams.text_size = bots_teams.text_size  # type: ignore[attr-defined]
+    stack.channels["slack"] = teams
+    text = "漢字かな交じり文。" * 3_000 + "🙂" * 2_000 + " tail"
+    item_id, _ = await seed_one(stack, text=lambda _: text)
+    await drain(relay_for(stack))
+    parts = teams.texts()
+    assert all(bots_teams.text_size(p) <= bots_teams.MAX_TEXT_BYTES for p in parts)
+    assert "".join(parts).replace(" ", "") == text.replace(" ", "")
+    assert len(parts) == -(-bots_teams.text_size(text) // bots_teams.MAX_TEXT_BYTES)
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+def test_split_text_by_a_size_that_is_not_characters() -> None:
+    def size(text: str) -> int:
+        return len(text.encode())
+
+    assert split_text("ab", 1, size) == ["a", "b"]
+    assert split_text("€", 1, size) == ["€"]  # too large alone: still sent, not lost
+    assert split_text("€€€ €€€ €€€", 10, size) == ["€€€", "€€€", "€€€"]  # at the spaces
+    assert split_text("€" * 7, 10, size) == ["€€€", "€€€", "€"]
 
 
 async def test_a_failed_later_part_is_uncertain_not_resent(stack: Stack) -> None:
