@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: Columns of ``--format table`` for list results, by command.
@@ -108,10 +109,29 @@ def _destinations(d: dict[str, Any], columns: list[str] | None) -> str:
     )
 
 
+#: What a terminal would act on rather than show: C0 controls but tab and line break, DEL,
+#: C1 controls (CSI, OSC) and the bidirectional overrides and isolates. Work item texts
+#: come from whoever messaged the worker (and its model): printed raw, an escape sequence
+#: could hide text, erase a line or set the window title while an operator reviews it.
+_TERMINAL_CONTROLS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def _visible(text: str) -> str:
+    """``text`` with every terminal control shown as its escape (``\\x1b``, ``\\u202e``)."""
+    return _TERMINAL_CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
 def render(result: Any, fmt: str, command: tuple[str, str | None]) -> str:
-    """``result`` as ``fmt`` (``json`` or ``table``)."""
+    """``result`` as ``fmt`` (``json``, whose escapes keep every control character
+    inert, or ``table``, with them shown escaped)."""
     if fmt == "json":
         return json.dumps(result, default=str)
+    return _visible(_table(result, command))
+
+
+def _table(result: Any, command: tuple[str, str | None]) -> str:
     columns = COLUMNS.get(command)
     if isinstance(result, list):
         return table(result, columns)

@@ -1,0 +1,40 @@
+"""``--format table`` output: texts that came from requesters and models are shown, never
+acted on by the operator's terminal."""
+
+from __future__ import annotations
+
+import json
+
+from leadgate.cli.output import render
+
+# Hide text, set the window title, erase the line and return; a CSI as a C1 control; a
+# right-to-left override that reorders what follows.
+HOSTILE = "ok\x1b[8mHIDDEN\x1b[0m \x1b]0;pwned\x07 \x1b[2K\r done \x9b2J \u202eevil"
+
+
+def test_table_output_shows_terminal_controls_as_escapes() -> None:
+    detail = {
+        "id": "wi_1",
+        "status": "awaitingHuman",
+        "summary": HOSTILE,
+        "snapshot": f"line one\n{HOSTILE}\n\tindented",
+        "taskContext": HOSTILE,
+        "audit": [{"at": "now", "text": HOSTILE}],
+        "deliveries": [],
+    }
+    listed = {"items": [{"id": "wi_1", "preview": HOSTILE}], "total": 1}
+    for text in (
+        render(detail, "table", ("review", "show")),
+        render(listed, "table", ("review", "list")),
+        render({"name": HOSTILE}, "table", ("agent", "show")),
+    ):
+        assert not any(c in text for c in "\x1b\x07\r\x9b\u202e"), text
+        assert "\\x1b[8mHIDDEN" in text and "\\u202eevil" in text
+    shown = render(detail, "table", ("review", "show"))
+    assert "line one\n" in shown and "\n\tindented" in shown  # line breaks and tabs stay
+
+
+def test_json_output_keeps_every_control_escaped() -> None:
+    out = render({"summary": HOSTILE}, "json", ("review", "show"))
+    assert not any(c in out for c in "\x1b\x07\r\x9b\u202e")
+    assert json.loads(out)["summary"] == HOSTILE
