@@ -50,7 +50,12 @@ def test_library_payload_logs_stay_out_unless_asked_for(
 ) -> None:
     settings = Settings.model_validate({"log": {"level": "DEBUG", "include_content": include}})
     setup_logging(settings)
-    names = ("slack_sdk.web.base_client", "discord.webhook.async_", "openai._base_client")
+    names = (
+        "slack_sdk.web.base_client",
+        "discord.webhook.async_",
+        "openai._base_client",
+        "sse_starlette.sse",
+    )
     for name in names:  # other tests may have set levels on these
         logging.getLogger(name).setLevel(logging.DEBUG)
     # What the SDKs log at DEBUG: request bodies (message text, withheld output) and
@@ -58,14 +63,20 @@ def test_library_payload_logs_stay_out_unless_asked_for(
     logging.getLogger("slack_sdk.web.base_client").debug("body: {'text': 'SECRET-TEXT'}")
     logging.getLogger("discord.webhook.async_").debug("PATCH /webhooks/1/TOKEN-123/messages")
     logging.getLogger("openai._base_client").debug("Request options: SECRET-PROMPT")
+    # The MCP transport's SSE layer logs every event it sends: a tool's answer, a transcript.
+    logging.getLogger("sse_starlette.sse").debug("chunk: Echo: SECRET-ANSWER")
+    for name in ("bots.slack", "outbox.relay", "binding.bindings"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+        logging.getLogger(name).debug(f"ours too: {name}")
     ours = logging.getLogger("leadgate.test_log_content")
     ours.setLevel(logging.DEBUG)  # other tests may have raised the package's level
     ours.debug("a turn of ours")
     logging.getLogger("discord.http").warning("rate limited")
     err = capsys.readouterr().err
-    for secret in ("SECRET-TEXT", "TOKEN-123", "SECRET-PROMPT"):
+    for secret in ("SECRET-TEXT", "TOKEN-123", "SECRET-PROMPT", "SECRET-ANSWER"):
         assert (secret in err) is include
     assert "a turn of ours" in err and "rate limited" in err
+    assert all(f"ours too: {n}" in err for n in ("bots.slack", "outbox.relay", "binding.bindings"))
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
