@@ -29,6 +29,10 @@ SESSION_NAME_LIMIT = 200
 SESSION_KEY_LIMIT = 500
 #: ``inbound_events.external_event_id`` is VARCHAR(300); a route attribute is held to it too.
 EVENT_ID_LIMIT = 300
+#: Console passwords: at least 8 characters; longer than 1,024 is refused at login unread
+#: (argon2 would hash whatever it is given), so it is refused when set too.
+PASSWORD_MIN = 8
+PASSWORD_MAX = 1_024
 
 
 def validate_message(text: Any) -> str:
@@ -79,9 +83,17 @@ def validate_session_key(key: str) -> str:
 
 
 def check_text(value: Any, *, name: str, limit: int, rule: str) -> str:
-    """Required decision text: 1..``limit`` characters after trimming."""
-    if not isinstance(value, str) or not value.strip():
+    """Required decision text: 1..``limit`` characters after trimming, storable (no NUL,
+    no lone surrogate: an HTTP body's JSON checks refuse those, and the CLI reads text
+    from standard input, a chat modal from the platform)."""
+    if value is not None and not isinstance(value, str):
+        raise ValidationError(f"{name} must be text", rule=rule)
+    if not value or not value.strip():
         raise ValidationError(f"{name} is required", rule=rule)
     if len(value) > limit:
         raise ValidationError(f"{name} must be at most {limit:,} characters", rule=rule)
+    if "\x00" in value or (not value.isascii() and _SURROGATE.search(value)):
+        raise ValidationError(
+            f"{name} contains a NUL character or a lone UTF-16 surrogate", rule=rule
+        )
     return value

@@ -21,6 +21,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import Conflict, NotFound, ValidationError
+from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 
@@ -179,8 +180,11 @@ async def create_user(
     email = email.strip().lower()
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
-    if len(password) < 8:
-        raise ValidationError("password must be at least 8 characters", rule="user.password")
+    if not PASSWORD_MIN <= len(password) <= PASSWORD_MAX:
+        raise ValidationError(
+            f"password must be {PASSWORD_MIN} to {PASSWORD_MAX:,} characters",
+            rule="user.password",
+        )
     if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
         raise Conflict(f"a user {email} already exists", rule="user.email_taken")
     user_id = ids.new("usr")

@@ -9,6 +9,7 @@ from typing import Any
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.limits import PASSWORD_MAX
 from leadgate.database.db import Database
 from leadgate.domain import orgs
 from leadgate.operations.logins import LoginGuard
@@ -83,7 +84,7 @@ class Access:
         writes, in a short transaction of its own.
         """
         ticket = self.logins.admit(address, email)
-        if len(email) > 320 or len(password) > 1024:
+        if len(email) > 320 or len(password) > PASSWORD_MAX:
             return None
         async with self.db.read() as conn:
             found = await orgs.login_user(conn, email)

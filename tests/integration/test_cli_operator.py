@@ -217,7 +217,7 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
 ) -> None:
     root: Path = world["root"]
     common = ("user", "create", "--org", "acme")
-    piped, env, short, bad, latin = par(
+    piped, env, short, long, bad, latin = par(
         root,
         ((*common, "--email", "a@example.com", "--role", "member"), {"stdin": "pw from stdin\n"}),
         (
@@ -225,6 +225,8 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
             {"env": {"LEADGATE_PASSWORD": "pw from env!"}},
         ),
         ((*common, "--email", "c@example.com", "--role", "viewer"), {"stdin": ""}),
+        # Login refuses a password over 1,024 characters unread: it could never log in.
+        ((*common, "--email", "g@example.com", "--role", "viewer"), {"stdin": "p" * 1_025}),
         ((*common, "--email", "d@example.com", "--role", "boss"), {"stdin": "x" * 10}),
         # Bytes that are not UTF-8 (b"\xe9t\xe9..."), as the environment hands them over.
         (
@@ -235,6 +237,7 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
     assert piped.json()["role"] == "Member"
     assert env.json()["role"] == "Admin"
     short.rule_error("user.password")
+    long.rule_error("user.password")
     assert bad.code == 2 and "unknown role 'boss'" in bad.err and "Traceback" not in bad.err
     latin.rule_error("cli.utf8")
     piped_latin = subprocess.run(

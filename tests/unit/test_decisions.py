@@ -178,11 +178,14 @@ async def test_reject_reason_must_be_1_to_2000_characters(stack: Stack) -> None:
     org, worker = await setup(stack)
     item_id = await escalated(stack, org, worker, "a")
     before = await state(stack, item_id)
-    for bad in (None, "", "   \n", 5, "x" * 2_001):
+    # (a NUL or a lone surrogate: the CLI reads a reason from standard input unchecked)
+    for bad in (None, "", "   \n", 5, "x" * 2_001, "no\x00pe", "lone \ud800"):
         with pytest.raises(ValidationError) as err:
             await decide(stack, item_id, "reject", bad)
         assert err.value.status == 400
         assert err.value.rule == "decision.reason"
+        if bad == 5:
+            assert err.value.message == "reason must be text"
     assert await state(stack, item_id) == before
     assert (await decide(stack, item_id, "reject", "x" * 2_000))["status"] == "rejected"
     last = (await audit_rows(stack, item_id))[-1]
