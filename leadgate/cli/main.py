@@ -12,6 +12,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -173,19 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":
-            print(json.dumps({"revision": upgrade(settings.database.url)}))
-            return 0
+            return _emit(json.dumps({"revision": upgrade(settings.database.url)}))
         if args.command == "serve" and args.check_ports:
             check_ports(settings)
-            print(json.dumps({"ports": "free"}))
-            return 0
+            return _emit(json.dumps({"ports": "free"}))
         if args.command == "serve":
             asyncio.run(_serve(settings, args.role))
             return 0
         result = asyncio.run(_admin(settings, args))
         command = (args.command, getattr(args, f"{args.command}_command", None))
-        print(render(result, args.format, command))
-        return 0
+        return _emit(render(result, args.format, command))
     except LeadgateError as exc:
         # One line, the rule last (scripts look for "[rule]" at the end).
         print(
@@ -203,6 +201,31 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+#: The shell's status for a process that SIGPIPE ended (128 + 13), as ``| head`` gives
+#: any other tool; not 1, which says the command failed.
+BROKEN_PIPE_EXIT = 141
+
+
+def _emit(text: str) -> int:
+    """Print the result: exit 0, or :data:`BROKEN_PIPE_EXIT` with one line on stderr
+    when the reader went away (``| head``) after the command itself completed."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush
+        # cannot raise a second time (the Python docs' recipe for SIGPIPE).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        with contextlib.suppress(OSError):
+            print(
+                "leadgate: the command completed; its output was not all read (broken pipe)",
+                file=sys.stderr,
+            )
+        return BROKEN_PIPE_EXIT
+    return 0
 
 
 if __name__ == "__main__":

@@ -209,6 +209,23 @@ def test_key_list_and_revoke(world: dict[str, Any]) -> None:
     assert revoked_at is not None  # authenticate_key refuses revoked keys
 
 
+def test_a_reader_that_goes_away_is_a_broken_pipe_not_a_failure(world: dict[str, Any]) -> None:
+    # `leadgate ... | head -0`: the command completes, its output has nowhere to go.
+    proc = subprocess.Popen(
+        [*LEADGATE, "key", "list", "--org", "acme"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=world["root"],
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=TIMEOUT) == 141, err
+    assert "the command completed" in err and "broken pipe" in err
+    assert "Traceback" not in err and "Exception ignored" not in err
+
+
 # --------------------------------------------------------------- users and passwords
 
 
