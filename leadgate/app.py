@@ -78,6 +78,7 @@ from leadgate.web import (
 from leadgate.web.common import (
     INFLIGHT,
     UNAVAILABLE_ANSWERS,
+    ClientAddress,
     Inflight,
     StreamSlots,
     UnavailableAnswers,
@@ -508,7 +509,11 @@ class App:
             reauth_s=self.settings.api.events_reauth_s,
         )
         console.setup(
-            app, access=self.access, clock=self.clock, public_url=self.settings.server.public_url
+            app,
+            access=self.access,
+            clock=self.clock,
+            public_url=self.settings.server.public_url,
+            client_address=ClientAddress(self.settings.server.trusted_proxies),
         )
         self._mcp = mount_mcp(
             app,

@@ -8,6 +8,7 @@ need the same custom code around it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from pathlib import Path
@@ -63,6 +64,22 @@ class ServerSettings(_Section):
     #: port when set (``metrics_port`` 0 picks a free one); the main port then has none.
     metrics_host: str = ""
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    #: Addresses or networks of the proxies in front (``["127.0.0.1", "10.0.0.0/8"]``).
+    #: A request from one of them is counted (console login attempts) as coming from the
+    #: right-most ``X-Forwarded-For`` hop that is not a trusted proxy; without this,
+    #: everyone behind the proxy shares its address and its login limit. Empty (the
+    #: default): ``X-Forwarded-For`` is never read (a client could write any address).
+    trusted_proxies: list[str] = Field(default_factory=list, max_length=1000)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or network (CIDR)") from None
+        return value
 
 
 class DatabaseSettings(_Section):

@@ -24,6 +24,7 @@ from leadgate.core.errors import AuthError, ValidationError
 from leadgate.operations.access import CONSOLE_SESSION_TTL_S as SESSION_TTL_S
 from leadgate.web.common import (
     SESSION_COOKIE,
+    ClientAddress,
     json_body,
     require_console_header,
     session_cookie,
@@ -69,7 +70,14 @@ class ConsoleAccess(Protocol):
     async def console_user(self, token: str | None) -> dict[str, Any] | None: ...
 
 
-def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_url: str) -> None:
+def setup(
+    app: web.Application,
+    *,
+    access: ConsoleAccess,
+    clock: Clock,
+    public_url: str,
+    client_address: ClientAddress | None = None,
+) -> None:
     """Register the console routes (handlers are closures over ``access``, as in the
     other surfaces; the long part is login's checks, in order)."""
     # Behind a TLS-terminating proxy the request itself looks like plain http.
@@ -88,7 +96,7 @@ def setup(app: web.Application, *, access: ConsoleAccess, clock: Clock, public_u
     async def login(request: web.Request) -> web.Response:
         if request.content_type != "application/json":
             require_console_header(request)
-        address = request.remote or "unknown"
+        address = (client_address or ClientAddress()).of(request)
         body = await json_body(request)
         email, password = body.get("email"), body.get("password")
         if not isinstance(email, str) or not isinstance(password, str) or not email or not password:

@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
+from pydantic import ValidationError as PydanticValidationError
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.domain import orgs
 from tests.helpers import Org, api_trigger, make_agent, make_org
@@ -187,6 +189,60 @@ async def test_brute_force_is_limited_per_address(env: Env) -> None:
     assert (await env.login("ann@example.com")).status == 429
     env.clock.advance(30_001)
     assert (await env.login("ann@example.com")).status == 200
+
+
+@sqlite_only
+async def test_behind_a_trusted_proxy_each_client_has_its_own_login_limit(
+    migrated_url: str,
+) -> None:
+    # The test client connects from 127.0.0.1: here, the proxy in front.
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "server": {"trusted_proxies": ["127.0.0.0/8"]}}
+    )
+    service = App(settings, clock=FakeClock(), enable_adapters=False)
+    client = TestClient(TestServer(service.web_app(), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        env = Env(service, client, await make_org(service))
+        await env.user("ann@example.com", "Member")
+
+        async def login(email: str, password: str, forwarded: str) -> int:
+            resp = await client.post(
+                "/console/login",
+                json={"email": email, "password": password},
+                headers={**CSRF, "X-Forwarded-For": forwarded},
+            )
+            return resp.status
+
+        attacker = "203.0.113.7"
+        for n in range(10):  # a different made-up account each time
+            assert await login(f"nobody{n}@example.com", "guess-guess", attacker) == 401
+        assert await login("nobody@example.com", "guess-guess", attacker) == 429
+        # Hops left of the proxy's own are whatever the client wrote: not read.
+        assert await login("x@example.com", "guess-guess", f"198.51.100.9, {attacker}") == 429
+        # Everyone else behind the same proxy still logs in.
+        assert await login("ann@example.com", PASSWORD, "198.51.100.9") == 200
+    finally:
+        await client.close()
+        await service.stop()
+
+
+@sqlite_only
+async def test_without_trusted_proxies_x_forwarded_for_is_never_read(env: Env) -> None:
+    for n in range(10):
+        forged = {**CSRF, "X-Forwarded-For": f"198.51.100.{n}"}
+        resp = await env.client.post(
+            "/console/login", json={"email": "a@b.c", "password": "guess-guess"}, headers=forged
+        )
+        assert resp.status == 401
+    assert (await env.login("a@b.c", "guess-guess")).status == 429
+
+
+def test_trusted_proxies_must_be_addresses_or_networks() -> None:
+    ok = Settings.model_validate({"server": {"trusted_proxies": ["10.0.0.0/8", "::1", "1.2.3.4"]}})
+    assert ok.server.trusted_proxies == ["10.0.0.0/8", "::1", "1.2.3.4"]
+    with pytest.raises(PydanticValidationError, match="not an IP address or network"):
+        Settings.model_validate({"server": {"trusted_proxies": ["proxy.internal"]}})
 
 
 async def test_cookie_writes_need_the_console_header(env: Env) -> None:
