@@ -240,8 +240,13 @@ def verify_password(password_hash: str | None, password: str) -> bool:
 async def create_console_session(
     conn: Conn, clock: Clock, ids: IdFactory, user_id: str, ttl_ms: int
 ) -> str:
-    """A new console session for ``user_id``; returns its token (only a hash is stored)."""
+    """A new console session for ``user_id``; returns its token (only a hash is stored).
+    Sessions that have expired, anyone's, are deleted in the same transaction: nothing
+    else would, and a login is rare enough (one password check at a time) to pay for it."""
     token = secrets.token_urlsafe(32)
+    await conn.execute(
+        t.console_sessions.delete().where(t.console_sessions.c.expires_at <= clock.now_ms())
+    )
     await conn.execute(
         t.console_sessions.insert().values(
             id=ids.new("cs"),

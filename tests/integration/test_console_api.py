@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError as PydanticValidationError
@@ -19,6 +20,7 @@ from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
+from leadgate.database import schema as t
 from leadgate.domain import orgs
 from tests.helpers import Org, api_trigger, make_agent, make_org
 
@@ -127,6 +129,12 @@ async def test_me_without_a_session_or_after_expiry_is_401(env: Env) -> None:
     env.clock.advance(12 * 3600 * 1000 + 1)
     assert (await env.client.get("/console/me")).status == 401
     assert (await env.client.get("/operator/reviews")).status == 401
+    # The expired row is deleted by the next login (anyone's): nothing else would.
+    await env.user("bob@example.com", "Member")
+    assert (await env.login("bob@example.com")).status == 200
+    async with env.service.db.read() as conn:
+        users = [r.user_id for r in await conn.execute(sa.select(t.console_sessions.c.user_id))]
+    assert len(users) == 1
 
 
 async def test_logout_deletes_the_session_and_the_cookie(env: Env) -> None:
