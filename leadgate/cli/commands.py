@@ -96,6 +96,35 @@ async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> An
     )
 
 
+async def user_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate user list --org ORG``."""
+    return await admin.list_users(args.org)
+
+
+async def user_update(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate user update --org ORG EMAIL [--role R] [--name N] [--password P |
+    --reset-password] [--disable | --enable] [--end-sessions]``."""
+    password = read_password(args.password) if args.reset_password else args.password
+    disabled = True if args.disable else False if args.enable else None
+    if (args.role, args.name, password, disabled) == (None, None, None, None) and not (
+        args.end_sessions
+    ):
+        raise ValidationError(
+            "nothing to change: give --role, --name, --password, --reset-password, "
+            "--disable, --enable or --end-sessions",
+            rule="user.update",
+        )
+    return await admin.update_user(
+        args.org,
+        args.email,
+        role=args.role,
+        name=args.name,
+        password=password,
+        disabled=disabled,
+        end_sessions=args.end_sessions,
+    )
+
+
 async def agent_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate agent create --org ORG --name NAME [...]``."""
     return await admin.save_agent(args.org, **_agent_fields(args))
@@ -363,6 +392,8 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("key", "list"): key_list,
     ("key", "revoke"): key_revoke,
     ("user", "create"): user_create,
+    ("user", "list"): user_list,
+    ("user", "update"): user_update,
     ("agent", "create"): agent_create,
     ("agent", "update"): agent_update,
     ("preset", "create"): preset_create,

@@ -20,6 +20,7 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
         "preview",
     ],
     ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
+    ("user", "list"): ["email", "name", "role", "disabled", "sessions", "createdAt"],
     ("route", "list"): ["id", "agentId", "channel", "match", "silent", "active"],
     ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
 }

@@ -111,6 +111,34 @@ def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
         help="default: $LEADGATE_PASSWORD, else asked without echo on a terminal, "
         "else the first line of standard input",
     )
+    user("list", "list the organization's console users").add_argument("--org", required=True)
+    uu = user(
+        "update",
+        "change a console user: role, name, password; disable (offboarding) or enable; "
+        "end their console sessions",
+    )
+    uu.add_argument("--org", required=True)
+    uu.add_argument("email", metavar="EMAIL")
+    uu.add_argument("--role", type=_role, metavar="{" + ",".join(r.value for r in Role) + "}")
+    uu.add_argument("--name", help="display name shown in the console's audit trail")
+    password = uu.add_mutually_exclusive_group()
+    password.add_argument("--password", help="a new password (ends the user's sessions)")
+    password.add_argument(
+        "--reset-password",
+        action="store_true",
+        help="read a new password as user create does ($LEADGATE_PASSWORD, a terminal, "
+        "standard input); ends the user's sessions",
+    )
+    state = uu.add_mutually_exclusive_group()
+    state.add_argument(
+        "--disable",
+        action="store_true",
+        help="no login, no console session, no chat decision (the audit keeps the user)",
+    )
+    state.add_argument("--enable", action="store_true")
+    uu.add_argument(
+        "--end-sessions", action="store_true", help="log the user out of every console session"
+    )
     add_user_link_parsers(user)
 
 

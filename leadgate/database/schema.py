@@ -40,6 +40,8 @@ users = sa.Table(
     sa.Column("created_at", MS, nullable=False),
     # Display name for audit actors in the console (optional; the email is shown too).
     sa.Column("name", sa.String(200)),
+    # Set: disabled (no login, no session, no chat decision); the row stays for the audit.
+    sa.Column("disabled_at", MS),
 )
 
 api_keys = sa.Table(

@@ -157,6 +157,7 @@ async def reviewer(conn: Conn, org_id: str, platform: str, identity: str) -> Rev
                 L.platform == platform,
                 L.identity == identity,
                 U.org_id == org_id,
+                U.disabled_at.is_(None),
             )
         )
     ).first()

@@ -20,7 +20,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import Conflict, NotFound, ValidationError
+from leadgate.core.errors import Conflict, NotFound, PermissionDenied, ValidationError
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
@@ -180,11 +180,7 @@ async def create_user(
     email = email.strip().lower()
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
-    if not PASSWORD_MIN <= len(password) <= PASSWORD_MAX:
-        raise ValidationError(
-            f"password must be {PASSWORD_MIN} to {PASSWORD_MAX:,} characters",
-            rule="user.password",
-        )
+    password_hash = _password_hash(password)
     if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
         raise Conflict(f"a user {email} already exists", rule="user.email_taken")
     user_id = ids.new("usr")
@@ -194,7 +190,7 @@ async def create_user(
             org_id=org_id,
             email=email,
             role=role_enum.value,
-            password_hash=_hasher.hash(password),
+            password_hash=password_hash,
             created_at=clock.now_ms(),
             name=label,
         )
@@ -203,6 +199,93 @@ async def create_user(
     if label is not None:
         out["name"] = label
     return out
+
+
+def _password_hash(password: str) -> str:
+    if not PASSWORD_MIN <= len(password) <= PASSWORD_MAX:
+        raise ValidationError(
+            f"password must be {PASSWORD_MIN} to {PASSWORD_MAX:,} characters",
+            rule="user.password",
+        )
+    return _hasher.hash(password)
+
+
+_U = t.users.c
+_S = t.console_sessions.c
+
+
+def _user_fields(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "email": row.email,
+        "name": row.name,
+        "role": row.role,
+        "disabled": row.disabled_at is not None,
+        "createdAt": iso(row.created_at),
+    }
+
+
+async def list_users(conn: Conn, clock: Clock, org_id: str) -> list[dict[str, Any]]:
+    """The organization's console users, oldest first, with how many console sessions
+    each has open (never a password hash)."""
+    sessions = (
+        sa.select(sa.func.count())
+        .where(_S.user_id == _U.id, _S.expires_at > clock.now_ms())
+        .scalar_subquery()
+    )
+    rows = await conn.execute(
+        sa.select(_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at)
+        .add_columns(sessions.label("sessions"))
+        .where(_U.org_id == org_id)
+        .order_by(_U.created_at, _U.id)
+    )
+    return [{**_user_fields(row), "sessions": row.sessions} for row in rows]
+
+
+async def update_user(
+    conn: Conn,
+    clock: Clock,
+    org_id: str,
+    email: str,
+    *,
+    role: str | None = None,
+    name: str | None = None,
+    password: str | None = None,
+    disabled: bool | None = None,
+    end_sessions: bool = False,
+) -> dict[str, Any]:
+    """Change a console user of ``org_id``: role (applies to open sessions at their next
+    request), display name, password, disabled or not. A new password, disabling, or
+    ``end_sessions`` deletes the user's console sessions (``sessionsEnded`` says how
+    many); disabling also keeps the user from every chat decision (their links stay,
+    for when they are enabled again)."""
+    user = await find_user(conn, org_id, email, include_disabled=True)
+    values: dict[str, Any] = {}
+    if role is not None:
+        values["role"] = Role.parse(role).value
+    if name is not None:
+        values["name"] = validate_name(name, "user")
+    if password is not None:
+        values["password_hash"] = _password_hash(password)
+        end_sessions = True
+    if disabled is not None and disabled != user["disabled"]:
+        values["disabled_at"] = clock.now_ms() if disabled else None
+    if disabled:
+        end_sessions = True
+    if values:
+        await conn.execute(t.users.update().where(_U.id == user["id"]).values(**values))
+    ended = 0
+    if end_sessions:
+        result = await conn.execute(t.console_sessions.delete().where(_S.user_id == user["id"]))
+        ended = int(result.rowcount or 0)
+    row = (
+        await conn.execute(
+            sa.select(_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at).where(
+                _U.id == user["id"]
+            )
+        )
+    ).one()
+    return {**_user_fields(row), "sessionsEnded": ended}
 
 
 async def login(
@@ -224,7 +307,7 @@ async def login_user(conn: Conn, email: str) -> tuple[str, str] | None:
     row = (
         await conn.execute(
             sa.select(t.users.c.id, t.users.c.password_hash).where(
-                t.users.c.email == email.strip().lower()
+                t.users.c.email == email.strip().lower(), t.users.c.disabled_at.is_(None)
             )
         )
     ).first()
@@ -270,6 +353,7 @@ async def authenticate_session(conn: Conn, clock: Clock, token: str) -> Principa
             .where(
                 t.console_sessions.c.token_hash == _hash_secret(token),
                 t.console_sessions.c.expires_at > clock.now_ms(),
+                t.users.c.disabled_at.is_(None),
             )
         )
     ).first()
@@ -363,16 +447,27 @@ async def key_status(conn: Conn, raw: str) -> tuple[str, str] | None:
     return principal.key_id, principal.org_id
 
 
-async def find_user(conn: Conn, org_id: str, email: str) -> dict[str, Any]:
-    """A console user of ``org_id`` by email (404 otherwise)."""
+async def find_user(
+    conn: Conn, org_id: str, email: str, *, include_disabled: bool = False
+) -> dict[str, Any]:
+    """A console user of ``org_id`` by email (404 otherwise; a disabled one is 403
+    ``user.disabled`` unless ``include_disabled``)."""
     u = t.users.c
     row = (
         await conn.execute(
-            sa.select(u.id, u.email, u.name, u.role).where(
+            sa.select(u.id, u.email, u.name, u.role, u.disabled_at).where(
                 u.org_id == org_id, u.email == email.strip().lower()
             )
         )
     ).first()
     if row is None:
         raise NotFound(f"no console user {email!r} in this organization", rule="user.not_found")
-    return {"id": row.id, "email": row.email, "name": row.name, "role": row.role}
+    if row.disabled_at is not None and not include_disabled:
+        raise PermissionDenied(f"the console user {row.email} is disabled", rule="user.disabled")
+    return {
+        "id": row.id,
+        "email": row.email,
+        "name": row.name,
+        "role": row.role,
+        "disabled": row.disabled_at is not None,
+    }

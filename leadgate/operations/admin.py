@@ -80,6 +80,17 @@ class Admin:
                 conn, self.clock, self.ids, org_id, email, role, password, name=name
             )
 
+    async def list_users(self, org: str) -> list[dict[str, Any]]:
+        """The organization's console users (role, disabled or not, open sessions)."""
+        async with self.db.read() as conn:
+            return await orgs.list_users(conn, self.clock, await self._org_id(conn, org))
+
+    async def update_user(self, org: str, email: str, **changes: Any) -> dict[str, Any]:
+        """Change a console user (see :func:`leadgate.domain.orgs.update_user`)."""
+        async with self.db.tx() as conn:
+            org_id = await self._org_id(conn, org)
+            return await orgs.update_user(conn, self.clock, org_id, email, **changes)
+
     async def reviewer(self, org: str, as_email: str | None, name: str) -> Principal:
         """Who a command-line decision is made as: the console user ``as_email`` (who
         must hold ``agent:review``), or, without one, the command line itself, audited

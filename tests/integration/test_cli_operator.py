@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 
 from leadgate.app import App
+from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
-from leadgate.domain import orgs
+from leadgate.database.db import Database
+from leadgate.domain import links, orgs
 from tests.helpers import make_agent, make_org
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
 from tests.integration.test_operator_api import TimeoutChannel
@@ -314,6 +316,113 @@ def test_on_a_terminal_the_password_is_asked_twice_without_echo(world: dict[str,
     assert os.waitstatus_to_exitcode(status) == 0, out
     assert b"typed on a tty" not in out  # no echo
     assert rows(world, "SELECT name FROM users WHERE email = 'tty@example.com'") == [("Tia",)]
+
+
+def _console(world: dict[str, Any], *steps: tuple[str, str, str]) -> list[Any]:
+    """In-process console steps on the CLI's database: ``("login", email, password)`` is
+    a session token or None; ``("reviewer", platform, identity)`` the linked reviewer of
+    acme, or None."""
+
+    async def run() -> list[Any]:
+        db = Database(f"sqlite+aiosqlite:///{world['db']}")
+        clock, ids = SystemClock(), RandomIds()
+        out: list[Any] = []
+        try:
+            for step, a, b in steps:
+                async with db.tx() as conn:
+                    if step == "login":
+                        out.append(await orgs.login(conn, clock, ids, a, b, 3_600_000))
+                    else:
+                        [(org_id,)] = rows(world, "SELECT id FROM organizations WHERE name='acme'")
+                        out.append(await links.reviewer(conn, org_id, a, b))
+        finally:
+            await db.close()
+        return out
+
+    return asyncio.run(run())
+
+
+def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) -> None:
+    root: Path = world["root"]
+    acme = ("--org", "acme")
+    email = "leaver@example.com"
+    made = lg(
+        root, "user", "create", *acme, "--email", email, "--role", "admin", stdin="first pw 1\n"
+    )
+    assert made.json()["role"] == "Admin"
+    assert lg(root, "user", "link", *acme, "--email", email, "--slack", "T1:ULEAVER").code == 0
+    first, second = _console(world, ("login", email, "first pw 1"), ("login", email, "first pw 1"))
+    assert first and second
+
+    listed, table, elsewhere = par(
+        root,
+        ("user", "list", *acme),
+        ("user", "list", *acme, "--format", "table"),
+        ("user", "list", "--org", "globex"),
+    )
+    [me] = [u for u in listed.json() if u["email"] == email]
+    assert (me["role"], me["disabled"], me["sessions"]) == ("Admin", False, 2)
+    assert "password" not in json.dumps(listed.json()) and "hash" not in json.dumps(listed.json())
+    assert table.out.splitlines()[0].split()[:4] == ["EMAIL", "NAME", "ROLE", "DISABLED"]
+    assert email not in elsewhere.out  # another organization's users are not listed
+
+    # A role change applies to open sessions at their next request: they stay.
+    demoted = lg(root, "user", "update", *acme, email, "--role", "VIEWER", "--name", "Lee")
+    assert demoted.json() | {"createdAt": None} == {
+        "id": me["id"],
+        "email": email,
+        "name": "Lee",
+        "role": "Viewer",
+        "disabled": False,
+        "createdAt": None,
+        "sessionsEnded": 0,
+    }
+    disabled = lg(root, "user", "update", *acme, email, "--disable").json()
+    assert (disabled["disabled"], disabled["sessionsEnded"]) == (True, 2)
+    login, reviewer = _console(
+        world, ("login", email, "first pw 1"), ("reviewer", "slack", "T1:ULEAVER")
+    )
+    assert login is None and reviewer is None
+    lg(root, "review", "cancel", *acme, world["items"][3], "--as", email).rule_error(
+        "user.disabled"
+    )
+
+    enabled = lg(
+        root,
+        "user",
+        "update",
+        *acme,
+        email,
+        "--enable",
+        "--role",
+        "member",
+        "--reset-password",
+        stdin="second pw 2\n",
+    ).json()
+    assert (enabled["disabled"], enabled["role"]) == (False, "Member")
+    old, new, reviewer = _console(
+        world,
+        ("login", email, "first pw 1"),
+        ("login", email, "second pw 2"),
+        ("reviewer", "slack", "T1:ULEAVER"),
+    )
+    assert old is None and new and reviewer is not None  # the link came back with the user
+    ended = lg(root, "user", "update", *acme, email, "--end-sessions").json()
+    assert ended["sessionsEnded"] == 1
+
+    nothing, both, other_org, short = par(
+        root,
+        ("user", "update", *acme, email),
+        ("user", "update", *acme, email, "--disable", "--enable"),
+        ("user", "update", "--org", "globex", email, "--disable"),
+        ("user", "update", *acme, email, "--password", "short"),
+    )
+    nothing.rule_error("user.update")
+    assert both.code == 2 and "[cli.usage]" in both.err
+    other_org.rule_error("user.not_found")
+    short.rule_error("user.password")
+    [(disabled_at,)] = rows(world, f"SELECT disabled_at FROM users WHERE email = '{email}'")
+    assert disabled_at is None
 
 
 # ------------------------------------------------------------- reviews and deliveries
