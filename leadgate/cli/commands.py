@@ -347,6 +347,13 @@ async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> An
     )
 
 
+async def delivery_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate delivery list --org ORG [--limit N] [--cursor X]``."""
+    return await _reviews(admin).uncertain(
+        await _principal(admin, args), limit=args.limit, cursor=args.cursor
+    )
+
+
 async def review_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate review show --org ORG WORK_ITEM_ID``."""
     return await _reviews(admin).detail(await _principal(admin, args), args.item)
@@ -409,6 +416,7 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("review", "list"): review_list,
     ("review", "show"): review_show,
     **{("review", action): _decision(action) for action in DECISIONS},
+    ("delivery", "list"): delivery_list,
     **{("delivery", action): _recovery(action) for action in RECOVERIES},
 }
 COMMANDS.update(REVIEW_COMMANDS)

@@ -20,6 +20,7 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
         "preview",
     ],
     ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
+    ("delivery", "list"): ["id", "kind", "channel", "workItemId", "since", "error"],
     ("user", "list"): ["email", "name", "role", "disabled", "sessions", "createdAt"],
     ("route", "list"): ["id", "agentId", "channel", "match", "silent", "active"],
     ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
@@ -136,15 +137,17 @@ def _table(result: Any, command: tuple[str, str | None]) -> str:
     columns = COLUMNS.get(command)
     if isinstance(result, list):
         return table(result, columns)
-    if isinstance(result, dict) and isinstance(result.get("items"), list):
-        lines = [table(result["items"], columns)]
+    if isinstance(result, dict) and "audit" in result and "deliveries" in result:
+        return _detail(result)
+    # A page: the queue's items, or (delivery list) the uncertain deliveries.
+    listed = [k for k in ("items", "deliveries") if isinstance(result, dict) and k in result]
+    if listed and isinstance(result[listed[0]], list):
+        lines = [table(result[listed[0]], columns)]
         if "total" in result:
             lines.append(f"\n{result['total']} item(s)")
         if result.get("next"):
             lines.append(f"more: --cursor {result['next']}")
         return "\n".join(lines)
-    if isinstance(result, dict) and "audit" in result and "deliveries" in result:
-        return _detail(result)
     if isinstance(result, dict) and isinstance(result.get("destinations"), list):
         return _destinations(result, columns)
     if isinstance(result, dict):

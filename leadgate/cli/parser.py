@@ -242,6 +242,14 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
         if action == "return":
             p.add_argument("--feedback", required=True, help="1..10,000 characters; - reads stdin")
     delivery = _group(sub, "delivery", "recovery of uncertain (deliveryUnknown) deliveries")
+    dl = delivery(
+        "list",
+        "every deliveryUnknown delivery, gating or not (plain replies, notices and cards "
+        "are in no review queue), longest uncertain first",
+    )
+    dl.add_argument("--org", required=True)
+    dl.add_argument("--limit", type=int, default=50)
+    dl.add_argument("--cursor", help="the next page (printed by the previous page)")
     for action, help_text in (
         ("confirm", "the message did arrive: delivery sent, item completed"),
         ("retry", "it did not: send again"),

@@ -433,8 +433,10 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     first, second, third, fourth = world["items"]
     acme = ("--org", "acme")
     delivery = world["delivery"]
-    listed, table, shown, *refused = par(
+    uncertain, uncertain_table, listed, table, shown, *refused = par(
         root,
+        ("delivery", "list", *acme),
+        ("delivery", "list", *acme, "--format", "table"),
         ("review", "list", *acme, "--reason", "escalated"),
         ("review", "list", *acme, "--format", "table"),
         ("review", "show", *acme, first, "--format", "table"),
@@ -447,6 +449,11 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
         ("delivery", "confirm", "--org", "globex", delivery),
         ("review", "reject", *acme, second),
     )
+    # Every uncertain delivery (a plain reply's or a card's too), with the id to act on.
+    [unknown] = uncertain.json()["deliveries"]
+    assert (unknown["id"], unknown["channel"], unknown["kind"]) == (delivery, "slack", "gating")
+    assert uncertain_table.out.splitlines()[0].split()[:3] == ["ID", "KIND", "CHANNEL"]
+    assert delivery in uncertain_table.out
     assert [i["id"] for i in listed.json()["items"]][:1] == [first]
     assert table.code == 0
     header, *lines = table.out.splitlines()
