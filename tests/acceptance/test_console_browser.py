@@ -506,6 +506,42 @@ async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     await expect(page.get_by_role("button", name="Confirm delivered")).to_have_count(0)
 
 
+async def test_uncertain_deliveries_no_item_gates_are_listed_and_resolved(
+    console: Console, page: Page
+) -> None:
+    # A plain reply (a worker without a lead) is in no review queue: its uncertain send
+    # was only in the raw API. A gating one is listed too.
+    console.slack.uncertain = True
+    plain = await make_agent(console.service, console.org, "helper")
+    slack = BindingSpec(BindingKind.slack, SLACK)
+    await console.service.turns.run(
+        Trigger(console.org.id, plain["id"], "s13", "a quick answer", slack)
+    )
+    out = await console.service.turns.run(
+        Trigger(console.org.id, console.worker["id"], "s14", "post it #complete", slack)
+    )
+    assert isinstance(out, Gated) and out.work_item_id
+    await drain(console.service.lead_runner)
+    await drain(console.service.relay)  # both sends time out: deliveryUnknown
+    console.slack.uncertain = False
+
+    await console.open(page, MEMBER, "Member")
+    await page.get_by_role("link", name="Uncertain deliveries").click()
+    rows = page.locator("#uncertain tbody tr")
+    await expect(rows).to_have_count(2)
+    reply = rows.filter(has_not=page.locator("a"))  # no work item gates it
+    gating = rows.filter(has=page.locator(f'a[href="#/review/{out.work_item_id}"]'))
+    await expect(reply).to_contain_text("read timeout after the request was written")
+    await reply.get_by_role("button", name="Retry delivery").click()
+    await expect(page.locator("#notice")).to_have_text("Delivery queued again.")
+    await expect(rows).to_have_count(1)
+    await drain(console.service.relay)
+    assert [m.text for m in console.slack.sent] == ["Echo: a quick answer"]
+    await gating.get_by_role("button", name="Confirm delivered").click()
+    await expect(page.locator("#uncertain-empty")).to_have_text("No delivery is uncertain.")
+    assert page.url.endswith("#/deliveries")  # still on the list, not the item
+
+
 async def test_an_emptied_later_page_and_an_unknown_item_leave_no_stale_queue(
     console: Console, page: Page
 ) -> None:

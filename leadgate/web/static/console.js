@@ -44,6 +44,7 @@
   let filters = { agent: "", channel: "", reason: "", order: "oldest" };
   let activity = { agent: "", status: "", channel: "", range: "", q: "", draft: null, cursors: [null] };
   let insightDays = 30;
+  let deliveryCursors = [null]; // uncertain-delivery pages visited
   let current = { view: null, id: null }; // what the page shows (for live updates)
   let events = null;
   let refreshTimer = null;
@@ -249,6 +250,7 @@
       try {
         if (current.view === "queue") await showQueue(false);
         else if (current.view === "activity") await showActivity(false);
+        else if (current.view === "deliveries") await showDeliveries(false);
         else if (current.view === "detail") {
           const seq = ++renderSeq;
           const data = await api("GET", `/operator/reviews/${enc(current.id)}`);
@@ -573,6 +575,76 @@
     );
   }
 
+  // ------------------------------------------------------------ uncertain deliveries
+
+  // Every deliveryUnknown delivery: the gating ones (also in Lead Reviews) and those no
+  // work item gates (plain replies, notices, review cards), which only this list shows.
+  async function showDeliveries(focus = true) {
+    current = { view: "deliveries", id: null };
+    const seq = ++renderSeq;
+    const cursor = deliveryCursors[deliveryCursors.length - 1];
+    const q = new URLSearchParams({ limit: String(PAGE_SIZE) });
+    if (cursor) q.set("cursor", cursor);
+    const data = await api("GET", `/operator/deliveries?${q}`);
+    if (seq !== renderSeq) return;
+    if (!data.deliveries.length && deliveryCursors.length > 1) {
+      deliveryCursors = [null]; // resolved meanwhile: back to the first page
+      return showDeliveries(focus);
+    }
+    const rows = data.deliveries.map((x) =>
+      el(
+        "tr",
+        { "data-id": x.id },
+        el("td", {}, el("code", {}, x.id)),
+        el("td", {}, x.kind),
+        el("td", {}, x.channel || "—"),
+        el("td", {}, x.workItemId ? reviewLink(x.workItemId) : "—"),
+        el("td", {}, waited(x.since)),
+        el("td", { class: "cell-text" }, x.error || ""),
+        el(
+          "td",
+          {},
+          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
+          " ",
+          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, "Delivery queued again.") }, "Retry delivery")
+        )
+      )
+    );
+    const turn = (step, next) => {
+      clearMessages();
+      if (step > 0) deliveryCursors.push(next);
+      else if (deliveryCursors.length > 1) deliveryCursors.pop();
+      showDeliveries().catch(handle);
+    };
+    place(
+      [
+        el("h1", { tabindex: "-1" }, "Uncertain deliveries"),
+        el(
+          "p",
+          { class: "hint" },
+          "Messages that may or may not have arrived (a timeout after the request was written): never sent again by themselves. Check the channel, then confirm that it arrived or send it again."
+        ),
+        rows.length
+          ? el(
+              "table",
+              { id: "uncertain" },
+              el("caption", { class: "sr-only" }, "Uncertain deliveries"),
+              el("thead", {}, el("tr", {}, ["Delivery", "Kind", "Channel", "Work item", "Uncertain since", "Error", ""].map((h) => el("th", { scope: "col" }, h)))),
+              el("tbody", {}, rows)
+            )
+          : el("p", { class: "empty", id: "uncertain-empty" }, "No delivery is uncertain."),
+        el(
+          "div",
+          { class: "pager" },
+          el("button", { type: "button", disabled: deliveryCursors.length === 1, onclick: () => turn(-1) }, "Previous page"),
+          el("span", {}, `Page ${deliveryCursors.length}`),
+          el("button", { type: "button", disabled: !data.next, onclick: () => turn(1, data.next) }, "Next page")
+        ),
+      ],
+      focus
+    );
+  }
+
   // ------------------------------------------------------------------ insights
 
   const minutes = (ms) => (ms === null || ms === undefined ? "—" : `${(ms / 60000).toFixed(1)} min`);
@@ -675,7 +747,7 @@
       const detail = await api("POST", path, body);
       ++renderSeq; // newer than any refresh still in flight
       for (const key of [...drafts.keys()]) if (key.startsWith(`${current.id}:`)) drafts.delete(key);
-      if (detail && detail.deliveries) renderDetail(detail, false);
+      if (detail && detail.deliveries && current.view === "detail") renderDetail(detail, false);
       else await route();
       notify(done);
     } catch (err) {
@@ -928,7 +1000,7 @@
     if (!user) return;
     clearMessages();
     const hash = location.hash || "#/reviews";
-    const section = hash.startsWith("#/activity") ? "#/activity" : hash.startsWith("#/insights") ? "#/insights" : "#/reviews";
+    const section = ["#/activity", "#/deliveries", "#/insights"].find((s) => hash.startsWith(s)) || "#/reviews";
     for (const link of $("nav").querySelectorAll("a")) {
       if (link.getAttribute("href") === section) link.setAttribute("aria-current", "page");
       else link.removeAttribute("aria-current");
@@ -947,6 +1019,9 @@
         await showActivity();
       } else if (hash === "#/insights") {
         await showInsights();
+      } else if (hash === "#/deliveries") {
+        deliveryCursors = [null];
+        await showDeliveries();
       } else {
         cursors = [null];
         await showQueue();
