@@ -73,6 +73,9 @@ def safe_url(url: str) -> str:
     (``?password=``, ``?sslpassword=``...: any parameter whose name says secret)."""
     try:
         parsed = make_url(url)
+        if parsed.host and "@" in parsed.host:
+            # An unescaped @ in the password: all before the host's last @ is secret.
+            parsed = parsed.set(host=parsed.host.rpartition("@")[2], password="***")
         shown = parsed.set(query={}).render_as_string(hide_password=True)
         query = [
             f"{name}={'***' if _SECRET_PARAMETER.search(name) else value}"

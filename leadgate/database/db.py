@@ -735,8 +735,22 @@ def checked_url(url: str) -> sa.engine.URL:
     otherwise, whose message never quotes the URL (it may hold a password)."""
     try:
         parsed = sa.engine.make_url(url)
-    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
+    except sa.exc.ArgumentError as exc:
         raise ConfigError(f"database.url is not a valid URL: {exc}") from None
+    except ValueError:
+        # A port that is no number; its text is not quoted: with a "/" or "@" in the
+        # password left unescaped, the "port" is a piece of the password.
+        raise ConfigError(
+            "database.url is not a valid URL: its port is not a number (a password "
+            "holding @, /, : or % must be percent-encoded: @ is %40)"
+        ) from None
+    if parsed.host and "@" in parsed.host:
+        # An unescaped @ in the password: the driver would try a host named after the
+        # rest of the password, and say so in its error.
+        raise ConfigError(
+            "database.url has more than one @ before its host: percent-encode the "
+            "password (@ is %40)"
+        )
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
         # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
