@@ -394,6 +394,12 @@ async def authenticate(request: web.Request, lookup: PrincipalLookup, *, cookie:
         require_console_header(request)
     principal = await lookup(token, session)
     if principal is None:
+        if cookie and token is None and request.cookies.get(SESSION_COOKIE):
+            # A console page whose session ended: say that, not "an API key is required".
+            raise AuthError(
+                "the console session has ended or is not valid: log in again",
+                rule="console.session",
+            )
         raise AuthError(
             "a valid API key is required (Authorization: Bearer <key>)", rule="auth.key"
         )

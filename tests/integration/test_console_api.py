@@ -128,7 +128,10 @@ async def test_me_without_a_session_or_after_expiry_is_401(env: Env) -> None:
     assert (await env.client.get("/console/me")).status == 200
     env.clock.advance(12 * 3600 * 1000 + 1)
     assert (await env.client.get("/console/me")).status == 401
-    assert (await env.client.get("/operator/reviews")).status == 401
+    ended = await env.client.get("/operator/reviews")
+    assert ended.status == 401
+    # The page is told its session ended, not that an API key is required.
+    assert (await ended.json())["error"]["rule"] == "console.session"
     # The expired row is deleted by the next login (anyone's): nothing else would.
     await env.user("bob@example.com", "Member")
     assert (await env.login("bob@example.com")).status == 200
