@@ -174,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":
-            return _emit(json.dumps({"revision": upgrade(settings.database.url)}))
+            revision = {"revision": upgrade(settings.database.url)}
+            return _emit(render(revision, args.format, ("db", "upgrade")))
         if args.command == "serve" and args.check_ports:
             check_ports(settings)
-            return _emit(json.dumps({"ports": "free"}))
+            return _emit(render({"ports": "free"}, args.format, ("serve", None)))
         if args.command == "serve":
             asyncio.run(_serve(settings, args.role))
             return 0

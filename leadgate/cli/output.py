@@ -34,7 +34,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("name") or value.get("id") or json.dumps(value)
     if isinstance(value, list):
-        value = ",".join(str(v) for v in value)
+        value = ",".join(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)
     text = " ".join(str(value).split())
     return text if len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
 

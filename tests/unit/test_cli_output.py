@@ -38,3 +38,9 @@ def test_json_output_keeps_every_control_escaped() -> None:
     out = render({"summary": HOSTILE}, "json", ("review", "show"))
     assert not any(c in out for c in "\x1b\x07\r\x9b\u202e")
     assert json.loads(out)["summary"] == HOSTILE
+
+
+def test_nested_values_in_a_table_cell_are_json_not_python_reprs() -> None:
+    # (flow create --format table printed its nodes as Python dicts)
+    text = render({"nodes": [{"id": "a", "next": None}]}, "table", ("flow", "create"))
+    assert '{"id": "a", "next": null}' in text and "'id'" not in text
