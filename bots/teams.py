@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import email.utils
-import json
 import logging
 import re
 import time
@@ -59,6 +58,7 @@ from msrest.exceptions import ClientRequestError
 from bots import teams_review
 from bots.base import Adapter, Core, accept, answering_errors
 from bots.review_base import ChatReviewBackend
+from bots.teams_review import MAX_TEXT_BYTES, text_size
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.decoding import bearer_token, json_object, read_body
 from leadgate.core.errors import ConfigError
@@ -69,18 +69,6 @@ from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutco
 log = logging.getLogger(__name__)
 
 CHANNEL = "teams"
-#: Teams refuses an activity over about 28 KB (413). It counts bytes of the JSON the SDK
-#: posts (msrest's ``json.dumps``: a non-ASCII character is a 6-byte ``\uXXXX`` escape,
-#: one outside the BMP 12), so text is measured that way (:func:`text_size`), with about
-#: 2 KB left for the rest of the activity: 26,000 ASCII characters, 4,333 CJK ones.
-MAX_TEXT_BYTES = 26_000
-
-
-def text_size(text: str) -> int:
-    """The bytes ``text`` takes in the posted activity's JSON (quotes not counted)."""
-    return len(json.dumps(text)) - 2
-
-
 #: Teams waits 15 s for the answer to an activity; recording ends well before.
 RECORD_DEADLINE_S = 10.0
 

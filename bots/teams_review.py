@@ -26,6 +26,7 @@ it receives, so that an operator can name a Teams conversation by its id in
 from __future__ import annotations
 
 import collections
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -36,19 +37,42 @@ from botbuilder.schema import Activity, ActivityTypes
 from bots.review_base import FEEDBACK_MAX, REASON_MAX, Answer, ChatReviewBackend
 from leadgate.core.clock import iso
 from outbox.channel import Card
+from outbox.relay import longest_fitting
 
 log = logging.getLogger(__name__)
 
 PLATFORM = "teams"
 CARD_TYPE = "application/vnd.microsoft.card.adaptive"
 MESSAGE_TYPE = "application/vnd.microsoft.activity.message"
-#: A Teams message holds about 28 KB; the summary is cut well inside it.
-SUMMARY_MAX = 10_000
+#: Teams refuses an activity over about 28 KB (413). It counts bytes of the JSON the SDK
+#: posts (msrest's ``json.dumps``: a non-ASCII character is a 6-byte ``\uXXXX`` escape,
+#: one outside the BMP 12), so text is measured that way (:func:`text_size`), with about
+#: 2 KB left for the rest of the activity: 26,000 ASCII characters, 4,333 CJK ones.
+MAX_TEXT_BYTES = 26_000
+
+
+def text_size(text: str) -> int:
+    """The bytes ``text`` takes in the posted activity's JSON (quotes not counted)."""
+    return len(json.dumps(text)) - 2
+
+
+#: A card's free texts, cut by that same measure so the whole card stays inside the
+#: limit whatever their script: the summary, the lead's "why", a decision's text.
+SUMMARY_BYTES = 10_000
+WHY_BYTES = 3_000
+OUTCOME_BYTES = 6_000
 _REMEMBERED_MAX = 4096
 
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _cut_bytes(text: str, limit: int) -> str:
+    """``text`` cut so that its JSON takes at most ``limit`` bytes, the cut marked."""
+    if text_size(text) <= limit:
+        return text
+    return text[: longest_fitting(text, limit - 6, text_size)].rstrip() + "…"  # "…" is 6
 
 
 def _iso(ms: int) -> str:
@@ -75,7 +99,7 @@ def adaptive_card(card: Card) -> dict[str, Any]:
             "facts": [
                 {"title": "Agent", "value": card.agent},
                 {"title": "From", "value": card.source},
-                {"title": "Why", "value": card.why},
+                {"title": "Why", "value": _cut_bytes(card.why, WHY_BYTES)},
                 {"title": "Waiting since", "value": _iso(card.waiting_since_ms)},
                 {"title": "Revision", "value": f"{card.revision} of {card.rounds}"},
             ],
@@ -83,7 +107,7 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         {"type": "TextBlock", "text": "Summary", "weight": "Bolder", "wrap": True},
         {
             "type": "TextBlock",
-            "text": _cut(card.summary or "(no summary)", SUMMARY_MAX),
+            "text": _cut_bytes(card.summary or "(no summary)", SUMMARY_BYTES),
             "wrap": True,
         },
     ]
@@ -96,7 +120,7 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         body.append(
             {
                 "type": "TextBlock",
-                "text": line + (f": {o.text}" if o.text else ""),
+                "text": line + (f": {_cut_bytes(o.text, OUTCOME_BYTES)}" if o.text else ""),
                 "weight": "Bolder",
                 "color": "Good" if o.title.startswith(("Approved", "Delivery")) else "Attention",
                 "wrap": True,

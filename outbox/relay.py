@@ -144,7 +144,7 @@ def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[
     parts: list[str] = []
     rest = text
     while rest:
-        end = limit if size is len else _longest_fitting(rest, limit, size)
+        end = limit if size is len else longest_fitting(rest, limit, size)
         if end >= len(rest):
             break
         cut = rest.rfind("\n", 0, end)
@@ -159,7 +159,7 @@ def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[
     return parts
 
 
-def _longest_fitting(text: str, limit: int, size: Callable[[str], int]) -> int:
+def longest_fitting(text: str, limit: int, size: Callable[[str], int]) -> int:
     """The length of the longest head of ``text`` whose size is at most ``limit`` (at
     least 1: one character too large alone still goes out). A size counts each
     character at least once and grows with the head. Most text costs about the same per

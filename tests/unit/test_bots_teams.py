@@ -502,7 +502,7 @@ def test_create_is_off_unless_enabled_or_app_id() -> None:
     assert isinstance(create(Settings(teams=TeamsSettings(enabled=True)), core), TeamsAdapter)
     adapter = create(Settings(teams=TeamsSettings(app_id=APP_ID, app_password="pw")), core)
     assert isinstance(adapter, TeamsAdapter) and adapter.auth_enabled
-    assert adapter.channel.name == "teams" and adapter.channel.max_chars == 28000
+    assert adapter.channel.name == "teams" and adapter.channel.max_chars == 26_000
 
 
 def test_sdk_config_tenancy() -> None:

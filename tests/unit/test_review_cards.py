@@ -4,6 +4,7 @@ a gating delivery, updated in place after any decision, cut to each channel's li
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -336,6 +337,21 @@ def test_long_summaries_are_cut_to_each_channels_limits_never_dropped() -> None:
         "url": card.link,
     }
     assert "TAIL" in plain_text(_card("short TAIL"))
+
+
+def test_a_teams_card_fits_its_limit_in_any_script() -> None:
+    # Teams counts the JSON it posts: a CJK character is a 6-byte escape there, and an
+    # emoji 12. A summary of 2,000 emoji, a long "why" and a return's 10,000 characters
+    # of CJK feedback made a card of about 100 KB, which Teams refuses (413).
+    emoji, cjk = "🙂" * 2_000, "漢" * 10_000
+    card = _card(emoji, why="The lead escalated it: " + cjk[:5_000])
+    returned = CardOutcome("Returned to the worker", "ann@example.com", "teams", 0, cjk)
+    for shown in (card, card.decided(returned)):
+        posted = json.dumps({"type": "message", "attachments": [teams_review.adaptive_card(shown)]})
+        assert len(posted) <= 24_000, len(posted)
+    summary = teams_review.adaptive_card(card)["body"][3]["text"]
+    assert summary.startswith("🙂🙂") and summary.endswith("…")
+    assert teams_review.text_size(summary) <= teams_review.SUMMARY_BYTES
 
 
 def test_decided_and_recovery_cards_show_no_decision_buttons() -> None:
