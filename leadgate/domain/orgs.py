@@ -212,6 +212,8 @@ def _password_hash(password: str) -> str:
 
 _U = t.users.c
 _S = t.console_sessions.c
+#: A user's public columns (never the password hash), as :func:`_user_fields` reads them.
+_USER_COLUMNS = (_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at)
 
 
 def _user_fields(row: Any) -> dict[str, Any]:
@@ -234,8 +236,7 @@ async def list_users(conn: Conn, clock: Clock, org_id: str) -> list[dict[str, An
         .scalar_subquery()
     )
     rows = await conn.execute(
-        sa.select(_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at)
-        .add_columns(sessions.label("sessions"))
+        sa.select(*_USER_COLUMNS, sessions.label("sessions"))
         .where(_U.org_id == org_id)
         .order_by(_U.created_at, _U.id)
     )
@@ -278,13 +279,7 @@ async def update_user(
     if end_sessions:
         result = await conn.execute(t.console_sessions.delete().where(_S.user_id == user["id"]))
         ended = int(result.rowcount or 0)
-    row = (
-        await conn.execute(
-            sa.select(_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at).where(
-                _U.id == user["id"]
-            )
-        )
-    ).one()
+    row = (await conn.execute(sa.select(*_USER_COLUMNS).where(_U.id == user["id"]))).one()
     return {**_user_fields(row), "sessionsEnded": ended}
 
 
@@ -452,22 +447,13 @@ async def find_user(
 ) -> dict[str, Any]:
     """A console user of ``org_id`` by email (404 otherwise; a disabled one is 403
     ``user.disabled`` unless ``include_disabled``)."""
-    u = t.users.c
     row = (
         await conn.execute(
-            sa.select(u.id, u.email, u.name, u.role, u.disabled_at).where(
-                u.org_id == org_id, u.email == email.strip().lower()
-            )
+            sa.select(*_USER_COLUMNS).where(_U.org_id == org_id, _U.email == email.strip().lower())
         )
     ).first()
     if row is None:
         raise NotFound(f"no console user {email!r} in this organization", rule="user.not_found")
     if row.disabled_at is not None and not include_disabled:
         raise PermissionDenied(f"the console user {row.email} is disabled", rule="user.disabled")
-    return {
-        "id": row.id,
-        "email": row.email,
-        "name": row.name,
-        "role": row.role,
-        "disabled": row.disabled_at is not None,
-    }
+    return _user_fields(row)
