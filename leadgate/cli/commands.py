@@ -154,6 +154,16 @@ async def policy_add(admin: Admin, args: argparse.Namespace, _: Settings) -> Any
     return await admin.add_policy_rule(args.org, args.pattern, args.action)
 
 
+async def policy_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate policy list --org ORG``."""
+    return await admin.list_policy_rules(args.org)
+
+
+async def policy_remove(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate policy remove --org ORG RULE_ID``."""
+    return await admin.remove_policy_rule(args.org, args.rule_id)
+
+
 async def route_add(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate route add --org ORG --agent NAME --channel C [--match K=V ...] [--silent]``."""
     return await admin.add_route(args.org, args.agent, args.channel, args.match, args.silent)
@@ -405,6 +415,8 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("agent", "update"): agent_update,
     ("preset", "create"): preset_create,
     ("policy", "add"): policy_add,
+    ("policy", "list"): policy_list,
+    ("policy", "remove"): policy_remove,
     ("route", "add"): route_add,
     ("route", "list"): route_list,
     ("route", "disable"): route_disable,

@@ -170,6 +170,10 @@ def _agents_presets_policy(sub: Sub[argparse.ArgumentParser]) -> None:
     pa.add_argument("--org", required=True)
     pa.add_argument("--pattern", required=True)
     pa.add_argument("--action", required=True, choices=["block", "redact"])
+    policy("list", "the rules, in the order they apply").add_argument("--org", required=True)
+    pr = policy("remove", "delete a rule (the next turn no longer applies it)")
+    pr.add_argument("--org", required=True)
+    pr.add_argument("rule_id", metavar="RULE_ID")
 
 
 def _routes_schedules_flows(sub: Sub[argparse.ArgumentParser]) -> None:

@@ -170,6 +170,16 @@ class Admin:
             org_id = await self._org_id(conn, org)
             return await policy.add_rule(conn, self.clock, self.ids, org_id, pattern, action)
 
+    async def list_policy_rules(self, org: str) -> list[dict[str, Any]]:
+        """The output policy's rules, in the order they apply."""
+        async with self.db.read() as conn:
+            return await policy.list_rules(conn, await self._org_id(conn, org))
+
+    async def remove_policy_rule(self, org: str, rule_id: str) -> dict[str, Any]:
+        """Delete an output policy rule (the next turn no longer applies it)."""
+        async with self.db.tx() as conn:
+            return await policy.remove_rule(conn, await self._org_id(conn, org), rule_id)
+
     async def add_route(
         self, org: str, agent: str, channel: str, match: list[str], silent: bool
     ) -> dict[str, Any]:
