@@ -176,19 +176,27 @@ async def find_agent_and_lead(conn: Conn, org_id: str, ref: str) -> tuple[Agent,
 
 
 async def find_preset(conn: Conn, org_id: str, ref: str) -> Preset:
-    """An organization preset of ``org_id`` or a platform preset, by id or name."""
+    """An organization preset of ``org_id`` or a platform preset, by id, else by name
+    (the organization's before the platform's). Two of one scope sharing the name
+    (made before names were unique) are ``preset.ambiguous``: picking one could pick
+    the one without a lead."""
     p = t.presets.c
-    row = (
+    rows = (
         await conn.execute(
             sa.select(t.presets)
             .where(sa.or_(p.org_id == org_id, p.org_id.is_(None)))
             .where(sa.or_(p.id == ref, p.name == ref))
-            .order_by(p.org_id.is_(None))
+            .order_by(p.id != ref, p.org_id.is_(None), p.created_at)
         )
-    ).first()
-    if row is None:
+    ).all()
+    if not rows:
         raise NotFound(f"no preset {ref!r}", rule="preset.not_found")
-    return Preset.from_row(row)
+    first = rows[0]
+    if first.id != ref and any(r.org_id == first.org_id for r in rows[1:]):
+        raise ValidationError(
+            f"more than one preset is named {ref!r}: name it by its id", rule="preset.ambiguous"
+        )
+    return Preset.from_row(first)
 
 
 async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | None) -> str:
@@ -222,7 +230,11 @@ async def create_preset(
     review_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Create an organization preset (optionally with a lead) or a platform preset."""
-    name = validate_name(name, "preset")
+    name = validate_name(name, "preset", id_prefix="pre")
+    p = t.presets.c
+    scope = p.org_id.is_(None) if org_id is None else p.org_id == org_id
+    if await conn.scalar(sa.select(p.id).where(scope, p.name == name)):
+        raise Conflict(f"a preset named {name!r} already exists", rule="preset.name_taken")
     lead_id = None
     policy, rounds = validate_review_config(review_config)
     if org_id is None and (lead is not None or review_config):

@@ -515,3 +515,34 @@ async def test_user_roles_map_to_scopes_through_console_sessions(stack: Stack) -
                 conn, stack.clock, stack.ids, org.id, "x@example.com", "Boss", "long enough"
             )
     assert info.value.rule == "user.role"
+
+
+async def test_preset_names_are_unique_and_an_ambiguous_name_is_refused(stack: Stack) -> None:
+    # Two presets named alike: an agent made "with" it got the one without a lead, and
+    # its work went out unreviewed.
+    org = await make_org(stack)
+    await save(stack, org, name="lead")
+    first = await preset(stack, org.id, "pz")
+    with pytest.raises(Conflict) as taken:
+        await preset(stack, org.id, "pz", lead="lead")
+    assert taken.value.rule == "preset.name_taken"
+    with pytest.raises(ValidationError) as id_like:
+        await preset(stack, org.id, "pre_0123")
+    assert id_like.value.rule == "preset.name"
+    # The same name in another scope is fine: the organization's is found first.
+    platform = await preset(stack, None, "pz")
+    async with stack.db.read() as conn:
+        assert (await agents_mod.find_preset(conn, org.id, "pz")).id == first["id"]
+        assert (await agents_mod.find_preset(conn, org.id, platform["id"])).id == platform["id"]
+    # A duplicate made before names were unique: named, it is refused; by id, found.
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.presets.insert().values(
+                id="pre_legacy", org_id=org.id, name="pz", created_at=stack.clock.now_ms()
+            )
+        )
+    async with stack.db.read() as conn:
+        with pytest.raises(ValidationError) as ambiguous:
+            await agents_mod.find_preset(conn, org.id, "pz")
+        assert ambiguous.value.rule == "preset.ambiguous"
+        assert (await agents_mod.find_preset(conn, org.id, "pre_legacy")).id == "pre_legacy"
