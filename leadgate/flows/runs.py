@@ -301,11 +301,34 @@ class FlowService:
 
 
 _W = t.work_items.c
-#: A waiting continuation whose work item was approved (built once).
+_S = t.sessions.c
+#: A waiting continuation with its node's work item, found through the node's session:
+#: the item id is written on the continuation only after the turn, so a crash between
+#: the two left an approved item that nothing resumed (and no queue showed).
+_WITH_ITEM = t.continuations.join(
+    t.sessions, sa.and_(_S.agent_id == C.agent_id, _S.key == C.session_key)
+).join(
+    t.work_items,
+    sa.and_(_W.session_id == _S.id, sa.or_(C.work_item_id.is_(None), C.work_item_id == _W.id)),
+)
+#: One whose work item was approved (built once).
 _RESUMABLE = (
-    sa.select(t.continuations, _W.summary.label("item_summary"))
-    .select_from(t.continuations.join(t.work_items, _W.id == C.work_item_id))
+    sa.select(t.continuations, _W.id.label("item_id"), _W.summary.label("item_summary"))
+    .select_from(_WITH_ITEM)
     .where(C.status == "waiting", _W.status == Status.approved.value)
+    .limit(1)
+)
+#: Work item ends that no approval follows: the paused run can never resume.
+ENDED_WITHOUT_APPROVAL = (
+    Status.rejected.value,
+    Status.cancelled.value,
+    Status.abandoned.value,
+    Status.failed.value,
+)
+_ENDED = (
+    sa.select(C.id, C.run_id, C.node_index, _W.id.label("item_id"), _W.status.label("item_status"))
+    .select_from(_WITH_ITEM)
+    .where(C.status == "waiting", _W.status.in_(ENDED_WITHOUT_APPROVAL))
     .limit(1)
 )
 
@@ -319,13 +342,46 @@ class FlowResumer:
         self.flows = flows
 
     async def run_once(self) -> bool:
-        """Resume one approved continuation (fenced: exactly one replica wins)."""
-        db, clock, ids = self.flows.db, self.flows.clock, self.flows.ids
+        """Resume one approved continuation, or end the run of one whose item ended
+        without an approval (fenced: exactly one replica wins either)."""
+        db = self.flows.db
         # Read first: every human decision wakes this runner, and almost none of them
-        # approved a continuation; a read takes no write lock (the claim below is fenced).
+        # concerns a continuation; a read takes no write lock (the claims are fenced).
         async with db.read() as conn:
-            if (await conn.execute(_RESUMABLE)).first() is None:
+            resumable = (await conn.execute(_RESUMABLE)).first() is not None
+            ended = not resumable and (await conn.execute(_ENDED)).first() is not None
+        if resumable:
+            return await self._resume()
+        if ended:
+            return await self._end()
+        return False
+
+    async def _end(self) -> bool:
+        """The paused run of a continuation whose item was rejected, cancelled, abandoned
+        or failed ends ``failed``, saying why (it waited for an approval for ever)."""
+        db, clock = self.flows.db, self.flows.clock
+        async with db.tx() as conn:
+            row = (await conn.execute(db.skip_locked(_ENDED))).first()
+            if row is None:
                 return False
+            res = await conn.execute(
+                t.continuations.update()
+                .where(C.id == row.id, C.status == "waiting")
+                .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
+            )
+            if not res.rowcount:
+                return True
+            why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
+            await conn.execute(
+                t.flow_runs.update()
+                .where(R.id == row.run_id, R.status == "waitingForHitl")
+                .values(status="failed", error=why, updated_at=clock.now_ms())
+            )
+            await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
+        return True
+
+    async def _resume(self) -> bool:
+        db, clock, ids = self.flows.db, self.flows.clock, self.flows.ids
         async with db.tx() as conn:
             row = (await conn.execute(db.skip_locked(_RESUMABLE))).first()
             if row is None:
@@ -333,7 +389,12 @@ class FlowResumer:
             res = await conn.execute(
                 t.continuations.update()
                 .where(C.id == row.id, C.status == "waiting")
-                .values(status="resumed", summary=row.item_summary, updated_at=clock.now_ms())
+                .values(
+                    status="resumed",
+                    summary=row.item_summary,
+                    work_item_id=row.item_id,
+                    updated_at=clock.now_ms(),
+                )
             )
             if not res.rowcount:
                 return True
@@ -352,7 +413,7 @@ class FlowResumer:
             await conn.execute(
                 t.deliveries.update()
                 .where(
-                    t.deliveries.c.work_item_id == row.work_item_id,
+                    t.deliveries.c.work_item_id == row.item_id,
                     t.deliveries.c.status == "continuation",
                 )
                 .values(status="sent", updated_at=clock.now_ms())
@@ -362,7 +423,7 @@ class FlowResumer:
                     conn,
                     clock,
                     ids,
-                    row.work_item_id,
+                    row.item_id,
                     src=Status.approved,
                     dst=Status.completed,
                     actor="system:flow",

@@ -112,6 +112,66 @@ async def test_lead_node_pauses_then_resumes_in_a_new_run(stack: Any) -> None:
     assert await drain(FlowResumer(stack.flows)) == 0
 
 
+async def _paused_item(stack: Any, org: Any, prompt: str) -> tuple[str, str]:
+    """A flow paused on a lead-reviewed node: (run id, its work item id)."""
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack,
+        org,
+        [{"type": "agent", "agent": "worker", "prompt": prompt}, {"type": "output", "value": 2}],
+    )
+    run_id = await stack.flows.start(org.id, flow_id)
+    async with stack.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.continuations.c.work_item_id).where(t.continuations.c.run_id == run_id)
+        )
+    return run_id, str(item_id)
+
+
+async def test_an_item_the_continuation_never_named_still_resumes_its_flow(stack: Any) -> None:
+    # The continuation learns its item after the turn, in a transaction of its own: a
+    # crash in between left the approved item stuck, in no queue.
+    org = await make_org(stack)
+    run_id, item_id = await _paused_item(stack, org, "write it #complete #escalate")
+    async with stack.db.tx() as conn:
+        await conn.execute(t.continuations.update().values(work_item_id=None))
+    await drain(stack.lead_runner)
+    async with stack.db.tx() as conn:
+        await human_approve(conn, stack.outbox, await workitems.get(conn, item_id), "user:t")
+    assert await drain(FlowResumer(stack.flows)) == 1
+    [cont] = (await _view(stack, org, run_id))["continuations"]
+    assert cont["status"] == "resumed"
+    assert (await _view(stack, org, cont["resumedRunId"]))["status"] == "completed"
+    async with stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "completed"
+
+
+async def test_a_run_whose_item_ends_without_approval_fails_saying_why(stack: Any) -> None:
+    org = await make_org(stack)
+    run_id, item_id = await _paused_item(stack, org, "write it #complete #escalate")
+    await drain(stack.lead_runner)
+    async with stack.db.tx() as conn:
+        await workitems.transition(
+            conn,
+            stack.clock,
+            stack.ids,
+            item_id,
+            src=workitems.Status.awaitingHuman,
+            dst=workitems.Status.rejected,
+            actor="user:t",
+            action="reject",
+            text="no",
+        )
+    assert await drain(FlowResumer(stack.flows)) == 1
+    run = await _view(stack, org, run_id)
+    assert run["status"] == "failed"
+    assert run["error"] == f"node 0: the work item {item_id} was rejected"
+    assert f"Flow run failed: node 0: the work item {item_id} was rejected" in run["events"]
+    assert run["continuations"][0]["status"] == "closed"
+    assert await drain(FlowResumer(stack.flows)) == 0
+
+
 @pytest.mark.parametrize(
     "nodes",
     [[], [{"type": "nope"}], [{"type": "agent", "prompt": "x"}], [{"type": "output"}], "x"],
