@@ -184,6 +184,16 @@ async def schedule_add(admin: Admin, args: argparse.Namespace, _: Settings) -> A
     return await admin.add_schedule(args.org, args.agent, args.cron, args.message)
 
 
+async def schedule_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate schedule list --org ORG``."""
+    return await admin.list_schedules(args.org)
+
+
+async def schedule_remove(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate schedule remove --org ORG SCHEDULE_ID``."""
+    return await admin.remove_schedule(args.org, args.schedule_id)
+
+
 def _read_nodes(value: str) -> Any:
     """``--nodes``: a JSON list, or ``@FILE`` holding one."""
     if value.startswith("@"):
@@ -421,6 +431,8 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("route", "list"): route_list,
     ("route", "disable"): route_disable,
     ("schedule", "add"): schedule_add,
+    ("schedule", "list"): schedule_list,
+    ("schedule", "remove"): schedule_remove,
     ("flow", "create"): flow_create,
     ("flow", "run"): flow_run,
     ("flow", "show"): flow_show,

@@ -21,6 +21,7 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ],
     ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
     ("delivery", "list"): ["id", "kind", "channel", "workItemId", "since", "error"],
+    ("schedule", "list"): ["id", "agent", "cron", "active", "nextFireAt", "message"],
     ("policy", "list"): ["id", "position", "action", "pattern"],
     ("user", "list"): ["email", "name", "role", "disabled", "sessions", "createdAt"],
     ("route", "list"): ["id", "agentId", "channel", "match", "silent", "active"],

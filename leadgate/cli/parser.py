@@ -195,6 +195,12 @@ def _routes_schedules_flows(sub: Sub[argparse.ArgumentParser]) -> None:
     sa_.add_argument("--agent", required=True)
     sa_.add_argument("--cron", required=True)
     sa_.add_argument("--message", required=True)
+    schedule("list", "the organization's schedules and their next firing").add_argument(
+        "--org", required=True
+    )
+    sr = schedule("remove", "delete a schedule")
+    sr.add_argument("--org", required=True)
+    sr.add_argument("schedule_id", metavar="SCHEDULE_ID")
 
     flow = _group(sub, "flow", "ActionFlows")
     fc = flow("create", "create a flow from a JSON node list")

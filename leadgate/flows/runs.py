@@ -24,7 +24,13 @@ import sqlalchemy as sa
 
 from binding.bindings import find_session
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import Conflict, NotFound, TransitionError, ValidationError
+from leadgate.core.errors import (
+    Conflict,
+    LeadgateError,
+    NotFound,
+    TransitionError,
+    ValidationError,
+)
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -213,6 +219,11 @@ class FlowService:
                 continue
             try:
                 paused = await self._agent_node(run, index, node, outputs)
+            except LeadgateError as exc:
+                # A rule the node broke (its agent deleted or inactive, say): one line.
+                log.warning("flow run %s failed at node %d: [%s]", run_id, index, exc.rule)
+                await self._finish(run_id, outputs, "failed", f"node {index}: {exc.message}")
+                return
             except Exception as exc:
                 log.exception("flow run %s failed at node %d", run_id, index)
                 await self._finish(run_id, outputs, "failed", f"node {index}: {exc}")

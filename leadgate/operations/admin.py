@@ -13,7 +13,7 @@ from typing import Any
 from binding import routes
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, PermissionDenied
+from leadgate.core.errors import NotFound, PermissionDenied, ValidationError
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, policy
@@ -215,6 +215,9 @@ class Admin:
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
             found = await agents_mod.find_agent(conn, org_id, agent)
+            if not found.active:
+                # It would fail at every firing.
+                raise ValidationError(f"agent {found.name!r} is inactive", rule="agent.inactive")
             return await add_schedule(
                 conn,
                 self.clock,
@@ -224,6 +227,20 @@ class Admin:
                 cron=cron,
                 message=message,
             )
+
+    async def list_schedules(self, org: str) -> list[dict[str, Any]]:
+        """The organization's schedules."""
+        from leadgate.runners.schedules import list_schedules  # see _flows()
+
+        async with self.db.read() as conn:
+            return await list_schedules(conn, await self._org_id(conn, org))
+
+    async def remove_schedule(self, org: str, schedule_id: str) -> dict[str, Any]:
+        """Delete a schedule."""
+        from leadgate.runners.schedules import remove_schedule  # see _flows()
+
+        async with self.db.tx() as conn:
+            return await remove_schedule(conn, await self._org_id(conn, org), schedule_id)
 
     async def create_flow(self, org: str, name: str, nodes: Any) -> dict[str, Any]:
         """A flow from its node list."""

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
@@ -131,6 +131,45 @@ class ScheduleRunner:
         )
         try:
             await self.turns.run(trigger)
+        except (NotFound, ValidationError) as exc:
+            # Its agent was deleted or deactivated: every later firing would fail the
+            # same way (a traceback a minute, for a schedule nobody could see).
+            log.warning("schedule %s is deactivated: %s [%s]", row.id, exc.message, exc.rule)
+            async with self.db.tx() as conn:
+                await conn.execute(t.schedules.update().where(S.id == row.id).values(active=False))
         except Exception:
             log.exception("scheduled run %s failed", row.id)
         return True
+
+
+async def list_schedules(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+    """The organization's schedules, with their agents' names and next firing."""
+    a = t.agents.c
+    rows = await conn.execute(
+        sa.select(S.id, S.cron, S.message, S.active, S.next_fire_at, a.name.label("agent"))
+        .select_from(t.schedules.join(t.agents, a.id == S.agent_id))
+        .where(S.org_id == org_id)
+        .order_by(S.created_at, S.id)
+    )
+    return [
+        {
+            "id": r.id,
+            "agent": r.agent,
+            "cron": r.cron,
+            "active": bool(r.active),
+            "nextFireAt": iso(r.next_fire_at) if r.active else None,
+            "message": r.message,
+        }
+        for r in rows
+    ]
+
+
+async def remove_schedule(conn: Conn, org_id: str, schedule_id: str) -> dict[str, Any]:
+    """Delete a schedule of the organization (404 ``schedule.not_found`` otherwise); a
+    firing already under way still runs."""
+    result = await conn.execute(t.schedules.delete().where(S.org_id == org_id, S.id == schedule_id))
+    if not result.rowcount:
+        raise NotFound(
+            f"no schedule {schedule_id!r} in this organization", rule="schedule.not_found"
+        )
+    return {"id": schedule_id, "removed": True}

@@ -226,3 +226,18 @@ async def test_an_id_names_its_flow_and_its_organization_before_any_name(stack: 
         async with stack.db.tx() as conn:
             await orgs.create_org(conn, stack.clock, stack.ids, "org_lookalike")
     assert info.value.rule == "organization.name"
+
+
+async def test_a_node_whose_agent_is_inactive_fails_the_run_in_one_line(
+    stack: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "idle")
+    flow_id = await _flow(stack, org, [{"type": "agent", "agent": "idle", "prompt": "hi"}])
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.agents.update().where(t.agents.c.id == agent["id"]).values(active=False)
+        )
+    run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
+    assert (run["status"], run["error"]) == ("failed", "node 0: agent 'idle' is inactive")
+    assert "Traceback" not in caplog.text and "[agent.inactive]" in caplog.text

@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 import pytest
 import sqlalchemy as sa
 
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.operations.admin import Admin
 from leadgate.runners.schedules import ScheduleRunner, add_schedule, next_fire
 from tests.helpers import make_agent, make_org
 from tests.stack import Stack
@@ -76,3 +77,41 @@ async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated
         )
     assert not active
     assert turns == 1
+
+
+async def test_a_schedule_whose_agent_is_gone_is_deactivated_and_schedules_are_listed(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A deactivated agent's schedule failed every minute with an ERROR traceback, for
+    # ever, and no command could show or stop it.
+    org = await make_org(stack)
+    other = await make_org(stack, "other")
+    agent = await make_agent(stack, org, "plain")
+    admin = Admin(stack.db, stack.clock, stack.ids, frozenset({"script"}))
+    added = await admin.add_schedule(org.id, "plain", "* * * * *", "tick")
+    kept = await admin.add_schedule(org.id, "plain", "0 9 * * *", "morning")
+    listed = await admin.list_schedules(org.id)
+    assert [(s["id"], s["agent"], s["cron"], s["active"]) for s in listed] == [
+        (added["id"], "plain", "* * * * *", True),
+        (kept["id"], "plain", "0 9 * * *", True),
+    ]
+    assert await admin.list_schedules(other.id) == []
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.agents.update().where(t.agents.c.id == agent["id"]).values(active=False)
+        )
+        await conn.execute(t.schedules.update().values(next_fire_at=stack.clock.now_ms()))
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    assert await drain(runner) == 2
+    assert "Traceback" not in caplog.text
+    assert [s["active"] for s in await admin.list_schedules(org.id)] == [False, False]
+    stack.clock.advance(3_600_000)
+    assert await drain(runner) == 0  # nothing fires any more
+    with pytest.raises(ValidationError) as inactive:
+        await admin.add_schedule(org.id, "plain", "* * * * *", "again")
+    assert inactive.value.rule == "agent.inactive"
+    with pytest.raises(NotFound) as elsewhere:
+        await admin.remove_schedule(other.id, added["id"])
+    assert elsewhere.value.rule == "schedule.not_found"
+    assert (await admin.remove_schedule(org.id, added["id"]))["removed"] is True
+    assert [s["id"] for s in await admin.list_schedules(org.id)] == [kept["id"]]
