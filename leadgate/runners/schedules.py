@@ -1,9 +1,13 @@
 """Scheduled triggers: run a worker on a cron expression with the ``scheduled`` binding.
 
-Each firing is claimed by advancing ``next_fire_at`` with a fenced update
-(``WHERE id = :id AND next_fire_at = :due``), so across replicas exactly one claims it.
-The inbound event id ``schedule:<id>:<due>`` makes a re-run of the same firing a
-duplicate, not a second turn.
+A due firing is taken in first and the schedule advanced after: the turn's intake
+records its message under the inbound event id ``schedule:<id>:<due>`` (unique), so
+across replicas exactly one takes the firing in and every other gets a duplicate; the
+turn is recorded as a run that crash recovery runs again; and only then is
+``next_fire_at`` moved on, fenced (``WHERE id = :id AND next_fire_at = :due``). A process
+that dies in between leaves the firing due: the next poll takes it in (a duplicate, if
+it already was) and advances it. (Advancing first lost the day's firing to a crash
+between the two.)
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sqlalchemy as sa
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.errors import NotFound, Unavailable, ValidationError
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
@@ -90,37 +94,28 @@ class ScheduleRunner:
         self.turns = turns
 
     async def run_once(self) -> bool:
-        """Claim and run one due firing."""
+        """Take in and run one due firing, then advance its schedule."""
         now = self.clock.now_ms()
-        async with self.db.tx() as conn:
+        async with self.db.read() as conn:
             row = (
                 await conn.execute(
-                    self.db.skip_locked(
-                        sa.select(t.schedules)
-                        .where(S.active, S.next_fire_at <= now)
-                        .order_by(S.next_fire_at)
-                        .limit(1)
-                    )
+                    sa.select(t.schedules)
+                    .where(S.active, S.next_fire_at <= now)
+                    .order_by(S.next_fire_at)
+                    .limit(1)
                 )
             ).first()
-            if row is None:
-                return False
-            try:
-                advance: dict[str, Any] = {
-                    "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
-                }
-            except ValidationError:
-                # Checked when it was added; croniter looks only so many years ahead, so
-                # a rare date can still run out. This firing runs, and it is the last.
-                log.warning("schedule %s has no next firing and is deactivated", row.id)
-                advance = {"active": False}
-            res = await conn.execute(
-                t.schedules.update()
-                .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
-                .values(**advance)
-            )
-            if not res.rowcount:
-                return True
+        if row is None:
+            return False
+        try:
+            advance: dict[str, Any] = {
+                "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
+            }
+        except ValidationError:
+            # Checked when it was added; croniter looks only so many years ahead, so
+            # a rare date can still run out. This firing runs, and it is the last.
+            log.warning("schedule %s has no next firing and is deactivated", row.id)
+            advance = {"active": False}
         trigger = Trigger(
             org_id=row.org_id,
             agent_id=row.agent_id,
@@ -131,14 +126,23 @@ class ScheduleRunner:
         )
         try:
             await self.turns.run(trigger)
+        except Unavailable:
+            # Perhaps not taken in: the firing stays due, and a later poll takes it in
+            # (or finds it was, a duplicate) and advances it; the loop backs off.
+            raise
         except (NotFound, ValidationError) as exc:
             # Its agent was deleted or deactivated: every later firing would fail the
             # same way (a traceback a minute, for a schedule nobody could see).
             log.warning("schedule %s is deactivated: %s [%s]", row.id, exc.message, exc.rule)
-            async with self.db.tx() as conn:
-                await conn.execute(t.schedules.update().where(S.id == row.id).values(active=False))
+            advance = {"active": False}
         except Exception:
             log.exception("scheduled run %s failed", row.id)
+        async with self.db.tx() as conn:
+            await conn.execute(
+                t.schedules.update()
+                .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
+                .values(**advance)
+            )
         return True
 
 

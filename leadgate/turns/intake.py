@@ -127,7 +127,13 @@ def _new_session_alone(shape: tuple[tuple[str, tuple[str, ...]], ...]) -> sa.Sel
 
 def _recorded(kind: BindingKind, gated: bool) -> bool:
     """Whether a turn through ``kind`` is recorded as a run (``turn_runs``)."""
-    return kind.is_channel or (gated and kind in _CLIENT_KINDS)
+    return _rerun(kind) or (gated and kind in _CLIENT_KINDS)
+
+
+def _rerun(kind: BindingKind) -> bool:
+    """Whether a recorded turn through ``kind`` is run again after a crash: channels and
+    schedules, which nobody will ask again (a client retries its own)."""
+    return kind.is_channel or kind is BindingKind.scheduled
 
 
 def _item_values(
@@ -504,7 +510,7 @@ class Intake:
             "binding_id": binding_id,
             "work_item_id": item_id,
             "message_id": message_id,
-            "policy": runs.RERUN if trigger.binding.kind.is_channel else runs.CLIENT,
+            "policy": runs.RERUN if _rerun(trigger.binding.kind) else runs.CLIENT,
             "turn_id": turn_id,
             "lease_owner": self.owner(),
             "lease_token": self.ids.new("lease"),

@@ -289,11 +289,13 @@ def test_each_firing_runs_once_with_two_worker_processes(
         )
         assert sorted(d[0] for d in deliveries) == sorted(r[0] for r in rows)
         assert {(d[1], d[2], d[3]) for d in deliveries} == {("scheduled", "sent", "scheduled")}
-        # Across both processes: exactly one turn per firing, no duplicate attempts.
+        # Across both processes: exactly one turn per firing. A firing is taken in before
+        # its schedule moves on (so a crash cannot lose it): the other process may try
+        # it once meanwhile, and its intake refuses it as a duplicate.
         totals: dict[str, float] = {}
         for proc in (first, second):
             for outcome, count in turn_counts(proc).items():
                 totals[outcome] = totals.get(outcome, 0) + count
         assert totals.get("gated", 0) == 2 * len(workers)
         assert totals.get("plain", 0) == 2 * len(plains)
-        assert totals.get("duplicate", 0) == 0
+        assert totals.get("duplicate", 0) <= 2 * len(all_ids)

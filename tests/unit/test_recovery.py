@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.core.types import Gated
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
@@ -67,6 +67,33 @@ async def test_a_recorded_channel_turn_of_a_dead_process_is_run_once(stack: Stac
     # Its redelivery is a duplicate, not a second turn.
     again = await stack.turns.take(slack_trigger(org, plain, "hello", "1.1"))
     assert type(again).__name__ == "Duplicate"
+
+
+async def test_a_scheduled_turn_of_a_dead_process_is_run_again(stack: Stack) -> None:
+    # Nobody asks again for a firing: like a channel's, its turn is recorded and rerun.
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    stack.turns.intake.owner = lambda: DEAD
+    firing = Trigger(
+        org_id=org.id,
+        agent_id=str(plain["id"]),
+        session_key="schedule:sch_1",
+        text="morning report",
+        binding=BindingSpec(BindingKind.scheduled, {"scheduleId": "sch_1"}),
+        external_event_id="schedule:sch_1:1000",
+    )
+    assert isinstance(await stack.turns.take(firing), Accepted)
+    async with stack.db.read() as conn:
+        assert (await conn.execute(sa.select(t.turn_runs.c.policy))).scalars().all() == [runs.RERUN]
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    async with stack.db.read() as conn:
+        answered = await conn.scalar(
+            sa.select(sa.func.count())
+            .select_from(t.messages)
+            .where(t.messages.c.role == "assistant", t.messages.c.content == "Echo: morning report")
+        )
+    assert answered == 1
 
 
 async def test_a_run_of_a_live_process_is_left_alone_until_its_lease_lapses(stack: Stack) -> None:

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
 from leadgate.runners.schedules import ScheduleRunner, add_schedule, next_fire
@@ -115,3 +116,58 @@ async def test_a_schedule_whose_agent_is_gone_is_deactivated_and_schedules_are_l
     assert elsewhere.value.rule == "schedule.not_found"
     assert (await admin.remove_schedule(org.id, added["id"]))["removed"] is True
     assert [s["id"] for s in await admin.list_schedules(org.id)] == [kept["id"]]
+
+
+async def test_a_firing_cut_by_a_crash_stays_due_runs_once_and_then_advances(
+    stack: Stack,
+) -> None:
+    # The firing's message was taken in, and the process died before the schedule moved
+    # on (it used to move on first, so a crash in between lost the day's firing).
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    async with stack.db.tx() as conn:
+        added = await add_schedule(
+            conn,
+            stack.clock,
+            stack.ids,
+            org_id=org.id,
+            agent_id=agent["id"],
+            cron="0 9 * * *",
+            message="morning",
+        )
+    due = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        await conn.execute(t.schedules.update().values(next_fire_at=due))
+    firing = Trigger(
+        org_id=org.id,
+        agent_id=agent["id"],
+        session_key=f"schedule:{added['id']}",
+        text="morning",
+        binding=BindingSpec(BindingKind.scheduled, {"scheduleId": added["id"]}),
+        external_event_id=f"schedule:{added['id']}:{due}",
+    )
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+
+    class Died(BaseException):
+        """The process ends here (kill -9): nothing after it runs."""
+
+    real = stack.turns.run
+
+    async def dies_before_the_intake(*_: object, **__: object) -> object:
+        raise Died
+
+    stack.turns.run = dies_before_the_intake  # type: ignore[method-assign]
+    with pytest.raises(Died):
+        await runner.run_once()
+    stack.turns.run = real  # type: ignore[method-assign]
+    async with stack.db.read() as conn:
+        assert await conn.scalar(sa.select(t.schedules.c.next_fire_at)) == due  # still due
+    await stack.turns.run(firing)  # and once more: taken in, then died before advancing
+    assert await drain(runner) == 1
+    async with stack.db.read() as conn:
+        turns = await conn.scalar(
+            sa.select(sa.func.count()).select_from(t.messages).where(t.messages.c.role == "user")
+        )
+        later = await conn.scalar(sa.select(t.schedules.c.next_fire_at))
+    assert turns == 1 and later > due
+    assert await drain(runner) == 0
