@@ -334,12 +334,23 @@ class App:
 
     # ----------------------------------------------------------------- runners
 
-    async def start_runners(self, *, listen: bool = True) -> None:
-        """Register this process, then start every background runner loop, the heartbeat
-        and (PostgreSQL, unless ``listen`` is false: the caller listens for them, see
-        :meth:`_listen`) the listener of the outbox and review channels."""
+    async def start_liveness(self, role: str | None = None) -> None:
+        """Register this process in ``processes`` (as ``role``) and keep its heartbeat.
+        Every role does: an api replica records channel turns under its id, and only a
+        registered owner's leases are taken back at once when it dies (an unregistered
+        one's waited out their 15-minute lease)."""
+        if self.liveness.id is not None:
+            return
+        if role is not None:
+            self.liveness.role = role
         await self.liveness.register()
         self.background.spawn(self._heartbeat(), name="heartbeat")
+
+    async def start_runners(self, *, listen: bool = True) -> None:
+        """Register this process (:meth:`start_liveness`), then start every background
+        runner loop and (PostgreSQL, unless ``listen`` is false: the caller listens for
+        them, see :meth:`_listen`) the listener of the outbox and review channels."""
+        await self.start_liveness()
         poll = self.settings.runners.poll_interval_s
         # Deliveries enqueued in this process go straight to this process's relay
         # (already claimed, handed over after commit): no claim round trip.
@@ -443,9 +454,13 @@ class App:
 
     # ------------------------------------------------------------- HTTP surfaces
 
-    def web_app(self, role: str = "all", *, run_runners: bool = False) -> web.Application:
+    def web_app(
+        self, role: str = "all", *, run_runners: bool = False, register: bool = False
+    ) -> web.Application:
         """The aiohttp application. ``role`` ``worker`` serves only health and metrics;
-        ``run_runners`` starts the background runners with the app (``leadgate serve``)."""
+        ``run_runners`` starts the background runners with the app; ``register`` (and
+        ``run_runners``) registers the process as ``role`` (``leadgate serve``, every
+        role: see :meth:`start_liveness`)."""
         inflight = Inflight(self.settings.server.max_inflight)
         app = web.Application(
             middlewares=[error_middleware, inflight_middleware(inflight)],
@@ -461,7 +476,14 @@ class App:
         surfaces = role != "worker"
         if surfaces:
             self._mount_surfaces(app)
-        app.cleanup_ctx.append(self._lifecycle(surfaces=surfaces, run_runners=run_runners))
+        app.cleanup_ctx.append(
+            self._lifecycle(
+                role=role,
+                surfaces=surfaces,
+                run_runners=run_runners,
+                register=register or run_runners,
+            )
+        )
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -553,7 +575,7 @@ class App:
         return healthz
 
     def _lifecycle(
-        self, *, surfaces: bool, run_runners: bool
+        self, *, role: str, surfaces: bool, run_runners: bool, register: bool
     ) -> Callable[[web.Application], AsyncIterator[None]]:
         """The app's one ``cleanup_ctx``: start what serves and runs, stop it all after."""
 
@@ -566,6 +588,8 @@ class App:
                         await stack.enter_async_context(self._mcp.run())
                     for adapter in self.adapters:
                         await stack.enter_async_context(adapter.lifespan())
+                if register:
+                    await self.start_liveness(role)
                 if run_runners:
                     await self.start_runners(listen=False)
                 self._listen(runners=run_runners, surfaces=surfaces)

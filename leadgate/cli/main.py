@@ -78,7 +78,7 @@ async def _serve(settings: Settings, role: str) -> None:
     app = App(settings)
     await app.db.check_migrated()
     runner = ServiceRunner(
-        app.web_app(role, run_runners=role in ("worker", "all")),
+        app.web_app(role, run_runners=role in ("worker", "all"), register=True),
         handle_signals=False,
         access_log=None,
         # Idle connections, and connections that never finish sending their request

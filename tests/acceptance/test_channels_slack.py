@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from slack_sdk.signature import SignatureVerifier
+from sqlalchemy.engine import make_url
 
 from tests.acceptance.channel_kit import (
     FAST_RUNNERS,
@@ -35,6 +36,7 @@ from tests.acceptance.channel_kit import (
     turn_counts,
     wait_until,
 )
+from tests.pg import PostgresServer
 from tests.service_proc import Demo, DemoTemplate, ServiceProcess
 
 SECRET = "slack-signing-secret"
@@ -308,7 +310,7 @@ def test_slack_retry_runs_no_second_turn(svc: ServiceProcess, slack_api: Standin
 
 
 def test_split_api_and_worker_processes_post_channel_replies(
-    pg_url: str, tmp_path: Path, slack_api: Standin
+    pg_url: str, postgres_server: PostgresServer, tmp_path: Path, slack_api: Standin
 ) -> None:
     """``--role api`` takes the event in and runs the turn; ``--role worker`` runs the
     lead review and the relay, which must be able to post to Slack."""
@@ -332,6 +334,13 @@ def test_split_api_and_worker_processes_post_channel_replies(
         send(api, "C0SPLIT", "plain across roles", ts)
         posts = wait_until(lambda: thread_posts(slack_api, "C0SPLIT", ts), what="the reply")
         assert [p["text"] for p in posts] == ["Echo: plain across roles"]
+        # Both registered, as their roles: the api process records channel turns under
+        # its id, which another process takes back at once if it dies (unregistered,
+        # they waited out a 15-minute lease).
+        database = make_url(pg_url).database
+        assert database
+        roles = postgres_server.psql("SELECT role FROM processes ORDER BY role", database=database)
+        assert roles.split() == ["api", "worker"]
 
         ts2 = new_ts()
         send(api, "C0SPLIT", "gated across roles #complete", ts2)
