@@ -4,6 +4,7 @@ schedule whose next firing cannot be found."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -14,7 +15,7 @@ from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
 from leadgate.runners.schedules import ScheduleRunner, add_schedule, next_fire
-from tests.helpers import make_agent, make_org
+from tests.helpers import Org, make_agent, make_org
 from tests.stack import Stack
 
 MIDNIGHT = int(datetime(2027, 1, 1, tzinfo=UTC).timestamp() * 1000)
@@ -45,9 +46,10 @@ def test_an_expression_that_is_not_five_fields_or_never_fires_is_refused(
     assert says in info.value.message
 
 
-async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated(
-    stack: Stack,
-) -> None:
+async def _scheduled(
+    stack: Stack, cron: str, message: str
+) -> tuple[Org, dict[str, Any], dict[str, Any]]:
+    """An organization, its agent "plain", and a schedule of it: (org, agent, schedule)."""
     org = await make_org(stack)
     agent = await make_agent(stack, org, "plain")
     async with stack.db.tx() as conn:
@@ -57,9 +59,17 @@ async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated
             stack.ids,
             org_id=org.id,
             agent_id=agent["id"],
-            cron="0 0 * * *",
-            message="nightly",
+            cron=cron,
+            message=message,
         )
+    return org, agent, added
+
+
+async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated(
+    stack: Stack,
+) -> None:
+    _, _, added = await _scheduled(stack, "0 0 * * *", "nightly")
+    async with stack.db.tx() as conn:
         # As if croniter could find no date any more (it searches a bounded number of
         # years): a stored expression that never fires again.
         await conn.execute(
@@ -123,18 +133,7 @@ async def test_a_firing_cut_by_a_crash_stays_due_runs_once_and_then_advances(
 ) -> None:
     # The firing's message was taken in, and the process died before the schedule moved
     # on (it used to move on first, so a crash in between lost the day's firing).
-    org = await make_org(stack)
-    agent = await make_agent(stack, org, "plain")
-    async with stack.db.tx() as conn:
-        added = await add_schedule(
-            conn,
-            stack.clock,
-            stack.ids,
-            org_id=org.id,
-            agent_id=agent["id"],
-            cron="0 9 * * *",
-            message="morning",
-        )
+    org, agent, added = await _scheduled(stack, "0 9 * * *", "morning")
     due = stack.clock.now_ms()
     async with stack.db.tx() as conn:
         await conn.execute(t.schedules.update().values(next_fire_at=due))
