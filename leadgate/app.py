@@ -327,7 +327,8 @@ class App:
         rare). Not every loop, nor both for every decision: each woken loop runs a pass
         against the database that the next decision's request waits behind (at 200
         approvals/s, two reads per approval that found nothing). A rejection or a
-        cancellation gives none of them work. New and retried deliveries wake the relay
+        cancellation gives none of them work at once (the rare flow run it ends is
+        found by the flow resumer's next poll). New and retried deliveries wake the relay
         themselves (see _outbox_due)."""
         for wake in self._decision_wakes.get(action, ()):
             wake.set()

@@ -322,13 +322,6 @@ _WITH_ITEM = t.continuations.join(
     t.work_items,
     sa.and_(_W.session_id == _S.id, sa.or_(C.work_item_id.is_(None), C.work_item_id == _W.id)),
 )
-#: One whose work item was approved (built once).
-_RESUMABLE = (
-    sa.select(t.continuations, _W.id.label("item_id"), _W.summary.label("item_summary"))
-    .select_from(_WITH_ITEM)
-    .where(C.status == "waiting", _W.status == Status.approved.value)
-    .limit(1)
-)
 #: Work item ends that no approval follows: the paused run can never resume.
 ENDED_WITHOUT_APPROVAL = (
     Status.rejected.value,
@@ -336,10 +329,20 @@ ENDED_WITHOUT_APPROVAL = (
     Status.abandoned.value,
     Status.failed.value,
 )
-_ENDED = (
-    sa.select(C.id, C.run_id, C.node_index, _W.id.label("item_id"), _W.status.label("item_status"))
+#: One whose work item was settled: approved (the flow resumes) or ended without an
+#: approval (the run fails). One statement for both, built once: every approval runs it.
+_SETTLED = (
+    sa.select(
+        t.continuations,
+        _W.id.label("item_id"),
+        _W.summary.label("item_summary"),
+        _W.status.label("item_status"),
+    )
     .select_from(_WITH_ITEM)
-    .where(C.status == "waiting", _W.status.in_(ENDED_WITHOUT_APPROVAL))
+    .where(
+        C.status == "waiting",
+        _W.status.in_((Status.approved.value, *ENDED_WITHOUT_APPROVAL)),
+    )
     .limit(1)
 )
 
@@ -356,92 +359,90 @@ class FlowResumer:
         """Resume one approved continuation, or end the run of one whose item ended
         without an approval (fenced: exactly one replica wins either)."""
         db = self.flows.db
-        # Read first: every human decision wakes this runner, and almost none of them
-        # concerns a continuation; a read takes no write lock (the claims are fenced).
+        # Read first: every approval wakes this runner, and almost none of them concerns
+        # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
-            resumable = (await conn.execute(_RESUMABLE)).first() is not None
-            ended = not resumable and (await conn.execute(_ENDED)).first() is not None
-        if resumable:
-            return await self._resume()
-        if ended:
-            return await self._end()
-        return False
+            if (await conn.execute(_SETTLED)).first() is None:
+                return False
+        async with db.tx() as conn:
+            row = (await conn.execute(db.skip_locked(_SETTLED))).first()
+            if row is None:
+                return False
+            if row.item_status != Status.approved.value:
+                await self._end(conn, row)
+                return True
+            new_run = await self._resume(conn, row)
+        if new_run is not None:
+            await self.flows.execute(new_run)
+        return True
 
-    async def _end(self) -> bool:
+    async def _end(self, conn: Conn, row: Any) -> None:
         """The paused run of a continuation whose item was rejected, cancelled, abandoned
         or failed ends ``failed``, saying why (it waited for an approval for ever)."""
-        db, clock = self.flows.db, self.flows.clock
-        async with db.tx() as conn:
-            row = (await conn.execute(db.skip_locked(_ENDED))).first()
-            if row is None:
-                return False
-            res = await conn.execute(
-                t.continuations.update()
-                .where(C.id == row.id, C.status == "waiting")
-                .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
-            )
-            if not res.rowcount:
-                return True
-            why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
-            await conn.execute(
-                t.flow_runs.update()
-                .where(R.id == row.run_id, R.status == "waitingForHitl")
-                .values(status="failed", error=why, updated_at=clock.now_ms())
-            )
-            await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
-        return True
+        clock = self.flows.clock
+        res = await conn.execute(
+            t.continuations.update()
+            .where(C.id == row.id, C.status == "waiting")
+            .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
+        )
+        if not res.rowcount:
+            return
+        why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
+        await conn.execute(
+            t.flow_runs.update()
+            .where(R.id == row.run_id, R.status == "waitingForHitl")
+            .values(status="failed", error=why, updated_at=clock.now_ms())
+        )
+        await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
 
-    async def _resume(self) -> bool:
-        db, clock, ids = self.flows.db, self.flows.clock, self.flows.ids
-        async with db.tx() as conn:
-            row = (await conn.execute(db.skip_locked(_RESUMABLE))).first()
-            if row is None:
-                return False
-            res = await conn.execute(
-                t.continuations.update()
-                .where(C.id == row.id, C.status == "waiting")
-                .values(
-                    status="resumed",
-                    summary=row.item_summary,
-                    work_item_id=row.item_id,
-                    updated_at=clock.now_ms(),
-                )
+    async def _resume(self, conn: Conn, row: Any) -> str | None:
+        """Resume an approved continuation in ``conn``: the new run's id, to execute
+        once committed (None: another replica resumed it)."""
+        clock, ids = self.flows.clock, self.flows.ids
+        res = await conn.execute(
+            t.continuations.update()
+            .where(C.id == row.id, C.status == "waiting")
+            .values(
+                status="resumed",
+                summary=row.item_summary,
+                work_item_id=row.item_id,
+                updated_at=clock.now_ms(),
             )
-            if not res.rowcount:
-                return True
-            paused = (await conn.execute(sa.select(t.flow_runs).where(R.id == row.run_id))).one()
-            new_run = await self.flows.new_run(
+        )
+        if not res.rowcount:
+            return None
+        paused = (await conn.execute(sa.select(t.flow_runs).where(R.id == row.run_id))).one()
+        new_run = await self.flows.new_run(
+            conn,
+            row.org_id,
+            paused.flow_id,
+            list(paused.outputs),
+            row.node_index + 1,
+            paused.id,
+        )
+        await conn.execute(
+            t.continuations.update().where(C.id == row.id).values(resumed_run_id=new_run)
+        )
+        await conn.execute(
+            t.deliveries.update()
+            .where(
+                t.deliveries.c.work_item_id == row.item_id,
+                t.deliveries.c.status == "continuation",
+            )
+            .values(status="sent", updated_at=clock.now_ms())
+        )
+        try:
+            await workitems.transition(
                 conn,
-                row.org_id,
-                paused.flow_id,
-                list(paused.outputs),
-                row.node_index + 1,
-                paused.id,
+                clock,
+                ids,
+                row.item_id,
+                src=Status.approved,
+                dst=Status.completed,
+                actor="system:flow",
+                action="flowResumed",
+                text=new_run,
             )
-            await conn.execute(
-                t.continuations.update().where(C.id == row.id).values(resumed_run_id=new_run)
-            )
-            await conn.execute(
-                t.deliveries.update()
-                .where(
-                    t.deliveries.c.work_item_id == row.item_id,
-                    t.deliveries.c.status == "continuation",
-                )
-                .values(status="sent", updated_at=clock.now_ms())
-            )
-            try:
-                await workitems.transition(
-                    conn,
-                    clock,
-                    ids,
-                    row.item_id,
-                    src=Status.approved,
-                    dst=Status.completed,
-                    actor="system:flow",
-                    action="flowResumed",
-                    text=new_run,
-                )
-            except TransitionError:
-                log.warning("continuation %s: item no longer approved", row.id)
-        await self.flows.execute(new_run)
-        return True
+        except TransitionError:
+            log.warning("continuation %s: item no longer approved", row.id)
+        return new_run
