@@ -36,6 +36,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
 from leadgate.core.errors import PayloadTooLarge, RequestTimeout, ValidationError
+from leadgate.core.limits import SURROGATE, UNSTORABLE
 
 #: Deepest nesting of arrays/objects a body may have (Slack blocks need about 10).
 MAX_DEPTH = 64
@@ -45,10 +46,6 @@ BODY_TIMEOUT_S = 30.0
 BODY_TIMEOUT_KEY = web.AppKey("leadgate_body_timeout_s", float)
 #: The largest integer SQLite and PostgreSQL (``BIGINT``) hold.
 INT64_MAX = 2**63 - 1
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-#: What no database stores in text: NUL (PostgreSQL) and lone surrogates (both).
-UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def _no_constant(name: str) -> Any:
@@ -150,7 +147,7 @@ def decode_json(raw: bytes | str, *, allow_nul: bool = False, max_depth: int = M
 
 def check_value(value: Any, *, allow_nul: bool = False, max_depth: int = MAX_DEPTH) -> None:
     """Walk a decoded JSON value without recursion: depth, lone surrogates, NULs."""
-    bad = _SURROGATE if allow_nul else UNSTORABLE
+    bad = SURROGATE if allow_nul else UNSTORABLE
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()

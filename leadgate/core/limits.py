@@ -47,7 +47,7 @@ def validate_message(text: Any) -> str:
         )
     if "\x00" in text:
         raise ValidationError("the message contains a NUL character", rule="message.invalid")
-    if not text.isascii() and _SURROGATE.search(text):
+    if not text.isascii() and SURROGATE.search(text):
         raise ValidationError(
             "the message contains a lone UTF-16 surrogate (not a character)",
             rule="message.invalid",
@@ -55,7 +55,10 @@ def validate_message(text: Any) -> str:
     return text
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+#: A lone UTF-16 surrogate (not a character; no database stores one).
+SURROGATE = re.compile("[\ud800-\udfff]")
+#: What no database stores in text: NUL (PostgreSQL) and lone surrogates (both).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def bounded(text: str, limit: int) -> str:
@@ -77,7 +80,7 @@ def validate_session_key(key: str) -> str:
         raise ValidationError(
             f"the session id must be 1..{SESSION_KEY_LIMIT} characters", rule="session.length"
         )
-    if "\x00" in key or (not key.isascii() and _SURROGATE.search(key)):
+    if "\x00" in key or (not key.isascii() and SURROGATE.search(key)):
         raise ValidationError("the session id contains invalid characters", rule="session.text")
     return key
 
@@ -92,7 +95,7 @@ def check_text(value: Any, *, name: str, limit: int, rule: str) -> str:
         raise ValidationError(f"{name} is required", rule=rule)
     if len(value) > limit:
         raise ValidationError(f"{name} must be at most {limit:,} characters", rule=rule)
-    if "\x00" in value or (not value.isascii() and _SURROGATE.search(value)):
+    if UNSTORABLE.search(value):
         raise ValidationError(
             f"{name} contains a NUL character or a lone UTF-16 surrogate", rule=rule
         )

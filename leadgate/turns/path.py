@@ -18,11 +18,11 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.decoding import UNSTORABLE
 from leadgate.core.errors import LeadgateError, ModelError, TransitionError, Unavailable
 from leadgate.core.limits import (
     SNAPSHOT_LIMIT,
     SUMMARY_LIMIT,
+    UNSTORABLE,
     validate_message,
     validate_session_key,
 )
