@@ -180,7 +180,7 @@ async def create_user(
     email = email.strip().lower()
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
-    password_hash = _password_hash(password)
+    password_hash = hash_password(password)
     if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
         raise Conflict(f"a user {email} already exists", rule="user.email_taken")
     user_id = ids.new("usr")
@@ -201,7 +201,10 @@ async def create_user(
     return out
 
 
-def _password_hash(password: str) -> str:
+def hash_password(password: str) -> str:
+    """An argon2 hash of a console password of 8..1,024 characters (``user.password``
+    otherwise). Blocking and slow by design: run it in a worker thread, outside any
+    transaction."""
     if not PASSWORD_MIN <= len(password) <= PASSWORD_MAX:
         raise ValidationError(
             f"password must be {PASSWORD_MIN} to {PASSWORD_MAX:,} characters",
@@ -251,12 +254,13 @@ async def update_user(
     *,
     role: str | None = None,
     name: str | None = None,
-    password: str | None = None,
+    password_hash: str | None = None,
     disabled: bool | None = None,
     end_sessions: bool = False,
 ) -> dict[str, Any]:
     """Change a console user of ``org_id``: role (applies to open sessions at their next
-    request), display name, password, disabled or not. A new password, disabling, or
+    request), display name, password (its :func:`hash_password`, made before the
+    transaction), disabled or not. A new password, disabling, or
     ``end_sessions`` deletes the user's console sessions (``sessionsEnded`` says how
     many); disabling also keeps the user from every chat decision (their links stay,
     for when they are enabled again)."""
@@ -266,8 +270,8 @@ async def update_user(
         values["role"] = Role.parse(role).value
     if name is not None:
         values["name"] = validate_name(name, "user")
-    if password is not None:
-        values["password_hash"] = _password_hash(password)
+    if password_hash is not None:
+        values["password_hash"] = password_hash
         end_sessions = True
     if disabled is not None and disabled != user["disabled"]:
         values["disabled_at"] = clock.now_ms() if disabled else None

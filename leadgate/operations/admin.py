@@ -8,6 +8,7 @@ is checked here that the domain already checks.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from binding import routes
@@ -85,11 +86,19 @@ class Admin:
         async with self.db.read() as conn:
             return await orgs.list_users(conn, self.clock, await self._org_id(conn, org))
 
-    async def update_user(self, org: str, email: str, **changes: Any) -> dict[str, Any]:
-        """Change a console user (see :func:`leadgate.domain.orgs.update_user`)."""
+    async def update_user(
+        self, org: str, email: str, *, password: str | None = None, **changes: Any
+    ) -> dict[str, Any]:
+        """Change a console user (see :func:`leadgate.domain.orgs.update_user`); a new
+        password is hashed first, so argon2 never holds the write transaction."""
+        password_hash = (
+            None if password is None else await asyncio.to_thread(orgs.hash_password, password)
+        )
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            return await orgs.update_user(conn, self.clock, org_id, email, **changes)
+            return await orgs.update_user(
+                conn, self.clock, org_id, email, password_hash=password_hash, **changes
+            )
 
     async def reviewer(self, org: str, as_email: str | None, name: str) -> Principal:
         """Who a command-line decision is made as: the console user ``as_email`` (who
