@@ -82,6 +82,7 @@ def setup(
     other surfaces; the long part is login's checks, in order)."""
     # Behind a TLS-terminating proxy the request itself looks like plain http.
     secure = public_url.startswith("https://")
+    address_of = (client_address or ClientAddress()).of
     session_user = access.console_user
 
     async def page(_: web.Request) -> web.Response:
@@ -96,7 +97,7 @@ def setup(
     async def login(request: web.Request) -> web.Response:
         if request.content_type != "application/json":
             require_console_header(request)
-        address = (client_address or ClientAddress()).of(request)
+        address = address_of(request)
         body = await json_body(request)
         email, password = body.get("email"), body.get("password")
         if not isinstance(email, str) or not isinstance(password, str) or not email or not password:
