@@ -193,7 +193,7 @@ class App:
             functools.partial(mark_watched, self.db) if self.db.is_postgres else None
         )
         self.db.on_commit_payloads(SESSION_EVENTS_TOPIC, self.event_hub.committed)
-        self.idempotency = Idempotency(self.db, self.clock)
+        self.idempotency = Idempotency(self.db, self.clock, self.ids)
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()

@@ -488,6 +488,8 @@ idempotency_keys = sa.Table(
     # While the first request runs: when it counts as dead (its process crashed).
     sa.Column("lease_expires_at", MS, nullable=False),
     sa.Column("response", sa.JSON(none_as_null=True)),
+    # The claim's token (migration 0014): renewals and the release are fenced by it.
+    sa.Column("owner", sa.String(40)),
 )
 
 # Live service processes (migration 0007). A row is written at startup and refreshed by a

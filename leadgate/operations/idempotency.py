@@ -15,6 +15,12 @@ with the same external event id, which the intake de-duplicates in its own trans
 (``inbound_events``): a message that was already taken in is not taken twice (the turn
 answers :class:`~leadgate.core.types.Duplicate`, which the route reports as an answer
 that was lost with the crash), and one that was not is taken now.
+
+Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
+release are fenced by it, so a request that stalled past its lease (and was taken over)
+can neither extend nor delete the claim of the request that took it over. Its answer is
+still stored by :meth:`Idempotency.finish` when it has one: the intake let only one of
+the two take the message in, so it is the only real answer there is.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
-from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock
+from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import ValidationError
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -70,6 +76,8 @@ class Claim:
     action: str
     key_hash: str
     external_event_id: str | None = None
+    #: The claim's token (``run`` only): its renewals and release are fenced by it.
+    owner: str | None = None
     response: dict[str, Any] | None = None
     retry_after_s: int = 1
 
@@ -95,9 +103,10 @@ def _check_key(key: str) -> str:
 class Idempotency:
     """Claims, answers and releases idempotency keys (see the module docstring)."""
 
-    def __init__(self, db: Database, clock: Clock) -> None:
+    def __init__(self, db: Database, clock: Clock, ids: IdFactory | None = None) -> None:
         self.db = db
         self.clock = clock
+        self.ids = ids or RandomIds()
         self._next_sweep = 0
 
     async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim:
@@ -107,6 +116,7 @@ class Idempotency:
         org = principal.org_id
         now = self.clock.now_ms()
         await self._sweep(now)
+        owner = self.ids.new("ik")
         fresh = {
             "org_id": org,
             "key_hash": key_hash,
@@ -114,12 +124,13 @@ class Idempotency:
             "created_at": now,
             "lease_expires_at": now + LEASE_MS,
             "response": None,
+            "owner": owner,
         }
         where = (_K.org_id == org, _K.key_hash == key_hash)
         async with self.db.tx() as conn:
             insert = insert_ignore_stmt(conn.dialect.name, t.idempotency_keys)
             if (await conn.execute(insert, fresh)).rowcount:
-                return Claim("run", key_hash, _external_id(org, key_hash, now))
+                return Claim("run", key_hash, _external_id(org, key_hash, now), owner=owner)
             query = sa.select(t.idempotency_keys).where(*where)
             if self.db.is_postgres:
                 query = query.with_for_update()
@@ -127,7 +138,7 @@ class Idempotency:
             if row.created_at <= now - TTL_MS:
                 # Older than a day: the key is free again (a new turn, a new event id).
                 await conn.execute(t.idempotency_keys.update().where(*where).values(fresh))
-                return Claim("run", key_hash, _external_id(org, key_hash, now))
+                return Claim("run", key_hash, _external_id(org, key_hash, now), owner=owner)
             if row.fingerprint != request_fingerprint:
                 raise ValidationError(
                     "this Idempotency-Key was used for a different request in the last 24 "
@@ -141,10 +152,20 @@ class Idempotency:
                 return Claim("running", key_hash, retry_after_s=wait_s)
             # The request that took the key died mid-turn: take it over. The intake
             # de-duplicates on the same event id, so its message is not taken twice.
-            await conn.execute(
-                t.idempotency_keys.update().where(*where).values(lease_expires_at=now + LEASE_MS)
+            # Fenced on what was read: of two requests taking over at once (SQLite
+            # without FOR UPDATE), only one wins; the other is told to retry.
+            taken = await conn.execute(
+                t.idempotency_keys.update()
+                .where(
+                    *where,
+                    _K.lease_expires_at == row.lease_expires_at,
+                    _K.response.is_(None),
+                )
+                .values(lease_expires_at=now + LEASE_MS, owner=owner)
             )
-            return Claim("run", key_hash, _external_id(org, key_hash, row.created_at))
+            if not taken.rowcount:
+                return Claim("running", key_hash, retry_after_s=1)
+            return Claim("run", key_hash, _external_id(org, key_hash, row.created_at), owner=owner)
 
     @contextlib.asynccontextmanager
     async def held(self, principal: Principal, claim: Claim) -> AsyncIterator[None]:
@@ -155,15 +176,16 @@ class Idempotency:
                 await asyncio.sleep(RENEW_EVERY_S)
                 try:
                     async with self.db.tx() as conn:
-                        await conn.execute(
+                        renewed = await conn.execute(
                             t.idempotency_keys.update()
-                            .where(
-                                _K.org_id == principal.org_id,
-                                _K.key_hash == claim.key_hash,
-                                _K.response.is_(None),
-                            )
+                            .where(*_owned(principal, claim))
                             .values(lease_expires_at=self.clock.now_ms() + LEASE_MS)
                         )
+                    if not renewed.rowcount:
+                        # Taken over after this request stalled past its lease (or its
+                        # answer is stored): the claim is another request's now.
+                        log.info("an Idempotency-Key claim was taken over; renewal stops")
+                        return
                 except Exception as exc:  # the next round tries again
                     log.warning("renewing an Idempotency-Key claim failed: %s", type(exc).__name__)
 
@@ -186,15 +208,10 @@ class Idempotency:
 
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a
-        retry runs the turn."""
+        retry runs the turn. Only this request's own claim: one taken over (it stalled
+        past its lease) is the other request's to keep."""
         async with self.db.tx() as conn:
-            await conn.execute(
-                t.idempotency_keys.delete().where(
-                    _K.org_id == principal.org_id,
-                    _K.key_hash == claim.key_hash,
-                    _K.response.is_(None),
-                )
-            )
+            await conn.execute(t.idempotency_keys.delete().where(*_owned(principal, claim)))
 
     async def _sweep(self, now: int) -> None:
         if now < self._next_sweep:
@@ -202,6 +219,16 @@ class Idempotency:
         self._next_sweep = now + SWEEP_EVERY_MS
         async with self.db.tx() as conn:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
+
+
+def _owned(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:
+    """The key's row while ``claim`` still holds it (no answer stored yet)."""
+    return (
+        _K.org_id == principal.org_id,
+        _K.key_hash == claim.key_hash,
+        _K.owner == claim.owner,
+        _K.response.is_(None),
+    )
 
 
 def _external_id(org_id: str, key_hash: str, created_at: int) -> str:

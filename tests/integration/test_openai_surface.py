@@ -249,6 +249,32 @@ async def test_a_running_request_keeps_its_key_and_an_abandoned_claim_lapses_in_
     assert LEASE_MS == 60_000
 
 
+async def test_a_stalled_request_neither_releases_nor_renews_the_claim_that_took_it_over(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first request stalls past its lease and a retry takes the key over. When the
+    first one's intake then fails, its release must not free the key the retry holds
+    (a third request ran the turn again beside the retry), and its renewals must not
+    keep the retry's claim alive once the retry is gone."""
+    monkeypatch.setattr(idempotency_mod, "RENEW_EVERY_S", 0.02)
+    idem, principal = env.service.idempotency, env.org.principal
+    stalled = await idem.begin(principal, "k-stall", "print")
+    env.clock.advance(LEASE_MS + 1)
+    retry = await idem.begin(principal, "k-stall", "print")
+    assert retry.action == "run" and retry.owner != stalled.owner
+    assert retry.external_event_id == stalled.external_event_id  # the intake de-duplicates
+    await idem.release(principal, stalled)
+    assert (await idem.begin(principal, "k-stall", "print")).action == "running"
+    async with idem.held(principal, stalled):
+        # The retry's process dies; only the stalled request is left, renewing.
+        env.clock.advance(LEASE_MS + 1)
+        await asyncio.sleep(0.1)  # several of its renewal rounds
+        third = await idem.begin(principal, "k-stall", "print")
+    assert third.action == "run" and third.owner not in (stalled.owner, retry.owner)
+    await idem.release(principal, third)
+    assert (await idem.begin(principal, "k-stall", "print")).action == "run"
+
+
 async def claim_and_crash(env: Env, text: str, key: str, session: str, *, taken_in: bool) -> None:
     """What a process that took ``key`` and died leaves behind: the key's claim (and,
     when ``taken_in``, the message, taken in under the claim's event id)."""
