@@ -310,9 +310,23 @@ async def save_agent(
         )
     else:
         agent_id = current.id
+        if _unchanged(current, values):
+            # A save that changes nothing writes nothing: on PostgreSQL every write to
+            # agents NOTIFYs each replica, which drops its cached agents.
+            return current
         await conn.execute(t.agents.update().where(t.agents.c.id == agent_id).values(**values))
     row = (await conn.execute(sa.select(t.agents).where(t.agents.c.id == agent_id))).one()
     return Agent.from_row(row)
+
+
+def _unchanged(current: Agent, values: dict[str, Any]) -> bool:
+    """True when ``values`` (column -> value, plus ``updated_at``) are what ``current``
+    already holds."""
+    stored = current._asdict()
+    return all(
+        column == "updated_at" or (column in stored and stored[column] == value)
+        for column, value in values.items()
+    )
 
 
 async def _name_values(conn: Conn, org_id: str, name: Any, current: Agent | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ between the two.)
 from __future__ import annotations
 
 import logging
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,15 +32,37 @@ log = logging.getLogger("leadgate.schedules")
 S = t.schedules.c
 
 
+#: The longest cron expression stored (``schedules.cron``).
+CRON_LIMIT = 100
+#: Each cron field's name and how many values it has (the largest sensible step).
+_FIELDS = (("minute", 60), ("hour", 24), ("day", 31), ("month", 12), ("weekday", 7))
+_STEP = re.compile(r"/(\d+)")
+
+
 def next_fire(cron: str, after_ms: int) -> int:
     """The first firing strictly after ``after_ms`` (UTC); rule ``schedule.cron`` for an
     expression that is not five fields (croniter would read a sixth as seconds) or that
     never fires (``0 0 31 2 *``)."""
-    if len(cron.split()) != 5:
+    if len(cron) > CRON_LIMIT:  # the column's size; the text is not quoted back
+        raise ValidationError(
+            f"invalid cron expression: at most {CRON_LIMIT} characters", rule="schedule.cron"
+        )
+    fields = cron.split()
+    if len(fields) != 5:
         raise ValidationError(
             f"invalid cron expression {cron!r}: five fields (minute hour day month weekday)",
             rule="schedule.cron",
         )
+    for field, (name, values) in zip(fields, _FIELDS, strict=True):
+        for step in _STEP.findall(field):
+            # croniter takes any step, and one beyond the field's values means only its
+            # first value: almost certainly not what was meant.
+            if not 1 <= int(step) <= values:
+                raise ValidationError(
+                    f"invalid cron expression {cron!r}: step {step} of the {name} field"
+                    f" must be 1 to {values}",
+                    rule="schedule.cron",
+                )
     try:
         it = croniter(cron, datetime.fromtimestamp(after_ms / 1000, tz=UTC))
         nxt: datetime = it.get_next(datetime)

@@ -164,6 +164,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "lead_inactive": ["agent", "create", *acme, "--name", "x4", "--lead", "idle"],
             "lead_deleted": ["agent", "create", *acme, "--name", "x5", "--lead", "gone"],
             "lead_self": ["agent", "update", "worker", *acme, "--lead", "worker"],
+            "update_nothing": ["agent", "update", "worker", *acme],
+            "cron_step": [
+                *("schedule", "add", *acme, "--agent", "lead"),
+                *("--cron", "*/99999999999999999999 * * * *", "--message", "hi"),
+            ],
             "preset_has_lead": [
                 *("agent", "create", *acme, "--name", "pw"),
                 *("--preset", "reviewed", "--lead", "lead"),
@@ -308,6 +313,9 @@ def test_policy_route_and_schedule_errors(world: dict[str, Any]) -> None:
     runs(world)["route_bad"].rule_error("route.match")
     assert "guild" in runs(world)["route_bad"].err
     runs(world)["cron_bad"].rule_error("schedule.cron")
+    runs(world)["cron_step"].rule_error("schedule.cron")
+    assert "step 99999999999999999999 of the minute field" in runs(world)["cron_step"].err
+    runs(world)["update_nothing"].rule_error("agent.update")
     runs(world)["argv_bytes"].rule_error("cli.utf8")
     assert "the pattern argument is not valid UTF-8" in runs(world)["argv_bytes"].err
     for name, says in [

@@ -240,6 +240,40 @@ async def test_an_id_names_its_agent_before_any_name(stack: Stack) -> None:
         assert (await agents_mod.find_agent(conn, org.id, "plain")).id == plain["id"]
 
 
+async def test_a_save_that_changes_nothing_writes_nothing(stack: Stack) -> None:
+    """Nothing given, or every value as it is: no UPDATE (on PostgreSQL each write to
+    agents NOTIFYs every replica, which drops its cached agents), updated_at kept."""
+    org = await make_org(stack, "acme")
+    lead = await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead=lead["id"])
+    stack.clock.advance(DAY_MS)
+    before = await table_rows(stack, t.agents)
+    async with stack.db.tx() as conn:
+        assert (await _save(stack, org, conn, agent_ref="worker")) == Agent(**worker)
+        same = await _save(
+            stack, org, conn, agent_ref="worker", name="worker", lead=lead["id"], active=True
+        )
+        assert same == Agent(**worker)
+    assert await table_rows(stack, t.agents) == before
+    async with stack.db.tx() as conn:
+        changed = await _save(stack, org, conn, agent_ref="worker", instructions="be brief")
+    assert changed.updated_at == worker["updated_at"] + DAY_MS
+
+
+async def test_two_agents_may_lead_each_other(stack: Stack) -> None:
+    """Peer review: a lead's review is a model call of its own, not a turn that is
+    itself gated, so a pair of agents leading each other reviews each other's work and
+    nothing loops."""
+    org = await make_org(stack, "acme")
+    first = await make_agent(stack, org, "first")
+    second = await make_agent(stack, org, "second", lead=first["id"])
+    await save(stack, org, agent_ref="first", lead=second["id"])
+    first_lead = await resolved(stack, org, "first")
+    second_lead = await resolved(stack, org, "second")
+    assert first_lead is not None and first_lead.lead_agent_id == second["id"]
+    assert second_lead is not None and second_lead.lead_agent_id == first["id"]
+
+
 def _save(stack: Stack, org: Org, conn: Any, **kwargs: Any) -> Awaitable[Any]:
     return agents_mod.save_agent(conn, stack.clock, stack.ids, org.id, **kwargs)
 

@@ -26,6 +26,12 @@ def test_next_fire_is_the_first_cron_time_strictly_after() -> None:
     assert next_fire("0 0 * * *", MIDNIGHT) == MIDNIGHT + 24 * 3600_000
 
 
+def test_steps_up_to_their_field_s_values_are_taken() -> None:
+    assert next_fire("*/60 * * * *", MIDNIGHT) == MIDNIGHT + 3600_000
+    assert next_fire("0 0 * * */7", MIDNIGHT) > MIDNIGHT
+    assert next_fire("1-59/2 * * * *", MIDNIGHT) == MIDNIGHT + 60_000
+
+
 @pytest.mark.parametrize(
     ("cron", "says"),
     [
@@ -35,6 +41,10 @@ def test_next_fire_is_the_first_cron_time_strictly_after() -> None:
         ("0 0 31 2 *", "never fires"),
         ("61 * * * *", "invalid cron expression"),
         ("a b c d e", "invalid cron expression"),
+        ("*/99999999999999999999 * * * *", "step 99999999999999999999 of the minute field"),
+        ("0 */0 * * *", "step 0 of the hour field must be 1 to 24"),
+        ("0 0 * * 1-5/8", "step 8 of the weekday field must be 1 to 7"),
+        ("*/" + "9" * 5000 + " * * * *", "at most 100 characters"),
     ],
 )
 def test_an_expression_that_is_not_five_fields_or_never_fires_is_refused(
