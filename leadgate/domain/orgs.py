@@ -169,18 +169,18 @@ async def create_user(
     org_id: str,
     email: str,
     role: str,
-    password: str,
+    password_hash: str,
     *,
     name: str | None = None,
 ) -> dict[str, Any]:
     """Create a console user with a role (any case: ``member`` is ``Member``) and an
-    optional display name; the password is stored as an argon2 hash."""
+    optional display name; ``password_hash`` is the password's :func:`hash_password`,
+    made before the transaction (argon2 is slow by design)."""
     role_enum = Role.parse(role)
     label = validate_name(name, "user") if name is not None else None
     email = email.strip().lower()
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
-    password_hash = hash_password(password)
     if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
         raise Conflict(f"a user {email} already exists", rule="user.email_taken")
     user_id = ids.new("usr")

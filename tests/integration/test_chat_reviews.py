@@ -64,7 +64,9 @@ async def setup(app: App, name: str = "acme") -> tuple[Org, dict[str, Any]]:
             (f"member@{name}.io", "Member", MEMBER),
             (f"viewer@{name}.io", "Viewer", VIEWER),
         ):
-            await orgs.create_user(conn, app.clock, app.ids, org.id, email, role, "password1")
+            await orgs.create_user(
+                conn, app.clock, app.ids, org.id, email, role, orgs.hash_password("password1")
+            )
             await links.link(
                 conn,
                 app.clock,

@@ -98,7 +98,9 @@ async def _seed(url: str) -> dict[str, Any]:
         await drain(app.relay)  # the slack send times out: deliveryUnknown
         async with app.db.tx() as conn:
             for email, role in (("mia@example.com", "Member"), ("vic@example.com", "Viewer")):
-                await orgs.create_user(conn, app.clock, app.ids, org.id, email, role, "x" * 12)
+                await orgs.create_user(
+                    conn, app.clock, app.ids, org.id, email, role, orgs.hash_password("x" * 12)
+                )
         detail = await app.reviews.detail(org.principal, str(out.work_item_id))
         return {
             "items": items,

@@ -25,6 +25,8 @@ from leadgate.domain import orgs
 from tests.helpers import Org, api_trigger, make_agent, make_org
 
 PASSWORD = "correct horse battery"
+#: PASSWORD's argon2 hash, made once (users are created with a hash).
+HASHED = orgs.hash_password(PASSWORD)
 CSRF = {"X-Leadgate-Console": "1"}
 # For tests of code that never touches the database (in-memory throttle, static files).
 sqlite_only = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -51,7 +53,7 @@ class Env:
                 (org or self.org).id,
                 email,
                 role,
-                PASSWORD,
+                HASHED,
             )
 
     async def login(self, email: str, password: str = PASSWORD) -> ClientResponse:

@@ -32,6 +32,8 @@ from tests.helpers import Org, api_trigger, make_agent, make_key, make_org
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 CSRF = {"X-Leadgate-Console": "1"}
 PASSWORD = "correct horse battery"
+#: PASSWORD's argon2 hash, made once (users are created with a hash).
+HASHED = orgs.hash_password(PASSWORD)
 _TEMPLATE: list[Path] = []
 
 
@@ -119,7 +121,7 @@ class Env:
     async def session_cookie(self, role: str, email: str) -> dict[str, str]:
         async with self.service.db.tx() as conn:
             await orgs.create_user(
-                conn, self.clock, self.service.ids, self.org.id, email, role, PASSWORD
+                conn, self.clock, self.service.ids, self.org.id, email, role, HASHED
             )
             token = await orgs.login(conn, self.clock, self.service.ids, email, PASSWORD, 3_600_000)
         assert token

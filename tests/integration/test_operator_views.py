@@ -33,6 +33,8 @@ from tests.integration.test_operator_api import TimeoutChannel
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 PASSWORD = "correct horse battery"
+#: PASSWORD's argon2 hash, made once (users are created with a hash).
+HASHED = orgs.hash_password(PASSWORD)
 SLACK = {"team": "T1", "channel": "C9", "thread_ts": "9.9"}
 ENVELOPE = {"message", "type", "param", "code", "rule"}
 
@@ -65,7 +67,7 @@ class Env(OperatorEnv):
     async def user(self, email: str, role: str, name: str | None = None) -> dict[str, str]:
         async with self.service.db.tx() as conn:
             await orgs.create_user(
-                conn, self.clock, self.service.ids, self.org.id, email, role, PASSWORD, name=name
+                conn, self.clock, self.service.ids, self.org.id, email, role, HASHED, name=name
             )
             token = await orgs.login(conn, self.clock, self.service.ids, email, PASSWORD, 3600_000)
         return {"Cookie": f"leadgate_session={token}", "X-Leadgate-Console": "1"}

@@ -20,6 +20,8 @@ from tests.helpers import Org, make_agent, make_org
 from tests.serving import served_app
 
 PASSWORD = "correct horse battery"
+#: PASSWORD's argon2 hash, made once (users are created with a hash).
+HASHED = orgs.hash_password(PASSWORD)
 CSRF = {"X-Leadgate-Console": "1"}
 
 
@@ -38,7 +40,7 @@ class Env:
                 (org or self.org).id,
                 email,
                 role,
-                PASSWORD,
+                HASHED,
             )
         resp = await self.client.post(
             "/console/login", json={"email": email, "password": PASSWORD}, headers=CSRF

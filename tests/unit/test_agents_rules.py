@@ -546,7 +546,13 @@ async def test_user_roles_map_to_scopes_through_console_sessions(stack: Stack) -
     with pytest.raises(ValidationError) as info:
         async with stack.db.tx() as conn:
             await orgs.create_user(
-                conn, stack.clock, stack.ids, org.id, "x@example.com", "Boss", "long enough"
+                conn,
+                stack.clock,
+                stack.ids,
+                org.id,
+                "x@example.com",
+                "Boss",
+                orgs.hash_password("long enough"),
             )
     assert info.value.rule == "user.role"
 

@@ -57,7 +57,14 @@ async def test_each_actor_is_named_within_the_organization(stack: Stack) -> None
             ("other", other.id, "Carol", "carol@other.io"),
         ):
             made = await orgs.create_user(
-                conn, stack.clock, stack.ids, org_id, email, "Member", "password1", name=name
+                conn,
+                stack.clock,
+                stack.ids,
+                org_id,
+                email,
+                "Member",
+                orgs.hash_password("password1"),
+                name=name,
             )
             users[label] = f"user:{made['id']}"
     users["gone"] = "user:usr_gone"
