@@ -154,7 +154,7 @@ def _submit_alone() -> sa.TextClause:
         "), ok AS MATERIALIZED ("
         " SELECT w.id, w.org_id, w.session_id, w.signal_summary,"
         " (SELECT b.id FROM bindings AS b WHERE b.session_id = w.session_id AND b.active"
-        " LIMIT 1) AS binding_id"
+        " AND b.org_id = w.org_id LIMIT 1) AS binding_id"
         " FROM work_items AS w"
         " WHERE w.id = :item AND w.status = :src AND w.session_id = :session"
         " AND w.signal_turn_id = :turn"
@@ -866,12 +866,16 @@ def provenance_problems(
 ) -> list[str]:
     """What is missing or inconsistent in a submission's provenance (empty = complete)."""
     problems = []
-    if not ctx.work_item_id or item.id != ctx.work_item_id:
+    if not ctx.work_item_id or item.id != ctx.work_item_id or item.org_id != ctx.org_id:
         problems.append("work item id missing or inconsistent")
     if not ctx.session_id or item.session_id != ctx.session_id:
         problems.append("session missing or inconsistent")
-    if binding is None or binding.session_id != item.session_id:
+    if binding is None:
         problems.append("no active binding for the session")
+    elif binding.session_id != item.session_id or binding.org_id != item.org_id:
+        # Not reachable through the service's own writes; a row changed by hand (or a
+        # bug) must not send the answer to another session's or organization's address.
+        problems.append("binding inconsistent with the work item")
     if not gated_message_id:
         problems.append("gated message id missing")
     return problems

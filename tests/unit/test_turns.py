@@ -1007,6 +1007,41 @@ async def test_incomplete_provenance_goes_to_a_human(
     assert second[0]["status"] == "reviewQueued"
 
 
+async def test_a_binding_of_another_organization_is_inconsistent_provenance(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """SPEC 3: a binding that is there but does not belong with the item (here its row
+    changed by hand to another organization mid-turn) is incomplete provenance too, on
+    the transaction's path and on PostgreSQL's one-statement submission."""
+    stack, rec = rig
+    org, other = await make_org(stack), await make_org(stack, "other")
+    worker = await lead_worker(stack, org, model="rec")
+
+    async def move_binding() -> None:
+        sid = await session_id(stack, worker)
+        async with stack.db.tx() as conn:
+            await conn.execute(
+                t.bindings.update()
+                .where(t.bindings.c.session_id == sid, t.bindings.c.active)
+                .values(org_id=other.id)
+            )
+
+    rec.handler = then_complete(move_binding)
+    out = await stack.turns.run(api_trigger(org, worker, "task"))
+    assert isinstance(out, Gated)
+    [item] = await items(stack, worker)
+    assert item["status"] == "awaitingHuman"
+    [last] = await select_all(
+        stack,
+        sa.select(t.audit)
+        .where(t.audit.c.work_item_id == item["id"])
+        .order_by(t.audit.c.created_at.desc(), t.audit.c.id.desc())
+        .limit(1),
+    )
+    assert last["action"] == "incompleteProvenance"
+    assert last["text"] == "binding inconsistent with the work item"
+
+
 async def test_a_submission_writes_its_event_and_wakes_the_lead_runners_of_every_replica(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
