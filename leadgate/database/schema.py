@@ -330,6 +330,12 @@ flow_runs = sa.Table(
     sa.Column("error", sa.Text),
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+    # The lease of the process executing a ``running`` run (migration 0015); cleared when
+    # the run leaves ``running``. Recovery continues a run whose lease lapsed.
+    sa.Column("lease_token", ID),
+    sa.Column("lease_expires_at", MS),
+    sa.Column("lease_owner", ID),
+    sa.Index("ix_flow_runs_status_lease", "status", "lease_expires_at"),
 )
 
 flow_run_events = sa.Table(
