@@ -45,6 +45,7 @@ from leadgate.domain.session_events import NOTIFY_CHANNEL as SESSION_EVENTS_CHAN
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.session_events import mark_watched
 from leadgate.domain.workitems import Sweeper
+from leadgate.flows.recovery import FlowRecovery
 from leadgate.flows.runs import FlowResumer, FlowService
 from leadgate.operations.access import Access
 from leadgate.operations.agents import Agents
@@ -272,6 +273,9 @@ class App:
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
             _Loop(FlowResumer(self.flows), flow_wake),
+            # Flow runs whose executor stopped mid-run (found by the poll: a lease lapses
+            # with no event to wake anyone).
+            _Loop(FlowRecovery(self.flows)),
             _Loop(TurnRecovery(self.turns)),
         ]
 

@@ -13,26 +13,47 @@ the event ``Flow run is waiting for Lead review``. No HITL request is created. T
 never delivers such an approval; :class:`FlowResumer` starts a **new** run from the pause
 snapshot, continuing after the agent node. The approved summary stays on the
 continuation row; it is not copied into the node output.
+
+A ``running`` run is leased to the process executing it (``lease_token``,
+``lease_expires_at``, ``lease_owner``; :data:`RUN_LEASE_MS`): the run is inserted leased,
+the executor renews the lease every :data:`RENEW_EVERY_S` while nodes run and at every
+node, and every write of the run's progress and outcome is one move of
+:data:`RUN_TRANSITIONS`, a conditional ``UPDATE`` fenced by status and lease token that
+raises :class:`RunLeaseLost` when it matches nothing. The run's ``outputs`` hold one entry
+per node done (written after every agent node), so the next node is ``len(outputs)``.
+When the executor's process dies, :class:`leadgate.flows.recovery.FlowRecovery` claims
+the run once its lease lapsed (or its holder is known dead) and continues it from there;
+the old executor, should it come back, can write nothing more. An agent node's turn is
+taken in under the external event id ``flow:<run>:<node>`` (the intake's
+de-duplication), so a node executed again never makes a second turn: a lead-reviewed
+node pauses on the turn already taken, a plain node takes the answer that turn stored,
+and a plain node whose answer was lost with its process fails the run saying so.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import enum
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
 from binding.bindings import find_session
-from leadgate.core.clock import Clock, IdFactory, iso
+from leadgate.core.clock import MINUTE_MS, Clock, IdFactory, iso
 from leadgate.core.errors import (
     Conflict,
     LeadgateError,
     NotFound,
     TransitionError,
+    Unavailable,
     ValidationError,
 )
 from leadgate.core.limits import validate_message
-from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
+from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
@@ -48,6 +69,137 @@ PAUSED_OUTPUT: dict[str, Any] = {"data": {}, "success": True}
 MAX_NODES = 100
 R = t.flow_runs.c
 C = t.continuations.c
+_M = t.messages.c
+
+#: How long a running run's lease holds without a renewal: after it, recovery continues
+#: the run. Short, because the executor renews it while a node's turn runs.
+RUN_LEASE_MS = 2 * MINUTE_MS
+#: How often an executor renews its run's lease while nodes run (real seconds: a
+#: background task; a node's agent turn may take minutes).
+RENEW_EVERY_S = 30.0
+
+
+class RunStatus(enum.StrEnum):
+    """The status of a flow run."""
+
+    running = "running"
+    waitingForHitl = "waitingForHitl"
+    completed = "completed"
+    failed = "failed"
+
+
+_RS = RunStatus
+#: The one table of a flow run's moves. ``running -> running`` is progress (the outputs
+#: of the nodes done, the lease renewed); every move from ``running`` is fenced by the
+#: executor's lease token as well as the status.
+RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    _RS.running: frozenset({_RS.running, _RS.waitingForHitl, _RS.completed, _RS.failed}),
+    _RS.waitingForHitl: frozenset({_RS.failed}),
+    _RS.completed: frozenset(),
+    _RS.failed: frozenset(),
+}
+#: A lease given up: the run left ``running``.
+_NO_LEASE: dict[str, Any] = {"lease_token": None, "lease_expires_at": None, "lease_owner": None}
+
+
+class RunLeaseLost(TransitionError):
+    """A fenced write of a running flow run matched nothing: its lease lapsed and another
+    process took the run over (or finished it). Nothing was written."""
+
+
+@dataclass(frozen=True)
+class RunLease:
+    """A running flow run and the lease token its executor holds."""
+
+    run_id: str
+    token: str
+
+
+async def move_run(
+    conn: Conn,
+    clock: Clock,
+    run_id: str,
+    *,
+    src: RunStatus,
+    dst: RunStatus,
+    token: str | None = None,
+    values: dict[str, Any] | None = None,
+) -> None:
+    """Move ``run_id`` from ``src`` to ``dst`` (a move of :data:`RUN_TRANSITIONS`), fenced
+    by status and, from ``running``, by the lease ``token``; a move that stays
+    ``running`` renews the lease, one that leaves it clears it. Raises
+    :class:`RunLeaseLost` (from ``running``) or :class:`TransitionError` when nothing
+    matched."""
+    if dst not in RUN_TRANSITIONS[src]:
+        raise TransitionError(
+            f"a flow run cannot go from {src} to {dst}", rule="flowRun.transition"
+        )
+    now = clock.now_ms()
+    fences = [R.id == run_id, R.status == src.value]
+    changes: dict[str, Any] = {"status": dst.value, "updated_at": now, **(values or {})}
+    if src is RunStatus.running:
+        if token is None:
+            raise TransitionError("a running flow run moves under its lease", rule="flowRun.lease")
+        fences.append(R.lease_token == token)
+        changes.update(
+            {"lease_expires_at": now + RUN_LEASE_MS} if dst is RunStatus.running else _NO_LEASE
+        )
+    res = await conn.execute(t.flow_runs.update().where(*fences).values(changes))
+    if res.rowcount:
+        return
+    if src is RunStatus.running:
+        raise RunLeaseLost(
+            f"flow run {run_id} is no longer running under this lease (its lease lapsed and "
+            "another process took it over); nothing changed",
+            rule="flowRun.lease",
+        )
+    raise TransitionError(f"flow run {run_id} is not {src}; nothing changed", rule="flowRun.status")
+
+
+async def take_over(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    run_id: str,
+    old_token: str | None,
+    owner: str | None,
+) -> RunLease | None:
+    """Take running run ``run_id``'s lease over from ``old_token`` (None: it had none, a
+    run left ``running`` by a version before leases) under a new token held by
+    ``owner``: the ``running -> running`` move of a recovery claim, fenced by status and
+    the old token. None when nothing matched (another process took it over first, or
+    the run left ``running``)."""
+    token = ids.new("lease")
+    now = clock.now_ms()
+    res = await conn.execute(
+        t.flow_runs.update()
+        .where(
+            R.id == run_id,
+            R.status == RunStatus.running.value,
+            R.lease_token.is_not_distinct_from(old_token),
+        )
+        .values(
+            lease_token=token,
+            lease_expires_at=now + RUN_LEASE_MS,
+            lease_owner=owner,
+            updated_at=now,
+        )
+    )
+    return RunLease(run_id, token) if res.rowcount else None
+
+
+def node_trigger(org_id: str, run_id: str, index: int, agent_id: str, prompt: str) -> Trigger:
+    """The turn of agent node ``index`` of run ``run_id``: its own session, and an
+    external event id the intake takes in once (a node executed again by recovery gets
+    :class:`~leadgate.core.types.Duplicate`, never a second turn)."""
+    return Trigger(
+        org_id=org_id,
+        agent_id=agent_id,
+        session_key=f"flow:{run_id}:{index}",
+        text=prompt,
+        binding=BindingSpec(BindingKind.flow, {"runId": run_id, "nodeIndex": index}),
+        external_event_id=f"flow:{run_id}:{index}",
+    )
 
 
 def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
@@ -146,13 +298,27 @@ async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
 
 
 class FlowService:
-    """Starts, executes and resumes flow runs."""
+    """Starts, executes and resumes flow runs, each under the lease of its executor."""
 
-    def __init__(self, db: Database, clock: Clock, ids: IdFactory, turns: TurnService) -> None:
+    def __init__(
+        self,
+        db: Database,
+        clock: Clock,
+        ids: IdFactory,
+        turns: TurnService,
+        *,
+        renew_every_s: float = RENEW_EVERY_S,
+    ) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.turns = turns
+        #: how often a running node's lease is renewed (real seconds)
+        self.renew_every_s = renew_every_s
+
+    def owner(self) -> str | None:
+        """This process (``lease_owner`` of the runs it executes; None unregistered)."""
+        return self.turns.owner()
 
     async def _event(self, conn: Conn, run_id: str, text: str) -> None:
         await conn.execute(
@@ -165,9 +331,9 @@ class FlowService:
         """Start a new run of a flow and execute it until it pauses or ends."""
         async with self.db.tx() as conn:
             flow = await find_flow(conn, org_id, flow_ref)
-            run_id = await self.new_run(conn, org_id, flow["id"], [], 0, None)
-        await self.execute(run_id)
-        return run_id
+            lease = await self.new_run(conn, org_id, flow["id"], [], 0, None)
+        await self.execute(lease)
+        return lease.run_id
 
     async def new_run(
         self,
@@ -177,111 +343,198 @@ class FlowService:
         outputs: list[Any],
         start_index: int,
         resumed_from: str | None,
-    ) -> str:
-        """Insert a run (``running``) starting at node ``start_index``."""
+    ) -> RunLease:
+        """Insert a run (``running``) starting at node ``start_index``, leased to this
+        process: execute it with the lease returned once ``conn`` committed (if the
+        process dies first, recovery does once the lease lapsed)."""
         run_id = self.ids.new("run")
+        token = self.ids.new("lease")
         now = self.clock.now_ms()
         await conn.execute(
             t.flow_runs.insert().values(
                 id=run_id,
                 org_id=org_id,
                 flow_id=flow_id,
-                status="running",
+                status=RunStatus.running.value,
                 outputs=outputs,
                 start_index=start_index,
                 resumed_from=resumed_from,
                 created_at=now,
                 updated_at=now,
+                lease_token=token,
+                lease_expires_at=now + RUN_LEASE_MS,
+                lease_owner=self.owner(),
             )
         )
         await self._event(
             conn, run_id, "Flow run started" if resumed_from is None else "Flow run resumed"
         )
-        return run_id
+        return RunLease(run_id, token)
 
-    async def execute(self, run_id: str) -> None:
-        """Run nodes from the run's start index until a pause, the end, or a failure."""
+    async def renew(self, lease: RunLease) -> None:
+        """Renew ``lease`` (fenced; :class:`RunLeaseLost` when it was lost)."""
+        async with self.db.tx() as conn:
+            await move_run(
+                conn, self.clock, lease.run_id, src=_RS.running, dst=_RS.running, token=lease.token
+            )
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, lease: RunLease) -> AsyncIterator[None]:
+        """Renew ``lease`` every :attr:`renew_every_s` while the body runs (a node's agent
+        turn may outlast the lease). A lost lease stops the renewals; the executor's next
+        fenced write raises."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.renew_every_s)
+                try:
+                    await self.renew(lease)
+                except RunLeaseLost:
+                    log.warning("flow run %s: its lease was taken over", lease.run_id)
+                    return
+                except Exception as exc:  # a database fault: the next round tries again
+                    log.warning("renewing flow run %s failed: %s", lease.run_id, exc)
+
+        task = asyncio.create_task(renew(), name=f"flow-lease-{lease.run_id}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def execute(self, lease: RunLease) -> None:
+        """Run the nodes not done yet (from ``len(outputs)``) until a pause, the end, or a
+        failure, under ``lease``. Raises :class:`RunLeaseLost` when the lease was lost
+        (another process continues the run), and a database fault as it is: the run
+        stays ``running`` and recovery continues it once the lease lapsed."""
         async with self.db.read() as conn:
             run = dict(
-                (await conn.execute(sa.select(t.flow_runs).where(R.id == run_id))).one()._mapping
+                (await conn.execute(sa.select(t.flow_runs).where(R.id == lease.run_id)))
+                .one()
+                ._mapping
             )
             flow = dict(
                 (await conn.execute(sa.select(t.flows).where(t.flows.c.id == run["flow_id"])))
                 .one()
                 ._mapping
             )
+        if run["status"] != RunStatus.running.value or run["lease_token"] != lease.token:
+            raise RunLeaseLost(
+                f"flow run {lease.run_id} is not running under this lease", rule="flowRun.lease"
+            )
         outputs: list[Any] = list(run["outputs"])
         nodes = flow["nodes"]
-        for index in range(run["start_index"], len(nodes)):
-            node = nodes[index]
-            if node["type"] == "output":
-                outputs.append({"data": node["value"], "success": True})
-                continue
-            try:
-                paused = await self._agent_node(run, index, node, outputs)
-            except LeadgateError as exc:
-                # A rule the node broke (its agent deleted or inactive, say): one line.
-                log.warning("flow run %s failed at node %d: [%s]", run_id, index, exc.rule)
-                await self._finish(run_id, outputs, "failed", f"node {index}: {exc.message}")
-                return
-            except Exception as exc:
-                log.exception("flow run %s failed at node %d", run_id, index)
-                await self._finish(run_id, outputs, "failed", f"node {index}: {exc}")
-                return
-            if paused:
-                return
-        await self._finish(run_id, outputs, "completed", None)
+        async with self._renewing(lease):
+            for index in range(len(outputs), len(nodes)):
+                node = nodes[index]
+                if node["type"] == "output":
+                    # Not written alone: executed again after a crash, it gives the same.
+                    outputs.append({"data": node["value"], "success": True})
+                    continue
+                try:
+                    paused = await self._agent_node(run, lease, index, node, outputs)
+                except (RunLeaseLost, Unavailable):
+                    # Not the node's failure: another process holds the run now, or the
+                    # database is away (the run stays running; recovery continues it).
+                    raise
+                except LeadgateError as exc:
+                    # A rule the node broke (its agent deleted or inactive, say): one line.
+                    log.warning("flow run %s failed at node %d: [%s]", run["id"], index, exc.rule)
+                    await self._finish(lease, outputs, _RS.failed, f"node {index}: {exc.message}")
+                    return
+                except Exception as exc:
+                    log.exception("flow run %s failed at node %d", run["id"], index)
+                    await self._finish(lease, outputs, _RS.failed, f"node {index}: {exc}")
+                    return
+                if paused:
+                    return
+                # The node's output is kept before the next node starts: executed again,
+                # the run goes on from here (and renews its lease).
+                async with self.db.tx() as conn:
+                    await move_run(
+                        conn,
+                        self.clock,
+                        lease.run_id,
+                        src=_RS.running,
+                        dst=_RS.running,
+                        token=lease.token,
+                        values={"outputs": outputs},
+                    )
+            await self._finish(lease, outputs, _RS.completed, None)
 
     async def _finish(
-        self, run_id: str, outputs: list[Any], status: str, error: str | None
+        self, lease: RunLease, outputs: list[Any], status: RunStatus, error: str | None
     ) -> None:
         async with self.db.tx() as conn:
-            await conn.execute(
-                t.flow_runs.update()
-                .where(R.id == run_id)
-                .values(status=status, outputs=outputs, error=error, updated_at=self.clock.now_ms())
+            await move_run(
+                conn,
+                self.clock,
+                lease.run_id,
+                src=_RS.running,
+                dst=status,
+                token=lease.token,
+                values={"outputs": outputs, "error": error},
             )
-            await self._event(conn, run_id, f"Flow run {status}")
+            text = f"Flow run {status}" if error is None else f"Flow run {status}: {error}"
+            await self._event(conn, lease.run_id, text)
 
     # One body: registering the continuation, the turn and the pause are one ordered
     # protocol (the continuation must exist before the turn can be approved).
     async def _agent_node(
-        self, run: dict[str, Any], index: int, node: dict[str, Any], outputs: list[Any]
+        self,
+        run: dict[str, Any],
+        lease: RunLease,
+        index: int,
+        node: dict[str, Any],
+        outputs: list[Any],
     ) -> bool:
         async with self.db.read() as conn:
             agent = await agents_mod.find_agent(conn, run["org_id"], node["agent"])
             lead = await agents_mod.resolve_lead(conn, agent)
-        session_key = f"flow:{run['id']}:{index}"
-        binding = BindingSpec(BindingKind.flow, {"runId": run["id"], "nodeIndex": index})
-        trigger = Trigger(
-            org_id=run["org_id"],
-            agent_id=agent.id,
-            session_key=session_key,
-            text=node["prompt"],
-            binding=binding,
-        )
+        trigger = node_trigger(run["org_id"], run["id"], index, agent.id, node["prompt"])
+        session_key = trigger.session_key
         if lead is None:
+            # The lease is checked (and renewed) before the turn: a process that lost
+            # the run takes no turn in for it.
+            await self.renew(lease)
             outcome = await self.turns.run(trigger)
+            if isinstance(outcome, Duplicate):
+                # Executed again (recovery): the earlier attempt took the turn in.
+                outputs.append(
+                    {"data": {"text": await self._answer(agent.id, trigger)}, "success": True}
+                )
+                return False
             if not isinstance(outcome, Reply):
                 raise Conflict("the agent did not answer", rule="flow.agent_busy")
             outputs.append({"data": {"text": outcome.text}, "success": True})
             return False
-        continuation_id = self.ids.new("cnt")
-        now = self.clock.now_ms()
         async with self.db.tx() as conn:
-            await conn.execute(
-                t.continuations.insert().values(
-                    id=continuation_id,
-                    org_id=run["org_id"],
-                    run_id=run["id"],
-                    node_index=index,
-                    agent_id=agent.id,
-                    session_key=session_key,
-                    status="waiting",
-                    created_at=now,
-                    updated_at=now,
-                )
+            # Fenced with the continuation: a process that lost the run registers none
+            # (a second waiting continuation of one node would resume the flow twice).
+            await move_run(
+                conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
             )
+            continuation_id = await conn.scalar(
+                sa.select(C.id).where(C.run_id == run["id"], C.node_index == index).limit(1)
+            )
+            if continuation_id is None:  # else registered by an earlier attempt
+                continuation_id = self.ids.new("cnt")
+                now = self.clock.now_ms()
+                await conn.execute(
+                    t.continuations.insert().values(
+                        id=continuation_id,
+                        org_id=run["org_id"],
+                        run_id=run["id"],
+                        node_index=index,
+                        agent_id=agent.id,
+                        session_key=session_key,
+                        status="waiting",
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+        # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
         outcome = await self.turns.run(trigger)
         async with self.db.tx() as conn:
             item_id = outcome.work_item_id if isinstance(outcome, Gated) else None
@@ -293,34 +546,68 @@ class FlowService:
                     else await workitems.active_for(conn, agent.id, session.id)
                 )
                 item_id = active.id if active else None
+            await move_run(
+                conn,
+                self.clock,
+                run["id"],
+                src=_RS.running,
+                dst=_RS.waitingForHitl,
+                token=lease.token,
+                values={"outputs": [*outputs, PAUSED_OUTPUT]},
+            )
             await conn.execute(
                 t.continuations.update()
                 .where(C.id == continuation_id)
                 .values(work_item_id=item_id, updated_at=self.clock.now_ms())
             )
-            await conn.execute(
-                t.flow_runs.update()
-                .where(R.id == run["id"])
-                .values(
-                    status="waitingForHitl",
-                    outputs=[*outputs, PAUSED_OUTPUT],
-                    updated_at=self.clock.now_ms(),
-                )
-            )
             await self._event(conn, run["id"], WAITING_EVENT)
         return True
+
+    async def _answer(self, agent_id: str, trigger: Trigger) -> str:
+        """The answer an earlier attempt's turn of this node stored; a node whose turn was
+        cut off with its process (taken in, nothing answered) fails: it is not run twice."""
+        async with self.db.read() as conn:
+            session = await find_session(conn, agent_id, trigger.session_key)
+            text = (
+                None
+                if session is None
+                else await conn.scalar(
+                    sa.select(_M.content)
+                    .where(
+                        _M.session_id == session.id,
+                        _M.role == "assistant",
+                        sa.not_(_M.lead_gated),
+                    )
+                    .order_by(_M.created_at.desc(), _M.id.desc())
+                    .limit(1)
+                )
+            )
+        if text is None:
+            raise Conflict(
+                "its agent turn was taken in by an earlier attempt whose process stopped "
+                "before the answer was stored; the turn is not run twice",
+                rule="flow.turn_lost",
+            )
+        return str(text)
 
 
 _W = t.work_items.c
 _S = t.sessions.c
-#: A waiting continuation with its node's work item, found through the node's session:
-#: the item id is written on the continuation only after the turn, so a crash between
-#: the two left an approved item that nothing resumed (and no queue showed).
-_WITH_ITEM = t.continuations.join(
-    t.sessions, sa.and_(_S.agent_id == C.agent_id, _S.key == C.session_key)
-).join(
-    t.work_items,
-    sa.and_(_W.session_id == _S.id, sa.or_(C.work_item_id.is_(None), C.work_item_id == _W.id)),
+#: A waiting continuation of a paused run with its node's work item, found through the
+#: node's session: the item id is written on the continuation only after the turn, so a
+#: crash between the two left an approved item that nothing resumed (and no queue
+#: showed). Only a paused run: until its pause is written the run's outputs are not the
+#: pause snapshot a resumed run starts from, and a run left ``running`` by a crash is
+#: paused by recovery first (flows.recovery).
+_WITH_ITEM = (
+    t.continuations.join(
+        t.flow_runs, sa.and_(R.id == C.run_id, R.status == RunStatus.waitingForHitl.value)
+    )
+    .join(t.sessions, sa.and_(_S.agent_id == C.agent_id, _S.key == C.session_key))
+    .join(
+        t.work_items,
+        sa.and_(_W.session_id == _S.id, sa.or_(C.work_item_id.is_(None), C.work_item_id == _W.id)),
+    )
 )
 #: Work item ends that no approval follows: the paused run can never resume.
 ENDED_WITHOUT_APPROVAL = (
@@ -371,9 +658,9 @@ class FlowResumer:
             if row.item_status != Status.approved.value:
                 await self._end(conn, row)
                 return True
-            new_run = await self._resume(conn, row)
-        if new_run is not None:
-            await self.flows.execute(new_run)
+            lease = await self._resume(conn, row)
+        if lease is not None:
+            await self.flows.execute(lease)
         return True
 
     async def _end(self, conn: Conn, row: Any) -> None:
@@ -388,16 +675,19 @@ class FlowResumer:
         if not res.rowcount:
             return
         why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
-        await conn.execute(
-            t.flow_runs.update()
-            .where(R.id == row.run_id, R.status == "waitingForHitl")
-            .values(status="failed", error=why, updated_at=clock.now_ms())
+        await move_run(
+            conn,
+            clock,
+            row.run_id,
+            src=RunStatus.waitingForHitl,
+            dst=RunStatus.failed,
+            values={"error": why},
         )
         await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
 
-    async def _resume(self, conn: Conn, row: Any) -> str | None:
-        """Resume an approved continuation in ``conn``: the new run's id, to execute
-        once committed (None: another replica resumed it)."""
+    async def _resume(self, conn: Conn, row: Any) -> RunLease | None:
+        """Resume an approved continuation in ``conn``: the new run (leased here), to
+        execute once committed (None: another replica resumed it)."""
         clock, ids = self.flows.clock, self.flows.ids
         res = await conn.execute(
             t.continuations.update()
@@ -412,7 +702,7 @@ class FlowResumer:
         if not res.rowcount:
             return None
         paused = (await conn.execute(sa.select(t.flow_runs).where(R.id == row.run_id))).one()
-        new_run = await self.flows.new_run(
+        lease = await self.flows.new_run(
             conn,
             row.org_id,
             paused.flow_id,
@@ -421,7 +711,7 @@ class FlowResumer:
             paused.id,
         )
         await conn.execute(
-            t.continuations.update().where(C.id == row.id).values(resumed_run_id=new_run)
+            t.continuations.update().where(C.id == row.id).values(resumed_run_id=lease.run_id)
         )
         await conn.execute(
             t.deliveries.update()
@@ -441,8 +731,8 @@ class FlowResumer:
                 dst=Status.completed,
                 actor="system:flow",
                 action="flowResumed",
-                text=new_run,
+                text=lease.run_id,
             )
         except TransitionError:
             log.warning("continuation %s: item no longer approved", row.id)
-        return new_run
+        return lease
