@@ -1,0 +1,438 @@
+"""Flow runs whose executor stopped while they were ``running`` (leadgate.flows.recovery).
+
+Two stacks on one database are two processes with one clock. A process "dies" by a
+:class:`Killed` raised where it would die (in the model call, or right after a turn's
+last commit): a BaseException, so none of our handlers (they catch Exception) runs, as
+none would after a SIGKILL. The run is left ``running`` under a lease nobody renews. On
+both databases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.core.clock import FakeClock
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.flows.recovery import RECOVERED_EVENT, FlowRecovery
+from leadgate.flows.runs import (
+    PAUSED_OUTPUT,
+    RUN_LEASE_MS,
+    WAITING_EVENT,
+    FlowResumer,
+    RunLeaseLost,
+    RunStatus,
+    create_flow,
+    move_run,
+    node_trigger,
+    run_view,
+    take_over,
+)
+from leadgate.turns.providers.base import ModelEvent, ModelRequest
+from leadgate.turns.providers.script import ScriptProvider
+from tests.helpers import Org, eventually, make_agent, make_org
+from tests.stack import Stack
+
+LOST = (
+    "its agent turn was taken in by an earlier attempt whose process stopped before the "
+    "answer was stored; the turn is not run twice"
+)
+
+
+class Killed(BaseException):
+    """The process dies here."""
+
+
+class Mortal:
+    """The script model, except that a worker prompt with ``#die`` kills the process (the
+    first time) and one with ``#hold`` waits for :attr:`gate` (a process that stalls)."""
+
+    def __init__(self) -> None:
+        self.script = ScriptProvider()
+        self.dies = True
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        last = request.messages[-1]
+        if request.purpose == "worker" and last.role == "user":
+            if "#die" in last.content and self.dies:
+                self.dies = False
+                raise Killed
+            if "#hold" in last.content:
+                self.entered.set()
+                await self.gate.wait()
+        async for event in self.script.stream(request):
+            yield event
+
+
+def die() -> None:
+    """Wired as a callback that runs right after a commit: the process dies there."""
+    raise Killed
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The one clock both processes read."""
+    return FakeClock()
+
+
+@pytest.fixture
+def mortal() -> Mortal:
+    return Mortal()
+
+
+@pytest.fixture
+def first(make_stack: Callable[..., Stack], clock: FakeClock, mortal: Mortal) -> Stack:
+    """The process that starts the run (and dies, or stalls)."""
+    return make_stack(clock=clock, providers={"script": mortal})
+
+
+@pytest.fixture
+def second(make_stack: Callable[..., Stack], clock: FakeClock) -> Stack:
+    """Another process on the same database: its recovery runner continues the run."""
+    return make_stack(clock=clock)
+
+
+async def _flow(stack: Stack, org: Org, nodes: list[dict[str, Any]]) -> str:
+    async with stack.db.tx() as conn:
+        flow = await create_flow(conn, stack.clock, stack.ids, org.id, "f", nodes)
+    return str(flow["id"])
+
+
+async def _view(stack: Stack, org: Org, run_id: str) -> dict[str, Any]:
+    async with stack.db.read() as conn:
+        return await run_view(conn, org.id, run_id)
+
+
+async def _only_run(stack: Stack, **where: Any) -> str:
+    r = t.flow_runs.c
+    async with stack.db.read() as conn:
+        [run_id] = (
+            (await conn.execute(sa.select(r.id).filter_by(**where).order_by(r.created_at)))
+            .scalars()
+            .all()
+        )
+    return str(run_id)
+
+
+async def _turns(stack: Stack, run_id: str, index: int) -> dict[str, int]:
+    """Messages of node ``index``'s session by role, and the node's inbound events."""
+    m, s, e = t.messages.c, t.sessions.c, t.inbound_events.c
+    async with stack.db.read() as conn:
+        roles = (
+            await conn.execute(
+                sa.select(m.role, sa.func.count())
+                .select_from(t.messages.join(t.sessions, s.id == m.session_id))
+                .where(s.key == f"flow:{run_id}:{index}")
+                .group_by(m.role)
+            )
+        ).all()
+        events = await conn.scalar(
+            sa.select(sa.func.count()).where(e.external_event_id == f"flow:{run_id}:{index}")
+        )
+    return {**{str(role): int(n) for role, n in roles}, "inboundEvents": int(events or 0)}
+
+
+async def _lease_expires_at(stack: Stack, run_id: str) -> int | None:
+    r = t.flow_runs.c
+    async with stack.db.read() as conn:
+        at = await conn.scalar(sa.select(r.lease_expires_at).where(r.id == run_id))
+    return None if at is None else int(at)
+
+
+async def test_a_run_killed_mid_node_is_continued_by_recovery_once_its_lease_lapses(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "output", "value": "before"},
+            {"type": "agent", "agent": "plain", "prompt": "first"},
+            {"type": "agent", "agent": "worker", "prompt": "write it #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    # The worker's submission commits and the process dies before the run is paused.
+    first.turns.on_review_queued = die
+    with pytest.raises(Killed):
+        await first.flows.start(org.id, flow_id)
+    run_id = await _only_run(first)
+    cut = await _view(second, org, run_id)
+    assert cut["status"] == "running"
+    # The nodes done before it were kept.
+    assert cut["outputs"] == [
+        {"data": "before", "success": True},
+        {"data": {"text": "Echo: first"}, "success": True},
+    ]
+    # The lead approves the dead turn's submission; the resumer waits for the pause (the
+    # run's outputs are not its pause snapshot yet).
+    await second.settle()
+    assert await drain(FlowResumer(second.flows)) == 0
+    recovery = FlowRecovery(second.flows)
+    assert await drain(recovery) == 0  # its lease holds yet
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await drain(recovery) == 1
+    paused = await _view(second, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    assert paused["outputs"] == [*cut["outputs"], PAUSED_OUTPUT]
+    assert paused["events"] == ["Flow run started", RECOVERED_EVENT, WAITING_EVENT]
+    # The node paused on the turn the dead process took in: one turn, one continuation.
+    assert len(paused["continuations"]) == 1
+    assert await _turns(second, run_id, 2) == {
+        "user": 1,
+        "assistant": 1,
+        "tool": 1,
+        "inboundEvents": 1,
+    }
+    assert await _turns(second, run_id, 1) == {"user": 1, "assistant": 1, "inboundEvents": 1}
+    assert await drain(FlowResumer(second.flows)) == 1
+    [cont] = (await _view(second, org, run_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert done["status"] == "completed"
+    assert done["outputs"] == [*paused["outputs"], {"data": "after", "success": True}]
+    assert await drain(recovery) == 0
+
+
+async def test_a_resumed_run_whose_process_died_is_continued(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    # The resumer commits the new run, executes it, and the process dies in its node.
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
+            {"type": "agent", "agent": "worker", "prompt": "two #complete"},
+            {"type": "output", "value": "end"},
+        ],
+    )
+    paused_id = await first.flows.start(org.id, flow_id)
+    await first.settle()
+    first.turns.on_review_queued = die
+    with pytest.raises(Killed):
+        await FlowResumer(first.flows).run_once()
+    resumed_id = await _only_run(first, resumed_from=paused_id)
+    assert (await _view(second, org, resumed_id))["status"] == "running"
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await drain(FlowRecovery(second.flows)) == 1
+    resumed = await _view(second, org, resumed_id)
+    assert resumed["status"] == "waitingForHitl"
+    assert resumed["outputs"] == [PAUSED_OUTPUT, PAUSED_OUTPUT]
+    assert (await _turns(second, resumed_id, 1))["user"] == 1
+    await second.settle()
+    assert await drain(FlowResumer(second.flows)) == 1
+    [cont] = (await _view(second, org, resumed_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+
+
+async def test_a_node_whose_answer_was_stored_goes_on_with_it_without_a_second_turn(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    org = await make_org(first)
+    plain = await make_agent(first, org, "plain")
+    flow_id = await _flow(
+        first,
+        org,
+        [{"type": "agent", "agent": "plain", "prompt": "one"}, {"type": "output", "value": 2}],
+    )
+    # The dead executor got as far as node 0's turn (its answer stored), not its output.
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    await first.turns.run(node_trigger(org.id, lease.run_id, 0, str(plain["id"]), "one"))
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await drain(FlowRecovery(second.flows)) == 1
+    run = await _view(second, org, lease.run_id)
+    assert run["status"] == "completed"
+    assert run["outputs"] == [
+        {"data": {"text": "Echo: one"}, "success": True},
+        {"data": 2, "success": True},
+    ]
+    assert await _turns(second, lease.run_id, 0) == {"user": 1, "assistant": 1, "inboundEvents": 1}
+
+
+async def test_a_node_whose_answer_died_with_its_process_fails_the_run_saying_so(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "plain", "prompt": "one"},
+            {"type": "agent", "agent": "plain", "prompt": "two #die"},
+            {"type": "output", "value": 3},
+        ],
+    )
+    with pytest.raises(Killed):
+        await first.flows.start(org.id, flow_id)
+    run_id = await _only_run(first)
+    clock.advance(RUN_LEASE_MS + 1)
+    recovery = FlowRecovery(second.flows)
+    assert await drain(recovery) == 1
+    run = await _view(second, org, run_id)
+    assert (run["status"], run["error"]) == ("failed", f"node 1: {LOST}")
+    assert run["events"][-1] == f"Flow run failed: node 1: {LOST}"
+    assert run["outputs"] == [{"data": {"text": "Echo: one"}, "success": True}]
+    # The second process's model would have answered: it was never asked.
+    assert await _turns(second, run_id, 1) == {"user": 1, "inboundEvents": 1}
+    assert await drain(recovery) == 0  # failed once, not retried for ever
+
+
+async def test_the_stalled_executor_writes_nothing_once_recovery_took_its_run(
+    first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
+) -> None:
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "slow #hold #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    stalled = asyncio.create_task(first.flows.start(org.id, flow_id))
+    await asyncio.wait_for(mortal.entered.wait(), 10)
+    # The first process stalls in its model call past the lease (nothing renews it: its
+    # renewals come every 30 real seconds); another process takes the run over.
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await drain(FlowRecovery(second.flows)) == 1
+    run_id = await _only_run(second)
+    paused = await _view(second, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    # The stalled process comes back: its turn ends, and its pause is refused.
+    mortal.gate.set()
+    with pytest.raises(RunLeaseLost) as lost:
+        await stalled
+    assert lost.value.rule == "flowRun.lease"
+    after = await _view(second, org, run_id)
+    assert (after["status"], after["outputs"], after["events"]) == (
+        "waitingForHitl",
+        paused["outputs"],
+        paused["events"],
+    )
+    assert len(after["continuations"]) == 1
+    assert (await _turns(second, run_id, 0))["user"] == 1
+    # Its turn's submission is the one the flow waits on.
+    await second.settle()
+    assert await drain(FlowResumer(second.flows)) == 1
+    [cont] = (await _view(second, org, run_id))["continuations"]
+    assert (await _view(second, org, cont["resumedRunId"]))["status"] == "completed"
+
+
+async def test_two_recoverers_race_for_a_lapsed_run_and_one_wins(
+    first: Stack, second: Stack, make_stack: Callable[..., Stack], clock: FakeClock
+) -> None:
+    third = make_stack(clock=clock)
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    flow_id = await _flow(
+        first,
+        org,
+        [{"type": "agent", "agent": "plain", "prompt": "one"}, {"type": "output", "value": 2}],
+    )
+    # A run committed (by a start, or a resume) whose process died before executing it.
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    clock.advance(RUN_LEASE_MS + 1)
+    # The fence: both saw the same lapsed lease; only the first claim matches.
+    async with second.db.tx() as conn:
+        won = await take_over(conn, clock, second.ids, lease.run_id, lease.token, None)
+    async with third.db.tx() as conn:
+        beaten = await take_over(conn, clock, third.ids, lease.run_id, lease.token, None)
+    assert won is not None and beaten is None
+    assert won.token != lease.token
+    # The original executor, back while the run is still running: refused, not written.
+    with pytest.raises(RunLeaseLost):
+        await first.flows.renew(lease)
+    async with first.db.tx() as conn:
+        with pytest.raises(RunLeaseLost):
+            await move_run(
+                conn,
+                clock,
+                lease.run_id,
+                src=RunStatus.running,
+                dst=RunStatus.running,
+                token=lease.token,
+                values={"outputs": ["stale"]},
+            )
+    assert (await _view(second, org, lease.run_id))["outputs"] == []
+    clock.advance(RUN_LEASE_MS + 1)
+    # Both runners at once (FOR UPDATE SKIP LOCKED on PostgreSQL): one claims and runs it.
+    claimed = await asyncio.gather(
+        FlowRecovery(second.flows).run_once(), FlowRecovery(third.flows).run_once()
+    )
+    assert sorted(claimed) == [False, True]
+    run = await _view(second, org, lease.run_id)
+    assert run["status"] == "completed"
+    assert run["events"].count(RECOVERED_EVENT) == 1
+    assert await _turns(second, lease.run_id, 0) == {"user": 1, "assistant": 1, "inboundEvents": 1}
+    # Nor, once it ended, execute it or end it otherwise.
+    with pytest.raises(RunLeaseLost):
+        await first.flows.execute(lease)
+    async with first.db.tx() as conn:
+        with pytest.raises(RunLeaseLost):
+            await move_run(
+                conn,
+                clock,
+                lease.run_id,
+                src=RunStatus.running,
+                dst=RunStatus.failed,
+                token=lease.token,
+            )
+
+
+async def test_a_run_of_a_process_known_dead_is_taken_over_at_once(
+    first: Stack, second: Stack
+) -> None:
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    first.turns.owner = lambda: "prc_dead_process"  # never registered: known dead
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    assert await drain(FlowRecovery(second.flows)) == 1  # no wait for the lease
+    assert (await _view(second, org, lease.run_id))["status"] == "completed"
+
+
+async def test_a_live_executor_renews_its_lease_while_a_node_runs(
+    first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
+) -> None:
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    flow_id = await _flow(first, org, [{"type": "agent", "agent": "plain", "prompt": "#hold"}])
+    first.flows.renew_every_s = 0.01
+    running = asyncio.create_task(first.flows.start(org.id, flow_id))
+    await asyncio.wait_for(mortal.entered.wait(), 10)
+    run_id = await _only_run(second)
+    # The turn runs past the lease; the renewals keep it ahead of the clock.
+    clock.advance(3 * RUN_LEASE_MS)
+
+    async def renewed() -> bool:
+        at = await _lease_expires_at(second, run_id)
+        return at is not None and at > clock.now_ms()
+
+    assert await eventually(renewed, 10)
+    assert not await FlowRecovery(second.flows).run_once()
+    mortal.gate.set()
+    await running
+    run = await _view(second, org, run_id)
+    assert run["status"] == "completed"
+    assert RECOVERED_EVENT not in run["events"]
+    assert await _lease_expires_at(second, run_id) is None  # given up with the run
