@@ -352,7 +352,8 @@ continuations = sa.Table(
     metadata,
     sa.Column("id", ID, primary_key=True),
     sa.Column("org_id", ID, nullable=False),
-    sa.Column("run_id", ID, nullable=False),
+    # Indexed (migration 0015): an agent node executed again finds its continuation.
+    sa.Column("run_id", ID, nullable=False, index=True),
     sa.Column("node_index", sa.Integer, nullable=False),
     sa.Column("agent_id", ID, nullable=False),
     sa.Column("session_key", sa.String(500), nullable=False),

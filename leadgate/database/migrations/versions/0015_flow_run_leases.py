@@ -10,7 +10,9 @@ held it and nothing looked for it. The executor now holds a lease on the run
 nodes run and fences every write of the run's progress and outcome by status and token;
 the flow-recovery runner continues a run whose lease lapsed (or whose holder is known
 dead) under a new token. Runs left ``running`` by an older version have no lease: they
-count as lapsed and are continued too. The index serves the recovery runner's poll.
+count as lapsed and are continued too. The index on flow_runs serves the recovery
+runner's poll; the one on continuations.run_id, an agent node executed again looking for
+the continuation an earlier attempt registered.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def upgrade() -> None:
         batch_op.create_index(
             "ix_flow_runs_status_lease", ["status", "lease_expires_at"], unique=False
         )
+    op.create_index(op.f("ix_continuations_run_id"), "continuations", ["run_id"], unique=False)
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_continuations_run_id"), table_name="continuations")
     with op.batch_alter_table("flow_runs", schema=None) as batch_op:
         batch_op.drop_index("ix_flow_runs_status_lease")
         batch_op.drop_column("lease_owner")
