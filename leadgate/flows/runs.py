@@ -381,8 +381,9 @@ class FlowService:
     @contextlib.asynccontextmanager
     async def _renewing(self, lease: RunLease) -> AsyncIterator[None]:
         """Renew ``lease`` every :attr:`renew_every_s` while the body runs (a node's agent
-        turn may outlast the lease). A lost lease stops the renewals; the executor's next
-        fenced write raises."""
+        turn may outlast the lease). A lost lease stops the renewals quietly: the
+        executor's next fenced write raises, loudly (and a renewal that lands just after
+        the run's last write finds it ended, which is no news)."""
 
         async def renew() -> None:
             while True:
@@ -390,7 +391,7 @@ class FlowService:
                 try:
                     await self.renew(lease)
                 except RunLeaseLost:
-                    log.warning("flow run %s: its lease was taken over", lease.run_id)
+                    log.info("flow run %s: no longer leased here; renewals stop", lease.run_id)
                     return
                 except Exception as exc:  # a database fault: the next round tries again
                     log.warning("renewing flow run %s failed: %s", lease.run_id, exc)
