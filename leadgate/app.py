@@ -44,6 +44,10 @@ from leadgate.domain.processes import Liveness
 from leadgate.domain.session_events import NOTIFY_CHANNEL as SESSION_EVENTS_CHANNEL
 from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.session_events import mark_watched
+from leadgate.domain.wakes import CHANNEL as WAKES_CHANNEL
+from leadgate.domain.wakes import TOPIC as WAKES_TOPIC
+from leadgate.domain.wakes import Wake
+from leadgate.domain.wakes import parse as parse_wake
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.recovery import FlowRecovery
 from leadgate.flows.runs import FlowResumer, FlowService
@@ -257,13 +261,21 @@ class App:
         self.lead_runner.wake = review_wake.set
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
         flow_wake = asyncio.Event()
-        # What a human decision can give work to (see _after_decision).
+        # What a delivery's recovery (confirm, retry) can give work to; see
+        # _after_decision. A return and an approval of a flow item wake their runner at
+        # commit, on every replica (_wakes below).
         self._decision_wakes: dict[str, tuple[asyncio.Event, ...]] = {
-            "return": (revision_wake,),
-            "approve": (flow_wake,),
             "confirm": (revision_wake, flow_wake),
             "retry": (revision_wake, flow_wake),
         }
+
+        # What each kind of leadgate.domain.wakes work wakes: committed here (the
+        # TOPIC's payloads) or on another replica (NOTIFY, see _wake_notified).
+        self._wakes: dict[Wake, Callable[[], None]] = {
+            Wake.revision: revision_wake.set,
+            Wake.flow: flow_wake.set,
+        }
+        self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice.
@@ -326,16 +338,36 @@ class App:
         self._relay_wake.set()
 
     def _after_decision(self, action: str) -> None:
-        """Wake the runners ``action`` may have given work to: a returned item's
-        revision, an approved flow continuation (a delivery's recovery: both, as it is
-        rare). Not every loop, nor both for every decision: each woken loop runs a pass
-        against the database that the next decision's request waits behind (at 200
-        approvals/s, two reads per approval that found nothing). A rejection or a
-        cancellation gives none of them work at once (the rare flow run it ends is
-        found by the flow resumer's next poll). New and retried deliveries wake the relay
-        themselves (see _outbox_due)."""
+        """Wake the runners a delivery's recovery (confirm, retry) may have given work
+        to: the revision dispatcher and the flow resumer (both, as it is rare). The
+        decisions wake their runners at commit themselves (leadgate.domain.wakes, on
+        every replica): a return the revision dispatcher, an approval the flow resumer
+        only when it wrote a continuation (each woken loop runs a pass against the
+        database that the next decision's request waits behind: at 200 approvals/s, a
+        read per approval that found nothing). A rejection or a cancellation gives none
+        of them work at once (the rare flow run it ends is found by the flow resumer's
+        next poll). New and retried deliveries wake the relay themselves (see
+        _outbox_due)."""
         for wake in self._decision_wakes.get(action, ()):
             wake.set()
+
+    def _woken(self, kinds: list[Wake]) -> None:
+        """Work of ``kinds`` committed in this process (leadgate.domain.wakes)."""
+        for kind in kinds:
+            self._wakes[kind]()
+
+    def _wake_notified(self, payload: str) -> None:
+        """``NOTIFY leadgate_wakes`` from any replica: this process's own commits woke
+        its runners at commit already."""
+        parsed = parse_wake(payload)
+        if parsed is not None and parsed[1] != self.db.notify_tag:
+            self._wakes[parsed[0]]()
+
+    def _wake_all(self) -> None:
+        """The LISTEN connection is (re)connected: what was sent while it was down is
+        looked for once."""
+        for wake in self._wakes.values():
+            wake()
 
     # ----------------------------------------------------------------- runners
 
@@ -375,11 +407,13 @@ class App:
 
     def _listen(self, *, runners: bool, surfaces: bool) -> None:
         """PostgreSQL: one LISTEN connection for every channel this process needs (see
-        :func:`outbox.store.listen_all` for why one): deliveries due and items queued for
-        review (runners; submissions on API replicas reach the lead runners of worker
-        replicas now, not at their next poll), session events (surfaces: event streams
-        here hear writes of every replica), and changes of agents, presets and policy
-        rules (either: what lets the intake keep them between turns)."""
+        :func:`outbox.store.listen_all` for why one): deliveries due, items queued for
+        review and the rarer runners' work (runners; submissions, returns and flow
+        approvals on API replicas reach the runners of worker replicas now, not at
+        their next poll; see leadgate.domain.wakes), session events
+        (surfaces: event streams here hear writes of every replica), and changes of
+        agents, presets and policy rules (either: what lets the intake keep them between
+        turns)."""
         if not self.db.is_postgres:
             return
         channels: dict[str, Callable[[str], None]] = {}
@@ -387,7 +421,8 @@ class App:
         if runners:
             channels[OUTBOX_CHANNEL] = lambda _payload: self._outbox_due()
             channels[workitems.REVIEW_CHANNEL] = self._review_notified
-            on_connect += [self._outbox_due, self._review_due]
+            channels[WAKES_CHANNEL] = self._wake_notified
+            on_connect += [self._outbox_due, self._review_due, self._wake_all]
         on_lost: list[Callable[[], None]] = []
         if surfaces:
             channels[SESSION_EVENTS_CHANNEL] = self.event_hub.notified

@@ -34,8 +34,9 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
-from leadgate.domain import session_events, workitems
+from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
+from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 
 log = logging.getLogger("leadgate.outbox")
@@ -283,12 +284,17 @@ class Outbox:
 
     async def _insert(self, conn: Conn, values: dict[str, Any], now: int) -> Delivery:
         """Insert a delivery row: handed to this process's relay after commit, or
-        announced to every relay (NOTIFY) when no local relay takes it."""
+        announced to every relay (NOTIFY) when no local relay takes it. A flow's
+        continuation is no relay's work: it wakes the flow resumers instead (in this
+        process at commit, on every replica by NOTIFY; only approvals of flow items pay
+        it)."""
         handed = self.claim_for_local(values, now)
         if handed:
             signal_after_commit(conn, HANDOFF_TOPIC, values)
         await conn.execute(_INSERT_DELIVERY, values)
-        if not handed:
+        if values["status"] == DeliveryStatus.continuation.value:
+            await wakes.after_commit(conn, Wake.flow)
+        elif not handed:
             await notify(conn)
         return delivery_of(values)
 

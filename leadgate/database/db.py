@@ -131,6 +131,22 @@ def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
             payloads.append(payload)
 
 
+def signal_once(conn: Conn, topic: str, payload: Any) -> bool:
+    """:func:`signal_after_commit` of ``payload`` on ``topic``, unless the current
+    transaction signalled it already; whether this call signalled it. What goes with a
+    signal (a NOTIFY to other replicas) is then sent once per transaction, however many
+    rows of it the transaction writes. Outside a :meth:`Database.tx` nothing can be
+    signalled, and nothing is known to have been sent: True."""
+    topics = conn.info.get(_TOPICS)
+    if topics is None:
+        return True
+    payloads = topics.setdefault(topic, [])
+    if payload in payloads:
+        return False
+    payloads.append(payload)
+    return True
+
+
 async def before_commit(conn: Conn, key: str, flush: Flush, item: Any) -> None:
     """Queue ``item``; ``flush(conn, items)`` writes the queue of ``key`` once, after the
     rest of the current :meth:`Database.tx` body and just

@@ -57,8 +57,9 @@ from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Repl
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
-from leadgate.domain import workitems
+from leadgate.domain import wakes, workitems
 from leadgate.domain.orgs import validate_name
+from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.turns.path import TurnService
 
@@ -562,6 +563,9 @@ class FlowService:
                 .values(work_item_id=item_id, updated_at=self.clock.now_ms())
             )
             await self._event(conn, run["id"], WAITING_EVENT)
+            # The lead may have approved before this pause was written (the resumer,
+            # woken by the approval, then found no paused run): wake it again.
+            await wakes.after_commit(conn, Wake.flow)
         return True
 
     async def _answer(self, agent_id: str, trigger: Trigger) -> str:
@@ -599,7 +603,8 @@ _S = t.sessions.c
 #: crash between the two left an approved item that nothing resumed (and no queue
 #: showed). Only a paused run: until its pause is written the run's outputs are not the
 #: pause snapshot a resumed run starts from, and a run left ``running`` by a crash is
-#: paused by recovery first (flows.recovery).
+#: paused by recovery first (flows.recovery). A lead's approval wakes the resumer at
+#: once, possibly before the pause; the pause wakes it again.
 _WITH_ITEM = (
     t.continuations.join(
         t.flow_runs, sa.and_(R.id == C.run_id, R.status == RunStatus.waitingForHitl.value)

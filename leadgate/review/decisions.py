@@ -19,8 +19,9 @@ from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import later_of_sql
-from leadgate.domain import session_events, workitems
+from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Delivery, WorkItem
+from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.review import cards
 from outbox.channel import CardOutcome
@@ -422,9 +423,11 @@ async def human_return(
     surface: str | None = None,
     identity: str | None = None,
 ) -> WorkItem:
-    """Return to the worker: inProgress, one extra revision allowance, feedback dispatched."""
+    """Return to the worker: inProgress, one extra revision allowance, feedback dispatched
+    (the revision dispatcher is woken at commit, on every replica: a person decides on
+    an ``api`` replica or the command line, the dispatcher runs on a ``worker``)."""
     text = check_text(feedback, name="feedback", limit=FEEDBACK_LIMIT, rule="decision.feedback")
-    return await workitems.transition(
+    row = await workitems.transition(
         conn,
         clock,
         ids,
@@ -447,6 +450,8 @@ async def human_return(
             "lease_expires_at": None,
         },
     )
+    await wakes.after_commit(conn, Wake.revision)
+    return row
 
 
 async def cancel(

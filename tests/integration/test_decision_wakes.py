@@ -1,7 +1,8 @@
-"""A person's decision wakes the runner it gave work to (``App._after_decision``): a
-returned item's revision and an approved flow continuation start at once, though the
-runner loops poll only every 30 s here. (That other decisions wake neither runner is
-what the mapping says; nothing here could see a wasted pass.)"""
+"""A person's decision wakes the runner it gave work to at its commit
+(``leadgate.domain.wakes``): a returned item's revision and an approved flow
+continuation start at once, though the runner loops poll only every 30 s here. (That
+other decisions wake neither runner is what the code says; nothing here could see a
+wasted pass. Across replicas: ``test_runner_wakes.py``.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,65 @@
+"""Waking runners for rarer committed work: in this process at commit, on every other
+replica by PostgreSQL ``NOTIFY``.
+
+A runner loop sleeps on its wake event with a slow poll as the safety net
+(:func:`leadgate.core.runners.run_loop`). The frequent kinds of work already wake their
+runners everywhere: a submission (``leadgate_reviews``), a delivery (``leadgate_outbox``).
+This module is for the rarer ones, whose runner often runs in another process than the
+change (an ``api`` replica, or the command line, decides; a ``worker`` replica runs the
+runners):
+
+* :attr:`Wake.revision`: a person returned an item to its worker; the revision
+  dispatcher has an internal turn to run;
+* :attr:`Wake.flow`: an approval wrote a flow continuation; the flow resumer has a run to
+  resume.
+
+The writer calls :func:`after_commit` inside its transaction. In process, the signal
+reaches the :data:`TOPIC` listeners of :meth:`leadgate.database.db.Database.on_commit_payloads`
+(the composition root maps it onto wake events) once the transaction commits, never for
+one that rolled back. On PostgreSQL the same transaction sends one ``pg_notify`` on
+:data:`CHANNEL` per kind, however many rows it wrote (delivered at commit, dropped on
+rollback), payload ``"<kind> <sender tag>"``; the sender's own listener skips it, as its
+process was woken at commit. SQLite has no NOTIFY: another process sharing the file (the
+command line) is seen by the runner's poll.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import sqlalchemy as sa
+
+from leadgate.database.db import Conn, notify_sender, signal_once
+
+#: PostgreSQL NOTIFY channel of these wake-ups (payload ``"<kind> <sender tag>"``).
+CHANNEL = "leadgate_wakes"
+#: :meth:`leadgate.database.db.Database.on_commit_payloads` topic; payloads are
+#: :class:`Wake` members.
+TOPIC = "wakes"
+
+
+class Wake(enum.StrEnum):
+    """What kind of work a committed change made (see the module docstring)."""
+
+    revision = "revision"
+    flow = "flow"
+
+
+_NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', :payload)")
+
+
+async def after_commit(conn: Conn, wake: Wake) -> None:
+    """Wake the runners of ``wake`` once this transaction commits: in process through
+    :data:`TOPIC`, on other replicas through one ``NOTIFY`` per transaction (PostgreSQL)."""
+    if signal_once(conn, TOPIC, wake) and conn.dialect.name == "postgresql":
+        await conn.execute(_NOTIFY, {"payload": f"{wake.value} {notify_sender(conn)}"})
+
+
+def parse(payload: str) -> tuple[Wake, str] | None:
+    """``(kind, sender tag)`` of a notification on :data:`CHANNEL`; None for a payload
+    this version does not know (a newer replica's kind during a rolling upgrade)."""
+    kind, _, sender = payload.partition(" ")
+    try:
+        return Wake(kind), sender
+    except ValueError:
+        return None

@@ -1,0 +1,245 @@
+"""Work committed in one place wakes the runner it gave work to without waiting for the
+poll: in the same process at commit, and on another replica by PostgreSQL NOTIFY
+(``leadgate.domain.wakes``).
+
+The runner loops poll only every 30 s here (and heartbeats do not run by themselves), so
+only a wake-up makes a runner act within :data:`WITHIN_S`. Each test waits for the woken
+runner's first model call (a queue, with a timeout) and prints the latency.
+Two replicas are two :class:`App` instances on one PostgreSQL database: an ``api`` one
+that decides or starts flows (no runner loops, as ``serve --role api`` or the
+command line) and a ``worker`` one that runs the runners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.app import App
+from leadgate.core.clock import Clock, FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.types import Gated
+from leadgate.database import schema as t
+from leadgate.flows.runs import create_flow
+from leadgate.turns.providers.base import ModelEvent, ModelRequest
+from leadgate.turns.providers.script import ScriptProvider
+from tests.helpers import (
+    Org,
+    api_trigger,
+    eventually,
+    item_row,
+    make_agent,
+    make_org,
+)
+
+POLL_S = 30
+#: Well under the poll: only a wake-up can make the runner act this soon.
+WITHIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model call: its purpose, the text of its last message, the revision feedback
+    it carries, and when it started (``time.perf_counter``)."""
+
+    purpose: str
+    text: str
+    feedback: str | None
+    at: float
+
+
+class RecordingModel(ScriptProvider):
+    """The built-in script model, noting each call as it starts (the model is the
+    service's edge: which runner called it, and when, is what these tests observe)."""
+
+    def __init__(self) -> None:
+        self.calls: asyncio.Queue[Call] = asyncio.Queue()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        last = request.messages[-1].content if request.messages else ""
+        self.calls.put_nowait(
+            Call(request.purpose, str(last), request.revision_feedback, time.perf_counter())
+        )
+        async for event in super().stream(request):
+            yield event
+
+
+MakeApp = Callable[..., App]
+
+
+@pytest.fixture
+async def make_app() -> AsyncIterator[MakeApp]:
+    """Build :class:`App` instances (stopped at teardown, last first)."""
+    made: list[App] = []
+
+    def make(
+        url: str,
+        *,
+        clock: Clock | None = None,
+        model: ScriptProvider | None = None,
+        channels: dict[str, Any] | None = None,
+    ) -> App:
+        settings = Settings.model_validate(
+            {
+                "database": {"url": url},
+                # A heartbeat that never beats by itself: the tests reap when they mean to.
+                "runners": {"poll_interval_s": POLL_S, "heartbeat_s": 3600},
+            }
+        )
+        app = App(
+            settings,
+            clock=clock or FakeClock(),
+            providers={"script": model or ScriptProvider()},
+            channels=channels,
+            enable_adapters=False,
+        )
+        made.append(app)
+        return app
+
+    yield make
+    for app in reversed(made):
+        await app.stop()
+
+
+async def start_worker(app: App) -> None:
+    """Start ``app``'s runner loops and (PostgreSQL) wait until its LISTEN connection is
+    up, so that what the test commits next is heard by it, not by its start."""
+    await app.start_runners()
+    changes = app.db.table_changes
+    if changes is not None:  # its token exists only while the LISTEN connection is up
+        assert await eventually(lambda: changes.token(("agents",)) is not None, 10)
+
+
+async def next_call(model: RecordingModel, wanted: Callable[[Call], bool]) -> Call:
+    """The next model call ``wanted`` accepts (others are passed over), within
+    :data:`WITHIN_S`."""
+
+    async def find() -> Call:
+        while True:
+            call = await model.calls.get()
+            if wanted(call):
+                return call
+
+    return await asyncio.wait_for(find(), WITHIN_S)
+
+
+def report(what: str, seconds: float) -> None:
+    print(f"\n{what}: {seconds * 1000:.1f} ms")
+
+
+async def lead_and_worker(app: App, name: str = "acme") -> tuple[Org, dict[str, Any]]:
+    org = await make_org(app, name)
+    await make_agent(app, org, "lead")
+    return org, await make_agent(app, org, "worker", lead="lead")
+
+
+async def waiting_for_human(app: App, item_id: str) -> None:
+    """Until the worker replica's lead (woken by the submission's NOTIFY) escalated it."""
+
+    async def waiting() -> bool:
+        return bool((await item_row(app, item_id))["status"] == "awaitingHuman")
+
+    assert await eventually(waiting, WITHIN_S)
+
+
+# ------------------------------------------------------------ 1. a person's return
+
+
+async def test_a_return_on_an_api_replica_wakes_the_revision_runner_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    clock, model = FakeClock(), RecordingModel()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    await start_worker(worker)
+    org, agent = await lead_and_worker(api)
+    out = await api.turns.run(api_trigger(org, agent, "hard #escalate #complete"))
+    assert isinstance(out, Gated) and out.work_item_id
+    await waiting_for_human(api, out.work_item_id)
+
+    decided = time.perf_counter()
+    await api.reviews.decide(org.principal, out.work_item_id, "return", "add the tests")
+    call = await next_call(model, lambda c: c.feedback == "add the tests")
+    report("return on the api replica -> revision turn on the worker", call.at - decided)
+
+
+# ------------------------------------------------------ 3. an approved continuation
+
+FLOW = [
+    {"type": "agent", "agent": "worker", "prompt": "write it #complete"},
+    {"type": "agent", "agent": "plain", "prompt": "after the approval"},
+]
+
+
+async def flow_of(app: App, nodes: list[dict[str, Any]]) -> tuple[Org, str]:
+    """An organization with a lead, a reviewed worker and a plain agent, and a flow."""
+    org, _ = await lead_and_worker(app)
+    await make_agent(app, org, "plain")
+    async with app.db.tx() as conn:
+        flow = await create_flow(conn, app.clock, app.ids, org.id, "f", nodes)
+    return org, str(flow["id"])
+
+
+def resumed(call: Call) -> bool:
+    """The resumed run's first model call: the node after the reviewed one."""
+    return call.purpose == "worker" and call.text == "after the approval"
+
+
+async def test_a_lead_approved_flow_continuation_resumes_at_once(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    model = RecordingModel()
+    app = make_app(migrated_url, model=model)
+    org, flow_id = await flow_of(app, FLOW)
+    await start_worker(app)
+
+    started = time.perf_counter()
+    await app.flows.start(org.id, flow_id)
+    approved = await next_call(model, lambda c: c.purpose == "lead")
+    call = await next_call(model, resumed)
+    report("lead review -> resumed flow in the same process", call.at - approved.at)
+    report("flow started -> resumed", call.at - started)
+
+
+async def test_a_flow_run_from_another_process_resumes_after_the_leads_approval(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """``leadgate flow run`` executes the flow's first node in its own process; the
+    worker's lead approves and its flow resumer continues, though the approval may
+    come before the command's pause is written (the pause wakes the resumer again)."""
+    clock, model = FakeClock(), RecordingModel()
+    command = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    org, flow_id = await flow_of(command, FLOW)
+    await start_worker(worker)
+
+    started = time.perf_counter()
+    await command.flows.start(org.id, flow_id)
+    call = await next_call(model, resumed)
+    report("flow run elsewhere -> resumed on the worker", call.at - started)
+
+
+async def test_a_flow_approval_on_an_api_replica_wakes_the_flow_resumer_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    clock, model = FakeClock(), RecordingModel()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    nodes = [{**FLOW[0], "prompt": "write it #complete #escalate"}, FLOW[1]]
+    org, flow_id = await flow_of(api, nodes)
+    await start_worker(worker)
+    await api.flows.start(org.id, flow_id)
+    async with api.db.read() as conn:
+        item_id = str(await conn.scalar(sa.select(t.continuations.c.work_item_id)))
+    await waiting_for_human(api, item_id)
+
+    decided = time.perf_counter()
+    await api.reviews.decide(org.principal, item_id, "approve")
+    call = await next_call(model, resumed)
+    report("approval on the api replica -> resumed flow on the worker", call.at - decided)
