@@ -260,7 +260,7 @@ class App:
         self.lead_runner.poked_on_enqueue = True
         self.lead_runner.wake = review_wake.set
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
-        flow_wake = asyncio.Event()
+        flow_wake, recovery_wake, flow_recovery_wake = (asyncio.Event() for _ in range(3))
         # What a delivery's recovery (confirm, retry) can give work to; see
         # _after_decision. A return and an approval of a flow item wake their runner at
         # commit, on every replica (_wakes below).
@@ -269,11 +269,25 @@ class App:
             "retry": (revision_wake, flow_wake),
         }
 
+        def leases_freed() -> None:
+            # Every runner that takes a dead holder's lease back (domain.processes).
+            self.lead_runner.leases_freed()
+            self.relay.leases_freed()
+            for wake in (
+                review_wake,
+                self._relay_wake,
+                revision_wake,
+                recovery_wake,
+                flow_recovery_wake,
+            ):
+                wake.set()
+
         # What each kind of leadgate.domain.wakes work wakes: committed here (the
         # TOPIC's payloads) or on another replica (NOTIFY, see _wake_notified).
         self._wakes: dict[Wake, Callable[[], None]] = {
             Wake.revision: revision_wake.set,
             Wake.flow: flow_wake.set,
+            Wake.leases: leases_freed,
         }
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         self.loops = [
@@ -285,10 +299,10 @@ class App:
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
             _Loop(FlowResumer(self.flows), flow_wake),
-            # Flow runs whose executor stopped mid-run (found by the poll: a lease lapses
-            # with no event to wake anyone).
-            _Loop(FlowRecovery(self.flows)),
-            _Loop(TurnRecovery(self.turns)),
+            # Flow runs whose executor stopped mid-run: a reap of its process wakes this
+            # loop; a lease lapsing by time is found by the poll.
+            _Loop(FlowRecovery(self.flows), flow_recovery_wake),
+            _Loop(TurnRecovery(self.turns), recovery_wake),
         ]
 
     def _wire_chat_reviews(self) -> None:
@@ -409,8 +423,8 @@ class App:
         """PostgreSQL: one LISTEN connection for every channel this process needs (see
         :func:`outbox.store.listen_all` for why one): deliveries due, items queued for
         review and the rarer runners' work (runners; submissions, returns and flow
-        approvals on API replicas reach the runners of worker replicas now, not at
-        their next poll; see leadgate.domain.wakes), session events
+        approvals on API replicas, reaps anywhere, reach the runners of worker replicas
+        now, not at their next poll; see leadgate.domain.wakes), session events
         (surfaces: event streams here hear writes of every replica), and changes of
         agents, presets and policy rules (either: what lets the intake keep them between
         turns)."""

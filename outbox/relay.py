@@ -353,6 +353,12 @@ class Relay:
             self._pump = None
             self._backlog = pump.backlog
 
+    def leases_freed(self) -> None:
+        """Processes were reaped, here or on another replica (or one shut down): send
+        leases they held can be taken back now (:meth:`expire_send_leases`), so the next
+        pass looks for them, not only when its timer says."""
+        self._next_expiry_check = 0
+
     def poke(self) -> None:
         """Something became due (an enqueue that was not handed over, an operator retry,
         another replica's NOTIFY): claim at the next opportunity."""

@@ -31,6 +31,8 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.domain import wakes
+from leadgate.domain.wakes import Wake
 
 log = logging.getLogger("leadgate.processes")
 P = t.processes.c
@@ -137,7 +139,10 @@ class Liveness:
             await self.register()
 
     async def reap(self) -> int:
-        """Delete the rows of processes known dead (see the module docstring)."""
+        """Delete the rows of processes known dead (see the module docstring). What they
+        held can be taken back at once: the commit wakes the runners that take leases
+        back, here and on every replica (:attr:`leadgate.domain.wakes.Wake.leases`;
+        rare, so one NOTIFY is nothing), rather than leave it to their next poll."""
         now = self.clock.now_ms()
         async with self.db.read() as conn:
             rows = (await conn.execute(sa.select(P.id, P.host, P.pid, P.start_token))).all()
@@ -153,17 +158,21 @@ class Liveness:
             if self.id is not None:
                 cond = sa.and_(cond, P.id != self.id)
             res = await conn.execute(t.processes.delete().where(cond))
-        count = int(res.rowcount or 0)
+            count = int(res.rowcount or 0)
+            if count:
+                await wakes.after_commit(conn, Wake.leases)
         if count:
             log.warning("%d dead process(es) found; their leases are taken back", count)
         return count
 
     async def unregister(self) -> None:
-        """Clean shutdown: delete our row (what we still hold is free at once)."""
+        """Clean shutdown: delete our row (what we still hold is free at once: the other
+        replicas' runners are woken to take it, as after a reap)."""
         if self.id is None:
             return
         async with self.db.tx() as conn:
             await conn.execute(t.processes.delete().where(P.id == self.id))
+            await wakes.after_commit(conn, Wake.leases)
         self.id = None
 
 

@@ -11,7 +11,9 @@ runners):
 * :attr:`Wake.revision`: a person returned an item to its worker; the revision
   dispatcher has an internal turn to run;
 * :attr:`Wake.flow`: an approval wrote a flow continuation; the flow resumer has a run to
-  resume.
+  resume;
+* :attr:`Wake.leases`: processes known dead were reaped, or this one shut down; what they
+  held (review, revision, send and turn-run leases) can be taken back at once.
 
 The writer calls :func:`after_commit` inside its transaction. In process, the signal
 reaches the :data:`TOPIC` listeners of :meth:`leadgate.database.db.Database.on_commit_payloads`
@@ -43,6 +45,7 @@ class Wake(enum.StrEnum):
 
     revision = "revision"
     flow = "flow"
+    leases = "leases"
 
 
 _NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', :payload)")

@@ -229,13 +229,17 @@ class LeadRunner:
     async def expire_leases(self) -> int:
         """Return items whose review lease expired, or whose holder is known dead
         (:mod:`leadgate.domain.processes`: taken back at once), to the queue (the 3rd
-        time: a human)."""
+        time: a human). Items queued again are announced as a submission is: this
+        process's review loops are poked after the commit, and the other replicas' lead
+        runners hear ``NOTIFY leadgate_reviews`` (one per transaction), so they are
+        claimed side by side rather than one after another by this loop."""
         now = self.clock.now_ms()
         # Read first: almost always nothing has expired, and a read takes no write lock.
         # Each move below is fenced by status and token, so a stale read moves nothing.
         async with self.db.read() as conn:
             if (await conn.execute(_EXPIRED, {"p_now": now})).first() is None:
                 return 0
+        queued = 0
         async with self.db.tx() as conn:
             rows = (await conn.execute(_EXPIRED, {"p_now": now})).all()
             for row in rows:
@@ -264,7 +268,21 @@ class LeadRunner:
                     continue
                 if dst == Status.awaitingHuman:
                     await self.outbox.review_needed(conn, row.id, dst.value)
+                else:
+                    queued += 1
+            if queued:
+                await workitems.notify_review_queued(conn)
+        for _ in range(queued):
+            self.poke()
+        if queued:
+            self.wake()
         return len(rows)
+
+    def leases_freed(self) -> None:
+        """Processes were reaped, here or on another replica (or one shut down): review
+        leases they held can be taken back now, so the next pass looks for them, not
+        only when its timer says."""
+        self._next_expiry_check = 0
 
     def poke(self) -> None:
         """An item was queued for review (after its commit): claim at the next pass."""

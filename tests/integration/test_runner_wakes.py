@@ -1,12 +1,12 @@
 """Work committed in one place wakes the runner it gave work to without waiting for the
 poll: in the same process at commit, and on another replica by PostgreSQL NOTIFY
-(``leadgate.domain.wakes``).
+(``leadgate.domain.wakes``; an expired review lease on ``leadgate_reviews``).
 
 The runner loops poll only every 30 s here (and heartbeats do not run by themselves), so
 only a wake-up makes a runner act within :data:`WITHIN_S`. Each test waits for the woken
 runner's first model call (a queue, with a timeout) and prints the latency.
 Two replicas are two :class:`App` instances on one PostgreSQL database: an ``api`` one
-that decides or starts flows (no runner loops, as ``serve --role api`` or the
+that decides, reaps or starts flows (no runner loops, as ``serve --role api`` or the
 command line) and a ``worker`` one that runs the runners.
 """
 
@@ -26,7 +26,9 @@ from leadgate.core.clock import Clock, FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
+from leadgate.domain.processes import Liveness
 from leadgate.flows.runs import create_flow
+from leadgate.review.runner import LEASE_MS, LeadRunner
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import (
@@ -167,6 +169,93 @@ async def test_a_return_on_an_api_replica_wakes_the_revision_runner_of_a_worker(
     await api.reviews.decide(org.principal, out.work_item_id, "return", "add the tests")
     call = await next_call(model, lambda c: c.feedback == "add the tests")
     report("return on the api replica -> revision turn on the worker", call.at - decided)
+
+
+# ------------------------------------------------------ 2. a review lease taken back
+
+
+async def held_elsewhere(app: App, org: Org, agent: dict[str, Any]) -> Liveness:
+    """Submit an item and let another replica's lead runner claim it: its review lease
+    names that replica's process, returned (alive: registered, heartbeat now).
+
+    This process's lead runner then makes its first pass before its loops start: it
+    finds nothing to take back (the holder is alive, the lease fresh) and nothing
+    queued, so with the loops started only a wake-up makes it look again before the
+    poll (and the FakeClock keeps its lease check from falling due by itself)."""
+    out = await app.turns.run(api_trigger(org, agent, "draft it #complete"))
+    assert isinstance(out, Gated) and out.work_item_id
+    holder = Liveness(app.db, app.clock, app.ids, role="worker")
+    await holder.register()
+    elsewhere = LeadRunner(app.db, app.clock, app.ids, app.providers, app.outbox)
+    elsewhere.owner = holder.owner
+    claimed = await elsewhere.claim()
+    assert claimed is not None and claimed.id == out.work_item_id
+    assert not await app.lead_runner.run_once()
+    return holder
+
+
+async def stops_beating(app: App, holder: Liveness) -> None:
+    """``holder``'s last heartbeat is now older than ``dead_after_s``: a reap finds it
+    dead (nothing else notices)."""
+    stale = app.clock.now_ms() - app.liveness.dead_after_ms - 1
+    async with app.db.tx() as conn:
+        await conn.execute(
+            t.processes.update().where(t.processes.c.id == holder.id).values(heartbeat_at=stale)
+        )
+
+
+async def test_a_reaped_review_lease_is_reviewed_again_at_once(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    model = RecordingModel()
+    app = make_app(migrated_url, model=model)
+    org, agent = await lead_and_worker(app)
+    holder = await held_elsewhere(app, org, agent)
+    await start_worker(app)
+    await stops_beating(app, holder)
+
+    reaped = time.perf_counter()
+    assert await app.liveness.reap() == 1  # what this process's heartbeat does
+    call = await next_call(model, lambda c: c.purpose == "lead")
+    report("reap -> lead review in the same process", call.at - reaped)
+
+
+async def test_a_reap_on_an_api_replica_wakes_the_lead_runner_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    clock, model = FakeClock(), RecordingModel()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    org, agent = await lead_and_worker(api)
+    holder = await held_elsewhere(worker, org, agent)
+    await start_worker(worker)
+    await api.start_liveness("api")
+    await stops_beating(api, holder)
+
+    reaped = time.perf_counter()
+    assert await api.liveness.reap() == 1  # the api replica's heartbeat found it dead
+    call = await next_call(model, lambda c: c.purpose == "lead")
+    report("reap on the api replica -> lead review on the worker", call.at - reaped)
+
+
+async def test_an_expired_review_lease_wakes_the_lead_runners_of_other_replicas(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """The replica whose lease check finds an expired lease (here one whose review loops
+    do not run, as if all were busy) queues the item again; the other replicas' lead
+    runners hear it as they hear a submission."""
+    clock, model = FakeClock(), RecordingModel()
+    busy = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    org, agent = await lead_and_worker(busy)
+    await held_elsewhere(worker, org, agent)
+    await start_worker(worker)
+    clock.advance(LEASE_MS + 1)  # the holder never gave a verdict
+
+    expired = time.perf_counter()
+    assert await busy.lead_runner.expire_leases() == 1
+    call = await next_call(model, lambda c: c.purpose == "lead")
+    report("lease expiry on one replica -> lead review on another", call.at - expired)
 
 
 # ------------------------------------------------------ 3. an approved continuation

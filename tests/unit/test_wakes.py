@@ -30,7 +30,7 @@ async def test_a_transaction_wakes_each_kind_once_after_its_commit(migrated_url:
 
         with pytest.raises(RuntimeError):
             async with db.tx() as conn:
-                await wakes.after_commit(conn, Wake.flow)
+                await wakes.after_commit(conn, Wake.leases)
                 raise RuntimeError("rolled back")
         assert heard == [[Wake.revision, Wake.flow]]
     finally:
@@ -51,7 +51,7 @@ async def test_other_replicas_hear_one_notification_per_transaction(migrated_pg:
             await wakes.after_commit(conn, Wake.revision)
         with pytest.raises(RuntimeError):
             async with db.tx() as conn:
-                await wakes.after_commit(conn, Wake.flow)
+                await wakes.after_commit(conn, Wake.leases)
                 raise RuntimeError("rolled back: its NOTIFY is dropped")
         async with db.tx() as conn:  # a marker: notifications arrive in commit order
             await wakes.after_commit(conn, Wake.flow)
@@ -67,5 +67,5 @@ async def test_other_replicas_hear_one_notification_per_transaction(migrated_pg:
 
 
 def test_a_kind_this_version_does_not_know_is_ignored() -> None:
-    assert wakes.parse("flow abc") == (Wake.flow, "abc")
+    assert wakes.parse("leases abc") == (Wake.leases, "abc")
     assert wakes.parse("something-newer abc") is None
