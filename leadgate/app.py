@@ -136,6 +136,8 @@ class _Loop:
     runner: Runner
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     loops: int = 1
+    #: how long until the runner's next known work falls due (see run_loop's ``due_s``)
+    due_s: Callable[[], float | None] | None = None
 
 
 class App:
@@ -294,7 +296,8 @@ class App:
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice.
             _Loop(self.lead_runner, review_wake, r.review_concurrency),
-            _Loop(self.relay, self._relay_wake),
+            # A retry after a short Retry-After is due before the poll.
+            _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
             _Loop(RevisionRunner(self.turns), revision_wake),
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
@@ -411,7 +414,9 @@ class App:
         for loop in self.loops:
             for index in range(loop.loops):
                 task = asyncio.get_running_loop().create_task(
-                    run_loop(loop.runner, wake=loop.wake, stop=self._stop, poll_s=poll),
+                    run_loop(
+                        loop.runner, wake=loop.wake, stop=self._stop, poll_s=poll, due_s=loop.due_s
+                    ),
                     name=f"{loop.runner.name}-{index}",
                 )
                 self._runner_tasks.add(task)

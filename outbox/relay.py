@@ -25,7 +25,8 @@ claim-send-commit lockstep.
   only its bookkeeping waits), which leaves SQLite's single writer to approvals;
 * claims are demand-driven: at the start, after a full claim, when poked (every enqueue
   that was not handed over pokes the relay through the after-commit hook or PostgreSQL
-  NOTIFY), when a retry it scheduled is due, and at least every
+  NOTIFY), when a retry it scheduled is due (its loop sleeps no longer than
+  :meth:`Relay.due_in_s`), and at least every
   :data:`CLAIM_RECHECK_MS` as a safety net;
 * local hand-off (:class:`outbox.store.Outbox`): while the service's relay loop
   runs, a delivery enqueued in the same process is written already claimed for it and
@@ -358,6 +359,18 @@ class Relay:
         leases they held can be taken back now (:meth:`expire_send_leases`), so the next
         pass looks for them, not only when its timer says."""
         self._next_expiry_check = 0
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the relay's clock) until the earliest retry it scheduled falls due,
+        or None when it scheduled none. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`): a 429 whose ``Retry-After`` is shorter
+        than the poll is retried when the platform asked, not at the next poll. Only this
+        relay knows of the retry; the others meet it at their polls, as one relay taking
+        it is enough."""
+        due = self.committer.next_due
+        if due is None:
+            return None
+        return max(0.0, (due - self.clock.now_ms()) / 1000)
 
     def poke(self) -> None:
         """Something became due (an enqueue that was not handed over, an operator retry,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from leadgate.core.errors import Unavailable
@@ -41,9 +42,19 @@ async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:
 
 
 async def run_loop(
-    runner: Runner, *, wake: asyncio.Event, stop: asyncio.Event, poll_s: float
+    runner: Runner,
+    *,
+    wake: asyncio.Event,
+    stop: asyncio.Event,
+    poll_s: float,
+    due_s: Callable[[], float | None] | None = None,
 ) -> None:
-    """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off)."""
+    """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off).
+
+    Between passes that found nothing it sleeps until ``wake`` is set, or for ``poll_s``,
+    or (``due_s``) for as long as the runner says its next known work is away, when that
+    is sooner: work that falls due with time (a retry after a 429's ``Retry-After``) is
+    done when due, as no commit is there to wake the runner then."""
     failures = 0
     while not stop.is_set():
         # Clear before working, not after: a wake that arrives while run_once runs (after
@@ -66,10 +77,14 @@ async def run_loop(
             await asyncio.sleep(min(30.0, 0.5 * 2**failures))
         if busy:
             continue
+        timeout = poll_s
+        due = None if due_s is None else due_s()
+        if due is not None:
+            timeout = max(0.0, min(poll_s, due))
         with contextlib.suppress(TimeoutError):
             waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
             try:
-                await asyncio.wait(waiters, timeout=poll_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for waiter in waiters:
                     waiter.cancel()

@@ -4,7 +4,7 @@ poll: in the same process at commit, and on another replica by PostgreSQL NOTIFY
 
 The runner loops poll only every 30 s here (and heartbeats do not run by themselves), so
 only a wake-up makes a runner act within :data:`WITHIN_S`. Each test waits for the woken
-runner's first model call (a queue, with a timeout) and prints the latency.
+runner's first model call or send (a queue, with a timeout) and prints the latency.
 Two replicas are two :class:`App` instances on one PostgreSQL database: an ``api`` one
 that decides, reaps or starts flows (no runner loops, as ``serve --role api`` or the
 command line) and a ``worker`` one that runs the runners.
@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.app import App
-from leadgate.core.clock import Clock, FakeClock
+from leadgate.core.clock import Clock, FakeClock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
@@ -31,6 +31,7 @@ from leadgate.flows.runs import create_flow
 from leadgate.review.runner import LEASE_MS, LeadRunner
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
+from outbox.channel import OutboundMessage, Retry, Sent
 from tests.helpers import (
     Org,
     api_trigger,
@@ -38,7 +39,9 @@ from tests.helpers import (
     item_row,
     make_agent,
     make_org,
+    slack_trigger,
 )
+from tests.outbox_support import ScriptedChannel
 
 POLL_S = 30
 #: Well under the poll: only a wake-up can make the runner act this soon.
@@ -332,3 +335,36 @@ async def test_a_flow_approval_on_an_api_replica_wakes_the_flow_resumer_of_a_wor
     await api.reviews.decide(org.principal, item_id, "approve")
     call = await next_call(model, resumed)
     report("approval on the api replica -> resumed flow on the worker", call.at - decided)
+
+
+# ------------------------------------------------------- 4. a short Retry-After
+
+
+async def test_a_retry_after_shorter_than_the_poll_is_retried_when_due(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A platform's 429 asks for 0.5 s: the relay posts again then, not at its poll."""
+    sends: asyncio.Queue[float] = asyncio.Queue()
+
+    def answer(outcome: Retry | Sent) -> Callable[[OutboundMessage], Retry | Sent]:
+        def send(_: OutboundMessage) -> Retry | Sent:
+            sends.put_nowait(time.perf_counter())
+            return outcome
+
+        return send
+
+    channel = ScriptedChannel(
+        "slack", script=[answer(Retry("HTTP 429", delay_s=0.5)), answer(Sent("ts-2"))]
+    )
+    # The wall clock: the retry falls due as time passes, not as a test moves a clock.
+    app = make_app(migrated_url, clock=SystemClock(), channels={"slack": channel})
+    app.relay.rand = lambda: 0.0  # the backoff's random half at its least (0.5 s)
+    await start_worker(app)
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+
+    await app.turns.run(slack_trigger(org, plain, "hello", "1700000000.000100"))
+    refused = await asyncio.wait_for(sends.get(), WITHIN_S)
+    posted = await asyncio.wait_for(sends.get(), WITHIN_S)
+    report("429 with Retry-After 0.5 s -> posted again", posted - refused)
+    assert posted - refused >= 0.45  # not before the platform asked
