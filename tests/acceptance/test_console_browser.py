@@ -53,6 +53,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 PASSWORD = "correct horse battery"
+#: PASSWORD's argon2 hash, made once (users are created with a hash).
+HASHED = orgs.hash_password(PASSWORD)
 MEMBER = "mia@example.com"
 VIEWER = "vic@example.com"
 REPO = Path(__file__).resolve().parents[2]
@@ -159,7 +161,7 @@ class Console:
                 self.org.id,
                 email,
                 role,
-                PASSWORD,
+                HASHED,
                 name=name,
             )
         page.on("dialog", self._dialog)
