@@ -8,6 +8,11 @@
 # reused on every start; the database stores only its hash.
 set -euo pipefail
 
+# A relative LEADGATE_CONFIG names a file in the caller's directory: made absolute before
+# the cd below (it was read from the repository instead).
+if [ -n "${LEADGATE_CONFIG:-}" ]; then
+    LEADGATE_CONFIG="$(readlink -m -- "$LEADGATE_CONFIG")"
+fi
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
 ROOT="$(pwd)"
 VENV="$ROOT/.venv"
@@ -22,7 +27,7 @@ ROTATE=()
 for arg in "$@"; do
     case "$arg" in
         --rotate-key) ROTATE=(--rotate-key) ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,8p' "$ROOT/scripts/run.sh"; exit 0 ;;
         *) die "unknown option $arg (see scripts/run.sh --help)" ;;
     esac
 done
@@ -58,6 +63,11 @@ if [ "$reused" = True ]; then
 else
     key_note="new; kept in $KEY_FILE (mode 0600) and reused on the next start"
 fi
+if [ "$(basename "$CONFIG")" = config.toml ]; then
+    config_note="(leadgate reads ./config.toml: run its commands from $(dirname "$CONFIG"), or give --config $CONFIG)"
+else
+    config_note="(give every leadgate command --config $CONFIG, or export LEADGATE_CONFIG=$CONFIG)"
+fi
 cat <<MSG
 
 leadgate is starting at $url   (config: $CONFIG)
@@ -68,7 +78,7 @@ leadgate is starting at $url   (config: $CONFIG)
 
 The leadgate command is $VENV/bin/leadgate. To type just \`leadgate\` in this shell:
   export PATH="$VENV/bin:\$PATH"
-(run leadgate commands from $(dirname "$CONFIG"): it reads ./config.toml there)
+$config_note
 
 Try it:
   curl -s $url/v1/chat/completions -H "Authorization: Bearer $key" \\
