@@ -30,7 +30,10 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
 CELL_MAX = 60
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, limit: int | None = CELL_MAX) -> str:
+    """``value`` on one line; cut to ``limit`` characters (a column of a list), or whole
+    (``None``: one result's fields, among them secrets shown once, such as a new API
+    key, which a cut would lose for good)."""
     if value is None:
         return "-"
     if isinstance(value, dict):
@@ -38,7 +41,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, list):
         value = ",".join(json.dumps(v) if isinstance(v, dict | list) else str(v) for v in value)
     text = " ".join(str(value).split())
-    return text if len(text) <= CELL_MAX else text[: CELL_MAX - 1] + "…"
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
@@ -57,7 +60,7 @@ def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
 
 def _pairs(data: dict[str, Any], keys: list[str]) -> str:
     width = max(len(k) for k in keys)
-    return "\n".join(f"{k.ljust(width)}  {_cell(data.get(k))}" for k in keys if k in data)
+    return "\n".join(f"{k.ljust(width)}  {_cell(data.get(k), None)}" for k in keys if k in data)
 
 
 def _detail(d: dict[str, Any]) -> str:

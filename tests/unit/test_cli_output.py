@@ -44,3 +44,13 @@ def test_nested_values_in_a_table_cell_are_json_not_python_reprs() -> None:
     # (flow create --format table printed its nodes as Python dicts)
     text = render({"nodes": [{"id": "a", "next": None}]}, "table", ("flow", "create"))
     assert '{"id": "a", "next": null}' in text and "'id'" not in text
+
+
+def test_one_result_s_fields_are_printed_whole() -> None:
+    """A new API key is shown once: ``--format table`` cut it at 60 characters, and the
+    key could not be had again (nor the organization made again: its name was taken)."""
+    key = "lg.key_18ee757273201afc06cd905836." + "C" * 43
+    out = render({"id": "org_1", "apiKey": key}, "table", ("org", "create"))
+    assert key in out.splitlines()[1]
+    listed = render([{"id": "x", "note": "n" * 100}], "table", ("thing", "list"))
+    assert "n" * 100 not in listed and "…" in listed  # a list's columns are still cut
