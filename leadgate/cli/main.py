@@ -54,8 +54,7 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
 
 async def _serve(settings: Settings, role: str) -> None:
     """``leadgate serve``: the HTTP surfaces and (worker, all) the runners, until SIGTERM."""
-    if role != "worker":
-        check_ports(settings)  # before anything starts: a clear error, nothing half-done
+    check_ports(settings, role)  # before anything starts: a clear error, nothing half-done
     # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
     # and operator commands do not need.
     from leadgate.app import App
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             revision = {"revision": upgrade(settings.database.url)}
             return _emit(render(revision, args.format, ("db", "upgrade")))
         if args.command == "serve" and args.check_ports:
-            check_ports(settings)
+            check_ports(settings, args.role)
             return _emit(render({"ports": "free"}, args.format, ("serve", None)))
         if args.command == "serve":
             asyncio.run(_serve(settings, args.role))

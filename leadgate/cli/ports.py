@@ -15,7 +15,7 @@ from leadgate.core.config import Settings
 from leadgate.core.errors import ConfigError
 
 
-def _busy(host: str, port: int, key: str) -> bool:
+def _busy(host: str, port: int, key: str, host_key: str) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # As the real listener does (asyncio sets it on Unix): a port in TIME_WAIT is free.
@@ -23,23 +23,46 @@ def _busy(host: str, port: int, key: str) -> bool:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            if exc.errno == errno.EADDRINUSE:
                 return True
+            if exc.errno == errno.EACCES:
+                raise ConfigError(
+                    f"not allowed to listen on {host}:{port} ({key}): ports below 1024 need "
+                    "privileges (CAP_NET_BIND_SERVICE); choose a port of 1024 or above",
+                    rule="server.port_denied",
+                ) from None
             # A host that does not resolve, or is no address of this machine.
             raise ConfigError(
-                f"cannot listen on {host}:{port} ({key}): {exc.strerror or exc}",
+                f"cannot listen on {host}:{port} ({host_key}): {exc.strerror or exc}",
                 rule="server.host",
             ) from None
     return False
 
 
-def check_ports(settings: Settings) -> None:
-    """Raise :class:`ConfigError` (rule ``server.port_in_use``) when the HTTP port, the
-    metrics port or the inbound SMTP port (those two when configured) is taken, or two of
-    them are the same; ``server.host`` when a host cannot be listened on. Port 0 (pick a
-    free one) is skipped."""
+#: The host the inbound SMTP listener binds when ``[email] listen_host`` is empty
+#: (``bots.email``'s default).
+SMTP_DEFAULT_HOST = "127.0.0.1"
+
+
+def check_ports(settings: Settings, role: str = "all") -> None:
+    """Raise :class:`ConfigError` (rule ``server.port_in_use``) when a port ``serve
+    --role role`` listens on is taken, or two of them are the same: the HTTP port (every
+    role: a worker serves ``/healthz``), the metrics port and, for the roles that take
+    channel traffic in (not ``worker``), the inbound SMTP port, those two when
+    configured; ``server.port_denied`` for a port the process may not bind;
+    ``server.host`` when a host cannot be listened on. Port 0 (pick a free one) is
+    skipped."""
     server, email = settings.server, settings.email
-    wanted = [("HTTP", server.host, server.port, "[server] port", "LEADGATE_SERVER__PORT")]
+    wanted = [
+        (
+            "HTTP",
+            server.host,
+            server.port,
+            "[server] port",
+            "[server] host",
+            "LEADGATE_SERVER__PORT",
+        )
+    ]
     if server.metrics_host:
         wanted.append(
             (
@@ -47,21 +70,23 @@ def check_ports(settings: Settings) -> None:
                 server.metrics_host,
                 server.metrics_port,
                 "[server] metrics_port",
+                "[server] metrics_host",
                 "LEADGATE_SERVER__METRICS_PORT",
             )
         )
-    if email.listen_host and email.listen_port:
+    if role != "worker" and email.listens and email.listen_port:
         wanted.append(
             (
                 "inbound SMTP",
-                email.listen_host,
+                email.listen_host or SMTP_DEFAULT_HOST,
                 email.listen_port,
                 "[email] listen_port",
+                "[email] listen_host",
                 "LEADGATE_EMAIL__LISTEN_PORT",
             )
         )
     seen: dict[int, str] = {}
-    for what, host, port, key, env in wanted:
+    for what, host, port, key, host_key, env in wanted:
         if port and port in seen:
             # Different hosts could share a port, but 0.0.0.0 covers them all: refused
             # alike rather than guessed at.
@@ -71,7 +96,7 @@ def check_ports(settings: Settings) -> None:
                 rule="server.port_in_use",
             )
         seen[port] = what
-        if port and _busy(host, port, key):
+        if port and _busy(host, port, key, host_key):
             raise ConfigError(
                 f"the {what} port {host}:{port} is already in use (is another leadgate "
                 f"running?); stop it, or choose another port with {key} in the config "

@@ -22,9 +22,9 @@ def taken() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def refused(server: dict[str, Any], **sections: Any) -> ConfigError:
+def refused(server: dict[str, Any], role: str = "all", **sections: Any) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        check_ports(Settings.model_validate({"server": server, **sections}))
+        check_ports(Settings.model_validate({"server": server, **sections}), role)
     return info.value
 
 
@@ -57,8 +57,29 @@ def test_a_host_that_is_no_address_here_is_named() -> None:
     # 192.0.2.1 is TEST-NET-1 (RFC 5737): never this machine's, so bind() fails at once.
     err = refused({"host": "192.0.2.1", "port": 8080})
     assert err.rule == "server.host"
-    assert err.message.startswith("cannot listen on 192.0.2.1:8080 ([server] port)")
+    assert err.message.startswith("cannot listen on 192.0.2.1:8080 ([server] host)")
 
 
 def test_free_ports_pass() -> None:
     check_ports(Settings.model_validate({"server": {"host": "127.0.0.1", "port": 0}}))
+
+
+def test_the_smtp_port_is_checked_on_its_default_host(taken: int) -> None:
+    """``[email] listen_port`` alone listens on 127.0.0.1; the check skipped it, so
+    ``--check-ports`` said free and ``serve`` then died on a raw bind error."""
+    err = refused({"host": "127.0.0.1", "port": 0}, email={"listen_port": taken})
+    assert err.rule == "server.port_in_use"
+    assert f"the inbound SMTP port 127.0.0.1:{taken} is already in use" in err.message
+
+
+def test_a_worker_checks_its_http_port_but_takes_no_mail_in(taken: int) -> None:
+    """A worker serves /healthz on the HTTP port (it was not checked: a raw OSError and
+    exit 1), and starts no SMTP listener (its port is not its to check)."""
+    err = refused({"host": "127.0.0.1", "port": taken}, "worker")
+    assert err.rule == "server.port_in_use" and "the HTTP port" in err.message
+    check_ports(
+        Settings.model_validate(
+            {"server": {"host": "127.0.0.1", "port": 0}, "email": {"listen_port": taken}}
+        ),
+        "worker",
+    )
