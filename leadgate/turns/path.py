@@ -452,7 +452,6 @@ class TurnService:
     ) -> Outcome:
         """Run the model (at most :data:`MAX_MODEL_CALLS` rounds of tool calls)."""
         ctx, agent, gated_turn, rules = turn.ctx, turn.agent, turn.gated, turn.rules
-        provider = self.providers.get(agent.model)
         messages = [ChatMessage("system", agent.instructions or "You are a helpful agent.")]
         messages += turn.history
         # complete_task only under a trusted context that names an inProgress item.
@@ -469,6 +468,9 @@ class TurnService:
         usage: Usage | None = None  # summed over the turn's model calls
         feedback = revision_item.pending_feedback if revision_item else None
         try:
+            # In the try: a model the config no longer has is a model error, logged and
+            # counted like any (it was neither).
+            provider = self.providers.get(agent.model)
             for _ in range(MAX_MODEL_CALLS):
                 calls: list[ToolCall] = []
                 round_text: list[str] = []

@@ -14,8 +14,9 @@ import sqlalchemy as sa
 
 from binding.bindings import active_binding, deactivate_session, is_unchanged, unchanged_params
 from leadgate.core.clock import DAY_MS, FakeClock
-from leadgate.core.errors import TransitionError, ValidationError
+from leadgate.core.errors import ModelError, TransitionError, ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
+from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -964,6 +965,22 @@ async def test_snapshot_is_capped_at_100k(rig: tuple[Stack, RecordingProvider]) 
     gated = [m for m in await messages(stack, worker) if m["role"] == "assistant"]
     assert gated[0]["content"] == text  # the withheld message itself is whole
     assert gated[0]["lead_gated"] is True
+
+
+async def test_a_model_the_config_lost_is_a_model_error_logged_and_counted(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent naming a model no longer configured: 502 ``model.unknown``, and one log
+    line and one ``turns{error}`` like any model error (it was neither)."""
+    org = await make_org(stack)
+    orphan = await make_agent(stack, org, "orphan", model="gone")
+    before = METRICS.registry.get_sample_value("leadgate_turns_total", {"outcome": "error"}) or 0
+    with caplog.at_level("WARNING", logger="leadgate"), pytest.raises(ModelError) as info:
+        await stack.turns.run(api_trigger(org, orphan, "hello"))
+    assert info.value.rule == "model.unknown"
+    assert "model error: model 'gone' is not configured [model.unknown]" in caplog.text
+    after = METRICS.registry.get_sample_value("leadgate_turns_total", {"outcome": "error"})
+    assert after == before + 1
 
 
 async def test_incomplete_provenance_goes_to_a_human(
