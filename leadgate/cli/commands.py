@@ -59,6 +59,16 @@ async def org_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any
     return await admin.create_org(args.name)
 
 
+async def org_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate org list``."""
+    return await admin.list_orgs()
+
+
+async def agent_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    """``leadgate agent list --org ORG``."""
+    return await admin.list_agents(args.org)
+
+
 async def key_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate key create --org ORG --scope S ... [--name LABEL]``."""
     return await admin.create_key(args.org, args.scopes, args.name)
@@ -249,6 +259,13 @@ async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate demo [--name demo] [--key-file FILE [--rotate-key]]``: the quick-start
     organization (idempotent); with ``--key-file`` the Owner key is kept in that file
     (mode 0600, never in the database) and reused while it is valid."""
+    if args.rotate_key and not args.key_file:
+        # There is no kept key to revoke: a new one would be minted and the old ones
+        # left working, which is not what "rotate" promises.
+        raise ValidationError(
+            "--rotate-key replaces the key kept in --key-file FILE: give that file",
+            rule="demo.rotate_key",
+        )
     path = Path(args.key_file) if args.key_file else None
     kept = None
     if path is not None and path.is_file():
@@ -421,6 +438,7 @@ def _recovery(action: str) -> Command:
 
 COMMANDS: dict[tuple[str, str | None], Command] = {
     ("org", "create"): org_create,
+    ("org", "list"): org_list,
     ("key", "create"): key_create,
     ("key", "list"): key_list,
     ("key", "revoke"): key_revoke,
@@ -428,6 +446,7 @@ COMMANDS: dict[tuple[str, str | None], Command] = {
     ("user", "list"): user_list,
     ("user", "update"): user_update,
     ("agent", "create"): agent_create,
+    ("agent", "list"): agent_list,
     ("agent", "update"): agent_update,
     ("preset", "create"): preset_create,
     ("policy", "add"): policy_add,

@@ -81,6 +81,7 @@ def _agent_options(p: argparse.ArgumentParser, no_lead: bool = False) -> None:
 def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
     org = _group(sub, "org", "organizations")
     org("create", "create an organization + Owner key").add_argument("name")
+    org("list", "list the organizations on this database")
 
     key = _group(sub, "key", "API keys")
     kc = key("create", "create a scoped API key")
@@ -148,6 +149,9 @@ def _agents_presets_policy(sub: Sub[argparse.ArgumentParser]) -> None:
     ac.add_argument("--org", required=True)
     ac.add_argument("--name", required=True)
     _agent_options(ac)
+    agent("list", "list the organization's agents (not deleted) with their leads").add_argument(
+        "--org", required=True
+    )
     au = agent("update", "update an agent")
     au.add_argument("agent")
     au.add_argument("--org", required=True)

@@ -97,6 +97,13 @@ async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dic
     return {"id": org_id, "name": name, "apiKey": key["key"]}
 
 
+async def list_orgs(conn: Conn) -> list[dict[str, Any]]:
+    """Every organization (id, name, created), oldest first: the operator's view."""
+    o = t.organizations.c
+    rows = (await conn.execute(sa.select(t.organizations).order_by(o.created_at, o.id))).all()
+    return [{"id": r.id, "name": r.name, "createdAt": iso(r.created_at)} for r in rows]
+
+
 async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
     """An organization by id or name."""
     row = (

@@ -51,6 +51,11 @@ class Admin:
         async with self.db.tx() as conn:
             return await orgs.create_org(conn, self.clock, self.ids, name)
 
+    async def list_orgs(self) -> list[dict[str, Any]]:
+        """Every organization on this database."""
+        async with self.db.read() as conn:
+            return await orgs.list_orgs(conn)
+
     async def create_key(
         self, org: str, scopes: list[str], name: str | None = None
     ) -> dict[str, Any]:
@@ -138,6 +143,18 @@ class Admin:
                 **fields,
             )
             return await self._admin_view(conn, agent)
+
+    async def list_agents(self, org: str) -> list[dict[str, Any]]:
+        """The organization's agents (not deleted), oldest first, each with its resolved
+        lead (as ``agent create`` shows it) and that lead's name."""
+        async with self.db.read() as conn:
+            agents = await agents_mod.list_agents(conn, await self._org_id(conn, org))
+            names = {agent.id: agent.name for agent in agents}
+            views = [await self._admin_view(conn, agent) for agent in agents]
+        for view in views:
+            lead = view["lead"]
+            view["leadName"] = None if lead is None else names.get(lead["leadAgentId"])
+        return views
 
     async def _admin_view(self, conn: Any, agent: Agent) -> dict[str, Any]:
         out = agents_mod.public_agent(agent)

@@ -165,6 +165,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "lead_deleted": ["agent", "create", *acme, "--name", "x5", "--lead", "gone"],
             "lead_self": ["agent", "update", "worker", *acme, "--lead", "worker"],
             "update_nothing": ["agent", "update", "worker", *acme],
+            "org_list": ["org", "list"],
+            "rotate_alone": ["demo", "--rotate-key"],
+            "agent_list": ["agent", "list", *acme],
+            "agent_table": ["agent", "list", *acme, "--format", "table"],
             "cron_step": [
                 *("schedule", "add", *acme, "--agent", "lead"),
                 *("--cron", "*/99999999999999999999 * * * *", "--message", "hi"),
@@ -297,6 +301,20 @@ def test_agent_update_deactivate_and_delete(world: dict[str, Any]) -> None:
     assert (active, deleted) == (0, None)
 
 
+def test_org_and_agent_lists(world: dict[str, Any]) -> None:
+    """An operator sees organizations and agents without the REST API."""
+    assert [o["name"] for o in runs(world)["org_list"].json()] == ["acme"]
+    agents = {a["name"]: a for a in runs(world)["agent_list"].json()}
+    assert "gone" not in agents  # deleted
+    assert agents["idle"]["active"] is False
+    assert agents["worker"]["leadName"] == "lead"
+    assert agents["worker"]["lead"]["source"] == "agent"
+    assert agents["lead"]["leadName"] is None
+    header, *rows = runs(world)["agent_table"].out.splitlines()
+    assert header.split() == ["ID", "NAME", "MODEL", "ACTIVE", "LEADNAME", "PRESETID", "UPDATEDAT"]
+    assert any(row.split()[1:5] == ["worker", "script", "True", "lead"] for row in rows)
+
+
 def test_presets(world: dict[str, Any]) -> None:
     runs(world)["platform_lead"].rule_error("preset.platform_lead")
     reviewed = runs(world)["preset"].json()
@@ -316,6 +334,7 @@ def test_policy_route_and_schedule_errors(world: dict[str, Any]) -> None:
     runs(world)["cron_step"].rule_error("schedule.cron")
     assert "step 99999999999999999999 of the minute field" in runs(world)["cron_step"].err
     runs(world)["update_nothing"].rule_error("agent.update")
+    runs(world)["rotate_alone"].rule_error("demo.rotate_key")
     runs(world)["argv_bytes"].rule_error("cli.utf8")
     assert "the pattern argument is not valid UTF-8" in runs(world)["argv_bytes"].err
     for name, says in [
