@@ -147,12 +147,6 @@ async def agent_update(admin: Admin, args: argparse.Namespace, _: Settings) -> A
         fields["active"] = False
     if args.activate:
         fields["active"] = True
-    if not fields and not args.delete:
-        raise ValidationError(
-            "nothing to change: give --name, --model, --instructions, --preset, --lead, "
-            "--no-lead, a review option, --activate, --deactivate or --delete",
-            rule="agent.update",
-        )
     return await admin.save_agent(args.org, ref=args.agent, delete=args.delete, **fields)
 
 

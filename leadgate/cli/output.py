@@ -26,7 +26,7 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ("schedule", "list"): ["id", "agent", "cron", "active", "nextFireAt", "message"],
     ("policy", "list"): ["id", "position", "action", "pattern"],
     ("user", "list"): ["email", "name", "role", "disabled", "sessions", "createdAt"],
-    ("route", "list"): ["id", "agentId", "channel", "match", "silent", "active"],
+    ("route", "list"): ["id", "agent", "channel", "match", "silent", "active"],
     ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
 }
 CELL_MAX = 60

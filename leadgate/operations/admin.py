@@ -227,9 +227,14 @@ class Admin:
             )
 
     async def list_routes(self, org: str) -> list[dict[str, Any]]:
-        """The organization's routes."""
-        async with self.db.tx() as conn:
-            return await routes.list_routes(conn, await self._org_id(conn, org))
+        """The organization's routes, each with its agent's name (as schedules show)."""
+        async with self.db.read() as conn:
+            org_id = await self._org_id(conn, org)
+            listed = await routes.list_routes(conn, org_id)
+            names = {a.id: a.name for a in await agents_mod.list_agents(conn, org_id)}
+        for route in listed:
+            route["agent"] = names.get(route["agentId"])  # None: the agent was deleted
+        return listed
 
     async def disable_route(self, org: str, route_id: str) -> dict[str, Any]:
         """Deactivate a route."""

@@ -333,7 +333,9 @@ def test_policy_route_and_schedule_errors(world: dict[str, Any]) -> None:
     runs(world)["cron_bad"].rule_error("schedule.cron")
     runs(world)["cron_step"].rule_error("schedule.cron")
     assert "step 99999999999999999999 of the minute field" in runs(world)["cron_step"].err
-    runs(world)["update_nothing"].rule_error("agent.update")
+    # Nothing to change: the agent as it is, and nothing written (updatedAt kept).
+    same = runs(world)["update_nothing"].json()
+    assert same["updatedAt"] == runs(world)["worker"].json()["updatedAt"]
     runs(world)["rotate_alone"].rule_error("demo.rotate_key")
     runs(world)["argv_bytes"].rule_error("cli.utf8")
     assert "the pattern argument is not valid UTF-8" in runs(world)["argv_bytes"].err
