@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any
 
 log = logging.getLogger("leadgate.tasks")
@@ -44,3 +45,16 @@ class Background:
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+
+@contextlib.asynccontextmanager
+async def alongside(coro: Coroutine[Any, Any, None], *, name: str) -> AsyncIterator[None]:
+    """Run ``coro`` (say, a lease's renewals) while the body runs; cancel it, and wait
+    for it to end, when the body ends, however it ends."""
+    task = asyncio.create_task(coro, name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -53,6 +53,7 @@ from leadgate.core.errors import (
     ValidationError,
 )
 from leadgate.core.limits import validate_message
+from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -397,13 +398,8 @@ class FlowService:
                 except Exception as exc:  # a database fault: the next round tries again
                     log.warning("renewing flow run %s failed: %s", lease.run_id, exc)
 
-        task = asyncio.create_task(renew(), name=f"flow-lease-{lease.run_id}")
-        try:
+        async with alongside(renew(), name=f"flow-lease-{lease.run_id}"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def execute(self, lease: RunLease) -> None:
         """Run the nodes not done yet (from ``len(outputs)``) until a pause, the end, or a

@@ -38,6 +38,7 @@ import sqlalchemy as sa
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import ValidationError
+from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.database.sql import insert_ignore_stmt
@@ -189,13 +190,8 @@ class Idempotency:
                 except Exception as exc:  # the next round tries again
                     log.warning("renewing an Idempotency-Key claim failed: %s", type(exc).__name__)
 
-        task = asyncio.create_task(renew())
-        try:
+        async with alongside(renew(), name="idempotency-renewal"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def finish(self, principal: Principal, claim: Claim, response: dict[str, Any]) -> None:
         """Store the answer of the request that ran the turn (replayed from now on)."""
