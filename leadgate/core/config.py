@@ -312,17 +312,22 @@ def load_settings(
     if path is not None:
         if not str(path).strip():
             # `--config ""` is a mistake, not a wish for the built-in defaults.
-            raise ConfigError("the config file name is empty")
+            raise ConfigError("the config file name is empty", rule="config.file")
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+            raise ConfigError(
+                f"cannot read config file {path}: {exc.strerror}", rule="config.file"
+            ) from exc
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+            raise ConfigError(
+                f"config file {path} is not valid TOML: {exc}", rule="config.toml"
+            ) from exc
         except UnicodeDecodeError as exc:
             raise ConfigError(
-                f"config file {path} is not UTF-8 (byte {exc.start}): TOML files are UTF-8"
+                f"config file {path} is not UTF-8 (byte {exc.start}): TOML files are UTF-8",
+                rule="config.encoding",
             ) from None
         _check_types(data)
     _apply_env(data, dict(os.environ if environ is None else environ))

@@ -48,9 +48,16 @@ class LeadgateError(Exception):
 
 
 class ConfigError(LeadgateError):
-    """The configuration file or an environment override is invalid."""
+    """The configuration file or an environment override is invalid.
+
+    ``rule`` is required and dotted (``config.toml``, ``database.url``...): without one
+    the rule was the code, ``config_error``, and scripts met two spellings for one kind
+    of mistake."""
 
     code = "config_error"
+
+    def __init__(self, message: str, *, rule: str) -> None:
+        super().__init__(message, rule=rule)
 
 
 class NotMigratedError(LeadgateError):

@@ -752,33 +752,42 @@ def checked_url(url: str) -> sa.engine.URL:
     try:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as exc:
-        raise ConfigError(f"database.url is not a valid URL: {exc}") from None
+        raise ConfigError(f"database.url is not a valid URL: {exc}", rule="database.url") from None
     except ValueError:
         # A port that is no number; its text is not quoted: with a "/" or "@" in the
         # password left unescaped, the "port" is a piece of the password.
         raise ConfigError(
             "database.url is not a valid URL: its port is not a number (a password "
-            "holding @, /, : or % must be percent-encoded: @ is %40)"
+            "holding @, /, : or % must be percent-encoded: @ is %40)",
+            rule="database.url",
         ) from None
     if parsed.host and "@" in parsed.host:
         # An unescaped @ in the password: the driver would try a host named after the
         # rest of the password, and say so in its error.
         raise ConfigError(
             "database.url has more than one @ before its host: percent-encode the "
-            "password (@ is %40)"
+            "password (@ is %40)",
+            rule="database.url",
         )
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
         # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
-        raise ConfigError("database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://")
+        raise ConfigError(
+            "database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://",
+            rule="database.url",
+        )
     path = parsed.database
     if backend != "sqlite" or path in (None, "", ":memory:"):
         return parsed
     if os.path.isdir(path):
-        raise ConfigError(f"database.url names a directory, not a database file: {path}")
+        raise ConfigError(
+            f"database.url names a directory, not a database file: {path}", rule="database.url"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ConfigError(f"the folder of the database file does not exist: {folder}")
+        raise ConfigError(
+            f"the folder of the database file does not exist: {folder}", rule="database.url"
+        )
     return parsed
 
 

@@ -49,6 +49,7 @@ def test_a_url_that_does_not_parse_is_a_config_error_without_the_url(url: str) -
     assert "pw-5" not in info.value.message and "'w'" not in info.value.message
     assert "percent-encode" in info.value.message or "percent-encoded" in info.value.message
     assert info.value.message.startswith("database.url")
+    assert info.value.rule == "database.url"
 
 
 @pytest.mark.parametrize("url", ["mysql://u:pw-6@h/db", "postgresql+asyncpg://u:pw-6@h:5x/db"])
@@ -56,3 +57,4 @@ def test_db_upgrade_refuses_a_url_it_cannot_migrate_before_loading_a_driver(url:
     with pytest.raises(ConfigError) as info:
         upgrade(url)
     assert "pw-6" not in info.value.message
+    assert info.value.rule == "database.url"

@@ -222,6 +222,7 @@ def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
         load_settings(path, environ={})
     assert "not valid TOML" in info.value.message
     assert str(path) in info.value.message
+    assert info.value.rule == "config.toml"
 
 
 def test_a_file_that_is_not_utf8_or_an_empty_name_is_a_config_error(tmp_path: Path) -> None:
@@ -230,9 +231,11 @@ def test_a_file_that_is_not_utf8_or_an_empty_name_is_a_config_error(tmp_path: Pa
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert info.value.message == f"config file {path} is not UTF-8 (byte 20): TOML files are UTF-8"
+    assert info.value.rule == "config.encoding"
     with pytest.raises(ConfigError) as empty:  # `--config ""`: not the built-in defaults
         load_settings("", environ={})
     assert empty.value.message == "the config file name is empty"
+    assert empty.value.rule == "config.file"
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
@@ -240,6 +243,7 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(missing, environ={})
     assert str(missing) in info.value.message
+    assert info.value.rule == "config.file"
 
 
 def test_models_sections_are_dynamic(tmp_path: Path) -> None:
