@@ -21,6 +21,8 @@ from leadgate.core.durations import parse_duration
 from leadgate.core.errors import ConfigError, LeadgateError
 
 ENV_PREFIX = "LEADGATE_"
+#: The deterministic model every configuration has (README "Built-in `script` model").
+BUILT_IN_MODEL = "script"
 
 
 class _Section(BaseModel):
@@ -254,14 +256,22 @@ class Settings(_Section):
     discord: DiscordSettings = DiscordSettings()
     teams: TeamsSettings = TeamsSettings()
     email: EmailSettings = EmailSettings()
-    models: dict[str, ModelSettings] = Field(
-        default_factory=lambda: {"script": ModelSettings(provider="script")}
-    )
+    #: ``script`` is always among them (a file's own ``[models.script]`` replaces it).
+    models: dict[str, ModelSettings] = Field(default_factory=dict, validate_default=True)
     runners: RunnerSettings = RunnerSettings()
     log: LogSettings = LogSettings()
     review: ReviewSettings = ReviewSettings()
 
     api: ApiSettings = ApiSettings()
+
+    @field_validator("models")
+    @classmethod
+    def _script_is_built_in(cls, value: dict[str, ModelSettings]) -> dict[str, ModelSettings]:
+        # A default for the whole dict held only while the key was absent: the first
+        # `[models.gpt]` section took `script` away, and agents naming it stopped working.
+        if BUILT_IN_MODEL in value:
+            return value
+        return {BUILT_IN_MODEL: ModelSettings(provider="script"), **value}
 
 
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:

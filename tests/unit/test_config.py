@@ -271,6 +271,17 @@ timeout_s = 5.5
     assert gpt.api_key == "from-env"
 
 
+def test_a_models_section_keeps_the_built_in_script_model(tmp_path: Path) -> None:
+    # The default held only while `models` was absent: one [models.gpt] removed `script`.
+    path = write(tmp_path, '[models.gpt]\nprovider = "openai"\nmodel = "gpt-4o-mini"\n')
+    settings = load_settings(path, environ={})
+    assert set(settings.models) == {"script", "gpt"}
+    assert settings.models["script"].provider == "script"
+    # A file's own [models.script] is the one used.
+    path = write(tmp_path, '[models.script]\nprovider = "script"\ntimeout_s = 7.0\n')
+    assert load_settings(path, environ={}).models["script"].timeout_s == 7.0
+
+
 def test_models_section_can_come_from_env_alone() -> None:
     settings = load_settings(
         None,
@@ -281,6 +292,7 @@ def test_models_section_can_come_from_env_alone() -> None:
     )
     assert settings.models["local"].provider == "openai"
     assert settings.models["local"].model == "m"
+    assert set(settings.models) == {"script", "local"}
 
 
 def test_models_section_unknown_key_and_bad_provider(tmp_path: Path) -> None:
