@@ -274,19 +274,36 @@ class Settings(_Section):
         return {BUILT_IN_MODEL: ModelSettings(provider="script"), **value}
 
 
+def _env_path(name: str) -> list[str]:
+    """``LEADGATE_MODELS__GPT__API_KEY`` -> ``["models", "gpt", "api_key"]``."""
+    return [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+
+
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    in_file = data.get("models")
+    file_models = list(in_file) if isinstance(in_file, dict) else []
+    # A model the environment defines names its provider: LEADGATE_MODELS__X__PROVIDER.
+    env_models = {
+        path[1]
+        for name in environ
+        if name.startswith(ENV_PREFIX)
+        and (path := _env_path(name))[0] == "models"
+        and path[2:] == ["provider"]
+    }
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
         if "__" not in name:
             _check_not_a_misspelt_override(name)
             continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        path = _env_path(name)
         if path[0] not in Settings.model_fields:
             raise ConfigError(
                 f"unknown configuration section in environment variable {name}",
                 rule="config.unknown_key",
             )
+        if path[0] == "models" and len(path) > 2:
+            path[1] = _env_model(name, path[1], file_models, env_models)
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
@@ -294,6 +311,30 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
                 raise ConfigError(f"{name} does not name a section", rule="config.unknown_key")
             node = child
         node[path[-1]] = value
+
+
+def _env_model(name: str, model: str, file_models: list[str], env_models: set[str]) -> str:
+    """The ``[models.NAME]`` section an override of one model's key goes to.
+
+    Variable names are upper case: ``GPT`` is the file's ``[models.gpt]``, or its
+    ``[models.Gpt]`` when that is the only one of that name in any case. A model neither
+    the file nor a ``..__PROVIDER`` variable defines is refused: the override alone made
+    a section of provider ``script`` (a typo, ``GTP``, became a model of its own).
+    """
+    if model in file_models:
+        return model
+    alike = [known for known in file_models if known.lower() == model]
+    if len(alike) == 1:
+        return alike[0]
+    if model in env_models or model == BUILT_IN_MODEL:
+        return model
+    defined = ", ".join(sorted({*file_models, BUILT_IN_MODEL}))
+    raise ConfigError(
+        f"environment variable {name} sets a key of model {model!r}, which the configuration "
+        f"does not define (its models: {defined}): correct the name, or define the model in "
+        f"the environment too with {ENV_PREFIX}MODELS__{model.upper()}__PROVIDER",
+        rule="config.unknown_key",
+    )
 
 
 def _check_not_a_misspelt_override(name: str) -> None:

@@ -315,3 +315,45 @@ def test_an_openai_model_without_a_model_name_is_a_config_error(tmp_path: Path) 
         load_settings(path, environ={})
     assert info.value.rule == "config.invalid"
     assert "models.gpt" in info.value.message and "`model`" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"LEADGATE_MODELS__GPT__API_KEY": "sk-1"},  # no [models.gpt]: no model of provider script
+        {"LEADGATE_MODELS__GTP__API_KEY": "sk-1", "LEADGATE_MODELS__GPT__PROVIDER": "openai"},
+    ],
+)
+def test_an_override_of_a_model_no_one_defines_is_refused(
+    tmp_path: Path, environ: dict[str, str]
+) -> None:
+    # It made a [models.gpt] (or, misspelt, [models.gtp]) of provider `script` by itself.
+    for path in (None, write(tmp_path, '[models.other]\nprovider = "script"\n')):
+        with pytest.raises(ConfigError) as info:
+            load_settings(path, environ={**environ, "LEADGATE_MODELS__GPT__MODEL": "m"})
+        assert info.value.rule == "config.unknown_key"
+        name = next(iter(environ))
+        model = name.split("__")[1]
+        assert f"environment variable {name} sets a key of model {model.lower()!r}" in (
+            info.value.message
+        )
+        assert f"LEADGATE_MODELS__{model}__PROVIDER" in info.value.message
+
+
+def test_an_override_of_a_model_of_the_file_or_the_environment_or_script_applies(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, '[models.Gpt]\nprovider = "openai"\nmodel = "m"\n')
+    settings = load_settings(
+        path,
+        environ={
+            "LEADGATE_MODELS__GPT__API_KEY": "sk-file",  # the file's [models.Gpt], any case
+            "LEADGATE_MODELS__LOCAL__PROVIDER": "openai",
+            "LEADGATE_MODELS__LOCAL__MODEL": "llama",
+            "LEADGATE_MODELS__SCRIPT__TIMEOUT_S": "5",  # the built-in one
+        },
+    )
+    assert set(settings.models) == {"Gpt", "local", "script"}
+    assert settings.models["Gpt"].api_key == "sk-file"
+    assert settings.models["local"].model == "llama"
+    assert settings.models["script"].timeout_s == 5.0
