@@ -9,10 +9,11 @@ need the same custom code around it.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
@@ -310,7 +311,38 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
             if not isinstance(child, dict):
                 raise ConfigError(f"{name} does not name a section", rule="config.unknown_key")
             node = child
-        node[path[-1]] = value
+        node[path[-1]] = _env_list(name, value) if _is_list(path) else value
+
+
+def _is_list(path: list[str]) -> bool:
+    """Whether the setting at ``path`` (``["server", "trusted_proxies"]``) is a list."""
+    section = Settings.model_fields[path[0]].annotation
+    keys = path[1:]
+    if path[0] == "models":
+        section, keys = ModelSettings, path[2:]
+    if len(keys) != 1 or not (isinstance(section, type) and issubclass(section, BaseModel)):
+        return False
+    field = section.model_fields.get(keys[0])
+    return field is not None and get_origin(field.annotation) is list
+
+
+def _env_list(name: str, value: str) -> list[Any]:
+    """A list setting's variable: a JSON array (``["127.0.0.1", "10.0.0.0/8"]``) or the
+    values separated by commas (``127.0.0.1,10.0.0.0/8``; empty: no value). Pydantic
+    reads neither from a string: the variable was always ``should be a valid list``."""
+    text = value.strip()
+    if not text.startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        items: list[Any] = json.loads(text)  # valid JSON that starts with "[" is an array
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"environment variable {name} is not a JSON array ({exc.msg}, character "
+            f'{exc.pos + 1}): write one such as ["a", "b"], or the values separated '
+            "by commas",
+            rule="config.invalid",
+        ) from None
+    return items
 
 
 def _env_model(name: str, model: str, file_models: list[str], env_models: set[str]) -> str:

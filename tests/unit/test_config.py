@@ -357,3 +357,39 @@ def test_an_override_of_a_model_of_the_file_or_the_environment_or_script_applies
     assert settings.models["Gpt"].api_key == "sk-file"
     assert settings.models["local"].model == "llama"
     assert settings.models["script"].timeout_s == 5.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("127.0.0.1", ["127.0.0.1"]),
+        ("127.0.0.1, 10.0.0.0/8,", ["127.0.0.1", "10.0.0.0/8"]),
+        ('["127.0.0.1", "::1"]', ["127.0.0.1", "::1"]),
+        ("", []),
+        ("[]", []),
+    ],
+)
+def test_a_list_setting_is_read_from_a_json_array_or_commas(
+    tmp_path: Path, value: str, expected: list[str]
+) -> None:
+    # Both forms were "should be a valid list": a list could not be set from the environment.
+    path = write(tmp_path, '[server]\ntrusted_proxies = ["192.0.2.1"]\n')
+    environ = {"LEADGATE_SERVER__TRUSTED_PROXIES": value, "LEADGATE_SLACK__BOT_TOKEN": "a,b"}
+    settings = load_settings(path, environ=environ)
+    assert settings.server.trusted_proxies == expected
+    assert settings.slack.bot_token == "a,b"  # only list settings are split
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ('["127.0.0.1",', "LEADGATE_SERVER__TRUSTED_PROXIES is not a JSON array"),
+        ("127.0.0.1, proxy", "server.trusted_proxies: Value error, 'proxy' is not an IP"),
+        ("[1]", "server.trusted_proxies.0: Input should be a valid string"),
+    ],
+)
+def test_a_list_setting_from_the_environment_is_still_checked(value: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, environ={"LEADGATE_SERVER__TRUSTED_PROXIES": value})
+    assert info.value.rule == "config.invalid"
+    assert says in info.value.message
