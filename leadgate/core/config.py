@@ -13,7 +13,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Any, Literal, TypeGuard, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
@@ -314,13 +314,17 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
         node[path[-1]] = _env_list(name, value) if _is_list(path) else value
 
 
+def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def _is_list(path: list[str]) -> bool:
     """Whether the setting at ``path`` (``["server", "trusted_proxies"]``) is a list."""
     section = Settings.model_fields[path[0]].annotation
     keys = path[1:]
     if path[0] == "models":
         section, keys = ModelSettings, path[2:]
-    if len(keys) != 1 or not (isinstance(section, type) and issubclass(section, BaseModel)):
+    if len(keys) != 1 or not _is_section(section):
         return False
     field = section.model_fields.get(keys[0])
     return field is not None and get_origin(field.annotation) is list
@@ -370,17 +374,38 @@ def _env_model(name: str, model: str, file_models: list[str], env_models: set[st
 
 
 def _check_not_a_misspelt_override(name: str) -> None:
-    """``LEADGATE_SERVER_PORT`` (one underscore) or ``LEADGATE_SERVER`` names a section
-    but is no override: refused, rather than silently leaving the setting as it was."""
+    """``LEADGATE_SERVER_PORT`` (one underscore) names a setting but is no override:
+    refused, rather than silently leaving the setting as it was.
+
+    Only a name whose double-underscore form is a real setting is refused. Others are
+    not the configuration's (``LEADGATE_CONFIG``, ``LEADGATE_PASSWORD``, a client's
+    ``LEADGATE_API_KEY`` or ``LEADGATE_SERVER``): refusing every name that began with a
+    section stopped every command, and told to write ``LEADGATE_API__KEY``, no setting
+    either. They are not warned about: set for other programs, they would warn always.
+    """
     rest = name[len(ENV_PREFIX) :].lower()
-    for section in Settings.model_fields:
-        if rest == section or rest.startswith(section + "_"):
-            key = rest[len(section) + 1 :].upper() or "KEY"
-            raise ConfigError(
-                f"environment variable {name} is not an override: write "
-                f"{ENV_PREFIX}{section.upper()}__{key} (two underscores after the section)",
-                rule="config.unknown_key",
-            )
+    for section, field in Settings.model_fields.items():
+        if not rest.startswith(section + "_"):
+            continue
+        key = rest[len(section) + 1 :]
+        if section == "models":
+            # LEADGATE_MODELS_GPT_API_KEY: the model's name is what precedes a key.
+            known = [k for k in ModelSettings.model_fields if key.endswith("_" + k)]
+            setting = max(known, key=len, default="")
+            model = key[: -len(setting) - 1] if setting else ""
+            if not model:
+                return
+            override = f"{section}__{model}__{setting}"
+        elif _is_section(field.annotation) and key in field.annotation.model_fields:
+            override = f"{section}__{key}"
+        else:
+            return
+        raise ConfigError(
+            f"environment variable {name} is not an override: write "
+            f"{ENV_PREFIX}{override.upper()} (two underscores after the section"
+            f"{' and after the model' if section == 'models' else ''})",
+            rule="config.unknown_key",
+        )
 
 
 def load_settings(

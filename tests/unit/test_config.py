@@ -103,12 +103,30 @@ def test_env_override_without_a_file_and_for_booleans() -> None:
     assert settings.database.url == "postgresql+asyncpg://u@127.0.0.1/db"
 
 
-@pytest.mark.parametrize("name", ["LEADGATE_SERVER_PORT", "LEADGATE_LOG_LEVEL", "LEADGATE_SERVER"])
-def test_an_override_with_one_underscore_is_refused_not_ignored(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "write"),
+    [
+        ("LEADGATE_SERVER_PORT", "LEADGATE_SERVER__PORT"),
+        ("LEADGATE_LOG_LEVEL", "LEADGATE_LOG__LEVEL"),
+        ("LEADGATE_DATABASE_URL", "LEADGATE_DATABASE__URL"),
+        ("LEADGATE_API_EVENTS_REAUTH_S", "LEADGATE_API__EVENTS_REAUTH_S"),
+        ("LEADGATE_MODELS_GPT_API_KEY", "LEADGATE_MODELS__GPT__API_KEY"),
+    ],
+)
+def test_an_override_with_one_underscore_is_refused_not_ignored(name: str, write: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(environ={name: "1"})
     assert info.value.rule == "config.unknown_key"
-    assert "two underscores" in info.value.message
+    assert f"is not an override: write {write} (two underscores" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "name", ["LEADGATE_API_KEY", "LEADGATE_API", "LEADGATE_SERVER", "LEADGATE_SERVER_URL"]
+)
+def test_a_variable_that_names_no_setting_in_any_form_is_not_read(name: str) -> None:
+    # LEADGATE_API_KEY (a client's key) stopped every command, told to write
+    # LEADGATE_API__KEY: no setting either.
+    assert load_settings(None, environ={name: "lg_live_x"}) == Settings()
 
 
 def test_env_variables_that_are_not_overrides_are_ignored() -> None:
