@@ -21,19 +21,26 @@ MAX_MS = 366 * _UNITS_MS["d"]
 
 
 def parse_duration(value: str, *, name: str = "duration") -> int | None:
-    """Milliseconds of ``value`` (``None`` for ``off``), or a ValidationError naming
-    ``name``. Accepts ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m``; ``off`` / ``0``."""
+    """Milliseconds of ``value`` (``None`` for off), or a ValidationError naming ``name``.
+    Accepts ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m``; ``off``, and zero written in any
+    unit (``0``, ``0s``, ``0m``), switch it off."""
     text = value.strip().lower()
     if text in OFF_WORDS or text == "":
         return None
     if not _WHOLE.fullmatch(text):
         raise ValidationError(
-            f"{name} must be a duration such as 30m, 2h, 1d or 1h30m, or off (got {value!r})",
+            f"{name} must be a duration such as 30m, 2h, 1d or 1h30m, or off (or 0) "
+            f"(got {value!r})",
             rule="duration.format",
         )
     total = sum(int(n) * _UNITS_MS[unit] for n, unit in _PART.findall(text))
-    if total <= 0 or total > MAX_MS:
-        raise ValidationError(f"{name} must be between 1s and 366d", rule="duration.range")
+    if total == 0:
+        # `0` was off while `0s` was refused ("between 1s and 366d"): zero is zero.
+        return None
+    if total > MAX_MS:
+        raise ValidationError(
+            f"{name} must be between 1s and 366d, or off (or 0)", rule="duration.range"
+        )
     return total
 
 

@@ -411,3 +411,16 @@ def test_a_list_setting_from_the_environment_is_still_checked(value: str, says: 
         load_settings(None, environ={"LEADGATE_SERVER__TRUSTED_PROXIES": value})
     assert info.value.rule == "config.invalid"
     assert says in info.value.message
+
+
+def test_a_review_timer_of_zero_in_any_unit_is_off(tmp_path: Path) -> None:
+    # "0" was off and "0s" refused ("between 1s and 366d"): both are off now.
+    path = write(tmp_path, '[review]\nremind_after = "0s"\nexpire_after = "0"\n')
+    review = load_settings(path, environ={"LEADGATE_REVIEW__ESCALATE_AFTER": "0m"}).review
+    assert review.ms("remind_after") is None and review.ms("expire_after") is None
+    assert review.ms("escalate_after") is None
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, '[review]\nremind_after = "400d"\n'), environ={})
+    assert info.value.rule == "config.invalid"
+    assert "review.remind_after: Value error" in info.value.message
+    assert "between 1s and 366d, or off (or 0)" in info.value.message

@@ -249,6 +249,13 @@ def test_durations_parse_and_format() -> None:
     assert parse_duration("1h30m") == 90 * MINUTE_MS
     assert parse_duration(" 45S ") == 45_000
     assert parse_duration("off") is None and parse_duration("0") is None
+    # Zero in any unit is off too: "0s" was refused ("between 1s and 366d") while "0" was off.
+    assert parse_duration("0s") is None and parse_duration("0h0m") is None
+    with pytest.raises(ValidationError) as too_long:
+        parse_duration("367d", name="review.expire_after")
+    assert (
+        too_long.value.message == "review.expire_after must be between 1s and 366d, or off (or 0)"
+    )
     assert format_duration(90 * MINUTE_MS) == "1h30m" and format_duration(None) == "off"
     for bad in ("30", "soon", "1h 30m", "-5m", "400d"):
         with pytest.raises(ValidationError):
