@@ -12,7 +12,9 @@ once (:mod:`leadgate.database.plans`) on a thin driver, fast on both backends:
   and SQLite's single writer wait for it.
 * PostgreSQL: ``asyncpg`` directly (:mod:`.pg`), one pooled connection per transaction;
   ``FOR UPDATE SKIP LOCKED`` and the fenced updates are plain Core, as before.
-* SQLite in memory (some unit tests): SQLAlchemy's async engine.
+* SQLite in memory: refused by :func:`checked_url` (no other connection sees it), so
+  the path through SQLAlchemy's async engine (``_engine_tx``, ``_engine_read``) that it
+  ran on serves no database a ``Database`` can be given any more.
 
 Errors are SQLAlchemy's (``IntegrityError``, ``OperationalError`` ...) on every path.
 Alembic (migrations, the schema check) keeps SQLAlchemy's engine.
@@ -25,6 +27,7 @@ import contextlib
 import importlib.resources
 import os
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Protocol
@@ -548,10 +551,16 @@ class Database:
         def current(sync_conn: sa.Connection) -> str | None:
             return MigrationContext.configure(sync_conn).get_current_revision()
 
-        async with self.engine.connect() as conn:
-            # A read: on SQLite it must not wait for (or hold) the write lock.
-            conn = await conn.execution_options(leadgate_readonly=True)
-            rev = await conn.run_sync(current)
+        try:
+            async with self.engine.connect() as conn:
+                # A read: on SQLite it must not wait for (or hold) the write lock.
+                conn = await conn.execution_options(leadgate_readonly=True)
+                rev = await conn.run_sync(current)
+        except sa.exc.DBAPIError as exc:
+            not_sqlite = _not_a_database(exc, self._inline.path if self._inline else None)
+            if not_sqlite is not None:
+                raise not_sqlite from None
+            raise
         if rev != head:
             raise NotMigratedError(
                 f"the database is at schema revision {rev or 'none'}, this version needs {head}: "
@@ -743,12 +752,21 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
+#: The drivers the service runs on, by backend (``postgres`` is the name Heroku and
+#: others give PostgreSQL).
+_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg"}
+_DRIVERS["postgres"] = _DRIVERS["postgresql"]
+
+
 def checked_url(url: str) -> sa.engine.URL:
-    """``database.url`` parsed: a SQLite or PostgreSQL URL, and for a SQLite file a path
-    SQLite can open, not a directory and in a folder that exists (both were ``unable to
-    open database file`` from deep in the driver, exit 1, and now and then an ``Event loop
-    is closed`` traceback as the failed engine was torn down). :class:`ConfigError`
-    otherwise, whose message never quotes the URL (it may hold a password)."""
+    """``database.url`` parsed: a ``sqlite+aiosqlite://`` or ``postgresql+asyncpg://``
+    URL, and for SQLite a file that SQLite can open: not in memory, not a directory, in
+    a folder that exists. Each was a driver's error from deep in a command, exit 1 (``The
+    asyncio extension requires an async driver``, ``No module named 'psycopg'``, ``unable
+    to open database file``), or worked and was never usable (in memory). A file that is
+    not a SQLite database is found by its first statement (:func:`_not_a_database`).
+    :class:`ConfigError` otherwise, whose message never quotes the URL (it may hold a
+    password)."""
     try:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as exc:
@@ -769,19 +787,30 @@ def checked_url(url: str) -> sa.engine.URL:
             "password (@ is %40)",
             rule="database.url",
         )
-    backend = parsed.get_backend_name()
-    if backend not in ("sqlite", "postgresql"):
-        # Checked before Alembic imports a driver for it (MySQLdb: a ModuleNotFoundError).
+    driver = parsed.drivername
+    if driver not in _DRIVERS.values():
+        # Checked before Alembic or the engine imports a driver for it.
         raise ConfigError(
-            "database.url must be sqlite+aiosqlite:// or postgresql+asyncpg://",
+            "database.url must start with sqlite+aiosqlite:/// (a SQLite file) or "
+            f"postgresql+asyncpg:// (PostgreSQL), not {driver}://{_corrected(parsed)}",
             rule="database.url",
         )
-    path = parsed.database
-    if backend != "sqlite" or path in (None, "", ":memory:"):
+    if driver != _DRIVERS["sqlite"]:
         return parsed
+    path = parsed.database
+    if not path or path == ":memory:" or parsed.query.get("mode") == "memory":
+        # Every connection (each command, the service's readers) would have a database
+        # of its own, empty, gone when it closes: `db upgrade` succeeded, nothing else.
+        raise ConfigError(
+            "database.url names no SQLite file but a database in memory, which no other "
+            "connection or command sees and which is gone at exit: name a file, e.g. "
+            "sqlite+aiosqlite:///./leadgate.db",
+            rule="database.url",
+        )
     if os.path.isdir(path):
         raise ConfigError(
-            f"database.url names a directory, not a database file: {path}", rule="database.url"
+            f"database.url names a directory, not a database file: {os.path.abspath(path)}",
+            rule="database.url",
         )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -791,10 +820,45 @@ def checked_url(url: str) -> sa.engine.URL:
     return parsed
 
 
+def _not_a_database(exc: sa.exc.DBAPIError, path: str | None) -> ConfigError | None:
+    """SQLite's ``file is not a database`` (``SQLITE_NOTADB``) as one line naming the
+    file, where the first statement meets it: the driver's error was exit 1 with its SQL
+    and a sqlalche.me link. (Not by reading the file's header beforehand: opening and
+    closing the file in a process that holds SQLite connections to it drops their POSIX
+    locks, and another process may then checkpoint the WAL under them.)"""
+    orig = exc.orig
+    if not isinstance(orig, sqlite3.DatabaseError) or path is None:
+        return None
+    if orig.sqlite_errorcode != sqlite3.SQLITE_NOTADB:
+        return None
+    return ConfigError(
+        f"{os.path.abspath(path)} is not a SQLite database (or its header is damaged): "
+        "database.url names another file, or the file was overwritten",
+        rule="database.file",
+    )
+
+
+def _corrected(parsed: sa.engine.URL) -> str:
+    """``: write <the URL with its driver>`` for a known backend's other driver."""
+    driver = _DRIVERS.get(parsed.get_backend_name().lower())
+    if driver is None:
+        return ""
+    if driver == _DRIVERS["sqlite"]:
+        # Nothing secret in a SQLite URL: the whole corrected one.
+        return f": write {parsed.set(drivername=driver).render_as_string()}"
+    return f": start it with {driver}:// instead (the rest as it is)"
+
+
 def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision."""
-    checked_url(url)
+    parsed = checked_url(url)
     cfg = alembic_config(url)
-    command.upgrade(cfg, "head")
+    try:
+        command.upgrade(cfg, "head")
+    except sa.exc.DBAPIError as exc:
+        not_sqlite = _not_a_database(exc, parsed.database)
+        if not_sqlite is not None:
+            raise not_sqlite from None
+        raise
     head = ScriptDirectory.from_config(cfg).get_current_head()
     return str(head)
