@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeGuard, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from leadgate.core.durations import parse_duration
 from leadgate.core.errors import ConfigError, LeadgateError
@@ -413,6 +415,10 @@ def load_settings(
 ) -> Settings:
     """Read ``path`` (optional), apply environment overrides and validate.
 
+    A relative SQLite path in ``database.url`` (the default ``./leadgate.db`` included)
+    is made absolute against the folder of ``path``; without a file it stays relative to
+    the current directory.
+
     Raises :class:`ConfigError` naming the offending key for unknown keys, wrong types,
     unreadable files and TOML syntax errors.
     """
@@ -440,11 +446,35 @@ def load_settings(
         _check_types(data)
     _apply_env(data, dict(os.environ if environ is None else environ))
     try:
-        return Settings.model_validate(data)
+        settings = Settings.model_validate(data)
     except PydanticValidationError as exc:
         raise ConfigError(
             f"invalid configuration: {_problems(exc.errors())}", rule="config.invalid"
         ) from exc
+    if path is not None:
+        url = _anchored_url(settings.database.url, Path(path).absolute().parent)
+        settings.database = settings.database.model_copy(update={"url": url})
+    return settings
+
+
+def _anchored_url(url: str, folder: Path) -> str:
+    """``url`` with a relative SQLite file path made absolute against ``folder``.
+
+    The path followed the current directory: ``leadgate --config /srv/lg/config.toml``
+    run from elsewhere found no database (``db upgrade`` made a second, empty one). Any
+    other URL is returned as it is (``checked_url`` judges it).
+    """
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return url
+    database = parsed.database
+    if parsed.get_backend_name().lower() != "sqlite" or not database:
+        return url
+    if database == ":memory:" or database.startswith("file:") or os.path.isabs(database):
+        return url
+    anchored = os.path.normpath(folder / database)
+    return parsed.set(database=anchored).render_as_string(hide_password=False)
 
 
 def _check_types(data: dict[str, Any]) -> None:

@@ -53,12 +53,54 @@ smtp_port = 2525
     settings = load_settings(path, environ={})
     assert settings.server.port == 8123
     assert settings.server.public_url == "http://127.0.0.1:8123"
-    assert settings.database.url == "sqlite+aiosqlite:///./other.db"
+    assert settings.database.url == f"sqlite+aiosqlite:///{tmp_path}/other.db"  # the file's
     assert settings.slack.signing_secret == "s3cret"
     assert settings.email.start_tls is True
     assert settings.email.smtp_port == 2525
     # untouched sections keep their defaults
     assert settings.discord.public_key == ""
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("sqlite+aiosqlite:///./lg.db", "sqlite+aiosqlite:///{conf}/lg.db"),
+        ("sqlite+aiosqlite:///data/lg.db", "sqlite+aiosqlite:///{conf}/data/lg.db"),
+        ("sqlite+aiosqlite:///../lg.db", "sqlite+aiosqlite:///{top}/lg.db"),
+        ("sqlite+aiosqlite:///./my%20lg.db", "sqlite+aiosqlite:///{conf}/my lg.db"),
+        ("sqlite+aiosqlite:////srv/lg.db", "sqlite+aiosqlite:////srv/lg.db"),
+        ("postgresql+asyncpg://u:pw@h/db", "postgresql+asyncpg://u:pw@h/db"),
+        ("sqlite+aiosqlite://", "sqlite+aiosqlite://"),  # refused later, by checked_url
+        (None, "sqlite+aiosqlite:///{conf}/leadgate.db"),  # the default, from a file
+    ],
+)
+def test_a_relative_sqlite_path_in_a_config_file_is_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str | None, expected: str
+) -> None:
+    # It followed the current directory: `--config /srv/lg/config.toml` run from
+    # elsewhere found no database, and `db upgrade` made a second one, empty.
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = conf / "config.toml"
+    path.write_text("" if written is None else f'[database]\nurl = "{written}"\n')
+    want = expected.format(conf=conf, top=tmp_path)
+    # The same whatever the current directory and however the file is named.
+    assert load_settings(path, environ={}).database.url == want
+    assert load_settings("../conf/config.toml", environ={}).database.url == want
+    if written is not None:  # an override's path too: with a file, the file's folder
+        other = conf / "other.toml"
+        other.write_text('[log]\nlevel = "INFO"\n')
+        environ = {"LEADGATE_DATABASE__URL": written}
+        assert load_settings(other, environ=environ).database.url == want
+
+
+def test_a_relative_sqlite_path_without_a_config_file_is_relative_to_the_current_dir() -> None:
+    assert load_settings(None, environ={}).database.url == "sqlite+aiosqlite:///./leadgate.db"
+    environ = {"LEADGATE_DATABASE__URL": "sqlite+aiosqlite:///lg.db"}
+    assert load_settings(None, environ=environ).database.url == "sqlite+aiosqlite:///lg.db"
 
 
 def test_config_example_toml_is_valid() -> None:

@@ -1,0 +1,105 @@
+"""The configuration as the ``leadgate`` command meets it (``leadgate.cli.main.main``, in
+process): a relative SQLite path follows the config file, not the current directory;
+every configuration error is one line, exit 2, ending in a dotted rule; a client's
+``LEADGATE_*`` variables do not stop a command."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from leadgate.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def _no_leadgate_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("LEADGATE_")]:
+        monkeypatch.delenv(name)
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_relative_database_path_follows_the_config_file_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `./lg.db` was opened in the current directory: run from elsewhere, a command found
+    # no database and `db upgrade` made a second one, empty.
+    conf, here, there = (tmp_path / name for name in ("conf", "here", "there"))
+    for folder in (conf, here, there):
+        folder.mkdir()
+    config = conf / "config.toml"
+    config.write_text('[database]\nurl = "sqlite+aiosqlite:///./lg.db"\n', encoding="utf-8")
+    monkeypatch.chdir(here)
+    assert run(capsys, "--config", str(config), "db", "upgrade")[0] == 0
+    code, out, err = run(capsys, "--config", "../conf/config.toml", "org", "create", "acme")
+    assert code == 0, err
+    monkeypatch.chdir(there)
+    code, out, err = run(capsys, "--config", str(config), "key", "list", "--org", "acme")
+    assert code == 0, err
+    assert len(json.loads(out)) == 1
+    assert [p.name for p in tmp_path.rglob("*.db")] == ["lg.db"]
+    assert (conf / "lg.db").is_file()
+    # An error names the database by its absolute path.
+    code, out, err = run(capsys, "--config", str(config), "key", "list", "--org", "nope")
+    assert code == 2 and f"database: sqlite+aiosqlite:///{conf}/lg.db)" in err
+
+
+@pytest.mark.parametrize(
+    ("contents", "rule"),
+    [
+        (b"[server\nport = = 1\n", "config.toml"),
+        (b'[server]\nhost = "caf\xe9"\n', "config.encoding"),
+        (None, "config.file"),  # no such file
+        (b"[server]\nport = true\n", "config.invalid"),
+        (b"[server]\nbogus = 1\n", "config.invalid"),
+        (b'[database]\nurl = "sqlite:///./plain.db"\n', "database.url"),
+        (b'[database]\nurl = "postgresql://u:pw@127.0.0.1/x"\n', "database.url"),
+        (b'[database]\nurl = "sqlite+aiosqlite://"\n', "database.url"),
+        (b'[database]\nurl = "sqlite+aiosqlite:///:memory:"\n', "database.url"),
+        (b'[database]\nurl = "sqlite+aiosqlite:///./bad.db"\n', "database.file"),
+    ],
+)
+def test_a_configuration_error_is_one_line_ending_in_a_dotted_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], contents: bytes | None, rule: str
+) -> None:
+    config = tmp_path / "config.toml"
+    if contents is not None:
+        config.write_bytes(contents)
+    (tmp_path / "bad.db").write_text("hello\n")
+    for command in (["db", "upgrade"], ["key", "list", "--org", "acme"]):
+        code, out, err = run(capsys, "--config", str(config), *command)
+        assert (code, out) == (2, ""), err
+        assert err.count("\n") == 1 and err.rstrip().endswith(f"[{rule}]"), err
+        for driver_text in ("Traceback", "[SQL:", "sqlalche.me", "config_error"):
+            assert driver_text not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["bad.db", *(["config.toml"] if contents is not None else [])]
+    )
+
+
+def test_an_empty_config_name_is_a_config_file_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--config", "", "key", "list", "--org", "acme")
+    assert (code, out) == (2, "") and err.rstrip().endswith("[config.file]"), err
+
+
+def test_client_variables_do_not_stop_a_command_and_lists_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[database]\nurl = "sqlite+aiosqlite:///lg.db"\n', encoding="utf-8")
+    # A client's key stopped every command: "write LEADGATE_API__KEY", no setting either.
+    monkeypatch.setenv("LEADGATE_API_KEY", "lg.key_client")
+    monkeypatch.setenv("LEADGATE_SERVER__TRUSTED_PROXIES", "127.0.0.1, 10.0.0.0/8")
+    code, out, err = run(capsys, "--config", str(config), "db", "upgrade")
+    assert code == 0, err
+    monkeypatch.setenv("LEADGATE_DATABASE_URL", "sqlite+aiosqlite:///other.db")
+    code, out, err = run(capsys, "--config", str(config), "db", "upgrade")
+    assert (code, out) == (2, "") and err.rstrip().endswith("[config.unknown_key]"), err
+    assert "write LEADGATE_DATABASE__URL" in err
