@@ -448,8 +448,13 @@ def load_settings(
     try:
         settings = Settings.model_validate(data)
     except PydanticValidationError as exc:
+        errors = exc.errors()
+        # An unknown key is config.unknown_key wherever it is written (an unknown section
+        # in a variable always was; in the file, or a variable's key, it was config.invalid).
+        unknown = all(err["type"] == "extra_forbidden" for err in errors)
         raise ConfigError(
-            f"invalid configuration: {_problems(exc.errors())}", rule="config.invalid"
+            f"invalid configuration: {_problems(errors)}",
+            rule="config.unknown_key" if unknown else "config.invalid",
         ) from exc
     if path is not None:
         url = _anchored_url(settings.database.url, Path(path).absolute().parent)

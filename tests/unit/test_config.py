@@ -191,6 +191,7 @@ def test_unknown_key_in_toml_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert "server.bogus_key" in info.value.message
+    assert info.value.rule == "config.unknown_key"
 
 
 def test_unknown_section_in_toml_names_it(tmp_path: Path) -> None:
@@ -198,12 +199,14 @@ def test_unknown_section_in_toml_names_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(path, environ={})
     assert "nonsense" in info.value.message
+    assert info.value.rule == "config.unknown_key"
 
 
 def test_unknown_key_in_env_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(None, environ={"LEADGATE_SERVER__BOGUS_KEY": "1"})
     assert "server.bogus_key" in info.value.message
+    assert info.value.rule == "config.unknown_key"
 
 
 def test_unknown_section_in_env_names_the_variable() -> None:
