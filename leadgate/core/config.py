@@ -1,9 +1,10 @@
 """Typed settings from a TOML file with ``LEADGATE_<SECTION>__<KEY>`` overrides.
 
-pydantic does the validation (types, ranges, unknown keys). The environment merge is a
-dozen lines written here because the ``[models.NAME]`` sections are dynamic and the
-override syntax is fixed by the spec; pydantic-settings' nested-delimiter source would
-need the same custom code around it.
+pydantic does the validation (types, ranges, unknown keys). The environment merge is
+written here because the ``[models.NAME]`` sections are dynamic and the override syntax
+is fixed by the spec; pydantic-settings' nested-delimiter source would need the same
+custom code around it (an override defines no model by itself, list settings read a JSON
+array or commas, a misspelt name is refused only when it names a setting).
 """
 
 from __future__ import annotations
