@@ -11,7 +11,9 @@ set -euo pipefail
 # A relative LEADGATE_CONFIG names a file in the caller's directory: made absolute before
 # the cd below (it was read from the repository instead).
 if [ -n "${LEADGATE_CONFIG:-}" ]; then
-    LEADGATE_CONFIG="$(readlink -m -- "$LEADGATE_CONFIG")"
+    # -s: symlinks kept as named, as leadgate itself reads the path (the database and
+    # the key file sit beside the config as named, wherever a link points).
+    LEADGATE_CONFIG="$(realpath -ms -- "$LEADGATE_CONFIG")"
 fi
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.."
 ROOT="$(pwd)"
@@ -47,7 +49,7 @@ if [ ! -f "$CONFIG" ]; then
     cp "$ROOT/config.example.toml" "$CONFIG"
     echo "created $CONFIG from config.example.toml"
 fi
-KEY_FILE="$(dirname "$(readlink -f "$CONFIG")")/.leadgate-demo-key"
+KEY_FILE="$(dirname "$CONFIG")/.leadgate-demo-key"
 "$LG" db upgrade --config "$CONFIG" >/dev/null
 demo="$("$LG" demo --config "$CONFIG" --key-file "$KEY_FILE" "${ROTATE[@]}")"
 read -r key reused <<<"$(printf '%s' "$demo" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(d["apiKey"], d["keyReused"])')"
