@@ -12,9 +12,7 @@ once (:mod:`leadgate.database.plans`) on a thin driver, fast on both backends:
   and SQLite's single writer wait for it.
 * PostgreSQL: ``asyncpg`` directly (:mod:`.pg`), one pooled connection per transaction;
   ``FOR UPDATE SKIP LOCKED`` and the fenced updates are plain Core, as before.
-* SQLite in memory: refused by :func:`checked_url` (no other connection sees it), so
-  the path through SQLAlchemy's async engine (``_engine_tx``, ``_engine_read``) that it
-  ran on serves no database a ``Database`` can be given any more.
+* SQLite in memory: refused by :func:`checked_url` (no other connection sees it).
 
 Errors are SQLAlchemy's (``IntegrityError``, ``OperationalError`` ...) on every path.
 Alembic (migrations, the schema check) keeps SQLAlchemy's engine.
@@ -38,7 +36,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from leadgate.core.errors import ConfigError, NotMigratedError
 from leadgate.database.faults import unavailable
@@ -301,9 +299,8 @@ class Database:
         """
         if self._inline is not None:
             return _InlineTx(self, self._inline)
-        if self._pg is not None:
-            return self._pg_tx()
-        return self._engine_tx()
+        assert self._pg is not None  # checked_url admits a SQLite file or PostgreSQL
+        return self._pg_tx()
 
     async def write_alone(
         self,
@@ -365,9 +362,8 @@ class Database:
         started, and the statements run outside a transaction block."""
         if self._readers is not None:
             return _InlineRead(self._readers)
-        if self._pg is not None:
-            return self._pg_read()
-        return self._engine_read()
+        assert self._pg is not None
+        return self._pg_read()
 
     @asynccontextmanager
     async def _pg_tx(self) -> AsyncIterator[Conn]:
@@ -400,42 +396,6 @@ class Database:
             _raise_unavailable(exc)
             raise
 
-    @asynccontextmanager
-    async def _engine_tx(self) -> AsyncIterator[Conn]:
-        topics: dict[str, list[Any]] = {}
-        before: dict[str, tuple[Flush, list[Any]]] = {}
-        committing = False
-        try:
-            async with self._writer(), self.engine.connect() as conn:
-                conn.info[_TOPICS] = topics
-                conn.info[_BEFORE] = before
-                try:
-                    async with conn.begin():
-                        wrapped = _EngineConn(conn)
-                        yield wrapped
-                        await _flush_before_commit(wrapped, before)
-                        committing = True
-                finally:
-                    conn.info.pop(_TOPICS, None)
-                    conn.info.pop(_BEFORE, None)
-        except Exception as exc:
-            if committing:
-                self._in_doubt(exc, topics)
-            _raise_unavailable(exc)
-            raise
-        self._after_commit(topics)
-
-    @asynccontextmanager
-    async def _engine_read(self) -> AsyncIterator[Conn]:
-        try:
-            async with self.engine.connect() as conn:
-                conn = await conn.execution_options(leadgate_readonly=True)
-                async with conn.begin():
-                    yield _EngineConn(conn)
-        except Exception as exc:
-            _raise_unavailable(exc)
-            raise
-
     def _in_doubt(self, exc: BaseException, topics: Mapping[str, list[Any]]) -> None:
         """A write failed: when with a database fault, hand its payloads to the
         :meth:`on_doubt_payloads` listeners."""
@@ -453,21 +413,6 @@ class Database:
             if payloads:
                 for payload_callback in self._payload_listeners.get(topic, ()):
                     payload_callback(payloads)
-
-    @asynccontextmanager
-    async def _writer(self) -> AsyncIterator[None]:
-        task = self._not_nested()
-        lock = self._lock()
-        async with asyncio.timeout(self._lock_wait_s):
-            await lock.acquire()
-        try:
-            self._write_owner = task
-            try:
-                yield
-            finally:
-                self._write_owner = None
-        finally:
-            lock.release()
 
     @property
     def _lock_wait_s(self) -> float:
@@ -577,42 +522,6 @@ class Database:
         if self._pg is not None:
             await self._pg.close()
         await self.engine.dispose()
-
-
-class _EngineConn:
-    """SQLAlchemy's ``AsyncConnection`` as a :class:`Conn` (in-memory SQLite only)."""
-
-    __slots__ = ("_conn",)
-
-    def __init__(self, conn: AsyncConnection) -> None:
-        self._conn = conn
-
-    @property
-    def dialect(self) -> sa.Dialect:
-        return self._conn.dialect
-
-    @property
-    def info(self) -> dict[Any, Any]:
-        return self._conn.info
-
-    async def execute(
-        self,
-        statement: sa.Executable,
-        parameters: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-    ) -> Result:
-        return await self._conn.execute(statement, parameters)  # type: ignore[arg-type]
-
-    async def scalar(
-        self, statement: sa.Executable, parameters: Mapping[str, Any] | None = None
-    ) -> Any:
-        return await self._conn.scalar(statement, parameters)
-
-    def cache_token(self, tables: Sequence[str]) -> object | None:
-        """Nothing is cached through SQLAlchemy's engine."""
-        return None
-
-    def begin_nested(self) -> AbstractAsyncContextManager[Any]:
-        return self._conn.begin_nested()
 
 
 class _InlineTx:
