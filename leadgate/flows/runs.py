@@ -330,11 +330,23 @@ class FlowService:
         )
 
     async def start(self, org_id: str, flow_ref: str) -> str:
-        """Start a new run of a flow and execute it until it pauses or ends."""
+        """Start a new run of a flow and execute it until it pauses or ends. A database
+        fault once the run is recorded names the run (``flow.interrupted``): it stays
+        ``running`` and recovery continues it, so starting the flow again would run it
+        twice."""
         async with self.db.tx() as conn:
             flow = await find_flow(conn, org_id, flow_ref)
             lease = await self.new_run(conn, org_id, flow["id"], [], 0, None)
-        await self.execute(lease)
+        try:
+            await self.execute(lease)
+        except Unavailable as exc:
+            raise Unavailable(
+                f"flow run {lease.run_id} was started, but the database failed while it ran "
+                f"({exc.message}); it stays running and a worker's flow recovery continues "
+                f"it once its lease lapses (leadgate flow show {lease.run_id}): do not start "
+                "the flow again, it would run twice",
+                rule="flow.interrupted",
+            ) from exc
         return lease.run_id
 
     async def new_run(

@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.clock import FakeClock
+from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.flows.recovery import RECOVERED_EVENT, FlowRecovery
@@ -436,3 +437,40 @@ async def test_a_live_executor_renews_its_lease_while_a_node_runs(
     assert run["status"] == "completed"
     assert RECOVERED_EVENT not in run["events"]
     assert await _lease_expires_at(second, run_id) is None  # given up with the run
+
+
+class Faulty:
+    """The script model, except that the database fails under a ``#fault`` prompt."""
+
+    def __init__(self) -> None:
+        self.script = ScriptProvider()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        if "#fault" in request.messages[-1].content:
+            raise Unavailable("database is locked", rule="service.unavailable")
+        async for event in self.script.stream(request):
+            yield event
+
+
+async def test_a_database_fault_mid_run_names_the_run_that_recovery_continues(
+    make_stack: Callable[..., Stack], second: Stack, clock: FakeClock
+) -> None:
+    """``flow run`` met a database fault after the run was recorded: the error names
+    the run and says not to start it again (a second run would do the work twice); the
+    run stays running and recovery ends it (here: its node's turn was taken in and
+    left no answer, so the run fails saying so rather than running the turn twice)."""
+    faulty = make_stack(clock=clock, providers={"script": Faulty()})
+    org = await make_org(faulty)
+    await make_agent(faulty, org, "plain")
+    flow_id = await _flow(faulty, org, [{"type": "agent", "agent": "plain", "prompt": "#fault"}])
+    with pytest.raises(Unavailable) as info:
+        await faulty.flows.start(org.id, flow_id)
+    run_id = await _only_run(faulty)
+    assert info.value.rule == "flow.interrupted"
+    assert run_id in info.value.message and "do not start the flow again" in info.value.message
+    assert (await _view(second, org, run_id))["status"] == "running"
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await FlowRecovery(second.flows).run_once()
+    ended = await _view(second, org, run_id)
+    assert ended["status"] == "failed" and LOST in ended["error"]
+    assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
