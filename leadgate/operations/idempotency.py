@@ -20,7 +20,8 @@ Each claim carries an owner token (``idempotency_keys.owner``): its renewals and
 release are fenced by it, so a request that stalled past its lease (and was taken over)
 can neither extend nor delete the claim of the request that took it over. Its answer is
 still stored by :meth:`Idempotency.finish` when it has one: the intake let only one of
-the two take the message in, so it is the only real answer there is.
+the two take the message in, so it is the only real answer there is, and it is stored
+over the takeover's "lost" answer whichever of the two finishes first.
 """
 
 from __future__ import annotations
@@ -193,14 +194,21 @@ class Idempotency:
         async with alongside(renew(), name="idempotency-renewal"):
             yield
 
-    async def finish(self, principal: Principal, claim: Claim, response: dict[str, Any]) -> None:
-        """Store the answer of the request that ran the turn (replayed from now on)."""
+    async def finish(
+        self, principal: Principal, claim: Claim, response: dict[str, Any], *, lost: bool = False
+    ) -> None:
+        """Store the answer of the request that ran the turn (replayed from now on).
+
+        ``lost``: the answer is only "the first request's answer was lost" (this request
+        took the key over, and the intake found the message already taken in). It is
+        stored only while no answer is: the first request, stalled, may still finish and
+        store the real one, in either order, and the real one must be what is replayed.
+        A real answer is always stored (over a "lost" one)."""
+        where = [_K.org_id == principal.org_id, _K.key_hash == claim.key_hash]
+        if lost:
+            where.append(_K.response.is_(None))
         async with self.db.tx() as conn:
-            await conn.execute(
-                t.idempotency_keys.update()
-                .where(_K.org_id == principal.org_id, _K.key_hash == claim.key_hash)
-                .values(response=response)
-            )
+            await conn.execute(t.idempotency_keys.update().where(*where).values(response=response))
 
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a

@@ -498,7 +498,7 @@ def setup(
             if stored is None:
                 await idempotency.release(principal, claim)
             else:
-                await idempotency.finish(principal, claim, stored)
+                await idempotency.finish(principal, claim, stored, lost=exchange.lost)
         return response
 
     async def list_models(request: web.Request) -> web.Response:
@@ -531,7 +531,7 @@ class _Exchange:
     ``recorded`` turns true once the message was taken in (the turn path's ``on_start``):
     from then on every error carries ``x-should-retry: false``. :meth:`run` returns the
     response and, for an idempotent request, the answer to store (``None``: nothing was
-    taken in, so a retry may run the turn).
+    taken in, so a retry may run the turn); ``lost`` says that answer is only "lost".
     """
 
     def __init__(
@@ -554,6 +554,9 @@ class _Exchange:
         self.keep = claim is not None
         self.created = int(time.time())
         self.recorded = False
+        #: The answer is "lost" (a takeover found the message taken in): stored only
+        #: while the key has no answer (see :meth:`Idempotency.finish`).
+        self.lost = False
 
     async def _send(
         self,
@@ -615,6 +618,7 @@ class _Exchange:
         if isinstance(outcome, Gated | Busy):
             return 409, pending_body(gated=isinstance(outcome, Gated))
         # Duplicate: only a takeover of an Idempotency-Key after a crash reaches here.
+        self.lost = True
         return _error_json(
             self.request,
             _LostAnswer(LOST_MESSAGE, rule="idempotency.lost"),

@@ -275,6 +275,31 @@ async def test_a_stalled_request_neither_releases_nor_renews_the_claim_that_took
     assert (await idem.begin(principal, "k-stall", "print")).action == "run"
 
 
+@pytest.mark.parametrize("real_first", [True, False])
+async def test_the_first_requests_real_answer_outlives_the_takeovers_lost_answer(
+    env: Env, real_first: bool
+) -> None:
+    """The first request stalls past its lease, a retry takes the key over and finds the
+    message taken in ("lost"), and then the first request finishes after all. Whichever
+    stores its answer first, the real answer is what later requests get: a "lost" one
+    stored last said "read the transcript" for an answer the key had."""
+    idem, principal = env.service.idempotency, env.org.principal
+    stalled = await idem.begin(principal, "k-order", "print")
+    env.clock.advance(LEASE_MS + 1)
+    takeover = await idem.begin(principal, "k-order", "print")
+    assert takeover.action == "run"
+    real = {"status": 200, "body": {"answer": "the real one"}}
+    lost = {"status": 409, "body": {"error": {"rule": "idempotency.lost"}}}
+    if real_first:
+        await idem.finish(principal, stalled, real)
+        await idem.finish(principal, takeover, lost, lost=True)
+    else:
+        await idem.finish(principal, takeover, lost, lost=True)
+        await idem.finish(principal, stalled, real)
+    replay = await idem.begin(principal, "k-order", "print")
+    assert replay.action == "replay" and replay.response == real
+
+
 async def claim_and_crash(env: Env, text: str, key: str, session: str, *, taken_in: bool) -> None:
     """What a process that took ``key`` and died leaves behind: the key's claim (and,
     when ``taken_in``, the message, taken in under the claim's event id)."""
