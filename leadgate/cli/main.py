@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from leadgate.cli.commands import COMMANDS
-from leadgate.cli.context import discover, help_epilog, where
+from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
 from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
@@ -28,7 +28,7 @@ from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
 from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.logs import setup_logging
-from leadgate.database.db import Database, upgrade
+from leadgate.database.db import Database, damaged_file, upgrade
 from leadgate.operations.admin import Admin
 
 log = logging.getLogger("leadgate")
@@ -185,15 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         command = (args.command, getattr(args, f"{args.command}_command", None))
         return _emit(render(result, args.format, command))
     except LeadgateError as exc:
-        # One line, the rule last (scripts look for "[rule]" at the end).
-        print(
-            f"leadgate: error: {exc.message} ({where(choice, settings)}) [{exc.rule}]",
-            file=sys.stderr,
-        )
-        return 2
+        return _refused(exc, choice, settings)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        damaged = None if settings is None else damaged_file(exc, settings.database.url)
+        if damaged is not None:
+            return _refused(damaged, choice, settings)
         with contextlib.suppress(Exception):
             log.debug("command failed", exc_info=True)
         print(
@@ -201,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
+    """Exit 2 with one line, the rule last (scripts look for "[rule]" at the end)."""
+    print(
+        f"leadgate: error: {exc.message} ({where(choice, settings)}) [{exc.rule}]",
+        file=sys.stderr,
+    )
+    return 2
 
 
 #: The shell's status for a process that SIGPIPE ended (128 + 13), as ``| head`` gives

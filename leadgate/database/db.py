@@ -729,8 +729,22 @@ def checked_url(url: str) -> sa.engine.URL:
     return parsed
 
 
+def damaged_file(exc: BaseException, url: str) -> ConfigError | None:
+    """:func:`_not_a_database` for an error met anywhere in a command (a damaged page may
+    lie under any table), for the SQLite file of ``url``; None for anything else."""
+    if not isinstance(exc, sa.exc.DBAPIError):
+        return None
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        return None
+    sqlite = parsed.drivername == _DRIVERS["sqlite"]
+    return _not_a_database(exc, parsed.database if sqlite else None)
+
+
 def _not_a_database(exc: sa.exc.DBAPIError, path: str | None) -> ConfigError | None:
-    """SQLite's ``file is not a database`` (``SQLITE_NOTADB``) as one line naming the
+    """SQLite's ``file is not a database`` (``SQLITE_NOTADB``) or ``database disk image is
+    malformed`` (``SQLITE_CORRUPT``: a valid header, damaged pages) as one line naming the
     file, where the first statement meets it: the driver's error was exit 1 with its SQL
     and a sqlalche.me link. (Not by reading the file's header beforehand: opening and
     closing the file in a process that holds SQLite connections to it drops their POSIX
@@ -738,13 +752,22 @@ def _not_a_database(exc: sa.exc.DBAPIError, path: str | None) -> ConfigError | N
     orig = exc.orig
     if not isinstance(orig, sqlite3.DatabaseError) or path is None:
         return None
-    if orig.sqlite_errorcode != sqlite3.SQLITE_NOTADB:
-        return None
-    return ConfigError(
-        f"{os.path.abspath(path)} is not a SQLite database (or its header is damaged): "
-        "database.url names another file, or the file was overwritten",
-        rule="database.file",
-    )
+    # The primary code: the extended ones (SQLITE_CORRUPT_INDEX, ...) share its low byte.
+    code = orig.sqlite_errorcode & 0xFF
+    if code == sqlite3.SQLITE_NOTADB:
+        return ConfigError(
+            f"{os.path.abspath(path)} is not a SQLite database (or its header is damaged): "
+            "database.url names another file, or the file was overwritten",
+            rule="database.file",
+        )
+    if code == sqlite3.SQLITE_CORRUPT:
+        return ConfigError(
+            f"the SQLite database {os.path.abspath(path)} is damaged (SQLite: database disk "
+            "image is malformed): stop the service and restore the file from a backup "
+            "(`sqlite3 FILE .recover` may save what is left of it)",
+            rule="database.file",
+        )
+    return None
 
 
 def _corrected(parsed: sa.engine.URL) -> str:

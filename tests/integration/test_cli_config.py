@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,43 @@ def test_a_configuration_error_is_one_line_ending_in_a_dotted_rule(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["bad.db", *(["config.toml"] if contents is not None else [])]
     )
+
+
+def test_a_damaged_sqlite_file_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file with a valid header and damaged pages was the driver's "database disk image
+    is malformed" with its SQL, exit 1: where the first statement meets it (the schema's
+    pages), and where a command's own query does (one table's pages)."""
+    db = tmp_path / "lg.db"
+    config = tmp_path / "config.toml"
+    config.write_text(f'[database]\nurl = "sqlite+aiosqlite:///{db}"\n')
+    assert run(capsys, "--config", str(config), "db", "upgrade")[0] == 0
+    assert run(capsys, "--config", str(config), "org", "create", "acme")[0] == 0
+    with sqlite3.connect(db) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='api_keys'")
+        api_keys = root.fetchone()[0]
+    conn.close()
+    good = db.read_bytes()
+
+    def damage(first_page: int, pages: int) -> None:
+        data = bytearray(good)
+        start = (first_page - 1) * page
+        data[start : start + pages * page] = b"\x07" * (pages * page)
+        db.write_bytes(bytes(data))
+
+    for first_page, pages, commands in (
+        (2, 60, (["db", "upgrade"], ["org", "list"])),  # the schema
+        (api_keys, 1, (["key", "list", "--org", "acme"],)),  # one table, mid-command
+    ):
+        damage(first_page, pages)
+        for command in commands:
+            code, out, err = run(capsys, "--config", str(config), *command)
+            assert (code, out) == (2, ""), err
+            assert f"the SQLite database {db} is damaged" in err, err
+            assert err.count("\n") == 1 and err.rstrip().endswith("[database.file]"), err
+            assert "[SQL:" not in err and "sqlalche.me" not in err, err
 
 
 def test_an_empty_config_name_is_a_config_file_error(capsys: pytest.CaptureFixture[str]) -> None:
