@@ -364,6 +364,9 @@ continuations = sa.Table(
     sa.Column("resumed_run_id", ID),
     sa.Column("created_at", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+    # One continuation per agent node of a run (migration 0016): a second one of a node
+    # could resume the flow twice. The executor inserts it ON CONFLICT DO NOTHING.
+    sa.Index("uq_continuations_run_node", "run_id", "node_index", unique=True),
 )
 
 # --- Review destinations, reviewer links, review SLAs, episodes and cards (migration 0006)

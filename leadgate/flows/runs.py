@@ -57,6 +57,7 @@ from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import wakes, workitems
 from leadgate.domain.orgs import validate_name
@@ -188,6 +189,41 @@ async def take_over(
         )
     )
     return RunLease(run_id, token) if res.rowcount else None
+
+
+async def register_continuation(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    org_id: str,
+    run_id: str,
+    node_index: int,
+    agent_id: str,
+    session_key: str,
+) -> str:
+    """The id of agent node ``node_index``'s continuation of run ``run_id``, registered
+    (``waiting``) unless an earlier attempt did. One per node (the unique index of
+    migration 0016): the insert is ``ON CONFLICT DO NOTHING`` and the row that is there
+    wins, so a second registration of a node is a no-op, never an IntegrityError."""
+    now = clock.now_ms()
+    await conn.execute(
+        insert_ignore_stmt(conn.dialect.name, t.continuations),
+        {
+            "id": ids.new("cnt"),
+            "org_id": org_id,
+            "run_id": run_id,
+            "node_index": node_index,
+            "agent_id": agent_id,
+            "session_key": session_key,
+            "status": "waiting",
+            "created_at": now,
+            "updated_at": now,
+        },
+    )
+    return str(
+        await conn.scalar(sa.select(C.id).where(C.run_id == run_id, C.node_index == node_index))
+    )
 
 
 def node_trigger(org_id: str, run_id: str, index: int, agent_id: str, prompt: str) -> Trigger:
@@ -521,29 +557,21 @@ class FlowService:
             return False
         async with self.db.tx() as conn:
             # Fenced with the continuation: a process that lost the run registers none
-            # (a second waiting continuation of one node would resume the flow twice).
+            # (a second waiting continuation of one node would resume the flow twice;
+            # the unique index on the node makes a second registration a no-op too).
             await move_run(
                 conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
             )
-            continuation_id = await conn.scalar(
-                sa.select(C.id).where(C.run_id == run["id"], C.node_index == index).limit(1)
+            continuation_id = await register_continuation(
+                conn,
+                self.clock,
+                self.ids,
+                org_id=run["org_id"],
+                run_id=run["id"],
+                node_index=index,
+                agent_id=agent.id,
+                session_key=session_key,
             )
-            if continuation_id is None:  # else registered by an earlier attempt
-                continuation_id = self.ids.new("cnt")
-                now = self.clock.now_ms()
-                await conn.execute(
-                    t.continuations.insert().values(
-                        id=continuation_id,
-                        org_id=run["org_id"],
-                        run_id=run["id"],
-                        node_index=index,
-                        agent_id=agent.id,
-                        session_key=session_key,
-                        status="waiting",
-                        created_at=now,
-                        updated_at=now,
-                    )
-                )
         # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
         outcome = await self.turns.run(trigger)
         async with self.db.tx() as conn:

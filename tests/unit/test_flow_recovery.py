@@ -31,6 +31,7 @@ from leadgate.flows.runs import (
     create_flow,
     move_run,
     node_trigger,
+    register_continuation,
     run_view,
     take_over,
 )
@@ -474,3 +475,31 @@ async def test_a_database_fault_mid_run_names_the_run_that_recovery_continues(
     ended = await _view(second, org, run_id)
     assert ended["status"] == "failed" and LOST in ended["error"]
     assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
+
+
+async def test_a_second_continuation_of_a_node_is_a_no_op_that_returns_the_first(
+    second: Stack,
+) -> None:
+    """One continuation per node (unique index, migration 0016): registering a node's
+    continuation again (another attempt that got past the fence) inserts nothing and
+    names the row that is there; no IntegrityError escapes."""
+    org = await make_org(second)
+    fields = {
+        "org_id": org.id,
+        "run_id": "run_x",
+        "node_index": 2,
+        "agent_id": "agt_x",
+        "session_key": "flow:run_x:2",
+    }
+    async with second.db.tx() as conn:
+        first_id = await register_continuation(conn, second.clock, second.ids, **fields)
+    async with second.db.tx() as conn:
+        again = await register_continuation(conn, second.clock, second.ids, **fields)
+        other = await register_continuation(
+            conn, second.clock, second.ids, **{**fields, "node_index": 3}
+        )
+    assert again == first_id != other
+    c = t.continuations.c
+    async with second.db.read() as conn:
+        rows = (await conn.execute(sa.select(c.id, c.node_index).where(c.run_id == "run_x"))).all()
+    assert sorted((r.node_index, r.id) for r in rows) == [(2, first_id), (3, other)]
