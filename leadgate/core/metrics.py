@@ -63,6 +63,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.flow_runs_unrecoverable = Counter(
+            "leadgate_flow_runs_unrecoverable_total",
+            "Flow runs failed by recovery after MAX_RECOVERIES attempts without progress "
+            "(rule flow.unrecoverable)",
+            registry=self.registry,
+        )
+
         self._review_metrics()
 
     def _review_metrics(self) -> None:

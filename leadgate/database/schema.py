@@ -335,6 +335,9 @@ flow_runs = sa.Table(
     sa.Column("lease_token", ID),
     sa.Column("lease_expires_at", MS),
     sa.Column("lease_owner", ID),
+    # Recovery claims since the run last kept a node's output (migration 0017): after
+    # flows.recovery.MAX_RECOVERIES of them the run fails (flow.unrecoverable).
+    sa.Column("recovery_attempts", sa.Integer, nullable=False, default=0, server_default="0"),
     sa.Index("ix_flow_runs_status_lease", "status", "lease_expires_at"),
 )
 

@@ -10,21 +10,46 @@ LOCKED`` on PostgreSQL: of several replicas exactly one wins) and executes it fr
 first node whose output was not kept. The node that was running when the process died
 is executed again without a second turn: its turn's external event id makes the intake
 answer Duplicate when the turn was taken in (see :meth:`FlowService._agent_node`).
+
+Recovery is bounded. Every claim counts in ``flow_runs.recovery_attempts`` (in the
+claim's ``UPDATE``, so a run that kills each process executing it is counted too); a run
+that keeps a node's output starts again from zero. A run that cannot go on (its flow was
+deleted, its stored outputs do not decode: :class:`~leadgate.flows.runs.RunUnreadable`,
+or anything else its execution raises) fails on the :data:`MAX_RECOVERIES`-th attempt
+without progress, and one claimed after that many attempts that stopped silently fails
+at once, instead of being claimed again every lease for ever: ``failed`` with the error
+and event naming :data:`UNRECOVERABLE_RULE`, one log line and one count of
+``leadgate_flow_runs_unrecoverable_total``.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from leadgate.core.errors import LeadgateError, Unavailable
+from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.domain.processes import owner_gone
-from leadgate.flows.runs import FlowService, RunLease, RunStatus, take_over
+from leadgate.flows.runs import (
+    FlowService,
+    RunLease,
+    RunLeaseLost,
+    RunStatus,
+    move_run,
+    take_over,
+)
 
 log = logging.getLogger("leadgate.flows")
 
 RECOVERED_EVENT = "Flow run continued by recovery (its executor stopped)"
+#: Recovery attempts without progress after which a run is failed rather than claimed
+#: again (each attempt waits for a lapsed lease: about 2 minutes apart).
+MAX_RECOVERIES = 3
+#: The rule in the error and event of a run recovery gave up on.
+UNRECOVERABLE_RULE = "flow.unrecoverable"
 R = t.flow_runs.c
 
 #: The oldest running run nobody holds: its lease lapsed, its holder is known dead, or it
@@ -44,9 +69,18 @@ _LAPSED = (
 )
 
 
-async def claim_lapsed(flows: FlowService) -> RunLease | None:
-    """Claim one running run whose lease lapsed under a new lease token; None when there
-    is none (or another process claimed it first)."""
+@dataclass(frozen=True)
+class Claim:
+    """A lapsed run claimed under a new lease, and which recovery attempt (since the run
+    last made progress) this claim is."""
+
+    lease: RunLease
+    attempt: int
+
+
+async def claim_lapsed(flows: FlowService) -> Claim | None:
+    """Claim one running run whose lease lapsed under a new lease token (counting the
+    attempt); None when there is none (or another process claimed it first)."""
     db, clock = flows.db, flows.clock
     now = clock.now_ms()
     # Read first: the runner polls, and nearly always finds nothing; a read takes no
@@ -61,14 +95,20 @@ async def claim_lapsed(flows: FlowService) -> RunLease | None:
         lease = await take_over(
             conn, flows.clock, flows.ids, row.id, row.lease_token, flows.owner()
         )
-        if lease is not None:
+        if lease is None:
+            return None
+        attempt = int(
+            await conn.scalar(sa.select(R.recovery_attempts).where(R.id == lease.run_id)) or 0
+        )
+        if attempt <= MAX_RECOVERIES:  # else it is given up, not continued
             await flows._event(conn, row.id, RECOVERED_EVENT)
-    return lease
+    return Claim(lease, attempt)
 
 
 class FlowRecovery:
     """Claims a running flow run whose executor stopped (its lease lapsed, or its process
-    is known dead) and continues it."""
+    is known dead) and continues it; gives it up after :data:`MAX_RECOVERIES` attempts
+    without progress."""
 
     name = "flow-recovery"
 
@@ -76,10 +116,57 @@ class FlowRecovery:
         self.flows = flows
 
     async def run_once(self) -> bool:
-        """Claim and continue one lapsed run; True when there was one."""
-        lease = await claim_lapsed(self.flows)
-        if lease is None:
+        """Claim and continue one lapsed run (or fail one recovery gave up on); True when
+        there was one."""
+        claim = await claim_lapsed(self.flows)
+        if claim is None:
             return False
-        log.warning("continuing flow run %s: its executor stopped", lease.run_id)
-        await self.flows.execute(lease)
+        lease, attempt = claim.lease, claim.attempt
+        if attempt > MAX_RECOVERIES:
+            # The earlier attempts stopped without a word (their process died, or the
+            # database failed under them): no further attempt is made.
+            await self.give_up(
+                lease, attempt - 1, "each attempt stopped before the run could go on"
+            )
+            return True
+        log.warning(
+            "continuing flow run %s: its executor stopped (recovery attempt %d of %d)",
+            lease.run_id,
+            attempt,
+            MAX_RECOVERIES,
+        )
+        try:
+            await self.flows.execute(lease)
+        except (RunLeaseLost, Unavailable):
+            # Not the run's fault: another process holds it now, or the database is away
+            # (an attempt that stops here counts, and is claimed again once lapsed).
+            raise
+        except Exception as exc:
+            if attempt < MAX_RECOVERIES:
+                raise  # logged by the runner loop; claimed again once the lease lapses
+            why = exc.message if isinstance(exc, LeadgateError) else f"{type(exc).__name__}: {exc}"
+            await self.give_up(lease, attempt, why)
         return True
+
+    async def give_up(self, lease: RunLease, attempts: int, why: str) -> None:
+        """Fail the run of ``lease`` (fenced by its token) with an error naming
+        :data:`UNRECOVERABLE_RULE`, ``attempts`` and ``why``; logged and counted once
+        (only the holder of the lease gets this far)."""
+        flows = self.flows
+        error = (
+            f"{UNRECOVERABLE_RULE}: recovery gave up after {attempts} attempts to continue "
+            f"the run: {why}"
+        )
+        async with flows.db.tx() as conn:
+            await move_run(
+                conn,
+                flows.clock,
+                lease.run_id,
+                src=RunStatus.running,
+                dst=RunStatus.failed,
+                token=lease.token,
+                values={"error": error},
+            )
+            await flows._event(conn, lease.run_id, f"Flow run failed: {error}")
+        METRICS.flow_runs_unrecoverable.inc()
+        log.error("flow run %s failed: %s", lease.run_id, error)

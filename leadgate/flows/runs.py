@@ -110,6 +110,17 @@ class RunLeaseLost(TransitionError):
     process took the run over (or finished it). Nothing was written."""
 
 
+#: The rule of :class:`RunUnreadable`.
+UNREADABLE_RULE = "flowRun.unreadable"
+
+
+class RunUnreadable(LeadgateError):
+    """A running flow run cannot be executed as stored: its flow is gone, or its outputs
+    or its flow's nodes do not decode or are not lists. Executing it again gives the
+    same; recovery gives such a run up after :data:`leadgate.flows.recovery.MAX_RECOVERIES`
+    attempts (rule ``flow.unrecoverable``)."""
+
+
 @dataclass(frozen=True)
 class RunLease:
     """A running flow run and the lease token its executor holds."""
@@ -170,8 +181,9 @@ async def take_over(
     """Take running run ``run_id``'s lease over from ``old_token`` (None: it had none, a
     run left ``running`` by a version before leases) under a new token held by
     ``owner``: the ``running -> running`` move of a recovery claim, fenced by status and
-    the old token. None when nothing matched (another process took it over first, or
-    the run left ``running``)."""
+    the old token. Counts the claim in ``recovery_attempts`` (reset when the run makes
+    progress). None when nothing matched (another process took it over first, or the
+    run left ``running``)."""
     token = ids.new("lease")
     now = clock.now_ms()
     res = await conn.execute(
@@ -186,6 +198,9 @@ async def take_over(
             lease_expires_at=now + RUN_LEASE_MS,
             lease_owner=owner,
             updated_at=now,
+            # Counted with the claim, durably: a run that kills every process executing
+            # it gets no chance to count its own failure.
+            recovery_attempts=R.recovery_attempts + 1,
         )
     )
     return RunLease(run_id, token) if res.rowcount else None
@@ -454,23 +469,7 @@ class FlowService:
         failure, under ``lease``. Raises :class:`RunLeaseLost` when the lease was lost
         (another process continues the run), and a database fault as it is: the run
         stays ``running`` and recovery continues it once the lease lapsed."""
-        async with self.db.read() as conn:
-            run = dict(
-                (await conn.execute(sa.select(t.flow_runs).where(R.id == lease.run_id)))
-                .one()
-                ._mapping
-            )
-            flow = dict(
-                (await conn.execute(sa.select(t.flows).where(t.flows.c.id == run["flow_id"])))
-                .one()
-                ._mapping
-            )
-        if run["status"] != RunStatus.running.value or run["lease_token"] != lease.token:
-            raise RunLeaseLost(
-                f"flow run {lease.run_id} is not running under this lease", rule="flowRun.lease"
-            )
-        outputs: list[Any] = list(run["outputs"])
-        nodes = flow["nodes"]
+        run, outputs, nodes = await self._load(lease)
         async with self._renewing(lease):
             for index in range(len(outputs), len(nodes)):
                 node = nodes[index]
@@ -505,9 +504,62 @@ class FlowService:
                         src=_RS.running,
                         dst=_RS.running,
                         token=lease.token,
-                        values={"outputs": outputs},
+                        # Progress: recovery's count of attempts that got nowhere
+                        # starts again (a run may lose several processes in its life).
+                        values={"outputs": outputs, "recovery_attempts": 0},
                     )
             await self._finish(lease, outputs, _RS.completed, None)
+
+    async def _load(self, lease: RunLease) -> tuple[dict[str, Any], list[Any], list[Any]]:
+        """The run under ``lease`` (``id``, ``org_id``), the outputs of its nodes done and
+        its flow's nodes. Raises :class:`RunLeaseLost` when it is not running under
+        ``lease``, and :class:`RunUnreadable` when its outputs or its flow cannot be read
+        (gone, not decoding, not the shape a run executes)."""
+        run_id = lease.run_id
+        async with self.db.read() as conn:
+            # The lease first, from columns that always decode.
+            row = (
+                await conn.execute(
+                    sa.select(R.id, R.org_id, R.flow_id, R.status, R.lease_token).where(
+                        R.id == run_id
+                    )
+                )
+            ).first()
+            if row is None or row.status != _RS.running.value or row.lease_token != lease.token:
+                raise RunLeaseLost(
+                    f"flow run {run_id} is not running under this lease", rule="flowRun.lease"
+                )
+            try:
+                outputs = await conn.scalar(sa.select(R.outputs).where(R.id == run_id))
+                flow = (
+                    await conn.execute(
+                        sa.select(t.flows.c.nodes).where(t.flows.c.id == row.flow_id)
+                    )
+                ).first()
+            except ValueError as exc:  # JSONDecodeError: a stored value that is not JSON
+                raise RunUnreadable(
+                    f"flow run {run_id}: its outputs or its flow's nodes do not decode ({exc})",
+                    rule=UNREADABLE_RULE,
+                ) from exc
+        if flow is None:
+            raise RunUnreadable(
+                f"flow run {run_id}: its flow {row.flow_id} no longer exists",
+                rule=UNREADABLE_RULE,
+            )
+        nodes = flow.nodes
+        # Checked, not trusted: list() of a stored object or string would "continue" the
+        # run from a made-up node.
+        if (
+            not isinstance(outputs, list)
+            or not isinstance(nodes, list)
+            or not all(isinstance(node, dict) for node in nodes[len(outputs) :])
+        ):
+            raise RunUnreadable(
+                f"flow run {run_id}: its outputs or its flow's nodes are not the lists a run "
+                "executes",
+                rule=UNREADABLE_RULE,
+            )
+        return {"id": row.id, "org_id": row.org_id}, list(outputs), nodes
 
     async def _finish(
         self, lease: RunLease, outputs: list[Any], status: RunStatus, error: str | None

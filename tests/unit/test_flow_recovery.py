@@ -10,6 +10,7 @@ both databases.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,9 +19,16 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
+from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.flows.recovery import RECOVERED_EVENT, FlowRecovery
+from leadgate.flows.recovery import (
+    MAX_RECOVERIES,
+    RECOVERED_EVENT,
+    UNRECOVERABLE_RULE,
+    FlowRecovery,
+    claim_lapsed,
+)
 from leadgate.flows.runs import (
     PAUSED_OUTPUT,
     RUN_LEASE_MS,
@@ -28,6 +36,7 @@ from leadgate.flows.runs import (
     FlowResumer,
     RunLeaseLost,
     RunStatus,
+    RunUnreadable,
     create_flow,
     move_run,
     node_trigger,
@@ -503,3 +512,164 @@ async def test_a_second_continuation_of_a_node_is_a_no_op_that_returns_the_first
     async with second.db.read() as conn:
         rows = (await conn.execute(sa.select(c.id, c.node_index).where(c.run_id == "run_x"))).all()
     assert sorted((r.node_index, r.id) for r in rows) == [(2, first_id), (3, other)]
+
+
+def _unrecoverable() -> float:
+    return float(METRICS.flow_runs_unrecoverable._value.get())
+
+
+async def _recovery_attempts(stack: Stack, run_id: str) -> int:
+    r = t.flow_runs.c
+    async with stack.db.read() as conn:
+        return int(await conn.scalar(sa.select(r.recovery_attempts).where(r.id == run_id)))
+
+
+async def _gives_up_on_an_unreadable_run(
+    second: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture, run_id: str
+) -> dict[str, Any]:
+    """Recovery attempts the run MAX_RECOVERIES times (each a lease apart), then fails
+    it once: the run as it ended."""
+    recovery = FlowRecovery(second.flows)
+    counted = _unrecoverable()
+    for attempt in range(1, MAX_RECOVERIES):
+        clock.advance(RUN_LEASE_MS + 1)
+        with pytest.raises(RunUnreadable) as info:
+            await recovery.run_once()
+        assert info.value.rule == "flowRun.unreadable"
+        assert await _recovery_attempts(second, run_id) == attempt
+        r = t.flow_runs.c
+        async with second.db.read() as conn:
+            status = await conn.scalar(sa.select(r.status).where(r.id == run_id))
+        assert status == "running"
+    clock.advance(RUN_LEASE_MS + 1)
+    with caplog.at_level(logging.ERROR, logger="leadgate.flows"):
+        assert await recovery.run_once()
+    r, e = t.flow_runs.c, t.flow_run_events.c
+    async with second.db.read() as conn:
+        status, error = (
+            await conn.execute(sa.select(r.status, r.error).where(r.id == run_id))
+        ).one()
+        events = (
+            (
+                await conn.execute(
+                    sa.select(e.text).where(e.run_id == run_id).order_by(e.created_at, e.id)
+                )
+            )
+            .scalars()
+            .all()
+        )
+    # Not claimed again, however long it waits; logged and counted once.
+    clock.advance(10 * RUN_LEASE_MS)
+    assert await drain(recovery) == 0
+    assert _unrecoverable() == counted + 1
+    assert len([rec for rec in caplog.records if UNRECOVERABLE_RULE in rec.getMessage()]) == 1
+    assert events.count(RECOVERED_EVENT) == MAX_RECOVERIES
+    assert events[-1] == f"Flow run failed: {error}"
+    return {"status": status, "error": error}
+
+
+async def test_a_run_whose_flow_is_gone_is_failed_after_a_few_recoveries_not_retried_for_ever(
+    first: Stack, second: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+        await conn.execute(t.flows.delete().where(t.flows.c.id == flow_id))
+    ended = await _gives_up_on_an_unreadable_run(second, clock, caplog, lease.run_id)
+    assert ended == {
+        "status": "failed",
+        "error": f"{UNRECOVERABLE_RULE}: recovery gave up after {MAX_RECOVERIES} attempts to "
+        f"continue the run: flow run {lease.run_id}: its flow {flow_id} no longer exists",
+    }
+
+
+async def test_a_run_whose_outputs_cannot_be_read_is_failed_not_continued_from_a_made_up_node(
+    first: Stack, second: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    org = await make_org(first)
+    flow_id = await _flow(
+        first, org, [{"type": "output", "value": 1}, {"type": "output", "value": 2}]
+    )
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+        if first.db.is_sqlite:
+            # SQLite stores any text: one that is no JSON at all.
+            await conn.execute(
+                sa.text("UPDATE flow_runs SET outputs = '{not json' WHERE id = :id"),
+                {"id": lease.run_id},
+            )
+        else:
+            # PostgreSQL refuses text that is no JSON: JSON that is not a list (list() of
+            # it made the run skip a node before).
+            await conn.execute(
+                t.flow_runs.update()
+                .where(t.flow_runs.c.id == lease.run_id)
+                .values(outputs={"x": 1})
+            )
+    ended = await _gives_up_on_an_unreadable_run(second, clock, caplog, lease.run_id)
+    assert ended["status"] == "failed"
+    assert ("do not decode" if first.db.is_sqlite else "are not the lists") in ended["error"]
+    assert ended["error"].startswith(
+        f"{UNRECOVERABLE_RULE}: recovery gave up after {MAX_RECOVERIES} attempts to continue "
+        f"the run: flow run {lease.run_id}: its outputs or its flow's nodes "
+    )
+
+
+async def test_a_run_whose_recoveries_all_died_silently_is_failed_without_another_attempt(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    """Attempts that kill their process count too (in the claim): the one after the last
+    is not executed."""
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    for attempt in range(1, MAX_RECOVERIES + 1):
+        clock.advance(RUN_LEASE_MS + 1)
+        claim = await claim_lapsed(second.flows)  # ... and its process dies
+        assert claim is not None and claim.attempt == attempt
+    clock.advance(RUN_LEASE_MS + 1)
+    counted = _unrecoverable()
+    assert await drain(FlowRecovery(second.flows)) == 1
+    run = await _view(second, org, lease.run_id)
+    assert (run["status"], run["outputs"], run["error"]) == (
+        "failed",
+        [],
+        f"{UNRECOVERABLE_RULE}: recovery gave up after {MAX_RECOVERIES} attempts to continue "
+        "the run: each attempt stopped before the run could go on",
+    )
+    assert run["events"].count(RECOVERED_EVENT) == MAX_RECOVERIES
+    assert _unrecoverable() == counted + 1
+
+
+async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
+    first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
+) -> None:
+    """A long run may lose several processes in its life: only attempts that got nowhere
+    add up."""
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "plain", "prompt": "one"},
+            {"type": "agent", "agent": "plain", "prompt": "two #hold"},
+        ],
+    )
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    claim = None
+    for _ in range(MAX_RECOVERIES - 1):
+        clock.advance(RUN_LEASE_MS + 1)
+        claim = await claim_lapsed(first.flows)
+    assert claim is not None
+    assert await _recovery_attempts(second, lease.run_id) == MAX_RECOVERIES - 1
+    running = asyncio.create_task(first.flows.execute(claim.lease))
+    await asyncio.wait_for(mortal.entered.wait(), 10)
+    # Node 0's output was kept: the count started again.
+    assert await _recovery_attempts(second, lease.run_id) == 0
+    mortal.gate.set()
+    await running
+    assert (await _view(second, org, lease.run_id))["status"] == "completed"
