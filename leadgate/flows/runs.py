@@ -26,7 +26,9 @@ the run once its lease lapsed (or its holder is known dead) and continues it fro
 the old executor, should it come back, can write nothing more. An agent node's turn is
 taken in under the external event id ``flow:<run>:<node>`` (the intake's
 de-duplication), so a node executed again never makes a second turn: a lead-reviewed
-node pauses on the turn already taken, a plain node takes the answer that turn stored,
+node pauses on the turn already taken (recorded as a ``rerun`` turn run: turn recovery
+runs it again if it was cut off before its submission), a plain node takes the answer
+that turn stored,
 and a plain node whose answer was lost with its process fails the run saying so.
 """
 

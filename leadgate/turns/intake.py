@@ -127,13 +127,20 @@ def _new_session_alone(shape: tuple[tuple[str, tuple[str, ...]], ...]) -> sa.Sel
 
 def _recorded(kind: BindingKind, gated: bool) -> bool:
     """Whether a turn through ``kind`` is recorded as a run (``turn_runs``)."""
+    if kind is BindingKind.flow:
+        # A lead-reviewed node's run waits on the turn's work item, which only a turn
+        # run again takes on to the lead (flow recovery executes the node again without
+        # a second intake). A plain node's is not recorded: flow recovery takes the
+        # answer it stored, or fails the run (flow.turn_lost) rather than run it twice.
+        return gated
     return _rerun(kind) or (gated and kind in _CLIENT_KINDS)
 
 
 def _rerun(kind: BindingKind) -> bool:
-    """Whether a recorded turn through ``kind`` is run again after a crash: channels and
-    schedules, which nobody will ask again (a client retries its own)."""
-    return kind.is_channel or kind is BindingKind.scheduled
+    """Whether a recorded turn through ``kind`` is run again after a crash: channels,
+    schedules and (lead-reviewed) flow nodes, which nobody will ask again (a client
+    retries its own)."""
+    return kind.is_channel or kind in (BindingKind.scheduled, BindingKind.flow)
 
 
 def _item_values(

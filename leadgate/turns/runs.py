@@ -11,9 +11,10 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   happened, its withheld text was lost): the signal is submitted exactly once, to a human
   (``inProgress -> awaitingHuman``, audit ``turnInterrupted``; it is in the actionable
   queue); re-running the model would make a second, different handoff;
-* ``rerun`` (channels: nobody else will ask again): the turn runs again from the stored
-  message; its reply is queued fenced by the run's lease token, so at most one run
-  commits; several recorded messages of one session are answered by one turn;
+* ``rerun`` (channels, schedules, a flow's lead-reviewed node: nobody else will ask
+  again): the turn runs again from the stored message; its reply is queued fenced by
+  the run's lease token, so at most one run commits; several recorded messages of one
+  session are answered by one turn;
 * ``client`` (REST/MCP: the official clients retry a turn cut by a lost connection, and
   their retry is a new message): the run is closed, the first message stays in the
   transcript (and the item's task context) as it was stored, and the item waits in

@@ -44,8 +44,10 @@ from leadgate.flows.runs import (
     run_view,
     take_over,
 )
+from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
+from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
 from tests.helpers import Org, eventually, make_agent, make_org
 from tests.stack import Stack
 
@@ -673,3 +675,69 @@ async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
     mortal.gate.set()
     await running
     assert (await _view(second, org, lease.run_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize("turn_first", [False, True], ids=["flow_first", "turn_first"])
+async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_the_flow_ends(
+    first: Stack, second: Stack, clock: FakeClock, turn_first: bool
+) -> None:
+    """The worker's turn of a lead-reviewed node dies in the model: its work item is
+    ``inProgress`` with no submission. Flow recovery pauses the run on that item (the
+    turn was taken in: no second intake); turn recovery runs the turn again (a flow
+    node's gated turn is recorded, as a channel's is); the lead approves its submission
+    and the flow resumes and completes, whichever recovery comes first."""
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "write it #die #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    with pytest.raises(Killed):
+        await first.flows.start(org.id, flow_id)
+    run_id = await _only_run(first)
+    w = t.work_items.c
+    async with second.db.read() as conn:
+        [item_status] = (await conn.execute(sa.select(w.status))).scalars().all()
+    assert item_status == "inProgress"  # taken in; nothing submitted
+    assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
+    # Both leases lapse (the turn's is the longer one).
+    clock.advance(TURN_LEASE_MS + 1)
+    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
+    if turn_first:
+        # The turn runs again and the lead approves before the run was paused: the
+        # resumer waits for the pause (which wakes it).
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+        assert await drain(FlowResumer(second.flows)) == 0
+        assert await drain(flow_recovery) == 1
+    else:
+        assert await drain(flow_recovery) == 1
+        assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+    paused = await _view(second, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    assert len(paused["continuations"]) == 1
+    assert await drain(FlowResumer(second.flows)) == 1
+    [cont] = (await _view(second, org, run_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert (done["status"], done["outputs"]) == (
+        "completed",
+        [PAUSED_OUTPUT, {"data": "after", "success": True}],
+    )
+    # One intake of the node's message, answered by the re-run turn alone.
+    assert await _turns(second, run_id, 0) == {
+        "user": 1,
+        "assistant": 1,
+        "tool": 1,
+        "inboundEvents": 1,
+    }
+    async with second.db.read() as conn:
+        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
+    assert await drain(turn_recovery) == 0
