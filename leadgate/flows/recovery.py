@@ -17,7 +17,8 @@ that keeps a node's output starts again from zero. A run that cannot go on (its 
 deleted, its stored outputs do not decode: :class:`~leadgate.flows.runs.RunUnreadable`,
 or anything else its execution raises) fails on the :data:`MAX_RECOVERIES`-th attempt
 without progress, and one claimed after that many attempts that stopped silently fails
-at once, instead of being claimed again every lease for ever: ``failed`` with the error
+at once, instead of being claimed again every lease for ever (an attempt a database fault
+ended is not counted: an outage is not the run's fault): ``failed`` with the error
 and event naming :data:`UNRECOVERABLE_RULE`, one log line and one count of
 ``leadgate_flow_runs_unrecoverable_total``.
 """
@@ -114,10 +115,13 @@ class FlowRecovery:
 
     def __init__(self, flows: FlowService) -> None:
         self.flows = flows
+        #: Attempts a database fault ended whose count is not taken back yet.
+        self._faulted: list[RunLease] = []
 
     async def run_once(self) -> bool:
         """Claim and continue one lapsed run (or fail one recovery gave up on); True when
         there was one."""
+        await self._uncount_faulted()
         claim = await claim_lapsed(self.flows)
         if claim is None:
             return False
@@ -137,9 +141,14 @@ class FlowRecovery:
         )
         try:
             await self.flows.execute(lease)
-        except (RunLeaseLost, Unavailable):
-            # Not the run's fault: another process holds it now, or the database is away
-            # (an attempt that stops here counts, and is claimed again once lapsed).
+        except RunLeaseLost:
+            raise  # another process holds it now
+        except Unavailable:
+            # Not the run's fault: the database is away. The attempt is taken back (now,
+            # or before the next claim once the database answers), so that a database
+            # outage spanning a few attempts does not fail a run that can go on.
+            self._faulted.append(lease)
+            await self._uncount_faulted()
             raise
         except Exception as exc:
             if attempt < MAX_RECOVERIES:
@@ -147,6 +156,29 @@ class FlowRecovery:
             why = exc.message if isinstance(exc, LeadgateError) else f"{type(exc).__name__}: {exc}"
             await self.give_up(lease, attempt, why)
         return True
+
+    async def _uncount_faulted(self) -> None:
+        """Take back the count of each attempt a database fault ended, fenced by that
+        attempt's lease token: once another claim took the run, the attempt stays
+        counted (only that claim's process knows how it went). Kept for the next round
+        while the database is still away."""
+        while self._faulted:
+            lease = self._faulted[0]
+            try:
+                async with self.flows.db.tx() as conn:
+                    await conn.execute(
+                        t.flow_runs.update()
+                        .where(
+                            R.id == lease.run_id,
+                            R.status == RunStatus.running.value,
+                            R.lease_token == lease.token,
+                            R.recovery_attempts > 0,
+                        )
+                        .values(recovery_attempts=R.recovery_attempts - 1)
+                    )
+            except Unavailable:
+                return
+            self._faulted.pop(0)
 
     async def give_up(self, lease: RunLease, attempts: int, why: str) -> None:
         """Fail the run of ``lease`` (fenced by its token) with an error naming

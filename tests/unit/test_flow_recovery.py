@@ -645,6 +645,34 @@ async def test_a_run_whose_recoveries_all_died_silently_is_failed_without_anothe
     assert _unrecoverable() == counted + 1
 
 
+async def test_attempts_a_database_fault_ended_do_not_count_towards_giving_up(
+    first: Stack, second: Stack, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outage spanning more attempts than MAX_RECOVERIES must not fail a run that can
+    go on: each attempt the database failed under is taken back."""
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    recovery = FlowRecovery(second.flows)
+    execute = second.flows.execute
+
+    async def outage(lease: Any) -> None:
+        raise Unavailable("database is locked", rule="service.unavailable")
+
+    monkeypatch.setattr(second.flows, "execute", outage)
+    for _ in range(MAX_RECOVERIES + 2):
+        clock.advance(RUN_LEASE_MS + 1)
+        with pytest.raises(Unavailable):
+            await recovery.run_once()
+        assert await _recovery_attempts(second, lease.run_id) == 0
+    monkeypatch.setattr(second.flows, "execute", execute)
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await recovery.run_once()
+    run = await _view(second, org, lease.run_id)
+    assert (run["status"], run["outputs"]) == ("completed", [{"data": 1, "success": True}])
+
+
 async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
     first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
 ) -> None:
