@@ -189,6 +189,21 @@ CHECKED_OPTIONS = frozenset(
 REQUEST_PARAMS = CHECKED_OPTIONS | {"model", "messages", "n", "stream", "stream_options", "user"}
 
 
+def _param_of(rule: str, session_header: str | None) -> str | None:
+    """The request parameter a 400's ``rule`` is about, as OpenAI names it, else ``None``:
+    the turn path's checks of the message text (``message.*``) are about ``messages``,
+    and of the session name (``session.*``) about ``user`` when no ``X-Session-Id``
+    header named the session (a header is no request parameter)."""
+    field = rule.split(".", 1)[0]
+    if field in REQUEST_PARAMS:
+        return field
+    if field == "message":
+        return "messages"
+    if field == "session" and session_header is None:
+        return "user"
+    return None
+
+
 def _check_options(body: dict[str, Any]) -> None:
     """The optional OpenAI parameters leadgate knows: the wrong type or range is a 400
     naming the parameter (they were dropped unread, and ``"user": 5`` quietly chose the
@@ -429,20 +444,26 @@ def setup(
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         principal = await authenticate(request, authenticate_with, cookie=False)
         body = await json_body(request)
+        session = header_text(request, "X-Session-Id")
         try:
-            parsed = parse_request(body)
+            return await _completions(request, principal, body, session)
         except ValidationError as exc:
-            # ``param`` names the request parameter the rule is about, as OpenAI's do.
-            field = exc.rule.split(".", 1)[0]
+            # ``param`` names the request parameter the rule is about, as OpenAI's do,
+            # also for the turn path's own checks (the message text, the ``user``
+            # session name), which refuse before anything is taken in.
             return error_response(
                 request,
                 exc.status,
                 exc.message,
                 exc.code,
                 exc.rule,
-                param=field if field in REQUEST_PARAMS else None,
+                param=_param_of(exc.rule, session),
             )
-        session = header_text(request, "X-Session-Id")
+
+    async def _completions(
+        request: web.Request, principal: Principal, body: dict[str, Any], session: str | None
+    ) -> web.StreamResponse:
+        parsed = parse_request(body)
         key = request.headers.get("Idempotency-Key")
         if key is None or idempotency is None:
             return await _turn(request, principal, parsed, session, None)

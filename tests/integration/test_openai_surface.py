@@ -486,6 +486,34 @@ REFUSED_OPTIONS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+async def test_the_turn_paths_refusals_name_their_parameter(env: Env) -> None:
+    """The message text and the ``user`` session name are checked on the turn path; their
+    400s said ``param: null`` though the README says ``param`` names the request
+    parameter a 400 is about (``messages``, ``user``). A session named by the
+    ``X-Session-Id`` header is no request parameter: ``null`` there."""
+    cases: list[tuple[str, dict[str, Any], str, str | None]] = [
+        ("", {}, "message.empty", "messages"),
+        ("x" * 100_001, {}, "message.too_long", "messages"),
+        ("hi", {"user": "u" * 201}, "session.length", "user"),
+        ("hi", {"user": "a\x01b"}, "session.text", "user"),
+    ]
+    for idem in (None, "k-param"):  # (the Idempotency-Key path checks the session first)
+        for text, extra, rule, param in cases:
+            resp = await env.chat("plain", text, idem=idem, **extra)
+            assert resp.status == 400, (rule, idem)
+            error = (await resp.json())["error"]
+            assert (error["rule"], error["param"]) == (rule, param), idem
+    header = await env.chat("plain", "hi", session="s" * 201)
+    error = (await header.json())["error"]
+    assert (error["rule"], error["param"]) == ("session.length", None)
+    official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await official.chat.completions.create(
+            model="plain", messages=[{"role": "user", "content": " "}]
+        )
+    assert refused.value.param == "messages" and refused.value.code == "invalid_request"
+
+
 async def test_parameters_are_checked_and_what_the_agent_cannot_do_is_refused(
     env: Env,
 ) -> None:
