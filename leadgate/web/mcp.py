@@ -519,19 +519,27 @@ async def _bridge(
         return {"type": "http.disconnect"}
 
     plain_error: tuple[int, bytearray] | None = None
+    sdk_error: tuple[Message, bytearray] | None = None
 
     async def send(message: Message) -> None:
-        nonlocal response, plain_error
+        nonlocal response, plain_error, sdk_error
         async with send_lock:
             if gone.is_set():
                 return
             try:
                 if message["type"] == "http.response.start" and _plain_error(message):
                     plain_error = (message["status"], bytearray())
+                elif message["type"] == "http.response.start" and message["status"] >= 400:
+                    # One of the SDK's JSON-RPC refusals: kept whole to name its rule.
+                    sdk_error = (message, bytearray())
                 elif message["type"] == "http.response.body" and plain_error is not None:
                     plain_error[1].extend(message.get("body", b""))
                     if not message.get("more_body", False):
                         response = _enveloped(*plain_error)
+                elif message["type"] == "http.response.body" and sdk_error is not None:
+                    sdk_error[1].extend(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        response = _ruled(*sdk_error)
                 elif message["type"] == "http.response.start":
                     response = web.StreamResponse(status=message["status"])
                     for raw_name, raw_value in message.get("headers", []):
@@ -541,9 +549,6 @@ async def _bridge(
                         if name.lower() == "content-length":
                             continue
                         response.headers.add(name, raw_value.decode("latin-1"))
-                    if message["status"] == 503 and "Retry-After" not in response.headers:
-                        # The SDK's "too many open sessions": every 503 says when to retry.
-                        response.headers.update(retry_headers(SESSION_FULL_RETRY_MS))
                     await response.prepare(request)
                 elif message["type"] == "http.response.body" and response is not None:
                     body = message.get("body", b"")
@@ -611,6 +616,53 @@ def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
     code = -32700 if exc.rule in _NOT_JSON else -32602
     error = {"code": code, "message": f"{exc.message} [{exc.rule}]", "data": {"rule": exc.rule}}
     return web.json_response({"jsonrpc": "2.0", "id": request_id, "error": error}, status=400)
+
+
+#: The rules of the SDK's JSON-RPC refusals (HTTP 4xx, and its 503), by HTTP status.
+_SDK_JSONRPC_RULES: Final = {
+    404: "mcp.session",  # an unknown, ended or another caller's session id
+    405: "http",
+    406: "mcp.accept",  # the Accept header leaves out what the answer must be
+    409: "mcp.stream",  # a second GET stream on one session
+    415: "mcp.content_type",
+    503: "mcp.sessions",  # every session the process may hold is open
+}
+
+
+def _sdk_jsonrpc_rule(status: int, text: str) -> str:
+    if status == 400 and text.startswith("Validation error"):
+        return "mcp.message"  # valid JSON, but no JSON-RPC message
+    if status == 400 and "session ID" in text:
+        return "mcp.session_id"  # a request other than initialize without Mcp-Session-Id
+    return _SDK_JSONRPC_RULES.get(status, "mcp.request" if status < 500 else "internal")
+
+
+def _ruled(start: Message, body: bytes | bytearray) -> web.Response:
+    """One of the SDK's JSON-RPC refusals (``Session not found``, ``Missing session ID``,
+    ``Not Acceptable``, ...) as it answered it, its error naming the rule in ``data``
+    as the service's own JSON-RPC refusals do (``{"rule": ...}``); it named none. A 503
+    says when to try again, as every 503 of the service does."""
+    status = start["status"]
+    # (Its headers are its content type and session id, each once.)
+    headers = {
+        name: value
+        for name, value in (
+            (raw_name.decode("latin-1"), raw_value.decode("latin-1"))
+            for raw_name, raw_value in start.get("headers", [])
+        )
+        if name.lower() != "content-length"
+    }
+    if status == 503 and "retry-after" not in {name.lower() for name in headers}:
+        headers.update(retry_headers(SESSION_FULL_RETRY_MS))
+    try:
+        message = json.loads(body)
+    except ValueError:
+        message = None
+    error = message.get("error") if isinstance(message, dict) else None
+    if isinstance(error, dict):
+        error["data"] = {"rule": _sdk_jsonrpc_rule(status, str(error.get("message", "")))}
+        body = json.dumps(message).encode()
+    return web.Response(status=status, body=bytes(body), headers=headers)
 
 
 def _enveloped(status: int, body: bytes | bytearray) -> web.Response:

@@ -344,6 +344,39 @@ async def test_sessions_past_the_limit_are_503_with_retry_after() -> None:
             await session.send_ping()
 
 
+async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
+    """The SDK answers some refusals itself, in JSON-RPC (an unknown session id, a
+    request without one, an Accept it cannot answer, the session limit): they named no
+    rule, unlike every other refusal of the service. Now ``error.data`` names it, as the
+    service's own JSON-RPC refusals do, and the rest of the answer is the SDK's."""
+    accept = {"Authorization": "Bearer key-a", "Accept": "application/json, text/event-stream"}
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    async with serving(max_sessions=1) as served, httpx2.AsyncClient() as http:
+        answers = {
+            "mcp.session": await http.post(
+                served.url,
+                json=ping,
+                headers={**accept, "Mcp-Session-Id": "nope", "Mcp-Protocol-Version": "2025-06-18"},
+            ),
+            "mcp.session_id": await http.post(served.url, json=ping, headers=accept),
+            "mcp.accept": await http.post(
+                served.url, json=mcp_initialize(), headers={**accept, "Accept": "text/html"}
+            ),
+        }
+        opened = await http.post(served.url, json=mcp_initialize(), headers=accept)
+        assert opened.status_code == 200
+        answers["mcp.sessions"] = await http.post(served.url, json=mcp_initialize(), headers=accept)
+    for rule, answer in answers.items():
+        assert 400 <= answer.status_code < 600 and answer.status_code != 500, rule
+        assert answer.headers["content-type"].startswith("application/json"), rule
+        got = answer.json()
+        assert got["jsonrpc"] == "2.0" and isinstance(got["error"]["code"], int), rule
+        assert got["error"]["data"] == {"rule": rule}, (rule, got)
+    assert answers["mcp.session"].status_code == 404
+    assert answers["mcp.sessions"].status_code == 503
+    assert int(answers["mcp.sessions"].headers["Retry-After"]) >= 1
+
+
 async def test_longest_message_is_accepted(served: Served) -> None:
     async with mcp_session(served.url, "key-a") as session:
         result = await session.call_tool(
