@@ -618,6 +618,12 @@ def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
     return web.json_response({"jsonrpc": "2.0", "id": request_id, "error": error}, status=400)
 
 
+#: The text of a body that is JSON but no JSON-RPC message.
+NOT_JSONRPC_TEXT: Final = (
+    'the body is not a JSON-RPC 2.0 message: an object with "jsonrpc": "2.0" and a '
+    '"method" (a request or notification), or an "id" with a "result" or "error"'
+)
+
 #: The rules of the SDK's JSON-RPC refusals (HTTP 4xx, and its 503), by HTTP status.
 _SDK_JSONRPC_RULES: Final = {
     404: "mcp.session",  # an unknown, ended or another caller's session id
@@ -660,7 +666,12 @@ def _ruled(start: Message, body: bytes | bytearray) -> web.Response:
         message = None
     error = message.get("error") if isinstance(message, dict) else None
     if isinstance(error, dict):
-        error["data"] = {"rule": _sdk_jsonrpc_rule(status, str(error.get("message", "")))}
+        rule = _sdk_jsonrpc_rule(status, str(error.get("message", "")))
+        if rule == "mcp.message":
+            # The SDK's text is pydantic's dump: its version, the SDK's class names and
+            # the values sent, echoed back (a secret in a misplaced field included).
+            error["message"] = f"{NOT_JSONRPC_TEXT} [{rule}]"
+        error["data"] = {"rule": rule}
         body = json.dumps(message).encode()
     return web.Response(status=status, body=bytes(body), headers=headers)
 

@@ -377,6 +377,31 @@ async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
     assert int(answers["mcp.sessions"].headers["Retry-After"]) >= 1
 
 
+async def test_json_that_is_no_jsonrpc_message_leaks_no_validation_dump(
+    served: Served,
+) -> None:
+    """The SDK answered it with pydantic's dump: its version (errors.pydantic.dev/2.x),
+    the SDK's class names and every value sent, echoed back."""
+    headers = {
+        "Authorization": "Bearer key-a",
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+    }
+    async with httpx2.AsyncClient() as http:
+        for body in (
+            {"api_key": "sk-secret-echo"},
+            [{"jsonrpc": "2.0", "id": 1, "method": "ping", "x": "sk-secret-echo"}],
+        ):
+            answer = await http.post(served.url, json=body, headers=headers)
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert error["data"] == {"rule": "mcp.message"}
+            assert error["message"].startswith("the body is not a JSON-RPC 2.0 message")
+            for leak in ("secret", "pydantic", "JSONRPCRequest", "input_value"):
+                assert leak not in answer.text, leak
+    assert served.core.calls == []
+
+
 async def test_longest_message_is_accepted(served: Served) -> None:
     async with mcp_session(served.url, "key-a") as session:
         result = await session.call_tool(
