@@ -519,7 +519,18 @@ def setup(
             if stored is None:
                 await idempotency.release(principal, claim)
             else:
-                await idempotency.finish(principal, claim, stored, lost=exchange.lost)
+                try:
+                    await idempotency.finish(principal, claim, stored, lost=exchange.lost)
+                except Exception as exc:
+                    # The turn ran and its answer is in hand (a stream's is already sent):
+                    # the client gets it. It was a retryable 503 "nothing was stored" for
+                    # a message taken in and answered. Unstored, the claim lapses after
+                    # its lease; a retry then gets ``idempotency.lost``, never a 2nd turn.
+                    log.warning(
+                        "storing the answer under its Idempotency-Key failed: %s",
+                        type(exc).__name__,
+                        exc_info=unavailable(exc) is None,
+                    )
         return response
 
     async def list_models(request: web.Request) -> web.Response:

@@ -386,6 +386,32 @@ async def test_a_database_fault_after_the_intake_says_the_message_was_taken_in(
         assert await env.user_messages("faulty", session) == ["hello"]
 
 
+async def test_a_fault_storing_the_answer_under_its_key_still_answers(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn ran and answered, then storing its answer under the Idempotency-Key met a
+    database fault: the client got a retryable 503 "nothing was stored, please retry"
+    (no ``x-should-retry: false``) for a message taken in and answered, and a stream
+    that was already sent whole was followed by an error answer. The answer is the
+    client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``."""
+
+    async def faulty_finish(*args: Any, **kwargs: Any) -> None:
+        raise Unavailable("database is locked", rule="service.unavailable")
+
+    monkeypatch.setattr(env.service.idempotency, "finish", faulty_finish)
+    plain = await env.chat("plain", "hello", idem="k-fin", session="fin")
+    assert plain.status == 200, await plain.text()
+    assert (await plain.json())["choices"][0]["message"]["content"] == "Echo: hello"
+    streamed = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
+    assert streamed.status == 200
+    assert (await streamed.read()).endswith(b"data: [DONE]\n\n")
+    monkeypatch.undo()
+    env.clock.advance(LEASE_MS + 1)  # the claim nobody renews lapses
+    lost = await env.chat("plain", "hello", idem="k-fin", session="fin")
+    assert lost.status == 409 and (await lost.json())["error"]["rule"] == "idempotency.lost"
+    assert await env.user_messages("plain", "fin") == ["hello"]  # taken in once
+
+
 async def test_a_key_is_free_again_after_a_day(env: Env) -> None:
     await env.chat("plain", "day one", idem="k-d", session="d")
     env.clock.advance(TTL_MS + 1)
