@@ -48,6 +48,12 @@ PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review comp
 # The official OpenAI clients retry a 409 and every 5xx by default, which would resend a
 # turn that was taken in; this header, which they obey, says not to.
 NO_RETRY = {"x-should-retry": "false"}
+#: A database fault after the message was taken in (REST's 503, MCP's tool error).
+TURN_INTERRUPTED = (
+    "the message was taken in, but its turn could not finish: the database is unavailable. "
+    "Do not send it again (it would be sent twice); its answer, if any, will be in the "
+    "session transcript"
+)
 # The answer to a request whose Idempotency-Key was taken over after the process that
 # ran its turn died: the message was taken in once, the answer was lost with the process.
 LOST_MESSAGE = (
@@ -634,15 +640,7 @@ class _Exchange:
         # (A model error is never read as a database fault, whatever its causes are.)
         fault = exc if isinstance(exc, LeadgateError) else unavailable(exc)
         if isinstance(fault, Unavailable):
-            return _error_json(
-                self.request,
-                Unavailable(
-                    "the message was taken in, but its turn could not finish: the database "
-                    "is unavailable. Do not send it again (it would be sent twice); its "
-                    "answer, if any, will be in the session transcript",
-                    rule="turn.interrupted",
-                ),
-            )
+            return _error_json(self.request, Unavailable(TURN_INTERRUPTED, rule="turn.interrupted"))
         return _error_json(self.request, exc)
 
     def _refused(self, outcome: Outcome) -> tuple[int, dict[str, Any]]:
@@ -737,6 +735,7 @@ async def _replay(request: web.Request, stored: dict[str, Any]) -> web.StreamRes
 __all__ = [
     "NO_RETRY",
     "PENDING_MESSAGE",
+    "TURN_INTERRUPTED",
     "ChatBackend",
     "IdempotencyBackend",
     "ModelBackend",

@@ -11,11 +11,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
 from openai import AsyncOpenAI
 
 from leadgate.app import App
@@ -410,6 +414,29 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     lost = await env.chat("plain", "hello", idem="k-fin", session="fin")
     assert lost.status == 409 and (await lost.json())["error"]["rule"] == "idempotency.lost"
     assert await env.user_messages("plain", "fin") == ["hello"]  # taken in once
+
+
+@pytest.mark.like_production  # (the test server cancelled the MCP session's handlers)
+async def test_a_database_fault_after_the_intake_tells_an_mcp_client_not_to_resend(
+    env: Env,
+) -> None:
+    """MCP's tool error was the fault's own text ("nothing was stored, please retry
+    shortly" for a real one) for a message that was taken in: a client obeying it sent
+    the message twice. It now says what REST's ``turn.interrupted`` says."""
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {env.org.key}"}) as http,
+        streamable_http_client(str(env.client.make_url("/mcp")), http_client=http) as streams,
+        ClientSession(*streams) as session,
+    ):
+        await session.initialize()
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "faulty", "message": "hello", "session": "m"}
+        )
+    assert result.is_error is True
+    [block] = result.content
+    assert isinstance(block, TextContent)
+    assert "Do not send it again" in block.text and "nothing was stored" not in block.text
+    assert await env.user_messages("faulty", "m") == ["hello"]
 
 
 async def test_a_key_is_free_again_after_a_day(env: Env) -> None:
