@@ -13,10 +13,13 @@ the document.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from leadgate.web import charts
 
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 NONE: list[dict[str, list[str]]] = []
@@ -228,9 +231,17 @@ OPERATIONS: list[Operation] = [
     ),
     Operation(
         "get",
-        "/operator/insights/charts/{name}",
+        "/operator/insights/charts/{name}.svg",
         "One insights chart (SVG)",
-        parameters=[_query("days", {"type": "integer", "enum": [7, 30, 90]})],
+        parameters=[
+            {
+                "name": "name",
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string", "enum": list(charts.CHARTS)},
+            },
+            _query("days", {"type": "integer", "enum": [7, 30, 90]}),
+        ],
         responses={"200": "An image/svg+xml chart"},
     ),
     Operation(
@@ -261,9 +272,12 @@ def document(public_url: str) -> dict[str, Any]:
     """The OpenAPI document of :data:`OPERATIONS`."""
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
+        # (A path parameter the operation describes itself is not described twice.)
+        own = {param["name"] for param in op.parameters if param["in"] == "path"}
         params = [
             {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
             for name in _path_names(op.path)
+            if name not in own
         ] + op.parameters
         responses: dict[str, Any] = {
             status: {"description": text} for status, text in op.responses.items()
@@ -313,7 +327,7 @@ _COMMON = {
 
 
 def _path_names(path: str) -> list[str]:
-    return [part[1:-1] for part in path.split("/") if part.startswith("{")]
+    return re.findall(r"\{(\w+)\}", path)
 
 
 def setup(app: web.Application, *, public_url: str) -> None:
