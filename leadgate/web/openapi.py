@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from leadgate.operations.idempotency import KEY_LIMIT
+from leadgate.operations.transcripts import PAGE_MAX
 from leadgate.web import charts
 
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -162,7 +164,7 @@ OPERATIONS: list[Operation] = [
                 "name": "Idempotency-Key",
                 "in": "header",
                 "required": False,
-                "schema": {"type": "string", "maxLength": 200},
+                "schema": {"type": "string", "minLength": 1, "maxLength": KEY_LIMIT},
             },
         ],
         responses={"200": "A completion (or an SSE stream)", "409": "LEAD_REVIEW_PENDING"},
@@ -175,7 +177,7 @@ OPERATIONS: list[Operation] = [
         "A session's visible transcript (approved answers included once revealed)",
         parameters=[
             _query("after", {"type": "string"}),
-            _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
+            _query("limit", {"type": "integer", "minimum": 1, "maximum": PAGE_MAX}),
         ],
     ),
     Operation("get", "/v1/agents", "List the organization's agents"),
