@@ -439,6 +439,22 @@ async def test_a_database_fault_after_the_intake_tells_an_mcp_client_not_to_rese
     assert await env.user_messages("faulty", "m") == ["hello"]
 
 
+async def test_a_database_fault_after_the_intake_tells_studio_not_to_resend(env: Env) -> None:
+    """Studio answered the fault's own retryable 503 ("nothing was stored, please retry
+    shortly" for a real one), and its page put the message, taken in, back in the box
+    to be sent again. It is REST's ``turn.interrupted`` answer now."""
+    resp = await env.client.post(
+        "/console/studio/agents/faulty/sessions/st/messages",
+        json={"message": "hello"},
+        headers={"Authorization": f"Bearer {env.org.key}"},
+    )
+    assert resp.status == 503 and "Retry-After" not in resp.headers
+    error = (await resp.json())["error"]
+    assert error["rule"] == "turn.interrupted"
+    assert "Do not send it again" in error["message"]
+    assert await env.user_messages("faulty", "st") == ["hello"]
+
+
 async def test_a_key_is_free_again_after_a_day(env: Env) -> None:
     await env.chat("plain", "day one", idem="k-d", session="d")
     env.clock.advance(TTL_MS + 1)
