@@ -198,13 +198,16 @@ REQUEST_PARAMS = CHECKED_OPTIONS | {"model", "messages", "n", "stream", "stream_
 def _param_of(rule: str, session_header: str | None) -> str | None:
     """The request parameter a 400's ``rule`` is about, as OpenAI names it, else ``None``:
     the turn path's checks of the message text (``message.*``) are about ``messages``,
-    and of the session name (``session.*``) about ``user`` when no ``X-Session-Id``
-    header named the session (a header is no request parameter)."""
+    of the agent (``agent.*``) about ``model``, and of the session name (``session.*``)
+    about ``user`` when no ``X-Session-Id`` header named the session (a header is no
+    request parameter)."""
     field = rule.split(".", 1)[0]
     if field in REQUEST_PARAMS:
         return field
     if field == "message":
         return "messages"
+    if field == "agent":
+        return "model"  # the agent it names (``agent.inactive``)
     if field == "session" and session_header is None:
         return "user"
     return None

@@ -575,6 +575,11 @@ async def test_the_turn_paths_refusals_name_their_parameter(env: Env) -> None:
     header = await env.chat("plain", "hi", session="s" * 201)
     error = (await header.json())["error"]
     assert (error["rule"], error["param"]) == ("session.length", None)
+    async with env.service.db.tx() as conn:
+        await conn.execute(t.agents.update().where(t.agents.c.slug == "slow").values(active=False))
+    inactive = await env.chat("slow", "hi")
+    error = (await inactive.json())["error"]
+    assert (inactive.status, error["rule"], error["param"]) == (400, "agent.inactive", "model")
     official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
     with pytest.raises(openai.BadRequestError) as refused:
         await official.chat.completions.create(
