@@ -294,6 +294,7 @@ class App:
             Wake.leases: leases_freed,
         }
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
+        schedules = ScheduleRunner(self.db, self.clock, self.turns)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice.
@@ -302,7 +303,8 @@ class App:
             _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
             _Loop(RevisionRunner(self.turns), revision_wake),
             _Loop(Sweeper(self.db, self.clock, self.ids)),
-            _Loop(ScheduleRunner(self.db, self.clock, self.turns)),
+            # A firing is due with time: the loop sleeps no longer than until the next.
+            _Loop(schedules, due_s=schedules.due_in_s),
             _Loop(FlowResumer(self.flows), flow_wake),
             # Flow runs whose executor stopped mid-run: a reap of its process wakes this
             # loop; a lease lapsing by time is found by the poll.

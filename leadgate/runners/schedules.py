@@ -8,6 +8,10 @@ turn is recorded as a run that crash recovery runs again; and only then is
 that dies in between leaves the firing due: the next poll takes it in (a duplicate, if
 it already was) and advances it. (Advancing first lost the day's firing to a crash
 between the two.)
+
+Each pass reads the earliest active schedule, due or not: when it is not due yet, its
+time tells the runner loop how long it may sleep (:meth:`ScheduleRunner.due_in_s`), so a
+firing happens at its time rather than up to a poll late, at no extra query.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from leadgate.turns.path import TurnService
 log = logging.getLogger("leadgate.schedules")
 S = t.schedules.c
 
+
+#: The earliest active schedule, due or not (``next_fire_at`` is indexed). Built once: the
+#: plan cache keys on the statement object (see leadgate.database.plans).
+_NEXT = sa.select(t.schedules).where(S.active).order_by(S.next_fire_at).limit(1)
 
 #: The longest cron expression stored (``schedules.cron``).
 CRON_LIMIT = 100
@@ -115,20 +123,27 @@ class ScheduleRunner:
         self.db = db
         self.clock = clock
         self.turns = turns
+        #: ``next_fire_at`` of the earliest active schedule at the last pass (None: none)
+        self._next_fire: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the runner's clock) until the earliest firing the last pass saw, or
+        None when it saw no active schedule. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`), so a schedule fires at its time, not at
+        the next poll. Read from the database, so it holds across replicas: a firing
+        another replica took meanwhile makes this one wake early and find the next; a
+        schedule added since with an earlier firing is seen at the next poll."""
+        if self._next_fire is None:
+            return None
+        return max(0.0, (self._next_fire - self.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
         """Take in and run one due firing, then advance its schedule."""
         now = self.clock.now_ms()
         async with self.db.read() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(t.schedules)
-                    .where(S.active, S.next_fire_at <= now)
-                    .order_by(S.next_fire_at)
-                    .limit(1)
-                )
-            ).first()
-        if row is None:
+            row = (await conn.execute(_NEXT)).first()
+        self._next_fire = None if row is None else row.next_fire_at
+        if row is None or row.next_fire_at > now:
             return False
         try:
             advance: dict[str, Any] = {

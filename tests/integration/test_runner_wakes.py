@@ -8,6 +8,11 @@ runner's first model call or send (a queue, with a timeout) and prints the laten
 Two replicas are two :class:`App` instances on one PostgreSQL database: an ``api`` one
 that decides, reaps or starts flows (no runner loops, as ``serve --role api`` or the
 command line) and a ``worker`` one that runs the runners.
+
+Work that falls due with time has no commit to wake its runner (sections 4 and 5): the
+runner's loop sleeps no longer than until it is due (``due_s`` of
+:func:`leadgate.core.runners.run_loop`). There a :class:`JumpingClock` puts the work a
+moment ahead of the clock when the loops start, and real time makes it due.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from leadgate.database import schema as t
 from leadgate.domain.processes import Liveness
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import LEASE_MS, LeadRunner
+from leadgate.runners.schedules import add_schedule
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.channel import OutboundMessage, Retry, Sent
@@ -46,6 +52,23 @@ from tests.outbox_support import ScriptedChannel
 POLL_S = 30
 #: Well under the poll: only a wake-up can make the runner act this soon.
 WITHIN_S = 5.0
+#: How far ahead (by the clock) the timed work of section 5 falls due when the loops start.
+DUE_IN_MS = 500
+
+
+class JumpingClock:
+    """The wall clock, which a test can also move forward at once: work that falls due
+    with time (a schedule's firing, a lease's lapse) is put a moment ahead of the clock
+    and then falls due as real time passes, with no commit to wake its runner."""
+
+    def __init__(self) -> None:
+        self.offset_ms = 0
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000 + self.offset_ms
+
+    def advance(self, ms: int) -> None:
+        self.offset_ms += ms
 
 
 @dataclass(frozen=True)
@@ -368,3 +391,36 @@ async def test_a_retry_after_shorter_than_the_poll_is_retried_when_due(
     posted = await asyncio.wait_for(sends.get(), WITHIN_S)
     report("429 with Retry-After 0.5 s -> posted again", posted - refused)
     assert posted - refused >= 0.45  # not before the platform asked
+
+
+# ------------------------------------------------------------ 5. work due with time
+
+
+async def test_a_schedule_fires_at_its_time_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """Nothing is committed when a schedule falls due: the schedule runner's loop sleeps
+    no longer than until its next firing (``ScheduleRunner.due_in_s``)."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    # Just before a minute starts, so that "* * * * *" first fires DUE_IN_MS from now.
+    clock.advance((-clock.now_ms() - DUE_IN_MS) % 60_000)
+    due = clock.now_ms() + DUE_IN_MS
+    async with app.db.tx() as conn:
+        await add_schedule(
+            conn,
+            clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=plain["id"],
+            cron="* * * * *",
+            message="tick",
+        )
+    await start_worker(app)
+
+    call = await next_call(model, lambda c: c.text == "tick")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("schedule due -> its turn's model call", (called_ms - due) / 1000)
+    assert called_ms >= due  # not before it was due

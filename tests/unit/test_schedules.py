@@ -180,3 +180,23 @@ async def test_a_firing_cut_by_a_crash_stays_due_runs_once_and_then_advances(
         later = await conn.scalar(sa.select(t.schedules.c.next_fire_at))
     assert turns == 1 and later > due
     assert await drain(runner) == 0
+
+
+async def test_the_runner_knows_when_its_next_firing_is_due(stack: Stack) -> None:
+    # The runner loop sleeps no longer than due_in_s: a firing is due with time, and no
+    # commit wakes the loop then (tests/integration/test_runner_wakes.py runs it).
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    assert not await runner.run_once()
+    assert runner.due_in_s() is None  # no schedule: the poll alone
+    await _scheduled(stack, "0 * * * *", "hourly")
+    away = -stack.clock.now_ms() % 3_600_000 or 3_600_000  # to the next full hour
+    assert not await runner.run_once()
+    assert runner.due_in_s() == away / 1000  # learned by the pass's one read
+    stack.clock.advance(away - 1)
+    assert runner.due_in_s() == 0.001
+    assert not await runner.run_once()
+    stack.clock.advance(1)
+    assert runner.due_in_s() == 0
+    assert await runner.run_once()
+    assert not await runner.run_once()
+    assert runner.due_in_s() == 3_600
