@@ -297,8 +297,14 @@ class App:
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
-            # they never review one item twice.
-            _Loop(self.lead_runner, review_wake, r.review_concurrency),
+            # they never review one item twice. A review lease lapses with time (its
+            # holder alive but stalled): the loops sleep no longer than until it does.
+            _Loop(
+                self.lead_runner,
+                review_wake,
+                r.review_concurrency,
+                due_s=self.lead_runner.due_in_s,
+            ),
             # A retry after a short Retry-After is due before the poll.
             _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
             _Loop(RevisionRunner(self.turns), revision_wake),

@@ -52,10 +52,20 @@ EXPIRY_CHECK_MS = 1_000
 CLAIM_RECHECK_MS = 1_000
 W = t.work_items.c
 
+_REVIEWING = W.status == Status.reviewing.value
+_LAPSED = sa.or_(W.lease_expires_at < sa.bindparam("p_now"), owner_gone(W.lease_owner))
 # Built once: the plan cache keys on the statement object (see leadgate.database.plans).
-_EXPIRED = sa.select(W.id, W.lease_token, W.lease_expiries).where(
-    W.status == Status.reviewing.value,
-    sa.or_(W.lease_expires_at < sa.bindparam("p_now"), owner_gone(W.lease_owner)),
+_EXPIRED = sa.select(W.id, W.lease_token, W.lease_expiries).where(_REVIEWING, _LAPSED)
+#: The lease check's read, one statement: whether any review lease expired or has a
+#: holder known dead, and when the earliest one lapses (both over the ``reviewing`` items
+#: alone, reached by the status index). The second tells the runner loop how long it may
+#: sleep (:meth:`LeadRunner.due_in_s`) at no extra round trip.
+_LEASE_CHECK = sa.select(
+    sa.exists().where(_REVIEWING, _LAPSED).label("expired"),
+    sa.select(sa.func.min(W.lease_expires_at))
+    .where(_REVIEWING)
+    .scalar_subquery()
+    .label("next_lapse"),
 )
 _IS_QUEUED = W.status == Status.reviewQueued.value
 #: SQLite: the oldest queued items; two, so a claim also learns whether more are waiting
@@ -218,6 +228,9 @@ class LeadRunner:
         #: ``_pokes`` as of the start of the claim that last reported (:meth:`_queue_seen`)
         self._seen_pokes = -1
         self._next_expiry_check = 0
+        #: the earliest ``lease_expires_at`` of a review lease at the last lease check
+        #: (any runner's, on any replica; None: none was held)
+        self._next_lapse: int | None = None
         #: the lead agent read in a claim's transaction, by (item id, lease token)
         self._leads: dict[tuple[str, str | None], Agent] = {}
         #: PostgreSQL: the posting or revealing binding (id, kind) each claim saw (key as
@@ -237,8 +250,10 @@ class LeadRunner:
         # Read first: almost always nothing has expired, and a read takes no write lock.
         # Each move below is fenced by status and token, so a stale read moves nothing.
         async with self.db.read() as conn:
-            if (await conn.execute(_EXPIRED, {"p_now": now})).first() is None:
-                return 0
+            check = (await conn.execute(_LEASE_CHECK, {"p_now": now})).one()
+        self._next_lapse = check.next_lapse
+        if not check.expired:
+            return 0
         queued = 0
         async with self.db.tx() as conn:
             rows = (await conn.execute(_EXPIRED, {"p_now": now})).all()
@@ -283,6 +298,23 @@ class LeadRunner:
         leases they held can be taken back now, so the next pass looks for them, not
         only when its timer says."""
         self._next_expiry_check = 0
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the runner's clock) until its next lease check can find a review
+        lease lapsed: the earliest lease the last check saw, or None when it saw none.
+        The review loops sleep no longer than this
+        (:func:`leadgate.core.runners.run_loop`), so a lease whose holder is alive but
+        stalled is taken back when it lapses, not up to a poll later. Read from the
+        database, so it covers every replica's leases as of that check: one given back
+        since makes the loops wake early and look again, and one taken since lapses
+        after the earliest (every lease lasts :data:`LEASE_MS`), or is met by the
+        checks that every pass, the poll's included, makes."""
+        if self._next_lapse is None:
+            return None
+        # Lapsed once the clock is past it (_EXPIRED: ``<``), and the check runs at most
+        # every EXPIRY_CHECK_MS: never earlier than it can find it, so never a busy loop.
+        due = max(self._next_lapse + 1, self._next_expiry_check)
+        return max(0.0, (due - self.clock.now_ms()) / 1000)
 
     def poke(self) -> None:
         """An item was queued for review (after its commit): claim at the next pass."""

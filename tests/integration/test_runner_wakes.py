@@ -33,7 +33,7 @@ from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.domain.processes import Liveness
 from leadgate.flows.runs import create_flow
-from leadgate.review.runner import LEASE_MS, LeadRunner
+from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
 from leadgate.runners.schedules import add_schedule
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
@@ -424,3 +424,27 @@ async def test_a_schedule_fires_at_its_time_not_at_the_poll(
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("schedule due -> its turn's model call", (called_ms - due) / 1000)
     assert called_ms >= due  # not before it was due
+
+
+async def test_a_review_lease_is_taken_back_when_it_lapses_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A review lease whose holder is alive but never gives a verdict lapses with time, and
+    nothing is committed then: the lead runner's loops sleep no longer than until the
+    earliest lease its last check saw lapses (``LeadRunner.due_in_s``)."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org, agent = await lead_and_worker(app)
+    holder = await held_elsewhere(app, org, agent)
+    async with app.db.read() as conn:
+        lapses = int(await conn.scalar(sa.select(sa.func.max(t.work_items.c.lease_expires_at))))
+    # Further ahead than the lease check's interval, so that the lapse, not the check's
+    # once-a-second limit, decides when the loops look again.
+    clock.advance(lapses - clock.now_ms() - EXPIRY_CHECK_MS - DUE_IN_MS)
+    await holder.beat()  # alive, as far as anyone can tell: no reap takes the lease back
+    await start_worker(app)
+
+    call = await next_call(model, lambda c: c.purpose == "lead")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("review lease lapsed -> lead review in the same process", (called_ms - lapses) / 1000)
+    assert called_ms > lapses  # not before it lapsed

@@ -1231,13 +1231,41 @@ async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None
         assert await runner.run_once() is True  # ...the check is due: taken back, reviewed
     assert (await row(stack, item_id))["status"] == "completed"
     assert any("lease_expiries" in s for s in statements)
-    # Within the next second no pass looks again.
+    # Within the next second no pass looks again (the check's read: runner._LEASE_CHECK).
     with stack.db.record_statements() as statements:
         await runner.run_once()
-    assert not any(
-        "lease_expiries" in s and s.lstrip().upper().startswith("SELECT") for s in statements
-    )
+    assert not any("next_lapse" in s for s in statements)
     clock(stack).advance(EXPIRY_CHECK_MS)
     with stack.db.record_statements() as statements:
         await runner.run_once()
-    assert any("lease_expiries" in s for s in statements)
+    assert any("next_lapse" in s for s in statements)
+
+
+async def test_the_runner_knows_when_the_earliest_review_lease_lapses(stack: Stack) -> None:
+    """The lease check's read also learns when the earliest review lease (any runner's)
+    lapses: the review loops sleep no longer than ``due_in_s``, so a stalled holder's
+    lease is taken back when it lapses, not at the next poll."""
+    from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS
+
+    runner = stack.lead_runner
+    org, _, worker = await setup(stack)
+    await runner.run_once()
+    assert runner.due_in_s() is None  # no lease held: the poll alone
+    item_id = await submit(stack, org, worker, "held")
+    other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    assert await other.claim() is not None  # held by a runner that never reviews it
+    clock(stack).advance(EXPIRY_CHECK_MS)
+    assert not await runner.run_once()  # its check reads the other runner's lease
+    assert runner.due_in_s() == (LEASE_MS - EXPIRY_CHECK_MS + 1) / 1000
+    clock(stack).advance(LEASE_MS - EXPIRY_CHECK_MS)
+    assert runner.due_in_s() == 0.001  # exactly 20 minutes: still held
+    clock(stack).advance(1)
+    assert runner.due_in_s() == 0
+    assert await runner.run_once()  # taken back and reviewed
+    assert (await row(stack, item_id))["status"] == "completed"
+    # The check saw the lease it took back: the next one (not before a second, as ever)
+    # finds none left.
+    assert runner.due_in_s() == EXPIRY_CHECK_MS / 1000
+    clock(stack).advance(EXPIRY_CHECK_MS)
+    assert not await runner.run_once()
+    assert runner.due_in_s() is None
