@@ -327,7 +327,9 @@ class App:
             if enable is not None:
                 enable(self.chat_reviews)
         self.sla_runner = SlaRunner(self.db, self.clock, self.ids, self.outbox, self.notifier)
-        self.loops.append(_Loop(self.sla_runner))
+        # Reminders, escalations and expiries are due with time: the loop sleeps no
+        # longer than until the next.
+        self.loops.append(_Loop(self.sla_runner, due_s=self.sla_runner.due_in_s))
 
     @property
     def model_names(self) -> frozenset[str]:

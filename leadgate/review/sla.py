@@ -13,6 +13,11 @@ same episode matches no row and writes nothing. An expiry first moves the work i
 (fenced on ``awaitingHuman``, the same lock order as a human decision, which moves the
 item and then closes the episode), so a decision and an expiry racing each other make
 exactly one outcome. Time comes from the injectable clock.
+
+A pass that leaves nothing due also reads when the next timer falls due (the earliest
+``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
+than that (:meth:`SlaRunner.due_in_s`): a reminder, an escalation or an expiry fires at
+its time, not up to a poll later.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ from outbox.store import Outbox
 log = logging.getLogger("leadgate.review.sla")
 E = t.review_episodes.c
 
+#: The earliest timer of an open episode not due yet, read off the ``due_at`` index (a
+#: closed episode has none). Built once: the plan cache keys on the statement object.
+_NEXT_DUE = (
+    sa.select(E.due_at)
+    .where(E.closed_at.is_(None), E.due_at > sa.bindparam("p_now"))
+    .order_by(E.due_at)
+    .limit(1)
+)
+
 
 class SlaRunner:
     """Fires due reminders, escalations and expiries (see the module docstring)."""
@@ -58,6 +72,19 @@ class SlaRunner:
         self.outbox = outbox
         self.notifier = notifier
         self.batch = batch
+        #: the earliest timer not due at the last pass that left nothing due (None: none)
+        self._next_due: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the runner's clock) until the earliest timer the last pass saw
+        falls due, or None when it saw none. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`). Read from the database, so it covers
+        every replica's episodes as of that pass: a timer fired or closed since makes the
+        loop wake early and look again; an episode opened since with an earlier timer
+        is seen at the next poll."""
+        if self._next_due is None:
+            return None
+        return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
         """Fire what is due now (one batch of episodes); True when anything fired."""
@@ -71,6 +98,13 @@ class SlaRunner:
                     .limit(self.batch)
                 )
             ).all()
+            # When the next timer falls due, for the loop's sleep (one read, on the same
+            # connection). Not after a full batch: more may be due, and the loop runs
+            # again at once when this one fired any (and at the poll when other runners
+            # fired them all first: never a busy loop).
+            self._next_due = (
+                None if len(due) == self.batch else await conn.scalar(_NEXT_DUE, {"p_now": now})
+            )
         fired = 0
         for episode in due:
             try:

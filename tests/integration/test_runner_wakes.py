@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from leadgate.app import App
 from leadgate.core.clock import Clock, FakeClock, SystemClock
 from leadgate.core.config import Settings
+from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.domain.processes import Liveness
@@ -448,3 +449,30 @@ async def test_a_review_lease_is_taken_back_when_it_lapses_not_at_the_poll(
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("review lease lapsed -> lead review in the same process", (called_ms - lapses) / 1000)
     assert called_ms > lapses  # not before it lapsed
+
+
+async def test_a_review_reminder_fires_at_its_time_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """An item waiting for a human is reminded about after ``[review] remind_after``: the
+    SLA runner's loop sleeps no longer than until the earliest timer (``SlaRunner.due_in_s``)."""
+    clock = JumpingClock()
+    app = make_app(migrated_url, clock=clock)
+    org, agent = await lead_and_worker(app)
+    out = await app.turns.run(api_trigger(org, agent, "hard #escalate #complete"))
+    assert isinstance(out, Gated) and out.work_item_id
+    assert await drain(app.lead_runner) == 1  # escalated: a review episode opens
+    e = t.review_episodes.c
+    async with app.db.read() as conn:
+        due = int(await conn.scalar(sa.select(e.due_at)))  # its reminder, 30 minutes on
+    clock.advance(due - clock.now_ms() - DUE_IN_MS)
+    await start_worker(app)
+
+    async def reminded() -> bool:
+        async with app.db.read() as conn:
+            return bool(await conn.scalar(sa.select(e.reminders)) == 1)
+
+    assert await eventually(reminded, WITHIN_S)
+    report(
+        "reminder due -> seen reminded (the test polls every 50 ms)", (clock.now_ms() - due) / 1000
+    )

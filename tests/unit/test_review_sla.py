@@ -106,6 +106,28 @@ async def test_reminders_escalation_and_expiry_each_fire_once_on_the_clock(
     assert not await env.sla.run_once()
 
 
+async def test_the_runner_knows_when_its_next_timer_falls_due(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A pass that leaves nothing due reads the earliest timer to come: the runner loop
+    sleeps no longer than ``due_in_s``, so a reminder fires at its time, not at the poll
+    (tests/integration/test_runner_wakes.py runs the loop)."""
+    env = await review_env(make_stack, remind_after="30m", escalate_after="2h")
+    clock = env.stack.clock
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() is None  # no episode open: the poll alone
+    await env.escalated("s1")
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() == 30 * 60  # the reminder
+    clock.advance(30 * MINUTE_MS - 1)
+    assert env.sla.due_in_s() == 0.001
+    clock.advance(1)
+    assert env.sla.due_in_s() == 0
+    assert await env.sla.run_once()  # the reminder fired; the loop runs again at once
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() == 90 * 60  # the escalation
+
+
 def _decisions(verdict: str) -> float:
     return sum(
         sample.value
