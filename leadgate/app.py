@@ -295,6 +295,7 @@ class App:
         }
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
+        flow_recovery = FlowRecovery(self.flows)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice. A review lease lapses with time (its
@@ -313,8 +314,9 @@ class App:
             _Loop(schedules, due_s=schedules.due_in_s),
             _Loop(FlowResumer(self.flows), flow_wake),
             # Flow runs whose executor stopped mid-run: a reap of its process wakes this
-            # loop; a lease lapsing by time is found by the poll.
-            _Loop(FlowRecovery(self.flows), flow_recovery_wake),
+            # loop; a lease lapses with time, and the loop sleeps no longer than until
+            # the earliest does.
+            _Loop(flow_recovery, flow_recovery_wake, due_s=flow_recovery.due_in_s),
             _Loop(TurnRecovery(self.turns), recovery_wake),
         ]
 

@@ -21,11 +21,16 @@ at once, instead of being claimed again every lease for ever (an attempt a datab
 ended is not counted: an outage is not the run's fault): ``failed`` with the error
 and event naming :data:`UNRECOVERABLE_RULE`, one log line and one count of
 ``leadgate_flow_runs_unrecoverable_total``.
+
+Each pass's read also learns when the earliest running run's lease lapses, and the
+runner loop sleeps no longer than that (:meth:`FlowRecovery.due_in_s`): a run whose
+executor stalled is continued when its lease lapses, not up to a poll later.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -53,20 +58,26 @@ MAX_RECOVERIES = 3
 UNRECOVERABLE_RULE = "flow.unrecoverable"
 R = t.flow_runs.c
 
-#: The oldest running run nobody holds: its lease lapsed, its holder is known dead, or it
-#: has none (left ``running`` by a version before leases). Built once (polled).
+_RUNNING = R.status == RunStatus.running.value
+#: Nobody holds the run: its lease lapsed, its holder is known dead, or it has none (left
+#: ``running`` by a version before leases).
+_UNHELD = sa.or_(
+    R.lease_expires_at.is_(None),
+    R.lease_expires_at < sa.bindparam("p_now"),
+    owner_gone(R.lease_owner),
+)
+#: The oldest running run nobody holds. Built once (polled).
 _LAPSED = (
-    sa.select(R.id, R.lease_token)
-    .where(
-        R.status == RunStatus.running.value,
-        sa.or_(
-            R.lease_expires_at.is_(None),
-            R.lease_expires_at < sa.bindparam("p_now"),
-            owner_gone(R.lease_owner),
-        ),
-    )
-    .order_by(R.updated_at, R.id)
-    .limit(1)
+    sa.select(R.id, R.lease_token).where(_RUNNING, _UNHELD).order_by(R.updated_at, R.id).limit(1)
+)
+#: The pass's read, one statement: whether any running run is unheld, and when the
+#: earliest lease of a running run lapses (both off ``ix_flow_runs_status_lease``).
+_CHECK = sa.select(
+    sa.exists().where(_RUNNING, _UNHELD).label("lapsed"),
+    sa.select(sa.func.min(R.lease_expires_at))
+    .where(_RUNNING)
+    .scalar_subquery()
+    .label("next_lapse"),
 )
 
 
@@ -79,16 +90,26 @@ class Claim:
     attempt: int
 
 
-async def claim_lapsed(flows: FlowService) -> Claim | None:
+async def claim_lapsed(
+    flows: FlowService, seen: Callable[[int | None], None] = lambda next_lapse: None
+) -> Claim | None:
     """Claim one running run whose lease lapsed under a new lease token (counting the
-    attempt); None when there is none (or another process claimed it first)."""
+    attempt); None when there is none (or another process claimed it first). ``seen`` is
+    told when the earliest lease of a running run lapses, as read first (None: no running
+    run has one that has not lapsed yet)."""
     db, clock = flows.db, flows.clock
     now = clock.now_ms()
     # Read first: the runner polls, and nearly always finds nothing; a read takes no
     # write lock (the claim below is fenced).
     async with db.read() as conn:
-        if (await conn.execute(_LAPSED, {"p_now": now})).first() is None:
-            return None
+        check = (await conn.execute(_CHECK, {"p_now": now})).one()
+    # A lease that had lapsed already is this pass's to claim (True: the loop runs again
+    # at once) or another process's that claimed it first: not a time to wake at again,
+    # or a run nobody can claim would keep the loop from sleeping.
+    lapse = check.next_lapse
+    seen(lapse if lapse is None or lapse >= now else None)
+    if not check.lapsed:
+        return None
     async with db.tx() as conn:
         row = (await conn.execute(db.skip_locked(_LAPSED), {"p_now": now})).first()
         if row is None:
@@ -117,18 +138,37 @@ class FlowRecovery:
         self.flows = flows
         #: Attempts a database fault ended whose count is not taken back yet.
         self._faulted: list[RunLease] = []
+        #: the earliest ``lease_expires_at`` of a running run at the last pass (any
+        #: process's; None: none)
+        self._next_lapse: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the clock) until the earliest lease of a running run the last pass
+        saw lapses, or None when it saw none. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`). Read from the database, so it covers
+        every process's runs: a lease renewed or ended since makes the loop wake early
+        and look again (rarely: a lease is renewed long before it lapses, so the next
+        lapse is usually further away than the poll); one taken since lapses after the
+        earliest (every lease lasts :data:`~leadgate.flows.runs.RUN_LEASE_MS`)."""
+        if self._next_lapse is None:
+            return None
+        # Lapsed once the clock is past it (_UNHELD: ``<``).
+        return max(0.0, (self._next_lapse + 1 - self.flows.clock.now_ms()) / 1000)
+
+    def _seen(self, next_lapse: int | None) -> None:
+        self._next_lapse = next_lapse
 
     async def run_once(self) -> bool:
         """Claim and continue one lapsed run (or fail one recovery gave up on); True when
         there was one."""
         await self._uncount_faulted()
-        claim = await claim_lapsed(self.flows)
+        claim = await claim_lapsed(self.flows, self._seen)
         if claim is None:
             return False
         lease, attempt = claim.lease, claim.attempt
         if attempt > MAX_RECOVERIES:
-            # The earlier attempts stopped without a word (their process died, or the
-            # database failed under them): no further attempt is made.
+            # The earlier attempts stopped without a word (their process died; one a
+            # database fault ended was taken back): no further attempt is made.
             await self.give_up(
                 lease, attempt - 1, "each attempt stopped before the run could go on"
             )

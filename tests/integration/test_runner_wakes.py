@@ -476,3 +476,29 @@ async def test_a_review_reminder_fires_at_its_time_not_at_the_poll(
     report(
         "reminder due -> seen reminded (the test polls every 50 ms)", (clock.now_ms() - due) / 1000
     )
+
+
+async def test_a_flow_run_whose_lease_lapses_is_continued_when_it_lapses(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A running flow run whose executor stalled (alive, as far as anyone can tell) is
+    continued when its lease lapses: the flow recovery loop sleeps no longer than until
+    the earliest run lease lapses (``FlowRecovery.due_in_s``)."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org, flow_id = await flow_of(app, [{"type": "agent", "agent": "plain", "prompt": "go on"}])
+    async with app.db.tx() as conn:  # leased to an executor that never runs it
+        lease = await app.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    async with app.db.read() as conn:
+        lapses = int(
+            await conn.scalar(
+                sa.select(t.flow_runs.c.lease_expires_at).where(t.flow_runs.c.id == lease.run_id)
+            )
+        )
+    clock.advance(lapses - clock.now_ms() - DUE_IN_MS)
+    await start_worker(app)
+
+    call = await next_call(model, lambda c: c.text == "go on")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("flow run lease lapsed -> continued", (called_ms - lapses) / 1000)
+    assert called_ms > lapses  # not before it lapsed

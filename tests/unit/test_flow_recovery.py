@@ -278,6 +278,32 @@ async def test_a_node_whose_answer_was_stored_goes_on_with_it_without_a_second_t
     assert await _turns(second, lease.run_id, 0) == {"user": 1, "assistant": 1, "inboundEvents": 1}
 
 
+async def test_recovery_knows_when_the_earliest_run_lease_lapses(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    """Each pass's read also learns when the earliest running run's lease lapses: the
+    runner loop sleeps no longer than ``due_in_s``, so a stalled executor's run is
+    continued when its lease lapses, not at the poll (test_runner_wakes runs the loop)."""
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    recovery = FlowRecovery(second.flows)
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() is None  # no running run: the poll alone
+    async with first.db.tx() as conn:  # its executor never starts it
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() == (RUN_LEASE_MS + 1) / 1000
+    clock.advance(RUN_LEASE_MS)
+    assert not await recovery.run_once()  # exactly the lease: still held
+    assert recovery.due_in_s() == 0.001
+    clock.advance(1)
+    assert recovery.due_in_s() == 0
+    assert await recovery.run_once()
+    assert (await _view(second, org, lease.run_id))["status"] == "completed"
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() is None
+
+
 async def test_a_node_whose_answer_died_with_its_process_fails_the_run_saying_so(
     first: Stack, second: Stack, clock: FakeClock
 ) -> None:
