@@ -29,17 +29,13 @@ import sqlalchemy as sa
 from aiohttp import web
 
 from bots.base import Adapter, Core
-from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import BODY_TIMEOUT_KEY, bearer_token
-from leadgate.core.errors import LeadgateError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
-from leadgate.core.types import Outcome
 from leadgate.database.db import Database
-from leadgate.database.faults import unavailable
 from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
@@ -613,7 +609,9 @@ class App:
         self._mcp = mount_mcp(
             app,
             authenticate=self.access.key_principal,
-            send_message=self._mcp_send,
+            send_message=lambda who, agent, text, session: self.messages.send(
+                who, agent, text, session=session
+            ),
             allowed_hosts=self._mcp_hosts(),
             transcripts=self.transcripts,
             watch=self.event_hub.watch,
@@ -626,28 +624,6 @@ class App:
         for adapter in self.adapters:
             adapter.mount(app)
         openapi.setup(app, public_url=self.settings.server.public_url)
-
-    async def _mcp_send(
-        self, principal: Principal, agent: str, message: str, session: str | None
-    ) -> Outcome:
-        taken = False
-
-        async def taken_in() -> None:
-            nonlocal taken
-            taken = True
-
-        try:
-            return await self.messages.send(
-                principal, agent, message, session=session, on_start=taken_in
-            )
-        except Exception as exc:
-            # A database fault after the message was taken in is no "nothing was stored,
-            # please retry": the tool error tells the client not to send it again (it
-            # would be taken twice), as REST's turn.interrupted does.
-            fault = exc if isinstance(exc, LeadgateError) else unavailable(exc)
-            if taken and isinstance(fault, Unavailable):
-                raise Unavailable(openai_api.TURN_INTERRUPTED, rule="turn.interrupted") from exc
-            raise
 
     def _mcp_hosts(self) -> list[str]:
         server = self.settings.server

@@ -16,7 +16,9 @@
     ├── RateLimited (429)         too many attempts; ``retry_after_s`` says when to retry
     ├── ModelError (502)          the model provider failed during a turn
     └── Unavailable (503)         the database is busy past its bound, full or unreachable:
-                                  nothing of the request was stored; retry later
+        │                         nothing of the request was stored; retry later
+        └── TurnInterrupted       the same fault after a turn's message was taken in:
+                                  stored once; do NOT send it again (no retry asked for)
 
 Every error that reaches a user carries ``rule``: a short, stable name of the rule that
 was broken (for example ``lead.self``), and a human message that says what to do.
@@ -161,3 +163,23 @@ class Unavailable(LeadgateError):
     retry_after_s: int | None = 2
     #: what the database said (for the log; never sent to clients)
     detail: str = ""
+
+
+class TurnInterrupted(Unavailable):
+    """A database fault after a turn's message was taken in (committed): the message is
+    stored, the turn could not finish. Unlike its parent this is no "nothing was stored,
+    retry": sending the message again would take it in twice, so no retry is asked for
+    (``retry_after_s`` is ``None``; the web layer adds ``x-should-retry: false``, which
+    the official OpenAI clients obey). Raised by the turn path once for every surface
+    (REST, MCP, Studio) instead of each deciding it."""
+
+    retry_after_s: int | None = None
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(
+            "the message was taken in, but its turn could not finish: the database is "
+            "unavailable. Do not send it again (it would be sent twice); its answer, if "
+            "any, will be in the session transcript",
+            rule="turn.interrupted",
+        )
+        self.detail = detail

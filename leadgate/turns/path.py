@@ -18,7 +18,13 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import LeadgateError, ModelError, TransitionError, Unavailable
+from leadgate.core.errors import (
+    LeadgateError,
+    ModelError,
+    TransitionError,
+    TurnInterrupted,
+    Unavailable,
+)
 from leadgate.core.limits import (
     SNAPSHOT_LIMIT,
     SUMMARY_LIMIT,
@@ -30,6 +36,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.faults import unavailable
 from leadgate.database.sql import insert_ignore_stmt, later_of_sql
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, session_events, workitems
@@ -253,13 +260,28 @@ class TurnService:
         withhold or rewrite it (no lead, no output policy rules); otherwise the text is
         delivered whole after the turn. ``on_start`` is awaited once the message was
         accepted (not busy, not a duplicate), before the model runs.
+
+        A database fault after the intake committed is :class:`TurnInterrupted`, never
+        the fault's own "nothing was stored, retry": the message is stored, and every
+        caller (REST, MCP, Studio, flows, schedules) must not send it again.
         """
         intake = await self.take(trigger)
         if isinstance(intake, Busy | Duplicate):
             return intake
         if on_start is not None:
             await on_start()
-        return await self.execute(intake, on_delta=on_delta)
+        try:
+            return await self.execute(intake, on_delta=on_delta)
+        except TurnInterrupted:
+            raise
+        except Exception as exc:
+            # A model error is never read as a database fault, whatever its causes are.
+            if isinstance(exc, LeadgateError) and not isinstance(exc, Unavailable):
+                raise
+            fault = unavailable(exc)
+            if fault is None:
+                raise
+            raise TurnInterrupted(fault.detail) from exc
 
     async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:
         """The intake alone (one short transaction): what a channel awaits before it

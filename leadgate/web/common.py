@@ -135,6 +135,11 @@ async def stamp_response(request: web.Request, response: web.StreamResponse) -> 
         headers["X-Content-Type-Options"] = "nosniff"
 
 
+# The official OpenAI clients retry a 409 and every 5xx by default, which would resend a
+# turn that was taken in; this header, which they obey, says not to.
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def spread_wait_ms(retry_after_s: int, jitter: float) -> int:
     """The wait a 503 asks for, in milliseconds: its rule's ``retry_after_s`` plus up to
     2 s more (``jitter`` in [0, 1); see :class:`UnavailableAnswers`)."""
@@ -163,6 +168,8 @@ class UnavailableAnswers:
       clients retry by the thousand; a line each would add to it, and an ERROR each
       would page someone for every retry.
     * ``leadgate_unavailable_responses_total{rule}``.
+    * An error that asks for no retry (``retry_after_s`` ``None``: ``turn.interrupted``,
+      whose message was stored) has neither header, and ``x-should-retry: false``.
     """
 
     def __init__(
@@ -185,9 +192,13 @@ class UnavailableAnswers:
             )
         tally.add(exc.rule, request.method, request.path, f": {exc.detail}" if exc.detail else "")
         response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-        response.headers.update(
-            retry_headers(spread_wait_ms(exc.retry_after_s or 1, self._jitter()))
-        )
+        if exc.retry_after_s is None:
+            # turn.interrupted: the message was stored; a retry would send it twice.
+            response.headers.update(NO_RETRY)
+        else:
+            response.headers.update(
+                retry_headers(spread_wait_ms(exc.retry_after_s, self._jitter()))
+            )
         return response
 
 
@@ -196,7 +207,7 @@ UNAVAILABLE_ANSWERS = web.AppKey("leadgate_unavailable_answers", UnavailableAnsw
 _SHARED_ANSWERS = UnavailableAnswers()
 
 
-def _unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:
+def unavailable_response(request: web.Request, exc: Unavailable) -> web.Response:
     """The 503 for ``exc``, as the application answers them (:class:`UnavailableAnswers`)."""
     answers = request.config_dict.get(UNAVAILABLE_ANSWERS) or _SHARED_ANSWERS
     return answers.answer(request, exc)
@@ -221,7 +232,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise ValidationError("the URL holds a NUL character (%00)", rule="url.nul")
         return await handler(request)
     except Unavailable as exc:
-        return _unavailable_response(request, exc)
+        return unavailable_response(request, exc)
     except LeadgateError as exc:
         if exc.status >= 500 and not isinstance(exc, ModelError):
             log.error(
@@ -269,7 +280,7 @@ def _fault_or_bug(request: web.Request, exc: BaseException) -> web.Response:
     (logged with its traceback: called while ``exc`` is being handled)."""
     fault = unavailable(exc)
     if fault is not None:
-        return _unavailable_response(request, fault)
+        return unavailable_response(request, fault)
     log.exception("unhandled error on %s %s", request.method, request.path)
     return error_response(request, 500, "internal error", "internal_error", "internal")
 

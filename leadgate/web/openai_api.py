@@ -40,20 +40,18 @@ from leadgate.domain import agents
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
 from leadgate.operations.sessions import api_session_key
-from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
+from leadgate.web.common import (
+    NO_RETRY,
+    PrincipalLookup,
+    authenticate,
+    error_response,
+    json_body,
+    unavailable_response,
+)
 
 log = logging.getLogger("leadgate.web")
 
 PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review completes."
-# The official OpenAI clients retry a 409 and every 5xx by default, which would resend a
-# turn that was taken in; this header, which they obey, says not to.
-NO_RETRY = {"x-should-retry": "false"}
-#: A database fault after the message was taken in (REST's 503, MCP's tool error).
-TURN_INTERRUPTED = (
-    "the message was taken in, but its turn could not finish: the database is unavailable. "
-    "Do not send it again (it would be sent twice); its answer, if any, will be in the "
-    "session transcript"
-)
 # The answer to a request whose Idempotency-Key was taken over after the process that
 # ran its turn died: the message was taken in once, the answer was lost with the process.
 LOST_MESSAGE = (
@@ -430,7 +428,9 @@ class _Chunks:
 def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str, Any]]:
     """Status and envelope of ``exc`` exactly as the error middleware answers it."""
     error = exc if isinstance(exc, LeadgateError) else unavailable(exc)
-    if error is not None:
+    if isinstance(error, Unavailable):
+        resp = unavailable_response(request, error)  # counted (and logged) as one
+    elif error is not None:
         resp = error_response(request, error.status, error.message, error.code, error.rule)
     else:
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
@@ -630,21 +630,11 @@ class _Exchange:
         except Exception as exc:
             if not self.recorded:
                 raise
-            return self._json(*self._after_intake(exc))
+            return self._json(*_error_json(self.request, exc))
         if isinstance(outcome, Reply):
             completion = _completion(self.cid, parsed.model, self.created, outcome)
             return self._json(200, completion)
         return self._json(*self._refused(outcome))
-
-    def _after_intake(self, exc: BaseException) -> tuple[int, dict[str, Any]]:
-        """The answer to a failure after the message was taken in. A database fault then
-        is no "nothing was stored, retry": the message was stored, and sending it again
-        would send it twice (``turn.interrupted``, still 503, never retried)."""
-        # (A model error is never read as a database fault, whatever its causes are.)
-        fault = exc if isinstance(exc, LeadgateError) else unavailable(exc)
-        if isinstance(fault, Unavailable):
-            return _error_json(self.request, Unavailable(TURN_INTERRUPTED, rule="turn.interrupted"))
-        return _error_json(self.request, exc)
 
     def _refused(self, outcome: Outcome) -> tuple[int, dict[str, Any]]:
         """The 409 of a turn that produced no answer (gated, busy, or a lost answer)."""
@@ -688,9 +678,9 @@ class _Exchange:
             if not started:
                 if not self.recorded:
                     raise
-                return self._json(*self._after_intake(exc))
+                return self._json(*_error_json(self.request, exc))
             # Exactly one error frame, the non-streaming envelope, and no [DONE].
-            await chunks.frame(json.dumps(self._after_intake(exc)[1]))
+            await chunks.frame(json.dumps(_error_json(self.request, exc)[1]))
             await chunks.end()
             return response, self._frames(chunks)
         if not started:
@@ -738,7 +728,6 @@ async def _replay(request: web.Request, stored: dict[str, Any]) -> web.StreamRes
 __all__ = [
     "NO_RETRY",
     "PENDING_MESSAGE",
-    "TURN_INTERRUPTED",
     "ChatBackend",
     "IdempotencyBackend",
     "ModelBackend",

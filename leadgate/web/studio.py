@@ -26,13 +26,11 @@ from typing import Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.errors import Conflict, LeadgateError, Unavailable
+from leadgate.core.errors import Conflict
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, Gated, Outcome, Reply
-from leadgate.database.faults import unavailable
 from leadgate.domain.rows import Agent
-from leadgate.web.common import PrincipalLookup, authenticate, error_response, json_body
-from leadgate.web.openai_api import TURN_INTERRUPTED
+from leadgate.web.common import PrincipalLookup, authenticate, json_body
 from leadgate.web.sessions_api import (
     SessionReads,
     StreamSettings,
@@ -124,31 +122,15 @@ def setup(
     async def send(request: web.Request) -> web.Response:
         principal = await authenticate(request, authenticate_with, cookie=True)
         body = await json_body(request)
-        taken = False
-
-        async def taken_in() -> None:
-            nonlocal taken
-            taken = True
-
-        try:
-            outcome = await chat.send(
-                principal,
-                request.match_info["agent"],
-                validate_message(body.get("message")),
-                session=request.match_info["session"],
-                binding=BindingKind.studio,
-                on_start=taken_in,
-            )
-        except Exception as exc:
-            # A database fault after the message was taken in: not the fault's "nothing
-            # was stored, please retry" (the page put the message back in the box to be
-            # sent twice), but REST's turn.interrupted answer.
-            fault = exc if isinstance(exc, LeadgateError) else unavailable(exc)
-            if not (taken and isinstance(fault, Unavailable)):
-                raise
-            return error_response(
-                request, 503, TURN_INTERRUPTED, Unavailable.code, "turn.interrupted"
-            )
+        # A database fault after the message was taken in is the turn path's
+        # turn.interrupted (no retry asked for): the page must not put it back in the box.
+        outcome = await chat.send(
+            principal,
+            request.match_info["agent"],
+            validate_message(body.get("message")),
+            session=request.match_info["session"],
+            binding=BindingKind.studio,
+        )
         if isinstance(outcome, Reply):
             return web.json_response({"outcome": "reply", "text": outcome.text})
         if isinstance(outcome, Gated):

@@ -25,7 +25,9 @@ from openai import AsyncOpenAI
 from leadgate.app import App
 from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import ModelError, TurnInterrupted, Unavailable
+from leadgate.core.metrics import METRICS
+from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS, fingerprint
@@ -53,7 +55,11 @@ class FaultProvider:
     """A model whose turn meets a database fault after the message was taken in."""
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        raise Unavailable("database is locked", rule="service.unavailable")
+        if request.messages[-1].content == "model":
+            raise ModelError("the provider failed", rule="model.failed")
+        fault = Unavailable("database is locked", rule="service.unavailable")
+        fault.detail = "database is locked (what the driver said)"
+        raise fault
         yield TextDelta("never")  # pragma: no cover - makes this an async generator
 
 
@@ -374,6 +380,8 @@ async def test_a_database_fault_after_the_intake_says_the_message_was_taken_in(
 ) -> None:
     """It said "nothing was stored, please retry shortly" while the message was stored:
     a client obeying it sent the message twice."""
+    interrupted = METRICS.unavailable.labels("turn.interrupted")
+    before = interrupted._value.get()
     for stream in (False, True):
         session = f"f{int(stream)}"
         resp = await env.chat("faulty", "hello", session=session, stream=stream)
@@ -388,6 +396,32 @@ async def test_a_database_fault_after_the_intake_says_the_message_was_taken_in(
         assert "Do not send it again" in error["message"]
         assert "nothing was stored" not in error["message"]
         assert await env.user_messages("faulty", session) == ["hello"]
+    # Counted with the other 503s, under its own rule (operators see the outage).
+    assert interrupted._value.get() == before + 2
+
+
+async def test_the_turn_path_says_turn_interrupted_once_for_every_caller(env: Env) -> None:
+    """REST, MCP and Studio each decided "taken in, then a database fault" for itself,
+    and flows and schedules saw the fault's own "nothing was stored, please retry". The
+    turn path raises :class:`TurnInterrupted` for all of them, the driver's words kept
+    as the log's detail; a model error is left as it is."""
+
+    def trigger(text: str, session: str) -> Trigger:
+        return Trigger(
+            org_id=env.org.id,
+            agent_id="faulty",
+            session_key=f"api:{session}",
+            text=text,
+            binding=BindingSpec(BindingKind.api),
+        )
+
+    with pytest.raises(TurnInterrupted) as raised:
+        await env.service.turns.run(trigger("hello", "ti-fault"))
+    assert raised.value.rule == "turn.interrupted" and raised.value.retry_after_s is None
+    assert raised.value.detail == "database is locked (what the driver said)"
+    assert isinstance(raised.value.__cause__, Unavailable)
+    with pytest.raises(ModelError):
+        await env.service.turns.run(trigger("model", "ti-model"))
 
 
 async def test_a_fault_storing_the_answer_under_its_key_still_answers(
@@ -449,6 +483,7 @@ async def test_a_database_fault_after_the_intake_tells_studio_not_to_resend(env:
         headers={"Authorization": f"Bearer {env.org.key}"},
     )
     assert resp.status == 503 and "Retry-After" not in resp.headers
+    assert "retry-after-ms" not in resp.headers and resp.headers["x-should-retry"] == "false"
     error = (await resp.json())["error"]
     assert error["rule"] == "turn.interrupted"
     assert "Do not send it again" in error["message"]
