@@ -503,6 +503,8 @@ async def _bridge(
         except ValidationError as exc:
             return _jsonrpc_refusal(body, exc)
     gone = asyncio.Event()  # the client went away, or the exchange is over
+    # A request without a session id opens one; refused, the SDK discards it again.
+    opening = "mcp-session-id" not in request.headers
     body_done = False
     response: web.StreamResponse | None = None
     send_lock = asyncio.Lock()
@@ -539,7 +541,7 @@ async def _bridge(
                 elif message["type"] == "http.response.body" and sdk_error is not None:
                     sdk_error[1].extend(message.get("body", b""))
                     if not message.get("more_body", False):
-                        response = _ruled(*sdk_error)
+                        response = _ruled(*sdk_error, opening=opening)
                 elif message["type"] == "http.response.start":
                     response = web.StreamResponse(status=message["status"])
                     for raw_name, raw_value in message.get("headers", []):
@@ -643,11 +645,15 @@ def _sdk_jsonrpc_rule(status: int, text: str) -> str:
     return _SDK_JSONRPC_RULES.get(status, "mcp.request" if status < 500 else "internal")
 
 
-def _ruled(start: Message, body: bytes | bytearray) -> web.Response:
+def _ruled(start: Message, body: bytes | bytearray, *, opening: bool) -> web.Response:
     """One of the SDK's JSON-RPC refusals (``Session not found``, ``Missing session ID``,
     ``Not Acceptable``, ...) as it answered it, its error naming the rule in ``data``
     as the service's own JSON-RPC refusals do (``{"rule": ...}``); it named none. A 503
-    says when to try again, as every 503 of the service does."""
+    says when to try again, as every 503 of the service does.
+
+    The refusal of an ``opening`` request (no session id) carried the id of the session
+    the SDK had made for it and discarded: a client that kept it got 404 on its next
+    request. It is left out."""
     status = start["status"]
     # (Its headers are its content type and session id, each once.)
     headers = {
@@ -656,7 +662,7 @@ def _ruled(start: Message, body: bytes | bytearray) -> web.Response:
             (raw_name.decode("latin-1"), raw_value.decode("latin-1"))
             for raw_name, raw_value in start.get("headers", [])
         )
-        if name.lower() != "content-length"
+        if name.lower() != "content-length" and not (opening and name.lower() == "mcp-session-id")
     }
     if status == 503 and "retry-after" not in {name.lower() for name in headers}:
         headers.update(retry_headers(SESSION_FULL_RETRY_MS))

@@ -372,6 +372,8 @@ async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
         got = answer.json()
         assert got["jsonrpc"] == "2.0" and isinstance(got["error"]["code"], int), rule
         assert got["error"]["data"] == {"rule": rule}, (rule, got)
+        # A refused opening request names no session: the SDK discarded the one it made.
+        assert "mcp-session-id" not in answer.headers, rule
     assert answers["mcp.session"].status_code == 404
     assert answers["mcp.sessions"].status_code == 503
     assert int(answers["mcp.sessions"].headers["Retry-After"]) >= 1
