@@ -138,3 +138,25 @@ async def test_held_turn_is_pending_then_the_approved_answer_in_place(
     await page.get_by_label("Session", exact=True).fill(session)
     await page.get_by_role("button", name="Open").click()
     await expect(bubbles).to_have_text([marker, f"Echo: {marker}"])
+
+
+async def test_a_turn_that_fails_after_its_message_was_taken_in_is_not_offered_again(
+    page: Page, svc: ServiceProcess
+) -> None:
+    """The page treated every error as "refused, nothing stored": a model failure (502)
+    took the message out of the transcript and put it back in the box, so the person
+    sent it again and the worker got it twice. The message stays; the box stays empty."""
+    session = f"st-{uuid.uuid4().hex[:8]}"
+    await sign_in_and_open(page, svc, "plain", session)
+    await say(page, "boom #fail")
+    await expect(page.locator("#error")).to_contain_text("#fail requested a runtime error")
+    bubbles = page.locator("#transcript li.user")
+    await expect(bubbles).to_have_text(["boom #fail"])
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("")
+    # The transcript agrees: it was stored once.
+    await page.reload()
+    await expect(page.locator("#chat-view")).to_be_visible()
+    await page.get_by_label("Agent", exact=True).select_option("plain")
+    await page.get_by_label("Session", exact=True).fill(session)
+    await page.get_by_role("button", name="Open").click()
+    await expect(bubbles).to_have_text(["boom #fail"])

@@ -45,6 +45,7 @@
       const message = data && data.error && data.error.message;
       const err = new Error(message || `HTTP ${resp.status}`);
       err.status = resp.status;
+      err.rule = data && data.error && data.error.rule;
       throw err;
     }
     return data;
@@ -152,6 +153,12 @@
         pendingBubble = pendingReview();
       }
     } catch (err) {
+      if (err.status === 502 || err.rule === "turn.interrupted") {
+        // Taken in, then the turn failed (the model, or the database mid-turn): the
+        // message is in the transcript, and sending it again would send it twice.
+        showError(err.message);
+        return;
+      }
       // Refused: nothing was stored, so the message leaves the transcript and goes back
       // into the box to be sent again.
       user.remove();
