@@ -65,8 +65,9 @@ class Metrics:
 
         self.flow_runs_unrecoverable = Counter(
             "leadgate_flow_runs_unrecoverable_total",
-            "Flow runs failed by recovery after MAX_RECOVERIES attempts without progress "
-            "(rule flow.unrecoverable)",
+            "Flow runs given up as unrecoverable (rule flow.unrecoverable): by recovery "
+            "after MAX_RECOVERIES attempts without progress, or by the resumer when an "
+            "approved paused run cannot be read",
             registry=self.registry,
         )
 

@@ -39,6 +39,10 @@ from leadgate.core.errors import LeadgateError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.domain.processes import owner_gone
+
+# The rule in the error and event of a run recovery gave up on; defined with the resumer,
+# which gives an unreadable paused run up the same way.
+from leadgate.flows.runs import UNRECOVERABLE_RULE as UNRECOVERABLE_RULE
 from leadgate.flows.runs import (
     FlowService,
     RunLease,
@@ -54,8 +58,6 @@ RECOVERED_EVENT = "Flow run continued by recovery (its executor stopped)"
 #: Recovery attempts without progress after which a run is failed rather than claimed
 #: again (each attempt waits for a lapsed lease: about 2 minutes apart).
 MAX_RECOVERIES = 3
-#: The rule in the error and event of a run recovery gave up on.
-UNRECOVERABLE_RULE = "flow.unrecoverable"
 R = t.flow_runs.c
 
 _RUNNING = R.status == RunStatus.running.value

@@ -55,6 +55,7 @@ from leadgate.core.errors import (
     ValidationError,
 )
 from leadgate.core.limits import validate_message
+from leadgate.core.metrics import METRICS
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -114,13 +115,18 @@ class RunLeaseLost(TransitionError):
 
 #: The rule of :class:`RunUnreadable`.
 UNREADABLE_RULE = "flowRun.unreadable"
+#: The rule in the error and event of a run that was given up on as unreadable (by
+#: recovery after a few attempts, by the resumer at once: resuming it again gives the
+#: same).
+UNRECOVERABLE_RULE = "flow.unrecoverable"
 
 
 class RunUnreadable(LeadgateError):
     """A running flow run cannot be executed as stored: its flow is gone, or its outputs
     or its flow's nodes do not decode or are not lists. Executing it again gives the
     same; recovery gives such a run up after :data:`leadgate.flows.recovery.MAX_RECOVERIES`
-    attempts (rule ``flow.unrecoverable``)."""
+    attempts (rule ``flow.unrecoverable``). A paused run the resumer finds unreadable
+    is given up at once the same way."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +318,40 @@ async def find_flow(conn: Conn, org_id: str, ref: str) -> dict[str, Any]:
     if row is None:
         raise NotFound(f"no flow {ref!r}", rule="flow.not_found")
     return dict(row._mapping)
+
+
+async def read_checked(conn: Conn, run_id: str, flow_id: str) -> tuple[list[Any], list[Any]]:
+    """The outputs of run ``run_id`` (of flow ``flow_id``) and its flow's nodes, checked
+    as a run executes them. Raises :class:`RunUnreadable` when its flow is gone, or its
+    outputs or its flow's nodes do not decode or are not lists (of nodes, from the first
+    one not done)."""
+    try:
+        outputs = await conn.scalar(sa.select(R.outputs).where(R.id == run_id))
+        flow = (
+            await conn.execute(sa.select(t.flows.c.nodes).where(t.flows.c.id == flow_id))
+        ).first()
+    except ValueError as exc:  # JSONDecodeError: a stored value that is not JSON
+        raise RunUnreadable(
+            f"flow run {run_id}: its outputs or its flow's nodes do not decode ({exc})",
+            rule=UNREADABLE_RULE,
+        ) from exc
+    if flow is None:
+        raise RunUnreadable(
+            f"flow run {run_id}: its flow {flow_id} no longer exists", rule=UNREADABLE_RULE
+        )
+    nodes = flow.nodes
+    # Checked, not trusted: list() of a stored object or string would "continue" the
+    # run from a made-up node.
+    if (
+        not isinstance(outputs, list)
+        or not isinstance(nodes, list)
+        or not all(isinstance(node, dict) for node in nodes[len(outputs) :])
+    ):
+        raise RunUnreadable(
+            f"flow run {run_id}: its outputs or its flow's nodes are not the lists a run executes",
+            rule=UNREADABLE_RULE,
+        )
+    return list(outputs), nodes
 
 
 async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
@@ -531,37 +571,8 @@ class FlowService:
                 raise RunLeaseLost(
                     f"flow run {run_id} is not running under this lease", rule="flowRun.lease"
                 )
-            try:
-                outputs = await conn.scalar(sa.select(R.outputs).where(R.id == run_id))
-                flow = (
-                    await conn.execute(
-                        sa.select(t.flows.c.nodes).where(t.flows.c.id == row.flow_id)
-                    )
-                ).first()
-            except ValueError as exc:  # JSONDecodeError: a stored value that is not JSON
-                raise RunUnreadable(
-                    f"flow run {run_id}: its outputs or its flow's nodes do not decode ({exc})",
-                    rule=UNREADABLE_RULE,
-                ) from exc
-        if flow is None:
-            raise RunUnreadable(
-                f"flow run {run_id}: its flow {row.flow_id} no longer exists",
-                rule=UNREADABLE_RULE,
-            )
-        nodes = flow.nodes
-        # Checked, not trusted: list() of a stored object or string would "continue" the
-        # run from a made-up node.
-        if (
-            not isinstance(outputs, list)
-            or not isinstance(nodes, list)
-            or not all(isinstance(node, dict) for node in nodes[len(outputs) :])
-        ):
-            raise RunUnreadable(
-                f"flow run {run_id}: its outputs or its flow's nodes are not the lists a run "
-                "executes",
-                rule=UNREADABLE_RULE,
-            )
-        return {"id": row.id, "org_id": row.org_id}, list(outputs), nodes
+            outputs, nodes = await read_checked(conn, run_id, row.flow_id)
+        return {"id": row.id, "org_id": row.org_id}, outputs, nodes
 
     async def _finish(
         self, lease: RunLease, outputs: list[Any], status: RunStatus, error: str | None
@@ -754,9 +765,14 @@ class FlowResumer:
             if row.item_status != Status.approved.value:
                 await self._end(conn, row)
                 return True
-            lease = await self._resume(conn, row)
-        if lease is not None:
-            await self.flows.execute(lease)
+            resumed = await self._resume(conn, row)
+        if isinstance(resumed, RunLease):
+            await self.flows.execute(resumed)
+        elif resumed is not None:
+            # Once, after the commit: only the replica whose fenced close of the
+            # continuation matched gets here.
+            METRICS.flow_runs_unrecoverable.inc()
+            log.error("flow run %s failed: %s", row.run_id, resumed)
         return True
 
     async def _end(self, conn: Conn, row: Any) -> None:
@@ -781,10 +797,19 @@ class FlowResumer:
         )
         await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
 
-    async def _resume(self, conn: Conn, row: Any) -> RunLease | None:
+    async def _resume(self, conn: Conn, row: Any) -> RunLease | str | None:
         """Resume an approved continuation in ``conn``: the new run (leased here), to
-        execute once committed (None: another replica resumed it)."""
+        execute once committed; the error of a paused run that cannot be resumed, failed
+        here (:meth:`_give_up`); None: another replica resumed it."""
         clock, ids = self.flows.clock, self.flows.ids
+        # The paused run as an executor would read it (the checks of FlowService._load):
+        # a snapshot that does not decode, or is not a list, must not become a new run's
+        # outputs, nor fail every pass on the same row while other approvals wait.
+        paused = (await conn.execute(sa.select(R.id, R.flow_id).where(R.id == row.run_id))).one()
+        try:
+            outputs, _ = await read_checked(conn, paused.id, paused.flow_id)
+        except RunUnreadable as exc:
+            return await self._give_up(conn, row, exc)
         res = await conn.execute(
             t.continuations.update()
             .where(C.id == row.id, C.status == "waiting")
@@ -797,12 +822,11 @@ class FlowResumer:
         )
         if not res.rowcount:
             return None
-        paused = (await conn.execute(sa.select(t.flow_runs).where(R.id == row.run_id))).one()
         lease = await self.flows.new_run(
             conn,
             row.org_id,
             paused.flow_id,
-            list(paused.outputs),
+            outputs,
             row.node_index + 1,
             paused.id,
         )
@@ -832,3 +856,53 @@ class FlowResumer:
         except TransitionError:
             log.warning("continuation %s: item no longer approved", row.id)
         return lease
+
+    async def _give_up(self, conn: Conn, row: Any, exc: RunUnreadable) -> str | None:
+        """End the paused run of an approved continuation that cannot be resumed (its flow
+        gone, its outputs not decoding or not a list) as recovery ends an unreadable run:
+        ``failed`` with an error naming :data:`UNRECOVERABLE_RULE`; the continuation is
+        closed, its item (approved: the resume was its delivery) and the continuation's
+        delivery fail. Resuming it again would give the same, so there is no retry. The
+        error, to log and count once committed; None when another replica took the
+        continuation first."""
+        clock, ids = self.flows.clock, self.flows.ids
+        res = await conn.execute(
+            t.continuations.update()
+            .where(C.id == row.id, C.status == "waiting")
+            .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
+        )
+        if not res.rowcount:
+            return None
+        error = f"{UNRECOVERABLE_RULE}: the approved run cannot be resumed: {exc.message}"
+        await move_run(
+            conn,
+            clock,
+            row.run_id,
+            src=RunStatus.waitingForHitl,
+            dst=RunStatus.failed,
+            values={"error": error},
+        )
+        await self.flows._event(conn, row.run_id, f"Flow run failed: {error}")
+        await conn.execute(
+            t.deliveries.update()
+            .where(
+                t.deliveries.c.work_item_id == row.item_id,
+                t.deliveries.c.status == "continuation",
+            )
+            .values(status="failed", updated_at=clock.now_ms())
+        )
+        try:
+            await workitems.transition(
+                conn,
+                clock,
+                ids,
+                row.item_id,
+                src=Status.approved,
+                dst=Status.failed,
+                actor="system:flow",
+                action="flowUnrecoverable",
+                text=error,
+            )
+        except TransitionError:
+            log.warning("continuation %s: item no longer approved", row.id)
+        return error

@@ -795,3 +795,103 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
         assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
     assert await drain(turn_recovery) == 0
+
+
+@pytest.mark.parametrize("broken", ["outputs", "flow_gone"])
+async def test_an_approved_paused_run_that_cannot_be_read_fails_once_and_blocks_no_other(
+    first: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """The resumer reads a paused run with the executor's checks: one whose outputs do
+    not decode or are not a list (or whose flow is gone) is failed at once with
+    ``flow.unrecoverable``, logged and counted once, instead of failing every pass on the
+    same continuation (or resuming from a made-up snapshot) while the others wait."""
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    nodes = [
+        {"type": "agent", "agent": "worker", "prompt": "one #complete"},
+        {"type": "output", "value": "end"},
+    ]
+    async with first.db.tx() as conn:
+        bad_flow = await create_flow(conn, first.clock, first.ids, org.id, "bad", nodes)
+        good_flow = await create_flow(conn, first.clock, first.ids, org.id, "good", nodes)
+    bad = await first.flows.start(org.id, bad_flow["id"])
+    good = await first.flows.start(org.id, good_flow["id"])
+    async with first.db.tx() as conn:
+        if broken == "flow_gone":
+            await conn.execute(t.flows.delete().where(t.flows.c.id == bad_flow["id"]))
+        elif first.db.is_sqlite:
+            await conn.execute(
+                sa.text("UPDATE flow_runs SET outputs = '{not json' WHERE id = :id"), {"id": bad}
+            )
+        else:
+            await conn.execute(
+                t.flow_runs.update().where(t.flow_runs.c.id == bad).values(outputs={"x": 1})
+            )
+    await first.settle()  # the lead approves both nodes' submissions
+    counted = _unrecoverable()
+    resumer = FlowResumer(first.flows)
+    with caplog.at_level(logging.ERROR, logger="leadgate.flows"):
+        assert await drain(resumer) == 2
+    assert await drain(resumer) == 0
+    r, w = t.flow_runs.c, t.work_items.c
+    async with first.db.read() as conn:
+        status, error = (await conn.execute(sa.select(r.status, r.error).where(r.id == bad))).one()
+    why = (
+        f"its flow {bad_flow['id']} no longer exists"
+        if broken == "flow_gone"
+        else (
+            "its outputs or its flow's nodes do not decode"
+            if first.db.is_sqlite
+            else "its outputs or its flow's nodes are not the lists a run executes"
+        )
+    )
+    assert status == "failed"
+    assert error.startswith(
+        f"{UNRECOVERABLE_RULE}: the approved run cannot be resumed: flow run {bad}: {why}"
+    )
+    events = await _raw_events(first, bad)
+    assert events[-1] == f"Flow run failed: {error}"
+    assert _unrecoverable() == counted + 1
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR] == [
+        f"flow run {bad} failed: {error}"
+    ]
+    # No new run of it; its continuation closed, its item (whose delivery was the
+    # resume) failed.
+    async with first.db.read() as conn:
+        assert await conn.scalar(sa.select(sa.func.count()).where(r.resumed_from == bad)) == 0
+        cont = (
+            await conn.execute(sa.select(t.continuations).where(t.continuations.c.run_id == bad))
+        ).one()
+        item_status = await conn.scalar(sa.select(w.status).where(w.id == cont.work_item_id))
+        delivery = await conn.scalar(
+            sa.select(t.deliveries.c.status).where(t.deliveries.c.work_item_id == cont.work_item_id)
+        )
+    assert (cont.status, cont.resumed_run_id, item_status, delivery) == (
+        "closed",
+        None,
+        "failed",
+        "failed",
+    )
+    # The other approval was not held up behind it.
+    [resumed] = (await _view(first, org, good))["continuations"]
+    done = await _view(first, org, resumed["resumedRunId"])
+    assert (done["status"], done["outputs"]) == (
+        "completed",
+        [PAUSED_OUTPUT, {"data": "end", "success": True}],
+    )
+
+
+async def _raw_events(stack: Stack, run_id: str) -> list[str]:
+    e = t.flow_run_events.c
+    async with stack.db.read() as conn:
+        return [
+            str(text)
+            for text in (
+                await conn.execute(
+                    sa.select(e.text).where(e.run_id == run_id).order_by(e.created_at, e.id)
+                )
+            )
+            .scalars()
+            .all()
+        ]
