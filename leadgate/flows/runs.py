@@ -355,7 +355,8 @@ async def read_checked(conn: Conn, run_id: str, flow_id: str) -> tuple[list[Any]
 
 
 async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
-    """A run with its events and continuations (for the CLI and tests)."""
+    """A run with its events and continuations (``leadgate flow show``, and tests):
+    ``recoveryAttempts`` counts recovery's claims since the run last made progress."""
     row = (
         await conn.execute(sa.select(t.flow_runs).where(R.id == run_id, R.org_id == org_id))
     ).first()
@@ -377,6 +378,9 @@ async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
         "startIndex": row.start_index,
         "resumedFrom": row.resumed_from,
         "error": row.error,
+        # Claims by recovery since the run last made progress: how close a running run
+        # is to being given up (flow.unrecoverable at MAX_RECOVERIES).
+        "recoveryAttempts": row.recovery_attempts,
         "createdAt": iso(row.created_at),
         "events": [e.text for e in events],
         "continuations": [

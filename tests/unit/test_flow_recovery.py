@@ -44,6 +44,7 @@ from leadgate.flows.runs import (
     run_view,
     take_over,
 )
+from leadgate.operations.admin import Admin
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
@@ -895,3 +896,21 @@ async def _raw_events(stack: Stack, run_id: str) -> list[str]:
             .scalars()
             .all()
         ]
+
+
+async def test_flow_show_says_how_many_recovery_attempts_a_run_has_had(
+    first: Stack, second: Stack, clock: FakeClock
+) -> None:
+    """``leadgate flow show`` (Admin.show_run) shows ``recoveryAttempts``: an operator
+    sees a run nearing ``flow.unrecoverable`` before it is given up."""
+    org = await make_org(first)
+    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
+    async with first.db.tx() as conn:
+        lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+    admin = Admin(second.db, second.clock, second.ids, frozenset({"script"}))
+    assert (await admin.show_run(org.id, lease.run_id))["recoveryAttempts"] == 0
+    for _ in range(2):
+        clock.advance(RUN_LEASE_MS + 1)
+        assert await claim_lapsed(second.flows) is not None  # ... and its process dies
+    shown = await admin.show_run(org.id, lease.run_id)
+    assert (shown["status"], shown["recoveryAttempts"]) == ("running", 2)
