@@ -66,8 +66,9 @@ class Metrics:
         self.flow_runs_unrecoverable = Counter(
             "leadgate_flow_runs_unrecoverable_total",
             "Flow runs given up as unrecoverable (rule flow.unrecoverable): by recovery "
-            "after MAX_RECOVERIES attempts without progress, or by the resumer when an "
-            "approved paused run cannot be read",
+            "after MAX_RECOVERIES attempts without progress, by the resumer when an "
+            "approved paused run cannot be read, or because turn recovery gave up on a "
+            "node's turn",
             registry=self.registry,
         )
 

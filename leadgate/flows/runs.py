@@ -66,6 +66,7 @@ from leadgate.domain import wakes, workitems
 from leadgate.domain.orgs import validate_name
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
+from leadgate.turns import runs as turn_runs
 from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.flows")
@@ -703,6 +704,7 @@ class FlowService:
 
 _W = t.work_items.c
 _S = t.sessions.c
+_A = t.audit.c
 #: A waiting continuation of a paused run with its node's work item, found through the
 #: node's session: the item id is written on the continuation only after the turn, so a
 #: crash between the two left an approved item that nothing resumed (and no queue
@@ -767,21 +769,24 @@ class FlowResumer:
             if row is None:
                 return False
             if row.item_status != Status.approved.value:
-                await self._end(conn, row)
-                return True
-            resumed = await self._resume(conn, row)
-        if isinstance(resumed, RunLease):
-            await self.flows.execute(resumed)
-        elif resumed is not None:
+                outcome: RunLease | str | None = await self._end(conn, row)
+            else:
+                outcome = await self._resume(conn, row)
+        if isinstance(outcome, RunLease):
+            await self.flows.execute(outcome)
+        elif outcome is not None:  # the error of a run given up as unrecoverable
             # Once, after the commit: only the replica whose fenced close of the
             # continuation matched gets here.
             METRICS.flow_runs_unrecoverable.inc()
-            log.error("flow run %s failed: %s", row.run_id, resumed)
+            log.error("flow run %s failed: %s", row.run_id, outcome)
         return True
 
-    async def _end(self, conn: Conn, row: Any) -> None:
+    async def _end(self, conn: Conn, row: Any) -> str | None:
         """The paused run of a continuation whose item was rejected, cancelled, abandoned
-        or failed ends ``failed``, saying why (it waited for an approval for ever)."""
+        or failed ends ``failed``, saying why (it waited for an approval for ever). The
+        error when it was given up as unrecoverable (its item abandoned because turn
+        recovery gave the node's turn up: :data:`UNRECOVERABLE_RULE`), to log and count
+        once committed; else None."""
         clock = self.flows.clock
         res = await conn.execute(
             t.continuations.update()
@@ -789,8 +794,22 @@ class FlowResumer:
             .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
         )
         if not res.rowcount:
-            return
+            return None
         why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
+        gave_up = None
+        if row.item_status == Status.abandoned.value:
+            # Abandoned by turn recovery (its turn kept killing its process), not after a
+            # week of silence: the run says so, and is given up as recovery gives up.
+            gave_up = await conn.scalar(
+                sa.select(_A.text)
+                .where(_A.work_item_id == row.item_id, _A.action == turn_runs.GAVE_UP_ACTION)
+                .limit(1)
+            )
+        if gave_up is not None:
+            why = (
+                f"node {row.node_index}: {UNRECOVERABLE_RULE}: {gave_up}; the work item "
+                f"{row.item_id} was abandoned"
+            )
         await move_run(
             conn,
             clock,
@@ -800,6 +819,7 @@ class FlowResumer:
             values={"error": why},
         )
         await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
+        return None if gave_up is None else why
 
     async def _resume(self, conn: Conn, row: Any) -> RunLease | str | None:
         """Resume an approved continuation in ``conn``: the new run (leased here), to

@@ -334,6 +334,21 @@ class TurnService:
         if queued:
             self.on_delivery_queued()
 
+    async def _give_up_flow_turn(self, ctx: TurnContext, token: str, item_id: str) -> None:
+        """Close the runs of ``token`` and abandon their flow node's item, in one
+        transaction (fenced by the run's lease: one process does it): a flow posts no
+        notice and retries nothing, so the item is what tells the flow."""
+        async with self.db.tx() as conn:
+            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            abandoned = await runs.abandon_given_up(conn, self.clock, self.ids, item_id)
+        if abandoned:
+            log.warning(
+                "flow node turn of session %s given up; work item %s abandoned (its flow "
+                "run fails)",
+                ctx.session_id,
+                item_id,
+            )
+
     async def reject_inbound(self, trigger: Trigger, reason: str) -> bool:
         """A channel message that breaks a message rule (too long, NUL ...): recorded as
         a rejected inbound event and answered with a notice saying why, in one
@@ -398,7 +413,10 @@ class TurnService:
             run_fenced=True,
         )
         if claimed.action == "gaveUp":
-            await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
+            if kind is BindingKind.flow and claimed.work_item_id is not None:
+                await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
+            else:
+                await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
             return None
         if claimed.action != runs.RERUN:
             return None

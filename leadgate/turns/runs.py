@@ -20,7 +20,10 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   transcript (and the item's task context) as it was stored, and the item waits in
   ``inProgress`` for the retry;
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
-  the person gets a failure notice and the run is closed.
+  the person gets a failure notice and the run is closed. A flow node's turn has no
+  person to tell and nobody retries it: its work item is abandoned
+  (:func:`abandon_given_up`, audit :data:`GAVE_UP_ACTION`), which ends the paused flow
+  run ``failed`` saying why (:class:`leadgate.flows.runs.FlowResumer`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
-from leadgate.domain import workitems
+from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
+from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 
 R = t.turn_runs.c
@@ -47,6 +51,15 @@ CLIENT = "client"
 RUN_LEASE_MS = 15 * MINUTE_MS
 MAX_ATTEMPTS = 3
 FAILURE_NOTICE = "Sorry, I could not answer your message (the agent failed). Please try again."
+#: The audit action of a flow node's work item abandoned because turn recovery gave its
+#: turn up (the flow resumer names the reason when it fails the run).
+GAVE_UP_ACTION = "turnGaveUp"
+#: The audit text of that move: why the item ended.
+GAVE_UP_TEXT = (
+    f"turn recovery gave the worker's turn up after {MAX_ATTEMPTS} attempts that each "
+    "stopped before it finished (its process died); a flow node's turn is retried by "
+    "nobody"
+)
 
 _INSERT = t.turn_runs.insert()
 _FINISH = t.turn_runs.delete().where(R.lease_token == sa.bindparam("p_token"))
@@ -215,3 +228,27 @@ async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summar
             "last_activity_at": clock.now_ms(),
         },
     )
+
+
+async def abandon_given_up(conn: Conn, clock: Clock, ids: IdFactory, item_id: str) -> bool:
+    """Abandon the ``inProgress`` work item of a flow node whose turn recovery gave up
+    (audit :data:`GAVE_UP_ACTION`, :data:`GAVE_UP_TEXT`), and wake the flow resumer: the
+    paused run waits on that item, and no approval will ever come (left ``inProgress``,
+    the abandonment sweeper would end it only after a week of silence). False when the
+    item had moved on already (its flow is told of that end)."""
+    try:
+        await workitems.transition(
+            conn,
+            clock,
+            ids,
+            item_id,
+            src=Status.inProgress,
+            dst=Status.abandoned,
+            actor="system:recovery",
+            action=GAVE_UP_ACTION,
+            text=GAVE_UP_TEXT,
+        )
+    except TransitionError:
+        return False
+    await wakes.after_commit(conn, Wake.flow)
+    return True

@@ -48,6 +48,9 @@ from leadgate.operations.admin import Admin
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
+from leadgate.turns.runs import GAVE_UP_ACTION as TURN_GAVE_UP_ACTION
+from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
+from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
 from tests.helpers import Org, eventually, make_agent, make_org
 from tests.stack import Stack
@@ -914,3 +917,77 @@ async def test_flow_show_says_how_many_recovery_attempts_a_run_has_had(
         assert await claim_lapsed(second.flows) is not None  # ... and its process dies
     shown = await admin.show_run(org.id, lease.run_id)
     assert (shown["status"], shown["recoveryAttempts"]) == ("running", 2)
+
+
+@pytest.mark.parametrize("turn_first", [False, True], ids=["flow_first", "turn_first"])
+async def test_a_lead_reviewed_node_whose_turn_recovery_gave_up_fails_its_flow_saying_why(
+    first: Stack,
+    second: Stack,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+    turn_first: bool,
+) -> None:
+    """Turn recovery gives a turn up after MAX_ATTEMPTS runs that each killed their
+    process. A channel's person gets a failure notice and may retry; a flow node's turn
+    has neither, so its item was left ``inProgress`` and the paused run waited a week
+    for the abandonment sweeper, silently. Now the item is abandoned at once and the run
+    fails with ``flow.unrecoverable`` naming why, logged and counted once."""
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "write it #die #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    with pytest.raises(Killed):
+        await first.flows.start(org.id, flow_id)
+    run_id = await _only_run(first)
+    # Its earlier runs all died too: the next claim is the one that gives it up.
+    async with second.db.tx() as conn:
+        await conn.execute(t.turn_runs.update().values(attempts=TURN_MAX_ATTEMPTS))
+    clock.advance(TURN_LEASE_MS + 1)
+    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
+    resumer = FlowResumer(second.flows)
+    counted = _unrecoverable()
+    with caplog.at_level(logging.ERROR, logger="leadgate.flows"):
+        if turn_first:
+            assert await drain(turn_recovery) == 1
+            assert await drain(flow_recovery) == 1  # pauses on the turn taken in
+        else:
+            assert await drain(flow_recovery) == 1
+            assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
+            assert await drain(turn_recovery) == 1
+        assert await drain(resumer) == 1
+    run = await _view(second, org, run_id)
+    [cont] = run["continuations"]
+    w, a = t.work_items.c, t.audit.c
+    async with second.db.read() as conn:
+        [(item_id, item_status)] = (await conn.execute(sa.select(w.id, w.status))).all()
+        actions = (
+            (await conn.execute(sa.select(a.action).where(a.work_item_id == item_id)))
+            .scalars()
+            .all()
+        )
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
+    assert item_status == "abandoned" and TURN_GAVE_UP_ACTION in actions
+    error = (
+        f"node 0: {UNRECOVERABLE_RULE}: {TURN_GAVE_UP_TEXT}; the work item {item_id} was abandoned"
+    )
+    assert (run["status"], run["error"], run["events"][-1]) == (
+        "failed",
+        error,
+        f"Flow run failed: {error}",
+    )
+    assert (cont["status"], cont["resumedRunId"]) == ("closed", None)
+    assert _unrecoverable() == counted + 1
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR] == [
+        f"flow run {run_id} failed: {error}"
+    ]
+    clock.advance(10 * TURN_LEASE_MS)
+    assert await drain(turn_recovery) == 0
+    assert await drain(flow_recovery) == 0
+    assert await drain(resumer) == 0
