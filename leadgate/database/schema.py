@@ -355,8 +355,9 @@ continuations = sa.Table(
     metadata,
     sa.Column("id", ID, primary_key=True),
     sa.Column("org_id", ID, nullable=False),
-    # Indexed (migration 0015): an agent node executed again finds its continuation.
-    sa.Column("run_id", ID, nullable=False, index=True),
+    # Looked up by run through uq_continuations_run_node below (its leading column): the
+    # index of its own (migration 0015) was dropped as redundant (migration 0018).
+    sa.Column("run_id", ID, nullable=False),
     sa.Column("node_index", sa.Integer, nullable=False),
     sa.Column("agent_id", ID, nullable=False),
     sa.Column("session_key", sa.String(500), nullable=False),
