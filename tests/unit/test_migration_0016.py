@@ -1,6 +1,8 @@
 """Migration 0016 on SQLite and PostgreSQL: continuations are unique per (run_id,
-node_index); duplicates already stored are reduced to the earliest of each pair (by
-created_at, then id) so the upgrade never fails, and the schema matches ``schema.py``."""
+node_index); duplicates already stored are reduced to one of each group so the upgrade
+never fails (the one that records how the node's pause was settled: resumed, else
+closed, else one knowing its item, else the earliest by created_at, then id), and the
+schema matches ``schema.py``."""
 
 from __future__ import annotations
 
@@ -26,6 +28,20 @@ CONTINUATIONS = [
     ("cnt_g", "run_2", 0, 7),  # a tie on created_at: the smaller id is kept
     ("cnt_f", "run_2", 0, 7),
 ]
+#: Duplicates of which a later one records the settled pause: (id, run, status,
+#: work_item_id, created_at), all of node 0.
+SETTLED = [
+    ("cnt_h", "run_3", "waiting", None, 1),
+    ("cnt_i", "run_3", "resumed", "wi_3", 2),  # the resume (summary, resumed run): kept
+    ("cnt_j", "run_3", "closed", "wi_3", 3),
+    ("cnt_k", "run_4", "waiting", "wi_4", 1),
+    ("cnt_l", "run_4", "closed", "wi_4", 2),  # its run ended: kept
+    ("cnt_m", "run_5", "waiting", None, 1),
+    ("cnt_n", "run_5", "waiting", "wi_5", 2),  # the pause wrote its item here: kept
+]
+
+
+KEPT = {"cnt_c", "cnt_e", "cnt_f", "cnt_i", "cnt_l", "cnt_n"}
 
 
 def run(url: str, work: Any) -> Any:
@@ -40,18 +56,34 @@ def run(url: str, work: Any) -> Any:
     return asyncio.run(main())
 
 
-def _insert(conn: sa.Connection, cid: str, run_id: str, node: int, at: int) -> None:
+def _insert(
+    conn: sa.Connection,
+    cid: str,
+    run_id: str,
+    node: int,
+    at: int,
+    status: str = "waiting",
+    item: str | None = None,
+) -> None:
     conn.execute(
         sa.text(
             "INSERT INTO continuations (id, org_id, run_id, node_index, agent_id, "
-            "session_key, status, created_at, updated_at) VALUES "
-            "(:id, 'org_1', :run, :node, 'agt_1', :key, 'waiting', :at, :at)"
+            "session_key, work_item_id, status, created_at, updated_at) VALUES "
+            "(:id, 'org_1', :run, :node, 'agt_1', :key, :item, :status, :at, :at)"
         ),
-        {"id": cid, "run": run_id, "node": node, "key": f"flow:{run_id}:{node}", "at": at},
+        {
+            "id": cid,
+            "run": run_id,
+            "node": node,
+            "key": f"flow:{run_id}:{node}",
+            "item": item,
+            "status": status,
+            "at": at,
+        },
     )
 
 
-def test_upgrade_keeps_the_earliest_continuation_of_each_node_and_makes_them_unique(
+def test_upgrade_keeps_one_continuation_of_each_node_and_makes_them_unique(
     db_url: str,
 ) -> None:
     cfg = alembic_config(db_url)
@@ -60,6 +92,8 @@ def test_upgrade_keeps_the_earliest_continuation_of_each_node_and_makes_them_uni
     def seed(conn: sa.Connection) -> None:
         for cid, run_id, node, at in CONTINUATIONS:
             _insert(conn, cid, run_id, node, at)
+        for cid, run_id, status, item, at in SETTLED:
+            _insert(conn, cid, run_id, 0, at, status, item)
 
     run(db_url, seed)
     command.upgrade(cfg, "head")
@@ -70,7 +104,7 @@ def test_upgrade_keeps_the_earliest_continuation_of_each_node_and_makes_them_uni
         return {"ids": ids, "diff": diff}
 
     out = run(db_url, check)
-    assert out["ids"] == {"cnt_c", "cnt_e", "cnt_f"}
+    assert out["ids"] == KEPT
     # The migrated schema is schema.py (the SQLite-only index aside, as in 0005's test).
     assert [
         d
@@ -90,4 +124,4 @@ def test_upgrade_keeps_the_earliest_continuation_of_each_node_and_makes_them_uni
         db_url,
         lambda conn: {r[0] for r in conn.execute(sa.text("SELECT id FROM continuations")).all()},
     )
-    assert ids == {"cnt_c", "cnt_e", "cnt_f"}
+    assert ids == KEPT
