@@ -260,7 +260,9 @@ class App:
         self.lead_runner.poked_on_enqueue = True
         self.lead_runner.wake = review_wake.set
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
-        flow_wake, recovery_wake, flow_recovery_wake = (asyncio.Event() for _ in range(3))
+        flow_wake, recovery_wake, flow_recovery_wake, schedule_wake = (
+            asyncio.Event() for _ in range(4)
+        )
         # What a delivery's recovery (confirm, retry) can give work to; see
         # _after_decision. A return and an approval of a flow item wake their runner at
         # commit, on every replica (_wakes below).
@@ -288,6 +290,7 @@ class App:
             Wake.revision: revision_wake.set,
             Wake.flow: flow_wake.set,
             Wake.leases: leases_freed,
+            Wake.schedule: schedule_wake.set,
         }
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
@@ -306,8 +309,9 @@ class App:
             _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
             _Loop(RevisionRunner(self.turns), revision_wake),
             _Loop(Sweeper(self.db, self.clock, self.ids)),
-            # A firing is due with time: the loop sleeps no longer than until the next.
-            _Loop(schedules, due_s=schedules.due_in_s),
+            # A firing is due with time: the loop sleeps no longer than until the next;
+            # an added schedule (whose first firing may be sooner) wakes it at commit.
+            _Loop(schedules, schedule_wake, due_s=schedules.due_in_s),
             _Loop(FlowResumer(self.flows), flow_wake),
             # Flow runs whose executor stopped mid-run: a reap of its process wakes this
             # loop; a lease lapses with time, and the loop sleeps no longer than until

@@ -13,7 +13,9 @@ runners):
 * :attr:`Wake.flow`: an approval wrote a flow continuation; the flow resumer has a run to
   resume;
 * :attr:`Wake.leases`: processes known dead were reaped, or this one shut down; what they
-  held (review, revision, send and turn-run leases) can be taken back at once.
+  held (review, revision, send and turn-run leases) can be taken back at once;
+* :attr:`Wake.schedule`: a schedule was added (``leadgate schedule add``); its first
+  firing may be sooner than the one the schedule runner sleeps toward.
 
 The writer calls :func:`after_commit` inside its transaction. In process, the signal
 reaches the :data:`TOPIC` listeners of :meth:`leadgate.database.db.Database.on_commit_payloads`
@@ -46,6 +48,7 @@ class Wake(enum.StrEnum):
     revision = "revision"
     flow = "flow"
     leases = "leases"
+    schedule = "schedule"
 
 
 _NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', :payload)")

@@ -11,7 +11,10 @@ between the two.)
 
 Each pass reads the earliest active schedule, due or not: when it is not due yet, its
 time tells the runner loop how long it may sleep (:meth:`ScheduleRunner.due_in_s`), so a
-firing happens at its time rather than up to a poll late, at no extra query.
+firing happens at its time rather than up to a poll late, at no extra query. Adding a
+schedule wakes the schedule runners at commit (:attr:`leadgate.domain.wakes.Wake.schedule`:
+in process, and on PostgreSQL every other replica by NOTIFY), so a schedule whose first
+firing is sooner than the one they sleep toward fires at its time too.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.domain import wakes
 from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.schedules")
@@ -95,7 +99,8 @@ async def add_schedule(
     cron: str,
     message: str,
 ) -> dict[str, Any]:
-    """Store a schedule; its first firing is the next cron time after now."""
+    """Store a schedule; its first firing is the next cron time after now. The schedule
+    runners are woken once the transaction commits (they learn its firing time)."""
     validate_message(message)
     first = next_fire(cron, clock.now_ms())
     schedule_id = ids.new("sch")
@@ -111,6 +116,7 @@ async def add_schedule(
             created_at=clock.now_ms(),
         )
     )
+    await wakes.after_commit(conn, wakes.Wake.schedule)
     return {"id": schedule_id, "agentId": agent_id, "cron": cron, "nextFireAt": iso(first)}
 
 
@@ -132,7 +138,8 @@ class ScheduleRunner:
         (:func:`leadgate.core.runners.run_loop`), so a schedule fires at its time, not at
         the next poll. Read from the database, so it holds across replicas: a firing
         another replica took meanwhile makes this one wake early and find the next; a
-        schedule added since with an earlier firing is seen at the next poll."""
+        schedule added since wakes the loop at its commit (``Wake.schedule``), which
+        then reads its firing."""
         if self._next_fire is None:
             return None
         return max(0.0, (self._next_fire - self.clock.now_ms()) / 1000)

@@ -21,7 +21,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -35,7 +35,7 @@ from leadgate.database import schema as t
 from leadgate.domain.processes import Liveness
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
-from leadgate.runners.schedules import add_schedule
+from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.channel import OutboundMessage, Retry, Sent
@@ -502,3 +502,93 @@ async def test_a_flow_run_whose_lease_lapses_is_continued_when_it_lapses(
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("flow run lease lapsed -> continued", (called_ms - lapses) / 1000)
     assert called_ms > lapses  # not before it lapsed
+
+
+# ------------------------------------- 6. work added with a sooner time than the known one
+
+
+R = TypeVar("R")
+
+
+def runner_of(app: App, kind: type[R]) -> R:
+    """``app``'s runner of type ``kind`` (its loops run it)."""
+    for loop in app.loops:
+        if isinstance(loop.runner, kind):
+            return loop.runner
+    raise AssertionError(f"no {kind.__name__} loop")
+
+
+async def test_a_schedule_added_with_a_sooner_firing_wakes_the_schedule_runner(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """The schedule runner sleeps toward the earliest firing it read; a schedule added
+    since with a sooner firing wakes it at its commit (``Wake.schedule``), so it fires at
+    its time, not at the poll."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    async with app.db.tx() as conn:  # once a year: what the runner sleeps toward
+        await add_schedule(
+            conn,
+            clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=plain["id"],
+            cron="0 0 1 1 *",
+            message="yearly",
+        )
+    await start_worker(app)
+    schedules = runner_of(app, ScheduleRunner)
+    assert await eventually(lambda: schedules.due_in_s() is not None, WITHIN_S)  # asleep
+    # Just before a minute starts, so that "* * * * *" first fires DUE_IN_MS from now.
+    clock.advance((-clock.now_ms() - DUE_IN_MS) % 60_000)
+    due = clock.now_ms() + DUE_IN_MS
+    async with app.db.tx() as conn:
+        await add_schedule(
+            conn,
+            clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=plain["id"],
+            cron="* * * * *",
+            message="tick",
+        )
+
+    call = await next_call(model, lambda c: c.text == "tick")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("schedule added with a sooner firing -> its turn's model call", (called_ms - due) / 1000)
+    assert called_ms >= due  # not before it was due
+
+
+async def test_a_schedule_added_on_an_api_replica_wakes_the_schedule_runner_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """``leadgate schedule add`` runs in another process than the runners: the NOTIFY of
+    ``Wake.schedule`` wakes every replica's schedule runner."""
+    clock, model = JumpingClock(), RecordingModel()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, model=model)
+    org = await make_org(api)
+    plain = await make_agent(api, org, "plain")
+    await start_worker(worker)
+    schedules = runner_of(worker, ScheduleRunner)
+    # The worker's first pass found no schedule: it sleeps for the poll.
+    assert await eventually(lambda: schedules.due_in_s() is None, WITHIN_S)
+    clock.advance((-clock.now_ms() - DUE_IN_MS) % 60_000)
+    due = clock.now_ms() + DUE_IN_MS
+    async with api.db.tx() as conn:
+        await add_schedule(
+            conn,
+            clock,
+            api.ids,
+            org_id=org.id,
+            agent_id=plain["id"],
+            cron="* * * * *",
+            message="tick",
+        )
+
+    call = await next_call(model, lambda c: c.text == "tick")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("schedule added on the api replica -> its turn on the worker", (called_ms - due) / 1000)
+    assert called_ms >= due
