@@ -58,7 +58,7 @@ from leadgate.operations.messages import Messages
 from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
 from leadgate.operations.transcripts import Transcripts
-from leadgate.review.cards import ReviewNotifier
+from leadgate.review.cards import TIMERS_TOPIC, ReviewNotifier
 from leadgate.review.decisions import Verdict
 from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
@@ -330,8 +330,11 @@ class App:
                 enable(self.chat_reviews)
         self.sla_runner = SlaRunner(self.db, self.clock, self.ids, self.outbox, self.notifier)
         # Reminders, escalations and expiries are due with time: the loop sleeps no
-        # longer than until the next.
-        self.loops.append(_Loop(self.sla_runner, due_s=self.sla_runner.due_in_s))
+        # longer than until the next; an episode opened here with a sooner timer wakes it.
+        sla = _Loop(self.sla_runner, due_s=self.sla_runner.due_in_s)
+        self.sla_runner.wake = sla.wake.set
+        self.db.on_commit_payloads(TIMERS_TOPIC, self.sla_runner.timers_opened)
+        self.loops.append(sla)
 
     @property
     def model_names(self) -> frozenset[str]:

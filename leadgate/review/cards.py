@@ -14,6 +14,10 @@ delivery recovery, expiry; see :mod:`leadgate.review.decisions`): it closes the 
 episode and, for each of its cards, cancels a card not yet sent or queues a
 ``cardUpdate`` delivery that edits the posted card to show the outcome (email cards
 cannot be edited and are left alone).
+
+An opened episode's earliest timer is signalled on :data:`TIMERS_TOPIC` once its
+transaction commits (in process, no statement): the SLA runner wakes when it is sooner
+than the timer it sleeps toward (:meth:`leadgate.review.sla.SlaRunner.timers_opened`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
 from leadgate.database import schema as t
-from leadgate.database.db import Conn
+from leadgate.database.db import Conn, signal_after_commit
 from leadgate.review.destinations import Destination, destinations_for, effective_sla
 from leadgate.review.facts import ReviewFacts, review_facts
 from outbox.channel import Card, CardOutcome
@@ -38,6 +42,10 @@ E = t.review_episodes.c
 RC = t.review_cards.c
 D = t.deliveries.c
 U = t.users.c
+
+#: :meth:`leadgate.database.db.Database.on_commit_payloads` topic: the earliest timer
+#: (``due_at``, ms) of each episode the transaction opened.
+TIMERS_TOPIC = "review-timers"
 
 #: The plain-text form of a card cuts the summary here (email and fallback texts).
 TEXT_SUMMARY_LIMIT = 4_000
@@ -143,6 +151,7 @@ class ReviewNotifier:
         expire_after = sla.expire_after_ms if reason == "awaitingHuman" else None
         expire_at = now + expire_after if expire_after else None
         episode_id = self.ids.new("rep")
+        due_at = earliest(remind_at, escalate_at, expire_at)
         await conn.execute(
             t.review_episodes.insert().values(
                 id=episode_id,
@@ -152,7 +161,7 @@ class ReviewNotifier:
                 reason=reason,
                 delivery_id=delivery_id or facts.delivery_id,
                 started_at=now,
-                due_at=earliest(remind_at, escalate_at, expire_at),
+                due_at=due_at,
                 next_remind_at=remind_at,
                 remind_every_ms=sla.remind_every_ms,
                 reminders=0,
@@ -165,6 +174,8 @@ class ReviewNotifier:
                 created_at=now,
             )
         )
+        if due_at is not None:
+            signal_after_commit(conn, TIMERS_TOPIC, due_at)
         await self.post(conn, episode_id, facts, "notify")
         return episode_id
 

@@ -17,12 +17,14 @@ exactly one outcome. Time comes from the injectable clock.
 A pass that leaves nothing due also reads when the next timer falls due (the earliest
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
 than that (:meth:`SlaRunner.due_in_s`): a reminder, an escalation or an expiry fires at
-its time, not up to a poll later.
+its time, not up to a poll later. An episode opened in this process with a sooner timer
+than that wakes the loop at its commit (:meth:`SlaRunner.timers_opened`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -74,6 +76,8 @@ class SlaRunner:
         self.batch = batch
         #: the earliest timer not due at the last pass that left nothing due (None: none)
         self._next_due: int | None = None
+        #: Set by the composition root to the loop's wake (see :meth:`timers_opened`).
+        self.wake: Callable[[], None] = lambda: None
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the earliest timer the last pass saw
@@ -81,10 +85,21 @@ class SlaRunner:
         (:func:`leadgate.core.runners.run_loop`). Read from the database, so it covers
         every replica's episodes as of that pass: a timer fired or closed since makes the
         loop wake early and look again; an episode opened since with an earlier timer
-        is seen at the next poll."""
+        wakes the loop at its commit when opened in this process
+        (:meth:`timers_opened`), and is seen at the next poll when opened on another
+        replica."""
         if self._next_due is None:
             return None
         return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
+
+    def timers_opened(self, due_at: list[Any]) -> None:
+        """Episodes whose earliest timers are ``due_at`` (ms) were opened and committed
+        in this process (:data:`leadgate.review.cards.TIMERS_TOPIC`): wake the loop when
+        one is sooner than the timer it sleeps toward, or when it knows of none (else
+        it would sleep past it, up to a poll). A later one is read by the pass that
+        fires the known one: no pass is spent on it."""
+        if self._next_due is None or min(due_at) < self._next_due:
+            self.wake()
 
     async def run_once(self) -> bool:
         """Fire what is due now (one batch of episodes); True when anything fired."""

@@ -35,6 +35,7 @@ from leadgate.database import schema as t
 from leadgate.domain.processes import Liveness
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
+from leadgate.review.sla import SlaRunner
 from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
@@ -113,12 +114,14 @@ async def make_app() -> AsyncIterator[MakeApp]:
         clock: Clock | None = None,
         model: ScriptProvider | None = None,
         channels: dict[str, Any] | None = None,
+        review: dict[str, str] | None = None,
     ) -> App:
         settings = Settings.model_validate(
             {
                 "database": {"url": url},
                 # A heartbeat that never beats by itself: the tests reap when they mean to.
                 "runners": {"poll_interval_s": POLL_S, "heartbeat_s": 3600},
+                "review": review or {},
             }
         )
         app = App(
@@ -592,3 +595,37 @@ async def test_a_schedule_added_on_an_api_replica_wakes_the_schedule_runner_of_a
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("schedule added on the api replica -> its turn on the worker", (called_ms - due) / 1000)
     assert called_ms >= due
+
+
+async def test_an_episode_opened_with_a_sooner_timer_wakes_the_sla_runner(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """The SLA runner sleeps toward the earliest timer it read; an episode opened since in
+    the same process with a sooner one wakes it at its commit
+    (``SlaRunner.timers_opened``), so its reminder fires at its time, not at the poll."""
+    clock = JumpingClock()
+    app = make_app(migrated_url, clock=clock, review={"remind_after": "1s"})
+    org, agent = await lead_and_worker(app)
+    # An episode whose reminder is an hour away: opened with the clock an hour ahead.
+    clock.advance(3_600_000)
+    first = await app.turns.run(api_trigger(org, agent, "hard #escalate #complete"))
+    assert isinstance(first, Gated)
+    assert await drain(app.lead_runner) == 1
+    clock.advance(-3_600_000)
+    await start_worker(app)
+    sla = runner_of(app, SlaRunner)
+    assert await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
+
+    out = await app.turns.run(api_trigger(org, agent, "hard #escalate #complete", "s2"))
+    assert isinstance(out, Gated) and out.work_item_id
+    await waiting_for_human(app, out.work_item_id)  # the worker's lead escalated it
+    e = t.review_episodes.c
+
+    async def reminded() -> bool:
+        async with app.db.read() as conn:
+            reminders = await conn.scalar(
+                sa.select(e.reminders).where(e.work_item_id == out.work_item_id)
+            )
+            return bool(reminders == 1)
+
+    assert await eventually(reminded, WITHIN_S)

@@ -22,7 +22,7 @@ from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.review import decisions
 from leadgate.review import destinations as dest
-from leadgate.review.cards import ReviewNotifier
+from leadgate.review.cards import TIMERS_TOPIC, ReviewNotifier
 from leadgate.review.sla import SlaRunner
 from outbox.channel import Card, Uncertain
 from tests.helpers import item_audit
@@ -126,6 +126,28 @@ async def test_the_runner_knows_when_its_next_timer_falls_due(
     assert await env.sla.run_once()  # the reminder fired; the loop runs again at once
     assert not await env.sla.run_once()
     assert env.sla.due_in_s() == 90 * 60  # the escalation
+
+
+async def test_an_episode_opened_with_a_sooner_timer_wakes_the_runner(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """An episode committed with a timer sooner than the one the runner sleeps toward (or
+    while it knows of none) wakes its loop (``timers_opened``, on ``TIMERS_TOPIC``); one
+    with a later timer does not: the pass that fires the known one reads it."""
+    env = await review_env(make_stack, remind_after="30m")
+    wakes: list[None] = []
+    env.sla.wake = lambda: wakes.append(None)
+    env.stack.db.on_commit_payloads(TIMERS_TOPIC, env.sla.timers_opened)
+    assert not await env.sla.run_once()
+    await env.escalated("s1")
+    assert len(wakes) == 1  # it knew of no timer
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() == 30 * 60
+    env.stack.clock.advance(10 * MINUTE_MS)
+    await env.escalated("s2")  # reminded 40 minutes on: later than the known one
+    assert len(wakes) == 1
+    env.sla.timers_opened([env.stack.clock.now_ms() + 20 * MINUTE_MS - 1])  # sooner
+    assert len(wakes) == 2
 
 
 def _decisions(verdict: str) -> float:
