@@ -25,9 +25,9 @@ claim-send-commit lockstep.
   only its bookkeeping waits), which leaves SQLite's single writer to approvals;
 * claims are demand-driven: at the start, after a full claim, when poked (every enqueue
   that was not handed over pokes the relay through the after-commit hook or PostgreSQL
-  NOTIFY), when a retry it scheduled is due (its loop sleeps no longer than
-  :meth:`Relay.due_in_s`), and at least every
-  :data:`CLAIM_RECHECK_MS` as a safety net;
+  NOTIFY), when a retry it scheduled is due or a send lease lapses (its loop sleeps no
+  longer than :meth:`Relay.due_in_s`), and at least every :data:`CLAIM_RECHECK_MS` as a
+  safety net;
 * local hand-off (:class:`outbox.store.Outbox`): while the service's relay loop
   runs, a delivery enqueued in the same process is written already claimed for it and
   handed over after commit, so an approval is posted without any database round trip
@@ -136,6 +136,25 @@ _CLAIM_ALONE = (
     .returning(*t.deliveries.c)
 )
 
+_SENDING = D.status == DeliveryStatus.sending.value
+#: The send lease check's read, one statement (the ``sending`` rows alone, reached by the
+#: status index): whether any send lease lapsed or has a holder known dead, and when the
+#: earliest one not lapsed yet will. An idle check is this read, where it was a write
+#: transaction; the second column tells the relay loop how long it may sleep
+#: (:meth:`Relay.due_in_s`).
+_SEND_LEASE_CHECK = sa.select(
+    sa.exists()
+    .where(
+        _SENDING,
+        sa.or_(D.lease_expires_at < sa.bindparam("p_now"), owner_gone(D.lease_owner)),
+    )
+    .label("expired"),
+    sa.select(sa.func.min(D.lease_expires_at))
+    .where(_SENDING, D.lease_expires_at >= sa.bindparam("p_now"))
+    .scalar_subquery()
+    .label("next_lapse"),
+)
+
 
 def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[str]:
     """Split ``text`` into parts of at most ``limit`` (as ``size`` measures: characters
@@ -231,6 +250,8 @@ class Relay:
         self._sem = asyncio.Semaphore(concurrency)
         self._expiry_every_ms = max(1, min(EXPIRY_CHECK_MS, send_lease_ms // 4))
         self._next_expiry_check = 0
+        #: the earliest send lease not lapsed at the last lease check (None: none)
+        self._next_lapse: int | None = None
         # Local hand-off (outbox.store.Outbox.attach): rows enqueued in this process
         # arrive already claimed under this token, after their transaction committed.
         self.handoff_token = ids.new("lease")
@@ -362,12 +383,21 @@ class Relay:
 
     def due_in_s(self) -> float | None:
         """Seconds (by the relay's clock) until the earliest retry it scheduled falls due,
-        or None when it scheduled none. The runner loop sleeps no longer than this
-        (:func:`leadgate.core.runners.run_loop`): a 429 whose ``Retry-After`` is shorter
-        than the poll is retried when the platform asked, not at the next poll. Only this
-        relay knows of the retry; the others meet it at their polls, as one relay taking
-        it is enough."""
+        or until its next lease check can find the earliest send lease it last saw lapsed,
+        whichever is sooner; None when it knows of neither. The runner loop sleeps no
+        longer than this (:func:`leadgate.core.runners.run_loop`): a 429 whose
+        ``Retry-After`` is shorter than the poll is retried when the platform asked, and
+        a delivery whose sender stalled or died unannounced is taken back when its lease
+        lapses, not at the next poll. Only this relay knows of its retries; the others
+        meet them at their polls, as one relay taking it is enough. Leases are read from
+        the database (every replica's, as of the check): one renewed or finished since
+        makes the loop wake early and look again."""
         due = self.committer.next_due
+        if self._next_lapse is not None:
+            # Lapsed once the clock is past it (``<``), and the check runs at most every
+            # _expiry_every_ms: never earlier than it can find it, so never a busy loop.
+            lapse = max(self._next_lapse + 1, self._next_expiry_check)
+            due = lapse if due is None else min(due, lapse)
         if due is None:
             return None
         return max(0.0, (due - self.clock.now_ms()) / 1000)
@@ -465,9 +495,16 @@ class Relay:
 
         Taken back when the send lease expired, or at once when its holder is known dead
         (:mod:`leadgate.domain.processes`). Either way a post that was in flight stays
-        uncertain: it may have landed, so it is never retried by itself.
+        uncertain: it may have landed, so it is never retried by itself. First one read
+        (:data:`_SEND_LEASE_CHECK`): whether there is anything to take back, and when the
+        earliest lease not lapsed yet will (:meth:`due_in_s`).
         """
         now = self.clock.now_ms()
+        async with self.db.read() as conn:
+            check = (await conn.execute(_SEND_LEASE_CHECK, {"p_now": now})).one()
+        self._next_lapse = check.next_lapse
+        if not check.expired:
+            return 0
         # Internal actions are idempotent, and so is editing a card: both go back to
         # pending. A post (a message or a card) may have landed: deliveryUnknown.
         internal = sa.or_(D.action.in_(sorted(INTERNAL_ACTIONS)), D.kind == CARD_UPDATE)

@@ -40,6 +40,8 @@ from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.channel import OutboundMessage, Retry, Sent
+from outbox.relay import EXPIRY_CHECK_MS as RELAY_EXPIRY_CHECK_MS
+from outbox.relay import Relay
 from tests.helpers import (
     Org,
     api_trigger,
@@ -505,6 +507,44 @@ async def test_a_flow_run_whose_lease_lapses_is_continued_when_it_lapses(
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("flow run lease lapsed -> continued", (called_ms - lapses) / 1000)
     assert called_ms > lapses  # not before it lapsed
+
+
+async def test_a_send_lease_is_taken_back_when_it_lapses_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A relay that claimed a delivery and stalled (alive, as far as anyone can tell)
+    leaves it ``sending``; nothing is committed when its send lease lapses: the relay's
+    loop sleeps no longer than until its lease check can find it lapsed
+    (``Relay.due_in_s``), and the post becomes ``deliveryUnknown`` then."""
+    clock = JumpingClock()
+    channel = ScriptedChannel("slack")
+    app = make_app(migrated_url, clock=clock, channels={"slack": channel})
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    await app.turns.run(slack_trigger(org, plain, "hello", "1700000000.000100"))
+    stalled = Relay(app.db, clock, app.ids, app.channels)
+    (claimed,) = await stalled.claim()  # and never sends it
+    async with app.db.read() as conn:
+        lapses = int(
+            await conn.scalar(
+                sa.select(t.deliveries.c.lease_expires_at).where(t.deliveries.c.id == claimed.id)
+            )
+        )
+    # Further ahead than the lease check's interval, so that the lapse, not the check's
+    # once-a-second limit, decides when the loop looks again.
+    clock.advance(lapses - clock.now_ms() - RELAY_EXPIRY_CHECK_MS - DUE_IN_MS)
+    await start_worker(app)
+
+    async def unknown() -> bool:
+        async with app.db.read() as conn:
+            status = await conn.scalar(
+                sa.select(t.deliveries.c.status).where(t.deliveries.c.id == claimed.id)
+            )
+        return bool(status == "deliveryUnknown")
+
+    assert await eventually(unknown, WITHIN_S)
+    report("send lease lapsed -> seen deliveryUnknown", (clock.now_ms() - lapses) / 1000)
+    assert channel.calls == []  # a post that may have landed is never sent again
 
 
 # ------------------------------------- 6. work added with a sooner time than the known one

@@ -569,6 +569,31 @@ async def test_expired_send_lease_posts_unknown_internal_pending(
     assert (await delivery(stack, post["id"]))["status"] == "deliveryUnknown"
 
 
+async def test_the_relay_knows_when_the_earliest_send_lease_lapses(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """A relay that stopped mid-send without dying (or died unannounced) leaves its rows
+    ``sending``: the lease check reads when the earliest send lease lapses, and the relay
+    loop sleeps no longer than until its next check can take it back (``due_in_s``), not
+    until the poll (tests/integration/test_runner_wakes.py runs the loop)."""
+    clock = fake_clock(stack)
+    survivor = relay_for(stack)
+    assert not await survivor.run_once()
+    assert survivor.due_in_s() is None  # nothing sending, no retry: the poll alone
+    await seed_one(stack)
+    stalled = relay_for(stack)
+    claimed = await stalled.claim()  # then never sends
+    clock.advance(10_000)
+    assert not await survivor.run_once()
+    assert claimed and survivor.due_in_s() == (SEND_LEASE_MS - 10_000 + 1) / 1000
+    clock.advance(SEND_LEASE_MS - 10_000)  # not lapsed yet (strictly past the lease)
+    assert survivor.due_in_s() == 0.001
+    clock.advance(1)
+    assert await survivor.run_once()  # taken back: deliveryUnknown
+    assert survivor.due_in_s() is None
+    assert channel.calls == []
+
+
 async def test_long_messages_are_split_in_order_with_nothing_dropped(stack: Stack) -> None:
     small = ScriptedChannel("slack", max_chars=100)
     stack.channels["slack"] = small
