@@ -295,6 +295,7 @@ class App:
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
         flow_recovery = FlowRecovery(self.flows)
+        revisions = RevisionRunner(self.turns)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice. A review lease lapses with time (its
@@ -307,7 +308,9 @@ class App:
             ),
             # A retry after a short Retry-After is due before the poll.
             _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
-            _Loop(RevisionRunner(self.turns), revision_wake),
+            # A revision lease lapses with time (its dispatcher stalled): the loop
+            # sleeps no longer than until the earliest does.
+            _Loop(revisions, revision_wake, due_s=revisions.due_in_s),
             _Loop(Sweeper(self.db, self.clock, self.ids)),
             # A firing is due with time: the loop sleeps no longer than until the next;
             # an added schedule (whose first firing may be sooner) wakes it at commit.

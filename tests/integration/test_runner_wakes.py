@@ -547,6 +547,30 @@ async def test_a_send_lease_is_taken_back_when_it_lapses_not_at_the_poll(
     assert channel.calls == []  # a post that may have landed is never sent again
 
 
+async def test_a_revision_lease_is_taken_back_when_it_lapses_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A revision dispatcher that claimed a revision and stalled holds its lease; nothing
+    is committed when it lapses: the revision loop sleeps no longer than until the
+    earliest revision lease lapses (``RevisionRunner.due_in_s``)."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org, agent = await lead_and_worker(app)
+    out = await app.turns.run(api_trigger(org, agent, "draft it #revise #complete"))
+    assert isinstance(out, Gated) and out.work_item_id
+    assert await drain(app.lead_runner) == 1  # changes requested: the feedback waits
+    stalled = await app.turns.claim_revision()  # and never runs it
+    assert stalled is not None and stalled.lease_expires_at is not None
+    lapses = stalled.lease_expires_at
+    clock.advance(lapses - clock.now_ms() - DUE_IN_MS)
+    await start_worker(app)
+
+    call = await next_call(model, lambda c: c.feedback is not None)
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("revision lease lapsed -> revision turn", (called_ms - lapses) / 1000)
+    assert called_ms > lapses  # not before it lapsed
+
+
 # ------------------------------------- 6. work added with a sooner time than the known one
 
 

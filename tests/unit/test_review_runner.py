@@ -35,6 +35,7 @@ from leadgate.review.queue import detail
 from leadgate.review.runner import LEAD_TOOLS, LeadRunner
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.messages import visible_transcript
+from leadgate.turns.path import REVISION_LEASE_MS
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
@@ -434,6 +435,36 @@ async def test_an_api_approval_in_one_statement_writes_what_the_transaction_writ
     first = await item_rows(stack, one, "session-one")
     assert first[0]["status"] == "completed"
     assert first == await item_rows(stack, two, "session-two")
+
+
+async def test_the_revision_runner_knows_when_the_earliest_revision_lease_lapses(
+    stack: Stack,
+) -> None:
+    """A dispatcher that claimed a revision and stalled (alive, never finishing) holds its
+    lease, and nothing is committed when it lapses: a pass that claims nothing reads when
+    the earliest revision lease lapses, and the runner loop sleeps no longer than until
+    then (``due_in_s``), not until the poll."""
+    org, _, worker = await setup(stack)
+    dispatcher = RevisionRunner(stack.turns)
+    assert not await dispatcher.run_once()
+    assert dispatcher.due_in_s() is None  # no revision leased: the poll alone
+    item_id = await submit(stack, org, worker, "draft it #revise")
+    await drain(stack.lead_runner)  # changes requested: the feedback waits
+    stalled = await stack.turns.claim_revision()  # and never runs it
+    assert stalled is not None and stalled.id == item_id
+    clock = stack.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(MINUTE_MS)
+    assert not await dispatcher.run_once()
+    assert dispatcher.due_in_s() == (REVISION_LEASE_MS - MINUTE_MS + 1) / 1000
+    clock.advance(REVISION_LEASE_MS - MINUTE_MS)  # not lapsed yet (strictly past)
+    assert not await dispatcher.run_once()
+    assert dispatcher.due_in_s() == 0.001
+    clock.advance(1)
+    assert await dispatcher.run_once()  # run again when its lease lapsed
+    assert (await row(stack, item_id))["status"] == "reviewQueued"
+    assert not await dispatcher.run_once()
+    assert dispatcher.due_in_s() is None
 
 
 async def test_changes_requested_dispatches_feedback_then_approves(stack: Stack) -> None:
