@@ -295,6 +295,7 @@ class App:
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
         flow_recovery = FlowRecovery(self.flows)
+        turn_recovery = TurnRecovery(self.turns)
         revisions = RevisionRunner(self.turns)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
@@ -320,7 +321,9 @@ class App:
             # loop; a lease lapses with time, and the loop sleeps no longer than until
             # the earliest does.
             _Loop(flow_recovery, flow_recovery_wake, due_s=flow_recovery.due_in_s),
-            _Loop(TurnRecovery(self.turns), recovery_wake),
+            # Recorded turns whose process died (a reap wakes this loop) or stalled: a
+            # run lease lapses with time, and the loop sleeps no longer than until then.
+            _Loop(turn_recovery, recovery_wake, due_s=turn_recovery.due_in_s),
         ]
 
     def _wire_chat_reviews(self) -> None:

@@ -14,15 +14,40 @@ class TurnRecovery:
     """Claims a recorded run whose process is known dead (or whose lease expired, or
     that stopped here on a database fault) and carries it out: re-run, closed, surfaced
     to a human, or answered with a failure notice. One claim takes every takeable run of
-    one session, so a session gets one recovered turn, never two at once."""
+    one session, so a session gets one recovered turn, never two at once. Each pass
+    without orphans of its own first reads whether anything is takeable and when the
+    earliest lease lapses (:func:`leadgate.turns.runs.lease_check`): the loop sleeps no
+    longer than until then (:meth:`due_in_s`)."""
 
     name = "turn-recovery"
 
     def __init__(self, turns: TurnService) -> None:
         self.turns = turns
+        #: the earliest run lease not lapsed at the last check (None: none)
+        self._next_lapse: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the runner's clock) until the earliest run lease the last check
+        saw lapses, or None when it saw none. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`), so a run whose process stalled (alive,
+        never finishing) or went away without a reap is recovered when its lease lapses,
+        not up to a poll later. Read from the database (every replica's runs as of the
+        check): a run finished since makes the loop wake early and look again."""
+        if self._next_lapse is None:
+            return None
+        # Takeable once the clock is past it (``<``): never earlier, so never a busy loop.
+        return max(0.0, (self._next_lapse + 1 - self.turns.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
+        if not self.turns.orphans:
+            # One read first: mostly nothing is takeable, and the claim is a write
+            # transaction. It also says when the earliest lease lapses (due_in_s).
+            takeable, self._next_lapse = await runs.lease_check(
+                self.turns.db, self.turns.clock.now_ms()
+            )
+            if not takeable:
+                return False
         claimed = await runs.claim(
             self.turns.db,
             self.turns.clock,

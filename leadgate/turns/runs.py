@@ -63,6 +63,19 @@ GAVE_UP_TEXT = (
 
 _INSERT = t.turn_runs.insert()
 _FINISH = t.turn_runs.delete().where(R.lease_token == sa.bindparam("p_token"))
+#: The recovery runner's check, one read: whether any run is takeable by time or by a
+#: dead holder (as :func:`claim` takes them, orphans aside), and when the earliest lease
+#: not lapsed yet will. ``turn_runs`` holds the turns in flight only (a run's row is
+#: deleted by the turn's last transaction). Built once: the plan cache keys on it.
+_LEASE_CHECK = sa.select(
+    sa.exists()
+    .where(sa.or_(R.lease_expires_at < sa.bindparam("p_now"), owner_gone(R.lease_owner)))
+    .label("takeable"),
+    sa.select(sa.func.min(R.lease_expires_at))
+    .where(R.lease_expires_at >= sa.bindparam("p_now"))
+    .scalar_subquery()
+    .label("next_lapse"),
+)
 
 
 async def record(conn: Conn, values: dict[str, Any]) -> None:
@@ -93,6 +106,15 @@ class Claimed:
     work_item_id: str | None
     turn_id: str
     run_ids: tuple[str, ...]
+
+
+async def lease_check(db: Database, now: int) -> tuple[bool, int | None]:
+    """Whether a run is takeable at ``now`` (its lease lapsed, or its holder is known
+    dead; orphans aside), and when the earliest lease not lapsed yet lapses (None: no
+    run holds one). One read, no write lock: an idle recovery pass need not claim."""
+    async with db.read() as conn:
+        row = (await conn.execute(_LEASE_CHECK, {"p_now": now})).one()
+    return bool(row.takeable), row.next_lapse
 
 
 async def claim(

@@ -571,6 +571,33 @@ async def test_a_revision_lease_is_taken_back_when_it_lapses_not_at_the_poll(
     assert called_ms > lapses  # not before it lapsed
 
 
+async def test_a_turn_run_lease_is_taken_back_when_it_lapses_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """A recorded turn whose process is alive but stalled holds its run lease; nothing is
+    committed when it lapses: the turn recovery loop sleeps no longer than until the
+    earliest run lease lapses (``TurnRecovery.due_in_s``)."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    holder = Liveness(app.db, clock, app.ids, role="worker")
+    await holder.register()
+    app.turns.intake.owner = holder.owner
+    await app.turns.take(slack_trigger(org, plain, "hi", "1700000000.000200"))  # stalls
+    app.turns.intake.owner = app.liveness.owner
+    async with app.db.read() as conn:
+        lapses = int(await conn.scalar(sa.select(t.turn_runs.c.lease_expires_at)))
+    clock.advance(lapses - clock.now_ms() - DUE_IN_MS)
+    await holder.beat()  # still alive: no reap takes the run back
+    await start_worker(app)
+
+    call = await next_call(model, lambda c: c.text == "hi")
+    called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
+    report("turn run lease lapsed -> the turn run again", (called_ms - lapses) / 1000)
+    assert called_ms > lapses
+
+
 # ------------------------------------- 6. work added with a sooner time than the known one
 
 

@@ -111,6 +111,36 @@ async def test_a_run_of_a_live_process_is_left_alone_until_its_lease_lapses(stac
     assert await replies(stack) == ["Echo: hi"]
 
 
+async def test_the_recovery_runner_knows_when_the_earliest_run_lease_lapses(
+    stack: Stack,
+) -> None:
+    """A run whose process is alive but stalled is takeable when its lease lapses, and
+    nothing is committed then: each pass reads when the earliest lease lapses, and the
+    runner loop sleeps no longer than until then (``due_in_s``), not until the poll
+    (tests/integration/test_runner_wakes.py runs the loop)."""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    recovery = TurnRecovery(stack.turns)
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() is None  # no run in flight: the poll alone
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    await stack.turns.take(slack_trigger(org, plain, "hi", "2.1"))  # and stalls
+    stack.turns.owner = lambda: "prc_other"
+    stack.clock.advance(MINUTE_MS)
+    assert not await recovery.run_once()  # its owner is alive
+    assert recovery.due_in_s() == (runs.RUN_LEASE_MS - MINUTE_MS + 1) / 1000
+    stack.clock.advance(runs.RUN_LEASE_MS - MINUTE_MS)  # not lapsed yet (strictly past)
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() == 0.001
+    stack.clock.advance(1)
+    assert await recovery.run_once()  # taken over when its lease lapsed
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() is None
+    assert await replies(stack) == ["Echo: hi"]
+
+
 async def test_a_signal_committed_by_a_dead_turn_is_submitted_once_to_a_human(
     stack: Stack,
 ) -> None:
