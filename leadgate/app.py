@@ -307,7 +307,8 @@ class App:
                 r.review_concurrency,
                 due_s=self.lead_runner.due_in_s,
             ),
-            # A retry after a short Retry-After is due before the poll.
+            # A retry after a short Retry-After, and a send lease that lapses, are due
+            # with time: the loop sleeps no longer than until the sooner.
             _Loop(self.relay, self._relay_wake, due_s=self.relay.due_in_s),
             # A revision lease lapses with time (its dispatcher stalled): the loop
             # sleeps no longer than until the earliest does.
