@@ -26,13 +26,16 @@ from typing import Any, TypeVar
 import pytest
 import sqlalchemy as sa
 
+import leadgate.app
 from leadgate.app import App
 from leadgate.core.clock import Clock, FakeClock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
+from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain.processes import Liveness
+from leadgate.domain.wakes import Wake
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
 from leadgate.review.sla import SlaRunner
@@ -720,3 +723,55 @@ async def test_an_episode_opened_with_a_sooner_timer_wakes_the_sla_runner(
             return bool(reminders == 1)
 
     assert await eventually(reminded, WITHIN_S)
+
+
+# ------------------------------------------- 7. what a LISTEN connection did not hear
+
+
+async def test_a_reconnected_listener_wakes_every_runner_a_notification_could_have(
+    migrated_pg: str, make_app: MakeApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Notifications sent while the LISTEN connection is down (reconnecting, or not up
+    yet) are lost: at each (re)connection every runner loop that a notification on its
+    channels could have woken is woken once and looks (``App._listen``'s
+    ``on_connect``), so what was committed meanwhile waits for no poll. The listener is
+    not started: its arguments are what this test calls."""
+    heard: dict[str, Any] = {}
+
+    async def nothing() -> None:
+        return None
+
+    def listening(
+        _dsn: str,
+        channels: dict[str, Callable[[str], None]],
+        _stop: asyncio.Event,
+        *,
+        on_connect: list[Callable[[], None]],
+        **_: Any,
+    ) -> Any:
+        heard.update(channels=channels, on_connect=on_connect)
+        return nothing()
+
+    monkeypatch.setattr(leadgate.app, "listen_all", listening)
+    app = make_app(migrated_pg)
+    app._listen(runners=True, surfaces=False)
+
+    def woken() -> set[str]:
+        names = {loop.runner.name for loop in app.loops if loop.wake.is_set()}
+        for loop in app.loops:
+            loop.wake.clear()
+        return names
+
+    woken()
+    payloads = ["", "another-replica", *(f"{kind.value} another-replica" for kind in Wake)]
+    could: set[str] = set()
+    for channel, handler in heard["channels"].items():
+        if channel == CHANGES_CHANNEL:
+            continue  # the configuration cache's, not a runner's
+        for payload in payloads:
+            handler(payload)
+            could |= woken()
+    assert {"outbox-relay", "lead-review", "revision-dispatch", "schedules"} <= could
+    for callback in heard["on_connect"]:
+        callback()
+    assert could <= woken()
