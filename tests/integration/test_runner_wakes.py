@@ -12,7 +12,10 @@ command line) and a ``worker`` one that runs the runners.
 Work that falls due with time has no commit to wake its runner (sections 4 and 5): the
 runner's loop sleeps no longer than until it is due (``due_s`` of
 :func:`leadgate.core.runners.run_loop`). There a :class:`JumpingClock` puts the work a
-moment ahead of the clock when the loops start, and real time makes it due.
+moment ahead of the clock when the loops start, and real time makes it due. Work added
+with a sooner time than the one a runner sleeps toward wakes it at its commit (section
+6). A LISTEN connection's (re)connection wakes every runner a notification could have
+woken (section 7).
 """
 
 from __future__ import annotations
