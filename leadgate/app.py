@@ -32,6 +32,7 @@ from bots.base import Adapter, Core
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import BODY_TIMEOUT_KEY, bearer_token
+from leadgate.core.errors import DatabaseDamaged
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
@@ -79,9 +80,11 @@ from leadgate.web import (
     studio,
 )
 from leadgate.web.common import (
+    DAMAGED_ANSWERS,
     INFLIGHT,
     UNAVAILABLE_ANSWERS,
     ClientAddress,
+    DamagedAnswers,
     Inflight,
     StreamSlots,
     UnavailableAnswers,
@@ -551,6 +554,7 @@ class App:
         )
         app[INFLIGHT] = inflight
         app[UNAVAILABLE_ANSWERS] = UnavailableAnswers()
+        app[DAMAGED_ANSWERS] = DamagedAnswers()
         app.on_response_prepare.append(stamp_response)
         app[BODY_TIMEOUT_KEY] = self.settings.server.body_timeout_s
         app.router.add_get("/healthz", self._healthz(role))
@@ -648,6 +652,10 @@ class App:
 
     def _healthz(self, role: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def healthz(_: web.Request) -> web.Response:
+            if self.db.damaged is not None:
+                # Once met, damage stays until the file is restored (and the process
+                # restarted): ``SELECT 1`` reads no table's pages, so it would pass.
+                raise DatabaseDamaged(self.db.damaged)
             async with self.db.read() as conn:
                 await conn.execute(sa.text("SELECT 1"))
             return web.json_response({"status": "ok", "role": role})

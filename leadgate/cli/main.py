@@ -26,7 +26,7 @@ from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.core.logs import setup_logging
 from leadgate.database.db import Database, damaged_file, upgrade
 from leadgate.operations.admin import Admin
@@ -203,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
     """Exit 2 with one line, the rule last (scripts look for "[rule]" at the end)."""
+    # A damaged file's message is the one for HTTP clients; an operator gets the file.
+    message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
     print(
-        f"leadgate: error: {exc.message} ({where(choice, settings)}) [{exc.rule}]",
+        f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
     )
     return 2

@@ -5,6 +5,7 @@
     LeadgateError                 root of everything the engine raises on purpose
     ├── ConfigError               bad or unknown configuration key (startup)
     ├── NotMigratedError          database schema is not at the newest revision
+    ├── DatabaseDamaged (500)     the SQLite file is damaged: operators must restore it
     ├── ValidationError (400)     input broke a rule; ``rule`` names it
     ├── AuthError (401)           missing or unknown credentials
     ├── PermissionDenied (403)    authenticated, but the scope/role is missing
@@ -66,6 +67,26 @@ class NotMigratedError(LeadgateError):
     """The database is not at the newest schema revision."""
 
     code = "not_migrated"
+
+
+class DatabaseDamaged(LeadgateError):
+    """The service's SQLite file is damaged (``database disk image is malformed``, or no
+    longer a database at all), met while it runs. Not the client's fault and not
+    transient: only restoring the file ends it, so clients are told not to retry.
+
+    ``message`` is what clients get (no file path); ``detail`` names the file and what
+    to do, for the log and the command line."""
+
+    status = 500
+    code = "database_damaged"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            "the service's database is damaged and cannot answer this request: its "
+            "operators must restore it from a backup (retrying will not help)",
+            rule="database.file",
+        )
+        self.detail = detail
 
 
 class ValidationError(LeadgateError):

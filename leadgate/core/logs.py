@@ -50,9 +50,9 @@ class ContentFilter(logging.Filter):
 
 class Tally:
     """Like events (requests shed, connections refused) counted and logged as one WARNING
-    every ``every_s`` at most, with how many there were since the last line: a line per
-    event would feed the flood it reports. ``message`` takes that number first, then the
-    arguments of :meth:`add`."""
+    (or ``level``) every ``every_s`` at most, with how many there were since the last
+    line: a line per event would feed the flood it reports. ``message`` takes that number
+    first, then the arguments of :meth:`add`."""
 
     def __init__(
         self,
@@ -61,12 +61,14 @@ class Tally:
         *,
         every_s: float = 10.0,
         now: Callable[[], float] = time.monotonic,
+        level: int = logging.WARNING,
     ) -> None:
         self.total = 0
         self._logger = logger
         self._message = message
         self._every_s = every_s
         self._now = now
+        self._level = level
         self._logged = 0
         self._next = 0.0
 
@@ -75,7 +77,7 @@ class Tally:
         self.total += 1
         now = self._now()
         if now >= self._next:
-            self._logger.warning(self._message, self.total - self._logged, *args)
+            self._logger.log(self._level, self._message, self.total - self._logged, *args)
             self._logged, self._next = self.total, now + self._every_s
 
 

@@ -18,9 +18,19 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import DatabaseDamaged, Unavailable
+from leadgate.core.logs import Tally
 
 log = logging.getLogger("leadgate.runners")
+
+#: Every runner's passes that met a damaged database file: one ERROR line a minute at
+#: most across them all (each of a dozen loops logged a traceback per pass).
+DAMAGED = Tally(
+    log,
+    "%d runner pass(es) met a damaged database (the latest: %s): %s; retrying",
+    every_s=60.0,
+    level=logging.ERROR,
+)
 
 
 class Runner(Protocol):
@@ -70,6 +80,15 @@ async def run_loop(
             log.warning("runner %s: database unavailable (%s); retrying", runner.name, exc.detail)
             busy = False
             await asyncio.sleep(min(5.0, 0.25 * 2**failures))
+        except DatabaseDamaged as exc:
+            # Only restoring the file ends it: back off as far as for a bug, but say
+            # what it is (naming the file) without a traceback, and stop at once when
+            # asked (the operator stops the service to restore the file).
+            failures += 1
+            DAMAGED.add(runner.name, exc.detail)
+            busy = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=min(30.0, 0.5 * 2**failures))
         except Exception:
             failures += 1
             log.exception("runner %s failed (%d in a row)", runner.name, failures)

@@ -38,7 +38,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from leadgate.core.errors import ConfigError, NotMigratedError
+from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError
 from leadgate.database.faults import unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgPool, TableChanges
@@ -225,6 +225,10 @@ class Database:
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
         self._inline: InlineSqlite | None = None
+        #: What a transaction found damaged in the SQLite file (naming it), once one did
+        #: (:class:`leadgate.core.errors.DatabaseDamaged`): ``/healthz`` reports it from
+        #: then on, as a statement that happens not to touch the damaged pages succeeds.
+        self.damaged: str | None = None
         self._readers: InlineReaders | None = None
         self._pg: PgPool | None = None
         if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
@@ -361,7 +365,7 @@ class Database:
         PostgreSQL (READ COMMITTED) each statement sees what was committed when it
         started, and the statements run outside a transaction block."""
         if self._readers is not None:
-            return _InlineRead(self._readers)
+            return _InlineRead(self._readers, self)
         assert self._pg is not None
         return self._pg_read()
 
@@ -541,7 +545,7 @@ class _InlineTx:
         try:
             self.member: Member = await self.inline.enter(self.db._lock(), self.db._lock_wait_s)
         except Exception as exc:
-            _raise_unavailable(exc)
+            _raise_fault(exc, self.db)
             raise
         conn = self.inline.connection
         conn.info[_TOPICS] = self.topics
@@ -570,7 +574,7 @@ class _InlineTx:
                     await waiter
             error = flush_error if flush_error is not None else exc
             if isinstance(error, Exception):
-                _raise_unavailable(error)
+                _raise_fault(error, self.db)
             if flush_error is not None:
                 raise flush_error
             return
@@ -580,7 +584,7 @@ class _InlineTx:
                 self.db._after_commit(self.topics)
         except Exception as failure:
             self.db._in_doubt(failure, self.topics)
-            _raise_unavailable(failure)
+            _raise_fault(failure, self.db)
             raise
 
 
@@ -610,26 +614,41 @@ def _raise_unavailable(exc: BaseException) -> None:
         raise fault from exc
 
 
+def _raise_fault(exc: BaseException, db: Database) -> None:
+    """:func:`_raise_unavailable` on the inline SQLite connections, which may also meet
+    a damaged file (:func:`_not_a_database`): that is re-raised as
+    :class:`DatabaseDamaged` and remembered in ``db.damaged``. It was the driver's
+    error, which the web layer answered as a bug (500 ``internal``, a traceback per
+    request) and the runners logged with a traceback per pass."""
+    if isinstance(exc, sa.exc.DBAPIError) and db._inline is not None:
+        found = _not_a_database(exc, db._inline.path)
+        if found is not None:
+            db.damaged = found.message
+            raise DatabaseDamaged(found.message) from exc
+    _raise_unavailable(exc)
+
+
 class _InlineRead:
     """:meth:`Database.read` on a read-only inline connection."""
 
-    __slots__ = ("conn", "readers")
+    __slots__ = ("conn", "db", "readers")
 
-    def __init__(self, readers: InlineReaders) -> None:
+    def __init__(self, readers: InlineReaders, db: Database) -> None:
         self.readers = readers
+        self.db = db
 
     async def __aenter__(self) -> InlineConnection:
         try:
             self.conn = self.readers.take()
         except Exception as exc:
-            _raise_unavailable(exc)
+            _raise_fault(exc, self.db)
             raise
         return self.conn
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.readers.give(self.conn)
         if isinstance(exc, Exception):
-            _raise_unavailable(exc)
+            _raise_fault(exc, self.db)
 
 
 def _install_sqlite_recipe(engine: AsyncEngine, busy_timeout_s: float) -> None:
@@ -753,7 +772,11 @@ def _not_a_database(exc: sa.exc.DBAPIError, path: str | None) -> ConfigError | N
     if not isinstance(orig, sqlite3.DatabaseError) or path is None:
         return None
     # The primary code: the extended ones (SQLITE_CORRUPT_INDEX, ...) share its low byte.
-    code = orig.sqlite_errorcode & 0xFF
+    # The module's own errors (a parameter it cannot bind) have none.
+    extended = getattr(orig, "sqlite_errorcode", None)
+    if not isinstance(extended, int):
+        return None
+    code = extended & 0xFF
     if code == sqlite3.SQLITE_NOTADB:
         return ConfigError(
             f"{os.path.abspath(path)} is not a SQLite database (or its header is damaged): "

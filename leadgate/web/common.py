@@ -21,6 +21,7 @@ from leadgate.core.auth import Principal
 from leadgate.core.decoding import bearer_token, json_object, read_body
 from leadgate.core.errors import (
     AuthError,
+    DatabaseDamaged,
     LeadgateError,
     ModelError,
     Unavailable,
@@ -233,6 +234,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except Unavailable as exc:
         return unavailable_response(request, exc)
+    except DatabaseDamaged as exc:
+        return _damaged_response(request, exc)
     except LeadgateError as exc:
         if exc.status >= 500 and not isinstance(exc, ModelError):
             log.error(
@@ -283,6 +286,48 @@ def _fault_or_bug(request: web.Request, exc: BaseException) -> web.Response:
         return unavailable_response(request, fault)
     log.exception("unhandled error on %s %s", request.method, request.path)
     return error_response(request, 500, "internal error", "internal_error", "internal")
+
+
+class DamagedAnswers:
+    """How an application answers a request that met a damaged database file
+    (:class:`DatabaseDamaged`, ``app[DAMAGED_ANSWERS]``): 500 ``database.file`` with
+    ``x-should-retry: false`` (the official clients retry a 500 twice otherwise, and
+    nothing but restoring the file ends this one), and no ``Retry-After``.
+
+    The ERROR lines: one a minute at most, naming the file, with how many requests met
+    it since the last line and the latest of them; no traceback (the driver's, which
+    says nothing an operator can act on, was logged for every request)."""
+
+    def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
+        self._tally = Tally(
+            log,
+            "%d request(s) answered 500 [database.file] (the latest: %s %s): %s",
+            every_s=60.0,
+            now=now,
+            level=logging.ERROR,
+        )
+
+    @property
+    def answered(self) -> int:
+        """Requests answered so far."""
+        return self._tally.total
+
+    def answer(self, request: web.Request, exc: DatabaseDamaged) -> web.Response:
+        """The 500 for ``exc`` (logged now and then)."""
+        self._tally.add(request.method, request.path, exc.detail)
+        response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+        response.headers["x-should-retry"] = "false"
+        return response
+
+
+DAMAGED_ANSWERS = web.AppKey("leadgate_damaged_answers", DamagedAnswers)
+_SHARED_DAMAGED = DamagedAnswers()
+
+
+def _damaged_response(request: web.Request, exc: DatabaseDamaged) -> web.Response:
+    """The 500 for ``exc``, as the application answers them (:class:`DamagedAnswers`)."""
+    answers = request.config_dict.get(DAMAGED_ANSWERS) or _SHARED_DAMAGED
+    return answers.answer(request, exc)
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:

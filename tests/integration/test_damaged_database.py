@@ -1,0 +1,114 @@
+"""A damaged SQLite file met while the service runs (a valid header over broken pages:
+SQLite's ``database disk image is malformed``): it was the driver's error, answered as a
+bug (500 ``internal``, a traceback in the log per request) and logged with a traceback
+by every runner pass that met it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from leadgate.app import App
+from leadgate.core import runners
+from leadgate.core.runners import run_loop
+from leadgate.domain.workitems import Sweeper
+from leadgate.web.common import DAMAGED_ANSWERS
+from tests.helpers import eventually, make_agent, make_org
+from tests.serving import served_app
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+def damage_table(path: str, table: str) -> None:
+    """Overwrite the root pages of ``table`` and its indexes in place, once everything
+    the WAL holds is in the main file (else readers find the pages' good copies there)."""
+    with sqlite3.connect(path, isolation_level=None) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        roots = conn.execute(
+            "SELECT rootpage FROM sqlite_master WHERE tbl_name = ? AND rootpage > 0", (table,)
+        ).fetchall()
+    conn.close()
+    with open(path, "r+b") as file:
+        for (number,) in roots:
+            file.seek((number - 1) * page)
+            file.write(b"\x07" * page)
+
+
+async def test_a_request_meeting_a_damaged_file_is_a_500_naming_the_rule(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    caplog.set_level(logging.INFO)
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        auth = {"Authorization": f"Bearer {org.key}"}
+        page = "/v1/agents/plain/sessions/s1/messages"
+        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        session = {"X-Session-Id": "s1"}
+        await official.chat.completions.create(
+            model="plain", messages=messages, extra_headers=session
+        )
+        assert (await client.get("/healthz")).status == 200
+        damage_table(path, "messages")
+
+        resp = await client.get(page, headers=auth)
+        body = await resp.json()
+        assert resp.status == 500, body
+        error = body["error"]
+        assert (error["rule"], error["code"], error["type"]) == (
+            "database.file",
+            "database_damaged",
+            "server_error",
+        )
+        assert "restore it from a backup" in error["message"]
+        assert path not in error["message"]  # the file is the operators' business
+        assert resp.headers["x-should-retry"] == "false" and "Retry-After" not in resp.headers
+        # The official client does not retry it (it retries a 500 twice otherwise).
+        answers = client.server.app[DAMAGED_ANSWERS]
+        before = answers.answered
+        with pytest.raises(openai.InternalServerError) as refused:
+            await official.chat.completions.create(
+                model="plain", messages=messages, extra_headers=session
+            )
+        assert refused.value.code == "database_damaged"
+        assert answers.answered == before + 1
+        # /healthz says so from then on (its SELECT 1 reads no table's pages).
+        health = await client.get("/healthz")
+        assert health.status == 500 and (await health.json())["error"]["rule"] == "database.file"
+
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # three answers, one line
+    assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_runner_meeting_a_damaged_file_logs_a_line_not_a_traceback(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    sweeper = Sweeper(service.db, service.clock, service.ids)
+    assert await sweeper.run_once() is False
+    damage_table(path, "work_items")
+    wake, stop = asyncio.Event(), asyncio.Event()
+    before = runners.DAMAGED.total
+    loop = asyncio.create_task(run_loop(sweeper, wake=wake, stop=stop, poll_s=60))
+    assert await eventually(lambda: runners.DAMAGED.total > before)
+    # Stopping does not wait out the back-off (the operator stops the service to
+    # restore the file).
+    stop.set()
+    await asyncio.wait_for(loop, timeout=5)
+    lines = [r for r in caplog.records if r.name == "leadgate.runners"]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
+    assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
+    assert "sweeper" in lines[0].getMessage() and lines[0].exc_info is None
+    # /healthz of a process whose runners met it says so too.
+    assert service.db.damaged is not None
