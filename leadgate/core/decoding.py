@@ -209,13 +209,29 @@ def bearer_token(request: web.Request) -> str | None:
     return token
 
 
+def single_header(request: web.Request, name: str) -> str | None:
+    """The one value of header ``name``, or ``None`` without it; sent twice or more, a
+    400 ``header.repeated`` naming it. ``request.headers.get`` took the first of them
+    silently: two ``X-Session-Id`` (or ``Idempotency-Key``) headers, each of which a
+    client, a proxy or a library may have added, chose one session (or key) of two that
+    were meant, unseen."""
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise ValidationError(
+            f"the {name} header was sent {len(values)} times: send it once",
+            rule="header.repeated",
+        )
+    return values[0] if values else None
+
+
 def header_text(request: web.Request, name: str, *, limit: int = 1024) -> str | None:
-    """A header holding client text (``X-Session-Id``...): printable ASCII only.
+    """A header holding client text (``X-Session-Id``...): printable ASCII only, sent
+    once (:func:`single_header`).
 
     aiohttp hands non-ASCII header bytes over as surrogate escapes; they and control
     characters are a 400 here instead of an error wherever the value is used later.
     """
-    value = request.headers.get(name)
+    value = single_header(request, name)
     if value is None:
         return None
     if len(value) > limit or not value.isascii() or not value.isprintable():

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
-from leadgate.core.decoding import header_text
+from leadgate.core.decoding import header_text, single_header
 from leadgate.core.errors import LeadgateError, Unavailable, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
@@ -473,7 +473,7 @@ def setup(
         request: web.Request, principal: Principal, body: dict[str, Any], session: str | None
     ) -> web.StreamResponse:
         parsed = parse_request(body)
-        key = request.headers.get("Idempotency-Key")
+        key = single_header(request, "Idempotency-Key")
         if key is None or idempotency is None:
             return await _turn(request, principal, parsed, session, None)
         # A model already found missing is refused before the key is claimed (the

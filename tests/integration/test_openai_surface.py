@@ -590,6 +590,32 @@ REFUSED_OPTIONS: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+async def test_a_repeated_session_or_idempotency_header_is_refused(env: Env) -> None:
+    """Two ``X-Session-Id`` (or ``Idempotency-Key``) headers silently meant the first:
+    the message went to one of two sessions (or keys) a client, a proxy or a library
+    added. Now a 400 ``header.repeated`` naming the header, before anything is taken in;
+    ``param`` is null, as for every header (a header is no request parameter)."""
+    body = {"model": "plain", "messages": [{"role": "user", "content": "which one"}]}
+    auth = ("Authorization", f"Bearer {env.org.key}")
+    for name, values in (("X-Session-Id", ("r1", "r2")), ("Idempotency-Key", ("k-a", "k-b"))):
+        headers = [auth, *((name, value) for value in values)]
+        if name == "Idempotency-Key":
+            headers.append(("X-Session-Id", "r3"))
+        resp = await env.client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 400, name
+        error = (await resp.json())["error"]
+        assert (error["rule"], error["param"], error["type"]) == (
+            "header.repeated",
+            None,
+            "invalid_request_error",
+        )
+        assert name in error["message"], error
+    for session in ("r1", "r2", "r3"):
+        assert await env.user_messages("plain", session) == [], session
+    # Once each is as before.
+    assert (await env.chat("plain", "which one", idem="k-a", session="r1")).status == 200
+
+
 async def test_the_turn_paths_refusals_name_their_parameter(env: Env) -> None:
     """The message text and the ``user`` session name are checked on the turn path; their
     400s said ``param: null`` though the README says ``param`` names the request
