@@ -6,9 +6,14 @@ declarative list**, :data:`OPERATIONS`: a route added elsewhere is described by
 appending an :class:`Operation` here (or calling :func:`describe` at import time of the
 surface); nothing else needs changing. Channel endpoints (Slack, Discord, Teams) and
 ``/mcp`` speak their platform's protocol and are documented by those platforms; they
-are listed without body schemas. Server-sent event streams (``.../events``) never end
-by themselves and the console's and studio's pages are for browsers: they are not in
-the document.
+are listed without body schemas. Server-sent event streams (``.../events``) are
+described (``stream``: a ``text/event-stream`` answer), though the fuzz suite calls none
+of them, as they never end by themselves. The console's and studio's pages are for
+browsers: they are not in the document.
+
+Each operation lists the answers of its own that a client can meet (a 409 and the rules
+behind it, a model's 502) on top of the common errors of :data:`_COMMON`;
+``tests/integration/test_openapi_routes.py`` checks both against the routes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from aiohttp import web
 
 from leadgate.operations.idempotency import KEY_LIMIT
 from leadgate.operations.transcripts import PAGE_MAX
+from leadgate.review.insights import MAX_DAYS
+from leadgate.review.queue import ACTIVITY_STATUSES, CHANNELS, ORDERS, REASONS
 from leadgate.web import charts
 
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -126,6 +133,9 @@ class Operation:
     #: status -> description; every operation may also answer the common errors
     responses: dict[str, str] = field(default_factory=lambda: {"200": "OK"})
     content_type: str = "application/json"
+    #: a server-sent event stream (``text/event-stream``), which ends only when the
+    #: client, the key's revocation or shutdown ends it
+    stream: bool = False
 
 
 def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +147,24 @@ _PAGE = [
     _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
     _query("cursor", {"type": "string"}),
 ]
+#: ``days`` of the insights and their charts: any whole number of days up to a year
+#: (it was described as 7, 30 or 90, the console's choices).
+_DAYS = _query("days", {"type": "integer", "minimum": 1, "maximum": MAX_DAYS})
+#: ``since`` and ``until`` of Agent Activity (it was described as an integer only).
+_TIME = {
+    "anyOf": [
+        {"type": "string", "pattern": "^[0-9]+$", "description": "epoch milliseconds"},
+        {"type": "string", "description": "an ISO 8601 date or time (UTC unless it names a zone)"},
+    ]
+}
+_LAST_EVENT_ID = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string"},
+}
+#: What a decision or a delivery's recovery from the wrong state answers.
+_TRANSITION = {"409": "invalid_transition: the item or delivery is not in a state that allows it"}
 
 
 def _text_body(name: str, limit: int) -> dict[str, Any]:
@@ -167,7 +195,15 @@ OPERATIONS: list[Operation] = [
                 "schema": {"type": "string", "minLength": 1, "maxLength": KEY_LIMIT},
             },
         ],
-        responses={"200": "A completion (or an SSE stream)", "409": "LEAD_REVIEW_PENDING"},
+        responses={
+            "200": "A completion (or an SSE stream)",
+            "409": "LEAD_REVIEW_PENDING (the turn is held for its lead, or the session is "
+            "busy with another turn); idempotency.in_progress (the first request with this "
+            "Idempotency-Key still runs; Retry-After); idempotency.lost (its answer was lost "
+            "with its process: read the transcript). Never retried (x-should-retry: false)",
+            "502": "model_error: the model provider failed after the message was taken in "
+            "(x-should-retry: false: sending it again would take it twice)",
+        },
     ),
     Operation("get", "/v1/models", "The organization's worker agents as models"),
     Operation("get", "/v1/models/{model}", "One worker agent as a model"),
@@ -180,56 +216,118 @@ OPERATIONS: list[Operation] = [
             _query("limit", {"type": "integer", "minimum": 1, "maximum": PAGE_MAX}),
         ],
     ),
+    Operation(
+        "get",
+        "/v1/agents/{agent}/sessions/{session}/events",
+        "A session's public events (messages, review status) as server-sent events, "
+        "from the start or after Last-Event-ID",
+        parameters=[_LAST_EVENT_ID],
+        responses={"200": "text/event-stream of the session's events"},
+        stream=True,
+    ),
     Operation("get", "/v1/agents", "List the organization's agents"),
     Operation(
-        "post", "/v1/agents", "Create an agent", body=AGENT_BODY, responses={"201": "Created"}
+        "post",
+        "/v1/agents",
+        "Create an agent",
+        body=AGENT_BODY,
+        responses={"201": "Created", "409": "agent.name_taken: another agent has the name"},
     ),
     Operation("get", "/v1/agents/{agent_id}", "Get an agent"),
-    Operation("patch", "/v1/agents/{agent_id}", "Update an agent", body=AGENT_BODY),
+    Operation(
+        "patch",
+        "/v1/agents/{agent_id}",
+        "Update an agent",
+        body=AGENT_BODY,
+        responses={"200": "OK", "409": "agent.name_taken: another agent has the name"},
+    ),
     Operation(
         "get",
         "/operator/reviews",
         "The actionable queue",
-        parameters=_PAGE,
+        parameters=[
+            *_PAGE,
+            _query("order", {"type": "string", "enum": list(ORDERS)}),
+            _query("agent", {"type": "string"}),
+            _query("channel", {"type": "string", "enum": list(CHANNELS)}),
+            _query("reason", {"type": "string", "enum": list(REASONS)}),
+        ],
     ),
     Operation("get", "/operator/reviews/{item_id}", "Review detail"),
-    Operation("post", "/operator/reviews/{item_id}/approve", "Approve", body=_ANY_JSON),
     Operation(
-        "post", "/operator/reviews/{item_id}/reject", "Reject", body=_text_body("reason", 2000)
+        "post",
+        "/operator/reviews/{item_id}/approve",
+        "Approve",
+        body=_ANY_JSON,
+        responses={"200": "OK", **_TRANSITION},
+    ),
+    Operation(
+        "post",
+        "/operator/reviews/{item_id}/reject",
+        "Reject",
+        body=_text_body("reason", 2000),
+        responses={"200": "OK", **_TRANSITION},
     ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/return",
         "Return to the worker",
         body=_text_body("feedback", 10_000),
+        responses={"200": "OK", **_TRANSITION},
     ),
-    Operation("post", "/operator/reviews/{item_id}/cancel", "Cancel", body=_ANY_JSON),
+    Operation(
+        "post",
+        "/operator/reviews/{item_id}/cancel",
+        "Cancel",
+        body=_ANY_JSON,
+        responses={"200": "OK", **_TRANSITION},
+    ),
     Operation(
         "get",
         "/operator/deliveries",
         "Every deliveryUnknown delivery (plain replies and notices included)",
         parameters=_PAGE,
     ),
-    Operation("post", "/operator/deliveries/{delivery_id}/confirm", "Confirm delivered"),
-    Operation("post", "/operator/deliveries/{delivery_id}/retry", "Retry the delivery"),
+    Operation(
+        "post",
+        "/operator/deliveries/{delivery_id}/confirm",
+        "Confirm delivered",
+        responses={"200": "OK", **_TRANSITION},
+    ),
+    Operation(
+        "post",
+        "/operator/deliveries/{delivery_id}/retry",
+        "Retry the delivery",
+        responses={"200": "OK", **_TRANSITION},
+    ),
     Operation(
         "get",
         "/operator/activity",
         "Agent Activity",
         parameters=[
-            _query(name, {"type": "string"}) for name in ("agent", "status", "channel", "q")
-        ]
-        + [
-            _query("since", {"type": "integer"}),
+            _query("agent", {"type": "string"}),
+            _query("status", {"type": "string", "enum": list(ACTIVITY_STATUSES)}),
+            _query("channel", {"type": "string", "enum": list(CHANNELS)}),
+            _query("q", {"type": "string", "maxLength": 200}),
+            _query("since", _TIME),
+            _query("until", _TIME),
             _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),
             _query("cursor", {"type": "string"}),
         ],
     ),
     Operation(
         "get",
+        "/operator/events",
+        "Live changes of the review queue as server-sent events (the console's feed)",
+        parameters=[_LAST_EVENT_ID],
+        responses={"200": "text/event-stream of change marks"},
+        stream=True,
+    ),
+    Operation(
+        "get",
         "/operator/insights",
         "Review insights over the last days",
-        parameters=[_query("days", {"type": "integer", "enum": [7, 30, 90]})],
+        parameters=[_DAYS],
     ),
     Operation(
         "get",
@@ -242,7 +340,7 @@ OPERATIONS: list[Operation] = [
                 "required": True,
                 "schema": {"type": "string", "enum": list(charts.CHARTS)},
             },
-            _query("days", {"type": "integer", "enum": [7, 30, 90]}),
+            _DAYS,
         ],
         responses={"200": "An image/svg+xml chart"},
     ),
@@ -284,6 +382,11 @@ def document(public_url: str) -> dict[str, Any]:
         responses: dict[str, Any] = {
             status: {"description": text} for status, text in op.responses.items()
         }
+        for status, response in responses.items():
+            if int(status) >= 400:
+                response["content"] = {"application/json": {"schema": _ERROR}}
+        if op.stream:
+            responses["200"]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
         for status, text in _COMMON.items():
             responses.setdefault(
                 status,
@@ -323,6 +426,8 @@ _COMMON = {
     "404": "Not found in this organization",
     "408": "The body did not arrive in time",
     "413": "The body is too large",
+    "500": "The service's database file is damaged (database.file; x-should-retry: false): "
+    "its operators must restore it. Also any failure of the service itself (internal)",
     "503": "The service cannot take the request now (a database fault, or overload); "
     "retry after Retry-After",
 }
