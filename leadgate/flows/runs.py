@@ -48,6 +48,7 @@ from binding.bindings import find_session
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory, iso
 from leadgate.core.errors import (
     Conflict,
+    DatabaseDamaged,
     LeadgateError,
     NotFound,
     TransitionError,
@@ -526,9 +527,11 @@ class FlowService:
                     continue
                 try:
                     paused = await self._agent_node(run, lease, index, node, outputs)
-                except (RunLeaseLost, Unavailable):
+                except (RunLeaseLost, Unavailable, DatabaseDamaged):
                     # Not the node's failure: another process holds the run now, or the
-                    # database is away (the run stays running; recovery continues it).
+                    # database is away or damaged (the run stays running; recovery
+                    # continues it). A damaged file ended the run as failed, as if the
+                    # node had broken a rule.
                     raise
                 except LeadgateError as exc:
                     # A rule the node broke (its agent deleted or inactive, say): one line.

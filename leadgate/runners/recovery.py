@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from leadgate.core.errors import DatabaseDamaged
 from leadgate.turns import runs
 from leadgate.turns.path import TurnService
 
@@ -65,6 +66,11 @@ class TurnRecovery:
         )
         try:
             await self.turns.resume(claimed)
+        except DatabaseDamaged:
+            # Not the run's failure: not claimed again at once (each claim counts an
+            # attempt, and the third ends in a failure notice) and no traceback per
+            # pass; the claim lapses and a later pass takes it again.
+            raise
         except Exception:
             # Claimed again on the next pass rather than when its lease lapses (minutes):
             # each claim counts an attempt, so a run that keeps failing gets its failure

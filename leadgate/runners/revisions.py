@@ -13,6 +13,7 @@ import logging
 
 import sqlalchemy as sa
 
+from leadgate.core.errors import DatabaseDamaged
 from leadgate.database import schema as t
 from leadgate.domain.workitems import Status
 from leadgate.turns.path import TurnService
@@ -63,6 +64,10 @@ class RevisionRunner:
             return False
         try:
             await self.turns.run_revision(item)
+        except DatabaseDamaged:
+            # The lease expires as below; the loop says what it is in one line (it was
+            # a traceback per pass).
+            raise
         except Exception:
             # The lease expires and another pass retries the turn; feedback is kept.
             log.exception("revision turn for %s failed", item.id)

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import NotFound, Unavailable, ValidationError
+from leadgate.core.errors import DatabaseDamaged, NotFound, Unavailable, ValidationError
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
@@ -171,9 +171,11 @@ class ScheduleRunner:
         )
         try:
             await self.turns.run(trigger)
-        except Unavailable:
+        except (Unavailable, DatabaseDamaged):
             # Perhaps not taken in: the firing stays due, and a later poll takes it in
-            # (or finds it was, a duplicate) and advances it; the loop backs off.
+            # (or finds it was, a duplicate) and advances it; the loop backs off (and
+            # says what a damaged file is in one line: it was a traceback per firing,
+            # and the firing was skipped).
             raise
         except (NotFound, ValidationError) as exc:
             # Its agent was deleted or deactivated: every later firing would fail the

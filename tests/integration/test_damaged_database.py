@@ -11,15 +11,24 @@ import sqlite3
 
 import openai
 import pytest
+import sqlalchemy as sa
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from leadgate.app import App
 from leadgate.core import runners
-from leadgate.core.runners import run_loop
+from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.runners import drain, run_loop
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.database import schema as t
 from leadgate.domain.workitems import Sweeper
+from leadgate.flows.runs import create_flow
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.runners.revisions import RevisionRunner
+from leadgate.runners.schedules import ScheduleRunner, add_schedule
+from leadgate.turns.intake import Accepted
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import eventually, make_agent, make_org
+from tests.helpers import eventually, make_agent, make_org, slack_trigger
 from tests.serving import served_app
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -112,3 +121,100 @@ async def test_a_runner_meeting_a_damaged_file_logs_a_line_not_a_traceback(
     assert "sweeper" in lines[0].getMessage() and lines[0].exc_info is None
     # /healthz of a process whose runners met it says so too.
     assert service.db.damaged is not None
+
+
+async def test_a_schedule_meeting_a_damaged_file_stays_due_without_a_traceback(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduled turn's failure was logged with a traceback and the firing skipped
+    (the schedule advanced): now the firing stays due and the runner's loop says what
+    it is in one line, as for a database fault."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    org = await make_org(service)
+    agent = await make_agent(service, org, "plain")
+    async with service.db.tx() as conn:
+        added = await add_schedule(
+            conn,
+            service.clock,
+            service.ids,
+            org_id=org.id,
+            agent_id=agent["id"],
+            cron="* * * * *",
+            message="tick",
+        )
+        await conn.execute(t.schedules.update().values(next_fire_at=service.clock.now_ms()))
+    damage_table(path, "messages")
+    with pytest.raises(DatabaseDamaged):
+        await ScheduleRunner(service.db, service.clock, service.turns).run_once()
+    async with service.db.read() as conn:
+        due = await conn.scalar(
+            sa.select(t.schedules.c.next_fire_at).where(t.schedules.c.id == added["id"])
+        )
+    assert due == service.clock.now_ms()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_flow_node_meeting_a_damaged_file_leaves_its_run_running(
+    service: App, migrated_url: str
+) -> None:
+    """A damaged file ended the run as failed, as if its node had broken a rule: it is
+    the database's fault, not the node's, and the run stays running for recovery once
+    the file is restored, as after a database fault."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    org = await make_org(service)
+    await make_agent(service, org, "plain")
+    async with service.db.tx() as conn:
+        flow = await create_flow(
+            conn,
+            service.clock,
+            service.ids,
+            org.id,
+            "f",
+            [{"type": "agent", "agent": "plain", "prompt": "hi"}],
+        )
+    damage_table(path, "messages")
+    with pytest.raises(DatabaseDamaged):
+        await service.flows.start(org.id, flow["id"])
+    async with service.db.read() as conn:
+        statuses = (await conn.execute(sa.select(t.flow_runs.c.status))).scalars().all()
+    assert statuses == ["running"]
+
+
+async def test_a_revision_turn_meeting_a_damaged_file_is_no_traceback(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The revision turn's failure was logged with a traceback on every pass: now it
+    reaches the runner's loop (one line a minute), and the item's lease lapses as
+    before, so a pass after the restore runs it."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    org = await make_org(service)
+    await make_agent(service, org, "lead")
+    worker = await make_agent(service, org, "worker", lead="lead")
+    out = await service.turns.run(
+        Trigger(org.id, worker["id"], "a", "memo #revise #complete", BindingSpec(BindingKind.api))
+    )
+    assert isinstance(out, Gated)
+    await drain(service.lead_runner)  # changes requested: a revision turn is due
+    damage_table(path, "messages")
+    with pytest.raises(DatabaseDamaged):
+        await RevisionRunner(service.turns).run_once()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_recovered_turn_meeting_a_damaged_file_is_no_traceback(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Recovering a dead process's turn logged a traceback per pass and claimed it
+    again at once, each claim an attempt (the third ends in a failure notice, for a
+    file the operators had yet to restore)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    # A process that recorded the turn and died before running it (tests/unit/test_recovery).
+    service.turns.intake.owner = lambda: "prc_dead_process"
+    taken = await service.turns.take(slack_trigger(org, plain, "hello", "1.1"))
+    assert isinstance(taken, Accepted)
+    damage_table(path, "messages")
+    with pytest.raises(DatabaseDamaged):
+        await TurnRecovery(service.turns).run_once()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
