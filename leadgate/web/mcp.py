@@ -42,8 +42,9 @@ from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import bearer_token, decode_json, read_body
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
+from leadgate.core.logs import Tally
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers
@@ -60,6 +61,15 @@ MAX_MESSAGE_CHARS: Final = MESSAGE_LIMIT
 BUSY_TEXT: Final = "The operation could not be completed. Try again."
 # Unexpected failures say the same thing: nothing internal reaches the client.
 GENERIC_ERROR_TEXT: Final = BUSY_TEXT
+
+# Tool calls that met a damaged database file: the HTTP surfaces' answers are logged by
+# leadgate.web.common.DamagedAnswers, a tool error by nothing (the operators never heard).
+_DAMAGED = Tally(
+    logger,
+    "%d MCP tool call(s) met a damaged database: %s",
+    every_s=60.0,
+    level=logging.ERROR,
+)
 
 # Where the bridge leaves the caller in the ASGI scope for the tool to read.
 PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
@@ -320,6 +330,9 @@ def build_mcp_server(
             agent, message, session = _validate_arguments(args.agent, args.message, args.session)
             outcome = await send_message(principal, agent, message, session)
             return outcome_to_result(outcome)
+        except DatabaseDamaged as exc:
+            _DAMAGED.add(exc.detail)
+            return _tool_error(exc.message)  # (the file stays out of it)
         except LeadgateError as exc:
             return _tool_error(exc.message)
         except Exception:

@@ -9,9 +9,13 @@ import asyncio
 import logging
 import sqlite3
 
+import httpx2
 import openai
 import pytest
 import sqlalchemy as sa
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -217,4 +221,35 @@ async def test_a_recovered_turn_meeting_a_damaged_file_is_no_traceback(
     damage_table(path, "messages")
     with pytest.raises(DatabaseDamaged):
         await TurnRecovery(service.turns).run_once()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_an_mcp_tool_call_meeting_a_damaged_file_is_a_tool_error_and_one_line(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tool error said so, but nothing reached the log: the operators never heard."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    # (The test server cancels a handler whose client went away: the MCP session's.)
+    async with served_app(migrated_url, like_production=True) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        damage_table(path, "messages")
+        async with (
+            httpx2.AsyncClient(headers={"Authorization": f"Bearer {org.key}"}) as http,
+            streamable_http_client(str(client.make_url("/mcp")), http_client=http) as (
+                read,
+                write,
+            ),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            result = await session.call_tool(
+                "send_action_agent_message", {"agent": "plain", "message": "hi"}
+            )
+    assert result.is_error is True
+    text = result.content[0]
+    assert isinstance(text, TextContent) and "restore it from a backup" in text.text
+    assert path not in text.text
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
