@@ -301,7 +301,7 @@ class DamagedAnswers:
     def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
         self._tally = Tally(
             log,
-            "%d request(s) answered 500 [database.file] (the latest: %s %s): %s",
+            "%d request(s) met a damaged database [database.file] (the latest: %s %s): %s",
             every_s=60.0,
             now=now,
             level=logging.ERROR,
@@ -312,9 +312,14 @@ class DamagedAnswers:
         """Requests answered so far."""
         return self._tally.total
 
-    def answer(self, request: web.Request, exc: DatabaseDamaged) -> web.Response:
-        """The 500 for ``exc`` (logged now and then)."""
+    def note(self, request: web.Request, exc: DatabaseDamaged) -> None:
+        """Count ``exc`` met by ``request`` (logged now and then): where no answer can
+        carry it too, as in an event stream already under way."""
         self._tally.add(request.method, request.path, exc.detail)
+
+    def answer(self, request: web.Request, exc: DatabaseDamaged) -> web.Response:
+        """The 500 for ``exc`` (counted; logged now and then)."""
+        self.note(request, exc)
         response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
         response.headers["x-should-retry"] = "false"
         return response
@@ -324,10 +329,15 @@ DAMAGED_ANSWERS = web.AppKey("leadgate_damaged_answers", DamagedAnswers)
 _SHARED_DAMAGED = DamagedAnswers()
 
 
+def damaged_answers(request: web.Request) -> DamagedAnswers:
+    """The application's :class:`DamagedAnswers` (a shared one for an application
+    without its own)."""
+    return request.config_dict.get(DAMAGED_ANSWERS) or _SHARED_DAMAGED
+
+
 def _damaged_response(request: web.Request, exc: DatabaseDamaged) -> web.Response:
     """The 500 for ``exc``, as the application answers them (:class:`DamagedAnswers`)."""
-    answers = request.config_dict.get(DAMAGED_ANSWERS) or _SHARED_DAMAGED
-    return answers.answer(request, exc)
+    return damaged_answers(request).answer(request, exc)
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:

@@ -47,11 +47,11 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.operations.transcripts import parse_limit, public_event
-from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -207,6 +207,15 @@ async def stream_events(
             if request.transport is not None:
                 request.transport.close()
             return response
+        except DatabaseDamaged as exc:
+            # Logged as a request meeting it is: a line a minute, naming the file. It
+            # was a traceback per stream, and a reader reconnecting every few seconds
+            # (as EventSource does) wrote one every few seconds. The reader is told
+            # why the stream ends, as when its key is revoked.
+            damaged_answers(request).note(request, exc)
+            with contextlib.suppress(_Dropped):
+                reason = {"reason": exc.message}
+                await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
         except Exception:
             # The reader resumes with Last-Event-ID; nothing is lost with the connection.
             log.exception("event stream of session %s failed", session_id)

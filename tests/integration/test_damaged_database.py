@@ -253,3 +253,30 @@ async def test_an_mcp_tool_call_meeting_a_damaged_file_is_a_tool_error_and_one_l
     lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_an_event_stream_meeting_a_damaged_file_ends_in_one_line(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session's event stream whose log lies on damaged pages ended with a traceback,
+    each time its reader reconnected (EventSource does, every few seconds)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        auth = {"Authorization": f"Bearer {org.key}"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {**auth, "X-Session-Id": "s1"}
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+        damage_table(path, "session_events")
+        for _ in range(2):  # a reader reconnecting
+            async with client.get("/v1/agents/plain/sessions/s1/events", headers=auth) as stream:
+                assert stream.status == 200
+                said = (await stream.read()).decode()
+            assert said.startswith(": connected\n\nevent: end\ndata: "), said
+            assert "restore it from a backup" in said and path not in said
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
+    assert "/events" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
