@@ -232,24 +232,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if "%00" in request.raw_path:
             raise ValidationError("the URL holds a NUL character (%00)", rule="url.nul")
         return await handler(request)
-    except Unavailable as exc:
-        return unavailable_response(request, exc)
-    except DatabaseDamaged as exc:
-        return _damaged_response(request, exc)
     except LeadgateError as exc:
-        if exc.status >= 500 and not isinstance(exc, ModelError):
-            log.error(
-                "%s %s failed: %d %s [%s]",
-                request.method,
-                request.path,
-                exc.status,
-                exc.code,
-                exc.rule,
-            )
-        resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-        if exc.retry_after_s is not None:
-            resp.headers["Retry-After"] = str(exc.retry_after_s)
-        return resp
+        return error_answer(request, exc)
     except web.HTTPRequestEntityTooLarge:
         return error_response(
             request, 413, "the request body is too large", "request_too_large", "body.size"
@@ -271,16 +255,42 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             # instead, aiohttp logged an ERROR with a traceback).
             log.info("%s %s: the client went away", request.method, request.path)
             return web.Response(status=499)
-        return _fault_or_bug(request, exc)
+        return error_answer(request, exc)
     except Exception as exc:
-        return _fault_or_bug(request, exc)
+        return error_answer(request, exc)
     finally:
         structlog.contextvars.reset_contextvars(**tokens)
 
 
-def _fault_or_bug(request: web.Request, exc: BaseException) -> web.Response:
-    """A 503 for a database fault that escaped the transaction helpers; else a 500
-    (logged with its traceback: called while ``exc`` is being handled)."""
+def error_answer(request: web.Request, exc: BaseException) -> web.Response:
+    """The one answer of the service to ``exc`` (the error middleware's, and a handler's
+    that answers a failure itself, as a chat completion does after its intake):
+
+    * :class:`Unavailable`: a 503 as :class:`UnavailableAnswers` gives it;
+    * :class:`DatabaseDamaged`: a 500 as :class:`DamagedAnswers` gives it;
+    * another :class:`LeadgateError`: its status and rule (a 5xx logged once here, but a
+      model error, logged where it happened);
+    * anything else: a 503 for a database fault that escaped the transaction helpers,
+      else a 500 logged with its traceback (call it while ``exc`` is being handled).
+    """
+    if isinstance(exc, Unavailable):
+        return unavailable_response(request, exc)
+    if isinstance(exc, DatabaseDamaged):
+        return _damaged_response(request, exc)
+    if isinstance(exc, LeadgateError):
+        if exc.status >= 500 and not isinstance(exc, ModelError):
+            log.error(
+                "%s %s failed: %d %s [%s]",
+                request.method,
+                request.path,
+                exc.status,
+                exc.code,
+                exc.rule,
+            )
+        resp = error_response(request, exc.status, exc.message, exc.code, exc.rule)
+        if exc.retry_after_s is not None:
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
     fault = unavailable(exc)
     if fault is not None:
         return unavailable_response(request, fault)
@@ -321,7 +331,7 @@ class DamagedAnswers:
         """The 500 for ``exc`` (counted; logged now and then)."""
         self.note(request, exc)
         response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
-        response.headers["x-should-retry"] = "false"
+        response.headers.update(NO_RETRY)
         return response
 
 

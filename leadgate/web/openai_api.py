@@ -33,7 +33,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text, single_header
-from leadgate.core.errors import LeadgateError, Unavailable, ValidationError
+from leadgate.core.errors import LeadgateError, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
@@ -44,9 +44,9 @@ from leadgate.web.common import (
     NO_RETRY,
     PrincipalLookup,
     authenticate,
+    error_answer,
     error_response,
     json_body,
-    unavailable_response,
 )
 
 log = logging.getLogger("leadgate.web")
@@ -426,15 +426,9 @@ class _Chunks:
 
 
 def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """Status and envelope of ``exc`` exactly as the error middleware answers it."""
-    error = exc if isinstance(exc, LeadgateError) else unavailable(exc)
-    if isinstance(error, Unavailable):
-        resp = unavailable_response(request, error)  # counted (and logged) as one
-    elif error is not None:
-        resp = error_response(request, error.status, error.message, error.code, error.rule)
-    else:
-        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
-        resp = error_response(request, 500, "internal error", "internal_error", "internal")
+    """Status and envelope of ``exc`` exactly as the error middleware answers it (counted
+    and logged as it would be)."""
+    resp = error_answer(request, exc)
     assert isinstance(resp.body, bytes)
     return resp.status, json.loads(resp.body)
 
