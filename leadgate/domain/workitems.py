@@ -21,11 +21,13 @@ import sqlalchemy as sa
 from leadgate.core.clock import DAY_MS, Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
+from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, notify_sender
 from leadgate.database.sql import later_of, unindexed
-from leadgate.domain import session_events
+from leadgate.domain import session_events, wakes
 from leadgate.domain.rows import WorkItem
+from leadgate.domain.wakes import Wake
 
 #: PostgreSQL NOTIFY channel: an item was queued for its lead (wakes lead runners on
 #: every replica; within one process the turn path pokes its runner directly).
@@ -503,16 +505,22 @@ async def active_for(
 async def sweep_abandoned(
     conn: Conn, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
 ) -> int:
-    """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count."""
+    """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count.
+    When one was a flow node's item (its binding is a flow's), the flow resumer is woken
+    at commit, on every replica: the run paused on it ends then, not at its poll."""
     cutoff = clock.now_ms() - idle_ms
     rows = (
         await conn.execute(
-            sa.select(W.id)
+            # With each item's binding kind, in the same read (a primary key lookup per
+            # item found idle; none when nothing is).
+            sa.select(W.id, t.bindings.c.kind)
+            .select_from(t.work_items.outerjoin(t.bindings, t.bindings.c.id == W.binding_id))
             .where(W.status == S.inProgress.value, W.last_activity_at <= cutoff)
             .limit(limit)
         )
     ).all()
     moved = 0
+    flow_ended = False
     for row in rows:
         # Fenced on idleness too: an append racing the sweeper wins.
         res = await conn.execute(
@@ -546,6 +554,9 @@ async def sweep_abandoned(
             conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision
         )
         METRICS.transitions.labels(S.inProgress.value, S.abandoned.value).inc()
+        flow_ended = flow_ended or row.kind == BindingKind.flow.value
+    if flow_ended:
+        await wakes.after_commit(conn, Wake.flow)
     return moved
 
 

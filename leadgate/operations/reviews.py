@@ -4,7 +4,9 @@ Every decision goes through the one fenced commit path of :mod:`leadgate.review.
 (two people deciding at once make one decision; the other gets a 409), and answers the
 updated detail. ``on_decided`` runs after each committed decision with its action (the
 app wakes the runner the decision may have given work to: a returned item's revision,
-an approved flow continuation).
+an approved flow continuation). A cancel or rejection of a flow node's item wakes the
+flow resumer at commit, on every replica (:attr:`leadgate.domain.wakes.Wake.flow`): the
+run paused on that item ends then, not at the resumer's poll.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import ValidationError
 from leadgate.core.metrics import METRICS
+from leadgate.core.types import BindingKind
 from leadgate.database.db import Database
-from leadgate.domain import workitems
+from leadgate.domain import wakes, workitems
+from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
+from leadgate.flows.runs import ENDED_WITHOUT_APPROVAL
 from leadgate.review import decisions, queue
 from outbox.store import Outbox, get_delivery
 
@@ -123,6 +128,14 @@ class Reviews:
                 identity=identity,
             )
             detail = await queue.detail(conn, principal.org_id, item_id)
+            if (
+                detail["channel"] == BindingKind.flow.value
+                and detail["status"] in ENDED_WITHOUT_APPROVAL
+            ):
+                # A flow node's item cancelled or rejected: the run paused on it can
+                # never resume, and the flow resumer ends it (here at commit, on every
+                # replica by NOTIFY). The detail just read says so: no statement more.
+                await wakes.after_commit(conn, Wake.flow)
         waited = "awaitingHuman" if item.status == Status.awaitingHuman.value else None
         self._count(surface, action, waited, item.updated_at)
         self.on_decided(action)

@@ -39,6 +39,7 @@ from leadgate.database import schema as t
 from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain.processes import Liveness
 from leadgate.domain.wakes import Wake
+from leadgate.domain.workitems import ABANDON_AFTER_MS, Sweeper
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
 from leadgate.review.sla import SlaRunner
@@ -370,6 +371,87 @@ async def test_a_flow_approval_on_an_api_replica_wakes_the_flow_resumer_of_a_wor
     await api.reviews.decide(org.principal, item_id, "approve")
     call = await next_call(model, resumed)
     report("approval on the api replica -> resumed flow on the worker", call.at - decided)
+
+
+async def paused_on(app: App, flow_id: str, org: Org) -> tuple[str, str]:
+    """Start ``flow_id``: its reviewed node pauses the run on its work item. The paused
+    run and its item."""
+    paused = await app.flows.start(org.id, flow_id)
+    async with app.db.read() as conn:
+        item_id = str(await conn.scalar(sa.select(t.continuations.c.work_item_id)))
+    return paused, item_id
+
+
+async def ended(app: App, run_id: str) -> bool:
+    """Whether flow run ``run_id`` ended (the resumer failed it), within :data:`WITHIN_S`."""
+
+    async def failed() -> bool:
+        async with app.db.read() as conn:
+            status = await conn.scalar(
+                sa.select(t.flow_runs.c.status).where(t.flow_runs.c.id == run_id)
+            )
+        return bool(status == "failed")
+
+    return await eventually(failed, WITHIN_S)
+
+
+@pytest.mark.parametrize("action", ["cancel", "reject"])
+async def test_a_flow_item_cancelled_or_rejected_ends_its_paused_run_at_once(
+    migrated_url: str, make_app: MakeApp, action: str
+) -> None:
+    """The run paused on an item that is cancelled (or rejected) can never resume: the
+    decision wakes the flow resumer, which ends the run then, not at its poll."""
+    app = make_app(migrated_url)
+    nodes = [{**FLOW[0], "prompt": "write it #complete #escalate"}, FLOW[1]]
+    org, flow_id = await flow_of(app, nodes)
+    await start_worker(app)
+    paused, item_id = await paused_on(app, flow_id, org)
+    await waiting_for_human(app, item_id)
+
+    decided = time.perf_counter()
+    await app.reviews.decide(org.principal, item_id, action, "not needed")
+    assert await ended(app, paused)
+    report(f"{action} -> paused flow run failed", time.perf_counter() - decided)
+
+
+async def test_a_flow_item_cancelled_on_an_api_replica_ends_its_run_on_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    clock = FakeClock()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock)
+    nodes = [{**FLOW[0], "prompt": "write it #complete #escalate"}, FLOW[1]]
+    org, flow_id = await flow_of(api, nodes)
+    await start_worker(worker)
+    paused, item_id = await paused_on(api, flow_id, org)
+    await waiting_for_human(api, item_id)
+
+    decided = time.perf_counter()
+    await api.reviews.decide(org.principal, item_id, "cancel")
+    assert await ended(worker, paused)
+    report(
+        "cancel on the api replica -> flow run failed on the worker", time.perf_counter() - decided
+    )
+
+
+async def test_an_abandoned_flow_item_ends_its_paused_run_at_once(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """The abandonment sweeper abandons a flow node's item left ``inProgress`` for a week:
+    its pass wakes the flow resumer, which ends the paused run then, not at its poll."""
+    clock = JumpingClock()
+    app = make_app(migrated_url, clock=clock)
+    org, flow_id = await flow_of(app, [{"type": "agent", "agent": "worker", "prompt": "draft"}])
+    await start_worker(app)
+    paused, item_id = await paused_on(app, flow_id, org)
+    assert (await item_row(app, item_id))["status"] == "inProgress"  # never submitted
+    clock.advance(ABANDON_AFTER_MS + 1)
+
+    swept = time.perf_counter()
+    assert await Sweeper(app.db, clock, app.ids).run_once()  # what its loop's pass does
+    assert (await item_row(app, item_id))["status"] == "abandoned"
+    assert await ended(app, paused)
+    report("abandoned -> paused flow run failed", time.perf_counter() - swept)
 
 
 # ------------------------------------------------------- 4. a short Retry-After
