@@ -1,34 +1,21 @@
 """Revision dispatch: lead feedback and human returns reach the worker as internal turns.
 
-A pass that claims nothing also reads when the earliest revision lease held lapses (one
-indexed read: ``inProgress`` items by the status index, with feedback and a lease), and
+A pass that claims nothing learns, from the claim's own read, when the earliest revision
+lease held lapses (:meth:`leadgate.turns.path.TurnService.claim_revision_or_lapse`), and
 the runner loop sleeps no longer than that (:meth:`RevisionRunner.due_in_s`): a revision
 whose dispatcher stalled (alive, never finishing) or went away without a reap is run
-again when its lease lapses, not up to a poll later.
+again when its lease lapses, not up to a poll later. An empty pass is that one read.
 """
 
 from __future__ import annotations
 
 import logging
 
-import sqlalchemy as sa
-
 from leadgate.core.errors import DatabaseDamaged
-from leadgate.database import schema as t
-from leadgate.domain.workitems import Status
+from leadgate.domain.rows import WorkItem
 from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.runners")
-W = t.work_items.c
-
-#: The earliest revision lease not lapsed yet: an ``inProgress`` item whose feedback
-#: waits holds one while its revision turn runs (the lease and the feedback are given
-#: back together). Built once: the plan cache keys on the statement object.
-_NEXT_LAPSE = sa.select(sa.func.min(W.lease_expires_at)).where(
-    W.status == Status.inProgress.value,
-    W.pending_feedback.is_not(None),
-    W.lease_expires_at >= sa.bindparam("p_now"),
-)
 
 
 class RevisionRunner:
@@ -54,13 +41,10 @@ class RevisionRunner:
 
     async def run_once(self) -> bool:
         """Claim one item with pending feedback and run its internal turn."""
-        # Before the claim: a lease that lapses between the two reads is either claimed
-        # or seen by the second (due at once), never missed by both.
-        now = self.turns.clock.now_ms()
-        item = await self.turns.claim_revision()
-        if item is None:
-            async with self.turns.db.read() as conn:
-                self._next_lapse = await conn.scalar(_NEXT_LAPSE, {"p_now": now})
+        # One read: an item to claim or, when none is claimable, the earliest lapse.
+        item = await self.turns.claim_revision_or_lapse()
+        if not isinstance(item, WorkItem):
+            self._next_lapse = item
             return False
         try:
             await self.turns.run_revision(item)

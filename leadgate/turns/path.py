@@ -64,18 +64,31 @@ DeltaSink = Callable[[str], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
+#: An ``inProgress`` item whose feedback waits for its revision turn ...
+_REVISION_WAITS = (_W.status == Status.inProgress.value, _W.pending_feedback.is_not(None))
+#: ... and is claimable: no revision lease, or one that lapsed or whose holder is gone.
+_REVISION_CLAIMABLE = sa.or_(
+    _W.lease_expires_at.is_(None),
+    _W.lease_expires_at < sa.bindparam("p_now"),
+    owner_gone(_W.lease_owner),
+)
+#: The claim's pick, in its transaction: the claimable item waiting longest.
 _REVISION_DUE = (
-    sa.select(_W.id)
-    .where(
-        _W.status == Status.inProgress.value,
-        _W.pending_feedback.is_not(None),
-        sa.or_(
-            _W.lease_expires_at.is_(None),
-            _W.lease_expires_at < sa.bindparam("p_now"),
-            owner_gone(_W.lease_owner),
-        ),
+    sa.select(_W.id).where(*_REVISION_WAITS, _REVISION_CLAIMABLE).order_by(_W.updated_at).limit(1)
+)
+#: The claim's read before it: the claimable item waiting longest or, when none is, the
+#: one whose revision lease lapses first (its ``lease_expires_at``: when the revision
+#: dispatcher is due again). One pass over the same rows as ``_REVISION_DUE``'s when
+#: nothing is due (the common case: both read every ``inProgress`` row off the status
+#: index, then order the few whose feedback waits); it replaced that read plus a second
+#: one for the earliest lapse after every empty pass.
+_REVISION_NEXT = (
+    sa.select(_W.id, _W.lease_expires_at, _REVISION_CLAIMABLE.label("claimable"))
+    .where(*_REVISION_WAITS)
+    .order_by(
+        sa.case((_REVISION_CLAIMABLE, 0), else_=1),
+        sa.case((_REVISION_CLAIMABLE, _W.updated_at), else_=_W.lease_expires_at),
     )
-    .order_by(_W.updated_at)
     .limit(1)
 )
 _CLAIM_REVISION = (
@@ -436,12 +449,23 @@ class TurnService:
 
     async def claim_revision(self) -> WorkItem | None:
         """Claim one inProgress item whose feedback waits for an internal turn."""
+        claimed = await self.claim_revision_or_lapse()
+        return claimed if isinstance(claimed, WorkItem) else None
+
+    async def claim_revision_or_lapse(self) -> WorkItem | int | None:
+        """Claim one inProgress item whose feedback waits for an internal turn; when none
+        is claimable, when the earliest revision lease held lapses (ms, by this clock;
+        learned from the same read), or None when no lease is held, or when another
+        process claimed the item this one read as claimable (it holds a fresh lease)."""
         now = self.clock.now_ms()
         # Read first: mostly nothing is due, and a read takes no write lock (the claim
         # below is fenced, so a stale read claims nothing).
         async with self.db.read() as conn:
-            if await conn.scalar(_REVISION_DUE, {"p_now": now}) is None:
-                return None
+            first = (await conn.execute(_REVISION_NEXT, {"p_now": now})).first()
+        if first is None:
+            return None
+        if not first.claimable:
+            return int(first.lease_expires_at)
         async with self.db.tx() as conn:
             item_id = await conn.scalar(self.db.skip_locked(_REVISION_DUE), {"p_now": now})
             if item_id is None:

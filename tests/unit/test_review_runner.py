@@ -441,9 +441,9 @@ async def test_the_revision_runner_knows_when_the_earliest_revision_lease_lapses
     stack: Stack,
 ) -> None:
     """A dispatcher that claimed a revision and stalled (alive, never finishing) holds its
-    lease, and nothing is committed when it lapses: a pass that claims nothing reads when
-    the earliest revision lease lapses, and the runner loop sleeps no longer than until
-    then (``due_in_s``), not until the poll."""
+    lease, and nothing is committed when it lapses: a pass that claims nothing learns
+    from the claim's one read when the earliest revision lease lapses, and the runner
+    loop sleeps no longer than until then (``due_in_s``), not until the poll."""
     org, _, worker = await setup(stack)
     dispatcher = RevisionRunner(stack.turns)
     assert not await dispatcher.run_once()
@@ -455,7 +455,12 @@ async def test_the_revision_runner_knows_when_the_earliest_revision_lease_lapses
     clock = stack.clock
     assert isinstance(clock, FakeClock)
     clock.advance(MINUTE_MS)
-    assert not await dispatcher.run_once()
+    with stack.db.record_statements() as empty_pass:
+        assert not await dispatcher.run_once()
+    # One read (the claim's), which also tells when the lease lapses (SQLite's read
+    # transaction around it aside): it was two.
+    reads = [sql for sql in empty_pass if sql not in ("BEGIN", "ROLLBACK")]
+    assert len(reads) == 1 and reads[0].startswith("SELECT"), reads
     assert dispatcher.due_in_s() == (REVISION_LEASE_MS - MINUTE_MS + 1) / 1000
     clock.advance(REVISION_LEASE_MS - MINUTE_MS)  # not lapsed yet (strictly past)
     assert not await dispatcher.run_once()
