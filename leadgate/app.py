@@ -653,8 +653,9 @@ class App:
     def _healthz(self, role: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def healthz(_: web.Request) -> web.Response:
             if self.db.damaged is not None:
-                # Once met, damage stays until the file is restored (and the process
-                # restarted): ``SELECT 1`` reads no table's pages, so it would pass.
+                # Once met, damage stays until the file (PostgreSQL: the data or the
+                # index) is repaired and the process restarted: ``SELECT 1`` reads no
+                # table's pages, so it would pass.
                 raise DatabaseDamaged(self.db.damaged)
             async with self.db.read() as conn:
                 await conn.execute(sa.text("SELECT 1"))

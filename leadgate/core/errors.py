@@ -5,7 +5,7 @@
     LeadgateError                 root of everything the engine raises on purpose
     ├── ConfigError               bad or unknown configuration key (startup)
     ├── NotMigratedError          database schema is not at the newest revision
-    ├── DatabaseDamaged (500)     the SQLite file is damaged: operators must restore it
+    ├── DatabaseDamaged (500)     the database is damaged: operators must repair it
     ├── ValidationError (400)     input broke a rule; ``rule`` names it
     ├── AuthError (401)           missing or unknown credentials
     ├── PermissionDenied (403)    authenticated, but the scope/role is missing
@@ -70,12 +70,15 @@ class NotMigratedError(LeadgateError):
 
 
 class DatabaseDamaged(LeadgateError):
-    """The service's SQLite file is damaged (``database disk image is malformed``, or no
-    longer a database at all), met while it runs. Not the client's fault and not
-    transient: only restoring the file ends it, so clients are told not to retry.
+    """The service's database is damaged, met while it runs: its SQLite file (``database
+    disk image is malformed``, or no longer a database at all), or PostgreSQL reporting
+    damaged data or a damaged index (SQLSTATE ``XX001``, ``XX002``). Not the client's
+    fault and not transient: only restoring the file (or the data, or rebuilding the
+    index) ends it, so clients are told not to retry.
 
-    ``message`` is what clients get (no file path); ``detail`` names the file and what
-    to do, for the log and the command line."""
+    ``message`` is what clients get (no file path, no server text); ``detail`` names the
+    file or the database (never its credentials), what the server said and what to do,
+    for the log and the command line."""
 
     status = 500
     code = "database_damaged"

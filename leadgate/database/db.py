@@ -39,7 +39,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError
-from leadgate.database.faults import unavailable
+from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgPool, TableChanges
 
@@ -225,10 +225,14 @@ class Database:
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None
         self._inline: InlineSqlite | None = None
-        #: What a transaction found damaged in the SQLite file (naming it), once one did
+        #: What a transaction found damaged in the SQLite file or the PostgreSQL
+        #: database (naming it), once one did
         #: (:class:`leadgate.core.errors.DatabaseDamaged`): ``/healthz`` reports it from
         #: then on, as a statement that happens not to touch the damaged pages succeeds.
         self.damaged: str | None = None
+        #: How the log names a PostgreSQL database: ``dbname on host:port`` (never the
+        #: user or the password).
+        self._pg_name = _pg_name(parsed) if self.is_postgres else ""
         self._readers: InlineReaders | None = None
         self._pg: PgPool | None = None
         if self.is_sqlite and parsed.database not in (None, "", ":memory:"):
@@ -342,7 +346,7 @@ class Database:
             result = await self._pg.execute_alone(statement, parameters)
         except Exception as exc:
             self._in_doubt(exc, _by_topic((*signals, *in_doubt)))
-            _raise_unavailable(exc)
+            _raise_fault(exc, self)
             raise
         self._after_commit(_by_topic(_signals(result, signals, signals_from)))
         return result
@@ -386,7 +390,7 @@ class Database:
         except Exception as exc:
             if committing:  # (before the COMMIT, a failure rolls everything back)
                 self._in_doubt(exc, topics)
-            _raise_unavailable(exc)
+            _raise_fault(exc, self)
             raise
         self._after_commit(topics)
 
@@ -397,7 +401,7 @@ class Database:
             async with self._pg.read() as conn:
                 yield conn
         except Exception as exc:
-            _raise_unavailable(exc)
+            _raise_fault(exc, self)
             raise
 
     def _in_doubt(self, exc: BaseException, topics: Mapping[str, list[Any]]) -> None:
@@ -615,17 +619,35 @@ def _raise_unavailable(exc: BaseException) -> None:
 
 
 def _raise_fault(exc: BaseException, db: Database) -> None:
-    """:func:`_raise_unavailable` on the inline SQLite connections, which may also meet
-    a damaged file (:func:`_not_a_database`): that is re-raised as
-    :class:`DatabaseDamaged` and remembered in ``db.damaged``. It was the driver's
-    error, which the web layer answered as a bug (500 ``internal``, a traceback per
-    request) and the runners logged with a traceback per pass."""
+    """:func:`_raise_unavailable`, where a transaction may also meet a damaged database:
+    a damaged SQLite file (:func:`_not_a_database`), or PostgreSQL reporting damaged
+    data or a damaged index (:func:`leadgate.database.faults.pg_damage`). That is
+    re-raised as :class:`DatabaseDamaged` and remembered in ``db.damaged``. It was the
+    driver's error, which the web layer answered as a bug (500 ``internal``, a
+    traceback per request) and the runners logged with a traceback per pass."""
+    if isinstance(exc, DatabaseDamaged):
+        return
     if isinstance(exc, sa.exc.DBAPIError) and db._inline is not None:
         found = _not_a_database(exc, db._inline.path)
         if found is not None:
             db.damaged = found.message
             raise DatabaseDamaged(found.message) from exc
+    if db.is_postgres:
+        said = pg_damage(exc)
+        if said is not None:
+            detail = f"the PostgreSQL database {db._pg_name} is damaged ({said})"
+            db.damaged = detail
+            raise DatabaseDamaged(detail) from exc
     _raise_unavailable(exc)
+
+
+def _pg_name(parsed: sa.engine.URL) -> str:
+    """``dbname on host:port`` of a PostgreSQL URL (a socket directory for a host given
+    as ``?host=``), for the log: nothing of the credentials."""
+    host = parsed.host or parsed.query.get("host") or "localhost"
+    if not isinstance(host, str):  # (a query key given twice: a tuple)
+        host = ",".join(host)
+    return f"{parsed.database or parsed.username or '?'} on {host}:{parsed.port or 5432}"
 
 
 class _InlineRead:

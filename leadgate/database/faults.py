@@ -11,7 +11,9 @@ and their causes) and answers an :class:`leadgate.core.errors.Unavailable` for:
   too many connections, disk full (SQLSTATE classes 08, 53, 57P), pool timeouts.
 
 Anything else (an integrity error, a syntax error: a bug) is not unavailability and
-stays what it is.
+stays what it is. PostgreSQL reporting damaged data or a damaged index (SQLSTATE
+``XX001``, ``XX002``) is no more transient than a damaged SQLite file: :func:`pg_damage`
+finds it, for :class:`leadgate.core.errors.DatabaseDamaged`.
 """
 
 from __future__ import annotations
@@ -102,6 +104,32 @@ def _why(exc: BaseException) -> str | None:
             text = str(item).lower()
             if any(t in text for t in _SQLITE_TEXT + _PG_TEXT):
                 return _text(item)
+    return None
+
+
+#: PostgreSQL's corruption codes (class XX, "internal error"): what each says to do.
+_PG_DAMAGE = {
+    "XX001": ("data_corrupted", "restore the damaged data from a backup"),
+    "XX002": ("index_corrupted", "REINDEX the index it names"),
+}
+
+
+def pg_damage(exc: BaseException) -> str | None:
+    """PostgreSQL's own words when ``exc`` is its report of damaged data or a damaged
+    index (``XX001`` data_corrupted, ``XX002`` index_corrupted; asyncpg's or
+    SQLAlchemy's wrapping of it): ``SQLSTATE XX001 data_corrupted: <the server's text>
+    [(hint: ...)]; <what to do>``, without the statement or its parameters. None for
+    anything else (``XX000``, a plain internal error, is a server bug, not damage)."""
+    for item in _chain(exc):
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if not isinstance(state, str) or state not in _PG_DAMAGE:
+            continue
+        name, remedy = _PG_DAMAGE[state]
+        said = _text(item)[:300]
+        hint = getattr(item, "hint", None)
+        if isinstance(hint, str) and hint:
+            said = f"{said} (hint: {hint[:100]})"
+        return f"SQLSTATE {state} {name}: {said}; {remedy}"
     return None
 
 

@@ -1,0 +1,159 @@
+"""PostgreSQL reporting damaged data or a damaged index (SQLSTATE ``XX001``
+data_corrupted, ``XX002`` index_corrupted) while the service runs: it was the driver's
+error, answered as a bug (500 ``internal``, a traceback in the log per request) and
+logged with a traceback by every runner pass that met it. Now it is met as a damaged
+SQLite file is (tests/integration/test_damaged_database.py).
+
+The server raises those codes here from functions installed in the test's database (a
+view in place of ``messages`` whose condition raises ``XX001``; a trigger on inserting
+into ``messages`` raising ``XX002``): the errors reach the service over the wire as a
+damaged page or index would, without damaging a file under the shared test server."""
+
+from __future__ import annotations
+
+import logging
+
+import asyncpg
+import openai
+import pytest
+import sqlalchemy as sa
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from leadgate.app import App
+from leadgate.core.errors import DatabaseDamaged
+from leadgate.database.pg import asyncpg_dsn
+from leadgate.domain.workitems import Sweeper
+from leadgate.web.common import DAMAGED_ANSWERS
+from tests.helpers import make_agent, make_org
+from tests.serving import served_app
+
+pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+
+PAGE_TEXT = "invalid page in block 7 of relation base/16384/16402"
+INDEX_TEXT = 'index "messages_session_idx" contains unexpected zero page at block 3'
+PASSWORD = "not-for-the-log-7f3a"
+
+
+def damage_reads(table: str) -> str:
+    """Every read of ``table`` meets ``XX001``: a view in its place whose condition
+    raises it (STABLE: evaluated once per statement, rows or none)."""
+    return f"""
+        CREATE FUNCTION damaged_page() RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+        BEGIN
+            RAISE EXCEPTION '{PAGE_TEXT}' USING ERRCODE = 'XX001';
+        END $$;
+        ALTER TABLE {table} RENAME TO {table}_kept;
+        CREATE VIEW {table} AS SELECT * FROM {table}_kept WHERE damaged_page();
+    """
+
+
+def damage_inserts(table: str) -> str:
+    """Every insert into ``table`` meets ``XX002`` (with PostgreSQL's hint for it)."""
+    return f"""
+        CREATE FUNCTION damaged_index() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            RAISE EXCEPTION '{INDEX_TEXT}'
+                USING ERRCODE = 'XX002', HINT = 'Please REINDEX it.';
+        END $$;
+        CREATE TRIGGER damaged_index BEFORE INSERT ON {table}
+            FOR EACH ROW EXECUTE FUNCTION damaged_index();
+    """
+
+
+async def run_sql(url: str, sql: str) -> None:
+    conn = await asyncpg.connect(asyncpg_dsn(url))
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def with_password(url: str) -> str:
+    """``url`` with a password (the test server trusts its users: it is never asked
+    for), to see that it stays out of the log."""
+    return sa.engine.make_url(url).set(password=PASSWORD).render_as_string(hide_password=False)
+
+
+def named(url: str) -> str:
+    parsed = sa.engine.make_url(url)
+    return f"the PostgreSQL database {parsed.database} on {parsed.host}:{parsed.port}"
+
+
+async def test_a_read_meeting_damaged_data_is_a_500_naming_the_database(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    url = with_password(migrated_url)
+    async with served_app(url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        auth = {"Authorization": f"Bearer {org.key}"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {**auth, "X-Session-Id": "s1"}
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+        assert (await client.get("/healthz")).status == 200
+        await run_sql(migrated_url, damage_reads("messages"))
+
+        for _ in range(2):
+            resp = await client.get("/v1/agents/plain/sessions/s1/messages", headers=auth)
+            answer = await resp.json()
+            assert resp.status == 500, answer
+            error = answer["error"]
+            assert (error["rule"], error["code"]) == ("database.file", "database_damaged")
+            assert "restore it from a backup" in error["message"]
+            assert "XX001" not in error["message"] and "base/" not in error["message"]
+            assert resp.headers["x-should-retry"] == "false"
+        assert client.server.app[DAMAGED_ANSWERS].answered == 2
+        # /healthz says so from then on (its SELECT 1 reads no table).
+        health = await client.get("/healthz")
+        assert health.status == 500 and (await health.json())["error"]["rule"] == "database.file"
+
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # three answers, one line
+    said = lines[0].getMessage()
+    assert f"{named(migrated_url)} is damaged (SQLSTATE XX001 data_corrupted" in said
+    assert PAGE_TEXT in said and "restore the damaged data from a backup" in said
+    assert PASSWORD not in said
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_write_meeting_a_damaged_index_is_a_500_the_client_does_not_retry(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        await run_sql(migrated_url, damage_inserts("messages"))
+        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.InternalServerError) as refused:
+            await official.chat.completions.create(
+                model="plain", messages=messages, extra_headers={"X-Session-Id": "s1"}
+            )
+        assert refused.value.code == "database_damaged"
+        assert client.server.app[DAMAGED_ANSWERS].answered == 1  # not retried
+        assert service.db.damaged is not None and "XX002" in service.db.damaged
+
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    said = lines[0].getMessage()
+    assert f"{named(migrated_url)} is damaged (SQLSTATE XX002 index_corrupted" in said
+    assert INDEX_TEXT in said and "Please REINDEX it." in said
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_runner_meeting_damaged_data_gets_database_damaged(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runner's pass meets :class:`DatabaseDamaged`, which the runner loop logs as one
+    line a minute (tests/integration/test_damaged_database.py), not the driver's error
+    with a traceback per pass."""
+    sweeper = Sweeper(service.db, service.clock, service.ids)
+    assert await sweeper.run_once() is False
+    await run_sql(migrated_url, damage_reads("work_items"))
+    with pytest.raises(DatabaseDamaged) as met:
+        await sweeper.run_once()
+    assert f"{named(migrated_url)} is damaged (SQLSTATE XX001" in met.value.detail
+    assert service.db.damaged == met.value.detail  # /healthz reports it
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"

@@ -1,0 +1,45 @@
+"""Which PostgreSQL errors say the database is damaged (leadgate.database.faults.pg_damage):
+only the corruption codes, whichever way they are wrapped, and without the statement's
+text or parameters (tests/integration/test_damaged_postgres.py meets them over the wire)."""
+
+from __future__ import annotations
+
+import asyncpg
+import sqlalchemy as sa
+
+from leadgate.database.faults import pg_damage, unavailable
+
+
+def server_error(cls: type[asyncpg.PostgresError], message: str, **fields: str) -> Exception:
+    """As asyncpg makes it of the server's message (the class by its SQLSTATE)."""
+    error: Exception = cls.new({"C": cls.sqlstate, "M": message, **fields})
+    assert type(error) is cls
+    return error
+
+
+def test_corruption_codes_are_damage_and_say_what_to_do() -> None:
+    page = server_error(
+        asyncpg.exceptions.DataCorruptedError, "invalid page in block 7 of relation base/1/2"
+    )
+    said = pg_damage(sa.exc.DBAPIError("SELECT secret", ("message text",), page))
+    assert said == (
+        "SQLSTATE XX001 data_corrupted: invalid page in block 7 of relation base/1/2; "
+        "restore the damaged data from a backup"
+    )
+    index = server_error(
+        asyncpg.exceptions.IndexCorruptedError,
+        'index "ix" contains unexpected zero page',
+        H="Please REINDEX it.",
+    )
+    said = pg_damage(index)
+    assert said is not None and said.startswith('SQLSTATE XX002 index_corrupted: index "ix"')
+    assert "(hint: Please REINDEX it.)" in said and said.endswith("REINDEX the index it names")
+    # Damage is no unavailability: retrying will not help.
+    assert unavailable(page) is None and unavailable(index) is None
+
+
+def test_other_errors_are_not_damage() -> None:
+    internal = server_error(asyncpg.exceptions.InternalServerError, "cache lookup failed")
+    assert pg_damage(internal) is None  # XX000: a server bug, not damage
+    assert pg_damage(server_error(asyncpg.exceptions.UniqueViolationError, "dup")) is None
+    assert pg_damage(ValueError("XX001")) is None
