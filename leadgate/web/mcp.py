@@ -44,11 +44,10 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import bearer_token, decode_json, read_body
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
-from leadgate.core.logs import Tally
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers
-from leadgate.web.mcp_resources import Resources, Watcher
+from leadgate.web.mcp_resources import REQUEST_SCOPE_KEY, Resources, Watcher, note_damaged
 from leadgate.web.sessions_api import SessionReads
 
 logger = logging.getLogger(__name__)
@@ -61,15 +60,6 @@ MAX_MESSAGE_CHARS: Final = MESSAGE_LIMIT
 BUSY_TEXT: Final = "The operation could not be completed. Try again."
 # Unexpected failures say the same thing: nothing internal reaches the client.
 GENERIC_ERROR_TEXT: Final = BUSY_TEXT
-
-# Tool calls that met a damaged database file: the HTTP surfaces' answers are logged by
-# leadgate.web.common.DamagedAnswers, a tool error by nothing (the operators never heard).
-_DAMAGED = Tally(
-    logger,
-    "%d MCP tool call(s) met a damaged database: %s",
-    every_s=60.0,
-    level=logging.ERROR,
-)
 
 # Where the bridge leaves the caller in the ASGI scope for the tool to read.
 PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
@@ -331,7 +321,7 @@ def build_mcp_server(
             outcome = await send_message(principal, agent, message, session)
             return outcome_to_result(outcome)
         except DatabaseDamaged as exc:
-            _DAMAGED.add(exc.detail)
+            note_damaged(ctx, exc)  # (a tool error reached no log)
             return _tool_error(exc.message)  # (the file stays out of it)
         except LeadgateError as exc:
             return _tool_error(exc.message)
@@ -758,6 +748,7 @@ def _asgi_scope(request: web.Request, principal: Principal) -> AsgiScope:
         "user": _sdk_user(principal),
         "auth": AuthCredentials(sorted(scope.value for scope in principal.scopes)),
         PRINCIPAL_SCOPE_KEY: principal,
+        REQUEST_SCOPE_KEY: request,
     }
 
 

@@ -39,15 +39,40 @@ from typing import Any, Final, Protocol
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import mcp_types as mt
+from aiohttp import web
 from mcp.server.context import ServerRequestContext
 from mcp.server.subscriptions import ListenHandler, ResourceUpdated, ServerEvent
 from mcp.shared.exceptions import MCPError
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import LeadgateError, NotFound
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, NotFound
+from leadgate.core.logs import Tally
+from leadgate.web.common import damaged_answers
 from leadgate.web.sessions_api import SessionReads
 
 log = logging.getLogger("leadgate.mcp")
+
+#: Where the bridge (:mod:`leadgate.web.mcp`) leaves the aiohttp request that carried an
+#: MCP call, in its ASGI scope: a handler meeting a damaged database counts it with the
+#: application's other requests (:class:`leadgate.web.common.DamagedAnswers`).
+REQUEST_SCOPE_KEY: Final = "leadgate.request"
+# For a call that came without one (no bridge: a wiring bug): counted apart.
+_DAMAGED = Tally(
+    log, "%d MCP call(s) met a damaged database: %s", every_s=60.0, level=logging.ERROR
+)
+
+
+def note_damaged(ctx: ServerRequestContext[Any, Any], exc: DatabaseDamaged) -> None:
+    """Count ``exc``, met by an MCP call (a tool call, a resource read or subscription),
+    in the one ERROR line a minute naming the database: the call's error went to its
+    client alone, and the operators never heard of it."""
+    scope = getattr(ctx.request, "scope", None)
+    request = scope.get(REQUEST_SCOPE_KEY) if isinstance(scope, dict) else None
+    if isinstance(request, web.Request):
+        damaged_answers(request).note(request, exc)
+    else:
+        _DAMAGED.add(exc.detail)
+
 
 URI_TEMPLATE: Final = "leadgate://agents/{agent}/sessions/{session}/messages"
 TEMPLATE_NAME: Final = "session_messages"
@@ -170,6 +195,13 @@ def parse_uri(uri: str) -> tuple[str, str, str | None, str | None]:
     return unquote(path[1]), unquote(path[3]), after, limit
 
 
+def _damaged(ctx: ServerRequestContext[Any, Any], uri: str, exc: DatabaseDamaged) -> MCPError:
+    """The error for a call that met a damaged database (counted: :func:`note_damaged`);
+    it tells the client what a request's 500 does, not the file or the server's text."""
+    note_damaged(ctx, exc)
+    return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri})
+
+
 def _unknown(uri: str) -> MCPError:
     return MCPError(code=mt.INVALID_PARAMS, message=f"Unknown resource: {uri}", data={"uri": uri})
 
@@ -238,6 +270,8 @@ class Resources:
             )
         except NotFound:
             raise _unknown(uri) from None
+        except DatabaseDamaged as exc:
+            raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
             raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
         text = json.dumps(page)
@@ -251,7 +285,7 @@ class Resources:
         """Handshake era: notify this connection when the session's transcript changes."""
         uri = str(params.uri)
         session_id = await self._open(ctx, uri)
-        await self._notified(session_id, uri)
+        await self._notified(ctx, session_id, uri)
         # The per-connection state the SDK tears down with the MCP session; not a public
         # attribute of ServerSession in mcp 2.3, so reached defensively: without it the
         # subscription lives until unsubscribe or the global bound.
@@ -285,7 +319,7 @@ class Resources:
         uris = list(params.notifications.resource_subscriptions or [])
         sessions = [(await self._open(ctx, uri), uri) for uri in uris]
         for session_id, uri in sessions:
-            await self._notified(session_id, uri)
+            await self._notified(ctx, session_id, uri)
         checked = _LISTENING_TO.set(tuple(sessions))
         try:
             return await self.listen_handler(ctx, params)
@@ -350,16 +384,22 @@ class Resources:
             return await self.reads.open(principal, agent, session)
         except NotFound:
             raise _unknown(uri) from None
+        except DatabaseDamaged as exc:
+            raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
             raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
 
-    async def _notified(self, session_id: str, uri: str) -> None:
+    async def _notified(
+        self, ctx: ServerRequestContext[Any, Any], session_id: str, uri: str
+    ) -> None:
         """Every replica's writes to the session wake this one from now on (before the
         subscription is confirmed: the client's next read covers what came before)."""
         if self._keep_notified is None:
             return
         try:
             await self._keep_notified(session_id)
+        except DatabaseDamaged as exc:
+            raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
             raise MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri}) from None
 

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 from mcp_types import TextContent
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
@@ -279,4 +280,47 @@ async def test_an_event_stream_meeting_a_damaged_file_ends_in_one_line(
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
     assert "/events" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_an_mcp_resource_read_meeting_a_damaged_file_is_counted_with_the_requests(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Reading a transcript resource whose messages lie on damaged pages was an MCP error
+    for the client and nothing in the log; now it is counted in the one ERROR line a
+    minute with the application's requests (and a tool call's), naming the file."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    async with served_app(migrated_url, like_production=True) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        auth = {"Authorization": f"Bearer {org.key}"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {**auth, "X-Session-Id": "s1"}
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+        damage_table(path, "messages")
+        answers = client.server.app[DAMAGED_ANSWERS]
+        async with (
+            httpx2.AsyncClient(headers=auth) as http,
+            streamable_http_client(str(client.make_url("/mcp")), http_client=http) as (
+                read,
+                write,
+            ),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            for _ in range(2):
+                with pytest.raises(MCPError) as refused:
+                    await session.read_resource("leadgate://agents/plain/sessions/s1/messages")
+                assert "restore it from a backup" in refused.value.error.message
+                assert path not in refused.value.error.message
+            assert answers.answered == 2
+            result = await session.call_tool(
+                "send_action_agent_message", {"agent": "plain", "message": "hi", "session": "s1"}
+            )
+            assert result.is_error is True
+        assert answers.answered == 3  # and a tool call's, with the requests
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    said = lines[0].getMessage()
+    assert f"the SQLite database {path} is damaged" in said and "/mcp" in said
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
