@@ -32,11 +32,13 @@ from bots.base import Adapter, Core
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import BODY_TIMEOUT_KEY, bearer_token
-from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.errors import DatabaseDamaged, LeadgateError
+from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
 from leadgate.database.db import Database
+from leadgate.database.faults import unavailable
 from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain import workitems
 from leadgate.domain.processes import Liveness
@@ -169,6 +171,15 @@ class App:
             self.clock,
             self.ids,
             dead_after_ms=int(settings.runners.dead_after_s * 1000),
+        )
+        self._beats_damaged = Tally(
+            log,
+            "%d heartbeat(s) met a damaged database: %s; retrying at each beat",
+            every_s=60.0,
+            level=logging.ERROR,
+        )
+        self._beats_failed = Tally(
+            log, "%d heartbeat(s) failed: %s; retrying at each beat", every_s=60.0
         )
         self.providers = ProviderRegistry(providers or build_providers(settings))
         self.background = Background()
@@ -494,19 +505,30 @@ class App:
             )
 
     async def _heartbeat(self) -> None:
-        """Refresh this process's heartbeat and reap dead processes until stopped (a
-        database fault is logged and retried at the next beat)."""
+        """Refresh this process's heartbeat and reap dead processes until stopped
+        (:meth:`beat_once` at each beat)."""
         every = self.settings.runners.heartbeat_s
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=every)
             if self._stop.is_set():
                 return
-            try:
-                await self.liveness.beat()
-                await self.liveness.reap()
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
+            await self.beat_once()
+
+    async def beat_once(self) -> None:
+        """One beat: refresh this process's heartbeat and reap dead processes. A failure
+        is retried at the next beat and logged as one line a minute at most, saying what
+        it was: a damaged database (ERROR, naming the file or database) or another
+        failure (WARNING: what the database said when it was unavailable). It was a
+        WARNING every beat saying what clients are told (``the service cannot store this
+        request right now``; for a damaged file, to restore "it", not which)."""
+        try:
+            await self.liveness.beat()
+            await self.liveness.reap()
+        except DatabaseDamaged as exc:
+            self._beats_damaged.add(exc.detail)
+        except Exception as exc:
+            self._beats_failed.add(_what_failed(exc))
 
     async def stop(self) -> None:
         """Stop runners, wait for background work, close channels, providers, database
@@ -732,6 +754,18 @@ class App:
         app.on_response_prepare.append(stamp_response)
         app.router.add_get("/metrics", self.metrics_handler())
         return app
+
+
+def _what_failed(exc: Exception) -> str:
+    """What a background step's failure was, for a log line without a traceback: what
+    the database said when it was unavailable, a refusal's message and rule, else the
+    error itself."""
+    fault = unavailable(exc)
+    if fault is not None:
+        return f"the database is unavailable ({fault.detail or fault.message})"
+    if isinstance(exc, LeadgateError):
+        return f"{exc.message} [{exc.rule}]"
+    return f"{type(exc).__name__}: {exc}"[:500]
 
 
 def package_version() -> str:

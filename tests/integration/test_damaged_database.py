@@ -324,3 +324,23 @@ async def test_an_mcp_resource_read_meeting_a_damaged_file_is_counted_with_the_r
     said = lines[0].getMessage()
     assert f"the SQLite database {path} is damaged" in said and "/mcp" in said
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_a_heartbeat_meeting_a_damaged_file_is_one_line_naming_it(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each beat logged ``heartbeat failed: <the clients' message>``: a WARNING every
+    beat, which told the operators to restore "it" without saying which file."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    await service.liveness.register()
+    await service.beat_once()
+    damage_table(path, "processes")
+    for _ in range(3):
+        await service.beat_once()
+    lines = [r for r in caplog.records if r.name == "leadgate.app"]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
+    said = lines[0].getMessage()
+    assert said.startswith("1 heartbeat(s) met a damaged database: ")
+    assert f"the SQLite database {path} is damaged" in said
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert service.db.damaged is not None  # /healthz reports it
