@@ -33,9 +33,9 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import LeadgateError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.operations.access import PRINCIPAL_TTL_S
-from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate
+from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -135,6 +135,9 @@ def setup(
                 last_auth = now
                 try:
                     principal = await authenticate(request, authenticate_with, cookie=True)
+                except DatabaseDamaged as exc:
+                    await _damaged(request, resp, exc)  # (the key may well be valid)
+                    return
                 except LeadgateError:
                     await resp.write(_event("end", {"reason": "the session or key is not valid"}))
                     return
@@ -145,6 +148,9 @@ def setup(
                     await resp.write(_event("change", changed, new.token()))
                     current, last_write = new, now
                 failing = False
+            except DatabaseDamaged as exc:
+                await _damaged(request, resp, exc)
+                return
             except LeadgateError as exc:
                 await resp.write(_event("end", {"reason": exc.message}))
                 return
@@ -159,5 +165,14 @@ def setup(
             if now - last_write >= heartbeat_s:
                 await resp.write(b": keepalive\n\n")
                 last_write = now
+
+    async def _damaged(
+        request: web.Request, resp: web.StreamResponse, exc: DatabaseDamaged
+    ) -> None:
+        """End the stream on a damaged database, counted as a request meeting it is
+        (one ERROR line a minute naming the file): the stream ended with no log line,
+        and the console reconnects every few seconds."""
+        damaged_answers(request).note(request, exc)
+        await resp.write(_event("end", {"reason": exc.message}))
 
     app.router.add_get("/operator/events", events)

@@ -344,3 +344,52 @@ async def test_a_heartbeat_meeting_a_damaged_file_is_one_line_naming_it(
     assert f"the SQLite database {path} is damaged" in said
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
     assert service.db.damaged is not None  # /healthz reports it
+
+
+async def test_the_operator_event_stream_meeting_a_damaged_file_ends_in_one_line(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The console's live stream ended with the clients' message when the change mark
+    lay on damaged pages, and nothing reached the log (the console reconnects, and
+    every stream ended so, unheard of)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        auth = {"Authorization": f"Bearer {org.key}"}
+        async with client.get("/operator/events", headers=auth) as stream:
+            assert stream.status == 200
+            async with asyncio.timeout(15):
+                while not (await stream.content.readline()).startswith(b"event: hello"):
+                    pass
+                damage_table(path, "audit")
+                said = (await stream.read()).decode()
+        assert "event: end\ndata: " in said and "restore it from a backup" in said
+        assert path not in said
+        assert client.server.app[DAMAGED_ANSWERS].answered == 1
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
+    assert "/operator/events" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_the_operator_event_stream_rechecking_its_key_on_a_damaged_file_says_so(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key re-checked on damaged pages ended the stream saying the key was not valid."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    config = {"api": {"events_reauth_s": 0.05}}
+    async with served_app(migrated_url, config=config) as (service, client):
+        org = await make_org(service)
+        auth = {"Authorization": f"Bearer {org.key}"}
+        async with client.get("/operator/events", headers=auth) as stream:
+            async with asyncio.timeout(15):
+                while not (await stream.content.readline()).startswith(b"event: hello"):
+                    pass
+                damage_table(path, "api_keys")
+                service.clock.advance(5_001)  # past the key cache's lifetime
+                said = (await stream.read()).decode()
+        assert "event: end\ndata: " in said and "restore it from a backup" in said, said
+        assert "not valid" not in said
+    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()
