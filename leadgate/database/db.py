@@ -633,12 +633,18 @@ def _raise_fault(exc: BaseException, db: Database) -> None:
             db.damaged = found.message
             raise DatabaseDamaged(found.message) from exc
     if db.is_postgres:
-        said = pg_damage(exc)
-        if said is not None:
-            detail = f"the PostgreSQL database {db._pg_name} is damaged ({said})"
+        detail = _pg_damaged(exc, db._pg_name)
+        if detail is not None:
             db.damaged = detail
             raise DatabaseDamaged(detail) from exc
     _raise_unavailable(exc)
+
+
+def _pg_damaged(exc: BaseException, name: str) -> str | None:
+    """The log's line for PostgreSQL reporting damage in the database ``name``
+    (:func:`_pg_name`); None when ``exc`` is no such report."""
+    said = pg_damage(exc)
+    return None if said is None else f"the PostgreSQL database {name} is damaged ({said})"
 
 
 def _pg_name(parsed: sa.engine.URL) -> str:
@@ -772,13 +778,19 @@ def checked_url(url: str) -> sa.engine.URL:
 
 def damaged_file(exc: BaseException, url: str) -> ConfigError | None:
     """:func:`_not_a_database` for an error met anywhere in a command (a damaged page may
-    lie under any table), for the SQLite file of ``url``; None for anything else."""
+    lie under any table), for the SQLite file of ``url``; for a PostgreSQL ``url``, the
+    server reporting damaged data or a damaged index
+    (:func:`leadgate.database.faults.pg_damage`), naming the database; None for
+    anything else."""
     if not isinstance(exc, sa.exc.DBAPIError):
         return None
     try:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
         return None
+    if parsed.get_backend_name() == "postgresql":
+        detail = _pg_damaged(exc, _pg_name(parsed))
+        return None if detail is None else ConfigError(detail, rule="database.file")
     sqlite = parsed.drivername == _DRIVERS["sqlite"]
     return _not_a_database(exc, parsed.database if sqlite else None)
 

@@ -11,7 +11,9 @@ damaged page or index would, without damaging a file under the shared test serve
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from pathlib import Path
 
 import asyncpg
 import openai
@@ -21,6 +23,7 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from leadgate.app import App
+from leadgate.cli.main import main
 from leadgate.core.errors import DatabaseDamaged
 from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain.workitems import Sweeper
@@ -39,7 +42,7 @@ def damage_reads(table: str) -> str:
     """Every read of ``table`` meets ``XX001``: a view in its place whose condition
     raises it (STABLE: evaluated once per statement, rows or none)."""
     return f"""
-        CREATE FUNCTION damaged_page() RETURNS boolean LANGUAGE plpgsql STABLE AS $$
+        CREATE OR REPLACE FUNCTION damaged_page() RETURNS boolean LANGUAGE plpgsql STABLE AS $$
         BEGIN
             RAISE EXCEPTION '{PAGE_TEXT}' USING ERRCODE = 'XX001';
         END $$;
@@ -157,3 +160,26 @@ async def test_a_runner_meeting_damaged_data_gets_database_damaged(
     assert f"{named(migrated_url)} is damaged (SQLSTATE XX001" in met.value.detail
     assert service.db.damaged == met.value.detail  # /healthz reports it
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+def test_a_command_meeting_damaged_data_is_one_line_naming_the_database(
+    migrated_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An admin command's own query, and ``db upgrade``'s (Alembic's engine: the
+    driver's error with its SQL, exit 1), meeting damage: exit 2, one line naming the
+    database and what PostgreSQL said, as for a damaged SQLite file."""
+    config = tmp_path / "config.toml"
+    config.write_text(f'[database]\nurl = "{with_password(migrated_url)}"\n')
+    assert main(["--config", str(config), "org", "create", "acme"]) == 0
+    capsys.readouterr()
+    for table, command in (
+        ("api_keys", ["key", "list", "--org", "acme"]),
+        ("alembic_version", ["db", "upgrade"]),
+    ):
+        asyncio.run(run_sql(migrated_url, damage_reads(table)))
+        code = main(["--config", str(config), *command])
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), err
+        assert f"{named(migrated_url)} is damaged (SQLSTATE XX001 data_corrupted" in err, err
+        assert err.count("\n") == 1 and err.rstrip().endswith("[database.file]"), err
+        assert PASSWORD not in err and "[SQL:" not in err, err
