@@ -33,7 +33,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text, single_header
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
@@ -44,6 +44,7 @@ from leadgate.web.common import (
     NO_RETRY,
     PrincipalLookup,
     authenticate,
+    damaged_answers,
     error_answer,
     error_response,
     json_body,
@@ -524,6 +525,10 @@ def setup(
             else:
                 try:
                     await idempotency.finish(principal, claim, stored, lost=exchange.lost)
+                except DatabaseDamaged as exc:
+                    # As above, and counted in the one line a minute naming the file
+                    # (it was this warning with the driver's traceback).
+                    damaged_answers(request).note(request, exc)
                 except Exception as exc:
                     # The turn ran and its answer is in hand (a stream's is already sent):
                     # the client gets it. It was a retryable 503 "nothing was stored" for

@@ -146,6 +146,29 @@ async def test_a_write_meeting_a_damaged_index_is_a_500_the_client_does_not_retr
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
 
 
+async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The turn ran and its answer goes to the client; storing it under the key met
+    damage: that was a WARNING with the driver's traceback per request, not counted."""
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        await run_sql(
+            migrated_url,
+            damage_inserts("idempotency_keys").replace("BEFORE INSERT", "BEFORE UPDATE"),
+        )
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {org.key}", "Idempotency-Key": "k1"}
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 200, await resp.text()
+        assert client.server.app[DAMAGED_ANSWERS].answered == 1
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
+    assert "XX002 index_corrupted" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
 async def test_a_runner_meeting_damaged_data_gets_database_damaged(
     service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
