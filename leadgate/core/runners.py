@@ -23,7 +23,7 @@ from leadgate.core.logs import Tally
 
 log = logging.getLogger("leadgate.runners")
 
-#: Every runner's passes that met a damaged database file: one ERROR line a minute at
+#: Every runner's passes that met a damaged database: one ERROR line a minute at
 #: most across them all (each of a dozen loops logged a traceback per pass).
 DAMAGED = Tally(
     log,

@@ -299,14 +299,16 @@ def error_answer(request: web.Request, exc: BaseException) -> web.Response:
 
 
 class DamagedAnswers:
-    """How an application answers a request that met a damaged database file
-    (:class:`DatabaseDamaged`, ``app[DAMAGED_ANSWERS]``): 500 ``database.file`` with
-    ``x-should-retry: false`` (the official clients retry a 500 twice otherwise, and
-    nothing but restoring the file ends this one), and no ``Retry-After``.
+    """How an application answers a request that met a damaged database (a SQLite
+    file, or PostgreSQL data or an index: :class:`DatabaseDamaged`,
+    ``app[DAMAGED_ANSWERS]``): 500 ``database.file`` with ``x-should-retry: false`` (the
+    official clients retry a 500 twice otherwise, and nothing but repairing the database
+    ends this one), and no ``Retry-After``.
 
-    The ERROR lines: one a minute at most, naming the file, with how many requests met
-    it since the last line and the latest of them; no traceback (the driver's, which
-    says nothing an operator can act on, was logged for every request)."""
+    The ERROR lines: one a minute at most, naming the file or database, with how many
+    requests met it since the last line and the latest of them; no traceback (the
+    driver's, which says nothing an operator can act on, was logged for every
+    request)."""
 
     def __init__(self, *, now: Callable[[], float] = time.monotonic) -> None:
         self._tally = Tally(
