@@ -22,7 +22,7 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ("key", "list"): ["id", "name", "scopes", "active", "createdAt", "revokedAt"],
     ("org", "list"): ["id", "name", "createdAt"],
     ("agent", "list"): ["id", "name", "model", "active", "leadName", "presetId", "updatedAt"],
-    ("delivery", "list"): ["id", "kind", "channel", "workItemId", "since", "error"],
+    ("delivery", "list"): ["id", "kind", "channel", "to", "workItemId", "since", "error"],
     ("schedule", "list"): ["id", "agent", "cron", "active", "nextFireAt", "message"],
     ("policy", "list"): ["id", "position", "action", "pattern"],
     ("user", "list"): ["email", "name", "role", "disabled", "sessions", "createdAt"],

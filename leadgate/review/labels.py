@@ -193,6 +193,27 @@ def destination(binding: Binding | None) -> dict[str, Any]:
     return out
 
 
+def delivery_target(channel: str | None, address: Any) -> str:
+    """Where a delivery was being posted, in a few words: the channel and conversation an
+    operator checks before confirming an uncertain delivery or sending it again."""
+    addr = _obj(address)
+    name = channel_name(channel)
+    if channel == "slack":
+        where = f"{name} channel {addr.get('channel') or '?'}"
+        if addr.get("team"):
+            where += f" (team {addr['team']})"
+        return where + (f", thread {addr['thread_ts']}" if addr.get("thread_ts") else "")
+    if channel == "discord":
+        where = f"{name} channel {addr.get('channel_id') or '?'}"
+        return where + (f" (guild {addr['guild_id']})" if addr.get("guild_id") else "")
+    if channel == "teams":
+        conversation = _obj(_obj(addr.get("reference")).get("conversation")).get("id")
+        return f"{name} conversation {conversation}" if conversation else f"{name} conversation"
+    if channel == "email":
+        return f"email to {addr['to']}" if addr.get("to") else "email"
+    return name
+
+
 def _describe(action: str, channel: str, d: dict[str, Any]) -> str:
     name = channel_name(channel)
     if action == "silent":

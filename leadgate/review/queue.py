@@ -27,6 +27,7 @@ from leadgate.domain.workitems import Status
 from leadgate.review.labels import (
     audit_with_actors,
     channel_name,
+    delivery_target,
     destination,
     requester,
 )
@@ -612,7 +613,8 @@ async def uncertain_deliveries(
     """Every ``deliveryUnknown`` delivery of the organization, oldest first: the gating
     ones (their items are in the actionable queue too) and the ones no work item gates
     (plain replies, notices, review cards), which only this list shows. The text is not
-    part of the answer; the address says where it was being posted."""
+    part of the answer; ``to`` says in words where it was being posted (``address`` is
+    the raw address)."""
     _check_limit(limit, "deliveries.limit")
     query = (
         sa.select(D.id, D.kind, D.channel, D.work_item_id, D.address, D.error, D.updated_at)
@@ -631,6 +633,7 @@ async def uncertain_deliveries(
                 "id": r.id,
                 "kind": r.kind,
                 "channel": r.channel,
+                "to": delivery_target(r.channel, r.address),
                 "workItemId": r.work_item_id,
                 "address": r.address,
                 "error": r.error,

@@ -534,6 +534,9 @@ async def test_uncertain_deliveries_no_item_gates_are_listed_and_resolved(
     reply = rows.filter(has_not=page.locator("a"))  # no work item gates it
     gating = rows.filter(has=page.locator(f'a[href="#/review/{out.work_item_id}"]'))
     await expect(reply).to_contain_text("read timeout after the request was written")
+    # Where each was going (README: "with where each was going"): the conversation to
+    # check before confirming or sending again; the page named the channel only.
+    await expect(reply).to_contain_text("Slack channel C1 (team T1), thread 1.1")
     await reply.get_by_role("button", name="Retry delivery").click()
     await expect(page.locator("#notice")).to_have_text("Delivery queued again.")
     await expect(rows).to_have_count(1)

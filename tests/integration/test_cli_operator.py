@@ -454,7 +454,10 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     # Every uncertain delivery (a plain reply's or a card's too), with the id to act on.
     [unknown] = uncertain.json()["deliveries"]
     assert (unknown["id"], unknown["channel"], unknown["kind"]) == (delivery, "slack", "gating")
-    assert uncertain_table.out.splitlines()[0].split()[:3] == ["ID", "KIND", "CHANNEL"]
+    # Where it was going, in words: the conversation to check before confirm or retry.
+    assert unknown["to"] == "Slack channel C (team T), thread 1"
+    assert uncertain_table.out.splitlines()[0].split()[:4] == ["ID", "KIND", "CHANNEL", "TO"]
+    assert "Slack channel C (team T), thread 1" in uncertain_table.out
     assert delivery in uncertain_table.out
     assert [i["id"] for i in listed.json()["items"]][:1] == [first]
     assert table.code == 0

@@ -597,7 +597,7 @@
         { "data-id": x.id },
         el("td", {}, el("code", {}, x.id)),
         el("td", {}, x.kind),
-        el("td", {}, x.channel || "—"),
+        el("td", { class: "cell-text" }, x.to || x.channel || "—"),
         el("td", {}, x.workItemId ? reviewLink(x.workItemId) : "—"),
         el("td", {}, waited(x.since)),
         el("td", { class: "cell-text" }, x.error || ""),
@@ -629,7 +629,7 @@
               "table",
               { id: "uncertain" },
               el("caption", { class: "sr-only" }, "Uncertain deliveries"),
-              el("thead", {}, el("tr", {}, ["Delivery", "Kind", "Channel", "Work item", "Uncertain since", "Error", ""].map((h) => el("th", { scope: "col" }, h)))),
+              el("thead", {}, el("tr", {}, ["Delivery", "Kind", "Going to", "Work item", "Uncertain since", "Error", ""].map((h) => el("th", { scope: "col" }, h)))),
               el("tbody", {}, rows)
             )
           : el("p", { class: "empty", id: "uncertain-empty" }, "No delivery is uncertain."),
