@@ -480,6 +480,35 @@ async def test_a_viewer_is_told_their_role_cannot_review(console: Console, page:
     await expect(page.locator("#queue")).to_have_count(0)
 
 
+async def test_a_role_taken_away_while_logged_in_is_named_as_it_is_now(
+    console: Console, page: Page
+) -> None:
+    """`leadgate user update --role viewer` applies at the session's next request: the
+    refused decision said "Your role (Member) cannot review" (the role read at login),
+    and the header kept saying Member; a role given back was not seen until a reload.
+    The typed feedback is kept for when it is back."""
+    item = await console.awaiting_item("demoted", "s11b")
+    email = "dee@example.com"
+    await console.open(page, email, "Member", name="Dee")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await page.locator("#return-text").fill("Add the date, please.")
+    async with console.service.db.tx() as conn:
+        await orgs.update_user(conn, console.clock, console.org.id, email, role="Viewer")
+    await page.get_by_role("button", name="Return to worker").click()
+    message = page.get_by_role("note")
+    await expect(message).to_contain_text("Your role (Viewer) cannot review work items.")
+    await expect(page.locator("#who-name")).to_contain_text("(Viewer,")
+
+    # Given back: the next page follows the role the server holds (it kept Viewer).
+    async with console.service.db.tx() as conn:
+        await orgs.update_user(conn, console.clock, console.org.id, email, role="Member")
+    await page.get_by_role("link", name="Lead Reviews").click()
+    await expect(queue_row(page, item)).to_have_count(1)
+    await expect(page.locator("#who-name")).to_contain_text("(Member,")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await expect(page.locator("#return-text")).to_have_value("Add the date, please.")
+
+
 async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     console: Console, page: Page
 ) -> None:

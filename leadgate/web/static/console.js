@@ -167,10 +167,36 @@
     }
     if (err.status === 403 && err.rule.startsWith("scope.")) {
       const titles = { activity: "Agent Activity", insights: "Insights" };
-      showRoleMessage(titles[current.view] || "Lead Reviews");
+      const title = titles[current.view] || "Lead Reviews";
+      showRoleMessage(title);
+      // A role changed on the command line applies at the session's next request, so
+      // the role read at login may be stale: name the one the server holds now.
+      reloadUser().then(() => {
+        if (!$("role-message")) return; // the page moved on meanwhile
+        if (canReview()) route().catch(handle);
+        else showRoleMessage(title);
+      });
       return;
     }
     showError(err.message);
+  }
+
+  const canReview = () => Boolean(user && user.scopes && user.scopes.includes("agent:review"));
+
+  // Read the logged-in user again (role and scopes); on any failure keep what we have.
+  async function reloadUser() {
+    try {
+      const data = await api("GET", "/console/me");
+      user = data.user;
+      showWho(user);
+    } catch (_) {
+      // the page already says what failed; a 401 is met by the next request
+    }
+  }
+
+  function showWho(u) {
+    const name = u.name ? `${u.name} <${u.email}>` : u.email;
+    $("who-name").textContent = `${name} (${u.role}, ${u.orgName})`;
   }
 
   function showRoleMessage(title) {
@@ -197,7 +223,7 @@
 
   function startEvents() {
     stopEvents();
-    if (!user || !user.scopes || !user.scopes.includes("agent:review")) return;
+    if (!canReview()) return;
     const source = new EventSource("/operator/events");
     events = source;
     source.addEventListener("open", () => {
@@ -277,8 +303,7 @@
 
   function loggedIn(u) {
     user = u;
-    const name = u.name ? `${u.name} <${u.email}>` : u.email;
-    $("who-name").textContent = `${name} (${u.role}, ${u.orgName})`;
+    showWho(u);
     $("nav").hidden = false;
     $("who").hidden = false;
     $("login-view").hidden = true;
@@ -999,6 +1024,12 @@
   async function route() {
     if (!user) return;
     clearMessages();
+    if (!canReview()) {
+      // A reviewing role given since login applies at the session's next request: read
+      // the role again, so that the page (and its live updates) follow the new one.
+      await reloadUser();
+      if (canReview()) startEvents();
+    }
     const hash = location.hash || "#/reviews";
     const section = ["#/activity", "#/deliveries", "#/insights"].find((s) => hash.startsWith(s)) || "#/reviews";
     for (const link of $("nav").querySelectorAll("a")) {
