@@ -209,6 +209,24 @@ class Then:
     between: Callable[[WorkItem], Awaitable[object]]
 
 
+async def _not_moved(
+    conn: Conn, item_id: str, src: Status, lease_token: str | None, org_id: str | None
+) -> str:
+    """Why a fenced move matched no row, for the person who asked: the item's status now
+    (it said "is not awaitingHuman (or its lease was lost)" of a completed item, with no
+    lease in play). Only read on that failure; another organization's item is not named."""
+    query = sa.select(W.status).where(W.id == item_id)
+    if org_id is not None:
+        query = query.where(W.org_id == org_id)
+    found = (await conn.execute(query)).first()
+    status = found.status if found is not None else None
+    if status is not None and status != src.value:
+        return f"work item {item_id} is {status}, not {src}; nothing changed"
+    if lease_token is not None:
+        return f"work item {item_id} is not {src} under this lease (it was lost); nothing changed"
+    return f"work item {item_id} is not {src}; nothing changed"
+
+
 async def transition(
     conn: Conn,
     clock: Clock,
@@ -257,8 +275,7 @@ async def transition(
     row = (await conn.execute(stmt, params)).first()
     if row is None:
         raise TransitionError(
-            f"work item {item_id} is not {src} (or its lease was lost); nothing changed",
-            rule="workItem.status",
+            await _not_moved(conn, item_id, src, lease_token, org_id), rule="workItem.status"
         )
     first = audit_values(
         clock,

@@ -512,6 +512,10 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
         ("delivery", "confirm", "--org", "acme", delivery),
     )
     again.rule_error("workItem.status")  # 409: a decision happens once
+    # The line says what the item is now; it said "is not awaitingHuman (or its lease
+    # was lost)", and no lease is involved in a person's decision.
+    assert f"work item {first} is completed, not awaitingHuman; nothing changed" in again.err
+    assert "lease" not in again.err
     confirm.rule_error("delivery.status")  # no longer deliveryUnknown
     surfaces = rows(world, "SELECT action FROM audit WHERE surface = 'cli'")
     assert sorted(a for (a,) in surfaces) == [
