@@ -509,6 +509,23 @@ async def test_a_role_taken_away_while_logged_in_is_named_as_it_is_now(
     await expect(page.locator("#return-text")).to_have_value("Add the date, please.")
 
 
+async def test_the_counter_counts_characters_as_the_server_does(
+    console: Console, page: Page
+) -> None:
+    """1,500 emoji are 1,500 characters of a 2,000-character reason (the server counts
+    code points); the counter said 3,000 / 2,000, over the limit, for a reason the server
+    accepts."""
+    item = await console.awaiting_item("emoji", "s11c")
+    await console.open(page, "emo@example.com", "Member")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await page.locator("#reject-text").fill("\N{GRINNING FACE}" * 1500)
+    count = page.locator("#reject-count")
+    await expect(count).to_have_text("1,500 / 2,000")
+    await expect(count).not_to_have_class(re.compile(r"\bover\b"))
+    await page.get_by_role("button", name="Reject").click()
+    await expect(page.locator("#notice")).to_have_text("Rejected.")
+
+
 async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     console: Console, page: Page
 ) -> None:

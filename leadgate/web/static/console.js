@@ -793,7 +793,9 @@
 
   function counter(textarea, output, max) {
     const update = () => {
-      const n = textarea.value.length;
+      // Characters as the server counts them (code points): an emoji is one, where
+      // .length counted two and showed text the server accepts as over the limit.
+      const n = [...textarea.value].length;
       output.textContent = `${fmt(n)} / ${fmt(max)}`;
       output.classList.toggle("over", n > max);
     };
