@@ -526,6 +526,40 @@ async def test_the_counter_counts_characters_as_the_server_does(
     await expect(page.locator("#notice")).to_have_text("Rejected.")
 
 
+async def test_typed_text_is_never_shown_to_the_next_person_on_the_page(
+    console: Console, page: Page
+) -> None:
+    """What one reviewer typed stayed in the page after they logged out: the next person
+    to log in there found it in the form, ready to be sent under their own name. The
+    same person coming back after their session ended keeps it."""
+    item = await console.awaiting_item("shared desk", "s11d")
+    first, second = "ann@example.com", "ben@example.com"
+    async with console.service.db.tx() as conn:
+        await orgs.create_user(
+            conn, console.clock, console.service.ids, console.org.id, second, "Member", HASHED
+        )
+    await console.open(page, first, "Member")
+    detail = f"{console.url}/console/#/review/{item}"
+    await page.goto(detail)
+    await page.locator("#reject-text").fill("Ann's private reason")
+    await page.get_by_role("button", name="Log out").click()
+    await console.login(page, second, PASSWORD)
+    await expect(page.get_by_role("button", name="Log out")).to_be_visible()
+    await page.goto(detail)
+    await expect(page.locator("#reject-text")).to_have_value("")
+
+    # Ben's session ends while he types; he logs in again: his words are still there.
+    await page.locator("#return-text").fill("Ben's feedback")
+    async with console.service.db.tx() as conn:
+        await orgs.update_user(conn, console.clock, console.org.id, second, end_sessions=True)
+    await page.get_by_role("link", name="Agent Activity").click()
+    await expect(page.get_by_role("button", name="Log in")).to_be_visible()
+    await console.login(page, second, PASSWORD)
+    await expect(page.get_by_role("button", name="Log out")).to_be_visible()
+    await page.goto(detail)
+    await expect(page.locator("#return-text")).to_have_value("Ben's feedback")
+
+
 async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     console: Console, page: Page
 ) -> None:

@@ -52,6 +52,9 @@
   // re-renders of the page (another item's change re-renders this one too), and goes
   // once the decision is made.
   const drafts = new Map();
+  // Whose drafts they are: a different person logging in on this page starts with none
+  // (they showed the last person's words, ready to be sent under the new name).
+  let draftsOwner = null;
   // Each render takes a number; a response that is not the newest one is dropped, so a
   // slow answer to an old filter never overwrites a newer one.
   let renderSeq = 0;
@@ -303,6 +306,8 @@
 
   function loggedIn(u) {
     user = u;
+    if (draftsOwner !== u.id) drafts.clear();
+    draftsOwner = u.id;
     showWho(u);
     $("nav").hidden = false;
     $("who").hidden = false;
@@ -340,6 +345,7 @@
       return;
     }
     user = null;
+    drafts.clear(); // logging out leaves nothing typed behind for the next person
     stopEvents();
     setCount(0);
     cursors = [null];
