@@ -96,7 +96,16 @@ def read_password(given: str | None) -> str:
         if getpass.getpass("Repeat the password: ") != first:
             raise ValidationError("the two passwords differ", rule="user.password")
         return first
-    return _utf8(sys.stdin.readline(), "standard input").rstrip("\r\n")
+    line = sys.stdin.readline()
+    if not line:
+        # Standard input ended before a line: said "password must be 8 to 1,024
+        # characters", as if one had been given.
+        raise ValidationError(
+            "no password given: pass --password, set $LEADGATE_PASSWORD, run it on a "
+            "terminal, or write the password on the first line of standard input",
+            rule="user.password",
+        )
+    return _utf8(line, "standard input").rstrip("\r\n")
 
 
 async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:

@@ -412,17 +412,21 @@ def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) ->
     ended = lg(root, "user", "update", *acme, email, "--end-sessions").json()
     assert ended["sessionsEnded"] == 1
 
-    nothing, both, other_org, short = par(
+    nothing, both, other_org, short, no_input = par(
         root,
         ("user", "update", *acme, email),
         ("user", "update", *acme, email, "--disable", "--enable"),
         ("user", "update", "--org", "globex", email, "--disable"),
         ("user", "update", *acme, email, "--password", "short"),
+        ("user", "update", *acme, email, "--reset-password"),  # standard input: empty
     )
     nothing.rule_error("user.update")
     assert both.code == 2 and "[cli.usage]" in both.err
     other_org.rule_error("user.not_found")
     short.rule_error("user.password")
+    # Nothing on standard input is no password, said so (not "must be 8 to 1,024").
+    no_input.rule_error("user.password")
+    assert "no password given" in no_input.err
     [(disabled_at,)] = rows(world, f"SELECT disabled_at FROM users WHERE email = '{email}'")
     assert disabled_at is None
 
