@@ -828,7 +828,7 @@ class FlowResumer:
         """Resume an approved continuation in ``conn``: the new run (leased here), to
         execute once committed; the error of a paused run that cannot be resumed, failed
         here (:meth:`_give_up`); None: another replica resumed it."""
-        clock, ids = self.flows.clock, self.flows.ids
+        clock = self.flows.clock
         # The paused run as an executor would read it (the checks of FlowService._load):
         # a snapshot that does not decode, or is not a list, must not become a new run's
         # outputs, nor fail every pass on the same row while other approvals wait.
@@ -860,29 +860,44 @@ class FlowResumer:
         await conn.execute(
             t.continuations.update().where(C.id == row.id).values(resumed_run_id=lease.run_id)
         )
+        await self._settle(
+            conn,
+            row,
+            delivery="sent",
+            dst=Status.completed,
+            action="flowResumed",
+            text=lease.run_id,
+        )
+        return lease
+
+    async def _settle(
+        self, conn: Conn, row: Any, *, delivery: str, dst: Status, action: str, text: str
+    ) -> None:
+        """The continuation's delivery (``sent`` or ``failed``) and its approved item
+        (``dst``, audited as ``action`` with ``text``) settled with the paused run."""
+        clock = self.flows.clock
         await conn.execute(
             t.deliveries.update()
             .where(
                 t.deliveries.c.work_item_id == row.item_id,
                 t.deliveries.c.status == "continuation",
             )
-            .values(status="sent", updated_at=clock.now_ms())
+            .values(status=delivery, updated_at=clock.now_ms())
         )
         try:
             await workitems.transition(
                 conn,
                 clock,
-                ids,
+                self.flows.ids,
                 row.item_id,
                 src=Status.approved,
-                dst=Status.completed,
+                dst=dst,
                 actor="system:flow",
-                action="flowResumed",
-                text=lease.run_id,
+                action=action,
+                text=text,
             )
         except TransitionError:
             log.warning("continuation %s: item no longer approved", row.id)
-        return lease
 
     async def _give_up(self, conn: Conn, row: Any, exc: RunUnreadable) -> str | None:
         """End the paused run of an approved continuation that cannot be resumed (its flow
@@ -892,7 +907,7 @@ class FlowResumer:
         delivery fail. Resuming it again would give the same, so there is no retry. The
         error, to log and count once committed; None when another replica took the
         continuation first."""
-        clock, ids = self.flows.clock, self.flows.ids
+        clock = self.flows.clock
         res = await conn.execute(
             t.continuations.update()
             .where(C.id == row.id, C.status == "waiting")
@@ -910,26 +925,7 @@ class FlowResumer:
             values={"error": error},
         )
         await self.flows._event(conn, row.run_id, f"Flow run failed: {error}")
-        await conn.execute(
-            t.deliveries.update()
-            .where(
-                t.deliveries.c.work_item_id == row.item_id,
-                t.deliveries.c.status == "continuation",
-            )
-            .values(status="failed", updated_at=clock.now_ms())
+        await self._settle(
+            conn, row, delivery="failed", dst=Status.failed, action="flowUnrecoverable", text=error
         )
-        try:
-            await workitems.transition(
-                conn,
-                clock,
-                ids,
-                row.item_id,
-                src=Status.approved,
-                dst=Status.failed,
-                actor="system:flow",
-                action="flowUnrecoverable",
-                text=error,
-            )
-        except TransitionError:
-            log.warning("continuation %s: item no longer approved", row.id)
         return error
