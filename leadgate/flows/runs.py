@@ -784,19 +784,23 @@ class FlowResumer:
             log.error("flow run %s failed: %s", row.run_id, outcome)
         return True
 
+    async def _close(self, conn: Conn, row: Any) -> bool:
+        """Close the waiting continuation ``row`` (fenced by its status): False when
+        another replica settled it first."""
+        res = await conn.execute(
+            t.continuations.update()
+            .where(C.id == row.id, C.status == "waiting")
+            .values(status="closed", work_item_id=row.item_id, updated_at=self.flows.clock.now_ms())
+        )
+        return bool(res.rowcount)
+
     async def _end(self, conn: Conn, row: Any) -> str | None:
         """The paused run of a continuation whose item was rejected, cancelled, abandoned
         or failed ends ``failed``, saying why (it waited for an approval for ever). The
         error when it was given up as unrecoverable (its item abandoned because turn
         recovery gave the node's turn up: :data:`UNRECOVERABLE_RULE`), to log and count
         once committed; else None."""
-        clock = self.flows.clock
-        res = await conn.execute(
-            t.continuations.update()
-            .where(C.id == row.id, C.status == "waiting")
-            .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
-        )
-        if not res.rowcount:
+        if not await self._close(conn, row):
             return None
         why = f"node {row.node_index}: the work item {row.item_id} was {row.item_status}"
         gave_up = None
@@ -815,7 +819,7 @@ class FlowResumer:
             )
         await move_run(
             conn,
-            clock,
+            self.flows.clock,
             row.run_id,
             src=RunStatus.waitingForHitl,
             dst=RunStatus.failed,
@@ -907,18 +911,12 @@ class FlowResumer:
         delivery fail. Resuming it again would give the same, so there is no retry. The
         error, to log and count once committed; None when another replica took the
         continuation first."""
-        clock = self.flows.clock
-        res = await conn.execute(
-            t.continuations.update()
-            .where(C.id == row.id, C.status == "waiting")
-            .values(status="closed", work_item_id=row.item_id, updated_at=clock.now_ms())
-        )
-        if not res.rowcount:
+        if not await self._close(conn, row):
             return None
         error = f"{UNRECOVERABLE_RULE}: the approved run cannot be resumed: {exc.message}"
         await move_run(
             conn,
-            clock,
+            self.flows.clock,
             row.run_id,
             src=RunStatus.waitingForHitl,
             dst=RunStatus.failed,
