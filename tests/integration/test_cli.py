@@ -28,6 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("leadgate")
 LEADGATE = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "leadgate.cli.main"]
 TIMEOUT = 90
+# The module's world runs about 60 CLI commands, each a new process (about 100 s here):
+# over pytest-timeout's 120 s on a loaded or slow machine, which erred every test.
+pytestmark = pytest.mark.timeout(360)
 
 
 @dataclass

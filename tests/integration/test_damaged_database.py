@@ -33,7 +33,7 @@ from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.intake import Accepted
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import eventually, make_agent, make_org, slack_trigger
+from tests.helpers import eventually, make_agent, make_org, ours, slack_trigger
 from tests.serving import served_app
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -99,10 +99,10 @@ async def test_a_request_meeting_a_damaged_file_is_a_500_naming_the_rule(
         health = await client.get("/healthz")
         assert health.status == 500 and (await health.json())["error"]["rule"] == "database.file"
 
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # three answers, one line
     assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_runner_meeting_a_damaged_file_logs_a_line_not_a_traceback(
@@ -156,7 +156,7 @@ async def test_a_schedule_meeting_a_damaged_file_stays_due_without_a_traceback(
             sa.select(t.schedules.c.next_fire_at).where(t.schedules.c.id == added["id"])
         )
     assert due == service.clock.now_ms()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_flow_node_meeting_a_damaged_file_leaves_its_run_running(
@@ -203,7 +203,7 @@ async def test_a_revision_turn_meeting_a_damaged_file_is_no_traceback(
     damage_table(path, "messages")
     with pytest.raises(DatabaseDamaged):
         await RevisionRunner(service.turns).run_once()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_recovered_turn_meeting_a_damaged_file_is_no_traceback(
@@ -222,7 +222,7 @@ async def test_a_recovered_turn_meeting_a_damaged_file_is_no_traceback(
     damage_table(path, "messages")
     with pytest.raises(DatabaseDamaged):
         await TurnRecovery(service.turns).run_once()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_an_mcp_tool_call_meeting_a_damaged_file_is_a_tool_error_and_one_line(
@@ -251,9 +251,9 @@ async def test_an_mcp_tool_call_meeting_a_damaged_file_is_a_tool_error_and_one_l
     text = result.content[0]
     assert isinstance(text, TextContent) and "restore it from a backup" in text.text
     assert path not in text.text
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_an_event_stream_meeting_a_damaged_file_ends_in_one_line(
@@ -276,11 +276,11 @@ async def test_an_event_stream_meeting_a_damaged_file_ends_in_one_line(
                 said = (await stream.read()).decode()
             assert said.startswith(": connected\n\nevent: end\ndata: "), said
             assert "restore it from a backup" in said and path not in said
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
     assert "/events" in lines[0].getMessage()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_an_mcp_resource_read_meeting_a_damaged_file_is_counted_with_the_requests(
@@ -319,11 +319,11 @@ async def test_an_mcp_resource_read_meeting_a_damaged_file_is_counted_with_the_r
             )
             assert result.is_error is True
         assert answers.answered == 3  # and a tool call's, with the requests
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     said = lines[0].getMessage()
     assert f"the SQLite database {path} is damaged" in said and "/mcp" in said
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_heartbeat_meeting_a_damaged_file_is_one_line_naming_it(
@@ -342,7 +342,7 @@ async def test_a_heartbeat_meeting_a_damaged_file_is_one_line_naming_it(
     said = lines[0].getMessage()
     assert said.startswith("1 heartbeat(s) met a damaged database: ")
     assert f"the SQLite database {path} is damaged" in said
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
     assert service.db.damaged is not None  # /healthz reports it
 
 
@@ -366,11 +366,11 @@ async def test_the_operator_event_stream_meeting_a_damaged_file_ends_in_one_line
         assert "event: end\ndata: " in said and "restore it from a backup" in said
         assert path not in said
         assert client.server.app[DAMAGED_ANSWERS].answered == 1
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
     assert "/operator/events" in lines[0].getMessage()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_the_operator_event_stream_rechecking_its_key_on_a_damaged_file_says_so(
@@ -391,5 +391,5 @@ async def test_the_operator_event_stream_rechecking_its_key_on_a_damaged_file_sa
                 said = (await stream.read()).decode()
         assert "event: end\ndata: " in said and "restore it from a backup" in said, said
         assert "not valid" not in said
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()

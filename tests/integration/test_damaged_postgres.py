@@ -28,7 +28,7 @@ from leadgate.core.errors import DatabaseDamaged
 from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain.workitems import Sweeper
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import make_agent, make_org
+from tests.helpers import make_agent, make_org, ours
 from tests.serving import served_app
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -112,13 +112,13 @@ async def test_a_read_meeting_damaged_data_is_a_500_naming_the_database(
         health = await client.get("/healthz")
         assert health.status == 500 and (await health.json())["error"]["rule"] == "database.file"
 
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # three answers, one line
     said = lines[0].getMessage()
     assert f"{named(migrated_url)} is damaged (SQLSTATE XX001 data_corrupted" in said
     assert PAGE_TEXT in said and "restore the damaged data from a backup" in said
     assert PASSWORD not in said
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_write_meeting_a_damaged_index_is_a_500_the_client_does_not_retry(
@@ -138,12 +138,12 @@ async def test_a_write_meeting_a_damaged_index_is_a_500_the_client_does_not_retr
         assert client.server.app[DAMAGED_ANSWERS].answered == 1  # not retried
         assert service.db.damaged is not None and "XX002" in service.db.damaged
 
-    lines = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     said = lines[0].getMessage()
     assert f"{named(migrated_url)} is damaged (SQLSTATE XX002 index_corrupted" in said
     assert INDEX_TEXT in said and "Please REINDEX it." in said
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line(
@@ -163,10 +163,10 @@ async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
         assert client.server.app[DAMAGED_ANSWERS].answered == 1
-    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [r for r in ours(caplog) if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
     assert "XX002 index_corrupted" in lines[0].getMessage()
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 async def test_a_runner_meeting_damaged_data_gets_database_damaged(
@@ -182,7 +182,7 @@ async def test_a_runner_meeting_damaged_data_gets_database_damaged(
         await sweeper.run_once()
     assert f"{named(migrated_url)} is damaged (SQLSTATE XX001" in met.value.detail
     assert service.db.damaged == met.value.detail  # /healthz reports it
-    assert not [r for r in caplog.records if r.exc_info], "no traceback"
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
 
 
 def test_a_command_meeting_damaged_data_is_one_line_naming_the_database(
