@@ -12,7 +12,9 @@ sends one event::
 ``items`` names the work items that changed (``null``: too many, refresh everything).
 The first event is ``hello`` with the queue size; a comment line (``: keepalive``) goes
 out every ``HEARTBEAT_S`` seconds of silence; ``end`` is sent when the session or key
-stops being valid (checked every ``REAUTH_S``, 5 s). Because the mark lives in the
+stops being valid (checked every ``REAUTH_S``, 5 s). A database fault does not end the
+stream (the console reads ``end`` as "stop following"): the check runs again at the next
+tick, heartbeats going on meanwhile. Because the mark lives in the
 database, an event reaches every replica's clients and survives restarts (a
 reconnecting ``EventSource`` sends ``Last-Event-ID``; a different mark answers at once
 with a full refresh).
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import DatabaseDamaged, LeadgateError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
@@ -131,17 +133,17 @@ def setup(
             if transport is None or transport.is_closing():
                 return
             now = time.monotonic()
-            if now - last_auth >= reauth_s:
-                last_auth = now
-                try:
-                    principal = await authenticate(request, authenticate_with, cookie=True)
-                except DatabaseDamaged as exc:
-                    await _damaged(request, resp, exc)  # (the key may well be valid)
-                    return
-                except LeadgateError:
-                    await resp.write(_event("end", {"reason": "the session or key is not valid"}))
-                    return
             try:
+                if now - last_auth >= reauth_s:
+                    try:
+                        principal = await authenticate(request, authenticate_with, cookie=True)
+                    except (DatabaseDamaged, Unavailable):
+                        raise  # the database, not the key (which may well be valid)
+                    except LeadgateError:
+                        reason = {"reason": "the session or key is not valid"}
+                        await resp.write(_event("end", reason))
+                        return
+                    last_auth = now  # (after a fault: checked again at the next tick)
                 new = await feed.mark(principal)
                 if new != current:
                     changed = await feed.changes(principal, current)
@@ -151,14 +153,23 @@ def setup(
             except DatabaseDamaged as exc:
                 await _damaged(request, resp, exc)
                 return
+            except Unavailable as exc:
+                # A database hiccup: keep the stream and try again at the next tick.
+                # (Ending it, as it did, stopped the console following: it reads an
+                # "end" as a revoked key.) One line for a run of them, no traceback.
+                if not failing:
+                    log.warning(
+                        "operator events: the database failed (%s); the stream waits for it",
+                        exc.detail or exc.rule,
+                    )
+                failing = True
             except LeadgateError as exc:
                 await resp.write(_event("end", {"reason": exc.message}))
                 return
             except ConnectionResetError:
                 raise
             except Exception:
-                # A database hiccup: keep the stream, try again at the next tick; log
-                # the first failure of a run only.
+                # Not a known fault: still keep the stream, with the traceback logged.
                 if not failing:
                     log.warning("operator events: reading the change mark failed", exc_info=True)
                 failing = True

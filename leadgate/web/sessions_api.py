@@ -24,7 +24,9 @@
   checked again every ``reauth_s`` (5 s, the key cache's lifetime): once it is revoked,
   or the session logged out or expired, the stream sends
   ``event: end`` / ``data: {"reason": "..."}`` and ends, so a revoked key stops reading
-  as soon as it stops doing anything else.
+  as soon as it stops doing anything else. A database fault (a check or a read the
+  database could not answer) does not end the stream: it is tried again every
+  second, with heartbeats going on meanwhile.
 
 ``{session}`` is the public session name (``X-Session-Id``, ``user``, MCP ``session``, or
 ``default``); ``{agent}`` the worker's id, slug or name; bearer key with
@@ -47,7 +49,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.operations.transcripts import parse_limit, public_event
@@ -105,6 +107,9 @@ class StreamSettings:
     #: How often an open stream checks its key or console session again.
     reauth_s: float = PRINCIPAL_TTL_S
     page: int = PAGE
+    #: After a database fault, an open stream checks and reads again this often (it stays
+    #: open: the reader would reconnect into 503s, which ``EventSource`` gives up on).
+    fault_retry_s: float = 1.0
     slots: StreamSlots = field(default_factory=StreamSlots)
 
 
@@ -169,31 +174,49 @@ async def stream_events(
             await send(b": connected\n\n")
             last_write = last_auth = time.monotonic()
             woken = True  # read the log: at the start, when woken, at each heartbeat
+            failing = False  # the database failed the last check or read
             while not hub.closing.is_set():
                 waiter.event.clear()
-                if time.monotonic() - last_auth >= settings.reauth_s:
-                    try:
-                        await recheck()
-                    except LeadgateError:
-                        reason = {"reason": "the key or console session is no longer valid"}
-                        await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
-                        break
-                    last_auth = time.monotonic()
-                if woken:
-                    events = await reads.events(session_id, after=after, limit=settings.page)
-                    for event in events:
-                        name_, data = public_event(event)
-                        await send(
-                            f"id: {event.seq}\nevent: {name_}\n"
-                            f"data: {json.dumps(data)}\n\n".encode()
+                try:
+                    if time.monotonic() - last_auth >= settings.reauth_s:
+                        try:
+                            await recheck()
+                        except (DatabaseDamaged, Unavailable):
+                            raise  # the database, not the key (which may well be valid)
+                        except LeadgateError:
+                            reason = {"reason": "the key or console session is no longer valid"}
+                            await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
+                            break
+                        last_auth = time.monotonic()
+                    if woken:
+                        events = await reads.events(session_id, after=after, limit=settings.page)
+                        for event in events:
+                            name_, data = public_event(event)
+                            await send(
+                                f"id: {event.seq}\nevent: {name_}\n"
+                                f"data: {json.dumps(data)}\n\n".encode()
+                            )
+                            after = event.seq
+                            last_write = time.monotonic()
+                        if len(events) == settings.page:
+                            continue  # more to catch up on
+                    failing = False
+                except Unavailable as exc:
+                    # A database hiccup: keep the stream, check and read again shortly.
+                    # (A fault of the key's re-check ended it as a revoked key, and
+                    # Studio took that for a logout.) One line for a run of them.
+                    if not failing:
+                        log.warning(
+                            "event stream of session %s waits for the database (%s)",
+                            session_id,
+                            exc.detail or exc.rule,
                         )
-                        after = event.seq
-                        last_write = time.monotonic()
-                    if len(events) == settings.page:
-                        continue  # more to catch up on
+                    failing = True
                 # Woken by the hub, by the heartbeat, or (without reading) to check again.
                 quiet = time.monotonic() - last_write
                 wait_s = max(min(settings.heartbeat_s - quiet, settings.reauth_s), 0.0)
+                if failing:
+                    wait_s = settings.fault_retry_s
                 try:
                     await asyncio.wait_for(waiter.event.wait(), wait_s)
                     woken = True
@@ -202,6 +225,7 @@ async def stream_events(
                     if woken:
                         await send(b": keepalive\n\n")
                         last_write = time.monotonic()
+                woken = woken or failing  # (what failed is read again)
         except _Dropped as exc:
             log.info("event stream of session %s dropped: %s", session_id, exc)
             if request.transport is not None:
