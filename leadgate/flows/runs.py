@@ -817,16 +817,20 @@ class FlowResumer:
                 f"node {row.node_index}: {UNRECOVERABLE_RULE}: {gave_up}; the work item "
                 f"{row.item_id} was abandoned"
             )
+        await self._fail_paused(conn, row, why)
+        return None if gave_up is None else why
+
+    async def _fail_paused(self, conn: Conn, row: Any, error: str) -> None:
+        """The paused run of ``row`` (its continuation closed) fails with ``error``."""
         await move_run(
             conn,
             self.flows.clock,
             row.run_id,
             src=RunStatus.waitingForHitl,
             dst=RunStatus.failed,
-            values={"error": why},
+            values={"error": error},
         )
-        await self.flows._event(conn, row.run_id, f"Flow run failed: {why}")
-        return None if gave_up is None else why
+        await self.flows._event(conn, row.run_id, f"Flow run failed: {error}")
 
     async def _resume(self, conn: Conn, row: Any) -> RunLease | str | None:
         """Resume an approved continuation in ``conn``: the new run (leased here), to
@@ -914,15 +918,7 @@ class FlowResumer:
         if not await self._close(conn, row):
             return None
         error = f"{UNRECOVERABLE_RULE}: the approved run cannot be resumed: {exc.message}"
-        await move_run(
-            conn,
-            self.flows.clock,
-            row.run_id,
-            src=RunStatus.waitingForHitl,
-            dst=RunStatus.failed,
-            values={"error": error},
-        )
-        await self.flows._event(conn, row.run_id, f"Flow run failed: {error}")
+        await self._fail_paused(conn, row, error)
         await self._settle(
             conn, row, delivery="failed", dst=Status.failed, action="flowUnrecoverable", text=error
         )
