@@ -202,6 +202,20 @@ def _damaged(ctx: ServerRequestContext[Any, Any], uri: str, exc: DatabaseDamaged
     return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri})
 
 
+def _refused(uri: str, exc: LeadgateError) -> MCPError:
+    """The JSON-RPC error for a call the service refused, naming its rule as the service's
+    other JSON-RPC refusals do: ``INVALID_PARAMS`` for what the caller asked (a request's
+    4xx), ``INTERNAL_ERROR`` for the service's own state (a request's 5xx: a database
+    fault, with ``retryAfterS`` when retrying helps). A database fault was
+    ``INVALID_PARAMS``, which tells a client to change its request, not to retry it."""
+    data: dict[str, Any] = {"uri": uri, "rule": exc.rule}
+    if exc.status < 500:
+        return MCPError(code=mt.INVALID_PARAMS, message=exc.message, data=data)
+    if exc.retry_after_s is not None:
+        data["retryAfterS"] = exc.retry_after_s
+    return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data=data)
+
+
 def _unknown(uri: str) -> MCPError:
     return MCPError(code=mt.INVALID_PARAMS, message=f"Unknown resource: {uri}", data={"uri": uri})
 
@@ -273,7 +287,7 @@ class Resources:
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
-            raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
+            raise _refused(uri, exc) from None
         text = json.dumps(page)
         return mt.ReadResourceResult(
             contents=[mt.TextResourceContents(uri=uri, mime_type="application/json", text=text)]
@@ -387,7 +401,7 @@ class Resources:
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
-            raise MCPError(code=mt.INVALID_PARAMS, message=exc.message, data={"uri": uri}) from None
+            raise _refused(uri, exc) from None
 
     async def _notified(
         self, ctx: ServerRequestContext[Any, Any], session_id: str, uri: str
@@ -401,7 +415,7 @@ class Resources:
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
-            raise MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri}) from None
+            raise _refused(uri, exc) from None
 
     def sessions(self) -> set[str]:
         """The sessions subscribed to here now (the hub renews their marks)."""

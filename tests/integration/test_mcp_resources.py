@@ -33,6 +33,7 @@ from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
+from tests.fakes import DownFor
 from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_key, make_org, mcp_initialize
 
 TOOL = "send_action_agent_message"
@@ -249,6 +250,33 @@ async def test_2026_listen_gets_the_update(env: Env) -> None:
             async with listen(client, resource_subscriptions=[uri("theirs", "x")]):
                 pass
         assert refused.value.error.code == mt.INVALID_PARAMS
+
+
+async def test_a_database_fault_reading_a_transcript_is_a_server_error_naming_its_rule(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database fault met reading a transcript was ``INVALID_PARAMS`` ("change your
+    request") with no rule; it is ``INTERNAL_ERROR`` naming the rule and when to retry,
+    and the retry answers. A refusal of the request itself names its rule too."""
+    resource = uri("worker", "fault")
+    async with session(env) as client:
+        await client.initialize()
+        db = env.service.db
+        monkeypatch.setattr(db, "read", DownFor(db.read, 1, after_commit=False))
+        with pytest.raises(MCPError) as failed:
+            await client.read_resource(resource)
+        assert failed.value.error.code == mt.INTERNAL_ERROR
+        assert failed.value.error.data == {
+            "uri": resource,
+            "rule": "service.unavailable",
+            "retryAfterS": 2,
+        }
+        assert (await transcript(client, resource))["data"] == []
+        bad = uri("worker", "fault") + "?limit=1000"
+        with pytest.raises(MCPError) as refused:
+            await client.read_resource(bad)
+        assert refused.value.error.code == mt.INVALID_PARAMS
+        assert refused.value.error.data == {"uri": bad, "rule": "transcript.limit"}
 
 
 async def test_a_listen_stream_hears_only_its_own_sessions(env: Env) -> None:
