@@ -17,6 +17,8 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS
+from leadgate.core.types import BindingKind
+from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import later_of_sql
 from leadgate.domain import session_events, wakes, workitems
@@ -545,10 +547,16 @@ async def recover_delivery(
     return row
 
 
+#: The kind of a binding, by id (an expiry's: is the item a flow node's?). Built once.
+_BINDING_KIND = sa.select(t.bindings.c.kind).where(t.bindings.c.id == sa.bindparam("p_id"))
+
+
 async def expire(conn: Conn, outbox: Outbox, item: WorkItem, after_ms: int) -> WorkItem:
     """No decision within ``after_ms``: reject with the reason ``expired: no decision
     within <duration>``, audited as an expiry (action ``expire``, actor
-    ``system:expiry``, surface ``system``), never as a human rejection."""
+    ``system:expiry``, surface ``system``), never as a human rejection. When the item was
+    a flow node's (its binding is a flow's), the flow resumer is woken at commit, on
+    every replica: the run paused on it ends then, not at the resumer's poll."""
     reason = f"expired: no decision within {format_duration(after_ms)}"
     row = await workitems.transition(
         conn,
@@ -563,6 +571,14 @@ async def expire(conn: Conn, outbox: Outbox, item: WorkItem, after_ms: int) -> W
         surface="system",
     )
     await _close_cards(conn, outbox, item.id, "expire", "system:expiry", "system", reason)
+    if (
+        item.binding_id is not None
+        and await conn.scalar(_BINDING_KIND, {"p_id": item.binding_id}) == BindingKind.flow.value
+    ):
+        # A rejected flow node's item: the run paused on it can never resume, and the
+        # flow resumer ends it (here at commit, on every replica by NOTIFY). A primary
+        # key read, on an expiry only (never on the per-turn path).
+        await wakes.after_commit(conn, Wake.flow)
     return row
 
 

@@ -454,6 +454,50 @@ async def test_an_abandoned_flow_item_ends_its_paused_run_at_once(
     report("abandoned -> paused flow run failed", time.perf_counter() - swept)
 
 
+async def test_an_expired_flow_item_ends_its_paused_run_at_once(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """No person decided a flow node's item within ``[review] expire_after``: the SLA
+    runner's expiry rejects it and wakes the flow resumer, which ends the paused run
+    then, not at its poll."""
+    clock = JumpingClock()
+    app = make_app(migrated_url, clock=clock, review={"expire_after": "1h"})
+    nodes = [{**FLOW[0], "prompt": "write it #complete #escalate"}, FLOW[1]]
+    org, flow_id = await flow_of(app, nodes)
+    await start_worker(app)
+    paused, item_id = await paused_on(app, flow_id, org)
+    await waiting_for_human(app, item_id)
+    clock.advance(3_600_000 + 1)
+
+    expired = time.perf_counter()
+    assert await app.sla_runner.run_once()  # what its loop's pass does
+    assert (await item_row(app, item_id))["status"] == "rejected"
+    assert await ended(app, paused)
+    report("expired -> paused flow run failed", time.perf_counter() - expired)
+
+
+async def test_a_flow_item_expired_on_one_replica_ends_its_run_on_another(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """The replica whose SLA runner expires the item (here one whose loops do not run)
+    wakes the flow resumers of the others by NOTIFY."""
+    clock = JumpingClock()
+    sla = make_app(migrated_pg, clock=clock, review={"expire_after": "1h"})
+    worker = make_app(migrated_pg, clock=clock, review={"expire_after": "1h"})
+    nodes = [{**FLOW[0], "prompt": "write it #complete #escalate"}, FLOW[1]]
+    org, flow_id = await flow_of(sla, nodes)
+    await start_worker(worker)
+    paused, item_id = await paused_on(sla, flow_id, org)
+    await waiting_for_human(sla, item_id)
+    clock.advance(3_600_000 + 1)
+
+    expired = time.perf_counter()
+    assert await sla.sla_runner.run_once()
+    assert (await item_row(sla, item_id))["status"] == "rejected"
+    assert await ended(worker, paused)
+    report("expired on one replica -> flow run failed on another", time.perf_counter() - expired)
+
+
 # ------------------------------------------------------- 4. a short Retry-After
 
 
