@@ -311,6 +311,7 @@ class App:
         flow_recovery = FlowRecovery(self.flows)
         turn_recovery = TurnRecovery(self.turns)
         revisions = RevisionRunner(self.turns)
+        sweeper = Sweeper(self.db, self.clock, self.ids)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
             # they never review one item twice. A review lease lapses with time (its
@@ -327,7 +328,9 @@ class App:
             # A revision lease lapses with time (its dispatcher stalled): the loop
             # sleeps no longer than until the earliest does.
             _Loop(revisions, revision_wake, due_s=revisions.due_in_s),
-            _Loop(Sweeper(self.db, self.clock, self.ids)),
+            # An item becomes abandonable with time (a week idle): the loop sleeps no
+            # longer than until the oldest known one does.
+            _Loop(sweeper, due_s=sweeper.due_in_s),
             # A firing is due with time: the loop sleeps no longer than until the next;
             # an added schedule (whose first firing may be sooner) wakes it at commit.
             _Loop(schedules, schedule_wake, due_s=schedules.due_in_s),

@@ -577,8 +577,22 @@ async def sweep_abandoned(
     return moved
 
 
+#: The oldest last activity of an ``inProgress`` item (the next one the sweeper abandons,
+#: once it has been idle for :data:`ABANDON_AFTER_MS`). Built once.
+_OLDEST_ACTIVITY = sa.select(sa.func.min(W.last_activity_at)).where(W.status == S.inProgress.value)
+
+
 class Sweeper:
-    """The abandonment sweeper: ``inProgress`` items idle for 7 days become ``abandoned``."""
+    """The abandonment sweeper: ``inProgress`` items idle for 7 days become ``abandoned``.
+
+    A pass that abandoned nothing knows when the next item will have been idle that long
+    (its oldest last activity, a week on), and the runner loop sleeps no longer than that
+    (:meth:`due_in_s`): an item is abandoned when its week is up, not up to a poll later.
+    That time is read only when the one known has passed or none is known: every later
+    activity, and every item that enters ``inProgress`` since (its activity is now), can
+    only make the true one later (clocks agreeing), so the known one is never past it;
+    waking for an item that had activity since finds nothing and reads the time again.
+    """
 
     name = "abandonment-sweeper"
 
@@ -586,9 +600,23 @@ class Sweeper:
         self.db = db
         self.clock = clock
         self.ids = ids
+        #: when the oldest ``inProgress`` item seen becomes abandonable (None: none seen)
+        self._next_due: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the runner's clock) until the next item the last idle pass knew
+        of has been idle for :data:`ABANDON_AFTER_MS`, or None when it knew of none. The
+        runner loop sleeps no longer than this (:func:`leadgate.core.runners.run_loop`)."""
+        if self._next_due is None:
+            return None
+        return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
         """Sweep one batch."""
         async with self.db.tx() as conn:
             moved = await sweep_abandoned(conn, self.clock, self.ids, ABANDON_AFTER_MS)
+            # After a pass that moved any, the loop runs again at once: no time needed.
+            if not moved and (self._next_due is None or self._next_due <= self.clock.now_ms()):
+                oldest = await conn.scalar(_OLDEST_ACTIVITY)
+                self._next_due = None if oldest is None else int(oldest) + ABANDON_AFTER_MS
         return moved > 0

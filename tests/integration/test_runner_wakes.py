@@ -615,6 +615,30 @@ async def test_a_review_reminder_fires_at_its_time_not_at_the_poll(
     )
 
 
+async def test_an_idle_item_is_abandoned_when_its_week_is_up_not_at_the_poll(
+    migrated_url: str, make_app: MakeApp
+) -> None:
+    """The abandonment sweeper's loop sleeps no longer than until the oldest
+    ``inProgress`` item has been idle for a week (``Sweeper.due_in_s``)."""
+    clock = JumpingClock()
+    app = make_app(migrated_url, clock=clock)
+    org, flow_id = await flow_of(app, [{"type": "agent", "agent": "worker", "prompt": "draft"}])
+    _, item_id = await paused_on(app, flow_id, org)  # its item is left inProgress
+    idle_since = int((await item_row(app, item_id))["last_activity_at"])
+    due = idle_since + ABANDON_AFTER_MS
+    clock.advance(due - clock.now_ms() - DUE_IN_MS)
+    await start_worker(app)
+
+    async def abandoned() -> bool:
+        return bool((await item_row(app, item_id))["status"] == "abandoned")
+
+    assert await eventually(abandoned, WITHIN_S)
+    report(
+        "idle for a week -> seen abandoned (the test polls every 50 ms)",
+        (clock.now_ms() - due) / 1000,
+    )
+
+
 async def test_a_flow_run_whose_lease_lapses_is_continued_when_it_lapses(
     migrated_url: str, make_app: MakeApp
 ) -> None:

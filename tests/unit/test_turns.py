@@ -1131,6 +1131,36 @@ async def test_a_channel_turn_whose_run_was_taken_over_submits_nothing(
 # ---------------------------------------------------------------------- sweeper
 
 
+async def test_the_sweeper_knows_when_the_oldest_idle_item_becomes_abandonable(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """``Sweeper.due_in_s`` (its loop's sleep): a week after the oldest ``inProgress``
+    item's last activity; none without such an item; read again once it has passed."""
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    sweeper = Sweeper(stack.db, stack.clock, stack.ids)
+    clock = clock_of(stack)
+    week_s = 7 * DAY_MS / 1000
+
+    assert await drain(sweeper) == 0
+    assert sweeper.due_in_s() is None  # nothing in progress
+    await stack.turns.run(api_trigger(org, worker, "idle task", session="idle"))
+    assert await drain(sweeper) == 0
+    assert sweeper.due_in_s() == week_s
+    clock.advance(DAY_MS)
+    await stack.turns.run(api_trigger(org, worker, "later task", session="later"))
+    assert await drain(sweeper) == 0
+    assert sweeper.due_in_s() == week_s - DAY_MS / 1000  # the oldest one's, not the newer
+
+    clock.advance(6 * DAY_MS)
+    assert await drain(sweeper) == 1  # the oldest: the next is the later one's
+    assert sweeper.due_in_s() == DAY_MS / 1000
+    clock.advance(DAY_MS)
+    assert await drain(sweeper) == 1
+    assert sweeper.due_in_s() is None
+
+
 async def test_idle_in_progress_items_are_abandoned_after_7_days(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
