@@ -11,7 +11,8 @@ runners):
 * :attr:`Wake.revision`: a person returned an item to its worker; the revision
   dispatcher has an internal turn to run;
 * :attr:`Wake.flow`: an approval wrote a flow continuation; the flow resumer has a run to
-  resume (or a flow node's item was cancelled, rejected or abandoned: a run to end);
+  resume (or a flow node's item was cancelled, rejected, expired or abandoned: a run to
+  end);
 * :attr:`Wake.leases`: processes known dead were reaped, or this one shut down; what they
   held (review, revision, send and turn-run leases) can be taken back at once;
 * :attr:`Wake.schedule`: a schedule was added (``leadgate schedule add``); its first
