@@ -47,7 +47,7 @@ from leadgate.domain.session_events import TOPIC as SESSION_EVENTS_TOPIC
 from leadgate.domain.session_events import mark_watched
 from leadgate.domain.wakes import CHANNEL as WAKES_CHANNEL
 from leadgate.domain.wakes import TOPIC as WAKES_TOPIC
-from leadgate.domain.wakes import Wake
+from leadgate.domain.wakes import Wake, parse_due
 from leadgate.domain.wakes import parse as parse_wake
 from leadgate.domain.workitems import Sweeper
 from leadgate.flows.recovery import FlowRecovery
@@ -357,6 +357,8 @@ class App:
         # longer than until the next; an episode opened here with a sooner timer wakes it.
         sla = _Loop(self.sla_runner, due_s=self.sla_runner.due_in_s)
         self.sla_runner.wake = sla.wake.set
+        # An episode opened on another replica: NOTIFY with its timer (_wake_notified).
+        self._wakes[Wake.sla] = sla.wake.set
         self.db.on_commit_payloads(TIMERS_TOPIC, self.sla_runner.timers_opened)
         self.loops.append(sla)
 
@@ -418,7 +420,13 @@ class App:
         """``NOTIFY leadgate_wakes`` from any replica: this process's own commits woke
         its runners at commit already."""
         parsed = parse_wake(payload)
-        if parsed is not None and parsed[1] != self.db.notify_tag:
+        if parsed is None or parsed[1] == self.db.notify_tag:
+            return
+        due = parse_due(payload) if parsed[0] is Wake.sla else None
+        if due is not None:
+            # Weighed as an episode opened here is: a wake only when sooner.
+            self.sla_runner.timers_opened([due])
+        else:
             self._wakes[parsed[0]]()
 
     def _wake_all(self) -> None:

@@ -17,6 +17,11 @@ runners):
   held (review, revision, send and turn-run leases) can be taken back at once;
 * :attr:`Wake.schedule`: a schedule was added (``leadgate schedule add``); its first
   firing may be sooner than the one the schedule runner sleeps toward.
+* :attr:`Wake.sla`: a review episode was opened on another replica; its earliest timer
+  (carried in the payload, :func:`timer_payload`) may be sooner than the one the SLA
+  runner sleeps toward. Sent by the episode's own ``INSERT`` (``RETURNING pg_notify``,
+  no statement added), and only to other replicas: in process the episode's timer
+  reaches the SLA runner at commit (:data:`leadgate.review.cards.TIMERS_TOPIC`).
 
 The writer calls :func:`after_commit` inside its transaction. In process, the signal
 reaches the :data:`TOPIC` listeners of :meth:`leadgate.database.db.Database.on_commit_payloads`
@@ -50,6 +55,7 @@ class Wake(enum.StrEnum):
     flow = "flow"
     leases = "leases"
     schedule = "schedule"
+    sla = "sla"
 
 
 _NOTIFY = sa.text(f"SELECT pg_notify('{CHANNEL}', :payload)")
@@ -62,11 +68,28 @@ async def after_commit(conn: Conn, wake: Wake) -> None:
         await conn.execute(_NOTIFY, {"payload": f"{wake.value} {notify_sender(conn)}"})
 
 
+def timer_payload(conn: Conn, due_at: int) -> str:
+    """The :data:`CHANNEL` payload announcing an episode opened by ``conn``'s transaction
+    whose earliest timer is ``due_at`` (ms): ``"sla <sender tag> <due_at>"``."""
+    return f"{Wake.sla.value} {notify_sender(conn)} {due_at}"
+
+
 def parse(payload: str) -> tuple[Wake, str] | None:
     """``(kind, sender tag)`` of a notification on :data:`CHANNEL`; None for a payload
-    this version does not know (a newer replica's kind during a rolling upgrade)."""
-    kind, _, sender = payload.partition(" ")
+    this version does not know (a newer replica's kind during a rolling upgrade). What
+    follows the sender tag (a timer's ``due_at``) is read by :func:`parse_due`."""
+    kind, _, rest = payload.partition(" ")
+    sender = rest.partition(" ")[0]
     try:
         return Wake(kind), sender
+    except ValueError:
+        return None
+
+
+def parse_due(payload: str) -> int | None:
+    """The ``due_at`` (ms) a :func:`timer_payload` carries; None when there is none."""
+    parts = payload.split(" ")
+    try:
+        return int(parts[2]) if len(parts) == 3 else None
     except ValueError:
         return None

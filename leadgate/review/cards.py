@@ -18,6 +18,9 @@ cannot be edited and are left alone).
 An opened episode's earliest timer is signalled on :data:`TIMERS_TOPIC` once its
 transaction commits (in process, no statement): the SLA runner wakes when it is sooner
 than the timer it sleeps toward (:meth:`leadgate.review.sla.SlaRunner.timers_opened`).
+On PostgreSQL the episode's ``INSERT`` also sends it to the other replicas
+(``RETURNING pg_notify``: :attr:`leadgate.domain.wakes.Wake.sla`), whose SLA runners
+weigh it the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
+from leadgate.domain import wakes
 from leadgate.review.destinations import Destination, destinations_for, effective_sla
 from leadgate.review.facts import ReviewFacts, review_facts
 from outbox.channel import Card, CardOutcome
@@ -152,28 +156,33 @@ class ReviewNotifier:
         expire_at = now + expire_after if expire_after else None
         episode_id = self.ids.new("rep")
         due_at = earliest(remind_at, escalate_at, expire_at)
-        await conn.execute(
-            t.review_episodes.insert().values(
-                id=episode_id,
-                org_id=facts.org_id,
-                work_item_id=item_id,
-                agent_id=facts.agent_id,
-                reason=reason,
-                delivery_id=delivery_id or facts.delivery_id,
-                started_at=now,
-                due_at=due_at,
-                next_remind_at=remind_at,
-                remind_every_ms=sla.remind_every_ms,
-                reminders=0,
-                escalate_at=escalate_at,
-                escalated_at=None,
-                expire_at=expire_at,
-                expire_after_ms=expire_after,
-                closed_at=None,
-                outcome=None,
-                created_at=now,
-            )
+        insert = t.review_episodes.insert().values(
+            id=episode_id,
+            org_id=facts.org_id,
+            work_item_id=item_id,
+            agent_id=facts.agent_id,
+            reason=reason,
+            delivery_id=delivery_id or facts.delivery_id,
+            started_at=now,
+            due_at=due_at,
+            next_remind_at=remind_at,
+            remind_every_ms=sla.remind_every_ms,
+            reminders=0,
+            escalate_at=escalate_at,
+            escalated_at=None,
+            expire_at=expire_at,
+            expire_after_ms=expire_after,
+            closed_at=None,
+            outcome=None,
+            created_at=now,
         )
+        if due_at is not None and conn.dialect.name == "postgresql":
+            # Other replicas' SLA runners hear the timer at commit (NOTIFY), sent by
+            # this INSERT itself: no statement is added to the transaction.
+            insert = insert.returning(
+                sa.func.pg_notify(wakes.CHANNEL, wakes.timer_payload(conn, due_at))
+            )
+        await conn.execute(insert)
         if due_at is not None:
             signal_after_commit(conn, TIMERS_TOPIC, due_at)
         await self.post(conn, episode_id, facts, "notify")

@@ -18,7 +18,8 @@ A pass that leaves nothing due also reads when the next timer falls due (the ear
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
 than that (:meth:`SlaRunner.due_in_s`): a reminder, an escalation or an expiry fires at
 its time, not up to a poll later. An episode opened in this process with a sooner timer
-than that wakes the loop at its commit (:meth:`SlaRunner.timers_opened`).
+than that wakes the loop at its commit (:meth:`SlaRunner.timers_opened`), and one opened
+on another replica does too (PostgreSQL NOTIFY, sent by the episode's INSERT).
 """
 
 from __future__ import annotations
@@ -85,16 +86,16 @@ class SlaRunner:
         (:func:`leadgate.core.runners.run_loop`). Read from the database, so it covers
         every replica's episodes as of that pass: a timer fired or closed since makes the
         loop wake early and look again; an episode opened since with an earlier timer
-        wakes the loop at its commit when opened in this process
-        (:meth:`timers_opened`), and is seen at the next poll when opened on another
-        replica."""
+        wakes the loop at its commit (:meth:`timers_opened`: in this process, and on
+        PostgreSQL from another replica's NOTIFY)."""
         if self._next_due is None:
             return None
         return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
 
     def timers_opened(self, due_at: list[Any]) -> None:
         """Episodes whose earliest timers are ``due_at`` (ms) were opened and committed
-        in this process (:data:`leadgate.review.cards.TIMERS_TOPIC`): wake the loop when
+        in this process (:data:`leadgate.review.cards.TIMERS_TOPIC`), or on another
+        replica (:attr:`leadgate.domain.wakes.Wake.sla`): wake the loop when
         one is sooner than the timer it sleeps toward, or when it knows of none (else
         it would sleep past it, up to a poll). A later one is read by the pass that
         fires the known one: no pass is spent on it."""

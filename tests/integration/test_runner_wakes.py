@@ -878,6 +878,46 @@ async def test_an_episode_opened_with_a_sooner_timer_wakes_the_sla_runner(
     assert await eventually(reminded, WITHIN_S)
 
 
+async def test_an_episode_opened_on_an_api_replica_wakes_the_sla_runner_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """An episode opened on another replica with a sooner timer than the one the SLA
+    runner sleeps toward: its INSERT's NOTIFY (``Wake.sla``, carrying the timer) wakes
+    the worker's SLA runner, so its reminder fires at its time, not at the poll."""
+    clock = JumpingClock()
+    api = make_app(migrated_pg, clock=clock, review={"remind_after": "1s"})
+    worker = make_app(migrated_pg, clock=clock, review={"remind_after": "1s"})
+    org, agent = await lead_and_worker(api)
+    # An episode whose reminder is an hour away (opened on the api replica before the
+    # worker starts): what the worker's SLA runner sleeps toward.
+    clock.advance(3_600_000)
+    first = await api.turns.run(api_trigger(org, agent, "hard #escalate #complete"))
+    assert isinstance(first, Gated)
+    assert await drain(api.lead_runner) == 1
+    clock.advance(-3_600_000)
+    # A second item, claimed for review on the api replica before the worker starts.
+    out = await api.turns.run(api_trigger(org, agent, "hard #escalate #complete", "s2"))
+    assert isinstance(out, Gated) and out.work_item_id
+    claimed = await api.lead_runner.claim()
+    assert claimed is not None and claimed.id == out.work_item_id
+    await start_worker(worker)
+    sla = runner_of(worker, SlaRunner)
+    assert await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
+
+    await api.lead_runner.review(claimed)  # escalates: the episode opens on the api replica
+    assert (await item_row(api, out.work_item_id))["status"] == "awaitingHuman"
+    e = t.review_episodes.c
+
+    async def reminded() -> bool:
+        async with api.db.read() as conn:
+            reminders = await conn.scalar(
+                sa.select(e.reminders).where(e.work_item_id == out.work_item_id)
+            )
+            return bool(reminders == 1)
+
+    assert await eventually(reminded, WITHIN_S)
+
+
 # ------------------------------------------- 7. what a LISTEN connection did not hear
 
 

@@ -69,3 +69,12 @@ async def test_other_replicas_hear_one_notification_per_transaction(migrated_pg:
 def test_a_kind_this_version_does_not_know_is_ignored() -> None:
     assert wakes.parse("leases abc") == (Wake.leases, "abc")
     assert wakes.parse("something-newer abc") is None
+
+
+def test_an_episode_timer_notification_carries_its_sender_and_due_at() -> None:
+    """``Wake.sla`` payloads carry the opened episode's earliest timer after the sender
+    tag (``timer_payload``); other kinds carry none."""
+    assert wakes.parse("sla abc 1700") == (Wake.sla, "abc")
+    assert wakes.parse_due("sla abc 1700") == 1700
+    assert wakes.parse_due("flow abc") is None
+    assert wakes.parse_due("sla abc soon") is None
