@@ -21,6 +21,7 @@ from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
 from leadgate.core.decoding import decode_json
 from leadgate.core.errors import ValidationError
+from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.operations.admin import Admin
 from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
 from outbox.store import Outbox
@@ -87,8 +88,8 @@ async def key_revoke(admin: Admin, args: argparse.Namespace, _: Settings) -> Any
 def read_password(given: str | None) -> str:
     """``--password``, else ``$LEADGATE_PASSWORD``, else asked twice without echo on a
     terminal, else the first line of standard input."""
-    if given:
-        return given
+    if given is not None:
+        return _typed_password(given)
     if os.environ.get("LEADGATE_PASSWORD"):
         return _utf8(os.environ["LEADGATE_PASSWORD"], "$LEADGATE_PASSWORD")
     if sys.stdin.isatty():
@@ -108,6 +109,20 @@ def read_password(given: str | None) -> str:
     return _utf8(line, "standard input").rstrip("\r\n")
 
 
+def _typed_password(given: str) -> str:
+    """``--password``'s value, refused when empty (``--password ""``): an empty value
+    fell through to ``$LEADGATE_PASSWORD``, the prompt or standard input, so the user
+    was made with some other password than the one typed (or none was asked for)."""
+    if not given:
+        raise ValidationError(
+            f"--password is empty: a console password is {PASSWORD_MIN} to "
+            f"{PASSWORD_MAX:,} characters; leave "
+            "--password out to be asked for it or to read $LEADGATE_PASSWORD or standard input",
+            rule="user.password",
+        )
+    return given
+
+
 async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate user create --org ORG --email E --role R [--name N] [--password P]``."""
     return await admin.create_user(
@@ -123,7 +138,10 @@ async def user_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
 async def user_update(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     """``leadgate user update --org ORG EMAIL [--role R] [--name N] [--password P |
     --reset-password] [--disable | --enable] [--end-sessions]``."""
-    password = read_password(args.password) if args.reset_password else args.password
+    if args.reset_password:
+        password: str | None = read_password(args.password)
+    else:
+        password = None if args.password is None else _typed_password(args.password)
     disabled = True if args.disable else False if args.enable else None
     if (args.role, args.name, password, disabled) == (None, None, None, None) and not (
         args.end_sessions

@@ -238,7 +238,7 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
 ) -> None:
     root: Path = world["root"]
     common = ("user", "create", "--org", "acme")
-    piped, env, short, long, bad, latin = par(
+    piped, env, short, long, bad, latin, empty = par(
         root,
         ((*common, "--email", "a@example.com", "--role", "member"), {"stdin": "pw from stdin\n"}),
         (
@@ -254,6 +254,11 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
             (*common, "--email", "e@example.com", "--role", "member"),
             {"env": {"LEADGATE_PASSWORD": "\udce9t\udce9 password"}},
         ),
+        # --password "" is refused as typed: it made the user with $LEADGATE_PASSWORD's.
+        (
+            (*common, "--email", "h@example.com", "--role", "member", "--password", ""),
+            {"env": {"LEADGATE_PASSWORD": "pw from env!"}},
+        ),
     )
     assert piped.json()["role"] == "Member"
     assert env.json()["role"] == "Admin"
@@ -261,6 +266,8 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
     long.rule_error("user.password")
     assert bad.code == 2 and "unknown role 'boss'" in bad.err and "Traceback" not in bad.err
     latin.rule_error("cli.utf8")
+    empty.rule_error("user.password")
+    assert "--password is empty" in empty.err
     piped_latin = subprocess.run(
         [*LEADGATE, *common, "--email", "f@example.com", "--role", "member"],
         capture_output=True,
@@ -412,13 +419,14 @@ def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) ->
     ended = lg(root, "user", "update", *acme, email, "--end-sessions").json()
     assert ended["sessionsEnded"] == 1
 
-    nothing, both, other_org, short, no_input = par(
+    nothing, both, other_org, short, no_input, empty = par(
         root,
         ("user", "update", *acme, email),
         ("user", "update", *acme, email, "--disable", "--enable"),
         ("user", "update", "--org", "globex", email, "--disable"),
         ("user", "update", *acme, email, "--password", "short"),
         ("user", "update", *acme, email, "--reset-password"),  # standard input: empty
+        ("user", "update", *acme, email, "--password", ""),
     )
     nothing.rule_error("user.update")
     assert both.code == 2 and "[cli.usage]" in both.err
@@ -427,6 +435,8 @@ def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) ->
     # Nothing on standard input is no password, said so (not "must be 8 to 1,024").
     no_input.rule_error("user.password")
     assert "no password given" in no_input.err
+    empty.rule_error("user.password")
+    assert "--password is empty" in empty.err
     [(disabled_at,)] = rows(world, f"SELECT disabled_at FROM users WHERE email = '{email}'")
     assert disabled_at is None
 
