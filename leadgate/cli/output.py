@@ -153,7 +153,12 @@ def _table(result: Any, command: tuple[str, str | None]) -> str:
         if "total" in result:
             lines.append(f"\n{result['total']} item(s)")
         if result.get("next"):
-            lines.append(f"more: --cursor {result['next']}")
+            # A cursor is a place in one filtered list: with other filters (or none) the
+            # next page is of another list (the hint named the cursor only).
+            lines.append(
+                f"more: run the same command again, with the same --org and filters, "
+                f"adding --cursor {result['next']}"
+            )
         return "\n".join(lines)
     if isinstance(result, dict) and isinstance(result.get("destinations"), list):
         return _destinations(result, columns)

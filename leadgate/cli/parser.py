@@ -17,6 +17,12 @@ or --format table; errors on stderr).
 Exit codes: 0 success, 2 a rule was broken (the message names it: not found, wrong status,
 bad input, missing permission), 1 anything else (the database cannot be reached, ...)."""
 
+#: A cursor is a place in one filtered list: the next page is asked with the same filters.
+CURSOR_HELP = (
+    "the next page: the cursor the previous page printed, given with the same --org and "
+    "filters as that page"
+)
+
 # argparse has no public name for the object add_subparsers() returns.
 Sub = argparse._SubParsersAction
 
@@ -240,7 +246,7 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
     )
     rl.add_argument("--order", choices=["oldest", "newest"], default="oldest")
     rl.add_argument("--limit", type=int, default=50)
-    rl.add_argument("--cursor", help="the next page (printed by the previous page)")
+    rl.add_argument("--cursor", help=CURSOR_HELP)
     rs = review("show", "a work item's review detail")
     rs.add_argument("--org", required=True)
     rs.add_argument("item", metavar="WORK_ITEM_ID")
@@ -263,7 +269,7 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
     )
     dl.add_argument("--org", required=True)
     dl.add_argument("--limit", type=int, default=50)
-    dl.add_argument("--cursor", help="the next page (printed by the previous page)")
+    dl.add_argument("--cursor", help=CURSOR_HELP)
     for action, help_text in (
         ("confirm", "the message did arrive: delivery sent, item completed"),
         ("retry", "it did not: send again"),

@@ -54,3 +54,12 @@ def test_one_result_s_fields_are_printed_whole() -> None:
     assert key in out.splitlines()[1]
     listed = render([{"id": "x", "note": "n" * 100}], "table", ("thing", "list"))
     assert "n" * 100 not in listed and "…" in listed  # a list's columns are still cut
+
+
+def test_the_paging_hint_says_to_repeat_the_same_filters() -> None:
+    """A cursor is a place in one filtered list; the hint named the cursor only, and an
+    operator who left the filters out got the next page of another list."""
+    for key, command in (("items", ("review", "list")), ("deliveries", ("delivery", "list"))):
+        text = render({key: [{"id": "x_1"}], "next": "c_2"}, "table", command)
+        last = text.splitlines()[-1]
+        assert "same --org and filters" in last and last.endswith("--cursor c_2"), last
