@@ -32,6 +32,8 @@ from leadgate.web.common import (
 
 STATIC = importlib.resources.files("leadgate.web").joinpath("static")
 BAD_LOGIN = "the email or password is not correct"
+#: ``/favicon.ico``'s caching: the same empty answer for everyone, for a day.
+FAVICON_CACHE = "public, max-age=86400"
 
 # The page needs nothing from anywhere else; inline script and style are refused too.
 _CSP = (
@@ -94,6 +96,11 @@ def setup(
     async def to_page(_: web.Request) -> web.Response:
         raise web.HTTPFound("/console/")
 
+    async def favicon(_: web.Request) -> web.Response:
+        # Every browser asks for /favicon.ico; it was a 404, an error in the browser's
+        # console on every page. No icon, kept a day: asked once, not per page.
+        return web.Response(status=204, headers={"Cache-Control": FAVICON_CACHE})
+
     async def login(request: web.Request) -> web.Response:
         if request.content_type != "application/json":
             require_console_header(request)
@@ -134,6 +141,7 @@ def setup(
             raise AuthError("not logged in to the console", rule="console.session")
         return web.json_response({"user": user})
 
+    app.router.add_get("/favicon.ico", favicon)
     app.router.add_get("/console", to_page)
     app.router.add_get("/console/", page)
     app.router.add_get("/console/static/{name:console\\.(?:js|css)}", asset)

@@ -359,6 +359,13 @@ OPERATIONS: list[Operation] = [
     Operation("post", "/console/logout", "Log out", security=NONE),
     Operation("get", "/console/me", "The console user", security=NONE),
     Operation("get", "/healthz", "Health", security=NONE),
+    Operation(
+        "get",
+        "/favicon.ico",
+        "No icon (what browsers ask for by themselves), cacheable for a day",
+        security=NONE,
+        responses={"204": "No content; Cache-Control: public, max-age=86400"},
+    ),
     Operation("get", "/openapi.json", "This document", security=NONE),
 ]
 

@@ -329,6 +329,15 @@ async def test_the_page_and_its_assets_are_served_with_a_strict_policy(env: Env)
     assert redirect.headers["Location"] == "/console/"
 
 
+async def test_the_favicon_is_an_empty_cacheable_answer_without_a_login(env: Env) -> None:
+    """Browsers ask for /favicon.ico by themselves: it was a 404 (an error in the
+    browser's console on every page)."""
+    icon = await env.client.get("/favicon.ico")
+    assert icon.status == 204 and await icon.read() == b""
+    assert icon.headers["Cache-Control"] == "public, max-age=86400"
+    assert (await env.client.head("/favicon.ico")).status == 204
+
+
 async def raw_get(env: Env, head: bytes) -> tuple[int, dict[str, Any]]:
     """One request written byte for byte (an HTTP client would refuse to send such
     headers), and its status and JSON body."""
