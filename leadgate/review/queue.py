@@ -475,10 +475,17 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
                 "status": d.status,
                 "kind": d.kind,
                 "channel": d.channel,
+                # Where it goes, in words, and when: the detail showed the channel only,
+                # which named no conversation to check before Confirm or Retry.
+                "to": delivery_target(d.channel, d.address),
                 "action": d.action,
                 "attempts": d.attempts,
                 "error": d.error,
+                "createdAt": iso(d.created_at),
                 "updatedAt": iso(d.updated_at),
+                "nextAttemptAt": (
+                    iso(d.next_attempt_at) if d.status == DeliveryStatus.pending.value else None
+                ),
             }
             for d in deliveries
         ],

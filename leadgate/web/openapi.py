@@ -253,7 +253,17 @@ OPERATIONS: list[Operation] = [
             _query("reason", {"type": "string", "enum": list(REASONS)}),
         ],
     ),
-    Operation("get", "/operator/reviews/{item_id}", "Review detail"),
+    Operation(
+        "get",
+        "/operator/reviews/{item_id}",
+        "Review detail",
+        responses={
+            "200": "The item, its verdicts, audit and deliveries; each delivery: id, status "
+            "(pending, sending, sent, deliveryUnknown, failed, cancelled, continuation), kind, "
+            "channel, to (where it goes, in words), action, attempts, error (the last one), "
+            "createdAt, updatedAt, nextAttemptAt (a pending one's next try)"
+        },
+    ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/approve",

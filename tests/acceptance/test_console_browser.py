@@ -581,6 +581,10 @@ async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     await expect(page.locator("#detail-status")).to_have_text("approved")
     deliveries = page.locator("#deliveries")
     await expect(deliveries).to_contain_text("deliveryUnknown")
+    # Where it was going, when, attempts and the last error (it showed the channel only).
+    await expect(deliveries).to_contain_text(f"Slack channel {SLACK['channel']}")
+    await expect(deliveries).to_contain_text("queued ")
+    await expect(deliveries).to_contain_text("read timeout after the request was written")
     await expect(page.get_by_role("button", name="Retry delivery")).to_be_visible()
     await page.get_by_role("button", name="Confirm delivered").click()
     await expect(page.locator("#detail-status")).to_have_text("completed")

@@ -207,9 +207,15 @@ async def test_the_queue_lists_only_actionable_items(env: Env) -> None:
     [dlv] = detail["deliveries"]
     assert (dlv["status"], dlv["channel"], dlv["attempts"]) == ("deliveryUnknown", "slack", 1)
     assert "timeout" in dlv["error"]
+    # Where it was going in words, and when (the detail named the channel only).
+    assert dlv["to"] == "Slack channel C1 (team T1), thread 1.1"
+    row = await env.row(unknown)
+    assert dlv["createdAt"] <= dlv["updatedAt"] and dlv["nextAttemptAt"] is None
+    assert dlv["createdAt"] >= iso(row["created_at"])
     status, body = await post(env, f"/operator/deliveries/{dlv['id']}/retry")
     assert status == 200
     assert body["deliveries"][0]["status"] == "pending"
+    assert body["deliveries"][0]["nextAttemptAt"]  # when the relay tries it again
     status, body = await post(env, f"/operator/deliveries/{dlv['id']}/retry")
     assert status == 409  # no longer deliveryUnknown: nothing happens twice
     await drain(env.service.relay)  # times out again

@@ -902,7 +902,7 @@
     return el(
       "table",
       { id: "deliveries" },
-      el("thead", {}, el("tr", {}, ["Delivery", "Channel", "Action", "Status", "Attempts", "Error", ""].map((h) => el("th", { scope: "col" }, h)))),
+      el("thead", {}, el("tr", {}, ["Delivery", "To", "Action", "Status", "When", "Attempts", "Last error", ""].map((h) => el("th", { scope: "col" }, h)))),
       el(
         "tbody",
         {},
@@ -911,11 +911,13 @@
             "tr",
             {},
             el("td", {}, el("code", {}, x.id)),
-            el("td", {}, x.channel || "—"),
+            // Where it went in words (the channel alone named no conversation to check).
+            el("td", { class: "cell-text" }, x.to || x.channel || "—"),
             el("td", {}, x.action || "—"),
             el("td", {}, badge(x.status, "status")),
+            el("td", {}, x.nextAttemptAt ? ["next try ", when(x.nextAttemptAt)] : ["queued ", when(x.createdAt), x.updatedAt !== x.createdAt ? ["; last change ", when(x.updatedAt)] : ""]),
             el("td", { class: "num" }, x.attempts),
-            el("td", {}, x.error || ""),
+            el("td", { class: "cell-text" }, x.error || ""),
             el(
               "td",
               {},
