@@ -188,12 +188,23 @@ def _preview(summary: str | None, task_context: str) -> tuple[str, str]:
     return text, source
 
 
-async def _agent_ids(conn: Conn, org_id: str, ref: str | None) -> list[str] | None:
+#: The longest free text a filter or search takes (``agent``, ``q``): no agent name is
+#: longer, and the console's fields hold no more (``maxlength``).
+FILTER_TEXT_MAX = 200
+
+
+async def _agent_ids(conn: Conn, org_id: str, ref: str | None, rule: str) -> list[str] | None:
     """Agent filter: ids of the agents named ``ref`` (id, slug or name; deleted agents
     too, whose items stay); ``agent.not_found`` for none, so a misspelt filter is an error
-    rather than an empty page."""
+    rather than an empty page; ``rule`` (400) for one longer than any agent's name."""
     if not ref:
         return None
+    if len(ref) > FILTER_TEXT_MAX:
+        # No agent is named so: said as such, not looked up (it was agent.not_found
+        # after a query with the whole text).
+        raise ValidationError(
+            f"the agent filter is longer than {FILTER_TEXT_MAX} characters", rule=rule
+        )
     rows = await conn.execute(
         sa.select(A.id).where(A.org_id == org_id, agents.REF_MATCH), agents.ref_params(ref)
     )
@@ -223,7 +234,7 @@ async def actionable(
     _check_choice(reason, REASONS, "reason", "queue.reason")
     _check_choice(order, ORDERS, "order", "queue.order")
     q = _actionable(org_id)
-    agent_ids = await _agent_ids(conn, org_id, agent)
+    agent_ids = await _agent_ids(conn, org_id, agent, "queue.agent")
     filters: list[sa.ColumnElement[bool]] = []
     if agent_ids is not None:
         filters.append(q.c.agent_id.in_(agent_ids))
@@ -537,8 +548,10 @@ async def activity(
     _check_limit(limit, "activity.limit")
     _check_choice(status, ACTIVITY_STATUSES, "status", "activity.status")
     _check_choice(channel, CHANNELS, "channel", "activity.channel")
-    if q is not None and len(q) > 200:
-        raise ValidationError("the search text is longer than 200 characters", rule="activity.q")
+    if q is not None and len(q) > FILTER_TEXT_MAX:
+        raise ValidationError(
+            f"the search text is longer than {FILTER_TEXT_MAX} characters", rule="activity.q"
+        )
     query = (
         sa.select(
             W.id,
@@ -561,7 +574,7 @@ async def activity(
         .order_by(W.updated_at.desc(), W.id.desc())
         .limit(limit + 1)
     )
-    agent_ids = await _agent_ids(conn, org_id, agent)
+    agent_ids = await _agent_ids(conn, org_id, agent, "activity.agent")
     if agent_ids is not None:
         query = query.where(W.agent_id.in_(agent_ids))
     if status:

@@ -27,7 +27,7 @@ from aiohttp import web
 from leadgate.operations.idempotency import KEY_LIMIT
 from leadgate.operations.transcripts import PAGE_MAX
 from leadgate.review.insights import MAX_DAYS
-from leadgate.review.queue import ACTIVITY_STATUSES, CHANNELS, ORDERS, REASONS
+from leadgate.review.queue import ACTIVITY_STATUSES, CHANNELS, FILTER_TEXT_MAX, ORDERS, REASONS
 from leadgate.web import charts
 
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -248,7 +248,7 @@ OPERATIONS: list[Operation] = [
         parameters=[
             *_PAGE,
             _query("order", {"type": "string", "enum": list(ORDERS)}),
-            _query("agent", {"type": "string"}),
+            _query("agent", {"type": "string", "maxLength": FILTER_TEXT_MAX}),
             _query("channel", {"type": "string", "enum": list(CHANNELS)}),
             _query("reason", {"type": "string", "enum": list(REASONS)}),
         ],
@@ -315,10 +315,10 @@ OPERATIONS: list[Operation] = [
         "/operator/activity",
         "Agent Activity",
         parameters=[
-            _query("agent", {"type": "string"}),
+            _query("agent", {"type": "string", "maxLength": FILTER_TEXT_MAX}),
             _query("status", {"type": "string", "enum": list(ACTIVITY_STATUSES)}),
             _query("channel", {"type": "string", "enum": list(CHANNELS)}),
-            _query("q", {"type": "string", "maxLength": 200}),
+            _query("q", {"type": "string", "maxLength": FILTER_TEXT_MAX}),
             _query("since", _TIME),
             _query("until", _TIME),
             _query("limit", {"type": "integer", "minimum": 1, "maximum": 200}),

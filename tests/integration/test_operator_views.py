@@ -249,6 +249,9 @@ async def test_activity_filters_searches_and_pages_without_the_text(env: Env) ->
     ):
         resp = await env.client.get(f"/operator/activity?{bad}", headers=env.owner)
         await assert_envelope(resp, 400, rule)
+    assert await ids("q=" + "x" * 200) == []  # the longest search is a search
+    resp = await env.client.get("/operator/reviews?agent=" + "x" * 201, headers=env.owner)
+    await assert_envelope(resp, 400, "queue.agent")
 
 
 # ------------------------------------------------------------------------- insights
