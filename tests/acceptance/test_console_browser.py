@@ -15,6 +15,7 @@ fresh context (no cookies) per test. Screenshots go to /tmp/console-*.png, or to
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, web
-from playwright.async_api import Browser, Dialog, Page, async_playwright, expect
+from playwright.async_api import Browser, Dialog, Page, Route, async_playwright, expect
 
 from leadgate.app import App
 from leadgate.core.clock import MINUTE_MS, FakeClock
@@ -478,6 +479,36 @@ async def test_a_viewer_is_told_their_role_cannot_review(console: Console, page:
     message = page.get_by_role("note")
     await expect(message).to_contain_text("Your role (Viewer) cannot review work items.")
     await expect(page.locator("#queue")).to_have_count(0)
+
+
+async def test_the_login_button_says_it_is_working_until_the_answer_comes(
+    console: Console, page: Page
+) -> None:
+    """The password check (argon2) takes a moment, and the button gave no sign of it: it
+    says "Logging in…", disabled, while the request runs, and a refused login gives it
+    back."""
+    email = "lou@example.com"
+    release = asyncio.Event()
+
+    async def held(route: Route) -> None:
+        await release.wait()  # the answer comes when the test says so
+        await route.continue_()
+
+    await console.open(page, email, "Member", login=False)
+    await page.route("**/console/login", held)
+    await console.login(page, email, "not the password")
+    button = page.locator("#login-form button[type=submit]")
+    await expect(button).to_have_text("Logging in…")
+    await expect(button).to_be_disabled()
+    release.set()
+    await expect(page.get_by_role("alert")).to_have_text(
+        "Error: the email or password is not correct"
+    )
+    await expect(button).to_have_text("Log in")
+    await expect(button).to_be_enabled()
+    await page.unroute("**/console/login")
+    await console.login(page, email, PASSWORD)
+    await expect(page.get_by_role("button", name="Log out")).to_be_visible()
 
 
 async def test_a_role_taken_away_while_logged_in_is_named_as_it_is_now(

@@ -320,7 +320,10 @@
     event.preventDefault();
     clearMessages();
     const button = event.target.querySelector("button");
+    // The password check (argon2) takes a moment: say so, and take no second click meanwhile.
     button.disabled = true;
+    button.textContent = "Logging in…";
+    event.target.setAttribute("aria-busy", "true");
     try {
       const data = await api("POST", "/console/login", {
         email: $("login-email").value,
@@ -333,6 +336,8 @@
       showError(err.message);
     } finally {
       button.disabled = false;
+      button.textContent = "Log in";
+      event.target.removeAttribute("aria-busy");
     }
   }
 
