@@ -246,6 +246,10 @@ async def test_activity_filters_searches_and_pages_without_the_text(env: Env) ->
         ("status=nope", "activity.status"),
         ("since=yesterday", "activity.since"),
         ("cursor=zzz", "activity.cursor"),
+        # Free text is at most 200 characters, as the page's fields (maxlength) and any
+        # agent name are: a longer agent filter was looked up (agent.not_found).
+        ("q=" + "x" * 201, "activity.q"),
+        ("agent=" + "x" * 201, "activity.agent"),
     ):
         resp = await env.client.get(f"/operator/activity?{bad}", headers=env.owner)
         await assert_envelope(resp, 400, rule)
@@ -370,6 +374,25 @@ async def test_events_end_once_the_key_is_revoked_or_the_session_logged_out(env:
     for stream in (by_key, by_cookie):
         async with asyncio.timeout(5):
             assert await stream.content.read() == b""
+
+
+@SQLITE_ONLY
+async def test_events_end_once_the_user_is_demoted_to_viewer(env: Env) -> None:
+    """A console user made a Viewer while following: the stream ends at its next check
+    (it needs agent:review), saying why, as a new one is refused."""
+    member = await env.user("max@example.com", "Member")
+    stream = await env.client.get("/operator/events", headers=member)
+    assert (await read_event(stream))[0] == "hello"
+    async with env.service.db.tx() as conn:
+        await orgs.update_user(conn, env.clock, env.org.id, "max@example.com", role="Viewer")
+    env.clock.advance(5_001)  # past the principal cache's lifetime on the service's clock
+    name, data = await read_event(stream)
+    assert name == "end" and "agent:review" in data["reason"], data
+    async with asyncio.timeout(5):
+        assert await stream.content.read() == b""
+    await assert_envelope(
+        await env.client.get("/operator/events", headers=member), 403, "scope.agent:review"
+    )
 
 
 @SQLITE_ONLY
