@@ -93,7 +93,9 @@ def _detail(d: dict[str, Any]) -> str:
         + table(d.get("reviews", []), ["revision", "by", "actorName", "verdict", "feedback", "at"]),
         "\nDeliveries:\n"
         + table(
-            d.get("deliveries", []), ["id", "channel", "action", "status", "attempts", "error"]
+            # Where each goes in words and when (the channel alone named no conversation).
+            d.get("deliveries", []),
+            ["id", "to", "action", "status", "attempts", "updatedAt", "nextAttemptAt", "error"],
         ),
         "\nAudit:\n"
         + table(d.get("audit", []), ["at", "actorName", "surface", "action", "from", "to", "text"]),

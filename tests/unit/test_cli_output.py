@@ -63,3 +63,25 @@ def test_the_paging_hint_says_to_repeat_the_same_filters() -> None:
         text = render({key: [{"id": "x_1"}], "next": "c_2"}, "table", command)
         last = text.splitlines()[-1]
         assert "same --org and filters" in last and last.endswith("--cursor c_2"), last
+
+
+def test_review_show_says_where_each_delivery_goes_and_when() -> None:
+    """``review show --format table`` listed a delivery's channel only."""
+    delivery = {
+        "id": "dlv_1",
+        "channel": "slack",
+        "to": "Slack channel C1 (team T1), thread 1.1",
+        "action": "post",
+        "status": "deliveryUnknown",
+        "attempts": 2,
+        "error": "read timeout",
+        "updatedAt": "2026-01-02T03:04:05Z",
+        "nextAttemptAt": None,
+    }
+    text = render(
+        {"id": "wi_1", "audit": [], "deliveries": [delivery]}, "table", ("review", "show")
+    )
+    rows = text.split("Deliveries:\n", 1)[1].splitlines()
+    assert rows[0].split()[:2] == ["ID", "TO"], rows[0]
+    assert "Slack channel C1" in rows[1] and "2026-01-02T03:04:05Z" in rows[1]
+    assert "deliveryUnknown" in rows[1] and "read timeout" in rows[1]
