@@ -30,10 +30,11 @@ import sqlalchemy as sa
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, signal_after_commit
+from leadgate.database.db import Conn, damage_met, signal_after_commit
 from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
 from leadgate.domain.wakes import Wake
@@ -143,6 +144,14 @@ class Outbox:
         self.ids = ids
         self._local: LocalRelay | None = None
         self._review_needed: ReviewNeeded | None = None
+        #: Review-card writes that met a damaged database: one ERROR line a minute at
+        #: most, naming the file or database, no traceback (the items still wait).
+        self.cards_damaged = Tally(
+            log,
+            "%d review card write(s) met a damaged database (the latest: work item %s): %s",
+            every_s=60.0,
+            level=logging.ERROR,
+        )
 
     def on_review_needed(self, hook: ReviewNeeded | None) -> None:
         """Let ``hook`` write review cards whenever an item starts waiting for a human
@@ -161,8 +170,14 @@ class Outbox:
         try:
             async with conn.begin_nested():
                 await hook(conn, item_id, reason, delivery_id)
-        except Exception:
-            log.exception("review cards for work item %s could not be written", item_id)
+        except Exception as exc:
+            damaged = damage_met(conn, exc)
+            if damaged is None:
+                log.exception("review cards for work item %s could not be written", item_id)
+            else:
+                # Counted as runners and requests count it (it was the driver's traceback
+                # for every item that escalated).
+                self.cards_damaged.add(item_id, damaged.detail)
 
     def attach(self, relay: LocalRelay | None) -> None:
         """Hand new deliveries to ``relay`` (``None``: stop handing them over)."""

@@ -54,6 +54,9 @@ _SKIP_LOCKED_CACHE = 256
 _BEFORE = "leadgate_before_commit"
 # Key in ``AsyncConnection.info`` holding the Database's NOTIFY sender tag.
 _SENDER = "leadgate_notify_sender"
+# Key in ``AsyncConnection.info`` holding the Database of the write transaction
+# (:func:`damage_met`).
+_DB = "leadgate_database"
 
 #: Writes a before-commit queue's items as the transaction's last statements.
 Flush = Callable[["Conn", list[Any]], Awaitable[None]]
@@ -130,6 +133,24 @@ def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
         payloads = topics.setdefault(topic, [])
         if payload is not None:
             payloads.append(payload)
+
+
+def damage_met(conn: Conn, exc: BaseException) -> DatabaseDamaged | None:
+    """The :class:`DatabaseDamaged` that ``exc``, met by a statement inside the write
+    transaction of ``conn`` and handled there (a SAVEPOINT rolled back), stands for, as
+    the transaction's end would raise it (``db.damaged`` is set: ``/healthz`` reports
+    it); None for any other error. What handles such an error itself sees the driver's
+    error, which it logged with a traceback."""
+    db = conn.info.get(_DB)
+    if not isinstance(db, Database):
+        return None
+    try:
+        _raise_fault(exc, db)
+    except DatabaseDamaged as found:
+        return found
+    except Exception:  # (unavailable: not damage)
+        return None
+    return None
 
 
 def signal_once(conn: Conn, topic: str, payload: Any) -> bool:
@@ -384,6 +405,7 @@ class Database:
                 conn.info[_TOPICS] = topics
                 conn.info[_BEFORE] = before
                 conn.info[_SENDER] = self.notify_tag
+                conn.info[_DB] = self
                 yield conn
                 await _flush_before_commit(conn, before)
                 committing = True
@@ -554,6 +576,7 @@ class _InlineTx:
         conn = self.inline.connection
         conn.info[_TOPICS] = self.topics
         conn.info[_BEFORE] = self.before
+        conn.info[_DB] = self.db
         self.db._write_owner = task
         return conn
 
@@ -571,6 +594,7 @@ class _InlineTx:
             self.db._write_owner = None
             conn.info.pop(_TOPICS, None)
             conn.info.pop(_BEFORE, None)
+            conn.info.pop(_DB, None)
             waiter = self.inline.leave(self.member, ok=ok)
         if not ok:
             if waiter is not None:

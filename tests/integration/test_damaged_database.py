@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+from collections.abc import Callable
 
 import httpx2
 import openai
@@ -34,7 +35,9 @@ from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.intake import Accepted
 from leadgate.web.common import DAMAGED_ANSWERS
 from tests.helpers import eventually, make_agent, make_org, ours, slack_trigger
+from tests.review_support import review_env
 from tests.serving import served_app
+from tests.stack import Stack
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -393,3 +396,27 @@ async def test_the_operator_event_stream_rechecking_its_key_on_a_damaged_file_sa
         assert "not valid" not in said
     lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and f"the SQLite database {path} is damaged" in lines[0].getMessage()
+
+
+async def test_review_cards_meeting_a_damaged_file_are_one_line_not_a_traceback(
+    make_stack: Callable[..., Stack], migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cards of an item that starts waiting for a human are written in a SAVEPOINT
+    of its move: when they met damaged pages, the driver's error was logged with a
+    traceback for every such item. (SQLite then refuses the move's COMMIT too: the
+    runner's pass meets the damage, counted in its own line;
+    tests/integration/test_damaged_postgres.py has a move that commits.)"""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    env = await review_env(make_stack)
+    damage_table(path, "review_destinations")  # what the cards are written for
+    for session in ("s1", "s2"):
+        with pytest.raises(DatabaseDamaged):
+            await env.escalated(session)
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # two items, one line
+    said = lines[0].getMessage()
+    assert said.startswith("1 review card write(s) met a damaged database")
+    assert f"the SQLite database {path} is damaged" in said
+    assert env.stack.outbox.cards_damaged.total == 2
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
+    assert env.stack.db.damaged is not None  # /healthz reports it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
@@ -26,10 +27,13 @@ from leadgate.app import App
 from leadgate.cli.main import main
 from leadgate.core.errors import DatabaseDamaged
 from leadgate.database.pg import asyncpg_dsn
+from leadgate.domain import workitems
 from leadgate.domain.workitems import Sweeper
 from leadgate.web.common import DAMAGED_ANSWERS
 from tests.helpers import make_agent, make_org, ours
+from tests.review_support import review_env
 from tests.serving import served_app
+from tests.stack import Stack
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 
@@ -206,3 +210,28 @@ def test_a_command_meeting_damaged_data_is_one_line_naming_the_database(
         assert f"{named(migrated_url)} is damaged (SQLSTATE XX001 data_corrupted" in err, err
         assert err.count("\n") == 1 and err.rstrip().endswith("[database.file]"), err
         assert PASSWORD not in err and "[SQL:" not in err, err
+
+
+async def test_review_cards_meeting_damaged_data_are_one_line_and_the_item_waits(
+    make_stack: Callable[..., Stack], migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cards are written in a SAVEPOINT of the item's move to awaitingHuman: meeting
+    damage there was the driver's error with a traceback per item; now it is counted in
+    one ERROR line a minute, and the move commits (the item waits, without cards)."""
+    env = await review_env(make_stack)
+    await run_sql(migrated_url, damage_reads("review_destinations"))
+    items = [await env.escalated(session) for session in ("s1", "s2")]
+    async with env.stack.db.read() as conn:
+        for item_id in items:
+            assert (await workitems.get(conn, item_id)).status == "awaitingHuman"
+    assert not await env.deliveries(items[0], "card")
+    lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # two items, one line
+    said = lines[0].getMessage()
+    assert said.startswith(
+        f"1 review card write(s) met a damaged database (the latest: work item {items[0]})"
+    )
+    assert f"{named(migrated_url)} is damaged (SQLSTATE XX001" in said
+    assert env.stack.outbox.cards_damaged.total == 2
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
+    assert env.stack.db.damaged is not None  # /healthz reports it
