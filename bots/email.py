@@ -47,7 +47,7 @@ from bots.email_parse import (
     utf8_address,
 )
 from leadgate.core.config import EmailSettings, Settings
-from leadgate.core.errors import LeadgateError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
@@ -88,6 +88,16 @@ class EmailHandler:
 
     def __init__(self, core: Core) -> None:
         self._core = core
+        #: Mails that met a damaged database (their route looked up, or the mail
+        #: recorded), each asked to retry (451): one ERROR line a minute at most naming
+        #: the file or database, as runners and requests count it (a route lookup's was
+        #: the driver's traceback per mail, a recording's a WARNING per mail).
+        self.damaged = Tally(
+            log,
+            "email: %d mail(s) met a damaged database (asked to retry, 451): %s",
+            every_s=60.0,
+            level=logging.ERROR,
+        )
         # Routes found at RCPT time, per envelope (RSET starts a new envelope).
         self._routes: weakref.WeakKeyDictionary[Envelope, dict[str, RouteMatch]] = (
             weakref.WeakKeyDictionary()
@@ -120,10 +130,9 @@ class EmailHandler:
             route = await self._core.resolve_route(
                 CHANNEL, {"address": recipient, "sender": sender}
             )
-        except Exception:
+        except Exception as exc:
             # A database hiccup must not bounce the mail for good: the sender retries 4xx.
-            log.exception("email: route lookup failed")
-            return _TEMPFAIL
+            return self._lookup_failed(exc)
         if route is None:
             return "550 5.1.1 No such recipient or sender not allowed"
         self._routes.setdefault(envelope, {})[recipient] = route
@@ -168,9 +177,8 @@ class EmailHandler:
                     found = await self._core.resolve_route(
                         CHANNEL, {"address": recipient, "sender": mail.sender}
                     )
-                except Exception:
-                    log.exception("email: route lookup failed")
-                    return _TEMPFAIL
+                except Exception as exc:
+                    return self._lookup_failed(exc)
                 if found is None:
                     continue
                 route = found
@@ -201,6 +209,9 @@ class EmailHandler:
             # Recorded before the 250: once the sender is told OK, the mail is ours.
             try:
                 await accept(self._core, inbound, name=f"email-turn {mail.message_id}")
+            except DatabaseDamaged as exc:
+                self.damaged.add(exc.detail)
+                return _TEMPFAIL
             except LeadgateError as exc:
                 if exc.status >= 500:
                     log.warning("email: could not record the mail (%s); asking to retry", exc.code)
@@ -211,6 +222,19 @@ class EmailHandler:
                 log.exception("email: recording the mail failed")
                 return _TEMPFAIL
         return "250 2.0.0 OK"
+
+    def _lookup_failed(self, exc: Exception) -> str:
+        """A route lookup that raised: 451 (the sender retries), said in the log as a
+        runner says it: a damaged database in :attr:`damaged`'s line, the database
+        unavailable (a 5xx :class:`LeadgateError`) in a line without a traceback, and
+        anything else (a bug) with its traceback."""
+        if isinstance(exc, DatabaseDamaged):
+            self.damaged.add(exc.detail)
+        elif isinstance(exc, LeadgateError) and exc.status >= 500:
+            log.warning("email: route lookup failed (%s); asking to retry", exc.code)
+        else:
+            log.exception("email: route lookup failed")
+        return _TEMPFAIL
 
 
 #: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT

@@ -217,8 +217,9 @@ def mcp_initialize(protocol: str = "2025-06-18") -> dict[str, Any]:
 
 
 def ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    """The records of the service's own loggers (``leadgate.*``). A check for "no
-    traceback" or "one ERROR line" must not count what another test left behind: asyncio
-    logs a client task the garbage collector found unfinished ("Task exception was never
-    retrieved", ERROR, with its traceback) in whichever test runs then."""
-    return [r for r in caplog.records if r.name.startswith("leadgate")]
+    """The records of the service's own loggers (``leadgate.*``, and the channel
+    adapters' ``bots.*``). A check for "no traceback" or "one ERROR line" must not count
+    what another test left behind: asyncio logs a client task the garbage collector found
+    unfinished ("Task exception was never retrieved", ERROR, with its traceback) in
+    whichever test runs then."""
+    return [r for r in caplog.records if r.name.startswith(("leadgate", "bots."))]

@@ -14,6 +14,7 @@ import httpx2
 import openai
 import pytest
 import sqlalchemy as sa
+from aiosmtpd.smtp import SMTP, Envelope, Session
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -21,6 +22,7 @@ from mcp_types import TextContent
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
+from bots.email import EmailHandler
 from leadgate.app import App
 from leadgate.core import runners
 from leadgate.core.errors import DatabaseDamaged
@@ -34,7 +36,7 @@ from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.intake import Accepted
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import eventually, make_agent, make_org, ours, slack_trigger
+from tests.helpers import eventually, make_agent, make_org, make_route, ours, slack_trigger
 from tests.review_support import review_env
 from tests.serving import served_app
 from tests.stack import Stack
@@ -420,3 +422,33 @@ async def test_review_cards_meeting_a_damaged_file_are_one_line_not_a_traceback(
     assert env.stack.outbox.cards_damaged.total == 2
     assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
     assert env.stack.db.damaged is not None  # /healthz reports it
+
+
+async def test_an_email_route_lookup_meeting_a_damaged_file_is_451_and_one_line(
+    service: App, migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SMTP listener looks the route up at RCPT TO (and again for a From: that is
+    not the envelope's sender): on damaged pages that was the driver's traceback per
+    mail. Each mail is still asked to retry (451)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    org = await make_org(service)
+    agent = await make_agent(service, org, "plain")
+    await make_route(service, org, agent["id"], "email")
+    damage_table(path, "routes")
+    handler = EmailHandler(service.messages)
+    for _ in range(3):
+        envelope = Envelope()
+        envelope.mail_from = "alice@example.com"
+        said = await handler.handle_RCPT(
+            SMTP(handler), Session(asyncio.get_running_loop()), envelope, "bot@example.com", []
+        )
+        assert said.startswith("451 "), said
+        assert envelope.rcpt_tos == []
+    lines = [r for r in ours(caplog) if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, [r.getMessage() for r in lines]
+    said = lines[0].getMessage()
+    assert said.startswith("email: 1 mail(s) met a damaged database (asked to retry, 451): ")
+    assert f"the SQLite database {path} is damaged" in said
+    assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
+    assert handler.damaged.total == 3
+    assert service.db.damaged is not None  # /healthz reports it

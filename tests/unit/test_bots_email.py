@@ -18,7 +18,8 @@ from bots.base import RouteMatch
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
 from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
 from leadgate.core.config import EmailSettings, Settings
-from leadgate.core.types import BindingKind
+from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.types import BindingKind, Inbound
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import eventually
 
@@ -584,3 +585,48 @@ async def test_connections_beyond_the_limit_get_421_and_are_closed(
     assert await eventually(lambda: adapter.open_sessions == 0, 2.0)
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert lines == ["email: 1 SMTP connection(s) refused (421) at [email] max_connections = 2"]
+
+
+async def test_a_damaged_database_met_by_either_route_lookup_is_451_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At RCPT TO and again at DATA for a From: that is not the envelope's sender, each
+    lookup meeting a damaged database was the driver's traceback per mail; recording
+    the mail, a WARNING per mail. All are asked to retry, in one ERROR line a minute."""
+    detail = "the SQLite database /srv/leadgate.db is damaged (SQLite: ...)"
+
+    def damaged_for_bob(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        if attrs["sender"] in ("bob@example.com", "carol@example.com"):
+            raise DatabaseDamaged(detail)
+        return RouteMatch("route-1", "org-1", "agent-1", silent=False)
+
+    class DamagedRecord(FakeCore):
+        """Recording the mail meets the damage (its route was found at RCPT TO)."""
+
+        async def record_inbound(self, inbound: Inbound, *, notice: bool = True) -> Any:
+            if inbound.route_attrs["sender"] == "dave@example.com":
+                raise DatabaseDamaged(detail)
+            return await super().record_inbound(inbound, notice=notice)
+
+    async for listener in _listen(DamagedRecord(damaged_for_bob)):
+        with pytest.raises(aiosmtplib.SMTPRecipientsRefused) as refused:
+            await listener.send(_mail(), sender="carol@example.com")
+        assert refused.value.recipients[0].code == 451
+        for n in range(2):
+            with pytest.raises(aiosmtplib.SMTPDataError) as info:
+                await listener.send(_mail(From="bob@example.com", Message_ID=f"<b{n}@x>"))
+            assert info.value.code == 451
+        # Recording it was a WARNING per mail.
+        with pytest.raises(aiosmtplib.SMTPDataError) as info:
+            await listener.send(_mail(From="dave@example.com"), sender="dave@example.com")
+        assert info.value.code == 451
+        assert listener.core.triggers == []
+        handler = listener.adapter.handler
+    lines = [r for r in caplog.records if r.name == "bots.email"]
+    assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
+    assert (
+        lines[0].getMessage()
+        == f"email: 1 mail(s) met a damaged database (asked to retry, 451): {detail}"
+    )
+    assert lines[0].exc_info is None
+    assert handler.damaged.total == 4
