@@ -128,6 +128,11 @@ def create_adapters(settings: Settings, core: Core) -> list[Adapter]:
     return adapters
 
 
+#: How often ``/healthz`` may look again at a damaged database it reports (ms):
+#: :meth:`leadgate.database.db.Database.recheck_damage`, which reads the whole SQLite
+#: file, so not at every poll.
+DAMAGE_RECHECK_MS = 30_000
+
 #: How long shutdown waits for background work (turns in flight) before cancelling it.
 SHUTDOWN_WAIT_S = 10.0
 
@@ -172,6 +177,10 @@ class App:
             self.ids,
             dead_after_ms=int(settings.runners.dead_after_s * 1000),
         )
+        #: ``/healthz``'s re-check of a damaged database: when it may run next (clock
+        #: ms), and whether one runs now.
+        self._damage_recheck_at = 0
+        self._damage_rechecking = False
         self._beats_damaged = Tally(
             log,
             "%d heartbeat(s) met a damaged database: %s; retrying at each beat",
@@ -686,10 +695,24 @@ class App:
     def _healthz(self, role: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def healthz(_: web.Request) -> web.Response:
             if self.db.damaged is not None:
-                # Once met, damage stays until the file (PostgreSQL: the data or the
-                # index) is repaired and the process restarted: ``SELECT 1`` reads no
-                # table's pages, so it would pass.
-                raise DatabaseDamaged(self.db.damaged)
+                # Once met, damage is reported until a re-check finds it repaired:
+                # ``SELECT 1`` reads no table's pages, and another statement succeeding
+                # proves nothing of the pages it did not read. The re-check (SQLite: a
+                # quick_check of the file; PostgreSQL: the statement that met it, run
+                # again and rolled back) costs more than ``SELECT 1``, so it runs at
+                # most every DAMAGE_RECHECK_MS and one at a time; polls meanwhile get
+                # the last verdict. (Only a restart ended the 500, repaired or not.)
+                now = self.clock.now_ms()
+                if now >= self._damage_recheck_at and not self._damage_rechecking:
+                    self._damage_recheck_at = now + DAMAGE_RECHECK_MS
+                    self._damage_rechecking = True
+                    try:
+                        await self.db.recheck_damage()
+                    finally:
+                        self._damage_rechecking = False
+                damaged = self.db.damaged
+                if damaged is not None:
+                    raise DatabaseDamaged(damaged)
             async with self.db.read() as conn:
                 await conn.execute(sa.text("SELECT 1"))
             return web.json_response({"status": "ok", "role": role})

@@ -248,9 +248,17 @@ class Database:
         self._inline: InlineSqlite | None = None
         #: What a transaction found damaged in the SQLite file or the PostgreSQL
         #: database (naming it), once one did
-        #: (:class:`leadgate.core.errors.DatabaseDamaged`): ``/healthz`` reports it from
-        #: then on, as a statement that happens not to touch the damaged pages succeeds.
+        #: (:class:`leadgate.core.errors.DatabaseDamaged`): ``/healthz`` reports it until
+        #: :meth:`recheck_damage` finds it repaired (a statement that happens not to
+        #: touch the damaged pages succeeds meanwhile, so success elsewhere proves
+        #: nothing).
         self.damaged: str | None = None
+        #: Counts the times damage was met, so a re-check clears only what it checked.
+        self._damage_met = 0
+        #: PostgreSQL: the statement (the driver's SQL and its parameters) that met the
+        #: damage last, for :meth:`recheck_damage` (kept in memory only: the parameters
+        #: are what clients sent).
+        self._damaged_by: tuple[str, Sequence[Any]] | None = None
         #: How the log names a PostgreSQL database: ``dbname on host:port`` (never the
         #: user or the password).
         self._pg_name = _pg_name(parsed) if self.is_postgres else ""
@@ -272,6 +280,53 @@ class Database:
                 connect_timeout_s=max(1.0, busy_timeout_s),
                 tag=self.notify_tag,
             )
+
+    def _note_damage(self, detail: str, exc: BaseException) -> None:
+        """Remember damage met by ``exc`` (:func:`_raise_fault`)."""
+        self.damaged = detail
+        self._damage_met += 1
+        if self.is_postgres:
+            self._damaged_by = _replayable(exc)
+
+    async def recheck_damage(self) -> bool:
+        """Look again at the damage :attr:`damaged` reports; clear it (True) when it is
+        gone, an operator having repaired it while the service ran. SQLite:
+        ``PRAGMA quick_check`` of the whole file (every page, on a connection of its
+        own in a thread: it takes time in proportion to the file, so callers bound how
+        often). PostgreSQL: the statement that met the damage last, run again in a
+        transaction that is always rolled back (a ``REINDEX`` of the index it met, or
+        the data restored, lets it pass); when there is none to run again (the damage
+        was met at ``COMMIT``), the damage stays reported until a restart. Damage met
+        again while this ran is not cleared."""
+        if self.damaged is None:
+            return True
+        met = self._damage_met
+        if self._inline is not None:
+            repaired = await asyncio.to_thread(_quick_check, self._inline.path)
+        else:
+            repaired = await self._replay_damaged()
+        if repaired and met == self._damage_met:
+            self.damaged, self._damaged_by = None, None
+            return True
+        return False
+
+    async def _replay_damaged(self) -> bool:
+        """:meth:`recheck_damage` on PostgreSQL: True when the statement runs."""
+        replay, pool = self._damaged_by, self._pg
+        if replay is None or pool is None:
+            return False
+        sql, args = replay
+        try:
+            async with pool.transaction() as conn:
+                # Bounded: the re-check must not wait on locks or run long.
+                await conn.raw.execute("SET LOCAL statement_timeout = '5s'")
+                await conn.raw.execute("SET LOCAL lock_timeout = '1s'")
+                await conn.raw.fetch(sql, *args)
+                raise _Undo
+        except _Undo:
+            return True
+        except Exception:  # damaged still, or unknown: keep reporting it
+            return False
 
     @property
     def table_changes(self) -> TableChanges | None:
@@ -654,14 +709,58 @@ def _raise_fault(exc: BaseException, db: Database) -> None:
     if isinstance(exc, sa.exc.DBAPIError) and db._inline is not None:
         found = _not_a_database(exc, db._inline.path)
         if found is not None:
-            db.damaged = found.message
+            db._note_damage(found.message, exc)
             raise DatabaseDamaged(found.message) from exc
     if db.is_postgres:
         detail = _pg_damaged(exc, db._pg_name)
         if detail is not None:
-            db.damaged = detail
+            db._note_damage(detail, exc)
             raise DatabaseDamaged(detail) from exc
     _raise_unavailable(exc)
+
+
+class _Undo(Exception):
+    """Rolls back :meth:`Database.recheck_damage`'s transaction."""
+
+
+#: Statements :meth:`Database.recheck_damage` may run again (in a transaction it rolls
+#: back): never BEGIN, COMMIT, SAVEPOINT or the like, which would end or change it.
+_REPLAYABLE = ("select", "with", "insert", "update", "delete")
+
+
+def _replayable(exc: BaseException) -> tuple[str, Sequence[Any]] | None:
+    """The statement (SQL and parameters) of the driver's error in ``exc``, when it is
+    one that can be run again."""
+    item: BaseException | None = exc
+    while item is not None and not isinstance(item, sa.exc.StatementError):
+        item = item.__cause__
+    if item is None or not isinstance(item.statement, str):
+        return None
+    sql = item.statement
+    if not sql.lstrip().lower().startswith(_REPLAYABLE):
+        return None
+    params = item.params
+    if params is None:
+        return sql, ()
+    if isinstance(params, Sequence) and not isinstance(params, str):
+        return sql, tuple(params)
+    return None
+
+
+def _quick_check(path: str) -> bool:
+    """``PRAGMA quick_check`` of the SQLite file at ``path`` on a read-only connection
+    of its own (SQLite shares the file's locks between connections of one process):
+    True when it finds nothing wrong."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        return bool(conn.execute("PRAGMA quick_check(1)").fetchone() == ("ok",))
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
 
 
 def _pg_damaged(exc: BaseException, name: str) -> str | None:

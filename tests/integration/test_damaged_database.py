@@ -9,6 +9,7 @@ import asyncio
 import logging
 import sqlite3
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx2
 import openai
@@ -23,7 +24,7 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from bots.email import EmailHandler
-from leadgate.app import App
+from leadgate.app import DAMAGE_RECHECK_MS, App
 from leadgate.core import runners
 from leadgate.core.errors import DatabaseDamaged
 from leadgate.core.runners import drain, run_loop
@@ -452,3 +453,55 @@ async def test_an_email_route_lookup_meeting_a_damaged_file_is_451_and_one_line(
     assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
     assert handler.damaged.total == 3
     assert service.db.damaged is not None  # /healthz reports it
+
+
+def copy_of(path: str, copy: str) -> None:
+    """``copy`` made a consistent copy of the SQLite file ``path`` (SQLite's backup,
+    what ``sqlite3 FILE ".backup COPY"`` does), or ``path`` restored from it when
+    called the other way round (``".restore"``: through SQLite, with its locks, so the
+    service's open connections see the restored pages, not their own stale ones)."""
+    with sqlite3.connect(path) as source, sqlite3.connect(copy) as target:
+        source.backup(target)
+    source.close()
+    target.close()
+
+
+async def test_healthz_recovers_once_the_damaged_file_is_restored_while_it_runs(
+    migrated_url: str, tmp_path: Path
+) -> None:
+    """/healthz answered 500 from the first damage met until the process restarted,
+    repaired or not. Now it looks again at most every DAMAGE_RECHECK_MS: still damaged
+    is still 500; restored, 200 again at the next look."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    backup = str(tmp_path / "backup.db")
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        auth = {"Authorization": f"Bearer {org.key}"}
+        page = "/v1/agents/plain/sessions/s1/messages"
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {**auth, "X-Session-Id": "s1"}
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+        copy_of(path, backup)
+        damage_table(path, "messages")
+        assert (await client.get(page, headers=auth)).status == 500
+        assert (await client.get("/healthz")).status == 500  # looked: damaged
+
+        service.clock.advance(DAMAGE_RECHECK_MS)
+        assert (await client.get("/healthz")).status == 500  # looked again: still
+
+        copy_of(backup, path)
+        assert (await client.get("/healthz")).status == 500  # not looked again yet
+        service.clock.advance(DAMAGE_RECHECK_MS - 1)
+        assert (await client.get("/healthz")).status == 500
+        service.clock.advance(1)
+        health = await client.get("/healthz")
+        assert health.status == 200, await health.text()
+        assert service.db.damaged is None
+        resp = await client.get(page, headers=auth)
+        assert resp.status == 200 and len((await resp.json())["data"]) == 2
+
+        # Met again, it is reported again at once.
+        damage_table(path, "messages")
+        assert (await client.get(page, headers=auth)).status == 500
+        assert (await client.get("/healthz")).status == 500

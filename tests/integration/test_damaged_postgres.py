@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from leadgate.app import App
+from leadgate.app import DAMAGE_RECHECK_MS, App
 from leadgate.cli.main import main
 from leadgate.core.errors import DatabaseDamaged
 from leadgate.database.pg import asyncpg_dsn
@@ -235,3 +235,34 @@ async def test_review_cards_meeting_damaged_data_are_one_line_and_the_item_waits
     assert env.stack.outbox.cards_damaged.total == 2
     assert not [r for r in ours(caplog) if r.exc_info], "no traceback"
     assert env.stack.db.damaged is not None  # /healthz reports it
+
+
+async def test_healthz_recovers_once_the_damage_is_repaired_while_it_runs(
+    migrated_url: str,
+) -> None:
+    """/healthz answered 500 from the first damage met until every replica that met it
+    restarted. Now it runs the statement that met the damage again (rolled back) at
+    most every DAMAGE_RECHECK_MS: 500 while it still fails, 200 once it runs."""
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {org.key}", "X-Session-Id": "s1"}
+        await run_sql(migrated_url, damage_inserts("messages"))
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 500
+        assert (await client.get("/healthz")).status == 500
+        service.clock.advance(DAMAGE_RECHECK_MS)
+        assert (await client.get("/healthz")).status == 500  # the insert fails still
+
+        # The operator rebuilds the index (here: the trigger raising XX002 goes).
+        await run_sql(migrated_url, "DROP TRIGGER damaged_index ON messages")
+        assert (await client.get("/healthz")).status == 500  # not looked again yet
+        service.clock.advance(DAMAGE_RECHECK_MS)
+        health = await client.get("/healthz")
+        assert health.status == 200, await health.text()
+        async with service.db.read() as conn:  # the re-check's insert was rolled back
+            count = await conn.scalar(sa.text("SELECT count(*) FROM messages"))
+        assert count == 0
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 200, await resp.text()
