@@ -327,7 +327,12 @@ class DamagedAnswers:
     def note(self, request: web.Request, exc: DatabaseDamaged) -> None:
         """Count ``exc`` met by ``request`` (logged now and then): where no answer can
         carry it too, as in an event stream already under way."""
-        self._tally.add(request.method, request.path, exc.detail)
+        self.note_for(request.method, request.path, exc)
+
+    def note_for(self, method: str, path: str, exc: DatabaseDamaged) -> None:
+        """:meth:`note` for a request known by its method and path only (one whose
+        object is not to be kept, as MCP's)."""
+        self._tally.add(method, path, exc.detail)
 
     def answer(self, request: web.Request, exc: DatabaseDamaged) -> web.Response:
         """The 500 for ``exc`` (counted; logged now and then)."""

@@ -47,7 +47,13 @@ from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers
-from leadgate.web.mcp_resources import REQUEST_SCOPE_KEY, Resources, Watcher, note_damaged
+from leadgate.web.mcp_resources import (
+    REQUEST_SCOPE_KEY,
+    CallSource,
+    Resources,
+    Watcher,
+    note_damaged,
+)
 from leadgate.web.sessions_api import SessionReads
 
 logger = logging.getLogger(__name__)
@@ -508,19 +514,26 @@ async def _bridge(
     gone = asyncio.Event()  # the client went away, or the exchange is over
     # A request without a session id opens one; refused, the SDK discards it again.
     opening = "mcp-session-id" not in request.headers
-    body_done = False
     response: web.StreamResponse | None = None
     send_lock = asyncio.Lock()
+    # What receive() reads of this exchange, dropped once it is over: the SDK keeps the
+    # ASGI request (the scope and receive()) of a session's last message for as long as
+    # the session lives, and through receive() it held the aiohttp request (transport,
+    # buffers), the key's re-check and the whole body, in every idle session.
+    exchange = _Exchange(request, body, recheck)
+    stream_closing = closing if request.method == "GET" else None
 
     async def receive() -> Message:
-        nonlocal body_done
-        if not body_done:
-            body_done = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        live = exchange
+        if live.request is None or live.recheck is None:
+            return {"type": "http.disconnect"}  # (the exchange is over)
+        if live.body is not None:
+            chunk, live.body = live.body, None
+            return {"type": "http.request", "body": chunk, "more_body": False}
         # After the body, ASGI receive() must block until the client disconnects; the
         # SDK's SSE responses listen here to stop streaming. Returning at once (what
         # aiohttp-asgi does) makes them spin.
-        await _wait_disconnect(request, gone, closing if request.method == "GET" else None, recheck)
+        await _wait_disconnect(live.request, gone, stream_closing, live.recheck)
         return {"type": "http.disconnect"}
 
     plain_error: tuple[int, bytearray] | None = None
@@ -570,12 +583,25 @@ async def _bridge(
         await manager.handle_request(scope, receive, send)
     finally:
         gone.set()
+        exchange.request = exchange.body = exchange.recheck = None
     if response is None:
         # The SDK answered nothing (it crashed before responding).
         return web.json_response(
             error_body(500, GENERIC_ERROR_TEXT, "internal_error", "internal"), status=500
         )
     return response
+
+
+class _Exchange:
+    """:func:`_bridge`'s request, its body until the SDK has read it, and its key's
+    re-check: all None once the exchange is over."""
+
+    __slots__ = ("body", "recheck", "request")
+
+    def __init__(self, request: web.Request, body: bytes, recheck: Recheck) -> None:
+        self.request: web.Request | None = request
+        self.body: bytes | None = body
+        self.recheck: Recheck | None = recheck
 
 
 #: The SDK's own plain-text refusals (its transport security checks), by their text:
@@ -748,7 +774,7 @@ def _asgi_scope(request: web.Request, principal: Principal) -> AsgiScope:
         "user": _sdk_user(principal),
         "auth": AuthCredentials(sorted(scope.value for scope in principal.scopes)),
         PRINCIPAL_SCOPE_KEY: principal,
-        REQUEST_SCOPE_KEY: request,
+        REQUEST_SCOPE_KEY: CallSource.of(request),
     }
 
 

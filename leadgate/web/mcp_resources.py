@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,15 +48,36 @@ from mcp.shared.exceptions import MCPError
 from leadgate.core.auth import Principal
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, NotFound
 from leadgate.core.logs import Tally
-from leadgate.web.common import damaged_answers
+from leadgate.web.common import DamagedAnswers, damaged_answers
 from leadgate.web.sessions_api import SessionReads
 
 log = logging.getLogger("leadgate.mcp")
 
-#: Where the bridge (:mod:`leadgate.web.mcp`) leaves the aiohttp request that carried an
-#: MCP call, in its ASGI scope: a handler meeting a damaged database counts it with the
-#: application's other requests (:class:`leadgate.web.common.DamagedAnswers`).
+#: Where the bridge (:mod:`leadgate.web.mcp`) leaves a :class:`CallSource` for the HTTP
+#: request that carried an MCP call, in its ASGI scope: a handler meeting a damaged
+#: database counts it with the application's other requests
+#: (:class:`leadgate.web.common.DamagedAnswers`).
 REQUEST_SCOPE_KEY: Final = "leadgate.request"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallSource:
+    """What an MCP call needs of the HTTP request that carried it: where to count a
+    damaged database, and the request's method and path for that line. Not the aiohttp
+    request itself: the SDK keeps the ASGI request of a session's last message for as
+    long as the session lives, and with it the aiohttp request (its transport and
+    buffers) long after it was answered."""
+
+    answers: DamagedAnswers
+    method: str
+    path: str
+
+    @classmethod
+    def of(cls, request: web.Request) -> CallSource:
+        """The source of a call carried by ``request``."""
+        return cls(damaged_answers(request), request.method, request.path)
+
+
 # For a call that came without one (no bridge: a wiring bug): counted apart.
 _DAMAGED = Tally(
     log, "%d MCP call(s) met a damaged database: %s", every_s=60.0, level=logging.ERROR
@@ -67,9 +89,9 @@ def note_damaged(ctx: ServerRequestContext[Any, Any], exc: DatabaseDamaged) -> N
     in the one ERROR line a minute naming the database: the call's error went to its
     client alone, and the operators never heard of it."""
     scope = getattr(ctx.request, "scope", None)
-    request = scope.get(REQUEST_SCOPE_KEY) if isinstance(scope, dict) else None
-    if isinstance(request, web.Request):
-        damaged_answers(request).note(request, exc)
+    source = scope.get(REQUEST_SCOPE_KEY) if isinstance(scope, dict) else None
+    if isinstance(source, CallSource):
+        source.answers.note_for(source.method, source.path, exc)
     else:
         _DAMAGED.add(exc.detail)
 

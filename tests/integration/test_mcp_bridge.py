@@ -7,6 +7,7 @@ tool's schema and its exact result mapping), not the turn path behind it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -587,3 +588,32 @@ async def test_quick_shutdown_while_a_client_stays_connected(served: Served) -> 
         started = time.monotonic()
         await served.runner.cleanup()
         assert time.monotonic() - started < 2.0
+
+
+async def test_an_answered_post_is_not_kept_while_its_mcp_session_lives(served: Served) -> None:
+    """The SDK keeps the ASGI request of a session's last message (its scope and
+    receive()) for as long as the session lives. The scope held the aiohttp request and
+    receive() the request, its key's re-check and its whole body: every idle session
+    kept its last POST, transport and buffers included, until it ended."""
+    host = served.url.split("/")[2]
+
+    def kept() -> list[web.BaseRequest]:
+        gc.collect()
+        return [
+            o
+            for o in gc.get_objects()
+            if isinstance(o, web.BaseRequest) and o.method == "POST" and o.host == host
+        ]
+
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "x" * 50_000}
+        )
+        assert result.is_error is False
+        assert await eventually(lambda: not [r for r in served.active if r.method == "POST"])
+        assert await eventually(lambda: kept() == []), kept()
+        # The session lives on.
+        again = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "again"}
+        )
+        assert again.is_error is False
