@@ -42,7 +42,7 @@ from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import bearer_token, decode_json, read_body
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, PayloadTooLarge, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
@@ -505,7 +505,12 @@ async def _bridge(
     scope = _asgi_scope(request, principal)
     # The whole body first, through the one decoding path: the size limit (413), the
     # body timeout and (POST) the JSON checks apply before the SDK sees anything.
-    body = await read_body(request)
+    try:
+        body = await read_body(request)
+    except PayloadTooLarge as exc:
+        if request.method != "POST":
+            raise
+        return _jsonrpc_too_large(request, exc)
     if body:
         try:
             decode_json(body)
@@ -647,6 +652,20 @@ def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
     code = -32700 if exc.rule in _NOT_JSON else -32602
     error = {"code": code, "message": f"{exc.message} [{exc.rule}]", "data": {"rule": exc.rule}}
     return web.json_response({"jsonrpc": "2.0", "id": request_id, "error": error}, status=400)
+
+
+def _jsonrpc_too_large(request: web.Request, exc: PayloadTooLarge) -> web.Response:
+    """A POST body over the size limit (a message too long for a tool call), answered as
+    JSON-RPC with ``id: null`` (the body is never read, so its id is unknown; the official
+    client answers its request with it) and HTTP 413. It was the REST envelope, which the
+    client could only report as -32603 "Server returned an error response", no rule."""
+    error = {"code": -32602, "message": f"{exc.message} [{exc.rule}]", "data": {"rule": exc.rule}}
+    response = web.json_response({"jsonrpc": "2.0", "id": None, "error": error}, status=413)
+    if not request.content.is_eof():
+        # The unread rest of the body ends the connection (aiohttp closes it): say so, as
+        # every other refusal of an unread body does.
+        response.force_close()
+    return response
 
 
 #: The text of a body that is JSON but no JSON-RPC message.

@@ -323,6 +323,28 @@ async def test_a_body_failing_the_json_checks_is_a_jsonrpc_error_the_client_matc
             assert got["error"]["data"] == {"rule": rule}
 
 
+async def test_a_body_over_the_size_limit_is_a_jsonrpc_error_the_client_matches(
+    served: Served,
+) -> None:
+    """A tool call whose message makes the body larger than the limit is refused as
+    JSON-RPC (HTTP 413) naming ``body.size``, which the official client reports on the
+    call; it was the REST envelope, reported as -32603 "Server returned an error response"
+    with no rule. The session goes on."""
+    async with mcp_session(served.url, "key-a") as session:
+        with pytest.raises(MCPError) as refused:
+            await session.call_tool(
+                "send_action_agent_message", {"agent": "writer", "message": "x" * 2_000_000}
+            )
+        assert refused.value.error.code == -32602
+        assert refused.value.error.message.endswith("[body.size]"), refused.value.error
+        assert refused.value.error.data == {"rule": "body.size"}
+        after = await session.call_tool(
+            "send_action_agent_message", {"agent": "writer", "message": "hi"}
+        )
+        assert after.is_error is False and "org-a says: hi" in only_text(after)
+    assert [call.message for call in served.core.calls] == ["hi"]
+
+
 async def test_sessions_past_the_limit_are_503_with_retry_after() -> None:
     """At most ``max_sessions`` are open; the next initialize is a 503 that says when to
     try again, like every other 503 of the service (the SDK's own answer had no
