@@ -238,8 +238,15 @@ def _refused(uri: str, exc: LeadgateError) -> MCPError:
     return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data=data)
 
 
-def _unknown(uri: str) -> MCPError:
-    return MCPError(code=mt.INVALID_PARAMS, message=f"Unknown resource: {uri}", data={"uri": uri})
+def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
+    """-32602 for a URI that names no resource of the caller's: ``resource.unknown`` when
+    it is no transcript URI at all, else the lookup's rule (``agent.not_found``, also for
+    another organization's agent). It named no rule, unlike every other refusal here."""
+    return MCPError(
+        code=mt.INVALID_PARAMS,
+        message=f"Unknown resource: {uri}",
+        data={"uri": uri, "rule": rule},
+    )
 
 
 class Resources:
@@ -304,8 +311,8 @@ class Resources:
             page = await self.reads.messages(
                 principal, agent, session, after=after, limit=self.parse_limit(limit)
             )
-        except NotFound:
-            raise _unknown(uri) from None
+        except NotFound as exc:
+            raise _unknown(uri, exc.rule) from None
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:
@@ -418,8 +425,8 @@ class Resources:
         agent, session, _, _ = parse_uri(uri)
         try:
             return await self.reads.open(principal, agent, session)
-        except NotFound:
-            raise _unknown(uri) from None
+        except NotFound as exc:
+            raise _unknown(uri, exc.rule) from None
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
         except LeadgateError as exc:

@@ -205,10 +205,16 @@ async def test_the_same_session_as_rest_and_the_default(env: Env) -> None:
 async def test_another_organizations_resource_is_unknown(env: Env) -> None:
     async with session(env, env.other.key) as client:
         await client.initialize()
-        for resource in (uri("worker", "m1"), "leadgate://agents/worker/nope", "file:///etc"):
+        for resource, rule in (
+            (uri("worker", "m1"), "agent.not_found"),
+            ("leadgate://agents/worker/nope", "resource.unknown"),
+            ("file:///etc", "resource.unknown"),
+        ):
             with pytest.raises(MCPError) as read:
                 await client.read_resource(resource)
             assert read.value.error.code == mt.INVALID_PARAMS
+            # Named like every other refusal (it named no rule).
+            assert read.value.error.data == {"uri": resource, "rule": rule}
         with (
             warnings.catch_warnings(),
             pytest.raises(MCPError) as sub,
@@ -216,6 +222,7 @@ async def test_another_organizations_resource_is_unknown(env: Env) -> None:
             warnings.simplefilter("ignore", DeprecationWarning)
             await client.subscribe_resource(uri("worker", "m1"))
         assert sub.value.error.code == mt.INVALID_PARAMS
+        assert sub.value.error.data == {"uri": uri("worker", "m1"), "rule": "agent.not_found"}
         # Its own agent is fine.
         assert (await transcript(client, uri("theirs", "x")))["data"] == []
         # A session name no surface accepts (PostgreSQL text cannot hold a NUL) is refused
