@@ -117,6 +117,9 @@ class _Dropped(Exception):
     """The reader stopped reading (a write timed out) or went away."""
 
 
+_LAST_EVENT_ID_TEXT = "Last-Event-ID must be the id of an event of this stream"
+
+
 def last_event_id(request: web.Request) -> int:
     """The ``Last-Event-ID`` header: where a resuming reader left off (0: the start)."""
     raw = request.headers.get("Last-Event-ID", "").strip()
@@ -124,10 +127,14 @@ def last_event_id(request: web.Request) -> int:
         return 0
     after = decimal_int(raw)
     if after is None:
-        raise ValidationError(
-            "Last-Event-ID must be the id of an event of this stream", rule="events.last_event_id"
-        )
+        raise ValidationError(_LAST_EVENT_ID_TEXT, rule="events.last_event_id")
     return after
+
+
+async def _is_event_of(reads: SessionReads, session_id: str, seq: int) -> bool:
+    """Whether the session's log holds the event ``seq`` (one indexed read)."""
+    found = await reads.events(session_id, after=seq - 1, limit=1)
+    return bool(found) and found[0].seq == seq
 
 
 Recheck = Callable[[], Awaitable[Principal]]
@@ -149,6 +156,10 @@ async def stream_events(
     # The slot is taken before the first await (see StreamSlots).
     with settings.slots.take(request):
         session_id = await reads.open(principal, agent, name)  # 404 before any stream
+        if after and not await _is_event_of(reads, session_id, after):
+            # An id this session never gave (another session's, a stored one reused for a
+            # new session): resuming after it skipped every event up to it, unseen.
+            raise ValidationError(_LAST_EVENT_ID_TEXT, rule="events.last_event_id")
         # Every replica's writes to the session wake readers from here on (a 503 if the mark
         # fails); the first read of the log, after subscribing, covers what came before.
         await hub.keep_notified(session_id)

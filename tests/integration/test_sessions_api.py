@@ -333,6 +333,33 @@ async def test_stream_resumes_only_with_a_valid_id(env: Env) -> None:
     assert (await resp.json())["error"]["rule"] == "events.last_event_id"
 
 
+async def test_a_last_event_id_the_session_never_gave_is_refused(env: Env) -> None:
+    """An id past the session's log (another session's, or one kept from an earlier
+    session) is a 400 before any stream; it opened a stream that skipped every event up
+    to that id unseen. The session's own last id still resumes."""
+    for text in ("one", "two", "three"):
+        await env.chat("plain", text, headers={"X-Session-Id": "long"})
+    long_ = await open_stream(env, "plain", "long")
+    events = [await long_.next() for _ in range(6)]
+    long_.close()
+    await env.chat("plain", "first", headers={"X-Session-Id": "short"})
+    for last in (events[-1]["id"], 10_000):
+        resp = await env.client.get(
+            "/v1/agents/plain/sessions/short/events",
+            headers={**env.auth(), "Last-Event-ID": str(last)},
+        )
+        assert resp.status == 400, last
+        assert (await resp.json())["error"]["rule"] == "events.last_event_id"
+    short = await open_stream(env, "plain", "short", last=1)
+    answer = await short.next()
+    assert (answer["id"], answer["data"]["content"]) == (2, "Echo: first")
+    short.close()
+    resumed = await open_stream(env, "plain", "long", last=events[-1]["id"])
+    await env.chat("plain", "four", headers={"X-Session-Id": "long"})
+    assert (await resumed.next())["data"]["content"] == "four"
+    resumed.close()
+
+
 async def test_a_stream_ends_once_its_key_is_revoked(rechecking_env: Env) -> None:
     """A stream checks its key again every ``events_reauth_s``. Keys are cached for
     5 s of the service's clock, so the revocation is seen once that clock passed them."""
