@@ -66,6 +66,8 @@ MAX_MESSAGE_CHARS: Final = MESSAGE_LIMIT
 BUSY_TEXT: Final = "The operation could not be completed. Try again."
 # Unexpected failures say the same thing: nothing internal reaches the client.
 GENERIC_ERROR_TEXT: Final = BUSY_TEXT
+#: The rule a busy (or duplicate) tool call's error names: the item is not taking messages.
+BUSY_RULE: Final = "turn.busy"
 
 # Where the bridge leaves the caller in the ASGI scope for the tool to read.
 PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"
@@ -308,7 +310,7 @@ def build_mcp_server(
     ) -> CallToolResult:
         if params.name != TOOL_NAME:
             # As the SDK's MCPServer answers it: a tool result, not a protocol error.
-            return _tool_error(f"Unknown tool: {params.name}")
+            return _tool_error(f"Unknown tool: {params.name}", "tool.unknown")
         principal = _principal_of(ctx)
         try:
             if principal is None:
@@ -322,18 +324,18 @@ def build_mcp_server(
                     f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}"
                     for err in exc.errors()
                 )
-                return _tool_error(f"invalid arguments: {problems}")
+                return _tool_error(f"invalid arguments: {problems}", "tool.arguments")
             agent, message, session = _validate_arguments(args.agent, args.message, args.session)
             outcome = await send_message(principal, agent, message, session)
             return outcome_to_result(outcome)
         except DatabaseDamaged as exc:
             note_damaged(ctx, exc)  # (a tool error reached no log)
-            return _tool_error(exc.message)  # (the file stays out of it)
+            return _tool_error(exc.message, exc.rule)  # (the file stays out of it)
         except LeadgateError as exc:
-            return _tool_error(exc.message)
+            return _tool_error(exc.message, exc.rule)
         except Exception:
             logger.exception("send_action_agent_message failed")
-            return _tool_error(GENERIC_ERROR_TEXT)
+            return _tool_error(GENERIC_ERROR_TEXT, "internal")
 
     handlers: dict[str, Any] = {}
     if resources is not None:
@@ -365,7 +367,7 @@ def outcome_to_result(outcome: Outcome) -> CallToolResult:
             {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None}
         )
     if isinstance(outcome, Busy | Duplicate):
-        return _tool_error(BUSY_TEXT)
+        return _tool_error(BUSY_TEXT, BUSY_RULE)
     raise TypeError(f"unknown outcome {outcome!r}")
 
 
@@ -378,10 +380,16 @@ def _tool_success(result: dict[str, Any]) -> CallToolResult:
     )
 
 
-def _tool_error(text: str) -> CallToolResult:
+def _tool_error(text: str, rule: str) -> CallToolResult:
+    """A tool error: the public text, and its rule in ``_meta`` (``{"rule": ...}``), where
+    a client can branch on it as on every other surface's ``rule`` (tool errors named
+    none). Not in ``structuredContent``, which the tool's output schema describes and
+    some clients validate even on errors."""
     # Returned, not raised: a raised ToolError gets an "Error executing tool ..." prefix,
     # which would break the exact public text.
-    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+    return CallToolResult(
+        content=[TextContent(type="text", text=text)], is_error=True, meta={"rule": rule}
+    )
 
 
 def _validate_arguments(

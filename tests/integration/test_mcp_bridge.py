@@ -181,6 +181,15 @@ async def test_lists_exactly_the_one_tool(served: Served) -> None:
         jsonschema.validate(leaked, tool.output_schema)
 
 
+async def test_an_unknown_tool_is_a_tool_error_naming_its_rule(served: Served) -> None:
+    async with mcp_session(served.url, "key-a") as session:
+        result = await session.call_tool("send_message", {"agent": "writer", "message": "hi"})
+    assert result.is_error is True
+    assert only_text(result) == "Unknown tool: send_message"
+    assert result.meta == {"rule": "tool.unknown"}
+    assert served.core.calls == []
+
+
 async def test_reply_is_plain_success(served: Served) -> None:
     async with mcp_session(served.url, "key-a") as session:
         result = await session.call_tool(
@@ -217,6 +226,8 @@ async def test_busy_and_duplicate_are_the_generic_error(served: Served, message:
     assert result.is_error is True
     assert only_text(result) == GENERIC
     assert result.structured_content is None
+    # The rule rides in _meta, as every other surface's error names one (it named none).
+    assert result.meta == {"rule": "turn.busy"}
     dumped = result.model_dump_json()
     assert "LEAD_REVIEW_PENDING" not in dumped
     assert "wi-secret" not in dumped
@@ -232,8 +243,10 @@ async def test_engine_errors_keep_their_message(served: Served) -> None:
         )
     assert missing.is_error is True
     assert only_text(missing) == "no agent named ghost"
+    assert missing.meta == {"rule": "not_found"}
     assert denied.is_error is True
     assert only_text(denied) == "this agent is not yours"
+    assert denied.meta == {"rule": "forbidden"}
 
 
 async def test_unexpected_error_leaks_nothing(
@@ -245,6 +258,7 @@ async def test_unexpected_error_leaks_nothing(
         )
     assert result.is_error is True
     assert only_text(result) == GENERIC
+    assert result.meta == {"rule": "internal"}
     assert "hunter2" not in result.model_dump_json()
     # The traceback goes to the log for the operator.
     assert any(rec.exc_info and "hunter2" in str(rec.exc_info[1]) for rec in caplog.records)
@@ -257,25 +271,32 @@ async def test_missing_scope_names_it(served: Served) -> None:
         )
     assert result.is_error is True
     assert "agent:trigger" in only_text(result)
+    assert result.meta == {"rule": "scope.agent:trigger"}
     assert served.core.calls == []
 
 
 @pytest.mark.parametrize(
-    ("arguments", "expected"),
+    ("arguments", "expected", "rule"),
     [
-        ({"agent": "writer", "message": ""}, "message must not be empty"),
-        ({"agent": "writer", "message": "   "}, "message must not be empty"),
-        ({"agent": "writer", "message": "x" * 100_001}, "longer than 100,000 characters"),
-        ({"agent": " ", "message": "hello"}, "agent"),
+        ({"agent": "writer", "message": ""}, "message must not be empty", "message.empty"),
+        ({"agent": "writer", "message": "   "}, "message must not be empty", "message.empty"),
+        (
+            {"agent": "writer", "message": "x" * 100_001},
+            "longer than 100,000 characters",
+            "message.too_long",
+        ),
+        ({"agent": " ", "message": "hello"}, "agent", "mcp.agent.empty"),
+        ({"agent": "writer", "message": 5}, "message: Input should be", "tool.arguments"),
     ],
 )
 async def test_invalid_arguments_are_tool_errors(
-    served: Served, arguments: dict[str, Any], expected: str
+    served: Served, arguments: dict[str, Any], expected: str, rule: str
 ) -> None:
     async with mcp_session(served.url, "key-a") as session:
         result = await session.call_tool("send_action_agent_message", arguments)
     assert result.is_error is True
     assert expected in only_text(result)
+    assert result.meta == {"rule": rule}
     assert served.core.calls == []
 
 
