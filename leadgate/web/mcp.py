@@ -388,7 +388,7 @@ def _tool_error(text: str, rule: str) -> CallToolResult:
     # Returned, not raised: a raised ToolError gets an "Error executing tool ..." prefix,
     # which would break the exact public text.
     return CallToolResult(
-        content=[TextContent(type="text", text=text)], is_error=True, meta={"rule": rule}
+        content=[TextContent(type="text", text=text)], is_error=True, _meta={"rule": rule}
     )
 
 
