@@ -591,6 +591,21 @@ _READ = (
 )
 
 
+_LATEST_REVIEW = (
+    sa.select(_E.status)
+    .where(_E.session_id == sa.bindparam("p_sid"), _E.kind == "review")
+    .order_by(_E.seq.desc())
+    .limit(1)
+)
+
+
+async def latest_review(conn: Conn, session_id: str) -> str | None:
+    """The public status of the session's latest held work (its last ``review`` event),
+    or ``None`` when none was ever held."""
+    row = (await conn.execute(_LATEST_REVIEW, {"p_sid": session_id})).first()
+    return None if row is None else str(row.status)
+
+
 async def read(conn: Conn, session_id: str, *, after: int, limit: int) -> list[SessionEvent]:
     """Up to ``limit`` events of ``session_id`` after ``seq = after``, in order."""
     rows = (

@@ -153,16 +153,23 @@ class Transcripts:
         *,
         after: str | None = None,
         limit: int = PAGE_MAX,
+        with_review: bool = False,
     ) -> dict[str, Any]:
         """One page of the visible transcript, oldest first:
         ``{"object": "list", "data": [...], "has_more"}``, at most ``limit`` messages and
         :data:`PAGE_MAX_CHARS` characters of text (one message, whatever its length). An
-        unknown session is empty; ``after`` must be the id of a message of this session."""
+        unknown session is empty; ``after`` must be the id of a message of this session.
+        ``with_review`` (MCP, which has no events stream) adds ``"review": {"status"}`` of
+        the session's latest held work (``null`` when none was held), from the same read."""
         ref = await self.find(principal, agent_ref, name)
         if ref.session_id is None:
-            return {"object": "list", "data": [], "has_more": False}
+            empty: dict[str, Any] = {"object": "list", "data": [], "has_more": False}
+            return {**empty, "review": None} if with_review else empty
+        review: str | None = None
         async with self.db.read() as conn:
             rows = await self._page(conn, ref.session_id, after, limit)
+            if with_review:
+                review = await session_events.latest_review(conn, ref.session_id)
         data: list[dict[str, Any]] = []
         chars = 0
         for row in rows[:limit]:
@@ -170,7 +177,10 @@ class Transcripts:
             if data and chars > PAGE_MAX_CHARS:
                 break
             data.append(public_message(*row))
-        return {"object": "list", "data": data, "has_more": len(rows) > len(data)}
+        page: dict[str, Any] = {"object": "list", "data": data, "has_more": len(rows) > len(data)}
+        if with_review:
+            page["review"] = None if review is None else {"status": review}
+        return page
 
     async def _page(self, conn: Conn, session_id: str, after: str | None, limit: int) -> list[Any]:
         params: dict[str, Any] = {

@@ -102,7 +102,8 @@ INSTRUCTIONS: Final = (
 RESOURCE_INSTRUCTIONS: Final = (
     " When its work awaits Lead review (leadReviewPending), read or subscribe to the "
     "session's transcript, leadgate://agents/{agent}/sessions/{session}/messages "
-    "(session 'default' when you sent none): the approved answer appears there."
+    "(session 'default' when you sent none): the approved answer appears there, and its "
+    "review.status says when it never will (rejected, cancelled, failed, abandoned)."
 )
 
 TOOL_DESCRIPTION: Final = """\

@@ -3,12 +3,14 @@
 Resource template ``leadgate://agents/{agent}/sessions/{session}/messages``: reading it
 gives the JSON text of the transcript page REST answers
 (``{"object": "list", "data": [...], "has_more"}``; ``?after=<message id>&limit=1..100``
-may follow, as on REST). ``{agent}`` and ``{session}`` are percent-encoded as in a URL
+may follow, as on REST), plus ``"review"``: ``{"status"}`` of the session's latest held
+work as the events stream's ``review`` event names it, or ``null`` (MCP has no events
+stream: without it a rejected answer showed nowhere). ``{agent}`` and ``{session}`` are percent-encoded as in a URL
 path; the session is the public session name (MCP's ``session`` argument, or
 ``default``). Another organization's agent is "Unknown resource" (-32602).
 
-Updates (a message stored or revealed in the session) reach subscribers both ways the
-protocol has:
+Updates (a message stored or revealed in the session, or its held work's public status
+changed) reach subscribers both ways the protocol has:
 
 * handshake era (``initialize``, up to 2025-11-25): ``resources/subscribe`` keeps the
   subscriber's connection; ``notifications/resources/updated`` goes out on its standalone
@@ -309,7 +311,12 @@ class Resources:
         agent, session, after, limit = parse_uri(uri)
         try:
             page = await self.reads.messages(
-                principal, agent, session, after=after, limit=self.parse_limit(limit)
+                principal,
+                agent,
+                session,
+                after=after,
+                limit=self.parse_limit(limit),
+                with_review=True,
             )
         except NotFound as exc:
             raise _unknown(uri, exc.rule) from None
@@ -377,9 +384,10 @@ class Resources:
         return sum(len(uris) for uris in self._by_connection.values())
 
     def changed(self, session_id: str, has_message: bool) -> None:
-        """Hub watcher: queue a notification when a message was stored or revealed."""
-        if not has_message:
-            return
+        """Hub watcher: queue a notification when a message was stored or revealed, or
+        the session's held work changed its public status (the page's ``review``: a
+        rejection, a cancellation shows nowhere else on MCP, and a subscriber waiting
+        for a revealed answer waited forever)."""
         if session_id not in self._subscribed and not self.bus.listens_to(session_id):
             return
         try:

@@ -72,6 +72,7 @@ class SessionReads(Protocol):
         *,
         after: str | None = None,
         limit: int = 100,
+        with_review: bool = False,
     ) -> dict[str, Any]: ...
 
     async def open(self, principal: Principal, agent_ref: str, name: str) -> str: ...

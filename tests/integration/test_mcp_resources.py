@@ -147,6 +147,7 @@ async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
             "object": "list",
             "data": [],
             "has_more": False,
+            "review": None,
         }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # removed in 2026-07-28
@@ -158,25 +159,28 @@ async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
             "success": True,
             "result": {"leadReviewPending": True, "text": "", "revision": None, "workItemId": None},
         }
-        # Stored: the user message (an update), and no answer yet.
-        for _ in range(100):
-            if env.updates:
-                break
-            await asyncio.sleep(0.02)
-        assert env.updates == [resource]
-        held = await transcript(client, resource)
-        assert [(m["role"], m["content"]) for m in held["data"]] == [("user", "ship it #complete")]
-        await env.settle()  # the lead approves; the relay reveals
+        # Stored: the user message (an update), then the answer held (an update: the
+        # review status), and no answer yet.
         for _ in range(100):
             if len(env.updates) == 2:
                 break
             await asyncio.sleep(0.02)
         assert env.updates == [resource, resource]
+        held = await transcript(client, resource)
+        assert [(m["role"], m["content"]) for m in held["data"]] == [("user", "ship it #complete")]
+        assert held["review"] == {"status": "pending"}
+        await env.settle()  # the lead approves; the relay reveals (one transaction)
+        for _ in range(100):
+            if len(env.updates) == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert env.updates == [resource] * 3
         done = await transcript(client, resource)
         assert [m["content"] for m in done["data"]] == [
             "ship it #complete",
             "Echo: ship it #complete",
         ]
+        assert done["review"] == {"status": "delivered"}
         assert "wi_" not in json.dumps(done)
         assert env.service._mcp is not None and env.service._mcp.resources is not None
         assert env.service._mcp.resources.subscriptions == 1
@@ -186,6 +190,38 @@ async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
             break
         await asyncio.sleep(0.02)
     assert env.service._mcp.resources.subscriptions == 0
+
+
+@LEGACY_SUBSCRIBE
+async def test_a_rejected_answer_updates_subscribers_and_the_page_says_so(env: Env) -> None:
+    """MCP has no events stream: the page's ``review`` names the held work's public
+    status, and a status change (here a person's rejection) is an update. A rejected
+    answer sent no update and showed nowhere, so a subscriber waiting for it waited
+    forever."""
+    resource = uri("worker", "rj")
+    async with session(env) as client:
+        await client.initialize()
+        await client.subscribe_resource(resource)
+        await client.call_tool(
+            TOOL, {"agent": "worker", "message": "risky #escalate #complete", "session": "rj"}
+        )
+        await env.settle()  # the lead escalates: awaitingHuman
+        held = await transcript(client, resource)
+        assert held["review"] == {"status": "pending"}
+        assert [m["role"] for m in held["data"]] == ["user"]
+        async with env.service.db.read() as conn:
+            item_id = (await conn.execute(sa.select(t.work_items.c.id))).scalar_one()
+        before = len(env.updates)
+        await env.service.reviews.decide(env.org.principal, item_id, "reject", "off topic")
+        for _ in range(100):
+            if len(env.updates) > before:
+                break
+            await asyncio.sleep(0.02)
+        assert env.updates[before:] == [resource]
+        done = await transcript(client, resource)
+    assert done["review"] == {"status": "rejected"}
+    assert [m["role"] for m in done["data"]] == ["user"]
+    assert "wi_" not in json.dumps(done) and "off topic" not in json.dumps(done)
 
 
 async def test_the_same_session_as_rest_and_the_default(env: Env) -> None:
