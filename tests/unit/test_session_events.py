@@ -139,6 +139,28 @@ async def test_rejection_is_a_status_without_the_reason(stack: Stack) -> None:
     assert "secret" not in repr(raw) and out.work_item_id not in repr(raw)
 
 
+async def test_latest_review_is_the_last_review_event_after_later_messages(
+    stack: Stack,
+) -> None:
+    """What the MCP transcript page names as ``review``: the status of the session's
+    last ``review`` event (messages after it do not hide it), ``None`` when none."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    plain = await make_agent(stack, org, "plain")
+    assert isinstance(await stack.turns.run(api_trigger(org, plain, "hi")), Reply)
+    out = await stack.turns.run(api_trigger(org, worker, "ship it #complete"))
+    assert isinstance(out, Gated)
+    sid = await session_of(stack, worker)
+    async with stack.db.read() as conn:
+        assert await session_events.latest_review(conn, await session_of(stack, plain)) is None
+        assert await session_events.latest_review(conn, sid) == "pending"
+    await drain(stack.lead_runner)  # approved, revealed, delivered
+    assert isinstance(await stack.turns.run(api_trigger(org, worker, "thanks")), Reply)
+    async with stack.db.read() as conn:
+        assert await session_events.latest_review(conn, sid) == "delivered"
+
+
 async def test_events_share_their_transaction(stack: Stack) -> None:
     org = await make_org(stack)
     agent = await make_agent(stack, org, "plain")
