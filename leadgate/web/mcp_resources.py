@@ -5,9 +5,10 @@ gives the JSON text of the transcript page REST answers
 (``{"object": "list", "data": [...], "has_more"}``; ``?after=<message id>&limit=1..100``
 may follow, as on REST), plus ``"review"``: ``{"status"}`` of the session's latest held
 work as the events stream's ``review`` event names it, or ``null`` (MCP has no events
-stream: without it a rejected answer showed nowhere). ``{agent}`` and ``{session}`` are percent-encoded as in a URL
-path; the session is the public session name (MCP's ``session`` argument, or
-``default``). Another organization's agent is "Unknown resource" (-32602).
+stream: without it a rejected answer showed nowhere). ``{agent}`` and ``{session}`` are
+percent-encoded as in a URL path; the session is the public session name (MCP's
+``session`` argument, or ``default``). Another organization's agent is "Unknown
+resource" (-32602, ``"rule": "agent.not_found"`` in ``error.data``).
 
 Updates (a message stored or revealed in the session, or its held work's public status
 changed) reach subscribers both ways the protocol has:
