@@ -26,7 +26,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from leadgate.core.errors import LeadgateError, Unavailable
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
 from leadgate.core.types import Inbound, Recorded, Routed, RouteMatch
 from outbox.channel import Channel
 
@@ -81,6 +81,21 @@ class Adapter(Protocol):
         """Run the inbound listeners that are not HTTP routes (a gateway, SMTP) for the
         duration of the block."""
         ...
+
+
+#: What an intake or a click meets when the database cannot be reached (or a recording
+#: outlived the platform's deadline): nothing may have been taken in.
+DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
+
+
+def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
+    """What a person is told when their message met a database fault (``exc``) on a
+    channel that never delivers it again by itself: in words, with the rule, never the
+    driver's message. (If the recording commits late after all, its answer still comes.)"""
+    return (
+        "Your message could not be taken in: the service is unavailable right now "
+        f"({exc.rule}). If no answer comes, please send it again in a moment."
+    )
 
 
 AfterRun = Callable[[Routed | None], Awaitable[None]]

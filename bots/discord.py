@@ -46,7 +46,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from bots import discord_review
-from bots.base import Core, accept, answering_errors
+from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, not_taken_in
 from bots.discord_out import (
     DiscordChannel,
     configure_endpoints,
@@ -59,6 +59,7 @@ from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object, read_body
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
+from outbox.channel import OutboundMessage, Sent
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
 
@@ -327,14 +328,20 @@ class DiscordAdapter:
             if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
-        recorded = await accept(
-            self._core,
-            inbound,
-            name=f"discord-turn:interaction:{ask.interaction_id}",
-            deadline_s=RECORD_DEADLINE_S,
-            notice=False,
-            then=after,
-        )
+        try:
+            recorded = await accept(
+                self._core,
+                inbound,
+                name=f"discord-turn:interaction:{ask.interaction_id}",
+                deadline_s=RECORD_DEADLINE_S,
+                notice=False,
+                then=after,
+            )
+        except DATABASE_FAULTS as exc:
+            # Discord never sends an interaction again: a 503 was only its "This
+            # interaction failed", and the person was never told to ask again.
+            log.warning("discord: could not record an /ask (%s)", exc.rule)
+            return _ephemeral(not_taken_in(exc))
         if recorded is None:
             return _ephemeral("Nobody answers /ask in this channel.")
         if recorded.rejected is not None:
@@ -368,9 +375,28 @@ class DiscordAdapter:
         # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
         # answer to wait for: record and run in the background.
         self._core.spawn(
-            accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}"),
-            name=f"discord-record:message:{post.message_id}",
+            self._take_post(inbound, post), name=f"discord-record:message:{post.message_id}"
         )
+
+    async def _take_post(self, inbound: Inbound, post: GatewayPost) -> None:
+        """Record one gateway message; when the database cannot take it, tell its author
+        in a reply (the gateway delivers a message once: it was lost without a word, and
+        the failure logged with the driver's traceback)."""
+        try:
+            await accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}")
+        except DATABASE_FAULTS as exc:
+            log.warning("discord: could not record a gateway message (%s)", exc.rule)
+            outcome = await self.channel.send(
+                OutboundMessage(
+                    delivery_id=f"intake-fault:{post.message_id}",
+                    idempotency_key=f"intake-fault:{post.message_id}",
+                    address=dict(inbound.address),
+                    text=not_taken_in(exc),
+                    kind="notice",
+                )
+            )
+            if not isinstance(outcome, Sent):
+                log.warning("discord: could not tell the author either: %s", outcome)
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from bots.base import DATABASE_FAULTS as DATABASE_FAULTS
 from leadgate.core.errors import DatabaseDamaged, Unavailable
 from outbox.channel import Card
-
-#: What a click or a modal meets when the database cannot be reached: the decision may
-#: not have been recorded, and the platform never sends the click again by itself.
-DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 
 
 def obj(value: Any) -> dict[str, Any]:

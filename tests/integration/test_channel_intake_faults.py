@@ -1,0 +1,146 @@
+"""A channel message the database cannot take in, on a channel that never delivers it
+again by itself (Discord's interactions and gateway), through the real Discord adapter
+on the real composition root against the Discord stand-in (REST and gateway).
+
+Slack, Teams and email are told to retry instead (503, 451: they redeliver); a Discord
+interaction or gateway message is sent once, so its author is told in words, naming the
+rule, and nothing of the driver's failure reaches the log as a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from nacl.signing import SigningKey
+
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.database.db import Database
+from tests.fakes import DownFor
+from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.standins.discord_api import DiscordApiStandin, interaction_headers
+
+GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
+SAID = "could not be taken in"
+
+
+@pytest.fixture
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[DiscordApiStandin]:
+    async with DiscordApiStandin(token="bot-token") as dc:
+        yield dc
+
+
+@pytest.fixture
+async def served(
+    migrated_url: str, key: SigningKey, standin: DiscordApiStandin
+) -> AsyncIterator[tuple[App, TestServer]]:
+    settings = Settings.model_validate(
+        {
+            "database": {"url": migrated_url},
+            "discord": {
+                "public_key": key.verify_key.encode().hex(),
+                "bot_token": "bot-token",
+                "api_url": standin.api_url,
+                "gateway_url": standin.gateway_url,
+            },
+        }
+    )
+    service = App(settings, clock=FakeClock())
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    await make_route(service, org, plain["id"], "discord")
+    server = TestServer(service.web_app(), host="127.0.0.1")
+    await server.start_server()
+    yield service, server
+    await server.close()
+    await service.stop()
+
+
+def down(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
+    """The next read and the next transaction find the database gone."""
+    monkeypatch.setattr(db, "read", DownFor(db.read, 1, after_commit=False))
+    monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
+
+
+def no_tracebacks(caplog: pytest.LogCaptureFixture, *secrets: str) -> None:
+    for record in caplog.records:
+        assert record.exc_info is None, record.getMessage()
+        for secret in secrets:
+            assert secret not in record.getMessage()
+
+
+async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
+    served: tuple[App, TestServer],
+    key: SigningKey,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, server = served
+    caplog.set_level(logging.INFO)
+    payload: dict[str, Any] = {
+        "id": "900000000000000001",
+        "application_id": "1100000000000000001",
+        "type": 2,
+        "token": "itoken-1",
+        "version": 1,
+        "channel_id": CHANNEL,
+        "guild_id": GUILD,
+        "data": {
+            "id": "700000000000000001",
+            "name": "ask",
+            "type": 1,
+            "options": [{"name": "message", "type": 3, "value": "SECRET-ASK-TEXT"}],
+        },
+    }
+    body = json.dumps(payload).encode()
+    down(monkeypatch, served[0].db)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            server.make_url("/discord/interactions"),
+            data=body,
+            headers=interaction_headers(key, body),
+        ) as r:
+            status, answer = r.status, await r.json()
+    # An ephemeral answer the person reads, not a 503 Discord shows as "This
+    # interaction failed" (Discord never sends the interaction again).
+    assert status == 200 and answer["type"] == 4 and answer["data"]["flags"] == 64
+    content = answer["data"]["content"]
+    assert SAID in content and "(service.unavailable)" in content
+    no_tracebacks(caplog, "SECRET-ASK-TEXT")
+
+
+async def test_a_gateway_message_the_database_cannot_take_gets_a_reply_saying_so(
+    served: tuple[App, TestServer],
+    standin: DiscordApiStandin,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, _ = served
+    await standin.wait_gateway_ready(within_s=5)
+    caplog.set_level(logging.INFO)
+    down(monkeypatch, app.db)
+    sent = await standin.dispatch_message_create(
+        channel_id=CHANNEL, guild_id=GUILD, content="SECRET-GATEWAY-TEXT"
+    )
+
+    def replies() -> list[dict[str, Any]]:
+        return [p for p in standin.posts if p.get("op") == "create_message"]
+
+    # It was lost without a word (and logged with the driver's traceback): the gateway
+    # delivers a message once. Now its author gets a reply to it saying so.
+    assert await eventually(replies, within=5)
+    [reply] = replies()
+    assert reply["channel_id"] == CHANNEL and SAID in reply["content"]
+    assert str(reply["message_reference"]["message_id"]) == sent["id"]
+    no_tracebacks(caplog, "SECRET-GATEWAY-TEXT")
