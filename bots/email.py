@@ -231,7 +231,7 @@ class EmailHandler:
         if isinstance(exc, DatabaseDamaged):
             self.damaged.add(exc.detail)
         elif isinstance(exc, LeadgateError) and exc.status >= 500:
-            log.warning("email: route lookup failed (%s); asking to retry", exc.code)
+            log.warning("email: route lookup met a database fault (%s); asking to retry", exc.rule)
         else:
             log.exception("email: route lookup failed")
         return _TEMPFAIL

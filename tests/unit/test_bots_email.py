@@ -18,7 +18,7 @@ from bots.base import RouteMatch
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
 from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
 from leadgate.core.config import EmailSettings, Settings
-from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.errors import DatabaseDamaged, Unavailable
 from leadgate.core.types import BindingKind, Inbound
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import eventually
@@ -468,6 +468,23 @@ async def test_route_lookup_failure_is_a_temporary_failure() -> None:
             await listener.send(_mail())
         assert info.value.recipients[0].code == 451
         assert listener.core.triggers == []
+
+
+async def test_a_database_fault_at_rcpt_is_451_with_one_line_and_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def down(channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
+        raise Unavailable("database is locked", rule="service.unavailable")
+
+    caplog.set_level(logging.INFO)
+    async for listener in _listen(FakeCore(down)):
+        with pytest.raises(aiosmtplib.SMTPRecipientsRefused) as info:
+            await listener.send(_mail())
+        assert info.value.recipients[0].code == 451
+    # It was log.exception: a traceback per recipient of every retried mail.
+    [said] = [r for r in caplog.records if r.name == "bots.email" and "route" in r.getMessage()]
+    assert said.levelno == logging.WARNING and said.exc_info is None
+    assert "(service.unavailable)" in said.getMessage()
 
 
 async def _smtp_raw(port: int, commands: list[bytes]) -> list[bytes]:
