@@ -218,6 +218,8 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
         answer = await backend.check(PLATFORM, who, target, episode)
         if answer.kind == "open":
             return _modal(verb, target, episode)
+        # (check names no message: its card may be another message of the item)
+        return _ephemeral(answer.text)
     elif verb in ("confirm", "retry"):
         answer = await backend.recover(
             PLATFORM, who, target, verb, episode_id=episode, message_id=message_id
@@ -225,5 +227,10 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
     else:
         return _ephemeral("This button is not supported.")
     if answer.decided and answer.card is not None:
+        return _decided(answer.card)
+    if answer.kind == "closed" and answer.card is not None and message_id is not None:
+        # A click on a decided item: the clicked card shows the outcome (who decided,
+        # buttons gone) at once, as on Teams; its edit by the outbox may still be on
+        # its way. It answered with an ephemeral line and left the buttons.
         return _decided(answer.card)
     return _ephemeral(answer.text)

@@ -30,7 +30,7 @@ from typing import Any
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.errors import SlackApiError
 
-from bots.review_base import DATABASE_FAULTS, ChatReviewBackend, not_recorded, obj
+from bots.review_base import DATABASE_FAULTS, Answer, ChatReviewBackend, not_recorded, obj
 from bots.review_base import text as text_of
 from outbox.channel import Card
 
@@ -202,6 +202,25 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
 
         spawn(say(), name="slack-review-answer")
 
+    def tell_closed(respond: Any, answer: Answer, message_ts: str | None) -> None:
+        """Answer a click on a decided item: the clicked card shows the outcome at once
+        (its update by the outbox may still be on its way, or may never come for a card
+        whose post was uncertain), then the clicker is told who decided."""
+        card = answer.card
+        # (without the clicked message's ts, the card found may be another message)
+        if answer.kind != "closed" or card is None or message_ts is None:
+            tell(respond, answer.text)
+            return
+
+        async def say() -> None:
+            try:
+                await respond(text=fallback_text(card), blocks=blocks(card), replace_original=True)
+                await respond(text=answer.text, response_type="ephemeral", replace_original=False)
+            except (ValueError, SlackApiError, OSError) as exc:
+                log.info("slack: could not answer a review click: %r", exc)
+
+        spawn(say(), name="slack-review-answer")
+
     async def on_decision(
         ack: Callable[..., Awaitable[None]],
         body: dict[str, Any],
@@ -239,7 +258,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             )
             await ack()
             if not answer.decided:
-                tell(respond, answer.text)
+                tell_closed(respond, answer, message_ts)
             return
         answer = await backend.check(PLATFORM, who, item_id, episode)
         if answer.kind != "open":
@@ -271,6 +290,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         respond: Any,
     ) -> None:
         action = obj(action)
+        message_ts = text_of(obj(body.get("container")).get("message_ts"))
         try:
             answer = await backend.recover(
                 PLATFORM,
@@ -278,7 +298,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
                 text_of(action.get("value")) or "",
                 str(action.get("action_id")),
                 episode_id=_episode(action.get("block_id")),
-                message_id=text_of(obj(body.get("container")).get("message_ts")),
+                message_id=message_ts,
             )
         except DATABASE_FAULTS as exc:
             log.warning("slack: a recovery click met a database fault (%s)", exc.rule)
@@ -287,7 +307,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             return
         await ack()
         if not answer.decided:
-            tell(respond, answer.text)
+            tell_closed(respond, answer, message_ts)
 
     async def on_submit(
         ack: Callable[..., Awaitable[None]], body: dict[str, Any], view: dict[str, Any]
