@@ -466,12 +466,22 @@ def test_two_concurrent_approve_clicks_make_one_decision(
     assert statuses == [200, 200]
     told = wait_until(
         lambda: [
-            c for c in slack_api.records("calls") if c.get("name", "").startswith(f"race-{marker}")
+            c
+            for c in slack_api.records("calls")
+            if c.get("name", "").startswith(f"race-{marker}")
+            and c.get("response_type") == "ephemeral"
         ],
         what="the second clicker's answer",
     )
     assert len(told) == 1
     assert told[0]["text"].startswith("Already approved by member@demo.io (slack) at ")
+    # Before that line, the second clicker's card was shown decided in place.
+    [shown] = [
+        c
+        for c in slack_api.records("calls")
+        if c.get("name") == told[0]["name"] and c.get("replace_original") is True
+    ]
+    assert not any(b["type"] == "actions" for b in shown["blocks"])
     op.wait_item(marker, "completed")
     assert len(audit_of(op, item_id, "approve")) == 1
     # The card's update is a delivery of its own, which may land after the item is
@@ -535,7 +545,17 @@ def test_a_console_approval_updates_the_slack_card(svc: ServiceProcess, slack_ap
     assert not any(b["type"] == "actions" for b in updated["blocks"])
     # A late click on the updated card answers with that outcome, and changes nothing.
     name = click(svc, slack_api, card, "approve", MEMBER["slack"])
-    [told] = wait_until(lambda: calls(slack_api, "response_url", name=name), what="the answer")
+
+    def answered() -> list[dict[str, Any]]:
+        found = calls(slack_api, "response_url", name=name)
+        return found if len(found) >= 2 else []
+
+    [shown, told] = wait_until(answered, what="the answer")
+    # The clicked card is shown decided in place (whether or not the outbox's edit has
+    # landed yet), then the clicker is told who decided.
+    assert shown["replace_original"] is True
+    assert "*Approved* by member@demo.io (console)" in block_text(shown["blocks"])
+    assert told["response_type"] == "ephemeral"
     assert told["text"].startswith("Already approved by member@demo.io (console) at ")
 
 
