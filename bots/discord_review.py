@@ -228,9 +228,11 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
         return _ephemeral("This button is not supported.")
     if answer.decided and answer.card is not None:
         return _decided(answer.card)
-    if answer.kind == "closed" and answer.card is not None and message_id is not None:
+    card = answer.card
+    if answer.kind == "closed" and card is not None and card.outcome is not None and message_id:
         # A click on a decided item: the clicked card shows the outcome (who decided,
         # buttons gone) at once, as on Teams; its edit by the outbox may still be on
-        # its way. It answered with an ephemeral line and left the buttons.
-        return _decided(answer.card)
+        # its way. It answered with an ephemeral line and left the buttons. (A card with
+        # no outcome to show is answered in words: it would bring its buttons back.)
+        return _decided(card)
     return _ephemeral(answer.text)

@@ -208,7 +208,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         whose post was uncertain), then the clicker is told who decided."""
         card = answer.card
         # (without the clicked message's ts, the card found may be another message)
-        if answer.kind != "closed" or card is None or message_ts is None:
+        if answer.kind != "closed" or card is None or card.outcome is None or not message_ts:
             tell(respond, answer.text)
             return
 

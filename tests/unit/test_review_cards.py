@@ -16,6 +16,7 @@ from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery
+from leadgate.operations.chat_reviews import ChatAnswer
 from leadgate.review import decisions, queue
 from leadgate.review import destinations as dest
 from leadgate.review.cards import plain_text
@@ -401,3 +402,30 @@ async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
     # A decision cannot edit a card whose post is uncertain: nothing is queued for it.
     await approve(env, item_id)
     assert not await env.deliveries(item_id, "cardUpdate")
+
+
+async def test_a_closed_click_with_no_outcome_to_show_never_brings_buttons_back() -> None:
+    """A click answered "not waiting for a decision" with the card as posted (no outcome
+    yet) is answered in words: showing that card in place would offer its buttons."""
+
+    class Backend:
+        def __init__(self, card: Card) -> None:
+            self.card = card
+
+        async def decide(self, *args: Any, **kw: Any) -> ChatAnswer:
+            return ChatAnswer("closed", "This item is not waiting for a decision.", self.card)
+
+    payload: dict[str, Any] = {
+        "type": 3,
+        "member": {"user": {"id": "1"}},
+        "message": {"id": "55"},
+        "data": {"custom_id": "lg:approve:wi_1:rep_1"},
+    }
+    undecided = await discord_review.handle(payload, Backend(_card("s")))  # type: ignore[arg-type]
+    assert undecided["type"] == 4 and "not waiting" in undecided["data"]["content"]
+    outcome = CardOutcome(title="Approved", by="ann@example.com", surface="console", at_ms=1)
+    decided = await discord_review.handle(
+        payload,
+        Backend(_card("s", outcome=outcome)),  # type: ignore[arg-type]
+    )
+    assert decided["type"] == 7 and "**Approved** by ann@example.com" in decided["data"]["content"]
