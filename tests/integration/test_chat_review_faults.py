@@ -13,6 +13,7 @@ import json
 import logging
 import urllib.parse
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -51,10 +52,12 @@ async def slack_api() -> AsyncIterator[SlackApiStandin]:
         yield standin
 
 
-@pytest.fixture
-async def served(
+@asynccontextmanager
+async def serving(
     migrated_url: str, key: SigningKey, slack_api: SlackApiStandin
 ) -> AsyncIterator[tuple[App, TestServer]]:
+    """The service with Slack, Discord and Teams review clicks taken in (outbound Slack
+    and Discord posts go to scripted channels), served on 127.0.0.1."""
     settings = Settings.model_validate(
         {
             "database": {"url": migrated_url},
@@ -71,13 +74,23 @@ async def served(
     service = App(
         settings,
         clock=FakeClock(),
-        channels={"slack": ScriptedChannel("slack")},
+        channels={"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")},
     )
     server = TestServer(service.web_app(), host="127.0.0.1")
     await server.start_server()
-    yield service, server
-    await server.close()
-    await service.stop()
+    try:
+        yield service, server
+    finally:
+        await server.close()
+        await service.stop()
+
+
+@pytest.fixture
+async def served(
+    migrated_url: str, key: SigningKey, slack_api: SlackApiStandin
+) -> AsyncIterator[tuple[App, TestServer]]:
+    async with serving(migrated_url, key, slack_api) as pair:
+        yield pair
 
 
 async def link_more(app: App, org: Org) -> None:

@@ -16,20 +16,17 @@ from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
 from leadgate.app import App
-from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from leadgate.database import schema as t
 from tests.helpers import eventually, item_row
 from tests.integration.test_chat_review_faults import (
     DISCORD_USER,
-    SECRET,
     answers,
     approve_click,
     link_more,
+    serving,
     slack_click,
 )
 from tests.integration.test_chat_reviews import escalated, setup
-from tests.outbox_support import ScriptedChannel
 from tests.review_support import add_destination
 from tests.standins.discord_api import interaction_headers
 from tests.standins.slack_api import SlackApiStandin
@@ -50,28 +47,8 @@ async def slack_api() -> AsyncIterator[SlackApiStandin]:
 async def served(
     migrated_url: str, key: SigningKey, slack_api: SlackApiStandin
 ) -> AsyncIterator[tuple[App, TestServer]]:
-    settings = Settings.model_validate(
-        {
-            "database": {"url": migrated_url},
-            "server": {"public_url": "https://lg.example"},
-            "slack": {
-                "signing_secret": SECRET,
-                "bot_token": "xoxb-x",
-                "api_url": slack_api.api_url,
-            },
-            "discord": {"public_key": key.verify_key.encode().hex()},
-        }
-    )
-    service = App(
-        settings,
-        clock=FakeClock(),
-        channels={"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")},
-    )
-    server = TestServer(service.web_app(), host="127.0.0.1")
-    await server.start_server()
-    yield service, server
-    await server.close()
-    await service.stop()
+    async with serving(migrated_url, key, slack_api) as pair:
+        yield pair
 
 
 async def card_message(app: App, item_id: str, channel: str) -> str:
