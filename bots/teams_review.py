@@ -191,6 +191,19 @@ def card_answer(card: Card) -> dict[str, Any]:
     return {"statusCode": 200, "type": CARD_TYPE, "value": adaptive_card(card)}
 
 
+def click_answer(answer: Answer) -> dict[str, Any]:
+    """The invoke answer to a click: the decided card in place of the clicked one, or a
+    line for the clicker only. A click on an item no longer waiting, with no outcome to
+    show (the card as posted), is answered in words: that card in place would offer its
+    buttons again, with nothing said."""
+    card = answer.card
+    if card is not None and (
+        answer.kind == "decided" or (answer.kind == "closed" and card.outcome is not None)
+    ):
+        return card_answer(card)
+    return message_answer(answer.text)
+
+
 def message_answer(text: str) -> dict[str, Any]:
     """An invoke answer that shows ``text`` to the clicker only."""
     return {"statusCode": 200, "type": MESSAGE_TYPE, "value": text}
@@ -266,9 +279,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
             )
         else:
             return message_answer("This action is not supported.")
-        if answer.card is not None and answer.kind in ("decided", "closed"):
-            return card_answer(answer.card)
-        return message_answer(answer.text)
+        return click_answer(answer)
 
     def _remember(self, activity: Activity) -> None:
         conversation = activity.conversation

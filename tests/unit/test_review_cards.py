@@ -429,3 +429,19 @@ async def test_a_closed_click_with_no_outcome_to_show_never_brings_buttons_back(
         Backend(_card("s", outcome=outcome)),  # type: ignore[arg-type]
     )
     assert decided["type"] == 7 and "**Approved** by ann@example.com" in decided["data"]["content"]
+
+
+def test_a_teams_closed_click_with_no_outcome_to_show_never_brings_buttons_back() -> None:
+    """As on Discord and Slack: a closed click's card replaces the clicked one only when it
+    shows an outcome; the card as posted (no outcome) is answered in words."""
+    said = "This item is not waiting for a decision."
+    undecided = teams_review.click_answer(ChatAnswer("closed", said, _card("s")))
+    assert undecided == teams_review.message_answer(said)
+    outcome = CardOutcome(title="Approved", by="ann@example.com", surface="console", at_ms=1)
+    shown = _card("s", outcome=outcome)
+    assert teams_review.click_answer(ChatAnswer("closed", said, shown)) == (
+        teams_review.card_answer(shown)
+    )
+    assert teams_review.click_answer(ChatAnswer("decided", "Approved.", shown)) == (
+        teams_review.card_answer(shown)
+    )
