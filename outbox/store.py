@@ -571,10 +571,13 @@ async def recover(
     actor: str,
     surface: str | None = None,
     identity: str | None = None,
+    external_id: str | None = None,
 ) -> Delivery:
     """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status.
 
-    ``confirm``: the message did arrive -> delivery ``sent``, item ``completed``.
+    ``confirm``: the message did arrive -> delivery ``sent``, item ``completed``
+    (``external_id``: the platform's id of the message, when the confirmation comes
+    with it, e.g. a click on the card itself; later updates then edit that message).
     ``retry``: it did not -> delivery ``pending`` again (a new attempt), item stays
     ``approved``. A second click finds the delivery no longer ``deliveryUnknown`` and
     gets a 409; nothing happens twice.
@@ -582,6 +585,8 @@ async def recover(
     now = clock.now_ms()
     if action == "confirm":
         values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None}
+        if external_id is not None:
+            values["external_id"] = external_id
     else:
         values = {"status": DeliveryStatus.pending.value, "next_attempt_at": now}
     row = (

@@ -157,9 +157,11 @@ class Reviews:
         *,
         surface: str = "api",
         identity: str | None = None,
+        external_id: str | None = None,
     ) -> dict[str, Any]:
         """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
-        surface and identity as :meth:`decide`)."""
+        surface and identity as :meth:`decide`; ``external_id``: the message's id, when
+        a click on the card itself confirms it)."""
         principal.require(Scope.review)
         if action not in RECOVERIES:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
@@ -173,6 +175,7 @@ class Reviews:
                 principal.actor,
                 surface=surface,
                 identity=identity,
+                external_id=external_id,
             )
             detail = (
                 await queue.detail(conn, principal.org_id, row.work_item_id)

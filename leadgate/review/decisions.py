@@ -529,9 +529,11 @@ async def recover_delivery(
     *,
     surface: str | None = None,
     identity: str | None = None,
+    external_id: str | None = None,
 ) -> Delivery:
     """Confirm delivered / retry a ``deliveryUnknown`` delivery; a gating delivery's
-    review cards are updated in the same transaction."""
+    review cards are updated in the same transaction (``external_id``: see
+    :func:`outbox.store.recover`)."""
     row = await recover(
         conn,
         outbox.clock,
@@ -541,6 +543,7 @@ async def recover_delivery(
         actor=actor,
         surface=surface,
         identity=identity,
+        external_id=external_id,
     )
     if row.kind == "gating" and row.work_item_id:
         await _close_cards(conn, outbox, row.work_item_id, action, actor, surface, None)
