@@ -201,18 +201,33 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
     _, verb, target, episode = parts
     user = obj(obj(payload.get("member")).get("user")) or obj(payload.get("user"))
     who = text_of(user.get("id")) or ""
-    message_id = text_of(obj(payload.get("message")).get("id"))
+    message = obj(payload.get("message"))
+    message_id = text_of(message.get("id"))
+    channel = text_of(payload.get("channel_id")) or text_of(message.get("channel_id"))
     if payload.get("type") == _MODAL_SUBMIT:
         verb = verb.removesuffix(f"_{_MODAL}")
         if verb not in _MODALS:
             return _ephemeral("This form is not supported.")
         text = _text_value(data.get("components"), _MODALS[verb][0])
         answer = await backend.decide(
-            PLATFORM, who, target, verb, text, episode_id=episode, message_id=message_id
+            PLATFORM,
+            who,
+            target,
+            verb,
+            text,
+            episode_id=episode,
+            message_id=message_id,
+            conversation=channel,
         )
     elif verb == "approve":
         answer = await backend.decide(
-            PLATFORM, who, target, verb, episode_id=episode, message_id=message_id
+            PLATFORM,
+            who,
+            target,
+            verb,
+            episode_id=episode,
+            message_id=message_id,
+            conversation=channel,
         )
     elif verb in _MODALS:
         answer = await backend.check(PLATFORM, who, target, episode)
@@ -222,7 +237,13 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
         return _ephemeral(answer.text)
     elif verb in ("confirm", "retry"):
         answer = await backend.recover(
-            PLATFORM, who, target, verb, episode_id=episode, message_id=message_id
+            PLATFORM,
+            who,
+            target,
+            verb,
+            episode_id=episode,
+            message_id=message_id,
+            conversation=channel,
         )
     else:
         return _ephemeral("This button is not supported.")

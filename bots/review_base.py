@@ -65,6 +65,7 @@ class ChatReviewBackend(Protocol):
         *,
         episode_id: str | None = None,
         message_id: str | None = None,
+        conversation: str | None = None,
     ) -> Answer:
         """Approve / reject / return as the user linked to ``identity``."""
         ...
@@ -78,6 +79,7 @@ class ChatReviewBackend(Protocol):
         *,
         episode_id: str | None = None,
         message_id: str | None = None,
+        conversation: str | None = None,
     ) -> Answer:
         """Confirm delivered / retry a deliveryUnknown delivery (from the card of
         ``episode_id``)."""

@@ -251,10 +251,19 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         episode = _episode(action.get("block_id"))
         container = obj(body.get("container"))
         message_ts = text_of(container.get("message_ts"))
+        channel = text_of(container.get("channel_id")) or text_of(
+            obj(body.get("channel")).get("id")
+        )
         who = identity_of(body)
         if verb == "approve":
             answer = await backend.decide(
-                PLATFORM, who, item_id, "approve", episode_id=episode, message_id=message_ts
+                PLATFORM,
+                who,
+                item_id,
+                "approve",
+                episode_id=episode,
+                message_id=message_ts,
+                conversation=channel,
             )
             await ack()
             if not answer.decided:
@@ -268,8 +277,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         callback = "lg_reject" if verb == "reject" else "lg_return"
         meta = {
             "episode": episode,
-            "channel": text_of(container.get("channel_id"))
-            or text_of(obj(body.get("channel")).get("id")),
+            "channel": channel,
             "ts": message_ts,
         }
         try:
@@ -290,7 +298,11 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         respond: Any,
     ) -> None:
         action = obj(action)
-        message_ts = text_of(obj(body.get("container")).get("message_ts"))
+        container = obj(body.get("container"))
+        message_ts = text_of(container.get("message_ts"))
+        channel = text_of(container.get("channel_id")) or text_of(
+            obj(body.get("channel")).get("id")
+        )
         try:
             answer = await backend.recover(
                 PLATFORM,
@@ -299,6 +311,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
                 str(action.get("action_id")),
                 episode_id=_episode(action.get("block_id")),
                 message_id=message_ts,
+                conversation=channel,
             )
         except DATABASE_FAULTS as exc:
             log.warning("slack: a recovery click met a database fault (%s)", exc.rule)
@@ -328,6 +341,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
                 given if isinstance(given, str) else None,
                 episode_id=text_of(meta.get("episode")),
                 message_id=text_of(meta.get("ts")),
+                conversation=text_of(meta.get("channel")),
             )
         except DATABASE_FAULTS as exc:
             # The modal stays open with the reviewer's text in it, saying why: a 500

@@ -256,6 +256,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
         sender = activity.from_property
         who = str(getattr(sender, "aad_object_id", None) or "")
         message_id = activity.reply_to_id or None
+        conversation = getattr(activity.conversation, "id", None) or None
         answer: Answer
         if verb in ("approve", "reject", "return"):
             field = {"reject": "reason", "return": "feedback"}.get(verb)
@@ -267,6 +268,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
                 data.get(field) if field else None,
                 episode_id=data.get("episode"),
                 message_id=message_id,
+                conversation=conversation,
             )
         elif verb in ("confirm", "retry"):
             answer = await self.backend.recover(
@@ -276,6 +278,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
                 verb,
                 episode_id=data.get("episode"),
                 message_id=message_id,
+                conversation=conversation,
             )
         else:
             return message_answer("This action is not supported.")

@@ -98,11 +98,18 @@ class ChatReviews:
         *,
         episode_id: str | None = None,
         message_id: str | None = None,
+        conversation: str | None = None,
     ) -> ChatAnswer:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
-        as the leadgate user linked to ``identity`` on ``platform``."""
-        if (odd := _unreadable(identity, item_id, episode_id, message_id)) is not None:
+        as the leadgate user linked to ``identity`` on ``platform`` (``message_id`` in
+        ``conversation``: the clicked card's message, see :meth:`_settle_clicked`)."""
+        if (
+            odd := _unreadable(identity, item_id, episode_id, message_id, conversation)
+        ) is not None:
             return odd
+        await self._settle_clicked(
+            platform, identity, item_id, episode_id, message_id, conversation
+        )
         async with self.db.read() as conn:
             answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
         if answer.kind != "open" or reviewer is None:
@@ -130,12 +137,23 @@ class ChatReviews:
         *,
         episode_id: str | None = None,
         message_id: str | None = None,
+        conversation: str | None = None,
     ) -> ChatAnswer:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
-        (``episode_id``: the card's; a card of an earlier stretch of waiting is stale)."""
-        if (odd := _unreadable(identity, delivery_id, episode_id, message_id)) is not None:
-            return odd
+        (``episode_id``: the card's; a card of an earlier stretch of waiting is stale;
+        ``message_id``, ``conversation``: as :meth:`decide`)."""
+        unreadable = _unreadable(identity, delivery_id, episode_id, message_id, conversation)
+        if unreadable is not None:
+            return unreadable
         d = t.deliveries.c
+        async with self.db.read() as conn:
+            gated = await conn.scalar(
+                sa.select(d.work_item_id).where(d.id == delivery_id, d.kind == "gating")
+            )
+        if gated is not None:
+            await self._settle_clicked(
+                platform, identity, str(gated), episode_id, message_id, conversation
+            )
         async with self.db.read() as conn:
             row = (
                 await conn.execute(
@@ -173,6 +191,50 @@ class ChatReviews:
             await remember_teams_conversation(conn, self.clock, dict(reference))
 
     # ------------------------------------------------------------------- helpers
+
+    async def _settle_clicked(
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        episode_id: str | None,
+        message_id: str | None,
+        conversation: str | None,
+    ) -> None:
+        """A click on a card whose post was uncertain (``deliveryUnknown``, no message id
+        kept) proves the post landed: the card's delivery is confirmed delivered with the
+        clicked message's id, through the operator's recovery path (fenced on
+        ``deliveryUnknown``, audited ``deliveryConfirmed`` with the clicker), so the click
+        is answered on that card and every later update edits it. Only the one uncertain
+        card of the item on this platform and conversation (and episode, when named)
+        matches; a click by someone who may not review settles nothing; a replayed click
+        finds the message known and does nothing."""
+        if not message_id or not conversation:
+            return
+        w = t.work_items.c
+        async with self.db.read() as conn:
+            org_id = await conn.scalar(sa.select(w.org_id).where(w.id == item_id))
+            if org_id is None:
+                return
+            reviewer = await self._reviewer(conn, str(org_id), platform, identity)
+            if reviewer is None:
+                return
+            delivery_id = await cards.uncertain_card(
+                conn, item_id, platform, conversation, message_id, episode_id
+            )
+        if delivery_id is None:
+            return
+        try:
+            await self.reviews.recover(
+                reviewer.principal(),
+                delivery_id,
+                "confirm",
+                surface=platform,
+                identity=f"{platform}:{identity}",
+                external_id=message_id,
+            )
+        except (TransitionError, NotFound):
+            pass  # settled meanwhile (the same click replayed, another replica): done
 
     async def _commit(
         self,

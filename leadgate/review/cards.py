@@ -383,6 +383,62 @@ async def posted_card(
     return Card.from_json(card) if isinstance(card, dict) else None
 
 
+def conversation_of(channel: str, address: dict[str, Any]) -> str | None:
+    """The conversation a card delivery's ``address`` posts to on ``channel`` (a Slack
+    channel id, a Discord channel id, a Teams conversation id), as a click names it."""
+    if channel == "slack":
+        found = address.get("channel")
+    elif channel == "discord":
+        found = address.get("channel_id")
+    elif channel == "teams":
+        reference = address.get("reference")
+        conversation = reference.get("conversation") if isinstance(reference, dict) else None
+        found = conversation.get("id") if isinstance(conversation, dict) else None
+    else:
+        found = None
+    return str(found) if found else None
+
+
+async def uncertain_card(
+    conn: Conn,
+    item_id: str,
+    channel: str,
+    conversation: str,
+    message_id: str,
+    episode_id: str | None,
+) -> str | None:
+    """The card delivery a click on message ``message_id`` in ``conversation`` proves
+    posted, when its post was uncertain: the one ``deliveryUnknown`` card of
+    ``item_id`` on ``channel`` to that conversation (of ``episode_id``, when the click
+    names one). ``None`` when the message is a known card (any item's: a click is never
+    matched to a second card), or when no card, or more than one, fits: a click that
+    cannot say which card it is settles nothing."""
+    known = await conn.scalar(
+        sa.select(D.id).where(D.channel == channel, D.external_id == message_id).limit(1)
+    )
+    if known is not None:
+        return None
+    query = (
+        sa.select(D.id, D.address)
+        .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
+        .where(
+            D.work_item_id == item_id,
+            D.kind == CARD,
+            D.channel == channel,
+            D.status == DeliveryStatus.deliveryUnknown.value,
+            D.external_id.is_(None),
+        )
+    )
+    if episode_id:
+        query = query.where(RC.episode_id == episode_id)
+    fits = [
+        str(r.id)
+        for r in (await conn.execute(query)).all()
+        if conversation_of(channel, r.address or {}) == conversation
+    ]
+    return fits[0] if len(fits) == 1 else None
+
+
 async def open_episode(conn: Conn, item_id: str) -> str | None:
     """The id of the item's open episode, if any."""
     found = (

@@ -54,10 +54,14 @@ async def slack_api() -> AsyncIterator[SlackApiStandin]:
 
 @asynccontextmanager
 async def serving(
-    migrated_url: str, key: SigningKey, slack_api: SlackApiStandin
+    migrated_url: str,
+    key: SigningKey,
+    slack_api: SlackApiStandin,
+    channels: dict[str, ScriptedChannel] | None = None,
 ) -> AsyncIterator[tuple[App, TestServer]]:
     """The service with Slack, Discord and Teams review clicks taken in (outbound Slack
-    and Discord posts go to scripted channels), served on 127.0.0.1."""
+    and Discord posts go to scripted channels, ``channels`` when given), served on
+    127.0.0.1."""
     settings = Settings.model_validate(
         {
             "database": {"url": migrated_url},
@@ -74,7 +78,8 @@ async def serving(
     service = App(
         settings,
         clock=FakeClock(),
-        channels={"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")},
+        channels=channels
+        or {"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")},
     )
     server = TestServer(service.web_app(), host="127.0.0.1")
     await server.start_server()

@@ -16,10 +16,15 @@ from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
 from leadgate.app import App
+from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.review.cards import open_episode as _open_episode
+from outbox.channel import Uncertain
 from tests.helpers import eventually, item_row
 from tests.integration.test_chat_review_faults import (
     DISCORD_USER,
+    TEAM,
+    USER,
     answers,
     approve_click,
     link_more,
@@ -27,6 +32,7 @@ from tests.integration.test_chat_review_faults import (
     slack_click,
 )
 from tests.integration.test_chat_reviews import escalated, setup
+from tests.outbox_support import ScriptedChannel
 from tests.review_support import add_destination
 from tests.standins.discord_api import interaction_headers
 from tests.standins.slack_api import SlackApiStandin
@@ -125,3 +131,164 @@ async def test_a_late_discord_click_shows_the_outcome_on_the_clicked_card(
     assert all(
         c.get("style") == 5 for row in answer["data"]["components"] for c in row["components"]
     )
+
+
+# ------------------------------------------------- a click on a card posted uncertainly
+
+
+@pytest.fixture
+def scripted() -> dict[str, ScriptedChannel]:
+    return {"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")}
+
+
+@pytest.fixture
+async def uncertain_served(
+    migrated_url: str,
+    key: SigningKey,
+    slack_api: SlackApiStandin,
+    scripted: dict[str, ScriptedChannel],
+) -> AsyncIterator[tuple[App, TestServer]]:
+    async with serving(migrated_url, key, slack_api, scripted) as pair:
+        yield pair
+
+
+async def open_episode(app: App, item_id: str) -> str:
+    async with app.db.read() as conn:
+        found = await _open_episode(conn, item_id)
+    assert found is not None
+    return found
+
+
+async def card_delivery(app: App, item_id: str, channel: str) -> dict[str, Any]:
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        row = (
+            await conn.execute(
+                sa.select(d.id, d.status, d.external_id).where(
+                    d.work_item_id == item_id, d.kind == "card", d.channel == channel
+                )
+            )
+        ).one()
+    return dict(row._mapping)
+
+
+async def confirmations(app: App, delivery_id: str) -> list[tuple[str | None, str | None]]:
+    a = t.audit.c
+    async with app.db.read() as conn:
+        rows = await conn.execute(
+            sa.select(a.surface, a.identity).where(
+                a.delivery_id == delivery_id, a.action == "deliveryConfirmed"
+            )
+        )
+        return [(r.surface, r.identity) for r in rows]
+
+
+async def updates_of(app: App, delivery_id: str) -> int:
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        rows = await conn.execute(
+            sa.select(d.address).where(d.kind == "cardUpdate", d.work_item_id.is_not(None))
+        )
+        return sum(1 for r in rows if (r.address or {}).get("card_delivery_id") == delivery_id)
+
+
+async def discord_click(
+    server: TestServer, key: SigningKey, item_id: str, episode: str, message: str, channel: str
+) -> dict[str, Any]:
+    interaction: dict[str, Any] = {
+        "type": 3,
+        "id": "900000000000000003",
+        "application_id": "800000000000000001",
+        "token": "itoken",
+        "channel_id": channel,
+        "member": {"user": {"id": DISCORD_USER}, "flags": 0},
+        "message": {"id": message},
+        "data": {"custom_id": f"lg:approve:{item_id}:{episode}", "component_type": 2},
+    }
+    raw = json.dumps(interaction).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            server.make_url("/discord/interactions"),
+            data=raw,
+            headers=interaction_headers(key, raw),
+        ) as r:
+            assert r.status == 200
+            answer: dict[str, Any] = await r.json()
+    return answer
+
+
+async def test_a_click_on_an_uncertain_discord_card_settles_it_and_decisions_edit_it(
+    uncertain_served: tuple[App, TestServer],
+    key: SigningKey,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    await link_more(app, org)
+    await add_destination(app, org.id, "discord", "1000000000000000009")
+    scripted["discord"].script = [Uncertain("discord: no answer before the timeout")]
+    item_id = await escalated(app, org, worker, "s1")
+    card = await card_delivery(app, item_id, "discord")
+    assert (card["status"], card["external_id"]) == ("deliveryUnknown", None)
+    episode = await open_episode(app, item_id)
+    message, channel = "1100000000000000001", "1000000000000000009"
+
+    # A card of another wait, or the same message id in another channel, is not this
+    # card: nothing is settled.
+    stale = await discord_click(server, key, item_id, "rep_other", message, channel)
+    assert stale["type"] == 4 and stale["data"]["flags"] == 64
+    assert (await card_delivery(app, item_id, "discord"))["status"] == "deliveryUnknown"
+
+    # The click proves the post landed: the card is confirmed delivered with the
+    # clicked message's id (audited with the clicker), the decided card is shown in
+    # place, and the decision's card update edits that message.
+    answer = await discord_click(server, key, item_id, episode, message, channel)
+    assert answer["type"] == 7, answer  # it was an ephemeral line: no card found by id
+    assert "**Approved**" in answer["data"]["content"]
+    settled = await card_delivery(app, item_id, "discord")
+    assert (settled["status"], settled["external_id"]) == ("sent", message)
+    assert await confirmations(app, card["id"]) == [("discord", f"discord:{DISCORD_USER}")]
+    assert await updates_of(app, card["id"]) == 1
+    await drain(app.relay)
+    assert [edited for edited, _ in scripted["discord"].updates] == [message]
+
+    # A replayed click changes nothing: no second confirmation, no second edit.
+    again = await discord_click(server, key, item_id, episode, message, channel)
+    assert again["type"] == 7
+    assert await confirmations(app, card["id"]) == [("discord", f"discord:{DISCORD_USER}")]
+    assert await updates_of(app, card["id"]) == 1
+    assert (await item_row(app, item_id))["status"] in ("approved", "completed")
+
+
+async def test_a_late_slack_click_on_an_uncertain_card_settles_only_its_own_channel(
+    uncertain_served: tuple[App, TestServer],
+    slack_api: SlackApiStandin,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    scripted["slack"].script = [Uncertain("slack: no answer before the timeout")]
+    item_id = await escalated(app, org, worker, "s1")
+    card = await card_delivery(app, item_id, "slack")
+    assert card["status"] == "deliveryUnknown"
+    await app.reviews.decide(org.principal, item_id, "approve", surface="console")
+    assert await updates_of(app, card["id"]) == 0  # no id to edit
+
+    # The same ts in a channel the card was not posted to: not this card.
+    elsewhere = approve_click(slack_api, item_id, "elsewhere")
+    elsewhere["container"].update(message_ts="1700000000.000100", channel_id="C0OTHER")
+    assert (await slack_click(server, elsewhere))[0] == 200
+    assert await eventually(lambda: len(answers(slack_api, "elsewhere")) >= 1)
+    assert (await card_delivery(app, item_id, "slack"))["status"] == "deliveryUnknown"
+
+    click = approve_click(slack_api, item_id, "late")
+    click["container"].update(message_ts="1700000000.000100", channel_id="C0R")
+    assert (await slack_click(server, click))[0] == 200
+    assert await eventually(lambda: len(answers(slack_api, "late")) == 2)
+    replaced, told = answers(slack_api, "late")
+    assert replaced["replace_original"] is True
+    assert not any(b["type"] == "actions" for b in replaced["blocks"])
+    assert told["text"].startswith("Already approved by API key")
+    settled = await card_delivery(app, item_id, "slack")
+    assert (settled["status"], settled["external_id"]) == ("sent", "1700000000.000100")
+    assert await confirmations(app, card["id"]) == [("slack", f"slack:{TEAM}:{USER}")]
