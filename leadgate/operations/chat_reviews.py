@@ -213,16 +213,18 @@ class ChatReviews:
             return
         w = t.work_items.c
         async with self.db.read() as conn:
-            org_id = await conn.scalar(sa.select(w.org_id).where(w.id == item_id))
-            if org_id is None:
-                return
-            reviewer = await self._reviewer(conn, str(org_id), platform, identity)
-            if reviewer is None:
-                return
             delivery_id = await cards.uncertain_card(
                 conn, item_id, platform, conversation, message_id, episode_id
             )
-        if delivery_id is None:
+            if delivery_id is None:
+                return  # the usual case: a known card (one indexed read)
+            org_id = await conn.scalar(sa.select(w.org_id).where(w.id == item_id))
+            reviewer = (
+                None
+                if org_id is None
+                else await self._reviewer(conn, str(org_id), platform, identity)
+            )
+        if reviewer is None:
             return
         try:
             await self.reviews.recover(

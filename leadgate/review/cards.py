@@ -410,11 +410,14 @@ async def uncertain_card(
     """The card delivery a click on message ``message_id`` in ``conversation`` proves
     posted, when its post was uncertain: the one ``deliveryUnknown`` card of
     ``item_id`` on ``channel`` to that conversation (of ``episode_id``, when the click
-    names one). ``None`` when the message is a known card (any item's: a click is never
+    names one). ``None`` when the message is a known card of the item (a click is never
     matched to a second card), or when no card, or more than one, fits: a click that
-    cannot say which card it is settles nothing."""
+    cannot say which card it is settles nothing. Reads only the item's deliveries (by
+    its index): a click costs no scan of the table."""
     known = await conn.scalar(
-        sa.select(D.id).where(D.channel == channel, D.external_id == message_id).limit(1)
+        sa.select(D.id)
+        .where(D.work_item_id == item_id, D.channel == channel, D.external_id == message_id)
+        .limit(1)
     )
     if known is not None:
         return None

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots.teams_review import CARD_TYPE
 from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
@@ -24,16 +25,19 @@ from tests.helpers import eventually, item_row
 from tests.integration.test_chat_review_faults import (
     DISCORD_USER,
     TEAM,
+    TEAMS_AAD,
     USER,
     answers,
     approve_click,
     link_more,
+    post,
     serving,
     slack_click,
 )
 from tests.integration.test_chat_reviews import escalated, setup
 from tests.outbox_support import ScriptedChannel
 from tests.review_support import add_destination
+from tests.standins.connector import invoke_activity
 from tests.standins.discord_api import interaction_headers
 from tests.standins.slack_api import SlackApiStandin
 
@@ -138,7 +142,7 @@ async def test_a_late_discord_click_shows_the_outcome_on_the_clicked_card(
 
 @pytest.fixture
 def scripted() -> dict[str, ScriptedChannel]:
-    return {"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")}
+    return {name: ScriptedChannel(name) for name in ("slack", "discord", "teams")}
 
 
 @pytest.fixture
@@ -193,7 +197,13 @@ async def updates_of(app: App, delivery_id: str) -> int:
 
 
 async def discord_click(
-    server: TestServer, key: SigningKey, item_id: str, episode: str, message: str, channel: str
+    server: TestServer,
+    key: SigningKey,
+    item_id: str,
+    episode: str,
+    message: str,
+    channel: str,
+    user: str = DISCORD_USER,
 ) -> dict[str, Any]:
     interaction: dict[str, Any] = {
         "type": 3,
@@ -201,7 +211,7 @@ async def discord_click(
         "application_id": "800000000000000001",
         "token": "itoken",
         "channel_id": channel,
-        "member": {"user": {"id": DISCORD_USER}, "flags": 0},
+        "member": {"user": {"id": user}, "flags": 0},
         "message": {"id": message},
         "data": {"custom_id": f"lg:approve:{item_id}:{episode}", "component_type": 2},
     }
@@ -233,8 +243,13 @@ async def test_a_click_on_an_uncertain_discord_card_settles_it_and_decisions_edi
     episode = await open_episode(app, item_id)
     message, channel = "1100000000000000001", "1000000000000000009"
 
-    # A card of another wait, or the same message id in another channel, is not this
-    # card: nothing is settled.
+    # A click by someone who may not review, or on a card of another wait, settles
+    # nothing.
+    outsider = await discord_click(
+        server, key, item_id, episode, message, channel, user="999888777666555444"
+    )
+    assert outsider["type"] == 4 and "cannot review" in outsider["data"]["content"]
+    assert (await card_delivery(app, item_id, "discord"))["status"] == "deliveryUnknown"
     stale = await discord_click(server, key, item_id, "rep_other", message, channel)
     assert stale["type"] == 4 and stale["data"]["flags"] == 64
     assert (await card_delivery(app, item_id, "discord"))["status"] == "deliveryUnknown"
@@ -292,3 +307,56 @@ async def test_a_late_slack_click_on_an_uncertain_card_settles_only_its_own_chan
     settled = await card_delivery(app, item_id, "slack")
     assert (settled["status"], settled["external_id"]) == ("sent", "1700000000.000100")
     assert await confirmations(app, card["id"]) == [("slack", f"slack:{TEAM}:{USER}")]
+
+
+async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_it(
+    uncertain_served: tuple[App, TestServer],
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    await link_more(app, org)
+    conversation = "19:rev@thread.tacv2"
+    reference = {
+        "serviceUrl": "http://127.0.0.1:9/",
+        "conversation": {"id": conversation, "tenantId": "tenant-1"},
+        "bot": {"id": "28:leadgate-bot"},
+        "channelId": "msteams",
+    }
+    await app.chat_reviews.remember_teams_conversation(reference)
+    await add_destination(app, org.id, "teams", conversation)
+    scripted["teams"].script = [Uncertain("teams: no answer before the timeout")]
+    item_id = await escalated(app, org, worker, "s1")
+    card = await card_delivery(app, item_id, "teams")
+    assert (card["status"], card["external_id"]) == ("deliveryUnknown", None)
+    episode = await open_episode(app, item_id)
+
+    async def click(in_conversation: str) -> dict[str, Any]:
+        activity = invoke_activity(
+            service_url="http://127.0.0.1:9/",
+            verb="approve",
+            data={"item": item_id, "episode": episode},
+            reply_to_id="1700000000001",
+            conversation_id=in_conversation,
+            aad_object_id=TEAMS_AAD,
+        )
+        status, body = await post(
+            server,
+            "/api/messages",
+            json.dumps(activity).encode(),
+            {"Content-Type": "application/json"},
+        )
+        assert status == 200
+        return dict(body)
+
+    # The same activity id in another conversation is not this card.
+    assert (await click("19:other@thread.tacv2"))["type"] != CARD_TYPE
+    assert (await card_delivery(app, item_id, "teams"))["status"] == "deliveryUnknown"
+    # (that click decided the item: the uncertain card could not be edited)
+    assert await updates_of(app, card["id"]) == 0
+    # The late click in the card's conversation settles it, and is answered on it.
+    answer = await click(conversation)
+    assert answer["type"] == CARD_TYPE, answer
+    settled = await card_delivery(app, item_id, "teams")
+    assert (settled["status"], settled["external_id"]) == ("sent", "1700000000001")
+    assert await confirmations(app, card["id"]) == [("teams", f"teams:{TEAMS_AAD}")]
