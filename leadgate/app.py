@@ -413,10 +413,9 @@ class App:
         every replica): a return the revision dispatcher, an approval the flow resumer
         only when it wrote a continuation (each woken loop runs a pass against the
         database that the next decision's request waits behind: at 200 approvals/s, a
-        read per approval that found nothing). A rejection or a cancellation gives none
-        of them work at once (the rare flow run it ends is found by the flow resumer's
-        next poll). New and retried deliveries wake the relay themselves (see
-        _outbox_due)."""
+        read per approval that found nothing), a rejection or a cancellation the flow
+        resumer only when the item was a flow node's. New and retried deliveries wake the
+        relay themselves (see _outbox_due)."""
         for wake in self._decision_wakes.get(action, ()):
             wake.set()
 
