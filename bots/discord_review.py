@@ -204,27 +204,20 @@ async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[s
     message = obj(payload.get("message"))
     message_id = text_of(message.get("id"))
     channel = text_of(payload.get("channel_id")) or text_of(message.get("channel_id"))
-    if payload.get("type") == _MODAL_SUBMIT:
-        verb = verb.removesuffix(f"_{_MODAL}")
-        if verb not in _MODALS:
-            return _ephemeral("This form is not supported.")
-        text = _text_value(data.get("components"), _MODALS[verb][0])
+    submitted = payload.get("type") == _MODAL_SUBMIT
+    if submitted or verb == "approve":
+        text: object = None
+        if submitted:
+            verb = verb.removesuffix(f"_{_MODAL}")
+            if verb not in _MODALS:
+                return _ephemeral("This form is not supported.")
+            text = _text_value(data.get("components"), _MODALS[verb][0])
         answer = await backend.decide(
             PLATFORM,
             who,
             target,
             verb,
             text,
-            episode_id=episode,
-            message_id=message_id,
-            conversation=channel,
-        )
-    elif verb == "approve":
-        answer = await backend.decide(
-            PLATFORM,
-            who,
-            target,
-            verb,
             episode_id=episode,
             message_id=message_id,
             conversation=channel,
