@@ -25,7 +25,7 @@ from typing import Any
 
 import discord
 
-from bots.review_base import DATABASE_FAULTS, ChatReviewBackend, not_recorded, obj
+from bots.review_base import ChatReviewBackend, obj
 from bots.review_base import text as text_of
 from leadgate.core.clock import iso
 from outbox.channel import Card
@@ -183,17 +183,7 @@ def _text_value(components: Any, wanted: str) -> str | None:
 
 
 async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[str, Any]:
-    """The interaction response for one review click or modal submission (a database
-    fault is an ephemeral answer saying so: Discord never sends an interaction again,
-    and an error status was only its "This interaction failed")."""
-    try:
-        return await _handle(payload, backend)
-    except DATABASE_FAULTS as exc:
-        log.warning("discord: a review click met a database fault (%s)", exc.rule)
-        return _ephemeral(not_recorded(exc))
-
-
-async def _handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[str, Any]:
+    """The interaction response for one review click or modal submission."""
     data = obj(payload.get("data"))
     parts = str(data.get("custom_id")).split(":")
     if len(parts) != 4:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from bots.base import DATABASE_FAULTS as DATABASE_FAULTS
-from leadgate.core.errors import DatabaseDamaged, Unavailable
 from outbox.channel import Card
 
 
@@ -88,15 +86,6 @@ class ChatReviewBackend(Protocol):
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
         """Keep a Teams conversation reference for ``notify add --channel teams``."""
         ...
-
-
-def not_recorded(exc: Unavailable | DatabaseDamaged) -> str:
-    """What the clicker is told when their click met a database fault (``exc``): in
-    words, with the rule, and never the driver's message."""
-    return (
-        "Your decision may not have been recorded: the service cannot reach its database "
-        f"right now ({exc.rule}). Please try again in a moment."
-    )
 
 
 #: Button actions of an awaitingHuman card and of a deliveryUnknown card.

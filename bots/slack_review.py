@@ -30,7 +30,7 @@ from typing import Any
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.errors import SlackApiError
 
-from bots.review_base import DATABASE_FAULTS, Answer, ChatReviewBackend, not_recorded, obj
+from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
 from outbox.channel import Card
 
@@ -228,23 +228,6 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         client: Any,
         respond: Any,
     ) -> None:
-        try:
-            await decision(ack, body, action, client, respond)
-        except DATABASE_FAULTS as exc:
-            # Nothing was acknowledged yet (every backend call comes before ack): an
-            # escaping fault was Bolt's 500 with a traceback, and the reviewer saw only
-            # Slack's generic failure icon. Slack never re-sends a click: say so.
-            log.warning("slack: a review click met a database fault (%s)", exc.rule)
-            await ack()
-            tell(respond, not_recorded(exc))
-
-    async def decision(
-        ack: Callable[..., Awaitable[None]],
-        body: dict[str, Any],
-        action: dict[str, Any],
-        client: Any,
-        respond: Any,
-    ) -> None:
         action = obj(action)
         verb = str(action.get("action_id"))
         item_id = text_of(action.get("value")) or ""
@@ -303,21 +286,15 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         channel = text_of(container.get("channel_id")) or text_of(
             obj(body.get("channel")).get("id")
         )
-        try:
-            answer = await backend.recover(
-                PLATFORM,
-                identity_of(body),
-                text_of(action.get("value")) or "",
-                str(action.get("action_id")),
-                episode_id=_episode(action.get("block_id")),
-                message_id=message_ts,
-                conversation=channel,
-            )
-        except DATABASE_FAULTS as exc:
-            log.warning("slack: a recovery click met a database fault (%s)", exc.rule)
-            await ack()
-            tell(respond, not_recorded(exc))
-            return
+        answer = await backend.recover(
+            PLATFORM,
+            identity_of(body),
+            text_of(action.get("value")) or "",
+            str(action.get("action_id")),
+            episode_id=_episode(action.get("block_id")),
+            message_id=message_ts,
+            conversation=channel,
+        )
         await ack()
         if not answer.decided:
             tell_closed(respond, answer, message_ts)
@@ -332,24 +309,17 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             meta = {}
         values = obj(obj(obj(view.get("state")).get("values")).get(block_id))
         given = obj(values.get(action_id)).get("value")
-        try:
-            answer = await backend.decide(
-                PLATFORM,
-                identity_of(body),
-                text_of(meta.get("item")) or "",
-                verdict,
-                given if isinstance(given, str) else None,
-                episode_id=text_of(meta.get("episode")),
-                message_id=text_of(meta.get("ts")),
-                conversation=text_of(meta.get("channel")),
-            )
-        except DATABASE_FAULTS as exc:
-            # The modal stays open with the reviewer's text in it, saying why: a 500
-            # there was Slack's "trouble connecting" and a traceback in the log.
-            log.warning("slack: a review form met a database fault (%s)", exc.rule)
-            await ack(response_action="errors", errors={block_id: not_recorded(exc)})
-            return
-        if answer.kind == "invalid":
+        answer = await backend.decide(
+            PLATFORM,
+            identity_of(body),
+            text_of(meta.get("item")) or "",
+            verdict,
+            given if isinstance(given, str) else None,
+            episode_id=text_of(meta.get("episode")),
+            message_id=text_of(meta.get("ts")),
+            conversation=text_of(meta.get("channel")),
+        )
+        if answer.kind in ("invalid", "unavailable"):  # the form stays open, saying why
             await ack(response_action="errors", errors={block_id: answer.text})
         elif answer.decided:
             await ack()

@@ -35,12 +35,10 @@ from botbuilder.core import Bot, InvokeResponse, TurnContext
 from botbuilder.schema import Activity, ActivityTypes
 
 from bots.review_base import (
-    DATABASE_FAULTS,
     FEEDBACK_MAX,
     REASON_MAX,
     Answer,
     ChatReviewBackend,
-    not_recorded,
 )
 from leadgate.core.clock import iso
 from outbox.channel import Card
@@ -236,15 +234,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
         await self.inner.on_turn(context)
 
     async def on_card_action(self, activity: Activity) -> dict[str, Any]:
-        """The invoke answer for one ``Action.Execute`` click (a database fault is a
-        message to the clicker saying so, not a 503 Teams shows as a bare failure)."""
-        try:
-            return await self._card_action(activity)
-        except DATABASE_FAULTS as exc:
-            log.warning("teams: a review click met a database fault (%s)", exc.rule)
-            return message_answer(not_recorded(exc))
-
-    async def _card_action(self, activity: Activity) -> dict[str, Any]:
+        """The invoke answer for one ``Action.Execute`` click."""
         value: dict[str, Any] = activity.value if isinstance(activity.value, dict) else {}
         action: dict[str, Any] = value.get("action") or {}
         if not isinstance(action, dict) or action.get("type") != "Action.Execute":

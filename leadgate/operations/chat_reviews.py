@@ -12,6 +12,7 @@ two simultaneous clicks make one decision, and the other clicker is told who dec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -19,7 +20,14 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Scope
 from leadgate.core.clock import Clock
-from leadgate.core.errors import NotFound, PermissionDenied, TransitionError, ValidationError
+from leadgate.core.errors import (
+    DatabaseDamaged,
+    NotFound,
+    PermissionDenied,
+    TransitionError,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import links
@@ -30,6 +38,8 @@ from leadgate.review import cards
 from leadgate.review.destinations import remember_teams_conversation
 from outbox.channel import Card
 from outbox.store import DeliveryStatus
+
+log = logging.getLogger(__name__)
 
 FORBIDDEN = "You cannot review in this organization."
 GONE = "This review no longer exists."
@@ -50,6 +60,19 @@ def _unreadable(identity: object, *ids: object) -> ChatAnswer | None:
     return None
 
 
+def _not_recorded(platform: str, exc: Unavailable | DatabaseDamaged) -> ChatAnswer:
+    """The answer to a click that met a database fault: nothing may have been recorded,
+    and no platform sends a click again, so the clicker is told in words, naming the rule
+    (never the driver's message); one log line, no traceback. Answered here once for
+    every adapter, which renders it as any other answer."""
+    log.warning("%s review click met a database fault (%s)", platform, exc.rule)
+    return ChatAnswer(
+        "unavailable",
+        "Your decision may not have been recorded: the service cannot reach its database "
+        f"right now ({exc.rule}). Please try again in a moment.",
+    )
+
+
 @dataclass(frozen=True)
 class ChatAnswer:
     """What became of a click.
@@ -57,7 +80,8 @@ class ChatAnswer:
     ``kind``: ``open`` (may decide: e.g. open the modal), ``decided`` (this click
     decided), ``closed`` (already decided: ``text`` says by whom), ``forbidden``,
     ``invalid`` (the text broke a rule: ``text`` says which), ``stale`` (an older
-    card). ``card`` is the clicked card as it looks now (decided cards: the outcome).
+    card), ``unavailable`` (a database fault: nothing may have been recorded).
+    ``card`` is the clicked card as it looks now (decided cards: the outcome).
     """
 
     kind: str
@@ -82,11 +106,14 @@ class ChatReviews:
         self, platform: str, identity: str, item_id: str, episode_id: str | None = None
     ) -> ChatAnswer:
         """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
-        if (odd := _unreadable(identity, item_id, episode_id)) is not None:
-            return odd
-        async with self.db.read() as conn:
-            answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
-        return answer
+        try:
+            if (odd := _unreadable(identity, item_id, episode_id)) is not None:
+                return odd
+            async with self.db.read() as conn:
+                answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
+            return answer
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded(platform, exc)
 
     async def decide(
         self,
@@ -103,30 +130,33 @@ class ChatReviews:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
         as the leadgate user linked to ``identity`` on ``platform`` (``message_id`` in
         ``conversation``: the clicked card's message, see :meth:`_settle_clicked`)."""
-        if (
-            odd := _unreadable(identity, item_id, episode_id, message_id, conversation)
-        ) is not None:
-            return odd
-        await self._settle_clicked(
-            platform, identity, item_id, episode_id, message_id, conversation
-        )
-        async with self.db.read() as conn:
-            answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
-        if answer.kind != "open" or reviewer is None:
-            return answer
-        return await self._commit(
-            self.reviews.decide(
-                reviewer.principal(),
+        try:
+            if (
+                odd := _unreadable(identity, item_id, episode_id, message_id, conversation)
+            ) is not None:
+                return odd
+            await self._settle_clicked(
+                platform, identity, item_id, episode_id, message_id, conversation
+            )
+            async with self.db.read() as conn:
+                answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
+            if answer.kind != "open" or reviewer is None:
+                return answer
+            return await self._commit(
+                self.reviews.decide(
+                    reviewer.principal(),
+                    item_id,
+                    action,
+                    text,
+                    surface=platform,
+                    identity=f"{platform}:{identity}",
+                ),
                 item_id,
-                action,
-                text,
-                surface=platform,
-                identity=f"{platform}:{identity}",
-            ),
-            item_id,
-            platform,
-            message_id,
-        )
+                platform,
+                message_id,
+            )
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded(platform, exc)
 
     async def recover(
         self,
@@ -142,47 +172,52 @@ class ChatReviews:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
         (``episode_id``: the card's; a card of an earlier stretch of waiting is stale;
         ``message_id``, ``conversation``: as :meth:`decide`)."""
-        unreadable = _unreadable(identity, delivery_id, episode_id, message_id, conversation)
-        if unreadable is not None:
-            return unreadable
-        d = t.deliveries.c
-        async with self.db.read() as conn:
-            gated = await conn.scalar(
-                sa.select(d.work_item_id).where(d.id == delivery_id, d.kind == "gating")
-            )
-        if gated is not None:
-            await self._settle_clicked(
-                platform, identity, str(gated), episode_id, message_id, conversation
-            )
-        async with self.db.read() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(d.work_item_id, d.status, d.org_id, d.kind).where(d.id == delivery_id)
+        try:
+            unreadable = _unreadable(identity, delivery_id, episode_id, message_id, conversation)
+            if unreadable is not None:
+                return unreadable
+            d = t.deliveries.c
+            async with self.db.read() as conn:
+                gated = await conn.scalar(
+                    sa.select(d.work_item_id).where(d.id == delivery_id, d.kind == "gating")
                 )
-            ).first()
-            if row is None or row.kind != "gating" or row.work_item_id is None:
-                return ChatAnswer("closed", GONE)
-            reviewer = await self._reviewer(conn, row.org_id, platform, identity)
-            if reviewer is None:
-                return ChatAnswer("forbidden", FORBIDDEN)
-            item_id = str(row.work_item_id)
-            if row.status != DeliveryStatus.deliveryUnknown.value:
-                return await self._closed_in(conn, item_id, platform, message_id)
-            if await self._stale(conn, item_id, episode_id):
-                # A retry that ended unknown again opened a new card: this one is old.
-                return ChatAnswer("stale", STALE)
-        return await self._commit(
-            self.reviews.recover(
-                reviewer.principal(),
-                delivery_id,
-                action,
-                surface=platform,
-                identity=f"{platform}:{identity}",
-            ),
-            item_id,
-            platform,
-            message_id,
-        )
+            if gated is not None:
+                await self._settle_clicked(
+                    platform, identity, str(gated), episode_id, message_id, conversation
+                )
+            async with self.db.read() as conn:
+                row = (
+                    await conn.execute(
+                        sa.select(d.work_item_id, d.status, d.org_id, d.kind).where(
+                            d.id == delivery_id
+                        )
+                    )
+                ).first()
+                if row is None or row.kind != "gating" or row.work_item_id is None:
+                    return ChatAnswer("closed", GONE)
+                reviewer = await self._reviewer(conn, row.org_id, platform, identity)
+                if reviewer is None:
+                    return ChatAnswer("forbidden", FORBIDDEN)
+                item_id = str(row.work_item_id)
+                if row.status != DeliveryStatus.deliveryUnknown.value:
+                    return await self._closed_in(conn, item_id, platform, message_id)
+                if await self._stale(conn, item_id, episode_id):
+                    # A retry that ended unknown again opened a new card: this one is old.
+                    return ChatAnswer("stale", STALE)
+            return await self._commit(
+                self.reviews.recover(
+                    reviewer.principal(),
+                    delivery_id,
+                    action,
+                    surface=platform,
+                    identity=f"{platform}:{identity}",
+                ),
+                item_id,
+                platform,
+                message_id,
+            )
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded(platform, exc)
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
         """Keep a Teams conversation's reference (so ``notify add --channel teams``
