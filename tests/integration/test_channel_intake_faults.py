@@ -24,6 +24,7 @@ from leadgate.core.config import Settings
 from leadgate.database.db import Database
 from tests.fakes import DownFor
 from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
@@ -71,13 +72,6 @@ def down(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
     """The next read and the next transaction find the database gone."""
     monkeypatch.setattr(db, "read", DownFor(db.read, 1, after_commit=False))
     monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
-
-
-def no_tracebacks(caplog: pytest.LogCaptureFixture, *secrets: str) -> None:
-    for record in caplog.records:
-        assert record.exc_info is None, record.getMessage()
-        for secret in secrets:
-            assert secret not in record.getMessage()
 
 
 async def test_an_ask_the_database_cannot_take_is_answered_saying_so(

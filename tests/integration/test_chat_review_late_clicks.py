@@ -106,20 +106,24 @@ async def test_a_late_slack_click_shows_the_outcome_on_the_clicked_card(
     assert (await item_row(app, item_id))["status"] in ("approved", "completed")
 
 
-async def test_a_late_discord_click_shows_the_outcome_on_the_clicked_card(
-    served: tuple[App, TestServer], key: SigningKey
-) -> None:
-    app, server = served
-    item_id, posted = await decided_in_the_console(app, ("slack", "discord"))
+async def discord_click(
+    server: TestServer,
+    key: SigningKey,
+    item_id: str,
+    episode: str,
+    message: str,
+    channel: str,
+    user: str = DISCORD_USER,
+) -> dict[str, Any]:
     interaction: dict[str, Any] = {
         "type": 3,
-        "id": "900000000000000002",
+        "id": "900000000000000003",
         "application_id": "800000000000000001",
         "token": "itoken",
-        "channel_id": "1000000000000000009",
-        "member": {"user": {"id": DISCORD_USER}, "flags": 0},
-        "message": {"id": posted["discord"]},
-        "data": {"custom_id": f"lg:approve:{item_id}:-", "component_type": 2},
+        "channel_id": channel,
+        "member": {"user": {"id": user}, "flags": 0},
+        "message": {"id": message},
+        "data": {"custom_id": f"lg:approve:{item_id}:{episode}", "component_type": 2},
     }
     raw = json.dumps(interaction).encode()
     async with aiohttp.ClientSession() as session:
@@ -128,9 +132,21 @@ async def test_a_late_discord_click_shows_the_outcome_on_the_clicked_card(
             data=raw,
             headers=interaction_headers(key, raw),
         ) as r:
-            status, answer = r.status, await r.json()
+            assert r.status == 200
+            answer: dict[str, Any] = await r.json()
+    return answer
+
+
+async def test_a_late_discord_click_shows_the_outcome_on_the_clicked_card(
+    served: tuple[App, TestServer], key: SigningKey
+) -> None:
+    app, server = served
+    item_id, posted = await decided_in_the_console(app, ("slack", "discord"))
+    answer = await discord_click(
+        server, key, item_id, "-", posted["discord"], "1000000000000000009"
+    )
     # UPDATE_MESSAGE with the decided card (it was an ephemeral line, the buttons kept).
-    assert status == 200 and answer["type"] == 7
+    assert answer["type"] == 7
     assert "**Approved** by API key" in answer["data"]["content"]
     assert all(
         c.get("style") == 5 for row in answer["data"]["components"] for c in row["components"]
@@ -194,37 +210,6 @@ async def updates_of(app: App, delivery_id: str) -> int:
             sa.select(d.address).where(d.kind == "cardUpdate", d.work_item_id.is_not(None))
         )
         return sum(1 for r in rows if (r.address or {}).get("card_delivery_id") == delivery_id)
-
-
-async def discord_click(
-    server: TestServer,
-    key: SigningKey,
-    item_id: str,
-    episode: str,
-    message: str,
-    channel: str,
-    user: str = DISCORD_USER,
-) -> dict[str, Any]:
-    interaction: dict[str, Any] = {
-        "type": 3,
-        "id": "900000000000000003",
-        "application_id": "800000000000000001",
-        "token": "itoken",
-        "channel_id": channel,
-        "member": {"user": {"id": user}, "flags": 0},
-        "message": {"id": message},
-        "data": {"custom_id": f"lg:approve:{item_id}:{episode}", "component_type": 2},
-    }
-    raw = json.dumps(interaction).encode()
-    async with aiohttp.ClientSession() as session:
-        async with session.post(
-            server.make_url("/discord/interactions"),
-            data=raw,
-            headers=interaction_headers(key, raw),
-        ) as r:
-            assert r.status == 200
-            answer: dict[str, Any] = await r.json()
-    return answer
 
 
 async def test_a_click_on_an_uncertain_discord_card_settles_it_and_decisions_edit_it(
