@@ -8,6 +8,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any
 
+from leadgate.core.errors import DatabaseDamaged, Unavailable
+
 log = logging.getLogger("leadgate.tasks")
 
 
@@ -23,6 +25,11 @@ class Background:
         async def wrapper() -> None:
             try:
                 await coro
+            except (Unavailable, DatabaseDamaged) as exc:
+                # A database fault is the database's state, told where it is met (its
+                # rule, /healthz), not a bug here: one line, without the driver's
+                # traceback (which may quote what a person sent).
+                log.warning("background task %s met a database fault (%s)", name, exc.rule)
             except Exception:
                 log.exception("background task %s failed", name)
 
