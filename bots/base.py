@@ -114,9 +114,10 @@ async def accept(
     in the background and hand the result to ``then`` (not called when the turn failed).
 
     ``deadline_s``: the platform's answer deadline minus a margin. When recording takes
-    longer (the database is slow), this raises :class:`Unavailable` (answer 503: the
-    platform will redeliver) while the recording goes on: if it commits after all, its
-    turn still runs, and the redelivery is a duplicate.
+    longer (the database is slow), this raises :class:`Unavailable` (Slack: answer 503,
+    it redelivers; Discord, Teams: tell the person, see :func:`not_taken_in`) while the
+    recording goes on: if it commits after all, its turn still runs, and a redelivery is
+    a duplicate.
     """
     recording = asyncio.ensure_future(core.record_inbound(inbound, notice=notice))
 

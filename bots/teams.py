@@ -56,7 +56,7 @@ from botbuilder.schema import (
 from msrest.exceptions import ClientRequestError
 
 from bots import teams_review
-from bots.base import Adapter, Core, accept, answering_errors
+from bots.base import DATABASE_FAULTS, Adapter, Core, accept, answering_errors, not_taken_in
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
 from leadgate.core.config import Settings, TeamsSettings
@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 CHANNEL = "teams"
 #: Teams waits 15 s for the answer to an activity; recording ends well before.
 RECORD_DEADLINE_S = 10.0
+# How long the reply telling a person their message was not taken in may take.
+REPLY_DEADLINE_S = 3.0
 
 _MENTION_TAG = re.compile(r"<at>(.*?)</at>", re.IGNORECASE | re.DOTALL)
 
@@ -179,15 +181,30 @@ class TeamsBot(Bot):  # type: ignore[misc]
         self._core = core
 
     async def on_turn(self, context: TurnContext) -> None:
-        """Parse and record (before the 202); the turn runs in the background."""
+        """Parse and record (before the 202); the turn runs in the background.
+
+        When the database cannot take the message in, its author is told in a reply and
+        the channel gets its 202: nothing documents that Teams sends a message again
+        after a 5xx (the person saw a message that was simply never answered). Only when
+        that reply cannot be posted either is the fault passed on (503)."""
         inbound = parse_message(context.activity)
-        if inbound is not None:
+        if inbound is None:
+            return
+        try:
             await accept(
                 self._core,
                 inbound,
                 name=f"teams-turn {inbound.external_event_id}",
                 deadline_s=RECORD_DEADLINE_S,
             )
+        except DATABASE_FAULTS as exc:
+            log.warning("teams: could not record a message (%s)", exc.rule)
+            try:
+                # Bounded: Teams waits 15 s for the answer, recording may have taken 10.
+                await asyncio.wait_for(context.send_activity(not_taken_in(exc)), REPLY_DEADLINE_S)
+            except Exception as reply_exc:
+                log.warning("teams: could not tell the author either: %r", reply_exc)
+                raise exc from None
 
 
 def _retry_after(headers: Any) -> float | None:

@@ -1,10 +1,12 @@
-"""A channel message the database cannot take in, on a channel that never delivers it
-again by itself (Discord's interactions and gateway), through the real Discord adapter
-on the real composition root against the Discord stand-in (REST and gateway).
+"""A channel message the database cannot take in, on a channel that does not deliver it
+again by itself (Discord's interactions and gateway, Teams), through the real Discord
+and Teams adapters on the real composition root against the Discord stand-in (REST and
+gateway) and the Bot Connector stand-in.
 
-Slack, Teams and email are told to retry instead (503, 451: they redeliver); a Discord
-interaction or gateway message is sent once, so its author is told in words, naming the
-rule, and nothing of the driver's failure reaches the log as a traceback."""
+Slack and email are told to retry instead (503, 451: they redeliver); a Discord
+interaction or gateway message is sent once, and nothing documents that Teams sends a
+message again after a 5xx, so there the author is told in words, naming the rule, and
+nothing of the driver's failure reaches the log as a traceback."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from leadgate.database.db import Database
 from tests.fakes import DownFor
 from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_chat_review_faults import no_tracebacks
+from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
@@ -138,3 +141,62 @@ async def test_a_gateway_message_the_database_cannot_take_gets_a_reply_saying_so
     assert reply["channel_id"] == CHANNEL and SAID in reply["content"]
     assert str(reply["message_reference"]["message_id"]) == sent["id"]
     no_tracebacks(caplog, "SECRET-GATEWAY-TEXT")
+
+
+@pytest.fixture
+async def teams_served(
+    migrated_url: str,
+) -> AsyncIterator[tuple[App, TestServer, ConnectorStandin]]:
+    connector = ConnectorStandin()
+    await connector.start()
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "teams": {"enabled": True}}
+    )
+    service = App(settings, clock=FakeClock())
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    await make_route(service, org, plain["id"], "teams")
+    server = TestServer(service.web_app(), host="127.0.0.1")
+    await server.start_server()
+    yield service, server, connector
+    await server.close()
+    await service.stop()
+    await connector.close()
+
+
+async def test_a_teams_message_the_database_cannot_take_gets_a_reply_saying_so(
+    teams_served: tuple[App, TestServer, ConnectorStandin],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, server, connector = teams_served
+    caplog.set_level(logging.INFO)
+    down(monkeypatch, app.db)
+    activity = message_activity(service_url=connector.url, text="SECRET-TEAMS-TEXT")
+    status, _ = await post_activity(str(server.make_url("/api/messages")), activity)
+    # It was a 503 and the README said Teams redelivers, which nothing documents: the
+    # person saw their message simply never answered. Now they get a reply saying so.
+    assert status == 202
+    [reply] = connector.activities
+    assert reply["reply_to_id"] == activity["id"]
+    assert (
+        SAID in reply["activity"]["text"] and "(service.unavailable)" in reply["activity"]["text"]
+    )
+    no_tracebacks(caplog, "SECRET-TEAMS-TEXT")
+
+
+async def test_a_teams_message_that_cannot_be_taken_in_or_answered_is_refused(
+    teams_served: tuple[App, TestServer, ConnectorStandin],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, server, connector = teams_served
+    caplog.set_level(logging.INFO)
+    down(monkeypatch, app.db)
+    connector.fail_next("500")
+    activity = message_activity(service_url=connector.url, text="SECRET-TEAMS-TEXT")
+    status, body = await post_activity(str(server.make_url("/api/messages")), activity)
+    # Nobody was told: the fault is the answer (a 503 naming the rule, no traceback).
+    assert status == 503 and json.loads(body)["error"]["rule"] == "service.unavailable"
+    assert connector.activities == []
+    no_tracebacks(caplog, "SECRET-TEAMS-TEXT")
