@@ -27,6 +27,8 @@ was broken (for example ``lead.self``), and a human message that says what to do
 
 from __future__ import annotations
 
+import logging
+
 
 class LeadgateError(Exception):
     """Root of every error the engine raises on purpose."""
@@ -207,3 +209,17 @@ class TurnInterrupted(Unavailable):
             rule="turn.interrupted",
         )
         self.detail = detail
+
+
+def log_failure(logger: logging.Logger, exc: BaseException, message: str, *args: object) -> None:
+    """Log ``exc``, met by work that has no caller to answer (a background task, a
+    runner's pass), as ``message % args``.
+
+    A database fault (:class:`Unavailable`, :class:`DatabaseDamaged`) is the database's
+    state, already said where it is met (its rule, ``/healthz``), not a bug here: one
+    WARNING naming the rule, without the driver's traceback (which may quote what a
+    person sent). Anything else is a bug: ERROR with its traceback."""
+    if isinstance(exc, Unavailable | DatabaseDamaged):
+        logger.warning(f"{message}: database fault (%s)", *args, exc.rule, stacklevel=2)
+    else:
+        logger.error(message, *args, exc_info=exc, stacklevel=2)

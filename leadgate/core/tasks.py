@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any
 
-from leadgate.core.errors import DatabaseDamaged, Unavailable
+from leadgate.core.errors import log_failure
 
 log = logging.getLogger("leadgate.tasks")
 
@@ -25,13 +25,8 @@ class Background:
         async def wrapper() -> None:
             try:
                 await coro
-            except (Unavailable, DatabaseDamaged) as exc:
-                # A database fault is the database's state, told where it is met (its
-                # rule, /healthz), not a bug here: one line, without the driver's
-                # traceback (which may quote what a person sent).
-                log.warning("background task %s met a database fault (%s)", name, exc.rule)
-            except Exception:
-                log.exception("background task %s failed", name)
+            except Exception as exc:
+                log_failure(log, exc, "background task %s failed", name)
 
         self.track(asyncio.get_running_loop().create_task(wrapper(), name=name))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.errors import DatabaseDamaged, log_failure
 from leadgate.turns import runs
 from leadgate.turns.path import TurnService
 
@@ -71,10 +71,10 @@ class TurnRecovery:
             # attempt, and the third ends in a failure notice) and no traceback per
             # pass; the claim lapses and a later pass takes it again.
             raise
-        except Exception:
+        except Exception as exc:
             # Claimed again on the next pass rather than when its lease lapses (minutes):
             # each claim counts an attempt, so a run that keeps failing gets its failure
             # notice after MAX_ATTEMPTS instead of being retried for ever.
             self.turns.orphans.add(claimed.token)
-            log.exception("recovering session %s failed", claimed.session_id)
+            log_failure(log, exc, "recovering session %s failed", claimed.session_id)
         return True

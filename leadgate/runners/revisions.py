@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from leadgate.core.errors import DatabaseDamaged
+from leadgate.core.errors import DatabaseDamaged, log_failure
 from leadgate.domain.rows import WorkItem
 from leadgate.turns.path import TurnService
 
@@ -52,7 +52,7 @@ class RevisionRunner:
             # The lease expires as below; the loop says what it is in one line (it was
             # a traceback per pass).
             raise
-        except Exception:
+        except Exception as exc:
             # The lease expires and another pass retries the turn; feedback is kept.
-            log.exception("revision turn for %s failed", item.id)
+            log_failure(log, exc, "revision turn for %s failed", item.id)
         return True
