@@ -20,6 +20,7 @@ Nothing outside ``bots/`` imports a channel SDK.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -28,7 +29,9 @@ from aiohttp import web
 
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
 from leadgate.core.types import Inbound, Recorded, Routed, RouteMatch
-from outbox.channel import Channel
+from outbox.channel import Channel, OutboundMessage, Sent
+
+log = logging.getLogger(__name__)
 
 
 class Core(Protocol):
@@ -96,6 +99,27 @@ def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
         "Your message could not be taken in: the service is unavailable right now "
         f"({exc.rule}). If no answer comes, please send it again in a moment."
     )
+
+
+async def tell_not_taken_in(
+    channel: Channel, inbound: Inbound, exc: Unavailable | DatabaseDamaged, *, key: str
+) -> bool:
+    """Post :func:`not_taken_in` to ``inbound``'s conversation (a reply to it, where the
+    channel replies), straight through ``channel``: not through the outbox, since the
+    database is what failed. ``key`` (e.g. the platform's message id) makes a repeat the
+    same post where the platform de-duplicates. Whether it was posted."""
+    outcome = await channel.send(
+        OutboundMessage(
+            delivery_id=key,
+            idempotency_key=key,
+            address=dict(inbound.address),
+            text=not_taken_in(exc),
+            kind="notice",
+        )
+    )
+    if not isinstance(outcome, Sent):
+        log.warning("%s: could not tell the author either: %s", channel.name, outcome)
+    return isinstance(outcome, Sent)
 
 
 AfterRun = Callable[[Routed | None], Awaitable[None]]

@@ -46,7 +46,14 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from bots import discord_review
-from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, not_taken_in
+from bots.base import (
+    DATABASE_FAULTS,
+    Core,
+    accept,
+    answering_errors,
+    not_taken_in,
+    tell_not_taken_in,
+)
 from bots.discord_out import (
     DiscordChannel,
     configure_endpoints,
@@ -59,7 +66,6 @@ from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object, read_body
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
-from outbox.channel import OutboundMessage, Sent
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
 
@@ -386,17 +392,8 @@ class DiscordAdapter:
             await accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}")
         except DATABASE_FAULTS as exc:
             log.warning("discord: could not record a gateway message (%s)", exc.rule)
-            outcome = await self.channel.send(
-                OutboundMessage(
-                    delivery_id=f"intake-fault:{post.message_id}",
-                    idempotency_key=f"intake-fault:{post.message_id}",
-                    address=dict(inbound.address),
-                    text=not_taken_in(exc),
-                    kind="notice",
-                )
-            )
-            if not isinstance(outcome, Sent):
-                log.warning("discord: could not tell the author either: %s", outcome)
+            key = f"intake-fault:{post.message_id}"
+            await tell_not_taken_in(self.channel, inbound, exc, key=key)
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:

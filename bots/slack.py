@@ -9,7 +9,8 @@ cannot read, or for identifiers that cannot be stored) and handed to a slack-bol
 ``app_mention`` events into a :class:`leadgate.core.types.Inbound`. The listener
 **records** the message (:func:`bots.base.accept`) before Bolt answers 200, within
 Slack's 3 seconds (past 2.5 s, or with the database unavailable: 503, and Slack
-redelivers); the turn runs in the background and its reply travels through the outbox.
+redelivers, three times over five minutes; on its last try the person is told in the
+thread instead); the turn runs in the background and its reply travels through the outbox.
 
 Each thread is one session (``slack:{team}:{channel}:{thread_ts or ts}``) and replies go
 into that thread. The external event id is built from the *message* (team, channel,
@@ -45,7 +46,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from bots import slack_review
-from bots.base import Core, accept, answering_errors
+from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, tell_not_taken_in
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.decoding import decode_text, json_object, read_body
@@ -80,6 +81,13 @@ _EVENT_STRINGS = ("subtype", "channel_type", "text", "ts", "thread_ts", "bot_id"
 _FAILURE: contextvars.ContextVar[list[LeadgateError] | None] = contextvars.ContextVar(
     "leadgate_slack_failure", default=None
 )
+# Set per request: whether it is Slack's last delivery of the event. Slack retries an
+# event it got no 2xx for three times (at once, after a minute, after five minutes,
+# ``X-Slack-Retry-Num`` 1..3), then drops it.
+_LAST_TRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "leadgate_slack_last_try", default=False
+)
+LAST_RETRY_NUM = "3"
 
 # Message subtypes a person produces. Everything else (bot_message, message_changed,
 # message_deleted, channel_join, ...) is either a bot or a change notice, never a new ask.
@@ -435,14 +443,26 @@ class SlackAdapter:
         post = parse_event(body, event)
         if post is None:
             return
-        # The outcome needs no action here: a Reply is already queued in the outbox, and
-        # Gated/Busy/Duplicate post nothing.
-        await accept(
-            self._core,
-            post.inbound(),
-            name=f"slack-turn:{post.external_event_id}",
-            deadline_s=RECORD_DEADLINE_S,
-        )
+        inbound = post.inbound()
+        try:
+            # The outcome needs no action here: a Reply is already queued in the outbox,
+            # and Gated/Busy/Duplicate post nothing.
+            await accept(
+                self._core,
+                inbound,
+                name=f"slack-turn:{post.external_event_id}",
+                deadline_s=RECORD_DEADLINE_S,
+            )
+        except DATABASE_FAULTS as exc:
+            # Slack's last try: after it the event is dropped, and the person's message
+            # was lost without a word (a database down past the five minutes Slack's
+            # retries span). Tell them in the thread, as on Discord and Teams.
+            if not _LAST_TRY.get():
+                raise
+            log.warning("slack: could not record a message on Slack's last try (%s)", exc.rule)
+            key = f"intake-fault:{inbound.external_event_id}"
+            if not await tell_not_taken_in(self.channel, inbound, exc, key=key):
+                raise
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """``POST /slack/events``: verify, decode, then Bolt answers and dispatches."""
@@ -466,6 +486,7 @@ class SlackAdapter:
         _check_shape(_decode(raw, text, request.content_type))
         failures: list[LeadgateError] = []
         reset = _FAILURE.set(failures)
+        last_try = _LAST_TRY.set(request.headers.get("X-Slack-Retry-Num") == LAST_RETRY_NUM)
         try:
             bolt_request = AsyncBoltRequest(
                 body=text,
@@ -481,6 +502,7 @@ class SlackAdapter:
             ) from None
         finally:
             _FAILURE.reset(reset)
+            _LAST_TRY.reset(last_try)
         if failures:
             raise failures[0]
         return await to_aiohttp_response(bolt_response)

@@ -3,10 +3,11 @@ again by itself (Discord's interactions and gateway, Teams), through the real Di
 and Teams adapters on the real composition root against the Discord stand-in (REST and
 gateway) and the Bot Connector stand-in.
 
-Slack and email are told to retry instead (503, 451: they redeliver); a Discord
-interaction or gateway message is sent once, and nothing documents that Teams sends a
-message again after a 5xx, so there the author is told in words, naming the rule, and
-nothing of the driver's failure reaches the log as a traceback."""
+Slack and email are told to retry instead (503, 451: they redeliver), except on Slack's
+last try; a Discord interaction or gateway message is sent once, and nothing documents
+that Teams sends a message again after a 5xx, so there (and on Slack's last try) the
+author is told in words, naming the rule, and nothing of the driver's failure reaches the
+log as a traceback."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
+from tests.standins.slack_api import SlackApiStandin, signed_headers
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
 SAID = "could not be taken in"
@@ -200,3 +202,87 @@ async def test_a_teams_message_that_cannot_be_taken_in_or_answered_is_refused(
     assert status == 503 and json.loads(body)["error"]["rule"] == "service.unavailable"
     assert connector.activities == []
     no_tracebacks(caplog, "SECRET-TEAMS-TEXT")
+
+
+SLACK_SECRET = "slack-signing-secret"
+
+
+@pytest.fixture
+async def slack_served(migrated_url: str) -> AsyncIterator[tuple[App, TestServer, SlackApiStandin]]:
+    async with SlackApiStandin(token="xoxb-x") as slack:
+        settings = Settings.model_validate(
+            {
+                "database": {"url": migrated_url},
+                "slack": {
+                    "signing_secret": SLACK_SECRET,
+                    "bot_token": "xoxb-x",
+                    "api_url": slack.api_url,
+                },
+            }
+        )
+        service = App(settings, clock=FakeClock())
+        org = await make_org(service)
+        plain = await make_agent(service, org, "plain")
+        await make_route(service, org, plain["id"], "slack")
+        server = TestServer(service.web_app(), host="127.0.0.1")
+        await server.start_server()
+        yield service, server, slack
+        await server.close()
+        await service.stop()
+
+
+async def slack_message(server: TestServer, *, retry_num: int | None) -> int:
+    body = json.dumps(
+        {
+            "type": "event_callback",
+            "team_id": "T0STANDIN",
+            "event_id": "Ev0000000001",
+            "event": {
+                "type": "message",
+                "channel": "C0ASK",
+                "user": "U0HUMAN",
+                "text": "SECRET-SLACK-TEXT",
+                "ts": "1700000000.000100",
+            },
+        }
+    )
+    headers = signed_headers(SLACK_SECRET, body, retry_num=retry_num)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            server.make_url("/slack/events"), data=body.encode(), headers=headers
+        ) as r:
+            return r.status
+
+
+@pytest.mark.parametrize("retry_num", [None, 1, 2])
+async def test_a_slack_message_the_database_cannot_take_is_left_to_slack_s_retries(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    retry_num: int | None,
+) -> None:
+    app, server, slack = slack_served
+    caplog.set_level(logging.INFO)
+    down(monkeypatch, app.db)
+    # Slack delivers it again (up to its third retry): nothing is said in the thread.
+    assert await slack_message(server, retry_num=retry_num) == 503
+    assert slack.posts == []
+    no_tracebacks(caplog, "SECRET-SLACK-TEXT")
+
+
+async def test_slack_s_last_try_that_the_database_cannot_take_gets_a_reply_saying_so(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, server, slack = slack_served
+    caplog.set_level(logging.INFO)
+    down(monkeypatch, app.db)
+    # Slack drops the event after its third retry: the message was lost without a word
+    # (the database down past the five minutes the retries span). Now its author is told
+    # in the thread, and Slack gets its 200.
+    assert await slack_message(server, retry_num=3) == 200
+    [reply] = slack.posts
+    assert reply["channel"] == "C0ASK" and reply["thread_ts"] == "1700000000.000100"
+    assert SAID in reply["text"] and "(service.unavailable)" in reply["text"]
+    no_tracebacks(caplog, "SECRET-SLACK-TEXT")
