@@ -8,6 +8,8 @@ else looks at the bytes; a channel verifies its signature on the raw bytes first
   application's ``client_max_size``: 413) and the body read timeout (408), so a slow or
   huge upload can neither stall a handler nor grow memory.
 * :func:`bearer_token`: the one reading of ``Authorization: Bearer``.
+* :func:`query_value` (:func:`single_value` for a query parsed elsewhere, as an MCP
+  resource URI's): the one reading of a query parameter, refused when it is given twice.
 * :func:`decimal_int`: the one reading of a count, time or id number a client wrote (query
   parameters, ``Last-Event-ID``): ASCII digits only (``str.isdigit`` also passes ``"²"``,
   which ``int`` refuses) and at most :data:`INT64_MAX`, the widest integer both databases
@@ -30,6 +32,7 @@ import asyncio
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -222,6 +225,24 @@ def single_header(request: web.Request, name: str) -> str | None:
             rule="header.repeated",
         )
     return values[0] if values else None
+
+
+def single_value(name: str, values: Sequence[str]) -> str | None:
+    """The one value of query parameter ``name`` among ``values`` (every value the query
+    gave it), or ``None`` without one; given twice or more, a 400 ``query.repeated``
+    naming it. REST took the first of ``?limit=1&limit=2`` and the MCP resource the
+    last: a client could not tell which one counted."""
+    if len(values) > 1:
+        raise ValidationError(
+            f"the query parameter {name} was given {len(values)} times: give it once",
+            rule="query.repeated",
+        )
+    return values[0] if values else None
+
+
+def query_value(request: web.Request, name: str) -> str | None:
+    """The one value of ``request``'s query parameter ``name`` (:func:`single_value`)."""
+    return single_value(name, request.query.getall(name, []))
 
 
 def header_text(request: web.Request, name: str, *, limit: int = 1024) -> str | None:

@@ -49,7 +49,8 @@ from mcp.server.subscriptions import ListenHandler, ResourceUpdated, ServerEvent
 from mcp.shared.exceptions import MCPError
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, NotFound
+from leadgate.core.decoding import single_value
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, NotFound, ValidationError
 from leadgate.core.logs import Tally
 from leadgate.web.common import DamagedAnswers, damaged_answers
 from leadgate.web.sessions_api import SessionReads
@@ -199,7 +200,8 @@ def resource_uri(agent: str, session: str) -> str:
 
 
 def parse_uri(uri: str) -> tuple[str, str, str | None, str | None]:
-    """(agent, session, after, limit) of a transcript URI; -32602 otherwise."""
+    """(agent, session, after, limit) of a transcript URI; -32602 otherwise, naming
+    ``query.repeated`` for ``after`` or ``limit`` given twice (as REST refuses it)."""
     parts = urlsplit(uri)
     path = parts.path.split("/")
     # leadgate://agents/<agent>/sessions/<session>/messages -> ["", agent, "sessions", ...]
@@ -214,9 +216,14 @@ def parse_uri(uri: str) -> tuple[str, str, str | None, str | None]:
         or not path[3]
     ):
         raise _unknown(uri)
-    query = parse_qs(parts.query)
-    after = query.get("after", [None])[-1]
-    limit = query.get("limit", [None])[-1]
+    # Blank values kept, as aiohttp keeps them on REST: ``?limit=&limit=2`` gives limit
+    # twice on both surfaces (an empty value is still no value).
+    query = parse_qs(parts.query, keep_blank_values=True)
+    try:
+        after = single_value("after", query.get("after", [])) or None
+        limit = single_value("limit", query.get("limit", []))
+    except ValidationError as exc:
+        raise _refused(uri, exc) from None
     return unquote(path[1]), unquote(path[3]), after, limit
 
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import decimal_int
+from leadgate.core.decoding import decimal_int, query_value
 from leadgate.core.errors import ValidationError
 from leadgate.web import charts
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
@@ -67,7 +67,7 @@ class InsightsBackend(Protocol):
 
 
 def _int(request: web.Request, name: str, default: int, rule: str) -> int:
-    raw = request.query.get(name)
+    raw = query_value(request, name)
     if raw is None:
         return default
     value = decimal_int(raw)
@@ -78,7 +78,7 @@ def _int(request: web.Request, name: str, default: int, rule: str) -> int:
 
 def _opts(request: web.Request, *names: str) -> dict[str, str | None]:
     """Optional query parameters (an empty value is no value)."""
-    return {name: request.query.get(name) or None for name in names}
+    return {name: query_value(request, name) or None for name in names}
 
 
 def setup(
@@ -102,7 +102,7 @@ def setup(
         page = await reviews.queue(
             principal,
             limit=_int(request, "limit", 50, "queue.limit"),
-            order=request.query.get("order") or "oldest",
+            order=query_value(request, "order") or "oldest",
             **_opts(request, "cursor", "agent", "channel", "reason"),
         )
         return web.json_response(page)

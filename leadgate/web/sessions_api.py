@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import decimal_int
+from leadgate.core.decoding import decimal_int, query_value
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
@@ -273,8 +273,8 @@ async def transcript_response(
         principal,
         request.match_info["agent"],
         request.match_info["session"],
-        after=request.query.get("after") or None,
-        limit=parse_limit(request.query.get("limit")),
+        after=query_value(request, "after") or None,
+        limit=parse_limit(query_value(request, "limit")),
     )
     return web.json_response(page)
 

@@ -238,6 +238,34 @@ async def test_the_same_session_as_rest_and_the_default(env: Env) -> None:
 
 
 @LEGACY_SUBSCRIBE
+async def test_a_query_parameter_given_twice_is_refused_naming_it(env: Env) -> None:
+    """``?limit=1&limit=2`` took the last value here and the first on REST: a client could
+    not tell which one counted. Both surfaces refuse it now, naming ``query.repeated``
+    (an empty value counts: REST's ``?limit=&limit=2`` is two values too)."""
+    async with session(env) as client:
+        await client.initialize()
+        await client.call_tool(TOOL, {"agent": "worker", "message": "twice", "session": "t"})
+        for query, name in (
+            ("limit=1&limit=2", "limit"),
+            ("limit=&limit=2", "limit"),
+            ("after=&after=x&limit=1", "after"),
+        ):
+            resource = uri("worker", "t") + "?" + query
+            with pytest.raises(MCPError) as refused:
+                await client.read_resource(resource)
+            assert refused.value.error.code == mt.INVALID_PARAMS
+            assert refused.value.error.data == {"uri": resource, "rule": "query.repeated"}
+            assert f"query parameter {name} was given 2 times" in refused.value.error.message
+            with warnings.catch_warnings(), pytest.raises(MCPError) as sub:
+                warnings.simplefilter("ignore", DeprecationWarning)
+                await client.subscribe_resource(resource)
+            assert sub.value.error.data == {"uri": resource, "rule": "query.repeated"}
+        # Once each, and an empty value, is read as before.
+        page = await transcript(client, uri("worker", "t") + "?limit=1&after=")
+        assert len(page["data"]) == 1 and page["has_more"] is True
+
+
+@LEGACY_SUBSCRIBE
 async def test_another_organizations_resource_is_unknown(env: Env) -> None:
     async with session(env, env.other.key) as client:
         await client.initialize()

@@ -103,6 +103,26 @@ async def assert_envelope(resp: ClientResponse, status: int, rule: str) -> dict[
     return dict(body["error"])
 
 
+async def test_a_query_parameter_given_twice_is_400_naming_it(env: Env) -> None:
+    """Every operator route that reads a query parameter refuses it given twice (the first
+    was taken, unseen), with the one rule of every surface, ``query.repeated``."""
+    for target, name in (
+        ("/operator/reviews?limit=1&limit=2", "limit"),
+        ("/operator/reviews?order=oldest&order=newest", "order"),
+        ("/operator/reviews?agent=a&agent=", "agent"),
+        ("/operator/activity?q=a&q=b", "q"),
+        ("/operator/activity?since=1&since=2", "since"),
+        ("/operator/deliveries?cursor=&cursor=", "cursor"),
+        ("/operator/insights?days=7&days=30", "days"),
+        ("/operator/insights/charts/decisions.svg?days=7&days=7", "days"),
+    ):
+        resp = await env.client.get(target, headers=env.owner)
+        error = await assert_envelope(resp, 400, "query.repeated")
+        assert f"query parameter {name} was given 2 times" in error["message"], target
+    resp = await env.client.get("/operator/reviews?limit=1&x=1&x=2", headers=env.owner)
+    assert resp.status == 200
+
+
 # ------------------------------------------------------------------------ the queue
 
 

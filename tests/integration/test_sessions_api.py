@@ -169,6 +169,22 @@ async def test_bad_paging_is_400_naming_the_rule(
     assert error["rule"] == rule and error["param"] is None
 
 
+async def test_a_query_parameter_given_twice_is_400_naming_it(env: Env) -> None:
+    """``?limit=1&limit=2`` took the first value here and the last on MCP: a client could
+    not tell which one counted. Now a 400 ``query.repeated`` naming the parameter; a
+    parameter the route does not read may come any number of times."""
+    await env.chat("plain", "hi", headers={"X-Session-Id": "q"})
+    path = "/v1/agents/plain/sessions/q/messages"
+    for query, name in (("limit=1&limit=2", "limit"), ("after=&after=x", "after")):
+        resp = await env.client.get(f"{path}?{query}", headers=env.auth())
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+        assert error["rule"] == "query.repeated" and error["param"] is None
+        assert error["message"] == f"the query parameter {name} was given 2 times: give it once"
+    resp = await env.client.get(f"{path}?limit=1&other=1&other=2", headers=env.auth())
+    assert resp.status == 200 and len((await resp.json())["data"]) == 1
+
+
 async def test_one_session_name_whichever_way_it_came(env: Env) -> None:
     await env.chat("plain", "by header", headers={"X-Session-Id": "same"})
     await env.chat("plain", "by user", user="same")
