@@ -11,7 +11,7 @@ Typical use::
                                                       "api_url": stand_in.url}})
     proc.upgrade()                                  # leadgate db upgrade
     demo = proc.seed_demo()                         # leadgate demo -> Demo(key=..., ...)
-    key = proc.admin("key", "create", "--org", demo.org, "--scope", "agent:review")["key"]
+    key = proc.admin("key", "create", "--org", demo.org, "--scope", "agent:review")["apiKey"]
     with proc.start():                              # leadgate serve; waits for /healthz
         ... talk to proc.url (e.g. f"{proc.url}/v1") ...
     # leaving the block = proc.stop(): SIGTERM, asserts exit code 0 within 10 s

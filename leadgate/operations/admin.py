@@ -59,12 +59,16 @@ class Admin:
     async def create_key(
         self, org: str, scopes: list[str], name: str | None = None
     ) -> dict[str, Any]:
-        """A key with exactly ``scopes`` and an optional label (shown once)."""
+        """A key with exactly ``scopes`` and an optional label, its secret shown once as
+        ``apiKey`` (as ``org create`` and ``demo`` show theirs). ``key`` carries the same
+        secret: a deprecated alias, kept for scripts written against earlier releases,
+        which printed it there alone."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            return await orgs.create_key(
+            created = await orgs.create_key(
                 conn, self.clock, self.ids, org_id, orgs.parse_scopes(scopes), name=name
             )
+        return {"id": created["id"], "apiKey": created["key"], **created}
 
     async def list_keys(self, org: str) -> list[dict[str, Any]]:
         """The organization's keys (ids, labels, scopes, revoked or not; never secrets)."""

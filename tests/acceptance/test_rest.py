@@ -92,7 +92,7 @@ def env(
             ("agent", "update", "--org", org, "ghost", "--delete"),
         )
         assert trig["scopes"] == ["agent:trigger"] and review["scopes"] == ["agent:review"]
-        yield Env(proc, proc.demo.key, trig["key"], review["key"], other["apiKey"])
+        yield Env(proc, proc.demo.key, trig["apiKey"], review["apiKey"], other["apiKey"])
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -242,9 +242,12 @@ def test_duplicate_org_is_a_rule_error(world: dict[str, Any]) -> None:
 
 def test_key_create(world: dict[str, Any]) -> None:
     body = runs(world)["key"].json()
-    assert set(body) == {"id", "key", "scopes"}
+    # The secret as `org create` and `demo` print theirs, `apiKey` (it was `key` alone);
+    # `key`, the same secret, stays for scripts written against earlier releases.
+    assert set(body) == {"id", "apiKey", "key", "scopes"}
     assert body["scopes"] == ["agent:review"]
-    assert body["key"].startswith(f"lg.{body['id']}.")
+    assert body["apiKey"].startswith(f"lg.{body['id']}.")
+    assert body["key"] == body["apiKey"]
     runs(world)["key_bad"].rule_error("key.scope")
     assert "agent:everything" in runs(world)["key_bad"].err
     [(scopes,)] = db_rows(world, f"SELECT scopes FROM api_keys WHERE id = '{body['id']}'")

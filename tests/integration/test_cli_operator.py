@@ -195,7 +195,8 @@ def test_key_list_and_revoke(world: dict[str, Any]) -> None:
         "revokedAt": None,
         "active": True,
     }
-    assert "secret" not in json.dumps(listed) and key["key"].split(".")[2] not in json.dumps(listed)
+    secret = key["apiKey"].split(".")[2]
+    assert "secret" not in json.dumps(listed) and secret not in json.dumps(listed)
     assert table.code == 0 and table.out.splitlines()[0].split()[:3] == ["ID", "NAME", "SCOPES"]
     revoked = lg(root, "key", "revoke", "--org", "acme", key["id"]).json()
     assert revoked["active"] is False and revoked["revokedAt"]
