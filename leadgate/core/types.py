@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 
 class BindingKind(enum.StrEnum):
@@ -126,6 +126,14 @@ class Duplicate:
 
 
 Outcome = Reply | Gated | Busy | Duplicate
+
+#: The rule every surface names for a turn held for its lead's review (``Gated``; the
+#: ``gated`` outcome of ``leadgate_turns_total``): REST's 409 ``LEAD_REVIEW_PENDING``.
+GATED_RULE: Final = "turn.gated"
+#: The rule every surface names for a message refused because the session's item already
+#: waits for review (``Busy``, and a ``Duplicate`` where one is refused the same way):
+#: REST's busy 409, MCP's tool error, Studio's 409.
+BUSY_RULE: Final = "turn.busy"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import bearer_token, decode_json, read_body
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, PayloadTooLarge, ValidationError
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
-from leadgate.core.types import Busy, Duplicate, Gated, Outcome, Reply
+from leadgate.core.types import BUSY_RULE, Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers
 from leadgate.web.mcp_resources import (
@@ -66,8 +66,6 @@ MAX_MESSAGE_CHARS: Final = MESSAGE_LIMIT
 BUSY_TEXT: Final = "The operation could not be completed. Try again."
 # Unexpected failures say the same thing: nothing internal reaches the client.
 GENERIC_ERROR_TEXT: Final = BUSY_TEXT
-#: The rule a busy (or duplicate) tool call's error names: the item is not taking messages.
-BUSY_RULE: Final = "turn.busy"
 
 # Where the bridge leaves the caller in the ASGI scope for the tool to read.
 PRINCIPAL_SCOPE_KEY: Final = "leadgate.principal"

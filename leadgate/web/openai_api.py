@@ -34,7 +34,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import IdFactory
 from leadgate.core.decoding import header_text, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
-from leadgate.core.types import Busy, Gated, Outcome, Reply, Usage
+from leadgate.core.types import BUSY_RULE, GATED_RULE, Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
 from leadgate.domain.rows import Agent
@@ -62,12 +62,17 @@ LOST_MESSAGE = (
 
 
 def pending_body(*, gated: bool) -> dict[str, Any]:
-    """The 409 body: a gated turn carries null workItemId/revision; busy omits them."""
+    """The 409 body: a gated turn carries null workItemId/revision; busy omits them.
+
+    The SPEC's form, plus ``rule`` as every other error envelope names it:
+    :data:`GATED_RULE` or :data:`BUSY_RULE`, the names MCP and Studio give the same cases
+    (it named none, and the two cases differed only by the keys present)."""
     error: dict[str, Any] = {
         "message": PENDING_MESSAGE,
         "type": "lead_review_pending",
         "param": None,
         "code": "LEAD_REVIEW_PENDING",
+        "rule": GATED_RULE if gated else BUSY_RULE,
     }
     if gated:
         error["workItemId"] = None

@@ -197,10 +197,12 @@ OPERATIONS: list[Operation] = [
         ],
         responses={
             "200": "A completion (or an SSE stream)",
-            "409": "LEAD_REVIEW_PENDING (the turn is held for its lead, or the session is "
-            "busy with another turn); idempotency.in_progress (the first request with this "
-            "Idempotency-Key still runs; Retry-After); idempotency.lost (its answer was lost "
-            "with its process: read the transcript). Never retried (x-should-retry: false)",
+            "409": "LEAD_REVIEW_PENDING, its rule turn.gated (the turn is held for its lead; "
+            "workItemId and revision null) or turn.busy (the session's work already waits "
+            "for review: the message was not taken in); idempotency.in_progress (the first "
+            "request with this Idempotency-Key still runs; Retry-After); idempotency.lost "
+            "(its answer was lost with its process: read the transcript). Never retried "
+            "(x-should-retry: false)",
             "502": "model_error: the model provider failed after the message was taken in "
             "(x-should-retry: false: sending it again would take it twice)",
         },

@@ -28,7 +28,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import Conflict
 from leadgate.core.limits import validate_message
-from leadgate.core.types import BindingKind, Gated, Outcome, Reply
+from leadgate.core.types import BUSY_RULE, BindingKind, Gated, Outcome, Reply
 from leadgate.domain.rows import Agent
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
 from leadgate.web.sessions_api import (
@@ -137,7 +137,7 @@ def setup(
             return web.json_response({"outcome": "pending"})
         raise SessionBusy(
             "this session's work is under review; wait for the review to finish",
-            rule="studio.busy",
+            rule=BUSY_RULE,  # as REST and MCP name it (it was studio.busy)
         )
 
     async def messages(request: web.Request) -> web.Response:

@@ -27,13 +27,15 @@ import pytest
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 PENDING = "This turn is pending Lead review. Retry after the review completes."
-# The seed's 409s, plus the `param` every OpenAI error envelope carries (null).
+# The seed's 409s, plus the `param` every OpenAI error envelope carries (null) and the
+# `rule` every error of the service names.
 GATED_BODY = {
     "error": {
         "message": PENDING,
         "type": "lead_review_pending",
         "param": None,
         "code": "LEAD_REVIEW_PENDING",
+        "rule": "turn.gated",
         "workItemId": None,
         "revision": None,
     }
@@ -44,6 +46,7 @@ BUSY_BODY = {
         "type": "lead_review_pending",
         "param": None,
         "code": "LEAD_REVIEW_PENDING",
+        "rule": "turn.busy",
     }
 }
 LEAD_FIELDS = ("leadAgentId", "leadReviewConfig")

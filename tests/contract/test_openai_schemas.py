@@ -202,6 +202,11 @@ async def test_every_error_envelope(api: tuple[TestClient[Any, Any], Org]) -> No
     gated, busy = (await responses[0].json())["error"], (await responses[1].json())["error"]
     assert gated["workItemId"] is None and gated["revision"] is None
     assert "workItemId" not in busy and "revision" not in busy
+    # The SPEC's form, plus the rule every other error names (they named none): the
+    # names MCP's tool error and Studio give the same cases.
+    assert (gated["rule"], busy["rule"]) == ("turn.gated", "turn.busy")
+    assert set(busy) == {"message", "type", "param", "code", "rule"}
+    assert set(gated) == set(busy) | {"workItemId", "revision"}
 
 
 async def test_every_stream_chunk(api: tuple[TestClient[Any, Any], Org]) -> None:

@@ -136,7 +136,7 @@ async def test_the_answers_the_routes_give_are_declared(migrated_url: str) -> No
             == 409
         )
         assert await declared("POST", chat, chat, **turn("plain", "please #fail")) == 502
-        for text in ("idempotency.in_progress", "idempotency.lost"):
+        for text in ("turn.gated", "turn.busy", "idempotency.in_progress", "idempotency.lost"):
             assert text in paths[chat]["post"]["responses"]["409"]["description"]
         item = await session_item(service, f"default:{org.principal.key_id}")
         approve = "/operator/reviews/{item_id}/approve"

@@ -101,7 +101,8 @@ async def test_member_chats_on_the_studio_binding(env: Env) -> None:
         json={"message": "again"},
         headers=CSRF,
     )
-    assert busy.status == 409 and (await busy.json())["error"]["rule"] == "studio.busy"
+    # Named as REST's busy 409 and MCP's busy tool error name it (it was studio.busy).
+    assert busy.status == 409 and (await busy.json())["error"]["rule"] == "turn.busy"
     empty = await env.client.post(path, json={"message": ""}, headers=CSRF)
     assert empty.status == 400
     async with env.service.db.read() as conn:
