@@ -48,7 +48,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import decimal_int, query_value
+from leadgate.core.decoding import decimal_int, query_value, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
@@ -122,8 +122,9 @@ _LAST_EVENT_ID_TEXT = "Last-Event-ID must be the id of an event of this stream"
 
 
 def last_event_id(request: web.Request) -> int:
-    """The ``Last-Event-ID`` header: where a resuming reader left off (0: the start)."""
-    raw = request.headers.get("Last-Event-ID", "").strip()
+    """The ``Last-Event-ID`` header: where a resuming reader left off (0: the start).
+    Sent twice, a 400 ``header.repeated`` (the first was taken silently)."""
+    raw = (single_header(request, "Last-Event-ID") or "").strip()
     if not raw:
         return 0
     after = decimal_int(raw)

@@ -347,6 +347,13 @@ async def test_stream_resumes_only_with_a_valid_id(env: Env) -> None:
     )
     assert resp.status == 400
     assert (await resp.json())["error"]["rule"] == "events.last_event_id"
+    # Sent twice: which one was meant is anybody's guess (the first was taken).
+    resp = await env.client.get(
+        "/v1/agents/plain/sessions/z/events",
+        headers=[*env.auth().items(), ("Last-Event-ID", "1"), ("Last-Event-ID", "2")],
+    )
+    assert resp.status == 400
+    assert (await resp.json())["error"]["rule"] == "header.repeated"
 
 
 async def test_a_last_event_id_the_session_never_gave_is_refused(env: Env) -> None:
