@@ -1,6 +1,6 @@
 """The real composition root served on 127.0.0.1 for integration tests (aiohttp's test
-client), on a migrated database, with a FakeClock and no channel adapters or background
-loops (drive runners with ``leadgate.core.runners.drain``)."""
+client), on a migrated database, with a FakeClock and no channel adapters (unless asked for) or
+background loops (drive runners with ``leadgate.core.runners.drain``)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ async def served_app(
     config: dict[str, Any] | None = None,
     providers: dict[str, Provider] | None = None,
     like_production: bool = False,
+    adapters: bool = False,
 ) -> AsyncIterator[tuple[App, Client]]:
     """``App`` on ``url`` (extra config sections in ``config``) and a client of it
-    (``like_production``: handlers are not cancelled when their client goes away)."""
+    (``like_production``: handlers are not cancelled when their client goes away;
+    ``adapters``: the channel adapters ``config`` turns on are mounted and run)."""
     settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
-    service = App(settings, clock=FakeClock(), providers=providers, enable_adapters=False)
+    service = App(settings, clock=FakeClock(), providers=providers, enable_adapters=adapters)
     server = (ServedLikeProduction if like_production else TestServer)(
         service.web_app(), host="127.0.0.1"
     )

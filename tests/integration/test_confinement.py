@@ -1,0 +1,727 @@
+"""Authentication and organization confinement on every route and every MCP capability,
+by enumeration (README, Security).
+
+The served app's routes (``app.router.routes()``, with the Slack, Discord and Teams
+webhooks mounted) and the hosted MCP server's tools and resource templates are listed,
+not written down one by one: a route or capability this module does not know how to
+fill fails the test, so whoever adds one adds it to :data:`FILLS` (or, if it is public
+by design, to :data:`PUBLIC`). For each one:
+
+- without credentials it is 401 in the error envelope (a channel webhook: its own
+  signature refusal), and the database is unchanged;
+- with organization B's key, and with B's console session cookie (plus the header the
+  console sends), on names and ids of organization A's real objects it answers exactly
+  as on names and ids nobody has (404, not a 403 that confirms the object exists), no
+  answer quotes any of A's names or ids, and no row but B's own changes.
+
+Each fill is also called with A's own key on A's objects (after B's probes, since some
+of them decide A's items): that answer must differ from the unknown-id one, so the
+fill names a real object and the comparison above means something.
+
+One served app per backend; every route and capability reuses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import httpx2
+import mcp_types as mt
+import sqlalchemy as sa
+from aiohttp import ClientResponse
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.client.subscriptions import listen
+from mcp.shared.exceptions import MCPError
+from nacl.signing import SigningKey
+
+from leadgate.app import App
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
+from leadgate.domain import orgs
+from leadgate.web.common import SESSION_COOKIE
+from tests.helpers import (
+    LEGACY_SUBSCRIBE,
+    Org,
+    make_agent,
+    make_org,
+    session_item,
+    slack_trigger,
+)
+from tests.serving import Client, served_app
+
+PASSWORD = "correct horse battery"
+CONSOLE = {"X-Leadgate-Console": "1"}
+
+#: Routes anyone may call, each for a reason. Every other route must refuse a request
+#: without credentials and confine one with credentials to the caller's organization.
+PUBLIC: Mapping[str, str] = {
+    "GET /healthz": "liveness for load balancers; says nothing of any organization",
+    "GET /metrics": "counters over every organization, no names or ids; open only on a "
+    "loopback listener, else behind [server] metrics_token or metrics_host "
+    "(tests/reliability/test_channel_inputs.py)",
+    "GET /openapi.json": "the published API document",
+    "GET /favicon.ico": "an empty icon for browsers",
+    "GET /console": "redirect to the console page",
+    "GET /console/": "the console page (static; its data comes from the routes below)",
+    "GET /console/static/{name}": "the console's script and style sheet",
+    "GET /console/studio": "redirect to the Studio page",
+    "GET /console/studio/": "the Studio page (static)",
+    "GET /console/studio/static/{name}": "Studio's script and style sheet",
+    "POST /console/login": "where a console session starts (rate-limited, see Security)",
+    "POST /console/logout": "ends the session its own cookie names, if any; without one "
+    "there is nothing to end",
+}
+
+#: Channel webhooks: authenticated by the platform's signature, not by a key. Without
+#: one they refuse (this status) and take nothing in.
+WEBHOOKS: Mapping[str, int] = {
+    "POST /slack/events": 401,
+    "POST /discord/interactions": 401,
+    "POST /api/messages": 401,
+}
+
+
+@dataclass(frozen=True)
+class Names:
+    """The names and ids a request fills in: organization A's real ones, or ones of the
+    same shape that nobody has."""
+
+    agent: str  # a worker agent's name (``model``, ``{agent}``)
+    agent_id: str
+    lead: str  # its lead's name
+    lead_id: str
+    preset: str  # an organization preset's name
+    preset_id: str
+    session: str  # a public session name with messages in it
+    message: str  # the id of a message in that session
+    item: str  # a work item awaiting a human decision
+    idempotency_key: str  # an Idempotency-Key A used
+    delivery: str  # a pending delivery
+
+
+#: B's own agent and session (B reaches them; a query naming A's ids rides on them).
+B_AGENT, B_SESSION = "b-own", "b-sess"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request: a path with its query, and a JSON body for writes."""
+
+    path: str
+    body: Any = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    #: the call rides on B's own objects (only a query names A's): A's key cannot reach
+    #: it, so it is not part of the check that the fill names A's real objects
+    on_b: bool = False
+    #: whether the two answers are compared whole, or (a new turn each: its answer has
+    #: its own ids and usage) by status and type only
+    exact: bool = True
+
+
+def at(template: str, **values: str) -> str:
+    """``template`` with each ``{name}`` replaced by ``values[name]``."""
+    for name, value in values.items():
+        template = template.replace(f"{{{name}}}", value)
+    assert "{" not in template, template
+    return template
+
+
+def chat(w: Names, _: str) -> list[Call]:
+    message = [{"role": "user", "content": "hello"}]
+    body = {"model": w.agent, "messages": message, "user": w.session}
+    mine = {"model": B_AGENT, "messages": message}
+    return [
+        Call("/v1/chat/completions", body),
+        # B's own agent, under the Idempotency-Key A used for another request.
+        Call(
+            "/v1/chat/completions",
+            mine,
+            {"Idempotency-Key": w.idempotency_key},
+            on_b=True,
+            exact=False,
+        ),
+    ]
+
+
+def transcript(w: Names, path: str) -> list[Call]:
+    # A's agent and session; and B's own session asked to page after A's message.
+    return [
+        Call(at(path, agent=w.agent, session=w.session)),
+        Call(at(path, agent=w.agent_id, session=w.session)),
+        Call(at(path, agent=B_AGENT, session=B_SESSION) + f"?after={w.message}", on_b=True),
+    ]
+
+
+def stream(w: Names, path: str) -> list[Call]:
+    return [
+        Call(at(path, agent=w.agent, session=w.session)),
+        Call(at(path, agent=w.agent_id, session=w.session)),
+    ]
+
+
+def studio_send(w: Names, path: str) -> list[Call]:
+    return [Call(at(path, agent=w.agent, session=w.session), {"message": "hello"})]
+
+
+def agent_ref(w: Names, path: str) -> list[Call]:
+    return [Call(at(path, agent_id=w.agent_id)), Call(at(path, agent_id=w.agent))]
+
+
+def references(w: Names) -> list[dict[str, str]]:
+    """Agent bodies naming A's lead or preset (by name and by id)."""
+    return [
+        {"leadAgentId": w.lead},
+        {"leadAgentId": w.lead_id},
+        {"presetId": w.preset},
+        {"presetId": w.preset_id},
+    ]
+
+
+def agent_update(w: Names, path: str) -> list[Call]:
+    body = {"instructions": "taken over"}
+    return [Call(at(path, agent_id=w.agent_id), body), Call(at(path, agent_id=w.agent), body)] + [
+        # B's own agent given A's lead or preset: as if they did not exist.
+        Call(at(path, agent_id=B_AGENT), ref, on_b=True)
+        for ref in references(w)
+    ]
+
+
+def agent_create(w: Names, path: str) -> list[Call]:
+    # A new agent of B's naming A's lead or preset: B must not learn A has them (and
+    # A's key, creating it, succeeds once per name: a new name each time).
+    return [
+        Call(path, {"name": f"new-{n}", "model": "script", **ref})
+        for n, ref in enumerate(references(w))
+    ]
+
+
+def listing(w: Names, path: str) -> list[Call]:
+    """A route without ids: only checked for what it quotes."""
+    return [Call(path)]
+
+
+def filtered(w: Names, path: str) -> list[Call]:
+    return [Call(f"{path}?agent={w.agent}"), Call(f"{path}?agent={w.agent_id}")]
+
+
+def activity(w: Names, path: str) -> list[Call]:
+    return [
+        Call(f"{path}?agent={w.agent}"),
+        Call(f"{path}?agent={w.agent_id}"),
+        Call(f"{path}?q={w.item}"),  # (the cursor is opaque, not an id)
+    ]
+
+
+def review(w: Names, path: str) -> list[Call]:
+    return [Call(at(path, item_id=w.item))]
+
+
+def decide(w: Names, path: str) -> list[Call]:
+    # With the text a reject or return needs, so the request passes its validation.
+    body = {"reason": "decided by someone else", "feedback": "decided by someone else"}
+    return [Call(at(path, item_id=w.item), body)]
+
+
+def delivery(w: Names, path: str) -> list[Call]:
+    return [Call(at(path, delivery_id=w.delivery), {})]
+
+
+def model(w: Names, path: str) -> list[Call]:
+    return [Call(at(path, model=w.agent)), Call(at(path, model=w.agent_id))]
+
+
+#: How to fill each route (``METHOD canonical path``; a path segment that takes one of a
+#: few fixed words, such as a decision's action, is filled with each word in turn).
+FILLS: Mapping[str, Callable[[Names, str], list[Call]]] = {
+    "POST /v1/chat/completions": chat,
+    "GET /v1/models": listing,
+    "GET /v1/models/{model}": model,
+    "GET /v1/agents": listing,
+    "POST /v1/agents": agent_create,
+    "GET /v1/agents/{agent_id}": agent_ref,
+    "PATCH /v1/agents/{agent_id}": agent_update,
+    "GET /v1/agents/{agent}/sessions/{session}/messages": transcript,
+    "GET /v1/agents/{agent}/sessions/{session}/events": stream,
+    "GET /console/studio/agents": listing,
+    "GET /console/studio/agents/{agent}/sessions/{session}/messages": transcript,
+    "POST /console/studio/agents/{agent}/sessions/{session}/messages": studio_send,
+    "GET /console/studio/agents/{agent}/sessions/{session}/events": stream,
+    "GET /console/me": listing,
+    "GET /operator/reviews": filtered,
+    "GET /operator/reviews/{item_id}": review,
+    "POST /operator/reviews/{item_id}/{action}": decide,
+    "POST /operator/deliveries/{delivery_id}/{action}": delivery,
+    "GET /operator/activity": activity,
+    "GET /operator/deliveries": listing,
+    "GET /operator/insights": listing,
+    "GET /operator/insights/charts/{name}.svg": listing,
+    "GET /operator/events": listing,
+    # MCP's own protocol: its tools and templates are probed one by one below.
+    "GET /mcp": listing,
+    "POST /mcp": listing,
+    "DELETE /mcp": listing,
+}
+
+WORDS = re.compile(r"\(\?P<(\w+)>(\w+(?:\|\w+)+)\)")
+
+
+def routes(client: Client) -> list[tuple[str, str]]:
+    """Every ``(METHOD, path)`` the app serves (HEAD aside: aiohttp adds it to GET), a
+    parameter of a few fixed words expanded into one path per word."""
+    found: list[tuple[str, str]] = []
+    for route in client.server.app.router.routes():
+        if route.method == "HEAD" or route.resource is None:
+            continue
+        canonical = route.resource.canonical
+        key = f"{route.method} {canonical}"
+        if key in PUBLIC:
+            continue
+        info = route.resource.get_info()
+        words = dict(WORDS.findall(info["pattern"].pattern)) if "pattern" in info else {}
+        choices = [
+            [(name, w) for w in alternatives.split("|")] for name, alternatives in words.items()
+        ]
+        for combination in itertools.product(*choices):
+            path = canonical
+            for name, word in combination:
+                path = path.replace(f"{{{name}}}", word)
+            found.append((key, path))
+    return found
+
+
+Rows = dict[str, set[str]]
+
+
+async def dump(service: App) -> Rows:
+    """Every row of every table, each as canonical JSON."""
+    rows: Rows = {}
+    async with service.db.read() as conn:
+        for table in t.metadata.sorted_tables:
+            result = await conn.execute(sa.select(table))
+            rows[table.name] = {
+                json.dumps(dict(r._mapping), sort_keys=True, default=str) for r in result
+            }
+    return rows
+
+
+#: Tables without an ``org_id``: the column naming the row that has one.
+OWNED_BY = {
+    "session_events": ("session_id", "sessions"),
+    "flow_run_events": ("run_id", "flow_runs"),
+    "console_sessions": ("user_id", "users"),
+}
+
+
+def changed(before: Rows, after: Rows, *, allowed_org: str | None = None) -> list[str]:
+    """The rows that appeared, went or changed between ``before`` and ``after``, but
+    for rows of ``allowed_org`` (the caller's own organization)."""
+    org_of = {
+        row["id"]: row["org_id"]
+        for table in {parent for _, parent in OWNED_BY.values()}
+        for row in map(json.loads, after.get(table, set()))
+    }
+
+    def owner(table: str, row: dict[str, Any]) -> str | None:
+        if table in OWNED_BY:
+            return org_of.get(row[OWNED_BY[table][0]])
+        return row.get("org_id")
+
+    out = []
+    for table, rows in after.items():
+        for row in rows ^ before.get(table, set()):
+            if allowed_org is not None and owner(table, json.loads(row)) == allowed_org:
+                continue
+            out.append(f"{table}: {row}")
+    return out
+
+
+@dataclass
+class Answer:
+    """What a client learns from an answer (a stream: only its status and type)."""
+
+    status: int
+    content_type: str
+    body: str
+
+    def named(self, names: Names) -> Answer:
+        """The answer with each of ``names`` replaced by its field's name."""
+        body = self.body
+        for f in fields(names):
+            body = body.replace(getattr(names, f.name), f"<{f.name}>")
+        return Answer(self.status, self.content_type, body)
+
+    def outline(self) -> Answer:
+        """Only the status and type (an error keeps its envelope)."""
+        return self if self.status >= 400 else Answer(self.status, self.content_type, "")
+
+
+async def answer(resp: ClientResponse) -> Answer:
+    async with resp:
+        if resp.content_type == "text/event-stream":
+            return Answer(resp.status, resp.content_type, "<stream>")
+        return Answer(resp.status, resp.content_type, await resp.text())
+
+
+class Prober:
+    """Requests as one caller: a bearer key, or a console session cookie."""
+
+    def __init__(self, client: Client, *, key: str = "", cookie: str = "") -> None:
+        self.client = client
+        self.headers: dict[str, str] = {}
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+        if cookie:
+            self.headers.update({"Cookie": f"{SESSION_COOKIE}={cookie}", **CONSOLE})
+
+    async def __call__(self, method: str, call: Call) -> Answer:
+        resp = await self.client.request(
+            method,
+            call.path,
+            headers={**self.headers, **call.headers},
+            json=call.body if method in ("POST", "PATCH", "PUT") else None,
+        )
+        return await answer(resp)
+
+
+async def world(service: App, client: Client, org: Org) -> Names:
+    """Organization A's objects: a worker with a lead, a session with messages, an item
+    awaiting a human, a pending Slack delivery."""
+    lead = await make_agent(service, org, "a-lead")
+    async with service.db.tx() as conn:
+        preset = await agents_mod.create_preset(
+            conn, service.clock, service.ids, org_id=org.id, name="a-preset"
+        )
+    worker = await make_agent(service, org, "a-worker", lead="a-lead")
+    plain = await make_agent(service, org, "a-plain")
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "a-worker",
+            "messages": [{"role": "user", "content": "x #complete #escalate"}],
+        },
+        headers={
+            "Authorization": f"Bearer {org.key}",
+            "X-Session-Id": "a-sess",
+            "Idempotency-Key": "a-idempotency-key",
+        },
+    )
+    assert resp.status == 409, await resp.text()
+    await drain(service.lead_runner)
+    item = await session_item(service, "h:a-sess")
+    async with service.db.read() as conn:
+        message = await conn.scalar(
+            sa.select(t.messages.c.id)
+            .join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
+            .where(t.sessions.c.key == "h:a-sess")
+        )
+    await service.turns.run(slack_trigger(org, plain, "hello", "1700000000.000100"))
+    async with service.db.read() as conn:
+        pending = await conn.scalar(
+            sa.select(t.deliveries.c.id).where(t.deliveries.c.org_id == org.id)
+        )
+    return Names(
+        agent="a-worker",
+        agent_id=str(worker["id"]),
+        lead="a-lead",
+        lead_id=str(lead["id"]),
+        preset="a-preset",
+        preset_id=str(preset["id"]),
+        session="a-sess",
+        message=str(message),
+        item=item,
+        idempotency_key="a-idempotency-key",
+        delivery=str(pending),
+    )
+
+
+def unknown(service: App, a: Names) -> Names:
+    """Names and ids of A's shape that nobody has."""
+
+    def like(value: str) -> str:
+        prefix, _, _ = value.partition("_")
+        return service.ids.new(prefix)
+
+    return Names(
+        agent="no-such-agent",
+        agent_id=like(a.agent_id),
+        lead="no-such-lead",
+        lead_id=like(a.lead_id),
+        preset="no-such-preset",
+        preset_id=like(a.preset_id),
+        session="no-such-session",
+        message=like(a.message),
+        item=like(a.item),
+        idempotency_key="no-such-idempotency-key",
+        delivery=like(a.delivery),
+    )
+
+
+async def console_cookie(service: App, client: Client, org: Org, email: str) -> str:
+    """A console session of an Owner of ``org`` (the cookie's value)."""
+    async with service.db.tx() as conn:
+        await orgs.create_user(
+            conn, service.clock, service.ids, org.id, email, "Owner", orgs.hash_password(PASSWORD)
+        )
+    resp = await client.post(
+        "/console/login", json={"email": email, "password": PASSWORD}, headers=CONSOLE
+    )
+    assert resp.status == 200, await resp.text()
+    cookie = resp.cookies[SESSION_COOKIE].value
+    client.session.cookie_jar.clear()  # each prober sends its own credentials
+    return cookie
+
+
+def config(key: SigningKey) -> dict[str, Any]:
+    """The channels whose webhooks are mounted (nothing is sent: their APIs are never
+    called by these requests)."""
+    return {
+        "slack": {
+            "signing_secret": "s3cret",
+            "bot_token": "xoxb-1",
+            "api_url": "http://127.0.0.1:9/",
+        },
+        "discord": {"public_key": key.verify_key.encode().hex()},
+        "teams": {"enabled": True, "app_id": "app-id", "app_password": "app-password"},
+    }
+
+
+@dataclass
+class Scene:
+    """The served app with organization A's objects and organization B's callers."""
+
+    service: App
+    client: Client
+    a: Org
+    b: Org
+    names: Names  # A's
+    nobody: Names
+    b_cookie: str
+
+    @property
+    def secrets(self) -> list[str]:
+        """What no answer to B may quote."""
+        return [getattr(self.names, f.name) for f in fields(self.names)] + ["a-plain", self.a.id]
+
+    def quoted(self, text: str) -> list[str]:
+        """The secrets ``text`` quotes."""
+        return [s for s in self.secrets if s in text]
+
+
+async def scene(service: App, client: Client) -> Scene:
+    """Organizations A (with :func:`world`) and B (its own agent and session, an Owner
+    logged in to the console)."""
+    a, b = await make_org(service, "org-a"), await make_org(service, "org-b")
+    names = await world(service, client, a)
+    await make_agent(service, b, B_AGENT)
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"model": B_AGENT, "messages": [{"role": "user", "content": "mine"}]},
+        headers={"Authorization": f"Bearer {b.key}", "X-Session-Id": B_SESSION},
+    )
+    assert resp.status == 200, await resp.text()
+    b_cookie = await console_cookie(service, client, b, "owner@b.example")
+    return Scene(service, client, a, b, names, unknown(service, names), b_cookie)
+
+
+async def probe_routes(s: Scene) -> list[tuple[str, str]]:
+    """Every route, without credentials and as B on A's objects; the routes probed."""
+    service, client, names, nobody = s.service, s.client, s.names, s.nobody
+    served = routes(client)
+    unfilled = sorted({key for key, _ in served if key not in FILLS and key not in WEBHOOKS})
+    assert not unfilled, (
+        f"routes this test does not know how to fill: {unfilled}; add each to FILLS "
+        "(or, if it is public by design, to PUBLIC with the reason)"
+    )
+    every = {
+        f"{r.method} {r.resource.canonical}"
+        for r in client.server.app.router.routes()
+        if r.resource
+    }
+    stale = sorted((set(FILLS) | set(PUBLIC) | set(WEBHOOKS)) - every)
+    assert not stale, f"routes named here that are not served: {stale}"
+
+    anonymous = Prober(client)
+    callers = {"key": Prober(client, key=s.b.key), "cookie": Prober(client, cookie=s.b_cookie)}
+    for route_key, path in served:
+        method = route_key.split(" ", 1)[0]
+        if route_key in WEBHOOKS:
+            before = await dump(service)
+            got = await anonymous(method, Call(path, {}))
+            assert got.status == WEBHOOKS[route_key], (route_key, got)
+            assert not changed(before, await dump(service)), route_key
+            continue
+        for call in FILLS[route_key](nobody, path):
+            before = await dump(service)
+            got = await anonymous(method, call)
+            assert got.status == 401, (route_key, call, got)
+            assert json.loads(got.body)["error"]["rule"], (route_key, got)
+            assert not changed(before, await dump(service)), (route_key, call)
+        fill = FILLS[route_key]
+        pairs = list(zip(fill(names, path), fill(nobody, path), strict=True))
+        for (who, caller), (theirs, mine) in itertools.product(callers.items(), pairs):
+            before = await dump(service)
+            on_theirs = (await caller(method, theirs)).named(names)
+            writes = changed(before, await dump(service), allowed_org=s.b.id)
+            assert not writes, (route_key, who, theirs, writes)
+            assert not s.quoted(on_theirs.body), (route_key, who, on_theirs)
+            if theirs == mine:
+                continue  # nothing of A's in the request: only what it quotes counts
+            on_nobodys = (await caller(method, mine)).named(nobody)
+            if not theirs.exact:
+                on_theirs, on_nobodys = on_theirs.outline(), on_nobodys.outline()
+            assert on_theirs == on_nobodys, (route_key, who, theirs, on_theirs, on_nobodys)
+    return served
+
+
+async def owner_sees_routes(s: Scene, served: list[tuple[str, str]]) -> None:
+    """The fills name A's real objects: A's own key is answered otherwise than on
+    unknown ones (after B's probes: some of these decide A's items)."""
+    owner = Prober(s.client, key=s.a.key)
+    for route_key, path in served:
+        fill = FILLS.get(route_key)
+        if fill is None or fill is listing:
+            continue
+        method = route_key.split(" ", 1)[0]
+        for theirs, mine in zip(fill(s.names, path), fill(s.nobody, path), strict=True):
+            if theirs.on_b:
+                continue
+            on_real = (await owner(method, theirs)).named(s.names)
+            on_fake = (await owner(method, mine)).named(s.nobody)
+            assert on_real != on_fake, (route_key, theirs, on_real)
+
+
+# ------------------------------------------------------------------------ hosted MCP
+
+
+def send_message(w: Names) -> list[dict[str, Any]]:
+    return [
+        {"agent": w.agent, "message": "hello", "session": w.session},
+        {"agent": w.agent_id, "message": "hello", "session": w.session},
+    ]
+
+
+def transcript_uris(w: Names) -> list[str]:
+    base = "leadgate://agents/{agent}/sessions/{session}/messages"
+    return [
+        at(base, agent=w.agent, session=w.session),
+        at(base, agent=w.agent_id, session=w.session),
+    ]
+
+
+#: How to fill each MCP tool (its arguments) and resource template (its URIs).
+MCP_TOOLS: Mapping[str, Callable[[Names], list[dict[str, Any]]]] = {
+    "send_action_agent_message": send_message,
+}
+MCP_TEMPLATES: Mapping[str, Callable[[Names], list[str]]] = {
+    "leadgate://agents/{agent}/sessions/{session}/messages": transcript_uris,
+}
+
+
+@dataclass
+class Eras:
+    """One MCP client of each protocol era, with the same key."""
+
+    handshake: ClientSession  # initialize, resources/subscribe
+    modern: ClientSession  # server/discover, subscriptions/listen (2026-07-28)
+
+
+@asynccontextmanager
+async def mcp_clients(s: Scene, key: str) -> AsyncIterator[Eras]:
+    """An MCP client session with ``key`` of each protocol era."""
+    url = str(s.client.make_url("/mcp"))
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http,
+        streamable_http_client(url, http_client=http) as (r1, w1),
+        ClientSession(r1, w1) as handshake,
+        streamable_http_client(url, http_client=http) as (r2, w2),
+        ClientSession(r2, w2) as modern,
+    ):
+        await handshake.initialize()
+        await modern.discover()
+        yield Eras(handshake, modern)
+
+
+def tool_answer(result: mt.CallToolResult, names: Names) -> str:
+    """A tool result as text, ``names`` replaced by their fields' names."""
+    text = json.dumps(result.model_dump(mode="json", by_alias=True), sort_keys=True)
+    return Answer(0, "", text).named(names).body
+
+
+async def resource_answer(call: Awaitable[Any], names: Names) -> str:
+    """A resource call's result or protocol error as text, ``names`` replaced."""
+    try:
+        result = await call
+        text = (
+            result
+            if isinstance(result, str)
+            else json.dumps(result.model_dump(mode="json", by_alias=True), sort_keys=True)
+        )
+    except MCPError as exc:
+        text = json.dumps(exc.error.model_dump(mode="json", by_alias=True), sort_keys=True)
+    return Answer(0, "", text).named(names).body
+
+
+async def mcp_answers(clients: Eras, names: Names) -> list[str]:
+    """Every tool called, and every template read, subscribed to and listened to, on
+    ``names``."""
+    session = clients.handshake
+    answers = []
+    tools = (await session.list_tools()).tools
+    unfilled = sorted(tool.name for tool in tools if tool.name not in MCP_TOOLS)
+    assert not unfilled, f"MCP tools this test does not know how to fill: {unfilled}"
+    for tool in tools:
+        for arguments in MCP_TOOLS[tool.name](names):
+            result = await session.call_tool(tool.name, arguments)
+            answers.append(tool_answer(result, names))
+    templates = (await session.list_resource_templates()).resource_templates
+    unfilled = sorted(t.uri_template for t in templates if t.uri_template not in MCP_TEMPLATES)
+    assert not unfilled, f"MCP templates this test does not know how to fill: {unfilled}"
+    for template in templates:
+        for uri in MCP_TEMPLATES[template.uri_template](names):
+            answers.append(await resource_answer(session.read_resource(uri), names))
+            answers.append(await resource_answer(session.subscribe_resource(uri), names))
+            answers.append(await resource_answer(listened(clients.modern, uri), names))
+    return answers
+
+
+async def listened(session: ClientSession, uri: str) -> str:
+    """``subscriptions/listen`` (the 2026-07-28 protocol) to ``uri``: whether it listens."""
+    async with listen(session, resource_subscriptions=[uri]):
+        return "listening"
+
+
+async def probe_mcp(s: Scene) -> None:
+    """Every MCP tool and template as B on A's names: as on unknown names, quoting
+    nothing of A's, writing nothing but B's rows."""
+    async with mcp_clients(s, s.b.key) as clients:
+        before = await dump(s.service)
+        on_theirs = await mcp_answers(clients, s.names)
+        writes = changed(before, await dump(s.service), allowed_org=s.b.id)
+        assert not writes, writes
+        on_nobodys = await mcp_answers(clients, s.nobody)
+    assert on_theirs == on_nobodys
+    assert not [a for a in on_theirs if s.quoted(a)], on_theirs
+    async with mcp_clients(s, s.a.key) as clients:
+        real = await mcp_answers(clients, s.names)
+        fake = await mcp_answers(clients, s.nobody)
+    assert all(r != f for r, f in zip(real, fake, strict=True)), list(zip(real, fake, strict=True))
+
+
+@LEGACY_SUBSCRIBE
+async def test_every_route_and_mcp_capability_is_confined(migrated_url: str) -> None:
+    key = SigningKey.generate()
+    async with served_app(
+        migrated_url, config=config(key), adapters=True, like_production=True
+    ) as (service, client):
+        s = await scene(service, client)
+        served = await probe_routes(s)
+        await probe_mcp(s)
+        await owner_sees_routes(s, served)
