@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, fields
@@ -52,6 +53,7 @@ from tests.helpers import (
     Org,
     make_agent,
     make_org,
+    mcp_initialize,
     session_item,
     slack_trigger,
 )
@@ -105,6 +107,7 @@ class Names:
     item: str  # a work item awaiting a human decision
     idempotency_key: str  # an Idempotency-Key A used
     delivery: str  # a pending delivery
+    mcp_session: str  # an open MCP session's id (Mcp-Session-Id)
 
 
 #: B's own agent and session (B reaches them; a query naming A's ids rides on them).
@@ -238,6 +241,18 @@ def model(w: Names, path: str) -> list[Call]:
     return [Call(at(path, model=w.agent)), Call(at(path, model=w.agent_id))]
 
 
+MCP_HEADERS = {
+    "Accept": "application/json, text/event-stream",
+    "Mcp-Protocol-Version": "2025-11-25",
+}
+
+
+def mcp_session(w: Names, path: str) -> list[Call]:
+    # GET opens the session's stream, DELETE ends the session; POST sends a ping on it.
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    return [Call(path, ping, {**MCP_HEADERS, "Mcp-Session-Id": w.mcp_session})]
+
+
 #: How to fill each route (``METHOD canonical path``; a path segment that takes one of a
 #: few fixed words, such as a decision's action, is filled with each word in turn).
 FILLS: Mapping[str, Callable[[Names, str], list[Call]]] = {
@@ -264,10 +279,11 @@ FILLS: Mapping[str, Callable[[Names, str], list[Call]]] = {
     "GET /operator/insights": listing,
     "GET /operator/insights/charts/{name}.svg": listing,
     "GET /operator/events": listing,
-    # MCP's own protocol: its tools and templates are probed one by one below.
-    "GET /mcp": listing,
-    "POST /mcp": listing,
-    "DELETE /mcp": listing,
+    # MCP's own protocol on A's session id; its tools and templates are probed one by
+    # one below.
+    "GET /mcp": mcp_session,
+    "POST /mcp": mcp_session,
+    "DELETE /mcp": mcp_session,
 }
 
 WORDS = re.compile(r"\(\?P<(\w+)>(\w+(?:\|\w+)+)\)")
@@ -392,8 +408,8 @@ class Prober:
 
 
 async def world(service: App, client: Client, org: Org) -> Names:
-    """Organization A's objects: a worker with a lead, a session with messages, an item
-    awaiting a human, a pending Slack delivery."""
+    """Organization A's objects: a worker with a lead, a preset, a session with
+    messages, an item awaiting a human, a pending Slack delivery, an MCP session."""
     lead = await make_agent(service, org, "a-lead")
     async with service.db.tx() as conn:
         preset = await agents_mod.create_preset(
@@ -427,6 +443,12 @@ async def world(service: App, client: Client, org: Org) -> Names:
         pending = await conn.scalar(
             sa.select(t.deliveries.c.id).where(t.deliveries.c.org_id == org.id)
         )
+    resp = await client.post(
+        "/mcp",
+        json=mcp_initialize("2025-11-25"),
+        headers={**MCP_HEADERS, "Authorization": f"Bearer {org.key}"},
+    )
+    assert resp.status == 200, await resp.text()
     return Names(
         agent="a-worker",
         agent_id=str(worker["id"]),
@@ -439,6 +461,7 @@ async def world(service: App, client: Client, org: Org) -> Names:
         item=item,
         idempotency_key="a-idempotency-key",
         delivery=str(pending),
+        mcp_session=resp.headers["Mcp-Session-Id"],
     )
 
 
@@ -461,6 +484,7 @@ def unknown(service: App, a: Names) -> Names:
         item=like(a.item),
         idempotency_key="no-such-idempotency-key",
         delivery=like(a.delivery),
+        mcp_session=uuid.uuid4().hex,
     )
 
 
