@@ -35,6 +35,7 @@ from leadgate.core.config import ReviewSettings
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
 from leadgate.domain import wakes
+from leadgate.domain.rows import Delivery
 from leadgate.review.destinations import Destination, destinations_for, effective_sla
 from leadgate.review.facts import ReviewFacts, review_facts
 from outbox.channel import Card, CardOutcome
@@ -305,23 +306,52 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
         if c.channel == "email":
             continue  # a sent mail cannot be edited
         if status not in (DeliveryStatus.sent.value, DeliveryStatus.sending.value):
-            continue  # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit
-        raw = (c.address or {}).get("card")
-        if not isinstance(raw, dict):
+            # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit; a click
+            # that proves an uncertain card posted queues its edit then (settled_card).
             continue
-        decided = Card.from_json(raw).decided(outcome)
-        address = {**c.address, "card": decided.to_json(), "card_delivery_id": c.id}
-        await outbox.enqueue_card(
-            conn,
-            org_id=c.org_id,
-            work_item_id=c.work_item_id,
-            channel=c.channel,
-            address=address,
-            text=plain_text(decided),
-            kind=CARD_UPDATE,
-        )
-        queued += 1
+        queued += await _queue_update(conn, outbox, c, outcome)
     return queued
+
+
+async def _queue_update(conn: Conn, outbox: Outbox, c: Any, outcome: CardOutcome) -> int:
+    """Queue the ``cardUpdate`` that edits card delivery ``c`` to show ``outcome`` (1),
+    or nothing when its address holds no card (0)."""
+    raw = (c.address or {}).get("card")
+    if not isinstance(raw, dict):
+        return 0
+    decided = Card.from_json(raw).decided(outcome)
+    address = {**c.address, "card": decided.to_json(), "card_delivery_id": c.id}
+    await outbox.enqueue_card(
+        conn,
+        org_id=c.org_id,
+        work_item_id=c.work_item_id,
+        channel=c.channel,
+        address=address,
+        text=plain_text(decided),
+        kind=CARD_UPDATE,
+    )
+    return 1
+
+
+async def settled_card(conn: Conn, outbox: Outbox, card: Delivery) -> int:
+    """A card delivery whose uncertain post was just confirmed with its message's id
+    (a click on the card itself; inside the confirmation's transaction): when its
+    episode was already closed by a decision, queue the update every other card of that
+    episode got then (the decision found no id to edit on this one). Returns the number
+    of updates queued (0 or 1)."""
+    if card.kind != CARD or not card.external_id or card.channel == "email":
+        return 0
+    closed_at = await conn.scalar(
+        sa.select(E.closed_at)
+        .select_from(t.review_cards.join(t.review_episodes, E.id == RC.episode_id))
+        .where(RC.delivery_id == card.id)
+    )
+    if closed_at is None or card.work_item_id is None:
+        return 0  # still waiting: the decision, when it comes, edits it
+    outcome = await last_outcome(conn, card.work_item_id, until_ms=int(closed_at))
+    if outcome is None:
+        return 0
+    return await _queue_update(conn, outbox, card, outcome)
 
 
 #: Audit actions that decide an item (or its delivery), with their card verb.
@@ -336,23 +366,27 @@ DECISION_ACTIONS = {
 }
 
 
-async def last_outcome(conn: Conn, item_id: str) -> CardOutcome | None:
-    """The latest decision on ``item_id`` as a card shows it (``None``: none yet)."""
+async def last_outcome(
+    conn: Conn, item_id: str, *, until_ms: int | None = None
+) -> CardOutcome | None:
+    """The latest decision on ``item_id`` as a card shows it (``None``: none yet);
+    ``until_ms``: the latest made by then (the one that closed an earlier episode)."""
     a = t.audit.c
-    row = (
-        await conn.execute(
-            sa.select(a.action, a.actor, a.surface, a.text, a.created_at)
-            .select_from(t.audit.outerjoin(t.deliveries, D.id == a.delivery_id))
-            .where(
-                a.work_item_id == item_id,
-                a.action.in_(list(DECISION_ACTIONS)),
-                # Recovering a card's own uncertain post decides nothing about the item.
-                sa.or_(a.delivery_id.is_(None), D.kind == "gating"),
-            )
-            .order_by(a.created_at.desc(), a.id.desc())
-            .limit(1)
+    query = (
+        sa.select(a.action, a.actor, a.surface, a.text, a.created_at)
+        .select_from(t.audit.outerjoin(t.deliveries, D.id == a.delivery_id))
+        .where(
+            a.work_item_id == item_id,
+            a.action.in_(list(DECISION_ACTIONS)),
+            # Recovering a card's own uncertain post decides nothing about the item.
+            sa.or_(a.delivery_id.is_(None), D.kind == "gating"),
         )
-    ).first()
+        .order_by(a.created_at.desc(), a.id.desc())
+        .limit(1)
+    )
+    if until_ms is not None:
+        query = query.where(a.created_at <= until_ms)
+    row = (await conn.execute(query)).first()
     if row is None:
         return None
     verb = DECISION_ACTIONS[row.action]

@@ -547,6 +547,9 @@ async def recover_delivery(
     )
     if row.kind == "gating" and row.work_item_id:
         await _close_cards(conn, outbox, row.work_item_id, action, actor, surface, None)
+    elif action == "confirm":
+        # A card posted uncertainly and decided meanwhile: shown decided like the others.
+        await cards.settled_card(conn, outbox, row)
     return row
 
 

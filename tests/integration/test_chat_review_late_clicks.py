@@ -292,6 +292,20 @@ async def test_a_late_slack_click_on_an_uncertain_card_settles_only_its_own_chan
     settled = await card_delivery(app, item_id, "slack")
     assert (settled["status"], settled["external_id"]) == ("sent", "1700000000.000100")
     assert await confirmations(app, card["id"]) == [("slack", f"slack:{TEAM}:{USER}")]
+    # The decision made while the post was uncertain queued no edit of this card: the
+    # settling click queues the one every other card got, showing that decision.
+    assert await updates_of(app, card["id"]) == 1
+    await drain(app.relay)
+    [(edited, update)] = scripted["slack"].updates
+    assert edited == "1700000000.000100"
+    assert update.card is not None and update.card.outcome is not None
+    assert update.card.outcome.title == "Approved" and update.card.outcome.surface == "console"
+    # A replayed click finds the message known: no second edit.
+    again = approve_click(slack_api, item_id, "again")
+    again["container"].update(message_ts="1700000000.000100", channel_id="C0R")
+    assert (await slack_click(server, again))[0] == 200
+    assert await eventually(lambda: len(answers(slack_api, "again")) == 2)
+    assert await updates_of(app, card["id"]) == 1
 
 
 async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_it(
