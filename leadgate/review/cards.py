@@ -419,7 +419,8 @@ async def posted_card(
 
 def conversation_of(channel: str, address: dict[str, Any]) -> str | None:
     """The conversation a card delivery's ``address`` posts to on ``channel`` (a Slack
-    channel id, a Discord channel id, a Teams conversation id), as a click names it."""
+    channel id, a Discord channel id, a Teams conversation id), as a click on the card is
+    compared with it (:func:`same_conversation`)."""
     if channel == "slack":
         found = address.get("channel")
     elif channel == "discord":
@@ -430,7 +431,21 @@ def conversation_of(channel: str, address: dict[str, Any]) -> str | None:
         found = conversation.get("id") if isinstance(conversation, dict) else None
     else:
         found = None
-    return str(found) if found else None
+    return same_conversation(channel, str(found)) if found else None
+
+
+def same_conversation(channel: str, conversation: str) -> str:
+    """``conversation`` as a click and a card's address are compared on ``channel``.
+
+    A Teams channel names every activity of a reply chain by the channel's id with
+    ``;messageid=<the chain's first message>`` after it: a card posted into the channel
+    starts its own chain, so a click on it names ``<channel>;messageid=<the card>``
+    while the card was posted to ``<channel>`` (and a card posted into a chain names
+    that chain's first message, not its own). The part before ``;messageid=`` is the
+    conversation; other platforms' ids are compared as they are."""
+    if channel == "teams":
+        return conversation.split(";messageid=", 1)[0]
+    return conversation
 
 
 async def uncertain_card(
@@ -468,10 +483,11 @@ async def uncertain_card(
     )
     if episode_id:
         query = query.where(RC.episode_id == episode_id)
+    clicked = same_conversation(channel, conversation)
     fits = [
         str(r.id)
         for r in (await conn.execute(query)).all()
-        if conversation_of(channel, r.address or {}) == conversation
+        if conversation_of(channel, r.address or {}) == clicked
     ]
     return fits[0] if len(fits) == 1 else None
 

@@ -349,12 +349,14 @@ async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_
         return dict(body)
 
     # The same activity id in another conversation is not this card.
-    assert (await click("19:other@thread.tacv2"))["type"] != CARD_TYPE
+    assert (await click("19:other@thread.tacv2;messageid=1700000000001"))["type"] != CARD_TYPE
     assert (await card_delivery(app, item_id, "teams"))["status"] == "deliveryUnknown"
     # (that click decided the item: the uncertain card could not be edited)
     assert await updates_of(app, card["id"]) == 0
-    # The late click in the card's conversation settles it, and is answered on it.
-    answer = await click(conversation)
+    # The late click in the card's conversation settles it, and is answered on it. A
+    # card posted into a channel starts its own reply chain: Teams names the click's
+    # conversation by the channel's id and ";messageid=" the card's.
+    answer = await click(f"{conversation};messageid=1700000000001")
     assert answer["type"] == CARD_TYPE, answer
     settled = await card_delivery(app, item_id, "teams")
     assert (settled["status"], settled["external_id"]) == ("sent", "1700000000001")
