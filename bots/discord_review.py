@@ -213,7 +213,10 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
             conversation=channel,
         )
     elif verb in _MODALS:
-        answer = await backend.check(PLATFORM, who, target, episode)
+        # Opening the form decides nothing, but the click proves the card was posted.
+        answer = await backend.check(
+            PLATFORM, who, target, episode, message_id=message_id, conversation=channel
+        )
         if answer.kind == "open":
             return _modal(verb, target, episode)
         # (check names no message: its card may be another message of the item)

@@ -48,9 +48,18 @@ class ChatReviewBackend(Protocol):
     """Decisions from chat cards (see :mod:`leadgate.operations.chat_reviews`)."""
 
     async def check(
-        self, platform: str, identity: str, item_id: str, episode_id: str | None = None
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        episode_id: str | None = None,
+        *,
+        message_id: str | None = None,
+        conversation: str | None = None,
     ) -> Answer:
-        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
+        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``); the
+        clicked card's message (``message_id`` in ``conversation``) is settled as in
+        :meth:`decide` when its post was uncertain."""
         ...
 
     async def decide(

@@ -252,7 +252,10 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             if not answer.decided:
                 tell_closed(respond, answer, message_ts)
             return
-        answer = await backend.check(PLATFORM, who, item_id, episode)
+        # Opening the form decides nothing, but the click proves the card was posted.
+        answer = await backend.check(
+            PLATFORM, who, item_id, episode, message_id=message_ts, conversation=channel
+        )
         if answer.kind != "open":
             await ack()
             tell(respond, answer.text)

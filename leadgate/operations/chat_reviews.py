@@ -103,12 +103,26 @@ class ChatReviews:
         self.reviews = reviews
 
     async def check(
-        self, platform: str, identity: str, item_id: str, episode_id: str | None = None
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        episode_id: str | None = None,
+        *,
+        message_id: str | None = None,
+        conversation: str | None = None,
     ) -> ChatAnswer:
-        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``)."""
+        """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``): the
+        click that opens a Reject / Return form. It decides nothing, but it proves the
+        clicked card posted (``message_id`` in ``conversation``, see
+        :meth:`_settle_clicked`)."""
         try:
-            if (odd := _unreadable(identity, item_id, episode_id)) is not None:
+            odd = _unreadable(identity, item_id, episode_id, message_id, conversation)
+            if odd is not None:
                 return odd
+            await self._settle_clicked(
+                platform, identity, item_id, episode_id, message_id, conversation
+            )
             async with self.db.read() as conn:
                 answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
             return answer

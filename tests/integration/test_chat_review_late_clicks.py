@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots.slack_review import BLOCK_PREFIX
 from bots.teams_review import CARD_TYPE
 from leadgate.app import App
 from leadgate.core.runners import drain
@@ -114,6 +115,7 @@ async def discord_click(
     message: str,
     channel: str,
     user: str = DISCORD_USER,
+    verb: str = "approve",
 ) -> dict[str, Any]:
     interaction: dict[str, Any] = {
         "type": 3,
@@ -123,7 +125,7 @@ async def discord_click(
         "channel_id": channel,
         "member": {"user": {"id": user}, "flags": 0},
         "message": {"id": message},
-        "data": {"custom_id": f"lg:approve:{item_id}:{episode}", "component_type": 2},
+        "data": {"custom_id": f"lg:{verb}:{item_id}:{episode}", "component_type": 2},
     }
     raw = json.dumps(interaction).encode()
     async with aiohttp.ClientSession() as session:
@@ -361,3 +363,44 @@ async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_
     settled = await card_delivery(app, item_id, "teams")
     assert (settled["status"], settled["external_id"]) == ("sent", "1700000000001")
     assert await confirmations(app, card["id"]) == [("teams", f"teams:{TEAMS_AAD}")]
+
+
+async def test_a_reject_click_that_opens_the_form_settles_an_uncertain_card_deciding_nothing(
+    uncertain_served: tuple[App, TestServer],
+    key: SigningKey,
+    slack_api: SlackApiStandin,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    await link_more(app, org)
+    await add_destination(app, org.id, "discord", "1000000000000000009")
+    for name in ("slack", "discord"):
+        scripted[name].script = [Uncertain(f"{name}: no answer before the timeout")]
+    item_id = await escalated(app, org, worker, "s1")
+    episode = await open_episode(app, item_id)
+    slack_card = await card_delivery(app, item_id, "slack")
+    discord_card = await card_delivery(app, item_id, "discord")
+    assert slack_card["status"] == discord_card["status"] == "deliveryUnknown"
+
+    # Slack: the click opens the reason form and proves the card posted.
+    click = approve_click(slack_api, item_id, "reject")
+    click["actions"][0].update(action_id="reject", block_id=BLOCK_PREFIX + episode)
+    click["container"].update(message_ts="1700000000.000100", channel_id="C0R")
+    assert (await slack_click(server, click))[0] == 200
+    assert await eventually(lambda: any(c["method"] == "views.open" for c in slack_api.calls))
+    settled = await card_delivery(app, item_id, "slack")
+    assert (settled["status"], settled["external_id"]) == ("sent", "1700000000.000100")
+    assert await confirmations(app, slack_card["id"]) == [("slack", f"slack:{TEAM}:{USER}")]
+
+    # Discord: the same for the click that opens the modal.
+    message, channel = "1100000000000000001", "1000000000000000009"
+    answer = await discord_click(server, key, item_id, episode, message, channel, verb="reject")
+    assert answer["type"] == 9, answer
+    settled = await card_delivery(app, item_id, "discord")
+    assert (settled["status"], settled["external_id"]) == ("sent", message)
+    assert await confirmations(app, discord_card["id"]) == [("discord", f"discord:{DISCORD_USER}")]
+
+    # Neither click decided anything: the item waits, and its cards wait with it.
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+    assert await updates_of(app, slack_card["id"]) == await updates_of(app, discord_card["id"]) == 0
