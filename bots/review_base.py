@@ -56,6 +56,7 @@ class ChatReviewBackend(Protocol):
         *,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> Answer:
         """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``); the
         clicked card's message (``message_id`` in ``conversation``) is settled as in
@@ -73,6 +74,7 @@ class ChatReviewBackend(Protocol):
         episode_id: str | None = None,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> Answer:
         """Approve / reject / return as the user linked to ``identity``."""
         ...
@@ -87,6 +89,7 @@ class ChatReviewBackend(Protocol):
         episode_id: str | None = None,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> Answer:
         """Confirm delivered / retry a deliveryUnknown delivery (from the card of
         ``episode_id``)."""

@@ -4,7 +4,9 @@ A card (:class:`outbox.channel.Card`) becomes a Block Kit message: the facts, th
 summary (cut to Slack's 3,000-character section limit, never dropped), a link to the
 console (a plain mrkdwn link, never a button: Slack sends an interaction for a URL
 button, and nothing reached by GET decides anything), and an ``actions`` block whose
-``block_id`` carries the card's episode:
+``block_id`` carries the card's episode and its own delivery id
+(``lg_review:<episode>:<card>``; cards posted before it carried the card are
+``lg_review:<episode>``), so a click names its card exactly:
 
 * awaitingHuman: buttons ``approve``, ``reject``, ``return`` (``value`` = work item id);
   Reject and Return open a modal (``views.open`` with the click's ``trigger_id``)
@@ -121,7 +123,8 @@ def blocks(card: Card) -> list[dict[str, Any]]:
             _button("reject", "Reject", card.item_id, "danger"),
             _button("return", "Return to worker", card.item_id, None),
         ]
-    out.append({"type": "actions", "block_id": BLOCK_PREFIX + card.episode_id, "elements": buttons})
+    block_id = BLOCK_PREFIX + card.episode_id + (f":{card.card_id}" if card.card_id else "")
+    out.append({"type": "actions", "block_id": block_id, "elements": buttons})
     return out
 
 
@@ -184,8 +187,17 @@ def identity_of(body: dict[str, Any]) -> str:
 
 
 def _episode(block_id: Any) -> str | None:
+    """The episode an actions block's ``block_id`` names."""
     if isinstance(block_id, str) and block_id.startswith(BLOCK_PREFIX):
-        return block_id[len(BLOCK_PREFIX) :] or None
+        return block_id[len(BLOCK_PREFIX) :].partition(":")[0] or None
+    return None
+
+
+def _card(block_id: Any) -> str | None:
+    """The card delivery an actions block's ``block_id`` names (``None``: a card posted
+    before cards named themselves)."""
+    if isinstance(block_id, str) and block_id.startswith(BLOCK_PREFIX):
+        return block_id[len(BLOCK_PREFIX) :].partition(":")[2] or None
     return None
 
 
@@ -232,6 +244,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         verb = str(action.get("action_id"))
         item_id = text_of(action.get("value")) or ""
         episode = _episode(action.get("block_id"))
+        card = _card(action.get("block_id"))
         container = obj(body.get("container"))
         message_ts = text_of(container.get("message_ts"))
         channel = text_of(container.get("channel_id")) or text_of(
@@ -247,6 +260,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
                 episode_id=episode,
                 message_id=message_ts,
                 conversation=channel,
+                card_id=card,
             )
             await ack()
             if not answer.decided:
@@ -254,7 +268,13 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             return
         # Opening the form decides nothing, but the click proves the card was posted.
         answer = await backend.check(
-            PLATFORM, who, item_id, episode, message_id=message_ts, conversation=channel
+            PLATFORM,
+            who,
+            item_id,
+            episode,
+            message_id=message_ts,
+            conversation=channel,
+            card_id=card,
         )
         if answer.kind != "open":
             await ack()
@@ -265,6 +285,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             "episode": episode,
             "channel": channel,
             "ts": message_ts,
+            "card": card,
         }
         try:
             await client.views_open(
@@ -297,6 +318,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             episode_id=_episode(action.get("block_id")),
             message_id=message_ts,
             conversation=channel,
+            card_id=_card(action.get("block_id")),
         )
         await ack()
         if not answer.decided:
@@ -321,6 +343,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             episode_id=text_of(meta.get("episode")),
             message_id=text_of(meta.get("ts")),
             conversation=text_of(meta.get("channel")),
+            card_id=text_of(meta.get("card")),
         )
         if answer.kind in ("invalid", "unavailable"):  # the form stays open, saying why
             await ack(response_action="errors", errors={block_id: answer.text})

@@ -117,7 +117,10 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         },
     ]
     actions: list[dict[str, Any]] = []
-    data = {"item": card.item_id, "episode": card.episode_id}
+    # "card": the card's own delivery (a click names its card exactly); absent on
+    # cards posted before.
+    mine = {"card": card.card_id} if card.card_id else {}
+    data = {"item": card.item_id, "episode": card.episode_id, **mine}
     if card.outcome is not None:
         o = card.outcome
         where = f" ({o.surface})" if o.surface else ""
@@ -132,7 +135,7 @@ def adaptive_card(card: Card) -> dict[str, Any]:
             }
         )
     elif card.reason == "deliveryUnknown" and card.delivery_id:
-        recovery = {"delivery": card.delivery_id, "episode": card.episode_id}
+        recovery = {"delivery": card.delivery_id, "episode": card.episode_id, **mine}
         actions += [
             _execute("confirm", "Confirm delivered", recovery, "positive"),
             _execute("retry", "Retry delivery", recovery, None),
@@ -259,6 +262,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
                 episode_id=data.get("episode"),
                 message_id=message_id,
                 conversation=conversation,
+                card_id=data.get("card"),
             )
         elif verb in ("confirm", "retry"):
             answer = await self.backend.recover(
@@ -269,6 +273,7 @@ class ReviewingBot(Bot):  # type: ignore[misc]
                 episode_id=data.get("episode"),
                 message_id=message_id,
                 conversation=conversation,
+                card_id=data.get("card"),
             )
         else:
             return message_answer("This action is not supported.")

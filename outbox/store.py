@@ -258,10 +258,10 @@ class Outbox:
         )
         return await self._insert(conn, values, now)
 
-    def _post_row(self, now: int, **fields: Any) -> dict[str, Any]:
+    def _post_row(self, now: int, delivery_id: str | None = None, **fields: Any) -> dict[str, Any]:
         """A new pending ``post`` delivery row: ``fields`` plus the bookkeeping columns."""
         return {
-            "id": self.ids.new("dlv"),
+            "id": delivery_id or self.ids.new("dlv"),
             **fields,
             "action": "post",
             "status": DeliveryStatus.pending.value,
@@ -281,12 +281,15 @@ class Outbox:
         address: dict[str, Any],
         text: str,
         kind: str = CARD,
+        delivery_id: str | None = None,
     ) -> Delivery:
         """Queue a review card post (or, ``kind`` :data:`CARD_UPDATE`, the edit of a
-        posted card) in the caller's transaction: durable and retried like any delivery."""
+        posted card) in the caller's transaction: durable and retried like any delivery
+        (``delivery_id``: the row's id, made beforehand when the card names it)."""
         now = self.clock.now_ms()
         values = self._post_row(
             now,
+            delivery_id,
             org_id=org_id,
             work_item_id=work_item_id,
             kind=kind,

@@ -111,17 +111,18 @@ class ChatReviews:
         *,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> ChatAnswer:
         """Whether ``identity`` may decide ``item_id`` now (``kind`` ``open``): the
         click that opens a Reject / Return form. It decides nothing, but it proves the
         clicked card posted (``message_id`` in ``conversation``, see
         :meth:`_settle_clicked`)."""
         try:
-            odd = _unreadable(identity, item_id, episode_id, message_id, conversation)
+            odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
             if odd is not None:
                 return odd
             await self._settle_clicked(
-                platform, identity, item_id, episode_id, message_id, conversation
+                platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
             async with self.db.read() as conn:
                 answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
@@ -140,17 +141,17 @@ class ChatReviews:
         episode_id: str | None = None,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> ChatAnswer:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
         as the leadgate user linked to ``identity`` on ``platform`` (``message_id`` in
         ``conversation``: the clicked card's message, see :meth:`_settle_clicked`)."""
         try:
-            if (
-                odd := _unreadable(identity, item_id, episode_id, message_id, conversation)
-            ) is not None:
+            odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
+            if odd is not None:
                 return odd
             await self._settle_clicked(
-                platform, identity, item_id, episode_id, message_id, conversation
+                platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
             async with self.db.read() as conn:
                 answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
@@ -182,12 +183,15 @@ class ChatReviews:
         episode_id: str | None = None,
         message_id: str | None = None,
         conversation: str | None = None,
+        card_id: str | None = None,
     ) -> ChatAnswer:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
         (``episode_id``: the card's; a card of an earlier stretch of waiting is stale;
         ``message_id``, ``conversation``: as :meth:`decide`)."""
         try:
-            unreadable = _unreadable(identity, delivery_id, episode_id, message_id, conversation)
+            unreadable = _unreadable(
+                identity, delivery_id, episode_id, message_id, conversation, card_id
+            )
             if unreadable is not None:
                 return unreadable
             d = t.deliveries.c
@@ -197,7 +201,7 @@ class ChatReviews:
                 )
             if gated is not None:
                 await self._settle_clicked(
-                    platform, identity, str(gated), episode_id, message_id, conversation
+                    platform, identity, str(gated), episode_id, message_id, conversation, card_id
                 )
             async with self.db.read() as conn:
                 row = (
@@ -249,21 +253,23 @@ class ChatReviews:
         episode_id: str | None,
         message_id: str | None,
         conversation: str | None,
+        card_id: str | None = None,
     ) -> None:
         """A click on a card whose post was uncertain (``deliveryUnknown``, no message id
         kept) proves the post landed: the card's delivery is confirmed delivered with the
         clicked message's id, through the operator's recovery path (fenced on
         ``deliveryUnknown``, audited ``deliveryConfirmed`` with the clicker), so the click
         is answered on that card and every later update edits it. Only the one uncertain
-        card of the item on this platform and conversation (and episode, when named)
-        matches; a click by someone who may not review settles nothing; a replayed click
-        finds the message known and does nothing."""
+        card of the item on this platform and conversation (and episode, and the card's
+        own delivery ``card_id``, when the click names them) matches; a click by someone
+        who may not review settles nothing; a replayed click finds the message known and
+        does nothing."""
         if not message_id or not conversation:
             return
         w = t.work_items.c
         async with self.db.read() as conn:
             delivery_id = await cards.uncertain_card(
-                conn, item_id, platform, conversation, message_id, episode_id
+                conn, item_id, platform, conversation, message_id, episode_id, card_id
             )
             if delivery_id is None:
                 return  # the usual case: a known card (one indexed read)

@@ -209,7 +209,11 @@ class ReviewNotifier:
     async def _post_one(
         self, conn: Conn, episode_id: str, facts: ReviewFacts, purpose: str, dest: Destination
     ) -> None:
+        # The card names its own delivery (a click on it then names it exactly), so the
+        # id is made before the row.
+        card_id = self.ids.new("dlv")
         card = Card(
+            card_id=card_id,
             item_id=facts.item_id,
             episode_id=episode_id,
             purpose=purpose,
@@ -235,6 +239,7 @@ class ReviewNotifier:
             channel=dest.channel,
             address=address,
             text=plain_text(card),
+            delivery_id=card_id,
         )
         await conn.execute(
             t.review_cards.insert().values(
@@ -455,14 +460,16 @@ async def uncertain_card(
     conversation: str,
     message_id: str,
     episode_id: str | None,
+    card_id: str | None = None,
 ) -> str | None:
     """The card delivery a click on message ``message_id`` in ``conversation`` proves
     posted, when its post was uncertain: the one ``deliveryUnknown`` card of
     ``item_id`` on ``channel`` to that conversation (of ``episode_id``, when the click
-    names one). ``None`` when the message is a known card of the item (a click is never
-    matched to a second card), or when no card, or more than one, fits: a click that
-    cannot say which card it is settles nothing. Reads only the item's deliveries (by
-    its index): a click costs no scan of the table."""
+    names one; the card delivery ``card_id`` itself, when the clicked card names it).
+    ``None`` when the message is a known card of the item (a click is never matched to
+    a second card), or when no card, or more than one, fits: a click that cannot say
+    which card it is settles nothing. Reads only the item's deliveries (by its index):
+    a click costs no scan of the table."""
     known = await conn.scalar(
         sa.select(D.id)
         .where(D.work_item_id == item_id, D.channel == channel, D.external_id == message_id)
@@ -483,6 +490,8 @@ async def uncertain_card(
     )
     if episode_id:
         query = query.where(RC.episode_id == episode_id)
+    if card_id:
+        query = query.where(D.id == card_id)
     clicked = same_conversation(channel, conversation)
     fits = [
         str(r.id)

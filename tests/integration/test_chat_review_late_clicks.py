@@ -15,12 +15,13 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
-from bots.slack_review import BLOCK_PREFIX
-from bots.teams_review import CARD_TYPE
+from bots.slack_review import BLOCK_PREFIX, blocks
+from bots.teams_review import CARD_TYPE, adaptive_card
 from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.review.cards import open_episode as _open_episode
+from leadgate.review.facts import review_facts
 from outbox.channel import Uncertain
 from tests.helpers import eventually, item_row
 from tests.integration.test_chat_review_faults import (
@@ -404,3 +405,60 @@ async def test_a_reject_click_that_opens_the_form_settles_an_uncertain_card_deci
     # Neither click decided anything: the item waits, and its cards wait with it.
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
     assert await updates_of(app, slack_card["id"]) == await updates_of(app, discord_card["id"]) == 0
+
+
+async def test_a_click_names_its_own_card_among_two_uncertain_ones_of_a_wait(
+    uncertain_served: tuple[App, TestServer],
+    slack_api: SlackApiStandin,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    scripted["slack"].script = [Uncertain("slack: no answer"), Uncertain("slack: no answer")]
+    item_id = await escalated(app, org, worker, "s1")
+    episode = await open_episode(app, item_id)
+    async with app.db.tx() as conn:
+        facts = (await review_facts(conn, [item_id]))[item_id]
+        assert await app.notifier.post(conn, episode, facts, "reminder") == 1
+    await drain(app.relay)
+    original, reminder = [posted.card for posted in scripted["slack"].calls]
+    assert original is not None and reminder is not None
+    assert original.card_id and reminder.card_id and original.card_id != reminder.card_id
+    # Each card carries its own delivery id in its actions: Slack's block_id (255
+    # characters at most) and Teams' Action.Execute data.
+    [actions] = [b for b in blocks(reminder) if b["type"] == "actions"]
+    assert actions["block_id"] == f"{BLOCK_PREFIX}{episode}:{reminder.card_id}"
+    assert len(actions["block_id"]) <= 255
+    assert json.dumps(adaptive_card(reminder)).count(f'"card": "{reminder.card_id}"') == 3
+
+    async def statuses() -> dict[str, tuple[str, str | None]]:
+        d = t.deliveries.c
+        async with app.db.read() as conn:
+            rows = await conn.execute(
+                sa.select(d.id, d.status, d.external_id).where(
+                    d.work_item_id == item_id, d.kind == "card"
+                )
+            )
+            return {r.id: (r.status, r.external_id) for r in rows}
+
+    uncertain = ("deliveryUnknown", None)
+    assert await statuses() == {original.card_id: uncertain, reminder.card_id: uncertain}
+
+    # A card posted before cards named themselves: two fit, nothing is settled.
+    old = approve_click(slack_api, item_id, "old")
+    old["actions"][0].update(action_id="reject", block_id=BLOCK_PREFIX + episode)
+    old["container"].update(message_ts="1700000000.000200", channel_id="C0R")
+    assert (await slack_click(server, old))[0] == 200
+    assert await eventually(lambda: any(c["method"] == "views.open" for c in slack_api.calls))
+    assert await statuses() == {original.card_id: uncertain, reminder.card_id: uncertain}
+
+    # The reminder's own click settles the reminder, and only it.
+    click = approve_click(slack_api, item_id, "reminder")
+    click["actions"][0]["block_id"] = actions["block_id"]
+    click["container"].update(message_ts="1700000000.000300", channel_id="C0R")
+    assert (await slack_click(server, click))[0] == 200  # decided before the ack
+    assert await statuses() == {
+        original.card_id: uncertain,
+        reminder.card_id: ("sent", "1700000000.000300"),
+    }
+    assert await confirmations(app, reminder.card_id) == [("slack", f"slack:{TEAM}:{USER}")]
