@@ -35,6 +35,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import ResolutionError
+from alembic.util import CommandError
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -574,8 +576,11 @@ class Database:
             )
 
     async def check_migrated(self) -> None:
-        """Raise :class:`NotMigratedError` unless the schema is at the newest revision."""
-        head = ScriptDirectory.from_config(alembic_config(self.url)).get_current_head()
+        """Raise :class:`NotMigratedError` unless the schema is at the newest revision
+        (rule ``db.not_migrated``: behind it, or never migrated; ``db.newer_schema``: at a
+        revision this version does not know)."""
+        script = ScriptDirectory.from_config(alembic_config(self.url))
+        head = script.get_current_head()
         self._check_file_exists()
 
         def current(sync_conn: sa.Connection) -> str | None:
@@ -592,6 +597,8 @@ class Database:
                 raise not_sqlite from None
             raise
         if rev != head:
+            if rev is not None and rev not in {s.revision for s in script.walk_revisions()}:
+                raise newer_schema(rev, str(head))
             raise NotMigratedError(
                 f"the database is at schema revision {rev or 'none'}, this version needs {head}: "
                 "run `leadgate db upgrade --config <your config>` first",
@@ -965,6 +972,7 @@ def upgrade(url: str) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision."""
     parsed = checked_url(url)
     cfg = alembic_config(url)
+    head = str(ScriptDirectory.from_config(cfg).get_current_head())
     try:
         command.upgrade(cfg, "head")
     except sa.exc.DBAPIError as exc:
@@ -972,5 +980,23 @@ def upgrade(url: str) -> str:
         if not_sqlite is not None:
             raise not_sqlite from None
         raise
-    head = ScriptDirectory.from_config(cfg).get_current_head()
-    return str(head)
+    except CommandError as exc:
+        # The one revision Alembic cannot resolve here is the database's own: a newer
+        # release wrote it (exit 1 with "Can't locate revision ..." until this).
+        cause = exc.__cause__
+        if isinstance(cause, ResolutionError) and cause.argument != "head":
+            raise newer_schema(cause.argument, head) from None
+        raise
+    return head
+
+
+def newer_schema(revision: str, head: str) -> NotMigratedError:
+    """The refusal for a database at a revision this version does not know: a newer
+    release migrated it (and this one was installed over it, a rollback). Nothing is
+    written to it; migrations only go forward."""
+    return NotMigratedError(
+        f"the database is at schema revision {revision}, newer than this version knows "
+        f"(it needs {head}): a newer release of leadgate upgraded it. Run that release "
+        "again, or restore the backup taken before its `leadgate db upgrade`",
+        rule="db.newer_schema",
+    )
