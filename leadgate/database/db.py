@@ -830,6 +830,14 @@ def _install_sqlite_recipe(engine: AsyncEngine, busy_timeout_s: float) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+#: The PostgreSQL advisory lock ``leadgate db upgrade`` holds for its transaction, which
+#: applies every pending revision and commits (a failure leaves none applied). Replicas
+#: upgrading at once take turns: the next one reads the revision the first committed and
+#: finds nothing left to do (without it both created ``alembic_version`` and one failed,
+#: exit 1 with the driver's error). The value is arbitrary: "lgup" in ASCII.
+UPGRADE_LOCK = 0x6C677570
+
+
 def alembic_config(url: str) -> Any:
     """An Alembic ``Config`` pointing at our migrations and ``url``."""
     cfg = Config()

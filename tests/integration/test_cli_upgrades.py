@@ -1,21 +1,27 @@
 """Upgrading in place through the real ``leadgate`` command, on SQLite and PostgreSQL: a
 database behind the newest schema revision, ahead of it (a newer release's, after a
 rollback) or never migrated is refused at start by ``serve`` and the other commands,
-with one line naming what to do and nothing written."""
+with one line naming what to do and nothing written; two replicas running ``leadgate db
+upgrade`` at once on one PostgreSQL both succeed, and the schema is upgraded once."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from leadgate.database.db import alembic_config
-from tests.integration.test_cli import Run, run
+from leadgate.database.db import UPGRADE_LOCK, alembic_config
+from leadgate.database.pg import asyncpg_dsn
+from tests.helpers import eventually
+from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, run
 from tests.unit.test_migration_0016 import run as run_sql
 
 pytestmark = pytest.mark.timeout(300)
@@ -109,3 +115,56 @@ def test_a_database_never_migrated_is_refused_and_left_empty(db_url: str, tmp_pa
         assert "schema revision none" in result.err, name
         assert "run `leadgate db upgrade" in result.err, name
     assert contents(db_url) == []
+
+
+REPLICAS = 3
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("start", [None, "0016"])
+def test_replicas_upgrading_one_postgresql_at_once_take_turns(
+    db_url: str, tmp_path: Path, start: str | None
+) -> None:
+    """Each replica's ``db upgrade`` waits for the upgrade lock, held here until all of
+    them wait (without it they did not wait, and two racing from an empty database both
+    created ``alembic_version``: one failed, exit 1 with the driver's error and SQL);
+    released, they take turns, and all but the first find nothing left to do."""
+    if start is not None:
+        at(db_url, start)
+    config = url_config(tmp_path / "c.toml", db_url)
+
+    async def upgrade_while_locked() -> list[Run]:
+        holder = await asyncpg.connect(asyncpg_dsn(db_url))
+        try:
+            await holder.execute(f"SELECT pg_advisory_lock({UPGRADE_LOCK})")
+            args = [*LEADGATE, "--config", str(config), "db", "upgrade"]
+            procs = [
+                await asyncio.create_subprocess_exec(
+                    *args, stdout=PIPE, stderr=PIPE, env=_env(), cwd=tmp_path
+                )
+                for _ in range(REPLICAS)
+            ]
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+
+            async def all_wait() -> bool:
+                return bool(await holder.fetchval(waiting) == REPLICAS)
+
+            assert await eventually(all_wait, within=TIMEOUT), "the replicas did not wait"
+            await holder.execute(f"SELECT pg_advisory_unlock({UPGRADE_LOCK})")
+            outs = [await asyncio.wait_for(p.communicate(), TIMEOUT) for p in procs]
+        finally:
+            await holder.close()
+        return [
+            Run(("db", "upgrade"), p.returncode or 0, out.decode().strip(), err.decode().strip())
+            for p, (out, err) in zip(procs, outs, strict=True)
+        ]
+
+    for result in asyncio.run(upgrade_while_locked()):
+        assert result.json() == {"revision": HEAD}, result
+        assert result.err == "", result
+    versions = run_sql(
+        db_url, lambda conn: conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
+    )
+    assert [tuple(v) for v in versions] == [(HEAD,)]
+    names = [org["name"] for org in run(config, "org", "list").json()]
+    assert names == ([] if start is None else ["acme"])

@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from leadgate.database.db import UPGRADE_LOCK
 from leadgate.database.schema import metadata
 
 config = context.config
@@ -15,6 +16,10 @@ target_metadata = metadata
 
 
 def _run(connection: sa.Connection) -> None:
+    if connection.dialect.name == "postgresql":
+        # Replicas upgrading at once take turns (see UPGRADE_LOCK): taken before Alembic
+        # reads the current revision, in the one transaction that migrates and commits.
+        connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": UPGRADE_LOCK})
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
