@@ -977,7 +977,9 @@ def _corrected(parsed: sa.engine.URL) -> str:
 
 
 def upgrade(url: str) -> str:
-    """Migrate the database at ``url`` to the newest revision; returns that revision."""
+    """Migrate the database at ``url`` to the newest revision; returns that revision. A
+    database at a revision this version does not know is refused, untouched
+    (:func:`newer_schema`); on PostgreSQL the upgrade holds :data:`UPGRADE_LOCK`."""
     parsed = checked_url(url)
     cfg = alembic_config(url)
     head = str(ScriptDirectory.from_config(cfg).get_current_head())
