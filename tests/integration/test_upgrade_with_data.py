@@ -148,3 +148,23 @@ def test_rows_written_at_an_earlier_revision_work_after_db_upgrade(
     assert upgrade(db_url) == head
     assert upgrade(db_url) == head  # again: nothing to do
     asyncio.run(drive(db_url))
+
+
+def test_an_upgrade_that_fails_midway_leaves_the_database_as_it_was(db_url: str) -> None:
+    """Every pending revision is applied in one transaction, on SQLite too: 0005 adds
+    ``sessions.event_seq`` and then meets a table in its way. On SQLite the column stayed
+    (each DDL statement committed alone) with the revision still 0004, and every later
+    ``db upgrade`` failed on it."""
+    write_at(db_url, "0004")
+    run_sql(db_url, lambda conn: conn.execute(sa.text("CREATE TABLE session_events (x INT)")))
+    with pytest.raises(sa.exc.DBAPIError):
+        upgrade(db_url)
+
+    def state(conn: sa.Connection) -> tuple[Any, list[str]]:
+        version = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
+        return version, [c["name"] for c in sa.inspect(conn).get_columns("sessions")]
+
+    assert run_sql(db_url, state) == ("0004", ["id", "org_id", "agent_id", "key", "created_at"])
+    run_sql(db_url, lambda conn: conn.execute(sa.text("DROP TABLE session_events")))
+    upgrade(db_url)
+    asyncio.run(drive(db_url))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import context
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from leadgate.database.db import UPGRADE_LOCK
@@ -29,8 +31,26 @@ def _run(connection: sa.Connection) -> None:
         context.run_migrations()
 
 
+def _sqlite_transactional_ddl(engine: sa.Engine) -> None:
+    """One transaction for the whole upgrade on SQLite too (SQLAlchemy's documented
+    recipe): the driver otherwise begins a transaction only before DML, so each DDL
+    statement committed alone, and an upgrade that failed midway left a revision half
+    applied (a column added, the version not moved), which the next ``db upgrade`` then
+    failed on for good."""
+
+    @event.listens_for(engine, "connect")
+    def _no_driver_transactions(dbapi_connection: Any, _: Any) -> None:
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN")
+
+
 async def _main() -> None:
     engine = create_async_engine(config.get_main_option("sqlalchemy.url") or "")
+    if engine.dialect.name == "sqlite":
+        _sqlite_transactional_ddl(engine.sync_engine)
     async with engine.connect() as conn:
         await conn.run_sync(_run)
         await conn.commit()
