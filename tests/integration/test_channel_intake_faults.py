@@ -11,6 +11,7 @@ log as a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -47,30 +48,38 @@ async def standin() -> AsyncIterator[DiscordApiStandin]:
         yield dc
 
 
+@contextlib.asynccontextmanager
+async def routed(
+    migrated_url: str, channel: str, section: dict[str, Any]
+) -> AsyncIterator[tuple[App, TestServer]]:
+    """The service with ``[channel]`` set to ``section`` and a route from ``channel`` to
+    the agent ``plain``, served on 127.0.0.1."""
+    settings = Settings.model_validate({"database": {"url": migrated_url}, channel: section})
+    service = App(settings, clock=FakeClock())
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    await make_route(service, org, plain["id"], channel)
+    server = TestServer(service.web_app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield service, server
+    finally:
+        await server.close()
+        await service.stop()
+
+
 @pytest.fixture
 async def served(
     migrated_url: str, key: SigningKey, standin: DiscordApiStandin
 ) -> AsyncIterator[tuple[App, TestServer]]:
-    settings = Settings.model_validate(
-        {
-            "database": {"url": migrated_url},
-            "discord": {
-                "public_key": key.verify_key.encode().hex(),
-                "bot_token": "bot-token",
-                "api_url": standin.api_url,
-                "gateway_url": standin.gateway_url,
-            },
-        }
-    )
-    service = App(settings, clock=FakeClock())
-    org = await make_org(service)
-    plain = await make_agent(service, org, "plain")
-    await make_route(service, org, plain["id"], "discord")
-    server = TestServer(service.web_app(), host="127.0.0.1")
-    await server.start_server()
-    yield service, server
-    await server.close()
-    await service.stop()
+    section = {
+        "public_key": key.verify_key.encode().hex(),
+        "bot_token": "bot-token",
+        "api_url": standin.api_url,
+        "gateway_url": standin.gateway_url,
+    }
+    async with routed(migrated_url, "discord", section) as pair:
+        yield pair
 
 
 def down(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
@@ -151,19 +160,11 @@ async def teams_served(
 ) -> AsyncIterator[tuple[App, TestServer, ConnectorStandin]]:
     connector = ConnectorStandin()
     await connector.start()
-    settings = Settings.model_validate(
-        {"database": {"url": migrated_url}, "teams": {"enabled": True}}
-    )
-    service = App(settings, clock=FakeClock())
-    org = await make_org(service)
-    plain = await make_agent(service, org, "plain")
-    await make_route(service, org, plain["id"], "teams")
-    server = TestServer(service.web_app(), host="127.0.0.1")
-    await server.start_server()
-    yield service, server, connector
-    await server.close()
-    await service.stop()
-    await connector.close()
+    try:
+        async with routed(migrated_url, "teams", {"enabled": True}) as (service, server):
+            yield service, server, connector
+    finally:
+        await connector.close()
 
 
 async def test_a_teams_message_the_database_cannot_take_gets_a_reply_saying_so(
@@ -210,25 +211,9 @@ SLACK_SECRET = "slack-signing-secret"
 @pytest.fixture
 async def slack_served(migrated_url: str) -> AsyncIterator[tuple[App, TestServer, SlackApiStandin]]:
     async with SlackApiStandin(token="xoxb-x") as slack:
-        settings = Settings.model_validate(
-            {
-                "database": {"url": migrated_url},
-                "slack": {
-                    "signing_secret": SLACK_SECRET,
-                    "bot_token": "xoxb-x",
-                    "api_url": slack.api_url,
-                },
-            }
-        )
-        service = App(settings, clock=FakeClock())
-        org = await make_org(service)
-        plain = await make_agent(service, org, "plain")
-        await make_route(service, org, plain["id"], "slack")
-        server = TestServer(service.web_app(), host="127.0.0.1")
-        await server.start_server()
-        yield service, server, slack
-        await server.close()
-        await service.stop()
+        section = {"signing_secret": SLACK_SECRET, "bot_token": "xoxb-x", "api_url": slack.api_url}
+        async with routed(migrated_url, "slack", section) as (service, server):
+            yield service, server, slack
 
 
 async def slack_message(server: TestServer, *, retry_num: int | None) -> int:
