@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import pytest
 import sqlalchemy as sa
+from mcp import ClientSession
+from mcp.client.subscriptions import listen
 
 from binding import routes
 from leadgate.core.auth import Principal, Scope
@@ -214,6 +216,13 @@ def mcp_initialize(protocol: str = "2025-06-18") -> dict[str, Any]:
             "clientInfo": {"name": "raw", "version": "0"},
         },
     }
+
+
+async def listened(session: ClientSession, uri: str) -> str:
+    """``subscriptions/listen`` (the 2026-07-28 protocol) to ``uri``: whether it listens
+    (the stream is closed at once; a refusal is raised as the client's ``MCPError``)."""
+    async with listen(session, resource_subscriptions=[uri]):
+        return "listening"
 
 
 def ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

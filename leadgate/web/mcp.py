@@ -704,7 +704,9 @@ def _ruled(start: Message, body: bytes | bytearray, *, opening: bool) -> web.Res
     """One of the SDK's JSON-RPC refusals (``Session not found``, ``Missing session ID``,
     ``Not Acceptable``, ...) as it answered it, its error naming the rule in ``data``
     as the service's own JSON-RPC refusals do (``{"rule": ...}``); it named none. A 503
-    says when to try again, as every 503 of the service does.
+    says when to try again, as every 503 of the service does. A refusal of the service's
+    own that the SDK answered with an HTTP error status keeps its ``data``
+    (:func:`_names_rule`).
 
     The refusal of an ``opening`` request (no session id) carried the id of the session
     the SDK had made for it and discarded: a client that kept it got 404 on its next
@@ -726,7 +728,7 @@ def _ruled(start: Message, body: bytes | bytearray, *, opening: bool) -> web.Res
     except ValueError:
         message = None
     error = message.get("error") if isinstance(message, dict) else None
-    if isinstance(error, dict):
+    if isinstance(error, dict) and not _names_rule(error.get("data")):
         rule = _sdk_jsonrpc_rule(status, str(error.get("message", "")))
         if rule == "mcp.message":
             # The SDK's text is pydantic's dump: its version, the SDK's class names and
@@ -735,6 +737,16 @@ def _ruled(start: Message, body: bytes | bytearray, *, opening: bool) -> web.Res
         error["data"] = {"rule": rule}
         body = json.dumps(message).encode()
     return web.Response(status=status, body=bytes(body), headers=headers)
+
+
+def _names_rule(data: object) -> bool:
+    """Whether an error's ``data`` is one of the service's own refusals, raised by a
+    handler (``{"uri", "rule"}``): the 2026-07-28 transport answers those with HTTP 400
+    too, and the rule of the SDK's refusals replaced theirs (``subscriptions/listen`` or
+    ``resources/read`` of another organization's agent named ``mcp.request``, no ``uri``,
+    where the handshake era names ``agent.not_found``). The SDK's own errors carry no
+    rule (its parameter validation sends ``data: ""``)."""
+    return isinstance(data, dict) and isinstance(data.get("rule"), str)
 
 
 def _enveloped(status: int, body: bytes | bytearray) -> web.Response:

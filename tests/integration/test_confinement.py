@@ -38,7 +38,6 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.client.subscriptions import listen
 from mcp.shared.exceptions import MCPError
 from nacl.signing import SigningKey
 
@@ -51,6 +50,7 @@ from leadgate.web.common import SESSION_COOKIE
 from tests.helpers import (
     LEGACY_SUBSCRIBE,
     Org,
+    listened,
     make_agent,
     make_org,
     mcp_initialize,
@@ -717,12 +717,6 @@ async def mcp_answers(clients: Eras, names: Names) -> list[tuple[str, str]]:
     return answers
 
 
-async def listened(session: ClientSession, uri: str) -> str:
-    """``subscriptions/listen`` (the 2026-07-28 protocol) to ``uri``: whether it listens."""
-    async with listen(session, resource_subscriptions=[uri]):
-        return "listening"
-
-
 async def probe_mcp(s: Scene) -> None:
     """Every MCP tool and template as B on A's names: as on unknown names, quoting
     nothing of A's, writing nothing but B's rows."""
@@ -734,6 +728,12 @@ async def probe_mcp(s: Scene) -> None:
         on_nobodys = await mcp_answers(clients, s.nobody)
     assert not [(sent, got) for sent, got in on_theirs if s.quoted(got, sent)], on_theirs
     assert named(on_theirs, s.names) == named(on_nobodys, s.nobody)
+    # Read, subscribe and listen refuse another organization's resource alike (listen
+    # named "mcp.request" and no "uri").
+    uris = {uri for fill in MCP_TEMPLATES.values() for uri in fill(s.names)}
+    refusals = [(sent, json.loads(got)) for sent, got in on_theirs if sent in uris]
+    assert len(refusals) == 3 * len(uris)
+    assert all(got["data"] == {"rule": "agent.not_found", "uri": sent} for sent, got in refusals)
     async with mcp_clients(s, s.a.key) as clients:
         real = named(await mcp_answers(clients, s.names), s.names)
         fake = named(await mcp_answers(clients, s.nobody), s.nobody)

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,15 @@ from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
 from tests.fakes import DownFor
-from tests.helpers import LEGACY_SUBSCRIBE, Org, make_agent, make_key, make_org, mcp_initialize
+from tests.helpers import (
+    LEGACY_SUBSCRIBE,
+    Org,
+    listened,
+    make_agent,
+    make_key,
+    make_org,
+    mcp_initialize,
+)
 
 TOOL = "send_action_agent_message"
 
@@ -321,6 +329,54 @@ async def test_2026_listen_gets_the_update(env: Env) -> None:
             async with listen(client, resource_subscriptions=[uri("theirs", "x")]):
                 pass
         assert refused.value.error.code == mt.INVALID_PARAMS
+
+
+async def refusal(call: Awaitable[object]) -> mt.ErrorData:
+    """The protocol error ``call`` is refused with."""
+    with pytest.raises(MCPError) as refused:
+        await call
+    return refused.value.error
+
+
+@LEGACY_SUBSCRIBE
+@pytest.mark.parametrize(
+    ("resource", "rule", "fault"),
+    [
+        (uri("theirs", "x"), "agent.not_found", False),  # another organization's
+        (uri("nobody", "x"), "agent.not_found", False),
+        ("leadgate://agents/worker/messages", "resource.unknown", False),
+        (uri("worker", "x") + "?limit=1&limit=2", "query.repeated", False),
+        (uri("worker", "x"), "service.unavailable", True),
+    ],
+)
+async def test_listen_is_refused_as_read_and_subscribe_are(
+    env: Env, monkeypatch: pytest.MonkeyPatch, resource: str, rule: str, fault: bool
+) -> None:
+    """``subscriptions/listen`` (and a 2026-07-28 read) of a URI the service refuses
+    named ``mcp.request`` and no ``uri`` (the bridge took the transport's HTTP 400 for
+    one of the SDK's own refusals); it is the error a handshake-era read and
+    subscription get."""
+    db = env.service.db
+
+    def down() -> None:  # the next database call fails (the lookup's)
+        if fault:
+            monkeypatch.setattr(db, "read", DownFor(db.read, 1, after_commit=False))
+
+    async with session(env) as old, session(env) as modern:
+        await old.initialize()
+        await modern.discover()
+        answers = []
+        for call in (
+            lambda: old.read_resource(resource),
+            lambda: old.subscribe_resource(resource),
+            lambda: modern.read_resource(resource),
+            lambda: listened(modern, resource),
+        ):
+            down()
+            answers.append(await refusal(call()))
+    assert answers[0].data is not None and answers[0].data["uri"] == resource
+    assert answers[0].data["rule"] == rule
+    assert answers == [answers[0]] * 4
 
 
 async def test_a_database_fault_reading_a_transcript_is_a_server_error_naming_its_rule(
