@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":
-            revision = {"revision": upgrade(settings.database.url)}
+            revision = {
+                "revision": upgrade(
+                    settings.database.url, busy_timeout_s=settings.database.busy_timeout_s
+                )
+            }
             return _emit(render(revision, args.format, ("db", "upgrade")))
         if args.command == "serve" and args.check_ports:
             check_ports(settings, args.role)

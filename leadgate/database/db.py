@@ -40,7 +40,7 @@ from alembic.util import CommandError
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError
+from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError, Unavailable
 from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgPool, TableChanges
@@ -976,19 +976,29 @@ def _corrected(parsed: sa.engine.URL) -> str:
     return f": start it with {driver}:// instead (the rest as it is)"
 
 
-def upgrade(url: str) -> str:
+#: Where :func:`upgrade` leaves the SQLite busy timeout for the migration environment
+#: (``leadgate/database/migrations/env.py``), in the Alembic config's attributes.
+BUSY_TIMEOUT_ATTRIBUTE = "leadgate.busy_timeout_s"
+
+
+def upgrade(url: str, *, busy_timeout_s: float = 5.0) -> str:
     """Migrate the database at ``url`` to the newest revision; returns that revision. A
     database at a revision this version does not know is refused, untouched
-    (:func:`newer_schema`); on PostgreSQL the upgrade holds :data:`UPGRADE_LOCK`."""
+    (:func:`newer_schema`); on PostgreSQL the upgrade holds :data:`UPGRADE_LOCK`, on
+    SQLite the file's write lock, waited for up to ``busy_timeout_s`` (``[database]
+    busy_timeout_s``) and then refused, untouched (:func:`_locked`)."""
     parsed = checked_url(url)
     cfg = alembic_config(url)
+    cfg.attributes[BUSY_TIMEOUT_ATTRIBUTE] = busy_timeout_s
     head = str(ScriptDirectory.from_config(cfg).get_current_head())
     try:
         command.upgrade(cfg, "head")
     except sa.exc.DBAPIError as exc:
-        not_sqlite = _not_a_database(exc, parsed.database)
-        if not_sqlite is not None:
-            raise not_sqlite from None
+        refusal = _not_a_database(exc, parsed.database) or _locked(
+            exc, parsed.database, busy_timeout_s
+        )
+        if refusal is not None:
+            raise refusal from None
         raise
     except CommandError as exc:
         # The one revision Alembic cannot resolve here is the database's own: a newer
@@ -998,6 +1008,26 @@ def upgrade(url: str) -> str:
             raise newer_schema(cause.argument, head) from None
         raise
     return head
+
+
+def _locked(exc: sa.exc.DBAPIError, path: str | None, waited_s: float) -> Unavailable | None:
+    """SQLite's ``database is locked`` (``SQLITE_BUSY``) met by ``db upgrade``: another
+    upgrade or a running service kept the file's write lock past the busy timeout. One
+    line naming the file and what to do; it was exit 1 with the driver's error and its
+    SQL. The upgrade's one transaction rolled back: the file is as it was."""
+    orig = exc.orig
+    if not isinstance(orig, sqlite3.OperationalError) or path is None:
+        return None
+    extended = getattr(orig, "sqlite_errorcode", None)
+    if not isinstance(extended, int) or extended & 0xFF != sqlite3.SQLITE_BUSY:
+        return None
+    return Unavailable(
+        "another `leadgate db upgrade` or a running service held the write lock of the "
+        f"SQLite database {os.path.abspath(path)} for longer than [database] busy_timeout_s "
+        f"({waited_s:g} s): nothing was changed; run `leadgate db upgrade` again once that "
+        "upgrade is done, or with the service stopped",
+        rule="db.locked",
+    )
 
 
 def newer_schema(revision: str, head: str) -> NotMigratedError:

@@ -2,11 +2,16 @@
 database behind the newest schema revision, ahead of it (a newer release's, after a
 rollback) or never migrated is refused at start by ``serve`` and the other commands,
 with one line naming what to do and nothing written; two replicas running ``leadgate db
-upgrade`` at once on one PostgreSQL both succeed, and the schema is upgraded once."""
+upgrade`` at once on one PostgreSQL, or two on one SQLite file, both succeed, and the
+schema is upgraded once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sqlite3
+from asyncio.subprocess import Process
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from subprocess import PIPE
@@ -37,9 +42,12 @@ COMMANDS = {
 }
 
 
-def url_config(path: Path, url: str) -> Path:
+def url_config(path: Path, url: str, busy_timeout_s: float = 5.0) -> Path:
     """A config file naming the database ``url`` (either backend)."""
-    path.write_text(f'[server]\nport = 0\n[database]\nurl = "{url}"\n[log]\nlevel = "WARNING"\n')
+    path.write_text(
+        f'[server]\nport = 0\n[database]\nurl = "{url}"\nbusy_timeout_s = {busy_timeout_s}\n'
+        '[log]\nlevel = "WARNING"\n'
+    )
     return path
 
 
@@ -137,13 +145,7 @@ def test_replicas_upgrading_one_postgresql_at_once_take_turns(
         holder = await asyncpg.connect(asyncpg_dsn(db_url))
         try:
             await holder.execute(f"SELECT pg_advisory_lock({UPGRADE_LOCK})")
-            args = [*LEADGATE, "--config", str(config), "db", "upgrade"]
-            procs = [
-                await asyncio.create_subprocess_exec(
-                    *args, stdout=PIPE, stderr=PIPE, env=_env(), cwd=tmp_path
-                )
-                for _ in range(REPLICAS)
-            ]
+            procs = await start_upgrades(config)
             waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
 
             async def all_wait() -> bool:
@@ -151,20 +153,118 @@ def test_replicas_upgrading_one_postgresql_at_once_take_turns(
 
             assert await eventually(all_wait, within=TIMEOUT), "the replicas did not wait"
             await holder.execute(f"SELECT pg_advisory_unlock({UPGRADE_LOCK})")
-            outs = [await asyncio.wait_for(p.communicate(), TIMEOUT) for p in procs]
+            return await finished(procs)
         finally:
             await holder.close()
-        return [
-            Run(("db", "upgrade"), p.returncode or 0, out.decode().strip(), err.decode().strip())
-            for p, (out, err) in zip(procs, outs, strict=True)
-        ]
 
-    for result in asyncio.run(upgrade_while_locked()):
+    upgraded_once(db_url, config, asyncio.run(upgrade_while_locked()), start)
+
+
+async def start_upgrades(config: Path, n: int = REPLICAS) -> list[Process]:
+    """``n`` processes of ``leadgate db upgrade`` with ``config``, started at once."""
+    args = [*LEADGATE, "--config", str(config), "db", "upgrade"]
+    return [
+        await asyncio.create_subprocess_exec(
+            *args, stdout=PIPE, stderr=PIPE, env=_env(), cwd=config.parent
+        )
+        for _ in range(n)
+    ]
+
+
+async def finished(procs: list[Process]) -> list[Run]:
+    """What each of ``procs`` answered (bounded in time)."""
+    outs = [await asyncio.wait_for(p.communicate(), TIMEOUT) for p in procs]
+    return [
+        Run(("db", "upgrade"), p.returncode or 0, out.decode().strip(), err.decode().strip())
+        for p, (out, err) in zip(procs, outs, strict=True)
+    ]
+
+
+def upgraded_once(url: str, config: Path, results: list[Run], start: str | None) -> None:
+    """Every upgrade succeeded; the database is at head, with one version row and the
+    rows it had."""
+    for result in results:
         assert result.json() == {"revision": HEAD}, result
         assert result.err == "", result
     versions = run_sql(
-        db_url, lambda conn: conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
+        url, lambda conn: conn.execute(sa.text("SELECT version_num FROM alembic_version")).all()
     )
     assert [tuple(v) for v in versions] == [(HEAD,)]
     names = [org["name"] for org in run(config, "org", "list").json()]
     assert names == ([] if start is None else ["acme"])
+
+
+def sqlite_write_lock(url: str) -> sqlite3.Connection:
+    """A connection holding the write lock of the SQLite file of ``url`` (created when
+    missing), as a running upgrade or the service's writer holds it; ROLLBACK ends it."""
+    holder = sqlite3.connect(url.removeprefix("sqlite+aiosqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    return holder
+
+
+def opened(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has the file ``path`` open, or has ended already (Linux)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except FileNotFoundError:
+        return True
+    for fd in fds:
+        with contextlib.suppress(OSError):  # (closed meanwhile)
+            if os.readlink(fd) == str(path):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("start", [None, "0016"])
+def test_upgrades_of_one_sqlite_file_at_once_take_turns(
+    db_url: str, tmp_path: Path, start: str | None
+) -> None:
+    """``db upgrade`` run several times at once on one SQLite file (the service runs as
+    one process there, but two terminals or a script and a person still can): each
+    waits for the file's write lock, held here until all of them have the file open
+    (before, the second failed at once, exit 1 with "database is locked" and the
+    driver's SQL), then they take turns and all but the first find nothing to do."""
+    if start is not None:
+        at(db_url, start)
+    config = url_config(tmp_path / "c.toml", db_url, busy_timeout_s=TIMEOUT / 3)
+    path = Path(db_url.removeprefix("sqlite+aiosqlite:///")).resolve()
+
+    async def upgrade_while_locked() -> list[Run]:
+        holder = sqlite_write_lock(db_url)
+        try:
+            procs = await start_upgrades(config)
+
+            def all_wait() -> bool:
+                return all(opened(p.pid, path) for p in procs)
+
+            assert await eventually(all_wait, within=TIMEOUT), "the upgrades did not start"
+            holder.execute("ROLLBACK")
+            return await finished(procs)
+        finally:
+            holder.close()
+
+    upgraded_once(db_url, config, asyncio.run(upgrade_while_locked()), start)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_db_upgrade_refuses_a_sqlite_file_locked_past_the_busy_timeout(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Another writer (an upgrade, the service) that keeps the file's write lock past
+    ``[database] busy_timeout_s``: exit 2 with one line naming ``db.locked``, no SQL, and
+    the file as it was (no revision half applied); once the lock is free, the upgrade
+    goes through."""
+    at(db_url, "0016")
+    before = contents(db_url)
+    config = url_config(tmp_path / "c.toml", db_url, busy_timeout_s=0.2)
+    holder = sqlite_write_lock(db_url)
+    try:
+        result = run(config, "db", "upgrade")
+    finally:
+        holder.close()
+    result.rule_error("db.locked")
+    assert "another `leadgate db upgrade` or a running service" in result.err, result
+    assert "[SQL" not in result.err and "OperationalError" not in result.err, result
+    assert contents(db_url) == before
+    upgraded_once(db_url, config, [run(config, "db", "upgrade")], "0016")

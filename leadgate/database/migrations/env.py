@@ -10,7 +10,7 @@ from alembic import context
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from leadgate.database.db import UPGRADE_LOCK
+from leadgate.database.db import BUSY_TIMEOUT_ATTRIBUTE, UPGRADE_LOCK
 from leadgate.database.schema import metadata
 
 config = context.config
@@ -22,6 +22,13 @@ def _run(connection: sa.Connection) -> None:
         # Replicas upgrading at once take turns (see UPGRADE_LOCK): taken before Alembic
         # reads the current revision, in the one transaction that migrates and commits.
         connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": UPGRADE_LOCK})
+    elif connection.dialect.name == "sqlite":
+        # The file's write lock (BEGIN IMMEDIATE, see _sqlite_transactional_ddl),
+        # taken here for the same reason. Taken at the first statement instead (a read of
+        # the revision, under a plain BEGIN), a second upgrader read the revision the
+        # first had not committed yet, and its first write failed at once with
+        # "database is locked": SQLite does not wait for a lock a reader asks for.
+        connection.begin()
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -36,7 +43,8 @@ def _sqlite_transactional_ddl(engine: sa.Engine) -> None:
     recipe): the driver otherwise begins a transaction only before DML, so each DDL
     statement committed alone, and an upgrade that failed midway left a revision half
     applied (a column added, the version not moved), which the next ``db upgrade`` then
-    failed on for good."""
+    failed on for good. It begins with the write lock (``BEGIN IMMEDIATE``), which waits
+    for another writer up to the connection's busy timeout: upgrades take turns."""
 
     @event.listens_for(engine, "connect")
     def _no_driver_transactions(dbapi_connection: Any, _: Any) -> None:
@@ -44,17 +52,26 @@ def _sqlite_transactional_ddl(engine: sa.Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _begin(conn: sa.Connection) -> None:
-        conn.exec_driver_sql("BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 async def _main() -> None:
-    engine = create_async_engine(config.get_main_option("sqlalchemy.url") or "")
+    url = sa.engine.make_url(config.get_main_option("sqlalchemy.url") or "")
+    kwargs: dict[str, Any] = {}
+    if url.get_backend_name() == "sqlite":
+        # How long BEGIN IMMEDIATE waits for another writer: the service's busy timeout
+        # (sqlite3's own default, 5 s, otherwise), as its own connections wait.
+        timeout = float(config.attributes.get(BUSY_TIMEOUT_ATTRIBUTE, 5.0))
+        kwargs["connect_args"] = {"timeout": timeout}
+    engine = create_async_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         _sqlite_transactional_ddl(engine.sync_engine)
-    async with engine.connect() as conn:
-        await conn.run_sync(_run)
-        await conn.commit()
-    await engine.dispose()
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_run)
+            await conn.commit()
+    finally:
+        await engine.dispose()
 
 
 def run() -> None:
