@@ -125,7 +125,7 @@ class ChatReviews:
                 platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
             async with self.db.read() as conn:
-                answer, _ = await self._gate(conn, platform, identity, item_id, episode_id)
+                answer, _ = await self._gate(conn, platform, identity, item_id, episode_id, card_id)
             return answer
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded(platform, exc)
@@ -145,7 +145,9 @@ class ChatReviews:
     ) -> ChatAnswer:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
         as the leadgate user linked to ``identity`` on ``platform`` (``message_id`` in
-        ``conversation``: the clicked card's message, see :meth:`_settle_clicked`)."""
+        ``conversation``: the clicked card's message, see :meth:`_settle_clicked`;
+        ``episode_id`` and ``card_id``: the wait and the delivery the card names, see
+        :meth:`_stale`)."""
         try:
             odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
             if odd is not None:
@@ -154,7 +156,9 @@ class ChatReviews:
                 platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
             async with self.db.read() as conn:
-                answer, reviewer = await self._gate(conn, platform, identity, item_id, episode_id)
+                answer, reviewer = await self._gate(
+                    conn, platform, identity, item_id, episode_id, card_id
+                )
             if answer.kind != "open" or reviewer is None:
                 return answer
             return await self._commit(
@@ -187,7 +191,7 @@ class ChatReviews:
     ) -> ChatAnswer:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
         (``episode_id``: the card's; a card of an earlier stretch of waiting is stale;
-        ``message_id``, ``conversation``: as :meth:`decide`)."""
+        ``message_id``, ``conversation``, ``card_id``: as :meth:`decide`)."""
         try:
             unreadable = _unreadable(
                 identity, delivery_id, episode_id, message_id, conversation, card_id
@@ -219,7 +223,7 @@ class ChatReviews:
                 item_id = str(row.work_item_id)
                 if row.status != DeliveryStatus.deliveryUnknown.value:
                     return await self._closed_in(conn, item_id, platform, message_id)
-                if await self._stale(conn, item_id, episode_id):
+                if await self._stale(conn, item_id, row.org_id, episode_id, card_id):
                     # A retry that ended unknown again opened a new card: this one is old.
                     return ChatAnswer("stale", STALE)
             return await self._commit(
@@ -313,7 +317,13 @@ class ChatReviews:
         return await self._after(item_id, platform, message_id, "decided")
 
     async def _gate(
-        self, conn: Conn, platform: str, identity: str, item_id: str, episode_id: str | None
+        self,
+        conn: Conn,
+        platform: str,
+        identity: str,
+        item_id: str,
+        episode_id: str | None,
+        card_id: str | None = None,
     ) -> tuple[ChatAnswer, Reviewer | None]:
         w = t.work_items.c
         item = (await conn.execute(sa.select(w.org_id, w.status).where(w.id == item_id))).first()
@@ -325,13 +335,23 @@ class ChatReviews:
             return ChatAnswer("forbidden", FORBIDDEN), None
         if item.status != Status.awaitingHuman.value:
             return await self._closed_in(conn, item_id, platform, None), reviewer
-        if await self._stale(conn, item_id, episode_id):
+        if await self._stale(conn, item_id, item.org_id, episode_id, card_id):
             return ChatAnswer("stale", STALE), reviewer
         return ChatAnswer("open", ""), reviewer
 
     @staticmethod
-    async def _stale(conn: Conn, item_id: str, episode_id: str | None) -> bool:
-        """Whether a card of episode ``episode_id`` is older than the item's open one."""
+    async def _stale(
+        conn: Conn, item_id: str, org_id: str, episode_id: str | None, card_id: str | None
+    ) -> bool:
+        """Whether a card of episode ``episode_id`` is older than the item's open one. A
+        card that names only itself (``card_id``, no episode: Discord's, whose
+        ``custom_id`` has no room for both) is of the episode of its ``review_cards``
+        row, read fenced to the item and organization: a card of another item or
+        organization names no wait of this one and is refused as out of date."""
+        if not episode_id and card_id:
+            episode_id = await cards.card_episode(conn, card_id, item_id, org_id)
+            if episode_id is None:
+                return True
         if not episode_id:
             return False
         current = await cards.open_episode(conn, item_id)

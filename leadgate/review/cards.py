@@ -501,6 +501,35 @@ async def uncertain_card(
     return fits[0] if len(fits) == 1 else None
 
 
+_ITEM: sa.BindParameter[str] = sa.bindparam("p_item")
+_ORG: sa.BindParameter[str] = sa.bindparam("p_org")
+#: A card's wait by its delivery id, through the item's episodes (indexed by item) and
+#: their cards (indexed by episode): ``review_cards.delivery_id`` has no index of its own.
+_CARD_EPISODE = (
+    sa.select(RC.episode_id)
+    .select_from(t.review_episodes.join(t.review_cards, RC.episode_id == E.id))
+    .where(
+        E.work_item_id == _ITEM,
+        E.org_id == _ORG,
+        RC.work_item_id == _ITEM,
+        RC.org_id == _ORG,
+        RC.delivery_id == sa.bindparam("p_card"),
+    )
+    .limit(1)
+)
+
+
+async def card_episode(conn: Conn, card_id: str, item_id: str, org_id: str) -> str | None:
+    """The episode (wait) whose card is delivery ``card_id``, read from the card's
+    ``review_cards`` row; ``None`` unless that card is one of ``item_id``'s in
+    ``org_id`` (a card of another item or organization names no wait of this one).
+    One read, by the item's episodes' index: a click costs no scan."""
+    found = await conn.scalar(
+        _CARD_EPISODE, {"p_item": item_id, "p_org": org_id, "p_card": card_id}
+    )
+    return None if found is None else str(found)
+
+
 async def open_episode(conn: Conn, item_id: str) -> str | None:
     """The id of the item's open episode, if any."""
     found = (

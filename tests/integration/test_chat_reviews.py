@@ -211,7 +211,24 @@ async def test_a_card_of_an_earlier_wait_is_out_of_date(app: App) -> None:
         "slack", MEMBER, item_id, "approve", episode_id=old.episode_id
     )
     assert answer.kind == "stale"
+    # A card that names only itself (a Discord card) is of its own row's wait: the old
+    # one is out of date too, and so is a card of another item or organization.
+    other_org, other_worker = await setup(app, "other")
+    await escalated(app, other_org, other_worker, "o1")
+    foreign = slack.calls[-1].card
+    assert foreign is not None and foreign.item_id != item_id
+    for card_id in (old.card_id, foreign.card_id, "dlv_none"):
+        checked = await app.chat_reviews.check("slack", MEMBER, item_id, card_id=card_id)
+        decided = await app.chat_reviews.decide(
+            "slack", MEMBER, item_id, "approve", card_id=card_id
+        )
+        assert checked.kind == decided.kind == "stale", card_id
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+    # The new wait's own card decides.
+    new = next(c.card for c in reversed(slack.calls) if c.card and c.card.item_id == item_id)
+    assert new.episode_id != old.episode_id
+    answer = await app.chat_reviews.decide("slack", MEMBER, item_id, "approve", card_id=new.card_id)
+    assert answer.kind == "decided", answer
 
 
 async def test_a_recovery_card_of_an_earlier_unknown_send_is_out_of_date(app: App) -> None:
@@ -242,14 +259,14 @@ async def test_a_recovery_card_of_an_earlier_unknown_send_is_out_of_date(app: Ap
     assert second.episode_id != first.episode_id
     attempts = len([c for c in slack.calls if c.card is None])
     for verb in ("retry", "confirm"):
-        stale = await app.chat_reviews.recover(
-            "slack", MEMBER, delivery_id, verb, episode_id=first.episode_id
-        )
-        assert stale.kind == "stale"
+        # (the first card names its wait, or only itself, as a Discord card does)
+        for named in ({"episode_id": first.episode_id}, {"card_id": first.card_id}):
+            stale = await app.chat_reviews.recover("slack", MEMBER, delivery_id, verb, **named)
+            assert stale.kind == "stale", named
     await drain(app.relay)
     assert len([c for c in slack.calls if c.card is None]) == attempts  # no third post
     confirmed = await app.chat_reviews.recover(
-        "slack", MEMBER, delivery_id, "confirm", episode_id=second.episode_id
+        "slack", MEMBER, delivery_id, "confirm", card_id=second.card_id
     )
     assert confirmed.kind == "decided"
 

@@ -14,12 +14,13 @@ import sqlalchemy as sa
 from bots import discord_review, slack_review, teams_review
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.database.schema import metadata
 from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery
 from leadgate.operations.chat_reviews import ChatAnswer
 from leadgate.review import decisions, queue
 from leadgate.review import destinations as dest
-from leadgate.review.cards import plain_text
+from leadgate.review.cards import _CARD_EPISODE, card_episode, plain_text
 from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
@@ -445,3 +446,34 @@ def test_a_teams_closed_click_with_no_outcome_to_show_never_brings_buttons_back(
     assert teams_review.click_answer(ChatAnswer("decided", "Approved.", shown)) == (
         teams_review.card_answer(shown)
     )
+
+
+async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organization(
+    make_stack: Callable[..., Stack],
+) -> None:
+    env = await review_env(make_stack)
+    item_id = await env.escalated("s1")
+    other_item = await env.escalated("s2")
+    [card] = await env.deliveries(item_id, "card")
+    [other_card] = await env.deliveries(other_item, "card")
+    [episode] = await env.episodes(item_id)
+    org = env.org.id
+    async with env.stack.db.read() as conn:
+        assert await card_episode(conn, card["id"], item_id, org) == episode["id"]
+        # A card of another item, or of another organization, names no wait of this item.
+        assert await card_episode(conn, other_card["id"], item_id, org) is None
+        assert await card_episode(conn, card["id"], other_item, org) is None
+        assert await card_episode(conn, card["id"], item_id, "org_other") is None
+        assert await card_episode(conn, "dlv_none", item_id, org) is None
+
+    # One read by indexes: the item's episodes, then their cards; no table is scanned.
+    engine = sa.create_engine("sqlite://")
+    metadata.create_all(engine)
+    bound = _CARD_EPISODE.params(p_item="wi_1", p_org="org_1", p_card="dlv_1")
+    sql = str(bound.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+    with engine.connect() as raw:
+        plan = [str(r[3]) for r in raw.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+    assert plan == [
+        "SEARCH review_episodes USING INDEX ix_review_episodes_work_item_id (work_item_id=?)",
+        "SEARCH review_cards USING INDEX ix_review_cards_episode_id (episode_id=?)",
+    ], plan
