@@ -5,11 +5,18 @@ in its content (cut to Discord's 2,000 characters, never dropped; the console li
 ``<...>`` so Discord shows no preview of it), and buttons (``discord.ui``):
 
 * awaitingHuman: Approve, Reject, Return to worker (``custom_id``
-  ``lg:<verb>:<work item id>:<episode id>``); Reject and Return answer with a modal
-  (type 9) asking for the reason (1..2,000) or the feedback (1..4,000 here: Discord's
-  limit for a text input; the rule itself allows 10,000);
-* deliveryUnknown: Confirm delivered and Retry (``lg:<verb>:<delivery id>:<episode>``);
+  ``lg:<verb>:<work item id>:c=<card>``); Reject and Return answer with a modal
+  (type 9, ``lg:<verb>_modal:<work item id>:c=<card>``) asking for the reason
+  (1..2,000) or the feedback (1..4,000 here: Discord's limit for a text input; the rule
+  itself allows 10,000);
+* deliveryUnknown: Confirm delivered and Retry (``lg:<verb>:<delivery id>:c=<card>``);
 * a link button to the console (link buttons send no interaction).
+
+``<card>`` is the card's own delivery id, so a click names its card exactly; the
+server reads the card's wait (episode) from its ``review_cards`` row. A ``custom_id``
+holds at most 100 characters, too few for the wait and the card both (ids are 29 to 30
+characters); the longest, a modal's, is 78. Cards posted before they named themselves
+carry the wait instead (``lg:<verb>:<target>:<episode id>``) and are read as before.
 
 Clicks (type 3) and modal submissions (type 5) reach ``/discord/interactions``, verified
 with Ed25519 before anything is parsed. A click that decides is answered with the
@@ -45,6 +52,11 @@ _MODALS = {
 _COMPONENT, _MODAL_SUBMIT = 3, 5
 _CHANNEL_MESSAGE, _UPDATE_MESSAGE, _OPEN_MODAL = 4, 7, 9
 _EPHEMERAL = 1 << 6
+#: Marks a ``custom_id``'s last part as the card's own delivery id (an episode id, on
+#: cards posted before, never holds ``=``).
+CARD_MARK = "c="
+#: Discord's limit for a ``custom_id`` (buttons and modals).
+CUSTOM_ID_MAX = 100
 _NO_MENTIONS: dict[str, Any] = {"parse": []}
 
 
@@ -77,6 +89,20 @@ def content(card: Card) -> str:
     return f"{top}\n**Summary**\n{_cut(card.summary or '(no summary)', room)}{tail}"
 
 
+def _ref(card: Card) -> str:
+    """The last part of the card's custom ids: the card's own delivery, marked (a card
+    written before cards named themselves: its episode)."""
+    return CARD_MARK + card.card_id if card.card_id else card.episode_id
+
+
+def parse_ref(ref: str) -> tuple[str | None, str | None]:
+    """``(episode id, card id)`` from a ``custom_id``'s last part: one of them is set;
+    both ``None`` when it is the mark alone."""
+    if ref.startswith(CARD_MARK):
+        return None, ref[len(CARD_MARK) :] or None
+    return ref, None
+
+
 def view(card: Card) -> discord.ui.View:
     """The card's buttons (``None`` never: a decided card is edited with ``view=None``)."""
     buttons = discord.ui.View(timeout=None)
@@ -99,7 +125,7 @@ def view(card: Card) -> discord.ui.View:
                 discord.ui.Button(
                     label=label,
                     style=style,
-                    custom_id=f"{PREFIX}:{verb}:{target}:{card.episode_id}",
+                    custom_id=f"{PREFIX}:{verb}:{target}:{_ref(card)}",
                 )
             )
     buttons.add_item(
@@ -132,12 +158,14 @@ def _decided(card: Card) -> dict[str, Any]:
     }
 
 
-def _modal(verb: str, item_id: str, episode: str) -> dict[str, Any]:
+def _modal(verb: str, item_id: str, ref: str) -> dict[str, Any]:
+    """The Reject / Return form; its ``custom_id`` carries the clicked button's last
+    part (``ref``: the card, or an older card's episode) through to the submission."""
     field, label, max_length, title = _MODALS[verb]
     return {
         "type": _OPEN_MODAL,
         "data": {
-            "custom_id": f"{PREFIX}:{verb}_{_MODAL}:{item_id}:{episode}",
+            "custom_id": f"{PREFIX}:{verb}_{_MODAL}:{item_id}:{ref}",
             "title": title,
             "components": [
                 {
@@ -188,7 +216,10 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
     parts = str(data.get("custom_id")).split(":")
     if len(parts) != 4:
         return _ephemeral("This button is not supported.")
-    _, verb, target, episode = parts
+    _, verb, target, ref = parts
+    episode, card_id = parse_ref(ref)
+    if episode is None and card_id is None:
+        return _ephemeral("This button is not supported.")
     user = obj(obj(payload.get("member")).get("user")) or obj(payload.get("user"))
     who = text_of(user.get("id")) or ""
     message = obj(payload.get("message"))
@@ -211,14 +242,21 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
             episode_id=episode,
             message_id=message_id,
             conversation=channel,
+            card_id=card_id,
         )
     elif verb in _MODALS:
         # Opening the form decides nothing, but the click proves the card was posted.
         answer = await backend.check(
-            PLATFORM, who, target, episode, message_id=message_id, conversation=channel
+            PLATFORM,
+            who,
+            target,
+            episode,
+            message_id=message_id,
+            conversation=channel,
+            card_id=card_id,
         )
         if answer.kind == "open":
-            return _modal(verb, target, episode)
+            return _modal(verb, target, ref)
         # (check names no message: its card may be another message of the item)
         return _ephemeral(answer.text)
     elif verb in ("confirm", "retry"):
@@ -230,6 +268,7 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
             episode_id=episode,
             message_id=message_id,
             conversation=channel,
+            card_id=card_id,
         )
     else:
         return _ephemeral("This button is not supported.")

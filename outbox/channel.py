@@ -63,8 +63,9 @@ class Card:
     waiting_since_ms: int
     link: str
     outcome: CardOutcome | None = None
-    #: The card's own delivery id, which Slack and Teams cards carry in their actions so
-    #: that a click names its card exactly (``None``: a card written before they did).
+    #: The card's own delivery id, which Slack, Teams and Discord cards carry in their
+    #: actions so that a click names its card exactly (``None``: a card written before
+    #: they did).
     card_id: str | None = None
 
     @property

@@ -774,6 +774,10 @@ def test_discord_card_approve_and_reject(svc: ServiceProcess, discord_api: Stand
     assert len(card["content"]) <= 2000
     labels = [c["label"] for row in card["components"] for c in row["components"]]
     assert labels == ["Approve", "Reject", "Return to worker", "Open in the console"]
+    # Each button names the card's own delivery, within Discord's 100 characters.
+    custom_ids = [c["custom_id"] for row in card["components"] for c in row["components"][:3]]
+    assert [x.split(":")[1] for x in custom_ids] == ["approve", "reject", "return"]
+    assert all(x.split(":")[3].startswith("c=dlv_") and len(x) <= 100 for x in custom_ids)
 
     forged = discord_interaction(
         svc, component(card, "Approve", MEMBER["discord"]), SigningKey.generate()
@@ -812,6 +816,9 @@ def test_discord_card_approve_and_reject(svc: ServiceProcess, discord_api: Stand
     assert status == 200 and modal["type"] == 9
     field = modal["data"]["components"][0]["components"][0]
     assert (field["custom_id"], field["max_length"]) == ("reason", 2000)
+    # The form carries the card on to its submission.
+    [reject] = [c["custom_id"] for r in card["components"] for c in r["components"][1:2]]
+    assert modal["data"]["custom_id"] == reject.replace(":reject:", ":reject_modal:", 1)
     submitted = {
         **component(card, "Reject", MEMBER["discord"]),
         "type": 5,

@@ -15,15 +15,17 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots import discord_review
 from bots.slack_review import BLOCK_PREFIX, blocks
 from bots.teams_review import CARD_TYPE, adaptive_card
 from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.operations.chat_reviews import STALE
 from leadgate.review.cards import open_episode as _open_episode
 from leadgate.review.facts import review_facts
-from outbox.channel import Uncertain
-from tests.helpers import eventually, item_row
+from outbox.channel import Card, Uncertain
+from tests.helpers import Org, eventually, item_row
 from tests.integration.test_chat_review_faults import (
     DISCORD_USER,
     TEAM,
@@ -117,16 +119,25 @@ async def discord_click(
     channel: str,
     user: str = DISCORD_USER,
     verb: str = "approve",
+    *,
+    form: tuple[str, dict[str, str]] | None = None,
 ) -> dict[str, Any]:
+    """A click on button ``lg:<verb>:<item_id>:<episode>`` (``episode``: the wait, or
+    ``c=<card>`` on a card that names itself) of message ``message`` in ``channel``; with
+    ``form`` (a modal's custom_id, its text inputs), that modal's submission."""
+    data: dict[str, Any] = {"custom_id": f"lg:{verb}:{item_id}:{episode}", "component_type": 2}
+    if form is not None:
+        inputs = [{"type": 4, "custom_id": k, "value": v} for k, v in form[1].items()]
+        data = {"custom_id": form[0], "components": [{"type": 1, "components": inputs}]}
     interaction: dict[str, Any] = {
-        "type": 3,
+        "type": 3 if form is None else 5,
         "id": "900000000000000003",
         "application_id": "800000000000000001",
         "token": "itoken",
         "channel_id": channel,
         "member": {"user": {"id": user}, "flags": 0},
         "message": {"id": message},
-        "data": {"custom_id": f"lg:{verb}:{item_id}:{episode}", "component_type": 2},
+        "data": data,
     }
     raw = json.dumps(interaction).encode()
     async with aiohttp.ClientSession() as session:
@@ -204,6 +215,41 @@ async def confirmations(app: App, delivery_id: str) -> list[tuple[str | None, st
             )
         )
         return [(r.surface, r.identity) for r in rows]
+
+
+async def card_statuses(app: App, item_id: str, channel: str) -> dict[str, tuple[str, str | None]]:
+    """The status and message id of each card of ``item_id`` on ``channel``, by delivery."""
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        rows = await conn.execute(
+            sa.select(d.id, d.status, d.external_id).where(
+                d.work_item_id == item_id, d.kind == "card", d.channel == channel
+            )
+        )
+        return {r.id: (r.status, r.external_id) for r in rows}
+
+
+async def two_uncertain_cards(
+    app: App, org: Org, worker: dict[str, Any], channel: ScriptedChannel
+) -> tuple[str, str, Card, Card]:
+    """An item waiting with two cards on ``channel`` whose posts were both uncertain: the
+    original and a reminder of the same wait. Returns the item, the wait, both cards."""
+    channel.script = [Uncertain(f"{channel.name}: no answer")] * 2
+    item_id = await escalated(app, org, worker, "s1")
+    episode = await open_episode(app, item_id)
+    async with app.db.tx() as conn:
+        facts = (await review_facts(conn, [item_id]))[item_id]
+        assert await app.notifier.post(conn, episode, facts, "reminder") >= 1
+    await drain(app.relay)
+    original, reminder = [posted.card for posted in channel.calls]
+    assert original is not None and reminder is not None
+    assert original.card_id and reminder.card_id and original.card_id != reminder.card_id
+    uncertain = ("deliveryUnknown", None)
+    assert await card_statuses(app, item_id, channel.name) == {
+        original.card_id: uncertain,
+        reminder.card_id: uncertain,
+    }
+    return item_id, episode, original, reminder
 
 
 async def updates_of(app: App, delivery_id: str) -> int:
@@ -414,16 +460,10 @@ async def test_a_click_names_its_own_card_among_two_uncertain_ones_of_a_wait(
 ) -> None:
     app, server = uncertain_served
     org, worker = await setup(app)
-    scripted["slack"].script = [Uncertain("slack: no answer"), Uncertain("slack: no answer")]
-    item_id = await escalated(app, org, worker, "s1")
-    episode = await open_episode(app, item_id)
-    async with app.db.tx() as conn:
-        facts = (await review_facts(conn, [item_id]))[item_id]
-        assert await app.notifier.post(conn, episode, facts, "reminder") == 1
-    await drain(app.relay)
-    original, reminder = [posted.card for posted in scripted["slack"].calls]
-    assert original is not None and reminder is not None
-    assert original.card_id and reminder.card_id and original.card_id != reminder.card_id
+    item_id, episode, original, reminder = await two_uncertain_cards(
+        app, org, worker, scripted["slack"]
+    )
+    assert original.card_id and reminder.card_id
     # Each card carries its own delivery id in its actions: Slack's block_id (255
     # characters at most) and Teams' Action.Execute data.
     [actions] = [b for b in blocks(reminder) if b["type"] == "actions"]
@@ -432,17 +472,9 @@ async def test_a_click_names_its_own_card_among_two_uncertain_ones_of_a_wait(
     assert json.dumps(adaptive_card(reminder)).count(f'"card": "{reminder.card_id}"') == 3
 
     async def statuses() -> dict[str, tuple[str, str | None]]:
-        d = t.deliveries.c
-        async with app.db.read() as conn:
-            rows = await conn.execute(
-                sa.select(d.id, d.status, d.external_id).where(
-                    d.work_item_id == item_id, d.kind == "card"
-                )
-            )
-            return {r.id: (r.status, r.external_id) for r in rows}
+        return await card_statuses(app, item_id, "slack")
 
     uncertain = ("deliveryUnknown", None)
-    assert await statuses() == {original.card_id: uncertain, reminder.card_id: uncertain}
 
     # A card posted before cards named themselves: two fit, nothing is settled.
     old = approve_click(slack_api, item_id, "old")
@@ -462,3 +494,92 @@ async def test_a_click_names_its_own_card_among_two_uncertain_ones_of_a_wait(
         reminder.card_id: ("sent", "1700000000.000300"),
     }
     assert await confirmations(app, reminder.card_id) == [("slack", f"slack:{TEAM}:{USER}")]
+
+
+async def test_a_discord_click_names_its_own_card_among_two_uncertain_ones_of_a_wait(
+    uncertain_served: tuple[App, TestServer],
+    key: SigningKey,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    await link_more(app, org)
+    channel = "1000000000000000009"
+    await add_destination(app, org.id, "discord", channel)
+    item_id, episode, original, reminder = await two_uncertain_cards(
+        app, org, worker, scripted["discord"]
+    )
+    assert original.card_id and reminder.card_id
+    # Each button names its card (c=<its delivery>) in place of the wait: a custom_id
+    # holds 100 characters, too few for both.
+    buttons = [
+        c["custom_id"]
+        for row in discord_review.view(reminder).to_components()
+        for c in row["components"]
+        if "custom_id" in c
+    ]
+    mine = f"c={reminder.card_id}"
+    assert buttons == [f"lg:{verb}:{item_id}:{mine}" for verb in ("approve", "reject", "return")]
+
+    async def statuses() -> dict[str, tuple[str, str | None]]:
+        return await card_statuses(app, item_id, "discord")
+
+    uncertain = ("deliveryUnknown", None)
+    both = {original.card_id: uncertain, reminder.card_id: uncertain}
+
+    # A card posted before cards named themselves (the wait in its custom_id) works as
+    # before: its form opens, and it settles nothing (two cards fit).
+    old = await discord_click(
+        server, key, item_id, episode, "1100000000000000002", channel, verb="reject"
+    )
+    assert old["type"] == 9 and old["data"]["custom_id"] == f"lg:reject_modal:{item_id}:{episode}"
+    assert await statuses() == both
+
+    # A card of another item and organization names no wait of this item: refused as an
+    # out-of-date card is, and nothing is settled or decided.
+    other_org, other_worker = await setup(app, "other")
+    other_item = await escalated(app, other_org, other_worker, "o1")
+    [foreign] = [
+        c.card.card_id
+        for c in scripted["slack"].calls
+        if c.card is not None and c.card.item_id == other_item
+    ]
+    refused = await discord_click(
+        server, key, item_id, f"c={foreign}", "1100000000000000002", channel
+    )
+    assert refused["type"] == 4 and refused["data"]["content"] == STALE
+    assert await statuses() == both
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+
+    # The reminder's own Reject click settles the reminder alone; the form it opens
+    # carries the card through to its submission, which decides.
+    message = "1100000000000000003"
+    form = await discord_click(server, key, item_id, mine, message, channel, verb="reject")
+    assert form["type"] == 9, form
+    assert form["data"]["custom_id"] == f"lg:reject_modal:{item_id}:{mine}"
+    assert await statuses() == {original.card_id: uncertain, reminder.card_id: ("sent", message)}
+    assert await confirmations(app, reminder.card_id) == [("discord", f"discord:{DISCORD_USER}")]
+    decided = await discord_click(
+        server,
+        key,
+        item_id,
+        mine,
+        message,
+        channel,
+        form=(form["data"]["custom_id"], {"reason": "Off topic."}),
+    )
+    assert decided["type"] == 7 and "**Rejected** by member@acme.io" in decided["data"]["content"]
+    assert (await item_row(app, item_id))["status"] == "rejected"
+
+    # The original's own click, later, settles the original: answered on it with the
+    # outcome, and the update every other card got is queued for it.
+    late = await discord_click(
+        server, key, item_id, f"c={original.card_id}", "1100000000000000001", channel
+    )
+    assert late["type"] == 7 and "**Rejected**" in late["data"]["content"]
+    assert await statuses() == {
+        original.card_id: ("sent", "1100000000000000001"),
+        reminder.card_id: ("sent", message),
+    }
+    assert await confirmations(app, original.card_id) == [("discord", f"discord:{DISCORD_USER}")]
+    assert await updates_of(app, original.card_id) == 1

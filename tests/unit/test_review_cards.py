@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from bots import discord_review, slack_review, teams_review
+from leadgate.core.clock import RandomIds
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.database.schema import metadata
@@ -446,6 +448,118 @@ def test_a_teams_closed_click_with_no_outcome_to_show_never_brings_buttons_back(
     assert teams_review.click_answer(ChatAnswer("decided", "Approved.", shown)) == (
         teams_review.card_answer(shown)
     )
+
+
+class Recording:
+    """A chat backend that records what a Discord interaction asked of it."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def check(self, platform: str, who: str, item: str, episode: Any, **kw: Any) -> Any:
+        self.asked.append(("check", item, {"episode_id": episode, **kw}))
+        return ChatAnswer("open", "")
+
+    async def decide(
+        self, platform: str, who: str, item: str, verb: str, text: Any, **kw: Any
+    ) -> Any:
+        self.asked.append((verb, item, {"text": text, **kw}))
+        return ChatAnswer("closed", "This item is not waiting for a decision.")
+
+    async def recover(self, platform: str, who: str, delivery: str, verb: str, **kw: Any) -> Any:
+        self.asked.append((verb, delivery, kw))
+        return ChatAnswer("closed", "This review no longer exists.")
+
+
+def _custom_ids(card: Card) -> list[str]:
+    return [
+        c["custom_id"]
+        for row in discord_review.view(card).to_components()
+        for c in row["components"]
+        if "custom_id" in c
+    ]
+
+
+async def _interact(backend: Recording, custom_id: str, form: str | None = None) -> Any:
+    data: dict[str, Any] = {"custom_id": custom_id, "component_type": 2}
+    if form is not None:
+        field = "reason" if "reject" in custom_id else "feedback"
+        data = {
+            "custom_id": custom_id,
+            "components": [
+                {"type": 1, "components": [{"type": 4, "custom_id": field, "value": form}]}
+            ],
+        }
+    payload = {
+        "type": 3 if form is None else 5,
+        "channel_id": "10",
+        "member": {"user": {"id": "1"}},
+        "message": {"id": "55"},
+        "data": data,
+    }
+    return await discord_review.handle(payload, backend)  # type: ignore[arg-type]
+
+
+async def test_discord_custom_ids_name_their_card_round_trip_and_fit_discords_limit() -> None:
+    ids = RandomIds()  # the service's ids, at their real lengths
+    item, wait, gating, own = ids.new("wi"), ids.new("rep"), ids.new("dlv"), ids.new("dlv")
+    review = _card("s", item_id=item, episode_id=wait, card_id=own)
+    recovery = replace(review, reason="deliveryUnknown", delivery_id=gating)
+    mine = f"c={own}"
+    assert _custom_ids(review) == [f"lg:{v}:{item}:{mine}" for v in ("approve", "reject", "return")]
+    assert _custom_ids(recovery) == [f"lg:{v}:{gating}:{mine}" for v in ("confirm", "retry")]
+    # A card written before cards named themselves carries its wait, as it did.
+    older = replace(review, card_id=None)
+    assert _custom_ids(older) == [f"lg:{v}:{item}:{wait}" for v in ("approve", "reject", "return")]
+
+    backend = Recording()
+    where = {"message_id": "55", "conversation": "10"}
+    modals = []
+    for custom_id in _custom_ids(review) + _custom_ids(recovery):
+        answer = await _interact(backend, custom_id)
+        if answer["type"] == 9:
+            modals.append(answer["data"]["custom_id"])
+    # Every click names its card, never a wait: the server reads the wait from the card.
+    assert backend.asked == [
+        ("approve", item, {"text": None, "episode_id": None, "card_id": own, **where}),
+        ("check", item, {"episode_id": None, "card_id": own, **where}),
+        ("check", item, {"episode_id": None, "card_id": own, **where}),
+        ("confirm", gating, {"episode_id": None, "card_id": own, **where}),
+        ("retry", gating, {"episode_id": None, "card_id": own, **where}),
+    ]
+    # The Reject / Return form carries the card through to its submission.
+    assert modals == [f"lg:{v}_modal:{item}:{mine}" for v in ("reject", "return")]
+    backend.asked.clear()
+    for modal in modals:
+        await _interact(backend, modal, form="Because.")
+    assert backend.asked == [
+        (verb, item, {"text": "Because.", "episode_id": None, "card_id": own, **where})
+        for verb in ("reject", "return")
+    ]
+
+    # An older card's clicks and form name its wait, as before.
+    backend.asked.clear()
+    older_ids = _custom_ids(older)
+    assert (await _interact(backend, older_ids[1]))["data"]["custom_id"] == (
+        f"lg:reject_modal:{item}:{wait}"
+    )
+    await _interact(backend, older_ids[0])
+    assert backend.asked == [
+        ("check", item, {"episode_id": wait, "card_id": None, **where}),
+        ("approve", item, {"text": None, "episode_id": wait, "card_id": None, **where}),
+    ]
+    # The mark alone names nothing: refused, nothing asked.
+    backend.asked.clear()
+    bare = await _interact(backend, f"lg:approve:{item}:c=")
+    assert bare["type"] == 4 and "not supported" in bare["data"]["content"]
+    assert backend.asked == []
+
+    # Every custom_id fits Discord's 100 characters with room to spare (the longest is a
+    # form's); the wait and the card both would not fit a form's.
+    every = _custom_ids(review) + _custom_ids(recovery) + _custom_ids(older) + modals
+    assert max(len(x) for x in every) == len(modals[0]) == 78
+    assert max(len(x) for x in every) <= discord_review.CUSTOM_ID_MAX - 20
+    assert len(f"lg:reject_modal:{item}:{wait}:{own}") == 107
 
 
 async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organization(
