@@ -692,7 +692,11 @@ _SDK_JSONRPC_RULES: Final = {
 }
 
 
-def _sdk_jsonrpc_rule(status: int, text: str) -> str:
+def _sdk_jsonrpc_rule(status: int, text: str, code: object = None) -> str:
+    if code == mt.METHOD_NOT_FOUND:
+        # The 2026-07-28 transport answers it with 404, which is otherwise a session the
+        # server does not know: it named ``mcp.session`` for a method the server lacks.
+        return "mcp.method"
     if status == 400 and text.startswith("Validation error"):
         return "mcp.message"  # valid JSON, but no JSON-RPC message
     if status == 400 and "session ID" in text:
@@ -729,7 +733,7 @@ def _ruled(start: Message, body: bytes | bytearray, *, opening: bool) -> web.Res
         message = None
     error = message.get("error") if isinstance(message, dict) else None
     if isinstance(error, dict) and not _names_rule(error.get("data")):
-        rule = _sdk_jsonrpc_rule(status, str(error.get("message", "")))
+        rule = _sdk_jsonrpc_rule(status, str(error.get("message", "")), error.get("code"))
         if rule == "mcp.message":
             # The SDK's text is pydantic's dump: its version, the SDK's class names and
             # the values sent, echoed back (a secret in a misplaced field included).

@@ -390,7 +390,8 @@ async def test_sessions_past_the_limit_are_503_with_retry_after() -> None:
 
 async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
     """The SDK answers some refusals itself, in JSON-RPC (an unknown session id, a
-    request without one, an Accept it cannot answer, the session limit): they named no
+    request without one, an Accept it cannot answer, the session limit, a method it
+    lacks): they named no
     rule, unlike every other refusal of the service. Now ``error.data`` names it, as the
     service's own JSON-RPC refusals do, and the rest of the answer is the SDK's."""
     accept = {"Authorization": "Bearer key-a", "Accept": "application/json, text/event-stream"}
@@ -407,6 +408,26 @@ async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
                 served.url, json=mcp_initialize(), headers={**accept, "Accept": "text/html"}
             ),
         }
+        # 2026-07-28: a method the server lacks is a 404, as an unknown session is.
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }
+        answers["mcp.method"] = await http.post(
+            served.url,
+            json={
+                "jsonrpc": "2.0",
+                "id": 3,
+                "method": "prompts/get",
+                "params": {"name": "x", "_meta": meta},
+            },
+            headers={
+                **accept,
+                "Mcp-Protocol-Version": "2026-07-28",
+                "Mcp-Method": "prompts/get",
+                "Mcp-Name": "x",
+            },
+        )
         opened = await http.post(served.url, json=mcp_initialize(), headers=accept)
         assert opened.status_code == 200
         answers["mcp.sessions"] = await http.post(served.url, json=mcp_initialize(), headers=accept)
@@ -419,6 +440,8 @@ async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
         # A refused opening request names no session: the SDK discarded the one it made.
         assert "mcp-session-id" not in answer.headers, rule
     assert answers["mcp.session"].status_code == 404
+    # It named mcp.session: the 404 was taken for an unknown session.
+    assert answers["mcp.method"].json()["error"]["code"] == -32601
     assert answers["mcp.sessions"].status_code == 503
     assert int(answers["mcp.sessions"].headers["Retry-After"]) >= 1
 
