@@ -344,14 +344,15 @@ async def settled_card(conn: Conn, outbox: Outbox, card: Delivery) -> int:
     episode was already closed by a decision, queue the update every other card of that
     episode got then (the decision found no id to edit on this one). Returns the number
     of updates queued (0 or 1)."""
-    if card.kind != CARD or not card.external_id or card.channel == "email":
+    if (
+        card.kind != CARD
+        or not card.external_id
+        or card.channel == "email"
+        or card.work_item_id is None
+    ):
         return 0
-    closed_at = await conn.scalar(
-        sa.select(E.closed_at)
-        .select_from(t.review_cards.join(t.review_episodes, E.id == RC.episode_id))
-        .where(RC.delivery_id == card.id)
-    )
-    if closed_at is None or card.work_item_id is None:
+    closed_at = await conn.scalar(_CARD_CLOSED_AT, {"p_item": card.work_item_id, "p_card": card.id})
+    if closed_at is None:
         return 0  # still waiting: the decision, when it comes, edits it
     outcome = await last_outcome(conn, card.work_item_id, until_ms=int(closed_at))
     if outcome is None:
@@ -516,6 +517,19 @@ _CARD_EPISODE = (
         RC.delivery_id == sa.bindparam("p_card"),
     )
     .limit(1)
+)
+
+
+#: When a card's wait was closed, by the same indexed path (by delivery id alone, each
+#: settling click scanned every card ever posted).
+_CARD_CLOSED_AT = (
+    sa.select(E.closed_at)
+    .select_from(t.review_episodes.join(t.review_cards, RC.episode_id == E.id))
+    .where(
+        E.work_item_id == _ITEM,
+        RC.work_item_id == _ITEM,
+        RC.delivery_id == sa.bindparam("p_card"),
+    )
 )
 
 

@@ -22,7 +22,7 @@ from leadgate.domain.rows import Delivery
 from leadgate.operations.chat_reviews import ChatAnswer
 from leadgate.review import decisions, queue
 from leadgate.review import destinations as dest
-from leadgate.review.cards import _CARD_EPISODE, card_episode, plain_text
+from leadgate.review.cards import _CARD_CLOSED_AT, _CARD_EPISODE, card_episode, plain_text
 from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
@@ -581,13 +581,17 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
         assert await card_episode(conn, "dlv_none", item_id, org) is None
 
     # One read by indexes: the item's episodes, then their cards; no table is scanned.
+    # So is the read of when a settled card's wait closed (it scanned every card).
     engine = sa.create_engine("sqlite://")
     metadata.create_all(engine)
-    bound = _CARD_EPISODE.params(p_item="wi_1", p_org="org_1", p_card="dlv_1")
-    sql = str(bound.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
-    with engine.connect() as raw:
-        plan = [str(r[3]) for r in raw.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
-    assert plan == [
-        "SEARCH review_episodes USING INDEX ix_review_episodes_work_item_id (work_item_id=?)",
-        "SEARCH review_cards USING INDEX ix_review_cards_episode_id (episode_id=?)",
-    ], plan
+    for bound in (
+        _CARD_EPISODE.params(p_item="wi_1", p_org="org_1", p_card="dlv_1"),
+        _CARD_CLOSED_AT.params(p_item="wi_1", p_card="dlv_1"),
+    ):
+        sql = str(bound.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
+        with engine.connect() as raw:
+            plan = [str(r[3]) for r in raw.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+        assert plan == [
+            "SEARCH review_episodes USING INDEX ix_review_episodes_work_item_id (work_item_id=?)",
+            "SEARCH review_cards USING INDEX ix_review_cards_episode_id (episode_id=?)",
+        ], plan
