@@ -8,12 +8,10 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 import sqlalchemy as sa
-from mcp import ClientSession
-from mcp.client.subscriptions import listen
 
 from binding import routes
 from leadgate.core.auth import Principal, Scope
@@ -24,6 +22,9 @@ from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from outbox.store import for_item
+
+if TYPE_CHECKING:
+    from mcp import ClientSession
 
 #: ``resources/subscribe`` is what 2025-era MCP clients send, and MCP tests send it
 #: on purpose (the 2026-07-28 protocol replaced it with ``subscriptions/listen``, tested
@@ -221,6 +222,11 @@ def mcp_initialize(protocol: str = "2025-06-18") -> dict[str, Any]:
 async def listened(session: ClientSession, uri: str) -> str:
     """``subscriptions/listen`` (the 2026-07-28 protocol) to ``uri``: whether it listens
     (the stream is closed at once; a refusal is raised as the client's ``MCPError``)."""
+    # Imported here: the benches import this module in process, and the MCP client's
+    # modules at import cost a counted plain turn 0.8% more instructions (more objects
+    # for the garbage collector to walk: bench.instructions, session 41).
+    from mcp.client.subscriptions import listen
+
     async with listen(session, resource_subscriptions=[uri]):
         return "listening"
 
