@@ -26,21 +26,12 @@ from typing import Any
 
 import pytest
 
+from tests.acceptance.pending_bodies import GATED_BODY
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "node"
 SCRIPT_TIMEOUT = 30.0
 TOOL = "send_action_agent_message"
-PENDING = "This turn is pending Lead review. Retry after the review completes."
-GATED_ERROR = {
-    "message": PENDING,
-    "type": "lead_review_pending",
-    "param": None,
-    "code": "LEAD_REVIEW_PENDING",
-    "rule": "turn.gated",
-    "workItemId": None,
-    "revision": None,
-}
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +136,7 @@ def test_openai_node_gated_409_is_not_retried_and_the_answer_is_revealed(
     assert error["status"] == 409
     assert error["code"] == "LEAD_REVIEW_PENDING"
     assert error["type"] == "lead_review_pending"
-    assert error["body"] == GATED_ERROR
+    assert error["body"] == GATED_BODY["error"]
     assert error["shouldRetry"] == "false"
     # One request, by the client's own count and by the server's: a retry is a second
     # turn, busy, or gated again once the lead approved the first (without the header the

@@ -24,31 +24,9 @@ import aiohttp
 import openai
 import pytest
 
+from tests.acceptance.pending_bodies import BUSY_BODY, GATED_BODY
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
-PENDING = "This turn is pending Lead review. Retry after the review completes."
-# The seed's 409s, plus the `param` every OpenAI error envelope carries (null) and the
-# `rule` every error of the service names.
-GATED_BODY = {
-    "error": {
-        "message": PENDING,
-        "type": "lead_review_pending",
-        "param": None,
-        "code": "LEAD_REVIEW_PENDING",
-        "rule": "turn.gated",
-        "workItemId": None,
-        "revision": None,
-    }
-}
-BUSY_BODY = {
-    "error": {
-        "message": PENDING,
-        "type": "lead_review_pending",
-        "param": None,
-        "code": "LEAD_REVIEW_PENDING",
-        "rule": "turn.busy",
-    }
-}
 LEAD_FIELDS = ("leadAgentId", "leadReviewConfig")
 TIMEOUT = 30.0
 

@@ -17,10 +17,10 @@ import aiohttp
 import openai
 import pytest
 
+from tests.acceptance.pending_bodies import PENDING
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
 TIMEOUT = 20.0
-PENDING = "This turn is pending Lead review. Retry after the review completes."
 
 
 @pytest.fixture(scope="module")
