@@ -118,14 +118,9 @@ class ChatReviews:
         clicked card posted (``message_id`` in ``conversation``, see
         :meth:`_settle_clicked`)."""
         try:
-            odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
-            if odd is not None:
-                return odd
-            await self._settle_clicked(
+            answer, _ = await self._opened(
                 platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
-            async with self.db.read() as conn:
-                answer, _ = await self._gate(conn, platform, identity, item_id, episode_id, card_id)
             return answer
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded(platform, exc)
@@ -149,16 +144,9 @@ class ChatReviews:
         ``episode_id`` and ``card_id``: the wait and the delivery the card names, see
         :meth:`_stale`)."""
         try:
-            odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
-            if odd is not None:
-                return odd
-            await self._settle_clicked(
+            answer, reviewer = await self._opened(
                 platform, identity, item_id, episode_id, message_id, conversation, card_id
             )
-            async with self.db.read() as conn:
-                answer, reviewer = await self._gate(
-                    conn, platform, identity, item_id, episode_id, card_id
-                )
             if answer.kind != "open" or reviewer is None:
                 return answer
             return await self._commit(
@@ -315,6 +303,28 @@ class ChatReviews:
             # Someone else decided first (or the item went away): say who and what.
             return await self._closed(item_id, platform, message_id)
         return await self._after(item_id, platform, message_id, "decided")
+
+    async def _opened(
+        self,
+        platform: str,
+        identity: str,
+        item_id: str,
+        episode_id: str | None,
+        message_id: str | None,
+        conversation: str | None,
+        card_id: str | None,
+    ) -> tuple[ChatAnswer, Reviewer | None]:
+        """What :meth:`check` and :meth:`decide` do before any decision: refuse what
+        cannot be read, settle the clicked card if its post was uncertain, then
+        :meth:`_gate` (``kind`` ``open`` with the reviewer when the click may decide)."""
+        odd = _unreadable(identity, item_id, episode_id, message_id, conversation, card_id)
+        if odd is not None:
+            return odd, None
+        await self._settle_clicked(
+            platform, identity, item_id, episode_id, message_id, conversation, card_id
+        )
+        async with self.db.read() as conn:
+            return await self._gate(conn, platform, identity, item_id, episode_id, card_id)
 
     async def _gate(
         self,
