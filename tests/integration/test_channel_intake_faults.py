@@ -38,11 +38,6 @@ SAID = "could not be taken in"
 
 
 @pytest.fixture
-def key() -> SigningKey:
-    return SigningKey.generate()
-
-
-@pytest.fixture
 async def standin() -> AsyncIterator[DiscordApiStandin]:
     async with DiscordApiStandin(token="bot-token") as dc:
         yield dc

@@ -41,17 +41,6 @@ TEAMS_AAD = "00000000-0000-0000-0000-00000000a11e"
 SAID = "may not have been recorded"
 
 
-@pytest.fixture
-def key() -> SigningKey:
-    return SigningKey.generate()
-
-
-@pytest.fixture
-async def slack_api() -> AsyncIterator[SlackApiStandin]:
-    async with SlackApiStandin(token="xoxb-x") as standin:
-        yield standin
-
-
 @asynccontextmanager
 async def serving(
     migrated_url: str,

@@ -47,17 +47,6 @@ from tests.standins.slack_api import SlackApiStandin
 
 
 @pytest.fixture
-def key() -> SigningKey:
-    return SigningKey.generate()
-
-
-@pytest.fixture
-async def slack_api() -> AsyncIterator[SlackApiStandin]:
-    async with SlackApiStandin(token="xoxb-x") as standin:
-        yield standin
-
-
-@pytest.fixture
 async def served(
     migrated_url: str, key: SigningKey, slack_api: SlackApiStandin
 ) -> AsyncIterator[tuple[App, TestServer]]:
