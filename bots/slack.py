@@ -25,10 +25,12 @@ so anything that may have reached Slack without an answer is :class:`Uncertain`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +52,7 @@ from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, tell_not_
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.decoding import decode_text, json_object, read_body
-from leadgate.core.errors import LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
@@ -88,6 +90,11 @@ _LAST_TRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "leadgate_slack_last_try", default=False
 )
 LAST_RETRY_NUM = "3"
+# How many recent "could not be taken in" replies a process remembers, so that the
+# ``app_mention`` + ``message`` pair of one post (two events, each with its own last try,
+# both about five minutes after the post) is answered once. Bounded: the pair's last tries
+# arrive within moments of each other, and a key is only ever told once anyway.
+TOLD_KEEP = 1024
 
 # Message subtypes a person produces. Everything else (bot_message, message_changed,
 # message_deleted, channel_join, ...) is either a bot or a change notice, never a new ask.
@@ -387,6 +394,7 @@ class SlackAdapter:
         self.channel: SlackChannel = channel or SlackChannel(settings.slack)
         self._core = core
         self._verifier = SignatureVerifier(settings.slack.signing_secret)
+        self._told: OrderedDict[str, asyncio.Future[bool]] = OrderedDict()
         bot_token = settings.slack.bot_token
 
         async def authorize(enterprise_id: str | None, team_id: str | None) -> AuthorizeResult:
@@ -460,9 +468,26 @@ class SlackAdapter:
             if not _LAST_TRY.get():
                 raise
             log.warning("slack: could not record a message on Slack's last try (%s)", exc.rule)
-            key = f"intake-fault:{inbound.external_event_id}"
-            if not await tell_not_taken_in(self.channel, inbound, exc, key=key):
+            if not await self._tell_once(inbound, exc):
                 raise
+
+    async def _tell_once(self, inbound: Inbound, exc: Unavailable | DatabaseDamaged) -> bool:
+        """:func:`bots.base.tell_not_taken_in`, once per message in this process: the
+        ``app_mention`` and ``message`` events of one post share its external event id,
+        and ``chat.postMessage`` has no idempotency key to make a second reply the same
+        post. A second event awaits the first one's reply and answers as it did."""
+        key = f"intake-fault:{inbound.external_event_id}"
+        telling = self._told.get(key)
+        if telling is None:
+            telling = asyncio.ensure_future(tell_not_taken_in(self.channel, inbound, exc, key=key))
+            self._told[key] = telling
+            while len(self._told) > TOLD_KEEP:
+                self._told.popitem(last=False)
+        posted = await asyncio.shield(telling)
+        if not posted and self._told.get(key) is telling:
+            # Not posted: a later event of the same post may try again.
+            del self._told[key]
+        return posted
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """``POST /slack/events``: verify, decode, then Bolt answers and dispatches."""

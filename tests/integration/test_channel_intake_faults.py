@@ -11,6 +11,7 @@ log as a traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -202,14 +203,16 @@ async def slack_served(migrated_url: str) -> AsyncIterator[tuple[App, TestServer
             yield service, server, slack
 
 
-async def slack_message(server: TestServer, *, retry_num: int | None) -> int:
+async def slack_message(
+    server: TestServer, *, retry_num: int | None, kind: str = "message", event_id: str = "Ev01"
+) -> int:
     body = json.dumps(
         {
             "type": "event_callback",
             "team_id": "T0STANDIN",
-            "event_id": "Ev0000000001",
+            "event_id": event_id,
             "event": {
-                "type": "message",
+                "type": kind,
                 "channel": "C0ASK",
                 "user": "U0HUMAN",
                 "text": "SECRET-SLACK-TEXT",
@@ -257,3 +260,26 @@ async def test_slack_s_last_try_that_the_database_cannot_take_gets_a_reply_sayin
     assert reply["channel"] == "C0ASK" and reply["thread_ts"] == "1700000000.000100"
     assert SAID in reply["text"] and "(service.unavailable)" in reply["text"]
     no_tracebacks(caplog, "SECRET-SLACK-TEXT")
+
+
+@pytest.mark.parametrize("together", [True, False])
+async def test_the_mention_and_message_of_one_post_on_their_last_tries_get_one_reply(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+    monkeypatch: pytest.MonkeyPatch,
+    together: bool,
+) -> None:
+    app, server, slack = slack_served
+    monkeypatch.setattr(app.db, "read", DownFor(app.db.read, 4, after_commit=False))
+    monkeypatch.setattr(app.db, "tx", DownFor(app.db.tx, 4, after_commit=False))
+    # A post that mentions the bot arrives as two events (``app_mention`` and
+    # ``message``), each with its own retries; their last tries come within moments of
+    # each other. chat.postMessage has no idempotency key: one reply, said once.
+    mention = slack_message(server, retry_num=3, kind="app_mention", event_id="Ev01")
+    message = slack_message(server, retry_num=3, kind="message", event_id="Ev02")
+    if together:
+        assert await asyncio.gather(mention, message) == [200, 200]
+    else:
+        assert await mention == 200
+        assert await message == 200
+    [reply] = slack.posts
+    assert SAID in reply["text"]
