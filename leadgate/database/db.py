@@ -587,10 +587,11 @@ class Database:
             return MigrationContext.configure(sync_conn).get_current_revision()
 
         try:
-            async with self.engine.connect() as conn:
-                # A read: on SQLite it must not wait for (or hold) the write lock.
-                conn = await conn.execution_options(leadgate_readonly=True)
-                rev = await conn.run_sync(current)
+            if self._inline is not None:
+                rev = await asyncio.to_thread(self._sqlite_revision, current)
+            else:
+                async with self.engine.connect() as conn:
+                    rev = await conn.run_sync(current)
         except sa.exc.DBAPIError as exc:
             not_sqlite = _not_a_database(exc, self._inline.path if self._inline else None)
             if not_sqlite is not None:
@@ -604,6 +605,23 @@ class Database:
                 "run `leadgate db upgrade --config <your config>` first",
                 rule="db.not_migrated",
             )
+
+    def _sqlite_revision(self, current: Callable[[sa.Connection], str | None]) -> str | None:
+        """``current`` on a plain connection to the SQLite file: a read that changes
+        nothing in it. The engine's connections put the file into WAL mode (a write to
+        its header), so a refused start left an old or never-migrated file changed."""
+        assert self._inline is not None
+        path, timeout = self._inline.path, self.busy_timeout_s
+        engine = sa.create_engine(
+            "sqlite://",
+            creator=lambda: sqlite3.connect(path, timeout=timeout, check_same_thread=False),
+            poolclass=sa.pool.NullPool,
+        )
+        try:
+            with engine.connect() as conn:
+                return current(conn)
+        finally:
+            engine.dispose()
 
     async def close(self) -> None:
         """Close the drivers' connections and dispose of the engine."""

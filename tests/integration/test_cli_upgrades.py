@@ -76,6 +76,16 @@ def at(url: str, revision: str) -> None:
     )
 
 
+def sqlite_file(url: str) -> bytes | None:
+    """The SQLite file's bytes, with its write-ahead log's (None on PostgreSQL): a refusal
+    must leave them as they were (the schema check once put the file into WAL mode)."""
+    path = sa.make_url(url).database
+    if not url.startswith("sqlite") or path is None:
+        return None
+    wal = Path(f"{path}-wal")
+    return Path(path).read_bytes() + (wal.read_bytes() if wal.exists() else b"")
+
+
 def refusals(config: Path, commands: dict[str, list[str]]) -> dict[str, Run]:
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(run, config, *args) for name, args in commands.items()}
@@ -84,11 +94,12 @@ def refusals(config: Path, commands: dict[str, list[str]]) -> dict[str, Run]:
 
 def test_a_database_behind_head_is_refused_naming_db_upgrade(db_url: str, tmp_path: Path) -> None:
     at(db_url, "0016")
-    before = contents(db_url)
+    before, file_before = contents(db_url), sqlite_file(db_url)
     for name, result in refusals(url_config(tmp_path / "c.toml", db_url), COMMANDS).items():
         result.rule_error("db.not_migrated")
         assert f"schema revision 0016, this version needs {HEAD}" in result.err, name
         assert "run `leadgate db upgrade --config <your config>` first" in result.err, name
+    assert sqlite_file(db_url) == file_before
     assert contents(db_url) == before
 
 
@@ -118,10 +129,12 @@ def test_a_database_never_migrated_is_refused_and_left_empty(db_url: str, tmp_pa
     if db_url.startswith("sqlite"):
         # An existing, empty SQLite file (a missing one is refused by name elsewhere).
         run_sql(db_url, lambda conn: conn.execute(sa.text("SELECT 1")))
+    file_before = sqlite_file(db_url)
     for name, result in refusals(url_config(tmp_path / "c.toml", db_url), COMMANDS).items():
         result.rule_error("db.not_migrated")
         assert "schema revision none" in result.err, name
         assert "run `leadgate db upgrade" in result.err, name
+    assert sqlite_file(db_url) == file_before
     assert contents(db_url) == []
 
 
