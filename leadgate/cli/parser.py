@@ -37,6 +37,30 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} [cli.usage]\n")
 
 
+class _Version(argparse.Action):
+    """``--version``: the installed release and the schema revision it needs, so an
+    operator can tell before ``db upgrade`` which schema a release brings (read when
+    asked: Alembic's script directory is not loaded for every command)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from alembic.script import ScriptDirectory
+
+        from leadgate.database.db import alembic_config
+
+        try:
+            release = version("leadgate")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            release = "unknown"
+        head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+        print(f"leadgate {release} (schema {head})")  # stdout, as argparse's own version
+        parser.exit(0)
+
+
 def _with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # --config and --format are accepted before and after the subcommand.
     p.add_argument("--config", default=argparse.SUPPRESS, help=CONFIG_HELP)
@@ -303,6 +327,7 @@ def build_parser(epilog: str = "") -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = Parser(
         prog="leadgate", description=DESCRIPTION, epilog=epilog, formatter_class=_FORMATTER
     )
+    parser.add_argument("--version", action=_Version)
     parser.add_argument("--config", default=None, help=CONFIG_HELP)
     parser.add_argument("--format", default="json", choices=["json", "table"], help=FORMAT_HELP)
     sub = parser.add_subparsers(dest="command", required=True)

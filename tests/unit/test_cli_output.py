@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from leadgate.cli.output import render
 
 # Hide text, set the window title, erase the line and return; a CSI as a C1 control; a
@@ -85,3 +87,20 @@ def test_review_show_says_where_each_delivery_goes_and_when() -> None:
     assert rows[0].split()[:2] == ["ID", "TO"], rows[0]
     assert "Slack channel C1" in rows[1] and "2026-01-02T03:04:05Z" in rows[1]
     assert "deliveryUnknown" in rows[1] and "read timeout" in rows[1]
+
+
+def test_version_names_the_release_and_the_schema_it_needs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    from alembic.script import ScriptDirectory
+
+    from leadgate.cli.parser import build_parser
+    from leadgate.database.db import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])  # no subcommand needed
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"leadgate {version('leadgate')} (schema {head})\n"
