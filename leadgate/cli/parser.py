@@ -23,6 +23,9 @@ CURSOR_HELP = (
     "filters as that page"
 )
 
+#: The rule of a usage error (bad arguments; exit code 2).
+USAGE_RULE = "cli.usage"
+
 # argparse has no public name for the object add_subparsers() returns.
 Sub = argparse._SubParsersAction
 
@@ -34,7 +37,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message} [cli.usage]\n")
+        self.exit(2, f"{self.prog}: error: {message} [{USAGE_RULE}]\n")
 
 
 class _Version(argparse.Action):
