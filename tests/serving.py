@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from nacl.signing import SigningKey
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
@@ -26,6 +27,20 @@ class ServedLikeProduction(TestServer):
     async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
         kwargs["handler_cancellation"] = False
         return await super()._make_runner(**kwargs)
+
+
+def webhook_channels(key: SigningKey) -> dict[str, Any]:
+    """Config sections that mount the Slack, Discord (verified with ``key``) and Teams
+    webhooks (nothing is sent: their APIs are never called by requests to them)."""
+    return {
+        "slack": {
+            "signing_secret": "s3cret",
+            "bot_token": "xoxb-1",
+            "api_url": "http://127.0.0.1:9/",
+        },
+        "discord": {"public_key": key.verify_key.encode().hex()},
+        "teams": {"enabled": True, "app_id": "app-id", "app_password": "app-password"},
+    }
 
 
 @asynccontextmanager

@@ -57,7 +57,7 @@ from tests.helpers import (
     session_item,
     slack_trigger,
 )
-from tests.serving import Client, served_app
+from tests.serving import Client, served_app, webhook_channels
 
 PASSWORD = "correct horse battery"
 CONSOLE = {"X-Leadgate-Console": "1"}
@@ -503,20 +503,6 @@ async def console_cookie(service: App, client: Client, org: Org, email: str) -> 
     return cookie
 
 
-def config(key: SigningKey) -> dict[str, Any]:
-    """The channels whose webhooks are mounted (nothing is sent: their APIs are never
-    called by these requests)."""
-    return {
-        "slack": {
-            "signing_secret": "s3cret",
-            "bot_token": "xoxb-1",
-            "api_url": "http://127.0.0.1:9/",
-        },
-        "discord": {"public_key": key.verify_key.encode().hex()},
-        "teams": {"enabled": True, "app_id": "app-id", "app_password": "app-password"},
-    }
-
-
 @dataclass
 class Scene:
     """The served app with organization A's objects and organization B's callers."""
@@ -749,7 +735,7 @@ def named(answers: list[tuple[str, str]], names: Names) -> list[str]:
 async def test_every_route_and_mcp_capability_is_confined(migrated_url: str) -> None:
     key = SigningKey.generate()
     async with served_app(
-        migrated_url, config=config(key), adapters=True, like_production=True
+        migrated_url, config=webhook_channels(key), adapters=True, like_production=True
     ) as (service, client):
         s = await scene(service, client)
         served = await probe_routes(s)
