@@ -26,7 +26,8 @@ from typing import Any
 import httpx2
 import mcp_types as mt
 import sqlalchemy as sa
-from aiohttp import ClientResponse
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestServer
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -279,12 +280,19 @@ FILLS: Mapping[str, Callable[[Names, str], list[Call]]] = {
 WORDS = re.compile(r"\(\?P<(\w+)>(\w+(?:\|\w+)+)\)")
 
 
+def web_app(client: Client) -> web.Application:
+    """The application ``client`` is served (aiohttp types the server as the base
+    class, which has no ``app``)."""
+    assert isinstance(client.server, TestServer)
+    return client.server.app
+
+
 def served_routes(client: Client) -> list[tuple[str, str]]:
     """Every ``(METHOD canonical path, path)`` the app serves, public ones included (HEAD
     aside: aiohttp adds it to GET), a parameter of a few fixed words expanded into one
     path per word."""
     found: list[tuple[str, str]] = []
-    for route in client.server.app.router.routes():
+    for route in web_app(client).router.routes():
         if route.method == "HEAD" or route.resource is None:
             continue
         canonical = route.resource.canonical

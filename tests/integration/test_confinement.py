@@ -49,6 +49,7 @@ from tests.integration.routes_kit import (
     mcp_clients,
     routes,
     scene,
+    web_app,
 )
 from tests.serving import served_app, webhook_channels
 
@@ -108,9 +109,7 @@ async def probe_routes(s: Scene) -> list[tuple[str, str]]:
         "(or, if it is public by design, to PUBLIC with the reason)"
     )
     every = {
-        f"{r.method} {r.resource.canonical}"
-        for r in client.server.app.router.routes()
-        if r.resource
+        f"{r.method} {r.resource.canonical}" for r in web_app(client).router.routes() if r.resource
     }
     stale = sorted((set(FILLS) | set(PUBLIC) | set(WEBHOOKS)) - every)
     assert not stale, f"routes named here that are not served: {stale}"
