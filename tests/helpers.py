@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import re
-from collections.abc import Awaitable, Callable
+import sqlite3
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -238,3 +240,17 @@ def ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     unfinished ("Task exception was never retrieved", ERROR, with its traceback) in
     whichever test runs then."""
     return [r for r in caplog.records if r.name.startswith(("leadgate", "bots."))]
+
+
+@contextlib.contextmanager
+def held_sqlite_lock(path: str) -> Iterator[None]:
+    """SQLite's write lock on the file at ``path``, held by another connection (as
+    another process would) until the block ends: the service's writes wait out
+    ``[database] busy_timeout_s`` and fail; in WAL mode its reads go on."""
+    other = sqlite3.connect(path, isolation_level=None, timeout=10)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

@@ -32,10 +32,12 @@ class SilenceableProxy:
         self._next = 0
         self._writers: list[asyncio.StreamWriter] = []
 
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port: int = self.server.sockets[0].getsockname()[1]
-        return port
+    async def start(self, port: int = 0) -> int:
+        """Listen on ``port`` (any free one for 0; the same one again after
+        :meth:`stop`: the target reachable again); the port."""
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        bound: int = self.server.sockets[0].getsockname()[1]
+        return bound
 
     def go_silent(self) -> None:
         self.silenced |= self.open

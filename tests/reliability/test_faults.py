@@ -16,19 +16,18 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.acceptance.channel_kit import Standin, http
+from tests.helpers import held_sqlite_lock
 from tests.pg import PG_BIN, PostgresServer, _run_pg
 from tests.reliability.conftest import (
     C_WORK,
@@ -205,17 +204,6 @@ def test_relay_connections_killed_with_pg_terminate_backend(
         assert report["accepted"] == len(rig.sent)
 
 
-@contextlib.contextmanager
-def held_sqlite_lock(db: Path) -> Iterator[None]:
-    other = sqlite3.connect(db, isolation_level=None, timeout=10)
-    try:
-        other.execute("BEGIN IMMEDIATE")
-        yield
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
-
-
 def test_sqlite_lock_held_past_the_bound(rel_template: Any, tmp_path: Path) -> None:
     proc = ServiceProcess(tmp_path / "svc", config={"database": {"busy_timeout_s": 1.0}})
     assert proc.sqlite_file is not None
@@ -225,7 +213,7 @@ def test_sqlite_lock_held_past_the_bound(rel_template: Any, tmp_path: Path) -> N
         assert chat(proc, "plain", "warm up")[0] == 200
         before = message_counts(proc.sqlite_file)
         answers = []
-        with held_sqlite_lock(proc.sqlite_file):
+        with held_sqlite_lock(str(proc.sqlite_file)):
             started = time.monotonic()
             for i in range(3):
                 assert proc.demo is not None
@@ -267,7 +255,7 @@ def test_a_503_carries_retry_after(rel_template: Any, tmp_path: Path) -> None:
     import urllib.error
     import urllib.request
 
-    with proc.start(), held_sqlite_lock(proc.sqlite_file):
+    with proc.start(), held_sqlite_lock(str(proc.sqlite_file)):
         assert proc.demo is not None
         request = urllib.request.Request(
             f"{proc.url}/v1/chat/completions",
