@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import OPERATORS
 from sqlalchemy.sql.elements import BindParameter
 
+from leadgate.database.faults import unavailable
 from leadgate.database.plans import Plan, PlanCache, Result
 
 #: asyncpg's per-connection prepared-statement cache (the service runs ~150 distinct
@@ -410,6 +412,30 @@ def _rowcount(status: str) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
+class PoolFloorFaults(logging.Filter):
+    """asyncpg's pool keeps a floor of one connection (``min_size``): once the server
+    dropped them all, a background task of asyncpg's reconnects, and logs each failed
+    attempt as a WARNING with the driver's traceback (``Failed to restore the pool
+    connection floor; retrying``; at 1, 2, 4 ... 60 s). A database fault among them
+    (:func:`leadgate.database.faults.unavailable`: the server down or restarting) is
+    one line naming the rule and what the database said, as every other path says it;
+    anything else keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """``record``, its traceback replaced by one line when it is a database fault."""
+        exc = record.exc_info[1] if record.exc_info else None
+        fault = unavailable(exc) if exc is not None else None
+        if fault is not None:
+            record.msg = "database: could not reconnect the pool's idle connection (%s): %s"
+            record.args = (fault.rule, fault.detail)
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_POOL_FLOOR_FAULTS = PoolFloorFaults()
+
+
 class PgPool:
     """The process's asyncpg pool and the plans compiled for it."""
 
@@ -454,6 +480,8 @@ class PgPool:
         return self._pool
 
     async def _make(self) -> asyncpg.Pool:
+        # Added once (a filter already there is not added again).
+        logging.getLogger("asyncpg.pool").addFilter(_POOL_FLOOR_FAULTS)
         try:
             return await asyncpg.create_pool(
                 self.dsn,
