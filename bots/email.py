@@ -214,7 +214,7 @@ class EmailHandler:
                 return _TEMPFAIL
             except LeadgateError as exc:
                 if exc.status >= 500:
-                    log.warning("email: could not record the mail (%s); asking to retry", exc.code)
+                    log.warning("email: could not record the mail (%s); asking to retry", exc.rule)
                     return _TEMPFAIL
                 log.info("email: refused a mail: %s", exc.rule)
                 return "554 5.6.0 Message could not be processed"
