@@ -42,11 +42,17 @@ from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import bearer_token, decode_json, read_body
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, PayloadTooLarge, ValidationError
+from leadgate.core.errors import (
+    DatabaseDamaged,
+    LeadgateError,
+    PayloadTooLarge,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import BUSY_RULE, Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
-from leadgate.web.common import detach_stream, error_body, retry_headers
+from leadgate.web.common import detach_stream, error_body, retry_headers, unavailable_response
 from leadgate.web.mcp_resources import (
     REQUEST_SCOPE_KEY,
     CallSource,
@@ -239,7 +245,12 @@ def mount_mcp(
     closing = asyncio.Event()
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        principal = await _authenticate_request(request, authenticate)
+        try:
+            principal = await _authenticate_request(request, authenticate)
+        except Unavailable as exc:
+            if request.method != "POST":
+                raise  # no JSON-RPC request to answer: the REST 503
+            return await _jsonrpc_unavailable(request, exc)
         if principal is None:
             return _unauthorized()
         if request.method == "GET":
@@ -641,24 +652,46 @@ def _plain_error(start: Message) -> bool:
 _NOT_JSON = frozenset({"body.json", "body.utf8"})
 
 
+def _request_id(body: bytes) -> str | int | None:
+    """The JSON-RPC id of the request in ``body`` (None: none can be read)."""
+    try:
+        # The stdlib parser takes NUL and lone surrogates; only the id is read.
+        message = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    found = message.get("id") if isinstance(message, dict) else None
+    return found if isinstance(found, str | int) and not isinstance(found, bool) else None
+
+
 def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
     """A POST body that fails the service's JSON checks, answered as JSON-RPC (HTTP 400,
     as the SDK answers its own parse errors) so the MCP client matches it to its request
     and shows the rule; it was the REST envelope, which the client could only report as
     "Server returned an error response"."""
-    request_id: str | int | None = None
-    if exc.rule not in _NOT_JSON:
-        try:
-            # The stdlib parser takes NUL and lone surrogates; only the id is read.
-            message = json.loads(body)
-        except (ValueError, RecursionError):
-            message = None
-        found = message.get("id") if isinstance(message, dict) else None
-        if isinstance(found, str | int) and not isinstance(found, bool):
-            request_id = found
+    request_id = None if exc.rule in _NOT_JSON else _request_id(body)
     code = -32700 if exc.rule in _NOT_JSON else -32602
     error = {"code": code, "message": f"{exc.message} [{exc.rule}]", "data": {"rule": exc.rule}}
     return web.json_response({"jsonrpc": "2.0", "id": request_id, "error": error}, status=400)
+
+
+async def _jsonrpc_unavailable(request: web.Request, exc: Unavailable) -> web.Response:
+    """A POST whose key could not be checked (a database fault; the key is checked
+    again at least every ``PRINCIPAL_TTL_S``): the 503 every route answers (counted,
+    logged, ``Retry-After``), its body the JSON-RPC error a resource read that meets the
+    fault gets (-32603, ``rule`` and ``retryAfterS`` in ``data``) with the request's id,
+    so the MCP client shows the rule and that retrying helps. It was the REST envelope,
+    which the client could only report as "Server returned an error response"."""
+    response = unavailable_response(request, exc)
+    try:
+        request_id = _request_id(await read_body(request))
+    except LeadgateError:
+        request_id = None  # (a body too large, or too slow: its id is unknown)
+    data: dict[str, Any] = {"rule": exc.rule}
+    if exc.retry_after_s is not None:
+        data["retryAfterS"] = exc.retry_after_s
+    error = {"code": mt.INTERNAL_ERROR, "message": f"{exc.message} [{exc.rule}]", "data": data}
+    response.text = json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error})
+    return response
 
 
 def _jsonrpc_too_large(request: web.Request, exc: PayloadTooLarge) -> web.Response:
