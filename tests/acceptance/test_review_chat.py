@@ -307,7 +307,9 @@ def click(
     return name
 
 
-def submit(svc: ServiceProcess, view: dict[str, Any], user: str, text: str) -> tuple[int, Any]:
+def submit(
+    svc: ServiceProcess, view: dict[str, Any], user: str, text: str, *, secret: str = SECRET
+) -> tuple[int, Any]:
     block = next(b for b in view["blocks"] if b["type"] == "input")
     payload = {
         "type": "view_submission",
@@ -332,7 +334,9 @@ def submit(svc: ServiceProcess, view: dict[str, Any], user: str, text: str) -> t
         },
         "response_urls": [],
     }
-    status, raw = slack_post(svc, urlencode({"payload": json.dumps(payload)}), form=True)
+    status, raw = slack_post(
+        svc, urlencode({"payload": json.dumps(payload)}), form=True, secret=secret
+    )
     return status, (json.loads(raw) if raw else None)
 
 
