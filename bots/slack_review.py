@@ -29,6 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.errors import SlackApiError
 
@@ -52,6 +53,17 @@ MODALS = {
 }
 
 Spawn = Callable[..., None]
+
+#: What answering a click through its ``response_url`` raises when the answer cannot be
+#: posted: Slack's error, the connection's, or aiohttp's for a URL it cannot use.
+_ANSWER_FAILED = (ValueError, SlackApiError, OSError, aiohttp.ClientError)
+
+
+def _answer_failed(exc: BaseException) -> None:
+    """Log an answer to a click that could not be posted, naming the error's class only:
+    aiohttp's errors quote the URL they were given (a connect timeout, a URL it cannot
+    use), and a ``response_url`` is a secret: whoever holds it can post in the channel."""
+    log.info("slack: could not answer a review click (%s)", type(exc).__name__)
 
 
 def _cut(text: str, limit: int) -> str:
@@ -209,8 +221,8 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         async def say() -> None:
             try:
                 await respond(text=text, response_type="ephemeral", replace_original=False)
-            except (ValueError, SlackApiError, OSError) as exc:
-                log.info("slack: could not answer a review click: %r", exc)
+            except _ANSWER_FAILED as exc:
+                _answer_failed(exc)
 
         spawn(say(), name="slack-review-answer")
 
@@ -228,8 +240,8 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
             try:
                 await respond(text=fallback_text(card), blocks=blocks(card), replace_original=True)
                 await respond(text=answer.text, response_type="ephemeral", replace_original=False)
-            except (ValueError, SlackApiError, OSError) as exc:
-                log.info("slack: could not answer a review click: %r", exc)
+            except _ANSWER_FAILED as exc:
+                _answer_failed(exc)
 
         spawn(say(), name="slack-review-answer")
 

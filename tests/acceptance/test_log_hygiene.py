@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from email.message import EmailMessage
 from pathlib import Path
+from urllib.parse import parse_qs, urlencode
 
 import pytest
 import sqlalchemy as sa
@@ -83,6 +84,12 @@ SLACK_TOKEN = f"xoxb-{marker('slackbot')}"
 DISCORD_TOKEN = marker("discordbot")
 INTERACTION_TOKEN = marker("interaction")
 RESPONSE_URL = marker("responseurl")  # the path of a Slack click's response_url
+#: response_urls the service cannot post to (a port out of range, a scheme not HTTP):
+#: the library's error quotes the URL it was given.
+BAD_RESPONSE_URLS = (
+    f"http://127.0.0.1:99999/{marker('badport')}",
+    f"ftp://127.0.0.1/{marker('badscheme')}",
+)
 MODEL_KEY = f"sk-{marker('modelkey')}"
 METRICS_TOKEN = marker("metricstoken")
 PASSWORD = marker("consolepassword")
@@ -275,6 +282,13 @@ def drive(proc: ServiceProcess, rig: dict[str, Standin], key: str) -> dict[str, 
         proc, opened["view"], SLACK_USER, TEXT["slackreason"], secret=SLACK_SECRET
     )
     assert (status, answer) == (200, None)
+    # Clicks by someone not linked, answered through a response_url that cannot be used.
+    for url in BAD_RESPONSE_URLS:
+        click = interaction(rig["slack"], card, "approve", "U0STRANGER", "stranger")
+        payload = json.loads(parse_qs(click)["payload"][0])
+        payload["response_url"] = url
+        stranger = urlencode({"payload": json.dumps(payload)})
+        assert slack_post(proc, stranger, form=True, secret=SLACK_SECRET)[0] == 200
 
     # /metrics with its token, and with a wrong one.
     assert (
@@ -405,6 +419,7 @@ def run_service(
         "the Discord bot token": DISCORD_TOKEN,
         "the Discord interaction token": INTERACTION_TOKEN,
         "a Slack click's response_url": RESPONSE_URL,
+        **{f"a response_url: {url}": url.rsplit("/", 1)[1] for url in BAD_RESPONSE_URLS},
         "the model provider's key": MODEL_KEY,
         "the metrics token": METRICS_TOKEN,
         "the console password": PASSWORD,
@@ -442,23 +457,21 @@ def test_the_log_holds_no_secret_and_no_message_text(quiet: Ran) -> None:
     assert "Traceback" not in quiet.log
 
 
-def stored(database: Path, value: str) -> set[str]:
-    """``table.column`` of every text or binary column, in every table of the schema,
-    holding ``value`` in some row."""
+def text_columns(database: Path) -> dict[str, str]:
+    """Every text, JSON or binary column of every table of the schema: ``table.column``
+    and every row's value of it, as text, one after the other."""
     engine = sa.create_engine(f"sqlite:///{database}")
-    places: set[str] = set()
+    found: dict[str, str] = {}
     try:
         with engine.connect() as conn:
             for table in t.metadata.sorted_tables:
                 for column in table.columns:
-                    if not isinstance(column.type, sa.String | sa.LargeBinary | sa.JSON):
-                        continue
-                    like = sa.cast(column, sa.Text).contains(value, autoescape=True)
-                    if conn.scalar(sa.select(sa.func.count()).where(like)):
-                        places.add(f"{table.name}.{column.name}")
+                    if isinstance(column.type, sa.String | sa.LargeBinary | sa.JSON):
+                        values = conn.scalars(sa.select(sa.cast(column, sa.Text)))
+                        found[f"{table.name}.{column.name}"] = "\n".join(v or "" for v in values)
     finally:
         engine.dispose()
-    return places
+    return found
 
 
 def test_the_database_holds_no_secret_in_plain_text(quiet: Ran) -> None:
@@ -466,12 +479,16 @@ def test_the_database_holds_no_secret_in_plain_text(quiet: Ran) -> None:
     with sqlite3.connect(quiet.database) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert tables - set(t.metadata.tables) <= {"alembic_version", "sqlite_sequence"}
+    columns = text_columns(quiet.database)
+
+    def stored(value: str) -> set[str]:
+        return {place for place, text in columns.items() if value in text}
+
     for name, value in quiet.secrets.items():
-        assert stored(quiet.database, value) <= STORED_BY_DESIGN.get(value, set()), name
+        assert stored(value) <= STORED_BY_DESIGN.get(value, set()), name
     # Message text is stored (the transcript, the task context, the decisions' texts):
     # the search finds what is there.
-    assert stored(quiet.database, TEXT["rejectreason"])
-    assert stored(quiet.database, TEXT["mcp"])
+    assert {"messages.content", "audit.text"} <= stored(TEXT["rejectreason"]) | stored(TEXT["mcp"])
 
 
 def test_with_include_content_message_text_reaches_the_log(loud: Ran) -> None:
@@ -482,4 +499,9 @@ def test_with_include_content_message_text_reaches_the_log(loud: Ran) -> None:
     # aiosmtpd's DATA lines. (REST, Teams and the model provider's text do not show even
     # so: their libraries log no payloads.)
     assert {"mcp", "slackplain", "slackgated", "discordgateway", "mailbody"} <= set(shown), shown
+    # And the tokens in the URLs they call (a Discord interaction's webhook, a Slack
+    # click's response_url); never a key, a password, a bot token or a signing secret.
+    in_urls = {"the Discord interaction token", "a Slack click's response_url"}
+    in_urls |= {f"a response_url: {url}" for url in BAD_RESPONSE_URLS}
+    assert set(found_in(loud.log, loud.secrets)) <= in_urls
     assert "Traceback" not in loud.log
