@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -106,6 +107,34 @@ class MalformedRequestFilter(logging.Filter):
         return True
 
 
+#: The ``scheme://user:password@`` that starts a URL with credentials.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@")
+
+#: The HTTP clients that log every request's URL at INFO: httpx2 under the openai SDK
+#: (a model's ``base_url``), and httpx, which it was forked from.
+URL_LOGGING_LOGGERS = ("httpx2", "httpx")
+
+
+class UrlCredentialsFilter(logging.Filter):
+    """httpx2 logs every request's URL at INFO (``HTTP Request: POST <url> ...``) as it
+    was given, user and password included: a model's ``base_url`` with credentials (a
+    gateway behind basic auth, ``https://user:password@host/v1``) put the password in the
+    log on every turn. A URL argument of such a record loses its user and password."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(_without_userinfo(arg) for arg in record.args)
+        return True
+
+
+def _without_userinfo(arg: object) -> object:
+    if isinstance(arg, int | float | bytes) or arg is None:
+        return arg  # a status code, a length: kept as they are for %d
+    text = str(arg)
+    bare = _USERINFO.sub(r"\1", text)
+    return arg if bare == text else bare
+
+
 #: How asyncio's loop reports a listening socket's ``accept`` failing for want of
 #: descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM).
 ACCEPT_FAILED = "socket.accept() out of system resource"
@@ -181,6 +210,10 @@ def setup_logging(settings: Settings) -> None:
     server = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, MalformedRequestFilter) for f in server.filters):
         server.addFilter(MalformedRequestFilter())
+    for name in URL_LOGGING_LOGGERS:
+        url_logger = logging.getLogger(name)
+        if not any(isinstance(f, UrlCredentialsFilter) for f in url_logger.filters):
+            url_logger.addFilter(UrlCredentialsFilter())
     loop_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, AcceptFailureFilter) for f in loop_logger.filters):
         loop_logger.addFilter(AcceptFailureFilter())

@@ -91,6 +91,7 @@ BAD_RESPONSE_URLS = (
     f"ftp://127.0.0.1/{marker('badscheme')}",
 )
 MODEL_KEY = f"sk-{marker('modelkey')}"
+GATEWAY_PASSWORD = marker("gatewaypassword")  # a model's base_url with a user and password
 METRICS_TOKEN = marker("metricstoken")
 PASSWORD = marker("consolepassword")
 WRONG_PASSWORD = marker("wrongpassword")
@@ -155,7 +156,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Standin]
         ),
         "teams": Standin("connector", log_dir=log_dir),
         "smtp": Standin("smtp", "--http-port", "0", log_dir=log_dir),
-        "model": Standin("model_server", "--api-key", MODEL_KEY, log_dir=log_dir),
+        # No key required: the gateway model's basic auth (its base_url's user and
+        # password) replaces the bearer key.
+        "model": Standin("model_server", log_dir=log_dir),
     }
     with standins(*items.values()):
         yield items
@@ -214,6 +217,7 @@ def drive(proc: ServiceProcess, rig: dict[str, Standin], key: str) -> dict[str, 
     assert status == 200 and TEXT["modelquestion"].encode() in raw
     rig["model"].control("push", {"kind": "error", "status": 400, "message": TEXT["providererror"]})
     assert chat(proc, key, "gpt", TEXT["modelquestion"])[0] == 502
+    assert chat(proc, key, "gw", TEXT["modelquestion"])[0] == 200
     assert chat(proc, WRONG_KEY, "plain", TEXT["restplain"])[0] == 401
 
     # MCP: a tool call through the official client.
@@ -350,7 +354,12 @@ def run_service(
                     "base_url": f"{rig['model'].url}/v1",
                     "api_key": MODEL_KEY,
                     "model": "m",
-                }
+                },
+                "gateway": {
+                    "provider": "openai",
+                    "base_url": f"http://gw:{GATEWAY_PASSWORD}@127.0.0.1:{rig['model'].port}/v1",
+                    "model": "m",
+                },
             },
             "slack": {
                 "signing_secret": SLACK_SECRET,
@@ -389,6 +398,7 @@ def run_service(
                 PASSWORD,
             ],
             ["agent", "create", "--org", "demo", "--name", "gpt", "--model", "standin"],
+            ["agent", "create", "--org", "demo", "--name", "gw", "--model", "gateway"],
             ["user", "link", "--org", "demo", "--email", USER, "--slack", f"{TEAM}:{SLACK_USER}"],
             [
                 "notify",
@@ -421,6 +431,7 @@ def run_service(
         "a Slack click's response_url": RESPONSE_URL,
         **{f"a response_url: {url}": url.rsplit("/", 1)[1] for url in BAD_RESPONSE_URLS},
         "the model provider's key": MODEL_KEY,
+        "a model gateway's password": GATEWAY_PASSWORD,
         "the metrics token": METRICS_TOKEN,
         "the console password": PASSWORD,
         "a wrong console password": WRONG_PASSWORD,

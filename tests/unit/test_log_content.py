@@ -184,3 +184,20 @@ def test_failed_accepts_are_one_warning_not_a_traceback_each(
     assert "Task exception was never retrieved" in err  # the loop's other errors still show
     [installed] = [f for f in loop_logger.filters if isinstance(f, AcceptFailureFilter)]
     assert installed.failures.total == 300
+
+
+async def test_a_url_s_user_and_password_never_reach_the_log(
+    restore_logging: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """httpx2, under the openai SDK, logs every request's URL at INFO: a model's
+    ``base_url`` with a user and password (a gateway behind basic auth) put the password
+    in the log on every turn."""
+    import httpx2
+
+    setup_logging(Settings.model_validate({"log": {"level": "INFO"}}))
+    transport = httpx2.MockTransport(lambda request: httpx2.Response(200, json={}))
+    async with httpx2.AsyncClient(transport=transport) as client:
+        await client.post("https://gw:s3cret-password@models.example:8443/v1/chat/completions")
+    err = capsys.readouterr().err
+    assert "HTTP Request: POST https://models.example:8443/v1/chat/completions" in err
+    assert "s3cret-password" not in err and "gw:" not in err
