@@ -3,8 +3,9 @@ real ``leadgate serve`` process at ``[log] level = "DEBUG"``.
 
 One service per configuration drives every surface once, with a distinctive marker in
 every secret (API keys, the console password and session cookie, the Slack signing
-secret and bot token, the Discord bot token and interaction token, the model provider's
-key, the metrics token) and in every piece of message text (REST plain, streamed and
+secret and bot token, a Slack click's response_url, the Discord bot token and interaction
+token, the model provider's key, a model gateway's password in its base_url, the metrics
+token) and in every piece of message text (REST plain, streamed and
 gated; an MCP tool call; Slack, Discord, Teams and email messages; a model's answer and
 a provider's error; a reviewer's reason and feedback). Then everything the process wrote
 is searched for the markers, and every text column of every table of
