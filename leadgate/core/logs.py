@@ -110,9 +110,9 @@ class MalformedRequestFilter(logging.Filter):
 #: The ``scheme://user:password@`` that starts a URL with credentials.
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@")
 
-#: The HTTP clients that log every request's URL at INFO: httpx2 under the openai SDK
-#: (a model's ``base_url``), and httpx, which it was forked from.
-URL_LOGGING_LOGGERS = ("httpx2", "httpx")
+#: The HTTP client that logs every request's URL at INFO: httpx2, under the openai SDK
+#: (a model's ``base_url``).
+URL_LOGGING_LOGGERS = ("httpx2",)
 
 
 class UrlCredentialsFilter(logging.Filter):
