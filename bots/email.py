@@ -11,6 +11,10 @@ thread and loop). Authenticity is the route's sender allow-list:
   (otherwise ``550 5.7.1``); the message must be at most 1 MB (``552``) and have a
   non-empty text body after quoted text is removed (``550 5.6.0``).
 
+A recipient ``<local>+<token>@<domain>`` of ``[email] review_reply_address`` is a reply
+to a review card instead (see :class:`EmailHandler`; README "Review cards and chat
+decisions").
+
 Accepted mail is recorded durably (one turn per routed recipient, :func:`bots.base.accept`)
 before it is answered ``250``; the turns run in the background. A database that cannot
 record it gets ``451`` (the sending server retries). A mail whose text breaks a message
@@ -26,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -40,18 +45,21 @@ from bots.base import Adapter, Core, accept
 from bots.email_out import EmailChannel, build_reply, message_id_for
 from bots.email_parse import (
     MAX_MULTIPARTS,
+    ParsedMail,
     TooManyParts,
     parse_mail,
     reply_subject,
     strip_quoted,
     utf8_address,
 )
+from bots.review_base import Answer, ChatReviewBackend
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
-from outbox.channel import Channel
+from leadgate.review.replies import parse_reply, token_of
+from outbox.channel import Channel, OutboundMessage, SendOutcome, Sent
 
 __all__ = [
     "EmailAdapter",
@@ -71,6 +79,8 @@ CHANNEL = "email"
 MAX_MESSAGE_BYTES = 1_048_576
 
 _TEMPFAIL = "451 4.3.0 Temporary failure, please try again later"
+#: A card reply address whose token names no card (or cannot be one).
+_NO_CARD = "550 5.1.1 No such review card (review.reply_token)"
 
 
 # ----------------------------------------------------------------------------- inbound
@@ -84,10 +94,26 @@ def _envelope_sender(envelope: Envelope) -> str:
 
 
 class EmailHandler:
-    """aiosmtpd handler: route check at RCPT, parse and hand over at DATA."""
+    """aiosmtpd handler: route check at RCPT, parse and hand over at DATA.
+
+    With :meth:`answer_cards` (``[email] review_reply_address`` set and the review
+    backend wired), a recipient ``<local>+<token>@<domain>`` of that address is a reply
+    to a review card: taken at RCPT when its token names a card (``550 5.1.1`` naming
+    the rule ``review.reply_token`` otherwise), decided at DATA before the ``250``
+    (``451`` when the database cannot take it), and answered with a mail saying what
+    became of it."""
 
     def __init__(self, core: Core) -> None:
         self._core = core
+        #: The review backend and the card reply address (None / "": replies to cards
+        #: are not taken, and such a recipient is routed like any other).
+        self._reviews: ChatReviewBackend | None = None
+        self._reply_address = ""
+        self._send: Callable[[OutboundMessage], Awaitable[SendOutcome]] | None = None
+        # Card reply tokens taken at RCPT time, per envelope (recipient -> token).
+        self._tokens: weakref.WeakKeyDictionary[Envelope, dict[str, str]] = (
+            weakref.WeakKeyDictionary()
+        )
         #: Mails that met a damaged database (their route looked up, or the mail
         #: recorded), each asked to retry (451): one ERROR line a minute at most naming
         #: the file or database, as runners and requests count it (a route lookup's was
@@ -126,6 +152,13 @@ class EmailHandler:
             return "553 5.1.7 The sender address is not valid UTF-8"
         if utf8_address(recipient) != recipient:
             return "553 5.1.3 The recipient address is not valid UTF-8"
+        token = (
+            token_of(self._reply_address, recipient)
+            if self._reviews is not None and self._reply_address
+            else None
+        )
+        if token is not None:
+            return await self._card_recipient(envelope, address, recipient, token, rcpt_options)
         try:
             route = await self._core.resolve_route(
                 CHANNEL, {"address": recipient, "sender": sender}
@@ -168,7 +201,19 @@ class EmailHandler:
             log.info("email: dropped automatic mail %s (RFC 3834)", mail.message_id)
             return "250 2.0.0 OK"
 
+        tokens = self._tokens.pop(envelope, {})
+        answers: list[tuple[str, Answer]] = []
+        for token in dict.fromkeys(tokens.values()):
+            answer = await self._answer_card(token, mail, envelope_sender)
+            if answer.kind == "unavailable":
+                # Nothing may have been recorded: the sending server retries, and a
+                # decision that did land is then found decided (harmless).
+                return _TEMPFAIL
+            answers.append((token, answer))
         routes = self._routes.pop(envelope, {})
+        if answers and not routes:
+            self._tell_reviewer(mail, answers)
+            return "250 2.0.0 OK"
         accepted: list[tuple[str, RouteMatch]] = []
         for recipient, route in routes.items():
             if mail.sender != envelope_sender:
@@ -184,6 +229,10 @@ class EmailHandler:
                 route = found
             accepted.append((recipient, route))
         if not accepted:
+            if answers:
+                # Card replies were decided (committed): the mail was taken.
+                self._tell_reviewer(mail, answers)
+                return "250 2.0.0 OK"
             return "550 5.7.1 Sender not allowed"
 
         for recipient, _route in accepted:
@@ -221,7 +270,74 @@ class EmailHandler:
             except Exception:
                 log.exception("email: recording the mail failed")
                 return _TEMPFAIL
+        self._tell_reviewer(mail, answers)
         return "250 2.0.0 OK"
+
+    def answer_cards(
+        self,
+        reviews: ChatReviewBackend,
+        reply_address: str,
+        send: Callable[[OutboundMessage], Awaitable[SendOutcome]],
+    ) -> None:
+        """Take replies to review cards at ``reply_address`` plus a token, decided through
+        ``reviews`` and answered with ``send``."""
+        self._reviews = reviews
+        self._reply_address = reply_address
+        self._send = send
+
+    async def _card_recipient(
+        self,
+        envelope: Envelope,
+        address: str,
+        recipient: str,
+        token: str,
+        rcpt_options: list[str],
+    ) -> str:
+        """RCPT of a card reply address: taken when its token names a card."""
+        assert self._reviews is not None
+        if not token:
+            return _NO_CARD
+        try:
+            card = await self._reviews.reply_card(token)
+        except Exception as exc:
+            return self._lookup_failed(exc)
+        if card is None:
+            return _NO_CARD
+        self._tokens.setdefault(envelope, {})[recipient] = token
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 2.1.5 OK"
+
+    async def _answer_card(self, token: str, mail: ParsedMail, envelope_sender: str) -> Answer:
+        """The reply's decision on the card of ``token`` (committed when this returns)."""
+        assert self._reviews is not None
+        verb, rest = parse_reply(mail.text)
+        return await self._reviews.email_reply(token, mail.sender, envelope_sender, verb, rest)
+
+    def _tell_reviewer(self, mail: ParsedMail, answers: list[tuple[str, Answer]]) -> None:
+        """Answer each card reply with a mail saying what became of it, sent in the
+        background after the ``250`` (as the chat surfaces answer a click at once and
+        not through the outbox: the decision is already committed and shown in the
+        console; an answer the relay cannot take is logged, not retried)."""
+        send = self._send
+        if send is None:
+            return
+        for token, answer in answers:
+            text = f"Your decision was recorded: {answer.text}" if answer.decided else answer.text
+            key = hashlib.sha256(f"{mail.message_id}\n{token}".encode()).hexdigest()[:32]
+            message = OutboundMessage(
+                delivery_id=f"review-reply-{key}",
+                idempotency_key=f"review-reply-{key}",
+                address={
+                    "to": mail.sender,
+                    "subject": reply_subject(mail.subject),
+                    "in_reply_to": mail.message_id,
+                    "references": mail.references,
+                },
+                text=text,
+                kind="reply",
+            )
+            self._core.spawn(_answer(send, message), name=f"email-review-answer {key}")
 
     def _lookup_failed(self, exc: Exception) -> str:
         """A route lookup that raised: 451 (the sender retries), said in the log as a
@@ -235,6 +351,15 @@ class EmailHandler:
         else:
             log.exception("email: route lookup failed")
         return _TEMPFAIL
+
+
+async def _answer(
+    send: Callable[[OutboundMessage], Awaitable[SendOutcome]], message: OutboundMessage
+) -> None:
+    """Send one answer to a card reply; a failure is logged (the decision stands)."""
+    outcome = await send(message)
+    if not isinstance(outcome, Sent):
+        log.warning("email: the answer to a review card reply was not sent: %s", outcome)
 
 
 #: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT
@@ -332,6 +457,14 @@ class EmailAdapter:
     def listens(self) -> bool:
         """Whether inbound SMTP is configured (port 0 = any free port)."""
         return self._settings.listens
+
+    def enable_reviews(self, backend: ChatReviewBackend) -> None:
+        """Take replies to email review cards when ``[email] review_reply_address`` is
+        set (the composition root calls this on every adapter that offers it)."""
+        if self._settings.review_reply_address:
+            self.handler.answer_cards(
+                backend, self._settings.review_reply_address, self.email_channel.send
+            )
 
     def mount(self, app: web.Application) -> None:
         """Email has no HTTP routes (the SMTP listener runs in :meth:`lifespan`)."""

@@ -50,7 +50,10 @@ def build_reply(
     msg["From"] = from_address
     msg["To"] = str(address["to"])
     bound_from = str(address.get("from") or "")
-    if bound_from and bound_from.lower() != email.utils.parseaddr(from_address)[1].lower():
+    if address.get("reply_to"):
+        # A review card answerable by reply: the reply goes to the card's own address.
+        msg["Reply-To"] = str(address["reply_to"])
+    elif bound_from and bound_from.lower() != email.utils.parseaddr(from_address)[1].lower():
         # A configured from_address (e.g. a no-reply sender) must not break the thread.
         msg["Reply-To"] = bound_from
     msg["Subject"] = one_line(address.get("subject")) or "Re:"

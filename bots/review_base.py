@@ -1,5 +1,6 @@
 """What the chat adapters' review-card handlers ask of the core, and how they identify
-a click (``bots/slack_review.py``, ``bots/teams_review.py``, ``bots/discord_review.py``).
+a click (``bots/slack_review.py``, ``bots/teams_review.py``, ``bots/discord_review.py``;
+the email listener's replies to cards, ``bots/email.py``).
 
 :class:`ChatReviewBackend` is satisfied by
 :class:`leadgate.operations.chat_reviews.ChatReviews`; the adapters get it through
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from leadgate.review.replies import ReplyCard
 from outbox.channel import Card
 
 
@@ -93,6 +95,17 @@ class ChatReviewBackend(Protocol):
     ) -> Answer:
         """Confirm delivered / retry a deliveryUnknown delivery (from the card of
         ``episode_id``)."""
+        ...
+
+    async def reply_card(self, token: str) -> ReplyCard | None:
+        """The email card whose reply token is ``token`` (``None``: no card has it)."""
+        ...
+
+    async def email_reply(
+        self, token: str, sender: str, envelope_sender: str, action: str, text: str
+    ) -> Answer:
+        """A reply to the email card of ``token``: ``action`` (its first word) and
+        ``text`` (the reason or feedback) from ``sender`` (the ``From`` address)."""
         ...
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:

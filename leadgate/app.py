@@ -200,6 +200,7 @@ class App:
             self.outbox,
             public_url=settings.server.public_url,
             defaults=settings.review,
+            reply_address=settings.email.review_reply_address,
         )
         self.outbox.on_review_needed(self.notifier.open)
         self._build_runners(channels or {}, enable_adapters)

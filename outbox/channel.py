@@ -20,6 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
+#: Address keys a delivery's row keeps only until it is sent (the relay drops them with
+#: the move to ``sent``): ``reply_to``, an email review card's Reply-To, whose token
+#: is otherwise kept only as a hash (``[email] review_reply_address``).
+UNTIL_SENT = ("reply_to",)
+
 
 @dataclass(frozen=True)
 class CardOutcome:

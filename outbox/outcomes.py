@@ -30,7 +30,7 @@ from leadgate.database.sql import later_of_sql, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
-from outbox.channel import Permanent, Retry, SendOutcome, Sent
+from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent
 from outbox.store import DeliveryStatus, ReviewNeeded, reveal
 
 log = logging.getLogger("leadgate.relay")
@@ -42,6 +42,12 @@ _SET_EXTERNAL_ID = (
     t.deliveries.update()
     .where(D.id == sa.bindparam("b_id"))
     .values(external_id=sa.bindparam("b_external"))
+)
+#: A sent delivery's address without its :data:`UNTIL_SENT` values.
+_SET_ADDRESS = (
+    t.deliveries.update()
+    .where(D.id == sa.bindparam("b_id"))
+    .values(address=sa.bindparam("b_address"))
 )
 # The same for a committed group, and the group's fenced ``sending -> sent``.
 _REVEAL = (
@@ -117,6 +123,11 @@ _COMMIT_POSTS = sa.text(
 )
 
 
+def _keeps_secret(row: Delivery) -> bool:
+    """Whether the delivery's address holds a value only its send needs."""
+    return isinstance(row.address, dict) and any(k in row.address for k in UNTIL_SENT)
+
+
 @dataclass
 class Done:
     """A finished send waiting for its outcome to be committed."""
@@ -174,7 +185,10 @@ class OutcomeCommitter:
         group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
         if not db.statements_alone or not done:
             return False
-        if any(not isinstance(d.outcome, Sent) or d.row.action == "reveal" for d in done):
+        if any(
+            not isinstance(d.outcome, Sent) or d.row.action == "reveal" or _keeps_secret(d.row)
+            for d in done
+        ):
             return False
         # Each item once (its audit row too), as transition_many's IN list does.
         items = list(dict.fromkeys(i for d in done if (i := _gating_item(d.row))))
@@ -220,6 +234,17 @@ class OutcomeCommitter:
         ]
         if external:
             await conn.execute(_SET_EXTERNAL_ID, external)
+        scrubbed = [
+            {
+                "b_id": d.row.id,
+                "b_address": {k: v for k, v in d.row.address.items() if k not in UNTIL_SENT},
+            }
+            for d in sent
+            if d.row.id in committed and _keeps_secret(d.row)
+        ]
+        if scrubbed:
+            # Sent: what only the send needed (an email card's reply token) leaves the row.
+            await conn.execute(_SET_ADDRESS, scrubbed)
         items: list[str] = []
         reveal: list[str] = []
         for d in _report_sent(sent, committed):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, get_origin
@@ -27,6 +28,8 @@ from leadgate.core.errors import ConfigError, LeadgateError
 ENV_PREFIX = "LEADGATE_"
 #: The deterministic model every configuration has (README "Built-in `script` model").
 BUILT_IN_MODEL = "script"
+#: ``[email] review_reply_address``: one plain ASCII address, no "+" in its local part.
+_REPLY_ADDRESS = re.compile(r"[a-z0-9!#$%&'*/=?^_`{|}~.-]{1,40}@[a-z0-9-]+(\.[a-z0-9-]+)+")
 
 
 class _Section(BaseModel):
@@ -154,6 +157,23 @@ class EmailSettings(_Section):
     #: Inbound SMTP sessions open at once; a connection beyond gets ``421`` and is closed
     #: (the sending server retries later, as for Postfix's process limit).
     max_connections: int = Field(default=100, ge=1)
+    #: Review cards by email are answered by replying when set: each card mail carries
+    #: ``Reply-To: <local>+<token>@<domain>`` of this address, and the SMTP listener takes
+    #: the reply as the reviewer's decision ("": card mails are not answerable).
+    review_reply_address: str = ""
+
+    @field_validator("review_reply_address")
+    @classmethod
+    def _plain_address(cls, value: str) -> str:
+        # Plus-addressing appends "+<token>" to the local part: a "+" already there, or
+        # anything but one plain address, would make the reply addresses ambiguous.
+        value = value.strip().lower()
+        if value and not _REPLY_ADDRESS.fullmatch(value):
+            raise ValueError(
+                "review_reply_address must be one plain address, local@domain, without "
+                "'+' in the local part (e.g. review@reviews.example.com)"
+            )
+        return value
 
     @property
     def on(self) -> bool:

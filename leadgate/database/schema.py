@@ -463,6 +463,11 @@ review_cards = sa.Table(
     sa.Column("channel", sa.String(20), nullable=False),
     sa.Column("purpose", sa.String(20), nullable=False),  # notify | reminder | escalation
     sa.Column("created_at", MS, nullable=False),
+    # An email card answerable by reply ([email] review_reply_address): the SHA-256 (hex)
+    # of the random token in its Reply-To address; the token itself is kept only in the
+    # card mail's outbox row, until it is sent (outbox.channel.UNTIL_SENT; migration 0019).
+    sa.Column("reply_token_hash", sa.String(64)),
+    sa.Index("uq_review_cards_reply_token_hash", "reply_token_hash", unique=True),
 )
 
 teams_conversations = sa.Table(

@@ -6,6 +6,9 @@ grant ``agent:review`` in the organization of the item (SPEC 13). Identities:
 * ``slack``: ``TEAM:USER`` (workspace id and member id, e.g. ``T0123:U0456``)
 * ``teams``: the user's Microsoft Entra (AAD) object id (``from.aadObjectId``)
 * ``discord``: the user's snowflake id
+
+A reply to an email review card needs no link: the sender's address is the user's own
+(``email``, see :func:`reviewer`).
 """
 
 from __future__ import annotations
@@ -145,7 +148,19 @@ async def list_links(conn: Conn, org_id: str) -> list[dict[str, Any]]:
 
 
 async def reviewer(conn: Conn, org_id: str, platform: str, identity: str) -> Reviewer | None:
-    """The user linked to ``identity`` in ``org_id`` (``None``: not linked there)."""
+    """The user linked to ``identity`` in ``org_id`` (``None``: not linked there). On
+    ``email`` the identity is the user's own address: no link is needed."""
+    if platform == "email":
+        row = (
+            await conn.execute(
+                sa.select(U.id, U.email, U.role, U.org_id).where(
+                    U.org_id == org_id,
+                    U.email == identity.strip().lower(),
+                    U.disabled_at.is_(None),
+                )
+            )
+        ).first()
+        return None if row is None else Reviewer(row.id, row.email, row.role, row.org_id)
     if platform == "teams":
         identity = identity.lower()
     row = (

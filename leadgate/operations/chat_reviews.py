@@ -1,4 +1,5 @@
-"""Deciding from a chat card (Slack, Teams, Discord): who may, and what they are told.
+"""Deciding from a chat card (Slack, Teams, Discord) or a reply to an email card: who
+may, and what they are told.
 
 The chat adapters map a click (or a modal's submission) onto :meth:`ChatReviews.decide`
 or :meth:`ChatReviews.recover` with the platform and the clicker's platform identity.
@@ -34,8 +35,9 @@ from leadgate.domain import links
 from leadgate.domain.links import Reviewer
 from leadgate.domain.workitems import Status
 from leadgate.operations.reviews import Reviews
-from leadgate.review import cards
+from leadgate.review import cards, replies
 from leadgate.review.destinations import remember_teams_conversation
+from leadgate.review.replies import ReplyCard
 from outbox.channel import Card
 from outbox.store import DeliveryStatus
 
@@ -228,6 +230,57 @@ class ChatReviews:
             )
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded(platform, exc)
+
+    async def reply_card(self, token: str) -> ReplyCard | None:
+        """The email card whose reply token is ``token`` (``None``: none has it). Raises
+        :class:`Unavailable` / :class:`DatabaseDamaged` on a database fault (the listener
+        asks the sender to retry)."""
+        async with self.db.read() as conn:
+            return await cards.reply_card(conn, token)
+
+    async def email_reply(
+        self,
+        token: str,
+        sender: str,
+        envelope_sender: str,
+        action: str,
+        text: str,
+    ) -> ChatAnswer:
+        """A reply to an email card (``[email] review_reply_address``): ``action`` its
+        first word, ``text`` the rest (the reason or feedback). The token names the card;
+        the sender (the ``From`` header, and the envelope sender when it differs) must be
+        a user of the card's organization whose role grants ``agent:review``: neither the
+        token nor the address alone decides. The decision then goes through
+        :meth:`decide` / :meth:`recover` with the card's wait, as a click does (surface
+        ``email``, identity ``email:<address>``). An action the card does not offer is
+        answered ``invalid`` saying what it accepts, after the sender is checked."""
+        try:
+            card = await self.reply_card(token)
+            if card is None:
+                return ChatAnswer("closed", GONE)
+            async with self.db.read() as conn:
+                for address in {sender, envelope_sender}:
+                    if await self._reviewer(conn, card.org_id, "email", address) is None:
+                        return ChatAnswer("forbidden", FORBIDDEN)
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded("email", exc)
+        if action not in replies.VERBS.get(card.reason, ()):
+            return ChatAnswer("invalid", f"Nothing was decided. {replies.accepted(card.reason)}")
+        if card.reason == "deliveryUnknown":
+            if card.delivery_id is None:
+                return ChatAnswer("closed", GONE)
+            return await self.recover(
+                "email", sender, card.delivery_id, action, episode_id=card.episode_id
+            )
+        answer = await self.decide(
+            "email", sender, card.item_id, action, text or None, episode_id=card.episode_id
+        )
+        if answer.kind == "invalid":
+            # A chat form keeps the text to correct; a mail is written again from scratch.
+            return ChatAnswer(
+                "invalid", f"Nothing was decided: {answer.text}. {replies.accepted(card.reason)}"
+            )
+        return answer
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
         """Keep a Teams conversation's reference (so ``notify add --channel teams``

@@ -38,6 +38,14 @@ from leadgate.domain import wakes
 from leadgate.domain.rows import Delivery
 from leadgate.review.destinations import Destination, destinations_for, effective_sla
 from leadgate.review.facts import ReviewFacts, review_facts
+from leadgate.review.replies import (
+    ReplyCard,
+    TokenFactory,
+    instructions,
+    new_token,
+    reply_address,
+    token_hash,
+)
 from outbox.channel import Card, CardOutcome
 from outbox.store import CARD, CARD_UPDATE, DeliveryStatus, Outbox
 
@@ -129,12 +137,17 @@ class ReviewNotifier:
         *,
         public_url: str,
         defaults: ReviewSettings,
+        reply_address: str = "",
+        tokens: TokenFactory = new_token,
     ) -> None:
         self.clock = clock
         self.ids = ids
         self.outbox = outbox
         self.public_url = public_url.rstrip("/")
         self.defaults = defaults
+        #: ``[email] review_reply_address`` ("": email cards are not answerable by reply)
+        self.reply_address = reply_address
+        self.tokens = tokens
 
     async def open(
         self, conn: Conn, item_id: str, reason: str, delivery_id: str | None = None
@@ -229,16 +242,24 @@ class ReviewNotifier:
             link=f"{self.public_url}{facts.detail_path}",
         )
         address: dict[str, Any] = {**dest.address, "card": card.to_json()}
+        text = plain_text(card)
+        token_digest: str | None = None
         if dest.channel == "email":
             lines = facts.summary.strip().splitlines()
             address["subject"] = cut(f"{card.title}: {lines[0] if lines else facts.item_id}", 200)
+            if self.reply_address:
+                # Answerable by reply: the token is in the mail only; the row keeps its hash.
+                token = self.tokens()
+                token_digest = token_hash(token)
+                address["reply_to"] = reply_address(self.reply_address, token)
+                text += "\n\n" + instructions(card.reason)
         delivery = await self.outbox.enqueue_card(
             conn,
             org_id=facts.org_id,
             work_item_id=facts.item_id,
             channel=dest.channel,
             address=address,
-            text=plain_text(card),
+            text=text,
             delivery_id=card_id,
         )
         await conn.execute(
@@ -251,6 +272,7 @@ class ReviewNotifier:
                 channel=dest.channel,
                 purpose=purpose,
                 created_at=self.clock.now_ms(),
+                reply_token_hash=token_digest,
             )
         )
 
@@ -550,3 +572,24 @@ async def open_episode(conn: Conn, item_id: str) -> str | None:
         await conn.execute(sa.select(E.id).where(E.work_item_id == item_id, E.closed_at.is_(None)))
     ).scalar()
     return None if found is None else str(found)
+
+
+async def reply_card(conn: Conn, token: str) -> ReplyCard | None:
+    """The card whose email reply token is ``token`` (found by its hash, one indexed
+    read), with its wait's reason; ``None``: no card has it."""
+    row = (
+        await conn.execute(
+            sa.select(RC.org_id, RC.work_item_id, RC.episode_id, E.reason, E.delivery_id)
+            .select_from(t.review_cards.join(t.review_episodes, E.id == RC.episode_id))
+            .where(RC.reply_token_hash == token_hash(token))
+        )
+    ).first()
+    if row is None:
+        return None
+    return ReplyCard(
+        org_id=str(row.org_id),
+        item_id=str(row.work_item_id),
+        episode_id=str(row.episode_id),
+        reason=str(row.reason),
+        delivery_id=None if row.delivery_id is None else str(row.delivery_id),
+    )

@@ -469,3 +469,21 @@ def test_a_review_timer_of_zero_in_any_unit_is_off(tmp_path: Path) -> None:
     assert info.value.rule == "config.invalid"
     assert "review.remind_after: Value error" in info.value.message
     assert "between 1s and 366d, or off (or 0)" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["review", "review+cards@example.com", "review@localhost", "a b@example.com", "<r@x.io>"],
+)
+def test_review_reply_address_must_be_one_plain_address(tmp_path: Path, value: str) -> None:
+    path = write(tmp_path, f'[email]\nreview_reply_address = "{value}"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, environ={})
+    assert "review_reply_address" in info.value.message
+
+
+def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
+    path = write(tmp_path, '[email]\nreview_reply_address = " Review@Reviews.Example.com "\n')
+    assert (
+        load_settings(path, environ={}).email.review_reply_address == "review@reviews.example.com"
+    )

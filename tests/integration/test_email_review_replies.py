@@ -1,0 +1,509 @@
+"""Email review cards answered by reply (``[email] review_reply_address``), through the
+real SMTP listener (aiosmtplib as the reviewer's mail server) on the real composition
+root, with the SMTP sink stand-in as the outbound relay: the card mail's Reply-To names
+a random token kept only as a hash; a reply from a reviewer of the card's organization
+decides through the chat decisions' fenced path (audited ``email``), before the 250;
+everyone and everything else is refused and nothing changes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from email.message import EmailMessage
+from typing import Any
+
+import aiosmtplib
+import pytest
+import sqlalchemy as sa
+
+from bots.email import EmailAdapter
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.config import Settings
+from leadgate.core.metrics import METRICS
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.domain import orgs
+from leadgate.review.destinations import add_destination
+from leadgate.review.replies import token_hash
+from leadgate.runners.revisions import RevisionRunner
+from outbox.channel import Uncertain
+from tests.fakes import DownFor
+from tests.helpers import (
+    Org,
+    api_trigger,
+    eventually,
+    item_audit,
+    item_row,
+    make_agent,
+    make_org,
+    make_route,
+    slack_trigger,
+)
+from tests.outbox_support import ScriptedChannel
+from tests.standins.smtp import SmtpSink
+
+REPLY = "review@reviews.example.com"
+BOT = "leadgate@lg.example"
+ANN = "member@acme.io"
+ZOE = "zoe@acme.io"
+REPLY_TO = re.compile(r"review\+([0-9a-f]{32})@reviews\.example\.com")
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[SmtpSink]:
+    server = SmtpSink()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@dataclass
+class Env:
+    app: App
+    sink: SmtpSink
+    port: int
+
+    @property
+    def slack(self) -> ScriptedChannel:
+        channel = self.app.channels["slack"]
+        assert isinstance(channel, ScriptedChannel)
+        return channel
+
+
+async def _env(migrated_url: str, sink: SmtpSink, reply: str = REPLY) -> AsyncIterator[Env]:
+    email: dict[str, Any] = {
+        "listen_host": "127.0.0.1",
+        "listen_port": 0,
+        "smtp_host": "127.0.0.1",
+        "smtp_port": sink.port,
+        "from_address": BOT,
+    }
+    if reply:
+        email["review_reply_address"] = reply
+    settings = Settings.model_validate(
+        {
+            "database": {"url": migrated_url},
+            "server": {"public_url": "https://lg.example"},
+            "email": email,
+        }
+    )
+    app = App(settings, clock=FakeClock(), channels={"slack": ScriptedChannel("slack")})
+    [adapter] = [a for a in app.adapters if isinstance(a, EmailAdapter)]
+    await adapter.start()
+    assert adapter.port
+    try:
+        yield Env(app, sink, adapter.port)
+    finally:
+        await adapter.stop()
+        await app.stop()
+
+
+@pytest.fixture
+async def env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
+    async for made in _env(migrated_url, sink):
+        yield made
+
+
+@pytest.fixture
+async def env_off(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
+    async for made in _env(migrated_url, sink, reply=""):
+        yield made
+
+
+async def setup(env: Env, name: str = "acme") -> tuple[Org, dict[str, Any]]:
+    """An organization with a lead and a worker, its review cards mailed to its member;
+    a Member and a Viewer."""
+    app = env.app
+    org = await make_org(app, name)
+    await make_agent(app, org, "lead")
+    worker = await make_agent(app, org, "worker", lead="lead")
+    async with app.db.tx() as conn:
+        await add_destination(
+            conn,
+            app.clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=None,
+            channel="email",
+            target=f"member@{name}.io",
+            tier="notify",
+        )
+        for email, role in ((f"member@{name}.io", "Member"), (f"viewer@{name}.io", "Viewer")):
+            await orgs.create_user(
+                conn, app.clock, app.ids, org.id, email, role, orgs.hash_password("password1")
+            )
+    return org, worker
+
+
+async def card_mail(env: Env, item_id: str) -> dict[str, Any]:
+    """The newest card mail of ``item_id`` the relay sent."""
+    await drain(env.app.relay)
+    mails = [m for m in env.sink.messages if item_id in m["body"]]
+    assert mails, [m["subject"] for m in env.sink.messages]
+    return mails[-1]
+
+
+async def escalated(env: Env, org: Org, worker: dict[str, Any], session: str) -> str:
+    """A new item of ``worker`` that the lead escalated (awaitingHuman)."""
+    known = {i["id"] for i in (await env.app.reviews.queue(org.principal))["items"]}
+    await env.app.turns.run(api_trigger(org, worker, "hard #escalate #complete", session))
+    await drain(env.app.lead_runner)
+    queue = (await env.app.reviews.queue(org.principal))["items"]
+    return str(
+        next(i["id"] for i in queue if i["status"] == "awaitingHuman" and i["id"] not in known)
+    )
+
+
+async def reply(
+    env: Env,
+    to: str,
+    text: str,
+    *,
+    sender: str = "member@acme.io",
+    envelope: str | None = None,
+    subject: str = "Re: Review needed",
+    html: bool = False,
+    headers: dict[str, str] | None = None,
+) -> int:
+    """Send a reply to ``to`` through the listener (``html``: an HTML-only mail in
+    ISO-8859-1); the SMTP code it ended with (the first refusal, or 250)."""
+    message = EmailMessage()
+    message["From"] = sender
+    message["To"] = to
+    message["Subject"] = subject
+    for name, value in (headers or {}).items():
+        message[name] = value
+    if html:
+        message.set_content(text, subtype="html", charset="iso-8859-1")
+    else:
+        message.set_content(text)
+    try:
+        await aiosmtplib.send(
+            message,
+            sender=envelope or sender,
+            recipients=[to],
+            hostname="127.0.0.1",
+            port=env.port,
+            timeout=5,
+        )
+    except aiosmtplib.SMTPRecipientsRefused as exc:
+        return exc.recipients[0].code
+    except aiosmtplib.SMTPResponseException as exc:
+        return exc.code
+    return 250
+
+
+async def answer_to(env: Env, who: str, count: int = 1) -> list[dict[str, Any]]:
+    """The answers to replies the listener mailed to ``who`` (waits for ``count``)."""
+
+    def mails() -> list[dict[str, Any]]:
+        return [m for m in env.sink.messages if m["rcpt_tos"] == [who] and m["in_reply_to"]]
+
+    assert await eventually(lambda: len(mails()) >= count), env.sink.messages
+    return mails()
+
+
+def email_approvals() -> float:
+    """``leadgate_review_decisions_total{surface="email",verdict="approve"}``."""
+    labels = {"surface": "email", "verdict": "approve"}
+    found = METRICS.registry.get_sample_value("leadgate_review_decisions_total", labels)
+    return found or 0.0
+
+
+def reply_address(mail: dict[str, Any]) -> str:
+    assert mail["reply_to"] is not None and REPLY_TO.fullmatch(mail["reply_to"]), mail
+    return str(mail["reply_to"])
+
+
+async def test_a_reviewer_approves_by_replying_to_the_card(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    card = await card_mail(env, item_id)
+    to = reply_address(card)
+    assert card["rcpt_tos"] == ["member@acme.io"]
+    assert "first line 'approve'" in card["body"] or "'approve' as the first line" in card["body"]
+    assert "quoted original" in card["body"]
+
+    decided = email_approvals()
+    quoted = "Approve\n\nOn Monday leadgate wrote:\n> reject this\n> " + card["body"][:200]
+    assert await reply(env, to, quoted) == 250
+    # Decided and committed before the 250.
+    assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
+    approve = next(a for a in await item_audit(env.app, item_id) if a["action"] == "approve")
+    assert approve["surface"] == "email"
+    assert approve["identity"] == "email:member@acme.io"
+    assert approve["actor"].startswith("user:")
+    assert email_approvals() == decided + 1
+    [answer] = await answer_to(env, "member@acme.io")
+    assert answer["body"].startswith("Your decision was recorded: Approved by member@acme.io")
+    assert answer["subject"] == "Re: Review needed" and answer["from"] == BOT
+
+    # The same reply again (the sending server retried) finds it decided.
+    assert await reply(env, to, "approve") == 250
+    answers = await answer_to(env, "member@acme.io", 2)
+    assert answers[-1]["body"].startswith("Already approved by member@acme.io (email) at ")
+    actions = [a["action"] for a in await item_audit(env.app, item_id)]
+    assert actions.count("approve") == 1
+
+
+async def test_reject_with_a_reason_and_return_with_feedback(env: Env) -> None:
+    org, worker = await setup(env)
+    rejected = await escalated(env, org, worker, "s1")
+    returned = await escalated(env, org, worker, "s2")
+    to_reject = reply_address(await card_mail(env, rejected))
+    to_return = reply_address(await card_mail(env, returned))
+    assert to_reject != to_return
+
+    # A reason is needed: nothing is decided without one, and the reviewer is told.
+    assert await reply(env, to_reject, "reject") == 250
+    [told] = await answer_to(env, "member@acme.io")
+    assert told["body"].startswith("Nothing was decided: reason is required. Reply with")
+    assert (await item_row(env.app, rejected))["status"] == "awaitingHuman"
+    assert await reply(env, to_reject, "Reject: the figures are wrong\nsee page 2") == 250
+    row = await item_row(env.app, rejected)
+    assert row["status"] == "rejected"
+    audit = next(a for a in await item_audit(env.app, rejected) if a["action"] == "reject")
+    assert audit["text"] == "the figures are wrong\nsee page 2"
+    assert audit["identity"] == "email:member@acme.io"
+
+    # An HTML-only reply in Latin-1 is read as requester mail is.
+    body = "<p>Return</p><p>Add the Zahlen für Q3.</p><blockquote>approve</blockquote>"
+    assert await reply(env, to_return, body, html=True) == 250
+    audit = next(a for a in await item_audit(env.app, returned) if a["action"] == "return")
+    assert audit["text"] == "Add the Zahlen für Q3." and audit["surface"] == "email"
+
+
+async def test_an_unknown_first_word_decides_nothing_and_says_what_the_card_accepts(
+    env: Env,
+) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    # An out-of-office answer to the card is dropped: nothing decided, nothing answered.
+    auto = {"Auto-Submitted": "auto-replied"}
+    assert await reply(env, to, "approve", headers=auto) == 250
+    for text in ("looks fine to me", "confirm"):
+        assert await reply(env, to, text) == 250
+    answers = await answer_to(env, "member@acme.io", 2)
+    assert len(answers) == 2
+    for answer in answers:
+        assert answer["body"].startswith("Nothing was decided. Reply with 'approve'")
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+
+
+async def test_only_a_reviewer_of_the_cards_organization_decides(env: Env) -> None:
+    org, worker = await setup(env)
+    other, other_worker = await setup(env, "other")
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    foreign = reply_address(await card_mail(env, await escalated(env, other, other_worker, "o1")))
+    before = await item_audit(env.app, item_id)
+    for sender, envelope, address in (
+        ("viewer@acme.io", None, to),  # a Viewer may not review
+        ("stranger@example.com", None, to),  # no user
+        ("member@other.io", None, to),  # a reviewer, of another organization
+        ("member@acme.io", "stranger@example.com", to),  # the envelope sender is no one
+        ("member@acme.io", None, foreign),  # the token of another organization's card
+    ):
+        assert await reply(env, address, "approve", sender=sender, envelope=envelope) == 250
+        [*_, told] = await answer_to(env, sender, 1)
+        assert told["body"].strip() == "You cannot review in this organization."
+        env.sink.messages.clear()
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    assert await item_audit(env.app, item_id) == before
+
+
+async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    ask = "ask@lg.example"
+    await make_route(env.app, org, worker["id"], "email", {"address": ask, "sender": ANN})
+    await make_route(env.app, org, worker["id"], "email", {"address": ask, "sender": ZOE})
+
+    async def send(sender: str, envelope: str) -> int:
+        message = EmailMessage()
+        message["From"] = sender
+        message["To"] = f"{to}, {ask}"
+        message["Subject"] = "Re: card"
+        message.set_content("approve")
+        try:
+            await aiosmtplib.send(
+                message,
+                sender=envelope,
+                recipients=[to, ask],
+                hostname="127.0.0.1",
+                port=env.port,
+                timeout=5,
+            )
+        except aiosmtplib.SMTPResponseException as exc:
+            return exc.code
+        return 250
+
+    # The route allows the envelope sender but not the From (a Viewer): the route takes
+    # nothing, the card reply is refused in words, and the mail is still taken (250).
+    assert await send("viewer@acme.io", ZOE) == 250
+    [told] = await answer_to(env, "viewer@acme.io")
+    assert told["body"].strip() == "You cannot review in this organization."
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    # A reviewer allowed on the route: the card is decided and the mail starts a turn.
+    assert await send(ANN, ANN) == 250
+    assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
+    async with env.app.db.read() as conn:
+        turns = (
+            await conn.execute(
+                sa.select(sa.func.count()).where(t.sessions.c.key.like(f"email:{ask}:%"))
+            )
+        ).scalar()
+    assert turns == 1
+
+
+async def test_a_reply_to_a_card_of_an_earlier_wait_is_out_of_date(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    old = reply_address(await card_mail(env, item_id))
+    await env.app.reviews.decide(org.principal, item_id, "return", "again", surface="api")
+    await drain(RevisionRunner(env.app.turns))
+    await drain(env.app.lead_runner)
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    new = reply_address(await card_mail(env, item_id))
+    assert new != old
+    assert await reply(env, old, "approve") == 250
+    [told] = await answer_to(env, "member@acme.io")
+    assert told["body"].startswith("This card is out of date")
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    assert await reply(env, new, "approve") == 250
+    assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
+
+
+async def test_confirm_and_retry_a_delivery_unknown_card(env: Env) -> None:
+    org, worker = await setup(env)
+    env.slack.script = [Uncertain("read timeout after the request was written")] * 2
+    items = []
+    for thread in ("1700.1", "1700.2"):
+        await env.app.turns.run(slack_trigger(org, worker, "post it #complete", thread))
+        await drain(env.app.lead_runner)
+        await drain(env.app.relay)  # the post times out: deliveryUnknown, a card mailed
+        queue = (await env.app.reviews.queue(org.principal))["items"]
+        items = [i["id"] for i in queue]
+    assert len(items) == 2
+    confirmed, retried = items
+    to_confirm = reply_address(await card_mail(env, confirmed))
+    to_retry = reply_address(await card_mail(env, retried))
+    card = await card_mail(env, confirmed)
+    assert "'confirm'" in card["body"] and "'retry'" in card["body"]
+
+    assert await reply(env, to_confirm, "approve") == 250  # not what this card offers
+    assert (await item_row(env.app, confirmed))["status"] == "approved"
+    assert await reply(env, to_confirm, "Confirm") == 250
+    assert (await item_row(env.app, confirmed))["status"] == "completed"
+    audit = next(
+        a for a in await item_audit(env.app, confirmed) if a["action"] == "deliveryConfirmed"
+    )
+    assert (audit["surface"], audit["identity"]) == ("email", "email:member@acme.io")
+
+    sent = len(env.slack.calls)
+    assert await reply(env, to_retry, "retry") == 250
+    await drain(env.app.relay)
+    assert len(env.slack.calls) == sent + 1  # posted again, and this time it lands
+    assert (await item_row(env.app, retried))["status"] == "completed"
+
+
+async def test_the_database_down_at_data_is_451_and_nothing_changes(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    lost = await escalated(env, org, worker, "s2")
+    to = reply_address(await card_mail(env, item_id))
+    to_lost = reply_address(await card_mail(env, lost))
+    before = await item_audit(env.app, item_id)
+    db = env.app.db
+
+    async def data_while(address: str, down: list[tuple[str, DownFor]]) -> int:
+        """RCPT while the database is up, then DATA with ``down`` in place."""
+        message = EmailMessage()
+        message["From"] = "member@acme.io"
+        message["To"] = address
+        message["Subject"] = "Re: card"
+        message.set_content("approve")
+        async with aiosmtplib.SMTP(hostname="127.0.0.1", port=env.port, timeout=5) as smtp:
+            await smtp.mail("member@acme.io")
+            await smtp.rcpt(address)
+            with monkeypatch.context() as patch:
+                for name, fake in down:
+                    patch.setattr(db, name, fake)
+                try:
+                    await smtp.data(message.as_bytes())
+                except aiosmtplib.SMTPDataError as exc:
+                    return exc.code
+        return 250
+
+    # The card's lookup fails; then the decision's transaction: each time 451, nothing
+    # decided, and no answer mailed (the sending server retries).
+    assert await data_while(to, [("read", DownFor(db.read, 1, after_commit=False))]) == 451
+    assert await data_while(to, [("tx", DownFor(db.tx, 1, after_commit=False))]) == 451
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    assert await item_audit(env.app, item_id) == before
+    # The retry decides.
+    assert await reply(env, to, "approve") == 250
+    assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
+    [answer] = await answer_to(env, "member@acme.io")
+    assert answer["body"].startswith("Your decision was recorded: Approved")
+
+    # Committed, but the connection was lost at COMMIT: 451, and the retry finds it decided.
+    assert await data_while(to_lost, [("tx", DownFor(db.tx, 1, after_commit=True))]) == 451
+    assert (await item_row(env.app, lost))["status"] in ("approved", "completed")
+    assert await reply(env, to_lost, "approve") == 250
+    answers = await answer_to(env, "member@acme.io", 2)
+    assert answers[-1]["body"].startswith("Already approved by member@acme.io (email)")
+    actions = [a["action"] for a in await item_audit(env.app, lost)]
+    assert actions.count("approve") == 1
+
+
+async def test_unknown_tokens_are_refused_at_rcpt_and_the_token_is_kept_hashed(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    match = REPLY_TO.fullmatch(to)
+    assert match is not None
+    token = match.group(1)
+    for address in (
+        f"review+{'0' * 32}@reviews.example.com",  # no such card
+        "review+not-a-token@reviews.example.com",
+        f"review+{token}x@reviews.example.com",
+    ):
+        assert await reply(env, address, "approve") == 550
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+
+    # No row holds the token: the card's row keeps its hash, and the sent card mail's
+    # outbox row no longer carries its Reply-To.
+    async with env.app.db.read() as conn:
+        rows = [
+            repr(tuple(row))
+            for table in t.metadata.sorted_tables
+            for row in (await conn.execute(sa.select(table))).all()
+        ]
+        hashes = (await conn.execute(sa.select(t.review_cards.c.reply_token_hash))).scalars()
+        assert token_hash(token) in set(hashes)
+    assert not [r for r in rows if token in r]
+
+
+async def test_without_the_setting_cards_have_no_reply_to_and_plus_addresses_are_refused(
+    env_off: Env,
+) -> None:
+    env = env_off
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    card = await card_mail(env, item_id)
+    assert card["reply_to"] is None
+    assert "To decide by email" not in card["body"]
+    async with env.app.db.read() as conn:
+        hashes = (await conn.execute(sa.select(t.review_cards.c.reply_token_hash))).scalars()
+        assert set(hashes) == {None}
+    assert await reply(env, f"review+{'a' * 32}@reviews.example.com", "approve") == 550
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
