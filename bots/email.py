@@ -79,8 +79,9 @@ CHANNEL = "email"
 MAX_MESSAGE_BYTES = 1_048_576
 
 _TEMPFAIL = "451 4.3.0 Temporary failure, please try again later"
-#: A card reply address whose token names no card (or cannot be one).
-_NO_CARD = "550 5.1.1 No such review card (review.reply_token)"
+#: The rule of a card reply address whose token names no card (or cannot be one).
+REPLY_TOKEN_RULE = "review.reply_token"
+_NO_CARD = f"550 5.1.1 No such review card ({REPLY_TOKEN_RULE})"
 
 
 # ----------------------------------------------------------------------------- inbound
