@@ -77,9 +77,16 @@ async def run_loop(
             # The database is busy, full or down: back off (capped low, so the runner
             # resumes within seconds of the fault's end) and say so without a traceback.
             failures += 1
-            log.warning("runner %s: database unavailable (%s); retrying", runner.name, exc.detail)
+            log.warning(
+                "runner %s: database unavailable (%s: %s); retrying",
+                runner.name,
+                exc.rule,
+                exc.detail,
+            )
             busy = False
-            await asyncio.sleep(min(5.0, 0.25 * 2**failures))
+            # Stopping does not wait out the back-off.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=min(5.0, 0.25 * 2**failures))
         except DatabaseDamaged as exc:
             # Only restoring the file ends it: back off as far as for a bug, but say
             # what it is (naming the file) without a traceback, and stop at once when

@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+from leadgate.core.errors import log_failure
 from leadgate.domain.session_events import WATCH_RENEW_S
 
 log = logging.getLogger("leadgate.events")
@@ -121,7 +122,7 @@ class EventHub:
             try:
                 await self.renew()
             except Exception as exc:
-                log.warning("renewing watched sessions failed: %s", exc)
+                log_failure(log, exc, "renewing watched sessions failed")
 
     def subscribe(self, session_id: str) -> Waiter:
         """A waiter woken whenever ``session_id`` has new events (:meth:`unsubscribe`

@@ -38,7 +38,7 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import ValidationError, log_failure
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -189,7 +189,7 @@ class Idempotency:
                         log.info("an Idempotency-Key claim was taken over; renewal stops")
                         return
                 except Exception as exc:  # the next round tries again
-                    log.warning("renewing an Idempotency-Key claim failed: %s", type(exc).__name__)
+                    log_failure(log, exc, "renewing an Idempotency-Key claim failed")
 
         async with alongside(renew(), name="idempotency-renewal"):
             yield

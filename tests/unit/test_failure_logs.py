@@ -1,14 +1,26 @@
 """How a failure met with no caller to answer is logged (``leadgate.core.errors.log_failure``:
-background tasks, the revision and recovery runners' passes)."""
+background tasks, the revision and recovery runners' passes, the renewals of watched
+sessions and of idempotency claims; a runner loop's back-off): a database fault is one
+WARNING naming the rule."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
+from leadgate.core.auth import Principal
+from leadgate.core.clock import FakeClock
 from leadgate.core.errors import DatabaseDamaged, Unavailable, log_failure
+from leadgate.core.runners import run_loop
 from leadgate.core.tasks import Background
+from leadgate.operations import idempotency
+from leadgate.operations.event_hub import EventHub
+from tests.fakes import DownFor
+from tests.helpers import eventually
 
 
 async def test_a_database_fault_is_one_line_and_a_bug_keeps_its_traceback(
@@ -47,3 +59,69 @@ def test_a_damaged_database_is_one_line_naming_the_caller(
     assert line.exc_info is None and line.levelno == logging.WARNING
     # The record names where the failure was met, not the helper.
     assert line.funcName == "test_a_damaged_database_is_one_line_naming_the_caller"
+
+
+class _Down:
+    """A database whose every transaction meets a fault (the driver's text is secret)."""
+
+    def tx(self) -> Any:
+        return DownFor(lambda: None, 1, after_commit=False)()
+
+
+def _faults(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == logger and r.levelno >= logging.WARNING]
+
+
+async def test_a_runner_pass_meeting_the_database_down_names_the_rule_and_stops_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stop = asyncio.Event()
+
+    class Down:
+        name = "sweeper"
+
+        async def run_once(self) -> bool:
+            stop.set()  # asked to stop during the back-off that follows
+            raise Unavailable("database down", rule="service.unavailable")
+
+    caplog.set_level(logging.INFO)
+    await asyncio.wait_for(run_loop(Down(), wake=asyncio.Event(), stop=stop, poll_s=60), 1.0)
+    [line] = _faults(caplog, "leadgate.runners")
+    assert line.levelno == logging.WARNING and line.exc_info is None
+    assert "runner sweeper: database unavailable (service.unavailable: " in line.getMessage()
+
+
+async def test_renewing_watched_sessions_with_the_database_down_names_the_rule(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stop = asyncio.Event()
+
+    async def mark(sessions: Sequence[str]) -> None:
+        stop.set()
+        raise Unavailable("SECRET driver text", rule="service.unavailable")
+
+    hub = EventHub(mark, renew_s=0)
+    hub.subscribe("s_1")
+    caplog.set_level(logging.INFO)
+    await asyncio.wait_for(hub.renew_forever(stop), 1.0)
+    [line] = _faults(caplog, "leadgate.events")
+    assert (
+        line.getMessage()
+        == "renewing watched sessions failed: database fault (service.unavailable)"
+    )
+
+
+async def test_renewing_an_idempotency_claim_with_the_database_down_names_the_rule(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(idempotency, "RENEW_EVERY_S", 0)
+    idem = idempotency.Idempotency(_Down(), FakeClock())  # type: ignore[arg-type]
+    principal = Principal("org_1", frozenset())
+    caplog.set_level(logging.INFO)
+    async with idem.held(principal, idempotency.Claim("run", "hash", owner="o")):
+        assert await eventually(lambda: bool(_faults(caplog, "leadgate.idempotency")))
+    line = _faults(caplog, "leadgate.idempotency")[0]
+    assert line.levelno == logging.WARNING and line.exc_info is None
+    assert line.getMessage() == (
+        "renewing an Idempotency-Key claim failed: database fault (service.unavailable)"
+    )
