@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from nacl.signing import SigningKey
 
 from leadgate.app import App
-from leadgate.core.clock import FakeClock
+from leadgate.core.clock import FakeClock, IdFactory
 from leadgate.core.config import Settings
 from leadgate.turns.providers.base import Provider
 
@@ -51,12 +51,16 @@ async def served_app(
     providers: dict[str, Provider] | None = None,
     like_production: bool = False,
     adapters: bool = False,
+    ids: IdFactory | None = None,
 ) -> AsyncIterator[tuple[App, Client]]:
     """``App`` on ``url`` (extra config sections in ``config``) and a client of it
     (``like_production``: handlers are not cancelled when their client goes away;
-    ``adapters``: the channel adapters ``config`` turns on are mounted and run)."""
+    ``adapters``: the channel adapters ``config`` turns on are mounted and run; ``ids``:
+    the id factory, random ids by default)."""
     settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
-    service = App(settings, clock=FakeClock(), providers=providers, enable_adapters=adapters)
+    service = App(
+        settings, clock=FakeClock(), ids=ids, providers=providers, enable_adapters=adapters
+    )
     server = (ServedLikeProduction if like_production else TestServer)(
         service.web_app(), host="127.0.0.1"
     )

@@ -35,7 +35,7 @@ from leadgate.core.limits import (
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, damage_met
 from leadgate.database.faults import unavailable
 from leadgate.database.sql import insert_ignore_stmt, later_of_sql
 from leadgate.domain import agents as agents_mod
@@ -797,9 +797,15 @@ class TurnService:
                 # SELECT for both.
                 try:
                     summary, item = await self.signalled_item(conn, ctx)
-                except Unavailable:
-                    raise  # nothing is shown; the turn is tried again whole (see _finish)
-                except Exception:
+                except Exception as exc:
+                    if unavailable(exc) is not None or damage_met(conn, exc) is not None:
+                        # A database fault, still the driver's error inside the body:
+                        # the transaction's end raises it as Unavailable (or
+                        # DatabaseDamaged) and the turn's last transaction is tried
+                        # again (see _finish). Withholding here committed the text
+                        # with the run finished and the item left inProgress, its
+                        # signal never acted on: the work never reached its review.
+                        raise
                     # Fail closed: when we cannot tell whether the work was handed off,
                     # the text is withheld.
                     log.exception("reading the completion signal failed; withholding")

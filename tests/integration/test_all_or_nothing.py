@@ -1,0 +1,375 @@
+"""All or nothing, by enumeration: a database fault at each statement of each write path.
+
+The README promises nothing half-written and nothing accepted lost: every state change is
+one transaction, its audit rows in it. For each write path below, on SQLite:
+
+1. the operation runs once on a fresh copy of a prepared database, its statements
+   counted (n) and the committed state taken at each transaction boundary;
+2. for each k in 1..n, on a fresh copy, statement k fails as a real I/O error does
+   (:mod:`tests.statement_faults`: the driver's own error, from its ``execute``): the
+   operation must fail the documented way, and every table must then hold the state of
+   one of the clean run's boundaries (before it, or after one of its commits), never
+   something in between;
+3. the operation then runs again without the fault and must end where the clean run
+   ended (nothing lost, nothing doubled, nothing left under a lease).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from aiohttp import ClientResponse
+
+from leadgate.app import App
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.runners.recovery import TurnRecovery
+from tests.helpers import Anonymizer, Org, make_agent, make_org
+from tests.serving import Client, served_app
+from tests.statement_faults import SqliteFaults
+
+pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+#: Columns holding a hash of a random secret (or a random token): equal in no two runs.
+_RANDOM = {("api_keys", "secret_hash")}
+
+Dump = dict[str, list[tuple[Any, ...]]]
+
+
+class CountedIds:
+    """Ids in creation order from ``start`` (16 hex digits, as :class:`Anonymizer`
+    knows them): every run of one operation makes the same ids in the same order."""
+
+    def __init__(self, start: int) -> None:
+        self.next = start
+
+    def new(self, prefix: str) -> str:
+        self.next += 1
+        return f"{prefix}_{self.next:016x}"
+
+
+#: A stored completion's ``created``: the wall clock's seconds (not the service's clock).
+_CREATED = re.compile(r'"created": [0-9]+')
+
+
+def _same_second(value: Any) -> Any:
+    return _CREATED.sub('"created": 0', value) if isinstance(value, str) else value
+
+
+def dump(connect: Callable[..., sqlite3.Connection], path: str) -> Dump:
+    """Every row of every table of the schema, in insertion order."""
+    conn = connect(path)
+    try:
+        out: Dump = {}
+        for table in t.metadata.sorted_tables:
+            cols = [c.name for c in table.columns if (table.name, c.name) not in _RANDOM]
+            names = ", ".join(f'"{c}"' for c in cols)
+            rows = conn.execute(f'SELECT {names} FROM "{table.name}" ORDER BY rowid')
+            out[table.name] = [tuple(map(_same_second, row)) for row in rows]
+        return out
+    finally:
+        conn.close()
+
+
+_ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
+
+
+def comparable(state: Dump) -> dict[str, list[Any]]:
+    """``state`` with its ids numbered by first appearance (in strings too), for
+    comparing two runs that made different ids."""
+    anonymize = Anonymizer()
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, str):
+            return _ID_IN.sub(lambda m: str(anonymize(m.group(0))), value)
+        return value
+
+    return {name: [tuple(norm(v) for v in row) for row in rows] for name, rows in state.items()}
+
+
+def differences(a: Dump, b: Dump) -> str:
+    """The tables where ``a`` and ``b`` differ, for an assertion's message."""
+    lines = []
+    for name in a:
+        if a[name] != b[name]:
+            lines.append(f"{name}:\n  {a[name]}\n  {b[name]}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Served:
+    """One run's service, its client and the faults of its database file."""
+
+    app: App
+    client: Client
+    faults: SqliteFaults
+    path: str
+    ctx: Any
+
+
+Operation = Callable[[Served], Awaitable[Any]]
+
+
+@dataclass
+class WritePath:
+    """A write path: ``prepare`` once (on the template), then ``operation`` per run;
+    ``failed`` checks what a run that met the fault answered; ``again`` is what the
+    client (or the runner's next pass) does afterwards (default: ``operation``)."""
+
+    prepare: Callable[[Served], Awaitable[Any]]
+    operation: Operation
+    succeeded: Callable[[Any], None]
+    failed: Callable[[Any], None]
+    again: Operation | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    #: whether a failure is one the client is told not to retry (the work was taken in
+    #: and the rest of it given up, as documented): the operation again must then answer
+    #: the same and change nothing
+    final: Callable[[Any], bool] = lambda _outcome: False
+    #: what the failure's own answer writes (an Idempotency-Key's stored answer), taken
+    #: out of a state before it is compared with the clean run's boundaries
+    answer: Callable[[Dump], Dump] = lambda state: state
+    #: after a final failure: what the service does next by itself (a runner's pass),
+    #: and the check of the state it leaves
+    recover: Operation | None = None
+    recovered: Callable[[Dump, Dump], None] = lambda _before, _after: None
+
+
+@asynccontextmanager
+async def serve(
+    path: str, config: dict[str, Any], monkeypatch: pytest.MonkeyPatch, ctx: Any
+) -> AsyncIterator[Served]:
+    with monkeypatch.context() as patch:
+        faults = SqliteFaults(path, patch)
+        async with served_app(
+            f"sqlite+aiosqlite:///{path}", config=config, ids=CountedIds(1 << 40)
+        ) as (app, client):
+            yield Served(app, client, faults, path, ctx)
+
+
+async def enumerate_faults(
+    write: WritePath, template: str, tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """Steps 1 to 3 of the module's docstring for ``write``; the statements counted."""
+    base = str(tmp / "base.db")
+    shutil.copyfile(template, base)
+    async with serve(base, write.config, monkeypatch, None) as served:
+        ctx = await write.prepare(served)
+
+    def copy(name: str) -> str:
+        path = str(tmp / f"{name}.db")
+        shutil.copyfile(base, path)
+        return path
+
+    # 1. The clean run: its statements and its boundaries.
+    async with serve(copy("clean"), write.config, monkeypatch, ctx) as run:
+        connect = run.faults.real_connect
+        boundaries = [dump(connect, run.path)]
+
+        def settled() -> None:
+            state = dump(connect, run.path)
+            if state != boundaries[-1]:
+                boundaries.append(state)
+
+        run.faults.on_settled = settled
+        run.faults.arm(None)
+        write.succeeded(await write.operation(run))
+        run.faults.disarm()
+        n = run.faults.count
+        statements = run.faults.statements
+        end = dump(connect, run.path)
+    assert end == boundaries[-1], differences(end, boundaries[-1])
+    assert n > 0
+    # 2. and 3. A fault at each statement, then the operation again.
+    shrugged: list[int] = []
+    given_up: list[int] = []
+    for k in range(1, n + 1):
+        async with serve(copy(f"k{k}"), write.config, monkeypatch, ctx) as run:
+            run.faults.arm(k)
+            outcome = await write.operation(run)
+            run.faults.disarm()
+            where = f"fault at statement {k}/{n}: {statements[k - 1]}"
+            assert run.faults.fired == statements[k - 1], where
+            state = dump(run.faults.real_connect, run.path)
+            try:
+                write.failed(outcome)
+            except AssertionError as exc:
+                # A fault the operation shrugs off (ending a read; storing a REST
+                # answer under its Idempotency-Key, which lapses instead) must still
+                # leave a boundary's state.
+                try:
+                    write.succeeded(outcome)
+                except AssertionError:
+                    raise AssertionError(f"{where}: {exc}") from exc
+                assert state in boundaries, f"{where}: succeeded, half-written\n" + (
+                    differences(state, end)
+                )
+                shrugged.append(k)
+                continue
+            seen = write.answer(state)
+            assert seen in boundaries, f"{where}: half-written\n" + "\n".join(
+                f"-- vs boundary {i}:\n{differences(seen, b)}" for i, b in enumerate(boundaries)
+            )
+            if write.final(outcome):
+                write.failed(await (write.again or write.operation)(run))
+                after = dump(run.faults.real_connect, run.path)
+                assert after == state, f"{where}: again\n" + differences(after, state)
+                if write.recover is not None:
+                    await write.recover(run)
+                    try:
+                        write.recovered(state, dump(run.faults.real_connect, run.path))
+                    except AssertionError as exc:
+                        raise AssertionError(f"{where}: recovered: {exc}") from exc
+                given_up.append(k)
+                continue
+            write.succeeded(await (write.again or write.operation)(run))
+            final = comparable(dump(run.faults.real_connect, run.path))
+            assert final == comparable(end), f"{where}: not the clean end\n" + differences(
+                final, comparable(end)
+            )
+    print(f"{n} statements (ok: succeeded despite the fault; final: told not to retry):")
+    for k, sql in enumerate(statements, 1):
+        mark = "ok   " if k in shrugged else "final" if k in given_up else "     "
+        print(f"{k:3} {mark} {' '.join(sql.split())[:150]}")
+    return n
+
+
+@pytest.fixture
+def template(migrated_url: str) -> str:
+    """The migrated database file (a copy of the session's template)."""
+    return migrated_url.removeprefix("sqlite+aiosqlite:///")
+
+
+# ------------------------------------------------------------------ REST turns
+
+
+def chat(text: str, session: str, idem: str, *, model: str = "plain") -> Operation:
+    async def run(served: Served) -> ClientResponse:
+        org: Org = served.ctx
+        headers = {
+            "Authorization": f"Bearer {org.key}",
+            "X-Session-Id": session,
+            "Idempotency-Key": idem,
+        }
+        body = {"model": model, "messages": [{"role": "user", "content": text}]}
+        resp = await served.client.post("/v1/chat/completions", json=body, headers=headers)
+        await resp.read()
+        return resp
+
+    return run
+
+
+def status(code: int) -> Callable[[Any], None]:
+    def check(resp: Any) -> None:
+        assert resp.status == code, resp.status
+
+    return check
+
+
+def unavailable(resp: Any) -> None:
+    """503 naming the rule, with Retry-After when a retry is safe."""
+    assert resp.status == 503, resp.status
+    body = json.loads(resp._body)
+    rule = body["error"]["rule"]
+    assert rule in ("service.unavailable", "turn.interrupted"), body
+    if rule == "service.unavailable":
+        assert int(resp.headers["Retry-After"]) >= 1
+
+
+def interrupted(resp: Any) -> bool:
+    """A 503 ``turn.interrupted``: the message was taken in, "do not send it again"."""
+    return bool(json.loads(resp._body)["error"]["rule"] == "turn.interrupted")
+
+
+def without_stored_error(state: Dump) -> Dump:
+    """``state`` with an Idempotency-Key's stored 503 taken out (the key as claimed)."""
+    keys = t.idempotency_keys
+    at = [c.name for c in keys.columns].index("response")
+    rows = [
+        (*row[:at], None, *row[at + 1 :])
+        if isinstance(row[at], str) and '"status": 503' in row[at]
+        else row
+        for row in state[keys.name]
+    ]
+    return {**state, keys.name: rows}
+
+
+async def plain_agent(served: Served) -> Org:
+    org = await make_org(served.app)
+    await make_agent(served.app, org, "plain")
+    return org
+
+
+async def test_a_plain_rest_turn(
+    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = WritePath(
+        prepare=plain_agent,
+        operation=chat("hello", "s1", "k-1"),
+        succeeded=status(200),
+        failed=unavailable,
+        final=interrupted,
+        answer=without_stored_error,
+    )
+    n = await enumerate_faults(write, template, tmp_path, monkeypatch)
+    assert n > 5
+
+
+async def lead_and_worker(served: Served) -> Org:
+    org = await make_org(served.app)
+    await make_agent(served.app, org, "lead")
+    await make_agent(served.app, org, "worker", lead="lead")
+    return org
+
+
+def gated(resp: Any) -> None:
+    """409 LEAD_REVIEW_PENDING: the work item waits for its lead (reviewQueued)."""
+    assert resp.status == 409, resp.status
+    assert json.loads(resp._body)["error"]["code"] == "LEAD_REVIEW_PENDING"
+
+
+async def recover_turns(served: Served) -> None:
+    """The ``turn-recovery`` runner's passes (the request's own run is an orphan)."""
+    await drain(TurnRecovery(served.app.turns))
+
+
+def column(state: Dump, table: sa.Table, name: str) -> list[Any]:
+    """The values of one column of ``table`` in ``state``."""
+    at = [c.name for c in table.columns if (table.name, c.name) not in _RANDOM].index(name)
+    return [row[at] for row in state[table.name]]
+
+
+def handed_to_a_human(before: Dump, after: Dump) -> None:
+    """A cut REST turn's run is closed by the recovery, and a committed
+    ``complete_task`` signal goes to a human (README, the table of cut turns); without
+    one the item stays ``inProgress``, its message in the transcript."""
+    signalled = column(before, t.work_items, "signal_turn_id") != [None]
+    want = "awaitingHuman" if signalled else "inProgress"
+    assert column(after, t.work_items, "status") == [want]
+    assert after[t.turn_runs.name] == []
+
+
+async def test_a_gated_rest_turn_up_to_review_queued(
+    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = WritePath(
+        prepare=lead_and_worker,
+        operation=chat("ship it #complete", "g1", "k-g", model="worker"),
+        succeeded=gated,
+        failed=unavailable,
+        final=interrupted,
+        answer=without_stored_error,
+        recover=recover_turns,
+        recovered=handed_to_a_human,
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)

@@ -1,0 +1,127 @@
+"""A database fault at the k-th statement, the way SQLite's driver reports a real one.
+
+:class:`SqliteFaults` patches ``sqlite3.connect`` for one database file: every
+connection the service opens to it (the inline writer, the readers, the engine's) is a
+stdlib connection whose cursors count the statements they execute from :meth:`arm` on
+and make statement ``k`` raise ``sqlite3.OperationalError("disk I/O error")`` with
+SQLite's code (``SQLITE_IOERR_WRITE``) before it runs, from the driver's own
+``execute``: the product's own error handling is what runs. With ``whole_transaction``
+the fault also rolls back the open transaction first, as SQLite does by itself after
+some I/O errors and a full disk.
+
+It also tells, while counting, when a connection that wrote is left outside a
+transaction (a COMMIT or a ROLLBACK): ``on_settled`` runs then, so a test can take the
+committed state of every transaction boundary of a run (see
+tests/integration/test_all_or_nothing.py)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+
+
+class FaultySqlite(sqlite3.Connection):
+    """A stdlib connection whose cursors ask :attr:`faults` before each statement."""
+
+    faults: SqliteFaults
+
+    def cursor(self, factory: Any = None) -> Any:
+        return super().cursor(factory or _FaultyCursor)
+
+
+class _FaultyCursor(sqlite3.Cursor):
+    def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
+        faults = self.connection.faults  # type: ignore[attr-defined]
+        faults.before(self.connection, sql)
+        result = super().execute(sql, parameters)
+        faults.after(self.connection)
+        return result
+
+    def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> Any:  # type: ignore[override]
+        faults = self.connection.faults  # type: ignore[attr-defined]
+        faults.before(self.connection, sql)
+        result = super().executemany(sql, seq_of_parameters)
+        faults.after(self.connection)
+        return result
+
+
+def io_error() -> sqlite3.OperationalError:
+    """What the driver raises when a write meets an I/O error."""
+    error = sqlite3.OperationalError("disk I/O error")
+    error.sqlite_errorcode = sqlite3.SQLITE_IOERR_WRITE
+    error.sqlite_errorname = "SQLITE_IOERR_WRITE"
+    return error
+
+
+class SqliteFaults:
+    """Counts (and fails) the statements run on the SQLite file at ``path``."""
+
+    def __init__(self, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.path = path
+        #: statements counted since :meth:`arm`; the SQL of each, in order
+        self.statements: list[str] = []
+        self.fail_at: int | None = None
+        self.whole_transaction = False
+        #: the SQL of the statement that was made to fail (None: none yet)
+        self.fired: str | None = None
+        #: called after a connection that changed rows is left without a transaction
+        self.on_settled: Callable[[], None] | None = None
+        self._counting = False
+        self._settled: dict[int, int] = {}
+        #: ``sqlite3.connect`` itself (for reading the file beside the service)
+        self.real_connect: Callable[..., sqlite3.Connection] = sqlite3.connect
+        real = self.real_connect
+
+        def connect(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+            if str(database) != path or "factory" in kwargs:
+                other: sqlite3.Connection = real(database, *args, **kwargs)
+                return other
+            conn = real(database, *args, factory=FaultySqlite, **kwargs)
+            assert isinstance(conn, FaultySqlite)
+            conn.faults = self
+            return conn
+
+        monkeypatch.setattr(sqlite3, "connect", connect)
+
+    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
+        """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
+        self.statements = []
+        self.fail_at = at
+        self.whole_transaction = whole_transaction
+        self.fired = None
+        self._counting = True
+
+    def disarm(self) -> None:
+        """Stop counting; nothing fails any more."""
+        self._counting = False
+        self.fail_at = None
+
+    @property
+    def count(self) -> int:
+        """Statements counted since :meth:`arm`."""
+        return len(self.statements)
+
+    def before(self, conn: sqlite3.Connection, sql: str) -> None:
+        """Count ``sql``; raise the driver's I/O error when it is the one to fail."""
+        if not self._counting:
+            return
+        self.statements.append(sql)
+        if self.count != self.fail_at:
+            return
+        self.fired = sql
+        if self.whole_transaction and conn.in_transaction:
+            sqlite3.Cursor(conn).execute("ROLLBACK")
+        raise io_error()
+
+    def after(self, conn: sqlite3.Connection) -> None:
+        """Tell :attr:`on_settled` when a connection that changed rows since it was last
+        settled has no open transaction (it committed, or rolled back)."""
+        if not self._counting or self.on_settled is None or conn.in_transaction:
+            return
+        changes = conn.total_changes
+        if changes != self._settled.get(id(conn), 0):
+            self._settled[id(conn)] = changes
+            self.on_settled()
