@@ -31,10 +31,11 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse
 
 from leadgate.app import App
-from leadgate.core.runners import drain
+from leadgate.core.errors import Unavailable
+from leadgate.core.runners import Runner, drain
 from leadgate.database import schema as t
 from leadgate.runners.recovery import TurnRecovery
-from tests.helpers import Anonymizer, Org, make_agent, make_org
+from tests.helpers import Anonymizer, Org, item_row, make_agent, make_org, session_item
 from tests.serving import Client, served_app
 from tests.statement_faults import SqliteFaults
 
@@ -371,5 +372,121 @@ async def test_a_gated_rest_turn_up_to_review_queued(
         answer=without_stored_error,
         recover=recover_turns,
         recovered=handed_to_a_human,
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------ runners
+
+
+@dataclass
+class Pass:
+    """How a runner's passes ended: their rounds of work, or the fault they raised."""
+
+    worked: int = 0
+    fault: Unavailable | None = None
+
+
+def passes(runner_of: Callable[[App], Runner]) -> Operation:
+    """The runner's passes until it finds nothing (``drain``), or until one meets a
+    fault."""
+
+    async def run(served: Served) -> Pass:
+        try:
+            return Pass(worked=await drain(runner_of(served.app)))
+        except Unavailable as fault:
+            return Pass(fault=fault)
+
+    return run
+
+
+def worked(outcome: Any) -> None:
+    """No fault (a pass that commits a verdict kept in memory, or gives back a claim,
+    may find nothing else to do: the state tells whether the work was done)."""
+    assert isinstance(outcome, Pass) and outcome.fault is None, outcome
+
+
+def met_the_fault(outcome: Any) -> None:
+    assert isinstance(outcome, Pass) and outcome.fault is not None, outcome
+    assert outcome.fault.rule == "service.unavailable"
+
+
+async def queued_for_review(served: Served) -> Org:
+    org = await lead_and_worker(served)
+    resp = await chat("ship it #complete", "g1", "k-g", model="worker")(
+        Served(served.app, served.client, served.faults, served.path, org)
+    )
+    gated(resp)
+    return org
+
+
+async def test_the_review_runners_claim_and_verdict(
+    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = WritePath(
+        prepare=queued_for_review,
+        operation=passes(lambda app: app.lead_runner),
+        succeeded=worked,
+        failed=met_the_fault,
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------ the operator API
+
+
+@dataclass
+class Escalated:
+    """An organization and its work item the lead escalated (``awaitingHuman``)."""
+
+    org: Org
+    item: str
+
+
+async def escalated(served: Served) -> Escalated:
+    org = await lead_and_worker(served)
+    with_org = Served(served.app, served.client, served.faults, served.path, org)
+    gated(await chat("hard #escalate #complete", "e1", "k-e", model="worker")(with_org))
+    await drain(served.app.lead_runner)
+    item = await session_item(served.app, "h:e1")
+    assert (await item_row(served.app, item))["status"] == "awaitingHuman"
+    return Escalated(org, item)
+
+
+def decide(action: str, body: dict[str, str] | None = None) -> Operation:
+    async def run(served: Served) -> ClientResponse:
+        ctx: Escalated = served.ctx
+        resp = await served.client.post(
+            f"/operator/reviews/{ctx.item}/{action}",
+            json=body or {},
+            headers={"Authorization": f"Bearer {ctx.org.key}"},
+        )
+        await resp.read()
+        return resp
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("action", "body"),
+    [
+        ("approve", None),
+        ("reject", {"reason": "not this way"}),
+        ("return", {"feedback": "once more, with sources"}),
+        ("cancel", None),
+    ],
+)
+async def test_an_operators_decision(
+    action: str,
+    body: dict[str, str] | None,
+    template: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    write = WritePath(
+        prepare=escalated,
+        operation=decide(action, body),
+        succeeded=status(200),
+        failed=unavailable,
     )
     await enumerate_faults(write, template, tmp_path, monkeypatch)
