@@ -464,28 +464,31 @@ async def test_the_review_runners_claim_and_verdict(
 
 
 @dataclass
-class Escalated:
-    """An organization and its work item the lead escalated (``awaitingHuman``)."""
+class Target:
+    """An organization and the id of what an operator acts on (a work item the lead
+    escalated, a delivery)."""
 
     org: Org
-    item: str
+    id: str
 
 
-async def escalated(served: Served) -> Escalated:
+async def escalated(served: Served) -> Target:
     org = await lead_and_worker(served)
     with_org = Served(served.app, served.client, served.faults, served.path, org)
     gated(await chat("hard #escalate #complete", "e1", "k-e", model="worker")(with_org))
     await drain(served.app.lead_runner)
     item = await session_item(served.app, "h:e1")
     assert (await item_row(served.app, item))["status"] == "awaitingHuman"
-    return Escalated(org, item)
+    return Target(org, item)
 
 
-def decide(action: str, body: dict[str, str] | None = None) -> Operation:
+def operator(route: str, action: str, body: dict[str, str] | None = None) -> Operation:
+    """``POST /operator/{route}/{id}/{action}`` with the Owner key."""
+
     async def run(served: Served) -> ClientResponse:
-        ctx: Escalated = served.ctx
+        ctx: Target = served.ctx
         resp = await served.client.post(
-            f"/operator/reviews/{ctx.item}/{action}",
+            f"/operator/{route}/{ctx.id}/{action}",
             json=body or {},
             headers={"Authorization": f"Bearer {ctx.org.key}"},
         )
@@ -513,7 +516,7 @@ async def test_an_operators_decision(
 ) -> None:
     write = WritePath(
         prepare=escalated,
-        operation=decide(action, body),
+        operation=operator("reviews", action, body),
         succeeded=status(200),
         failed=unavailable,
     )
@@ -556,6 +559,43 @@ async def test_the_relays_claim_and_outcome_of_a_slack_delivery(
         operation=passes(lambda app: app.relay),
         succeeded=worked,
         failed=met_the_fault,
+        config=slack_config(slack_api),
+        adapters=True,
+        effects=lambda: len(slack_api.posts),
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+def unknown_slack_delivery(standin: SlackApiStandin) -> Callable[[Served], Awaitable[Target]]:
+    """A gating Slack delivery whose post is uncertain (the connection reset under it):
+    ``deliveryUnknown``."""
+
+    async def prepare(served: Served) -> Target:
+        org = await approved_for_slack(served)
+        standin.queue("reset")
+        await drain(served.app.relay)
+        d = t.deliveries.c
+        async with served.app.db.read() as conn:
+            row = (await conn.execute(sa.select(d.id, d.status))).one()
+        assert row.status == "deliveryUnknown"
+        return Target(org, row.id)
+
+    return prepare
+
+
+@pytest.mark.parametrize("action", ["confirm", "retry"])
+async def test_an_operators_recovery_of_an_uncertain_delivery(
+    action: str,
+    template: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    slack_api: SlackApiStandin,
+) -> None:
+    write = WritePath(
+        prepare=unknown_slack_delivery(slack_api),
+        operation=operator("deliveries", action),
+        succeeded=status(200),
+        failed=unavailable,
         config=slack_config(slack_api),
         adapters=True,
         effects=lambda: len(slack_api.posts),
