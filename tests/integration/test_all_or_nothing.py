@@ -35,6 +35,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.runners import Runner, drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
+from leadgate.operations.admin import Admin
 from leadgate.runners.recovery import TurnRecovery
 from tests.helpers import (
     Anonymizer,
@@ -599,5 +600,69 @@ async def test_an_operators_recovery_of_an_uncertain_delivery(
         config=slack_config(slack_api),
         adapters=True,
         effects=lambda: len(slack_api.posts),
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------ the admin CLI's keys
+
+
+@dataclass
+class Done:
+    """How an admin command ended: its output, or the fault it stopped with."""
+
+    output: dict[str, Any] | None = None
+    fault: Unavailable | None = None
+
+
+def admin(command: Callable[[Admin, Target], Awaitable[dict[str, Any]]]) -> Operation:
+    """An admin CLI command, on the service's database (the CLI's own code path:
+    ``leadgate.operations.admin``)."""
+
+    async def run(served: Served) -> Done:
+        try:
+            return Done(output=await command(admin_of(served), served.ctx))
+        except Unavailable as fault:
+            return Done(fault=fault)
+
+    return run
+
+
+def done(outcome: Any) -> None:
+    assert isinstance(outcome, Done) and outcome.output is not None, outcome
+
+
+def stopped(outcome: Any) -> None:
+    """``[service.unavailable]``, exit 2 (nothing written)."""
+    assert isinstance(outcome, Done) and outcome.fault is not None, outcome
+    assert outcome.fault.rule == "service.unavailable"
+
+
+async def a_key(served: Served) -> Target:
+    org = await make_org(served.app)
+    return Target(org, (await admin_of(served).create_key(org.id, ["agent:review"]))["id"])
+
+
+def admin_of(served: Served) -> Admin:
+    app = served.app
+    return Admin(app.db, app.clock, app.ids, frozenset())
+
+
+async def test_key_create(template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write = WritePath(
+        prepare=a_key,
+        operation=admin(lambda a, ctx: a.create_key(ctx.org.id, ["agent:trigger"], name="ci")),
+        succeeded=done,
+        failed=stopped,
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+async def test_key_revoke(template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write = WritePath(
+        prepare=a_key,
+        operation=admin(lambda a, ctx: a.revoke_key(ctx.org.id, ctx.id)),
+        succeeded=done,
+        failed=stopped,
     )
     await enumerate_faults(write, template, tmp_path, monkeypatch)
