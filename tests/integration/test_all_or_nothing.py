@@ -43,11 +43,12 @@ from tests.helpers import (
     item_row,
     make_agent,
     make_org,
+    make_route,
     session_item,
     slack_trigger,
 )
 from tests.serving import Client, served_app
-from tests.standins.slack_api import SlackApiStandin
+from tests.standins.slack_api import SlackApiStandin, signed_headers
 from tests.statement_faults import SqliteFaults
 
 pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -664,5 +665,94 @@ async def test_key_revoke(template: str, tmp_path: Path, monkeypatch: pytest.Mon
         operation=admin(lambda a, ctx: a.revoke_key(ctx.org.id, ctx.id)),
         succeeded=done,
         failed=stopped,
+    )
+    await enumerate_faults(write, template, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------ a Slack event
+
+
+@dataclass
+class Asked:
+    """How a Slack message went: the answer Slack got, whether its turn was cut (left
+    to ``turn-recovery``), and the fault the relay's passes met."""
+
+    status: int
+    cut: bool
+    fault: Unavailable | None
+
+
+def slack_event(*, retry: int | None) -> Operation:
+    """Slack delivers a message in a thread (again: ``retry``); then its turn runs to
+    its end in the background, the ``turn-recovery`` runner takes what a fault cut, and
+    the relay posts the reply."""
+
+    async def run(served: Served) -> Asked:
+        body = json.dumps(
+            {
+                "type": "event_callback",
+                "team_id": "T0STANDIN",
+                "event_id": "Ev0000000001",
+                "event": {
+                    "type": "message",
+                    "channel": "C0ASK",
+                    "user": "U0HUMAN",
+                    "text": "hello there",
+                    "ts": "1700000000.000100",
+                },
+            }
+        )
+        headers = signed_headers(SLACK_SECRET, body, retry_num=retry)
+        resp = await served.client.post("/slack/events", data=body.encode(), headers=headers)
+        await resp.read()
+        app = served.app
+        await app.background.wait(10)
+        cut = bool(app.turns.orphans)
+        try:
+            if retry is not None:
+                await drain(TurnRecovery(app.turns))
+            await drain(app.relay)
+        except Unavailable as fault:
+            return Asked(resp.status, cut, fault)
+        return Asked(resp.status, cut, None)
+
+    return run
+
+
+def answered(outcome: Any) -> None:
+    assert isinstance(outcome, Asked), outcome
+    assert (outcome.status, outcome.cut, outcome.fault) == (200, False, None), outcome
+
+
+def not_taken_or_cut(outcome: Any) -> None:
+    """503 (Slack delivers it again), a turn cut (recovery's), or a relay pass that met
+    the fault."""
+    assert isinstance(outcome, Asked), outcome
+    assert outcome.status == 503 or outcome.cut or outcome.fault is not None, outcome
+
+
+async def routed_to_plain(served: Served) -> Org:
+    org = await make_org(served.app)
+    plain = await make_agent(served.app, org, "plain")
+    await make_route(served.app, org, plain["id"], "slack")
+    return org
+
+
+async def test_a_slack_events_intake_turn_and_reply(
+    template: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    slack_api: SlackApiStandin,
+) -> None:
+    write = WritePath(
+        prepare=routed_to_plain,
+        operation=slack_event(retry=None),
+        succeeded=answered,
+        failed=not_taken_or_cut,
+        # Slack's redelivery (a duplicate once recorded), the recovery, the relay.
+        again=slack_event(retry=1),
+        config=slack_config(slack_api),
+        adapters=True,
+        effects=lambda: len(slack_api.posts),
     )
     await enumerate_faults(write, template, tmp_path, monkeypatch)
