@@ -63,6 +63,9 @@ class SqliteFaults:
         self.path = path
         #: statements counted since :meth:`arm`; the SQL of each, in order
         self.statements: list[str] = []
+        #: for each of them, whether it ran inside a write transaction (where a fault
+        #: that rolls the whole transaction back differs from one that fails it alone)
+        self.in_write: list[bool] = []
         self.fail_at: int | None = None
         self.whole_transaction = False
         #: the SQL of the statement that was made to fail (None: none yet)
@@ -89,6 +92,7 @@ class SqliteFaults:
     def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
         """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
         self.statements = []
+        self.in_write = []
         self.fail_at = at
         self.whole_transaction = whole_transaction
         self.fired = None
@@ -109,6 +113,7 @@ class SqliteFaults:
         if not self._counting:
             return
         self.statements.append(sql)
+        self.in_write.append(conn.in_transaction and _writer(conn))
         if self.count != self.fail_at:
             return
         self.fired = sql
@@ -125,3 +130,8 @@ class SqliteFaults:
         if changes != self._settled.get(id(conn), 0):
             self._settled[id(conn)] = changes
             self.on_settled()
+
+
+def _writer(conn: sqlite3.Connection) -> bool:
+    """Whether ``conn`` may write (the service's readers are ``query_only``)."""
+    return not sqlite3.Cursor(conn).execute("PRAGMA query_only").fetchone()[0]
