@@ -190,6 +190,8 @@ class Anonymizer:
     in JSON objects. One instance per run."""
 
     ID = re.compile(r"^[a-z]+_[0-9a-f]{16,}$")
+    #: an id anywhere in a string
+    ID_IN = re.compile(ID.pattern.strip("^$"))
 
     def __init__(self, *marks: str) -> None:
         self.marks = marks
@@ -204,6 +206,15 @@ class Anonymizer:
             for n, mark in enumerate(self.marks):
                 value = value.replace(mark, f"<mark{n}>")
         return value
+
+    def within(self, value: Any) -> Any:
+        """Like calling it, with the ids inside strings numbered too (an actor is
+        ``lead:<agent id>``, a JSON column holds ids)."""
+        if isinstance(value, dict):
+            return {k: self.within(v) for k, v in value.items()}
+        if isinstance(value, str):
+            value = self.ID_IN.sub(lambda m: str(self(m.group(0))), value)
+        return self(value)
 
 
 def mcp_initialize(protocol: str = "2025-06-18") -> dict[str, Any]:

@@ -95,20 +95,14 @@ def dump(connect: Callable[..., sqlite3.Connection], path: str) -> Dump:
         conn.close()
 
 
-_ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
-
-
 def comparable(state: Dump) -> dict[str, list[Any]]:
     """``state`` with its ids numbered by first appearance (in strings too), for
     comparing two runs that made different ids."""
     anonymize = Anonymizer()
-
-    def norm(value: Any) -> Any:
-        if isinstance(value, str):
-            return _ID_IN.sub(lambda m: str(anonymize(m.group(0))), value)
-        return value
-
-    return {name: [tuple(norm(v) for v in row) for row in rows] for name, rows in state.items()}
+    return {
+        name: [tuple(anonymize.within(v) for v in row) for row in rows]
+        for name, rows in state.items()
+    }
 
 
 def differences(a: Dump, b: Dump) -> str:

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -69,21 +68,16 @@ async def org_rows(stack: Stack, org_id: str, *marks: str) -> dict[str, list[Any
             raw[table.name] = [dict(r._mapping) for r in rows]
     anonymize = Anonymizer(*marks)
 
-    def norm(value: Any) -> Any:
-        # Ids inside strings too (an actor is "lead:<agent id>").
-        if isinstance(value, dict):
-            return {k: norm(v) for k, v in value.items()}
-        if isinstance(value, str):
-            value = _ID_IN.sub(lambda m: str(anonymize(m.group(0))), value)
-        return anonymize(value)
-
     def shape(row: dict[str, Any]) -> str:
         return _ID_IN.sub("<id>", json.dumps(row, sort_keys=True, default=str))
 
-    return {name: [norm(r) for r in sorted(rows, key=shape)] for name, rows in sorted(raw.items())}
+    return {
+        name: [anonymize.within(r) for r in sorted(rows, key=shape)]
+        for name, rows in sorted(raw.items())
+    }
 
 
-_ID_IN = re.compile(Anonymizer.ID.pattern.strip("^$"))
+_ID_IN = Anonymizer.ID_IN
 
 
 async def conversations(
