@@ -17,9 +17,10 @@ tests/integration/test_all_or_nothing.py)."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import asyncpg
 import pytest
 
 
@@ -135,3 +136,92 @@ class SqliteFaults:
 def _writer(conn: sqlite3.Connection) -> bool:
     """Whether ``conn`` may write (the service's readers are ``query_only``)."""
     return not sqlite3.Cursor(conn).execute("PRAGMA query_only").fetchone()[0]
+
+
+class PgFaults:
+    """:class:`SqliteFaults` for PostgreSQL: the service's pool (``asyncpg.create_pool``,
+    patched) makes connections whose ``execute``, ``executemany`` and ``fetch`` (what
+    :mod:`leadgate.database.pg` and asyncpg's transactions run statements with) count
+    them; statement ``k`` finds the connection dropped, as when the server restarts:
+    the connection is closed (the server rolls back its open transaction) and asyncpg's
+    ``ConnectionDoesNotExistError`` is raised. :attr:`on_settled` is awaited after a
+    statement that leaves a connection outside a transaction."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.statements: list[str] = []
+        self.in_write: list[bool] = []
+        self.fail_at: int | None = None
+        self.fired: str | None = None
+        self.on_settled: Callable[[], Awaitable[None]] | None = None
+        self._counting = False
+        real = asyncpg.create_pool
+        faults = self
+
+        class Counted(_CountedPg):
+            pass
+
+        Counted.faults = faults
+
+        def create_pool(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("connection_class", Counted)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(asyncpg, "create_pool", create_pool)
+
+    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
+        """As :meth:`SqliteFaults.arm` (a dropped connection always loses the whole
+        transaction)."""
+        self.statements, self.in_write = [], []
+        self.fail_at, self.fired = at, None
+        self._counting = True
+
+    def disarm(self) -> None:
+        """Stop counting; nothing fails any more."""
+        self._counting = False
+        self.fail_at = None
+
+    @property
+    def count(self) -> int:
+        """Statements counted since :meth:`arm`."""
+        return len(self.statements)
+
+    def before(self, conn: asyncpg.Connection, sql: str) -> None:
+        """Count ``sql``; drop the connection when it is the one to fail."""
+        if not self._counting:
+            return
+        self.statements.append(sql)
+        self.in_write.append(conn.is_in_transaction())
+        if self.count != self.fail_at:
+            return
+        self.fired = sql
+        conn.terminate()
+        raise asyncpg.exceptions.ConnectionDoesNotExistError(
+            "connection was closed in the middle of operation"
+        )
+
+    async def after(self, conn: asyncpg.Connection) -> None:
+        """Await :attr:`on_settled` when ``conn`` has no open transaction."""
+        if self._counting and self.on_settled is not None and not conn.is_in_transaction():
+            await self.on_settled()
+
+
+class _CountedPg(asyncpg.Connection):  # type: ignore[misc]
+    # (asyncpg's own keyword arguments, ``timeout`` and ``record_class``, pass through.)
+    faults: PgFaults
+
+    async def execute(self, query: str, *args: Any, **options: Any) -> str:
+        self.faults.before(self, query)
+        result: str = await super().execute(query, *args, **options)
+        await self.faults.after(self)
+        return result
+
+    async def executemany(self, command: str, args: Any, **options: Any) -> None:
+        self.faults.before(self, command)
+        await super().executemany(command, args, **options)
+        await self.faults.after(self)
+
+    async def fetch(self, query: str, *args: Any, **options: Any) -> list[Any]:
+        self.faults.before(self, query)
+        rows: list[Any] = await super().fetch(query, *args, **options)
+        await self.faults.after(self)
+        return rows

@@ -20,12 +20,14 @@ import json
 import re
 import shutil
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse
@@ -47,11 +49,15 @@ from tests.helpers import (
     session_item,
     slack_trigger,
 )
+from tests.pg import PostgresServer
 from tests.serving import Client, served_app
 from tests.standins.slack_api import SlackApiStandin, signed_headers
-from tests.statement_faults import SqliteFaults
+from tests.statement_faults import PgFaults, SqliteFaults
 
-pytestmark = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+#: Every path runs on SQLite; the first ones on PostgreSQL too (a database made per run
+#: costs ~0.1 s there).
+SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+BOTH = pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
 
 #: Columns equal in no two runs: a hash of a random secret; the ``ts`` the Slack
 #: stand-in gave a post (from its wall clock; the posts it took are counted instead).
@@ -116,12 +122,12 @@ def differences(a: Dump, b: Dump) -> str:
 
 @dataclass
 class Served:
-    """One run's service, its client and the faults of its database file."""
+    """One run's service, its client and the faults of its database."""
 
     app: App
     client: Client
-    faults: SqliteFaults
-    path: str
+    faults: SqliteFaults | PgFaults
+    url: str
     ctx: Any
 
 
@@ -159,48 +165,134 @@ class WritePath:
     adapters: bool = False
 
 
+class SqliteFiles:
+    """Each run's database: a copy of a file prepared once (from the migrated template)."""
+
+    whole_transactions = True
+
+    def __init__(self, template: str, tmp: Path) -> None:
+        self.template, self.tmp = template, tmp
+
+    def database(self, name: str) -> str:
+        """The URL of a copy of the prepared file (``base``: the prepared file itself,
+        copied from the template)."""
+        path = str(self.tmp / f"{name}.db")
+        shutil.copyfile(self.template if name == "base" else str(self.tmp / "base.db"), path)
+        return f"sqlite+aiosqlite:///{path}"
+
+    def faults(self, url: str, patch: pytest.MonkeyPatch) -> SqliteFaults:
+        return SqliteFaults(_path(url), patch)
+
+    async def dump(self, url: str) -> Dump:
+        return dump(sqlite3.connect, _path(url))
+
+    def watch(self, faults: SqliteFaults | PgFaults, url: str, settled: list[Dump]) -> None:
+        """Keep the state after each commit in ``settled``, taken as it commits."""
+        assert isinstance(faults, SqliteFaults)
+
+        def on_settled() -> None:
+            state = dump(faults.real_connect, _path(url))
+            if state != settled[-1]:
+                settled.append(state)
+
+        faults.on_settled = on_settled
+
+    def drop(self, url: str) -> None:
+        """Nothing: the files go with the test's directory."""
+
+
+def _path(url: str) -> str:
+    return url.removeprefix("sqlite+aiosqlite:///")
+
+
+class PgDatabases:
+    """Each run's database: a PostgreSQL database made from a prepared one (``CREATE
+    DATABASE ... TEMPLATE``), dropped after the run."""
+
+    whole_transactions = False  # (a dropped connection always loses the transaction)
+
+    def __init__(self, server: PostgresServer, migrated: str) -> None:
+        self.server = server
+        self.migrated = migrated.rsplit("/", 1)[1].split("?")[0]
+        self.prefix = f"aon_{uuid.uuid4().hex[:8]}"
+
+    def database(self, name: str) -> str:
+        source = self.migrated if name == "base" else f"{self.prefix}_base"
+        target = f"{self.prefix}_{name}"
+        self.server.psql(
+            f'CREATE DATABASE "{target}" TEMPLATE "{source}" STRATEGY = FILE_COPY',
+            database=self.server.database,
+        )
+        return self.server.url_for(target)
+
+    def faults(self, url: str, patch: pytest.MonkeyPatch) -> PgFaults:
+        return PgFaults(patch)
+
+    async def dump(self, url: str) -> Dump:
+        conn = await asyncpg.connect(self.server.dsn(url.rsplit("/", 1)[1].split("?")[0]))
+        try:
+            out: Dump = {}
+            for table in t.metadata.sorted_tables:
+                cols = [c.name for c in table.columns if (table.name, c.name) not in _RANDOM]
+                names = ", ".join(f'"{c}"' for c in cols)
+                order = ", ".join(f'"{c.name}"' for c in table.primary_key.columns)
+                rows = await conn.fetch(f'SELECT {names} FROM "{table.name}" ORDER BY {order}')
+                out[table.name] = [tuple(map(_same_second, row)) for row in rows]
+            return out
+        finally:
+            await conn.close()
+
+    def watch(self, faults: SqliteFaults | PgFaults, url: str, settled: list[Dump]) -> None:
+        """Keep the state after each commit (and each statement outside a
+        transaction) in ``settled``."""
+        assert isinstance(faults, PgFaults)
+
+        async def on_settled() -> None:
+            state = await self.dump(url)
+            if state != settled[-1]:
+                settled.append(state)
+
+        faults.on_settled = on_settled
+
+    def drop(self, url: str) -> None:
+        self.server.drop_database(url.rsplit("/", 1)[1].split("?")[0])
+
+
+Backend = SqliteFiles | PgDatabases
+
+
 @asynccontextmanager
 async def serve(
-    path: str, write: WritePath, monkeypatch: pytest.MonkeyPatch, ctx: Any
+    backend: Backend, name: str, write: WritePath, monkeypatch: pytest.MonkeyPatch, ctx: Any
 ) -> AsyncIterator[Served]:
-    config, adapters = write.config, write.adapters
-    with monkeypatch.context() as patch:
-        faults = SqliteFaults(path, patch)
-        async with served_app(
-            f"sqlite+aiosqlite:///{path}",
-            config=config,
-            # The runs' ids never meet the prepared ones.
-            ids=CountedIds((1 if ctx is None else 2) << 40),
-            adapters=adapters,
-        ) as (app, client):
-            yield Served(app, client, faults, path, ctx)
+    url = backend.database(name)
+    try:
+        with monkeypatch.context() as patch:
+            faults = backend.faults(url, patch)
+            async with served_app(
+                url,
+                config=write.config,
+                # The runs' ids never meet the prepared ones.
+                ids=CountedIds((1 if ctx is None else 2) << 40),
+                adapters=write.adapters,
+            ) as (app, client):
+                yield Served(app, client, faults, url, ctx)
+    finally:
+        if name != "base":
+            backend.drop(url)
 
 
 async def enumerate_faults(
-    write: WritePath, template: str, tmp: Path, monkeypatch: pytest.MonkeyPatch
+    write: WritePath, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> int:
     """Steps 1 to 3 of the module's docstring for ``write``; the statements counted."""
-    base = str(tmp / "base.db")
-    shutil.copyfile(template, base)
-    async with serve(base, write, monkeypatch, None) as served:
+    async with serve(backend, "base", write, monkeypatch, None) as served:
         ctx = await write.prepare(served)
 
-    def copy(name: str) -> str:
-        path = str(tmp / f"{name}.db")
-        shutil.copyfile(base, path)
-        return path
-
     # 1. The clean run: its statements and its boundaries.
-    async with serve(copy("clean"), write, monkeypatch, ctx) as run:
-        connect = run.faults.real_connect
-        boundaries = [dump(connect, run.path)]
-
-        def settled() -> None:
-            state = dump(connect, run.path)
-            if state != boundaries[-1]:
-                boundaries.append(state)
-
-        run.faults.on_settled = settled
+    async with serve(backend, "clean", write, monkeypatch, ctx) as run:
+        boundaries = [await backend.dump(run.url)]
+        backend.watch(run.faults, run.url, boundaries)
         run.faults.arm(None)
         effects = write.effects()
         write.succeeded(await write.operation(run))
@@ -208,7 +300,7 @@ async def enumerate_faults(
         run.faults.disarm()
         n = run.faults.count
         statements, in_write = run.faults.statements, run.faults.in_write
-        end = dump(connect, run.path)
+        end = await backend.dump(run.url)
     assert end == boundaries[-1], differences(end, boundaries[-1])
     shapes = [comparable(write.answer(b)) for b in boundaries]
     assert n > 0
@@ -220,10 +312,12 @@ async def enumerate_faults(
     # after some I/O errors and a full disk (at COMMIT the service rolls back anyway).
     runs = [(k, False) for k in range(1, n + 1)]
     runs += [
-        (k, True) for k in range(1, n + 1) if in_write[k - 1] and statements[k - 1] != "COMMIT"
+        (k, True)
+        for k in range(1, n + 1)
+        if backend.whole_transactions and in_write[k - 1] and statements[k - 1] != "COMMIT"
     ]
     for k, whole in runs:
-        async with serve(copy(f"k{k}"), write, monkeypatch, ctx) as run:
+        async with serve(backend, f"k{k}{'w' if whole else ''}", write, monkeypatch, ctx) as run:
             before = write.effects()
             run.faults.arm(k, whole_transaction=whole)
             outcome = await write.operation(run)
@@ -232,7 +326,7 @@ async def enumerate_faults(
             if whole:
                 where += " (the whole transaction rolled back)"
             assert run.faults.fired == statements[k - 1], where
-            state = dump(run.faults.real_connect, run.path)
+            state = await backend.dump(run.url)
             try:
                 write.failed(outcome)
             except AssertionError as exc:
@@ -256,18 +350,18 @@ async def enumerate_faults(
             )
             if write.final(outcome):
                 write.failed(await (write.again or write.operation)(run))
-                after = dump(run.faults.real_connect, run.path)
+                after = await backend.dump(run.url)
                 assert after == state, f"{where}: again\n" + differences(after, state)
                 if write.recover is not None:
                     await write.recover(run)
                     try:
-                        write.recovered(state, dump(run.faults.real_connect, run.path))
+                        write.recovered(state, await backend.dump(run.url))
                     except AssertionError as exc:
                         raise AssertionError(f"{where}: recovered: {exc}") from exc
                 given_up.append(k)
                 continue
             write.succeeded(await (write.again or write.operation)(run))
-            final = comparable(dump(run.faults.real_connect, run.path))
+            final = comparable(await backend.dump(run.url))
             assert final == comparable(end), f"{where}: not the clean end\n" + differences(
                 final, comparable(end)
             )
@@ -284,9 +378,12 @@ async def enumerate_faults(
 
 
 @pytest.fixture
-def template(migrated_url: str) -> str:
-    """The migrated database file (a copy of the session's template)."""
-    return migrated_url.removeprefix("sqlite+aiosqlite:///")
+def backend(migrated_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Backend:
+    """Where each run's database comes from: copies of a SQLite file, or PostgreSQL
+    databases made from a template."""
+    if migrated_url.startswith("sqlite"):
+        return SqliteFiles(_path(migrated_url), tmp_path)
+    return PgDatabases(request.getfixturevalue("postgres_server"), migrated_url)
 
 
 # ------------------------------------------------------------------ REST turns
@@ -345,9 +442,8 @@ async def plain_agent(served: Served) -> Org:
     return org
 
 
-async def test_a_plain_rest_turn(
-    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@BOTH
+async def test_a_plain_rest_turn(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     write = WritePath(
         prepare=plain_agent,
         operation=chat("hello", "s1", "k-1"),
@@ -356,7 +452,7 @@ async def test_a_plain_rest_turn(
         final=interrupted,
         answer=without_stored_answer,
     )
-    n = await enumerate_faults(write, template, tmp_path, monkeypatch)
+    n = await enumerate_faults(write, backend, monkeypatch)
     assert n > 5
 
 
@@ -394,8 +490,9 @@ def handed_to_a_human(before: Dump, after: Dump) -> None:
     assert after[t.turn_runs.name] == []
 
 
+@BOTH
 async def test_a_gated_rest_turn_up_to_review_queued(
-    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write = WritePath(
         prepare=lead_and_worker,
@@ -407,7 +504,7 @@ async def test_a_gated_rest_turn_up_to_review_queued(
         recover=recover_turns,
         recovered=handed_to_a_human,
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 # ------------------------------------------------------------------ runners
@@ -448,14 +545,15 @@ def met_the_fault(outcome: Any) -> None:
 async def queued_for_review(served: Served) -> Org:
     org = await lead_and_worker(served)
     resp = await chat("ship it #complete", "g1", "k-g", model="worker")(
-        Served(served.app, served.client, served.faults, served.path, org)
+        Served(served.app, served.client, served.faults, served.url, org)
     )
     gated(resp)
     return org
 
 
+@BOTH
 async def test_the_review_runners_claim_and_verdict(
-    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write = WritePath(
         prepare=queued_for_review,
@@ -463,7 +561,7 @@ async def test_the_review_runners_claim_and_verdict(
         succeeded=worked,
         failed=met_the_fault,
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 # ------------------------------------------------------------------ the operator API
@@ -480,7 +578,7 @@ class Target:
 
 async def escalated(served: Served) -> Target:
     org = await lead_and_worker(served)
-    with_org = Served(served.app, served.client, served.faults, served.path, org)
+    with_org = Served(served.app, served.client, served.faults, served.url, org)
     gated(await chat("hard #escalate #complete", "e1", "k-e", model="worker")(with_org))
     await drain(served.app.lead_runner)
     item = await session_item(served.app, "h:e1")
@@ -513,11 +611,11 @@ def operator(route: str, action: str, body: dict[str, str] | None = None) -> Ope
         ("cancel", None),
     ],
 )
+@SQLITE
 async def test_an_operators_decision(
     action: str,
     body: dict[str, str] | None,
-    template: str,
-    tmp_path: Path,
+    backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     write = WritePath(
@@ -526,7 +624,7 @@ async def test_an_operators_decision(
         succeeded=status(200),
         failed=unavailable,
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 # ------------------------------------------------------------------ Slack
@@ -554,9 +652,9 @@ async def approved_for_slack(served: Served) -> Org:
     return org
 
 
+@SQLITE
 async def test_the_relays_claim_and_outcome_of_a_slack_delivery(
-    template: str,
-    tmp_path: Path,
+    backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
     slack_api: SlackApiStandin,
 ) -> None:
@@ -569,7 +667,7 @@ async def test_the_relays_claim_and_outcome_of_a_slack_delivery(
         adapters=True,
         effects=lambda: len(slack_api.posts),
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 def unknown_slack_delivery(standin: SlackApiStandin) -> Callable[[Served], Awaitable[Target]]:
@@ -590,10 +688,10 @@ def unknown_slack_delivery(standin: SlackApiStandin) -> Callable[[Served], Await
 
 
 @pytest.mark.parametrize("action", ["confirm", "retry"])
+@SQLITE
 async def test_an_operators_recovery_of_an_uncertain_delivery(
     action: str,
-    template: str,
-    tmp_path: Path,
+    backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
     slack_api: SlackApiStandin,
 ) -> None:
@@ -606,7 +704,7 @@ async def test_an_operators_recovery_of_an_uncertain_delivery(
         adapters=True,
         effects=lambda: len(slack_api.posts),
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 # ------------------------------------------------------------------ the admin CLI's keys
@@ -653,24 +751,26 @@ def admin_of(served: Served) -> Admin:
     return Admin(app.db, app.clock, app.ids, frozenset())
 
 
-async def test_key_create(template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@SQLITE
+async def test_key_create(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     write = WritePath(
         prepare=a_key,
         operation=admin(lambda a, ctx: a.create_key(ctx.org.id, ["agent:trigger"], name="ci")),
         succeeded=done,
         failed=stopped,
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
-async def test_key_revoke(template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@SQLITE
+async def test_key_revoke(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     write = WritePath(
         prepare=a_key,
         operation=admin(lambda a, ctx: a.revoke_key(ctx.org.id, ctx.id)),
         succeeded=done,
         failed=stopped,
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
 
 
 # ------------------------------------------------------------------ a Slack event
@@ -742,9 +842,9 @@ async def routed_to_plain(served: Served) -> Org:
     return org
 
 
+@SQLITE
 async def test_a_slack_events_intake_turn_and_reply(
-    template: str,
-    tmp_path: Path,
+    backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
     slack_api: SlackApiStandin,
 ) -> None:
@@ -759,4 +859,4 @@ async def test_a_slack_events_intake_turn_and_reply(
         adapters=True,
         effects=lambda: len(slack_api.posts),
     )
-    await enumerate_faults(write, template, tmp_path, monkeypatch)
+    await enumerate_faults(write, backend, monkeypatch)
