@@ -1,4 +1,4 @@
-"""A database fault at the k-th statement, the way SQLite's driver reports a real one.
+"""A database fault at the k-th statement, the way the driver reports a real one.
 
 :class:`SqliteFaults` patches ``sqlite3.connect`` for one database file: every
 connection the service opens to it (the inline writer, the readers, the engine's) is a
@@ -8,6 +8,9 @@ SQLite's code (``SQLITE_IOERR_WRITE``) before it runs, from the driver's own
 ``execute``: the product's own error handling is what runs. With ``whole_transaction``
 the fault also rolls back the open transaction first, as SQLite does by itself after
 some I/O errors and a full disk.
+
+:class:`PgFaults` does the same for PostgreSQL (asyncpg): there statement ``k`` finds
+its connection dropped.
 
 It also tells, while counting, when a connection that wrote is left outside a
 transaction (a COMMIT or a ROLLBACK): ``on_settled`` runs then, so a test can take the

@@ -1,12 +1,14 @@
 """All or nothing, by enumeration: a database fault at each statement of each write path.
 
 The README promises nothing half-written and nothing accepted lost: every state change is
-one transaction, its audit rows in it. For each write path below, on SQLite:
+one transaction, its audit rows in it. For each write path below, on SQLite (the first
+ones on PostgreSQL too):
 
 1. the operation runs once on a fresh copy of a prepared database, its statements
    counted (n) and the committed state taken at each transaction boundary;
 2. for each k in 1..n, on a fresh copy, statement k fails as a real I/O error does
-   (:mod:`tests.statement_faults`: the driver's own error, from its ``execute``): the
+   (:mod:`tests.statement_faults`: the driver's own error, from its ``execute``; inside
+   a SQLite write transaction once more with the transaction rolled back first): the
    operation must fail the documented way, and every table must then hold the state of
    one of the clean run's boundaries (before it, or after one of its commits), never
    something in between;
