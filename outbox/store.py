@@ -35,6 +35,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, damage_met, signal_after_commit
+from leadgate.database.faults import unavailable
 from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
 from leadgate.domain.wakes import Wake
@@ -163,7 +164,9 @@ class Outbox:
     ) -> None:
         """Call the review hook inside the transition's transaction, in a SAVEPOINT: a
         failure to write cards is logged and rolled back alone, and never blocks the
-        transition itself (the item still reaches the actionable queue)."""
+        transition itself (the item still reaches the actionable queue). A database
+        fault is no such failure: it fails the transition's transaction, which is tried
+        again whole (a 503, a runner's kept verdict), cards and all."""
         hook = self._review_needed
         if hook is None:
             return
@@ -171,6 +174,11 @@ class Outbox:
             async with conn.begin_nested():
                 await hook(conn, item_id, reason, delivery_id)
         except Exception as exc:
+            if unavailable(exc) is not None:
+                # Committing the transition without them lost the cards (and the
+                # episode their reminders and expiry hang on) for good: nobody was
+                # told the item waits. The database is what failed, not the cards.
+                raise
             damaged = damage_met(conn, exc)
             if damaged is None:
                 log.exception("review cards for work item %s could not be written", item_id)

@@ -40,6 +40,7 @@ from leadgate.core.runners import Runner, drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
+from leadgate.review import destinations
 from leadgate.runners.recovery import TurnRecovery
 from tests.helpers import (
     Anonymizer,
@@ -860,5 +861,40 @@ async def test_a_slack_events_intake_turn_and_reply(
         config=slack_config(slack_api),
         adapters=True,
         effects=lambda: len(slack_api.posts),
+    )
+    await enumerate_faults(write, backend, monkeypatch)
+
+
+async def queued_with_a_review_channel(served: Served) -> Org:
+    """A submission the lead will escalate, in an organization whose reviews are
+    announced in a Slack channel (review cards)."""
+    org = await lead_and_worker(served)
+    app = served.app
+    async with app.db.tx() as conn:
+        await destinations.add_destination(
+            conn,
+            app.clock,
+            app.ids,
+            org_id=org.id,
+            agent_id=None,
+            channel="slack",
+            target="T0001:C0REVIEW",
+        )
+    with_org = Served(app, served.client, served.faults, served.url, org)
+    gated(await chat("hard #escalate #complete", "e1", "k-e", model="worker")(with_org))
+    return org
+
+
+@SQLITE
+async def test_the_review_runners_escalation_and_its_review_card(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, slack_api: SlackApiStandin
+) -> None:
+    write = WritePath(
+        prepare=queued_with_a_review_channel,
+        operation=passes(lambda app: app.lead_runner),
+        succeeded=worked,
+        failed=met_the_fault,
+        config={**slack_config(slack_api), "server": {"public_url": "https://lg.example"}},
+        adapters=True,
     )
     await enumerate_faults(write, backend, monkeypatch)
