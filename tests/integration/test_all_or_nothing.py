@@ -580,10 +580,11 @@ class Target:
 
 
 async def escalated(served: Served) -> Target:
-    org = await lead_and_worker(served)
-    with_org = Served(served.app, served.client, served.faults, served.url, org)
-    gated(await chat("hard #escalate #complete", "e1", "k-e", model="worker")(with_org))
+    """An item the lead escalated, its review card posted in the review channel (a
+    decision settles the card)."""
+    org = await queued_with_a_review_channel(served)
     await drain(served.app.lead_runner)
+    await drain(served.app.relay)
     item = await session_item(served.app, "h:e1")
     assert (await item_row(served.app, item))["status"] == "awaitingHuman"
     return Target(org, item)
@@ -620,12 +621,15 @@ async def test_an_operators_decision(
     body: dict[str, str] | None,
     backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
+    slack_api: SlackApiStandin,
 ) -> None:
     write = WritePath(
         prepare=escalated,
         operation=operator("reviews", action, body),
         succeeded=status(200),
         failed=unavailable,
+        config=review_channel_config(slack_api),
+        adapters=True,
     )
     await enumerate_faults(write, backend, monkeypatch)
 
@@ -865,6 +869,11 @@ async def test_a_slack_events_intake_turn_and_reply(
     await enumerate_faults(write, backend, monkeypatch)
 
 
+def review_channel_config(standin: SlackApiStandin) -> dict[str, Any]:
+    """Slack on the stand-in, and the public URL review cards link to."""
+    return {**slack_config(standin), "server": {"public_url": "https://lg.example"}}
+
+
 async def queued_with_a_review_channel(served: Served) -> Org:
     """A submission the lead will escalate, in an organization whose reviews are
     announced in a Slack channel (review cards)."""
@@ -894,7 +903,7 @@ async def test_the_review_runners_escalation_and_its_review_card(
         operation=passes(lambda app: app.lead_runner),
         succeeded=worked,
         failed=met_the_fault,
-        config={**slack_config(slack_api), "server": {"public_url": "https://lg.example"}},
+        config=review_channel_config(slack_api),
         adapters=True,
     )
     await enumerate_faults(write, backend, monkeypatch)
