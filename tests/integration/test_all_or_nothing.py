@@ -60,7 +60,9 @@ from tests.statement_faults import PgFaults, SqliteFaults
 #: Every path runs on SQLite; the first ones on PostgreSQL too (a database made per run
 #: costs ~0.1 s there).
 SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-BOTH = pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
+BOTH = pytest.mark.parametrize(
+    "db_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 
 #: Columns equal in no two runs: a hash of a random secret; the ``ts`` the Slack
 #: stand-in gave a post (from its wall clock; the posts it took are counted instead).
