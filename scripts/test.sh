@@ -67,8 +67,9 @@ echo "node: $(node --version), npm: $(npm --version) (they install tests/node)"
 # ---------------------------------------------------------------- node clients
 section "Node clients (tests/node)"
 # The official openai and MCP TypeScript clients that tests/acceptance/test_node_clients.py
-# runs, with the Node runtime they need (openai wants Node >= 22; Debian 12's is 18),
-# all pinned by tests/node/package-lock.json. Reinstalled only when the lock changed.
+# runs and the official MCP conformance suite that tests/acceptance/test_mcp_conformance.py
+# runs, with the Node runtime they need (openai and the suite want Node >= 22; Debian 12's
+# is 18), all pinned by tests/node/package-lock.json. Reinstalled only when the lock changed.
 NODE_DIR="$ROOT/tests/node"
 NODE_STAMP="$NODE_DIR/node_modules/.leadgate-lock-sha256"
 want_node="$(sha256sum "$NODE_DIR/package-lock.json" | cut -d' ' -f1)"
