@@ -10,6 +10,7 @@
 * ``demo_template``: the migrated + seeded SQLite database, made once per test session
   through the CLI; services start from copies of it, so a function-scoped service costs
   only the ``serve`` startup (about a second).
+* ``node``: the Node runtime pinned in ``tests/node`` (see ``node_kit.py``).
 * ``service_guard``: module-scoped services use it to be stopped cleanly and to print
   their log tail when a test of the module failed, e.g.::
 
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests.acceptance.node_kit import node_runtime
 from tests.service_proc import DemoTemplate, ServiceProcess, make_template, start_from_template
 
 
@@ -64,6 +66,12 @@ def _serving(proc: ServiceProcess, failed: Callable[[], bool]) -> Iterator[Servi
 def demo_template(tmp_path_factory: pytest.TempPathFactory) -> DemoTemplate:
     """``leadgate db upgrade`` + ``leadgate demo`` once per session (through the CLI)."""
     return make_template(tmp_path_factory.mktemp("leadgate-template"))
+
+
+@pytest.fixture(scope="session")
+def node() -> Path:
+    """The pinned Node runtime (fails, does not skip, when ``tests/node`` is not installed)."""
+    return node_runtime()
 
 
 @pytest.fixture

