@@ -60,11 +60,11 @@ def io_error() -> sqlite3.OperationalError:
     return error
 
 
-class SqliteFaults:
-    """Counts (and fails) the statements run on the SQLite file at ``path``."""
+class _Counting:
+    """What both backends' injectors share: counting from :meth:`arm` on, and telling
+    which statement is the one to fail."""
 
-    def __init__(self, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.path = path
+    def __init__(self) -> None:
         #: statements counted since :meth:`arm`; the SQL of each, in order
         self.statements: list[str] = []
         #: for each of them, whether it ran inside a write transaction (where a fault
@@ -74,9 +74,45 @@ class SqliteFaults:
         self.whole_transaction = False
         #: the SQL of the statement that was made to fail (None: none yet)
         self.fired: str | None = None
+        self._counting = False
+
+    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
+        """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
+        self.statements, self.in_write = [], []
+        self.fail_at, self.fired = at, None
+        self.whole_transaction = whole_transaction
+        self._counting = True
+
+    def disarm(self) -> None:
+        """Stop counting; nothing fails any more."""
+        self._counting = False
+        self.fail_at = None
+
+    @property
+    def count(self) -> int:
+        """Statements counted since :meth:`arm`."""
+        return len(self.statements)
+
+    def _fails(self, sql: str, in_write: Callable[[], bool]) -> bool:
+        """Count ``sql`` (when counting); whether it is the statement to fail."""
+        if not self._counting:
+            return False
+        self.statements.append(sql)
+        self.in_write.append(in_write())
+        if self.count != self.fail_at:
+            return False
+        self.fired = sql
+        return True
+
+
+class SqliteFaults(_Counting):
+    """Counts (and fails) the statements run on the SQLite file at ``path``."""
+
+    def __init__(self, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        super().__init__()
+        self.path = path
         #: called after a connection that changed rows is left without a transaction
         self.on_settled: Callable[[], None] | None = None
-        self._counting = False
         self._settled: dict[int, int] = {}
         #: ``sqlite3.connect`` itself (for reading the file beside the service)
         self.real_connect: Callable[..., sqlite3.Connection] = sqlite3.connect
@@ -93,34 +129,10 @@ class SqliteFaults:
 
         monkeypatch.setattr(sqlite3, "connect", connect)
 
-    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
-        """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
-        self.statements = []
-        self.in_write = []
-        self.fail_at = at
-        self.whole_transaction = whole_transaction
-        self.fired = None
-        self._counting = True
-
-    def disarm(self) -> None:
-        """Stop counting; nothing fails any more."""
-        self._counting = False
-        self.fail_at = None
-
-    @property
-    def count(self) -> int:
-        """Statements counted since :meth:`arm`."""
-        return len(self.statements)
-
     def before(self, conn: sqlite3.Connection, sql: str) -> None:
         """Count ``sql``; raise the driver's I/O error when it is the one to fail."""
-        if not self._counting:
+        if not self._fails(sql, lambda: conn.in_transaction and _writer(conn)):
             return
-        self.statements.append(sql)
-        self.in_write.append(conn.in_transaction and _writer(conn))
-        if self.count != self.fail_at:
-            return
-        self.fired = sql
         if self.whole_transaction and conn.in_transaction:
             sqlite3.Cursor(conn).execute("ROLLBACK")
         raise io_error()
@@ -141,7 +153,7 @@ def _writer(conn: sqlite3.Connection) -> bool:
     return not sqlite3.Cursor(conn).execute("PRAGMA query_only").fetchone()[0]
 
 
-class PgFaults:
+class PgFaults(_Counting):
     """:class:`SqliteFaults` for PostgreSQL: the service's pool (``asyncpg.create_pool``,
     patched) makes connections whose ``execute``, ``executemany`` and ``fetch`` (what
     :mod:`leadgate.database.pg` and asyncpg's transactions run statements with) count
@@ -151,12 +163,8 @@ class PgFaults:
     statement that leaves a connection outside a transaction."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.statements: list[str] = []
-        self.in_write: list[bool] = []
-        self.fail_at: int | None = None
-        self.fired: str | None = None
+        super().__init__()
         self.on_settled: Callable[[], Awaitable[None]] | None = None
-        self._counting = False
         real = asyncpg.create_pool
         faults = self
 
@@ -171,32 +179,12 @@ class PgFaults:
 
         monkeypatch.setattr(asyncpg, "create_pool", create_pool)
 
-    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
-        """As :meth:`SqliteFaults.arm` (a dropped connection always loses the whole
-        transaction)."""
-        self.statements, self.in_write = [], []
-        self.fail_at, self.fired = at, None
-        self._counting = True
-
-    def disarm(self) -> None:
-        """Stop counting; nothing fails any more."""
-        self._counting = False
-        self.fail_at = None
-
-    @property
-    def count(self) -> int:
-        """Statements counted since :meth:`arm`."""
-        return len(self.statements)
-
     def before(self, conn: asyncpg.Connection, sql: str) -> None:
-        """Count ``sql``; drop the connection when it is the one to fail."""
-        if not self._counting:
+        """Count ``sql``; drop the connection when it is the one to fail (a dropped
+        connection always loses the whole transaction: ``whole_transaction`` changes
+        nothing here)."""
+        if not self._fails(sql, conn.is_in_transaction):
             return
-        self.statements.append(sql)
-        self.in_write.append(conn.is_in_transaction())
-        if self.count != self.fail_at:
-            return
-        self.fired = sql
         conn.terminate()
         raise asyncpg.exceptions.ConnectionDoesNotExistError(
             "connection was closed in the middle of operation"
