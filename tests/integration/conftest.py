@@ -8,6 +8,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from tests.standins.slack_api import SlackApiStandin
+from tests.standins.smtp import SmtpSink
 
 
 @pytest.fixture
@@ -22,3 +23,14 @@ async def slack_api() -> AsyncIterator[SlackApiStandin]:
     """The Slack Web API stand-in, for a bot token ``xoxb-x``."""
     async with SlackApiStandin(token="xoxb-x") as standin:
         yield standin
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[SmtpSink]:
+    """The outbound SMTP stand-in (an email channel's relay), on 127.0.0.1."""
+    server = SmtpSink()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from email.message import EmailMessage
 from typing import Any
 
@@ -27,16 +27,6 @@ ADDRESS: dict[str, Any] = {
     "in_reply_to": "<m2@client.example>",
     "references": "<m1@client.example> <m2@client.example>",
 }
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[SmtpSink]:
-    server = SmtpSink()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 def _channel(sink: SmtpSink, **settings: Any) -> EmailChannel:

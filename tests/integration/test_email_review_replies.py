@@ -51,16 +51,6 @@ ZOE = "zoe@acme.io"
 REPLY_TO = re.compile(r"review\+([0-9a-f]{32})@reviews\.example\.com")
 
 
-@pytest.fixture
-async def sink() -> AsyncIterator[SmtpSink]:
-    server = SmtpSink()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.close()
-
-
 @dataclass
 class Env:
     app: App
