@@ -115,6 +115,19 @@ def stays(probe: Callable[[], bool], *, seconds: float = QUIET_S, what: str = ""
 # --------------------------------------------------------------------------- stand-ins
 
 
+def end_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a helper process: SIGTERM, then SIGKILL after 10 s; close its stdout pipe."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 class Standin:
     """A stand-in in a subprocess (``python -m tests.standins.<module> --port 0 ...``).
 
@@ -184,17 +197,8 @@ class Standin:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            end_process(proc)
 
     def __enter__(self) -> Standin:
         return self.start()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from tests.acceptance.channel_kit import end_process
 from tests.acceptance.node_kit import NODE_DIR
 from tests.service_proc import ServiceProcess
 
@@ -139,14 +140,7 @@ def bearer_proxy(node: Path, upstream: str, token: str, log: Path) -> Iterator[s
         yield f"http://127.0.0.1:{json.loads(line)['port']}"
         assert proc.poll() is None, f"the proxy died: {log.read_text(errors='replace')}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        end_process(proc)
 
 
 def run_suite(node: Path, url: str, out: Path) -> dict[str, list[Check]]:
