@@ -481,13 +481,17 @@ class SlackAdapter:
         if telling is None:
             telling = asyncio.ensure_future(tell_not_taken_in(self.channel, inbound, exc, key=key))
             self._told[key] = telling
+            telling.add_done_callback(lambda done: self._unless_posted(key, done))
             while len(self._told) > TOLD_KEEP:
                 self._told.popitem(last=False)
-        posted = await asyncio.shield(telling)
+        return await asyncio.shield(telling)
+
+    def _unless_posted(self, key: str, telling: asyncio.Future[bool]) -> None:
+        """Forget a reply that was not posted (or failed): a later event of the same post
+        may try again."""
+        posted = not telling.cancelled() and telling.exception() is None and telling.result()
         if not posted and self._told.get(key) is telling:
-            # Not posted: a later event of the same post may try again.
             del self._told[key]
-        return posted
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """``POST /slack/events``: verify, decode, then Bolt answers and dispatches."""

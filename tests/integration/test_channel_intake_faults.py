@@ -283,3 +283,19 @@ async def test_the_mention_and_message_of_one_post_on_their_last_tries_get_one_r
         assert await message == 200
     [reply] = slack.posts
     assert SAID in reply["text"]
+
+
+async def test_a_reply_slack_refused_is_tried_again_by_the_other_event_of_the_post(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app, server, slack = slack_served
+    monkeypatch.setattr(app.db, "read", DownFor(app.db.read, 4, after_commit=False))
+    monkeypatch.setattr(app.db, "tx", DownFor(app.db.tx, 4, after_commit=False))
+    # The first event's reply is refused (nothing posted: Slack drops that event after
+    # its 503); the pair's other event, on its own last try, tells the person.
+    slack.queue("error:channel_not_found")
+    assert await slack_message(server, retry_num=3, kind="app_mention", event_id="Ev01") == 503
+    assert await slack_message(server, retry_num=3, kind="message", event_id="Ev02") == 200
+    [reply] = slack.posts  # the refused one is not among the posts
+    assert SAID in reply["text"]
