@@ -64,6 +64,14 @@ SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 BOTH = pytest.mark.parametrize(
     "db_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
+#: The other paths' PostgreSQL runs are the long form (``-m long``): 5-17 s each there,
+#: about 80 s in all on two CPUs, while the SQLite runs take every path in CI and the
+#: plain turn's PostgreSQL run keeps the injector on that backend checked.
+BOTH_LONG = pytest.mark.parametrize(
+    "db_url",
+    ["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.long])],
+    indirect=True,
+)
 
 #: Columns equal in no two runs: a hash of a random secret; the ``ts`` the Slack
 #: stand-in gave a post (from its wall clock; the posts it took are counted instead).
@@ -504,7 +512,7 @@ def handed_to_a_human(before: Dump, after: Dump) -> None:
     assert after[t.turn_runs.name] == []
 
 
-@BOTH
+@BOTH_LONG
 async def test_a_gated_rest_turn_up_to_review_queued(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -565,7 +573,7 @@ async def queued_for_review(served: Served) -> Org:
     return org
 
 
-@BOTH
+@BOTH_LONG
 async def test_the_review_runners_claim_and_verdict(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -624,7 +632,7 @@ def operator(route: str, action: str, body: dict[str, str] | None = None) -> Ope
         ("reject", {"reason": "not this way"}, "sqlite"),
         ("return", {"feedback": "once more, with sources"}, "sqlite"),
         ("cancel", None, "sqlite"),
-        pytest.param("approve", None, "postgres", marks=pytest.mark.postgres),
+        pytest.param("approve", None, "postgres", marks=[pytest.mark.postgres, pytest.mark.long]),
     ],
     indirect=["db_url"],
 )
@@ -671,7 +679,7 @@ async def approved_for_slack(served: Served) -> Org:
     return org
 
 
-@BOTH
+@BOTH_LONG
 async def test_the_relays_claim_and_outcome_of_a_slack_delivery(
     backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
@@ -707,7 +715,7 @@ def unknown_slack_delivery(standin: SlackApiStandin) -> Callable[[Served], Await
 
 
 @pytest.mark.parametrize("action", ["confirm", "retry"])
-@BOTH
+@BOTH_LONG
 async def test_an_operators_recovery_of_an_uncertain_delivery(
     action: str,
     backend: Backend,
@@ -770,7 +778,7 @@ def admin_of(served: Served) -> Admin:
     return Admin(app.db, app.clock, app.ids, frozenset())
 
 
-@BOTH
+@BOTH_LONG
 async def test_key_create(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     write = WritePath(
         prepare=a_key,
@@ -781,7 +789,7 @@ async def test_key_create(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> 
     await enumerate_faults(write, backend, monkeypatch)
 
 
-@BOTH
+@BOTH_LONG
 async def test_key_revoke(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     write = WritePath(
         prepare=a_key,
@@ -906,7 +914,7 @@ async def queued_with_a_review_channel(served: Served) -> Org:
     return org
 
 
-@BOTH
+@BOTH_LONG
 async def test_the_review_runners_escalation_and_its_review_card(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, slack_api: SlackApiStandin
 ) -> None:
