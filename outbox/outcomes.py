@@ -31,7 +31,7 @@ from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent
-from outbox.store import DeliveryStatus, ReviewNeeded, reveal
+from outbox.store import ENDED, DeliveryStatus, ReviewNeeded, reveal
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
@@ -308,7 +308,10 @@ class OutcomeCommitter:
         label = type(outcome).__name__.lower()
         if isinstance(outcome, Sent):
             values.update(
-                status=DeliveryStatus.sent.value, external_id=outcome.external_id, error=None
+                status=DeliveryStatus.sent.value,
+                external_id=outcome.external_id,
+                error=None,
+                **ENDED,
             )
             return values, Status.completed, label
         if isinstance(outcome, Retry):
@@ -333,7 +336,8 @@ class OutcomeCommitter:
             self.next_due = due if self.next_due is None else min(self.next_due, due)
             return values, None, label
         if isinstance(outcome, Permanent):
-            values.update(status=DeliveryStatus.failed.value, error=outcome.error)
+            # Ended: what only its send needed leaves the row (an email card's token).
+            values.update(status=DeliveryStatus.failed.value, error=outcome.error, **ENDED)
             return values, Status.failed, label
         values.update(status=DeliveryStatus.deliveryUnknown.value, error=outcome.error)
         return values, None, "deliveryUnknown"

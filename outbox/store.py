@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import asyncpg
 import sqlalchemy as sa
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
@@ -40,6 +42,7 @@ from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
+from outbox.channel import UNTIL_SENT
 
 log = logging.getLogger("leadgate.outbox")
 D = t.deliveries.c
@@ -70,6 +73,45 @@ OUTBOX_ACTOR = "system:outbox"
 #: human (``awaitingHuman``, or its gating delivery became ``deliveryUnknown``); the
 #: review layer writes its cards in ``conn``'s transaction (:meth:`Outbox.on_review_needed`).
 ReviewNeeded = Callable[[Conn, str, str, str | None], Awaitable[object]]
+
+
+class address_kept(FunctionElement[Any]):  # lower case: used like a SQL function
+    """A delivery's ``address`` without its :data:`outbox.channel.UNTIL_SENT` values, in
+    SQL: ``json_remove`` on SQLite; on PostgreSQL the ``json`` column goes through
+    ``jsonb``, which alone can drop a key.
+
+    Every update that ends a delivery (``sent``, ``failed``, ``cancelled``) sets
+    ``address`` to this (see :data:`ENDED`): what only a send needs (an email card's
+    Reply-To, whose token is otherwise kept only as a hash) must not outlive the row's
+    last chance to be sent, however the row ends. A row that may still be sent
+    (``pending``, ``sending``, ``deliveryUnknown``: a retry sends it again) keeps it.
+    The keys are constants of ours, written into the SQL."""
+
+    inherit_cache = True
+
+    def __init__(self, column: sa.ColumnElement[Any]) -> None:
+        super().__init__(column)
+        self.type = column.type
+
+
+@compiles(address_kept)
+def _address_kept(element: address_kept, compiler: Any, **kw: Any) -> str:
+    keys = ", ".join(f"'{key}'" for key in UNTIL_SENT)
+    column = compiler.process(element.clauses, **kw)
+    return f"CAST(CAST({column} AS jsonb) - CAST(ARRAY[{keys}] AS text[]) AS json)"
+
+
+@compiles(address_kept, "sqlite")
+def _address_kept_sqlite(element: address_kept, compiler: Any, **kw: Any) -> str:
+    paths = ", ".join(f"'$.{key}'" for key in UNTIL_SENT)
+    return f"json_remove({compiler.process(element.clauses, **kw)}, {paths})"
+
+
+#: What every update that ends a delivery sets besides its status (see
+#: :class:`address_kept`). The relay's group of successful sends drops the same values
+#: in its own way (:mod:`outbox.outcomes`: only for the rows that hold them, on its hot
+#: path).
+ENDED: dict[str, Any] = {"address": address_kept(D.address)}
 
 
 class DeliveryStatus(enum.StrEnum):
@@ -558,7 +600,7 @@ async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
             D.work_item_id == item_id,
             D.status.in_([DeliveryStatus.pending.value, DeliveryStatus.deliveryUnknown.value]),
         )
-        .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms())
+        .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
     )
 
 
@@ -595,7 +637,7 @@ async def recover(
     """
     now = clock.now_ms()
     if action == "confirm":
-        values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None}
+        values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None, **ENDED}
         if external_id is not None:
             values["external_id"] = external_id
     else:

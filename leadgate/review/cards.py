@@ -13,7 +13,7 @@ ones: the actionable queue and the item's completion ignore them.
 delivery recovery, expiry; see :mod:`leadgate.review.decisions`): it closes the open
 episode and, for each of its cards, cancels a card not yet sent or queues a
 ``cardUpdate`` delivery that edits the posted card to show the outcome (email cards
-cannot be edited and are left alone).
+cannot be edited: a sent one is left alone, one whose send was uncertain is cancelled).
 
 An opened episode's earliest timer is signalled on :data:`TIMERS_TOPIC` once its
 transaction commits (in process, no statement): the SLA runner wakes when it is sooner
@@ -47,7 +47,7 @@ from leadgate.review.replies import (
     token_hash,
 )
 from outbox.channel import Card, CardOutcome
-from outbox.store import CARD, CARD_UPDATE, DeliveryStatus, Outbox
+from outbox.store import CARD, CARD_UPDATE, ENDED, DeliveryStatus, Outbox
 
 log = logging.getLogger("leadgate.review.cards")
 
@@ -322,15 +322,15 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
     for c in cards:
         status = c.status
         if status == DeliveryStatus.pending.value:
-            res = await conn.execute(
-                t.deliveries.update()
-                .where(D.id == c.id, D.status == DeliveryStatus.pending.value)
-                .values(status=DeliveryStatus.cancelled.value, updated_at=now)
-            )
-            if res.rowcount:
+            if await _cancel_card(conn, c.id, status, now):
                 continue  # never posted: nothing to edit
             status = DeliveryStatus.sending.value  # claimed meanwhile (another replica)
         if c.channel == "email":
+            if status == DeliveryStatus.deliveryUnknown.value:
+                # Maybe mailed: it cannot be edited, nor answered any more, and sent again
+                # it would offer a decision already made. It ends here, and its Reply-To
+                # (the plain token) with it.
+                await _cancel_card(conn, c.id, status, now)
             continue  # a sent mail cannot be edited
         if status not in (DeliveryStatus.sent.value, DeliveryStatus.sending.value):
             # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit; a click
@@ -338,6 +338,17 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
             continue
         queued += await _queue_update(conn, outbox, c, outcome)
     return queued
+
+
+async def _cancel_card(conn: Conn, card_id: str, status: str, now: int) -> bool:
+    """Cancel card delivery ``card_id``, fenced on its ``status``; whether it was. An
+    ended row keeps nothing only its send needed (:data:`outbox.store.ENDED`)."""
+    res = await conn.execute(
+        t.deliveries.update()
+        .where(D.id == card_id, D.status == status)
+        .values(status=DeliveryStatus.cancelled.value, updated_at=now, **ENDED)
+    )
+    return bool(res.rowcount)
 
 
 async def _queue_update(conn: Conn, outbox: Outbox, c: Any, outcome: CardOutcome) -> int:

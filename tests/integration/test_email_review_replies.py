@@ -64,7 +64,9 @@ class Env:
         return channel
 
 
-async def _env(migrated_url: str, sink: SmtpSink, reply: str = REPLY) -> AsyncIterator[Env]:
+async def _env(
+    migrated_url: str, sink: SmtpSink, reply: str = REPLY, review: dict[str, str] | None = None
+) -> AsyncIterator[Env]:
     email: dict[str, Any] = {
         "listen_host": "127.0.0.1",
         "listen_port": 0,
@@ -79,6 +81,7 @@ async def _env(migrated_url: str, sink: SmtpSink, reply: str = REPLY) -> AsyncIt
             "database": {"url": migrated_url},
             "server": {"public_url": "https://lg.example"},
             "email": email,
+            "review": review or {},
         }
     )
     app = App(settings, clock=FakeClock(), channels={"slack": ScriptedChannel("slack")})
@@ -95,6 +98,13 @@ async def _env(migrated_url: str, sink: SmtpSink, reply: str = REPLY) -> AsyncIt
 @pytest.fixture
 async def env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
     async for made in _env(migrated_url, sink):
+        yield made
+
+
+@pytest.fixture
+async def env_expiring(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
+    """:func:`env` whose items expire after an hour without a decision."""
+    async for made in _env(migrated_url, sink, review={"expire_after": "1h"}):
         yield made
 
 
@@ -473,14 +483,119 @@ async def test_unknown_tokens_are_refused_at_rcpt_and_the_token_is_kept_hashed(e
     # No row holds the token: the card's row keeps its hash, and the sent card mail's
     # outbox row no longer carries its Reply-To.
     async with env.app.db.read() as conn:
+        hashes = (await conn.execute(sa.select(t.review_cards.c.reply_token_hash))).scalars()
+        assert token_hash(token) in set(hashes)
+    assert not await rows_holding(env, token)
+
+
+async def rows_holding(env: Env, needle: str | re.Pattern[str]) -> list[str]:
+    """Every row of every table (as text) in which ``needle`` occurs."""
+    async with env.app.db.read() as conn:
         rows = [
             repr(tuple(row))
             for table in t.metadata.sorted_tables
             for row in (await conn.execute(sa.select(table))).all()
         ]
-        hashes = (await conn.execute(sa.select(t.review_cards.c.reply_token_hash))).scalars()
-        assert token_hash(token) in set(hashes)
-    assert not [r for r in rows if token in r]
+    if isinstance(needle, str):
+        return [r for r in rows if needle in r]
+    return [r for r in rows if needle.search(r)]
+
+
+#: A card reply address with its plain token, wherever it is kept.
+PLAIN_TOKEN = re.compile(r"review\+[0-9a-f]{32}@")
+
+
+async def email_card_row(env: Env, item_id: str) -> Any:
+    """The outbox row of ``item_id``'s (one) email card mail."""
+    d = t.deliveries.c
+    async with env.app.db.read() as conn:
+        return (
+            await conn.execute(
+                sa.select(d.id, d.status, d.address).where(
+                    d.work_item_id == item_id, d.kind == "card", d.channel == "email"
+                )
+            )
+        ).one()
+
+
+async def uncertain_card(env: Env, org: Org, worker: dict[str, Any]) -> tuple[str, str]:
+    """An escalated item whose card mail was maybe sent (the relay wrote the whole mail,
+    then the connection dropped): its row is deliveryUnknown and still holds the Reply-To,
+    which a retry needs. The item's id and the card's delivery id."""
+    item_id = await escalated(env, org, worker, "s1")
+    env.sink.fail_next("drop")
+    await drain(env.app.relay)
+    card = await email_card_row(env, item_id)
+    assert card.status == "deliveryUnknown"
+    assert PLAIN_TOKEN.search(card.address["reply_to"])
+    return item_id, str(card.id)
+
+
+@pytest.mark.parametrize("decision", ["approve", "cancel"])
+async def test_a_card_mail_not_sent_yet_loses_its_token_when_the_item_is_decided(
+    env: Env, decision: str
+) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    assert await rows_holding(env, PLAIN_TOKEN)  # the card mail's row, until it ends
+    await env.app.reviews.decide(org.principal, item_id, decision, surface="api")
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    assert not await rows_holding(env, PLAIN_TOKEN)
+
+
+async def test_a_card_mail_refused_for_good_loses_its_token(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    env.sink.fail_next("reject")  # 554 after the content: never sent
+    await drain(env.app.relay)
+    assert (await email_card_row(env, item_id)).status == "failed"
+    assert not await rows_holding(env, PLAIN_TOKEN)
+
+
+@pytest.mark.parametrize("then", ["confirm", "retry-sent", "retry-refused"])
+async def test_an_uncertain_card_mail_loses_its_token_when_its_row_ends(
+    env: Env, then: str
+) -> None:
+    """Confirmed by an operator (``leadgate delivery confirm`` and the operator API are
+    this call), or retried and then sent or refused for good."""
+    org, worker = await setup(env)
+    item_id, card_id = await uncertain_card(env, org, worker)
+    action, _, after = then.partition("-")
+    await env.app.reviews.recover(org.principal, card_id, action, surface="api")
+    if after == "refused":
+        env.sink.fail_next("reject")
+    await drain(env.app.relay)
+    expected = {"confirm": "sent", "retry-sent": "sent", "retry-refused": "failed"}[then]
+    assert (await email_card_row(env, item_id)).status == expected
+    assert not await rows_holding(env, PLAIN_TOKEN)
+
+
+@pytest.mark.parametrize("decision", ["approve", "reject", "cancel"])
+async def test_an_uncertain_card_mail_ends_with_its_token_when_the_item_is_decided(
+    env: Env, decision: str
+) -> None:
+    """It cannot be edited nor answered any more, and sent again it would offer a
+    decision already made: cancelled, its Reply-To dropped."""
+    org, worker = await setup(env)
+    item_id, _ = await uncertain_card(env, org, worker)
+    reason = "not this" if decision == "reject" else None
+    await env.app.reviews.decide(org.principal, item_id, decision, reason, surface="api")
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    assert not await rows_holding(env, PLAIN_TOKEN)
+
+
+async def test_an_uncertain_card_mail_ends_with_its_token_when_the_item_expires(
+    env_expiring: Env,
+) -> None:
+    env = env_expiring
+    org, worker = await setup(env)
+    item_id, _ = await uncertain_card(env, org, worker)
+    assert isinstance(env.app.clock, FakeClock)
+    env.app.clock.advance(3_600_000 + 1)
+    await drain(env.app.sla_runner)
+    assert (await item_row(env.app, item_id))["status"] == "rejected"
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    assert not await rows_holding(env, PLAIN_TOKEN)
 
 
 async def test_without_the_setting_cards_have_no_reply_to_and_plus_addresses_are_refused(
