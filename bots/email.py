@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -58,8 +57,8 @@ from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
-from leadgate.review.replies import parse_reply, token_of
-from outbox.channel import Channel, OutboundMessage, SendOutcome, Sent
+from leadgate.review.replies import AnswerTo, parse_reply, token_of
+from outbox.channel import Channel
 
 __all__ = [
     "EmailAdapter",
@@ -102,7 +101,7 @@ class EmailHandler:
     to a review card: taken at RCPT when its token names a card (``550 5.1.1`` naming
     the rule ``review.reply_token`` otherwise), decided at DATA before the ``250``
     (``451`` when the database cannot take it), and answered with a mail saying what
-    became of it."""
+    became of it: an outbox row committed with the decision, sent by the relay."""
 
     def __init__(self, core: Core) -> None:
         self._core = core
@@ -110,7 +109,6 @@ class EmailHandler:
         #: are not taken, and such a recipient is routed like any other).
         self._reviews: ChatReviewBackend | None = None
         self._reply_address = ""
-        self._send: Callable[[OutboundMessage], Awaitable[SendOutcome]] | None = None
         # Card reply tokens taken at RCPT time, per envelope (recipient -> token).
         self._tokens: weakref.WeakKeyDictionary[Envelope, dict[str, str]] = (
             weakref.WeakKeyDictionary()
@@ -203,17 +201,16 @@ class EmailHandler:
             return "250 2.0.0 OK"
 
         tokens = self._tokens.pop(envelope, {})
-        answers: list[tuple[str, Answer]] = []
+        answers: list[Answer] = []
         for token in dict.fromkeys(tokens.values()):
             answer = await self._answer_card(token, mail, envelope_sender)
             if answer.kind == "unavailable":
                 # Nothing may have been recorded: the sending server retries, and a
                 # decision that did land is then found decided (harmless).
                 return _TEMPFAIL
-            answers.append((token, answer))
+            answers.append(answer)
         routes = self._routes.pop(envelope, {})
         if answers and not routes:
-            self._tell_reviewer(mail, answers)
             return "250 2.0.0 OK"
         accepted: list[tuple[str, RouteMatch]] = []
         for recipient, route in routes.items():
@@ -231,8 +228,8 @@ class EmailHandler:
             accepted.append((recipient, route))
         if not accepted:
             if answers:
-                # Card replies were decided (committed): the mail was taken.
-                self._tell_reviewer(mail, answers)
+                # Card replies were decided (committed, with their answers): the mail
+                # was taken.
                 return "250 2.0.0 OK"
             return "550 5.7.1 Sender not allowed"
 
@@ -271,20 +268,13 @@ class EmailHandler:
             except Exception:
                 log.exception("email: recording the mail failed")
                 return _TEMPFAIL
-        self._tell_reviewer(mail, answers)
         return "250 2.0.0 OK"
 
-    def answer_cards(
-        self,
-        reviews: ChatReviewBackend,
-        reply_address: str,
-        send: Callable[[OutboundMessage], Awaitable[SendOutcome]],
-    ) -> None:
-        """Take replies to review cards at ``reply_address`` plus a token, decided through
-        ``reviews`` and answered with ``send``."""
+    def answer_cards(self, reviews: ChatReviewBackend, reply_address: str) -> None:
+        """Take replies to review cards at ``reply_address`` plus a token, decided (and
+        answered, through the outbox) by ``reviews``."""
         self._reviews = reviews
         self._reply_address = reply_address
-        self._send = send
 
     async def _card_recipient(
         self,
@@ -310,35 +300,20 @@ class EmailHandler:
         return "250 2.1.5 OK"
 
     async def _answer_card(self, token: str, mail: ParsedMail, envelope_sender: str) -> Answer:
-        """The reply's decision on the card of ``token`` (committed when this returns)."""
+        """The reply's decision on the card of ``token``, and the answer mail to its
+        sender queued in the outbox (both committed when this returns, unless it is
+        ``unavailable``)."""
         assert self._reviews is not None
         verb, rest = parse_reply(mail.text)
-        return await self._reviews.email_reply(token, mail.sender, envelope_sender, verb, rest)
-
-    def _tell_reviewer(self, mail: ParsedMail, answers: list[tuple[str, Answer]]) -> None:
-        """Answer each card reply with a mail saying what became of it, sent in the
-        background after the ``250`` (as the chat surfaces answer a click at once and
-        not through the outbox: the decision is already committed and shown in the
-        console; an answer the relay cannot take is logged, not retried)."""
-        send = self._send
-        if send is None:
-            return
-        for token, answer in answers:
-            text = f"Your decision was recorded: {answer.text}" if answer.decided else answer.text
-            key = hashlib.sha256(f"{mail.message_id}\n{token}".encode()).hexdigest()[:32]
-            message = OutboundMessage(
-                delivery_id=f"review-reply-{key}",
-                idempotency_key=f"review-reply-{key}",
-                address={
-                    "to": mail.sender,
-                    "subject": reply_subject(mail.subject),
-                    "in_reply_to": mail.message_id,
-                    "references": mail.references,
-                },
-                text=text,
-                kind="reply",
-            )
-            self._core.spawn(_answer(send, message), name=f"email-review-answer {key}")
+        answer_to = AnswerTo(
+            to=mail.sender,
+            subject=reply_subject(mail.subject),
+            in_reply_to=mail.message_id,
+            references=mail.references,
+        )
+        return await self._reviews.email_reply(
+            token, mail.sender, envelope_sender, verb, rest, answer_to
+        )
 
     def _lookup_failed(self, exc: Exception) -> str:
         """A route lookup that raised: 451 (the sender retries), said in the log as a
@@ -352,15 +327,6 @@ class EmailHandler:
         else:
             log.exception("email: route lookup failed")
         return _TEMPFAIL
-
-
-async def _answer(
-    send: Callable[[OutboundMessage], Awaitable[SendOutcome]], message: OutboundMessage
-) -> None:
-    """Send one answer to a card reply; a failure is logged (the decision stands)."""
-    outcome = await send(message)
-    if not isinstance(outcome, Sent):
-        log.warning("email: the answer to a review card reply was not sent: %s", outcome)
 
 
 #: Routed recipients taken per mail (RFC 5321 asks a server to take at least 100 RCPT
@@ -463,9 +429,7 @@ class EmailAdapter:
         """Take replies to email review cards when ``[email] review_reply_address`` is
         set (the composition root calls this on every adapter that offers it)."""
         if self._settings.review_reply_address:
-            self.handler.answer_cards(
-                backend, self._settings.review_reply_address, self.email_channel.send
-            )
+            self.handler.answer_cards(backend, self._settings.review_reply_address)
 
     def mount(self, app: web.Application) -> None:
         """Email has no HTTP routes (the SMTP listener runs in :meth:`lifespan`)."""

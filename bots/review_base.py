@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from leadgate.review.replies import ReplyCard
+from leadgate.review.replies import AnswerTo, ReplyCard
 from outbox.channel import Card
 
 
@@ -102,10 +102,18 @@ class ChatReviewBackend(Protocol):
         ...
 
     async def email_reply(
-        self, token: str, sender: str, envelope_sender: str, action: str, text: str
+        self,
+        token: str,
+        sender: str,
+        envelope_sender: str,
+        action: str,
+        text: str,
+        answer_to: AnswerTo,
     ) -> Answer:
         """A reply to the email card of ``token``: ``action`` (its first word) and
-        ``text`` (the reason or feedback) from ``sender`` (the ``From`` address)."""
+        ``text`` (the reason or feedback) from ``sender`` (the ``From`` address); the
+        answer mail to ``answer_to`` is queued in the outbox, committed with the
+        decision (nothing is committed when the answer is ``unavailable``)."""
         ...
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:

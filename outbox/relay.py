@@ -68,6 +68,7 @@ from outbox.channel import (
 from outbox.outcomes import Done, OutcomeCommitter, RetryPolicy
 from outbox.pump import Pump
 from outbox.store import (
+    ANSWER,
     CARD_KINDS,
     CARD_UPDATE,
     INTERNAL_ACTIONS,
@@ -653,7 +654,7 @@ class Relay:
             return await self._send_card(row)
         if row.action in INTERNAL_ACTIONS:
             return Sent()
-        if row.channel == "none" or not row.binding_id:
+        if row.channel == "none" or not (row.binding_id or row.kind == ANSWER):
             return Permanent(NO_BINDING_ERROR)
         channel = self.channels.get(row.channel)
         if channel is None:

@@ -63,6 +63,10 @@ LISTEN_CHECK_TIMEOUT_S = 5.0
 CARD = "card"
 CARD_UPDATE = "cardUpdate"
 CARD_KINDS = frozenset({CARD, CARD_UPDATE})
+#: The delivery kind of the mail that answers a reviewer's email reply to a card (what
+#: became of it). Its row holds its whole address (the reviewer, the subject, the reply
+#: it answers): there is no binding.
+ANSWER = "answer"
 #: Gating actions with nothing to send (SPEC 6): the approval's own transaction writes
 #: their delivery ``sent`` and completes the item; the relay never sees them.
 INTERNAL_ACTIONS = frozenset({"reveal", "silent", "scheduled"})
@@ -320,6 +324,31 @@ class Outbox:
             "created_at": now,
             "updated_at": now,
         }
+
+    async def enqueue_answer(
+        self,
+        conn: Conn,
+        *,
+        org_id: str,
+        work_item_id: str | None,
+        channel: str,
+        address: dict[str, Any],
+        text: str,
+    ) -> Delivery:
+        """Queue an :data:`ANSWER` in the caller's transaction (a decision's, when the
+        reply decided): sent by the relay with its retries, like any delivery."""
+        now = self.clock.now_ms()
+        values = self._post_row(
+            now,
+            org_id=org_id,
+            work_item_id=work_item_id,
+            kind=ANSWER,
+            channel=channel,
+            binding_id=None,
+            address=address,
+            text=text,
+        )
+        return await self._insert(conn, values, now)
 
     async def enqueue_card(
         self,
@@ -593,12 +622,14 @@ async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
 
 
 async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
-    """Cancel an item's unsent deliveries (the item was cancelled)."""
+    """Cancel an item's unsent deliveries (the item was cancelled), but for answers to
+    a reviewer's mail (:data:`ANSWER`): what they say was so when they were written."""
     await conn.execute(
         t.deliveries.update()
         .where(
             D.work_item_id == item_id,
             D.status.in_([DeliveryStatus.pending.value, DeliveryStatus.deliveryUnknown.value]),
+            D.kind != ANSWER,
         )
         .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
     )

@@ -34,10 +34,10 @@ from leadgate.database.db import Conn, Database
 from leadgate.domain import links
 from leadgate.domain.links import Reviewer
 from leadgate.domain.workitems import Status
-from leadgate.operations.reviews import Reviews
+from leadgate.operations.reviews import InDecision, Reviews
 from leadgate.review import cards, replies
 from leadgate.review.destinations import remember_teams_conversation
-from leadgate.review.replies import ReplyCard
+from leadgate.review.replies import AnswerTo, ReplyCard
 from outbox.channel import Card
 from outbox.store import DeliveryStatus
 
@@ -139,12 +139,14 @@ class ChatReviews:
         message_id: str | None = None,
         conversation: str | None = None,
         card_id: str | None = None,
+        then: InDecision | None = None,
     ) -> ChatAnswer:
         """Approve, reject (``text``: reason) or return (``text``: feedback) ``item_id``
         as the leadgate user linked to ``identity`` on ``platform`` (``message_id`` in
         ``conversation``: the clicked card's message, see :meth:`_settle_clicked`;
         ``episode_id`` and ``card_id``: the wait and the delivery the card names, see
-        :meth:`_stale`)."""
+        :meth:`_stale`; ``then``: runs in the decision's transaction, when there is
+        one)."""
         try:
             answer, reviewer = await self._opened(
                 platform, identity, item_id, episode_id, message_id, conversation, card_id
@@ -159,6 +161,7 @@ class ChatReviews:
                     text,
                     surface=platform,
                     identity=f"{platform}:{identity}",
+                    then=then,
                 ),
                 item_id,
                 platform,
@@ -178,10 +181,11 @@ class ChatReviews:
         message_id: str | None = None,
         conversation: str | None = None,
         card_id: str | None = None,
+        then: InDecision | None = None,
     ) -> ChatAnswer:
         """Confirm delivered / retry a ``deliveryUnknown`` gating delivery from its card
         (``episode_id``: the card's; a card of an earlier stretch of waiting is stale;
-        ``message_id``, ``conversation``, ``card_id``: as :meth:`decide`)."""
+        ``message_id``, ``conversation``, ``card_id``, ``then``: as :meth:`decide`)."""
         try:
             unreadable = _unreadable(
                 identity, delivery_id, episode_id, message_id, conversation, card_id
@@ -223,6 +227,7 @@ class ChatReviews:
                     action,
                     surface=platform,
                     identity=f"{platform}:{identity}",
+                    then=then,
                 ),
                 item_id,
                 platform,
@@ -245,6 +250,7 @@ class ChatReviews:
         envelope_sender: str,
         action: str,
         text: str,
+        answer_to: AnswerTo,
     ) -> ChatAnswer:
         """A reply to an email card (``[email] review_reply_address``): ``action`` its
         first word, ``text`` the rest (the reason or feedback). The token names the card;
@@ -253,11 +259,48 @@ class ChatReviews:
         token nor the address alone decides. The decision then goes through
         :meth:`decide` / :meth:`recover` with the card's wait, as a click does (surface
         ``email``, identity ``email:<address>``). An action the card does not offer is
-        answered ``invalid`` saying what it accepts, after the sender is checked."""
+        answered ``invalid`` saying what it accepts, after the sender is checked.
+
+        The answer mail to ``answer_to`` is an outbox row (:data:`outbox.store.ANSWER`),
+        sent by the relay with its retries: written in the decision's transaction when
+        the reply decided, in one of its own otherwise; so when this returns, whatever
+        it says is committed (``unavailable``: nothing was, the listener answers 451)."""
         try:
             card = await self.reply_card(token)
-            if card is None:
-                return ChatAnswer("closed", GONE)
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded("email", exc)
+        if card is None:
+            # Only between RCPT and DATA: no organization to answer under.
+            log.info("email: a reply's card went away before its DATA; not answered")
+            return ChatAnswer("closed", GONE)
+
+        async def answered(conn: Conn) -> None:
+            outcome = await cards.last_outcome(conn, card.item_id)
+            line = cards.outcome_line(outcome) if outcome else "Done."
+            await self._queue_answer(conn, card, answer_to, replies.decided_text(line))
+
+        answer = await self._email_decision(card, sender, envelope_sender, action, text, answered)
+        if answer.kind in ("decided", "unavailable"):
+            return answer  # the answer was written with the decision / nothing was
+        try:
+            async with self.db.tx() as conn:
+                await self._queue_answer(conn, card, answer_to, answer.text)
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded("email", exc)
+        return answer
+
+    async def _email_decision(
+        self,
+        card: ReplyCard,
+        sender: str,
+        envelope_sender: str,
+        action: str,
+        text: str,
+        then: InDecision,
+    ) -> ChatAnswer:
+        """What :meth:`email_reply` decides (``then`` runs in the decision's
+        transaction)."""
+        try:
             async with self.db.read() as conn:
                 for address in {sender, envelope_sender}:
                     if await self._reviewer(conn, card.org_id, "email", address) is None:
@@ -270,10 +313,16 @@ class ChatReviews:
             if card.delivery_id is None:
                 return ChatAnswer("closed", GONE)
             return await self.recover(
-                "email", sender, card.delivery_id, action, episode_id=card.episode_id
+                "email", sender, card.delivery_id, action, episode_id=card.episode_id, then=then
             )
         answer = await self.decide(
-            "email", sender, card.item_id, action, text or None, episode_id=card.episode_id
+            "email",
+            sender,
+            card.item_id,
+            action,
+            text or None,
+            episode_id=card.episode_id,
+            then=then,
         )
         if answer.kind == "invalid":
             # A chat form keeps the text to correct; a mail is written again from scratch.
@@ -281,6 +330,20 @@ class ChatReviews:
                 "invalid", f"Nothing was decided: {answer.text}. {replies.accepted(card.reason)}"
             )
         return answer
+
+    async def _queue_answer(
+        self, conn: Conn, card: ReplyCard, answer_to: AnswerTo, text: str
+    ) -> None:
+        """Queue the answer mail to a reviewer's reply to ``card`` in ``conn``'s
+        transaction."""
+        await self.reviews.outbox.enqueue_answer(
+            conn,
+            org_id=card.org_id,
+            work_item_id=card.item_id,
+            channel="email",
+            address=answer_to.address(),
+            text=text,
+        )
 
     async def remember_teams_conversation(self, reference: dict[str, object]) -> None:
         """Keep a Teams conversation's reference (so ``notify add --channel teams``

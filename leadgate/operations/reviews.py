@@ -11,7 +11,7 @@ run paused on that item ends then, not at the resumer's poll.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from leadgate.core.auth import Principal, Scope
@@ -19,13 +19,17 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import ValidationError
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.domain import wakes, workitems
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.flows.runs import ENDED_WITHOUT_APPROVAL
 from leadgate.review import decisions, queue
 from outbox.store import Outbox, get_delivery
+
+#: Runs inside a decision's transaction, after the decision (what must commit with it,
+#: or not at all: the answer to a reviewer's mail).
+InDecision = Callable[[Conn], Awaitable[None]]
 
 #: The human decisions (SPEC 5) and the delivery recovery actions.
 DECISIONS = ("approve", "reject", "return", "cancel")
@@ -103,11 +107,13 @@ class Reviews:
         *,
         surface: str = "api",
         identity: str | None = None,
+        then: InDecision | None = None,
     ) -> dict[str, Any]:
         """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel.
 
         ``surface`` (console, api, cli, slack, teams, discord, email) and ``identity``
-        (the platform identity, e.g. ``slack:T1:U2``) are audited beside the actor.
+        (the platform identity, e.g. ``slack:T1:U2``) are audited beside the actor;
+        ``then`` runs in the decision's transaction, after it.
         """
         principal.require(Scope.review)
         if action not in DECISIONS:
@@ -127,6 +133,8 @@ class Reviews:
                 surface=surface,
                 identity=identity,
             )
+            if then is not None:
+                await then(conn)
             detail = await queue.detail(conn, principal.org_id, item_id)
             if (
                 detail["channel"] == BindingKind.flow.value
@@ -158,10 +166,11 @@ class Reviews:
         surface: str = "api",
         identity: str | None = None,
         external_id: str | None = None,
+        then: InDecision | None = None,
     ) -> dict[str, Any]:
         """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
         surface and identity as :meth:`decide`; ``external_id``: the message's id, when
-        a click on the card itself confirms it)."""
+        a click on the card itself confirms it; ``then``: as :meth:`decide`)."""
         principal.require(Scope.review)
         if action not in RECOVERIES:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
@@ -177,6 +186,8 @@ class Reviews:
                 identity=identity,
                 external_id=external_id,
             )
+            if then is not None:
+                await then(conn)
             detail = (
                 await queue.detail(conn, principal.org_id, row.work_item_id)
                 if row.work_item_id

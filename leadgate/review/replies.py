@@ -74,6 +74,27 @@ class ReplyCard(NamedTuple):
     delivery_id: str | None
 
 
+class AnswerTo(NamedTuple):
+    """Where the answer to a reviewer's reply goes: a reply to their mail."""
+
+    #: the reply's ``From`` address
+    to: str
+    subject: str
+    #: the reply's Message-ID, and the thread it is in
+    in_reply_to: str | None
+    references: str | None
+
+    def address(self) -> dict[str, str | None]:
+        """The answer mail's address, as an email delivery row holds it."""
+        return self._asdict()
+
+
+def decided_text(outcome: str) -> str:
+    """The answer mail's text to a reply that decided (``outcome``: the card's outcome
+    line); other answers say why nothing changed in words of their own."""
+    return f"Your decision was recorded: {outcome}"
+
+
 def accepted(reason: str) -> str:
     """What a card of ``reason`` accepts as a reply, in words."""
     if reason == "deliveryUnknown":

@@ -33,7 +33,6 @@ from tests.fakes import DownFor
 from tests.helpers import (
     Org,
     api_trigger,
-    eventually,
     item_audit,
     item_row,
     make_agent,
@@ -198,13 +197,12 @@ async def reply(
 
 
 async def answer_to(env: Env, who: str, count: int = 1) -> list[dict[str, Any]]:
-    """The answers to replies the listener mailed to ``who`` (waits for ``count``)."""
-
-    def mails() -> list[dict[str, Any]]:
-        return [m for m in env.sink.messages if m["rcpt_tos"] == [who] and m["in_reply_to"]]
-
-    assert await eventually(lambda: len(mails()) >= count), env.sink.messages
-    return mails()
+    """The answers to replies mailed to ``who`` (at least ``count``): queued in the outbox
+    by the listener, sent by a relay pass."""
+    await drain(env.app.relay)
+    mails = [m for m in env.sink.messages if m["rcpt_tos"] == [who] and m["in_reply_to"]]
+    assert len(mails) >= count, env.sink.messages
+    return mails
 
 
 def email_approvals() -> float:
@@ -444,25 +442,109 @@ async def test_the_database_down_at_data_is_451_and_nothing_changes(
         return 250
 
     # The card's lookup fails; then the decision's transaction: each time 451, nothing
-    # decided, and no answer mailed (the sending server retries).
+    # decided, and no answer written or mailed (the sending server retries).
     assert await data_while(to, [("read", DownFor(db.read, 1, after_commit=False))]) == 451
     assert await data_while(to, [("tx", DownFor(db.tx, 1, after_commit=False))]) == 451
     assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
     assert await item_audit(env.app, item_id) == before
+    assert await answer_rows(env) == []
+    await drain(env.app.relay)
+    assert not [m for m in env.sink.messages if m["in_reply_to"]]
     # The retry decides.
     assert await reply(env, to, "approve") == 250
     assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
     [answer] = await answer_to(env, "member@acme.io")
     assert answer["body"].startswith("Your decision was recorded: Approved")
 
-    # Committed, but the connection was lost at COMMIT: 451, and the retry finds it decided.
+    # Committed, but the connection was lost at COMMIT: 451, and the retry finds it
+    # decided. The answer committed with the decision is mailed as well.
+    env.sink.messages.clear()
     assert await data_while(to_lost, [("tx", DownFor(db.tx, 1, after_commit=True))]) == 451
     assert (await item_row(env.app, lost))["status"] in ("approved", "completed")
     assert await reply(env, to_lost, "approve") == 250
-    answers = await answer_to(env, "member@acme.io", 2)
-    assert answers[-1]["body"].startswith("Already approved by member@acme.io (email)")
+    answers = sorted(a["body"] for a in await answer_to(env, "member@acme.io", 2))
+    assert answers[0].startswith("Already approved by member@acme.io (email)")
+    assert answers[1].startswith("Your decision was recorded: Approved by member@acme.io")
     actions = [a["action"] for a in await item_audit(env.app, lost)]
     assert actions.count("approve") == 1
+
+
+async def answer_rows(env: Env) -> list[Any]:
+    """The outbox rows of answers to reviewers' mails, oldest first."""
+    d = t.deliveries.c
+    async with env.app.db.read() as conn:
+        return list(
+            (
+                await conn.execute(
+                    sa.select(
+                        d.id,
+                        d.work_item_id,
+                        d.channel,
+                        d.status,
+                        d.address,
+                        d.text,
+                        d.error,
+                        d.next_attempt_at,
+                    )
+                    .where(d.kind == "answer")
+                    .order_by(d.created_at, d.id)
+                )
+            ).all()
+        )
+
+
+async def test_the_answer_is_an_outbox_row_committed_with_the_decision(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    assert await reply(env, to, "approve", subject="Re: the card") == 250
+    # Before the 250, with the decision: queued, nothing mailed yet (no relay pass).
+    [row] = await answer_rows(env)
+    assert (row.work_item_id, row.channel, row.status) == (item_id, "email", "pending")
+    assert row.address["to"] == ANN and row.address["subject"] == "Re: the card"
+    assert row.text.startswith("Your decision was recorded: Approved by member@acme.io")
+    assert not [m for m in env.sink.messages if m["in_reply_to"]]
+    [answer] = await answer_to(env, ANN)
+    assert answer["in_reply_to"] == row.address["in_reply_to"]
+    assert answer["body"].startswith("Your decision was recorded: Approved")
+    assert [r.status for r in await answer_rows(env)] == ["sent"]
+
+
+@pytest.mark.parametrize("said", ["approve", "looks fine to me"])
+async def test_an_answer_the_mail_server_refuses_is_sent_on_a_later_relay_pass(
+    env: Env, said: str
+) -> None:
+    """A decision's answer, and one written on its own (nothing was decided)."""
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    env.sink.fail_next("tempfail")  # the answer's first send: 451 after its content
+    assert await reply(env, to, said) == 250
+    await drain(env.app.relay)
+    assert not [m for m in env.sink.messages if m["in_reply_to"]]
+    [row] = await answer_rows(env)
+    assert row.status == "pending" and "451" in row.error
+    # Due again once its backoff has passed (the relay's clock), not before.
+    clock = env.app.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(row.next_attempt_at - clock.now_ms())
+    [answer] = await answer_to(env, ANN)
+    expected = "Your decision was recorded: Approved" if said == "approve" else "Nothing was"
+    assert answer["body"].startswith(expected)
+    assert [r.status for r in await answer_rows(env)] == ["sent"]
+
+
+async def test_an_answer_whose_send_is_uncertain_is_delivery_unknown(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    env.sink.fail_next("drop")  # the whole answer written, then the connection lost
+    assert await reply(env, to, "approve") == 250
+    await drain(env.app.relay)
+    [row] = await answer_rows(env)
+    assert row.status == "deliveryUnknown"
+    listed = await env.app.reviews.uncertain(org.principal)
+    assert [(d["id"], d["kind"]) for d in listed["deliveries"]] == [(row.id, "answer")]
 
 
 async def test_unknown_tokens_are_refused_at_rcpt_and_the_token_is_kept_hashed(env: Env) -> None:
