@@ -534,6 +534,23 @@ async def test_an_answer_the_mail_server_refuses_is_sent_on_a_later_relay_pass(
     assert [r.status for r in await answer_rows(env)] == ["sent"]
 
 
+async def test_cancelling_the_item_leaves_an_answer_on_its_way_be(env: Env) -> None:
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    env.sink.fail_next("tempfail")
+    assert await reply(env, to, "looks fine to me") == 250
+    await drain(env.app.relay)
+    await env.app.reviews.decide(org.principal, item_id, "cancel", surface="api")
+    [row] = await answer_rows(env)
+    assert row.status == "pending"  # what it says was so when it was written
+    clock = env.app.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(row.next_attempt_at - clock.now_ms())
+    [answer] = await answer_to(env, ANN)
+    assert answer["body"].startswith("Nothing was decided.")
+
+
 async def test_an_answer_whose_send_is_uncertain_is_delivery_unknown(env: Env) -> None:
     org, worker = await setup(env)
     item_id = await escalated(env, org, worker, "s1")
@@ -662,6 +679,27 @@ async def test_an_uncertain_card_mail_ends_with_its_token_when_the_item_is_decid
     item_id, _ = await uncertain_card(env, org, worker)
     reason = "not this" if decision == "reject" else None
     await env.app.reviews.decide(org.principal, item_id, decision, reason, surface="api")
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    assert not await rows_holding(env, PLAIN_TOKEN)
+
+
+async def test_an_uncertain_card_mail_ends_with_its_token_when_its_delivery_is_confirmed_by_email(
+    env: Env,
+) -> None:
+    """The card of a Slack answer whose post was uncertain reached the reviewer, but its
+    own send was uncertain too; the reviewer's ``confirm`` settles the item and ends the
+    card mail's row."""
+    org, worker = await setup(env)
+    env.slack.script = [Uncertain("read timeout after the request was written")]
+    await env.app.turns.run(slack_trigger(org, worker, "post it #complete", "1700.1"))
+    await drain(env.app.lead_runner)
+    env.sink.fail_next("drop")  # the card mail: written whole, then the connection lost
+    await drain(env.app.relay)
+    [item_id] = [i["id"] for i in (await env.app.reviews.queue(org.principal))["items"]]
+    assert (await email_card_row(env, item_id)).status == "deliveryUnknown"
+    [attempt] = [a for a in env.sink.attempts if a.get("reply_to")]
+    assert await reply(env, reply_address(attempt), "confirm") == 250
+    assert (await item_row(env.app, item_id))["status"] == "completed"
     assert (await email_card_row(env, item_id)).status == "cancelled"
     assert not await rows_holding(env, PLAIN_TOKEN)
 
