@@ -118,8 +118,15 @@ class InlineConnection:
         # (and registers a weak reference to it); statements here run one at a time and
         # are read to the end before the next.
         self._cur = self._raw.cursor()
-        for pragma in pragmas:
-            self._cur.execute(pragma)
+        try:
+            for pragma in pragmas:
+                self._cur.execute(pragma)
+        except BaseException:
+            # Nobody holds this object when __init__ raises: the file would stay open
+            # until the garbage collector found it (a file that is not a database, a
+            # full disk or an I/O error at startup, met again on every read).
+            self._raw.close()
+            raise
         self._plans = PlanCache(dialect)
         #: writes through this connection by table, and of anything (``text()`` DML,
         #: rollbacks): see :meth:`cache_token`

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import closing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database, signal_after_commit
 from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite
 from leadgate.database.pg import PgConnection
+from tests.statement_faults import SqliteFaults
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -448,8 +450,11 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 
     with db.record_statements() as statements:
         async with asyncio.timeout(2):
-            results = await asyncio.gather(
-                member("f1", fail=True), member("k1"), member("k2"), return_exceptions=True
+            # (a list: the gathers below have other lengths)
+            results: list[BaseException | None] = list(
+                await asyncio.gather(
+                    member("f1", fail=True), member("k1"), member("k2"), return_exceptions=True
+                )
             )
     assert [type(r) for r in results] == [Boom, type(None), type(None)]
     assert statements.count("BEGIN IMMEDIATE") == 2, statements
@@ -462,16 +467,20 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
     fired.clear()
     with db.record_statements() as statements:
         async with asyncio.timeout(2):
-            results = await asyncio.gather(
-                member("f2", fail=True), member("f3", fail=True), return_exceptions=True
+            results = list(
+                await asyncio.gather(
+                    member("f2", fail=True), member("f3", fail=True), return_exceptions=True
+                )
             )
     assert [type(r) for r in results] == [Boom, Boom]
     assert "COMMIT" not in statements, statements
     assert fired == []
 
     async with asyncio.timeout(2):
-        results = await asyncio.gather(
-            member("dup", statement=rollback_insert), member("k3"), return_exceptions=True
+        results = list(
+            await asyncio.gather(
+                member("dup", statement=rollback_insert), member("k3"), return_exceptions=True
+            )
         )
     assert isinstance(results[0], sa.exc.IntegrityError), results
     assert results[1] is None, results
@@ -951,6 +960,36 @@ async def test_a_transaction_behind_a_member_that_does_not_finish_gives_up(
     release.set()
     await asyncio.wait_for(held, 1)
     assert await committed_ids(db) == {"warm", "held"}
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["writer", "reader"])
+def test_a_connection_whose_opening_pragma_fails_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readonly: bool
+) -> None:
+    """Whichever opening PRAGMA fails, the error reaches the caller and the ``sqlite3``
+    connection opened for it is closed (nothing else holds it to close it)."""
+    path = str(tmp_path / "t.db")
+    faults = SqliteFaults(path, monkeypatch)
+    faulty_connect = sqlite3.connect
+    opened: list[sqlite3.Connection] = []
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        opened.append(faulty_connect(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    dialect = sa.create_engine("sqlite://").dialect
+    pragmas = 5 if readonly else 7
+    for at in range(1, pragmas + 1):
+        faults.arm(at)
+        with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+            InlineConnection(path, dialect, readonly=readonly)
+        assert faults.fired is not None and faults.fired.startswith("PRAGMA")
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            opened[-1].execute("SELECT 1")
+    faults.disarm()
+    InlineConnection(path, dialect, readonly=readonly).close()
+    assert len(opened) == pragmas + 1
 
 
 # --------------------------------------------------------------- record_statements
