@@ -191,6 +191,27 @@ class Unavailable(LeadgateError):
     detail: str = ""
 
 
+#: ``service.unavailable``'s message where the request may have written: its transaction
+#: rolled back.
+NOTHING_STORED = (
+    "the service cannot store this request right now; nothing was stored, please retry shortly"
+)
+#: ``service.unavailable``'s message where the request only reads (a GET, an MCP resource
+#: read or listing): "nothing was stored" answered a question nobody asked.
+CANNOT_READ = "the database is unavailable right now; please retry shortly"
+
+
+def when_reading(exc: Unavailable) -> Unavailable:
+    """``exc`` as a request that only reads is told it: a database fault
+    (``service.unavailable``) says :data:`CANNOT_READ` (same rule, wait and detail); any
+    other 503 (overload, ``turn.interrupted``) is returned as it is."""
+    if exc.rule != "service.unavailable" or exc.message == CANNOT_READ:
+        return exc
+    reading = Unavailable(CANNOT_READ, rule=exc.rule, retry_after_s=exc.retry_after_s)
+    reading.detail = exc.detail
+    return reading
+
+
 class TurnInterrupted(Unavailable):
     """A database fault after a turn's message was taken in (committed): the message is
     stored, the turn could not finish. Unlike its parent this is no "nothing was stored,

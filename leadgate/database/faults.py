@@ -22,7 +22,7 @@ import sqlite3
 
 import sqlalchemy as sa
 
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import NOTHING_STORED, Unavailable
 
 # SQLite primary result codes that say "not now".
 _SQLITE_CODES = frozenset(
@@ -141,9 +141,7 @@ def unavailable(exc: BaseException) -> Unavailable | None:
     if why is None:
         return None
     # The detail (file paths, server text) is for the log, not for clients.
-    error = Unavailable(
-        "the service cannot store this request right now; nothing was stored, please retry shortly",
-        rule="service.unavailable",
-    )
+    # (A request that only reads is told CANNOT_READ instead: the surfaces know which.)
+    error = Unavailable(NOTHING_STORED, rule="service.unavailable")
     error.detail = why[:300]
     return error

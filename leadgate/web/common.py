@@ -26,6 +26,7 @@ from leadgate.core.errors import (
     ModelError,
     Unavailable,
     ValidationError,
+    when_reading,
 )
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
@@ -169,6 +170,8 @@ class UnavailableAnswers:
       clients retry by the thousand; a line each would add to it, and an ERROR each
       would page someone for every retry.
     * ``leadgate_unavailable_responses_total{rule}``.
+    * A GET or HEAD only reads: a database fault tells it so (:func:`when_reading`), not
+      that nothing was stored.
     * An error that asks for no retry (``retry_after_s`` ``None``: ``turn.interrupted``,
       whose message was stored) has neither header, and ``x-should-retry: false``.
     """
@@ -192,6 +195,8 @@ class UnavailableAnswers:
                 log, "%d request(s) answered 503 [%s] (the latest: %s %s%s)", now=self._now
             )
         tally.add(exc.rule, request.method, request.path, f": {exc.detail}" if exc.detail else "")
+        if request.method in _ONLY_READ:
+            exc = when_reading(exc)
         response = error_response(request, exc.status, exc.message, exc.code, exc.rule)
         if exc.retry_after_s is None:
             # turn.interrupted: the message was stored; a retry would send it twice.
@@ -202,6 +207,10 @@ class UnavailableAnswers:
             )
         return response
 
+
+#: Methods whose routes only read: told a fault as :data:`CANNOT_READ`, not "nothing
+#: was stored" (a console page, a listing, a transcript, an event stream).
+_ONLY_READ = frozenset({"GET", "HEAD"})
 
 UNAVAILABLE_ANSWERS = web.AppKey("leadgate_unavailable_answers", UnavailableAnswers)
 #: For applications without their own (the service's have one each).

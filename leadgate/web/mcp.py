@@ -48,6 +48,7 @@ from leadgate.core.errors import (
     PayloadTooLarge,
     Unavailable,
     ValidationError,
+    when_reading,
 )
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.types import BUSY_RULE, Busy, Duplicate, Gated, Outcome, Reply
@@ -652,15 +653,38 @@ def _plain_error(start: Message) -> bool:
 _NOT_JSON = frozenset({"body.json", "body.utf8"})
 
 
-def _request_id(body: bytes) -> str | int | None:
-    """The JSON-RPC id of the request in ``body`` (None: none can be read)."""
+def _message(body: bytes) -> dict[str, object] | None:
+    """The JSON object in ``body`` (None: none can be read)."""
     try:
-        # The stdlib parser takes NUL and lone surrogates; only the id is read.
+        # The stdlib parser takes NUL and lone surrogates; only the id and method are read.
         message = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    found = message.get("id") if isinstance(message, dict) else None
+    return message if isinstance(message, dict) else None
+
+
+def _request_id(body: bytes) -> str | int | None:
+    """The JSON-RPC id of the request in ``body`` (None: none can be read)."""
+    return _id_of(_message(body) or {})
+
+
+def _id_of(message: dict[str, object]) -> str | int | None:
+    found = message.get("id")
     return found if isinstance(found, str | int) and not isinstance(found, bool) else None
+
+
+#: JSON-RPC methods that only read: a database fault is told them as
+#: :data:`leadgate.core.errors.CANNOT_READ`, not "nothing was stored" (a subscription
+#: may create the session it names; a tool call runs a turn).
+_ONLY_READ: Final = frozenset(
+    {
+        "ping",
+        "tools/list",
+        "resources/list",
+        "resources/templates/list",
+        "resources/read",
+    }
+)
 
 
 def _jsonrpc_refusal(body: bytes, exc: ValidationError) -> web.Response:
@@ -683,9 +707,12 @@ async def _jsonrpc_unavailable(request: web.Request, exc: Unavailable) -> web.Re
     which the client could only report as "Server returned an error response"."""
     response = unavailable_response(request, exc)
     try:
-        request_id = _request_id(await read_body(request))
+        message = _message(await read_body(request)) or {}
     except LeadgateError:
-        request_id = None  # (a body too large, or too slow: its id is unknown)
+        message = {}  # (a body too large, or too slow: its id is unknown)
+    request_id = _id_of(message)
+    if message.get("method") in _ONLY_READ:
+        exc = when_reading(exc)
     data: dict[str, Any] = {"rule": exc.rule}
     if exc.retry_after_s is not None:
         data["retryAfterS"] = exc.retry_after_s

@@ -50,7 +50,14 @@ from mcp.shared.exceptions import MCPError
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import single_value
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, NotFound, ValidationError
+from leadgate.core.errors import (
+    DatabaseDamaged,
+    LeadgateError,
+    NotFound,
+    Unavailable,
+    ValidationError,
+    when_reading,
+)
 from leadgate.core.logs import Tally
 from leadgate.web.common import DamagedAnswers, damaged_answers
 from leadgate.web.sessions_api import SessionReads
@@ -330,6 +337,8 @@ class Resources:
             raise _unknown(uri, exc.rule) from None
         except DatabaseDamaged as exc:
             raise _damaged(ctx, uri, exc) from None
+        except Unavailable as exc:
+            raise _refused(uri, when_reading(exc)) from None
         except LeadgateError as exc:
             raise _refused(uri, exc) from None
         text = json.dumps(page)

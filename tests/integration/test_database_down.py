@@ -54,6 +54,7 @@ from sqlalchemy.engine import make_url
 
 from bots.email import EmailHandler
 from leadgate.core.clock import FakeClock
+from leadgate.core.errors import CANNOT_READ, NOTHING_STORED
 from leadgate.core.runners import drain
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from tests.helpers import LEGACY_SUBSCRIBE, held_sqlite_lock, listened, make_route
@@ -529,12 +530,32 @@ def logged(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]
         records += [r for r in caplog.records[start:] if r.name.startswith(SERVING)]
 
 
+#: Calls other than GETs that only read, and are told so when they meet the fault:
+#: the MCP session's ping (the key's check is all it reads), the listings and a
+#: transcript's read (a subscription may create the session it names).
+TOLD_READING = frozenset(
+    {"POST /mcp", "MCP tools/list", "MCP resources/templates/list", "MCP read"}
+)
+
+
+def wrong_words(route: str, got: Answer) -> str | None:
+    """What is wrong with what a fault's 503 tells ``route`` (None: nothing): a call
+    that only reads (a GET, one of :data:`TOLD_READING`) that the database is
+    unavailable; any other that nothing was stored."""
+    reads = route.startswith("GET ") or route in TOLD_READING
+    said, not_said = (CANNOT_READ, NOTHING_STORED) if reads else (NOTHING_STORED, CANNOT_READ)
+    if said in got.body and not_said not in got.body:
+        return None
+    return f"a {'read' if reads else 'write'} not told {said!r}"
+
+
 def wrong_while_down(down: Phase, up: Phase, *, reads: bool) -> list[str]:
     """The calls not answered as documented while the database was down: each must be
-    the 503 (:func:`refusal`; an MCP call its JSON-RPC or tool error naming the rule);
-    or a 401 the same call gets with the database up (that credential is not taken
-    there: a console cookie on ``/v1``); or, where reads go on (SQLite's write lock), a
-    read answered as usual (a GET, or one of :data:`ONLY_READ`)."""
+    the 503 (:func:`refusal`; an MCP call its JSON-RPC or tool error naming the rule)
+    telling what is true of it (:func:`wrong_words`); or a 401 the same call gets with
+    the database up (that credential is not taken there: a console cookie on ``/v1``);
+    or, where reads go on (SQLite's write lock), a read answered as usual (a GET, or one
+    of :data:`ONLY_READ`)."""
     wrong = list(down.problems)
     for label, got in down.answers.items():
         route = label.split(" as ", 1)[0]
@@ -543,6 +564,8 @@ def wrong_while_down(down: Phase, up: Phase, *, reads: bool) -> list[str]:
         why = "not the documented error" if got.status != 503 else None
         if got.content_type != "mcp":
             why = refusal(got)
+        if why is None and got.status == 503:
+            why = wrong_words(route, got)
         if "Traceback" in got.body:
             wrong.append(f"{label}: a traceback: {got.body[:300]}")
         elif why is None:

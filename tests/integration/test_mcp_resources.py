@@ -30,6 +30,7 @@ from leadgate.app import App, package_version
 from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.errors import CANNOT_READ
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
@@ -376,7 +377,13 @@ async def test_listen_is_refused_as_read_and_subscribe_are(
             answers.append(await refusal(call()))
     assert answers[0].data is not None and answers[0].data["uri"] == resource
     assert answers[0].data["rule"] == rule
-    assert answers == [answers[0]] * 4
+    assert [(a.code, a.data) for a in answers] == [(answers[0].code, answers[0].data)] * 4
+    # The same words, but that a database fault tells the reads (not the subscription
+    # and the listen, which may create the session) the database is unavailable.
+    if fault:
+        assert [a.message for a in answers[::2]] == [CANNOT_READ] * 2
+    else:
+        assert answers == [answers[0]] * 4
 
 
 async def test_a_database_fault_reading_a_transcript_is_a_server_error_naming_its_rule(
@@ -393,6 +400,8 @@ async def test_a_database_fault_reading_a_transcript_is_a_server_error_naming_it
         with pytest.raises(MCPError) as failed:
             await client.read_resource(resource)
         assert failed.value.error.code == mt.INTERNAL_ERROR
+        # (not "nothing was stored": it only reads)
+        assert failed.value.error.message == CANNOT_READ
         assert failed.value.error.data == {
             "uri": resource,
             "rule": "service.unavailable",
