@@ -5,9 +5,10 @@ One service per configuration drives every surface once, with a distinctive mark
 every secret (API keys, the console password and session cookie, the Slack signing
 secret and bot token, a Slack click's response_url, the Discord bot token and interaction
 token, the model provider's key, a model gateway's password in its base_url, the metrics
-token) and in every piece of message text (REST plain, streamed and
-gated; an MCP tool call; Slack, Discord, Teams and email messages; a model's answer and
-a provider's error; a reviewer's reason and feedback). Then everything the process wrote
+token, the outbound SMTP relay's password, which its stand-in asks for with ``AUTH``)
+and in every piece of message text (REST plain, streamed and gated; an MCP tool call;
+Slack, Discord, Teams and email messages; a model's answer and a provider's error; a
+reviewer's reason and feedback). Then everything the process wrote
 is searched for the markers, and every text column of every table of
 ``leadgate.database.schema`` for the secret ones. With ``include_content = true`` the
 libraries' DEBUG payload lines show message text: the check can see what it looks for.
@@ -94,6 +95,8 @@ BAD_RESPONSE_URLS = (
 MODEL_KEY = f"sk-{marker('modelkey')}"
 GATEWAY_PASSWORD = marker("gatewaypassword")  # a model's base_url with a user and password
 METRICS_TOKEN = marker("metricstoken")
+SMTP_USER = "leadgate-relay"
+SMTP_PASSWORD = marker("smtppassword")  # the outbound relay's AUTH password
 PASSWORD = marker("consolepassword")
 WRONG_PASSWORD = marker("wrongpassword")
 WRONG_KEY = f"lg.key_0000000000000000.{marker('wrongkey')}"
@@ -156,7 +159,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Standin]
             log_dir=log_dir,
         ),
         "teams": Standin("connector", log_dir=log_dir),
-        "smtp": Standin("smtp", "--http-port", "0", log_dir=log_dir),
+        "smtp": Standin(
+            "smtp", "--http-port", "0", "--login", f"{SMTP_USER}:{SMTP_PASSWORD}", log_dir=log_dir
+        ),
         # No key required: the gateway model's basic auth (its base_url's user and
         # password) replaces the bearer key.
         "model": Standin("model_server", log_dir=log_dir),
@@ -321,6 +326,8 @@ def drive(proc: ServiceProcess, rig: dict[str, Standin], key: str) -> dict[str, 
     )
     wait_until(lambda: sent_to(rig["teams"], conversation), what="the Teams reply")
     wait_until(lambda: replies_to(rig["smtp"], str(letter["Message-ID"])), what="the mail reply")
+    # (the relay took the reply only after AUTH with the password)
+    assert [a for a in rig["smtp"].records("auths") if a["user"] == SMTP_USER and a["ok"]]
     wait_until(
         lambda: (
             (d := op.detail(ids["returneditem"]))["revision"] == 1
@@ -380,6 +387,8 @@ def run_service(
                 "listen_port": free_port(),
                 "smtp_host": "127.0.0.1",
                 "smtp_port": rig["smtp"].port,
+                "smtp_username": SMTP_USER,
+                "smtp_password": SMTP_PASSWORD,
             },
         },
     )
@@ -434,6 +443,7 @@ def run_service(
         "the model provider's key": MODEL_KEY,
         "a model gateway's password": GATEWAY_PASSWORD,
         "the metrics token": METRICS_TOKEN,
+        "the SMTP relay's password": SMTP_PASSWORD,
         "the console password": PASSWORD,
         "a wrong console password": WRONG_PASSWORD,
         "a wrong API key": WRONG_KEY.rsplit(".", 1)[1],

@@ -18,10 +18,17 @@ As a subprocess (acceptance tests)::
     python -m tests.standins.smtp --port 0 --http-port 0
     # prints "LISTENING <smtp port>" then "HTTP <http port>"
 
+With a login (``SmtpSink(login=("user", "password"))``, ``--login user:password``) it
+asks for ``AUTH`` (``PLAIN`` or ``LOGIN``, over plain TCP, as a relay on a private
+network may) before ``MAIL FROM``: a transaction without it is ``530 5.7.0``, wrong
+credentials ``535 5.7.8``. Every try is in ``auths`` (the user name and whether it
+matched; never the password).
+
 HTTP side port (only with ``--http-port``):
 
 * ``GET  /_standin/messages``  -> JSON list of accepted messages
 * ``GET  /_standin/attempts``  -> JSON list of every transaction, with its ``mode``
+* ``GET  /_standin/auths``     -> JSON list of ``AUTH`` tries: ``{"user", "ok"}``
 * ``POST /_standin/fail``      -> body ``{"mode": ..., "count": 1}``
 * ``POST /_standin/reset``     -> clears records and pending failures
 
@@ -50,7 +57,7 @@ from email.message import EmailMessage
 from typing import Any
 
 from aiohttp import web
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 FAILURE_MODES = frozenset(
     {"reject_rcpt", "tempfail_rcpt", "hang_rcpt", "tempfail", "reject", "hang", "drop"}
@@ -85,11 +92,22 @@ def _describe(envelope: Envelope, raw: bytes, mode: str) -> dict[str, Any]:
 class SmtpSink:
     """A recording SMTP server with scripted failures."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, smtputf8: bool = True) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        smtputf8: bool = True,
+        login: tuple[str, str] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         #: offer SMTPUTF8 (RFC 6531), as Postfix and the big providers do
         self.smtputf8 = smtputf8
+        #: the user name and password ``AUTH`` must give (None: no ``AUTH`` asked for)
+        self.login = login
+        #: every ``AUTH`` try, oldest first: the user name given and whether it matched
+        self.auths: list[dict[str, Any]] = []
         #: accepted messages, oldest first
         self.messages: list[dict[str, Any]] = []
         #: every transaction that reached RCPT or DATA, with its mode
@@ -110,6 +128,7 @@ class SmtpSink:
         """Forget records and pending failures."""
         self.messages.clear()
         self.attempts.clear()
+        self.auths.clear()
         self._failures.clear()
 
     async def start(self) -> None:
@@ -123,12 +142,36 @@ class SmtpSink:
                 ident="standin ESMTP",
                 loop=loop,
                 enable_SMTPUTF8=self.smtputf8,
+                **self._auth_options(),
             )
             self._connections.add(smtp)
             return smtp
 
         self._server = await loop.create_server(factory, self.host, self.port)
         self.port = int(self._server.sockets[0].getsockname()[1])
+
+    def _auth_options(self) -> dict[str, Any]:
+        """aiosmtpd's options for :attr:`login` (none without one)."""
+        if self.login is None:
+            return {}
+        return {
+            "authenticator": self._authenticate,
+            "auth_required": True,
+            "auth_require_tls": False,
+        }
+
+    def _authenticate(
+        self, server: SMTP, session: Session, envelope: Envelope, mechanism: str, data: Any
+    ) -> AuthResult:
+        """aiosmtpd's authenticator: ``data`` is the ``LoginPassword`` given by ``PLAIN``
+        or ``LOGIN``."""
+        assert self.login is not None
+        if not isinstance(data, LoginPassword):
+            return AuthResult(success=False, handled=False)
+        user = data.login.decode("utf-8", "replace")
+        ok = (user, data.password.decode("utf-8", "replace")) == self.login
+        self.auths.append({"user": user, "mechanism": mechanism, "ok": ok})
+        return AuthResult(success=ok, handled=False)
 
     async def close(self) -> None:
         """Stop listening, release hanging sessions and close connections."""
@@ -215,6 +258,9 @@ class SmtpSink:
         async def attempts(request: web.Request) -> web.Response:
             return web.json_response(self.attempts)
 
+        async def auths(request: web.Request) -> web.Response:
+            return web.json_response(self.auths)
+
         async def fail(request: web.Request) -> web.Response:
             spec = await request.json()
             try:
@@ -230,13 +276,14 @@ class SmtpSink:
         app = web.Application()
         app.router.add_get("/_standin/messages", messages)
         app.router.add_get("/_standin/attempts", attempts)
+        app.router.add_get("/_standin/auths", auths)
         app.router.add_post("/_standin/fail", fail)
         app.router.add_post("/_standin/reset", reset)
         return app
 
 
-async def _main(host: str, port: int, http_port: int | None) -> None:
-    sink = SmtpSink(host, port)
+async def _main(host: str, port: int, http_port: int | None, login: tuple[str, str] | None) -> None:
+    sink = SmtpSink(host, port, login=login)
     await sink.start()
     print(f"LISTENING {sink.port}", flush=True)
     runner: web.AppRunner | None = None
@@ -257,14 +304,19 @@ async def _main(host: str, port: int, http_port: int | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tests.standins.smtp --port 0 [--http-port 0]``."""
+    """``python -m tests.standins.smtp --port 0 [--http-port 0] [--login user:password]``."""
     parser = argparse.ArgumentParser(description="SMTP sink stand-in")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--http-port", type=int, default=None)
+    parser.add_argument("--login", default=None, help="user:password that AUTH must give")
     args = parser.parse_args(argv)
+    login = None
+    if args.login is not None:
+        user, _, password = args.login.partition(":")
+        login = (user, password)
     try:
-        asyncio.run(_main(args.host, args.port, args.http_port))
+        asyncio.run(_main(args.host, args.port, args.http_port, login))
     except KeyboardInterrupt:
         sys.exit(0)
 
