@@ -18,6 +18,8 @@ import collections
 import contextvars
 import hashlib
 import logging
+import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -266,14 +268,16 @@ class DiscordChannel:
             return _on_deadline(wire, self._timeout_s)
         except aiohttp.ClientConnectorError as exc:
             # No connection was made, so nothing was written.
-            return Retry(f"discord: cannot connect: {exc}")
+            return Retry(f"discord: cannot connect: {exc}")  # (host and port, no path)
         except (aiohttp.ClientError, OSError) as exc:
             if wire.written or wire.lost_after_write:
-                return Uncertain(f"discord: connection lost after sending: {exc!r}")
-            return Retry(f"discord: connection failed before sending: {exc!r}")
+                return Uncertain(f"discord: connection lost after sending: {described(exc)}")
+            return Retry(f"discord: connection failed before sending: {described(exc)}")
         except Exception as exc:  # an SDK surprise must not crash the relay
-            log.exception("discord: unexpected error while sending")
-            return Uncertain(f"discord: unexpected error: {exc!r}")
+            # Not log.exception: the traceback's last line is the error's text, which may
+            # quote the webhook URL (interaction token and all).
+            log.error("discord: unexpected error while sending: %s", described(exc, where=True))
+            return Uncertain(f"discord: unexpected error: {described(exc)}")
         finally:
             _WIRE.reset(reset)
 
@@ -363,7 +367,7 @@ class DiscordChannel:
         except discord.NotFound:
             return True
         except Exception as exc:
-            log.warning("discord: could not delete the deferred response: %r", exc)
+            log.warning("discord: could not delete the deferred response: %s", described(exc))
             return False
 
     async def close(self) -> None:
@@ -375,6 +379,28 @@ class DiscordChannel:
         session, self._session = self._session, None
         if session is not None and not session.closed:
             await session.close()
+
+
+#: An interaction webhook's path: ``/webhooks/{application_id}/{interaction token}``.
+_WEBHOOK_TOKEN = re.compile(r"(/webhooks/[^/\s]+/)[^/\s'\"<>)?]+")
+
+
+def described(exc: BaseException, *, where: bool = False) -> str:
+    """``exc`` for a delivery's error and the log, without an interaction's token: an
+    interaction is answered at ``{api_url}/webhooks/{application}/{token}``, and
+    aiohttp's errors quote the URL they were given (a misconfigured ``[discord]
+    api_url``: ``InvalidUrlClientError``, ``NonHttpUrlClientError``). A URL that cannot
+    be used says so without it; any other text loses the token of a webhook path in
+    it. ``where``: with the innermost frame's file and line (for a bug's ERROR line,
+    which carries no traceback)."""
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        text = f"{type(exc).__name__}: not an http(s) URL (check [discord] api_url)"
+    else:
+        text = _WEBHOOK_TOKEN.sub(r"\1<token>", repr(exc))
+    if where and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text = f"{text} at {frame.filename}:{frame.lineno}"
+    return text
 
 
 def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:

@@ -15,6 +15,7 @@ import discord.http
 import pytest
 
 from bots.discord import DiscordChannel, configure_endpoints, nonce_for
+from bots.discord_out import described
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.standins.discord_api import DiscordApiStandin
@@ -195,6 +196,42 @@ async def test_connection_refused_is_retry() -> None:
         assert isinstance(await ch.send(interaction_reply()), Retry)  # via the webhook
     finally:
         await ch.close()
+
+
+@pytest.mark.parametrize(
+    "api_url",
+    [
+        "http://127.0.0.1:99999/api/v10",  # a port out of range
+        "ftp://127.0.0.1/api/v10",  # not HTTP
+        "127.0.0.1:8080/api/v10",  # no scheme
+    ],
+)
+async def test_a_misconfigured_api_url_never_quotes_the_interaction_token(
+    api_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp's error for a URL it cannot use quotes the URL, and an interaction's is
+    ``/webhooks/{application}/{token}``: the delivery's error (stored, shown to
+    operators, logged by the relay) and the log name the setting, never the token."""
+    token = "zqinteractiontoken"
+    ch = make_channel(api_url)
+    try:
+        outcome = await ch.send(interaction_reply(token=token))
+        deleted = await ch.delete_original(APP, token)
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Retry) and deleted is False
+    assert "[discord] api_url" in outcome.error
+    assert token not in outcome.error and token not in caplog.text
+    assert "could not delete the deferred response" in caplog.text
+
+
+def test_described_errors_lose_a_webhook_token() -> None:
+    """Any other error quoting an interaction webhook's URL keeps all of it but the token."""
+    url = f"https://discord.com/api/v10/webhooks/{APP}/zqtoken/messages/@original"
+    for exc in (OSError(f"failed on {url}"), aiohttp.ClientPayloadError(f"<{url}>")):
+        text = described(exc)
+        assert "zqtoken" not in text
+        assert f"/webhooks/{APP}/<token>/messages/@original" in text
 
 
 async def test_hang_after_reading_is_uncertain(
