@@ -199,6 +199,33 @@ async def test_invisible_outcomes_delete_the_deferred_response(
     ]
 
 
+async def test_the_interaction_names_its_application_not_the_setting(
+    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    """``[discord] application_id`` is not read: a verified interaction is answered at
+    the application it names (the one its token was issued with), whatever the setting
+    holds (here another id, as a bot's user id would be)."""
+    settings = Settings(
+        discord=DiscordSettings(
+            public_key=key.verify_key.encode().hex(),
+            application_id="1199999999999999999",
+            api_url=standin.api_url,
+        )
+    )
+    srv = await serve(settings, core)
+    try:
+        core.outcome = Gated(work_item_id="w1", revision=0)
+        assert await post(srv, ask_payload(), key) == (200, {"type": 5})
+        await core.drain()
+    finally:
+        await srv.close()
+    [trigger] = core.triggers
+    assert trigger.binding.address["application_id"] == "1100000000000000001"
+    assert standin.posts == [
+        {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
+    ]
+
+
 async def test_a_duplicate_never_touches_the_earlier_reply(
     server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
 ) -> None:
