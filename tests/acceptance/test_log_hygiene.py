@@ -5,12 +5,13 @@ One service per configuration drives every surface once, with a distinctive mark
 every secret (API keys, the console password and session cookie, the Slack signing
 secret and bot token, a Slack click's response_url, the Discord bot token and interaction
 token, the model provider's key, a model gateway's password in its base_url, the metrics
-token, the outbound SMTP relay's password, which its stand-in asks for with ``AUTH``)
-and in every piece of message text (REST plain, streamed and gated; an MCP tool call;
-Slack, Discord, Teams and email messages; a model's answer and a provider's error; a
-reviewer's reason and feedback). Then everything the process wrote
-is searched for the markers, and every text column of every table of
-``leadgate.database.schema`` for the secret ones. With ``include_content = true`` the
+token, the outbound SMTP relay's password, which its stand-in asks for with ``AUTH``,
+the Teams app password, which the SDK trades for a token at
+:mod:`tests.standins.microsoft_login`) and in every piece of message text (REST
+plain, streamed and gated; an MCP tool call; Slack, Discord, Teams and email messages; a
+model's answer and a provider's error; a reviewer's reason and feedback). Then
+everything the process wrote is searched for the markers, and every text column of
+every table of ``leadgate.database.schema`` for the secret ones. With ``include_content = true`` the
 libraries' DEBUG payload lines show message text: the check can see what it looks for.
 """
 
@@ -95,6 +96,9 @@ BAD_RESPONSE_URLS = (
 MODEL_KEY = f"sk-{marker('modelkey')}"
 GATEWAY_PASSWORD = marker("gatewaypassword")  # a model's base_url with a user and password
 METRICS_TOKEN = marker("metricstoken")
+TEAMS_APP_ID = "00000000-0000-0000-0000-00000000a11d"
+TEAMS_PASSWORD = marker("teamspassword")  # traded for a token at Microsoft's login stand-in
+TEAMS_ACCESS_TOKEN = marker("teamsaccess")  # what the stand-in gives for it
 SMTP_USER = "leadgate-relay"
 SMTP_PASSWORD = marker("smtppassword")  # the outbound relay's AUTH password
 PASSWORD = marker("consolepassword")
@@ -159,6 +163,21 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Standin]
             log_dir=log_dir,
         ),
         "teams": Standin("connector", log_dir=log_dir),
+        # login.microsoftonline.com and login.botframework.com, behind a CONNECT proxy
+        "login": Standin(
+            "microsoft_login",
+            "--http-port",
+            "0",
+            "--app-id",
+            TEAMS_APP_ID,
+            "--app-password",
+            TEAMS_PASSWORD,
+            "--access-token",
+            TEAMS_ACCESS_TOKEN,
+            "--ca-file",
+            str(log_dir / "microsoft-login-ca.pem"),
+            log_dir=log_dir,
+        ),
         "smtp": Standin(
             "smtp", "--http-port", "0", "--login", f"{SMTP_USER}:{SMTP_PASSWORD}", log_dir=log_dir
         ),
@@ -248,10 +267,17 @@ def drive(proc: ServiceProcess, rig: dict[str, Standin], key: str) -> dict[str, 
     gateway_channel = snowflake()
     gateway_message(rig["discord"], gateway_channel, TEXT["discordgateway"], guild_id="1")
 
-    # Teams (the local unauthenticated mode) and email.
+    # Teams with an app id: the activity carries a channel token; the reply, a token the
+    # SDK got for the app password. And email.
     conversation = new_conversation()
+    channel_token = rig["login"].control("channel_token", {"service_url": rig["teams"].url})
     status, _ = post_teams(
-        proc, rig["teams"], TEXT["teams"], conversation=conversation, tenant="tenant-other"
+        proc,
+        rig["teams"],
+        TEXT["teams"],
+        conversation=conversation,
+        tenant="tenant-other",
+        token=channel_token["token"],
     )
     assert status in (200, 202)
     letter: EmailMessage = mail(MAIL_PLAIN, TEXT["mailsubject"], TEXT["mailbody"])
@@ -324,7 +350,9 @@ def drive(proc: ServiceProcess, rig: dict[str, Standin], key: str) -> dict[str, 
         lambda: discord_ops(rig["discord"], "create_message", channel_id=gateway_channel),
         what="the Discord reply",
     )
-    wait_until(lambda: sent_to(rig["teams"], conversation), what="the Teams reply")
+    [reply] = wait_until(lambda: sent_to(rig["teams"], conversation), what="the Teams reply")
+    assert reply["authorization"] == f"Bearer {TEAMS_ACCESS_TOKEN}"
+    assert {"client_id": TEAMS_APP_ID, "ok": True} in rig["login"].records("grants")
     wait_until(lambda: replies_to(rig["smtp"], str(letter["Message-ID"])), what="the mail reply")
     # (the relay took the reply only after AUTH with the password)
     assert [a for a in rig["smtp"].records("auths") if a["user"] == SMTP_USER and a["ok"]]
@@ -352,6 +380,13 @@ def run_service(
     proc = prepared_service(
         template,
         workdir / "svc",
+        # The Bot Framework SDK reaches Microsoft's login services through requests:
+        # here, the stand-in's proxy and CA (the stand-ins on 127.0.0.1 go direct).
+        env={
+            "HTTPS_PROXY": rig["login"].url,
+            "REQUESTS_CA_BUNDLE": str(rig["login"].log_path.parent / "microsoft-login-ca.pem"),
+            "NO_PROXY": "127.0.0.1,localhost",
+        },
         config={
             **FAST_RUNNERS,
             "log": {"level": "DEBUG", "include_content": include_content},
@@ -381,7 +416,7 @@ def run_service(
                 "api_url": f"{rig['discord'].url}/api/v10",
                 "gateway_url": f"ws://127.0.0.1:{rig['discord'].port}/gateway",
             },
-            "teams": {"enabled": True},
+            "teams": {"app_id": TEAMS_APP_ID, "app_password": TEAMS_PASSWORD},
             "email": {
                 "listen_host": "127.0.0.1",
                 "listen_port": free_port(),
@@ -444,6 +479,7 @@ def run_service(
         "a model gateway's password": GATEWAY_PASSWORD,
         "the metrics token": METRICS_TOKEN,
         "the SMTP relay's password": SMTP_PASSWORD,
+        "the Teams app password": TEAMS_PASSWORD,
         "the console password": PASSWORD,
         "a wrong console password": WRONG_PASSWORD,
         "a wrong API key": WRONG_KEY.rsplit(".", 1)[1],
