@@ -71,6 +71,8 @@ class _Counting:
         #: that rolls the whole transaction back differs from one that fails it alone)
         self.in_write: list[bool] = []
         self.fail_at: int | None = None
+        #: (:meth:`arm_on`) the first statement whose SQL holds this text fails instead
+        self.fail_on: str | None = None
         self.whole_transaction = False
         #: the SQL of the statement that was made to fail (None: none yet)
         self.fired: str | None = None
@@ -79,14 +81,20 @@ class _Counting:
     def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
         """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
         self.statements, self.in_write = [], []
-        self.fail_at, self.fired = at, None
+        self.fail_at, self.fail_on, self.fired = at, None, None
         self.whole_transaction = whole_transaction
         self._counting = True
+
+    def arm_on(self, text: str, *, whole_transaction: bool = False) -> None:
+        """Count statements from now on; the first whose SQL contains ``text`` fails
+        (for a test about one statement, whatever comes before it)."""
+        self.arm(None, whole_transaction=whole_transaction)
+        self.fail_on = text
 
     def disarm(self) -> None:
         """Stop counting; nothing fails any more."""
         self._counting = False
-        self.fail_at = None
+        self.fail_at = self.fail_on = None
 
     @property
     def count(self) -> int:
@@ -99,7 +107,10 @@ class _Counting:
             return False
         self.statements.append(sql)
         self.in_write.append(in_write())
-        if self.count != self.fail_at:
+        if self.fail_on is not None:
+            if self.fired is not None or self.fail_on not in sql:
+                return False
+        elif self.count != self.fail_at:
             return False
         self.fired = sql
         return True
@@ -216,3 +227,10 @@ class _CountedPg(asyncpg.Connection):  # type: ignore[misc]
         rows: list[Any] = await super().fetch(query, *args, **options)
         await self.faults.after(self)
         return rows
+
+
+def injector(url: str, monkeypatch: pytest.MonkeyPatch) -> SqliteFaults | PgFaults:
+    """The injector for the database at ``url`` (made before the service opens it)."""
+    if url.startswith("sqlite"):
+        return SqliteFaults(url.removeprefix("sqlite+aiosqlite:///"), monkeypatch)
+    return PgFaults(monkeypatch)
