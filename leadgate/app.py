@@ -623,6 +623,7 @@ class App:
             authenticate_with=lookup,
             chat=self.messages,
             ids=self.ids,
+            clock=self.clock,
             models=self.agents,
             idempotency=self.idempotency,
         )

@@ -22,6 +22,15 @@ can neither extend nor delete the claim of the request that took it over. Its an
 still stored by :meth:`Idempotency.finish` when it has one: the intake let only one of
 the two take the message in, so it is the only real answer there is, and it is stored
 over the takeover's "lost" answer whichever of the two finishes first.
+
+Where the answer is written: a plain (non-streamed 200) answer by :meth:`Idempotency.store`
+in the turn's own last transaction, with its reply, so that the two commit together or
+not at all (a crash after that commit leaves a replayable answer, and a fault storing it
+fails the turn: ``turn.interrupted``). Every other answer by :meth:`Idempotency.finish`
+after the turn, in a transaction of its own: a "lost" one (the takeover's turn has no
+last transaction), the gated and busy 409s, an error after the message was taken in
+(the turn's transaction is what failed), and a streamed answer, whose frames are sent as
+the model writes them and end after the turn.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import ValidationError, log_failure
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
 
 #: How long a key's first answer is kept and replayed.
@@ -204,11 +213,29 @@ class Idempotency:
         stored only while no answer is: the first request, stalled, may still finish and
         store the real one, in either order, and the real one must be what is replayed.
         A real answer is always stored (over a "lost" one)."""
-        where = [_K.org_id == principal.org_id, _K.key_hash == claim.key_hash]
-        if lost:
-            where.append(_K.response.is_(None))
+        if not lost:
+            async with self.db.tx() as conn:
+                await self.store(conn, principal, claim, response)
+            return
         async with self.db.tx() as conn:
-            await conn.execute(t.idempotency_keys.update().where(*where).values(response=response))
+            await conn.execute(
+                t.idempotency_keys.update()
+                .where(*_keyed(principal, claim), _K.response.is_(None))
+                .values(response=response)
+            )
+
+    @staticmethod
+    async def store(
+        conn: Conn, principal: Principal, claim: Claim, response: dict[str, Any]
+    ) -> None:
+        """Store the real answer of the request that ran the turn, in the caller's
+        transaction ``conn``: REST writes a plain reply's answer in the turn's last
+        transaction, so that the reply and its replayable answer commit together or not
+        at all. Stored over a "lost" one and whatever the claim's owner (see
+        :meth:`finish`)."""
+        await conn.execute(
+            t.idempotency_keys.update().where(*_keyed(principal, claim)).values(response=response)
+        )
 
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a
@@ -223,6 +250,11 @@ class Idempotency:
         self._next_sweep = now + SWEEP_EVERY_MS
         async with self.db.tx() as conn:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
+
+
+def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:
+    """The key's row, whoever holds it."""
+    return (_K.org_id == principal.org_id, _K.key_hash == claim.key_hash)
 
 
 def _owned(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:

@@ -61,6 +61,9 @@ FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
 
 DeltaSink = Callable[[str], Awaitable[None]]
+#: What a caller writes in the last transaction of a turn that ends in a plain reply
+#: (REST's answer under its Idempotency-Key): it commits with the reply, or neither does.
+ReplyAnswer = Callable[[Conn, Reply], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
@@ -266,13 +269,16 @@ class TurnService:
         *,
         on_delta: DeltaSink | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
+        answer: ReplyAnswer | None = None,
     ) -> Outcome:
         """Take ``trigger`` in and run the worker's turn.
 
         ``on_delta`` receives text as the model produces it, but only when nothing can
         withhold or rewrite it (no lead, no output policy rules); otherwise the text is
         delivered whole after the turn. ``on_start`` is awaited once the message was
-        accepted (not busy, not a duplicate), before the model runs.
+        accepted (not busy, not a duplicate), before the model runs. ``answer`` is
+        awaited inside the transaction that stores an API turn's plain reply (see
+        :data:`ReplyAnswer`).
 
         A database fault after the intake committed is :class:`TurnInterrupted`, never
         the fault's own "nothing was stored, retry": the message is stored, and every
@@ -284,7 +290,7 @@ class TurnService:
         if on_start is not None:
             await on_start()
         try:
-            return await self.execute(intake, on_delta=on_delta)
+            return await self.execute(intake, on_delta=on_delta, answer=answer)
         except TurnInterrupted:
             raise
         except Exception as exc:
@@ -314,12 +320,18 @@ class TurnService:
             METRICS.turns.labels("busy" if isinstance(intake, Busy) else "duplicate").inc()
         return intake
 
-    async def execute(self, turn: Accepted, *, on_delta: DeltaSink | None = None) -> Outcome:
+    async def execute(
+        self,
+        turn: Accepted,
+        *,
+        on_delta: DeltaSink | None = None,
+        answer: ReplyAnswer | None = None,
+    ) -> Outcome:
         """Run an accepted turn. When it fails, a recorded channel run tells the person
         (a failure notice, the run closed, in one transaction); a database fault leaves
         the run to the recovery runner (nothing can be written now)."""
         try:
-            return await self._execute(turn, "", None, on_delta)
+            return await self._execute(turn, "", None, on_delta, answer)
         except Exception as exc:
             if turn.ctx.run_token is not None:
                 await self._fail_run(turn.ctx, exc)
@@ -513,6 +525,7 @@ class TurnService:
         text: str,
         revision_item: WorkItem | None,
         on_delta: DeltaSink | None,
+        answer: ReplyAnswer | None = None,
     ) -> Outcome:
         """Run the model (at most :data:`MAX_MODEL_CALLS` rounds of tool calls)."""
         ctx, agent, gated_turn, rules = turn.ctx, turn.agent, turn.gated, turn.rules
@@ -585,6 +598,8 @@ class TurnService:
                     streamed=live is not None,
                     signalled=signalled,
                     handed_off=handed_off,
+                    usage=usage,
+                    answer=answer,
                 )
                 break
             except Unavailable:
@@ -596,8 +611,6 @@ class TurnService:
                 await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
         else:  # pragma: no cover - the loop always breaks or raises
             raise AssertionError("unreachable")
-        if isinstance(outcome, Reply) and usage is not None:
-            outcome = Reply(outcome.text, outcome.streamed, usage)
         return outcome
 
     async def _tool(self, ctx: TurnContext, call: ToolCall, offered: list[ToolSpec]) -> str:
@@ -666,6 +679,8 @@ class TurnService:
         streamed: bool,
         signalled: bool,
         handed_off: bool = False,
+        usage: Usage | None = None,
+        answer: ReplyAnswer | None = None,
     ) -> Outcome:
         ctx = turn.ctx
         signal: str | None = None
@@ -697,6 +712,8 @@ class TurnService:
             return await self._withhold(ctx, text, revision_item)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
+            if answer is not None:
+                return await self._store_answered(ctx, screened, streamed, usage, answer)
             # API and studio turns only store the reply: on PostgreSQL one statement.
             await self.visible.store(
                 org_id=ctx.org_id,
@@ -706,18 +723,42 @@ class TurnService:
                 content=screened,
             )
         elif revision_item is None and not ctx.binding_posts:
-            # Silent channel turns store the reply and end their run: the short transaction.
+            # Silent channel turns (and API turns with a run: a worker's with a lead) store
+            # the reply and end their run: the short transaction.
             async with self.db.tx() as fast:
                 await self._store(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
                 )
                 await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
+                if answer is not None:
+                    reply = Reply(screened, streamed, usage)
+                    await answer(fast, reply)
+                    METRICS.turns.labels("plain").inc()
+                    return reply
         else:
             # A reply that may be queued for a channel: the outbox's in-process hand-off
             # needs the general transaction.
             await self._store_reply(ctx, screened, revision_item)
         METRICS.turns.labels("plain").inc()
-        return Reply(screened, streamed=streamed)
+        return Reply(screened, streamed, usage)
+
+    async def _store_answered(
+        self,
+        ctx: TurnContext,
+        text: str,
+        streamed: bool,
+        usage: Usage | None,
+        answer: ReplyAnswer,
+    ) -> Reply:
+        """An API turn's reply and the caller's ``answer`` of it, in one transaction: a
+        fault in either leaves neither (the turn is interrupted), and once it commits
+        the answer is there for a retry whatever becomes of this process."""
+        reply = Reply(text, streamed, usage)
+        async with self.db.tx() as conn:
+            await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
+            await answer(conn, reply)
+        METRICS.turns.labels("plain").inc()
+        return reply
 
     async def _store_reply(
         self, ctx: TurnContext, text: str, revision_item: WorkItem | None

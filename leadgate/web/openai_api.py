@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -31,15 +30,17 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.clock import IdFactory
+from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.decoding import header_text, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
 from leadgate.core.types import BUSY_RULE, GATED_RULE, Busy, Gated, Outcome, Reply, Usage
+from leadgate.database.db import Conn
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
 from leadgate.operations.sessions import api_session_key
+from leadgate.turns.path import ReplyAnswer
 from leadgate.web.common import (
     NO_RETRY,
     PrincipalLookup,
@@ -111,6 +112,7 @@ class ChatBackend(Protocol):
         on_delta: Callable[[str], Awaitable[None]] | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
         external_event_id: str | None = None,
+        answer: ReplyAnswer | None = None,
     ) -> Outcome: ...
 
     def refuse_unknown(self, principal: Principal, agent_ref: str) -> None: ...
@@ -131,6 +133,10 @@ class IdempotencyBackend(Protocol):
 
     async def finish(
         self, principal: Principal, claim: Claim, response: dict[str, Any], *, lost: bool = False
+    ) -> None: ...
+
+    async def store(
+        self, conn: Conn, principal: Principal, claim: Claim, response: dict[str, Any]
     ) -> None: ...
 
     async def release(self, principal: Principal, claim: Claim) -> None: ...
@@ -373,13 +379,19 @@ class _Chunks:
     """The ``data:`` frames of one streamed answer (kept when they must be replayable)."""
 
     def __init__(
-        self, response: web.StreamResponse, cid: str, model: str, include_usage: bool, keep: bool
+        self,
+        response: web.StreamResponse,
+        cid: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        keep: bool,
     ) -> None:
         self.response = response
         self.base: dict[str, Any] = {
             "id": cid,
             "object": "chat.completion.chunk",
-            "created": int(time.time()),
+            "created": created,
             "model": model,
         }
         self.include_usage = include_usage
@@ -445,6 +457,7 @@ def setup(
     authenticate_with: PrincipalLookup,
     chat: ChatBackend,
     ids: IdFactory,
+    clock: Clock,
     models: ModelBackend | None = None,
     idempotency: IdempotencyBackend | None = None,
 ) -> None:
@@ -512,7 +525,15 @@ def setup(
         """Run the turn; with a ``claim``, store its answer for the key's later requests
         (or release the key when nothing was taken in)."""
         exchange = _Exchange(
-            request, parsed, f"chatcmpl-{ids.new('c')}", chat, principal, session, claim
+            request,
+            parsed,
+            f"chatcmpl-{ids.new('c')}",
+            clock.now_ms() // 1000,
+            chat,
+            principal,
+            session,
+            claim,
+            idempotency,
         )
         try:
             if claim is None or idempotency is None:
@@ -524,7 +545,7 @@ def setup(
             if claim is not None and idempotency is not None and not exchange.recorded:
                 await idempotency.release(principal, claim)
             raise
-        if claim is not None and idempotency is not None:
+        if claim is not None and idempotency is not None and not exchange.kept:
             if stored is None:
                 await idempotency.release(principal, claim)
             else:
@@ -577,6 +598,11 @@ class _Exchange:
     from then on every error carries ``x-should-retry: false``. :meth:`run` returns the
     response and, for an idempotent request, the answer to store (``None``: nothing was
     taken in, so a retry may run the turn); ``lost`` says that answer is only "lost".
+    ``kept``: the answer is stored already, written in the turn's last transaction (a
+    non-streamed plain reply), so there is nothing left to store or release.
+
+    ``cid`` and ``created`` (the clock's seconds) are fixed before the turn runs: the
+    answer stored with the turn is byte for byte the one this request returns.
     """
 
     def __init__(
@@ -584,20 +610,26 @@ class _Exchange:
         request: web.Request,
         parsed: ChatRequest,
         cid: str,
+        created: int,
         chat: ChatBackend,
         principal: Principal,
         session: str | None,
         claim: Claim | None,
+        idempotency: IdempotencyBackend | None,
     ) -> None:
         self.request = request
         self.parsed = parsed
         self.cid = cid
+        self.created = created
         self.chat = chat
         self.principal = principal
         self.session = session
         self.claim = claim
+        self.idempotency = idempotency
         self.keep = claim is not None
-        self.created = int(time.time())
+        self.kept = False
+        #: The completion :meth:`_store_answer` stored with the reply (the body to send).
+        self.answered: dict[str, Any] | None = None
         self.recorded = False
         #: The answer is "lost" (a takeover found the message taken in): stored only
         #: while the key has no answer (see :meth:`Idempotency.finish`).
@@ -607,6 +639,7 @@ class _Exchange:
         self,
         on_start: Callable[[], Awaitable[None]],
         on_delta: Callable[[str], Awaitable[None]] | None = None,
+        answer: ReplyAnswer | None = None,
     ) -> Outcome:
         parsed = self.parsed
         return await self.chat.send(
@@ -618,7 +651,18 @@ class _Exchange:
             on_delta=on_delta,
             on_start=on_start,
             external_event_id=self.claim.external_event_id if self.claim else None,
+            answer=answer,
         )
+
+    async def _store_answer(self, conn: Conn, reply: Reply) -> None:
+        """The completion of ``reply``, stored under the key in the turn's last
+        transaction ``conn`` (:data:`~leadgate.turns.path.ReplyAnswer`)."""
+        assert self.claim is not None and self.idempotency is not None
+        completion = _completion(self.cid, self.parsed.model, self.created, reply)
+        await self.idempotency.store(
+            conn, self.principal, self.claim, {"status": 200, "body": completion}
+        )
+        self.answered = completion
 
     async def run(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
         """Run the turn and answer it (see the class docstring)."""
@@ -630,12 +674,18 @@ class _Exchange:
             self.recorded = True
 
         try:
-            outcome = await self._send(taken_in)
+            # Keyed, the answer is stored in the turn's last transaction (with its reply);
+            # unkeyed, nothing more is passed or made.
+            outcome = await self._send(taken_in, None, self._store_answer if self.keep else None)
         except Exception as exc:
             if not self.recorded:
                 raise
             return self._json(*_error_json(self.request, exc))
         if isinstance(outcome, Reply):
+            if self.answered is not None:
+                # Committed with the turn: this very body is what a retry gets.
+                self.kept = True
+                return web.json_response(self.answered), None
             completion = _completion(self.cid, parsed.model, self.created, outcome)
             return self._json(200, completion)
         return self._json(*self._refused(outcome))
@@ -665,7 +715,9 @@ class _Exchange:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        chunks = _Chunks(response, self.cid, parsed.model, parsed.include_usage, self.keep)
+        chunks = _Chunks(
+            response, self.cid, self.created, parsed.model, parsed.include_usage, self.keep
+        )
         started = False
 
         async def start() -> None:

@@ -172,8 +172,9 @@ class WritePath:
     #: and the rest of it given up, as documented): the operation again must then answer
     #: the same and change nothing
     final: Callable[[Any], bool] = lambda _outcome: False
-    #: what an answer kept beside the work writes (an Idempotency-Key's stored answer,
-    #: written after the work, in a transaction of its own), taken out of both sides
+    #: what an answer kept beside the work writes (an Idempotency-Key's stored answer:
+    #: a plain 200 in the work's own last transaction, an error after the work, in a
+    #: transaction of its own), taken out of both sides
     #: when a state at the fault is compared with the clean run's
     answer: Callable[[Dump], Dump] = lambda state: state
     #: after a final failure: what the service does next by itself (a runner's pass),

@@ -36,6 +36,7 @@ from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
+from tests.statement_faults import injector
 
 
 class GateProvider:
@@ -95,11 +96,21 @@ class Env:
         return await self.client.post("/v1/chat/completions", json=body, headers=headers)
 
     async def user_messages(self, agent: str, session: str) -> list[str]:
+        return [text for role, text in await self.transcript(agent, session) if role == "user"]
+
+    async def transcript(self, agent: str, session: str) -> list[tuple[str, str]]:
+        """The session's visible messages: (role, content) each."""
         resp = await self.client.get(
             f"/v1/agents/{agent}/sessions/{session}/messages",
             headers={"Authorization": f"Bearer {self.org.key}"},
         )
-        return [m["content"] for m in (await resp.json())["data"] if m["role"] == "user"]
+        return [(m["role"], m["content"]) for m in (await resp.json())["data"]]
+
+    def official(self) -> AsyncOpenAI:
+        """The official client of this server, retrying nothing by itself."""
+        return AsyncOpenAI(
+            base_url=str(self.client.make_url("/v1")), api_key=self.org.key, max_retries=0
+        )
 
     async def task_context(self, session: str) -> str:
         async with self.service.db.read() as conn:
@@ -431,7 +442,9 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     database fault: the client got a retryable 503 "nothing was stored, please retry"
     (no ``x-should-retry: false``) for a message taken in and answered, and a stream
     that was already sent whole was followed by an error answer. The answer is the
-    client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``."""
+    client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``.
+    That is left to streamed answers: a plain one is stored in the turn's own last
+    transaction, not by ``finish`` (see test_a_keyed_answer_commits_with_its_turn)."""
 
     async def faulty_finish(*args: Any, **kwargs: Any) -> None:
         raise Unavailable("database is locked", rule="service.unavailable")
@@ -445,9 +458,13 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     assert (await streamed.read()).endswith(b"data: [DONE]\n\n")
     monkeypatch.undo()
     env.clock.advance(LEASE_MS + 1)  # the claim nobody renews lapses
-    lost = await env.chat("plain", "hello", idem="k-fin", session="fin")
+    lost = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
     assert lost.status == 409 and (await lost.json())["error"]["rule"] == "idempotency.lost"
-    assert await env.user_messages("plain", "fin") == ["hello"]  # taken in once
+    assert await env.user_messages("plain", "fin-s") == ["hello"]  # taken in once
+    replayed = await env.chat("plain", "hello", idem="k-fin", session="fin")
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert await replayed.read() == await plain.read()
+    assert await env.user_messages("plain", "fin") == ["hello"]
 
 
 @pytest.mark.like_production  # (the test server cancelled the MCP session's handlers)
@@ -503,6 +520,98 @@ async def test_errors_before_the_intake_leave_the_key_free(env: Env) -> None:
     assert missing.status == 404 and "x-should-retry" not in missing.headers
     await make_agent(env.service, env.org, "nobody")
     assert (await env.chat("nobody", "hi", idem="k-n", session="n")).status == 200
+
+
+def keyed(key: str, session: str, model: str = "plain") -> dict[str, Any]:
+    """The official client's arguments of a keyed "hello" to ``model``."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "extra_headers": {"Idempotency-Key": key, "X-Session-Id": session},
+    }
+
+
+async def test_a_keyed_answer_is_replayed_byte_for_byte(env: Env) -> None:
+    """The replay is the first answer's very bytes, ``created`` included, and
+    ``created`` is the service clock's second when the request came (it was the wall
+    clock's, whatever the injected clock said)."""
+    official = env.official()
+    came = env.clock.now_ms() // 1000
+    first = await official.chat.completions.with_raw_response.create(**keyed("k-b", "b"))
+    env.clock.advance(5_000)
+    again = await official.chat.completions.with_raw_response.create(**keyed("k-b", "b"))
+    await official.close()
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.http_response.content == first.http_response.content
+    completion = first.parse()
+    assert completion.created == came and completion.choices[0].message.content == "Echo: hello"
+    assert await env.transcript("plain", "b") == [("user", "hello"), ("assistant", "Echo: hello")]
+
+
+@pytest.mark.parametrize("agent", ["plain", "worker"])  # (a worker's turn has a run)
+async def test_a_process_ending_after_the_turn_committed_leaves_its_answer(
+    env: Env, monkeypatch: pytest.MonkeyPatch, agent: str
+) -> None:
+    """The turn's last transaction commits, then the request ends before it answers (its
+    process stops): the answer was stored after that commit, in a transaction of its
+    own, so it was never stored, and the retry after the lease was told
+    ``idempotency.lost`` for an answer the transcript had. It is stored with the turn
+    now: the retry gets it, the very completion the first request would have sent."""
+    official = env.official()
+    came = env.clock.now_ms() // 1000
+    send = env.service.messages.send
+
+    async def send_then_stop(*args: Any, **kwargs: Any) -> Any:
+        await send(*args, **kwargs)
+        raise asyncio.CancelledError  # as the handler of a process stopping
+
+    with monkeypatch.context() as patch:
+        patch.setattr(env.service.messages, "send", send_then_stop)
+        with pytest.raises(openai.APIConnectionError):
+            await official.chat.completions.create(**keyed("k-end", "end", agent))
+    env.clock.advance(LEASE_MS + 1)  # whatever claim was left has lapsed
+    retry = await official.chat.completions.with_raw_response.create(**keyed("k-end", "end", agent))
+    await official.close()
+    assert retry.http_response.status_code == 200, retry.http_response.text
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    completion = retry.parse()
+    assert completion.choices[0].message.content == "Echo: hello" and completion.created == came
+    assert await env.transcript(agent, "end") == [
+        ("user", "hello"),
+        ("assistant", "Echo: hello"),
+    ]
+
+
+async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database fault at the statement that stores a plain answer under its key: the
+    reply and the answer are one transaction, so neither is kept and the turn is
+    interrupted (503 ``turn.interrupted``, do not retry), and a retry with the key gets
+    that 503 again. It was a 200 whose answer was never stored: the key lapsed after a
+    minute, and a retry then was told the answer was lost."""
+    faults = injector(migrated_url, monkeypatch)
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        env = Env(service, client, org, org, GateProvider())
+        official = env.official()
+        faults.arm_on("UPDATE idempotency_keys SET response")
+        with pytest.raises(openai.InternalServerError) as cut:
+            await official.chat.completions.create(**keyed("k-fault", "fault"))
+        faults.disarm()
+        assert faults.fired is not None
+        assert cut.value.status_code == 503
+        assert cut.value.response.headers["x-should-retry"] == "false"
+        assert isinstance(cut.value.body, dict) and cut.value.body["rule"] == "turn.interrupted"
+        assert await env.transcript("plain", "fault") == [("user", "hello")]
+        env.clock.advance(LEASE_MS + 1)
+        with pytest.raises(openai.InternalServerError) as again:
+            await official.chat.completions.create(**keyed("k-fault", "fault"))
+        await official.close()
+        assert again.value.response.headers["Idempotent-Replayed"] == "true"
+        assert again.value.response.content == cut.value.response.content
+        assert await env.transcript("plain", "fault") == [("user", "hello")]
 
 
 async def test_streamed_answer_is_replayed_frame_for_frame(env: Env) -> None:
