@@ -23,14 +23,16 @@ still stored by :meth:`Idempotency.finish` when it has one: the intake let only 
 the two take the message in, so it is the only real answer there is, and it is stored
 over the takeover's "lost" answer whichever of the two finishes first.
 
-Where the answer is written: a plain (non-streamed 200) answer by :meth:`Idempotency.store`
-in the turn's own last transaction, with its reply, so that the two commit together or
-not at all (a crash after that commit leaves a replayable answer, and a fault storing it
-fails the turn: ``turn.interrupted``). Every other answer by :meth:`Idempotency.finish`
-after the turn, in a transaction of its own: a "lost" one (the takeover's turn has no
-last transaction), the gated and busy 409s, an error after the message was taken in
-(the turn's transaction is what failed), and a streamed answer, whose frames are sent as
-the model writes them and end after the turn.
+Where the answer is written: a turn's own non-streamed answer (the 200, or the gated 409)
+by :meth:`Idempotency.store` in the turn's last transaction, with the reply or the
+withheld text, so that the two commit together or not at all (a crash after that commit
+leaves a replayable answer, and a fault storing it fails the turn: ``turn.interrupted``).
+Every other answer by :meth:`Idempotency.finish` after the turn, in a transaction of its
+own: a "lost" one and the busy 409 (decided by the intake: the turn has no last
+transaction), an error after the message was taken in (the turn's transaction is what
+failed, or never came), and a streamed answer (its frames are sent as the model writes
+them; storing them with the turn is left undone, not impossible: the closing frames are
+known once the reply is).
 """
 
 from __future__ import annotations
@@ -229,10 +231,9 @@ class Idempotency:
         conn: Conn, principal: Principal, claim: Claim, response: dict[str, Any]
     ) -> None:
         """Store the real answer of the request that ran the turn, in the caller's
-        transaction ``conn``: REST writes a plain reply's answer in the turn's last
-        transaction, so that the reply and its replayable answer commit together or not
-        at all. Stored over a "lost" one and whatever the claim's owner (see
-        :meth:`finish`)."""
+        transaction ``conn``: REST writes a turn's answer in the turn's last transaction,
+        so that the turn's end and its replayable answer commit together or not at all.
+        Stored over a "lost" one and whatever the claim's owner (see :meth:`finish`)."""
         await conn.execute(
             t.idempotency_keys.update().where(*_keyed(principal, claim)).values(response=response)
         )

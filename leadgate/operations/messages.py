@@ -25,7 +25,7 @@ from leadgate.core.types import (
 from leadgate.database.db import Database
 from leadgate.operations.sessions import api_session_key
 from leadgate.turns.intake import Accepted
-from leadgate.turns.path import DeltaSink, ReplyAnswer, TurnService
+from leadgate.turns.path import DeltaSink, TurnAnswer, TurnService
 
 log = logging.getLogger("leadgate.messages")
 #: Recorded channel turns run at once by this process (see Messages.run_recorded).
@@ -54,7 +54,7 @@ class Messages:
         on_start: Callable[[], Awaitable[None]] | None = None,
         binding: BindingKind = BindingKind.api,
         external_event_id: str | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """One api-binding turn for ``agent_ref`` (id, slug or name) of the caller's
         organization; the agent is looked up (NotFound) in the intake transaction, and
@@ -63,8 +63,8 @@ class Messages:
         ``binding`` is ``api`` (REST, MCP) or ``studio``; ``external_event_id`` makes the
         intake take the message at most once (``Duplicate`` afterwards), as for a
         channel's redelivered event (REST's ``Idempotency-Key``); ``answer`` is written in
-        the transaction that stores a plain reply (:data:`~leadgate.turns.path.ReplyAnswer`:
-        REST's answer under that key)."""
+        the turn's last transaction (:data:`~leadgate.turns.path.TurnAnswer`: REST's
+        answer under that key)."""
         principal.require(Scope.trigger)
         trigger = Trigger(
             org_id=principal.org_id,

@@ -61,9 +61,10 @@ FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
 
 DeltaSink = Callable[[str], Awaitable[None]]
-#: What a caller writes in the last transaction of a turn that ends in a plain reply
-#: (REST's answer under its Idempotency-Key): it commits with the reply, or neither does.
-ReplyAnswer = Callable[[Conn, Reply], Awaitable[None]]
+#: What a caller writes in the last transaction of an API turn that ends in a reply or
+#: withheld (REST's answer under its Idempotency-Key): it commits with the turn's end, or
+#: neither does.
+TurnAnswer = Callable[[Conn, Reply | Gated], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
@@ -269,7 +270,7 @@ class TurnService:
         *,
         on_delta: DeltaSink | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """Take ``trigger`` in and run the worker's turn.
 
@@ -277,8 +278,8 @@ class TurnService:
         withhold or rewrite it (no lead, no output policy rules); otherwise the text is
         delivered whole after the turn. ``on_start`` is awaited once the message was
         accepted (not busy, not a duplicate), before the model runs. ``answer`` is
-        awaited inside the transaction that stores an API turn's plain reply (see
-        :data:`ReplyAnswer`).
+        awaited inside the turn's last transaction, with the reply or the withheld text
+        (see :data:`TurnAnswer`).
 
         A database fault after the intake committed is :class:`TurnInterrupted`, never
         the fault's own "nothing was stored, retry": the message is stored, and every
@@ -325,7 +326,7 @@ class TurnService:
         turn: Accepted,
         *,
         on_delta: DeltaSink | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """Run an accepted turn. When it fails, a recorded channel run tells the person
         (a failure notice, the run closed, in one transaction); a database fault leaves
@@ -525,7 +526,7 @@ class TurnService:
         text: str,
         revision_item: WorkItem | None,
         on_delta: DeltaSink | None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """Run the model (at most :data:`MAX_MODEL_CALLS` rounds of tool calls)."""
         ctx, agent, gated_turn, rules = turn.ctx, turn.agent, turn.gated, turn.rules
@@ -680,14 +681,14 @@ class TurnService:
         signalled: bool,
         handed_off: bool = False,
         usage: Usage | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         ctx = turn.ctx
         signal: str | None = None
         if turn.gated and ctx.work_item_id and signalled:
             # This turn's complete_task was acknowledged: its signal is read in the
             # submission's own transaction (withheld there if it was superseded).
-            return await self._submit(ctx, text, None, revision_item)
+            return await self._submit(ctx, text, None, revision_item, answer)
         if turn.gated and ctx.work_item_id:
             try:
                 async with self.db.read() as conn:
@@ -701,15 +702,15 @@ class TurnService:
                 # Fail closed: when we cannot tell whether the work was handed off,
                 # the text is withheld.
                 log.exception("reading the completion signal failed; withholding the reply")
-                return await self._withhold(ctx, text, revision_item)
+                return await self._withhold(ctx, text, revision_item, answer)
         if signal is not None:
-            return await self._submit(ctx, text, signal, revision_item)
+            return await self._submit(ctx, text, signal, revision_item, answer)
         if signalled or handed_off:
             # The turn meant its text for review, but its signal is gone (another turn of
             # the item signalled or submitted meanwhile) or was refused (the item had
             # left inProgress): still withheld, never shown unreviewed.
             log.warning("completion signal of turn %s is gone; withholding", ctx.turn_id)
-            return await self._withhold(ctx, text, revision_item)
+            return await self._withhold(ctx, text, revision_item, answer)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
             if answer is not None:
@@ -748,7 +749,7 @@ class TurnService:
         text: str,
         streamed: bool,
         usage: Usage | None,
-        answer: ReplyAnswer,
+        answer: TurnAnswer,
     ) -> Reply:
         """An API turn's reply and the caller's ``answer`` of it, in one transaction: a
         fault in either leaves neither (the turn is interrupted), and once it commits
@@ -782,17 +783,24 @@ class TurnService:
         return await self.outbox.enqueue_reply(conn, org_id=ctx.org_id, binding=binding, text=text)
 
     async def _withhold(
-        self, ctx: TurnContext, text: str, revision_item: WorkItem | None
+        self,
+        ctx: TurnContext,
+        text: str,
+        revision_item: WorkItem | None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """Store the text withheld (leadGated) without a submission: fail closed."""
+        gated = Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
         async with self.db.tx() as conn:
             await self._store(
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
             await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
+            if answer is not None:
+                await answer(conn, gated)
         METRICS.turns.labels("gated").inc()
-        return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+        return gated
 
     async def _release_revision(self, conn: Conn, revision_item: WorkItem | None) -> None:
         if revision_item is None:
@@ -806,16 +814,22 @@ class TurnService:
         )
 
     async def _submit(
-        self, ctx: TurnContext, text: str, summary: str | None, revision_item: WorkItem | None
+        self,
+        ctx: TurnContext,
+        text: str,
+        summary: str | None,
+        revision_item: WorkItem | None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         """Store the withheld text and move the item on: ``reviewQueued``, or
         ``awaitingHuman`` when the provenance is incomplete.
 
         ``summary`` None: read this turn's signal first, in the same transaction; when it
         is gone (another turn of the item signalled or submitted meanwhile) the text is
-        only stored withheld."""
+        only stored withheld. With ``answer`` the transaction decides (the one statement
+        cannot write it)."""
         try:
-            alone = await self._submit_alone(ctx, text, revision_item)
+            alone = answer is None and await self._submit_alone(ctx, text, revision_item)
         except Unavailable:
             raise  # nothing is shown; the turn is tried again whole (see _finish)
         except Exception:
@@ -855,10 +869,13 @@ class TurnService:
                 problems: list[str] | None = None
             else:
                 problems = await self._move_on(conn, ctx, text, summary, message_id, item)
+            gated = Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+            if answer is not None:
+                await answer(conn, gated)
         if problems is not None and not problems:
             self.on_review_queued()
         METRICS.turns.labels("gated").inc()
-        return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
+        return gated
 
     async def _submit_alone(
         self, ctx: TurnContext, text: str, revision_item: WorkItem | None

@@ -40,7 +40,7 @@ from leadgate.domain import agents
 from leadgate.domain.rows import Agent
 from leadgate.operations.idempotency import Claim, fingerprint
 from leadgate.operations.sessions import api_session_key
-from leadgate.turns.path import ReplyAnswer
+from leadgate.turns.path import TurnAnswer
 from leadgate.web.common import (
     NO_RETRY,
     PrincipalLookup,
@@ -112,7 +112,7 @@ class ChatBackend(Protocol):
         on_delta: Callable[[str], Awaitable[None]] | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
         external_event_id: str | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome: ...
 
     def refuse_unknown(self, principal: Principal, agent_ref: str) -> None: ...
@@ -599,7 +599,7 @@ class _Exchange:
     response and, for an idempotent request, the answer to store (``None``: nothing was
     taken in, so a retry may run the turn); ``lost`` says that answer is only "lost".
     ``kept``: the answer is stored already, written in the turn's last transaction (a
-    non-streamed plain reply), so there is nothing left to store or release.
+    non-streamed reply, or the gated 409), so there is nothing left to store or release.
 
     ``cid`` and ``created`` (the clock's seconds) are fixed before the turn runs: the
     answer stored with the turn is byte for byte the one this request returns.
@@ -628,8 +628,8 @@ class _Exchange:
         self.idempotency = idempotency
         self.keep = claim is not None
         self.kept = False
-        #: The completion :meth:`_store_answer` stored with the reply (the body to send).
-        self.answered: dict[str, Any] | None = None
+        #: The status and body :meth:`_store_answer` stored with the turn (what to send).
+        self.answered: tuple[int, dict[str, Any]] | None = None
         self.recorded = False
         #: The answer is "lost" (a takeover found the message taken in): stored only
         #: while the key has no answer (see :meth:`Idempotency.finish`).
@@ -639,7 +639,7 @@ class _Exchange:
         self,
         on_start: Callable[[], Awaitable[None]],
         on_delta: Callable[[str], Awaitable[None]] | None = None,
-        answer: ReplyAnswer | None = None,
+        answer: TurnAnswer | None = None,
     ) -> Outcome:
         parsed = self.parsed
         return await self.chat.send(
@@ -654,15 +654,18 @@ class _Exchange:
             answer=answer,
         )
 
-    async def _store_answer(self, conn: Conn, reply: Reply) -> None:
-        """The completion of ``reply``, stored under the key in the turn's last
-        transaction ``conn`` (:data:`~leadgate.turns.path.ReplyAnswer`)."""
+    async def _store_answer(self, conn: Conn, outcome: Reply | Gated) -> None:
+        """The answer of ``outcome`` (the completion, or the gated 409), stored under the
+        key in the turn's last transaction ``conn`` (:data:`~leadgate.turns.path.TurnAnswer`)."""
         assert self.claim is not None and self.idempotency is not None
-        completion = _completion(self.cid, self.parsed.model, self.created, reply)
+        if isinstance(outcome, Reply):
+            status, body = 200, _completion(self.cid, self.parsed.model, self.created, outcome)
+        else:
+            status, body = 409, pending_body(gated=True)
         await self.idempotency.store(
-            conn, self.principal, self.claim, {"status": 200, "body": completion}
+            conn, self.principal, self.claim, {"status": status, "body": body}
         )
-        self.answered = completion
+        self.answered = status, body
 
     async def run(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
         """Run the turn and answer it (see the class docstring)."""
@@ -681,11 +684,11 @@ class _Exchange:
             if not self.recorded:
                 raise
             return self._json(*_error_json(self.request, exc))
+        if self.answered is not None and isinstance(outcome, Reply | Gated):
+            # Committed with the turn: this very answer is what a retry gets.
+            self.kept = True
+            return self._json(*self.answered)[0], None
         if isinstance(outcome, Reply):
-            if self.answered is not None:
-                # Committed with the turn: this very body is what a retry gets.
-                self.kept = True
-                return web.json_response(self.answered), None
             completion = _completion(self.cid, parsed.model, self.created, outcome)
             return self._json(200, completion)
         return self._json(*self._refused(outcome))

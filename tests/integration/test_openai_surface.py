@@ -27,7 +27,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError, TurnInterrupted, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.types import BindingKind, BindingSpec, Trigger
+from leadgate.core.types import GATED_RULE, BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS, fingerprint
@@ -522,13 +522,22 @@ async def test_errors_before_the_intake_leave_the_key_free(env: Env) -> None:
     assert (await env.chat("nobody", "hi", idem="k-n", session="n")).status == 200
 
 
-def keyed(key: str, session: str, model: str = "plain") -> dict[str, Any]:
-    """The official client's arguments of a keyed "hello" to ``model``."""
+def keyed(key: str, session: str, model: str = "plain", text: str = "hello") -> dict[str, Any]:
+    """The official client's arguments of a keyed request."""
     return {
         "model": model,
-        "messages": [{"role": "user", "content": "hello"}],
+        "messages": [{"role": "user", "content": text}],
         "extra_headers": {"Idempotency-Key": key, "X-Session-Id": session},
     }
+
+
+async def answer_of(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
+    """The HTTP answer the official client got, an error status included."""
+    try:
+        raw = await official.chat.completions.with_raw_response.create(**request)
+    except openai.APIStatusError as refused:
+        return refused.response
+    return raw.http_response
 
 
 async def test_a_keyed_answer_is_replayed_byte_for_byte(env: Env) -> None:
@@ -548,15 +557,19 @@ async def test_a_keyed_answer_is_replayed_byte_for_byte(env: Env) -> None:
     assert await env.transcript("plain", "b") == [("user", "hello"), ("assistant", "Echo: hello")]
 
 
-@pytest.mark.parametrize("agent", ["plain", "worker"])  # (a worker's turn has a run)
+#: (agent, message): a plain reply; a worker's (its turn has a run); a gated turn's 409.
+ENDINGS = [("plain", "hello"), ("worker", "hello"), ("worker", "ship #complete")]
+
+
+@pytest.mark.parametrize(("agent", "text"), ENDINGS)
 async def test_a_process_ending_after_the_turn_committed_leaves_its_answer(
-    env: Env, monkeypatch: pytest.MonkeyPatch, agent: str
+    env: Env, monkeypatch: pytest.MonkeyPatch, agent: str, text: str
 ) -> None:
     """The turn's last transaction commits, then the request ends before it answers (its
     process stops): the answer was stored after that commit, in a transaction of its
     own, so it was never stored, and the retry after the lease was told
-    ``idempotency.lost`` for an answer the transcript had. It is stored with the turn
-    now: the retry gets it, the very completion the first request would have sent."""
+    ``idempotency.lost`` for an answer the session had. It is stored with the turn now:
+    the retry gets it, the very answer the first request would have sent."""
     official = env.official()
     came = env.clock.now_ms() // 1000
     send = env.service.messages.send
@@ -568,50 +581,57 @@ async def test_a_process_ending_after_the_turn_committed_leaves_its_answer(
     with monkeypatch.context() as patch:
         patch.setattr(env.service.messages, "send", send_then_stop)
         with pytest.raises(openai.APIConnectionError):
-            await official.chat.completions.create(**keyed("k-end", "end", agent))
+            await official.chat.completions.create(**keyed("k-end", "end", agent, text))
     env.clock.advance(LEASE_MS + 1)  # whatever claim was left has lapsed
-    retry = await official.chat.completions.with_raw_response.create(**keyed("k-end", "end", agent))
+    retry = await answer_of(official, **keyed("k-end", "end", agent, text))
     await official.close()
-    assert retry.http_response.status_code == 200, retry.http_response.text
-    assert retry.headers["Idempotent-Replayed"] == "true"
-    completion = retry.parse()
-    assert completion.choices[0].message.content == "Echo: hello" and completion.created == came
-    assert await env.transcript(agent, "end") == [
-        ("user", "hello"),
-        ("assistant", "Echo: hello"),
-    ]
+    assert retry.headers["Idempotent-Replayed"] == "true", retry.text
+    if text == "hello":
+        assert retry.status_code == 200
+        completion = retry.json()
+        assert completion["choices"][0]["message"]["content"] == "Echo: hello"
+        assert completion["created"] == came
+        assert await env.transcript(agent, "end") == [
+            ("user", "hello"),
+            ("assistant", "Echo: hello"),
+        ]
+    else:
+        assert retry.status_code == 409 and retry.headers["x-should-retry"] == "false"
+        assert retry.json()["error"]["rule"] == GATED_RULE
+        assert await env.transcript(agent, "end") == [("user", text)]
 
 
+@pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])
 async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, agent: str, text: str
 ) -> None:
-    """A database fault at the statement that stores a plain answer under its key: the
-    reply and the answer are one transaction, so neither is kept and the turn is
+    """A database fault at the statement that stores an answer under its key: the turn's
+    end and the answer are one transaction, so neither is kept and the turn is
     interrupted (503 ``turn.interrupted``, do not retry), and a retry with the key gets
-    that 503 again. It was a 200 whose answer was never stored: the key lapsed after a
-    minute, and a retry then was told the answer was lost."""
+    that 503 again. It was the turn's answer (200, or the gated 409) that was never
+    stored: the key lapsed after a minute, and a retry then was told the answer was
+    lost."""
     faults = injector(migrated_url, monkeypatch)
     async with served_app(migrated_url) as (service, client):
         org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
         await make_agent(service, org, "plain")
         env = Env(service, client, org, org, GateProvider())
         official = env.official()
         faults.arm_on("UPDATE idempotency_keys SET response")
-        with pytest.raises(openai.InternalServerError) as cut:
-            await official.chat.completions.create(**keyed("k-fault", "fault"))
+        cut = await answer_of(official, **keyed("k-fault", "fault", agent, text))
         faults.disarm()
         assert faults.fired is not None
-        assert cut.value.status_code == 503
-        assert cut.value.response.headers["x-should-retry"] == "false"
-        assert isinstance(cut.value.body, dict) and cut.value.body["rule"] == "turn.interrupted"
-        assert await env.transcript("plain", "fault") == [("user", "hello")]
+        assert cut.status_code == 503 and cut.headers["x-should-retry"] == "false", cut.text
+        assert cut.json()["error"]["rule"] == "turn.interrupted"
+        assert await env.transcript(agent, "fault") == [("user", text)]
         env.clock.advance(LEASE_MS + 1)
-        with pytest.raises(openai.InternalServerError) as again:
-            await official.chat.completions.create(**keyed("k-fault", "fault"))
+        again = await answer_of(official, **keyed("k-fault", "fault", agent, text))
         await official.close()
-        assert again.value.response.headers["Idempotent-Replayed"] == "true"
-        assert again.value.response.content == cut.value.response.content
-        assert await env.transcript("plain", "fault") == [("user", "hello")]
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.content == cut.content
+        assert await env.transcript(agent, "fault") == [("user", text)]
 
 
 async def test_streamed_answer_is_replayed_frame_for_frame(env: Env) -> None:
