@@ -23,16 +23,14 @@ still stored by :meth:`Idempotency.finish` when it has one: the intake let only 
 the two take the message in, so it is the only real answer there is, and it is stored
 over the takeover's "lost" answer whichever of the two finishes first.
 
-Where the answer is written: a turn's own non-streamed answer (the 200, or the gated 409)
-by :meth:`Idempotency.store` in the turn's last transaction, with the reply or the
-withheld text, so that the two commit together or not at all (a crash after that commit
-leaves a replayable answer, and a fault storing it fails the turn: ``turn.interrupted``).
-Every other answer by :meth:`Idempotency.finish` after the turn, in a transaction of its
-own: a "lost" one and the busy 409 (decided by the intake: the turn has no last
-transaction), an error after the message was taken in (the turn's transaction is what
-failed, or never came), and a streamed answer (its frames are sent as the model writes
-them; storing them with the turn is left undone, not impossible: the closing frames are
-known once the reply is).
+Where the answer is written: a turn's own answer (the completion or the gated 409; a
+stream's frames, its closing ones made before they are sent) by :meth:`Idempotency.store`
+in the turn's last transaction, with the reply or the withheld text, so that the two
+commit together or not at all (a crash after that commit leaves a replayable answer, and
+a fault storing it fails the turn: ``turn.interrupted``). Every other answer by
+:meth:`Idempotency.finish` after the turn, in a transaction of its own: a "lost" one and
+the busy 409 (decided by the intake: the turn has no last transaction), and an error
+after the message was taken in (the turn's transaction is what failed, or never came).
 """
 
 from __future__ import annotations

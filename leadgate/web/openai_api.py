@@ -20,6 +20,7 @@ Retries never double a message:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -411,7 +412,10 @@ class _Chunks:
         await self.chunk({"role": "assistant", "content": ""}, None)
 
     async def frame(self, payload: str) -> None:
-        text = f"data: {payload}\n\n"
+        await self.send(f"data: {payload}\n\n")
+
+    async def send(self, text: str) -> None:
+        """Send one whole frame (and keep it, when kept)."""
         if self.frames is not None:
             self.frames.append(text)
         if self.gone:
@@ -428,19 +432,34 @@ class _Chunks:
                 await self.response.write_eof()
 
     async def chunk(self, delta: dict[str, Any], finish: str | None) -> None:
+        await self.frame(self._chunk(delta, finish))
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None) -> str:
         payload: dict[str, Any] = {
             **self.base,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
         if self.include_usage:
             payload["usage"] = None
-        await self.frame(json.dumps(payload))
+        return json.dumps(payload)
 
-    async def finish(self, usage: Usage | None) -> None:
-        await self.chunk({}, "stop")
+    def closing(self, outcome: Outcome) -> list[str]:
+        """The frames that end the stream after the turn's ``outcome``: its text when it
+        did not go out delta by delta, the last chunk, the usage chunk (asked for) and
+        ``[DONE]`` (a gated turn's: no text, no workItemId anywhere). Made before they
+        are sent, so that a keyed turn stores them in its last transaction."""
+        frames = []
+        usage = None
+        if isinstance(outcome, Reply):
+            usage = outcome.usage
+            if outcome.text and not outcome.streamed:
+                frames.append(f"data: {self._chunk({'content': outcome.text}, None)}\n\n")
+        frames.append(f"data: {self._chunk({}, 'stop')}\n\n")
         if self.include_usage:
-            await self.frame(json.dumps({**self.base, "choices": [], "usage": _usage(usage)}))
-        await self.frame("[DONE]")
+            last = json.dumps({**self.base, "choices": [], "usage": _usage(usage)})
+            frames.append(f"data: {last}\n\n")
+        frames.append("data: [DONE]\n\n")
+        return frames
 
 
 def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -556,10 +575,11 @@ def setup(
                     # (it was this warning with the driver's traceback).
                     damaged_answers(request).note(request, exc)
                 except Exception as exc:
-                    # The turn ran and its answer is in hand (a stream's is already sent):
-                    # the client gets it. It was a retryable 503 "nothing was stored" for
-                    # a message taken in and answered. Unstored, the claim lapses after
-                    # its lease; a retry then gets ``idempotency.lost``, never a 2nd turn.
+                    # The turn ended and its answer (a busy 409, an error after the intake,
+                    # a stream's error frame, already sent) is in hand: the client gets it.
+                    # It was a retryable 503 "nothing was stored" for a message taken in
+                    # and answered. Unstored, the claim lapses after its lease; a retry
+                    # then gets ``idempotency.lost``, never a 2nd turn.
                     log.warning(
                         "storing the answer under its Idempotency-Key failed: %s",
                         type(exc).__name__,
@@ -598,8 +618,9 @@ class _Exchange:
     from then on every error carries ``x-should-retry: false``. :meth:`run` returns the
     response and, for an idempotent request, the answer to store (``None``: nothing was
     taken in, so a retry may run the turn); ``lost`` says that answer is only "lost".
-    ``kept``: the answer is stored already, written in the turn's last transaction (a
-    non-streamed reply, or the gated 409), so there is nothing left to store or release.
+    ``kept``: the answer is stored already, written in the turn's last transaction (the
+    completion, the gated 409, or a stream's frames), so there is nothing left to store
+    or release.
 
     ``cid`` and ``created`` (the clock's seconds) are fixed before the turn runs: the
     answer stored with the turn is byte for byte the one this request returns.
@@ -630,6 +651,8 @@ class _Exchange:
         self.kept = False
         #: The status and body :meth:`_store_answer` stored with the turn (what to send).
         self.answered: tuple[int, dict[str, Any]] | None = None
+        #: The closing frames :meth:`_store_frames` stored with the turn (what to send).
+        self.closing: list[str] | None = None
         self.recorded = False
         #: The answer is "lost" (a takeover found the message taken in): stored only
         #: while the key has no answer (see :meth:`Idempotency.finish`).
@@ -731,8 +754,9 @@ class _Exchange:
         async def delta(piece: str) -> None:
             await chunks.chunk({"content": piece}, None)
 
+        answer = functools.partial(self._store_frames, chunks) if self.keep else None
         try:
-            outcome = await self._send(start, delta)
+            outcome = await self._send(start, delta, answer)
         except Exception as exc:
             if not started:
                 if not self.recorded:
@@ -744,14 +768,27 @@ class _Exchange:
             return response, self._frames(chunks)
         if not started:
             return self._json(*self._refused(outcome))
-        if isinstance(outcome, Reply):
-            if outcome.text and not outcome.streamed:
-                await delta(outcome.text)
-            await chunks.finish(outcome.usage)
+        closing = self.closing
+        if closing is None:
+            closing = chunks.closing(outcome)
         else:
-            await chunks.finish(None)  # gated: no text, no workItemId anywhere
+            # Stored with the turn, after the frames sent so far: the replay is whole.
+            self.kept = True
+        for text in closing:
+            await chunks.send(text)
         await chunks.end()
-        return response, self._frames(chunks)
+        return response, None if self.kept else self._frames(chunks)
+
+    async def _store_frames(self, chunks: _Chunks, conn: Conn, outcome: Reply | Gated) -> None:
+        """The whole stream of ``outcome`` (the frames sent so far and its closing ones),
+        stored under the key in the turn's last transaction ``conn``."""
+        assert self.claim is not None and self.idempotency is not None
+        assert chunks.frames is not None
+        closing = chunks.closing(outcome)
+        await self.idempotency.store(
+            conn, self.principal, self.claim, {"status": 200, "frames": chunks.frames + closing}
+        )
+        self.closing = closing
 
     @staticmethod
     def _frames(chunks: _Chunks) -> dict[str, Any] | None:

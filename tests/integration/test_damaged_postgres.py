@@ -30,7 +30,7 @@ from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Sweeper
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import eventually, make_agent, make_org, ours
+from tests.helpers import make_agent, make_org, ours
 from tests.review_support import review_env
 from tests.serving import served_app
 from tests.stack import Stack
@@ -155,8 +155,8 @@ async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line
 ) -> None:
     """The turn ran and its answer goes to the client; storing it under the key met
     damage: that was a WARNING with the driver's traceback per request, not counted.
-    (A streamed answer: a plain one is stored in the turn's own last transaction, where
-    damage fails the turn as any would.)"""
+    (A model failure's 502: the turn's own answers, a reply's or a gated 409, are stored
+    in the turn's last transaction, where damage fails the turn as any would.)"""
     async with served_app(migrated_url) as (service, client):
         org = await make_org(service)
         await make_agent(service, org, "plain")
@@ -164,15 +164,13 @@ async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line
             migrated_url,
             damage_inserts("idempotency_keys").replace("BEFORE INSERT", "BEFORE UPDATE"),
         )
-        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi #fail"}]}
         headers = {"Authorization": f"Bearer {org.key}", "Idempotency-Key": "k1"}
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
-        assert resp.status == 200
-        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-        # (stored after the stream's end went out)
-        damaged = client.server.app[DAMAGED_ANSWERS]
-        assert await eventually(lambda: damaged.answered == 1, 5.0)
-    lines = [r for r in ours(caplog) if r.levelno >= logging.WARNING]
+        assert resp.status == 502, await resp.text()
+        assert client.server.app[DAMAGED_ANSWERS].answered == 1
+    records = [r for r in ours(caplog) if r.levelno >= logging.WARNING]
+    lines = [r for r in records if r.name != "leadgate.turns"]  # (the model error's own)
     assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
     assert "XX002 index_corrupted" in lines[0].getMessage()
     assert not [r for r in ours(caplog) if r.exc_info], "no traceback"

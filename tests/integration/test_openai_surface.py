@@ -443,13 +443,16 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     (no ``x-should-retry: false``) for a message taken in and answered, and a stream
     that was already sent whole was followed by an error answer. The answer is the
     client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``.
-    That is left to streamed answers: a plain one is stored in the turn's own last
-    transaction, not by ``finish`` (see test_a_keyed_answer_commits_with_its_turn)."""
+    That is left to answers stored after the turn (here a model failure's 502): a plain
+    or streamed answer is stored in the turn's own last transaction, not by ``finish``
+    (see test_a_fault_storing_a_keyed_answer_fails_its_turn)."""
 
     async def faulty_finish(*args: Any, **kwargs: Any) -> None:
         raise Unavailable("database is locked", rule="service.unavailable")
 
     monkeypatch.setattr(env.service.idempotency, "finish", faulty_finish)
+    failed = await env.chat("worker", "break #fail", idem="k-fin-f", session="fin-f")
+    assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
     plain = await env.chat("plain", "hello", idem="k-fin", session="fin")
     assert plain.status == 200, await plain.text()
     assert (await plain.json())["choices"][0]["message"]["content"] == "Echo: hello"
@@ -458,13 +461,16 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     assert (await streamed.read()).endswith(b"data: [DONE]\n\n")
     monkeypatch.undo()
     env.clock.advance(LEASE_MS + 1)  # the claim nobody renews lapses
-    lost = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
+    lost = await env.chat("worker", "break #fail", idem="k-fin-f", session="fin-f")
     assert lost.status == 409 and (await lost.json())["error"]["rule"] == "idempotency.lost"
-    assert await env.user_messages("plain", "fin-s") == ["hello"]  # taken in once
+    assert await env.user_messages("worker", "fin-f") == ["break #fail"]  # taken in once
     replayed = await env.chat("plain", "hello", idem="k-fin", session="fin")
     assert replayed.headers["Idempotent-Replayed"] == "true"
     assert await replayed.read() == await plain.read()
-    assert await env.user_messages("plain", "fin") == ["hello"]
+    replayed = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert await replayed.read() == await streamed.read()
+    assert await env.user_messages("plain", "fin") == await env.user_messages("plain", "fin-s")
 
 
 @pytest.mark.like_production  # (the test server cancelled the MCP session's handlers)
@@ -632,6 +638,66 @@ async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.content == cut.content
         assert await env.transcript(agent, "fault") == [("user", text)]
+
+
+async def streamed(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
+    """The HTTP answer of a streamed request as the official client got it, read whole
+    (an error status included)."""
+    try:
+        raw = await official.chat.completions.with_raw_response.create(stream=True, **request)
+    except openai.APIStatusError as refused:
+        return refused.response
+    await raw.http_response.aread()
+    return raw.http_response
+
+
+async def test_a_streamed_keyed_answer_is_stored_with_its_turn(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's frames, the closing ones included, are made before the turn's last
+    transaction and stored in it: a request that stops after that commit leaves the
+    whole stream for the retry (it was ``idempotency.lost``), and a fault storing them
+    ends the stream with the ``turn.interrupted`` error frame, which the key replays
+    (the stream ended with ``[DONE]`` and its answer was never stored)."""
+    faults = injector(migrated_url, monkeypatch)
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        env = Env(service, client, org, org, GateProvider())
+        official = env.official()
+        came = env.clock.now_ms() // 1000
+        send = service.messages.send
+
+        async def send_then_stop(*args: Any, **kwargs: Any) -> Any:
+            await send(*args, **kwargs)
+            raise asyncio.CancelledError  # as the handler of a process stopping
+
+        with monkeypatch.context() as patch:
+            patch.setattr(service.messages, "send", send_then_stop)
+            with pytest.raises((openai.APIError, httpx2.HTTPError)):
+                await streamed(official, **keyed("k-s-end", "s-end"))
+        faults.arm_on("UPDATE idempotency_keys SET response")
+        cut = await streamed(official, **keyed("k-s-fault", "s-fault"))
+        faults.disarm()
+        assert faults.fired is not None
+        frames = [f for f in cut.content.decode().split("\n\n") if f]
+        assert json.loads(frames[-1].removeprefix("data: "))["error"]["rule"] == "turn.interrupted"
+        env.clock.advance(LEASE_MS + 1)  # whatever claim was left has lapsed
+        retry = await streamed(official, **keyed("k-s-end", "s-end"))
+        assert retry.status_code == 200 and retry.headers["Idempotent-Replayed"] == "true"
+        frames = [f for f in retry.content.decode().split("\n\n") if f]
+        assert frames[-1] == "data: [DONE]"
+        chunks = [json.loads(f.removeprefix("data: ")) for f in frames[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Echo: hello"
+        assert {c["created"] for c in chunks} == {came}
+        again = await streamed(official, **keyed("k-s-fault", "s-fault"))
+        await official.close()
+        assert again.headers["Idempotent-Replayed"] == "true" and again.content == cut.content
+        assert await env.transcript("plain", "s-end") == [
+            ("user", "hello"),
+            ("assistant", "Echo: hello"),
+        ]
+        assert await env.transcript("plain", "s-fault") == [("user", "hello")]
 
 
 async def test_streamed_answer_is_replayed_frame_for_frame(env: Env) -> None:
