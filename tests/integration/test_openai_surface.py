@@ -543,7 +543,8 @@ async def answer_of(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
         raw = await official.chat.completions.with_raw_response.create(**request)
     except openai.APIStatusError as refused:
         return refused.response
-    return raw.http_response
+    answer: httpx2.Response = raw.http_response  # (mypy: Any otherwise)
+    return answer
 
 
 async def test_a_keyed_answer_is_replayed_byte_for_byte(env: Env) -> None:
@@ -647,8 +648,9 @@ async def streamed(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
         raw = await official.chat.completions.with_raw_response.create(stream=True, **request)
     except openai.APIStatusError as refused:
         return refused.response
-    await raw.http_response.aread()
-    return raw.http_response
+    answer: httpx2.Response = raw.http_response  # (mypy: Any otherwise)
+    await answer.aread()
+    return answer
 
 
 async def test_a_streamed_keyed_answer_is_stored_with_its_turn(
