@@ -540,7 +540,9 @@ async def listen_all(
         try:
             conn = await asyncpg.connect(dsn)
         except (OSError, asyncpg.PostgresError) as exc:
-            log.warning("LISTEN %s: cannot connect (%s); retrying", names, exc)
+            # Named by its rule, as every database fault in the log is (an operator
+            # greps one rule for the whole outage).
+            log.warning("LISTEN %s: cannot connect (service.unavailable): %s; retrying", names, exc)
         else:
             connected = False
             try:
@@ -594,7 +596,8 @@ async def _hold(
                 await asyncio.wait_for(conn.execute(check), timeout=check_timeout_s)
             except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.warning(
-                    "LISTEN %s: the connection did not answer a liveness check (%s); reconnecting",
+                    "LISTEN %s: the connection did not answer a liveness check "
+                    "(service.unavailable): %s; reconnecting",
                     names,
                     type(exc).__name__,
                 )

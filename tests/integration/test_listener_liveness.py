@@ -83,7 +83,7 @@ async def proxied_url(pg_url: str) -> AsyncIterator[tuple[str, SilenceableProxy]
 
 
 async def test_a_listener_gone_silent_is_counted_lost_and_replaced(
-    pg_url: str, proxied_url: tuple[str, SilenceableProxy]
+    pg_url: str, proxied_url: tuple[str, SilenceableProxy], caplog: pytest.LogCaptureFixture
 ) -> None:
     url, proxy = proxied_url
     heard: asyncio.Queue[str] = asyncio.Queue()
@@ -120,6 +120,46 @@ async def test_a_listener_gone_silent_is_counted_lost_and_replaced(
         await asyncio.wait_for(task, timeout=10)
         await notifier.close()
     assert await asyncio.wait_for(events.get(), timeout=1) == "lost"  # stopped
+    # Said in the log as every database fault is: naming its rule.
+    said = [r.getMessage() for r in caplog.records if r.name == "leadgate.outbox"]
+    assert any("liveness check (service.unavailable)" in line for line in said), said
+
+
+async def test_a_listener_that_cannot_connect_names_the_rule_and_keeps_trying(
+    proxied_url: tuple[str, SilenceableProxy], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database's port closed: each try is a WARNING naming ``service.unavailable``
+    (the database-down test counts every line that does not), and the listener connects
+    once the port answers again."""
+    url, proxy = proxied_url
+    port = make_url(url).port
+    assert port is not None
+    await proxy.stop()
+    events: asyncio.Queue[str] = asyncio.Queue()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        listen_all(
+            url,
+            {"liveness_test": lambda _: None},
+            stop,
+            on_connect=[lambda: events.put_nowait("connected")],
+            reconnect_s=0.02,
+        )
+    )
+    try:
+        for _ in range(500):
+            if sum("cannot connect" in r.getMessage() for r in caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        said = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
+        assert len(said) >= 2, said
+        assert all("(service.unavailable)" in line for line in said), said
+        assert events.empty()
+        await proxy.start(port)
+        assert await asyncio.wait_for(events.get(), timeout=10) == "connected"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
 
 
 async def test_a_quiet_but_healthy_listener_is_kept(
