@@ -10,7 +10,10 @@ the fault also rolls back the open transaction first, as SQLite does by itself a
 some I/O errors and a full disk.
 
 :class:`PgFaults` does the same for PostgreSQL (asyncpg): there statement ``k`` finds
-its connection dropped.
+its connection dropped; with ``after_commit`` (PostgreSQL only) statement ``k`` runs
+first, and its answer is what is lost: a ``COMMIT`` (or a write outside a transaction
+block) that reached the server and committed, whose connection then dropped, so the
+service sees a failed commit that in fact landed (a commit *in doubt*).
 
 It also tells, while counting, when a connection that wrote is left outside a
 transaction (a COMMIT or a ROLLBACK): ``on_settled`` runs then, so a test can take the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import asyncpg
 import pytest
@@ -74,15 +77,20 @@ class _Counting:
         #: (:meth:`arm_on`) the first statement whose SQL holds this text fails instead
         self.fail_on: str | None = None
         self.whole_transaction = False
+        self.after_commit = False
         #: the SQL of the statement that was made to fail (None: none yet)
         self.fired: str | None = None
         self._counting = False
 
-    def arm(self, at: int | None, *, whole_transaction: bool = False) -> None:
-        """Count statements from now on; statement ``at`` (1-based) fails (None: none)."""
+    def arm(
+        self, at: int | None, *, whole_transaction: bool = False, after_commit: bool = False
+    ) -> None:
+        """Count statements from now on; statement ``at`` (1-based) fails (None: none).
+        ``after_commit``: it runs, and then its answer is lost (PostgreSQL only)."""
         self.statements, self.in_write = [], []
         self.fail_at, self.fail_on, self.fired = at, None, None
         self.whole_transaction = whole_transaction
+        self.after_commit = after_commit
         self._counting = True
 
     def arm_on(self, text: str, *, whole_transaction: bool = False) -> None:
@@ -142,6 +150,7 @@ class SqliteFaults(_Counting):
 
     def before(self, conn: sqlite3.Connection, sql: str) -> None:
         """Count ``sql``; raise the driver's I/O error when it is the one to fail."""
+        assert not self.after_commit, "a SQLite COMMIT's answer cannot be lost"
         if not self._fails(sql, lambda: conn.in_transaction and _writer(conn)):
             return
         if self.whole_transaction and conn.in_transaction:
@@ -170,12 +179,17 @@ class PgFaults(_Counting):
     :mod:`leadgate.database.pg` and asyncpg's transactions run statements with) count
     them; statement ``k`` finds the connection dropped, as when the server restarts:
     the connection is closed (the server rolls back its open transaction) and asyncpg's
-    ``ConnectionDoesNotExistError`` is raised. :attr:`on_settled` is awaited after a
-    statement that leaves a connection outside a transaction."""
+    ``ConnectionDoesNotExistError`` is raised. Armed ``after_commit``, statement ``k``
+    runs first and the connection drops as its answer would come back: the same error,
+    for a statement the server has carried out (a ``COMMIT`` that landed).
+    :attr:`on_settled` is awaited after a statement that leaves a connection outside a
+    transaction."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__()
         self.on_settled: Callable[[], Awaitable[None]] | None = None
+        #: the connection whose statement ran and whose answer is to be lost
+        self._lose_answer: asyncpg.Connection | None = None
         real = asyncpg.create_pool
         faults = self
 
@@ -196,15 +210,27 @@ class PgFaults(_Counting):
         nothing here)."""
         if not self._fails(sql, conn.is_in_transaction):
             return
-        conn.terminate()
-        raise asyncpg.exceptions.ConnectionDoesNotExistError(
-            "connection was closed in the middle of operation"
-        )
+        if self.after_commit:
+            self._lose_answer = conn
+            return
+        _drop(conn)
 
     async def after(self, conn: asyncpg.Connection) -> None:
-        """Await :attr:`on_settled` when ``conn`` has no open transaction."""
+        """Drop ``conn`` when its statement's answer is the one to lose; else await
+        :attr:`on_settled` when ``conn`` has no open transaction."""
+        if self._lose_answer is conn:
+            self._lose_answer = None
+            _drop(conn)
         if self._counting and self.on_settled is not None and not conn.is_in_transaction():
             await self.on_settled()
+
+
+def _drop(conn: asyncpg.Connection) -> NoReturn:
+    """Close ``conn`` as a server restart does, and raise what asyncpg raises then."""
+    conn.terminate()
+    raise asyncpg.exceptions.ConnectionDoesNotExistError(
+        "connection was closed in the middle of operation"
+    )
 
 
 class _CountedPg(asyncpg.Connection):  # type: ignore[misc]
