@@ -160,6 +160,7 @@ class App:
         providers: dict[str, Provider] | None = None,
         channels: dict[str, Channel] | None = None,
         enable_adapters: bool = True,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -203,7 +204,7 @@ class App:
             reply_address=settings.email.review_reply_address,
         )
         self.outbox.on_review_needed(self.notifier.open)
-        self._build_runners(channels or {}, enable_adapters)
+        self._build_runners(channels or {}, enable_adapters, sleep)
         self.access = Access(self.db, self.clock, self.ids)
         self.reviews = Reviews(
             self.db, self.clock, self.ids, self.outbox, on_decided=self._after_decision
@@ -228,7 +229,12 @@ class App:
         self._runner_tasks: set[asyncio.Task[None]] = set()
         self._mcp: McpLifecycle | None = None
 
-    def _build_runners(self, channels: dict[str, Channel], enable_adapters: bool) -> None:
+    def _build_runners(
+        self,
+        channels: dict[str, Channel],
+        enable_adapters: bool,
+        sleep: Callable[[float], Awaitable[None]],
+    ) -> None:
         """The turn path, the adapters and the runners, wired by wake callables."""
         r = self.settings.runners
         review_wake, self._relay_wake, revision_wake = (asyncio.Event() for _ in range(3))
@@ -243,6 +249,7 @@ class App:
             on_review_queued=self._review_due,
             on_delivery_queued=self._outbox_due,
             owner=owner,
+            sleep=sleep,
         )
         self.messages = Messages(self.db, self.turns, self.background)
         self.adapters = create_adapters(self.settings, self.messages) if enable_adapters else []

@@ -4,7 +4,8 @@ background loops (drive runners with ``leadgate.core.runners.drain``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -52,14 +53,20 @@ async def served_app(
     like_production: bool = False,
     adapters: bool = False,
     ids: IdFactory | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> AsyncIterator[tuple[App, Client]]:
     """``App`` on ``url`` (extra config sections in ``config``) and a client of it
     (``like_production``: handlers are not cancelled when their client goes away;
     ``adapters``: the channel adapters ``config`` turns on are mounted and run; ``ids``:
-    the id factory, random ids by default)."""
+    the id factory, random ids by default; ``sleep``: the turn path's back-off)."""
     settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
     service = App(
-        settings, clock=FakeClock(), ids=ids, providers=providers, enable_adapters=adapters
+        settings,
+        clock=FakeClock(),
+        ids=ids,
+        providers=providers,
+        enable_adapters=adapters,
+        sleep=sleep,
     )
     server = (ServedLikeProduction if like_production else TestServer)(
         service.web_app(), host="127.0.0.1"

@@ -246,6 +246,7 @@ class TurnService:
         on_review_queued: Callable[[], None] = lambda: None,
         on_delivery_queued: Callable[[], None] = lambda: None,
         owner: Callable[[], str | None] = lambda: None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -260,6 +261,9 @@ class TurnService:
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner
+        #: the wait between tries of a recorded channel turn's last transaction (tests
+        #: make it instant)
+        self.sleep = sleep
         #: lease tokens of this process's recorded runs whose turn stopped on a database
         #: fault: the recovery runner takes them over once the database is back
         self.orphans: set[str] = set()
@@ -609,7 +613,7 @@ class TurnService:
                 # again, rather than left for recovery to redo the model's work.
                 if not turn.ctx.run_fenced or attempt == FINISH_RETRIES:
                     raise
-                await asyncio.sleep(min(5.0, 0.5 * 2**attempt))
+                await self.sleep(min(5.0, 0.5 * 2**attempt))
         else:  # pragma: no cover - the loop always breaks or raises
             raise AssertionError("unreachable")
         return outcome
