@@ -189,6 +189,10 @@ class Unavailable(LeadgateError):
     retry_after_s: int | None = 2
     #: what the database said (for the log; never sent to clients)
     detail: str = ""
+    #: the write failed at or after its COMMIT (PostgreSQL: the connection dropped with
+    #: the COMMIT sent, or under a statement run alone), so it may have landed all the
+    #: same: what is fenced on it must not be undone as if nothing was stored
+    in_doubt: bool = False
 
 
 #: ``service.unavailable``'s message where the request may have written: its transaction

@@ -424,7 +424,7 @@ class Database:
             result = await self._pg.execute_alone(statement, parameters)
         except Exception as exc:
             self._in_doubt(exc, _by_topic((*signals, *in_doubt)))
-            _raise_fault(exc, self)
+            _raise_fault(exc, self, in_doubt=True)
             raise
         self._after_commit(_by_topic(_signals(result, signals, signals_from)))
         return result
@@ -469,7 +469,7 @@ class Database:
         except Exception as exc:
             if committing:  # (before the COMMIT, a failure rolls everything back)
                 self._in_doubt(exc, topics)
-            _raise_fault(exc, self)
+            _raise_fault(exc, self, in_doubt=committing)
             raise
         self._after_commit(topics)
 
@@ -715,14 +715,16 @@ def _by_topic(signals: Sequence[tuple[str, Any]]) -> dict[str, list[Any]]:
     return topics
 
 
-def _raise_unavailable(exc: BaseException) -> None:
-    """Re-raise a database fault as :class:`Unavailable` (503); other errors pass."""
+def _raise_unavailable(exc: BaseException, *, in_doubt: bool = False) -> None:
+    """Re-raise a database fault as :class:`Unavailable` (503); other errors pass.
+    ``in_doubt``: it met the write's COMMIT (see :attr:`Unavailable.in_doubt`)."""
     fault = unavailable(exc)
     if fault is not None and fault is not exc:
+        fault.in_doubt = in_doubt
         raise fault from exc
 
 
-def _raise_fault(exc: BaseException, db: Database) -> None:
+def _raise_fault(exc: BaseException, db: Database, *, in_doubt: bool = False) -> None:
     """:func:`_raise_unavailable`, where a transaction may also meet a damaged database:
     a damaged SQLite file (:func:`_not_a_database`), or PostgreSQL reporting damaged
     data or a damaged index (:func:`leadgate.database.faults.pg_damage`). That is
@@ -741,7 +743,7 @@ def _raise_fault(exc: BaseException, db: Database) -> None:
         if detail is not None:
             db._note_damage(detail, exc)
             raise DatabaseDamaged(detail) from exc
-    _raise_unavailable(exc)
+    _raise_unavailable(exc, in_doubt=in_doubt)
 
 
 class _Undo(Exception):

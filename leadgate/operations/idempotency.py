@@ -47,7 +47,7 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
-from leadgate.core.errors import ValidationError, log_failure
+from leadgate.core.errors import Unavailable, ValidationError, log_failure
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -137,6 +137,32 @@ class Idempotency:
             "response": None,
             "owner": owner,
         }
+        try:
+            return await self._claim(key_hash, request_fingerprint, now, fresh)
+        except Unavailable:
+            # The claim's COMMIT may have landed with its answer lost (PostgreSQL: the
+            # connection dropped after the server committed). Kept, that claim would
+            # answer the client's retry 409 ``idempotency.in_progress`` for a request
+            # that runs nowhere, until its lease lapsed. Given back now, fenced by its
+            # owner token (with the database still away this fails too, and the claim,
+            # if it exists, lapses as before).
+            with contextlib.suppress(Exception):
+                async with self.db.tx() as conn:
+                    await conn.execute(
+                        t.idempotency_keys.delete().where(
+                            _K.org_id == org,
+                            _K.key_hash == key_hash,
+                            _K.owner == owner,
+                            _K.response.is_(None),
+                        )
+                    )
+            raise
+
+    async def _claim(
+        self, key_hash: str, request_fingerprint: str, now: int, fresh: dict[str, Any]
+    ) -> Claim:
+        """:meth:`begin`'s transaction: ``fresh`` is the claim's row if the key is free."""
+        org, owner = fresh["org_id"], fresh["owner"]
         where = (_K.org_id == org, _K.key_hash == key_hash)
         async with self.db.tx() as conn:
             insert = insert_ignore_stmt(conn.dialect.name, t.idempotency_keys)
@@ -242,6 +268,20 @@ class Idempotency:
         past its lease) is the other request's to keep."""
         async with self.db.tx() as conn:
             await conn.execute(t.idempotency_keys.delete().where(*_owned(principal, claim)))
+
+    async def lapse(self, principal: Principal, claim: Claim) -> None:
+        """The request failed with its intake's commit in doubt (it may have taken the
+        message in): keep the key, and with it the intake's external event id, but end
+        the claim's lease now, so that a retry takes it over at once. Its intake then
+        de-duplicates: a message taken in is not taken twice (the retry gets
+        ``idempotency.lost``), one that was not is taken in now. :meth:`release` would
+        give the retry a new event id and could take the message in a second time."""
+        async with self.db.tx() as conn:
+            await conn.execute(
+                t.idempotency_keys.update()
+                .where(*_owned(principal, claim))
+                .values(lease_expires_at=self.clock.now_ms())
+            )
 
     async def _sweep(self, now: int) -> None:
         if now < self._next_sweep:

@@ -429,6 +429,8 @@ class Intake:
                 {f"{name}_{c}": v for name, values in rows.items() for c, v in values.items()},
                 # (a new session is nobody's to watch on another replica yet: no NOTIFY)
                 signals=[(session_events.TOPIC, (session_id, True))],
+                # (a run it may have recorded goes to the recovery's orphans)
+                in_doubt=() if run_token is None else ((runs.RECORDED, run_token),),
             )
         except IntegrityError:
             return None  # e.g. its external event id was recorded: the transaction decides

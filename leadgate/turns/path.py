@@ -265,8 +265,10 @@ class TurnService:
         #: make it instant)
         self.sleep = sleep
         #: lease tokens of this process's recorded runs whose turn stopped on a database
-        #: fault: the recovery runner takes them over once the database is back
+        #: fault, or whose intake's commit was in doubt (the turn never started, the run
+        #: may exist): the recovery runner takes them over once the database is back
         self.orphans: set[str] = set()
+        db.on_doubt_payloads(runs.RECORDED, self.orphans.update)
 
     async def run(
         self,

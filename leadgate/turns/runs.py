@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, signal_after_commit
 from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
@@ -44,6 +44,10 @@ from leadgate.domain.workitems import Status
 
 R = t.turn_runs.c
 W = t.work_items.c
+#: The topic :func:`record` signals a run's lease token on: when the intake's commit is
+#: in doubt (``Database.on_doubt_payloads``), the run may exist under this process's
+#: lease while its turn never started; the token joins the orphans the recovery takes.
+RECORDED = "turn-run-recorded"
 
 RERUN = "rerun"
 CLIENT = "client"
@@ -81,6 +85,7 @@ _LEASE_CHECK = sa.select(
 async def record(conn: Conn, values: dict[str, Any]) -> None:
     """Insert a run row (inside the intake transaction)."""
     await conn.execute(_INSERT, values)
+    signal_after_commit(conn, RECORDED, values["lease_token"])
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
@@ -132,14 +137,20 @@ async def claim(
     """
     now = clock.now_ms()
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
-    if orphans:
-        takeable = sa.or_(takeable, R.lease_token.in_(sorted(orphans)))
+    asked = sorted(orphans)
+    if asked:
+        takeable = sa.or_(takeable, R.lease_token.in_(asked))
     token = ids.new("lease")
     updated: list[str] = []  # the token, once the claim's UPDATE ran
     try:
-        return await _claim_in(
+        claimed = await _claim_in(
             db, clock, ids, takeable, now, token, owner=owner, orphans=orphans, updated=updated
         )
+        if claimed is None:
+            # No run holds these tokens: an intake whose commit was in doubt and did
+            # not land recorded none (kept, they would make every pass a claim).
+            orphans.difference_update(asked)
+        return claimed
     except Exception:
         # The claim's COMMIT may or may not have landed: the runs hold either their old
         # tokens (still in ``orphans``: discarded only after the commit) or this one.

@@ -33,7 +33,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.decoding import header_text, single_header
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.types import BUSY_RULE, GATED_RULE, Busy, Gated, Outcome, Reply, Usage
 from leadgate.database.db import Conn
 from leadgate.database.faults import unavailable
@@ -141,6 +141,8 @@ class IdempotencyBackend(Protocol):
     ) -> None: ...
 
     async def release(self, principal: Principal, claim: Claim) -> None: ...
+
+    async def lapse(self, principal: Principal, claim: Claim) -> None: ...
 
     def held(self, principal: Principal, claim: Claim) -> AbstractAsyncContextManager[None]: ...
 
@@ -560,9 +562,12 @@ def setup(
             else:
                 async with idempotency.held(principal, claim):
                     response, stored = await exchange.run()
-        except BaseException:
+        except BaseException as exc:
             if claim is not None and idempotency is not None and not exchange.recorded:
-                await idempotency.release(principal, claim)
+                if isinstance(exc, Unavailable) and exc.in_doubt:
+                    await idempotency.lapse(principal, claim)
+                else:
+                    await idempotency.release(principal, claim)
             raise
         if claim is not None and idempotency is not None and not exchange.kept:
             if stored is None:
