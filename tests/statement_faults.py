@@ -76,6 +76,8 @@ class _Counting:
         self.fail_at: int | None = None
         #: (:meth:`arm_on`) the first statement whose SQL holds this text fails instead
         self.fail_on: str | None = None
+        #: (:meth:`arm_on`) once ``fail_on`` was seen, the statement to fail after it
+        self.then: str | None = None
         self.whole_transaction = False
         self.after_commit = False
         #: the SQL of the statement that was made to fail (None: none yet)
@@ -88,21 +90,31 @@ class _Counting:
         """Count statements from now on; statement ``at`` (1-based) fails (None: none).
         ``after_commit``: it runs, and then its answer is lost (PostgreSQL only)."""
         self.statements, self.in_write = [], []
-        self.fail_at, self.fail_on, self.fired = at, None, None
+        self.fail_at, self.fail_on, self.then, self.fired = at, None, None, None
         self.whole_transaction = whole_transaction
         self.after_commit = after_commit
         self._counting = True
 
-    def arm_on(self, text: str, *, whole_transaction: bool = False) -> None:
+    def arm_on(
+        self,
+        text: str,
+        *,
+        whole_transaction: bool = False,
+        then: str | None = None,
+        after_commit: bool = False,
+    ) -> None:
         """Count statements from now on; the first whose SQL contains ``text`` fails
-        (for a test about one statement, whatever comes before it)."""
-        self.arm(None, whole_transaction=whole_transaction)
+        (for a test about one statement, whatever comes before it). ``then``: the first
+        statement holding ``then`` after that one fails instead (``then="COMMIT"`` with
+        ``after_commit``: the commit of the transaction that ran ``text``, in doubt)."""
+        self.arm(None, whole_transaction=whole_transaction, after_commit=after_commit)
         self.fail_on = text
+        self.then = then
 
     def disarm(self) -> None:
         """Stop counting; nothing fails any more."""
         self._counting = False
-        self.fail_at = self.fail_on = None
+        self.fail_at = self.fail_on = self.then = None
 
     @property
     def count(self) -> int:
@@ -116,7 +128,12 @@ class _Counting:
         self.statements.append(sql)
         self.in_write.append(in_write())
         if self.fail_on is not None:
-            if self.fired is not None or self.fail_on not in sql:
+            if self.fired is not None:
+                return False
+            if self.then is not None and self.fail_on in sql:
+                self.fail_on, self.then = self.then, None  # now wait for ``then``
+                return False
+            if self.fail_on not in sql:
                 return False
         elif self.count != self.fail_at:
             return False

@@ -230,16 +230,24 @@ class Idempotency:
             yield
 
     async def finish(
-        self, principal: Principal, claim: Claim, response: dict[str, Any], *, lost: bool = False
+        self,
+        principal: Principal,
+        claim: Claim,
+        response: dict[str, Any],
+        *,
+        provisional: bool = False,
     ) -> None:
         """Store the answer of the request that ran the turn (replayed from now on).
 
-        ``lost``: the answer is only "the first request's answer was lost" (this request
-        took the key over, and the intake found the message already taken in). It is
-        stored only while no answer is: the first request, stalled, may still finish and
-        store the real one, in either order, and the real one must be what is replayed.
-        A real answer is always stored (over a "lost" one)."""
-        if not lost:
+        ``provisional``: stored only while no answer is. Either it is only "the first
+        request's answer was lost" (this request took the key over, and the intake found
+        the message already taken in: the first request, stalled, may still finish and
+        store the real one, in either order, and the real one must be what is replayed),
+        or it is an error met after the message was taken in: the turn's last
+        transaction stores its answer (:meth:`store`), and a fault at its COMMIT may
+        have come after the commit landed (in doubt), so an answer found stored is the
+        turn's and stands. Any other answer is always stored (over a provisional one)."""
+        if not provisional:
             async with self.db.tx() as conn:
                 await self.store(conn, principal, claim, response)
             return

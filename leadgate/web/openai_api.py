@@ -133,7 +133,12 @@ class IdempotencyBackend(Protocol):
     async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim: ...
 
     async def finish(
-        self, principal: Principal, claim: Claim, response: dict[str, Any], *, lost: bool = False
+        self,
+        principal: Principal,
+        claim: Claim,
+        response: dict[str, Any],
+        *,
+        provisional: bool = False,
     ) -> None: ...
 
     async def store(
@@ -574,7 +579,9 @@ def setup(
                 await idempotency.release(principal, claim)
             else:
                 try:
-                    await idempotency.finish(principal, claim, stored, lost=exchange.lost)
+                    await idempotency.finish(
+                        principal, claim, stored, provisional=exchange.provisional
+                    )
                 except DatabaseDamaged as exc:
                     # As above, and counted in the one line a minute naming the file
                     # (it was this warning with the driver's traceback).
@@ -659,9 +666,11 @@ class _Exchange:
         #: The closing frames :meth:`_store_frames` stored with the turn (what to send).
         self.closing: list[str] | None = None
         self.recorded = False
-        #: The answer is "lost" (a takeover found the message taken in): stored only
-        #: while the key has no answer (see :meth:`Idempotency.finish`).
-        self.lost = False
+        #: The answer is stored only while the key has none (see
+        #: :meth:`Idempotency.finish`): "lost" (a takeover found the message taken in),
+        #: or an error after the message was taken in (the turn's last transaction, which
+        #: stores its answer, may have committed in doubt: then that answer stands).
+        self.provisional = False
 
     async def _send(
         self,
@@ -711,6 +720,7 @@ class _Exchange:
         except Exception as exc:
             if not self.recorded:
                 raise
+            self.provisional = True
             return self._json(*_error_json(self.request, exc))
         if self.answered is not None and isinstance(outcome, Reply | Gated):
             # Committed with the turn: this very answer is what a retry gets.
@@ -726,7 +736,7 @@ class _Exchange:
         if isinstance(outcome, Gated | Busy):
             return 409, pending_body(gated=isinstance(outcome, Gated))
         # Duplicate: only a takeover of an Idempotency-Key after a crash reaches here.
-        self.lost = True
+        self.provisional = True
         return _error_json(
             self.request,
             _LostAnswer(LOST_MESSAGE, rule="idempotency.lost"),
@@ -763,9 +773,10 @@ class _Exchange:
         try:
             outcome = await self._send(start, delta, answer)
         except Exception as exc:
+            if not self.recorded:
+                raise
+            self.provisional = True  # as in :meth:`run`
             if not started:
-                if not self.recorded:
-                    raise
                 return self._json(*_error_json(self.request, exc))
             # Exactly one error frame, the non-streaming envelope, and no [DONE].
             await chunks.frame(json.dumps(_error_json(self.request, exc)[1]))

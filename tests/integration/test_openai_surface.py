@@ -313,9 +313,9 @@ async def test_the_first_requests_real_answer_outlives_the_takeovers_lost_answer
     lost = {"status": 409, "body": {"error": {"rule": "idempotency.lost"}}}
     if real_first:
         await idem.finish(principal, stalled, real)
-        await idem.finish(principal, takeover, lost, lost=True)
+        await idem.finish(principal, takeover, lost, provisional=True)
     else:
-        await idem.finish(principal, takeover, lost, lost=True)
+        await idem.finish(principal, takeover, lost, provisional=True)
         await idem.finish(principal, stalled, real)
     replay = await idem.begin(principal, "k-order", "print")
     assert replay.action == "replay" and replay.response == real
@@ -639,6 +639,44 @@ async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.content == cut.content
         assert await env.transcript(agent, "fault") == [("user", text)]
+
+
+@pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])
+async def test_a_keyed_turn_whose_last_commit_is_in_doubt_keeps_the_answer_it_committed(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, agent: str, text: str
+) -> None:
+    """PostgreSQL: the turn's last transaction (its reply and the answer under its key)
+    commits, and the connection drops before COMMIT's answer arrives. The request is told
+    503 ``turn.interrupted``, and that error, met after the message was taken in, must not
+    be stored over the answer that did commit: a retry with the key gets the turn's real
+    answer (it got the 503 again, stored over it)."""
+    faults = injector(migrated_pg, monkeypatch)
+    async with served_app(migrated_pg) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        env = Env(service, client, org, org, GateProvider())
+        official = env.official()
+        faults.arm_on("UPDATE idempotency_keys SET response", then="COMMIT", after_commit=True)
+        cut = await answer_of(official, **keyed("k-doubt", "doubt", agent, text))
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("COMMIT")
+        assert cut.status_code == 503, cut.text
+        assert cut.json()["error"]["rule"] == "turn.interrupted"
+        again = await answer_of(official, **keyed("k-doubt", "doubt", agent, text))
+        await official.close()
+        assert again.headers["Idempotent-Replayed"] == "true", again.text
+        if text == "hello":
+            assert again.status_code == 200, again.text
+            assert again.json()["choices"][0]["message"]["content"] == "Echo: hello"
+            assert await env.transcript(agent, "doubt") == [
+                ("user", "hello"),
+                ("assistant", "Echo: hello"),
+            ]
+        else:
+            assert again.status_code == 409, again.text
+            assert again.json()["error"]["rule"] == GATED_RULE
 
 
 async def streamed(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
