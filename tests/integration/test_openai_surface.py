@@ -6,6 +6,7 @@ a message was taken in, ``/v1/models``, ``usage``, ``n`` and ``stream_options``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
 from tests.serving import served_app
-from tests.statement_faults import injector
+from tests.statement_faults import PgFaults, SqliteFaults, injector
 
 
 class GateProvider:
@@ -608,6 +609,21 @@ async def test_a_process_ending_after_the_turn_committed_leaves_its_answer(
         assert await env.transcript(agent, "end") == [("user", text)]
 
 
+@contextlib.asynccontextmanager
+async def served_with_faults(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Env, SqliteFaults | PgFaults]]:
+    """The app at ``url`` with the agents of :data:`ENDINGS`, and a statement-fault
+    injector made before it opens the database."""
+    faults = injector(url, monkeypatch)
+    async with served_app(url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        yield Env(service, client, org, org, GateProvider()), faults
+
+
 @pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])
 async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch, agent: str, text: str
@@ -618,13 +634,7 @@ async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
     that 503 again. It was the turn's answer (200, or the gated 409) that was never
     stored: the key lapsed after a minute, and a retry then was told the answer was
     lost."""
-    faults = injector(migrated_url, monkeypatch)
-    async with served_app(migrated_url) as (service, client):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "worker", lead="lead")
-        await make_agent(service, org, "plain")
-        env = Env(service, client, org, org, GateProvider())
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
         official = env.official()
         faults.arm_on("UPDATE idempotency_keys SET response")
         cut = await answer_of(official, **keyed("k-fault", "fault", agent, text))
@@ -650,13 +660,7 @@ async def test_a_keyed_turn_whose_last_commit_is_in_doubt_keeps_the_answer_it_co
     503 ``turn.interrupted``, and that error, met after the message was taken in, must not
     be stored over the answer that did commit: a retry with the key gets the turn's real
     answer (it got the 503 again, stored over it)."""
-    faults = injector(migrated_pg, monkeypatch)
-    async with served_app(migrated_pg) as (service, client):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "worker", lead="lead")
-        await make_agent(service, org, "plain")
-        env = Env(service, client, org, org, GateProvider())
+    async with served_with_faults(migrated_pg, monkeypatch) as (env, faults):
         official = env.official()
         faults.arm_on("UPDATE idempotency_keys SET response", then="COMMIT", after_commit=True)
         cut = await answer_of(official, **keyed("k-doubt", "doubt", agent, text))
