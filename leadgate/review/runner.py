@@ -39,6 +39,10 @@ from leadgate.turns.providers.registry import ProviderRegistry
 from outbox.store import POST_KINDS, REVEAL_KINDS, Outbox
 
 log = logging.getLogger("leadgate.review")
+#: Why a claimed item goes back to the queue (its ``leaseReleased`` audit text). A verdict
+#: that could not be stored is not one: it is kept and committed later.
+_CLAIM_IN_DOUBT = "the claim met a database fault at its commit (it landed); the review runs again"
+_READS_FAILED = "the review's reads met a database fault; the review runs again"
 
 LEASE_MS = 20 * MINUTE_MS
 MAX_EXPIRIES = 3
@@ -205,8 +209,8 @@ class LeadRunner:
         self.on_verdict = on_verdict
         #: this process (``lease_owner`` of its review leases; see domain.processes)
         self.owner = owner
-        #: (item id, lease token) of claimed items to give back to the queue
-        self._held: list[tuple[str, str | None]] = []
+        #: (item id, lease token, why: audited) of claimed items to give back to the queue
+        self._held: list[tuple[str, str | None, str]] = []
         #: lease tokens of claims whose commit may or may not have landed
         self._uncertain: list[str] = []
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
@@ -458,9 +462,7 @@ class LeadRunner:
         try:
             verdict, feedback, why = await self._decide(item)
         except Unavailable:
-            self._held.append(
-                (item.id, item.lease_token)
-            )  # the lead's reads failed: review it again later
+            self._held.append((item.id, item.lease_token, _READS_FAILED))
             raise
         METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
         gating = self._gating.pop((item.id, item.lease_token), None)
@@ -521,7 +523,7 @@ class LeadRunner:
                 self._uncertain.append(token)
                 raise
             if item_id is not None:
-                self._held.append((item_id, token))
+                self._held.append((item_id, token, _CLAIM_IN_DOUBT))
         while self._held:
             # Several review loops share this list: take the item first.
             held = self._held.pop(0)
@@ -531,8 +533,8 @@ class LeadRunner:
                 self._held.append(held)
                 raise
 
-    async def _release(self, item_id: str, lease_token: str | None) -> None:
-        """Give one held item back to the queue (fenced by its lease)."""
+    async def _release(self, item_id: str, lease_token: str | None, why: str) -> None:
+        """Give one held item back to the queue (fenced by its lease), audited ``why``."""
         async with self.db.tx() as conn:
             try:
                 await workitems.transition(
@@ -544,7 +546,7 @@ class LeadRunner:
                     dst=Status.reviewQueued,
                     actor="system:lead",
                     action="leaseReleased",
-                    text="the verdict could not be stored; the review runs again",
+                    text=why,
                     lease_token=lease_token,
                     values={"lease_token": None, "lease_expires_at": None, "lease_owner": None},
                 )
