@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +29,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [i for i in items if i.get_closest_marker("long") is None]
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_restored() -> Iterator[None]:
+    """What ``leadgate.cli.main.main`` run in process leaves behind is taken away after
+    the test: ``setup_logging`` puts a ``StreamHandler`` on the root logger, bound to the
+    ``sys.stderr`` of that moment (the test's capture, closed after it). Left there,
+    every later record met "I/O operation on closed file" and printed a traceback of its
+    own into the output of whichever test failed next. (pytest's own handlers are
+    subclasses it removes itself: only plain stream handlers are taken.)"""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    left = [h for h in root.handlers if type(h) is logging.StreamHandler and h not in before]
+    for handler in left:
+        root.removeHandler(handler)
+    if left:
+        root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
