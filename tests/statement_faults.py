@@ -78,6 +78,9 @@ class _Counting:
         self.fail_on: str | None = None
         #: (:meth:`arm_on`) once ``fail_on`` was seen, the statement to fail after it
         self.then: str | None = None
+        #: (:meth:`arm_on`, PostgreSQL) once the fault fired, every statement holding
+        #: this text fails too, its connection dropped before it runs (still away)
+        self.and_on: str | None = None
         self.whole_transaction = False
         self.after_commit = False
         #: the SQL of the statement that was made to fail (None: none yet)
@@ -91,6 +94,7 @@ class _Counting:
         ``after_commit``: it runs, and then its answer is lost (PostgreSQL only)."""
         self.statements, self.in_write = [], []
         self.fail_at, self.fail_on, self.then, self.fired = at, None, None, None
+        self.and_on = None
         self.whole_transaction = whole_transaction
         self.after_commit = after_commit
         self._counting = True
@@ -102,19 +106,23 @@ class _Counting:
         whole_transaction: bool = False,
         then: str | None = None,
         after_commit: bool = False,
+        and_on: str | None = None,
     ) -> None:
         """Count statements from now on; the first whose SQL contains ``text`` fails
         (for a test about one statement, whatever comes before it). ``then``: the first
         statement holding ``then`` after that one fails instead (``then="COMMIT"`` with
-        ``after_commit``: the commit of the transaction that ran ``text``, in doubt)."""
+        ``after_commit``: the commit of the transaction that ran ``text``, in doubt).
+        ``and_on`` (PostgreSQL): after that, every statement holding it fails as well,
+        until :meth:`disarm` (the database still away when the service reads back)."""
         self.arm(None, whole_transaction=whole_transaction, after_commit=after_commit)
         self.fail_on = text
         self.then = then
+        self.and_on = and_on
 
     def disarm(self) -> None:
         """Stop counting; nothing fails any more."""
         self._counting = False
-        self.fail_at = self.fail_on = self.then = None
+        self.fail_at = self.fail_on = self.then = self.and_on = None
 
     @property
     def count(self) -> int:
@@ -168,6 +176,7 @@ class SqliteFaults(_Counting):
     def before(self, conn: sqlite3.Connection, sql: str) -> None:
         """Count ``sql``; raise the driver's I/O error when it is the one to fail."""
         assert not self.after_commit, "a SQLite COMMIT's answer cannot be lost"
+        assert self.and_on is None, "(PostgreSQL only)"
         if not self._fails(sql, lambda: conn.in_transaction and _writer(conn)):
             return
         if self.whole_transaction and conn.in_transaction:
@@ -226,6 +235,8 @@ class PgFaults(_Counting):
         connection always loses the whole transaction: ``whole_transaction`` changes
         nothing here)."""
         if not self._fails(sql, conn.is_in_transaction):
+            if self.fired is not None and self.and_on is not None and self.and_on in sql:
+                _drop(conn)
             return
         if self.after_commit:
             self._lose_answer = conn

@@ -236,6 +236,28 @@ class TurnInterrupted(Unavailable):
         self.detail = detail
 
 
+class IntakeInDoubt(Unavailable):
+    """A message's intake failed at its COMMIT (PostgreSQL: the connection dropped with
+    it sent, so it may have landed), and reading back whether it did failed too: the
+    message may have been taken in. Neither "nothing was stored, retry" nor "taken in":
+    no retry is asked for (``retry_after_s`` ``None``, so ``x-should-retry: false``), a
+    blind one could take it in twice. ``in_doubt``: an Idempotency-Key's claim is kept
+    (lapsed), so a retry with the key is safe. Raised by the intake for every surface."""
+
+    retry_after_s: int | None = None
+    in_doubt: bool = True
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(
+            "the database became unavailable while this message was being taken in, so it "
+            "may have been taken in. Do not send it again blindly (it could be taken in "
+            "twice): once the service is back, look for it in the session transcript and "
+            "send it only if it is not there (a retry with the same Idempotency-Key is safe)",
+            rule="intake.in_doubt",
+        )
+        self.detail = detail
+
+
 def log_failure(logger: logging.Logger, exc: BaseException, message: str, *args: object) -> None:
     """Log ``exc``, met by work that has no caller to answer (a background task, a
     runner's pass), as ``message % args``.

@@ -25,6 +25,15 @@ come from the cache). One round trip instead of ``BEGIN``, three statements and
 in it, with the message added, is the window a read after storing it gives (a message
 another turn stores meanwhile is one that came after this one's); when the session is
 missing or its binding differs it writes nothing and the transaction runs instead.
+
+A write of the intake that fails *in doubt* (PostgreSQL: the connection dropped with its
+``COMMIT``, or its one statement, sent: it may have landed; ``Unavailable.in_doubt``) is
+settled by reading back, on a fresh connection, whether the user message it wrote (its
+id made before the write) exists (:meth:`Intake._landed`): if it does, the intake
+committed and the turn goes on as if the commit had answered; if it does not, the fault
+stands (nothing was stored). When that read fails too, the message may have been taken
+in: :class:`~leadgate.core.errors.IntakeInDoubt`, which asks for no retry. Only the
+fault path reads back.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -41,7 +50,7 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import TransitionError, ValidationError
+from leadgate.core.errors import IntakeInDoubt, TransitionError, Unavailable, ValidationError
 from leadgate.core.limits import TASK_CONTEXT_LIMIT
 from leadgate.core.types import CHANNEL_KINDS, BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
@@ -68,6 +77,30 @@ _UPDATE_EVENT = t.inbound_events.update().where(t.inbound_events.c.id == sa.bind
 _APPEND_TASK = t.work_items.update().where(
     _W.id == sa.bindparam("p_id"), _W.status == Status.inProgress.value
 )
+
+
+# An intake in doubt's read-back: its user message's session, with its active binding
+# (the columns bindings.session_from_row reads).
+_M, _B = t.messages.c, t.bindings.c
+_LANDED = (
+    sa.select(
+        _M.session_id.label("id"),
+        _B.id.label("binding_id"),
+        _B.kind.label("binding_kind"),
+        _B.address.label("binding_address"),
+        _B.silent.label("binding_silent"),
+    )
+    .select_from(t.messages.outerjoin(t.bindings, (_B.session_id == _M.session_id) & _B.active))
+    .where(_M.id == sa.bindparam("p_id"))
+)
+
+
+class _Landed(NamedTuple):
+    """An intake in doubt found committed (:meth:`Intake._landed`)."""
+
+    session: bindings.OpenSession
+    #: the session's window, the message in it (read when asked for)
+    history: list[ChatMessage] | None
 
 
 @dataclass(frozen=True)
@@ -224,6 +257,7 @@ class Intake:
         history: HistoryCache,
         *,
         owner: Callable[[], str | None] = lambda: None,
+        settled: Callable[[str], None] = lambda _token: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -231,6 +265,9 @@ class Intake:
         self.history = history
         #: the process that runs what it takes in (``lease_owner`` of recorded runs)
         self.owner = owner
+        #: told the lease token of a recorded run whose intake was in doubt and found
+        #: committed: this process runs its turn now (the doubt gave it to the recovery)
+        self.settled = settled
         #: the agent and policy rules of recent intakes (SQLite; see its module)
         self.config = ConfigCache()
         #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
@@ -268,79 +305,91 @@ class Intake:
             if opened is not None:
                 return opened
         now = self.clock.now_ms()
-        async with self.db.tx() as conn:
-            agent, lead = await self.config.agent_and_lead(conn, trigger.org_id, trigger.agent_id)
-            if not agent.active:
-                raise ValidationError(f"agent {agent.name!r} is inactive", rule="agent.inactive")
-            session_id, current_binding, new_session = await bindings.open_session(
-                conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
-            )
-            event = self._event(trigger, agent, session_id, now)
-            new_item_id: str | None = None
-            if lead is not None and new_session:
-                # A new session's item is new too: its id goes into the event row now
-                # (no second write of the event once the item exists).
-                new_item_id = event.values["work_item_id"] = self.ids.new("wi")
-            if trigger.external_event_id is not None and not await event.record_first(conn):
-                return Duplicate()
-            item: WorkItem | None = None
-            if lead is not None and not new_session:  # a new session has no item yet
-                item = await workitems.active_for(conn, agent.id, session_id, lock=True)
-                if item is not None and item.status != Status.inProgress:
-                    # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
-                    await event.finish(conn, outcome="rejectedBusy", work_item_id=item.id)
-                    return Busy(work_item_id=item.id)
-                if self.db.is_postgres:
-                    # Read the binding again after the item lock: a concurrent intake of
-                    # the session may have replaced it while we waited.
-                    current_binding = bindings.UNREAD
-            binding_id = await bindings.activate(
-                conn,
-                self.clock,
-                self.ids,
-                trigger.org_id,
-                session_id,
-                trigger.binding,
-                current_binding,
-            )
-            item_id: str | None = None
-            revision: int | None = None
-            if lead is not None:
-                item_id, revision = await self._open_item(
-                    conn, trigger, agent, lead, session_id, binding_id, item, now, new_item_id
+        message_id: str | None = None
+        try:
+            async with self.db.tx() as conn:
+                agent, lead = await self.config.agent_and_lead(
+                    conn, trigger.org_id, trigger.agent_id
                 )
-                if not (event.recorded and item_id == new_item_id):  # else written with it
-                    await event.finish(conn, work_item_id=item_id)
-            message_id = await store_message(
-                conn,
-                self.clock,
-                self.ids,
-                org_id=trigger.org_id,
-                session_id=session_id,
-                work_item_id=item_id,
-                role="user",
-                content=trigger.text,
-            )
-            turn_id = self.ids.new("turn")
-            run_token = None
-            kind = trigger.binding.kind
-            if _recorded(kind, lead is not None):
-                # Recorded: if this process dies before the turn's last transaction, the
-                # recovery runner takes the run over (leadgate.turns.runs).
-                run = self._run_values(
-                    trigger, agent, session_id, binding_id, item_id, message_id, turn_id, now
+                if not agent.active:
+                    raise ValidationError(
+                        f"agent {agent.name!r} is inactive", rule="agent.inactive"
+                    )
+                session_id, current_binding, new_session = await bindings.open_session(
+                    conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
                 )
-                run_token = run["lease_token"]
-                await runs.record(conn, run)
-            rules = await self.config.rules(conn, trigger.org_id)
-            if self.db.statements_alone:
-                self._saw(agent.id, trigger.session_key)
-            if new_session:
-                # Its only message is the one just stored.
-                history = [to_message("user", trigger.text)]
-                self.history.started(conn, session_id)
-            else:
-                history = await self.history.read(conn, session_id)
+                event = self._event(trigger, agent, session_id, now)
+                new_item_id: str | None = None
+                if lead is not None and new_session:
+                    # A new session's item is new too: its id goes into the event row now
+                    # (no second write of the event once the item exists).
+                    new_item_id = event.values["work_item_id"] = self.ids.new("wi")
+                if trigger.external_event_id is not None and not await event.record_first(conn):
+                    return Duplicate()
+                item: WorkItem | None = None
+                if lead is not None and not new_session:  # a new session has no item yet
+                    item = await workitems.active_for(conn, agent.id, session_id, lock=True)
+                    if item is not None and item.status != Status.inProgress:
+                        # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
+                        await event.finish(conn, outcome="rejectedBusy", work_item_id=item.id)
+                        return Busy(work_item_id=item.id)
+                    if self.db.is_postgres:
+                        # Read the binding again after the item lock: a concurrent intake of
+                        # the session may have replaced it while we waited.
+                        current_binding = bindings.UNREAD
+                binding_id = await bindings.activate(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    trigger.org_id,
+                    session_id,
+                    trigger.binding,
+                    current_binding,
+                )
+                item_id: str | None = None
+                revision: int | None = None
+                if lead is not None:
+                    item_id, revision = await self._open_item(
+                        conn, trigger, agent, lead, session_id, binding_id, item, now, new_item_id
+                    )
+                    if not (event.recorded and item_id == new_item_id):  # else written with it
+                        await event.finish(conn, work_item_id=item_id)
+                message_id = await store_message(
+                    conn,
+                    self.clock,
+                    self.ids,
+                    org_id=trigger.org_id,
+                    session_id=session_id,
+                    work_item_id=item_id,
+                    role="user",
+                    content=trigger.text,
+                )
+                turn_id = self.ids.new("turn")
+                run_token = None
+                kind = trigger.binding.kind
+                if _recorded(kind, lead is not None):
+                    # Recorded: if this process dies before the turn's last transaction, the
+                    # recovery runner takes the run over (leadgate.turns.runs).
+                    run = self._run_values(
+                        trigger, agent, session_id, binding_id, item_id, message_id, turn_id, now
+                    )
+                    run_token = run["lease_token"]
+                    await runs.record(conn, run)
+                rules = await self.config.rules(conn, trigger.org_id)
+                if self.db.statements_alone:
+                    self._saw(agent.id, trigger.session_key)
+                if new_session:
+                    # Its only message is the one just stored.
+                    history = [to_message("user", trigger.text)]
+                    self.history.started(conn, session_id)
+                else:
+                    history = await self.history.read(conn, session_id)
+        except Unavailable as fault:
+            if message_id is None:
+                raise  # (busy, a duplicate, or before the message: nothing to settle)
+            await self._landed(message_id, fault)
+            if run_token is not None:
+                self.settled(run_token)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,
@@ -434,9 +483,16 @@ class Intake:
             )
         except IntegrityError:
             return None  # e.g. its external event id was recorded: the transaction decides
+        except Unavailable as fault:
+            # Its message is written only with the new session: found, all of it landed.
+            await self._landed(str(message["id"]), fault)
+            if run_token is not None:
+                self.settled(run_token)
+        else:
+            if result.first() is None:
+                self._saw(agent.id, key)
+                return None
         self._saw(agent.id, key)
-        if result.first() is None:
-            return None
         ctx = TurnContext(
             org_id=org_id,
             agent_id=agent.id,
@@ -476,22 +532,28 @@ class Intake:
                 rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
         message_id = self.ids.new("msg")
-        found = await self.plain(
-            PlainIntake(
-                message_id,
-                trigger.org_id,
-                agent.id,
-                trigger.session_key,
-                trigger.binding,
-                trigger.text,
-                now,
+        try:
+            found = await self.plain(
+                PlainIntake(
+                    message_id,
+                    trigger.org_id,
+                    agent.id,
+                    trigger.session_key,
+                    trigger.binding,
+                    trigger.text,
+                    now,
+                )
             )
-        )
-        if found is None:
-            return None
-        session, window = found
+        except Unavailable as fault:
+            session, landed = await self._landed(message_id, fault, window=True)
+            assert landed is not None
+            history = landed
+        else:
+            if found is None:
+                return None
+            session, window = found
+            history = window.with_newest((now, message_id), ChatMessage("user", trigger.text))
         assert session.binding is not None  # stored only into a session bound so
-        history = window.with_newest((now, message_id), ChatMessage("user", trigger.text))
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,
@@ -505,6 +567,29 @@ class Intake:
             run_fenced=False,
         )
         return Accepted(ctx, agent, False, rules, history)
+
+    async def _landed(
+        self, message_id: str, fault: Unavailable, *, window: bool = False
+    ) -> _Landed:
+        """The intake that wrote the user message ``message_id`` failed with ``fault``:
+        when that is in doubt (its commit may have landed), read back on a fresh
+        connection whether the message exists, and return its session (its active
+        binding, and with ``window`` its window) when it does. Raises ``fault`` when it
+        does not, or when ``fault`` is not in doubt (nothing was stored);
+        :class:`IntakeInDoubt` when the read fails too (it may have been taken in)."""
+        if not fault.in_doubt:
+            raise fault
+        try:
+            async with self.db.read() as conn:
+                row = (await conn.execute(_LANDED, {"p_id": message_id})).first()
+                history = None
+                if row is not None and window:
+                    history = await self.history.read(conn, row.id)
+        except Unavailable as again:
+            raise IntakeInDoubt(again.detail or fault.detail) from fault
+        if row is None:
+            raise fault
+        return _Landed(bindings.session_from_row(row), history)
 
     def _run_values(
         self,

@@ -257,18 +257,21 @@ class TurnService:
         self.on_delivery_queued = on_delivery_queued
         self.history = HistoryCache()
         db.on_commit_payloads(HISTORY_TOPIC, self.history.apply)
-        self.intake = Intake(db, clock, ids, self.history, owner=owner)
+        #: lease tokens of this process's recorded runs whose turn stopped on a database
+        #: fault, or whose intake's commit was in doubt (the turn never started, the run
+        #: may exist; the intake takes back those its read-back finds committed): the
+        #: recovery runner takes them over once the database is back
+        self.orphans: set[str] = set()
+        db.on_doubt_payloads(runs.RECORDED, self.orphans.update)
+        self.intake = Intake(
+            db, clock, ids, self.history, owner=owner, settled=self.orphans.discard
+        )
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner
         #: the wait between tries of a recorded channel turn's last transaction (tests
         #: make it instant)
         self.sleep = sleep
-        #: lease tokens of this process's recorded runs whose turn stopped on a database
-        #: fault, or whose intake's commit was in doubt (the turn never started, the run
-        #: may exist): the recovery runner takes them over once the database is back
-        self.orphans: set[str] = set()
-        db.on_doubt_payloads(runs.RECORDED, self.orphans.update)
 
     async def run(
         self,

@@ -683,6 +683,108 @@ async def test_a_keyed_turn_whose_last_commit_is_in_doubt_keeps_the_answer_it_co
             assert again.json()["error"]["rule"] == GATED_RULE
 
 
+#: An unkeyed intake in doubt, by the path it takes: (agent, the session of a turn run
+#: before it, if any ("doubt": its own), the statement that writes the message,
+#: ``then``: the statement whose answer is lost after it; None: that one, run alone). A
+#: new session's intake is one statement (a gated worker's once it and its lead are
+#: cached, its run recorded in it), as is a plain agent's next message; a gated
+#: worker's is otherwise a transaction (its COMMIT in doubt).
+IntakeCase = tuple[str, str | None, str, str | None]
+#: (one of each)
+INTAKES: list[IntakeCase] = [
+    ("plain", None, "WITH new_session", None),
+    ("plain", "doubt", "INSERT INTO messages", None),
+    ("worker", None, "INSERT INTO messages", "COMMIT"),
+    ("worker", "warm", "WITH new_session", None),
+    ("worker", "doubt", "INSERT INTO messages", "COMMIT"),
+]
+#: The read-back of an intake in doubt (leadgate.turns.intake._LANDED).
+READ_BACK = "FROM messages LEFT OUTER JOIN bindings"
+
+
+async def doubtful_intake(
+    migrated_pg: str,
+    monkeypatch: pytest.MonkeyPatch,
+    intake: IntakeCase,
+    and_on: str | None = None,
+) -> tuple[httpx2.Response, list[tuple[str, str]], App]:
+    """An unkeyed request of the official client (retrying as it does by default) whose
+    intake's write lands and whose answer is lost (``and_on``: the statements that fail
+    after it); its answer, the session's transcript, and the service."""
+    agent, before, text, then = intake
+    faults = injector(migrated_pg, monkeypatch)
+    async with served_app(migrated_pg) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "worker", lead="lead")
+        await make_agent(service, org, "plain")
+        env = Env(service, client, org, org, GateProvider())
+        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
+        ask = {"model": agent, "messages": [{"role": "user", "content": "hello"}]}
+        if before is not None:
+            first = await answer_of(official, **ask, extra_headers={"X-Session-Id": before})
+            assert first.status_code == 200, first.text
+        faults.arm_on(text, then=then, after_commit=True, and_on=and_on)
+        answer = await answer_of(official, **ask, extra_headers={"X-Session-Id": "doubt"})
+        faults.disarm()
+        await official.close()
+        assert faults.fired is not None
+        assert faults.fired.startswith(then or "WITH"), faults.fired
+        return answer, await env.transcript(agent, "doubt"), service
+
+
+@pytest.mark.parametrize("intake", INTAKES)
+async def test_an_unkeyed_intake_in_doubt_that_landed_is_answered_once(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, intake: IntakeCase
+) -> None:
+    """PostgreSQL: a request without an Idempotency-Key whose intake's COMMIT (or its one
+    statement) lands and whose answer is lost: the intake reads back that its message
+    exists, and the turn goes on. One message, one reply, the normal answer. It was 503
+    "nothing was stored, please retry", and the official client's retry took the
+    message in a second time."""
+    answer, transcript, service = await doubtful_intake(migrated_pg, monkeypatch, intake)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "Echo: hello"
+    earlier = [("user", "hello"), ("assistant", "Echo: hello")] if intake[1] == "doubt" else []
+    assert transcript == [*earlier, ("user", "hello"), ("assistant", "Echo: hello")]
+    assert not service.turns.orphans  # (its run, if recorded, ran here: not recovery's)
+
+
+@pytest.mark.parametrize("intake", INTAKES[1:])
+async def test_an_intake_in_doubt_unread_says_it_may_have_been_taken_in(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, intake: IntakeCase
+) -> None:
+    """PostgreSQL: an intake in doubt whose read-back fails too (the database still
+    away): 503 ``intake.in_doubt``, which says the message may have been taken in and
+    asks for no retry (``x-should-retry: false``, no ``Retry-After``), so the client
+    sends it once. It was "nothing was stored, please retry" for a message taken in."""
+    answer, transcript, _ = await doubtful_intake(
+        migrated_pg, monkeypatch, intake, and_on=READ_BACK
+    )
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["rule"] == "intake.in_doubt", error
+    assert "may have been taken in" in error["message"]
+    assert "nothing was stored" not in error["message"]
+    assert answer.headers["x-should-retry"] == "false"
+    assert "Retry-After" not in answer.headers
+    earlier = [("user", "hello"), ("assistant", "Echo: hello")] if intake[1] == "doubt" else []
+    assert transcript == [*earlier, ("user", "hello")]  # (it had landed: once)
+
+
+async def test_an_intake_in_doubt_that_wrote_nothing_is_retried_once(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a plain turn's one statement, run with its answer lost, that wrote
+    nothing (its session did not exist yet): the read-back finds no message, so the 503
+    "nothing was stored, please retry" is true, and the official client's retry takes
+    the message in once."""
+    intake: IntakeCase = ("plain", None, "WITH sb AS", None)
+    answer, transcript, _ = await doubtful_intake(migrated_pg, monkeypatch, intake)
+    assert answer.status_code == 200, answer.text
+    assert transcript == [("user", "hello"), ("assistant", "Echo: hello")]
+
+
 async def streamed(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
     """The HTTP answer of a streamed request as the official client got it, read whole
     (an error status included)."""
