@@ -257,7 +257,7 @@ class Intake:
         history: HistoryCache,
         *,
         owner: Callable[[], str | None] = lambda: None,
-        settled: Callable[[str], None] = lambda _token: None,
+        doubted: Callable[[str], None] = lambda _token: None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -265,9 +265,10 @@ class Intake:
         self.history = history
         #: the process that runs what it takes in (``lease_owner`` of recorded runs)
         self.owner = owner
-        #: told the lease token of a recorded run whose intake was in doubt and found
-        #: committed: this process runs its turn now (the doubt gave it to the recovery)
-        self.settled = settled
+        #: told the lease token of a recorded run whose intake was in doubt and could not
+        #: be read back: the run may exist, under this process's lease, with no turn
+        #: running it; the recovery takes it over once the database is back
+        self.doubted = doubted
         #: the agent and policy rules of recent intakes (SQLite; see its module)
         self.config = ConfigCache()
         #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
@@ -387,9 +388,7 @@ class Intake:
         except Unavailable as fault:
             if message_id is None:
                 raise  # (busy, a duplicate, or before the message: nothing to settle)
-            await self._landed(message_id, fault)
-            if run_token is not None:
-                self.settled(run_token)
+            await self._settle(message_id, fault, run_token)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,
@@ -478,16 +477,12 @@ class Intake:
                 {f"{name}_{c}": v for name, values in rows.items() for c, v in values.items()},
                 # (a new session is nobody's to watch on another replica yet: no NOTIFY)
                 signals=[(session_events.TOPIC, (session_id, True))],
-                # (a run it may have recorded goes to the recovery's orphans)
-                in_doubt=() if run_token is None else ((runs.RECORDED, run_token),),
             )
         except IntegrityError:
             return None  # e.g. its external event id was recorded: the transaction decides
         except Unavailable as fault:
             # Its message is written only with the new session: found, all of it landed.
-            await self._landed(str(message["id"]), fault)
-            if run_token is not None:
-                self.settled(run_token)
+            await self._settle(str(message["id"]), fault, run_token)
         else:
             if result.first() is None:
                 self._saw(agent.id, key)
@@ -567,6 +562,17 @@ class Intake:
             run_fenced=False,
         )
         return Accepted(ctx, agent, False, rules, history)
+
+    async def _settle(self, message_id: str, fault: Unavailable, run_token: str | None) -> None:
+        """:meth:`_landed` for an intake that may have recorded a run (``run_token``):
+        found, this process runs the turn now; unread, the run goes to the recovery
+        (:attr:`doubted`), since it may exist with nothing running it."""
+        try:
+            await self._landed(message_id, fault)
+        except IntakeInDoubt:
+            if run_token is not None:
+                self.doubted(run_token)
+            raise
 
     async def _landed(
         self, message_id: str, fault: Unavailable, *, window: bool = False

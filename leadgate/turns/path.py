@@ -258,14 +258,11 @@ class TurnService:
         self.history = HistoryCache()
         db.on_commit_payloads(HISTORY_TOPIC, self.history.apply)
         #: lease tokens of this process's recorded runs whose turn stopped on a database
-        #: fault, or whose intake's commit was in doubt (the turn never started, the run
-        #: may exist; the intake takes back those its read-back finds committed): the
-        #: recovery runner takes them over once the database is back
+        #: fault, or whose intake's commit was in doubt and could not be read back (the
+        #: turn never started, the run may exist): the recovery runner takes them over
+        #: once the database is back
         self.orphans: set[str] = set()
-        db.on_doubt_payloads(runs.RECORDED, self.orphans.update)
-        self.intake = Intake(
-            db, clock, ids, self.history, owner=owner, settled=self.orphans.discard
-        )
+        self.intake = Intake(db, clock, ids, self.history, owner=owner, doubted=self.orphans.add)
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner

@@ -36,7 +36,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.db import Conn, Database
 from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
@@ -44,10 +44,6 @@ from leadgate.domain.workitems import Status
 
 R = t.turn_runs.c
 W = t.work_items.c
-#: The topic :func:`record` signals a run's lease token on: when the intake's commit is
-#: in doubt (``Database.on_doubt_payloads``), the run may exist under this process's
-#: lease while its turn never started; the token joins the orphans the recovery takes.
-RECORDED = "turn-run-recorded"
 
 RERUN = "rerun"
 CLIENT = "client"
@@ -85,7 +81,6 @@ _LEASE_CHECK = sa.select(
 async def record(conn: Conn, values: dict[str, Any]) -> None:
     """Insert a run row (inside the intake transaction)."""
     await conn.execute(_INSERT, values)
-    signal_after_commit(conn, RECORDED, values["lease_token"])
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
