@@ -712,14 +712,9 @@ async def doubtful_intake(
     intake's write lands and whose answer is lost (``and_on``: the statements that fail
     after it); its answer, the session's transcript, and the service."""
     agent, before, text, then = intake
-    faults = injector(migrated_pg, monkeypatch)
-    async with served_app(migrated_pg) as (service, client):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "worker", lead="lead")
-        await make_agent(service, org, "plain")
-        env = Env(service, client, org, org, GateProvider())
-        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
+    async with served_with_faults(migrated_pg, monkeypatch) as (env, faults):
+        # (the client's default retries, unlike Env.official's)
+        official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
         ask = {"model": agent, "messages": [{"role": "user", "content": "hello"}]}
         if before is not None:
             first = await answer_of(official, **ask, extra_headers={"X-Session-Id": before})
@@ -730,7 +725,7 @@ async def doubtful_intake(
         await official.close()
         assert faults.fired is not None
         assert faults.fired.startswith(then or "WITH"), faults.fired
-        return answer, await env.transcript(agent, "doubt"), service
+        return answer, await env.transcript(agent, "doubt"), env.service
 
 
 @pytest.mark.parametrize("intake", INTAKES)
