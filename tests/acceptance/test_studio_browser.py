@@ -6,6 +6,7 @@ approved answer replaces it in place through the events stream, without a reload
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import httpx2
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, Route, async_playwright, expect
 
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
 
@@ -160,3 +161,34 @@ async def test_a_turn_that_fails_after_its_message_was_taken_in_is_not_offered_a
     await page.get_by_label("Session", exact=True).fill(session)
     await page.get_by_role("button", name="Open").click()
     await expect(bubbles).to_have_text(["boom #fail"])
+
+
+async def test_a_message_that_may_have_been_taken_in_is_not_offered_again(
+    page: Page, svc: ServiceProcess
+) -> None:
+    """503 ``intake.in_doubt`` (the database went away as the message's intake committed,
+    and could not be read back) says the message may have been taken in: the page keeps
+    it and leaves the box empty, as for ``turn.interrupted``; it put the text back to be
+    sent again, twice if it had landed. The answer is made in the browser (the served
+    process cannot be made to lose a COMMIT's answer from here)."""
+    session = f"st-{uuid.uuid4().hex[:8]}"
+    await sign_in_and_open(page, svc, "plain", session)
+    said = "the message may have been taken in; look for it in the transcript"
+
+    async def in_doubt(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        error = {"message": said, "type": "service_unavailable", "code": None}
+        await route.fulfill(
+            status=503,
+            content_type="application/json",
+            headers={"x-should-retry": "false"},
+            body=json.dumps({"error": {**error, "rule": "intake.in_doubt"}}),
+        )
+
+    await page.route("**/messages", in_doubt)
+    await say(page, "maybe once")
+    await expect(page.locator("#error")).to_contain_text(said)
+    await expect(page.locator("#transcript li.user")).to_have_text(["maybe once"])
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("")

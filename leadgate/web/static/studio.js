@@ -153,9 +153,11 @@
         pendingBubble = pendingReview();
       }
     } catch (err) {
-      if (err.status === 502 || err.rule === "turn.interrupted") {
-        // Taken in, then the turn failed (the model, or the database mid-turn): the
-        // message is in the transcript, and sending it again would send it twice.
+      if (err.status === 502 || err.rule === "turn.interrupted" || err.rule === "intake.in_doubt") {
+        // Taken in, then the turn failed (the model, or the database mid-turn), or maybe
+        // taken in (intake.in_doubt: the database went away as it committed): the
+        // message is, or may be, in the transcript, and sending it again would send it
+        // twice.
         showError(err.message);
         return;
       }
