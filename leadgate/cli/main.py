@@ -26,7 +26,7 @@ from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.logs import setup_logging
 from leadgate.database.db import Database, damaged_file, upgrade
 from leadgate.operations.admin import Admin
@@ -205,10 +205,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+#: A command whose write met a database fault at its COMMIT (PostgreSQL: in doubt).
+IN_DOUBT_MESSAGE = (
+    "the database connection was lost as the change committed: it may have been made; "
+    "look (list or show) before running the command again"
+)
+
+
 def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
     """Exit 2 with one line, the rule last (scripts look for "[rule]" at the end)."""
     # A damaged file's message is the one for HTTP clients; an operator gets the file.
     message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
+    if isinstance(exc, Unavailable) and exc.in_doubt:
+        # "Nothing was stored" is not known: run again blindly, a command that makes
+        # something (key create) makes it twice.
+        message = IN_DOUBT_MESSAGE
     print(
         f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
