@@ -26,7 +26,13 @@ from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.config import Settings, load_settings
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.errors import (
+    DatabaseDamaged,
+    LeadgateError,
+    Unavailable,
+    ValidationError,
+    when_reading,
+)
 from leadgate.core.logs import setup_logging
 from leadgate.database.db import Database, damaged_file, upgrade
 from leadgate.operations.admin import Admin
@@ -189,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         command = (args.command, getattr(args, f"{args.command}_command", None))
         return _emit(render(result, args.format, command))
     except LeadgateError as exc:
+        if isinstance(exc, Unavailable) and _only_reads(args):
+            exc = when_reading(exc)
         return _refused(exc, choice, settings)
     except KeyboardInterrupt:
         return 130
@@ -203,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _only_reads(args: argparse.Namespace) -> bool:
+    """Whether the command only reads (``... list``, ``... show``): a database fault is
+    told as such, not as "nothing was stored"."""
+    return getattr(args, f"{args.command}_command", None) in ("list", "show")
 
 
 #: A command whose write met a database fault at its COMMIT (PostgreSQL: in doubt).
