@@ -112,7 +112,8 @@ if "$VENV/bin/lint-imports"; then :; else FAILED+=("lint-imports"); fi
 
 section "pytest"
 rc=0
-"$PY" -m pytest -q -p no:cacheprovider "$@" || rc=$?
+# (the 30 slowest are listed: the suite is kept under ~20 minutes on two CPUs)
+"$PY" -m pytest -q -p no:cacheprovider --durations=30 "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests: treated as a failure" >&2
     FAILED+=("pytest(no tests)")

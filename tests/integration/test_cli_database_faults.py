@@ -15,16 +15,21 @@ from leadgate.cli.main import main
 from tests.statement_faults import PgFaults
 
 
+@pytest.fixture
+def config(migrated_pg: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A config naming the database, with organization ``acme`` made."""
+    path = tmp_path / "config.toml"
+    path.write_text(f'[database]\nurl = "{migrated_pg}"\n')
+    assert main(["--config", str(path), "org", "create", "acme"]) == 0
+    capsys.readouterr()
+    return path
+
+
 def test_a_command_whose_commit_is_in_doubt_says_it_may_have_been_made(
-    migrated_pg: str,
-    tmp_path: Path,
+    config: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text(f'[database]\nurl = "{migrated_pg}"\n')
-    assert main(["--config", str(config), "org", "create", "acme"]) == 0
-    capsys.readouterr()
     faults = PgFaults(monkeypatch)
     faults.arm_on("INSERT INTO api_keys", then="COMMIT", after_commit=True)
     code = main(
@@ -43,16 +48,11 @@ def test_a_command_whose_commit_is_in_doubt_says_it_may_have_been_made(
 
 @pytest.mark.parametrize("command", [["key", "list"], ["review", "list"]])
 def test_a_command_that_only_reads_is_not_told_nothing_was_stored(
-    migrated_pg: str,
-    tmp_path: Path,
+    config: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     command: list[str],
 ) -> None:
-    config = tmp_path / "config.toml"
-    config.write_text(f'[database]\nurl = "{migrated_pg}"\n')
-    assert main(["--config", str(config), "org", "create", "acme"]) == 0
-    capsys.readouterr()
     faults = PgFaults(monkeypatch)
     faults.arm_on("SELECT", and_on="SELECT")  # (every read, retries too)
     code = main(["--config", str(config), *command, "--org", "acme"])
