@@ -30,10 +30,12 @@ from leadgate.database.sql import later_of_sql, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
-from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent
-from outbox.store import ENDED, DeliveryStatus, ReviewNeeded, reveal
+from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.store import ENDED, DeliveryStatus, ReviewNeeded
 
 log = logging.getLogger("leadgate.relay")
+#: The outcomes committed one by one (:meth:`OutcomeCommitter._commit_one`).
+NotSent = Retry | Permanent | Uncertain
 D = t.deliveries.c
 
 # The platform message ids of a committed group (one cached statement, run as an
@@ -300,20 +302,13 @@ class OutcomeCommitter:
         return committed
 
     def _values_for(
-        self, row: Delivery, outcome: SendOutcome, now: int
+        self, row: Delivery, outcome: NotSent, now: int
     ) -> tuple[dict[str, Any], Status | None, str]:
         """The delivery's new values, the item's destination status (``None``: it stays
-        ``approved``) and the metrics label for one outcome."""
+        ``approved``) and the metrics label for one outcome (a send that succeeded is
+        committed with its group, by :meth:`_commit_sent`)."""
         values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None, "updated_at": now}
         label = type(outcome).__name__.lower()
-        if isinstance(outcome, Sent):
-            values.update(
-                status=DeliveryStatus.sent.value,
-                external_id=outcome.external_id,
-                error=None,
-                **ENDED,
-            )
-            return values, Status.completed, label
         if isinstance(outcome, Retry):
             delay = self.policy.backoff(row.attempts, outcome.delay_s)
             if row.attempts >= self.policy.stalled_after:
@@ -342,7 +337,7 @@ class OutcomeCommitter:
         values.update(status=DeliveryStatus.deliveryUnknown.value, error=outcome.error)
         return values, None, "deliveryUnknown"
 
-    async def _commit_one(self, conn: Conn, row: Delivery, outcome: SendOutcome, now: int) -> None:
+    async def _commit_one(self, conn: Conn, row: Delivery, outcome: NotSent, now: int) -> None:
         values, item_dst, label = self._values_for(row, outcome, now)
         res = await conn.execute(
             t.deliveries.update()
@@ -358,8 +353,6 @@ class OutcomeCommitter:
             METRICS.deliveries.labels(row.channel, "leaseLost").inc()
             return
         METRICS.deliveries.labels(row.channel, label).inc()
-        if row.action == "reveal" and isinstance(outcome, Sent) and row.work_item_id:
-            await reveal(conn, self.clock, row.work_item_id)
         if row.kind != "gating" or row.work_item_id is None:
             return
         if item_dst is None:
@@ -387,7 +380,7 @@ class OutcomeCommitter:
                 src=Status.approved,
                 dst=item_dst,
                 actor="system:relay",
-                action="delivered" if item_dst == Status.completed else "deliveryFailed",
+                action="deliveryFailed",  # (the only end committed one by one)
                 text=values.get("error"),
             )
         except TransitionError:
