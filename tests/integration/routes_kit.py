@@ -364,13 +364,21 @@ class Prober:
         if cookie:
             self.headers.update({"Cookie": f"{SESSION_COOKIE}={cookie}", **CONSOLE})
 
+    #: whether a redirect is followed (the answer is the redirect's target's)
+    follow_redirects = True
+
     async def __call__(self, method: str, call: Call) -> Answer:
         resp = await self.client.request(
             method,
             call.path,
             headers={**self.headers, **call.headers},
             json=call.body if method in ("POST", "PATCH", "PUT") else None,
+            allow_redirects=self.follow_redirects,
         )
+        return await self.read(resp)
+
+    async def read(self, resp: ClientResponse) -> Answer:
+        """The :class:`Answer` of ``resp``."""
         return await answer(resp)
 
 

@@ -374,14 +374,9 @@ class Retried(Prober):
     """A :class:`Prober` whose answers carry ``Retry-After`` (:func:`answer_of`) and
     that follows no redirect."""
 
-    async def __call__(self, method: str, call: Call) -> Answer:
-        resp = await self.client.request(
-            method,
-            call.path,
-            headers={**self.headers, **call.headers},
-            json=call.body if method in ("POST", "PATCH", "PUT") else None,
-            allow_redirects=False,
-        )
+    follow_redirects = False
+
+    async def read(self, resp: aiohttp.ClientResponse) -> Answer:
         return await answer_of(resp)
 
 
