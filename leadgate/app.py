@@ -29,9 +29,10 @@ import sqlalchemy as sa
 from aiohttp import web
 
 from bots.base import Adapter, Core
+from leadgate.core.bodies import BODY_TIMEOUT_KEY
 from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
-from leadgate.core.decoding import BODY_TIMEOUT_KEY, bearer_token
+from leadgate.core.decoding import bearer_token
 from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS

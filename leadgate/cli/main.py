@@ -17,9 +17,6 @@ import signal
 import sys
 from typing import Any
 
-from aiohttp import web
-
-from leadgate.cli.commands import COMMANDS
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
 from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
@@ -34,14 +31,18 @@ from leadgate.core.errors import (
     when_reading,
 )
 from leadgate.core.logs import setup_logging
-from leadgate.database.db import Database, damaged_file, upgrade
-from leadgate.operations.admin import Admin
 
 log = logging.getLogger("leadgate")
 
 
 async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
     """Run one admin subcommand against the configured database."""
+    # Imported per command, as the service's modules are in _serve: `--version`, `--help`
+    # and a config error answer without loading the database and operations layers.
+    from leadgate.cli.commands import COMMANDS
+    from leadgate.database.db import Database
+    from leadgate.operations.admin import Admin
+
     command = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
     # The service's own bounds: [database] busy_timeout_s is how long a command waits for
     # another process's write lock before it says so.
@@ -63,6 +64,8 @@ async def _serve(settings: Settings, role: str) -> None:
     check_ports(settings, role)  # before anything starts: a clear error, nothing half-done
     # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
     # and operator commands do not need.
+    from aiohttp import web
+
     from leadgate.app import App
     from leadgate.web.runner import (
         METRICS_CONNECTIONS,
@@ -179,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(choice.path)
         setup_logging(settings)
         if args.command == "db":
+            from leadgate.database.db import upgrade
+
             revision = {
                 "revision": upgrade(
                     settings.database.url, busy_timeout_s=settings.database.busy_timeout_s
@@ -201,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
+        from leadgate.database.db import damaged_file
+
         damaged = None if settings is None else damaged_file(exc, settings.database.url)
         if damaged is not None:
             return _refused(damaged, choice, settings)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from leadgate.cli.review_commands import add_notify_parser, add_user_link_parsers
+from leadgate.cli.review_parser import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
 from leadgate.core.errors import ValidationError
 
@@ -42,8 +42,7 @@ class Parser(argparse.ArgumentParser):
 
 class _Version(argparse.Action):
     """``--version``: the installed release and the schema revision it needs, so an
-    operator can tell before ``db upgrade`` which schema a release brings (read when
-    asked: Alembic's script directory is not loaded for every command)."""
+    operator can tell before ``db upgrade`` which schema a release brings."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
@@ -51,16 +50,13 @@ class _Version(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
         from importlib.metadata import PackageNotFoundError, version
 
-        from alembic.script import ScriptDirectory
-
-        from leadgate.database.db import alembic_config
+        from leadgate.database.revision import HEAD
 
         try:
             release = version("leadgate")
         except PackageNotFoundError:  # run from a checkout that was never installed
             release = "unknown"
-        head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
-        print(f"leadgate {release} (schema {head})")  # stdout, as argparse's own version
+        print(f"leadgate {release} (schema {HEAD})")  # stdout, as argparse's own version
         parser.exit(0)
 
 

@@ -1,12 +1,15 @@
 """The one way request bodies and headers are read and decoded, for every surface.
 
 Every HTTP route (REST, agents, operator, console, MCP) and every channel body (Slack,
-Discord, Teams) goes through :func:`read_body` and :func:`decode_json` before anything
-else looks at the bytes; a channel verifies its signature on the raw bytes first.
+Discord, Teams) goes through :func:`leadgate.core.bodies.read_body` and
+:func:`decode_json` before anything else looks at the bytes; a channel verifies its
+signature on the raw bytes first.
 
-* :func:`read_body` enforces the one body-size limit (``[server] max_body_bytes``, the
-  application's ``client_max_size``: 413) and the body read timeout (408), so a slow or
-  huge upload can neither stall a handler nor grow memory.
+* :func:`leadgate.core.bodies.read_body` (a module of its own: it needs aiohttp at
+  import, which the CLI's commands do not load) enforces the one body-size limit
+  (``[server] max_body_bytes``, the application's ``client_max_size``: 413) and the body
+  read timeout (408), so a slow or huge upload can neither stall a handler nor grow
+  memory.
 * :func:`bearer_token`: the one reading of ``Authorization: Bearer``.
 * :func:`query_value` (:func:`single_value` for a query parsed elsewhere, as an MCP
   resource URI's): the one reading of a query parameter, refused when it is given twice.
@@ -28,25 +31,22 @@ second parser as a dependency.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
-
-from leadgate.core.errors import PayloadTooLarge, RequestTimeout, ValidationError
+from leadgate.core.errors import ValidationError
 from leadgate.core.limits import SURROGATE, UNSTORABLE
+
+if TYPE_CHECKING:
+    # Only read here (headers, query): aiohttp itself is loaded by the body reading,
+    # leadgate.core.bodies, which the CLI's commands do not import.
+    from aiohttp import web
 
 #: Deepest nesting of arrays/objects a body may have (Slack blocks need about 10).
 MAX_DEPTH = 64
-#: Default time a client has to send its whole body.
-BODY_TIMEOUT_S = 30.0
-#: Where the application keeps its body timeout (see :func:`read_body`).
-BODY_TIMEOUT_KEY = web.AppKey("leadgate_body_timeout_s", float)
 #: The largest integer SQLite and PostgreSQL (``BIGINT``) hold.
 INT64_MAX = 2**63 - 1
 
@@ -66,43 +66,6 @@ def _finite_float(text: str) -> float:
     if math.isinf(value):
         raise _OutOfRange(text)
     return value
-
-
-async def read_body(request: web.Request) -> bytes:
-    """The raw body: 413 over the size limit (also before reading, from Content-Length;
-    a compressed body counts decompressed), 408 when it does not arrive within the body
-    timeout, 400 when the client cut it or its ``Content-Encoding`` does not decode."""
-    limit = request.client_max_size
-    if limit and request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"the request body is larger than {limit:,} bytes", rule="body.size")
-    timeout = BODY_TIMEOUT_S
-    try:
-        if request.content.is_eof():
-            # The whole body came with the headers (nearly every request): nothing to wait
-            # for, so no timer (arming and cancelling one cost more than the read).
-            return await request.read()
-        timeout = request.config_dict.get(BODY_TIMEOUT_KEY, BODY_TIMEOUT_S)
-        async with asyncio.timeout(timeout):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(
-            f"the request body is larger than {limit:,} bytes", rule="body.size"
-        ) from None
-    except TimeoutError:
-        raise RequestTimeout(
-            f"the request body did not arrive within {timeout:g} seconds", rule="body.timeout"
-        ) from None
-    except web.RequestPayloadError as exc:
-        # aiohttp's parser failed on the body (bad gzip, broken chunked framing); it names
-        # the cause. Either is the client's doing, never a 500.
-        if isinstance(exc.__cause__, ContentEncodingError):
-            raise ValidationError(
-                "the request body does not decode as its Content-Encoding says",
-                rule="body.encoding",
-            ) from None
-        raise ValidationError("the request body is malformed", rule="body.incomplete") from None
-    except (ConnectionError, asyncio.IncompleteReadError, web.HTTPBadRequest) as exc:
-        raise ValidationError("the request body is incomplete", rule="body.incomplete") from exc
 
 
 def decimal_int(raw: str) -> int | None:

@@ -10,8 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from leadgate.core.config import Settings
 
@@ -90,6 +88,11 @@ class MalformedRequestFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # Imported here: the filter sits on aiohttp's own logger (aiohttp is loaded when
+        # it runs), and the CLI's commands, which set logging up, never load aiohttp.
+        from aiohttp.http_exceptions import HttpProcessingError
+        from aiohttp.web_protocol import RequestPayloadError
+
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
             if isinstance(record.args, tuple) and record.args:

@@ -31,12 +31,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 from typing import Any, Protocol
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.script.revision import ResolutionError
-from alembic.util import CommandError
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -44,6 +38,7 @@ from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError,
 from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgPool, TableChanges
+from leadgate.database.revision import HEAD
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
 MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
@@ -579,29 +574,26 @@ class Database:
         """Raise :class:`NotMigratedError` unless the schema is at the newest revision
         (rule ``db.not_migrated``: behind it, or never migrated; ``db.newer_schema``: at a
         revision this version does not know)."""
-        script = ScriptDirectory.from_config(alembic_config(self.url))
-        head = script.get_current_head()
+        # The head is a constant and the revision one SELECT: Alembic (and the Mako and
+        # Pygments it loads) is imported only when they differ, not by every command
+        # and service start.
         self._check_file_exists()
-
-        def current(sync_conn: sa.Connection) -> str | None:
-            return MigrationContext.configure(sync_conn).get_current_revision()
-
         try:
             if self._inline is not None:
-                rev = await asyncio.to_thread(self._sqlite_revision, current)
+                rev = await asyncio.to_thread(self._sqlite_revision, current_revision)
             else:
                 async with self.engine.connect() as conn:
-                    rev = await conn.run_sync(current)
+                    rev = await conn.run_sync(current_revision)
         except sa.exc.DBAPIError as exc:
             not_sqlite = _not_a_database(exc, self._inline.path if self._inline else None)
             if not_sqlite is not None:
                 raise not_sqlite from None
             raise
-        if rev != head:
-            if rev is not None and rev not in {s.revision for s in script.walk_revisions()}:
-                raise newer_schema(rev, str(head))
+        if rev != HEAD:
+            if rev is not None and rev not in known_revisions():
+                raise newer_schema(rev, HEAD)
             raise NotMigratedError(
-                f"the database is at schema revision {rev or 'none'}, this version needs {head}: "
+                f"the database is at schema revision {rev or 'none'}, this version needs {HEAD}: "
                 "run `leadgate db upgrade --config <your config>` first",
                 rule="db.not_migrated",
             )
@@ -858,8 +850,28 @@ def _install_sqlite_recipe(engine: AsyncEngine, busy_timeout_s: float) -> None:
 UPGRADE_LOCK = 0x6C677570
 
 
+def current_revision(conn: sa.Connection) -> str | None:
+    """The revision ``alembic_version`` holds (what Alembic's ``MigrationContext`` reads),
+    None when the table is missing or empty."""
+    if not sa.inspect(conn).has_table("alembic_version"):
+        return None
+    found = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all()
+    # More than one row is a branched history, which ours never is: shown as it is.
+    return ",".join(sorted(found)) or None
+
+
+def known_revisions() -> set[str]:
+    """Every revision under ``migrations/versions``, read by Alembic."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return {s.revision for s in script.walk_revisions()}
+
+
 def alembic_config(url: str) -> Any:
     """An Alembic ``Config`` pointing at our migrations and ``url``."""
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -1007,6 +1019,11 @@ def upgrade(url: str, *, busy_timeout_s: float = 5.0) -> str:
     (:func:`newer_schema`); on PostgreSQL the upgrade holds :data:`UPGRADE_LOCK`, on
     SQLite the file's write lock, waited for up to ``busy_timeout_s`` (``[database]
     busy_timeout_s``) and then refused, untouched (:func:`_locked`)."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import ResolutionError
+    from alembic.util import CommandError
+
     parsed = checked_url(url)
     cfg = alembic_config(url)
     cfg.attributes[BUSY_TIMEOUT_ATTRIBUTE] = busy_timeout_s

@@ -18,7 +18,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import bearer_token, json_object, read_body
+from leadgate.core.bodies import read_body
+from leadgate.core.decoding import bearer_token, json_object
 from leadgate.core.errors import (
     AuthError,
     DatabaseDamaged,

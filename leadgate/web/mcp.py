@@ -41,7 +41,8 @@ from starlette.types import Message
 from starlette.types import Scope as AsgiScope
 
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.decoding import bearer_token, decode_json, read_body
+from leadgate.core.bodies import read_body
+from leadgate.core.decoding import bearer_token, decode_json
 from leadgate.core.errors import (
     DatabaseDamaged,
     LeadgateError,

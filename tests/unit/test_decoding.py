@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from leadgate.core.bodies import BODY_TIMEOUT_KEY
 from leadgate.core.clock import FakeClock
 from leadgate.core.decoding import (
-    BODY_TIMEOUT_KEY,
     INT64_MAX,
     MAX_DEPTH,
     bearer_token,
