@@ -61,9 +61,10 @@ from bots.discord_out import (
     quiet_voice_warning,
 )
 from bots.review_base import ChatReviewBackend
+from leadgate.core.bodies import read_body
 from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
-from leadgate.core.decoding import json_object, read_body
+from leadgate.core.decoding import json_object
 from leadgate.core.errors import ConfigError
 from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
 

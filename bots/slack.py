@@ -50,8 +50,9 @@ from slack_sdk.web.async_slack_response import AsyncSlackResponse
 from bots import slack_review
 from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, tell_not_taken_in
 from bots.review_base import ChatReviewBackend
+from leadgate.core.bodies import read_body
 from leadgate.core.config import Settings, SlackSettings
-from leadgate.core.decoding import decode_text, json_object, read_body
+from leadgate.core.decoding import decode_text, json_object
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain

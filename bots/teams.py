@@ -59,8 +59,9 @@ from bots import teams_review
 from bots.base import DATABASE_FAULTS, Adapter, Core, accept, answering_errors, not_taken_in
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
+from leadgate.core.bodies import read_body
 from leadgate.core.config import Settings, TeamsSettings
-from leadgate.core.decoding import bearer_token, json_object, read_body
+from leadgate.core.decoding import bearer_token, json_object
 from leadgate.core.errors import ConfigError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.types import BindingKind, Inbound
