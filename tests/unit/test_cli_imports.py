@@ -1,0 +1,38 @@
+"""What a ``leadgate`` command process imports: the admin and operator commands run
+without the service's HTTP server, channel SDKs and Alembic (each ``leadgate`` process
+paid about 0.3 s for them, and the suite runs a few hundred)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+#: Loaded by ``serve`` (the composition root) and ``db upgrade`` only.
+SERVICE_ONLY = ("aiohttp", "alembic", "mcp", "slack_sdk", "slack_bolt", "discord", "botbuilder")
+
+
+def loaded_after(code: str) -> set[str]:
+    """The top-level packages of :data:`SERVICE_ONLY` a fresh interpreter has loaded
+    after running ``code``."""
+    tops = "{m.split('.')[0] for m in sys.modules}"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({tops} & {set(SERVICE_ONLY)!r})))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_the_commands_load_no_service_library() -> None:
+    assert loaded_after("import leadgate.cli.main, leadgate.cli.commands") == set()
+
+
+def test_version_and_help_load_no_service_library() -> None:
+    code = (
+        "import contextlib, io\n"
+        "from leadgate.cli.parser import build_parser\n"
+        "for argv in (['--version'], ['--help'], ['review', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        build_parser('').parse_args(argv)\n"
+    )
+    assert loaded_after(code) == set()
