@@ -217,7 +217,17 @@ class DiscordChannel:
                 self._logged_in = False
             if not self._logged_in:
                 # GET /users/@me and /oauth2/applications/@me: nothing is posted.
-                await self._client.login(self._token)
+                try:
+                    await self._client.login(self._token)
+                except aiohttp.ClientError:
+                    raise  # aiohttp's InvalidURL is a ValueError too: mapped by the caller
+                except (TypeError, KeyError, ValueError, AttributeError) as exc:
+                    # discord.py hands a body that is not JSON on as text, and building
+                    # the bot's user from it fails: a 2xx answer that is not Discord's.
+                    raise _NotConfigured(
+                        f"discord: login was answered with something that is not Discord's "
+                        f"API ({type(exc).__name__}); {_CHECK_API_URL}"
+                    ) from exc
                 self._logged_in = True
             return self._client
 
@@ -257,13 +267,17 @@ class DiscordChannel:
             async with asyncio.timeout(self._timeout_s):
                 return await work()
         except _NotConfigured as exc:
-            return Permanent(str(exc))
+            return _permanent(str(exc))
         except discord.LoginFailure as exc:
-            return Permanent(f"discord: bot token rejected: {exc}")
+            return _permanent(f"discord: bot token rejected: {exc}")
         except discord.RateLimited as exc:
             return Retry(f"discord: rate limited: {exc}", delay_s=exc.retry_after)
         except discord.HTTPException as exc:
             return _map_http_error(exc)
+        except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
+            # Raised before any connection: the URL itself cannot be used, and will not
+            # become usable by waiting (a port out of range, a scheme that is not HTTP).
+            return _permanent(f"discord: {described(exc)}")
         except TimeoutError:
             return _on_deadline(wire, self._timeout_s)
         except aiohttp.ClientConnectorError as exc:
@@ -415,17 +429,57 @@ def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
     return Retry(f"discord: not sent within {timeout_s:g}s{status}")
 
 
+_CHECK_API_URL = "check [discord] api_url"
+#: Discord's JSON error code for a channel that does not exist (or the bot cannot see).
+_UNKNOWN_CHANNEL = 10003
+#: How much of a body that is not Discord's the error quotes.
+_QUOTED_BODY_CHARS = 120
+
+
+def _permanent(error: str) -> Permanent:
+    # The relay stores the error on the delivery but logs no line for a delivery that
+    # failed for good; an operator reading the log must see why Discord posts fail.
+    log.warning("discord: not posted, and never will be: %s", error)
+    return Permanent(error)
+
+
+def _from_discord(exc: discord.HTTPException) -> bool:
+    """Whether the error answer is Discord's own: a JSON body (discord.py reads a body as
+    JSON only when its content type is exactly ``application/json``, as Discord sends
+    it; anything else arrives as text, with code 0)."""
+    headers = getattr(getattr(exc, "response", None), "headers", None) or {}
+    return bool(headers.get("Content-Type") == "application/json")
+
+
 def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
     what = f"discord: HTTP {exc.status} code {exc.code}: {exc.text}".rstrip(": ")
     if exc.status == 429:
         return Retry(what, delay_s=_retry_after(exc))
     if exc.status >= 500:
         # An answer from Discord (after discord.py's own retries, all with the same
-        # nonce): not created. Retrying later with the same nonce is safe.
+        # nonce): not created. Retrying later with the same nonce is safe. A body that is
+        # not JSON is no sign of a wrong URL here: Discord's edge answers its 5xx in HTML.
         return Retry(what)
-    # 400 (bad body, too long), 401 (token), 403 (missing access), 404 (unknown channel,
-    # expired interaction): the same request will never succeed.
-    return Permanent(what)
+    if not _from_discord(exc):
+        # Discord answers every 4xx with a JSON error; a 404 page from a web server that
+        # is not Discord's API (or a path without /api/v10) never will.
+        body = " ".join(exc.text.split())[:_QUOTED_BODY_CHARS]
+        return _permanent(
+            f"discord: HTTP {exc.status} without a Discord error ({body or 'empty body'}): "
+            f"the server is not Discord's API; {_CHECK_API_URL}"
+        )
+    if exc.status == 404 and exc.code == _UNKNOWN_CHANNEL:
+        return _permanent(
+            f"{what} (the channel was deleted, or the bot cannot see it; "
+            "check the binding's or notify target's channel id)"
+        )
+    if exc.status == 404 and exc.code == 0:
+        # Discord's answer for a route it does not have: a channel that does not exist
+        # is 10003 above, so this is the URL (e.g. an API version Discord dropped).
+        return _permanent(f"{what} (Discord has no such route; {_CHECK_API_URL})")
+    # 400 (bad body, too long), 401 (token), 403 (missing access), 404 (an expired
+    # interaction, 10015 Unknown Webhook): the same request will never succeed.
+    return _permanent(what)
 
 
 def _retry_after(exc: discord.HTTPException) -> float | None:

@@ -13,6 +13,8 @@ from typing import Any
 import aiohttp
 import discord.http
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import RawTestServer
 
 from bots.discord import DiscordChannel, configure_endpoints, nonce_for
 from bots.discord_out import described
@@ -151,6 +153,70 @@ async def test_permanent_errors(
     assert isinstance(outcome, Permanent), outcome
 
 
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("not_found", "the channel was deleted, or the bot cannot see it"),
+        ("no_route", "Discord has no such route; check [discord] api_url"),
+        ("not_discord", "the server is not Discord's API; check [discord] api_url"),
+    ],
+)
+async def test_a_404_says_whether_the_channel_or_the_api_url_is_wrong(
+    standin: DiscordApiStandin,
+    channel: DiscordChannel,
+    mode: str,
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Discord's 10003 Unknown Channel is the channel gone; its code-0 404 is a route it
+    does not have, and a 404 without Discord's JSON error is a server that is not Discord:
+    all three fail for good, each saying which, in the error and the log."""
+    standin.set_channel_mode(CHANNEL, mode)
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Permanent), outcome
+    assert reason in outcome.error
+    assert reason in caplog.text
+    assert standin.posts == []
+
+
+@pytest.mark.parametrize("path", ["", "/api/v10/nothing-here"])
+async def test_an_api_url_where_every_route_is_404_fails_for_good(
+    standin: DiscordApiStandin, path: str
+) -> None:
+    """A URL that is not Discord's API (the stand-in's root, a wrong path: aiohttp's text
+    404 for every route, login included) fails the delivery, by the bot and by an
+    interaction's webhook, instead of being retried as if Discord were down."""
+    ch = make_channel(f"{standin.base_url}{path}")
+    try:
+        by_bot = await ch.send(gated())
+        by_webhook = await ch.send(interaction_reply())
+    finally:
+        await ch.close()
+    for outcome in (by_bot, by_webhook):
+        assert isinstance(outcome, Permanent), outcome
+        assert "HTTP 404 without a Discord error" in outcome.error
+        assert "check [discord] api_url" in outcome.error
+    assert standin.posts == []
+
+
+async def test_a_login_answered_200_by_something_else_fails_for_good() -> None:
+    """A web server answering every path 200 with a page is not Discord's API either:
+    the login (GETs only, nothing posted) cannot read the bot's user from it. Before,
+    that was an unexpected error, ``deliveryUnknown`` for a post that never left."""
+
+    async def page(request: web.BaseRequest) -> web.Response:
+        return web.Response(text="<html>welcome</html>", content_type="text/html")
+
+    async with RawTestServer(page, host="127.0.0.1") as server:
+        ch = make_channel(str(server.make_url("/api/v10")))
+        try:
+            outcome = await ch.send(gated())
+        finally:
+            await ch.close()
+    assert isinstance(outcome, Permanent), outcome
+    assert "not Discord's API" in outcome.error and "[discord] api_url" in outcome.error
+
+
 async def test_rejected_token_is_permanent(standin: DiscordApiStandin) -> None:
     ch = make_channel(standin.api_url, token="wrong")
     try:
@@ -219,7 +285,8 @@ async def test_a_misconfigured_api_url_never_quotes_the_interaction_token(
         deleted = await ch.delete_original(APP, token)
     finally:
         await ch.close()
-    assert isinstance(outcome, Retry) and deleted is False
+    # The URL will not become usable by waiting: failed for good, naming the setting.
+    assert isinstance(outcome, Permanent) and deleted is False
     assert "[discord] api_url" in outcome.error
     assert token not in outcome.error and token not in caplog.text
     assert "could not delete the deferred response" in caplog.text

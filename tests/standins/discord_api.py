@@ -46,6 +46,9 @@ the channel id for channel messages and the interaction token for webhooks.
 ``forbidden``           403 ``{"code": 50001, "message": "Missing Access"}``
 ``not_found``           404 ``{"code": 10003, "message": "Unknown Channel"}``
 ``unauthorized``        401 ``{"code": 0, "message": "401: Unauthorized"}``
+``no_route``            404 ``{"code": 0, "message": "404: Not Found"}``: Discord's answer
+                        for a route it does not have
+``not_discord``         404 with an HTML page: a web server that is not Discord's API
 ``hang``                read the request, never answer (until the stand-in stops)
 ``reset``               read the request, then reset the TCP connection (RST)
 ======================  ==================================================================
@@ -274,6 +277,12 @@ class DiscordApiStandin(StandinBase):
             return _json({"message": "Unknown Channel", "code": 10003}, status=404)
         if mode == "unauthorized":
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        if mode == "no_route":
+            return _json({"message": "404: Not Found", "code": 0}, status=404)
+        if mode == "not_discord":
+            return web.Response(
+                status=404, text="<html><h1>Not Found</h1></html>", content_type="text/html"
+            )
         raise ValueError(f"unknown stand-in mode {mode!r}")
 
     _respond = staticmethod(_json)
