@@ -30,11 +30,12 @@ import contextlib
 import contextvars
 import logging
 import re
+import urllib.request
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -225,6 +226,24 @@ def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost 
     )
 
 
+def env_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url``, chosen as aiohttp's ``trust_env``
+    chooses it: the variable for the URL's scheme (``HTTPS_PROXY`` for ``https``,
+    ``HTTP_PROXY`` for ``http``), none for a host that ``NO_PROXY`` lists.
+
+    slack_sdk reads the proxy from the environment itself, but takes ``HTTPS_PROXY`` (else
+    ``HTTP_PROXY``) for every URL and ignores ``NO_PROXY``: with a proxy set for another
+    client (Teams' login), every Slack call went through it, even to a host ``NO_PROXY``
+    lists. The client's ``proxy`` is set to this instead; it is read at each call.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname
+    # urllib's matching, as aiohttp's (suffixes, "*", the port dropped).
+    if not host or urllib.request.proxy_bypass(host):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
+
+
 class SlackChannel:
     """Outbound Slack: ``chat.postMessage`` into the bound thread.
 
@@ -253,6 +272,7 @@ class SlackChannel:
             timeout=int(max(1, timeout_s)),
             retry_handlers=[],
         )
+        self.client.proxy = env_proxy(self.client.base_url)
         self._session: aiohttp.ClientSession | None = None
 
     def _ensure_session(self) -> None:
@@ -409,7 +429,7 @@ class SlackAdapter:
             authorize=authorize,
             # A tokenless client for Bolt itself: our listeners never call the Web API,
             # and anything Bolt might call goes to the configured base URL.
-            client=AsyncWebClient(base_url=settings.slack.api_url, retry_handlers=[]),
+            client=_web_client(settings.slack.api_url),
             # The listener only spawns the turn, so running it before the response keeps
             # the ack fast and means the turn is registered before Slack sees the 200.
             process_before_response=True,
@@ -605,6 +625,13 @@ def _check_shape(body: Mapping[str, Any]) -> None:
     view = body.get("view")
     if view is not None and not (isinstance(view, dict) and isinstance(view.get("type"), str)):
         raise bad("view")
+
+
+def _web_client(api_url: str) -> AsyncWebClient:
+    """A tokenless client for Bolt, with the proxy :func:`env_proxy` picks."""
+    client = AsyncWebClient(base_url=api_url, retry_handlers=[])
+    client.proxy = env_proxy(client.base_url)
+    return client
 
 
 def create(settings: Settings, core: Core) -> SlackAdapter | None:

@@ -12,9 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bots.slack import SlackChannel
+from bots.slack import SlackChannel, env_proxy
 from leadgate.core.config import SlackSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.standins.microsoft_login import MicrosoftLogin
 from tests.standins.slack_api import SlackApiStandin
 
 TOKEN = "xoxb-test-token"
@@ -194,3 +195,71 @@ async def test_subprocess_mode_and_records_endpoint() -> None:
     finally:
         proc.terminate()
         await proc.wait()
+
+
+@pytest.fixture
+async def proxy(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MicrosoftLogin]:
+    """The CONNECT proxy in front of Microsoft's login stand-in (it passes plain HTTP for
+    127.0.0.1 on, and refuses any other host), named by the environment as the service
+    gets it for Teams, with ``localhost`` in ``NO_PROXY``."""
+    login = MicrosoftLogin(app_id="app", app_password="pw", access_token="at")
+    server = await asyncio.start_server(login.tunnel, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    for name in ("https_proxy", "http_proxy", "no_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", url)
+    monkeypatch.setenv("HTTP_PROXY", url)
+    monkeypatch.setenv("NO_PROXY", "example.org,localhost")
+    try:
+        yield login
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_no_proxy_host_is_called_directly(
+    standin: SlackApiStandin, proxy: MicrosoftLogin
+) -> None:
+    """slack_sdk takes HTTPS_PROXY for every call and ignores NO_PROXY: a Slack API on a
+    host NO_PROXY lists went through the proxy (here refused: 403) all the same."""
+    ch = SlackChannel(settings(standin.api_url.replace("127.0.0.1", "localhost")))
+    try:
+        outcome = await ch.send(message())
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Sent), outcome
+    assert proxy.proxied == [] and len(standin.posts) == 1
+
+
+async def test_another_host_is_called_through_the_proxy(
+    standin: SlackApiStandin, proxy: MicrosoftLogin
+) -> None:
+    ch = SlackChannel(settings(standin.api_url))
+    try:
+        outcome = await ch.send(message())
+    finally:
+        await ch.close()
+    assert isinstance(outcome, Sent), outcome
+    assert proxy.proxied == [f"{standin.api_url}chat.postMessage"]
+    assert len(standin.posts) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "proxy"),
+    [
+        ("https://slack.com/api/", "http://https-proxy:3128"),
+        ("http://slack.test/api/", "http://http-proxy:3128"),  # the URL's scheme decides
+        ("https://api.example.org/", None),  # a suffix of a NO_PROXY entry
+        ("https://localhost:8443/api/", None),  # the port plays no part
+        ("https://notexample.org/", "http://https-proxy:3128"),  # not a subdomain
+    ],
+)
+def test_env_proxy_chooses_as_aiohttp_does(
+    monkeypatch: pytest.MonkeyPatch, url: str, proxy: str | None
+) -> None:
+    for name in ("https_proxy", "http_proxy", "no_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://https-proxy:3128")
+    monkeypatch.setenv("HTTP_PROXY", "http://http-proxy:3128")
+    monkeypatch.setenv("NO_PROXY", "example.org,localhost")
+    assert env_proxy(url) == proxy

@@ -14,8 +14,11 @@ msal takes only ``https`` authorities, so both are served over TLS (one certific
 for both names, signed by a CA made for the run and written to ``--ca-file``) behind an
 HTTP ``CONNECT`` proxy on ``--port``: the child gets ``HTTPS_PROXY`` (the proxy) and
 ``REQUESTS_CA_BUNDLE`` (the CA), which ``requests`` (msal's and the SDK's client)
-honours. Plain-HTTP requests for 127.0.0.1 that come to the proxy anyway (slack_sdk's:
-it ignores ``NO_PROXY``) are passed on; anything else is ``403``.
+honours. Plain-HTTP requests for 127.0.0.1 that come to the proxy anyway (a client
+given ``HTTP_PROXY``, or slack_sdk's before leadgate chose its proxy: it ignores
+``NO_PROXY``) are passed on; anything else is ``403``. In-process,
+``asyncio.start_server(login.tunnel, "127.0.0.1", 0)`` serves the proxy alone, and
+``login.proxied`` lists what it was asked to carry.
 
 As a subprocess::
 
@@ -139,6 +142,9 @@ class MicrosoftLogin:
         self.access_token = access_token
         #: token requests, oldest first: the client id given and whether it matched
         self.grants: list[dict[str, Any]] = []
+        #: every request the proxy was asked to carry, oldest first: its target
+        #: (``host:443`` for a ``CONNECT``, the absolute URL of a plain-HTTP one)
+        self.proxied: list[str] = []
         self.keys = BotFrameworkKeys()
         self._tls_port = 0
 
@@ -216,12 +222,12 @@ class MicrosoftLogin:
 
     async def tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One ``CONNECT host:443``: piped to the TLS server for the two login hosts. A
-        plain-HTTP request for 127.0.0.1 is passed on as it is (slack_sdk sends every
-        call through ``HTTPS_PROXY``, ignoring ``NO_PROXY``; aiohttp's server takes the
-        absolute URL)."""
+        plain-HTTP request for 127.0.0.1 is passed on as it is (aiohttp's server takes
+        the absolute URL)."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            self.proxied.append(target)
             local = urlsplit(target) if target.startswith("http://") else None
             if local is not None and local.hostname == "127.0.0.1" and local.port:
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", local.port)
