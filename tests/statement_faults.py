@@ -112,8 +112,9 @@ class _Counting:
         (for a test about one statement, whatever comes before it). ``then``: the first
         statement holding ``then`` after that one fails instead (``then="COMMIT"`` with
         ``after_commit``: the commit of the transaction that ran ``text``, in doubt).
-        ``and_on`` (PostgreSQL): after that, every statement holding it fails as well,
-        until :meth:`disarm` (the database still away when the service reads back)."""
+        ``and_on``: after that, every statement holding it fails as well, until
+        :meth:`disarm` (PostgreSQL: the database still away when the service reads back;
+        SQLite: the ``ROLLBACK`` after a failed ``COMMIT``, say)."""
         self.arm(None, whole_transaction=whole_transaction, after_commit=after_commit)
         self.fail_on = text
         self.then = then
@@ -176,8 +177,9 @@ class SqliteFaults(_Counting):
     def before(self, conn: sqlite3.Connection, sql: str) -> None:
         """Count ``sql``; raise the driver's I/O error when it is the one to fail."""
         assert not self.after_commit, "a SQLite COMMIT's answer cannot be lost"
-        assert self.and_on is None, "(PostgreSQL only)"
         if not self._fails(sql, lambda: conn.in_transaction and _writer(conn)):
+            if self.fired is not None and self.and_on is not None and self.and_on in sql:
+                raise io_error()
             return
         if self.whole_transaction and conn.in_transaction:
             sqlite3.Cursor(conn).execute("ROLLBACK")

@@ -357,9 +357,10 @@ class Database:
         """Call ``callback`` with ``topic``'s payloads when a transaction (or
         :meth:`write_alone`) that signalled them failed with a database fault: it may
         have committed (the connection dropped after the COMMIT reached the server) or
-        not. What was promised to happen after commit did not happen; the listener
-        makes good what may be in the database (fenced, so a rollback leaves nothing to
-        do)."""
+        not. PostgreSQL only: a SQLite COMMIT that fails did not commit (see
+        ``_InlineTx.__aexit__``). What was promised to happen after commit did not
+        happen; the listener makes good what may be in the database (fenced, so a
+        rollback leaves nothing to do)."""
         self._doubt_listeners.setdefault(topic, []).append(callback)
 
     def off_doubt_payloads(self, topic: str, callback: Callable[[list[Any]], None]) -> None:
@@ -400,20 +401,18 @@ class Database:
         that statement. ``signals`` (``(topic, payload)`` pairs) are signalled after its
         commit, as :func:`signal_after_commit` does inside a transaction, and so are
         those ``signals_from`` makes of each row the statement returned. When it fails
-        with a database fault, ``signals`` and ``in_doubt`` go to the
+        with a database fault on PostgreSQL, ``signals`` and ``in_doubt`` go to the
         :meth:`on_doubt_payloads` listeners (what ``signals_from`` would have made of
-        the rows is unknown then: ``in_doubt`` stands for it).
+        the rows is unknown then: ``in_doubt`` stands for it); on SQLite a failed write
+        never landed, and they are not called.
         """
         if self._pg is None:
-            try:
-                async with self.tx() as conn:
-                    result = await conn.execute(statement, parameters)
-                    for topic, payload in _signals(result, signals, signals_from):
-                        signal_after_commit(conn, topic, payload)
-            except Exception as exc:
-                # (the transaction hands what it signalled to the listeners itself)
-                self._in_doubt(exc, _by_topic(in_doubt))
-                raise
+            # SQLite: a transaction like any other, whose failure is never in doubt (see
+            # _InlineTx.__aexit__): nothing for the doubt listeners.
+            async with self.tx() as conn:
+                result = await conn.execute(statement, parameters)
+                for topic, payload in _signals(result, signals, signals_from):
+                    signal_after_commit(conn, topic, payload)
             return result
         try:
             result = await self._pg.execute_alone(statement, parameters)
@@ -681,11 +680,16 @@ class _InlineTx:
         try:
             if waiter is not None:
                 await waiter
-                self.db._after_commit(self.topics)
         except Exception as failure:
-            self.db._in_doubt(failure, self.topics)
+            # The group's COMMIT failed, or SQLite had ended its transaction under it:
+            # never in doubt, for any member. The COMMIT runs in this process (no answer
+            # to lose on the way back, unlike PostgreSQL's), SQLite reports an error
+            # only for a transaction it did not commit, and InlineSqlite._commit rolls
+            # the transaction back before telling the members (one transaction, one
+            # outcome for them all). So: the plain 503, and no doubt listener.
             _raise_fault(failure, self.db)
             raise
+        self.db._after_commit(self.topics)
 
 
 def _signals(

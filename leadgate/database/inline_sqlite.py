@@ -632,8 +632,11 @@ class InlineSqlite:
                 # "Group commit").
                 conn.commit()
         except BaseException as exc:
-            conn.rollback()
+            # SQLite answers COMMIT with an error only for a transaction it did not
+            # commit (no answer can be lost on the way: it runs in this process), so
+            # every member is told the plain failure, never one in doubt.
             error = exc
+            self._end_uncommitted(conn)
         else:
             if error is None:
                 self._committed(group.lock)
@@ -647,6 +650,23 @@ class InlineSqlite:
                 waiter.set_result(None)
             else:
                 waiter.set_exception(error)
+
+    def _end_uncommitted(self, conn: InlineConnection) -> None:
+        """End the transaction whose COMMIT failed without its writes. A ROLLBACK that
+        fails too (an I/O error) leaves the transaction open, holding the write lock
+        with the members' writes in it: a later COMMIT would land what the members were
+        told failed, and every BEGIN in between fails ("within a transaction"). The
+        connection is closed then (SQLite rolls back a transaction open at close) and
+        the next transaction opens a new one."""
+        try:
+            conn.rollback()
+        except Exception:
+            if self._conn is conn:
+                self._conn = None
+            try:
+                conn.close()
+            except Exception:
+                pass  # (then collected, which closes it too)
 
     def _committed(self, lock: asyncio.Lock) -> None:
         """Count a commit; every :data:`CHECKPOINT_EVERY`, checkpoint (see

@@ -1346,3 +1346,82 @@ async def test_postgres_connections_idle_past_the_bound_go_back_to_asyncpg(
         assert pool._pool is not None and pool._pool.get_idle_size() == 2  # asyncpg's now
     finally:
         await pool.close()
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize("whole_transaction", [False, True])
+async def test_a_group_commit_that_meets_a_database_fault_is_not_in_doubt(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, whole_transaction: bool
+) -> None:
+    """SQLite's COMMIT runs in this process: when it fails, the transaction did not
+    commit (see InlineSqlite._commit), for every member of the group alike. Each gets
+    the plain 503 (not in doubt), nothing is stored, no listener is told it may have
+    been (doubt) or was (commit), and the next transaction commits. ``whole_transaction``:
+    the I/O error rolled the transaction back by itself first, as SQLite may."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    faults = SqliteFaults(path, monkeypatch)
+    db = Database(migrated_url)
+    fired: list[list[Any]] = []
+    doubted: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+    db.on_doubt_payloads("grp", doubted.append)
+
+    async def member(binding_id: str) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+
+    try:
+        faults.arm_on("INSERT INTO bindings", then="COMMIT", whole_transaction=whole_transaction)
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                member("a"), member("b"), member("c"), return_exceptions=True
+            )
+        faults.disarm()
+        # One COMMIT failed, and all three were told: they shared it.
+        assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
+        assert all(isinstance(r, Unavailable) for r in results), results
+        assert [r.in_doubt for r in results if isinstance(r, Unavailable)] == [False] * 3
+        assert (fired, doubted) == ([], [])
+        assert raw_ids(path) == set()
+        async with asyncio.timeout(1), db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("after"))
+            signal_after_commit(conn, "grp", "after")
+        assert fired == [["after"]] and raw_ids(path) == {"after"}
+    finally:
+        await db.close()
+
+
+@SQLITE_ONLY
+async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ROLLBACK after a failed COMMIT fails as well (an I/O error): every member
+    still gets the plain 503 (before, none was ever answered, and the transaction stayed
+    open on the connection, so every later BEGIN failed), nothing is stored, and the
+    next transaction commits on a connection of its own."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    faults = SqliteFaults(path, monkeypatch)
+    db = Database(migrated_url)
+    doubted: list[list[Any]] = []
+    db.on_doubt_payloads("grp", doubted.append)
+
+    async def member(binding_id: str) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+
+    try:
+        faults.arm_on("INSERT INTO bindings", then="COMMIT", and_on="ROLLBACK")
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(member("a"), member("b"), return_exceptions=True)
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
+        assert "ROLLBACK" in faults.statements, faults.statements
+        assert all(isinstance(r, Unavailable) and not r.in_doubt for r in results), results
+        assert doubted == [] and raw_ids(path) == set()
+        async with asyncio.timeout(1), db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("after"))
+        assert raw_ids(path) == {"after"}
+    finally:
+        await db.close()
