@@ -34,6 +34,13 @@ committed and the turn goes on as if the commit had answered; if it does not, th
 stands (nothing was stored). When that read fails too, the message may have been taken
 in: :class:`~leadgate.core.errors.IntakeInDoubt`, which asks for no retry. Only the
 fault path reads back.
+
+The transaction of a busy message (it records the rejected inbound event) is settled
+the same way, by reading back that event (:meth:`Intake._settle_ended`): found, the
+answer is :class:`~leadgate.core.types.Busy` as if the commit had answered. A duplicate
+needs no read-back: what made it one (the event recorded before) was committed by
+another transaction, and this one wrote nothing its answer depends on (at most a new
+session row), so a duplicate in doubt is answered :class:`~leadgate.core.types.Duplicate`.
 """
 
 from __future__ import annotations
@@ -92,6 +99,10 @@ _LANDED = (
     )
     .select_from(t.messages.outerjoin(t.bindings, (_B.session_id == _M.session_id) & _B.active))
     .where(_M.id == sa.bindparam("p_id"))
+)
+#: A busy intake in doubt's read-back: whether its rejected inbound event exists.
+_EVENT_LANDED = sa.select(t.inbound_events.c.id).where(
+    t.inbound_events.c.id == sa.bindparam("p_id")
 )
 
 
@@ -307,6 +318,9 @@ class Intake:
                 return opened
         now = self.clock.now_ms()
         message_id: str | None = None
+        #: a busy or duplicate answer decided in the transaction (with the id of the
+        #: event that records it), settled if the commit is in doubt
+        ended: tuple[Busy | Duplicate, str] | None = None
         try:
             async with self.db.tx() as conn:
                 agent, lead = await self.config.agent_and_lead(
@@ -326,14 +340,16 @@ class Intake:
                     # (no second write of the event once the item exists).
                     new_item_id = event.values["work_item_id"] = self.ids.new("wi")
                 if trigger.external_event_id is not None and not await event.record_first(conn):
-                    return Duplicate()
+                    ended = Duplicate(), event.values["id"]
+                    return ended[0]
                 item: WorkItem | None = None
                 if lead is not None and not new_session:  # a new session has no item yet
                     item = await workitems.active_for(conn, agent.id, session_id, lock=True)
                     if item is not None and item.status != Status.inProgress:
                         # Busy: recorded for audit, not appended, no turn (SPEC 3 rule 3).
                         await event.finish(conn, outcome="rejectedBusy", work_item_id=item.id)
-                        return Busy(work_item_id=item.id)
+                        ended = Busy(work_item_id=item.id), event.values["id"]
+                        return ended[0]
                     if self.db.is_postgres:
                         # Read the binding again after the item lock: a concurrent intake of
                         # the session may have replaced it while we waited.
@@ -386,8 +402,10 @@ class Intake:
                 else:
                     history = await self.history.read(conn, session_id)
         except Unavailable as fault:
+            if ended is not None:  # (its COMMIT failed: the answer was decided)
+                return await self._settle_ended(*ended, fault)
             if message_id is None:
-                raise  # (busy, a duplicate, or before the message: nothing to settle)
+                raise  # (before the message: nothing to settle)
             await self._settle(message_id, fault, run_token)
         ctx = TurnContext(
             org_id=trigger.org_id,
@@ -573,6 +591,28 @@ class Intake:
             if run_token is not None:
                 self.doubted(run_token)
             raise
+
+    async def _settle_ended(
+        self, ended: Busy | Duplicate, event_id: str, fault: Unavailable
+    ) -> Busy | Duplicate:
+        """The transaction that decided ``ended`` (busy: it recorded the rejected event
+        ``event_id``; a duplicate) failed with ``fault`` at its COMMIT. In doubt, a
+        duplicate is one whether or not it landed (see the module docstring), and a
+        busy message is busy if its event is found on a fresh connection. Raises
+        ``fault`` when it is not in doubt or the event is not there (nothing was
+        stored); :class:`IntakeInDoubt` when the read fails too."""
+        if not fault.in_doubt:
+            raise fault
+        if isinstance(ended, Duplicate):
+            return ended
+        try:
+            async with self.db.read() as conn:
+                found = await conn.scalar(_EVENT_LANDED, {"p_id": event_id})
+        except Unavailable as again:
+            raise IntakeInDoubt(again.detail or fault.detail) from fault
+        if found is None:
+            raise fault
+        return ended
 
     async def _landed(
         self, message_id: str, fault: Unavailable, *, window: bool = False

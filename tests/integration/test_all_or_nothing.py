@@ -45,7 +45,7 @@ from aiohttp import ClientResponse
 from leadgate.app import App
 from leadgate.core.errors import Conflict, Unavailable
 from leadgate.core.runners import Runner, drain
-from leadgate.core.types import Gated
+from leadgate.core.types import BUSY_RULE, Gated
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
 from leadgate.review import destinations
@@ -656,6 +656,27 @@ async def test_a_gated_rest_turn_up_to_review_queued(
     await enumerate_faults(write, backend, monkeypatch)
 
 
+def busy(resp: Any) -> None:
+    """409 LEAD_REVIEW_PENDING, rule ``turn.busy``: the session's item waits for its
+    lead; the message is recorded (a ``rejectedBusy`` inbound event), not taken in."""
+    assert resp.status == 409, resp.status
+    assert json.loads(resp._body)["error"]["rule"] == BUSY_RULE
+
+
+@BOTH_LONG
+async def test_a_busy_rest_turn(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its one transaction records the rejected event: in doubt, it is read back (the
+    # retry with its key took the event for a duplicate: idempotency.lost).
+    write = WritePath(
+        prepare=queued_for_review,
+        operation=chat("and one more thing", "g1", "k-b", model="worker"),
+        succeeded=busy,
+        failed=unavailable,
+        answer=without_stored_answer,
+    )
+    await enumerate_faults(write, backend, monkeypatch)
+
+
 # ------------------------------------------------------------------ runners
 
 
@@ -1056,6 +1077,30 @@ async def test_a_slack_events_intake_turn_and_reply(
     await enumerate_faults(write, backend, monkeypatch)
     assert waits.asked, "no fault met the turn's last transaction"
     assert set(waits.asked) <= {0.5, 1.0, 2.0, 4.0, 5.0}, waits.asked
+
+
+@pytest.mark.postgres
+async def test_a_slack_redelivery_whose_commit_is_in_doubt_is_a_duplicate(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, slack_api: SlackApiStandin
+) -> None:
+    """PostgreSQL: Slack delivers a message taken in already, and the COMMIT of the
+    transaction that found it a duplicate lands with its answer lost. A duplicate is one
+    whether that commit landed or not (the event it met was committed before): Slack
+    gets its 200 and nothing is done twice. It was a 503, and Slack delivered it again."""
+    faults = PgFaults(monkeypatch)
+    async with served_app(migrated_pg, config=slack_config(slack_api), adapters=True) as (
+        app,
+        client,
+    ):
+        served = Served(app, client, faults, migrated_pg, None)
+        served.ctx = await routed_to_plain(served)
+        answered(await slack_event(retry=None)(served))
+        faults.arm_on("INSERT INTO inbound_events", then="COMMIT", after_commit=True)
+        again = await slack_event(retry=1)(served)
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("COMMIT")
+        answered(again)
+        assert len(slack_api.posts) == 1
 
 
 def review_channel_config(standin: SlackApiStandin) -> dict[str, Any]:

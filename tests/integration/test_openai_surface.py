@@ -28,7 +28,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError, TurnInterrupted, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.types import GATED_RULE, BindingKind, BindingSpec, Trigger
+from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS, fingerprint
@@ -781,6 +781,47 @@ async def test_an_intake_in_doubt_that_wrote_nothing_is_retried_once(
     answer, transcript, _ = await doubtful_intake(migrated_pg, monkeypatch, intake)
     assert answer.status_code == 200, answer.text
     assert transcript == [("user", "hello"), ("assistant", "Echo: hello")]
+
+
+@pytest.mark.parametrize("read_back", ["works", "fails"])
+async def test_a_busy_message_whose_commit_is_in_doubt_is_read_back(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, read_back: str
+) -> None:
+    """PostgreSQL: a message to a worker whose item waits for its lead is recorded
+    (a ``rejectedBusy`` inbound event) in a transaction whose COMMIT lands with its answer
+    lost. The intake reads the event back: found, the answer is the busy 409, once. It
+    was 503 "nothing was stored, please retry", and the official client's retry recorded
+    the message a second time. When the read-back fails too: 503 ``intake.in_doubt``,
+    no retry asked for."""
+    async with served_with_faults(migrated_pg, monkeypatch) as (env, faults):
+        # (the client's default retries, unlike Env.official's)
+        official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
+        ask: dict[str, Any] = {"model": "worker", "extra_headers": {"X-Session-Id": "held"}}
+        first = await answer_of(
+            official, messages=[{"role": "user", "content": "ship #complete"}], **ask
+        )
+        assert first.status_code == 409 and first.json()["error"]["rule"] == GATED_RULE
+        faults.arm_on(
+            "INSERT INTO inbound_events",
+            then="COMMIT",
+            after_commit=True,
+            and_on="FROM inbound_events" if read_back == "fails" else None,
+        )
+        answer = await answer_of(official, messages=[{"role": "user", "content": "more"}], **ask)
+        faults.disarm()
+        await official.close()
+        assert faults.fired is not None and faults.fired.startswith("COMMIT")
+        async with env.service.db.read() as conn:
+            busy = await conn.scalar(
+                sa.select(sa.func.count()).where(t.inbound_events.c.outcome == "rejectedBusy")
+            )
+        assert busy == 1  # recorded once
+        error = answer.json()["error"]
+        if read_back == "works":
+            assert answer.status_code == 409 and error["rule"] == BUSY_RULE, answer.text
+        else:
+            assert answer.status_code == 503 and error["rule"] == "intake.in_doubt", answer.text
+            assert answer.headers["x-should-retry"] == "false"
 
 
 async def streamed(official: AsyncOpenAI, **request: Any) -> httpx2.Response:
