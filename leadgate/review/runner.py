@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -111,18 +111,16 @@ _CLAIMED, _CLAIM_AUDIT = workitems.moved_with_audit(
 #: at too, and a claim running beside it would skip that one and take the queue for
 #: empty while it still held an item.
 _B = t.bindings.c
-_CLAIM_ALONE = sa.select(
-    _CLAIMED,
-    sa.exists()
-    .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
-    .label("more"),
-    # The session's active binding (and its kind) when an approval would post there or
-    # reveal the answer: the approval can then be one statement too
-    # (review.decisions.approve_alone).
-    *(
+
+
+def _gating(session_id: sa.ColumnElement[str]) -> list[sa.Label[Any]]:
+    """The session's active binding (and its kind) when an approval would post there or
+    reveal the answer: the approval can then be one statement too
+    (review.decisions.approve_alone)."""
+    return [
         sa.select(column)
         .where(
-            _B.session_id == _CLAIMED.c.session_id,
+            _B.session_id == session_id,
             _B.active,
             sa.not_(_B.silent),
             _B.kind.in_(sorted(POST_KINDS | REVEAL_KINDS)),
@@ -131,8 +129,21 @@ _CLAIM_ALONE = sa.select(
         .scalar_subquery()
         .label(label)
         for column, label in ((_B.id, "gating_binding"), (_B.kind, "gating_kind"))
-    ),
+    ]
+
+
+_CLAIM_ALONE = sa.select(
+    _CLAIMED,
+    sa.exists()
+    .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
+    .label("more"),
+    *_gating(_CLAIMED.c.session_id),
 ).add_cte(_CLAIM_AUDIT)
+#: A claim in doubt's read-back: the item its lease token holds, still ``reviewing``
+#: (the rows :data:`_CLAIM_ALONE` returns but ``more``).
+_CLAIM_LANDED = sa.select(t.work_items, *_gating(W.session_id)).where(
+    W.lease_token == sa.bindparam("p_token"), W.status == _CLAIM_DST.value
+)
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
 _BY_LEASE = sa.select(W.id).where(
@@ -211,7 +222,8 @@ class LeadRunner:
         self.owner = owner
         #: (item id, lease token, why: audited) of claimed items to give back to the queue
         self._held: list[tuple[str, str | None, str]] = []
-        #: lease tokens of claims whose commit may or may not have landed
+        #: lease tokens of claims whose commit may or may not have landed (in doubt, and
+        #: the read-back failed too): whatever holds one is given back on the next pass
         self._uncertain: list[str] = []
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
         #: their lease) once the database is back, not asked of the lead a second time
@@ -366,13 +378,14 @@ class LeadRunner:
                         item, token, await self.config.agent(conn, item.org_id, item.lead_agent_id)
                     )
                 return item
-        except Exception:
-            # The connection may have dropped after the COMMIT reached the server: the
-            # claim may stand. Give back whatever holds this token once the database is
-            # back, rather than leave it reviewing for the whole lease. Nor is the queue
-            # known to be empty any more: the next pass claims.
-            self._uncertain.append(token)
+        except Exception as exc:
+            # Nor is the queue known to be empty any more: the next pass claims.
             self._empty_at = -1
+            if isinstance(exc, Unavailable) and exc.in_doubt:
+                return await self._claim_landed(token, exc)
+            # (SQLite: a failed claim rolled back; the read-back of the token on the
+            # next pass finds nothing.)
+            self._uncertain.append(token)
             raise
         finally:
             self._claiming -= 1
@@ -400,6 +413,11 @@ class LeadRunner:
         self._queue_seen(row is not None and bool(row.more), pokes, now)
         if row is None:
             return None
+        return self._claimed(row, token)
+
+    def _claimed(self, row: sa.Row[Any], token: str) -> WorkItem:
+        """The item of a claim's row (:data:`_CLAIM_ALONE`, :data:`_CLAIM_LANDED`), its
+        gating binding and its lead (when kept) noted for its review."""
         item = WorkItem.from_row(row[: len(WorkItem._fields)])
         METRICS.transitions.labels(_CLAIM_SRC.value, _CLAIM_DST.value).inc()
         if row.gating_binding is not None:
@@ -410,6 +428,24 @@ class LeadRunner:
         if lead is not None:
             self._keep_lead(item, token, lead)
         return item
+
+    async def _claim_landed(self, token: str, fault: Unavailable) -> WorkItem:
+        """A claim under ``token`` failed with ``fault`` in doubt (PostgreSQL: the
+        connection dropped with its statement or its COMMIT sent): read back, on a fresh
+        connection, whether it landed. Found (the item holds this very token, so no
+        other claim won it), the review carries on with it as if the claim had
+        answered; not found, nothing was claimed and ``fault`` is raised (the next pass
+        claims afresh). When the read fails too, ``fault`` is raised and the token is
+        kept: the next pass gives back whatever holds it (:meth:`_release_held`)."""
+        try:
+            async with self.db.read() as conn:
+                row = (await conn.execute(_CLAIM_LANDED, {"p_token": token})).first()
+        except Unavailable:
+            self._uncertain.append(token)
+            raise fault from None
+        if row is None:
+            raise fault
+        return self._claimed(row, token)
 
     def _queue_seen(self, more: bool, pokes: int, now: int) -> None:
         """What a claim that started at ``pokes`` learned of the queue: more waiting (the

@@ -53,6 +53,7 @@ from leadgate.runners.recovery import TurnRecovery
 from tests.helpers import (
     Anonymizer,
     Org,
+    item_audit,
     item_row,
     make_agent,
     make_org,
@@ -730,12 +731,49 @@ async def test_the_review_runners_claim_and_verdict(
         operation=passes(lambda app: app.lead_runner),
         succeeded=worked,
         failed=met_the_fault,
-        # A review claim in doubt is given back on the next pass as documented (README,
-        # Reliability), with a ``leaseReleased`` and a second ``claim`` audit row: not
-        # the clean run's end, which the enumeration asks for. Not run in doubt yet.
-        doubt=False,
     )
     await enumerate_faults(write, backend, monkeypatch)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("read_back", ["works", "fails"])
+async def test_a_review_claim_in_doubt_is_read_back(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, read_back: str
+) -> None:
+    """PostgreSQL (the default suite's form of the enumeration's claim in doubt): the
+    claim lands with its answer lost. The runner reads back whether its lease token
+    holds the item: it does, and the review carries on in the same pass, one ``claim``
+    row (it was given back on the next pass, a ``leaseReleased`` and a second claim).
+    When the read-back fails too, the pass fails and the next one gives it back."""
+    faults = PgFaults(monkeypatch)
+    async with served_app(migrated_pg) as (app, client):
+        served = Served(app, client, faults, migrated_pg, None)
+        served.ctx = await queued_for_review(served)
+        item = await session_item(app, "h:g1")
+        faults.arm_on(
+            "WITH head AS",
+            after_commit=True,
+            and_on="work_items.lease_token = " if read_back == "fails" else None,
+        )
+        outcome = await passes(lambda app: app.lead_runner)(served)
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("WITH head AS")
+        if read_back == "works":
+            worked(outcome)
+        else:
+            met_the_fault(outcome)
+            worked(await passes(lambda app: app.lead_runner)(served))
+        audited = await item_audit(app, item)
+        actions = [a["action"] for a in audited]
+        assert actions.count("approve") == 1, actions
+        if read_back == "works":
+            assert actions.count("claim") == 1 and "leaseReleased" not in actions, actions
+        else:
+            assert actions.count("claim") == 2, actions
+            released = [a["text"] for a in audited if a["action"] == "leaseReleased"]
+            assert released == [
+                "the claim met a database fault at its commit (it landed); the review runs again"
+            ]
 
 
 # ------------------------------------------------------------------ the operator API
@@ -1139,6 +1177,5 @@ async def test_the_review_runners_escalation_and_its_review_card(
         failed=met_the_fault,
         config=review_channel_config(slack_api),
         adapters=True,
-        doubt=False,  # (its claim, as in the claim and verdict's)
     )
     await enumerate_faults(write, backend, monkeypatch)
