@@ -31,7 +31,7 @@ from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent, Uncertain
-from outbox.store import ENDED, DeliveryStatus, ReviewNeeded
+from outbox.store import CARD, CARD_CLOSED_AT, ENDED, DeliveryStatus, ReviewNeeded
 
 log = logging.getLogger("leadgate.relay")
 #: The outcomes committed one by one (:meth:`OutcomeCommitter._commit_one`).
@@ -74,6 +74,11 @@ _MARK_SENT_ANY = (
 _MARK_SENT = _MARK_SENT_ANY.where(D.lease_token == sa.bindparam("p_token"))
 #: (claims always carry a token; a row without one is fenced on that, as SQL's = cannot)
 _MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
+#: Whether a card's wait was closed, its episode row locked (PostgreSQL) until the
+#: outcome commits: a decision closes the episode with an update of that row, and then
+#: reads the wait's cards, so either it reads the card's outcome committed, or this
+#: reads the episode closed (see :meth:`OutcomeCommitter._ended_card`).
+_CARD_CLOSED_AT_LOCKED = CARD_CLOSED_AT.with_for_update(of=t.review_episodes)
 
 
 # A group of successful posts on PostgreSQL, as one statement (see
@@ -339,6 +344,12 @@ class OutcomeCommitter:
 
     async def _commit_one(self, conn: Conn, row: Delivery, outcome: NotSent, now: int) -> None:
         values, item_dst, label = self._values_for(row, outcome, now)
+        if not isinstance(outcome, Permanent) and await self._ended_card(conn, row):
+            # An email card mail in flight when its item was decided: the decision left
+            # it to its send. Not sent for sure, it is not sent any more; maybe sent, it
+            # cannot be edited nor retried. Either way it ends, and its Reply-To (the
+            # plain reply token) with it, as the decision ends such a card itself.
+            values.update(status=DeliveryStatus.cancelled.value, error=outcome.error, **ENDED)
         res = await conn.execute(
             t.deliveries.update()
             .where(
@@ -387,6 +398,17 @@ class OutcomeCommitter:
             log.warning(
                 "work item %s was not approved when its delivery finished", row.work_item_id
             )
+
+    async def _ended_card(self, conn: Conn, row: Delivery) -> bool:
+        """Whether ``row`` is an email card mail whose wait a decision closed (the
+        decision ends email cards not sent or maybe sent, but one being sent is left to
+        its send: :func:`leadgate.review.cards.close_for_item`)."""
+        if row.kind != CARD or row.channel != "email" or row.work_item_id is None:
+            return False
+        closed_at = await conn.scalar(
+            _CARD_CLOSED_AT_LOCKED, {"p_item": row.work_item_id, "p_card": row.id}
+        )
+        return closed_at is not None
 
 
 def _gating_item(row: Delivery) -> str | None:

@@ -63,6 +63,25 @@ LISTEN_CHECK_TIMEOUT_S = 5.0
 CARD = "card"
 CARD_UPDATE = "cardUpdate"
 CARD_KINDS = frozenset({CARD, CARD_UPDATE})
+_CARD_ITEM: sa.BindParameter[str] = sa.bindparam("p_item")
+#: When a card's wait (review episode) was closed (``None``: still open), by card
+#: delivery ``p_card`` of item ``p_item``: through the item's episodes (indexed by item)
+#: and their cards (indexed by episode), as ``review_cards.delivery_id`` has no index of
+#: its own (by delivery id alone, each lookup scanned every card ever posted).
+CARD_CLOSED_AT = (
+    sa.select(t.review_episodes.c.closed_at)
+    .select_from(
+        t.review_episodes.join(
+            t.review_cards, t.review_cards.c.episode_id == t.review_episodes.c.id
+        )
+    )
+    .where(
+        t.review_episodes.c.work_item_id == _CARD_ITEM,
+        t.review_cards.c.work_item_id == _CARD_ITEM,
+        t.review_cards.c.delivery_id == sa.bindparam("p_card"),
+    )
+)
+
 #: The delivery kind of the mail that answers a reviewer's email reply to a card (what
 #: became of it). Its row holds its whole address (the reviewer, the subject, the reply
 #: it answers): there is no binding.

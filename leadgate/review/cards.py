@@ -47,7 +47,7 @@ from leadgate.review.replies import (
     token_hash,
 )
 from outbox.channel import Card, CardOutcome
-from outbox.store import CARD, CARD_UPDATE, ENDED, DeliveryStatus, Outbox
+from outbox.store import CARD, CARD_CLOSED_AT, CARD_UPDATE, ENDED, DeliveryStatus, Outbox
 
 log = logging.getLogger("leadgate.review.cards")
 
@@ -331,7 +331,9 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
                 # it would offer a decision already made. It ends here, and its Reply-To
                 # (the plain token) with it.
                 await _cancel_card(conn, c.id, status, now)
-            continue  # a sent mail cannot be edited
+            # A sent mail cannot be edited. One being sent is left to its send, which
+            # ends its row and its Reply-To whatever the outcome (outbox.outcomes).
+            continue
         if status not in (DeliveryStatus.sent.value, DeliveryStatus.sending.value):
             # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit; a click
             # that proves an uncertain card posted queues its edit then (settled_card).
@@ -384,7 +386,7 @@ async def settled_card(conn: Conn, outbox: Outbox, card: Delivery) -> int:
         or card.work_item_id is None
     ):
         return 0
-    closed_at = await conn.scalar(_CARD_CLOSED_AT, {"p_item": card.work_item_id, "p_card": card.id})
+    closed_at = await conn.scalar(CARD_CLOSED_AT, {"p_item": card.work_item_id, "p_card": card.id})
     if closed_at is None:
         return 0  # still waiting: the decision, when it comes, edits it
     outcome = await last_outcome(conn, card.work_item_id, until_ms=int(closed_at))
@@ -550,19 +552,6 @@ _CARD_EPISODE = (
         RC.delivery_id == sa.bindparam("p_card"),
     )
     .limit(1)
-)
-
-
-#: When a card's wait was closed, by the same indexed path (by delivery id alone, each
-#: settling click scanned every card ever posted).
-_CARD_CLOSED_AT = (
-    sa.select(E.closed_at)
-    .select_from(t.review_episodes.join(t.review_cards, RC.episode_id == E.id))
-    .where(
-        E.work_item_id == _ITEM,
-        RC.work_item_id == _ITEM,
-        RC.delivery_id == sa.bindparam("p_card"),
-    )
 )
 
 

@@ -718,6 +718,48 @@ async def test_an_uncertain_card_mail_ends_with_its_token_when_the_item_expires(
     assert not await rows_holding(env, PLAIN_TOKEN)
 
 
+@pytest.mark.parametrize("send", ["drop", "tempfail", "reject", "ok"])
+async def test_a_card_mail_being_sent_when_the_item_is_decided_ends_with_its_token(
+    env: Env, send: str
+) -> None:
+    """The relay is sending the card mail (the mail server has read it and not answered
+    yet) when the item is approved through the API: the decision leaves that row to its
+    send, and however the send ends (maybe sent, refused for now, refused for good,
+    sent) the row ends with its Reply-To. Neither maybe sent nor refused for now, it
+    is not left for an operator to settle, nor sent again; a reply to the mail is told
+    the item is decided and decides nothing."""
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+
+    async def decide_meanwhile(record: dict[str, Any]) -> None:
+        if record["reply_to"]:  # the card mail (an answer has none)
+            env.sink.on_data = None
+            await env.app.reviews.decide(org.principal, item_id, "approve", surface="api")
+
+    env.sink.on_data = decide_meanwhile
+    if send != "ok":
+        env.sink.fail_next(send)
+    await drain(env.app.relay)
+    assert env.sink.on_data is None  # the decision was made while the mail was in flight
+    assert (await item_row(env.app, item_id))["status"] == "completed"
+    expected = {"drop": "cancelled", "tempfail": "cancelled", "reject": "failed", "ok": "sent"}
+    assert (await email_card_row(env, item_id)).status == expected[send]
+    assert not await rows_holding(env, PLAIN_TOKEN)
+    assert (await env.app.reviews.uncertain(org.principal))["deliveries"] == []
+    clock = env.app.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(3_600_000)  # a refused-for-now send would be due again by now
+    await drain(env.app.relay)
+    [attempt] = [a for a in env.sink.attempts if a["reply_to"]]
+
+    assert await reply(env, reply_address(attempt), "reject\nnot this") == 250
+    [told] = await answer_to(env, ANN)
+    assert told["body"].startswith("Already approved by API key"), told["body"]
+    assert (await item_row(env.app, item_id))["status"] == "completed"
+    actions = [a["action"] for a in await item_audit(env.app, item_id)]
+    assert (actions.count("approve"), actions.count("reject")) == (1, 0)
+
+
 async def test_without_the_setting_cards_have_no_reply_to_and_plus_addresses_are_refused(
     env_off: Env,
 ) -> None:

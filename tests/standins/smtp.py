@@ -11,6 +11,7 @@ In-process use::
     ...
     sink.messages                    # accepted messages, oldest first (see _describe)
     sink.attempts                    # every transaction that reached RCPT or DATA
+    sink.on_data = hook              # awaited with each message before it is answered
     await sink.close()
 
 As a subprocess (acceptance tests)::
@@ -53,6 +54,7 @@ import signal
 import sys
 import weakref
 from collections import deque
+from collections.abc import Awaitable, Callable
 from email.message import EmailMessage
 from typing import Any
 
@@ -117,6 +119,10 @@ class SmtpSink:
         self._server: asyncio.base_events.Server | None = None
         self._connections: weakref.WeakSet[SMTP] = weakref.WeakSet()
         self._closing = asyncio.Event()
+        #: awaited with each transaction's record after its message was read and before
+        #: it is answered (in process): what the test does there happens while the
+        #: sender waits for the answer, its send in flight
+        self.on_data: Callable[[dict[str, Any]], Awaitable[None]] | None = None
 
     def fail_next(self, mode: str, *, count: int = 1) -> None:
         """Make the next ``count`` transactions fail with ``mode``."""
@@ -231,6 +237,8 @@ class SmtpSink:
         raw = envelope.original_content or b""
         record = _describe(envelope, raw, mode)
         self.attempts.append(record)
+        if self.on_data is not None:
+            await self.on_data(record)
         if mode == "ok":
             self.messages.append(record)
             return "250 2.0.0 OK: queued"
