@@ -203,7 +203,8 @@ inbound_events = sa.Table(
     sa.Column("agent_id", ID, nullable=False),
     sa.Column("session_id", ID),
     sa.Column("work_item_id", ID),
-    sa.Column("outcome", sa.String(30), nullable=False),  # accepted | rejectedBusy
+    # accepted | rejectedBusy | reviewReply (a reviewer's mail to an email review card)
+    sa.Column("outcome", sa.String(30), nullable=False),
     sa.Column("content", sa.Text, nullable=False),
     sa.Column("external_event_id", sa.String(EVENT_ID_LIMIT), unique=True),
     sa.Column("created_at", MS, nullable=False),

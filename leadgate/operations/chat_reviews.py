@@ -82,7 +82,8 @@ class ChatAnswer:
     ``kind``: ``open`` (may decide: e.g. open the modal), ``decided`` (this click
     decided), ``closed`` (already decided: ``text`` says by whom), ``forbidden``,
     ``invalid`` (the text broke a rule: ``text`` says which), ``stale`` (an older
-    card), ``unavailable`` (a database fault: nothing may have been recorded).
+    card), ``unavailable`` (a database fault: nothing may have been recorded),
+    ``repeated`` (email: the same mail was taken before, and answered then).
     ``card`` is the clicked card as it looks now (decided cards: the outcome).
     """
 
@@ -94,6 +95,34 @@ class ChatAnswer:
     def decided(self) -> bool:
         """Whether this click made the decision."""
         return self.kind == "decided"
+
+
+@dataclass(frozen=True)
+class _ReplyMail:
+    """A reviewer's mail to an email card, as an inbound event (de-duplicated by its
+    ``Message-ID``; one without, which the listener never hands over, is not)."""
+
+    chat: ChatReviews
+    card: ReplyCard
+    message_id: str | None
+    content: str
+
+    async def seen(self) -> bool:
+        """Whether this mail to this card was taken before."""
+        if self.message_id is None:
+            return False
+        async with self.chat.db.read() as conn:
+            return await cards.reply_seen(conn, cards.reply_event_id(self.card, self.message_id))
+
+    async def taken(self, conn: Conn) -> bool:
+        """Record it as taken in ``conn``'s transaction; False when it was already."""
+        if self.message_id is None:
+            return True
+        event_id = cards.reply_event_id(self.card, self.message_id)
+        chat = self.chat
+        return await cards.reply_taken(
+            conn, chat.clock, chat.reviews.ids, self.card, event_id, self.content
+        )
 
 
 class ChatReviews:
@@ -264,7 +293,12 @@ class ChatReviews:
         The answer mail to ``answer_to`` is an outbox row (:data:`outbox.store.ANSWER`),
         sent by the relay with its retries: written in the decision's transaction when
         the reply decided, in one of its own otherwise; so when this returns, whatever
-        it says is committed (``unavailable``: nothing was, the listener answers 451)."""
+        it says is committed (``unavailable``: nothing was, the listener answers 451).
+
+        The mail (its ``Message-ID``, ``answer_to.in_reply_to``) is recorded as taken
+        with its answer (:func:`leadgate.review.cards.reply_taken`): the sending
+        server's retry of the same mail, sent again because another recipient of it met
+        a 451, is answered ``repeated``: it neither decides nor is answered again."""
         try:
             card = await self.reply_card(token)
         except (Unavailable, DatabaseDamaged) as exc:
@@ -273,8 +307,20 @@ class ChatReviews:
             # Only between RCPT and DATA: no organization to answer under.
             log.info("email: a reply's card went away before its DATA; not answered")
             return ChatAnswer("closed", GONE)
+        mail = _ReplyMail(self, card, answer_to.in_reply_to, f"{action} {text}".strip())
+        try:
+            if await mail.seen():
+                # Checked before deciding too: what its first try found (its sender not
+                # a reviewer yet, say) is what the mail said, once.
+                log.info("email: a reply to a card was taken before (same Message-ID)")
+                return ChatAnswer("repeated", "")
+        except (Unavailable, DatabaseDamaged) as exc:
+            return _not_recorded("email", exc)
 
         async def answered(conn: Conn) -> None:
+            # (Were a concurrent try of the same mail recorded first, it decided nothing:
+            # this one did, and its answer is due all the same.)
+            await mail.taken(conn)
             outcome = await cards.last_outcome(conn, card.item_id)
             line = cards.outcome_line(outcome) if outcome else "Done."
             await self._queue_answer(conn, card, answer_to, replies.decided_text(line))
@@ -284,6 +330,8 @@ class ChatReviews:
             return answer  # the answer was written with the decision / nothing was
         try:
             async with self.db.tx() as conn:
+                if not await mail.taken(conn):
+                    return ChatAnswer("repeated", "")  # a concurrent try answered it
                 await self._queue_answer(conn, card, answer_to, answer.text)
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded("email", exc)

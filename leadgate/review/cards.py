@@ -32,8 +32,10 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
+from leadgate.core.limits import EVENT_ID_LIMIT, bounded
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
+from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import wakes
 from leadgate.domain.rows import Delivery
 from leadgate.review.destinations import Destination, destinations_for, effective_sla
@@ -579,7 +581,15 @@ async def reply_card(conn: Conn, token: str) -> ReplyCard | None:
     read), with its wait's reason; ``None``: no card has it."""
     row = (
         await conn.execute(
-            sa.select(RC.org_id, RC.work_item_id, RC.episode_id, E.reason, E.delivery_id)
+            sa.select(
+                RC.id,
+                RC.org_id,
+                RC.work_item_id,
+                RC.episode_id,
+                E.agent_id,
+                E.reason,
+                E.delivery_id,
+            )
             .select_from(t.review_cards.join(t.review_episodes, E.id == RC.episode_id))
             .where(RC.reply_token_hash == token_hash(token))
         )
@@ -592,4 +602,48 @@ async def reply_card(conn: Conn, token: str) -> ReplyCard | None:
         episode_id=str(row.episode_id),
         reason=str(row.reason),
         delivery_id=None if row.delivery_id is None else str(row.delivery_id),
+        card_id=str(row.id),
+        agent_id=str(row.agent_id),
     )
+
+
+#: The inbound event of a reviewer's mail to a card (see :func:`reply_taken`).
+REPLY_EVENT = "reviewReply"
+_EVENT_SEEN = sa.select(t.inbound_events.c.id).where(
+    t.inbound_events.c.external_event_id == sa.bindparam("p_event")
+)
+
+
+def reply_event_id(card: ReplyCard, message_id: str) -> str:
+    """The de-duplication key (``inbound_events.external_event_id``) of the mail
+    ``message_id`` to ``card``: one per card it names (a routed recipient's own key is
+    ``email:<address>:<Message-ID>``)."""
+    return bounded(f"email-review:{card.card_id}:{message_id}", EVENT_ID_LIMIT)
+
+
+async def reply_seen(conn: Conn, event_id: str) -> bool:
+    """Whether the mail of ``event_id`` (:func:`reply_event_id`) was taken before."""
+    return await conn.scalar(_EVENT_SEEN, {"p_event": event_id}) is not None
+
+
+async def reply_taken(
+    conn: Conn, clock: Clock, ids: IdFactory, card: ReplyCard, event_id: str, content: str
+) -> bool:
+    """Record, in ``conn``'s transaction (the one that writes the mail's answer), that
+    the mail of ``event_id`` to ``card`` was taken, as every inbound message is
+    (``inbound_events``, outcome :data:`REPLY_EVENT`): the sending server's retry of the
+    same mail (its routed part met a ``451``) is then known and answered no second time.
+    False, with nothing written, when it was recorded already (a concurrent try)."""
+    insert = insert_ignore_stmt(conn.dialect.name, t.inbound_events)
+    values = {
+        "id": ids.new("evt"),
+        "org_id": card.org_id,
+        "agent_id": card.agent_id,
+        "session_id": None,
+        "work_item_id": card.item_id,
+        "outcome": REPLY_EVENT,
+        "content": content,
+        "external_event_id": event_id,
+        "created_at": clock.now_ms(),
+    }
+    return bool((await conn.execute(insert, values)).rowcount)

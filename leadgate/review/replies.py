@@ -72,6 +72,9 @@ class ReplyCard(NamedTuple):
     reason: str
     #: the gating delivery of a deliveryUnknown card
     delivery_id: str | None
+    #: the card (``review_cards.id``) and the agent whose item it is
+    card_id: str
+    agent_id: str
 
 
 class AnswerTo(NamedTuple):
