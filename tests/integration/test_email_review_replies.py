@@ -7,6 +7,7 @@ everyone and everything else is refused and nothing changes."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from tests.fakes import DownFor
 from tests.helpers import (
     Org,
     api_trigger,
+    eventually,
     item_audit,
     item_row,
     make_agent,
@@ -831,6 +833,65 @@ async def test_a_card_mail_being_sent_when_the_item_is_decided_ends_with_its_tok
     assert (await item_row(env.app, item_id))["status"] == "completed"
     actions = [a["action"] for a in await item_audit(env.app, item_id)]
     assert (actions.count("approve"), actions.count("reject")) == (1, 0)
+
+
+@pytest.fixture
+async def env_pg(migrated_pg: str, sink: SmtpSink) -> AsyncIterator[Env]:
+    """:func:`env` on PostgreSQL alone."""
+    async for made in _env(migrated_pg, sink):
+        yield made
+
+
+async def test_a_card_mail_whose_uncertain_send_commits_with_a_decision_still_ends(
+    env_pg: Env,
+) -> None:
+    """PostgreSQL: the decision has closed the card's wait (not committed yet, the card
+    read as being sent) when the relay commits the card mail's uncertain send. The relay
+    waits for the decision's commit and then finds the wait closed: the row ends
+    ``cancelled``, its token dropped (reading the wait unlocked, the relay saw it open and
+    left the row ``deliveryUnknown``, token and all, and the decision never saw it)."""
+    env = env_pg
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    inside, release = asyncio.Event(), asyncio.Event()
+    decisions: list[asyncio.Task[Any]] = []
+
+    async def hold(conn: Any) -> None:
+        inside.set()
+        await release.wait()
+
+    async def decide_meanwhile(record: dict[str, Any]) -> None:
+        env.sink.on_data = None
+        decisions.append(
+            asyncio.create_task(
+                env.app.reviews.decide(org.principal, item_id, "approve", surface="api", then=hold)
+            )
+        )
+        await inside.wait()  # the wait is closed, the decision not committed
+
+    env.sink.on_data = decide_meanwhile
+    env.sink.fail_next("drop")
+    relay = asyncio.create_task(drain(env.app.relay))
+    await inside.wait()
+
+    async def relay_waits_or_committed() -> bool:
+        async with env.app.db.read() as conn:
+            waiting = await conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+        return bool(waiting) or (await email_card_row(env, item_id)).status != "sending"
+
+    # The relay's outcome commit waits for the decision's (a lock), or has committed.
+    assert await eventually(relay_waits_or_committed, within=10.0)
+    assert not decisions[0].done()
+    release.set()
+    await asyncio.gather(relay, *decisions)
+    assert (await item_row(env.app, item_id))["status"] == "completed"
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    assert not await rows_holding(env, PLAIN_TOKEN)
 
 
 async def test_without_the_setting_cards_have_no_reply_to_and_plus_addresses_are_refused(
