@@ -22,10 +22,11 @@ from leadgate.domain.rows import Delivery
 from leadgate.operations.chat_reviews import ChatAnswer
 from leadgate.review import decisions, queue
 from leadgate.review import destinations as dest
-from leadgate.review.cards import _CARD_CLOSED_AT, _CARD_EPISODE, card_episode, plain_text
+from leadgate.review.cards import _CARD_EPISODE, card_episode, plain_text
 from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
+from outbox.store import CARD_CLOSED_AT
 from tests.helpers import api_trigger, make_agent
 from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env, slack_trigger
 from tests.stack import Stack
@@ -586,7 +587,7 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
     metadata.create_all(engine)
     for bound in (
         _CARD_EPISODE.params(p_item="wi_1", p_org="org_1", p_card="dlv_1"),
-        _CARD_CLOSED_AT.params(p_item="wi_1", p_card="dlv_1"),
+        CARD_CLOSED_AT.params(p_item="wi_1", p_card="dlv_1"),
     ):
         sql = str(bound.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
         with engine.connect() as raw:
