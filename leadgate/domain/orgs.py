@@ -439,9 +439,14 @@ async def revoke_key(conn: Conn, clock: Clock, org_id: str, key_id: str) -> dict
     if row.revoked_at is not None:
         raise Conflict(f"API key {key_id} is already revoked", rule="key.revoked")
     now = clock.now_ms()
-    await conn.execute(
+    res = await conn.execute(
         t.api_keys.update().where(k.id == key_id, k.revoked_at.is_(None)).values(revoked_at=now)
     )
+    if not res.rowcount:
+        # A revoke of the same key committed between the read and this update
+        # (PostgreSQL's READ COMMITTED: the update waited for it, then matched nothing):
+        # this one answered success with a time that was never stored.
+        raise Conflict(f"API key {key_id} is already revoked", rule="key.revoked")
     return {"id": key_id, "revokedAt": iso(now), "active": False}
 
 

@@ -13,18 +13,18 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.app import App
-from leadgate.core.clock import FakeClock
+from leadgate.core.clock import FakeClock, iso
 from leadgate.core.config import Settings
-from leadgate.core.errors import TransitionError
+from leadgate.core.errors import Conflict, TransitionError
 from leadgate.core.types import Busy, Gated, Reply
 from leadgate.database import schema as t
-from leadgate.domain import workitems
+from leadgate.domain import orgs, workitems
 from leadgate.domain.workitems import ACTIVE, Status
 from leadgate.review.runner import LeadRunner
 from leadgate.turns.messages import visible_transcript
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, eventually, make_agent, make_org
 
 BURST = 20
 
@@ -344,3 +344,53 @@ async def test_two_replicas_bursting_into_the_same_sessions_lose_nothing(
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_concurrent_revokes_of_one_key_have_exactly_one_winner(service: App) -> None:
+    """A revoke reads the key, then updates it where it is not revoked yet. On PostgreSQL
+    (READ COMMITTED) a second revoke that read the key before the first committed waited
+    for the first's row lock, matched nothing, and answered success with a revocation
+    time that was never stored. (SQLite: the second transaction starts after the first
+    committed, and reads the key revoked.)"""
+    org = await make_org(service)
+    key_id = org.principal.key_id
+    assert key_id is not None
+    first_updated, release = asyncio.Event(), asyncio.Event()
+
+    async def first() -> dict[str, Any]:
+        async with service.db.tx() as conn:
+            out = await orgs.revoke_key(conn, service.clock, org.id, key_id)
+            first_updated.set()
+            await release.wait()  # (the row lock held, uncommitted)
+        return out
+
+    async def second() -> dict[str, Any]:
+        async with service.db.tx() as conn:
+            return await orgs.revoke_key(conn, service.clock, org.id, key_id)
+
+    winner = asyncio.create_task(first())
+    await first_updated.wait()
+    loser = asyncio.create_task(second())
+    if service.db.is_postgres:
+
+        async def second_waits() -> bool:
+            async with service.db.read() as conn:
+                waiting = await conn.scalar(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    )
+                )
+            return bool(waiting)
+
+        assert await eventually(second_waits, within=10.0)
+    release.set()
+    won = await winner
+    with pytest.raises(Conflict) as refused:
+        await loser
+    assert refused.value.rule == "key.revoked"
+    async with service.db.read() as conn:
+        stored = await conn.scalar(
+            sa.select(t.api_keys.c.revoked_at).where(t.api_keys.c.id == key_id)
+        )
+    assert won["revokedAt"] == iso(stored)
