@@ -18,7 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from leadgate.core.clock import DAY_MS, Clock, IdFactory
+from leadgate.core.clock import DAY_MS, Clock, IdFactory, iso
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind
@@ -221,10 +221,30 @@ async def _not_moved(
     found = (await conn.execute(query)).first()
     status = found.status if found is not None else None
     if status is not None and status != src.value:
-        return f"work item {item_id} is {status}, not {src}; nothing changed"
+        return f"work item {item_id} is {status}, not {src}{await _left(conn, item_id, src)}"
     if lease_token is not None:
         return f"work item {item_id} is not {src} under this lease (it was lost); nothing changed"
     return f"work item {item_id} is not {src}; nothing changed"
+
+
+async def _left(conn: Conn, item_id: str, src: Status) -> str:
+    """What took the item out of ``src`` (its last audit row from there), for
+    :func:`_not_moved`: an operator who runs a decision again after an answer was lost
+    (the commit in doubt) reads there that the first one landed ("approve by
+    key:... (cli) at ..."), as chat cards say "Already approved by ..."."""
+    a = t.audit.c
+    row = (
+        await conn.execute(
+            sa.select(a.action, a.actor, a.surface, a.created_at)
+            .where(a.work_item_id == item_id, a.from_status == src.value)
+            .order_by(a.created_at.desc(), a.id.desc())
+            .limit(1)
+        )
+    ).first()
+    if row is None:
+        return "; nothing changed"
+    surface = f" ({row.surface})" if row.surface else ""
+    return f": {row.action} by {row.actor}{surface} at {iso(row.created_at)}; nothing changed"
 
 
 async def transition(

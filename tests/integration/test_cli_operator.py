@@ -14,6 +14,7 @@ import getpass
 import json
 import os
 import pty
+import re
 import select
 import socket
 import sqlite3
@@ -529,7 +530,11 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     again.rule_error("workItem.status")  # 409: a decision happens once
     # The line says what the item is now; it said "is not awaitingHuman (or its lease
     # was lost)", and no lease is involved in a person's decision.
-    assert f"work item {first} is completed, not awaitingHuman; nothing changed" in again.err
+    assert f"work item {first} is completed, not awaitingHuman: approve by " in again.err
+    # ... and who took it out of there, when: a decision run again after its answer was
+    # lost (in doubt) reads that the first one landed.
+    landed = r": approve by \S+ \(cli\) at \d{4}-\d\d-\d\dT[^;]*; nothing changed"
+    assert re.search(landed, again.err), again.err
     assert "lease" not in again.err
     confirm.rule_error("delivery.status")  # no longer deliveryUnknown
     surfaces = rows(world, "SELECT action FROM audit WHERE surface = 'cli'")
