@@ -7,7 +7,8 @@ Delivery statuses:
 * ``sent``: posted (or revealed / marked sent); terminal
 * ``failed``: definitely not posted, never will be; terminal, error recorded
 * ``deliveryUnknown``: maybe posted; only a human moves it on (confirm or retry)
-* ``cancelled``: the work item was cancelled before it was sent; terminal
+* ``cancelled``: not to be sent any more; terminal: the work item was cancelled before
+  it was sent, or a review card's item was decided before (or, email, while) it was sent
 * ``continuation``: an ActionFlow continuation; never picked up by the relay
 
 Actions: ``post`` (a channel message), ``reveal`` (clear leadGated on the stored
