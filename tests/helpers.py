@@ -52,11 +52,19 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], within: float 
 
 
 class Env(Protocol):
-    """What the helpers need: a database, a clock and ids (an App or a Stack)."""
+    """What the helpers need: a database, a clock and ids (an App or a Stack).
 
-    db: Database
-    clock: Clock
-    ids: IdFactory
+    Read-only members: a Stack's clock is a ``FakeClock`` and a mutable protocol member
+    would have to match its type exactly."""
+
+    @property
+    def db(self) -> Database: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def ids(self) -> IdFactory: ...
 
 
 @dataclass
