@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from binding.bindings import deactivate_session
-from bots import teams as bots_teams
+from bots import teams_review
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
@@ -27,6 +27,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.review import decisions, queue
@@ -37,7 +38,7 @@ from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
 from tests.fakes import lose_the_next_commit
-from tests.helpers import Org, item_row, make_agent, make_org
+from tests.helpers import Env, Org, item_row, make_agent, make_org
 from tests.outbox_support import (
     MigratedTemplates,
     ScriptedChannel,
@@ -107,7 +108,7 @@ async def delivery(stack: Stack, delivery_id: str) -> dict[str, Any]:
     return dict(row._mapping)
 
 
-async def item(stack: Stack, item_id: str) -> dict[str, Any]:
+async def item(stack: Env, item_id: str) -> dict[str, Any]:
     return await item_row(stack, item_id)
 
 
@@ -352,7 +353,8 @@ async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
     seeded = await seed_items(stack.db, stack.clock, stack.ids, 3)
     relay = relay_for(stack)
     rows = {r.work_item_id: r for r in await relay.claim()}
-    ok, lost, moved_away = (rows[i["id"]] for i in seeded.items)
+    ok_id, lost_id, moved_away_id = (str(i["id"]) for i in seeded.items)
+    ok, lost, moved_away = rows[ok_id], rows[lost_id], rows[moved_away_id]
     async with stack.db.tx() as conn:
         await conn.execute(
             t.work_items.update()
@@ -393,11 +395,11 @@ async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
         "sent",
         "posted-earlier",
     ]
-    assert (await item(stack, ok.work_item_id))["status"] == "completed"
-    assert (await item(stack, lost.work_item_id))["status"] == "approved"
-    assert (await item(stack, moved_away.work_item_id))["status"] == "cancelled"
-    assert "delivered" in await audit_actions(stack, ok.work_item_id)
-    assert "delivered" not in await audit_actions(stack, moved_away.work_item_id)
+    assert (await item(stack, ok_id))["status"] == "completed"
+    assert (await item(stack, lost_id))["status"] == "approved"
+    assert (await item(stack, moved_away_id))["status"] == "cancelled"
+    assert "delivered" in await audit_actions(stack, ok_id)
+    assert "delivered" not in await audit_actions(stack, moved_away_id)
     async with stack.db.read() as conn:
         events = (
             await conn.execute(
@@ -613,16 +615,16 @@ async def test_long_messages_are_split_in_order_with_nothing_dropped(stack: Stac
 async def test_a_channel_that_counts_bytes_gets_parts_that_fit_in_bytes(stack: Stack) -> None:
     # Teams counts the JSON it posts: 30,000 CJK characters are 180,000 bytes there,
     # and a part of 26,000 characters was refused (413).
-    teams = ScriptedChannel("slack", max_chars=bots_teams.MAX_TEXT_BYTES)
-    teams.text_size = bots_teams.text_size  # type: ignore[attr-defined]
+    teams = ScriptedChannel("slack", max_chars=teams_review.MAX_TEXT_BYTES)
+    teams.text_size = teams_review.text_size  # type: ignore[attr-defined]
     stack.channels["slack"] = teams
     text = "漢字かな交じり文。" * 3_000 + "🙂" * 2_000 + " tail"
     item_id, _ = await seed_one(stack, text=lambda _: text)
     await drain(relay_for(stack))
     parts = teams.texts()
-    assert all(bots_teams.text_size(p) <= bots_teams.MAX_TEXT_BYTES for p in parts)
+    assert all(teams_review.text_size(p) <= teams_review.MAX_TEXT_BYTES for p in parts)
     assert "".join(parts).replace(" ", "") == text.replace(" ", "")
-    assert len(parts) == -(-bots_teams.text_size(text) // bots_teams.MAX_TEXT_BYTES)
+    assert len(parts) == -(-teams_review.text_size(text) // teams_review.MAX_TEXT_BYTES)
     assert (await item(stack, item_id))["status"] == "completed"
 
 
@@ -751,15 +753,16 @@ async def test_pipeline_drains_many_with_bounded_concurrency_and_grouped_commits
     )
     assert sum(commits) == 320 and len(commits) < 320
     async with stack.db.read() as conn:
-        statuses: dict[str, int] = dict(
-            (
+        statuses = {
+            str(r.status): int(r.n)
+            for r in (
                 await conn.execute(
-                    sa.select(t.work_items.c.status, sa.func.count()).group_by(
+                    sa.select(t.work_items.c.status, sa.func.count().label("n")).group_by(
                         t.work_items.c.status
                     )
                 )
             ).all()
-        )
+        }
         sent = await conn.scalar(
             sa.select(sa.func.count()).where(t.deliveries.c.status == DeliveryStatus.sent.value)
         )
@@ -888,15 +891,23 @@ async def test_running_service_hands_approvals_to_its_relay_without_a_claim(
 ) -> None:
     stack = app  # the composition root's wiring is what this test is about
     seeded = await seed_items(stack.db, stack.clock, stack.ids, 3, status="awaitingHuman")
+    # Rows claimed per claim, on either backend (SQLite claims inside the outcome
+    # transaction, PostgreSQL in a statement of its own).
     claims: list[int] = []
-    original = stack.relay._claim_in
+    claim_in, claim_alone = stack.relay._claim_in, stack.relay._claim_alone
 
-    async def counting(conn: Any, limit: int) -> list[dict[str, Any]]:
-        rows = await original(conn, limit)
+    async def counting_in(conn: Conn, limit: int, token: str) -> list[Delivery]:
+        rows = await claim_in(conn, limit, token)
         claims.append(len(rows))
         return rows
 
-    monkeypatch.setattr(stack.relay, "_claim_in", counting)
+    async def counting_alone(limit: int, token: str) -> list[Delivery]:
+        rows = await claim_alone(limit, token)
+        claims.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(stack.relay, "_claim_in", counting_in)
+    monkeypatch.setattr(stack.relay, "_claim_alone", counting_alone)
     posted = asyncio.Event()
 
     def mark(_: Any) -> Sent:
