@@ -32,7 +32,15 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
+from tests.helpers import (
+    Anonymizer,
+    Org,
+    api_trigger,
+    make_agent,
+    make_org,
+    ours,
+    slack_trigger,
+)
 from tests.stack import Stack, build_stack
 
 Handler = Callable[[ModelRequest], Awaitable[list[ModelEvent]]]
@@ -918,13 +926,15 @@ class UnreadableSignal(TurnService):
     async def signalled_item(self, conn: Conn, ctx: TurnContext) -> tuple[str | None, WorkItem]:
         raise RuntimeError("signal store unavailable")
 
-    async def _submit_alone(self, ctx: TurnContext, text: str) -> bool:
+    async def _submit_alone(
+        self, ctx: TurnContext, text: str, revision_item: WorkItem | None
+    ) -> bool:
         # PostgreSQL reads the signal inside the one-statement submission.
         raise RuntimeError("signal store unavailable")
 
 
 async def test_fail_closed_when_the_signal_cannot_be_read(
-    rig: tuple[Stack, RecordingProvider],
+    rig: tuple[Stack, RecordingProvider], caplog: pytest.LogCaptureFixture
 ) -> None:
     stack, _ = rig
     org = await make_org(stack)
@@ -947,6 +957,10 @@ async def test_fail_closed_when_the_signal_cannot_be_read(
     # Nothing was handed off: no review sees work whose signal could not be read.
     [item] = await items(stack, worker)
     assert item["status"] == "inProgress"
+    # ... because the signal could not be read (not because the stand-in was called
+    # wrongly: a TypeError would fail closed as well).
+    raised = [r.exc_info[1] for r in ours(caplog) if r.exc_info]
+    assert all(str(e) == "signal store unavailable" for e in raised), raised
     # A worker without a lead never reads a signal: unaffected.
     assert await turns.run(api_trigger(org, plain, "hello")) == Reply("Echo: hello")
 
