@@ -73,8 +73,11 @@ class Adapter(Protocol):
     :meth:`lifespan` while the HTTP surfaces serve, and closes :attr:`channel` at the end.
     """
 
-    #: the outbound half, registered with the relay under ``channel.name``
-    channel: Channel
+    @property
+    def channel(self) -> Channel:
+        """The outbound half, registered with the relay under ``channel.name``
+        (read-only here, so an adapter may hold its own kind of channel)."""
+        ...
 
     def mount(self, app: web.Application) -> None:
         """Add the inbound HTTP routes (if any) to ``app``."""
