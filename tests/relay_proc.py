@@ -48,6 +48,11 @@ class CountingChannel:
         self.outcomes[type(outcome).__name__.lower()] += 1
         return outcome
 
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        outcome = await self.inner.update(message, external_id)
+        self.outcomes[type(outcome).__name__.lower()] += 1
+        return outcome
+
     async def close(self) -> None:
         await self.inner.close()
 

@@ -37,7 +37,7 @@ from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database.db import upgrade
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import OutboundMessage, SendOutcome, Sent, Uncertain
+from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
 from tests.helpers import Org, make_agent, make_org
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -81,6 +81,12 @@ class ScriptedSlack:
             return Uncertain("read timeout after the request was written")
         self.sent.append(message)
         return Sent(f"ts-{len(self.sent)}")
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        # An edit is idempotent: its timeout is one to retry.
+        if self.uncertain:
+            return Retry("read timeout after the request was written")
+        return Sent(external_id)
 
     async def close(self) -> None:
         return None

@@ -26,7 +26,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import upgrade
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import OutboundMessage, SendOutcome, Uncertain
+from outbox.channel import OutboundMessage, Retry, SendOutcome, Uncertain
 from tests.helpers import Org, api_trigger, make_agent, make_key, make_org
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -49,6 +49,10 @@ class TimeoutChannel:
     async def send(self, message: OutboundMessage) -> SendOutcome:
         self.sent.append(message)
         return Uncertain("read timeout after the request was written")
+
+    async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
+        # An edit is idempotent: its timeout is one to retry.
+        return Retry("read timeout after the request was written")
 
     async def close(self) -> None:
         return None
