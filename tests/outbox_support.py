@@ -181,17 +181,17 @@ async def seed_items(
             session_id, binding_id = ids.new("ses"), ids.new("bnd")
             message_id, item_id = ids.new("msg"), ids.new("wi")
             body = text(i)
-            binding = {
-                "id": binding_id,
-                "org_id": org_id,
-                "session_id": session_id,
-                "kind": kind.value,
-                "address": address(i) if kind.is_channel else {},
-                "silent": silent,
-                "route_id": None,
-                "active": True,
-                "created_at": now,
-            }
+            binding = Binding(
+                id=binding_id,
+                org_id=org_id,
+                session_id=session_id,
+                kind=kind.value,
+                address=address(i) if kind.is_channel else {},
+                silent=silent,
+                route_id=None,
+                active=True,
+                created_at=now,
+            )
             sessions.append(
                 {
                     "id": session_id,
@@ -201,7 +201,7 @@ async def seed_items(
                     "created_at": now,
                 }
             )
-            bindings.append(binding)
+            bindings.append(binding._asdict())
             messages.append(
                 {
                     "id": message_id,
@@ -238,7 +238,7 @@ async def seed_items(
             }
             items.append(item)
             if status == "approved" and with_deliveries:
-                action, channel = action_for(Binding(**binding))
+                action, channel = action_for(binding)
                 deliveries.append(
                     {
                         "id": ids.new("dlv"),
@@ -248,7 +248,7 @@ async def seed_items(
                         "action": action,
                         "channel": channel,
                         "binding_id": binding_id,
-                        "address": binding["address"],
+                        "address": binding.address,
                         "text": body,
                         "status": (
                             DeliveryStatus.continuation
@@ -278,10 +278,12 @@ async def delivery_counts(db: Database) -> dict[str, int]:
     async with db.read() as conn:
         rows = (
             await conn.execute(
-                sa.select(t.deliveries.c.status, sa.func.count()).group_by(t.deliveries.c.status)
+                sa.select(t.deliveries.c.status, sa.func.count().label("n")).group_by(
+                    t.deliveries.c.status
+                )
             )
         ).all()
-    return {str(r[0]): int(r[1]) for r in rows}
+    return {str(r.status): int(r.n) for r in rows}
 
 
 # ---------------------------------------------------------------- migrated templates

@@ -82,7 +82,7 @@ async def review_env(
     Slack ``C0ESCALATE`` as the escalate tier; ``defaults`` are ``[review]`` values."""
     channels = {name: ScriptedChannel(name) for name in ("slack", "email", "teams", "discord")}
     stack = make_stack(channels=dict(channels))
-    settings = ReviewSettings(**defaults)
+    settings = ReviewSettings.model_validate(defaults)
     notifier = ReviewNotifier(
         stack.clock, stack.ids, stack.outbox, public_url=PUBLIC_URL, defaults=settings
     )

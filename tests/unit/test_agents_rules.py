@@ -33,7 +33,7 @@ async def table_rows(stack: Stack, *tables: sa.Table) -> dict[str, list[dict[str
     return out
 
 
-async def save(stack: Stack, org: Org, **kwargs: Any) -> dict[str, Any]:
+async def save(stack: Stack, org: Org, **kwargs: Any) -> Agent:
     async with stack.db.tx() as conn:
         return await agents_mod.save_agent(conn, stack.clock, stack.ids, org.id, **kwargs)
 

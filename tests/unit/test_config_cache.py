@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import make_url
 
 import leadgate.database
 from leadgate.core.errors import NotFound
@@ -165,7 +165,9 @@ def test_a_notification_of_its_own_write_is_not_counted_twice() -> None:
 
 def test_text_writes_count_for_the_tables_they_name() -> None:
     changes = TableChanges()
-    plans = PlanCache(postgresql.dialect())
+    # The service's PostgreSQL dialect (asyncpg's; its constructor is untyped, the URL's
+    # get_dialect is not).
+    plans = PlanCache(make_url("postgresql+asyncpg://").get_dialect()())
 
     def tracked(statement: sa.Executable, **params: object) -> frozenset[str]:
         return changes.tracked(plans.plan(statement, frozenset(params))[0])

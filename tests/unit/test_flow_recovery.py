@@ -22,6 +22,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
     RECOVERED_EVENT,
@@ -144,7 +145,7 @@ async def _turns(stack: Stack, run_id: str, index: int) -> dict[str, int]:
     async with stack.db.read() as conn:
         roles = (
             await conn.execute(
-                sa.select(m.role, sa.func.count())
+                sa.select(m.role, sa.func.count().label("n"))
                 .select_from(t.messages.join(t.sessions, s.id == m.session_id))
                 .where(s.key == f"flow:{run_id}:{index}")
                 .group_by(m.role)
@@ -153,7 +154,7 @@ async def _turns(stack: Stack, run_id: str, index: int) -> dict[str, int]:
         events = await conn.scalar(
             sa.select(sa.func.count()).where(e.external_event_id == f"flow:{run_id}:{index}")
         )
-    return {**{str(role): int(n) for role, n in roles}, "inboundEvents": int(events or 0)}
+    return {**{str(r.role): int(r.n) for r in roles}, "inboundEvents": int(events or 0)}
 
 
 async def _lease_expires_at(stack: Stack, run_id: str) -> int | None:
@@ -525,20 +526,24 @@ async def test_a_second_continuation_of_a_node_is_a_no_op_that_returns_the_first
     continuation again (another attempt that got past the fence) inserts nothing and
     names the row that is there; no IntegrityError escapes."""
     org = await make_org(second)
-    fields = {
-        "org_id": org.id,
-        "run_id": "run_x",
-        "node_index": 2,
-        "agent_id": "agt_x",
-        "session_key": "flow:run_x:2",
-    }
-    async with second.db.tx() as conn:
-        first_id = await register_continuation(conn, second.clock, second.ids, **fields)
-    async with second.db.tx() as conn:
-        again = await register_continuation(conn, second.clock, second.ids, **fields)
-        other = await register_continuation(
-            conn, second.clock, second.ids, **{**fields, "node_index": 3}
+
+    async def register(conn: Conn, node_index: int = 2) -> str:
+        return await register_continuation(
+            conn,
+            second.clock,
+            second.ids,
+            org_id=org.id,
+            run_id="run_x",
+            node_index=node_index,
+            agent_id="agt_x",
+            session_key="flow:run_x:2",
         )
+
+    async with second.db.tx() as conn:
+        first_id = await register(conn)
+    async with second.db.tx() as conn:
+        again = await register(conn)
+        other = await register(conn, node_index=3)
     assert again == first_id != other
     c = t.continuations.c
     async with second.db.read() as conn:
@@ -578,9 +583,8 @@ async def _gives_up_on_an_unreadable_run(
         assert await recovery.run_once()
     r, e = t.flow_runs.c, t.flow_run_events.c
     async with second.db.read() as conn:
-        status, error = (
-            await conn.execute(sa.select(r.status, r.error).where(r.id == run_id))
-        ).one()
+        run_row = (await conn.execute(sa.select(r.status, r.error).where(r.id == run_id))).one()
+        status, error = run_row.status, run_row.error
         events = (
             (
                 await conn.execute(
@@ -840,7 +844,8 @@ async def test_an_approved_paused_run_that_cannot_be_read_fails_once_and_blocks_
     assert await drain(resumer) == 0
     r, w = t.flow_runs.c, t.work_items.c
     async with first.db.read() as conn:
-        status, error = (await conn.execute(sa.select(r.status, r.error).where(r.id == bad))).one()
+        run_row = (await conn.execute(sa.select(r.status, r.error).where(r.id == bad))).one()
+    status, error = run_row.status, run_row.error
     why = (
         f"its flow {bad_flow['id']} no longer exists"
         if broken == "flow_gone"
@@ -966,7 +971,8 @@ async def test_a_lead_reviewed_node_whose_turn_recovery_gave_up_fails_its_flow_s
     [cont] = run["continuations"]
     w, a = t.work_items.c, t.audit.c
     async with second.db.read() as conn:
-        [(item_id, item_status)] = (await conn.execute(sa.select(w.id, w.status))).all()
+        [only] = (await conn.execute(sa.select(w.id, w.status))).all()
+        item_id, item_status = only.id, only.status
         actions = (
             (await conn.execute(sa.select(a.action).where(a.work_item_id == item_id)))
             .scalars()

@@ -29,6 +29,7 @@ from leadgate.database.db import Database
 from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
+from leadgate.domain.rows import WorkItem
 from leadgate.review import decisions
 from leadgate.review import runner as runner_module
 from leadgate.review.queue import detail
@@ -625,9 +626,9 @@ async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLe
     assert (await row(stack, item_id))["status"] == "awaitingHuman"
 
     async with stack.db.tx() as conn:
-        item = await workitems.get(conn, item_id)
+        current = await workitems.get(conn, item_id)
         await decisions.human_return(
-            conn, stack.clock, stack.ids, item, "user:alice", "Use the 2024 numbers."
+            conn, stack.clock, stack.ids, current, "user:alice", "Use the 2024 numbers."
         )
     item = await row(stack, item_id)
     assert (item["status"], item["revision"], item["extra_allowance"]) == ("inProgress", 1, 1)
@@ -646,8 +647,8 @@ async def test_a_human_return_adds_one_allowance(stack: Stack, fake_lead: FakeLe
 
     # A return after the rounds ran out: one more revision, and the lead can approve it.
     async with stack.db.tx() as conn:
-        item = await workitems.get(conn, item_id)
-        await decisions.human_return(conn, stack.clock, stack.ids, item, "user:alice", "Last go")
+        current = await workitems.get(conn, item_id)
+        await decisions.human_return(conn, stack.clock, stack.ids, current, "user:alice", "Last go")
     item = await row(stack, item_id)
     assert (item["revision"], item["extra_allowance"]) == (5, 2)
     fake_lead.behaviour = lambda request, n: [verdict("approved")]
@@ -666,7 +667,7 @@ async def test_lease_is_twenty_minutes_and_the_third_expiry_goes_to_a_human(
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "task")
     runner = stack.lead_runner
-    stale: dict[str, Any] | None = None
+    stale: WorkItem | None = None
     for expiry in (1, 2, 3):
         claimed = await runner.claim()
         assert claimed is not None and claimed.id == item_id

@@ -4,7 +4,7 @@ schedule whose next firing cannot be found."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import sqlalchemy as sa
@@ -162,7 +162,7 @@ async def test_a_firing_cut_by_a_crash_stays_due_runs_once_and_then_advances(
 
     real = stack.turns.run
 
-    async def dies_before_the_intake(*_: object, **__: object) -> object:
+    async def dies_before_the_intake(*_: object, **__: object) -> NoReturn:
         raise Died
 
     stack.turns.run = dies_before_the_intake  # type: ignore[method-assign]

@@ -17,6 +17,7 @@ from leadgate.core.errors import ConfigError, Conflict, NotMigratedError, Transi
 from leadgate.database import schema as t
 from leadgate.database.db import Database, upgrade
 from leadgate.domain import workitems
+from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import ACTIVE, TERMINAL, TRANSITIONS, Status, allowed
 from tests.helpers import Org, api_trigger, make_agent, make_org
 from tests.stack import Stack
@@ -119,7 +120,7 @@ def test_table_is_exactly_the_expected_one() -> None:
 # ----------------------------------------------------------------- fenced transitions
 
 
-async def _item_and_audit(stack: Stack, item_id: str) -> tuple[dict[str, Any], int]:
+async def _item_and_audit(stack: Stack, item_id: str) -> tuple[WorkItem, int]:
     async with stack.db.read() as conn:
         item = await workitems.get(conn, item_id)
         count = await conn.scalar(
