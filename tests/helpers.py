@@ -8,7 +8,7 @@ import inspect
 import logging
 import re
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from binding import routes
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.clock import Clock, FakeClock, IdFactory
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -36,9 +36,9 @@ LEGACY_SUBSCRIBE = pytest.mark.filterwarnings(
 )
 
 
-async def eventually(check: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> bool:
-    """Poll ``check`` (a function, or an async one) every 50 ms until it holds or
-    ``within`` seconds pass; whether it held."""
+async def eventually(check: Callable[[], object], within: float = 2.0) -> bool:
+    """Poll ``check`` (a function, or an async one) every 50 ms until its answer is true
+    (a non-empty list counts) or ``within`` seconds pass; whether it held."""
 
     async def holds() -> bool:
         result = check()
@@ -65,6 +65,13 @@ class Env(Protocol):
 
     @property
     def ids(self) -> IdFactory: ...
+
+
+def fake_clock(service: Env) -> FakeClock:
+    """``service``'s clock, which the tests built as a :class:`FakeClock` (``served_app``
+    does) to move it by hand."""
+    assert isinstance(service.clock, FakeClock), service.clock
+    return service.clock
 
 
 @dataclass

@@ -86,11 +86,15 @@ def get_json(url: str, headers: dict[str, str] | None = None) -> Any:
 
 
 def wait_until(
-    probe: Callable[[], T], *, timeout: float = DEADLINE_S, interval: float = 0.05, what: str = ""
+    probe: Callable[[], T | None],
+    *,
+    timeout: float = DEADLINE_S,
+    interval: float = 0.05,
+    what: str = "",
 ) -> T:
     """Call ``probe`` until it returns something truthy; return that value."""
     deadline = time.monotonic() + timeout
-    last: Any = None
+    last: T | None = None
     while True:
         last = probe()
         if last:

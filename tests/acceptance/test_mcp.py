@@ -161,8 +161,8 @@ async def test_without_or_with_a_bad_key_is_401(svc: ServiceProcess) -> None:
     # MCPError inside its task groups).
     with pytest.raises(BaseException) as info:
         async with (
-            httpx2.AsyncClient(timeout=10) as http,
-            streamable_http_client(f"{svc.url}/mcp", http_client=http) as (read, write),
+            httpx2.AsyncClient(timeout=10) as client,
+            streamable_http_client(f"{svc.url}/mcp", http_client=client) as (read, write),
             ClientSession(read, write) as session,
         ):
             await asyncio.wait_for(session.initialize(), 10)

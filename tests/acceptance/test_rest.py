@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.acceptance.pending_bodies import BUSY_BODY, GATED_BODY
 from tests.service_proc import DemoTemplate, ServiceProcess, start_from_template
@@ -93,7 +94,7 @@ def aclient(env: Env, key: str | None = None) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{env.url}/v1", api_key=key or env.owner, timeout=TIMEOUT)
 
 
-def user(text: str) -> list[dict[str, str]]:
+def user(text: str) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": text}]
 
 

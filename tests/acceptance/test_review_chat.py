@@ -18,6 +18,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from http.cookiejar import CookieJar
 from typing import Any
 from urllib.parse import urlencode
@@ -432,9 +433,7 @@ def test_unlinked_and_viewer_clicks_change_nothing(svc: ServiceProcess, slack_ap
         click(svc, slack_api, card, "reject", VIEWER["slack"]),
     ]
     for name in names:
-        [told] = wait_until(
-            lambda n=name: calls(slack_api, "response_url", name=n), what="the answer"
-        )
+        [told] = wait_until(partial(calls, slack_api, "response_url", name=name), what="the answer")
         assert (told["text"], told["response_type"], told["replace_original"]) == (
             FORBIDDEN,
             "ephemeral",

@@ -13,6 +13,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -276,8 +277,8 @@ def test_each_firing_runs_once_with_two_worker_processes(
         for rounds in (1, 2):
             # Both processes poll every 0.2 s: they race for every due firing.
             sql(f"UPDATE schedules SET next_fire_at = {now_ms() - 1000}")
-            wait_until(lambda r=rounds: settled(r), what=f"round {rounds} of firings")
-            stays(lambda r=rounds: settled(r), seconds=1.0, what="no second run of a firing")
+            wait_until(partial(settled, rounds), what=f"round {rounds} of firings")
+            stays(partial(settled, rounds), seconds=1.0, what="no second run of a firing")
 
         # One work item per worker firing, each completed with one scheduled delivery.
         rows = items()

@@ -10,9 +10,9 @@ from typing import Any
 import aiosmtplib
 import pytest
 
-from bots.base import RouteMatch
 from bots.email import EmailAdapter, EmailChannel, message_id_for
 from leadgate.core.config import EmailSettings
+from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.fakes import FakeCore
 from tests.standins.smtp import SmtpSink

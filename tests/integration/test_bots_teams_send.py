@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 from botbuilder.schema import Activity
 
-from bots.base import RouteMatch
 from bots.teams import TeamsAdapter, parse_message
 from leadgate.core.config import TeamsSettings
+from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,6 +26,7 @@ from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.database.db import Database
 from leadgate.domain import links
+from outbox.channel import Channel
 from tests.fakes import DownFor
 from tests.helpers import Org, eventually, item_row
 from tests.integration.test_chat_reviews import escalated, setup
@@ -46,7 +47,7 @@ async def serving(
     migrated_url: str,
     key: SigningKey,
     slack_api: SlackApiStandin,
-    channels: dict[str, ScriptedChannel] | None = None,
+    channels: Mapping[str, Channel] | None = None,
 ) -> AsyncIterator[tuple[App, TestServer]]:
     """The service with Slack, Discord and Teams review clicks taken in (outbound Slack
     and Discord posts go to scripted channels, ``channels`` when given), served on
@@ -67,8 +68,9 @@ async def serving(
     service = App(
         settings,
         clock=FakeClock(),
-        channels=channels
-        or {"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")},
+        channels=dict(
+            channels or {"slack": ScriptedChannel("slack"), "discord": ScriptedChannel("discord")}
+        ),
     )
     server = TestServer(service.web_app(), host="127.0.0.1")
     await server.start_server()

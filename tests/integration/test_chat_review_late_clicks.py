@@ -354,7 +354,7 @@ async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_
     org, worker = await setup(app)
     await link_more(app, org)
     conversation = "19:rev@thread.tacv2"
-    reference = {
+    reference: dict[str, object] = {
         "serviceUrl": "http://127.0.0.1:9/",
         "conversation": {"id": conversation, "tenantId": "tenant-1"},
         "bot": {"id": "28:leadgate-bot"},

@@ -273,7 +273,7 @@ async def test_a_recovery_card_of_an_earlier_unknown_send_is_out_of_date(app: Ap
 
 async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> None:
     org, _ = await setup(app)
-    reference = {
+    reference: dict[str, object] = {
         "serviceUrl": "http://127.0.0.1:9/",
         "conversation": {"id": "19:rev@thread.tacv2", "tenantId": "t1"},
         "bot": {"id": "28:bot"},
@@ -324,10 +324,11 @@ async def test_a_click_naming_ids_no_card_carries_changes_nothing(app: App) -> N
     # JSON of another type where a card puts a string (a Teams invoke's `episode` as an
     # object, a Slack modal's `ts` as a number): an AttributeError, a 500, before.
     odd: Any = {"episode": "x"}
+    odd_ts: Any = 1.5
     assert (await reviews.decide("teams", MEMBER, item_id, "approve", episode_id=odd)).kind == (
         "closed"
     )
-    assert (await reviews.decide("slack", MEMBER, item_id, "approve", message_id=1.5)).kind == (
+    assert (await reviews.decide("slack", MEMBER, item_id, "approve", message_id=odd_ts)).kind == (
         "closed"
     )
     assert (await reviews.check("slack", odd, item_id)).kind == "forbidden"

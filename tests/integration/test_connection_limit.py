@@ -179,6 +179,13 @@ async def test_the_503_carries_retry_after_and_closes() -> None:
         await busy
 
 
+def reading(writer: asyncio.StreamWriter) -> asyncio.ReadTransport:
+    """``writer``'s transport, which reads too (typeshed types it as write-only)."""
+    transport = writer.transport
+    assert isinstance(transport, asyncio.ReadTransport)
+    return transport
+
+
 async def unread_answer(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Ask for a 16 MB answer on a connection with a small receive buffer, and read none
     of it: the kernel takes little, the rest waits in the service."""
@@ -187,7 +194,7 @@ async def unread_answer(host: str, port: int) -> tuple[asyncio.StreamReader, asy
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (host, port))
     reader, writer = await asyncio.open_connection(sock=sock)
-    writer.transport.pause_reading()
+    reading(writer).pause_reading()
     writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     return reader, writer
 
@@ -197,7 +204,7 @@ async def reset_by_server(
 ) -> bool:
     """Whether the server reset the connection (reading it through, after the ``already``
     bytes read, ends in an error or short of the whole answer)."""
-    writer.transport.resume_reading()
+    reading(writer).resume_reading()
     got = already
     try:
         while chunk := await asyncio.wait_for(reader.read(1 << 20), 5):
@@ -239,9 +246,9 @@ async def test_an_answer_left_unread_past_the_send_timeout_is_dropped() -> None:
         clock.t = 4.0
         # One client reads a little: its answer made progress, the other's did not.
         unsent = sends.unsent()
-        slow_reader[1].transport.resume_reading()
+        reading(slow_reader[1]).resume_reading()
         await slow_reader[0].readexactly(6 << 20)
-        slow_reader[1].transport.pause_reading()
+        reading(slow_reader[1]).pause_reading()
         assert await eventually(lambda: sends.unsent() < unsent)
         sends.check()
         clock.t = 6.0

@@ -37,7 +37,15 @@ from leadgate.runners.revisions import RevisionRunner
 from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.intake import Accepted
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import eventually, make_agent, make_org, make_route, ours, slack_trigger
+from tests.helpers import (
+    eventually,
+    fake_clock,
+    make_agent,
+    make_org,
+    make_route,
+    ours,
+    slack_trigger,
+)
 from tests.review_support import review_env
 from tests.serving import served_app
 from tests.stack import Stack
@@ -93,7 +101,7 @@ async def test_a_request_meeting_a_damaged_file_is_a_500_naming_the_rule(
         assert path not in error["message"]  # the file is the operators' business
         assert resp.headers["x-should-retry"] == "false" and "Retry-After" not in resp.headers
         # The official client does not retry it (it retries a 500 twice otherwise).
-        answers = client.server.app[DAMAGED_ANSWERS]
+        answers = client.app[DAMAGED_ANSWERS]
         before = answers.answered
         with pytest.raises(openai.InternalServerError) as refused:
             await official.chat.completions.create(
@@ -304,7 +312,7 @@ async def test_an_mcp_resource_read_meeting_a_damaged_file_is_counted_with_the_r
         headers = {**auth, "X-Session-Id": "s1"}
         assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 200
         damage_table(path, "messages")
-        answers = client.server.app[DAMAGED_ANSWERS]
+        answers = client.app[DAMAGED_ANSWERS]
         async with (
             httpx2.AsyncClient(headers=auth) as http,
             streamable_http_client(str(client.make_url("/mcp")), http_client=http) as (
@@ -371,7 +379,7 @@ async def test_the_operator_event_stream_meeting_a_damaged_file_ends_in_one_line
                 said = (await stream.read()).decode()
         assert "event: end\ndata: " in said and "restore it from a backup" in said
         assert path not in said
-        assert client.server.app[DAMAGED_ANSWERS].answered == 1
+        assert client.app[DAMAGED_ANSWERS].answered == 1
     lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert f"the SQLite database {path} is damaged" in lines[0].getMessage()
@@ -393,7 +401,7 @@ async def test_the_operator_event_stream_rechecking_its_key_on_a_damaged_file_sa
                 while not (await stream.content.readline()).startswith(b"event: hello"):
                     pass
                 damage_table(path, "api_keys")
-                service.clock.advance(5_001)  # past the key cache's lifetime
+                fake_clock(service).advance(5_001)  # past the key cache's lifetime
                 said = (await stream.read()).decode()
         assert "event: end\ndata: " in said and "restore it from a backup" in said, said
         assert "not valid" not in said
@@ -487,14 +495,14 @@ async def test_healthz_recovers_once_the_damaged_file_is_restored_while_it_runs(
         assert (await client.get(page, headers=auth)).status == 500
         assert (await client.get("/healthz")).status == 500  # looked: damaged
 
-        service.clock.advance(DAMAGE_RECHECK_MS)
+        fake_clock(service).advance(DAMAGE_RECHECK_MS)
         assert (await client.get("/healthz")).status == 500  # looked again: still
 
         copy_of(backup, path)
         assert (await client.get("/healthz")).status == 500  # not looked again yet
-        service.clock.advance(DAMAGE_RECHECK_MS - 1)
+        fake_clock(service).advance(DAMAGE_RECHECK_MS - 1)
         assert (await client.get("/healthz")).status == 500
-        service.clock.advance(1)
+        fake_clock(service).advance(1)
         health = await client.get("/healthz")
         assert health.status == 200, await health.text()
         assert service.db.damaged is None

@@ -30,7 +30,7 @@ from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Sweeper
 from leadgate.web.common import DAMAGED_ANSWERS
-from tests.helpers import make_agent, make_org, ours
+from tests.helpers import fake_clock, make_agent, make_org, ours
 from tests.review_support import review_env
 from tests.serving import served_app
 from tests.stack import Stack
@@ -111,7 +111,7 @@ async def test_a_read_meeting_damaged_data_is_a_500_naming_the_database(
             assert "restore it from a backup" in error["message"]
             assert "XX001" not in error["message"] and "base/" not in error["message"]
             assert resp.headers["x-should-retry"] == "false"
-        assert client.server.app[DAMAGED_ANSWERS].answered == 2
+        assert client.app[DAMAGED_ANSWERS].answered == 2
         # /healthz says so from then on (its SELECT 1 reads no table).
         health = await client.get("/healthz")
         assert health.status == 500 and (await health.json())["error"]["rule"] == "database.file"
@@ -139,7 +139,7 @@ async def test_a_write_meeting_a_damaged_index_is_a_500_the_client_does_not_retr
                 model="plain", messages=messages, extra_headers={"X-Session-Id": "s1"}
             )
         assert refused.value.code == "database_damaged"
-        assert client.server.app[DAMAGED_ANSWERS].answered == 1  # not retried
+        assert client.app[DAMAGED_ANSWERS].answered == 1  # not retried
         assert service.db.damaged is not None and "XX002" in service.db.damaged
 
     lines = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
@@ -168,7 +168,7 @@ async def test_storing_an_answer_under_its_idempotency_key_on_damage_is_one_line
         headers = {"Authorization": f"Bearer {org.key}", "Idempotency-Key": "k1"}
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert resp.status == 502, await resp.text()
-        assert client.server.app[DAMAGED_ANSWERS].answered == 1
+        assert client.app[DAMAGED_ANSWERS].answered == 1
     records = [r for r in ours(caplog) if r.levelno >= logging.WARNING]
     lines = [r for r in records if r.name != "leadgate.turns"]  # (the model error's own)
     assert len(lines) == 1 and lines[0].levelno == logging.ERROR, lines
@@ -255,13 +255,13 @@ async def test_healthz_recovers_once_the_damage_is_repaired_while_it_runs(
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert resp.status == 500
         assert (await client.get("/healthz")).status == 500
-        service.clock.advance(DAMAGE_RECHECK_MS)
+        fake_clock(service).advance(DAMAGE_RECHECK_MS)
         assert (await client.get("/healthz")).status == 500  # the insert fails still
 
         # The operator rebuilds the index (here: the trigger raising XX002 goes).
         await run_sql(migrated_url, "DROP TRIGGER damaged_index ON messages")
         assert (await client.get("/healthz")).status == 500  # not looked again yet
-        service.clock.advance(DAMAGE_RECHECK_MS)
+        fake_clock(service).advance(DAMAGE_RECHECK_MS)
         health = await client.get("/healthz")
         assert health.status == 200, await health.text()
         async with service.db.read() as conn:  # the re-check's insert was rolled back

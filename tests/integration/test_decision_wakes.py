@@ -44,7 +44,7 @@ async def setup(app: App) -> tuple[Org, dict[str, Any]]:
 async def awaiting_human(app: App, item_id: str) -> None:
     # The submission pokes the lead runner: its review needs no poll either.
     async def waiting() -> bool:
-        return (await item_row(app, item_id))["status"] == "awaitingHuman"
+        return bool((await item_row(app, item_id))["status"] == "awaitingHuman")
 
     assert await eventually(waiting, WITHIN_S)
 

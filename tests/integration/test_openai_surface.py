@@ -32,7 +32,7 @@ from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec,
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS, fingerprint
-from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from tests.helpers import Org, eventually, make_agent, make_key, make_org
@@ -130,7 +130,11 @@ class Env:
 @pytest.fixture
 async def env(migrated_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     gate = GateProvider()
-    providers = {"script": ScriptProvider(), "gate": gate, "fault": FaultProvider()}
+    providers: dict[str, Provider] = {
+        "script": ScriptProvider(),
+        "gate": gate,
+        "fault": FaultProvider(),
+    }
     like_production = request.node.get_closest_marker("like_production") is not None
     async with served_app(migrated_url, providers=providers, like_production=like_production) as (
         service,
@@ -1093,7 +1097,7 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
     which have their own bound, do not count; the service takes requests again as soon as
     one ends, and the official ``openai`` client's own retry gets its answer."""
     gate = GateProvider()
-    providers = {"script": ScriptProvider(), "gate": gate}
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
     config = {"server": {"max_inflight": 2}, "api": {"events_heartbeat_s": 0.3}}
     async with served_app(migrated_url, config=config, providers=providers) as (service, client):
         org = await make_org(service)
@@ -1117,7 +1121,7 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
         assert (await client.get("/healthz")).status == 200
         # The official client retries the 503 after the wait it names (1-3 s): room made
         # during that wait answers it.
-        inflight = client.server.app[INFLIGHT]
+        inflight = client.app[INFLIGHT]
         official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=org.key)
         call = asyncio.create_task(
             official.chat.completions.create(

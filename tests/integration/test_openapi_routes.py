@@ -82,7 +82,7 @@ async def test_every_route_is_documented(migrated_url: str) -> None:
     async with served_app(migrated_url) as (_service, client):
         document = await (await client.get("/openapi.json")).json()
         documented = [(method, path) for path, ops in document["paths"].items() for method in ops]
-        for route in client.server.app.router.routes():
+        for route in client.app.router.routes():
             path = route.resource.canonical if route.resource is not None else ""
             if route.method == "HEAD" or UNDOCUMENTED.match(path):
                 continue

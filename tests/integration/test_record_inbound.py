@@ -59,7 +59,7 @@ async def test_rule_breaking_mail_gets_a_notice_once(service: App, text: str, sa
     assert first is not None and first.rejected is not None and says in first.rejected
     again = await service.messages.record_inbound(mail(text))  # the sender retries
     assert again is not None and again.rejected is not None
-    notices = [d["text"] for d in await rows(service, t.deliveries)]
+    notices = [str(d["text"]) for d in await rows(service, t.deliveries)]
     assert len(notices) == 1 and says in notices[0]
     events = await rows(service, t.inbound_events)
     assert [e["outcome"] for e in events] == ["rejectedInvalid"]

@@ -18,9 +18,8 @@ from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
 from bots import discord as discord_bot
-from bots.base import RouteMatch
 from leadgate.core.config import DiscordSettings, Settings
-from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome
+from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, RouteMatch
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 
@@ -241,7 +240,7 @@ async def test_a_duplicate_never_touches_the_earlier_reply(
 async def test_silent_route_deletes_the_deferred_response(
     server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
 ) -> None:
-    core.routes[:] = [({"channel": CHANNEL}, RouteMatch("r2", "o1", "a1", silent=True))]
+    core.routes = [({"channel": CHANNEL}, RouteMatch("r2", "o1", "a1", silent=True))]
     await post(server, ask_payload(), key)
     await core.drain()
     assert core.triggers[0].binding.silent is True
@@ -251,7 +250,7 @@ async def test_silent_route_deletes_the_deferred_response(
 async def test_no_route_runs_no_turn_and_leaves_nothing(
     server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
 ) -> None:
-    core.routes.clear()
+    core.routes = []
     status, body = await post(server, ask_payload(), key)
     # Known before the answer (the route lookup is part of recording): said at once, to
     # the asker alone, and nothing is deferred or left to delete.
@@ -265,7 +264,7 @@ async def test_no_route_runs_no_turn_and_leaves_nothing(
 async def test_direct_message_uses_at_me(
     server: TestServer, key: SigningKey, core: FakeCore
 ) -> None:
-    core.routes[:] = [({}, ROUTE)]
+    core.routes = [({}, ROUTE)]
     await post(server, ask_payload(guild=None), key)
     await core.drain()
     assert core.lookups == [("discord", {"guild": "@me", "channel": CHANNEL})]

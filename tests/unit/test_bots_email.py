@@ -14,12 +14,11 @@ import aiosmtplib
 import pytest
 from aiohttp import web
 
-from bots.base import RouteMatch
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
 from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import DatabaseDamaged, Unavailable
-from leadgate.core.types import BindingKind, Inbound
+from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import eventually
 
@@ -554,6 +553,7 @@ async def test_utf8_addresses_and_headers_are_read_as_text() -> None:
         assert trigger.binding.address["to"] == sender
         # A NUL from an encoded word is a blank; a control character ends no id.
         assert trigger.binding.address["subject"] == "Re: Grüße und mehr"
+        assert trigger.external_event_id is not None
         assert "\x01" not in trigger.external_event_id
 
 
@@ -593,6 +593,7 @@ async def test_connections_beyond_the_limit_get_421_and_are_closed(
         first.close()
         await first.wait_closed()
         assert await eventually(lambda: adapter.open_sessions == 1, 2.0)
+        assert adapter.port is not None
         replies = await _smtp_raw(adapter.port, [b"EHLO client.test", b"QUIT"])
         assert replies[0].startswith(b"220 ") and replies[-1].startswith(b"221")
     finally:

@@ -15,9 +15,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bots import slack, slack_review
-from bots.base import RouteMatch
 from leadgate.core.config import Settings, SlackSettings
-from leadgate.core.types import BindingKind
+from leadgate.core.types import BindingKind, RouteMatch
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.slack_api import signed_headers
 
@@ -196,7 +195,7 @@ async def test_ignored_messages(server: TestServer, core: FakeCore, event: dict[
 
 
 async def test_no_route_runs_no_turn(server: TestServer, core: FakeCore) -> None:
-    core.routes.clear()
+    core.routes = []
     status, _ = await post(server, event_body(message()))
     assert status == 200
     await core.drain()
@@ -205,7 +204,7 @@ async def test_no_route_runs_no_turn(server: TestServer, core: FakeCore) -> None
 
 
 async def test_silent_route_makes_a_silent_binding(server: TestServer, core: FakeCore) -> None:
-    core.routes[:] = [({"channel": CHANNEL}, RouteMatch("r9", "o1", "a1", silent=True))]
+    core.routes = [({"channel": CHANNEL}, RouteMatch("r9", "o1", "a1", silent=True))]
     await post(server, event_body(message()))
     await core.drain()
     [trigger] = core.triggers

@@ -15,11 +15,10 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from bots.base import RouteMatch
 from bots.teams import TeamsAdapter, create, sdk_config
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.errors import ConfigError
-from leadgate.core.types import BindingKind
+from leadgate.core.types import BindingKind, RouteMatch
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.botframework_keys import BotFrameworkKeys, rsa_key
 from tests.standins.connector import message_activity, post_activity
@@ -183,6 +182,7 @@ async def test_long_conversation_ids_give_bounded_keys(open_bot: Server) -> None
         assert (await post_activity(open_bot.url, activity))[0] == 202
     await open_bot.core.drain()
     first, second = open_bot.core.triggers
+    assert first.external_event_id is not None
     assert len(first.session_key) <= 500 and len(first.external_event_id) <= 300
     assert first.session_key != second.session_key
 
