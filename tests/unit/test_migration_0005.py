@@ -56,9 +56,8 @@ def test_upgrade_renames_user_sessions_without_collisions(db_url: str) -> None:
     command.upgrade(cfg, "head")
 
     def check(conn: sa.Connection) -> dict[str, Any]:
-        keys: dict[str, str] = dict(
-            conn.execute(sa.text("SELECT id, key FROM sessions")).tuples().all()
-        )
+        rows = conn.execute(sa.text("SELECT id, key FROM sessions")).all()
+        keys: dict[str, str] = {r.id: r.key for r in rows}
         seqs = {r[0] for r in conn.execute(sa.text("SELECT event_seq FROM sessions")).all()}
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
         return {"keys": keys, "seqs": seqs, "diff": diff}
