@@ -505,10 +505,12 @@ class InlineSqlite:
             return await self._enter(lock)
 
     async def _enter(self, lock: asyncio.Lock) -> Member:
-        conn = self.connection
         group = self._group
         if group is None:
             await lock.acquire()
+            # The connection is taken once the lock is held: the group before may have
+            # closed it while this waited (:meth:`_end_uncommitted`).
+            conn = self.connection
             try:
                 await conn.begin_immediate()
             except BaseException:
@@ -528,6 +530,7 @@ class InlineSqlite:
             group.members.release()
             self._done_with(group)
             raise group.broken
+        conn = self.connection
         try:
             if not conn.in_transaction:
                 # The members before failed and rolled it back with nothing kept.

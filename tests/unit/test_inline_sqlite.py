@@ -1425,3 +1425,46 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
         assert raw_ids(path) == {"after"}
     finally:
         await db.close()
+
+
+@SQLITE_ONLY
+async def test_a_transaction_waiting_behind_a_group_that_closed_the_connection_uses_a_new_one(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction that starts while a group still runs (past its commit point, a
+    member still inside) waits for the writer lock; when that group's COMMIT and
+    ROLLBACK fail, the group closes the connection. The waiting transaction then begins
+    on a new connection and commits: it had taken the connection before waiting, and
+    began on the closed one (sqlite3's ProgrammingError, not even a 503)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    faults = SqliteFaults(path, monkeypatch)
+    db = Database(migrated_url)
+    inside = asyncio.Event()
+    go = asyncio.Event()
+
+    async def member(binding_id: str) -> None:
+        async with db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            if binding_id == "slow":
+                inside.set()
+                await go.wait()
+
+    async def waiting() -> None:
+        await inside.wait()
+        task = asyncio.ensure_future(member("later"))
+        await asyncio.sleep(0)  # it starts, and waits for the writer lock the group holds
+        assert db._lock()._waiters and not task.done()
+        go.set()
+        await task
+
+    try:
+        faults.arm_on("INSERT INTO bindings", then="COMMIT", and_on="ROLLBACK")
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(member("slow"), waiting(), return_exceptions=True)
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
+        assert isinstance(results[0], Unavailable) and not results[0].in_doubt, results
+        assert results[1] is None, results
+        assert raw_ids(path) == {"later"}
+    finally:
+        await db.close()
