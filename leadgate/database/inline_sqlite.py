@@ -508,10 +508,11 @@ class InlineSqlite:
         group = self._group
         if group is None:
             await lock.acquire()
-            # The connection is taken once the lock is held: the group before may have
-            # closed it while this waited (:meth:`_end_uncommitted`).
-            conn = self.connection
             try:
+                # The connection is taken once the lock is held: the group before may
+                # have closed it while this waited (:meth:`_end_uncommitted`). Opening
+                # one may fail (an I/O error), the lock held.
+                conn = self.connection
                 await conn.begin_immediate()
             except BaseException:
                 lock.release()
@@ -530,8 +531,8 @@ class InlineSqlite:
             group.members.release()
             self._done_with(group)
             raise group.broken
-        conn = self.connection
         try:
+            conn = self.connection
             if not conn.in_transaction:
                 # The members before failed and rolled it back with nothing kept.
                 await conn.begin_immediate()
