@@ -521,6 +521,10 @@ class InlineSqlite:
             # Runs after every callback already queued for this iteration: the
             # transactions those start join the group first.
             asyncio.get_running_loop().call_soon(self._commit, group)
+        else:
+            # The group's own connection: only a group that broke (then this one raises
+            # below) or its COMMIT (after this one's turn) closes it.
+            conn = self.connection
         group.pending += 1
         try:
             await group.members.acquire()
@@ -532,7 +536,6 @@ class InlineSqlite:
             self._done_with(group)
             raise group.broken
         try:
-            conn = self.connection
             if not conn.in_transaction:
                 # The members before failed and rolled it back with nothing kept.
                 await conn.begin_immediate()
