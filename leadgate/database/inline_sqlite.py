@@ -21,7 +21,10 @@ stdlib ``sqlite3`` connection:
   100 us of WAL writes) per turn. A failing one rolls back alone: its writes are undone
   by rolling the SQLite transaction back and running the writes of the members kept so
   far again (recorded as they ran; see :meth:`InlineSqlite.leave`), which costs nothing
-  until a member fails, where a SAVEPOINT per member cost 8% of a plain turn;
+  until a member fails, where a SAVEPOINT per member cost 8% of a plain turn. When that
+  undo fails (the ROLLBACK meets an I/O error, the redo cannot run), the whole group
+  fails instead, nothing of it committed: the failed member's writes would otherwise
+  have been committed with the others';
 * WAL checkpoints (which fsync) never run on the loop: ``wal_autocheckpoint = 0`` here and
   :class:`InlineSqlite` runs checkpoints in a worker thread every
   :data:`CHECKPOINT_EVERY` commits: a passive one, then a restart of the WAL, which
@@ -555,7 +558,8 @@ class InlineSqlite:
         """End :meth:`enter`'s transaction: keep its work (``ok``) or roll it back alone
         (the SQLite transaction rolled back, then begun again with the writes of the
         members kept so far run once more: :meth:`InlineConnection.begin_again`; a
-        member that wrote nothing has nothing to roll back).
+        member that wrote nothing has nothing to roll back; if that cannot be done, the
+        whole group fails: :meth:`_break`).
         Returns the future that completes once the group committed (with the commit's
         error if it failed): await it before reporting success. A member that failed
         awaits it too before reporting its error: it may have failed on what another
@@ -584,38 +588,51 @@ class InlineSqlite:
         return waiter
 
     def _undo(self, group: _Group) -> None:
-        """A member failed: undo its writes alone (see :meth:`leave`)."""
+        """A member failed: undo its writes alone (see :meth:`leave`). When that fails,
+        the whole group fails (:meth:`_break`)."""
         conn = self.connection
-        if not group.logs:
-            # Nothing kept to lose: undo this member's work (a no-op if SQLite has ended
-            # the transaction); the next member, if any, begins anew.
-            conn.rollback()
-        elif not conn.in_transaction:
+        if group.logs and not conn.in_transaction:
             # SQLite ended the transaction under the member (a conflict clause, an I/O
             # error) and let go of its write lock: the kept work is gone, and another
             # connection may have committed since, so it cannot be redone.
             self._break(group)
-        else:
-            version = conn.rollback_for_again()
-            try:
-                conn.begin_again(group.logs, version)
-            except Exception:  # BUSY, a commit in between, or a redo that failed
+            return
+        try:
+            if not group.logs:
+                # Nothing kept to lose: undo this member's work (a no-op if SQLite has
+                # ended the transaction); the next member, if any, begins anew.
                 conn.rollback()
-                self._break(group)
+            else:
+                conn.begin_again(group.logs, conn.rollback_for_again())
+        except BaseException as exc:
+            # A ROLLBACK that failed (an I/O error) left this member's writes in the
+            # transaction; a redo that failed (BUSY, a commit in between, a statement)
+            # left part of the kept ones. The members after would carry on in it and
+            # COMMIT them: a failed member's writes stored, a kept member's half lost.
+            self._break(group, exc)
+            if not isinstance(exc, Exception):
+                raise
 
-    def _break(self, group: _Group) -> None:
-        """SQLite ended the group's transaction by itself: fail the group (see
-        :attr:`_Group.broken`); new transactions queue on the writer lock for a new one."""
-        self.connection.forget_reads()
-        group.broken = _wrap(
-            sqlite3.OperationalError(
-                "SQLite rolled back the whole transaction (a conflict clause or an I/O error)"
-            ),
-            "COMMIT",
-            (),
-        )
+    def _break(self, group: _Group, cause: BaseException | None = None) -> None:
+        """Fail the whole group (see :attr:`_Group.broken`): SQLite ended its transaction
+        by itself, or (``cause``) a failed member's writes could not be undone alone;
+        that transaction, if still open, is ended here (:meth:`_end_uncommitted`). New
+        transactions queue on the writer lock for a new one."""
+        conn = self.connection
+        conn.forget_reads()
+        if cause is None:
+            why = "SQLite rolled back the whole transaction (a conflict clause or an I/O error)"
+        else:
+            why = (
+                "rolled back the whole transaction: a failed member's writes could not be"
+                " undone alone (its ROLLBACK, or the redo of the kept members' writes, failed)"
+            )
+        group.broken = _wrap(sqlite3.OperationalError(why), "COMMIT", ())
+        group.broken.__cause__ = cause
         if self._group is group:
             self._group = None
+        if conn.in_transaction:
+            self._end_uncommitted(conn)
 
     def _done_with(self, group: _Group) -> None:
         group.pending -= 1
@@ -630,10 +647,13 @@ class InlineSqlite:
             return
         if group.committed.is_set():
             return
-        conn = self.connection
+        # (Not the property: a broken group may have closed the connection, see _break,
+        # and opening another here could fail with the writer lock still held.)
+        conn = self._conn
         error: BaseException | None = group.broken
         try:
-            if error is None and conn.in_transaction:  # not: every member rolled back
+            # conn.in_transaction is false when every member rolled back.
+            if error is None and conn is not None and conn.in_transaction:
                 # On the loop's thread on purpose: a committer thread cost 15-17% more
                 # CPU per lifecycle, whose small groups each paid the hand-off (README,
                 # "Group commit").
@@ -643,7 +663,8 @@ class InlineSqlite:
             # commit (no answer can be lost on the way: it runs in this process), so
             # every member is told the plain failure, never one in doubt.
             error = exc
-            self._end_uncommitted(conn)
+            if conn is not None:
+                self._end_uncommitted(conn)
         else:
             if error is None:
                 self._committed(group.lock)
@@ -659,12 +680,12 @@ class InlineSqlite:
                 waiter.set_exception(error)
 
     def _end_uncommitted(self, conn: InlineConnection) -> None:
-        """End the transaction whose COMMIT failed without its writes. A ROLLBACK that
-        fails too (an I/O error) leaves the transaction open, holding the write lock
-        with the members' writes in it: a later COMMIT would land what the members were
-        told failed, and every BEGIN in between fails ("within a transaction"). The
-        connection is closed then (SQLite rolls back a transaction open at close) and
-        the next transaction opens a new one."""
+        """End, without its writes, a transaction whose COMMIT failed or whose group
+        broke (:meth:`_break`). A ROLLBACK that fails (an I/O error) leaves the
+        transaction open, holding the write lock with the members' writes in it: a later
+        COMMIT would land what the members were told failed, and every BEGIN in between
+        fails ("within a transaction"). The connection is closed then (SQLite rolls back
+        a transaction open at close) and the next transaction opens a new one."""
         try:
             conn.rollback()
         except Exception:

@@ -1428,6 +1428,101 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
 
 
 @SQLITE_ONLY
+@pytest.mark.parametrize(
+    ("kept", "arm", "retry_fails"),
+    [
+        # The failed member runs first: its ROLLBACK (nothing kept to run again) fails.
+        (False, ("ROLLBACK", None), False),
+        (False, ("ROLLBACK", None), True),
+        # A member was kept before it: the ROLLBACK before the redo fails.
+        (True, ("ROLLBACK", None), False),
+        (True, ("ROLLBACK", None), True),
+        # The ROLLBACK works but the redo of the kept member's write fails, and so does
+        # the ROLLBACK of that half-redone transaction.
+        (True, ("ROLLBACK", "INSERT INTO bindings"), True),
+    ],
+    ids=["first", "first-retry-fails", "kept", "kept-retry-fails", "redo"],
+)
+async def test_a_member_whose_writes_cannot_be_undone_fails_the_whole_group(
+    migrated_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    kept: bool,
+    arm: tuple[str, str | None],
+    retry_fails: bool,
+) -> None:
+    """A member fails and undoing its writes fails too (an I/O error on the ROLLBACK,
+    or on the redo of the kept members' writes and then on the ROLLBACK of that): its
+    writes (or half the kept ones) were still in the group's transaction, and the
+    members after it carried on in it and COMMITted them, so a caller told "failed" had
+    its writes stored. Now the whole group fails: the failed member gets its own error,
+    every other member (before it, or waiting to run after it) the plain 503 (not in
+    doubt), nothing of the group is stored, and the next transaction commits (on a new
+    connection when the transaction could not be ended: ``retry_fails``, every ROLLBACK
+    failing). No connection to the file can be opened while the group runs: the group,
+    having closed its own, opens none (one failing to open would leave every member
+    unanswered and the writer lock held)."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    faults = SqliteFaults(path, monkeypatch)
+    db = Database(migrated_url)
+    fired: list[list[Any]] = []
+    doubted: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+    db.on_doubt_payloads("grp", doubted.append)
+    faulty_connect = sqlite3.connect
+    refuse_opening = [False]
+
+    def connect(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        if refuse_opening[0] and str(database) == path:
+            error = sqlite3.OperationalError("unable to open database file")
+            error.sqlite_errorcode = sqlite3.SQLITE_CANTOPEN
+            raise error
+        opened: sqlite3.Connection = faulty_connect(database, *args, **kwargs)
+        return opened
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+
+    async def member(binding_id: str, fail: bool = False) -> InlineConnection:
+        async with db.tx() as conn:
+            if fail:
+                # The members after it join the group (and wait for its member slot).
+                await asyncio.sleep(0)
+            await conn.execute(INSERT_BINDING, binding(binding_id))
+            signal_after_commit(conn, "grp", binding_id)
+            if fail:
+                raise Boom
+        assert isinstance(conn, InlineConnection)
+        return conn
+
+    try:
+        async with asyncio.timeout(1):
+            before = await member("warm")
+        text, then = arm
+        faults.arm_on(text, then=then, and_on="ROLLBACK" if retry_fails else None)
+        names = ["a", "b", "c", "d"] if kept else ["b", "c", "d"]
+        refuse_opening[0] = True
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                *(member(name, fail=name == "b") for name in names), return_exceptions=True
+            )
+        faults.disarm()
+        refuse_opening[0] = False
+        assert faults.fired is not None and faults.fired.startswith(text if then is None else then)
+        assert raw_ids(path) == {"warm"}, results
+        told = dict(zip(names, results, strict=True))
+        assert isinstance(told.pop("b"), Boom), results
+        assert all(isinstance(r, Unavailable) and not r.in_doubt for r in told.values()), results
+        assert (fired, doubted) == ([["warm"]], [])
+        async with asyncio.timeout(1):
+            after = await member("after")
+        assert raw_ids(path) == {"warm", "after"}
+        assert fired == [["warm"], ["after"]]
+        # A transaction that could not be ended took its connection with it.
+        assert (after is before) is not retry_fails
+    finally:
+        await db.close()
+
+
+@SQLITE_ONLY
 async def test_a_transaction_waiting_behind_a_group_that_closed_the_connection_uses_a_new_one(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
