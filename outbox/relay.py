@@ -52,6 +52,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.plans import AnyRow
 from leadgate.database.sql import unindexed
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
@@ -753,7 +754,7 @@ class Relay:
         return float(max(delay, retry_after or 0.0))
 
 
-def _in_claim_order(rows: Sequence[sa.Row[Any]]) -> list[Delivery]:
+def _in_claim_order(rows: Sequence[AnyRow]) -> list[Delivery]:
     """Claimed rows as deliveries, oldest due first (RETURNING keeps no order)."""
     out = [Delivery.from_row(r) for r in rows]
     out.sort(key=lambda r: (r.next_attempt_at, r.id))

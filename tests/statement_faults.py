@@ -40,14 +40,14 @@ class FaultySqlite(sqlite3.Connection):
 
 
 class _FaultyCursor(sqlite3.Cursor):
-    def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
+    def execute(self, sql: str, parameters: Any = (), /) -> Any:
         faults = self.connection.faults  # type: ignore[attr-defined]
         faults.before(self.connection, sql)
         result = super().execute(sql, parameters)
         faults.after(self.connection)
         return result
 
-    def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> Any:  # type: ignore[override]
+    def executemany(self, sql: str, seq_of_parameters: Iterable[Any], /) -> Any:
         faults = self.connection.faults  # type: ignore[attr-defined]
         faults.before(self.connection, sql)
         result = super().executemany(sql, seq_of_parameters)

@@ -38,6 +38,7 @@ from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError,
 from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgPool, TableChanges
+from leadgate.database.plans import AnyRow
 from leadgate.database.revision import HEAD
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
@@ -65,13 +66,13 @@ class Result(Protocol):
     @property
     def rowcount(self) -> int: ...
 
-    def __iter__(self) -> Iterator[sa.Row[Any]]: ...
+    def __iter__(self) -> Iterator[AnyRow]: ...
 
-    def first(self) -> sa.Row[Any] | None: ...
+    def first(self) -> AnyRow | None: ...
 
-    def one(self) -> sa.Row[Any]: ...
+    def one(self) -> AnyRow: ...
 
-    def all(self) -> Sequence[sa.Row[Any]]: ...
+    def all(self) -> Sequence[AnyRow]: ...
 
     def scalar(self) -> Any: ...
 
@@ -390,7 +391,7 @@ class Database:
         parameters: Mapping[str, Any],
         *,
         signals: Sequence[tuple[str, Any]] = (),
-        signals_from: Callable[[sa.Row[Any]], Sequence[tuple[str, Any]]] | None = None,
+        signals_from: Callable[[AnyRow], Sequence[tuple[str, Any]]] | None = None,
         in_doubt: Sequence[tuple[str, Any]] = (),
     ) -> Result:
         """One statement that is a whole write transaction by itself.
@@ -695,7 +696,7 @@ class _InlineTx:
 def _signals(
     result: Result,
     signals: Sequence[tuple[str, Any]],
-    signals_from: Callable[[sa.Row[Any]], Sequence[tuple[str, Any]]] | None,
+    signals_from: Callable[[AnyRow], Sequence[tuple[str, Any]]] | None,
 ) -> list[tuple[str, Any]]:
     """:meth:`Database.write_alone`'s signals: the fixed ones, then the rows' own."""
     if signals_from is None:

@@ -19,11 +19,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect, Row
 from sqlalchemy.engine.result import result_tuple
+
+#: A row of any number of columns. (SQLAlchemy 2.1 types ``Row`` by its columns:
+#: ``Row[Any]`` is a row of one, which made unpacking or indexing a two-column row a
+#: type error, so callers read columns by name to please the checker.)
+AnyRow: TypeAlias = Row[*tuple[Any, ...]]
 
 _Processor = Callable[[Any], Any] | None
 
@@ -43,7 +48,7 @@ class Plan:
     #: result column keys (None: the statement returns no rows)
     keys: tuple[str, ...] | None
     result_processors: tuple[_Processor, ...] | None
-    make_row: Callable[[Sequence[Any]], Row[Any]] | None
+    make_row: Callable[[Sequence[Any]], AnyRow] | None
     #: INSERT/UPDATE/DELETE ... RETURNING (its rowcount is the number of rows returned)
     returning: bool = False
     #: Python-side column defaults by bind name (for :meth:`args` with extracted values)
@@ -105,7 +110,7 @@ class Plan:
 
     def rows(
         self, raw_rows: Sequence[Sequence[Any]], names: Callable[[], Sequence[str]] | None = None
-    ) -> list[Row[Any]]:
+    ) -> list[AnyRow]:
         """Raw driver rows as SQLAlchemy :class:`Row` objects, result processors applied.
 
         ``names`` gives the column names the driver reported, for statements whose
@@ -278,15 +283,15 @@ class Result:
 
     __slots__ = ("_rows", "rowcount")
 
-    def __init__(self, rows: list[Row[Any]], rowcount: int) -> None:
+    def __init__(self, rows: list[AnyRow], rowcount: int) -> None:
         self._rows = rows
         self.rowcount = rowcount
 
-    def first(self) -> Row[Any] | None:
+    def first(self) -> AnyRow | None:
         """The first row, or None."""
         return self._rows[0] if self._rows else None
 
-    def one(self) -> Row[Any]:
+    def one(self) -> AnyRow:
         """Exactly one row (``NoResultFound``/``MultipleResultsFound`` otherwise)."""
         if not self._rows:
             raise sa.exc.NoResultFound("No row was found when one was required")
@@ -294,13 +299,13 @@ class Result:
             raise sa.exc.MultipleResultsFound("Multiple rows were found when one was required")
         return self._rows[0]
 
-    def one_or_none(self) -> Row[Any] | None:
+    def one_or_none(self) -> AnyRow | None:
         """One row, None for none (``MultipleResultsFound`` for more)."""
         if len(self._rows) > 1:
             raise sa.exc.MultipleResultsFound("Multiple rows were found when one or none was")
         return self.first()
 
-    def all(self) -> Sequence[Row[Any]]:
+    def all(self) -> Sequence[AnyRow]:
         """Every row."""
         return self._rows
 
@@ -320,7 +325,7 @@ class Result:
         """Every row as a mapping by column key."""
         return [dict(row._mapping) for row in self._rows]
 
-    def __iter__(self) -> Iterator[Row[Any]]:
+    def __iter__(self) -> Iterator[AnyRow]:
         return iter(self._rows)
 
 

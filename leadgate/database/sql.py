@@ -10,6 +10,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
+from leadgate.database.plans import AnyRow
+
 
 @functools.cache
 def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:
@@ -21,7 +23,7 @@ def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:
     return sqlite.insert(table).on_conflict_do_nothing()
 
 
-def row_dict(row: sa.Row[Any] | None) -> dict[str, Any] | None:
+def row_dict(row: AnyRow | None) -> dict[str, Any] | None:
     """A result row as a plain dict (``None`` passes)."""
     return None if row is None else dict(row._mapping)
 

@@ -20,6 +20,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.plans import AnyRow
 from leadgate.database.sql import later_of_sql
 from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Delivery, WorkItem
@@ -281,7 +282,7 @@ async def approve_alone(
     values = outbox.post_values(item, now)
     handed = outbox.claim_for_local(values, now)
 
-    def signals(row: sa.Row[Any]) -> list[tuple[str, Any]]:
+    def signals(row: AnyRow) -> list[tuple[str, Any]]:
         if not handed:
             return [(OUTBOX_TOPIC, None)]
         return [

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.database.plans import AnyRow
 from leadgate.domain.rows import Binding
 from outbox.store import action_for
 
@@ -75,7 +76,7 @@ _AUDIT_NAMED = (
 
 async def audit_with_actors(
     conn: Conn, org_id: str, item_id: str
-) -> tuple[Sequence[sa.Row[Any]], dict[str, Actor]]:
+) -> tuple[Sequence[AnyRow], dict[str, Actor]]:
     """The item's audit rows, oldest first, and each ``kind:id`` actor of them with its
     display name (users, lead agents and keys confined to ``org_id``)."""
     rows = (await conn.execute(_AUDIT_NAMED, {"p_item": item_id, "p_org": org_id})).all()

@@ -21,6 +21,7 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.database.plans import AnyRow
 from leadgate.domain import workitems
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
@@ -415,7 +416,7 @@ class LeadRunner:
             return None
         return self._claimed(row, token)
 
-    def _claimed(self, row: sa.Row[Any], token: str) -> WorkItem:
+    def _claimed(self, row: AnyRow, token: str) -> WorkItem:
         """The item of a claim's row (:data:`_CLAIM_ALONE`, :data:`_CLAIM_LANDED`), its
         gating binding and its lead (when kept) noted for its review."""
         item = WorkItem.from_row(row[: len(WorkItem._fields)])

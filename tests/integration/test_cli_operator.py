@@ -62,9 +62,9 @@ def par(cwd: Path, *calls: tuple[str, ...] | tuple[tuple[str, ...], dict[str, An
         for call in calls:
             if len(call) == 2 and isinstance(call[1], dict):
                 args, kwargs = call
-                futures.append(pool.submit(lg, cwd, *args, **kwargs))  # type: ignore[arg-type]
+                futures.append(pool.submit(lg, cwd, *args, **kwargs))
             else:
-                futures.append(pool.submit(lg, cwd, *call))  # type: ignore[arg-type]
+                futures.append(pool.submit(lg, cwd, *call))
         return [f.result() for f in futures]
 
 

@@ -201,7 +201,7 @@ async def test_every_rejected_save_names_its_rule_and_changes_nothing(stack: Sta
             ),
         ),
     ]
-    stack.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    stack.clock.advance(DAY_MS)
     for rule, call in cases:
         before = await table_rows(stack, t.agents, t.presets)
         with pytest.raises(ValidationError) as info:
@@ -540,7 +540,7 @@ async def test_user_roles_map_to_scopes_through_console_sessions(stack: Stack) -
             assert principal.scopes == scopes, role
             assert (principal.org_id, principal.user_id) == (org.id, f"usr_{role}")
         assert await orgs.authenticate_session(conn, stack.clock, "token-nobody") is None
-    stack.clock.advance(DAY_MS)  # type: ignore[attr-defined]
+    stack.clock.advance(DAY_MS)
     async with stack.db.read() as conn:
         assert await orgs.authenticate_session(conn, stack.clock, "token-Member") is None
     with pytest.raises(ValidationError) as info:
