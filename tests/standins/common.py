@@ -1,9 +1,10 @@
 """Plumbing shared by the chat-platform stand-ins (:mod:`.slack_api`, :mod:`.discord_api`).
 
 :class:`StandinBase` holds the failure-mode queue (``queue``, ``set_channel_mode``,
-``reset``), the ``hang`` / ``reset`` behaviours, the ``/_standin/posts|requests|modes|reset``
-control endpoints and the aiohttp lifecycle (``start`` on port 0, ``stop``, ``port``,
-``base_url``, ``latency_ms``). :func:`serve_main` is the subprocess entry point that prints
+``reset``), the ``hang`` / ``reset`` behaviours, the ``on_post`` hook (run while a post
+waits for its answer), the ``/_standin/posts|requests|modes|reset`` control endpoints
+and the aiohttp lifecycle (``start`` on port 0, ``stop``, ``port``, ``base_url``,
+``latency_ms``). :func:`serve_main` is the subprocess entry point that prints
 ``LISTENING <port>`` and serves until SIGTERM / SIGINT.
 """
 
@@ -16,7 +17,7 @@ import signal
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Self
 
 from aiohttp import web
@@ -53,6 +54,10 @@ class StandinBase:
         self._key_modes: dict[str, str] = {}
         self._release = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        #: awaited with each message post's record (``requests``) after the request was
+        #: read and before it is answered in its mode (in process): what the test does
+        #: there happens while the sender waits for the answer, its post in flight
+        self.on_post: Callable[[dict[str, Any]], Awaitable[None]] | None = None
 
     # -- control ---------------------------------------------------------------------------
 
@@ -139,6 +144,12 @@ class StandinBase:
     async def _latency(self) -> None:
         if self.latency_ms:
             await asyncio.sleep(self.latency_ms / 1000)
+
+    async def _posting(self, record: dict[str, Any]) -> None:
+        """Record a message post's attempt and run :attr:`on_post` on it."""
+        self.requests.append(record)
+        if self.on_post is not None:
+            await self.on_post(record)
 
     def _next_mode(self, key: str) -> str:
         if self._queue:

@@ -11,6 +11,7 @@ Use in-process::
         await dc.dispatch_message_create(channel_id="123", guild_id="9", content="hi")
         dc.posts      # what was posted/edited/deleted, see below
         dc.requests   # every write request, with the mode that answered it
+        dc.on_post = hook   # awaited with each channel message's record before it is answered
 
 or as a subprocess::
 
@@ -342,7 +343,7 @@ class DiscordApiStandin(StandinBase):
         await self._latency()
         mode = self._next_mode(channel_id)
         nonce = body.get("nonce")
-        self.requests.append(
+        await self._posting(
             {
                 "op": "create_message",
                 "channel_id": channel_id,

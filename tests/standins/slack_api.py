@@ -9,6 +9,7 @@ Use in-process::
         ...
         slack.posts      # successful posts: [{"channel", "text", "thread_ts", "ts"}]
         slack.requests   # every chat.postMessage attempt, with the mode that answered it
+        slack.on_post = hook   # awaited with each attempt's record before it is answered
 
 or as a subprocess (for tests that run the service in another process)::
 
@@ -210,7 +211,7 @@ class SlackApiStandin(StandinBase):
         text = params.get("text")
         thread_ts = params.get("thread_ts") or None
         mode = self._next_mode(channel)
-        self.requests.append(
+        await self._posting(
             {"channel": channel, "text": text, "thread_ts": thread_ts, "mode": mode}
         )
         if auth_error:
