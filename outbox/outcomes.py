@@ -31,7 +31,14 @@ from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
 from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent, Uncertain
-from outbox.store import CARD, CARD_CLOSED_AT, ENDED, DeliveryStatus, ReviewNeeded
+from outbox.store import (
+    CARD,
+    CARD_CLOSED_AT,
+    CARD_UPDATE,
+    ENDED,
+    DeliveryStatus,
+    ReviewNeeded,
+)
 
 log = logging.getLogger("leadgate.relay")
 #: The outcomes committed one by one (:meth:`OutcomeCommitter._commit_one`).
@@ -79,6 +86,18 @@ _MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
 #: reads the wait's cards, so either it reads the card's outcome committed, or this
 #: reads the episode closed (see :meth:`OutcomeCommitter._ended_card`).
 _CARD_CLOSED_AT_LOCKED = CARD_CLOSED_AT.with_for_update(of=t.review_episodes)
+#: The status of the card a ``cardUpdate`` edits.
+_CARD_STATUS = sa.select(D.status).where(D.id == sa.bindparam("p_card"))
+#: A card's statuses that leave its edit nothing to edit for good: not posted (refused
+#: for good, or ended by a decision), or maybe posted with no message id (a click that
+#: proves it posted queues an edit of its own: ``leadgate.review.cards.settled_card``).
+_UNEDITABLE = frozenset(
+    {
+        DeliveryStatus.cancelled.value,
+        DeliveryStatus.failed.value,
+        DeliveryStatus.deliveryUnknown.value,
+    }
+)
 
 
 # A group of successful posts on PostgreSQL, as one statement (see
@@ -345,11 +364,22 @@ class OutcomeCommitter:
     async def _commit_one(self, conn: Conn, row: Delivery, outcome: NotSent, now: int) -> None:
         values, item_dst, label = self._values_for(row, outcome, now)
         if not isinstance(outcome, Permanent) and await self._ended_card(conn, row):
-            # An email card mail in flight when its item was decided: the decision left
-            # it to its send. Not sent for sure, it is not sent any more; maybe sent, it
-            # cannot be edited nor retried. Either way it ends, and its Reply-To (the
-            # plain reply token) with it, as the decision ends such a card itself.
+            # A card in flight when its item was decided: the decision left it to its
+            # send (and queued the edit of a chat card). Not posted for sure, it is not
+            # posted any more, as the decision cancels a card not yet sent; maybe posted,
+            # it has no message id to edit, and neither an operator nor a second post
+            # has anything left to do for a decided item. Either way it ends, with an
+            # email card's Reply-To (the plain reply token); a chat card's edit then
+            # finds it ended and ends too (below).
             values.update(status=DeliveryStatus.cancelled.value, error=outcome.error, **ENDED)
+        elif row.kind == CARD_UPDATE and (card := await self._card_not_posted(conn, row)):
+            # The edit of a card that ended not posted (or maybe posted, with no id to
+            # edit): it ends too, never sent, as a decision queues no edit of a card it
+            # cancels (it was failed, an error of its own about a card that was not). An
+            # edit that found its card still being posted ends here when the card ended
+            # meanwhile, else on its next attempt (outbox.relay waits for the card).
+            error = f"the card was not posted ({card}); nothing to update"
+            values.update(status=DeliveryStatus.cancelled.value, error=error, **ENDED)
         res = await conn.execute(
             t.deliveries.update()
             .where(
@@ -400,15 +430,24 @@ class OutcomeCommitter:
             )
 
     async def _ended_card(self, conn: Conn, row: Delivery) -> bool:
-        """Whether ``row`` is an email card mail whose wait a decision closed (the
-        decision ends email cards not sent or maybe sent, but one being sent is left to
-        its send: :func:`leadgate.review.cards.close_for_item`)."""
-        if row.kind != CARD or row.channel != "email" or row.work_item_id is None:
+        """Whether ``row`` is a card (email or chat) whose wait a decision closed (the
+        decision cancels cards not sent yet, but one being sent is left to its send:
+        :func:`leadgate.review.cards.close_for_item`)."""
+        if row.kind != CARD or row.work_item_id is None:
             return False
         closed_at = await conn.scalar(
             _CARD_CLOSED_AT_LOCKED, {"p_item": row.work_item_id, "p_card": row.id}
         )
         return closed_at is not None
+
+    async def _card_not_posted(self, conn: Conn, row: Delivery) -> str | None:
+        """The status of the card ``row`` (a card's edit) edits when it leaves nothing
+        to edit for good (``cancelled``, ``failed``, ``deliveryUnknown``), else ``None``."""
+        card_id = row.address.get("card_delivery_id") if isinstance(row.address, dict) else None
+        if not isinstance(card_id, str):
+            return None
+        status = await conn.scalar(_CARD_STATUS, {"p_card": card_id})
+        return str(status) if status in _UNEDITABLE else None
 
 
 def _gating_item(row: Delivery) -> str | None:

@@ -725,6 +725,7 @@ class Relay:
         if posted.status in (DeliveryStatus.pending.value, DeliveryStatus.sending.value):
             # Decided while the card was still on its way: edit it once it is posted.
             return Retry("the card is not posted yet", delay_s=CARD_NOT_POSTED_RETRY_S)
+        # (committed cancelled, not failed: OutcomeCommitter._commit_one)
         return Permanent(f"the card was not posted ({posted.status}); nothing to update")
 
     async def _send_part(

@@ -14,6 +14,9 @@ delivery recovery, expiry; see :mod:`leadgate.review.decisions`): it closes the 
 episode and, for each of its cards, cancels a card not yet sent or queues a
 ``cardUpdate`` delivery that edits the posted card to show the outcome (email cards
 cannot be edited: a sent one is left alone, one whose send was uncertain is cancelled).
+A card being sent is left to its send: posted, it is edited; refused for now or maybe
+posted, it ends ``cancelled`` as a card not yet sent does, and its edit with it
+(:meth:`outbox.outcomes.OutcomeCommitter._commit_one`).
 
 An opened episode's earliest timer is signalled on :data:`TIMERS_TOPIC` once its
 transaction commits (in process, no statement): the SLA runner wakes when it is sooner
@@ -340,6 +343,9 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
             # failed, cancelled, or maybe posted (deliveryUnknown): no id to edit; a click
             # that proves an uncertain card posted queues its edit then (settled_card).
             continue
+        # Being posted: the edit waits for the post. A post refused for now or uncertain
+        # ends the card cancelled, one refused for good fails it, and either way its edit
+        # ends cancelled, never sent (outbox.outcomes).
         queued += await _queue_update(conn, outbox, c, outcome)
     return queued
 

@@ -10,19 +10,22 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import discord
 import pytest
 import sqlalchemy as sa
 
+from bots.discord import DiscordChannel, configure_endpoints
+from bots.slack import SlackChannel
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
+from leadgate.core.config import DiscordSettings, Settings, SlackSettings
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import Card, OutboundMessage, SendOutcome, Sent, Uncertain
+from outbox.channel import Card, Channel, OutboundMessage, SendOutcome, Sent, Uncertain
 from tests.helpers import (
     Org,
     api_trigger,
@@ -34,9 +37,13 @@ from tests.helpers import (
 )
 from tests.outbox_support import ScriptedChannel
 from tests.review_support import add_destination
+from tests.standins.common import StandinBase
+from tests.standins.discord_api import DiscordApiStandin
+from tests.standins.slack_api import SlackApiStandin
 
 MEMBER = "T0001:U0MEMBER"
 VIEWER = "T0001:U0VIEWER"
+DISCORD_CHANNEL = "1000000000000000009"
 
 
 @pytest.fixture
@@ -335,3 +342,152 @@ async def test_a_click_naming_ids_no_card_carries_changes_nothing(app: App) -> N
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
     # The same click with the card's own ids decides.
     assert (await reviews.decide("slack", MEMBER, item_id, "approve")).decided
+
+
+# ------------------------------------- a card whose post is in flight at decision time
+
+
+@pytest.fixture
+async def slack_app(migrated_url: str, slack_api: SlackApiStandin) -> AsyncIterator[App]:
+    """:func:`app` posting through the real Slack adapter to the Web API stand-in."""
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "server": {"public_url": "https://lg.example"}}
+    )
+    slack = SlackChannel(
+        SlackSettings(signing_secret="s", bot_token="xoxb-x", api_url=slack_api.api_url),
+        timeout_s=10.0,
+    )
+    service = App(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
+    yield service
+    await service.stop()
+
+
+async def card_rows(app: App, item_id: str, channel: str) -> dict[str, list[dict[str, Any]]]:
+    """The item's card deliveries on ``channel`` by kind (``card``, ``cardUpdate``)."""
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(d.id, d.kind, d.status, d.external_id, d.error)
+                .where(
+                    d.work_item_id == item_id,
+                    d.kind.in_(["card", "cardUpdate"]),
+                    d.channel == channel,
+                )
+                .order_by(d.created_at, d.id)
+            )
+        ).all()
+    found: dict[str, list[dict[str, Any]]] = {"card": [], "cardUpdate": []}
+    for row in rows:
+        found[row.kind].append(dict(row._mapping))
+    return found
+
+
+async def decided_while_posting(
+    app: App, org: Org, worker: dict[str, Any], standin: StandinBase, answer: str, channel: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An item of ``worker`` escalates; while ``standin`` holds the post of its card on
+    ``channel`` (read, not answered yet), the item is approved through the API; the post
+    is then answered with ``answer``, and an hour later the relay runs again. The card's
+    row and its edit's row."""
+    await app.turns.run(api_trigger(org, worker, "hard #escalate #complete", "s1"))
+    await drain(app.lead_runner)
+    [item] = (await app.reviews.queue(org.principal))["items"]
+    item_id = str(item["id"])
+
+    async def decide_meanwhile(record: dict[str, Any]) -> None:
+        standin.on_post = None
+        await app.reviews.decide(org.principal, item_id, "approve", surface="api")
+
+    standin.on_post = decide_meanwhile
+    standin.queue(answer)
+    await drain(app.relay)
+    assert standin.on_post is None  # the decision was made while the post was in flight
+    assert (await item_row(app, item_id))["status"] == "completed"
+    clock = app.clock
+    assert isinstance(clock, FakeClock)
+    clock.advance(3_600_000)  # a post refused for now would be due again by now
+    await drain(app.relay)
+    rows = await card_rows(app, item_id, channel)
+    [card], [update] = rows["card"], rows["cardUpdate"]
+    # Posted (or tried) once, never after the decision (Discord also records its edits).
+    posts = [r for r in standin.requests if r.get("op", "create_message") == "create_message"]
+    assert len(posts) == 1, standin.requests
+    assert (await app.reviews.uncertain(org.principal))["deliveries"] == []
+    return card, update
+
+
+@pytest.mark.parametrize("answer", ["ratelimited:7", "reset", "channel_not_found", "ok"])
+async def test_a_slack_card_being_posted_when_the_item_is_decided(
+    slack_app: App, slack_api: SlackApiStandin, answer: str
+) -> None:
+    """The relay is posting the card (Slack has read the request and not answered yet)
+    when the item is approved through the API, which queues the card's edit. Refused
+    for now or maybe posted, the card ends ``cancelled`` as a card not yet sent at
+    decision time does: it is not posted after the decision (a card asking to decide
+    what is decided) nor left ``deliveryUnknown`` for an operator, and its edit ends
+    with it, never sent. Refused for good, the card is ``failed`` and its edit
+    ``cancelled`` (not a second failure). Posted, it is edited to show the outcome."""
+    org, worker = await setup(slack_app)
+    card, update = await decided_while_posting(slack_app, org, worker, slack_api, answer, "slack")
+    expected = {
+        "ratelimited:7": ("cancelled", "cancelled"),
+        "reset": ("cancelled", "cancelled"),
+        "channel_not_found": ("failed", "cancelled"),
+        "ok": ("sent", "sent"),
+    }
+    assert (card["status"], update["status"]) == expected[answer], (card, update)
+    edits = [c for c in slack_api.calls if c["method"] == "chat.update"]
+    if answer == "ok":
+        [edit] = edits
+        assert edit["ts"] == card["external_id"] == slack_api.posts[0]["ts"]
+        assert "Approved" in edit["text"]
+    else:
+        assert edits == [] and slack_api.posts == []
+        assert update["error"] == f"the card was not posted ({card['status']}); nothing to update"
+
+
+@pytest.fixture
+async def discord_api() -> AsyncIterator[DiscordApiStandin]:
+    base = discord.http.Route.BASE  # (process-wide in discord.py: put back after)
+    async with DiscordApiStandin(token="bot-token") as standin:
+        yield standin
+    discord.http.Route.BASE = base
+
+
+@pytest.fixture
+async def discord_app(migrated_url: str, discord_api: DiscordApiStandin) -> AsyncIterator[App]:
+    """:func:`app` posting Discord cards through the real adapter to the stand-in."""
+    settings = Settings.model_validate(
+        {"database": {"url": migrated_url}, "server": {"public_url": "https://lg.example"}}
+    )
+    endpoints = DiscordSettings(bot_token="bot-token", api_url=discord_api.api_url)
+    configure_endpoints(endpoints)
+    discord_out = DiscordChannel(endpoints, timeout_s=10.0)
+    channels: dict[str, Channel] = {"slack": ScriptedChannel("slack"), "discord": discord_out}
+    service = App(settings, clock=FakeClock(), enable_adapters=False, channels=channels)
+    yield service
+    await service.stop()
+    await discord_out.close()
+
+
+@pytest.mark.parametrize("answer", ["reset", "ok"])
+async def test_a_discord_card_being_posted_when_the_item_is_decided(
+    discord_app: App, discord_api: DiscordApiStandin, answer: str
+) -> None:
+    """The same on Discord: maybe posted, the card and its edit end ``cancelled``;
+    posted, the card is edited (``PATCH``) to show the outcome."""
+    org, worker = await setup(discord_app)
+    await add_destination(discord_app, org.id, "discord", DISCORD_CHANNEL)
+    card, update = await decided_while_posting(
+        discord_app, org, worker, discord_api, answer, "discord"
+    )
+    edits = [p for p in discord_api.posts if p["op"] == "edit_message"]
+    if answer == "ok":
+        assert (card["status"], update["status"]) == ("sent", "sent")
+        [edit] = edits
+        assert edit["message_id"] == card["external_id"]
+        assert "**Approved** by API key" in edit["content"]
+    else:
+        assert (card["status"], update["status"]) == ("cancelled", "cancelled")
+        assert edits == []

@@ -139,9 +139,11 @@ async def test_an_update_waits_for_its_card_and_gives_up_when_it_never_posted(
     await drain(env.stack.relay)
     posted = {m.card.item_id: ext for ext, m in env.slack.updates if m.card}
     assert posted == {claimed[0].work_item_id: "1700.1"}
-    failed = (await env.deliveries(claimed[1].work_item_id or "", "cardUpdate"))[0]
-    assert failed["status"] == "failed"
-    assert failed["error"] == "the card was not posted (failed); nothing to update"
+    # The card was refused for good: its edit ends, never sent (it was failed, a second
+    # failure about a card that was never posted).
+    ended = (await env.deliveries(claimed[1].work_item_id or "", "cardUpdate"))[0]
+    assert ended["status"] == "cancelled"
+    assert ended["error"] == "the card was not posted (failed); nothing to update"
 
 
 async def test_delivery_unknown_gets_a_recovery_card_and_confirm_closes_it(
