@@ -1348,6 +1348,13 @@ async def test_postgres_connections_idle_past_the_bound_go_back_to_asyncpg(
         await pool.close()
 
 
+async def insert_signalled(db: Database, binding_id: str) -> None:
+    """One member of a group: a binding inserted, ``grp`` signalled with its id."""
+    async with db.tx() as conn:
+        await conn.execute(INSERT_BINDING, binding(binding_id))
+        signal_after_commit(conn, "grp", binding_id)
+
+
 @SQLITE_ONLY
 @pytest.mark.parametrize("whole_transaction", [False, True])
 async def test_a_group_commit_that_meets_a_database_fault_is_not_in_doubt(
@@ -1366,16 +1373,11 @@ async def test_a_group_commit_that_meets_a_database_fault_is_not_in_doubt(
     db.on_commit_payloads("grp", fired.append)
     db.on_doubt_payloads("grp", doubted.append)
 
-    async def member(binding_id: str) -> None:
-        async with db.tx() as conn:
-            await conn.execute(INSERT_BINDING, binding(binding_id))
-            signal_after_commit(conn, "grp", binding_id)
-
     try:
         faults.arm_on("INSERT INTO bindings", then="COMMIT", whole_transaction=whole_transaction)
         async with asyncio.timeout(2):
             results = await asyncio.gather(
-                member("a"), member("b"), member("c"), return_exceptions=True
+                *(insert_signalled(db, b) for b in "abc"), return_exceptions=True
             )
         faults.disarm()
         # One COMMIT failed, and all three were told: they shared it.
@@ -1406,15 +1408,12 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
     doubted: list[list[Any]] = []
     db.on_doubt_payloads("grp", doubted.append)
 
-    async def member(binding_id: str) -> None:
-        async with db.tx() as conn:
-            await conn.execute(INSERT_BINDING, binding(binding_id))
-            signal_after_commit(conn, "grp", binding_id)
-
     try:
         faults.arm_on("INSERT INTO bindings", then="COMMIT", and_on="ROLLBACK")
         async with asyncio.timeout(2):
-            results = await asyncio.gather(member("a"), member("b"), return_exceptions=True)
+            results = await asyncio.gather(
+                *(insert_signalled(db, b) for b in "ab"), return_exceptions=True
+            )
         faults.disarm()
         assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
         assert "ROLLBACK" in faults.statements, faults.statements
