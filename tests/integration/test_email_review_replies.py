@@ -318,6 +318,15 @@ async def test_only_a_reviewer_of_the_cards_organization_decides(env: Env) -> No
     assert await item_audit(env.app, item_id) == before
 
 
+async def sessions_of(env: Env, address: str) -> int:
+    """How many sessions mail to the routed ``address`` started (one per turn here)."""
+    async with env.app.db.read() as conn:
+        count = await conn.scalar(
+            sa.select(sa.func.count()).where(t.sessions.c.key.like(f"email:{address}:%"))
+        )
+    return int(count or 0)
+
+
 async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) -> None:
     org, worker = await setup(env)
     item_id = await escalated(env, org, worker, "s1")
@@ -354,13 +363,7 @@ async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) 
     # A reviewer allowed on the route: the card is decided and the mail starts a turn.
     assert await send(ANN, ANN) == 250
     assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
-    async with env.app.db.read() as conn:
-        turns = (
-            await conn.execute(
-                sa.select(sa.func.count()).where(t.sessions.c.key.like(f"email:{ask}:%"))
-            )
-        ).scalar()
-    assert turns == 1
+    assert await sessions_of(env, ask) == 1
 
 
 @pytest.fixture
@@ -413,13 +416,7 @@ async def test_a_reply_retried_after_its_routed_part_met_a_451_is_not_answered_t
 
     assert await send() == 250  # the sending server's retry: the same mail
     assert [a.text for a in await answer_rows(env)] == [answer.text]
-    async with env.app.db.read() as conn:
-        turns = (
-            await conn.execute(
-                sa.select(sa.func.count()).where(t.sessions.c.key.like(f"email:{ask}:%"))
-            )
-        ).scalar()
-    assert turns == 1
+    assert await sessions_of(env, ask) == 1
     actions = [a["action"] for a in await item_audit(env.app, item_id)]
     assert actions.count("approve") == 1
 
