@@ -479,11 +479,17 @@ class Database:
             raise
 
     def _in_doubt(self, exc: BaseException, topics: Mapping[str, list[Any]]) -> None:
-        """A write failed: when with a database fault, hand its payloads to the
-        :meth:`on_doubt_payloads` listeners."""
+        """A write failed: when with a database fault, wake the :meth:`on_commit`
+        listeners of its topics and hand its payloads to the :meth:`on_doubt_payloads`
+        listeners."""
         if unavailable(exc) is None:
             return  # an error of the statement itself: rolled back
         for topic, payloads in topics.items():
+            # It may have landed: the work it gave a runner (a delivery due) must not
+            # wait for the runner's poll. Woken for a write that did not land, the
+            # runner finds nothing.
+            for wake in self._listeners.get(topic, ()):
+                wake()
             if payloads:
                 for callback in self._doubt_listeners.get(topic, ()):
                     callback(payloads)

@@ -26,7 +26,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database, signal_after_commit
 from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite
 from leadgate.database.pg import PgConnection
-from tests.statement_faults import SqliteFaults
+from tests.statement_faults import PgFaults, SqliteFaults
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -1422,6 +1422,44 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
         async with asyncio.timeout(1), db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("after"))
         assert raw_ids(path) == {"after"}
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("alone", [False, True], ids=["transaction", "statement"])
+async def test_a_write_in_doubt_wakes_its_listeners_and_hands_its_payloads_over(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, alone: bool
+) -> None:
+    """PostgreSQL: a write whose COMMIT (or whose statement run alone) reached the server
+    and whose answer was lost may have landed. Its caller gets a 503 in doubt, its
+    payloads go to the doubt listeners (never to the commit listeners), and the plain
+    listeners of its topics are woken as by a commit: a delivery it made due is sent at
+    once, not at the relay's next poll (they were not woken at all)."""
+    faults = PgFaults(monkeypatch)
+    db = Database(migrated_url)
+    woken: list[str] = []
+    fired: list[list[Any]] = []
+    doubted: list[list[Any]] = []
+    db.on_commit("grp", lambda: woken.append("grp"))
+    db.on_commit_payloads("grp", fired.append)
+    db.on_doubt_payloads("grp", doubted.append)
+    try:
+        if alone:
+            faults.arm_on("INSERT INTO bindings", after_commit=True)
+            with pytest.raises(Unavailable) as raised:
+                await db.write_alone(INSERT_BINDING, binding("a"), signals=[("grp", "a")])
+        else:
+            faults.arm_on("INSERT INTO bindings", then="COMMIT", after_commit=True)
+            with pytest.raises(Unavailable) as raised:
+                async with db.tx() as conn:
+                    await conn.execute(INSERT_BINDING, binding("a"))
+                    signal_after_commit(conn, "grp", "a")
+        faults.disarm()
+        assert raised.value.in_doubt
+        assert (woken, fired, doubted) == (["grp"], [], [["a"]])
+        async with db.read() as conn:  # it did land
+            assert await conn.scalar(sa.select(t.bindings.c.id)) == "a"
     finally:
         await db.close()
 
