@@ -4,7 +4,7 @@ the state a test asserts on)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -12,6 +12,8 @@ from aiohttp import web
 from bots.base import Adapter
 from leadgate.core.errors import Unavailable
 from leadgate.core.types import Inbound, Outcome, Recorded, Reply, Routed, RouteMatch, Trigger
+from leadgate.database.db import _TOPICS, Database
+from leadgate.database.faults import unavailable
 
 RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
 
@@ -103,11 +105,24 @@ def mount_adapter(app: web.Application, adapter: Adapter) -> None:
 
 
 class DownFor:
-    """``Database.read``/``tx`` replaced for the next ``n`` calls: the call's own work
-    runs (or not, ``before``) and then the database is "gone" (Unavailable)."""
+    """``Database.read``/``tx`` replaced for the next ``n`` calls, the database "gone"
+    (Unavailable) in one of the two ways a transaction meets it.
 
-    def __init__(self, real: Callable[[], Any], n: int, *, after_commit: bool) -> None:
+    ``after_commit=False``: before the call's work (nothing stored; ``in_doubt`` False,
+    as the database layer raises a fault met before the COMMIT). ``after_commit=True``:
+    the work runs and commits, and then the caller is told the connection dropped at
+    the COMMIT, as the database layer tells it on PostgreSQL: an ``Unavailable`` with
+    ``in_doubt`` True, the transaction's signals handed to the ``on_doubt_payloads``
+    listeners instead of the commit listeners. A SQLite COMMIT runs in this process and
+    cannot be lost this way (``_InlineTx.__aexit__``): on SQLite a test must say it
+    runs a path that does not depend on the backend (``sqlite_too``)."""
+
+    def __init__(
+        self, real: Callable[[], Any], n: int, *, after_commit: bool, sqlite_too: bool = False
+    ) -> None:
         self.real, self.n, self.after_commit = real, n, after_commit
+        if after_commit:
+            _may_lose_a_commit(real, sqlite_too)
 
     def __call__(self) -> Any:
         if self.n == 0:
@@ -120,38 +135,92 @@ class DownFor:
                 if not after:
                     raise Unavailable("database down", rule="service.unavailable")
                 self.inner = real()
-                return await self.inner.__aenter__()
+                conn = await self.inner.__aenter__()
+                # The work's signals, kept from the commit listeners (see __aexit__).
+                self.topics: dict[str, list[Any]] = {}
+                if conn.info.get(_TOPICS) is not None:
+                    conn.info[_TOPICS] = self.topics
+                return conn
 
             async def __aexit__(self, *exc: Any) -> None:
-                await self.inner.__aexit__(*exc)
-                if exc[0] is None:  # committed, but the caller is told otherwise
-                    raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
+                await self.inner.__aexit__(*exc)  # committed (or rolled back: exc)
+                if exc[0] is None:  # committed, and the caller is told it is in doubt
+                    fault = _lost_at_commit()
+                    _database(real)._in_doubt(fault, self.topics)
+                    raise fault
 
         return _Ctx()
 
 
 class DownAloneFor:
     """``Database.write_alone`` replaced for the next ``n`` calls, as :class:`DownFor`:
-    the statement runs (or not, ``before``) and then the database is "gone"."""
+    the statement runs (or not) and then the database is "gone"; after it ran, in doubt
+    (``signals`` and ``in_doubt`` to the doubt listeners, as on PostgreSQL)."""
 
-    def __init__(self, real: Callable[..., Any], n: int, *, after_commit: bool) -> None:
+    def __init__(
+        self, real: Callable[..., Any], n: int, *, after_commit: bool, sqlite_too: bool = False
+    ) -> None:
         self.real, self.n, self.after_commit = real, n, after_commit
+        if after_commit:
+            _may_lose_a_commit(real, sqlite_too)
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    async def __call__(
+        self,
+        statement: Any,
+        parameters: Any,
+        *,
+        signals: Sequence[tuple[str, Any]] = (),
+        signals_from: Any = None,
+        in_doubt: Sequence[tuple[str, Any]] = (),
+    ) -> Any:
         if self.n == 0:
-            return await self.real(*args, **kwargs)
+            return await self.real(
+                statement, parameters, signals=signals, signals_from=signals_from, in_doubt=in_doubt
+            )
         self.n -= 1
         if not self.after_commit:
             raise Unavailable("database down", rule="service.unavailable")
-        await self.real(*args, **kwargs)
-        raise Unavailable("connection lost at COMMIT", rule="service.unavailable")
+        await self.real(statement, parameters)  # its signals: to the doubt listeners
+        fault = _lost_at_commit()
+        topics: dict[str, list[Any]] = {}
+        for topic, payload in (*signals, *in_doubt):
+            topics.setdefault(topic, []).extend(() if payload is None else (payload,))
+        _database(self.real)._in_doubt(fault, topics)
+        raise fault
 
 
-def lose_the_next_commit(monkeypatch: Any, db: Any, *, alone: bool) -> None:
+def _database(method: Callable[..., Any]) -> Database:
+    """The :class:`Database` whose method ``method`` is."""
+    database = getattr(method, "__self__", None)
+    assert isinstance(database, Database), method
+    return database
+
+
+def _may_lose_a_commit(real: Callable[..., Any], sqlite_too: bool) -> None:
+    assert sqlite_too or _database(real).is_postgres, (
+        "a SQLite COMMIT's answer cannot be lost: pass sqlite_too for a path that does"
+        " not depend on the backend"
+    )
+
+
+def _lost_at_commit() -> Unavailable:
+    """What the database layer raises when the connection dropped with the COMMIT sent
+    (``leadgate.database.db._raise_fault``): the fault, in doubt."""
+    fault = unavailable(ConnectionResetError("connection reset by peer"))
+    assert fault is not None
+    fault.in_doubt = True
+    return fault
+
+
+def lose_the_next_commit(
+    monkeypatch: Any, db: Any, *, alone: bool, sqlite_too: bool = False
+) -> None:
     """The next write of ``db`` commits and its caller is told the connection dropped at
-    COMMIT (Unavailable): the next ``write_alone`` statement when ``alone`` (a write
-    PostgreSQL runs as one statement), else the next ``tx``."""
+    COMMIT (Unavailable, in doubt): the next ``write_alone`` statement when ``alone`` (a
+    write PostgreSQL runs as one statement), else the next ``tx``. PostgreSQL only,
+    unless ``sqlite_too`` (see :class:`DownFor`)."""
     if alone:
-        monkeypatch.setattr(db, "write_alone", DownAloneFor(db.write_alone, 1, after_commit=True))
+        fake: Any = DownAloneFor(db.write_alone, 1, after_commit=True, sqlite_too=sqlite_too)
+        monkeypatch.setattr(db, "write_alone", fake)
     else:
-        monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=True))
+        monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=True, sqlite_too=sqlite_too))
