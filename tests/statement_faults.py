@@ -83,6 +83,9 @@ class _Counting:
         self.and_on: str | None = None
         self.whole_transaction = False
         self.after_commit = False
+        #: (:meth:`arm_on`) what the statement that fails raises instead of the
+        #: backend's fault (an I/O error, a dropped connection); it does not run
+        self.error: Callable[[], Exception] | None = None
         #: the SQL of the statement that was made to fail (None: none yet)
         self.fired: str | None = None
         self._counting = False
@@ -95,6 +98,7 @@ class _Counting:
         self.statements, self.in_write = [], []
         self.fail_at, self.fail_on, self.then, self.fired = at, None, None, None
         self.and_on = None
+        self.error = None
         self.whole_transaction = whole_transaction
         self.after_commit = after_commit
         self._counting = True
@@ -107,6 +111,7 @@ class _Counting:
         then: str | None = None,
         after_commit: bool = False,
         and_on: str | None = None,
+        error: Callable[[], Exception] | None = None,
     ) -> None:
         """Count statements from now on; the first whose SQL contains ``text`` fails
         (for a test about one statement, whatever comes before it). ``then``: the first
@@ -114,8 +119,11 @@ class _Counting:
         ``after_commit``: the commit of the transaction that ran ``text``, in doubt).
         ``and_on``: after that, every statement holding it fails as well, until
         :meth:`disarm` (PostgreSQL: the database still away when the service reads back;
-        SQLite: the ``ROLLBACK`` after a failed ``COMMIT``, say)."""
+        SQLite: the ``ROLLBACK`` after a failed ``COMMIT``, say). ``error``: the failing
+        statement raises this instead of the backend's fault (the connection kept),
+        without running."""
         self.arm(None, whole_transaction=whole_transaction, after_commit=after_commit)
+        self.error = error
         self.fail_on = text
         self.then = then
         self.and_on = and_on
@@ -181,6 +189,8 @@ class SqliteFaults(_Counting):
             if self.fired is not None and self.and_on is not None and self.and_on in sql:
                 raise io_error()
             return
+        if self.error is not None:
+            raise self.error()
         if self.whole_transaction and conn.in_transaction:
             sqlite3.Cursor(conn).execute("ROLLBACK")
         raise io_error()
@@ -240,6 +250,8 @@ class PgFaults(_Counting):
             if self.fired is not None and self.and_on is not None and self.and_on in sql:
                 _drop(conn)
             return
+        if self.error is not None:
+            raise self.error()
         if self.after_commit:
             self._lose_answer = conn
             return
