@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError, Unavailable
 from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
-from leadgate.database.pg import PgPool, TableChanges
+from leadgate.database.pg import PgConnection, PgPool, TableChanges
 from leadgate.database.plans import AnyRow
 from leadgate.database.revision import HEAD
 
@@ -459,6 +459,7 @@ class Database:
                 conn.info[_SENDER] = self.notify_tag
                 conn.info[_DB] = self
                 yield conn
+                _undo_failed(conn)
                 await _flush_before_commit(conn, before)
                 committing = True
         except Exception as exc:
@@ -663,6 +664,10 @@ class _InlineTx:
         ok = exc_type is None
         flush_error: BaseException | None = None
         try:
+            # (Taken in any case: the next member of the group uses this connection.)
+            failed, conn.undo_failed = conn.undo_failed, None
+            if ok and failed is not None:
+                raise failed  # see _undo_failed
             if ok and self.before:
                 # Inside this member's transaction: a failing flush rolls back the member.
                 await _flush_before_commit(conn, self.before)
@@ -697,6 +702,16 @@ class _InlineTx:
             _raise_fault(failure, self.db)
             raise
         self.db._after_commit(self.topics)
+
+
+def _undo_failed(conn: PgConnection) -> None:
+    """Raise the error of a nested block's undo that failed in ``conn``'s transaction
+    (:meth:`PgConnection.begin_nested`; inline SQLite: :meth:`_InlineTx.__aexit__`),
+    whoever caught it meanwhile: the block's writes may still be in the transaction,
+    which must not commit them."""
+    failed, conn.undo_failed = conn.undo_failed, None
+    if failed is not None:
+        raise failed
 
 
 def _signals(

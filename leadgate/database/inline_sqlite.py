@@ -130,6 +130,8 @@ class InlineConnection:
             # full disk or an I/O error at startup, met again on every read).
             self._raw.close()
             raise
+        #: the error of a :meth:`begin_nested` block's undo that failed (see there)
+        self.undo_failed: BaseException | None = None
         self._plans = PlanCache(dialect)
         #: writes through this connection by table, and of anything (``text()`` DML,
         #: rollbacks): see :meth:`cache_token`
@@ -265,13 +267,21 @@ class InlineConnection:
         transaction is already gone, as after some I/O errors)."""
         self._any_writes += 1  # what was read since may be gone
         if self._raw.in_transaction:
-            self._cur.execute(f"ROLLBACK TO {name}")
-            self._cur.execute(f"RELEASE {name}")
+            sql = f"ROLLBACK TO {name}"
+            try:
+                self._cur.execute(sql)
+                sql = f"RELEASE {name}"
+                self._cur.execute(sql)
+            except sqlite3.Error as exc:
+                raise _wrap(exc, sql, ()) from exc
 
     @asynccontextmanager
     async def begin_nested(self) -> AsyncIterator[None]:
         """A SAVEPOINT inside the open transaction: an error in the block undoes the
-        block's writes alone (and propagates)."""
+        block's writes alone (and propagates). When that undo fails, its error
+        propagates instead and is kept in :attr:`undo_failed`: the block's writes are
+        still in the transaction, which then fails whole whatever the caller made of the
+        error (``Database.tx`` raises it at the end of the block)."""
         self._nested += 1
         name = f"lg_nested_{self._nested}"
         self.savepoint(name)
@@ -280,7 +290,11 @@ class InlineConnection:
         try:
             yield
         except BaseException:
-            self.rollback_to(name)
+            try:
+                self.rollback_to(name)
+            except BaseException as failed:
+                self.undo_failed = failed
+                raise
             if log is not None:
                 del log[mark:]  # undone: not the member's work any more
             raise

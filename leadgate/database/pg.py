@@ -225,6 +225,7 @@ class PgConnection:
         "_trace",
         "dialect",
         "info",
+        "undo_failed",
         "wrote",
     )
 
@@ -252,6 +253,8 @@ class PgConnection:
         #: notifying tables written here (counted in ``changes`` when the pool's
         #: transaction or single statement ends)
         self.wrote: set[str] = set()
+        #: the error of a :meth:`begin_nested` block's undo that failed (see there)
+        self.undo_failed: BaseException | None = None
 
     @property
     def raw(self) -> asyncpg.Connection:
@@ -308,12 +311,24 @@ class PgConnection:
     @asynccontextmanager
     async def begin_nested(self) -> AsyncIterator[None]:
         """A SAVEPOINT inside the open transaction (asyncpg nests transactions as
-        savepoints): an error in the block undoes the block's writes alone."""
+        savepoints): an error in the block undoes the block's writes alone. When that
+        undo (``ROLLBACK TO SAVEPOINT``) fails, its error propagates and is kept in
+        :attr:`undo_failed`: the block's writes may still be in the transaction, which
+        then fails whole whatever the caller made of the error (``Database.tx`` raises
+        it at the end of the block)."""
+        failed: BaseException | None = None
         try:
             async with self._raw.transaction():
-                yield
+                try:
+                    yield
+                except BaseException as exc:
+                    failed = exc
+                    raise
         except _DRIVER_ERRORS as exc:
-            raise _wrap(exc, "SAVEPOINT", ()) from exc
+            error = _wrap(exc, "SAVEPOINT", ())
+            if failed is not None and exc is not failed:  # the undo's own error
+                self.undo_failed = error
+            raise error from exc
 
     async def _many(
         self, statement: sa.Executable, parameters: Sequence[Mapping[str, Any]]

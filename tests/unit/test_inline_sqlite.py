@@ -6,6 +6,7 @@ listeners (leadgate/database/db.py); on PostgreSQL the same API runs on asyncpg
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import itertools
 import json
@@ -17,16 +18,19 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 
+from leadgate.core.clock import FakeClock, RandomIds
 from leadgate.core.errors import Unavailable
 from leadgate.database import inline_sqlite
 from leadgate.database import schema as t
 from leadgate.database.db import Database, signal_after_commit
 from leadgate.database.inline_sqlite import InlineConnection, InlineSqlite
 from leadgate.database.pg import PgConnection
-from tests.statement_faults import PgFaults, SqliteFaults
+from outbox.store import Outbox
+from tests.statement_faults import PgFaults, SqliteFaults, injector
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
@@ -1109,6 +1113,55 @@ async def test_a_failing_nested_block_rolls_back_alone(db: Database) -> None:
         await _nested_blocks(conn)
         await conn.execute(INSERT_BINDING, binding("n3"))
     assert await committed_ids(db) == {"n0", "n2", "n3"}
+
+
+def _not_a_fault(db: Database) -> Exception:
+    """What a failing ROLLBACK TO may raise that is no database fault: SQLite's
+    ``SQLITE_NOMEM`` (the stdlib driver raises MemoryError), a PostgreSQL server error."""
+    if db.is_postgres:
+        error: Exception = asyncpg.exceptions.InternalServerError("cannot roll back")
+        return error
+    return MemoryError()
+
+
+@pytest.mark.parametrize("undo", ["fault", "not-a-fault"])
+async def test_a_nested_block_whose_undo_fails_fails_the_whole_transaction(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, undo: str
+) -> None:
+    """Review cards (Outbox.review_needed's nested block) fail, a bug of theirs, and the
+    block's undo, its ROLLBACK TO, fails too: the cards' writes are still in the
+    transaction. The transaction fails whole, nothing of it stored, whoever caught the
+    undo's error: review_needed logs and swallows an error that is not a database fault
+    (failed cards must not block the transition). A database fault (an I/O error, a
+    dropped connection) it raised already; any other error of the undo was swallowed
+    and the half-written cards committed with the transition."""
+    faults = injector(migrated_url, monkeypatch)
+    db = Database(migrated_url)
+    outbox = Outbox(FakeClock(), RandomIds())
+
+    async def cards(conn: Any, item_id: str, reason: str, delivery_id: str | None) -> None:
+        await conn.execute(INSERT_BINDING, binding("card"))
+        raise Boom
+
+    outbox.on_review_needed(cards)
+    try:
+        async with asyncio.timeout(1), db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("warm"))
+        error = None if undo == "fault" else functools.partial(_not_a_fault, db)
+        faults.arm_on("ROLLBACK TO", error=error)
+        with pytest.raises(Exception) as raised:
+            async with asyncio.timeout(2), db.tx() as conn:
+                await conn.execute(INSERT_BINDING, binding("transition"))
+                await outbox.review_needed(conn, "wi_1", "escalated")
+        faults.disarm()
+        assert faults.fired is not None and faults.fired.startswith("ROLLBACK TO")
+        assert isinstance(raised.value, Unavailable) is (undo == "fault"), raised.value
+        assert await committed_ids(db) == {"warm"}
+        async with asyncio.timeout(1), db.tx() as conn:
+            await conn.execute(INSERT_BINDING, binding("after"))
+        assert await committed_ids(db) == {"warm", "after"}
+    finally:
+        await db.close()
 
 
 @SQLITE_ONLY
