@@ -8,7 +8,14 @@ and their causes) and answers an :class:`leadgate.core.errors.Unavailable` for:
   back under us (:mod:`leadgate.database.inline_sqlite`, caused by one of those);
 * PostgreSQL: no connection (refused, reset, closed by the server, terminated by an
   administrator: ``pg_terminate_backend``), the server starting up or shutting down,
-  too many connections, disk full (SQLSTATE classes 08, 53, 57P), pool timeouts.
+  too many connections, disk full (SQLSTATE classes 08, 53, 57P), pool timeouts; and
+  the errors that end one statement or transaction for a passing reason, where the same
+  request a moment later goes through: a statement cancelled (``57014``
+  query_canceled: ``statement_timeout``, ``pg_cancel_backend``), a lock not granted
+  (``55P03`` lock_not_available: ``lock_timeout``, ``NOWAIT``), a session ended for
+  sitting idle in its transaction (``25P03``
+  idle_in_transaction_session_timeout), a deadlock (``40P01``) or a serialization
+  failure (``40001``), the last two retryable by definition.
 
 Anything else (an integrity error, a syntax error: a bug) is not unavailability and
 stays what it is. PostgreSQL reporting damaged data or a damaged index (SQLSTATE
@@ -44,7 +51,7 @@ _SQLITE_TEXT = (
     "rolled back the whole transaction",
     "attempt to write a readonly database",
 )
-_PG_STATES = ("08", "53", "57P")
+_PG_STATES = ("08", "53", "57P", "57014", "55P03", "25P03", "40P01", "40001")
 _PG_TEXT = (
     "connection was closed",
     "connection is closed",
@@ -58,6 +65,10 @@ _PG_TEXT = (
     # asyncpg, on a connection the server dropped in the middle of an operation
     "another operation is in progress",
     "cannot switch to state",
+    # asyncpg's pool proxy, once the server closed its connection while a transaction
+    # waited between statements (idle_in_transaction_session_timeout, FATAL 25P03;
+    # pg_terminate_backend): asyncpg took the connection back by itself
+    "connection has been released back to the pool",
 )
 
 
