@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError, Unavailable
 from leadgate.database.faults import pg_damage, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
-from leadgate.database.pg import PgConnection, PgPool, TableChanges
+from leadgate.database.pg import PgConnection, PgPool, TableChanges, raise_aborted
 from leadgate.database.plans import AnyRow
 from leadgate.database.revision import HEAD
 
@@ -460,7 +460,11 @@ class Database:
                 conn.info[_DB] = self
                 yield conn
                 _undo_failed(conn)
+                # Before the COMMIT, so not in doubt: a statement failed and its caller
+                # went on (PostgreSQL aborted the transaction; see PgPool.transaction).
+                raise_aborted(conn)
                 await _flush_before_commit(conn, before)
+                raise_aborted(conn)
                 committing = True
         except Exception as exc:
             if committing:  # (before the COMMIT, a failure rolls everything back)

@@ -223,6 +223,7 @@ class PgConnection:
         "_readonly",
         "_reconnect",
         "_trace",
+        "aborted",
         "dialect",
         "info",
         "undo_failed",
@@ -255,6 +256,10 @@ class PgConnection:
         self.wrote: set[str] = set()
         #: the error of a :meth:`begin_nested` block's undo that failed (see there)
         self.undo_failed: BaseException | None = None
+        #: the error of the last statement that failed and that no savepoint's undo
+        #: took back since: PostgreSQL has aborted the transaction, and its ``COMMIT``
+        #: would be answered ``ROLLBACK`` without an error (see :meth:`PgPool.transaction`)
+        self.aborted: BaseException | None = None
 
     @property
     def raw(self) -> asyncpg.Connection:
@@ -291,7 +296,9 @@ class PgConnection:
             except _DRIVER_ERRORS as exc:
                 reconnect, self._reconnect = self._reconnect, None
                 if reconnect is None or _usable(self._raw):
-                    raise _wrap(exc, sql, args) from exc
+                    error = _wrap(exc, sql, args)
+                    self.aborted = error
+                    raise error from exc
             self._raw = await reconnect(self._raw)
 
     def cache_token(self, tables: Sequence[str]) -> object | None:
@@ -315,8 +322,11 @@ class PgConnection:
         undo (``ROLLBACK TO SAVEPOINT``) fails, its error propagates and is kept in
         :attr:`undo_failed`: the block's writes may still be in the transaction, which
         then fails whole whatever the caller made of the error (``Database.tx`` raises
-        it at the end of the block)."""
+        it at the end of the block). An undo that ran takes back what failed in the
+        block (:attr:`aborted`); a ``SAVEPOINT`` or ``RELEASE`` that fails (the latter
+        after an error the block caught itself) aborts the transaction."""
         failed: BaseException | None = None
+        aborted = self.aborted
         try:
             async with self._raw.transaction():
                 try:
@@ -326,9 +336,17 @@ class PgConnection:
                     raise
         except _DRIVER_ERRORS as exc:
             error = _wrap(exc, "SAVEPOINT", ())
-            if failed is not None and exc is not failed:  # the undo's own error
-                self.undo_failed = error
+            if exc is failed:
+                self.aborted = aborted
+            else:
+                self.aborted = error
+                if failed is not None:  # the undo's own error
+                    self.undo_failed = error
             raise error from exc
+        except BaseException as exc:
+            if exc is failed:  # the block's error, undone by ROLLBACK TO
+                self.aborted = aborted
+            raise
 
     async def _many(
         self, statement: sa.Executable, parameters: Sequence[Mapping[str, Any]]
@@ -346,7 +364,9 @@ class PgConnection:
         try:
             await self._raw.executemany(plan.sql, batch)
         except _DRIVER_ERRORS as exc:
-            raise _wrap(exc, plan.sql, batch[:1]) from exc
+            error = _wrap(exc, plan.sql, batch[:1])
+            self.aborted = error
+            raise error from exc
         return Result([], len(batch))
 
 
@@ -410,6 +430,19 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     state this pool never creates (its connections take no advisory locks, declare no
     cursors, LISTEN nowhere (listeners have their own connections, see
     :func:`outbox.store.pg_listen`) and SET nothing outside a transaction)."""
+
+
+def raise_aborted(conn: PgConnection) -> None:
+    """Raise again the error that aborted ``conn``'s transaction
+    (:attr:`PgConnection.aborted`), if a statement failed and its caller went on: the
+    whole transaction failed, before its ``COMMIT`` (nothing of it is in doubt)."""
+    error, conn.aborted = conn.aborted, None
+    if error is not None:
+        error.add_note(
+            "raised again at the end of its transaction, which PostgreSQL aborted at this "
+            "error (caught outside a savepoint): nothing of the transaction committed"
+        )
+        raise error
 
 
 def _usable(raw: asyncpg.Connection) -> bool:
@@ -618,7 +651,12 @@ class PgPool:
         """A pooled connection inside ``BEGIN`` ... ``COMMIT`` (rolled back on error).
 
         A ``BEGIN`` that finds the connection dropped by the server has changed nothing:
-        it runs once more on a fresh connection (:meth:`_reconnect`)."""
+        it runs once more on a fresh connection (:meth:`_reconnect`). A block that ends
+        without an error after one of its statements failed outside a savepoint (the
+        caller caught the error) is rolled back and that error raised again
+        (:func:`raise_aborted`): PostgreSQL aborted the transaction at the error and
+        answers its ``COMMIT`` with ``ROLLBACK``, which asyncpg does not report, so the
+        caller was told its writes committed while none had."""
         trace = self.trace
         raw = await self._acquire()
         try:
@@ -640,6 +678,7 @@ class PgPool:
             try:
                 try:
                     yield conn
+                    raise_aborted(conn)
                 except BaseException:
                     if trace is not None:
                         trace("ROLLBACK")

@@ -1,0 +1,139 @@
+"""A PostgreSQL transaction whose statement failed outside a savepoint and whose caller
+caught the error and went on.
+
+PostgreSQL aborts the transaction at the error and answers its ``COMMIT`` with
+``ROLLBACK``, which asyncpg does not report: the caller was told its writes committed
+while none had. Ending such a transaction now raises the error again, before the
+``COMMIT`` (nothing in doubt); an error caught inside a savepoint (``begin_nested``),
+whose undo took it back, still commits the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import sqlalchemy as sa
+
+from leadgate.core.errors import Unavailable
+from leadgate.database.db import Database, signal_after_commit
+from tests.integration.test_damaged_postgres import run_sql
+from tests.unit.test_pg_connection_loss import INSERT, organization_ids
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def db(migrated_pg: str) -> AsyncIterator[Database]:
+    database = Database(migrated_pg)
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+async def test_a_swallowed_integrity_error_fails_the_transaction(db: Database) -> None:
+    woken: list[str] = []
+    doubted: list[list[object]] = []
+    db.on_commit("t", lambda: woken.append("t"))
+    db.on_doubt_payloads("t", doubted.append)
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    with pytest.raises(sa.exc.IntegrityError) as raised:
+        async with db.tx() as conn:
+            await conn.execute(INSERT, {"id": "o1"})
+            signal_after_commit(conn, "t", "p")
+            try:
+                await conn.execute(INSERT, {"id": "taken"})
+            except sa.exc.IntegrityError:
+                pass  # and the block ends: its COMMIT was answered ROLLBACK
+    assert "nothing of the transaction committed" in "".join(raised.value.__notes__)
+    assert await organization_ids(db) == ["taken"]
+    assert (woken, doubted) == ([], [])  # no commit, and nothing in doubt
+    async with db.tx() as conn:  # the connection is fine for the next one
+        await conn.execute(INSERT, {"id": "o2"})
+    assert await organization_ids(db) == ["o2", "taken"]
+
+
+async def test_a_swallowed_fault_is_a_503_not_in_doubt(db: Database) -> None:
+    """A statement cancelled by ``statement_timeout`` and caught: the transaction fails
+    as a database fault would, before its COMMIT."""
+    with pytest.raises(Unavailable) as raised:
+        async with db.tx() as conn:
+            await conn.execute(INSERT, {"id": "o1"})
+            await conn.execute(sa.text("SET LOCAL statement_timeout = '50ms'"))
+            try:
+                await conn.execute(sa.text("SELECT pg_sleep(5)"))
+            except sa.exc.DBAPIError:
+                pass
+    assert raised.value.rule == "service.unavailable" and not raised.value.in_doubt
+    assert await organization_ids(db) == []
+
+
+async def test_an_error_undone_by_a_savepoint_commits_the_rest(db: Database) -> None:
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "o1"})
+        try:
+            async with conn.begin_nested():
+                await conn.execute(INSERT, {"id": "taken"})
+        except sa.exc.IntegrityError:
+            pass
+        await conn.execute(INSERT, {"id": "o2"})
+    assert await organization_ids(db) == ["o1", "o2", "taken"]
+
+
+async def test_an_error_caught_inside_a_savepoint_fails_the_transaction(db: Database) -> None:
+    """Caught inside the block, the error is not undone: the block's end (``RELEASE``)
+    fails, and with that error caught too the transaction still fails whole."""
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    with pytest.raises(sa.exc.DBAPIError):
+        async with db.tx() as conn:
+            await conn.execute(INSERT, {"id": "o1"})
+            try:
+                async with conn.begin_nested():
+                    try:
+                        await conn.execute(INSERT, {"id": "taken"})
+                    except sa.exc.IntegrityError:
+                        pass
+            except sa.exc.DBAPIError:
+                pass
+    assert await organization_ids(db) == ["taken"]
+
+
+async def test_the_pools_own_transaction_fails_too(db: Database) -> None:
+    """:meth:`PgPool.transaction` itself, whoever uses it."""
+    pool = db._pg
+    assert pool is not None
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    with pytest.raises(sa.exc.IntegrityError):
+        async with pool.transaction() as raw:
+            await raw.execute(INSERT, {"id": "o1"})
+            try:
+                await raw.execute(INSERT, {"id": "taken"})
+            except sa.exc.IntegrityError:
+                pass
+    assert await organization_ids(db) == ["taken"]
+
+
+async def test_a_session_ended_idle_in_its_transaction_is_a_503(
+    db: Database, migrated_pg: str
+) -> None:
+    """``idle_in_transaction_session_timeout`` (SQLSTATE 25P03, FATAL): the server closes
+    the connection, which the next statement finds closed. The wait is the server's
+    timer, not ours: it cannot be faked."""
+    name = sa.engine.make_url(migrated_pg).database
+    await run_sql(
+        migrated_pg, f"ALTER DATABASE {name} SET idle_in_transaction_session_timeout = '100ms'"
+    )
+    with pytest.raises(Unavailable) as raised:
+        async with db.tx() as conn:
+            await conn.execute(INSERT, {"id": "o1"})
+            await asyncio.sleep(0.5)
+            await conn.execute(INSERT, {"id": "o2"})
+    assert raised.value.rule == "service.unavailable" and not raised.value.in_doubt
+    assert await organization_ids(db) == []
