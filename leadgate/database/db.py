@@ -35,7 +35,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError, Unavailable
-from leadgate.database.faults import pg_damage, unavailable
+from leadgate.database.faults import pg_damage, refused, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
 from leadgate.database.pg import PgConnection, PgPool, TableChanges, raise_aborted
 from leadgate.database.plans import AnyRow
@@ -487,8 +487,8 @@ class Database:
         """A write failed: when with a database fault, wake the :meth:`on_commit`
         listeners of its topics and hand its payloads to the :meth:`on_doubt_payloads`
         listeners."""
-        if unavailable(exc) is None:
-            return  # an error of the statement itself: rolled back
+        if unavailable(exc) is None or refused(exc):
+            return  # an error of the statement itself, or refused by the server: rolled back
         for topic, payloads in topics.items():
             # It may have landed: the work it gave a runner (a delivery due) must not
             # wait for the runner's poll. Woken for a write that did not land, the
@@ -742,7 +742,8 @@ def _raise_unavailable(exc: BaseException, *, in_doubt: bool = False) -> None:
     ``in_doubt``: it met the write's COMMIT (see :attr:`Unavailable.in_doubt`)."""
     fault = unavailable(exc)
     if fault is not None and fault is not exc:
-        fault.in_doubt = in_doubt
+        # (The server's ERROR answer to the COMMIT says it did not commit.)
+        fault.in_doubt = in_doubt and not refused(exc)
         raise fault from exc
 
 

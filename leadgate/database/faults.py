@@ -118,6 +118,25 @@ def _why(exc: BaseException) -> str | None:
     return None
 
 
+#: Faults PostgreSQL answers with an ERROR (not by ending the session): the statement,
+#: or the COMMIT, failed and its transaction rolled back, so a write that met one at its
+#: COMMIT did not land. Disk full and too many connections (class 53), a statement
+#: cancelled, a lock not granted, a deadlock, a serialization failure.
+_PG_REFUSED = ("53", "57014", "55P03", "40P01", "40001")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL's ERROR answer to a statement (see
+    :data:`_PG_REFUSED`): met at a COMMIT, the write is known not to have landed; only
+    a fault without such an answer (the connection lost, the session terminated) leaves
+    it in doubt."""
+    for item in _chain(exc):
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if isinstance(state, str) and state.startswith(_PG_REFUSED):
+            return True
+    return False
+
+
 #: PostgreSQL's corruption codes (class XX, "internal error"): what each says to do.
 _PG_DAMAGE = {
     "XX001": ("data_corrupted", "restore the damaged data from a backup"),

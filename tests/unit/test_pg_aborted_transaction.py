@@ -137,3 +137,42 @@ async def test_a_session_ended_idle_in_its_transaction_is_a_503(
             await conn.execute(INSERT, {"id": "o2"})
     assert raised.value.rule == "service.unavailable" and not raised.value.in_doubt
     assert await organization_ids(db) == []
+
+
+#: A deferred constraint trigger that refuses, at COMMIT, an organization whose id
+#: starts with "refused", with a serialization failure (an ERROR answer: the server
+#: rolled the transaction back).
+REFUSE_AT_COMMIT = """
+CREATE FUNCTION lg_refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.id LIKE 'refused%' THEN
+    RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER lg_refuse_at_commit AFTER INSERT ON organizations
+  DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION lg_refuse_at_commit();
+"""
+
+
+@pytest.mark.parametrize("path", ["transaction", "alone"])
+async def test_a_commit_the_server_refuses_is_not_in_doubt(
+    db: Database, migrated_pg: str, path: str
+) -> None:
+    """The server answered the COMMIT with an ERROR (here a serialization failure): it
+    did not commit, so the 503 is the plain one, not in doubt, and no doubt listener is
+    told the write may have landed (a COMMIT whose answer is lost still is in doubt:
+    ``test_pg_connection_loss``)."""
+    await run_sql(migrated_pg, REFUSE_AT_COMMIT)
+    doubted: list[list[object]] = []
+    db.on_doubt_payloads("t", doubted.append)
+    with pytest.raises(Unavailable) as raised:
+        if path == "transaction":
+            async with db.tx() as conn:
+                await conn.execute(INSERT, {"id": "refused1"})
+                signal_after_commit(conn, "t", "p")
+        else:
+            await db.write_alone(INSERT, {"id": "refused1"}, signals=[("t", "p")])
+    assert not raised.value.in_doubt
+    assert doubted == []
+    assert await organization_ids(db) == []
