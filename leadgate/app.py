@@ -22,7 +22,7 @@ import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import sqlalchemy as sa
@@ -96,12 +96,14 @@ from leadgate.web.common import (
     inflight_middleware,
     stamp_response,
 )
-from leadgate.web.mcp import McpLifecycle, mount_mcp
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox, listen_all
 from outbox.store import NOTIFY_CHANNEL as OUTBOX_CHANNEL
+
+if TYPE_CHECKING:
+    from leadgate.web.mcp import McpLifecycle
 
 log = logging.getLogger("leadgate.app")
 
@@ -675,6 +677,10 @@ class App:
             public_url=self.settings.server.public_url,
             client_address=ClientAddress(self.settings.server.trusted_proxies),
         )
+        # Imported here: the MCP SDK's types take most of a second to import, and a
+        # worker process (role worker) never mounts the server.
+        from leadgate.web.mcp import mount_mcp
+
         self._mcp = mount_mcp(
             app,
             authenticate=self.access.key_principal,

@@ -12,11 +12,11 @@ import sys
 SERVICE_ONLY = ("aiohttp", "alembic", "mcp", "slack_sdk", "slack_bolt", "discord", "botbuilder")
 
 
-def loaded_after(code: str) -> set[str]:
-    """The top-level packages of :data:`SERVICE_ONLY` a fresh interpreter has loaded
-    after running ``code``."""
+def loaded_after(code: str, packages: tuple[str, ...] = SERVICE_ONLY) -> set[str]:
+    """The top-level ``packages`` a fresh interpreter has loaded after running
+    ``code``."""
     tops = "{m.split('.')[0] for m in sys.modules}"
-    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({tops} & {set(SERVICE_ONLY)!r})))"
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted({tops} & {set(packages)!r})))"
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
@@ -36,3 +36,9 @@ def test_version_and_help_load_no_service_library() -> None:
         "        build_parser('').parse_args(argv)\n"
     )
     assert loaded_after(code) == set()
+
+
+def test_the_composition_root_loads_the_mcp_sdk_only_to_mount_it() -> None:
+    # A worker process (serve --role worker) never mounts the MCP server; the SDK's
+    # types took about 0.4 s of its start.
+    assert loaded_after("import leadgate.app", ("mcp", "mcp_types")) == set()
