@@ -58,7 +58,6 @@ from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.logs import Tally
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from leadgate.review.replies import AnswerTo, parse_reply, token_of
-from outbox.channel import Channel
 
 __all__ = [
     "EmailAdapter",
@@ -393,10 +392,9 @@ class EmailAdapter:
         self._idle_timeout_s = idle_timeout_s
         self._hostname = hostname or socket.gethostname() or "localhost"
         self.handler = EmailHandler(core)
-        self.email_channel = EmailChannel(
+        self.channel = EmailChannel(
             settings, timeout_s=send_timeout_s, local_hostname=self._hostname
         )
-        self.channel: Channel = self.email_channel
         #: bound inbound port once started (None: not listening)
         self.port: int | None = None
         self._server: asyncio.base_events.Server | None = None
