@@ -145,17 +145,26 @@ def api_trigger(org: Org, agent: dict[str, Any], text: str, session: str = "s1")
     )
 
 
-def slack_trigger(org: Org, agent: dict[str, Any], text: str, thread_ts: str) -> Trigger:
-    """A message in Slack thread ``thread_ts`` (team T1, channel C1) for ``agent``, on
-    the thread's session, with the event id that de-duplicates redeliveries."""
-    key = f"slack:T1:C1:{thread_ts}"
+def slack_trigger(
+    org: Org,
+    agent: dict[str, Any],
+    text: str,
+    thread_ts: str,
+    *,
+    team: str = "T1",
+    channel: str = "C1",
+) -> Trigger:
+    """A message in Slack thread ``thread_ts`` (of ``channel`` in ``team``) for
+    ``agent``, on the thread's session, with the event id that de-duplicates
+    redeliveries."""
+    key = f"slack:{team}:{channel}:{thread_ts}"
     return Trigger(
         org_id=org.id,
         agent_id=str(agent["id"]),
         session_key=key,
         text=text,
         binding=BindingSpec(
-            BindingKind.slack, {"team": "T1", "channel": "C1", "thread_ts": thread_ts}
+            BindingKind.slack, {"team": team, "channel": channel, "thread_ts": thread_ts}
         ),
         external_event_id=key,
     )

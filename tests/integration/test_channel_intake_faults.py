@@ -7,7 +7,10 @@ Slack and email are told to retry instead (503, 451: they redeliver), except on 
 last try; a Discord interaction or gateway message is sent once, and nothing documents
 that Teams sends a message again after a 5xx, so there (and on Slack's last try) the
 author is told in words, naming the rule, and nothing of the driver's failure reaches the
-log as a traceback."""
+log as a traceback.
+
+And a busy Slack message (PostgreSQL) whose recording's COMMIT is in doubt: recorded
+once, nothing posted, whichever way the COMMIT and its read-back went."""
 
 from __future__ import annotations
 
@@ -20,19 +23,31 @@ from typing import Any
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.types import Gated
+from leadgate.database import schema as t
 from leadgate.database.db import Database
 from tests.fakes import DownFor
-from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.helpers import (
+    eventually,
+    item_row,
+    make_agent,
+    make_org,
+    make_route,
+    session_item,
+    slack_trigger,
+)
 from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 from tests.standins.slack_api import SlackApiStandin, signed_headers
+from tests.statement_faults import injector
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
 SAID = "could not be taken in"
@@ -203,29 +218,44 @@ async def slack_served(migrated_url: str) -> AsyncIterator[tuple[App, TestServer
             yield service, server, slack
 
 
-async def slack_message(
-    server: TestServer, *, retry_num: int | None, kind: str = "message", event_id: str = "Ev01"
-) -> int:
+async def slack_answer(
+    server: TestServer,
+    *,
+    retry_num: int | None,
+    kind: str = "message",
+    event_id: str = "Ev01",
+    thread_ts: str | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Slack's delivery of a message event (ts ``1700000000.000100``, in ``thread_ts``),
+    signed: the service's answer, its status and JSON body (``{}`` when none)."""
+    event = {
+        "type": kind,
+        "channel": "C0ASK",
+        "user": "U0HUMAN",
+        "text": "SECRET-SLACK-TEXT",
+        "ts": "1700000000.000100",
+    }
+    if thread_ts is not None:
+        event["thread_ts"] = thread_ts
     body = json.dumps(
-        {
-            "type": "event_callback",
-            "team_id": "T0STANDIN",
-            "event_id": event_id,
-            "event": {
-                "type": kind,
-                "channel": "C0ASK",
-                "user": "U0HUMAN",
-                "text": "SECRET-SLACK-TEXT",
-                "ts": "1700000000.000100",
-            },
-        }
+        {"type": "event_callback", "team_id": "T0STANDIN", "event_id": event_id, "event": event}
     )
     headers = signed_headers(SLACK_SECRET, body, retry_num=retry_num)
     async with aiohttp.ClientSession() as session:
         async with session.post(
             server.make_url("/slack/events"), data=body.encode(), headers=headers
         ) as r:
-            return r.status
+            text = await r.text()
+    # (Bolt's 200 has an empty body; a refusal is JSON)
+    return r.status, json.loads(text) if text.startswith("{") else {}
+
+
+async def slack_message(
+    server: TestServer, *, retry_num: int | None, kind: str = "message", event_id: str = "Ev01"
+) -> int:
+    """:func:`slack_answer`'s status."""
+    status, _ = await slack_answer(server, retry_num=retry_num, kind=kind, event_id=event_id)
+    return status
 
 
 @pytest.mark.parametrize("retry_num", [None, 1, 2])
@@ -300,3 +330,75 @@ async def test_a_reply_slack_refused_is_tried_again_by_the_other_event_of_the_po
     assert await slack_message(server, retry_num=3, kind="message", event_id="Ev02") == 200
     [reply] = slack.posts  # the refused one is not among the posts
     assert SAID in reply["text"]
+
+
+#: The read-back of a busy intake in doubt (leadgate.turns.intake._EVENT_LANDED).
+BUSY_READ_BACK = "FROM inbound_events"
+
+
+@pytest.mark.parametrize("landed", [True, False])
+@pytest.mark.parametrize("read_back", ["works", "fails"])
+async def test_a_busy_slack_message_whose_commit_is_in_doubt_is_recorded_once_and_posts_nothing(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, landed: bool, read_back: str
+) -> None:
+    """PostgreSQL, through the signed Slack endpoint: a message in a thread whose work
+    item waits for its lead is busy, and a busy message posts nothing in the thread
+    (SPEC 10); it is recorded (a ``rejectedBusy`` inbound event). The transaction that
+    records it loses its COMMIT (``landed``: the COMMIT ran first; else the connection
+    dropped before it), and the read-back of the event works or fails too. Whichever
+    way, once Slack has its answer (a 503 is delivered again, the same event) the
+    message is recorded busy exactly once, no turn ran, nothing was appended to the
+    item, and nothing was posted: not the message's turn, not a notice."""
+    faults = injector(migrated_pg, monkeypatch)
+    async with SlackApiStandin(token="xoxb-x") as slack:
+        section = {"signing_secret": SLACK_SECRET, "bot_token": "xoxb-x", "api_url": slack.api_url}
+        async with routed(migrated_pg, "slack", section) as (app, server):
+            org = await make_org(app, "held")
+            await make_agent(app, org, "lead")
+            worker = await make_agent(app, org, "worker", lead="lead")
+            await make_route(
+                app, org, worker["id"], "slack", {"team": "T0STANDIN", "channel": "C0ASK"}
+            )
+            thread = "1700000000.000050"
+            first = slack_trigger(
+                org, worker, "ship it #complete", thread, team="T0STANDIN", channel="C0ASK"
+            )
+            assert isinstance(await app.turns.run(first), Gated)
+            item_id = await session_item(app, first.session_key)
+            held = await item_row(app, item_id)
+            faults.arm_on(
+                "INSERT INTO inbound_events",
+                then="COMMIT",
+                after_commit=landed,
+                and_on=BUSY_READ_BACK if read_back == "fails" else None,
+            )
+            status, answer = await slack_answer(server, retry_num=None, thread_ts=thread)
+            faults.disarm()
+            assert faults.fired is not None and faults.fired.startswith("COMMIT")
+            if landed and read_back == "works":
+                assert status == 200, answer  # found: busy, as if the COMMIT had answered
+            else:
+                assert status == 503, answer
+                rule = "intake.in_doubt" if read_back == "fails" else "service.unavailable"
+                assert answer["error"]["rule"] == rule
+                # Slack delivers the event again: a duplicate of the recorded one, or
+                # recorded busy now.
+                status, answer = await slack_answer(server, retry_num=1, thread_ts=thread)
+                assert status == 200, answer
+            e = t.inbound_events.c
+            async with app.db.read() as conn:
+                rows = await conn.execute(
+                    sa.select(e.outcome).where(
+                        e.external_event_id == "slack:T0STANDIN:C0ASK:1700000000.000100"
+                    )
+                )
+                outcomes = [row.outcome for row in rows]
+                stored = await conn.scalar(
+                    sa.select(sa.func.count()).where(t.messages.c.content == "SECRET-SLACK-TEXT")
+                )
+                runs = await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs))
+            assert outcomes == ["rejectedBusy"]
+            assert (stored, runs) == (0, 0)  # not taken in, no turn recorded
+            now = await item_row(app, item_id)
+            assert (now["status"], now["task_context"]) == (held["status"], held["task_context"])
+            assert slack.posts == []
