@@ -90,6 +90,10 @@ class _Wire:
     lost_after_write: bool = False
     posted: bool = False
     last_status: int | None = None
+    #: A write answered 2xx with a body that is not Discord's JSON (a captive portal's or
+    #: a proxy's page): its status, and the start of the body once discord.py reads it.
+    foreign_status: int | None = None
+    foreign_body: str = ""
 
 
 _WIRE: contextvars.ContextVar[_Wire | None] = contextvars.ContextVar(
@@ -130,9 +134,23 @@ def _trace_config() -> aiohttp.TraceConfig:
         wire = _WIRE.get()
         if wire is not None and _is_write(params.method):
             wire.in_flight = False
-            wire.last_status = params.response.status
-            if 200 <= params.response.status < 300:
-                wire.posted = True
+            status = wire.last_status = params.response.status
+            if 200 <= status < 300:
+                if status == 204 or _is_discord_json(params.response.headers):
+                    wire.posted = True
+                else:
+                    wire.foreign_status = status
+
+    async def on_chunk(
+        session: aiohttp.ClientSession,
+        ctx: SimpleNamespace,
+        params: aiohttp.TraceResponseChunkReceivedParams,
+    ) -> None:
+        # discord.py reads a body whole, so its one "chunk" is the page itself.
+        wire = _WIRE.get()
+        if wire is not None and wire.foreign_status is not None and not wire.foreign_body:
+            head = params.chunk[: _QUOTED_BODY_CHARS * 4].decode("utf-8", "replace")
+            wire.foreign_body = " ".join(head.split())[:_QUOTED_BODY_CHARS]
 
     async def on_exception(
         session: aiohttp.ClientSession,
@@ -149,6 +167,7 @@ def _trace_config() -> aiohttp.TraceConfig:
     trace.on_request_start.append(on_start)
     trace.on_request_headers_sent.append(on_headers_sent)
     trace.on_request_end.append(on_end)
+    trace.on_response_chunk_received.append(on_chunk)
     trace.on_request_exception.append(on_exception)
     return trace
 
@@ -265,7 +284,10 @@ class DiscordChannel:
         reset = _WIRE.set(wire)
         try:
             async with asyncio.timeout(self._timeout_s):
-                return await work()
+                outcome = await work()
+            # discord.py hands a body that is not JSON on as text: the webhook calls
+            # return it as if it were the message.
+            return _not_discords_answer(wire) if wire.foreign_status else outcome
         except _NotConfigured as exc:
             return _permanent(str(exc))
         except discord.LoginFailure as exc:
@@ -288,6 +310,9 @@ class DiscordChannel:
                 return Uncertain(f"discord: connection lost after sending: {described(exc)}")
             return Retry(f"discord: connection failed before sending: {described(exc)}")
         except Exception as exc:  # an SDK surprise must not crash the relay
+            if wire.foreign_status:
+                # Building a Message from a page's text fails: no bug, not Discord.
+                return _not_discords_answer(wire)
             # Not log.exception: the traceback's last line is the error's text, which may
             # quote the webhook URL (interaction token and all).
             log.error("discord: unexpected error while sending: %s", described(exc, where=True))
@@ -417,7 +442,21 @@ def described(exc: BaseException, *, where: bool = False) -> str:
     return text
 
 
+def _not_discords_answer(wire: _Wire) -> Uncertain:
+    """A write answered 2xx by something that is not Discord's API: whatever stands in
+    between (a captive portal, a proxy) may have passed the request on, or not."""
+    error = (
+        f"discord: HTTP {wire.foreign_status} that is not Discord's answer "
+        f"({wire.foreign_body or 'empty body'}): the post may or may not have reached "
+        f"Discord; {_CHECK_API_URL} and any proxy on the way"
+    )
+    log.warning("%s", error)
+    return Uncertain(error)
+
+
 def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
+    if wire.foreign_status:
+        return _not_discords_answer(wire)
     if wire.posted:
         # A write was answered 2xx before the deadline cut the rest short.
         return Sent(None)
@@ -443,12 +482,18 @@ def _permanent(error: str) -> Permanent:
     return Permanent(error)
 
 
+def _is_discord_json(headers: Mapping[str, str]) -> bool:
+    """Whether an answer's body is Discord's JSON: discord.py reads a body as JSON only
+    when its content type is exactly ``application/json``, as Discord sends it; anything
+    else arrives as text."""
+    return headers.get("Content-Type") == "application/json"
+
+
 def _from_discord(exc: discord.HTTPException) -> bool:
-    """Whether the error answer is Discord's own: a JSON body (discord.py reads a body as
-    JSON only when its content type is exactly ``application/json``, as Discord sends
-    it; anything else arrives as text, with code 0)."""
+    """Whether the error answer is Discord's own: a JSON body (anything else arrives as
+    text, with code 0)."""
     headers = getattr(getattr(exc, "response", None), "headers", None) or {}
-    return bool(headers.get("Content-Type") == "application/json")
+    return _is_discord_json(headers)
 
 
 def _map_http_error(exc: discord.HTTPException) -> SendOutcome:

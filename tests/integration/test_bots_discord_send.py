@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import sys
 import time
@@ -321,6 +322,26 @@ async def test_reset_after_reading_is_uncertain(
     standin.queue("reset")
     assert isinstance(await channel.send(interaction_reply()), Uncertain)
     assert standin.posts == []
+
+
+async def test_a_write_answered_2xx_with_a_web_page_is_uncertain(
+    standin: DiscordApiStandin, channel: DiscordChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A post answered 200 with a page (a captive portal's, a proxy's), not Discord's
+    JSON, may or may not have reached Discord: ``deliveryUnknown``, as Slack and Teams
+    treat such an answer, by the bot and by each interaction webhook. Before, a webhook's
+    was ``Sent`` (with no message id) and the bot's an unexpected error, logged as a bug."""
+    standin.queue("portal", "portal", "portal")
+    by_bot = await channel.send(gated())
+    original = await channel.send(interaction_reply())
+    follow_up = await channel.send(interaction_reply("delivery-r2"))
+    for outcome in (by_bot, original, follow_up):
+        assert isinstance(outcome, Uncertain), outcome
+        assert "HTTP 200 that is not Discord's answer" in outcome.error
+        assert "Sign in to the guest network" in outcome.error
+    assert [r["op"] for r in standin.requests] == ["create_message", "edit_original", "followup"]
+    assert standin.posts == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_delete_original_is_best_effort(

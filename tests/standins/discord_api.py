@@ -50,6 +50,8 @@ the channel id for channel messages and the interaction token for webhooks.
 ``no_route``            404 ``{"code": 0, "message": "404: Not Found"}``: Discord's answer
                         for a route it does not have
 ``not_discord``         404 with an HTML page: a web server that is not Discord's API
+``portal``              200 with an HTML page, nothing done: a captive portal's or a
+                        proxy's answer, not Discord's
 ``hang``                read the request, never answer (until the stand-in stops)
 ``reset``               read the request, then reset the TCP connection (RST)
 ======================  ==================================================================
@@ -283,6 +285,10 @@ class DiscordApiStandin(StandinBase):
         if mode == "not_discord":
             return web.Response(
                 status=404, text="<html><h1>Not Found</h1></html>", content_type="text/html"
+            )
+        if mode == "portal":
+            return web.Response(
+                text="<html><h1>Sign in to the guest network</h1></html>", content_type="text/html"
             )
         raise ValueError(f"unknown stand-in mode {mode!r}")
 
