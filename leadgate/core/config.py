@@ -16,6 +16,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, get_origin
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
@@ -34,6 +35,38 @@ _REPLY_ADDRESS = re.compile(r"[a-z0-9!#$%&'*/=?^_`{|}~.-]{1,40}@[a-z0-9-]+(\.[a-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _api_base_url(value: str) -> str:
+    """A channel's API base URL (``[slack] api_url``, ``[discord] api_url``), checked as
+    its SDK will use it: an ``http(s)`` URL with a host and at most a path. Each SDK
+    appends a method's path to it (slack_sdk by ``urljoin``, dropping a query; discord.py
+    by concatenation, then ``str.format_map``, so a query or fragment swallows the path
+    and a brace breaks every call), and sends its own ``Authorization``, which aiohttp
+    refuses to combine with a user or password in the URL. Refused here, the mistake is
+    named at load instead of at each delivery."""
+    if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ValueError(f"{value!r} is not a URL (empty, or with a blank or control character)")
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # a port out of range or not a number raises here
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a usable URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{value!r} is not an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError(f"{value!r} has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"{parts.scheme}://{parts.hostname}... carries a user or password: the client "
+            "sends its own Authorization (the bot token)"
+        )
+    if "?" in value or "#" in value or "{" in value or "}" in value:
+        raise ValueError(
+            f"{value!r} has a query, a fragment or a brace: method paths are appended to "
+            "the URL, so give a plain base such as https://host/api"
+        )
+    return value
 
 
 class ServerSettings(_Section):
@@ -108,6 +141,8 @@ class SlackSettings(_Section):
     bot_token: str = ""
     api_url: str = "https://slack.com/api/"
 
+    _api_url = field_validator("api_url")(_api_base_url)
+
     @property
     def on(self) -> bool:
         """Whether the service runs the Slack channel."""
@@ -122,6 +157,8 @@ class DiscordSettings(_Section):
     application_id: str = ""
     api_url: str = "https://discord.com/api/v10"
     gateway_url: str = ""
+
+    _api_url = field_validator("api_url")(_api_base_url)
 
     @property
     def on(self) -> bool:

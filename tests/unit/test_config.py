@@ -487,3 +487,46 @@ def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
     assert (
         load_settings(path, environ={}).email.review_reply_address == "review@reviews.example.com"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("ftp://127.0.0.1/api/v10", "not an http:// or https:// URL"),
+        ("127.0.0.1:8080/api/v10", "not an http:// or https:// URL"),
+        ("http://127.0.0.1:99999/api/v10", "Port out of range"),
+        ("https:///api/v10", "has no host"),
+        ("https://bot:secret@discord.example/api/v10", "carries a user or password"),
+        ("https://discord.example/api/v10?x=1", "has a query, a fragment or a brace"),
+        ("https://discord.example/api/v10#top", "has a query, a fragment or a brace"),
+        ("https://discord.example/{api}", "has a query, a fragment or a brace"),
+        ("", "is not a URL"),
+        ("https://discord.example/api v10", "is not a URL"),
+    ],
+)
+@pytest.mark.parametrize("section", ["discord", "slack"])
+def test_a_channel_api_url_its_sdk_cannot_use_is_refused_at_load(
+    tmp_path: Path, section: str, value: str, says: str
+) -> None:
+    """``[discord] api_url`` (and ``[slack] api_url``, through the same check) must be a
+    plain http(s) base: before, a wrong one loaded and each delivery failed on it."""
+    for source in ("file", "env"):
+        with pytest.raises(ConfigError) as info:
+            if source == "file":
+                load_settings(write(tmp_path, f'[{section}]\napi_url = "{value}"\n'), environ={})
+            else:
+                load_settings(environ={f"LEADGATE_{section.upper()}__API_URL": value})
+        assert info.value.rule == "config.invalid"
+        assert f"{section}.api_url: Value error" in info.value.message
+        assert says in info.value.message
+        assert "secret" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    "value", ["https://discord.com/api/v10", "http://127.0.0.1:8080/api/v10/", "http://[::1]:80"]
+)
+def test_a_plain_http_api_url_loads(value: str) -> None:
+    settings = load_settings(
+        environ={"LEADGATE_DISCORD__API_URL": value, "LEADGATE_SLACK__API_URL": value}
+    )
+    assert settings.discord.api_url == settings.slack.api_url == value
