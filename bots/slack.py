@@ -464,7 +464,7 @@ class SlackAdapter:
     def enable_reviews(self, backend: ChatReviewBackend) -> None:
         """Review-card buttons and modals on the same endpoint (``block_actions``,
         ``view_submission``), verified by :meth:`handle` like every event."""
-        slack_review.register(self.bolt, backend, self._core.spawn)
+        slack_review.register(self.bolt, backend, self._core.spawn, proxy_for=env_proxy)
 
     async def take(self, body: Mapping[str, Any], event: Mapping[str, Any]) -> None:
         """Record one event's message, then run its turn in the background (no-op for

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 from slack_bolt.async_app import AsyncApp
 from slack_sdk.errors import SlackApiError
+from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
@@ -53,6 +54,8 @@ MODALS = {
 }
 
 Spawn = Callable[..., None]
+#: The proxy to take for a URL (``None``: none); :func:`bots.slack.env_proxy`.
+ProxyFor = Callable[[str], str | None]
 
 #: What answering a click through its ``response_url`` raises when the answer cannot be
 #: posted: Slack's error, the connection's, or aiohttp's for a URL it cannot use.
@@ -64,6 +67,40 @@ def _answer_failed(exc: BaseException) -> None:
     aiohttp's errors quote the URL they were given (a connect timeout, a URL it cannot
     use), and a ``response_url`` is a secret: whoever holds it can post in the channel."""
     log.info("slack: could not answer a review click (%s)", type(exc).__name__)
+
+
+class Respond:
+    """Bolt's ``respond`` for one click, posting to its ``response_url`` with the proxy
+    ``proxy_for`` picks.
+
+    Bolt's own builds slack_sdk's webhook client with the Web API client's proxy, and
+    that client, given none, takes ``HTTPS_PROXY`` for every URL: ``NO_PROXY`` never
+    applied to a click's answer. The client reads ``proxy`` at each call, so it is set
+    after the constructor has filled it in from the environment."""
+
+    def __init__(self, response_url: str | None, proxy_for: ProxyFor) -> None:
+        self._url = response_url
+        self._proxy_for = proxy_for
+
+    async def __call__(
+        self,
+        *,
+        text: str,
+        blocks: list[dict[str, Any]] | None = None,
+        response_type: str | None = None,
+        replace_original: bool | None = None,
+    ) -> None:
+        """Post the answer (raises one of the errors of ``_ANSWER_FAILED``)."""
+        if not self._url:
+            raise ValueError("the interaction has no response_url")
+        client = AsyncWebhookClient(url=self._url)
+        client.proxy = self._proxy_for(self._url)
+        await client.send(
+            text=text,
+            blocks=blocks,
+            response_type=response_type,
+            replace_original=replace_original,
+        )
 
 
 def _cut(text: str, limit: int) -> str:
@@ -213,11 +250,17 @@ def _card(block_id: Any) -> str | None:
     return None
 
 
-def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
+def register(
+    bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn, *, proxy_for: ProxyFor
+) -> None:
     """Add the review listeners to ``bolt`` (same endpoint: verified by
-    :meth:`bots.slack.SlackAdapter.handle` before Bolt sees it)."""
+    :meth:`bots.slack.SlackAdapter.handle` before Bolt sees it). Clicks are answered
+    through their ``response_url`` with the proxy ``proxy_for`` picks."""
 
-    def tell(respond: Any, text: str) -> None:
+    def respond_to(body: dict[str, Any]) -> Respond:
+        return Respond(text_of(body.get("response_url")), proxy_for)
+
+    def tell(respond: Respond, text: str) -> None:
         async def say() -> None:
             try:
                 await respond(text=text, response_type="ephemeral", replace_original=False)
@@ -226,7 +269,7 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
 
         spawn(say(), name="slack-review-answer")
 
-    def tell_closed(respond: Any, answer: Answer, message_ts: str | None) -> None:
+    def tell_closed(respond: Respond, answer: Answer, message_ts: str | None) -> None:
         """Answer a click on a decided item: the clicked card shows the outcome at once
         (its update by the outbox may still be on its way, or may never come for a card
         whose post was uncertain), then the clicker is told who decided."""
@@ -250,8 +293,8 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         body: dict[str, Any],
         action: dict[str, Any],
         client: Any,
-        respond: Any,
     ) -> None:
+        respond = respond_to(body)
         action = obj(action)
         verb = str(action.get("action_id"))
         item_id = text_of(action.get("value")) or ""
@@ -314,8 +357,8 @@ def register(bolt: AsyncApp, backend: ChatReviewBackend, spawn: Spawn) -> None:
         ack: Callable[..., Awaitable[None]],
         body: dict[str, Any],
         action: dict[str, Any],
-        respond: Any,
     ) -> None:
+        respond = respond_to(body)
         action = obj(action)
         container = obj(body.get("container"))
         message_ts = text_of(container.get("message_ts"))

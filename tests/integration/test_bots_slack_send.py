@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from bots.slack import SlackChannel, env_proxy
-from leadgate.core.config import SlackSettings
+from bots.slack import SlackAdapter, SlackChannel, env_proxy
+from leadgate.core.config import Settings, SlackSettings
+from leadgate.operations.chat_reviews import ChatAnswer
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.fakes import FakeCore, mount_adapter
 from tests.standins.microsoft_login import MicrosoftLogin
-from tests.standins.slack_api import SlackApiStandin
+from tests.standins.slack_api import SlackApiStandin, signed_headers
 
 TOKEN = "xoxb-test-token"
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,6 +249,71 @@ async def test_another_host_is_called_through_the_proxy(
     assert isinstance(outcome, Sent), outcome
     assert proxy.proxied == [f"{standin.api_url}chat.postMessage"]
     assert len(standin.posts) == 1
+
+
+class DecidedAlready:
+    """A review backend for which every item was decided before the click."""
+
+    said = "This item is not waiting for a decision."
+
+    async def decide(self, *args: Any, **kw: Any) -> ChatAnswer:
+        return ChatAnswer("closed", self.said)
+
+
+@pytest.mark.parametrize(
+    ("api_host", "response_host", "proxied"),
+    [
+        ("127.0.0.1", "localhost", False),  # the Web API's proxy is not the answer's
+        ("localhost", "localhost", False),  # none for the Web API: HTTPS_PROXY was taken
+        ("localhost", "127.0.0.1", True),  # a host NO_PROXY does not list: proxied
+    ],
+)
+async def test_a_review_clicks_answer_takes_the_proxy_no_proxy_leaves_it(
+    standin: SlackApiStandin,
+    proxy: MicrosoftLogin,
+    api_host: str,
+    response_host: str,
+    proxied: bool,
+) -> None:
+    """A click is answered through its ``response_url`` with the proxy chosen for that
+    URL, as Web API calls are. slack-bolt's ``respond`` took the Web API client's proxy,
+    or, with none, slack_sdk's pick of ``HTTPS_PROXY`` for every URL: an answer to a
+    host ``NO_PROXY`` lists went to the proxy (here refused) and never arrived."""
+    core = FakeCore()
+    adapter = SlackAdapter(
+        Settings(slack=settings(standin.api_url.replace("127.0.0.1", api_host))), core
+    )
+    adapter.enable_reviews(DecidedAlready())  # type: ignore[arg-type]
+    app = web.Application()
+    mount_adapter(app, adapter)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    url = standin.response_url("click").replace("127.0.0.1", response_host)
+    payload = {
+        "type": "block_actions",
+        "team": {"id": "T1"},
+        "user": {"id": "U1", "team_id": "T1"},
+        "trigger_id": "trig-1",
+        "response_url": url,
+        "container": {"type": "message", "message_ts": "1.1", "channel_id": "C1"},
+        "actions": [{"action_id": "approve", "value": "wi_1", "block_id": "lg_review:rep_1:d_1"}],
+    }
+    body = "payload=" + quote(json.dumps(payload))
+    headers = {**signed_headers("s", body), "Content-Type": "application/x-www-form-urlencoded"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                server.make_url("/slack/events"), data=body, headers=headers
+            ) as r:
+                assert r.status == 200
+        await core.drain()
+    finally:
+        await server.close()
+    answers = [c for c in standin.calls if c["method"] == "response_url"]
+    assert [(a["text"], a["response_type"]) for a in answers] == [
+        (DecidedAlready.said, "ephemeral")
+    ]
+    assert proxy.proxied == ([url] if proxied else [])
 
 
 @pytest.mark.parametrize(
