@@ -370,8 +370,18 @@ class SlackChannel:
 
 def _map_api_error(exc: SlackApiError) -> SendOutcome:
     response = exc.response
-    status = int(getattr(response, "status_code", 0) or 0)
+    # slack_sdk's own response, or (a body that claims JSON and is not) aiohttp's.
+    status = int(getattr(response, "status_code", None) or getattr(response, "status", 0) or 0)
     data = getattr(response, "data", None)
+    if 200 <= status < 300 and not (isinstance(data, dict) and "ok" in data):
+        # Slack answers every call with JSON carrying "ok"; a 2xx without it is a page
+        # from something in between (a captive portal, a proxy), which may have passed
+        # the post on, or not.
+        return Uncertain(
+            f"slack: HTTP {status} that is not Slack's answer (no JSON with an ok field): the "
+            "post may or may not have reached Slack; check [slack] api_url and any proxy "
+            "on the way"
+        )
     code = data.get("error") if isinstance(data, dict) else None
     what = f"slack: HTTP {status} {code or ''}".rstrip()
     if status == 429 or code in ("ratelimited", "rate_limited"):

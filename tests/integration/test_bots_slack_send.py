@@ -117,6 +117,20 @@ async def test_server_errors_are_retry(
     assert len(standin.requests) == 1
 
 
+async def test_a_post_answered_200_with_a_web_page_is_uncertain(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    """A 200 whose body is not Slack's JSON (a captive portal's page, a proxy's) may or
+    may not have come after Slack took the post: ``deliveryUnknown``, as on Teams and
+    Discord. It was a permanent failure (HTTP 200 with no error code)."""
+    standin.queue("portal")
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Uncertain), outcome
+    assert "HTTP 200 that is not Slack's answer" in outcome.error
+    assert "check [slack] api_url" in outcome.error
+    assert standin.posts == []
+
+
 async def test_internal_error_body_is_uncertain(
     standin: SlackApiStandin, channel: SlackChannel
 ) -> None:

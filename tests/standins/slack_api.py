@@ -33,6 +33,8 @@ Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
 ``ratelimited[:S]``    HTTP 429, ``Retry-After: S`` (default 1), ``error=ratelimited``
 ``500`` (any 5xx)      that status with an HTML body, as Slack's edge answers
 ``error:CODE``         HTTP 200 ``{"ok": false, "error": CODE}``
+``portal``             HTTP 200 with an HTML page, nothing posted: a captive portal's
+                       or a proxy's answer, not Slack's
 ``channel_not_found``  shorthand for ``error:channel_not_found``
 ``hang``               read the request, never answer (until the stand-in stops)
 ``reset``              read the request, then reset the TCP connection (RST)
@@ -236,6 +238,11 @@ class SlackApiStandin(StandinBase):
         if mode.startswith("error:") or mode == "channel_not_found":
             code = mode.partition(":")[2] or mode
             return _json({"ok": False, "error": code})
+        if mode == "portal":
+            return web.Response(
+                text="<html><h1>Sign in to the guest network</h1></html>",
+                content_type="text/html",
+            )
         if not channel:
             return _json({"ok": False, "error": "channel_not_found"})
         if not text and not params.get("blocks"):
