@@ -161,6 +161,20 @@ async def test_a_5xx_that_may_come_after_the_post_is_uncertain(
     assert len(connector.requests) == 1
 
 
+@pytest.mark.parametrize("kind", ["reply", "gating"])
+async def test_a_post_answered_200_with_a_web_page_is_uncertain(
+    adapter: TeamsAdapter, connector: ConnectorStandin, kind: str
+) -> None:
+    """A 2xx that is not the Connector's JSON (a captive portal's or a proxy's page) may
+    or may not have followed a post the Connector took: a person decides, as on Slack
+    and Discord."""
+    connector.fail_next("portal")
+    outcome = await adapter.channel.send(_message(_address(connector.url), kind))
+    assert isinstance(outcome, Uncertain), outcome
+    assert "text/html" in outcome.error
+    assert connector.activities == [] and len(connector.requests) == 1
+
+
 @pytest.mark.parametrize("mode", ["401", "403", "404"])
 async def test_auth_and_missing_conversation_are_permanent(
     adapter: TeamsAdapter, connector: ConnectorStandin, mode: str

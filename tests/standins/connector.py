@@ -39,7 +39,8 @@ Failure modes (each consumes one post): ``"429"`` (Too Many Requests with
 ``Retry-After``), ``"408"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``,
 ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
-aborts the TCP connection).
+aborts the TCP connection), ``"portal"`` (200 with an HTML page, nothing posted: a
+captive portal's or a proxy's answer, not the Connector's).
 
 It also offers :func:`message_activity` and :func:`post_activity` to build and POST an
 inbound Teams message activity to a bot's ``/api/messages``.
@@ -60,7 +61,7 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 FAILURE_MODES = frozenset(
-    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset"}
+    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset", "portal"}
 )
 
 
@@ -168,6 +169,10 @@ class ConnectorStandin:
                 transport.abort()
             # Nothing can be written any more; aiohttp ignores a response on a dead socket.
             return web.Response(status=500)
+        if mode == "portal":
+            return web.Response(
+                text="<html>Sign in to the guest network</html>", content_type="text/html"
+            )
         status = int(mode)
         headers = {}
         if status == 429:
