@@ -45,17 +45,19 @@ def _api_base_url(value: str) -> str:
     and a brace breaks every call), and sends its own ``Authorization``, which aiohttp
     refuses to combine with a user or password in the URL. Refused here, the mistake is
     named at load instead of at each delivery."""
+    # Never echo a password, whichever rule the value breaks first.
+    shown = "the URL (it carries a user or password)" if "@" in value else repr(value)
     if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise ValueError(f"{value!r} is not a URL (empty, or with a blank or control character)")
+        raise ValueError(f"{shown} is not a URL (empty, or with a blank or control character)")
     try:
         parts = urlsplit(value)
         _ = parts.port  # a port out of range or not a number raises here
     except ValueError as exc:
-        raise ValueError(f"{value!r} is not a usable URL: {exc}") from None
+        raise ValueError(f"{shown} is not a usable URL: {exc}") from None
     if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{value!r} is not an http:// or https:// URL")
+        raise ValueError(f"{shown} is not an http:// or https:// URL")
     if not parts.hostname:
-        raise ValueError(f"{value!r} has no host")
+        raise ValueError(f"{shown} has no host")
     if parts.username is not None or parts.password is not None:
         raise ValueError(
             f"{parts.scheme}://{parts.hostname}... carries a user or password: the client "

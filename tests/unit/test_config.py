@@ -502,6 +502,8 @@ def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
         ("https://discord.example/{api}", "has a query, a fragment or a brace"),
         ("", "is not a URL"),
         ("https://discord.example/api v10", "is not a URL"),
+        ("https://bot:secret@discord.example/api v10", "is not a URL"),
+        ("ftp://bot:secret@discord.example/api", "not an http:// or https:// URL"),
     ],
 )
 @pytest.mark.parametrize("section", ["discord", "slack"])
