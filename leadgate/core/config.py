@@ -45,6 +45,27 @@ def _api_base_url(value: str) -> str:
     and a brace breaks every call), and sends its own ``Authorization``, which aiohttp
     refuses to combine with a user or password in the URL. Refused here, the mistake is
     named at load instead of at each delivery."""
+    return _plain_url(
+        value,
+        ("http", "https"),
+        "method paths are appended to the URL, so give a plain base such as https://host/api",
+    )
+
+
+def _gateway_url(value: str) -> str:
+    """``[discord] gateway_url``: empty (Discord's own gateway) or a ``ws(s)`` URL with a
+    host and at most a path; discord.py sets the query itself (version, encoding),
+    dropping any given."""
+    if value == "":
+        return value
+    return _plain_url(
+        value, ("ws", "wss"), "discord.py sets the query itself, so give wss://host/ alone"
+    )
+
+
+def _plain_url(value: str, schemes: tuple[str, ...], why_plain: str) -> str:
+    """``value`` if it is a URL of one of ``schemes`` with a host, no user or password,
+    and no query, fragment or brace (``why_plain`` says why not); else ValueError."""
     # Never echo a password, whichever rule the value breaks first.
     shown = "the URL (it carries a user or password)" if "@" in value else repr(value)
     if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
@@ -54,8 +75,9 @@ def _api_base_url(value: str) -> str:
         _ = parts.port  # a port out of range or not a number raises here
     except ValueError as exc:
         raise ValueError(f"{shown} is not a usable URL: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{shown} is not an http:// or https:// URL")
+    if parts.scheme not in schemes:
+        starts = " or ".join(f"{scheme}://" for scheme in schemes)
+        raise ValueError(f"{shown} is not a URL starting with {starts}")
     if not parts.hostname:
         raise ValueError(f"{shown} has no host")
     if parts.username is not None or parts.password is not None:
@@ -64,10 +86,7 @@ def _api_base_url(value: str) -> str:
             "sends its own Authorization (the bot token)"
         )
     if "?" in value or "#" in value or "{" in value or "}" in value:
-        raise ValueError(
-            f"{value!r} has a query, a fragment or a brace: method paths are appended to "
-            "the URL, so give a plain base such as https://host/api"
-        )
+        raise ValueError(f"{value!r} has a query, a fragment or a brace: {why_plain}")
     return value
 
 
@@ -161,6 +180,7 @@ class DiscordSettings(_Section):
     gateway_url: str = ""
 
     _api_url = field_validator("api_url")(_api_base_url)
+    _gateway = field_validator("gateway_url")(_gateway_url)
 
     @property
     def on(self) -> bool:

@@ -492,8 +492,8 @@ def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("value", "says"),
     [
-        ("ftp://127.0.0.1/api/v10", "not an http:// or https:// URL"),
-        ("127.0.0.1:8080/api/v10", "not an http:// or https:// URL"),
+        ("ftp://127.0.0.1/api/v10", "not a URL starting with http:// or https://"),
+        ("127.0.0.1:8080/api/v10", "not a URL starting with http:// or https://"),
         ("http://127.0.0.1:99999/api/v10", "Port out of range"),
         ("https:///api/v10", "has no host"),
         ("https://bot:secret@discord.example/api/v10", "carries a user or password"),
@@ -503,7 +503,7 @@ def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
         ("", "is not a URL"),
         ("https://discord.example/api v10", "is not a URL"),
         ("https://bot:secret@discord.example/api v10", "is not a URL"),
-        ("ftp://bot:secret@discord.example/api", "not an http:// or https:// URL"),
+        ("ftp://bot:secret@discord.example/api", "not a URL starting with http:// or https://"),
     ],
 )
 @pytest.mark.parametrize("section", ["discord", "slack"])
@@ -522,6 +522,31 @@ def test_a_channel_api_url_its_sdk_cannot_use_is_refused_at_load(
         assert f"{section}.api_url: Value error" in info.value.message
         assert says in info.value.message
         assert "secret" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("https://gateway.example/", "not a URL starting with ws:// or wss://"),
+        ("wss:///", "has no host"),
+        ("wss://bot:secret@gateway.example/", "carries a user or password"),
+        ("wss://gateway.example/?v=10", "discord.py sets the query itself"),
+        (" ", "is not a URL"),
+    ],
+)
+def test_a_discord_gateway_url_it_cannot_use_is_refused_at_load(value: str, says: str) -> None:
+    """Before, such a ``[discord] gateway_url`` loaded and the gateway never connected."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ={"LEADGATE_DISCORD__GATEWAY_URL": value})
+    assert "discord.gateway_url: Value error" in info.value.message
+    assert says in info.value.message
+    assert "secret" not in info.value.message
+
+
+@pytest.mark.parametrize("value", ["", "wss://gateway.discord.gg/", "ws://127.0.0.1:8765"])
+def test_an_empty_or_plain_ws_gateway_url_loads(value: str) -> None:
+    settings = load_settings(environ={"LEADGATE_DISCORD__GATEWAY_URL": value})
+    assert settings.discord.gateway_url == value
 
 
 @pytest.mark.parametrize(
