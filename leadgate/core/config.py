@@ -53,13 +53,15 @@ def _api_base_url(value: str) -> str:
 
 
 def _gateway_url(value: str) -> str:
-    """``[discord] gateway_url``: empty (Discord's own gateway) or a ``ws(s)`` URL with a
-    host and at most a path; discord.py sets the query itself (version, encoding),
-    dropping any given."""
+    """``[discord] gateway_url``: empty (Discord's own gateway) or a ``ws(s)`` URL (or
+    ``http(s)``, which aiohttp's WebSocket client takes as well) with a host and at most a
+    path; discord.py sets the query itself (version, encoding), dropping any given."""
     if value == "":
         return value
     return _plain_url(
-        value, ("ws", "wss"), "discord.py sets the query itself, so give wss://host/ alone"
+        value,
+        ("ws", "wss", "http", "https"),
+        "discord.py sets the query itself, so give wss://host/ alone",
     )
 
 
@@ -76,7 +78,8 @@ def _plain_url(value: str, schemes: tuple[str, ...], why_plain: str) -> str:
     except ValueError as exc:
         raise ValueError(f"{shown} is not a usable URL: {exc}") from None
     if parts.scheme not in schemes:
-        starts = " or ".join(f"{scheme}://" for scheme in schemes)
+        *others, last = (f"{scheme}://" for scheme in schemes)
+        starts = f"{', '.join(others)} or {last}"
         raise ValueError(f"{shown} is not a URL starting with {starts}")
     if not parts.hostname:
         raise ValueError(f"{shown} has no host")

@@ -527,7 +527,7 @@ def test_a_channel_api_url_its_sdk_cannot_use_is_refused_at_load(
 @pytest.mark.parametrize(
     ("value", "says"),
     [
-        ("https://gateway.example/", "not a URL starting with ws:// or wss://"),
+        ("ftp://gateway.example/", "not a URL starting with ws://, wss://, http:// or https://"),
         ("wss:///", "has no host"),
         ("wss://bot:secret@gateway.example/", "carries a user or password"),
         ("wss://gateway.example/?v=10", "discord.py sets the query itself"),
@@ -543,7 +543,9 @@ def test_a_discord_gateway_url_it_cannot_use_is_refused_at_load(value: str, says
     assert "secret" not in info.value.message
 
 
-@pytest.mark.parametrize("value", ["", "wss://gateway.discord.gg/", "ws://127.0.0.1:8765"])
+@pytest.mark.parametrize(
+    "value", ["", "wss://gateway.discord.gg/", "ws://127.0.0.1:8765", "https://gateway.example/"]
+)
 def test_an_empty_or_plain_ws_gateway_url_loads(value: str) -> None:
     settings = load_settings(environ={"LEADGATE_DISCORD__GATEWAY_URL": value})
     assert settings.discord.gateway_url == value
