@@ -189,6 +189,50 @@ class DownAloneFor:
         raise fault
 
 
+class LandsLater:
+    """``Database.write_alone`` replaced for its next call: the statement does not run
+    yet, and its caller is told the connection dropped with it sent (an ``Unavailable``
+    in doubt, its signals to the doubt listeners) as :class:`DownAloneFor` tells it.
+    :meth:`land` runs it afterwards: the server applied it after the caller's read-back
+    on a fresh connection had raced it and found nothing. Later calls run as they are.
+    PostgreSQL only (a SQLite write is never in doubt)."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        _may_lose_a_commit(real, False)
+        self.real = real
+        self.held: tuple[Any, Any] | None = None
+        self.lost = False
+
+    async def __call__(
+        self,
+        statement: Any,
+        parameters: Any,
+        *,
+        signals: Sequence[tuple[str, Any]] = (),
+        signals_from: Any = None,
+        in_doubt: Sequence[tuple[str, Any]] = (),
+    ) -> Any:
+        if self.lost:
+            return await self.real(
+                statement, parameters, signals=signals, signals_from=signals_from, in_doubt=in_doubt
+            )
+        self.lost = True
+        self.held = (statement, parameters)
+        fault = _lost_at_commit()
+        topics: dict[str, list[Any]] = {}
+        for topic, payload in (*signals, *in_doubt):
+            topics.setdefault(topic, []).extend(() if payload is None else (payload,))
+        _database(self.real)._in_doubt(fault, topics)
+        raise fault
+
+    async def land(self) -> Any:
+        """Run the statement whose answer was lost (what it returns)."""
+        assert self.held is not None, "no statement was lost"
+        statement, parameters = self.held
+        self.held = None
+        return await self.real(statement, parameters)
+
+
 def _database(method: Callable[..., Any]) -> Database:
     """The :class:`Database` whose method ``method`` is."""
     database = getattr(method, "__self__", None)

@@ -40,7 +40,7 @@ from leadgate.turns.path import REVISION_LEASE_MS
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
-from tests.fakes import DownFor, lose_the_next_commit
+from tests.fakes import DownFor, LandsLater, lose_the_next_commit
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -1030,6 +1030,78 @@ async def test_a_claim_in_doubt_whose_read_back_fails_is_given_back(
     assert await released(stack, item_id) == [
         "the claim met a database fault at its commit (it landed); the review runs again"
     ]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("read_back", ["finds nothing", "fails"])
+async def test_a_claim_in_doubt_that_lands_after_its_read_back_is_given_back_soon(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, read_back: str
+) -> None:
+    """The claim's answer was lost and the read-back (or, when it failed, the next
+    pass's look) found nothing, and then the server applied the claim: the item is
+    ``reviewing`` under a token nobody holds. The runner looks for that token again a
+    second later and gives the item back, fenced by the token, instead of leaving it
+    for the lease's 20 minutes. (PostgreSQL only: a SQLite COMMIT is never in doubt.)"""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    late = LandsLater(stack.db.write_alone)
+    monkeypatch.setattr(stack.db, "write_alone", late)
+    if read_back == "fails":
+        monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
+    with pytest.raises(Unavailable) as raised:
+        await runner.claim()
+    assert raised.value.in_doubt
+    if read_back == "fails":
+        # The next pass's look finds nothing either: the claim has not landed yet (its
+        # pass would claim next; the claim on its way holds the row, and SKIP LOCKED
+        # passes it by, which this stand-in does not model).
+        await runner._release_held()
+    assert (await row(stack, item_id))["status"] == "reviewQueued"
+    await late.land()
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    assert await runner.run_once() is False  # not looked for again yet
+    due = runner.due_in_s()
+    clock(stack).advance(1_000)  # a second on (ORPHAN_FIRST_CHECK_MS), not 20 minutes
+    assert await drain(runner) == 1
+    assert (await row(stack, item_id))["status"] == "completed"
+    assert due is not None and 0 < due <= 1.0  # the review loops woke for the look
+    assert await released(stack, item_id) == [
+        "the claim met a database fault at its commit (it landed); the review runs again"
+    ]
+    assert (await actions(stack, item_id)).count("claim") == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_the_watch_of_a_claim_in_doubt_never_releases_another_runners_claim(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim in doubt that never lands: another runner claims the item meanwhile. The
+    watch looks for its own token only (the give-back is fenced by it), so the other
+    runner's claim stands through every look, and the watch ends when the lost claim's
+    lease would have lapsed."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    monkeypatch.setattr(stack.db, "write_alone", LandsLater(stack.db.write_alone))
+    started = clock(stack).now_ms()
+    with pytest.raises(Unavailable):
+        await runner.claim()
+    other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    held = await other.claim()
+    assert held is not None and held.id == item_id
+    looks = 0
+    # (This runner made no lease check: what it is due for is its looks alone.)
+    while (due := runner.due_in_s()) is not None and looks < 100:
+        clock(stack).advance(max(1, round(due * 1000)))
+        await runner._release_held()  # the looks alone: no lease check, no claim
+        looks += 1
+        assert (await row(stack, item_id))["lease_token"] == held.lease_token
+    assert 20 < looks < 40  # 1, 2, 4 ... 32 s, then a minute apart
+    assert clock(stack).now_ms() <= started + 20 * MINUTE_MS  # ended with the lease
+    assert await released(stack, item_id) == []
+    await other.review(held)
+    assert (await row(stack, item_id))["status"] == "completed"
 
 
 async def test_an_approval_whose_commit_is_uncertain_posts_once(
