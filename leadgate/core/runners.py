@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 from leadgate.core.errors import DatabaseDamaged, Unavailable
 from leadgate.core.logs import Tally
@@ -41,6 +41,66 @@ class Runner(Protocol):
     async def run_once(self) -> bool:
         """Do one unit (or batch) of work; True when there was any."""
         ...
+
+
+class Lost(NamedTuple):
+    """A lease token :class:`LostClaims` watches."""
+
+    token: str
+    #: when it is looked for next (the runner's clock, ms)
+    due: int
+    #: how long after that look the one after it comes
+    gap: int
+    #: when the claim's lease would lapse, had it landed: the watch ends there
+    lapses: int
+
+
+class LostClaims:
+    """Lease tokens of claims whose write met a database fault in doubt and that were
+    not found landed. One may land all the same after the look that found nothing: the
+    server can still apply a statement (or a ``COMMIT``) whose connection the runner
+    already took for lost, after a read or a release on a fresh connection raced it, and
+    the rows would then sit under a token nobody holds until its lease lapsed. So each
+    token is looked for again :attr:`first_ms` after, then at gaps that double up to
+    :attr:`max_gap_ms`, until the claim's lease would have lapsed (the runner's lease
+    expiry takes such rows from there). The runner gives back whatever holds a token it
+    finds, fenced by that token. Only a fault adds a token: a claim that answered costs
+    nothing here. Shared by a runner's loops: :meth:`take_due` hands each token to one."""
+
+    def __init__(self, first_ms: int = 1_000, max_gap_ms: int = 60_000) -> None:
+        self.first_ms = first_ms
+        self.max_gap_ms = max_gap_ms
+        self._lost: list[Lost] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._lost)
+
+    def watch(self, token: str, *, due: int, lapses: int) -> None:
+        """Look for ``token`` at ``due`` (then as the class says), until ``lapses``."""
+        self._lost.append(Lost(token, due, self.first_ms, lapses))
+
+    def take_due(self, now: int) -> list[Lost]:
+        """The tokens due for a look at ``now``, taken out: each goes back by
+        :meth:`not_found` or :meth:`put_back`, or is done with (found)."""
+        due = [lost for lost in self._lost if lost.due <= now]
+        if due:
+            self._lost = [lost for lost in self._lost if lost.due > now]
+        return due
+
+    def not_found(self, lost: Lost, now: int) -> None:
+        """``lost`` was looked for at ``now`` and not found: look again one gap on, at
+        twice the gap after (capped), unless its lease would have lapsed by then."""
+        if now + lost.gap <= lost.lapses:
+            gap = min(2 * lost.gap, self.max_gap_ms)
+            self._lost.append(lost._replace(due=now + lost.gap, gap=gap))
+
+    def put_back(self, lost: Sequence[Lost]) -> None:
+        """Tokens taken for a look that failed (the database away): due as before."""
+        self._lost.extend(lost)
+
+    def next_due(self) -> int | None:
+        """When the next look is due (None: no token watched)."""
+        return min((lost.due for lost in self._lost), default=None)
 
 
 async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:

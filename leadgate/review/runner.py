@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.database.plans import AnyRow
@@ -145,16 +146,6 @@ _CLAIM_ALONE = sa.select(
 _CLAIM_LANDED = sa.select(t.work_items, *_gating(W.session_id)).where(
     W.lease_token == sa.bindparam("p_token"), W.status == _CLAIM_DST.value
 )
-#: A claim in doubt whose read-back found nothing may land after it all the same: the
-#: server can still apply a statement whose connection the runner already took for lost,
-#: after a read on a fresh connection raced it, and the item would then sit ``reviewing``
-#: under a token nobody holds until its lease lapsed (:data:`LEASE_MS`). Its token is
-#: looked for again this long after the read-back, then at gaps that double up to
-#: :data:`ORPHAN_MAX_GAP_MS`, until that lease would have lapsed (the lease check takes it
-#: from there); found, the item is given back, fenced by the token. Only a fault starts
-#: this watch: a claim that answered costs no statement more.
-ORPHAN_FIRST_CHECK_MS = 1_000
-ORPHAN_MAX_GAP_MS = MINUTE_MS
 #: bound on :attr:`LeadRunner._leads` (entries are taken by the review that follows)
 _MAX_LEADS = 1_000
 _BY_LEASE = sa.select(W.id).where(
@@ -238,9 +229,9 @@ class LeadRunner:
         #: next pass
         self._uncertain: list[str] = []
         #: claims in doubt not found landed (the read-back found nothing, or failed):
-        #: their tokens are looked for again until their lease would have lapsed, and
-        #: whatever holds one is given back (see :data:`ORPHAN_FIRST_CHECK_MS`)
-        self._orphans: list[_Orphan] = []
+        #: they may land later, so their tokens are looked for again until their lease
+        #: would have lapsed, and whatever holds one is given back
+        self._lost = LostClaims()
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
         #: their lease) once the database is back, not asked of the lead a second time
         self._verdicts: list[_Kept] = []
@@ -340,9 +331,11 @@ class LeadRunner:
         database, so it covers every replica's leases as of that check: one given back
         since makes the loops wake early and look again, and one taken since lapses
         after the earliest (every lease lasts :data:`LEASE_MS`), or is met by the
-        checks that every pass, the poll's included, makes. The next look for a token
-        of a claim in doubt (:data:`ORPHAN_FIRST_CHECK_MS`) counts too, when sooner."""
-        dues = [orphan.due for orphan in self._orphans]
+        checks that every pass, the poll's included, makes. The next look for the token
+        of a claim in doubt (:class:`~leadgate.core.runners.LostClaims`) counts too, when
+        sooner."""
+        look = self._lost.next_due()
+        dues = [] if look is None else [look]
         if self._next_lapse is not None:
             # Lapsed once the clock is past it (_EXPIRED: ``<``), and the check runs at
             # most every EXPIRY_CHECK_MS: never earlier than it can find it, so never a
@@ -455,20 +448,19 @@ class LeadRunner:
         back, on a fresh connection, whether it landed. Found (the item holds this very
         token, so no other claim won it), the review carries on with it as if the claim
         had answered. Not found, ``fault`` is raised (the next pass claims afresh), and
-        the token is watched: the claim may still land after the read
-        (:data:`ORPHAN_FIRST_CHECK_MS`). When the read fails too, ``fault`` is raised and
-        the token is watched from the next pass on. Whatever holds a watched token is
-        given back (:meth:`_release_held`)."""
+        the token is watched (:class:`~leadgate.core.runners.LostClaims`): the claim may
+        still land after the read. When the read fails too, ``fault`` is raised and the
+        token is watched from the next pass on. Whatever holds a watched token is given
+        back (:meth:`_release_held`)."""
         lapses = claimed_at + LEASE_MS
         try:
             async with self.db.read() as conn:
                 row = (await conn.execute(_CLAIM_LANDED, {"p_token": token})).first()
         except Unavailable:
-            self._orphans.append(_Orphan(token, claimed_at, ORPHAN_FIRST_CHECK_MS, lapses))
+            self._lost.watch(token, due=claimed_at, lapses=lapses)
             raise fault from None
         if row is None:
-            due = self.clock.now_ms() + ORPHAN_FIRST_CHECK_MS
-            self._orphans.append(_Orphan(token, due, 2 * ORPHAN_FIRST_CHECK_MS, lapses))
+            self._lost.watch(token, due=self.clock.now_ms() + self._lost.first_ms, lapses=lapses)
             raise fault
         return self._claimed(row, token)
 
@@ -575,9 +567,9 @@ class LeadRunner:
 
     async def _release_held(self) -> None:
         """Return items whose verdict could not be committed to ``reviewQueued``, and
-        those that claims in doubt took under a token nobody holds (:attr:`_orphans`
-        whose check is due)."""
-        await self._look_for_orphans()
+        those that claims in doubt took under a token nobody holds (the watched tokens
+        whose look is due)."""
+        await self._look_for_lost()
         while self._uncertain:
             token = self._uncertain.pop(0)
             try:
@@ -597,30 +589,23 @@ class LeadRunner:
                 self._held.append(held)
                 raise
 
-    async def _look_for_orphans(self) -> None:
-        """Look for the watched tokens whose check is due: an item found holding one is
-        held for give-back (fenced by that token: a claim another runner holds has
-        another token, so it is never touched); a token not found is looked for again,
-        at twice the gap (at most :data:`ORPHAN_MAX_GAP_MS`), until its lease would have
-        lapsed."""
+    async def _look_for_lost(self) -> None:
+        """Look for the watched tokens whose look is due: an item found holding one is
+        held for give-back, fenced by that token (a claim another runner or replica
+        holds has a token of its own, so it is never touched)."""
         now = self.clock.now_ms()
-        # Several review loops share this list: take the due entries first.
-        due = [orphan for orphan in self._orphans if orphan.due <= now]
-        if not due:
-            return
-        self._orphans = [orphan for orphan in self._orphans if orphan.due > now]
-        for n, orphan in enumerate(due):
+        due = self._lost.take_due(now)
+        for n, lost in enumerate(due):
             try:
                 async with self.db.read() as conn:
-                    item_id = await conn.scalar(_BY_LEASE, {"p_token": orphan.token})
+                    item_id = await conn.scalar(_BY_LEASE, {"p_token": lost.token})
             except Exception:
-                self._orphans.extend(due[n:])
+                self._lost.put_back(due[n:])
                 raise
             if item_id is not None:
-                self._held.append((item_id, orphan.token, _CLAIM_IN_DOUBT))
-            elif now + orphan.gap <= orphan.lapses:
-                gap = min(2 * orphan.gap, ORPHAN_MAX_GAP_MS)
-                self._orphans.append(orphan._replace(due=now + orphan.gap, gap=gap))
+                self._held.append((item_id, lost.token, _CLAIM_IN_DOUBT))
+            else:
+                self._lost.not_found(lost, now)
 
     async def _release(self, item_id: str, lease_token: str | None, why: str) -> None:
         """Give one held item back to the queue (fenced by its lease), audited ``why``."""
@@ -748,18 +733,6 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
         return None
     feedback = call.arguments.get("feedback")
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
-
-
-class _Orphan(NamedTuple):
-    """The token of a claim in doubt not found landed, watched (:attr:`LeadRunner._orphans`)."""
-
-    token: str
-    #: when it is looked for next (the runner's clock)
-    due: int
-    #: how long after that check the one after it comes
-    gap: int
-    #: when the claim's lease would lapse, had it landed: the watch ends there
-    lapses: int
 
 
 class _Kept(NamedTuple):

@@ -1062,7 +1062,7 @@ async def test_a_claim_in_doubt_that_lands_after_its_read_back_is_given_back_soo
     assert (await row(stack, item_id))["status"] == "reviewing"
     assert await runner.run_once() is False  # not looked for again yet
     due = runner.due_in_s()
-    clock(stack).advance(1_000)  # a second on (ORPHAN_FIRST_CHECK_MS), not 20 minutes
+    clock(stack).advance(1_000)  # a second on (LostClaims.first_ms), not 20 minutes
     assert await drain(runner) == 1
     assert (await row(stack, item_id))["status"] == "completed"
     assert due is not None and 0 < due <= 1.0  # the review loops woke for the look
