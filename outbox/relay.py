@@ -49,7 +49,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
 from leadgate.database.plans import AnyRow
@@ -262,7 +264,7 @@ class Relay:
         self._uncommitted: list[Done] = []
         #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
-        self._uncertain_claims: list[str] = []
+        self._uncertain_claims = LostClaims()
         #: hand-offs whose write may or may not have committed (see :meth:`in_doubt`)
         self._doubted: list[str] = []
         self._active = 0
@@ -393,8 +395,12 @@ class Relay:
         lapses, not at the next poll. Only this relay knows of its retries; the others
         meet them at their polls, as one relay taking it is enough. Leases are read from
         the database (every replica's, as of the check): one renewed or finished since
-        makes the loop wake early and look again."""
+        makes the loop wake early and look again. So does the next try of a claim in
+        doubt's give-back (:meth:`release_uncertain_claims`), when sooner."""
         due = self.committer.next_due
+        retry = self._uncertain_claims.next_due()
+        if retry is not None:
+            due = retry if due is None else min(due, retry)
         if self._next_lapse is not None:
             # Lapsed once the clock is past it (``<``), and the check runs at most every
             # _expiry_every_ms: never earlier than it can find it, so never a busy loop.
@@ -454,9 +460,9 @@ class Relay:
                 if group:
                     await self.committer.commit(conn, group, now)
                 return await self._claim_in(conn, limit, token) if limit else []
-        except Exception:
+        except Exception as exc:
             if limit:  # whatever failed, the claim may have committed: nothing was sent
-                self._uncertain_claims.append(token)
+                self._claim_failed(token, exc)
             if group:
                 await self._commit_group(group)
             if not limit:
@@ -590,34 +596,58 @@ class Relay:
                 return await self._claim_alone(limit or self.batch, token)
             async with self.db.tx() as conn:
                 return await self._claim_in(conn, limit or self.batch, token)
-        except Exception:
-            self._uncertain_claims.append(token)  # may have committed; nothing was sent
+        except Exception as exc:
+            self._claim_failed(token, exc)  # may have committed; nothing was sent
             raise
+
+    def _claim_failed(self, token: str, exc: Exception) -> None:
+        """The claim under ``token`` raised ``exc``: its rows, if it committed, are given
+        back on the next pass (:meth:`release_uncertain_claims`). In doubt (its
+        ``COMMIT``, or its one statement, sent with the connection lost), the server may
+        apply it even after that give-back found nothing: the token is tried again until
+        its send lease would have lapsed (:class:`~leadgate.core.runners.LostClaims`)."""
+        now = self.clock.now_ms()
+        in_doubt = isinstance(exc, Unavailable) and exc.in_doubt
+        lapses = now + self.send_lease_ms if in_doubt else now
+        self._uncertain_claims.watch(token, due=now, lapses=lapses)
 
     async def release_uncertain_claims(self) -> int:
         """Claims whose transaction failed (a database fault above all) may still have committed
         (the connection dropped after the COMMIT reached the server): their rows would sit
-        in ``sending`` for the whole send lease. Nothing of them was sent (the claim
-        raised before any send), so they go straight back to ``pending``."""
+        in ``sending`` for the whole send lease, and a post would then go to an operator
+        as an uncertain send. Nothing of them was sent (the claim raised before any send),
+        so they go straight back to ``pending``, fenced by the claim's token (no other
+        relay's claim has it). A claim in doubt is tried again until its lease would have
+        lapsed: the server may apply it after a give-back that found nothing."""
         released = 0
-        while self._uncertain_claims:
-            token = self._uncertain_claims[0]
-            async with self.db.tx() as conn:
-                res = await conn.execute(
-                    t.deliveries.update()
-                    .where(D.lease_token == token, D.status == DeliveryStatus.sending.value)
-                    .values(
-                        status=DeliveryStatus.pending.value,
-                        lease_token=None,
-                        lease_expires_at=None,
-                        lease_owner=None,
-                        attempts=D.attempts - 1,
+        now = self.clock.now_ms()
+        due = self._uncertain_claims.take_due(now)
+        for n, lost in enumerate(due):
+            try:
+                async with self.db.tx() as conn:
+                    res = await conn.execute(
+                        t.deliveries.update()
+                        .where(
+                            D.lease_token == lost.token,
+                            D.status == DeliveryStatus.sending.value,
+                        )
+                        .values(
+                            status=DeliveryStatus.pending.value,
+                            lease_token=None,
+                            lease_expires_at=None,
+                            lease_owner=None,
+                            attempts=D.attempts - 1,
+                        )
                     )
-                )
-                if res.rowcount:
-                    signal_after_commit(conn, OUTBOX_TOPIC)
-            self._uncertain_claims.pop(0)
-            released += int(res.rowcount or 0)
+                    if res.rowcount:
+                        signal_after_commit(conn, OUTBOX_TOPIC)
+            except Exception:
+                self._uncertain_claims.put_back(due[n:])
+                raise
+            if res.rowcount:
+                released += int(res.rowcount)
+            else:
+                self._uncertain_claims.not_found(lost, now)
         return released
 
     def _claim_params(self, limit: int, token: str) -> dict[str, Any]:

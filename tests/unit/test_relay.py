@@ -37,7 +37,7 @@ from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent,
 from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
-from tests.fakes import lose_the_next_commit
+from tests.fakes import LandsLater, lose_the_next_commit
 from tests.helpers import Env, Org, item_row, make_agent, make_org
 from tests.outbox_support import (
     MigratedTemplates,
@@ -1034,3 +1034,40 @@ async def test_a_claim_whose_commit_is_uncertain_is_sent_once_without_waiting_th
         (dlv,) = [d._asdict() for d in await for_item(conn, item_id)]
     assert (dlv["status"], dlv["attempts"]) == ("sent", 1)
     assert (await item(stack, item_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_claim_in_doubt_that_lands_after_its_give_back_is_sent_once_soon(
+    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim's answer was lost, the next pass's give-back found nothing under its
+    token, and then the server applied the claim: the row is ``sending`` under a token
+    nobody holds. The give-back is tried again a second later and the post is sent
+    once; it sat there for the 2-minute send lease and then went to an operator as an
+    uncertain send (``deliveryUnknown``), though nothing had been sent. (PostgreSQL
+    only: a SQLite COMMIT is never in doubt.)"""
+    org = await make_org(stack)
+    item_id = await gated_item(stack, org, BindingSpec(BindingKind.slack, address=SLACK_ADDRESS))
+    await drain(stack.lead_runner)
+    late = LandsLater(stack.db.write_alone)
+    monkeypatch.setattr(stack.db, "write_alone", late)
+    with pytest.raises(Unavailable) as raised:
+        await stack.relay.claim()
+    assert raised.value.in_doubt
+    # The next pass's give-back finds nothing (its claim would come next; the claim on
+    # its way holds the row, and SKIP LOCKED passes it by, which LandsLater does not
+    # model).
+    assert await stack.relay.release_uncertain_claims() == 0
+    await late.land()
+    async with stack.db.read() as conn:
+        (dlv,) = await for_item(conn, item_id)
+    assert dlv.status == "sending"
+    due = stack.relay.due_in_s()
+    fake_clock(stack).advance(1_000)  # a second on, not the send lease's 2 minutes
+    await drain(stack.relay)
+    assert len(channel.calls) == 1
+    async with stack.db.read() as conn:
+        (dlv,) = await for_item(conn, item_id)
+    assert (dlv.status, dlv.attempts) == ("sent", 1)
+    assert (await item(stack, item_id))["status"] == "completed"
+    assert due is not None and due <= 1.0  # the relay's loop woke for the try
