@@ -265,8 +265,9 @@ class Relay:
         #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
         self._uncertain_claims = LostClaims()
-        #: hand-offs whose write may or may not have committed (see :meth:`in_doubt`)
-        self._doubted: list[str] = []
+        #: ids of hand-offs whose write may or may not have committed (see
+        #: :meth:`in_doubt`)
+        self._doubted = LostClaims()
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -291,30 +292,42 @@ class Relay:
     async def release_handoffs(self) -> int:
         """Shutting down: give rows handed over but not started back to ``pending``."""
         rows, self._handed = self._handed, []
-        return await self._unhand([r.id for r in rows])
+        return len(await self._unhand([r.id for r in rows]))
 
     def in_doubt(self, rows: list[dict[str, Any]]) -> None:
         """Rows written claimed for this relay by a write that failed with a database
         fault (``Database.on_doubt_payloads``): they were never handed over, and may be
         in the database all the same, ``sending`` under this relay's hand-off lease,
         where nothing would post them before the lease expired (and then as an uncertain
-        send). :meth:`run_once` gives back the ones that exist."""
-        self._doubted.extend(row["id"] for row in rows)
+        send). :meth:`run_once` gives back the ones that exist, and tries again those it
+        did not find until their send lease would have lapsed: the server may apply the
+        write after that first give-back (:class:`~leadgate.core.runners.LostClaims`)."""
+        now = self.clock.now_ms()
+        for row in rows:
+            self._doubted.watch(row["id"], due=now, lapses=now + self.send_lease_ms)
         self.poke()
 
     async def release_doubted(self) -> int:
         """Give rows :meth:`in_doubt` named back to ``pending`` (fenced by this relay's
-        hand-off lease: a write that did not commit left nothing to give back)."""
-        ids = list(self._doubted)
-        released = await self._unhand(ids)
-        del self._doubted[: len(ids)]
-        return released
+        hand-off lease: a write that did not commit left nothing to give back), those
+        due for a try now."""
+        now = self.clock.now_ms()
+        due = self._doubted.take_due(now)
+        try:
+            released = await self._unhand([lost.token for lost in due])
+        except Exception:
+            self._doubted.put_back(due)
+            raise
+        for lost in due:
+            if lost.token not in released:
+                self._doubted.not_found(lost, now)
+        return len(released)
 
-    async def _unhand(self, ids: list[str]) -> int:
-        """Rows handed over to this relay and never started, back to ``pending``; a
-        committed release wakes the relays."""
+    async def _unhand(self, ids: list[str]) -> list[str]:
+        """Rows handed over to this relay and never started, back to ``pending`` (the
+        ids of those that were); a committed release wakes the relays."""
         if not ids:
-            return 0
+            return []
         async with self.db.tx() as conn:
             res = await conn.execute(
                 t.deliveries.update()
@@ -331,10 +344,12 @@ class Relay:
                     attempts=D.attempts - 1,
                     updated_at=self.clock.now_ms(),
                 )
+                .returning(D.id)
             )
-            if res.rowcount:
+            released = [str(released_id) for released_id in res.scalars().all()]
+            if released:
                 signal_after_commit(conn, OUTBOX_TOPIC)
-        return int(res.rowcount or 0)
+        return released
 
     # ------------------------------------------------------------------ the loop
 
@@ -395,12 +410,13 @@ class Relay:
         lapses, not at the next poll. Only this relay knows of its retries; the others
         meet them at their polls, as one relay taking it is enough. Leases are read from
         the database (every replica's, as of the check): one renewed or finished since
-        makes the loop wake early and look again. So does the next try of a claim in
-        doubt's give-back (:meth:`release_uncertain_claims`), when sooner."""
+        makes the loop wake early and look again. So does the next try of a give-back
+        of a claim or a hand-off in doubt (:meth:`release_uncertain_claims`,
+        :meth:`release_doubted`), when sooner."""
         due = self.committer.next_due
-        retry = self._uncertain_claims.next_due()
-        if retry is not None:
-            due = retry if due is None else min(due, retry)
+        for retry in (self._uncertain_claims.next_due(), self._doubted.next_due()):
+            if retry is not None:
+                due = retry if due is None else min(due, retry)
         if self._next_lapse is not None:
             # Lapsed once the clock is past it (``<``), and the check runs at most every
             # _expiry_every_ms: never earlier than it can find it, so never a busy loop.

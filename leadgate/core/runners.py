@@ -46,6 +46,8 @@ class Runner(Protocol):
 class Lost(NamedTuple):
     """A lease token :class:`LostClaims` watches."""
 
+    #: the claim's lease token (or the id of a row written claimed under a token the
+    #: runner shares among its rows: the relay's hand-off)
     token: str
     #: when it is looked for next (the runner's clock, ms)
     due: int

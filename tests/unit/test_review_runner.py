@@ -1127,6 +1127,48 @@ async def test_an_approval_whose_commit_is_uncertain_posts_once(
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_post_claimed_for_this_relay_by_an_approval_that_lands_late_is_posted_soon(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As below, but the server applies the approval only after the relay's give-back
+    found nothing: the post is ``sending`` under the hand-off lease with nothing to send
+    it. The give-back is tried again a second later and the post goes out once; it sat
+    there for the 2-minute send lease and then went to an operator as an uncertain send.
+    (PostgreSQL only: a SQLite commit is never in doubt.)"""
+    channel = ScriptedChannel("slack")
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+    stack.outbox.attach(relay)
+    try:
+        org, _, worker = await setup(stack)
+        item_id = await submit_slack(stack, org, worker, "6.3")
+        claimed = await stack.lead_runner.claim()
+        assert claimed is not None
+        late = LandsLater(stack.db.write_alone)
+        monkeypatch.setattr(stack.db, "write_alone", late)
+        with pytest.raises(Unavailable) as raised:
+            await stack.lead_runner.review(claimed)
+        assert raised.value.in_doubt
+        assert await drain(relay) == 0  # the give-back finds nothing: not landed yet
+        await late.land()
+        [post] = await deliveries(stack, item_id)
+        assert (post["status"], post["lease_token"]) == ("sending", relay.handoff_token)
+        due = relay.due_in_s()
+        clock(stack).advance(1_000)  # a second on, not the send lease's 2 minutes
+        await drain(relay)
+        assert channel.texts() == ["Echo: task 6.3 #complete"]
+        [post] = await deliveries(stack, item_id)
+        assert (post["status"], post["attempts"]) == ("sent", 1)
+        assert (await row(stack, item_id))["status"] == "completed"
+        assert due is not None and due <= 1.0  # the relay's loop woke for the try
+    finally:
+        stack.outbox.attach(None)
+        await stack.stop()
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("path", ["statement", "transaction"])
 async def test_a_post_claimed_for_this_relay_by_an_uncertain_approval_is_posted_once(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch, path: str
