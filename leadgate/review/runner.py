@@ -593,6 +593,8 @@ class LeadRunner:
         """Look for the watched tokens whose look is due: an item found holding one is
         held for give-back, fenced by that token (a claim another runner or replica
         holds has a token of its own, so it is never touched)."""
+        if not self._lost:  # (every pass: nothing to look at without a fault)
+            return
         now = self.clock.now_ms()
         due = self._lost.take_due(now)
         for n, lost in enumerate(due):
