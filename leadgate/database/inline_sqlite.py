@@ -24,7 +24,8 @@ stdlib ``sqlite3`` connection:
   until a member fails, where a SAVEPOINT per member cost 8% of a plain turn. When that
   undo fails (the ROLLBACK meets an I/O error, the redo cannot run), the whole group
   fails instead, nothing of it committed: the failed member's writes would otherwise
-  have been committed with the others';
+  have been committed with the others' (kept members that only read are answered all
+  the same: their reads stand);
 * WAL checkpoints (which fsync) never run on the loop: ``wal_autocheckpoint = 0`` here and
   :class:`InlineSqlite` runs checkpoints in a worker thread every
   :data:`CHECKPOINT_EVERY` commits: a passive one, then a restart of the WAL, which
@@ -444,6 +445,7 @@ class _Group:
         "broken",
         "closing",
         "committed",
+        "kept",
         "lock",
         "logs",
         "members",
@@ -463,6 +465,8 @@ class _Group:
         # member that fails rolls the transaction back and these run again (members
         # take no SAVEPOINT: see InlineSqlite.enter).
         self.logs: list[list[Write]] = []
+        #: the waiters (see ``waiters``) of those members, in the same order
+        self.kept: list[asyncio.Future[None]] = []
         self.closing = False  # commit requested while a member was still inside
         # Set when SQLite rolled back the whole transaction under the group (a conflict
         # clause such as OR ROLLBACK, disk full, I/O error): the work of every member is
@@ -588,6 +592,7 @@ class InlineSqlite:
             if ok:
                 if conn.in_transaction:
                     group.logs.append(member.log)
+                    group.kept.append(waiter)
                 elif group.broken is None:
                     self._break(group)  # SQLite ended the transaction under the body
             elif group.broken is None and (member.log or not conn.in_transaction):
@@ -603,18 +608,26 @@ class InlineSqlite:
 
     def _undo(self, group: _Group) -> None:
         """A member failed: undo its writes alone (see :meth:`leave`). When that fails,
-        the whole group fails (:meth:`_break`)."""
+        the whole group fails (:meth:`_break`), except the kept members that only read:
+        they are answered (their reads stand)."""
         conn = self.connection
-        if group.logs and not conn.in_transaction:
+        # Whether a kept member changed a row. Members that only read (or whose writes
+        # changed nothing: a fenced update that lost) left nothing to run again: their
+        # results came from what the database held, not from the failed member's writes
+        # (it ran after them).
+        kept_writes = any(group.logs)
+        if kept_writes and not conn.in_transaction:
             # SQLite ended the transaction under the member (a conflict clause, an I/O
             # error) and let go of its write lock: the kept work is gone, and another
             # connection may have committed since, so it cannot be redone.
             self._break(group)
             return
         try:
-            if not group.logs:
+            if not kept_writes:
                 # Nothing kept to lose: undo this member's work (a no-op if SQLite has
-                # ended the transaction); the next member, if any, begins anew.
+                # ended the transaction); the next member, if any, begins anew (a redo
+                # would begin again without waiting and on the same database version,
+                # and fail the group for nothing when another process wrote meanwhile).
                 conn.rollback()
             else:
                 conn.begin_again(group.logs, conn.rollback_for_again())
@@ -623,9 +636,25 @@ class InlineSqlite:
             # transaction; a redo that failed (BUSY, a commit in between, a statement)
             # left part of the kept ones. The members after would carry on in it and
             # COMMIT them: a failed member's writes stored, a kept member's half lost.
+            if not kept_writes:
+                # Every kept member only read: nothing of theirs is lost with the
+                # transaction, and what they read was the database as it stood, so
+                # they are answered now (they were told the group failed, a 503 for
+                # a request that had been served).
+                self._answer_kept(group)
             self._break(group, exc)
             if not isinstance(exc, Exception):
                 raise
+
+    @staticmethod
+    def _answer_kept(group: _Group) -> None:
+        """Tell the kept members of ``group`` (which only read) that they succeeded,
+        ahead of the group's end."""
+        for waiter in group.kept:
+            if not waiter.done():
+                waiter.set_result(None)
+        group.kept.clear()
+        group.logs.clear()
 
     def _break(self, group: _Group, cause: BaseException | None = None) -> None:
         """Fail the whole group (see :attr:`_Group.broken`): SQLite ended its transaction

@@ -1613,6 +1613,76 @@ async def test_a_member_whose_writes_cannot_be_undone_fails_the_whole_group(
 
 
 @SQLITE_ONLY
+@pytest.mark.parametrize("fault", ["rollback", "rollback-and-retry", "commit-in-between"])
+async def test_members_that_only_read_are_answered_when_a_failed_members_undo_fails(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The members kept before a failed one only read: nothing of theirs needs undoing
+    or running again, and what they read was the database as it stood (the failed
+    member wrote after them). When the undo of the failed member's writes fails
+    (``rollback``: an I/O error on its ROLLBACK; ``rollback-and-retry``: on every
+    ROLLBACK, so the connection is closed), the reader is answered with what it read
+    (it was the group's 503), while the member waiting behind the failed one still gets
+    the 503 and nothing of the failed member is stored. ``commit-in-between``: another
+    process commits right after the ROLLBACK; the reader's transaction is not begun
+    again over it (that redo found the database changed and failed the whole group),
+    and the member behind begins anew and commits."""
+    path = migrated_url.removeprefix("sqlite+aiosqlite:///")
+    faults = SqliteFaults(path, monkeypatch)
+    db = Database(migrated_url)
+    fired: list[list[Any]] = []
+    db.on_commit_payloads("grp", fired.append)
+
+    async def reader() -> list[str]:
+        async with db.tx() as conn:
+            return [row.id for row in await conn.execute(ALL_BINDINGS)]
+
+    async def failing() -> None:
+        async with db.tx() as conn:
+            await asyncio.sleep(0)  # the member after it joins the group
+            await conn.execute(INSERT_BINDING, binding("b"))
+            raise Boom
+
+    def other_commit() -> None:
+        faults.on_settled = None  # once
+        with closing(faults.real_connect(path)) as other, other:
+            other.execute(
+                "INSERT INTO bindings (id, org_id, session_id, kind, address, silent,"
+                " active, created_at) VALUES ('other', 'o', 's', 'api', '{}', 0, 1, 1)"
+            )
+
+    try:
+        async with asyncio.timeout(1):
+            await insert_signalled(db, "warm")
+        if fault == "commit-in-between":
+            faults.arm(None)
+            faults.on_settled = other_commit
+        else:
+            faults.arm_on("ROLLBACK", and_on="ROLLBACK" if fault == "rollback-and-retry" else None)
+        async with asyncio.timeout(2):
+            results = await asyncio.gather(
+                reader(), failing(), insert_signalled(db, "c"), return_exceptions=True
+            )
+        faults.disarm()
+        assert results[0] == ["warm"], results
+        assert isinstance(results[1], Boom), results
+        if fault == "commit-in-between":
+            assert results[2] is None, results
+            assert raw_ids(path) == {"warm", "other", "c"}
+            assert fired == [["warm"], ["c"]]
+        else:
+            assert faults.fired == "ROLLBACK", faults.statements
+            assert isinstance(results[2], Unavailable) and not results[2].in_doubt, results
+            assert raw_ids(path) == {"warm"}
+            assert fired == [["warm"]]
+        async with asyncio.timeout(1):
+            await insert_signalled(db, "after")
+        assert "after" in raw_ids(path)
+    finally:
+        await db.close()
+
+
+@SQLITE_ONLY
 async def test_a_transaction_waiting_behind_a_group_that_closed_the_connection_uses_a_new_one(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
