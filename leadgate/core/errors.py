@@ -17,7 +17,8 @@
     ├── RateLimited (429)         too many attempts; ``retry_after_s`` says when to retry
     ├── ModelError (502)          the model provider failed during a turn
     └── Unavailable (503)         the database is busy past its bound, full or unreachable:
-        │                         nothing of the request was stored; retry later
+        │                         nothing of the request was stored; retry later (in
+        │                         doubt: its COMMIT may have landed, and it says so)
         └── TurnInterrupted       the same fault after a turn's message was taken in:
                                   stored once; do NOT send it again (no retry asked for)
 
@@ -182,23 +183,58 @@ class RateLimited(LeadgateError):
 class Unavailable(LeadgateError):
     """The database cannot take the request now (busy past the bound, disk full,
     unreachable or restarting). The request's transaction rolled back: nothing of it was
-    stored. Retrying after ``retry_after_s`` is safe."""
+    stored. Retrying after ``retry_after_s`` is safe. Unless :attr:`in_doubt`: the fault
+    met its COMMIT, which may have landed."""
 
     status = 503
     code = "unavailable"
     retry_after_s: int | None = 2
     #: what the database said (for the log; never sent to clients)
     detail: str = ""
-    #: the write failed at or after its COMMIT (PostgreSQL: the connection dropped with
-    #: the COMMIT sent, or under a statement run alone), so it may have landed all the
-    #: same: what is fenced on it must not be undone as if nothing was stored
-    in_doubt: bool = False
+    _in_doubt = False
+
+    @property
+    def in_doubt(self) -> bool:
+        """The write failed at or after its COMMIT (PostgreSQL: the connection dropped
+        with the COMMIT sent, or under a statement run alone), so it may have landed all
+        the same: what is fenced on it must not be undone as if nothing was stored.
+
+        Setting it makes the stock message true: :data:`NOTHING_STORED` becomes
+        :data:`MAY_BE_STORED` (and back), so that no surface, log line or peer that
+        shows the message has to remember to translate it."""
+        return self._in_doubt
+
+    @in_doubt.setter
+    def in_doubt(self, value: bool) -> None:
+        self._in_doubt = value
+        said = {NOTHING_STORED: MAY_BE_STORED} if value else {MAY_BE_STORED: NOTHING_STORED}
+        self._say(said.get(self.message, self.message))
+
+    def found_nothing(self) -> Unavailable:
+        """This fault, in doubt, once a read-back on a fresh connection found nothing of
+        its write (the intake's user message): :data:`NOTHING_STORED` is true again and
+        is what it says. :attr:`in_doubt` stays, for what is fenced on it (an
+        Idempotency-Key's claim lapses rather than being given back)."""
+        if self.message == MAY_BE_STORED:
+            self._say(NOTHING_STORED)
+        return self
+
+    def _say(self, message: str) -> None:
+        self.message = message
+        self.args = (message,)  # (str() of the error, as logs and tracebacks show it)
 
 
 #: ``service.unavailable``'s message where the request may have written: its transaction
 #: rolled back.
 NOTHING_STORED = (
     "the service cannot store this request right now; nothing was stored, please retry shortly"
+)
+#: ``service.unavailable``'s message where the fault met the write's COMMIT
+#: (:attr:`Unavailable.in_doubt`): it may have landed, so "nothing was stored" may be
+#: false.
+MAY_BE_STORED = (
+    "the database became unavailable as this request was being stored: it may have been "
+    "stored all the same, so check whether it was before sending it again"
 )
 #: ``service.unavailable``'s message where the request only reads (a GET, an MCP resource
 #: read or listing): "nothing was stored" answered a question nobody asked.
@@ -245,7 +281,6 @@ class IntakeInDoubt(Unavailable):
     (lapsed), so a retry with the key is safe. Raised by the intake for every surface."""
 
     retry_after_s: int | None = None
-    in_doubt: bool = True
 
     def __init__(self, detail: str = "") -> None:
         super().__init__(
@@ -256,6 +291,7 @@ class IntakeInDoubt(Unavailable):
             rule="intake.in_doubt",
         )
         self.detail = detail
+        self.in_doubt = True
 
 
 def log_failure(logger: logging.Logger, exc: BaseException, message: str, *args: object) -> None:

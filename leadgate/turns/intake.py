@@ -31,9 +31,9 @@ A write of the intake that fails *in doubt* (PostgreSQL: the connection dropped 
 settled by reading back, on a fresh connection, whether the user message it wrote (its
 id made before the write) exists (:meth:`Intake._landed`): if it does, the intake
 committed and the turn goes on as if the commit had answered; if it does not, the fault
-stands (nothing was stored). When that read fails too, the message may have been taken
-in: :class:`~leadgate.core.errors.IntakeInDoubt`, which asks for no retry. Only the
-fault path reads back.
+stands, saying nothing was stored (``Unavailable.found_nothing``). When that read fails
+too, the message may have been taken in: :class:`~leadgate.core.errors.IntakeInDoubt`,
+which asks for no retry. Only the fault path reads back.
 
 The transaction of a busy message (it records the rejected inbound event) is settled
 the same way, by reading back that event (:meth:`Intake._settle_ended`): found, the
@@ -611,7 +611,7 @@ class Intake:
         except Unavailable as again:
             raise IntakeInDoubt(again.detail or fault.detail) from fault
         if found is None:
-            raise fault
+            raise fault.found_nothing()
         return ended
 
     async def _landed(
@@ -634,7 +634,7 @@ class Intake:
         except Unavailable as again:
             raise IntakeInDoubt(again.detail or fault.detail) from fault
         if row is None:
-            raise fault
+            raise fault.found_nothing()
         return _Landed(bindings.session_from_row(row), history)
 
     def _run_values(
