@@ -258,7 +258,9 @@ class PgConnection:
         self.undo_failed: BaseException | None = None
         #: the error of the last statement that failed and that no savepoint's undo
         #: took back since: PostgreSQL has aborted the transaction, and its ``COMMIT``
-        #: would be answered ``ROLLBACK`` without an error (see :meth:`PgPool.transaction`)
+        #: would be answered ``ROLLBACK`` without an error (see :meth:`PgPool.transaction`);
+        #: the next statement raises it again instead of being sent
+        #: (:meth:`_refuse_if_aborted`)
         self.aborted: BaseException | None = None
 
     @property
@@ -278,6 +280,7 @@ class PgConnection:
         params: Mapping[str, Any] = parameters or {}
         if self._readonly and not _is_select(statement):
             raise TypeError("a read runs only SELECT statements; write in Database.tx()")
+        self._refuse_if_aborted()
         plan, extracted = self._plans.plan(statement, frozenset(params))
         if plan.writes is not None and self._changes is not None:
             self.wrote.update(self._changes.tracked(plan))
@@ -300,6 +303,22 @@ class PgConnection:
                     self.aborted = error
                     raise error from exc
             self._raw = await reconnect(self._raw)
+
+    def _refuse_if_aborted(self) -> None:
+        """Raise :attr:`aborted` again, in a transaction block that a failed statement
+        aborted and whose caller caught the error and went on (outside a savepoint, or
+        inside one before its undo): PostgreSQL would refuse the statement with
+        ``25P02`` (in_failed_sql_transaction), an error that names only the symptom
+        (a 500, where the error it stands for may be a database fault: a 503) and
+        costs a round trip. Raised inside a savepoint's block, its undo takes the
+        failure back as it does the first time. A read (no transaction block) has
+        nothing to abort."""
+        error = self.aborted
+        if error is None or self._readonly:
+            return
+        if _AGAIN not in getattr(error, "__notes__", ()):
+            error.add_note(_AGAIN)
+        raise error
 
     def cache_token(self, tables: Sequence[str]) -> object | None:
         """:meth:`TableChanges.token`: None without a LISTEN connection (other replicas
@@ -325,6 +344,7 @@ class PgConnection:
         it at the end of the block). An undo that ran takes back what failed in the
         block (:attr:`aborted`); a ``SAVEPOINT`` or ``RELEASE`` that fails (the latter
         after an error the block caught itself) aborts the transaction."""
+        self._refuse_if_aborted()
         failed: BaseException | None = None
         aborted = self.aborted
         try:
@@ -353,6 +373,7 @@ class PgConnection:
     ) -> Result:
         if not parameters:
             return Result([], 0)
+        self._refuse_if_aborted()
         plan, extracted = self._plans.plan(statement, frozenset(parameters[0]))
         if plan.keys is not None or plan.compiled is not None:
             raise TypeError("executemany runs no RETURNING and no expanding IN statements")
@@ -430,6 +451,13 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     state this pool never creates (its connections take no advisory locks, declare no
     cursors, LISTEN nowhere (listeners have their own connections, see
     :func:`outbox.store.pg_listen`) and SET nothing outside a transaction)."""
+
+
+#: The note :meth:`PgConnection._refuse_if_aborted` adds to the error it raises again.
+_AGAIN = (
+    "raised again at a later statement of its transaction, which PostgreSQL aborted at "
+    "this error (caught outside a savepoint): the statement was not sent"
+)
 
 
 def raise_aborted(conn: PgConnection) -> None:

@@ -176,3 +176,91 @@ async def test_a_commit_the_server_refuses_is_not_in_doubt(
     assert not raised.value.in_doubt
     assert doubted == []
     assert await organization_ids(db) == []
+
+
+#: What the next statement sent into an aborted transaction met: PostgreSQL's
+#: in_failed_sql_transaction ("current transaction is aborted, commands ignored until
+#: end of transaction block"), which names the symptom, not the error.
+IN_FAILED_TRANSACTION = "25P02"
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None)
+
+
+async def test_the_next_statement_raises_the_error_that_aborted_the_transaction(
+    db: Database,
+) -> None:
+    """A caller that caught a statement's error outside a savepoint and ran another
+    statement met 25P02, a 500 naming the symptom: it gets the error that aborted the
+    transaction (here the constraint violation), and the statement is not sent."""
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    with db.record_statements() as statements, pytest.raises(sa.exc.DBAPIError) as raised:
+        async with db.tx() as conn:
+            try:
+                await conn.execute(INSERT, {"id": "taken"})
+            except sa.exc.IntegrityError:
+                pass
+            await conn.execute(INSERT, {"id": "o1"})
+    assert isinstance(raised.value, sa.exc.IntegrityError), raised.value
+    assert _sqlstate(raised.value) != IN_FAILED_TRANSACTION
+    assert "was not sent" in "".join(raised.value.__notes__)
+    sent = [sql for sql in statements if sql.startswith("INSERT INTO organizations")]
+    assert len(sent) == 1, statements  # the first INSERT only
+    assert await organization_ids(db) == ["taken"]
+
+
+async def test_the_next_statement_after_a_swallowed_fault_is_a_503(db: Database) -> None:
+    """The error that aborted it was a database fault (a statement cancelled): the
+    transaction fails as that fault, a 503 not in doubt (it was a 500 with 25P02)."""
+    with pytest.raises(Unavailable) as raised:
+        async with db.tx() as conn:
+            await conn.execute(INSERT, {"id": "o1"})
+            await conn.execute(sa.text("SET LOCAL statement_timeout = '50ms'"))
+            try:
+                await conn.execute(sa.text("SELECT pg_sleep(5)"))
+            except sa.exc.DBAPIError:
+                pass
+            await conn.execute(INSERT, {"id": "o2"})
+    assert raised.value.rule == "service.unavailable" and not raised.value.in_doubt
+    assert _sqlstate(raised.value.__cause__ or raised.value) != IN_FAILED_TRANSACTION
+    assert await organization_ids(db) == []
+
+
+async def test_a_savepoint_in_an_aborted_transaction_raises_its_error(db: Database) -> None:
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    with pytest.raises(sa.exc.IntegrityError):
+        async with db.tx() as conn:
+            try:
+                await conn.execute(INSERT, {"id": "taken"})
+            except sa.exc.IntegrityError:
+                pass
+            async with conn.begin_nested():
+                await conn.execute(INSERT, {"id": "o1"})
+    assert await organization_ids(db) == ["taken"]
+
+
+async def test_a_statement_after_an_error_caught_in_a_savepoint_is_undone_with_it(
+    db: Database,
+) -> None:
+    """Caught inside the savepoint's block and followed by another statement there: that
+    statement raises the block's error (not 25P02), which the caller catches outside
+    the block as the error it expects; the undo takes it back and the rest commits."""
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "taken"})
+    async with db.tx() as conn:
+        await conn.execute(INSERT, {"id": "o1"})
+        try:
+            async with conn.begin_nested():
+                try:
+                    await conn.execute(INSERT, {"id": "taken"})
+                except sa.exc.IntegrityError:
+                    pass
+                await conn.execute(INSERT, {"id": "o3"})
+        except sa.exc.IntegrityError:
+            pass
+        await conn.execute(INSERT, {"id": "o2"})
+    assert await organization_ids(db) == ["o1", "o2", "taken"]
