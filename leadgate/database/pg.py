@@ -342,8 +342,10 @@ class PgConnection:
         :attr:`undo_failed`: the block's writes may still be in the transaction, which
         then fails whole whatever the caller made of the error (``Database.tx`` raises
         it at the end of the block). An undo that ran takes back what failed in the
-        block (:attr:`aborted`); a ``SAVEPOINT`` or ``RELEASE`` that fails (the latter
-        after an error the block caught itself) aborts the transaction."""
+        block (:attr:`aborted`); a ``SAVEPOINT`` or ``RELEASE`` that fails aborts the
+        transaction. A ``RELEASE`` refused because a statement of the block failed and
+        the block caught its error raises that error again (not PostgreSQL's
+        ``25P02``, which names only the symptom)."""
         self._refuse_if_aborted()
         failed: BaseException | None = None
         aborted = self.aborted
@@ -356,8 +358,16 @@ class PgConnection:
                     raise
         except _DRIVER_ERRORS as exc:
             error = _wrap(exc, "SAVEPOINT", ())
+            caught = self.aborted
             if exc is failed:
                 self.aborted = aborted
+            elif failed is None and caught is not None and caught is not aborted:
+                # The RELEASE, refused (25P02) because a statement of the block failed
+                # and the block caught its error: that error is what failed, not the
+                # RELEASE (the transaction stays aborted, as for a failed RELEASE).
+                if _RELEASED not in getattr(caught, "__notes__", ()):
+                    caught.add_note(_RELEASED)
+                raise caught from caught.__cause__  # (its own cause: the driver's error)
             else:
                 self.aborted = error
                 if failed is not None:  # the undo's own error
@@ -457,6 +467,14 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 _AGAIN = (
     "raised again at a later statement of its transaction, which PostgreSQL aborted at "
     "this error (caught outside a savepoint): the statement was not sent"
+)
+
+
+#: The note :meth:`PgConnection.begin_nested` adds to the error a block caught, raised
+#: again at the block's end.
+_RELEASED = (
+    "raised again at the end of its savepoint's block, which caught it: PostgreSQL "
+    "refused the RELEASE, and the transaction stays aborted"
 )
 
 

@@ -87,10 +87,11 @@ async def test_an_error_undone_by_a_savepoint_commits_the_rest(db: Database) -> 
 
 async def test_an_error_caught_inside_a_savepoint_fails_the_transaction(db: Database) -> None:
     """Caught inside the block, the error is not undone: the block's end (``RELEASE``)
-    fails, and with that error caught too the transaction still fails whole."""
+    fails with that error (not PostgreSQL's 25P02), and with it caught too the
+    transaction still fails whole, with it."""
     async with db.tx() as conn:
         await conn.execute(INSERT, {"id": "taken"})
-    with pytest.raises(sa.exc.DBAPIError):
+    with pytest.raises(sa.exc.IntegrityError) as raised:
         async with db.tx() as conn:
             await conn.execute(INSERT, {"id": "o1"})
             try:
@@ -99,8 +100,10 @@ async def test_an_error_caught_inside_a_savepoint_fails_the_transaction(db: Data
                         await conn.execute(INSERT, {"id": "taken"})
                     except sa.exc.IntegrityError:
                         pass
-            except sa.exc.DBAPIError:
-                pass
+            except sa.exc.DBAPIError as released:
+                assert isinstance(released, sa.exc.IntegrityError), released
+    assert _sqlstate(raised.value) != IN_FAILED_TRANSACTION
+    assert "refused the RELEASE" in "".join(raised.value.__notes__)
     assert await organization_ids(db) == ["taken"]
 
 
