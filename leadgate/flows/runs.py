@@ -432,7 +432,8 @@ class FlowService:
         """Start a new run of a flow and execute it until it pauses or ends. A database
         fault once the run is recorded names the run (``flow.interrupted``): it stays
         ``running`` and recovery continues it, so starting the flow again would run it
-        twice."""
+        twice. It names the fault's rule, not its message: that one speaks of the
+        request that met it ("retry", "check whether it was stored"), not of the run."""
         async with self.db.tx() as conn:
             flow = await find_flow(conn, org_id, flow_ref)
             lease = await self.new_run(conn, org_id, flow["id"], [], 0, None)
@@ -441,7 +442,7 @@ class FlowService:
         except Unavailable as exc:
             raise Unavailable(
                 f"flow run {lease.run_id} was started, but the database failed while it ran "
-                f"({exc.message}); it stays running and a worker's flow recovery continues "
+                f"({exc.rule}); it stays running and a worker's flow recovery continues "
                 f"it once its lease lapses (leadgate flow show {lease.run_id}): do not start "
                 "the flow again, it would run twice",
                 rule="flow.interrupted",

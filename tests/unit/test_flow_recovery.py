@@ -511,6 +511,9 @@ async def test_a_database_fault_mid_run_names_the_run_that_recovery_continues(
     run_id = await _only_run(faulty)
     assert info.value.rule == "flow.interrupted"
     assert run_id in info.value.message and "do not start the flow again" in info.value.message
+    # The fault's rule, not its message (which speaks to the request that met it).
+    assert "(turn.interrupted)" in info.value.message
+    assert "database is locked" not in info.value.message
     assert (await _view(second, org, run_id))["status"] == "running"
     clock.advance(RUN_LEASE_MS + 1)
     assert await FlowRecovery(second.flows).run_once()
