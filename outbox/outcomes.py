@@ -380,6 +380,10 @@ class OutcomeCommitter:
             # meanwhile, else on its next attempt (outbox.relay waits for the card).
             error = f"the card was not posted ({card}); nothing to update"
             values.update(status=DeliveryStatus.cancelled.value, error=error, **ENDED)
+        if values["status"] == DeliveryStatus.cancelled.value:
+            # Counted as what became of it: not a retry (it will not be tried again), nor
+            # an uncertain send an operator must settle, nor a failure.
+            label = "cancelled"
         res = await conn.execute(
             t.deliveries.update()
             .where(

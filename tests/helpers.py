@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from binding import routes
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, FakeClock, IdFactory
+from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -65,6 +66,12 @@ class Env(Protocol):
 
     @property
     def ids(self) -> IdFactory: ...
+
+
+def deliveries_counted(channel: str, outcome: str) -> float:
+    """``leadgate_deliveries_total{channel, outcome}`` now (0 before its first count)."""
+    labels = {"channel": channel, "outcome": outcome}
+    return METRICS.registry.get_sample_value("leadgate_deliveries_total", labels) or 0.0
 
 
 def fake_clock(service: Env) -> FakeClock:

@@ -29,6 +29,7 @@ from outbox.channel import Card, Channel, OutboundMessage, SendOutcome, Sent, Un
 from tests.helpers import (
     Org,
     api_trigger,
+    deliveries_counted,
     item_audit,
     item_row,
     make_agent,
@@ -429,6 +430,9 @@ async def test_a_slack_card_being_posted_when_the_item_is_decided(
     with it, never sent. Refused for good, the card is ``failed`` and its edit
     ``cancelled`` (not a second failure). Posted, it is edited to show the outcome."""
     org, worker = await setup(slack_app)
+    # (an edit may also be retried while its card is on its way: not counted here)
+    outcomes = ("deliveryUnknown", "permanent", "cancelled")
+    before = [deliveries_counted("slack", outcome) for outcome in outcomes]
     card, update = await decided_while_posting(slack_app, org, worker, slack_api, answer, "slack")
     expected = {
         "ratelimited:7": ("cancelled", "cancelled"),
@@ -437,6 +441,22 @@ async def test_a_slack_card_being_posted_when_the_item_is_decided(
         "ok": ("sent", "sent"),
     }
     assert (card["status"], update["status"]) == expected[answer], (card, update)
+    # Each is counted as what became of it: an ended card and an ended edit as
+    # ``cancelled`` (not ``retry`` nor ``deliveryUnknown``, nor ``permanent``).
+    counted = {
+        outcome: n - was
+        for outcome, was in zip(outcomes, before, strict=True)
+        if (n := deliveries_counted("slack", outcome)) != was
+    }
+    assert (
+        counted
+        == {
+            "ratelimited:7": {"cancelled": 2.0},
+            "reset": {"cancelled": 2.0},
+            "channel_not_found": {"permanent": 1.0, "cancelled": 1.0},
+            "ok": {},
+        }[answer]
+    )
     edits = [c for c in slack_api.calls if c["method"] == "chat.update"]
     if answer == "ok":
         [edit] = edits
