@@ -66,9 +66,8 @@ CARD_UPDATE = "cardUpdate"
 CARD_KINDS = frozenset({CARD, CARD_UPDATE})
 _CARD_ITEM: sa.BindParameter[str] = sa.bindparam("p_item")
 #: When a card's wait (review episode) was closed (``None``: still open), by card
-#: delivery ``p_card`` of item ``p_item``: through the item's episodes (indexed by item)
-#: and their cards (indexed by episode), as ``review_cards.delivery_id`` has no index of
-#: its own (by delivery id alone, each lookup scanned every card ever posted).
+#: delivery ``p_card`` of item ``p_item`` (``review_cards.delivery_id`` is indexed since
+#: migration 0020; before, only the item's episodes and their cards were).
 CARD_CLOSED_AT = (
     sa.select(t.review_episodes.c.closed_at)
     .select_from(

@@ -460,7 +460,8 @@ review_cards = sa.Table(
     sa.Column("org_id", ID, nullable=False),
     sa.Column("episode_id", ID, nullable=False, index=True),
     sa.Column("work_item_id", ID, nullable=False),
-    sa.Column("delivery_id", ID, nullable=False),  # the outbox row that posts the card
+    # The outbox row that posts the card (indexed: migration 0020).
+    sa.Column("delivery_id", ID, nullable=False, index=True),
     sa.Column("channel", sa.String(20), nullable=False),
     sa.Column("purpose", sa.String(20), nullable=False),  # notify | reminder | escalation
     sa.Column("created_at", MS, nullable=False),

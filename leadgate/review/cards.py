@@ -497,6 +497,20 @@ def same_conversation(channel: str, conversation: str) -> str:
     return conversation
 
 
+#: The item's cards whose post was uncertain (the caller adds the item and channel), by
+#: the item's deliveries and each card's ``review_cards`` row (``delivery_id``, indexed:
+#: migration 0020; a click naming no wait read every card ever posted).
+_UNCERTAIN_CARDS = (
+    sa.select(D.id, D.address)
+    .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
+    .where(
+        D.kind == CARD,
+        D.status == DeliveryStatus.deliveryUnknown.value,
+        D.external_id.is_(None),
+    )
+)
+
+
 async def uncertain_card(
     conn: Conn,
     item_id: str,
@@ -521,17 +535,7 @@ async def uncertain_card(
     )
     if known is not None:
         return None
-    query = (
-        sa.select(D.id, D.address)
-        .select_from(t.review_cards.join(t.deliveries, D.id == RC.delivery_id))
-        .where(
-            D.work_item_id == item_id,
-            D.kind == CARD,
-            D.channel == channel,
-            D.status == DeliveryStatus.deliveryUnknown.value,
-            D.external_id.is_(None),
-        )
-    )
+    query = _UNCERTAIN_CARDS.where(D.work_item_id == item_id, D.channel == channel)
     if episode_id:
         query = query.where(RC.episode_id == episode_id)
     if card_id:
@@ -547,8 +551,7 @@ async def uncertain_card(
 
 _ITEM: sa.BindParameter[str] = sa.bindparam("p_item")
 _ORG: sa.BindParameter[str] = sa.bindparam("p_org")
-#: A card's wait by its delivery id, through the item's episodes (indexed by item) and
-#: their cards (indexed by episode): ``review_cards.delivery_id`` has no index of its own.
+#: A card's wait by its delivery id, fenced to the item's episodes and cards.
 _CARD_EPISODE = (
     sa.select(RC.episode_id)
     .select_from(t.review_episodes.join(t.review_cards, RC.episode_id == E.id))

@@ -583,8 +583,9 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
         assert await card_episode(conn, card["id"], item_id, "org_other") is None
         assert await card_episode(conn, "dlv_none", item_id, org) is None
 
-    # One read by indexes: the item's episodes, then their cards; no table is scanned.
-    # So is the read of when a settled card's wait closed (it scanned every card).
+    # One read by indexes, no table scanned: the card's row by its delivery id
+    # (migration 0020), then its episode, fenced to the item. So is the read of when a
+    # settled card's wait closed (it scanned every card).
     engine = sa.create_engine("sqlite://")
     metadata.create_all(engine)
     for bound in (
@@ -595,6 +596,6 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
         with engine.connect() as raw:
             plan = [str(r[3]) for r in raw.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
         assert plan == [
-            "SEARCH review_episodes USING INDEX ix_review_episodes_work_item_id (work_item_id=?)",
-            "SEARCH review_cards USING INDEX ix_review_cards_episode_id (episode_id=?)",
+            "SEARCH review_cards USING INDEX ix_review_cards_delivery_id (delivery_id=?)",
+            "SEARCH review_episodes USING INDEX sqlite_autoindex_review_episodes_1 (id=?)",
         ], plan
