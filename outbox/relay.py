@@ -7,8 +7,9 @@ chosen with ``FOR UPDATE SKIP LOCKED`` so replicas never claim the same row, on 
 (``... WHERE id = :id AND lease_token = :token AND status = 'sending'``), in the same
 transaction as the work item's move to ``completed`` / ``failed``. A ``sending`` row whose
 lease expired means a relay died mid-send: for a channel post that is an uncertain send
-(``deliveryUnknown``), never retried automatically; internal actions (reveal, silent,
-scheduled) are idempotent and simply go back to ``pending``.
+(``deliveryUnknown``), never retried automatically (a review card whose item was decided
+meanwhile ends ``cancelled``); internal actions (reveal, silent, scheduled) are
+idempotent and simply go back to ``pending``.
 
 Throughput and latency: :meth:`Relay.run_once` is a pipeline (:mod:`outbox.pump`), not a
 claim-send-commit lockstep.
@@ -78,6 +79,8 @@ from outbox.store import (
     OUTBOX_TOPIC,
     DeliveryStatus,
     ReviewNeeded,
+    address_kept,
+    cards_of_closed_waits,
     delivery_of,
 )
 
@@ -329,21 +332,12 @@ class Relay:
         if not ids:
             return []
         async with self.db.tx() as conn:
+            mine = (D.id.in_(ids), D.lease_token == self.handoff_token)
+            ended = await cards_of_closed_waits(conn, *mine)
             res = await conn.execute(
                 t.deliveries.update()
-                .where(
-                    D.id.in_(ids),
-                    D.lease_token == self.handoff_token,
-                    unindexed(D.status) == DeliveryStatus.sending.value,
-                )
-                .values(
-                    status=DeliveryStatus.pending.value,
-                    lease_token=None,
-                    lease_expires_at=None,
-                    lease_owner=None,
-                    attempts=D.attempts - 1,
-                    updated_at=self.clock.now_ms(),
-                )
+                .where(*mine, unindexed(D.status) == DeliveryStatus.sending.value)
+                .values(self._given_back(ended))
                 .returning(D.id)
             )
             released = [str(released_id) for released_id in res.scalars().all()]
@@ -515,7 +509,8 @@ class Relay:
     # ------------------------------------------------------------------- leases
 
     async def expire_send_leases(self) -> int:
-        """A relay died mid-send: posts become deliveryUnknown, internal ones pending.
+        """A relay died mid-send: posts become deliveryUnknown, internal ones pending,
+        and a review card whose wait a decision closed meanwhile ``cancelled``.
 
         Taken back when the send lease expired, or at once when its holder is known dead
         (:mod:`leadgate.domain.processes`). Either way a post that was in flight stays
@@ -537,9 +532,23 @@ class Relay:
             sa.select(D.id).where(D.status == DeliveryStatus.sending.value, lapsed)
         )
         async with self.db.tx() as conn:
+            # Cards whose wait a decision closed while they were being sent end
+            # cancelled, as a card whose send ended uncertain then does
+            # (outcomes.OutcomeCommitter._commit_one): an operator has nothing to settle
+            # for a decided item. Their waits are locked first (see the function).
+            ended = await cards_of_closed_waits(conn, lapsed)
             chosen = await self._locked_ids(conn, expired)
             if chosen is not None and not chosen:
                 return 0
+            status = sa.case(
+                (internal, DeliveryStatus.pending.value),
+                else_=DeliveryStatus.deliveryUnknown.value,
+            )
+            address: sa.ColumnElement[Any] = D.address
+            if ended:
+                closed = D.id.in_(ended)
+                status = sa.case((closed, DeliveryStatus.cancelled.value), else_=status)
+                address = sa.case((closed, address_kept(D.address)), else_=D.address)
             rows = (
                 await conn.execute(
                     t.deliveries.update()
@@ -549,22 +558,20 @@ class Relay:
                         lapsed,
                     )
                     .values(
-                        status=sa.case(
-                            (internal, DeliveryStatus.pending.value),
-                            else_=DeliveryStatus.deliveryUnknown.value,
-                        ),
+                        status=status,
+                        address=address,
                         error=sa.case((internal, sa.null()), else_=LEASE_EXPIRED_ERROR),
                         lease_token=None,
                         lease_expires_at=None,
                         lease_owner=None,
                         updated_at=now,
                     )
-                    .returning(D.id, D.action, D.channel, D.org_id, D.work_item_id, D.kind)
+                    .returning(
+                        D.id, D.action, D.channel, D.org_id, D.work_item_id, D.kind, D.status
+                    )
                 )
             ).all()
-            unknown = [
-                r for r in rows if r.action not in INTERNAL_ACTIONS and r.kind != CARD_UPDATE
-            ]
+            unknown = [r for r in rows if r.status == DeliveryStatus.deliveryUnknown.value]
             if unknown:
                 await conn.execute(
                     t.audit.insert(),
@@ -591,6 +598,14 @@ class Relay:
         for r in unknown:
             log.warning("delivery %s: send lease expired mid-send: deliveryUnknown", r.id)
             METRICS.deliveries.labels(r.channel, "deliveryUnknown").inc()
+        for r in rows:
+            if r.status == DeliveryStatus.cancelled.value:
+                log.warning(
+                    "delivery %s: send lease expired mid-send, and its card's item was "
+                    "decided meanwhile: cancelled",
+                    r.id,
+                )
+                METRICS.deliveries.labels(r.channel, "cancelled").inc()
         return len(rows)
 
     async def _locked_ids(self, conn: Conn, query: sa.Select[Any]) -> list[str] | None:
@@ -641,19 +656,14 @@ class Relay:
         for n, lost in enumerate(due):
             try:
                 async with self.db.tx() as conn:
+                    ended = await cards_of_closed_waits(conn, D.lease_token == lost.token)
                     res = await conn.execute(
                         t.deliveries.update()
                         .where(
                             D.lease_token == lost.token,
                             D.status == DeliveryStatus.sending.value,
                         )
-                        .values(
-                            status=DeliveryStatus.pending.value,
-                            lease_token=None,
-                            lease_expires_at=None,
-                            lease_owner=None,
-                            attempts=D.attempts - 1,
-                        )
+                        .values(self._given_back(ended))
                     )
                     if res.rowcount:
                         signal_after_commit(conn, OUTBOX_TOPIC)
@@ -665,6 +675,29 @@ class Relay:
             else:
                 self._uncertain_claims.not_found(lost, now)
         return released
+
+    def _given_back(self, ended: list[str]) -> dict[str, Any]:
+        """The values of claimed rows never sent, given back: ``pending`` again (the claim
+        no attempt), but a card whose wait a decision closed meanwhile (``ended``, of
+        :func:`outbox.store.cards_of_closed_waits`) ends ``cancelled``, as the decision
+        cancels a card not sent yet: put back, it would be posted after the decision,
+        offering a decision already made. The decision saw it being sent and left it to
+        its send (an email card's Reply-To leaves the row with it)."""
+        values: dict[str, Any] = {
+            "status": DeliveryStatus.pending.value,
+            "lease_token": None,
+            "lease_expires_at": None,
+            "lease_owner": None,
+            "attempts": D.attempts - 1,
+            "updated_at": self.clock.now_ms(),
+        }
+        if ended:
+            closed = D.id.in_(ended)
+            values["status"] = sa.case(
+                (closed, DeliveryStatus.cancelled.value), else_=DeliveryStatus.pending.value
+            )
+            values["address"] = sa.case((closed, address_kept(D.address)), else_=D.address)
+        return values
 
     def _claim_params(self, limit: int, token: str) -> dict[str, Any]:
         now = self.clock.now_ms()

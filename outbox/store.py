@@ -8,7 +8,7 @@ Delivery statuses:
 * ``failed``: definitely not posted, never will be; terminal, error recorded
 * ``deliveryUnknown``: maybe posted; only a human moves it on (confirm or retry)
 * ``cancelled``: not to be sent any more; terminal: the work item was cancelled before
-  it was sent, or a review card's item was decided before (or, email, while) it was sent
+  it was sent, or a review card's item was decided before (or while) it was sent
 * ``continuation``: an ActionFlow continuation; never picked up by the relay
 
 Actions: ``post`` (a channel message), ``reveal`` (clear leadGated on the stored
@@ -147,6 +147,40 @@ class DeliveryStatus(enum.StrEnum):
     deliveryUnknown = "deliveryUnknown"
     cancelled = "cancelled"
     continuation = "continuation"
+
+
+#: The ``sending`` card deliveries, each with when its wait was closed (``None``: still
+#: open), every such wait's episode row locked (PostgreSQL) until the caller commits;
+#: the caller adds which rows (:func:`cards_of_closed_waits`). Reached from the card by
+#: ``review_cards.delivery_id`` (indexed, migration 0020).
+_SENDING_CARDS_WAITS = (
+    sa.select(D.id, t.review_episodes.c.closed_at)
+    .select_from(
+        t.deliveries.join(t.review_cards, t.review_cards.c.delivery_id == D.id).join(
+            t.review_episodes, t.review_episodes.c.id == t.review_cards.c.episode_id
+        )
+    )
+    .where(D.kind == CARD, D.status == DeliveryStatus.sending.value)
+    .with_for_update(of=t.review_episodes)
+)
+
+
+async def cards_of_closed_waits(conn: Conn, *where: sa.ColumnElement[bool]) -> list[str]:
+    """The ids of the ``sending`` card deliveries ``where`` selects whose wait (review
+    episode) a decision closed: they end ``cancelled`` where they would have gone back
+    to ``pending`` or on to ``deliveryUnknown`` (a decided item's card is neither posted
+    after the decision nor left for an operator; see
+    :meth:`outbox.outcomes.OutcomeCommitter._commit_one`, which ends a card whose send
+    finished so).
+
+    Every selected card's episode row is locked (PostgreSQL) until ``conn`` commits,
+    closed or not, before the caller updates the cards: a decision closes the episode
+    with an update of that row and then reads the wait's cards, so either it reads the
+    caller's outcome committed (and cancels a card put back ``pending``), or this reads
+    the episode closed. Episode first, then the delivery, as the outcome commit locks
+    them. SQLite has one writer: nothing to lock."""
+    rows = (await conn.execute(_SENDING_CARDS_WAITS.where(*where))).all()
+    return [str(r.id) for r in rows if r.closed_at is not None]
 
 
 def action_for(binding: Binding | None) -> tuple[str, str]:

@@ -16,12 +16,14 @@ from sqlalchemy.dialects import sqlite
 from leadgate.database.db import alembic_config
 from leadgate.database.schema import metadata
 from leadgate.review.cards import _UNCERTAIN_CARDS
-from outbox.store import D
+from outbox.store import _SENDING_CARDS_WAITS, D
 from tests.unit.test_migration_0016 import run
 
-#: A click naming no wait (leadgate.review.cards.uncertain_card).
+#: A click naming no wait (leadgate.review.cards.uncertain_card), and the relay giving
+#: back a claim (outbox.store.cards_of_closed_waits, by lease token).
 BY_DELIVERY = [
     _UNCERTAIN_CARDS.where(D.work_item_id == "wi_1", D.channel == "discord"),
+    _SENDING_CARDS_WAITS.where(D.lease_token == "lease_1"),
 ]
 
 
@@ -65,6 +67,9 @@ def test_review_cards_delivery_id_is_indexed_and_used(db_url: str) -> None:
         assert out["plans"] == [
             "SEARCH deliveries USING INDEX ix_deliveries_work_item_id (work_item_id=?)",
             "SEARCH review_cards USING COVERING INDEX ix_review_cards_delivery_id (delivery_id=?)",
+            "SEARCH deliveries USING INDEX ix_deliveries_status_due (status=?)",
+            "SEARCH review_cards USING INDEX ix_review_cards_delivery_id (delivery_id=?)",
+            "SEARCH review_episodes USING INDEX sqlite_autoindex_review_episodes_1 (id=?)",
         ], out["plans"]
 
     # Down and up again: the index goes and comes back.

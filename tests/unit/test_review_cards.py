@@ -4,6 +4,7 @@ a gating delivery, updated in place after any decision, cut to each channel's li
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +15,7 @@ import sqlalchemy as sa
 
 from bots import discord_review, slack_review, teams_review
 from leadgate.core.clock import RandomIds
+from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.database.schema import metadata
@@ -26,9 +28,18 @@ from leadgate.review.cards import _CARD_EPISODE, card_episode, plain_text
 from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
-from outbox.store import CARD_CLOSED_AT
-from tests.helpers import api_trigger, make_agent
-from tests.review_support import PUBLIC_URL, REVIEW_CHANNEL, ReviewEnv, review_env, slack_trigger
+from outbox.relay import LEASE_EXPIRED_ERROR, SEND_LEASE_MS, Relay
+from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC
+from tests.fakes import lose_the_next_commit
+from tests.helpers import api_trigger, deliveries_counted, eventually, make_agent
+from tests.review_support import (
+    PUBLIC_URL,
+    REVIEW_CHANNEL,
+    ReviewEnv,
+    add_destination,
+    review_env,
+    slack_trigger,
+)
 from tests.stack import Stack
 
 
@@ -144,6 +155,191 @@ async def test_an_update_waits_for_its_card_and_gives_up_when_it_never_posted(
     ended = (await env.deliveries(claimed[1].work_item_id or "", "cardUpdate"))[0]
     assert ended["status"] == "cancelled"
     assert ended["error"] == "the card was not posted (failed); nothing to update"
+
+
+# ------------- cards whose relay died, or whose claim was in doubt, at decision time
+
+REPLY_ADDRESS = "review@reviews.example.com"
+
+
+async def slack_and_email_cards(make_stack: Callable[..., Stack]) -> ReviewEnv:
+    """:func:`review_env` whose items also get an email card answerable by reply."""
+    env = await review_env(make_stack, escalation=False)
+    env.notifier.reply_address = REPLY_ADDRESS
+    await add_destination(env.stack, env.org.id, "email", "lead@example.com")
+    return env
+
+
+async def test_cards_whose_relay_died_mid_send_end_cancelled_when_their_item_was_decided(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A relay claims the cards of two items and dies mid-send; one item is decided
+    meanwhile (the decision leaves its cards being sent to their send, and queues the
+    Slack card's edit). When the send leases lapse, the decided item's cards end
+    ``cancelled``, as a card whose send ended uncertain after the decision does (the
+    email card's Reply-To token leaves its row), and count as ``cancelled``, not
+    ``deliveryUnknown``: an operator has nothing to settle. The waiting item's cards are
+    ``deliveryUnknown`` as before. Nothing is posted again."""
+    env = await slack_and_email_cards(make_stack)
+    decided = await env.escalated("s1")
+    waiting = await env.escalated("s2")
+    assert len(await env.stack.relay.claim()) == 4  # then the relay "dies"
+    await approve(env, decided)
+    [update] = await env.deliveries(decided, "cardUpdate")
+    before = {
+        (channel, outcome): deliveries_counted(channel, outcome)
+        for channel in ("slack", "email")
+        for outcome in ("cancelled", "deliveryUnknown")
+    }
+    env.stack.clock.advance(SEND_LEASE_MS + 1)
+    survivor = Relay(env.stack.db, env.stack.clock, env.stack.ids, dict(env.channels))
+    await drain(survivor)
+
+    cards = {
+        (i, c["channel"]): c for i in (decided, waiting) for c in await env.deliveries(i, "card")
+    }
+    for channel in ("slack", "email"):
+        ended, unknown = cards[decided, channel], cards[waiting, channel]
+        assert (ended["status"], ended["error"]) == ("cancelled", LEASE_EXPIRED_ERROR), ended
+        assert (unknown["status"], unknown["error"]) == ("deliveryUnknown", LEASE_EXPIRED_ERROR)
+    assert "reply_to" not in cards[decided, "email"]["address"]
+    assert cards[waiting, "email"]["address"]["reply_to"].startswith("review+")  # (a retry)
+    [ended_update] = await env.deliveries(decided, "cardUpdate")
+    assert (ended_update["id"], ended_update["status"]) == (update["id"], "cancelled")
+    assert [c for ch in env.channels.values() for c in ch.calls] == []
+    assert env.slack.updates == []
+    gained = {key: deliveries_counted(*key) - value for key, value in before.items()}
+    assert gained == {
+        ("slack", "cancelled"): 2.0,  # the card, and then its edit
+        ("slack", "deliveryUnknown"): 1.0,
+        ("email", "cancelled"): 1.0,
+        ("email", "deliveryUnknown"): 1.0,
+    }
+    # Only the waiting item's cards are audited as uncertain (the decided one's are not).
+    async with env.stack.db.read() as conn:
+        audited = (
+            await conn.execute(
+                sa.select(t.audit.c.work_item_id).where(t.audit.c.action == "deliveryUnknown")
+            )
+        ).scalars()
+        assert sorted(audited) == [waiting, waiting]
+
+
+async def test_a_lapsed_card_taken_back_while_its_decision_commits_waits_for_the_decision(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The decision has closed the card's wait (not committed yet, the card read as being
+    sent: left to its send) when a relay takes back the card's lapsed send lease. It
+    waits for the decision's commit (PostgreSQL: the wait's row locked; SQLite: the one
+    writer) and then finds the wait closed: ``cancelled``. Reading the wait unlocked, it
+    saw it open and left the card ``deliveryUnknown``, which the decision never saw."""
+    env = await review_env(make_stack, escalation=False)
+    item_id = await env.escalated("s1")
+    [card] = await env.stack.relay.claim()  # then the relay "dies"
+    env.stack.clock.advance(SEND_LEASE_MS + 1)
+    closed, release = asyncio.Event(), asyncio.Event()
+
+    async def decide() -> None:
+        async with env.stack.db.tx() as conn:
+            item = await workitems.get(conn, item_id)
+            await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
+            closed.set()
+            await release.wait()
+
+    decision = asyncio.create_task(decide())
+    await closed.wait()
+    expiry = asyncio.create_task(env.stack.relay.expire_send_leases())
+    if env.stack.db.is_postgres:
+
+        async def expiry_waits_or_done() -> bool:
+            async with env.stack.db.read() as conn:
+                waiting = await conn.scalar(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    )
+                )
+            return bool(waiting) or expiry.done()
+
+        assert await eventually(expiry_waits_or_done, within=10.0)
+    release.set()
+    await decision
+    assert await expiry == 1
+    [row] = await env.deliveries(item_id, "card")
+    assert (row["id"], row["status"]) == (card.id, "cancelled")
+    await drain(env.stack.relay)
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    assert update["status"] == "cancelled" and env.slack.calls == []
+
+
+@pytest.mark.parametrize("then", ["decided", "waiting"])
+async def test_a_card_claim_in_doubt_is_cancelled_not_given_back_when_its_item_was_decided(
+    make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The relay's claim of the cards committed, but it was told the COMMIT's answer was
+    lost (in doubt); the item is decided before the relay gives the claim back (the
+    decision reads the cards as being sent and leaves them to their send). Given back
+    ``pending``, they were posted and mailed after the decision, offering a decision
+    already made: they end ``cancelled`` (the email card's Reply-To token leaves its row)
+    and the Slack card's edit with them. Still waiting, they go back and are sent once."""
+    env = await slack_and_email_cards(make_stack)
+    item_id = await env.escalated("s1")
+    relay = env.stack.relay
+    # On PostgreSQL the claim is one statement; a SQLite COMMIT is never in doubt, but
+    # the give-back of a claim that failed does not depend on the backend.
+    lose_the_next_commit(monkeypatch, env.stack.db, alone=env.stack.db.is_postgres, sqlite_too=True)
+    with pytest.raises(Unavailable) as raised:
+        await relay.claim()
+    assert raised.value.in_doubt
+    assert {c["status"] for c in await env.deliveries(item_id, "card")} == {"sending"}
+    if then == "decided":
+        await approve(env, item_id)
+    await drain(relay)
+
+    cards = {c["channel"]: c for c in await env.deliveries(item_id, "card")}
+    if then == "waiting":
+        assert {c["status"] for c in cards.values()} == {"sent"}
+        assert [c["attempts"] for c in cards.values()] == [1, 1]
+        assert len(env.slack.calls) == len(env.channels["email"].calls) == 1
+        return
+    assert {c["status"] for c in cards.values()} == {"cancelled"}
+    assert [c["attempts"] for c in cards.values()] == [0, 0]  # the claim was no attempt
+    assert "reply_to" not in cards["email"]["address"]
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    assert update["status"] == "cancelled"
+    assert update["error"] == "the card was not posted (cancelled); nothing to update"
+    assert env.slack.calls == env.channels["email"].calls == []
+    assert env.slack.updates == []
+
+
+async def test_a_card_handed_over_and_not_started_ends_cancelled_at_shutdown_if_decided(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A card written already claimed for this process's relay (the local hand-off) and
+    not started when the relay shuts down goes back to ``pending``, unless its item was
+    decided meanwhile (the decision left the card, being sent, to its send): then it
+    ends ``cancelled``, never posted after the decision (the same give-back serves a
+    hand-off whose write was in doubt)."""
+    env = await review_env(make_stack, escalation=False)
+    stack = env.stack
+    relay = Relay(stack.db, stack.clock, stack.ids, dict(env.channels))
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.outbox.attach(relay)
+    try:
+        item_id = await env.escalated("s1")
+    finally:
+        stack.outbox.attach(None)
+        stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    [card] = await env.deliveries(item_id, "card")
+    assert (card["status"], card["lease_token"]) == ("sending", relay.handoff_token)
+    await approve(env, item_id)
+    assert await relay.release_handoffs() == 1
+    [card] = await env.deliveries(item_id, "card")
+    assert (card["status"], card["lease_token"], card["attempts"]) == ("cancelled", None, 0)
+    await drain(stack.relay)
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    assert update["status"] == "cancelled"
+    assert env.slack.calls == [] and env.slack.updates == []
 
 
 async def test_delivery_unknown_gets_a_recovery_card_and_confirm_closes_it(

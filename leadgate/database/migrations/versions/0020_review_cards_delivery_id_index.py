@@ -4,10 +4,12 @@ Revision ID: 0020
 Revises: 0019
 Create Date: 2026-12-07 18:20:00
 
-A statement that goes from a card's delivery to its ``review_cards`` row joined on
-``delivery_id`` with no index: a click on a card whose post was uncertain
-(``leadgate.review.cards.uncertain_card``; a click that names no wait) read every card
-ever posted for each of the item's deliveries.
+Statements go from a card's delivery to its ``review_cards`` row, joined on
+``delivery_id``: a click on a card whose post was uncertain
+(``leadgate.review.cards.uncertain_card``; a click that names no wait read every card
+ever posted for each of the item's deliveries), and the relay reading the waits of
+the card deliveries it gives back, or takes back after a lapsed send lease
+(``outbox.store.cards_of_closed_waits``).
 """
 
 from __future__ import annotations
