@@ -161,6 +161,9 @@ _SENDING_CARDS_WAITS = (
         )
     )
     .where(D.kind == CARD, D.status == DeliveryStatus.sending.value)
+    # Locked in one order: two relays taking back lapsed leases at once wait for each
+    # other, never for each other's second lock (a deadlock).
+    .order_by(t.review_episodes.c.id)
     .with_for_update(of=t.review_episodes)
 )
 

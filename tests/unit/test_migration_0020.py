@@ -70,6 +70,7 @@ def test_review_cards_delivery_id_is_indexed_and_used(db_url: str) -> None:
             "SEARCH deliveries USING INDEX ix_deliveries_status_due (status=?)",
             "SEARCH review_cards USING INDEX ix_review_cards_delivery_id (delivery_id=?)",
             "SEARCH review_episodes USING INDEX sqlite_autoindex_review_episodes_1 (id=?)",
+            "USE TEMP B-TREE FOR ORDER BY",  # (the lock order, for PostgreSQL)
         ], out["plans"]
 
     # Down and up again: the index goes and comes back.
