@@ -233,6 +233,56 @@ class LandsLater:
         return await self.real(statement, parameters)
 
 
+class CommitLandsLater:
+    """``Database.tx`` replaced for its next call: the transaction's work runs but its
+    ``COMMIT`` waits (the transaction stays open, holding its row locks, its rows seen
+    by no other connection), and its caller is told the connection dropped with the
+    ``COMMIT`` sent (an ``Unavailable`` in doubt, its signals to the doubt listeners),
+    as :class:`DownFor` tells it. :meth:`land` commits it afterwards: the server applied
+    the ``COMMIT`` after the caller's read-back or give-back on a fresh connection had
+    raced it and found nothing (a claim with ``SKIP LOCKED`` passes the locked rows by).
+    Later calls run as they are. PostgreSQL only (a SQLite COMMIT is never in doubt)."""
+
+    def __init__(self, real: Callable[[], Any]) -> None:
+        _may_lose_a_commit(real, False)
+        self.real = real
+        self.held: Any = None
+        self.lost = False
+
+    def __call__(self) -> Any:
+        if self.lost:
+            return self.real()
+        self.lost = True
+        outer = self
+
+        class _Ctx:
+            async def __aenter__(self) -> Any:
+                self.inner = outer.real()
+                conn = await self.inner.__aenter__()
+                # The work's signals, kept from the commit listeners (as DownFor).
+                self.topics: dict[str, list[Any]] = {}
+                if conn.info.get(_TOPICS) is not None:
+                    conn.info[_TOPICS] = self.topics
+                return conn
+
+            async def __aexit__(self, *exc: Any) -> None:
+                if exc[0] is not None:
+                    await self.inner.__aexit__(*exc)
+                    return
+                outer.held = self.inner
+                fault = _lost_at_commit()
+                _database(outer.real)._in_doubt(fault, self.topics)
+                raise fault
+
+        return _Ctx()
+
+    async def land(self) -> None:
+        """Commit the transaction whose answer was lost."""
+        assert self.held is not None, "no transaction was lost"
+        held, self.held = self.held, None
+        await held.__aexit__(None, None, None)
+
+
 def _database(method: Callable[..., Any]) -> Database:
     """The :class:`Database` whose method ``method`` is."""
     database = getattr(method, "__self__", None)

@@ -16,9 +16,11 @@ class TurnRecovery:
     that stopped here on a database fault) and carries it out: re-run, closed, surfaced
     to a human, or answered with a failure notice. One claim takes every takeable run of
     one session, so a session gets one recovered turn, never two at once. Each pass
-    without orphans of its own first reads whether anything is takeable and when the
-    earliest lease lapses (:func:`leadgate.turns.runs.lease_check`): the loop sleeps no
-    longer than until then (:meth:`due_in_s`)."""
+    without orphans of its own (nor a look due for a lost one's token:
+    :attr:`TurnService.lost <leadgate.turns.path.TurnService.lost>`) first reads whether
+    anything is takeable and when the earliest lease lapses
+    (:func:`leadgate.turns.runs.lease_check`): the loop sleeps no longer than until then,
+    or until the next such look (:meth:`due_in_s`)."""
 
     name = "turn-recovery"
 
@@ -34,14 +36,26 @@ class TurnRecovery:
         never finishing) or went away without a reap is recovered when its lease lapses,
         not up to a poll later. Read from the database (every replica's runs as of the
         check): a run finished since makes the loop wake early and look again."""
-        if self._next_lapse is None:
+        due = None if self._next_lapse is None else self._next_lapse + 1
+        lost = self.turns.lost
+        if lost:  # (only after a fault) the next look for a lost run's token, if sooner
+            look = lost.next_due()
+            if look is not None and (due is None or look < due):
+                due = look
+        if due is None:
             return None
         # Takeable once the clock is past it (``<``): never earlier, so never a busy loop.
-        return max(0.0, (self._next_lapse + 1 - self.turns.clock.now_ms()) / 1000)
+        return max(0.0, (due - self.turns.clock.now_ms()) / 1000)
+
+    def _look_due(self) -> bool:
+        """Whether a look for a lost run's token is due (the claim makes it): between
+        looks a pass is the read above, not a claim (a write transaction)."""
+        look = self.turns.lost.next_due()
+        return look is not None and look <= self.turns.clock.now_ms()
 
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
-        if not self.turns.orphans:
+        if not self.turns.orphans and not (self.turns.lost and self._look_due()):
             # One read first: mostly nothing is takeable, and the claim is a write
             # transaction. It also says when the earliest lease lapses (due_in_s).
             takeable, self._next_lapse = await runs.lease_check(
@@ -55,6 +69,7 @@ class TurnRecovery:
             self.turns.ids,
             owner=self.turns.owner(),
             orphans=self.turns.orphans,
+            lost=self.turns.lost,
         )
         if claimed is None:
             return False

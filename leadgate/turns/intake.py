@@ -59,6 +59,7 @@ from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import IntakeInDoubt, TransitionError, Unavailable, ValidationError
 from leadgate.core.limits import TASK_CONTEXT_LIMIT
+from leadgate.core.runners import LostClaims
 from leadgate.core.types import CHANNEL_KINDS, BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -269,6 +270,7 @@ class Intake:
         *,
         owner: Callable[[], str | None] = lambda: None,
         doubted: Callable[[str], None] = lambda _token: None,
+        lost: LostClaims | None = None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -280,6 +282,9 @@ class Intake:
         #: be read back: the run may exist, under this process's lease, with no turn
         #: running it; the recovery takes it over once the database is back
         self.doubted = doubted
+        #: watched for the lease token of a recorded run whose intake was in doubt and
+        #: not found landed (see :meth:`_settle`)
+        self.lost = lost
         #: the agent and policy rules of recent intakes (SQLite; see its module)
         self.config = ConfigCache()
         #: PostgreSQL: sessions lately opened or seen here (see :data:`MAX_SEEN_SESSIONS`)
@@ -584,12 +589,24 @@ class Intake:
     async def _settle(self, message_id: str, fault: Unavailable, run_token: str | None) -> None:
         """:meth:`_landed` for an intake that may have recorded a run (``run_token``):
         found, this process runs the turn now; unread, the run goes to the recovery
-        (:attr:`doubted`), since it may exist with nothing running it."""
+        (:attr:`doubted`), since it may exist with nothing running it; not found in doubt,
+        the recovery watches for it (:attr:`lost`), since it may land after the read."""
         try:
             await self._landed(message_id, fault)
         except IntakeInDoubt:
             if run_token is not None:
                 self.doubted(run_token)
+            raise
+        except Unavailable:
+            if run_token is not None and fault.in_doubt and self.lost is not None:
+                # Not found, but the server may still apply the intake after the read
+                # raced it: its run would then wait out its lease (:data:`RUN_LEASE_MS
+                # <leadgate.turns.runs.RUN_LEASE_MS>`) with nothing running it. The
+                # recovery looks for its token until then (leadgate.turns.runs.claim).
+                now = self.clock.now_ms()
+                self.lost.watch(
+                    run_token, due=now + self.lost.first_ms, lapses=now + runs.RUN_LEASE_MS
+                )
             raise
 
     async def _settle_ended(

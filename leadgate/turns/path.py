@@ -33,6 +33,7 @@ from leadgate.core.limits import (
     validate_session_key,
 )
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LostClaims
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, damage_met
@@ -262,7 +263,15 @@ class TurnService:
         #: turn never started, the run may exist): the recovery runner takes them over
         #: once the database is back
         self.orphans: set[str] = set()
-        self.intake = Intake(db, clock, ids, self.history, owner=owner, doubted=self.orphans.add)
+        #: lease tokens of runs not found where they may still land (an intake in doubt
+        #: whose read-back found nothing; orphans a recovery claim did not find, when an
+        #: intake or a recovery claim in doubt may yet be applied): looked for again by the
+        #: recovery runner's claim when due, until their run's lease would have lapsed
+        #: (:func:`leadgate.turns.runs.claim`)
+        self.lost = LostClaims()
+        self.intake = Intake(
+            db, clock, ids, self.history, owner=owner, doubted=self.orphans.add, lost=self.lost
+        )
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner

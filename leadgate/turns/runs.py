@@ -35,6 +35,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import TransitionError
+from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import wakes, workitems
@@ -124,34 +125,66 @@ async def claim(
     *,
     owner: str | None,
     orphans: set[str],
+    lost: LostClaims,
 ) -> Claimed | None:
     """Claim the oldest takeable run and every takeable run of its session.
 
     Takeable: its lease expired, its holder is known dead (:func:`owner_gone`), or it is
-    one of ``orphans`` (this process's runs whose turn stopped on a database fault).
+    one of ``orphans`` (this process's runs whose turn stopped on a database fault, or
+    whose intake or recovery claim was in doubt), or of the tokens in ``lost`` whose look
+    is due. Orphans no run holds go to ``lost`` (see :func:`_watch`).
     """
     now = clock.now_ms()
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
-    asked = sorted(orphans)
+    looks = lost.take_due(now) if lost else []
+    asked = sorted(orphans.union(look.token for look in looks) if looks else orphans)
     if asked:
         takeable = sa.or_(takeable, R.lease_token.in_(asked))
     token = ids.new("lease")
     updated: list[str] = []  # the token, once the claim's UPDATE ran
+    taken: set[str] = set()  # the tokens the claimed runs held, once it committed
     try:
         claimed = await _claim_in(
-            db, clock, ids, takeable, now, token, owner=owner, orphans=orphans, updated=updated
+            db, clock, ids, takeable, now, token, owner=owner, updated=updated, taken=taken
         )
-        if claimed is None:
-            # No run holds these tokens: an intake whose commit was in doubt and did
-            # not land recorded none (kept, they would make every pass a claim).
-            orphans.difference_update(asked)
-        return claimed
     except Exception:
         # The claim's COMMIT may or may not have landed: the runs hold either their old
         # tokens (still in ``orphans``: discarded only after the commit) or this one.
         # Either way the next pass takes them, instead of after the run lease (minutes).
         orphans.update(updated)
+        lost.put_back(looks)
         raise
+    if claimed is None:
+        _watch(asked, looks, orphans, lost, now)
+        return None
+    orphans.difference_update(taken)  # committed: these tokens are gone
+    if looks:
+        # Those of another session's runs are looked for at the next pass (due still).
+        lost.put_back([look for look in looks if look.token not in taken])
+    return claimed
+
+
+def _watch(
+    asked: list[str], looks: list[Lost], orphans: set[str], lost: LostClaims, now: int
+) -> None:
+    """A claim that asked for the tokens ``asked`` (``looks``: those ``lost`` was
+    watching) found no takeable run: no run holds them now. Each may hold one later all
+    the same: an intake or a recovery claim in doubt that was not found landed can still
+    be applied by the server after this claim raced it (its rows locked meanwhile, which
+    ``SKIP LOCKED`` passes by, or not written yet). Dropped, such a run would wait under
+    a token nobody holds until its lease lapsed (:data:`RUN_LEASE_MS`), its message
+    unanswered. So each is watched (:class:`~leadgate.core.runners.LostClaims`: looked
+    for again a second on, then at doubling gaps) until that lease would have lapsed;
+    the recovery runner claims with the due ones only (no claim between looks)."""
+    watched = {look.token: look for look in looks}
+    for token in asked:
+        orphans.discard(token)
+        look = watched.get(token)
+        if look is not None:
+            lost.not_found(look, now)
+        else:
+            # (the run's lease was set at or before now: it lapses by then)
+            lost.watch(token, due=now + lost.first_ms, lapses=now + RUN_LEASE_MS)
 
 
 async def _claim_in(
@@ -163,8 +196,8 @@ async def _claim_in(
     token: str,
     *,
     owner: str | None,
-    orphans: set[str],
     updated: list[str],
+    taken: set[str],
 ) -> Claimed | None:
     async with db.tx() as conn:
         first = (
@@ -218,8 +251,7 @@ async def _claim_in(
         if action in ("closed", "surfaced", CLIENT):
             await finish(conn, token, fenced=False)
             action = "closed" if action == CLIENT else action
-    for row in rows:  # committed: these tokens are gone
-        orphans.discard(row.lease_token)
+    taken.update(row.lease_token for row in rows)
     return Claimed(
         action=action,
         token=token,

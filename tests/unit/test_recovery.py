@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
@@ -22,7 +22,7 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
-from tests.fakes import DownFor
+from tests.fakes import CommitLandsLater, DownFor
 from tests.helpers import (
     api_trigger,
     item_audit,
@@ -290,5 +290,82 @@ async def test_a_recovery_claim_whose_commit_failed_is_taken_again_at_once(
     assert raised.value.in_doubt is landed
     monkeypatch.setattr(stack.db, "tx", down.real)
     assert await drain(recovery) == 1  # the live owner's lease has 15 minutes left
+    assert await replies(stack) == ["Echo: hello"]
+    assert await count(stack, t.turn_runs) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_taken_soon(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recovery claim's COMMIT answer was lost, and the next pass's claim, asking
+    for the run's old token and the lost claim's, found nothing (the claim on its way
+    held the rows: SKIP LOCKED passed them by); then the server applied it. The run is
+    under a token nobody holds: it is looked for again a second later and run, not
+    after its 15-minute lease (its owner is alive). Between looks a pass is the lease
+    check's read, no claim. (PostgreSQL only: a SQLite COMMIT is never in doubt.)"""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    stack.turns.owner = live.owner
+    taken = await stack.turns.take(slack_trigger(org, plain, "hello", "8.1"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token
+    stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
+    recovery = TurnRecovery(stack.turns)
+    late = CommitLandsLater(stack.db.tx)
+    monkeypatch.setattr(stack.db, "tx", late)
+    with pytest.raises(Unavailable) as raised:
+        await recovery.run_once()
+    assert raised.value.in_doubt
+    assert await recovery.run_once() is False  # the rows are locked: nothing found
+    await late.land()
+    # Not due yet: no claim (a write transaction) on this pass, the read alone.
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    assert await recovery.run_once() is False
+    monkeypatch.setattr(stack.db, "tx", late)
+    due = recovery.due_in_s()
+    assert due is not None and 0 < due <= 1.0  # the loop wakes for the look
+    stack.clock.advance(1_000)  # a second on, not the 15-minute lease
+    assert await drain(recovery) == 1
+    assert await replies(stack) == ["Echo: hello"]
+    assert await count(stack, t.turn_runs) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("read_back", ["finds nothing", "fails"])
+async def test_an_intake_in_doubt_that_lands_after_its_read_back_is_recovered_soon(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, read_back: str
+) -> None:
+    """A channel message's intake lost its COMMIT's answer, and its read-back found
+    nothing (or failed, and the recovery's claim of its run then found nothing); then
+    the server applied it. Its run waits under a token nobody holds: the recovery looks
+    for it again a second later and runs the turn, not after its 15-minute lease (its
+    owner is alive; the platform's redelivery is a duplicate by then). (PostgreSQL only:
+    a SQLite COMMIT is never in doubt.)"""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    stack.turns.owner = live.owner
+    late = CommitLandsLater(stack.db.tx)
+    monkeypatch.setattr(stack.db, "tx", late)
+    if read_back == "fails":
+        monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
+    with pytest.raises(Unavailable) as raised:
+        await stack.turns.take(slack_trigger(org, plain, "hello", "9.1"))
+    assert raised.value.in_doubt or read_back == "fails"
+    assert isinstance(raised.value, IntakeInDoubt) is (read_back == "fails")
+    recovery = TurnRecovery(stack.turns)
+    assert await recovery.run_once() is False  # it has not landed: nothing to take
+    await late.land()
+    assert await count(stack, t.turn_runs) == 1
+    assert await recovery.run_once() is False  # not looked for again yet
+    due = recovery.due_in_s()
+    assert due is not None and 0 < due <= 1.0
+    stack.clock.advance(1_000)
+    assert await drain(recovery) == 1
     assert await replies(stack) == ["Echo: hello"]
     assert await count(stack, t.turn_runs) == 0
