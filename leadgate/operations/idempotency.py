@@ -48,6 +48,7 @@ import sqlalchemy as sa
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import Unavailable, ValidationError, log_failure
+from leadgate.core.runners import LostClaims
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -119,6 +120,8 @@ class Idempotency:
         self.clock = clock
         self.ids = ids or RandomIds()
         self._next_sweep = 0
+        #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`)
+        self._lost = LostClaims()
 
     async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim:
         """Claim ``key`` for this request, or say why not (400 when the key was used for
@@ -137,26 +140,61 @@ class Idempotency:
             "response": None,
             "owner": owner,
         }
+        if self._lost:  # (only after a claim in doubt)
+            await self._give_back_lost(now)
         try:
             return await self._claim(key_hash, request_fingerprint, now, fresh)
-        except Unavailable:
+        except Unavailable as fault:
             # The claim's COMMIT may have landed with its answer lost (PostgreSQL: the
             # connection dropped after the server committed). Kept, that claim would
             # answer the client's retry 409 ``idempotency.in_progress`` for a request
             # that runs nowhere, until its lease lapsed. Given back now, fenced by its
-            # owner token (with the database still away this fails too, and the claim,
-            # if it exists, lapses as before).
-            with contextlib.suppress(Exception):
-                async with self.db.tx() as conn:
-                    await conn.execute(
-                        t.idempotency_keys.delete().where(
-                            _K.org_id == org,
-                            _K.key_hash == key_hash,
-                            _K.owner == owner,
-                            _K.response.is_(None),
-                        )
-                    )
+            # owner token; in doubt and not found (or the database still away), looked
+            # for again (:meth:`_give_back_lost`).
+            token = _lost_token(org, key_hash, owner)
+            try:
+                found = await self._give_back(token)
+            except Exception:  # (the database still away: the next request looks)
+                found, due = False, now
+            else:
+                due = self.clock.now_ms() + self._lost.first_ms
+            if fault.in_doubt and not found:
+                self._lost.watch(token, due=due, lapses=now + LEASE_MS)
             raise
+
+    async def _give_back_lost(self, now: int) -> None:
+        """The server may apply a claim in doubt after its give-back found nothing (the
+        give-back, on a fresh connection, raced it): the key would then answer
+        ``idempotency.in_progress`` until the claim's lease lapsed, a minute, for a
+        request that runs nowhere. So the give-back is tried again, a second on and
+        then at doubling gaps until that lease would have lapsed
+        (:class:`~leadgate.core.runners.LostClaims`), by the next keyed request here
+        whose turn it is (the client's retry, above all: the 503 says 2 s). A failure
+        is left to the request's own claim to meet."""
+        due = self._lost.take_due(now)
+        for n, lost in enumerate(due):
+            try:
+                found = await self._give_back(lost.token)
+            except Exception:
+                self._lost.put_back(due[n:])
+                return
+            if not found:
+                self._lost.not_found(lost, now)
+
+    async def _give_back(self, token: str) -> bool:
+        """Delete the claim ``token`` names (:func:`_lost_token`) while it holds its key
+        with no answer stored; True when it did."""
+        org, key_hash, owner = token.split(_SEP)
+        async with self.db.tx() as conn:
+            gone = await conn.execute(
+                t.idempotency_keys.delete().where(
+                    _K.org_id == org,
+                    _K.key_hash == key_hash,
+                    _K.owner == owner,
+                    _K.response.is_(None),
+                )
+            )
+        return bool(gone.rowcount)
 
     async def _claim(
         self, key_hash: str, request_fingerprint: str, now: int, fresh: dict[str, Any]
@@ -297,6 +335,16 @@ class Idempotency:
         self._next_sweep = now + SWEEP_EVERY_MS
         async with self.db.tx() as conn:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
+
+
+#: Joins the parts of a watched claim's token (ids and a hex digest never hold it).
+_SEP = " "
+
+
+def _lost_token(org_id: str, key_hash: str, owner: str) -> str:
+    """The token :class:`~leadgate.core.runners.LostClaims` watches for a claim: the
+    key's row and the claim's owner token, which fences its give-back."""
+    return _SEP.join((org_id, key_hash, owner))
 
 
 def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:

@@ -1,0 +1,42 @@
+"""``Idempotency-Key`` claims and database faults (leadgate.operations.idempotency), on
+the class itself (the REST route's use of it: tests/integration/test_openai_surface.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from leadgate.core.auth import Principal
+from leadgate.core.errors import Unavailable
+from leadgate.operations.idempotency import Idempotency
+from tests.fakes import CommitLandsLater
+from tests.helpers import make_org
+from tests.stack import Stack
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_claim_in_doubt_that_lands_after_its_give_back_is_given_back_on_the_retry(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim's COMMIT answer was lost, its give-back (right after, on a fresh
+    connection) found nothing, and then the server applied the claim: the key is held
+    by a request that runs nowhere. The client's retry (after the 503's 2 s) gives it
+    back first and runs; it was answered 409 ``idempotency.in_progress`` until the
+    claim's lease lapsed, a minute on. (PostgreSQL only: a SQLite COMMIT is never in
+    doubt.)"""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    assert (await idem.begin(principal, "other", "fp-other")).action == "run"  # (its sweep)
+    late = CommitLandsLater(stack.db.tx)
+    monkeypatch.setattr(stack.db, "tx", late)
+    with pytest.raises(Unavailable) as raised:
+        await idem.begin(principal, "k-1", "fp")
+    assert raised.value.in_doubt
+    await late.land()  # after the give-back that found nothing
+    stack.clock.advance(500)  # a request too soon for the next look
+    assert (await idem.begin(principal, "k-1", "fp")).action == "running"
+    stack.clock.advance(1_500)  # the retry, after the 503's Retry-After
+    claim = await idem.begin(principal, "k-1", "fp")
+    assert claim.action == "run" and claim.external_event_id is not None
+    # The other key's claim (another owner) was never touched.
+    assert (await idem.begin(principal, "other", "fp-other")).action == "running"
