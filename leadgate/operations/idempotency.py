@@ -142,16 +142,17 @@ class Idempotency:
         }
         if self._lost:  # (only after a claim in doubt)
             await self._give_back_lost(now)
+        took_over: list[bool] = []  # set once a takeover's UPDATE ran
         try:
-            return await self._claim(key_hash, request_fingerprint, now, fresh)
+            return await self._claim(key_hash, request_fingerprint, now, fresh, took_over)
         except Unavailable as fault:
             # The claim's COMMIT may have landed with its answer lost (PostgreSQL: the
             # connection dropped after the server committed). Kept, that claim would
             # answer the client's retry 409 ``idempotency.in_progress`` for a request
             # that runs nowhere, until its lease lapsed. Given back now, fenced by its
-            # owner token; in doubt and not found (or the database still away), looked
-            # for again (:meth:`_give_back_lost`).
-            token = _lost_token(org, key_hash, owner)
+            # owner token (:meth:`_give_back`); in doubt and not found (or the database
+            # still away), looked for again (:meth:`_give_back_lost`).
+            token = _lost_token(org, key_hash, owner, took_over=bool(took_over))
             try:
                 found = await self._give_back(token)
             except Exception:  # (the database still away: the next request looks)
@@ -182,24 +183,42 @@ class Idempotency:
                 self._lost.not_found(lost, now)
 
     async def _give_back(self, token: str) -> bool:
-        """Delete the claim ``token`` names (:func:`_lost_token`) while it holds its key
-        with no answer stored; True when it did."""
-        org, key_hash, owner = token.split(_SEP)
+        """Give back the claim ``token`` names (:func:`_lost_token`) while it holds its
+        key with no answer stored; True when it did. A new claim is deleted (the key is
+        free again). A takeover's key is kept with its lease ended, as :meth:`lapse`
+        does: it holds the external event id under which the request that died may have
+        taken its message in, and the retry must take it over with that id (deleted,
+        the retry claimed it afresh under a new one, and the intake took the message in
+        a second time)."""
+        org, key_hash, owner, how = token.split(_SEP)
+        held = (
+            _K.org_id == org,
+            _K.key_hash == key_hash,
+            _K.owner == owner,
+            _K.response.is_(None),
+        )
         async with self.db.tx() as conn:
-            gone = await conn.execute(
-                t.idempotency_keys.delete().where(
-                    _K.org_id == org,
-                    _K.key_hash == key_hash,
-                    _K.owner == owner,
-                    _K.response.is_(None),
+            if how == _TAKEN_OVER:
+                statement: sa.Executable = (
+                    t.idempotency_keys.update()
+                    .where(*held)
+                    .values(lease_expires_at=self.clock.now_ms())
                 )
-            )
-        return bool(gone.rowcount)
+            else:
+                statement = t.idempotency_keys.delete().where(*held)
+            done = await conn.execute(statement)
+        return bool(done.rowcount)
 
     async def _claim(
-        self, key_hash: str, request_fingerprint: str, now: int, fresh: dict[str, Any]
+        self,
+        key_hash: str,
+        request_fingerprint: str,
+        now: int,
+        fresh: dict[str, Any],
+        took_over: list[bool],
     ) -> Claim:
-        """:meth:`begin`'s transaction: ``fresh`` is the claim's row if the key is free."""
+        """:meth:`begin`'s transaction: ``fresh`` is the claim's row if the key is free;
+        ``took_over`` is told when the claim takes over a lapsed one (its UPDATE ran)."""
         org, owner = fresh["org_id"], fresh["owner"]
         where = (_K.org_id == org, _K.key_hash == key_hash)
         async with self.db.tx() as conn:
@@ -229,6 +248,7 @@ class Idempotency:
             # de-duplicates on the same event id, so its message is not taken twice.
             # Fenced on what was read: of two requests taking over at once (SQLite
             # without FOR UPDATE), only one wins; the other is told to retry.
+            took_over.append(True)
             taken = await conn.execute(
                 t.idempotency_keys.update()
                 .where(
@@ -337,14 +357,17 @@ class Idempotency:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
 
 
-#: Joins the parts of a watched claim's token (ids and a hex digest never hold it).
+#: Joins the parts of a claim's give-back token (ids and a hex digest never hold it).
 _SEP = " "
+#: A give-back token's last part: the claim took a lapsed one over (else it is new).
+_TAKEN_OVER = "takeover"
 
 
-def _lost_token(org_id: str, key_hash: str, owner: str) -> str:
-    """The token :class:`~leadgate.core.runners.LostClaims` watches for a claim: the
-    key's row and the claim's owner token, which fences its give-back."""
-    return _SEP.join((org_id, key_hash, owner))
+def _lost_token(org_id: str, key_hash: str, owner: str, *, took_over: bool) -> str:
+    """The token of a claim's give-back (:meth:`Idempotency._give_back`), also what
+    :class:`~leadgate.core.runners.LostClaims` watches: the key's row, the claim's owner
+    token (which fences the give-back), and whether it took a lapsed claim over."""
+    return _SEP.join((org_id, key_hash, owner, _TAKEN_OVER if took_over else "new"))
 
 
 def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:
