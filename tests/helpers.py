@@ -68,6 +68,13 @@ class Env(Protocol):
     def ids(self) -> IdFactory: ...
 
 
+def sqlite_plan(conn: sa.Connection, statement: sa.ClauseElement) -> list[str]:
+    """SQLite's ``EXPLAIN QUERY PLAN`` of ``statement`` on ``conn`` (its values inlined):
+    one line per step, e.g. ``SEARCH review_cards USING INDEX ... (delivery_id=?)``."""
+    sql = str(statement.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True}))
+    return [str(row[3]) for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+
+
 def deliveries_counted(channel: str, outcome: str) -> float:
     """``leadgate_deliveries_total{channel, outcome}`` now (0 before its first count)."""
     labels = {"channel": channel, "outcome": outcome}

@@ -11,11 +11,11 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy.dialects import sqlite
 
 from leadgate.database import schema as t
 from leadgate.database.db import alembic_config
 from leadgate.database.schema import metadata
+from tests.helpers import sqlite_plan
 from tests.unit.test_migration_0016 import run
 
 C = t.continuations.c
@@ -32,11 +32,7 @@ def _indexes(conn: sa.Connection) -> set[str]:
 
 
 def _plans(conn: sa.Connection) -> list[str]:
-    plans = []
-    for stmt in BY_RUN:
-        sql = str(stmt.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
-        plans += [str(row[3]) for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
-    return plans
+    return [step for stmt in BY_RUN for step in sqlite_plan(conn, stmt)]
 
 
 def test_the_run_id_index_is_dropped_and_lookups_by_run_use_the_unique_index(

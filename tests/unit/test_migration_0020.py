@@ -11,12 +11,12 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy.dialects import sqlite
 
 from leadgate.database.db import alembic_config
 from leadgate.database.schema import metadata
 from leadgate.review.cards import _UNCERTAIN_CARDS
 from outbox.store import _SENDING_CARDS_WAITS, D
+from tests.helpers import sqlite_plan
 from tests.unit.test_migration_0016 import run
 
 #: A click naming no wait (leadgate.review.cards.uncertain_card), and the relay giving
@@ -32,11 +32,7 @@ def _indexes(conn: sa.Connection) -> set[str]:
 
 
 def _plans(conn: sa.Connection) -> list[str]:
-    plans = []
-    for stmt in BY_DELIVERY:
-        sql = str(stmt.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
-        plans += [str(row[3]) for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
-    return plans
+    return [step for stmt in BY_DELIVERY for step in sqlite_plan(conn, stmt)]
 
 
 def test_review_cards_delivery_id_is_indexed_and_used(db_url: str) -> None:

@@ -31,7 +31,7 @@ from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
 from outbox.relay import LEASE_EXPIRED_ERROR, SEND_LEASE_MS, Relay
 from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC
 from tests.fakes import lose_the_next_commit
-from tests.helpers import api_trigger, deliveries_counted, eventually, make_agent
+from tests.helpers import api_trigger, deliveries_counted, eventually, make_agent, sqlite_plan
 from tests.review_support import (
     PUBLIC_URL,
     REVIEW_CHANNEL,
@@ -788,9 +788,8 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
         _CARD_EPISODE.params(p_item="wi_1", p_org="org_1", p_card="dlv_1"),
         CARD_CLOSED_AT.params(p_item="wi_1", p_card="dlv_1"),
     ):
-        sql = str(bound.compile(dialect=engine.dialect, compile_kwargs={"literal_binds": True}))
         with engine.connect() as raw:
-            plan = [str(r[3]) for r in raw.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
+            plan = sqlite_plan(raw, bound)
         assert plan == [
             "SEARCH review_cards USING INDEX ix_review_cards_delivery_id (delivery_id=?)",
             "SEARCH review_episodes USING INDEX sqlite_autoindex_review_episodes_1 (id=?)",
