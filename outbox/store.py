@@ -8,7 +8,8 @@ Delivery statuses:
 * ``failed``: definitely not posted, never will be; terminal, error recorded
 * ``deliveryUnknown``: maybe posted; only a human moves it on (confirm or retry)
 * ``cancelled``: not to be sent any more; terminal: the work item was cancelled before
-  it was sent, or a review card's item was decided before (or while) it was sent
+  it was sent, or a review card's item was decided before (or while) it was sent, or
+  before an operator's retry of its uncertain send
 * ``continuation``: an ActionFlow continuation; never picked up by the relay
 
 Actions: ``post`` (a channel message), ``reveal`` (clear leadGated on the stored
@@ -82,6 +83,12 @@ CARD_CLOSED_AT = (
     )
 )
 
+#: Why an operator's Retry of an uncertain review card ended it ``cancelled`` (its wait
+#: was closed by a decision: :func:`recover`), in the delivery's ``error`` and audit.
+CARD_DECIDED_ERROR = (
+    "not sent again: its item was decided, and a review card is not posted after its decision"
+)
+
 #: The delivery kind of the mail that answers a reviewer's email reply to a card (what
 #: became of it). Its row holds its whole address (the reviewer, the subject, the reply
 #: it answers): there is no binding.
@@ -149,32 +156,46 @@ class DeliveryStatus(enum.StrEnum):
     continuation = "continuation"
 
 
-#: The ``sending`` card deliveries, each with when its wait was closed (``None``: still
-#: open), every such wait's episode row locked (PostgreSQL) until the caller commits;
-#: the caller adds which rows (:func:`cards_of_closed_waits`). Reached from the card by
-#: ``review_cards.delivery_id`` (indexed, migration 0020).
-_SENDING_CARDS_WAITS = (
+#: Card deliveries, each with when its wait was closed (``None``: still open), every
+#: such wait's episode row locked (PostgreSQL) until the caller commits; the caller adds
+#: which rows and in which status (:func:`cards_of_closed_waits`). Reached from the card
+#: by ``review_cards.delivery_id`` (indexed, migration 0020).
+_CARDS_WAITS = (
     sa.select(D.id, t.review_episodes.c.closed_at)
     .select_from(
         t.deliveries.join(t.review_cards, t.review_cards.c.delivery_id == D.id).join(
             t.review_episodes, t.review_episodes.c.id == t.review_cards.c.episode_id
         )
     )
-    .where(D.kind == CARD, D.status == DeliveryStatus.sending.value)
+    .where(D.kind == CARD)
     # Locked in one order: two relays taking back lapsed leases at once wait for each
     # other, never for each other's second lock (a deadlock).
     .order_by(t.review_episodes.c.id)
     .with_for_update(of=t.review_episodes)
 )
+#: The ``sending`` ones (a relay's send lease lapsed or its claim given back).
+_SENDING_CARDS_WAITS = _CARDS_WAITS.where(D.status == DeliveryStatus.sending.value)
+#: By status, as :func:`cards_of_closed_waits` reads them.
+_CARDS_WAITS_IN = {
+    DeliveryStatus.sending: _SENDING_CARDS_WAITS,
+    # An operator's Retry of an uncertain card (:func:`recover`).
+    DeliveryStatus.deliveryUnknown: _CARDS_WAITS.where(
+        D.status == DeliveryStatus.deliveryUnknown.value
+    ),
+}
 
 
-async def cards_of_closed_waits(conn: Conn, *where: sa.ColumnElement[bool]) -> list[str]:
-    """The ids of the ``sending`` card deliveries ``where`` selects whose wait (review
-    episode) a decision closed: they end ``cancelled`` where they would have gone back
-    to ``pending`` or on to ``deliveryUnknown`` (a decided item's card is neither posted
-    after the decision nor left for an operator; see
-    :meth:`outbox.outcomes.OutcomeCommitter._commit_one`, which ends a card whose send
-    finished so).
+async def cards_of_closed_waits(
+    conn: Conn,
+    *where: sa.ColumnElement[bool],
+    status: DeliveryStatus = DeliveryStatus.sending,
+) -> list[str]:
+    """The ids of the card deliveries in ``status`` (``sending`` or ``deliveryUnknown``)
+    ``where`` selects whose wait (review episode) a decision closed: they end
+    ``cancelled`` where they would have gone back to ``pending`` or on to
+    ``deliveryUnknown`` (a decided item's card is neither posted after the decision nor
+    left for an operator; see :meth:`outbox.outcomes.OutcomeCommitter._commit_one`,
+    which ends a card whose send finished so, and :func:`recover`, an operator's Retry).
 
     Every selected card's episode row is locked (PostgreSQL) until ``conn`` commits,
     closed or not, before the caller updates the cards: a decision closes the episode
@@ -182,7 +203,7 @@ async def cards_of_closed_waits(conn: Conn, *where: sa.ColumnElement[bool]) -> l
     caller's outcome committed (and cancels a card put back ``pending``), or this reads
     the episode closed. Episode first, then the delivery, as the outcome commit locks
     them. SQLite has one writer: nothing to lock."""
-    rows = (await conn.execute(_SENDING_CARDS_WAITS.where(*where))).all()
+    rows = (await conn.execute(_CARDS_WAITS_IN[status].where(*where))).all()
     return [str(r.id) for r in rows if r.closed_at is not None]
 
 
@@ -722,14 +743,22 @@ async def recover(
     (``external_id``: the platform's id of the message, when the confirmation comes
     with it, e.g. a click on the card itself; later updates then edit that message).
     ``retry``: it did not -> delivery ``pending`` again (a new attempt), item stays
-    ``approved``. A second click finds the delivery no longer ``deliveryUnknown`` and
-    gets a 409; nothing happens twice.
+    ``approved``; but a review card whose wait a decision closed ends ``cancelled``
+    (error :data:`CARD_DECIDED_ERROR`), as the decision cancels a card not sent yet:
+    posted now, it would offer a decision already made. A second click finds the
+    delivery no longer ``deliveryUnknown`` and gets a 409; nothing happens twice.
     """
     now = clock.now_ms()
     if action == "confirm":
         values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None, **ENDED}
         if external_id is not None:
             values["external_id"] = external_id
+    elif delivery.kind == CARD and await cards_of_closed_waits(
+        conn, D.id == delivery.id, status=DeliveryStatus.deliveryUnknown
+    ):
+        # Its wait's row is locked first (PostgreSQL), as a decision takes it, so a
+        # decision committing meanwhile is waited for and read here.
+        values = {"status": DeliveryStatus.cancelled.value, "error": CARD_DECIDED_ERROR, **ENDED}
     else:
         values = {"status": DeliveryStatus.pending.value, "next_attempt_at": now}
     row = (
@@ -756,6 +785,7 @@ async def recover(
         action="deliveryConfirmed" if action == "confirm" else "deliveryRetried",
         work_item_id=updated.work_item_id,
         delivery_id=updated.id,
+        text=updated.error if updated.status == DeliveryStatus.cancelled.value else None,
         surface=surface,
         identity=identity,
     )
@@ -772,6 +802,6 @@ async def recover(
             surface=surface,
             identity=identity,
         )
-    if action == "retry":
+    if updated.status == DeliveryStatus.pending.value:
         await notify(conn)
     return updated

@@ -170,7 +170,12 @@ class Reviews:
     ) -> dict[str, Any]:
         """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
         surface and identity as :meth:`decide`; ``external_id``: the message's id, when
-        a click on the card itself confirms it; ``then``: as :meth:`decide`)."""
+        a click on the card itself confirms it; ``then``: as :meth:`decide`).
+
+        Answers its item's detail (or, with no item, the delivery's id and status) with
+        ``delivery``: what became of this one (``id``, ``kind``, ``status``, ``error``).
+        A Retry of a review card whose item was decided ends it ``cancelled``, not
+        ``pending`` (:func:`outbox.store.recover`): ``error`` says why."""
         principal.require(Scope.review)
         if action not in RECOVERIES:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
@@ -188,11 +193,17 @@ class Reviews:
             )
             if then is not None:
                 await then(conn)
-            detail = (
+            detail: dict[str, Any] = (
                 await queue.detail(conn, principal.org_id, row.work_item_id)
                 if row.work_item_id
                 else {"id": row.id, "status": row.status}
             )
+            detail["delivery"] = {
+                "id": row.id,
+                "kind": row.kind,
+                "status": row.status,
+                "error": row.error,
+            }
         if delivery.kind == "gating":
             self._count(surface, action, "deliveryUnknown", delivery.updated_at)
         self.on_decided(action)

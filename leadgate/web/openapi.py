@@ -163,6 +163,11 @@ _LAST_EVENT_ID = {
     "required": False,
     "schema": {"type": "string"},
 }
+#: What a delivery's recovery answers.
+_RECOVERED = (
+    "The item's detail (a delivery of no item: its id and status), with delivery: what "
+    "became of this one (id, kind, status, error)"
+)
 #: What a decision or a delivery's recovery from the wrong state answers.
 _TRANSITION = {"409": "invalid_transition: the item or delivery is not in a state that allows it"}
 
@@ -304,13 +309,17 @@ OPERATIONS: list[Operation] = [
         "post",
         "/operator/deliveries/{delivery_id}/confirm",
         "Confirm delivered",
-        responses={"200": "OK", **_TRANSITION},
+        responses={"200": _RECOVERED, **_TRANSITION},
     ),
     Operation(
         "post",
         "/operator/deliveries/{delivery_id}/retry",
         "Retry the delivery",
-        responses={"200": "OK", **_TRANSITION},
+        responses={
+            "200": _RECOVERED + "; a review card whose item was decided ends cancelled, "
+            "not pending: it is not posted after its decision (error says so)",
+            **_TRANSITION,
+        },
     ),
     Operation(
         "get",

@@ -24,10 +24,13 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import upgrade
-from leadgate.domain import orgs
+from leadgate.domain import orgs, workitems
+from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Uncertain
-from tests.helpers import Org, api_trigger, make_agent, make_key, make_org
+from outbox.store import CARD_DECIDED_ERROR
+from tests.helpers import Org, api_trigger, eventually, make_agent, make_key, make_org
+from tests.review_support import add_destination
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 CSRF = {"X-Leadgate-Console": "1"}
@@ -261,6 +264,106 @@ async def test_every_uncertain_delivery_is_listed_plain_replies_included(env: En
     assert status == 200, _
     page = await get_json(env, "/operator/deliveries")
     assert [d["workItemId"] for d in page["deliveries"]] == [gated]
+
+
+async def uncertain_card(env: Env, session: str) -> tuple[str, dict[str, Any]]:
+    """An escalated item whose review card's post (to the org's Slack review channel)
+    timed out: the item and its ``deliveryUnknown`` card, as the detail shows it."""
+    item_id = await env.escalated(session)
+    await drain(env.service.relay)  # the card's post times out
+    detail = await get_json(env, f"/operator/reviews/{item_id}")
+    [card] = [d for d in detail["deliveries"] if d["kind"] == "card"]
+    assert card["status"] == "deliveryUnknown"
+    return item_id, card
+
+
+async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env: Env) -> None:
+    """Retry of a review card whose post was uncertain puts it back ``pending`` while
+    its item waits. Once the item is decided, Retry ends it ``cancelled`` instead (as
+    the decision cancels a card not sent yet), and the answer says so and why: put
+    back, the relay posted it after the decision, buttons and all."""
+    await add_destination(env.service, env.org.id, "slack", "C0R")
+    decided, decided_card = await uncertain_card(env, "decided")
+    _, waiting_card = await uncertain_card(env, "waiting")
+    status, _ = await post(env, f"/operator/reviews/{decided}/approve")
+    assert status == 200
+    posts = len(env.slack.sent)
+
+    status, body = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
+    assert status == 200, body
+    assert body["delivery"] == {
+        "id": decided_card["id"],
+        "kind": "card",
+        "status": "cancelled",
+        "error": CARD_DECIDED_ERROR,
+    }
+    assert "item was decided" in CARD_DECIDED_ERROR
+    [shown] = [d for d in body["deliveries"] if d["id"] == decided_card["id"]]
+    assert (shown["status"], shown["error"]) == ("cancelled", CARD_DECIDED_ERROR)
+    audited = body["audit"][-1]
+    assert (audited["action"], audited["deliveryId"], audited["text"]) == (
+        "deliveryRetried",
+        decided_card["id"],
+        CARD_DECIDED_ERROR,
+    )
+    status, again = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
+    assert (status, again["error"]["rule"]) == (409, "delivery.status")
+
+    # The waiting item's card is retried as before.
+    status, body = await post(env, f"/operator/deliveries/{waiting_card['id']}/retry")
+    assert status == 200, body
+    assert (body["delivery"]["status"], body["delivery"]["kind"]) == ("pending", "card")
+    await drain(env.service.relay)
+    # Posted again: the waiting item's card, never the decided one's.
+    assert [m.delivery_id for m in env.slack.sent[posts:]] == [waiting_card["id"]]
+    page = await get_json(env, "/operator/deliveries")
+    assert decided_card["id"] not in {d["id"] for d in page["deliveries"]}
+
+
+async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
+    env: Env,
+) -> None:
+    """The decision has closed the card's wait, not committed yet (it leaves a chat card
+    whose post was uncertain as it is), when an operator retries the card. The retry
+    waits for the decision (PostgreSQL: the wait's row, locked first; SQLite: the one
+    writer) and then finds the wait closed: ``cancelled``. Reading the wait unlocked,
+    it found it open and put the card back ``pending``, to be posted after the decision."""
+    await add_destination(env.service, env.org.id, "slack", "C0R")
+    item_id, card = await uncertain_card(env, "s1")
+    closed, release = asyncio.Event(), asyncio.Event()
+    service = env.service
+
+    async def decide() -> None:
+        async with service.db.tx() as conn:
+            item = await workitems.get(conn, item_id)
+            await decisions.decide(conn, service.outbox, item, "approve", "user:x")
+            closed.set()
+            await release.wait()
+
+    decision = asyncio.create_task(decide())
+    await closed.wait()
+    retry = asyncio.create_task(post(env, f"/operator/deliveries/{card['id']}/retry"))
+    if service.db.is_postgres:
+
+        async def retry_waits_or_done() -> bool:
+            async with service.db.read() as conn:
+                waiting = await conn.scalar(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    )
+                )
+            return bool(waiting) or retry.done()
+
+        assert await eventually(retry_waits_or_done, within=10.0)
+    release.set()
+    await decision
+    status, body = await retry
+    assert status == 200, body
+    assert body["delivery"]["status"] == "cancelled"
+    posts = len(env.slack.sent)
+    await drain(service.relay)
+    assert [m.delivery_id for m in env.slack.sent[posts:]] == []
 
 
 @SQLITE_ONLY
