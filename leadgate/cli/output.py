@@ -83,8 +83,14 @@ def _detail(d: dict[str, Any]) -> str:
         ],
     )
     dest = d.get("destination") or {}
-    parts = [
-        head,
+    parts = [head]
+    done = d.get("delivery")
+    if isinstance(done, dict):
+        # A recovery's answer: what became of the delivery acted on, first (a Retry may
+        # end a review card ``cancelled``, its item decided; not the item's status).
+        said = f"\nDelivery {done.get('id')} ({done.get('kind')}): {done.get('status')}"
+        parts.append(said + (f": {done['error']}" if done.get("error") else ""))
+    parts += [
         f"\nApproval goes to: {dest.get('description', '-')}",
         f"\nSummary:\n{d.get('summary') or '(none)'}",
         f"\nSnapshot:\n{d.get('snapshot') or '(none)'}",

@@ -34,9 +34,11 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database.db import Database
 from leadgate.domain import links, orgs
-from tests.helpers import make_agent, make_org
+from outbox.store import CARD_DECIDED_ERROR
+from tests.helpers import api_trigger, make_agent, make_org, session_item
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
 from tests.integration.test_operator_api import TimeoutChannel
+from tests.review_support import add_destination
 
 ME = getpass.getuser()
 
@@ -545,6 +547,64 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
         "reject",
         "return",
     ]
+
+
+async def _seed_uncertain_cards(url: str) -> dict[str, str]:
+    """Two escalated items whose review cards' posts (to a Slack review channel) timed
+    out (``deliveryUnknown``); the first item approved since."""
+    app = App(
+        Settings.model_validate({"database": {"url": url}}),
+        enable_adapters=False,
+        channels={"slack": TimeoutChannel()},
+    )
+    try:
+        org = await make_org(app, "acme")
+        await make_agent(app, org, "lead")
+        worker = await make_agent(app, org, "worker", lead="lead")
+        await add_destination(app, org.id, "slack", "C0R")
+        for session in ("decided", "waiting"):
+            await app.turns.run(api_trigger(org, worker, "hard #escalate #complete", session))
+        await drain(app.lead_runner)
+        await drain(app.relay)  # both cards' posts time out
+        cards = {}
+        for session in ("decided", "waiting"):
+            item_id = await session_item(app, session)
+            detail = await app.reviews.detail(org.principal, item_id)
+            [card] = [d for d in detail["deliveries"] if d["kind"] == "card"]
+            assert card["status"] == "deliveryUnknown"
+            cards[session] = card["id"]
+        await app.reviews.decide(org.principal, await session_item(app, "decided"), "approve")
+        return cards
+    finally:
+        await app.stop()
+
+
+def test_delivery_retry_of_a_card_whose_item_was_decided_cancels_it(
+    tmp_path: Path,
+) -> None:
+    """``delivery retry`` of a review card whose item was decided ends it ``cancelled``
+    and says why (it was put back ``pending`` and posted after the decision); a card
+    whose item still waits is retried as before."""
+    db = tmp_path / "lg.db"
+    write_config(tmp_path / "config.toml", db)
+    assert lg(tmp_path, "db", "upgrade").code == 0
+    cards = asyncio.run(_seed_uncertain_cards(f"sqlite+aiosqlite:///{db}"))
+    acme = ("--org", "acme")
+    decided = lg(tmp_path, "delivery", "retry", *acme, cards["decided"]).json()
+    assert decided["delivery"] == {
+        "id": cards["decided"],
+        "kind": "card",
+        "status": "cancelled",
+        "error": CARD_DECIDED_ERROR,
+    }
+    assert decided["status"] == "completed"  # the item (an api one), approved
+    shown = lg(tmp_path, "delivery", "retry", *acme, cards["waiting"], "--format", "table")
+    assert shown.code == 0, shown
+    assert f"Delivery {cards['waiting']} (card): pending" in shown.out
+    lg(tmp_path, "delivery", "retry", *acme, cards["decided"]).rule_error("delivery.status")
+    with sqlite3.connect(db) as conn:
+        statuses = dict(conn.execute("SELECT id, status FROM deliveries WHERE kind = 'card'"))
+    assert statuses == {cards["decided"]: "cancelled", cards["waiting"]: "pending"}
 
 
 # ------------------------------------------------------------ demo key and ports

@@ -89,6 +89,16 @@ def test_review_show_says_where_each_delivery_goes_and_when() -> None:
     assert "deliveryUnknown" in rows[1] and "read timeout" in rows[1]
 
 
+def test_a_recovery_says_what_became_of_its_delivery_first() -> None:
+    """``delivery retry --format table`` showed the item's detail only: a review card
+    the retry ended ``cancelled`` (its item decided) was a row among the deliveries."""
+    done = {"id": "dlv_2", "kind": "card", "status": "cancelled", "error": "its item was decided"}
+    detail = {"id": "wi_1", "status": "completed", "audit": [], "deliveries": [], "delivery": done}
+    text = render(detail, "table", ("delivery", "retry"))
+    head, rest = text.split("\nDelivery dlv_2 (card): cancelled: its item was decided\n", 1)
+    assert "completed" in head and "Approval goes to" in rest
+
+
 def test_version_names_the_release_and_the_schema_it_needs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
