@@ -39,6 +39,7 @@ from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
 from tests.helpers import Org, make_agent, make_org
+from tests.review_support import add_destination
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -666,6 +667,33 @@ async def test_uncertain_deliveries_no_item_gates_are_listed_and_resolved(
     await gating.get_by_role("button", name="Confirm delivered").click()
     await expect(page.locator("#uncertain-empty")).to_have_text("No delivery is uncertain.")
     assert page.url.endswith("#/deliveries")  # still on the list, not the item
+
+
+async def test_a_retried_card_whose_item_was_decided_is_said_not_sent(
+    console: Console, page: Page
+) -> None:
+    """Retry on a review card whose post was uncertain and whose item was decided since
+    ends it ``cancelled`` without posting it: the page says so and why, not "queued
+    again", and the row leaves the list."""
+    await add_destination(console.service, console.org.id, "slack", "C0R")
+    console.slack.uncertain = True
+    item = await console.awaiting_item("check the card", "s15")
+    await drain(console.service.relay)  # the card's post times out: deliveryUnknown
+    console.slack.uncertain = False
+    await console.service.reviews.decide(console.org.principal, item, "approve")
+
+    await console.open(page, MEMBER, "Member")
+    await page.get_by_role("link", name="Uncertain deliveries").click()
+    row = page.locator("#uncertain tbody tr").filter(has=page.locator(f'a[href="#/review/{item}"]'))
+    await expect(row).to_contain_text("card")
+    await row.get_by_role("button", name="Retry delivery").click()
+    await expect(page.locator("#notice")).to_have_text(
+        "Not sent again: the item was already decided, and a review card is not posted "
+        "after its decision (the card is cancelled)."
+    )
+    await expect(page.locator("#uncertain-empty")).to_have_text("No delivery is uncertain.")
+    await drain(console.service.relay)
+    assert console.slack.sent == []
 
 
 async def test_an_emptied_later_page_and_an_unknown_item_leave_no_stale_queue(

@@ -642,7 +642,7 @@
           {},
           el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
           " ",
-          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, "Delivery queued again.") }, "Retry delivery")
+          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, retried) }, "Retry delivery")
         )
       )
     );
@@ -775,6 +775,17 @@
   }
 
   // Run a POST that answers the updated detail; buttons are disabled while it runs.
+  // What a Retry did, from its answer: queued again, or (a review card whose item was
+  // decided meanwhile) ended without being posted. It said "queued again" either way.
+  function retried(answer) {
+    const d = answer && answer.delivery;
+    if (d && d.status === "cancelled") {
+      return "Not sent again: the item was already decided, and a review card is not posted after its decision (the card is cancelled).";
+    }
+    return "Delivery queued again.";
+  }
+
+  // ``done``: the notice once it worked, or a function of the answer that gives it.
   async function act(path, body, done) {
     clearMessages();
     const buttons = [...$("app-view").querySelectorAll("button")];
@@ -785,7 +796,7 @@
       for (const key of [...drafts.keys()]) if (key.startsWith(`${current.id}:`)) drafts.delete(key);
       if (detail && detail.deliveries && current.view === "detail") renderDetail(detail, false);
       else await route();
-      notify(done);
+      notify(typeof done === "function" ? done(detail) : done);
     } catch (err) {
       buttons.forEach((b) => (b.disabled = false));
       if (err instanceof ApiError && err.status === 409) {
@@ -930,7 +941,7 @@
                 ? [
                     el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
                     " ",
-                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, "Delivery queued again.") }, "Retry delivery"),
+                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, retried) }, "Retry delivery"),
                   ]
                 : ""
             )
