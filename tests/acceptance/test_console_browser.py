@@ -38,7 +38,7 @@ from leadgate.database.db import upgrade
 from leadgate.domain import orgs
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import Org, fake_clock, make_agent, make_org
 from tests.review_support import add_destination
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -130,8 +130,7 @@ class Console:
 
     @property
     def clock(self) -> FakeClock:
-        assert isinstance(self.service.clock, FakeClock)
-        return self.service.clock
+        return fake_clock(self.service)
 
     async def awaiting_item(
         self,

@@ -22,7 +22,7 @@ from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, fake_clock, make_agent, make_org
 
 PASSWORD = "correct horse battery"
 #: PASSWORD's argon2 hash, made once (users are created with a hash).
@@ -41,8 +41,7 @@ class Env:
 
     @property
     def clock(self) -> FakeClock:
-        assert isinstance(self.service.clock, FakeClock)
-        return self.service.clock
+        return fake_clock(self.service)
 
     async def user(self, email: str, role: str, org: Org | None = None) -> None:
         async with self.service.db.tx() as conn:

@@ -35,7 +35,7 @@ from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS,
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
-from tests.helpers import Org, eventually, make_agent, make_key, make_org
+from tests.helpers import Org, eventually, fake_clock, make_agent, make_key, make_org
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
 
@@ -75,8 +75,7 @@ class Env:
 
     @property
     def clock(self) -> FakeClock:
-        assert isinstance(self.service.clock, FakeClock)
-        return self.service.clock
+        return fake_clock(self.service)
 
     async def chat(
         self,

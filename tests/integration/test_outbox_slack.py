@@ -21,7 +21,7 @@ from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.review import queue
 from outbox.relay import Relay
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import Org, fake_clock, make_agent, make_org
 from tests.outbox_support import MigratedTemplates, seed_items
 from tests.standins.slack_api import SlackApiStandin
 
@@ -99,8 +99,7 @@ async def item_status(svc: App, item_id: str) -> str:
 
 
 def clock(svc: App) -> FakeClock:
-    assert isinstance(svc.clock, FakeClock)
-    return svc.clock
+    return fake_clock(svc)
 
 
 # ---------------------------------------------------------------------- outcomes

@@ -15,14 +15,13 @@ import sqlalchemy as sa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from leadgate.core.clock import FakeClock
 from leadgate.database import schema as t
 from leadgate.turns import history
 from leadgate.turns.history import HISTORY_LIMIT, HistoryCache, Window, to_message
 from leadgate.turns.providers.base import ChatMessage, ModelEvent, ModelRequest
 from leadgate.turns.providers.registry import ProviderRegistry
 from leadgate.turns.providers.script import ScriptProvider
-from tests.helpers import Org, api_trigger, make_agent, make_org
+from tests.helpers import Org, api_trigger, fake_clock, make_agent, make_org
 from tests.stack import Stack
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -86,11 +85,6 @@ async def session_id(stack: Stack, agent_id: str, key: str = "s1") -> str:
         sid = await conn.scalar(sa.select(s.id).where(s.agent_id == agent_id, s.key == key))
     assert sid is not None
     return str(sid)
-
-
-def clock_of(stack: Stack) -> FakeClock:
-    assert isinstance(stack.clock, FakeClock)
-    return stack.clock
 
 
 def db_path(stack: Stack) -> str:
@@ -229,7 +223,7 @@ async def test_window_after_many_turns_equals_a_full_query(
     message is the one it stored) reads nothing and caches the session as new; the cache
     serves every later turn."""
     org, agent = worker
-    clock = clock_of(stack)
+    clock = fake_clock(stack)
     turns = 60
     for i in range(turns):
         if i % 3 == 0:  # several turns share a millisecond: ordered by id then
@@ -263,7 +257,7 @@ async def test_rows_written_elsewhere_with_an_older_created_at_are_sorted_in(
     but with an older created_at, appear in their sorted place when among the newest 50
     (and not at all when older than all of them)."""
     org, agent = worker
-    clock = clock_of(stack)
+    clock = fake_clock(stack)
     start = clock.now_ms()
     for i in range(30):
         clock.advance(1_000)
@@ -314,7 +308,7 @@ async def test_lead_feedback_is_a_user_message_and_tool_rows_are_left_out(
     stack: Stack, recorder: Recorder, worker: tuple[Org, dict[str, Any]]
 ) -> None:
     org, agent = worker
-    clock = clock_of(stack)
+    clock = fake_clock(stack)
     await stack.turns.run(api_trigger(org, agent, "first"))
     sid = await session_id(stack, agent["id"])
     clock.advance(1_000)
@@ -354,7 +348,7 @@ async def test_concurrent_turns_keep_every_window_exact(
     org, agent = worker
     keys = ["s1", "s2", "s3"]
     for round_ in range(4):
-        clock_of(stack).advance(1_000)
+        fake_clock(stack).advance(1_000)
         await asyncio.gather(
             *(
                 stack.turns.run(api_trigger(org, agent, f"{key} r{round_} #{n}", session=key))

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from binding.bindings import active_binding, deactivate_session, is_unchanged, unchanged_params
-from leadgate.core.clock import DAY_MS, FakeClock
+from leadgate.core.clock import DAY_MS
 from leadgate.core.errors import ModelError, TransitionError, ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
 from leadgate.core.metrics import METRICS
@@ -36,6 +36,7 @@ from tests.helpers import (
     Anonymizer,
     Org,
     api_trigger,
+    fake_clock,
     make_agent,
     make_org,
     ours,
@@ -147,11 +148,6 @@ async def force_status(stack: Stack, item_id: str, status: Status) -> None:
         await conn.execute(
             t.work_items.update().where(t.work_items.c.id == item_id).values(status=status.value)
         )
-
-
-def clock_of(stack: Stack) -> FakeClock:
-    assert isinstance(stack.clock, FakeClock)
-    return stack.clock
 
 
 async def lead_worker(
@@ -573,9 +569,9 @@ async def test_intake_creates_then_appends_with_the_50k_cap(
     assert user_rows[0]["work_item_id"] == item["id"]
 
     # 2. Active item inProgress: the message is appended (a blank line between).
-    clock_of(stack).advance(5_000)
+    fake_clock(stack).advance(5_000)
     await stack.turns.run(api_trigger(org, worker, "first", session="s1"))
-    clock_of(stack).advance(5_000)
+    fake_clock(stack).advance(5_000)
     await stack.turns.run(api_trigger(org, worker, "second", session="s1"))
     appended = [i for i in await items(stack, worker) if i["id"] != item["id"]]
     assert len(appended) == 1, "one active work item per (worker, session)"
@@ -1154,7 +1150,7 @@ async def test_the_sweeper_knows_when_the_oldest_idle_item_becomes_abandonable(
     org = await make_org(stack)
     worker = await lead_worker(stack, org)
     sweeper = Sweeper(stack.db, stack.clock, stack.ids)
-    clock = clock_of(stack)
+    clock = fake_clock(stack)
     week_s = 7 * DAY_MS / 1000
 
     assert await drain(sweeper) == 0
@@ -1182,7 +1178,7 @@ async def test_idle_in_progress_items_are_abandoned_after_7_days(
     org = await make_org(stack)
     worker = await lead_worker(stack, org)
     sweeper = Sweeper(stack.db, stack.clock, stack.ids)
-    clock = clock_of(stack)
+    clock = fake_clock(stack)
 
     await stack.turns.run(api_trigger(org, worker, "idle task", session="idle"))
     await stack.turns.run(api_trigger(org, worker, "busy task", session="busy"))
