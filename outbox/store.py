@@ -32,7 +32,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 from binding.bindings import active_binding
-from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
@@ -725,6 +725,64 @@ async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
     return Delivery.from_row(row)
 
 
+#: The audit actions of an operator's recovery of a delivery (:func:`recover`).
+RECOVERY_ACTIONS = ("deliveryConfirmed", "deliveryRetried")
+
+
+async def _not_recovered(conn: Conn, delivery: Delivery) -> str:
+    """Why :func:`recover` matched no row, for the person who asked: the status the
+    delivery has now, read again (it named the status read before the fenced update, so
+    a change committed in between read "is deliveryUnknown, not deliveryUnknown"), and
+    what the audit says moved it on. Only read on that failure."""
+    now = (await conn.execute(sa.select(D.status, D.updated_at).where(D.id == delivery.id))).first()
+    if now is None:
+        raise NotFound(f"no delivery {delivery.id}", rule="delivery.not_found")
+    return (
+        f"delivery {delivery.id} is {now.status}, not deliveryUnknown"
+        f"{await _moved_by(conn, delivery, now.status, int(now.updated_at))}; "
+        "only an uncertain delivery can be confirmed or retried"
+    )
+
+
+async def _moved_by(conn: Conn, delivery: Delivery, status: str, updated_at: int) -> str:
+    """What took ``delivery`` out of ``deliveryUnknown``, for :func:`_not_recovered`
+    (": deliveryConfirmed by user:... (slack) at ..."): its latest recovery by an
+    operator or, for a review card now ``cancelled``, the decision on its item that
+    ended it if that came later (a decision cancels an uncertain email card, and audits
+    the item, not the card). ``""`` when the audit knows nothing."""
+    a = t.audit.c
+    other = t.deliveries.alias("other")
+    moved = (a.delivery_id == delivery.id) & a.action.in_(RECOVERY_ACTIONS)
+    if delivery.kind == CARD and status == DeliveryStatus.cancelled.value and delivery.work_item_id:
+        # The item's decision (a move out of awaitingHuman, a cancel, or the recovery of
+        # its gating delivery), made before the card's cancellation in its transaction.
+        moved |= (
+            (a.work_item_id == delivery.work_item_id)
+            & (a.created_at <= updated_at)
+            & (
+                (
+                    a.delivery_id.is_(None)
+                    & ((a.from_status == Status.awaitingHuman.value) | (a.action == "cancel"))
+                )
+                | ((other.c.kind == "gating") & a.action.in_(RECOVERY_ACTIONS))
+            )
+        )
+    row = (
+        await conn.execute(
+            sa.select(a.action, a.actor, a.surface, a.created_at, a.delivery_id)
+            .select_from(t.audit.outerjoin(other, other.c.id == a.delivery_id))
+            .where(moved)
+            .order_by(a.created_at.desc(), a.id.desc())
+            .limit(1)
+        )
+    ).first()
+    if row is None:
+        return ""
+    whose = "" if row.delivery_id == delivery.id else " of its work item"
+    surface = f" ({row.surface})" if row.surface else ""
+    return f": {row.action}{whose} by {row.actor}{surface} at {iso(row.created_at)}"
+
+
 async def recover(
     conn: Conn,
     clock: Clock,
@@ -770,11 +828,7 @@ async def recover(
         )
     ).first()
     if row is None:
-        raise TransitionError(
-            f"delivery {delivery.id} is {delivery.status}, not deliveryUnknown; "
-            "only an uncertain delivery can be confirmed or retried",
-            rule="delivery.status",
-        )
+        raise TransitionError(await _not_recovered(conn, delivery), rule="delivery.status")
     updated = Delivery.from_row(row)
     await workitems.audit(
         conn,

@@ -52,6 +52,26 @@ async def eventually(check: Callable[[], object], within: float = 2.0) -> bool:
     return await holds()
 
 
+async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` gets to wait on a row lock of ``db`` (PostgreSQL; within 10 s) or
+    finishes first: a test holding a transaction open sees its contender reach the lock
+    before letting go. SQLite has no row locks (its one writer queues): ``True``."""
+    if not db.is_postgres:
+        return True
+
+    async def waits_or_done() -> bool:
+        async with db.read() as conn:
+            waiting = await conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            )
+        return bool(waiting) or task.done()
+
+    return await eventually(waits_or_done, within=10.0)
+
+
 class Env(Protocol):
     """What the helpers need: a database, a clock and ids (an App or a Stack).
 

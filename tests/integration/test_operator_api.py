@@ -5,6 +5,7 @@ scope and console role, organization isolation, and GETs that never change state
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,8 +29,15 @@ from leadgate.domain import orgs, workitems
 from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Uncertain
-from outbox.store import CARD_DECIDED_ERROR
-from tests.helpers import Org, api_trigger, eventually, make_agent, make_key, make_org
+from outbox.store import CARD_DECIDED_ERROR, get_delivery
+from tests.helpers import (
+    Org,
+    api_trigger,
+    blocked_on_a_lock,
+    make_agent,
+    make_key,
+    make_org,
+)
 from tests.review_support import add_destination
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -343,19 +351,7 @@ async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
     decision = asyncio.create_task(decide())
     await closed.wait()
     retry = asyncio.create_task(post(env, f"/operator/deliveries/{card['id']}/retry"))
-    if service.db.is_postgres:
-
-        async def retry_waits_or_done() -> bool:
-            async with service.db.read() as conn:
-                waiting = await conn.scalar(
-                    sa.text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-                    )
-                )
-            return bool(waiting) or retry.done()
-
-        assert await eventually(retry_waits_or_done, within=10.0)
+    assert await blocked_on_a_lock(service.db, retry)
     release.set()
     await decision
     status, body = await retry
@@ -364,6 +360,48 @@ async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
     posts = len(env.slack.sent)
     await drain(service.relay)
     assert [m.delivery_id for m in env.slack.sent[posts:]] == []
+
+
+async def test_a_confirm_that_loses_to_another_names_the_status_now_and_who(env: Env) -> None:
+    """Two operators confirm one uncertain delivery at once: the first, from Slack, has
+    not committed when the second's request reads the delivery (still deliveryUnknown on
+    PostgreSQL; SQLite's one writer queues the second after the first), and the second's
+    fenced update then matches nothing. Its 409 names the status the delivery has now
+    and who moved it there; it said "is deliveryUnknown, not deliveryUnknown", the
+    status read before the first committed."""
+    item_id = await env.turn("post it", "unknown", slack=True)
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)  # the Slack send times out: deliveryUnknown
+    [dlv] = (await get_json(env, f"/operator/reviews/{item_id}"))["deliveries"]
+    assert dlv["status"] == "deliveryUnknown"
+    service = env.service
+    confirmed, release = asyncio.Event(), asyncio.Event()
+
+    async def first() -> None:
+        async with service.db.tx() as conn:
+            stale = await get_delivery(conn, dlv["id"], env.org.id)
+            await decisions.recover_delivery(
+                conn, service.outbox, stale, "confirm", "user:first", surface="slack"
+            )
+            confirmed.set()
+            await release.wait()
+
+    winner = asyncio.create_task(first())
+    await confirmed.wait()
+    second = asyncio.create_task(post(env, f"/operator/deliveries/{dlv['id']}/confirm"))
+    assert await blocked_on_a_lock(service.db, second)
+    release.set()
+    await winner
+    status, body = await second
+    assert (status, body["error"]["rule"]) == (409, "delivery.status")
+    assert re.fullmatch(
+        f"delivery {dlv['id']} is sent, not deliveryUnknown: deliveryConfirmed by user:first"
+        r" \(slack\) at \d{4}-\S+; only an uncertain delivery can be confirmed or retried",
+        body["error"]["message"],
+    ), body
+    assert (await env.row(item_id))["status"] == "completed"
+    actions = [a["action"] for a in (await get_json(env, f"/operator/reviews/{item_id}"))["audit"]]
+    assert actions.count("deliveryConfirmed") == 2  # the delivery's and the item's, once
 
 
 @SQLITE_ONLY

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 
 from bots import discord_review, slack_review, teams_review
 from leadgate.core.clock import RandomIds
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.database.schema import metadata
@@ -29,9 +30,15 @@ from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
 from outbox.relay import LEASE_EXPIRED_ERROR, SEND_LEASE_MS, Relay
-from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC
+from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC, get_delivery
 from tests.fakes import lose_the_next_commit
-from tests.helpers import api_trigger, deliveries_counted, eventually, make_agent, sqlite_plan
+from tests.helpers import (
+    api_trigger,
+    blocked_on_a_lock,
+    deliveries_counted,
+    make_agent,
+    sqlite_plan,
+)
 from tests.review_support import (
     PUBLIC_URL,
     REVIEW_CHANNEL,
@@ -249,19 +256,7 @@ async def test_a_lapsed_card_taken_back_while_its_decision_commits_waits_for_the
     decision = asyncio.create_task(decide())
     await closed.wait()
     expiry = asyncio.create_task(env.stack.relay.expire_send_leases())
-    if env.stack.db.is_postgres:
-
-        async def expiry_waits_or_done() -> bool:
-            async with env.stack.db.read() as conn:
-                waiting = await conn.scalar(
-                    sa.text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-                    )
-                )
-            return bool(waiting) or expiry.done()
-
-        assert await eventually(expiry_waits_or_done, within=10.0)
+    assert await blocked_on_a_lock(env.stack.db, expiry)
     release.set()
     await decision
     assert await expiry == 1
@@ -270,6 +265,59 @@ async def test_a_lapsed_card_taken_back_while_its_decision_commits_waits_for_the
     await drain(env.stack.relay)
     [update] = await env.deliveries(item_id, "cardUpdate")
     assert update["status"] == "cancelled" and env.slack.calls == []
+
+
+async def test_a_card_recovery_that_meets_its_decision_names_the_status_and_the_decision(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """An operator confirms an email card whose post was uncertain while a decision on
+    its item, not committed yet, has cancelled it (a mailed card cannot be edited or
+    answered after the decision). The recovery read the card ``deliveryUnknown`` before
+    the decision committed (PostgreSQL; SQLite's one writer queues it after), and its
+    fenced update matched nothing: the 409 names the card's status now and the decision
+    that ended it. It said "is deliveryUnknown, not deliveryUnknown", the status it had
+    read, and named nobody."""
+    env = await slack_and_email_cards(make_stack)
+    item_id = await env.escalated("s1")
+    env.channels["email"].script = [Uncertain("timeout after the DATA command")]
+    await drain(env.stack.relay)
+    cards = {c["channel"]: c for c in await env.deliveries(item_id, "card")}
+    assert cards["email"]["status"] == "deliveryUnknown"
+    decided, release = asyncio.Event(), asyncio.Event()
+
+    async def decide() -> None:
+        async with env.stack.db.tx() as conn:
+            item = await workitems.get(conn, item_id)
+            await decisions.decide(
+                conn, env.stack.outbox, item, "approve", "user:x", surface="slack"
+            )
+            decided.set()
+            await release.wait()
+
+    async def confirm() -> Delivery:
+        async with env.stack.db.tx() as conn:
+            stale = await get_delivery(conn, cards["email"]["id"], env.org.id)
+            return await decisions.recover_delivery(
+                conn, env.stack.outbox, stale, "confirm", "user:y", surface="api"
+            )
+
+    decision = asyncio.create_task(decide())
+    await decided.wait()
+    recovery = asyncio.create_task(confirm())
+    assert await blocked_on_a_lock(env.stack.db, recovery)
+    release.set()
+    await decision
+    with pytest.raises(TransitionError) as refused:
+        await recovery
+    assert refused.value.rule == "delivery.status"
+    assert re.fullmatch(
+        f"delivery {cards['email']['id']} is cancelled, not deliveryUnknown: approve of its"
+        r" work item by user:x \(slack\) at \d{4}-\S+; only an uncertain delivery can be"
+        " confirmed or retried",
+        str(refused.value),
+    ), str(refused.value)
+    [card] = [c for c in await env.deliveries(item_id, "card") if c["channel"] == "email"]
+    assert card["status"] == "cancelled"
 
 
 @pytest.mark.parametrize("then", ["decided", "waiting"])
