@@ -42,6 +42,7 @@ import jwt
 import requests
 import urllib3.exceptions
 from aiohttp import web
+from azure.core.exceptions import DeserializationError
 from botbuilder.core import Bot, CardFactory, TurnContext, serializer_helper
 from botbuilder.integration.aiohttp import (
     CloudAdapter,
@@ -252,7 +253,12 @@ def _classify_transport_error(exc: BaseException) -> SendOutcome:
 def _classify_status(exc: ErrorResponseException) -> SendOutcome:
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
-    detail = f"teams connector HTTP {status}: {exc}"
+    return _by_status(status, f"teams connector HTTP {status}: {exc}", response)
+
+
+def _by_status(status: int | None, detail: str, response: Any) -> SendOutcome:
+    """The outcome of a Connector answer with HTTP ``status`` (not 2xx), ``detail`` its
+    error text; ``response`` holds its headers (``Retry-After``)."""
     if status in (408, 429, 503):
         # Not processed: rate limited (429), the request not read in time (408), or the
         # service refusing it (503). Known to be pre-write, so sent again (Retry-After).
@@ -265,6 +271,41 @@ def _classify_status(exc: ErrorResponseException) -> SendOutcome:
         # could post twice. A person decides (SPEC 6: only pre-write 5xx are retried).
         return Uncertain(detail)
     return Permanent(detail)
+
+
+#: How much of an answer that is not the Connector's the error quotes (as Discord's).
+_QUOTED_BODY_CHARS = 120
+
+
+def _not_the_connectors_answer(response: requests.Response, service_url: str) -> SendOutcome:
+    """An answer msrest could not read as the Connector's JSON (a captive portal's or a
+    proxy's page): a 2xx may or may not have followed a post the Connector took, so it
+    is uncertain, logged at WARNING as Discord's; any other status means what it means
+    from the Connector. Either way the error names what to check: the service URL comes
+    with each of the conversation's activities, so only a proxy on the way is a setting
+    (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``: requests reads them)."""
+    status = response.status_code
+    head = response.content[: _QUOTED_BODY_CHARS * 4].decode("utf-8", "replace")
+    what = (
+        f"{response.headers.get('Content-Type') or 'no content type'}: "
+        f"{' '.join(head.split())[:_QUOTED_BODY_CHARS] or 'empty body'}"
+    )
+    check = (
+        f"check any proxy on the way to the conversation's service URL {service_url} "
+        "(HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+    )
+    if not 200 <= status < 300:
+        return _by_status(
+            status,
+            f"teams: HTTP {status} that is not the Bot Connector's answer ({what}); {check}",
+            response,
+        )
+    error = (
+        f"teams: HTTP {status} that is not the Bot Connector's answer ({what}): the post may "
+        f"or may not have reached Teams; {check}"
+    )
+    log.warning("%s", error)
+    return Uncertain(error)
 
 
 class TeamsChannel:
@@ -359,6 +400,10 @@ class TeamsChannel:
 
         sent: list[str | None] = []
         in_flight = False
+        answers: list[requests.Response] = []
+
+        def heard(response: requests.Response, *args: Any, **kwargs: Any) -> None:
+            answers.append(response)
 
         async def run(turn_context: TurnContext) -> None:
             nonlocal in_flight
@@ -367,6 +412,10 @@ class TeamsChannel:
                 # msrest's urllib3 retry policy would silently re-POST on some errors.
                 client.config.retry_policy.retries = 0
                 client.config.connection.timeout = self._timeout_s
+                # msrest reads every answer's body by its content type before it looks
+                # at the status, and names neither when it cannot: the answer, heard
+                # here (a requests hook; the client is this call's own), tells.
+                client.config.hooks.append(heard)
             # The SDK sets replyToId from the turn activity's id: for a continuation that
             # is a fresh random id, so set it to what this delivery means (None: a new
             # message in the conversation, posted to .../activities).
@@ -392,6 +441,8 @@ class TeamsChannel:
             # The SDK raises PermissionError when it cannot obtain an access token.
             return Retry(f"teams: no access token for the connector: {exc}")
         except Exception as exc:
+            if isinstance(exc, DeserializationError) and in_flight and answers:
+                return _not_the_connectors_answer(answers[-1], reference.service_url)
             if in_flight:
                 return Uncertain(f"teams send failed mid-request: {exc!r}")
             return Permanent(f"teams send failed before posting: {exc!r}")

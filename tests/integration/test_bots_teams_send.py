@@ -7,6 +7,7 @@ mode the Connector calls carry no Authorization header (asserted below).
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,8 +19,9 @@ from botbuilder.schema import Activity
 from bots.teams import TeamsAdapter, parse_message
 from leadgate.core.config import TeamsSettings
 from leadgate.core.types import RouteMatch
-from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
+from tests.helpers import ours
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
@@ -163,16 +165,56 @@ async def test_a_5xx_that_may_come_after_the_post_is_uncertain(
 
 @pytest.mark.parametrize("kind", ["reply", "gating"])
 async def test_a_post_answered_200_with_a_web_page_is_uncertain(
-    adapter: TeamsAdapter, connector: ConnectorStandin, kind: str
+    adapter: TeamsAdapter,
+    connector: ConnectorStandin,
+    kind: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 2xx that is not the Connector's JSON (a captive portal's or a proxy's page) may
     or may not have followed a post the Connector took: a person decides, as on Slack
-    and Discord."""
+    and Discord. The error, and a WARNING line as Discord's, quote the start of the page
+    and name what to check: the service URL comes with the conversation's activities, so
+    what an operator can set is a proxy on the way. The error was msrest's,
+    ``DeserializationError('Cannot deserialize content-type: text/html')``."""
     connector.fail_next("portal")
-    outcome = await adapter.channel.send(_message(_address(connector.url), kind))
+    with caplog.at_level(logging.WARNING, logger="bots.teams"):
+        outcome = await adapter.channel.send(_message(_address(connector.url), kind))
     assert isinstance(outcome, Uncertain), outcome
-    assert "text/html" in outcome.error
+    assert outcome.error == (
+        "teams: HTTP 200 that is not the Bot Connector's answer (text/html; charset=utf-8:"
+        " <html> Sign in to the guest network </html>): the post may or may not have reached"
+        f" Teams; check any proxy on the way to the conversation's service URL {connector.url}"
+        " (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+    )
+    assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
     assert connector.activities == [] and len(connector.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "outcome_class"),
+    [("proxy503", Retry), ("proxy502", Uncertain), ("proxy404", Permanent)],
+)
+async def test_another_status_answered_with_a_web_page_means_what_the_status_means(
+    adapter: TeamsAdapter,
+    connector: ConnectorStandin,
+    mode: str,
+    outcome_class: type[SendOutcome],
+) -> None:
+    """A proxy's page with a status the Connector answers too is classed by the status,
+    as the Connector's JSON error would be (a 503 is retried, a 502 uncertain, a 404
+    permanent), and the error names the page and what to check. msrest reads the body
+    before it looks at the status, so each was ``Uncertain`` with its
+    ``DeserializationError``: a proxy's 503 was never sent again."""
+    connector.fail_next(mode)
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, outcome_class) and not isinstance(outcome, Sent), outcome
+    status = mode.removeprefix("proxy")
+    assert outcome.error == (
+        f"teams: HTTP {status} that is not the Bot Connector's answer (text/html;"
+        " charset=utf-8: <html>Proxy Error</html>); check any proxy on the way to the"
+        f" conversation's service URL {connector.url} (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+    )
+    assert len(connector.requests) == 1
 
 
 @pytest.mark.parametrize("mode", ["401", "403", "404"])

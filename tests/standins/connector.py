@@ -40,7 +40,8 @@ Failure modes (each consumes one post): ``"429"`` (Too Many Requests with
 ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
 aborts the TCP connection), ``"portal"`` (200 with an HTML page, nothing posted: a
-captive portal's or a proxy's answer, not the Connector's).
+captive portal's or a proxy's answer, not the Connector's), ``"proxy404"``,
+``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page).
 
 It also offers :func:`message_activity` and :func:`post_activity` to build and POST an
 inbound Teams message activity to a bot's ``/api/messages``.
@@ -60,8 +61,10 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+#: Answers with an HTML page instead of the Connector's JSON, by mode: their status.
+PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
 FAILURE_MODES = frozenset(
-    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset", "portal"}
+    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset", *PAGES}
 )
 
 
@@ -169,10 +172,8 @@ class ConnectorStandin:
                 transport.abort()
             # Nothing can be written any more; aiohttp ignores a response on a dead socket.
             return web.Response(status=500)
-        if mode == "portal":
-            return web.Response(
-                text="<html>Sign in to the guest network</html>", content_type="text/html"
-            )
+        if mode in PAGES:
+            return _page(mode)
         status = int(mode)
         headers = {}
         if status == 429:
@@ -189,6 +190,8 @@ class ConnectorStandin:
         mode, _ = self._failures.popleft() if self._failures else ("ok", None)
         record = self._record(request, body, mode)
         self.requests.append(record)
+        if mode in PAGES:
+            return _page(mode)
         if mode != "ok":
             status = 503 if mode in ("hang", "reset") else int(mode)
             error = {"error": {"code": "ServiceError", "message": mode}}
@@ -220,6 +223,16 @@ class ConnectorStandin:
     async def _post_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.json_response({"ok": True})
+
+
+def _page(mode: str) -> web.Response:
+    """The HTML page a captive portal (200) or a proxy answers instead of the Connector."""
+    text = (
+        "<html>\n  Sign in to the guest network\n</html>"
+        if mode == "portal"
+        else "<html>Proxy Error</html>"
+    )
+    return web.Response(status=PAGES[mode], text=text, content_type="text/html")
 
 
 _ERROR_CODES = {
