@@ -393,21 +393,38 @@ class DiscordChannel:
         return Sent(_message_id(data))
 
     async def delete_original(self, application_id: str, token: str) -> bool:
-        """Delete an interaction's deferred response (best effort; True when gone)."""
+        """Delete an interaction's deferred response (best effort; True when gone). A
+        DELETE answered 2xx with a page that is not Discord's (a captive portal's, a
+        proxy's) is not known to have deleted anything, as a send so answered is not
+        known posted: False, with a WARNING line. The caller (a gated or busy ``/ask``)
+        tries once and goes on whatever the answer: the line is all that follows."""
         app_id = _snowflake(application_id)
         if app_id is None or not token:
             return False
+        wire = _Wire()
+        reset = _WIRE.set(wire)
         try:
             async with asyncio.timeout(self._timeout_s):
                 await _webhook_adapter.get().delete_original_interaction_response(
                     app_id, token, session=self._webhook_session()
                 )
-            return True
         except discord.NotFound:
             return True
         except Exception as exc:
             log.warning("discord: could not delete the deferred response: %s", described(exc))
             return False
+        finally:
+            _WIRE.reset(reset)
+        if wire.foreign_status:
+            log.warning(
+                "discord: could not delete the deferred response: HTTP %s that is not "
+                "Discord's answer (%s): it may or may not be gone; %s and any proxy on the way",
+                wire.foreign_status,
+                wire.foreign_body or "empty body",
+                _CHECK_API_URL,
+            )
+            return False
+        return True
 
     async def close(self) -> None:
         """Close discord.py's HTTP session and the webhook session (idempotent)."""

@@ -21,6 +21,7 @@ from bots.discord import DiscordChannel, configure_endpoints, nonce_for
 from bots.discord_out import described
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from tests.helpers import ours
 from tests.standins.discord_api import DiscordApiStandin
 
 TOKEN = "bot-token"
@@ -361,6 +362,28 @@ async def test_delete_original_is_best_effort(
     # aiohttp itself re-sends an idempotent DELETE once after a dropped connection.
     standin.queue("reset", "reset")
     assert await channel.delete_original(APP, "other") is False
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_a_delete_answered_2xx_with_a_web_page_is_not_known_done(
+    standin: DiscordApiStandin, channel: DiscordChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The DELETE of a deferred response answered 200 with a page (a captive portal's, a
+    proxy's), not Discord's answer, deleted nothing known: False, as a send so answered
+    is not known posted, and a WARNING line quoting the page and saying what to check
+    (never the interaction's token). It returned True without a word."""
+    standin.queue("portal")
+    with caplog.at_level(logging.WARNING, logger="bots.discord_out"):
+        assert await channel.delete_original(APP, "itoken") is False
+    [line] = [r.getMessage() for r in ours(caplog)]
+    assert line == (
+        "discord: could not delete the deferred response: HTTP 200 that is not Discord's"
+        " answer (<html><h1>Sign in to the guest network</h1></html>): it may or may not be"
+        " gone; check [discord] api_url and any proxy on the way"
+    ), line
+    assert "itoken" not in caplog.text
+    assert standin.posts == []
+    assert await channel.delete_original(APP, "itoken") is True  # Discord's own answer
     assert [p["op"] for p in standin.posts] == ["delete_original"]
 
 
