@@ -32,7 +32,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 from binding.bindings import active_binding
-from leadgate.core.clock import Clock, IdFactory, iso
+from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
@@ -779,8 +779,7 @@ async def _moved_by(conn: Conn, delivery: Delivery, status: str, updated_at: int
     if row is None:
         return ""
     whose = "" if row.delivery_id == delivery.id else " of its work item"
-    surface = f" ({row.surface})" if row.surface else ""
-    return f": {row.action}{whose} by {row.actor}{surface} at {iso(row.created_at)}"
+    return f": {workitems.who_did(row, of=whose)}"
 
 
 async def recover(

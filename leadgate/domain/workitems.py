@@ -24,6 +24,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, notify_sender
+from leadgate.database.plans import AnyRow
 from leadgate.database.sql import later_of, unindexed
 from leadgate.domain import session_events, wakes
 from leadgate.domain.rows import WorkItem
@@ -243,8 +244,15 @@ async def _left(conn: Conn, item_id: str, src: Status) -> str:
     ).first()
     if row is None:
         return "; nothing changed"
+    return f": {who_did(row)}; nothing changed"
+
+
+def who_did(row: AnyRow, *, of: str = "") -> str:
+    """An audit row (``action``, ``actor``, ``surface``, ``created_at``) as a person reads
+    it in a 409: ``approve by key:... (cli) at 2026-...`` (``of``, after the action: whose
+    it was, when not the thing the 409 is about)."""
     surface = f" ({row.surface})" if row.surface else ""
-    return f": {row.action} by {row.actor}{surface} at {iso(row.created_at)}; nothing changed"
+    return f"{row.action}{of} by {row.actor}{surface} at {iso(row.created_at)}"
 
 
 async def transition(
