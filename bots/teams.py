@@ -42,6 +42,7 @@ import jwt
 import requests
 import urllib3.exceptions
 from aiohttp import web
+from azure.core.exceptions import DeserializationError
 from botbuilder.core import Bot, CardFactory, TurnContext, serializer_helper
 from botbuilder.integration.aiohttp import (
     CloudAdapter,
@@ -53,7 +54,7 @@ from botbuilder.schema import (
     ConversationReference,
     ErrorResponseException,
 )
-from msrest.exceptions import ClientRequestError, DeserializationError
+from msrest.exceptions import ClientRequestError
 
 from bots import teams_review
 from bots.base import DATABASE_FAULTS, Adapter, Core, accept, answering_errors, not_taken_in
