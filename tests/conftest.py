@@ -13,6 +13,8 @@ from tests.pg import PostgresServer, start_postgres
 
 if TYPE_CHECKING:
     from leadgate.app import App
+    from leadgate.database.db import Database
+    from tests.fakes import CommitLandsLater
     from tests.stack import Stack
 
 
@@ -146,6 +148,28 @@ async def make_stack(migrated_url: str) -> AsyncIterator[Callable[..., Stack]]:
 def stack(make_stack: Callable[..., Stack]) -> Stack:
     """A :class:`tests.stack.Stack` with the script model (unit tests)."""
     return make_stack()
+
+
+@pytest.fixture
+async def commit_lands_later(
+    make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Callable[[Database], CommitLandsLater]]:
+    """Make ``db.tx`` a :class:`tests.fakes.CommitLandsLater` (returned). When the test
+    ends, however it ends, a transaction still held is rolled back before the stacks
+    close (this fixture is torn down before ``make_stack``, which it asks for): a test
+    that failed before its ``land()`` hung at teardown, the pool waiting for it."""
+    from tests.fakes import CommitLandsLater
+
+    made: list[CommitLandsLater] = []
+
+    def make(db: Database) -> CommitLandsLater:
+        made.append(CommitLandsLater(db.tx))
+        monkeypatch.setattr(db, "tx", made[-1])
+        return made[-1]
+
+    yield make
+    for late in made:
+        await late.abandon()
 
 
 @pytest.fixture

@@ -241,7 +241,11 @@ class CommitLandsLater:
     as :class:`DownFor` tells it. :meth:`land` commits it afterwards: the server applied
     the ``COMMIT`` after the caller's read-back or give-back on a fresh connection had
     raced it and found nothing (a claim with ``SKIP LOCKED`` passes the locked rows by).
-    Later calls run as they are. PostgreSQL only (a SQLite COMMIT is never in doubt)."""
+    Later calls run as they are. PostgreSQL only (a SQLite COMMIT is never in doubt).
+
+    Made by the ``commit_lands_later`` fixture, which rolls back a transaction still
+    held when the test ends, however it ends (:meth:`abandon`): held, it keeps a pooled
+    connection checked out, and closing the pool at teardown waits for it for ever."""
 
     def __init__(self, real: Callable[[], Any]) -> None:
         _may_lose_a_commit(real, False)
@@ -281,6 +285,19 @@ class CommitLandsLater:
         assert self.held is not None, "no transaction was lost"
         held, self.held = self.held, None
         await held.__aexit__(None, None, None)
+
+    async def abandon(self) -> None:
+        """Roll back the transaction whose answer was lost, if it never landed: its
+        connection goes back to the pool, its row locks with it."""
+        held, self.held = self.held, None
+        if held is not None:
+            gone = _Abandoned("the test ended before the commit landed")
+            await held.__aexit__(_Abandoned, gone, None)
+
+
+class _Abandoned(Exception):
+    """Rolls back a transaction :class:`CommitLandsLater` still holds (not a database
+    fault: the database layer passes it through as it is)."""
 
 
 def _database(method: Callable[..., Any]) -> Database:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import asyncpg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from leadgate.core.errors import Unavailable
+from leadgate.database.db import Database
+from tests.fakes import CommitLandsLater
+from tests.helpers import make_org
 from tests.pg import PostgresServer
+from tests.stack import Stack
 
 _seen_databases: set[str] = set()
 
@@ -86,3 +94,26 @@ async def test_db_url_runs_on_both_backends(db_url: str) -> None:
 def test_postgres_tests_are_marked(request: pytest.FixtureRequest) -> None:
     # This test does not use PostgreSQL, so it must not carry the marker.
     assert request.node.get_closest_marker("postgres") is None
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_commit_left_to_land_later_is_rolled_back_when_the_test_ends(
+    stack: Stack, commit_lands_later: Callable[[Database], CommitLandsLater]
+) -> None:
+    """``commit_lands_later``'s finalizer (what it runs is :meth:`CommitLandsLater.abandon`)
+    rolls back a transaction a test left held: its rows never land, and the pool, its
+    connection given back, closes at once. Held, the stack's close at teardown waited
+    for that connection for ever (a test that failed before its ``land()`` hung)."""
+    late = commit_lands_later(stack.db)
+    with pytest.raises(Unavailable):
+        await make_org(stack)
+    assert late.held is not None
+    await late.abandon()  # (what the fixture does when the test ends, however it ends)
+    assert late.held is None
+    await asyncio.wait_for(stack.db.close(), 10)
+    engine = create_async_engine(stack.db.engine.url)
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("SELECT count(*) FROM organizations"))).scalar() == 0
+    finally:
+        await engine.dispose()

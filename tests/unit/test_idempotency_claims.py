@@ -3,10 +3,13 @@ the class itself (the REST route's use of it: tests/integration/test_openai_surf
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import Unavailable
+from leadgate.database.db import Database
 from leadgate.operations.idempotency import LEASE_MS, Idempotency
 from tests.fakes import CommitLandsLater, lose_the_next_commit
 from tests.helpers import make_org
@@ -15,7 +18,7 @@ from tests.stack import Stack
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_claim_in_doubt_that_lands_after_its_give_back_is_given_back_on_the_retry(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
+    stack: Stack, commit_lands_later: Callable[[Database], CommitLandsLater]
 ) -> None:
     """The claim's COMMIT answer was lost, its give-back (right after, on a fresh
     connection) found nothing, and then the server applied the claim: the key is held
@@ -27,8 +30,7 @@ async def test_a_claim_in_doubt_that_lands_after_its_give_back_is_given_back_on_
     idem = Idempotency(stack.db, stack.clock, stack.ids)
     principal = Principal(org.id, frozenset())
     assert (await idem.begin(principal, "other", "fp-other")).action == "run"  # (its sweep)
-    late = CommitLandsLater(stack.db.tx)
-    monkeypatch.setattr(stack.db, "tx", late)
+    late = commit_lands_later(stack.db)
     with pytest.raises(Unavailable) as raised:
         await idem.begin(principal, "k-1", "fp")
     assert raised.value.in_doubt

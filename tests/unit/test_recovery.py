@@ -8,6 +8,7 @@ both databases.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
@@ -17,6 +18,7 @@ from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
+from leadgate.database.db import Database
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
@@ -296,7 +298,9 @@ async def test_a_recovery_claim_whose_commit_failed_is_taken_again_at_once(
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_taken_soon(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
+    stack: Stack,
+    monkeypatch: pytest.MonkeyPatch,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
 ) -> None:
     """The recovery claim's COMMIT answer was lost, and the next pass's claim, asking
     for the run's old token and the lost claim's, found nothing (the claim on its way
@@ -314,8 +318,7 @@ async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_take
     assert isinstance(taken, Accepted) and taken.ctx.run_token
     stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
     recovery = TurnRecovery(stack.turns)
-    late = CommitLandsLater(stack.db.tx)
-    monkeypatch.setattr(stack.db, "tx", late)
+    late = commit_lands_later(stack.db)
     with pytest.raises(Unavailable) as raised:
         await recovery.run_once()
     assert raised.value.in_doubt
@@ -336,7 +339,10 @@ async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_take
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("read_back", ["finds nothing", "fails"])
 async def test_an_intake_in_doubt_that_lands_after_its_read_back_is_recovered_soon(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch, read_back: str
+    stack: Stack,
+    monkeypatch: pytest.MonkeyPatch,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
+    read_back: str,
 ) -> None:
     """A channel message's intake lost its COMMIT's answer, and its read-back found
     nothing (or failed, and the recovery's claim of its run then found nothing); then
@@ -350,8 +356,7 @@ async def test_an_intake_in_doubt_that_lands_after_its_read_back_is_recovered_so
     await live.register()
     stack.turns.intake.owner = live.owner
     stack.turns.owner = live.owner
-    late = CommitLandsLater(stack.db.tx)
-    monkeypatch.setattr(stack.db, "tx", late)
+    late = commit_lands_later(stack.db)
     if read_back == "fails":
         monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
     with pytest.raises(Unavailable) as raised:
