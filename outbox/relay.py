@@ -267,10 +267,10 @@ class Relay:
         self._uncommitted: list[Done] = []
         #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
-        self._uncertain_claims = LostClaims()
+        self._uncertain_claims: LostClaims[str] = LostClaims(name="outbox-relay claims")
         #: ids of hand-offs whose write may or may not have committed (see
         #: :meth:`in_doubt`)
-        self._doubted = LostClaims()
+        self._doubted: LostClaims[str] = LostClaims(name="outbox-relay hand-offs")
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes

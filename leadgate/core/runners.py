@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from leadgate.core.errors import DatabaseDamaged, Unavailable
 from leadgate.core.logs import Tally
@@ -43,12 +45,31 @@ class Runner(Protocol):
         ...
 
 
-class Lost(NamedTuple):
+T = TypeVar("T")
+
+#: The most tokens one :class:`LostClaims` watches. Only a fault in doubt adds one, and a
+#: runner's passes stop at their first failed look, so a watch stays small even through
+#: an outage; but the keyed requests of an API (Idempotency) each add one whose claim
+#: was in doubt, however many there are. Past this many, the token whose lease lapses
+#: soonest is dropped (its lease expiry takes its rows back; logged, counted).
+MAX_WATCHED = 10_000
+
+#: Tokens a full watch dropped: one WARNING a minute at most across every watch.
+DROPPED = Tally(
+    log,
+    "%d claim(s) in doubt no longer looked for (the watch of %s is full, %d tokens): "
+    "their rows wait for their lease to lapse",
+    every_s=60.0,
+)
+
+
+class Lost(NamedTuple, Generic[T]):
     """A lease token :class:`LostClaims` watches."""
 
     #: the claim's lease token (or the id of a row written claimed under a token the
-    #: runner shares among its rows: the relay's hand-off)
-    token: str
+    #: runner shares among its rows: the relay's hand-off), or whatever names and fences
+    #: its give-back (an Idempotency-Key claim's key and owner)
+    token: T
     #: when it is looked for next (the runner's clock, ms)
     due: int
     #: how long after that look the one after it comes
@@ -57,7 +78,7 @@ class Lost(NamedTuple):
     lapses: int
 
 
-class LostClaims:
+class LostClaims(Generic[T]):
     """Lease tokens of claims whose write met a database fault in doubt and that were
     not found landed. One may land all the same after the look that found nothing: the
     server can still apply a statement (or a ``COMMIT``) whose connection the runner
@@ -67,42 +88,82 @@ class LostClaims:
     :attr:`max_gap_ms`, until the claim's lease would have lapsed (the runner's lease
     expiry takes such rows from there). The runner gives back whatever holds a token it
     finds, fenced by that token. Only a fault adds a token: a claim that answered costs
-    nothing here. Shared by a runner's loops: :meth:`take_due` hands each token to one."""
+    nothing here. Shared by a runner's loops: :meth:`take_due` hands each token to one,
+    which gives it back (:meth:`not_found`, :meth:`put_back`) unless it found it, also
+    when its look ends in an exception (cancellation too). At most ``limit`` tokens
+    (:data:`MAX_WATCHED`) are watched, kept in order of their next look: a pass with
+    nothing due reads one entry. ``on_watch`` is called when a token is added
+    (:meth:`watch`): the runner that looks for them may be asleep."""
 
-    def __init__(self, first_ms: int = 1_000, max_gap_ms: int = 60_000) -> None:
+    def __init__(
+        self,
+        first_ms: int = 1_000,
+        max_gap_ms: int = 60_000,
+        *,
+        name: str = "a runner",
+        limit: int = MAX_WATCHED,
+        on_watch: Callable[[], None] = lambda: None,
+    ) -> None:
         self.first_ms = first_ms
         self.max_gap_ms = max_gap_ms
-        self._lost: list[Lost] = []
+        self.name = name
+        self.limit = limit
+        self.on_watch = on_watch
+        #: tokens dropped because the watch was full
+        self.dropped = 0
+        #: a heap by next look; the sequence number keeps tokens (of any type) apart
+        self._lost: list[tuple[int, int, Lost[T]]] = []
+        self._seq = itertools.count()
 
     def __bool__(self) -> bool:
         return bool(self._lost)
 
-    def watch(self, token: str, *, due: int, lapses: int) -> None:
-        """Look for ``token`` at ``due`` (then as the class says), until ``lapses``."""
-        self._lost.append(Lost(token, due, self.first_ms, lapses))
+    def __len__(self) -> int:
+        return len(self._lost)
 
-    def take_due(self, now: int) -> list[Lost]:
+    def watch(self, token: T, *, due: int, lapses: int) -> None:
+        """Look for ``token`` at ``due`` (then as the class says), until ``lapses``."""
+        self._add(Lost(token, due, self.first_ms, lapses))
+        self.on_watch()
+
+    def take_due(self, now: int) -> list[Lost[T]]:
         """The tokens due for a look at ``now``, taken out: each goes back by
         :meth:`not_found` or :meth:`put_back`, or is done with (found)."""
-        due = [lost for lost in self._lost if lost.due <= now]
-        if due:
-            self._lost = [lost for lost in self._lost if lost.due > now]
+        due: list[Lost[T]] = []
+        while self._lost and self._lost[0][0] <= now:
+            due.append(heapq.heappop(self._lost)[2])
         return due
 
-    def not_found(self, lost: Lost, now: int) -> None:
+    def not_found(self, lost: Lost[T], now: int) -> None:
         """``lost`` was looked for at ``now`` and not found: look again one gap on, at
         twice the gap after (capped), unless its lease would have lapsed by then."""
         if now + lost.gap <= lost.lapses:
             gap = min(2 * lost.gap, self.max_gap_ms)
-            self._lost.append(lost._replace(due=now + lost.gap, gap=gap))
+            self._add(lost._replace(due=now + lost.gap, gap=gap))
 
-    def put_back(self, lost: Sequence[Lost]) -> None:
-        """Tokens taken for a look that failed (the database away): due as before."""
-        self._lost.extend(lost)
+    def put_back(self, lost: Sequence[Lost[T]]) -> None:
+        """Tokens taken for a look that failed (the database away) or never came (an
+        exception before it): due as before."""
+        for each in lost:
+            self._add(each)
 
     def next_due(self) -> int | None:
         """When the next look is due (None: no token watched)."""
-        return min((lost.due for lost in self._lost), default=None)
+        return self._lost[0][0] if self._lost else None
+
+    def _add(self, lost: Lost[T]) -> None:
+        if len(self._lost) >= self.limit:
+            # Full (a long outage under load): the token whose lease lapses soonest goes,
+            # this one or a watched one; its lease expiry takes its rows back.
+            index = min(range(len(self._lost)), key=lambda i: self._lost[i][2].lapses)
+            self.dropped += 1
+            DROPPED.add(self.name, len(self._lost))
+            if self._lost[index][2].lapses >= lost.lapses:
+                return
+            self._lost[index] = self._lost[-1]
+            self._lost.pop()
+            heapq.heapify(self._lost)
+        heapq.heappush(self._lost, (lost.due, next(self._seq), lost))
 
 
 async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:

@@ -41,7 +41,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -121,7 +121,7 @@ class Idempotency:
         self.ids = ids or RandomIds()
         self._next_sweep = 0
         #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`)
-        self._lost = LostClaims()
+        self._lost: LostClaims[HeldKey] = LostClaims(name="idempotency")
 
     async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim:
         """Claim ``key`` for this request, or say why not (400 when the key was used for
@@ -152,7 +152,7 @@ class Idempotency:
             # that runs nowhere, until its lease lapsed. Given back now, fenced by its
             # owner token (:meth:`_give_back`); in doubt and not found (or the database
             # still away), looked for again (:meth:`_give_back_lost`).
-            token = _lost_token(org, key_hash, owner, took_over=bool(took_over))
+            token = HeldKey(org, key_hash, owner, took_over=bool(took_over))
             try:
                 found = await self._give_back(token)
             except Exception:  # (the database still away: the next request looks)
@@ -182,23 +182,21 @@ class Idempotency:
             if not found:
                 self._lost.not_found(lost, now)
 
-    async def _give_back(self, token: str) -> bool:
-        """Give back the claim ``token`` names (:func:`_lost_token`) while it holds its
-        key with no answer stored; True when it did. A new claim is deleted (the key is
-        free again). A takeover's key is kept with its lease ended, as :meth:`lapse`
-        does: it holds the external event id under which the request that died may have
-        taken its message in, and the retry must take it over with that id (deleted,
-        the retry claimed it afresh under a new one, and the intake took the message in
-        a second time)."""
-        org, key_hash, owner, how = token.split(_SEP)
+    async def _give_back(self, token: HeldKey) -> bool:
+        """Give back the claim ``token`` names while it holds its key with no answer
+        stored; True when it did. A new claim is deleted (the key is free again). A
+        takeover's key is kept with its lease ended, as :meth:`lapse` does: it holds the
+        external event id under which the request that died may have taken its message
+        in, and the retry must take it over with that id (deleted, the retry claimed it
+        afresh under a new one, and the intake took the message in a second time)."""
         held = (
-            _K.org_id == org,
-            _K.key_hash == key_hash,
-            _K.owner == owner,
+            _K.org_id == token.org_id,
+            _K.key_hash == token.key_hash,
+            _K.owner == token.owner,
             _K.response.is_(None),
         )
         async with self.db.tx() as conn:
-            if how == _TAKEN_OVER:
+            if token.took_over:
                 statement: sa.Executable = (
                     t.idempotency_keys.update()
                     .where(*held)
@@ -357,17 +355,18 @@ class Idempotency:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
 
 
-#: Joins the parts of a claim's give-back token (ids and a hex digest never hold it).
-_SEP = " "
-#: A give-back token's last part: the claim took a lapsed one over (else it is new).
-_TAKEN_OVER = "takeover"
+class HeldKey(NamedTuple):
+    """What a claim's give-back (:meth:`Idempotency._give_back`) takes, also what
+    :class:`~leadgate.core.runners.LostClaims` watches for a claim in doubt."""
 
-
-def _lost_token(org_id: str, key_hash: str, owner: str, *, took_over: bool) -> str:
-    """The token of a claim's give-back (:meth:`Idempotency._give_back`), also what
-    :class:`~leadgate.core.runners.LostClaims` watches: the key's row, the claim's owner
-    token (which fences the give-back), and whether it took a lapsed claim over."""
-    return _SEP.join((org_id, key_hash, owner, _TAKEN_OVER if took_over else "new"))
+    #: the key's row: its organization and key hash
+    org_id: str
+    key_hash: str
+    #: the claim's owner token, which fences the give-back
+    owner: str
+    #: the claim took a lapsed one over (its lease is ended, the key kept), else it is
+    #: new (deleted)
+    took_over: bool
 
 
 def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:

@@ -231,7 +231,7 @@ class LeadRunner:
         #: claims in doubt not found landed (the read-back found nothing, or failed):
         #: they may land later, so their tokens are looked for again until their lease
         #: would have lapsed, and whatever holds one is given back
-        self._lost = LostClaims()
+        self._lost: LostClaims[str] = LostClaims(name="lead-review")
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
         #: their lease) once the database is back, not asked of the lead a second time
         self._verdicts: list[_Kept] = []

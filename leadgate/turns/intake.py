@@ -270,7 +270,7 @@ class Intake:
         *,
         owner: Callable[[], str | None] = lambda: None,
         doubted: Callable[[str], None] = lambda _token: None,
-        lost: LostClaims | None = None,
+        lost: LostClaims[str] | None = None,
     ) -> None:
         self.db = db
         self.clock = clock

@@ -268,7 +268,7 @@ class TurnService:
         #: intake or a recovery claim in doubt may yet be applied): looked for again by the
         #: recovery runner's claim when due, until their run's lease would have lapsed
         #: (:func:`leadgate.turns.runs.claim`)
-        self.lost = LostClaims()
+        self.lost: LostClaims[str] = LostClaims(name="turn-recovery")
         self.intake = Intake(
             db, clock, ids, self.history, owner=owner, doubted=self.orphans.add, lost=self.lost
         )

@@ -125,7 +125,7 @@ async def claim(
     *,
     owner: str | None,
     orphans: set[str],
-    lost: LostClaims,
+    lost: LostClaims[str],
 ) -> Claimed | None:
     """Claim the oldest takeable run and every takeable run of its session.
 
@@ -165,7 +165,7 @@ async def claim(
 
 
 def _watch(
-    asked: list[str], looks: list[Lost], orphans: set[str], lost: LostClaims, now: int
+    asked: list[str], looks: list[Lost[str]], orphans: set[str], lost: LostClaims[str], now: int
 ) -> None:
     """A claim that asked for the tokens ``asked`` (``looks``: those ``lost`` was
     watching) found no takeable run: no run holds them now. Each may hold one later all
