@@ -318,7 +318,7 @@ class Relay:
         due = self._doubted.take_due(now)
         try:
             released = await self._unhand([lost.token for lost in due])
-        except Exception:
+        except BaseException:  # (cancelled too: they stay watched)
             self._doubted.put_back(due)
             raise
         for lost in due:
@@ -667,7 +667,7 @@ class Relay:
                     )
                     if res.rowcount:
                         signal_after_commit(conn, OUTBOX_TOPIC)
-            except Exception:
+            except BaseException:  # (cancelled too: the rest stay watched)
                 self._uncertain_claims.put_back(due[n:])
                 raise
             if res.rowcount:

@@ -233,6 +233,33 @@ class LandsLater:
         return await self.real(statement, parameters)
 
 
+class StallsOnce:
+    """``Database.read``/``tx`` replaced for its next call: entering it waits until its
+    task is cancelled (a look a shutdown, or a client gone, cuts short); ``entered`` is
+    set once it waits. Later calls run as they are."""
+
+    def __init__(self, real: Callable[[], Any]) -> None:
+        self.real = real
+        self.entered = asyncio.Event()
+        self.used = False
+
+    def __call__(self) -> Any:
+        if self.used:
+            return self.real()
+        self.used = True
+        entered = self.entered
+
+        class _Ctx:
+            async def __aenter__(self) -> Any:
+                entered.set()
+                await asyncio.Event().wait()
+
+            async def __aexit__(self, *exc: Any) -> None:
+                return None
+
+        return _Ctx()
+
+
 class CommitLandsLater:
     """``Database.tx`` replaced for its next call: the transaction's work runs but its
     ``COMMIT`` waits (the transaction stays open, holding its row locks, its rows seen

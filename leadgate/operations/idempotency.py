@@ -157,6 +157,10 @@ class Idempotency:
                 found = await self._give_back(token)
             except Exception:  # (the database still away: the next request looks)
                 found, due = False, now
+            except BaseException:  # (cancelled: the next request looks, if in doubt)
+                if fault.in_doubt:
+                    self._lost.watch(token, due=now, lapses=now + LEASE_MS)
+                raise
             else:
                 due = self.clock.now_ms() + self._lost.first_ms
             if fault.in_doubt and not found:
@@ -179,6 +183,9 @@ class Idempotency:
             except Exception:
                 self._lost.put_back(due[n:])
                 return
+            except BaseException:  # (the request cancelled: the rest stay watched)
+                self._lost.put_back(due[n:])
+                raise
             if not found:
                 self._lost.not_found(lost, now)
 

@@ -601,7 +601,7 @@ class LeadRunner:
             try:
                 async with self.db.read() as conn:
                     item_id = await conn.scalar(_BY_LEASE, {"p_token": lost.token})
-            except Exception:
+            except BaseException:  # (cancelled too: the tokens not looked for stay watched)
                 self._lost.put_back(due[n:])
                 raise
             if item_id is not None:

@@ -147,7 +147,7 @@ async def claim(
         claimed = await _claim_in(
             db, clock, ids, takeable, now, token, owner=owner, updated=updated, taken=taken
         )
-    except Exception:
+    except BaseException:  # (cancelled too: the looks taken stay watched)
         # The claim's COMMIT may or may not have landed: the runs hold either their old
         # tokens (still in ``orphans``: discarded only after the commit) or this one.
         # Either way the next pass takes them, instead of after the run lease (minutes).

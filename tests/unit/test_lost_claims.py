@@ -4,9 +4,19 @@ token to one look, bounded, and kept through a look cut short; and its users' lo
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from leadgate.core.auth import Principal
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.runners import DROPPED, LostClaims
-from leadgate.operations.idempotency import HeldKey
+from leadgate.operations.idempotency import LEASE_MS, HeldKey, Idempotency
+from leadgate.turns import runs
+from tests.fakes import StallsOnce
+from tests.helpers import make_org
+from tests.stack import Stack
 
 
 def test_each_due_token_goes_to_one_look_and_a_token_found_is_not_watched_again() -> None:
@@ -49,3 +59,87 @@ def test_the_watch_holds_a_typed_token() -> None:
     lost.watch(held, due=0, lapses=MINUTE_MS)
     [look] = lost.take_due(0)
     assert look.token is held and look.token.took_over
+
+
+# ------------------------------------------------ a look cut short (cancelled)
+
+
+async def cut_short(stall: StallsOnce, look: Awaitable[object]) -> None:
+    """Run ``look`` until it waits on the stalled database call, then cancel it (as a
+    shutdown, or a request whose client went away, does)."""
+    task = asyncio.ensure_future(look)
+    await asyncio.wait_for(stall.entered.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def stalled(stack: Stack, monkeypatch: pytest.MonkeyPatch, method: str) -> StallsOnce:
+    stall = StallsOnce(getattr(stack.db, method))
+    monkeypatch.setattr(stack.db, method, stall)
+    return stall
+
+
+def watching(lost: LostClaims[str], stack: Stack, *tokens: str) -> Callable[[], list[str]]:
+    """Watch ``tokens`` (due now); returns what is still watched, due by then."""
+    now = stack.clock.now_ms()
+    for token in tokens:
+        lost.watch(token, due=now, lapses=now + 10 * MINUTE_MS)
+    return lambda: sorted(look.token for look in lost.take_due(stack.clock.now_ms()))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_review_runners_look_cancelled_keeps_its_tokens_watched(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = stack.lead_runner
+    left = watching(runner._lost, stack, "lease_a", "lease_b")
+    await cut_short(stalled(stack, monkeypatch, "read"), runner._release_held())
+    assert left() == ["lease_a", "lease_b"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("watch", ["claims", "hand-offs"])
+async def test_a_relays_give_back_cancelled_keeps_its_tokens_watched(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, watch: str
+) -> None:
+    relay = stack.relay
+    if watch == "claims":
+        left = watching(relay._uncertain_claims, stack, "lease_a", "lease_b")
+        look = relay.release_uncertain_claims()
+    else:
+        left = watching(relay._doubted, stack, "dlv_a", "dlv_b")
+        look = relay.release_doubted()
+    await cut_short(stalled(stack, monkeypatch, "tx"), look)
+    assert left() == (["lease_a", "lease_b"] if watch == "claims" else ["dlv_a", "dlv_b"])
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_recovery_claim_cancelled_keeps_its_looks_watched(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = stack.turns.lost
+    left = watching(lost, stack, "lease_a", "lease_b")
+    claim = runs.claim(
+        stack.db, stack.clock, stack.ids, owner=None, orphans=stack.turns.orphans, lost=lost
+    )
+    await cut_short(stalled(stack, monkeypatch, "tx"), claim)
+    assert left() == ["lease_a", "lease_b"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_an_idempotency_give_back_cancelled_keeps_its_claims_watched(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next keyed request gives back the claims in doubt that are due; cancelled
+    (its client went away), those it had not given back are still watched."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    assert (await idem.begin(principal, "other", "fp")).action == "run"  # (its sweep)
+    now = stack.clock.now_ms()
+    held = [HeldKey(org.id, f"{n:064x}", f"ik_{n}", took_over=False) for n in range(2)]
+    for each in held:
+        idem._lost.watch(each, due=now, lapses=now + LEASE_MS)
+    await cut_short(stalled(stack, monkeypatch, "tx"), idem.begin(principal, "k", "fp"))
+    assert [look.token for look in idem._lost.take_due(now)] == held
