@@ -330,6 +330,9 @@ class App:
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
         flow_recovery = FlowRecovery(self.flows)
         turn_recovery = TurnRecovery(self.turns)
+        # A run orphaned or watched by a turn (not by the recovery's own passes) wakes
+        # it: its sleep is toward the earliest run lease, or the poll.
+        self.turns.recovery_due = recovery_wake.set
         revisions = RevisionRunner(self.turns)
         sweeper = Sweeper(self.db, self.clock, self.ids)
         self.loops = [

@@ -141,7 +141,7 @@ class Messages:
             return Routed(recorded.outcome, recorded.route)
         turn: Accepted = recorded.turn
         if self._running >= MAX_BACKGROUND_TURNS and turn.ctx.run_token is not None:
-            self.turns.orphans.add(turn.ctx.run_token)
+            self.turns.orphaned(turn.ctx.run_token)
             return None
         self._running += 1
         try:

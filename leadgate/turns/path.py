@@ -263,14 +263,20 @@ class TurnService:
         #: turn never started, the run may exist): the recovery runner takes them over
         #: once the database is back
         self.orphans: set[str] = set()
+        #: Set by the composition root to the recovery runner's wake: called when a run
+        #: is orphaned or watched (:meth:`orphaned`, :attr:`lost`) outside that runner's
+        #: passes, so it looks now (or at the look's time), not at its next poll.
+        self.recovery_due: Callable[[], None] = lambda: None
         #: lease tokens of runs not found where they may still land (an intake in doubt
         #: whose read-back found nothing; orphans a recovery claim did not find, when an
         #: intake or a recovery claim in doubt may yet be applied): looked for again by the
         #: recovery runner's claim when due, until their run's lease would have lapsed
         #: (:func:`leadgate.turns.runs.claim`)
-        self.lost: LostClaims[str] = LostClaims(name="turn-recovery")
+        self.lost: LostClaims[str] = LostClaims(
+            name="turn-recovery", on_watch=lambda: self.recovery_due()
+        )
         self.intake = Intake(
-            db, clock, ids, self.history, owner=owner, doubted=self.orphans.add, lost=self.lost
+            db, clock, ids, self.history, owner=owner, doubted=self.orphaned, lost=self.lost
         )
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
@@ -357,13 +363,20 @@ class TurnService:
         token = ctx.run_token
         if isinstance(exc, Unavailable) or token is None:
             if token is not None:
-                self.orphans.add(token)
+                self.orphaned(token)
             return
         try:
             await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
         except Exception:
             log.warning("closing failed run %s failed; recovery takes it over", token)
-            self.orphans.add(token)
+            self.orphaned(token)
+
+    def orphaned(self, token: str) -> None:
+        """The recorded run under ``token`` has no turn running it (its turn stopped on a
+        database fault, its intake's read-back failed, or the process is too busy): the
+        recovery runner takes it over, woken for it."""
+        self.orphans.add(token)
+        self.recovery_due()
 
     async def _close_run(self, ctx: TurnContext, token: str, *, notice: str | None) -> None:
         """Delete the runs of ``token`` and (channels that post) queue ``notice``."""

@@ -43,9 +43,12 @@ from leadgate.domain.workitems import ABANDON_AFTER_MS, Sweeper
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
 from leadgate.review.sla import SlaRunner
+from leadgate.runners.recovery import TurnRecovery
 from leadgate.runners.schedules import ScheduleRunner, add_schedule
+from leadgate.turns.intake import Accepted
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
+from leadgate.turns.runs import RUN_LEASE_MS
 from outbox.channel import OutboundMessage, Retry, Sent
 from outbox.relay import EXPIRY_CHECK_MS as RELAY_EXPIRY_CHECK_MS
 from outbox.relay import Relay
@@ -809,6 +812,39 @@ async def test_a_schedule_added_with_a_sooner_firing_wakes_the_schedule_runner(
     called_ms = clock.now_ms() - (time.perf_counter() - call.at) * 1000
     report("schedule added with a sooner firing -> its turn's model call", (called_ms - due) / 1000)
     assert called_ms >= due  # not before it was due
+
+
+@pytest.mark.parametrize("how", ["orphaned", "watched"])
+async def test_a_run_a_turn_leaves_to_the_turn_recovery_wakes_it(
+    migrated_url: str, make_app: MakeApp, how: str
+) -> None:
+    """A recorded run whose turn stopped on a database fault, or whose intake's
+    read-back failed, is an orphan (``TurnService.orphaned``); one whose intake in doubt
+    was not found landed is watched (``TurnService.lost``). Nothing committed wakes the
+    turn recovery for either (its loop sleeps toward the run's 15-minute lease, or the
+    poll): adding one does, so the orphan is taken at once and the watched token at its
+    look a second on, not at the poll."""
+    clock, model = JumpingClock(), RecordingModel()
+    app = make_app(migrated_url, clock=clock, model=model)
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    await app.start_liveness()
+    taken = await app.turns.take(slack_trigger(org, plain, "hi", "1700000000.000300"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token is not None
+    await start_worker(app)
+    recovery = runner_of(app, TurnRecovery)
+    # Its first pass read the run's lease (not lapsed): it sleeps toward the poll now.
+    assert await eventually(lambda: recovery._next_lapse is not None, WITHIN_S)
+    if how == "orphaned":
+        app.turns.intake.doubted(taken.ctx.run_token)  # (its read-back failed)
+    else:  # (its read-back found nothing), as Intake._settle watches it
+        intake_lost = app.turns.intake.lost
+        assert intake_lost is not None
+        now = clock.now_ms()
+        intake_lost.watch(
+            taken.ctx.run_token, due=now + intake_lost.first_ms, lapses=now + RUN_LEASE_MS
+        )
+    await next_call(model, lambda c: c.text == "hi")
 
 
 async def test_a_schedule_added_on_an_api_replica_wakes_the_schedule_runner_of_a_worker(
