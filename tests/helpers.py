@@ -8,7 +8,7 @@ import inspect
 import logging
 import re
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,7 +21,7 @@ from leadgate.core.clock import Clock, FakeClock, IdFactory
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from outbox.store import for_item
@@ -70,6 +70,33 @@ async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> bool:
         return bool(waiting) or task.done()
 
     return await eventually(waits_or_done, within=10.0)
+
+
+@contextlib.asynccontextmanager
+async def held_open(db: Database, work: Callable[[Conn], Awaitable[object]]) -> AsyncIterator[None]:
+    """Run ``work`` in a transaction of ``db`` and hold it open, uncommitted with its
+    locks held, for the block (a contender started in it meets them: see
+    :func:`blocked_on_a_lock`); it commits as the block ends. ``work``'s error is raised
+    on entry."""
+    done, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with db.tx() as conn:
+            await work(conn)
+            done.set()
+            await release.wait()
+
+    holder = asyncio.create_task(hold())
+    ready = asyncio.create_task(done.wait())
+    await asyncio.wait({holder, ready}, return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
+    if holder.done():
+        holder.result()  # (work failed: its error)
+    try:
+        yield
+    finally:
+        release.set()
+        await holder
 
 
 class Env(Protocol):

@@ -24,7 +24,7 @@ from leadgate.core.config import Settings
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import upgrade
+from leadgate.database.db import Conn, upgrade
 from leadgate.domain import orgs, workitems
 from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
@@ -34,6 +34,7 @@ from tests.helpers import (
     Org,
     api_trigger,
     blocked_on_a_lock,
+    held_open,
     make_agent,
     make_key,
     make_org,
@@ -338,22 +339,15 @@ async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
     it found it open and put the card back ``pending``, to be posted after the decision."""
     await add_destination(env.service, env.org.id, "slack", "C0R")
     item_id, card = await uncertain_card(env, "s1")
-    closed, release = asyncio.Event(), asyncio.Event()
     service = env.service
 
-    async def decide() -> None:
-        async with service.db.tx() as conn:
-            item = await workitems.get(conn, item_id)
-            await decisions.decide(conn, service.outbox, item, "approve", "user:x")
-            closed.set()
-            await release.wait()
+    async def decide(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, service.outbox, item, "approve", "user:x")
 
-    decision = asyncio.create_task(decide())
-    await closed.wait()
-    retry = asyncio.create_task(post(env, f"/operator/deliveries/{card['id']}/retry"))
-    assert await blocked_on_a_lock(service.db, retry)
-    release.set()
-    await decision
+    async with held_open(service.db, decide):
+        retry = asyncio.create_task(post(env, f"/operator/deliveries/{card['id']}/retry"))
+        assert await blocked_on_a_lock(service.db, retry)
     status, body = await retry
     assert status == 200, body
     assert body["delivery"]["status"] == "cancelled"
@@ -375,23 +369,16 @@ async def test_a_confirm_that_loses_to_another_names_the_status_now_and_who(env:
     [dlv] = (await get_json(env, f"/operator/reviews/{item_id}"))["deliveries"]
     assert dlv["status"] == "deliveryUnknown"
     service = env.service
-    confirmed, release = asyncio.Event(), asyncio.Event()
 
-    async def first() -> None:
-        async with service.db.tx() as conn:
-            stale = await get_delivery(conn, dlv["id"], env.org.id)
-            await decisions.recover_delivery(
-                conn, service.outbox, stale, "confirm", "user:first", surface="slack"
-            )
-            confirmed.set()
-            await release.wait()
+    async def first(conn: Conn) -> None:
+        stale = await get_delivery(conn, dlv["id"], env.org.id)
+        await decisions.recover_delivery(
+            conn, service.outbox, stale, "confirm", "user:first", surface="slack"
+        )
 
-    winner = asyncio.create_task(first())
-    await confirmed.wait()
-    second = asyncio.create_task(post(env, f"/operator/deliveries/{dlv['id']}/confirm"))
-    assert await blocked_on_a_lock(service.db, second)
-    release.set()
-    await winner
+    async with held_open(service.db, first):
+        second = asyncio.create_task(post(env, f"/operator/deliveries/{dlv['id']}/confirm"))
+        assert await blocked_on_a_lock(service.db, second)
     status, body = await second
     assert (status, body["error"]["rule"]) == (409, "delivery.status")
     assert re.fullmatch(

@@ -19,6 +19,7 @@ from leadgate.core.clock import RandomIds
 from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.database.schema import metadata
 from leadgate.domain import workitems
 from leadgate.domain.rows import Delivery
@@ -36,6 +37,7 @@ from tests.helpers import (
     api_trigger,
     blocked_on_a_lock,
     deliveries_counted,
+    held_open,
     make_agent,
     sqlite_plan,
 )
@@ -244,21 +246,14 @@ async def test_a_lapsed_card_taken_back_while_its_decision_commits_waits_for_the
     item_id = await env.escalated("s1")
     [card] = await env.stack.relay.claim()  # then the relay "dies"
     env.stack.clock.advance(SEND_LEASE_MS + 1)
-    closed, release = asyncio.Event(), asyncio.Event()
 
-    async def decide() -> None:
-        async with env.stack.db.tx() as conn:
-            item = await workitems.get(conn, item_id)
-            await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
-            closed.set()
-            await release.wait()
+    async def decide(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
 
-    decision = asyncio.create_task(decide())
-    await closed.wait()
-    expiry = asyncio.create_task(env.stack.relay.expire_send_leases())
-    assert await blocked_on_a_lock(env.stack.db, expiry)
-    release.set()
-    await decision
+    async with held_open(env.stack.db, decide):
+        expiry = asyncio.create_task(env.stack.relay.expire_send_leases())
+        assert await blocked_on_a_lock(env.stack.db, expiry)
     assert await expiry == 1
     [row] = await env.deliveries(item_id, "card")
     assert (row["id"], row["status"]) == (card.id, "cancelled")
@@ -283,16 +278,10 @@ async def test_a_card_recovery_that_meets_its_decision_names_the_status_and_the_
     await drain(env.stack.relay)
     cards = {c["channel"]: c for c in await env.deliveries(item_id, "card")}
     assert cards["email"]["status"] == "deliveryUnknown"
-    decided, release = asyncio.Event(), asyncio.Event()
 
-    async def decide() -> None:
-        async with env.stack.db.tx() as conn:
-            item = await workitems.get(conn, item_id)
-            await decisions.decide(
-                conn, env.stack.outbox, item, "approve", "user:x", surface="slack"
-            )
-            decided.set()
-            await release.wait()
+    async def decide(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x", surface="slack")
 
     async def confirm() -> Delivery:
         async with env.stack.db.tx() as conn:
@@ -301,12 +290,9 @@ async def test_a_card_recovery_that_meets_its_decision_names_the_status_and_the_
                 conn, env.stack.outbox, stale, "confirm", "user:y", surface="api"
             )
 
-    decision = asyncio.create_task(decide())
-    await decided.wait()
-    recovery = asyncio.create_task(confirm())
-    assert await blocked_on_a_lock(env.stack.db, recovery)
-    release.set()
-    await decision
+    async with held_open(env.stack.db, decide):
+        recovery = asyncio.create_task(confirm())
+        assert await blocked_on_a_lock(env.stack.db, recovery)
     with pytest.raises(TransitionError) as refused:
         await recovery
     assert refused.value.rule == "delivery.status"
