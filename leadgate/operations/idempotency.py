@@ -47,7 +47,7 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
-from leadgate.core.errors import Unavailable, ValidationError, log_failure
+from leadgate.core.errors import NOTHING_STORED, Unavailable, ValidationError, log_failure
 from leadgate.core.runners import LostClaims
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
@@ -165,6 +165,16 @@ class Idempotency:
                 due = self.clock.now_ms() + self._lost.first_ms
             if fault.in_doubt and not found:
                 self._lost.watch(token, due=due, lapses=now + LEASE_MS)
+            if fault.in_doubt:
+                # Only the key's claim may have been written, and it is given back (or
+                # watched): nothing of the request ran, and its retry with the key is
+                # what to do. The fault's own "it may have been stored, check whether
+                # it was" would send the client looking for a request that never ran.
+                told = Unavailable(
+                    NOTHING_STORED, rule=fault.rule, retry_after_s=fault.retry_after_s
+                )
+                told.detail = fault.detail
+                raise told from fault
             raise
 
     async def _give_back_lost(self, now: int) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import NOTHING_STORED, Unavailable
 from leadgate.database.db import Database
 from leadgate.operations.idempotency import LEASE_MS, Idempotency
 from tests.fakes import CommitLandsLater, lose_the_next_commit
@@ -33,7 +33,9 @@ async def test_a_claim_in_doubt_that_lands_after_its_give_back_is_given_back_on_
     late = commit_lands_later(stack.db)
     with pytest.raises(Unavailable) as raised:
         await idem.begin(principal, "k-1", "fp")
-    assert raised.value.in_doubt
+    assert isinstance(raised.value.__cause__, Unavailable) and raised.value.__cause__.in_doubt
+    # Told of the request, not of the key's claim: it never ran, retry it with the key.
+    assert (raised.value.message, raised.value.in_doubt) == (NOTHING_STORED, False)
     await late.land()  # after the give-back that found nothing
     stack.clock.advance(500)  # a request too soon for the next look
     assert (await idem.begin(principal, "k-1", "fp")).action == "running"
@@ -64,7 +66,8 @@ async def test_a_takeover_in_doubt_given_back_keeps_the_keys_event_id(
     lose_the_next_commit(monkeypatch, stack.db, alone=False)
     with pytest.raises(Unavailable) as raised:
         await idem.begin(principal, "k-2", "fp")
-    assert raised.value.in_doubt
+    assert isinstance(raised.value.__cause__, Unavailable) and raised.value.__cause__.in_doubt
+    assert raised.value.message == NOTHING_STORED
     stack.clock.advance(2_000)  # the client's retry
     retry = await idem.begin(principal, "k-2", "fp")
     assert (retry.action, retry.external_event_id) == ("run", first.external_event_id)
