@@ -27,7 +27,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
+from leadgate.core.errors import DatabaseDamaged, IntakeInDoubt, LeadgateError, Unavailable
 from leadgate.core.types import Inbound, Recorded, Routed, RouteMatch
 from outbox.channel import Channel, OutboundMessage, Sent
 
@@ -97,7 +97,17 @@ DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
     """What a person is told when their message met a database fault (``exc``) on a
     channel that never delivers it again by itself: in words, with the rule, never the
-    driver's message. (If the recording commits late after all, its answer still comes.)"""
+    driver's message. (If the recording commits late after all, its answer still comes.)
+    In doubt (:class:`~leadgate.core.errors.IntakeInDoubt`: the recording's commit may
+    have landed, and reading it back failed), "could not be taken in" may be untrue,
+    and its answer then comes from the turn's recovery once the service is back: it says
+    so."""
+    if isinstance(exc, IntakeInDoubt):
+        return (
+            "Your message may or may not have been taken in: the service became unavailable "
+            f"while taking it in ({exc.rule}). If it was, its answer comes once the service "
+            "is back; if none comes, please send it again."
+        )
     return (
         "Your message could not be taken in: the service is unavailable right now "
         f"({exc.rule}). If no answer comes, please send it again in a moment."
