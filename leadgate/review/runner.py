@@ -224,13 +224,11 @@ class LeadRunner:
         self.owner = owner
         #: (item id, lease token, why: audited) of claimed items to give back to the queue
         self._held: list[tuple[str, str | None, str]] = []
-        #: lease tokens of claims that failed on something other than a fault in doubt
-        #: (nothing landed, as far as is known): whatever holds one is given back on the
-        #: next pass
-        self._uncertain: list[str] = []
         #: claims in doubt not found landed (the read-back found nothing, or failed):
         #: they may land later, so their tokens are looked for again until their lease
-        #: would have lapsed, and whatever holds one is given back
+        #: would have lapsed, and whatever holds one is given back; and claims that failed
+        #: otherwise (nothing landed, as far as is known), looked for once, at the next
+        #: pass
         self._lost: LostClaims[str] = LostClaims(name="lead-review")
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
         #: their lease) once the database is back, not asked of the lead a second time
@@ -396,9 +394,9 @@ class LeadRunner:
             self._empty_at = -1
             if isinstance(exc, Unavailable) and exc.in_doubt:
                 return await self._claim_landed(token, now, exc)
-            # (SQLite: a failed claim rolled back; the read-back of the token on the
-            # next pass finds nothing.)
-            self._uncertain.append(token)
+            # (SQLite: a failed claim rolled back; the look for the token on the next
+            # pass finds nothing.) One look: its lease lapses at once for the watch.
+            self._lost.watch(token, due=now, lapses=now)
             raise
         finally:
             self._claiming -= 1
@@ -570,16 +568,6 @@ class LeadRunner:
         those that claims in doubt took under a token nobody holds (the watched tokens
         whose look is due)."""
         await self._look_for_lost()
-        while self._uncertain:
-            token = self._uncertain.pop(0)
-            try:
-                async with self.db.read() as conn:
-                    item_id = await conn.scalar(_BY_LEASE, {"p_token": token})
-            except Exception:
-                self._uncertain.append(token)
-                raise
-            if item_id is not None:
-                self._held.append((item_id, token, _CLAIM_IN_DOUBT))
         while self._held:
             # Several review loops share this list: take the item first.
             held = self._held.pop(0)
