@@ -51,6 +51,17 @@ async def replies(stack: Stack) -> list[str]:
     return [r.text for r in rows]
 
 
+async def alive_here(stack: Stack, *, turns_too: bool = False) -> Liveness:
+    """Register this process as alive and make the intake (and, ``turns_too``, the turn
+    path) lease its runs to it: a live owner's runs wait for their lease to lapse."""
+    live = Liveness(stack.db, stack.clock, stack.ids)
+    await live.register()
+    stack.turns.intake.owner = live.owner
+    if turns_too:
+        stack.turns.owner = live.owner
+    return live
+
+
 async def test_a_recorded_channel_turn_of_a_dead_process_is_run_once(stack: Stack) -> None:
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
@@ -101,9 +112,7 @@ async def test_a_scheduled_turn_of_a_dead_process_is_run_again(stack: Stack) -> 
 async def test_a_run_of_a_live_process_is_left_alone_until_its_lease_lapses(stack: Stack) -> None:
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
-    live = Liveness(stack.db, stack.clock, stack.ids)
-    await live.register()
-    stack.turns.intake.owner = live.owner
+    await alive_here(stack)
     await stack.turns.take(slack_trigger(org, plain, "hi", "2.1"))
     other = TurnRecovery(stack.turns)
     stack.turns.owner = lambda: "prc_other"
@@ -125,9 +134,7 @@ async def test_the_recovery_runner_knows_when_the_earliest_run_lease_lapses(
     recovery = TurnRecovery(stack.turns)
     assert not await recovery.run_once()
     assert recovery.due_in_s() is None  # no run in flight: the poll alone
-    live = Liveness(stack.db, stack.clock, stack.ids)
-    await live.register()
-    stack.turns.intake.owner = live.owner
+    await alive_here(stack)
     await stack.turns.take(slack_trigger(org, plain, "hi", "2.1"))  # and stalls
     stack.turns.owner = lambda: "prc_other"
     stack.clock.advance(MINUTE_MS)
@@ -274,9 +281,7 @@ async def test_a_recovery_claim_whose_commit_failed_is_taken_again_at_once(
     died), the run is taken again at the following pass, not after its 15-minute lease."""
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
-    live = Liveness(stack.db, stack.clock, stack.ids)
-    await live.register()
-    stack.turns.intake.owner = live.owner
+    await alive_here(stack)
     taken = await stack.turns.take(slack_trigger(org, plain, "hello", "7.1"))
     assert isinstance(taken, Accepted) and taken.ctx.run_token
     stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
@@ -310,10 +315,7 @@ async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_take
     check's read, no claim. (PostgreSQL only: a SQLite COMMIT is never in doubt.)"""
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
-    live = Liveness(stack.db, stack.clock, stack.ids)
-    await live.register()
-    stack.turns.intake.owner = live.owner
-    stack.turns.owner = live.owner
+    await alive_here(stack, turns_too=True)
     taken = await stack.turns.take(slack_trigger(org, plain, "hello", "8.1"))
     assert isinstance(taken, Accepted) and taken.ctx.run_token
     stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
@@ -352,10 +354,7 @@ async def test_an_intake_in_doubt_that_lands_after_its_read_back_is_recovered_so
     a SQLite COMMIT is never in doubt.)"""
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
-    live = Liveness(stack.db, stack.clock, stack.ids)
-    await live.register()
-    stack.turns.intake.owner = live.owner
-    stack.turns.owner = live.owner
+    await alive_here(stack, turns_too=True)
     late = commit_lands_later(stack.db)
     if read_back == "fails":
         monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
