@@ -39,6 +39,7 @@ from leadgate.turns.messages import visible_transcript
 from leadgate.turns.path import REVISION_LEASE_MS
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
+from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
 from tests.fakes import DownFor, LandsLater, lose_the_next_commit
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
@@ -1126,6 +1127,17 @@ async def test_an_approval_whose_commit_is_uncertain_posts_once(
     assert "leaseReleased" not in await actions(stack, item_id)
 
 
+def handing_off(url: str, channel: ScriptedChannel) -> tuple[Stack, Relay]:
+    """A stack whose approvals hand their posts to its relay, as the service's are (told
+    of hand-offs committed and in doubt); ``stack.outbox.attach(None)`` undoes it."""
+    stack = build_stack(url, channels={channel.name: channel})
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+    stack.outbox.attach(relay)
+    return stack, relay
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_post_claimed_for_this_relay_by_an_approval_that_lands_late_is_posted_soon(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
@@ -1136,11 +1148,7 @@ async def test_a_post_claimed_for_this_relay_by_an_approval_that_lands_late_is_p
     there for the 2-minute send lease and then went to an operator as an uncertain send.
     (PostgreSQL only: a SQLite commit is never in doubt.)"""
     channel = ScriptedChannel("slack")
-    stack = build_stack(migrated_url, channels={"slack": channel})
-    relay = stack.relay
-    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
-    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
-    stack.outbox.attach(relay)
+    stack, relay = handing_off(migrated_url, channel)
     try:
         org, _, worker = await setup(stack)
         item_id = await submit_slack(stack, org, worker, "6.3")
@@ -1179,11 +1187,7 @@ async def test_a_post_claimed_for_this_relay_by_an_uncertain_approval_is_posted_
     queue at its next pass, so it goes out once, now, instead of sitting ``sending``
     until its lease expires and then waiting for an operator as an uncertain send."""
     channel = ScriptedChannel("slack")
-    stack = build_stack(migrated_url, channels={"slack": channel})
-    relay = stack.relay
-    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
-    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
-    stack.outbox.attach(relay)
+    stack, relay = handing_off(migrated_url, channel)
     try:
         org, _, worker = await setup(stack)
         item_id = await submit_slack(stack, org, worker, "6.2")
