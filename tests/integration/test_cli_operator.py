@@ -70,12 +70,17 @@ def par(cwd: Path, *calls: tuple[str, ...] | tuple[tuple[str, ...], dict[str, An
         return [f.result() for f in futures]
 
 
-async def _seed(url: str) -> dict[str, Any]:
-    app = App(
+def _timing_out_app(url: str) -> App:
+    """The service on ``url`` in process, its Slack posts timing out (``deliveryUnknown``)."""
+    return App(
         Settings.model_validate({"database": {"url": url}}),
         enable_adapters=False,
         channels={"slack": TimeoutChannel()},
     )
+
+
+async def _seed(url: str) -> dict[str, Any]:
+    app = _timing_out_app(url)
     try:
         org = await make_org(app, "acme")
         other = await make_org(app, "globex")
@@ -552,11 +557,7 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
 async def _seed_uncertain_cards(url: str) -> dict[str, str]:
     """Two escalated items whose review cards' posts (to a Slack review channel) timed
     out (``deliveryUnknown``); the first item approved since."""
-    app = App(
-        Settings.model_validate({"database": {"url": url}}),
-        enable_adapters=False,
-        channels={"slack": TimeoutChannel()},
-    )
+    app = _timing_out_app(url)
     try:
         org = await make_org(app, "acme")
         await make_agent(app, org, "lead")
