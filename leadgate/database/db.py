@@ -266,7 +266,9 @@ class Database:
             self._inline = InlineSqlite(
                 parsed.database, self.engine.dialect, busy_wait_s=busy_timeout_s
             )
-            self._readers = InlineReaders(parsed.database, self.engine.dialect)
+            self._readers = InlineReaders(
+                parsed.database, self.engine.dialect, busy_wait_s=busy_timeout_s
+            )
         if self.is_postgres:
             # Bounded: waiting for a pooled connection or a connect past the busy bound
             # is a 503 (Unavailable), not a request hanging on.
@@ -840,7 +842,8 @@ class _InlineRead:
 
     async def __aenter__(self) -> InlineConnection:
         try:
-            self.conn = self.readers.take()
+            conn = self.readers.take()
+            self.conn = await self.readers.open() if conn is None else conn
         except Exception as exc:
             _raise_fault(exc, self.db)
             raise

@@ -39,7 +39,9 @@ SQLAlchemy's DBAPI exceptions (``IntegrityError`` ...), as on the async engine.
 
 Reads run on a small pool of read-only connections (:class:`InlineReaders`), each in its
 own deferred transaction (a consistent WAL snapshot), also on the loop's thread: WAL
-readers never wait for the writer.
+readers never wait for the writer. They can meet SQLITE_BUSY only while this process
+holds no connection to the file (:meth:`InlineReaders.open`), and wait out that one the
+same way.
 """
 
 from __future__ import annotations
@@ -154,8 +156,7 @@ class InlineConnection:
 
     async def begin_immediate(self) -> None:
         """``BEGIN IMMEDIATE``; while another process writes, wait without blocking."""
-        delay = 0.001
-        deadline = time.monotonic() + self.busy_wait_s
+        busy: _Busy | None = None
         while True:
             try:
                 self._cur.execute("BEGIN IMMEDIATE")
@@ -163,17 +164,28 @@ class InlineConnection:
                 self._began_writing()
                 return
             except sqlite3.OperationalError as exc:
-                busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
-                if not busy or time.monotonic() > deadline:
-                    raise _wrap(exc, "BEGIN IMMEDIATE", ()) from exc
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+                busy = busy or _Busy(self.busy_wait_s)
+                await busy.wait(exc, "BEGIN IMMEDIATE")
 
     def begin_read(self) -> None:
         """``BEGIN`` (deferred): the read snapshot starts at the first statement."""
         self._cur.execute("BEGIN")
         self._writes_at_begin = (self._any_writes, dict(self._table_writes))
         self._holding = False
+
+    async def begin_snapshot(self) -> None:
+        """``BEGIN`` with the read snapshot taken now, SQLITE_BUSY waited out without
+        blocking (see :meth:`InlineReaders.open`)."""
+        busy: _Busy | None = None
+        while True:
+            self.begin_read()
+            try:
+                self._cur.execute("PRAGMA schema_version")
+                return
+            except sqlite3.OperationalError as exc:
+                self.rollback()
+                busy = busy or _Busy(self.busy_wait_s)
+                await busy.wait(exc, "PRAGMA schema_version")
 
     def _began_writing(self) -> None:
         # This connection holds SQLite's write lock until the transaction ends: see
@@ -424,6 +436,27 @@ class InlineConnection:
         if self._log is not None and cursor.rowcount != 0:
             self._log.append((sql, batch, True))
         return Result([], cursor.rowcount)
+
+
+class _Busy:
+    """SQLITE_BUSY waited out on the event loop: ``asyncio.sleep`` from 1 ms, doubling
+    to 50 ms, until ``wait_s`` from the first one (the connections have
+    ``busy_timeout = 0``: SQLite's own busy handler would sleep on the loop's thread)."""
+
+    __slots__ = ("deadline", "delay")
+
+    def __init__(self, wait_s: float) -> None:
+        self.deadline = time.monotonic() + wait_s
+        self.delay = 0.001
+
+    async def wait(self, exc: sqlite3.OperationalError, sql: str) -> None:
+        """Sleep before the next try; raise ``exc`` (as SQLAlchemy's) when it is not
+        SQLITE_BUSY or the time is up."""
+        busy = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY  # extended codes too
+        if not busy or time.monotonic() > self.deadline:
+            raise _wrap(exc, sql, ()) from exc
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.05)
 
 
 def _wrap(exc: sqlite3.Error, sql: str, args: Any) -> sa.exc.DBAPIError:
@@ -811,22 +844,49 @@ class InlineReaders:
     demand and at most :attr:`keep` idle ones are kept.
     """
 
-    def __init__(self, path: str, dialect: Dialect, *, keep: int = 8) -> None:
+    def __init__(
+        self, path: str, dialect: Dialect, *, keep: int = 8, busy_wait_s: float = BUSY_WAIT_S
+    ) -> None:
         self.path = path
         self.dialect = dialect
         self.keep = keep
+        self.busy_wait_s = busy_wait_s
         self._idle: list[InlineConnection] = []
         self._trace: Callable[[str], None] | None = None
 
-    def take(self) -> InlineConnection:
-        """A connection with a read transaction begun."""
-        conn = (
-            self._idle.pop()
-            if self._idle
-            else InlineConnection(self.path, self.dialect, readonly=True)
-        )
+    def take(self) -> InlineConnection | None:
+        """An idle connection with a read transaction begun; None when none is idle
+        (then :meth:`open` one)."""
+        if not self._idle:
+            return None
+        conn = self._idle.pop()
         conn.set_trace(self._trace)
         conn.begin_read()
+        return conn
+
+    async def open(self) -> InlineConnection:
+        """A new connection with a read transaction begun and its snapshot taken.
+
+        A WAL reader meets SQLITE_BUSY in two moments only: while another process closes
+        the file's last connection (it checkpoints and deletes the WAL under an exclusive
+        lock) and while one opens the first (it rebuilds the WAL index). Neither can
+        happen while this process holds a connection open, and an idle reader is one, so
+        only here: when this process has none, e.g. each ``leadgate`` command (several
+        commands at once failed one read in twenty with "database is locked"). Readers
+        have ``busy_timeout = 0`` (SQLite's busy handler sleeps on the event loop), so
+        the snapshot is taken here, retried with ``asyncio.sleep`` back-off for up to
+        :attr:`busy_wait_s`, as :meth:`InlineConnection.begin_immediate` is.
+        """
+        conn = InlineConnection(
+            self.path, self.dialect, readonly=True, busy_wait_s=self.busy_wait_s
+        )
+        try:
+            await conn.begin_snapshot()
+        except BaseException:
+            conn.close()
+            raise
+        # Traced from here: the statements of the caller's transaction.
+        conn.set_trace(self._trace)
         return conn
 
     def give(self, conn: InlineConnection) -> None:

@@ -479,6 +479,7 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     assert (unknown["id"], unknown["channel"], unknown["kind"]) == (delivery, "slack", "gating")
     # Where it was going, in words: the conversation to check before confirm or retry.
     assert unknown["to"] == "Slack channel C (team T), thread 1"
+    assert uncertain_table.out, (uncertain_table.code, uncertain_table.err)
     assert uncertain_table.out.splitlines()[0].split()[:4] == ["ID", "KIND", "CHANNEL", "TO"]
     assert "Slack channel C (team T), thread 1" in uncertain_table.out
     assert delivery in uncertain_table.out

@@ -927,6 +927,72 @@ async def test_begin_immediate_gives_up_after_the_busy_wait(
     assert await committed_ids(db) == {"x0", "x2", "x3"}
 
 
+def _holding_the_file(path: str) -> sqlite3.Connection:
+    """A connection holding the SQLite file exclusively, as one that closes the file's
+    last connection (deleting the WAL) or opens the first (rebuilding its index) does
+    for a moment: every ``leadgate`` command, beside another one, is such a process."""
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    assert other.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)  # the service's
+    other.execute("PRAGMA locking_mode=EXCLUSIVE")
+    other.execute("SELECT count(*) FROM bindings").fetchall()
+    return other
+
+
+@SQLITE_ONLY
+async def test_a_new_reader_waits_out_a_held_file_without_blocking_the_loop(
+    db: Database,
+) -> None:
+    """A process with no connection to the file open (a ``leadgate`` command) reads
+    while another holds it: the read waits, the loop running, and then reads. It was
+    the driver's "database is locked" at once (a 503; one read in twenty with several
+    commands run at once)."""
+    other = _holding_the_file(path_of(db))
+    hold_s = 0.3
+    # Closed from a thread: a loop blocked inside SQLite would still get out.
+    timer = threading.Timer(hold_s, other.close)
+    stamps: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            stamps.append(time.monotonic())
+            await asyncio.sleep(0.005)
+
+    ticking = asyncio.create_task(ticker())
+    started = time.monotonic()
+    timer.start()
+    try:
+        async with asyncio.timeout(2), db.read() as conn:
+            count = await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
+            assert count.scalar() == 0
+    finally:
+        ticking.cancel()
+        timer.join()
+    assert time.monotonic() - started >= hold_s * 0.9
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    assert max(gaps) < 0.15, f"the loop was blocked for {max(gaps):.3f}s"
+
+
+@SQLITE_ONLY
+async def test_a_new_reader_gives_up_after_the_busy_wait(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the busy bound the read is Unavailable (a 503 with Retry-After; caused by
+    SQLite's "locked"), its connection closed, and the next read after the other
+    process is done goes through."""
+    assert db._readers is not None
+    monkeypatch.setattr(db._readers, "busy_wait_s", 0.1)
+    with closing(_holding_the_file(path_of(db))):
+        started = time.monotonic()
+        with pytest.raises(Unavailable) as info:
+            async with asyncio.timeout(2), db.read() as conn:
+                await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
+        assert "locked" in str(info.value.__cause__)
+        assert 0.1 <= time.monotonic() - started < 1
+    async with asyncio.timeout(1), db.read() as conn:
+        count = await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
+        assert count.scalar() == 0
+
+
 @SQLITE_ONLY
 async def test_a_transaction_behind_a_member_that_does_not_finish_gives_up(
     db: Database, monkeypatch: pytest.MonkeyPatch
