@@ -76,7 +76,13 @@ class Respond:
     Bolt's own builds slack_sdk's webhook client with the Web API client's proxy, and
     that client, given none, takes ``HTTPS_PROXY`` for every URL: ``NO_PROXY`` never
     applied to a click's answer. The client reads ``proxy`` at each call, so it is set
-    after the constructor has filled it in from the environment."""
+    after the constructor has filled it in from the environment.
+
+    Only a replacement of the clicked card is sent again after a lost connection
+    (slack_sdk's default connection-error retry, once): posting the same card in its
+    place twice shows what once does. Any other answer posts a new message (an ephemeral
+    line), and a request that reached Slack and lost its reply would be posted twice, so
+    it goes once, as Web API posts do (:class:`bots.slack.SlackChannel`)."""
 
     def __init__(self, response_url: str | None, proxy_for: ProxyFor) -> None:
         self._url = response_url
@@ -93,7 +99,7 @@ class Respond:
         """Post the answer (raises one of the errors of ``_ANSWER_FAILED``)."""
         if not self._url:
             raise ValueError("the interaction has no response_url")
-        client = AsyncWebhookClient(url=self._url)
+        client = AsyncWebhookClient(url=self._url, retry_handlers=None if replace_original else [])
         client.proxy = self._proxy_for(self._url)
         await client.send(
             text=text,

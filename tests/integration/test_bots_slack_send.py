@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import sys
 import time
@@ -20,13 +21,33 @@ from aiohttp.test_utils import TestServer
 from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.operations.chat_reviews import ChatAnswer
-from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.channel import Card, CardOutcome, OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
+from tests.helpers import ours
 from tests.standins.microsoft_login import MicrosoftLogin
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 
 TOKEN = "xoxb-test-token"
 ROOT = Path(__file__).resolve().parents[2]
+
+
+#: A review card, as posted (decided in the tests that need it).
+CARD = Card(
+    item_id="wi_1",
+    episode_id="rep_1",
+    purpose="notify",
+    reason="awaitingHuman",
+    delivery_id=None,
+    agent="helper",
+    source="slack",
+    why="The lead escalated it",
+    summary="a summary",
+    revision=1,
+    rounds=3,
+    waiting_since_ms=1_700_000_000_000,
+    link="https://leadgate.example/console/#/review/wi_1",
+    card_id="d_1",
+)
 
 
 def settings(api_url: str, token: str = TOKEN) -> SlackSettings:
@@ -266,12 +287,50 @@ async def test_another_host_is_called_through_the_proxy(
 
 
 class DecidedAlready:
-    """A review backend for which every item was decided before the click."""
+    """A review backend for which every item was decided before the click (``card``: the
+    clicked card as it looks now, shown in its place; ``None``: answered in words only)."""
 
     said = "This item is not waiting for a decision."
 
+    def __init__(self, card: Card | None = None) -> None:
+        self.card = card
+
     async def decide(self, *args: Any, **kw: Any) -> ChatAnswer:
-        return ChatAnswer("closed", self.said)
+        return ChatAnswer("closed", self.said, self.card)
+
+
+async def click_approve(
+    api_url: str, response_url: str, backend: DecidedAlready | None = None
+) -> None:
+    """Click Approve on a card, through the adapter's ``/slack/events`` (signed), with
+    ``response_url`` as the click's, and wait until its answers are posted."""
+    core = FakeCore()
+    adapter = SlackAdapter(Settings(slack=settings(api_url)), core)
+    adapter.enable_reviews(backend or DecidedAlready())  # type: ignore[arg-type]
+    app = web.Application()
+    mount_adapter(app, adapter)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    payload = {
+        "type": "block_actions",
+        "team": {"id": "T1"},
+        "user": {"id": "U1", "team_id": "T1"},
+        "trigger_id": "trig-1",
+        "response_url": response_url,
+        "container": {"type": "message", "message_ts": "1.1", "channel_id": "C1"},
+        "actions": [{"action_id": "approve", "value": "wi_1", "block_id": "lg_review:rep_1:d_1"}],
+    }
+    body = "payload=" + quote(json.dumps(payload))
+    headers = {**signed_headers("s", body), "Content-Type": "application/x-www-form-urlencoded"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                server.make_url("/slack/events"), data=body, headers=headers
+            ) as r:
+                assert r.status == 200
+        await core.drain()
+    finally:
+        await server.close()
 
 
 @pytest.mark.parametrize(
@@ -293,41 +352,49 @@ async def test_a_review_clicks_answer_takes_the_proxy_no_proxy_leaves_it(
     URL, as Web API calls are. slack-bolt's ``respond`` took the Web API client's proxy,
     or, with none, slack_sdk's pick of ``HTTPS_PROXY`` for every URL: an answer to a
     host ``NO_PROXY`` lists went to the proxy (here refused) and never arrived."""
-    core = FakeCore()
-    adapter = SlackAdapter(
-        Settings(slack=settings(standin.api_url.replace("127.0.0.1", api_host))), core
-    )
-    adapter.enable_reviews(DecidedAlready())  # type: ignore[arg-type]
-    app = web.Application()
-    mount_adapter(app, adapter)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
     url = standin.response_url("click").replace("127.0.0.1", response_host)
-    payload = {
-        "type": "block_actions",
-        "team": {"id": "T1"},
-        "user": {"id": "U1", "team_id": "T1"},
-        "trigger_id": "trig-1",
-        "response_url": url,
-        "container": {"type": "message", "message_ts": "1.1", "channel_id": "C1"},
-        "actions": [{"action_id": "approve", "value": "wi_1", "block_id": "lg_review:rep_1:d_1"}],
-    }
-    body = "payload=" + quote(json.dumps(payload))
-    headers = {**signed_headers("s", body), "Content-Type": "application/x-www-form-urlencoded"}
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(
-                server.make_url("/slack/events"), data=body, headers=headers
-            ) as r:
-                assert r.status == 200
-        await core.drain()
-    finally:
-        await server.close()
+    await click_approve(standin.api_url.replace("127.0.0.1", api_host), url)
     answers = [c for c in standin.calls if c["method"] == "response_url"]
     assert [(a["text"], a["response_type"]) for a in answers] == [
         (DecidedAlready.said, "ephemeral")
     ]
     assert proxy.proxied == ([url] if proxied else [])
+
+
+async def test_an_ephemeral_answer_whose_reply_was_lost_is_not_posted_again(
+    standin: SlackApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ephemeral answer posts a new message each time: one that reached Slack and
+    lost its reply on the way back is not sent again. slack_sdk's webhook client retried
+    it (its default connection-error handler takes a reset or a server disconnect), and
+    the clicker was told the same thing twice."""
+    standin.lose_answer("click")
+    with caplog.at_level(logging.INFO, logger="bots.slack_review"):
+        await click_approve(standin.api_url, standin.response_url("click"))
+    answers = [c for c in standin.calls if c["method"] == "response_url"]
+    assert [(a["text"], a["response_type"]) for a in answers] == [
+        (DecidedAlready.said, "ephemeral")
+    ]
+    [line] = [r.getMessage() for r in ours(caplog)]
+    assert line.startswith("slack: could not answer a review click (")
+
+
+async def test_a_card_replacement_whose_reply_was_lost_is_sent_again(
+    standin: SlackApiStandin,
+) -> None:
+    """Replacing the clicked card is idempotent (the same card again), so a replacement
+    whose reply was lost is sent once more (slack_sdk's connection-error retry), and the
+    ephemeral line follows it once."""
+    decided = CARD.decided(CardOutcome("Approved", "ann@example.com", "console", 1))
+    standin.lose_answer("click")
+    await click_approve(standin.api_url, standin.response_url("click"), DecidedAlready(decided))
+    answers = [c for c in standin.calls if c["method"] == "response_url"]
+    assert [(a.get("replace_original"), a.get("response_type")) for a in answers] == [
+        (True, None),
+        (True, None),
+        (False, "ephemeral"),
+    ]
+    assert answers[0]["blocks"] == answers[1]["blocks"]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ or as a subprocess (for tests that run the service in another process)::
 Review cards also use ``views.open``, ``chat.update`` and ``chat.postEphemeral`` (recorded
 in ``calls``, with ``method``; ``chat.update`` answers the modes below too, keyed by
 channel) and a ``response_url``: ``POST /response/{anything}`` records the JSON body in
-``calls`` with ``method`` ``response_url`` (:meth:`SlackApiStandin.response_url` makes one).
+``calls`` with ``method`` ``response_url`` (:meth:`SlackApiStandin.response_url` makes one);
+:meth:`SlackApiStandin.lose_answer` makes its next posts land (recorded) and then reset the
+connection unanswered, as an answer lost on the way back.
 
 HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts),
 ``GET /_standin/calls``, ``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
@@ -108,16 +110,24 @@ class SlackApiStandin(StandinBase):
         self._ts = itertools.count(1)
         #: views.open / chat.update / chat.postEphemeral / response_url calls, in order
         self.calls: list[dict[str, Any]] = []
+        #: response_url name -> how many of its next posts land and go unanswered
+        self._lost_answers: dict[str, int] = {}
         super().__init__(latency_ms=latency_ms, host=host, port=port)
 
     def reset(self) -> None:
         """Forget records (calls too) and modes."""
         super().reset()
         self.calls.clear()
+        self._lost_answers.clear()
 
     def response_url(self, name: str) -> str:
         """A ``response_url`` for an interaction payload (its posts land in ``calls``)."""
         return f"{self.base_url}/response/{name}"
+
+    def lose_answer(self, name: str, count: int = 1) -> None:
+        """The next ``count`` posts to the ``response_url`` named ``name`` land (recorded
+        in ``calls``), then their connection is reset before any answer."""
+        self._lost_answers[name] = self._lost_answers.get(name, 0) + count
 
     # -- control ---------------------------------------------------------------------------
 
@@ -148,14 +158,20 @@ class SlackApiStandin(StandinBase):
     async def _response_url(self, request: web.Request) -> web.Response:
         # Slack answers a response_url post with a bare "ok"; no Authorization is sent.
         body = await request.json()
+        name = request.match_info["name"]
         self.calls.append(
             {
                 "method": "response_url",
-                "name": request.match_info["name"],
+                "name": name,
                 "authorization": request.headers.get("Authorization"),
                 **body,
             }
         )
+        if self._lost_answers.get(name):
+            self._lost_answers[name] -= 1
+            cut = await self._hang_or_reset(request, "reset")
+            assert cut is not None
+            return cut
         return web.Response(text="ok")
 
     async def _review_call(
