@@ -277,10 +277,13 @@ def _by_status(status: int | None, detail: str, response: Any) -> SendOutcome:
 _QUOTED_BODY_CHARS = 120
 
 
-def _not_the_connectors_answer(response: requests.Response, service_url: str) -> SendOutcome:
+def _not_the_connectors_answer(
+    response: requests.Response, service_url: str, *, edit: bool
+) -> SendOutcome:
     """An answer msrest could not read as the Connector's JSON (a captive portal's or a
     proxy's page): a 2xx may or may not have followed a post the Connector took, so it
-    is uncertain, logged at WARNING as Discord's; any other status means what it means
+    is uncertain, logged at WARNING as Discord's (``edit``: a card's edit, which its
+    caller sends again, and the words say so); any other status means what it means
     from the Connector. Either way the error names what to check: the service URL comes
     with each of the conversation's activities, so only a proxy on the way is a setting
     (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``: requests reads them)."""
@@ -300,9 +303,14 @@ def _not_the_connectors_answer(response: requests.Response, service_url: str) ->
             f"teams: HTTP {status} that is not the Bot Connector's answer ({what}); {check}",
             response,
         )
+    maybe = (
+        "the card edit may or may not have reached Teams, and is sent again (editing twice "
+        "shows what once does)"
+        if edit
+        else "the post may or may not have reached Teams"
+    )
     error = (
-        f"teams: HTTP {status} that is not the Bot Connector's answer ({what}): the post may "
-        f"or may not have reached Teams; {check}"
+        f"teams: HTTP {status} that is not the Bot Connector's answer ({what}): {maybe}; {check}"
     )
     log.warning("%s", error)
     return Uncertain(error)
@@ -373,7 +381,9 @@ class TeamsChannel:
             )
             return external_id
 
-        outcome = await self._continue(message, replace, reply_to=None, fallback_reply=False)
+        outcome = await self._continue(
+            message, replace, reply_to=None, fallback_reply=False, edit=True
+        )
         return Retry(outcome.error) if isinstance(outcome, Uncertain) else outcome
 
     async def _continue(
@@ -383,9 +393,10 @@ class TeamsChannel:
         *,
         reply_to: str | None,
         fallback_reply: bool,
+        edit: bool = False,
     ) -> SendOutcome:
         """Run ``call`` in a proactive turn on the stored conversation reference, mapping
-        every failure onto an outcome class."""
+        every failure onto an outcome class (``edit``: ``call`` edits a card)."""
         raw_reference = message.address.get("reference")
         if not isinstance(raw_reference, dict):
             return Permanent("teams binding has no conversation reference")
@@ -411,6 +422,11 @@ class TeamsChannel:
             if client is not None:
                 # msrest's urllib3 retry policy would silently re-POST on some errors.
                 client.config.retry_policy.retries = 0
+                # With no retries left, urllib3 turns an answer it would retry (msrest
+                # lists 408 and the 5xx but 501 and 505) to a method it deems
+                # idempotent, a card's PUT, into MaxRetryError, the status and its
+                # Retry-After lost: it is to hand the answer back instead.
+                client.config.retry_policy.policy.raise_on_status = False
                 client.config.connection.timeout = self._timeout_s
                 # msrest reads every answer's body by its content type before it looks
                 # at the status, and names neither when it cannot: the answer, heard
@@ -442,7 +458,7 @@ class TeamsChannel:
             return Retry(f"teams: no access token for the connector: {exc}")
         except Exception as exc:
             if isinstance(exc, DeserializationError) and in_flight and answers:
-                return _not_the_connectors_answer(answers[-1], reference.service_url)
+                return _not_the_connectors_answer(answers[-1], reference.service_url, edit=edit)
             if in_flight:
                 return Uncertain(f"teams send failed mid-request: {exc!r}")
             return Permanent(f"teams send failed before posting: {exc!r}")

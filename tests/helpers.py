@@ -24,6 +24,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
+from outbox.channel import Card, CardOutcome
 from outbox.store import for_item
 
 if TYPE_CHECKING:
@@ -350,3 +351,25 @@ def held_sqlite_lock(path: str) -> Iterator[None]:
     finally:
         other.execute("ROLLBACK")
         other.close()
+
+
+def decided_card() -> Card:
+    """A review card of item ``wi_1`` (its own delivery ``d_1``) as its edit shows it:
+    approved from the console."""
+    return Card(
+        item_id="wi_1",
+        episode_id="rep_1",
+        purpose="notify",
+        reason="awaitingHuman",
+        delivery_id=None,
+        agent="helper",
+        source="Slack channel C1",
+        why="The lead escalated it",
+        summary="a summary",
+        revision=1,
+        rounds=3,
+        waiting_since_ms=1_700_000_000_000,
+        link="https://leadgate.example/console/#/review/wi_1",
+        outcome=CardOutcome("Approved", "ann@example.com", "console", 1_700_000_060_000),
+        card_id="d_1",
+    )

@@ -21,33 +21,14 @@ from aiohttp.test_utils import TestServer
 from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.operations.chat_reviews import ChatAnswer
-from outbox.channel import Card, CardOutcome, OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import ours
+from tests.helpers import decided_card, ours
 from tests.standins.microsoft_login import MicrosoftLogin
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 
 TOKEN = "xoxb-test-token"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-#: A review card, as posted (decided in the tests that need it).
-CARD = Card(
-    item_id="wi_1",
-    episode_id="rep_1",
-    purpose="notify",
-    reason="awaitingHuman",
-    delivery_id=None,
-    agent="helper",
-    source="slack",
-    why="The lead escalated it",
-    summary="a summary",
-    revision=1,
-    rounds=3,
-    waiting_since_ms=1_700_000_000_000,
-    link="https://leadgate.example/console/#/review/wi_1",
-    card_id="d_1",
-)
 
 
 def settings(api_url: str, token: str = TOKEN) -> SlackSettings:
@@ -385,9 +366,10 @@ async def test_a_card_replacement_whose_reply_was_lost_is_sent_again(
     """Replacing the clicked card is idempotent (the same card again), so a replacement
     whose reply was lost is sent once more (slack_sdk's connection-error retry), and the
     ephemeral line follows it once."""
-    decided = CARD.decided(CardOutcome("Approved", "ann@example.com", "console", 1))
     standin.lose_answer("click")
-    await click_approve(standin.api_url, standin.response_url("click"), DecidedAlready(decided))
+    await click_approve(
+        standin.api_url, standin.response_url("click"), DecidedAlready(decided_card())
+    )
     answers = [c for c in standin.calls if c["method"] == "response_url"]
     assert [(a.get("replace_original"), a.get("response_type")) for a in answers] == [
         (True, None),

@@ -21,7 +21,7 @@ from leadgate.core.config import TeamsSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import ours
+from tests.helpers import decided_card, ours
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
@@ -214,6 +214,76 @@ async def test_another_status_answered_with_a_web_page_means_what_the_status_mea
         " charset=utf-8: <html>Proxy Error</html>); check any proxy on the way to the"
         f" conversation's service URL {connector.url} (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
     )
+    assert len(connector.requests) == 1
+
+
+def _edit(address: dict[str, Any]) -> OutboundMessage:
+    """The edit of the review card posted as activity ``activity-9``: it shows the outcome."""
+    return OutboundMessage(
+        delivery_id="d-2",
+        idempotency_key="delivery-d-2",
+        address=address,
+        text="",
+        kind="cardUpdate",
+        card=decided_card(),
+    )
+
+
+async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(
+    adapter: TeamsAdapter, connector: ConnectorStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replacing a card again is harmless, so an edit answered 2xx by something that is
+    not the Connector is retried, not left to a person; its error and WARNING line quote
+    the page, as a post's do, and say the edit is tried again (they said "the post may or
+    may not have reached Teams", and the relay sent it again all the same)."""
+    connector.fail_next("portal")
+    with caplog.at_level(logging.WARNING, logger="bots.teams"):
+        outcome = await adapter.channel.update(_edit(_address(connector.url)), "activity-9")
+    assert isinstance(outcome, Retry) and outcome.delay_s is None, outcome
+    assert outcome.error == (
+        "teams: HTTP 200 that is not the Bot Connector's answer (text/html; charset=utf-8:"
+        " <html> Sign in to the guest network </html>): the card edit may or may not have"
+        " reached Teams, and is sent again (editing twice shows what once does); check any"
+        f" proxy on the way to the conversation's service URL {connector.url}"
+        " (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+    )
+    assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
+    [put] = connector.requests
+    assert put["path"].endswith("/activities/activity-9") and connector.updates == []
+    assert await adapter.channel.update(_edit(_address(connector.url)), "activity-9") == Sent(
+        "activity-9"
+    )
+    assert len(connector.updates) == 1
+
+
+@pytest.mark.parametrize("mode", ["hang", "reset", "500", "502", "504", "proxy502"])
+async def test_a_card_edit_that_may_have_landed_is_tried_again(
+    adapter: TeamsAdapter, connector: ConnectorStandin, mode: str
+) -> None:
+    """An edit whose outcome is unknown (no answer, the connection lost, a 5xx that may
+    follow the change) is sent again: editing twice shows what once does."""
+    connector.fail_next(mode)
+    outcome = await adapter.channel.update(_edit(_address(connector.url)), "activity-9")
+    assert isinstance(outcome, Retry), outcome
+    assert len(connector.requests) == 1 and connector.updates == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "delay_s"), [("429", 7.0), ("503", 7.0), ("408", None), ("proxy503", None)]
+)
+async def test_a_card_edit_not_processed_is_retried_after_its_retry_after(
+    adapter: TeamsAdapter, connector: ConnectorStandin, mode: str, delay_s: float | None
+) -> None:
+    """A card edit is a PUT, which urllib3 (under msrest) answers itself for a 408, 500,
+    502, 503 or 504 when retries are off: a ``MaxRetryError``, so the Connector's status
+    and its ``Retry-After`` never reached the relay (a 503 asking for 7 s was sent again
+    at once, as 'teams connector request failed: ... too many 503 error responses')."""
+    connector.fail_next(mode, retry_after=7)
+    outcome = await adapter.channel.update(_edit(_address(connector.url)), "activity-9")
+    assert isinstance(outcome, Retry), outcome
+    assert outcome.delay_s == delay_s
+    assert f"HTTP {mode.removeprefix('proxy')}" in outcome.error
+    assert "too many" not in outcome.error
     assert len(connector.requests) == 1
 
 

@@ -8,7 +8,7 @@ The Bot Framework SDK posts a bot's messages to the ``serviceUrl`` of the conver
 
 Both answer ``{"id": ...}``. A review card is edited in place with
 ``PUT {serviceUrl}/v3/conversations/{conversationId}/activities/{activityId}`` (recorded
-in ``updates``, answered ``{"id": activityId}``; failure modes apply to it too). This
+in ``updates``, answered ``{"id": activityId}``; failure modes apply to it as to a post). This
 stand-in records every activity and can be told to fail the next requests in the ways
 the real connector fails.
 
@@ -35,9 +35,9 @@ Control endpoints (the same in both modes):
 * ``POST /_standin/fail``        -> body ``{"mode": ..., "count": 1, "retry_after": 3}``
 * ``POST /_standin/reset``       -> clears records and pending failures
 
-Failure modes (each consumes one post): ``"429"`` (Too Many Requests with
-``Retry-After``), ``"408"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``,
-``"403"``, ``"404"``,
+Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
+``Retry-After``; ``"503"`` carries one too when ``retry_after`` is given), ``"408"``,
+``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
 aborts the TCP connection), ``"portal"`` (200 with an HTML page, nothing posted: a
 captive portal's or a proxy's answer, not the Connector's), ``"proxy404"``,
@@ -149,11 +149,7 @@ class ConnectorStandin:
         }
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body: Any = json.loads(raw)
-        except ValueError:
-            body = raw.decode("utf-8", "replace")
+        body = await _read_json(request)
         mode, retry_after = self._failures.popleft() if self._failures else ("ok", None)
         record = self._record(request, body, mode)
         self.requests.append(record)
@@ -162,8 +158,24 @@ class ConnectorStandin:
             record["id"] = new_id
             self.activities.append(record)
             return web.json_response({"id": new_id})
+        return await self._fail(request, mode, retry_after)
+
+    async def _put(self, request: web.Request) -> web.StreamResponse:
+        body = await _read_json(request)
+        mode, retry_after = self._failures.popleft() if self._failures else ("ok", None)
+        record = self._record(request, body, mode)
+        self.requests.append(record)
+        if mode == "ok":
+            self.updates.append(record)
+            return web.json_response({"id": request.match_info["activity_id"]})
+        return await self._fail(request, mode, retry_after)
+
+    async def _fail(
+        self, request: web.Request, mode: str, retry_after: float | None
+    ) -> web.StreamResponse:
+        """Answer a request (read in full) the way failure ``mode`` says."""
         if mode == "hang":
-            # The request was read in full; never answer (until the stand-in closes).
+            # Never answer (until the stand-in closes).
             await self._closing.wait()
             return web.Response(status=503)
         if mode == "reset":
@@ -176,28 +188,10 @@ class ConnectorStandin:
             return _page(mode)
         status = int(mode)
         headers = {}
-        if status == 429:
+        if status == 429 or (status == 503 and retry_after is not None):
             headers["Retry-After"] = str(int(retry_after) if retry_after is not None else 1)
         error = {"error": {"code": _ERROR_CODES.get(status, "ServiceError"), "message": mode}}
         return web.json_response(error, status=status, headers=headers)
-
-    async def _put(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body: Any = json.loads(raw)
-        except ValueError:
-            body = raw.decode("utf-8", "replace")
-        mode, _ = self._failures.popleft() if self._failures else ("ok", None)
-        record = self._record(request, body, mode)
-        self.requests.append(record)
-        if mode in PAGES:
-            return _page(mode)
-        if mode != "ok":
-            status = 503 if mode in ("hang", "reset") else int(mode)
-            error = {"error": {"code": "ServiceError", "message": mode}}
-            return web.json_response(error, status=status)
-        self.updates.append(record)
-        return web.json_response({"id": request.match_info["activity_id"]})
 
     async def _get_updates(self, request: web.Request) -> web.Response:
         return web.json_response(self.updates)
@@ -223,6 +217,15 @@ class ConnectorStandin:
     async def _post_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.json_response({"ok": True})
+
+
+async def _read_json(request: web.Request) -> Any:
+    """The request's JSON body (its text when it is not JSON)."""
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
 
 
 def _page(mode: str) -> web.Response:
