@@ -92,6 +92,16 @@ _LAST_TRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "leadgate_slack_last_try", default=False
 )
 LAST_RETRY_NUM = "3"
+# Set per Web API call: the start of an answer slack_sdk could not read as JSON (it
+# drops such a body), for the error and the WARNING line to quote.
+_PAGE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "leadgate_slack_page", default=None
+)
+#: How much of an answer that is not Slack's the error quotes (as Discord's and Teams').
+_QUOTED_BODY_CHARS = 120
+# Left out of a quoted page: anything shaped like a Slack token, and long opaque runs
+# (a portal's session id in a login link), which may be someone's credentials.
+_SECRET_LOOKING = re.compile(r"xox[a-z]-[A-Za-z0-9-]+|[A-Za-z0-9_+-]{24,}=*")
 # How many recent "could not be taken in" replies a process remembers, so that the
 # ``app_mention`` + ``message`` pair of one post (two events, each with its own last try,
 # both about five minutes after the post) is answered once. Bounded: the pair's last tries
@@ -279,7 +289,9 @@ class SlackChannel:
         # aiohttp wants a running loop for its session, so it is made on the first send;
         # the session (not the SDK's per-call one) carries our timeouts.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, response_class=_KeepingPageStart
+            )
             self.client.session = self._session
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
@@ -338,10 +350,11 @@ class SlackChannel:
     ) -> AsyncSlackResponse | SendOutcome:
         """One Web API call: its response, or the outcome its failure maps onto."""
         self._ensure_session()
+        _PAGE.set(None)
         try:
             return await call()
         except SlackApiError as exc:
-            return _map_api_error(exc)
+            return _map_api_error(exc, edit=method == "chat.update")
         except SlackRequestError as exc:
             # Raised by the SDK before anything is sent (bad arguments).
             return Permanent(f"slack: invalid request: {exc}")
@@ -368,7 +381,35 @@ class SlackChannel:
             await session.close()
 
 
-def _map_api_error(exc: SlackApiError) -> SendOutcome:
+class _KeepingPageStart(aiohttp.ClientResponse):
+    """aiohttp's response, keeping (in ``_PAGE``) the start of a body that is not JSON
+    when slack_sdk asks for JSON: slack_sdk drops such a body."""
+
+    async def json(self, *args: Any, **kwargs: Any) -> Any:
+        """The body as JSON (aiohttp's ``json``)."""
+        try:
+            return await super().json(*args, **kwargs)
+        except aiohttp.ContentTypeError:
+            # (aiohttp has read the whole body by then: this takes no more bytes)
+            head = (await self.read())[: _QUOTED_BODY_CHARS * 4]
+            _PAGE.set(head.decode("utf-8", "replace"))
+            raise
+
+
+def _page_start(response: Any) -> str:
+    """What an answer that is not Slack's was: its content type and the start of its
+    body, secret-looking parts left out."""
+    headers = getattr(response, "headers", None) or {}
+    content_type = headers.get("Content-Type") or "no content type"
+    body = _PAGE.get()
+    if body is None:
+        data = getattr(response, "data", None)
+        body = data if isinstance(data, str) else ""
+    head = _SECRET_LOOKING.sub("…", " ".join(body.split()))[:_QUOTED_BODY_CHARS]
+    return f"{content_type}: {head or 'empty body'}"
+
+
+def _map_api_error(exc: SlackApiError, *, edit: bool = False) -> SendOutcome:
     response = exc.response
     # slack_sdk's own response, or (a body that claims JSON and is not) aiohttp's.
     status = int(getattr(response, "status_code", None) or getattr(response, "status", 0) or 0)
@@ -376,12 +417,20 @@ def _map_api_error(exc: SlackApiError) -> SendOutcome:
     if 200 <= status < 300 and not (isinstance(data, dict) and "ok" in data):
         # Slack answers every call with JSON carrying "ok"; a 2xx without it is a page
         # from something in between (a captive portal, a proxy), which may have passed
-        # the post on, or not.
-        return Uncertain(
-            f"slack: HTTP {status} that is not Slack's answer (no JSON with an ok field): the "
-            "post may or may not have reached Slack; check [slack] api_url and any proxy "
-            "on the way"
+        # the post on, or not. An edit's caller sends it again (harmless), and the
+        # words say so.
+        maybe = (
+            "the card edit may or may not have reached Slack, and is sent again (editing "
+            "twice shows what once does)"
+            if edit
+            else "the post may or may not have reached Slack"
         )
+        error = (
+            f"slack: HTTP {status} that is not Slack's answer ({_page_start(response)}): "
+            f"{maybe}; check [slack] api_url and any proxy on the way"
+        )
+        log.warning("%s", error)
+        return Uncertain(error)
     code = data.get("error") if isinstance(data, dict) else None
     what = f"slack: HTTP {status} {code or ''}".rstrip()
     if status == 429 or code in ("ratelimited", "rate_limited"):

@@ -25,7 +25,7 @@ from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncert
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, ours
 from tests.standins.microsoft_login import MicrosoftLogin
-from tests.standins.slack_api import SlackApiStandin, signed_headers
+from tests.standins.slack_api import PORTAL_SESSION, SlackApiStandin, signed_headers
 
 TOKEN = "xoxb-test-token"
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,17 +120,51 @@ async def test_server_errors_are_retry(
 
 
 async def test_a_post_answered_200_with_a_web_page_is_uncertain(
-    standin: SlackApiStandin, channel: SlackChannel
+    standin: SlackApiStandin, channel: SlackChannel, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 200 whose body is not Slack's JSON (a captive portal's page, a proxy's) may or
     may not have come after Slack took the post: ``deliveryUnknown``, as on Teams and
-    Discord. It was a permanent failure (HTTP 200 with no error code)."""
+    Discord. It was a permanent failure (HTTP 200 with no error code).
+
+    The error, and a WARNING line as Discord's and Teams', name the content type and
+    quote the start of the page, a session id in it left out: there was no line at all,
+    and the error said only "no JSON with an ok field" (slack_sdk drops such a body)."""
     standin.queue("portal")
-    outcome = await channel.send(message())
+    with caplog.at_level(logging.WARNING, logger="bots.slack"):
+        outcome = await channel.send(message())
     assert isinstance(outcome, Uncertain), outcome
-    assert "HTTP 200 that is not Slack's answer" in outcome.error
-    assert "check [slack] api_url" in outcome.error
+    assert outcome.error == (
+        "slack: HTTP 200 that is not Slack's answer (text/html; charset=utf-8: <html> <h1>Sign"
+        ' in to the guest network</h1> <a href="/login?sid=…">Sign in</a> </html>): the post'
+        " may or may not have reached Slack; check [slack] api_url and any proxy on the way"
+    )
+    assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
     assert standin.posts == []
+
+
+async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(
+    standin: SlackApiStandin, channel: SlackChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Editing a card twice shows what once does: an edit answered with a page is sent
+    again, and its error and WARNING line say so (they said "the post may or may not
+    have reached Slack", with no line at all)."""
+    edit = OutboundMessage(
+        delivery_id="d2",
+        idempotency_key="d2",
+        address={"team": "T1", "channel": "C1"},
+        text="",
+        kind="cardUpdate",
+        card=decided_card(),
+    )
+    standin.queue("portal")
+    with caplog.at_level(logging.WARNING, logger="bots.slack"):
+        outcome = await channel.update(edit, "1700000000.000100")
+    assert isinstance(outcome, Retry), outcome
+    assert "the card edit may or may not have reached Slack, and is sent again" in outcome.error
+    assert PORTAL_SESSION not in outcome.error
+    assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
+    assert [c for c in standin.calls if c["method"] == "chat.update"] == []
+    assert await channel.update(edit, "1700000000.000100") == Sent("1700000000.000100")
 
 
 async def test_internal_error_body_is_uncertain(

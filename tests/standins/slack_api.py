@@ -17,11 +17,12 @@ or as a subprocess (for tests that run the service in another process)::
     # prints "LISTENING <port>"; api_url is http://127.0.0.1:<port>/api/
 
 Review cards also use ``views.open``, ``chat.update`` and ``chat.postEphemeral`` (recorded
-in ``calls``, with ``method``; ``chat.update`` answers the modes below too, keyed by
-channel) and a ``response_url``: ``POST /response/{anything}`` records the JSON body in
-``calls`` with ``method`` ``response_url`` (:meth:`SlackApiStandin.response_url` makes one);
-:meth:`SlackApiStandin.lose_answer` makes its next posts land (recorded) and then reset the
-connection unanswered, as an answer lost on the way back.
+in ``calls``, with ``method``; ``chat.update`` answers ``hang``, ``reset``, a status,
+``error:CODE`` and ``portal`` below too, keyed by channel) and a ``response_url``:
+``POST /response/{anything}`` records the JSON body in ``calls`` with ``method``
+``response_url`` (:meth:`SlackApiStandin.response_url` makes one;
+:meth:`SlackApiStandin.lose_answer` makes its next posts land, recorded, and then reset
+the connection unanswered, as an answer lost on the way back).
 
 HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts),
 ``GET /_standin/calls``, ``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
@@ -36,7 +37,7 @@ Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
 ``500`` (any 5xx)      that status with an HTML body, as Slack's edge answers
 ``error:CODE``         HTTP 200 ``{"ok": false, "error": CODE}``
 ``portal``             HTTP 200 with an HTML page, nothing posted: a captive portal's
-                       or a proxy's answer, not Slack's
+                       or a proxy's answer, not Slack's (a login link with a session id)
 ``channel_not_found``  shorthand for ``error:channel_not_found``
 ``hang``               read the request, never answer (until the stand-in stops)
 ``reset``              read the request, then reset the TCP connection (RST)
@@ -78,6 +79,10 @@ def signed_headers(
         headers["X-Slack-Retry-Num"] = str(retry_num)
         headers["X-Slack-Retry-Reason"] = "http_timeout"
     return headers
+
+
+#: The session id in the ``portal`` page's login link.
+PORTAL_SESSION = "9f86d081884c7d659a2feaa0c55ad015"
 
 
 def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -190,6 +195,8 @@ class SlackApiStandin(StandinBase):
                 return _json({"ok": False, "error": mode.partition(":")[2]})
             if mode.isdigit():
                 return web.Response(status=int(mode), text="error", content_type="text/html")
+            if mode == "portal":
+                return _portal()
         self.calls.append({"method": method, **params})
         if method == "views.open":
             return _json({"ok": True, "view": {"id": f"V{next(self._ts):08d}"}})
@@ -255,10 +262,7 @@ class SlackApiStandin(StandinBase):
             code = mode.partition(":")[2] or mode
             return _json({"ok": False, "error": code})
         if mode == "portal":
-            return web.Response(
-                text="<html><h1>Sign in to the guest network</h1></html>",
-                content_type="text/html",
-            )
+            return _portal()
         if not channel:
             return _json({"ok": False, "error": "channel_not_found"})
         if not text and not params.get("blocks"):
@@ -290,6 +294,17 @@ class SlackApiStandin(StandinBase):
         return None
 
     _respond = staticmethod(_json)
+
+
+def _portal() -> web.Response:
+    """A captive portal's page (its login link carries a session id)."""
+    return web.Response(
+        text=(
+            "<html>\n<h1>Sign in to the guest network</h1>\n"
+            f'<a href="/login?sid={PORTAL_SESSION}">Sign in</a>\n</html>'
+        ),
+        content_type="text/html",
+    )
 
 
 async def _read_params(request: web.Request) -> dict[str, Any]:
