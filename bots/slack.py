@@ -383,13 +383,14 @@ class SlackChannel:
 
 class _KeepingPageStart(aiohttp.ClientResponse):
     """aiohttp's response, keeping (in ``_PAGE``) the start of a body that is not JSON
-    when slack_sdk asks for JSON: slack_sdk drops such a body."""
+    when slack_sdk asks for JSON: slack_sdk drops such a body (another content type), or
+    keeps it only in its exception's message (JSON that does not parse)."""
 
     async def json(self, *args: Any, **kwargs: Any) -> Any:
         """The body as JSON (aiohttp's ``json``)."""
         try:
             return await super().json(*args, **kwargs)
-        except aiohttp.ContentTypeError:
+        except (aiohttp.ContentTypeError, ValueError):
             # (aiohttp has read the whole body by then: this takes no more bytes)
             head = (await self.read())[: _QUOTED_BODY_CHARS * 4]
             _PAGE.set(head.decode("utf-8", "replace"))

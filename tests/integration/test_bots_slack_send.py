@@ -142,6 +142,20 @@ async def test_a_post_answered_200_with_a_web_page_is_uncertain(
     assert standin.posts == []
 
 
+async def test_a_page_labelled_json_is_quoted_too(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    """A page that says it is JSON and is not: slack_sdk keeps its body only in its
+    exception's message; the error quotes it as any other page (it said "empty body")."""
+    standin.queue("badjson")
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Uncertain), outcome
+    assert outcome.error.startswith(
+        "slack: HTTP 200 that is not Slack's answer (application/json; charset=utf-8:"
+        " <html>Bad gateway</html>): the post may or may not have reached Slack"
+    )
+
+
 async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(
     standin: SlackApiStandin, channel: SlackChannel, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -38,6 +38,7 @@ Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
 ``error:CODE``         HTTP 200 ``{"ok": false, "error": CODE}``
 ``portal``             HTTP 200 with an HTML page, nothing posted: a captive portal's
                        or a proxy's answer, not Slack's (a login link with a session id)
+``badjson``            HTTP 200 labelled ``application/json`` whose body is an HTML page
 ``channel_not_found``  shorthand for ``error:channel_not_found``
 ``hang``               read the request, never answer (until the stand-in stops)
 ``reset``              read the request, then reset the TCP connection (RST)
@@ -263,6 +264,8 @@ class SlackApiStandin(StandinBase):
             return _json({"ok": False, "error": code})
         if mode == "portal":
             return _portal()
+        if mode == "badjson":
+            return web.Response(text="<html>Bad gateway</html>", content_type="application/json")
         if not channel:
             return _json({"ok": False, "error": "channel_not_found"})
         if not text and not params.get("blocks"):
