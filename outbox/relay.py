@@ -81,6 +81,7 @@ from outbox.store import (
     ReviewNeeded,
     address_kept,
     cards_of_closed_waits,
+    count_ended_cards,
     delivery_of,
 )
 
@@ -334,16 +335,18 @@ class Relay:
         async with self.db.tx() as conn:
             mine = (D.id.in_(ids), D.lease_token == self.handoff_token)
             ended = await cards_of_closed_waits(conn, *mine)
-            res = await conn.execute(
-                t.deliveries.update()
-                .where(*mine, unindexed(D.status) == DeliveryStatus.sending.value)
-                .values(self._given_back(ended))
-                .returning(D.id)
-            )
-            released = [str(released_id) for released_id in res.scalars().all()]
-            if released:
+            rows = (
+                await conn.execute(
+                    t.deliveries.update()
+                    .where(*mine, unindexed(D.status) == DeliveryStatus.sending.value)
+                    .values(self._given_back(ended))
+                    .returning(D.id, D.channel, D.status)
+                )
+            ).all()
+            if rows:
                 signal_after_commit(conn, OUTBOX_TOPIC)
-        return released
+        _count_ended(rows)
+        return [str(r.id) for r in rows]
 
     # ------------------------------------------------------------------ the loop
 
@@ -605,7 +608,7 @@ class Relay:
                     "decided meanwhile: cancelled",
                     r.id,
                 )
-                METRICS.deliveries.labels(r.channel, "cancelled").inc()
+        _count_ended(rows)
         return len(rows)
 
     async def _locked_ids(self, conn: Conn, query: sa.Select[Any]) -> list[str] | None:
@@ -657,21 +660,25 @@ class Relay:
             try:
                 async with self.db.tx() as conn:
                     ended = await cards_of_closed_waits(conn, D.lease_token == lost.token)
-                    res = await conn.execute(
-                        t.deliveries.update()
-                        .where(
-                            D.lease_token == lost.token,
-                            D.status == DeliveryStatus.sending.value,
+                    rows = (
+                        await conn.execute(
+                            t.deliveries.update()
+                            .where(
+                                D.lease_token == lost.token,
+                                D.status == DeliveryStatus.sending.value,
+                            )
+                            .values(self._given_back(ended))
+                            .returning(D.channel, D.status)
                         )
-                        .values(self._given_back(ended))
-                    )
-                    if res.rowcount:
+                    ).all()
+                    if rows:
                         signal_after_commit(conn, OUTBOX_TOPIC)
             except BaseException:  # (cancelled too: the rest stay watched)
                 self._uncertain_claims.put_back(due[n:])
                 raise
-            if res.rowcount:
-                released += int(res.rowcount)
+            if rows:
+                _count_ended(rows)
+                released += len(rows)
             else:
                 self._uncertain_claims.not_found(lost, now)
         return released
@@ -832,6 +839,13 @@ class Relay:
         base = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempts - 1))
         delay = base * (0.5 + 0.5 * self.rand())
         return float(max(delay, retry_after or 0.0))
+
+
+def _count_ended(given_back: Sequence[AnyRow]) -> None:
+    """Count the cards among rows a give-back or a lease expiry just committed that
+    ended ``cancelled`` (their wait was closed); the others are counted by their next
+    attempt (``pending``) or as ``deliveryUnknown`` by the caller."""
+    count_ended_cards(r.channel for r in given_back if r.status == DeliveryStatus.cancelled.value)
 
 
 def _in_claim_order(rows: Sequence[AnyRow]) -> list[Delivery]:

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import asyncpg
@@ -154,6 +154,16 @@ class DeliveryStatus(enum.StrEnum):
     deliveryUnknown = "deliveryUnknown"
     cancelled = "cancelled"
     continuation = "continuation"
+
+
+def count_ended_cards(channels: Iterable[str]) -> None:
+    """Count review cards, or cards' updates, that a decision ended unsent (their
+    update to ``cancelled`` matched), one per channel named, as
+    ``leadgate_deliveries_total{outcome="cancelled"}``: every path that ends one so
+    counts it here, once, where its fenced update matched (the relay's outcome commit
+    counts the cards whose send it was, :mod:`outbox.outcomes`)."""
+    for channel in channels:
+        METRICS.deliveries.labels(channel, DeliveryStatus.cancelled.value).inc()
 
 
 #: Card deliveries, each with when its wait was closed (``None``: still open), every
@@ -703,8 +713,9 @@ async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
 
 async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     """Cancel an item's unsent deliveries (the item was cancelled), but for answers to
-    a reviewer's mail (:data:`ANSWER`): what they say was so when they were written."""
-    await conn.execute(
+    a reviewer's mail (:data:`ANSWER`): what they say was so when they were written.
+    Its review cards and their updates so ended are counted (:func:`count_ended_cards`)."""
+    ended = await conn.execute(
         t.deliveries.update()
         .where(
             D.work_item_id == item_id,
@@ -712,7 +723,9 @@ async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
             D.kind != ANSWER,
         )
         .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
+        .returning(D.channel, D.kind)
     )
+    count_ended_cards(r.channel for r in ended.all() if r.kind in CARD_KINDS)
 
 
 async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
@@ -829,6 +842,8 @@ async def recover(
     if row is None:
         raise TransitionError(await _not_recovered(conn, delivery), rule="delivery.status")
     updated = Delivery.from_row(row)
+    if updated.status == DeliveryStatus.cancelled.value:
+        count_ended_cards([updated.channel])
     await workitems.audit(
         conn,
         clock,

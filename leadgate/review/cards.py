@@ -52,7 +52,15 @@ from leadgate.review.replies import (
     token_hash,
 )
 from outbox.channel import Card, CardOutcome
-from outbox.store import CARD, CARD_CLOSED_AT, CARD_UPDATE, ENDED, DeliveryStatus, Outbox
+from outbox.store import (
+    CARD,
+    CARD_CLOSED_AT,
+    CARD_UPDATE,
+    ENDED,
+    DeliveryStatus,
+    Outbox,
+    count_ended_cards,
+)
 
 log = logging.getLogger("leadgate.review.cards")
 
@@ -328,6 +336,7 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
         status = c.status
         if status == DeliveryStatus.pending.value:
             if await _cancel_card(conn, c.id, status, now):
+                count_ended_cards([c.channel])
                 continue  # never posted: nothing to edit
             status = DeliveryStatus.sending.value  # claimed meanwhile (another replica)
         if c.channel == "email":
@@ -335,7 +344,8 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
                 # Maybe mailed: it cannot be edited, nor answered any more, and sent again
                 # it would offer a decision already made. It ends here, and its Reply-To
                 # (the plain token) with it.
-                await _cancel_card(conn, c.id, status, now)
+                if await _cancel_card(conn, c.id, status, now):
+                    count_ended_cards([c.channel])
             # A sent mail cannot be edited. One being sent is left to its send, which
             # ends its row and its Reply-To whatever the outcome (outbox.outcomes).
             continue

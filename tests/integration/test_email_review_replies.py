@@ -34,6 +34,7 @@ from tests.fakes import DownFor
 from tests.helpers import (
     Org,
     api_trigger,
+    deliveries_counted,
     eventually,
     item_audit,
     item_row,
@@ -710,12 +711,16 @@ async def uncertain_card(env: Env, org: Org, worker: dict[str, Any]) -> tuple[st
 async def test_a_card_mail_not_sent_yet_loses_its_token_when_the_item_is_decided(
     env: Env, decision: str
 ) -> None:
+    """Ended ``cancelled`` by the decision (a cancel cancels the item's unsent
+    deliveries first), and counted so, once (it was not counted at all)."""
     org, worker = await setup(env)
     item_id = await escalated(env, org, worker, "s1")
     assert await rows_holding(env, PLAIN_TOKEN)  # the card mail's row, until it ends
+    before = deliveries_counted("email", "cancelled")
     await env.app.reviews.decide(org.principal, item_id, decision, surface="api")
     assert (await email_card_row(env, item_id)).status == "cancelled"
     assert not await rows_holding(env, PLAIN_TOKEN)
+    assert deliveries_counted("email", "cancelled") - before == 1
 
 
 async def test_a_card_mail_refused_for_good_loses_its_token(env: Env) -> None:
@@ -750,13 +755,16 @@ async def test_an_uncertain_card_mail_ends_with_its_token_when_the_item_is_decid
     env: Env, decision: str
 ) -> None:
     """It cannot be edited nor answered any more, and sent again it would offer a
-    decision already made: cancelled, its Reply-To dropped."""
+    decision already made: cancelled, its Reply-To dropped, and counted ``cancelled``
+    once (its send was counted ``deliveryUnknown``; its end was not counted at all)."""
     org, worker = await setup(env)
     item_id, _ = await uncertain_card(env, org, worker)
     reason = "not this" if decision == "reject" else None
+    before = deliveries_counted("email", "cancelled")
     await env.app.reviews.decide(org.principal, item_id, decision, reason, surface="api")
     assert (await email_card_row(env, item_id)).status == "cancelled"
     assert not await rows_holding(env, PLAIN_TOKEN)
+    assert deliveries_counted("email", "cancelled") - before == 1
 
 
 async def test_an_uncertain_card_mail_ends_with_its_token_when_its_delivery_is_confirmed_by_email(

@@ -34,6 +34,7 @@ from tests.helpers import (
     Org,
     api_trigger,
     blocked_on_a_lock,
+    deliveries_counted,
     held_open,
     make_agent,
     make_key,
@@ -297,6 +298,7 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
     status, _ = await post(env, f"/operator/reviews/{decided}/approve")
     assert status == 200
     posts = len(env.slack.sent)
+    cancelled = deliveries_counted("slack", "cancelled")
 
     status, body = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
     assert status == 200, body
@@ -306,6 +308,7 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
         "status": "cancelled",
         "error": CARD_DECIDED_ERROR,
     }
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1  # as it ended, once
     assert "item was decided" in CARD_DECIDED_ERROR
     [shown] = [d for d in body["deliveries"] if d["id"] == decided_card["id"]]
     assert (shown["status"], shown["error"]) == ("cancelled", CARD_DECIDED_ERROR)
@@ -317,6 +320,7 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
     )
     status, again = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
     assert (status, again["error"]["rule"]) == (409, "delivery.status")
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1
 
     # The waiting item's card is retried as before.
     status, body = await post(env, f"/operator/deliveries/{waiting_card['id']}/retry")

@@ -109,11 +109,14 @@ async def test_a_decision_updates_posted_cards_and_cancels_unsent_ones(
     assert await env.sla.run_once()  # a reminder card, not posted yet
     reminder = (await env.deliveries(item_id, "card"))[-1]
     assert reminder["status"] == "pending"
+    cancelled = deliveries_counted("slack", "cancelled")
 
     await approve(env, item_id, "user:x", surface="slack", identity="slack:T1:U1")
 
     cards = await env.deliveries(item_id, "card")
     assert [c["status"] for c in cards] == ["sent", "cancelled"]
+    # The unsent one ended unsent because its item was decided: counted so, once.
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1
     [update] = await env.deliveries(item_id, "cardUpdate")
     assert update["address"]["card_delivery_id"] == cards[0]["id"]
     decided = Card.from_json(update["address"]["card"])
@@ -328,15 +331,20 @@ async def test_a_card_claim_in_doubt_is_cancelled_not_given_back_when_its_item_w
     assert {c["status"] for c in await env.deliveries(item_id, "card")} == {"sending"}
     if then == "decided":
         await approve(env, item_id)
+    before = {ch: deliveries_counted(ch, "cancelled") for ch in ("slack", "email")}
     await drain(relay)
+    gained = {ch: deliveries_counted(ch, "cancelled") - n for ch, n in before.items()}
 
     cards = {c["channel"]: c for c in await env.deliveries(item_id, "card")}
     if then == "waiting":
         assert {c["status"] for c in cards.values()} == {"sent"}
         assert [c["attempts"] for c in cards.values()] == [1, 1]
         assert len(env.slack.calls) == len(env.channels["email"].calls) == 1
+        assert gained == {"slack": 0, "email": 0}
         return
     assert {c["status"] for c in cards.values()} == {"cancelled"}
+    # Counted as they ended, once each: the give-back's two cards and the Slack edit.
+    assert gained == {"slack": 2, "email": 1}
     assert [c["attempts"] for c in cards.values()] == [0, 0]  # the claim was no attempt
     assert "reply_to" not in cards["email"]["address"]
     [update] = await env.deliveries(item_id, "cardUpdate")
@@ -367,12 +375,15 @@ async def test_a_card_handed_over_and_not_started_ends_cancelled_at_shutdown_if_
     [card] = await env.deliveries(item_id, "card")
     assert (card["status"], card["lease_token"]) == ("sending", relay.handoff_token)
     await approve(env, item_id)
+    cancelled = deliveries_counted("slack", "cancelled")
     assert await relay.release_handoffs() == 1
     [card] = await env.deliveries(item_id, "card")
     assert (card["status"], card["lease_token"], card["attempts"]) == ("cancelled", None, 0)
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1
     await drain(stack.relay)
     [update] = await env.deliveries(item_id, "cardUpdate")
     assert update["status"] == "cancelled"
+    assert deliveries_counted("slack", "cancelled") - cancelled == 2  # and its edit
     assert env.slack.calls == [] and env.slack.updates == []
 
 
