@@ -333,6 +333,46 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
     assert decided_card["id"] not in {d["id"] for d in page["deliveries"]}
 
 
+async def test_a_retried_card_of_an_earlier_wait_is_cancelled_not_posted(env: Env) -> None:
+    """The item was escalated (its card's post uncertain), returned by an operator, and
+    escalated again (a second wait, whose card's post is uncertain too). Retry of the
+    first wait's card ends it ``cancelled``: the return closed its wait, and posted now
+    it would offer a decision on a wait that is over (a click on it is out of date),
+    though its item waits again. The second wait's card is retried as before."""
+    await add_destination(env.service, env.org.id, "slack", "C0R")
+    item_id, first = await uncertain_card(env, "s1")
+    status, body = await post(env, f"/operator/reviews/{item_id}/return", {"feedback": "More."})
+    assert (status, body["status"]) == (200, "inProgress"), body
+    assert await drain(RevisionRunner(env.service.turns)) == 1
+    await drain(env.service.lead_runner)  # escalated again: the second wait
+    await drain(env.service.relay)  # its card's post times out too
+    detail = await get_json(env, f"/operator/reviews/{item_id}")
+    assert detail["status"] == "awaitingHuman"
+    cards = {d["id"]: d["status"] for d in detail["deliveries"] if d["kind"] == "card"}
+    [second] = [card_id for card_id in cards if card_id != first["id"]]
+    assert cards == {first["id"]: "deliveryUnknown", second: "deliveryUnknown"}
+    posts = len(env.slack.sent)
+    cancelled = deliveries_counted("slack", "cancelled")
+
+    status, body = await post(env, f"/operator/deliveries/{first['id']}/retry")
+    assert status == 200, body
+    assert body["delivery"] == {
+        "id": first["id"],
+        "kind": "card",
+        "status": "cancelled",
+        "error": CARD_DECIDED_ERROR,
+    }
+    assert body["status"] == "awaitingHuman"  # the item still waits, in its second wait
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1
+
+    status, body = await post(env, f"/operator/deliveries/{second}/retry")
+    assert status == 200, body
+    assert (body["delivery"]["status"], body["delivery"]["kind"]) == ("pending", "card")
+    await drain(env.service.relay)
+    # Posted again: the second wait's card, never the first's.
+    assert [m.delivery_id for m in env.slack.sent[posts:]] == [second]
+
+
 async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
     env: Env,
 ) -> None:
