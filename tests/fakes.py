@@ -195,11 +195,18 @@ class LandsLater:
     in doubt, its signals to the doubt listeners) as :class:`DownAloneFor` tells it.
     :meth:`land` runs it afterwards: the server applied it after the caller's read-back
     on a fresh connection had raced it and found nothing. Later calls run as they are.
-    PostgreSQL only (a SQLite write is never in doubt)."""
+    PostgreSQL only (a SQLite write is never in doubt).
 
-    def __init__(self, real: Callable[..., Any]) -> None:
+    ``fault``: the caller is told this error instead, not in doubt (nothing goes to the
+    doubt listeners): a failure that claims to have stored nothing, and the server
+    applied the statement all the same."""
+
+    def __init__(
+        self, real: Callable[..., Any], *, fault: Callable[[], Exception] | None = None
+    ) -> None:
         _may_lose_a_commit(real, False)
         self.real = real
+        self.fault = fault
         self.held: tuple[Any, Any] | None = None
         self.lost = False
 
@@ -218,6 +225,8 @@ class LandsLater:
             )
         self.lost = True
         self.held = (statement, parameters)
+        if self.fault is not None:
+            raise self.fault()
         fault = _lost_at_commit()
         topics: dict[str, list[Any]] = {}
         for topic, payload in (*signals, *in_doubt):

@@ -1074,6 +1074,39 @@ async def test_a_claim_in_doubt_that_lands_after_its_read_back_is_given_back_soo
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("then", ["lands", "never lands"])
+async def test_a_claim_that_failed_not_in_doubt_is_looked_for_once_at_the_next_pass(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The claim failed with an error that is no fault in doubt (it says nothing was
+    stored), and the server applied it all the same: the item is ``reviewing`` under a
+    token nobody holds. The next pass looks for that token once (at once: the review
+    loops wake for it), gives the item back, fenced by the token, and reviews it, rather
+    than leaving it for the lease's 20 minutes. A claim that did not land is looked for
+    that once and then no more. (PostgreSQL: the claim is one statement of its own.)"""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    late = LandsLater(stack.db.write_alone, fault=lambda: RuntimeError("answer unreadable"))
+    monkeypatch.setattr(stack.db, "write_alone", late)
+    with pytest.raises(RuntimeError):
+        await runner.claim()
+    assert runner.due_in_s() == 0.0  # the look is due now
+    if then == "never lands":
+        late.held = None
+        await runner._release_held()  # the one look: nothing found
+        assert runner.due_in_s() is None  # and no other look to come
+        assert (await row(stack, item_id))["status"] == "reviewQueued"
+        return
+    await late.land()
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    assert await drain(runner) == 1
+    assert (await row(stack, item_id))["status"] == "completed"
+    assert len(await released(stack, item_id)) == 1
+    assert (await actions(stack, item_id)).count("claim") == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_the_watch_of_a_claim_in_doubt_never_releases_another_runners_claim(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
