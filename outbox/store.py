@@ -24,9 +24,8 @@ import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import asyncpg
 import sqlalchemy as sa
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
@@ -45,6 +44,9 @@ from leadgate.domain.rows import Binding, Delivery, WorkItem
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from outbox.channel import UNTIL_SENT
+
+if TYPE_CHECKING:
+    import asyncpg
 
 log = logging.getLogger("leadgate.outbox")
 D = t.deliveries.c
@@ -620,6 +622,10 @@ async def listen_all(
     with it. So every ``check_s`` the connection must answer a no-op ``LISTEN`` within
     ``check_timeout_s``, or it counts as lost: ``on_lost`` runs and it is re-opened.
     """
+    # Imported here, once per listener: only a PostgreSQL service listens, and an
+    # operator command on SQLite has no use for the driver (about 20 ms of its start).
+    import asyncpg
+
     dsn = dsn.replace("postgresql+asyncpg://", "postgresql://", 1)
     names = ", ".join(channels)
     while not stop.is_set():
@@ -673,6 +679,8 @@ async def _hold(
 
     The check repeats a LISTEN (a no-op for PostgreSQL) rather than ``SELECT 1``, so that
     ``pg_stat_activity`` still shows the connection for what it is."""
+    import asyncpg  # once per connection (see listen)
+
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())]
     try:
         while not (stop.is_set() or lost.is_set()):

@@ -28,7 +28,7 @@ import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -37,9 +37,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from leadgate.core.errors import ConfigError, DatabaseDamaged, NotMigratedError, Unavailable
 from leadgate.database.faults import pg_damage, refused, unavailable
 from leadgate.database.inline_sqlite import InlineConnection, InlineReaders, InlineSqlite, Member
-from leadgate.database.pg import PgConnection, PgPool, TableChanges, raise_aborted
 from leadgate.database.plans import AnyRow
 from leadgate.database.revision import HEAD
+
+if TYPE_CHECKING:
+    # Imported where a PostgreSQL Database is made: the module loads asyncpg, which a
+    # SQLite process (every operator command on the embedded default) never uses.
+    from leadgate.database.pg import PgConnection, PgPool, TableChanges
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
 MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
@@ -270,6 +274,8 @@ class Database:
                 parsed.database, self.engine.dialect, busy_wait_s=busy_timeout_s
             )
         if self.is_postgres:
+            from leadgate.database.pg import PgPool  # see the imports
+
             # Bounded: waiting for a pooled connection or a connect past the busy bound
             # is a 503 (Unavailable), not a request hanging on.
             self._pg = PgPool(
@@ -464,9 +470,9 @@ class Database:
                 _undo_failed(conn)
                 # Before the COMMIT, so not in doubt: a statement failed and its caller
                 # went on (PostgreSQL aborted the transaction; see PgPool.transaction).
-                raise_aborted(conn)
+                conn.raise_aborted()
                 await _flush_before_commit(conn, before)
-                raise_aborted(conn)
+                conn.raise_aborted()
                 committing = True
         except Exception as exc:
             if committing:  # (before the COMMIT, a failure rolls everything back)

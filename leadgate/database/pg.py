@@ -263,6 +263,18 @@ class PgConnection:
         #: (:meth:`_refuse_if_aborted`)
         self.aborted: BaseException | None = None
 
+    def raise_aborted(self) -> None:
+        """Raise again the error that aborted this transaction (:attr:`aborted`), if a
+        statement failed and its caller went on: the whole transaction failed, before
+        its ``COMMIT`` (nothing of it is in doubt)."""
+        error, self.aborted = self.aborted, None
+        if error is not None:
+            error.add_note(
+                "raised again at the end of its transaction, which PostgreSQL aborted at "
+                "this error (caught outside a savepoint): nothing of the transaction committed"
+            )
+            raise error
+
     @property
     def raw(self) -> asyncpg.Connection:
         """The asyncpg connection this one runs on now (a read that met a dropped
@@ -478,19 +490,6 @@ _RELEASED = (
 )
 
 
-def raise_aborted(conn: PgConnection) -> None:
-    """Raise again the error that aborted ``conn``'s transaction
-    (:attr:`PgConnection.aborted`), if a statement failed and its caller went on: the
-    whole transaction failed, before its ``COMMIT`` (nothing of it is in doubt)."""
-    error, conn.aborted = conn.aborted, None
-    if error is not None:
-        error.add_note(
-            "raised again at the end of its transaction, which PostgreSQL aborted at this "
-            "error (caught outside a savepoint): nothing of the transaction committed"
-        )
-        raise error
-
-
 def _usable(raw: asyncpg.Connection) -> bool:
     """Whether a pooled connection is still open. When the server drops one, asyncpg
     takes it back into its pool by itself, and the proxy we hold then raises."""
@@ -700,7 +699,7 @@ class PgPool:
         it runs once more on a fresh connection (:meth:`_reconnect`). A block that ends
         without an error after one of its statements failed outside a savepoint (the
         caller caught the error) is rolled back and that error raised again
-        (:func:`raise_aborted`): PostgreSQL aborted the transaction at the error and
+        (:meth:`PgConnection.raise_aborted`): PostgreSQL aborted the transaction at the error and
         answers its ``COMMIT`` with ``ROLLBACK``, which asyncpg does not report, so the
         caller was told its writes committed while none had."""
         trace = self.trace
@@ -724,7 +723,7 @@ class PgPool:
             try:
                 try:
                     yield conn
-                    raise_aborted(conn)
+                    conn.raise_aborted()
                 except BaseException:
                     if trace is not None:
                         trace("ROLLBACK")

@@ -29,15 +29,17 @@ rows, so a client naming ever new models flushes only them.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from leadgate.core.errors import NotFound
 from leadgate.core.kept import Kept
 from leadgate.database.db import Conn
-from leadgate.database.pg import TableChanges
 from leadgate.domain import agents, policy
 from leadgate.domain.agents import LeadConfig
 from leadgate.domain.rows import Agent
+
+if TYPE_CHECKING:
+    from leadgate.database.pg import TableChanges
 
 #: The tables the cached rows are read from.
 TABLES = ("agents", "presets", "policy_rules")
