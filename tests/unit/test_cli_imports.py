@@ -1,7 +1,7 @@
 """What a ``leadgate`` command process imports: the admin and operator commands run
 without the service's HTTP server, channel SDKs and Alembic (each ``leadgate`` process
 paid about 0.3 s for them, and the suite runs a few hundred), and a command on SQLite
-without the PostgreSQL driver or the metrics library."""
+without the PostgreSQL driver, the metrics library or the log renderer."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from leadgate.cli.main import main
 SERVICE_ONLY = ("aiohttp", "alembic", "mcp", "slack_sdk", "slack_bolt", "discord", "botbuilder")
 
 #: Not used by a command on SQLite that logs nothing and counts nothing (``review
-#: list``): asyncpg (PostgreSQL only), prometheus_client (the service's counters).
-SQLITE_READ_UNUSED = (*SERVICE_ONLY, "asyncpg", "prometheus_client")
+#: list``): asyncpg (PostgreSQL only), prometheus_client (the service's counters),
+#: structlog (it renders log lines, and loads rich).
+SQLITE_READ_UNUSED = (*SERVICE_ONLY, "asyncpg", "prometheus_client", "structlog", "rich")
 
 
 def loaded_after(code: str, packages: tuple[str, ...] = SERVICE_ONLY) -> set[str]:
