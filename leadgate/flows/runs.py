@@ -40,7 +40,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
@@ -68,7 +68,11 @@ from leadgate.domain.orgs import validate_name
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs as turn_runs
-from leadgate.turns.path import TurnService
+
+if TYPE_CHECKING:
+    # The turn path is handed in (the composition root makes it): an operator command
+    # that reads or decides flow items never loads it.
+    from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.flows")
 

@@ -1,7 +1,7 @@
 """What a ``leadgate`` command process imports: the admin and operator commands run
 without the service's HTTP server, channel SDKs and Alembic (each ``leadgate`` process
 paid about 0.3 s for them, and the suite runs a few hundred), and a command on SQLite
-without the PostgreSQL driver, the metrics library or the log renderer."""
+without the PostgreSQL driver, the metrics library, the log renderer or the turn path."""
 
 from __future__ import annotations
 
@@ -21,8 +21,15 @@ SERVICE_ONLY = ("aiohttp", "alembic", "mcp", "slack_sdk", "slack_bolt", "discord
 
 #: Not used by a command on SQLite that logs nothing and counts nothing (``review
 #: list``): asyncpg (PostgreSQL only), prometheus_client (the service's counters),
-#: structlog (it renders log lines, and loads rich).
-SQLITE_READ_UNUSED = (*SERVICE_ONLY, "asyncpg", "prometheus_client", "structlog", "rich")
+#: structlog (it renders log lines, and loads rich), the turn path (flows are handed it).
+SQLITE_READ_UNUSED = (
+    *SERVICE_ONLY,
+    "asyncpg",
+    "prometheus_client",
+    "structlog",
+    "rich",
+    "leadgate.turns.path",
+)
 
 
 def loaded_after(code: str, packages: tuple[str, ...] = SERVICE_ONLY) -> set[str]:
