@@ -13,11 +13,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sqlalchemy.engine import make_url
-
-from leadgate.core.config import Settings, load_settings
 from leadgate.core.errors import LeadgateError
+
+if TYPE_CHECKING:
+    # Imported where a configuration is loaded or a URL shown: ``--version`` and a
+    # usage error answer without pydantic and SQLAlchemy (most of a command's start).
+    from leadgate.core.config import Settings
 
 LOCAL_CONFIG = "config.toml"
 ENV_CONFIG = "LEADGATE_CONFIG"
@@ -71,6 +74,8 @@ def config_in_argv(argv: Sequence[str]) -> str | None:
 def safe_url(url: str) -> str:
     """A database URL without its password, in its user part or in its query
     (``?password=``, ``?sslpassword=``...: any parameter whose name says secret)."""
+    from sqlalchemy.engine import make_url  # see the imports
+
     try:
         parsed = make_url(url)
         if parsed.host and "@" in parsed.host:
@@ -98,6 +103,8 @@ def where(choice: ConfigChoice, settings: Settings | None) -> str:
 
 def help_epilog(argv: Sequence[str]) -> str:
     """The ``--help`` footer: which file and database this command would use."""
+    from leadgate.core.config import load_settings  # see the imports
+
     choice = discover(config_in_argv(argv))
     try:
         settings: Settings | None = load_settings(choice.path)

@@ -7,7 +7,6 @@ Exit codes: 0 success, 2 a rule was broken (the message names it), 1 anything el
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
@@ -15,14 +14,13 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
 from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
-from leadgate.core.config import Settings, load_settings
 from leadgate.core.errors import (
     DatabaseDamaged,
     LeadgateError,
@@ -31,6 +29,9 @@ from leadgate.core.errors import (
     when_reading,
 )
 from leadgate.core.logs import setup_logging
+
+if TYPE_CHECKING:
+    from leadgate.core.config import Settings
 
 log = logging.getLogger("leadgate")
 
@@ -64,6 +65,8 @@ async def _serve(settings: Settings, role: str) -> None:
     check_ports(settings, role)  # before anything starts: a clear error, nothing half-done
     # Imported here: the composition root pulls in every SDK (about 3 s), which the admin
     # and operator commands do not need.
+    import asyncio
+
     from aiohttp import web
 
     from leadgate.app import App
@@ -175,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     epilog = help_epilog(raw) if {"-h", "--help"} & set(raw) else ""
     args = build_parser(epilog).parse_args(raw)
+    # Imported once the arguments parsed: `--version` and a usage error answer without
+    # loading asyncio, and pydantic and SQLAlchemy (the configuration's checks).
+    import asyncio
+
+    from leadgate.core.config import load_settings
+
     choice = discover(args.config)
     settings: Settings | None = None
     try:

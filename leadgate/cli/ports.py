@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import errno
 import socket
+from typing import TYPE_CHECKING
 
-from leadgate.core.config import Settings
 from leadgate.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from leadgate.core.config import Settings
 
 
 def _busy(host: str, port: int, key: str, host_key: str) -> bool:

@@ -77,3 +77,14 @@ def test_a_sqlite_command_loads_only_what_it_runs(migrated_url: str, tmp_path: P
         f"    assert main(['--config', {str(config)!r}, 'review', 'list', '--org', 'acme']) == 0\n"
     )
     assert loaded_after(code, SQLITE_READ_UNUSED) == set()
+
+
+def test_version_loads_neither_the_configuration_nor_the_database_libraries() -> None:
+    code = (
+        "import contextlib, io\n"
+        "from leadgate.cli.main import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--version'])\n"
+    )
+    unused = ("asyncio", "pydantic", "sqlalchemy", *SQLITE_READ_UNUSED)
+    assert loaded_after(code, unused) == set()
