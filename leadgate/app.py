@@ -227,6 +227,10 @@ class App:
         )
         self.db.on_commit_payloads(SESSION_EVENTS_TOPIC, self.event_hub.committed)
         self.idempotency = Idempotency(self.db, self.clock, self.ids)
+        # Its claims in doubt are given back by a loop of their own in every process that
+        # serves the REST API (_lifecycle), woken when one is watched.
+        self._idempotency_wake = asyncio.Event()
+        self.idempotency.wake = self._idempotency_wake.set
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()
@@ -751,6 +755,20 @@ class App:
                         await stack.enter_async_context(self._mcp.run())
                     for adapter in self.adapters:
                         await stack.enter_async_context(adapter.lifespan())
+                    # The client's retry of a keyed request whose claim landed in doubt
+                    # may reach another replica: this process gives the claim back when
+                    # its look is due, not at its next keyed request (an idle pass reads
+                    # nothing).
+                    self.background.spawn(
+                        run_loop(
+                            self.idempotency,
+                            wake=self._idempotency_wake,
+                            stop=self._stop,
+                            poll_s=self.settings.runners.poll_interval_s,
+                            due_s=self.idempotency.due_in_s,
+                        ),
+                        name="idempotency-give-back",
+                    )
                 if register:
                     await self.start_liveness(role)
                 if run_runners:

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -113,15 +113,47 @@ def _check_key(key: str) -> str:
 
 
 class Idempotency:
-    """Claims, answers and releases idempotency keys (see the module docstring)."""
+    """Claims, answers and releases idempotency keys (see the module docstring).
+
+    Also a runner (:meth:`run_once`, :meth:`due_in_s`): every process that serves the
+    REST API runs it in a loop (woken through :attr:`wake`), which gives back the
+    claims in doubt that landed after their give-back when their look falls due."""
+
+    name = "idempotency"
 
     def __init__(self, db: Database, clock: Clock, ids: IdFactory | None = None) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids or RandomIds()
         self._next_sweep = 0
+        #: wakes the loop that runs :meth:`run_once` (set by the composition root): a
+        #: token added to the watch may be due sooner than the loop's sleep
+        self.wake: Callable[[], None] = lambda: None
         #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`)
-        self._lost: LostClaims[HeldKey] = LostClaims(name="idempotency")
+        self._lost: LostClaims[HeldKey] = LostClaims(
+            name="idempotency", on_watch=lambda: self.wake()
+        )
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by this clock) until the next look for a claim in doubt is due, or
+        None when none is watched: the loop sleeps no longer than this."""
+        due = self._lost.next_due()
+        return None if due is None else max(0.0, (due - self.clock.now_ms()) / 1000)
+
+    async def run_once(self) -> bool:
+        """Look for the claims in doubt whose look is due (:meth:`_give_back_lost`),
+        without waiting for a keyed request here: the client's retry may reach another
+        replica, which cannot give back a claim it does not hold, and was answered 409
+        ``idempotency.in_progress`` until the claim's lease lapsed, a minute on. True
+        when a token left the watch (its claim given back, or its lease lapsed). A
+        failed look is raised (the loop backs off)."""
+        if not self._lost:  # (every pass: nothing to look at without a fault)
+            return False
+        watched = len(self._lost)
+        failure = await self._give_back_lost(self.clock.now_ms())
+        if failure is not None:
+            raise failure
+        return len(self._lost) < watched
 
     async def begin(self, principal: Principal, key: str, request_fingerprint: str) -> Claim:
         """Claim ``key`` for this request, or say why not (400 when the key was used for
@@ -140,7 +172,7 @@ class Idempotency:
             "response": None,
             "owner": owner,
         }
-        if self._lost:  # (only after a claim in doubt)
+        if self._lost:  # (only after a claim in doubt; a failure is the claim's to meet)
             await self._give_back_lost(now)
         took_over: list[bool] = []  # set once a takeover's UPDATE ran
         try:
@@ -177,27 +209,29 @@ class Idempotency:
                 raise told from fault
             raise
 
-    async def _give_back_lost(self, now: int) -> None:
+    async def _give_back_lost(self, now: int) -> Exception | None:
         """The server may apply a claim in doubt after its give-back found nothing (the
         give-back, on a fresh connection, raced it): the key would then answer
         ``idempotency.in_progress`` until the claim's lease lapsed, a minute, for a
         request that runs nowhere. So the give-back is tried again, a second on and
         then at doubling gaps until that lease would have lapsed
-        (:class:`~leadgate.core.runners.LostClaims`), by the next keyed request here
-        whose turn it is (the client's retry, above all: the 503 says 2 s). A failure
-        is left to the request's own claim to meet."""
+        (:class:`~leadgate.core.runners.LostClaims`), by this process's loop
+        (:meth:`run_once`) or the next keyed request here, whichever comes first (the
+        client's retry, when it comes here: the 503 says 2 s). A failure is returned
+        (the tokens not looked at stay watched, due as before)."""
         due = self._lost.take_due(now)
         for n, lost in enumerate(due):
             try:
                 found = await self._give_back(lost.token)
-            except Exception:
+            except Exception as exc:
                 self._lost.put_back(due[n:])
-                return
+                return exc
             except BaseException:  # (the request cancelled: the rest stay watched)
                 self._lost.put_back(due[n:])
                 raise
             if not found:
                 self._lost.not_found(lost, now)
+        return None
 
     async def _give_back(self, token: HeldKey) -> bool:
         """Give back the claim ``token`` names while it holds its key with no answer

@@ -35,6 +35,7 @@ from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS,
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
+from tests.fakes import CommitLandsLater
 from tests.helpers import Org, eventually, fake_clock, make_agent, make_key, make_org
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
@@ -684,6 +685,57 @@ async def test_a_keyed_turn_whose_last_commit_is_in_doubt_keeps_the_answer_it_co
         else:
             assert again.status_code == 409, again.text
             assert again.json()["error"]["rule"] == GATED_RULE
+
+
+async def test_a_keyed_claim_in_doubt_that_lands_late_is_given_back_for_another_replica(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL, two replicas: a keyed request's claim met a fault at its COMMIT (503),
+    its give-back found nothing, and then the server applied the claim. The client's
+    retry reaches the other replica, which knows nothing of the claim's owner token (409
+    ``idempotency.in_progress``); the first replica's loop gives the claim back when its
+    look falls due, with no keyed request of its own, and the next retry runs the turn.
+    It was answered 409 until the claim's lease lapsed, a minute on, though no request
+    held the key."""
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hello"}]}
+
+    def keyed(key: str) -> dict[str, Any]:
+        return {
+            "json": body,
+            "headers": {"Authorization": f"Bearer {org.key}", "Idempotency-Key": key},
+        }
+
+    async with served_app(migrated_pg) as (here, client), served_app(migrated_pg) as (_, there):
+        org = await make_org(here)
+        await make_agent(here, org, "plain")
+        first = await client.post("/v1/chat/completions", **keyed("k-first"))  # (its sweep)
+        assert first.status == 200, await first.text()
+        late = CommitLandsLater(here.db.tx)
+        monkeypatch.setattr(here.db, "tx", late)
+        try:
+            cut = await client.post("/v1/chat/completions", **keyed("k-late"))
+            assert cut.status == 503, await cut.text()
+        finally:
+            await late.land()  # after the give-back that found nothing
+        retry = await there.post("/v1/chat/completions", **keyed("k-late"))
+        assert retry.status == 409, await retry.text()
+        assert (await retry.json())["error"]["rule"] == "idempotency.in_progress"
+
+        async def keys_held() -> int:
+            async with here.db.read() as conn:
+                count = sa.select(sa.func.count()).select_from(t.idempotency_keys)
+                return int(await conn.scalar(count) or 0)
+
+        async def given_back() -> bool:
+            return await keys_held() == 1  # (k-first's answer stays)
+
+        assert await keys_held() == 2
+        fake_clock(here).advance(1_000)  # the first look is due: its loop, asleep toward
+        here.idempotency.wake()  # it by this fake clock, is woken to see it
+        assert await eventually(given_back)
+        again = await there.post("/v1/chat/completions", **keyed("k-late"))
+        assert again.status == 200, await again.text()
+        assert (await again.json())["choices"][0]["message"]["content"] == "Echo: hello"
 
 
 #: An unkeyed intake in doubt, by the path it takes: (agent, the session of a turn run

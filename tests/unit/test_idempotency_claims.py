@@ -11,7 +11,7 @@ from leadgate.core.auth import Principal
 from leadgate.core.errors import NOTHING_STORED, Unavailable
 from leadgate.database.db import Database
 from leadgate.operations.idempotency import LEASE_MS, Idempotency
-from tests.fakes import CommitLandsLater, lose_the_next_commit
+from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
 from tests.helpers import make_org
 from tests.stack import Stack
 
@@ -71,3 +71,66 @@ async def test_a_takeover_in_doubt_given_back_keeps_the_keys_event_id(
     stack.clock.advance(2_000)  # the client's retry
     retry = await idem.begin(principal, "k-2", "fp")
     assert (retry.action, retry.external_event_id) == ("run", first.external_event_id)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_claim_in_doubt_that_lands_late_is_given_back_for_a_retry_on_another_replica(
+    stack: Stack, commit_lands_later: Callable[[Database], CommitLandsLater]
+) -> None:
+    """As above, but the client's retry reaches another replica, which cannot give back
+    a claim whose owner token it does not know: the replica that made the claim gives
+    it back when its look falls due (its loop runs :meth:`Idempotency.run_once`), and
+    the retry runs. It was answered 409 ``idempotency.in_progress`` until the claim's
+    lease lapsed, a minute on, unless a keyed request happened to reach the first
+    replica. (PostgreSQL only: a SQLite COMMIT is never in doubt.)"""
+    org = await make_org(stack)
+    here = Idempotency(stack.db, stack.clock, stack.ids)
+    there = Idempotency(stack.db, stack.clock, stack.ids)  # another replica's
+    woken: list[bool] = []
+    here.wake = lambda: woken.append(True)
+    principal = Principal(org.id, frozenset())
+    assert await here.run_once() is False and here.due_in_s() is None  # (nothing watched)
+    assert (await here.begin(principal, "other", "fp-other")).action == "run"  # (its sweep)
+    assert (await there.begin(principal, "other-2", "fp-other")).action == "run"
+    late = commit_lands_later(stack.db)
+    with pytest.raises(Unavailable):
+        await here.begin(principal, "k-3", "fp")
+    await late.land()  # after the give-back that found nothing
+    assert woken and here.due_in_s() == 1.0  # its loop sleeps until the first look
+    stack.clock.advance(1_000)
+    assert (await there.begin(principal, "k-3", "fp")).action == "running"
+    assert await here.run_once() is True  # the look, due: given back
+    stack.clock.advance(1_000)  # the client's retry, after the 503's Retry-After
+    claim = await there.begin(principal, "k-3", "fp")
+    assert claim.action == "run" and claim.external_event_id is not None
+    assert here.due_in_s() is None
+    # The other keys' claims were never touched.
+    assert (await here.begin(principal, "other", "fp-other")).action == "running"
+    assert (await there.begin(principal, "other-2", "fp-other")).action == "running"
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_give_back_loop_that_meets_the_database_away_keeps_the_claim_watched(
+    stack: Stack,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop's look fails (the database away again): the fault is raised for the
+    loop to back off on, and the claim stays watched, due at once; the next look gives
+    it back. (A swallowed failure with the token due would spin the loop.)"""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    assert (await idem.begin(principal, "other", "fp-other")).action == "run"  # (its sweep)
+    late = commit_lands_later(stack.db)
+    with pytest.raises(Unavailable):
+        await idem.begin(principal, "k-4", "fp")
+    await late.land()
+    stack.clock.advance(1_000)
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.run_once()
+    assert idem.due_in_s() == 0.0
+    assert await idem.run_once() is True
+    assert idem.due_in_s() is None
+    assert (await idem.begin(principal, "k-4", "fp")).action == "run"
