@@ -9,12 +9,13 @@ SHA-256 of the request (its fingerprint).
 While the first request runs, a second one gets 409 ``idempotency.in_progress`` with
 ``Retry-After`` (at most :data:`RETRY_AFTER_MAX_S`). The request running keeps its claim
 fresh (:meth:`Idempotency.held` renews it every :data:`RENEW_EVERY_S`); once nothing
-renews it (its process died, or a database fault kept its release from being written) it
-lapses after :data:`LEASE_MS`, and the next request takes it over and runs the turn again
-with the same external event id, which the intake de-duplicates in its own transaction
-(``inbound_events``): a message that was already taken in is not taken twice (the turn
-answers :class:`~leadgate.core.types.Duplicate`, which the route reports as an answer
-that was lost with the crash), and one that was not is taken now.
+renews it (its process died) it lapses after :data:`LEASE_MS`, and the next request takes
+it over and runs the turn again with the same external event id, which the intake
+de-duplicates in its own transaction (``inbound_events``): a message that was already
+taken in is not taken twice (the turn answers :class:`~leadgate.core.types.Duplicate`,
+which the route reports as an answer that was lost with the crash), and one that was not
+is taken now. A release that a database fault kept from being written is tried again
+(:meth:`Idempotency.release`), not left to the lease.
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -184,7 +185,7 @@ class Idempotency:
             # that runs nowhere, until its lease lapsed. Given back now, fenced by its
             # owner token (:meth:`_give_back`); in doubt and not found (or the database
             # still away), looked for again (:meth:`_give_back_lost`).
-            token = HeldKey(org, key_hash, owner, took_over=bool(took_over))
+            token = HeldKey(org, key_hash, owner, keep_key=bool(took_over))
             try:
                 found = await self._give_back(token)
             except Exception:  # (the database still away: the next request looks)
@@ -235,8 +236,9 @@ class Idempotency:
 
     async def _give_back(self, token: HeldKey) -> bool:
         """Give back the claim ``token`` names while it holds its key with no answer
-        stored; True when it did. A new claim is deleted (the key is free again). A
-        takeover's key is kept with its lease ended, as :meth:`lapse` does: it holds the
+        stored; True when it did. A new claim is deleted (the key is free again), as
+        :meth:`release` does. A takeover's key is kept with its lease ended, as
+        :meth:`lapse` does: it holds the
         external event id under which the request that died may have taken its message
         in, and the retry must take it over with that id (deleted, the retry claimed it
         afresh under a new one, and the intake took the message in a second time)."""
@@ -247,7 +249,7 @@ class Idempotency:
             _K.response.is_(None),
         )
         async with self.db.tx() as conn:
-            if token.took_over:
+            if token.keep_key:
                 statement: sa.Executable = (
                     t.idempotency_keys.update()
                     .where(*held)
@@ -381,8 +383,7 @@ class Idempotency:
         """The request failed before its message was taken in: forget the key, so that a
         retry runs the turn. Only this request's own claim: one taken over (it stalled
         past its lease) is the other request's to keep."""
-        async with self.db.tx() as conn:
-            await conn.execute(t.idempotency_keys.delete().where(*_owned(principal, claim)))
+        await self._hand_back(principal, claim, keep_key=False)
 
     async def lapse(self, principal: Principal, claim: Claim) -> None:
         """The request failed with its intake's commit in doubt (it may have taken the
@@ -391,12 +392,26 @@ class Idempotency:
         de-duplicates: a message taken in is not taken twice (the retry gets
         ``idempotency.lost``), one that was not is taken in now. :meth:`release` would
         give the retry a new event id and could take the message in a second time."""
-        async with self.db.tx() as conn:
-            await conn.execute(
-                t.idempotency_keys.update()
-                .where(*_owned(principal, claim))
-                .values(lease_expires_at=self.clock.now_ms())
-            )
+        await self._hand_back(principal, claim, keep_key=True)
+
+    async def _hand_back(self, principal: Principal, claim: Claim, *, keep_key: bool) -> None:
+        """:meth:`release` (``keep_key`` false) or :meth:`lapse` ``claim``, fenced by its
+        owner token. When that write fails (the database away, as it often is when the
+        turn failed before its intake), no request holds the key, yet it answered the
+        client's retry 409 ``idempotency.in_progress`` until the claim's lease lapsed, a
+        minute on. So the claim is watched (:meth:`_give_back_lost`): handed back 1 s on
+        and then at doubling gaps, by this process's loop or its next keyed request,
+        until its lease would have lapsed. The failure is raised all the same."""
+        if claim.owner is None:  # (only a claim that runs holds the key)
+            return
+        token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=keep_key)
+        try:
+            await self._give_back(token)
+        except BaseException:
+            # In doubt it may have landed: a later look then finds nothing, as fenced.
+            now = self.clock.now_ms()
+            self._lost.watch(token, due=now + self._lost.first_ms, lapses=now + LEASE_MS)
+            raise
 
     async def _sweep(self, now: int) -> None:
         if now < self._next_sweep:
@@ -408,16 +423,18 @@ class Idempotency:
 
 class HeldKey(NamedTuple):
     """What a claim's give-back (:meth:`Idempotency._give_back`) takes, also what
-    :class:`~leadgate.core.runners.LostClaims` watches for a claim in doubt."""
+    :class:`~leadgate.core.runners.LostClaims` watches for a claim in doubt, or for a
+    release or lapse that failed."""
 
     #: the key's row: its organization and key hash
     org_id: str
     key_hash: str
     #: the claim's owner token, which fences the give-back
     owner: str
-    #: the claim took a lapsed one over (its lease is ended, the key kept), else it is
-    #: new (deleted)
-    took_over: bool
+    #: its lease is ended and the key kept (a claim that took a lapsed one over, or
+    #: whose intake may have taken the message in: :meth:`Idempotency.lapse`), else the
+    #: key is deleted (a new claim, or :meth:`Idempotency.release`)
+    keep_key: bool
 
 
 def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:

@@ -134,3 +134,26 @@ async def test_a_give_back_loop_that_meets_the_database_away_keeps_the_claim_wat
     assert await idem.run_once() is True
     assert idem.due_in_s() is None
     assert (await idem.begin(principal, "k-4", "fp")).action == "run"
+
+
+@pytest.mark.parametrize("keep_key", [False, True])
+async def test_a_release_the_database_kept_from_being_written_is_tried_again(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, keep_key: bool
+) -> None:
+    """The request failed before its intake (the database away) and so did its release
+    (or its lapse, after an intake in doubt): nothing holds the key, but it answered the
+    client's retry 409 ``idempotency.in_progress`` until the claim's lease lapsed, a
+    minute on. The hand-back is tried again when due, so the retry (after the 503's 2 s)
+    runs, with the key's event id when it was kept."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    claim = await idem.begin(principal, "k-5", "fp")
+    assert claim.action == "run"
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await (idem.lapse if keep_key else idem.release)(principal, claim)
+    stack.clock.advance(2_000)  # the client's retry
+    retry = await idem.begin(principal, "k-5", "fp")
+    assert retry.action == "run"
+    assert (retry.external_event_id == claim.external_event_id) is keep_key

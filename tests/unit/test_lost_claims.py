@@ -55,10 +55,10 @@ def test_the_watch_holds_a_typed_token() -> None:
     """An Idempotency-Key claim's give-back is watched as what it is (key, owner,
     takeover), not a string of them joined."""
     lost: LostClaims[HeldKey] = LostClaims()
-    held = HeldKey("org_1", "ab" * 32, "ik_1", took_over=True)
+    held = HeldKey("org_1", "ab" * 32, "ik_1", keep_key=True)
     lost.watch(held, due=0, lapses=MINUTE_MS)
     [look] = lost.take_due(0)
-    assert look.token is held and look.token.took_over
+    assert look.token is held and look.token.keep_key
 
 
 # ------------------------------------------------ a look cut short (cancelled)
@@ -138,7 +138,7 @@ async def test_an_idempotency_give_back_cancelled_keeps_its_claims_watched(
     principal = Principal(org.id, frozenset())
     assert (await idem.begin(principal, "other", "fp")).action == "run"  # (its sweep)
     now = stack.clock.now_ms()
-    held = [HeldKey(org.id, f"{n:064x}", f"ik_{n}", took_over=False) for n in range(2)]
+    held = [HeldKey(org.id, f"{n:064x}", f"ik_{n}", keep_key=False) for n in range(2)]
     for each in held:
         idem._lost.watch(each, due=now, lapses=now + LEASE_MS)
     await cut_short(stalled(stack, monkeypatch, "tx"), idem.begin(principal, "k", "fp"))
