@@ -121,10 +121,14 @@ class LostClaims(Generic[T]):
     def __len__(self) -> int:
         return len(self._lost)
 
-    def watch(self, token: T, *, due: int, lapses: int) -> None:
-        """Look for ``token`` at ``due`` (then as the class says), until ``lapses``."""
+    def watch(self, token: T, *, due: int, lapses: int, wake: bool = True) -> None:
+        """Look for ``token`` at ``due`` (then as the class says), until ``lapses``.
+        ``wake`` false: not ``on_watch`` (the caller is a pass of the runner that looks,
+        whose loop weighs :meth:`next_due` once the pass ends; woken, it ran a pass more,
+        one read, for nothing)."""
         self._add(Lost(token, due, self.first_ms, lapses))
-        self.on_watch()
+        if wake:
+            self.on_watch()
 
     def take_due(self, now: int) -> list[Lost[T]]:
         """The tokens due for a look at ``now``, taken out: each goes back by

@@ -183,8 +183,9 @@ def _watch(
         if look is not None:
             lost.not_found(look, now)
         else:
-            # (the run's lease was set at or before now: it lapses by then)
-            lost.watch(token, due=now + lost.first_ms, lapses=now + RUN_LEASE_MS)
+            # (the run's lease was set at or before now: it lapses by then) Not woken:
+            # this is the recovery's own pass, and its loop sleeps toward the look.
+            lost.watch(token, due=now + lost.first_ms, lapses=now + RUN_LEASE_MS, wake=False)
 
 
 async def _claim_in(

@@ -320,15 +320,22 @@ async def test_a_recovery_claim_in_doubt_that_lands_after_the_next_claim_is_take
     assert isinstance(taken, Accepted) and taken.ctx.run_token
     stack.turns.orphans.add(taken.ctx.run_token)  # its turn stopped on a database fault
     recovery = TurnRecovery(stack.turns)
+    woken: list[bool] = []
+    stack.turns.recovery_due = lambda: woken.append(True)  # (its loop's wake)
     late = commit_lands_later(stack.db)
     with pytest.raises(Unavailable) as raised:
         await recovery.run_once()
     assert raised.value.in_doubt
     assert await recovery.run_once() is False  # the rows are locked: nothing found
+    # The tokens it watched since did not wake its own loop: woken, it ran the pass
+    # below at once, a read for nothing (its sleep is weighed after each pass).
+    assert woken == []
     await late.land()
     # Not due yet: no claim (a write transaction) on this pass, the read alone.
     monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
-    assert await recovery.run_once() is False
+    with stack.db.record_statements() as statements:
+        assert await recovery.run_once() is False
+    assert len(statements) == 1, statements
     monkeypatch.setattr(stack.db, "tx", late)
     due = recovery.due_in_s()
     assert due is not None and 0 < due <= 1.0  # the loop wakes for the look
