@@ -33,11 +33,19 @@ class RevisionRunner:
         empty pass saw lapses, or None when it saw none. The runner loop sleeps no longer
         than this (:func:`leadgate.core.runners.run_loop`). Read from the database (every
         replica's leases as of that pass): a revision finished since makes the loop wake
-        early and look again."""
-        if self._next_lapse is None:
-            return None
+        early and look again. The next look for a claim in doubt, when sooner
+        (:meth:`TurnService.claim_revision_or_lapse
+        <leadgate.turns.path.TurnService.claim_revision_or_lapse>`)."""
         # Claimable once the clock is past it (``<``): never earlier, so no busy loop.
-        return max(0.0, (self._next_lapse + 1 - self.turns.clock.now_ms()) / 1000)
+        due = None if self._next_lapse is None else self._next_lapse + 1
+        lost = self.turns.revisions_lost
+        if lost:  # (only after a claim in doubt) the next look for its token, if sooner
+            look = lost.next_due()
+            if look is not None and (due is None or look < due):
+                due = look
+        if due is None:
+            return None
+        return max(0.0, (due - self.turns.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
         """Claim one item with pending feedback and run its internal turn."""

@@ -96,6 +96,11 @@ _REVISION_NEXT = (
     )
     .limit(1)
 )
+#: A revision claim's token looked for (:meth:`TurnService.claim_revision_or_lapse`): the
+#: item that holds it with its feedback still waiting.
+_REVISION_HELD = sa.select(t.work_items).where(
+    *_REVISION_WAITS, _W.lease_token == sa.bindparam("p_token")
+)
 _CLAIM_REVISION = (
     t.work_items.update()
     .where(
@@ -278,6 +283,9 @@ class TurnService:
         self.intake = Intake(
             db, clock, ids, self.history, owner=owner, doubted=self.orphaned, lost=self.lost
         )
+        #: lease tokens of revision claims whose commit was in doubt, looked for by the
+        #: revision dispatcher's next passes (:meth:`claim_revision_or_lapse`)
+        self.revisions_lost: LostClaims[str] = LostClaims(name="revision-dispatch")
         #: Replies of API turns (on PostgreSQL, concurrent ones in one statement).
         self.visible = VisibleWrites(db, clock, ids)
         self.owner = owner
@@ -497,8 +505,20 @@ class TurnService:
         """Claim one inProgress item whose feedback waits for an internal turn; when none
         is claimable, when the earliest revision lease held lapses (ms, by this clock;
         learned from the same read), or None when no lease is held, or when another
-        process claimed the item this one read as claimable (it holds a fresh lease)."""
+        process claimed the item this one read as claimable (it holds a fresh lease).
+
+        A claim whose ``COMMIT`` is in doubt (PostgreSQL) may have landed, or may land
+        later: its item would then wait under a token nobody holds until its lease
+        lapsed (:data:`REVISION_LEASE_MS`, 5 minutes), its feedback undispatched. So its
+        token is watched (:attr:`revisions_lost`): the next pass (after the loop's
+        back-off) looks for it first, then 1 s on and at doubling gaps until that lease
+        would have lapsed, and an item found holding it is this process's claim (the
+        look is the claim: its lease is this process's token)."""
         now = self.clock.now_ms()
+        if self.revisions_lost:  # (only after a claim in doubt)
+            held = await self._look_for_lost_revisions(now)
+            if held is not None:
+                return held
         # Read first: mostly nothing is due, and a read takes no write lock (the claim
         # below is fenced, so a stale read claims nothing).
         async with self.db.read() as conn:
@@ -507,22 +527,46 @@ class TurnService:
             return None
         if not first.claimable:
             return int(first.lease_expires_at)
-        async with self.db.tx() as conn:
-            item_id = await conn.scalar(self.db.skip_locked(_REVISION_DUE), {"p_now": now})
-            if item_id is None:
-                return None
-            row = (
-                await conn.execute(
-                    _CLAIM_REVISION,
-                    {
-                        "p_id": item_id,
-                        "lease_token": self.ids.new("lease"),
-                        "lease_expires_at": now + REVISION_LEASE_MS,
-                        "lease_owner": self.owner(),
-                    },
-                )
-            ).first()
+        token = self.ids.new("lease")
+        try:
+            async with self.db.tx() as conn:
+                item_id = await conn.scalar(self.db.skip_locked(_REVISION_DUE), {"p_now": now})
+                if item_id is None:
+                    return None
+                row = (
+                    await conn.execute(
+                        _CLAIM_REVISION,
+                        {
+                            "p_id": item_id,
+                            "lease_token": token,
+                            "lease_expires_at": now + REVISION_LEASE_MS,
+                            "lease_owner": self.owner(),
+                        },
+                    )
+                ).first()
+        except Unavailable as fault:
+            if fault.in_doubt:
+                self.revisions_lost.watch(token, due=now, lapses=now + REVISION_LEASE_MS)
+            raise
         return None if row is None else WorkItem.from_row(row)
+
+    async def _look_for_lost_revisions(self, now: int) -> WorkItem | None:
+        """The item that holds a watched revision claim's token whose look is due (the
+        claim landed: this process holds it), else None (each token not found is looked
+        for again later, until its lease would have lapsed)."""
+        due = self.revisions_lost.take_due(now)
+        for n, lost in enumerate(due):
+            try:
+                async with self.db.read() as conn:
+                    row = (await conn.execute(_REVISION_HELD, {"p_token": lost.token})).first()
+            except BaseException:  # (cancelled too: the tokens not looked for stay watched)
+                self.revisions_lost.put_back(due[n:])
+                raise
+            if row is not None:
+                self.revisions_lost.put_back(due[n + 1 :])
+                return WorkItem.from_row(row)
+            self.revisions_lost.not_found(lost, now)
+        return None
 
     async def run_revision(self, item: WorkItem) -> Outcome:
         """Dispatch the stored feedback to the worker as a new internal turn."""
