@@ -37,13 +37,11 @@ import sqlalchemy as sa
 
 from leadgate.core.errors import LeadgateError, Unavailable
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LostClaims
 from leadgate.database import schema as t
 from leadgate.domain.processes import owner_gone
-
-# The rule in the error and event of a run recovery gave up on; defined with the resumer,
-# which gives an unreadable paused run up the same way.
-from leadgate.flows.runs import UNRECOVERABLE_RULE as UNRECOVERABLE_RULE
 from leadgate.flows.runs import (
+    RUN_LEASE_MS,
     FlowService,
     RunLease,
     RunLeaseLost,
@@ -51,6 +49,10 @@ from leadgate.flows.runs import (
     move_run,
     take_over,
 )
+
+# The rule in the error and event of a run recovery gave up on; defined with the resumer,
+# which gives an unreadable paused run up the same way.
+from leadgate.flows.runs import UNRECOVERABLE_RULE as UNRECOVERABLE_RULE
 
 log = logging.getLogger("leadgate.flows")
 
@@ -81,6 +83,10 @@ _CHECK = sa.select(
     .scalar_subquery()
     .label("next_lapse"),
 )
+#: A recovery claim's token looked for (:func:`claim_lapsed`): the run that holds it.
+_HELD = sa.select(R.id, R.recovery_attempts).where(
+    _RUNNING, R.lease_token == sa.bindparam("p_token")
+)
 
 
 @dataclass(frozen=True)
@@ -93,14 +99,27 @@ class Claim:
 
 
 async def claim_lapsed(
-    flows: FlowService, seen: Callable[[int | None], None] = lambda next_lapse: None
+    flows: FlowService,
+    seen: Callable[[int | None], None] = lambda next_lapse: None,
+    lost: LostClaims[str] | None = None,
 ) -> Claim | None:
     """Claim one running run whose lease lapsed under a new lease token (counting the
     attempt); None when there is none (or another process claimed it first). ``seen`` is
     told when the earliest lease of a running run lapses, as read first (None: no running
-    run has one that has not lapsed yet)."""
+    run has one that has not lapsed yet).
+
+    ``lost``: the tokens of this process's claims whose ``COMMIT`` was in doubt. Landed
+    (or landing later), such a claim left its run under a token nobody held until its
+    lease lapsed (:data:`~leadgate.flows.runs.RUN_LEASE_MS`), and its next claim counted
+    a second attempt for an outage. So a claim in doubt adds its token, looked for
+    first by the next pass and then 1 s on and at doubling gaps until that lease would
+    have lapsed; a run found holding it is this claim's (the look is the claim)."""
     db, clock = flows.db, flows.clock
     now = clock.now_ms()
+    if lost:  # (only after a claim in doubt)
+        found = await _look_for_lost(flows, lost, now)
+        if found is not None:
+            return found
     # Read first: the runner polls, and nearly always finds nothing; a read takes no
     # write lock (the claim below is fenced).
     async with db.read() as conn:
@@ -112,21 +131,45 @@ async def claim_lapsed(
     seen(lapse if lapse is None or lapse >= now else None)
     if not check.lapsed:
         return None
-    async with db.tx() as conn:
-        row = (await conn.execute(db.skip_locked(_LAPSED), {"p_now": now})).first()
-        if row is None:
-            return None
-        lease = await take_over(
-            conn, flows.clock, flows.ids, row.id, row.lease_token, flows.owner()
-        )
-        if lease is None:
-            return None
-        attempt = int(
-            await conn.scalar(sa.select(R.recovery_attempts).where(R.id == lease.run_id)) or 0
-        )
-        if attempt <= MAX_RECOVERIES:  # else it is given up, not continued
-            await flows._event(conn, row.id, RECOVERED_EVENT)
+    token = flows.ids.new("lease")
+    try:
+        async with db.tx() as conn:
+            row = (await conn.execute(db.skip_locked(_LAPSED), {"p_now": now})).first()
+            if row is None:
+                return None
+            lease = await take_over(
+                conn, flows.clock, flows.ids, row.id, row.lease_token, flows.owner(), token=token
+            )
+            if lease is None:
+                return None
+            attempt = int(
+                await conn.scalar(sa.select(R.recovery_attempts).where(R.id == lease.run_id)) or 0
+            )
+            if attempt <= MAX_RECOVERIES:  # else it is given up, not continued
+                await flows._event(conn, row.id, RECOVERED_EVENT)
+    except Unavailable as fault:
+        if fault.in_doubt and lost is not None:
+            lost.watch(token, due=now, lapses=now + RUN_LEASE_MS)
+        raise
     return Claim(lease, attempt)
+
+
+async def _look_for_lost(flows: FlowService, lost: LostClaims[str], now: int) -> Claim | None:
+    """The claim of a watched token whose look is due, found landed (its run holds the
+    token), else None (each token not found is looked for again later)."""
+    due = lost.take_due(now)
+    for n, look in enumerate(due):
+        try:
+            async with flows.db.read() as conn:
+                row = (await conn.execute(_HELD, {"p_token": look.token})).first()
+        except BaseException:  # (cancelled too: the tokens not looked for stay watched)
+            lost.put_back(due[n:])
+            raise
+        if row is not None:
+            lost.put_back(due[n + 1 :])
+            return Claim(RunLease(row.id, look.token), int(row.recovery_attempts))
+        lost.not_found(look, now)
+    return None
 
 
 class FlowRecovery:
@@ -143,6 +186,8 @@ class FlowRecovery:
         #: the earliest ``lease_expires_at`` of a running run at the last pass (any
         #: process's; None: none)
         self._next_lapse: int | None = None
+        #: tokens of this process's claims in doubt (see :func:`claim_lapsed`)
+        self._lost: LostClaims[str] = LostClaims(name="flow-recovery")
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the earliest lease of a running run the last pass
@@ -152,10 +197,15 @@ class FlowRecovery:
         and look again (rarely: a lease is renewed long before it lapses, so the next
         lapse is usually further away than the poll); one taken since lapses after the
         earliest (every lease lasts :data:`~leadgate.flows.runs.RUN_LEASE_MS`)."""
-        if self._next_lapse is None:
-            return None
         # Lapsed once the clock is past it (_UNHELD: ``<``).
-        return max(0.0, (self._next_lapse + 1 - self.flows.clock.now_ms()) / 1000)
+        due = None if self._next_lapse is None else self._next_lapse + 1
+        if self._lost:  # (only after a claim in doubt) the next look for it, if sooner
+            look = self._lost.next_due()
+            if look is not None and (due is None or look < due):
+                due = look
+        if due is None:
+            return None
+        return max(0.0, (due - self.flows.clock.now_ms()) / 1000)
 
     def _seen(self, next_lapse: int | None) -> None:
         self._next_lapse = next_lapse
@@ -164,7 +214,7 @@ class FlowRecovery:
         """Claim and continue one lapsed run (or fail one recovery gave up on); True when
         there was one."""
         await self._uncount_faulted()
-        claim = await claim_lapsed(self.flows, self._seen)
+        claim = await claim_lapsed(self.flows, self._seen, self._lost)
         if claim is None:
             return False
         lease, attempt = claim.lease, claim.attempt

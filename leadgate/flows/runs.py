@@ -191,14 +191,16 @@ async def take_over(
     run_id: str,
     old_token: str | None,
     owner: str | None,
+    *,
+    token: str | None = None,
 ) -> RunLease | None:
     """Take running run ``run_id``'s lease over from ``old_token`` (None: it had none, a
     run left ``running`` by a version before leases) under a new token held by
-    ``owner``: the ``running -> running`` move of a recovery claim, fenced by status and
-    the old token. Counts the claim in ``recovery_attempts`` (reset when the run makes
-    progress). None when nothing matched (another process took it over first, or the
-    run left ``running``)."""
-    token = ids.new("lease")
+    ``owner`` (``token``, or one made here): the ``running -> running`` move of a
+    recovery claim, fenced by status and the old token. Counts the claim in
+    ``recovery_attempts`` (reset when the run makes progress). None when nothing matched
+    (another process took it over first, or the run left ``running``)."""
+    token = token or ids.new("lease")
     now = clock.now_ms()
     res = await conn.execute(
         t.flow_runs.update()
