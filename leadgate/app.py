@@ -333,6 +333,8 @@ class App:
         self.db.on_commit_payloads(WAKES_TOPIC, self._woken)
         schedules = ScheduleRunner(self.db, self.clock, self.turns)
         flow_recovery = FlowRecovery(self.flows)
+        # A run the resumer inserted by a commit in doubt wakes it: it looks for it.
+        self.flows.recovery_due = flow_recovery_wake.set
         turn_recovery = TurnRecovery(self.turns)
         # A run orphaned or watched by a turn (not by the recovery's own passes) wakes
         # it: its sleep is toward the earliest run lease, or the poll.

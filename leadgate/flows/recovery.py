@@ -108,12 +108,14 @@ async def claim_lapsed(
     told when the earliest lease of a running run lapses, as read first (None: no running
     run has one that has not lapsed yet).
 
-    ``lost``: the tokens of this process's claims whose ``COMMIT`` was in doubt. Landed
-    (or landing later), such a claim left its run under a token nobody held until its
-    lease lapsed (:data:`~leadgate.flows.runs.RUN_LEASE_MS`), and its next claim counted
-    a second attempt for an outage. So a claim in doubt adds its token, looked for
-    first by the next pass and then 1 s on and at doubling gaps until that lease would
-    have lapsed; a run found holding it is this claim's (the look is the claim)."""
+    ``lost``: the tokens of this process's claims whose ``COMMIT`` was in doubt (and of
+    the runs its resumer inserted so: :attr:`FlowService.lost
+    <leadgate.flows.runs.FlowService.lost>`). Landed (or landing later), such a claim
+    left its run under a token nobody held until its lease lapsed
+    (:data:`~leadgate.flows.runs.RUN_LEASE_MS`), and its next claim counted a second
+    attempt for an outage. So a claim in doubt adds its token, looked for first by the
+    next pass and then 1 s on and at doubling gaps until that lease would have lapsed; a
+    run found holding it is this process's to continue (the look is the claim)."""
     db, clock = flows.db, flows.clock
     now = clock.now_ms()
     if lost:  # (only after a claim in doubt)
@@ -149,7 +151,8 @@ async def claim_lapsed(
                 await flows._event(conn, row.id, RECOVERED_EVENT)
     except Unavailable as fault:
         if fault.in_doubt and lost is not None:
-            lost.watch(token, due=now, lapses=now + RUN_LEASE_MS)
+            # Not woken: this is the recovery's own pass (its loop backs off, then looks).
+            lost.watch(token, due=now, lapses=now + RUN_LEASE_MS, wake=False)
         raise
     return Claim(lease, attempt)
 
@@ -186,8 +189,6 @@ class FlowRecovery:
         #: the earliest ``lease_expires_at`` of a running run at the last pass (any
         #: process's; None: none)
         self._next_lapse: int | None = None
-        #: tokens of this process's claims in doubt (see :func:`claim_lapsed`)
-        self._lost: LostClaims[str] = LostClaims(name="flow-recovery")
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the earliest lease of a running run the last pass
@@ -199,8 +200,9 @@ class FlowRecovery:
         earliest (every lease lasts :data:`~leadgate.flows.runs.RUN_LEASE_MS`)."""
         # Lapsed once the clock is past it (_UNHELD: ``<``).
         due = None if self._next_lapse is None else self._next_lapse + 1
-        if self._lost:  # (only after a claim in doubt) the next look for it, if sooner
-            look = self._lost.next_due()
+        lost = self.flows.lost
+        if lost:  # (only after a write in doubt) the next look for its run, if sooner
+            look = lost.next_due()
             if look is not None and (due is None or look < due):
                 due = look
         if due is None:
@@ -214,7 +216,7 @@ class FlowRecovery:
         """Claim and continue one lapsed run (or fail one recovery gave up on); True when
         there was one."""
         await self._uncount_faulted()
-        claim = await claim_lapsed(self.flows, self._seen, self._lost)
+        claim = await claim_lapsed(self.flows, self._seen, self.flows.lost)
         if claim is None:
             return False
         lease, attempt = claim.lease, claim.attempt

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,7 @@ from leadgate.core.errors import (
 )
 from leadgate.core.limits import validate_message
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LostClaims
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -422,6 +423,17 @@ class FlowService:
         self.turns = turns
         #: how often a running node's lease is renewed (real seconds)
         self.renew_every_s = renew_every_s
+        #: Set by the composition root to the flow recovery's wake: a token added to
+        #: :attr:`lost` outside that runner's passes is due sooner than its sleep.
+        self.recovery_due: Callable[[], None] = lambda: None
+        #: lease tokens of runs this process claimed or inserted by a write whose
+        #: ``COMMIT`` was in doubt (a recovery claim, a resumed run): landed, the run
+        #: would sit ``running`` with nothing executing it until its lease lapsed. The
+        #: flow recovery looks for them and continues the run it finds under that token
+        #: (:func:`leadgate.flows.recovery.claim_lapsed`).
+        self.lost: LostClaims[str] = LostClaims(
+            name="flow-recovery", on_watch=lambda: self.recovery_due()
+        )
 
     def owner(self) -> str | None:
         """This process (``lease_owner`` of the runs it executes; None unregistered)."""
@@ -440,6 +452,12 @@ class FlowService:
         ``running`` and recovery continues it, so starting the flow again would run it
         twice. It names the fault's rule, not its message: that one speaks of the
         request that met it ("retry", "check whether it was stored"), not of the run."""
+        # A COMMIT in doubt here is not watched (FlowService.lost), unlike the resumer's:
+        # the caller is ``leadgate flow run``, which exits on the error, so nothing in its
+        # process could look. A run that landed is continued by a worker's flow recovery
+        # once its 2-minute lease lapses (the command registers no process, so none is
+        # known dead), and the error says it may have been stored: starting the flow
+        # again at once would run it twice.
         async with self.db.tx() as conn:
             flow = await find_flow(conn, org_id, flow_ref)
             lease = await self.new_run(conn, org_id, flow["id"], [], 0, None)
@@ -774,14 +792,24 @@ class FlowResumer:
         async with db.read() as conn:
             if (await conn.execute(_SETTLED)).first() is None:
                 return False
-        async with db.tx() as conn:
-            row = (await conn.execute(db.skip_locked(_SETTLED))).first()
-            if row is None:
-                return False
-            if row.item_status != Status.approved.value:
-                outcome: RunLease | str | None = await self._end(conn, row)
-            else:
-                outcome = await self._resume(conn, row)
+        outcome: RunLease | str | None = None  # (set before the commit)
+        try:
+            async with db.tx() as conn:
+                row = (await conn.execute(db.skip_locked(_SETTLED))).first()
+                if row is None:
+                    return False
+                if row.item_status != Status.approved.value:
+                    outcome = await self._end(conn, row)
+                else:
+                    outcome = await self._resume(conn, row)
+        except Unavailable as fault:
+            if fault.in_doubt and isinstance(outcome, RunLease):
+                # The new run may have landed, leased to this process with nothing
+                # executing it: the flow recovery looks for it (at once, then at
+                # doubling gaps) and continues it, not after its lease.
+                now = self.flows.clock.now_ms()
+                self.flows.lost.watch(outcome.token, due=now, lapses=now + RUN_LEASE_MS)
+            raise
         if isinstance(outcome, RunLease):
             await self.flows.execute(outcome)
         elif outcome is not None:  # the error of a run given up as unrecoverable

@@ -755,6 +755,46 @@ async def test_a_recovery_claim_in_doubt_continues_its_run_soon_counted_once(
     assert recovery.due_in_s() is None
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_run_resumed_by_a_commit_in_doubt_is_continued_soon(
+    first: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resumer's COMMIT answer was lost after it inserted the resumed run, leased to
+    its process: nothing executed the run until its lease lapsed (2 minutes) and flow
+    recovery continued it, as a recovery attempt. The flow recovery is woken and looks
+    for the run's token at once, and continues it. (PostgreSQL only: a SQLite COMMIT is
+    never in doubt.)"""
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    await make_agent(first, org, "worker", lead="lead")
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
+            {"type": "output", "value": "end"},
+        ],
+    )
+    paused_id = await first.flows.start(org.id, flow_id)
+    await first.settle()
+    woken: list[bool] = []
+    first.flows.recovery_due = lambda: woken.append(True)  # (its loop's wake)
+    lose_the_next_commit(monkeypatch, first.db, alone=False)
+    with pytest.raises(Unavailable) as raised:
+        await FlowResumer(first.flows).run_once()
+    assert raised.value.in_doubt and woken
+    resumed_id = await _only_run(first, resumed_from=paused_id)
+    assert (await _view(first, org, resumed_id))["status"] == "running"
+    recovery = FlowRecovery(first.flows)
+    assert await recovery.run_once()  # its lease has not lapsed: the look found it
+    done = await _view(first, org, resumed_id)
+    assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+    assert RECOVERED_EVENT not in done["events"]
+    assert await _recovery_attempts(first, resumed_id) == 0
+    assert not await recovery.run_once()
+    assert recovery.due_in_s() is None
+
+
 async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
     first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
 ) -> None:
