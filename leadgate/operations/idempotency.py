@@ -238,10 +238,10 @@ class Idempotency:
         """Give back the claim ``token`` names while it holds its key with no answer
         stored; True when it did. A new claim is deleted (the key is free again), as
         :meth:`release` does. A takeover's key is kept with its lease ended, as
-        :meth:`lapse` does: it holds the
-        external event id under which the request that died may have taken its message
-        in, and the retry must take it over with that id (deleted, the retry claimed it
-        afresh under a new one, and the intake took the message in a second time)."""
+        :meth:`lapse` does: it holds the external event id under which the request that
+        died may have taken its message in, and the retry must take it over with that id
+        (deleted, the retry claimed it afresh under a new one, and the intake took the
+        message in a second time)."""
         held = (
             _K.org_id == token.org_id,
             _K.key_hash == token.key_hash,
