@@ -52,7 +52,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
 from leadgate.database.plans import AnyRow
@@ -410,18 +410,16 @@ class Relay:
         makes the loop wake early and look again. So does the next try of a give-back
         of a claim or a hand-off in doubt (:meth:`release_uncertain_claims`,
         :meth:`release_doubted`), when sooner."""
-        due = self.committer.next_due
-        for retry in (self._uncertain_claims.next_due(), self._doubted.next_due()):
-            if retry is not None:
-                due = retry if due is None else min(due, retry)
-        if self._next_lapse is not None:
-            # Lapsed once the clock is past it (``<``), and the check runs at most every
-            # _expiry_every_ms: never earlier than it can find it, so never a busy loop.
-            lapse = max(self._next_lapse + 1, self._next_expiry_check)
-            due = lapse if due is None else min(due, lapse)
-        if due is None:
-            return None
-        return max(0.0, (due - self.clock.now_ms()) / 1000)
+        lapse = after_lapse(self._next_lapse)
+        # The check runs at most every _expiry_every_ms: never earlier than it can find it.
+        check = None if lapse is None else max(lapse, self._next_expiry_check)
+        return seconds_until(
+            self.clock.now_ms(),
+            self.committer.next_due,
+            check,
+            self._uncertain_claims.next_due(),
+            self._doubted.next_due(),
+        )
 
     def poke(self) -> None:
         """Something became due (an enqueue that was not handed over, an operator retry,

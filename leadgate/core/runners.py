@@ -35,6 +35,21 @@ DAMAGED = Tally(
 )
 
 
+def after_lapse(lapse: int | None) -> int | None:
+    """When a lease the last pass saw lapsing at ``lapse`` (ms) can be taken: once the
+    clock is past it (the claims compare with ``<``), never earlier, so a loop that
+    sleeps toward it never spins. None for None."""
+    return None if lapse is None else lapse + 1
+
+
+def seconds_until(now_ms: int, *dues: int | None) -> float | None:
+    """What a runner's ``due_in_s`` answers: seconds from ``now_ms`` to the soonest of
+    ``dues`` (ms; None: nothing due that way), 0 when one has come, None when none is
+    due (the loop then sleeps the poll)."""
+    soonest = min((due for due in dues if due is not None), default=None)
+    return None if soonest is None else max(0.0, (soonest - now_ms) / 1000)
+
+
 class Runner(Protocol):
     """One kind of background work."""
 

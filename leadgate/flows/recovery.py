@@ -37,7 +37,7 @@ import sqlalchemy as sa
 
 from leadgate.core.errors import LeadgateError, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.domain.processes import owner_gone
 from leadgate.flows.runs import (
@@ -198,16 +198,10 @@ class FlowRecovery:
         and look again (rarely: a lease is renewed long before it lapses, so the next
         lapse is usually further away than the poll); one taken since lapses after the
         earliest (every lease lasts :data:`~leadgate.flows.runs.RUN_LEASE_MS`)."""
-        # Lapsed once the clock is past it (_UNHELD: ``<``).
-        due = None if self._next_lapse is None else self._next_lapse + 1
-        lost = self.flows.lost
-        if lost:  # (only after a write in doubt) the next look for its run, if sooner
-            look = lost.next_due()
-            if look is not None and (due is None or look < due):
-                due = look
-        if due is None:
-            return None
-        return max(0.0, (due - self.flows.clock.now_ms()) / 1000)
+        # The next look for a run whose write was in doubt counts too, when sooner.
+        return seconds_until(
+            self.flows.clock.now_ms(), after_lapse(self._next_lapse), self.flows.lost.next_due()
+        )
 
     def _seen(self, next_lapse: int | None) -> None:
         self._next_lapse = next_lapse

@@ -49,7 +49,7 @@ import sqlalchemy as sa
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import NOTHING_STORED, Unavailable, ValidationError, log_failure
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -138,8 +138,7 @@ class Idempotency:
     def due_in_s(self) -> float | None:
         """Seconds (by this clock) until the next look for a claim in doubt is due, or
         None when none is watched: the loop sleeps no longer than this."""
-        due = self._lost.next_due()
-        return None if due is None else max(0.0, (due - self.clock.now_ms()) / 1000)
+        return seconds_until(self.clock.now_ms(), self._lost.next_due())
 
     async def run_once(self) -> bool:
         """Look for the claims in doubt whose look is due (:meth:`_give_back_lost`),

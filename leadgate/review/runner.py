@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.database.plans import AnyRow
@@ -332,16 +332,10 @@ class LeadRunner:
         checks that every pass, the poll's included, makes. The next look for the token
         of a claim in doubt (:class:`~leadgate.core.runners.LostClaims`) counts too, when
         sooner."""
-        look = self._lost.next_due()
-        dues = [] if look is None else [look]
-        if self._next_lapse is not None:
-            # Lapsed once the clock is past it (_EXPIRED: ``<``), and the check runs at
-            # most every EXPIRY_CHECK_MS: never earlier than it can find it, so never a
-            # busy loop.
-            dues.append(max(self._next_lapse + 1, self._next_expiry_check))
-        if not dues:
-            return None
-        return max(0.0, (min(dues) - self.clock.now_ms()) / 1000)
+        lapse = after_lapse(self._next_lapse)
+        # The check runs at most every EXPIRY_CHECK_MS: never earlier than it can find it.
+        check = None if lapse is None else max(lapse, self._next_expiry_check)
+        return seconds_until(self.clock.now_ms(), check, self._lost.next_due())
 
     def poke(self) -> None:
         """An item was queued for review (after its commit): claim at the next pass."""

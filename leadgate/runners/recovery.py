@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from leadgate.core.errors import DatabaseDamaged, log_failure
+from leadgate.core.runners import after_lapse, seconds_until
 from leadgate.turns import runs
 from leadgate.turns.path import TurnService
 
@@ -36,16 +37,10 @@ class TurnRecovery:
         never finishing) or went away without a reap is recovered when its lease lapses,
         not up to a poll later. Read from the database (every replica's runs as of the
         check): a run finished since makes the loop wake early and look again."""
-        due = None if self._next_lapse is None else self._next_lapse + 1
-        lost = self.turns.lost
-        if lost:  # (only after a fault) the next look for a lost run's token, if sooner
-            look = lost.next_due()
-            if look is not None and (due is None or look < due):
-                due = look
-        if due is None:
-            return None
-        # Takeable once the clock is past it (``<``): never earlier, so never a busy loop.
-        return max(0.0, (due - self.turns.clock.now_ms()) / 1000)
+        # The next look for a lost run's token counts too, when sooner.
+        return seconds_until(
+            self.turns.clock.now_ms(), after_lapse(self._next_lapse), self.turns.lost.next_due()
+        )
 
     def _look_due(self) -> bool:
         """Whether a look for a lost run's token is due (the claim makes it): between

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from leadgate.core.errors import DatabaseDamaged, log_failure
+from leadgate.core.runners import after_lapse, seconds_until
 from leadgate.domain.rows import WorkItem
 from leadgate.turns.path import TurnService
 
@@ -36,16 +37,11 @@ class RevisionRunner:
         early and look again. The next look for a claim in doubt, when sooner
         (:meth:`TurnService.claim_revision_or_lapse
         <leadgate.turns.path.TurnService.claim_revision_or_lapse>`)."""
-        # Claimable once the clock is past it (``<``): never earlier, so no busy loop.
-        due = None if self._next_lapse is None else self._next_lapse + 1
-        lost = self.turns.revisions_lost
-        if lost:  # (only after a claim in doubt) the next look for its token, if sooner
-            look = lost.next_due()
-            if look is not None and (due is None or look < due):
-                due = look
-        if due is None:
-            return None
-        return max(0.0, (due - self.turns.clock.now_ms()) / 1000)
+        return seconds_until(
+            self.turns.clock.now_ms(),
+            after_lapse(self._next_lapse),
+            self.turns.revisions_lost.next_due(),
+        )
 
     async def run_once(self) -> bool:
         """Claim one item with pending feedback and run its internal turn."""
