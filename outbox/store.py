@@ -721,19 +721,21 @@ async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
 
 async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     """Cancel an item's unsent deliveries (the item was cancelled), but for answers to
-    a reviewer's mail (:data:`ANSWER`): what they say was so when they were written.
-    Its review cards and their updates so ended are counted (:func:`count_ended_cards`)."""
+    a reviewer's mail (:data:`ANSWER`) and the edits of posted cards
+    (:data:`CARD_UPDATE`): what they say was so when they were written (an earlier
+    wait's card edited to show its Return; cancelled, that card kept its buttons).
+    Its review cards so ended are counted (:func:`count_ended_cards`)."""
     ended = await conn.execute(
         t.deliveries.update()
         .where(
             D.work_item_id == item_id,
             D.status.in_([DeliveryStatus.pending.value, DeliveryStatus.deliveryUnknown.value]),
-            D.kind != ANSWER,
+            D.kind.not_in([ANSWER, CARD_UPDATE]),
         )
         .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
         .returning(D.channel, D.kind)
     )
-    count_ended_cards(r.channel for r in ended.all() if r.kind in CARD_KINDS)
+    count_ended_cards(r.channel for r in ended.all() if r.kind == CARD)
 
 
 async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:

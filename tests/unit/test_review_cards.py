@@ -136,6 +136,38 @@ async def test_a_decision_updates_posted_cards_and_cancels_unsent_ones(
         assert (await workitems.get(conn, item_id)).status == "completed"
 
 
+async def decide(env: ReviewEnv, item_id: str, action: str, text: str | None = None) -> None:
+    async with env.stack.db.tx() as conn:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, action, "user:x", text)
+
+
+async def test_an_earlier_waits_card_edit_is_sent_after_its_item_is_cancelled(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A Return queues the edit of its wait's card (it shows "Returned to the worker"); the item is
+    cancelled before the relay sends it. The edit is still sent: what it shows was so.
+    It was cancelled with the item's unsent deliveries, and the card kept its buttons."""
+    env = await review_env(make_stack)
+    item_id = await env.escalated("s1")
+    await drain(env.stack.relay)  # the card is posted
+    await decide(env, item_id, "return", "More detail.")
+    [update] = await env.deliveries(item_id, "cardUpdate")
+    assert update["status"] == "pending"
+    cancelled = deliveries_counted("slack", "cancelled")
+
+    await decide(env, item_id, "cancel")
+
+    await drain(env.stack.relay)
+    [card] = await env.deliveries(item_id, "card")
+    [(edited, message)] = env.slack.updates
+    assert edited == card["external_id"]
+    assert message.card is not None and message.card.outcome is not None
+    assert message.card.outcome.title == "Returned to the worker"
+    assert [d["status"] for d in await env.deliveries(item_id, "cardUpdate")] == ["sent"]
+    assert deliveries_counted("slack", "cancelled") == cancelled
+
+
 async def test_an_update_waits_for_its_card_and_gives_up_when_it_never_posted(
     make_stack: Callable[..., Stack],
 ) -> None:
