@@ -92,23 +92,29 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-_SQLITE_TEMPLATE: list[Path] = []
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite file migrated to the newest schema, made once per session: copy it
+    (``shutil.copyfile``) rather than run ``db upgrade`` on a fresh file again (an Alembic
+    run costs about a second, a ``leadgate db upgrade`` process two). Never write to it."""
+    from leadgate.database.db import upgrade
+
+    path = tmp_path_factory.mktemp("template") / "t.db"
+    upgrade(f"sqlite+aiosqlite:///{path}")
+    return path
 
 
 @pytest.fixture
-def migrated_url(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def migrated_url(db_url: str, request: pytest.FixtureRequest) -> str:
     """``db_url`` (sqlite and postgres) migrated to the newest schema. SQLite files are
-    copies of one migrated template (an Alembic run costs about a second)."""
+    copies of :func:`sqlite_template`."""
     from leadgate.database.db import upgrade
 
     if not db_url.startswith("sqlite"):
         upgrade(db_url)
         return db_url
-    if not _SQLITE_TEMPLATE:
-        path = tmp_path_factory.mktemp("template") / "t.db"
-        upgrade(f"sqlite+aiosqlite:///{path}")
-        _SQLITE_TEMPLATE.append(path)
-    shutil.copyfile(_SQLITE_TEMPLATE[0], db_url.removeprefix("sqlite+aiosqlite:///"))
+    template: Path = request.getfixturevalue("sqlite_template")
+    shutil.copyfile(template, db_url.removeprefix("sqlite+aiosqlite:///"))
     return db_url
 
 

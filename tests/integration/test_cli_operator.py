@@ -16,6 +16,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import socket
 import sqlite3
 import stat
@@ -122,12 +123,12 @@ async def _seed(url: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def world(tmp_path_factory: pytest.TempPathFactory, sqlite_template: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("cli-operator")
     db = root / "lg.db"
     # ./config.toml in the working directory: the commands below carry no --config.
     write_config(root / "config.toml", db)
-    assert lg(root, "db", "upgrade").code == 0
+    shutil.copyfile(sqlite_template, db)  # what `db upgrade` makes (tested in test_cli)
     seeded = asyncio.run(_seed(f"sqlite+aiosqlite:///{db}"))
     return {"root": root, "db": db, **seeded}
 
@@ -582,14 +583,14 @@ async def _seed_uncertain_cards(url: str) -> dict[str, str]:
 
 
 def test_delivery_retry_of_a_card_whose_item_was_decided_cancels_it(
-    tmp_path: Path,
+    tmp_path: Path, sqlite_template: Path
 ) -> None:
     """``delivery retry`` of a review card whose item was decided ends it ``cancelled``
     and says why (it was put back ``pending`` and posted after the decision); a card
     whose item still waits is retried as before."""
     db = tmp_path / "lg.db"
     write_config(tmp_path / "config.toml", db)
-    assert lg(tmp_path, "db", "upgrade").code == 0
+    shutil.copyfile(sqlite_template, db)
     cards = asyncio.run(_seed_uncertain_cards(f"sqlite+aiosqlite:///{db}"))
     acme = ("--org", "acme")
     decided = lg(tmp_path, "delivery", "retry", *acme, cards["decided"]).json()
@@ -612,9 +613,11 @@ def test_delivery_retry_of_a_card_whose_item_was_decided_cancels_it(
 # ------------------------------------------------------------ demo key and ports
 
 
-def test_the_demo_key_is_kept_in_a_private_file_reused_and_rotated(tmp_path: Path) -> None:
+def test_the_demo_key_is_kept_in_a_private_file_reused_and_rotated(
+    tmp_path: Path, sqlite_template: Path
+) -> None:
     write_config(tmp_path / "config.toml", tmp_path / "demo.db")
-    assert lg(tmp_path, "db", "upgrade").code == 0
+    shutil.copyfile(sqlite_template, tmp_path / "demo.db")
     key_file = tmp_path / ".leadgate-demo-key"
     first = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
     assert first["keyReused"] is False
@@ -641,10 +644,10 @@ def test_the_demo_key_is_kept_in_a_private_file_reused_and_rotated(tmp_path: Pat
 
 
 def test_a_key_file_that_cannot_be_written_stops_demo_before_any_key_changes(
-    tmp_path: Path,
+    tmp_path: Path, sqlite_template: Path
 ) -> None:
     write_config(tmp_path / "config.toml", tmp_path / "demo.db")
-    assert lg(tmp_path, "db", "upgrade").code == 0
+    shutil.copyfile(sqlite_template, tmp_path / "demo.db")
     key_file = tmp_path / "kf" / "key"
     first = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
     (tmp_path / "kf" / "key.tmp").mkdir()  # where the new key would be written first
@@ -658,7 +661,7 @@ def test_a_key_file_that_cannot_be_written_stops_demo_before_any_key_changes(
 
 
 def test_commands_read_past_a_write_lock_and_wait_for_one_only_busy_timeout_s(
-    tmp_path: Path,
+    tmp_path: Path, sqlite_template: Path
 ) -> None:
     """Another process's write transaction: a read command does not wait for it (it took
     the write lock itself, and waited 30 s whatever the config said), and a write command
@@ -667,7 +670,7 @@ def test_commands_read_past_a_write_lock_and_wait_for_one_only_busy_timeout_s(
     config.write_text(
         config.read_text().replace("[database]\n", "[database]\nbusy_timeout_s = 1.0\n", 1)
     )
-    assert lg(tmp_path, "db", "upgrade").code == 0
+    shutil.copyfile(sqlite_template, tmp_path / "lock.db")
     assert lg(tmp_path, "org", "create", "acme").code == 0  # the first connection sets WAL
     holder = sqlite3.connect(tmp_path / "lock.db", isolation_level=None)
     try:
