@@ -66,7 +66,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -224,6 +224,70 @@ def _child_env(*overrides: Mapping[str, str] | None, root: Path = REPO_ROOT) -> 
         if extra:
             env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+_BATCH = """
+import contextlib, io, json, sys, traceback
+from leadgate.cli.main import main
+config, commands = sys.argv[1], json.loads(sys.argv[2])
+for args in commands:
+    # The pipes a `leadgate` process writes to: stdout strict UTF-8 (text it cannot
+    # encode fails the command, as in a process), stderr UTF-8 with backslashes.
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.TextIOWrapper(
+        io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["--config", config, *args])
+        except SystemExit as exc:  # argparse's usage errors: what the process exits with
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:  # what the interpreter prints for an uncaught exception
+            traceback.print_exc()
+            code = 1
+    texts = [stream.buffer.getvalue().decode("utf-8") for stream in (out, err)]
+    print(json.dumps({"args": args, "code": code, "out": texts[0], "err": texts[1]}))
+"""
+
+
+class CommandRun(NamedTuple):
+    """One command of :func:`cli_batch`: its arguments, exit code, stdout and stderr."""
+
+    args: list[str]
+    code: int
+    out: str
+    err: str
+
+
+def cli_batch(
+    python: str,
+    config: Path,
+    commands: Sequence[Sequence[str]],
+    *,
+    env: dict[str, str],
+    cwd: Path = REPO_ROOT,
+    timeout: float = 120,
+) -> list[CommandRun]:
+    """Run ``leadgate --config CONFIG`` commands through ``leadgate.cli.main.main`` (what
+    ``leadgate`` runs) one after the other in a single child process: one interpreter
+    start instead of one per command (each costs most of a second of CPU). Each gets
+    its own stdout and stderr; an argparse exit or an uncaught exception is its exit
+    code and output, as a process of its own would show it."""
+    result = subprocess.run(
+        [python, "-c", _BATCH, str(config), json.dumps([list(c) for c in commands])],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    runs = [CommandRun(**json.loads(line)) for line in result.stdout.splitlines()]
+    if result.returncode != 0 or len(runs) != len(commands):
+        raise RuntimeError(f"cli batch failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return runs
 
 
 @dataclass
@@ -396,6 +460,18 @@ class ServiceProcess:
             raise errors[0]
         return outputs
 
+    def batch(self, commands: Sequence[Sequence[str]]) -> list[Any]:
+        """Admin commands one after the other in one child process (:func:`cli_batch`:
+        one interpreter start instead of one per command); returns their JSON outputs.
+        Raises :class:`AdminError` on the first command that exits non-zero."""
+        outputs: list[Any] = []
+        env = _child_env(self.env, root=self.root)
+        for run in cli_batch(self.python, self.config_path, commands, env=env, cwd=self.root):
+            if run.code != 0:
+                raise AdminError(run.args, run.code, run.out, run.err)
+            outputs.append(json.loads(run.out))
+        return outputs
+
     def upgrade(self) -> str:
         """``leadgate db upgrade``; returns the schema revision."""
         return str(self.admin("db", "upgrade")["revision"])
@@ -403,6 +479,13 @@ class ServiceProcess:
     def seed_demo(self, name: str = "demo") -> Demo:
         """``leadgate demo``: an organization with lead, worker and plain; sets ``demo``."""
         self.demo = Demo.from_cli(self.admin("demo", "--name", name))
+        return self.demo
+
+    def upgrade_and_seed_demo(self, then: Sequence[Sequence[str]] = ()) -> Demo:
+        """:meth:`upgrade`, :meth:`seed_demo` and the admin commands ``then`` in one child
+        process (:meth:`batch`); sets and returns ``demo``."""
+        _, seeded, *_ = self.batch([["db", "upgrade"], ["demo", "--name", "demo"], *then])
+        self.demo = Demo.from_cli(seeded)
         return self.demo
 
     # -- the service process ---------------------------------------------------------------
@@ -605,8 +688,7 @@ class ServiceProcess:
 def running_service(workdir: Path, **kwargs: Any) -> Iterator[ServiceProcess]:
     """Upgrade, seed the demo organization and serve; stop cleanly on exit."""
     proc = ServiceProcess(workdir, **kwargs)
-    proc.upgrade()
-    proc.seed_demo()
+    proc.upgrade_and_seed_demo()
     with proc.start():
         yield proc
 
@@ -623,8 +705,7 @@ def make_template(workdir: Path, **kwargs: Any) -> DemoTemplate:
     """``leadgate db upgrade`` + ``leadgate demo`` once, through the CLI, into an SQLite
     file that :func:`start_from_template` copies. Pay the CLI cost once per test session."""
     proc = ServiceProcess(workdir, **kwargs)
-    proc.upgrade()
-    demo = proc.seed_demo()
+    demo = proc.upgrade_and_seed_demo()
     assert proc.sqlite_file is not None, "templates are SQLite files"
     return DemoTemplate(proc.sqlite_file, demo)
 

@@ -29,14 +29,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from tests.service_proc import (
     REPO_ROOT,
-    AdminError,
     DemoTemplate,
     ServiceProcess,
-    _child_env,
     clone_sqlite,
 )
 
@@ -226,79 +224,10 @@ class Standin:
 # --------------------------------------------------------------------------- service
 
 
-_BATCH = """
-import contextlib, io, json, sys, traceback
-from leadgate.cli.main import main
-config, commands = sys.argv[1], json.loads(sys.argv[2])
-for args in commands:
-    # The pipes a `leadgate` process writes to: stdout strict UTF-8 (text it cannot
-    # encode fails the command, as in a process), stderr UTF-8 with backslashes.
-    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
-    err = io.TextIOWrapper(
-        io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True
-    )
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(["--config", config, *args])
-        except SystemExit as exc:  # argparse's usage errors: what the process exits with
-            if isinstance(exc.code, str):
-                print(exc.code, file=sys.stderr)
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        except BaseException:  # what the interpreter prints for an uncaught exception
-            traceback.print_exc()
-            code = 1
-    texts = [stream.buffer.getvalue().decode("utf-8") for stream in (out, err)]
-    print(json.dumps({"args": args, "code": code, "out": texts[0], "err": texts[1]}))
-"""
-
-
-class CommandRun(NamedTuple):
-    """One command of :func:`cli_batch`: its arguments, exit code, stdout and stderr."""
-
-    args: list[str]
-    code: int
-    out: str
-    err: str
-
-
-def cli_batch(
-    python: str,
-    config: Path,
-    commands: Sequence[Sequence[str]],
-    *,
-    env: dict[str, str],
-    cwd: Path = REPO_ROOT,
-    timeout: float = 120,
-) -> list[CommandRun]:
-    """Run ``leadgate --config CONFIG`` commands through ``leadgate.cli.main.main`` (what
-    ``leadgate`` runs) one after the other in a single child process: one interpreter
-    start instead of one per command (each costs most of a second of CPU). Each gets
-    its own stdout and stderr; an argparse exit or an uncaught exception is its exit
-    code and output, as a process of its own would show it."""
-    result = subprocess.run(
-        [python, "-c", _BATCH, str(config), json.dumps([list(c) for c in commands])],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    runs = [CommandRun(**json.loads(line)) for line in result.stdout.splitlines()]
-    if result.returncode != 0 or len(runs) != len(commands):
-        raise RuntimeError(f"cli batch failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return runs
-
-
 def admin_batch(proc: ServiceProcess, commands: Sequence[Sequence[str]]) -> list[Any]:
-    """:func:`cli_batch` for ``proc``'s config. Returns the commands' JSON outputs;
-    raises on the first command that exits non-zero."""
-    outputs: list[Any] = []
-    for run in cli_batch(proc.python, proc.config_path, commands, env=_child_env(proc.env)):
-        if run.code != 0:
-            raise AdminError(run.args, run.code, run.out, run.err)
-        outputs.append(json.loads(run.out))
-    return outputs
+    """:meth:`ServiceProcess.batch`: the commands in one child process, their JSON
+    outputs; raises on the first command that exits non-zero."""
+    return proc.batch(commands)
 
 
 def prepared_service(

@@ -90,8 +90,7 @@ def leadgate_pg(
 ) -> Generator[ServiceProcess, None, None]:
     """A started service with the demo organization on a fresh PostgreSQL database."""
     proc = ServiceProcess(tmp_path / "leadgate", database_url=pg_url)
-    proc.upgrade()
-    proc.seed_demo()
+    proc.upgrade_and_seed_demo()
     proc.start()
     with _serving(proc, lambda: _test_failed(request.node)):
         yield proc

@@ -176,8 +176,7 @@ def pg_fuzz_service(
     proc = ServiceProcess(
         tmp_path_factory.mktemp("fuzz-pg-svc"), database_url=url, config=_config(key)
     )
-    proc.upgrade()
-    yield from _serve(proc, key, proc.seed_demo(), (postgres_server, database))
+    yield from _serve(proc, key, proc.upgrade_and_seed_demo(), (postgres_server, database))
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -25,8 +25,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from leadgate.app import App
-from tests.acceptance.channel_kit import cli_batch
 from tests.helpers import api_trigger, make_agent, make_org
+from tests.service_proc import cli_batch
 
 REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("leadgate")

@@ -89,9 +89,7 @@ def sqlite_service(template: Any, workdir: Path, config: dict[str, Any]) -> Serv
 def pg_service(url: str, workdir: Path, config: dict[str, Any]) -> ServiceProcess:
     """A (not started) service on a fresh PostgreSQL database with the Slack routes."""
     proc = ServiceProcess(workdir, database_url=url, config=config)
-    proc.upgrade()
-    demo = proc.seed_demo()
-    admin_batch(proc, routes_for(demo.org))
+    proc.upgrade_and_seed_demo(then=routes_for("demo"))
     return proc
 
 

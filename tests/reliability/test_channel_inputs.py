@@ -190,8 +190,7 @@ def test_a_nul_in_the_url_is_400_on_postgresql(pg_url: str, tmp_path: Path) -> N
     """PostgreSQL text cannot hold a NUL: a path parameter or query value with one failed
     in the driver (500 on every route that looks one up) until the URL was checked."""
     proc = ServiceProcess(tmp_path / "svc", database_url=pg_url)
-    proc.upgrade()
-    demo = proc.seed_demo()
+    demo = proc.upgrade_and_seed_demo()
     headers = {"Authorization": f"Bearer {demo.key}", "Accept": "application/json"}
     with proc.start():
         for method, path in [
