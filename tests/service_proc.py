@@ -239,7 +239,7 @@ for args in commands:
     )
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main(["--config", config, *args])
+            code = main(["--config", config, *args] if config else args)
         except SystemExit as exc:  # argparse's usage errors: what the process exits with
             if isinstance(exc.code, str):
                 print(exc.code, file=sys.stderr)
@@ -263,20 +263,22 @@ class CommandRun(NamedTuple):
 
 def cli_batch(
     python: str,
-    config: Path,
+    config: Path | None,
     commands: Sequence[Sequence[str]],
     *,
     env: dict[str, str],
     cwd: Path = REPO_ROOT,
     timeout: float = 120,
 ) -> list[CommandRun]:
-    """Run ``leadgate --config CONFIG`` commands through ``leadgate.cli.main.main`` (what
-    ``leadgate`` runs) one after the other in a single child process: one interpreter
-    start instead of one per command (each costs most of a second of CPU). Each gets
-    its own stdout and stderr; an argparse exit or an uncaught exception is its exit
-    code and output, as a process of its own would show it."""
+    """Run ``leadgate --config CONFIG`` commands (no ``--config`` when ``config`` is None:
+    the command finds its own) through ``leadgate.cli.main.main`` (what ``leadgate``
+    runs) one after the other in a single child process: one interpreter start instead
+    of one per command (each costs most of a second of CPU). Each gets its own stdout
+    and stderr, standard input is empty; an argparse exit or an uncaught exception is
+    its exit code and output, as a process of its own would show it."""
     result = subprocess.run(
-        [python, "-c", _BATCH, str(config), json.dumps([list(c) for c in commands])],
+        [python, "-c", _BATCH, str(config or ""), json.dumps([list(c) for c in commands])],
+        input="",
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -1,4 +1,5 @@
-"""The operator side of the real ``leadgate`` command (issue 15), as subprocesses: config
+"""The operator side of the real ``leadgate`` command (issue 15), as subprocesses (a
+process each, or independent commands one after the other in one, :func:`batch`): config
 discovery (``--config``, ``$LEADGATE_CONFIG``, ``./config.toml``, defaults; named on
 ``--help`` and in errors), ``key list|revoke``, case-insensitive roles and password
 prompts (stdin, environment, a real pseudo-terminal without echo), ``review ...`` and
@@ -21,6 +22,7 @@ import socket
 import sqlite3
 import stat
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +42,7 @@ from tests.helpers import api_trigger, make_agent, make_org, session_item
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
 from tests.integration.test_operator_api import TimeoutChannel
 from tests.review_support import add_destination
+from tests.service_proc import cli_batch
 
 ME = getpass.getuser()
 
@@ -69,6 +72,15 @@ def par(cwd: Path, *calls: tuple[str, ...] | tuple[tuple[str, ...], dict[str, An
             else:
                 futures.append(pool.submit(lg, cwd, *call))
         return [f.result() for f in futures]
+
+
+def batch(cwd: Path, *calls: tuple[str, ...]) -> list[Run]:
+    """Independent commands (no standard input, no environment of their own) one after
+    the other in one child process, in ``cwd`` with no ``--config`` as :func:`lg` runs
+    them (:func:`tests.service_proc.cli_batch`: a ``leadgate`` start costs most of a
+    second of CPU, a dozen of them most of a test's time)."""
+    done = cli_batch(sys.executable, None, calls, env=_env(), cwd=cwd, timeout=TIMEOUT * 3)
+    return [Run(tuple(run.args), run.code, run.out.strip(), run.err.strip()) for run in done]
 
 
 def _timing_out_app(url: str) -> App:
@@ -190,7 +202,7 @@ def test_key_list_and_revoke(world: dict[str, Any]) -> None:
     root: Path = world["root"]
     made = lg(root, "key", "create", "--org", "acme", "--scope", "agent:review", "--name", "ci")
     key = made.json()
-    listing, table = par(
+    listing, table = batch(
         root,
         ("key", "list", "--org", "acme"),
         ("key", "list", "--org", "acme", "--format", "table"),
@@ -209,7 +221,7 @@ def test_key_list_and_revoke(world: dict[str, Any]) -> None:
     assert table.code == 0 and table.out.splitlines()[0].split()[:3] == ["ID", "NAME", "SCOPES"]
     revoked = lg(root, "key", "revoke", "--org", "acme", key["id"]).json()
     assert revoked["active"] is False and revoked["revokedAt"]
-    twice, elsewhere, listing = par(
+    twice, elsewhere, listing = batch(
         root,
         ("key", "revoke", "--org", "acme", key["id"]),
         ("key", "revoke", "--org", "globex", key["id"]),
@@ -373,7 +385,7 @@ def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) ->
     first, second = _console(world, ("login", email, "first pw 1"), ("login", email, "first pw 1"))
     assert first and second
 
-    listed, table, elsewhere = par(
+    listed, table, elsewhere = batch(
         root,
         ("user", "list", *acme),
         ("user", "list", *acme, "--format", "table"),
@@ -429,7 +441,7 @@ def test_users_are_listed_updated_disabled_and_enabled(world: dict[str, Any]) ->
     ended = lg(root, "user", "update", *acme, email, "--end-sessions").json()
     assert ended["sessionsEnded"] == 1
 
-    nothing, both, other_org, short, no_input, empty = par(
+    nothing, both, other_org, short, no_input, empty = batch(
         root,
         ("user", "update", *acme, email),
         ("user", "update", *acme, email, "--disable", "--enable"),
@@ -459,7 +471,7 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     first, second, third, fourth = world["items"]
     acme = ("--org", "acme")
     delivery = world["delivery"]
-    uncertain, uncertain_table, listed, table, shown, *refused = par(
+    uncertain, uncertain_table, listed, table, shown, *refused = batch(
         root,
         ("delivery", "list", *acme),
         ("delivery", "list", *acme, "--format", "table"),
@@ -531,7 +543,7 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     assert cancelled.json()["status"] == "cancelled"
     assert retried.json()["deliveries"][0]["status"] == "pending"
 
-    again, confirm = par(
+    again, confirm = batch(
         root,
         ("review", "approve", *acme, first),
         ("delivery", "confirm", "--org", "acme", delivery),
