@@ -1,7 +1,8 @@
 """Upgrading in place through the real ``leadgate`` command, on SQLite and PostgreSQL: a
 database behind the newest schema revision, ahead of it (a newer release's, after a
 rollback) or never migrated is refused at start by ``serve`` and the other commands,
-with one line naming what to do and nothing written; two replicas running ``leadgate db
+with one line naming what to do and nothing written (those commands one after the other
+in one child process, through ``leadgate.cli.main.main``); two replicas running ``leadgate db
 upgrade`` at once on one PostgreSQL, or two on one SQLite file, both succeed, and the
 schema is upgraded once."""
 
@@ -11,8 +12,8 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import sys
 from asyncio.subprocess import Process
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -27,6 +28,7 @@ from leadgate.database.db import UPGRADE_LOCK, alembic_config
 from leadgate.database.pg import asyncpg_dsn
 from tests.helpers import eventually
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, run
+from tests.service_proc import cli_batch
 from tests.unit.test_migration_0016 import run as run_sql
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,9 +89,20 @@ def sqlite_file(url: str) -> bytes | None:
 
 
 def refusals(config: Path, commands: dict[str, list[str]]) -> dict[str, Run]:
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {name: pool.submit(run, config, *args) for name, args in commands.items()}
-        return {name: future.result() for name, future in futures.items()}
+    """The commands one after the other in one child process (``cli_batch``: a
+    ``leadgate`` start costs most of a second of CPU), in the config's directory."""
+    done = cli_batch(
+        sys.executable,
+        config,
+        list(commands.values()),
+        env=_env(),
+        cwd=config.parent,
+        timeout=TIMEOUT * 3,
+    )
+    return {
+        name: Run(tuple(one.args), one.code, one.out.strip(), one.err.strip())
+        for name, one in zip(commands, done, strict=True)
+    }
 
 
 def test_a_database_behind_head_is_refused_naming_db_upgrade(db_url: str, tmp_path: Path) -> None:
