@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from nacl.signing import SigningKey
@@ -34,3 +36,21 @@ async def sink() -> AsyncIterator[SmtpSink]:
         yield server
     finally:
         await server.close()
+
+
+@pytest.fixture(scope="session")
+def demo_cli_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SQLite file of ``tests.integration.test_review_cli.seed_demo_cli`` (the demo
+    organization and two console users, through the CLI entry point), made once per
+    session; copy it (``clone_sqlite``), never write to it."""
+    from tests.integration.test_review_cli import seed_demo_cli
+
+    # The commands' setup_logging replaces the root logger's handlers (with one bound to
+    # this moment's captured stderr): put them back, as tests/conftest.py does per test.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return seed_demo_cli(tmp_path_factory.mktemp("demo-cli"))
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

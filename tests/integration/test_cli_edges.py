@@ -14,8 +14,8 @@ from tests.integration.test_review_cli import Cli, demo_cli
 
 
 @pytest.fixture
-def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
-    return demo_cli(tmp_path, capsys)
+def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], demo_cli_template: Path) -> Cli:
+    return demo_cli(tmp_path, capsys, demo_cli_template)
 
 
 def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from leadgate.cli.main import main
+from tests.service_proc import clone_sqlite
 
 
 class Cli:
@@ -36,30 +37,45 @@ class Cli:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
-    return demo_cli(tmp_path, capsys)
+def cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], demo_cli_template: Path) -> Cli:
+    return demo_cli(tmp_path, capsys, demo_cli_template)
 
 
-def demo_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Cli:
-    """A migrated SQLite database with the demo organization and two console users."""
-    config = tmp_path / "leadgate.toml"
+def demo_config(directory: Path) -> Path:
+    """``directory/leadgate.toml`` on the SQLite file ``directory/l.db`` (Slack set up)."""
+    config = directory / "leadgate.toml"
     config.write_text(
-        f'[database]\nurl = "sqlite+aiosqlite:///{tmp_path}/l.db"\n'
+        f'[database]\nurl = "sqlite+aiosqlite:///{directory}/l.db"\n'
         '[slack]\nsigning_secret = "s"\nbot_token = "xoxb-1"\n',
         encoding="utf-8",
     )
-    runner = Cli(config, capsys)
-    runner.ok("db", "upgrade")
-    runner.ok("demo")
-    runner.ok(
-        "user", "create", "--org", "demo", "--email", "ann@x.io", "--role", "Member",
-        "--password", "password1",
-    )  # fmt: skip
-    runner.ok(
-        "user", "create", "--org", "demo", "--email", "vic@x.io", "--role", "Viewer",
-        "--password", "password1",
-    )  # fmt: skip
-    return runner
+    return config
+
+
+def seed_demo_cli(directory: Path) -> Path:
+    """Through the CLI entry point: ``db upgrade``, ``demo`` and two console users into
+    ``directory/l.db``; returns that file."""
+    config = demo_config(directory)
+    for args in (
+        ("db", "upgrade"),
+        ("demo",),
+        ("user", "create", "--org", "demo", "--email", "ann@x.io", "--role", "Member",
+         "--password", "password1"),
+        ("user", "create", "--org", "demo", "--email", "vic@x.io", "--role", "Viewer",
+         "--password", "password1"),
+    ):  # fmt: skip
+        assert main(["--config", str(config), *args]) == 0, args
+    return directory / "l.db"
+
+
+def demo_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], template: Path) -> Cli:
+    """A migrated SQLite database with the demo organization and two console users: a
+    copy of ``template`` (:func:`seed_demo_cli`, made once per session as the
+    ``demo_cli_template`` fixture; the four commands cost about a second a test)."""
+    config = demo_config(tmp_path)
+    clone_sqlite(template, tmp_path / "l.db")
+    capsys.readouterr()
+    return Cli(config, capsys)
 
 
 def test_notify_add_list_remove_and_sla(cli: Cli) -> None:
