@@ -14,7 +14,7 @@ from tests.pg import PostgresServer, start_postgres
 if TYPE_CHECKING:
     from leadgate.app import App
     from leadgate.database.db import Database
-    from tests.fakes import CommitLandsLater
+    from tests.fakes import ClaimInDoubt, CommitLandsLater
     from tests.stack import Stack
 
 
@@ -176,6 +176,19 @@ async def commit_lands_later(
     yield make
     for late in made:
         await late.abandon()
+
+
+@pytest.fixture(params=["at its commit", "after the next look"])
+def claim_in_doubt(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
+) -> ClaimInDoubt:
+    """A runner's next claim in doubt, landed at its commit or after the next look
+    (:class:`tests.fakes.ClaimInDoubt`): each test that asks runs once per case."""
+    from tests.fakes import ClaimInDoubt
+
+    return ClaimInDoubt(request.param, monkeypatch, commit_lands_later)
 
 
 @pytest.fixture

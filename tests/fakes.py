@@ -371,3 +371,40 @@ def lose_the_next_commit(
         monkeypatch.setattr(db, "write_alone", fake)
     else:
         monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=True, sqlite_too=sqlite_too))
+
+
+class ClaimInDoubt:
+    """A runner's next claim meets a ``COMMIT`` in doubt (PostgreSQL) that landed at
+    once (``lands`` "at its commit") or lands after the runner's next pass looked for it
+    and found nothing ("after the next look"), for the tests of the look that follows
+    (:class:`leadgate.core.runners.LostClaims`). Made by the ``claim_in_doubt`` fixture,
+    once per case."""
+
+    def __init__(
+        self,
+        lands: str,
+        monkeypatch: Any,
+        commit_lands_later: Callable[[Database], CommitLandsLater],
+    ) -> None:
+        self.lands = lands
+        self.monkeypatch = monkeypatch
+        self.commit_lands_later = commit_lands_later
+        self.late: CommitLandsLater | None = None
+
+    def arm(self, db: Database) -> None:
+        """Make ``db``'s next transaction the claim in doubt."""
+        if self.lands == "at its commit":
+            lose_the_next_commit(self.monkeypatch, db, alone=False)
+        else:
+            self.late = self.commit_lands_later(db)
+
+    async def until_found(self, runner: Any, clock: Any) -> None:
+        """After the claim failed: a claim that lands later is not found by the next
+        pass, and once it has landed the runner's next look is due a second on (not when
+        the lease lapses); the clock is moved there."""
+        if self.late is None:
+            return
+        assert not await runner.run_once()  # not landed yet: nothing found
+        await self.late.land()
+        assert runner.due_in_s() == 1.0
+        clock.advance(1_000)

@@ -22,7 +22,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
     RECOVERED_EVENT,
@@ -53,7 +53,7 @@ from leadgate.turns.runs import GAVE_UP_ACTION as TURN_GAVE_UP_ACTION
 from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
 from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
-from tests.fakes import CommitLandsLater, lose_the_next_commit
+from tests.fakes import ClaimInDoubt, lose_the_next_commit
 from tests.helpers import Org, eventually, make_agent, make_org
 from tests.stack import Stack
 
@@ -712,14 +712,8 @@ async def test_attempts_a_database_fault_ended_do_not_count_towards_giving_up(
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
-@pytest.mark.parametrize("lands", ["at its commit", "after the next look"])
 async def test_a_recovery_claim_in_doubt_continues_its_run_soon_counted_once(
-    first: Stack,
-    second: Stack,
-    clock: FakeClock,
-    monkeypatch: pytest.MonkeyPatch,
-    commit_lands_later: Callable[[Database], CommitLandsLater],
-    lands: str,
+    first: Stack, second: Stack, clock: FakeClock, claim_in_doubt: ClaimInDoubt
 ) -> None:
     """The recovery claim's COMMIT answer was lost: the claim landed (or lands after the
     next pass looked for it). The run sat under a token nobody held until its lease
@@ -733,19 +727,11 @@ async def test_a_recovery_claim_in_doubt_continues_its_run_soon_counted_once(
         lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
     recovery = FlowRecovery(second.flows)
     clock.advance(RUN_LEASE_MS + 1)  # its executor stopped
-    late = None
-    if lands == "at its commit":
-        lose_the_next_commit(monkeypatch, second.db, alone=False)
-    else:
-        late = commit_lands_later(second.db)
+    claim_in_doubt.arm(second.db)
     with pytest.raises(Unavailable) as raised:
         await recovery.run_once()
     assert raised.value.in_doubt
-    if late is not None:
-        assert not await recovery.run_once()  # not landed yet: nothing found
-        await late.land()
-        assert recovery.due_in_s() == 1.0  # the next look, not the lease
-        clock.advance(1_000)
+    await claim_in_doubt.until_found(recovery, clock)
     assert await recovery.run_once()
     run = await _view(second, org, lease.run_id)
     assert (run["status"], run["outputs"]) == ("completed", [{"data": 1, "success": True}])

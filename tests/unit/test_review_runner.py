@@ -41,7 +41,7 @@ from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, T
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
-from tests.fakes import CommitLandsLater, DownFor, LandsLater, lose_the_next_commit
+from tests.fakes import ClaimInDoubt, DownFor, LandsLater, lose_the_next_commit
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -480,12 +480,8 @@ async def test_the_revision_runner_knows_when_the_earliest_revision_lease_lapses
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
-@pytest.mark.parametrize("lands", ["at its commit", "after the next look"])
 async def test_a_revision_claim_in_doubt_is_run_soon_not_after_its_lease(
-    stack: Stack,
-    monkeypatch: pytest.MonkeyPatch,
-    commit_lands_later: Callable[[Database], CommitLandsLater],
-    lands: str,
+    stack: Stack, claim_in_doubt: ClaimInDoubt
 ) -> None:
     """The revision claim's COMMIT answer was lost: the claim landed (or lands after the
     next pass looked for it). The item held the claim's token, which nobody held, for
@@ -496,19 +492,11 @@ async def test_a_revision_claim_in_doubt_is_run_soon_not_after_its_lease(
     dispatcher = RevisionRunner(stack.turns)
     item_id = await submit(stack, org, worker, "draft it #revise")
     await drain(stack.lead_runner)  # changes requested: the feedback waits
-    late = None
-    if lands == "at its commit":
-        lose_the_next_commit(monkeypatch, stack.db, alone=False)
-    else:
-        late = commit_lands_later(stack.db)
+    claim_in_doubt.arm(stack.db)
     with pytest.raises(Unavailable) as raised:
         await dispatcher.run_once()
     assert raised.value.in_doubt
-    if late is not None:
-        assert not await dispatcher.run_once()  # not landed yet: nothing found
-        await late.land()
-        assert dispatcher.due_in_s() == 1.0  # the next look, not the lease
-        stack.clock.advance(1_000)
+    await claim_in_doubt.until_found(dispatcher, stack.clock)
     assert await dispatcher.run_once()  # (the loop's back-off aside: no clock moved)
     item = await row(stack, item_id)
     assert (item["status"], item["pending_feedback"], item["lease_token"]) == (
