@@ -18,7 +18,13 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 * ``client`` (REST/MCP: the official clients retry a turn cut by a lost connection, and
   their retry is a new message): the run is closed, the first message stays in the
   transcript (and the item's task context) as it was stored, and the item waits in
-  ``inProgress`` for the retry;
+  ``inProgress`` for the retry. Not so for a run its own process asks for (an orphan,
+  or a watched token: its turn stopped on a database fault, or its intake was in
+  doubt): that client got an answer, 503 ``turn.interrupted`` or ``intake.in_doubt``,
+  which tells it not to send the message again, so nobody would ask again and the item
+  would sit ``inProgress`` with nothing running it. Such a run is rerun, and its row
+  says so from the claim on (``policy`` ``rerun``): a process that dies rerunning it
+  leaves it to be run again, not closed;
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
@@ -145,7 +151,16 @@ async def claim(
     taken: set[str] = set()  # the tokens the claimed runs held, once it committed
     try:
         claimed = await _claim_in(
-            db, clock, ids, takeable, now, token, owner=owner, updated=updated, taken=taken
+            db,
+            clock,
+            ids,
+            takeable,
+            now,
+            token,
+            owner=owner,
+            asked=set(asked),
+            updated=updated,
+            taken=taken,
         )
     except BaseException:  # (cancelled too: the looks taken stay watched)
         # The claim's COMMIT may or may not have landed: the runs hold either their old
@@ -197,6 +212,7 @@ async def _claim_in(
     token: str,
     *,
     owner: str | None,
+    asked: set[str],
     updated: list[str],
     taken: set[str],
 ) -> Claimed | None:
@@ -223,6 +239,9 @@ async def _claim_in(
             return None
         turn_id = ids.new("turn")
         newest = rows[-1]
+        # A client run its own process asks for was answered "do not send it again"
+        # (see the module docstring): nobody retries it, so it is rerun.
+        rerun = any(r.policy == RERUN or r.lease_token in asked for r in rows)
         updated.append(token)
         res = await conn.execute(
             t.turn_runs.update()
@@ -233,11 +252,12 @@ async def _claim_in(
                 lease_expires_at=now + RUN_LEASE_MS,
                 attempts=R.attempts + 1,
                 turn_id=turn_id,
+                policy=RERUN if rerun else CLIENT,
             )
         )
         if res.rowcount != len(rows):
             raise TransitionError("turn runs changed while being claimed", rule="run")
-        action = RERUN if any(r.policy == RERUN for r in rows) else CLIENT
+        action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:
             item = await workitems.get(conn, item_id)

@@ -24,7 +24,7 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
-from tests.fakes import CommitLandsLater, DownFor
+from tests.fakes import CommitLandsLater, DownAloneFor, DownFor
 from tests.helpers import (
     api_trigger,
     item_audit,
@@ -192,6 +192,75 @@ async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) ->
     stack.turns.intake.owner = lambda: None
     retried = await stack.turns.run(api_trigger(org, worker, "work on it #complete"))
     assert type(retried).__name__ == "Gated"
+
+
+async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gated REST turn taken in, then stopped by a database fault in a live process:
+    its client got 503 ``turn.interrupted`` ("do not send it again"), so the recovery
+    runs it (the item goes to its lead) whatever its ``client`` policy. It closed the
+    run, and the item sat ``inProgress`` for good with nothing running it
+    (tests/reliability/test_faults.py::test_postgres_restarted_mid_load). An intake in
+    doubt whose read-back failed (``intake.in_doubt``) hands its run to the same
+    orphans (``Intake.doubted``)."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await alive_here(stack, turns_too=True)
+    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+    # The turn's next write, whichever way it goes (a transaction, or on PostgreSQL one
+    # statement alone), meets the database gone.
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    monkeypatch.setattr(
+        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
+    )
+    with pytest.raises(Unavailable):
+        await stack.turns.execute(taken)
+    monkeypatch.undo()
+    assert len(stack.turns.orphans) == 1
+    assert await count(stack, t.turn_runs) == 1
+    item_id = taken.ctx.work_item_id
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    item = await item_row(stack, item_id)
+    assert item["status"] == "reviewQueued", item["status"]
+    async with stack.db.read() as conn:
+        users = await conn.scalar(
+            sa.select(sa.func.count())
+            .select_from(t.messages)
+            .where(t.messages.c.role == "user", t.messages.c.work_item_id == item_id)
+        )
+    assert users == 1  # taken in once, answered once
+
+
+async def test_a_client_run_claimed_for_a_rerun_stays_a_rerun(stack: Stack) -> None:
+    """The recovery claimed an orphaned REST turn's run to rerun it, and its process
+    died before the turn ended: another process's recovery reruns it too (the claim
+    wrote ``policy`` ``rerun``), rather than close it for a retry nobody will send."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await alive_here(stack, turns_too=True)
+    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+    stack.turns.orphaned(taken.ctx.run_token)
+    claimed = await runs.claim(
+        stack.db,
+        stack.clock,
+        stack.ids,
+        owner=DEAD,  # the process that claimed it, then died
+        orphans=stack.turns.orphans,
+        lost=stack.turns.lost,
+    )
+    assert claimed is not None and claimed.action == runs.RERUN
+    async with stack.db.read() as conn:
+        assert (await conn.execute(sa.select(t.turn_runs.c.policy))).scalars().all() == [runs.RERUN]
+    stack.turns.owner = lambda: "prc_other"
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "reviewQueued"
+    assert await count(stack, t.turn_runs) == 0
 
 
 async def test_a_failing_turn_leaves_a_notice_and_gives_up_after_three_attempts(
