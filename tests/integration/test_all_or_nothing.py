@@ -628,11 +628,13 @@ def column(state: Dump, table: sa.Table, name: str) -> list[Any]:
 
 
 def handed_to_a_human(before: Dump, after: Dump) -> None:
-    """A cut REST turn's run is closed by the recovery, and a committed
-    ``complete_task`` signal goes to a human (README, the table of cut turns); without
-    one the item stays ``inProgress``, its message in the transcript."""
+    """A REST turn cut by a fault in its live process (503 ``turn.interrupted``: the
+    client sends nothing again) is taken by the recovery: a committed ``complete_task``
+    signal goes to a human (README, the table of cut turns); without one the turn runs
+    again and submits the item to its lead (it was closed, the item left ``inProgress``
+    with nothing running it)."""
     signalled = column(before, t.work_items, "signal_turn_id") != [None]
-    want = "awaitingHuman" if signalled else "inProgress"
+    want = "awaitingHuman" if signalled else "reviewQueued"
     if column(before, t.work_items, "status") == ["reviewQueued"]:
         want = "reviewQueued"  # its submission committed, the answer lost: for the lead
     assert column(after, t.work_items, "status") == [want]
