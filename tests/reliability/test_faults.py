@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -107,15 +108,36 @@ def restart_postgres(server: PostgresServer, down_s: float = 1.5) -> None:
     )
 
 
-def wait_all_completed(rig_proc: ServiceProcess, within_s: float = 60.0) -> dict[str, int]:
-    """Until no item of the demo org is still on its way (lead, relay): by status."""
+def item_statuses(rig_proc: ServiceProcess) -> Counter[str] | None:
+    """Every item of the demo org by status, paged through ``/operator/activity`` (one
+    page is the newest 50 only: an item stranded early in a load of hundreds was never
+    seen). None: a page was not answered 200."""
     assert rig_proc.demo is not None
     headers = {"Authorization": f"Bearer {rig_proc.demo.key}"}
-    deadline = time.monotonic() + within_s
+    counts: Counter[str] = Counter()
+    cursor = ""
     while True:
-        status, body = http("GET", f"{rig_proc.url}/operator/activity", headers=headers)
-        counts = Counter(i["status"] for i in json.loads(body)["items"]) if status == 200 else None
-        if counts is not None and not set(counts) & {"reviewQueued", "reviewing", "approved"}:
+        status, body = http(
+            "GET", f"{rig_proc.url}/operator/activity?limit=200{cursor}", headers=headers
+        )
+        if status != 200:
+            return None
+        page = json.loads(body)
+        counts.update(i["status"] for i in page["items"])
+        if page["next"] is None:
+            return counts
+        cursor = f"&cursor={urllib.parse.quote(page['next'])}"
+
+
+def wait_all_completed(rig_proc: ServiceProcess, within_s: float = 60.0) -> dict[str, int]:
+    """Until no item of the demo org is still on its way (its turn, the lead, the relay):
+    by status. ``inProgress`` counts as on its way: once this is called nothing sends a
+    message again, so an item left there waits for its turn recovery, or for nothing."""
+    deadline = time.monotonic() + within_s
+    on_the_way = {"inProgress", "reviewQueued", "reviewing", "approved"}
+    while True:
+        counts = item_statuses(rig_proc)
+        if counts is not None and not set(counts) & on_the_way:
             return dict(counts)
         if time.monotonic() > deadline:
             raise AssertionError(f"items still on their way: {counts}\n{rig_proc.log_tail(30)}")
