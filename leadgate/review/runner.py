@@ -44,6 +44,7 @@ log = logging.getLogger("leadgate.review")
 #: Why a claimed item goes back to the queue (its ``leaseReleased`` audit text). A verdict
 #: that could not be stored is not one: it is kept and committed later.
 _CLAIM_IN_DOUBT = "the claim met a database fault at its commit (it landed); the review runs again"
+_CLAIM_FAILED = "the claim met an error and landed all the same; the review runs again"
 _READS_FAILED = "the review's reads met a database fault; the review runs again"
 
 LEASE_MS = 20 * MINUTE_MS
@@ -229,7 +230,7 @@ class LeadRunner:
         #: would have lapsed, and whatever holds one is given back; and claims that failed
         #: otherwise (nothing landed, as far as is known), looked for once, at the next
         #: pass
-        self._lost: LostClaims[str] = LostClaims(name="lead-review")
+        self._lost: LostClaims[_LostClaim] = LostClaims(name="lead-review")
         #: verdicts the lead gave whose commit met a database fault: committed (fenced by
         #: their lease) once the database is back, not asked of the lead a second time
         self._verdicts: list[_Kept] = []
@@ -390,7 +391,7 @@ class LeadRunner:
                 return await self._claim_landed(token, now, exc)
             # (SQLite: a failed claim rolled back; the look for the token on the next
             # pass finds nothing.) One look: its lease lapses at once for the watch.
-            self._lost.watch(token, due=now, lapses=now)
+            self._lost.watch(_LostClaim(token, _CLAIM_FAILED), due=now, lapses=now)
             raise
         finally:
             self._claiming -= 1
@@ -445,14 +446,15 @@ class LeadRunner:
         token is watched from the next pass on. Whatever holds a watched token is given
         back (:meth:`_release_held`)."""
         lapses = claimed_at + LEASE_MS
+        lost = _LostClaim(token, _CLAIM_IN_DOUBT)
         try:
             async with self.db.read() as conn:
                 row = (await conn.execute(_CLAIM_LANDED, {"p_token": token})).first()
         except Unavailable:
-            self._lost.watch(token, due=claimed_at, lapses=lapses)
+            self._lost.watch(lost, due=claimed_at, lapses=lapses)
             raise fault from None
         if row is None:
-            self._lost.watch(token, due=self.clock.now_ms() + self._lost.first_ms, lapses=lapses)
+            self._lost.watch(lost, due=self.clock.now_ms() + self._lost.first_ms, lapses=lapses)
             raise fault
         return self._claimed(row, token)
 
@@ -582,12 +584,12 @@ class LeadRunner:
         for n, lost in enumerate(due):
             try:
                 async with self.db.read() as conn:
-                    item_id = await conn.scalar(_BY_LEASE, {"p_token": lost.token})
+                    item_id = await conn.scalar(_BY_LEASE, {"p_token": lost.token.token})
             except BaseException:  # (cancelled too: the tokens not looked for stay watched)
                 self._lost.put_back(due[n:])
                 raise
             if item_id is not None:
-                self._held.append((item_id, lost.token, _CLAIM_IN_DOUBT))
+                self._held.append((item_id, lost.token.token, lost.token.why))
             else:
                 self._lost.not_found(lost, now)
 
@@ -717,6 +719,16 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
         return None
     feedback = call.arguments.get("feedback")
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
+
+
+class _LostClaim(NamedTuple):
+    """A claim the watch looks for (:class:`~leadgate.core.runners.LostClaims`): the
+    item found holding its lease token is given back, audited for how the claim failed."""
+
+    token: str
+    #: the give-back's audit text: a fault in doubt at the claim's commit, or another
+    #: error that the server applied the claim despite
+    why: str
 
 
 class _Kept(NamedTuple):
