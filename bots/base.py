@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -87,6 +88,32 @@ class Adapter(Protocol):
         """Run the inbound listeners that are not HTTP routes (a gateway, SMTP) for the
         duration of the block."""
         ...
+
+
+#: How much of an answer that is not the platform's a delivery's error quotes.
+QUOTED_BODY_CHARS = 120
+# How much of such an answer is read for the quote: whitespace collapses and a
+# secret-looking run shrinks to one character, so the quote may reach further in.
+_READ_CHARS = QUOTED_BODY_CHARS * 4
+# Left out of a quoted page: anything shaped like a Slack token, and long opaque runs
+# (a portal's session id in a login link), which may be someone's credentials.
+_SECRET_LOOKING = re.compile(r"xox[a-z]-[A-Za-z0-9-]+|[A-Za-z0-9_+-]{24,}=*")
+# A run at the end of what was read, when the page goes on: it may be the start of a
+# longer one, too short to look secret here.
+_CUT_RUN = re.compile(r"[A-Za-z0-9_+-]+=*$")
+
+
+def quoted_page(body: bytes | str) -> str:
+    """The start of ``body``, an answer that is not the platform's (a captive portal's
+    or a proxy's page), as a delivery's error and its WARNING line quote it on every chat
+    platform: whitespace collapsed, at most :data:`QUOTED_BODY_CHARS` characters, and
+    secret-looking parts (a Slack-token-shaped string, a run of 24 or more letters,
+    digits, ``_``, ``+`` or ``-``) left out as ``…``; empty for an empty body."""
+    head = body[:_READ_CHARS]
+    text = head.decode("utf-8", "replace") if isinstance(head, bytes) else head
+    if len(body) > _READ_CHARS:
+        text = _CUT_RUN.sub("…", text)
+    return _SECRET_LOOKING.sub("…", " ".join(text.split()))[:QUOTED_BODY_CHARS]
 
 
 #: What an intake or a click meets when the database cannot be reached (or a recording

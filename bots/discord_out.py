@@ -33,6 +33,7 @@ import yarl
 from discord.webhook.async_ import async_context as _webhook_adapter
 
 from bots import discord_review
+from bots.base import quoted_page
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
@@ -91,7 +92,7 @@ class _Wire:
     posted: bool = False
     last_status: int | None = None
     #: A write answered 2xx with a body that is not Discord's JSON (a captive portal's or
-    #: a proxy's page): its status, and the start of the body once discord.py reads it.
+    #: a proxy's page): its status, and its quote (quoted_page) once discord.py reads it.
     foreign_status: int | None = None
     foreign_body: str = ""
 
@@ -149,8 +150,7 @@ def _trace_config() -> aiohttp.TraceConfig:
         # discord.py reads a body whole, so its one "chunk" is the page itself.
         wire = _WIRE.get()
         if wire is not None and wire.foreign_status is not None and not wire.foreign_body:
-            head = params.chunk[: _QUOTED_BODY_CHARS * 4].decode("utf-8", "replace")
-            wire.foreign_body = " ".join(head.split())[:_QUOTED_BODY_CHARS]
+            wire.foreign_body = quoted_page(params.chunk)
 
     async def on_exception(
         session: aiohttp.ClientSession,
@@ -488,8 +488,6 @@ def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
 _CHECK_API_URL = "check [discord] api_url"
 #: Discord's JSON error code for a channel that does not exist (or the bot cannot see).
 _UNKNOWN_CHANNEL = 10003
-#: How much of a body that is not Discord's the error quotes.
-_QUOTED_BODY_CHARS = 120
 
 
 def _permanent(error: str) -> Permanent:
@@ -525,7 +523,7 @@ def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
     if not _from_discord(exc):
         # Discord answers every 4xx with a JSON error; a 404 page from a web server that
         # is not Discord's API (or a path without /api/v10) never will.
-        body = " ".join(exc.text.split())[:_QUOTED_BODY_CHARS]
+        body = quoted_page(exc.text)
         return _permanent(
             f"discord: HTTP {exc.status} without a Discord error ({body or 'empty body'}): "
             f"the server is not Discord's API; {_CHECK_API_URL}"

@@ -49,7 +49,14 @@ from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from bots import slack_review
-from bots.base import DATABASE_FAULTS, Core, accept, answering_errors, tell_not_taken_in
+from bots.base import (
+    DATABASE_FAULTS,
+    Core,
+    accept,
+    answering_errors,
+    quoted_page,
+    tell_not_taken_in,
+)
 from bots.review_base import ChatReviewBackend
 from leadgate.core.bodies import read_body
 from leadgate.core.config import Settings, SlackSettings
@@ -92,16 +99,11 @@ _LAST_TRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "leadgate_slack_last_try", default=False
 )
 LAST_RETRY_NUM = "3"
-# Set per Web API call: the start of an answer slack_sdk could not read as JSON (it
-# drops such a body), for the error and the WARNING line to quote.
+# Set per Web API call: the quote (bots.base.quoted_page) of an answer slack_sdk could
+# not read as JSON (it drops such a body), for the error and the WARNING line.
 _PAGE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "leadgate_slack_page", default=None
 )
-#: How much of an answer that is not Slack's the error quotes (as Discord's and Teams').
-_QUOTED_BODY_CHARS = 120
-# Left out of a quoted page: anything shaped like a Slack token, and long opaque runs
-# (a portal's session id in a login link), which may be someone's credentials.
-_SECRET_LOOKING = re.compile(r"xox[a-z]-[A-Za-z0-9-]+|[A-Za-z0-9_+-]{24,}=*")
 # How many recent "could not be taken in" replies a process remembers, so that the
 # ``app_mention`` + ``message`` pair of one post (two events, each with its own last try,
 # both about five minutes after the post) is answered once. Bounded: the pair's last tries
@@ -392,8 +394,7 @@ class _KeepingPageStart(aiohttp.ClientResponse):
             return await super().json(*args, **kwargs)
         except (aiohttp.ContentTypeError, ValueError):
             # (aiohttp has read the whole body by then: this takes no more bytes)
-            head = (await self.read())[: _QUOTED_BODY_CHARS * 4]
-            _PAGE.set(head.decode("utf-8", "replace"))
+            _PAGE.set(quoted_page(await self.read()))
             raise
 
 
@@ -402,11 +403,10 @@ def _page_start(response: Any) -> str:
     body, secret-looking parts left out."""
     headers = getattr(response, "headers", None) or {}
     content_type = headers.get("Content-Type") or "no content type"
-    body = _PAGE.get()
-    if body is None:
+    head = _PAGE.get()
+    if head is None:
         data = getattr(response, "data", None)
-        body = data if isinstance(data, str) else ""
-    head = _SECRET_LOOKING.sub("…", " ".join(body.split()))[:_QUOTED_BODY_CHARS]
+        head = quoted_page(data) if isinstance(data, str) else ""
     return f"{content_type}: {head or 'empty body'}"
 
 

@@ -57,7 +57,15 @@ from botbuilder.schema import (
 from msrest.exceptions import ClientRequestError
 
 from bots import teams_review
-from bots.base import DATABASE_FAULTS, Adapter, Core, accept, answering_errors, not_taken_in
+from bots.base import (
+    DATABASE_FAULTS,
+    Adapter,
+    Core,
+    accept,
+    answering_errors,
+    not_taken_in,
+    quoted_page,
+)
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
 from leadgate.core.bodies import read_body
@@ -273,10 +281,6 @@ def _by_status(status: int | None, detail: str, response: Any) -> SendOutcome:
     return Permanent(detail)
 
 
-#: How much of an answer that is not the Connector's the error quotes (as Discord's).
-_QUOTED_BODY_CHARS = 120
-
-
 def _not_the_connectors_answer(
     response: requests.Response, service_url: str, *, edit: bool
 ) -> SendOutcome:
@@ -288,10 +292,9 @@ def _not_the_connectors_answer(
     with each of the conversation's activities, so only a proxy on the way is a setting
     (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``: requests reads them)."""
     status = response.status_code
-    head = response.content[: _QUOTED_BODY_CHARS * 4].decode("utf-8", "replace")
     what = (
         f"{response.headers.get('Content-Type') or 'no content type'}: "
-        f"{' '.join(head.split())[:_QUOTED_BODY_CHARS] or 'empty body'}"
+        f"{quoted_page(response.content) or 'empty body'}"
     )
     check = (
         f"check any proxy on the way to the conversation's service URL {service_url} "

@@ -22,6 +22,7 @@ from bots.discord_out import described
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.helpers import ours
+from tests.standins.common import PORTAL_SESSION
 from tests.standins.discord_api import DiscordApiStandin
 
 TOKEN = "bot-token"
@@ -340,15 +341,25 @@ async def test_a_write_answered_2xx_with_a_web_page_is_uncertain(
     """A post answered 200 with a page (a captive portal's, a proxy's), not Discord's
     JSON, may or may not have reached Discord: ``deliveryUnknown``, as Slack and Teams
     treat such an answer, by the bot and by each interaction webhook. Before, a webhook's
-    was ``Sent`` (with no message id) and the bot's an unexpected error, logged as a bug."""
+    was ``Sent`` (with no message id) and the bot's an unexpected error, logged as a bug.
+
+    The error and the WARNING line quote the start of the page with the session id in
+    its login link left out, as Slack's and Teams' do (they quoted it whole)."""
     standin.queue("portal", "portal", "portal")
-    by_bot = await channel.send(gated())
-    original = await channel.send(interaction_reply())
-    follow_up = await channel.send(interaction_reply("delivery-r2"))
+    with caplog.at_level(logging.WARNING, logger="bots.discord_out"):
+        by_bot = await channel.send(gated())
+        original = await channel.send(interaction_reply())
+        follow_up = await channel.send(interaction_reply("delivery-r2"))
+    error = (
+        "discord: HTTP 200 that is not Discord's answer (<html> <h1>Sign in to the guest"
+        ' network</h1> <a href="/login?sid=…">Sign in</a> </html>): the post may or may'
+        " not have reached Discord; check [discord] api_url and any proxy on the way"
+    )
     for outcome in (by_bot, original, follow_up):
         assert isinstance(outcome, Uncertain), outcome
-        assert "HTTP 200 that is not Discord's answer" in outcome.error
-        assert "Sign in to the guest network" in outcome.error
+        assert outcome.error == error
+    assert [r.getMessage() for r in ours(caplog)] == [error] * 3
+    assert PORTAL_SESSION not in caplog.text
     assert [r["op"] for r in standin.requests] == ["create_message", "edit_original", "followup"]
     assert standin.posts == []
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -370,16 +381,18 @@ async def test_a_delete_answered_2xx_with_a_web_page_is_not_known_done(
 ) -> None:
     """The DELETE of a deferred response answered 200 with a page (a captive portal's, a
     proxy's), not Discord's answer, deleted nothing known: False, as a send so answered
-    is not known posted, and a WARNING line quoting the page and saying what to check
-    (never the interaction's token). It returned True without a word."""
+    is not known posted, and a WARNING line quoting the page (the session id in its
+    login link left out) and saying what to check (never the interaction's token). It
+    returned True without a word."""
     standin.queue("portal")
     with caplog.at_level(logging.WARNING, logger="bots.discord_out"):
         assert await channel.delete_original(APP, "itoken") is False
     [line] = [r.getMessage() for r in ours(caplog)]
     assert line == (
         "discord: could not delete the deferred response: HTTP 200 that is not Discord's"
-        " answer (<html><h1>Sign in to the guest network</h1></html>): it may or may not be"
-        " gone; check [discord] api_url and any proxy on the way"
+        ' answer (<html> <h1>Sign in to the guest network</h1> <a href="/login?sid=…">Sign'
+        " in</a> </html>): it may or may not be gone; check [discord] api_url and any proxy"
+        " on the way"
     ), line
     assert "itoken" not in caplog.text
     assert standin.posts == []

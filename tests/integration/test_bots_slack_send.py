@@ -24,8 +24,9 @@ from leadgate.operations.chat_reviews import ChatAnswer
 from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, ours
+from tests.standins.common import PORTAL_SESSION
 from tests.standins.microsoft_login import MicrosoftLogin
-from tests.standins.slack_api import PORTAL_SESSION, SlackApiStandin, signed_headers
+from tests.standins.slack_api import SlackApiStandin, signed_headers
 
 TOKEN = "xoxb-test-token"
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,6 +22,7 @@ from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, ours
+from tests.standins.common import PORTAL_SESSION
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
@@ -175,18 +176,22 @@ async def test_a_post_answered_200_with_a_web_page_is_uncertain(
     and Discord. The error, and a WARNING line as Discord's, quote the start of the page
     and name what to check: the service URL comes with the conversation's activities, so
     what an operator can set is a proxy on the way. The error was msrest's,
-    ``DeserializationError('Cannot deserialize content-type: text/html')``."""
+    ``DeserializationError('Cannot deserialize content-type: text/html')``. The quote
+    leaves out the session id in the page's login link, as Slack's does (it was quoted
+    whole)."""
     connector.fail_next("portal")
     with caplog.at_level(logging.WARNING, logger="bots.teams"):
         outcome = await adapter.channel.send(_message(_address(connector.url), kind))
     assert isinstance(outcome, Uncertain), outcome
     assert outcome.error == (
         "teams: HTTP 200 that is not the Bot Connector's answer (text/html; charset=utf-8:"
-        " <html> Sign in to the guest network </html>): the post may or may not have reached"
-        f" Teams; check any proxy on the way to the conversation's service URL {connector.url}"
-        " (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+        ' <html> <h1>Sign in to the guest network</h1> <a href="/login?sid=…">Sign in</a>'
+        " </html>): the post may or may not have reached Teams; check any proxy on the way"
+        f" to the conversation's service URL {connector.url} (HTTPS_PROXY, HTTP_PROXY,"
+        " NO_PROXY)"
     )
     assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
+    assert PORTAL_SESSION not in caplog.text
     assert connector.activities == [] and len(connector.requests) == 1
 
 
@@ -242,10 +247,10 @@ async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(
     assert isinstance(outcome, Retry) and outcome.delay_s is None, outcome
     assert outcome.error == (
         "teams: HTTP 200 that is not the Bot Connector's answer (text/html; charset=utf-8:"
-        " <html> Sign in to the guest network </html>): the card edit may or may not have"
-        " reached Teams, and is sent again (editing twice shows what once does); check any"
-        f" proxy on the way to the conversation's service URL {connector.url}"
-        " (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
+        ' <html> <h1>Sign in to the guest network</h1> <a href="/login?sid=…">Sign in</a>'
+        " </html>): the card edit may or may not have reached Teams, and is sent again"
+        " (editing twice shows what once does); check any proxy on the way to the"
+        f" conversation's service URL {connector.url} (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
     )
     assert [(r.levelno, r.getMessage()) for r in ours(caplog)] == [(logging.WARNING, outcome.error)]
     [put] = connector.requests

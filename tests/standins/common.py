@@ -22,7 +22,23 @@ from typing import Any, Self
 
 from aiohttp import web
 
-__all__ = ["StandinBase", "abort_with_reset", "serve_main"]
+__all__ = ["PORTAL_SESSION", "StandinBase", "abort_with_reset", "portal_page", "serve_main"]
+
+#: The session id in the ``portal`` page's login link (every platform's stand-in).
+PORTAL_SESSION = "9f86d081884c7d659a2feaa0c55ad015"
+
+
+def portal_page(status: int = 200) -> web.Response:
+    """A captive portal's page (its login link carries a session id), answered with
+    ``status``: what the stand-ins' ``portal`` mode answers instead of the platform."""
+    return web.Response(
+        status=status,
+        text=(
+            "<html>\n<h1>Sign in to the guest network</h1>\n"
+            f'<a href="/login?sid={PORTAL_SESSION}">Sign in</a>\n</html>'
+        ),
+        content_type="text/html",
+    )
 
 
 def abort_with_reset(request: web.Request) -> None:

@@ -61,6 +61,8 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from tests.standins.common import portal_page
+
 #: Answers with an HTML page instead of the Connector's JSON, by mode: their status.
 PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
 FAILURE_MODES = frozenset(
@@ -230,12 +232,11 @@ async def _read_json(request: web.Request) -> Any:
 
 def _page(mode: str) -> web.Response:
     """The HTML page a captive portal (200) or a proxy answers instead of the Connector."""
-    text = (
-        "<html>\n  Sign in to the guest network\n</html>"
-        if mode == "portal"
-        else "<html>Proxy Error</html>"
+    if mode == "portal":
+        return portal_page(PAGES[mode])
+    return web.Response(
+        status=PAGES[mode], text="<html>Proxy Error</html>", content_type="text/html"
     )
-    return web.Response(status=PAGES[mode], text=text, content_type="text/html")
 
 
 _ERROR_CODES = {

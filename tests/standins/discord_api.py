@@ -69,7 +69,7 @@ from typing import Any, Self
 from aiohttp import WSMsgType, web
 from nacl.signing import SigningKey
 
-from tests.standins.common import StandinBase, serve_main
+from tests.standins.common import StandinBase, portal_page, serve_main
 
 __all__ = ["DiscordApiStandin", "interaction_headers"]
 
@@ -287,9 +287,7 @@ class DiscordApiStandin(StandinBase):
                 status=404, text="<html><h1>Not Found</h1></html>", content_type="text/html"
             )
         if mode == "portal":
-            return web.Response(
-                text="<html><h1>Sign in to the guest network</h1></html>", content_type="text/html"
-            )
+            return portal_page()
         raise ValueError(f"unknown stand-in mode {mode!r}")
 
     _respond = staticmethod(_json)

@@ -59,7 +59,7 @@ from urllib.parse import parse_qsl
 from aiohttp import web
 from slack_sdk.signature import SignatureVerifier
 
-from tests.standins.common import StandinBase, abort_with_reset, serve_main
+from tests.standins.common import StandinBase, abort_with_reset, portal_page, serve_main
 
 __all__ = ["SlackApiStandin", "abort_with_reset", "signed_headers"]
 
@@ -80,10 +80,6 @@ def signed_headers(
         headers["X-Slack-Retry-Num"] = str(retry_num)
         headers["X-Slack-Retry-Reason"] = "http_timeout"
     return headers
-
-
-#: The session id in the ``portal`` page's login link.
-PORTAL_SESSION = "9f86d081884c7d659a2feaa0c55ad015"
 
 
 def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -197,7 +193,7 @@ class SlackApiStandin(StandinBase):
             if mode.isdigit():
                 return web.Response(status=int(mode), text="error", content_type="text/html")
             if mode == "portal":
-                return _portal()
+                return portal_page()
         self.calls.append({"method": method, **params})
         if method == "views.open":
             return _json({"ok": True, "view": {"id": f"V{next(self._ts):08d}"}})
@@ -263,7 +259,7 @@ class SlackApiStandin(StandinBase):
             code = mode.partition(":")[2] or mode
             return _json({"ok": False, "error": code})
         if mode == "portal":
-            return _portal()
+            return portal_page()
         if mode == "badjson":
             return web.Response(text="<html>Bad gateway</html>", content_type="application/json")
         if not channel:
@@ -297,17 +293,6 @@ class SlackApiStandin(StandinBase):
         return None
 
     _respond = staticmethod(_json)
-
-
-def _portal() -> web.Response:
-    """A captive portal's page (its login link carries a session id)."""
-    return web.Response(
-        text=(
-            "<html>\n<h1>Sign in to the guest network</h1>\n"
-            f'<a href="/login?sid={PORTAL_SESSION}">Sign in</a>\n</html>'
-        ),
-        content_type="text/html",
-    )
 
 
 async def _read_params(request: web.Request) -> dict[str, Any]:
