@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
@@ -13,10 +14,13 @@ from leadgate.core.auth import Principal
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.runners import DROPPED, LostClaims
 from leadgate.operations.idempotency import LEASE_MS, HeldKey, Idempotency
+from leadgate.review.runner import _CLAIM_FAILED, _CLAIM_IN_DOUBT, _LostClaim
 from leadgate.turns import runs
 from tests.fakes import StallsOnce
 from tests.helpers import make_org
 from tests.stack import Stack
+
+T = TypeVar("T")
 
 
 def test_each_due_token_goes_to_one_look_and_a_token_found_is_not_watched_again() -> None:
@@ -80,12 +84,18 @@ def stalled(stack: Stack, monkeypatch: pytest.MonkeyPatch, method: str) -> Stall
     return stall
 
 
-def watching(lost: LostClaims[str], stack: Stack, *tokens: str) -> Callable[[], list[str]]:
-    """Watch ``tokens`` (due now); returns what is still watched, due by then."""
+def watching(lost: LostClaims[T], stack: Stack, *tokens: T) -> Callable[[], list[T]]:
+    """Watch ``tokens`` (due now); returns what is still watched, due by then, in the
+    order they were watched."""
     now = stack.clock.now_ms()
     for token in tokens:
         lost.watch(token, due=now, lapses=now + 10 * MINUTE_MS)
-    return lambda: sorted(look.token for look in lost.take_due(stack.clock.now_ms()))
+
+    def left() -> list[T]:
+        due = [look.token for look in lost.take_due(stack.clock.now_ms())]
+        return [token for token in tokens if token in due]
+
+    return left
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -93,9 +103,10 @@ async def test_a_review_runners_look_cancelled_keeps_its_tokens_watched(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runner = stack.lead_runner
-    left = watching(runner._lost, stack, "lease_a", "lease_b")
+    claims = [_LostClaim("lease_a", _CLAIM_IN_DOUBT), _LostClaim("lease_b", _CLAIM_FAILED)]
+    left = watching(runner._lost, stack, *claims)
     await cut_short(stalled(stack, monkeypatch, "read"), runner._release_held())
-    assert left() == ["lease_a", "lease_b"]
+    assert left() == claims
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
