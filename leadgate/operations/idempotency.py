@@ -15,7 +15,9 @@ de-duplicates in its own transaction (``inbound_events``): a message that was al
 taken in is not taken twice (the turn answers :class:`~leadgate.core.types.Duplicate`,
 which the route reports as an answer that was lost with the crash), and one that was not
 is taken now. A release that a database fault kept from being written is tried again
-(:meth:`Idempotency.release`), not left to the lease.
+(:meth:`Idempotency.release`), not left to the lease; so is the end of the lease of a
+request whose answer a fault kept from being stored (:meth:`Idempotency.finish`): its
+retry takes the key over at once and is told the answer was lost.
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -354,17 +356,37 @@ class Idempotency:
         or it is an error met after the message was taken in: the turn's last
         transaction stores its answer (:meth:`store`), and a fault at its COMMIT may
         have come after the commit landed (in doubt), so an answer found stored is the
-        turn's and stands. Any other answer is always stored (over a provisional one)."""
-        if not provisional:
+        turn's and stands. Any other answer is always stored (over a provisional one).
+
+        A failure to store it is raised after the claim's lease is ended (:meth:`lapse`,
+        fenced by its owner token, a no-op when the answer landed after all): the message
+        was taken in (or recorded busy), so the client's retry takes the key over with
+        its event id and the intake answers it ``idempotency.lost``, as after a crash.
+        Left claimed, the key answered that retry 409 ``idempotency.in_progress`` until
+        the lease lapsed, a minute on, with no request holding it. A lapse that fails
+        too is tried again (see :meth:`_hand_back`)."""
+        try:
             async with self.db.tx() as conn:
-                await self.store(conn, principal, claim, response)
-            return
-        async with self.db.tx() as conn:
-            await conn.execute(
-                t.idempotency_keys.update()
-                .where(*_keyed(principal, claim), _K.response.is_(None))
-                .values(response=response)
-            )
+                if not provisional:
+                    await self.store(conn, principal, claim, response)
+                else:
+                    await conn.execute(
+                        t.idempotency_keys.update()
+                        .where(*_keyed(principal, claim), _K.response.is_(None))
+                        .values(response=response)
+                    )
+        except Exception:
+            # (The answer's own failure is the one to raise; the lapse's, if any, is
+            # watched and tried again.)
+            with contextlib.suppress(Exception):
+                await self.lapse(principal, claim)
+            raise
+        except BaseException:  # (cancelled: no write now; the watch's first look does it)
+            if claim.owner is not None:
+                token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=True)
+                now = self.clock.now_ms()
+                self._lost.watch(token, due=now, lapses=now + LEASE_MS)
+            raise
 
     @staticmethod
     async def store(

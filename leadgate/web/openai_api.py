@@ -590,8 +590,9 @@ def setup(
                     # The turn ended and its answer (a busy 409, an error after the intake,
                     # a stream's error frame, already sent) is in hand: the client gets it.
                     # It was a retryable 503 "nothing was stored" for a message taken in
-                    # and answered. Unstored, the claim lapses after its lease; a retry
-                    # then gets ``idempotency.lost``, never a 2nd turn.
+                    # and answered. Unstored, the claim's lease is ended (by ``finish``): a
+                    # retry takes the key over and gets ``idempotency.lost``, never a 2nd
+                    # turn.
                     log.warning(
                         "storing the answer under its Idempotency-Key failed: %s",
                         type(exc).__name__,

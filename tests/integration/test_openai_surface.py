@@ -447,8 +447,10 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     database fault: the client got a retryable 503 "nothing was stored, please retry"
     (no ``x-should-retry: false``) for a message taken in and answered, and a stream
     that was already sent whole was followed by an error answer. The answer is the
-    client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``.
-    That is left to answers stored after the turn (here a model failure's 502): a plain
+    client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``
+    (this ``finish`` only fails; the real one also ends the lease at once: see
+    test_a_retry_after_a_fault_storing_the_answer_is_told_it_was_lost_at_once). That is
+    left to answers stored after the turn (here a model failure's 502): a plain
     or streamed answer is stored in the turn's own last transaction, not by ``finish``
     (see test_a_fault_storing_a_keyed_answer_fails_its_turn)."""
 
@@ -653,6 +655,40 @@ async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.content == cut.content
         assert await env.transcript(agent, "fault") == [("user", text)]
+
+
+@pytest.mark.parametrize("lapse", ["written", "failed too"])
+async def test_a_retry_after_a_fault_storing_the_answer_is_told_it_was_lost_at_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, lapse: str
+) -> None:
+    """The turn took the message in and answered (a model failure's 502), and storing
+    that answer under its key met a database fault. The claim's lease is ended (fenced
+    by its token), so the client's retry right after takes the key over with the same
+    event id and is told 409 ``idempotency.lost`` (the message in the transcript, once);
+    when that write failed too, the lease is ended 1 s on (the next keyed request, or
+    the process's loop). It was 409 ``idempotency.in_progress`` for a minute, until the
+    lease lapsed, with no request holding the key."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        faults.arm_on(
+            "UPDATE idempotency_keys SET response",
+            and_on="UPDATE idempotency_keys" if lapse == "failed too" else None,
+        )
+        failed = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+        faults.disarm()
+        assert faults.fired is not None
+        assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
+        if lapse == "failed too":
+            running = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+            assert running.status == 409, await running.text()
+            assert (await running.json())["error"]["rule"] == "idempotency.in_progress"
+            env.clock.advance(1_000)  # the lease's end is written again when due
+        retry = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+        assert retry.status == 409 and retry.headers["x-should-retry"] == "false"
+        assert (await retry.json())["error"]["rule"] == "idempotency.lost", await retry.text()
+        again = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert await again.json() == await retry.json()
+        assert await env.user_messages("plain", "u") == ["please #fail"]  # taken in once
 
 
 @pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])

@@ -14,6 +14,7 @@ from leadgate.operations.idempotency import LEASE_MS, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
 from tests.helpers import make_org
 from tests.stack import Stack
+from tests.unit.test_lost_claims import cut_short, stalled
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -157,3 +158,55 @@ async def test_a_release_the_database_kept_from_being_written_is_tried_again(
     retry = await idem.begin(principal, "k-5", "fp")
     assert retry.action == "run"
     assert (retry.external_event_id == claim.external_event_id) is keep_key
+
+
+@pytest.mark.parametrize("fault", ["down", "down, its lapse too", "cancelled"])
+async def test_an_answer_the_database_kept_from_being_stored_ends_the_claims_lease(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """The request took its message in and answered, and storing the answer failed (or
+    was cut short): no request holds the key, but it answered the client's retry 409
+    ``idempotency.in_progress`` until the claim's lease lapsed, a minute on. The lease
+    is ended now (or, when that write fails too, or the request was cancelled, at the
+    watch's look), so the retry takes the key over at once, with the key's event id (its
+    intake then finds the message taken in: ``idempotency.lost``)."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    claim = await idem.begin(principal, "k-6", "fp")
+    assert claim.action == "run"
+    answer = {"status": 502, "body": {"error": {"rule": "model.failed"}}}
+    finish = idem.finish(principal, claim, answer, provisional=True)
+    if fault == "cancelled":
+        await cut_short(stalled(stack, monkeypatch, "tx"), finish)
+    else:
+        failures = 2 if fault == "down, its lapse too" else 1
+        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, failures, after_commit=False))
+        with pytest.raises(Unavailable):
+            await finish
+    if fault == "down, its lapse too":
+        assert (await idem.begin(principal, "k-6", "fp")).action == "running"
+        stack.clock.advance(1_000)  # the lapse is written again when due
+    retry = await idem.begin(principal, "k-6", "fp")
+    assert (retry.action, retry.external_event_id) == ("run", claim.external_event_id)
+    assert retry.owner != claim.owner
+
+
+async def test_a_stalled_requests_failed_answer_leaves_the_takeovers_lease_alone(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end of the lease after a failed store is fenced by the claim's token: a
+    request that stalled past its lease (and was taken over) and then failed to store
+    its answer does not end the lease of the request that took it over (whose retry
+    would then run beside it)."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    stalled = await idem.begin(principal, "k-7", "fp")
+    stack.clock.advance(LEASE_MS + 1)
+    takeover = await idem.begin(principal, "k-7", "fp")
+    assert takeover.action == "run"
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, stalled, {"status": 200, "body": {}})
+    assert (await idem.begin(principal, "k-7", "fp")).action == "running"
