@@ -206,7 +206,8 @@ OPERATIONS: list[Operation] = [
             "workItemId and revision null) or turn.busy (the session's work already waits "
             "for review: the message was not taken in); idempotency.in_progress (the first "
             "request with this Idempotency-Key still runs; Retry-After); idempotency.lost "
-            "(its answer was lost with its process: read the transcript). Never retried "
+            "(its answer was lost with its process, or to a database fault storing it: "
+            "read the transcript). Never retried "
             "(x-should-retry: false)",
             "502": "model_error: the model provider failed after the message was taken in "
             "(x-should-retry: false: sending it again would take it twice)",
