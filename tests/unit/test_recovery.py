@@ -194,6 +194,18 @@ async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) ->
     assert type(retried).__name__ == "Gated"
 
 
+async def _a_gated_api_turn_taken_in(stack: Stack) -> Accepted:
+    """A REST turn of a worker with a lead, taken in by this (live) process, not run
+    (its run token and work item set)."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await alive_here(stack, turns_too=True)
+    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+    return taken
+
+
 async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,12 +216,8 @@ async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
     (tests/reliability/test_faults.py::test_postgres_restarted_mid_load). An intake in
     doubt whose read-back failed (``intake.in_doubt``) hands its run to the same
     orphans (``Intake.doubted``)."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    await alive_here(stack, turns_too=True)
-    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
-    assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+    taken = await _a_gated_api_turn_taken_in(stack)
+    assert taken.ctx.run_token and taken.ctx.work_item_id
     # The turn's next write, whichever way it goes (a transaction, or on PostgreSQL one
     # statement alone), meets the database gone.
     monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
@@ -239,12 +247,8 @@ async def test_a_client_run_claimed_for_a_rerun_stays_a_rerun(stack: Stack) -> N
     """The recovery claimed an orphaned REST turn's run to rerun it, and its process
     died before the turn ended: another process's recovery reruns it too (the claim
     wrote ``policy`` ``rerun``), rather than close it for a retry nobody will send."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    await alive_here(stack, turns_too=True)
-    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
-    assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+    taken = await _a_gated_api_turn_taken_in(stack)
+    assert taken.ctx.run_token and taken.ctx.work_item_id
     stack.turns.orphaned(taken.ctx.run_token)
     claimed = await runs.claim(
         stack.db,
