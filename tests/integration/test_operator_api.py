@@ -287,6 +287,33 @@ async def uncertain_card(env: Env, session: str) -> tuple[str, dict[str, Any]]:
     return item_id, card
 
 
+async def retry_ends_cancelled(env: Env, card_id: str) -> Any:
+    """Retry of review card ``card_id``, whose wait is closed: answered 200, the card
+    ended ``cancelled`` (never posted) and counted so once; the answer."""
+    cancelled = deliveries_counted("slack", "cancelled")
+    status, body = await post(env, f"/operator/deliveries/{card_id}/retry")
+    assert status == 200, body
+    assert body["delivery"] == {
+        "id": card_id,
+        "kind": "card",
+        "status": "cancelled",
+        "error": CARD_DECIDED_ERROR,
+    }
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1  # as it ended, once
+    return body
+
+
+async def retry_posts_only(env: Env, card_id: str) -> None:
+    """Retry of review card ``card_id``, whose wait is open: ``pending`` again, and the
+    relay posts it and no other card."""
+    posts = len(env.slack.sent)
+    status, body = await post(env, f"/operator/deliveries/{card_id}/retry")
+    assert status == 200, body
+    assert (body["delivery"]["status"], body["delivery"]["kind"]) == ("pending", "card")
+    await drain(env.service.relay)
+    assert [m.delivery_id for m in env.slack.sent[posts:]] == [card_id]
+
+
 async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env: Env) -> None:
     """Retry of a review card whose post was uncertain puts it back ``pending`` while
     its item waits. Once the item is decided, Retry ends it ``cancelled`` instead (as
@@ -297,18 +324,9 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
     _, waiting_card = await uncertain_card(env, "waiting")
     status, _ = await post(env, f"/operator/reviews/{decided}/approve")
     assert status == 200
-    posts = len(env.slack.sent)
-    cancelled = deliveries_counted("slack", "cancelled")
 
-    status, body = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
-    assert status == 200, body
-    assert body["delivery"] == {
-        "id": decided_card["id"],
-        "kind": "card",
-        "status": "cancelled",
-        "error": CARD_DECIDED_ERROR,
-    }
-    assert deliveries_counted("slack", "cancelled") - cancelled == 1  # as it ended, once
+    body = await retry_ends_cancelled(env, decided_card["id"])
+    cancelled = deliveries_counted("slack", "cancelled")
     assert "item was decided" in CARD_DECIDED_ERROR
     [shown] = [d for d in body["deliveries"] if d["id"] == decided_card["id"]]
     assert (shown["status"], shown["error"]) == ("cancelled", CARD_DECIDED_ERROR)
@@ -320,15 +338,10 @@ async def test_a_retried_card_whose_item_was_decided_is_cancelled_not_posted(env
     )
     status, again = await post(env, f"/operator/deliveries/{decided_card['id']}/retry")
     assert (status, again["error"]["rule"]) == (409, "delivery.status")
-    assert deliveries_counted("slack", "cancelled") - cancelled == 1
+    assert deliveries_counted("slack", "cancelled") == cancelled  # not counted again
 
-    # The waiting item's card is retried as before.
-    status, body = await post(env, f"/operator/deliveries/{waiting_card['id']}/retry")
-    assert status == 200, body
-    assert (body["delivery"]["status"], body["delivery"]["kind"]) == ("pending", "card")
-    await drain(env.service.relay)
-    # Posted again: the waiting item's card, never the decided one's.
-    assert [m.delivery_id for m in env.slack.sent[posts:]] == [waiting_card["id"]]
+    # The waiting item's card is retried as before: posted again, never the decided one.
+    await retry_posts_only(env, waiting_card["id"])
     page = await get_json(env, "/operator/deliveries")
     assert decided_card["id"] not in {d["id"] for d in page["deliveries"]}
 
@@ -351,26 +364,11 @@ async def test_a_retried_card_of_an_earlier_wait_is_cancelled_not_posted(env: En
     cards = {d["id"]: d["status"] for d in detail["deliveries"] if d["kind"] == "card"}
     [second] = [card_id for card_id in cards if card_id != first["id"]]
     assert cards == {first["id"]: "deliveryUnknown", second: "deliveryUnknown"}
-    posts = len(env.slack.sent)
-    cancelled = deliveries_counted("slack", "cancelled")
 
-    status, body = await post(env, f"/operator/deliveries/{first['id']}/retry")
-    assert status == 200, body
-    assert body["delivery"] == {
-        "id": first["id"],
-        "kind": "card",
-        "status": "cancelled",
-        "error": CARD_DECIDED_ERROR,
-    }
+    body = await retry_ends_cancelled(env, first["id"])
     assert body["status"] == "awaitingHuman"  # the item still waits, in its second wait
-    assert deliveries_counted("slack", "cancelled") - cancelled == 1
-
-    status, body = await post(env, f"/operator/deliveries/{second}/retry")
-    assert status == 200, body
-    assert (body["delivery"]["status"], body["delivery"]["kind"]) == ("pending", "card")
-    await drain(env.service.relay)
-    # Posted again: the second wait's card, never the first's.
-    assert [m.delivery_id for m in env.slack.sent[posts:]] == [second]
+    # The second wait's card is retried as before: posted again, never the first's.
+    await retry_posts_only(env, second)
 
 
 async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
