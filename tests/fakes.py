@@ -135,11 +135,8 @@ class DownFor:
                 if not after:
                     raise Unavailable("database down", rule="service.unavailable")
                 self.inner = real()
-                conn = await self.inner.__aenter__()
-                # The work's signals, kept from the commit listeners (see __aexit__).
-                self.topics: dict[str, list[Any]] = {}
-                if conn.info.get(_TOPICS) is not None:
-                    conn.info[_TOPICS] = self.topics
+                # (The work's signals: see __aexit__.)
+                conn, self.topics = await _entered_unheard(self.inner)
                 return conn
 
             async def __aexit__(self, *exc: Any) -> None:
@@ -269,6 +266,17 @@ class StallsOnce:
         return _Ctx()
 
 
+async def _entered_unheard(tx: Any) -> tuple[Any, dict[str, list[Any]]]:
+    """Enter ``tx`` (a real ``Database.tx()``) with the signals its work raises kept in a
+    dict of their own, away from the commit listeners: the fake decides whether and when
+    they are heard (a commit its caller is told is in doubt, or that lands later)."""
+    conn = await tx.__aenter__()
+    topics: dict[str, list[Any]] = {}
+    if conn.info.get(_TOPICS) is not None:
+        conn.info[_TOPICS] = topics
+    return conn, topics
+
+
 class CommitLandsLater:
     """``Database.tx`` replaced for its next call: the transaction's work runs but its
     ``COMMIT`` waits (the transaction stays open, holding its row locks, its rows seen
@@ -298,11 +306,7 @@ class CommitLandsLater:
         class _Ctx:
             async def __aenter__(self) -> Any:
                 self.inner = outer.real()
-                conn = await self.inner.__aenter__()
-                # The work's signals, kept from the commit listeners (as DownFor).
-                self.topics: dict[str, list[Any]] = {}
-                if conn.info.get(_TOPICS) is not None:
-                    conn.info[_TOPICS] = self.topics
+                conn, self.topics = await _entered_unheard(self.inner)
                 return conn
 
             async def __aexit__(self, *exc: Any) -> None:
