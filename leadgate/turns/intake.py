@@ -270,7 +270,7 @@ class Intake:
         *,
         owner: Callable[[], str | None] = lambda: None,
         doubted: Callable[[str], None] = lambda _token: None,
-        lost: LostClaims[str] | None = None,
+        lost: LostClaims[runs.RunLook] | None = None,
     ) -> None:
         self.db = db
         self.clock = clock
@@ -604,8 +604,12 @@ class Intake:
                 # <leadgate.turns.runs.RUN_LEASE_MS>`) with nothing running it. The
                 # recovery looks for its token until then (leadgate.turns.runs.claim).
                 now = self.clock.now_ms()
+                # Its client is told nothing was stored and sends it again: a run found
+                # later is not rerun (runs.RunLook).
                 self.lost.watch(
-                    run_token, due=now + self.lost.first_ms, lapses=now + runs.RUN_LEASE_MS
+                    runs.RunLook(run_token, rerun=False),
+                    due=now + self.lost.first_ms,
+                    lapses=now + runs.RUN_LEASE_MS,
                 )
             raise
 

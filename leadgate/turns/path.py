@@ -277,7 +277,7 @@ class TurnService:
         #: intake or a recovery claim in doubt may yet be applied): looked for again by the
         #: recovery runner's claim when due, until their run's lease would have lapsed
         #: (:func:`leadgate.turns.runs.claim`)
-        self.lost: LostClaims[str] = LostClaims(
+        self.lost: LostClaims[runs.RunLook] = LostClaims(
             name="turn-recovery", on_watch=lambda: self.recovery_due()
         )
         self.intake = Intake(

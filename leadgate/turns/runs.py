@@ -18,13 +18,14 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 * ``client`` (REST/MCP: the official clients retry a turn cut by a lost connection, and
   their retry is a new message): the run is closed, the first message stays in the
   transcript (and the item's task context) as it was stored, and the item waits in
-  ``inProgress`` for the retry. Not so for a run its own process asks for (an orphan,
-  or a watched token: its turn stopped on a database fault, or its intake was in
-  doubt): that client got an answer, 503 ``turn.interrupted`` or ``intake.in_doubt``,
-  which tells it not to send the message again, so nobody would ask again and the item
-  would sit ``inProgress`` with nothing running it. Such a run is rerun, and its row
-  says so from the claim on (``policy`` ``rerun``): a process that dies rerunning it
-  leaves it to be run again, not closed;
+  ``inProgress`` for the retry. Not so for a run whose client its own process told
+  not to send the message again (an orphan: its turn stopped on a database fault, 503
+  ``turn.interrupted``, or its intake's read-back failed, ``intake.in_doubt``; see
+  :class:`RunLook`): nobody would ask again and the item would sit ``inProgress`` with
+  nothing running it. Such a run is rerun, and its row says so from the claim on
+  (``policy`` ``rerun``): a process that dies rerunning it leaves it to be run again,
+  not closed. A run of an intake in doubt whose read-back found nothing (its client
+  told to send it again) is closed when found, as for a cut connection;
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
@@ -35,7 +36,7 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -124,6 +125,19 @@ async def lease_check(db: Database, now: int) -> tuple[bool, int | None]:
     return bool(row.takeable), row.next_lapse
 
 
+class RunLook(NamedTuple):
+    """A run's lease token that the recovery looks for again (``lost``, a
+    :class:`~leadgate.core.runners.LostClaims`), and what its client was told. ``rerun``:
+    not to send the message again (an orphan's: its turn stopped on a fault, or its
+    intake's read-back failed), so a ``client`` run found under it is rerun, as an
+    orphan's is. Otherwise nothing was stored, send it again (an intake in doubt whose
+    read-back found nothing): a ``client`` run found is closed, the client's retry being
+    its turn; rerun, the message was answered twice."""
+
+    token: str
+    rerun: bool
+
+
 async def claim(
     db: Database,
     clock: Clock,
@@ -131,7 +145,7 @@ async def claim(
     *,
     owner: str | None,
     orphans: set[str],
-    lost: LostClaims[str],
+    lost: LostClaims[RunLook],
 ) -> Claimed | None:
     """Claim the oldest takeable run and every takeable run of its session.
 
@@ -143,7 +157,9 @@ async def claim(
     now = clock.now_ms()
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
     looks = lost.take_due(now) if lost else []
-    asked = sorted(orphans.union(look.token for look in looks) if looks else orphans)
+    asked = sorted(orphans.union(look.token.token for look in looks) if looks else orphans)
+    # The tokens whose client was told not to send the message again (RunLook).
+    no_resend = orphans.union(look.token.token for look in looks if look.token.rerun)
     if asked:
         takeable = sa.or_(takeable, R.lease_token.in_(asked))
     token = ids.new("lease")
@@ -158,7 +174,7 @@ async def claim(
             now,
             token,
             owner=owner,
-            asked=set(asked),
+            no_resend=no_resend,
             updated=updated,
             taken=taken,
         )
@@ -175,12 +191,16 @@ async def claim(
     orphans.difference_update(taken)  # committed: these tokens are gone
     if looks:
         # Those of another session's runs are looked for at the next pass (due still).
-        lost.put_back([look for look in looks if look.token not in taken])
+        lost.put_back([look for look in looks if look.token.token not in taken])
     return claimed
 
 
 def _watch(
-    asked: list[str], looks: list[Lost[str]], orphans: set[str], lost: LostClaims[str], now: int
+    asked: list[str],
+    looks: list[Lost[RunLook]],
+    orphans: set[str],
+    lost: LostClaims[RunLook],
+    now: int,
 ) -> None:
     """A claim that asked for the tokens ``asked`` (``looks``: those ``lost`` was
     watching) found no takeable run: no run holds them now. Each may hold one later all
@@ -191,16 +211,22 @@ def _watch(
     unanswered. So each is watched (:class:`~leadgate.core.runners.LostClaims`: looked
     for again a second on, then at doubling gaps) until that lease would have lapsed;
     the recovery runner claims with the due ones only (no claim between looks)."""
-    watched = {look.token: look for look in looks}
+    watched = {look.token.token: look for look in looks}
     for token in asked:
         orphans.discard(token)
         look = watched.get(token)
         if look is not None:
             lost.not_found(look, now)
         else:
-            # (the run's lease was set at or before now: it lapses by then) Not woken:
-            # this is the recovery's own pass, and its loop sleeps toward the look.
-            lost.watch(token, due=now + lost.first_ms, lapses=now + RUN_LEASE_MS, wake=False)
+            # An orphan (its client told not to send it again). (The run's lease was set
+            # at or before now: it lapses by then.) Not woken: this is the recovery's own
+            # pass, and its loop sleeps toward the look.
+            lost.watch(
+                RunLook(token, rerun=True),
+                due=now + lost.first_ms,
+                lapses=now + RUN_LEASE_MS,
+                wake=False,
+            )
 
 
 async def _claim_in(
@@ -212,7 +238,7 @@ async def _claim_in(
     token: str,
     *,
     owner: str | None,
-    asked: set[str],
+    no_resend: set[str],
     updated: list[str],
     taken: set[str],
 ) -> Claimed | None:
@@ -239,9 +265,9 @@ async def _claim_in(
             return None
         turn_id = ids.new("turn")
         newest = rows[-1]
-        # A client run its own process asks for was answered "do not send it again"
-        # (see the module docstring): nobody retries it, so it is rerun.
-        rerun = any(r.policy == RERUN or r.lease_token in asked for r in rows)
+        # A client run whose client was answered "do not send it again" (see the module
+        # docstring): nobody retries it, so it is rerun.
+        rerun = any(r.policy == RERUN or r.lease_token in no_resend for r in rows)
         updated.append(token)
         res = await conn.execute(
             t.turn_runs.update()

@@ -48,7 +48,7 @@ from leadgate.runners.schedules import ScheduleRunner, add_schedule
 from leadgate.turns.intake import Accepted
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
-from leadgate.turns.runs import RUN_LEASE_MS
+from leadgate.turns.runs import RUN_LEASE_MS, RunLook
 from outbox.channel import OutboundMessage, Retry, Sent
 from outbox.relay import EXPIRY_CHECK_MS as RELAY_EXPIRY_CHECK_MS
 from outbox.relay import Relay
@@ -842,7 +842,9 @@ async def test_a_run_a_turn_leaves_to_the_turn_recovery_wakes_it(
         assert intake_lost is not None
         now = clock.now_ms()
         intake_lost.watch(
-            taken.ctx.run_token, due=now + intake_lost.first_ms, lapses=now + RUN_LEASE_MS
+            RunLook(taken.ctx.run_token, rerun=False),
+            due=now + intake_lost.first_ms,
+            lapses=now + RUN_LEASE_MS,
         )
     await next_call(model, lambda c: c.text == "hi")
 

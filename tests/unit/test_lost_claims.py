@@ -130,12 +130,13 @@ async def test_a_recovery_claim_cancelled_keeps_its_looks_watched(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lost = stack.turns.lost
-    left = watching(lost, stack, "lease_a", "lease_b")
+    looks = [runs.RunLook("lease_a", rerun=True), runs.RunLook("lease_b", rerun=False)]
+    left = watching(lost, stack, *looks)
     claim = runs.claim(
         stack.db, stack.clock, stack.ids, owner=None, orphans=stack.turns.orphans, lost=lost
     )
     await cut_short(stalled(stack, monkeypatch, "tx"), claim)
-    assert left() == ["lease_a", "lease_b"]
+    assert left() == looks
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -32,6 +32,7 @@ from tests.helpers import (
     item_row,
     make_agent,
     make_org,
+    session_item,
     slack_trigger,
 )
 from tests.stack import Stack
@@ -453,3 +454,40 @@ async def test_an_intake_in_doubt_that_lands_after_its_read_back_is_recovered_so
     assert await drain(recovery) == 1
     assert await replies(stack) == ["Echo: hello"]
     assert await count(stack, t.turn_runs) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("read_back", ["finds nothing", "fails"])
+async def test_a_rest_intake_in_doubt_that_lands_late_is_run_only_if_not_sent_again(
+    stack: Stack,
+    monkeypatch: pytest.MonkeyPatch,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
+    read_back: str,
+) -> None:
+    """A gated REST message's intake lost its COMMIT's answer; then the server applied
+    it. Its read-back found nothing: the client was told nothing was stored and sends it
+    again (a message of its own), so the run found later is closed, not run (run, the
+    one request was worked on twice, once for each copy). Its read-back failed
+    (``intake.in_doubt``): the client was told not to send it again, so the run is run
+    and its item goes to the lead. (PostgreSQL only: a SQLite COMMIT is never in
+    doubt.)"""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    await alive_here(stack, turns_too=True)
+    late = commit_lands_later(stack.db)
+    if read_back == "fails":  # the first read once the intake's COMMIT is held: its read-back
+        down, read = DownFor(stack.db.read, 1, after_commit=False), stack.db.read
+        monkeypatch.setattr(stack.db, "read", lambda: read() if late.held is None else down())
+    with pytest.raises(Unavailable) as raised:
+        await stack.turns.take(api_trigger(org, worker, "work on it #complete", "s1"))
+    assert isinstance(raised.value, IntakeInDoubt) is (read_back == "fails")
+    recovery = TurnRecovery(stack.turns)
+    assert await recovery.run_once() is False  # it has not landed: nothing to take
+    await late.land()
+    assert await count(stack, t.turn_runs) == 1
+    stack.clock.advance(1_000)
+    assert await drain(recovery) == 1
+    assert await count(stack, t.turn_runs) == 0
+    item = await item_row(stack, await session_item(stack, "s1"))
+    assert item["status"] == ("reviewQueued" if read_back == "fails" else "inProgress")
