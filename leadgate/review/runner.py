@@ -57,6 +57,10 @@ EXPIRY_CHECK_MS = 1_000
 #: still claims at least this often: items queued by another replica wake it no faster
 #: than its poll anyway.
 CLAIM_RECHECK_MS = 1_000
+#: PostgreSQL: a claim that took nothing while queued items were there, locked by another
+#: transaction, claims again this soon (no commit may come to wake it: see
+#: :data:`_CLAIM_ALONE`).
+LOCKED_RECHECK_MS = 50
 W = t.work_items.c
 
 _REVIEWING = W.status == Status.reviewing.value
@@ -135,13 +139,22 @@ def _gating(session_id: sa.ColumnElement[str]) -> list[sa.Label[Any]]:
     ]
 
 
-_CLAIM_ALONE = sa.select(
-    _CLAIMED,
-    sa.exists()
-    .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id != _CLAIMED.c.id)
-    .label("more"),
-    *_gating(_CLAIMED.c.session_id),
-).add_cte(_CLAIM_AUDIT)
+#: Always one row: a claim that took nothing has its columns NULL, and ``more`` then says
+#: whether queued items were there all the same, locked by another transaction (the
+#: head skips them): another replica's claim, or a fenced move that lost its race for
+#: the row (a lease expiry beside a give-back) and keeps the row lock until its commit.
+#: Such a claim must not take the queue for empty (see :meth:`LeadRunner._queue_seen`).
+_CLAIM_ALONE = (
+    sa.select(
+        _CLAIMED,
+        sa.exists()
+        .where(_OTHER.c.status == _CLAIM_SRC.value, _OTHER.c.id.is_distinct_from(_CLAIMED.c.id))
+        .label("more"),
+        *_gating(_CLAIMED.c.session_id),
+    )
+    .select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_CLAIMED, sa.true()))
+    .add_cte(_CLAIM_AUDIT)
+)
 #: A claim in doubt's read-back: the item its lease token holds, still ``reviewing``
 #: (the rows :data:`_CLAIM_ALONE` returns but ``more``).
 _CLAIM_LANDED = sa.select(t.work_items, *_gating(W.session_id)).where(
@@ -249,6 +262,9 @@ class LeadRunner:
         self._last_empty_claim = 0
         #: ``_pokes`` as of the start of the claim that last reported (:meth:`_queue_seen`)
         self._seen_pokes = -1
+        #: when to claim again after a claim found queued items all locked (PostgreSQL;
+        #: None: no such claim was the last to report)
+        self._locked_look: int | None = None
         self._next_expiry_check = 0
         #: the earliest ``lease_expires_at`` of a review lease at the last lease check
         #: (any runner's, on any replica; None: none was held)
@@ -271,6 +287,9 @@ class LeadRunner:
         now = self.clock.now_ms()
         # Read first: almost always nothing has expired, and a read takes no write lock.
         # Each move below is fenced by status and token, so a stale read moves nothing.
+        # PostgreSQL: rows another replica's check is moving are skipped, not waited for:
+        # a move that waited and then found the item queued would keep its row lock to
+        # its commit, and claims skip a locked row.
         async with self.db.read() as conn:
             check = (await conn.execute(_LEASE_CHECK, {"p_now": now})).one()
         self._next_lapse = check.next_lapse
@@ -278,7 +297,7 @@ class LeadRunner:
             return 0
         queued = 0
         async with self.db.tx() as conn:
-            rows = (await conn.execute(_EXPIRED, {"p_now": now})).all()
+            rows = (await conn.execute(self.db.skip_locked(_EXPIRED), {"p_now": now})).all()
             for row in rows:
                 expiries = row.lease_expiries + 1
                 dst = Status.awaitingHuman if expiries >= MAX_EXPIRIES else Status.reviewQueued
@@ -336,7 +355,7 @@ class LeadRunner:
         lapse = after_lapse(self._next_lapse)
         # The check runs at most every EXPIRY_CHECK_MS: never earlier than it can find it.
         check = None if lapse is None else max(lapse, self._next_expiry_check)
-        return seconds_until(self.clock.now_ms(), check, self._lost.next_due())
+        return seconds_until(self.clock.now_ms(), check, self._lost.next_due(), self._locked_look)
 
     def poke(self) -> None:
         """An item was queued for review (after its commit): claim at the next pass."""
@@ -415,11 +434,10 @@ class LeadRunner:
                 "p_audit_id": self.ids.new("aud"),
             },
         )
-        row = result.first()
-        self._queue_seen(row is not None and bool(row.more), pokes, now)
-        if row is None:
-            return None
-        return self._claimed(row, token)
+        row = result.one()
+        took = row.id is not None
+        self._queue_seen(bool(row.more), pokes, now, locked=not took)
+        return self._claimed(row, token) if took else None
 
     def _claimed(self, row: AnyRow, token: str) -> WorkItem:
         """The item of a claim's row (:data:`_CLAIM_ALONE`, :data:`_CLAIM_LANDED`), its
@@ -458,15 +476,22 @@ class LeadRunner:
             raise fault
         return self._claimed(row, token)
 
-    def _queue_seen(self, more: bool, pokes: int, now: int) -> None:
+    def _queue_seen(self, more: bool, pokes: int, now: int, *, locked: bool = False) -> None:
         """What a claim that started at ``pokes`` learned of the queue: more waiting (the
         next pass claims), or empty after it. A claim that started before the one that
         last reported is ignored: on PostgreSQL a claim learns the queue only when its
         statement returns, and claims may return out of order; the later claim read the
-        queue after the older one, so what the older one saw tells nothing new."""
+        queue after the older one, so what the older one saw tells nothing new.
+
+        ``locked``: the claim took nothing, so what ``more`` saw is held by another
+        transaction; the loops claim again after :data:`LOCKED_RECHECK_MS`
+        (:meth:`due_in_s`). Whoever holds it may commit without a wake-up for this
+        process: a move that lost a race for the item keeps its row lock to the end of
+        its transaction (PostgreSQL's row locks outlive a failed recheck of ``WHERE``)."""
         if pokes < self._seen_pokes:
             return
         self._seen_pokes = pokes
+        self._locked_look = now + LOCKED_RECHECK_MS if more and locked else None
         if more:
             self._empty_at = -1
         else:

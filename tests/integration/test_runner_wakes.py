@@ -285,10 +285,15 @@ async def test_an_expired_review_lease_wakes_the_lead_runners_of_other_replicas(
 ) -> None:
     """The replica whose lease check finds an expired lease (here one whose review loops
     do not run, as if all were busy) queues the item again; the other replicas' lead
-    runners hear it as they hear a submission."""
+    runners hear it as they hear a submission.
+
+    The worker's clock stays put, so only ``busy`` finds the lease lapsed: with one
+    clock, a pass of the worker's loops (the one its LISTEN connection's start asks
+    for) could run its own lease check beside ``busy``'s and take the item back itself,
+    and the notification would not be what woke it."""
     clock, model = FakeClock(), RecordingModel()
     busy = make_app(migrated_pg, clock=clock)
-    worker = make_app(migrated_pg, clock=clock, model=model)
+    worker = make_app(migrated_pg, clock=FakeClock(), model=model)
     org, agent = await lead_and_worker(busy)
     await held_elsewhere(worker, org, agent)
     await start_worker(worker)

@@ -1442,6 +1442,72 @@ async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
         await stack.stop()
 
 
+async def test_a_claim_that_skips_a_locked_queued_item_claims_it_again_soon(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: the one queued item is row-locked by another transaction (here held
+    open by the test; in the service a lease expiry that lost its race for the item to a
+    give-back keeps its lock until its commit, and no wake-up follows that commit). A
+    claim beside it takes nothing but does not take the queue for empty: the next pass
+    claims rather than skipping, and the loops sleep at most LOCKED_RECHECK_MS, not the
+    poll. Once the lock is gone that pass reviews the item; then an empty claim leaves
+    nothing to look at again."""
+    import contextvars
+
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    stack = build_stack(pg_url)
+    try:
+        runner = stack.lead_runner
+        runner.poked_on_enqueue = True
+        stack.turns.on_review_queued = runner.poke
+        org, _, worker = await setup(stack)
+        item_id = await submit(stack, org, worker, "task")
+        locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
+        async with stack.db.tx() as conn:
+            await conn.execute(locked.with_for_update())
+            beside = await asyncio.create_task(runner.run_once(), context=contextvars.Context())
+            assert beside is False
+            assert (await row(stack, item_id))["status"] == "reviewQueued"
+            assert runner.due_in_s() == runner_module.LOCKED_RECHECK_MS / 1000
+        assert await runner.run_once() is True  # no poke since: the pass claims all the same
+        assert (await row(stack, item_id))["status"] == "completed"
+        assert await runner.run_once() is False
+        assert runner.due_in_s() is None
+    finally:
+        await stack.stop()
+
+
+async def test_a_lease_check_skips_a_lease_another_check_is_taking_back(pg_url: str) -> None:
+    """PostgreSQL: two replicas' lease checks find one lapsed review lease at once. The
+    second does not wait on the row the first is moving (waiting, it would find the item
+    queued, move nothing and keep the row lock to its commit, hiding the item from
+    claims); it moves nothing and returns at once, and the first takes it back."""
+    import contextvars
+
+    from leadgate.database.db import upgrade
+
+    await asyncio.to_thread(upgrade, pg_url)
+    stack = build_stack(pg_url)
+    try:
+        runner = stack.lead_runner
+        org, _, worker = await setup(stack)
+        item_id = await submit(stack, org, worker, "task")
+        assert await runner.claim() is not None
+        clock(stack).advance(runner_module.LEASE_MS + 1)
+        moving = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
+        async with stack.db.tx() as conn:
+            await conn.execute(moving.with_for_update())
+            beside = asyncio.create_task(runner.expire_leases(), context=contextvars.Context())
+            assert await asyncio.wait_for(beside, 5) == 0
+        assert (await row(stack, item_id))["status"] == "reviewing"
+        assert await runner.expire_leases() == 1
+        assert (await row(stack, item_id))["status"] == "reviewQueued"
+    finally:
+        await stack.stop()
+
+
 async def test_a_claim_whose_clock_read_precedes_the_submission_is_audited_after_it(
     pg_url: str,
 ) -> None:
