@@ -40,7 +40,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -78,6 +78,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("leadgate.flows")
 
 WAITING_EVENT = "Flow run is waiting for Lead review"
+STARTED_EVENT = "Flow run started"
+RESUMED_EVENT = "Flow run resumed"
 PAUSED_OUTPUT: dict[str, Any] = {"data": {}, "success": True}
 MAX_NODES = 100
 R = t.flow_runs.c
@@ -134,6 +136,58 @@ class RunUnreadable(LeadgateError):
     same; recovery gives such a run up after :data:`leadgate.flows.recovery.MAX_RECOVERIES`
     attempts (rule ``flow.unrecoverable``). A paused run the resumer finds unreadable
     is given up at once the same way."""
+
+
+#: The rule of :class:`RunStartInDoubt`.
+START_IN_DOUBT_RULE = "flow.start_in_doubt"
+
+
+class RunStartInDoubt(Unavailable):
+    """A run's start met a database fault at its ``COMMIT`` (it may have landed), and
+    storing it again to find out failed too: the run may have been started. No retry is
+    asked for (one may start it twice); the message names the run and how to tell."""
+
+    retry_after_s: int | None = None
+
+    def __init__(self, org_id: str, run_id: str, detail: str = "") -> None:
+        super().__init__(
+            f"flow run {run_id} may have been started: the database connection was lost as "
+            "it was stored, and it could not be read back. `leadgate flow show --org "
+            f"{org_id} {run_id}` tells: shown, it was started and runs (a worker's flow "
+            "recovery continues it within 2 minutes; do not start the flow again, it would "
+            "run twice); not found (flowRun.not_found), it was not started: run the command "
+            "again",
+            rule=START_IN_DOUBT_RULE,
+        )
+        self.run_id = run_id
+        self.detail = detail
+
+
+async def _bound_lock_waits(conn: Conn, seconds: float) -> None:
+    """PostgreSQL: this transaction waits at most ``seconds`` for a lock (then a database
+    fault, 55P03); by default it would wait for ever. SQLite's writer waited for its lock
+    already (``BEGIN IMMEDIATE``, bounded by the busy timeout) and has no row locks."""
+    if conn.dialect.name == "postgresql":
+        ms = max(1, round(seconds * 1000))
+        await conn.execute(sa.text(f"SET LOCAL lock_timeout = '{ms}ms'"))
+
+
+class NewRun(TypedDict):
+    """The ``flow_runs`` row of a run being started or resumed: ``running``, leased to
+    the process inserting it (``lease_token``)."""
+
+    id: str
+    org_id: str
+    flow_id: str
+    status: str
+    outputs: list[Any]
+    start_index: int
+    resumed_from: str | None
+    created_at: int
+    updated_at: int
+    lease_token: str
+    lease_expires_at: int
+    lease_owner: str | None
 
 
 @dataclass(frozen=True)
@@ -451,27 +505,65 @@ class FlowService:
         fault once the run is recorded names the run (``flow.interrupted``): it stays
         ``running`` and recovery continues it, so starting the flow again would run it
         twice. It names the fault's rule, not its message: that one speaks of the
-        request that met it ("retry", "check whether it was stored"), not of the run."""
-        # A COMMIT in doubt here is not watched (FlowService.lost), unlike the resumer's:
-        # the caller is ``leadgate flow run``, which exits on the error, so nothing in its
-        # process could look. A run that landed is continued by a worker's flow recovery
-        # once its 2-minute lease lapses (the command registers no process, so none is
-        # known dead), and the error says it may have been stored: starting the flow
-        # again at once would run it twice.
-        async with self.db.tx() as conn:
-            flow = await find_flow(conn, org_id, flow_ref)
-            lease = await self.new_run(conn, org_id, flow["id"], [], 0, None)
+        request that met it ("retry", "check whether it was stored"), not of the run.
+
+        A start whose ``COMMIT`` is in doubt is stored again under the same run id
+        (:meth:`_start_again`) and executed: the caller is ``leadgate flow run``, which
+        exits on an error, so nothing would look for a run that landed (it waited out
+        its lease for a worker's recovery) and the error could not name it. When that
+        fails too, :class:`RunStartInDoubt` names the run."""
+        row: NewRun | None = None
+        try:
+            async with self.db.tx() as conn:
+                flow = await find_flow(conn, org_id, flow_ref)
+                row = self._run_row(org_id, flow["id"], [], 0, None)
+                await self._insert_run(conn, row)
+        except Unavailable as fault:
+            if not fault.in_doubt or row is None:
+                raise
+            await self._start_again(row, fault)
+        lease = RunLease(row["id"], row["lease_token"])
         try:
             await self.execute(lease)
         except Unavailable as exc:
             raise Unavailable(
                 f"flow run {lease.run_id} was started, but the database failed while it ran "
                 f"({exc.rule}); it stays running and a worker's flow recovery continues "
-                f"it once its lease lapses (leadgate flow show {lease.run_id}): do not start "
-                "the flow again, it would run twice",
+                f"it once its lease lapses (leadgate flow show --org {org_id} "
+                f"{lease.run_id}): do not start the flow again, it would run twice",
                 rule="flow.interrupted",
             ) from exc
         return lease.run_id
+
+    async def _start_again(self, row: NewRun, fault: Unavailable) -> None:
+        """The start of run ``row`` met ``fault``, in doubt at its ``COMMIT``: insert the
+        run again under its id, ``ON CONFLICT DO NOTHING``, on a fresh connection. Either
+        way it is stored once this commits: by the first ``COMMIT`` (this inserts
+        nothing) or by this one. On PostgreSQL the insert waits for the first
+        transaction while the server still holds it (its row's key is locked until it
+        commits or rolls back), so a first ``COMMIT`` applied late cannot store the run
+        a second time, nor be missed; the wait is bounded by ``[database]
+        busy_timeout_s``. Raises :class:`RunStartInDoubt` when this fails before it knows
+        the run is stored."""
+        stored = False  # (by the first COMMIT, as this insert found)
+        try:
+            async with self.db.tx() as conn:
+                await _bound_lock_waits(conn, self.db.busy_timeout_s)
+                res = await conn.execute(insert_ignore_stmt(conn.dialect.name, t.flow_runs), row)
+                stored = not res.rowcount
+                if not stored:
+                    await self._event(conn, row["id"], STARTED_EVENT)
+        except Unavailable as again:
+            if stored:
+                return  # this one wrote nothing: its own fault changes nothing
+            raise RunStartInDoubt(row["org_id"], row["id"], again.detail or fault.detail) from (
+                fault
+            )
+        log.warning(
+            "flow run %s: its start's COMMIT was in doubt; it is stored (%s)",
+            row["id"],
+            "it had landed" if stored else "stored again",
+        )
 
     async def new_run(
         self,
@@ -485,29 +577,40 @@ class FlowService:
         """Insert a run (``running``) starting at node ``start_index``, leased to this
         process: execute it with the lease returned once ``conn`` committed (if the
         process dies first, recovery does once the lease lapsed)."""
-        run_id = self.ids.new("run")
-        token = self.ids.new("lease")
+        row = self._run_row(org_id, flow_id, outputs, start_index, resumed_from)
+        await self._insert_run(conn, row)
+        return RunLease(row["id"], row["lease_token"])
+
+    def _run_row(
+        self,
+        org_id: str,
+        flow_id: str,
+        outputs: list[Any],
+        start_index: int,
+        resumed_from: str | None,
+    ) -> NewRun:
+        """The row of a new run, leased to this process under a new token."""
         now = self.clock.now_ms()
-        await conn.execute(
-            t.flow_runs.insert().values(
-                id=run_id,
-                org_id=org_id,
-                flow_id=flow_id,
-                status=RunStatus.running.value,
-                outputs=outputs,
-                start_index=start_index,
-                resumed_from=resumed_from,
-                created_at=now,
-                updated_at=now,
-                lease_token=token,
-                lease_expires_at=now + RUN_LEASE_MS,
-                lease_owner=self.owner(),
-            )
-        )
+        return {
+            "id": self.ids.new("run"),
+            "org_id": org_id,
+            "flow_id": flow_id,
+            "status": RunStatus.running.value,
+            "outputs": outputs,
+            "start_index": start_index,
+            "resumed_from": resumed_from,
+            "created_at": now,
+            "updated_at": now,
+            "lease_token": self.ids.new("lease"),
+            "lease_expires_at": now + RUN_LEASE_MS,
+            "lease_owner": self.owner(),
+        }
+
+    async def _insert_run(self, conn: Conn, row: NewRun) -> None:
+        await conn.execute(t.flow_runs.insert().values(**row))
         await self._event(
-            conn, run_id, "Flow run started" if resumed_from is None else "Flow run resumed"
+            conn, row["id"], STARTED_EVENT if row["resumed_from"] is None else RESUMED_EVENT
         )
-        return RunLease(run_id, token)
 
     async def renew(self, lease: RunLease) -> None:
         """Renew ``lease`` (fenced; :class:`RunLeaseLost` when it was lost)."""
