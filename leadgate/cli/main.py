@@ -1,7 +1,8 @@
 """``leadgate``: serve, the admin and operator commands (JSON on stdout, or ``--format
 table``; errors on stderr, each naming the config file and database in use).
 
-Exit codes: 0 success, 2 a rule was broken (the message names it), 1 anything else.
+Exit codes: 0 success, 2 a rule was broken (the message names it), 3 ``flow run`` could
+not tell whether it started its run (the message names the run), 1 anything else.
 """
 
 from __future__ import annotations
@@ -242,8 +243,18 @@ IN_DOUBT_MESSAGE = (
 )
 
 
+#: The exit status of a command that could not tell whether its write was made, where
+#: exit 2 ("refused") would let a script run it again: ``flow run`` whose start was in
+#: doubt and could not be read back (:data:`IN_DOUBT_RULES`); its message names the run.
+IN_DOUBT_EXIT = 3
+#: The rules that exit :data:`IN_DOUBT_EXIT` (``leadgate.flows.runs.START_IN_DOUBT_RULE``,
+#: not imported: the flows layer pulls in the turn path, which most commands never load).
+IN_DOUBT_RULES = frozenset({"flow.start_in_doubt"})
+
+
 def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
-    """Exit 2 with one line, the rule last (scripts look for "[rule]" at the end)."""
+    """Exit 2 (:data:`IN_DOUBT_EXIT` for :data:`IN_DOUBT_RULES`) with one line, the rule
+    last (scripts look for "[rule]" at the end)."""
     # A damaged file's message is the one for HTTP clients; an operator gets the file.
     message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
     if isinstance(exc, Unavailable) and exc.in_doubt:
@@ -254,7 +265,7 @@ def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None
         f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
     )
-    return 2
+    return IN_DOUBT_EXIT if exc.rule in IN_DOUBT_RULES else 2
 
 
 #: The shell's status for a process that SIGPIPE ended (128 + 13), as ``| head`` gives
