@@ -119,6 +119,7 @@ def test_a_flow_run_whose_start_is_in_doubt_reads_it_back_and_runs_it_once(
     out, err = capsys.readouterr()
     assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
     assert code == 0, err
+    assert "its start's COMMIT was in doubt; it is stored" in err, err
     run = json.loads(out)
     assert run["status"] == "completed" and run["outputs"] == [{"data": "done", "success": True}]
     assert run["events"] == ["Flow run started", "Flow run completed"]
