@@ -27,8 +27,9 @@ claim-send-commit lockstep.
 * claims are demand-driven: at the start, after a full claim, when poked (every enqueue
   that was not handed over pokes the relay through the after-commit hook or PostgreSQL
   NOTIFY), when a retry it scheduled is due or a send lease lapses (its loop sleeps no
-  longer than :meth:`Relay.due_in_s`), and at least every :data:`CLAIM_RECHECK_MS` as a
-  safety net;
+  longer than :meth:`Relay.due_in_s`), :data:`LOCKED_RECHECK_MS` after a claim that left
+  due rows locked by another transaction (PostgreSQL), and at least every
+  :data:`CLAIM_RECHECK_MS` as a safety net;
 * local hand-off (:class:`outbox.store.Outbox`): while the service's relay loop
   runs, a delivery enqueued in the same process is written already claimed for it and
   handed over after commit, so an approval is posted without any database round trip
@@ -95,6 +96,10 @@ _NEVER = 2**62
 #: A relay that is poked on every enqueue still claims at least this often (by its
 #: clock) when its loop runs: retries become due with time, not with an enqueue.
 CLAIM_RECHECK_MS = 1_000
+#: PostgreSQL: a claim that took fewer rows than it asked for while other due rows were
+#: there, locked by another transaction, claims again this soon (no commit may come to
+#: wake it: see :data:`_CLAIM_ALONE`).
+LOCKED_RECHECK_MS = 50
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 300.0
 NO_BINDING_ERROR = "no active binding for the session"
@@ -137,12 +142,31 @@ _CLAIM = (
 # the planner may evaluate the subquery more than once, and with SKIP LOCKED each
 # evaluation picks other rows, so one claim could take far more than its LIMIT.
 _LOCKED_DUE = _DUE.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
-_CLAIM_ALONE = (
+_CLAIMED = (
     t.deliveries.update()
     .where(D.id == _LOCKED_DUE.c.id, D.status == DeliveryStatus.pending.value)
     .values(_CLAIM_VALUES)
     .returning(*t.deliveries.c)
+    .cte("claimed")
 )
+_OTHER = t.deliveries.alias("other")
+#: The claim's rows (none: one row of NULLs), each with ``locked``: whether due rows were
+#: there that the selection did not take (it skips rows locked by another transaction;
+#: when it took fewer than its ``LIMIT``, those are what it skipped). Another relay's
+#: claim, or a fenced move that lost its race for the row (an outcome commit beside the
+#: send lease expiry that put the row back to ``pending``, a second operator retry of
+#: one delivery) and keeps the row lock until its commit, with no wake-up after it. Such
+#: a claim must not take the outbox for empty (see :meth:`Relay._claim_alone`).
+_CLAIM_ALONE = sa.select(
+    _CLAIMED,
+    sa.exists()
+    .where(
+        _OTHER.c.status == DeliveryStatus.pending.value,
+        _OTHER.c.next_attempt_at <= sa.bindparam("p_now"),
+        _OTHER.c.id.not_in(sa.select(_LOCKED_DUE.c.id)),
+    )
+    .label("locked"),
+).select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_CLAIMED, sa.true()))
 
 _SENDING = D.status == DeliveryStatus.sending.value
 #: The send lease check's read, one statement (the ``sending`` rows alone, reached by the
@@ -280,6 +304,9 @@ class Relay:
         self._poked = False
         self._backlog = False
         self._last_empty_claim = -CLAIM_RECHECK_MS
+        #: when to claim again after a claim left due rows locked by another transaction
+        #: (PostgreSQL; None: the last claim left none)
+        self._locked_look: int | None = None
 
     # ------------------------------------------------------------ local hand-off
 
@@ -373,14 +400,16 @@ class Relay:
                 worked = self._poked = True
         next_due = self.committer.next_due if self.committer.next_due is not None else _NEVER
         # Claim at once unless nothing can be due: the relay is told of every enqueue
-        # (pokes), found nothing a moment ago, and was not poked since. Rows handed over
-        # locally need no claim at all.
+        # (pokes), found nothing a moment ago (nothing due, not due rows locked by
+        # another transaction), and was not poked since. Rows handed over locally need
+        # no claim at all.
         claim = not (
             self.poked_on_enqueue
             and not self._poked
             and not self._backlog
             and now < next_due
             and now - self._last_empty_claim < CLAIM_RECHECK_MS
+            and self._locked_look is None
         )
         if claim and now >= next_due:
             self.committer.next_due = None
@@ -409,7 +438,8 @@ class Relay:
         the database (every replica's, as of the check): one renewed or finished since
         makes the loop wake early and look again. So does the next try of a give-back
         of a claim or a hand-off in doubt (:meth:`release_uncertain_claims`,
-        :meth:`release_doubted`), when sooner."""
+        :meth:`release_doubted`), when sooner, and the look again after a claim that
+        left due rows locked by another transaction (:data:`LOCKED_RECHECK_MS`)."""
         lapse = after_lapse(self._next_lapse)
         # The check runs at most every _expiry_every_ms: never earlier than it can find it.
         check = None if lapse is None else max(lapse, self._next_expiry_check)
@@ -419,6 +449,7 @@ class Relay:
             check,
             self._uncertain_claims.next_due(),
             self._doubted.next_due(),
+            self._locked_look,
         )
 
     def poke(self) -> None:
@@ -715,9 +746,20 @@ class Relay:
         }
 
     async def _claim_alone(self, limit: int, token: str) -> list[Delivery]:
-        """PostgreSQL: the claim as one statement of its own (:data:`_CLAIM_ALONE`)."""
-        result = await self.db.write_alone(_CLAIM_ALONE, self._claim_params(limit, token))
-        return _in_claim_order(result.all())
+        """PostgreSQL: the claim as one statement of its own (:data:`_CLAIM_ALONE`).
+
+        One that took fewer than ``limit`` rows while other due rows were there, locked
+        by another transaction, does not leave the outbox for empty: the relay claims
+        again after :data:`LOCKED_RECHECK_MS` (:meth:`run_once`, :meth:`due_in_s`).
+        Whoever holds them may commit with no wake-up for this relay: a fenced move that
+        lost its race for a row keeps its row lock to the end of its transaction
+        (PostgreSQL's row locks outlive a failed recheck of ``WHERE``)."""
+        params = self._claim_params(limit, token)
+        rows = (await self.db.write_alone(_CLAIM_ALONE, params)).all()
+        taken = [row[: len(Delivery._fields)] for row in rows if row.id is not None]
+        locked = len(taken) < limit and any(row.locked for row in rows)
+        self._locked_look = params["p_now"] + LOCKED_RECHECK_MS if locked else None
+        return _in_claim_order(taken)
 
     async def _claim_in(self, conn: Conn, limit: int, token: str) -> list[Delivery]:
         """SQLite: the claim inside ``conn``'s transaction (:data:`_CLAIM`)."""
@@ -846,7 +888,7 @@ def _count_ended(given_back: Sequence[AnyRow]) -> None:
     count_ended_cards(r.channel for r in given_back if r.status == DeliveryStatus.cancelled.value)
 
 
-def _in_claim_order(rows: Sequence[AnyRow]) -> list[Delivery]:
+def _in_claim_order(rows: Sequence[Sequence[Any]]) -> list[Delivery]:
     """Claimed rows as deliveries, oldest due first (RETURNING keeps no order)."""
     out = [Delivery.from_row(r) for r in rows]
     out.sort(key=lambda r: (r.next_attempt_at, r.id))

@@ -38,7 +38,7 @@ from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
 from tests.fakes import LandsLater, lose_the_next_commit
-from tests.helpers import Env, Org, item_row, make_agent, make_org
+from tests.helpers import Env, Org, held_open, item_row, make_agent, make_org
 from tests.outbox_support import (
     MigratedTemplates,
     ScriptedChannel,
@@ -978,6 +978,37 @@ async def test_handed_over_rows_not_started_go_back_to_pending_at_shutdown(
     await drain(relay_for(stack))
     assert len(channel.calls) == 1
     assert (await delivery(stack, values["id"]))["status"] == "sent"
+
+
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_claim_that_skips_a_locked_due_row_claims_again_soon(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """PostgreSQL: the one due delivery is row-locked by another transaction (held open
+    here; in the service a fenced move that lost its race for the row keeps the lock to
+    its commit, with no wake-up after it: an outcome commit beside the send lease expiry
+    that put the row back to ``pending``, or a second operator retry of the same
+    delivery). A claim beside it takes nothing, but does not take the outbox for empty:
+    the relay's loop sleeps at most LOCKED_RECHECK_MS, not the poll, and its next pass
+    claims though nothing poked it. Once the lock is gone that pass sends the row; then
+    an idle pass makes no statement and nothing is due."""
+    relay = stack.relay  # poked on every enqueue: an empty claim is believed
+    _, row = await seed_one(stack)  # bulk insert: no poke
+    lock = sa.select(t.deliveries.c.id).where(t.deliveries.c.id == row["id"]).with_for_update()
+    async with held_open(stack.db, lambda conn: conn.execute(lock)):
+        with stack.db.record_statements() as statements:
+            assert await relay.run_once() is False
+        # the send lease check, then the claim: one statement
+        assert [sql.split()[0] for sql in statements] == ["SELECT", "WITH"], statements
+        assert (await delivery(stack, row["id"]))["status"] == "pending"
+        assert relay.due_in_s() == relay_mod.LOCKED_RECHECK_MS / 1000
+    assert await relay.run_once() is True  # not poked since, not past the recheck
+    assert (await delivery(stack, row["id"]))["status"] == "sent"
+    assert len(channel.calls) == 1
+    with stack.db.record_statements() as statements:
+        assert await relay.run_once() is False
+    assert statements == []
+    assert relay.due_in_s() is None
 
 
 async def test_a_poked_relay_claims_and_an_idle_one_does_not_spin(
