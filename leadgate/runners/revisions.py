@@ -36,7 +36,11 @@ class RevisionRunner:
         replica's leases as of that pass): a revision finished since makes the loop wake
         early and look again. The next look for a claim in doubt, when sooner
         (:meth:`TurnService.claim_revision_or_lapse
-        <leadgate.turns.path.TurnService.claim_revision_or_lapse>`)."""
+        <leadgate.turns.path.TurnService.claim_revision_or_lapse>`). On PostgreSQL a
+        pass whose claim found the claimable items all row-locked by another transaction
+        looks again after :data:`~leadgate.turns.path.LOCKED_RECHECK_MS` (the claim
+        answers that time), not at the poll: their holder may commit with no wake-up to
+        follow."""
         return seconds_until(
             self.turns.clock.now_ms(),
             after_lapse(self._next_lapse),

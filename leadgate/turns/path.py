@@ -60,6 +60,10 @@ MAX_MODEL_CALLS = 4
 #: How often a recorded channel turn retries its last transaction on a database fault.
 FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
+#: PostgreSQL: a revision claim that took nothing while claimable items were there, locked
+#: by another transaction, looks again this soon (no commit may come to wake it: see
+#: :data:`_REVISION_PICK`).
+LOCKED_RECHECK_MS = 50
 
 DeltaSink = Callable[[str], Awaitable[None]]
 #: What a caller writes in the last transaction of an API turn that ends in a reply or
@@ -69,18 +73,50 @@ TurnAnswer = Callable[[Conn, Reply | Gated], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
-#: An ``inProgress`` item whose feedback waits for its revision turn ...
-_REVISION_WAITS = (_W.status == Status.inProgress.value, _W.pending_feedback.is_not(None))
-#: ... and is claimable: no revision lease, or one that lapsed or whose holder is gone.
-_REVISION_CLAIMABLE = sa.or_(
-    _W.lease_expires_at.is_(None),
-    _W.lease_expires_at < sa.bindparam("p_now"),
-    owner_gone(_W.lease_owner),
-)
+
+
+def _revision_waits(items: sa.FromClause) -> tuple[sa.ColumnElement[bool], ...]:
+    """An ``inProgress`` item (of ``items``: the table or an alias) whose feedback waits
+    for its revision turn."""
+    c = items.c
+    return (c.status == Status.inProgress.value, c.pending_feedback.is_not(None))
+
+
+def _revision_claimable(items: sa.FromClause) -> sa.ColumnElement[bool]:
+    """... and is claimable: no revision lease, or one that lapsed or whose holder is
+    gone."""
+    c = items.c
+    return sa.or_(
+        c.lease_expires_at.is_(None),
+        c.lease_expires_at < sa.bindparam("p_now"),
+        owner_gone(c.lease_owner),
+    )
+
+
+_REVISION_WAITS = _revision_waits(t.work_items)
+_REVISION_CLAIMABLE = _revision_claimable(t.work_items)
 #: The claim's pick, in its transaction: the claimable item waiting longest.
 _REVISION_DUE = (
     sa.select(_W.id).where(*_REVISION_WAITS, _REVISION_CLAIMABLE).order_by(_W.updated_at).limit(1)
 )
+_REVISION_HEAD = _REVISION_DUE.with_for_update(skip_locked=True).cte("head")
+_OTHER = t.work_items.alias("other")
+#: PostgreSQL: the pick (``FOR UPDATE SKIP LOCKED``), always one row: its ``id`` NULL when
+#: it took nothing, and ``locked`` then says whether claimable items were there all the
+#: same, locked by another transaction (the pick skips them): another replica's claim,
+#: or a fenced move that lost its race for the item (a person's approval or cancel beside
+#: the return that made it claimable) and keeps the row lock until its commit, with no
+#: wake-up after it. Such a claim must not leave the dispatcher asleep until the poll.
+_REVISION_PICK = sa.select(
+    _REVISION_HEAD.c.id,
+    sa.exists()
+    .where(
+        *_revision_waits(_OTHER),
+        _revision_claimable(_OTHER),
+        _OTHER.c.id.is_distinct_from(_REVISION_HEAD.c.id),
+    )
+    .label("locked"),
+).select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_REVISION_HEAD, sa.true()))
 #: The claim's read before it: the claimable item waiting longest or, when none is, the
 #: one whose revision lease lapses first (its ``lease_expires_at``: when the revision
 #: dispatcher is due again). One pass over the same rows as ``_REVISION_DUE``'s when
@@ -506,6 +542,10 @@ class TurnService:
         is claimable, when the earliest revision lease held lapses (ms, by this clock;
         learned from the same read), or None when no lease is held, or when another
         process claimed the item this one read as claimable (it holds a fresh lease).
+        PostgreSQL: when the claimable items were all row-locked by another transaction,
+        when to look again (:data:`LOCKED_RECHECK_MS` on): a fenced move that lost its
+        race for the item keeps its row lock to the end of its transaction (PostgreSQL's
+        row locks outlive a failed recheck of ``WHERE``), and no wake-up follows.
 
         A claim whose ``COMMIT`` is in doubt (PostgreSQL) may have landed, or may land
         later: its item would then wait under a token nobody holds until its lease
@@ -530,9 +570,15 @@ class TurnService:
         token = self.ids.new("lease")
         try:
             async with self.db.tx() as conn:
-                item_id = await conn.scalar(self.db.skip_locked(_REVISION_DUE), {"p_now": now})
+                if self.db.is_postgres:
+                    pick = (await conn.execute(_REVISION_PICK, {"p_now": now})).one()
+                    item_id, locked = pick.id, bool(pick.locked)
+                else:  # (one writer: no row is locked)
+                    item_id, locked = await conn.scalar(_REVISION_DUE, {"p_now": now}), False
                 if item_id is None:
-                    return None
+                    # Claimable items locked by another transaction: look again soon,
+                    # whoever holds them may commit with no wake-up for this process.
+                    return now + LOCKED_RECHECK_MS if locked else None
                 row = (
                     await conn.execute(
                         _CLAIM_REVISION,

@@ -36,13 +36,21 @@ from leadgate.review.queue import detail
 from leadgate.review.runner import LEAD_TOOLS, LeadRunner
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.messages import visible_transcript
-from leadgate.turns.path import REVISION_LEASE_MS
+from leadgate.turns.path import LOCKED_RECHECK_MS, REVISION_LEASE_MS
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.relay import Relay
 from outbox.store import HANDOFF_TOPIC, NOTIFY_CHANNEL, Outbox
 from tests.fakes import ClaimInDoubt, DownFor, LandsLater, lose_the_next_commit
-from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
+from tests.helpers import (
+    Anonymizer,
+    Org,
+    api_trigger,
+    held_open,
+    make_agent,
+    make_org,
+    slack_trigger,
+)
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
@@ -474,6 +482,30 @@ async def test_the_revision_runner_knows_when_the_earliest_revision_lease_lapses
     assert dispatcher.due_in_s() == 0.001
     clock.advance(1)
     assert await dispatcher.run_once()  # run again when its lease lapsed
+    assert (await row(stack, item_id))["status"] == "reviewQueued"
+    assert not await dispatcher.run_once()
+    assert dispatcher.due_in_s() is None
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_revision_claim_that_skips_a_locked_item_looks_again_soon(stack: Stack) -> None:
+    """PostgreSQL: the one item whose feedback waits is row-locked by another transaction
+    (held open here; in the service a person's approval or cancel that lost its race to
+    the return that made the item claimable keeps the lock to its commit, and no wake-up
+    follows that commit). The dispatcher's claim takes nothing, but the loop sleeps at
+    most LOCKED_RECHECK_MS (and the lease lapse's 1 ms), not the poll; once the lock is
+    gone the next pass runs the revision, and an empty pass after it leaves nothing
+    due."""
+    org, _, worker = await setup(stack)
+    dispatcher = RevisionRunner(stack.turns)
+    item_id = await submit(stack, org, worker, "draft it #revise")
+    await drain(stack.lead_runner)  # changes requested: the feedback waits
+    lock = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id).with_for_update()
+    async with held_open(stack.db, lambda conn: conn.execute(lock)):
+        assert not await dispatcher.run_once()
+        assert (await row(stack, item_id))["pending_feedback"] is not None
+        assert dispatcher.due_in_s() == (LOCKED_RECHECK_MS + 1) / 1000
+    assert await dispatcher.run_once()
     assert (await row(stack, item_id))["status"] == "reviewQueued"
     assert not await dispatcher.run_once()
     assert dispatcher.due_in_s() is None
