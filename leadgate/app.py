@@ -340,6 +340,7 @@ class App:
         # it: its sleep is toward the earliest run lease, or the poll.
         self.turns.recovery_due = recovery_wake.set
         revisions = RevisionRunner(self.turns)
+        resumer = FlowResumer(self.flows)
         sweeper = Sweeper(self.db, self.clock, self.ids)
         self.loops = [
             # Lead reviews wait on the model: several loops run; claims are fenced, so
@@ -363,7 +364,9 @@ class App:
             # A firing is due with time: the loop sleeps no longer than until the next;
             # an added schedule (whose first firing may be sooner) wakes it at commit.
             _Loop(schedules, schedule_wake, due_s=schedules.due_in_s),
-            _Loop(FlowResumer(self.flows), flow_wake),
+            # Approvals wake the resumer; a pass whose pick met the settled
+            # continuation row-locked looks again soon (due_in_s).
+            _Loop(resumer, flow_wake, due_s=resumer.due_in_s),
             # Flow runs whose executor stopped mid-run: a reap of its process wakes this
             # loop; a lease lapses with time, and the loop sleeps no longer than until
             # the earliest does.

@@ -57,7 +57,7 @@ from leadgate.core.errors import (
 )
 from leadgate.core.limits import validate_message
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -89,6 +89,10 @@ _M = t.messages.c
 #: How long a running run's lease holds without a renewal: after it, recovery continues
 #: the run. Short, because the executor renews it while a node's turn runs.
 RUN_LEASE_MS = 2 * MINUTE_MS
+#: PostgreSQL: a resumer pass whose read found a settled continuation that its locked
+#: pick then skipped (row-locked by another transaction) looks again this soon (no commit
+#: may come to wake it: see :meth:`FlowResumer.run_once`).
+LOCKED_RECHECK_MS = 50
 #: How often an executor renews its run's lease while nodes run (real seconds: a
 #: background task; a node's agent turn may take minutes).
 RENEW_EVERY_S = 30.0
@@ -885,11 +889,27 @@ class FlowResumer:
 
     def __init__(self, flows: FlowService) -> None:
         self.flows = flows
+        #: when to look again after a pass whose locked pick skipped the settled
+        #: continuation its read found (PostgreSQL; None: the last pass did not)
+        self._locked_look: int | None = None
+
+    def due_in_s(self) -> float | None:
+        """Seconds (by the clock) until the look again after a pass whose read found a
+        settled continuation and whose pick (``FOR UPDATE SKIP LOCKED``) took none: its
+        rows (the continuation, its run, session or work item) were row-locked by
+        another transaction, or another replica settled it first. None otherwise: the
+        resumer's work comes with commits that wake it. The runner loop sleeps no longer
+        than this (:func:`leadgate.core.runners.run_loop`): the lock's holder may commit
+        with no wake-up to follow (a person's reject or cancel that lost its race to the
+        approval keeps the item's row lock to its commit; PostgreSQL's row locks outlive
+        a failed recheck of ``WHERE``), and the run would wait for the poll."""
+        return seconds_until(self.flows.clock.now_ms(), self._locked_look)
 
     async def run_once(self) -> bool:
         """Resume one approved continuation, or end the run of one whose item ended
         without an approval (fenced: exactly one replica wins either)."""
         db = self.flows.db
+        self._locked_look = None
         # Read first: every approval wakes this runner, and almost none of them concerns
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
@@ -900,6 +920,9 @@ class FlowResumer:
             async with db.tx() as conn:
                 row = (await conn.execute(db.skip_locked(_SETTLED))).first()
                 if row is None:
+                    # Locked (or settled by another replica since the read: the look
+                    # again then finds nothing, one read).
+                    self._locked_look = self.flows.clock.now_ms() + LOCKED_RECHECK_MS
                     return False
                 if row.item_status != Status.approved.value:
                     outcome = await self._end(conn, row)

@@ -31,6 +31,7 @@ from leadgate.flows.recovery import (
     claim_lapsed,
 )
 from leadgate.flows.runs import (
+    LOCKED_RECHECK_MS,
     PAUSED_OUTPUT,
     RUN_LEASE_MS,
     WAITING_EVENT,
@@ -55,7 +56,7 @@ from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
 from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
 from tests.fakes import ClaimInDoubt, CommitLandsLater, lose_the_next_commit
-from tests.helpers import Org, blocked_on_a_lock, eventually, make_agent, make_org
+from tests.helpers import Org, blocked_on_a_lock, eventually, held_open, make_agent, make_org
 from tests.stack import Stack
 
 LOST = (
@@ -710,6 +711,45 @@ async def test_attempts_a_database_fault_ended_do_not_count_towards_giving_up(
     assert await recovery.run_once()
     run = await _view(second, org, lease.run_id)
     assert (run["status"], run["outputs"]) == ("completed", [{"data": 1, "success": True}])
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_resumer_pass_that_skips_a_locked_continuation_looks_again_soon(
+    second: Stack,
+) -> None:
+    """PostgreSQL: the lead approved a flow node's item, but the item is row-locked by
+    another transaction (held open here; in the service a person's reject or cancel
+    that lost its race to the approval keeps the lock to its commit, and no wake-up
+    follows that commit). The resumer's read finds the continuation settled, its locked
+    pick skips it: the loop sleeps at most LOCKED_RECHECK_MS, not the poll, and once the
+    lock is gone the next pass resumes the run. A pass that finds nothing is its one
+    read and leaves nothing due."""
+    org = await make_org(second)
+    await make_agent(second, org, "lead")
+    await make_agent(second, org, "worker", lead="lead")
+    flow_id = await _flow(
+        second,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
+            {"type": "output", "value": "end"},
+        ],
+    )
+    paused_id = await second.flows.start(org.id, flow_id)
+    await second.settle()  # the lead approves
+    resumer = FlowResumer(second.flows)
+    lock = sa.select(t.work_items.c.id).with_for_update()
+    async with held_open(second.db, lambda conn: conn.execute(lock)):
+        assert not await resumer.run_once()
+        assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
+    assert await resumer.run_once()
+    [cont] = (await _view(second, org, paused_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert done["status"] == "completed"
+    with second.db.record_statements() as idle:
+        assert not await resumer.run_once()
+    assert [sql.split()[0] for sql in idle] == ["SELECT"], idle
+    assert resumer.due_in_s() is None
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
