@@ -54,3 +54,6 @@ class TurnContext:
     # turn's last transaction; ``run_fenced``: a lost lease rolls that transaction back.
     run_token: str | None = None
     run_fenced: bool = False
+    # A REST/MCP/Studio turn run by turn recovery (its client was told not to send the
+    # message again): no client waits for its answer, so a failure ends its work item.
+    recovered_client: bool = False

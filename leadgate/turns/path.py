@@ -410,7 +410,10 @@ class TurnService:
                 self.orphaned(token)
             return
         try:
-            await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
+            if ctx.recovered_client and ctx.work_item_id is not None:
+                await self._end_client_run(ctx, token, ctx.work_item_id, runs.CLIENT_FAILED_TEXT)
+            else:
+                await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
         except Exception:
             log.warning("closing failed run %s failed; recovery takes it over", token)
             self.orphaned(token)
@@ -446,6 +449,29 @@ class TurnService:
                 ctx.session_id,
                 item_id,
             )
+
+    async def _end_client_run(self, ctx: TurnContext, token: str, item_id: str, why: str) -> None:
+        """End a REST/MCP/Studio turn that turn recovery ran and could not finish (its
+        model failed, or it was given up): its client was told not to send the message
+        again, so nobody would. In one transaction, fenced by the run's lease: the runs
+        of ``token`` closed, the failure notice stored as the session's answer (the
+        transcript is where such a client looks; its events stream shows it), and the
+        work item abandoned (audit ``turnGaveUp``, ``why``; the stream's ``review``
+        event says ``abandoned``). Left ``inProgress``, it waited a week for the
+        abandonment sweeper with the requester never answered."""
+        async with self.db.tx() as conn:
+            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            await self._store(
+                conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE
+            )
+            abandoned = await runs.abandon_given_up(
+                conn, self.clock, self.ids, item_id, text=why, flow=False
+            )
+        log.warning(
+            "recovered turn of session %s ended with a failure notice%s",
+            ctx.session_id,
+            f"; work item {item_id} abandoned" if abandoned else "",
+        )
 
     async def reject_inbound(self, trigger: Trigger, reason: str) -> bool:
         """A channel message that breaks a message rule (too long, NUL ...): recorded as
@@ -509,10 +535,15 @@ class TurnService:
             binding_posts=binding is not None and kind.is_channel and not binding.silent,
             run_token=claimed.token,
             run_fenced=True,
+            recovered_client=kind in (BindingKind.api, BindingKind.studio),
         )
         if claimed.action == "gaveUp":
             if kind is BindingKind.flow and claimed.work_item_id is not None:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
+            elif ctx.recovered_client and claimed.work_item_id is not None:
+                await self._end_client_run(
+                    ctx, claimed.token, claimed.work_item_id, runs.CLIENT_GAVE_UP_TEXT
+                )
             else:
                 await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
             return None

@@ -30,7 +30,11 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
   (:func:`abandon_given_up`, audit :data:`GAVE_UP_ACTION`), which ends the paused flow
-  run ``failed`` saying why (:class:`leadgate.flows.runs.FlowResumer`).
+  run ``failed`` saying why (:class:`leadgate.flows.runs.FlowResumer`). A REST/MCP/Studio
+  run rerun because its client was told not to resend has no conversation to post in
+  and nobody retries it either: given up, or its model failing in the rerun, the notice
+  is stored as the session's answer and its item abandoned likewise
+  (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,18 @@ GAVE_UP_TEXT = (
     f"turn recovery gave the worker's turn up after {MAX_ATTEMPTS} attempts that each "
     "stopped before it finished (its process died); a flow node's turn is retried by "
     "nobody"
+)
+#: The audit text of a REST/MCP/Studio turn's item abandoned because turn recovery,
+#: which ran it because its client was told not to send the message again, gave it up.
+CLIENT_GAVE_UP_TEXT = (
+    f"turn recovery gave the worker's turn up after {MAX_ATTEMPTS} attempts that each "
+    "stopped before it finished (its process died); its client had been told not to send "
+    "the message again, so nobody retries it"
+)
+#: The same when the model failed in the turn recovery ran.
+CLIENT_FAILED_TEXT = (
+    "the worker's turn, run again by turn recovery because its client had been told not "
+    "to send the message again, failed (the model failed); nobody retries it"
 )
 
 _INSERT = t.turn_runs.insert()
@@ -337,12 +353,22 @@ async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summar
     )
 
 
-async def abandon_given_up(conn: Conn, clock: Clock, ids: IdFactory, item_id: str) -> bool:
-    """Abandon the ``inProgress`` work item of a flow node whose turn recovery gave up
-    (audit :data:`GAVE_UP_ACTION`, :data:`GAVE_UP_TEXT`), and wake the flow resumer: the
-    paused run waits on that item, and no approval will ever come (left ``inProgress``,
-    the abandonment sweeper would end it only after a week of silence). False when the
-    item had moved on already (its flow is told of that end)."""
+async def abandon_given_up(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    item_id: str,
+    *,
+    text: str = GAVE_UP_TEXT,
+    flow: bool = True,
+) -> bool:
+    """Abandon the ``inProgress`` work item of a turn recovery gave up (audit
+    :data:`GAVE_UP_ACTION`, ``text`` saying why): a flow node's (``flow``: the flow
+    resumer is woken, its paused run waits on that item and no approval will ever come),
+    or a REST/MCP/Studio turn's that recovery ran because its client was told not to send
+    it again (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`). Left
+    ``inProgress``, nobody would ask again and the abandonment sweeper would end it only
+    after a week of silence. False when the item had moved on already."""
     try:
         await workitems.transition(
             conn,
@@ -353,9 +379,10 @@ async def abandon_given_up(conn: Conn, clock: Clock, ids: IdFactory, item_id: st
             dst=Status.abandoned,
             actor="system:recovery",
             action=GAVE_UP_ACTION,
-            text=GAVE_UP_TEXT,
+            text=text,
         )
     except TransitionError:
         return False
-    await wakes.after_commit(conn, Wake.flow)
+    if flow:
+        await wakes.after_commit(conn, Wake.flow)
     return True

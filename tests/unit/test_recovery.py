@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS
-from leadgate.core.errors import IntakeInDoubt, Unavailable
+from leadgate.core.errors import IntakeInDoubt, ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
@@ -195,14 +195,14 @@ async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) ->
     assert type(retried).__name__ == "Gated"
 
 
-async def _a_gated_api_turn_taken_in(stack: Stack) -> Accepted:
+async def _a_gated_api_turn_taken_in(stack: Stack, text: str = "work on it #complete") -> Accepted:
     """A REST turn of a worker with a lead, taken in by this (live) process, not run
     (its run token and work item set)."""
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
     await alive_here(stack, turns_too=True)
-    taken = await stack.turns.take(api_trigger(org, worker, "work on it #complete"))
+    taken = await stack.turns.take(api_trigger(org, worker, text))
     assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
     return taken
 
@@ -286,6 +286,84 @@ async def test_a_failing_turn_leaves_a_notice_and_gives_up_after_three_attempts(
         await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
     assert await drain(recovery) == 1
     assert await replies(stack) == [runs.FAILURE_NOTICE, runs.FAILURE_NOTICE]
+
+
+async def item_messages(stack: Stack, item_id: str) -> list[tuple[str, str]]:
+    """A work item's messages (role, text), oldest first: what its transcript shows."""
+    m = t.messages.c
+    async with stack.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(m.role, m.content)
+                .where(m.work_item_id == item_id)
+                .order_by(m.created_at, m.id)
+            )
+        ).all()
+    return [(r.role, r.content) for r in rows]
+
+
+@pytest.mark.parametrize("end", ["gave up", "model failed"])
+async def test_a_rerun_api_turn_that_cannot_finish_ends_its_item_with_a_notice(
+    stack: Stack, end: str
+) -> None:
+    """A gated REST turn whose client was told not to send it again (503
+    ``turn.interrupted``: an orphan) is rerun by recovery. When that rerun cannot finish
+    (its model fails, or its runs reached MAX_ATTEMPTS), nobody is waiting for a
+    response and nobody will send the message again: the failure notice is stored as the
+    session's answer, and the item is abandoned (audit ``turnGaveUp``). It was closed
+    silently (an api binding posts no notice) and the item sat ``inProgress`` until the
+    week-long abandonment sweep, the requester never answered."""
+    text = "boom #fail" if end == "model failed" else "work on it #complete"
+    taken = await _a_gated_api_turn_taken_in(stack, text)
+    assert taken.ctx.run_token and taken.ctx.work_item_id
+    stack.turns.orphaned(taken.ctx.run_token)  # its turn stopped on a database fault
+    if end == "gave up":
+        async with stack.db.tx() as conn:
+            await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    item_id = taken.ctx.work_item_id
+    assert (await item_row(stack, item_id))["status"] == "abandoned"
+    last = (await item_audit(stack, item_id))[-1]
+    assert last["action"] == runs.GAVE_UP_ACTION
+    why = runs.CLIENT_FAILED_TEXT if end == "model failed" else runs.CLIENT_GAVE_UP_TEXT
+    assert last["text"] == why
+    assert await item_messages(stack, item_id) == [
+        ("user", text),
+        ("assistant", runs.FAILURE_NOTICE),
+    ]
+    assert await replies(stack) == []  # an api binding posts nothing
+
+
+async def test_a_live_gated_api_turn_whose_model_fails_waits_for_the_clients_retry(
+    stack: Stack,
+) -> None:
+    """Not a bug: a gated REST turn whose model fails while its client waits gets the
+    502 (``x-should-retry: false``: the message was stored, nothing resends it by
+    itself). Its run is closed and the item stays ``inProgress``, as a channel's does
+    after its failure notice: the client was told the model failed, and the message it
+    sends again is taken into the same item and runs the turn (no second item, nothing
+    left ``inProgress``; an item nobody writes to again is ended by the abandonment
+    sweeper, as any idle one)."""
+    taken = await _a_gated_api_turn_taken_in(stack, "boom #fail")
+    assert taken.ctx.run_token and taken.ctx.work_item_id
+    with pytest.raises(ModelError):
+        await stack.turns.execute(taken)
+    assert await count(stack, t.turn_runs) == 0
+    assert stack.turns.orphans == set()
+    item_id = taken.ctx.work_item_id
+    assert (await item_row(stack, item_id))["status"] == "inProgress"
+    assert await drain(TurnRecovery(stack.turns)) == 0  # nothing for recovery to do
+    again = Trigger(
+        org_id=taken.ctx.org_id,
+        agent_id=taken.ctx.agent_id,
+        session_key="s1",
+        text="again #complete",
+        binding=BindingSpec(BindingKind.api),
+    )
+    retried = await stack.turns.run(again)
+    assert isinstance(retried, Gated) and retried.work_item_id == item_id
+    assert (await item_row(stack, item_id))["status"] == "reviewQueued"
 
 
 async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> None:
