@@ -16,9 +16,13 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   the run's lease token, so at most one run commits; several recorded messages of one
   session are answered by one turn;
 * ``client`` (REST/MCP: the official clients retry a turn cut by a lost connection, and
-  their retry is a new message): the run is closed, the first message stays in the
-  transcript (and the item's task context) as it was stored, and the item waits in
-  ``inProgress`` for the retry. Not so for a run whose client its own process told
+  their retry is a new message): a dead process's run waits :data:`RESEND_GRACE_MS`
+  (:data:`AWAIT`, unowned) for that retry, then is closed when it came (the first
+  message stays in the transcript and the item's task context as it was stored), or
+  rerun when no message of the session came after it: its process may have told its
+  client not to resend and died before it could mark the run (see
+  :func:`_client_resent_or_not`). A live owner's lapsed run is closed at once (its
+  client is still connected). Not so for a run whose client its own process told
   not to send the message again (an orphan: its turn stopped on a database fault, 503
   ``turn.interrupted``, or its intake's read-back failed, ``intake.in_doubt``; see
   :class:`RunLook`): nobody would ask again and the item would sit ``inProgress`` with
@@ -39,6 +43,7 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,6 +64,17 @@ W = t.work_items.c
 
 RERUN = "rerun"
 CLIENT = "client"
+#: A dead process's ``client`` run left for :data:`RESEND_GRACE_MS` to see whether its
+#: client sends the message again (:func:`claim`).
+AWAIT = "await"
+#: How long a dead process's REST/MCP run waits for its client's resend before it is
+#: rerun: the official clients resend a turn cut by a lost connection within seconds
+#: (two retries, backing off up to 8 s each); a client told 503 ``turn.interrupted``
+#: ("do not send it again") by a process that died before it could mark the run never
+#: does.
+RESEND_GRACE_MS = MINUTE_MS
+#: A claim's action that left its runs :data:`AWAIT` (nothing to carry out yet).
+WAITING = "waiting"
 #: How long a live process may run a recorded turn before another may take it over.
 RUN_LEASE_MS = 15 * MINUTE_MS
 MAX_ATTEMPTS = 3
@@ -121,7 +137,7 @@ async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
 class Claimed:
     """Runs of one session claimed under one lease token, and what to do with them."""
 
-    action: str  # rerun | surfaced | closed | gaveUp
+    action: str  # rerun | surfaced | closed | gaveUp | waiting
     token: str
     org_id: str
     agent_id: str
@@ -174,8 +190,10 @@ async def claim(
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
     looks = lost.take_due(now) if lost else []
     asked = sorted(orphans.union(look.token.token for look in looks) if looks else orphans)
-    # The tokens whose client was told not to send the message again (RunLook).
+    # The tokens whose client was told not to send the message again (RunLook), and
+    # those whose client was told to send it again (nothing was stored, it said).
     no_resend = orphans.union(look.token.token for look in looks if look.token.rerun)
+    resend = {look.token.token for look in looks if not look.token.rerun}
     if asked:
         takeable = sa.or_(takeable, R.lease_token.in_(asked))
     token = ids.new("lease")
@@ -191,6 +209,7 @@ async def claim(
             token,
             owner=owner,
             no_resend=no_resend,
+            resend=resend,
             updated=updated,
             taken=taken,
         )
@@ -255,6 +274,7 @@ async def _claim_in(
     *,
     owner: str | None,
     no_resend: set[str],
+    resend: set[str],
     updated: list[str],
     taken: set[str],
 ) -> Claimed | None:
@@ -284,21 +304,6 @@ async def _claim_in(
         # A client run whose client was answered "do not send it again" (see the module
         # docstring): nobody retries it, so it is rerun.
         rerun = any(r.policy == RERUN or r.lease_token in no_resend for r in rows)
-        updated.append(token)
-        res = await conn.execute(
-            t.turn_runs.update()
-            .where(R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows}))
-            .values(
-                lease_owner=owner,
-                lease_token=token,
-                lease_expires_at=now + RUN_LEASE_MS,
-                attempts=R.attempts + 1,
-                turn_id=turn_id,
-                policy=RERUN if rerun else CLIENT,
-            )
-        )
-        if res.rowcount != len(rows):
-            raise TransitionError("turn runs changed while being claimed", rule="run")
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:
@@ -309,6 +314,17 @@ async def _claim_in(
             elif item.signal_turn_id in dead_turns and item.signal_summary:
                 await _surface(conn, clock, ids, item.id, item.signal_summary)
                 action = "surfaced"
+        if action == CLIENT and not any(r.lease_token in resend for r in rows):
+            rerun, wait = await _client_resent_or_not(conn, rows, now)
+            action = WAITING if wait else RERUN if rerun else CLIENT
+        updated.append(token)
+        res = await conn.execute(
+            t.turn_runs.update()
+            .where(R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows}))
+            .values(_claim_values(rows, token, owner, turn_id, now, action=action, rerun=rerun))
+        )
+        if res.rowcount != len(rows):
+            raise TransitionError("turn runs changed while being claimed", rule="run")
         if action == RERUN and max(r.attempts for r in rows) >= MAX_ATTEMPTS:
             action = "gaveUp"
         if action in ("closed", "surfaced", CLIENT):
@@ -326,6 +342,87 @@ async def _claim_in(
         turn_id=turn_id,
         run_ids=tuple(r.id for r in rows),
     )
+
+
+def _claim_values(
+    rows: Sequence[sa.Row[Any]],
+    token: str,
+    owner: str | None,
+    turn_id: str,
+    now: int,
+    *,
+    action: str,
+    rerun: bool,
+) -> dict[str, Any]:
+    """The claimed runs' new lease. :data:`WAITING`: left, unowned and not counted as
+    an attempt, until the client's resend is due (taken by any process's recovery then).
+    ``rerun``: marked so, a process that dies rerunning them leaves them to be rerun."""
+    if action == WAITING:
+        parked = [r.lease_expires_at for r in rows if r.policy == AWAIT]
+        return {
+            "lease_owner": None,
+            "lease_token": token,
+            "lease_expires_at": min(parked) if parked else now + RESEND_GRACE_MS,
+            "policy": AWAIT,
+        }
+    return {
+        "lease_owner": owner,
+        "lease_token": token,
+        "lease_expires_at": now + RUN_LEASE_MS,
+        "attempts": R.attempts + 1,
+        "turn_id": turn_id,
+        "policy": RERUN if rerun else CLIENT,
+    }
+
+
+async def _client_resent_or_not(
+    conn: Conn, rows: Sequence[sa.Row[Any]], now: int
+) -> tuple[bool, bool]:
+    """For ``client`` runs no process told their client anything durable about: whether
+    to rerun them, or to wait (``(rerun, wait)``; neither: close them).
+
+    A process that answered 503 ``turn.interrupted`` keeps the runs it owes a rerun in
+    memory only: the fault that stopped the turn is what refused the write of their
+    mark. If it dies before the database is back, what is stored is the same as for a
+    turn cut by its process dying (a user message with no answer, a ``client`` run of a
+    dead owner); the difference shows only in what the client does next. A cut turn's
+    client sends the message again, a new message in the session; one told "do not send
+    it again" sends nothing. So a dead owner's run is closed once the session has a user
+    message after the runs' own (the resend, which runs the turn), and otherwise waits
+    :data:`RESEND_GRACE_MS` (:data:`AWAIT`), then is rerun. A run whose live owner let
+    its lease lapse (a stalled turn) is closed at once, as before: its client is still
+    there to answer."""
+    m = t.messages.c
+    newest = max(r.created_at for r in rows)
+    resent = await conn.scalar(
+        sa.select(
+            sa.exists().where(
+                m.session_id == rows[0].session_id,
+                m.role == "user",
+                m.created_at >= newest,
+                m.id.not_in([r.message_id for r in rows]),
+            )
+        )
+    )
+    if resent:
+        return False, False
+    if any(r.policy == AWAIT for r in rows):
+        # Left to wait already: rerun once the wait is over (taken early, by a dead
+        # claimer's owner check, it waits on).
+        over = min(r.lease_expires_at for r in rows if r.policy == AWAIT) <= now
+        return over, not over
+    owners = {r.lease_owner for r in rows if r.lease_owner is not None}
+    alive = (
+        set(
+            (
+                await conn.execute(sa.select(t.processes.c.id).where(t.processes.c.id.in_(owners)))
+            ).scalars()
+        )
+        if owners
+        else set()
+    )
+    dead = any(r.lease_owner is not None and r.lease_owner not in alive for r in rows)
+    return False, dead
 
 
 async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summary: str) -> None:

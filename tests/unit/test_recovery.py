@@ -180,19 +180,83 @@ async def test_a_signal_committed_by_a_dead_turn_is_submitted_once_to_a_human(
 
 
 async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) -> None:
+    """A dead process's REST run waits (unowned, RESEND_GRACE_MS) for its client's
+    resend, which runs the turn; then it is closed, not run a second time."""
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
     stack.turns.intake.owner = lambda: DEAD
     taken = await stack.turns.take(api_trigger(org, worker, "work on it"))
     assert isinstance(taken, Accepted) and taken.ctx.work_item_id
-    assert await drain(TurnRecovery(stack.turns)) == 1
-    assert await count(stack, t.turn_runs) == 0
+    recovery = TurnRecovery(stack.turns)
+    assert await drain(recovery) == 1
+    async with stack.db.read() as conn:
+        row = (await conn.execute(sa.select(t.turn_runs))).one()
+    assert (row.policy, row.lease_owner, row.attempts) == (runs.AWAIT, None, 1)
     # The message stays as stored; the item waits for the client's retry.
     assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "inProgress"
     stack.turns.intake.owner = lambda: None
+    stack.clock.advance(1_000)
     retried = await stack.turns.run(api_trigger(org, worker, "work on it #complete"))
     assert type(retried).__name__ == "Gated"
+    stack.clock.advance(runs.RESEND_GRACE_MS)
+    assert await drain(recovery) == 1
+    assert await count(stack, t.turn_runs) == 0
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said.count("user") == 2 and said.count("assistant") == 1  # answered once
+
+
+@pytest.mark.parametrize("resent", [False, True], ids=["not-resent", "resent-later"])
+async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, resent: bool
+) -> None:
+    """A gated REST turn stopped by a database fault: its client got 503
+    ``turn.interrupted`` ("do not send it again"), and the run's rerun was owed in that
+    process's memory only (the fault refused any write). The process died before the
+    database came back. Another process's recovery finds a dead owner's ``client`` run,
+    stored just as a turn cut by a dying process is; it closed it, and the item sat
+    ``inProgress`` until the week-long sweep, the requester never answered. Now the run
+    waits RESEND_GRACE_MS for a resend (none comes) and is rerun: the item goes to its
+    lead. A message the client does send in the wait is the turn instead."""
+    taken = await _a_gated_api_turn_taken_in(stack)
+    assert taken.ctx.run_token and taken.ctx.work_item_id
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    monkeypatch.setattr(
+        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
+    )
+    with pytest.raises(Unavailable):
+        await stack.turns.execute(taken)
+    monkeypatch.undo()
+    assert stack.turns.orphans == {taken.ctx.run_token}
+    # The process dies (its memory with it): another one, with its own recovery.
+    async with stack.db.tx() as conn:
+        await conn.execute(t.processes.delete())
+    stack.turns.orphans.clear()
+    stack.turns.owner = lambda: "prc_other"
+    recovery = TurnRecovery(stack.turns)
+    item_id = taken.ctx.work_item_id
+    assert await drain(recovery) == 1  # left to wait for a resend
+    assert (await item_row(stack, item_id))["status"] == "inProgress"
+    assert await count(stack, t.turn_runs) == 1
+    assert not await recovery.run_once()  # not before the wait is over
+    due = recovery.due_in_s()
+    assert due is not None and 0 < due <= runs.RESEND_GRACE_MS / 1000 + 1
+    if resent:
+        stack.clock.advance(5_000)
+        again = Trigger(
+            org_id=taken.ctx.org_id,
+            agent_id=taken.ctx.agent_id,
+            session_key="s1",
+            text="work on it #complete",
+            binding=BindingSpec(BindingKind.api),
+        )
+        assert isinstance(await stack.turns.run(again), Gated)
+    stack.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1
+    assert await count(stack, t.turn_runs) == 0
+    assert (await item_row(stack, item_id))["status"] == "reviewQueued"
+    answers = [c for r, c in await item_messages(stack, item_id) if r == "assistant"]
+    assert len(answers) == 1  # run once: by recovery, or by the resend
 
 
 async def _a_gated_api_turn_taken_in(stack: Stack, text: str = "work on it #complete") -> Accepted:
