@@ -29,7 +29,7 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   nothing running it. Such a run is rerun, and its row says so from the claim on
   (``policy`` ``rerun``): a process that dies rerunning it leaves it to be run again,
   not closed. A run of an intake in doubt whose read-back found nothing (its client
-  told to send it again) is closed when found, as for a cut connection;
+  told to send it again) is closed when found, without the wait: it will resend;
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
