@@ -89,16 +89,18 @@ GAVE_UP_TEXT = (
     "nobody"
 )
 #: The audit text of a REST/MCP/Studio turn's item abandoned because turn recovery,
-#: which ran it because its client was told not to send the message again, gave it up.
+#: which ran it because its client was told not to send the message again (or, its
+#: process dead, sent nothing again: :data:`AWAIT`), gave it up.
 CLIENT_GAVE_UP_TEXT = (
     f"turn recovery gave the worker's turn up after {MAX_ATTEMPTS} attempts that each "
-    "stopped before it finished (its process died); its client had been told not to send "
-    "the message again, so nobody retries it"
+    "stopped before it finished (its process died); its client was told not to send the "
+    "message again, or sent nothing again, so nobody retries it"
 )
 #: The same when the model failed in the turn recovery ran.
 CLIENT_FAILED_TEXT = (
-    "the worker's turn, run again by turn recovery because its client had been told not "
-    "to send the message again, failed (the model failed); nobody retries it"
+    "the worker's turn, run again by turn recovery because its client was told not to "
+    "send the message again (or sent nothing again), failed (the model failed); nobody "
+    "retries it"
 )
 
 _INSERT = t.turn_runs.insert()

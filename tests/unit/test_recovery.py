@@ -366,9 +366,10 @@ async def item_messages(stack: Stack, item_id: str) -> list[tuple[str, str]]:
     return [(r.role, r.content) for r in rows]
 
 
+@pytest.mark.parametrize("why", ["orphan", "no resend"])
 @pytest.mark.parametrize("end", ["gave up", "model failed"])
 async def test_a_rerun_api_turn_that_cannot_finish_ends_its_item_with_a_notice(
-    stack: Stack, end: str
+    stack: Stack, end: str, why: str
 ) -> None:
     """A gated REST turn whose client was told not to send it again (503
     ``turn.interrupted``: an orphan) is rerun by recovery. When that rerun cannot finish
@@ -376,15 +377,23 @@ async def test_a_rerun_api_turn_that_cannot_finish_ends_its_item_with_a_notice(
     response and nobody will send the message again: the failure notice is stored as the
     session's answer, and the item is abandoned (audit ``turnGaveUp``). It was closed
     silently (an api binding posts no notice) and the item sat ``inProgress`` until the
-    week-long abandonment sweep, the requester never answered."""
+    week-long abandonment sweep, the requester never answered. (``no resend``: its
+    process died, and no message came in the wait for a resend: rerun the same way.)"""
     text = "boom #fail" if end == "model failed" else "work on it #complete"
     taken = await _a_gated_api_turn_taken_in(stack, text)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    stack.turns.orphaned(taken.ctx.run_token)  # its turn stopped on a database fault
+    recovery = TurnRecovery(stack.turns)
+    if why == "orphan":
+        stack.turns.orphaned(taken.ctx.run_token)  # its turn stopped on a database fault
+    else:
+        async with stack.db.tx() as conn:
+            await conn.execute(t.processes.delete())  # its process died
+        assert await drain(recovery) == 1  # waits for a resend
+        stack.clock.advance(runs.RESEND_GRACE_MS + 1)
     if end == "gave up":
         async with stack.db.tx() as conn:
             await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
-    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await drain(recovery) == 1
     assert await count(stack, t.turn_runs) == 0
     item_id = taken.ctx.work_item_id
     assert (await item_row(stack, item_id))["status"] == "abandoned"
