@@ -122,7 +122,13 @@ class Busy:
 
 @dataclass(frozen=True)
 class Duplicate:
-    """The same external event was already taken in: no second turn ran."""
+    """The same external event was already taken in: no second turn ran.
+
+    ``busy``: that event was recorded busy (``rejectedBusy``: the session's item waited
+    for review), so its message is not in the transcript; its answer was :class:`Busy`.
+    """
+
+    busy: bool = False
 
 
 Outcome = Reply | Gated | Busy | Duplicate

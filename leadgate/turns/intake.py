@@ -41,6 +41,9 @@ answer is :class:`~leadgate.core.types.Busy` as if the commit had answered. A du
 needs no read-back: what made it one (the event recorded before) was committed by
 another transaction, and this one wrote nothing its answer depends on (at most a new
 session row), so a duplicate in doubt is answered :class:`~leadgate.core.types.Duplicate`.
+A duplicate reads whether that earlier event was recorded busy (``Duplicate.busy``):
+its message is then not in the transcript, and a surface that answers the duplicate
+(REST's Idempotency-Key takeover) answers it busy again.
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ _LANDED = (
     )
     .select_from(t.messages.outerjoin(t.bindings, (_B.session_id == _M.session_id) & _B.active))
     .where(_M.id == sa.bindparam("p_id"))
+)
+#: A duplicate's earlier event: whether it was recorded busy (its message not taken in).
+_EARLIER_BUSY = sa.select(t.inbound_events.c.outcome == "rejectedBusy").where(
+    t.inbound_events.c.external_event_id == sa.bindparam("p_external")
 )
 #: A busy intake in doubt's read-back: whether its rejected inbound event exists.
 _EVENT_LANDED = sa.select(t.inbound_events.c.id).where(
@@ -345,7 +352,12 @@ class Intake:
                     # (no second write of the event once the item exists).
                     new_item_id = event.values["work_item_id"] = self.ids.new("wi")
                 if trigger.external_event_id is not None and not await event.record_first(conn):
-                    ended = Duplicate(), event.values["id"]
+                    # (Only a duplicate reads this: the answer of one recorded busy is busy
+                    # again, its message not in the transcript.)
+                    busy = await conn.scalar(
+                        _EARLIER_BUSY, {"p_external": trigger.external_event_id}
+                    )
+                    ended = Duplicate(busy=bool(busy)), event.values["id"]
                     return ended[0]
                 item: WorkItem | None = None
                 if lead is not None and not new_session:  # a new session has no item yet

@@ -34,7 +34,16 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.decoding import header_text, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
-from leadgate.core.types import BUSY_RULE, GATED_RULE, Busy, Gated, Outcome, Reply, Usage
+from leadgate.core.types import (
+    BUSY_RULE,
+    GATED_RULE,
+    Busy,
+    Duplicate,
+    Gated,
+    Outcome,
+    Reply,
+    Usage,
+)
 from leadgate.database.db import Conn
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
@@ -736,8 +745,14 @@ class _Exchange:
         """The 409 of a turn that produced no answer (gated, busy, or a lost answer)."""
         if isinstance(outcome, Gated | Busy):
             return 409, pending_body(gated=isinstance(outcome, Gated))
-        # Duplicate: only a takeover of an Idempotency-Key after a crash reaches here.
+        # Duplicate: only a takeover of an Idempotency-Key after a crash (or after a fault
+        # kept the first answer from being stored) reaches here.
         self.provisional = True
+        if isinstance(outcome, Duplicate) and outcome.busy:
+            # The first request was answered busy: its message was recorded, not taken
+            # into the transcript, so "read the transcript" would send the client looking
+            # for a message that is not there. Its answer was this 409: it is again.
+            return 409, pending_body(gated=False)
         return _error_json(
             self.request,
             _LostAnswer(LOST_MESSAGE, rule="idempotency.lost"),

@@ -35,6 +35,7 @@ from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS,
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
+from leadgate.web.openai_api import pending_body
 from tests.fakes import CommitLandsLater
 from tests.helpers import Org, eventually, fake_clock, make_agent, make_key, make_org
 from tests.serving import served_app
@@ -326,10 +327,12 @@ async def test_the_first_requests_real_answer_outlives_the_takeovers_lost_answer
     assert replay.action == "replay" and replay.response == real
 
 
-async def claim_and_crash(env: Env, text: str, key: str, session: str, *, taken_in: bool) -> None:
+async def claim_and_crash(
+    env: Env, text: str, key: str, session: str, *, taken_in: bool, model: str = "plain"
+) -> None:
     """What a process that took ``key`` and died leaves behind: the key's claim (and,
     when ``taken_in``, the message, taken in under the claim's event id)."""
-    body = {"model": "plain", "messages": [{"role": "user", "content": text}]}
+    body = {"model": model, "messages": [{"role": "user", "content": text}]}
     request_print = fingerprint(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), session.encode()
     )
@@ -338,7 +341,7 @@ async def claim_and_crash(env: Env, text: str, key: str, session: str, *, taken_
     if taken_in:
         await env.service.messages.send(
             env.org.principal,
-            "plain",
+            model,
             text,
             session=session,
             external_event_id=claim.external_event_id,
@@ -360,6 +363,25 @@ async def test_a_crashed_first_request_is_taken_over_without_a_second_message(en
     resp = await env.chat("plain", "crash before intake", idem="k-c2", session="c2")
     assert resp.status == 200
     assert await env.user_messages("plain", "c2") == ["crash before intake"]
+
+
+async def test_a_busy_message_taken_over_after_a_crash_is_answered_busy_again(env: Env) -> None:
+    """A keyed message to a worker whose item waits for its lead is recorded busy (not
+    taken into the transcript), and its process dies before the busy 409 is stored under
+    the key. The takeover's intake finds the event recorded busy and answers the busy
+    409 again, the first request's answer. It was 409 ``idempotency.lost``, "read the
+    session transcript", where the message is not."""
+    held = await env.chat("worker", "ship #complete", session="b1")
+    assert held.status == 409 and (await held.json())["error"]["rule"] == GATED_RULE
+    await claim_and_crash(env, "more", "k-b1", "b1", taken_in=True, model="worker")
+    env.clock.advance(LEASE_MS + 1)
+    resp = await env.chat("worker", "more", idem="k-b1", session="b1")
+    assert resp.status == 409 and resp.headers["x-should-retry"] == "false", await resp.text()
+    assert await resp.json() == pending_body(gated=False)
+    again = await env.chat("worker", "more", idem="k-b1", session="b1")
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert await again.json() == pending_body(gated=False)
+    assert await env.user_messages("worker", "b1") == ["ship #complete"]
 
 
 @pytest.mark.like_production
