@@ -17,7 +17,7 @@ import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from leadgate.core.errors import DatabaseDamaged, Unavailable
@@ -135,6 +135,10 @@ class LostClaims(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._lost)
+
+    def __iter__(self) -> Iterator[Lost[T]]:
+        """The tokens watched, in no order (those taken for a look not among them)."""
+        return (entry[2] for entry in self._lost)
 
     def watch(self, token: T, *, due: int, lapses: int, wake: bool = True) -> None:
         """Look for ``token`` at ``due`` (then as the class says), until ``lapses``.

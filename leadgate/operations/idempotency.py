@@ -17,7 +17,8 @@ which the route reports as an answer that was lost with the crash), and one that
 is taken now. A release that a database fault kept from being written is tried again
 (:meth:`Idempotency.release`), not left to the lease; so is the end of the lease of a
 request whose answer a fault kept from being stored (:meth:`Idempotency.finish`): its
-retry takes the key over at once and is told the answer was lost.
+retry takes the key over at once and is told the answer was lost. While one waits,
+``idempotency.in_progress`` names the watch's next look as its ``Retry-After``.
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -178,7 +180,7 @@ class Idempotency:
             await self._give_back_lost(now)
         took_over: list[bool] = []  # set once a takeover's UPDATE ran
         try:
-            return await self._claim(key_hash, request_fingerprint, now, fresh, took_over)
+            claim = await self._claim(key_hash, request_fingerprint, now, fresh, took_over)
         except Unavailable as fault:
             # The claim's COMMIT may have landed with its answer lost (PostgreSQL: the
             # connection dropped after the server committed). Kept, that claim would
@@ -210,6 +212,24 @@ class Idempotency:
                 told.detail = fault.detail
                 raise told from fault
             raise
+        if claim.action == "running" and self._lost:  # (no cost without a fault)
+            return self._next_look(org, claim, now)
+        return claim
+
+    def _next_look(self, org_id: str, claim: Claim, now: int) -> Claim:
+        """``claim`` (running) whose ``Retry-After`` is this process's next look at the
+        key, when it watches one (a give-back): the key can be
+        retried then, which is often sooner than the cap of the lease's minute. Another
+        replica knows nothing of the watch, and says what the lease says."""
+        looks = [
+            lost.due
+            for lost in self._lost
+            if lost.token.org_id == org_id and lost.token.key_hash == claim.key_hash
+        ]
+        if not looks:
+            return claim
+        wait_s = max(1, min(claim.retry_after_s, -(-(min(looks) - now) // 1000)))
+        return dataclasses.replace(claim, retry_after_s=wait_s)
 
     async def _give_back_lost(self, now: int) -> Exception | None:
         """The server may apply a claim in doubt after its give-back found nothing (the

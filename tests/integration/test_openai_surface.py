@@ -713,6 +713,30 @@ async def test_a_retry_after_a_fault_storing_the_answer_is_told_it_was_lost_at_o
         assert await env.user_messages("plain", "u") == ["please #fail"]  # taken in once
 
 
+async def test_a_key_whose_release_failed_says_when_it_is_given_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed request failed before its message was taken in, and the release of its
+    key failed too: the process's watch gives the key back 1 s on. The client's retry
+    meanwhile is told 409 ``idempotency.in_progress`` with ``Retry-After: 1``, when the
+    key can be retried (it said 5, the cap of the lease's minute, whatever the watch's
+    next look), and a retry then runs the turn."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        faults.arm_on("INSERT INTO messages", and_on="idempotency_keys")
+        cut = await env.chat("worker", "hello", idem="k-rel", session="rel")
+        faults.disarm()
+        assert faults.fired is not None
+        assert cut.status == 503, await cut.text()
+        running = await env.chat("worker", "hello", idem="k-rel", session="rel")
+        assert running.status == 409, await running.text()
+        assert (await running.json())["error"]["rule"] == "idempotency.in_progress"
+        assert running.headers["Retry-After"] == "1"
+        env.clock.advance(1_000)
+        retry = await env.chat("worker", "hello", idem="k-rel", session="rel")
+        assert retry.status == 200, await retry.text()
+        assert await env.user_messages("worker", "rel") == ["hello"]
+
+
 @pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])
 async def test_a_keyed_turn_whose_last_commit_is_in_doubt_keeps_the_answer_it_committed(
     migrated_pg: str, monkeypatch: pytest.MonkeyPatch, agent: str, text: str
