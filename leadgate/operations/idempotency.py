@@ -15,10 +15,13 @@ de-duplicates in its own transaction (``inbound_events``): a message that was al
 taken in is not taken twice (the turn answers :class:`~leadgate.core.types.Duplicate`,
 which the route reports as an answer that was lost with the crash), and one that was not
 is taken now. A release that a database fault kept from being written is tried again
-(:meth:`Idempotency.release`), not left to the lease; so is the end of the lease of a
-request whose answer a fault kept from being stored (:meth:`Idempotency.finish`): its
-retry takes the key over at once and is told the answer was lost. While one waits,
-``idempotency.in_progress`` names the watch's next look as its ``Retry-After``.
+(:meth:`Idempotency.release`), not left to the lease. An answer that a fault kept from
+being stored after the turn (:meth:`Idempotency.finish`) is kept in memory (up to
+:data:`ANSWERS_HELD_BYTES`) and stored by the same watch once the database is back: the
+retry gets it replayed. While either waits, ``idempotency.in_progress`` names the
+watch's next look as its ``Retry-After``. Past that budget, or once the process that
+held it stopped, the claim lapses and the retry is told the answer was lost (a busy
+answer is told busy again: the intake knows the message was recorded busy).
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -43,6 +46,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -71,6 +75,11 @@ RENEW_EVERY_S = 20.0
 #: that long between their (two) retries, so a wait taken from the lease left them
 #: idle for up to a minute for an answer that came in seconds.
 RETRY_AFTER_MAX_S = 5
+#: The most bytes (as JSON) of answers a process keeps in memory for its watch to store,
+#: when a database fault kept them from being stored after their turn
+#: (:meth:`Idempotency.finish`); an answer past it is not kept: its claim's lease is
+#: ended instead, and the retry is told the answer was lost.
+ANSWERS_HELD_BYTES = 16 * 1024 * 1024
 #: Keys are 1..255 printable ASCII characters.
 KEY_LIMIT = 255
 #: Expired keys are deleted at most this often per process.
@@ -122,7 +131,8 @@ class Idempotency:
 
     Also a runner (:meth:`run_once`, :meth:`due_in_s`): every process that serves the
     REST API runs it in a loop (woken through :attr:`wake`), which gives back the
-    claims in doubt that landed after their give-back when their look falls due."""
+    claims in doubt that landed after their give-back when their look falls due, and
+    stores the answers a fault kept from being stored (:class:`HeldAnswer`)."""
 
     name = "idempotency"
 
@@ -134,8 +144,9 @@ class Idempotency:
         #: wakes the loop that runs :meth:`run_once` (set by the composition root): a
         #: token added to the watch may be due sooner than the loop's sleep
         self.wake: Callable[[], None] = lambda: None
-        #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`)
-        self._lost: LostClaims[HeldKey] = LostClaims(
+        #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`),
+        #: and answers waiting to be stored (:meth:`finish`)
+        self._lost: LostClaims[HeldKey | HeldAnswer] = LostClaims(
             name="idempotency", on_watch=lambda: self.wake()
         )
 
@@ -149,8 +160,8 @@ class Idempotency:
         without waiting for a keyed request here: the client's retry may reach another
         replica, which cannot give back a claim it does not hold, and was answered 409
         ``idempotency.in_progress`` until the claim's lease lapsed, a minute on. True
-        when a token left the watch (its claim given back, or its lease lapsed). A
-        failed look is raised (the loop backs off)."""
+        when a token left the watch (its claim given back, its lease lapsed, or its
+        answer stored). A failed look is raised (the loop backs off)."""
         if not self._lost:  # (every pass: nothing to look at without a fault)
             return False
         watched = len(self._lost)
@@ -218,7 +229,7 @@ class Idempotency:
 
     def _next_look(self, org_id: str, claim: Claim, now: int) -> Claim:
         """``claim`` (running) whose ``Retry-After`` is this process's next look at the
-        key, when it watches one (a give-back): the key can be
+        key, when it watches one (a give-back or an answer to store): the key can be
         retried then, which is often sooner than the cap of the lease's minute. Another
         replica knows nothing of the watch, and says what the lease says."""
         looks = [
@@ -239,11 +250,15 @@ class Idempotency:
         then at doubling gaps until that lease would have lapsed
         (:class:`~leadgate.core.runners.LostClaims`), by this process's loop
         (:meth:`run_once`) or the next keyed request here, whichever comes first (the
-        client's retry, when it comes here: the 503 says 2 s). A failure is returned
-        (the tokens not looked at stay watched, due as before)."""
+        client's retry, when it comes here: the 503 says 2 s). An answer held for its
+        key (:class:`HeldAnswer`) is stored, and done with once its statement ran. A
+        failure is returned (the tokens not looked at stay watched, due as before)."""
         due = self._lost.take_due(now)
         for n, lost in enumerate(due):
             try:
+                if isinstance(lost.token, HeldAnswer):
+                    await self._store_held(lost.token)
+                    continue
                 found = await self._give_back(lost.token)
             except Exception as exc:
                 self._lost.put_back(due[n:])
@@ -378,35 +393,64 @@ class Idempotency:
         have come after the commit landed (in doubt), so an answer found stored is the
         turn's and stands. Any other answer is always stored (over a provisional one).
 
-        A failure to store it is raised after the claim's lease is ended (:meth:`lapse`,
-        fenced by its owner token, a no-op when the answer landed after all): the message
-        was taken in (or recorded busy), so the client's retry takes the key over with
-        its event id and the intake answers it ``idempotency.lost``, as after a crash.
-        Left claimed, the key answered that retry 409 ``idempotency.in_progress`` until
-        the lease lapsed, a minute on, with no request holding it. A lapse that fails
-        too is tried again (see :meth:`_hand_back`)."""
+        A failure to store it is raised after the answer is handed to the watch
+        (:meth:`_hold`), which stores it 1 s on and then at doubling gaps, as it gives
+        back a claim, until the statement runs: meanwhile the claim holds the key (its
+        retry is told 409 ``idempotency.in_progress``, ``Retry-After`` that look), and
+        then the retry gets the answer replayed. An answer past the watch's budget
+        (:data:`ANSWERS_HELD_BYTES`) is not held: the claim's lease is ended
+        (:meth:`lapse`, fenced by its owner token; one that fails too is tried again),
+        and since the message was taken in (or recorded busy), the client's retry takes
+        the key over with its event id and the intake answers it ``idempotency.lost``
+        (or busy again), as after a crash; so does a retry after this process stopped
+        with the answer held. It was told ``idempotency.lost`` at once, the answer in
+        hand."""
         try:
             async with self.db.tx() as conn:
-                if not provisional:
-                    await self.store(conn, principal, claim, response)
-                else:
-                    await conn.execute(
-                        t.idempotency_keys.update()
-                        .where(*_keyed(principal, claim), _K.response.is_(None))
-                        .values(response=response)
-                    )
+                await _write_answer(conn, principal.org_id, claim.key_hash, response, provisional)
         except Exception:
             # (The answer's own failure is the one to raise; the lapse's, if any, is
             # watched and tried again.)
-            with contextlib.suppress(Exception):
-                await self.lapse(principal, claim)
+            now = self.clock.now_ms()
+            if not self._hold(
+                principal, claim, response, provisional, due=now + self._lost.first_ms
+            ):
+                with contextlib.suppress(Exception):
+                    await self.lapse(principal, claim)
             raise
         except BaseException:  # (cancelled: no write now; the watch's first look does it)
-            if claim.owner is not None:
-                token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=True)
-                now = self.clock.now_ms()
-                self._lost.watch(token, due=now, lapses=now + LEASE_MS)
+            now = self.clock.now_ms()
+            if not self._hold(principal, claim, response, provisional, due=now):
+                if claim.owner is not None:
+                    token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=True)
+                    self._lost.watch(token, due=now, lapses=now + LEASE_MS)
             raise
+
+    def _hold(
+        self,
+        principal: Principal,
+        claim: Claim,
+        response: dict[str, Any],
+        provisional: bool,
+        *,
+        due: int,
+    ) -> bool:
+        """Hand ``response``, unstored, to the watch (looked at from ``due``); False when
+        it does not fit in :data:`ANSWERS_HELD_BYTES` beside the answers held already."""
+        size = len(json.dumps(response, separators=(",", ":")))
+        held = sum(lost.token.size for lost in self._lost if isinstance(lost.token, HeldAnswer))
+        if held + size > ANSWERS_HELD_BYTES:
+            return False
+        token = HeldAnswer(principal.org_id, claim.key_hash, response, provisional, size)
+        self._lost.watch(token, due=due, lapses=self.clock.now_ms() + LEASE_MS)
+        return True
+
+    async def _store_held(self, answer: HeldAnswer) -> None:
+        """Store ``answer`` as :meth:`finish` would have (whoever holds the key now)."""
+        async with self.db.tx() as conn:
+            await _write_answer(
+                conn, answer.org_id, answer.key_hash, answer.response, answer.provisional
+            )
 
     @staticmethod
     async def store(
@@ -416,9 +460,7 @@ class Idempotency:
         transaction ``conn``: REST writes a turn's answer in the turn's last transaction,
         so that the turn's end and its replayable answer commit together or not at all.
         Stored over a "lost" one and whatever the claim's owner (see :meth:`finish`)."""
-        await conn.execute(
-            t.idempotency_keys.update().where(*_keyed(principal, claim)).values(response=response)
-        )
+        await _write_answer(conn, principal.org_id, claim.key_hash, response, False)
 
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a
@@ -462,6 +504,20 @@ class Idempotency:
             await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
 
 
+class HeldAnswer(NamedTuple):
+    """An answer :meth:`Idempotency.finish` could not store, held for the watch to
+    store (:meth:`Idempotency._store_held`)."""
+
+    #: the key's row: its organization and key hash
+    org_id: str
+    key_hash: str
+    response: dict[str, Any]
+    #: stored only while the key has no answer (see :meth:`Idempotency.finish`)
+    provisional: bool
+    #: its size as JSON, counted against :data:`ANSWERS_HELD_BYTES`
+    size: int
+
+
 class HeldKey(NamedTuple):
     """What a claim's give-back (:meth:`Idempotency._give_back`) takes, also what
     :class:`~leadgate.core.runners.LostClaims` watches for a claim in doubt, or for a
@@ -478,9 +534,14 @@ class HeldKey(NamedTuple):
     keep_key: bool
 
 
-def _keyed(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:
-    """The key's row, whoever holds it."""
-    return (_K.org_id == principal.org_id, _K.key_hash == claim.key_hash)
+async def _write_answer(
+    conn: Conn, org_id: str, key_hash: str, response: dict[str, Any], provisional: bool
+) -> None:
+    """Store ``response`` under the key (``provisional``: only while it has none)."""
+    where = [_K.org_id == org_id, _K.key_hash == key_hash]
+    if provisional:
+        where.append(_K.response.is_(None))
+    await conn.execute(t.idempotency_keys.update().where(*where).values(response=response))
 
 
 def _owned(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], ...]:

@@ -599,9 +599,10 @@ def setup(
                     # The turn ended and its answer (a busy 409, an error after the intake,
                     # a stream's error frame, already sent) is in hand: the client gets it.
                     # It was a retryable 503 "nothing was stored" for a message taken in
-                    # and answered. Unstored, the claim's lease is ended (by ``finish``): a
-                    # retry takes the key over and gets ``idempotency.lost``, never a 2nd
-                    # turn.
+                    # and answered. Unstored, the answer is held by ``finish`` for its watch
+                    # to store once the database is back (the retry gets it replayed); past
+                    # the watch's budget the claim's lease is ended, and a retry takes the
+                    # key over and is told ``idempotency.lost`` (or busy), never a 2nd turn.
                     log.warning(
                         "storing the answer under its Idempotency-Key failed: %s",
                         type(exc).__name__,

@@ -31,7 +31,13 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
-from leadgate.operations.idempotency import LEASE_MS, RETRY_AFTER_MAX_S, TTL_MS, fingerprint
+from leadgate.operations.idempotency import (
+    LEASE_MS,
+    RETRY_AFTER_MAX_S,
+    SWEEP_EVERY_MS,
+    TTL_MS,
+    fingerprint,
+)
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
@@ -470,8 +476,9 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     (no ``x-should-retry: false``) for a message taken in and answered, and a stream
     that was already sent whole was followed by an error answer. The answer is the
     client's; the unstored claim lapses, and a retry after that is ``idempotency.lost``
-    (this ``finish`` only fails; the real one also ends the lease at once: see
-    test_a_retry_after_a_fault_storing_the_answer_is_told_it_was_lost_at_once). That is
+    (this ``finish`` only fails, as after the process holding the answer stopped; the
+    real one hands it to its watch, which stores it: see
+    test_an_answer_a_fault_kept_from_its_key_is_stored_once_the_database_is_back). That is
     left to answers stored after the turn (here a model failure's 502): a plain
     or streamed answer is stored in the turn's own last transaction, not by ``finish``
     (see test_a_fault_storing_a_keyed_answer_fails_its_turn)."""
@@ -679,38 +686,70 @@ async def test_a_fault_storing_a_keyed_answer_fails_its_turn(
         assert await env.transcript(agent, "fault") == [("user", text)]
 
 
-@pytest.mark.parametrize("lapse", ["written", "failed too"])
-async def test_a_retry_after_a_fault_storing_the_answer_is_told_it_was_lost_at_once(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch, lapse: str
+@pytest.mark.parametrize("answer", ["failed", "busy", "failed, past the budget"])
+async def test_an_answer_a_fault_kept_from_its_key_is_stored_once_the_database_is_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, answer: str
 ) -> None:
-    """The turn took the message in and answered (a model failure's 502), and storing
-    that answer under its key met a database fault. The claim's lease is ended (fenced
-    by its token), so the client's retry right after takes the key over with the same
-    event id and is told 409 ``idempotency.lost`` (the message in the transcript, once);
-    when that write failed too, the lease is ended 1 s on (the next keyed request, or
-    the process's loop). It was 409 ``idempotency.in_progress`` for a minute, until the
-    lease lapsed, with no request holding the key."""
+    """The turn answered after its intake (a model failure's 502, or the busy 409 of a
+    worker whose item waits for its lead), and storing that answer under its key met a
+    database fault. The answer is kept in memory and stored by the process's watch when
+    its look falls due (1 s on; or by the next keyed request here): the client's retry
+    meanwhile is told 409 ``idempotency.in_progress`` with ``Retry-After: 1`` (that
+    look), and after it gets the answer replayed. It was told 409 ``idempotency.lost``
+    at once, the claim's lease ended ("read the transcript": for a busy message, not
+    there). Answers past :data:`ANSWERS_HELD_BYTES` are not kept: the lease is ended,
+    and the retry's intake, finding the message taken in, says the answer was lost."""
+    if answer == "failed, past the budget":
+        monkeypatch.setattr(idempotency_mod, "ANSWERS_HELD_BYTES", 10)
     async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
-        faults.arm_on(
-            "UPDATE idempotency_keys SET response",
-            and_on="UPDATE idempotency_keys" if lapse == "failed too" else None,
-        )
-        failed = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+        agent, text = ("worker", "more") if answer == "busy" else ("plain", "please #fail")
+        if answer == "busy":
+            held = await env.chat("worker", "ship #complete", session="u")
+            assert held.status == 409 and (await held.json())["error"]["rule"] == GATED_RULE
+        faults.arm_on("UPDATE idempotency_keys SET response")
+        first = await env.chat(agent, text, idem="k-unstored", session="u")
         faults.disarm()
         assert faults.fired is not None
-        assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
-        if lapse == "failed too":
-            running = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
-            assert running.status == 409, await running.text()
-            assert (await running.json())["error"]["rule"] == "idempotency.in_progress"
-            env.clock.advance(1_000)  # the lease's end is written again when due
-        retry = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
-        assert retry.status == 409 and retry.headers["x-should-retry"] == "false"
-        assert (await retry.json())["error"]["rule"] == "idempotency.lost", await retry.text()
-        again = await env.chat("plain", "please #fail", idem="k-unstored", session="u")
+        assert first.status == (409 if answer == "busy" else 502), await first.text()
+        assert first.headers["x-should-retry"] == "false"
+        retry = await env.chat(agent, text, idem="k-unstored", session="u")
+        if answer == "failed, past the budget":
+            assert retry.status == 409 and retry.headers["x-should-retry"] == "false"
+            assert (await retry.json())["error"]["rule"] == "idempotency.lost"
+        else:
+            assert retry.status == 409, await retry.text()
+            assert (await retry.json())["error"]["rule"] == "idempotency.in_progress"
+            assert retry.headers["Retry-After"] == "1"
+            env.clock.advance(1_000)  # the watch's look is due: it stores the answer
+            retry = await env.chat(agent, text, idem="k-unstored", session="u")
+            assert retry.headers["Idempotent-Replayed"] == "true", await retry.text()
+            assert await retry.json() == await first.json()
+        again = await env.chat(agent, text, idem="k-unstored", session="u")
         assert again.headers["Idempotent-Replayed"] == "true"
         assert await again.json() == await retry.json()
-        assert await env.user_messages("plain", "u") == ["please #fail"]  # taken in once
+        user_messages = await env.user_messages(agent, "u")
+        assert user_messages == (["ship #complete"] if answer == "busy" else [text])  # once
+
+
+async def test_a_keyed_request_without_a_fault_costs_what_it_did(env: Env) -> None:
+    """What a keyed request runs without a fault: the claim, the intake (its event first,
+    for the de-duplication), and the answer stored with the turn or after it (a busy
+    409). Holding an unstored answer, naming the watch's next look, and reading a
+    duplicate's earlier event cost nothing here."""
+    held = await env.chat("worker", "ship #complete", session="h")
+    assert held.status == 409
+    env.clock.advance(SWEEP_EVERY_MS + 1)  # (the sweep, a statement every 10 minutes)
+    await env.chat("plain", "warm", idem="k-warm", session="p")
+    for model, text, session, status in (
+        ("plain", "hello", "p", 200),
+        ("worker", "more", "h", 409),
+    ):
+        with env.service.db.record_statements() as statements:
+            answer = await env.chat(model, text, idem=f"k-{model}", session=session)
+        assert answer.status == status, await answer.text()
+        keyed = [" ".join(sql.split()[:3]) for sql in statements if "idempotency_keys" in sql]
+        assert keyed == ["INSERT INTO idempotency_keys", "UPDATE idempotency_keys SET"], keyed
+        assert not [sql for sql in statements if "FROM inbound_events" in sql], statements
 
 
 async def test_a_key_whose_release_failed_says_when_it_is_given_back(

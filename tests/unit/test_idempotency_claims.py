@@ -10,6 +10,7 @@ import pytest
 from leadgate.core.auth import Principal
 from leadgate.core.errors import NOTHING_STORED, Unavailable
 from leadgate.database.db import Database
+from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
 from tests.helpers import make_org
@@ -160,16 +161,16 @@ async def test_a_release_the_database_kept_from_being_written_is_tried_again(
     assert (retry.external_event_id == claim.external_event_id) is keep_key
 
 
-@pytest.mark.parametrize("fault", ["down", "down, its lapse too", "cancelled"])
-async def test_an_answer_the_database_kept_from_being_stored_ends_the_claims_lease(
+@pytest.mark.parametrize("fault", ["down", "down at the first look too", "cancelled"])
+async def test_an_answer_the_database_kept_from_being_stored_is_stored_by_the_watch(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     """The request took its message in and answered, and storing the answer failed (or
-    was cut short): no request holds the key, but it answered the client's retry 409
-    ``idempotency.in_progress`` until the claim's lease lapsed, a minute on. The lease
-    is ended now (or, when that write fails too, or the request was cancelled, at the
-    watch's look), so the retry takes the key over at once, with the key's event id (its
-    intake then finds the message taken in: ``idempotency.lost``)."""
+    was cut short). The answer is held and stored at the watch's look (1 s on; at once
+    when cancelled; again at the next look when the database is still away then), and
+    until then the key answers ``running`` with the look's wait (not the lease's 5 s):
+    the retry after it gets the answer. The claim's lease was ended instead, and the
+    retry took the key over and was told the answer was lost."""
     org = await make_org(stack)
     idem = Idempotency(stack.db, stack.clock, stack.ids)
     principal = Principal(org.id, frozenset())
@@ -180,13 +181,38 @@ async def test_an_answer_the_database_kept_from_being_stored_ends_the_claims_lea
     if fault == "cancelled":
         await cut_short(stalled(stack, monkeypatch, "tx"), finish)
     else:
-        failures = 2 if fault == "down, its lapse too" else 1
-        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, failures, after_commit=False))
+        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
         with pytest.raises(Unavailable):
             await finish
-    if fault == "down, its lapse too":
-        assert (await idem.begin(principal, "k-6", "fp")).action == "running"
-        stack.clock.advance(1_000)  # the lapse is written again when due
+        running = await idem.begin(principal, "k-6", "fp")
+        assert (running.action, running.retry_after_s) == ("running", 1)
+        stack.clock.advance(1_000)  # the watch's look is due
+    if fault == "down at the first look too":
+        monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+        running = await idem.begin(principal, "k-6", "fp")  # (its look failed first)
+        assert (running.action, running.retry_after_s) == ("running", 1)
+    retry = await idem.begin(principal, "k-6", "fp")
+    assert (retry.action, retry.response) == ("replay", answer)
+    assert not idem._lost  # (nothing left held)
+
+
+async def test_an_answer_past_the_budget_ends_the_claims_lease(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unstored answer that does not fit in what the watch holds
+    (``ANSWERS_HELD_BYTES``) is not kept: the claim's lease is ended, so the retry takes
+    the key over at once with the key's event id (its intake then finds the message
+    taken in: ``idempotency.lost``)."""
+    monkeypatch.setattr(idempotency_mod, "ANSWERS_HELD_BYTES", 10)
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    claim = await idem.begin(principal, "k-6", "fp")
+    answer = {"status": 502, "body": {"error": {"rule": "model.failed"}}}
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, claim, answer, provisional=True)
+    assert not idem._lost
     retry = await idem.begin(principal, "k-6", "fp")
     assert (retry.action, retry.external_event_id) == ("run", claim.external_event_id)
     assert retry.owner != claim.owner
