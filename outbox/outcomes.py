@@ -25,7 +25,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, count_after_commit
 from leadgate.database.sql import later_of_sql, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
@@ -241,7 +241,7 @@ class OutcomeCommitter:
             signals_from=lambda row: session_events.woken(row.ev_sessions),
         )
         row = result.one()
-        committed = _report_sent(done, set(row.sent))
+        committed = _report_sent(None, done, set(row.sent))
         moved = set(row.moved)
         if moved:
             METRICS.transitions.labels(_SRC.value, _DST.value).inc(len(moved))
@@ -263,7 +263,7 @@ class OutcomeCommitter:
         items: list[str] = []
         reveal: list[str] = []
         scrubbed: list[dict[str, Any]] = []
-        for d in _report_sent(sent, committed):
+        for d in _report_sent(conn, sent, committed):
             item_id = _gating_item(d.row)
             if item_id:
                 items.append(item_id)
@@ -395,9 +395,9 @@ class OutcomeCommitter:
         )
         if not res.rowcount:
             log.warning("delivery %s: send lease lost before commit", row.id)
-            METRICS.deliveries.labels(row.channel, "leaseLost").inc()
+            count_after_commit(conn, METRICS.deliveries.labels(row.channel, "leaseLost"))
             return
-        METRICS.deliveries.labels(row.channel, label).inc()
+        count_after_commit(conn, METRICS.deliveries.labels(row.channel, label))
         if row.kind != "gating" or row.work_item_id is None:
             return
         if item_dst is None:
@@ -459,9 +459,10 @@ def _gating_item(row: Delivery) -> str | None:
     return row.work_item_id if row.kind == "gating" else None
 
 
-def _report_sent(sent: Sequence[Done], committed: set[str]) -> list[Done]:
+def _report_sent(conn: Conn | None, sent: Sequence[Done], committed: set[str]) -> list[Done]:
     """Count successful sends by whether their ``sent`` was committed (a lost send lease
-    is logged); returns the committed ones."""
+    is logged), once ``conn``'s transaction commits (``None``: it has); returns the
+    committed ones."""
     counts: Counter[tuple[str, str]] = Counter()
     kept: list[Done] = []
     for d in sent:
@@ -472,7 +473,11 @@ def _report_sent(sent: Sequence[Done], committed: set[str]) -> list[Done]:
             log.warning("delivery %s: send lease lost before commit", d.row.id)
             counts[d.row.channel, "leaseLost"] += 1
     for (channel, label), count in counts.items():
-        METRICS.deliveries.labels(channel, label).inc(count)
+        counter = METRICS.deliveries.labels(channel, label)
+        if conn is None:
+            counter.inc(count)
+        else:
+            count_after_commit(conn, counter, count)
     return kept
 
 

@@ -82,7 +82,7 @@ from outbox.store import (
     ReviewNeeded,
     address_kept,
     cards_of_closed_waits,
-    count_ended_cards,
+    count_cancelled,
     delivery_of,
 )
 
@@ -372,7 +372,7 @@ class Relay:
             ).all()
             if rows:
                 signal_after_commit(conn, OUTBOX_TOPIC)
-        _count_ended(rows)
+            _count_ended(conn, rows)
         return [str(r.id) for r in rows]
 
     # ------------------------------------------------------------------ the loop
@@ -603,6 +603,7 @@ class Relay:
                     )
                 )
             ).all()
+            _count_ended(conn, rows)
             unknown = [r for r in rows if r.status == DeliveryStatus.deliveryUnknown.value]
             if unknown:
                 await conn.execute(
@@ -637,7 +638,6 @@ class Relay:
                     "decided meanwhile: cancelled",
                     r.id,
                 )
-        _count_ended(rows)
         return len(rows)
 
     async def _locked_ids(self, conn: Conn, query: sa.Select[Any]) -> list[str] | None:
@@ -702,11 +702,11 @@ class Relay:
                     ).all()
                     if rows:
                         signal_after_commit(conn, OUTBOX_TOPIC)
+                    _count_ended(conn, rows)
             except BaseException:  # (cancelled too: the rest stay watched)
                 self._uncertain_claims.put_back(due[n:])
                 raise
             if rows:
-                _count_ended(rows)
                 released += len(rows)
             else:
                 self._uncertain_claims.not_found(lost, now)
@@ -881,11 +881,13 @@ class Relay:
         return float(max(delay, retry_after or 0.0))
 
 
-def _count_ended(given_back: Sequence[AnyRow]) -> None:
-    """Count the cards among rows a give-back or a lease expiry just committed that
-    ended ``cancelled`` (their wait was closed); the others are counted by their next
-    attempt (``pending``) or as ``deliveryUnknown`` by the caller."""
-    count_ended_cards(r.channel for r in given_back if r.status == DeliveryStatus.cancelled.value)
+def _count_ended(conn: Conn, given_back: Sequence[AnyRow]) -> None:
+    """Count, once ``conn`` commits, the cards among rows a give-back or a lease expiry
+    moved in it that ended ``cancelled`` (their wait was closed); the others are counted
+    by their next attempt (``pending``) or as ``deliveryUnknown`` by the caller."""
+    count_cancelled(
+        conn, (r.channel for r in given_back if r.status == DeliveryStatus.cancelled.value)
+    )
 
 
 def _in_claim_order(rows: Sequence[Sequence[Any]]) -> list[Delivery]:

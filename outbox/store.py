@@ -37,7 +37,7 @@ from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, damage_met, signal_after_commit
+from leadgate.database.db import Conn, count_after_commit, damage_met, signal_after_commit
 from leadgate.database.faults import unavailable
 from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
@@ -158,14 +158,15 @@ class DeliveryStatus(enum.StrEnum):
     continuation = "continuation"
 
 
-def count_ended_cards(channels: Iterable[str]) -> None:
+def count_cancelled(conn: Conn, channels: Iterable[str]) -> None:
     """Count review cards, or cards' updates, that a decision ended unsent (their
     update to ``cancelled`` matched), one per channel named, as
-    ``leadgate_deliveries_total{outcome="cancelled"}``: every path that ends one so
-    counts it here, once, where its fenced update matched (the relay's outcome commit
-    counts the cards whose send it was, :mod:`outbox.outcomes`)."""
+    ``leadgate_deliveries_total{outcome="cancelled"}`` once ``conn``'s transaction
+    commits: every path that so ends one counts it here, once, where its fenced update
+    matched (the relay's outcome commit counts the ones whose send it was,
+    :mod:`outbox.outcomes`)."""
     for channel in channels:
-        METRICS.deliveries.labels(channel, DeliveryStatus.cancelled.value).inc()
+        count_after_commit(conn, METRICS.deliveries.labels(channel, DeliveryStatus.cancelled.value))
 
 
 #: Card deliveries, each with when its wait was closed (``None``: still open), every
@@ -379,7 +380,7 @@ class Outbox:
         await conn.execute(_INSERT_DELIVERY, values)
         if values["action"] == "reveal":
             await reveal(conn, self.clock, item.id)
-        METRICS.deliveries.labels(values["channel"], "sent").inc()
+        count_after_commit(conn, METRICS.deliveries.labels(values["channel"], "sent"))
         return delivery_of(values)
 
     async def enqueue_reply(
@@ -724,7 +725,7 @@ async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     a reviewer's mail (:data:`ANSWER`) and the edits of posted cards
     (:data:`CARD_UPDATE`): what they say was so when they were written (an earlier
     wait's card edited to show its Return; cancelled, that card kept its buttons).
-    Its review cards so ended are counted (:func:`count_ended_cards`)."""
+    Its review cards so ended are counted (:func:`count_cancelled`)."""
     ended = await conn.execute(
         t.deliveries.update()
         .where(
@@ -735,7 +736,7 @@ async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
         .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
         .returning(D.channel, D.kind)
     )
-    count_ended_cards(r.channel for r in ended.all() if r.kind == CARD)
+    count_cancelled(conn, [r.channel for r in ended.all() if r.kind == CARD])
 
 
 async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
@@ -853,7 +854,7 @@ async def recover(
         raise TransitionError(await _not_recovered(conn, delivery), rule="delivery.status")
     updated = Delivery.from_row(row)
     if updated.status == DeliveryStatus.cancelled.value:
-        count_ended_cards([updated.channel])
+        count_cancelled(conn, [updated.channel])
     await workitems.audit(
         conn,
         clock,

@@ -123,10 +123,19 @@ def sqlite_plan(conn: sa.Connection, statement: sa.ClauseElement) -> list[str]:
     return [str(row[3]) for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql)]
 
 
+def counted(name: str, **labels: str) -> float:
+    """The process's metric sample ``name{labels}`` now (0 before its first count)."""
+    return METRICS.registry.get_sample_value(name, labels) or 0.0
+
+
 def deliveries_counted(channel: str, outcome: str) -> float:
     """``leadgate_deliveries_total{channel, outcome}`` now (0 before its first count)."""
-    labels = {"channel": channel, "outcome": outcome}
-    return METRICS.registry.get_sample_value("leadgate_deliveries_total", labels) or 0.0
+    return counted("leadgate_deliveries_total", channel=channel, outcome=outcome)
+
+
+def transitions_counted(src: str, dst: str) -> float:
+    """``leadgate_work_item_transitions_total{from_status, to_status}`` now."""
+    return counted("leadgate_work_item_transitions_total", from_status=src, to_status=dst)
 
 
 def fake_clock(service: Env) -> FakeClock:

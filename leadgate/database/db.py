@@ -62,6 +62,15 @@ _DB = "leadgate_database"
 
 #: Writes a before-commit queue's items as the transaction's last statements.
 Flush = Callable[["Conn", list[Any]], Awaitable[None]]
+# Topic of the counts :func:`count_after_commit` holds until the commit.
+_COUNTS = "leadgate_counts"
+
+
+class Counted(Protocol):
+    """What :func:`count_after_commit` increments (a Prometheus counter or one of its
+    labelled children)."""
+
+    def inc(self, amount: float = 1) -> None: ...
 
 
 class Result(Protocol):
@@ -135,6 +144,25 @@ def signal_after_commit(conn: Conn, topic: str, payload: Any = None) -> None:
         payloads = topics.setdefault(topic, [])
         if payload is not None:
             payloads.append(payload)
+
+
+def count_after_commit(conn: Conn, counter: Counted, amount: float = 1) -> None:
+    """Increment ``counter`` by ``amount`` once the current :meth:`Database.tx` (or
+    :meth:`Database.write_alone`) commits: a count stands for what committed, never for
+    a transaction that rolled back (a database fault at its ``COMMIT``, a fenced move
+    that failed later in it) nor for one in doubt (nothing known to have landed). Held
+    as the transaction's other after-commit signals are, with no statement of its own.
+    Outside a write transaction nothing waits for a commit: counted at once."""
+    topics = conn.info.get(_TOPICS)
+    if topics is None:
+        counter.inc(amount)
+        return
+    topics.setdefault(_COUNTS, []).append((counter, amount))
+
+
+def _count(held: list[tuple[Counted, float]]) -> None:
+    for counter, amount in held:
+        counter.inc(amount)
 
 
 def damage_met(conn: Conn, exc: BaseException) -> DatabaseDamaged | None:
@@ -243,7 +271,7 @@ class Database:
         if self.is_sqlite:
             _install_sqlite_recipe(self.engine, busy_timeout_s)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
-        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
+        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {_COUNTS: [_count]}
         self._doubt_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None

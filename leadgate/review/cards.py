@@ -59,7 +59,7 @@ from outbox.store import (
     ENDED,
     DeliveryStatus,
     Outbox,
-    count_ended_cards,
+    count_cancelled,
 )
 
 log = logging.getLogger("leadgate.review.cards")
@@ -336,7 +336,7 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
         status = c.status
         if status == DeliveryStatus.pending.value:
             if await _cancel_card(conn, c.id, status, now):
-                count_ended_cards([c.channel])
+                count_cancelled(conn, [c.channel])
                 continue  # never posted: nothing to edit
             status = DeliveryStatus.sending.value  # claimed meanwhile (another replica)
         if c.channel == "email":
@@ -345,7 +345,7 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
                 # it would offer a decision already made. It ends here, and its Reply-To
                 # (the plain token) with it.
                 if await _cancel_card(conn, c.id, status, now):
-                    count_ended_cards([c.channel])
+                    count_cancelled(conn, [c.channel])
             # A sent mail cannot be edited. One being sent is left to its send, which
             # ends its row and its Reply-To whatever the outcome (outbox.outcomes).
             continue

@@ -34,7 +34,7 @@ from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, count_after_commit
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
@@ -164,7 +164,8 @@ class SlaRunner:
             return 0  # another runner fired it, or a decision closed it
         for purpose in purposes:
             await self.notifier.post_again(conn, ep, purpose)
-            (METRICS.reminders if purpose == "reminder" else METRICS.escalations).inc()
+            fired = METRICS.reminders if purpose == "reminder" else METRICS.escalations
+            count_after_commit(conn, fired)
             log.info("review %s: %s for work item %s", ep.id, purpose, ep.work_item_id)
         return len(purposes)
 
@@ -182,6 +183,6 @@ class SlaRunner:
             )
             return 0
         await decisions.expire(conn, self.outbox, item, int(ep.expire_after_ms or 0))
-        METRICS.expiries.inc()
+        count_after_commit(conn, METRICS.expiries)
         log.info("work item %s expired after waiting for a decision", item.id)
         return 1

@@ -36,7 +36,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LostClaims
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database, damage_met
+from leadgate.database.db import Conn, Database, count_after_commit, damage_met
 from leadgate.database.faults import unavailable
 from leadgate.database.sql import insert_ignore_stmt, later_of_sql
 from leadgate.domain import agents as agents_mod
@@ -883,7 +883,7 @@ class TurnService:
                 if answer is not None:
                     reply = Reply(screened, streamed, usage)
                     await answer(fast, reply)
-                    METRICS.turns.labels("plain").inc()
+                    count_after_commit(fast, METRICS.turns.labels("plain"))
                     return reply
         else:
             # A reply that may be queued for a channel: the outbox's in-process hand-off

@@ -22,6 +22,7 @@ from bots.email import EmailAdapter
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
@@ -34,6 +35,7 @@ from tests.fakes import DownFor
 from tests.helpers import (
     Org,
     api_trigger,
+    counted,
     deliveries_counted,
     eventually,
     item_audit,
@@ -375,6 +377,109 @@ async def env_faults(
     faults = injector(migrated_url, monkeypatch)
     async for made in _env(migrated_url, sink):
         yield made, faults
+
+
+@pytest.fixture
+async def env_expiring_faults(
+    migrated_url: str, sink: SmtpSink, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Env, SqliteFaults | PgFaults]]:
+    """:func:`env_expiring` with a statement-fault injector, as :func:`env_faults`."""
+    faults = injector(migrated_url, monkeypatch)
+    async for made in _env(migrated_url, sink, review={"expire_after": "1h"}):
+        yield made, faults
+
+
+#: What a decision on an escalated api item with a card mail not sent yet counts, as
+#: ``(name, labels)``: the card's end, the reveal's send, the item's moves, an expiry.
+DECISION_COUNTS: dict[str, tuple[str, dict[str, str]]] = {
+    "card cancelled": ("leadgate_deliveries_total", {"channel": "email", "outcome": "cancelled"}),
+    "reveal sent": ("leadgate_deliveries_total", {"channel": "api", "outcome": "sent"}),
+    **{
+        f"{src}->{dst}": (
+            "leadgate_work_item_transitions_total",
+            {"from_status": src, "to_status": dst},
+        )
+        for src, dst in (
+            ("awaitingHuman", "approved"),
+            ("approved", "completed"),
+            ("awaitingHuman", "cancelled"),
+            ("awaitingHuman", "rejected"),
+        )
+    },
+    "expired": ("leadgate_review_expiries_total", {}),
+}
+
+
+def decision_counts() -> dict[str, float]:
+    """:data:`DECISION_COUNTS` now."""
+    return {key: counted(name, **labels) for key, (name, labels) in DECISION_COUNTS.items()}
+
+
+def gained(before: dict[str, float]) -> dict[str, float]:
+    """What :func:`decision_counts` gained since ``before`` (the keys that changed)."""
+    now = decision_counts()
+    return {key: now[key] - before[key] for key in now if now[key] != before[key]}
+
+
+@pytest.mark.parametrize("decision", ["approve", "cancel"])
+async def test_a_decision_whose_commit_failed_counts_nothing_until_it_commits(
+    env_faults: tuple[Env, SqliteFaults | PgFaults], decision: str
+) -> None:
+    """A decision whose transaction meets a database fault at its ``COMMIT`` rolls back
+    whole (a 503): nothing it would have counted is counted (the item's moves, the
+    reveal, the card mail it ends). They stood before, counted inside the transaction,
+    and the decision made again counted them twice."""
+    env, faults = env_faults
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    assert (await email_card_row(env, item_id)).status == "pending"
+    before = decision_counts()
+    faults.arm_on("UPDATE review_episodes", then="COMMIT")
+    with pytest.raises(Unavailable):
+        await env.app.reviews.decide(org.principal, item_id, decision, surface="api")
+    faults.disarm()
+    assert faults.fired is not None and "COMMIT" in faults.fired
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    assert (await email_card_row(env, item_id)).status == "pending"
+    assert gained(before) == {}
+
+    await env.app.reviews.decide(org.principal, item_id, decision, surface="api")
+    assert (await email_card_row(env, item_id)).status == "cancelled"
+    expected = {
+        "approve": {
+            "card cancelled": 1,
+            "reveal sent": 1,
+            "awaitingHuman->approved": 1,
+            "approved->completed": 1,
+        },
+        "cancel": {"card cancelled": 1, "awaitingHuman->cancelled": 1},
+    }
+    assert gained(before) == expected[decision]
+
+
+async def test_an_expiry_whose_commit_failed_is_counted_once_when_it_commits(
+    env_expiring_faults: tuple[Env, SqliteFaults | PgFaults],
+) -> None:
+    """The SLA runner's expiry meets a database fault at its ``COMMIT``: nothing is
+    counted; the next pass expires the item, counted once (the expiry and the item's
+    move were counted by both passes)."""
+    env, faults = env_expiring_faults
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    assert isinstance(env.app.clock, FakeClock)
+    env.app.clock.advance(3_600_000 + 1)
+    before = decision_counts()
+    faults.arm_on("UPDATE work_items", then="COMMIT")
+    with pytest.raises(Unavailable):
+        await drain(env.app.sla_runner)
+    faults.disarm()
+    assert faults.fired is not None and "COMMIT" in faults.fired
+    assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+    assert gained(before) == {}
+
+    await drain(env.app.sla_runner)
+    assert (await item_row(env.app, item_id))["status"] == "rejected"
+    assert gained(before) == {"card cancelled": 1, "awaitingHuman->rejected": 1, "expired": 1}
 
 
 async def test_a_reply_retried_after_its_routed_part_met_a_451_is_not_answered_twice(

@@ -38,7 +38,16 @@ from outbox.outcomes import Done
 from outbox.relay import SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
 from tests.fakes import LandsLater, lose_the_next_commit
-from tests.helpers import Env, Org, held_open, item_row, make_agent, make_org
+from tests.helpers import (
+    Env,
+    Org,
+    deliveries_counted,
+    held_open,
+    item_row,
+    make_agent,
+    make_org,
+    transitions_counted,
+)
 from tests.outbox_support import (
     MigratedTemplates,
     ScriptedChannel,
@@ -328,6 +337,7 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     assert failing != outcomes_mod._COMMIT_POSTS.text
     monkeypatch.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))
     monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+    counts = (deliveries_counted("slack", "sent"), transitions_counted("approved", "completed"))
     await relay.run_once()
     assert (await delivery(stack, dlv["id"]))["status"] == "sending"
     assert (await item(stack, item_id))["status"] == "approved"
@@ -339,6 +349,36 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     assert (await delivery(stack, dlv["id"]))["status"] == "sent"
     assert (await item(stack, item_id))["status"] == "completed"
     assert await relay.run_once() is False
+    # Counted once, as it committed: not also by the attempts that rolled back (SQLite's
+    # outcome transaction counted inside itself, three times here).
+    now = (deliveries_counted("slack", "sent"), transitions_counted("approved", "completed"))
+    assert (now[0] - counts[0], now[1] - counts[1]) == (1, 1)
+
+
+async def test_an_uncertain_send_whose_commit_failed_is_counted_once_when_it_commits(
+    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outcome committed one by one (here uncertain) whose transaction fails is kept
+    and committed at the next run: ``deliveryUnknown`` is counted then, once, not by each
+    transaction that rolled back (on both backends it is a transaction)."""
+    item_id, dlv = await seed_one(stack)
+    channel.script = [Uncertain("read timeout after the request was written")]
+    relay = relay_for(stack)
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("database went away mid-commit")
+
+    monkeypatch.setattr(workitems, "audit", broken)  # after the delivery's fenced update
+    monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+    unknown = deliveries_counted("slack", "deliveryUnknown")
+    await relay.run_once()
+    assert (await delivery(stack, dlv["id"]))["status"] == "sending"
+    assert deliveries_counted("slack", "deliveryUnknown") == unknown
+    monkeypatch.undo()
+    assert await relay.run_once() is True
+    assert (await delivery(stack, dlv["id"]))["status"] == "deliveryUnknown"
+    assert (await item(stack, item_id))["status"] == "approved"
+    assert deliveries_counted("slack", "deliveryUnknown") - unknown == 1
 
 
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
