@@ -159,12 +159,14 @@ class DeliveryStatus(enum.StrEnum):
 
 
 def count_cancelled(conn: Conn, channels: Iterable[str]) -> None:
-    """Count review cards, or cards' updates, that a decision ended unsent (their
-    update to ``cancelled`` matched), one per channel named, as
+    """Count deliveries (review cards, cards' updates, an item's gating delivery) that
+    ended ``cancelled`` unsent (their update to ``cancelled`` matched) with no attempt
+    of theirs ending so, one per channel named, as
     ``leadgate_deliveries_total{outcome="cancelled"}`` once ``conn``'s transaction
     commits: every path that so ends one counts it here, once, where its fenced update
     matched (the relay's outcome commit counts the ones whose send it was,
-    :mod:`outbox.outcomes`)."""
+    :mod:`outbox.outcomes`). One whose send ended uncertain was counted
+    ``deliveryUnknown`` then, and is not counted again when it ends."""
     for channel in channels:
         count_after_commit(conn, METRICS.deliveries.labels(channel, DeliveryStatus.cancelled.value))
 
@@ -720,23 +722,41 @@ async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
     return [Delivery.from_row(r) for r in rows]
 
 
+#: An item's cancel ends its unsent deliveries in one of these statuses, with the
+#: item's transaction (:func:`cancel_for_item`), but for :data:`ANSWER` and
+#: :data:`CARD_UPDATE` ones.
+_CANCEL_FOR_ITEM = (
+    t.deliveries.update()
+    .where(
+        D.work_item_id == sa.bindparam("p_item"),
+        D.status == sa.bindparam("p_status"),
+        D.kind.not_in([ANSWER, CARD_UPDATE]),
+    )
+    .values(status=DeliveryStatus.cancelled.value, updated_at=sa.bindparam("p_now"), **ENDED)
+    .returning(D.channel)
+)
+
+
 async def cancel_for_item(conn: Conn, clock: Clock, item_id: str) -> None:
     """Cancel an item's unsent deliveries (the item was cancelled), but for answers to
     a reviewer's mail (:data:`ANSWER`) and the edits of posted cards
     (:data:`CARD_UPDATE`): what they say was so when they were written (an earlier
     wait's card edited to show its Return; cancelled, that card kept its buttons).
-    Its review cards so ended are counted (:func:`count_cancelled`)."""
-    ended = await conn.execute(
-        t.deliveries.update()
-        .where(
-            D.work_item_id == item_id,
-            D.status.in_([DeliveryStatus.pending.value, DeliveryStatus.deliveryUnknown.value]),
-            D.kind.not_in([ANSWER, CARD_UPDATE]),
+
+    The ``pending`` ones (a review card, or the gating delivery of an approved item
+    whose post is being retried) are counted ``cancelled``, how they ended. The
+    ``deliveryUnknown`` ones are cancelled too, uncounted: their sends were counted
+    ``deliveryUnknown`` as they ended (``leadgate_deliveries_total`` counts each end
+    of a delivery's run through the outbox once). One fenced update per status: the
+    row's status before the update is what tells them apart."""
+    now = clock.now_ms()
+    for status in (DeliveryStatus.pending, DeliveryStatus.deliveryUnknown):
+        ended = await conn.execute(
+            _CANCEL_FOR_ITEM, {"p_item": item_id, "p_status": status.value, "p_now": now}
         )
-        .values(status=DeliveryStatus.cancelled.value, updated_at=clock.now_ms(), **ENDED)
-        .returning(D.channel, D.kind)
-    )
-    count_cancelled(conn, [r.channel for r in ended.all() if r.kind == CARD])
+        channels = [str(r.channel) for r in ended.all()]
+        if status == DeliveryStatus.pending:
+            count_cancelled(conn, channels)
 
 
 async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
@@ -852,9 +872,8 @@ async def recover(
     ).first()
     if row is None:
         raise TransitionError(await _not_recovered(conn, delivery), rule="delivery.status")
+    # Ended cancelled, it is not counted again: its send was counted deliveryUnknown.
     updated = Delivery.from_row(row)
-    if updated.status == DeliveryStatus.cancelled.value:
-        count_cancelled(conn, [updated.channel])
     await workitems.audit(
         conn,
         clock,

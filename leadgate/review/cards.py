@@ -343,9 +343,9 @@ async def close_for_item(conn: Conn, outbox: Outbox, item_id: str, outcome: Card
             if status == DeliveryStatus.deliveryUnknown.value:
                 # Maybe mailed: it cannot be edited, nor answered any more, and sent again
                 # it would offer a decision already made. It ends here, and its Reply-To
-                # (the plain token) with it.
-                if await _cancel_card(conn, c.id, status, now):
-                    count_cancelled(conn, [c.channel])
+                # (the plain token) with it. Not counted again: its send was counted
+                # deliveryUnknown as it ended.
+                await _cancel_card(conn, c.id, status, now)
             # A sent mail cannot be edited. One being sent is left to its send, which
             # ends its row and its Reply-To whatever the outcome (outbox.outcomes).
             continue

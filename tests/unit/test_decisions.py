@@ -20,7 +20,15 @@ from leadgate.review import decisions
 from leadgate.review.queue import detail
 from leadgate.runners.revisions import RevisionRunner
 from outbox.store import Outbox
-from tests.helpers import Org, api_trigger, make_agent, make_org, session_item, slack_trigger
+from tests.helpers import (
+    Org,
+    api_trigger,
+    deliveries_counted,
+    make_agent,
+    make_org,
+    session_item,
+    slack_trigger,
+)
 from tests.helpers import item_audit as audit_rows
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
@@ -283,6 +291,23 @@ async def test_decisions_need_awaiting_human_and_cancel_needs_a_live_item(
     assert (await row(stack, ids["approved"]))["status"] == "cancelled"
     out = await stack.turns.run(api_trigger(org, worker, "fresh start", "approved"))
     assert out == Reply("Echo: fresh start")
+
+
+async def test_a_gating_post_ended_by_its_items_cancel_is_counted_cancelled(
+    stack: Stack,
+) -> None:
+    """An approved item's post not sent yet (``pending``) ends ``cancelled`` with the
+    item's cancel, and counts so in ``leadgate_deliveries_total``, once the cancel
+    commits; it was counted nowhere (only review cards were)."""
+    org, worker = await setup(stack)
+    item_id = await slack_run(stack, org, worker, "ok #complete", "approved")
+    await drain(stack.lead_runner)
+    [gating] = await deliveries(stack, item_id)
+    assert (gating["kind"], gating["status"]) == ("gating", "pending")
+    cancelled = deliveries_counted("slack", "cancelled")
+    await decide(stack, item_id, "cancel")
+    assert [d["status"] for d in await deliveries(stack, item_id)] == ["cancelled"]
+    assert deliveries_counted("slack", "cancelled") - cancelled == 1
 
 
 @SQLITE_ONLY
