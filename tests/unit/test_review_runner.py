@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import asyncpg
@@ -166,6 +166,13 @@ async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
 def clock(stack: Stack) -> FakeClock:
     assert isinstance(stack.clock, FakeClock)
     return stack.clock
+
+
+def _locking(item_id: str) -> Callable[[Any], Awaitable[object]]:
+    """What :func:`held_open` runs to hold ``item_id``'s row lock (as a transaction that
+    moved it, or lost a race to move it, holds it to its commit)."""
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
+    return lambda conn: conn.execute(locked.with_for_update())
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -500,8 +507,7 @@ async def test_a_revision_claim_that_skips_a_locked_item_looks_again_soon(stack:
     dispatcher = RevisionRunner(stack.turns)
     item_id = await submit(stack, org, worker, "draft it #revise")
     await drain(stack.lead_runner)  # changes requested: the feedback waits
-    lock = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id).with_for_update()
-    async with held_open(stack.db, lambda conn: conn.execute(lock)):
+    async with held_open(stack.db, _locking(item_id)):
         assert not await dispatcher.run_once()
         assert (await row(stack, item_id))["pending_feedback"] is not None
         assert dispatcher.due_in_s() == (LOCKED_RECHECK_MS + 1) / 1000
@@ -1390,7 +1396,8 @@ async def test_one_submission_wakes_every_review_loop_but_one_claims(stack: Stac
     assert await runner.run_once() is False
 
 
-async def test_a_poke_during_an_empty_claim_is_answered_once(pg_url: str) -> None:
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_poke_during_an_empty_claim_is_answered_once(stack: Stack) -> None:
     """PostgreSQL: a submission commits (and pokes) while a claim is under way that read
     the queue before it (the claim is one statement: it reports the queue when it
     returns). The loop that poke woke claims and reviews the item; the older claim then
@@ -1398,84 +1405,72 @@ async def test_a_poke_during_an_empty_claim_is_answered_once(pg_url: str) -> Non
     nothing: no wake-up, and the next pass knows the queue empty and runs no statement."""
     import contextvars
 
-    from leadgate.database.db import upgrade
+    runner = stack.lead_runner
+    runner.poked_on_enqueue = True
+    stack.turns.on_review_queued = runner.poke
+    wakes: list[int] = []
+    runner.wake = lambda: wakes.append(1)
+    org, _, worker = await setup(stack)
+    assert await runner.run_once() is False  # the queue is known empty
+    assert wakes == []
+    clock(stack).advance(1_000)  # the recheck second: the next pass claims unpoked
+    real_alone, late = stack.db.write_alone, []
 
-    await asyncio.to_thread(upgrade, pg_url)
-    stack = build_stack(pg_url)
-    try:
-        runner = stack.lead_runner
-        runner.poked_on_enqueue = True
-        stack.turns.on_review_queued = runner.poke
-        wakes: list[int] = []
-        runner.wake = lambda: wakes.append(1)
-        org, _, worker = await setup(stack)
-        assert await runner.run_once() is False  # the queue is known empty
-        assert wakes == []
-        clock(stack).advance(1_000)  # the recheck second: the next pass claims unpoked
-        real_alone, late = stack.db.write_alone, []
-
-        async def claim_then_submit(*args: Any, **kwargs: Any) -> Any:
-            # The claim read an empty queue; before it returns, the item commits and pokes.
-            result = await real_alone(*args, **kwargs)
-            stack.db.write_alone = real_alone  # type: ignore[method-assign]
-            late.append(
-                await asyncio.create_task(
-                    submit(stack, org, worker, "late", session="late"),
-                    context=contextvars.Context(),
-                )
+    async def claim_then_submit(*args: Any, **kwargs: Any) -> Any:
+        # The claim read an empty queue; before it returns, the item commits and pokes.
+        result = await real_alone(*args, **kwargs)
+        stack.db.write_alone = real_alone  # type: ignore[method-assign]
+        late.append(
+            await asyncio.create_task(
+                submit(stack, org, worker, "late", session="late"),
+                context=contextvars.Context(),
             )
-            # Woken by that poke, another loop claims and reviews it.
-            assert await runner.run_once() is True
-            return result
+        )
+        # Woken by that poke, another loop claims and reviews it.
+        assert await runner.run_once() is True
+        return result
 
-        stack.db.write_alone = claim_then_submit  # type: ignore[method-assign]
-        assert await runner.run_once() is False  # the older claim came back empty
-        assert (await row(stack, late[0]))["status"] == "completed"
-        assert wakes == []
-        with stack.db.record_statements() as idle:
-            assert await runner.run_once() is False
-        assert idle == []
-    finally:
-        await stack.stop()
+    stack.db.write_alone = claim_then_submit  # type: ignore[method-assign]
+    assert await runner.run_once() is False  # the older claim came back empty
+    assert (await row(stack, late[0]))["status"] == "completed"
+    assert wakes == []
+    with stack.db.record_statements() as idle:
+        assert await runner.run_once() is False
+    assert idle == []
 
 
-async def test_a_claim_beside_another_takes_the_next_item(pg_url: str) -> None:
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_claim_beside_another_takes_the_next_item(stack: Stack) -> None:
     """PostgreSQL: two items queued, a second claim runs while the first one's
     transaction is still open. It takes the second item: the first claim locked only the
     row it took, not the one it peeked at to learn that more were waiting (which would
     make the second claim skip it and take the queue for empty)."""
     import contextvars
 
-    from leadgate.database.db import upgrade
-
-    await asyncio.to_thread(upgrade, pg_url)
-    stack = build_stack(pg_url)
-    try:
-        runner = stack.lead_runner
-        org, _, worker = await setup(stack)
-        for session in ("a", "b"):
-            await submit(stack, org, worker, f"task {session}", session=session)
-        # The first claim's statement, in a transaction held open: it has taken the
-        # oldest item and peeked at the other, and its COMMIT is still due.
-        async with stack.db.tx() as conn:
-            params = {
-                "p_now": stack.clock.now_ms(),
-                "p_token": "lease_first",
-                "p_expires": stack.clock.now_ms() + 60_000,
-                "p_owner": None,
-                "p_audit_id": "aud_first",
-            }
-            first = (await conn.execute(runner_module._CLAIM_ALONE, params)).first()
-            beside = await asyncio.create_task(runner.claim(), context=contextvars.Context())
-        assert first is not None and first.more
-        assert beside is not None
-        assert beside.id != first.id
-    finally:
-        await stack.stop()
+    runner = stack.lead_runner
+    org, _, worker = await setup(stack)
+    for session in ("a", "b"):
+        await submit(stack, org, worker, f"task {session}", session=session)
+    # The first claim's statement, in a transaction held open: it has taken the
+    # oldest item and peeked at the other, and its COMMIT is still due.
+    async with stack.db.tx() as conn:
+        params = {
+            "p_now": stack.clock.now_ms(),
+            "p_token": "lease_first",
+            "p_expires": stack.clock.now_ms() + 60_000,
+            "p_owner": None,
+            "p_audit_id": "aud_first",
+        }
+        first = (await conn.execute(runner_module._CLAIM_ALONE, params)).first()
+        beside = await asyncio.create_task(runner.claim(), context=contextvars.Context())
+    assert first is not None and first.more
+    assert beside is not None
+    assert beside.id != first.id
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_claim_that_skips_a_locked_queued_item_claims_it_again_soon(
-    pg_url: str,
+    stack: Stack,
 ) -> None:
     """PostgreSQL: the one queued item is row-locked by another transaction (here held
     open by the test; in the service a lease expiry that lost its race for the item to a
@@ -1484,91 +1479,62 @@ async def test_a_claim_that_skips_a_locked_queued_item_claims_it_again_soon(
     claims rather than skipping, and the loops sleep at most LOCKED_RECHECK_MS, not the
     poll. Once the lock is gone that pass reviews the item; then an empty claim leaves
     nothing to look at again."""
-    import contextvars
-
-    from leadgate.database.db import upgrade
-
-    await asyncio.to_thread(upgrade, pg_url)
-    stack = build_stack(pg_url)
-    try:
-        runner = stack.lead_runner
-        runner.poked_on_enqueue = True
-        stack.turns.on_review_queued = runner.poke
-        org, _, worker = await setup(stack)
-        item_id = await submit(stack, org, worker, "task")
-        locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
-        async with stack.db.tx() as conn:
-            await conn.execute(locked.with_for_update())
-            beside = await asyncio.create_task(runner.run_once(), context=contextvars.Context())
-            assert beside is False
-            assert (await row(stack, item_id))["status"] == "reviewQueued"
-            assert runner.due_in_s() == runner_module.LOCKED_RECHECK_MS / 1000
-        assert await runner.run_once() is True  # no poke since: the pass claims all the same
-        assert (await row(stack, item_id))["status"] == "completed"
+    runner = stack.lead_runner
+    runner.poked_on_enqueue = True
+    stack.turns.on_review_queued = runner.poke
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "task")
+    async with held_open(stack.db, _locking(item_id)):
         assert await runner.run_once() is False
-        assert runner.due_in_s() is None
-    finally:
-        await stack.stop()
+        assert (await row(stack, item_id))["status"] == "reviewQueued"
+        assert runner.due_in_s() == runner_module.LOCKED_RECHECK_MS / 1000
+    assert await runner.run_once() is True  # no poke since: the pass claims all the same
+    assert (await row(stack, item_id))["status"] == "completed"
+    assert await runner.run_once() is False
+    assert runner.due_in_s() is None
 
 
-async def test_a_lease_check_skips_a_lease_another_check_is_taking_back(pg_url: str) -> None:
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_lease_check_skips_a_lease_another_check_is_taking_back(stack: Stack) -> None:
     """PostgreSQL: two replicas' lease checks find one lapsed review lease at once. The
     second does not wait on the row the first is moving (waiting, it would find the item
     queued, move nothing and keep the row lock to its commit, hiding the item from
     claims); it moves nothing and returns at once, and the first takes it back."""
-    import contextvars
-
-    from leadgate.database.db import upgrade
-
-    await asyncio.to_thread(upgrade, pg_url)
-    stack = build_stack(pg_url)
-    try:
-        runner = stack.lead_runner
-        org, _, worker = await setup(stack)
-        item_id = await submit(stack, org, worker, "task")
-        assert await runner.claim() is not None
-        clock(stack).advance(runner_module.LEASE_MS + 1)
-        moving = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
-        async with stack.db.tx() as conn:
-            await conn.execute(moving.with_for_update())
-            beside = asyncio.create_task(runner.expire_leases(), context=contextvars.Context())
-            assert await asyncio.wait_for(beside, 5) == 0
-        assert (await row(stack, item_id))["status"] == "reviewing"
-        assert await runner.expire_leases() == 1
-        assert (await row(stack, item_id))["status"] == "reviewQueued"
-    finally:
-        await stack.stop()
+    runner = stack.lead_runner
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "task")
+    assert await runner.claim() is not None
+    clock(stack).advance(runner_module.LEASE_MS + 1)
+    async with held_open(stack.db, _locking(item_id)):
+        assert await asyncio.wait_for(runner.expire_leases(), 5) == 0
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    assert await runner.expire_leases() == 1
+    assert (await row(stack, item_id))["status"] == "reviewQueued"
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_claim_whose_clock_read_precedes_the_submission_is_audited_after_it(
-    pg_url: str,
+    stack: Stack,
 ) -> None:
     """PostgreSQL: a claim reads its clock, then waits for a pooled connection; an item's
     submission commits during the wait, with a later time. The claim takes that item;
     its audit row (and the item's ``updated_at``) carry the submission's time, not the
     older one, so the trail read in time order still begins with ``create`` (the long
     crash suite once saw ``claim`` 1 ms before ``create``)."""
-    from leadgate.database.db import upgrade
-
-    await asyncio.to_thread(upgrade, pg_url)
-    stack = build_stack(pg_url)
-    try:
-        runner = stack.lead_runner
-        org, _, worker = await setup(stack)
-        before = stack.clock.now_ms()  # the claim's clock read...
-        clock(stack).advance(5)
-        item_id = await submit(stack, org, worker, "task")  # ...the submission commits
-        submitted = (await row(stack, item_id))["updated_at"]
-        assert submitted == before + 5
-        claimed = await runner._claim_alone(before, "lease_late", runner._pokes)
-        assert claimed is not None and claimed.id == item_id
-        assert claimed.updated_at == submitted
-        trail = [(a["action"], a["created_at"]) for a in await audit(stack, item_id)]
-        moves = [action for action, _ in trail if action in ("create", "claim")]
-        assert moves == ["create", "claim"], trail
-        assert dict(trail)["claim"] == submitted
-    finally:
-        await stack.stop()
+    runner = stack.lead_runner
+    org, _, worker = await setup(stack)
+    before = stack.clock.now_ms()  # the claim's clock read...
+    clock(stack).advance(5)
+    item_id = await submit(stack, org, worker, "task")  # ...the submission commits
+    submitted = (await row(stack, item_id))["updated_at"]
+    assert submitted == before + 5
+    claimed = await runner._claim_alone(before, "lease_late", runner._pokes)
+    assert claimed is not None and claimed.id == item_id
+    assert claimed.updated_at == submitted
+    trail = [(a["action"], a["created_at"]) for a in await audit(stack, item_id)]
+    moves = [action for action, _ in trail if action in ("create", "claim")]
+    assert moves == ["create", "claim"], trail
+    assert dict(trail)["claim"] == submitted
 
 
 async def test_run_once_checks_review_leases_once_a_second(stack: Stack) -> None:
