@@ -126,6 +126,26 @@ async def _flow(stack: Stack, org: Org, nodes: list[dict[str, Any]]) -> str:
     return str(flow["id"])
 
 
+async def _paused_and_approved(stack: Stack) -> tuple[Org, str]:
+    """An organization with a lead and a reviewed worker, and the run of a flow (the
+    worker's node, then an output) paused at the node, whose item the lead approved:
+    the organization and the paused run's id."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
+            {"type": "output", "value": "end"},
+        ],
+    )
+    paused_id = await stack.flows.start(org.id, flow_id)
+    await stack.settle()  # the lead approves
+    return org, paused_id
+
+
 async def _view(stack: Stack, org: Org, run_id: str) -> dict[str, Any]:
     async with stack.db.read() as conn:
         return await run_view(conn, org.id, run_id)
@@ -724,19 +744,7 @@ async def test_a_resumer_pass_that_skips_a_locked_continuation_looks_again_soon(
     pick skips it: the loop sleeps at most LOCKED_RECHECK_MS, not the poll, and once the
     lock is gone the next pass resumes the run. A pass that finds nothing is its one
     read and leaves nothing due."""
-    org = await make_org(second)
-    await make_agent(second, org, "lead")
-    await make_agent(second, org, "worker", lead="lead")
-    flow_id = await _flow(
-        second,
-        org,
-        [
-            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
-            {"type": "output", "value": "end"},
-        ],
-    )
-    paused_id = await second.flows.start(org.id, flow_id)
-    await second.settle()  # the lead approves
+    org, paused_id = await _paused_and_approved(second)
     resumer = FlowResumer(second.flows)
     lock = sa.select(t.work_items.c.id).with_for_update()
     async with held_open(second.db, lambda conn: conn.execute(lock)):
@@ -791,19 +799,7 @@ async def test_a_run_resumed_by_a_commit_in_doubt_is_continued_soon(
     recovery continued it, as a recovery attempt. The flow recovery is woken and looks
     for the run's token at once, and continues it. (PostgreSQL only: a SQLite COMMIT is
     never in doubt.)"""
-    org = await make_org(first)
-    await make_agent(first, org, "lead")
-    await make_agent(first, org, "worker", lead="lead")
-    flow_id = await _flow(
-        first,
-        org,
-        [
-            {"type": "agent", "agent": "worker", "prompt": "one #complete"},
-            {"type": "output", "value": "end"},
-        ],
-    )
-    paused_id = await first.flows.start(org.id, flow_id)
-    await first.settle()
+    org, paused_id = await _paused_and_approved(first)
     woken: list[bool] = []
     first.flows.recovery_due = lambda: woken.append(True)  # (its loop's wake)
     lose_the_next_commit(monkeypatch, first.db, alone=False)

@@ -220,13 +220,7 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     lead. A message the client does send in the wait is the turn instead."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
-    monkeypatch.setattr(
-        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
-    )
-    with pytest.raises(Unavailable):
-        await stack.turns.execute(taken)
-    monkeypatch.undo()
+    await _stopped_by_a_fault(stack, monkeypatch, taken)
     assert stack.turns.orphans == {taken.ctx.run_token}
     # The process dies (its memory with it): another one, with its own recovery.
     async with stack.db.tx() as conn:
@@ -259,6 +253,21 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     assert len(answers) == 1  # run once: by recovery, or by the resend
 
 
+async def _stopped_by_a_fault(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, taken: Accepted
+) -> None:
+    """Run ``taken``, its next write meeting the database gone, whichever way it goes (a
+    transaction, or on PostgreSQL one statement alone): the turn stops with
+    :class:`Unavailable` (its client told 503 ``turn.interrupted``)."""
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    monkeypatch.setattr(
+        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
+    )
+    with pytest.raises(Unavailable):
+        await stack.turns.execute(taken)
+    monkeypatch.undo()
+
+
 async def _a_gated_api_turn_taken_in(stack: Stack, text: str = "work on it #complete") -> Accepted:
     """A REST turn of a worker with a lead, taken in by this (live) process, not run
     (its run token and work item set)."""
@@ -283,15 +292,7 @@ async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
     orphans (``Intake.doubted``)."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    # The turn's next write, whichever way it goes (a transaction, or on PostgreSQL one
-    # statement alone), meets the database gone.
-    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
-    monkeypatch.setattr(
-        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
-    )
-    with pytest.raises(Unavailable):
-        await stack.turns.execute(taken)
-    monkeypatch.undo()
+    await _stopped_by_a_fault(stack, monkeypatch, taken)
     assert len(stack.turns.orphans) == 1
     assert await count(stack, t.turn_runs) == 1
     item_id = taken.ctx.work_item_id
