@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.acceptance.channel_kit import Standin, http
+from tests.acceptance.channel_kit import Standin, http, wait_until
 from tests.helpers import held_sqlite_lock
 from tests.pg import PG_BIN, PostgresServer, _run_pg
 from tests.reliability.conftest import (
@@ -58,6 +58,10 @@ def chat(proc: ServiceProcess, model: str, text: str, *, timeout: float = 15.0) 
     return status, body.decode(errors="replace")
 
 
+#: How long the service has to answer a turn again after PostgreSQL is back up.
+RECOVERY_S = 10.0
+
+
 class Load:
     """REST turns in the background until stopped: plain and gated, each its own session."""
 
@@ -65,7 +69,10 @@ class Load:
         self.proc = proc
         self.stop = threading.Event()
         self.results: list[tuple[float, str, int, str]] = []
+        #: per thread, when its newest answered request was sent
+        self.last_sent: dict[int, float] = {}
         self._lock = threading.Lock()
+        self.threads = threads
         self._threads = [threading.Thread(target=self._run, args=(n,)) for n in range(threads)]
         self._count = 0
 
@@ -77,9 +84,11 @@ class Load:
             model, text = (
                 ("plain", f"load {n}-{i}") if i % 2 else ("worker", f"job {n}-{i} #complete")
             )
+            sent = time.monotonic()
             status, body = chat(self.proc, model, text)
             with self._lock:
                 self.results.append((time.monotonic(), model, status, body[:200]))
+                self.last_sent[n] = sent
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -93,6 +102,17 @@ class Load:
 
     def statuses(self) -> Counter[int]:
         return Counter(status for _, _, status, _ in self.results)
+
+    def answered(self, after: float = 0.0) -> int:
+        """How many turns were answered 200 or 409 (gated), after ``after`` if given."""
+        with self._lock:
+            return sum(1 for t, _, s, _ in self.results if s in (200, 409) and t > after)
+
+    def all_sent_after(self, at: float) -> bool:
+        """Whether every thread has had an answer to a request sent after ``at``: what
+        was in flight at ``at`` has ended, its status counted."""
+        with self._lock:
+            return len(self.last_sent) == self.threads and min(self.last_sent.values()) > at
 
 
 def restart_postgres(server: PostgresServer, down_s: float = 1.5) -> None:
@@ -153,11 +173,21 @@ def test_postgres_restarted_mid_load(
     )
     with proc.start():
         with Load(proc) as load:
-            time.sleep(1.5)
+            # Under way: turns answered, two a thread (plain and gated alternate).
+            wait_until(lambda: load.answered() >= 2 * load.threads, what="the load")
             fault_at = time.monotonic()
             restart_postgres(postgres_server)
             back_at = time.monotonic()
-            time.sleep(3.0)
+            # Recovered: turns answered after the restart (as many as before it), and
+            # every request the fault met ended (its 503, or its late answer, counted).
+            wait_until(
+                lambda: (
+                    load.answered(after=back_at) >= 2 * load.threads
+                    and load.all_sent_after(back_at)
+                ),
+                timeout=RECOVERY_S,
+                what="the service to recover",
+            )
         statuses = load.statuses()
         assert statuses[500] == 0 and statuses[0] == 0, statuses
         assert set(statuses) <= {200, 409, 503}, statuses
