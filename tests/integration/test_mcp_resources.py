@@ -69,11 +69,21 @@ def db_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
+    """The service with the MCP sessions' idle timeout at its default. The SDK counts
+    it in real time from the end of the last request in flight, and a request is in
+    flight only once its key was checked (a database read): with the 1 s this fixture
+    had, key checks slowed past 1 s on a loaded machine ended the session between
+    ``initialize`` and the next request ('Session not found')."""
+    async with served_env(migrated_url) as served:
+        yield served
+
+
+@asynccontextmanager
+async def served_env(migrated_url: str, **api: float) -> AsyncIterator[Env]:
+    """The app on 127.0.0.1 with two organizations and their agents; ``api`` settings
+    on top of a fast key re-check."""
     settings = Settings.model_validate(
-        {
-            "database": {"url": migrated_url},
-            "api": {"mcp_session_idle_s": 1.0, "events_reauth_s": 0.05},
-        }
+        {"database": {"url": migrated_url}, "api": {"events_reauth_s": 0.05, **api}}
     )
     service = App(settings, clock=FakeClock(), enable_adapters=False)
     org = await make_org(service)
@@ -560,13 +570,16 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
         await reader.stop()
 
 
-async def test_idle_sessions_expire(env: Env) -> None:
+async def test_idle_sessions_expire(migrated_url: str) -> None:
     init = mcp_initialize("2025-11-25")
-    headers = {
-        "Accept": "application/json, text/event-stream",
-        "Authorization": f"Bearer {env.org.key}",
-    }
-    async with httpx2.AsyncClient() as http:
+    async with (
+        served_env(migrated_url, mcp_session_idle_s=1.0) as env,
+        httpx2.AsyncClient() as http,
+    ):
+        headers = {
+            "Accept": "application/json, text/event-stream",
+            "Authorization": f"Bearer {env.org.key}",
+        }
         opened = await http.post(env.url, json=init, headers=headers)
         assert opened.status_code == 200
         sid = {**headers, "Mcp-Session-Id": opened.headers["mcp-session-id"]}
