@@ -25,6 +25,8 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database
 from outbox.channel import OutboundMessage, Sent
 from outbox.store import NOTIFY_CHANNEL, Outbox
+from tests.helpers import eventually
+from tests.integration.test_runner_wakes import start_worker
 from tests.outbox_support import (
     MigratedTemplates,
     RelayProcess,
@@ -130,8 +132,7 @@ async def looping(url: str) -> AsyncIterator[tuple[App, ScriptedChannel, asyncio
         {"database": {"url": url}, "runners": {"poll_interval_s": 30}}
     )
     service = App(settings, clock=FakeClock(), channels={"slack": channel}, enable_adapters=False)
-    await service.start_runners()
-    await asyncio.sleep(0.5)  # listener connected, loops idle
+    await start_worker(service)
     yield service, channel, sends
     await service.stop()
 
@@ -173,6 +174,9 @@ async def test_listener_reconnects_after_losing_its_connection(
     service, _, sends = looping
     assert isinstance(service.clock, FakeClock)
     org_id, _, _ = await make_org_and_agents(service.db, service.clock, service.ids)
+    changes = service.db.table_changes
+    assert changes is not None
+    before = changes.token(("agents",))
     async with service.db.tx() as conn:
         killed = await conn.scalar(
             sa.text(
@@ -182,7 +186,12 @@ async def test_listener_reconnects_after_losing_its_connection(
             )
         )
     assert killed == 1  # the one listener: the outbox's and the lead runners' channels
-    await asyncio.sleep(1.5)  # the listener reconnects after 1 s
+
+    def reconnected() -> bool:  # its token changes when the connection goes and comes
+        token = changes.token(("agents",))
+        return token is not None and token != before
+
+    assert await eventually(reconnected, 10)
     committed = await enqueue_elsewhere(url, org_id, service.clock)
     sent = await asyncio.wait_for(sends.get(), timeout=5)
     assert sent - committed < 0.5
