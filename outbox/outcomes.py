@@ -23,7 +23,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit
 from leadgate.database.sql import later_of_sql, unindexed
@@ -244,7 +244,7 @@ class OutcomeCommitter:
         committed = _report_sent(None, done, set(row.sent))
         moved = set(row.moved)
         if moved:
-            METRICS.transitions.labels(_SRC.value, _DST.value).inc(len(moved))
+            labelled(METRICS.transitions, _SRC.value, _DST.value).inc(len(moved))
         _warn_not_moved([_gating_item(d.row) for d in committed], moved)
         return True
 
@@ -395,9 +395,9 @@ class OutcomeCommitter:
         )
         if not res.rowcount:
             log.warning("delivery %s: send lease lost before commit", row.id)
-            count_after_commit(conn, METRICS.deliveries.labels(row.channel, "leaseLost"))
+            count_after_commit(conn, labelled(METRICS.deliveries, row.channel, "leaseLost"))
             return
-        count_after_commit(conn, METRICS.deliveries.labels(row.channel, label))
+        count_after_commit(conn, labelled(METRICS.deliveries, row.channel, label))
         if row.kind != "gating" or row.work_item_id is None:
             return
         if item_dst is None:
@@ -473,7 +473,7 @@ def _report_sent(conn: Conn | None, sent: Sequence[Done], committed: set[str]) -
             log.warning("delivery %s: send lease lost before commit", d.row.id)
             counts[d.row.channel, "leaseLost"] += 1
     for (channel, label), count in counts.items():
-        counter = METRICS.deliveries.labels(channel, label)
+        counter = labelled(METRICS.deliveries, channel, label)
         if conn is None:
             counter.inc(count)
         else:

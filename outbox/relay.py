@@ -52,7 +52,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import Unavailable
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
@@ -630,7 +630,7 @@ class Relay:
                             await self.review_needed(conn, r.work_item_id, "deliveryUnknown", r.id)
         for r in unknown:
             log.warning("delivery %s: send lease expired mid-send: deliveryUnknown", r.id)
-            METRICS.deliveries.labels(r.channel, "deliveryUnknown").inc()
+            labelled(METRICS.deliveries, r.channel, "deliveryUnknown").inc()
         for r in rows:
             if r.status == DeliveryStatus.cancelled.value:
                 log.warning(
@@ -833,7 +833,7 @@ class Relay:
             except Exception as exc:  # an adapter bug must not lose the delivery
                 log.exception("channel %s raised instead of mapping an error", row.channel)
                 outcome = Uncertain(f"adapter error: {type(exc).__name__}")
-        METRICS.cards.labels(row.channel, op, type(outcome).__name__.lower()).inc()
+        labelled(METRICS.cards, row.channel, op, type(outcome).__name__.lower()).inc()
         return outcome
 
     async def _update_card(

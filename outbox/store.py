@@ -34,7 +34,7 @@ from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.logs import Tally
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, count_after_commit, damage_met, signal_after_commit
@@ -168,7 +168,9 @@ def count_cancelled(conn: Conn, channels: Iterable[str]) -> None:
     :mod:`outbox.outcomes`). One whose send ended uncertain was counted
     ``deliveryUnknown`` then, and is not counted again when it ends."""
     for channel in channels:
-        count_after_commit(conn, METRICS.deliveries.labels(channel, DeliveryStatus.cancelled.value))
+        count_after_commit(
+            conn, labelled(METRICS.deliveries, channel, DeliveryStatus.cancelled.value)
+        )
 
 
 #: Card deliveries, each with when its wait was closed (``None``: still open), every
@@ -382,7 +384,7 @@ class Outbox:
         await conn.execute(_INSERT_DELIVERY, values)
         if values["action"] == "reveal":
             await reveal(conn, self.clock, item.id)
-        count_after_commit(conn, METRICS.deliveries.labels(values["channel"], "sent"))
+        count_after_commit(conn, labelled(METRICS.deliveries, values["channel"], "sent"))
         return delivery_of(values)
 
     async def enqueue_reply(

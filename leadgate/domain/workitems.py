@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import DAY_MS, Clock, IdFactory, iso
 from leadgate.core.errors import NotFound, TransitionError
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, notify_sender
@@ -343,8 +343,8 @@ async def transition(
         await session_events.status_changed(
             conn, clock, row.session_id, dst.value, then.status.value, row.revision
         )
-        count_after_commit(conn, METRICS.transitions.labels(dst.value, then.status.value))
-    count_after_commit(conn, METRICS.transitions.labels(src.value, dst.value))
+        count_after_commit(conn, labelled(METRICS.transitions, dst.value, then.status.value))
+    count_after_commit(conn, labelled(METRICS.transitions, src.value, dst.value))
     return item
 
 
@@ -493,7 +493,7 @@ async def transition_many(
                 for row in rows
             ],
         )
-        count_after_commit(conn, METRICS.transitions.labels(src.value, dst.value), len(rows))
+        count_after_commit(conn, labelled(METRICS.transitions, src.value, dst.value), len(rows))
     return [str(row.id) for row in rows]
 
 
@@ -598,7 +598,9 @@ async def sweep_abandoned(
         await session_events.status_changed(
             conn, clock, updated.session_id, S.inProgress.value, S.abandoned.value, updated.revision
         )
-        count_after_commit(conn, METRICS.transitions.labels(S.inProgress.value, S.abandoned.value))
+        count_after_commit(
+            conn, labelled(METRICS.transitions, S.inProgress.value, S.abandoned.value)
+        )
         flow_ended = flow_ended or row.kind == BindingKind.flow.value
     if flow_ended:
         await wakes.after_commit(conn, Wake.flow)

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -323,7 +323,7 @@ async def approve_alone(
     )
     if result.first() is None:
         return False
-    METRICS.transitions.labels(Status.reviewing.value, Status.approved.value).inc()
+    labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value).inc()
     return True
 
 
@@ -358,9 +358,9 @@ async def _reveal(
     row = result.first()
     if row is None:
         return False
-    METRICS.transitions.labels(Status.reviewing.value, Status.approved.value).inc()
-    METRICS.transitions.labels(Status.approved.value, Status.completed.value).inc()
-    METRICS.deliveries.labels(channel, "sent").inc()
+    labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value).inc()
+    labelled(METRICS.transitions, Status.approved.value, Status.completed.value).inc()
+    labelled(METRICS.deliveries, channel, "sent").inc()
     return True
 
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -443,7 +443,7 @@ class LeadRunner:
         """The item of a claim's row (:data:`_CLAIM_ALONE`, :data:`_CLAIM_LANDED`), its
         gating binding and its lead (when kept) noted for its review."""
         item = WorkItem.from_row(row[: len(WorkItem._fields)])
-        METRICS.transitions.labels(_CLAIM_SRC.value, _CLAIM_DST.value).inc()
+        labelled(METRICS.transitions, _CLAIM_SRC.value, _CLAIM_DST.value).inc()
         if row.gating_binding is not None:
             if len(self._gating) > _MAX_LEADS:  # claimed, never reviewed (tests)
                 self._gating.clear()
@@ -536,7 +536,7 @@ class LeadRunner:
         except Unavailable:
             self._held.append((item.id, item.lease_token, _READS_FAILED))
             raise
-        METRICS.reviews.labels(verdict.value if why is None else "escalatedBySystem").inc()
+        labelled(METRICS.reviews, verdict.value if why is None else "escalatedBySystem").inc()
         gating = self._gating.pop((item.id, item.lease_token), None)
         await self._commit(_Kept(item, verdict, feedback, why, gating))
 

@@ -32,7 +32,7 @@ from leadgate.core.limits import (
     validate_message,
     validate_session_key,
 )
-from leadgate.core.metrics import METRICS
+from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LostClaims
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
@@ -383,7 +383,7 @@ class TurnService:
                 if attempt == 2:
                     raise
         if isinstance(intake, Busy | Duplicate):
-            METRICS.turns.labels("busy" if isinstance(intake, Busy) else "duplicate").inc()
+            labelled(METRICS.turns, "busy" if isinstance(intake, Busy) else "duplicate").inc()
         return intake
 
     async def execute(
@@ -725,7 +725,7 @@ class TurnService:
         except (ModelError, Unavailable) as exc:
             # Unavailable: complete_task's write met a database fault (a 503, not a model
             # failure).
-            METRICS.turns.labels("error").inc()
+            labelled(METRICS.turns, "error").inc()
             # Logged once, here, for every surface (the request id rides the log context);
             # the line names the provider and status, never the key or any text (not the
             # provider's own words either: they may echo the request).
@@ -735,7 +735,7 @@ class TurnService:
                 log.warning("database unavailable: %s [%s]", exc.message, exc.rule)
             raise
         except Exception as exc:
-            METRICS.turns.labels("error").inc()
+            labelled(METRICS.turns, "error").inc()
             log.exception("model provider failed")
             raise ModelError("the model failed while producing this turn") from exc
         text = "".join(parts)
@@ -883,13 +883,13 @@ class TurnService:
                 if answer is not None:
                     reply = Reply(screened, streamed, usage)
                     await answer(fast, reply)
-                    count_after_commit(fast, METRICS.turns.labels("plain"))
+                    count_after_commit(fast, labelled(METRICS.turns, "plain"))
                     return reply
         else:
             # A reply that may be queued for a channel: the outbox's in-process hand-off
             # needs the general transaction.
             await self._store_reply(ctx, screened, revision_item)
-        METRICS.turns.labels("plain").inc()
+        labelled(METRICS.turns, "plain").inc()
         return Reply(screened, streamed, usage)
 
     async def _store_answered(
@@ -907,7 +907,7 @@ class TurnService:
         async with self.db.tx() as conn:
             await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
             await answer(conn, reply)
-        METRICS.turns.labels("plain").inc()
+        labelled(METRICS.turns, "plain").inc()
         return reply
 
     async def _store_reply(
@@ -948,7 +948,7 @@ class TurnService:
             await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
             if answer is not None:
                 await answer(conn, gated)
-        METRICS.turns.labels("gated").inc()
+        labelled(METRICS.turns, "gated").inc()
         return gated
 
     async def _release_revision(self, conn: Conn, revision_item: WorkItem | None) -> None:
@@ -987,7 +987,7 @@ class TurnService:
             alone = False
         if alone:
             self.on_review_queued()
-            METRICS.turns.labels("gated").inc()
+            labelled(METRICS.turns, "gated").inc()
             return Gated(work_item_id=ctx.work_item_id, revision=ctx.revision)
         async with self.db.tx() as conn:
             message_id = await self._store(
@@ -1023,7 +1023,7 @@ class TurnService:
                 await answer(conn, gated)
         if problems is not None and not problems:
             self.on_review_queued()
-        METRICS.turns.labels("gated").inc()
+        labelled(METRICS.turns, "gated").inc()
         return gated
 
     async def _submit_alone(
@@ -1057,7 +1057,7 @@ class TurnService:
         )
         if not result.one().moved:
             return False
-        METRICS.transitions.labels(Status.inProgress.value, Status.reviewQueued.value).inc()
+        labelled(METRICS.transitions, Status.inProgress.value, Status.reviewQueued.value).inc()
         return True
 
     async def _move_on(
