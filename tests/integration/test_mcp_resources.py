@@ -570,10 +570,16 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
         await reader.stop()
 
 
+#: The idle timeout of test_idle_sessions_expire: the SDK counts it in real time, from
+#: the end of a session's last request, so the ping after ``initialize`` must come
+#: within it; at 1 s a loaded machine (the whole suite on two CPUs) could miss that.
+IDLE_S = 2.0
+
+
 async def test_idle_sessions_expire(migrated_url: str) -> None:
     init = mcp_initialize("2025-11-25")
     async with (
-        served_env(migrated_url, mcp_session_idle_s=1.0) as env,
+        served_env(migrated_url, mcp_session_idle_s=IDLE_S) as env,
         httpx2.AsyncClient() as http,
     ):
         headers = {
@@ -586,8 +592,8 @@ async def test_idle_sessions_expire(migrated_url: str) -> None:
         sid["Mcp-Protocol-Version"] = "2025-11-25"
         ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
         assert (await http.post(env.url, json=ping, headers=sid)).status_code == 200
-        # No request in flight for longer than the idle timeout (1 s here): gone.
-        await asyncio.sleep(2.0)
+        # No request in flight for longer than the idle timeout: gone.
+        await asyncio.sleep(IDLE_S + 1.0)
         assert (await http.post(env.url, json=ping, headers=sid)).status_code == 404
         # A new session works.
         assert (await http.post(env.url, json=init, headers=headers)).status_code == 200
