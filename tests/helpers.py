@@ -30,6 +30,8 @@ from outbox.store import for_item
 if TYPE_CHECKING:
     from mcp import ClientSession
 
+    from leadgate.app import App
+
 #: ``resources/subscribe`` is what 2025-era MCP clients send, and MCP tests send it
 #: on purpose (the 2026-07-28 protocol replaced it with ``subscriptions/listen``, tested
 #: too); the SDK's client warns that the call is deprecated.
@@ -71,6 +73,21 @@ async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> bool:
         return bool(waiting) or task.done()
 
     return await eventually(waits_or_done, within=10.0)
+
+
+async def listening(db: Database) -> None:
+    """Until ``db``'s process has its LISTEN connection up (PostgreSQL; its table-change
+    token exists only then), so that what another replica commits next is heard by it
+    rather than by its start. SQLite has none: at once."""
+    changes = db.table_changes
+    if changes is not None:
+        assert await eventually(lambda: changes.token(("agents",)) is not None, 10)
+
+
+async def start_worker(app: App) -> None:
+    """Start ``app``'s runner loops and wait until it listens (:func:`listening`)."""
+    await app.start_runners()
+    await listening(app.db)
 
 
 @contextlib.asynccontextmanager

@@ -25,8 +25,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Database
 from outbox.channel import OutboundMessage, Sent
 from outbox.store import NOTIFY_CHANNEL, Outbox
-from tests.helpers import eventually
-from tests.integration.test_runner_wakes import start_worker
+from tests.helpers import eventually, start_worker
 from tests.outbox_support import (
     MigratedTemplates,
     RelayProcess,

@@ -60,6 +60,7 @@ from tests.helpers import (
     make_agent,
     make_org,
     slack_trigger,
+    start_worker,
 )
 from tests.outbox_support import ScriptedChannel
 
@@ -149,15 +150,6 @@ async def make_app() -> AsyncIterator[MakeApp]:
     yield make
     for app in reversed(made):
         await app.stop()
-
-
-async def start_worker(app: App) -> None:
-    """Start ``app``'s runner loops and (PostgreSQL) wait until its LISTEN connection is
-    up, so that what the test commits next is heard by it, not by its start."""
-    await app.start_runners()
-    changes = app.db.table_changes
-    if changes is not None:  # its token exists only while the LISTEN connection is up
-        assert await eventually(lambda: changes.token(("agents",)) is not None, 10)
 
 
 async def next_call(model: RecordingModel, wanted: Callable[[Call], bool]) -> Call:

@@ -27,7 +27,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.domain import orgs
 from leadgate.operations.transcripts import PAGE_MAX, PAGE_MAX_CHARS
-from tests.helpers import Org, eventually, make_agent, make_key, make_org
+from tests.helpers import Org, eventually, listening, make_agent, make_key, make_org
 from tests.serving import served_app
 
 HEARTBEAT_S = 0.3
@@ -517,11 +517,8 @@ async def test_a_stream_hears_another_replica(pg_url: str) -> None:
         resp = await reader_client.get("/v1/agents/plain/sessions/r/events", headers=headers)
         assert resp.status == 200
         stream = Stream(resp)
-        for _ in range(100):  # the reader's LISTEN connection is up once it woke everyone
-            if reader.event_hub.readers:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+        assert await eventually(lambda: reader.event_hub.readers)  # the stream is read
+        await listening(reader.db)  # (not its start: the turn's NOTIFY wakes the stream)
         sent = await writer_client.post(
             "/v1/chat/completions",
             json={"model": "plain", "messages": [{"role": "user", "content": "across"}]},
