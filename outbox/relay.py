@@ -53,11 +53,11 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS, labelled
-from leadgate.core.runners import LostClaims, after_lapse, seconds_until
+from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, signal_after_commit
 from leadgate.database.plans import AnyRow
-from leadgate.database.sql import unindexed
+from leadgate.database.sql import one_row, unindexed
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.rows import Delivery
 from outbox.channel import (
@@ -96,10 +96,6 @@ _NEVER = 2**62
 #: A relay that is poked on every enqueue still claims at least this often (by its
 #: clock) when its loop runs: retries become due with time, not with an enqueue.
 CLAIM_RECHECK_MS = 1_000
-#: PostgreSQL: a claim that took fewer rows than it asked for while other due rows were
-#: there, locked by another transaction, claims again this soon (no commit may come to
-#: wake it: see :data:`_CLAIM_ALONE`).
-LOCKED_RECHECK_MS = 50
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 300.0
 NO_BINDING_ERROR = "no active binding for the session"
@@ -166,7 +162,7 @@ _CLAIM_ALONE = sa.select(
         _OTHER.c.id.not_in(sa.select(_LOCKED_DUE.c.id)),
     )
     .label("locked"),
-).select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_CLAIMED, sa.true()))
+).select_from(one_row(_CLAIMED))
 
 _SENDING = D.status == DeliveryStatus.sending.value
 #: The send lease check's read, one statement (the ``sending`` rows alone, reached by the

@@ -42,6 +42,14 @@ def after_lapse(lapse: int | None) -> int | None:
     return None if lapse is None else lapse + 1
 
 
+#: PostgreSQL: how soon a runner whose claim took nothing while its work was there, row
+#: locked by another transaction, claims again (the lead review, the relay, the revision
+#: dispatcher and the flow resumer). No commit may come to wake it: a fenced move that
+#: lost its race for a row keeps the row lock to the end of its transaction (PostgreSQL's
+#: row locks outlive a failed recheck of ``WHERE``), and no wake-up follows that end.
+LOCKED_RECHECK_MS = 50
+
+
 def seconds_until(now_ms: int, *dues: int | None) -> float | None:
     """What a runner's ``due_in_s`` answers: seconds from ``now_ms`` to the soonest of
     ``dues`` (ms; None: nothing due that way), 0 when one has come, None when none is

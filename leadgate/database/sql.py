@@ -14,6 +14,14 @@ from leadgate.database.plans import AnyRow
 
 
 @functools.cache
+def one_row(claim: sa.CTE) -> sa.Join:
+    """``(SELECT 1) LEFT JOIN claim ON true``: the FROM of a claim statement that answers
+    one row even when ``claim`` (a locked pick, or the move of one) took none, its
+    columns NULL then, so that the statement still reports what it saw beside the claim
+    (whether rows it skipped as locked by another transaction were there)."""
+    return sa.select(sa.literal(1)).subquery("one").outerjoin(claim, sa.true())
+
+
 def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:
     """``INSERT ... ON CONFLICT DO NOTHING`` for ``dialect``, built once: execute it with
     the row as parameters (hot paths: a new statement per call is compiled per call on

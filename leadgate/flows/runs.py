@@ -57,7 +57,7 @@ from leadgate.core.errors import (
 )
 from leadgate.core.limits import validate_message
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LostClaims, seconds_until
+from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -89,10 +89,6 @@ _M = t.messages.c
 #: How long a running run's lease holds without a renewal: after it, recovery continues
 #: the run. Short, because the executor renews it while a node's turn runs.
 RUN_LEASE_MS = 2 * MINUTE_MS
-#: PostgreSQL: a resumer pass whose read found a settled continuation that its locked
-#: pick then skipped (row-locked by another transaction) looks again this soon (no commit
-#: may come to wake it: see :meth:`FlowResumer.run_once`).
-LOCKED_RECHECK_MS = 50
 #: How often an executor renews its run's lease while nodes run (real seconds: a
 #: background task; a node's agent turn may take minutes).
 RENEW_EVERY_S = 30.0

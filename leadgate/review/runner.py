@@ -19,10 +19,11 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
 from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavailable
 from leadgate.core.metrics import METRICS, labelled
-from leadgate.core.runners import LostClaims, after_lapse, seconds_until
+from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.database.plans import AnyRow
+from leadgate.database.sql import one_row
 from leadgate.domain import workitems
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.processes import owner_gone
@@ -57,10 +58,6 @@ EXPIRY_CHECK_MS = 1_000
 #: still claims at least this often: items queued by another replica wake it no faster
 #: than its poll anyway.
 CLAIM_RECHECK_MS = 1_000
-#: PostgreSQL: a claim that took nothing while queued items were there, locked by another
-#: transaction, claims again this soon (no commit may come to wake it: see
-#: :data:`_CLAIM_ALONE`).
-LOCKED_RECHECK_MS = 50
 W = t.work_items.c
 
 _REVIEWING = W.status == Status.reviewing.value
@@ -152,7 +149,7 @@ _CLAIM_ALONE = (
         .label("more"),
         *_gating(_CLAIMED.c.session_id),
     )
-    .select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_CLAIMED, sa.true()))
+    .select_from(one_row(_CLAIMED))
     .add_cte(_CLAIM_AUDIT)
 )
 #: A claim in doubt's read-back: the item its lease token holds, still ``reviewing``

@@ -38,7 +38,7 @@ class RevisionRunner:
         (:meth:`TurnService.claim_revision_or_lapse
         <leadgate.turns.path.TurnService.claim_revision_or_lapse>`). On PostgreSQL a
         pass whose claim found the claimable items all row-locked by another transaction
-        looks again after :data:`~leadgate.turns.path.LOCKED_RECHECK_MS` (the claim
+        looks again after :data:`~leadgate.core.runners.LOCKED_RECHECK_MS` (the claim
         answers that time), not at the poll: their holder may commit with no wake-up to
         follow."""
         return seconds_until(

@@ -33,12 +33,12 @@ from leadgate.core.limits import (
     validate_session_key,
 )
 from leadgate.core.metrics import METRICS, labelled
-from leadgate.core.runners import LostClaims
+from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, damage_met
 from leadgate.database.faults import unavailable
-from leadgate.database.sql import insert_ignore_stmt, later_of_sql
+from leadgate.database.sql import insert_ignore_stmt, later_of_sql, one_row
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, session_events, workitems
 from leadgate.domain.processes import owner_gone
@@ -60,10 +60,6 @@ MAX_MODEL_CALLS = 4
 #: How often a recorded channel turn retries its last transaction on a database fault.
 FINISH_RETRIES = 6
 REVISION_LEASE_MS = 5 * 60_000
-#: PostgreSQL: a revision claim that took nothing while claimable items were there, locked
-#: by another transaction, looks again this soon (no commit may come to wake it: see
-#: :data:`_REVISION_PICK`).
-LOCKED_RECHECK_MS = 50
 
 DeltaSink = Callable[[str], Awaitable[None]]
 #: What a caller writes in the last transaction of an API turn that ends in a reply or
@@ -116,7 +112,7 @@ _REVISION_PICK = sa.select(
         _OTHER.c.id.is_distinct_from(_REVISION_HEAD.c.id),
     )
     .label("locked"),
-).select_from(sa.select(sa.literal(1)).subquery("one").outerjoin(_REVISION_HEAD, sa.true()))
+).select_from(one_row(_REVISION_HEAD))
 #: The claim's read before it: the claimable item waiting longest or, when none is, the
 #: one whose revision lease lapses first (its ``lease_expires_at``: when the revision
 #: dispatcher is due again). One pass over the same rows as ``_REVISION_DUE``'s when

@@ -24,7 +24,7 @@ from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
 from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import drain
+from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
@@ -1041,7 +1041,7 @@ async def test_a_claim_that_skips_a_locked_due_row_claims_again_soon(
         # the send lease check, then the claim: one statement
         assert [sql.split()[0] for sql in statements] == ["SELECT", "WITH"], statements
         assert (await delivery(stack, row["id"]))["status"] == "pending"
-        assert relay.due_in_s() == relay_mod.LOCKED_RECHECK_MS / 1000
+        assert relay.due_in_s() == LOCKED_RECHECK_MS / 1000
     assert await relay.run_once() is True  # not poked since, not past the recheck
     assert (await delivery(stack, row["id"]))["status"] == "sent"
     assert len(channel.calls) == 1

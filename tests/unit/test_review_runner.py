@@ -22,7 +22,7 @@ from sqlalchemy.exc import IntegrityError
 from binding.bindings import active_binding, deactivate_session
 from leadgate.core.clock import MINUTE_MS, FakeClock, RandomIds
 from leadgate.core.errors import ModelError, Unavailable
-from leadgate.core.runners import drain
+from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.database.db import Database
@@ -36,7 +36,7 @@ from leadgate.review.queue import detail
 from leadgate.review.runner import LEAD_TOOLS, LeadRunner
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.messages import visible_transcript
-from leadgate.turns.path import LOCKED_RECHECK_MS, REVISION_LEASE_MS
+from leadgate.turns.path import REVISION_LEASE_MS
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta, ToolCall
 from leadgate.turns.providers.script import ScriptProvider
 from outbox.relay import Relay
@@ -1487,7 +1487,7 @@ async def test_a_claim_that_skips_a_locked_queued_item_claims_it_again_soon(
     async with held_open(stack.db, _locking(item_id)):
         assert await runner.run_once() is False
         assert (await row(stack, item_id))["status"] == "reviewQueued"
-        assert runner.due_in_s() == runner_module.LOCKED_RECHECK_MS / 1000
+        assert runner.due_in_s() == LOCKED_RECHECK_MS / 1000
     assert await runner.run_once() is True  # no poke since: the pass claims all the same
     assert (await row(stack, item_id))["status"] == "completed"
     assert await runner.run_once() is False
