@@ -125,16 +125,21 @@ async def _flow(stack: Stack, org: Org, nodes: list[dict[str, Any]]) -> str:
     return str(flow["id"])
 
 
+async def _reviewed_flow(stack: Stack, nodes: list[dict[str, Any]]) -> tuple[Org, str]:
+    """An organization with a lead and a worker it reviews, and a flow of ``nodes``: the
+    organization and the flow's id."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
+    return org, await _flow(stack, org, nodes)
+
+
 async def _paused_and_approved(stack: Stack) -> tuple[Org, str]:
     """An organization with a lead and a reviewed worker, and the run of a flow (the
     worker's node, then an output) paused at the node, whose item the lead approved:
     the organization and the paused run's id."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    await make_agent(stack, org, "worker", lead="lead")
-    flow_id = await _flow(
+    org, flow_id = await _reviewed_flow(
         stack,
-        org,
         [
             {"type": "agent", "agent": "worker", "prompt": "one #complete"},
             {"type": "output", "value": "end"},
@@ -248,12 +253,8 @@ async def test_a_resumed_run_whose_process_died_is_continued(
     first: Stack, second: Stack, clock: FakeClock
 ) -> None:
     # The resumer commits the new run, executes it, and the process dies in its node.
-    org = await make_org(first)
-    await make_agent(first, org, "lead")
-    await make_agent(first, org, "worker", lead="lead")
-    flow_id = await _flow(
+    org, flow_id = await _reviewed_flow(
         first,
-        org,
         [
             {"type": "agent", "agent": "worker", "prompt": "one #complete"},
             {"type": "agent", "agent": "worker", "prompt": "two #complete"},
@@ -363,12 +364,8 @@ async def test_a_node_whose_answer_died_with_its_process_fails_the_run_saying_so
 async def test_the_stalled_executor_writes_nothing_once_recovery_took_its_run(
     first: Stack, second: Stack, clock: FakeClock, mortal: Mortal
 ) -> None:
-    org = await make_org(first)
-    await make_agent(first, org, "lead")
-    await make_agent(first, org, "worker", lead="lead")
-    flow_id = await _flow(
+    org, flow_id = await _reviewed_flow(
         first,
-        org,
         [
             {"type": "agent", "agent": "worker", "prompt": "slow #hold #complete"},
             {"type": "output", "value": "after"},
@@ -928,12 +925,8 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
     turn was taken in: no second intake); turn recovery runs the turn again (a flow
     node's gated turn is recorded, as a channel's is); the lead approves its submission
     and the flow resumes and completes, whichever recovery comes first."""
-    org = await make_org(first)
-    await make_agent(first, org, "lead")
-    await make_agent(first, org, "worker", lead="lead")
-    flow_id = await _flow(
+    org, flow_id = await _reviewed_flow(
         first,
-        org,
         [
             {"type": "agent", "agent": "worker", "prompt": "write it #die #complete"},
             {"type": "output", "value": "after"},
@@ -1117,12 +1110,8 @@ async def test_a_lead_reviewed_node_whose_turn_recovery_gave_up_fails_its_flow_s
     has neither, so its item was left ``inProgress`` and the paused run waited a week
     for the abandonment sweeper, silently. Now the item is abandoned at once and the run
     fails with ``flow.unrecoverable`` naming why, logged and counted once."""
-    org = await make_org(first)
-    await make_agent(first, org, "lead")
-    await make_agent(first, org, "worker", lead="lead")
-    flow_id = await _flow(
+    org, flow_id = await _reviewed_flow(
         first,
-        org,
         [
             {"type": "agent", "agent": "worker", "prompt": "write it #die #complete"},
             {"type": "output", "value": "after"},
