@@ -237,14 +237,7 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     assert due is not None and 0 < due <= runs.RESEND_GRACE_MS / 1000 + 1
     if resent:
         stack.clock.advance(5_000)
-        again = Trigger(
-            org_id=taken.ctx.org_id,
-            agent_id=taken.ctx.agent_id,
-            session_key="s1",
-            text="work on it #complete",
-            binding=BindingSpec(BindingKind.api),
-        )
-        assert isinstance(await stack.turns.run(again), Gated)
+        assert isinstance(await stack.turns.run(_sent_again(taken, "work on it #complete")), Gated)
     stack.clock.advance(runs.RESEND_GRACE_MS + 1)
     assert await drain(recovery) == 1
     assert await count(stack, t.turn_runs) == 0
@@ -266,6 +259,17 @@ async def _stopped_by_a_fault(
     with pytest.raises(Unavailable):
         await stack.turns.execute(taken)
     monkeypatch.undo()
+
+
+def _sent_again(taken: Accepted, text: str) -> Trigger:
+    """What the REST client of ``taken`` sends next in its session (``s1``): ``text``."""
+    return Trigger(
+        org_id=taken.ctx.org_id,
+        agent_id=taken.ctx.agent_id,
+        session_key="s1",
+        text=text,
+        binding=BindingSpec(BindingKind.api),
+    )
 
 
 async def _a_gated_api_turn_taken_in(stack: Stack, text: str = "work on it #complete") -> Accepted:
@@ -428,14 +432,7 @@ async def test_a_live_gated_api_turn_whose_model_fails_waits_for_the_clients_ret
     item_id = taken.ctx.work_item_id
     assert (await item_row(stack, item_id))["status"] == "inProgress"
     assert await drain(TurnRecovery(stack.turns)) == 0  # nothing for recovery to do
-    again = Trigger(
-        org_id=taken.ctx.org_id,
-        agent_id=taken.ctx.agent_id,
-        session_key="s1",
-        text="again #complete",
-        binding=BindingSpec(BindingKind.api),
-    )
-    retried = await stack.turns.run(again)
+    retried = await stack.turns.run(_sent_again(taken, "again #complete"))
     assert isinstance(retried, Gated) and retried.work_item_id == item_id
     assert (await item_row(stack, item_id))["status"] == "reviewQueued"
 
