@@ -117,6 +117,13 @@ async def held_open(db: Database, work: Callable[[Conn], Awaitable[object]]) -> 
         await holder
 
 
+def item_locked(item_id: str) -> Callable[[Conn], Awaitable[object]]:
+    """What :func:`held_open` runs to hold ``item_id``'s row lock (as a transaction that
+    moved the work item, or lost a race to move it, holds it to its commit)."""
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id).with_for_update()
+    return lambda conn: conn.execute(locked)
+
+
 class Env(Protocol):
     """What the helpers need: a database, a clock and ids (an App or a Stack).
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import asyncpg
@@ -47,6 +47,7 @@ from tests.helpers import (
     Org,
     api_trigger,
     held_open,
+    item_locked,
     make_agent,
     make_org,
     slack_trigger,
@@ -166,13 +167,6 @@ async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
 def clock(stack: Stack) -> FakeClock:
     assert isinstance(stack.clock, FakeClock)
     return stack.clock
-
-
-def _locking(item_id: str) -> Callable[[Any], Awaitable[object]]:
-    """What :func:`held_open` runs to hold ``item_id``'s row lock (as a transaction that
-    moved it, or lost a race to move it, holds it to its commit)."""
-    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
-    return lambda conn: conn.execute(locked.with_for_update())
 
 
 # --------------------------------------------------------------------------- verdicts
@@ -507,7 +501,7 @@ async def test_a_revision_claim_that_skips_a_locked_item_looks_again_soon(stack:
     dispatcher = RevisionRunner(stack.turns)
     item_id = await submit(stack, org, worker, "draft it #revise")
     await drain(stack.lead_runner)  # changes requested: the feedback waits
-    async with held_open(stack.db, _locking(item_id)):
+    async with held_open(stack.db, item_locked(item_id)):
         assert not await dispatcher.run_once()
         assert (await row(stack, item_id))["pending_feedback"] is not None
         assert dispatcher.due_in_s() == (LOCKED_RECHECK_MS + 1) / 1000
@@ -1484,7 +1478,7 @@ async def test_a_claim_that_skips_a_locked_queued_item_claims_it_again_soon(
     stack.turns.on_review_queued = runner.poke
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "task")
-    async with held_open(stack.db, _locking(item_id)):
+    async with held_open(stack.db, item_locked(item_id)):
         assert await runner.run_once() is False
         assert (await row(stack, item_id))["status"] == "reviewQueued"
         assert runner.due_in_s() == LOCKED_RECHECK_MS / 1000
@@ -1505,7 +1499,7 @@ async def test_a_lease_check_skips_a_lease_another_check_is_taking_back(stack: S
     item_id = await submit(stack, org, worker, "task")
     assert await runner.claim() is not None
     clock(stack).advance(runner_module.LEASE_MS + 1)
-    async with held_open(stack.db, _locking(item_id)):
+    async with held_open(stack.db, item_locked(item_id)):
         assert await asyncio.wait_for(runner.expire_leases(), 5) == 0
     assert (await row(stack, item_id))["status"] == "reviewing"
     assert await runner.expire_leases() == 1
