@@ -359,7 +359,8 @@ class App:
             # sleeps no longer than until the earliest does.
             _Loop(revisions, revision_wake, due_s=revisions.due_in_s),
             # An item becomes abandonable with time (a week idle): the loop sleeps no
-            # longer than until the oldest known one does.
+            # longer than until the oldest known one does, or LOCKED_RECHECK_MS when a
+            # pass skipped idle items another transaction held.
             _Loop(sweeper, due_s=sweeper.due_in_s),
             # A firing is due with time: the loop sleeps no longer than until the next;
             # an added schedule (whose first firing may be sooner) wakes it at commit.

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import DAY_MS, Clock, IdFactory, iso
 from leadgate.core.errors import NotFound, TransitionError
 from leadgate.core.metrics import METRICS, labelled
+from leadgate.core.runners import LOCKED_RECHECK_MS, seconds_until
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, notify_sender
@@ -547,38 +548,77 @@ async def active_for(
     return None if row is None else WorkItem.from_row(row)
 
 
+#: The items the sweeper abandons: ``inProgress`` and idle since ``p_cutoff``, with each
+#: one's binding kind (a primary key lookup per item found idle; none when nothing is).
+#: The kind is a scalar subquery, not a join, so that the PostgreSQL form
+#: (:meth:`Database.skip_locked`) locks the work items alone. Built once: the plan cache
+#: keys on the statement object.
+_IDLE = (
+    sa.select(
+        W.id,
+        sa.select(t.bindings.c.kind)
+        .where(t.bindings.c.id == W.binding_id)
+        .scalar_subquery()
+        .label("kind"),
+    )
+    .where(W.status == S.inProgress.value, W.last_activity_at <= sa.bindparam("p_cutoff"))
+    .limit(sa.bindparam("p_limit"))
+)
+#: PostgreSQL, after a sweep's moves: whether idle items are left all the same, the ones
+#: its pick skipped as row-locked by another transaction.
+_IDLE_LEFT = sa.select(
+    sa.exists().where(
+        W.status == S.inProgress.value, W.last_activity_at <= sa.bindparam("p_cutoff")
+    )
+)
+_ABANDON = (
+    t.work_items.update()
+    .where(
+        W.id == sa.bindparam("p_id"),
+        # Fenced on idleness too: an append racing the sweeper wins.
+        W.status == S.inProgress.value,
+        W.last_activity_at <= sa.bindparam("p_cutoff"),
+    )
+    .values(status=S.abandoned.value, updated_at=_MOVED_AT)
+    .returning(W.org_id, W.session_id, W.revision, W.updated_at)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """What one :func:`sweep_abandoned` did."""
+
+    #: items moved to ``abandoned``
+    moved: int
+    #: PostgreSQL: idle items were left because another transaction held them row-locked
+    #: (the pick skipped them); never on SQLite
+    locked: bool
+
+
 async def sweep_abandoned(
-    conn: Conn, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
-) -> int:
-    """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``; returns the count.
+    conn: Conn, db: Database, clock: Clock, ids: IdFactory, idle_ms: int, limit: int = 500
+) -> Swept:
+    """Move ``inProgress`` items idle for ``idle_ms`` to ``abandoned``, at most ``limit``.
     When one was a flow node's item (its binding is a flow's), the flow resumer is woken
-    at commit, on every replica: the run paused on it ends then, not at its poll."""
+    at commit, on every replica: the run paused on it ends then, not at its poll.
+
+    PostgreSQL: the pick locks the items it takes and skips those another transaction
+    holds (``FOR UPDATE SKIP LOCKED``). A move that waited on one would stall the whole
+    pass, every idle item after it with it, behind a transaction of any length (an
+    intake appending to the item, a turn's submission), and keep the rows it had already
+    moved locked meanwhile; and when the holder's commit made the item busy again, the
+    waiting move would keep its row lock to the sweep's commit all the same. A skipped
+    item is reported (:attr:`Swept.locked`): the caller looks again soon."""
     cutoff = clock.now_ms() - idle_ms
-    rows = (
-        await conn.execute(
-            # With each item's binding kind, in the same read (a primary key lookup per
-            # item found idle; none when nothing is).
-            sa.select(W.id, t.bindings.c.kind)
-            .select_from(t.work_items.outerjoin(t.bindings, t.bindings.c.id == W.binding_id))
-            .where(W.status == S.inProgress.value, W.last_activity_at <= cutoff)
-            .limit(limit)
-        )
-    ).all()
+    rows = (await conn.execute(db.skip_locked(_IDLE), {"p_cutoff": cutoff, "p_limit": limit})).all()
     moved = 0
     flow_ended = False
     for row in rows:
-        # Fenced on idleness too: an append racing the sweeper wins.
-        res = await conn.execute(
-            t.work_items.update()
-            .where(
-                W.id == row.id,
-                W.status == S.inProgress.value,
-                W.last_activity_at <= cutoff,
+        updated = (
+            await conn.execute(
+                _ABANDON, {"p_id": row.id, "p_cutoff": cutoff, "p_at": clock.now_ms()}
             )
-            .values(status=S.abandoned.value, updated_at=later_of(clock.now_ms(), W.updated_at))
-            .returning(W.org_id, W.session_id, W.revision, W.updated_at)
-        )
-        updated = res.first()
+        ).first()
         if updated is None:
             continue
         moved += 1
@@ -604,7 +644,13 @@ async def sweep_abandoned(
         flow_ended = flow_ended or row.kind == BindingKind.flow.value
     if flow_ended:
         await wakes.after_commit(conn, Wake.flow)
-    return moved
+    # A full pick may have left more, locked or not: the caller sweeps again at once.
+    locked = (
+        db.is_postgres
+        and len(rows) < limit
+        and bool(await conn.scalar(_IDLE_LEFT, {"p_cutoff": cutoff}))
+    )
+    return Swept(moved, locked)
 
 
 #: The oldest last activity of an ``inProgress`` item (the next one the sweeper abandons,
@@ -622,6 +668,11 @@ class Sweeper:
     activity, and every item that enters ``inProgress`` since (its activity is now), can
     only make the true one later (clocks agreeing), so the known one is never past it;
     waking for an item that had activity since finds nothing and reads the time again.
+
+    PostgreSQL: a pass that left idle items because another transaction held them
+    row-locked (:attr:`Swept.locked`) looks again :data:`LOCKED_RECHECK_MS` on: its
+    holder may commit with no wake-up for the sweeper, and the oldest last activity
+    would be the skipped item's, past already (the loop would spin on it).
     """
 
     name = "abandonment-sweeper"
@@ -632,21 +683,28 @@ class Sweeper:
         self.ids = ids
         #: when the oldest ``inProgress`` item seen becomes abandonable (None: none seen)
         self._next_due: int | None = None
+        #: PostgreSQL: when to look again for idle items the last pass skipped as locked
+        self._locked_look: int | None = None
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the next item the last idle pass knew
-        of has been idle for :data:`ABANDON_AFTER_MS`, or None when it knew of none. The
+        of has been idle for :data:`ABANDON_AFTER_MS`, or until the look again for items
+        it skipped as locked, whichever is sooner; None when it knew of neither. The
         runner loop sleeps no longer than this (:func:`leadgate.core.runners.run_loop`)."""
-        if self._next_due is None:
-            return None
-        return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
+        return seconds_until(self.clock.now_ms(), self._next_due, self._locked_look)
 
     async def run_once(self) -> bool:
         """Sweep one batch."""
         async with self.db.tx() as conn:
-            moved = await sweep_abandoned(conn, self.clock, self.ids, ABANDON_AFTER_MS)
+            swept = await sweep_abandoned(conn, self.db, self.clock, self.ids, ABANDON_AFTER_MS)
+            now = self.clock.now_ms()
+            self._locked_look = now + LOCKED_RECHECK_MS if swept.locked else None
+            if swept.locked:
+                # The oldest idle item is a skipped one, due already: read it again once
+                # none is skipped.
+                self._next_due = None
             # After a pass that moved any, the loop runs again at once: no time needed.
-            if not moved and (self._next_due is None or self._next_due <= self.clock.now_ms()):
+            elif not swept.moved and (self._next_due is None or self._next_due <= now):
                 oldest = await conn.scalar(_OLDEST_ACTIVITY)
                 self._next_due = None if oldest is None else int(oldest) + ABANDON_AFTER_MS
-        return moved > 0
+        return swept.moved > 0

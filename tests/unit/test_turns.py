@@ -17,7 +17,7 @@ from leadgate.core.clock import DAY_MS
 from leadgate.core.errors import ModelError, TransitionError, ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import drain
+from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.core.types import BindingKind, BindingSpec, Busy, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
@@ -37,10 +37,14 @@ from tests.helpers import (
     Org,
     api_trigger,
     fake_clock,
+    held_open,
+    item_audit,
+    item_locked,
     make_agent,
     make_org,
     ours,
     slack_trigger,
+    transitions_counted,
 )
 from tests.stack import Stack, build_stack
 
@@ -1169,6 +1173,45 @@ async def test_the_sweeper_knows_when_the_oldest_idle_item_becomes_abandonable(
     clock.advance(DAY_MS)
     assert await drain(sweeper) == 1
     assert sweeper.due_in_s() is None
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_the_sweeper_skips_an_idle_item_another_transaction_holds_and_looks_again_soon(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """PostgreSQL: of two items idle for a week, one is row-locked by another transaction
+    (held open here; in the service an intake appending to it, or a move that lost its
+    race for it, keeps the lock to its commit, and no wake-up follows that commit). The
+    sweep does not wait for it: it abandons the other one and returns (waiting, its pass
+    stalled with every due item after the locked one, and held the rows it had moved).
+    The loop looks again LOCKED_RECHECK_MS on, not at the poll, and the pass after the
+    lock is gone abandons the held item; each move is audited and counted once."""
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    sweeper = Sweeper(stack.db, stack.clock, stack.ids)
+    await stack.turns.run(api_trigger(org, worker, "held task", session="held"))
+    await stack.turns.run(api_trigger(org, worker, "free task", session="free"))
+    ids = {i["task_context"].split()[0]: i["id"] for i in await items(stack, worker)}
+    abandoned = transitions_counted("inProgress", "abandoned")
+
+    async def statuses() -> dict[str, str]:
+        return {i["task_context"].split()[0]: i["status"] for i in await items(stack, worker)}
+
+    fake_clock(stack).advance(7 * DAY_MS)
+    async with held_open(stack.db, item_locked(ids["held"])):
+        assert await asyncio.wait_for(sweeper.run_once(), 5) is True
+        assert await statuses() == {"held": "inProgress", "free": "abandoned"}
+        assert await asyncio.wait_for(sweeper.run_once(), 5) is False
+        assert sweeper.due_in_s() == LOCKED_RECHECK_MS / 1000
+    assert await sweeper.run_once() is True
+    assert await statuses() == {"held": "abandoned", "free": "abandoned"}
+    assert await sweeper.run_once() is False
+    assert sweeper.due_in_s() is None
+    for item_id in ids.values():
+        actions = [a["action"] for a in await item_audit(stack, item_id)]
+        assert actions.count("abandon") == 1, actions
+    assert transitions_counted("inProgress", "abandoned") == abandoned + 2
 
 
 async def test_idle_in_progress_items_are_abandoned_after_7_days(
