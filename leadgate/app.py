@@ -387,7 +387,8 @@ class App:
                 enable(self.chat_reviews)
         self.sla_runner = SlaRunner(self.db, self.clock, self.ids, self.outbox, self.notifier)
         # Reminders, escalations and expiries are due with time: the loop sleeps no
-        # longer than until the next; an episode opened here with a sooner timer wakes it.
+        # longer than until the next (or LOCKED_RECHECK_MS when an expiry's item was
+        # row-locked); an episode opened here with a sooner timer wakes it.
         sla = _Loop(self.sla_runner, due_s=self.sla_runner.due_in_s)
         self.sla_runner.wake = sla.wake.set
         # An episode opened on another replica: NOTIFY with its timer (_wake_notified).

@@ -14,6 +14,14 @@ same episode matches no row and writes nothing. An expiry first moves the work i
 item and then closes the episode), so a decision and an expiry racing each other make
 exactly one outcome. Time comes from the injectable clock.
 
+PostgreSQL: an expiry locks its item without waiting (``FOR UPDATE SKIP LOCKED``) and
+leaves it when another transaction holds it (a person's decision on it not committed
+yet, a turn's intake): a move that waited would stall the pass, every episode due after
+it with it, behind a transaction of any length. The pass looks again
+:data:`leadgate.core.runners.LOCKED_RECHECK_MS` on (:meth:`SlaRunner.due_in_s`): the
+holder may commit with no wake-up for this runner. The episode is still due then, unless
+that commit decided the item (and closed it).
+
 A pass that leaves nothing due also reads when the next timer falls due (the earliest
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
 than that (:meth:`SlaRunner.due_in_s`): a reminder, an escalation or an expiry fires at
@@ -31,11 +39,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
+from leadgate.core.runners import LOCKED_RECHECK_MS, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit
-from leadgate.domain import workitems
+from leadgate.domain.rows import WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review import decisions
 from leadgate.review.cards import ReviewNotifier, earliest
@@ -43,6 +52,7 @@ from outbox.store import Outbox
 
 log = logging.getLogger("leadgate.review.sla")
 E = t.review_episodes.c
+W = t.work_items.c
 
 #: The earliest timer of an open episode not due yet, read off the ``due_at`` index (a
 #: closed episode has none). Built once: the plan cache keys on the statement object.
@@ -52,6 +62,10 @@ _NEXT_DUE = (
     .order_by(E.due_at)
     .limit(1)
 )
+#: The item an expiry moves (PostgreSQL: locked, unless another transaction holds it:
+#: :meth:`Database.skip_locked`), and whether it exists (told apart from one skipped).
+_ITEM = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
+_ITEM_THERE = sa.select(sa.exists().where(W.id == sa.bindparam("p_id")))
 
 
 class SlaRunner:
@@ -77,6 +91,9 @@ class SlaRunner:
         self.batch = batch
         #: the earliest timer not due at the last pass that left nothing due (None: none)
         self._next_due: int | None = None
+        #: PostgreSQL: when to look again at expiries whose item the last pass found
+        #: row-locked by another transaction (None: it found none)
+        self._locked_look: int | None = None
         #: Set by the composition root to the loop's wake (see :meth:`timers_opened`).
         self.wake: Callable[[], None] = lambda: None
 
@@ -87,10 +104,9 @@ class SlaRunner:
         every replica's episodes as of that pass: a timer fired or closed since makes the
         loop wake early and look again; an episode opened since with an earlier timer
         wakes the loop at its commit (:meth:`timers_opened`: in this process, and on
-        PostgreSQL from another replica's NOTIFY)."""
-        if self._next_due is None:
-            return None
-        return max(0.0, (self._next_due - self.clock.now_ms()) / 1000)
+        PostgreSQL from another replica's NOTIFY). Sooner when the last pass left an
+        expiry because its item was row-locked: :data:`LOCKED_RECHECK_MS` on."""
+        return seconds_until(self.clock.now_ms(), self._next_due, self._locked_look)
 
     def timers_opened(self, due_at: list[Any]) -> None:
         """Episodes whose earliest timers are ``due_at`` (ms) were opened and committed
@@ -122,15 +138,24 @@ class SlaRunner:
                 None if len(due) == self.batch else await conn.scalar(_NEXT_DUE, {"p_now": now})
             )
         fired = 0
+        locked = False
         for episode in due:
             try:
                 async with self.db.tx() as conn:
-                    fired += await self._fire(conn, episode, now)
+                    done = await self._fire(conn, episode, now)
             except TransitionError:
                 continue  # decided meanwhile: that decision closed the episode
+            if done is None:
+                locked = True
+            else:
+                fired += done
+        self._locked_look = self.clock.now_ms() + LOCKED_RECHECK_MS if locked else None
         return fired > 0
 
-    async def _fire(self, conn: Conn, ep: Any, now: int) -> int:
+    async def _fire(self, conn: Conn, ep: Any, now: int) -> int | None:
+        """Fire what of episode ``ep`` is due at ``now``: the firings made (0 when another
+        runner or a decision was first), None when its expiry's item was row-locked by
+        another transaction (nothing written)."""
         if ep.expire_at is not None and ep.expire_at <= now:
             return await self._expire(conn, ep)
         purposes: list[str] = []
@@ -169,11 +194,15 @@ class SlaRunner:
             log.info("review %s: %s for work item %s", ep.id, purpose, ep.work_item_id)
         return len(purposes)
 
-    async def _expire(self, conn: Conn, ep: Any) -> int:
-        try:
-            item = await workitems.get(conn, ep.work_item_id)
-        except NotFound:
-            item = None
+    async def _expire(self, conn: Conn, ep: Any) -> int | None:
+        found = (await conn.execute(self.db.skip_locked(_ITEM), {"p_id": ep.work_item_id})).first()
+        if (
+            found is None
+            and self.db.is_postgres
+            and await conn.scalar(_ITEM_THERE, {"p_id": ep.work_item_id})
+        ):
+            return None  # held by another transaction: looked at again soon
+        item = None if found is None else WorkItem.from_row(found)
         if item is None or item.status != Status.awaitingHuman.value:
             # Should not happen (every way out of awaitingHuman closes the episode).
             await conn.execute(

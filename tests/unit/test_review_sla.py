@@ -17,15 +17,16 @@ from leadgate.core.clock import MINUTE_MS
 from leadgate.core.durations import format_duration, parse_duration
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import drain
+from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.review import decisions
 from leadgate.review import destinations as dest
 from leadgate.review.cards import TIMERS_TOPIC, ReviewNotifier
 from leadgate.review.sla import SlaRunner
 from outbox.channel import Card, Uncertain
-from tests.helpers import item_audit
+from tests.helpers import held_open, item_audit, item_locked
 from tests.review_support import (
     ESCALATION_CHANNEL,
     REVIEW_CHANNEL,
@@ -252,6 +253,78 @@ async def test_a_decision_racing_the_expiry_makes_one_outcome(
         assert actions.count("expire") + actions.count("approve") == 1, actions
         [episode] = await env.episodes(item_id)
         assert episode["closed_at"] is not None
+
+
+async def _status(env: ReviewEnv, item_id: str) -> str:
+    async with env.stack.db.read() as conn:
+        return (await workitems.get(conn, item_id)).status
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_an_expiry_whose_item_another_transaction_holds_waits_for_nothing(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: two items' waits expire at once, and one item is row-locked by another
+    transaction (held open here; in the service a turn's intake on it, or a fenced move
+    that lost its race for it, keeps the lock to its commit, with no wake-up after). The
+    pass does not wait for it: it expires the other and returns (waiting, it stalled
+    with every episode due after that one). The loop looks again LOCKED_RECHECK_MS on,
+    not at the poll, and the pass after the lock is gone expires the held item. Each
+    expiry is audited, counted and closes its cards once."""
+    env = await review_env(make_stack, expire_after="1h")
+    held, free = [await env.escalated(session) for session in ("held", "free")]
+    await drain(env.stack.relay)
+    expiries = metric(METRICS.expiries)
+    env.stack.clock.advance(HOUR)
+    async with held_open(env.stack.db, item_locked(held)):
+        assert await asyncio.wait_for(env.sla.run_once(), 5)
+        assert (await _status(env, held), await _status(env, free)) == (
+            "awaitingHuman",
+            "rejected",
+        )
+        assert not await asyncio.wait_for(env.sla.run_once(), 5)
+        assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    assert await env.sla.run_once()
+    assert await _status(env, held) == "rejected"
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() is None
+    assert metric(METRICS.expiries) == expiries + 2
+    for item_id in (held, free):
+        actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+        assert actions.count("expire") == 1, actions
+        [episode] = await env.episodes(item_id)
+        assert episode["outcome"] == "Expired (rejected)"
+        cards = await env.deliveries(item_id, "card")
+        assert len(await env.deliveries(item_id, "cardUpdate")) == len(cards) == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_decision_holding_an_expiring_item_makes_the_one_outcome(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: a person's approval of an item whose wait has just expired is not
+    committed yet when the SLA runner's pass comes (it holds the item's row lock, and
+    the episode's). The pass skips the item rather than waiting for the decision (and
+    keeping the row locked to its own commit after the decision's); once the approval
+    commits, the look again finds the episode closed: the item is approved, never
+    expired, and nothing more is due."""
+    env = await review_env(make_stack, expire_after="1h")
+    item_id = await env.escalated("s1")
+    expiries = metric(METRICS.expiries)
+    env.stack.clock.advance(HOUR)
+
+    async def approve(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
+
+    async with held_open(env.stack.db, approve):
+        assert not await asyncio.wait_for(env.sla.run_once(), 5)
+        assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() is None
+    actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+    assert (actions.count("approve"), actions.count("expire")) == (1, 0), actions
+    assert metric(METRICS.expiries) == expiries
 
 
 async def test_agent_and_organization_overrides_apply_when_the_wait_starts(
