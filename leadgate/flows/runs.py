@@ -878,6 +878,12 @@ _SETTLED = (
 )
 
 
+class _ItemMoved(TransitionError):
+    """A resume's fenced move of its approved work item matched nothing: another
+    transaction moved the item after the pick read it. Raised to roll the resume back:
+    the next pass reads the item's end."""
+
+
 class FlowResumer:
     """Resumes paused flows whose continuation's work item was approved."""
 
@@ -903,7 +909,10 @@ class FlowResumer:
 
     async def run_once(self) -> bool:
         """Resume one approved continuation, or end the run of one whose item ended
-        without an approval (fenced: exactly one replica wins either)."""
+        without an approval (fenced: exactly one replica wins either). An approved item
+        whose fenced move matched nothing (it is no longer approved) rolls the pass
+        back (:class:`_ItemMoved`): True, the loop looks again at once and ends the run
+        as the item ended."""
         db = self.flows.db
         self._locked_look = None
         # Read first: every approval wakes this runner, and almost none of them concerns
@@ -924,6 +933,10 @@ class FlowResumer:
                     outcome = await self._end(conn, row)
                 else:
                     outcome = await self._resume(conn, row)
+        except _ItemMoved as moved:
+            # Rolled back, the new run with it: the next pass reads how the item ended.
+            log.info("%s; looking again", moved.message)
+            return True
         except Unavailable as fault:
             if fault.in_doubt and isinstance(outcome, RunLease):
                 # The new run may have landed, leased to this process with nothing
@@ -1038,17 +1051,12 @@ class FlowResumer:
     async def _settle(
         self, conn: Conn, row: Any, *, delivery: str, dst: Status, action: str, text: str
     ) -> None:
-        """The continuation's delivery (``sent`` or ``failed``) and its approved item
-        (``dst``, audited as ``action`` with ``text``) settled with the paused run."""
+        """The continuation's approved item (``dst``, audited as ``action`` with
+        ``text``) and its delivery (``sent`` or ``failed``) settled with the paused run.
+        Raises :class:`_ItemMoved` when the item is no longer approved (carrying on, the
+        flow would resume a cancelled item). The item first: its move is the fence, and
+        nothing more is written when it fails."""
         clock = self.flows.clock
-        await conn.execute(
-            t.deliveries.update()
-            .where(
-                t.deliveries.c.work_item_id == row.item_id,
-                t.deliveries.c.status == "continuation",
-            )
-            .values(status=delivery, updated_at=clock.now_ms())
-        )
         try:
             await workitems.transition(
                 conn,
@@ -1061,8 +1069,16 @@ class FlowResumer:
                 action=action,
                 text=text,
             )
-        except TransitionError:
-            log.warning("continuation %s: item no longer approved", row.id)
+        except TransitionError as exc:
+            raise _ItemMoved(f"flow continuation {row.id}: {exc.message}", rule=exc.rule) from exc
+        await conn.execute(
+            t.deliveries.update()
+            .where(
+                t.deliveries.c.work_item_id == row.item_id,
+                t.deliveries.c.status == "continuation",
+            )
+            .values(status=delivery, updated_at=clock.now_ms())
+        )
 
     async def _give_up(self, conn: Conn, row: Any, exc: RunUnreadable) -> str | None:
         """End the paused run of an approved continuation that cannot be resumed (its flow
