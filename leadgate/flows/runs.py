@@ -876,12 +876,20 @@ _SETTLED = (
     )
     .limit(1)
 )
+#: PostgreSQL: the pick, which locks (and skips when locked) the continuation row alone.
+#: Locking every joined row hid a settled continuation whenever its run, session or work
+#: item was row-locked by anything (a session event's counter, a decision that lost its
+#: race, another statement), and the resumer skipped it at every look while that went on.
+#: The moves that follow need none of those locks: each is fenced in its own ``WHERE``
+#: (see :meth:`FlowResumer.run_once`). SQLite has no row locks: it runs :data:`_SETTLED`.
+_PICK = _SETTLED.with_for_update(of=t.continuations, skip_locked=True)
 
 
 class _ItemMoved(TransitionError):
     """A resume's fenced move of its approved work item matched nothing: another
-    transaction moved the item after the pick read it. Raised to roll the resume back:
-    the next pass reads the item's end."""
+    transaction moved the item after the pick read it (an operator's cancel; the pick
+    locks only the continuation). Raised to roll the resume back: the next pass reads
+    the item's end."""
 
 
 class FlowResumer:
@@ -897,22 +905,34 @@ class FlowResumer:
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the look again after a pass whose read found a
-        settled continuation and whose pick (``FOR UPDATE SKIP LOCKED``) took none: its
-        rows (the continuation, its run, session or work item) were row-locked by
-        another transaction, or another replica settled it first. None otherwise: the
-        resumer's work comes with commits that wake it. The runner loop sleeps no longer
-        than this (:func:`leadgate.core.runners.run_loop`): the lock's holder may commit
-        with no wake-up to follow (a person's reject or cancel that lost its race to the
-        approval keeps the item's row lock to its commit; PostgreSQL's row locks outlive
-        a failed recheck of ``WHERE``), and the run would wait for the poll."""
+        settled continuation and whose pick (``FOR UPDATE OF continuations SKIP
+        LOCKED``) took none: the continuation row was row-locked by another transaction
+        (another replica's pass, or the executor writing the pause), or another replica
+        settled it first. None otherwise: the resumer's work comes with commits that
+        wake it. The runner loop sleeps no longer than this
+        (:func:`leadgate.core.runners.run_loop`): the lock's holder may end with no
+        wake-up to follow (another replica's pass that met a database fault and rolled
+        back), and the run would wait for the poll. Row locks on the continuation's run,
+        session or work item hide nothing from the pick: a move that needs such a row
+        waits for it, as any writer does."""
         return seconds_until(self.flows.clock.now_ms(), self._locked_look)
 
     async def run_once(self) -> bool:
         """Resume one approved continuation, or end the run of one whose item ended
-        without an approval (fenced: exactly one replica wins either). An approved item
-        whose fenced move matched nothing (it is no longer approved) rolls the pass
-        back (:class:`_ItemMoved`): True, the loop looks again at once and ends the run
-        as the item ended."""
+        without an approval (fenced: exactly one replica wins either).
+
+        On PostgreSQL the pick row-locks the continuation alone, so every move after it
+        is fenced in its own ``WHERE``, not by a lock taken with the pick: the
+        continuation leaves ``waiting`` (``status = 'waiting'``; a pass that finds it
+        gone writes nothing), and only that winner inserts the new run (leased to this
+        process), ends the paused run (``waitingForHitl -> failed``, fenced by status:
+        raises when it matched nothing) or moves the approved item (``approved ->
+        completed`` or ``failed``, fenced by status), before the continuation's delivery
+        (``status = 'continuation'``). An item that is no longer approved (a cancel
+        committed after the pick read it) rolls the pass back (:class:`_ItemMoved`):
+        True, the loop looks again at once and ends the run as the item ended. A resumed
+        run's paused run is only read; the node's session is written only as any item
+        move writes it (its event counter, waited for when another holds it)."""
         db = self.flows.db
         self._locked_look = None
         # Read first: every approval wakes this runner, and almost none of them concerns
@@ -923,7 +943,7 @@ class FlowResumer:
         outcome: RunLease | str | None = None  # (set before the commit)
         try:
             async with db.tx() as conn:
-                row = (await conn.execute(db.skip_locked(_SETTLED))).first()
+                row = (await conn.execute(_PICK if db.is_postgres else _SETTLED)).first()
                 if row is None:
                     # Locked (or settled by another replica since the read: the look
                     # again then finds nothing, one read).
@@ -1053,9 +1073,10 @@ class FlowResumer:
     ) -> None:
         """The continuation's approved item (``dst``, audited as ``action`` with
         ``text``) and its delivery (``sent`` or ``failed``) settled with the paused run.
-        Raises :class:`_ItemMoved` when the item is no longer approved (carrying on, the
-        flow would resume a cancelled item). The item first: its move is the fence, and
-        nothing more is written when it fails."""
+        Raises :class:`_ItemMoved` when the item is no longer approved: the pick read it
+        without locking it, and a cancel may have committed since (carrying on, the flow
+        resumed a cancelled item). The item first: its move is the fence, and nothing
+        more is written when it fails."""
         clock = self.flows.clock
         try:
             await workitems.transition(

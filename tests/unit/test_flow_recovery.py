@@ -23,6 +23,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.domain import workitems
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
     RECOVERED_EVENT,
@@ -47,6 +48,7 @@ from leadgate.flows.runs import (
     take_over,
 )
 from leadgate.operations.admin import Admin
+from leadgate.review import decisions
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
@@ -733,16 +735,16 @@ async def test_attempts_a_database_fault_ended_do_not_count_towards_giving_up(
 async def test_a_resumer_pass_that_skips_a_locked_continuation_looks_again_soon(
     second: Stack,
 ) -> None:
-    """PostgreSQL: the lead approved a flow node's item, but the item is row-locked by
-    another transaction (held open here; in the service a person's reject or cancel
-    that lost its race to the approval keeps the lock to its commit, and no wake-up
-    follows that commit). The resumer's read finds the continuation settled, its locked
-    pick skips it: the loop sleeps at most LOCKED_RECHECK_MS, not the poll, and once the
-    lock is gone the next pass resumes the run. A pass that finds nothing is its one
-    read and leaves nothing due."""
+    """PostgreSQL: the lead approved a flow node's item, but its continuation is
+    row-locked by another transaction (held open here; in the service another replica's
+    pass, which may end in a database fault and roll back with no wake-up to follow).
+    The resumer's read finds the continuation settled, its locked pick skips it: the
+    loop sleeps at most LOCKED_RECHECK_MS, not the poll, and once the lock is gone the
+    next pass resumes the run. A pass that finds nothing is its one read and leaves
+    nothing due."""
     org, paused_id = await _paused_and_approved(second)
     resumer = FlowResumer(second.flows)
-    lock = sa.select(t.work_items.c.id).with_for_update()
+    lock = sa.select(t.continuations.c.id).with_for_update()
     async with held_open(second.db, lambda conn: conn.execute(lock)):
         assert not await resumer.run_once()
         assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
@@ -754,6 +756,86 @@ async def test_a_resumer_pass_that_skips_a_locked_continuation_looks_again_soon(
         assert not await resumer.run_once()
     assert [sql.split()[0] for sql in idle] == ["SELECT"], idle
     assert resumer.due_in_s() is None
+
+
+def _node_rows(paused_id: str) -> dict[str, sa.Select[Any]]:
+    """The rows the resumer's pick joins to the continuation of node 0 of run
+    ``paused_id``, each as a statement that selects it: its run, the node's session and
+    the node's work item."""
+    r, s, w = t.flow_runs.c, t.sessions.c, t.work_items.c
+    session = sa.select(s.id).where(s.key == f"flow:{paused_id}:0")
+    return {
+        "run": sa.select(r.id).where(r.id == paused_id),
+        "session": session,
+        "item": sa.select(w.id).where(w.session_id == session.scalar_subquery()),
+    }
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize("joined", ["run", "session", "item"])
+async def test_a_row_lock_on_a_settled_continuations_run_session_or_item_does_not_hide_it(
+    second: Stack, joined: str
+) -> None:
+    """PostgreSQL: the lead approved a flow node's item, and another transaction holds a
+    row lock on the paused run, the node's session or its item (a session event's
+    counter, a decision that lost its race to the approval, any other statement). The
+    pick locked every row of its join (``FOR UPDATE SKIP LOCKED``) and skipped the
+    continuation at each look while that lock was held; it locks the continuation alone
+    now. The pass takes it: a move that writes the locked row (the item's, and its
+    session's event counter) waits for it as any writer does, the run's is not written
+    at all, and the flow is resumed."""
+    org, paused_id = await _paused_and_approved(second)
+    resumer = FlowResumer(second.flows)
+    lock = _node_rows(paused_id)[joined].with_for_update()
+    async with held_open(second.db, lambda conn: conn.execute(lock)):
+        passing = asyncio.create_task(resumer.run_once())
+        assert await blocked_on_a_lock(second.db, passing)
+        assert passing.done() == (joined == "run")
+    assert await passing
+    assert resumer.due_in_s() is None
+    [cont] = (await _view(second, org, paused_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_cancel_that_commits_after_the_pick_read_the_item_ends_the_run_not_resumes_it(
+    second: Stack,
+) -> None:
+    """PostgreSQL: an operator cancels a flow node's approved item (approved -> cancelled
+    is a move of the table), uncommitted while the resumer's pass reads the item
+    approved and takes the continuation (its pick locks the continuation alone). The
+    pass's fenced move of the item waits for the cancel, then matches nothing: the pass
+    is rolled back, new run and all, and the next one ends the paused run as cancelled.
+    The move's failure was logged and the pass committed anyway: the flow resumed while
+    its item ended cancelled, both moves won."""
+    org, paused_id = await _paused_and_approved(second)
+    async with second.db.read() as conn:
+        item_id = str(await conn.scalar(_node_rows(paused_id)["item"]))
+
+    async def cancel(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.cancel(conn, second.clock, second.ids, item, "user:ops")
+
+    resumer = FlowResumer(second.flows)
+    async with held_open(second.db, cancel):
+        passing = asyncio.create_task(resumer.run_once())
+        assert await blocked_on_a_lock(second.db, passing)
+        assert not passing.done()  # it took the continuation, and waits for the item
+    assert await passing  # rolled back: the loop looks again at once
+    ended = await drain(resumer)
+    run = await _view(second, org, paused_id)
+    assert (run["status"], run["error"]) == (
+        "failed",
+        f"node 0: the work item {item_id} was cancelled",
+    )
+    [cont] = run["continuations"]
+    assert (cont["status"], cont["resumedRunId"]) == ("closed", None)
+    r, w = t.flow_runs.c, t.work_items.c
+    async with second.db.read() as conn:
+        assert await conn.scalar(sa.select(sa.func.count()).where(r.resumed_from == paused_id)) == 0
+        assert await conn.scalar(sa.select(w.status).where(w.id == item_id)) == "cancelled"
+    assert ended == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
