@@ -69,6 +69,7 @@ from leadgate.domain.orgs import validate_name
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs as turn_runs
+from outbox.store import DeliveryStatus
 
 if TYPE_CHECKING:
     # The turn path is handed in (the composition root makes it): an operator command
@@ -1008,6 +1009,9 @@ class FlowResumer:
                 f"{row.item_id} was abandoned"
             )
         await self._fail_paused(conn, row, why)
+        # An item cancelled (or failed) after its approval has its continuation's
+        # delivery still written: it is not to be acted on any more.
+        await self._delivery_ends(conn, row, DeliveryStatus.cancelled.value)
         return None if gave_up is None else why
 
     async def _fail_paused(self, conn: Conn, row: Any, error: str) -> None:
@@ -1092,13 +1096,18 @@ class FlowResumer:
             )
         except TransitionError as exc:
             raise _ItemMoved(f"flow continuation {row.id}: {exc.message}", rule=exc.rule) from exc
+        await self._delivery_ends(conn, row, delivery)
+
+    async def _delivery_ends(self, conn: Conn, row: Any, status: str) -> None:
+        """The ``continuation`` delivery of ``row``'s item (written at its approval)
+        ends ``status``: the relay never takes one, so only the resumer ends it."""
         await conn.execute(
             t.deliveries.update()
             .where(
                 t.deliveries.c.work_item_id == row.item_id,
-                t.deliveries.c.status == "continuation",
+                t.deliveries.c.status == DeliveryStatus.continuation.value,
             )
-            .values(status=delivery, updated_at=clock.now_ms())
+            .values(status=status, updated_at=self.flows.clock.now_ms())
         )
 
     async def _give_up(self, conn: Conn, row: Any, exc: RunUnreadable) -> str | None:

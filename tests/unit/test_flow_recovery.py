@@ -835,7 +835,33 @@ async def test_a_cancel_that_commits_after_the_pick_read_the_item_ends_the_run_n
     async with second.db.read() as conn:
         assert await conn.scalar(sa.select(sa.func.count()).where(r.resumed_from == paused_id)) == 0
         assert await conn.scalar(sa.select(w.status).where(w.id == item_id)) == "cancelled"
+        assert await _continuation_delivery(conn, item_id) == "cancelled"
     assert ended == 1
+
+
+async def _continuation_delivery(conn: Conn, item_id: str) -> str:
+    """The status of the delivery an approval wrote for a flow node's item."""
+    d = t.deliveries.c
+    return str(await conn.scalar(sa.select(d.status).where(d.work_item_id == item_id)))
+
+
+async def test_an_item_cancelled_after_its_approval_ends_its_continuations_delivery(
+    second: Stack,
+) -> None:
+    """A flow node's item approved (its approval wrote the ``continuation`` delivery the
+    resumer acts on) and then cancelled by an operator: the resumer ends the paused run
+    and the delivery ``cancelled``. It stayed ``continuation`` for good, a delivery
+    neither sent nor ended that no runner would ever take."""
+    org, paused_id = await _paused_and_approved(second)
+    async with second.db.tx() as conn:
+        item_id = str(await conn.scalar(_node_rows(paused_id)["item"]))
+        assert await _continuation_delivery(conn, item_id) == "continuation"
+        item = await workitems.get(conn, item_id)
+        await decisions.cancel(conn, second.clock, second.ids, item, "user:ops")
+    assert await drain(FlowResumer(second.flows)) == 1
+    assert (await _view(second, org, paused_id))["status"] == "failed"
+    async with second.db.read() as conn:
+        assert await _continuation_delivery(conn, item_id) == "cancelled"
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
