@@ -20,10 +20,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import mcp_types as mt
 from aiohttp import web
@@ -64,6 +65,10 @@ from leadgate.web.mcp_resources import (
 )
 from leadgate.web.sessions_api import SessionReads
 
+if TYPE_CHECKING:
+    # The SDK's idle scope (only its type is named here).
+    import anyio
+
 logger = logging.getLogger(__name__)
 
 MCP_PATH: Final = "/mcp"
@@ -86,7 +91,8 @@ _DISCONNECT_POLL_S: Final = 0.5
 #: When a client refused a session (all ``max_sessions`` open) is told to try again.
 SESSION_FULL_RETRY_MS: Final = 5_000
 
-#: An MCP session with no request in flight this long ends (the SDK's idle timeout).
+#: An MCP session with no request in flight this long ends (the SDK's idle timeout,
+#: held from each request's arrival by :class:`InFlight`).
 SESSION_IDLE_S: Final = 600.0
 #: Open MCP sessions at most (a new one beyond that gets 503).
 MAX_SESSIONS: Final = 1000
@@ -214,7 +220,8 @@ def mount_mcp(
     resource template and its subscriptions are served
     (:mod:`leadgate.web.mcp_resources`).
     ``version`` is ``serverInfo.version``. An MCP session with no request in flight for
-    ``session_idle_s`` ends (its id then answers 404); at most ``max_sessions`` are open
+    ``session_idle_s`` ends (its id then answers 404; a request is in flight from its
+    arrival, see :class:`InFlight`); at most ``max_sessions`` are open
     (a new one beyond that gets 503). A request still streaming checks its key every
     ``reauth_s`` and ends, as if its client had gone, once the key is no longer valid.
 
@@ -245,8 +252,14 @@ def mount_mcp(
     )
     manager = server.session_manager
     closing = asyncio.Event()
+    in_flight = InFlight(manager, session_idle_s)
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        # From its arrival: the key check and the body come before the SDK has it.
+        with in_flight.holding(request.headers.get("mcp-session-id")):
+            return await authenticated(request)
+
+    async def authenticated(request: web.Request) -> web.StreamResponse:
         try:
             principal = await _authenticate_request(request, authenticate)
         except Unavailable as exc:
@@ -497,6 +510,61 @@ async def _session_manager(manager: StreamableHTTPSessionManager) -> AsyncIterat
     finally:
         stop.set()
         await task
+
+
+# --- session idle timeout ----------------------------------------------------------
+
+
+class InFlight:
+    """The requests of each open MCP session, from the moment each arrives, holding the
+    session's idle timeout.
+
+    The timeout is the SDK's: each session's transport has an ``idle_scope`` whose
+    deadline it suspends while a request is in the transport and restarts when the last
+    one leaves. A request reaches the transport only after its key check (a database
+    read when the key is not cached), its body and the JSON checks: a session whose one
+    request waited on those longer than ``session_idle_s`` (a busy database, a slow
+    upload, a short timeout) was ended as idle under it, and the request answered 404
+    ``mcp.session``. Every request of a session passes through :meth:`holding` for its
+    whole life, the SDK's part included, so while any is held here the deadline is
+    suspended, and the countdown restarts when the last one ends.
+    """
+
+    def __init__(self, manager: StreamableHTTPSessionManager, idle_s: float) -> None:
+        self._manager = manager
+        self._idle_s = idle_s
+        #: Requests held per session id (an entry only while one is held).
+        self._held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def holding(self, session_id: str | None) -> Iterator[None]:
+        """Hold the idle timeout of ``session_id``'s session (if it is open) for the
+        block. A request without one, or naming no open session, holds nothing."""
+        scope = None if session_id is None else self._idle_scope(session_id)
+        if session_id is None or scope is None:
+            yield
+            return
+        self._held[session_id] = self._held.get(session_id, 0) + 1
+        scope.deadline = math.inf
+        try:
+            yield
+        finally:
+            left = self._held.pop(session_id) - 1
+            if left:
+                self._held[session_id] = left
+                # The SDK restarted the countdown when its own last request of the
+                # session ended; one still being authenticated here holds it on.
+                scope.deadline = math.inf
+            elif not scope.cancel_called:
+                # anyio's clock on asyncio is the loop's.
+                scope.deadline = asyncio.get_running_loop().time() + self._idle_s
+
+    def _idle_scope(self, session_id: str) -> anyio.CancelScope | None:
+        # The SDK has no public lookup of a session's transport: its manager keeps them
+        # by session id (mcp 2.3; tests/integration/test_mcp_bridge.py fails if that
+        # changes, as a session would then be ended under a request again).
+        transport = self._manager._server_instances.get(session_id)
+        return None if transport is None else transport.idle_scope
 
 
 # --- the ASGI bridge ----------------------------------------------------------------

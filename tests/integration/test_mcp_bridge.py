@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,8 +94,28 @@ async def served() -> AsyncIterator[Served]:
         yield served
 
 
+@dataclass
+class SlowKeyCheck:
+    """The key check of a loaded server (its database read waiting for a connection):
+    the next ``hold`` checks wait until ``release`` is set; ``entered`` is set once one
+    waits."""
+
+    hold: int = 0
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, key: str) -> Principal | None:
+        if self.hold:
+            self.hold -= 1
+            self.entered.set()
+            await self.release.wait()
+        return await authenticate(key)
+
+
 @asynccontextmanager
-async def serving(**mount_options: Any) -> AsyncIterator[Served]:
+async def serving(
+    check_key: Callable[[str], Awaitable[Principal | None]] = authenticate, **mount_options: Any
+) -> AsyncIterator[Served]:
     # Bind first so allowed_hosts can name the real port, as the service does from its config.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -113,7 +134,7 @@ async def serving(**mount_options: Any) -> AsyncIterator[Served]:
     app = web.Application(middlewares=[track])
     mcp = mount_mcp(
         app,
-        authenticate=authenticate,
+        authenticate=check_key,
         send_message=core.send_message,
         allowed_hosts=[f"127.0.0.1:{port}", f"localhost:{port}"],
         **mount_options,
@@ -386,6 +407,59 @@ async def test_sessions_past_the_limit_are_503_with_retry_after() -> None:
             assert answer.json()["error"]["code"] == -32603
         async with mcp_session(served.url, "key-a") as session:  # room again
             await session.send_ping()
+
+
+#: The idle timeout of the test below. The SDK counts it on the event loop's clock, which
+#: no fake clock reaches, so the test waits it out; long enough for the requests between
+#: ``initialize`` and the held one to come within it on a loaded machine.
+IDLE_S = 2.0
+
+
+async def test_a_session_is_not_ended_while_a_request_of_it_is_authenticated(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The SDK's idle timer counts a request from when the SDK gets it, after the key
+    check: a session whose request waited on a slow check longer than the idle timeout
+    was ended under it, and the request answered 404 ``mcp.session``. It is held from
+    the request's arrival now, and its countdown runs again once none is in flight,
+    also after a request that held it and was refused."""
+    caplog.set_level(logging.INFO, logger="mcp.server.streamable_http_manager")
+    check = SlowKeyCheck()
+    accept = {"Authorization": "Bearer key-a", "Accept": "application/json, text/event-stream"}
+
+    def ping(number: int) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": number, "method": "ping"}
+
+    async with (
+        serving(check, session_idle_s=IDLE_S) as served,
+        httpx2.AsyncClient(timeout=30) as http,
+    ):
+        opened = await http.post(served.url, json=mcp_initialize(), headers=accept)
+        assert opened.status_code == 200
+        sid = {
+            **accept,
+            "Mcp-Session-Id": opened.headers["mcp-session-id"],
+            "Mcp-Protocol-Version": "2025-06-18",
+        }
+        check.hold = 1
+        held = asyncio.create_task(http.post(served.url, json=ping(2), headers=sid))
+        await check.entered.wait()
+        # Another request of the session comes and goes meanwhile: as it leaves, the
+        # SDK starts the countdown again (it does not know of the held one).
+        assert (await http.post(served.url, json=ping(3), headers=sid)).status_code == 200
+        await asyncio.sleep(IDLE_S * 1.5)
+        check.release.set()
+        answer = await held
+        assert answer.status_code == 200, answer.text
+        assert (await http.post(served.url, json=ping(4), headers=sid)).status_code == 200
+        assert "idle timeout" not in caplog.text
+
+        refused = await http.post(
+            served.url, json=ping(5), headers={**sid, "Authorization": "Bearer unknown"}
+        )
+        assert refused.status_code == 401
+        assert await eventually(lambda: "idle timeout" in caplog.text, within=IDLE_S * 3)
+        assert (await http.post(served.url, json=ping(6), headers=sid)).status_code == 404
 
 
 async def test_the_sdks_jsonrpc_refusals_name_their_rule() -> None:
