@@ -727,7 +727,7 @@ class App:
                 # Once met, damage is reported until a re-check finds it repaired:
                 # ``SELECT 1`` reads no table's pages, and another statement succeeding
                 # proves nothing of the pages it did not read. The re-check (SQLite: a
-                # quick_check of the file; PostgreSQL: the statement that met it, run
+                # quick_check of the file; PostgreSQL: each statement that met it, run
                 # again and rolled back) costs more than ``SELECT 1``, so it runs at
                 # most every DAMAGE_RECHECK_MS and one at a time; polls meanwhile get
                 # the last verdict. (Only a restart ended the 500, repaired or not.)

@@ -285,10 +285,15 @@ class Database:
         self.damaged: str | None = None
         #: Counts the times damage was met, so a re-check clears only what it checked.
         self._damage_met = 0
-        #: PostgreSQL: the statement (the driver's SQL and its parameters) that met the
-        #: damage last, for :meth:`recheck_damage` (kept in memory only: the parameters
-        #: are what clients sent).
-        self._damaged_by: tuple[str, Sequence[Any]] | None = None
+        #: PostgreSQL: each statement that met the damage, for :meth:`recheck_damage`:
+        #: by its SQL, the parameters it last met it with and the :attr:`_damage_met`
+        #: count then (in memory only: the parameters are what clients sent), oldest
+        #: first, at most :data:`DAMAGE_REPLAYS`.
+        self._damaged_by: dict[str, tuple[Sequence[Any], int]] = {}
+        #: PostgreSQL: damage was met that no statement can be run again for (at
+        #: ``COMMIT``, or beyond :data:`DAMAGE_REPLAYS` statements): it stays reported
+        #: until a restart.
+        self._damage_unreplayable = False
         #: How the log names a PostgreSQL database: ``dbname on host:port`` (never the
         #: user or the password).
         self._pg_name = _pg_name(parsed) if self.is_postgres else ""
@@ -319,19 +324,30 @@ class Database:
         """Remember damage met by ``exc`` (:func:`_raise_fault`)."""
         self.damaged = detail
         self._damage_met += 1
-        if self.is_postgres:
-            self._damaged_by = _replayable(exc)
+        if not self.is_postgres:
+            return
+        replay = _replayable(exc)
+        if replay is None or (
+            replay[0] not in self._damaged_by and len(self._damaged_by) >= DAMAGE_REPLAYS
+        ):
+            self._damage_unreplayable = True
+        else:
+            sql, args = replay
+            self._damaged_by[sql] = (args, self._damage_met)
 
     async def recheck_damage(self) -> bool:
         """Look again at the damage :attr:`damaged` reports; clear it (True) when it is
         gone, an operator having repaired it while the service ran. SQLite:
         ``PRAGMA quick_check`` of the whole file (every page, on a connection of its
         own in a thread: it takes time in proportion to the file, so callers bound how
-        often). PostgreSQL: the statement that met the damage last, run again in a
-        transaction that is always rolled back (a ``REINDEX`` of the index it met, or
-        the data restored, lets it pass); when there is none to run again (the damage
-        was met at ``COMMIT``), the damage stays reported until a restart. Damage met
-        again while this ran is not cleared."""
+        often). PostgreSQL: each distinct statement that met the damage (by its SQL,
+        with the parameters it last met it with), run again in a transaction that is
+        always rolled back (a ``REINDEX`` of the index it met, or the data restored,
+        lets it pass), oldest first, until one fails; one that passes is not run again.
+        The damage is cleared once every one has passed; when one cannot be run again
+        (the damage was met at ``COMMIT``, or by more than :data:`DAMAGE_REPLAYS`
+        statements), it stays reported until a restart. Damage met again while this ran
+        is not cleared."""
         if self.damaged is None:
             return True
         met = self._damage_met
@@ -340,16 +356,27 @@ class Database:
         else:
             repaired = await self._replay_damaged()
         if repaired and met == self._damage_met:
-            self.damaged, self._damaged_by = None, None
+            self.damaged = None
             return True
         return False
 
     async def _replay_damaged(self) -> bool:
-        """:meth:`recheck_damage` on PostgreSQL: True when the statement runs."""
-        replay, pool = self._damaged_by, self._pg
-        if replay is None or pool is None:
+        """:meth:`recheck_damage` on PostgreSQL: True when every statement runs."""
+        if self._damage_unreplayable:
             return False
-        sql, args = replay
+        for sql, (args, met) in list(self._damaged_by.items()):
+            if not await self._replays(sql, args):
+                return False  # damaged still: the others wait for the next re-check
+            kept = self._damaged_by.get(sql)
+            if kept is not None and kept[1] == met:
+                del self._damaged_by[sql]  # (one met again meanwhile stays)
+        return not self._damaged_by
+
+    async def _replays(self, sql: str, args: Sequence[Any]) -> bool:
+        """Whether ``sql`` runs, in a transaction rolled back."""
+        pool = self._pg
+        if pool is None:
+            return False
         try:
             async with pool.transaction() as conn:
                 # Bounded: the re-check must not wait on locks or run long.
@@ -812,6 +839,12 @@ class _Undo(Exception):
 #: Statements :meth:`Database.recheck_damage` may run again (in a transaction it rolls
 #: back): never BEGIN, COMMIT, SAVEPOINT or the like, which would end or change it.
 _REPLAYABLE = ("select", "with", "insert", "update", "delete")
+
+#: Distinct statements (by SQL) that met damage kept for :meth:`Database.recheck_damage`
+#: to run again; it runs them until one fails, each at most 5 s. Damage met by one more
+#: than this stays reported until a restart, as damage met at ``COMMIT`` does: the
+#: re-check stays bounded, and never reports good what it could not look at.
+DAMAGE_REPLAYS = 8
 
 
 def _replayable(exc: BaseException) -> tuple[str, Sequence[Any]] | None:

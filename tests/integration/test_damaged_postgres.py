@@ -26,13 +26,14 @@ from openai.types.chat import ChatCompletionMessageParam
 from leadgate.app import DAMAGE_RECHECK_MS, App
 from leadgate.cli.main import main
 from leadgate.core.errors import DatabaseDamaged
+from leadgate.database.db import DAMAGE_REPLAYS
 from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import workitems
 from leadgate.domain.workitems import Sweeper
 from leadgate.web.common import DAMAGED_ANSWERS
 from tests.helpers import fake_clock, make_agent, make_org, ours
 from tests.review_support import review_env
-from tests.serving import served_app
+from tests.serving import Client, served_app
 from tests.stack import Stack
 
 pytestmark = pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -269,3 +270,100 @@ async def test_healthz_recovers_once_the_damage_is_repaired_while_it_runs(
         assert count == 0
         resp = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert resp.status == 200, await resp.text()
+
+
+#: Puts ``review_destinations`` back after :func:`damage_reads` (the data restored).
+RESTORE_READS = """
+    DROP VIEW review_destinations;
+    ALTER TABLE review_destinations_kept RENAME TO review_destinations;
+    DROP FUNCTION damaged_page();
+"""
+
+
+async def meet_damage(service: App, sql: str) -> None:
+    """Run ``sql`` on the service's database, meeting the damage it reads."""
+    with pytest.raises(DatabaseDamaged):
+        async with service.db.read() as conn:
+            await conn.execute(sa.text(sql))
+
+
+async def health_after_a_recheck(service: App, client: Client) -> int:
+    """``/healthz``'s status once its next re-check is due."""
+    fake_clock(service).advance(DAMAGE_RECHECK_MS)
+    return int((await client.get("/healthz")).status)
+
+
+async def test_healthz_stays_500_until_every_damaged_statement_runs(migrated_url: str) -> None:
+    """Two statements met damage, an insert into a damaged index and then a read of
+    damaged data. The re-check ran the latest one only: once that one's data was
+    restored /healthz answered 200, though the first still failed on every request.
+    Now each statement that met damage runs again until it passes."""
+    async with served_app(migrated_url) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {org.key}", "X-Session-Id": "s1"}
+        await run_sql(migrated_url, damage_inserts("messages"))
+        assert (await client.post("/v1/chat/completions", json=body, headers=headers)).status == 500
+        await run_sql(migrated_url, damage_reads("review_destinations"))
+        await meet_damage(service, "SELECT count(*) FROM review_destinations")
+        assert (await client.get("/healthz")).status == 500
+
+        await run_sql(migrated_url, RESTORE_READS)  # the latest repaired, not the first
+        assert await health_after_a_recheck(service, client) == 500
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 500  # (indeed)
+        assert await health_after_a_recheck(service, client) == 500
+
+        await run_sql(migrated_url, "DROP TRIGGER damaged_index ON messages")
+        assert await health_after_a_recheck(service, client) == 200
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status == 200, await resp.text()
+
+
+async def test_healthz_keeps_damage_met_by_more_statements_than_it_reruns(
+    migrated_url: str,
+) -> None:
+    """The re-check runs at most DAMAGE_REPLAYS distinct statements again; damage met by
+    one more is reported until a restart (as damage met at COMMIT), never cleared by
+    the statements it did keep passing."""
+    async with served_app(migrated_url) as (service, client):
+        await run_sql(migrated_url, damage_reads("review_destinations"))
+        for n in range(DAMAGE_REPLAYS):
+            await meet_damage(service, f"SELECT {n} FROM review_destinations")
+        await meet_damage(service, "SELECT 0 FROM review_destinations")  # (the same one)
+        assert await health_after_a_recheck(service, client) == 500
+        await run_sql(migrated_url, RESTORE_READS)
+        assert await health_after_a_recheck(service, client) == 200  # each of them runs
+
+        await run_sql(migrated_url, damage_reads("review_destinations"))
+        for n in range(DAMAGE_REPLAYS + 1):
+            await meet_damage(service, f"SELECT {n} FROM review_destinations")
+        await run_sql(migrated_url, RESTORE_READS)
+        assert await health_after_a_recheck(service, client) == 500
+        assert await health_after_a_recheck(service, client) == 500
+
+
+async def test_damage_met_at_commit_is_kept_whatever_met_damage_after_it(
+    migrated_url: str,
+) -> None:
+    """Damage met at COMMIT has no statement to run again, so it is reported until a
+    restart. A statement meeting damage after it took its place in the re-check, which
+    then answered 200 once that statement ran, the damage met at COMMIT untouched."""
+    async with served_app(migrated_url) as (service, client):
+        await run_sql(
+            migrated_url,
+            damage_inserts("organizations")
+            .replace("CREATE TRIGGER", "CREATE CONSTRAINT TRIGGER")
+            .replace("BEFORE INSERT", "AFTER INSERT")
+            .replace("FOR EACH ROW", "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"),
+        )
+        with pytest.raises(DatabaseDamaged):
+            async with service.db.tx() as conn:
+                await conn.execute(
+                    sa.text("INSERT INTO organizations (id, name, created_at) VALUES ('o', 'o', 1)")
+                )
+        await run_sql(migrated_url, damage_reads("review_destinations"))
+        await meet_damage(service, "SELECT count(*) FROM review_destinations")
+        await run_sql(migrated_url, RESTORE_READS)
+        assert await health_after_a_recheck(service, client) == 500
