@@ -60,7 +60,7 @@ class Metrics:
         )
         self.reviews = Counter(
             "leadgate_reviews_total",
-            "Lead review attempts by outcome",
+            "Lead review verdicts stored (committed), by outcome",
             ["outcome"],
             registry=self.registry,
         )

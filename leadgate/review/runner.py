@@ -21,7 +21,7 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Database, count_after_commit
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import one_row
 from leadgate.domain import workitems
@@ -533,7 +533,6 @@ class LeadRunner:
         except Unavailable:
             self._held.append((item.id, item.lease_token, _READS_FAILED))
             raise
-        labelled(METRICS.reviews, verdict.value if why is None else "escalatedBySystem").inc()
         gating = self._gating.pop((item.id, item.lease_token), None)
         await self._commit(_Kept(item, verdict, feedback, why, gating))
 
@@ -546,6 +545,9 @@ class LeadRunner:
         """Commit one verdict (fenced by the item's review lease)."""
         item, verdict, feedback, why, gating = kept
         actor = f"lead:{item.lead_agent_id}"
+        # Counted once the verdict is stored: not when the lead gave it (a verdict the
+        # lease fence drops was counted, and the item's next review counted again).
+        reviewed = labelled(METRICS.reviews, verdict.value if why is None else "escalatedBySystem")
         try:
             if (
                 verdict == Verdict.approved
@@ -555,6 +557,7 @@ class LeadRunner:
                     self.db, self.outbox, item, *gating, actor=actor, feedback=feedback
                 )
             ):
+                reviewed.inc()  # (one statement, committed)
                 self.on_verdict(verdict)
                 return
             async with self.db.tx() as conn:
@@ -572,6 +575,7 @@ class LeadRunner:
                 except TransitionError:
                     log.warning("lost the review lease of %s; verdict dropped", item.id)
                     return
+                count_after_commit(conn, reviewed)
         except Unavailable:
             # The verdict could not be stored (database down): kept, and committed on the
             # runner's first pass once the database is back, under the item's lease (the

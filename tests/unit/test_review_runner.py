@@ -46,6 +46,7 @@ from tests.helpers import (
     Anonymizer,
     Org,
     api_trigger,
+    counted,
     held_open,
     item_locked,
     make_agent,
@@ -162,6 +163,11 @@ async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
             )
         ).all()
     return [(r.role, r.content, bool(r.lead_gated)) for r in rows]
+
+
+def reviews_counted(outcome: str = "approved") -> float:
+    """``leadgate_reviews_total{outcome}`` now."""
+    return counted("leadgate_reviews_total", outcome=outcome)
 
 
 def clock(stack: Stack) -> FakeClock:
@@ -290,6 +296,7 @@ async def test_a_runner_that_lost_its_lease_commits_nothing(stack: Stack, via: s
     fresh = await second.claim()
     assert fresh is not None and fresh.lease_token != stale.lease_token
     audit_before = await audit(stack, item_id)
+    reviews = reviews_counted()
 
     await first.review(stale)  # TransitionError inside: logged, verdict dropped
 
@@ -305,6 +312,9 @@ async def test_a_runner_that_lost_its_lease_commits_nothing(stack: Stack, via: s
     await first.review(stale)  # still nothing: the item is no longer reviewing
     assert len(await deliveries(stack, item_id)) == 1
     assert (await actions(stack, item_id)).count("approve") == 1
+    # One verdict stored, one counted: the dropped ones were counted as the lead gave
+    # them (three here).
+    assert reviews_counted() - reviews == 1
 
 
 async def test_a_slack_approval_writes_its_post_claimed_for_this_process(stack: Stack) -> None:
@@ -1045,13 +1055,48 @@ async def test_a_verdict_whose_commit_failed_is_committed_later_without_a_second
     monkeypatch.setattr(runner, "_decide", counting)
     monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
     monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    reviews = reviews_counted()
     with pytest.raises(Unavailable):
         await runner.review(claimed)
     assert (await row(stack, item_id))["status"] == "reviewing"
+    assert reviews_counted() == reviews  # not stored: not counted (it was, as given)
     await drain(runner)  # the database is back
     assert (await row(stack, item_id))["status"] == "completed"
     assert decided == 1
     assert "leaseReleased" not in await actions(stack, item_id)
+    assert reviews_counted() - reviews == 1  # once, as it committed
+
+
+async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verdict kept from its commit by a database fault, whose lease lapses before the
+    database is back: another runner takes the item back and reviews it, and the kept
+    verdict's commit is dropped by the lease fence. One verdict stored, one counted: the
+    dropped one was counted as the lead gave it, and the item's next review again."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    claimed = await runner.claim()
+    assert claimed is not None
+
+    async def by_transaction(*args: Any, **kwargs: Any) -> bool:
+        return False  # the verdict's transaction on either backend
+
+    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    reviews = reviews_counted()
+    with pytest.raises(Unavailable):
+        await runner.review(claimed)
+    monkeypatch.undo()
+    clock(stack).advance(runner_module.LEASE_MS + 1)
+    other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
+    assert await drain(other) == 1  # the lease taken back, the item claimed and reviewed
+    assert (await row(stack, item_id))["status"] == "completed"
+    await runner._commit_kept()  # the fence drops the kept verdict
+    assert runner._verdicts == []
+    assert (await actions(stack, item_id)).count("approve") == 1
+    assert reviews_counted() - reviews == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
