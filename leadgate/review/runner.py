@@ -440,7 +440,6 @@ class LeadRunner:
         """The item of a claim's row (:data:`_CLAIM_ALONE`, :data:`_CLAIM_LANDED`), its
         gating binding and its lead (when kept) noted for its review."""
         item = WorkItem.from_row(row[: len(WorkItem._fields)])
-        labelled(METRICS.transitions, _CLAIM_SRC.value, _CLAIM_DST.value).inc()
         if row.gating_binding is not None:
             if len(self._gating) > _MAX_LEADS:  # claimed, never reviewed (tests)
                 self._gating.clear()
@@ -448,6 +447,9 @@ class LeadRunner:
         lead = self.config.kept_agent(self.db.table_changes, item.org_id, item.lead_agent_id)
         if lead is not None:
             self._keep_lead(item, token, lead)
+        # Last: a claim that raised before this is watched (_LostClaim), and its look,
+        # finding it, counts it (_look_for_lost), so it is counted once either way.
+        _count_claim()
         return item
 
     async def _claim_landed(self, token: str, claimed_at: int, fault: Unavailable) -> WorkItem:
@@ -615,6 +617,10 @@ class LeadRunner:
                 self._lost.put_back(due[n:])
                 raise
             if item_id is not None:
+                # The claim landed (only it set this token) with its move uncounted: a
+                # commit in doubt, or one that raised, counts nothing. Counted now, once
+                # (a token found is watched no more), as its give-back will be.
+                _count_claim()
                 self._held.append((item_id, lost.token.token, lost.token.why))
             else:
                 self._lost.not_found(lost, now)
@@ -745,6 +751,13 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
         return None
     feedback = call.arguments.get("feedback")
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
+
+
+def _count_claim() -> None:
+    """Count a claim's move, found landed outside its own transaction (one statement
+    run alone, or a claim read back after a fault): :func:`workitems.transition` counts
+    it at commit inside one."""
+    labelled(METRICS.transitions, _CLAIM_SRC.value, _CLAIM_DST.value).inc()
 
 
 class _LostClaim(NamedTuple):

@@ -52,6 +52,7 @@ from tests.helpers import (
     make_agent,
     make_org,
     slack_trigger,
+    transitions_counted,
 )
 from tests.helpers import item_audit as audit
 from tests.helpers import item_deliveries as deliveries
@@ -168,6 +169,15 @@ async def messages(stack: Stack, item_id: str) -> list[tuple[str, str, bool]]:
 def reviews_counted(outcome: str = "approved") -> float:
     """``leadgate_reviews_total{outcome}`` now."""
     return counted("leadgate_reviews_total", outcome=outcome)
+
+
+def claims_counted() -> tuple[float, float]:
+    """The moves a review claim and its give-back count: ``reviewQueued -> reviewing``,
+    ``reviewing -> reviewQueued``."""
+    return (
+        transitions_counted("reviewQueued", "reviewing"),
+        transitions_counted("reviewing", "reviewQueued"),
+    )
 
 
 def clock(stack: Stack) -> FakeClock:
@@ -1110,10 +1120,13 @@ async def test_a_claim_whose_commit_is_in_doubt_is_read_back_and_reviewed(
     org, _, worker = await setup(stack)
     item_id = await submit(stack, org, worker, "write the report")
     lose_the_next_commit(monkeypatch, stack.db, alone=True)
+    counts = claims_counted()
     assert await stack.lead_runner.run_once() is True
     assert (await row(stack, item_id))["status"] == "completed"
     assert await released(stack, item_id) == []
     assert (await actions(stack, item_id)).count("claim") == 1
+    now = claims_counted()
+    assert (now[0] - counts[0], now[1] - counts[1]) == (1, 0)  # the claim, once
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -1154,6 +1167,7 @@ async def test_a_claim_in_doubt_that_lands_after_its_read_back_is_given_back_soo
     runner = stack.lead_runner
     late = LandsLater(stack.db.write_alone)
     monkeypatch.setattr(stack.db, "write_alone", late)
+    counts = claims_counted()
     if read_back == "fails":
         monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
     with pytest.raises(Unavailable) as raised:
@@ -1177,6 +1191,10 @@ async def test_a_claim_in_doubt_that_lands_after_its_read_back_is_given_back_soo
         "the claim met a database fault at its commit (it landed); the review runs again"
     ]
     assert (await actions(stack, item_id)).count("claim") == 2
+    # Both claims landed, and the give-back, each counted once: the lost claim is
+    # counted when its look finds it (it was not: the give-back was counted alone).
+    now = claims_counted()
+    assert (now[0] - counts[0], now[1] - counts[1]) == (2, 1)
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
@@ -1198,6 +1216,7 @@ async def test_a_claim_that_failed_not_in_doubt_is_looked_for_once_at_the_next_p
     runner = stack.lead_runner
     late = LandsLater(stack.db.write_alone, fault=lambda: RuntimeError("answer unreadable"))
     monkeypatch.setattr(stack.db, "write_alone", late)
+    counts = claims_counted()
     with pytest.raises(RuntimeError):
         await runner.claim()
     assert runner.due_in_s() == 0.0  # the look is due now
@@ -1206,6 +1225,7 @@ async def test_a_claim_that_failed_not_in_doubt_is_looked_for_once_at_the_next_p
         await runner._release_held()  # the one look: nothing found
         assert runner.due_in_s() is None  # and no other look to come
         assert (await row(stack, item_id))["status"] == "reviewQueued"
+        assert claims_counted() == counts  # nothing landed, nothing counted
         return
     await late.land()
     assert (await row(stack, item_id))["status"] == "reviewing"
@@ -1215,6 +1235,8 @@ async def test_a_claim_that_failed_not_in_doubt_is_looked_for_once_at_the_next_p
         "the claim met an error and landed all the same; the review runs again"
     ]
     assert (await actions(stack, item_id)).count("claim") == 2
+    now = claims_counted()
+    assert (now[0] - counts[0], now[1] - counts[1]) == (2, 1)  # as committed
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
