@@ -160,7 +160,25 @@ def count_after_commit(conn: Conn, counter: Counted, amount: float = 1) -> None:
     topics.setdefault(_COUNTS, []).append((counter, amount))
 
 
-def _count(held: list[tuple[Counted, float]]) -> None:
+#: Counts :func:`count_after_commit` held: (counter, amount) pairs.
+Held = Sequence[tuple[Counted, float]]
+
+
+def held_counts(conn: Conn) -> list[tuple[Counted, float]]:
+    """The counts the current :meth:`Database.tx` holds for its commit, those its body
+    holds later included (the list is the transaction's own). For a write whose
+    ``COMMIT`` may end in doubt, which counts nothing, and that a later look may find
+    landed: the caller keeps them, and :func:`count_held` makes them when it is found.
+    Outside a write transaction (counted at once): an empty list."""
+    topics = conn.info.get(_TOPICS)
+    if topics is None:
+        return []
+    held: list[tuple[Counted, float]] = topics.setdefault(_COUNTS, [])
+    return held
+
+
+def count_held(held: Held) -> None:
+    """Make the counts ``held`` (at a commit, or of a write in doubt found landed)."""
     for counter, amount in held:
         counter.inc(amount)
 
@@ -271,7 +289,9 @@ class Database:
         if self.is_sqlite:
             _install_sqlite_recipe(self.engine, busy_timeout_s)
         self._listeners: dict[str, list[Callable[[], None]]] = {}
-        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {_COUNTS: [_count]}
+        self._payload_listeners: dict[str, list[Callable[[list[Any]], None]]] = {
+            _COUNTS: [count_held]
+        }
         self._doubt_listeners: dict[str, list[Callable[[list[Any]], None]]] = {}
         self._write_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._write_owner: asyncio.Task[Any] | None = None

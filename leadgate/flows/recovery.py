@@ -39,10 +39,12 @@ from leadgate.core.errors import LeadgateError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
+from leadgate.database.db import count_held
 from leadgate.domain.processes import owner_gone
 from leadgate.flows.runs import (
     RUN_LEASE_MS,
     FlowService,
+    LostRun,
     RunLease,
     RunLeaseLost,
     RunStatus,
@@ -101,7 +103,7 @@ class Claim:
 async def claim_lapsed(
     flows: FlowService,
     seen: Callable[[int | None], None] = lambda next_lapse: None,
-    lost: LostClaims[str] | None = None,
+    lost: LostClaims[LostRun] | None = None,
 ) -> Claim | None:
     """Claim one running run whose lease lapsed under a new lease token (counting the
     attempt); None when there is none (or another process claimed it first). ``seen`` is
@@ -152,25 +154,28 @@ async def claim_lapsed(
     except Unavailable as fault:
         if fault.in_doubt and lost is not None:
             # Not woken: this is the recovery's own pass (its loop backs off, then looks).
-            lost.watch(token, due=now, lapses=now + RUN_LEASE_MS, wake=False)
+            lost.watch(LostRun(token), due=now, lapses=now + RUN_LEASE_MS, wake=False)
         raise
     return Claim(lease, attempt)
 
 
-async def _look_for_lost(flows: FlowService, lost: LostClaims[str], now: int) -> Claim | None:
+async def _look_for_lost(flows: FlowService, lost: LostClaims[LostRun], now: int) -> Claim | None:
     """The claim of a watched token whose look is due, found landed (its run holds the
     token), else None (each token not found is looked for again later)."""
     due = lost.take_due(now)
     for n, look in enumerate(due):
         try:
             async with flows.db.read() as conn:
-                row = (await conn.execute(_HELD, {"p_token": look.token})).first()
+                row = (await conn.execute(_HELD, {"p_token": look.token.token})).first()
         except BaseException:  # (cancelled too: the tokens not looked for stay watched)
             lost.put_back(due[n:])
             raise
         if row is not None:
             lost.put_back(due[n + 1 :])
-            return Claim(RunLease(row.id, look.token), int(row.recovery_attempts))
+            # The write landed: what it counted is counted now (once: found, the token
+            # is watched no more), as its commit would have.
+            count_held(look.token.held)
+            return Claim(RunLease(row.id, look.token.token), int(row.recovery_attempts))
         lost.not_found(look, now)
     return None
 

@@ -61,7 +61,7 @@ from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Database, Held, held_counts
 from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import wakes, workitems
@@ -197,6 +197,17 @@ class RunLease:
 
     run_id: str
     token: str
+
+
+@dataclass(frozen=True)
+class LostRun:
+    """A run this process claimed or inserted by a write in doubt, watched by its lease
+    token (:attr:`FlowService.lost`)."""
+
+    token: str
+    #: what that write counted (nothing for a recovery claim; a resume's item move),
+    #: counted when the run is found holding the token: the write landed
+    held: Held = ()
 
 
 async def move_run(
@@ -481,12 +492,12 @@ class FlowService:
         #: Set by the composition root to the flow recovery's wake: a token added to
         #: :attr:`lost` outside that runner's passes is due sooner than its sleep.
         self.recovery_due: Callable[[], None] = lambda: None
-        #: lease tokens of runs this process claimed or inserted by a write whose
-        #: ``COMMIT`` was in doubt (a recovery claim, a resumed run): landed, the run
-        #: would sit ``running`` with nothing executing it until its lease lapsed. The
-        #: flow recovery looks for them and continues the run it finds under that token
-        #: (:func:`leadgate.flows.recovery.claim_lapsed`).
-        self.lost: LostClaims[str] = LostClaims(
+        #: the runs (by lease token: :class:`LostRun`) this process claimed or inserted
+        #: by a write whose ``COMMIT`` was in doubt (a recovery claim, a resumed run):
+        #: landed, the run would sit ``running`` with nothing executing it until its
+        #: lease lapsed. The flow recovery looks for them and continues the run it finds
+        #: under that token (:func:`leadgate.flows.recovery.claim_lapsed`).
+        self.lost: LostClaims[LostRun] = LostClaims(
             name="flow-recovery", on_watch=lambda: self.recovery_due()
         )
 
@@ -942,8 +953,10 @@ class FlowResumer:
             if (await conn.execute(_SETTLED)).first() is None:
                 return False
         outcome: RunLease | str | None = None  # (set before the commit)
+        held: Held = ()
         try:
             async with db.tx() as conn:
+                held = held_counts(conn)
                 row = (await conn.execute(_PICK if db.is_postgres else _SETTLED)).first()
                 if row is None:
                     # Locked (or settled by another replica since the read: the look
@@ -963,8 +976,11 @@ class FlowResumer:
                 # The new run may have landed, leased to this process with nothing
                 # executing it: the flow recovery looks for it (at once, then at
                 # doubling gaps) and continues it, not after its lease.
+                # Its item's move, which a commit in doubt does not count, is counted
+                # if the look finds the run.
                 now = self.flows.clock.now_ms()
-                self.flows.lost.watch(outcome.token, due=now, lapses=now + RUN_LEASE_MS)
+                lost = LostRun(outcome.token, tuple(held))
+                self.flows.lost.watch(lost, due=now, lapses=now + RUN_LEASE_MS)
             raise
         if isinstance(outcome, RunLease):
             await self.flows.execute(outcome)

@@ -57,7 +57,15 @@ from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
 from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
 from tests.fakes import ClaimInDoubt, CommitLandsLater, lose_the_next_commit
-from tests.helpers import Org, blocked_on_a_lock, eventually, held_open, make_agent, make_org
+from tests.helpers import (
+    Org,
+    blocked_on_a_lock,
+    eventually,
+    held_open,
+    make_agent,
+    make_org,
+    transitions_counted,
+)
 from tests.stack import Stack
 
 LOST = (
@@ -907,13 +915,18 @@ async def test_a_run_resumed_by_a_commit_in_doubt_is_continued_soon(
     woken: list[bool] = []
     first.flows.recovery_due = lambda: woken.append(True)  # (its loop's wake)
     lose_the_next_commit(monkeypatch, first.db, alone=False)
+    completed = transitions_counted("approved", "completed")
     with pytest.raises(Unavailable) as raised:
         await FlowResumer(first.flows).run_once()
     assert raised.value.in_doubt and woken
     resumed_id = await _only_run(first, resumed_from=paused_id)
     assert (await _view(first, org, resumed_id))["status"] == "running"
+    assert transitions_counted("approved", "completed") == completed  # (in doubt)
     recovery = FlowRecovery(first.flows)
     assert await recovery.run_once()  # its lease has not lapsed: the look found it
+    # The resume landed: its item's move is counted once the look finds its run (it
+    # was not counted at all).
+    assert transitions_counted("approved", "completed") - completed == 1
     done = await _view(first, org, resumed_id)
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
     assert RECOVERED_EVENT not in done["events"]
