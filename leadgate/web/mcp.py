@@ -24,8 +24,9 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+import anyio
 import mcp_types as mt
 from aiohttp import web
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
@@ -64,10 +65,6 @@ from leadgate.web.mcp_resources import (
     note_damaged,
 )
 from leadgate.web.sessions_api import SessionReads
-
-if TYPE_CHECKING:
-    # The SDK's idle scope (only its type is named here).
-    import anyio
 
 logger = logging.getLogger(__name__)
 
@@ -563,8 +560,11 @@ class InFlight:
         # The SDK has no public lookup of a session's transport: its manager keeps them
         # by session id (mcp 2.3; tests/integration/test_mcp_bridge.py fails if that
         # changes, as a session would then be ended under a request again).
-        transport = self._manager._server_instances.get(session_id)
-        return None if transport is None else transport.idle_scope
+        # Looked up defensively: an SDK without it must cost the hold, not every request.
+        transports = getattr(self._manager, "_server_instances", None)
+        transport = None if transports is None else transports.get(session_id)
+        scope = getattr(transport, "idle_scope", None)
+        return scope if isinstance(scope, anyio.CancelScope) else None
 
 
 # --- the ASGI bridge ----------------------------------------------------------------
