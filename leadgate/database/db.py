@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.resources
+import logging
 import os
 import secrets
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     # Imported where a PostgreSQL Database is made: the module loads asyncpg, which a
     # SQLite process (every operator command on the embedded default) never uses.
     from leadgate.database.pg import PgConnection, PgPool, TableChanges
+
+log = logging.getLogger("leadgate.database")
 
 #: The Alembic scripts ship inside the package (an installed wheel needs no checkout).
 MIGRATIONS = importlib.resources.files("leadgate.database").joinpath("migrations")
@@ -253,8 +257,17 @@ class Database:
         pool_size: int = 10,
         busy_timeout_s: float = 30.0,
         statements_alone: bool = True,
+        settle_doubt: bool = False,
     ) -> None:
         self.url = url
+        #: PostgreSQL: a :meth:`tx` whose ``COMMIT`` is in doubt asks the server, on a
+        #: fresh connection, whether its transaction committed (:meth:`_settle`), and
+        #: ends as that one did: normally when it committed, with
+        #: :class:`~leadgate.core.errors.Unavailable` "nothing was stored" (not in
+        #: doubt) when it did not; in doubt still only when the server cannot say. For a
+        #: caller with no watch of its own to make good a write that landed: the
+        #: ``leadgate`` command, which exits on the error.
+        self.settle_doubt = settle_doubt
         #: Sent as the payload of this Database's NOTIFYs (see :func:`notify_sender`).
         self.notify_tag = secrets.token_hex(8)
         #: The bound on waiting for a writer slot (SQLite: another process's write lock;
@@ -535,6 +548,7 @@ class Database:
         topics: dict[str, list[Any]] = {}
         before: dict[str, tuple[Flush, list[Any]]] = {}
         committing = False
+        xid: int | None = None
         try:
             async with self._pg.transaction() as conn:
                 conn.info[_TOPICS] = topics
@@ -548,13 +562,62 @@ class Database:
                 conn.raise_aborted()
                 await _flush_before_commit(conn, before)
                 conn.raise_aborted()
+                if self.settle_doubt:
+                    xid = await conn.scalar(sa.text("SELECT txid_current()"))
                 committing = True
         except Exception as exc:
             if committing:  # (before the COMMIT, a failure rolls everything back)
                 self._in_doubt(exc, topics)
-            _raise_fault(exc, self, in_doubt=committing)
-            raise
+            try:
+                _raise_fault(exc, self, in_doubt=committing)
+            except Unavailable as fault:
+                if xid is None or not fault.in_doubt:
+                    raise
+                await self._settle(fault, xid)  # (returns only when it committed)
+            else:
+                raise
         self._after_commit(topics)
+
+    async def _settle(self, fault: Unavailable, xid: int) -> None:
+        """The ``COMMIT`` of transaction ``xid`` met ``fault``, in doubt: return when
+        :meth:`committed` says it committed (one WARNING line); raise ``fault`` no
+        longer in doubt ("nothing was stored") when it rolled back; raise it as it is
+        when the server cannot say."""
+        landed = await self.committed(xid)
+        if landed is None:
+            raise fault
+        if not landed:
+            fault.in_doubt = False
+            raise fault
+        log.warning(
+            "a write's COMMIT was in doubt (%s); the server says it committed",
+            fault.detail or fault.rule,
+        )
+
+    async def committed(self, xid: int) -> bool | None:
+        """PostgreSQL: whether transaction ``xid`` (``txid_current()``) committed (True)
+        or rolled back (False), asked on another connection (``txid_status``, the
+        server's own answer to a connection lost during ``COMMIT``). While it is still
+        in progress (its ``COMMIT`` not yet applied, or not received by a server that
+        has not yet seen its connection go) this asks again, 10 ms on and doubling to
+        200 ms, for at most ``busy_timeout_s``. None: the server could not say then
+        (unreachable, or still in progress)."""
+        assert self._pg is not None
+        deadline = time.monotonic() + self.busy_timeout_s
+        pause = 0.01
+        try:
+            async with self._pg.read() as conn:
+                while True:
+                    status = await conn.scalar(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
+                    if status != "in progress" or time.monotonic() >= deadline:
+                        break
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 0.2)
+        except Exception as exc:
+            if unavailable(exc) is None:
+                raise
+            return None
+        return {"committed": True, "aborted": False}.get(status)
 
     @asynccontextmanager
     async def _pg_read(self) -> AsyncIterator[Conn]:
