@@ -1,8 +1,9 @@
 """``leadgate``: serve, the admin and operator commands (JSON on stdout, or ``--format
 table``; errors on stderr, each naming the config file and database in use).
 
-Exit codes: 0 success, 2 a rule was broken (the message names it), 3 ``flow run`` could
-not tell whether it started its run (the message names the run), 1 anything else.
+Exit codes: 0 success, 2 a rule was broken (the message names it), 3 a write whose
+``COMMIT`` was in doubt and could not be read back (the message says what tells whether
+it was made: :mod:`leadgate.cli.doubt`), 1 anything else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
+from leadgate.cli.doubt import IN_DOUBT_EXIT, IN_DOUBT_RULES, MintedIds, write_in_doubt
 from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
@@ -47,16 +49,23 @@ async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
 
     command = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
     # The service's own bounds: [database] busy_timeout_s is how long a command waits for
-    # another process's write lock before it says so.
+    # another process's write lock before it says so. A COMMIT in doubt is asked about
+    # (settle_doubt): the command exits on an error, so nothing would look later.
     db = Database(
         settings.database.url,
         pool_size=settings.database.pool_size,
         busy_timeout_s=settings.database.busy_timeout_s,
+        settle_doubt=True,
     )
+    ids = MintedIds(RandomIds())
     try:
         await db.check_migrated()
-        admin = Admin(db, SystemClock(), RandomIds(), frozenset(settings.models))
+        admin = Admin(db, SystemClock(), ids, frozenset(settings.models))
         return await command(admin, args, settings)
+    except Unavailable as fault:
+        if not fault.in_doubt:
+            raise
+        raise write_in_doubt(fault, args, ids.minted) from fault
     finally:
         await db.close()
 
@@ -236,31 +245,11 @@ def _only_reads(args: argparse.Namespace) -> bool:
     return getattr(args, f"{args.command}_command", None) in ("list", "show")
 
 
-#: A command whose write met a database fault at its COMMIT (PostgreSQL: in doubt).
-IN_DOUBT_MESSAGE = (
-    "the database connection was lost as the change committed: it may have been made; "
-    "look (list or show) before running the command again"
-)
-
-
-#: The exit status of a command that could not tell whether its write was made, where
-#: exit 2 ("refused") would let a script run it again: ``flow run`` whose start was in
-#: doubt and could not be read back (:data:`IN_DOUBT_RULES`); its message names the run.
-IN_DOUBT_EXIT = 3
-#: The rules that exit :data:`IN_DOUBT_EXIT` (``leadgate.flows.runs.START_IN_DOUBT_RULE``,
-#: not imported: the flows layer pulls in the turn path, which most commands never load).
-IN_DOUBT_RULES = frozenset({"flow.start_in_doubt"})
-
-
 def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
     """Exit 2 (:data:`IN_DOUBT_EXIT` for :data:`IN_DOUBT_RULES`) with one line, the rule
     last (scripts look for "[rule]" at the end)."""
     # A damaged file's message is the one for HTTP clients; an operator gets the file.
     message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
-    if isinstance(exc, Unavailable) and exc.in_doubt:
-        # "Nothing was stored" is not known: run again blindly, a command that makes
-        # something (key create) makes it twice.
-        message = IN_DOUBT_MESSAGE
     print(
         f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
