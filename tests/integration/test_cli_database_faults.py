@@ -110,6 +110,26 @@ def test_a_write_in_doubt_the_server_cannot_settle_exits_3_naming_what_tells(
     assert [key["id"] for key in _keys(config, capsys)] == ([key_id] if landed else [])
 
 
+def test_a_repeatable_write_the_server_cannot_settle_says_running_it_again_is_safe(
+    config: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``key revoke`` in doubt, the database still away when asked: exit 3, saying that
+    running it again is safe and what a repeat answers when the first landed."""
+    owner = _owner_key(config, capsys)
+    faults = PgFaults(monkeypatch)
+    faults.arm_on("UPDATE api_keys", then="COMMIT", after_commit=True, and_on="txid_status")
+    code = main(["--config", str(config), "key", "revoke", "--org", "acme", owner])
+    faults.disarm()
+    out, err = capsys.readouterr()
+    assert (code, out) == (3, ""), err
+    assert "running the command again is safe once the database is back" in err, err
+    assert "refused [key.revoked]" in err and err.rstrip().endswith("[cli.in_doubt]"), err
+    assert main(["--config", str(config), "key", "revoke", "--org", "acme", owner]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("[key.revoked]")
+
+
 def _owner_key(config: Path, capsys: pytest.CaptureFixture[str]) -> str:
     assert main(["--config", str(config), "key", "list", "--org", "acme"]) == 0
     [owner] = json.loads(capsys.readouterr().out)
