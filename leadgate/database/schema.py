@@ -551,4 +551,7 @@ turn_runs = sa.Table(
     sa.Column("lease_expires_at", MS, nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False, default=1),
     sa.Column("created_at", MS, nullable=False),
+    # The intake's external event id (migration 0021): an Idempotency-Key's retry finds
+    # its message's run by it, and a rerun stores its answer under that key.
+    sa.Column("external_event_id", sa.String(EVENT_ID_LIMIT)),
 )

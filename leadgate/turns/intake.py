@@ -697,6 +697,7 @@ class Intake:
             "lease_expires_at": now + runs.RUN_LEASE_MS,
             "attempts": 1,
             "created_at": now,
+            "external_event_id": trigger.external_event_id,
         }
 
     def _event(self, trigger: Trigger, agent: Agent, session_id: str, now: int) -> _Event:
