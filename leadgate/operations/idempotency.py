@@ -106,6 +106,9 @@ class Claim:
     owner: str | None = None
     response: dict[str, Any] | None = None
     retry_after_s: int = 1
+    #: The claim took a lapsed one over (``run`` only): its event id is the first
+    #: request's, under which that request may have taken its message in.
+    took_over: bool = False
 
 
 def fingerprint(*parts: bytes) -> str:
@@ -347,7 +350,13 @@ class Idempotency:
             )
             if not taken.rowcount:
                 return Claim("running", key_hash, retry_after_s=1)
-            return Claim("run", key_hash, _external_id(org, key_hash, row.created_at), owner=owner)
+            return Claim(
+                "run",
+                key_hash,
+                _external_id(org, key_hash, row.created_at),
+                owner=owner,
+                took_over=True,
+            )
 
     @contextlib.asynccontextmanager
     async def held(self, principal: Principal, claim: Claim) -> AsyncIterator[None]:
@@ -465,8 +474,11 @@ class Idempotency:
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a
         retry runs the turn. Only this request's own claim: one taken over (it stalled
-        past its lease) is the other request's to keep."""
-        await self._hand_back(principal, claim, keep_key=False)
+        past its lease) is the other request's to keep. A claim that took a lapsed one
+        over has its lease ended instead (:meth:`lapse`): its event id is the first
+        request's, which may have taken the message in (deleted, the key's next claim
+        had a new event id, and the intake took that message in a second time)."""
+        await self._hand_back(principal, claim, keep_key=claim.took_over)
 
     async def lapse(self, principal: Principal, claim: Claim) -> None:
         """The request failed with its intake's commit in doubt (it may have taken the

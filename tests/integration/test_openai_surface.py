@@ -371,6 +371,33 @@ async def test_a_crashed_first_request_is_taken_over_without_a_second_message(en
     assert await env.user_messages("plain", "c2") == ["crash before intake"]
 
 
+async def test_a_takeover_that_fails_before_its_intake_keeps_the_first_event_id(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first request took its message in and died; the retry takes the key over and
+    meets a database fault before its intake (503, "nothing was stored, please retry").
+    Its claim is handed back with the key kept (its lease ended), not deleted: the key
+    holds the first request's event id. Deleted, the next retry claimed the key afresh
+    under a new event id, and the intake took the message in a second time (a second
+    turn for one request)."""
+    await claim_and_crash(env, "taken once", "k-r1", "r1", taken_in=True)
+    env.clock.advance(LEASE_MS + 1)
+    send = env.service.messages.send
+
+    async def down(*args: Any, **kwargs: Any) -> Any:
+        raise Unavailable("database is locked", rule="service.unavailable")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(env.service.messages, "send", down)
+        failed = await env.chat("plain", "taken once", idem="k-r1", session="r1")
+        assert failed.status == 503
+    assert env.service.messages.send == send
+    retry = await env.chat("plain", "taken once", idem="k-r1", session="r1")
+    assert retry.status == 409, await retry.text()
+    assert (await retry.json())["error"]["rule"] == "idempotency.lost"
+    assert await env.user_messages("plain", "r1") == ["taken once"]
+
+
 async def test_a_busy_message_taken_over_after_a_crash_is_answered_busy_again(env: Env) -> None:
     """A keyed message to a worker whose item waits for its lead is recorded busy (not
     taken into the transcript), and its process dies before the busy 409 is stored under
