@@ -231,6 +231,8 @@ class App:
         # serves the REST API (_lifecycle), woken when one is watched.
         self._idempotency_wake = asyncio.Event()
         self.idempotency.wake = self._idempotency_wake.set
+        # A rerun of a keyed REST turn (its process died) stores its answer under the key.
+        self.turns.keyed_answer = self.idempotency.store_recovered
         self._stop = asyncio.Event()
         self._stopped = False
         self._runner_tasks: set[asyncio.Task[None]] = set()

@@ -126,9 +126,13 @@ class Duplicate:
 
     ``busy``: that event was recorded busy (``rejectedBusy``: the session's item waited
     for review), so its message is not in the transcript; its answer was :class:`Busy`.
+    ``running``: its turn is still being run, by a live process or by turn recovery
+    (only a caller that asked to run a cut turn again learns this:
+    :meth:`leadgate.turns.path.TurnService.run`'s ``retake``).
     """
 
     busy: bool = False
+    running: bool = False
 
 
 Outcome = Reply | Gated | Busy | Duplicate

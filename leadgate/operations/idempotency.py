@@ -14,8 +14,12 @@ it over and runs the turn again with the same external event id, which the intak
 de-duplicates in its own transaction (``inbound_events``): a message that was already
 taken in is not taken twice (the turn answers :class:`~leadgate.core.types.Duplicate`,
 which the route reports as an answer that was lost with the crash), and one that was not
-is taken now. A release that a database fault kept from being written is tried again
-(:meth:`Idempotency.release`), not left to the lease. An answer that a fault kept from
+is taken now. A message whose turn was recorded as a run (a worker with a lead) is not
+lost: the takeover runs that turn itself when no process runs it
+(:func:`leadgate.turns.runs.claim_for_retry`), or waits for turn recovery's rerun, which
+stores its answer under the key (:meth:`Idempotency.store_recovered`). A release that
+a database fault kept from being written is tried again (:meth:`Idempotency.release`),
+not left to the lease. An answer that a fault kept from
 being stored after the turn (:meth:`Idempotency.finish`) is kept in memory (up to
 :data:`ANSWERS_HELD_BYTES`) and stored by the same watch once the database is back: the
 retry gets it replayed. While either waits, ``idempotency.in_progress`` names the
@@ -59,6 +63,7 @@ from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import NOTHING_STORED, Unavailable, ValidationError, log_failure
 from leadgate.core.runners import LostClaims, seconds_until
 from leadgate.core.tasks import alongside
+from leadgate.core.types import Reply
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
@@ -471,6 +476,60 @@ class Idempotency:
         Stored over a "lost" one and whatever the claim's owner (see :meth:`finish`)."""
         await _write_answer(conn, principal.org_id, claim.key_hash, response, False)
 
+    async def answer_of(self, principal: Principal, claim: Claim) -> dict[str, Any] | None:
+        """The answer stored under ``claim``'s key now, if any: a takeover that found its
+        message's turn ended reads whether a rerun stored the answer meanwhile
+        (:meth:`store_recovered`; it commits with the end of the run the takeover
+        found gone)."""
+        async with self.db.read() as conn:
+            stored = await conn.scalar(
+                sa.select(_K.response).where(
+                    _K.org_id == principal.org_id, _K.key_hash == claim.key_hash
+                )
+            )
+        return dict(stored) if stored is not None else None
+
+    async def store_recovered(self, conn: Conn, external_event_id: str, outcome: Any) -> None:
+        """Store the answer of a turn that turn recovery ran again from a keyed
+        request's stored message (its process died), in the rerun's last transaction
+        ``conn``, under the key whose claim took the message in under
+        ``external_event_id`` (nothing for any other event id, or once the key is
+        another claim's: a day on). The turn path knows the answer, not the request
+        (its model name, whether it streamed), so it is stored as :data:`RECOVERED`
+        (the text, usage, and the completion's ``id`` and ``created``, fixed now), and
+        the route makes the completion (or the stream) of it from the retry, whose
+        request is the first one (:meth:`begin` refuses another with the key). Stored
+        over no answer, or over one that told the client its answer was lost or not
+        to send the message again (``idempotency.lost``, ``turn.interrupted``,
+        ``intake.in_doubt``): the rerun's is the answer those stood for."""
+        parsed = _parse_external_id(external_event_id)
+        if parsed is None:
+            return
+        org_id, key_hash, created_at = parsed
+        where = (_K.org_id == org_id, _K.key_hash == key_hash, _K.created_at == created_at)
+        query = sa.select(_K.response).where(*where)
+        if self.db.is_postgres:
+            query = query.with_for_update()
+        row = (await conn.execute(query)).first()
+        if row is None or not _replaceable(row.response):
+            return
+        recovered: dict[str, Any] = {
+            "id": f"chatcmpl-{self.ids.new('c')}",
+            "created": self.clock.now_ms() // 1000,
+            "gated": not isinstance(outcome, Reply),
+        }
+        status = 409
+        if isinstance(outcome, Reply):
+            status = 200
+            usage = outcome.usage
+            recovered["content"] = outcome.text
+            recovered["usage"] = None if usage is None else list(dataclasses.astuple(usage))
+        await conn.execute(
+            t.idempotency_keys.update()
+            .where(*where)
+            .values(response={"status": status, RECOVERED: recovered})
+        )
+
     async def release(self, principal: Principal, claim: Claim) -> None:
         """The request failed before its message was taken in: forget the key, so that a
         retry runs the turn. Only this request's own claim: one taken over (it stalled
@@ -566,7 +625,44 @@ def _owned(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], 
     )
 
 
+#: The stored answer's field of an answer turn recovery's rerun stored
+#: (:meth:`Idempotency.store_recovered`): ``{"id", "created", "gated", "content",
+#: "usage": [prompt, completion] | null}``, from which the route makes the completion.
+RECOVERED = "recovered"
+#: The rules of stored answers a rerun's answer replaces: each told its client that the
+#: answer was lost, or not to send the message again (which the rerun then answered).
+_REPLACEABLE_RULES = frozenset({"idempotency.lost", "turn.interrupted", "intake.in_doubt"})
+
+
+def _replaceable(response: Any) -> bool:
+    """Whether a rerun's answer is stored over ``response`` (the key's stored answer)."""
+    if response is None:
+        return True
+    if not isinstance(response, dict):
+        return False
+    body = response.get("body")
+    frames = response.get("frames")
+    if isinstance(frames, list) and frames and isinstance(frames[-1], str):
+        # A stream that ended in its one error frame (``data: {"error": ...}``).
+        with contextlib.suppress(ValueError):
+            body = json.loads(frames[-1].removeprefix("data: "))
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("rule") in _REPLACEABLE_RULES
+
+
+def _parse_external_id(external_event_id: str) -> tuple[str, str, int] | None:
+    """(organization, key hash, claim's ``created_at``) of an event id that
+    :func:`_external_id` made, else None (another surface's event)."""
+    if not external_event_id.startswith(_EXTERNAL_PREFIX):
+        return None
+    head, key_hash, created_at = external_event_id.rsplit(":", 2)
+    return head[len(_EXTERNAL_PREFIX) :], key_hash, int(created_at)
+
+
+_EXTERNAL_PREFIX = "idem:"
+
+
 def _external_id(org_id: str, key_hash: str, created_at: int) -> str:
     # The intake's de-duplication id (inbound_events.external_event_id, unique): one per
     # claim of the key, the same for a takeover of that claim.
-    return f"idem:{org_id}:{key_hash}:{created_at}"
+    return f"{_EXTERNAL_PREFIX}{org_id}:{key_hash}:{created_at}"

@@ -55,6 +55,7 @@ class Messages:
         binding: BindingKind = BindingKind.api,
         external_event_id: str | None = None,
         answer: TurnAnswer | None = None,
+        retake: bool = False,
     ) -> Outcome:
         """One api-binding turn for ``agent_ref`` (id, slug or name) of the caller's
         organization; the agent is looked up (NotFound) in the intake transaction, and
@@ -64,7 +65,9 @@ class Messages:
         intake take the message at most once (``Duplicate`` afterwards), as for a
         channel's redelivered event (REST's ``Idempotency-Key``); ``answer`` is written in
         the turn's last transaction (:data:`~leadgate.turns.path.TurnAnswer`: REST's
-        answer under that key)."""
+        answer under that key); ``retake``: a duplicate whose recorded run no live
+        process runs is run here (REST's retry of a key whose first request's process
+        died: :meth:`~leadgate.turns.path.TurnService.run`)."""
         principal.require(Scope.trigger)
         trigger = Trigger(
             org_id=principal.org_id,
@@ -74,7 +77,9 @@ class Messages:
             binding=BindingSpec(binding),
             external_event_id=external_event_id,
         )
-        return await self.turns.run(trigger, on_delta=on_delta, on_start=on_start, answer=answer)
+        return await self.turns.run(
+            trigger, on_delta=on_delta, on_start=on_start, answer=answer, retake=retake
+        )
 
     def refuse_unknown(self, principal: Principal, agent_ref: str) -> None:
         """Raise NotFound (``agent.not_found``) when ``agent_ref`` was lately found to

@@ -9,6 +9,7 @@ internal revision turn (lead feedback or a human's return) on the same path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,9 @@ DeltaSink = Callable[[str], Awaitable[None]]
 #: withheld (REST's answer under its Idempotency-Key): it commits with the turn's end, or
 #: neither does.
 TurnAnswer = Callable[[Conn, Reply | Gated], Awaitable[None]]
+#: What a rerun of a recorded turn writes in its last transaction for each external event
+#: id its messages were taken in under (:attr:`TurnService.keyed_answer`).
+KeyedAnswer = Callable[[Conn, str, Reply | Gated], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
@@ -324,6 +328,11 @@ class TurnService:
         #: the wait between tries of a recorded channel turn's last transaction (tests
         #: make it instant)
         self.sleep = sleep
+        #: Set by the composition root (REST's ``Idempotency-Key`` store): writes a rerun
+        #: turn's answer, in its last transaction, under the key whose event id its
+        #: message was taken in under (nothing for other event ids), so that the key's
+        #: retry gets the rerun's answer (see :meth:`resume`).
+        self.keyed_answer: KeyedAnswer | None = None
 
     async def run(
         self,
@@ -332,6 +341,7 @@ class TurnService:
         on_delta: DeltaSink | None = None,
         on_start: Callable[[], Awaitable[None]] | None = None,
         answer: TurnAnswer | None = None,
+        retake: bool = False,
     ) -> Outcome:
         """Take ``trigger`` in and run the worker's turn.
 
@@ -345,8 +355,23 @@ class TurnService:
         A database fault after the intake committed is :class:`TurnInterrupted`, never
         the fault's own "nothing was stored, retry": the message is stored, and every
         caller (REST, MCP, Studio, flows, schedules) must not send it again.
+
+        ``retake`` (REST's retry of an ``Idempotency-Key`` whose first request's process
+        died): when the message was taken in already (a duplicate) and its recorded run
+        is left with no live process running it, the run is claimed
+        (:func:`leadgate.turns.runs.claim_for_retry`) and the turn runs here from the
+        stored message, answered as this call's own; a run still being run is
+        ``Duplicate(running=True)``.
         """
         intake = await self.take(trigger)
+        if isinstance(intake, Duplicate) and retake and not intake.busy:
+            assert trigger.external_event_id is not None
+            again = await self._retaken(trigger.external_event_id)
+            if again is None:
+                return intake
+            if not isinstance(again, Accepted):
+                return Duplicate(running=True)
+            intake = again
         if isinstance(intake, Busy | Duplicate):
             return intake
         if on_start is not None:
@@ -513,9 +538,25 @@ class TurnService:
 
     # ----------------------------------------------------------- recovery
 
-    async def resume(self, claimed: runs.Claimed) -> Outcome | None:
-        """Carry out a claimed run (see :mod:`leadgate.turns.runs`): re-run the turn, or
-        send the failure notice of a run that never finished. ``None``: nothing ran."""
+    async def _retaken(self, external_event_id: str) -> Accepted | str | None:
+        """The run of the message taken in under ``external_event_id``, claimed for its
+        client's retry and ready to run (see :meth:`run`'s ``retake``), or what
+        :func:`~leadgate.turns.runs.claim_for_retry` said instead."""
+        claimed = await runs.claim_for_retry(
+            self.db, self.clock, self.ids, external_event_id=external_event_id, owner=self.owner()
+        )
+        if not isinstance(claimed, runs.Claimed):
+            return claimed
+        ctx, _kind, item = await self._claimed_context(claimed)
+        # The client is here: it is answered as by its first request (not recovered: a
+        # failure is its 502, the item left for its next message).
+        ctx = dataclasses.replace(ctx, recovered_client=False)
+        return await self._accepted(claimed, ctx, item)
+
+    async def _claimed_context(
+        self, claimed: runs.Claimed
+    ) -> tuple[TurnContext, BindingKind, WorkItem | None]:
+        """The turn context of a claimed run (its lease fences the turn's end)."""
         async with self.db.read() as conn:
             binding = await bindings.get_binding(conn, claimed.binding_id)
             item = await workitems.get(conn, claimed.work_item_id) if claimed.work_item_id else None
@@ -533,6 +574,37 @@ class TurnService:
             run_fenced=True,
             recovered_client=kind in (BindingKind.api, BindingKind.studio),
         )
+        return ctx, kind, item
+
+    async def _accepted(
+        self, claimed: runs.Claimed, ctx: TurnContext, item: WorkItem | None
+    ) -> Accepted:
+        """A claimed run's turn, from its stored message (the session's history)."""
+        async with self.db.read() as conn:
+            agent = await agents_mod.find_agent(
+                conn, claimed.org_id, claimed.agent_id, include_deleted=True
+            )
+            rules = await policy.load_rules(conn, claimed.org_id)
+            history = await self.history.read(conn, claimed.session_id)
+        return Accepted(ctx, agent, item is not None, rules, history)
+
+    def _keyed_answer(self, claimed: runs.Claimed) -> TurnAnswer | None:
+        """What a rerun writes in its last transaction for the keyed requests whose
+        messages it answers (:attr:`keyed_answer`), or None."""
+        store, keyed = self.keyed_answer, claimed.external_event_ids
+        if store is None or not keyed:
+            return None
+
+        async def answer(conn: Conn, outcome: Reply | Gated) -> None:
+            for external_event_id in keyed:
+                await store(conn, external_event_id, outcome)
+
+        return answer
+
+    async def resume(self, claimed: runs.Claimed) -> Outcome | None:
+        """Carry out a claimed run (see :mod:`leadgate.turns.runs`): re-run the turn, or
+        send the failure notice of a run that never finished. ``None``: nothing ran."""
+        ctx, kind, item = await self._claimed_context(claimed)
         if claimed.action == "gaveUp":
             if kind is BindingKind.flow and claimed.work_item_id is not None:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
@@ -545,15 +617,9 @@ class TurnService:
             return None
         if claimed.action != runs.RERUN:
             return None
-        async with self.db.read() as conn:
-            agent = await agents_mod.find_agent(
-                conn, claimed.org_id, claimed.agent_id, include_deleted=True
-            )
-            rules = await policy.load_rules(conn, claimed.org_id)
-            history = await self.history.read(conn, claimed.session_id)
-        turn = Accepted(ctx, agent, item is not None, rules, history)
+        turn = await self._accepted(claimed, ctx, item)
         try:
-            return await self.execute(turn)
+            return await self.execute(turn, answer=self._keyed_answer(claimed))
         except LeadgateError:
             return None
 

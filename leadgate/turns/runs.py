@@ -21,10 +21,14 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   message stays in the transcript and the item's task context as it was stored), or
   rerun when no message of the session came after it: its process may have told its
   client not to resend and died before it could mark the run (see
-  :func:`_client_resent_or_not`). A live owner's lapsed run is closed at once (its
-  client is still connected). Not so for a run whose client its own process told
-  not to send the message again (an orphan: its turn stopped on a database fault, 503
-  ``turn.interrupted``, or its intake's read-back failed, ``intake.in_doubt``; see
+  :func:`_client_resent_or_not`). A REST retry with the request's ``Idempotency-Key``
+  is no new message (the intake takes it for a duplicate): it claims the run itself,
+  in the wait or before recovery found it (:func:`claim_for_retry`), and runs the turn;
+  a rerun stores its answer under that key (``external_event_ids``). A live owner's
+  lapsed run is closed at once (its client is still connected). Not so for a run
+  whose client its own process told not to send the message again (an orphan: its
+  turn stopped on a database fault, 503 ``turn.interrupted``, or its intake's
+  read-back failed, ``intake.in_doubt``; see
   :class:`RunLook`): nobody would ask again and the item would sit ``inProgress`` with
   nothing running it. Such a run is rerun, and its row says so from the claim on
   (``policy`` ``rerun``): a process that dies rerunning it leaves it to be run again,
@@ -148,6 +152,14 @@ class Claimed:
     work_item_id: str | None
     turn_id: str
     run_ids: tuple[str, ...]
+    #: The external event ids the runs' messages were taken in under (REST's
+    #: ``Idempotency-Key`` events among them): a rerun stores its answer under such a key.
+    external_event_ids: tuple[str, ...] = ()
+
+
+#: :func:`claim_for_retry`: the run is not this request's to take now (a live process
+#: runs it, or turn recovery has it to close, surface or give up).
+RUN_BUSY = "busy"
 
 
 async def lease_check(db: Database, now: int) -> tuple[bool, int | None]:
@@ -343,6 +355,64 @@ async def _claim_in(
         work_item_id=item_id,
         turn_id=turn_id,
         run_ids=tuple(r.id for r in rows),
+        external_event_ids=tuple(r.external_event_id for r in rows if r.external_event_id),
+    )
+
+
+async def claim_for_retry(
+    db: Database, clock: Clock, ids: IdFactory, *, external_event_id: str, owner: str | None
+) -> Claimed | str | None:
+    """The run of the message taken in under ``external_event_id``, claimed by its
+    client's own retry: a REST request with an ``Idempotency-Key`` that took the key
+    over (its first request's process died) and found that message taken in already.
+
+    Taken when turn recovery would run it again: it waits for its client's resend
+    (:data:`AWAIT`), or its holder is known dead and recovery has not claimed it yet.
+    The claim is recovery's own, fenced by the run's lease token (one of the two wins),
+    and the run stays the client's (``client``, leased to ``owner``): the retry runs the
+    turn from the stored message and answers it, and a process that dies doing so leaves
+    it to wait for the next retry as before. :data:`RUN_BUSY` when the run is not the
+    retry's to take (a live process runs it; its item moved on; its ``complete_task``
+    signal was committed; its attempts are spent: recovery decides those); None when
+    no run of that message is left (its turn ended, or was never recorded)."""
+    now = clock.now_ms()
+    token = ids.new("lease")
+    async with db.tx() as conn:
+        query = sa.select(t.turn_runs).where(R.external_event_id == external_event_id)
+        if db.is_postgres:
+            query = query.with_for_update()
+        row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        gone = row.lease_owner is not None and not await conn.scalar(
+            sa.select(sa.exists().where(t.processes.c.id == row.lease_owner))
+        )
+        if not (row.policy == AWAIT or gone) or row.attempts >= MAX_ATTEMPTS:
+            return RUN_BUSY
+        if row.work_item_id is not None:
+            item = await workitems.get(conn, row.work_item_id)
+            if item.status != Status.inProgress.value or (
+                item.signal_turn_id == row.turn_id and item.signal_summary
+            ):
+                return RUN_BUSY
+        turn_id = ids.new("turn")
+        res = await conn.execute(
+            t.turn_runs.update()
+            .where(R.id == row.id, R.lease_token == row.lease_token)
+            .values(_claim_values([row], token, owner, turn_id, now, action=CLIENT, rerun=False))
+        )
+        if not res.rowcount:
+            return RUN_BUSY
+    return Claimed(
+        action=RERUN,
+        token=token,
+        org_id=row.org_id,
+        agent_id=row.agent_id,
+        session_id=row.session_id,
+        binding_id=row.binding_id,
+        work_item_id=row.work_item_id,
+        turn_id=turn_id,
+        run_ids=(row.id,),
     )
 
 

@@ -48,7 +48,7 @@ from leadgate.database.db import Conn
 from leadgate.database.faults import unavailable
 from leadgate.domain import agents
 from leadgate.domain.rows import Agent
-from leadgate.operations.idempotency import Claim, fingerprint
+from leadgate.operations.idempotency import RECOVERED, RETRY_AFTER_MAX_S, Claim, fingerprint
 from leadgate.operations.sessions import api_session_key
 from leadgate.turns.path import TurnAnswer
 from leadgate.web.common import (
@@ -123,6 +123,7 @@ class ChatBackend(Protocol):
         on_start: Callable[[], Awaitable[None]] | None = None,
         external_event_id: str | None = None,
         answer: TurnAnswer | None = None,
+        retake: bool = False,
     ) -> Outcome: ...
 
     def refuse_unknown(self, principal: Principal, agent_ref: str) -> None: ...
@@ -157,6 +158,8 @@ class IdempotencyBackend(Protocol):
     async def release(self, principal: Principal, claim: Claim) -> None: ...
 
     async def lapse(self, principal: Principal, claim: Claim) -> None: ...
+
+    async def answer_of(self, principal: Principal, claim: Claim) -> dict[str, Any] | None: ...
 
     def held(self, principal: Principal, claim: Claim) -> AbstractAsyncContextManager[None]: ...
 
@@ -537,17 +540,9 @@ def setup(
         request_print = fingerprint(*parts)
         claim = await idempotency.begin(principal, key, request_print)
         if claim.action == "replay" and claim.response is not None:
-            return await _replay(request, claim.response)
+            return await _replay(request, claim.response, parsed)
         if claim.action == "running":
-            resp = error_response(
-                request,
-                409,
-                "a request with this Idempotency-Key is still running; retry shortly",
-                "idempotency_in_progress",
-                "idempotency.in_progress",
-            )
-            resp.headers["Retry-After"] = str(claim.retry_after_s)
-            return resp
+            return _in_progress(request, claim.retry_after_s)
         return await _turn(request, principal, parsed, session, claim)
 
     async def _turn(
@@ -577,13 +572,19 @@ def setup(
                 async with idempotency.held(principal, claim):
                     response, stored = await exchange.run()
         except BaseException as exc:
-            if claim is not None and idempotency is not None and not exchange.recorded:
+            if claim is not None and idempotency is not None and exchange.lapse:
+                await idempotency.lapse(principal, claim)
+            elif claim is not None and idempotency is not None and not exchange.recorded:
                 if isinstance(exc, Unavailable) and exc.in_doubt:
                     await idempotency.lapse(principal, claim)
                 else:
                     await idempotency.release(principal, claim)
             raise
-        if claim is not None and idempotency is not None and not exchange.kept:
+        if claim is not None and idempotency is not None and exchange.lapse:
+            # Its turn still runs elsewhere (turn recovery's rerun): the next retry takes
+            # the key over at once and looks again.
+            await idempotency.lapse(principal, claim)
+        elif claim is not None and idempotency is not None and not exchange.kept:
             if stored is None:
                 await idempotency.release(principal, claim)
             else:
@@ -682,6 +683,10 @@ class _Exchange:
         #: or an error after the message was taken in (the turn's last transaction, which
         #: stores its answer, may have committed in doubt: then that answer stands).
         self.provisional = False
+        #: A takeover whose message's turn still runs elsewhere (turn recovery's rerun, or
+        #: a live process): nothing is stored, and the claim's lease is ended for the
+        #: next retry (:meth:`_taken_over`).
+        self.lapse = False
 
     async def _send(
         self,
@@ -700,6 +705,9 @@ class _Exchange:
             on_start=on_start,
             external_event_id=self.claim.external_event_id if self.claim else None,
             answer=answer,
+            # Only a takeover's event id can be a duplicate: its first request's process
+            # died, and the turn of its message is this request's to run, if nobody runs it.
+            retake=self.claim is not None,
         )
 
     async def _store_answer(self, conn: Conn, outcome: Reply | Gated) -> None:
@@ -737,10 +745,33 @@ class _Exchange:
             # Committed with the turn: this very answer is what a retry gets.
             self.kept = True
             return self._json(*self.answered)[0], None
+        if isinstance(outcome, Duplicate) and not outcome.busy:
+            taken = await self._taken_over(outcome)
+            if taken is not None:
+                return taken, None
         if isinstance(outcome, Reply):
             completion = _completion(self.cid, parsed.model, self.created, outcome)
             return self._json(200, completion)
         return self._json(*self._refused(outcome))
+
+    async def _taken_over(self, outcome: Duplicate) -> web.StreamResponse | None:
+        """A takeover of the key whose message was taken in already, by a request whose
+        process died (:meth:`~leadgate.turns.path.TurnService.run` ran its cut turn here
+        when nobody ran it). Still running elsewhere (turn recovery's rerun): 409
+        ``idempotency.in_progress``, the claim's lease ended so that the next retry
+        looks again. Ended: the answer a rerun stored under the key meanwhile, if it
+        did (it committed with the end of the run found gone). None: the answer was
+        lost (:meth:`_refused`)."""
+        assert self.claim is not None and self.idempotency is not None
+        self.kept = True  # (nothing of this request's own to store)
+        if outcome.running:
+            self.lapse = True
+            return _in_progress(self.request, RETRY_AFTER_MAX_S)
+        stored = await self.idempotency.answer_of(self.principal, self.claim)
+        if stored is not None:
+            return await _replay(self.request, stored, self.parsed)
+        self.kept = False
+        return None
 
     def _refused(self, outcome: Outcome) -> tuple[int, dict[str, Any]]:
         """The 409 of a turn that produced no answer (gated, busy, or a lost answer)."""
@@ -800,6 +831,10 @@ class _Exchange:
             await chunks.end()
             return response, self._frames(chunks)
         if not started:
+            if isinstance(outcome, Duplicate) and not outcome.busy:
+                taken = await self._taken_over(outcome)
+                if taken is not None:
+                    return taken, None
             return self._json(*self._refused(outcome))
         closing = self.closing
         if closing is None:
@@ -835,9 +870,50 @@ class _LostAnswer(LeadgateError):
     code = "idempotency_answer_lost"
 
 
-async def _replay(request: web.Request, stored: dict[str, Any]) -> web.StreamResponse:
+def _in_progress(request: web.Request, retry_after_s: int) -> web.Response:
+    """409 ``idempotency.in_progress``: the key's request (or its turn) still runs."""
+    resp = error_response(
+        request,
+        409,
+        "a request with this Idempotency-Key is still running; retry shortly",
+        "idempotency_in_progress",
+        "idempotency.in_progress",
+    )
+    resp.headers["Retry-After"] = str(retry_after_s)
+    return resp
+
+
+def _recovered(stored: dict[str, Any], parsed: ChatRequest) -> dict[str, Any]:
+    """The answer, as the first request would have had it, of a turn that turn recovery
+    ran again and stored under the key in neutral form
+    (:meth:`~leadgate.operations.idempotency.Idempotency.store_recovered`), made for
+    ``parsed`` (the retry's request, the same as the first: the same model name,
+    stream or not). The same every time: its ``id`` and ``created`` are stored."""
+    recovered = stored[RECOVERED]
+    cid, created = str(recovered["id"]), int(recovered["created"])
+    outcome: Outcome = Gated(None, None)
+    if not recovered.get("gated"):
+        counts = recovered.get("usage")
+        usage = Usage(int(counts[0]), int(counts[1])) if counts else None
+        outcome = Reply(str(recovered.get("content", "")), usage=usage)
+    if parsed.stream:
+        chunks = _Chunks(
+            web.StreamResponse(), cid, created, parsed.model, parsed.include_usage, True
+        )
+        role = f"data: {chunks._chunk({'role': 'assistant', 'content': ''}, None)}\n\n"
+        return {"status": 200, "frames": [role, *chunks.closing(outcome)]}
+    if isinstance(outcome, Reply):
+        return {"status": 200, "body": _completion(cid, parsed.model, created, outcome)}
+    return {"status": 409, "body": pending_body(gated=True)}
+
+
+async def _replay(
+    request: web.Request, stored: dict[str, Any], parsed: ChatRequest
+) -> web.StreamResponse:
     """The stored answer of an Idempotency-Key's first request, again."""
     headers = {"Idempotent-Replayed": "true"}
+    if RECOVERED in stored:
+        stored = _recovered(stored, parsed)
     frames = stored.get("frames")
     if isinstance(frames, list):
         response = web.StreamResponse(

@@ -205,7 +205,8 @@ OPERATIONS: list[Operation] = [
             "409": "LEAD_REVIEW_PENDING, its rule turn.gated (the turn is held for its lead; "
             "workItemId and revision null) or turn.busy (the session's work already waits "
             "for review: the message was not taken in); idempotency.in_progress (the first "
-            "request with this Idempotency-Key still runs; Retry-After); idempotency.lost "
+            "request with this Idempotency-Key, or turn recovery's rerun of its turn, "
+            "still runs; Retry-After); idempotency.lost "
             "(its answer was lost with its process, or to a database fault storing it: "
             "read the transcript). Never retried "
             "(x-should-retry: false)",

@@ -28,7 +28,8 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError, TurnInterrupted, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Trigger
+from leadgate.core.runners import drain
+from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Busy, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import (
@@ -38,6 +39,10 @@ from leadgate.operations.idempotency import (
     TTL_MS,
     fingerprint,
 )
+from leadgate.operations.sessions import api_session_key
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.turns import runs
+from leadgate.turns.intake import Accepted
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
@@ -62,11 +67,20 @@ class GateProvider:
 
 
 class FaultProvider:
-    """A model whose turn meets a database fault after the message was taken in."""
+    """A model whose turn meets a database fault after the message was taken in (a
+    message ``once``: only its first turn does; the next answers it)."""
+
+    def __init__(self) -> None:
+        self.faulted: set[str] = set()
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        if request.messages[-1].content == "model":
+        last = request.messages[-1].content
+        if last == "model":
             raise ModelError("the provider failed", rule="model.failed")
+        if last == "once" and last in self.faulted:
+            yield TextDelta("answered once the database was back")
+            return
+        self.faulted.add(last)
         fault = Unavailable("database is locked", rule="service.unavailable")
         fault.detail = "database is locked (what the driver said)"
         raise fault
@@ -334,17 +348,48 @@ async def test_the_first_requests_real_answer_outlives_the_takeovers_lost_answer
 
 
 async def claim_and_crash(
-    env: Env, text: str, key: str, session: str, *, taken_in: bool, model: str = "plain"
+    env: Env,
+    text: str,
+    key: str,
+    session: str,
+    *,
+    taken_in: bool,
+    model: str = "plain",
+    stream: bool = False,
 ) -> None:
     """What a process that took ``key`` and died leaves behind: the key's claim (and,
-    when ``taken_in``, the message, taken in under the claim's event id)."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}]}
+    when ``taken_in``, the message, taken in under the claim's event id). A worker with
+    a lead (``model``) has its turn recorded: the process died before running it, and
+    the run is left to a dead owner (:data:`DEAD`) for turn recovery."""
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": text}]}
+    if stream:
+        body["stream"] = True
     request_print = fingerprint(
         json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), session.encode()
     )
     claim = await env.service.idempotency.begin(env.org.principal, key, request_print)
     assert claim.action == "run"
-    if taken_in:
+    if taken_in and model in RECORDED:
+        turns = env.service.turns
+        turns.intake.owner = lambda: DEAD
+        try:
+            taken = await turns.take(
+                Trigger(
+                    org_id=env.org.id,
+                    agent_id=model,
+                    session_key=api_session_key(env.org.principal, session=session),
+                    text=text,
+                    binding=BindingSpec(BindingKind.api),
+                    external_event_id=claim.external_event_id,
+                )
+            )
+        finally:
+            turns.intake.owner = lambda: None
+        # (Busy: the session's item waits for its lead; recorded, no run.)
+        assert isinstance(taken, Busy) or (
+            isinstance(taken, Accepted) and taken.ctx.run_token is not None
+        ), taken
+    elif taken_in:
         await env.service.messages.send(
             env.org.principal,
             model,
@@ -369,6 +414,152 @@ async def test_a_crashed_first_request_is_taken_over_without_a_second_message(en
     resp = await env.chat("plain", "crash before intake", idem="k-c2", session="c2")
     assert resp.status == 200
     assert await env.user_messages("plain", "c2") == ["crash before intake"]
+
+
+#: A process that is not registered: the runs it leaves are a dead process's.
+DEAD = "prc_dead_process"
+#: The agents whose api turns are recorded as runs (those with a lead), as the crash
+#: tests below make them.
+RECORDED = ("worker", "gated-slow")
+
+
+async def runs_left(env: Env) -> list[tuple[str, str | None]]:
+    """The recorded runs: (policy, lease owner) each."""
+    async with env.service.db.read() as conn:
+        rows = (await conn.execute(sa.select(t.turn_runs))).all()
+    return [(r.policy, r.lease_owner) for r in rows]
+
+
+@pytest.mark.parametrize("found", [True, False], ids=["in-the-wait", "before-recovery"])
+async def test_a_keyed_retry_in_the_resend_wait_runs_the_cut_turn_once(
+    env: Env, found: bool
+) -> None:
+    """A keyed request to a worker with a lead: its message was taken in, its process
+    died before the turn ran. Turn recovery leaves the run to wait a minute for the
+    client's resend (``await``). The official client's retry with the same key comes in
+    that wait (or before recovery's pass found the run), once the key's claim lapsed:
+    it takes the run (fenced by its lease, as recovery claims it) and
+    runs the turn from the stored message, and gets the turn's answer. It was 409
+    ``idempotency.lost`` ("read the transcript"), and recovery reran the turn a minute
+    later for a transcript nobody was told to read. The request is worked once: one
+    user message, one answer, nothing left for recovery, and the key replays it."""
+    await claim_and_crash(env, "draft it", "k-w1", "w1", taken_in=True, model="worker")
+    recovery = TurnRecovery(env.service.turns)
+    env.clock.advance(30_000)  # the process is found dead (its heartbeat lapsed)
+    if found:
+        assert await drain(recovery) == 1
+        assert await runs_left(env) == [(runs.AWAIT, None)]
+    env.clock.advance(LEASE_MS - 30_000 + 1)  # the key's claim lapsed, the wait goes on
+    async with env.official() as client:
+        first = await answer_of(client, **keyed("k-w1", "w1", "worker", "draft it"))
+        assert await runs_left(env) == []
+        env.clock.advance(runs.RESEND_GRACE_MS)
+        assert await drain(recovery) == 0  # nothing left to rerun
+        again = await answer_of(client, **keyed("k-w1", "w1", "worker", "draft it"))
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"]["content"] == "Echo: draft it"
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    assert await env.transcript("worker", "w1") == [
+        ("user", "draft it"),
+        ("assistant", "Echo: draft it"),
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_keyed_retry_after_the_rerun_gets_the_reruns_answer(env: Env, stream: bool) -> None:
+    """A keyed request whose process died mid-turn, whose client retried with its key
+    only after turn recovery's wait: recovery reran the turn from the stored message and
+    stored its answer under the key, in the rerun's last transaction. The retry (through
+    the official client) gets that answer, as the first request would have had it (a
+    stream for a streamed request), and so does every later one, byte for byte. It was
+    409 ``idempotency.lost``: "read the transcript"."""
+    await claim_and_crash(
+        env, "draft it", "k-w2", "w2", taken_in=True, model="worker", stream=stream
+    )
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1  # none came: rerun
+    assert await runs_left(env) == []
+    request = keyed("k-w2", "w2", "worker", "draft it")
+    async with env.official() as client:
+        if stream:
+            chunks = await client.chat.completions.create(**request, stream=True)
+            parts = [c.choices[0].delta.content or "" async for c in chunks if c.choices]
+            assert "".join(parts) == "Echo: draft it"
+        else:
+            reply = await client.chat.completions.create(**request)
+            assert reply.choices[0].message.content == "Echo: draft it"
+            assert reply.model == "worker"
+    streamed: dict[str, Any] = {"stream": True} if stream else {}
+    first = await env.chat("worker", "draft it", idem="k-w2", session="w2", **streamed)
+    again = await env.chat("worker", "draft it", idem="k-w2", session="w2", **streamed)
+    assert first.status == again.status == 200
+    assert first.headers["Idempotent-Replayed"] == "true"
+    assert await first.read() == await again.read()
+    assert await env.transcript("worker", "w2") == [
+        ("user", "draft it"),
+        ("assistant", "Echo: draft it"),
+    ]
+
+
+async def test_a_keyed_retry_while_the_rerun_runs_waits_for_its_answer(env: Env) -> None:
+    """The retry comes while turn recovery reruns the turn (after the wait): the run is
+    a live process's, so the retry runs nothing and is told 409
+    ``idempotency.in_progress`` (``Retry-After``), the key's claim given back at once;
+    once the rerun committed, the retry gets its answer. It was 409
+    ``idempotency.lost``, before and after the rerun."""
+    await make_agent(env.service, env.org, "gated-slow", model="gate", lead="lead")
+    await claim_and_crash(env, "slowly", "k-w3", "w3", taken_in=True, model="gated-slow")
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)
+    rerun = asyncio.create_task(recovery.run_once())
+    request = keyed("k-w3", "w3", "gated-slow", "slowly")
+    try:
+        assert await eventually(lambda: env.gate.calls == 1)
+        async with env.official() as client:
+            waiting = await answer_of(client, **request)
+            assert waiting.status_code == 409, waiting.text
+            assert waiting.json()["error"]["rule"] == "idempotency.in_progress"
+            assert waiting.headers["Retry-After"] == str(RETRY_AFTER_MAX_S)
+            env.gate.release.set()
+            assert await rerun
+            reply = await client.chat.completions.create(**request)
+        assert reply.choices[0].message.content == "slow answer"
+    finally:
+        env.gate.release.set()
+        await asyncio.gather(rerun, return_exceptions=True)
+    assert env.gate.calls == 1  # one turn: the rerun's
+    assert await env.transcript("gated-slow", "w3") == [
+        ("user", "slowly"),
+        ("assistant", "slow answer"),
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_keyed_turn_interrupted_and_rerun_replays_the_reruns_answer(
+    env: Env, stream: bool
+) -> None:
+    """A keyed turn of a worker with a lead stops on a database fault: its client is
+    told 503 ``turn.interrupted`` ("do not send it again"), stored under the key, and
+    turn recovery reruns the turn (nobody sends it again). The rerun's answer is stored
+    over that 503, in the rerun's last transaction: the client's retry with the key
+    gets the answer. It was the 503 again, every time, the answer only in the
+    transcript."""
+    await make_agent(env.service, env.org, "faulty-worker", model="fault", lead="lead")
+    streamed: dict[str, Any] = {"stream": True} if stream else {}
+    told = await env.chat("faulty-worker", "once", idem="k-i1", session="i1", **streamed)
+    assert "turn.interrupted" in (await told.read()).decode()
+    assert await drain(TurnRecovery(env.service.turns)) == 1  # rerun in this process
+    retry = await env.chat("faulty-worker", "once", idem="k-i1", session="i1", **streamed)
+    assert retry.status == 200 and retry.headers["Idempotent-Replayed"] == "true"
+    assert "answered once the database was back" in (await retry.read()).decode()
+    assert await env.transcript("faulty-worker", "i1") == [
+        ("user", "once"),
+        ("assistant", "answered once the database was back"),
+    ]
 
 
 async def test_a_takeover_that_fails_before_its_intake_keeps_the_first_event_id(
