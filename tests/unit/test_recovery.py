@@ -7,6 +7,7 @@ both databases.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -640,3 +641,51 @@ async def test_a_rest_intake_in_doubt_that_lands_late_is_run_only_if_not_sent_ag
     assert await count(stack, t.turn_runs) == 0
     item = await item_row(stack, await session_item(stack, "s1"))
     assert item["status"] == ("reviewQueued" if read_back == "fails" else "inProgress")
+
+
+async def test_a_keyed_retry_takes_only_a_run_nobody_runs(stack: Stack) -> None:
+    """``claim_for_retry``: an Idempotency-Key's retry takes its message's run only when
+    turn recovery would run it (a dead owner's, or one waiting for its client's resend),
+    under a lease of its own that recovery then leaves alone; a run a live process holds
+    (recovery's rerun, or another retry's) is not the retry's (``RUN_BUSY``); no run
+    left is None."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    live = await alive_here(stack)
+
+    async def cut(text: str, event: str) -> None:
+        stack.turns.intake.owner = lambda: DEAD
+        trigger = api_trigger(org, worker, text, session=event)
+        taken = await stack.turns.take(dataclasses.replace(trigger, external_event_id=event))
+        assert isinstance(taken, Accepted) and taken.ctx.run_token
+
+    async def retry(event: str) -> runs.Claimed | str | None:
+        return await runs.claim_for_retry(
+            stack.db, stack.clock, stack.ids, external_event_id=event, owner=live.id
+        )
+
+    async def recover() -> runs.Claimed | None:
+        return await runs.claim(
+            stack.db, stack.clock, stack.ids, owner=live.id, orphans=set(), lost=stack.turns.lost
+        )
+
+    await cut("draft it", "idem:a")
+    waiting = await recover()
+    assert waiting is not None and waiting.action == runs.WAITING
+    retried = await retry("idem:a")
+    assert isinstance(retried, runs.Claimed) and retried.action == runs.RERUN
+    stack.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await recover() is None  # the retry's process is alive: never two runs
+    assert await retry("idem:a") == runs.RUN_BUSY  # nor a second retry
+    async with stack.db.tx() as conn:
+        await runs.finish(conn, retried.token, fenced=True)
+    assert await retry("idem:a") is None  # its turn ended
+    # Recovery's rerun holds the run: the retry takes nothing.
+    await cut("draft that", "idem:b")
+    assert await recover() is not None  # waits for a resend
+    stack.clock.advance(runs.RESEND_GRACE_MS + 1)
+    rerun = await recover()
+    assert rerun is not None and rerun.action == runs.RERUN
+    assert rerun.external_event_ids == ("idem:b",)
+    assert await retry("idem:b") == runs.RUN_BUSY
