@@ -18,7 +18,8 @@ def one_row(claim: sa.CTE) -> sa.Join:
     """``(SELECT 1) LEFT JOIN claim ON true``: the FROM of a claim statement that answers
     one row even when ``claim`` (a locked pick, or the move of one) took none, its
     columns NULL then, so that the statement still reports what it saw beside the claim
-    (whether rows it skipped as locked by another transaction were there)."""
+    (whether rows it skipped as locked by another transaction were there). A claim of
+    several rows answers one row for each."""
     return sa.select(sa.literal(1)).subquery("one").outerjoin(claim, sa.true())
 
 

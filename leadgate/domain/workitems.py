@@ -26,7 +26,7 @@ from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, notify_sender
 from leadgate.database.plans import AnyRow
-from leadgate.database.sql import later_of, unindexed
+from leadgate.database.sql import later_of, one_row, unindexed
 from leadgate.domain import session_events, wakes
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.wakes import Wake
@@ -548,36 +548,50 @@ async def active_for(
     return None if row is None else WorkItem.from_row(row)
 
 
-#: The items the sweeper abandons: ``inProgress`` and idle since ``p_cutoff``, with each
-#: one's binding kind (a primary key lookup per item found idle; none when nothing is).
-#: The kind is a scalar subquery, not a join, so that the PostgreSQL form
-#: (:meth:`Database.skip_locked`) locks the work items alone. Built once: the plan cache
-#: keys on the statement object.
-_IDLE = (
-    sa.select(
-        W.id,
+#: The items the sweeper abandons: ``inProgress`` and idle since ``p_cutoff``.
+_IS_IDLE = (W.status == S.inProgress.value, W.last_activity_at <= sa.bindparam("p_cutoff"))
+
+
+def _binding_kind(binding_id: sa.ColumnElement[Any]) -> sa.Label[Any]:
+    """The kind of binding ``binding_id`` (a primary key lookup per item found idle;
+    none when nothing is). A scalar subquery, not a join, so that the PostgreSQL pick
+    locks the work items alone."""
+    return (
         sa.select(t.bindings.c.kind)
-        .where(t.bindings.c.id == W.binding_id)
+        .where(t.bindings.c.id == binding_id)
         .scalar_subquery()
-        .label("kind"),
+        .label("kind")
     )
-    .where(W.status == S.inProgress.value, W.last_activity_at <= sa.bindparam("p_cutoff"))
+
+
+#: SQLite: the sweep's pick, each item with its binding kind. Built once: the plan cache
+#: keys on the statement object.
+_IDLE = sa.select(W.id, _binding_kind(W.binding_id)).where(*_IS_IDLE).limit(sa.bindparam("p_limit"))
+#: PostgreSQL: the items picked, locked; those another transaction holds are skipped.
+_PICKED = (
+    sa.select(W.id, W.binding_id)
+    .where(*_IS_IDLE)
     .limit(sa.bindparam("p_limit"))
+    .with_for_update(skip_locked=True)
+    .cte("picked")
 )
-#: PostgreSQL, after a sweep's moves: whether idle items are left all the same, the ones
-#: its pick skipped as row-locked by another transaction.
-_IDLE_LEFT = sa.select(
-    sa.exists().where(
-        W.status == S.inProgress.value, W.last_activity_at <= sa.bindparam("p_cutoff")
-    )
-)
+#: PostgreSQL: the sweep's pick as one statement that answers at least one row
+#: (:func:`leadgate.database.sql.one_row`; an idle pass's is all NULL but ``locked``),
+#: each item with its binding kind, and ``locked``: whether idle items were there that
+#: the pick did not take (skipped as row-locked by another transaction, when it took
+#: fewer than its limit). Asking that in a second statement cost every pass, idle ones
+#: included, a round trip more.
+_IDLE_LOCKED = sa.select(
+    _PICKED.c.id,
+    _binding_kind(_PICKED.c.binding_id),
+    sa.exists().where(*_IS_IDLE, W.id.not_in(sa.select(_PICKED.c.id))).label("locked"),
+).select_from(one_row(_PICKED))
 _ABANDON = (
     t.work_items.update()
     .where(
         W.id == sa.bindparam("p_id"),
         # Fenced on idleness too: an append racing the sweeper wins.
-        W.status == S.inProgress.value,
-        W.last_activity_at <= sa.bindparam("p_cutoff"),
+        *_IS_IDLE,
     )
     .values(status=S.abandoned.value, updated_at=_MOVED_AT)
     .returning(W.org_id, W.session_id, W.revision, W.updated_at)
@@ -610,7 +624,13 @@ async def sweep_abandoned(
     waiting move would keep its row lock to the sweep's commit all the same. A skipped
     item is reported (:attr:`Swept.locked`): the caller looks again soon."""
     cutoff = clock.now_ms() - idle_ms
-    rows = (await conn.execute(db.skip_locked(_IDLE), {"p_cutoff": cutoff, "p_limit": limit})).all()
+    args = {"p_cutoff": cutoff, "p_limit": limit}
+    rows = (await conn.execute(_IDLE_LOCKED if db.is_postgres else _IDLE, args)).all()
+    # (PostgreSQL: an idle pass's one row took nothing; a full pick may have left more,
+    # locked or not, and the caller sweeps again at once.)
+    locked = db.is_postgres and bool(rows[0].locked)
+    rows = [row for row in rows if row.id is not None]
+    locked = locked and len(rows) < limit
     moved = 0
     flow_ended = False
     for row in rows:
@@ -644,12 +664,6 @@ async def sweep_abandoned(
         flow_ended = flow_ended or row.kind == BindingKind.flow.value
     if flow_ended:
         await wakes.after_commit(conn, Wake.flow)
-    # A full pick may have left more, locked or not: the caller sweeps again at once.
-    locked = (
-        db.is_postgres
-        and len(rows) < limit
-        and bool(await conn.scalar(_IDLE_LEFT, {"p_cutoff": cutoff}))
-    )
     return Swept(moved, locked)
 
 

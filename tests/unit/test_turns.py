@@ -1185,7 +1185,8 @@ async def test_the_sweeper_skips_an_idle_item_another_transaction_holds_and_look
     sweep does not wait for it: it abandons the other one and returns (waiting, its pass
     stalled with every due item after the locked one, and held the rows it had moved).
     The loop looks again LOCKED_RECHECK_MS on, not at the poll, and the pass after the
-    lock is gone abandons the held item; each move is audited and counted once."""
+    lock is gone abandons the held item; each move is audited and counted once. An idle
+    pass is one statement (with BEGIN and COMMIT)."""
     stack, _ = rig
     org = await make_org(stack)
     worker = await lead_worker(stack, org)
@@ -1212,6 +1213,13 @@ async def test_the_sweeper_skips_an_idle_item_another_transaction_holds_and_look
         actions = [a["action"] for a in await item_audit(stack, item_id)]
         assert actions.count("abandon") == 1, actions
     assert transitions_counted("inProgress", "abandoned") == abandoned + 2
+    # An idle pass (an item in progress, not due yet, its time known) is its pick alone:
+    # whether locked items were left is part of it, not a statement more.
+    await stack.turns.run(api_trigger(org, worker, "new task", session="new"))
+    assert await sweeper.run_once() is False
+    with stack.db.record_statements() as idle:
+        assert await sweeper.run_once() is False
+    assert (idle[0], len(idle), idle[-1]) == ("BEGIN", 3, "COMMIT"), idle
 
 
 async def test_idle_in_progress_items_are_abandoned_after_7_days(
