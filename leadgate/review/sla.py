@@ -14,13 +14,14 @@ same episode matches no row and writes nothing. An expiry first moves the work i
 item and then closes the episode), so a decision and an expiry racing each other make
 exactly one outcome. Time comes from the injectable clock.
 
-PostgreSQL: an expiry locks its item without waiting (``FOR UPDATE SKIP LOCKED``) and
-leaves it when another transaction holds it (a person's decision on it not committed
-yet, a turn's intake): a move that waited would stall the pass, every episode due after
-it with it, behind a transaction of any length. The pass looks again
-:data:`leadgate.core.runners.LOCKED_RECHECK_MS` on (:meth:`SlaRunner.due_in_s`): the
-holder may commit with no wake-up for this runner. The episode is still due then, unless
-that commit decided the item (and closed it).
+PostgreSQL: a firing locks the row it moves without waiting (``FOR UPDATE SKIP
+LOCKED``): an expiry its item, a reminder or an escalation its episode. It leaves the
+episode when another transaction holds that row (a person's decision on the item not
+committed yet, which closed the episode too; a turn's intake): a move that waited would
+stall the pass, every episode due after it with it, behind a transaction of any length.
+The pass looks again :data:`leadgate.core.runners.LOCKED_RECHECK_MS` on
+(:meth:`SlaRunner.due_in_s`): the holder may commit with no wake-up for this runner. The
+episode is still due then, unless that commit decided the item (and closed it).
 
 A pass that leaves nothing due also reads when the next timer falls due (the earliest
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
@@ -66,6 +67,19 @@ _NEXT_DUE = (
 #: :meth:`Database.skip_locked`), and whether it exists (told apart from one skipped).
 _ITEM = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
 _ITEM_THERE = sa.select(sa.exists().where(W.id == sa.bindparam("p_id")))
+#: PostgreSQL: the episode a reminder or an escalation moves, locked unless another
+#: transaction holds it (its fenced update matches nothing then, and does not wait for
+#: it); an alias, or the update would correlate it with itself.
+_LOCKED = t.review_episodes.alias("locked")
+_EPISODE = sa.select(_LOCKED.c.id).where(_LOCKED.c.id == sa.bindparam("p_id"))
+#: Whether the episode is still open and due at ``p_due``: a fenced update that matched
+#: nothing then did so because another transaction held it (told apart from a firing of
+#: another runner or a decision that committed first).
+_STILL_DUE = sa.select(
+    sa.exists().where(
+        E.id == sa.bindparam("p_id"), E.closed_at.is_(None), E.due_at == sa.bindparam("p_due")
+    )
+)
 
 
 class SlaRunner:
@@ -91,8 +105,8 @@ class SlaRunner:
         self.batch = batch
         #: the earliest timer not due at the last pass that left nothing due (None: none)
         self._next_due: int | None = None
-        #: PostgreSQL: when to look again at expiries whose item the last pass found
-        #: row-locked by another transaction (None: it found none)
+        #: PostgreSQL: when to look again at firings whose row (item or episode) the last
+        #: pass found row-locked by another transaction (None: it found none)
         self._locked_look: int | None = None
         #: Set by the composition root to the loop's wake (see :meth:`timers_opened`).
         self.wake: Callable[[], None] = lambda: None
@@ -104,8 +118,8 @@ class SlaRunner:
         every replica's episodes as of that pass: a timer fired or closed since makes the
         loop wake early and look again; an episode opened since with an earlier timer
         wakes the loop at its commit (:meth:`timers_opened`: in this process, and on
-        PostgreSQL from another replica's NOTIFY). Sooner when the last pass left an
-        expiry because its item was row-locked: :data:`LOCKED_RECHECK_MS` on."""
+        PostgreSQL from another replica's NOTIFY). Sooner when the last pass left a
+        firing because its row was row-locked: :data:`LOCKED_RECHECK_MS` on."""
         return seconds_until(self.clock.now_ms(), self._next_due, self._locked_look)
 
     def timers_opened(self, due_at: list[Any]) -> None:
@@ -154,8 +168,8 @@ class SlaRunner:
 
     async def _fire(self, conn: Conn, ep: Any, now: int) -> int | None:
         """Fire what of episode ``ep`` is due at ``now``: the firings made (0 when another
-        runner or a decision was first), None when its expiry's item was row-locked by
-        another transaction (nothing written)."""
+        runner or a decision was first), None when the row it moves (its expiry's item,
+        or the episode) was row-locked by another transaction (nothing written)."""
         if ep.expire_at is not None and ep.expire_at <= now:
             return await self._expire(conn, ep)
         purposes: list[str] = []
@@ -174,18 +188,26 @@ class SlaRunner:
         if escalate_at is not None and escalate_at <= now:
             purposes.append("escalation")
             escalate_at, escalated_at = None, now
+        db = self.db
         moved = await conn.execute(
             t.review_episodes.update()
-            .where(E.id == ep.id, E.closed_at.is_(None), E.due_at == ep.due_at)
+            .where(
+                E.id == (db.skip_locked(_EPISODE).scalar_subquery() if db.is_postgres else ep.id),
+                E.closed_at.is_(None),
+                E.due_at == ep.due_at,
+            )
             .values(
                 next_remind_at=next_remind,
                 reminders=reminders,
                 escalate_at=escalate_at,
                 escalated_at=escalated_at,
                 due_at=earliest(next_remind, escalate_at, ep.expire_at),
-            )
+            ),
+            {"p_id": ep.id},
         )
         if not moved.rowcount:
+            if await self._held(conn, _STILL_DUE, {"p_id": ep.id, "p_due": ep.due_at}):
+                return None  # looked at again soon
             return 0  # another runner fired it, or a decision closed it
         for purpose in purposes:
             await self.notifier.post_again(conn, ep, purpose)
@@ -194,14 +216,17 @@ class SlaRunner:
             log.info("review %s: %s for work item %s", ep.id, purpose, ep.work_item_id)
         return len(purposes)
 
+    async def _held(self, conn: Conn, there: sa.Select[Any], params: dict[str, Any]) -> bool:
+        """Whether the row a firing's skip-locked statement did not take was left because
+        another transaction holds it: on PostgreSQL, ``there`` (read after that
+        statement) still finds it as the firing saw it. Never on SQLite, which has no row
+        locks (its writers take turns)."""
+        return self.db.is_postgres and bool(await conn.scalar(there, params))
+
     async def _expire(self, conn: Conn, ep: Any) -> int | None:
         found = (await conn.execute(self.db.skip_locked(_ITEM), {"p_id": ep.work_item_id})).first()
-        if (
-            found is None
-            and self.db.is_postgres
-            and await conn.scalar(_ITEM_THERE, {"p_id": ep.work_item_id})
-        ):
-            return None  # held by another transaction: looked at again soon
+        if found is None and await self._held(conn, _ITEM_THERE, {"p_id": ep.work_item_id}):
+            return None  # looked at again soon
         item = None if found is None else WorkItem.from_row(found)
         if item is None or item.status != Status.awaitingHuman.value:
             # Should not happen (every way out of awaitingHuman closes the episode).

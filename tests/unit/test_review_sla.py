@@ -327,6 +327,38 @@ async def test_a_decision_holding_an_expiring_item_makes_the_one_outcome(
     assert metric(METRICS.expiries) == expiries
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_decision_holding_an_episode_due_a_reminder_stalls_no_pass(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: reminders fall due on two items' episodes at once, and a person's
+    approval of one is not committed yet (it closed that episode and holds its row
+    lock to its commit, however long its transaction runs). The pass does not wait for
+    it: it reminds about the other and returns (waiting, the reminder's fenced update
+    stalled the pass, every episode due after it with it). The loop looks again
+    LOCKED_RECHECK_MS on, and once the approval commits that look finds the episode
+    closed: no reminder for it, nothing more due."""
+    env = await review_env(make_stack, remind_after="30m")
+    held, free = [await env.escalated(session) for session in ("held", "free")]
+    reminders = metric(METRICS.reminders)
+    env.stack.clock.advance(30 * MINUTE_MS)
+
+    async def approve(conn: Conn) -> None:
+        item = await workitems.get(conn, held)
+        await decisions.decide(conn, env.stack.outbox, item, "approve", "user:x")
+
+    async with held_open(env.stack.db, approve):
+        assert await asyncio.wait_for(env.sla.run_once(), 5)
+        assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    assert not await env.sla.run_once()
+    assert env.sla.due_in_s() is None
+    assert [p for p, _ in purposes(await env.deliveries(free, "card"))] == ["notify", "reminder"]
+    assert [p for p, _ in purposes(await env.deliveries(held, "card"))] == ["notify"]
+    assert metric(METRICS.reminders) == reminders + 1
+    [episode] = await env.episodes(held)
+    assert (episode["reminders"], episode["closed_at"] is not None) == (0, True)
+
+
 async def test_agent_and_organization_overrides_apply_when_the_wait_starts(
     make_stack: Callable[..., Stack],
 ) -> None:
