@@ -137,6 +137,18 @@ def refused(exc: BaseException) -> bool:
     return False
 
 
+def lock_not_granted(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL's ``55P03`` lock_not_available: a lock waited for
+    past the transaction's ``lock_timeout`` (or asked for ``NOWAIT``). The statement
+    failed and its transaction rolls back; the row is held by another transaction, so a
+    runner that bounded its wait on purpose looks again rather than reporting a fault."""
+    for item in _chain(exc):
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if state == "55P03":
+            return True
+    return False
+
+
 #: PostgreSQL's corruption codes (class XX, "internal error"): what each says to do.
 _PG_DAMAGE = {
     "XX001": ("data_corrupted", "restore the damaged data from a backup"),

@@ -62,6 +62,7 @@ from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, Held, held_counts
+from leadgate.database.faults import lock_not_granted
 from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import wakes, workitems
@@ -895,6 +896,13 @@ _SETTLED = (
 #: The moves that follow need none of those locks: each is fenced in its own ``WHERE``
 #: (see :meth:`FlowResumer.run_once`). SQLite has no row locks: it runs :data:`_SETTLED`.
 _PICK = _SETTLED.with_for_update(of=t.continuations, skip_locked=True)
+#: PostgreSQL: the read and the pick but for the continuations in ``p_left``, whose last
+#: pass met a lock wait past its bound (:attr:`FlowResumer.lock_wait_s`): the other
+#: approved flows go on meanwhile. (Only then: the expanding list is compiled again at
+#: every execution.)
+_LEFT = C.id.not_in(sa.bindparam("p_left", expanding=True))
+_SETTLED_BUT = _SETTLED.where(_LEFT)
+_PICK_BUT = _PICK.where(_LEFT)
 
 
 class _ItemMoved(TransitionError):
@@ -909,11 +917,18 @@ class FlowResumer:
 
     name = "flow-resume"
 
-    def __init__(self, flows: FlowService) -> None:
+    def __init__(self, flows: FlowService, *, lock_wait_s: float | None = None) -> None:
         self.flows = flows
+        #: PostgreSQL: how long a pass's moves wait for a row lock another transaction
+        #: holds (``lock_timeout``) before the pass gives up and leaves that continuation
+        #: for :data:`LOCKED_RECHECK_MS`; ``[database] busy_timeout_s`` unless given
+        self.lock_wait_s = flows.db.busy_timeout_s if lock_wait_s is None else lock_wait_s
         #: when to look again after a pass whose locked pick skipped the settled
         #: continuation its read found (PostgreSQL; None: the last pass did not)
         self._locked_look: int | None = None
+        #: PostgreSQL: continuations whose pass met a lock wait past :attr:`lock_wait_s`,
+        #: each with when it is taken again; the reads pass them over until then
+        self._left: dict[str, int] = {}
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the look again after a pass whose read found a
@@ -926,7 +941,9 @@ class FlowResumer:
         wake-up to follow (another replica's pass that met a database fault and rolled
         back), and the run would wait for the poll. Row locks on the continuation's run,
         session or work item hide nothing from the pick: a move that needs such a row
-        waits for it, as any writer does."""
+        waits for it, up to :attr:`lock_wait_s`. A pass that waited longer left its
+        continuation for :data:`LOCKED_RECHECK_MS`; when nothing else is settled, this
+        is until that look again."""
         return seconds_until(self.flows.clock.now_ms(), self._locked_look)
 
     async def run_once(self) -> bool:
@@ -944,25 +961,44 @@ class FlowResumer:
         committed after the pick read it) rolls the pass back (:class:`_ItemMoved`):
         True, the loop looks again at once and ends the run as the item ended. A resumed
         run's paused run is only read; the node's session is written only as any item
-        move writes it (its event counter, waited for when another holds it)."""
+        move writes it (its event counter, waited for when another holds it).
+
+        The moves wait for a row another transaction holds no longer than
+        :attr:`lock_wait_s` (PostgreSQL ``lock_timeout``): past it (``55P03``, a fault
+        not in doubt) the pass rolls back, logs it at INFO, leaves that continuation for
+        :data:`LOCKED_RECHECK_MS` and returns True: the next pass, at once, takes any
+        other settled one. Waiting with no bound, one item held by a long transaction
+        stalled this loop, every other approved flow with it."""
         db = self.flows.db
+        clock = self.flows.clock
         self._locked_look = None
+        now = clock.now_ms()
+        self._left = {cont: due for cont, due in self._left.items() if due > now}
+        read, pick = (_SETTLED_BUT, _PICK_BUT) if self._left else (_SETTLED, _PICK)
+        args = {"p_left": list(self._left)} if self._left else {}
         # Read first: every approval wakes this runner, and almost none of them concerns
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
-            if (await conn.execute(_SETTLED)).first() is None:
+            if (await conn.execute(read, args)).first() is None:
+                self._locked_look = min(self._left.values(), default=None)
                 return False
         outcome: RunLease | str | None = None  # (set before the commit)
         held: Held = ()
+        taken: str | None = None
         try:
             async with db.tx() as conn:
                 held = held_counts(conn)
-                row = (await conn.execute(_PICK if db.is_postgres else _SETTLED)).first()
+                row = (await conn.execute(pick if db.is_postgres else read, args)).first()
                 if row is None:
                     # Locked (or settled by another replica since the read: the look
                     # again then finds nothing, one read).
-                    self._locked_look = self.flows.clock.now_ms() + LOCKED_RECHECK_MS
+                    self._locked_look = clock.now_ms() + LOCKED_RECHECK_MS
                     return False
+                taken = row.id
+                # The moves wait for rows another transaction holds (the item, its
+                # session), bounded: unbounded, one held item stalled this loop, every
+                # other approved flow with it, for as long as its holder ran.
+                await _bound_lock_waits(conn, self.lock_wait_s)
                 if row.item_status != Status.approved.value:
                     outcome = await self._end(conn, row)
                 else:
@@ -972,13 +1008,24 @@ class FlowResumer:
             log.info("%s; looking again", moved.message)
             return True
         except Unavailable as fault:
+            if taken is not None and not fault.in_doubt and lock_not_granted(fault):
+                # Rolled back, nothing of it stored: the holder may commit with no
+                # wake-up for this runner. The others go on meanwhile (True: at once).
+                self._left[taken] = clock.now_ms() + LOCKED_RECHECK_MS
+                log.info(
+                    "flow continuation %s: a row it moves stayed locked by another "
+                    "transaction past %.3g s; looking again",
+                    taken,
+                    self.lock_wait_s,
+                )
+                return True
             if fault.in_doubt and isinstance(outcome, RunLease):
                 # The new run may have landed, leased to this process with nothing
                 # executing it: the flow recovery looks for it (at once, then at
                 # doubling gaps) and continues it, not after its lease.
                 # Its item's move, which a commit in doubt does not count, is counted
                 # if the look finds the run.
-                now = self.flows.clock.now_ms()
+                now = clock.now_ms()
                 lost = LostRun(outcome.token, tuple(held))
                 self.flows.lost.watch(lost, due=now, lapses=now + RUN_LEASE_MS)
             raise

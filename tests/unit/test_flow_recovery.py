@@ -62,6 +62,7 @@ from tests.helpers import (
     blocked_on_a_lock,
     eventually,
     held_open,
+    item_locked,
     make_agent,
     make_org,
     transitions_counted,
@@ -135,25 +136,28 @@ async def _flow(stack: Stack, org: Org, nodes: list[dict[str, Any]]) -> str:
     return str(flow["id"])
 
 
-async def _reviewed_flow(stack: Stack, nodes: list[dict[str, Any]]) -> tuple[Org, str]:
-    """An organization with a lead and a worker it reviews, and a flow of ``nodes``: the
-    organization and the flow's id."""
-    org = await make_org(stack)
+async def _reviewed_flow(
+    stack: Stack, nodes: list[dict[str, Any]], org_name: str = "acme"
+) -> tuple[Org, str]:
+    """An organization (``org_name``) with a lead and a worker it reviews, and a flow of
+    ``nodes``: the organization and the flow's id."""
+    org = await make_org(stack, org_name)
     await make_agent(stack, org, "lead")
     await make_agent(stack, org, "worker", lead="lead")
     return org, await _flow(stack, org, nodes)
 
 
-async def _paused_and_approved(stack: Stack) -> tuple[Org, str]:
-    """An organization with a lead and a reviewed worker, and the run of a flow (the
-    worker's node, then an output) paused at the node, whose item the lead approved:
-    the organization and the paused run's id."""
+async def _paused_and_approved(stack: Stack, org_name: str = "acme") -> tuple[Org, str]:
+    """An organization (``org_name``) with a lead and a reviewed worker, and the run of a
+    flow (the worker's node, then an output) paused at the node, whose item the lead
+    approved: the organization and the paused run's id."""
     org, flow_id = await _reviewed_flow(
         stack,
         [
             {"type": "agent", "agent": "worker", "prompt": "one #complete"},
             {"type": "output", "value": "end"},
         ],
+        org_name,
     )
     paused_id = await stack.flows.start(org.id, flow_id)
     await stack.settle()  # the lead approves
@@ -804,6 +808,49 @@ async def test_a_row_lock_on_a_settled_continuations_run_session_or_item_does_no
     [cont] = (await _view(second, org, paused_id))["continuations"]
     done = await _view(second, org, cont["resumedRunId"])
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_resume_waits_for_a_held_item_no_longer_than_its_bound_and_others_go_on(
+    second: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL: two flows' nodes were approved, and another transaction holds the
+    first one's item row-locked far longer than the resumer's lock wait is bounded
+    (``lock_wait_s``; ``[database] busy_timeout_s`` in the service). The pass that takes
+    that continuation gives up waiting at the bound (lock_timeout, 55P03), rolls back
+    and leaves it for LOCKED_RECHECK_MS; the next pass resumes the other flow, and the
+    one after finds only the left one and sleeps until its look again: no pass waits
+    past the bound, nothing is logged as an error. Once the lock is gone the left flow
+    is resumed. Before, the move waited for the lock with no bound, and every other
+    approved flow with it."""
+    left, right = [await _paused_and_approved(second, name) for name in ("left", "right")]
+    async with second.db.read() as conn:
+        held = str(await conn.scalar(_node_rows(left[1])["item"]))
+    resumer = FlowResumer(second.flows, lock_wait_s=0.2)
+
+    async def resumed(org_and_run: tuple[Any, str]) -> bool:
+        [cont] = (await _view(second, *org_and_run))["continuations"]
+        return bool(cont["status"] == "resumed")
+
+    with caplog.at_level(logging.INFO, logger="leadgate.flows"):
+        async with held_open(second.db, item_locked(held)):
+            assert await asyncio.wait_for(resumer.run_once(), 5)
+            assert await asyncio.wait_for(resumer.run_once(), 5)
+            assert (await resumed(left), await resumed(right)) == (False, True)
+            assert not await asyncio.wait_for(resumer.run_once(), 5)
+            assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
+            clock.advance(LOCKED_RECHECK_MS)  # (the look again meets the lock again)
+            assert await asyncio.wait_for(resumer.run_once(), 5)
+            assert not await resumed(left)
+    said = [r for r in caplog.records if r.name.startswith("leadgate.flows")]
+    assert said and all(r.levelno == logging.INFO for r in said), said
+    clock.advance(LOCKED_RECHECK_MS)
+    assert await resumer.run_once()
+    [cont] = (await _view(second, *left))["continuations"]
+    done = await _view(second, left[0], cont["resumedRunId"])
+    assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+    assert not await resumer.run_once()
+    assert resumer.due_in_s() is None
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
