@@ -187,6 +187,14 @@ def count_held(held: Held) -> None:
         counter.inc(amount)
 
 
+def count_found(held: list[tuple[Counted, float]]) -> None:
+    """Make the counts ``held`` of a write in doubt that a look found landed, and empty
+    the list: the same write found again, by this look or another that keeps the same
+    list, counts nothing more."""
+    count_held(held)
+    held.clear()
+
+
 def damage_met(conn: Conn, exc: BaseException) -> DatabaseDamaged | None:
     """The :class:`DatabaseDamaged` that ``exc``, met by a statement inside the write
     transaction of ``conn`` and handled there (a SAVEPOINT rolled back), stands for, as

@@ -273,6 +273,7 @@ async def transition(
     surface: str | None = None,
     identity: str | None = None,
     then: Then | None = None,
+    audit_id: str | None = None,
 ) -> WorkItem:
     """Move ``item_id`` from ``src`` to ``dst``, fenced by status (and lease token).
 
@@ -281,6 +282,9 @@ async def transition(
     event, and nobody can see the item at ``dst`` (the transaction holds both). It
     costs one statement where two transitions took two, and the item's indexes are
     written once.
+
+    ``audit_id``: the move's audit row's id, made by the caller beforehand (the lead
+    runner's verdict: a commit in doubt is looked for by it); else a new one.
 
     Raises :class:`TransitionError` when the table forbids the move or no row matched.
     """
@@ -320,6 +324,8 @@ async def transition(
         identity=identity,
         created_at=row.updated_at,
     )
+    if audit_id is not None:
+        first["id"] = audit_id
     item = WorkItem.from_row(row)
     if then is None:
         await conn.execute(_INSERT_AUDIT, first)

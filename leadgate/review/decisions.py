@@ -19,7 +19,7 @@ from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn, Counted, Database, count_held
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import later_of_sql
 from leadgate.domain import session_events, wakes, workitems
@@ -71,6 +71,7 @@ async def commit_verdict(
     lease_token: str | None = None,
     surface: str | None = None,
     identity: str | None = None,
+    audit_id: str | None = None,
 ) -> WorkItem:
     """Commit a verdict on ``item`` (currently ``src``); returns the updated row.
 
@@ -78,6 +79,8 @@ async def commit_verdict(
     (and, when it has nothing to send, completes the item there: the row returned is
     then ``completed``);
     changes requested without rounds left, and an escalation, go to a human.
+    ``audit_id``: the verdict's audit row's id, made beforehand (see
+    :func:`workitems.transition`).
     """
     values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None}
     gating: dict[str, Any] | None = None
@@ -120,6 +123,7 @@ async def commit_verdict(
         surface=surface,
         identity=identity,
         then=then,
+        audit_id=audit_id,
     )
     if gating is not None and then is None:
         await outbox.write_gating(conn, gating)
@@ -253,6 +257,8 @@ async def approve_alone(
     *,
     actor: str,
     feedback: str | None,
+    audit_id: str | None = None,
+    held: list[tuple[Counted, float]] | None = None,
 ) -> bool:
     """PostgreSQL: :func:`commit_verdict` of a lead's approval of ``item`` (``reviewing``
     under its lease) as one statement outside a transaction block, when its gating
@@ -269,15 +275,55 @@ async def approve_alone(
 
     False, with nothing written, for another binding, when the lease is lost, or when
     the binding is no longer the session's active one: :func:`commit_verdict` then
-    decides as before."""
+    decides as before.
+
+    ``audit_id``: the approval's audit row's id, made beforehand (the lead runner looks
+    for it after a fault in doubt). ``held``: what the approval counts when it lands,
+    the caller's counts (its verdict's) to which it adds its own moves (and a reveal's
+    delivery) before its statement runs; made here when the statement lands, as a
+    transaction makes what it holds at its commit. When the statement ends in doubt
+    they are the caller's to keep for its look (:func:`leadgate.database.db.count_found`);
+    when it writes nothing, its own are taken out again."""
     if not db.statements_alone:
         return False
+    counts = [] if held is None else held
+    audit = outbox.ids.new("aud") if audit_id is None else audit_id
+    mark = len(counts)
     if binding_kind in REVEAL_KINDS:
-        return await _reveal(
-            db, outbox, item, binding_id, binding_kind, actor=actor, feedback=feedback
+        counts += [
+            (labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value), 1),
+            (labelled(METRICS.transitions, Status.approved.value, Status.completed.value), 1),
+            (labelled(METRICS.deliveries, binding_kind, "sent"), 1),
+        ]
+        landed = await _reveal(
+            db, outbox, item, binding_id, actor=actor, feedback=feedback, audit_id=audit
         )
-    if binding_kind not in POST_KINDS:
+    elif binding_kind in POST_KINDS:
+        counts.append(
+            (labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value), 1)
+        )
+        landed = await _post(
+            db, outbox, item, binding_id, actor=actor, feedback=feedback, audit_id=audit
+        )
+    else:
         return False
+    if not landed:
+        del counts[mark:]
+        return False
+    count_held(counts)
+    return True
+
+
+async def _post(
+    db: Database,
+    outbox: Outbox,
+    item: WorkItem,
+    binding_id: str,
+    *,
+    actor: str,
+    feedback: str | None,
+    audit_id: str,
+) -> bool:
     now = outbox.clock.now_ms()
     values = outbox.post_values(item, now)
     handed = outbox.claim_for_local(values, now)
@@ -305,7 +351,7 @@ async def approve_alone(
             "item": item.id,
             "lease": item.lease_token,
             "now": now,
-            "audit_id": outbox.ids.new("aud"),
+            "audit_id": audit_id,
             "actor": actor,
             "feedback": feedback,
             "d_id": values["id"],
@@ -321,10 +367,7 @@ async def approve_alone(
         # a fault may hide a commit: the relay gives the claimed post back if it exists
         in_doubt=[(HANDOFF_TOPIC, values)] if handed else (),
     )
-    if result.first() is None:
-        return False
-    labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value).inc()
-    return True
+    return result.first() is not None
 
 
 async def _reveal(
@@ -332,10 +375,10 @@ async def _reveal(
     outbox: Outbox,
     item: WorkItem,
     binding_id: str,
-    channel: str,
     *,
     actor: str,
     feedback: str | None,
+    audit_id: str,
 ) -> bool:
     now = outbox.clock.now_ms()
     result = await db.write_alone(
@@ -346,7 +389,7 @@ async def _reveal(
             "item": item.id,
             "lease": item.lease_token,
             "now": now,
-            "audit_approve": outbox.ids.new("aud"),
+            "audit_approve": audit_id,
             "audit_delivered": outbox.ids.new("aud"),
             "actor": actor,
             "feedback": feedback,
@@ -355,13 +398,7 @@ async def _reveal(
         },
         signals_from=lambda row: [(session_events.TOPIC, (row.session_id, bool(row.revealed)))],
     )
-    row = result.first()
-    if row is None:
-        return False
-    labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value).inc()
-    labelled(METRICS.transitions, Status.approved.value, Status.completed.value).inc()
-    labelled(METRICS.deliveries, channel, "sent").inc()
-    return True
+    return result.first() is not None
 
 
 async def human_approve(

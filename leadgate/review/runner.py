@@ -21,7 +21,14 @@ from leadgate.core.errors import ModelError, NotFound, TransitionError, Unavaila
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
-from leadgate.database.db import Database, count_after_commit
+from leadgate.database.db import (
+    Conn,
+    Counted,
+    Database,
+    count_after_commit,
+    count_found,
+    held_counts,
+)
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import one_row
 from leadgate.domain import workitems
@@ -545,24 +552,35 @@ class LeadRunner:
 
     async def _commit(self, kept: _Kept) -> None:
         """Commit one verdict (fenced by the item's review lease)."""
-        item, verdict, feedback, why, gating = kept
+        item, verdict, feedback, why, gating, doubts = kept
         actor = f"lead:{item.lead_agent_id}"
         # Counted once the verdict is stored: not when the lead gave it (a verdict the
         # lease fence drops was counted, and the item's next review counted again).
         reviewed = labelled(METRICS.reviews, verdict.value if why is None else "escalatedBySystem")
+        # Made before the write: a commit in doubt is looked for by it (_landed).
+        audit_id = self.ids.new("aud")
+        held: list[tuple[Counted, float]] = [(reviewed, 1)]
+        landed: list[tuple[Counted, float]] | None = None
         try:
             if (
                 verdict == Verdict.approved
                 and why is None
                 and gating is not None
                 and await approve_alone(
-                    self.db, self.outbox, item, *gating, actor=actor, feedback=feedback
+                    self.db,
+                    self.outbox,
+                    item,
+                    *gating,
+                    actor=actor,
+                    feedback=feedback,
+                    audit_id=audit_id,
+                    held=held,
                 )
             ):
-                reviewed.inc()  # (one statement, committed)
-                self.on_verdict(verdict)
+                self.on_verdict(verdict)  # (one statement, committed and counted)
                 return
             async with self.db.tx() as conn:
+                held = held_counts(conn)
                 try:
                     await commit_verdict(
                         conn,
@@ -573,18 +591,31 @@ class LeadRunner:
                         feedback=feedback if why is None else why,
                         src=Status.reviewing,
                         lease_token=item.lease_token,
+                        audit_id=audit_id,
                     )
                 except TransitionError:
-                    log.warning("lost the review lease of %s; verdict dropped", item.id)
-                    return
-                count_after_commit(conn, reviewed)
-        except Unavailable:
+                    landed = await _landed(conn, doubts)
+                    if landed is None:
+                        log.warning("lost the review lease of %s; verdict dropped", item.id)
+                        return
+                else:
+                    count_after_commit(conn, reviewed)
+        except Unavailable as fault:
             # The verdict could not be stored (database down): kept, and committed on the
             # runner's first pass once the database is back, under the item's lease (the
             # lead is not asked again: it might not answer the same). If the lease is
-            # gone by then, the fence drops it and the item's next review decides.
+            # gone by then, the fence drops it and the item's next review decides. A
+            # commit in doubt may have landed: its audit row's id and what it counts are
+            # kept with it, for the look of that retry.
+            if fault.in_doubt:
+                kept = kept._replace(doubts=(*doubts, (audit_id, held)))
             self._verdicts.append(kept)
             raise
+        if landed is not None:
+            # An earlier commit of this verdict was in doubt and landed (the retry's
+            # fence found the lease gone, and its look the audit row): counted now, as
+            # that commit would have, once.
+            count_found(landed)
         self.on_verdict(verdict if why is None else Verdict.escalated)
 
     async def _release_held(self) -> None:
@@ -753,6 +784,25 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
     return verdict, feedback[:10_000] if isinstance(feedback, str) else None
 
 
+#: The look for a verdict's commits in doubt: the one of their audit rows that landed.
+_AUDIT_ID = sa.select(t.audit.c.id).where(t.audit.c.id.in_(sa.bindparam("p_ids", expanding=True)))
+
+
+async def _landed(
+    conn: Conn, doubts: tuple[tuple[str, list[tuple[Counted, float]]], ...]
+) -> list[tuple[Counted, float]] | None:
+    """What the commit in doubt of a kept verdict that landed counts (``doubts``: the
+    audit row id and counts of each commit in doubt), or None when none landed. Read in
+    the retry's transaction after its fenced move matched nothing: that move waited for
+    the item's row lock, so a commit in doubt still under way on the server has ended
+    by then, and one that landed is seen (PostgreSQL reads what committed before each
+    statement). At most one landed: each was fenced by the same lease."""
+    if not doubts:
+        return None
+    found = await conn.scalar(_AUDIT_ID, {"p_ids": [audit_id for audit_id, _ in doubts]})
+    return next((held for audit_id, held in doubts if audit_id == found), None)
+
+
 def _count_claim() -> None:
     """Count a claim's move, found landed outside its own transaction (one statement
     run alone, or a claim read back after a fault): :func:`workitems.transition` counts
@@ -778,3 +828,6 @@ class _Kept(NamedTuple):
     feedback: str | None
     why: str | None
     gating: tuple[str, str] | None
+    #: each commit of it that was in doubt: its audit row's id, and what it counts
+    #: (counted when a later retry, dropped by the lease fence, finds that row)
+    doubts: tuple[tuple[str, list[tuple[Counted, float]]], ...] = ()

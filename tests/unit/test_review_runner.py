@@ -46,7 +46,9 @@ from tests.helpers import (
     Anonymizer,
     Org,
     api_trigger,
+    blocked_on_a_lock,
     counted,
+    deliveries_counted,
     held_open,
     item_locked,
     make_agent,
@@ -1107,6 +1109,130 @@ async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
     assert runner._verdicts == []
     assert (await actions(stack, item_id)).count("approve") == 1
     assert reviews_counted() - reviews == 1
+
+
+def verdict_counted() -> tuple[float, ...]:
+    """What a lead's approval of an ``api`` item counts: the verdict, its two moves
+    (``reviewing -> approved -> completed``) and the reveal's delivery."""
+    return (
+        reviews_counted(),
+        transitions_counted("reviewing", "approved"),
+        transitions_counted("approved", "completed"),
+        deliveries_counted("api", "sent"),
+    )
+
+
+def added(before: tuple[float, ...]) -> tuple[float, ...]:
+    """What :func:`verdict_counted` counted since ``before``."""
+    return tuple(now - then for now, then in zip(verdict_counted(), before, strict=True))
+
+
+async def by_transaction(*args: Any, **kwargs: Any) -> bool:
+    """``approve_alone`` that declines: the verdict's transaction on either backend."""
+    return False
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_verdict_in_doubt_that_landed_is_counted_once_by_its_retry(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, claim_in_doubt: ClaimInDoubt
+) -> None:
+    """The verdict's transaction met a fault at its ``COMMIT`` (in doubt) and landed, at
+    once or while its retry waited on the item's row lock. The kept verdict's retry is
+    dropped by the lease fence (it does not act again), and its look finds the first
+    commit's audit row: what that commit held is counted then, once. It was never
+    counted: the fence cannot tell a verdict that landed from a lost lease."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    claimed = await runner.claim()
+    assert claimed is not None
+    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+    claim_in_doubt.arm(stack.db)
+    before = verdict_counted()
+    with pytest.raises(Unavailable) as raised:
+        await runner.review(claimed)
+    assert raised.value.in_doubt
+    assert added(before) == (0, 0, 0, 0)  # in doubt: nothing counted yet
+    late = claim_in_doubt.late
+    if late is None:
+        await runner._commit_kept()
+    else:
+        # Not landed yet: the retry's fenced move waits for the row lock the commit
+        # under way holds, and sees the item moved once it lands.
+        assert (await row(stack, item_id))["status"] == "reviewing"
+        retry = asyncio.create_task(runner._commit_kept())
+        assert await blocked_on_a_lock(stack.db, retry)
+        await late.land()
+        await retry
+    assert runner._verdicts == []
+    assert added(before) == (1, 1, 1, 1)
+    assert (await row(stack, item_id))["status"] == "completed"
+    assert (await actions(stack, item_id)).count("approve") == 1
+    assert "leaseReleased" not in await actions(stack, item_id)
+    assert await drain(runner) == 0
+    assert added(before) == (1, 1, 1, 1)  # once
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_one_statement_approval_in_doubt_that_landed_is_counted_once_by_its_retry(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, for the approval run as one statement (``approve_alone``): the retry's
+    statement matches nothing, nor does its transaction, and the look finds the
+    approval's audit row."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    claimed = await runner.claim()
+    assert claimed is not None
+    lose_the_next_commit(monkeypatch, stack.db, alone=True)
+    before = verdict_counted()
+    with pytest.raises(Unavailable) as raised:
+        await runner.review(claimed)
+    assert raised.value.in_doubt
+    assert added(before) == (0, 0, 0, 0)
+    await runner._commit_kept()
+    assert runner._verdicts == []
+    assert added(before) == (1, 1, 1, 1)
+    assert (await actions(stack, item_id)).count("approve") == 1
+    assert len(await deliveries(stack, item_id)) == 1
+    assert await drain(runner) == 0
+    assert added(before) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_verdict_in_doubt_that_did_not_land_is_committed_and_counted_by_its_retry(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verdict's commit was in doubt and rolled back: the retry commits it and counts
+    it at its commit; the look (none: the fence let it through) counts nothing more."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    runner = stack.lead_runner
+    claimed = await runner.claim()
+    assert claimed is not None
+    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
+    pool = stack.db._pg
+    assert pool is not None
+    real_tx = pool.transaction
+
+    @contextlib.asynccontextmanager
+    async def rolled_back_in_doubt(**kwargs: Any) -> AsyncIterator[Any]:
+        monkeypatch.setattr(pool, "transaction", real_tx)
+        async with real_tx(**kwargs) as conn:
+            yield conn
+            # The connection drops with the COMMIT sent, and the server never got it.
+            raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(pool, "transaction", rolled_back_in_doubt)
+    before = verdict_counted()
+    with pytest.raises(Unavailable) as raised:
+        await runner.review(claimed)
+    assert raised.value.in_doubt
+    assert (await row(stack, item_id))["status"] == "reviewing"
+    await runner._commit_kept()
+    assert added(before) == (1, 1, 1, 1)
+    assert (await actions(stack, item_id)).count("approve") == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
