@@ -22,7 +22,7 @@ import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import sqlalchemy as sa
@@ -99,7 +99,7 @@ from leadgate.web.common import (
 from leadgate.web.sessions_api import StreamSettings
 from outbox.channel import Channel
 from outbox.relay import Relay
-from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Outbox, listen_all
+from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, Handoff, Outbox, listen_all
 from outbox.store import NOTIFY_CHANNEL as OUTBOX_CHANNEL
 
 if TYPE_CHECKING:
@@ -423,12 +423,12 @@ class App:
         self.relay.poke()
         self._relay_wake.set()
 
-    def _outbox_handoff(self, rows: list[dict[str, Any]]) -> None:
+    def _outbox_handoff(self, rows: list[Handoff]) -> None:
         """Deliveries committed here, already claimed for our relay."""
         self.relay.accept(rows)
         self._relay_wake.set()
 
-    def _outbox_doubt(self, rows: list[dict[str, Any]]) -> None:
+    def _outbox_doubt(self, rows: list[Handoff]) -> None:
         """Deliveries claimed for our relay by a write that may not have committed."""
         self.relay.in_doubt(rows)
         self._relay_wake.set()

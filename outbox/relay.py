@@ -46,7 +46,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
@@ -55,7 +55,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database, signal_after_commit
+from leadgate.database.db import Conn, Counted, Database, count_found, signal_after_commit
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import one_row, unindexed
 from leadgate.domain.processes import owner_gone
@@ -79,6 +79,7 @@ from outbox.store import (
     INTERNAL_ACTIONS,
     OUTBOX_TOPIC,
     DeliveryStatus,
+    Handoff,
     ReviewNeeded,
     address_kept,
     cards_of_closed_waits,
@@ -289,9 +290,8 @@ class Relay:
         #: lease tokens of claims whose transaction failed (see
         #: :meth:`release_uncertain_claims`)
         self._uncertain_claims: LostClaims[str] = LostClaims(name="outbox-relay claims")
-        #: ids of hand-offs whose write may or may not have committed (see
-        #: :meth:`in_doubt`)
-        self._doubted: LostClaims[str] = LostClaims(name="outbox-relay hand-offs")
+        #: hand-offs whose write may or may not have committed (see :meth:`in_doubt`)
+        self._doubted: LostClaims[_Doubted] = LostClaims(name="outbox-relay hand-offs")
         self._active = 0
         self._pump: Pump | None = None
         # Demand-driven claims: set poked_on_enqueue when every enqueue in reach pokes
@@ -310,9 +310,9 @@ class Relay:
         """Whether another send can start now (for the local hand-off)."""
         return self._active + len(self._handed) < self.concurrency
 
-    def accept(self, rows: list[dict[str, Any]]) -> None:
+    def accept(self, rows: list[Handoff]) -> None:
         """Rows handed over after their enqueuing transaction committed: send them."""
-        self._handed.extend(delivery_of(row) for row in rows)
+        self._handed.extend(delivery_of(handed.row) for handed in rows)
         if self._pump is not None:
             self._pump.wake()
 
@@ -321,17 +321,20 @@ class Relay:
         rows, self._handed = self._handed, []
         return len(await self._unhand([r.id for r in rows]))
 
-    def in_doubt(self, rows: list[dict[str, Any]]) -> None:
+    def in_doubt(self, rows: list[Handoff]) -> None:
         """Rows written claimed for this relay by a write that failed with a database
         fault (``Database.on_doubt_payloads``): they were never handed over, and may be
         in the database all the same, ``sending`` under this relay's hand-off lease,
         where nothing would post them before the lease expired (and then as an uncertain
         send). :meth:`run_once` gives back the ones that exist, and tries again those it
         did not find until their send lease would have lapsed: the server may apply the
-        write after that first give-back (:class:`~leadgate.core.runners.LostClaims`)."""
+        write after that first give-back (:class:`~leadgate.core.runners.LostClaims`).
+        A row given back shows its write landed: what that write counts at its commit
+        (:attr:`Handoff.held`) is counted then, once for all its rows."""
         now = self.clock.now_ms()
-        for row in rows:
-            self._doubted.watch(row["id"], due=now, lapses=now + self.send_lease_ms)
+        for handed in rows:
+            lost = _Doubted(handed.row["id"], handed.held)
+            self._doubted.watch(lost, due=now, lapses=now + self.send_lease_ms)
         self.poke()
 
     async def release_doubted(self) -> int:
@@ -341,12 +344,17 @@ class Relay:
         now = self.clock.now_ms()
         due = self._doubted.take_due(now)
         try:
-            released = await self._unhand([lost.token for lost in due])
+            released = await self._unhand([lost.token.id for lost in due])
         except BaseException:  # (cancelled too: they stay watched)
             self._doubted.put_back(due)
             raise
         for lost in due:
-            if lost.token not in released:
+            if lost.token.id in released:
+                # Its write landed, uncounted (a commit in doubt counts nothing): counted
+                # now, as it would have been, once (the list is shared by its other rows
+                # and by any other look for that write, and emptied).
+                count_found(lost.token.held)
+            else:
                 self._doubted.not_found(lost, now)
         return len(released)
 
@@ -891,3 +899,12 @@ def _in_claim_order(rows: Sequence[Sequence[Any]]) -> list[Delivery]:
     out = [Delivery.from_row(r) for r in rows]
     out.sort(key=lambda r: (r.next_attempt_at, r.id))
     return out
+
+
+class _Doubted(NamedTuple):
+    """A hand-off whose write was in doubt, watched (:meth:`Relay.in_doubt`)."""
+
+    #: the delivery's id
+    id: str
+    #: what its write counts (:attr:`outbox.store.Handoff.held`)
+    held: list[tuple[Counted, float]]

@@ -24,7 +24,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.ext.compiler import compiles
@@ -37,7 +37,14 @@ from leadgate.core.logs import Tally
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, count_after_commit, damage_met, signal_after_commit
+from leadgate.database.db import (
+    Conn,
+    Counted,
+    count_after_commit,
+    damage_met,
+    held_counts,
+    signal_after_commit,
+)
 from leadgate.database.faults import unavailable
 from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.rows import Binding, Delivery, WorkItem
@@ -55,8 +62,25 @@ D = t.deliveries.c
 NOTIFY_CHANNEL = "leadgate_outbox"
 #: :meth:`leadgate.database.db.Database.on_commit` topic that wakes this process's relay.
 OUTBOX_TOPIC = "outbox"
-#: :meth:`leadgate.database.db.Database.on_commit_payloads` topic carrying rows handed to it.
+#: :meth:`leadgate.database.db.Database.on_commit_payloads` topic carrying rows handed to it
+#: (:class:`Handoff` payloads).
 HANDOFF_TOPIC = "outbox-handoff"
+
+
+class Handoff(NamedTuple):
+    """A delivery written already claimed for this process's relay (a
+    :data:`HANDOFF_TOPIC` payload, at its write's commit or when that commit was in
+    doubt)."""
+
+    #: the row's inserted values (:func:`delivery_of`)
+    row: dict[str, Any]
+    #: what the write that inserted it counts at its commit, by reference (the
+    #: transaction's own list: :func:`leadgate.database.db.held_counts`): a write in
+    #: doubt whose row the relay finds landed counts them then
+    #: (:func:`leadgate.database.db.count_found`, once for all its rows)
+    held: list[tuple[Counted, float]]
+
+
 #: How often a LISTEN connection must answer a liveness check, and
 #: how long it has to answer (see :func:`listen_all`): a silently dead listener is found
 #: within about their sum.
@@ -481,7 +505,7 @@ class Outbox:
         it)."""
         handed = self.claim_for_local(values, now)
         if handed:
-            signal_after_commit(conn, HANDOFF_TOPIC, values)
+            signal_after_commit(conn, HANDOFF_TOPIC, Handoff(values, held_counts(conn)))
         await conn.execute(_INSERT_DELIVERY, values)
         if values["status"] == DeliveryStatus.continuation.value:
             await wakes.after_commit(conn, Wake.flow)

@@ -35,6 +35,7 @@ from outbox.store import (
     OUTBOX_TOPIC,
     POST_KINDS,
     REVEAL_KINDS,
+    Handoff,
     Outbox,
     cancel_for_item,
     is_internal,
@@ -303,7 +304,14 @@ async def approve_alone(
             (labelled(METRICS.transitions, Status.reviewing.value, Status.approved.value), 1)
         )
         landed = await _post(
-            db, outbox, item, binding_id, actor=actor, feedback=feedback, audit_id=audit
+            db,
+            outbox,
+            item,
+            binding_id,
+            actor=actor,
+            feedback=feedback,
+            audit_id=audit,
+            held=counts,
         )
     else:
         return False
@@ -323,6 +331,7 @@ async def _post(
     actor: str,
     feedback: str | None,
     audit_id: str,
+    held: list[tuple[Counted, float]],
 ) -> bool:
     now = outbox.clock.now_ms()
     values = outbox.post_values(item, now)
@@ -334,12 +343,15 @@ async def _post(
         return [
             (
                 HANDOFF_TOPIC,
-                {
-                    **values,
-                    "channel": row.channel,
-                    "binding_id": row.binding_id,
-                    "address": row.address,
-                },
+                Handoff(
+                    {
+                        **values,
+                        "channel": row.channel,
+                        "binding_id": row.binding_id,
+                        "address": row.address,
+                    },
+                    held,
+                ),
             )
         ]
 
@@ -365,7 +377,8 @@ async def _post(
         },
         signals_from=signals,
         # a fault may hide a commit: the relay gives the claimed post back if it exists
-        in_doubt=[(HANDOFF_TOPIC, values)] if handed else (),
+        # (and makes what the approval counts, unless the lead runner's look did)
+        in_doubt=[(HANDOFF_TOPIC, Handoff(values, held))] if handed else (),
     )
     return result.first() is not None
 

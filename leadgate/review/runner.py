@@ -614,7 +614,8 @@ class LeadRunner:
         if landed is not None:
             # An earlier commit of this verdict was in doubt and landed (the retry's
             # fence found the lease gone, and its look the audit row): counted now, as
-            # that commit would have, once.
+            # that commit would have, once (the relay's look for a post or card that
+            # commit handed over shares the list: whichever finds it first counts).
             count_found(landed)
         self.on_verdict(verdict if why is None else Verdict.escalated)
 

@@ -16,6 +16,7 @@ from leadgate.core.runners import DROPPED, LostClaims
 from leadgate.operations.idempotency import LEASE_MS, HeldKey, Idempotency
 from leadgate.review.runner import _CLAIM_FAILED, _CLAIM_IN_DOUBT, _LostClaim
 from leadgate.turns import runs
+from outbox.relay import _Doubted
 from tests.fakes import StallsOnce
 from tests.helpers import make_org
 from tests.stack import Stack
@@ -116,13 +117,15 @@ async def test_a_relays_give_back_cancelled_keeps_its_tokens_watched(
 ) -> None:
     relay = stack.relay
     if watch == "claims":
-        left = watching(relay._uncertain_claims, stack, "lease_a", "lease_b")
-        look = relay.release_uncertain_claims()
+        claims = ["lease_a", "lease_b"]
+        left = watching(relay._uncertain_claims, stack, *claims)
+        await cut_short(stalled(stack, monkeypatch, "tx"), relay.release_uncertain_claims())
+        assert left() == claims
     else:
-        left = watching(relay._doubted, stack, "dlv_a", "dlv_b")
-        look = relay.release_doubted()
-    await cut_short(stalled(stack, monkeypatch, "tx"), look)
-    assert left() == (["lease_a", "lease_b"] if watch == "claims" else ["dlv_a", "dlv_b"])
+        doubted = [_Doubted("dlv_a", []), _Doubted("dlv_b", [])]
+        still = watching(relay._doubted, stack, *doubted)
+        await cut_short(stalled(stack, monkeypatch, "tx"), relay.release_doubted())
+        assert still() == doubted
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -36,10 +36,14 @@ from tests.fakes import lose_the_next_commit
 from tests.helpers import (
     api_trigger,
     blocked_on_a_lock,
+    counted,
     deliveries_counted,
     held_open,
+    item_audit,
     make_agent,
+    session_item,
     sqlite_plan,
+    transitions_counted,
 )
 from tests.review_support import (
     PUBLIC_URL,
@@ -417,6 +421,98 @@ async def test_a_card_handed_over_and_not_started_ends_cancelled_at_shutdown_if_
     assert update["status"] == "cancelled"
     assert deliveries_counted("slack", "cancelled") - cancelled == 2  # and its edit
     assert env.slack.calls == [] and env.slack.updates == []
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_decision_in_doubt_whose_post_the_relay_finds_is_counted_then_once(
+    make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A person approves an escalated Slack item; the decision writes its post claimed
+    for this process's relay, and its COMMIT lands with its answer lost (in doubt: the
+    person gets a 503). Nothing else looks for a decision: the relay's give-back of the
+    post it was never handed shows the decision landed, and what the decision counts
+    (its move) is counted then, once. It was not counted at all. (PostgreSQL only: a
+    SQLite COMMIT is never in doubt.)"""
+    env = await review_env(make_stack)
+    stack = env.stack
+    await stack.turns.run(slack_trigger(env, "hard #escalate #complete"))
+    await drain(stack.lead_runner)
+    item_id = await session_item(stack, "slack:T1:C9:1.1")
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+    stack.outbox.attach(relay)
+    try:
+        lose_the_next_commit(monkeypatch, stack.db, alone=False)
+        moves = transitions_counted("awaitingHuman", "approved")
+        with pytest.raises(Unavailable) as raised:
+            await approve(env, item_id)
+        assert raised.value.in_doubt
+        [post] = await env.deliveries(item_id, "gating")
+        assert (post["status"], post["lease_token"]) == ("sending", relay.handoff_token)
+        assert transitions_counted("awaitingHuman", "approved") == moves
+        await drain(relay)
+        [post] = await env.deliveries(item_id, "gating")
+        assert (post["status"], post["attempts"]) == ("sent", 1)
+        assert transitions_counted("awaitingHuman", "approved") - moves == 1
+        await drain(relay)
+        assert transitions_counted("awaitingHuman", "approved") - moves == 1
+    finally:
+        stack.outbox.attach(None)
+        stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)
+        stack.db.off_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_an_escalation_in_doubt_whose_cards_the_relay_finds_is_counted_once(
+    make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lead escalates; its verdict's transaction writes two review cards claimed for
+    this process's relay, and its COMMIT lands with the answer lost (in doubt). The
+    relay gives both cards back and sends them, and the lead runner's kept verdict,
+    committed again, is dropped by the lease fence and finds its audit row: three looks
+    find the one write, and what it counts (the verdict, its move) is counted once."""
+    env = await slack_and_email_cards(make_stack)
+    stack = env.stack
+    relay = stack.relay
+    stack.db.on_commit_payloads(HANDOFF_TOPIC, relay.accept)
+    stack.db.on_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
+    stack.outbox.attach(relay)
+    try:
+        await stack.turns.run(api_trigger(env.org, env.worker, "hard #escalate #complete", "s1"))
+        item_id = await session_item(stack, "s1")
+        runner = stack.lead_runner
+        claimed = await runner.claim()
+        assert claimed is not None
+        lose_the_next_commit(monkeypatch, stack.db, alone=False)
+
+        def escalation_counted() -> tuple[float, float]:
+            return (
+                counted("leadgate_reviews_total", outcome="escalated"),
+                transitions_counted("reviewing", "awaitingHuman"),
+            )
+
+        before = escalation_counted()
+        with pytest.raises(Unavailable) as raised:
+            await runner.review(claimed)
+        assert raised.value.in_doubt
+        cards = await env.deliveries(item_id, "card")
+        assert [(c["status"], c["lease_token"]) for c in cards] == [
+            ("sending", relay.handoff_token)
+        ] * 2
+        assert escalation_counted() == before
+        await drain(relay)
+        assert {c["status"] for c in await env.deliveries(item_id, "card")} == {"sent"}
+        after = escalation_counted()
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+        await runner._commit_kept()
+        assert runner._verdicts == []
+        assert escalation_counted() == after
+        assert "leaseReleased" not in [a["action"] for a in await item_audit(stack, item_id)]
+    finally:
+        stack.outbox.attach(None)
+        stack.db.off_commit_payloads(HANDOFF_TOPIC, relay.accept)
+        stack.db.off_doubt_payloads(HANDOFF_TOPIC, relay.in_doubt)
 
 
 async def test_delivery_unknown_gets_a_recovery_card_and_confirm_closes_it(

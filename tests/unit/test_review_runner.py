@@ -1111,6 +1111,16 @@ async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
     assert reviews_counted() - reviews == 1
 
 
+def approval_counted() -> tuple[float, ...]:
+    """What a lead's approval of a channel post counts: the verdict and its move."""
+    return reviews_counted(), transitions_counted("reviewing", "approved")
+
+
+def added_to(before: tuple[float, ...], now: tuple[float, ...]) -> tuple[float, ...]:
+    """What was counted from ``before`` to ``now``."""
+    return tuple(b - a for b, a in zip(now, before, strict=True))
+
+
 def verdict_counted() -> tuple[float, ...]:
     """What a lead's approval of an ``api`` item counts: the verdict, its two moves
     (``reviewing -> approved -> completed``) and the reveal's delivery."""
@@ -1124,7 +1134,7 @@ def verdict_counted() -> tuple[float, ...]:
 
 def added(before: tuple[float, ...]) -> tuple[float, ...]:
     """What :func:`verdict_counted` counted since ``before``."""
-    return tuple(now - then for now, then in zip(verdict_counted(), before, strict=True))
+    return added_to(before, verdict_counted())
 
 
 async def by_transaction(*args: Any, **kwargs: Any) -> bool:
@@ -1514,16 +1524,25 @@ async def test_a_post_claimed_for_this_relay_by_an_uncertain_approval_is_posted_
                 raise ConnectionResetError("connection reset by peer")
 
             monkeypatch.setattr(pool, "transaction", commit_then_drop)
+        before = approval_counted()
         with pytest.raises(Unavailable):
             await stack.lead_runner.review(claimed)
         [post] = await deliveries(stack, item_id)
         assert (post["status"], post["lease_token"]) == ("sending", relay.handoff_token)
         assert relay.take_handed() == []  # never handed over
+        assert approval_counted() == before  # in doubt: nothing counted
         await drain(relay)
         assert channel.texts() == ["Echo: task 6.2 #complete"]
         [post] = await deliveries(stack, item_id)
         assert (post["status"], post["attempts"]) == ("sent", 1)
         assert (await row(stack, item_id))["status"] == "completed"
+        # The post given back shows the approval landed: what it counts is counted
+        # then (it was not), and the lead runner's look for the kept verdict, which
+        # finds it too, counts nothing more.
+        assert added_to(before, approval_counted()) == (1, 1)
+        await stack.lead_runner._commit_kept()
+        assert stack.lead_runner._verdicts == []
+        assert added_to(before, approval_counted()) == (1, 1)
     finally:
         stack.outbox.attach(None)
         await stack.stop()

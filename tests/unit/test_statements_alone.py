@@ -25,7 +25,7 @@ from leadgate.domain.workitems import Status
 from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.intake import Accepted
-from outbox.store import HANDOFF_TOPIC
+from outbox.store import HANDOFF_TOPIC, Handoff
 from tests.helpers import Anonymizer, Org, api_trigger, make_agent, make_org, slack_trigger
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack
@@ -99,7 +99,7 @@ async def conversations(
     handed: list[Any] = []
     if local:
 
-        def accept(rows: list[dict[str, Any]]) -> None:
+        def accept(rows: list[Handoff]) -> None:
             handed.extend(rows)
             stack.relay.accept(rows)
 
