@@ -55,7 +55,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Counted, Database, count_found, signal_after_commit
+from leadgate.database.db import Conn, Counts, Database, count_found, signal_after_commit
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import one_row, unindexed
 from leadgate.domain.processes import owner_gone
@@ -907,4 +907,4 @@ class _Doubted(NamedTuple):
     #: the delivery's id
     id: str
     #: what its write counts (:attr:`outbox.store.Handoff.held`)
-    held: list[tuple[Counted, float]]
+    held: Counts

@@ -39,7 +39,7 @@ from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import (
     Conn,
-    Counted,
+    Counts,
     count_after_commit,
     damage_met,
     held_counts,
@@ -78,7 +78,7 @@ class Handoff(NamedTuple):
     #: transaction's own list: :func:`leadgate.database.db.held_counts`): a write in
     #: doubt whose row the relay finds landed counts them then
     #: (:func:`leadgate.database.db.count_found`, once for all its rows)
-    held: list[tuple[Counted, float]]
+    held: Counts
 
 
 #: How often a LISTEN connection must answer a liveness check, and

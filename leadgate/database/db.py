@@ -166,9 +166,12 @@ def count_after_commit(conn: Conn, counter: Counted, amount: float = 1) -> None:
 
 #: Counts :func:`count_after_commit` held: (counter, amount) pairs.
 Held = Sequence[tuple[Counted, float]]
+#: A transaction's own list of counts held for its commit (:func:`held_counts`), kept by
+#: reference by the looks that may find a write in doubt landed (:func:`count_found`).
+Counts = list[tuple[Counted, float]]
 
 
-def held_counts(conn: Conn) -> list[tuple[Counted, float]]:
+def held_counts(conn: Conn) -> Counts:
     """The counts the current :meth:`Database.tx` holds for its commit, those its body
     holds later included (the list is the transaction's own). For a write whose
     ``COMMIT`` may end in doubt, which counts nothing, and that a later look may find
@@ -177,7 +180,7 @@ def held_counts(conn: Conn) -> list[tuple[Counted, float]]:
     topics = conn.info.get(_TOPICS)
     if topics is None:
         return []
-    held: list[tuple[Counted, float]] = topics.setdefault(_COUNTS, [])
+    held: Counts = topics.setdefault(_COUNTS, [])
     return held
 
 
@@ -187,7 +190,7 @@ def count_held(held: Held) -> None:
         counter.inc(amount)
 
 
-def count_found(held: list[tuple[Counted, float]]) -> None:
+def count_found(held: Counts) -> None:
     """Make the counts ``held`` of a write in doubt that a look found landed, and empty
     the list: the same write found again, by this look or another that keeps the same
     list, counts nothing more."""

@@ -19,7 +19,7 @@ from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Counted, Database, count_held
+from leadgate.database.db import Conn, Counts, Database, count_held
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import later_of_sql
 from leadgate.domain import session_events, wakes, workitems
@@ -259,7 +259,7 @@ async def approve_alone(
     actor: str,
     feedback: str | None,
     audit_id: str | None = None,
-    held: list[tuple[Counted, float]] | None = None,
+    held: Counts | None = None,
 ) -> bool:
     """PostgreSQL: :func:`commit_verdict` of a lead's approval of ``item`` (``reviewing``
     under its lease) as one statement outside a transaction block, when its gating
@@ -331,7 +331,7 @@ async def _post(
     actor: str,
     feedback: str | None,
     audit_id: str,
-    held: list[tuple[Counted, float]],
+    held: Counts,
 ) -> bool:
     now = outbox.clock.now_ms()
     values = outbox.post_values(item, now)

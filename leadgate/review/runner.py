@@ -23,7 +23,7 @@ from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, se
 from leadgate.database import schema as t
 from leadgate.database.db import (
     Conn,
-    Counted,
+    Counts,
     Database,
     count_after_commit,
     count_found,
@@ -559,8 +559,8 @@ class LeadRunner:
         reviewed = labelled(METRICS.reviews, verdict.value if why is None else "escalatedBySystem")
         # Made before the write: a commit in doubt is looked for by it (_landed).
         audit_id = self.ids.new("aud")
-        held: list[tuple[Counted, float]] = [(reviewed, 1)]
-        landed: list[tuple[Counted, float]] | None = None
+        held: Counts = [(reviewed, 1)]
+        landed: Counts | None = None
         try:
             if (
                 verdict == Verdict.approved
@@ -789,9 +789,7 @@ def _verdict_of(call: ToolCall) -> tuple[Verdict, str | None] | None:
 _AUDIT_ID = sa.select(t.audit.c.id).where(t.audit.c.id.in_(sa.bindparam("p_ids", expanding=True)))
 
 
-async def _landed(
-    conn: Conn, doubts: tuple[tuple[str, list[tuple[Counted, float]]], ...]
-) -> list[tuple[Counted, float]] | None:
+async def _landed(conn: Conn, doubts: tuple[tuple[str, Counts], ...]) -> Counts | None:
     """What the commit in doubt of a kept verdict that landed counts (``doubts``: the
     audit row id and counts of each commit in doubt), or None when none landed. Read in
     the retry's transaction after its fenced move matched nothing: that move waited for
@@ -831,4 +829,4 @@ class _Kept(NamedTuple):
     gating: tuple[str, str] | None
     #: each commit of it that was in doubt: its audit row's id, and what it counts
     #: (counted when a later retry, dropped by the lease fence, finds that row)
-    doubts: tuple[tuple[str, list[tuple[Counted, float]]], ...] = ()
+    doubts: tuple[tuple[str, Counts], ...] = ()
