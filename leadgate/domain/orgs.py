@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import sqlalchemy as sa
 from argon2 import PasswordHasher
@@ -81,7 +81,15 @@ def validate_name(name: str, what: str, *, id_prefix: str | None = None) -> str:
     return name
 
 
-async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dict[str, Any]:
+class NewOrgView(TypedDict):
+    """A new organization and its Owner key (the secret, shown once)."""
+
+    id: str
+    name: str
+    apiKey: str
+
+
+async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> NewOrgView:
     """Create an organization with an Owner key carrying every scope."""
     name = validate_name(name, "organization", id_prefix="org")
     exists = await conn.scalar(
@@ -97,14 +105,30 @@ async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> dic
     return {"id": org_id, "name": name, "apiKey": key["key"]}
 
 
-async def list_orgs(conn: Conn) -> list[dict[str, Any]]:
+class OrgView(TypedDict):
+    """An organization as the operator lists it."""
+
+    id: str
+    name: str
+    createdAt: str | None
+
+
+async def list_orgs(conn: Conn) -> list[OrgView]:
     """Every organization (id, name, created), oldest first: the operator's view."""
     o = t.organizations.c
     rows = (await conn.execute(sa.select(t.organizations).order_by(o.created_at, o.id))).all()
     return [{"id": r.id, "name": r.name, "createdAt": iso(r.created_at)} for r in rows]
 
 
-async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
+class OrgRow(TypedDict):
+    """An ``organizations`` row, by column."""
+
+    id: str
+    name: str
+    created_at: int
+
+
+async def find_org(conn: Conn, ref: str) -> OrgRow:
     """An organization by id or name."""
     row = (
         await conn.execute(
@@ -116,7 +140,16 @@ async def find_org(conn: Conn, ref: str) -> dict[str, Any]:
     ).first()
     if row is None:
         raise NotFound(f"no organization {ref!r}", rule="org.not_found")
-    return dict(row._mapping)
+    return OrgRow(id=row.id, name=row.name, created_at=row.created_at)
+
+
+class NewKeyView(TypedDict):
+    """A new API key: ``key`` is its secret, shown once; ``name`` only when it has one."""
+
+    id: str
+    key: str
+    scopes: list[Scope]
+    name: NotRequired[str]
 
 
 async def create_key(
@@ -127,7 +160,7 @@ async def create_key(
     scopes: frozenset[Scope],
     *,
     name: str | None = None,
-) -> dict[str, Any]:
+) -> NewKeyView:
     """Create a key (``name``: an optional label); the secret is returned once and never
     stored."""
     key_id = ids.new("key")
@@ -143,7 +176,7 @@ async def create_key(
             name=label,
         )
     )
-    out = {"id": key_id, "key": f"{KEY_PREFIX}.{key_id}.{secret}", "scopes": sorted(scopes)}
+    out = NewKeyView(id=key_id, key=f"{KEY_PREFIX}.{key_id}.{secret}", scopes=sorted(scopes))
     if label is not None:
         out["name"] = label
     return out
@@ -169,6 +202,16 @@ async def authenticate_key(conn: Conn, raw: str) -> Principal | None:
     )
 
 
+class NewUserView(TypedDict):
+    """A new console user; ``name`` only when it has one."""
+
+    id: str
+    email: str
+    role: str
+    orgId: str
+    name: NotRequired[str]
+
+
 async def create_user(
     conn: Conn,
     clock: Clock,
@@ -179,7 +222,7 @@ async def create_user(
     password_hash: str,
     *,
     name: str | None = None,
-) -> dict[str, Any]:
+) -> NewUserView:
     """Create a console user with a role (any case: ``member`` is ``Member``) and an
     optional display name; ``password_hash`` is the password's :func:`hash_password`,
     made before the transaction (argon2 is slow by design)."""
@@ -202,7 +245,7 @@ async def create_user(
             name=label,
         )
     )
-    out = {"id": user_id, "email": email, "role": role_enum.value, "orgId": org_id}
+    out = NewUserView(id=user_id, email=email, role=role_enum.value, orgId=org_id)
     if label is not None:
         out["name"] = label
     return out
@@ -226,7 +269,30 @@ _S = t.console_sessions.c
 _USER_COLUMNS = (_U.id, _U.email, _U.name, _U.role, _U.disabled_at, _U.created_at)
 
 
-def _user_fields(row: Any) -> dict[str, Any]:
+class UserView(TypedDict):
+    """A console user's public fields (never the password hash)."""
+
+    id: str
+    email: str
+    name: str | None
+    role: str
+    disabled: bool
+    createdAt: str | None
+
+
+class ListedUserView(UserView):
+    """A console user as ``user list`` shows it: with its open console sessions."""
+
+    sessions: int
+
+
+class UpdatedUserView(UserView):
+    """A console user after a change: with how many console sessions it ended."""
+
+    sessionsEnded: int
+
+
+def _user_fields(row: Any) -> UserView:
     return {
         "id": row.id,
         "email": row.email,
@@ -237,7 +303,7 @@ def _user_fields(row: Any) -> dict[str, Any]:
     }
 
 
-async def list_users(conn: Conn, clock: Clock, org_id: str) -> list[dict[str, Any]]:
+async def list_users(conn: Conn, clock: Clock, org_id: str) -> list[ListedUserView]:
     """The organization's console users, oldest first, with how many console sessions
     each has open (never a password hash)."""
     sessions = (
@@ -264,7 +330,7 @@ async def update_user(
     password_hash: str | None = None,
     disabled: bool | None = None,
     end_sessions: bool = False,
-) -> dict[str, Any]:
+) -> UpdatedUserView:
     """Change a console user of ``org_id``: role (applies to open sessions at their next
     request), display name, password (its :func:`hash_password`, made before the
     transaction), disabled or not. A new password, disabling, or
@@ -376,7 +442,19 @@ async def delete_session(conn: Conn, token: str) -> bool:
     return bool(result.rowcount)
 
 
-async def get_user(conn: Conn, user_id: str) -> dict[str, Any]:
+class ConsoleUserView(TypedDict):
+    """The console's signed-in user: public fields, organization and scopes."""
+
+    id: str
+    email: str
+    role: str
+    orgId: str
+    orgName: str
+    name: str | None
+    scopes: list[str]
+
+
+async def get_user(conn: Conn, user_id: str) -> ConsoleUserView:
     """A console user's public fields (never the password hash), with the org name."""
     row = (
         await conn.execute(
@@ -406,7 +484,18 @@ async def get_user(conn: Conn, user_id: str) -> dict[str, Any]:
     }
 
 
-async def list_keys(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+class KeyView(TypedDict):
+    """An API key as listed (never its secret or the secret's hash)."""
+
+    id: str
+    name: str | None
+    scopes: list[str]
+    createdAt: str | None
+    revokedAt: str | None
+    active: bool
+
+
+async def list_keys(conn: Conn, org_id: str) -> list[KeyView]:
     """The organization's API keys, oldest first (never a secret or its hash)."""
     k = t.api_keys.c
     rows = await conn.execute(
@@ -427,7 +516,15 @@ async def list_keys(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     ]
 
 
-async def revoke_key(conn: Conn, clock: Clock, org_id: str, key_id: str) -> dict[str, Any]:
+class RevokedKeyView(TypedDict):
+    """A key just revoked."""
+
+    id: str
+    revokedAt: str | None
+    active: bool
+
+
+async def revoke_key(conn: Conn, clock: Clock, org_id: str, key_id: str) -> RevokedKeyView:
     """Revoke a key of ``org_id`` (its holders are refused within the principal cache
     time, 5 s). Revoking a revoked key is a 409; another organization's key is a 404."""
     k = t.api_keys.c
@@ -460,7 +557,7 @@ async def key_status(conn: Conn, raw: str) -> tuple[str, str] | None:
 
 async def find_user(
     conn: Conn, org_id: str, email: str, *, include_disabled: bool = False
-) -> dict[str, Any]:
+) -> UserView:
     """A console user of ``org_id`` by email (404 otherwise; a disabled one is 403
     ``user.disabled`` unless ``include_disabled``)."""
     row = (

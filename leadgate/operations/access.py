@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from typing import Any
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import Clock, IdFactory
@@ -105,7 +104,7 @@ class Access:
         async with self.db.tx() as conn:
             await orgs.delete_session(conn, token)
 
-    async def console_user(self, token: str | None) -> dict[str, Any] | None:
+    async def console_user(self, token: str | None) -> orgs.ConsoleUserView | None:
         """The console user of a session token (``None``: no, unknown or expired session)."""
         principal = await self.principal(None, token) if token else None
         if principal is None or principal.user_id is None:

@@ -46,12 +46,12 @@ class Admin:
     async def _org_id(self, conn: Any, ref: str) -> str:
         return str((await orgs.find_org(conn, ref))["id"])
 
-    async def create_org(self, name: str) -> dict[str, Any]:
+    async def create_org(self, name: str) -> orgs.NewOrgView:
         """An organization with an Owner key carrying every scope."""
         async with self.db.tx() as conn:
             return await orgs.create_org(conn, self.clock, self.ids, name)
 
-    async def list_orgs(self) -> list[dict[str, Any]]:
+    async def list_orgs(self) -> list[orgs.OrgView]:
         """Every organization on this database."""
         async with self.db.read() as conn:
             return await orgs.list_orgs(conn)
@@ -70,19 +70,19 @@ class Admin:
             )
         return {"id": created["id"], "apiKey": created["key"], **created}
 
-    async def list_keys(self, org: str) -> list[dict[str, Any]]:
+    async def list_keys(self, org: str) -> list[orgs.KeyView]:
         """The organization's keys (ids, labels, scopes, revoked or not; never secrets)."""
         async with self.db.read() as conn:
             return await orgs.list_keys(conn, await self._org_id(conn, org))
 
-    async def revoke_key(self, org: str, key_id: str) -> dict[str, Any]:
+    async def revoke_key(self, org: str, key_id: str) -> orgs.RevokedKeyView:
         """Revoke a key (refused everywhere within the 5 s principal cache time)."""
         async with self.db.tx() as conn:
             return await orgs.revoke_key(conn, self.clock, await self._org_id(conn, org), key_id)
 
     async def create_user(
         self, org: str, email: str, role: str, password: str, name: str | None = None
-    ) -> dict[str, Any]:
+    ) -> orgs.NewUserView:
         """A console user (role in any case). The password is hashed first, so argon2
         never holds the write transaction."""
         password_hash = await asyncio.to_thread(orgs.hash_password, password)
@@ -92,14 +92,14 @@ class Admin:
                 conn, self.clock, self.ids, org_id, email, role, password_hash, name=name
             )
 
-    async def list_users(self, org: str) -> list[dict[str, Any]]:
+    async def list_users(self, org: str) -> list[orgs.ListedUserView]:
         """The organization's console users (role, disabled or not, open sessions)."""
         async with self.db.read() as conn:
             return await orgs.list_users(conn, self.clock, await self._org_id(conn, org))
 
     async def update_user(
         self, org: str, email: str, *, password: str | None = None, **changes: Any
-    ) -> dict[str, Any]:
+    ) -> orgs.UpdatedUserView:
         """Change a console user (see :func:`leadgate.domain.orgs.update_user`); a new
         password is hashed first, so argon2 never holds the write transaction."""
         password_hash = (

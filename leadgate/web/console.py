@@ -15,12 +15,13 @@ a wrong password.
 from __future__ import annotations
 
 import importlib.resources
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
 from leadgate.core.clock import Clock
 from leadgate.core.errors import AuthError, ValidationError
+from leadgate.domain.orgs import ConsoleUserView
 from leadgate.operations.access import CONSOLE_SESSION_TTL_S as SESSION_TTL_S
 from leadgate.web.common import (
     SESSION_COOKIE,
@@ -69,7 +70,7 @@ class ConsoleAccess(Protocol):
 
     async def logout(self, token: str) -> None: ...
 
-    async def console_user(self, token: str | None) -> dict[str, Any] | None: ...
+    async def console_user(self, token: str | None) -> ConsoleUserView | None: ...
 
 
 def setup(

@@ -31,7 +31,7 @@ import re
 import shutil
 import sqlite3
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -935,13 +935,13 @@ async def test_an_operators_recovery_of_an_uncertain_delivery(
 class Done:
     """How an admin command ended: its output, or the fault it stopped with."""
 
-    output: dict[str, Any] | None = None
+    output: Mapping[str, object] | None = None
     fault: Unavailable | None = None
     #: what it refused to do (a key already revoked)
     refused: Conflict | None = None
 
 
-def admin(command: Callable[[Admin, Target], Awaitable[dict[str, Any]]]) -> Operation:
+def admin(command: Callable[[Admin, Target], Awaitable[Mapping[str, object]]]) -> Operation:
     """An admin CLI command, on the service's database (the CLI's own code path:
     ``leadgate.operations.admin``)."""
 

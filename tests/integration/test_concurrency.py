@@ -357,14 +357,14 @@ async def test_concurrent_revokes_of_one_key_have_exactly_one_winner(service: Ap
     assert key_id is not None
     first_updated, release = asyncio.Event(), asyncio.Event()
 
-    async def first() -> dict[str, Any]:
+    async def first() -> orgs.RevokedKeyView:
         async with service.db.tx() as conn:
             out = await orgs.revoke_key(conn, service.clock, org.id, key_id)
             first_updated.set()
             await release.wait()  # (the row lock held, uncommitted)
         return out
 
-    async def second() -> dict[str, Any]:
+    async def second() -> orgs.RevokedKeyView:
         async with service.db.tx() as conn:
             return await orgs.revoke_key(conn, service.clock, org.id, key_id)
 
