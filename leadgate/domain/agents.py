@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -89,7 +89,22 @@ def slugify(name: str) -> str:
     return slug or "agent"
 
 
-def public_agent(agent: Agent) -> dict[str, Any]:
+class AgentView(TypedDict):
+    """An agent's public payload (REST API and admin CLI)."""
+
+    id: str
+    object: str
+    name: str
+    slug: str
+    model: str
+    instructions: str
+    presetId: str | None
+    active: bool
+    createdAt: str | None
+    updatedAt: str | None
+
+
+def public_agent(agent: Agent) -> AgentView:
     """The public payload: never ``leadAgentId`` nor ``leadReviewConfig`` (SPEC 2)."""
     return {
         "id": agent.id,
@@ -219,6 +234,24 @@ async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | N
     return str(row.id)
 
 
+class ReviewConfigView(TypedDict):
+    """A preset's lead review configuration."""
+
+    completionPolicy: str
+    maxRevisionRounds: int
+
+
+class PresetView(TypedDict):
+    """A new preset: ``kind`` is ``platform`` or ``organization``; the lead and its
+    review configuration are ``None`` when it has no lead."""
+
+    id: str
+    name: str
+    kind: str
+    leadAgentId: str | None
+    leadReviewConfig: ReviewConfigView | None
+
+
 async def create_preset(
     conn: Conn,
     clock: Clock,
@@ -228,7 +261,7 @@ async def create_preset(
     name: str,
     lead: str | None = None,
     review_config: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> PresetView:
     """Create an organization preset (optionally with a lead) or a platform preset."""
     name = validate_name(name, "preset", id_prefix="pre")
     p = t.presets.c

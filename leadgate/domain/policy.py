@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import re2
 import sqlalchemy as sa
@@ -122,7 +122,23 @@ async def load_rules(conn: Conn, org_id: str) -> list[Rule]:
     return rules
 
 
-async def list_rules(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+class RuleView(TypedDict):
+    """An output policy rule as stored (``position``: where it applies, from 1)."""
+
+    id: str
+    position: int
+    pattern: str
+    action: str
+
+
+class RemovedRuleView(TypedDict):
+    """An output policy rule just deleted."""
+
+    id: str
+    removed: bool
+
+
+async def list_rules(conn: Conn, org_id: str) -> list[RuleView]:
     """The organization's rules in order, as stored."""
     p = t.policy_rules.c
     rows = await conn.execute(
@@ -135,7 +151,7 @@ async def list_rules(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     ]
 
 
-async def remove_rule(conn: Conn, org_id: str, rule_id: str) -> dict[str, Any]:
+async def remove_rule(conn: Conn, org_id: str, rule_id: str) -> RemovedRuleView:
     """Delete one rule of the organization (404 ``policy.not_found`` otherwise); the
     next turn no longer applies it."""
     p = t.policy_rules.c
@@ -147,7 +163,7 @@ async def remove_rule(conn: Conn, org_id: str, rule_id: str) -> dict[str, Any]:
 
 async def add_rule(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, pattern: str, action: str
-) -> dict[str, Any]:
+) -> RuleView:
     """Append a rule to the organization's policy."""
     compile_rule(pattern, action)
     position = (

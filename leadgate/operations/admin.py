@@ -9,7 +9,7 @@ is checked here that the domain already checks.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypedDict
 
 from binding import routes
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
@@ -30,6 +30,30 @@ def _flows() -> Any:
     from leadgate.flows import runs
 
     return runs
+
+
+class LeadView(TypedDict):
+    """A worker's resolved lead (``source``: ``preset`` or ``agent``), which admin output
+    shows and the public API never does."""
+
+    leadAgentId: str
+    completionPolicy: str
+    maxRevisionRounds: int
+    source: str
+
+
+class AdminAgentView(agents_mod.AgentView):
+    """An agent as ``agent create`` and ``agent update`` show it: with its resolved lead
+    (``None``: it has none)."""
+
+    lead: LeadView | None
+
+
+class ListedAgentView(AdminAgentView):
+    """An agent as ``agent list`` shows it: with its lead's name too (``None``: no lead,
+    or the lead was deleted)."""
+
+    leadName: str | None
 
 
 class Admin:
@@ -132,7 +156,7 @@ class Admin:
 
     async def save_agent(
         self, org: str, *, ref: str | None = None, delete: bool = False, **fields: Any
-    ) -> dict[str, Any]:
+    ) -> AdminAgentView:
         """Create (``ref`` None) or update an agent; the admin view shows the resolved lead."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
@@ -148,33 +172,36 @@ class Admin:
             )
             return await self._admin_view(conn, agent)
 
-    async def list_agents(self, org: str) -> list[dict[str, Any]]:
+    async def list_agents(self, org: str) -> list[ListedAgentView]:
         """The organization's agents (not deleted), oldest first, each with its resolved
         lead (as ``agent create`` shows it) and that lead's name."""
         async with self.db.read() as conn:
             agents = await agents_mod.list_agents(conn, await self._org_id(conn, org))
             names = {agent.id: agent.name for agent in agents}
             views = [await self._admin_view(conn, agent) for agent in agents]
+        listed: list[ListedAgentView] = []
         for view in views:
             lead = view["lead"]
-            view["leadName"] = None if lead is None else names.get(lead["leadAgentId"])
-        return views
+            lead_name = None if lead is None else names.get(lead["leadAgentId"])
+            listed.append({**view, "leadName": lead_name})
+        return listed
 
-    async def _admin_view(self, conn: Any, agent: Agent) -> dict[str, Any]:
-        out = agents_mod.public_agent(agent)
+    async def _admin_view(self, conn: Any, agent: Agent) -> AdminAgentView:
         lead = await agents_mod.resolve_lead(conn, agent)
         # Admin output shows the resolved lead; the public API never does.
-        out["lead"] = (
-            None
-            if lead is None
-            else {
-                "leadAgentId": lead.lead_agent_id,
-                "completionPolicy": lead.completion_policy.value,
-                "maxRevisionRounds": lead.max_revision_rounds,
-                "source": lead.source,
-            }
-        )
-        return out
+        return {
+            **agents_mod.public_agent(agent),
+            "lead": (
+                None
+                if lead is None
+                else LeadView(
+                    leadAgentId=lead.lead_agent_id,
+                    completionPolicy=lead.completion_policy.value,
+                    maxRevisionRounds=lead.max_revision_rounds,
+                    source=lead.source,
+                )
+            ),
+        }
 
     async def create_preset(
         self,
@@ -182,7 +209,7 @@ class Admin:
         name: str,
         lead: str | None,
         review_config: dict[str, Any] | None,
-    ) -> dict[str, Any]:
+    ) -> agents_mod.PresetView:
         """An organization preset (``org``), or a platform preset (``org`` None)."""
         async with self.db.tx() as conn:
             org_id = None if org is None else await self._org_id(conn, org)
@@ -196,18 +223,18 @@ class Admin:
                 review_config=review_config,
             )
 
-    async def add_policy_rule(self, org: str, pattern: str, action: str) -> dict[str, Any]:
+    async def add_policy_rule(self, org: str, pattern: str, action: str) -> policy.RuleView:
         """Append an output policy rule."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
             return await policy.add_rule(conn, self.clock, self.ids, org_id, pattern, action)
 
-    async def list_policy_rules(self, org: str) -> list[dict[str, Any]]:
+    async def list_policy_rules(self, org: str) -> list[policy.RuleView]:
         """The output policy's rules, in the order they apply."""
         async with self.db.read() as conn:
             return await policy.list_rules(conn, await self._org_id(conn, org))
 
-    async def remove_policy_rule(self, org: str, rule_id: str) -> dict[str, Any]:
+    async def remove_policy_rule(self, org: str, rule_id: str) -> policy.RemovedRuleView:
         """Delete an output policy rule (the next turn no longer applies it)."""
         async with self.db.tx() as conn:
             return await policy.remove_rule(conn, await self._org_id(conn, org), rule_id)

@@ -38,7 +38,9 @@ async def save(stack: Stack, org: Org, **kwargs: Any) -> Agent:
         return await agents_mod.save_agent(conn, stack.clock, stack.ids, org.id, **kwargs)
 
 
-async def preset(stack: Stack, org_id: str | None, name: str, **kwargs: Any) -> dict[str, Any]:
+async def preset(
+    stack: Stack, org_id: str | None, name: str, **kwargs: Any
+) -> agents_mod.PresetView:
     async with stack.db.tx() as conn:
         return await agents_mod.create_preset(
             conn, stack.clock, stack.ids, org_id=org_id, name=name, **kwargs

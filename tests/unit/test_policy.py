@@ -99,7 +99,7 @@ def test_a_stored_rule_that_no_longer_compiles_blocks_every_reply() -> None:
 # ----------------------------------------------------------------- on the turn path
 
 
-async def add(stack: Stack, org: Org, pattern: str, action: str) -> dict[str, Any]:
+async def add(stack: Stack, org: Org, pattern: str, action: str) -> policy.RuleView:
     async with stack.db.tx() as conn:
         return await policy.add_rule(conn, stack.clock, stack.ids, org.id, pattern, action)
 
