@@ -9,7 +9,7 @@ channel; the most specific match (most keys) wins, the oldest on a tie.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -66,6 +66,22 @@ def matches(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) ->
     return True
 
 
+class NewRouteView(TypedDict):
+    """A new route: the channel keys it matches (none: every trigger of the channel)."""
+
+    id: str
+    agentId: str
+    channel: str
+    match: dict[str, str]
+    silent: bool
+
+
+class RouteView(NewRouteView):
+    """A route as stored: active, or disabled (``leadgate route disable``)."""
+
+    active: bool
+
+
 async def add_route(
     conn: Conn,
     clock: Clock,
@@ -76,7 +92,7 @@ async def add_route(
     channel: str,
     match: dict[str, str],
     silent: bool,
-) -> dict[str, Any]:
+) -> NewRouteView:
     """Store a route."""
     route_id = ids.new("rte")
     await conn.execute(
@@ -170,7 +186,7 @@ class RouteCache:
         return best_route(rows, channel, attrs)
 
 
-def _route_view(row: Any) -> dict[str, Any]:
+def _route_view(row: Any) -> RouteView:
     return {
         "id": row.id,
         "agentId": row.agent_id,
@@ -181,7 +197,7 @@ def _route_view(row: Any) -> dict[str, Any]:
     }
 
 
-async def list_routes(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+async def list_routes(conn: Conn, org_id: str) -> list[RouteView]:
     """The organization's routes, oldest first."""
     rows = (
         await conn.execute(
@@ -191,7 +207,7 @@ async def list_routes(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     return [_route_view(r) for r in rows]
 
 
-async def disable_route(conn: Conn, org_id: str, route_id: str) -> dict[str, Any]:
+async def disable_route(conn: Conn, org_id: str, route_id: str) -> RouteView:
     """Deactivate a route: its channel triggers no longer reach the agent."""
     row = (
         await conn.execute(

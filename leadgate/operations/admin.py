@@ -9,7 +9,7 @@ is checked here that the domain already checks.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from binding import routes
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
@@ -20,6 +20,9 @@ from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, policy
 from leadgate.domain.agents import UNSET
 from leadgate.domain.rows import Agent
+
+if TYPE_CHECKING:
+    from leadgate.runners.schedules import NewScheduleView, RemovedScheduleView, ScheduleView
 
 DEMO_AGENTS = ("worker", "lead", "plain")
 
@@ -54,6 +57,13 @@ class ListedAgentView(AdminAgentView):
     or the lead was deleted)."""
 
     leadName: str | None
+
+
+class NamedRouteView(routes.RouteView):
+    """A route as ``route list`` shows it: with its agent's name (``None``: the agent
+    was deleted)."""
+
+    agent: str | None
 
 
 class Admin:
@@ -241,7 +251,7 @@ class Admin:
 
     async def add_route(
         self, org: str, agent: str, channel: str, match: list[str], silent: bool
-    ) -> dict[str, Any]:
+    ) -> routes.NewRouteView:
         """Route a channel (``KEY=VALUE`` match keys) to an agent."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
@@ -257,22 +267,20 @@ class Admin:
                 silent=silent,
             )
 
-    async def list_routes(self, org: str) -> list[dict[str, Any]]:
+    async def list_routes(self, org: str) -> list[NamedRouteView]:
         """The organization's routes, each with its agent's name (as schedules show)."""
         async with self.db.read() as conn:
             org_id = await self._org_id(conn, org)
             listed = await routes.list_routes(conn, org_id)
             names = {a.id: a.name for a in await agents_mod.list_agents(conn, org_id)}
-        for route in listed:
-            route["agent"] = names.get(route["agentId"])  # None: the agent was deleted
-        return listed
+        return [{**route, "agent": names.get(route["agentId"])} for route in listed]
 
-    async def disable_route(self, org: str, route_id: str) -> dict[str, Any]:
+    async def disable_route(self, org: str, route_id: str) -> routes.RouteView:
         """Deactivate a route."""
         async with self.db.tx() as conn:
             return await routes.disable_route(conn, await self._org_id(conn, org), route_id)
 
-    async def add_schedule(self, org: str, agent: str, cron: str, message: str) -> dict[str, Any]:
+    async def add_schedule(self, org: str, agent: str, cron: str, message: str) -> NewScheduleView:
         """Run an agent on a cron schedule."""
         from leadgate.runners.schedules import add_schedule  # see _flows()
 
@@ -292,14 +300,14 @@ class Admin:
                 message=message,
             )
 
-    async def list_schedules(self, org: str) -> list[dict[str, Any]]:
+    async def list_schedules(self, org: str) -> list[ScheduleView]:
         """The organization's schedules."""
         from leadgate.runners.schedules import list_schedules  # see _flows()
 
         async with self.db.read() as conn:
             return await list_schedules(conn, await self._org_id(conn, org))
 
-    async def remove_schedule(self, org: str, schedule_id: str) -> dict[str, Any]:
+    async def remove_schedule(self, org: str, schedule_id: str) -> RemovedScheduleView:
         """Delete a schedule."""
         from leadgate.runners.schedules import remove_schedule  # see _flows()
 

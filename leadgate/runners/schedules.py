@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
@@ -89,6 +89,15 @@ def next_fire(cron: str, after_ms: int) -> int:
     return int(nxt.timestamp() * 1000)
 
 
+class NewScheduleView(TypedDict):
+    """A new schedule and its first firing."""
+
+    id: str
+    agentId: str
+    cron: str
+    nextFireAt: str | None
+
+
 async def add_schedule(
     conn: Conn,
     clock: Clock,
@@ -98,7 +107,7 @@ async def add_schedule(
     agent_id: str,
     cron: str,
     message: str,
-) -> dict[str, Any]:
+) -> NewScheduleView:
     """Store a schedule; its first firing is the next cron time after now. The schedule
     runners are woken once the transaction commits (they learn its firing time)."""
     validate_message(message)
@@ -193,7 +202,26 @@ class ScheduleRunner:
         return True
 
 
-async def list_schedules(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+class ScheduleView(TypedDict):
+    """A schedule as listed: its agent's name, and its next firing (``None`` while it is
+    inactive)."""
+
+    id: str
+    agent: str
+    cron: str
+    active: bool
+    nextFireAt: str | None
+    message: str
+
+
+class RemovedScheduleView(TypedDict):
+    """A schedule just deleted."""
+
+    id: str
+    removed: bool
+
+
+async def list_schedules(conn: Conn, org_id: str) -> list[ScheduleView]:
     """The organization's schedules, with their agents' names and next firing."""
     a = t.agents.c
     rows = await conn.execute(
@@ -215,7 +243,7 @@ async def list_schedules(conn: Conn, org_id: str) -> list[dict[str, Any]]:
     ]
 
 
-async def remove_schedule(conn: Conn, org_id: str, schedule_id: str) -> dict[str, Any]:
+async def remove_schedule(conn: Conn, org_id: str, schedule_id: str) -> RemovedScheduleView:
     """Delete a schedule of the organization (404 ``schedule.not_found`` otherwise); a
     firing already under way still runs."""
     result = await conn.execute(t.schedules.delete().where(S.org_id == org_id, S.id == schedule_id))

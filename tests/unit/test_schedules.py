@@ -14,7 +14,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
-from leadgate.runners.schedules import ScheduleRunner, add_schedule, next_fire
+from leadgate.runners.schedules import NewScheduleView, ScheduleRunner, add_schedule, next_fire
 from tests.helpers import Org, make_agent, make_org
 from tests.stack import Stack
 
@@ -58,7 +58,7 @@ def test_an_expression_that_is_not_five_fields_or_never_fires_is_refused(
 
 async def _scheduled(
     stack: Stack, cron: str, message: str
-) -> tuple[Org, dict[str, Any], dict[str, Any]]:
+) -> tuple[Org, dict[str, Any], NewScheduleView]:
     """An organization, its agent "plain", and a schedule of it: (org, agent, schedule)."""
     org = await make_org(stack)
     agent = await make_agent(stack, org, "plain")
