@@ -22,7 +22,7 @@ from leadgate.core.config import Settings
 from leadgate.core.decoding import decode_json
 from leadgate.core.errors import ValidationError
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
-from leadgate.operations.admin import Admin
+from leadgate.operations.admin import Admin, DemoView
 from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
 from outbox.store import Outbox
 
@@ -276,7 +276,13 @@ async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -
         await app.stop()
 
 
-async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+class KeptDemoView(DemoView):
+    """``demo --key-file FILE``'s output: with the file the Owner key is kept in."""
+
+    keyFile: str
+
+
+async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> DemoView:
     """``leadgate demo [--name demo] [--key-file FILE [--rotate-key]]``: the quick-start
     organization (idempotent); with ``--key-file`` the Owner key is kept in that file
     (mode 0600, never in the database) and reused while it is valid."""
@@ -300,13 +306,14 @@ async def demo(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
     try:
         result = await admin.demo(args.name, key=kept, rotate=args.rotate_key)
         if pending is not None and not result["keyReused"]:
-            pending.commit(str(result["apiKey"]))
+            pending.commit(result["apiKey"])
     finally:
         if pending is not None:
             pending.discard()
-    if path is not None:
-        result["keyFile"] = str(path)
-    return result
+    if path is None:
+        return result
+    kept_in: KeptDemoView = {**result, "keyFile": str(path)}
+    return kept_in
 
 
 def _key_file_error(path: Path, exc: Exception) -> ValidationError:

@@ -35,6 +35,24 @@ def _flows() -> Any:
     return runs
 
 
+class ShownKeyView(orgs.NewKeyView):
+    """A new key as ``key create`` shows it: its secret as ``apiKey`` too."""
+
+    apiKey: str
+
+
+class DemoView(TypedDict):
+    """The demo organization: its Owner key, reused or new (``revokedKeyId``: the key
+    ``--rotate-key`` revoked, else ``None``)."""
+
+    org: str
+    orgId: str
+    apiKey: str
+    agents: list[str]
+    keyReused: bool
+    revokedKeyId: str | None
+
+
 class LeadView(TypedDict):
     """A worker's resolved lead (``source``: ``preset`` or ``agent``), which admin output
     shows and the public API never does."""
@@ -78,7 +96,7 @@ class Admin:
         self.model_names = model_names
 
     async def _org_id(self, conn: Any, ref: str) -> str:
-        return str((await orgs.find_org(conn, ref))["id"])
+        return (await orgs.find_org(conn, ref))["id"]
 
     async def create_org(self, name: str) -> orgs.NewOrgView:
         """An organization with an Owner key carrying every scope."""
@@ -92,7 +110,7 @@ class Admin:
 
     async def create_key(
         self, org: str, scopes: list[str], name: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ShownKeyView:
         """A key with exactly ``scopes`` and an optional label, its secret shown once as
         ``apiKey`` (as ``org create`` and ``demo`` show theirs). ``key`` carries the same
         secret: a deprecated alias, kept for scripts written against earlier releases,
@@ -162,7 +180,7 @@ class Admin:
                 "(Owner, Admin and Member can)",
                 rule="scope.agent:review",
             )
-        return Principal(org_id=org_id, scopes=scopes, user_id=str(user["id"]))
+        return Principal(org_id=org_id, scopes=scopes, user_id=user["id"])
 
     async def save_agent(
         self, org: str, *, ref: str | None = None, delete: bool = False, **fields: Any
@@ -336,9 +354,7 @@ class Admin:
         async with self.db.read() as conn:
             return await self._org_id(conn, org)
 
-    async def demo(
-        self, name: str, *, key: str | None = None, rotate: bool = False
-    ) -> dict[str, Any]:
+    async def demo(self, name: str, *, key: str | None = None, rotate: bool = False) -> DemoView:
         """A demo organization: ``worker`` reviewed by ``lead``, and ``plain``; idempotent.
 
         ``key`` is the Owner key a previous run printed (``scripts/run.sh`` keeps it in a
@@ -350,7 +366,7 @@ class Admin:
                 org_id = await self._org_id(conn, name)
             except NotFound:
                 org = await orgs.create_org(conn, self.clock, self.ids, name)
-                org_id, fresh = str(org["id"]), str(org["apiKey"])
+                org_id, fresh = org["id"], org["apiKey"]
                 for agent, lead in (("lead", UNSET), ("worker", "lead"), ("plain", UNSET)):
                     await agents_mod.save_agent(
                         conn, self.clock, self.ids, org_id, name=agent, model="script", lead=lead
@@ -367,12 +383,12 @@ class Admin:
             created = await orgs.create_key(
                 conn, self.clock, self.ids, org_id, ROLE_SCOPES[Role.owner], name="demo owner"
             )
-        return self._demo_out(name, org_id, str(created["key"]), reused=False, revoked=revoked)
+        return self._demo_out(name, org_id, created["key"], reused=False, revoked=revoked)
 
     @staticmethod
     def _demo_out(
         name: str, org_id: str, key: str, *, reused: bool, revoked: str | None
-    ) -> dict[str, Any]:
+    ) -> DemoView:
         return {
             "org": name,
             "orgId": org_id,
