@@ -14,17 +14,31 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from binding import routes
 from leadgate.cli.review_commands import REVIEW_COMMANDS
 from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
 from leadgate.core.decoding import decode_json
 from leadgate.core.errors import ValidationError
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
-from leadgate.operations.admin import Admin, DemoView
+from leadgate.domain import orgs, policy
+from leadgate.domain.agents import PresetView
+from leadgate.operations.admin import (
+    Admin,
+    AdminAgentView,
+    DemoView,
+    ListedAgentView,
+    NamedRouteView,
+    ShownKeyView,
+)
 from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
 from outbox.store import Outbox
+
+if TYPE_CHECKING:
+    # The runners pull in the turn path, which these commands import on first use.
+    from leadgate.runners.schedules import NewScheduleView, RemovedScheduleView, ScheduleView
 
 Command = Callable[[Admin, argparse.Namespace, Settings], Awaitable[Any]]
 
@@ -55,32 +69,32 @@ def _agent_fields(args: argparse.Namespace) -> dict[str, Any]:
     return fields
 
 
-async def org_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def org_create(admin: Admin, args: argparse.Namespace, _: Settings) -> orgs.NewOrgView:
     """``leadgate org create NAME``."""
     return await admin.create_org(args.name)
 
 
-async def org_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def org_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[orgs.OrgView]:
     """``leadgate org list``."""
     return await admin.list_orgs()
 
 
-async def agent_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def agent_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[ListedAgentView]:
     """``leadgate agent list --org ORG``."""
     return await admin.list_agents(args.org)
 
 
-async def key_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def key_create(admin: Admin, args: argparse.Namespace, _: Settings) -> ShownKeyView:
     """``leadgate key create --org ORG --scope S ... [--name LABEL]``."""
     return await admin.create_key(args.org, args.scopes, args.name)
 
 
-async def key_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def key_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[orgs.KeyView]:
     """``leadgate key list --org ORG``."""
     return await admin.list_keys(args.org)
 
 
-async def key_revoke(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def key_revoke(admin: Admin, args: argparse.Namespace, _: Settings) -> orgs.RevokedKeyView:
     """``leadgate key revoke --org ORG KEY_ID``."""
     return await admin.revoke_key(args.org, args.key_id)
 
@@ -123,19 +137,21 @@ def _typed_password(given: str) -> str:
     return given
 
 
-async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def user_create(admin: Admin, args: argparse.Namespace, _: Settings) -> orgs.NewUserView:
     """``leadgate user create --org ORG --email E --role R [--name N] [--password P]``."""
     return await admin.create_user(
         args.org, args.email, args.role, read_password(args.password), args.name
     )
 
 
-async def user_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def user_list(
+    admin: Admin, args: argparse.Namespace, _: Settings
+) -> list[orgs.ListedUserView]:
     """``leadgate user list --org ORG``."""
     return await admin.list_users(args.org)
 
 
-async def user_update(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def user_update(admin: Admin, args: argparse.Namespace, _: Settings) -> orgs.UpdatedUserView:
     """``leadgate user update --org ORG EMAIL [--role R] [--name N] [--password P |
     --reset-password] [--disable | --enable] [--end-sessions]``."""
     if args.reset_password:
@@ -162,12 +178,12 @@ async def user_update(admin: Admin, args: argparse.Namespace, _: Settings) -> An
     )
 
 
-async def agent_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def agent_create(admin: Admin, args: argparse.Namespace, _: Settings) -> AdminAgentView:
     """``leadgate agent create --org ORG --name NAME [...]``."""
     return await admin.save_agent(args.org, **_agent_fields(args))
 
 
-async def agent_update(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def agent_update(admin: Admin, args: argparse.Namespace, _: Settings) -> AdminAgentView:
     """``leadgate agent update --org ORG AGENT [...] [--deactivate|--activate|--delete]``."""
     fields = _agent_fields(args)
     if args.deactivate:
@@ -177,7 +193,7 @@ async def agent_update(admin: Admin, args: argparse.Namespace, _: Settings) -> A
     return await admin.save_agent(args.org, ref=args.agent, delete=args.delete, **fields)
 
 
-async def preset_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def preset_create(admin: Admin, args: argparse.Namespace, _: Settings) -> PresetView:
     """``leadgate preset create (--org ORG | --platform) --name NAME [lead options]``."""
     if args.platform == bool(args.org):
         raise ValidationError("give exactly one of --org ORG or --platform", rule="preset.kind")
@@ -186,47 +202,51 @@ async def preset_create(admin: Admin, args: argparse.Namespace, _: Settings) -> 
     )
 
 
-async def policy_add(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def policy_add(admin: Admin, args: argparse.Namespace, _: Settings) -> policy.RuleView:
     """``leadgate policy add --org ORG --pattern REGEX --action block|redact``."""
     return await admin.add_policy_rule(args.org, args.pattern, args.action)
 
 
-async def policy_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def policy_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[policy.RuleView]:
     """``leadgate policy list --org ORG``."""
     return await admin.list_policy_rules(args.org)
 
 
-async def policy_remove(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def policy_remove(
+    admin: Admin, args: argparse.Namespace, _: Settings
+) -> policy.RemovedRuleView:
     """``leadgate policy remove --org ORG RULE_ID``."""
     return await admin.remove_policy_rule(args.org, args.rule_id)
 
 
-async def route_add(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def route_add(admin: Admin, args: argparse.Namespace, _: Settings) -> routes.NewRouteView:
     """``leadgate route add --org ORG --agent NAME --channel C [--match K=V ...] [--silent]``."""
     return await admin.add_route(args.org, args.agent, args.channel, args.match, args.silent)
 
 
-async def route_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def route_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[NamedRouteView]:
     """``leadgate route list --org ORG``."""
     return await admin.list_routes(args.org)
 
 
-async def route_disable(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def route_disable(admin: Admin, args: argparse.Namespace, _: Settings) -> routes.RouteView:
     """``leadgate route disable --org ORG ROUTE_ID``."""
     return await admin.disable_route(args.org, args.route)
 
 
-async def schedule_add(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def schedule_add(admin: Admin, args: argparse.Namespace, _: Settings) -> NewScheduleView:
     """``leadgate schedule add --org ORG --agent NAME --cron EXPR --message TEXT``."""
     return await admin.add_schedule(args.org, args.agent, args.cron, args.message)
 
 
-async def schedule_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def schedule_list(admin: Admin, args: argparse.Namespace, _: Settings) -> list[ScheduleView]:
     """``leadgate schedule list --org ORG``."""
     return await admin.list_schedules(args.org)
 
 
-async def schedule_remove(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def schedule_remove(
+    admin: Admin, args: argparse.Namespace, _: Settings
+) -> RemovedScheduleView:
     """``leadgate schedule remove --org ORG SCHEDULE_ID``."""
     return await admin.remove_schedule(args.org, args.schedule_id)
 

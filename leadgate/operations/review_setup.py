@@ -36,7 +36,7 @@ class ReviewSetup:
     async def _scope(
         self, conn: Any, org: str, agent: str | None
     ) -> tuple[str, str | None, str | None]:
-        org_id = str((await orgs.find_org(conn, org))["id"])
+        org_id = (await orgs.find_org(conn, org))["id"]
         if agent is None:
             return org_id, None, None
         found = await agents_mod.find_agent(conn, org_id, agent)
