@@ -60,10 +60,16 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
-from leadgate.core.errors import NOTHING_STORED, Unavailable, ValidationError, log_failure
+from leadgate.core.errors import (
+    NOTHING_STORED,
+    LeadgateError,
+    Unavailable,
+    ValidationError,
+    log_failure,
+)
 from leadgate.core.runners import LostClaims, seconds_until
 from leadgate.core.tasks import alongside
-from leadgate.core.types import Reply
+from leadgate.core.types import Gated, Reply
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
@@ -489,7 +495,9 @@ class Idempotency:
             )
         return dict(stored) if stored is not None else None
 
-    async def store_recovered(self, conn: Conn, external_event_id: str, outcome: Any) -> None:
+    async def store_recovered(
+        self, conn: Conn, external_event_id: str, outcome: Reply | Gated | LeadgateError
+    ) -> None:
         """Store the answer of a turn that turn recovery ran again from a keyed
         request's stored message (its process died), in the rerun's last transaction
         ``conn``, under the key whose claim took the message in under
@@ -501,7 +509,13 @@ class Idempotency:
         request is the first one (:meth:`begin` refuses another with the key). Stored
         over no answer, or over one that told the client its answer was lost or not
         to send the message again (``idempotency.lost``, ``turn.interrupted``,
-        ``intake.in_doubt``): the rerun's is the answer those stood for."""
+        ``intake.in_doubt``): the rerun's is the answer those stood for.
+
+        ``outcome`` an error: the run ended failed (the rerun's model failed, or turn
+        recovery gave the turn up), stored in the transaction that ends it. Its status,
+        message, code and rule are stored (``error``), and the route answers them as a
+        live request's failure is answered (the 502 and its rule, or the stream's one
+        error frame)."""
         parsed = _parse_external_id(external_event_id)
         if parsed is None:
             return
@@ -516,10 +530,17 @@ class Idempotency:
         recovered: dict[str, Any] = {
             "id": f"chatcmpl-{self.ids.new('c')}",
             "created": self.clock.now_ms() // 1000,
-            "gated": not isinstance(outcome, Reply),
+            "gated": isinstance(outcome, Gated),
         }
         status = 409
-        if isinstance(outcome, Reply):
+        if isinstance(outcome, LeadgateError):
+            status = outcome.status
+            recovered["error"] = {
+                "message": outcome.message,
+                "code": outcome.code,
+                "rule": outcome.rule,
+            }
+        elif isinstance(outcome, Reply):
             status = 200
             usage = outcome.usage
             recovered["content"] = outcome.text
@@ -627,7 +648,9 @@ def _owned(principal: Principal, claim: Claim) -> tuple[sa.ColumnElement[bool], 
 
 #: The stored answer's field of an answer turn recovery's rerun stored
 #: (:meth:`Idempotency.store_recovered`): ``{"id", "created", "gated", "content",
-#: "usage": [prompt, completion] | null}``, from which the route makes the completion.
+#: "usage": [prompt, completion] | null}``, from which the route makes the completion,
+#: or ``{"id", "created", "gated": false, "error": {"message", "code", "rule"}}`` (the
+#: answer's status the error's) for a run that ended failed.
 RECOVERED = "recovered"
 #: The rules of stored answers a rerun's answer replaces: each told its client that the
 #: answer was lost, or not to send the message again (which the rerun then answered).

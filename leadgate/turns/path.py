@@ -68,8 +68,9 @@ DeltaSink = Callable[[str], Awaitable[None]]
 #: neither does.
 TurnAnswer = Callable[[Conn, Reply | Gated], Awaitable[None]]
 #: What a rerun of a recorded turn writes in its last transaction for each external event
-#: id its messages were taken in under (:attr:`TurnService.keyed_answer`).
-KeyedAnswer = Callable[[Conn, str, Reply | Gated], Awaitable[None]]
+#: id its messages were taken in under (:attr:`TurnService.keyed_answer`): its answer, or
+#: the error its end stands for (the model's, or the give-up's) when it ends failed.
+KeyedAnswer = Callable[[Conn, str, Reply | Gated | LeadgateError], Awaitable[None]]
 _W = t.work_items.c
 # Hot statements are built once: the plan cache keys on the statement object, and
 # building one per call (with its cache key) costs more than SQLite takes to run it.
@@ -432,7 +433,16 @@ class TurnService:
             return
         try:
             if ctx.recovered_client and ctx.work_item_id is not None:
-                await self._end_client_run(ctx, token, ctx.work_item_id, runs.CLIENT_FAILED_TEXT)
+                # What a live request is answered for this failure (its 502, or a 500
+                # for an error that is not the engine's own).
+                failure = (
+                    exc
+                    if isinstance(exc, LeadgateError)
+                    else LeadgateError("internal error", rule="internal")
+                )
+                await self._end_client_run(
+                    ctx, token, ctx.work_item_id, runs.CLIENT_FAILED_TEXT, failure
+                )
             else:
                 await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
         except Exception:
@@ -471,7 +481,9 @@ class TurnService:
                 item_id,
             )
 
-    async def _end_client_run(self, ctx: TurnContext, token: str, item_id: str, why: str) -> None:
+    async def _end_client_run(
+        self, ctx: TurnContext, token: str, item_id: str, why: str, failure: LeadgateError
+    ) -> None:
         """End a REST/MCP/Studio turn that turn recovery ran and could not finish (its
         model failed, or it was given up): its client was told not to send the message
         again, so nobody would. In one transaction, fenced by the run's lease: the runs
@@ -479,12 +491,15 @@ class TurnService:
         transcript is where such a client looks; its events stream shows it), and the
         work item abandoned (audit ``turnGaveUp``, ``why``; the stream's ``review``
         event says ``abandoned``). Left ``inProgress``, it waited a week for the
-        abandonment sweeper with the requester never answered."""
+        abandonment sweeper with the requester never answered. A keyed REST request's
+        key gets ``failure`` (:meth:`_store_keyed`): its retry is told the error, not
+        ``idempotency.lost`` for good."""
         async with self.db.tx() as conn:
             await runs.finish(conn, token, fenced=ctx.run_fenced)
             await self._store(
                 conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE
             )
+            await self._store_keyed(conn, ctx, failure)
             abandoned = await runs.abandon_given_up(
                 conn, self.clock, self.ids, item_id, text=why, flow=False
             )
@@ -573,6 +588,7 @@ class TurnService:
             run_token=claimed.token,
             run_fenced=True,
             recovered_client=kind in (BindingKind.api, BindingKind.studio),
+            keyed_events=claimed.external_event_ids,
         )
         return ctx, kind, item
 
@@ -588,18 +604,27 @@ class TurnService:
             history = await self.history.read(conn, claimed.session_id)
         return Accepted(ctx, agent, item is not None, rules, history)
 
-    def _keyed_answer(self, claimed: runs.Claimed) -> TurnAnswer | None:
+    def _keyed_answer(self, ctx: TurnContext) -> TurnAnswer | None:
         """What a rerun writes in its last transaction for the keyed requests whose
-        messages it answers (:attr:`keyed_answer`), or None."""
-        store, keyed = self.keyed_answer, claimed.external_event_ids
-        if store is None or not keyed:
+        messages it answers (:meth:`_store_keyed`), or None."""
+        if self.keyed_answer is None or not ctx.keyed_events:
             return None
 
         async def answer(conn: Conn, outcome: Reply | Gated) -> None:
-            for external_event_id in keyed:
-                await store(conn, external_event_id, outcome)
+            await self._store_keyed(conn, ctx, outcome)
 
         return answer
+
+    async def _store_keyed(
+        self, conn: Conn, ctx: TurnContext, outcome: Reply | Gated | LeadgateError
+    ) -> None:
+        """Store ``outcome`` (a rerun's answer, or the error its failed end stands for)
+        under the key of each keyed request whose message the run answers
+        (:attr:`keyed_answer`), in the transaction ``conn`` that ends the run."""
+        if self.keyed_answer is None:
+            return
+        for external_event_id in ctx.keyed_events:
+            await self.keyed_answer(conn, external_event_id, outcome)
 
     async def resume(self, claimed: runs.Claimed) -> Outcome | None:
         """Carry out a claimed run (see :mod:`leadgate.turns.runs`): re-run the turn, or
@@ -609,8 +634,9 @@ class TurnService:
             if kind is BindingKind.flow and claimed.work_item_id is not None:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
             elif ctx.recovered_client and claimed.work_item_id is not None:
+                gave_up = ModelError(runs.GAVE_UP_MESSAGE, rule=runs.GAVE_UP_RULE)
                 await self._end_client_run(
-                    ctx, claimed.token, claimed.work_item_id, runs.CLIENT_GAVE_UP_TEXT
+                    ctx, claimed.token, claimed.work_item_id, runs.CLIENT_GAVE_UP_TEXT, gave_up
                 )
             else:
                 await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
@@ -619,7 +645,7 @@ class TurnService:
             return None
         turn = await self._accepted(claimed, ctx, item)
         try:
-            return await self.execute(turn, answer=self._keyed_answer(claimed))
+            return await self.execute(turn, answer=self._keyed_answer(ctx))
         except LeadgateError:
             return None
 

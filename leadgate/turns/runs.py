@@ -100,6 +100,16 @@ CLIENT_GAVE_UP_TEXT = (
     "stopped before it finished (its process died); its client was told not to send the "
     "message again, or sent nothing again, so nobody retries it"
 )
+#: The rule of the 502 a keyed REST request's retry is answered when turn recovery gave
+#: its turn up (:data:`CLIENT_GAVE_UP_TEXT`): the model error a request gets whose turn
+#: failed, as the first request would have had it.
+GAVE_UP_RULE = "turn.gave_up"
+#: Its message.
+GAVE_UP_MESSAGE = (
+    f"the worker's turn was given up after {MAX_ATTEMPTS} attempts that each stopped "
+    "before it finished (its process died); the message is in the transcript with a "
+    "failure notice, and its work item was abandoned"
+)
 #: The same when the model failed in the turn recovery ran.
 CLIENT_FAILED_TEXT = (
     "the worker's turn, run again by turn recovery because its client was told not to "

@@ -57,6 +57,7 @@ from leadgate.web.common import (
     authenticate,
     damaged_answers,
     error_answer,
+    error_body,
     error_response,
     json_body,
 )
@@ -888,20 +889,33 @@ def _recovered(stored: dict[str, Any], parsed: ChatRequest) -> dict[str, Any]:
     ran again and stored under the key in neutral form
     (:meth:`~leadgate.operations.idempotency.Idempotency.store_recovered`), made for
     ``parsed`` (the retry's request, the same as the first: the same model name,
-    stream or not). The same every time: its ``id`` and ``created`` are stored."""
+    stream or not). The same every time: its ``id`` and ``created`` are stored.
+
+    A run that ended failed (``error``) is answered as a live request's failure after
+    its intake: the error's status and envelope, or (streamed) the role chunk and the
+    one error frame, no ``[DONE]``."""
     recovered = stored[RECOVERED]
     cid, created = str(recovered["id"]), int(recovered["created"])
+    error = recovered.get("error")
     outcome: Outcome = Gated(None, None)
-    if not recovered.get("gated"):
+    if not recovered.get("gated") and error is None:
         counts = recovered.get("usage")
         usage = Usage(int(counts[0]), int(counts[1])) if counts else None
         outcome = Reply(str(recovered.get("content", "")), usage=usage)
+    envelope = None
+    if isinstance(error, dict):
+        status = int(stored["status"])
+        envelope = error_body(status, str(error["message"]), error["code"], error["rule"])
     if parsed.stream:
         chunks = _Chunks(
             web.StreamResponse(), cid, created, parsed.model, parsed.include_usage, True
         )
         role = f"data: {chunks._chunk({'role': 'assistant', 'content': ''}, None)}\n\n"
+        if envelope is not None:
+            return {"status": 200, "frames": [role, f"data: {json.dumps(envelope)}\n\n"]}
         return {"status": 200, "frames": [role, *chunks.closing(outcome)]}
+    if envelope is not None:
+        return {"status": status, "body": envelope}
     if isinstance(outcome, Reply):
         return {"status": 200, "body": _completion(cid, parsed.model, created, outcome)}
     return {"status": 409, "body": pending_body(gated=True)}

@@ -420,7 +420,7 @@ async def test_a_crashed_first_request_is_taken_over_without_a_second_message(en
 DEAD = "prc_dead_process"
 #: The agents whose api turns are recorded as runs (those with a lead), as the crash
 #: tests below make them.
-RECORDED = ("worker", "gated-slow")
+RECORDED = ("worker", "gated-slow", "faulty-worker")
 
 
 async def runs_left(env: Env) -> list[tuple[str, str | None]]:
@@ -559,6 +559,94 @@ async def test_a_keyed_turn_interrupted_and_rerun_replays_the_reruns_answer(
     assert await env.transcript("faulty-worker", "i1") == [
         ("user", "once"),
         ("assistant", "answered once the database was back"),
+    ]
+
+
+def error_frame(raw: bytes) -> dict[str, Any]:
+    """The error envelope a stream's last frame carries (its one error frame)."""
+    frames = [f for f in raw.decode().split("\n\n") if f]
+    assert frames[-1] != "data: [DONE]", frames
+    envelope: dict[str, Any] = json.loads(frames[-1].removeprefix("data: "))
+    return envelope
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_keyed_reruns_model_failure_is_its_retrys_answer(env: Env, stream: bool) -> None:
+    """A keyed request whose process died mid-turn; no retry came in turn recovery's
+    wait, so recovery reran the turn, and the model failed in the rerun: the failure
+    notice went to the transcript and the item was abandoned, and in that transaction
+    the key got the answer a live request gets when its model fails (the 502 naming the
+    model's rule, or the stream's one error frame). The retry through the official
+    client gets that, as a live request's failure, every time. It was 409
+    ``idempotency.lost`` for good, the outcome known."""
+    await make_agent(env.service, env.org, "faulty-worker", model="fault", lead="lead")
+    await claim_and_crash(
+        env, "model", "k-f1", "f1", taken_in=True, model="faulty-worker", stream=stream
+    )
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1  # none came: rerun, and its model fails
+    assert await runs_left(env) == []
+    request = keyed("k-f1", "f1", "faulty-worker", "model")
+    streamed: dict[str, Any] = {"stream": True} if stream else {}
+    # What a live request is answered for the same failure (another key and session).
+    live = await env.chat("faulty-worker", "model", idem="k-f2", session="f2", **streamed)
+    async with env.official() as client:
+        if stream:
+            chunks = await client.chat.completions.create(**request, stream=True)
+            with pytest.raises(openai.APIError) as failed:
+                async for _ in chunks:
+                    pass
+            assert "the provider failed" in str(failed.value)
+        else:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(**request)
+            assert refused.value.status_code == 502
+            assert refused.value.response.headers["x-should-retry"] == "false"
+    first = await env.chat("faulty-worker", "model", idem="k-f1", session="f1", **streamed)
+    again = await env.chat("faulty-worker", "model", idem="k-f1", session="f1", **streamed)
+    assert first.headers["Idempotent-Replayed"] == "true"
+    assert first.status == again.status == live.status == (200 if stream else 502)
+    body, live_body = await first.read(), await live.read()
+    assert body == await again.read()
+    envelope = error_frame(body) if stream else json.loads(body)
+    assert envelope == (error_frame(live_body) if stream else json.loads(live_body))
+    error = envelope["error"]
+    assert (error["code"], error["rule"]) == ("model_error", "model.failed")
+    assert await env.transcript("faulty-worker", "f1") == [
+        ("user", "model"),
+        ("assistant", runs.FAILURE_NOTICE),
+    ]
+
+
+async def test_a_keyed_turn_recovery_gave_up_answers_its_retry_so(env: Env) -> None:
+    """A keyed request whose message killed its process on every attempt: turn
+    recovery gave its turn up (the failure notice in the transcript, the item
+    abandoned) and, in that transaction, stored under the key the 502 a failed turn is
+    answered, its rule ``turn.gave_up``: the retry is told its turn failed for good. It
+    was 409 ``idempotency.lost`` ("read the transcript") for ever."""
+    await claim_and_crash(env, "draft it", "k-g1", "g1", taken_in=True, model="worker")
+    async with env.service.db.tx() as conn:
+        await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1  # none came: given up
+    assert await runs_left(env) == []
+    async with env.official() as client:
+        told = await answer_of(client, **keyed("k-g1", "g1", "worker", "draft it"))
+        again = await answer_of(client, **keyed("k-g1", "g1", "worker", "draft it"))
+    assert told.status_code == 502, told.text
+    assert told.headers["Idempotent-Replayed"] == "true"
+    assert told.headers["x-should-retry"] == "false"
+    error = told.json()["error"]
+    assert (error["code"], error["rule"]) == ("model_error", runs.GAVE_UP_RULE)
+    assert error["message"] == runs.GAVE_UP_MESSAGE
+    assert again.content == told.content
+    assert await env.transcript("worker", "g1") == [
+        ("user", "draft it"),
+        ("assistant", runs.FAILURE_NOTICE),
     ]
 
 
