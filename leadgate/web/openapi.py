@@ -210,8 +210,20 @@ OPERATIONS: list[Operation] = [
             "(its answer was lost with its process, or to a database fault storing it: "
             "read the transcript). Never retried "
             "(x-should-retry: false)",
-            "502": "model_error: the model provider failed after the message was taken in "
-            "(x-should-retry: false: sending it again would take it twice)",
+            "502": "model_error: the model provider failed after the message was taken in, "
+            "its rule the provider's failure (model.*) "
+            "(x-should-retry: false: sending it again would take it twice). An "
+            "Idempotency-Key's retry whose turn turn recovery ran again (its first "
+            "request's process died) gets the same when the model failed in that rerun, "
+            "or turn.gave_up when recovery gave the turn up after 3 attempts that each "
+            "killed their process (the failure notice is in the transcript)",
+            "503": "Nothing was stored (a database fault, or overload; service.unavailable): "
+            "retry after Retry-After. Or, never retried (x-should-retry: false): "
+            "turn.interrupted (the message was taken in, its turn stopped on a database "
+            "fault: do not send it again) or intake.in_doubt (it may have been taken in: "
+            "a retry with the same Idempotency-Key is safe); under an Idempotency-Key "
+            "the retry gets it again until turn recovery's rerun of the turn stores its "
+            "answer (or its failure, the 502) over it",
         },
     ),
     Operation("get", "/v1/models", "The organization's worker agents as models"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from leadgate.turns import runs
 from tests.helpers import make_agent, make_org, session_item
 from tests.serving import served_app
 
@@ -100,7 +101,10 @@ async def test_the_answers_the_routes_give_are_declared(migrated_url: str) -> No
     """The document declared neither a chat completion's 409s (a turn held for its lead,
     an Idempotency-Key in progress or lost) nor its 502, nor the 409 of a decision or of
     a taken agent name; it described ``days`` as 7, 30 or 90 (the route takes 1..365)
-    and ``since`` as an integer (it takes ISO 8601 too)."""
+    and ``since`` as an integer (it takes ISO 8601 too). Nor did it name the 502
+    ``turn.gave_up`` an Idempotency-Key's retry gets for a turn turn recovery gave up,
+    nor a chat completion's 503s that say not to send the message again
+    (``turn.interrupted``, ``intake.in_doubt``, replayed under the key)."""
     async with served_app(migrated_url) as (service, client):
         org = await make_org(service)
         await make_agent(service, org, "lead")
@@ -136,8 +140,17 @@ async def test_the_answers_the_routes_give_are_declared(migrated_url: str) -> No
             == 409
         )
         assert await declared("POST", chat, chat, **turn("plain", "please #fail")) == 502
-        for text in ("turn.gated", "turn.busy", "idempotency.in_progress", "idempotency.lost"):
-            assert text in paths[chat]["post"]["responses"]["409"]["description"]
+        # Every answer an Idempotency-Key's retry can get is declared with its rule: the
+        # first request's replayed, or the end of its turn that turn recovery ran again
+        # (its model's failure, or the give-up, stored over a 503 it was told).
+        said = {
+            "409": ("turn.gated", "turn.busy", "idempotency.in_progress", "idempotency.lost"),
+            "502": ("model_error", "model.*", runs.GAVE_UP_RULE),
+            "503": ("service.unavailable", "turn.interrupted", "intake.in_doubt"),
+        }
+        for status, rules in said.items():
+            description = paths[chat]["post"]["responses"][status]["description"]
+            assert [rule for rule in rules if rule not in description] == [], status
         item = await session_item(service, f"default:{org.principal.key_id}")
         approve = "/operator/reviews/{item_id}/approve"
         assert await declared("POST", approve, approve.replace("{item_id}", item), json={}) == 409
