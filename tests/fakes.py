@@ -4,8 +4,9 @@ the state a test asserts on)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -264,6 +265,36 @@ class StallsOnce:
                 return None
 
         return _Ctx()
+
+
+class HeldCommits:
+    """A :class:`Database` stand-in (every other member the real one's) whose write
+    transactions run their work and then hold their ``COMMIT``, their row locks held,
+    until :attr:`release` is set; :attr:`reached` is set once one got there. Passed to
+    one function of our own in place of its database (``monkeypatch`` its call), it holds
+    that function's transaction open mid-way, as a process paused before its commit: a
+    contender started meanwhile meets its locks (:func:`tests.helpers.blocked_on_a_lock`)
+    or skips them. :func:`tests.helpers.held_open` holds a test's own work instead."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+    @property
+    def database(self) -> Database:
+        """This stand-in, typed as the database it stands in for."""
+        return cast(Database, self)
+
+    @contextlib.asynccontextmanager
+    async def tx(self) -> AsyncIterator[Any]:
+        async with self.db.tx() as conn:
+            yield conn
+            self.reached.set()
+            await self.release.wait()
 
 
 async def _entered_unheard(tx: Any) -> tuple[Any, dict[str, list[Any]]]:

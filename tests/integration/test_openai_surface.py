@@ -47,8 +47,16 @@ from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, Te
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from leadgate.web.openai_api import pending_body
-from tests.fakes import CommitLandsLater
-from tests.helpers import Org, eventually, fake_clock, make_agent, make_key, make_org
+from tests.fakes import CommitLandsLater, HeldCommits
+from tests.helpers import (
+    Org,
+    blocked_on_a_lock,
+    eventually,
+    fake_clock,
+    make_agent,
+    make_key,
+    make_org,
+)
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
 
@@ -559,6 +567,91 @@ async def test_a_keyed_turn_interrupted_and_rerun_replays_the_reruns_answer(
     assert await env.transcript("faulty-worker", "i1") == [
         ("user", "once"),
         ("assistant", "answered once the database was back"),
+    ]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_keyed_retry_meeting_recoverys_claim_mid_way_loses_to_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: turn recovery's claim of a keyed request's run for its rerun has
+    written its lease and not committed yet when the client's retry (the official
+    client, the key taken over) looks for that run. The retry waits for the claim's row
+    lock, then finds the run a live process's: it runs nothing and is told 409
+    ``idempotency.in_progress``, and the one turn, the rerun's, is what the next retry
+    gets. One user message, one answer."""
+    await claim_and_crash(env, "draft it", "k-r1", "r1", taken_in=True, model="worker")
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)  # none came (and the key's claim lapsed)
+    held, real = HeldCommits(env.service.db), runs.claim
+    monkeypatch.setattr(runs, "claim", lambda _db, *a, **kw: real(held.database, *a, **kw))
+    rerun = asyncio.create_task(recovery.run_once())
+    request = keyed("k-r1", "r1", "worker", "draft it")
+    try:
+        await asyncio.wait_for(held.reached.wait(), 10)
+        monkeypatch.setattr(runs, "claim", real)
+        async with env.official() as client:
+            retry = asyncio.create_task(answer_of(client, **request))
+            assert await blocked_on_a_lock(env.service.db, retry)
+            assert not retry.done()
+            held.release.set()
+            waiting = await retry
+            assert await rerun
+            answered = await answer_of(client, **request)
+    finally:
+        held.release.set()
+        await asyncio.gather(rerun, return_exceptions=True)
+    assert waiting.status_code == 409, waiting.text
+    assert waiting.json()["error"]["rule"] == "idempotency.in_progress"
+    assert answered.status_code == 200, answered.text
+    assert answered.headers["Idempotent-Replayed"] == "true"
+    assert answered.json()["choices"][0]["message"]["content"] == "Echo: draft it"
+    assert await runs_left(env) == []
+    assert await env.transcript("worker", "r1") == [
+        ("user", "draft it"),
+        ("assistant", "Echo: draft it"),
+    ]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_recovery_meeting_a_keyed_retrys_claim_mid_way_leaves_the_run_to_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL, the reverse: the client's keyed retry has claimed its message's run
+    (the resend wait is over: recovery would rerun it now) and not committed yet when
+    turn recovery's pass comes. Recovery skips the run it holds (it neither waits for it
+    nor takes it after), and the retry runs the turn and gets its answer, replayed
+    after. One turn, one user message, one answer, nothing left to recover."""
+    await claim_and_crash(env, "draft it", "k-r2", "r2", taken_in=True, model="worker")
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)  # recovery would rerun it now
+    held, real = HeldCommits(env.service.db), runs.claim_for_retry
+    monkeypatch.setattr(
+        runs, "claim_for_retry", lambda _db, *a, **kw: real(held.database, *a, **kw)
+    )
+    request = keyed("k-r2", "r2", "worker", "draft it")
+    async with env.official() as client:
+        retry = asyncio.create_task(answer_of(client, **request))
+        try:
+            await asyncio.wait_for(held.reached.wait(), 10)
+            assert not await asyncio.wait_for(recovery.run_once(), 5)  # nothing claimed
+            held.release.set()
+            answered = await retry
+        finally:
+            held.release.set()
+            await asyncio.gather(retry, return_exceptions=True)
+        again = await answer_of(client, **request)
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["message"]["content"] == "Echo: draft it"
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.content == answered.content
+    assert await runs_left(env) == []
+    assert await drain(recovery) == 0
+    assert await env.transcript("worker", "r2") == [
+        ("user", "draft it"),
+        ("assistant", "Echo: draft it"),
     ]
 
 
