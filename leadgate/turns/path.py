@@ -53,6 +53,7 @@ from leadgate.turns.intake import Accepted, Intake
 from leadgate.turns.messages import VisibleWrites, store_message
 from leadgate.turns.providers.base import ChatMessage, ModelRequest, TextDelta, ToolCall, ToolSpec
 from leadgate.turns.providers.registry import ProviderRegistry
+from leadgate.turns.runs import GAVE_UP_RULE
 from outbox.store import Outbox
 
 log = logging.getLogger("leadgate.turns")
@@ -634,7 +635,7 @@ class TurnService:
             if kind is BindingKind.flow and claimed.work_item_id is not None:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
             elif ctx.recovered_client and claimed.work_item_id is not None:
-                gave_up = ModelError(runs.GAVE_UP_MESSAGE, rule=runs.GAVE_UP_RULE)
+                gave_up = ModelError(runs.GAVE_UP_MESSAGE, rule=GAVE_UP_RULE)
                 await self._end_client_run(
                     ctx, claimed.token, claimed.work_item_id, runs.CLIENT_GAVE_UP_TEXT, gave_up
                 )
