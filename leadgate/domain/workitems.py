@@ -176,11 +176,13 @@ def audit_values(
     surface: str | None = None,
     identity: str | None = None,
     created_at: int | None = None,
+    audit_id: str | None = None,
 ) -> dict[str, Any]:
     """A new ``audit`` row, as :func:`audit` appends it; at ``created_at`` (a move's
-    time, as its row got it) or the clock's time."""
+    time, as its row got it) or the clock's time; ``audit_id`` when the caller made the
+    row's id beforehand, else a new one."""
     return {
-        "id": ids.new("aud"),
+        "id": ids.new("aud") if audit_id is None else audit_id,
         "org_id": org_id,
         "work_item_id": work_item_id,
         "delivery_id": delivery_id,
@@ -323,9 +325,8 @@ async def transition(
         surface=surface,
         identity=identity,
         created_at=row.updated_at,
+        audit_id=audit_id,
     )
-    if audit_id is not None:
-        first["id"] = audit_id
     item = WorkItem.from_row(row)
     if then is None:
         await conn.execute(_INSERT_AUDIT, first)
