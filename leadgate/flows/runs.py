@@ -972,10 +972,12 @@ class FlowResumer:
         db = self.flows.db
         clock = self.flows.clock
         self._locked_look = None
-        now = clock.now_ms()
-        self._left = {cont: due for cont, due in self._left.items() if due > now}
-        read, pick = (_SETTLED_BUT, _PICK_BUT) if self._left else (_SETTLED, _PICK)
-        args = {"p_left": list(self._left)} if self._left else {}
+        read, pick, args = _SETTLED, _PICK, {}
+        if self._left:  # (almost never: only after a lock wait past its bound)
+            now = clock.now_ms()
+            self._left = {cont: due for cont, due in self._left.items() if due > now}
+            if self._left:
+                read, pick, args = _SETTLED_BUT, _PICK_BUT, {"p_left": list(self._left)}
         # Read first: every approval wakes this runner, and almost none of them concerns
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
