@@ -146,6 +146,15 @@ async def submit(
     return out.work_item_id
 
 
+async def claimed_review(stack: Stack) -> tuple[str, WorkItem]:
+    """A worker's submitted item (its id) and the lead runner's claim of its review."""
+    org, _, worker = await setup(stack)
+    item_id = await submit(stack, org, worker, "write the report")
+    claimed = await stack.lead_runner.claim()
+    assert claimed is not None
+    return item_id, claimed
+
+
 async def actions(stack: Stack, item_id: str) -> list[str]:
     return [a["action"] for a in await audit(stack, item_id)]
 
@@ -1048,11 +1057,8 @@ async def test_a_verdict_whose_commit_failed_is_committed_later_without_a_second
     """The lead decided; the database was away for the commit. The verdict is kept and
     committed on the next pass (the README's promise): the item was given back to the
     queue and the lead asked again, which need not answer the same."""
-    org, _, worker = await setup(stack)
-    item_id = await submit(stack, org, worker, "write the report")
+    item_id, claimed = await claimed_review(stack)
     runner = stack.lead_runner
-    claimed = await runner.claim()
-    assert claimed is not None
     decided = 0
     real_decide = runner._decide
 
@@ -1086,11 +1092,8 @@ async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
     database is back: another runner takes the item back and reviews it, and the kept
     verdict's commit is dropped by the lease fence. One verdict stored, one counted: the
     dropped one was counted as the lead gave it, and the item's next review again."""
-    org, _, worker = await setup(stack)
-    item_id = await submit(stack, org, worker, "write the report")
+    item_id, claimed = await claimed_review(stack)
     runner = stack.lead_runner
-    claimed = await runner.claim()
-    assert claimed is not None
 
     async def by_transaction(*args: Any, **kwargs: Any) -> bool:
         return False  # the verdict's transaction on either backend
@@ -1151,11 +1154,8 @@ async def test_a_verdict_in_doubt_that_landed_is_counted_once_by_its_retry(
     dropped by the lease fence (it does not act again), and its look finds the first
     commit's audit row: what that commit held is counted then, once. It was never
     counted: the fence cannot tell a verdict that landed from a lost lease."""
-    org, _, worker = await setup(stack)
-    item_id = await submit(stack, org, worker, "write the report")
+    item_id, claimed = await claimed_review(stack)
     runner = stack.lead_runner
-    claimed = await runner.claim()
-    assert claimed is not None
     monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
     claim_in_doubt.arm(stack.db)
     before = verdict_counted()
@@ -1190,11 +1190,8 @@ async def test_a_one_statement_approval_in_doubt_that_landed_is_counted_once_by_
     """As above, for the approval run as one statement (``approve_alone``): the retry's
     statement matches nothing, nor does its transaction, and the look finds the
     approval's audit row."""
-    org, _, worker = await setup(stack)
-    item_id = await submit(stack, org, worker, "write the report")
+    item_id, claimed = await claimed_review(stack)
     runner = stack.lead_runner
-    claimed = await runner.claim()
-    assert claimed is not None
     lose_the_next_commit(monkeypatch, stack.db, alone=True)
     before = verdict_counted()
     with pytest.raises(Unavailable) as raised:
@@ -1216,11 +1213,8 @@ async def test_a_verdict_in_doubt_that_did_not_land_is_committed_and_counted_by_
 ) -> None:
     """The verdict's commit was in doubt and rolled back: the retry commits it and counts
     it at its commit; the look (none: the fence let it through) counts nothing more."""
-    org, _, worker = await setup(stack)
-    item_id = await submit(stack, org, worker, "write the report")
+    item_id, claimed = await claimed_review(stack)
     runner = stack.lead_runner
-    claimed = await runner.claim()
-    assert claimed is not None
     monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
     pool = stack.db._pg
     assert pool is not None
