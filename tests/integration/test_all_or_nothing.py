@@ -983,8 +983,9 @@ async def test_key_create(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> 
         operation=admin(lambda a, ctx: a.create_key(ctx.org.id, ["agent:trigger"], name="ci")),
         succeeded=done,
         failed=stopped,
-        # Its commit in doubt, the operator runs it again and gets a second key (the
-        # first, its secret never shown, unused): the command has no key to tell.
+        # Its commit in doubt is not this Admin's to settle: the `leadgate key create`
+        # command asks the server whether it landed (Database settle_doubt; tested in
+        # test_cli_database_faults), and run again here it would make a second key.
         doubt=False,
     )
     await enumerate_faults(write, backend, monkeypatch)
