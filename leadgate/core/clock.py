@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Protocol, overload
 
 MINUTE_MS = 60_000
 HOUR_MS = 60 * MINUTE_MS
@@ -85,6 +85,12 @@ class SequentialIds:
         return f"{prefix}_{next(self._counter):06d}"
 
 
+@overload
+def iso(ms: int) -> str: ...
+@overload
+def iso(ms: None) -> None: ...
+@overload
+def iso(ms: int | None) -> str | None: ...
 def iso(ms: int | None) -> str | None:
     """Render epoch milliseconds as an ISO 8601 UTC timestamp (``None`` passes)."""
     if ms is None:

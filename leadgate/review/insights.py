@@ -187,7 +187,7 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> d
         "decisions": {
             "perDay": [
                 {
-                    "day": iso(day * DAY_MS)[:10],  # type: ignore[index]
+                    "day": iso(day * DAY_MS)[:10],
                     "byVerdict": dict(per_day[day]),
                     "byDecider": dict(per_day_decider[day]),
                 }
