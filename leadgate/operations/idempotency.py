@@ -515,7 +515,11 @@ class Idempotency:
         recovery gave the turn up), stored in the transaction that ends it. Its status,
         message, code and rule are stored (``error``), and the route answers them as a
         live request's failure is answered (the 502 and its rule, or the stream's one
-        error frame)."""
+        error frame).
+
+        ``outcome`` :class:`~leadgate.core.types.Gated` with no rerun: turn recovery
+        surfaced the dead turn's committed handoff to a person, in its claim's
+        transaction; the retry gets a live gated turn's answer."""
         parsed = _parse_external_id(external_event_id)
         if parsed is None:
             return

@@ -65,6 +65,7 @@ class TurnRecovery:
             owner=self.turns.owner(),
             orphans=self.turns.orphans,
             lost=self.turns.lost,
+            surfaced=self.turns.store_surfaced,
         )
         if claimed is None:
             return False

@@ -500,7 +500,7 @@ class TurnService:
             await self._store(
                 conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE
             )
-            await self._store_keyed(conn, ctx, failure)
+            await self._store_keyed(conn, ctx.keyed_events, failure)
             abandoned = await runs.abandon_given_up(
                 conn, self.clock, self.ids, item_id, text=why, flow=False
             )
@@ -612,19 +612,29 @@ class TurnService:
             return None
 
         async def answer(conn: Conn, outcome: Reply | Gated) -> None:
-            await self._store_keyed(conn, ctx, outcome)
+            await self._store_keyed(conn, ctx.keyed_events, outcome)
 
         return answer
 
+    async def store_surfaced(self, conn: Conn, external_event_ids: tuple[str, ...]) -> None:
+        """A recovery claim surfaced a dead turn's committed handoff to a human
+        (:data:`runs.SURFACED <leadgate.turns.runs.SURFACED>`), in its transaction
+        ``conn``: the turn ended gated, as it would have live, so each keyed request whose
+        message it answers gets what a live gated turn's request gets (the gated 409, or
+        a stream with no text), not ``idempotency.lost``. The approved answer then shows
+        in the transcript."""
+        await self._store_keyed(conn, external_event_ids, Gated(None, None))
+
     async def _store_keyed(
-        self, conn: Conn, ctx: TurnContext, outcome: Reply | Gated | LeadgateError
+        self, conn: Conn, keyed: tuple[str, ...], outcome: Reply | Gated | LeadgateError
     ) -> None:
-        """Store ``outcome`` (a rerun's answer, or the error its failed end stands for)
-        under the key of each keyed request whose message the run answers
-        (:attr:`keyed_answer`), in the transaction ``conn`` that ends the run."""
+        """Store ``outcome`` (a rerun's answer, the error its failed end stands for, or
+        a surfaced handoff's gate) under the key of each keyed request among ``keyed``
+        (the external event ids the run's messages were taken in under;
+        :attr:`keyed_answer`), in the transaction ``conn`` that ends the run."""
         if self.keyed_answer is None:
             return
-        for external_event_id in ctx.keyed_events:
+        for external_event_id in keyed:
             await self.keyed_answer(conn, external_event_id, outcome)
 
     async def resume(self, claimed: runs.Claimed) -> Outcome | None:

@@ -10,7 +10,9 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 * the dead turn had already committed its ``complete_task`` signal (the handoff
   happened, its withheld text was lost): the signal is submitted exactly once, to a human
   (``inProgress -> awaitingHuman``, audit ``turnInterrupted``; it is in the actionable
-  queue); re-running the model would make a second, different handoff;
+  queue); re-running the model would make a second, different handoff. A keyed REST
+  request's key gets, in that transaction, the answer of a live turn that ended gated
+  (``surfaced``, :data:`SurfacedAnswer`);
 * ``rerun`` (channels, schedules, a flow's lead-reviewed node: nobody else will ask
   again): the turn runs again from the stored message; its reply is queued fenced by
   the run's lease token, so at most one run commits; several recorded messages of one
@@ -47,7 +49,7 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -79,6 +81,13 @@ AWAIT = "await"
 RESEND_GRACE_MS = MINUTE_MS
 #: A claim's action that left its runs :data:`AWAIT` (nothing to carry out yet).
 WAITING = "waiting"
+#: A claim's action that submitted the dead turn's committed ``complete_task`` signal to
+#: a human instead of running the turn again.
+SURFACED = "surfaced"
+#: What a claim that surfaced a dead turn's handoff (:data:`SURFACED`) writes in its own
+#: transaction for the external event ids the runs' messages were taken in under: a
+#: keyed REST request's retry is answered as a live request whose turn ended gated.
+SurfacedAnswer = Callable[[Conn, tuple[str, ...]], Awaitable[None]]
 #: How long a live process may run a recorded turn before another may take it over.
 RUN_LEASE_MS = 15 * MINUTE_MS
 MAX_ATTEMPTS = 3
@@ -202,13 +211,17 @@ async def claim(
     owner: str | None,
     orphans: set[str],
     lost: LostClaims[RunLook],
+    surfaced: SurfacedAnswer | None = None,
 ) -> Claimed | None:
     """Claim the oldest takeable run and every takeable run of its session.
 
     Takeable: its lease expired, its holder is known dead (:func:`owner_gone`), or it is
     one of ``orphans`` (this process's runs whose turn stopped on a database fault, or
     whose intake or recovery claim was in doubt), or of the tokens in ``lost`` whose look
-    is due. Orphans no run holds go to ``lost`` (see :func:`_watch`).
+    is due. Orphans no run holds go to ``lost`` (see :func:`_watch`). A claim that
+    surfaces the dead turn's handoff (:data:`SURFACED`) calls ``surfaced`` in its
+    transaction, with the runs' external event ids: the handoff and the answer stored
+    for a keyed request commit together.
     """
     now = clock.now_ms()
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
@@ -236,6 +249,7 @@ async def claim(
             resend=resend,
             updated=updated,
             taken=taken,
+            surfaced=surfaced,
         )
     except BaseException:  # (cancelled too: the looks taken stay watched)
         # The claim's COMMIT may or may not have landed: the runs hold either their old
@@ -301,6 +315,7 @@ async def _claim_in(
     resend: set[str],
     updated: list[str],
     taken: set[str],
+    surfaced: SurfacedAnswer | None,
 ) -> Claimed | None:
     async with db.tx() as conn:
         first = (
@@ -337,7 +352,9 @@ async def _claim_in(
                 action = "closed"  # it moved on (cancelled, or submitted by another turn)
             elif item.signal_turn_id in dead_turns and item.signal_summary:
                 await _surface(conn, clock, ids, item.id, item.signal_summary)
-                action = "surfaced"
+                if surfaced is not None:
+                    await surfaced(conn, _event_ids(rows))
+                action = SURFACED
         if action == CLIENT and not any(r.lease_token in resend for r in rows):
             rerun, wait = await _client_resent_or_not(conn, rows, now)
             action = WAITING if wait else RERUN if rerun else CLIENT
@@ -351,7 +368,7 @@ async def _claim_in(
             raise TransitionError("turn runs changed while being claimed", rule="run")
         if action == RERUN and max(r.attempts for r in rows) >= MAX_ATTEMPTS:
             action = "gaveUp"
-        if action in ("closed", "surfaced", CLIENT):
+        if action in ("closed", SURFACED, CLIENT):
             await finish(conn, token, fenced=False)
             action = "closed" if action == CLIENT else action
     taken.update(row.lease_token for row in rows)
@@ -365,8 +382,13 @@ async def _claim_in(
         work_item_id=item_id,
         turn_id=turn_id,
         run_ids=tuple(r.id for r in rows),
-        external_event_ids=tuple(r.external_event_id for r in rows if r.external_event_id),
+        external_event_ids=_event_ids(rows),
     )
+
+
+def _event_ids(rows: Sequence[sa.Row[Any]]) -> tuple[str, ...]:
+    """The external event ids the runs' messages were taken in under."""
+    return tuple(r.external_event_id for r in rows if r.external_event_id)
 
 
 async def claim_for_retry(

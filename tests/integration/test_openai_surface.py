@@ -743,6 +743,75 @@ async def test_a_keyed_turn_recovery_gave_up_answers_its_retry_so(env: Env) -> N
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_keyed_turn_whose_handoff_recovery_surfaced_answers_its_retry_gated(
+    env: Env, stream: bool
+) -> None:
+    """A keyed request to a worker with a lead whose turn had committed its
+    ``complete_task`` signal when its process died: turn recovery submits that handoff
+    to a person (``awaitingHuman``) instead of running the turn again, and, in that
+    claim's transaction, stores under the key what a live request whose turn ended gated
+    gets (the gated 409, or a stream with no text). The retry through the official
+    client gets it, as the live request does, every time. It was 409
+    ``idempotency.lost`` ("read the transcript") for ever."""
+    streamed: dict[str, Any] = {"stream": True} if stream else {}
+    await claim_and_crash(
+        env, "draft it", "k-s1", "s1", taken_in=True, model="worker", stream=stream
+    )
+    # The dead turn got as far as its complete_task signal, then the process died.
+    async with env.service.db.tx() as conn:
+        run = (await conn.execute(sa.select(t.turn_runs))).one()
+        await conn.execute(
+            t.work_items.update()
+            .where(t.work_items.c.id == run.work_item_id)
+            .values(signal_summary="Summary: draft it", signal_turn_id=run.turn_id)
+        )
+    assert await drain(TurnRecovery(env.service.turns)) == 1  # surfaced
+    assert await runs_left(env) == []
+    env.clock.advance(LEASE_MS + 1)  # the dead request's claim of the key lapsed
+    # What a live request whose turn ended gated is answered (another key and session).
+    live = await env.chat("worker", "draft #complete", idem="k-s2", session="s2", **streamed)
+    request = keyed("k-s1", "s1", "worker", "draft it")
+    async with env.official() as client:
+        if stream:
+            chunks = await client.chat.completions.create(**request, stream=True)
+            got = [c.choices[0] async for c in chunks if c.choices]
+            assert "".join(c.delta.content or "" for c in got) == ""
+            assert got[-1].finish_reason == "stop"
+        else:
+            with pytest.raises(openai.ConflictError) as gated:
+                await client.chat.completions.create(**request)
+            assert gated.value.response.headers["Idempotent-Replayed"] == "true"
+            assert gated.value.response.headers["x-should-retry"] == "false"
+    first = await env.chat("worker", "draft it", idem="k-s1", session="s1", **streamed)
+    again = await env.chat("worker", "draft it", idem="k-s1", session="s1", **streamed)
+    assert first.headers["Idempotent-Replayed"] == "true"
+    assert first.status == again.status == live.status == (200 if stream else 409)
+    body = await first.read()
+    assert body == await again.read()
+    if stream:
+        # The live stream's frames, the completion's id and created aside.
+        def shape(raw: bytes) -> list[Any]:
+            frames = [f.removeprefix("data: ") for f in raw.decode().split("\n\n") if f]
+            return [
+                {k: v for k, v in json.loads(f).items() if k not in ("id", "created")}
+                if f != "[DONE]"
+                else f
+                for f in frames
+            ]
+
+        assert shape(body) == shape(await live.read())
+    else:
+        assert json.loads(body) == await live.json() == pending_body(gated=True)
+        assert first.headers["x-should-retry"] == live.headers["x-should-retry"] == "false"
+    async with env.service.db.read() as conn:
+        status = await conn.scalar(
+            sa.select(t.work_items.c.status).where(t.work_items.c.id == run.work_item_id)
+        )
+    assert status == "awaitingHuman"
+    assert await env.transcript("worker", "s1") == [("user", "draft it")]
+
+
 async def test_a_takeover_that_fails_before_its_intake_keeps_the_first_event_id(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
