@@ -812,6 +812,36 @@ async def test_a_keyed_turn_whose_handoff_recovery_surfaced_answers_its_retry_ga
     assert await env.transcript("worker", "s1") == [("user", "draft it")]
 
 
+async def test_a_keyed_turn_closed_for_a_later_message_tells_its_retry_to_read_on(
+    env: Env,
+) -> None:
+    """A keyed request whose process died mid-turn, after which its client sent the
+    session another message (a new request, not the retry): turn recovery closes the
+    first run without running it again, the later message's turn having answered the
+    session with the first message in its history. No answer of the first request's
+    own exists to store, so its key's retry is told 409 ``idempotency.lost`` (read the
+    transcript): there the first message is followed by the later one and its answer.
+    The gated or busy 409 would say the message waits for review or was not taken in,
+    and the later turn's answer is another request's (and may not be known yet when
+    the run is closed)."""
+    await claim_and_crash(env, "draft it", "k-n1", "n1", taken_in=True, model="worker")
+    later = await env.chat("worker", "and the summary", session="n1")
+    assert later.status == 200, await later.text()
+    assert await drain(TurnRecovery(env.service.turns)) == 1  # closed: a message came after
+    assert await runs_left(env) == []
+    env.clock.advance(LEASE_MS + 1)  # the dead request's claim of the key lapsed
+    async with env.official() as client:
+        told = await answer_of(client, **keyed("k-n1", "n1", "worker", "draft it"))
+    assert told.status_code == 409, told.text
+    assert told.headers["x-should-retry"] == "false"
+    assert told.json()["error"]["rule"] == "idempotency.lost"
+    assert await env.transcript("worker", "n1") == [
+        ("user", "draft it"),
+        ("user", "and the summary"),
+        ("assistant", "Echo: and the summary"),
+    ]
+
+
 async def test_a_takeover_that_fails_before_its_intake_keeps_the_first_event_id(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
