@@ -617,7 +617,7 @@ class Intake:
                 # recovery looks for its token until then (leadgate.turns.runs.claim).
                 now = self.clock.now_ms()
                 # Its client is told nothing was stored and sends it again: a run found
-                # later is not rerun (runs.RunLook).
+                # later is not rerun, unless keyed (its resend a duplicate: runs.RunLook).
                 self.lost.watch(
                     runs.RunLook(run_token, rerun=False),
                     due=now + self.lost.first_ms,

@@ -36,6 +36,9 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   (``policy`` ``rerun``): a process that dies rerunning it leaves it to be run again,
   not closed. A run of an intake in doubt whose read-back found nothing (its client
   told to send it again) is closed when found, without the wait: it will resend;
+  unless it was taken in under an external event id (a keyed REST request): that
+  client's resend is its retry with the key, a duplicate of this message that runs no
+  turn of its own, so the run is rerun (its answer stored under the key);
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
@@ -197,7 +200,9 @@ class RunLook(NamedTuple):
     intake's read-back failed), so a ``client`` run found under it is rerun, as an
     orphan's is. Otherwise nothing was stored, send it again (an intake in doubt whose
     read-back found nothing): a ``client`` run found is closed, the client's retry being
-    its turn; rerun, the message was answered twice."""
+    its turn; rerun, the message was answered twice. Not one whose message was taken in
+    under an external event id (REST's Idempotency-Key): its retry is a duplicate of
+    that message, no turn of its own, so it is rerun."""
 
     token: str
     rerun: bool
@@ -341,8 +346,16 @@ async def _claim_in(
         turn_id = ids.new("turn")
         newest = rows[-1]
         # A client run whose client was answered "do not send it again" (see the module
-        # docstring): nobody retries it, so it is rerun.
-        rerun = any(r.policy == RERUN or r.lease_token in no_resend for r in rows)
+        # docstring): nobody retries it, so it is rerun. So is one told to send it again
+        # whose message was taken in under an external event id (REST's Idempotency-Key):
+        # its resend is its retry with the key, a duplicate of this very message, which
+        # no new turn answers.
+        rerun = any(
+            r.policy == RERUN
+            or r.lease_token in no_resend
+            or (r.lease_token in resend and r.external_event_id)
+            for r in rows
+        )
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:

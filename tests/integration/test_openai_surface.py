@@ -1457,6 +1457,58 @@ async def test_an_intake_in_doubt_that_wrote_nothing_is_retried_once(
     assert transcript == [("user", "hello"), ("assistant", "Echo: hello")]
 
 
+async def test_a_keyed_intake_in_doubt_that_lands_late_is_answered_under_its_key(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a keyed request to a worker with a lead whose intake's COMMIT answer
+    was lost and whose read-back found nothing: 503 "nothing was stored, please retry",
+    the key's claim lapsed for the retry. Then the server applied the COMMIT: the message
+    and its run exist. The retry with the key takes it over under the same event id, a
+    duplicate of that message, while the run is its live owner's (409
+    ``idempotency.in_progress``). Turn recovery's look finds the run: its client's
+    resend is that retry, no new message, so the run is rerun and its answer stored
+    under the key, which the next retry gets. It was closed as "its client will send it
+    again", and the next retry was told ``idempotency.lost``: nothing ever answered."""
+    async with served_with_faults(migrated_pg, monkeypatch) as (env, _):
+        service = env.service
+        late = CommitLandsLater(service.db.tx)
+        begin = service.idempotency.begin
+
+        async def claimed_then_doubt(*args: Any) -> Any:
+            claim = await begin(*args)
+            monkeypatch.setattr(service.db, "tx", late)  # the intake's is the next
+            return claim
+
+        monkeypatch.setattr(service.idempotency, "begin", claimed_then_doubt)
+        official = env.official()
+        ask = keyed("k-late", "late", "worker", "draft it")
+        try:
+            cut = await answer_of(official, **ask)
+            monkeypatch.setattr(service.idempotency, "begin", begin)
+            assert late.held is not None  # (the intake's transaction, its answer lost)
+        finally:
+            if late.held is not None:
+                await late.land()  # after its read-back found nothing
+        assert cut.status_code == 503, cut.text
+        assert "nothing was stored" in cut.json()["error"]["message"]
+        assert await env.user_messages("worker", "late") == ["draft it"]
+        busy = await answer_of(official, **ask)
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["rule"] == "idempotency.in_progress"
+        env.clock.advance(1_000)  # recovery's look for the run is due
+        assert await drain(TurnRecovery(service.turns)) == 1
+        assert await runs_left(env) == []
+        again = await answer_of(official, **ask)
+        await official.close()
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"]["content"] == "Echo: draft it"
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert await env.transcript("worker", "late") == [
+            ("user", "draft it"),
+            ("assistant", "Echo: draft it"),
+        ]
+
+
 @pytest.mark.parametrize("read_back", ["works", "fails"])
 async def test_a_busy_message_whose_commit_is_in_doubt_is_read_back(
     migrated_pg: str, monkeypatch: pytest.MonkeyPatch, read_back: str
