@@ -12,7 +12,7 @@ run paused on that item ends then, not at the resumer's poll.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
@@ -25,6 +25,7 @@ from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.flows.runs import ENDED_WITHOUT_APPROVAL
 from leadgate.review import decisions, queue
+from leadgate.review.queue import ActivityView, QueueView, ReviewDetailView, UncertainView
 from outbox.store import Outbox, get_delivery
 
 #: Runs inside a decision's transaction, after the decision (what must commit with it,
@@ -34,6 +35,32 @@ InDecision = Callable[[Conn], Awaitable[None]]
 #: The human decisions (SPEC 5) and the delivery recovery actions.
 DECISIONS = ("approve", "reject", "return", "cancel")
 RECOVERIES = ("confirm", "retry")
+
+
+class RecoveredDelivery(TypedDict):
+    """What became of a recovered delivery."""
+
+    id: str
+    kind: str
+    status: str
+    error: str | None
+
+
+class RecoveredDetailView(ReviewDetailView):
+    """A recovery's answer when the delivery has an item: the item's detail."""
+
+    delivery: RecoveredDelivery
+
+
+class RecoveredDeliveryView(TypedDict):
+    """A recovery's answer when the delivery has no item: its id and status."""
+
+    id: str
+    status: str
+    delivery: RecoveredDelivery
+
+
+RecoveredView = RecoveredDetailView | RecoveredDeliveryView
 
 
 class Reviews:
@@ -61,7 +88,7 @@ class Reviews:
         limit: int = 50,
         cursor: str | None = None,
         **filters: Any,
-    ) -> dict[str, Any]:
+    ) -> QueueView:
         """The actionable queue (awaitingHuman, or approved with deliveryUnknown);
         ``filters``: ``agent``, ``channel``, ``reason``, ``order`` (see
         :func:`leadgate.review.queue.actionable`)."""
@@ -71,7 +98,7 @@ class Reviews:
                 conn, principal.org_id, limit=limit, cursor=cursor, **filters
             )
 
-    async def detail(self, principal: Principal, item_id: str) -> dict[str, Any]:
+    async def detail(self, principal: Principal, item_id: str) -> ReviewDetailView:
         """The review detail of one item of the caller's organization."""
         principal.require(Scope.review)
         async with self.db.read() as conn:
@@ -79,7 +106,7 @@ class Reviews:
 
     async def activity(
         self, principal: Principal, *, limit: int = 50, **filters: Any
-    ) -> dict[str, Any]:
+    ) -> ActivityView:
         """Agent Activity (never the approved text); ``filters``: ``cursor``, ``agent``,
         ``status``, ``channel``, ``since``, ``until``, ``q`` (see
         :func:`leadgate.review.queue.activity`)."""
@@ -89,7 +116,7 @@ class Reviews:
 
     async def uncertain(
         self, principal: Principal, *, limit: int = 50, cursor: str | None = None
-    ) -> dict[str, Any]:
+    ) -> UncertainView:
         """Every ``deliveryUnknown`` delivery, gating or not (see
         :func:`leadgate.review.queue.uncertain_deliveries`)."""
         principal.require(Scope.review)
@@ -108,7 +135,7 @@ class Reviews:
         surface: str = "api",
         identity: str | None = None,
         then: InDecision | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReviewDetailView:
         """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel.
 
         ``surface`` (console, api, cli, slack, teams, discord, email) and ``identity``
@@ -167,7 +194,7 @@ class Reviews:
         identity: str | None = None,
         external_id: str | None = None,
         then: InDecision | None = None,
-    ) -> dict[str, Any]:
+    ) -> RecoveredView:
         """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
         surface and identity as :meth:`decide`; ``external_id``: the message's id, when
         a click on the card itself confirms it; ``then``: as :meth:`decide`).
@@ -193,17 +220,18 @@ class Reviews:
             )
             if then is not None:
                 await then(conn)
-            detail: dict[str, Any] = (
-                await queue.detail(conn, principal.org_id, row.work_item_id)
-                if row.work_item_id
-                else {"id": row.id, "status": row.status}
-            )
-            detail["delivery"] = {
+            delivery_view: RecoveredDelivery = {
                 "id": row.id,
                 "kind": row.kind,
                 "status": row.status,
                 "error": row.error,
             }
+            detail: RecoveredView
+            if row.work_item_id:
+                item_detail = await queue.detail(conn, principal.org_id, row.work_item_id)
+                detail = {**item_detail, "delivery": delivery_view}
+            else:
+                detail = {"id": row.id, "status": row.status, "delivery": delivery_view}
         if delivery.kind == "gating":
             self._count(surface, action, "deliveryUnknown", delivery.updated_at)
         self.on_decided(action)

@@ -7,7 +7,7 @@ name and email, ``lead:agt_…`` the lead agent's name). Reads only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import sqlalchemy as sa
 
@@ -161,16 +161,30 @@ def channel_name(kind: str | None) -> str:
     return _CHANNEL_NAMES.get(kind or "none", kind or "none")
 
 
-def destination(binding: Binding | None) -> dict[str, Any]:
+class DestinationView(TypedDict):
+    """Where an approval of an item will go: the channel, the delivery action, the
+    conversation and thread as the binding's address names them (``None`` where it
+    names none), and the whole in words."""
+
+    channel: str
+    action: str
+    silent: bool
+    conversation: Any
+    thread: Any
+    description: str
+
+
+def destination(binding: Binding | None) -> DestinationView:
     """Where an approval of the item will go (the session's active binding, SPEC 6)."""
     action, channel = action_for(binding)
     addr: dict[str, Any] = binding.address if binding is not None else {}
-    out: dict[str, Any] = {
+    out: DestinationView = {
         "channel": channel,
         "action": action,
         "silent": bool(binding.silent) if binding is not None else False,
         "conversation": None,
         "thread": None,
+        "description": "",
     }
     if binding is None:
         out["description"] = (
@@ -215,7 +229,7 @@ def delivery_target(channel: str | None, address: Any) -> str:
     return name
 
 
-def _describe(action: str, channel: str, d: dict[str, Any]) -> str:
+def _describe(action: str, channel: str, d: DestinationView) -> str:
     name = channel_name(channel)
     if action == "silent":
         return f"Silent {name} binding: nothing is posted; the item completes."

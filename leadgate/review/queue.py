@@ -12,7 +12,7 @@ import base64
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -25,6 +25,7 @@ from leadgate.domain import agents, workitems
 from leadgate.domain.rows import Binding, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.review.labels import (
+    DestinationView,
     audit_with_actors,
     channel_name,
     delivery_target,
@@ -214,6 +215,62 @@ async def _agent_ids(conn: Conn, org_id: str, ref: str | None, rule: str) -> lis
     return ids
 
 
+class AgentRef(TypedDict):
+    """An item's agent: its id and name (``None`` when the agent row is gone)."""
+
+    id: str
+    name: str | None
+
+
+class QueueItemView(TypedDict):
+    """One row of the actionable queue."""
+
+    id: str
+    status: str
+    agent: AgentRef
+    revision: int
+    roundsUsed: int
+    roundsAllowed: int
+    updatedAt: str | None
+    createdAt: str | None
+    waitingSince: str | None
+    reason: str
+    reasonText: str | None
+    preview: str
+    previewOf: str
+    channel: str
+    channelName: str
+    requester: str
+    detail: str
+
+
+class AgentCount(TypedDict):
+    """How many queued items one agent has."""
+
+    id: str
+    name: str | None
+    count: int
+
+
+class QueueCounts(TypedDict):
+    """The whole queue's facet counts: all of it, by agent, by channel, by reason."""
+
+    all: int
+    agents: list[AgentCount]
+    channels: dict[str, int]
+    reasons: dict[str, int]
+
+
+class QueueView(TypedDict):
+    """A page of the actionable queue: ``next`` is the cursor of the next page,
+    ``total`` counts the filtered queue, ``counts`` the whole one."""
+
+    items: list[QueueItemView]
+    next: str | None
+    total: int
+    counts: QueueCounts
+
+
 async def actionable(
     conn: Conn,
     org_id: str,
@@ -224,7 +281,7 @@ async def actionable(
     channel: str | None = None,
     reason: str | None = None,
     order: str = "oldest",
-) -> dict[str, Any]:
+) -> QueueView:
     """awaitingHuman items, and approved items whose gating delivery is deliveryUnknown,
     waiting longest first (``order="newest"``: the reverse), filtered by agent (id, slug
     or name), channel (binding kind) and reason. ``total`` counts the filtered queue,
@@ -242,7 +299,7 @@ async def actionable(
         filters.append(q.c.channel == channel)
     if reason:
         filters.append(q.c.reason == reason)
-    counts = await _counts(conn, q, agent_ids, channel, reason)
+    total, counts = await _counts(conn, q, agent_ids, channel, reason)
     newest = order == "newest"
     sort = (q.c.waiting_since.desc(), q.c.id.desc()) if newest else (q.c.waiting_since, q.c.id)
     query = sa.select(q).where(*filters).order_by(*sort).limit(limit + 1)
@@ -259,7 +316,7 @@ async def actionable(
     rows = (await conn.execute(query)).all()
     page = rows[:limit]
     texts = await _reason_texts(conn, [r.id for r in page])
-    items = []
+    items: list[QueueItemView] = []
     for r in page:
         preview, source = _preview(r.summary, r.task_context)
         items.append(
@@ -284,7 +341,7 @@ async def actionable(
             }
         )
     nxt = _encode_cursor(page[-1].waiting_since, page[-1].id) if len(rows) > limit else None
-    return {"items": items, "next": nxt, **counts}
+    return {"items": items, "next": nxt, "total": total, "counts": counts}
 
 
 async def _counts(
@@ -293,8 +350,8 @@ async def _counts(
     agent_ids: list[str] | None,
     channel: str | None,
     reason: str | None,
-) -> dict[str, Any]:
-    """One GROUP BY over the whole queue: the facet counts and the filtered total."""
+) -> tuple[int, QueueCounts]:
+    """One GROUP BY over the whole queue: the filtered total and the facet counts."""
     rows = (
         await conn.execute(
             sa.select(
@@ -302,7 +359,7 @@ async def _counts(
             ).group_by(q.c.agent_id, q.c.agent_name, q.c.channel, q.c.reason)
         )
     ).all()
-    by_agent: dict[str, dict[str, Any]] = {}
+    by_agent: dict[str, AgentCount] = {}
     by_channel: dict[str, int] = {}
     by_reason: dict[str, int] = {}
     total = 0
@@ -319,14 +376,11 @@ async def _counts(
             and (not reason or r.reason == reason)
         ):
             total += r.n
-    return {
-        "total": total,
-        "counts": {
-            "all": sum(by_channel.values()),
-            "agents": sorted(by_agent.values(), key=lambda e: str(e["name"])),
-            "channels": by_channel,
-            "reasons": by_reason,
-        },
+    return total, {
+        "all": sum(by_channel.values()),
+        "agents": sorted(by_agent.values(), key=lambda e: str(e["name"])),
+        "channels": by_channel,
+        "reasons": by_reason,
     }
 
 
@@ -367,12 +421,30 @@ _VERDICTS = {
 }
 
 
-def verdict_history(audit_rows: Sequence[Any]) -> list[dict[str, Any]]:
+class VerdictView(TypedDict):
+    """One verdict on an item: ``by`` is ``lead`` or ``human``."""
+
+    revision: int
+    by: str
+    actor: str
+    verdict: str
+    roundsExhausted: bool
+    feedback: str | None
+    at: str | None
+
+
+class NamedVerdictView(VerdictView):
+    """A verdict in the review detail, with its actor's display name."""
+
+    actorName: str
+
+
+def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
     """Each verdict on the item per revision, oldest first: the lead's (approved,
     changesRequested, escalated) and the humans' (approved, rejected, returned,
     cancelled), with their feedback and time. A revision starts at 0 and each
     changesRequested that went back to the worker, or human return, starts the next."""
-    history: list[dict[str, Any]] = []
+    history: list[VerdictView] = []
     revision = 0
     for a in audit_rows:
         verdict = _VERDICTS.get(a.action)
@@ -435,7 +507,75 @@ _DETAIL_ITEM = (
 )
 
 
-async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
+class DeliveryLine(TypedDict):
+    """One of an item's deliveries in its review detail; ``nextAttemptAt`` only while
+    it is pending (else ``None``)."""
+
+    id: str
+    status: str
+    kind: str
+    channel: str
+    to: str
+    action: str
+    attempts: int
+    error: str | None
+    createdAt: str | None
+    updatedAt: str | None
+    nextAttemptAt: str | None
+
+
+AuditLine = TypedDict(
+    "AuditLine",
+    {
+        "at": str | None,
+        "actor": str,
+        "actorKind": str,
+        "actorName": str,
+        "actorEmail": str | None,
+        "action": str,
+        "from": str | None,
+        "to": str | None,
+        "text": str | None,
+        "deliveryId": str | None,
+        "surface": str | None,
+        "identity": str | None,
+    },
+)
+"""One audit row of an item, with its actor as an operator reads it (``from`` is a
+keyword, hence the functional form)."""
+
+
+class ReviewDetailView(TypedDict):
+    """Everything a reviewer needs about one item (the decision's answer too)."""
+
+    id: str
+    status: str
+    agent: AgentRef
+    leadAgentId: str
+    revision: int
+    maxRevisionRounds: int
+    extraAllowance: int
+    roundsUsed: int
+    roundsAllowed: int
+    completionPolicy: str
+    completionPolicyNote: str
+    taskContext: str
+    summary: str | None
+    snapshot: str | None
+    lastFeedback: str | None
+    createdAt: str | None
+    updatedAt: str | None
+    channel: str
+    channelName: str
+    requester: str
+    reason: str | None
+    destination: DestinationView
+    reviews: list[NamedVerdictView]
+    deliveries: list[DeliveryLine]
+    audit: list[AuditLine]
+
+
+async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
     """Everything a reviewer needs (reviewers only: snapshot and summary are here)."""
     row = (await conn.execute(_DETAIL_ITEM, {"p_id": item_id, "p_org": org_id})).first()
     if row is None:
@@ -448,9 +588,9 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> dict[str, Any]:
     deliveries = await for_item(conn, item_id)
     audit_rows, actors = await audit_with_actors(conn, org_id, item_id)
     channel = bound_kind if bound_kind is not None else "none"
-    history = verdict_history(audit_rows)
-    for entry in history:
-        entry["actorName"] = actors[entry["actor"]].name
+    history: list[NamedVerdictView] = [
+        {**entry, "actorName": actors[entry["actor"]].name} for entry in verdict_history(audit_rows)
+    ]
     into_human = [a for a in audit_rows if a.to_status == Status.awaitingHuman.value]
     return {
         "id": item.id,
@@ -527,6 +667,37 @@ def _like_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
+class ActivityItem(TypedDict):
+    """One work item in Agent Activity (never its approved text)."""
+
+    id: str
+    agent: str
+    agentId: str
+    status: str
+    revision: int
+    channel: str
+    channelName: str
+    requester: str
+    createdAt: str | None
+    updatedAt: str | None
+    detail: str
+
+
+class AgentName(TypedDict):
+    """An agent of the organization, for the activity's agent filter."""
+
+    id: str
+    name: str
+
+
+class ActivityView(TypedDict):
+    """A page of Agent Activity, newest first; ``agents``: the organization's agents."""
+
+    items: list[ActivityItem]
+    next: str | None
+    agents: list[AgentName]
+
+
 async def activity(
     conn: Conn,
     org_id: str,
@@ -539,7 +710,7 @@ async def activity(
     since: int | str | None = None,
     until: int | str | None = None,
     q: str | None = None,
-) -> dict[str, Any]:
+) -> ActivityView:
     """Agent Activity: the organization's work items, newest first, linked to their
     review detail, filtered by agent, status, channel and time (``updatedAt`` in
     ``[since, until)``, epoch ms or ISO 8601), and searched by summary text (``q``,
@@ -627,9 +798,29 @@ async def activity(
     }
 
 
+class UncertainDelivery(TypedDict):
+    """One ``deliveryUnknown`` delivery: ``to`` in words, ``address`` raw."""
+
+    id: str
+    kind: str
+    channel: str
+    to: str
+    workItemId: str | None
+    address: dict[str, Any]
+    error: str | None
+    since: str | None
+
+
+class UncertainView(TypedDict):
+    """A page of uncertain deliveries, oldest first."""
+
+    deliveries: list[UncertainDelivery]
+    next: str | None
+
+
 async def uncertain_deliveries(
     conn: Conn, org_id: str, *, limit: int = 50, cursor: str | None = None
-) -> dict[str, Any]:
+) -> UncertainView:
     """Every ``deliveryUnknown`` delivery of the organization, oldest first: the gating
     ones (their items are in the actionable queue too) and the ones no work item gates
     (plain replies, notices, review cards), which only this list shows. The text is not

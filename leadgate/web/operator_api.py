@@ -6,7 +6,7 @@ decision answers the updated detail; a decision from the wrong status is 409.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -14,6 +14,10 @@ from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int, query_value
 from leadgate.core.errors import ValidationError
 from leadgate.web import charts
+
+if TYPE_CHECKING:
+    from leadgate.operations.reviews import RecoveredView
+    from leadgate.review.queue import ActivityView, QueueView, ReviewDetailView, UncertainView
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
 
 
@@ -22,17 +26,17 @@ class ReviewBackend(Protocol):
 
     async def queue(
         self, principal: Principal, *, limit: int = 50, cursor: str | None = None, **filters: Any
-    ) -> dict[str, Any]: ...
+    ) -> QueueView: ...
 
-    async def detail(self, principal: Principal, item_id: str) -> dict[str, Any]: ...
+    async def detail(self, principal: Principal, item_id: str) -> ReviewDetailView: ...
 
     async def activity(
         self, principal: Principal, *, limit: int = 50, **filters: Any
-    ) -> dict[str, Any]: ...
+    ) -> ActivityView: ...
 
     async def uncertain(
         self, principal: Principal, *, limit: int = 50, cursor: str | None = None
-    ) -> dict[str, Any]: ...
+    ) -> UncertainView: ...
 
     async def decide(
         self,
@@ -43,7 +47,7 @@ class ReviewBackend(Protocol):
         *,
         surface: str = "api",
         identity: str | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> ReviewDetailView: ...
 
     async def recover(
         self,
@@ -53,7 +57,7 @@ class ReviewBackend(Protocol):
         *,
         surface: str = "api",
         identity: str | None = None,
-    ) -> dict[str, Any]: ...
+    ) -> RecoveredView: ...
 
 
 #: Which body field carries a decision's text.
