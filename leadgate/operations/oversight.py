@@ -5,13 +5,21 @@ Both require ``agent:review`` and are confined to the caller's organization.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock
 from leadgate.database.db import Database
 from leadgate.review import changes, insights, queue
 from leadgate.review.changes import Mark
+from leadgate.review.insights import InsightsView
+
+
+class ChangesView(TypedDict):
+    """Which items changed (``None``: too many, refresh all) and the queue's size."""
+
+    items: list[str] | None
+    queue: int
 
 
 class Oversight:
@@ -22,7 +30,7 @@ class Oversight:
         self.db = db
         self.clock = clock
 
-    async def insights(self, principal: Principal, *, days: int = 30) -> dict[str, Any]:
+    async def insights(self, principal: Principal, *, days: int = 30) -> InsightsView:
         """Decisions, time to decision, agreement, rounds and deliveries over ``days``."""
         principal.require(Scope.review)
         async with self.db.read() as conn:
@@ -36,7 +44,7 @@ class Oversight:
         async with self.db.read() as conn:
             return await changes.mark(conn, principal.org_id)
 
-    async def changes(self, principal: Principal, since: Mark) -> dict[str, Any]:
+    async def changes(self, principal: Principal, since: Mark) -> ChangesView:
         """What changed since ``since``: item ids (``None``: too many, refresh all) and
         the size of the actionable queue."""
         principal.require(Scope.review)

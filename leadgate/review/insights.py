@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from typing import Any
+from typing import Literal, TypedDict
 
 import sqlalchemy as sa
 
@@ -69,7 +69,15 @@ def decider(actor: str) -> str | None:
     return "human"
 
 
-def _stats(values: list[int]) -> dict[str, Any]:
+class StatsView(TypedDict):
+    """Times to decision: how many, median and 90th percentile (``None`` with none)."""
+
+    count: int
+    medianMs: float | None
+    p90Ms: int | None
+
+
+def _stats(values: list[int]) -> StatsView:
     if not values:
         return {"count": 0, "medianMs": None, "p90Ms": None}
     ordered = sorted(values)
@@ -78,7 +86,75 @@ def _stats(values: list[int]) -> dict[str, Any]:
     return {"count": len(values), "medianMs": statistics.median(ordered), "p90Ms": p90}
 
 
-async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> dict[str, Any]:
+class DayView(TypedDict):
+    """One UTC day's decisions (``day``: YYYY-MM-DD), by verdict and by decider."""
+
+    day: str
+    byVerdict: dict[str, int]
+    byDecider: dict[str, int]
+
+
+class DecisionsView(TypedDict):
+    """The window's decisions per day, and in all by verdict and by decider."""
+
+    perDay: list[DayView]
+    byVerdict: dict[str, int]
+    byDecider: dict[str, int]
+
+
+class TimeToDecisionView(TypedDict):
+    """Times to decision of the lead and of humans."""
+
+    lead: StatsView
+    human: StatsView
+
+
+class AgreementCount(TypedDict):
+    """How often humans confirmed or overrode one kind of lead verdict."""
+
+    confirmed: int
+    overrode: int
+
+
+class AgreementView(TypedDict):
+    """Lead–human agreement by lead verdict, in all, and the override rate (``None``
+    with no such human decision)."""
+
+    escalated: AgreementCount
+    changesRequested: AgreementCount
+    confirmed: int
+    overrode: int
+    rate: float | None
+
+
+class RoundsView(TypedDict):
+    """How many decided items ended at a revision."""
+
+    rounds: int
+    items: int
+
+
+class DeliveryCountsView(TypedDict):
+    """Gating deliveries by outcome, and by channel then outcome."""
+
+    byOutcome: dict[str, int]
+    byChannel: dict[str, dict[str, int]]
+
+
+class InsightsView(TypedDict):
+    """An organization's insights over ``days`` UTC days (``since`` .. ``until``)."""
+
+    days: int
+    since: str | None
+    until: str | None
+    decisions: DecisionsView
+    timeToDecision: TimeToDecisionView
+    agreement: AgreementView
+    roundsUsed: list[RoundsView]
+    deliveries: DeliveryCountsView
+
+
+async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> InsightsView:
     """The insights of ``org_id`` over the ``days`` UTC days up to ``now_ms``."""
     if not 1 <= days <= MAX_DAYS:
         raise ValidationError(f"days must be 1..{MAX_DAYS}", rule="insights.days")
@@ -113,7 +189,7 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> d
     per_day_decider: dict[int, Counter[str]] = {first_day + i: Counter() for i in range(days)}
     lead_times: list[int] = []
     human_times: list[int] = []
-    agreement = {
+    agreement: dict[str, AgreementCount] = {
         "escalated": {"confirmed": 0, "overrode": 0},
         "changesRequested": {"confirmed": 0, "overrode": 0},
     }
@@ -145,7 +221,9 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> d
             if in_window and from_human and human_since is not None:
                 human_times.append(r.created_at - human_since)
             if in_window and from_human and lead_said in agreement and verdict != "cancelled":
-                outcome = "overrode" if verdict == "approved" else "confirmed"
+                outcome: Literal["confirmed", "overrode"] = (
+                    "overrode" if verdict == "approved" else "confirmed"
+                )
                 agreement[lead_said][outcome] += 1
         if r.to_status == Status.awaitingHuman.value:
             human_since = r.created_at
@@ -198,7 +276,8 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> d
         },
         "timeToDecision": {"lead": _stats(lead_times), "human": _stats(human_times)},
         "agreement": {
-            **agreement,
+            "escalated": agreement["escalated"],
+            "changesRequested": agreement["changesRequested"],
             "confirmed": confirmed,
             "overrode": overrode,
             "rate": (confirmed / (confirmed + overrode)) if confirmed + overrode else None,

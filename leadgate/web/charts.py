@@ -15,7 +15,10 @@ import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leadgate.review.insights import InsightsView
 
 
 @functools.cache
@@ -97,7 +100,7 @@ def _day_labels(days: list[str]) -> list[str]:
     return [d[5:] if i % step == 0 else "" for i, d in enumerate(days)]
 
 
-def _decisions(data: dict[str, Any]) -> Any:
+def _decisions(data: InsightsView) -> Any:
     per_day = data["decisions"]["perDay"]
     present = [v for v in _VERDICTS if any(d["byVerdict"].get(v) for d in per_day)]
     chart = _chart("StackedBar", CHARTS["decisions"], [_COLORS[v] for v in present])
@@ -107,7 +110,7 @@ def _decisions(data: dict[str, Any]) -> Any:
     return chart
 
 
-def _deciders(data: dict[str, Any]) -> Any:
+def _deciders(data: InsightsView) -> Any:
     per_day = data["decisions"]["perDay"]
     present = [w for w in ("lead", "human") if any(d["byDecider"].get(w) for d in per_day)]
     chart = _chart("StackedBar", CHARTS["deciders"], [_COLORS[w] for w in present])
@@ -121,30 +124,30 @@ def _minutes(ms: float | None) -> float | None:
     return None if ms is None else round(ms / 60_000, 2)
 
 
-def _time(data: dict[str, Any]) -> Any:
+def _time(data: InsightsView) -> Any:
     ttd = data["timeToDecision"]
     chart = _chart("Bar", CHARTS["time"], ["#1f5fbf", "#8fb3e8"])
     if not ttd["lead"]["count"] and not ttd["human"]["count"]:
         return chart
     chart.x_labels = ["lead", "human"]
-    chart.add("median", [_minutes(ttd[w]["medianMs"]) for w in ("lead", "human")])
-    chart.add("p90", [_minutes(ttd[w]["p90Ms"]) for w in ("lead", "human")])
+    chart.add("median", [_minutes(ttd["lead"]["medianMs"]), _minutes(ttd["human"]["medianMs"])])
+    chart.add("p90", [_minutes(ttd["lead"]["p90Ms"]), _minutes(ttd["human"]["p90Ms"])])
     return chart
 
 
-def _agreement(data: dict[str, Any]) -> Any:
+def _agreement(data: InsightsView) -> Any:
     agreement = data["agreement"]
     chart = _chart("StackedBar", CHARTS["agreement"], ["#1e7a3c", "#b3261e"])
     if not agreement["confirmed"] and not agreement["overrode"]:
         return chart
-    kinds = ("escalated", "changesRequested")
+    kinds = (agreement["escalated"], agreement["changesRequested"])
     chart.x_labels = ["lead escalated", "lead: changes, no rounds left"]
-    chart.add("human confirmed", [agreement[k]["confirmed"] for k in kinds])
-    chart.add("human overrode", [agreement[k]["overrode"] for k in kinds])
+    chart.add("human confirmed", [k["confirmed"] for k in kinds])
+    chart.add("human overrode", [k["overrode"] for k in kinds])
     return chart
 
 
-def _rounds(data: dict[str, Any]) -> Any:
+def _rounds(data: InsightsView) -> Any:
     rounds = data["roundsUsed"]
     chart = _chart("Bar", CHARTS["rounds"], ["#5b4bb7"])
     if not rounds:
@@ -154,7 +157,7 @@ def _rounds(data: dict[str, Any]) -> Any:
     return chart
 
 
-def _deliveries(data: dict[str, Any]) -> Any:
+def _deliveries(data: InsightsView) -> Any:
     by_outcome = data["deliveries"]["byOutcome"]
     chart = _chart("Bar", CHARTS["deliveries"], ["#1f5fbf"])
     if not by_outcome:
@@ -165,7 +168,7 @@ def _deliveries(data: dict[str, Any]) -> Any:
     return chart
 
 
-_RENDER: dict[str, Callable[[dict[str, Any]], Any]] = {
+_RENDER: dict[str, Callable[[InsightsView], Any]] = {
     "decisions": _decisions,
     "deciders": _deciders,
     "time": _time,
@@ -175,6 +178,6 @@ _RENDER: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
-def render(name: str, data: dict[str, Any]) -> bytes:
+def render(name: str, data: InsightsView) -> bytes:
     """The SVG of chart ``name`` (a key of :data:`CHARTS`) for insights ``data``."""
     return bytes(_RENDER[name](data).render())

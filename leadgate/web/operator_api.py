@@ -17,6 +17,7 @@ from leadgate.web import charts
 
 if TYPE_CHECKING:
     from leadgate.operations.reviews import RecoveredView
+    from leadgate.review.insights import InsightsView
     from leadgate.review.queue import ActivityView, QueueView, ReviewDetailView, UncertainView
 from leadgate.web.common import PrincipalLookup, authenticate, json_body
 
@@ -67,7 +68,7 @@ _TEXT_FIELD = {"reject": "reason", "return": "feedback"}
 class InsightsBackend(Protocol):
     """What the insights routes need (:class:`leadgate.operations.oversight.Oversight`)."""
 
-    async def insights(self, principal: Principal, *, days: int = 30) -> dict[str, Any]: ...
+    async def insights(self, principal: Principal, *, days: int = 30) -> InsightsView: ...
 
 
 def _int(request: web.Request, name: str, default: int, rule: str) -> int:

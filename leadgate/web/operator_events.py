@@ -30,7 +30,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -38,6 +39,9 @@ from leadgate.core.auth import Principal
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
+
+if TYPE_CHECKING:
+    from leadgate.operations.oversight import ChangesView
 
 log = logging.getLogger("leadgate.web.events")
 
@@ -60,12 +64,12 @@ class ChangeFeed(Protocol):
 
     async def mark(self, principal: Principal) -> Any: ...
 
-    async def changes(self, principal: Principal, since: Any) -> dict[str, Any]: ...
+    async def changes(self, principal: Principal, since: Any) -> ChangesView: ...
 
     async def queue_size(self, principal: Principal) -> int: ...
 
 
-def _event(name: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
+def _event(name: str, data: Mapping[str, object], event_id: str | None = None) -> bytes:
     head = f"event: {name}\n" + (f"id: {event_id}\n" if event_id else "")
     return f"{head}data: {json.dumps(data)}\n\n".encode()
 

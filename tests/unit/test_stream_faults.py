@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import AuthError, Unavailable
 from leadgate.domain.session_events import SessionEvent
+from leadgate.operations.oversight import ChangesView
 from leadgate.web import operator_events
 from leadgate.web.sessions_api import StreamSettings, stream_events
 
@@ -87,7 +88,7 @@ class Feed:
         self.db.ask("mark")
         return Mark(self.mark_value)
 
-    async def changes(self, principal: Principal, since: Any) -> dict[str, Any]:
+    async def changes(self, principal: Principal, since: Any) -> ChangesView:
         self.db.ask("changes")
         return {"items": ["wi_1"], "queue": 1}
 
