@@ -14,8 +14,15 @@ from typing import Any
 
 from leadgate.core.config import Settings
 from leadgate.core.errors import ValidationError
+from leadgate.domain.links import LinkView, ListedLinkView, UnlinkedView
 from leadgate.operations.admin import Admin
-from leadgate.operations.review_setup import ReviewSetup
+from leadgate.operations.review_setup import (
+    DestinationsView,
+    RemovedDestinationView,
+    ReviewSetup,
+    SetSlaView,
+)
+from leadgate.review.destinations import ReviewDestinationView
 
 Command = Callable[[Admin, argparse.Namespace, Settings], Awaitable[Any]]
 
@@ -32,26 +39,38 @@ def _platform(args: argparse.Namespace) -> tuple[str, str]:
     raise ValidationError("give --slack, --teams or --discord", rule="link.platform")
 
 
-async def notify_add(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+class AddedDestinationView(ReviewDestinationView):
+    """``notify add``'s output: the destination, and whether this configuration has
+    the channel's credentials (cards to it wait until it has)."""
+
+    channelConfigured: bool
+
+
+async def notify_add(
+    admin: Admin, args: argparse.Namespace, settings: Settings
+) -> AddedDestinationView:
     """``leadgate notify add --org ORG --channel C --to TARGET [--agent NAME] [--escalation]``."""
     out = await _setup(admin, settings).add_destination(
         args.org, args.channel, args.target, agent=args.agent, escalation=args.escalation
     )
-    out["channelConfigured"] = _configured(settings, args.channel)
-    return out
+    return {**out, "channelConfigured": _configured(settings, args.channel)}
 
 
-async def notify_list(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def notify_list(
+    admin: Admin, args: argparse.Namespace, settings: Settings
+) -> DestinationsView:
     """``leadgate notify list --org ORG [--agent NAME]``."""
     return await _setup(admin, settings).list_destinations(args.org, args.agent)
 
 
-async def notify_remove(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def notify_remove(
+    admin: Admin, args: argparse.Namespace, settings: Settings
+) -> RemovedDestinationView:
     """``leadgate notify remove --org ORG DESTINATION_ID``."""
     return await _setup(admin, settings).remove_destination(args.org, args.destination)
 
 
-async def notify_sla(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def notify_sla(admin: Admin, args: argparse.Namespace, settings: Settings) -> SetSlaView:
     """``leadgate notify sla --org ORG [--agent NAME] [--remind-after D] ...``."""
     return await _setup(admin, settings).set_sla(
         args.org,
@@ -65,19 +84,21 @@ async def notify_sla(admin: Admin, args: argparse.Namespace, settings: Settings)
     )
 
 
-async def user_link(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def user_link(admin: Admin, args: argparse.Namespace, settings: Settings) -> LinkView:
     """``leadgate user link --org ORG --email E --slack T:U | --teams OID | --discord ID``."""
     platform, identity = _platform(args)
     return await _setup(admin, settings).link(args.org, args.email, platform, identity)
 
 
-async def user_unlink(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def user_unlink(admin: Admin, args: argparse.Namespace, settings: Settings) -> UnlinkedView:
     """``leadgate user unlink`` (same arguments as ``user link``)."""
     platform, identity = _platform(args)
     return await _setup(admin, settings).unlink(args.org, args.email, platform, identity)
 
 
-async def user_links(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def user_links(
+    admin: Admin, args: argparse.Namespace, settings: Settings
+) -> list[ListedLinkView]:
     """``leadgate user links --org ORG``."""
     return await _setup(admin, settings).links(args.org)
 

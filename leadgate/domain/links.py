@@ -14,7 +14,7 @@ A reply to an email review card needs no link: the sender's address is the user'
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import sqlalchemy as sa
 
@@ -66,6 +66,35 @@ def check_identity(platform: str, identity: str) -> str:
     return identity
 
 
+class LinkView(TypedDict):
+    """A linked identity: its user's email and role, and whether that user may review."""
+
+    email: str
+    role: str
+    platform: str
+    identity: str
+    canReview: bool
+
+
+class UnlinkedView(TypedDict):
+    """A removed link."""
+
+    email: str
+    platform: str
+    identity: str
+    unlinked: bool
+
+
+class ListedLinkView(TypedDict):
+    """One of the organization's links."""
+
+    email: str
+    role: str
+    platform: str
+    identity: str
+    createdAt: str | None
+
+
 async def link(
     conn: Conn,
     clock: Clock,
@@ -75,7 +104,7 @@ async def link(
     email: str,
     platform: str,
     identity: str,
-) -> dict[str, Any]:
+) -> LinkView:
     """Link ``identity`` on ``platform`` to the user ``email`` of ``org_id``."""
     identity = check_identity(platform, identity)
     user = await _user(conn, org_id, email)
@@ -108,7 +137,7 @@ async def link(
 
 async def unlink(
     conn: Conn, *, org_id: str, email: str, platform: str, identity: str
-) -> dict[str, Any]:
+) -> UnlinkedView:
     """Remove one link (NotFound when there is none)."""
     identity = check_identity(platform, identity)
     user = await _user(conn, org_id, email)
@@ -125,7 +154,7 @@ async def unlink(
     return {"email": user.email, "platform": platform, "identity": identity, "unlinked": True}
 
 
-async def list_links(conn: Conn, org_id: str) -> list[dict[str, Any]]:
+async def list_links(conn: Conn, org_id: str) -> list[ListedLinkView]:
     """The organization's links with each user's email and role."""
     rows = (
         await conn.execute(
@@ -190,7 +219,7 @@ async def _user(conn: Conn, org_id: str, email: str) -> Any:
     return row
 
 
-async def _view(conn: Conn, org_id: str, platform: str, identity: str) -> dict[str, Any]:
+async def _view(conn: Conn, org_id: str, platform: str, identity: str) -> LinkView:
     found = await reviewer(conn, org_id, platform, identity)
     assert found is not None
     return {

@@ -7,7 +7,7 @@ so they take no principal; each is one transaction calling the review layer / do
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -19,7 +19,39 @@ from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import links, orgs
+from leadgate.domain.links import LinkView, ListedLinkView, UnlinkedView
 from leadgate.review import destinations as dest
+from leadgate.review.destinations import ReviewDestinationView, SlaView
+
+
+class SlaPair(TypedDict):
+    """A scope's stored override and the timers in effect."""
+
+    override: SlaView
+    effective: SlaView
+
+
+class DestinationsView(TypedDict):
+    """``notify list``: the destinations and the timers."""
+
+    destinations: list[ReviewDestinationView]
+    sla: SlaPair
+
+
+class RemovedDestinationView(TypedDict):
+    """``notify remove``: the destination removed."""
+
+    id: str
+    removed: bool
+
+
+class SetSlaView(TypedDict):
+    """``notify sla``: the scope's agent (``None``: the organization), its override and
+    the timers in effect."""
+
+    agent: str | None
+    override: SlaView
+    effective: SlaView
 
 
 class ReviewSetup:
@@ -44,7 +76,7 @@ class ReviewSetup:
 
     async def add_destination(
         self, org: str, channel: str, target: str, *, agent: str | None, escalation: bool
-    ) -> dict[str, Any]:
+    ) -> ReviewDestinationView:
         """Add a destination (``escalation``: the escalate tier)."""
         async with self.db.tx() as conn:
             org_id, agent_id, agent_name = await self._scope(conn, org, agent)
@@ -60,7 +92,7 @@ class ReviewSetup:
             )
             return added.view(agent_name)
 
-    async def list_destinations(self, org: str, agent: str | None) -> dict[str, Any]:
+    async def list_destinations(self, org: str, agent: str | None) -> DestinationsView:
         """The organization's destinations, and the effective timers (of ``agent``'s
         items when given, else the organization's)."""
         async with self.db.read() as conn:
@@ -80,7 +112,7 @@ class ReviewSetup:
                 },
             }
 
-    async def remove_destination(self, org: str, destination_id: str) -> dict[str, Any]:
+    async def remove_destination(self, org: str, destination_id: str) -> RemovedDestinationView:
         """Remove a destination."""
         async with self.db.tx() as conn:
             org_id, _, _ = await self._scope(conn, org, None)
@@ -89,7 +121,7 @@ class ReviewSetup:
 
     async def set_sla(
         self, org: str, agent: str | None, settings: dict[str, str | None]
-    ) -> dict[str, Any]:
+    ) -> SetSlaView:
         """Set timers of the organization (or one agent): each value a duration, ``off``
         or ``inherit``; ``None`` leaves that timer as it is."""
         changes: dict[str, int | str | None] = {}
@@ -114,7 +146,7 @@ class ReviewSetup:
             effective = await dest.effective_sla(conn, org_id, agent_id or "", self.defaults)
             return {"agent": agent_name, "override": override, "effective": effective.view()}
 
-    async def link(self, org: str, email: str, platform: str, identity: str) -> dict[str, Any]:
+    async def link(self, org: str, email: str, platform: str, identity: str) -> LinkView:
         """Link a platform identity to a user."""
         async with self.db.tx() as conn:
             org_id, _, _ = await self._scope(conn, org, None)
@@ -128,7 +160,7 @@ class ReviewSetup:
                 identity=identity,
             )
 
-    async def unlink(self, org: str, email: str, platform: str, identity: str) -> dict[str, Any]:
+    async def unlink(self, org: str, email: str, platform: str, identity: str) -> UnlinkedView:
         """Remove a link."""
         async with self.db.tx() as conn:
             org_id, _, _ = await self._scope(conn, org, None)
@@ -136,7 +168,7 @@ class ReviewSetup:
                 conn, org_id=org_id, email=email, platform=platform, identity=identity
             )
 
-    async def links(self, org: str) -> list[dict[str, Any]]:
+    async def links(self, org: str) -> list[ListedLinkView]:
         """The organization's links."""
         async with self.db.read() as conn:
             org_id, _, _ = await self._scope(conn, org, None)

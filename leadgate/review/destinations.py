@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import sqlalchemy as sa
 
@@ -50,6 +50,28 @@ _SNOWFLAKE = re.compile(r"\d{5,25}")
 _EMAIL = re.compile(r"[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+")
 
 
+class ReviewDestinationView(TypedDict):
+    """A review card destination as the CLI prints it (``agent``: its agent's name,
+    ``None`` for the organization's)."""
+
+    id: str
+    channel: str
+    to: str
+    tier: str
+    agent: str | None
+    createdAt: str | None
+
+
+class SlaView(TypedDict):
+    """Review timers as operators write them (a duration, ``off``; an override's
+    unset timer is ``inherit``)."""
+
+    remindAfter: str
+    remindEvery: str
+    escalateAfter: str
+    expireAfter: str
+
+
 class Destination(NamedTuple):
     """One place review cards go (``review_destinations``)."""
 
@@ -67,7 +89,7 @@ class Destination(NamedTuple):
         """From a ``SELECT review_destinations`` row."""
         return cls._make(row)
 
-    def view(self, agent_name: str | None = None) -> dict[str, Any]:
+    def view(self, agent_name: str | None = None) -> ReviewDestinationView:
         """The CLI's JSON."""
         return {
             "id": self.id,
@@ -88,7 +110,7 @@ class Sla:
     escalate_after_ms: int | None
     expire_after_ms: int | None
 
-    def view(self) -> dict[str, str]:
+    def view(self) -> SlaView:
         """Durations as operators write them."""
         return {
             "remindAfter": format_duration(self.remind_after_ms),
@@ -305,7 +327,7 @@ async def set_sla(
     org_id: str,
     agent_id: str | None,
     changes: dict[str, int | str | None],
-) -> dict[str, Any]:
+) -> SlaView:
     """Change an override: each of :data:`SLA_FIELDS` maps to milliseconds, ``None``
     (off) or ``"inherit"``; fields not given keep their value."""
     scope = agent_id or ""
@@ -338,19 +360,25 @@ async def set_sla(
     return await sla_view(conn, org_id, agent_id)
 
 
-async def sla_view(conn: Conn, org_id: str, agent_id: str | None) -> dict[str, Any]:
+async def sla_view(conn: Conn, org_id: str, agent_id: str | None) -> SlaView:
     """The stored override of a scope (``inherit`` where unset)."""
     row = (
         await conn.execute(
             sa.select(t.review_sla).where(SLA.org_id == org_id, SLA.agent_id == (agent_id or ""))
         )
     ).first()
-    out: dict[str, Any] = {}
-    for name in SLA_FIELDS:
+
+    def shown(name: str) -> str:
         value = getattr(row, f"{name}_ms") if row is not None else None
-        key = _camel(name)
-        out[key] = "inherit" if value is None else format_duration(value or None)
-    return out
+        return "inherit" if value is None else format_duration(value or None)
+
+    # The keys in SLA_FIELDS' order, camel-cased.
+    return {
+        "remindAfter": shown("remind_after"),
+        "remindEvery": shown("remind_every"),
+        "escalateAfter": shown("escalate_after"),
+        "expireAfter": shown("expire_after"),
+    }
 
 
 _SLA_ROWS = sa.select(t.review_sla).where(
@@ -381,8 +409,3 @@ async def effective_sla(conn: Conn, org_id: str, agent_id: str, defaults: Review
             value = defaults.ms(name)
         resolved[f"{name}_ms"] = value
     return Sla(**resolved)
-
-
-def _camel(name: str) -> str:
-    first, *rest = name.split("_")
-    return first + "".join(p.title() for p in rest)
