@@ -38,6 +38,7 @@ from outbox.store import Outbox
 
 if TYPE_CHECKING:
     # The runners pull in the turn path, which these commands import on first use.
+    from leadgate.flows.runs import NewFlowView, RunView
     from leadgate.runners.schedules import NewScheduleView, RemovedScheduleView, ScheduleView
 
 Command = Callable[[Admin, argparse.Namespace, Settings], Awaitable[Any]]
@@ -271,17 +272,17 @@ def _read_nodes(value: str) -> Any:
         raise ValidationError(f"--nodes {what}", rule="flow.nodes") from None
 
 
-async def flow_create(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def flow_create(admin: Admin, args: argparse.Namespace, _: Settings) -> NewFlowView:
     """``leadgate flow create --org ORG --name NAME --nodes JSON|@FILE``."""
     return await admin.create_flow(args.org, args.name, _read_nodes(args.nodes))
 
 
-async def flow_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def flow_show(admin: Admin, args: argparse.Namespace, _: Settings) -> RunView:
     """``leadgate flow show --org ORG RUN_ID``."""
     return await admin.show_run(args.org, args.run)
 
 
-async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -> Any:
+async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -> RunView:
     """``leadgate flow run --org ORG FLOW``: runs turns, so it needs the whole service."""
     # Imported here: the composition root pulls in every SDK (about 3 s), which the
     # other commands do not need.

@@ -359,9 +359,17 @@ def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
     return nodes
 
 
+class NewFlowView(TypedDict):
+    """A stored flow: ``nodes`` as given (checked by :func:`validate_nodes`)."""
+
+    id: str
+    name: str
+    nodes: list[dict[str, Any]]
+
+
 async def create_flow(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, name: str, nodes: Any
-) -> dict[str, Any]:
+) -> NewFlowView:
     """Store a flow after checking its name (rule ``flow.name``), its nodes and that every
     agent exists."""
     name = validate_name(name, "flow", id_prefix="flw")
@@ -382,7 +390,17 @@ async def create_flow(
     return {"id": flow_id, "name": name, "nodes": nodes}
 
 
-async def find_flow(conn: Conn, org_id: str, ref: str) -> dict[str, Any]:
+class FlowRow(TypedDict):
+    """A ``flows`` row (its columns, in their order): ``nodes`` as stored."""
+
+    id: str
+    org_id: str
+    name: str
+    nodes: Any
+    created_at: int
+
+
+async def find_flow(conn: Conn, org_id: str, ref: str) -> FlowRow:
     """A flow of the organization by id or name."""
     row = (
         await conn.execute(
@@ -393,7 +411,13 @@ async def find_flow(conn: Conn, org_id: str, ref: str) -> dict[str, Any]:
     ).first()
     if row is None:
         raise NotFound(f"no flow {ref!r}", rule="flow.not_found")
-    return dict(row._mapping)
+    return {
+        "id": row.id,
+        "org_id": row.org_id,
+        "name": row.name,
+        "nodes": row.nodes,
+        "created_at": row.created_at,
+    }
 
 
 async def read_checked(conn: Conn, run_id: str, flow_id: str) -> tuple[list[Any], list[Any]]:
@@ -430,7 +454,34 @@ async def read_checked(conn: Conn, run_id: str, flow_id: str) -> tuple[list[Any]
     return list(outputs), nodes
 
 
-async def run_view(conn: Conn, org_id: str, run_id: str) -> dict[str, Any]:
+class ContinuationView(TypedDict):
+    """A run's continuation: the agent node it waits on, and the run that resumed it."""
+
+    id: str
+    nodeIndex: int
+    status: str
+    summary: str | None
+    resumedRunId: str | None
+
+
+class RunView(TypedDict):
+    """A flow run as ``leadgate flow show`` prints it: ``outputs`` as stored (a damaged
+    run's too, which need not be a list)."""
+
+    id: str
+    flowId: str
+    status: str
+    outputs: Any
+    startIndex: int
+    resumedFrom: str | None
+    error: str | None
+    recoveryAttempts: int
+    createdAt: str | None
+    events: list[str]
+    continuations: list[ContinuationView]
+
+
+async def run_view(conn: Conn, org_id: str, run_id: str) -> RunView:
     """A run with its events and continuations (``leadgate flow show``, and tests):
     ``recoveryAttempts`` counts recovery's claims since the run last made progress."""
     row = (

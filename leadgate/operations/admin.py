@@ -22,6 +22,7 @@ from leadgate.domain.agents import UNSET
 from leadgate.domain.rows import Agent
 
 if TYPE_CHECKING:
+    from leadgate.flows.runs import NewFlowView, RunView
     from leadgate.runners.schedules import NewScheduleView, RemovedScheduleView, ScheduleView
 
 DEMO_AGENTS = ("worker", "lead", "plain")
@@ -332,21 +333,19 @@ class Admin:
         async with self.db.tx() as conn:
             return await remove_schedule(conn, await self._org_id(conn, org), schedule_id)
 
-    async def create_flow(self, org: str, name: str, nodes: Any) -> dict[str, Any]:
+    async def create_flow(self, org: str, name: str, nodes: Any) -> NewFlowView:
         """A flow from its node list."""
         async with self.db.tx() as conn:
             org_id = await self._org_id(conn, org)
-            flow: dict[str, Any] = await _flows().create_flow(
+            flow: NewFlowView = await _flows().create_flow(
                 conn, self.clock, self.ids, org_id, name, nodes
             )
             return flow
 
-    async def show_run(self, org: str, run_id: str) -> dict[str, Any]:
+    async def show_run(self, org: str, run_id: str) -> RunView:
         """A flow run with its events and continuations."""
         async with self.db.read() as conn:
-            run: dict[str, Any] = await _flows().run_view(
-                conn, await self._org_id(conn, org), run_id
-            )
+            run: RunView = await _flows().run_view(conn, await self._org_id(conn, org), run_id)
             return run
 
     async def org_id(self, org: str) -> str:

@@ -40,6 +40,7 @@ from leadgate.flows.runs import (
     RunStartInDoubt,
     RunStatus,
     RunUnreadable,
+    RunView,
     create_flow,
     move_run,
     node_trigger,
@@ -164,7 +165,9 @@ async def _paused_and_approved(stack: Stack, org_name: str = "acme") -> tuple[Or
     return org, paused_id
 
 
-async def _view(stack: Stack, org: Org, run_id: str) -> dict[str, Any]:
+async def _view(stack: Stack, org: Org, run_id: str | None) -> RunView:
+    # A run id read from a view (a continuation's resumedRunId) is typed optional.
+    assert run_id is not None
     async with stack.db.read() as conn:
         return await run_view(conn, org.id, run_id)
 
@@ -551,7 +554,7 @@ async def test_a_database_fault_mid_run_names_the_run_that_recovery_continues(
     clock.advance(RUN_LEASE_MS + 1)
     assert await FlowRecovery(second.flows).run_once()
     ended = await _view(second, org, run_id)
-    assert ended["status"] == "failed" and LOST in ended["error"]
+    assert ended["status"] == "failed" and LOST in (ended["error"] or "")
     assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
 
 

@@ -15,6 +15,7 @@ from leadgate.flows.runs import (
     PAUSED_OUTPUT,
     WAITING_EVENT,
     FlowResumer,
+    RunView,
     create_flow,
     find_flow,
     run_view,
@@ -29,7 +30,9 @@ async def _flow(stack: Any, org: Any, nodes: list[dict[str, Any]]) -> str:
     return str(flow["id"])
 
 
-async def _view(stack: Any, org: Any, run_id: str) -> dict[str, Any]:
+async def _view(stack: Any, org: Any, run_id: str | None) -> RunView:
+    # A run id read from a view (a continuation's resumedRunId) is typed optional.
+    assert run_id is not None
     async with stack.db.read() as conn:
         return await run_view(conn, org.id, run_id)
 
