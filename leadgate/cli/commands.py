@@ -33,7 +33,8 @@ from leadgate.operations.admin import (
     NamedRouteView,
     ShownKeyView,
 )
-from leadgate.operations.reviews import DECISIONS, RECOVERIES, Reviews
+from leadgate.operations.reviews import DECISIONS, RECOVERIES, RecoveredView, Reviews
+from leadgate.review.queue import QueueView, ReviewDetailView, UncertainView
 from outbox.store import Outbox
 
 if TYPE_CHECKING:
@@ -426,7 +427,7 @@ def _utf8(text: str, where: str) -> str:
     return text
 
 
-async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> QueueView:
     """``leadgate review list --org ORG [--agent A] [--channel C] [--reason R] ...``."""
     return await _reviews(admin).queue(
         await _principal(admin, args),
@@ -439,20 +440,20 @@ async def review_list(admin: Admin, args: argparse.Namespace, _: Settings) -> An
     )
 
 
-async def delivery_list(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def delivery_list(admin: Admin, args: argparse.Namespace, _: Settings) -> UncertainView:
     """``leadgate delivery list --org ORG [--limit N] [--cursor X]``."""
     return await _reviews(admin).uncertain(
         await _principal(admin, args), limit=args.limit, cursor=args.cursor
     )
 
 
-async def review_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+async def review_show(admin: Admin, args: argparse.Namespace, _: Settings) -> ReviewDetailView:
     """``leadgate review show --org ORG WORK_ITEM_ID``."""
     return await _reviews(admin).detail(await _principal(admin, args), args.item)
 
 
 def _decision(action: str) -> Command:
-    async def decide(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    async def decide(admin: Admin, args: argparse.Namespace, _: Settings) -> ReviewDetailView:
         text = None
         if action == "reject":
             text = _text(args.reason)
@@ -472,7 +473,7 @@ def _decision(action: str) -> Command:
 
 
 def _recovery(action: str) -> Command:
-    async def recover(admin: Admin, args: argparse.Namespace, _: Settings) -> Any:
+    async def recover(admin: Admin, args: argparse.Namespace, _: Settings) -> RecoveredView:
         return await _reviews(admin).recover(
             await _principal(admin, args),
             args.delivery,
