@@ -10,7 +10,7 @@ then appears in place (at its own time). No work item, id or revision appears an
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NotRequired, TypedDict
 
 import sqlalchemy as sa
 
@@ -86,14 +86,38 @@ class SessionRef(NamedTuple):
     session_id: str | None
 
 
+class MessageView(TypedDict):
+    """A visible message of a transcript."""
+
+    id: str
+    role: str | None
+    content: str | None
+    createdAt: str | None
+
+
+class ReviewStatusView(TypedDict):
+    """The public review status of a session's held work."""
+
+    status: str | None
+
+
+class TranscriptPage(TypedDict):
+    """A page of a transcript: ``review`` only when the reader asked for it (MCP)."""
+
+    object: str
+    data: list[MessageView]
+    has_more: bool
+    review: NotRequired[ReviewStatusView | None]
+
+
 def public_message(
     message_id: str, role: str | None, content: str | None, created_at: int | None
-) -> dict[str, Any]:
+) -> MessageView:
     """A visible message as every public read shows it."""
     return {"id": message_id, "role": role, "content": content, "createdAt": iso(created_at)}
 
 
-def public_event(event: SessionEvent) -> tuple[str, dict[str, Any]]:
+def public_event(event: SessionEvent) -> tuple[str, MessageView | ReviewStatusView]:
     """(SSE event name, data) of a session event: the message, or ``{"status"}``."""
     if event.kind == session_events.MESSAGE and event.message_id is not None:
         return "message", public_message(
@@ -154,7 +178,7 @@ class Transcripts:
         after: str | None = None,
         limit: int = PAGE_MAX,
         with_review: bool = False,
-    ) -> dict[str, Any]:
+    ) -> TranscriptPage:
         """One page of the visible transcript, oldest first:
         ``{"object": "list", "data": [...], "has_more"}``, at most ``limit`` messages and
         :data:`PAGE_MAX_CHARS` characters of text (one message, whatever its length). An
@@ -163,21 +187,21 @@ class Transcripts:
         the session's latest held work (``null`` when none was held), from the same read."""
         ref = await self.find(principal, agent_ref, name)
         if ref.session_id is None:
-            empty: dict[str, Any] = {"object": "list", "data": [], "has_more": False}
+            empty: TranscriptPage = {"object": "list", "data": [], "has_more": False}
             return {**empty, "review": None} if with_review else empty
         review: str | None = None
         async with self.db.read() as conn:
             rows = await self._page(conn, ref.session_id, after, limit)
             if with_review:
                 review = await session_events.latest_review(conn, ref.session_id)
-        data: list[dict[str, Any]] = []
+        data: list[MessageView] = []
         chars = 0
         for row in rows[:limit]:
             chars += len(row.content or "")
             if data and chars > PAGE_MAX_CHARS:
                 break
             data.append(public_message(*row))
-        page: dict[str, Any] = {"object": "list", "data": data, "has_more": len(rows) > len(data)}
+        page: TranscriptPage = {"object": "list", "data": data, "has_more": len(rows) > len(data)}
         if with_review:
             page["review"] = None if review is None else {"status": review}
         return page

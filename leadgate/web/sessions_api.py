@@ -52,7 +52,7 @@ from leadgate.core.decoding import decimal_int, query_value, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
-from leadgate.operations.transcripts import parse_limit, public_event
+from leadgate.operations.transcripts import TranscriptPage, parse_limit, public_event
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
 log = logging.getLogger("leadgate.web.events")
@@ -73,7 +73,7 @@ class SessionReads(Protocol):
         after: str | None = None,
         limit: int = 100,
         with_review: bool = False,
-    ) -> dict[str, Any]: ...
+    ) -> TranscriptPage: ...
 
     async def open(self, principal: Principal, agent_ref: str, name: str) -> str: ...
 

@@ -24,6 +24,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import AuthError, Unavailable
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.oversight import ChangesView
+from leadgate.operations.transcripts import TranscriptPage
 from leadgate.web import operator_events
 from leadgate.web.sessions_api import StreamSettings, stream_events
 
@@ -103,7 +104,7 @@ class Log:
     db: Database
     written: list[SessionEvent] = field(default_factory=list)
 
-    async def messages(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def messages(self, *args: Any, **kwargs: Any) -> TranscriptPage:
         raise NotImplementedError
 
     async def open(self, principal: Principal, agent_ref: str, name: str) -> str:
