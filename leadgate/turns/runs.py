@@ -178,6 +178,34 @@ class Claimed:
     #: ``Idempotency-Key`` events among them): a rerun stores its answer under such a key.
     external_event_ids: tuple[str, ...] = ()
 
+    @classmethod
+    def of(
+        cls,
+        action: str,
+        token: str,
+        rows: Sequence[sa.Row[Any]],
+        turn_id: str,
+        item_id: str | None,
+        *,
+        keyed: bool,
+    ) -> Claimed:
+        """The claim of ``rows`` (one session's, oldest first), as the newest names it;
+        with their external event ids when a rerun's answer is to be stored under their
+        keys (``keyed``)."""
+        newest = rows[-1]
+        return cls(
+            action=action,
+            token=token,
+            org_id=newest.org_id,
+            agent_id=newest.agent_id,
+            session_id=newest.session_id,
+            binding_id=newest.binding_id,
+            work_item_id=item_id,
+            turn_id=turn_id,
+            run_ids=tuple(r.id for r in rows),
+            external_event_ids=_event_ids(rows) if keyed else (),
+        )
+
 
 #: :func:`claim_for_retry`: the run is not this request's to take now (a live process
 #: runs it, or turn recovery has it to close, surface or give up).
@@ -344,7 +372,6 @@ async def _claim_in(
         if not rows:
             return None
         turn_id = ids.new("turn")
-        newest = rows[-1]
         # A client run whose client was answered "do not send it again" (see the module
         # docstring): nobody retries it, so it is rerun. So is one told to send it again
         # whose message was taken in under an external event id (REST's Idempotency-Key):
@@ -385,18 +412,7 @@ async def _claim_in(
             await finish(conn, token, fenced=False)
             action = "closed" if action == CLIENT else action
     taken.update(row.lease_token for row in rows)
-    return Claimed(
-        action=action,
-        token=token,
-        org_id=newest.org_id,
-        agent_id=newest.agent_id,
-        session_id=newest.session_id,
-        binding_id=newest.binding_id,
-        work_item_id=item_id,
-        turn_id=turn_id,
-        run_ids=tuple(r.id for r in rows),
-        external_event_ids=_event_ids(rows),
-    )
+    return Claimed.of(action, token, rows, turn_id, item_id, keyed=True)
 
 
 def _event_ids(rows: Sequence[sa.Row[Any]]) -> tuple[str, ...]:
@@ -448,17 +464,8 @@ async def claim_for_retry(
         )
         if not res.rowcount:
             return RUN_BUSY
-    return Claimed(
-        action=RERUN,
-        token=token,
-        org_id=row.org_id,
-        agent_id=row.agent_id,
-        session_id=row.session_id,
-        binding_id=row.binding_id,
-        work_item_id=row.work_item_id,
-        turn_id=turn_id,
-        run_ids=(row.id,),
-    )
+    # (Not keyed: the retry answers its own request, as the turn's caller.)
+    return Claimed.of(RERUN, token, [row], turn_id, row.work_item_id, keyed=False)
 
 
 def _claim_values(
