@@ -570,6 +570,28 @@ async def test_a_keyed_turn_interrupted_and_rerun_replays_the_reruns_answer(
     ]
 
 
+async def _crashed_past_the_resend_wait(
+    env: Env, session: str
+) -> tuple[TurnRecovery, dict[str, Any]]:
+    """A keyed request for a reviewed worker whose process died with its message taken
+    in, past turn recovery's wait for a resend (none came; the key's claim lapsed): the
+    recovery that would rerun it now, and the request its client retries."""
+    key = f"k-{session}"
+    await claim_and_crash(env, "draft it", key, session, taken_in=True, model="worker")
+    recovery = TurnRecovery(env.service.turns)
+    assert await drain(recovery) == 1  # waits for a resend
+    env.clock.advance(runs.RESEND_GRACE_MS + 1)
+    return recovery, keyed(key, session, "worker", "draft it")
+
+
+def _held_commits(env: Env, monkeypatch: pytest.MonkeyPatch, claim: str) -> HeldCommits:
+    """``runs.<claim>`` runs on a database whose COMMIT (and row locks) it holds until
+    released: the claim stands mid-way for the other side of the race."""
+    held, real = HeldCommits(env.service.db), getattr(runs, claim)
+    monkeypatch.setattr(runs, claim, lambda _db, *a, **kw: real(held.database, *a, **kw))
+    return held
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_keyed_retry_meeting_recoverys_claim_mid_way_loses_to_it(
     env: Env, monkeypatch: pytest.MonkeyPatch
@@ -580,17 +602,13 @@ async def test_a_keyed_retry_meeting_recoverys_claim_mid_way_loses_to_it(
     lock, then finds the run a live process's: it runs nothing and is told 409
     ``idempotency.in_progress``, and the one turn, the rerun's, is what the next retry
     gets. One user message, one answer."""
-    await claim_and_crash(env, "draft it", "k-r1", "r1", taken_in=True, model="worker")
-    recovery = TurnRecovery(env.service.turns)
-    assert await drain(recovery) == 1  # waits for a resend
-    env.clock.advance(runs.RESEND_GRACE_MS + 1)  # none came (and the key's claim lapsed)
-    held, real = HeldCommits(env.service.db), runs.claim
-    monkeypatch.setattr(runs, "claim", lambda _db, *a, **kw: real(held.database, *a, **kw))
+    recovery, request = await _crashed_past_the_resend_wait(env, "r1")
+    real = runs.claim
+    held = _held_commits(env, monkeypatch, "claim")
     rerun = asyncio.create_task(recovery.run_once())
-    request = keyed("k-r1", "r1", "worker", "draft it")
     try:
         await asyncio.wait_for(held.reached.wait(), 10)
-        monkeypatch.setattr(runs, "claim", real)
+        monkeypatch.setattr(runs, "claim", real)  # (the retry's own claim as usual)
         async with env.official() as client:
             retry = asyncio.create_task(answer_of(client, **request))
             assert await blocked_on_a_lock(env.service.db, retry)
@@ -623,15 +641,8 @@ async def test_recovery_meeting_a_keyed_retrys_claim_mid_way_leaves_the_run_to_i
     turn recovery's pass comes. Recovery skips the run it holds (it neither waits for it
     nor takes it after), and the retry runs the turn and gets its answer, replayed
     after. One turn, one user message, one answer, nothing left to recover."""
-    await claim_and_crash(env, "draft it", "k-r2", "r2", taken_in=True, model="worker")
-    recovery = TurnRecovery(env.service.turns)
-    assert await drain(recovery) == 1  # waits for a resend
-    env.clock.advance(runs.RESEND_GRACE_MS + 1)  # recovery would rerun it now
-    held, real = HeldCommits(env.service.db), runs.claim_for_retry
-    monkeypatch.setattr(
-        runs, "claim_for_retry", lambda _db, *a, **kw: real(held.database, *a, **kw)
-    )
-    request = keyed("k-r2", "r2", "worker", "draft it")
+    recovery, request = await _crashed_past_the_resend_wait(env, "r2")
+    held = _held_commits(env, monkeypatch, "claim_for_retry")
     async with env.official() as client:
         retry = asyncio.create_task(answer_of(client, **request))
         try:
