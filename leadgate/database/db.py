@@ -269,6 +269,8 @@ class Database:
         busy_timeout_s: float = 30.0,
         statements_alone: bool = True,
         settle_doubt: bool = False,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.url = url
         #: PostgreSQL: a :meth:`tx` whose ``COMMIT`` is in doubt asks the server, on a
@@ -279,6 +281,11 @@ class Database:
         #: caller with no watch of its own to make good a write that landed: the
         #: ``leadgate`` command, which exits on the error.
         self.settle_doubt = settle_doubt
+        #: The time (seconds) and the wait :meth:`committed` asks again by while a
+        #: transaction is in progress: real ones here; tests pass a clock they move by
+        #: hand and a wait that moves it, so asking on for ``busy_timeout_s`` takes none.
+        self.monotonic = monotonic
+        self.sleep = sleep
         #: Sent as the payload of this Database's NOTIFYs (see :func:`notify_sender`).
         self.notify_tag = secrets.token_hex(8)
         #: The bound on waiting for a writer slot (SQLite: another process's write lock;
@@ -611,18 +618,18 @@ class Database:
         server's own answer to a connection lost during ``COMMIT``). While it is still
         in progress (its ``COMMIT`` not yet applied, or not received by a server that
         has not yet seen its connection go) this asks again, 10 ms on and doubling to
-        200 ms, for at most ``busy_timeout_s``. None: the server could not say then
-        (unreachable, or still in progress)."""
+        200 ms, for at most ``busy_timeout_s`` (by :attr:`monotonic` and :attr:`sleep`).
+        None: the server could not say then (unreachable, or still in progress)."""
         assert self._pg is not None
-        deadline = time.monotonic() + self.busy_timeout_s
+        deadline = self.monotonic() + self.busy_timeout_s
         pause = 0.01
         try:
             async with self._pg.read() as conn:
                 while True:
                     status = await conn.scalar(sa.text("SELECT txid_status(:xid)"), {"xid": xid})
-                    if status != "in progress" or time.monotonic() >= deadline:
+                    if status != "in progress" or self.monotonic() >= deadline:
                         break
-                    await asyncio.sleep(pause)
+                    await self.sleep(pause)
                     pause = min(pause * 2, 0.2)
         except Exception as exc:
             if unavailable(exc) is None:

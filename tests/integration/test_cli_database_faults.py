@@ -9,9 +9,9 @@ again blindly, ``key create`` made a second key). A command that only reads (``l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -339,34 +339,52 @@ def test_a_review_decision_in_doubt_ends_as_its_commit_did(
         assert main(approve) == 0
 
 
+class Pauses:
+    """:meth:`Database.committed`'s time and wait, moved by hand: each wait it asks for
+    is noted in ``asked`` and moves the time on by as much at once (nothing is waited);
+    the ``at``-th runs ``then`` first (what happens on the server meanwhile)."""
+
+    def __init__(self, at: int = 0, then: Callable[[], Awaitable[object]] | None = None) -> None:
+        self.now = 0.0
+        self.asked: list[float] = []
+        self.at, self.then = at, then
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.now += seconds
+        if len(self.asked) == self.at and self.then is not None:
+            await self.then()
+
+
 @pytest.mark.parametrize("ends", ["COMMIT", "ROLLBACK"])
 async def test_asking_whether_a_transaction_committed_waits_while_it_is_in_progress(
     migrated_pg: str, ends: str
 ) -> None:
     """A COMMIT the server applies late (a synchronous standby's wait, a server slow
     to see the connection go): ``committed`` asks again while the transaction is in
-    progress, and answers what it became, not "rolled back" from a read that came too
-    early. Past ``busy_timeout_s`` still in progress, it cannot say (None)."""
+    progress, 10 ms on and doubling to 200 ms, and answers what it became, not "rolled
+    back" from a read that came too early. Past ``busy_timeout_s`` still in progress,
+    it cannot say (None). Its waits are the Database's injected ones: none is real."""
     raw = await asyncpg.connect(asyncpg_dsn(migrated_pg))
-    db = Database(migrated_pg, busy_timeout_s=5, settle_doubt=True)
-    short = Database(migrated_pg, busy_timeout_s=0.2, settle_doubt=True)
+    held = raw.transaction()
+    await held.start()
+    xid = await raw.fetchval("SELECT txid_current()")
+    bounded = Pauses()
+    short = Database(
+        migrated_pg, busy_timeout_s=1, monotonic=bounded.monotonic, sleep=bounded.sleep
+    )
+    # The transaction ends during the third wait: the fourth ask sees what it became.
+    ending = Pauses(at=3, then=held.commit if ends == "COMMIT" else held.rollback)
+    db = Database(migrated_pg, busy_timeout_s=5, monotonic=ending.monotonic, sleep=ending.sleep)
     try:
-        with contextlib.suppress(_Undo):
-            async with raw.transaction():
-                xid = await raw.fetchval("SELECT txid_current()")
-                assert await short.committed(xid) is None
-                asked = asyncio.create_task(db.committed(xid))
-                # Real time: the Database has no clock. Its first asks see it in progress.
-                await asyncio.sleep(0.1)
-                assert not asked.done()
-                if ends == "ROLLBACK":
-                    raise _Undo
-        assert await asked is (ends == "COMMIT")
+        assert await short.committed(xid) is None
+        assert bounded.asked == [0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2, 0.2, 0.2]
+        assert await db.committed(xid) is (ends == "COMMIT")
+        assert ending.asked == [0.01, 0.02, 0.04]
     finally:
         await raw.close()
         await db.close()
         await short.close()
-
-
-class _Undo(Exception):
-    """Rolls the test's transaction back."""
