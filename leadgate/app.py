@@ -164,14 +164,18 @@ class App:
         channels: dict[str, Channel] | None = None,
         enable_adapters: bool = True,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        settle_doubt: bool = False,
     ) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.ids = ids or RandomIds()
+        # settle_doubt (see Database.settle_doubt): for a process that runs no runners
+        # (``leadgate flow run``): no look of theirs would make good a write in doubt.
         self.db = Database(
             settings.database.url,
             pool_size=settings.database.pool_size,
             busy_timeout_s=settings.database.busy_timeout_s,
+            settle_doubt=settle_doubt,
         )
         # This process's row in `processes`: the owner named on every lease it takes, so
         # that another process takes its leases back at once when it is known dead.

@@ -290,7 +290,10 @@ async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -
     from leadgate.app import App
 
     org_id = await admin.org_id(args.org)
-    app = App(settings, enable_adapters=False)
+    # The start's COMMIT in doubt is settled as every command's write is (the app's
+    # database asks the server, settle_doubt); the run's id is made by the command's
+    # ids, so that when the server cannot say, exit 3 names the run to look for.
+    app = App(settings, ids=admin.ids, enable_adapters=False, settle_doubt=True)
     try:
         run_id = await app.flows.start(org_id, args.flow)
         return await Admin(app.db, app.clock, app.ids, app.model_names).show_run(org_id, run_id)

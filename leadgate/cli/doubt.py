@@ -20,15 +20,11 @@ from leadgate.core.clock import IdFactory
 from leadgate.core.errors import Unavailable
 
 #: The exit status of a command that could not tell whether its write was made, where
-#: exit 2 ("refused") would let a script run it again blindly: the rules of
-#: :data:`IN_DOUBT_RULES`; the message names what to look at.
+#: exit 2 ("refused") would let a script run it again blindly: the rule
+#: :data:`WRITE_IN_DOUBT_RULE`; the message names what to look at.
 IN_DOUBT_EXIT = 3
 #: The rule of :class:`WriteInDoubt`.
 WRITE_IN_DOUBT_RULE = "cli.in_doubt"
-#: The rules that exit :data:`IN_DOUBT_EXIT`: this module's and ``flow run``'s
-#: (``leadgate.flows.runs.START_IN_DOUBT_RULE``, not imported: the flows layer pulls in
-#: the turn path, which most commands never load).
-IN_DOUBT_RULES = frozenset({WRITE_IN_DOUBT_RULE, "flow.start_in_doubt"})
 
 
 class MintedIds:
@@ -94,6 +90,12 @@ LOOKS: dict[tuple[str, str | None], Look] = {
     ("schedule", "add"): Look("schedule list --org {org}", "schedule {new_sch} is listed"),
     ("schedule", "remove"): Look(again="a schedule removed already is refused, changing nothing"),
     ("flow", "create"): Look(again="a flow made already is refused [flow.name_taken]"),
+    ("flow", "run"): Look(
+        "flow show --org {org} {new_run}",
+        "run {new_run} is shown",
+        " and runs (a worker's flow recovery continues it within 2 minutes of its start: "
+        "do not start the flow again, it would run twice)",
+    ),
     ("notify", "add"): Look("notify list --org {org}", "destination {new_rdst} is listed"),
     ("notify", "remove"): Look(again="a destination removed already is refused, changing nothing"),
     ("notify", "sla"): Look(again="it sets the same values again"),

@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
-from leadgate.cli.doubt import IN_DOUBT_EXIT, IN_DOUBT_RULES, MintedIds, write_in_doubt
+from leadgate.cli.doubt import IN_DOUBT_EXIT, WRITE_IN_DOUBT_RULE, MintedIds, write_in_doubt
 from leadgate.cli.output import render
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
@@ -246,7 +246,7 @@ def _only_reads(args: argparse.Namespace) -> bool:
 
 
 def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
-    """Exit 2 (:data:`IN_DOUBT_EXIT` for :data:`IN_DOUBT_RULES`) with one line, the rule
+    """Exit 2 (:data:`IN_DOUBT_EXIT` for :data:`WRITE_IN_DOUBT_RULE`) with one line, the rule
     last (scripts look for "[rule]" at the end)."""
     # A damaged file's message is the one for HTTP clients; an operator gets the file.
     message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
@@ -254,7 +254,7 @@ def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None
         f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
     )
-    return IN_DOUBT_EXIT if exc.rule in IN_DOUBT_RULES else 2
+    return IN_DOUBT_EXIT if exc.rule == WRITE_IN_DOUBT_RULE else 2
 
 
 #: The shell's status for a process that SIGPIPE ended (128 + 13), as ``| head`` gives

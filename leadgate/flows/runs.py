@@ -140,31 +140,6 @@ class RunUnreadable(LeadgateError):
     is given up at once the same way."""
 
 
-#: The rule of :class:`RunStartInDoubt`.
-START_IN_DOUBT_RULE = "flow.start_in_doubt"
-
-
-class RunStartInDoubt(Unavailable):
-    """A run's start met a database fault at its ``COMMIT`` (it may have landed), and
-    storing it again to find out failed too: the run may have been started. No retry is
-    asked for (one may start it twice); the message names the run and how to tell."""
-
-    retry_after_s: int | None = None
-
-    def __init__(self, org_id: str, run_id: str, detail: str = "") -> None:
-        super().__init__(
-            f"flow run {run_id} may have been started: the database connection was lost as "
-            "it was stored, and it could not be read back. `leadgate flow show --org "
-            f"{org_id} {run_id}` tells: shown, it was started and runs (a worker's flow "
-            "recovery continues it within 2 minutes; do not start the flow again, it would "
-            "run twice); not found (flowRun.not_found), it was not started: run the command "
-            "again",
-            rule=START_IN_DOUBT_RULE,
-        )
-        self.run_id = run_id
-        self.detail = detail
-
-
 async def _bound_lock_waits(conn: Conn, seconds: float) -> None:
     """PostgreSQL: this transaction waits at most ``seconds`` for a lock (then a database
     fault, 55P03); by default it would wait for ever. SQLite's writer waited for its lock
@@ -571,21 +546,17 @@ class FlowService:
         twice. It names the fault's rule, not its message: that one speaks of the
         request that met it ("retry", "check whether it was stored"), not of the run.
 
-        A start whose ``COMMIT`` is in doubt is stored again under the same run id
-        (:meth:`_start_again`) and executed: the caller is ``leadgate flow run``, which
-        exits on an error, so nothing would look for a run that landed (it waited out
-        its lease for a worker's recovery) and the error could not name it. When that
-        fails too, :class:`RunStartInDoubt` names the run."""
-        row: NewRun | None = None
-        try:
-            async with self.db.tx() as conn:
-                flow = await find_flow(conn, org_id, flow_ref)
-                row = self._run_row(org_id, flow["id"], [], 0, None)
-                await self._insert_run(conn, row)
-        except Unavailable as fault:
-            if not fault.in_doubt or row is None:
-                raise
-            await self._start_again(row, fault)
+        A start whose ``COMMIT`` is in doubt is settled by the database, as every
+        ``leadgate`` command's write is (``leadgate flow run``, the caller, sets
+        :attr:`~leadgate.database.db.Database.settle_doubt`): the server says it
+        committed, and the run is executed here, once; it rolled back, and the fault
+        says nothing was stored; the server cannot say, and the fault stays in doubt,
+        for the command to name the run it may have started (landed, a worker's flow
+        recovery continues it once its lease lapsed)."""
+        async with self.db.tx() as conn:
+            flow = await find_flow(conn, org_id, flow_ref)
+            row = self._run_row(org_id, flow["id"], [], 0, None)
+            await self._insert_run(conn, row)
         lease = RunLease(row["id"], row["lease_token"])
         try:
             await self.execute(lease)
@@ -598,36 +569,6 @@ class FlowService:
                 rule="flow.interrupted",
             ) from exc
         return lease.run_id
-
-    async def _start_again(self, row: NewRun, fault: Unavailable) -> None:
-        """The start of run ``row`` met ``fault``, in doubt at its ``COMMIT``: insert the
-        run again under its id, ``ON CONFLICT DO NOTHING``, on a fresh connection. Either
-        way it is stored once this commits: by the first ``COMMIT`` (this inserts
-        nothing) or by this one. On PostgreSQL the insert waits for the first
-        transaction while the server still holds it (its row's key is locked until it
-        commits or rolls back), so a first ``COMMIT`` applied late cannot store the run
-        a second time, nor be missed; the wait is bounded by ``[database]
-        busy_timeout_s``. Raises :class:`RunStartInDoubt` when this fails before it knows
-        the run is stored."""
-        stored = False  # (by the first COMMIT, as this insert found)
-        try:
-            async with self.db.tx() as conn:
-                await _bound_lock_waits(conn, self.db.busy_timeout_s)
-                res = await conn.execute(insert_ignore_stmt(conn.dialect.name, t.flow_runs), row)
-                stored = not res.rowcount
-                if not stored:
-                    await self._event(conn, row["id"], STARTED_EVENT)
-        except Unavailable as again:
-            if stored:
-                return  # this one wrote nothing: its own fault changes nothing
-            raise RunStartInDoubt(row["org_id"], row["id"], again.detail or fault.detail) from (
-                fault
-            )
-        log.warning(
-            "flow run %s: its start's COMMIT was in doubt; it is stored (%s)",
-            row["id"],
-            "it had landed" if stored else "stored again",
-        )
 
     async def new_run(
         self,

@@ -228,66 +228,74 @@ def _runs(url: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("landed", [True, False])
-def test_a_flow_run_whose_start_is_in_doubt_reads_it_back_and_runs_it_once(
+def test_a_flow_run_whose_start_is_in_doubt_ends_as_its_commit_did(
     flow: Path,
     migrated_pg: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     landed: bool,
 ) -> None:
-    """``flow run``: the connection dropped with the start's COMMIT sent (it landed, or
-    it did not). The command stores the run again under its own id (a no-op when the
-    first landed) and runs it: one run, completed, printed, exit 0. It said "it may have
-    been made; look (list or show)", with no run id to show and no list of runs, and a
-    run that had landed waited out its 2-minute lease for a worker."""
+    """``flow run``: the connection dropped with the start's COMMIT sent. The command
+    asks the server, as every command does. Landed: it runs the run, once, and prints
+    it (exit 0, the WARNING line). Not landed: exit 2, nothing stored, and running the
+    command again starts the flow once. (It stored the run again under its id, its own
+    way.)"""
     faults = PgFaults(monkeypatch)
     faults.arm_on("INSERT INTO flow_runs", then="COMMIT", after_commit=landed)
     code = main(["--config", str(flow), "flow", "run", "--org", "acme", "f"])
     faults.disarm()
     out, err = capsys.readouterr()
     assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
-    assert code == 0, err
-    assert "its start's COMMIT was in doubt; it is stored" in err, err
-    run = json.loads(out)
-    assert run["status"] == "completed" and run["outputs"] == [{"data": "done", "success": True}]
-    assert run["events"] == ["Flow run started", "Flow run completed"]
-    assert _runs(migrated_pg) == [(run["id"], "completed")]
+    if landed:
+        assert code == 0 and "the server says it committed" in err, err
+        run = json.loads(out)
+        assert run["status"] == "completed" and run["outputs"] == [
+            {"data": "done", "success": True}
+        ]
+        assert run["events"] == ["Flow run started", "Flow run completed"]
+        assert _runs(migrated_pg) == [(run["id"], "completed")]
+    else:
+        assert (code, out) == (2, "") and "nothing was stored" in err, err
+        assert _runs(migrated_pg) == []
+        assert main(["--config", str(flow), "flow", "run", "--org", "acme", "f"]) == 0
+        run = json.loads(capsys.readouterr().out)
+        assert _runs(migrated_pg) == [(run["id"], "completed")]
 
 
 @pytest.mark.parametrize("landed", [True, False])
-def test_a_flow_run_that_cannot_read_its_start_back_names_the_run_and_exits_3(
+def test_a_flow_run_whose_start_the_server_cannot_settle_names_the_run_and_exits_3(
     flow: Path,
     migrated_pg: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     landed: bool,
 ) -> None:
-    """The database still away when ``flow run`` reads its start back: exit 3 (not 2,
-    "refused"), naming the run and how to tell whether it was started; ``flow show``
-    then says it (found and running: a worker's recovery continues it; not found: run
-    the command again, which starts it)."""
+    """The database still away when ``flow run`` asks: exit 3 ``[cli.in_doubt]`` (not
+    2, "refused"), naming the run and the command that tells whether it was started;
+    ``flow show`` then says it (found and running: a worker's recovery continues it;
+    not found: run the command again, which starts it)."""
     faults = PgFaults(monkeypatch)
-    faults.arm_on(
-        "INSERT INTO flow_runs", then="COMMIT", after_commit=landed, and_on="INTO flow_runs"
-    )
+    faults.arm_on("INSERT INTO flow_runs", then="COMMIT", after_commit=landed, and_on="txid_status")
     code = main(["--config", str(flow), "flow", "run", "--org", "acme", "f"])
     faults.disarm()
     out, err = capsys.readouterr()
     assert (code, out) == (3, ""), err
-    assert err.rstrip().endswith("[flow.start_in_doubt]"), err
-    [run_id] = re.findall(r"flow run (run_\w+) may have been started", err)
-    # The command it names, as given:
-    [show] = re.findall(r"`leadgate (flow show --org \S+ (\S+))`", err)
-    assert show[1] == run_id, err
-    shown = main(["--config", str(flow), *show[0].split()])
+    assert err.rstrip().endswith("[cli.in_doubt]"), err
+    assert "do not start the flow again, it would run twice" in err, err
+    # The command it names, as given, and the run to look for:
+    [(show, run_id)] = re.findall(r"`leadgate (flow show --org acme (run_\w+))` tells", err)
+    assert f"if run {run_id} is shown, it was made" in err, err
+    shown = main(["--config", str(flow), *show.split()])
     out, err = capsys.readouterr()
     if landed:
         assert shown == 0 and json.loads(out)["status"] == "running", err
+        assert _runs(migrated_pg) == [(run_id, "running")]
     else:
         assert shown == 2 and err.rstrip().endswith("[flowRun.not_found]"), err
+        assert _runs(migrated_pg) == []
         assert main(["--config", str(flow), "flow", "run", "--org", "acme", "f"]) == 0
         assert json.loads(capsys.readouterr().out)["status"] == "completed"
-    assert len(_runs(migrated_pg)) == 1
+        assert len(_runs(migrated_pg)) == 1
 
 
 def _awaiting_item(url: str) -> str:

@@ -13,9 +13,8 @@ from leadgate.cli.commands import COMMANDS
 from leadgate.cli.doubt import DEMO_KEY_LOST, LOOKS, Look
 from leadgate.cli.parser import build_parser
 
-#: Commands that only read, and ``flow run``, which reads its own start back
-#: (``flow.start_in_doubt``), and ``demo`` (:data:`DEMO_KEY_LOST`).
-NOT_LOOKED_UP = {("flow", "run"), ("demo", None)}
+#: ``demo``, whose look depends on what it made (:data:`DEMO_KEY_LOST`).
+NOT_LOOKED_UP = {("demo", None)}
 
 
 def _writes() -> list[tuple[str, str | None]]:

@@ -22,7 +22,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
-from leadgate.database.db import Conn, Database
+from leadgate.database.db import Conn
 from leadgate.domain import workitems
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
@@ -37,7 +37,6 @@ from leadgate.flows.runs import (
     WAITING_EVENT,
     FlowResumer,
     RunLeaseLost,
-    RunStartInDoubt,
     RunStatus,
     RunUnreadable,
     RunView,
@@ -57,7 +56,7 @@ from leadgate.turns.runs import GAVE_UP_ACTION as TURN_GAVE_UP_ACTION
 from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
 from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
-from tests.fakes import ClaimInDoubt, CommitLandsLater, lose_the_next_commit
+from tests.fakes import ClaimInDoubt, lose_the_next_commit
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
@@ -983,76 +982,6 @@ async def test_a_run_resumed_by_a_commit_in_doubt_is_continued_soon(
     assert await _recovery_attempts(first, resumed_id) == 0
     assert not await recovery.run_once()
     assert recovery.due_in_s() is None
-
-
-async def test_a_start_whose_commit_answer_was_lost_runs_its_run_once(
-    first: Stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The start's COMMIT landed and its answer was lost: the start finds the run stored
-    (storing it again inserts nothing) and executes it, once. (On SQLite too, where a
-    COMMIT is never in doubt: the same statements run there.)"""
-    org = await make_org(first)
-    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
-    lose_the_next_commit(monkeypatch, first.db, alone=False, sqlite_too=True)
-    run_id = await first.flows.start(org.id, flow_id)
-    assert await _only_run(first) == run_id
-    run = await _view(first, org, run_id)
-    assert (run["status"], run["outputs"]) == ("completed", [{"data": 1, "success": True}])
-    assert run["events"] == ["Flow run started", "Flow run completed"]
-
-
-@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
-@pytest.mark.parametrize("first_commit", ["lands", "rolls back"])
-async def test_a_start_in_doubt_waits_for_its_first_commit_and_runs_the_run_once(
-    first: Stack,
-    commit_lands_later: Callable[[Database], CommitLandsLater],
-    first_commit: str,
-) -> None:
-    """``flow run``'s start: its COMMIT's answer was lost while the server still holds
-    the transaction. The start stores the run again under its id: that insert waits on
-    the first transaction's key (a plain read would find nothing and race a COMMIT
-    applied after it), then finds the run stored (it landed) or stores it (it rolled
-    back), and the run is executed once. The start raised "it may have been made" and
-    a run that landed sat ``running`` for its 2-minute lease with nothing executing it.
-    (PostgreSQL only: a SQLite COMMIT is never in doubt.)"""
-    org = await make_org(first)
-    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
-    late = commit_lands_later(first.db)
-    start = asyncio.create_task(first.flows.start(org.id, flow_id))
-    assert await blocked_on_a_lock(first.db, start)
-    assert not start.done()  # waiting for the first transaction to end
-    if first_commit == "lands":
-        await late.land()
-    else:
-        await late.abandon()
-    run_id = await start
-    assert await _only_run(first) == run_id
-    run = await _view(first, org, run_id)
-    assert (run["status"], run["outputs"]) == ("completed", [{"data": 1, "success": True}])
-    assert run["events"] == ["Flow run started", "Flow run completed"]
-
-
-@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
-async def test_a_start_in_doubt_whose_first_commit_stays_unknown_names_the_run(
-    first: Stack, commit_lands_later: Callable[[Database], CommitLandsLater]
-) -> None:
-    """The first transaction still held past ``[database] busy_timeout_s``: the start
-    stops waiting (it waited for ever) and raises ``flow.start_in_doubt`` naming the run
-    and how to tell whether it was started; nothing of it is stored by the start. Here
-    it rolls back: ``flow show`` finds no run."""
-    org = await make_org(first)
-    flow_id = await _flow(first, org, [{"type": "output", "value": 1}])
-    first.db.busy_timeout_s = 0.2
-    late = commit_lands_later(first.db)
-    with pytest.raises(RunStartInDoubt) as raised:
-        await first.flows.start(org.id, flow_id)
-    error = raised.value
-    assert error.rule == "flow.start_in_doubt" and error.retry_after_s is None
-    assert f"flow run {error.run_id} may have been started" in error.message
-    assert f"leadgate flow show --org {org.id} {error.run_id}" in error.message
-    await late.abandon()
-    async with first.db.read() as conn:
-        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.flow_runs)) == 0
 
 
 async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
