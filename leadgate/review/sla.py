@@ -21,7 +21,11 @@ committed yet, which closed the episode too; a turn's intake): a move that waite
 stall the pass, every episode due after it with it, behind a transaction of any length.
 The pass looks again :data:`leadgate.core.runners.LOCKED_RECHECK_MS` on
 (:meth:`SlaRunner.due_in_s`): the holder may commit with no wake-up for this runner. The
-episode is still due then, unless that commit decided the item (and closed it).
+episode is still due then, unless that commit decided the item (and closed it). An
+episode left so does not count towards the pass's batch: the pass reads on past it,
+page after page by ``due_at`` then id, until it has tried a batch of episodes or none
+is left due (it read one batch and stopped: a batch of held episodes held back every
+episode due after them for as long as their rows were held).
 
 A pass that leaves nothing due also reads when the next timer falls due (the earliest
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
@@ -34,7 +38,7 @@ on another replica does too (PostgreSQL NOTIFY, sent by the episode's INSERT).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -62,6 +66,20 @@ _NEXT_DUE = (
     .where(E.closed_at.is_(None), E.due_at > sa.bindparam("p_now"))
     .order_by(E.due_at)
     .limit(1)
+)
+#: The open episodes due at ``p_now``, ``p_limit`` of them in firing order; and those
+#: after the episode ``p_due``, ``p_id`` in that order (the next page of one pass).
+_DUE = (
+    sa.select(t.review_episodes)
+    .where(E.closed_at.is_(None), E.due_at <= sa.bindparam("p_now"))
+    .order_by(E.due_at, E.id)
+    .limit(sa.bindparam("p_limit"))
+)
+_DUE_AFTER = _DUE.where(
+    sa.or_(
+        E.due_at > sa.bindparam("p_due"),
+        sa.and_(E.due_at == sa.bindparam("p_due"), E.id > sa.bindparam("p_id")),
+    )
 )
 #: The item an expiry moves (PostgreSQL: locked, unless another transaction holds it:
 #: :meth:`Database.skip_locked`), and whether it exists (told apart from one skipped).
@@ -133,38 +151,54 @@ class SlaRunner:
             self.wake()
 
     async def run_once(self) -> bool:
-        """Fire what is due now (one batch of episodes); True when anything fired."""
+        """Fire what is due now (one batch of episodes, not counting those whose row
+        another transaction holds: the pass reads on past them); True when anything
+        fired."""
         now = self.clock.now_ms()
-        async with self.db.read() as conn:
-            due = (
-                await conn.execute(
-                    sa.select(t.review_episodes)
-                    .where(E.closed_at.is_(None), E.due_at <= now)
-                    .order_by(E.due_at, E.id)
-                    .limit(self.batch)
-                )
-            ).all()
-            # When the next timer falls due, for the loop's sleep (one read, on the same
-            # connection). Not after a full batch: more may be due, and the loop runs
-            # again at once when this one fired any (and at the poll when other runners
-            # fired them all first: never a busy loop).
-            self._next_due = (
-                None if len(due) == self.batch else await conn.scalar(_NEXT_DUE, {"p_now": now})
-            )
-        fired = 0
+        fired = tried = 0
         locked = False
-        for episode in due:
-            try:
-                async with self.db.tx() as conn:
-                    done = await self._fire(conn, episode, now)
-            except TransitionError:
-                continue  # decided meanwhile: that decision closed the episode
-            if done is None:
-                locked = True
-            else:
-                fired += done
+        after: sa.Row[Any] | None = None
+        # Page by page past the episodes whose row was held: a pass that read one batch
+        # alone found it all held while other transactions kept those rows, fired
+        # nothing, and read that same batch at every look, every episode due after it
+        # held back meanwhile. Only ``batch`` episodes that were not held count.
+        while tried < self.batch:
+            page, full = await self._page(now, after, self.batch - tried)
+            for episode in page:
+                try:
+                    async with self.db.tx() as conn:
+                        done = await self._fire(conn, episode, now)
+                except TransitionError:
+                    done = 0  # decided meanwhile: that decision closed the episode
+                if done is None:
+                    locked = True
+                else:
+                    fired += done
+                    tried += 1
+            if not full:
+                break  # nothing more is due
+            after = page[-1]
         self._locked_look = self.clock.now_ms() + LOCKED_RECHECK_MS if locked else None
         return fired > 0
+
+    async def _page(
+        self, now: int, after: sa.Row[Any] | None, limit: int
+    ) -> tuple[Sequence[sa.Row[Any]], bool]:
+        """Up to ``limit`` open episodes due at ``now``, by ``due_at`` then id, after the
+        episode ``after`` (None: from the first), and whether there were that many (more
+        may be due). A short page also reads when the next timer falls due, for the
+        loop's sleep (:attr:`_next_due`; one read, on the same connection); after a full
+        page it is None: more may be due, and the loop runs again at once when the pass
+        fired any (and at the poll when other runners fired them all first: never a busy
+        loop)."""
+        params: dict[str, Any] = {"p_now": now, "p_limit": limit}
+        if after is not None:
+            params |= {"p_due": after.due_at, "p_id": after.id}
+        async with self.db.read() as conn:
+            page = (await conn.execute(_DUE if after is None else _DUE_AFTER, params)).all()
+            full = len(page) == limit
+            self._next_due = None if full else await conn.scalar(_NEXT_DUE, {"p_now": now})
+        return page, full
 
     async def _fire(self, conn: Conn, ep: Any, now: int) -> int | None:
         """Fire what of episode ``ep`` is due at ``now``: the firings made (0 when another

@@ -299,6 +299,51 @@ async def test_an_expiry_whose_item_another_transaction_holds_waits_for_nothing(
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_batch_of_held_expiries_does_not_hold_back_the_episodes_due_after_it(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: more items' waits expire than a pass's batch holds (2 here, 100 in
+    the service), the earliest of them all row-locked by other transactions, and one
+    item due after them is free. The pass read one batch, found every episode of it
+    held, fired nothing and read that same batch at every look while the locks were
+    held: the free item waited behind them. It reads on past the held ones now and
+    expires the free item in the same pass; once the locks are gone the look again
+    (LOCKED_RECHECK_MS on) expires the held ones, a batch a pass, each once."""
+    env = await review_env(make_stack, expire_after="1h")
+    clock = env.stack.clock
+    held = []
+    for session in ("held-1", "held-2", "held-3"):
+        held.append(await env.escalated(session))
+        clock.advance(1)  # (each due after the one before: the batch is the held ones)
+    free = await env.escalated("free")
+    await drain(env.stack.relay)
+    expiries = metric(METRICS.expiries)
+    sla = SlaRunner(env.stack.db, clock, env.stack.ids, env.stack.outbox, env.notifier, batch=2)
+    clock.advance(HOUR)
+    locks = [item_locked(item_id) for item_id in held]
+
+    async def hold_them(conn: Conn) -> None:
+        for lock in locks:
+            await lock(conn)
+
+    async with held_open(env.stack.db, hold_them):
+        assert await asyncio.wait_for(sla.run_once(), 5)
+        assert await _status(env, free) == "rejected"
+        assert [await _status(env, item_id) for item_id in held] == ["awaitingHuman"] * 3
+        assert sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    clock.advance(LOCKED_RECHECK_MS)
+    assert await sla.run_once()  # a batch,
+    assert await sla.run_once()  # and the rest
+    assert [await _status(env, item_id) for item_id in held] == ["rejected"] * 3
+    assert not await sla.run_once()
+    assert sla.due_in_s() is None
+    assert metric(METRICS.expiries) == expiries + 4
+    for item_id in (*held, free):
+        actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+        assert actions.count("expire") == 1, actions
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_decision_holding_an_expiring_item_makes_the_one_outcome(
     make_stack: Callable[..., Stack],
 ) -> None:
