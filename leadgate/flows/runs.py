@@ -895,6 +895,26 @@ _PICK = _SETTLED.with_for_update(of=t.continuations, skip_locked=True)
 _LEFT = C.id.not_in(sa.bindparam("p_left", expanding=True))
 _SETTLED_BUT = _SETTLED.where(_LEFT)
 _PICK_BUT = _PICK.where(_LEFT)
+#: PostgreSQL: the longest a continuation whose moves met a held row waits before it is
+#: taken again. The wait starts at :data:`LOCKED_RECHECK_MS` and doubles at each take
+#: that meets a held row again, up to this: a long transaction holding its item costs a
+#: take (a few statements, no lock wait) a second, and the flow resumes within a second
+#: of that transaction's end.
+LEFT_AT_MOST_MS = 1_000
+#: PostgreSQL: how long the moves of a continuation taken again after a wait wait for a
+#: held row: not at all (1 ms, the least ``lock_timeout`` takes: 0 turns it off). Its
+#: first take waited :attr:`FlowResumer.lock_wait_s` already; each take again that waited
+#: as long blocked the resumer loop as long, every other approved flow with it.
+_TAKEN_AGAIN_WAIT_S = 0.001
+
+
+@dataclass(frozen=True)
+class _Left:
+    """A continuation left after its moves met a held row: when it is taken again
+    (``due``, the clock's ms) and how long it waited for that (``gap``, ms)."""
+
+    due: int
+    gap: int
 
 
 class _ItemMoved(TransitionError):
@@ -913,14 +933,15 @@ class FlowResumer:
         self.flows = flows
         #: PostgreSQL: how long a pass's moves wait for a row lock another transaction
         #: holds (``lock_timeout``) before the pass gives up and leaves that continuation
-        #: for :data:`LOCKED_RECHECK_MS`; ``[database] busy_timeout_s`` unless given
+        #: (for :data:`LOCKED_RECHECK_MS`, doubling up to :data:`LEFT_AT_MOST_MS`; taken
+        #: again, its moves do not wait); ``[database] busy_timeout_s`` unless given
         self.lock_wait_s = flows.db.busy_timeout_s if lock_wait_s is None else lock_wait_s
         #: when to look again after a pass whose locked pick skipped the settled
         #: continuation its read found (PostgreSQL; None: the last pass did not)
         self._locked_look: int | None = None
-        #: PostgreSQL: continuations whose pass met a lock wait past :attr:`lock_wait_s`,
-        #: each with when it is taken again; the reads pass them over until then
-        self._left: dict[str, int] = {}
+        #: PostgreSQL: continuations whose pass met a held row (a lock wait past its
+        #: bound), each with when it is taken again; the reads pass them over until then
+        self._left: dict[str, _Left] = {}
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the look again after a pass whose read found a
@@ -934,8 +955,8 @@ class FlowResumer:
         back), and the run would wait for the poll. Row locks on the continuation's run,
         session or work item hide nothing from the pick: a move that needs such a row
         waits for it, up to :attr:`lock_wait_s`. A pass that waited longer left its
-        continuation for :data:`LOCKED_RECHECK_MS`; when nothing else is settled, this
-        is until that look again."""
+        continuation for a while (:meth:`run_once`); when nothing else is settled, this
+        is until the soonest such continuation is taken again."""
         return seconds_until(self.flows.clock.now_ms(), self._locked_look)
 
     async def run_once(self) -> bool:
@@ -960,25 +981,34 @@ class FlowResumer:
         not in doubt) the pass rolls back, logs it at INFO, leaves that continuation for
         :data:`LOCKED_RECHECK_MS` and returns True: the next pass, at once, takes any
         other settled one. Waiting with no bound, one item held by a long transaction
-        stalled this loop, every other approved flow with it."""
+        stalled this loop, every other approved flow with it. A continuation left so is
+        taken again once its time comes, and its moves then do not wait for a held row
+        at all: held still, it is left again for twice as long (up to
+        :data:`LEFT_AT_MOST_MS`). Each take again waited :attr:`lock_wait_s` before, 50
+        ms apart: one item held for long kept the loop blocked almost all the time."""
         db = self.flows.db
         clock = self.flows.clock
         self._locked_look = None
         read, pick, args = _SETTLED, _PICK, {}
         if self._left:  # (almost never: only after a lock wait past its bound)
             now = clock.now_ms()
-            self._left = {cont: due for cont, due in self._left.items() if due > now}
-            if self._left:
-                read, pick, args = _SETTLED_BUT, _PICK_BUT, {"p_left": list(self._left)}
+            waiting = [cont for cont, left in self._left.items() if left.due > now]
+            if waiting:
+                read, pick, args = _SETTLED_BUT, _PICK_BUT, {"p_left": waiting}
         # Read first: every approval wakes this runner, and almost none of them concerns
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
             if (await conn.execute(read, args)).first() is None:
-                self._locked_look = min(self._left.values(), default=None)
+                # A left continuation whose time came and that the read did not find is
+                # no longer waiting (resumed or ended elsewhere): forgotten.
+                now = clock.now_ms()
+                self._left = {c: left for c, left in self._left.items() if left.due > now}
+                self._locked_look = min((left.due for left in self._left.values()), default=None)
                 return False
         outcome: RunLease | str | None = None  # (set before the commit)
         held: Held = ()
         taken: str | None = None
+        again: _Left | None = None
         try:
             async with db.tx() as conn:
                 held = held_counts(conn)
@@ -989,10 +1019,14 @@ class FlowResumer:
                     self._locked_look = clock.now_ms() + LOCKED_RECHECK_MS
                     return False
                 taken = row.id
+                again = self._left.pop(taken, None)
                 # The moves wait for rows another transaction holds (the item, its
                 # session), bounded: unbounded, one held item stalled this loop, every
-                # other approved flow with it, for as long as its holder ran.
-                await _bound_lock_waits(conn, self.lock_wait_s)
+                # other approved flow with it, for as long as its holder ran. Taken again
+                # after such a wait, they do not wait: its first take waited already.
+                await _bound_lock_waits(
+                    conn, self.lock_wait_s if again is None else _TAKEN_AGAIN_WAIT_S
+                )
                 if row.item_status != Status.approved.value:
                     outcome = await self._end(conn, row)
                 else:
@@ -1005,13 +1039,15 @@ class FlowResumer:
             if taken is not None and not fault.in_doubt and lock_not_granted(fault):
                 # Rolled back, nothing of it stored: the holder may commit with no
                 # wake-up for this runner. The others go on meanwhile (True: at once).
-                self._left[taken] = clock.now_ms() + LOCKED_RECHECK_MS
-                log.info(
-                    "flow continuation %s: a row it moves stayed locked by another "
-                    "transaction past %.3g s; looking again",
-                    taken,
-                    self.lock_wait_s,
-                )
+                gap = LOCKED_RECHECK_MS if again is None else min(2 * again.gap, LEFT_AT_MOST_MS)
+                self._left[taken] = _Left(clock.now_ms() + gap, gap)
+                if again is None:  # (held still when taken again: said once)
+                    log.info(
+                        "flow continuation %s: a row it moves stayed locked by another "
+                        "transaction past %.3g s; looking again",
+                        taken,
+                        self.lock_wait_s,
+                    )
                 return True
             if fault.in_doubt and isinstance(outcome, RunLease):
                 # The new run may have landed, leased to this process with nothing

@@ -32,6 +32,7 @@ from leadgate.flows.recovery import (
     claim_lapsed,
 )
 from leadgate.flows.runs import (
+    LEFT_AT_MOST_MS,
     PAUSED_OUTPUT,
     RUN_LEASE_MS,
     WAITING_EVENT,
@@ -846,13 +847,55 @@ async def test_a_resume_waits_for_a_held_item_no_longer_than_its_bound_and_other
             assert not await resumed(left)
     said = [r for r in caplog.records if r.name.startswith("leadgate.flows")]
     assert said and all(r.levelno == logging.INFO for r in said), said
-    clock.advance(LOCKED_RECHECK_MS)
+    clock.advance(2 * LOCKED_RECHECK_MS)  # (held again when taken again: twice as long)
     assert await resumer.run_once()
     [cont] = (await _view(second, *left))["continuations"]
     done = await _view(second, left[0], cont["resumedRunId"])
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
     assert not await resumer.run_once()
     assert resumer.due_in_s() is None
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_continuation_whose_item_stays_held_is_taken_again_less_often_and_waits_no_more(
+    second: Stack, clock: FakeClock
+) -> None:
+    """PostgreSQL: another transaction holds a flow node's approved item row-locked for
+    long. The resumer's first take of its continuation waits the bound (``lock_wait_s``)
+    and leaves it; every take after that, while the item is held, waited the bound again,
+    LOCKED_RECHECK_MS apart: the resumer loop stayed blocked nearly all the time. A take
+    again now does not wait for the held row at all (each pass ends well within the
+    bound), and the continuation is left for twice as long each time, up to
+    LEFT_AT_MOST_MS; the passes between take no notice of it. Once the lock is gone the
+    next take (within LEFT_AT_MOST_MS) resumes the flow, once."""
+    org, paused_id = await _paused_and_approved(second)
+    async with second.db.read() as conn:
+        held = str(await conn.scalar(_node_rows(paused_id)["item"]))
+    bound = 2.0
+    resumer = FlowResumer(second.flows, lock_wait_s=bound)
+    gaps: list[float | None] = []
+    async with held_open(second.db, item_locked(held)):
+        assert await asyncio.wait_for(resumer.run_once(), bound + 5)  # waits the bound
+        for _ in range(7):
+            assert not await resumer.run_once()  # left: nothing to take meanwhile
+            gaps.append(resumer.due_in_s())
+            clock.advance(round((gaps[-1] or 0) * 1000))
+            assert await asyncio.wait_for(resumer.run_once(), bound / 2)  # taken again
+    assert gaps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert gaps[-1] == LEFT_AT_MOST_MS / 1000
+    assert not await resumer.run_once()
+    assert resumer.due_in_s() == LEFT_AT_MOST_MS / 1000
+    clock.advance(LEFT_AT_MOST_MS)
+    assert await resumer.run_once()
+    [cont] = (await _view(second, org, paused_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
+    assert not await resumer.run_once()
+    assert resumer.due_in_s() is None
+    r = t.flow_runs.c
+    async with second.db.read() as conn:
+        resumed = sa.select(sa.func.count()).where(r.resumed_from == paused_id)
+        assert await conn.scalar(resumed) == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
