@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -400,10 +400,15 @@ class HistoryCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def read(self, conn: Conn, session_id: str) -> list[ChatMessage]:
-        """The session's window, read in ``conn``'s transaction."""
-        if not isinstance(conn, InlineConnection):
-            rows = (await conn.execute(_WINDOW, {"p_session_id": session_id})).all()
+    async def read(
+        self, conn: Conn, session_id: str, *, without: Collection[str] = ()
+    ) -> list[ChatMessage]:
+        """The session's window, read in ``conn``'s transaction; ``without`` the messages
+        of those ids (a recovered turn's: messages whose clients send them again)."""
+        if without or not isinstance(conn, InlineConnection):
+            # (``without`` is rare, turn recovery's: read in full, the cache left alone.)
+            query = _WINDOW.where(_M.id.not_in(list(without))) if without else _WINDOW
+            rows = (await conn.execute(query, {"p_session_id": session_id})).all()
             return [to_message(role, content) for role, content, _, _ in reversed(rows)]
         entry = self._entries.get(session_id)
         if entry is not None:

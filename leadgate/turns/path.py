@@ -596,13 +596,16 @@ class TurnService:
     async def _accepted(
         self, claimed: runs.Claimed, ctx: TurnContext, item: WorkItem | None
     ) -> Accepted:
-        """A claimed run's turn, from its stored message (the session's history)."""
+        """A claimed run's turn, from its stored message (the session's history, without
+        the messages whose clients send them again: their resends' turns answer them)."""
         async with self.db.read() as conn:
             agent = await agents_mod.find_agent(
                 conn, claimed.org_id, claimed.agent_id, include_deleted=True
             )
             rules = await policy.load_rules(conn, claimed.org_id)
-            history = await self.history.read(conn, claimed.session_id)
+            history = await self.history.read(
+                conn, claimed.session_id, without=claimed.not_answered
+            )
         return Accepted(ctx, agent, item is not None, rules, history)
 
     def _keyed_answer(self, ctx: TurnContext) -> TurnAnswer | None:

@@ -35,10 +35,13 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   nothing running it. Such a run is rerun, and its row says so from the claim on
   (``policy`` ``rerun``): a process that dies rerunning it leaves it to be run again,
   not closed. A run of an intake in doubt whose read-back found nothing (its client
-  told to send it again) is closed when found, without the wait: it will resend;
-  unless it was taken in under an external event id (a keyed REST request): that
-  client's resend is its retry with the key, a duplicate of this message that runs no
-  turn of its own, so the run is rerun (its answer stored under the key);
+  told to send it again) is closed when found, without the wait: it will resend; so
+  whatever other runs of its session the claim holds (rerun with them, its message was
+  answered twice), and their rerun does not show the model that message (its resend's
+  turn answers it: :attr:`Claimed.not_answered`). Unless it was taken in under an
+  external event id (a keyed REST request): that client's resend is its retry with the
+  key, a duplicate of this message that runs no turn of its own, so the run is rerun
+  (its answer stored under the key);
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
@@ -177,6 +180,10 @@ class Claimed:
     #: The external event ids the runs' messages were taken in under (REST's
     #: ``Idempotency-Key`` events among them): a rerun stores its answer under such a key.
     external_event_ids: tuple[str, ...] = ()
+    #: The messages of the session's runs this claim closed because their clients send
+    #: them again (see :func:`_resending`): a rerun does not answer them (its model is
+    #: not shown them), the resend's own turn does.
+    not_answered: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -188,6 +195,7 @@ class Claimed:
         item_id: str | None,
         *,
         keyed: bool,
+        not_answered: tuple[str, ...] = (),
     ) -> Claimed:
         """The claim of ``rows`` (one session's, oldest first), as the newest names it;
         with their external event ids when a rerun's answer is to be stored under their
@@ -204,6 +212,7 @@ class Claimed:
             turn_id=turn_id,
             run_ids=tuple(r.id for r in rows),
             external_event_ids=_event_ids(rows) if keyed else (),
+            not_answered=not_answered,
         )
 
 
@@ -227,10 +236,11 @@ class RunLook(NamedTuple):
     not to send the message again (an orphan's: its turn stopped on a fault, or its
     intake's read-back failed), so a ``client`` run found under it is rerun, as an
     orphan's is. Otherwise nothing was stored, send it again (an intake in doubt whose
-    read-back found nothing): a ``client`` run found is closed, the client's retry being
-    its turn; rerun, the message was answered twice. Not one whose message was taken in
-    under an external event id (REST's Idempotency-Key): its retry is a duplicate of
-    that message, no turn of its own, so it is rerun."""
+    read-back found nothing): a ``client`` run found is closed (whatever else its claim
+    reruns), the client's retry being its turn; rerun, the message was answered twice.
+    Not one whose message was taken in under an external event id (REST's
+    Idempotency-Key): its retry is a duplicate of that message, no turn of its own, so
+    it is rerun."""
 
     token: str
     rerun: bool
@@ -372,16 +382,25 @@ async def _claim_in(
         if not rows:
             return None
         turn_id = ids.new("turn")
+        # Runs whose client sends the message again (a new message, with a turn of its
+        # own) are closed first, whatever else the claim holds: rerun with the others
+        # (a keyed run, an orphan), the message was answered by the rerun and again by
+        # its resend's turn.
+        closing = [r for r in rows if _resending(r, resend)]
+        if closing:
+            await _close_resending(conn, closing)
+            if len(closing) == len(rows):
+                taken.update(r.lease_token for r in rows)
+                item_id = rows[-1].work_item_id
+                return Claimed.of("closed", token, rows, turn_id, item_id, keyed=False)
+            rows = [r for r in rows if not _resending(r, resend)]
         # A client run whose client was answered "do not send it again" (see the module
         # docstring): nobody retries it, so it is rerun. So is one told to send it again
-        # whose message was taken in under an external event id (REST's Idempotency-Key):
-        # its resend is its retry with the key, a duplicate of this very message, which
-        # no new turn answers.
+        # that is left (its message was taken in under an external event id, REST's
+        # Idempotency-Key): its resend is its retry with the key, a duplicate of this
+        # very message, which no new turn answers.
         rerun = any(
-            r.policy == RERUN
-            or r.lease_token in no_resend
-            or (r.lease_token in resend and r.external_event_id)
-            for r in rows
+            r.policy == RERUN or r.lease_token in no_resend or r.lease_token in resend for r in rows
         )
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
@@ -395,7 +414,7 @@ async def _claim_in(
                 if surfaced is not None:
                     await surfaced(conn, _event_ids(rows))
                 action = SURFACED
-        if action == CLIENT and not any(r.lease_token in resend for r in rows):
+        if action == CLIENT:
             rerun, wait = await _client_resent_or_not(conn, rows, now)
             action = WAITING if wait else RERUN if rerun else CLIENT
         updated.append(token)
@@ -411,8 +430,38 @@ async def _claim_in(
         if action in ("closed", SURFACED, CLIENT):
             await finish(conn, token, fenced=False)
             action = "closed" if action == CLIENT else action
-    taken.update(row.lease_token for row in rows)
-    return Claimed.of(action, token, rows, turn_id, item_id, keyed=True)
+    taken.update(row.lease_token for row in [*closing, *rows])
+    return Claimed.of(
+        action,
+        token,
+        rows,
+        turn_id,
+        item_id,
+        keyed=True,
+        not_answered=tuple(r.message_id for r in closing),
+    )
+
+
+def _resending(row: sa.Row[Any], resend: set[str]) -> bool:
+    """Whether ``row`` is a REST/MCP/Studio run whose client was told nothing was stored
+    (an intake in doubt whose read-back found nothing: ``resend``, see :class:`RunLook`)
+    and that was taken in under no external event id: that client sends the message
+    again, a new message whose own turn answers it, so the run is closed, never rerun.
+    (Under an ``Idempotency-Key`` the resend is the key's retry, a duplicate that runs no
+    turn: that run is rerun. A channel's run is rerun as any: its platform's redelivery
+    is a duplicate.)"""
+    return row.policy != RERUN and row.lease_token in resend and not row.external_event_id
+
+
+async def _close_resending(conn: Conn, rows: Sequence[sa.Row[Any]]) -> None:
+    """Delete the runs ``rows`` (:func:`_resending`), fenced by their lease tokens."""
+    res = await conn.execute(
+        t.turn_runs.delete().where(
+            R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows})
+        )
+    )
+    if res.rowcount != len(rows):
+        raise TransitionError("turn runs changed while being claimed", rule="run")
 
 
 def _event_ids(rows: Sequence[sa.Row[Any]]) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -17,7 +18,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import MINUTE_MS
 from leadgate.core.errors import IntakeInDoubt, ModelError, Unavailable
 from leadgate.core.runners import drain
-from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.domain import processes
@@ -273,14 +274,18 @@ def _sent_again(taken: Accepted, text: str) -> Trigger:
     )
 
 
-async def _a_gated_api_turn_taken_in(stack: Stack, text: str = "work on it #complete") -> Accepted:
+async def _a_gated_api_turn_taken_in(
+    stack: Stack, text: str = "work on it #complete", *, event: str | None = None
+) -> Accepted:
     """A REST turn of a worker with a lead, taken in by this (live) process, not run
-    (its run token and work item set)."""
+    (its run token and work item set); ``event``: under that external event id (an
+    ``Idempotency-Key``'s)."""
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
     await alive_here(stack, turns_too=True)
-    taken = await stack.turns.take(api_trigger(org, worker, text))
+    trigger = dataclasses.replace(api_trigger(org, worker, text), external_event_id=event)
+    taken = await stack.turns.take(trigger)
     assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
     return taken
 
@@ -436,6 +441,89 @@ async def test_a_live_gated_api_turn_whose_model_fails_waits_for_the_clients_ret
     retried = await stack.turns.run(_sent_again(taken, "again #complete"))
     assert isinstance(retried, Gated) and retried.work_item_id == item_id
     assert (await item_row(stack, item_id))["status"] == "reviewQueued"
+
+
+def _told_to_resend(stack: Stack, taken: Accepted) -> None:
+    """``taken``'s intake was in doubt and its read-back found nothing (its client was
+    told "nothing was stored, please retry"), then the server applied the commit: its
+    run is watched for (``RunLook``, not owed a rerun), as ``Intake._settle`` has it."""
+    assert taken.ctx.run_token
+    lost, now = stack.turns.lost, stack.clock.now_ms()
+    lost.watch(
+        runs.RunLook(taken.ctx.run_token, rerun=False),
+        due=now + lost.first_ms,
+        lapses=now + runs.RUN_LEASE_MS,
+    )
+
+
+def _keyed_answers(stack: Stack) -> list[tuple[str, str]]:
+    """What reruns store under the keys of their messages' external event ids (the
+    composition root's ``Idempotency-Key`` store, here a list: event id, answer)."""
+    stored: list[tuple[str, str]] = []
+
+    async def keyed_answer(_conn: Any, event: str, outcome: Reply | Gated | Exception) -> None:
+        stored.append((event, outcome.text if isinstance(outcome, Reply) else repr(outcome)))
+
+    stack.turns.keyed_answer = keyed_answer
+    return stored
+
+
+@pytest.mark.parametrize("unkeyed", ["sent first", "sent second"])
+async def test_a_claim_of_a_keyed_and_an_unkeyed_run_told_to_resend_reruns_the_keyed_one(
+    stack: Stack, unkeyed: str
+) -> None:
+    """Two REST messages of one session, one under an ``Idempotency-Key`` and one
+    without, each taken in with its intake in doubt and not found by its read-back (503
+    "nothing was stored, please retry"), the commits then applied by the server: one
+    recovery claim holds both runs. The unkeyed client sends its message again, a new
+    message whose turn answers it; the keyed client's resend is its retry with the key,
+    a duplicate that runs no turn. So the claim closes the unkeyed run and reruns the
+    keyed one only, which answers its own message (its model is not shown the other) and
+    stores that answer under the key. Each message is answered once. The claim reran
+    both: the rerun answered the newest message (the unkeyed one, sent second), stored
+    that answer under the key, and the unkeyed client's resend was answered again."""
+    key, texts = "idem:k-1", {"keyed": "draft it", "unkeyed": "and this too"}
+    order = ["unkeyed", "keyed"] if unkeyed == "sent first" else ["keyed", "unkeyed"]
+    events = {"keyed": key, "unkeyed": None}
+    first = await _a_gated_api_turn_taken_in(stack, texts[order[0]], event=events[order[0]])
+    stack.clock.advance(1_000)
+    trigger = _sent_again(first, texts[order[1]])
+    second = await stack.turns.take(
+        dataclasses.replace(trigger, external_event_id=events[order[1]])
+    )
+    assert isinstance(second, Accepted) and second.ctx.work_item_id == first.ctx.work_item_id
+    item_id = first.ctx.work_item_id
+    assert item_id is not None
+    for taken in (first, second):
+        _told_to_resend(stack, taken)
+    stored = _keyed_answers(stack)
+    stack.clock.advance(1_000)  # the looks are due
+    claimed = await runs.claim(
+        stack.db,
+        stack.clock,
+        stack.ids,
+        owner=stack.turns.owner(),
+        orphans=stack.turns.orphans,
+        lost=stack.turns.lost,
+    )
+    assert claimed is not None and claimed.action == runs.RERUN
+    assert len(claimed.run_ids) == 1 and claimed.external_event_ids == (key,)
+    assert await count(stack, t.turn_runs) == 1  # the unkeyed run is closed
+    await stack.turns.resume(claimed)
+    assert stored == [(key, "Echo: draft it")]
+    asked = [("user", texts[order[0]]), ("user", texts[order[1]])]
+    assert await item_messages(stack, item_id) == [*asked, ("assistant", "Echo: draft it")]
+    # The unkeyed client's resend: its own turn answers it, once.
+    resent = await stack.turns.run(_sent_again(first, texts["unkeyed"]))
+    assert isinstance(resent, Reply) and resent.text == "Echo: and this too"
+    assert await item_messages(stack, item_id) == [
+        *asked,
+        ("assistant", "Echo: draft it"),
+        ("user", "and this too"),
+        ("assistant", "Echo: and this too"),
+    ]
+    assert await count(stack, t.turn_runs) == 0
+    assert await drain(TurnRecovery(stack.turns)) == 0
 
 
 async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> None:
