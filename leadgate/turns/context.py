@@ -57,6 +57,10 @@ class TurnContext:
     # A REST/MCP/Studio turn run by turn recovery (its client was told not to send the
     # message again): no client waits for its answer, so a failure ends its work item.
     recovered_client: bool = False
+    # ... whose client was told nothing was stored (its intake in doubt) and resends it
+    # under its Idempotency-Key, a duplicate that runs no turn (runs.Claimed.keyed_resend):
+    # a failure's audit says so.
+    keyed_resend: bool = False
     # The external event ids its runs' messages were taken in under (a rerun's): REST's
     # Idempotency-Key events among them get the rerun's answer, or its failure, stored
     # under their key in the transaction that ends the run.

@@ -441,9 +441,8 @@ class TurnService:
                     if isinstance(exc, LeadgateError)
                     else LeadgateError("internal error", rule="internal")
                 )
-                await self._end_client_run(
-                    ctx, token, ctx.work_item_id, runs.CLIENT_FAILED_TEXT, failure
-                )
+                why = runs.KEYED_RESEND_FAILED_TEXT if ctx.keyed_resend else runs.CLIENT_FAILED_TEXT
+                await self._end_client_run(ctx, token, ctx.work_item_id, why, failure)
             else:
                 await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
         except Exception:
@@ -589,6 +588,7 @@ class TurnService:
             run_token=claimed.token,
             run_fenced=True,
             recovered_client=kind in (BindingKind.api, BindingKind.studio),
+            keyed_resend=claimed.keyed_resend,
             keyed_events=claimed.external_event_ids,
         )
         return ctx, kind, item

@@ -50,7 +50,8 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   run rerun because its client was told not to resend has no conversation to post in
   and nobody retries it either: given up, or its model failing in the rerun, the notice
   is stored as the session's answer and its item abandoned likewise
-  (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`).
+  (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`); so is a keyed run's rerun
+  because its intake was in doubt (:data:`KEYED_RESEND_FAILED_TEXT`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,15 @@ CLIENT_FAILED_TEXT = (
     "send the message again (or sent nothing again), failed (the model failed); nobody "
     "retries it"
 )
+#: The same for a keyed REST request's turn that recovery ran because its intake was
+#: in doubt (:attr:`Claimed.keyed_resend`): its client was told nothing was stored and
+#: to send it again, and did, or will, under the same key.
+KEYED_RESEND_FAILED_TEXT = (
+    "the worker's turn, run again by turn recovery because its client was told that "
+    "nothing was stored (its intake was in doubt) and its resend with the same "
+    "Idempotency-Key is a duplicate of the message that runs no turn of its own, failed "
+    "(the model failed); that retry is answered the failure"
+)
 
 _INSERT = t.turn_runs.insert()
 _FINISH = t.turn_runs.delete().where(R.lease_token == sa.bindparam("p_token"))
@@ -184,6 +194,11 @@ class Claimed:
     #: them again (see :func:`_resending`): a rerun does not answer them (its model is
     #: not shown them), the resend's own turn does.
     not_answered: tuple[str, ...] = ()
+    #: Every run rerun is a keyed REST request's whose client was told nothing was
+    #: stored (its intake in doubt, not found by its read-back): its resend is the key's
+    #: retry, a duplicate that runs no turn. A failure's audit says so
+    #: (:data:`KEYED_RESEND_FAILED_TEXT`), not that its client was told not to resend.
+    keyed_resend: bool = False
 
     @classmethod
     def of(
@@ -196,6 +211,7 @@ class Claimed:
         *,
         keyed: bool,
         not_answered: tuple[str, ...] = (),
+        keyed_resend: bool = False,
     ) -> Claimed:
         """The claim of ``rows`` (one session's, oldest first), as the newest names it;
         with their external event ids when a rerun's answer is to be stored under their
@@ -213,6 +229,7 @@ class Claimed:
             run_ids=tuple(r.id for r in rows),
             external_event_ids=_event_ids(rows) if keyed else (),
             not_answered=not_answered,
+            keyed_resend=keyed_resend,
         )
 
 
@@ -399,8 +416,9 @@ async def _claim_in(
         # that is left (its message was taken in under an external event id, REST's
         # Idempotency-Key): its resend is its retry with the key, a duplicate of this
         # very message, which no new turn answers.
-        rerun = any(
-            r.policy == RERUN or r.lease_token in no_resend or r.lease_token in resend for r in rows
+        keyed_resend = [r.lease_token in resend and r.policy != RERUN for r in rows]
+        rerun = any(keyed_resend) or any(
+            r.policy == RERUN or r.lease_token in no_resend for r in rows
         )
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
@@ -439,6 +457,7 @@ async def _claim_in(
         item_id,
         keyed=True,
         not_answered=tuple(r.message_id for r in closing),
+        keyed_resend=all(keyed_resend),
     )
 
 

@@ -526,6 +526,34 @@ async def test_a_claim_of_a_keyed_and_an_unkeyed_run_told_to_resend_reruns_the_k
     assert await drain(TurnRecovery(stack.turns)) == 0
 
 
+async def test_a_keyed_rerun_after_an_intake_in_doubt_that_fails_says_why(stack: Stack) -> None:
+    """A keyed REST request whose intake was in doubt and not found by its read-back
+    (503 "nothing was stored, please retry"), the commit then applied by the server:
+    recovery reruns its run (the client's resend is the key's retry, a duplicate that
+    runs no turn), and the model fails in the rerun. The failure notice is the session's
+    answer and the item is abandoned, its audit saying why: the client was told nothing
+    was stored and resends under the key, whose retry is answered the model's error.
+    It said the client "was told not to send the message again", the opposite of what
+    it was told."""
+    taken = await _a_gated_api_turn_taken_in(stack, "boom #fail", event="idem:k-2")
+    item_id = taken.ctx.work_item_id
+    assert item_id is not None
+    _told_to_resend(stack, taken)
+    stored = _keyed_answers(stack)
+    stack.clock.advance(1_000)  # the look is due
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    assert (await item_row(stack, item_id))["status"] == "abandoned"
+    last = (await item_audit(stack, item_id))[-1]
+    assert (last["action"], last["text"]) == (runs.GAVE_UP_ACTION, runs.KEYED_RESEND_FAILED_TEXT)
+    assert "told not to send" not in last["text"]
+    assert await item_messages(stack, item_id) == [
+        ("user", "boom #fail"),
+        ("assistant", runs.FAILURE_NOTICE),
+    ]
+    assert [event for event, _ in stored] == ["idem:k-2"] and "ModelError" in stored[0][1]
+
+
 async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> None:
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
