@@ -526,6 +526,37 @@ async def test_a_claim_of_a_keyed_and_an_unkeyed_run_told_to_resend_reruns_the_k
     assert await drain(TurnRecovery(stack.turns)) == 0
 
 
+async def test_a_cut_run_claimed_with_a_run_told_to_resend_still_waits_for_its_own(
+    stack: Stack,
+) -> None:
+    """One recovery claim holds a REST run whose client was told to resend (its intake
+    in doubt, not found) and a later message's run cut by its process dying. The first
+    is closed (its resend is its turn); the cut run is treated as alone: it waits for
+    its own client's resend and, none coming, is rerun and answers its message. The
+    claim closed both at once, the cut message never answered."""
+    told = await _a_gated_api_turn_taken_in(stack, "first")
+    item_id = told.ctx.work_item_id
+    stack.clock.advance(1_000)
+    stack.turns.intake.owner = lambda: DEAD
+    cut = await stack.turns.take(_sent_again(told, "second"))
+    assert isinstance(cut, Accepted) and cut.ctx.work_item_id == item_id and item_id
+    _told_to_resend(stack, told)
+    stack.clock.advance(1_000)  # the look is due
+    recovery = TurnRecovery(stack.turns)
+    assert await drain(recovery) == 1
+    async with stack.db.read() as conn:
+        left = (await conn.execute(sa.select(t.turn_runs))).all()
+    assert [(r.turn_id, r.policy) for r in left] == [(cut.ctx.turn_id, runs.AWAIT)]
+    stack.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1  # no resend came: rerun
+    assert await count(stack, t.turn_runs) == 0
+    assert await item_messages(stack, item_id) == [
+        ("user", "first"),
+        ("user", "second"),
+        ("assistant", "Echo: second"),
+    ]
+
+
 async def test_a_keyed_rerun_after_an_intake_in_doubt_that_fails_says_why(stack: Stack) -> None:
     """A keyed REST request whose intake was in doubt and not found by its read-back
     (503 "nothing was stored, please retry"), the commit then applied by the server:
