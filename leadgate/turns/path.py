@@ -374,6 +374,9 @@ class TurnService:
             if not isinstance(again, Accepted):
                 return Duplicate(running=True)
             intake = again
+            if on_start is not None:
+                await self._start_retaken(intake, on_start)
+                on_start = None
         if isinstance(intake, Busy | Duplicate):
             return intake
         if on_start is not None:
@@ -558,15 +561,39 @@ class TurnService:
         client's retry and ready to run (see :meth:`run`'s ``retake``), or what
         :func:`~leadgate.turns.runs.claim_for_retry` said instead."""
         claimed = await runs.claim_for_retry(
-            self.db, self.clock, self.ids, external_event_id=external_event_id, owner=self.owner()
+            self.db,
+            self.clock,
+            self.ids,
+            external_event_id=external_event_id,
+            owner=self.owner(),
+            doubted=self.orphaned,
         )
         if not isinstance(claimed, runs.Claimed):
             return claimed
-        ctx, _kind, item = await self._claimed_context(claimed)
-        # The client is here: it is answered as by its first request (not recovered: a
-        # failure is its 502, the item left for its next message).
-        ctx = dataclasses.replace(ctx, recovered_client=False)
-        return await self._accepted(claimed, ctx, item)
+        try:
+            ctx, _kind, item = await self._claimed_context(claimed)
+            # The client is here: it is answered as by its first request (not recovered:
+            # a failure is its 502, the item left for its next message).
+            ctx = dataclasses.replace(ctx, recovered_client=False)
+            return await self._accepted(claimed, ctx, item)
+        except BaseException:
+            # Claimed, leased to this live process, and no turn runs it: left so, the
+            # run waited out its lease (the retries told the key is in progress) and
+            # was then closed as a live owner's stalled turn, the message never
+            # answered. Recovery reruns it now and stores its answer under the key.
+            self.orphaned(claimed.token)
+            raise
+
+    async def _start_retaken(self, turn: Accepted, on_start: Callable[[], Awaitable[None]]) -> None:
+        """``on_start`` of a run a keyed retry claimed (:meth:`_retaken`): when it fails
+        (a stream's client gone), the run goes to recovery, as one whose context could
+        not be read does."""
+        try:
+            await on_start()
+        except BaseException:
+            assert turn.ctx.run_token is not None
+            self.orphaned(turn.ctx.run_token)
+            raise
 
     async def _claimed_context(
         self, claimed: runs.Claimed

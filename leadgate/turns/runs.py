@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
-from leadgate.core.errors import TransitionError
+from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -489,7 +489,13 @@ def _event_ids(rows: Sequence[sa.Row[Any]]) -> tuple[str, ...]:
 
 
 async def claim_for_retry(
-    db: Database, clock: Clock, ids: IdFactory, *, external_event_id: str, owner: str | None
+    db: Database,
+    clock: Clock,
+    ids: IdFactory,
+    *,
+    external_event_id: str,
+    owner: str | None,
+    doubted: Callable[[str], None] = lambda token: None,
 ) -> Claimed | str | None:
     """The run of the message taken in under ``external_event_id``, claimed by its
     client's own retry: a REST request with an ``Idempotency-Key`` that took the key
@@ -503,9 +509,31 @@ async def claim_for_retry(
     it to wait for the next retry as before. :data:`RUN_BUSY` when the run is not the
     retry's to take (a live process runs it; its item moved on; its ``complete_task``
     signal was committed; its attempts are spent: recovery decides those); None when
-    no run of that message is left (its turn ended, or was never recorded)."""
+    no run of that message is left (its turn ended, or was never recorded).
+
+    A claim whose ``COMMIT`` is in doubt hands its token to ``doubted`` (the turn
+    path's orphans) before the fault is raised: landed, the run is leased to this live
+    process with no turn running it, and recovery reruns it (its answer stored under
+    the key) instead of closing it when the lease lapses."""
     now = clock.now_ms()
     token = ids.new("lease")
+    try:
+        return await _claim_for_retry(db, ids, external_event_id, owner, token, now)
+    except Unavailable as fault:
+        if fault.in_doubt:
+            doubted(token)
+        raise
+
+
+async def _claim_for_retry(
+    db: Database,
+    ids: IdFactory,
+    external_event_id: str,
+    owner: str | None,
+    token: str,
+    now: int,
+) -> Claimed | str | None:
+    """:func:`claim_for_retry`'s transaction, under the lease ``token``."""
     async with db.tx() as conn:
         query = sa.select(t.turn_runs).where(R.external_event_id == external_event_id)
         if db.is_postgres:

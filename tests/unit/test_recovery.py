@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -836,3 +836,46 @@ async def test_a_keyed_retry_takes_only_a_run_nobody_runs(stack: Stack) -> None:
     assert rerun is not None and rerun.action == runs.RERUN
     assert rerun.external_event_ids == ("idem:b",)
     assert await retry("idem:b") == runs.RUN_BUSY
+
+
+@pytest.mark.parametrize("cut", ["its read fails", "its claim in doubt"])
+async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_to_recovery(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """A keyed retry claims its message's run (``claim_for_retry``: leased to this live
+    process) and then fails before its turn starts: the read of the run's context meets
+    the database gone, or the claim's COMMIT is in doubt and landed. Nothing ran the
+    turn, and the run waited out its 15-minute lease (every retry of the key told it is
+    in progress) to be closed as a live owner's stalled turn, the message never
+    answered. It goes to recovery at once instead, which reruns it (the item to its
+    lead), once."""
+    if cut == "its claim in doubt" and not stack.db.is_postgres:
+        pytest.skip("a SQLite COMMIT's answer cannot be lost")
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    trigger = dataclasses.replace(
+        api_trigger(org, worker, "work on it #complete"), external_event_id="idem:k"
+    )
+    taken = await stack.turns.take(trigger)
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    await alive_here(stack, turns_too=True)  # the retry's process
+    if cut == "its read fails":
+        monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
+    else:
+        # The intake's transaction (a duplicate) goes through; the claim's is lost.
+        real_tx = stack.db.tx
+        calls: Iterator[Callable[[], Any]] = iter([real_tx, DownFor(real_tx, 1, after_commit=True)])
+        monkeypatch.setattr(stack.db, "tx", lambda: next(calls, real_tx)())
+    with pytest.raises(Unavailable):
+        await stack.turns.run(trigger, retake=True)
+    monkeypatch.undo()
+    async with stack.db.read() as conn:
+        run = (await conn.execute(sa.select(t.turn_runs))).one()
+    assert run.lease_owner is not None  # claimed by the retry, alive
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "reviewQueued"
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said.count("user") == 1 and said.count("assistant") == 1
