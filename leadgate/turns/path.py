@@ -374,9 +374,6 @@ class TurnService:
             if not isinstance(again, Accepted):
                 return Duplicate(running=True)
             intake = again
-            if on_start is not None:
-                await self._start_retaken(intake, on_start)
-                on_start = None
         if isinstance(intake, Busy | Duplicate):
             return intake
         if on_start is not None:
@@ -582,17 +579,6 @@ class TurnService:
             # was then closed as a live owner's stalled turn, the message never
             # answered. Recovery reruns it now and stores its answer under the key.
             self.orphaned(claimed.token)
-            raise
-
-    async def _start_retaken(self, turn: Accepted, on_start: Callable[[], Awaitable[None]]) -> None:
-        """``on_start`` of a run a keyed retry claimed (:meth:`_retaken`): when it fails
-        (a stream's client gone), the run goes to recovery, as one whose context could
-        not be read does."""
-        try:
-            await on_start()
-        except BaseException:
-            assert turn.ctx.run_token is not None
-            self.orphaned(turn.ctx.run_token)
             raise
 
     async def _claimed_context(
