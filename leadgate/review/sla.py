@@ -12,7 +12,10 @@ closed_at IS NULL`` and writes the cards of that firing; a second runner that re
 same episode matches no row and writes nothing. An expiry first moves the work item
 (fenced on ``awaitingHuman``, the same lock order as a human decision, which moves the
 item and then closes the episode), so a decision and an expiry racing each other make
-exactly one outcome. Time comes from the injectable clock.
+exactly one outcome. It moves the item only while the episode it read is still open:
+the item may be awaiting a person again in a later wait (returned and handed in again
+after the pass read the episode), which is another episode's to expire. Time comes from
+the injectable clock.
 
 PostgreSQL: a firing locks the row it moves without waiting (``FOR UPDATE SKIP
 LOCKED``): an expiry its item, a reminder or an escalation its episode. It leaves the
@@ -85,6 +88,10 @@ _DUE_AFTER = _DUE.where(
 #: :meth:`Database.skip_locked`), and whether it exists (told apart from one skipped).
 _ITEM = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
 _ITEM_THERE = sa.select(sa.exists().where(W.id == sa.bindparam("p_id")))
+#: Whether the episode is still open: an expiry's item found awaiting a person may be
+#: in a later wait than the episode the pass read (a return or a decision closed it, and
+#: the item was handed in again: a new episode, its own timers).
+_STILL_OPEN = sa.select(sa.exists().where(E.id == sa.bindparam("p_id"), E.closed_at.is_(None)))
 #: PostgreSQL: the episode a reminder or an escalation moves, locked unless another
 #: transaction holds it (its fenced update matches nothing then, and does not wait for
 #: it); an alias, or the update would correlate it with itself.
@@ -261,6 +268,10 @@ class SlaRunner:
         found = (await conn.execute(self.db.skip_locked(_ITEM), {"p_id": ep.work_item_id})).first()
         if found is None and await self._held(conn, _ITEM_THERE, {"p_id": ep.work_item_id}):
             return None  # looked at again soon
+        if not await conn.scalar(_STILL_OPEN, {"p_id": ep.id}):
+            # Closed since the pass read it (read after the item's lock: what closed it
+            # has committed). The item awaiting a person now is in another wait.
+            return 0
         item = None if found is None else WorkItem.from_row(found)
         if item is None or item.status != Status.awaitingHuman.value:
             # Should not happen (every way out of awaitingHuman closes the episode).

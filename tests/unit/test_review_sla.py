@@ -454,3 +454,46 @@ def test_durations_parse_and_format() -> None:
     for bad in ("30", "soon", "1h 30m", "-5m", "400d"):
         with pytest.raises(ValidationError):
             parse_duration(bad)
+
+
+async def test_an_expiry_read_before_its_wait_ended_leaves_the_items_next_wait_alone(
+    make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass reads an episode due to expire; before its expiry's transaction, a person
+    returns the item (closing that episode) and the worker hands it in again, escalated
+    to a person: a new wait, a new episode, its expiry an hour on. The expiry of the
+    closed episode found the item awaiting a person and rejected it (``expired: no
+    decision within 1h``), the new wait a second old. It leaves the item alone now: the
+    episode it read is closed."""
+    env = await review_env(make_stack, expire_after="1h")
+    item_id = await env.escalated("s1")
+    env.stack.clock.advance(HOUR)
+    real_tx = env.stack.db.tx
+
+    async def meanwhile() -> None:
+        async with real_tx() as conn:
+            item = await workitems.get(conn, item_id)
+            await decisions.decide(conn, env.stack.outbox, item, "return", "user:x", "redo")
+        assert await env.escalated("s1") == item_id
+
+    class _AfterMeanwhile:
+        """The pass's first transaction, entered once :func:`meanwhile` ran."""
+
+        async def __aenter__(self) -> Conn:
+            monkeypatch.setattr(env.stack.db, "tx", real_tx)
+            await meanwhile()
+            self.inner = real_tx()
+            conn: Conn = await self.inner.__aenter__()
+            return conn
+
+        async def __aexit__(self, *exc: Any) -> None:
+            await self.inner.__aexit__(*exc)
+
+    monkeypatch.setattr(env.stack.db, "tx", _AfterMeanwhile)
+    await env.sla.run_once()
+    assert await _status(env, item_id) == "awaitingHuman"
+    first, second = await env.episodes(item_id)
+    assert first["outcome"] != "Expired (rejected)"
+    assert second["closed_at"] is None and second["expire_at"] is not None
+    actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+    assert "expire" not in actions, actions
