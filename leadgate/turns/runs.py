@@ -508,7 +508,8 @@ async def claim_for_retry(
     turn from the stored message and answers it, and a process that dies doing so leaves
     it to wait for the next retry as before. :data:`RUN_BUSY` when the run is not the
     retry's to take (a live process runs it; its item moved on; its ``complete_task``
-    signal was committed; its attempts are spent: recovery decides those); None when
+    signal was committed; its attempts are spent; a later message of its session came,
+    whose turn answers it: recovery decides those); None when
     no run of that message is left (its turn ended, or was never recorded).
 
     A claim whose ``COMMIT`` is in doubt hands its token to ``doubted`` (the turn
@@ -545,6 +546,11 @@ async def _claim_for_retry(
             sa.select(sa.exists().where(t.processes.c.id == row.lease_owner))
         )
         if not (row.policy == AWAIT or gone) or row.attempts >= MAX_ATTEMPTS:
+            return RUN_BUSY
+        if row.policy != RERUN and await _resent(conn, [row]):
+            # A later message of the session answers it: recovery closes the run (the
+            # retry is then told its answer was lost); run here, the message was
+            # answered a second time, after that later one.
             return RUN_BUSY
         if row.work_item_id is not None:
             item = await workitems.get(conn, row.work_item_id)
@@ -612,19 +618,7 @@ async def _client_resent_or_not(
     :data:`RESEND_GRACE_MS` (:data:`AWAIT`), then is rerun. A run whose live owner let
     its lease lapse (a stalled turn) is closed at once, as before: its client is still
     there to answer."""
-    m = t.messages.c
-    newest = max(r.created_at for r in rows)
-    resent = await conn.scalar(
-        sa.select(
-            sa.exists().where(
-                m.session_id == rows[0].session_id,
-                m.role == "user",
-                m.created_at >= newest,
-                m.id.not_in([r.message_id for r in rows]),
-            )
-        )
-    )
-    if resent:
+    if await _resent(conn, rows):
         return False, False
     if any(r.policy == AWAIT for r in rows):
         # Left to wait already: rerun once the wait is over (taken early, by a dead
@@ -643,6 +637,25 @@ async def _client_resent_or_not(
     )
     dead = any(r.lease_owner is not None and r.lease_owner not in alive for r in rows)
     return False, dead
+
+
+async def _resent(conn: Conn, rows: Sequence[sa.Row[Any]]) -> bool:
+    """Whether the session of ``rows`` has a user message after theirs: the client's
+    resend, or a follow-up, whose turn answers them (see :func:`_client_resent_or_not`)."""
+    m = t.messages.c
+    newest = max(r.created_at for r in rows)
+    return bool(
+        await conn.scalar(
+            sa.select(
+                sa.exists().where(
+                    m.session_id == rows[0].session_id,
+                    m.role == "user",
+                    m.created_at >= newest,
+                    m.id.not_in([r.message_id for r in rows]),
+                )
+            )
+        )
+    )
 
 
 async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summary: str) -> None:

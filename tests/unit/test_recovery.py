@@ -879,3 +879,40 @@ async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_t
     assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "reviewQueued"
     said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
     assert said.count("user") == 1 and said.count("assistant") == 1
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["not-found-yet", "waiting"])
+async def test_a_keyed_retry_after_a_later_message_of_its_session_runs_nothing(
+    stack: Stack, waiting: bool
+) -> None:
+    """A keyed REST message's process died mid-turn; its client then sent a follow-up in
+    the session (another request), whose turn answered with the first message in its
+    history, and then retried the first request with its key. Recovery closes such a
+    run (the retry is told its answer was lost); the retry took it first and ran the
+    turn again, the message answered a second time after the follow-up. It runs nothing
+    now (recovery's to close), whether recovery had left the run waiting or not
+    found it yet."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    trigger = dataclasses.replace(api_trigger(org, worker, "draft it"), external_event_id="idem:k")
+    taken = await stack.turns.take(trigger)
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    await alive_here(stack, turns_too=True)
+    recovery = TurnRecovery(stack.turns)
+    if waiting:
+        assert await drain(recovery) == 1  # left to wait for a resend
+    stack.clock.advance(1_000)
+    assert type(await stack.turns.run(api_trigger(org, worker, "and a title"))).__name__ == (
+        "Reply"
+    )
+    retried = await stack.turns.run(trigger, retake=True)
+    assert type(retried).__name__ == "Duplicate"
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said == ["user", "user", "assistant"]  # the follow-up's answer alone
+    stack.clock.advance(runs.RESEND_GRACE_MS)
+    assert await drain(recovery) == 1
+    assert await count(stack, t.turn_runs) == 0  # closed, not rerun
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said == ["user", "user", "assistant"]
