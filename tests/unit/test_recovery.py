@@ -838,7 +838,16 @@ async def test_a_keyed_retry_takes_only_a_run_nobody_runs(stack: Stack) -> None:
     assert await retry("idem:b") == runs.RUN_BUSY
 
 
-@pytest.mark.parametrize("cut", ["its read fails", "its claim in doubt"])
+@pytest.mark.parametrize(
+    ("cut", "db_url"),
+    [
+        ("its read fails", "sqlite"),
+        ("its read fails", "postgres"),
+        # (A SQLite COMMIT's answer cannot be lost.)
+        ("its claim in doubt", "postgres"),
+    ],
+    indirect=["db_url"],
+)
 async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_to_recovery(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, cut: str
 ) -> None:
@@ -849,8 +858,6 @@ async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_t
     in progress) to be closed as a live owner's stalled turn, the message never
     answered. It goes to recovery at once instead, which reruns it (the item to its
     lead), once."""
-    if cut == "its claim in doubt" and not stack.db.is_postgres:
-        pytest.skip("a SQLite COMMIT's answer cannot be lost")
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
