@@ -116,8 +116,12 @@ rc=0
 # service): with PYTHONDONTWRITEBYTECODE set (as on some CI machines) every one of them
 # compiled this checkout's modules from source again, about 0.1 s per CLI process.
 unset PYTHONDONTWRITEBYTECODE
-# (the 30 slowest are listed: the suite is kept under ~20 minutes on two CPUs)
-"$PY" -m pytest -q -p no:cacheprovider --durations=30 "$@" || rc=$?
+# Two workers (pytest-xdist), one per CPU of the 2-CPU machines the suite is kept under
+# ~20 minutes on: each worker starts its own PostgreSQL cluster and database templates.
+# LEADGATE_TEST_WORKERS=0 runs every test in this one process (for pdb, or a single test);
+# a larger number suits a larger machine. The 30 slowest tests are listed.
+workers="${LEADGATE_TEST_WORKERS:-2}"
+"$PY" -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests: treated as a failure" >&2
     FAILED+=("pytest(no tests)")
