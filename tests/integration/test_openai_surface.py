@@ -274,6 +274,10 @@ async def test_a_second_request_while_the_first_runs_is_told_to_wait(env: Env) -
     # Soon: the official clients retry twice after the wait named (it was up to 30 s).
     assert 1 <= int(second.headers["Retry-After"]) <= RETRY_AFTER_MAX_S
     assert (await second.json())["error"]["rule"] == "idempotency.in_progress"
+    # Unlike every other 409 of the route, no ``x-should-retry: false``: the official
+    # clients retry this one after the wait it names (README), and that header would
+    # stop them.
+    assert "x-should-retry" not in second.headers
     env.gate.release.set()
     done = await first
     assert done.status == 200
@@ -532,6 +536,7 @@ async def test_a_keyed_retry_while_the_rerun_runs_waits_for_its_answer(env: Env)
             assert waiting.status_code == 409, waiting.text
             assert waiting.json()["error"]["rule"] == "idempotency.in_progress"
             assert waiting.headers["Retry-After"] == str(RETRY_AFTER_MAX_S)
+            assert "x-should-retry" not in waiting.headers  # (the client may retry it)
             env.gate.release.set()
             assert await rerun
             reply = await client.chat.completions.create(**request)
