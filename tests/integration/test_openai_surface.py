@@ -53,9 +53,11 @@ from tests.helpers import (
     blocked_on_a_lock,
     eventually,
     fake_clock,
+    item_row,
     make_agent,
     make_key,
     make_org,
+    session_item,
 )
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
@@ -1650,6 +1652,28 @@ async def test_a_failed_turn_says_do_not_retry(env: Env, agent: str) -> None:
     bad = await env.chat(agent, "", session=f"x-{agent}")
     assert bad.status == 400 and "x-should-retry" not in bad.headers
     assert await env.user_messages(agent, f"x-{agent}") == ["please #fail"]
+
+
+async def test_a_message_sent_again_after_a_502_runs_the_turn_of_the_same_item(
+    env: Env,
+) -> None:
+    """README: after a model failure's 502 the message stays in the transcript
+    unanswered and a gated turn's work item stays ``inProgress``; the message the caller
+    sends again is taken into that item and runs the turn (no second item, nothing of
+    the first message lost)."""
+    failed = await env.chat("worker", "ship it #fail", session="again")
+    assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
+    first = await session_item(env.service, "h:again")
+    assert (await item_row(env.service, first))["status"] == "inProgress"
+    assert await env.transcript("worker", "again") == [("user", "ship it #fail")]
+    resent = await env.chat("worker", "ship it #complete", session="again")
+    assert resent.status == 409, await resent.text()
+    assert (await resent.json())["error"]["rule"] == GATED_RULE
+    assert await session_item(env.service, "h:again") == first  # the same item
+    assert (await item_row(env.service, first))["status"] != "inProgress"
+    # Both messages in the item's task context (one item: ``task_context`` reads one).
+    assert await env.task_context("again") == "ship it #fail\n\nship it #complete"
+    assert await env.user_messages("worker", "again") == ["ship it #fail", "ship it #complete"]
 
 
 # ------------------------------------------------------------------ to the letter
