@@ -254,7 +254,10 @@ async def run_loop(
             failures += 1
             log.exception("runner %s failed (%d in a row)", runner.name, failures)
             busy = False
-            await asyncio.sleep(min(30.0, 0.5 * 2**failures))
+            # Nor this one (up to 30 s): it held a stopping service's shutdown for its
+            # SHUTDOWN_WAIT_S, the runner then left running.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=min(30.0, 0.5 * 2**failures))
         if busy:
             continue
         timeout = poll_s

@@ -91,6 +91,28 @@ async def test_a_runner_pass_meeting_the_database_down_names_the_rule_and_stops_
     assert "runner sweeper: database unavailable (service.unavailable: " in line.getMessage()
 
 
+async def test_a_runner_pass_meeting_a_bug_keeps_its_traceback_and_stops_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """README: a runner backs off after any failure, and stopping does not wait the
+    back-off out. After a bug's (1 s at the first, up to 30 s) it did: a stopping
+    service waited for it up to its shutdown bound, and left the runner running."""
+    stop = asyncio.Event()
+
+    class Buggy:
+        name = "sweeper"
+
+        async def run_once(self) -> bool:
+            stop.set()  # asked to stop during the back-off that follows
+            raise KeyError("x")
+
+    caplog.set_level(logging.INFO)
+    await asyncio.wait_for(run_loop(Buggy(), wake=asyncio.Event(), stop=stop, poll_s=60), 0.5)
+    [line] = _faults(caplog, "leadgate.runners")
+    assert line.levelno == logging.ERROR and line.exc_info is not None
+    assert line.getMessage() == "runner sweeper failed (1 in a row)"
+
+
 async def test_renewing_watched_sessions_with_the_database_down_names_the_rule(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
