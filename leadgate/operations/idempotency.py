@@ -264,7 +264,7 @@ class Idempotency:
         then at doubling gaps until that lease would have lapsed
         (:class:`~leadgate.core.runners.LostClaims`), by this process's loop
         (:meth:`run_once`) or the next keyed request here, whichever comes first (the
-        client's retry, when it comes here: the 503 says 2 s). An answer held for its
+        client's retry, when it comes here: the 503 says 2 to 4 s). An answer held for its
         key (:class:`HeldAnswer`) is stored, and done with once its statement ran. A
         failure is returned (the tokens not looked at stay watched, due as before)."""
         due = self._lost.take_due(now)
