@@ -573,13 +573,23 @@ def setup(
                 async with idempotency.held(principal, claim):
                     response, stored = await exchange.run()
         except BaseException as exc:
-            if claim is not None and idempotency is not None and exchange.lapse:
-                await idempotency.lapse(principal, claim)
-            elif claim is not None and idempotency is not None and not exchange.recorded:
-                if isinstance(exc, Unavailable) and exc.in_doubt:
+            try:
+                if claim is not None and idempotency is not None and exchange.lapse:
                     await idempotency.lapse(principal, claim)
-                else:
-                    await idempotency.release(principal, claim)
+                elif claim is not None and idempotency is not None and not exchange.recorded:
+                    if isinstance(exc, Unavailable) and exc.in_doubt:
+                        await idempotency.lapse(principal, claim)
+                    else:
+                        await idempotency.release(principal, claim)
+            except Exception as fault:
+                # The hand-back is watched and tried again (Idempotency._hand_back); the
+                # client is told why its request failed. Raised instead, a request
+                # refused before its intake (a 404 model, say) was answered 503 "retry".
+                log.warning(
+                    "giving back an Idempotency-Key claim failed: %s",
+                    type(fault).__name__,
+                    exc_info=unavailable(fault) is None,
+                )
             raise
         if claim is not None and idempotency is not None and exchange.lapse:
             # Its turn still runs elsewhere (turn recovery's rerun): the next retry takes

@@ -1901,3 +1901,25 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
         assert again.status == 200
         for stream in streams:
             stream.close()
+
+
+async def test_a_keyed_request_refused_before_its_intake_is_told_why_when_its_key_stays_held(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed request refused before its message is taken in (here an unknown model,
+    404 ``agent.not_found``) gives its key back; when that write meets a database fault,
+    the client is still told why its request was refused (it was told a 503, "retry",
+    for a request that will never run), and the key is given back by the watch, so the
+    retry after the watch's look is refused the same way, not told
+    ``idempotency.in_progress`` for a request that runs nowhere."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        faults.arm_on("DELETE FROM idempotency_keys WHERE idempotency_keys.org_id")
+        refused = await env.chat("nope", "hello", idem="k-refused", session="u")
+        faults.disarm()
+        assert faults.fired is not None and "owner" in faults.fired, faults.statements
+        assert refused.status == 404, await refused.text()
+        assert (await refused.json())["error"]["rule"] == "agent.not_found"
+        env.clock.advance(1_001)  # the watch's first look at the key to give back
+        again = await env.chat("nope", "hello", idem="k-refused", session="u")
+        assert again.status == 404, await again.text()
+        assert (await again.json())["error"]["rule"] == "agent.not_found"
