@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from binding import routes
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, FakeClock, IdFactory
+from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
@@ -26,11 +27,14 @@ from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from outbox.channel import Card, CardOutcome
 from outbox.store import for_item
+from tests.fakes import DownAloneFor, DownFor
 
 if TYPE_CHECKING:
     from mcp import ClientSession
 
     from leadgate.app import App
+    from leadgate.turns.intake import Accepted
+    from leadgate.turns.path import TurnService
 
 #: ``resources/subscribe`` is what 2025-era MCP clients send, and MCP tests send it
 #: on purpose (the 2026-07-28 protocol replaced it with ``subscriptions/listen``, tested
@@ -138,6 +142,20 @@ class Env(Protocol):
 
     @property
     def ids(self) -> IdFactory: ...
+
+
+async def stopped_by_a_fault(
+    db: Database, turns: TurnService, monkeypatch: pytest.MonkeyPatch, taken: Accepted
+) -> None:
+    """Run ``taken`` on ``turns``, its next write on ``db`` meeting the database gone,
+    whichever way it goes (a transaction, or on PostgreSQL one statement alone): the turn
+    stops with :class:`Unavailable` (its client told 503 ``turn.interrupted``), its run
+    left to the turn recovery (``TurnService.orphans``)."""
+    monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
+    monkeypatch.setattr(db, "write_alone", DownAloneFor(db.write_alone, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await turns.execute(taken)
+    monkeypatch.undo()
 
 
 def sqlite_plan(conn: sa.Connection, statement: sa.ClauseElement) -> list[str]:

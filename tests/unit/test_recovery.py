@@ -26,7 +26,7 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
-from tests.fakes import CommitLandsLater, DownAloneFor, DownFor
+from tests.fakes import CommitLandsLater, DownFor
 from tests.helpers import (
     api_trigger,
     item_audit,
@@ -36,6 +36,7 @@ from tests.helpers import (
     make_org,
     session_item,
     slack_trigger,
+    stopped_by_a_fault,
 )
 from tests.stack import Stack
 
@@ -123,6 +124,29 @@ async def test_a_run_of_a_live_process_is_left_alone_until_its_lease_lapses(stac
     stack.clock.advance(runs.RUN_LEASE_MS + 1)
     assert await drain(other) == 1  # a stalled run is taken over after its lease
     assert await replies(stack) == ["Echo: hi"]
+
+
+async def test_an_api_process_recovery_takes_only_the_runs_it_left_to_it(stack: Stack) -> None:
+    """``serve --role api`` runs no runners but a turn recovery of its own
+    (``TurnRecovery(own_only=True)``): the runs it left to the recovery are known to it
+    alone. It takes those, never a run that only a dead holder (or a lapsed lease)
+    makes takeable, even an older one: that is the worker replicas' work."""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    stack.turns.intake.owner = lambda: DEAD
+    assert isinstance(await stack.turns.take(slack_trigger(org, plain, "theirs", "5.1")), Accepted)
+    await alive_here(stack, turns_too=True)
+    stack.clock.advance(1)
+    mine = await stack.turns.take(slack_trigger(org, plain, "mine", "5.2"))
+    assert isinstance(mine, Accepted) and mine.ctx.run_token
+    own = TurnRecovery(stack.turns, own_only=True)
+    assert await drain(own) == 0  # nothing left to it here
+    stack.turns.orphaned(mine.ctx.run_token)  # (its turn stopped on a database fault)
+    assert await drain(own) == 1
+    assert await replies(stack) == ["Echo: mine"]
+    assert await count(stack, t.turn_runs) == 1  # the dead process's run: a worker's
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert sorted(await replies(stack)) == ["Echo: mine", "Echo: theirs"]
 
 
 async def test_the_recovery_runner_knows_when_the_earliest_run_lease_lapses(
@@ -222,7 +246,7 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     lead. A message the client does send in the wait is the turn instead."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    await _stopped_by_a_fault(stack, monkeypatch, taken)
+    await stopped_by_a_fault(stack.db, stack.turns, monkeypatch, taken)
     assert stack.turns.orphans == {taken.ctx.run_token}
     # The process dies (its memory with it): another one, with its own recovery.
     async with stack.db.tx() as conn:
@@ -246,21 +270,6 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     assert (await item_row(stack, item_id))["status"] == "reviewQueued"
     answers = [c for r, c in await item_messages(stack, item_id) if r == "assistant"]
     assert len(answers) == 1  # run once: by recovery, or by the resend
-
-
-async def _stopped_by_a_fault(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch, taken: Accepted
-) -> None:
-    """Run ``taken``, its next write meeting the database gone, whichever way it goes (a
-    transaction, or on PostgreSQL one statement alone): the turn stops with
-    :class:`Unavailable` (its client told 503 ``turn.interrupted``)."""
-    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
-    monkeypatch.setattr(
-        stack.db, "write_alone", DownAloneFor(stack.db.write_alone, 1, after_commit=False)
-    )
-    with pytest.raises(Unavailable):
-        await stack.turns.execute(taken)
-    monkeypatch.undo()
 
 
 def _sent_again(taken: Accepted, text: str) -> Trigger:
@@ -302,7 +311,7 @@ async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
     orphans (``Intake.doubted``)."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    await _stopped_by_a_fault(stack, monkeypatch, taken)
+    await stopped_by_a_fault(stack.db, stack.turns, monkeypatch, taken)
     assert len(stack.turns.orphans) == 1
     assert await count(stack, t.turn_runs) == 1
     item_id = taken.ctx.work_item_id
