@@ -345,6 +345,10 @@ class App:
         # A run orphaned or watched by a turn (not by the recovery's own passes) wakes
         # it: its sleep is toward the earliest run lease, or the poll.
         self.turns.recovery_due = recovery_wake.set
+        # An api process runs no runners, but its own orphans and watched runs are
+        # known to it alone (_lifecycle starts this loop there instead).
+        self._own_recovery = TurnRecovery(self.turns, own_only=True)
+        self._recovery_wake = recovery_wake
         revisions = RevisionRunner(self.turns)
         resumer = FlowResumer(self.flows)
         sweeper = Sweeper(self.db, self.clock, self.ids)
@@ -511,6 +515,26 @@ class App:
                 task.add_done_callback(self._runner_tasks.discard)
         if listen:
             self._listen(runners=True, surfaces=False)
+
+    def _start_own_recovery(self) -> None:
+        """The turn recovery of an ``api`` process, which runs no runners: it reruns
+        (or closes) only the runs this process left to recovery, which only it knows
+        (:attr:`TurnService.orphans <leadgate.turns.path.TurnService.orphans>`, its
+        watched tokens: a turn stopped on a database fault, an intake in doubt, a keyed
+        retry that failed before its turn, a channel turn it was too busy to run). No
+        worker replica could take them before their 15-minute lease lapsed, and then it
+        closed them as a live owner's stalled turns, their messages never answered.
+        Lapsed leases and dead processes' runs stay the worker replicas' work."""
+        self.background.spawn(
+            run_loop(
+                self._own_recovery,
+                wake=self._recovery_wake,
+                stop=self._stop,
+                poll_s=self.settings.runners.poll_interval_s,
+                due_s=self._own_recovery.due_in_s,
+            ),
+            name="turn-recovery-own",
+        )
 
     def _listen(self, *, runners: bool, surfaces: bool) -> None:
         """PostgreSQL: one LISTEN connection for every channel this process needs (see
@@ -786,6 +810,8 @@ class App:
                     await self.start_liveness(role)
                 if run_runners:
                     await self.start_runners(listen=False)
+                elif role == "api":
+                    self._start_own_recovery()
                 self._listen(runners=run_runners, surfaces=surfaces)
                 yield
 

@@ -21,12 +21,21 @@ class TurnRecovery:
     :attr:`TurnService.lost <leadgate.turns.path.TurnService.lost>`) first reads whether
     anything is takeable and when the earliest lease lapses
     (:func:`leadgate.turns.runs.lease_check`): the loop sleeps no longer than until then,
-    or until the next such look (:meth:`due_in_s`)."""
+    or until the next such look (:meth:`due_in_s`).
+
+    ``own_only``: the recovery of a process that runs no runners (``serve --role api``).
+    Its orphans and watched tokens are in its memory alone, so no worker replica's
+    recovery can take those runs before their 15-minute lease lapses (their owner is
+    alive), and then it closed them as a live owner's stalled turn, the message never
+    answered. This one takes those runs only (:func:`leadgate.turns.runs.claim`'s
+    ``own_only``), and never reads for lapsed leases: a pass with neither an orphan nor
+    a look due is free."""
 
     name = "turn-recovery"
 
-    def __init__(self, turns: TurnService) -> None:
+    def __init__(self, turns: TurnService, *, own_only: bool = False) -> None:
         self.turns = turns
+        self.own_only = own_only
         #: the earliest run lease not lapsed at the last check (None: none)
         self._next_lapse: int | None = None
 
@@ -51,6 +60,8 @@ class TurnRecovery:
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
         if not self.turns.orphans and not (self.turns.lost and self._look_due()):
+            if self.own_only:
+                return False
             # One read first: mostly nothing is takeable, and the claim is a write
             # transaction. It also says when the earliest lease lapses (due_in_s).
             takeable, self._next_lapse = await runs.lease_check(
@@ -66,6 +77,7 @@ class TurnRecovery:
             orphans=self.turns.orphans,
             lost=self.turns.lost,
             surfaced=self.turns.store_surfaced,
+            own_only=self.own_only,
         )
         if claimed is None:
             return False

@@ -272,6 +272,7 @@ async def claim(
     orphans: set[str],
     lost: LostClaims[RunLook],
     surfaced: SurfacedAnswer | None = None,
+    own_only: bool = False,
 ) -> Claimed | None:
     """Claim the oldest takeable run and every takeable run of its session.
 
@@ -282,17 +283,26 @@ async def claim(
     surfaces the dead turn's handoff (:data:`SURFACED`) calls ``surfaced`` in its
     transaction, with the runs' external event ids: the handoff and the answer stored
     for a keyed request commit together.
+
+    ``own_only`` (the turn recovery of a process that runs no runners, ``serve --role
+    api``): the session claimed is one of an orphan's or a due look's run, never one
+    that only a lapsed lease or a dead holder makes takeable (the worker replicas'
+    recovery takes those); its other takeable runs are claimed with it all the same, so
+    the session still gets one recovered turn. None at once when nothing is asked.
     """
     now = clock.now_ms()
     takeable = sa.or_(R.lease_expires_at < now, owner_gone(R.lease_owner))
     looks = lost.take_due(now) if lost else []
     asked = sorted(orphans.union(look.token.token for look in looks) if looks else orphans)
+    if own_only and not asked:
+        return None
     # The tokens whose client was told not to send the message again (RunLook), and
     # those whose client was told to send it again (nothing was stored, it said).
     no_resend = orphans.union(look.token.token for look in looks if look.token.rerun)
     resend = {look.token.token for look in looks if not look.token.rerun}
     if asked:
         takeable = sa.or_(takeable, R.lease_token.in_(asked))
+    pick = R.lease_token.in_(asked) if own_only else takeable
     token = ids.new("lease")
     updated: list[str] = []  # the token, once the claim's UPDATE ran
     taken: set[str] = set()  # the tokens the claimed runs held, once it committed
@@ -304,6 +314,7 @@ async def claim(
             takeable,
             now,
             token,
+            pick=pick,
             owner=owner,
             no_resend=no_resend,
             resend=resend,
@@ -370,6 +381,7 @@ async def _claim_in(
     now: int,
     token: str,
     *,
+    pick: Any,
     owner: str | None,
     no_resend: set[str],
     resend: set[str],
@@ -380,9 +392,7 @@ async def _claim_in(
     async with db.tx() as conn:
         first = (
             await conn.execute(
-                db.skip_locked(
-                    sa.select(R.session_id).where(takeable).order_by(R.created_at).limit(1)
-                )
+                db.skip_locked(sa.select(R.session_id).where(pick).order_by(R.created_at).limit(1))
             )
         ).first()
         if first is None:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
+from aiohttp import web
 
 import leadgate.app
 from leadgate.app import App
@@ -56,11 +57,13 @@ from tests.helpers import (
     Org,
     api_trigger,
     eventually,
+    item_audit,
     item_row,
     make_agent,
     make_org,
     slack_trigger,
     start_worker,
+    stopped_by_a_fault,
 )
 from tests.outbox_support import ScriptedChannel
 
@@ -1003,3 +1006,61 @@ async def test_a_reconnected_listener_wakes_every_runner_a_notification_could_ha
     for callback in heard["on_connect"]:
         callback()
     assert could <= woken()
+
+
+# ------------------------------------- 8. an api replica's turns left to the recovery
+
+
+@pytest.mark.parametrize("how", ["interrupted", "intake in doubt", "watched"])
+async def test_an_api_replicas_turn_left_to_recovery_is_answered_once(
+    migrated_url: str, make_app: MakeApp, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """``serve --role api`` runs no runner loops, yet its REST turns leave runs to the
+    turn recovery: a turn stopped on a database fault (503 ``turn.interrupted``), an
+    intake in doubt whose read-back failed (503 ``intake.in_doubt``; both orphans), a
+    run watched for a claim or intake in doubt that may land later. Only this process
+    knows them, and their owner (it) is alive: a worker replica's recovery left them for
+    the run's 15-minute lease, then closed them as a live owner's stalled turn, the
+    message never answered and its item ``inProgress``. The api process reruns them
+    itself (``App._start_own_recovery``): at once, or at the look a second on. Answered
+    once: the worker replica never runs that turn."""
+    clock, api_model, worker_model = JumpingClock(), RecordingModel(), RecordingModel()
+    api = make_app(migrated_url, clock=clock, model=api_model)
+    worker = make_app(migrated_url, clock=clock, model=worker_model)
+    org, agent = await lead_and_worker(api)
+    served = web.AppRunner(api.web_app("api", register=True))
+    await served.setup()
+    try:
+        await start_worker(worker)
+        taken = await api.turns.take(api_trigger(org, agent, "draft it #complete"))
+        assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
+        if how == "interrupted":
+            await stopped_by_a_fault(api.db, api.turns, monkeypatch, taken)
+        elif how == "intake in doubt":
+            api.turns.intake.doubted(taken.ctx.run_token)  # (its read-back failed)
+        else:  # a look at the token, a second on, as a claim in doubt leaves it
+            now = clock.now_ms()
+            api.turns.lost.watch(
+                RunLook(taken.ctx.run_token, rerun=True),
+                due=now + api.turns.lost.first_ms,
+                lapses=now + RUN_LEASE_MS,
+            )
+        await next_call(api_model, lambda c: c.purpose == "worker")
+
+        async def answered() -> bool:
+            status = (await item_row(api, taken.ctx.work_item_id or ""))["status"]
+            return bool(status != "inProgress")
+
+        assert await eventually(answered, WITHIN_S)
+        async with api.db.read() as conn:
+            assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
+        assert api.turns.orphans == set() and not api.turns.lost
+        # Nothing is left for a worker's recovery, the run's lease lapsed or not.
+        clock.advance(RUN_LEASE_MS + 1)
+        assert await drain(runner_of(worker, TurnRecovery)) == 0
+        audit = await item_audit(api, taken.ctx.work_item_id)
+        assert [a["action"] for a in audit].count("completeTask") == 1  # answered once
+        while not worker_model.calls.empty():  # (the worker's lead reviews it)
+            assert worker_model.calls.get_nowait().purpose == "lead"
+    finally:
+        await served.cleanup()
