@@ -304,7 +304,8 @@ class TurnService:
         #: lease tokens of this process's recorded runs whose turn stopped on a database
         #: fault, or whose intake's commit was in doubt and could not be read back (the
         #: turn never started, the run may exist): the recovery runner takes them over
-        #: once the database is back
+        #: once the database is back (in an ``api`` process, which runs no runners, its
+        #: own turn recovery loop: only this process knows them)
         self.orphans: set[str] = set()
         #: Set by the composition root to the recovery runner's wake: called when a run
         #: is orphaned or watched (:meth:`orphaned`, :attr:`lost`) outside that runner's
