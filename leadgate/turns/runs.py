@@ -381,7 +381,7 @@ async def _claim_in(
     now: int,
     token: str,
     *,
-    pick: Any,
+    pick: sa.ColumnElement[bool],
     owner: str | None,
     no_resend: set[str],
     resend: set[str],
