@@ -116,7 +116,11 @@ class LostClaims(Generic[T]):
     when its look ends in an exception (cancellation too). At most ``limit`` tokens
     (:data:`MAX_WATCHED`) are watched, kept in order of their next look: a pass with
     nothing due reads one entry. ``on_watch`` is called when a token is added
-    (:meth:`watch`): the runner that looks for them may be asleep."""
+    (:meth:`watch`): the runner that looks for them may be asleep. ``keep``: the tokens
+    a full watch never drops, as what only the watch holds would be lost with them (an
+    Idempotency-Key answer to store): their caller asks :meth:`has_room` before it
+    watches one, and one taken for a look comes back (:meth:`put_back`) even past the
+    limit (by no more than the tokens out for a look)."""
 
     def __init__(
         self,
@@ -126,12 +130,14 @@ class LostClaims(Generic[T]):
         name: str = "a runner",
         limit: int = MAX_WATCHED,
         on_watch: Callable[[], None] = lambda: None,
+        keep: Callable[[T], bool] = lambda token: False,
     ) -> None:
         self.first_ms = first_ms
         self.max_gap_ms = max_gap_ms
         self.name = name
         self.limit = limit
         self.on_watch = on_watch
+        self.keep = keep
         #: tokens dropped because the watch was full
         self.dropped = 0
         #: a heap by next look; the sequence number keeps tokens (of any type) apart
@@ -182,19 +188,35 @@ class LostClaims(Generic[T]):
         """When the next look is due (None: no token watched)."""
         return self._lost[0][0] if self._lost else None
 
+    def has_room(self) -> bool:
+        """Whether a token ``keep`` holds can be watched now: the watch is not full, or
+        it holds a token it may drop for it."""
+        return len(self._lost) < self.limit or any(
+            not self.keep(entry[2].token) for entry in self._lost
+        )
+
     def _add(self, lost: Lost[T]) -> None:
         if len(self._lost) >= self.limit:
             # Full (a long outage under load): the token whose lease lapses soonest goes,
-            # this one or a watched one; its lease expiry takes its rows back.
-            index = min(range(len(self._lost)), key=lambda i: self._lost[i][2].lapses)
-            self.dropped += 1
-            DROPPED.add(self.name, len(self._lost))
-            if self._lost[index][2].lapses >= lost.lapses:
+            # this one or a watched one; its lease expiry takes its rows back. Never one
+            # ``keep`` holds: only the watch has what it stands for.
+            droppable = [i for i in range(len(self._lost)) if not self.keep(self._lost[i][2].token)]
+            index = min(droppable, key=lambda i: self._lost[i][2].lapses, default=None)
+            if not self.keep(lost.token) and (
+                index is None or self._lost[index][2].lapses >= lost.lapses
+            ):
+                self._dropped()
                 return
-            self._lost[index] = self._lost[-1]
-            self._lost.pop()
-            heapq.heapify(self._lost)
+            if index is not None:
+                self._dropped()
+                self._lost[index] = self._lost[-1]
+                self._lost.pop()
+                heapq.heapify(self._lost)
         heapq.heappush(self._lost, (lost.due, next(self._seq), lost))
+
+    def _dropped(self) -> None:
+        self.dropped += 1
+        DROPPED.add(self.name, len(self._lost))
 
 
 async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:

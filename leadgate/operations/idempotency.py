@@ -21,7 +21,8 @@ stores its answer under the key (:meth:`Idempotency.store_recovered`). A release
 a database fault kept from being written is tried again (:meth:`Idempotency.release`),
 not left to the lease. An answer that a fault kept from
 being stored after the turn (:meth:`Idempotency.finish`) is kept in memory (up to
-:data:`ANSWERS_HELD_BYTES`) and stored by the same watch once the database is back: the
+:data:`ANSWERS_HELD_BYTES`, and as many as the watch holds tokens: a give-back never
+takes an answer's place) and stored by the same watch once the database is back: the
 retry gets it replayed. While either waits, ``idempotency.in_progress`` names the
 watch's next look as its ``Retry-After``. Past that budget, or once the process that
 held it stopped, the claim lapses and the retry is told the answer was lost (a busy
@@ -67,6 +68,7 @@ from leadgate.core.errors import (
     ValidationError,
     log_failure,
 )
+from leadgate.core.logs import Tally
 from leadgate.core.runners import LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import Gated, Reply
@@ -98,6 +100,16 @@ SWEEP_EVERY_MS = 10 * MINUTE_MS
 
 _K = t.idempotency_keys.c
 log = logging.getLogger("leadgate.idempotency")
+
+#: Answers a fault kept from their keys that the watch had no room for (past
+#: :data:`ANSWERS_HELD_BYTES`, or as many answers held as it watches tokens): their
+#: claims' leases are ended instead. One WARNING a minute at most.
+NOT_HELD = Tally(
+    log,
+    "%d unstored Idempotency-Key answer(s) not held (the %s held reached %d): their "
+    "claims' leases are ended, and their retries are told the answer was lost",
+    every_s=60.0,
+)
 
 
 @dataclass(frozen=True)
@@ -160,8 +172,12 @@ class Idempotency:
         self.wake: Callable[[], None] = lambda: None
         #: claims in doubt whose give-back found nothing (see :meth:`_give_back_lost`),
         #: and answers waiting to be stored (:meth:`finish`)
+        #: (an answer held is never dropped for a give-back: :meth:`_hold` refuses it
+        #: room instead, which ends its claim's lease at once)
         self._lost: LostClaims[HeldKey | HeldAnswer] = LostClaims(
-            name="idempotency", on_watch=lambda: self.wake()
+            name="idempotency",
+            on_watch=lambda: self.wake(),
+            keep=lambda token: isinstance(token, HeldAnswer),
         )
 
     def due_in_s(self) -> float | None:
@@ -418,7 +434,8 @@ class Idempotency:
         back a claim, until the statement runs: meanwhile the claim holds the key (its
         retry is told 409 ``idempotency.in_progress``, ``Retry-After`` that look), and
         then the retry gets the answer replayed. An answer past the watch's budget
-        (:data:`ANSWERS_HELD_BYTES`) is not held: the claim's lease is ended
+        (:data:`ANSWERS_HELD_BYTES`, or a watch full of answers: :meth:`_hold`) is not
+        held: the claim's lease is ended
         (:meth:`lapse`, fenced by its owner token; one that fails too is tried again),
         and since the message was taken in (or recorded busy), the client's retry takes
         the key over with its event id and the intake answers it ``idempotency.lost``
@@ -456,10 +473,16 @@ class Idempotency:
         due: int,
     ) -> bool:
         """Hand ``response``, unstored, to the watch (looked at from ``due``); False when
-        it does not fit in :data:`ANSWERS_HELD_BYTES` beside the answers held already."""
+        it does not fit in :data:`ANSWERS_HELD_BYTES` beside the answers held already, or
+        the watch is full of them (:data:`~leadgate.core.runners.MAX_WATCHED` tokens,
+        none a give-back it may drop for it): counted and logged (:data:`NOT_HELD`)."""
         size = len(json.dumps(response, separators=(",", ":")))
         held = sum(lost.token.size for lost in self._lost if isinstance(lost.token, HeldAnswer))
         if held + size > ANSWERS_HELD_BYTES:
+            NOT_HELD.add("bytes", ANSWERS_HELD_BYTES)
+            return False
+        if not self._lost.has_room():
+            NOT_HELD.add("answers", self._lost.limit)
             return False
         token = HeldAnswer(principal.org_id, claim.key_hash, response, provisional, size)
         self._lost.watch(token, due=due, lapses=self.clock.now_ms() + LEASE_MS)

@@ -28,7 +28,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError, TurnInterrupted, Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import drain
+from leadgate.core.runners import DROPPED, drain
 from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Busy, Trigger
 from leadgate.database import schema as t
 from leadgate.operations import idempotency as idempotency_mod
@@ -1266,6 +1266,52 @@ async def test_a_keyed_request_without_a_fault_costs_what_it_did(env: Env) -> No
         keyed = [" ".join(sql.split()[:3]) for sql in statements if "idempotency_keys" in sql]
         assert keyed == ["INSERT INTO idempotency_keys", "UPDATE idempotency_keys SET"], keyed
         assert not [sql for sql in statements if "FROM inbound_events" in sql], statements
+
+
+@pytest.mark.parametrize("then", ["another answer", "a give-back"])
+async def test_a_full_watch_never_drops_an_answer_it_holds(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The watch holds an answer a fault kept from its key and is full (its token budget,
+    shrunk here to one), when another answer's store fails, or a key's release does.
+    The answer held stays held, and is replayed once stored; the other answer is not
+    held, its claim's lease ended at once (its retry takes the key over and is told
+    ``idempotency.lost``), and the give-back is not looked for (its claim waits for its
+    lease). The full watch dropped the answer it held for either: its claim ran out a
+    minute later, and the retry was told ``idempotency.in_progress`` until then."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        monkeypatch.setattr(env.service.idempotency._lost, "limit", 1)
+        not_held, dropped = idempotency_mod.NOT_HELD.total, DROPPED.total
+        faults.arm_on("UPDATE idempotency_keys SET response")
+        first = await env.chat("plain", "please #fail", idem="k-held", session="u")
+        faults.disarm()
+        assert first.status == 502 and faults.fired is not None, await first.text()
+        env.clock.advance(500)  # (the held answer's claim lapses first: the one to drop)
+        if then == "another answer":
+            faults.arm_on("UPDATE idempotency_keys SET response")
+            other = await env.chat("plain", "please #fail", idem="k-other", session="v")
+            faults.disarm()
+            assert other.status == 502 and faults.fired is not None, await other.text()
+            lost = await env.chat("plain", "please #fail", idem="k-other", session="v")
+            assert lost.status == 409, await lost.text()
+            assert (await lost.json())["error"]["rule"] == "idempotency.lost"
+            assert idempotency_mod.NOT_HELD.total == not_held + 1  # (logged)
+        else:
+            faults.arm_on("INSERT INTO messages", and_on="idempotency_keys")
+            cut = await env.chat("worker", "hello", idem="k-rel", session="rel")
+            faults.disarm()
+            assert cut.status == 503 and faults.fired is not None, await cut.text()
+            running = await env.chat("worker", "hello", idem="k-rel", session="rel")
+            assert (await running.json())["error"]["rule"] == "idempotency.in_progress"
+            assert DROPPED.total == dropped + 1  # (logged)
+        running = await env.chat("plain", "please #fail", idem="k-held", session="u")
+        assert running.status == 409, await running.text()
+        assert (await running.json())["error"]["rule"] == "idempotency.in_progress"
+        assert running.headers["Retry-After"] == "1"
+        env.clock.advance(500)  # the watch's look is due: it stores the answer
+        retry = await env.chat("plain", "please #fail", idem="k-held", session="u")
+        assert retry.headers["Idempotent-Replayed"] == "true", await retry.text()
+        assert await retry.json() == await first.json()
 
 
 async def test_a_key_whose_release_failed_says_when_it_is_given_back(

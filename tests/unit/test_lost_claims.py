@@ -56,6 +56,27 @@ def test_a_full_watch_drops_the_tokens_whose_lease_lapses_soonest_and_counts_the
     assert [look.token for look in lost.take_due(10)] == ["t4", "t3", "t2"]
 
 
+def test_a_full_watch_never_drops_a_token_it_keeps() -> None:
+    """Tokens ``keep`` holds (an Idempotency-Key answer to store: only the watch has
+    it) are never what a full watch drops: a token it may drop goes instead, the newcomer
+    when none is watched; there is no room for another kept one once every token is
+    kept; and one taken for a look comes back even when the watch filled meanwhile."""
+    lost: LostClaims[str] = LostClaims(limit=2, keep=lambda token: token.startswith("k"))
+    lost.watch("k1", due=0, lapses=1)
+    lost.watch("g1", due=0, lapses=2)
+    lost.watch("g2", due=0, lapses=3)  # g1 goes (lapses soonest of those it may drop)
+    assert sorted(look.token for look in lost) == ["g2", "k1"] and lost.has_room()
+    lost.watch("k2", due=0, lapses=4)  # g2 goes
+    assert sorted(look.token for look in lost) == ["k1", "k2"] and not lost.has_room()
+    lost.watch("g3", due=0, lapses=5)  # nothing it may drop but the newcomer
+    assert sorted(look.token for look in lost) == ["k1", "k2"] and lost.dropped == 3
+    taken = lost.take_due(0)
+    lost.watch("g4", due=1, lapses=6)
+    lost.watch("g5", due=1, lapses=7)
+    lost.put_back(taken)  # (the look failed): both back, g4 and g5 dropped for them
+    assert sorted(look.token for look in lost) == ["k1", "k2"] and lost.dropped == 5
+
+
 def test_the_watch_holds_a_typed_token() -> None:
     """An Idempotency-Key claim's give-back is watched as what it is (key, owner,
     takeover), not a string of them joined."""
