@@ -282,7 +282,9 @@ class Idempotency:
         (:meth:`run_once`) or the next keyed request here, whichever comes first (the
         client's retry, when it comes here: the 503 says 2 to 4 s). An answer held for its
         key (:class:`HeldAnswer`) is stored, and done with once its statement ran. A
-        failure is returned (the tokens not looked at stay watched, due as before)."""
+        failure is returned (the tokens not looked at stay watched, due as before: each
+        keyed request here tries them again, and the loop after its back-off, 0.5 s
+        doubling to 5 s, so a ``Retry-After`` for them says 1)."""
         due = self._lost.take_due(now)
         for n, lost in enumerate(due):
             try:
@@ -430,9 +432,10 @@ class Idempotency:
         turn's and stands. Any other answer is always stored (over a provisional one).
 
         A failure to store it is raised after the answer is handed to the watch
-        (:meth:`_hold`), which stores it 1 s on and then at doubling gaps, as it gives
-        back a claim, until the statement runs: meanwhile the claim holds the key (its
-        retry is told 409 ``idempotency.in_progress``, ``Retry-After`` that look), and
+        (:meth:`_hold`), which stores it 1 s on, and while that fails, at each keyed
+        request here and each pass of its loop (after the loop's back-off), until the
+        statement runs: meanwhile the claim holds the key (its retry is told 409
+        ``idempotency.in_progress``, ``Retry-After`` that look, 1 once it failed), and
         then the retry gets the answer replayed. An answer past the watch's budget
         (:data:`ANSWERS_HELD_BYTES`, or a watch full of answers: :meth:`_hold`) is not
         held: the claim's lease is ended

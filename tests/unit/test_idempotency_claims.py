@@ -196,6 +196,37 @@ async def test_an_answer_the_database_kept_from_being_stored_is_stored_by_the_wa
     assert not idem._lost  # (nothing left held)
 
 
+async def test_a_held_answer_whose_store_fails_again_is_tried_at_each_pass_and_request(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store of a held answer fails at its look (the database still away): the
+    answer stays due, so the loop's next pass tries it after the loop's back-off (not a
+    gap of its own) and so does the next keyed request here, which is why the 409 after
+    that says ``Retry-After: 1`` (what the README says of these retries); the retry
+    after the database is back gets it replayed."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    claim = await idem.begin(principal, "k-8", "fp")
+    answer = {"status": 409, "body": {"error": {"rule": "turn.busy"}}}
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, claim, answer, provisional=True)
+    assert idem.due_in_s() == 1.0
+    stack.clock.advance(1_000)
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):  # the loop's look: it backs off
+        await idem.run_once()
+    stack.clock.advance(3_000)
+    assert idem.due_in_s() == 0.0  # due still: the loop's next pass tries it
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    running = await idem.begin(principal, "k-8", "fp")  # (its try failed first)
+    assert (running.action, running.retry_after_s) == ("running", 1)
+    retry = await idem.begin(principal, "k-8", "fp")
+    assert (retry.action, retry.response) == ("replay", answer)
+    assert not idem._lost
+
+
 async def test_an_answer_past_the_budget_ends_the_claims_lease(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
