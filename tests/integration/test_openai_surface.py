@@ -1165,14 +1165,19 @@ async def served_with_faults(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[Env, SqliteFaults | PgFaults]]:
     """The app at ``url`` with the agents of :data:`ENDINGS`, and a statement-fault
-    injector made before it opens the database."""
+    injector made before it opens the database; ``env.gate`` is the model ``gate``."""
     faults = injector(url, monkeypatch)
-    async with served_app(url) as (service, client):
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(url, providers=providers) as (service, client):
         org = await make_org(service)
         await make_agent(service, org, "lead")
         await make_agent(service, org, "worker", lead="lead")
         await make_agent(service, org, "plain")
-        yield Env(service, client, org, org, GateProvider()), faults
+        try:
+            yield Env(service, client, org, org, gate), faults
+        finally:
+            gate.release.set()
 
 
 @pytest.mark.parametrize(("agent", "text"), ENDINGS[::2])
@@ -1969,3 +1974,43 @@ async def test_a_keyed_request_refused_before_its_intake_is_told_why_when_its_ke
         again = await env.chat("nope", "hello", idem="k-refused", session="u")
         assert again.status == 404, await again.text()
         assert (await again.json())["error"]["rule"] == "agent.not_found"
+
+
+async def test_a_takeover_told_in_progress_is_told_so_when_ending_its_claim_fails(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed retry that comes while turn recovery reruns its message's turn runs
+    nothing: it is told 409 ``idempotency.in_progress`` and its claim's lease is ended.
+    When that write meets a database fault (it is watched and tried again), the retry is
+    still told 409 ``idempotency.in_progress``: it was a 503 saying nothing was stored,
+    for a message taken in and being answered. The next retry gets the rerun's answer."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        await make_agent(env.service, env.org, "gated-slow", model="gate", lead="lead")
+        await claim_and_crash(env, "slowly", "k-w4", "w4", taken_in=True, model="gated-slow")
+        recovery = TurnRecovery(env.service.turns)
+        assert await drain(recovery) == 1  # waits for a resend
+        env.clock.advance(runs.RESEND_GRACE_MS + 1)
+        rerun = asyncio.create_task(recovery.run_once())
+        try:
+            assert await eventually(lambda: env.gate.calls == 1)
+            # (The first such statement is the retry's takeover of the key; the next,
+            # the end of its claim's lease.)
+            faults.arm_on(
+                "UPDATE idempotency_keys SET lease_expires_at",
+                then="UPDATE idempotency_keys SET lease_expires_at",
+            )
+            waiting = await env.chat("gated-slow", "slowly", idem="k-w4", session="w4")
+            faults.disarm()
+            assert faults.fired is not None and "owner=" not in faults.fired, faults.fired
+            assert waiting.status == 409, await waiting.text()
+            assert (await waiting.json())["error"]["rule"] == "idempotency.in_progress"
+            env.gate.release.set()
+            assert await rerun
+        finally:
+            env.gate.release.set()
+            await asyncio.gather(rerun, return_exceptions=True)
+        env.clock.advance(1_001)  # the watch's first look at the claim to end
+        reply = await env.chat("gated-slow", "slowly", idem="k-w4", session="w4")
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["choices"][0]["message"]["content"] == "slow answer"
+        assert env.gate.calls == 1  # one turn: the rerun's
