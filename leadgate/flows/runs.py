@@ -990,8 +990,10 @@ class FlowResumer:
         clock = self.flows.clock
         self._locked_look = None
         read, pick, args = _SETTLED, _PICK, {}
+        # One time for the pass: a continuation the read passed over as still left is
+        # kept as left below, though its time comes while the read runs.
+        now = clock.now_ms()
         if self._left:  # (almost never: only after a lock wait past its bound)
-            now = clock.now_ms()
             waiting = [cont for cont, left in self._left.items() if left.due > now]
             if waiting:
                 read, pick, args = _SETTLED_BUT, _PICK_BUT, {"p_left": waiting}
@@ -999,9 +1001,11 @@ class FlowResumer:
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
             if (await conn.execute(read, args)).first() is None:
-                # A left continuation whose time came and that the read did not find is
-                # no longer waiting (resumed or ended elsewhere): forgotten.
-                now = clock.now_ms()
+                # A left continuation whose time had come and that the read did not find
+                # is no longer waiting (resumed or ended elsewhere): forgotten. (Read
+                # again here, the clock forgot one whose time came during the read,
+                # passed over by it: its take waited the whole bound again, after the
+                # poll.)
                 self._left = {c: left for c, left in self._left.items() if left.due > now}
                 self._locked_look = min((left.due for left in self._left.values()), default=None)
                 return False

@@ -898,6 +898,53 @@ async def test_a_continuation_whose_item_stays_held_is_taken_again_less_often_an
         assert await conn.scalar(resumed) == 1
 
 
+class _TickingClock(FakeClock):
+    """A :class:`FakeClock` that, once ``tick_ms`` is set, moves that far at each read:
+    time passing while a pass runs (its reads take some)."""
+
+    tick_ms = 0
+
+    def now_ms(self) -> int:
+        now = super().now_ms()
+        self.advance(self.tick_ms)
+        return now
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_left_continuation_whose_time_comes_during_a_pass_is_not_forgotten(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: a continuation left because its item stayed held is passed over by the
+    reads until its time comes. A pass that begins just before that time, and whose read
+    finds nothing else, ends just after it: the continuation is still left (due now), and
+    its take comes at once without waiting for the held row. The pass forgot it, reading
+    the clock again after its read: the loop slept the poll, and the next take waited
+    the whole bound for the row again, the resumer loop blocked meanwhile."""
+    clock = _TickingClock()
+    stack = make_stack(clock=clock)
+    org, paused_id = await _paused_and_approved(stack)
+    async with stack.db.read() as conn:
+        held = str(await conn.scalar(_node_rows(paused_id)["item"]))
+    bound = 2.0
+    resumer = FlowResumer(stack.flows, lock_wait_s=bound)
+    async with held_open(stack.db, item_locked(held)):
+        assert await asyncio.wait_for(resumer.run_once(), bound + 5)  # waits the bound
+        assert resumer.due_in_s() is None  # (True: the loop passes again at once)
+        assert not await resumer.run_once()  # left: nothing to take meanwhile
+        assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
+        clock.advance(LOCKED_RECHECK_MS - 1)
+        clock.tick_ms = 1  # its time comes as the next pass reads
+        assert not await resumer.run_once()
+        clock.tick_ms = 0
+        assert resumer.due_in_s() == 0
+        assert await asyncio.wait_for(resumer.run_once(), bound / 2)  # taken again
+    clock.advance(LEFT_AT_MOST_MS)
+    assert await resumer.run_once()
+    [cont] = (await _view(stack, org, paused_id))["continuations"]
+    done = await _view(stack, org, cont["resumedRunId"])
+    assert done["status"] == "completed"
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_cancel_that_commits_after_the_pick_read_the_item_ends_the_run_not_resumes_it(
     second: Stack,
