@@ -209,7 +209,9 @@ async def test_hang_after_reading_is_uncertain(
     started = time.monotonic()
     outcome = await channel.send(message())
     assert isinstance(outcome, Uncertain), outcome
-    assert time.monotonic() - started < 1.5
+    # The deadline (0.5 s), not the hang; with room for a loaded machine's scheduling
+    # (1.5 s was within its reach).
+    assert time.monotonic() - started < 4.0
     assert len(standin.requests) == 1
 
 
@@ -250,7 +252,9 @@ async def test_subprocess_mode_and_records_endpoint() -> None:
     )
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout=2.5)
+        # Only "it started": a cold interpreter importing aiohttp and slack_sdk took
+        # most of 2.5 s on a loaded machine.
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
         assert line.startswith(b"LISTENING ")
         port = int(line.split()[1])
         ch = SlackChannel(settings(f"http://127.0.0.1:{port}/api/"), timeout_s=1.0)

@@ -330,7 +330,9 @@ async def test_hang_times_out(server: ModelServer) -> None:
 
     assert err.rule == "model.timeout"
     assert "0.3s" in err.message
-    assert time.monotonic() - started < 1.5
+    # The timeout (0.3 s), not the hang; with room for a loaded machine's scheduling
+    # (1.5 s was within its reach).
+    assert time.monotonic() - started < 4.0
     await provider.close()
 
 
