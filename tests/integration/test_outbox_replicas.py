@@ -116,6 +116,12 @@ async def test_three_relay_processes_drain_2000_exactly_once(
 # ------------------------------------------------------------------- LISTEN/NOTIFY
 
 
+#: Woken by NOTIFY, not by the 30 s poll: a tenth of it. A wake-up takes milliseconds on
+#: an idle machine, but 0.1 s (the fastest of three), 0.5 s and 1 s were within reach of
+#: a loaded 2-CPU machine running two test workers, each with its own PostgreSQL.
+WOKEN_S = 3.0
+
+
 @pytest.fixture
 async def looping(url: str) -> AsyncIterator[tuple[App, ScriptedChannel, asyncio.Queue[float]]]:
     """A Service on PostgreSQL with its runner loops started and a 30 s poll: only a
@@ -161,10 +167,10 @@ async def test_notify_from_another_connection_wakes_the_relay(
     latencies = []
     for _ in range(3):
         committed = await enqueue_elsewhere(url, org_id, service.clock)
-        sent = await asyncio.wait_for(sends.get(), timeout=5)
+        sent = await asyncio.wait_for(sends.get(), timeout=WOKEN_S)
         latencies.append(sent - committed)
     print(f"\nNOTIFY wake-up latencies: {[f'{x * 1000:.1f} ms' for x in latencies]}")
-    assert min(latencies) < 0.1, latencies
+    assert max(latencies) < WOKEN_S, latencies
 
 
 async def test_listener_reconnects_after_losing_its_connection(
@@ -192,15 +198,15 @@ async def test_listener_reconnects_after_losing_its_connection(
 
     assert await eventually(reconnected, 10)
     committed = await enqueue_elsewhere(url, org_id, service.clock)
-    sent = await asyncio.wait_for(sends.get(), timeout=5)
-    assert sent - committed < 0.5
+    sent = await asyncio.wait_for(sends.get(), timeout=WOKEN_S)
+    assert sent - committed < WOKEN_S
 
 
 async def test_a_submission_on_another_replica_wakes_this_lead_runner(
     url: str, looping: tuple[App, ScriptedChannel, asyncio.Queue[float]]
 ) -> None:
     """An API replica's submission reaches a worker replica's lead runner through
-    NOTIFY, not at its next poll (30 s here): the item is reviewed within a second."""
+    NOTIFY, not at its next poll (30 s here): the item is reviewed within :data:`WOKEN_S`."""
     from leadgate.core.types import Gated
     from tests.helpers import api_trigger, make_agent, make_org
     from tests.stack import build_stack
@@ -221,11 +227,11 @@ async def test_a_submission_on_another_replica_wakes_this_lead_runner(
                         t.work_items.c.id == outcome.work_item_id
                     )
                 )
-            if status not in ("reviewQueued", "reviewing") or time.perf_counter() - submitted > 5:
+            if status not in ("reviewQueued", "reviewing") or time.perf_counter() - submitted > 15:
                 break
             await asyncio.sleep(0.02)
         reviewed_after = time.perf_counter() - submitted
     finally:
         await api_replica.stop()
     assert status in ("approved", "completed"), status
-    assert reviewed_after < 1.0, reviewed_after
+    assert reviewed_after < WOKEN_S, reviewed_after
