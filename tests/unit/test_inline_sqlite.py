@@ -43,6 +43,18 @@ BINDING_BY_ID = sa.select(t.bindings).where(B.id == sa.bindparam("p_id"))
 BINDINGS_IN = sa.select(B.id).where(B.id.in_(sa.bindparam("p_ids", expanding=True))).order_by(B.id)
 
 
+#: A bound on "it did not hang" (a transaction, a lock taken and given back): a lock
+#: left held waits the 30 s busy bound, or for ever. Not the thing checked, so wide: 1 s
+#: and 2 s were within reach of a loaded 2-CPU machine (a PostgreSQL connection opened).
+HANG_S = 10.0
+#: Under this, a wait with a 0.1 s bound gave up at its bound, not at the default 30 s.
+GIVES_UP_S = 5.0
+#: How long another process holds the file in the tests that the loop runs meanwhile: a
+#: loop blocked for all of it shows as one gap that long, and a loaded machine's gaps
+#: stay under half of it (0.3 s, gaps under 0.15 s, was within their reach).
+HOLD_S = 1.0
+
+
 class Boom(Exception):
     """Raised inside a transaction body on purpose."""
 
@@ -345,7 +357,7 @@ async def test_returning_text_and_executemany(db: Database) -> None:
     with pytest.raises(TypeError, match=r"executemany"):
         async with db.tx() as conn:
             await conn.execute(t.bindings.insert().returning(B.id), [binding("r5")])
-    async with asyncio.timeout(1):  # the lock is not left held
+    async with asyncio.timeout(HANG_S):  # the lock is not left held
         async with db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("r6"))
     assert await committed_ids(db) == {"r1", "r2", "r6"}
@@ -354,7 +366,7 @@ async def test_returning_text_and_executemany(db: Database) -> None:
 @SQLITE_ONLY
 async def test_nested_write_transactions_fail_fast(db: Database) -> None:
     """A write transaction inside another on SQLite would wait for itself: refused."""
-    async with asyncio.timeout(1):
+    async with asyncio.timeout(HANG_S):
         async with db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("n1"))
             with pytest.raises(RuntimeError, match="nested"):
@@ -377,7 +389,7 @@ async def test_concurrent_transactions_share_one_commit_and_fail_alone(db: Datab
     member returns (and its after-commit listeners run) only once the whole group is
     committed; the failed member's listeners never run."""
     path = path_of(db)
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     members = 5
     failing = 2
@@ -397,7 +409,7 @@ async def test_concurrent_transactions_share_one_commit_and_fail_alone(db: Datab
         visible_on_return[i] = raw_ids(path)
 
     with db.record_statements() as statements:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 *(member(i) for i in range(members)), return_exceptions=True
             )
@@ -439,7 +451,7 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
     transaction works. The first may also fail on a statement after which SQLite itself
     ended the transaction (a conflict clause): nobody else's work was in it, so the
     others still commit."""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("dup"))
     fired: list[list[Any]] = []
     db.on_commit_payloads("grp", fired.append)
@@ -453,7 +465,7 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
                 raise Boom
 
     with db.record_statements() as statements:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             # (a list: the gathers below have other lengths)
             results: list[BaseException | None] = list(
                 await asyncio.gather(
@@ -470,7 +482,7 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
 
     fired.clear()
     with db.record_statements() as statements:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = list(
                 await asyncio.gather(
                     member("f2", fail=True), member("f3", fail=True), return_exceptions=True
@@ -480,7 +492,7 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
     assert "COMMIT" not in statements, statements
     assert fired == []
 
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(HANG_S):
         results = list(
             await asyncio.gather(
                 member("dup", statement=rollback_insert), member("k3"), return_exceptions=True
@@ -490,7 +502,7 @@ async def test_a_first_member_that_fails_rolls_back_alone_and_the_group_goes_on(
     assert results[1] is None, results
     assert fired == [["k3"]]
     assert raw_ids(path_of(db)) == {"dup", "k1", "k2", "k3"}
-    async with asyncio.timeout(1), db.tx() as conn:
+    async with asyncio.timeout(HANG_S), db.tx() as conn:
         await conn.execute(INSERT_BINDING, binding("after"))
     assert raw_ids(path_of(db)) == {"dup", "k1", "k2", "k3", "after"}
 
@@ -504,7 +516,7 @@ async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
     default ABORT, a fenced update that matched no row) costs the group nothing: no
     ROLLBACK, the kept members' writes are not run again, whether it ran first, between
     or last; the others commit once."""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("dup"))
     fired: list[list[Any]] = []
     db.on_commit_payloads("grp", fired.append)
@@ -536,7 +548,7 @@ async def test_a_member_that_fails_before_writing_leaves_the_group_as_it_was(
             raise Boom  # as a fenced transition that matched nothing does
 
     with db.record_statements() as statements:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 reader_that_fails(),
                 writer("k1"),
@@ -572,7 +584,7 @@ async def test_a_redone_transaction_keeps_the_committed_token_of_its_first_begin
     writes. After a member failed and the kept writes were run again, the token still
     leaves those writes out, so one taken after the COMMIT differs and what a reader
     read in between is not used again (the route cache, the kept reads)."""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     during: list[object | None] = []
 
@@ -585,7 +597,7 @@ async def test_a_redone_transaction_keeps_the_committed_token_of_its_first_begin
             if fail:
                 raise Boom
 
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(HANG_S):
         results = await asyncio.gather(
             member("a"), member("b", fail=True), member(None), return_exceptions=True
         )
@@ -601,7 +613,7 @@ async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Dat
     clause, OR ROLLBACK; also disk full or I/O errors) takes the work of every member of
     its group with it: each member is told so and none is told it succeeded; a
     transaction arriving after that runs in a new group, not in a stray transaction."""
-    async with asyncio.timeout(1), db.tx() as conn:
+    async with asyncio.timeout(HANG_S), db.tx() as conn:
         await conn.execute(INSERT_BINDING, binding("dup"))
     fired: list[list[Any]] = []
     db.on_commit_payloads("grp", fired.append)
@@ -612,7 +624,7 @@ async def test_a_group_whose_transaction_sqlite_ended_fails_every_member(db: Dat
             await conn.execute(statement, binding(binding_id))
             signal_after_commit(conn, "grp", binding_id)
 
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(HANG_S):
         results = await asyncio.gather(
             member("a"), member("dup", rollback_insert), member("c"), return_exceptions=True
         )
@@ -636,7 +648,7 @@ async def test_kept_writes_are_not_redone_over_another_connections_commit(
     SQLite's write lock in that instant), every member of the group is told its work is
     gone (a 503) and none is told it succeeded; nothing of the group is committed, and
     a transaction arriving after that runs in a new group."""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     path = path_of(db)
     fired: list[list[Any]] = []
@@ -665,7 +677,7 @@ async def test_kept_writes_are_not_redone_over_another_connections_commit(
         await asyncio.sleep(0)
         await member("c")
 
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(HANG_S):
         results = await asyncio.gather(
             member("a"), member("b", fail=True), later(), return_exceptions=True
         )
@@ -684,7 +696,7 @@ async def test_kept_writes_that_cannot_run_again_fail_every_member(db: Database)
     the group is told its work is gone (a 503). (The failing member writes too: one that
     wrote nothing leaves the transaction alone, see
     ``test_a_member_that_fails_before_writing_leaves_the_group_as_it_was``.)"""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
     path = path_of(db)
 
@@ -707,12 +719,12 @@ async def test_kept_writes_that_cannot_run_again_fail_every_member(db: Database)
             conn._raw.execute("BEGIN IMMEDIATE")
             raise Boom
 
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(HANG_S):
         results = await asyncio.gather(kept(), spoiler(), return_exceptions=True)
     assert isinstance(results[0], Unavailable), results
     assert isinstance(results[1], Boom), results
     assert raw_ids(path) == {"warm", "a"}
-    async with asyncio.timeout(1), db.tx() as conn:
+    async with asyncio.timeout(HANG_S), db.tx() as conn:
         await conn.execute(INSERT_BINDING, binding("after"))
     assert raw_ids(path) == {"warm", "a", "after"}
 
@@ -765,7 +777,7 @@ async def test_a_failed_group_commit_fails_every_member(db: Database) -> None:
     assert fired == []
     assert await committed_ids(db) == set()
     assert raw_ids(path_of(db), "agents") == set()
-    async with asyncio.timeout(1):
+    async with asyncio.timeout(HANG_S):
         async with db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("i2"))
             signal_after_commit(conn, "grp", "after")
@@ -791,7 +803,7 @@ async def test_checkpoints_run_in_a_worker_thread(
     monkeypatch.setattr(InlineSqlite, "_run_checkpoint", spy)
 
     async def wait_for_checkpoints(n: int) -> None:
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(HANG_S):
             while len(threads) < n:
                 threads.append(await finished.get())
         # A checkpoint is not started while the previous one runs: let its task finish.
@@ -855,7 +867,7 @@ async def test_tx_waits_for_another_writer_without_blocking_the_loop(
             "INSERT INTO bindings (id, org_id, session_id, kind, address, silent, active,"
             " created_at) VALUES ('other', 'o', 's', 'api', '{}', 0, 1, 1)"
         )
-        hold_s = 0.3
+        hold_s = HOLD_S
         # Released from a thread, so that a loop blocked inside SQLite would still get
         # out (and fail the tick assertions) instead of hanging the test.
         timer = threading.Timer(hold_s, lambda: other.execute("COMMIT"))
@@ -880,7 +892,7 @@ async def test_tx_waits_for_another_writer_without_blocking_the_loop(
         writing = asyncio.create_task(writer())
         await asyncio.sleep(hold_s / 2)
         assert not writing.done(), "tx went ahead while another process held the lock"
-        await asyncio.wait_for(writing, timeout=2)
+        await asyncio.wait_for(writing, timeout=HANG_S)
         finished = time.monotonic()
         ticking.cancel()
         timer.join()
@@ -891,7 +903,7 @@ async def test_tx_waits_for_another_writer_without_blocking_the_loop(
     during = [s for s in stamps if started <= s <= started + hold_s]
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     assert len(during) >= 10, "the loop did not run while tx waited"
-    assert max(gaps) < 0.15, f"the loop was blocked for {max(gaps):.3f}s"
+    assert max(gaps) < HOLD_S / 2, f"the loop was blocked for {max(gaps):.3f}s"
     assert seen == [2], "tx ran after the other transaction committed"
     assert await committed_ids(db) == {"w0", "other", "w1"}
 
@@ -913,13 +925,13 @@ async def test_begin_immediate_gives_up_after_the_busy_wait(
         other.execute("BEGIN IMMEDIATE")
         started = time.monotonic()
         with pytest.raises(Unavailable) as info:
-            async with asyncio.timeout(2), db.tx() as conn:
+            async with asyncio.timeout(HANG_S), db.tx() as conn:
                 await conn.execute(INSERT_BINDING, binding("x1"))
         assert isinstance(info.value.__cause__, sa.exc.OperationalError)
         assert "locked" in str(info.value.__cause__)
-        assert 0.1 <= time.monotonic() - started < 1
+        assert 0.1 <= time.monotonic() - started < GIVES_UP_S
         other.execute("COMMIT")
-    async with asyncio.timeout(1):
+    async with asyncio.timeout(HANG_S):
         async with db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("x2"))
         async with db.tx() as conn:
@@ -947,7 +959,7 @@ async def test_a_new_reader_waits_out_a_held_file_without_blocking_the_loop(
     the driver's "database is locked" at once (a 503; one read in twenty with several
     commands run at once)."""
     other = _holding_the_file(path_of(db))
-    hold_s = 0.3
+    hold_s = HOLD_S
     # Closed from a thread: a loop blocked inside SQLite would still get out.
     timer = threading.Timer(hold_s, other.close)
     stamps: list[float] = []
@@ -961,7 +973,7 @@ async def test_a_new_reader_waits_out_a_held_file_without_blocking_the_loop(
     started = time.monotonic()
     timer.start()
     try:
-        async with asyncio.timeout(2), db.read() as conn:
+        async with asyncio.timeout(HANG_S), db.read() as conn:
             count = await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
             assert count.scalar() == 0
     finally:
@@ -969,7 +981,7 @@ async def test_a_new_reader_waits_out_a_held_file_without_blocking_the_loop(
         timer.join()
     assert time.monotonic() - started >= hold_s * 0.9
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    assert max(gaps) < 0.15, f"the loop was blocked for {max(gaps):.3f}s"
+    assert max(gaps) < HOLD_S / 2, f"the loop was blocked for {max(gaps):.3f}s"
 
 
 @SQLITE_ONLY
@@ -984,11 +996,11 @@ async def test_a_new_reader_gives_up_after_the_busy_wait(
     with closing(_holding_the_file(path_of(db))):
         started = time.monotonic()
         with pytest.raises(Unavailable) as info:
-            async with asyncio.timeout(2), db.read() as conn:
+            async with asyncio.timeout(HANG_S), db.read() as conn:
                 await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
         assert "locked" in str(info.value.__cause__)
-        assert 0.1 <= time.monotonic() - started < 1
-    async with asyncio.timeout(1), db.read() as conn:
+        assert 0.1 <= time.monotonic() - started < GIVES_UP_S
+    async with asyncio.timeout(HANG_S), db.read() as conn:
         count = await conn.execute(sa.select(sa.func.count()).select_from(t.bindings))
         assert count.scalar() == 0
 
@@ -1003,7 +1015,7 @@ async def test_a_transaction_behind_a_member_that_does_not_finish_gives_up(
     commits once it finishes. (A transaction that joins an open group with no member
     inside cannot wait, and ``InlineSqlite.enter`` arms no timer for it.)"""
     monkeypatch.setattr(Database, "_lock_wait_s", property(lambda self: 0.1))
-    async with asyncio.timeout(1), db.tx() as conn:
+    async with asyncio.timeout(HANG_S), db.tx() as conn:
         await conn.execute(INSERT_BINDING, binding("warm"))
     inside, release = asyncio.Event(), asyncio.Event()
 
@@ -1021,14 +1033,14 @@ async def test_a_transaction_behind_a_member_that_does_not_finish_gives_up(
     # Started in the same loop iteration: it joins the holder's group and waits for the
     # member slot; the next one waits for the writer lock behind the closing group.
     joined = asyncio.create_task(write("joined"))
-    await asyncio.wait_for(inside.wait(), 1)
+    await asyncio.wait_for(inside.wait(), HANG_S)
     for waiting in (joined, asyncio.create_task(write("queued"))):
         started = time.monotonic()
         with pytest.raises(Unavailable):
-            await asyncio.wait_for(waiting, 2)
-        assert time.monotonic() - started < 1
+            await asyncio.wait_for(waiting, HANG_S)
+        assert time.monotonic() - started < GIVES_UP_S
     release.set()
-    await asyncio.wait_for(held, 1)
+    await asyncio.wait_for(held, HANG_S)
     assert await committed_ids(db) == {"warm", "held"}
 
 
@@ -1211,19 +1223,19 @@ async def test_a_nested_block_whose_undo_fails_fails_the_whole_transaction(
 
     outbox.on_review_needed(cards)
     try:
-        async with asyncio.timeout(1), db.tx() as conn:
+        async with asyncio.timeout(HANG_S), db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("warm"))
         error = None if undo == "fault" else functools.partial(_not_a_fault, db)
         faults.arm_on("ROLLBACK TO", error=error)
         with pytest.raises(Exception) as raised:
-            async with asyncio.timeout(2), db.tx() as conn:
+            async with asyncio.timeout(HANG_S), db.tx() as conn:
                 await conn.execute(INSERT_BINDING, binding("transition"))
                 await outbox.review_needed(conn, "wi_1", "escalated")
         faults.disarm()
         assert faults.fired is not None and faults.fired.startswith("ROLLBACK TO")
         assert isinstance(raised.value, Unavailable) is (undo == "fault"), raised.value
         assert await committed_ids(db) == {"warm"}
-        async with asyncio.timeout(1), db.tx() as conn:
+        async with asyncio.timeout(HANG_S), db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("after"))
         assert await committed_ids(db) == {"warm", "after"}
     finally:
@@ -1236,7 +1248,7 @@ async def test_writes_run_again_after_a_failed_member_leave_out_a_failed_nested_
 ) -> None:
     """The writes run again for a kept member, after a later member of its group failed,
     are the ones it kept: not those of a nested block of it that failed."""
-    async with asyncio.timeout(1), db.tx() as conn:  # open the inline connection
+    async with asyncio.timeout(HANG_S), db.tx() as conn:  # open the inline connection
         await conn.execute(INSERT_BINDING, binding("warm"))
 
     async def kept() -> None:
@@ -1249,7 +1261,7 @@ async def test_writes_run_again_after_a_failed_member_leave_out_a_failed_nested_
             raise Boom
 
     with db.record_statements() as statements:
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(kept(), failing(), return_exceptions=True)
     assert results[0] is None and isinstance(results[1], Boom), results
     assert statements.count("ROLLBACK") == 1, statements  # the redo happened
@@ -1494,7 +1506,7 @@ async def test_a_group_commit_that_meets_a_database_fault_is_not_in_doubt(
 
     try:
         faults.arm_on("INSERT INTO bindings", then="COMMIT", whole_transaction=whole_transaction)
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 *(insert_signalled(db, b) for b in "abc"), return_exceptions=True
             )
@@ -1505,7 +1517,7 @@ async def test_a_group_commit_that_meets_a_database_fault_is_not_in_doubt(
         assert [r.in_doubt for r in results if isinstance(r, Unavailable)] == [False] * 3
         assert (fired, doubted) == ([], [])
         assert raw_ids(path) == set()
-        async with asyncio.timeout(1), db.tx() as conn:
+        async with asyncio.timeout(HANG_S), db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("after"))
             signal_after_commit(conn, "grp", "after")
         assert fired == [["after"]] and raw_ids(path) == {"after"}
@@ -1529,7 +1541,7 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
 
     try:
         faults.arm_on("INSERT INTO bindings", then="COMMIT", and_on="ROLLBACK")
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 *(insert_signalled(db, b) for b in "ab"), return_exceptions=True
             )
@@ -1538,7 +1550,7 @@ async def test_a_group_whose_commit_and_rollback_fail_tells_every_member(
         assert "ROLLBACK" in faults.statements, faults.statements
         assert all(isinstance(r, Unavailable) and not r.in_doubt for r in results), results
         assert doubted == [] and raw_ids(path) == set()
-        async with asyncio.timeout(1), db.tx() as conn:
+        async with asyncio.timeout(HANG_S), db.tx() as conn:
             await conn.execute(INSERT_BINDING, binding("after"))
         assert raw_ids(path) == {"after"}
     finally:
@@ -1652,13 +1664,13 @@ async def test_a_member_whose_writes_cannot_be_undone_fails_the_whole_group(
         return conn
 
     try:
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(HANG_S):
             before = await member("warm")
         text, then = arm
         faults.arm_on(text, then=then, and_on="ROLLBACK" if retry_fails else None)
         names = ["a", "b", "c", "d"] if kept else ["b", "c", "d"]
         refuse_opening[0] = True
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 *(member(name, fail=name == "b") for name in names), return_exceptions=True
             )
@@ -1670,7 +1682,7 @@ async def test_a_member_whose_writes_cannot_be_undone_fails_the_whole_group(
         assert isinstance(told.pop("b"), Boom), results
         assert all(isinstance(r, Unavailable) and not r.in_doubt for r in told.values()), results
         assert (fired, doubted) == ([["warm"]], [])
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(HANG_S):
             after = await member("after")
         assert raw_ids(path) == {"warm", "after"}
         assert fired == [["warm"], ["after"]]
@@ -1720,14 +1732,14 @@ async def test_members_that_only_read_are_answered_when_a_failed_members_undo_fa
             )
 
     try:
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(HANG_S):
             await insert_signalled(db, "warm")
         if fault == "commit-in-between":
             faults.arm(None)
             faults.on_settled = other_commit
         else:
             faults.arm_on("ROLLBACK", and_on="ROLLBACK" if fault == "rollback-and-retry" else None)
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(
                 reader(), failing(), insert_signalled(db, "c"), return_exceptions=True
             )
@@ -1743,7 +1755,7 @@ async def test_members_that_only_read_are_answered_when_a_failed_members_undo_fa
             assert isinstance(results[2], Unavailable) and not results[2].in_doubt, results
             assert raw_ids(path) == {"warm"}
             assert fired == [["warm"]]
-        async with asyncio.timeout(1):
+        async with asyncio.timeout(HANG_S):
             await insert_signalled(db, "after")
         assert "after" in raw_ids(path)
     finally:
@@ -1782,7 +1794,7 @@ async def test_a_transaction_waiting_behind_a_group_that_closed_the_connection_u
 
     try:
         faults.arm_on("INSERT INTO bindings", then="COMMIT", and_on="ROLLBACK")
-        async with asyncio.timeout(2):
+        async with asyncio.timeout(HANG_S):
             results = await asyncio.gather(member("slow"), waiting(), return_exceptions=True)
         faults.disarm()
         assert faults.fired is not None and faults.fired.startswith("COMMIT"), faults.statements
