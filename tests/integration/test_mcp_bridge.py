@@ -689,10 +689,11 @@ async def test_no_spin_and_quick_shutdown_after_disconnect(served: Served) -> No
     cpu_before = time.process_time()
     await asyncio.sleep(1.0)
     assert time.process_time() - cpu_before < 0.3
-    # ...and must stop promptly.
+    # ...and must stop promptly: under the runner's 5 s shutdown timeout (2 s was within
+    # a loaded machine's reach).
     started = time.monotonic()
     await served.runner.cleanup()
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 4.0
 
 
 async def test_streams_of_a_vanished_client_end(served: Served) -> None:
@@ -727,7 +728,9 @@ async def test_quick_shutdown_while_a_client_stays_connected(served: Served) -> 
         assert time.process_time() - cpu_before < 0.3
         started = time.monotonic()
         await served.runner.cleanup()
-        assert time.monotonic() - started < 2.0
+        # Under the runner's 5 s shutdown timeout a held stream would wait out; 2 s was
+        # within a loaded machine's reach.
+        assert time.monotonic() - started < 4.0
 
 
 async def test_an_answered_post_is_not_kept_while_its_mcp_session_lives(served: Served) -> None:

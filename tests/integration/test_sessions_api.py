@@ -495,7 +495,9 @@ async def test_shutdown_ends_open_streams(env: Env) -> None:
     stream = await open_stream(env, "plain", "bye")
     started = time.monotonic()
     await env.client.close()
-    assert time.monotonic() - started < 3.0
+    # Not aiohttp's shutdown timeout (60 s) that an open stream held it for; 3 s was
+    # within a loaded machine's reach.
+    assert time.monotonic() - started < 10.0
     assert env.service.event_hub.readers == 0
     stream.close()
 
