@@ -10,14 +10,17 @@ whose undo took it back, still commits the rest.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 import sqlalchemy as sa
 
 from leadgate.core.errors import Unavailable
 from leadgate.database.db import Database, signal_after_commit
+from leadgate.database.pg import asyncpg_dsn
+from tests.helpers import eventually
 from tests.integration.test_damaged_postgres import run_sql
 from tests.unit.test_pg_connection_loss import INSERT, organization_ids
 
@@ -133,11 +136,22 @@ async def test_a_session_ended_idle_in_its_transaction_is_a_503(
     await run_sql(
         migrated_pg, f"ALTER DATABASE {name} SET idle_in_transaction_session_timeout = '100ms'"
     )
-    with pytest.raises(Unavailable) as raised:
-        async with db.tx() as conn:
-            await conn.execute(INSERT, {"id": "o1"})
-            await asyncio.sleep(0.5)
-            await conn.execute(INSERT, {"id": "o2"})
+    other = await asyncpg.connect(asyncpg_dsn(migrated_pg))
+
+    async def ended(pid: int) -> bool:
+        return not await other.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid)
+
+    try:
+        with pytest.raises(Unavailable) as raised:
+            async with db.tx() as conn:
+                await conn.execute(INSERT, {"id": "o1"})
+                pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+                # The server ends the session, waited for: a loaded machine's server
+                # could take longer than the 0.5 s this slept (the insert then went in).
+                assert await eventually(functools.partial(ended, pid))
+                await conn.execute(INSERT, {"id": "o2"})
+    finally:
+        await other.close()
     assert raised.value.rule == "service.unavailable" and not raised.value.in_doubt
     assert await organization_ids(db) == []
 
