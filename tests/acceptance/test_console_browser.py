@@ -9,7 +9,7 @@ Work items are set up through the real turn path with the built-in ``script`` mo
 (``#complete #escalate`` -> the lead escalates -> ``awaitingHuman``); the lead runner,
 the revision runner and the relay are drained by hand while the page is open, and the
 page must follow through ``/operator/events`` (no reload). One browser for the module; a
-fresh context (no cookies) per test. Screenshots go to /tmp/console-*.png, or to
+fresh context (no cookies) per test. Screenshots go to the test's tmp_path (console-*.png), or to
 ``docs/`` with ``LEADGATE_SCREENSHOTS=docs`` (``scripts/screenshots.sh``).
 """
 
@@ -60,7 +60,6 @@ HASHED = orgs.hash_password(PASSWORD)
 MEMBER = "mia@example.com"
 VIEWER = "vic@example.com"
 REPO = Path(__file__).resolve().parents[2]
-SCREENSHOTS = REPO / "docs" if os.environ.get("LEADGATE_SCREENSHOTS") == "docs" else Path("/tmp")
 #: Live updates arrive within about a second (the events poll); generous for a busy CI.
 LIVE_MS = 15_000
 SLACK = {"team": "T1", "channel": "C1", "thread_ts": "1.1"}
@@ -218,12 +217,20 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
         await context.close()
 
 
+@pytest.fixture
+def screenshots(tmp_path: Path) -> Path:
+    """Where the pages' screenshots go: ``docs/`` with ``LEADGATE_SCREENSHOTS=docs``, else
+    the test's own folder (a fixed /tmp name was shared by concurrent runs, and one
+    left there by another user could not be overwritten)."""
+    return REPO / "docs" if os.environ.get("LEADGATE_SCREENSHOTS") == "docs" else tmp_path
+
+
 def queue_row(page: Page, item: str) -> Any:
     return page.locator(f'#queue tbody tr[data-id="{item}"]')
 
 
 async def test_triage_from_the_queue_with_filters_and_live_arrivals(
-    console: Console, page: Page
+    console: Console, page: Page, screenshots: Path
 ) -> None:
     first = await console.awaiting_item("draft the launch note for Friday", "s1")
     await console.awaiting_item(
@@ -267,12 +274,12 @@ async def test_triage_from_the_queue_with_filters_and_live_arrivals(
     await expect(queue_row(page, arrived)).to_be_visible(timeout=LIVE_MS)
     await expect(page.locator("#queue-count")).to_have_text("3", timeout=LIVE_MS)
     await expect(queue_row(page, arrived)).to_contain_text("answer the customer about pricing")
-    await page.screenshot(path=SCREENSHOTS / "console-queue.png", full_page=True)
+    await page.screenshot(path=screenshots / "console-queue.png", full_page=True)
     assert console.dialogs == []
 
 
 async def test_detail_destination_confirmation_verdicts_names_and_live_state(
-    console: Console, page: Page
+    console: Console, page: Page, screenshots: Path
 ) -> None:
     item = await console.awaiting_item(
         "post the weekly update", "s4", binding=BindingSpec(BindingKind.slack, SLACK)
@@ -310,11 +317,11 @@ async def test_detail_destination_confirmation_verdicts_names_and_live_state(
     dialog = page.get_by_role("dialog", name="Approve this work item?")
     await expect(dialog).to_be_visible()
     await expect(dialog).to_contain_text("Posts the approved text to Slack C1, in thread 1.1.")
-    await page.screenshot(path=SCREENSHOTS / "console-approve.png")
+    await page.screenshot(path=screenshots / "console-approve.png")
     await dialog.get_by_role("button", name="Keep reviewing").click()
     await expect(dialog).to_be_hidden()
     await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
-    await page.screenshot(path=SCREENSHOTS / "console-detail.png", full_page=True)
+    await page.screenshot(path=screenshots / "console-detail.png", full_page=True)
     await page.get_by_role("button", name="Approve…").click()
     await dialog.get_by_role("button", name="Approve and deliver").click()
     await expect(page.locator("#detail-status")).to_have_text("approved")
@@ -395,7 +402,7 @@ async def test_typed_feedback_survives_live_updates_and_a_decision_made_elsewher
 
 
 async def test_markup_is_text_and_activity_filters_and_searches_without_the_text(
-    console: Console, page: Page
+    console: Console, page: Page, screenshots: Path
 ) -> None:
     markup = '<script>alert(1)</script><img src=x onerror="alert(2)"><b>bold</b>'
     item = await console.awaiting_item(markup, "s6")
@@ -427,7 +434,7 @@ async def test_markup_is_text_and_activity_filters_and_searches_without_the_text
     await expect(page.locator("#app-view")).not_to_contain_text("rename the invoices")
     await page.locator("#activity-status").select_option("completed")
     await expect(page.locator("#activity-empty")).to_be_visible()
-    await page.screenshot(path=SCREENSHOTS / "console-activity.png", full_page=True)
+    await page.screenshot(path=screenshots / "console-activity.png", full_page=True)
     await page.locator("#activity-status").select_option("")
     await page.get_by_label("Search summaries").fill("")
     await page.get_by_role("button", name="Search").click()
@@ -436,7 +443,9 @@ async def test_markup_is_text_and_activity_filters_and_searches_without_the_text
     await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
 
 
-async def test_insights_charts_render_with_data(console: Console, page: Page) -> None:
+async def test_insights_charts_render_with_data(
+    console: Console, page: Page, screenshots: Path
+) -> None:
     approved = await console.awaiting_item("first", "s8")
     rejected = await console.awaiting_item("second", "s9")
     for item, action, body in ((approved, "approve", {}), (rejected, "reject", {"reason": "no"})):
@@ -471,7 +480,7 @@ async def test_insights_charts_render_with_data(console: Console, page: Page) ->
         text = await svg.text()
         assert 'class="no_data"' not in text, name
         assert text.count("<rect") > 2, name
-    await page.screenshot(path=SCREENSHOTS / "console-insights.png", full_page=True)
+    await page.screenshot(path=screenshots / "console-insights.png", full_page=True)
 
 
 async def test_a_viewer_is_told_their_role_cannot_review(console: Console, page: Page) -> None:

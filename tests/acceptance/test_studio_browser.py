@@ -9,6 +9,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -104,7 +105,7 @@ async def test_plain_reply_appears_at_once(page: Page, svc: ServiceProcess) -> N
 
 
 async def test_held_turn_is_pending_then_the_approved_answer_in_place(
-    page: Page, svc: ServiceProcess
+    page: Page, svc: ServiceProcess, tmp_path: Path
 ) -> None:
     session = f"st-{uuid.uuid4().hex[:8]}"
     marker = f"write it {session} #escalate #complete"
@@ -123,7 +124,7 @@ async def test_held_turn_is_pending_then_the_approved_answer_in_place(
     held = bubbles.nth(1)
     handle = await held.element_handle()
     assert handle is not None
-    await page.screenshot(path="/tmp/studio-pending.png")
+    await page.screenshot(path=tmp_path / "studio-pending.png")
     await approve_held(svc, session)
     # The same element now holds the approved answer: revealed in place, no reload.
     await expect(held).to_have_text(f"Echo: {marker}", timeout=TIMEOUT * 1000)
@@ -131,7 +132,7 @@ async def test_held_turn_is_pending_then_the_approved_answer_in_place(
     await expect(page.locator("#error")).to_be_hidden()
     assert await handle.text_content() == f"Echo: {marker}"
     assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
-    await page.screenshot(path="/tmp/studio-approved.png")
+    await page.screenshot(path=tmp_path / "studio-approved.png")
     # Reloading renders the same session from its event log.
     await page.reload()
     await expect(page.locator("#chat-view")).to_be_visible()
