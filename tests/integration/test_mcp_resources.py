@@ -38,6 +38,7 @@ from tests.fakes import DownFor
 from tests.helpers import (
     LEGACY_SUBSCRIBE,
     Org,
+    eventually,
     listened,
     make_agent,
     make_key,
@@ -180,19 +181,13 @@ async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
         }
         # Stored: the user message (an update), then the answer held (an update: the
         # review status), and no answer yet.
-        for _ in range(100):
-            if len(env.updates) == 2:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: len(env.updates) == 2)
         assert env.updates == [resource, resource]
         held = await transcript(client, resource)
         assert [(m["role"], m["content"]) for m in held["data"]] == [("user", "ship it #complete")]
         assert held["review"] == {"status": "pending"}
         await env.settle()  # the lead approves; the relay reveals (one transaction)
-        for _ in range(100):
-            if len(env.updates) == 3:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: len(env.updates) == 3)
         assert env.updates == [resource] * 3
         done = await transcript(client, resource)
         assert [m["content"] for m in done["data"]] == [
@@ -204,11 +199,9 @@ async def test_read_then_subscribe_then_the_approved_answer(env: Env) -> None:
         assert env.service._mcp is not None and env.service._mcp.resources is not None
         assert env.service._mcp.resources.subscriptions == 1
     # The MCP session ended (DELETE): its subscription is gone with it.
-    for _ in range(100):
-        if env.service._mcp.resources.subscriptions == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert env.service._mcp.resources.subscriptions == 0
+    resources = env.service._mcp.resources
+    await eventually(lambda: resources.subscriptions == 0)
+    assert resources.subscriptions == 0
 
 
 @LEGACY_SUBSCRIBE
@@ -232,10 +225,7 @@ async def test_a_rejected_answer_updates_subscribers_and_the_page_says_so(env: E
             item_id = (await conn.execute(sa.select(t.work_items.c.id))).scalar_one()
         before = len(env.updates)
         await env.service.reviews.decide(env.org.principal, item_id, "reject", "off topic")
-        for _ in range(100):
-            if len(env.updates) > before:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: len(env.updates) > before)
         assert env.updates[before:] == [resource]
         done = await transcript(client, resource)
     assert done["review"] == {"status": "rejected"}
@@ -500,10 +490,8 @@ async def test_subscribed_sessions_are_kept_notified_by_every_replica(env: Env) 
                 assert marked[-1] == sorted(marked[0] + marked[1])
             assert env.service._mcp is not None and env.service._mcp.resources is not None
             resources = env.service._mcp.resources
-            for _ in range(100):  # the server ends the listen stream after the client
-                if resources.sessions() == set(marked[0]):
-                    break
-                await asyncio.sleep(0.02)
+            # The server ends the listen stream after the client.
+            await eventually(lambda: resources.sessions() == set(marked[0]))
             await hub.renew()
             assert marked[-1] == marked[0]  # the listen stream ended
         with warnings.catch_warnings():

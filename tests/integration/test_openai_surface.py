@@ -266,10 +266,7 @@ async def test_gated_and_failed_answers_are_replayed_not_rerun(env: Env) -> None
 
 async def test_a_second_request_while_the_first_runs_is_told_to_wait(env: Env) -> None:
     first = asyncio.create_task(env.chat("slow", "wait", idem="k-slow", session="w"))
-    for _ in range(200):
-        if env.gate.calls:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: env.gate.calls)
     assert env.gate.calls == 1
     second = await env.chat("slow", "wait", idem="k-slow", session="w")
     assert second.status == 409

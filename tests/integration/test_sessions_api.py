@@ -566,20 +566,14 @@ async def test_a_replica_listens_on_one_connection_for_every_channel(pg_url: str
         # ...and it hears each channel: a NOTIFY on the review channel wakes the runner.
         pokes = service.lead_runner._pokes
         await probe.execute("SELECT pg_notify('leadgate_reviews', '')")
-        for _ in range(100):
-            if service.lead_runner._pokes > pokes:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: service.lead_runner._pokes > pokes)
         assert service.lead_runner._pokes > pokes
         # Its own NOTIFYs (the payload names its Database) poked at commit already.
         pokes = service.lead_runner._pokes
         await probe.execute("SELECT pg_notify('leadgate_reviews', $1)", service.db.notify_tag)
         await probe.execute("SELECT pg_notify('leadgate_reviews', 'another replica')")
         await probe.execute("SELECT pg_notify('leadgate_reviews', $1)", service.db.notify_tag)
-        for _ in range(100):
-            if service.lead_runner._pokes > pokes:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: service.lead_runner._pokes > pokes)
         await asyncio.sleep(0.3)  # the notifications after it arrive in order, at once
         assert service.lead_runner._pokes == pokes + 1
     finally:

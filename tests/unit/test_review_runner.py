@@ -49,6 +49,7 @@ from tests.helpers import (
     blocked_on_a_lock,
     counted,
     deliveries_counted,
+    eventually,
     held_open,
     item_locked,
     make_agent,
@@ -396,10 +397,7 @@ async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(stack: S
         assert (post["status"], post["lease_token"], post["attempts"]) == ("pending", None, 0)
         assert stack.relay.take_poke()  # this process's relay, at commit
         if listener is not None:  # and the other replicas' relays
-            for _ in range(100):
-                if heard:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: heard)
             assert heard == [NOTIFY_CHANNEL]
     finally:
         if listener is not None:

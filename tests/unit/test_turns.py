@@ -36,6 +36,7 @@ from tests.helpers import (
     Anonymizer,
     Org,
     api_trigger,
+    eventually,
     fake_clock,
     held_open,
     item_audit,
@@ -1100,10 +1101,7 @@ async def test_a_submission_writes_its_event_and_wakes_the_lead_runners_of_every
             (session_events.REVIEW, "pending"),
         ]
         if listener is not None:
-            for _ in range(100):
-                if heard:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: heard)
             # Other replicas' runners hear the submission; this process's own listener
             # skips its tag (it poked its runner at commit).
             assert heard == [stack.db.notify_tag]
