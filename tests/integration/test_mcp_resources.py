@@ -526,14 +526,16 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
         async with served_app(pg_url) as (writer, writer_client):
             org = await make_org(writer)
             await make_agent(writer, org, "plain")
-            for _ in range(200):  # both replicas' LISTEN connections are up
+
+            async def both_listening() -> bool:
                 listening = await probe.fetchval(
                     "SELECT count(*) FROM pg_stat_activity"
                     " WHERE datname = current_database() AND query LIKE 'LISTEN %'"
                 )
-                if listening >= 2:
-                    break
-                await asyncio.sleep(0.02)
+                return bool(listening >= 2)
+
+            # Both replicas' LISTEN connections are up (a NOTIFY before is not heard).
+            await eventually(both_listening)
             env = Env(reader, f"http://{host}:{port}/mcp", org, org)
             resource = uri("plain", "across")
             async with session(env) as client:

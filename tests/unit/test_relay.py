@@ -42,6 +42,7 @@ from tests.helpers import (
     Env,
     Org,
     deliveries_counted,
+    eventually,
     held_open,
     item_row,
     make_agent,
@@ -975,10 +976,11 @@ async def test_running_service_hands_approvals_to_its_relay_without_a_claim(
         row = await workitems.get(conn, seeded.items[2]["id"])
         await decisions.human_approve(conn, stack.outbox, row, "user:test")
     await asyncio.wait_for(posted.wait(), timeout=5)
-    for _ in range(100):
-        if (await item(stack, seeded.items[2]["id"]))["status"] == "completed":
-            break
-        await asyncio.sleep(0.02)
+
+    async def completed() -> bool:
+        return bool((await item(stack, seeded.items[2]["id"]))["status"] == "completed")
+
+    await eventually(completed)
     assert [m.text for m in channel.calls] == [
         seeded.items[0]["snapshot"],
         seeded.items[2]["snapshot"],
