@@ -148,18 +148,17 @@ class Env(Protocol):
     def ids(self) -> IdFactory: ...
 
 
-async def stopped_by_a_fault(
-    db: Database, turns: TurnService, monkeypatch: pytest.MonkeyPatch, taken: Accepted
-) -> None:
+async def stopped_by_a_fault(db: Database, turns: TurnService, taken: Accepted) -> None:
     """Run ``taken`` on ``turns``, its next write on ``db`` meeting the database gone,
     whichever way it goes (a transaction, or on PostgreSQL one statement alone): the turn
     stops with :class:`Unavailable` (its client told 503 ``turn.interrupted``), its run
-    left to the turn recovery (``TurnService.orphans``)."""
-    monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
-    monkeypatch.setattr(db, "write_alone", DownAloneFor(db.write_alone, 1, after_commit=False))
-    with pytest.raises(Unavailable):
-        await turns.execute(taken)
-    monkeypatch.undo()
+    left to the turn recovery (``TurnService.orphans``). The faults are patched in and
+    taken out here alone (a test's ``monkeypatch.undo()`` undid its fixtures' too)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
+        patch.setattr(db, "write_alone", DownAloneFor(db.write_alone, 1, after_commit=False))
+        with pytest.raises(Unavailable):
+            await turns.execute(taken)
 
 
 def sqlite_plan(conn: sa.Connection, statement: sa.ClauseElement) -> list[str]:

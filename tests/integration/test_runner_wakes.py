@@ -1037,7 +1037,7 @@ async def test_an_api_replicas_turn_left_to_recovery_is_answered_once(
         taken = await api.turns.take(api_trigger(org, agent, "draft it #complete"))
         assert isinstance(taken, Accepted) and taken.ctx.run_token and taken.ctx.work_item_id
         if how == "interrupted":
-            await stopped_by_a_fault(api.db, api.turns, monkeypatch, taken)
+            await stopped_by_a_fault(api.db, api.turns, taken)
         elif how == "intake in doubt":
             api.turns.intake.doubted(taken.ctx.run_token)  # (its read-back failed)
         else:  # a look at the token, a second on, as a claim in doubt leaves it

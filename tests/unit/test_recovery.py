@@ -246,7 +246,7 @@ async def test_an_api_turn_told_not_to_resend_whose_process_died_is_still_rerun(
     lead. A message the client does send in the wait is the turn instead."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    await stopped_by_a_fault(stack.db, stack.turns, monkeypatch, taken)
+    await stopped_by_a_fault(stack.db, stack.turns, taken)
     assert stack.turns.orphans == {taken.ctx.run_token}
     # The process dies (its memory with it): another one, with its own recovery.
     async with stack.db.tx() as conn:
@@ -311,7 +311,7 @@ async def test_an_api_turn_told_not_to_resend_is_run_again_by_recovery(
     orphans (``Intake.doubted``)."""
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
-    await stopped_by_a_fault(stack.db, stack.turns, monkeypatch, taken)
+    await stopped_by_a_fault(stack.db, stack.turns, taken)
     assert len(stack.turns.orphans) == 1
     assert await count(stack, t.turn_runs) == 1
     item_id = taken.ctx.work_item_id
@@ -877,16 +877,19 @@ async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_t
     taken = await stack.turns.take(trigger)
     assert isinstance(taken, Accepted) and taken.ctx.work_item_id
     await alive_here(stack, turns_too=True)  # the retry's process
-    if cut == "its read fails":
-        monkeypatch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
-    else:
-        # The intake's transaction (a duplicate) goes through; the claim's is lost.
-        real_tx = stack.db.tx
-        calls: Iterator[Callable[[], Any]] = iter([real_tx, DownFor(real_tx, 1, after_commit=True)])
-        monkeypatch.setattr(stack.db, "tx", lambda: next(calls, real_tx)())
-    with pytest.raises(Unavailable):
-        await stack.turns.run(trigger, retake=True)
-    monkeypatch.undo()
+    # (Its own patch, undone alone: the fixtures' patches stay.)
+    with pytest.MonkeyPatch.context() as patch:
+        if cut == "its read fails":
+            patch.setattr(stack.db, "read", DownFor(stack.db.read, 1, after_commit=False))
+        else:
+            # The intake's transaction (a duplicate) goes through; the claim's is lost.
+            real_tx = stack.db.tx
+            calls: Iterator[Callable[[], Any]] = iter(
+                [real_tx, DownFor(real_tx, 1, after_commit=True)]
+            )
+            patch.setattr(stack.db, "tx", lambda: next(calls, real_tx)())
+        with pytest.raises(Unavailable):
+            await stack.turns.run(trigger, retake=True)
     async with stack.db.read() as conn:
         run = (await conn.execute(sa.select(t.turn_runs))).one()
     assert run.lease_owner is not None  # claimed by the retry, alive
