@@ -382,12 +382,31 @@ async def test_a_slack_approval_writes_its_post_claimed_for_this_process(stack: 
         assert [sql.split()[0] for sql in statements].count("BEGIN") == 0, statements
 
 
-async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(stack: Stack) -> None:
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "by-tx"])
+async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(
+    stack: Stack, migrated_url: str, alone: bool
+) -> None:
+    """This process's relay is poked at commit; the other replicas' relays hear NOTIFY,
+    on a connection of their own (so the poke cannot stand in for it). On PostgreSQL the
+    approval NOTIFYs either way it is written: the one statement's own ``pg_notify``,
+    and, in a transaction (``statements_alone=False``), the outbox's."""
+    if not alone:
+        if not stack.db.is_postgres:
+            pytest.skip("SQLite writes the approval in a transaction either way")
+        stack = build_stack(migrated_url, statements_alone=False)
+    try:
+        await _approval_wakes_every_relay(stack)
+    finally:
+        if not alone:
+            await stack.stop()
+
+
+async def _approval_wakes_every_relay(stack: Stack) -> None:
     org, _, worker = await setup(stack)
     item_id = await submit_slack(stack, org, worker, "5.2")
     listener = None
     heard: list[str] = []
-    if stack.db.statements_alone:
+    if stack.db.is_postgres:
         listener = await asyncpg.connect(asyncpg_dsn(stack.db.url))
         await listener.add_listener(NOTIFY_CHANNEL, lambda *args: heard.append(args[2]))
     try:
