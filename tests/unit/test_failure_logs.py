@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,20 +76,34 @@ def _faults(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRe
 async def test_a_runner_pass_meeting_the_database_down_names_the_rule_and_stops_at_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    stop = asyncio.Event()
+    """The back-off after the database's fault (0.5 s at the first, then doubling) is
+    cut short by stopping. The second failure's (1 s) is the one stopped in: twice the
+    bound, so a loop that sleeps its back-off out fails (the first's, 0.5 s, was under
+    the 1 s bound this test had, so such a loop passed)."""
+    stop, wake = asyncio.Event(), asyncio.Event()
+    stopped_at: list[float] = []
 
     class Down:
         name = "sweeper"
+        passes = 0
 
         async def run_once(self) -> bool:
-            stop.set()  # asked to stop during the back-off that follows
+            self.passes += 1
+            if self.passes == 1:
+                wake.set()  # the next pass comes after the back-off, not at the poll
+            else:
+                stop.set()  # asked to stop during the back-off that follows
+                stopped_at.append(time.monotonic())
             raise Unavailable("database down", rule="service.unavailable")
 
     caplog.set_level(logging.INFO)
-    await asyncio.wait_for(run_loop(Down(), wake=asyncio.Event(), stop=stop, poll_s=60), 1.0)
-    [line] = _faults(caplog, "leadgate.runners")
-    assert line.levelno == logging.WARNING and line.exc_info is None
-    assert "runner sweeper: database unavailable (service.unavailable: " in line.getMessage()
+    await asyncio.wait_for(run_loop(Down(), wake=wake, stop=stop, poll_s=60), 10.0)
+    assert time.monotonic() - stopped_at[0] < 0.5
+    lines = _faults(caplog, "leadgate.runners")
+    assert len(lines) == 2
+    for line in lines:
+        assert line.levelno == logging.WARNING and line.exc_info is None
+        assert "runner sweeper: database unavailable (service.unavailable: " in line.getMessage()
 
 
 async def test_a_runner_pass_meeting_a_bug_keeps_its_traceback_and_stops_at_once(
