@@ -382,7 +382,17 @@ async def test_a_slack_approval_writes_its_post_claimed_for_this_process(stack: 
         assert [sql.split()[0] for sql in statements].count("BEGIN") == 0, statements
 
 
-@pytest.mark.parametrize("alone", [True, False], ids=["alone", "by-tx"])
+@pytest.mark.parametrize(
+    ("alone", "db_url"),
+    [
+        (True, "sqlite"),
+        (True, "postgres"),
+        # (SQLite writes the approval in a transaction either way.)
+        (False, "postgres"),
+    ],
+    ids=["alone-sqlite", "alone-postgres", "by-tx-postgres"],
+    indirect=["db_url"],
+)
 async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(
     stack: Stack, migrated_url: str, alone: bool
 ) -> None:
@@ -391,8 +401,6 @@ async def test_a_slack_approval_without_a_local_relay_wakes_every_relay(
     approval NOTIFYs either way it is written: the one statement's own ``pg_notify``,
     and, in a transaction (``statements_alone=False``), the outbox's."""
     if not alone:
-        if not stack.db.is_postgres:
-            pytest.skip("SQLite writes the approval in a transaction either way")
         stack = build_stack(migrated_url, statements_alone=False)
     try:
         await _approval_wakes_every_relay(stack)
