@@ -74,6 +74,7 @@ from leadgate.core.tasks import alongside
 from leadgate.core.types import Gated, Reply
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.faults import unavailable
 from leadgate.database.sql import insert_ignore_stmt
 
 #: How long a key's first answer is kept and replayed.
@@ -455,8 +456,7 @@ class Idempotency:
             if not self._hold(
                 principal, claim, response, provisional, due=now + self._lost.first_ms
             ):
-                with contextlib.suppress(Exception):
-                    await self.lapse(principal, claim)
+                await self.lapse(principal, claim)
             raise
         except BaseException:  # (cancelled: no write now; the watch's first look does it)
             now = self.clock.now_ms()
@@ -606,17 +606,27 @@ class Idempotency:
         client's retry 409 ``idempotency.in_progress`` until the claim's lease lapsed, a
         minute on. So the claim is watched (:meth:`_give_back_lost`): handed back 1 s on
         and then at doubling gaps, by this process's loop or its next keyed request,
-        until its lease would have lapsed. The failure is raised all the same."""
+        until its lease would have lapsed. The failure is logged, not raised: the
+        caller's client is told what its own request came to (raised, a request refused
+        before its intake, a 404 model say, or a retry told ``idempotency.in_progress``
+        while recovery reruns its turn, was answered 503 "nothing was stored, retry").
+        A cancellation is raised (the request is gone), the claim watched the same."""
         if claim.owner is None:  # (only a claim that runs holds the key)
             return
         token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=keep_key)
         try:
             await self._give_back(token)
-        except BaseException:
+        except BaseException as exc:
             # In doubt it may have landed: a later look then finds nothing, as fenced.
             now = self.clock.now_ms()
             self._lost.watch(token, due=now + self._lost.first_ms, lapses=now + LEASE_MS)
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            log.warning(
+                "giving back an Idempotency-Key claim failed (tried again 1 s on): %s",
+                type(exc).__name__,
+                exc_info=unavailable(exc) is None,
+            )
 
     async def _sweep(self, now: int) -> None:
         if now < self._next_sweep:

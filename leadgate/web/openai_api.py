@@ -574,20 +574,20 @@ def setup(
                     response, stored = await exchange.run()
         except BaseException as exc:
             if claim is not None and idempotency is not None and exchange.lapse:
-                await _hand_back(idempotency.lapse, principal, claim)
+                await idempotency.lapse(principal, claim)
             elif claim is not None and idempotency is not None and not exchange.recorded:
                 if isinstance(exc, Unavailable) and exc.in_doubt:
-                    await _hand_back(idempotency.lapse, principal, claim)
+                    await idempotency.lapse(principal, claim)
                 else:
-                    await _hand_back(idempotency.release, principal, claim)
+                    await idempotency.release(principal, claim)
             raise
         if claim is not None and idempotency is not None and exchange.lapse:
             # Its turn still runs elsewhere (turn recovery's rerun): the next retry takes
             # the key over at once and looks again.
-            await _hand_back(idempotency.lapse, principal, claim)
+            await idempotency.lapse(principal, claim)
         elif claim is not None and idempotency is not None and not exchange.kept:
             if stored is None:
-                await _hand_back(idempotency.release, principal, claim)
+                await idempotency.release(principal, claim)
             else:
                 try:
                     await idempotency.finish(
@@ -611,26 +611,6 @@ def setup(
                         exc_info=unavailable(exc) is None,
                     )
         return response
-
-    async def _hand_back(
-        give_back: Callable[[Principal, Claim], Awaitable[None]],
-        principal: Principal,
-        claim: Claim,
-    ) -> None:
-        """Give ``claim`` back (:meth:`~leadgate.operations.idempotency.Idempotency.release`
-        or ``lapse``); a failure is logged, not raised: the give-back is watched and tried
-        again (``Idempotency._hand_back``), and the client is told what its own request
-        came to. Raised instead, a request refused before its intake (a 404 model, say),
-        or a retry told 409 ``idempotency.in_progress`` while recovery reruns its turn,
-        was answered 503 "nothing was stored, retry"."""
-        try:
-            await give_back(principal, claim)
-        except Exception as fault:
-            log.warning(
-                "giving back an Idempotency-Key claim failed: %s",
-                type(fault).__name__,
-                exc_info=unavailable(fault) is None,
-            )
 
     async def list_models(request: web.Request) -> web.Response:
         assert models is not None
