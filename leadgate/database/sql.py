@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -11,6 +11,9 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 from leadgate.database.plans import AnyRow
+
+if TYPE_CHECKING:
+    from leadgate.database.db import Conn
 
 
 @functools.cache
@@ -21,6 +24,15 @@ def one_row(claim: sa.CTE) -> sa.Join:
     (whether rows it skipped as locked by another transaction were there). A claim of
     several rows answers one row for each."""
     return sa.select(sa.literal(1)).subquery("one").outerjoin(claim, sa.true())
+
+
+async def bound_lock_waits(conn: Conn, seconds: float) -> None:
+    """PostgreSQL: this transaction waits at most ``seconds`` for a lock (then a database
+    fault, 55P03); by default it would wait for ever. SQLite's writer waited for its lock
+    already (``BEGIN IMMEDIATE``, bounded by the busy timeout) and has no row locks."""
+    if conn.dialect.name == "postgresql":
+        ms = max(1, round(seconds * 1000))
+        await conn.execute(sa.text(f"SET LOCAL lock_timeout = '{ms}ms'"))
 
 
 def insert_ignore_stmt(dialect: str, table: sa.Table) -> Any:

@@ -63,7 +63,7 @@ from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Repl
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, Held, held_counts
 from leadgate.database.faults import lock_not_granted
-from leadgate.database.sql import insert_ignore_stmt
+from leadgate.database.sql import bound_lock_waits, insert_ignore_stmt
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import wakes, workitems
 from leadgate.domain.orgs import validate_name
@@ -138,15 +138,6 @@ class RunUnreadable(LeadgateError):
     same; recovery gives such a run up after :data:`leadgate.flows.recovery.MAX_RECOVERIES`
     attempts (rule ``flow.unrecoverable``). A paused run the resumer finds unreadable
     is given up at once the same way."""
-
-
-async def _bound_lock_waits(conn: Conn, seconds: float) -> None:
-    """PostgreSQL: this transaction waits at most ``seconds`` for a lock (then a database
-    fault, 55P03); by default it would wait for ever. SQLite's writer waited for its lock
-    already (``BEGIN IMMEDIATE``, bounded by the busy timeout) and has no row locks."""
-    if conn.dialect.name == "postgresql":
-        ms = max(1, round(seconds * 1000))
-        await conn.execute(sa.text(f"SET LOCAL lock_timeout = '{ms}ms'"))
 
 
 class NewRun(TypedDict):
@@ -1028,7 +1019,7 @@ class FlowResumer:
                 # session), bounded: unbounded, one held item stalled this loop, every
                 # other approved flow with it, for as long as its holder ran. Taken again
                 # after such a wait, they do not wait: its first take waited already.
-                await _bound_lock_waits(
+                await bound_lock_waits(
                     conn, self.lock_wait_s if again is None else _TAKEN_AGAIN_WAIT_S
                 )
                 if row.item_status != Status.approved.value:
