@@ -518,14 +518,22 @@ _TRANSITION_MANY = (
 )
 _GET = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
 _GET_IN_ORG = _GET.where(W.org_id == sa.bindparam("p_org"))
+_GET_FOR_UPDATE = _GET.with_for_update()
+_GET_IN_ORG_FOR_UPDATE = _GET_IN_ORG.with_for_update()
 
 
-async def get(conn: Conn, item_id: str, org_id: str | None = None) -> WorkItem:
-    """A work item (``NotFound`` when absent, or of another organization)."""
+async def get(
+    conn: Conn, item_id: str, org_id: str | None = None, *, lock: bool = False
+) -> WorkItem:
+    """A work item (``NotFound`` when absent, or of another organization; ``lock``: FOR
+    UPDATE on PostgreSQL, waiting for a transaction that holds the row; SQLite serializes
+    writers anyway)."""
+    locked = lock and conn.dialect.name == "postgresql"
     if org_id is None:
-        row = (await conn.execute(_GET, {"p_id": item_id})).first()
+        row = (await conn.execute(_GET_FOR_UPDATE if locked else _GET, {"p_id": item_id})).first()
     else:
-        row = (await conn.execute(_GET_IN_ORG, {"p_id": item_id, "p_org": org_id})).first()
+        query = _GET_IN_ORG_FOR_UPDATE if locked else _GET_IN_ORG
+        row = (await conn.execute(query, {"p_id": item_id, "p_org": org_id})).first()
     if row is None:
         raise not_found(item_id)
     return WorkItem.from_row(row)

@@ -52,6 +52,21 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   is stored as the session's answer and its item abandoned likewise
   (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`); so is a keyed run's rerun
   because its intake was in doubt (:data:`KEYED_RESEND_FAILED_TEXT`).
+
+A claim (:func:`claim`, :func:`claim_for_retry`) locks its runs' work item before it
+looks for a later user message of the session (:func:`_resent`), and waits for that
+lock (PostgreSQL; bounded by ``[database] busy_timeout_s``, past it a database fault and
+the claim rolls back, taken again later). An intake of the session takes the item's row
+lock (``FOR UPDATE``) before it stores its message and holds it to its commit, so a
+resend (or follow-up) being taken in on another connection or replica when the claim
+begins has committed by the time the check runs, which (READ COMMITTED: each statement
+sees what committed before it) sees it. Unlocked, the check missed it: the run was rerun
+and the message's own turn ran too, the resend answered twice. (The session row is no
+such lock: the intake takes it only in its last statement, after the message.) One lock
+order: the runs, then the item, as the turn's last transaction takes them; the intake
+locks the item and inserts a run of its own, waiting for no run. SQLite has one writer
+at a time: the intake's transaction ends before the claim's begins, or begins after it
+ends.
 """
 
 from __future__ import annotations
@@ -67,6 +82,7 @@ from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.database.sql import bound_lock_waits
 from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
@@ -433,7 +449,10 @@ async def _claim_in(
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:
-            item = await workitems.get(conn, item_id)
+            # Waited for (PostgreSQL), so that a message whose intake holds it is seen
+            # by the check for a later message below (see the module docstring).
+            await bound_lock_waits(conn, db.busy_timeout_s)
+            item = await workitems.get(conn, item_id, lock=True)
             dead_turns = {r.turn_id for r in rows}
             if item.status != Status.inProgress.value:
                 action = "closed"  # it moved on (cancelled, or submitted by another turn)
@@ -557,17 +576,20 @@ async def _claim_for_retry(
         )
         if not (row.policy == AWAIT or gone) or row.attempts >= MAX_ATTEMPTS:
             return RUN_BUSY
+        if row.work_item_id is not None:
+            # Locked before the check for a later message below, waited for: a message
+            # whose intake holds it is committed by then (see the module docstring).
+            await bound_lock_waits(conn, db.busy_timeout_s)
+            item = await workitems.get(conn, row.work_item_id, lock=True)
+            if item.status != Status.inProgress.value or (
+                item.signal_turn_id == row.turn_id and item.signal_summary
+            ):
+                return RUN_BUSY
         if row.policy != RERUN and await _resent(conn, [row]):
             # A later message of the session answers it: recovery closes the run (the
             # retry is then told its answer was lost); run here, the message was
             # answered a second time, after that later one.
             return RUN_BUSY
-        if row.work_item_id is not None:
-            item = await workitems.get(conn, row.work_item_id)
-            if item.status != Status.inProgress.value or (
-                item.signal_turn_id == row.turn_id and item.signal_summary
-            ):
-                return RUN_BUSY
         turn_id = ids.new("turn")
         res = await conn.execute(
             t.turn_runs.update()

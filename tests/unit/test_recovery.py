@@ -7,6 +7,7 @@ both databases.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
@@ -26,9 +27,10 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
-from tests.fakes import CommitLandsLater, DownFor
+from tests.fakes import CommitLandsLater, DownFor, HeldCommits
 from tests.helpers import (
     api_trigger,
+    blocked_on_a_lock,
     item_audit,
     item_deliveries,
     item_row,
@@ -935,3 +937,73 @@ async def test_a_keyed_retry_after_a_later_message_of_its_session_runs_nothing(
     assert await count(stack, t.turn_runs) == 0  # closed, not rerun
     said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
     assert said == ["user", "user", "assistant"]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_resend_whose_intake_is_uncommitted_when_recovery_claims_is_answered_once(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead process's REST run waited out its resend grace; its client's resend is
+    being taken in on another connection (message and run stored, COMMIT not yet
+    landed) when recovery claims the run. The claim's check for a later message of the
+    session read before that commit, found none and reran the run, and the resend's
+    turn ran too: the message answered twice. The claim now waits for the item's row
+    lock, which the intake takes before it stores the message, and sees the resend:
+    the run is closed, the resend's turn answers. (PostgreSQL: SQLite's one writer
+    serializes the two transactions.)"""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    taken = await stack.turns.take(api_trigger(org, worker, "work on it"))
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    recovery = TurnRecovery(stack.turns)
+    assert await drain(recovery) == 1  # left to wait for a resend
+    stack.turns.intake.owner = lambda: None
+    stack.clock.advance(runs.RESEND_GRACE_MS + 1)  # the wait is over: rerun if no resend
+    held = HeldCommits(stack.db)
+    monkeypatch.setattr(stack.turns.intake, "db", held.database)
+    resend = asyncio.create_task(stack.turns.run(api_trigger(org, worker, "work on it #complete")))
+    await asyncio.wait_for(held.reached.wait(), 10)
+    recovering = asyncio.create_task(drain(recovery))
+    assert await blocked_on_a_lock(stack.db, recovering)
+    held.release.set()
+    assert isinstance(await resend, Gated)
+    assert await recovering == 1
+    assert await count(stack, t.turn_runs) == 0
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said.count("user") == 2 and said.count("assistant") == 1  # answered once
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_keyed_retry_while_a_follow_up_is_taken_in_runs_nothing(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed REST message's process died mid-turn; its client sent a follow-up in the
+    session, and retried the first request with its key while the follow-up's intake
+    was still open on another connection (its message stored, not committed). The
+    retry's claim looked for a later message before that commit, found none, took the
+    run and answered it, and the follow-up's turn answered it again. The claim now waits
+    for the item's row lock, which that intake holds, sees the follow-up and runs
+    nothing (recovery's to close). (PostgreSQL: SQLite's one writer serializes them.)"""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    trigger = dataclasses.replace(api_trigger(org, worker, "draft it"), external_event_id="idem:k")
+    taken = await stack.turns.take(trigger)
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    await alive_here(stack, turns_too=True)
+    stack.clock.advance(1_000)
+    held = HeldCommits(stack.db)
+    monkeypatch.setattr(stack.turns.intake, "db", held.database)
+    follow_up = asyncio.create_task(stack.turns.run(api_trigger(org, worker, "and a title")))
+    await asyncio.wait_for(held.reached.wait(), 10)
+    monkeypatch.setattr(stack.turns.intake, "db", stack.db)  # (the retry's own intake)
+    retry = asyncio.create_task(stack.turns.run(trigger, retake=True))
+    assert await blocked_on_a_lock(stack.db, retry)
+    held.release.set()
+    assert type(await follow_up).__name__ == "Reply"
+    assert type(await retry).__name__ == "Duplicate"
+    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert said == ["user", "user", "assistant"]  # the follow-up's answer alone
