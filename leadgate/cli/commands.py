@@ -8,6 +8,7 @@ what the function returns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
 import os
 import socket
@@ -21,7 +22,7 @@ from leadgate.cli.review_commands import REVIEW_COMMANDS
 from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
 from leadgate.core.decoding import decode_json
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import Unavailable, ValidationError
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.domain import orgs, policy
 from leadgate.domain.agents import PresetView
@@ -295,6 +296,15 @@ async def flow_run(admin: Admin, args: argparse.Namespace, settings: Settings) -
     # ids, so that when the server cannot say, exit 3 names the run to look for.
     app = App(settings, ids=admin.ids, enable_adapters=False, settle_doubt=True)
     try:
+        # Registered (role ``cli``) and beating, as a serve process is, so that what it
+        # leaves behind is taken back at once: the run and its node's turn are leased to
+        # it, and it runs no recovery. Its row is removed at exit (a Ctrl-C, a turn
+        # stopped by a database fault: a worker continues the run and runs the turn
+        # again at once), or found dead when it is killed. Unregistered, its leases
+        # named no owner, and workers waited them out: 2 minutes for the run, 15 for
+        # the turn. Not registered when the database refuses (the start then says why).
+        with contextlib.suppress(Unavailable):
+            await app.start_liveness("cli")
         run_id = await app.flows.start(org_id, args.flow)
         return await Admin(app.db, app.clock, app.ids, app.model_names).show_run(org_id, run_id)
     finally:

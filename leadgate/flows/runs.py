@@ -555,7 +555,7 @@ class FlowService:
             raise Unavailable(
                 f"flow run {lease.run_id} was started, but the database failed while it ran "
                 f"({exc.rule}); it stays running and a worker's flow recovery continues "
-                f"it once its lease lapses (leadgate flow show --org {org_id} "
+                f"it once this process is gone (leadgate flow show --org {org_id} "
                 f"{lease.run_id}): do not start the flow again, it would run twice",
                 rule="flow.interrupted",
             ) from exc

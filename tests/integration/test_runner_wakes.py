@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -32,6 +33,7 @@ from aiohttp import web
 
 import leadgate.app
 from leadgate.app import App
+from leadgate.cli.main import main
 from leadgate.core.clock import Clock, FakeClock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.runners import drain
@@ -41,6 +43,7 @@ from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.domain.processes import Liveness
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import ABANDON_AFTER_MS, Sweeper
+from leadgate.flows.recovery import FlowRecovery
 from leadgate.flows.runs import create_flow
 from leadgate.review.runner import EXPIRY_CHECK_MS, LEASE_MS, LeadRunner
 from leadgate.review.sla import SlaRunner
@@ -66,6 +69,7 @@ from tests.helpers import (
     stopped_by_a_fault,
 )
 from tests.outbox_support import ScriptedChannel
+from tests.statement_faults import injector
 
 POLL_S = 30
 #: Well under the poll: only a wake-up can make the runner act this soon. A third of it,
@@ -1066,3 +1070,63 @@ async def test_an_api_replicas_turn_left_to_recovery_is_answered_once(
             assert worker_model.calls.get_nowait().purpose == "lead"
     finally:
         await served.cleanup()
+
+
+# ------------------------------- 9. what ``leadgate flow run`` leaves when it exits
+
+
+async def test_a_flow_run_commands_turn_stopped_by_a_fault_is_run_again_once_it_exits(
+    migrated_url: str,
+    make_app: MakeApp,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``leadgate flow run`` runs no recovery: a node's turn stopped there by a database
+    fault is left to a worker's (``TurnService.orphans`` ends with the command), and the
+    run itself stays ``running`` for a worker's flow recovery. Both are leased to the
+    command's process, registered while it runs and removed at its exit, so a worker
+    takes them back at once: on PostgreSQL woken by that removal's NOTIFY (its loops
+    poll every 30 s), on SQLite at its next pass. Unregistered, the command's leases
+    named no owner: the run waited 2 minutes for its lease, the turn 15."""
+    model = RecordingModel()
+    worker = make_app(migrated_url, clock=SystemClock(), model=model)
+    await flow_of(worker, FLOW)
+    config = tmp_path / "config.toml"
+    config.write_text(f'[database]\nurl = "{migrated_url}"\n', encoding="utf-8")
+    postgres = not migrated_url.startswith("sqlite")
+    if postgres:
+        await start_worker(worker)
+    faults = injector(migrated_url, monkeypatch)  # (the command's connections alone)
+    # The node's turn's last transaction, which ends its recorded run: refused.
+    faults.arm_on("DELETE FROM turn_runs")
+    code = await asyncio.to_thread(
+        main, ["--config", str(config), "flow", "run", "--org", "acme", "f"]
+    )
+    faults.disarm()
+    err = capsys.readouterr().err
+    assert faults.fired is not None and code == 2 and "[flow.interrupted]" in err, err
+    async with worker.db.read() as conn:
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.processes)) == (
+            1 if postgres else 0  # (the worker's own row)
+        )
+    exited = time.perf_counter()
+
+    async def taken_back() -> bool:
+        # The turn's run was taken and ended (it had signalled complete_task: its
+        # handoff went to a person), and the flow run paused on the node's item.
+        async with worker.db.read() as conn:
+            runs = await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs))
+            status = await conn.scalar(sa.select(t.flow_runs.c.status))
+        return bool(runs == 0 and status == "waitingForHitl")
+
+    if postgres:
+        assert await eventually(taken_back, WITHIN_S)
+        report(
+            "flow run exited -> its turn and run taken back on the worker",
+            time.perf_counter() - exited,
+        )
+    else:
+        assert await drain(runner_of(worker, TurnRecovery)) == 1
+        assert await drain(runner_of(worker, FlowRecovery)) == 1
+        assert await taken_back()
