@@ -53,7 +53,7 @@ from leadgate.turns.intake import Accepted
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.turns.runs import RUN_LEASE_MS, RunLook
-from outbox.channel import OutboundMessage, Retry, Sent
+from outbox.channel import OutboundMessage, Retry, Sent, Uncertain
 from outbox.relay import EXPIRY_CHECK_MS as RELAY_EXPIRY_CHECK_MS
 from outbox.relay import Relay
 from tests.helpers import (
@@ -212,6 +212,51 @@ async def test_a_return_on_an_api_replica_wakes_the_revision_runner_of_a_worker(
     await api.reviews.decide(org.principal, out.work_item_id, "return", "add the tests")
     call = await next_call(model, lambda c: c.feedback == "add the tests")
     report("return on the api replica -> revision turn on the worker", call.at - decided)
+
+
+async def test_a_delivery_retried_on_an_api_replica_wakes_the_relay_of_a_worker(
+    migrated_pg: str, make_app: MakeApp
+) -> None:
+    """An operator's retry of a ``deliveryUnknown`` delivery on an ``api`` replica (or
+    ``leadgate delivery retry``): the pending row's NOTIFY (``leadgate_outbox``) wakes a
+    worker's relay, which posts again now, not at its poll. (A confirm or a retry gives
+    revision dispatch and flow resume no work: ``App._after_decision`` wakes them in its
+    own process only, and nothing needs them on a worker.)"""
+    sends: asyncio.Queue[float] = asyncio.Queue()
+
+    def answer(outcome: Uncertain | Sent) -> Callable[[OutboundMessage], Uncertain | Sent]:
+        def send(_: OutboundMessage) -> Uncertain | Sent:
+            sends.put_nowait(time.perf_counter())
+            return outcome
+
+        return send
+
+    channel = ScriptedChannel(
+        "slack", script=[answer(Uncertain("timed out")), answer(Sent("ts-2"))]
+    )
+    clock = FakeClock()
+    api = make_app(migrated_pg, clock=clock)
+    worker = make_app(migrated_pg, clock=clock, channels={"slack": channel})
+    await start_worker(worker)
+    org = await make_org(api)
+    plain = await make_agent(api, org, "plain")
+    await api.turns.run(slack_trigger(org, plain, "hello", "1700000000.000400"))
+    await asyncio.wait_for(sends.get(), WITHIN_S)  # maybe posted: deliveryUnknown
+    d = t.deliveries.c
+
+    async def unknown() -> str | None:
+        async with api.db.read() as conn:
+            found = await conn.scalar(sa.select(d.id).where(d.status == "deliveryUnknown"))
+        return None if found is None else str(found)
+
+    assert await eventually(unknown, WITHIN_S)
+    delivery_id = await unknown()
+    assert delivery_id is not None
+
+    retried = time.perf_counter()
+    await api.reviews.recover(org.principal, delivery_id, "retry")
+    posted = await asyncio.wait_for(sends.get(), WITHIN_S)
+    report("retry on the api replica -> posted again by the worker's relay", posted - retried)
 
 
 # ------------------------------------------------------ 2. a review lease taken back
