@@ -44,31 +44,56 @@ LEGACY_SUBSCRIBE = pytest.mark.filterwarnings(
 )
 
 
-async def eventually(check: Callable[[], object], within: float = 10.0) -> bool:
+async def eventually(check: Callable[[], object], within: float = 10.0, *, what: str = "") -> None:
     """Poll ``check`` (a function, or an async one) every 50 ms until its answer is true
-    (a non-empty list counts) or ``within`` seconds pass; whether it held.
+    (a non-empty list counts); ``AssertionError`` naming what was waited for (``what``,
+    else ``check``'s source) and its last answer if ``within`` seconds pass first.
+
+    It raises rather than returning a bool: a wait written as a statement was a check
+    that passed when the thing waited for never happened.
 
     The default only says "it did not hang": it returns as soon as ``check`` holds, and
     2 s was within reach of a loaded 2-CPU machine running two test workers. A test whose
     point is *how soon* passes its own ``within``."""
 
-    async def holds() -> bool:
+    async def answer() -> object:
         result = check()
-        return bool(await result) if inspect.isawaitable(result) else bool(result)
+        return await result if inspect.isawaitable(result) else result
 
     for _ in range(int(within / 0.05)):
-        if await holds():
-            return True
+        if await answer():
+            return
         await asyncio.sleep(0.05)
-    return await holds()
+    last = await answer()
+    if not last:
+        raise AssertionError(
+            f"not within {within:g} s: {what or _described(check)} (last answer: {last!r})"
+        )
 
 
-async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> bool:
-    """Whether ``task`` gets to wait on a row lock of ``db`` (PostgreSQL; within 10 s) or
-    finishes first: a test holding a transaction open sees its contender reach the lock
-    before letting go. SQLite has no row locks (its one writer queues): ``True``."""
+def _described(check: Callable[[], object]) -> str:
+    """``check``'s source for a lambda (its name says nothing), else its name."""
+    if getattr(check, "__name__", "") == "<lambda>":
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            source = " ".join(inspect.getsource(check).split())
+            text = source[source.index("lambda") :]
+            depth = 0
+            for end, char in enumerate(text):
+                depth += (char in "([{") - (char in ")]}")
+                # The lambda ends at the call's next argument or its closing bracket.
+                if depth < 0 or (depth == 0 and char == ","):
+                    return text[:end]
+            return text
+    return str(getattr(check, "__qualname__", repr(check)))
+
+
+async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> None:
+    """Until ``task`` waits on a row lock of ``db`` (PostgreSQL; within 10 s, else
+    ``AssertionError``) or finishes first: a test holding a transaction open sees its
+    contender reach the lock before letting go. SQLite has no row locks (its one writer
+    queues): at once."""
     if not db.is_postgres:
-        return True
+        return
 
     async def waits_or_done() -> bool:
         async with db.read() as conn:
@@ -80,7 +105,7 @@ async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> bool:
             )
         return bool(waiting) or task.done()
 
-    return await eventually(waits_or_done, within=10.0)
+    await eventually(waits_or_done, 10.0, what="a transaction waiting on a row lock")
 
 
 async def listening(db: Database) -> None:
@@ -89,7 +114,7 @@ async def listening(db: Database) -> None:
     rather than by its start. SQLite has none: at once."""
     changes = db.table_changes
     if changes is not None:
-        assert await eventually(lambda: changes.token(("agents",)) is not None, 10)
+        await eventually(lambda: changes.token(("agents",)) is not None, 10, what="LISTEN up")
 
 
 async def start_worker(app: App) -> None:

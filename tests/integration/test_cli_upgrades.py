@@ -177,7 +177,7 @@ def test_replicas_upgrading_one_postgresql_at_once_take_turns(
             async def all_wait() -> bool:
                 return bool(await holder.fetchval(waiting) == REPLICAS)
 
-            assert await eventually(all_wait, within=TIMEOUT), "the replicas did not wait"
+            await eventually(all_wait, within=TIMEOUT, what="the replicas waiting")
             await holder.execute(f"SELECT pg_advisory_unlock({UPGRADE_LOCK})")
             return await finished(procs)
         finally:
@@ -264,7 +264,7 @@ def test_upgrades_of_one_sqlite_file_at_once_take_turns(
             def all_wait() -> bool:
                 return all(opened(p.pid, path) for p in procs)
 
-            assert await eventually(all_wait, within=TIMEOUT), "the upgrades did not start"
+            await eventually(all_wait, within=TIMEOUT, what="the upgrades started")
             holder.execute("ROLLBACK")
             return await finished(procs)
         finally:

@@ -101,7 +101,7 @@ async def test_idle_connections_make_room_oldest_first(caplog: pytest.LogCapture
     caplog.set_level(logging.WARNING, logger="leadgate.web")
     async with listener(limit, asyncio.Event()) as (host, port):
         idle = [await asyncio.open_connection(host, port) for _ in range(3)]
-        assert await eventually(lambda: limit.open == 3)
+        await eventually(lambda: limit.open == 3)
         # A fourth connection closes the first (idle the longest), and is answered.
         assert await request(host, port) == (200, b'{"ok": true}')
         assert closed_count("evicted") - evicted_before == 1
@@ -110,20 +110,20 @@ async def test_idle_connections_make_room_oldest_first(caplog: pytest.LogCapture
         assert not idle[1][0].at_eof() and not idle[2][0].at_eof()
         for _, writer in idle:
             writer.close()
-        assert await eventually(lambda: limit.open == 0)
+        await eventually(lambda: limit.open == 0)
         # A kept-alive connection that has had its answer is idle too: the oldest now.
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://{host}:{port}/") as resp:
                 assert resp.status == 200
             idle = [await asyncio.open_connection(host, port) for _ in range(2)]
-            assert await eventually(lambda: limit.open == 3)
+            await eventually(lambda: limit.open == 3)
             assert (await request(host, port))[0] == 200
             assert closed_count("evicted") - evicted_before == 2  # the session's, not these
             assert not any(reader.at_eof() for reader, _ in idle)
             # The client opens a new connection for its next request.
             async with session.get(f"http://{host}:{port}/") as resp:
                 assert resp.status == 200
-        assert await eventually(lambda: limit.open == 2)  # the two idle ones
+        await eventually(lambda: limit.open == 2)  # the two idle ones
         gauge = METRICS.registry.get_sample_value("leadgate_http_connections", {"listener": "test"})
         assert gauge == limit.open
         for _, writer in idle:
@@ -144,7 +144,7 @@ async def test_with_every_connection_busy_a_newcomer_is_a_503_in_the_envelope() 
     entered: list[int] = []
     async with listener(limit, release, entered) as (host, port):
         busy = [asyncio.create_task(request(host, port, "/slow")) for _ in range(2)]
-        assert await eventually(lambda: len(entered) == 2)  # both under way
+        await eventually(lambda: len(entered) == 2)  # both under way
         status, body = await request(host, port)
         assert status == 503
         error = json.loads(body)["error"]
@@ -153,7 +153,7 @@ async def test_with_every_connection_busy_a_newcomer_is_a_503_in_the_envelope() 
         # The busy ones were never closed to make room; once they end there is room again.
         release.set()
         assert [r[0] for r in await asyncio.gather(*busy)] == [200, 200]
-        assert await eventually(lambda: limit.open == 0)
+        await eventually(lambda: limit.open == 0)
         assert (await request(host, port))[0] == 200
 
 
@@ -163,7 +163,7 @@ async def test_the_503_carries_retry_after_and_closes() -> None:
     entered: list[int] = []
     async with listener(limit, release, entered) as (host, port):
         busy = asyncio.create_task(request(host, port, "/slow"))
-        assert await eventually(lambda: len(entered) == 1)
+        await eventually(lambda: len(entered) == 1)
         reader, writer = await asyncio.open_connection(host, port)
         raw = await asyncio.wait_for(reader.read(), 5)  # no request sent: answered anyway
         writer.close()
@@ -225,14 +225,14 @@ async def test_unread_answers_past_the_byte_budget_are_dropped_oldest_first(
     caplog.set_level(logging.WARNING, logger="leadgate.web")
     async with listener(None, asyncio.Event(), sends=sends) as (host, port):
         first = await unread_answer(host, port)
-        assert await eventually(lambda: sends.stalled_count == 1)
+        await eventually(lambda: sends.stalled_count == 1)
         second = await unread_answer(host, port)
         # Two unread answers pass the budget: the one stalled first is dropped.
-        assert await eventually(lambda: closed_count("unsent_bytes") - before == 1)
+        await eventually(lambda: closed_count("unsent_bytes") - before == 1)
         assert sends.stalled_count == 1 and 0 < sends.unsent() <= BUDGET
         assert await reset_by_server(*first)
         assert not await reset_by_server(*second)  # read through: the whole 16 MB
-        assert await eventually(lambda: sends.stalled_count == 0)
+        await eventually(lambda: sends.stalled_count == 0)
     assert any(f"max_unsent_bytes = {BUDGET}" in r.getMessage() for r in caplog.records)
 
 
@@ -243,14 +243,14 @@ async def test_an_answer_left_unread_past_the_send_timeout_is_dropped() -> None:
     async with listener(None, asyncio.Event(), sends=sends) as (host, port):
         idle_reader = await unread_answer(host, port)
         slow_reader = await unread_answer(host, port)
-        assert await eventually(lambda: sends.stalled_count == 2)
+        await eventually(lambda: sends.stalled_count == 2)
         clock.t = 4.0
         # One client reads a little: its answer made progress, the other's did not.
         unsent = sends.unsent()
         reading(slow_reader[1]).resume_reading()
         await slow_reader[0].readexactly(6 << 20)
         reading(slow_reader[1]).pause_reading()
-        assert await eventually(lambda: sends.unsent() < unsent)
+        await eventually(lambda: sends.unsent() < unsent)
         sends.check()
         clock.t = 6.0
         sends.check()  # 6 s without progress for one, 2 s for the other

@@ -46,7 +46,7 @@ async def awaiting_human(app: App, item_id: str) -> None:
     async def waiting() -> bool:
         return bool((await item_row(app, item_id))["status"] == "awaitingHuman")
 
-    assert await eventually(waiting, WITHIN_S)
+    await eventually(waiting, WITHIN_S)
 
 
 async def test_a_returned_item_is_revised_at_once(app: App) -> None:
@@ -63,7 +63,7 @@ async def test_a_returned_item_is_revised_at_once(app: App) -> None:
         # (escalated again by the script lead) came back for review.
         return row["pending_feedback"] is None and row["status"] != "inProgress"
 
-    assert await eventually(revised, WITHIN_S)
+    await eventually(revised, WITHIN_S)
     assert (await item_row(app, item_id))["revision"] == 1
 
 
@@ -86,4 +86,4 @@ async def test_an_approved_flow_continuation_resumes_at_once(app: App) -> None:
         async with app.db.read() as conn:
             return await conn.scalar(sa.select(c.resumed_run_id)) is not None
 
-    assert await eventually(resumed, WITHIN_S)
+    await eventually(resumed, WITHIN_S)

@@ -1003,7 +1003,7 @@ async def test_a_card_mail_whose_uncertain_send_commits_with_a_decision_still_en
         return bool(waiting) or (await email_card_row(env, item_id)).status != "sending"
 
     # The relay's outcome commit waits for the decision's (a lock), or has committed.
-    assert await eventually(relay_waits_or_committed, within=10.0)
+    await eventually(relay_waits_or_committed, within=10.0)
     assert not decisions[0].done()
     release.set()
     await asyncio.gather(relay, *decisions)

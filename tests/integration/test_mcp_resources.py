@@ -535,7 +535,7 @@ async def test_a_subscription_hears_a_turn_on_another_replica(pg_url: str) -> No
                 return bool(listening >= 2)
 
             # Both replicas' LISTEN connections are up (a NOTIFY before is not heard).
-            await eventually(both_listening)
+            await eventually(both_listening, what="both replicas' LISTEN connections")
             env = Env(reader, f"http://{host}:{port}/mcp", org, org)
             resource = uri("plain", "across")
             async with session(env) as client:

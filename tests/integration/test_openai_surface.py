@@ -310,7 +310,7 @@ async def test_a_running_request_keeps_its_key_and_an_abandoned_claim_lapses_in_
             env.clock.advance(LEASE_MS + 1)
             # A renewal, waited for: 0.1 s of real time (five renewal periods) was not
             # always enough for one on a loaded machine.
-            assert await eventually(renewed)
+            await eventually(renewed)
             assert (await idem.begin(principal, "k-held", "print")).action == "running"
     # The request is gone without finishing or releasing its claim.
     assert (await idem.begin(principal, "k-held", "print")).action == "running"
@@ -541,7 +541,7 @@ async def test_a_keyed_retry_while_the_rerun_runs_waits_for_its_answer(env: Env)
     rerun = asyncio.create_task(recovery.run_once())
     request = keyed("k-w3", "w3", "gated-slow", "slowly")
     try:
-        assert await eventually(lambda: env.gate.calls == 1)
+        await eventually(lambda: env.gate.calls == 1)
         async with env.official() as client:
             waiting = await answer_of(client, **request)
             assert waiting.status_code == 409, waiting.text
@@ -627,7 +627,7 @@ async def test_a_keyed_retry_meeting_recoverys_claim_mid_way_loses_to_it(
         monkeypatch.setattr(runs, "claim", real)  # (the retry's own claim as usual)
         async with env.official() as client:
             retry = asyncio.create_task(answer_of(client, **request))
-            assert await blocked_on_a_lock(env.service.db, retry)
+            await blocked_on_a_lock(env.service.db, retry)
             assert not retry.done()
             held.release.set()
             waiting = await retry
@@ -935,7 +935,7 @@ async def test_a_client_gone_mid_stream_leaves_a_whole_answer_to_replay(env: Env
         )
         return "slow answer" in [m["content"] for m in (await reply.json())["data"]]
 
-    assert await eventually(answered, 5.0)
+    await eventually(answered, 5.0)
     again = await env.chat("slow", "stream then hang up", idem="k-h", session="h", stream=True)
     assert again.status == 200 and again.headers["Idempotent-Replayed"] == "true"
     frames = [f for f in (await again.read()).decode().split("\n\n") if f]
@@ -1429,7 +1429,7 @@ async def test_a_keyed_claim_in_doubt_that_lands_late_is_given_back_for_another_
         assert await keys_held() == 2
         fake_clock(here).advance(1_000)  # the first look is due: its loop, asleep toward
         here.idempotency.wake()  # it by this fake clock, is woken to see it
-        assert await eventually(given_back)
+        await eventually(given_back)
         again = await there.post("/v1/chat/completions", **keyed("k-late"))
         assert again.status == 200, await again.text()
         assert (await again.json())["choices"][0]["message"]["content"] == "Echo: hello"
@@ -1934,7 +1934,7 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
         ] + [await client.get("/operator/events", headers=auth) for _ in range(2)]
         assert [s.status for s in streams] == [200] * 5
         held = [asyncio.create_task(env.chat("slow", "wait", session=f"h{i}")) for i in range(2)]
-        assert await eventually(lambda: gate.calls == 2, 5.0)
+        await eventually(lambda: gate.calls == 2, 5.0)
         refused = await env.chat("plain", "one too many", session="busy")
         assert refused.status == 503
         assert 1 <= int(refused.headers["Retry-After"]) <= 3
@@ -1950,7 +1950,7 @@ async def test_requests_beyond_max_inflight_are_503_until_one_ends(migrated_url:
                 model="plain", messages=[{"role": "user", "content": "retried"}]
             )
         )
-        assert await eventually(lambda: inflight.shed == 2, 5.0)
+        await eventually(lambda: inflight.shed == 2, 5.0)
         gate.release.set()
         assert [r.status for r in await asyncio.gather(*held)] == [200, 200]
         assert (await call).choices[0].message.content == "Echo: retried"
@@ -2001,7 +2001,7 @@ async def test_a_takeover_told_in_progress_is_told_so_when_ending_its_claim_fail
         env.clock.advance(runs.RESEND_GRACE_MS + 1)
         rerun = asyncio.create_task(recovery.run_once())
         try:
-            assert await eventually(lambda: env.gate.calls == 1)
+            await eventually(lambda: env.gate.calls == 1)
             # (The first such statement is the retry's takeover of the key; the next,
             # the end of its claim's lease.)
             faults.arm_on(

@@ -66,8 +66,10 @@ async def test_sigkill_mid_send_loses_nothing_and_posts_nothing_twice(
         survivor: RelayProcess | None = None
         try:
             first.wait_ready()
-            assert await eventually(lambda: len(standin.requests()) >= OK_FIRST + HANGING, 30), (
-                "the first relay never had every concurrency slot hanging"
+            await eventually(
+                lambda: len(standin.requests()) >= OK_FIRST + HANGING,
+                30,
+                what="the first relay having every concurrency slot hanging",
             )
             assert first.proc.poll() is None
             first.kill()
@@ -79,7 +81,7 @@ async def test_sigkill_mid_send_loses_nothing_and_posts_nothing_twice(
                 counts = await delivery_counts(db)
                 return not counts.get("pending") and not counts.get("sending")
 
-            assert await eventually(settled, 30), "the deliveries did not settle"
+            await eventually(settled, 30, what="the deliveries settled")
             stats = survivor.stop()
         finally:
             for proc in (first, survivor):

@@ -190,7 +190,7 @@ async def waiting_for_human(app: App, item_id: str) -> None:
     async def waiting() -> bool:
         return bool((await item_row(app, item_id))["status"] == "awaitingHuman")
 
-    assert await eventually(waiting, WITHIN_S)
+    await eventually(waiting, WITHIN_S)
 
 
 # ------------------------------------------------------------ 1. a person's return
@@ -436,8 +436,8 @@ async def paused_on(app: App, flow_id: str, org: Org) -> tuple[str, str]:
     return paused, item_id
 
 
-async def ended(app: App, run_id: str) -> bool:
-    """Whether flow run ``run_id`` ended (the resumer failed it), within :data:`WITHIN_S`."""
+async def ended(app: App, run_id: str) -> None:
+    """Until flow run ``run_id`` ended (the resumer failed it), within :data:`WITHIN_S`."""
 
     async def failed() -> bool:
         async with app.db.read() as conn:
@@ -446,7 +446,7 @@ async def ended(app: App, run_id: str) -> bool:
             )
         return bool(status == "failed")
 
-    return await eventually(failed, WITHIN_S)
+    await eventually(failed, WITHIN_S, what=f"flow run {run_id} failed")
 
 
 @pytest.mark.parametrize("action", ["cancel", "reject"])
@@ -464,7 +464,7 @@ async def test_a_flow_item_cancelled_or_rejected_ends_its_paused_run_at_once(
 
     decided = time.perf_counter()
     await app.reviews.decide(org.principal, item_id, action, "not needed")
-    assert await ended(app, paused)
+    await ended(app, paused)
     report(f"{action} -> paused flow run failed", time.perf_counter() - decided)
 
 
@@ -482,7 +482,7 @@ async def test_a_flow_item_cancelled_on_an_api_replica_ends_its_run_on_a_worker(
 
     decided = time.perf_counter()
     await api.reviews.decide(org.principal, item_id, "cancel")
-    assert await ended(worker, paused)
+    await ended(worker, paused)
     report(
         "cancel on the api replica -> flow run failed on the worker", time.perf_counter() - decided
     )
@@ -504,7 +504,7 @@ async def test_an_abandoned_flow_item_ends_its_paused_run_at_once(
     swept = time.perf_counter()
     assert await Sweeper(app.db, clock, app.ids).run_once()  # what its loop's pass does
     assert (await item_row(app, item_id))["status"] == "abandoned"
-    assert await ended(app, paused)
+    await ended(app, paused)
     report("abandoned -> paused flow run failed", time.perf_counter() - swept)
 
 
@@ -526,7 +526,7 @@ async def test_an_expired_flow_item_ends_its_paused_run_at_once(
     expired = time.perf_counter()
     assert await app.sla_runner.run_once()  # what its loop's pass does
     assert (await item_row(app, item_id))["status"] == "rejected"
-    assert await ended(app, paused)
+    await ended(app, paused)
     report("expired -> paused flow run failed", time.perf_counter() - expired)
 
 
@@ -548,7 +548,7 @@ async def test_a_flow_item_expired_on_one_replica_ends_its_run_on_another(
     expired = time.perf_counter()
     assert await sla.sla_runner.run_once()
     assert (await item_row(sla, item_id))["status"] == "rejected"
-    assert await ended(worker, paused)
+    await ended(worker, paused)
     report("expired on one replica -> flow run failed on another", time.perf_counter() - expired)
 
 
@@ -663,7 +663,7 @@ async def test_a_review_reminder_fires_at_its_time_not_at_the_poll(
         async with app.db.read() as conn:
             return bool(await conn.scalar(sa.select(e.reminders)) == 1)
 
-    assert await eventually(reminded, WITHIN_S)
+    await eventually(reminded, WITHIN_S)
     report(
         "reminder due -> seen reminded (the test polls every 50 ms)", (clock.now_ms() - due) / 1000
     )
@@ -686,7 +686,7 @@ async def test_an_idle_item_is_abandoned_when_its_week_is_up_not_at_the_poll(
     async def abandoned() -> bool:
         return bool((await item_row(app, item_id))["status"] == "abandoned")
 
-    assert await eventually(abandoned, WITHIN_S)
+    await eventually(abandoned, WITHIN_S)
     report(
         "idle for a week -> seen abandoned (the test polls every 50 ms)",
         (clock.now_ms() - due) / 1000,
@@ -752,7 +752,7 @@ async def test_a_send_lease_is_taken_back_when_it_lapses_not_at_the_poll(
             )
         return bool(status == "deliveryUnknown")
 
-    assert await eventually(unknown, WITHIN_S)
+    await eventually(unknown, WITHIN_S)
     report("send lease lapsed -> seen deliveryUnknown", (clock.now_ms() - lapses) / 1000)
     assert channel.calls == []  # a post that may have landed is never sent again
 
@@ -844,7 +844,7 @@ async def test_a_schedule_added_with_a_sooner_firing_wakes_the_schedule_runner(
         )
     await start_worker(app)
     schedules = runner_of(app, ScheduleRunner)
-    assert await eventually(lambda: schedules.due_in_s() is not None, WITHIN_S)  # asleep
+    await eventually(lambda: schedules.due_in_s() is not None, WITHIN_S)  # asleep
     # Just before a minute starts, so that "* * * * *" first fires DUE_IN_MS from now.
     clock.advance((-clock.now_ms() - DUE_IN_MS) % 60_000)
     due = clock.now_ms() + DUE_IN_MS
@@ -885,7 +885,7 @@ async def test_a_run_a_turn_leaves_to_the_turn_recovery_wakes_it(
     await start_worker(app)
     recovery = runner_of(app, TurnRecovery)
     # Its first pass read the run's lease (not lapsed): it sleeps toward the poll now.
-    assert await eventually(lambda: recovery._next_lapse is not None, WITHIN_S)
+    await eventually(lambda: recovery._next_lapse is not None, WITHIN_S)
     if how == "orphaned":
         app.turns.intake.doubted(taken.ctx.run_token)  # (its read-back failed)
     else:  # (its read-back found nothing), as Intake._settle watches it
@@ -913,7 +913,7 @@ async def test_a_schedule_added_on_an_api_replica_wakes_the_schedule_runner_of_a
     await start_worker(worker)
     schedules = runner_of(worker, ScheduleRunner)
     # The worker's first pass found no schedule: it sleeps for the poll.
-    assert await eventually(lambda: schedules.due_in_s() is None, WITHIN_S)
+    await eventually(lambda: schedules.due_in_s() is None, WITHIN_S)
     clock.advance((-clock.now_ms() - DUE_IN_MS) % 60_000)
     due = clock.now_ms() + DUE_IN_MS
     async with api.db.tx() as conn:
@@ -950,7 +950,7 @@ async def test_an_episode_opened_with_a_sooner_timer_wakes_the_sla_runner(
     clock.advance(-3_600_000)
     await start_worker(app)
     sla = runner_of(app, SlaRunner)
-    assert await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
+    await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
 
     out = await app.turns.run(api_trigger(org, agent, "hard #escalate #complete", "s2"))
     assert isinstance(out, Gated) and out.work_item_id
@@ -964,7 +964,7 @@ async def test_an_episode_opened_with_a_sooner_timer_wakes_the_sla_runner(
             )
             return bool(reminders == 1)
 
-    assert await eventually(reminded, WITHIN_S)
+    await eventually(reminded, WITHIN_S)
 
 
 async def test_an_episode_opened_on_an_api_replica_wakes_the_sla_runner_of_a_worker(
@@ -991,7 +991,7 @@ async def test_an_episode_opened_on_an_api_replica_wakes_the_sla_runner_of_a_wor
     assert claimed is not None and claimed.id == out.work_item_id
     await start_worker(worker)
     sla = runner_of(worker, SlaRunner)
-    assert await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
+    await eventually(lambda: (sla.due_in_s() or 0) > 3_000, WITHIN_S)  # asleep
 
     await api.lead_runner.review(claimed)  # escalates: the episode opens on the api replica
     assert (await item_row(api, out.work_item_id))["status"] == "awaitingHuman"
@@ -1004,7 +1004,7 @@ async def test_an_episode_opened_on_an_api_replica_wakes_the_sla_runner_of_a_wor
             )
             return bool(reminders == 1)
 
-    assert await eventually(reminded, WITHIN_S)
+    await eventually(reminded, WITHIN_S)
 
 
 # ------------------------------------------- 7. what a LISTEN connection did not hear
@@ -1102,7 +1102,7 @@ async def test_an_api_replicas_turn_left_to_recovery_is_answered_once(
             status = (await item_row(api, taken.ctx.work_item_id or ""))["status"]
             return bool(status != "inProgress")
 
-        assert await eventually(answered, WITHIN_S)
+        await eventually(answered, WITHIN_S)
         async with api.db.read() as conn:
             assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
         assert api.turns.orphans == set() and not api.turns.lost

@@ -480,10 +480,10 @@ async def test_a_reader_that_stops_reading_is_dropped(
             ).encode()
         )
         hub = env.service.event_hub
-        assert await eventually(lambda: hub.readers == 1, 5.0), "the stream did not start"
+        await eventually(lambda: hub.readers == 1, 5.0, what="the stream started")
         # It never reads: once the buffers are full a write waits, times out (0.5 s)
         # and the server drops the connection and its reader.
-        assert await eventually(lambda: hub.readers == 0, 10.0), "the reader was not dropped"
+        await eventually(lambda: hub.readers == 0, 10.0, what="the reader dropped")
         assert any("dropped: write timed out" in r.getMessage() for r in caplog.records)
     finally:
         sock.close()
@@ -495,7 +495,7 @@ async def test_a_reader_that_stops_reading_is_dropped(
 
 async def test_shutdown_ends_open_streams(env: Env) -> None:
     stream = await open_stream(env, "plain", "bye")
-    assert await eventually(lambda: env.service.event_hub.readers)  # the stream is read
+    await eventually(lambda: env.service.event_hub.readers)  # the stream is read
     # Only the server shuts down: the client keeps its connection open (closing the
     # client's session would end the stream from the client's side, whatever the
     # server did), so only the server's shutdown can end the stream.
@@ -529,7 +529,7 @@ async def test_a_stream_hears_another_replica(pg_url: str) -> None:
         resp = await reader_client.get("/v1/agents/plain/sessions/r/events", headers=headers)
         assert resp.status == 200
         stream = Stream(resp)
-        assert await eventually(lambda: reader.event_hub.readers)  # the stream is read
+        await eventually(lambda: reader.event_hub.readers)  # the stream is read
         await listening(reader.db)  # (not its start: the turn's NOTIFY wakes the stream)
         sent = await writer_client.post(
             "/v1/chat/completions",
@@ -605,12 +605,12 @@ async def test_streams_beyond_the_limit_are_503_until_one_closes(migrated_url: s
         assert 5 <= int(refused.headers["Retry-After"]) <= 7  # 5 s, spread by up to 2
         assert (await refused.json())["error"]["rule"] == "events.limit"
         first.close()
-        assert await eventually(lambda: service.event_hub.readers == 1, 5.0)
+        await eventually(lambda: service.event_hub.readers == 1, 5.0)
         third = await open_stream(env, "plain", "c")
         assert service.event_hub.readers == 2
         third.close()
         second.close()
-        assert await eventually(lambda: service.event_hub.readers == 0, 5.0)
+        await eventually(lambda: service.event_hub.readers == 0, 5.0)
         # A burst of opens at once: the slot is taken before a stream's first await, so
         # no more than the limit get through (each one's session lookup and PostgreSQL
         # mark used to run between the check and the count).

@@ -592,7 +592,7 @@ async def test_connections_beyond_the_limit_get_421_and_are_closed(
         _, first = opened.pop(0)
         first.close()
         await first.wait_closed()
-        assert await eventually(lambda: adapter.open_sessions == 1, 2.0)
+        await eventually(lambda: adapter.open_sessions == 1, 2.0)
         assert adapter.port is not None
         replies = await _smtp_raw(adapter.port, [b"EHLO client.test", b"QUIT"])
         assert replies[0].startswith(b"220 ") and replies[-1].startswith(b"221")
@@ -600,7 +600,7 @@ async def test_connections_beyond_the_limit_get_421_and_are_closed(
         for _, writer in opened:
             writer.close()
         await runner.cleanup()
-    assert await eventually(lambda: adapter.open_sessions == 0, 2.0)
+    await eventually(lambda: adapter.open_sessions == 0, 2.0)
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert lines == ["email: 1 SMTP connection(s) refused (421) at [email] max_connections = 2"]
 

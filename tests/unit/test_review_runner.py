@@ -424,7 +424,7 @@ async def _approval_wakes_every_relay(stack: Stack) -> None:
         assert (post["status"], post["lease_token"], post["attempts"]) == ("pending", None, 0)
         assert stack.relay.take_poke()  # this process's relay, at commit
         if listener is not None:  # and the other replicas' relays
-            await eventually(lambda: heard)
+            await eventually(lambda: heard, what="the approval's NOTIFY to the relays")
             assert heard == [NOTIFY_CHANNEL]
     finally:
         if listener is not None:
@@ -1196,7 +1196,7 @@ async def test_a_verdict_in_doubt_that_landed_is_counted_once_by_its_retry(
         # under way holds, and sees the item moved once it lands.
         assert (await row(stack, item_id))["status"] == "reviewing"
         retry = asyncio.create_task(runner._commit_kept())
-        assert await blocked_on_a_lock(stack.db, retry)
+        await blocked_on_a_lock(stack.db, retry)
         await late.land()
         await retry
     assert runner._verdicts == []

@@ -1101,7 +1101,7 @@ async def test_a_submission_writes_its_event_and_wakes_the_lead_runners_of_every
             (session_events.REVIEW, "pending"),
         ]
         if listener is not None:
-            await eventually(lambda: heard)
+            await eventually(lambda: heard, what="the submission's NOTIFY")
             # Other replicas' runners hear the submission; this process's own listener
             # skips its tag (it poked its runner at commit).
             assert heard == [stack.db.notify_tag]
