@@ -567,10 +567,7 @@ async def test_a_replica_listens_on_one_connection_for_every_channel(pg_url: str
     )
     try:
         await client.start_server()
-        for _ in range(100):
-            if await probe.fetch(listening):
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: probe.fetch(listening), 5)
         await asyncio.sleep(0.3)  # the others, if there were any, would be up by now
         assert len(await probe.fetch(listening)) == 1
         # ...and it hears each channel: a NOTIFY on the review channel wakes the runner.
