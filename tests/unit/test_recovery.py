@@ -966,7 +966,7 @@ async def test_a_resend_whose_intake_is_uncommitted_when_recovery_claims_is_answ
     resend = asyncio.create_task(stack.turns.run(api_trigger(org, worker, "work on it #complete")))
     await asyncio.wait_for(held.reached.wait(), 10)
     recovering = asyncio.create_task(drain(recovery))
-    assert await blocked_on_a_lock(stack.db, recovering)
+    await blocked_on_a_lock(stack.db, recovering)
     held.release.set()
     assert isinstance(await resend, Gated)
     assert await recovering == 1
@@ -1001,7 +1001,7 @@ async def test_a_keyed_retry_while_a_follow_up_is_taken_in_runs_nothing(
     await asyncio.wait_for(held.reached.wait(), 10)
     monkeypatch.setattr(stack.turns.intake, "db", stack.db)  # (the retry's own intake)
     retry = asyncio.create_task(stack.turns.run(trigger, retake=True))
-    assert await blocked_on_a_lock(stack.db, retry)
+    await blocked_on_a_lock(stack.db, retry)
     held.release.set()
     assert type(await follow_up).__name__ == "Reply"
     assert type(await retry).__name__ == "Duplicate"
