@@ -29,6 +29,7 @@ from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
 from tests.fakes import CommitLandsLater, DownFor, HeldCommits
 from tests.helpers import (
+    Org,
     api_trigger,
     blocked_on_a_lock,
     item_audit,
@@ -454,6 +455,21 @@ async def test_a_live_gated_api_turn_whose_model_fails_waits_for_the_clients_ret
     assert (await item_row(stack, item_id))["status"] == "reviewQueued"
 
 
+async def _a_keyed_turn_cut(stack: Stack, text: str) -> tuple[Org, dict[str, Any], Trigger, str]:
+    """A keyed REST message (``Idempotency-Key`` event ``idem:k``) to a worker with a
+    lead, taken in by a process that then died mid-turn (its run left to recovery),
+    this process alive: its organization, worker, trigger (its retry's) and work item."""
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    stack.turns.intake.owner = lambda: DEAD
+    trigger = dataclasses.replace(api_trigger(org, worker, text), external_event_id="idem:k")
+    taken = await stack.turns.take(trigger)
+    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    await alive_here(stack, turns_too=True)
+    return org, worker, trigger, taken.ctx.work_item_id
+
+
 def _told_to_resend(stack: Stack, taken: Accepted) -> None:
     """``taken``'s intake was in doubt and its read-back found nothing (its client was
     told "nothing was stored, please retry"), then the server applied the commit: its
@@ -869,16 +885,7 @@ async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_t
     in progress) to be closed as a live owner's stalled turn, the message never
     answered. It goes to recovery at once instead, which reruns it (the item to its
     lead), once."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    stack.turns.intake.owner = lambda: DEAD
-    trigger = dataclasses.replace(
-        api_trigger(org, worker, "work on it #complete"), external_event_id="idem:k"
-    )
-    taken = await stack.turns.take(trigger)
-    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
-    await alive_here(stack, turns_too=True)  # the retry's process
+    _, _, trigger, item_id = await _a_keyed_turn_cut(stack, "work on it #complete")
     # (Its own patch, undone alone: the fixtures' patches stay.)
     with pytest.MonkeyPatch.context() as patch:
         if cut == "its read fails":
@@ -897,8 +904,8 @@ async def test_a_keyed_retry_cut_between_its_claim_and_its_turn_leaves_the_run_t
     assert run.lease_owner is not None  # claimed by the retry, alive
     assert await drain(TurnRecovery(stack.turns)) == 1
     assert await count(stack, t.turn_runs) == 0
-    assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "reviewQueued"
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    assert (await item_row(stack, item_id))["status"] == "reviewQueued"
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said.count("user") == 1 and said.count("assistant") == 1
 
 
@@ -913,14 +920,7 @@ async def test_a_keyed_retry_after_a_later_message_of_its_session_runs_nothing(
     turn again, the message answered a second time after the follow-up. It runs nothing
     now (recovery's to close), whether recovery had left the run waiting or not
     found it yet."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    stack.turns.intake.owner = lambda: DEAD
-    trigger = dataclasses.replace(api_trigger(org, worker, "draft it"), external_event_id="idem:k")
-    taken = await stack.turns.take(trigger)
-    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
-    await alive_here(stack, turns_too=True)
+    org, worker, trigger, item_id = await _a_keyed_turn_cut(stack, "draft it")
     recovery = TurnRecovery(stack.turns)
     if waiting:
         assert await drain(recovery) == 1  # left to wait for a resend
@@ -930,12 +930,12 @@ async def test_a_keyed_retry_after_a_later_message_of_its_session_runs_nothing(
     )
     retried = await stack.turns.run(trigger, retake=True)
     assert type(retried).__name__ == "Duplicate"
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said == ["user", "user", "assistant"]  # the follow-up's answer alone
     stack.clock.advance(runs.RESEND_GRACE_MS)
     assert await drain(recovery) == 1
     assert await count(stack, t.turn_runs) == 0  # closed, not rerun
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said == ["user", "user", "assistant"]
 
 
@@ -986,14 +986,7 @@ async def test_a_keyed_retry_while_a_follow_up_is_taken_in_runs_nothing(
     run and answered it, and the follow-up's turn answered it again. The claim now waits
     for the item's row lock, which that intake holds, sees the follow-up and runs
     nothing (recovery's to close). (PostgreSQL: SQLite's one writer serializes them.)"""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    stack.turns.intake.owner = lambda: DEAD
-    trigger = dataclasses.replace(api_trigger(org, worker, "draft it"), external_event_id="idem:k")
-    taken = await stack.turns.take(trigger)
-    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
-    await alive_here(stack, turns_too=True)
+    org, worker, trigger, item_id = await _a_keyed_turn_cut(stack, "draft it")
     stack.clock.advance(1_000)
     held = HeldCommits(stack.db)
     monkeypatch.setattr(stack.turns.intake, "db", held.database)
@@ -1005,5 +998,5 @@ async def test_a_keyed_retry_while_a_follow_up_is_taken_in_runs_nothing(
     held.release.set()
     assert type(await follow_up).__name__ == "Reply"
     assert type(await retry).__name__ == "Duplicate"
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said == ["user", "user", "assistant"]  # the follow-up's answer alone
