@@ -211,19 +211,14 @@ async def test_a_signal_committed_by_a_dead_turn_is_submitted_once_to_a_human(
 async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) -> None:
     """A dead process's REST run waits (unowned, RESEND_GRACE_MS) for its client's
     resend, which runs the turn; then it is closed, not run a second time."""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    stack.turns.intake.owner = lambda: DEAD
-    taken = await stack.turns.take(api_trigger(org, worker, "work on it"))
-    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    org, worker, _, item_id = await _a_turn_cut(stack, "work on it")
     recovery = TurnRecovery(stack.turns)
     assert await drain(recovery) == 1
     async with stack.db.read() as conn:
         row = (await conn.execute(sa.select(t.turn_runs))).one()
     assert (row.policy, row.lease_owner, row.attempts) == (runs.AWAIT, None, 1)
     # The message stays as stored; the item waits for the client's retry.
-    assert (await item_row(stack, taken.ctx.work_item_id))["status"] == "inProgress"
+    assert (await item_row(stack, item_id))["status"] == "inProgress"
     stack.turns.intake.owner = lambda: None
     stack.clock.advance(1_000)
     retried = await stack.turns.run(api_trigger(org, worker, "work on it #complete"))
@@ -231,7 +226,7 @@ async def test_a_cut_api_turn_is_closed_for_the_client_to_retry(stack: Stack) ->
     stack.clock.advance(runs.RESEND_GRACE_MS)
     assert await drain(recovery) == 1
     assert await count(stack, t.turn_runs) == 0
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said.count("user") == 2 and said.count("assistant") == 1  # answered once
 
 
@@ -455,19 +450,28 @@ async def test_a_live_gated_api_turn_whose_model_fails_waits_for_the_clients_ret
     assert (await item_row(stack, item_id))["status"] == "reviewQueued"
 
 
-async def _a_keyed_turn_cut(stack: Stack, text: str) -> tuple[Org, dict[str, Any], Trigger, str]:
-    """A keyed REST message (``Idempotency-Key`` event ``idem:k``) to a worker with a
-    lead, taken in by a process that then died mid-turn (its run left to recovery),
-    this process alive: its organization, worker, trigger (its retry's) and work item."""
+async def _a_turn_cut(
+    stack: Stack, text: str, event: str | None = None
+) -> tuple[Org, dict[str, Any], Trigger, str]:
+    """A REST message to a worker with a lead (``event``: under that external event id,
+    an ``Idempotency-Key``'s), taken in by a process that then died mid-turn (its run
+    left to recovery): its organization, worker, trigger (its retry's) and work item."""
     org = await make_org(stack)
     await make_agent(stack, org, "lead")
     worker = await make_agent(stack, org, "worker", lead="lead")
     stack.turns.intake.owner = lambda: DEAD
-    trigger = dataclasses.replace(api_trigger(org, worker, text), external_event_id="idem:k")
+    trigger = dataclasses.replace(api_trigger(org, worker, text), external_event_id=event)
     taken = await stack.turns.take(trigger)
     assert isinstance(taken, Accepted) and taken.ctx.work_item_id
-    await alive_here(stack, turns_too=True)
     return org, worker, trigger, taken.ctx.work_item_id
+
+
+async def _a_keyed_turn_cut(stack: Stack, text: str) -> tuple[Org, dict[str, Any], Trigger, str]:
+    """:func:`_a_turn_cut` under the key event ``idem:k``, this process alive (the
+    retry's)."""
+    cut = await _a_turn_cut(stack, text, "idem:k")
+    await alive_here(stack, turns_too=True)
+    return cut
 
 
 def _told_to_resend(stack: Stack, taken: Accepted) -> None:
@@ -951,12 +955,7 @@ async def test_a_resend_whose_intake_is_uncommitted_when_recovery_claims_is_answ
     lock, which the intake takes before it stores the message, and sees the resend:
     the run is closed, the resend's turn answers. (PostgreSQL: SQLite's one writer
     serializes the two transactions.)"""
-    org = await make_org(stack)
-    await make_agent(stack, org, "lead")
-    worker = await make_agent(stack, org, "worker", lead="lead")
-    stack.turns.intake.owner = lambda: DEAD
-    taken = await stack.turns.take(api_trigger(org, worker, "work on it"))
-    assert isinstance(taken, Accepted) and taken.ctx.work_item_id
+    org, worker, _, item_id = await _a_turn_cut(stack, "work on it")
     recovery = TurnRecovery(stack.turns)
     assert await drain(recovery) == 1  # left to wait for a resend
     stack.turns.intake.owner = lambda: None
@@ -971,7 +970,7 @@ async def test_a_resend_whose_intake_is_uncommitted_when_recovery_claims_is_answ
     assert isinstance(await resend, Gated)
     assert await recovering == 1
     assert await count(stack, t.turn_runs) == 0
-    said = [r for r, _ in await item_messages(stack, taken.ctx.work_item_id)]
+    said = [r for r, _ in await item_messages(stack, item_id)]
     assert said.count("user") == 2 and said.count("assistant") == 1  # answered once
 
 
