@@ -20,9 +20,9 @@ import hmac
 import importlib
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import sqlalchemy as sa
@@ -497,7 +497,6 @@ class App:
         runner loop and (PostgreSQL, unless ``listen`` is false: the caller listens for
         them, see :meth:`_listen`) the listener of the outbox and review channels."""
         await self.start_liveness()
-        poll = self.settings.runners.poll_interval_s
         # Deliveries enqueued in this process go straight to this process's relay
         # (already claimed, handed over after commit): no claim round trip.
         self.db.on_commit_payloads(HANDOFF_TOPIC, self._outbox_handoff)
@@ -506,9 +505,7 @@ class App:
         for loop in self.loops:
             for index in range(loop.loops):
                 task = asyncio.get_running_loop().create_task(
-                    run_loop(
-                        loop.runner, wake=loop.wake, stop=self._stop, poll_s=poll, due_s=loop.due_s
-                    ),
+                    self._run_loop(loop.runner, loop.wake, loop.due_s),
                     name=f"{loop.runner.name}-{index}",
                 )
                 self._runner_tasks.add(task)
@@ -526,14 +523,21 @@ class App:
         closed them as a live owner's stalled turns, their messages never answered.
         Lapsed leases and dead processes' runs stay the worker replicas' work."""
         self.background.spawn(
-            run_loop(
-                self._own_recovery,
-                wake=self._recovery_wake,
-                stop=self._stop,
-                poll_s=self.settings.runners.poll_interval_s,
-                due_s=self._own_recovery.due_in_s,
-            ),
+            self._run_loop(self._own_recovery, self._recovery_wake, self._own_recovery.due_in_s),
             name="turn-recovery-own",
+        )
+
+    def _run_loop(
+        self, runner: Runner, wake: asyncio.Event, due_s: Callable[[], float | None] | None
+    ) -> Coroutine[Any, Any, None]:
+        """``runner``'s loop in this process: woken by ``wake``, looking at the poll and
+        when ``due_s`` says, until the app stops."""
+        return run_loop(
+            runner,
+            wake=wake,
+            stop=self._stop,
+            poll_s=self.settings.runners.poll_interval_s,
+            due_s=due_s,
         )
 
     def _listen(self, *, runners: bool, surfaces: bool) -> None:
@@ -797,12 +801,8 @@ class App:
                     # its look is due, not at its next keyed request (an idle pass reads
                     # nothing).
                     self.background.spawn(
-                        run_loop(
-                            self.idempotency,
-                            wake=self._idempotency_wake,
-                            stop=self._stop,
-                            poll_s=self.settings.runners.poll_interval_s,
-                            due_s=self.idempotency.due_in_s,
+                        self._run_loop(
+                            self.idempotency, self._idempotency_wake, self.idempotency.due_in_s
                         ),
                         name="idempotency-give-back",
                     )
