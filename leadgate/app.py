@@ -213,9 +213,12 @@ class App:
         self.outbox.on_review_needed(self.notifier.open)
         self._build_runners(channels or {}, enable_adapters, sleep)
         self.access = Access(self.db, self.clock, self.ids)
-        self.reviews = Reviews(
-            self.db, self.clock, self.ids, self.outbox, on_decided=self._after_decision
-        )
+        # A decision wakes the runner it gives work to at its commit (on every replica):
+        # a return the revision dispatcher, an approval of a flow item or the end of a
+        # flow node's item the flow resumer (leadgate.domain.wakes), a delivery the relay
+        # (outbox.store). A delivery's recovery gives work to the relay alone: a retry's
+        # row due again, the card edits a confirm queues.
+        self.reviews = Reviews(self.db, self.clock, self.ids, self.outbox)
         self._wire_chat_reviews()
         self.agents = Agents(self.db, self.clock, self.ids, self.providers.names)
         self.oversight = Oversight(self.db, self.clock)
@@ -307,13 +310,6 @@ class App:
         flow_wake, recovery_wake, flow_recovery_wake, schedule_wake = (
             asyncio.Event() for _ in range(4)
         )
-        # What a delivery's recovery (confirm, retry) can give work to; see
-        # _after_decision. A return and an approval of a flow item wake their runner at
-        # commit, on every replica (_wakes below).
-        self._decision_wakes: dict[str, tuple[asyncio.Event, ...]] = {
-            "confirm": (revision_wake, flow_wake),
-            "retry": (revision_wake, flow_wake),
-        }
 
         def leases_freed() -> None:
             # Every runner that takes a dead holder's lease back (domain.processes).
@@ -440,19 +436,6 @@ class App:
         """Deliveries claimed for our relay by a write that may not have committed."""
         self.relay.in_doubt(rows)
         self._relay_wake.set()
-
-    def _after_decision(self, action: str) -> None:
-        """Wake the runners a delivery's recovery (confirm, retry) may have given work
-        to: the revision dispatcher and the flow resumer (both, as it is rare). The
-        decisions wake their runners at commit themselves (leadgate.domain.wakes, on
-        every replica): a return the revision dispatcher, an approval the flow resumer
-        only when it wrote a continuation (each woken loop runs a pass against the
-        database that the next decision's request waits behind: at 200 approvals/s, a
-        read per approval that found nothing), a rejection or a cancellation the flow
-        resumer only when the item was a flow node's. New and retried deliveries wake the
-        relay themselves (see _outbox_due)."""
-        for wake in self._decision_wakes.get(action, ()):
-            wake.set()
 
     def _woken(self, kinds: list[Wake]) -> None:
         """Work of ``kinds`` committed in this process (leadgate.domain.wakes)."""

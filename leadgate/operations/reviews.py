@@ -2,11 +2,13 @@
 
 Every decision goes through the one fenced commit path of :mod:`leadgate.review.decisions`
 (two people deciding at once make one decision; the other gets a 409), and answers the
-updated detail. ``on_decided`` runs after each committed decision with its action (the
-app wakes the runner the decision may have given work to: a returned item's revision,
-an approved flow continuation). A cancel or rejection of a flow node's item wakes the
-flow resumer at commit, on every replica (:attr:`leadgate.domain.wakes.Wake.flow`): the
-run paused on that item ends then, not at the resumer's poll.
+updated detail. Each wakes the runner it gave work to at its commit, on every replica:
+a return the revision dispatcher and an approved flow continuation the flow resumer
+(:mod:`leadgate.domain.wakes`), a delivery the relay (:mod:`outbox.store`). A cancel or
+rejection of a flow node's item wakes the flow resumer (:attr:`Wake.flow
+<leadgate.domain.wakes.Wake.flow>`): the run paused on that item ends then, not at the
+resumer's poll. A delivery's recovery gives work to the relay alone (a retried row due
+again, the card edits a confirm queues), which those rows wake.
 """
 
 from __future__ import annotations
@@ -72,14 +74,11 @@ class Reviews:
         clock: Clock,
         ids: IdFactory,
         outbox: Outbox,
-        *,
-        on_decided: Callable[[str], None] = lambda action: None,
     ) -> None:
         self.db = db
         self.clock = clock
         self.ids = ids
         self.outbox = outbox
-        self.on_decided = on_decided
 
     async def queue(
         self,
@@ -173,7 +172,6 @@ class Reviews:
                 await wakes.after_commit(conn, Wake.flow)
         waited = "awaitingHuman" if item.status == Status.awaitingHuman.value else None
         self._count(surface, action, waited, item.updated_at)
-        self.on_decided(action)
         return detail
 
     def _count(self, surface: str, verdict: str, waited: str | None, since_ms: int) -> None:
@@ -234,5 +232,4 @@ class Reviews:
                 detail = {"id": row.id, "status": row.status, "delivery": delivery_view}
         if delivery.kind == "gating":
             self._count(surface, action, "deliveryUnknown", delivery.updated_at)
-        self.on_decided(action)
         return detail

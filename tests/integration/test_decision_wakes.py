@@ -2,7 +2,8 @@
 (``leadgate.domain.wakes``): a returned item's revision and an approved flow
 continuation start at once, though the runner loops poll only every 30 s here. (That
 other decisions wake neither runner is what the code says; nothing here could see a
-wasted pass. Across replicas: ``test_runner_wakes.py``.)"""
+wasted pass. Across replicas: ``test_runner_wakes.py``.) A delivery's recovery wakes
+the relay alone, and only when it gave it work (a retry)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,34 @@ from leadgate.core.config import Settings
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.flows.runs import create_flow
-from tests.helpers import Org, api_trigger, eventually, item_row, make_agent, make_org
+from outbox.channel import Uncertain
+from tests.helpers import (
+    Org,
+    api_trigger,
+    eventually,
+    item_row,
+    make_agent,
+    make_org,
+    slack_trigger,
+)
+from tests.outbox_support import ScriptedChannel
 
 #: Well under the poll: only the decision's wake can make the runner act this soon.
 WITHIN_S = 10.0
 
 
+#: The channel of :func:`app`: its first two posts are maybe posted (deliveryUnknown).
 @pytest.fixture
-async def app(migrated_url: str) -> AsyncIterator[App]:
+def slack() -> ScriptedChannel:
+    return ScriptedChannel("slack", script=[Uncertain("timed out"), Uncertain("timed out")])
+
+
+@pytest.fixture
+async def app(migrated_url: str, slack: ScriptedChannel) -> AsyncIterator[App]:
     settings = Settings.model_validate(
         {"database": {"url": migrated_url}, "runners": {"poll_interval_s": 30}}
     )
-    service = App(settings, clock=FakeClock(), enable_adapters=False)
+    service = App(settings, clock=FakeClock(), enable_adapters=False, channels={"slack": slack})
     await service.start_runners()
     yield service
     await service.stop()
@@ -87,3 +104,42 @@ async def test_an_approved_flow_continuation_resumes_at_once(app: App) -> None:
             return await conn.scalar(sa.select(c.resumed_run_id)) is not None
 
     await eventually(resumed, WITHIN_S)
+
+
+async def test_a_delivery_recovery_wakes_the_relay_alone_and_only_for_a_retry(
+    app: App, slack: ScriptedChannel
+) -> None:
+    """A Confirm or Retry of a ``deliveryUnknown`` delivery gives the relay work (a
+    retry's row due again; the card edits a confirm of a gating delivery queues), which
+    those rows wake at commit, and no other runner any. It woke the revision dispatcher
+    and the flow resumer as well, each to run a pass that found nothing. The retried
+    post goes out at once, not at the poll."""
+    org = await make_org(app)
+    plain = await make_agent(app, org, "plain")
+    for thread in ("1700000000.000100", "1700000000.000200"):
+        await app.turns.run(slack_trigger(org, plain, "hello", thread))
+    d = t.deliveries.c
+
+    async def unknown() -> list[str]:
+        async with app.db.read() as conn:
+            query = sa.select(d.id).where(d.status == "deliveryUnknown").order_by(d.id)
+            return [str(row.id) for row in (await conn.execute(query)).all()]
+
+    async def both_unknown() -> bool:
+        return len(await unknown()) == 2
+
+    await eventually(both_unknown, WITHIN_S)
+    confirmed, retried = await unknown()
+    wakes = {loop.runner.name: loop.wake for loop in app.loops}
+
+    async def woken_by(delivery_id: str, action: str) -> set[str]:
+        # The loops are idle (all posted); what is set right after the recovery returns
+        # was set by it (no loop ran in between to clear it).
+        for wake in wakes.values():
+            wake.clear()
+        await app.reviews.recover(org.principal, delivery_id, action)
+        return {name for name, wake in wakes.items() if wake.is_set()}
+
+    assert await woken_by(confirmed, "confirm") == set()
+    assert await woken_by(retried, "retry") == {"outbox-relay"}
+    await eventually(lambda: len(slack.calls) == 3, WITHIN_S)

@@ -220,8 +220,7 @@ async def test_a_delivery_retried_on_an_api_replica_wakes_the_relay_of_a_worker(
     """An operator's retry of a ``deliveryUnknown`` delivery on an ``api`` replica (or
     ``leadgate delivery retry``): the pending row's NOTIFY (``leadgate_outbox``) wakes a
     worker's relay, which posts again now, not at its poll. (A confirm or a retry gives
-    revision dispatch and flow resume no work: ``App._after_decision`` wakes them in its
-    own process only, and nothing needs them on a worker.)"""
+    no other runner work: see ``test_decision_wakes.py``.)"""
     sends: asyncio.Queue[float] = asyncio.Queue()
 
     def answer(outcome: Uncertain | Sent) -> Callable[[OutboundMessage], Uncertain | Sent]:
