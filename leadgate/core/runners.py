@@ -17,7 +17,7 @@ import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from leadgate.core.errors import DatabaseDamaged, Unavailable
@@ -227,6 +227,20 @@ async def drain(runner: Runner, *, max_rounds: int = 10_000) -> int:
     return worked
 
 
+async def _back_off(
+    seconds: float, stop: asyncio.Event, sleep: Callable[[float], Awaitable[None]]
+) -> None:
+    """Wait ``seconds`` by ``sleep``, or until ``stop`` is set if that is sooner."""
+    if stop.is_set():
+        return
+    waiters = [asyncio.ensure_future(sleep(seconds)), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
 async def run_loop(
     runner: Runner,
     *,
@@ -234,13 +248,16 @@ async def run_loop(
     stop: asyncio.Event,
     poll_s: float,
     due_s: Callable[[], float | None] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     """Run ``runner`` until ``stop`` is set; never dies on an error (logs and backs off).
 
     Between passes that found nothing it sleeps until ``wake`` is set, or for ``poll_s``,
     or (``due_s``) for as long as the runner says its next known work is away, when that
     is sooner: work that falls due with time (a retry after a 429's ``Retry-After``) is
-    done when due, as no commit is there to wake the runner then."""
+    done when due, as no commit is there to wake the runner then. The back-off after a
+    failed pass waits by ``sleep`` (tests: no real wait), and setting ``stop`` cuts it
+    short."""
     failures = 0
     while not stop.is_set():
         # Clear before working, not after: a wake that arrives while run_once runs (after
@@ -261,8 +278,7 @@ async def run_loop(
             )
             busy = False
             # Stopping does not wait out the back-off.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=min(5.0, 0.25 * 2**failures))
+            await _back_off(min(5.0, 0.25 * 2**failures), stop, sleep)
         except DatabaseDamaged as exc:
             # Only restoring the file ends it: back off as far as for a bug, but say
             # what it is (naming the file) without a traceback, and stop at once when
@@ -270,16 +286,14 @@ async def run_loop(
             failures += 1
             DAMAGED.add(runner.name, exc.detail)
             busy = False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=min(30.0, 0.5 * 2**failures))
+            await _back_off(min(30.0, 0.5 * 2**failures), stop, sleep)
         except Exception:
             failures += 1
             log.exception("runner %s failed (%d in a row)", runner.name, failures)
             busy = False
             # Nor this one (up to 30 s): it held a stopping service's shutdown for its
             # SHUTDOWN_WAIT_S, the runner then left running.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=min(30.0, 0.5 * 2**failures))
+            await _back_off(min(30.0, 0.5 * 2**failures), stop, sleep)
         if busy:
             continue
         timeout = poll_s
