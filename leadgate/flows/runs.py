@@ -892,6 +892,12 @@ _PICK_BUT = _PICK.where(_LEFT)
 #: take (a few statements, no lock wait) a second, and the flow resumes within a second
 #: of that transaction's end.
 LEFT_AT_MOST_MS = 1_000
+#: PostgreSQL: which of the continuations in ``p_ids`` (left ones whose time came a
+#: while ago and that no pass took since) are still waiting: one that is not was settled
+#: elsewhere, and is forgotten (:meth:`FlowResumer.run_once`).
+_STILL_WAITING = sa.select(C.id).where(
+    C.id.in_(sa.bindparam("p_ids", expanding=True)), C.status == "waiting"
+)
 #: PostgreSQL: how long the moves of a continuation taken again after a wait wait for a
 #: held row: not at all (1 ms, the least ``lock_timeout`` takes: 0 turns it off). Its
 #: first take waited :attr:`FlowResumer.lock_wait_s` already; each take again that waited
@@ -933,6 +939,9 @@ class FlowResumer:
         #: PostgreSQL: continuations whose pass met a held row (a lock wait past its
         #: bound), each with when it is taken again; the reads pass them over until then
         self._left: dict[str, _Left] = {}
+        #: when the left continuations whose time came a while ago may be looked up
+        #: next (see :meth:`run_once`: at most every :data:`LEFT_AT_MOST_MS`)
+        self._left_lookup = 0
 
     def due_in_s(self) -> float | None:
         """Seconds (by the clock) until the look again after a pass whose read found a
@@ -976,7 +985,14 @@ class FlowResumer:
         taken again once its time comes, and its moves then do not wait for a held row
         at all: held still, it is left again for twice as long (up to
         :data:`LEFT_AT_MOST_MS`). Each take again waited :attr:`lock_wait_s` before, 50
-        ms apart: one item held for long kept the loop blocked almost all the time."""
+        ms apart: one item held for long kept the loop blocked almost all the time.
+
+        A left continuation settled elsewhere (another replica resumed it once its row
+        was free) is forgotten by the first pass whose read finds nothing; while reads
+        keep finding work, one whose time came :data:`LEFT_AT_MOST_MS` ago and that no
+        pass took since is looked up (one read of such continuations, at most every
+        :data:`LEFT_AT_MOST_MS`) and forgotten when it no longer waits. Only an idle
+        pass forgot them: under steady load they were kept for as long as it lasted."""
         db = self.flows.db
         clock = self.flows.clock
         self._locked_look = None
@@ -991,6 +1007,8 @@ class FlowResumer:
         # Read first: every approval wakes this runner, and almost none of them concerns
         # a continuation; a read takes no write lock (the claim below is fenced).
         async with db.read() as conn:
+            if self._left and now >= self._left_lookup:
+                await self._forget_settled(conn, now)
             if (await conn.execute(read, args)).first() is None:
                 # A left continuation whose time had come and that the read did not find
                 # is no longer waiting (resumed or ended elsewhere): forgotten. (Read
@@ -1062,6 +1080,19 @@ class FlowResumer:
             METRICS.flow_runs_unrecoverable.inc()
             log.error("flow run %s failed: %s", row.run_id, outcome)
         return True
+
+    async def _forget_settled(self, conn: Conn, now: int) -> None:
+        """Forget the left continuations whose time came :data:`LEFT_AT_MOST_MS` or more
+        before ``now`` and that no longer wait (settled elsewhere): one read, when there
+        are any; the next look at most :data:`LEFT_AT_MOST_MS` on."""
+        overdue = [c for c, left in self._left.items() if left.due + LEFT_AT_MOST_MS <= now]
+        if not overdue:
+            return
+        self._left_lookup = now + LEFT_AT_MOST_MS
+        waiting = set((await conn.execute(_STILL_WAITING, {"p_ids": overdue})).scalars())
+        for cont in overdue:
+            if cont not in waiting:
+                del self._left[cont]
 
     async def _close(self, conn: Conn, row: Any) -> bool:
         """Close the waiting continuation ``row`` (fenced by its status): False when

@@ -948,6 +948,36 @@ async def test_a_left_continuation_whose_time_comes_during_a_pass_is_not_forgott
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_left_continuation_settled_elsewhere_is_forgotten_under_load(
+    second: Stack, clock: FakeClock
+) -> None:
+    """PostgreSQL: a resumer leaves a continuation whose item another transaction holds;
+    once the row is free another replica resumes it. Meanwhile the reads keep finding
+    work (here another settled continuation, row-locked, which each pick skips), so no
+    pass of the first resumer finds nothing, the one kind of pass that forgot a left
+    continuation: it kept it for as long as the load lasted. Once its time came
+    LEFT_AT_MOST_MS ago, a pass looks it up, finds it settled and forgets it."""
+    left, busy = [await _paused_and_approved(second, name) for name in ("left", "busy")]
+    c = t.continuations.c
+    async with second.db.read() as conn:
+        held = str(await conn.scalar(_node_rows(left[1])["item"]))
+        settled = str(await conn.scalar(sa.select(c.id).where(c.run_id == left[1])))
+    busy_lock = sa.select(c.id).where(c.run_id == busy[1]).with_for_update()
+    resumer = FlowResumer(second.flows, lock_wait_s=0.2)
+    async with held_open(second.db, lambda conn: conn.execute(busy_lock)):
+        async with held_open(second.db, item_locked(held)):
+            assert await asyncio.wait_for(resumer.run_once(), 5)  # waits the bound: left
+        assert list(resumer._left) == [settled]
+        assert await FlowResumer(second.flows).run_once()  # another replica resumes it
+        [cont] = (await _view(second, *left))["continuations"]
+        assert cont["status"] == "resumed"
+        clock.advance(LOCKED_RECHECK_MS + LEFT_AT_MOST_MS)
+        assert not await resumer.run_once()  # the busy one found, its pick skipped
+        assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
+        assert resumer._left == {}
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_cancel_that_commits_after_the_pick_read_the_item_ends_the_run_not_resumes_it(
     second: Stack,
 ) -> None:
