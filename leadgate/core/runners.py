@@ -49,6 +49,29 @@ def after_lapse(lapse: int | None) -> int | None:
 #: row locks outlive a failed recheck of ``WHERE``), and no wake-up follows that end.
 LOCKED_RECHECK_MS = 50
 
+#: PostgreSQL: the longest a runner leaves work whose row another transaction held
+#: before it tries that work again (the flow resumer's continuations, the SLA runner's
+#: episodes). The wait starts at :data:`LOCKED_RECHECK_MS` and doubles at each try that
+#: meets the row held again, up to this: a long transaction holding the row costs a try
+#: (a few statements) a second, and the work is done within a second of its end.
+LEFT_AT_MOST_MS = 1_000
+
+
+class Left(NamedTuple):
+    """Work a runner left because another transaction held its row: when it is tried
+    again (``due``, the runner's clock, ms) and how long it waited for that (``gap``)."""
+
+    due: int
+    gap: int
+
+
+def leave(before: Left | None, now: int) -> Left:
+    """Work whose row was held at ``now`` is left: :data:`LOCKED_RECHECK_MS` the first
+    time (``before`` None), else twice as long as ``before`` waited, up to
+    :data:`LEFT_AT_MOST_MS`."""
+    gap = LOCKED_RECHECK_MS if before is None else min(2 * before.gap, LEFT_AT_MOST_MS)
+    return Left(now + gap, gap)
+
 
 def seconds_until(now_ms: int, *dues: int | None) -> float | None:
     """What a runner's ``due_in_s`` answers: seconds from ``now_ms`` to the soonest of

@@ -57,7 +57,14 @@ from leadgate.core.errors import (
 )
 from leadgate.core.limits import validate_message
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, seconds_until
+from leadgate.core.runners import (
+    LEFT_AT_MOST_MS,
+    LOCKED_RECHECK_MS,
+    Left,
+    LostClaims,
+    leave,
+    seconds_until,
+)
 from leadgate.core.tasks import alongside
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
 from leadgate.database import schema as t
@@ -886,12 +893,6 @@ _PICK = _SETTLED.with_for_update(of=t.continuations, skip_locked=True)
 _LEFT = C.id.not_in(sa.bindparam("p_left", expanding=True))
 _SETTLED_BUT = _SETTLED.where(_LEFT)
 _PICK_BUT = _PICK.where(_LEFT)
-#: PostgreSQL: the longest a continuation whose moves met a held row waits before it is
-#: taken again. The wait starts at :data:`LOCKED_RECHECK_MS` and doubles at each take
-#: that meets a held row again, up to this: a long transaction holding its item costs a
-#: take (a few statements, no lock wait) a second, and the flow resumes within a second
-#: of that transaction's end.
-LEFT_AT_MOST_MS = 1_000
 #: PostgreSQL: which of the continuations in ``p_ids`` (left ones whose time came a
 #: while ago and that no pass took since) are still waiting: one that is not was settled
 #: elsewhere, and is forgotten (:meth:`FlowResumer.run_once`).
@@ -903,15 +904,6 @@ _STILL_WAITING = sa.select(C.id).where(
 #: first take waited :attr:`FlowResumer.lock_wait_s` already; each take again that waited
 #: as long blocked the resumer loop as long, every other approved flow with it.
 _TAKEN_AGAIN_WAIT_S = 0.001
-
-
-@dataclass(frozen=True)
-class _Left:
-    """A continuation left after its moves met a held row: when it is taken again
-    (``due``, the clock's ms) and how long it waited for that (``gap``, ms)."""
-
-    due: int
-    gap: int
 
 
 class _ItemMoved(TransitionError):
@@ -938,7 +930,7 @@ class FlowResumer:
         self._locked_look: int | None = None
         #: PostgreSQL: continuations whose pass met a held row (a lock wait past its
         #: bound), each with when it is taken again; the reads pass them over until then
-        self._left: dict[str, _Left] = {}
+        self._left: dict[str, Left] = {}
         #: when the left continuations whose time came a while ago may be looked up
         #: next (see :meth:`run_once`: at most every :data:`LEFT_AT_MOST_MS`)
         self._left_lookup = 0
@@ -1021,7 +1013,7 @@ class FlowResumer:
         outcome: RunLease | str | None = None  # (set before the commit)
         held: Held = ()
         taken: str | None = None
-        again: _Left | None = None
+        again: Left | None = None
         try:
             async with db.tx() as conn:
                 held = held_counts(conn)
@@ -1052,8 +1044,7 @@ class FlowResumer:
             if taken is not None and not fault.in_doubt and lock_not_granted(fault):
                 # Rolled back, nothing of it stored: the holder may commit with no
                 # wake-up for this runner. The others go on meanwhile (True: at once).
-                gap = LOCKED_RECHECK_MS if again is None else min(2 * again.gap, LEFT_AT_MOST_MS)
-                self._left[taken] = _Left(clock.now_ms() + gap, gap)
+                self._left[taken] = leave(again, clock.now_ms())
                 if again is None:  # (held still when taken again: said once)
                     log.info(
                         "flow continuation %s: a row it moves stayed locked by another "

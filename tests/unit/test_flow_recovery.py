@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LOCKED_RECHECK_MS, drain
+from leadgate.core.runners import LEFT_AT_MOST_MS, LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 from leadgate.domain import workitems
@@ -32,7 +32,6 @@ from leadgate.flows.recovery import (
     claim_lapsed,
 )
 from leadgate.flows.runs import (
-    LEFT_AT_MOST_MS,
     PAUSED_OUTPUT,
     RUN_LEASE_MS,
     WAITING_EVENT,
