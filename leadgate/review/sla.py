@@ -22,13 +22,19 @@ LOCKED``): an expiry its item, a reminder or an escalation its episode. It leave
 episode when another transaction holds that row (a person's decision on the item not
 committed yet, which closed the episode too; a turn's intake): a move that waited would
 stall the pass, every episode due after it with it, behind a transaction of any length.
-The pass looks again :data:`leadgate.core.runners.LOCKED_RECHECK_MS` on
-(:meth:`SlaRunner.due_in_s`): the holder may commit with no wake-up for this runner. The
-episode is still due then, unless that commit decided the item (and closed it). An
-episode left so does not count towards the pass's batch: the pass reads on past it,
-page after page by ``due_at`` then id, until it has tried a batch of episodes or none
-is left due (it read one batch and stopped: a batch of held episodes held back every
-episode due after them for as long as their rows were held).
+The episode is left for :data:`leadgate.core.runners.LOCKED_RECHECK_MS`, and the loop
+looks again then (:meth:`SlaRunner.due_in_s`): the holder may commit with no wake-up
+for this runner. The episode is still due then, unless that commit decided the item (and
+closed it). Until its time the pages pass it over; held again when it is tried again,
+it is left for twice as long (up to :data:`leadgate.core.runners.LEFT_AT_MOST_MS`), as
+the flow resumer leaves a held continuation. Every pass tried every held episode (a
+transaction each), and the loop looked again 50 ms on: N held episodes cost 20 passes a
+second of 4N statements each for as long as their rows were held; now each costs its
+try at most once a second after its first few. An episode left so does not count
+towards the pass's batch: the pass reads on past it, page after page by ``due_at`` then
+id, until it has tried a batch of episodes or none is left due (it read one batch and
+stopped: a batch of held episodes held back every episode due after them for as long
+as their rows were held).
 
 A pass that leaves nothing due also reads when the next timer falls due (the earliest
 ``due_at`` after now: the first entry of its index), and the runner loop sleeps no longer
@@ -49,7 +55,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LOCKED_RECHECK_MS, seconds_until
+from leadgate.core.runners import Left, leave, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit
 from leadgate.domain.rows import WorkItem
@@ -84,6 +90,12 @@ _DUE_AFTER = _DUE.where(
         sa.and_(E.due_at == sa.bindparam("p_due"), E.id > sa.bindparam("p_id")),
     )
 )
+#: PostgreSQL: the same but for the episodes in ``p_left``, left because their row was
+#: held and not to be tried again yet (only then: the expanding list is compiled again
+#: at every execution).
+_LEFT = E.id.not_in(sa.bindparam("p_left", expanding=True))
+_DUE_BUT = _DUE.where(_LEFT)
+_DUE_AFTER_BUT = _DUE_AFTER.where(_LEFT)
 #: The item an expiry moves (PostgreSQL: locked, unless another transaction holds it:
 #: :meth:`Database.skip_locked`), and whether it exists (told apart from one skipped).
 _ITEM = sa.select(t.work_items).where(W.id == sa.bindparam("p_id"))
@@ -130,9 +142,12 @@ class SlaRunner:
         self.batch = batch
         #: the earliest timer not due at the last pass that left nothing due (None: none)
         self._next_due: int | None = None
-        #: PostgreSQL: when to look again at firings whose row (item or episode) the last
-        #: pass found row-locked by another transaction (None: it found none)
+        #: PostgreSQL: when to look again at firings whose row (item or episode) a pass
+        #: found row-locked by another transaction (None: none is left)
         self._locked_look: int | None = None
+        #: PostgreSQL: the episodes left so, each with when it is tried again; the pages
+        #: pass them over until then
+        self._left: dict[str, Left] = {}
         #: Set by the composition root to the loop's wake (see :meth:`timers_opened`).
         self.wake: Callable[[], None] = lambda: None
 
@@ -143,8 +158,8 @@ class SlaRunner:
         every replica's episodes as of that pass: a timer fired or closed since makes the
         loop wake early and look again; an episode opened since with an earlier timer
         wakes the loop at its commit (:meth:`timers_opened`: in this process, and on
-        PostgreSQL from another replica's NOTIFY). Sooner when the last pass left a
-        firing because its row was row-locked: :data:`LOCKED_RECHECK_MS` on."""
+        PostgreSQL from another replica's NOTIFY). Sooner when a pass left a firing
+        because its row was row-locked: when the soonest such is tried again."""
         return seconds_until(self.clock.now_ms(), self._next_due, self._locked_look)
 
     def timers_opened(self, due_at: list[Any]) -> None:
@@ -159,50 +174,65 @@ class SlaRunner:
 
     async def run_once(self) -> bool:
         """Fire what is due now (one batch of episodes, not counting those whose row
-        another transaction holds: the pass reads on past them); True when anything
-        fired."""
+        another transaction holds: the pass reads on past them, and passes over those
+        left so until they are tried again); True when anything fired."""
         now = self.clock.now_ms()
         fired = tried = 0
-        locked = False
         after: sa.Row[Any] | None = None
+        # Left episodes not to be tried yet. A left one whose time has come is tried
+        # in its place in the pages, or, not there, is no longer due (fired by another
+        # runner, closed by a decision): forgotten once the pages reach the end.
+        waiting = [ep for ep, left in self._left.items() if left.due > now]
+        end = False
         # Page by page past the episodes whose row was held: a pass that read one batch
         # alone found it all held while other transactions kept those rows, fired
         # nothing, and read that same batch at every look, every episode due after it
         # held back meanwhile. Only ``batch`` episodes that were not held count.
         while tried < self.batch:
-            page, full = await self._page(now, after, self.batch - tried)
+            page, full = await self._page(now, after, self.batch - tried, waiting)
             for episode in page:
+                again = self._left.pop(episode.id, None)
                 try:
                     async with self.db.tx() as conn:
                         done = await self._fire(conn, episode, now)
                 except TransitionError:
                     done = 0  # decided meanwhile: that decision closed the episode
                 if done is None:
-                    locked = True
+                    # The pass's time: every episode left by one pass is tried again by
+                    # one pass, not each by a pass of its own.
+                    self._left[episode.id] = leave(again, now)
                 else:
                     fired += done
                     tried += 1
             if not full:
-                break  # nothing more is due
+                end = True  # nothing more is due
+                break
             after = page[-1]
-        self._locked_look = self.clock.now_ms() + LOCKED_RECHECK_MS if locked else None
+        if end:
+            self._left = {ep: left for ep, left in self._left.items() if left.due > now}
+        self._locked_look = min((left.due for left in self._left.values()), default=None)
         return fired > 0
 
     async def _page(
-        self, now: int, after: sa.Row[Any] | None, limit: int
+        self, now: int, after: sa.Row[Any] | None, limit: int, waiting: list[str]
     ) -> tuple[Sequence[sa.Row[Any]], bool]:
         """Up to ``limit`` open episodes due at ``now``, by ``due_at`` then id, after the
-        episode ``after`` (None: from the first), and whether there were that many (more
-        may be due). A short page also reads when the next timer falls due, for the
-        loop's sleep (:attr:`_next_due`; one read, on the same connection); after a full
-        page it is None: more may be due, and the loop runs again at once when the pass
-        fired any (and at the poll when other runners fired them all first: never a busy
-        loop)."""
+        episode ``after`` (None: from the first), but for those in ``waiting`` (left, not
+        to be tried yet), and whether there were that many (more may be due). A short
+        page also reads when the next timer falls due, for the loop's sleep
+        (:attr:`_next_due`; one read, on the same connection); after a full page it is
+        None: more may be due, and the loop runs again at once when the pass fired any
+        (and at the poll when other runners fired them all first: never a busy loop)."""
         params: dict[str, Any] = {"p_now": now, "p_limit": limit}
         if after is not None:
             params |= {"p_due": after.due_at, "p_id": after.id}
+        if waiting:
+            params["p_left"] = waiting
+            query = _DUE_BUT if after is None else _DUE_AFTER_BUT
+        else:
+            query = _DUE if after is None else _DUE_AFTER
         async with self.db.read() as conn:
-            page = (await conn.execute(_DUE if after is None else _DUE_AFTER, params)).all()
+            page = (await conn.execute(query, params)).all()
             full = len(page) == limit
             self._next_due = None if full else await conn.scalar(_NEXT_DUE, {"p_now": now})
         return page, full

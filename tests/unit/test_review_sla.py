@@ -17,7 +17,7 @@ from leadgate.core.clock import MINUTE_MS
 from leadgate.core.durations import format_duration, parse_duration
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.metrics import METRICS
-from leadgate.core.runners import LOCKED_RECHECK_MS, drain
+from leadgate.core.runners import LEFT_AT_MOST_MS, LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 from leadgate.domain import workitems
@@ -284,6 +284,7 @@ async def test_an_expiry_whose_item_another_transaction_holds_waits_for_nothing(
         )
         assert not await asyncio.wait_for(env.sla.run_once(), 5)
         assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    env.stack.clock.advance(LOCKED_RECHECK_MS)  # (passed over until then)
     assert await env.sla.run_once()
     assert await _status(env, held) == "rejected"
     assert not await env.sla.run_once()
@@ -343,6 +344,72 @@ async def test_a_batch_of_held_expiries_does_not_hold_back_the_episodes_due_afte
         assert actions.count("expire") == 1, actions
 
 
+def _tries(statements: list[str]) -> int:
+    """How many expiries ``statements`` (a pass's) tried: each locks its item first, or
+    skips it when another transaction holds it."""
+    return sum("SKIP LOCKED" in sql for sql in statements)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_held_episodes_are_tried_again_less_often_and_a_free_one_still_fires(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """PostgreSQL: the waits of several items expire while other transactions hold the
+    items (a long transaction, say), and one item due after them is free. Every pass
+    tried every held episode (a transaction, and two statements, each) and the loop
+    looked again LOCKED_RECHECK_MS on: with N held, 20 passes a second of N firings
+    each, for as long as the rows were held. A held episode is now left, as the flow
+    resumer leaves a held continuation: the pages pass it over until it is tried again,
+    LOCKED_RECHECK_MS on, then twice as long each time it is still held, up to
+    LEFT_AT_MOST_MS. The free one expires in the first pass; once the rows are free each
+    held one expires at its next try, once."""
+    env = await review_env(make_stack, expire_after="1h")
+    clock = env.stack.clock
+    held = [await env.escalated(f"held-{i}") for i in range(5)]
+    free = await env.escalated("free")
+    await drain(env.stack.relay)
+    expiries = metric(METRICS.expiries)
+    sla = SlaRunner(env.stack.db, clock, env.stack.ids, env.stack.outbox, env.notifier, batch=2)
+    clock.advance(HOUR)
+    locks = [item_locked(item_id) for item_id in held]
+
+    async def hold_them(conn: Conn) -> None:
+        for lock in locks:
+            await lock(conn)
+
+    tries: list[int] = []
+    gaps: list[float | None] = []
+    async with held_open(env.stack.db, hold_them):
+        with env.stack.db.record_statements() as first:
+            assert await asyncio.wait_for(sla.run_once(), 5)
+        assert await _status(env, free) == "rejected"
+        assert _tries(first) == len(held) + 1
+        for _ in range(6):
+            gaps.append(sla.due_in_s())
+            with env.stack.db.record_statements() as early:
+                assert not await sla.run_once()  # before their time: passed over
+            assert _tries(early) == 0 and len(early) <= 2, early
+            clock.advance(round((gaps[-1] or 0) * 1000))
+            with env.stack.db.record_statements() as statements:
+                assert not await sla.run_once()  # their time: tried again, held still
+            tries.append(_tries(statements))
+    assert gaps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
+    assert gaps[-1] == LEFT_AT_MOST_MS / 1000
+    assert tries == [len(held)] * 6
+    assert [await _status(env, item_id) for item_id in held] == ["awaitingHuman"] * 5
+    clock.advance(LEFT_AT_MOST_MS)
+    assert await sla.run_once()  # a batch,
+    assert await sla.run_once()  # another,
+    assert await sla.run_once()  # and the rest
+    assert not await sla.run_once()
+    assert sla.due_in_s() is None
+    assert [await _status(env, item_id) for item_id in held] == ["rejected"] * 5
+    assert metric(METRICS.expiries) == expiries + 6
+    for item_id in (*held, free):
+        actions = [a["action"] for a in await item_audit(env.stack, item_id)]
+        assert actions.count("expire") == 1, actions
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_decision_holding_an_expiring_item_makes_the_one_outcome(
     make_stack: Callable[..., Stack],
@@ -365,6 +432,7 @@ async def test_a_decision_holding_an_expiring_item_makes_the_one_outcome(
     async with held_open(env.stack.db, approve):
         assert not await asyncio.wait_for(env.sla.run_once(), 5)
         assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    env.stack.clock.advance(LOCKED_RECHECK_MS)  # (passed over until then)
     assert not await env.sla.run_once()
     assert env.sla.due_in_s() is None
     actions = [a["action"] for a in await item_audit(env.stack, item_id)]
@@ -395,6 +463,7 @@ async def test_a_decision_holding_an_episode_due_a_reminder_stalls_no_pass(
     async with held_open(env.stack.db, approve):
         assert await asyncio.wait_for(env.sla.run_once(), 5)
         assert env.sla.due_in_s() == LOCKED_RECHECK_MS / 1000
+    env.stack.clock.advance(LOCKED_RECHECK_MS)  # (passed over until then)
     assert not await env.sla.run_once()
     assert env.sla.due_in_s() is None
     assert [p for p, _ in purposes(await env.deliveries(free, "card"))] == ["notify", "reminder"]
