@@ -142,8 +142,10 @@ class LostClaims(Generic[T]):
     (:meth:`watch`): the runner that looks for them may be asleep. ``keep``: the tokens
     a full watch never drops, as what only the watch holds would be lost with them (an
     Idempotency-Key answer to store): their caller asks :meth:`has_room` before it
-    watches one, and one taken for a look comes back (:meth:`put_back`) even past the
-    limit (by no more than the tokens out for a look)."""
+    watches one, which counts those out for a look as well, so that one coming back
+    (:meth:`put_back`) always finds a token it may drop in a full watch, and the watch
+    stays within its limit; a kept token done with after its look (stored, or given
+    up) is said so (:meth:`done`), or it kept its room."""
 
     def __init__(
         self,
@@ -163,6 +165,8 @@ class LostClaims(Generic[T]):
         self.keep = keep
         #: tokens dropped because the watch was full
         self.dropped = 0
+        #: the tokens ``keep`` holds, watched or out for a look (:meth:`has_room`)
+        self.kept = 0
         #: a heap by next look; the sequence number keeps tokens (of any type) apart
         self._lost: list[tuple[int, int, Lost[T]]] = []
         self._seq = itertools.count()
@@ -182,13 +186,16 @@ class LostClaims(Generic[T]):
         ``wake`` false: not ``on_watch`` (the caller is a pass of the runner that looks,
         whose loop weighs :meth:`next_due` once the pass ends; woken, it ran a pass more,
         one read, for nothing)."""
+        if self.keep(token):
+            self.kept += 1
         self._add(Lost(token, due, self.first_ms, lapses))
         if wake:
             self.on_watch()
 
     def take_due(self, now: int) -> list[Lost[T]]:
         """The tokens due for a look at ``now``, taken out: each goes back by
-        :meth:`not_found` or :meth:`put_back`, or is done with (found)."""
+        :meth:`not_found` or :meth:`put_back`, or is done with (found; one ``keep``
+        holds: :meth:`done`)."""
         due: list[Lost[T]] = []
         while self._lost and self._lost[0][0] <= now:
             due.append(heapq.heappop(self._lost)[2])
@@ -200,6 +207,14 @@ class LostClaims(Generic[T]):
         if now + lost.gap <= lost.lapses:
             gap = min(2 * lost.gap, self.max_gap_ms)
             self._add(lost._replace(due=now + lost.gap, gap=gap))
+        else:
+            self.done(lost)
+
+    def done(self, lost: Lost[T]) -> None:
+        """``lost``, taken for a look, leaves the watch (found, or given up): a token
+        ``keep`` holds no longer takes room (:meth:`has_room`). Nothing for another."""
+        if self.keep(lost.token):
+            self.kept -= 1
 
     def put_back(self, lost: Sequence[Lost[T]]) -> None:
         """Tokens taken for a look that failed (the database away) or never came (an
@@ -212,11 +227,12 @@ class LostClaims(Generic[T]):
         return self._lost[0][0] if self._lost else None
 
     def has_room(self) -> bool:
-        """Whether a token ``keep`` holds can be watched now: the watch is not full, or
-        it holds a token it may drop for it."""
-        return len(self._lost) < self.limit or any(
-            not self.keep(entry[2].token) for entry in self._lost
-        )
+        """Whether a token ``keep`` holds can be watched now: fewer than ``limit`` are,
+        counting those out for a look (a full watch then holds a token it may drop for
+        it, also when those come back). Counting only those in hand, an answer watched
+        while another was out for a look took the watch past its limit when that one
+        came back."""
+        return self.kept < self.limit
 
     def _add(self, lost: Lost[T]) -> None:
         if len(self._lost) >= self.limit:

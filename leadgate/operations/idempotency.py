@@ -21,12 +21,13 @@ stores its answer under the key (:meth:`Idempotency.store_recovered`). A release
 a database fault kept from being written is tried again (:meth:`Idempotency.release`),
 not left to the lease. An answer that a fault kept from
 being stored after the turn (:meth:`Idempotency.finish`) is kept in memory (up to
-:data:`ANSWERS_HELD_BYTES`, and as many as the watch holds tokens: a give-back never
-takes an answer's place) and stored by the same watch once the database is back: the
-retry gets it replayed. While either waits, ``idempotency.in_progress`` names the
-watch's next look as its ``Retry-After``. Past that budget, or once the process that
-held it stopped, the claim lapses and the retry is told the answer was lost (a busy
-answer is told busy again: the intake knows the message was recorded busy).
+:data:`ANSWERS_HELD_BYTES`, and as many as the watch holds tokens, those out for a look
+counted: a give-back never takes an answer's place) and stored by the same watch once
+the database is back: the retry gets it replayed. While either waits,
+``idempotency.in_progress`` names the watch's next look as its ``Retry-After``. Past
+that budget, or once the process that held it stopped, the claim lapses and the retry
+is told the answer was lost (a busy answer is told busy again: the intake knows the
+message was recorded busy).
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -69,7 +70,7 @@ from leadgate.core.errors import (
     log_failure,
 )
 from leadgate.core.logs import Tally
-from leadgate.core.runners import LostClaims, seconds_until
+from leadgate.core.runners import Lost, LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import Gated, Reply
 from leadgate.database import schema as t
@@ -91,8 +92,9 @@ RENEW_EVERY_S = 20.0
 RETRY_AFTER_MAX_S = 5
 #: The most bytes (as JSON) of answers a process keeps in memory for its watch to store,
 #: when a database fault kept them from being stored after their turn
-#: (:meth:`Idempotency.finish`); an answer past it is not kept: its claim's lease is
-#: ended instead, and the retry is told the answer was lost.
+#: (:meth:`Idempotency.finish`), those out for a look (their store running) included;
+#: an answer past it is not kept: its claim's lease is ended instead, and the retry is
+#: told the answer was lost.
 ANSWERS_HELD_BYTES = 16 * 1024 * 1024
 #: Keys are 1..255 printable ASCII characters.
 KEY_LIMIT = 255
@@ -180,6 +182,10 @@ class Idempotency:
             on_watch=lambda: self.wake(),
             keep=lambda token: isinstance(token, HeldAnswer),
         )
+        #: the bytes of the answers held (:meth:`_hold`), out for a look or not: what
+        #: :data:`ANSWERS_HELD_BYTES` bounds (the watch's own count sees only the answers
+        #: in hand, and one held while another was out for a look went past the budget)
+        self._held_bytes = 0
 
     def due_in_s(self) -> float | None:
         """Seconds (by this clock) until the next look for a claim in doubt is due, or
@@ -291,6 +297,7 @@ class Idempotency:
             try:
                 if isinstance(lost.token, HeldAnswer):
                     await self._store_held(lost.token)
+                    self._let_go(lost, lost.token)
                     continue
                 found = await self._give_back(lost.token)
             except Exception as exc:
@@ -478,10 +485,10 @@ class Idempotency:
         """Hand ``response``, unstored, to the watch (looked at from ``due``); False when
         it does not fit in :data:`ANSWERS_HELD_BYTES` beside the answers held already, or
         the watch is full of them (:data:`~leadgate.core.runners.MAX_WATCHED` tokens,
-        none a give-back it may drop for it): counted and logged (:data:`NOT_HELD`)."""
+        none a give-back it may drop for it), those out for a look counted in both:
+        counted and logged (:data:`NOT_HELD`)."""
         size = len(json.dumps(response, separators=(",", ":")))
-        held = sum(lost.token.size for lost in self._lost if isinstance(lost.token, HeldAnswer))
-        if held + size > ANSWERS_HELD_BYTES:
+        if self._held_bytes + size > ANSWERS_HELD_BYTES:
             NOT_HELD.add("bytes", ANSWERS_HELD_BYTES)
             return False
         if not self._lost.has_room():
@@ -489,7 +496,14 @@ class Idempotency:
             return False
         token = HeldAnswer(principal.org_id, claim.key_hash, response, provisional, size)
         self._lost.watch(token, due=due, lapses=self.clock.now_ms() + LEASE_MS)
+        self._held_bytes += size
         return True
+
+    def _let_go(self, lost: Lost[HeldKey | HeldAnswer], answer: HeldAnswer) -> None:
+        """``answer``, taken for a look, leaves the watch (stored): its bytes and its
+        room are free again."""
+        self._lost.done(lost)
+        self._held_bytes -= answer.size
 
     async def _store_held(self, answer: HeldAnswer) -> None:
         """Store ``answer`` as :meth:`finish` would have (whoever holds the key now)."""

@@ -3,6 +3,8 @@ the class itself (the REST route's use of it: tests/integration/test_openai_surf
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +13,7 @@ from leadgate.core.auth import Principal
 from leadgate.core.errors import NOTHING_STORED, Unavailable
 from leadgate.database.db import Database
 from leadgate.operations import idempotency as idempotency_mod
-from leadgate.operations.idempotency import LEASE_MS, Idempotency
+from leadgate.operations.idempotency import LEASE_MS, NOT_HELD, HeldAnswer, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
 from tests.helpers import make_org
 from tests.stack import Stack
@@ -268,3 +270,53 @@ async def test_a_stalled_requests_failed_answer_leaves_the_takeovers_lease_alone
     with pytest.raises(Unavailable):
         await idem.finish(principal, stalled, {"status": 200, "body": {}})
     assert (await idem.begin(principal, "k-7", "fp")).action == "running"
+
+
+def _held(idem: Idempotency) -> list[HeldAnswer]:
+    """The answers ``idem``'s watch holds now (those out for a look not among them)."""
+    return [look.token for look in idem._lost if isinstance(look.token, HeldAnswer)]
+
+
+@pytest.mark.parametrize("budget", ["bytes", "answers"])
+async def test_an_answer_out_for_a_look_counts_against_the_watchs_budget(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    """The watch's budget (``ANSWERS_HELD_BYTES``, or as many answers as it watches
+    tokens) has room for one answer. While that answer is out for a look (its store
+    running, here cut short), a second answer's store fails: it is not held (its
+    claim's lease ended, counted), and the first, back from its look, is all the watch
+    holds. The second was held beside it: the watch counted only the answers it had in
+    hand, and held twice its budget once the first came back."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    first = await idem.begin(principal, "k-a", "fp")
+    second = await idem.begin(principal, "k-b", "fp")
+    answer = {"status": 502, "body": {"error": {"rule": "model.failed"}}}
+    if budget == "bytes":
+        size = len(json.dumps(answer, separators=(",", ":")))
+        monkeypatch.setattr(idempotency_mod, "ANSWERS_HELD_BYTES", 2 * size - 1)
+    else:
+        monkeypatch.setattr(idem._lost, "limit", 1)
+    real_tx = stack.db.tx
+    monkeypatch.setattr(stack.db, "tx", DownFor(real_tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, first, answer, provisional=True)
+    stack.clock.advance(1_000)  # the watch's look is due
+    stall = stalled(stack, monkeypatch, "tx")
+    look = asyncio.ensure_future(idem.run_once())
+    await asyncio.wait_for(stall.entered.wait(), 10)  # the answer is out for its look
+    not_held = NOT_HELD.total
+    monkeypatch.setattr(stack.db, "tx", DownFor(real_tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, second, answer, provisional=True)
+    look.cancel()  # (a shutdown, say): the first answer goes back to the watch
+    with pytest.raises(asyncio.CancelledError):
+        await look
+    assert [held.key_hash for held in _held(idem)] == [first.key_hash]
+    assert NOT_HELD.total == not_held + 1
+    retry = await idem.begin(principal, "k-b", "fp")  # its lease ended: taken over
+    assert (retry.action, retry.external_event_id) == ("run", second.external_event_id)
+    replay = await idem.begin(principal, "k-a", "fp")  # (its look came first)
+    assert (replay.action, replay.response) == ("replay", answer)
+    assert not idem._lost and idem._lost.has_room()

@@ -77,6 +77,24 @@ def test_a_full_watch_never_drops_a_token_it_keeps() -> None:
     assert sorted(look.token for look in lost) == ["k1", "k2"] and lost.dropped == 5
 
 
+def test_a_kept_token_out_for_a_look_still_takes_its_room() -> None:
+    """A kept token taken for a look counts against the watch's room until it comes back
+    (:meth:`put_back`) or is done with (:meth:`done`): while it was out the watch said
+    it had room, and a kept token watched then and the one put back took the watch past
+    its limit (every token kept, none it could drop for them)."""
+    lost: LostClaims[str] = LostClaims(limit=1, keep=lambda token: token.startswith("k"))
+    lost.watch("k1", due=0, lapses=1)
+    taken = lost.take_due(0)
+    assert not lost and not lost.has_room()  # out for its look, still counted
+    lost.put_back(taken)
+    assert len(lost) == 1 and not lost.has_room()
+    [look] = lost.take_due(0)
+    lost.done(look)  # (stored: it leaves the watch)
+    assert lost.has_room()
+    lost.watch("g1", due=0, lapses=2)  # a token it may drop takes no kept room
+    assert lost.has_room()
+
+
 def test_the_watch_holds_a_typed_token() -> None:
     """An Idempotency-Key claim's give-back is watched as what it is (key, owner,
     takeover), not a string of them joined."""
