@@ -116,12 +116,20 @@ class DownFor:
     ``in_doubt`` True, the transaction's signals handed to the ``on_doubt_payloads``
     listeners instead of the commit listeners. A SQLite COMMIT runs in this process and
     cannot be lost this way (``_InlineTx.__aexit__``): on SQLite a test must say it
-    runs a path that does not depend on the backend (``sqlite_too``)."""
+    runs a path that does not depend on the backend (``sqlite_too``). ``error`` (with
+    ``after_commit=False``): what the call raises instead (a damaged database, say)."""
 
     def __init__(
-        self, real: Callable[[], Any], n: int, *, after_commit: bool, sqlite_too: bool = False
+        self,
+        real: Callable[[], Any],
+        n: int,
+        *,
+        after_commit: bool,
+        sqlite_too: bool = False,
+        error: Callable[[], Exception] | None = None,
     ) -> None:
         self.real, self.n, self.after_commit = real, n, after_commit
+        self.error = error or (lambda: Unavailable("database down", rule="service.unavailable"))
         if after_commit:
             _may_lose_a_commit(real, sqlite_too)
 
@@ -129,12 +137,12 @@ class DownFor:
         if self.n == 0:
             return self.real()
         self.n -= 1
-        real, after = self.real, self.after_commit
+        real, after, error = self.real, self.after_commit, self.error
 
         class _Ctx:
             async def __aenter__(self) -> Any:
                 if not after:
-                    raise Unavailable("database down", rule="service.unavailable")
+                    raise error()
                 self.inner = real()
                 # (The work's signals: see __aexit__.)
                 conn, self.topics = await _entered_unheard(self.inner)

@@ -25,6 +25,7 @@ class Metrics:
     http_connections_closed: Counter
     http_unsent_bytes: Gauge
     flow_runs_unrecoverable: Counter
+    idempotency_answers_lost: Counter
     time_to_decision: Histogram
     decisions: Counter
     reminders: Counter
@@ -105,6 +106,16 @@ class Metrics:
             "after MAX_RECOVERIES attempts without progress, by the resumer when an "
             "approved paused run cannot be read, or because turn recovery gave up on a "
             "node's turn",
+            registry=self.registry,
+        )
+
+        self.idempotency_answers_lost = Counter(
+            "leadgate_idempotency_answers_lost_total",
+            "Idempotency-Key answers a database fault kept from their key that the "
+            "process did not store: not held (bytes: past ANSWERS_HELD_BYTES; answers: "
+            "the watch full of answers) or given up (unstorable: a store that failed for "
+            "a reason other than a database fault)",
+            ["reason"],
             registry=self.registry,
         )
 

@@ -25,9 +25,10 @@ being stored after the turn (:meth:`Idempotency.finish`) is kept in memory (up t
 counted: a give-back never takes an answer's place) and stored by the same watch once
 the database is back: the retry gets it replayed. While either waits,
 ``idempotency.in_progress`` names the watch's next look as its ``Retry-After``. Past
-that budget, or once the process that held it stopped, the claim lapses and the retry
-is told the answer was lost (a busy answer is told busy again: the intake knows the
-message was recorded busy).
+that budget, once the process that held it stopped, or once its store failed for a
+reason that is no database fault (the database refuses it, a bug: no wait would store
+it, :meth:`Idempotency._give_up`), the claim lapses and the retry is told the answer was
+lost (a busy answer is told busy again: the intake knows the message was recorded busy).
 
 Each claim carries an owner token (``idempotency_keys.owner``): its renewals and its
 release are fenced by it, so a request that stalled past its lease (and was taken over)
@@ -64,12 +65,14 @@ from leadgate.core.auth import Principal
 from leadgate.core.clock import HOUR_MS, MINUTE_MS, Clock, IdFactory, RandomIds
 from leadgate.core.errors import (
     NOTHING_STORED,
+    DatabaseDamaged,
     LeadgateError,
     Unavailable,
     ValidationError,
     log_failure,
 )
 from leadgate.core.logs import Tally
+from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Lost, LostClaims, seconds_until
 from leadgate.core.tasks import alongside
 from leadgate.core.types import Gated, Reply
@@ -288,19 +291,25 @@ class Idempotency:
         (:class:`~leadgate.core.runners.LostClaims`), by this process's loop
         (:meth:`run_once`) or the next keyed request here, whichever comes first (the
         client's retry, when it comes here: the 503 says 2 to 4 s). An answer held for its
-        key (:class:`HeldAnswer`) is stored, and done with once its statement ran. A
-        failure is returned (the tokens not looked at stay watched, due as before: each
-        keyed request here tries them again, and the loop after its back-off, 0.5 s
-        doubling to 5 s, so a ``Retry-After`` for them says 1)."""
+        key (:class:`HeldAnswer`) is stored, and done with once its statement ran; one
+        whose store fails for a reason that is no database fault is given up
+        (:meth:`_give_up`), and the look goes on. A database fault is returned (the
+        tokens not looked at stay watched, due as before: each keyed request here tries
+        them again, and the loop after its back-off, 0.5 s doubling to 5 s, so a
+        ``Retry-After`` for them says 1)."""
         due = self._lost.take_due(now)
         for n, lost in enumerate(due):
+            token = lost.token
             try:
-                if isinstance(lost.token, HeldAnswer):
-                    await self._store_held(lost.token)
-                    self._let_go(lost, lost.token)
+                if isinstance(token, HeldAnswer):
+                    await self._store_held(token)
+                    self._let_go(lost, token)
                     continue
-                found = await self._give_back(lost.token)
+                found = await self._give_back(token)
             except Exception as exc:
+                if isinstance(token, HeldAnswer) and _never_stored(exc):
+                    self._give_up(lost, token, exc)
+                    continue
                 self._lost.put_back(due[n:])
                 return exc
             except BaseException:  # (the request cancelled: the rest stay watched)
@@ -427,6 +436,7 @@ class Idempotency:
         response: dict[str, Any],
         *,
         provisional: bool = False,
+        request_id: str | None = None,
     ) -> None:
         """Store the answer of the request that ran the turn (replayed from now on).
 
@@ -444,7 +454,9 @@ class Idempotency:
         request here and each pass of its loop (after the loop's back-off), until the
         statement runs: meanwhile the claim holds the key (its retry is told 409
         ``idempotency.in_progress``, ``Retry-After`` that look, 1 once it failed), and
-        then the retry gets the answer replayed. An answer past the watch's budget
+        then the retry gets the answer replayed. A look whose store fails for a reason
+        that is no database fault gives the answer up (:meth:`_give_up`, which names
+        ``request_id`` in its log line). An answer past the watch's budget
         (:data:`ANSWERS_HELD_BYTES`, or a watch full of answers: :meth:`_hold`) is not
         held: the claim's lease is ended
         (:meth:`lapse`, fenced by its owner token; one that fails too is tried again),
@@ -460,14 +472,17 @@ class Idempotency:
             # (The answer's own failure is the one to raise; the lapse's, if any, is
             # watched and tried again.)
             now = self.clock.now_ms()
+            due = now + self._lost.first_ms
             if not self._hold(
-                principal, claim, response, provisional, due=now + self._lost.first_ms
+                principal, claim, response, provisional, due=due, request_id=request_id
             ):
                 await self.lapse(principal, claim)
             raise
         except BaseException:  # (cancelled: no write now; the watch's first look does it)
             now = self.clock.now_ms()
-            if not self._hold(principal, claim, response, provisional, due=now):
+            if not self._hold(
+                principal, claim, response, provisional, due=now, request_id=request_id
+            ):
                 if claim.owner is not None:
                     token = HeldKey(principal.org_id, claim.key_hash, claim.owner, keep_key=True)
                     self._lost.watch(token, due=now, lapses=now + LEASE_MS)
@@ -481,6 +496,7 @@ class Idempotency:
         provisional: bool,
         *,
         due: int,
+        request_id: str | None,
     ) -> bool:
         """Hand ``response``, unstored, to the watch (looked at from ``due``); False when
         it does not fit in :data:`ANSWERS_HELD_BYTES` beside the answers held already, or
@@ -490,20 +506,57 @@ class Idempotency:
         size = len(json.dumps(response, separators=(",", ":")))
         if self._held_bytes + size > ANSWERS_HELD_BYTES:
             NOT_HELD.add("bytes", ANSWERS_HELD_BYTES)
+            METRICS.idempotency_answers_lost.labels("bytes").inc()
             return False
         if not self._lost.has_room():
             NOT_HELD.add("answers", self._lost.limit)
+            METRICS.idempotency_answers_lost.labels("answers").inc()
             return False
-        token = HeldAnswer(principal.org_id, claim.key_hash, response, provisional, size)
+        token = HeldAnswer(
+            principal.org_id,
+            claim.key_hash,
+            response,
+            provisional,
+            size,
+            claim.owner,
+            request_id,
+        )
         self._lost.watch(token, due=due, lapses=self.clock.now_ms() + LEASE_MS)
         self._held_bytes += size
         return True
 
     def _let_go(self, lost: Lost[HeldKey | HeldAnswer], answer: HeldAnswer) -> None:
-        """``answer``, taken for a look, leaves the watch (stored): its bytes and its
-        room are free again."""
+        """``answer``, taken for a look, leaves the watch (stored, or given up): its
+        bytes and its room are free again."""
         self._lost.done(lost)
         self._held_bytes -= answer.size
+
+    def _give_up(
+        self, lost: Lost[HeldKey | HeldAnswer], answer: HeldAnswer, exc: Exception
+    ) -> None:
+        """``answer``'s store failed for a reason no wait ends (:func:`_never_stored`):
+        it leaves the watch (which tried it at every look, every 30 s at most, for as
+        long as the process ran: its bytes held, every token due after it never looked
+        at). One ERROR names its request and its rule (without the driver's text or a
+        traceback: the statement's parameters are the answer), it is counted, and its
+        claim's lease is ended as for an answer not held (fenced by its owner token:
+        watched, due now, for the loop's next pass, which it wakes), so the retry takes
+        the key over and is told ``idempotency.lost`` (busy again for a busy message)."""
+        self._let_go(lost, answer)
+        METRICS.idempotency_answers_lost.labels("unstorable").inc()
+        log.error(
+            "an unstored Idempotency-Key answer (request %s, status %s, rule %s) is given "
+            "up: storing it failed with %s, which is no database fault (no wait stores "
+            "it); its claim's lease is ended, and the retry is told idempotency.lost",
+            answer.request_id or "unknown",
+            answer.response.get("status"),
+            _rule_of(answer.response),
+            type(exc).__name__,
+        )
+        if answer.owner is not None:
+            now = self.clock.now_ms()
+            token = HeldKey(answer.org_id, answer.key_hash, answer.owner, keep_key=True)
+            self._lost.watch(token, due=now, lapses=now + LEASE_MS)
 
     async def _store_held(self, answer: HeldAnswer) -> None:
         """Store ``answer`` as :meth:`finish` would have (whoever holds the key now)."""
@@ -662,6 +715,19 @@ class HeldAnswer(NamedTuple):
     provisional: bool
     #: its size as JSON, counted against :data:`ANSWERS_HELD_BYTES`
     size: int
+    #: the claim's owner token: its lease is ended when the answer is given up
+    owner: str | None
+    #: the id of the request it answers (its log lines'), named if it is given up
+    request_id: str | None
+
+
+def _never_stored(exc: Exception) -> bool:
+    """Whether ``exc``, met storing a held answer, is no fault of the database's state:
+    not its unavailability (:func:`~leadgate.database.faults.unavailable`: busy, down,
+    full, a statement cancelled...) and not its damage (repaired by its operator, after
+    which the answer is stored). What is left (a constraint or a value the database
+    refuses, a bug) fails the same statement every time."""
+    return not isinstance(exc, DatabaseDamaged) and unavailable(exc) is None
 
 
 class HeldKey(NamedTuple):
@@ -713,10 +779,14 @@ _REPLACEABLE_RULES = frozenset({"idempotency.lost", "turn.interrupted", "intake.
 
 def _replaceable(response: Any) -> bool:
     """Whether a rerun's answer is stored over ``response`` (the key's stored answer)."""
-    if response is None:
-        return True
+    return response is None or _rule_of(response) in _REPLACEABLE_RULES
+
+
+def _rule_of(response: Any) -> str | None:
+    """The rule of the error a stored answer ``response`` is (its body's, or a stream's
+    one error frame's), else None."""
     if not isinstance(response, dict):
-        return False
+        return None
     body = response.get("body")
     frames = response.get("frames")
     if isinstance(frames, list) and frames and isinstance(frames[-1], str):
@@ -724,7 +794,8 @@ def _replaceable(response: Any) -> bool:
         with contextlib.suppress(ValueError):
             body = json.loads(frames[-1].removeprefix("data: "))
     error = body.get("error") if isinstance(body, dict) else None
-    return isinstance(error, dict) and error.get("rule") in _REPLACEABLE_RULES
+    rule = error.get("rule") if isinstance(error, dict) else None
+    return rule if isinstance(rule, str) else None
 
 
 def _parse_external_id(external_event_id: str) -> tuple[str, str, int] | None:

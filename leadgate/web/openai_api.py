@@ -60,6 +60,7 @@ from leadgate.web.common import (
     error_body,
     error_response,
     json_body,
+    request_id,
 )
 
 log = logging.getLogger("leadgate.web")
@@ -150,6 +151,7 @@ class IdempotencyBackend(Protocol):
         response: dict[str, Any],
         *,
         provisional: bool = False,
+        request_id: str | None = None,
     ) -> None: ...
 
     async def store(
@@ -591,7 +593,11 @@ def setup(
             else:
                 try:
                     await idempotency.finish(
-                        principal, claim, stored, provisional=exchange.provisional
+                        principal,
+                        claim,
+                        stored,
+                        provisional=exchange.provisional,
+                        request_id=request_id(request),
                     )
                 except DatabaseDamaged as exc:
                     # As above, and counted in the one line a minute naming the file

@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import httpx2
 import openai
 import pytest
@@ -57,6 +60,7 @@ from tests.helpers import (
     make_agent,
     make_key,
     make_org,
+    ours,
     session_item,
 )
 from tests.serving import served_app
@@ -1259,6 +1263,47 @@ async def test_an_answer_a_fault_kept_from_its_key_is_stored_once_the_database_i
         assert await again.json() == await retry.json()
         user_messages = await env.user_messages(agent, "u")
         assert user_messages == (["ship #complete"] if answer == "busy" else [text])  # once
+
+
+def _refusal(faults: SqliteFaults | PgFaults) -> Callable[[], Exception]:
+    """What the driver raises when the database refuses a statement (a constraint): a
+    fault no wait ends."""
+    if isinstance(faults, PgFaults):
+        return lambda: asyncpg.exceptions.CheckViolationError("answer refused")
+    return lambda: sqlite3.IntegrityError("answer refused")
+
+
+async def test_an_answer_the_database_refuses_to_store_is_given_up(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn's answer kept from its key by a database fault is held, and when the
+    watch's look stores it the database refuses it (a constraint: no wait would store
+    it). It is given up there: one ERROR names the request (its ``X-Request-Id``) and
+    the answer's rule, and the claim's lease is ended, so the retry takes the key over
+    and is told ``idempotency.lost`` (the message was taken in once). It was tried
+    again at every look for as long as the process ran, holding its bytes, and the
+    retry was told ``idempotency.in_progress`` until the claim's lease lapsed."""
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        faults.arm_on("UPDATE idempotency_keys SET response")
+        first = await env.chat("plain", "please #fail", idem="k-refused", session="u")
+        faults.disarm()
+        assert first.status == 502 and faults.fired is not None, await first.text()
+        rule = (await first.json())["error"]["rule"]
+        caplog.set_level(logging.INFO, logger="leadgate.idempotency")
+        faults.arm_on("UPDATE idempotency_keys SET response", error=_refusal(faults))
+        env.clock.advance(1_000)  # the watch's look is due: the database refuses it
+        idempotency = env.service.idempotency
+        await idempotency.run_once()  # (or the loop's own pass, whichever takes it)
+        await eventually(lambda: not idempotency._lost, what="the claim's lease ended")
+        faults.disarm()
+        assert faults.fired is not None
+        lost = await env.chat("plain", "please #fail", idem="k-refused", session="u")
+        assert lost.status == 409, await lost.text()
+        assert (await lost.json())["error"]["rule"] == "idempotency.lost"
+        [error] = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
+        said = error.getMessage()
+        assert first.headers["X-Request-Id"] in said and f"rule {rule}" in said
+        assert await env.user_messages("plain", "u") == ["please #fail"]  # (once)
 
 
 async def test_a_keyed_request_without_a_fault_costs_what_it_did(env: Env) -> None:

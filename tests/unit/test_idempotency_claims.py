@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
-from leadgate.core.errors import NOTHING_STORED, Unavailable
+from leadgate.core.errors import NOTHING_STORED, DatabaseDamaged, Unavailable
 from leadgate.database.db import Database
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, NOT_HELD, HeldAnswer, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
-from tests.helpers import make_org
+from tests.helpers import counted, make_org, ours
 from tests.stack import Stack
 from tests.unit.test_lost_claims import cut_short, stalled
 
@@ -277,6 +280,10 @@ def _held(idem: Idempotency) -> list[HeldAnswer]:
     return [look.token for look in idem._lost if isinstance(look.token, HeldAnswer)]
 
 
+def _lost_answers(reason: str) -> float:
+    return counted("leadgate_idempotency_answers_lost_total", reason=reason)
+
+
 @pytest.mark.parametrize("budget", ["bytes", "answers"])
 async def test_an_answer_out_for_a_look_counts_against_the_watchs_budget(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, budget: str
@@ -306,7 +313,7 @@ async def test_an_answer_out_for_a_look_counts_against_the_watchs_budget(
     stall = stalled(stack, monkeypatch, "tx")
     look = asyncio.ensure_future(idem.run_once())
     await asyncio.wait_for(stall.entered.wait(), 10)  # the answer is out for its look
-    not_held = NOT_HELD.total
+    not_held, lost = NOT_HELD.total, _lost_answers(budget)
     monkeypatch.setattr(stack.db, "tx", DownFor(real_tx, 1, after_commit=False))
     with pytest.raises(Unavailable):
         await idem.finish(principal, second, answer, provisional=True)
@@ -314,9 +321,107 @@ async def test_an_answer_out_for_a_look_counts_against_the_watchs_budget(
     with pytest.raises(asyncio.CancelledError):
         await look
     assert [held.key_hash for held in _held(idem)] == [first.key_hash]
-    assert NOT_HELD.total == not_held + 1
+    assert (NOT_HELD.total, _lost_answers(budget)) == (not_held + 1, lost + 1)
     retry = await idem.begin(principal, "k-b", "fp")  # its lease ended: taken over
     assert (retry.action, retry.external_event_id) == ("run", second.external_event_id)
     replay = await idem.begin(principal, "k-a", "fp")  # (its look came first)
     assert (replay.action, replay.response) == ("replay", answer)
     assert not idem._lost and idem._lost.has_room()
+
+
+async def _refuse_answers_saying(db: Database, marker: str) -> None:
+    """Make the database refuse (a constraint of its own, as a trigger) to store an
+    answer under its key when the answer holds ``marker``: a fault that no wait ends."""
+    if db.is_postgres:
+        ddl = [
+            "CREATE FUNCTION refuse_answer() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'answer refused' USING ERRCODE = 'check_violation'; END $$",
+            "CREATE TRIGGER refuse_answer BEFORE UPDATE ON idempotency_keys FOR EACH ROW "
+            f"WHEN (NEW.response::text LIKE '%{marker}%') EXECUTE FUNCTION refuse_answer()",
+        ]
+    else:
+        ddl = [
+            "CREATE TRIGGER refuse_answer BEFORE UPDATE OF response ON idempotency_keys "
+            f"WHEN NEW.response LIKE '%{marker}%' BEGIN SELECT RAISE(ABORT, 'answer refused'); END"
+        ]
+    async with db.tx() as conn:
+        for statement in ddl:
+            await conn.execute(sa.text(statement))
+
+
+async def test_an_answer_the_database_refuses_is_given_up_at_its_look(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held answer whose store fails for a reason no wait ends (here the database
+    refuses it: a constraint; a bug would do the same) is given up at that look: one
+    ERROR naming its request and its rule, counted, and its claim's lease ended, so the
+    retry takes the key over and is told the answer was lost. The answers due after it
+    in the same look are stored. It was raised from every look, every 30 s at most, for
+    as long as the process ran: its bytes held for ever, and every token due after it
+    never looked at (the other answer here never stored)."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    refused_claim = await idem.begin(principal, "k-refused", "fp")
+    other_claim = await idem.begin(principal, "k-other", "fp")
+    refused: dict[str, Any] = {"status": 502, "body": {"error": {"rule": "refuse.me"}}}
+    other = {"status": 409, "body": {"error": {"rule": "turn.busy"}}}
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 2, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, refused_claim, refused, request_id="req-refused")
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, other_claim, other, provisional=True)
+    await _refuse_answers_saying(stack.db, "refuse.me")
+    stack.clock.advance(1_000)  # both looks are due, the refused answer's first
+    given_up = _lost_answers("unstorable")
+    caplog.set_level(logging.INFO, logger="leadgate.idempotency")
+    await idem.run_once()  # (not raised: the loop has nothing to back off for)
+    assert _held(idem) == [] and _lost_answers("unstorable") == given_up + 1
+    [error] = [r for r in ours(caplog) if r.levelno >= logging.ERROR]
+    said = error.getMessage()
+    assert "req-refused" in said and "refuse.me" in said and "idempotency.lost" in said
+    assert "IntegrityError" in said and error.exc_info is None  # (no SQL, no answer text)
+    replay = await idem.begin(principal, "k-other", "fp")
+    assert (replay.action, replay.response) == ("replay", other)
+    await idem.run_once()  # (the lease's end, due at once)
+    assert not idem._lost and idem._lost.has_room()
+    retry = await idem.begin(principal, "k-refused", "fp")
+    assert (retry.action, retry.external_event_id) == ("run", refused_claim.external_event_id)
+    assert len([r for r in ours(caplog) if r.levelno >= logging.ERROR]) == 1
+
+
+@pytest.mark.parametrize("fault", ["database away", "database damaged"])
+async def test_a_held_answer_is_kept_through_a_database_fault_at_its_look(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """A database fault at the look (the database away, or damaged until its operator
+    repairs it) is no reason to give the answer up: the look's failure is raised for
+    the loop to back off on, the answer stays held and counted, and it is stored at a
+    later look. Only a fault that is not the database's gives an answer up."""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    claim = await idem.begin(principal, "k-9", "fp")
+    answer = {"status": 502, "body": {"error": {"rule": "model.failed"}}}
+    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+    with pytest.raises(Unavailable):
+        await idem.finish(principal, claim, answer, provisional=True)
+    stack.clock.advance(1_000)
+    error: Callable[[], Exception] | None = None
+    if fault == "database damaged":
+        error = lambda: DatabaseDamaged("index damaged")  # noqa: E731
+    given_up = _lost_answers("unstorable")
+    caplog.set_level(logging.INFO, logger="leadgate.idempotency")
+    for _ in range(3):  # (the loop's passes, after its back-off)
+        monkeypatch.setattr(
+            stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False, error=error)
+        )
+        with pytest.raises(Unavailable if error is None else DatabaseDamaged):
+            await idem.run_once()
+        stack.clock.advance(5_000)
+        assert [held.key_hash for held in _held(idem)] == [claim.key_hash]
+    assert _lost_answers("unstorable") == given_up
+    assert not [r for r in ours(caplog) if r.levelno >= logging.ERROR]
+    assert await idem.run_once() is True
+    replay = await idem.begin(principal, "k-9", "fp")
+    assert (replay.action, replay.response) == ("replay", answer)
