@@ -202,9 +202,16 @@ class EmailChannel:
                 return Uncertain(f"email: connection lost after the message was sent: {exc}")
             except aiosmtplib.SMTPException as exc:
                 return Uncertain(f"email: unreadable reply after the message was sent: {exc}")
-            if reply.code == 250:
+            if 200 <= reply.code < 300:
+                # 250 is the answer RFC 5321 names, but any 2yz is "completed": the
+                # server took the message, and a retry would deliver it twice.
                 await self._quit(smtp)
                 return Sent()
+            if reply.code < 400:
+                return Uncertain(
+                    f"email: unexpected reply {reply.code} after the message was sent: "
+                    f"{reply.message}"
+                )
             return _by_code(reply.code, f"email: message refused: {reply.message}")
         finally:
             smtp.close()

@@ -200,3 +200,15 @@ async def test_starttls_required_but_not_offered_is_permanent(sink: SmtpSink) ->
     outcome = await _channel(sink, start_tls=True).send(_message())
     assert isinstance(outcome, Permanent)
     assert sink.messages == []
+
+
+async def test_a_positive_answer_other_than_250_after_the_message_is_sent(sink: SmtpSink) -> None:
+    """Any 2yz after the final dot means the relay took the message: retrying it (what
+    an "unexpected reply" was) mailed it twice."""
+    sink.fail_next("accept_2xx")
+    assert await _channel(sink).send(_message()) == Sent("<dlv-42@leadgate.example>")
+    assert [m["mode"] for m in sink.messages] == ["accept_2xx"]
+    # Neither a 2yz nor a refusal: the relay may hold the message, so it is not sent again.
+    sink.fail_next("odd_3xx")
+    outcome = await _channel(sink).send(_message())
+    assert isinstance(outcome, Uncertain) and "unexpected reply 354" in outcome.error

@@ -42,6 +42,9 @@ Failure modes (each consumes one transaction, chosen at ``MAIL FROM``):
 * ``"reject"``        ``554 5.7.1`` after the message content (permanent)
 * ``"hang"``          reads the whole message, never answers
 * ``"drop"``          reads the whole message, then closes the connection
+* ``"accept_2xx"``    takes the message (recorded in ``messages``) with ``252 2.0.0``, a
+  positive answer other than RFC 5321's ``250``
+* ``"odd_3xx"``       reads the whole message, answers ``354`` (neither taken nor refused)
 """
 
 from __future__ import annotations
@@ -62,7 +65,17 @@ from aiohttp import web
 from aiosmtpd.smtp import SMTP, AuthResult, Envelope, LoginPassword, Session
 
 FAILURE_MODES = frozenset(
-    {"reject_rcpt", "tempfail_rcpt", "hang_rcpt", "tempfail", "reject", "hang", "drop"}
+    {
+        "reject_rcpt",
+        "tempfail_rcpt",
+        "hang_rcpt",
+        "tempfail",
+        "reject",
+        "hang",
+        "drop",
+        "accept_2xx",
+        "odd_3xx",
+    }
 )
 
 
@@ -242,6 +255,11 @@ class SmtpSink:
         if mode == "ok":
             self.messages.append(record)
             return "250 2.0.0 OK: queued"
+        if mode == "accept_2xx":
+            self.messages.append(record)
+            return "252 2.0.0 Queued"
+        if mode == "odd_3xx":
+            return "354 Go ahead"
         if mode == "tempfail":
             return "451 4.3.0 Temporary failure, try again later"
         if mode == "reject":
