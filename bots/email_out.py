@@ -8,6 +8,7 @@ delivery carries a deterministic ``Message-ID`` derived from its idempotency key
 
 from __future__ import annotations
 
+import asyncio
 import email
 import email.policy
 import email.utils
@@ -22,13 +23,18 @@ import aiosmtplib
 from bots.email_parse import MAX_CHARS, one_line
 from leadgate.core.config import EmailSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
-
-log = logging.getLogger(__name__)
-
+from outbox.relay import SEND_LEASE_MS
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "email"
+#: How long one send may take, all of it: within half the relay's send lease, as a relay
+#: holds up to two rounds of its sends under their leases at once (the second round's
+#: sends wait for the first's), and a send that outlives its lease has its outcome
+#: thrown away (the delivery is taken back as ``deliveryUnknown`` meanwhile).
+SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
+#: The most a QUIT after an accepted message is waited for.
+QUIT_TIMEOUT_S = 5.0
 
 
 # ----------------------------------------------------------------------------- outbound
@@ -98,10 +104,14 @@ class EmailChannel:
         settings: EmailSettings,
         *,
         timeout_s: float = 30.0,
+        deadline_s: float = SEND_DEADLINE_S,
         local_hostname: str | None = None,
     ) -> None:
+        if deadline_s <= timeout_s:
+            raise ValueError("deadline_s must be longer than timeout_s")
         self._settings = settings
         self._timeout_s = timeout_s
+        self._deadline_s = deadline_s
         # aiosmtplib would otherwise resolve the FQDN for EHLO on every connection.
         self._local_hostname = local_hostname or socket.gethostname() or "localhost"
 
@@ -141,7 +151,17 @@ class EmailChannel:
         dot are written with the protocol's ``write``: a failure before that write is a
         :class:`Retry` (nothing was handed over), one after it is :class:`Uncertain`
         (the server may have queued the message before the connection broke).
+
+        The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`): each step
+        waits at most ``timeout_s``, the steps before the message (connect, greeting,
+        EHLO, STARTTLS, AUTH, MAIL, RCPT, DATA) end within ``deadline_s - timeout_s``
+        together (past it: :class:`Retry`), and the answer to the message is waited for
+        ``timeout_s``; a QUIT after it gets what is left. Each step alone was bounded,
+        and a relay slow at every step kept a send past its lease.
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._deadline_s
+        before_message_s = self._deadline_s - self._timeout_s
         s = self._settings
         smtp = aiosmtplib.SMTP(
             hostname=s.smtp_host,
@@ -154,27 +174,33 @@ class EmailChannel:
         )
         try:
             try:
-                await smtp.connect()
-                options: list[str] = []
-                if utf8:
-                    if smtp.is_ehlo_or_helo_needed:
-                        await smtp.ehlo()
-                    if not smtp.supports_extension("smtputf8"):
-                        return Permanent(
-                            "email: the relay does not offer SMTPUTF8, which a non-ASCII "
-                            "address needs"
-                        )
-                    options = ["SMTPUTF8"]
-                encoding = "utf-8" if utf8 else "ascii"
-                await smtp.mail(mail_from, options=options, encoding=encoding)
-                await smtp.rcpt(rcpt_to, encoding=encoding)
-                start = await smtp.execute_command(b"DATA")
+                async with asyncio.timeout_at(deadline - self._timeout_s):
+                    await smtp.connect()
+                    options: list[str] = []
+                    if utf8:
+                        if smtp.is_ehlo_or_helo_needed:
+                            await smtp.ehlo()
+                        if not smtp.supports_extension("smtputf8"):
+                            return Permanent(
+                                "email: the relay does not offer SMTPUTF8, which a non-ASCII "
+                                "address needs"
+                            )
+                        options = ["SMTPUTF8"]
+                    encoding = "utf-8" if utf8 else "ascii"
+                    await smtp.mail(mail_from, options=options, encoding=encoding)
+                    await smtp.rcpt(rcpt_to, encoding=encoding)
+                    start = await smtp.execute_command(b"DATA")
             except aiosmtplib.SMTPResponseException as exc:
                 return _by_code(exc.code, f"email: server refused: {exc.message}")
             except aiosmtplib.SMTPRecipientsRefused as exc:
                 return Permanent(f"email: recipients refused: {exc}")
             except (aiosmtplib.SMTPTimeoutError, aiosmtplib.SMTPServerDisconnected) as exc:
                 return Retry(f"email: {type(exc).__name__} before the message was sent: {exc}")
+            except TimeoutError:  # asyncio.timeout_at's (aiosmtplib's are caught above)
+                return Retry(
+                    f"email: the relay took longer than {before_message_s:g} s before the "
+                    "message could be sent"
+                )
             except aiosmtplib.SMTPConnectError as exc:
                 return Retry(f"email: cannot connect: {exc}")
             except OSError as exc:
@@ -205,7 +231,7 @@ class EmailChannel:
             if 200 <= reply.code < 300:
                 # 250 is the answer RFC 5321 names, but any 2yz is "completed": the
                 # server took the message, and a retry would deliver it twice.
-                await self._quit(smtp)
+                await self._quit(smtp, deadline - loop.time())
                 return Sent()
             if reply.code < 400:
                 return Uncertain(
@@ -216,9 +242,11 @@ class EmailChannel:
         finally:
             smtp.close()
 
-    async def _quit(self, smtp: aiosmtplib.SMTP) -> None:
+    async def _quit(self, smtp: aiosmtplib.SMTP, left_s: float) -> None:
+        if left_s <= 0:
+            return  # the send's deadline: closing the connection does as well
         try:
-            await smtp.quit(timeout=min(self._timeout_s, 5.0))
+            await smtp.quit(timeout=min(self._timeout_s, QUIT_TIMEOUT_S, left_s))
         except Exception:  # the message is already accepted; QUIT is a courtesy
             log.debug("email: QUIT failed", exc_info=True)
 

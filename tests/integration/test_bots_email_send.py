@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Mapping
 from email.message import EmailMessage
 from typing import Any
@@ -11,9 +12,11 @@ import aiosmtplib
 import pytest
 
 from bots.email import EmailAdapter, EmailChannel, message_id_for
+from bots.email_out import SEND_DEADLINE_S
 from leadgate.core.config import EmailSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.relay import SEND_LEASE_MS
 from tests.fakes import FakeCore
 from tests.standins.smtp import SmtpSink
 
@@ -212,3 +215,30 @@ async def test_a_positive_answer_other_than_250_after_the_message_is_sent(sink: 
     sink.fail_next("odd_3xx")
     outcome = await _channel(sink).send(_message())
     assert isinstance(outcome, Uncertain) and "unexpected reply 354" in outcome.error
+
+
+async def test_a_relay_slow_at_every_step_is_given_up_on_within_the_send_deadline(
+    sink: SmtpSink,
+) -> None:
+    """Each step waited up to its timeout and nothing bounded their sum: a relay slow at
+    every step (8 steps of 30 s) kept a send past its 2-minute lease, whose lapse took the
+    delivery back as deliveryUnknown and threw the send's own outcome away (a mail sent,
+    or never sent, left to an operator's guess). Now the steps before the message end
+    within deadline_s - timeout_s, nothing sent: a retry."""
+    assert SEND_DEADLINE_S <= SEND_LEASE_MS / 2000  # two rounds of sends per lease
+    sink.slow_s = 0.6  # MAIL and RCPT each well within the step's timeout of 1 s
+    channel = EmailChannel(
+        EmailSettings(smtp_host="127.0.0.1", smtp_port=sink.port),
+        timeout_s=1.0,
+        deadline_s=2.0,
+        local_hostname="leadgate.test",
+    )
+    started = time.monotonic()
+    outcome = await channel.send(_message())
+    assert isinstance(outcome, Retry), outcome
+    assert "took longer than 1 s before the message could be sent" in outcome.error
+    assert time.monotonic() - started < 4.0  # (1 s: far below a loaded machine's reach)
+    assert sink.messages == []
+    # The same relay, quick again: the delivery's next attempt goes through.
+    sink.slow_s = 0.0
+    assert await channel.send(_message()) == Sent("<dlv-42@leadgate.example>")

@@ -12,6 +12,7 @@ In-process use::
     sink.messages                    # accepted messages, oldest first (see _describe)
     sink.attempts                    # every transaction that reached RCPT or DATA
     sink.on_data = hook              # awaited with each message before it is answered
+    sink.slow_s = 0.6                # each MAIL and RCPT answered that much later
     await sink.close()
 
 As a subprocess (acceptance tests)::
@@ -136,6 +137,9 @@ class SmtpSink:
         #: it is answered (in process): what the test does there happens while the
         #: sender waits for the answer, its send in flight
         self.on_data: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        #: seconds each MAIL and RCPT answer waits (in process): a relay slow at every
+        #: step, as a tarpit is, each step within the sender's timeout
+        self.slow_s = 0.0
 
     def fail_next(self, mode: str, *, count: int = 1) -> None:
         """Make the next ``count`` transactions fail with ``mode``."""
@@ -214,6 +218,7 @@ class SmtpSink:
         mail_options: list[str],
     ) -> str:
         """Start a transaction and pick its failure mode."""
+        await self._slowly()
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         self._modes[envelope] = self._failures.popleft() if self._failures else "ok"
@@ -228,6 +233,7 @@ class SmtpSink:
         rcpt_options: list[str],
     ) -> str:
         """Accept, refuse or stall a recipient according to the mode."""
+        await self._slowly()
         mode = self._modes.get(envelope, "ok")
         if mode.endswith("_rcpt"):
             self.attempts.append(
@@ -243,6 +249,10 @@ class SmtpSink:
         envelope.rcpt_tos.append(address)
         envelope.rcpt_options.extend(rcpt_options)
         return "250 OK"
+
+    async def _slowly(self) -> None:
+        if self.slow_s > 0:
+            await asyncio.sleep(self.slow_s)  # a slow relay's real time: what is tested
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         """Record the message, then answer according to the mode."""
