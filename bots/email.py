@@ -232,6 +232,10 @@ class EmailHandler:
                 return "250 2.0.0 OK"
             return "550 5.7.1 Sender not allowed"
 
+        # Whether some part of the mail was taken (a card decided or answered, a routed
+        # recipient's message recorded): the mail's one answer cannot refuse it then.
+        taken = bool(answers)
+        refused: list[tuple[str, str]] = []
         for recipient, _route in accepted:
             inbound = Inbound(
                 channel=BindingKind.email,
@@ -262,11 +266,22 @@ class EmailHandler:
                 if exc.status >= 500:
                     log.warning("email: could not record the mail (%s); asking to retry", exc.rule)
                     return _TEMPFAIL
-                log.info("email: refused a mail: %s", exc.rule)
-                return "554 5.6.0 Message could not be processed"
+                # This recipient's part alone (its agent deactivated since its route was
+                # made, say): one answer covers every recipient, and a 554 would bounce
+                # the parts the others took (answered all the same), or, coming first,
+                # keep them from being taken at all.
+                refused.append((recipient, exc.rule))
+                continue
             except Exception:
                 log.exception("email: recording the mail failed")
                 return _TEMPFAIL
+            taken = True
+        if not taken:
+            log.info("email: refused a mail: %s", ", ".join(rule for _, rule in refused))
+            return "554 5.6.0 Message could not be processed"
+        for recipient, rule in refused:
+            # Nobody else is told: the sender got a 250 for the parts that were taken.
+            log.warning("email: took a mail but not its part to %s: %s", recipient, rule)
         return "250 2.0.0 OK"
 
     def answer_cards(self, reviews: ChatReviewBackend, reply_address: str) -> None:

@@ -8,6 +8,7 @@ everyone and everything else is refused and nothing changes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -367,6 +368,50 @@ async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) 
     assert await send(ANN, ANN) == 250
     assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
     assert await sessions_of(env, ask) == 1
+
+
+async def test_a_recipient_whose_part_is_refused_does_not_bounce_the_parts_taken(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mail's one answer at DATA covers every recipient. A routed recipient whose part
+    is refused for good (its agent deactivated since the route was made: agent.inactive)
+    was a 554 for the whole mail: coming first, the other routed recipient never got its
+    part (lost, though its route takes it); coming after a card reply that decided, it
+    bounced a mail whose decision stood and was answered. Now the parts taken stand, the
+    mail is 250, and the refused part is a WARNING naming the recipient and the rule."""
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    to = reply_address(await card_mail(env, item_id))
+    retired = await make_agent(env.app, org, "retired", active=False)
+    gone, ask = "old@lg.example", "ask@lg.example"
+    await make_route(env.app, org, retired["id"], "email", {"address": gone})
+    await make_route(env.app, org, worker["id"], "email", {"address": ask})
+
+    async def send(recipients: list[str], message_id: str) -> int:
+        message = EmailMessage()
+        message["From"] = ANN
+        message["To"] = ", ".join(recipients)
+        message["Subject"] = "Re: card"
+        message["Message-ID"] = message_id
+        message.set_content("approve")
+        try:
+            await aiosmtplib.send(
+                message, recipients=recipients, hostname="127.0.0.1", port=env.port, timeout=5
+            )
+        except aiosmtplib.SMTPResponseException as exc:
+            return exc.code
+        return 250
+
+    assert await send([gone], "<alone.1@mail.acme.io>") == 554  # nothing else to take
+    with caplog.at_level(logging.WARNING, logger="bots.email"):
+        assert await send([gone, ask], "<both.2@mail.acme.io>") == 250
+        assert await sessions_of(env, ask) == 1
+        assert await send([to, gone], "<card.3@mail.acme.io>") == 250
+    assert (await item_row(env.app, item_id))["status"] in ("approved", "completed")
+    [answer] = await answer_rows(env)
+    assert answer.text.startswith("Your decision was recorded: Approved by member@acme.io")
+    refused = [r.getMessage() for r in caplog.records if "not its part" in r.getMessage()]
+    assert refused == [f"email: took a mail but not its part to {gone}: agent.inactive"] * 2
 
 
 @pytest.fixture
