@@ -544,6 +544,8 @@ turn_runs = sa.Table(
     sa.Column("work_item_id", ID),
     sa.Column("message_id", ID, nullable=False),
     # rerun (channels: nobody else will ask again) | client (api: the client retries)
+    # | await (a dead process's client run waiting for a resend) | resend (rerun: a keyed
+    # REST request's, its client told nothing was stored; leadgate.turns.runs.RESEND)
     sa.Column("policy", sa.String(10), nullable=False),
     sa.Column("turn_id", ID, nullable=False),
     sa.Column("lease_owner", ID),
@@ -554,4 +556,8 @@ turn_runs = sa.Table(
     # The intake's external event id (migration 0021): an Idempotency-Key's retry finds
     # its message's run by it, and a rerun stores its answer under that key.
     sa.Column("external_event_id", sa.String(EVENT_ID_LIMIT)),
+    # The messages of the session's runs that a recovery claim closed beside this run
+    # (their clients send them again): a JSON list of message ids, or NULL for none
+    # (migration 0022). Its rerun, and any later one, does not show them to the model.
+    sa.Column("not_answered", sa.JSON(none_as_null=True)),
 )
