@@ -663,9 +663,10 @@ class TurnService:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
             elif ctx.recovered_client and claimed.work_item_id is not None:
                 gave_up = ModelError(runs.GAVE_UP_MESSAGE, rule=GAVE_UP_RULE)
-                await self._end_client_run(
-                    ctx, claimed.token, claimed.work_item_id, runs.CLIENT_GAVE_UP_TEXT, gave_up
+                why = (
+                    runs.KEYED_RESEND_GAVE_UP_TEXT if ctx.keyed_resend else runs.CLIENT_GAVE_UP_TEXT
                 )
+                await self._end_client_run(ctx, claimed.token, claimed.work_item_id, why, gave_up)
             else:
                 await self._close_run(ctx, claimed.token, notice=runs.FAILURE_NOTICE)
             return None

@@ -41,7 +41,10 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   turn answers it: :attr:`Claimed.not_answered`). Unless it was taken in under an
   external event id (a keyed REST request): that client's resend is its retry with the
   key, a duplicate of this message that runs no turn of its own, so the run is rerun
-  (its answer stored under the key);
+  (its answer stored under the key), its row saying why (``policy`` :data:`RESEND`).
+  The claim writes the messages it closed on the runs it reruns or leaves waiting
+  (``not_answered``), in its transaction: a claim after the rerunning process died
+  (or a keyed retry's) knows both, nobody holding the old tokens any more;
 * after :data:`MAX_ATTEMPTS` runs that never finished (a message that kills its process)
   the person gets a failure notice and the run is closed. A flow node's turn has no
   person to tell and nobody retries it: its work item is abandoned
@@ -51,7 +54,8 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   and nobody retries it either: given up, or its model failing in the rerun, the notice
   is stored as the session's answer and its item abandoned likewise
   (:data:`CLIENT_GAVE_UP_TEXT`, :data:`CLIENT_FAILED_TEXT`); so is a keyed run's rerun
-  because its intake was in doubt (:data:`KEYED_RESEND_FAILED_TEXT`).
+  because its intake was in doubt (:data:`KEYED_RESEND_FAILED_TEXT`,
+  :data:`KEYED_RESEND_GAVE_UP_TEXT`).
 
 A claim (:func:`claim`, :func:`claim_for_retry`) locks its runs' work item before it
 looks for a later user message of the session (:func:`_resent`), and waits for that
@@ -96,6 +100,14 @@ CLIENT = "client"
 #: A dead process's ``client`` run left for :data:`RESEND_GRACE_MS` to see whether its
 #: client sends the message again (:func:`claim`).
 AWAIT = "await"
+#: A run rerun because it is a keyed REST request's whose client was told nothing was
+#: stored (its intake in doubt, not found by its read-back): a rerun as :data:`RERUN` is,
+#: saying why, so that a claim after its rerunning process died still knows
+#: (:attr:`Claimed.keyed_resend`). It was ``rerun``, and that claim's failure or give-up
+#: said its client was told not to send the message again.
+RESEND = "resend"
+#: The policies of a run that is rerun whatever its client does.
+_RERUNS = (RERUN, RESEND)
 #: How long a dead process's REST/MCP run waits for its client's resend before it is
 #: rerun: the official clients resend a turn cut by a lost connection within seconds
 #: (two retries, backing off up to 8 s each); a client told 503 ``turn.interrupted``
@@ -157,6 +169,14 @@ KEYED_RESEND_FAILED_TEXT = (
     "Idempotency-Key is a duplicate of the message that runs no turn of its own, failed "
     "(the model failed); that retry is answered the failure"
 )
+#: The same when turn recovery gave that turn up (:data:`MAX_ATTEMPTS`).
+KEYED_RESEND_GAVE_UP_TEXT = (
+    f"turn recovery gave the worker's turn up after {MAX_ATTEMPTS} attempts that each "
+    "stopped before it finished (its process died); it ran it because its client was "
+    "told that nothing was stored (its intake was in doubt), and its resend with the same "
+    "Idempotency-Key is a duplicate of the message that runs no turn of its own; that "
+    "retry is answered the failure"
+)
 
 _INSERT = t.turn_runs.insert()
 _FINISH = t.turn_runs.delete().where(R.lease_token == sa.bindparam("p_token"))
@@ -206,14 +226,17 @@ class Claimed:
     #: The external event ids the runs' messages were taken in under (REST's
     #: ``Idempotency-Key`` events among them): a rerun stores its answer under such a key.
     external_event_ids: tuple[str, ...] = ()
-    #: The messages of the session's runs this claim closed because their clients send
-    #: them again (see :func:`_resending`): a rerun does not answer them (its model is
-    #: not shown them), the resend's own turn does.
+    #: The messages of the session's runs this claim, or an earlier claim of these runs,
+    #: closed because their clients send them again (see :func:`_resending`; stored on
+    #: the runs, ``not_answered``): a rerun does not answer them (its model is not shown
+    #: them), the resend's own turn does.
     not_answered: tuple[str, ...] = ()
     #: Every run rerun is a keyed REST request's whose client was told nothing was
     #: stored (its intake in doubt, not found by its read-back): its resend is the key's
-    #: retry, a duplicate that runs no turn. A failure's audit says so
-    #: (:data:`KEYED_RESEND_FAILED_TEXT`), not that its client was told not to resend.
+    #: retry, a duplicate that runs no turn. A failure's or a give-up's audit says so
+    #: (:data:`KEYED_RESEND_FAILED_TEXT`, :data:`KEYED_RESEND_GAVE_UP_TEXT`), not that
+    #: its client was told not to resend. Stored on the runs (``policy``
+    #: :data:`RESEND`): a later claim, after the process rerunning them died, knows it.
     keyed_resend: bool = False
 
     @classmethod
@@ -442,10 +465,18 @@ async def _claim_in(
         # that is left (its message was taken in under an external event id, REST's
         # Idempotency-Key): its resend is its retry with the key, a duplicate of this
         # very message, which no new turn answers.
-        keyed_resend = [r.lease_token in resend and r.policy != RERUN for r in rows]
+        # (A run an earlier claim reran so says so, RESEND: its process may have died
+        # rerunning it, and nobody holds its old token any more.)
+        keyed_resend = [
+            r.policy == RESEND or (r.lease_token in resend and r.policy not in _RERUNS)
+            for r in rows
+        ]
         rerun = any(keyed_resend) or any(
-            r.policy == RERUN or r.lease_token in no_resend for r in rows
+            r.policy in _RERUNS or r.lease_token in no_resend for r in rows
         )
+        # Kept on the runs, so that a claim after their rerun's process died does not
+        # show them to the model either.
+        not_answered = _not_answered(rows, closing)
         action = RERUN if rerun else CLIENT
         item_id = next((r.work_item_id for r in reversed(rows) if r.work_item_id), None)
         if item_id is not None:
@@ -468,7 +499,19 @@ async def _claim_in(
         res = await conn.execute(
             t.turn_runs.update()
             .where(R.id.in_([r.id for r in rows]), R.lease_token.in_({r.lease_token for r in rows}))
-            .values(_claim_values(rows, token, owner, turn_id, now, action=action, rerun=rerun))
+            .values(
+                _claim_values(
+                    rows,
+                    token,
+                    owner,
+                    turn_id,
+                    now,
+                    action=action,
+                    rerun=rerun,
+                    keyed_resend=all(keyed_resend),
+                    not_answered=not_answered,
+                )
+            )
         )
         if res.rowcount != len(rows):
             raise TransitionError("turn runs changed while being claimed", rule="run")
@@ -485,7 +528,7 @@ async def _claim_in(
         turn_id,
         item_id,
         keyed=True,
-        not_answered=tuple(r.message_id for r in closing),
+        not_answered=not_answered,
         keyed_resend=all(keyed_resend),
     )
 
@@ -498,7 +541,14 @@ def _resending(row: sa.Row[Any], resend: set[str]) -> bool:
     (Under an ``Idempotency-Key`` the resend is the key's retry, a duplicate that runs no
     turn: that run is rerun. A channel's run is rerun as any: its platform's redelivery
     is a duplicate.)"""
-    return row.policy != RERUN and row.lease_token in resend and not row.external_event_id
+    return row.policy not in _RERUNS and row.lease_token in resend and not row.external_event_id
+
+
+def _not_answered(rows: Sequence[sa.Row[Any]], closing: Sequence[sa.Row[Any]]) -> tuple[str, ...]:
+    """The messages a rerun of ``rows`` is not to show its model: those an earlier claim
+    of theirs closed (stored on them) and those of ``closing`` (closed by this claim)."""
+    stored = (message for r in rows for message in r.not_answered or ())
+    return tuple(dict.fromkeys([*stored, *(r.message_id for r in closing)]))
 
 
 async def _close_resending(conn: Conn, rows: Sequence[sa.Row[Any]]) -> None:
@@ -585,7 +635,7 @@ async def _claim_for_retry(
                 item.signal_turn_id == row.turn_id and item.signal_summary
             ):
                 return RUN_BUSY
-        if row.policy != RERUN and await _resent(conn, [row]):
+        if row.policy not in _RERUNS and await _resent(conn, [row]):
             # A later message of the session answers it: recovery closes the run (the
             # retry is then told its answer was lost); run here, the message was
             # answered a second time, after that later one.
@@ -598,8 +648,17 @@ async def _claim_for_retry(
         )
         if not res.rowcount:
             return RUN_BUSY
-    # (Not keyed: the retry answers its own request, as the turn's caller.)
-    return Claimed.of(RERUN, token, [row], turn_id, row.work_item_id, keyed=False)
+    # (Not keyed: the retry answers its own request, as the turn's caller.) The messages
+    # a recovery claim closed beside it stay unshown (and stored: its column is kept).
+    return Claimed.of(
+        RERUN,
+        token,
+        [row],
+        turn_id,
+        row.work_item_id,
+        keyed=False,
+        not_answered=_not_answered([row], []),
+    )
 
 
 def _claim_values(
@@ -611,25 +670,33 @@ def _claim_values(
     *,
     action: str,
     rerun: bool,
+    keyed_resend: bool = False,
+    not_answered: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The claimed runs' new lease. :data:`WAITING`: left, unowned and not counted as
     an attempt, until the client's resend is due (taken by any process's recovery then).
-    ``rerun``: marked so, a process that dies rerunning them leaves them to be rerun."""
+    ``rerun``: marked so, a process that dies rerunning them leaves them to be rerun
+    (:data:`RESEND` when ``keyed_resend``: why, for a failure's audit). ``not_answered``
+    (:attr:`Claimed.not_answered`) is stored when there are any, in the same statement;
+    left out, the column keeps what it holds."""
+    values: dict[str, Any] = {"not_answered": list(not_answered)} if not_answered else {}
     if action == WAITING:
         parked = [r.lease_expires_at for r in rows if r.policy == AWAIT]
         return {
+            **values,
             "lease_owner": None,
             "lease_token": token,
             "lease_expires_at": min(parked) if parked else now + RESEND_GRACE_MS,
             "policy": AWAIT,
         }
     return {
+        **values,
         "lease_owner": owner,
         "lease_token": token,
         "lease_expires_at": now + RUN_LEASE_MS,
         "attempts": R.attempts + 1,
         "turn_id": turn_id,
-        "policy": RERUN if rerun else CLIENT,
+        "policy": (RESEND if keyed_resend else RERUN) if rerun else CLIENT,
     }
 
 

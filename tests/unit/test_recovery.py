@@ -27,6 +27,8 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
+from leadgate.turns.providers.base import ModelEvent, ModelRequest
+from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import CommitLandsLater, DownFor, HeldCommits
 from tests.helpers import (
     Org,
@@ -42,6 +44,7 @@ from tests.helpers import (
     stopped_by_a_fault,
 )
 from tests.stack import Stack
+from tests.unit.test_turns import RecordingProvider
 
 DEAD = "prc_dead_process"
 
@@ -557,14 +560,35 @@ async def test_a_claim_of_a_keyed_and_an_unkeyed_run_told_to_resend_reruns_the_k
     assert await drain(TurnRecovery(stack.turns)) == 0
 
 
+async def _scripted(request: ModelRequest) -> list[ModelEvent]:
+    """The built-in script model's events for ``request`` (a :class:`RecordingProvider`
+    handler: the requests are recorded, the answers are the script's)."""
+    return [event async for event in ScriptProvider().stream(request)]
+
+
+def _a_recorded_stack(make_stack: Callable[..., Stack]) -> tuple[Stack, RecordingProvider]:
+    """A stack whose script model records every request (what the model was shown)."""
+    model = RecordingProvider()
+    model.handler = _scripted
+    return make_stack(providers={"script": model}), model
+
+
+def _users_shown(model: RecordingProvider) -> list[list[str]]:
+    """The user messages each model call was shown, oldest first."""
+    return [[m.content for m in r.messages if m.role == "user"] for r in model.requests]
+
+
 async def test_a_cut_run_claimed_with_a_run_told_to_resend_still_waits_for_its_own(
-    stack: Stack,
+    make_stack: Callable[..., Stack],
 ) -> None:
     """One recovery claim holds a REST run whose client was told to resend (its intake
     in doubt, not found) and a later message's run cut by its process dying. The first
     is closed (its resend is its turn); the cut run is treated as alone: it waits for
-    its own client's resend and, none coming, is rerun and answers its message. The
-    claim closed both at once, the cut message never answered."""
+    its own client's resend and, none coming, is rerun and answers its message, its
+    model not shown the first (that claim stored it on the run: the rerun is a later
+    claim's). The claim closed both at once, the cut message never answered; then the
+    later claim showed the model the first message again."""
+    stack, model = _a_recorded_stack(make_stack)
     told = await _a_gated_api_turn_taken_in(stack, "first")
     item_id = told.ctx.work_item_id
     stack.clock.advance(1_000)
@@ -581,6 +605,7 @@ async def test_a_cut_run_claimed_with_a_run_told_to_resend_still_waits_for_its_o
     stack.clock.advance(runs.RESEND_GRACE_MS + 1)
     assert await drain(recovery) == 1  # no resend came: rerun
     assert await count(stack, t.turn_runs) == 0
+    assert _users_shown(model) == [["second"]]
     assert await item_messages(stack, item_id) == [
         ("user", "first"),
         ("user", "second"),
@@ -614,6 +639,70 @@ async def test_a_keyed_rerun_after_an_intake_in_doubt_that_fails_says_why(stack:
         ("assistant", runs.FAILURE_NOTICE),
     ]
     assert [event for event, _ in stored] == ["idem:k-2"] and "ModelError" in stored[0][1]
+
+
+@pytest.mark.parametrize("end", ["answered", "model failed", "gave up", "the key's retry"])
+async def test_a_keyed_rerun_after_an_intake_in_doubt_keeps_why_when_its_process_dies(
+    make_stack: Callable[..., Stack], end: str
+) -> None:
+    """Two REST messages of one session, a keyed one and an unkeyed one sent after it,
+    each taken in with its intake in doubt and not found by its read-back (503 "nothing
+    was stored, please retry"): one recovery claim closes the unkeyed run (its resend is
+    its turn) and reruns the keyed one, and the process rerunning it dies. Another claim
+    takes the run (or the key's retry does). Its model is not shown the unkeyed message
+    (its resend's turn answers it), and a failure or a give-up says the client was told
+    nothing was stored and resends under its key. The claim kept neither on the run row
+    (``policy`` ``rerun`` only): the later turn answered the unkeyed message under the
+    key, and a failure's audit said the client "was told not to send the message
+    again"."""
+    stack, model = _a_recorded_stack(make_stack)
+    key = "idem:k-3"
+    text = "boom #fail" if end == "model failed" else "draft it"
+    first = await _a_gated_api_turn_taken_in(stack, text, event=key)
+    item_id = first.ctx.work_item_id
+    stack.clock.advance(1_000)
+    second = await stack.turns.take(_sent_again(first, "and this too"))
+    assert isinstance(second, Accepted) and second.ctx.work_item_id == item_id and item_id
+    for taken in (first, second):
+        _told_to_resend(stack, taken)
+    stored = _keyed_answers(stack)
+    stack.clock.advance(1_000)  # the looks are due
+    claimed = await runs.claim(
+        stack.db,
+        stack.clock,
+        stack.ids,
+        owner=DEAD,  # the process that claimed it, then died rerunning it
+        orphans=stack.turns.orphans,
+        lost=stack.turns.lost,
+    )
+    assert claimed is not None and claimed.action == runs.RERUN and claimed.keyed_resend
+    assert len(claimed.not_answered) == 1 and claimed.external_event_ids == (key,)
+    assert await count(stack, t.turn_runs) == 1  # the unkeyed run is closed
+    if end == "gave up":
+        async with stack.db.tx() as conn:
+            await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
+    if end == "the key's retry":
+        retry = dataclasses.replace(_sent_again(first, text), external_event_id=key)
+        retried = await stack.turns.run(retry, retake=True)
+        assert isinstance(retried, Reply) and retried.text == "Echo: draft it"
+    else:
+        assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    assert _users_shown(model) == ([] if end == "gave up" else [[text]])
+    asked = [("user", text), ("user", "and this too")]
+    if end in ("answered", "the key's retry"):
+        if end == "answered":
+            assert stored == [(key, "Echo: draft it")]
+        assert await item_messages(stack, item_id) == [*asked, ("assistant", "Echo: draft it")]
+        return
+    assert (await item_row(stack, item_id))["status"] == "abandoned"
+    last = (await item_audit(stack, item_id))[-1]
+    assert last["action"] == runs.GAVE_UP_ACTION
+    assert "told not to send" not in last["text"]
+    why = runs.KEYED_RESEND_FAILED_TEXT if end == "model failed" else runs.KEYED_RESEND_GAVE_UP_TEXT
+    assert last["text"] == why
+    assert await item_messages(stack, item_id) == [*asked, ("assistant", runs.FAILURE_NOTICE)]
+    assert [event for event, _ in stored] == [key] and "ModelError" in stored[0][1]
 
 
 async def test_leases_of_a_dead_process_are_taken_back_at_once(stack: Stack) -> None:
