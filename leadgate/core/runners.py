@@ -13,7 +13,6 @@ for a runner gets the ``set`` of that runner's wake event (the composition root,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -339,10 +338,10 @@ async def run_loop(
         due = None if due_s is None else due_s()
         if due is not None:
             timeout = max(0.0, min(poll_s, due))
-        with contextlib.suppress(TimeoutError):
-            waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
-            try:
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
+        # (asyncio.wait returns at its timeout: nothing to catch.)
+        waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
