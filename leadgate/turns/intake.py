@@ -10,7 +10,10 @@ the policy rules and the history the model will see. It ends in one typed result
 Intake rules for a worker with a resolved lead: no active item -> create one
 ``inProgress`` with the message (truncated to 50,000 characters) as task context; an
 ``inProgress`` item -> append; any other non-terminal status -> busy, recorded as a
-rejected inbound event and not appended.
+rejected inbound event and not appended. On PostgreSQL the item is locked (``FOR
+UPDATE``) before the message is stored, also by the transaction of a REST/MCP/Studio
+message to a worker without a lead (its lead removed since the item was opened; not
+appended to): a turn recovery claim waits for that lock (:mod:`leadgate.turns.runs`).
 
 A plain turn on PostgreSQL (an agent without a lead, an existing session whose binding
 stays, no external event id, no run to record) writes nothing but its user message and
@@ -371,6 +374,19 @@ class Intake:
                         # Read the binding again after the item lock: a concurrent intake of
                         # the session may have replaced it while we waited.
                         current_binding = bindings.UNREAD
+                elif (
+                    not new_session
+                    and self.db.is_postgres
+                    and trigger.binding.kind in _CLIENT_KINDS
+                ):
+                    # No lead now, but the session may hold the item and client run of a
+                    # message taken in while the worker had one (its lead removed since):
+                    # locked all the same, not appended to, so that a recovery claim or a
+                    # keyed retry's takeover sees this message (leadgate.turns.runs). Only
+                    # REST/MCP/Studio sessions hold client runs (no channel, schedule or
+                    # flow key names one of theirs).
+                    await workitems.active_for(conn, agent.id, session_id, lock=True)
+                    current_binding = bindings.UNREAD
                 binding_id = await bindings.activate(
                     conn,
                     self.clock,

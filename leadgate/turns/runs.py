@@ -65,12 +65,15 @@ lock (``FOR UPDATE``) before it stores its message and holds it to its commit, s
 resend (or follow-up) being taken in on another connection or replica when the claim
 begins has committed by the time the check runs, which (READ COMMITTED: each statement
 sees what committed before it) sees it. Unlocked, the check missed it: the run was rerun
-and the message's own turn ran too, the resend answered twice. (The session row is no
-such lock: the intake takes it only in its last statement, after the message.) One lock
-order: the runs, then the item, as the turn's last transaction takes them; the intake
-locks the item and inserts a run of its own, waiting for no run. SQLite has one writer
-at a time: the intake's transaction ends before the claim's begins, or begins after it
-ends.
+and the message's own turn ran too, the resend answered twice. So does the transaction
+of a REST/MCP/Studio message to a worker whose lead was removed after the item was
+opened (a plain turn now: its message is not appended to the item, but the item is
+locked all the same; it was not, and such a follow-up was answered beside the rerun).
+(The session row is no such lock: the intake takes it only in its last statement, after
+the message.) One lock order: the runs, then the item, as the turn's last transaction
+takes them; the intake locks the item and inserts a run of its own, waiting for no run.
+SQLite has one writer at a time: the intake's transaction ends before the claim's
+begins, or begins after it ends.
 """
 
 from __future__ import annotations

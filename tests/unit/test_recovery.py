@@ -22,6 +22,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.domain import agents as agents_mod
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
@@ -1088,3 +1089,67 @@ async def test_a_keyed_retry_while_a_follow_up_is_taken_in_runs_nothing(
     assert type(await retry).__name__ == "Duplicate"
     said = [r for r, _ in await item_messages(stack, item_id)]
     assert said == ["user", "user", "assistant"]  # the follow-up's answer alone
+
+
+async def _lead_removed(stack: Stack, org: Org, worker: dict[str, Any]) -> None:
+    """The worker's lead is cleared (``PATCH leadAgentId: null``): its next messages are
+    plain turns, its session's ``inProgress`` item and run left as they were."""
+    async with stack.db.tx() as conn:
+        await agents_mod.save_agent(
+            conn, stack.clock, stack.ids, org.id, agent_ref=worker["id"], lead=None
+        )
+
+
+async def session_roles(stack: Stack) -> list[str]:
+    """The roles of every stored message (the test's one session), oldest first."""
+    m = t.messages.c
+    async with stack.db.read() as conn:
+        rows = await conn.execute(sa.select(m.role).order_by(m.created_at, m.id))
+    return list(rows.scalars().all())
+
+
+@pytest.mark.parametrize("claimer", ["recovery", "keyed retry"])
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_follow_up_to_a_worker_whose_lead_was_removed_is_seen_by_a_claim(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, claimer: str
+) -> None:
+    """A REST message to a worker with a lead was cut (its process died; its run left
+    to recovery, or to its keyed retry); then the worker's lead was removed, and its
+    client sent a follow-up (under a key of its own), a plain turn now. Recovery's claim
+    (or the first request's keyed retry) ran while that follow-up's intake was open on
+    another connection, its message stored and not committed. A plain intake took no
+    lock of the session's work item, so the claim's lock of it did not wait for that
+    commit: the check for a later message found none, the old run was answered, and the
+    follow-up's turn answered again. The intake of a REST/MCP/Studio message to a
+    worker without a lead now locks the session's active item as a gated one does: the
+    claim waits, sees the follow-up and runs nothing; its turn alone answers.
+    (PostgreSQL: SQLite's one writer serializes them.)"""
+    keyed = claimer == "keyed retry"
+    org, worker, trigger, _ = await _a_turn_cut(stack, "work on it", "idem:k" if keyed else None)
+    recovery = TurnRecovery(stack.turns)
+    if keyed:
+        await alive_here(stack, turns_too=True)
+        stack.clock.advance(1_000)
+    else:
+        assert await drain(recovery) == 1  # left to wait for a resend
+        stack.turns.intake.owner = lambda: None
+        stack.clock.advance(runs.RESEND_GRACE_MS + 1)  # the wait is over: rerun if none
+    await _lead_removed(stack, org, worker)
+    held = HeldCommits(stack.db)
+    monkeypatch.setattr(stack.turns.intake, "db", held.database)
+    follow = dataclasses.replace(api_trigger(org, worker, "and a title"), external_event_id="f")
+    follow_up = asyncio.create_task(stack.turns.run(follow))
+    await asyncio.wait_for(held.reached.wait(), 10)
+    monkeypatch.setattr(stack.turns.intake, "db", stack.db)  # (the retry's own intake)
+    claiming = asyncio.create_task(
+        stack.turns.run(trigger, retake=True) if keyed else drain(recovery)
+    )
+    await blocked_on_a_lock(stack.db, claiming)
+    held.release.set()
+    assert type(await follow_up).__name__ == "Reply"
+    claimed = await claiming
+    if keyed:
+        assert type(claimed).__name__ == "Duplicate"  # (recovery's to close)
+    else:
+        assert claimed == 1  # claimed, and closed
+    assert await session_roles(stack) == ["user", "user", "assistant"]  # answered once
