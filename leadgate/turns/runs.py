@@ -74,6 +74,17 @@ the message.) One lock order: the runs, then the item, as the turn's last transa
 takes them; the intake locks the item and inserts a run of its own, waiting for no run.
 SQLite has one writer at a time: the intake's transaction ends before the claim's
 begins, or begins after it ends.
+
+A plain turn's intake run as one statement (PostgreSQL: no external event id, the
+session's binding unchanged; :meth:`leadgate.turns.intake.Intake._take_plain`) takes no
+lock: its message counts from that statement's commit, and one that commits after the
+check is a later message as any. So is a message whose intake begins after the claim
+decided, whatever its path: a resend of a rerun run's message, sent after the claim (a
+cut turn's client later than :data:`RESEND_GRACE_MS`, or one told not to send it again
+that does), is answered by its own turn and by the rerun. Nothing but its text tells
+such a resend from a new message that says the same, so it is not joined to the rerun;
+under an ``Idempotency-Key`` it is the key's retry, a duplicate that waits for the
+rerun's answer.
 """
 
 from __future__ import annotations
