@@ -382,11 +382,12 @@ class Intake:
                     # No lead now, but the session may hold the item and client run of a
                     # message taken in while the worker had one (its lead removed since):
                     # locked all the same, not appended to, so that a recovery claim or a
-                    # keyed retry's takeover sees this message (leadgate.turns.runs). Only
-                    # REST/MCP/Studio sessions hold client runs (no channel, schedule or
-                    # flow key names one of theirs).
-                    await workitems.active_for(conn, agent.id, session_id, lock=True)
-                    current_binding = bindings.UNREAD
+                    # keyed retry's takeover sees this message (leadgate.turns.runs). Client
+                    # runs are in REST/MCP/Studio sessions only: no channel's, schedule's
+                    # or flow's session key is one of theirs.
+                    held = await workitems.active_for(conn, agent.id, session_id, lock=True)
+                    if held is not None:
+                        current_binding = bindings.UNREAD  # (it may have waited, as above)
                 binding_id = await bindings.activate(
                     conn,
                     self.clock,
