@@ -216,3 +216,33 @@ async def find_session(conn: Conn, agent_id: str, key: str) -> Session | None:
     """The session of (agent, key), if a turn ever ran in it."""
     row = (await conn.execute(_FIND_SESSION, {"p_agent_id": agent_id, "p_key": key})).first()
     return None if row is None else Session.from_row(row)
+
+
+E = t.inbound_events.c
+
+
+async def recorded_since(
+    conn: Conn, key_prefix: str, event_prefix: str, since_ms: int
+) -> dict[str, tuple[str, ...]]:
+    """Each session whose key starts with ``key_prefix`` and that ever took in an event
+    whose external id starts with ``event_prefix`` (by key: the agents answering one
+    conversation share it) -> those event ids recorded in it since ``since_ms`` (empty
+    when none). A catch-up's starting points: read once per gateway READY (it scans the
+    events; no message's path waits for it)."""
+    taken_in = t.inbound_events.join(t.sessions, S.id == E.session_id)
+    where = (
+        S.key.startswith(key_prefix, autoescape=True),
+        E.external_event_id.startswith(event_prefix, autoescape=True),
+    )
+    found: dict[str, set[str]] = {}
+    keys = sa.select(S.key).select_from(taken_in).where(*where).distinct()
+    for key in (await conn.execute(keys)).scalars():
+        found[str(key)] = set()
+    events = (
+        sa.select(S.key, E.external_event_id)
+        .select_from(taken_in)
+        .where(*where, E.created_at >= since_ms)
+    )
+    for key, event_id in (await conn.execute(events)).all():
+        found.setdefault(str(key), set()).add(str(event_id))
+    return {key: tuple(sorted(ids)) for key, ids in found.items()}

@@ -148,7 +148,11 @@ def best_route(rows: Sequence[Any], channel: str, attrs: Mapping[str, str]) -> R
     if best is None:
         return None
     return RouteMatch(
-        route_id=best.id, org_id=best.org_id, agent_id=best.agent_id, silent=bool(best.silent)
+        route_id=best.id,
+        org_id=best.org_id,
+        agent_id=best.agent_id,
+        silent=bool(best.silent),
+        created_at=int(best.created_at),
     )
 
 
@@ -176,6 +180,10 @@ class RouteCache:
     async def resolve(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         """:func:`resolve` in a read transaction, or from what was kept under an equal
         token."""
+        return best_route(await self.active(channel), channel, attrs)
+
+    async def active(self, channel: str) -> tuple[Any, ...]:
+        """:func:`active_routes`, read again only when the routes may have changed."""
         token = self.db.committed_token(TABLES)
         rows = self._kept.get(token, channel)
         if rows is None:
@@ -183,7 +191,7 @@ class RouteCache:
             async with self.db.read() as conn:
                 rows = await active_routes(conn, channel)
             self._kept.put(token, channel, rows)
-        return best_route(rows, channel, attrs)
+        return rows
 
 
 def _route_view(row: Any) -> RouteView:

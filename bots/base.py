@@ -29,7 +29,7 @@ from typing import Protocol
 from aiohttp import web
 
 from leadgate.core.errors import DatabaseDamaged, IntakeInDoubt, LeadgateError, Unavailable
-from leadgate.core.types import Inbound, Recorded, Routed, RouteMatch
+from leadgate.core.types import BindingKind, Conversations, Inbound, Recorded, Routed, RouteMatch
 from outbox.channel import Channel, OutboundMessage, Sent
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,16 @@ class Core(Protocol):
 
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         """Run ``coro`` in the background, tracked, logged on failure, awaited on shutdown."""
+        ...
+
+    async def conversations(
+        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+    ) -> Conversations:
+        """The sessions of ``channel`` (keys starting with ``key_prefix``) that ever took
+        in an event whose external id starts with ``event_prefix``, each with those
+        recorded in the last ``window_ms``, and the match keys of the channel's active
+        routes: where a catch-up of the messages that reached no process starts
+        (Discord's gateway)."""
         ...
 
 

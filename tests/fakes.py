@@ -12,7 +12,17 @@ from aiohttp import web
 
 from bots.base import Adapter
 from leadgate.core.errors import Unavailable
-from leadgate.core.types import Inbound, Outcome, Recorded, Reply, Routed, RouteMatch, Trigger
+from leadgate.core.types import (
+    BindingKind,
+    Conversations,
+    Inbound,
+    Outcome,
+    Recorded,
+    Reply,
+    Routed,
+    RouteMatch,
+    Trigger,
+)
 from leadgate.database.db import _TOPICS, Database
 from leadgate.database.faults import unavailable
 
@@ -85,6 +95,12 @@ class FakeCore:
 
     async def drain(self) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=5)
+
+    async def conversations(
+        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+    ) -> Conversations:
+        """Nothing taken in before and no route naming a channel: nothing to catch up."""
+        return Conversations(0, {}, ())
 
     @property
     def route_queries(self) -> list[dict[str, str]]:

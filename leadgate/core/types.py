@@ -154,6 +154,22 @@ class RouteMatch:
     org_id: str
     agent_id: str
     silent: bool
+    #: when the route was made (ms): a catch-up answers nothing posted before it
+    created_at: int = 0
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """What the store knows of one channel's conversations, where a catch-up of the
+    messages the platform delivered to no process starts (Discord's gateway)."""
+
+    #: the clock's now minus the window asked for: nothing older is caught up
+    since_ms: int
+    #: each session of the channel that took in events of the kind asked for (by
+    #: session key) -> those recorded in it since ``since_ms`` (empty: none lately)
+    sessions: dict[str, tuple[str, ...]]
+    #: the match keys of the channel's active routes, oldest route first
+    routes: tuple[dict[str, str], ...]
 
 
 @dataclass(frozen=True)

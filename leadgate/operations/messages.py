@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from binding import routes
+from binding import bindings, routes
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.decoding import check_value
 from leadgate.core.errors import ValidationError
@@ -15,6 +15,7 @@ from leadgate.core.tasks import Background
 from leadgate.core.types import (
     BindingKind,
     BindingSpec,
+    Conversations,
     Inbound,
     Outcome,
     Recorded,
@@ -92,6 +93,19 @@ class Messages:
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         """Most specific active route of ``channel`` matching ``attrs``."""
         return await self._routes.resolve(channel, attrs)
+
+    async def conversations(
+        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+    ) -> Conversations:
+        """The sessions of ``channel`` (keys starting with ``key_prefix``) that took in
+        events with ids starting with ``event_prefix``, with those recorded in the last
+        ``window_ms``, and the match keys of its active routes: where a catch-up of
+        missed messages starts."""
+        since_ms = self.turns.clock.now_ms() - window_ms
+        async with self.db.read() as conn:
+            sessions = await bindings.recorded_since(conn, key_prefix, event_prefix, since_ms)
+        rows = await self._routes.active(channel.value)
+        return Conversations(since_ms, sessions, tuple(dict(row.match) for row in rows))
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
         """:meth:`record_inbound` then :meth:`run_recorded`, in one call.
