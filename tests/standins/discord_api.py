@@ -9,9 +9,13 @@ Use in-process::
         dc.set_channel_mode("123", "forbidden")         # sticky per channel id / token
         await dc.wait_gateway_ready()
         await dc.dispatch_message_create(channel_id="123", guild_id="9", content="hi")
+        dc.history("123")   # the channel's messages (GET /channels/{id}/messages reads them)
+        dc.fail_reads("123", "500")   # the next reads of a channel's messages, in order
+        await dc.invalidate_sessions()  # INVALID_SESSION: the client identifies again
         dc.posts      # what was posted/edited/deleted, see below
         dc.requests   # every write request, with the mode that answered it
         dc.on_post = hook   # awaited with each channel message's record before it is answered
+        dc.on_read = hook   # awaited with each read of a channel's messages (dc.reads)
 
 or as a subprocess::
 
@@ -33,6 +37,15 @@ Records in ``posts`` (one dict each, ``op`` says what happened):
 review card is updated). ``create_message`` records carry the message's ``components``
 too. A repeated nonce (``enforce_nonce``)
 inside ``nonce_window_s`` returns the first message and adds no record.
+
+Every message of a channel (dispatched on the gateway, whether or not a session was
+connected, or posted by the bot) is kept in its history, read as Discord serves it:
+``GET /channels/{id}/messages`` with ``limit`` (1..100, default 50) and one of
+``after``/``before``, answered newest first (with ``after``: the ``limit`` oldest messages
+after it, newest first, which is what discord.py's ``history(after=...)`` pages on);
+``reads`` records each such read. ``GET /channels/{id}`` answers a channel some message
+was dispatched in (a guild text channel, or a DM without a guild), else 404
+``Unknown Channel``.
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
 (``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
@@ -63,6 +76,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Self
 
@@ -75,6 +89,7 @@ __all__ = ["DiscordApiStandin", "interaction_headers"]
 
 # Discord's gateway opcodes.
 _DISPATCH, _HEARTBEAT, _IDENTIFY, _RESUME, _HELLO, _HEARTBEAT_ACK = 0, 1, 2, 6, 10, 11
+_INVALID_SESSION = 9
 _EPOCH_MS = 1_420_070_400_000
 
 
@@ -129,6 +144,15 @@ class DiscordApiStandin(StandinBase):
         self._ready_sockets: set[web.WebSocketResponse] = set()
         self._seq = itertools.count(1)
         self._ready = asyncio.Event()
+        #: channel id -> its messages, oldest first; channel id -> its guild (None: a DM)
+        self._history: dict[str, list[dict[str, Any]]] = {}
+        self._guilds: dict[str, str | None] = {}
+        #: channel id -> modes for the next reads of its messages
+        self._read_modes: dict[str, list[str]] = {}
+        #: each read of a channel's messages: ``channel_id, after, before, limit, mode``
+        self.reads: list[dict[str, Any]] = []
+        #: awaited with each read's record before the history is read for its answer
+        self.on_read: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         super().__init__(latency_ms=latency_ms, host=host, port=port)
 
     # -- control ---------------------------------------------------------------------------
@@ -136,6 +160,10 @@ class DiscordApiStandin(StandinBase):
     def reset(self) -> None:
         """Forget records, modes and nonces."""
         super().reset()
+        self._history.clear()
+        self._guilds.clear()
+        self._read_modes.clear()
+        self.reads.clear()
         self._nonces.clear()
         self._originals.clear()
         self._deleted_originals.clear()
@@ -150,9 +178,26 @@ class DiscordApiStandin(StandinBase):
         """``[discord] gateway_url`` / ``DiscordWebSocket.DEFAULT_GATEWAY``."""
         return f"ws://{self.host}:{self._port}/gateway"
 
-    def new_snowflake(self) -> str:
-        """A fresh Discord-shaped id (timestamp bits + counter)."""
-        return str(((int(time.time() * 1000) - _EPOCH_MS) << 22) | (next(self._ids) & 0x3FFFFF))
+    def new_snowflake(self, at_ms: int | None = None) -> str:
+        """A fresh Discord-shaped id (timestamp bits + counter), made now or at ``at_ms``."""
+        ms = int(time.time() * 1000) if at_ms is None else at_ms
+        return str(((ms - _EPOCH_MS) << 22) | (next(self._ids) & 0x3FFFFF))
+
+    def history(self, channel_id: str) -> list[dict[str, Any]]:
+        """The channel's messages, oldest first."""
+        return list(self._history.get(channel_id, []))
+
+    def fail_reads(self, channel_id: str, *modes: str) -> None:
+        """Answer the next reads of ``channel_id``'s messages with ``modes``, in order
+        (see the table; ``ok`` reads)."""
+        self._read_modes.setdefault(channel_id, []).extend(modes)
+
+    def _keep(self, message: dict[str, Any]) -> None:
+        channel_id = str(message["channel_id"])
+        self._guilds.setdefault(channel_id, message.get("guild_id"))
+        kept = self._history.setdefault(channel_id, [])
+        kept.append(message)
+        kept.sort(key=lambda m: int(m["id"]))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -166,6 +211,8 @@ class DiscordApiStandin(StandinBase):
         r.add_get(f"{api}/gateway", self._gateway_info)
         r.add_get(f"{api}/gateway/bot", self._gateway_info)
         r.add_post(f"{api}/channels/{{channel_id}}/messages", self._create_message)
+        r.add_get(f"{api}/channels/{{channel_id}}/messages", self._read_messages)
+        r.add_get(f"{api}/channels/{{channel_id}}", self._get_channel)
         r.add_patch(f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message)
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
@@ -397,6 +444,7 @@ class DiscordApiStandin(StandinBase):
         )
         if nonce is not None and body.get("enforce_nonce"):
             self._nonces[(channel_id, str(nonce))] = (now, message)
+        self._keep(message)
         self.posts.append(
             {
                 "op": "create_message",
@@ -410,6 +458,70 @@ class DiscordApiStandin(StandinBase):
             }
         )
         return _json(message)
+
+    async def _read_messages(self, request: web.Request) -> web.StreamResponse:
+        """``GET /channels/{id}/messages``: newest first, as Discord answers."""
+        channel_id = request.match_info["channel_id"]
+        await self._latency()
+        queued = self._read_modes.get(channel_id)
+        mode = queued.pop(0) if queued else "ok"
+        query = request.query
+        record = {
+            "channel_id": channel_id,
+            "after": query.get("after"),
+            "before": query.get("before"),
+            "limit": query.get("limit"),
+            "mode": mode,
+        }
+        self.reads.append(record)
+        if self.on_read is not None:
+            await self.on_read(record)
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        failure = await self._failure(request, mode)
+        if failure is not None:
+            return failure
+        limit_text = query.get("limit", "50")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            return _json({"message": "Invalid Form Body", "code": 50035}, status=400)
+        limit = int(limit_text)
+        kept = self._history.get(channel_id, [])
+        if "after" in query:
+            after = int(query["after"])
+            page = [m for m in kept if int(m["id"]) > after][:limit]
+        elif "before" in query:
+            before = int(query["before"])
+            page = [m for m in kept if int(m["id"]) < before][-limit:]
+        else:
+            page = kept[-limit:]
+        return _json(list(reversed(page)))
+
+    async def _get_channel(self, request: web.Request) -> web.StreamResponse:
+        """``GET /channels/{id}``: a channel some message was seen in."""
+        channel_id = request.match_info["channel_id"]
+        await self._latency()
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        if channel_id not in self._guilds:
+            return _json({"message": "Unknown Channel", "code": 10003}, status=404)
+        guild_id = self._guilds[channel_id]
+        if guild_id is None:
+            return _json({"id": channel_id, "type": 1, "last_message_id": None, "recipients": []})
+        return _json(
+            {
+                "id": channel_id,
+                "type": 0,
+                "guild_id": guild_id,
+                "name": f"channel-{channel_id}",
+                "position": 0,
+                "permission_overwrites": [],
+                "nsfw": False,
+                "topic": None,
+                "last_message_id": None,
+                "rate_limit_per_user": 0,
+                "parent_id": None,
+            }
+        )
 
     async def _edit_message(self, request: web.Request) -> web.StreamResponse:
         channel_id = request.match_info["channel_id"]
@@ -585,6 +697,12 @@ class DiscordApiStandin(StandinBase):
         async with asyncio.timeout(within_s):
             await self._ready.wait()
 
+    async def invalidate_sessions(self) -> None:
+        """INVALID_SESSION (not resumable) to every ready session: the client connects
+        and identifies again, and gets a new READY."""
+        for ws in list(self._ready_sockets):
+            await ws.send_str(json.dumps({"op": _INVALID_SESSION, "d": False}))
+
     async def dispatch_message_create(
         self,
         *,
@@ -595,8 +713,11 @@ class DiscordApiStandin(StandinBase):
         author_name: str = "someone",
         author_bot: bool = False,
         message_id: str | None = None,
+        at_ms: int | None = None,
     ) -> dict[str, Any]:
-        """Send a MESSAGE_CREATE dispatch to every ready gateway session."""
+        """Post a message to the channel's history and send its MESSAGE_CREATE dispatch to
+        every ready gateway session (with none, Discord delivers it to nobody: it is then
+        only in the history). ``at_ms``: made then (its id's time), not now."""
         author: dict[str, Any] = {
             "id": author_id,
             "username": author_name,
@@ -611,8 +732,9 @@ class DiscordApiStandin(StandinBase):
             content=content,
             author=author,
             guild_id=guild_id,
-            message_id=message_id,
+            message_id=message_id or (self.new_snowflake(at_ms) if at_ms is not None else None),
         )
+        self._keep(message)
         for ws in list(self._ready_sockets):
             await self._send_dispatch(ws, "MESSAGE_CREATE", message)
         return message
