@@ -17,6 +17,11 @@ Inbound, two ways:
   ephemerally and never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
+  Discord delivers a gateway message once, to the sessions connected then: at each READY
+  (the start, and a reconnect that could not resume) :meth:`DiscordAdapter.catch_up`
+  reads back, over REST, the messages of every known channel posted after the newest one
+  taken in there (within ``[discord] catch_up_s``) and takes each in the same way; the
+  intake's de-duplication by message id answers one that came both ways once.
 
 Outbound: :class:`DiscordChannel` posts through discord.py's HTTP client. Channel posts
 carry a nonce derived from the delivery's idempotency key with ``enforce_nonce``, so
@@ -65,8 +70,16 @@ from leadgate.core.bodies import read_body
 from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object
-from leadgate.core.errors import ConfigError
-from leadgate.core.types import BindingKind, Busy, Duplicate, Inbound, Reply, Routed
+from leadgate.core.errors import ConfigError, LeadgateError
+from leadgate.core.types import (
+    BindingKind,
+    Busy,
+    Conversations,
+    Duplicate,
+    Inbound,
+    Reply,
+    Routed,
+)
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
 
@@ -94,6 +107,15 @@ _EPHEMERAL = 1 << 6
 _GATEWAY_CLOSE_TIMEOUT_S = 10.0
 _GATEWAY_FIRST_RETRY_S = 2.0
 _GATEWAY_MAX_RETRY_S = 60.0
+
+#: Catch-up reads at most this many pages (100 messages each) per channel and READY.
+CATCH_UP_PAGES = 10
+#: How far before the newest message taken in a catch-up reads again: messages taken in
+#: concurrently may have been cut by a crash around a later one that was recorded (what
+#: was recorded is a duplicate, and answered no second time).
+CATCH_UP_OVERLAP_MS = 60_000
+_MESSAGE_EVENT = "discord:message:"
+_SESSION_PREFIX = "discord:"
 
 
 # -- inbound -------------------------------------------------------------------------------
@@ -207,15 +229,74 @@ def parse_message(message: discord.Message, bot_user_id: int | None) -> GatewayP
 
 
 class _GatewayClient(discord.Client):
-    """A gateway client that hands every message to one callback."""
+    """A gateway client that hands every message to one callback, and each READY to
+    another."""
 
-    def __init__(self, on_post: Callable[[discord.Message], None], **options: Any) -> None:
+    def __init__(
+        self,
+        on_post: Callable[[discord.Message], None],
+        on_ready: Callable[[], None],
+        **options: Any,
+    ) -> None:
         super().__init__(**options)
         self._on_post = on_post
+        self._on_ready = on_ready
 
     async def on_message(self, message: discord.Message) -> None:
         """Called by discord.py for each MESSAGE_CREATE."""
         self._on_post(message)
+
+    async def on_ready(self) -> None:
+        """Called by discord.py for each READY (not for a RESUMED session)."""
+        self._on_ready()
+
+
+@dataclass(frozen=True)
+class CatchUpTarget:
+    """A channel to read back at READY: its guild (``None``: a direct message; unknown
+    when only a route names the channel, see ``guild_known``) and the newest message id
+    taken in there lately."""
+
+    channel_id: int
+    guild_id: int | None
+    guild_known: bool
+    newest: int | None
+
+
+def catch_up_targets(known: Conversations) -> list[CatchUpTarget]:
+    """The channels to catch up: every Discord session (its key ``discord:GUILD:CHANNEL``)
+    that took in a gateway message, with the newest recorded in it lately, and every
+    channel a route names that has none."""
+    targets: dict[int, CatchUpTarget] = {}
+    for key, event_ids in known.sessions.items():
+        _, _, rest = key.partition(_SESSION_PREFIX)
+        guild, _, channel = rest.partition(":")
+        if not channel.isdigit() or not (guild.isdigit() or guild == "@me"):
+            continue
+        ids = [
+            int(e[len(_MESSAGE_EVENT) :])
+            for e in event_ids
+            if e.startswith(_MESSAGE_EVENT) and e[len(_MESSAGE_EVENT) :].isdigit()
+        ]
+        newest = max(ids, default=None)
+        earlier = targets.get(int(channel))
+        if earlier is not None and earlier.newest is not None:
+            newest = earlier.newest if newest is None else max(newest, earlier.newest)
+        guild_id = int(guild) if guild.isdigit() else None
+        targets[int(channel)] = CatchUpTarget(int(channel), guild_id, True, newest)
+    for match in known.routes:
+        channel = match.get("channel", "")
+        if channel.isdigit() and int(channel) not in targets:
+            guild = match.get("guild", "")
+            guild_id = int(guild) if guild.isdigit() else None
+            known_guild = guild.isdigit() or guild == "@me"
+            targets[int(channel)] = CatchUpTarget(int(channel), guild_id, known_guild, None)
+    return list(targets.values())
+
+
+def snowflake_at(ms: int) -> int:
+    """The smallest Discord id made at or after epoch millisecond ``ms``."""
+    return max(ms - discord.utils.DISCORD_EPOCH, 0) << 22
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -253,6 +334,10 @@ class DiscordAdapter:
             ) from exc
         self.gateway: _GatewayClient | None = None
         self._stopping = asyncio.Event()
+        #: the running (or last) catch-up, for tests to wait on
+        self.catching_up: asyncio.Task[None] | None = None
+        #: a READY that came while a catch-up ran: it runs once more when that one ends
+        self._ready_again = False
         self._reviews: ChatReviewBackend | None = None
 
     def enable_reviews(self, backend: ChatReviewBackend) -> None:
@@ -363,11 +448,23 @@ class DiscordAdapter:
 
     def take_message(self, message: discord.Message) -> None:
         """Spawn the turn for one gateway message (ignores bots and the bot itself)."""
+        taken = self._post_of(message)
+        if taken is None:
+            return
+        inbound, post = taken
+        # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
+        # answer to wait for: record and run in the background.
+        self._core.spawn(
+            self._take_post(inbound, post), name=f"discord-record:message:{post.message_id}"
+        )
+
+    def _post_of(self, message: discord.Message) -> tuple[Inbound, GatewayPost] | None:
+        """The inbound of a human's message (``None`` for bots and the bot itself)."""
         client = self.gateway
         bot_id = client.user.id if client is not None and client.user is not None else None
         post = parse_message(message, bot_id)
         if post is None:
-            return
+            return None
         inbound = _inbound(
             post.guild,
             post.channel_id,
@@ -377,13 +474,9 @@ class DiscordAdapter:
                 "message_id": post.message_id,
                 "guild_id": post.guild_id,
             },
-            f"discord:message:{post.message_id}",
+            f"{_MESSAGE_EVENT}{post.message_id}",
         )
-        # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
-        # answer to wait for: record and run in the background.
-        self._core.spawn(
-            self._take_post(inbound, post), name=f"discord-record:message:{post.message_id}"
-        )
+        return inbound, post
 
     async def _take_post(self, inbound: Inbound, post: GatewayPost) -> None:
         """Record one gateway message; when the database cannot take it, tell its author
@@ -395,6 +488,113 @@ class DiscordAdapter:
             log.warning("discord: could not record a gateway message (%s)", exc.rule)
             key = f"intake-fault:{post.message_id}"
             await tell_not_taken_in(self.channel, inbound, exc, key=key)
+
+    # -- catch-up ---------------------------------------------------------------------------
+
+    def ready(self) -> None:
+        """At each gateway READY: catch up in the background (the gateway's event loop
+        and the service's startup never wait for it). A READY while a catch-up runs
+        (a quick reconnect) runs one more once it ends."""
+        if self._settings.catch_up_s <= 0:
+            return
+        if self.catching_up is not None and not self.catching_up.done():
+            self._ready_again = True
+            return
+        self.catching_up = asyncio.create_task(self._catch_up_runs(), name="discord-catch-up")
+
+    async def _catch_up_runs(self) -> None:
+        self._ready_again = True
+        while self._ready_again and not self._stopping.is_set():
+            self._ready_again = False
+            try:
+                await self.catch_up()
+            except Exception:
+                if self._stopping.is_set():
+                    return  # the shutdown closed the client under its reads
+                # Never the gateway's end: the next READY tries again.
+                log.exception("discord: the catch-up ended with an error")
+
+    async def catch_up(self) -> None:
+        """Read back and take in, oldest first, the messages of every known channel
+        posted after the newest one taken in there (within ``[discord] catch_up_s``, and
+        not before the route answering there was made). A channel Discord would not
+        read (a REST error) logs a WARNING and is tried again at the next READY."""
+        client = self.gateway
+        if client is None:
+            return
+        try:
+            known = await self._core.conversations(
+                BindingKind.discord,
+                key_prefix=_SESSION_PREFIX,
+                event_prefix=_MESSAGE_EVENT,
+                window_ms=int(self._settings.catch_up_s * 1000),
+            )
+        except DATABASE_FAULTS as exc:
+            log.warning("discord: no catch-up, the database is unavailable (%s)", exc.rule)
+            return
+        for target in catch_up_targets(known):
+            if self._stopping.is_set():
+                return
+            try:
+                await self._catch_up_channel(client, target, known.since_ms)
+            except DATABASE_FAULTS as exc:
+                log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
+                return
+            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning(
+                    "discord: could not read channel %s's messages to catch up (%s); "
+                    "tried again at the next READY",
+                    target.channel_id,
+                    _rest_error(exc),
+                )
+
+    async def _catch_up_channel(
+        self, client: _GatewayClient, target: CatchUpTarget, since_ms: int
+    ) -> None:
+        channel: discord.abc.Messageable
+        guild_id = target.guild_id
+        if target.guild_known:
+            channel = client.get_partial_messageable(target.channel_id, guild_id=guild_id)
+        else:
+            # Only a route names it, without its guild: the live path's session key and
+            # route keys carry the guild, so learn it from Discord.
+            fetched = await client.fetch_channel(target.channel_id)
+            if not isinstance(fetched, discord.abc.Messageable):
+                return
+            channel = fetched
+            guild = getattr(fetched, "guild", None)
+            guild_id = guild.id if guild is not None else None
+        attrs = {"guild": str(guild_id) if guild_id else "@me", "channel": str(target.channel_id)}
+        route = await self._core.resolve_route(BindingKind.discord.value, attrs)
+        if route is None:
+            return
+        after = snowflake_at(max(since_ms, route.created_at))
+        if target.newest is not None:
+            after = max(after, target.newest - (CATCH_UP_OVERLAP_MS << 22))
+        read = 0
+        limit = CATCH_UP_PAGES * 100
+        history = channel.history(limit=limit, after=discord.Object(after), oldest_first=True)
+        async for message in history:
+            if self._stopping.is_set():
+                return
+            read += 1
+            taken = self._post_of(message)
+            if taken is None:
+                continue
+            try:
+                await self._take_post(*taken)
+            except LeadgateError as exc:
+                # As a live message's would (logged as its task ends): the next is read on.
+                log.warning(
+                    "discord: catch-up could not take message %s in (%s)", message.id, exc.rule
+                )
+        if read >= limit:
+            log.warning(
+                "discord: catch-up of channel %s stopped after %d messages; later ones "
+                "are taken in at the next READY",
+                target.channel_id,
+                read,
+            )
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -410,7 +610,7 @@ class DiscordAdapter:
         intents = discord.Intents.default()
         intents.message_content = True
         quiet_voice_warning()
-        client = _GatewayClient(self.take_message, intents=intents)
+        client = _GatewayClient(self.take_message, self.ready, intents=intents)
         self.gateway = client
         self._stopping = asyncio.Event()
         task = asyncio.create_task(self._run_gateway(client), name="discord-gateway")
@@ -419,13 +619,18 @@ class DiscordAdapter:
         finally:
             self._stopping.set()
             await client.close()
-            try:
-                async with asyncio.timeout(_GATEWAY_CLOSE_TIMEOUT_S):
-                    await task
-            except TimeoutError:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # (Closing the client ends a catch-up's reads; one taking a message in ends
+            # that first.)
+            for running in (task, self.catching_up):
+                if running is None:
+                    continue
+                try:
+                    async with asyncio.timeout(_GATEWAY_CLOSE_TIMEOUT_S):
+                        await running
+                except TimeoutError:
+                    running.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
             self.gateway = None
 
     async def _run_gateway(self, client: _GatewayClient) -> None:
@@ -464,6 +669,13 @@ class DiscordAdapter:
         """Add the interactions route (with a public key)."""
         if self._verify_key is not None:
             app.router.add_post(INTERACTIONS_PATH, answering_errors(self.handle_interaction))
+
+
+def _rest_error(exc: BaseException) -> str:
+    """A REST failure in a few words (Discord's status and message, or the error)."""
+    if isinstance(exc, discord.HTTPException):
+        return f"{exc.status} {exc.text or exc.__class__.__name__}"
+    return repr(exc)
 
 
 def _inbound(

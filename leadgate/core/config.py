@@ -181,6 +181,9 @@ class DiscordSettings(_Section):
     application_id: str = ""
     api_url: str = "https://discord.com/api/v10"
     gateway_url: str = ""
+    #: At each gateway READY, the messages of the last this-many seconds that no process
+    #: took in (posted while the service was down) are read back and answered; 0: off.
+    catch_up_s: float = Field(default=3600.0, ge=0, le=7 * 86400)
 
     _api_url = field_validator("api_url")(_api_base_url)
     _gateway = field_validator("gateway_url")(_gateway_url)
