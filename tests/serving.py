@@ -54,15 +54,17 @@ async def served_app(
     adapters: bool = False,
     ids: IdFactory | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    clock: FakeClock | None = None,
 ) -> AsyncIterator[tuple[App, Client]]:
     """``App`` on ``url`` (extra config sections in ``config``) and a client of it
     (``like_production``: handlers are not cancelled when their client goes away;
     ``adapters``: the channel adapters ``config`` turns on are mounted and run; ``ids``:
-    the id factory, random ids by default; ``sleep``: the turn path's back-off)."""
+    the id factory, random ids by default; ``sleep``: the turn path's back-off;
+    ``clock``: a clock shared with another instance on ``url``, a new one by default)."""
     settings = Settings.model_validate({"database": {"url": url}, **(config or {})})
     service = App(
         settings,
-        clock=FakeClock(),
+        clock=clock or FakeClock(),
         ids=ids,
         providers=providers,
         enable_adapters=adapters,

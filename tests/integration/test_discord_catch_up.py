@@ -16,14 +16,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from aiohttp.test_utils import TestServer
 
 from bots.discord import CATCH_UP_OVERLAP_MS, DiscordAdapter, snowflake_at
 from leadgate.app import App
-from leadgate.core.clock import FakeClock
-from leadgate.core.config import Settings
 from leadgate.database import schema as t
-from tests.helpers import counted, eventually, make_agent, make_org, make_route
+from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
+from tests.serving import served_app
 from tests.standins.discord_api import DiscordApiStandin
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
@@ -37,19 +35,28 @@ async def standin() -> AsyncIterator[DiscordApiStandin]:
         yield dc
 
 
-def gateway_service(url: str, standin: DiscordApiStandin, clock: FakeClock) -> App:
-    """The service with the Discord gateway on (not started)."""
-    settings = Settings.model_validate(
-        {
-            "database": {"url": url},
-            "discord": {
-                "bot_token": "bot-token",
-                "api_url": standin.api_url,
-                "gateway_url": standin.gateway_url,
-            },
+def gateway(standin: DiscordApiStandin) -> dict[str, Any]:
+    """The config sections that turn the Discord gateway on, against ``standin``."""
+    return {
+        "discord": {
+            "bot_token": "bot-token",
+            "api_url": standin.api_url,
+            "gateway_url": standin.gateway_url,
         }
-    )
-    return App(settings, clock=clock)
+    }
+
+
+@contextlib.asynccontextmanager
+async def running(service: App, standin: DiscordApiStandin) -> AsyncIterator[App]:
+    """Another process on ``service``'s database and clock, with the gateway on, served
+    for the block (no runners)."""
+    async with served_app(
+        service.settings.database.url,
+        config=gateway(standin),
+        adapters=True,
+        clock=fake_clock(service),
+    ) as (up, _):
+        yield up
 
 
 async def routed(service: App, *matches: dict[str, str]) -> None:
@@ -58,18 +65,6 @@ async def routed(service: App, *matches: dict[str, str]) -> None:
     plain = await make_agent(service, org, "plain")
     for match in matches:
         await make_route(service, org, plain["id"], "discord", match)
-
-
-@contextlib.asynccontextmanager
-async def running(service: App) -> AsyncIterator[App]:
-    """``service`` served on 127.0.0.1 for the block: its gateway connects (no runners)."""
-    server = TestServer(service.web_app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield service
-    finally:
-        await server.close()
-        await service.stop()
 
 
 def adapter_of(service: App) -> DiscordAdapter:
@@ -120,12 +115,10 @@ async def message(
 
 
 async def test_messages_posted_while_the_service_was_down_are_answered_once_after_it_starts(
-    migrated_url: str, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin
 ) -> None:
-    clock = FakeClock()
-    first = gateway_service(migrated_url, standin, clock)
-    await routed(first, {"guild": GUILD})
-    async with running(first):
+    await routed(service, {"guild": GUILD})
+    async with running(service, standin) as first:
         await caught_up(first)
         live = await message(standin, "said while up")
         await eventually(lambda: answers(first, live), what="the live message answered")
@@ -134,26 +127,24 @@ async def test_messages_posted_while_the_service_was_down_are_answered_once_afte
     await message(standin, "a bot's", author_bot=True)
     later = await message(standin, "said while down, later")
     elsewhere = await message(standin, "in another channel", channel=OTHER_CHANNEL)
-    second = gateway_service(migrated_url, standin, clock)
-    async with running(second):
+    async with running(service, standin) as second:
         await caught_up(second)
-        assert await answers(second, missed) == ["Echo: said while down"]
-        assert await answers(second, later) == ["Echo: said while down, later"]
-        # Read again (the overlap), and a duplicate: answered once, by the first process.
-        assert await answers(second, live) == ["Echo: said while up"]
-        # No message was ever taken in there and no route names it: unknown here.
-        assert await answers(second, elsewhere) == []
-        # Oldest first, and the bot's message not at all.
-        assert await taken_in(second) == [f"discord:message:{m}" for m in (live, missed, later)]
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, later) == ["Echo: said while down, later"]
+    # Read again (the overlap), and a duplicate: answered once, by the first process.
+    assert await answers(service, live) == ["Echo: said while up"]
+    # No message was ever taken in there and no route names it: unknown here.
+    assert await answers(service, elsewhere) == []
+    # Oldest first, and the bot's message not at all.
+    assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed, later)]
     [read] = standin.reads
     assert read["channel_id"] == CHANNEL and read["mode"] == "ok"
     assert int(read["after"]) == int(live) - (CATCH_UP_OVERLAP_MS << 22)
 
 
 async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
-    migrated_url: str, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin
 ) -> None:
-    service = gateway_service(migrated_url, standin, FakeClock())
     # A route naming the channel: caught up though no message was taken in there yet.
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     reading, release = asyncio.Event(), asyncio.Event()
@@ -163,25 +154,24 @@ async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
         await release.wait()
 
     standin.on_read = held
-    async with running(service):
+    async with running(service, standin) as up:
         await asyncio.wait_for(reading.wait(), 10)
         # Live while the catch-up's read is on its way: the read finds it too.
         both = await message(standin, "seen twice")
-        await eventually(lambda: answers(service, both), what="the live message answered")
+        await eventually(lambda: answers(up, both), what="the live message answered")
         duplicates = counted("leadgate_turns_total", outcome="duplicate")
         release.set()
-        await caught_up(service)
+        await caught_up(up)
         assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
-        assert await answers(service, both) == ["Echo: seen twice"]
+    assert await answers(service, both) == ["Echo: seen twice"]
     [read] = standin.reads
     assert read["mode"] == "ok"
 
 
 async def test_messages_older_than_the_window_or_the_route_are_not_answered(
-    migrated_url: str, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin
 ) -> None:
-    clock = FakeClock()
-    service = gateway_service(migrated_url, standin, clock)
+    clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     clock.advance(3 * HOUR_MS)
     now = clock.now_ms()
@@ -202,12 +192,12 @@ async def test_messages_older_than_the_window_or_the_route_are_not_answered(
     after_route = await message(
         standin, "after the route", channel=OTHER_CHANNEL, at_ms=now - 20 * 60_000
     )
-    async with running(service):
-        await caught_up(service)
-        assert await answers(service, too_old) == []
-        assert await answers(service, recent) == ["Echo: ten minutes ago"]
-        assert await answers(service, before_route) == []
-        assert await answers(service, after_route) == ["Echo: after the route"]
+    async with running(service, standin) as up:
+        await caught_up(up)
+    assert await answers(service, too_old) == []
+    assert await answers(service, recent) == ["Echo: ten minutes ago"]
+    assert await answers(service, before_route) == []
+    assert await answers(service, after_route) == ["Echo: after the route"]
     after = {r["channel_id"]: int(r["after"]) for r in standin.reads}
     assert after == {
         CHANNEL: snowflake_at(now - HOUR_MS),
@@ -216,55 +206,50 @@ async def test_messages_older_than_the_window_or_the_route_are_not_answered(
 
 
 async def test_a_read_discord_refuses_is_logged_and_tried_again_at_the_next_ready(
-    migrated_url: str, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
-    service = gateway_service(migrated_url, standin, FakeClock())
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     missed = await message(standin, "said while down")
     # The bot may not read the channel's history (Read Message History not granted).
     standin.fail_reads(CHANNEL, "forbidden")
     caplog.set_level(logging.WARNING)
-    async with running(service):
-        await caught_up(service)
-        assert await answers(service, missed) == []
+    async with running(service, standin) as up:
+        await caught_up(up)
+        assert await answers(up, missed) == []
         [warning] = [r for r in caplog.records if "catch up" in r.getMessage()]
         assert warning.levelno == logging.WARNING and not warning.exc_info
-        assert CHANNEL in warning.getMessage() and "403" in warning.getMessage()
+        assert CHANNEL in warning.getMessage() and "403 Missing Access" in warning.getMessage()
         assert "next READY" in warning.getMessage()
         # A reconnect that cannot resume (a new session, a new READY): tried again.
-        first = adapter_of(service).catching_up
+        first = adapter_of(up).catching_up
         await standin.invalidate_sessions()
-        await caught_up(service, not_this=first)
-        assert await answers(service, missed) == ["Echo: said while down"]
+        await caught_up(up, not_this=first)
+    assert await answers(service, missed) == ["Echo: said while down"]
     assert len(standin.identifies) == 2
     assert [r["mode"] for r in standin.reads] == ["forbidden", "ok"]
 
 
 async def test_a_route_naming_a_channel_alone_learns_its_guild_for_the_live_session(
-    migrated_url: str, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin
 ) -> None:
-    service = gateway_service(migrated_url, standin, FakeClock())
     await routed(service, {"channel": CHANNEL})
     missed = await message(standin, "said while down")
-    async with running(service):
-        await caught_up(service)
-        assert await answers(service, missed) == ["Echo: said while down"]
-        async with service.db.read() as conn:
-            keys = (await conn.execute(sa.select(t.sessions.c.key))).scalars().all()
+    async with running(service, standin) as up:
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    async with service.db.read() as conn:
+        keys = (await conn.execute(sa.select(t.sessions.c.key))).scalars().all()
     # The session a live message of the channel opens (its guild from the message).
     assert keys == [f"discord:{GUILD}:{CHANNEL}"]
 
 
 async def test_two_replicas_answer_a_live_and_a_missed_message_once(
-    migrated_url: str, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin
 ) -> None:
-    clock = FakeClock()
-    one = gateway_service(migrated_url, standin, clock)
-    await routed(one, {"guild": GUILD, "channel": CHANNEL})
-    two = gateway_service(migrated_url, standin, clock)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
     missed = await message(standin, "said while both were down")
     duplicates = counted("leadgate_turns_total", outcome="duplicate")
-    async with running(one), running(two):
+    async with running(service, standin) as one, running(service, standin) as two:
         # Each replica has its own gateway session, and Discord delivers to each.
         await caught_up(one)
         await caught_up(two)
@@ -277,6 +262,6 @@ async def test_two_replicas_answer_a_live_and_a_missed_message_once(
             what="the second intake of each message found a duplicate",
         )
         await caught_up(one)
-        for service in (one, two):
-            assert await answers(service, missed) == ["Echo: said while both were down"]
-            assert await answers(service, live) == ["Echo: said to both"]
+        await caught_up(two)
+    assert await answers(service, missed) == ["Echo: said while both were down"]
+    assert await answers(service, live) == ["Echo: said to both"]
