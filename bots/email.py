@@ -7,9 +7,11 @@ thread and loop). Authenticity is the route's sender allow-list:
 * ``RCPT TO``: the recipient and the envelope sender must resolve to a route, otherwise
   ``550 5.1.1 No such recipient or sender not allowed``, so that the sending server
   bounces and the human learns at once (accepting and dropping would be silent);
-* ``DATA``: the ``From:`` header, the address a reply goes to, must be allowed as well
-  (otherwise ``550 5.7.1``); the message must be at most 1 MB (``552``) and have a
-  non-empty text body after quoted text is removed (``550 5.6.0``).
+* ``DATA``: the ``From:`` header, the address a reply goes to, must be allowed as well,
+  by each recipient's route: a recipient whose route does not allow it gets no part of
+  the mail (a WARNING naming it and the rule ``email.sender`` when another part was
+  taken, ``550 5.7.1`` when none was); the message must be at most 1 MB (``552``) and
+  have a non-empty text body after quoted text is removed (``550 5.6.0``).
 
 A recipient ``<local>+<token>@<domain>`` of ``[email] review_reply_address`` is a reply
 to a review card instead (see :class:`EmailHandler`; README "Review cards and chat
@@ -80,6 +82,10 @@ _TEMPFAIL = "451 4.3.0 Temporary failure, please try again later"
 #: The rule of a card reply address whose token names no card (or cannot be one).
 REPLY_TOKEN_RULE = "review.reply_token"
 _NO_CARD = f"550 5.1.1 No such review card ({REPLY_TOKEN_RULE})"
+#: The rule of a routed recipient whose route allows the envelope sender but not the
+#: ``From:`` address (the one the reply would go to).
+SENDER_RULE = "email.sender"
+_SENDER_REFUSED = f"550 5.7.1 Sender not allowed ({SENDER_RULE})"
 
 
 # ----------------------------------------------------------------------------- inbound
@@ -212,6 +218,9 @@ class EmailHandler:
         if answers and not routes:
             return "250 2.0.0 OK"
         accepted: list[tuple[str, RouteMatch]] = []
+        # Parts not taken, with the rule why: said in the log when the mail is taken all
+        # the same (its sender is told nothing else).
+        refused: list[tuple[str, str]] = []
         for recipient, route in routes.items():
             if mail.sender != envelope_sender:
                 # The reply goes to From:, so From: must be allowed too.
@@ -222,20 +231,16 @@ class EmailHandler:
                 except Exception as exc:
                     return self._lookup_failed(exc)
                 if found is None:
+                    refused.append((recipient, SENDER_RULE))
                     continue
                 route = found
             accepted.append((recipient, route))
-        if not accepted:
-            if answers:
-                # Card replies were decided (committed, with their answers): the mail
-                # was taken.
-                return "250 2.0.0 OK"
-            return "550 5.7.1 Sender not allowed"
+        if not accepted and not answers:
+            return _SENDER_REFUSED
 
         # Whether some part of the mail was taken (a card decided or answered, a routed
         # recipient's message recorded): the mail's one answer cannot refuse it then.
         taken = bool(answers)
-        refused: list[tuple[str, str]] = []
         for recipient, _route in accepted:
             inbound = Inbound(
                 channel=BindingKind.email,

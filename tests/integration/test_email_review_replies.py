@@ -331,7 +331,9 @@ async def sessions_of(env: Env, address: str) -> int:
     return int(count or 0)
 
 
-async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) -> None:
+async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
     org, worker = await setup(env)
     item_id = await escalated(env, org, worker, "s1")
     to = reply_address(await card_mail(env, item_id))
@@ -359,8 +361,12 @@ async def test_a_reply_also_sent_to_a_routed_address_is_taken_by_both(env: Env) 
         return 250
 
     # The route allows the envelope sender but not the From (a Viewer): the route takes
-    # nothing, the card reply is refused in words, and the mail is still taken (250).
-    assert await send("viewer@acme.io", ZOE) == 250
+    # nothing, the card reply is refused in words, and the mail is still taken (250),
+    # the part not taken said in the log (it was dropped without a line).
+    with caplog.at_level(logging.WARNING, logger="bots.email"):
+        assert await send("viewer@acme.io", ZOE) == 250
+    dropped = [r.getMessage() for r in caplog.records if "not its part" in r.getMessage()]
+    assert dropped == [f"email: took a mail but not its part to {ask}: email.sender"]
     [told] = await answer_to(env, "viewer@acme.io")
     assert told["body"].strip() == "You cannot review in this organization."
     assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"

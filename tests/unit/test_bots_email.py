@@ -289,6 +289,40 @@ async def test_from_header_must_be_allowed_too(listener: Listener) -> None:
     assert listener.core.triggers == []
 
 
+async def test_a_recipient_whose_route_refuses_the_from_is_logged_when_the_mail_is_taken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Both recipients' routes allow the envelope sender, only the bot's allows From:
+    (bob). The other recipient gets no part and the mail is 250 for the bot's part: that
+    part was dropped without a line, and an operator could not see why a mail to it went
+    unanswered. A mail neither route's From: check lets through is still 550 5.7.1."""
+    bob, sales = "bob@example.com", "sales@leadgate.example"
+    core = FakeCore(
+        lambda channel, attrs: (
+            _allow(ALICE, bob)(channel, attrs) or _allow(ALICE, address=sales)(channel, attrs)
+        )
+    )
+    async for listener in _listen(core):
+        with caplog.at_level(logging.INFO, logger="bots.email"):
+            await listener.send(_mail(From=bob), rcpt=[BOT, sales])
+            await listener.core.drain()
+            assert [t.binding.address["from"] for t in listener.core.triggers] == [BOT]
+            lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bots.email"]
+            assert lines == [
+                (logging.WARNING, f"email: took a mail but not its part to {sales}: email.sender")
+            ]
+            with pytest.raises(aiosmtplib.SMTPDataError) as info:
+                await listener.send(
+                    _mail(From="mallory@evil.example", Message_ID="<m2@x>"), rcpt=[BOT, sales]
+                )
+            assert (info.value.code, info.value.message) == (
+                550,
+                "5.7.1 Sender not allowed (email.sender)",
+            )
+        assert len(listener.core.triggers) == 1
+        assert len([r for r in caplog.records if r.name == "bots.email"]) == 1
+
+
 async def test_oversize_message_is_552(listener: Listener) -> None:
     with pytest.raises(aiosmtplib.SMTPResponseException) as info:
         await listener.send(_mail("x" * 70 + ("\n" + "y" * 70) * 16_000))
