@@ -282,6 +282,23 @@ async def test_reject_with_a_reason_and_return_with_feedback(env: Env) -> None:
     assert audit["text"] == "Add the Zahlen für Q3." and audit["surface"] == "email"
 
 
+async def test_an_outlook_reply_s_reason_ends_above_the_quoted_card(env: Env) -> None:
+    """Outlook quotes the card under a rule of underscores and the card's headers, in no
+    ``>`` lines: the whole card was read as part of the reason."""
+    org, worker = await setup(env)
+    item_id = await escalated(env, org, worker, "s1")
+    card = await card_mail(env, item_id)
+    quoted = (
+        "Reject\nThe figures are from Q2.\n\n________________________________\n"
+        f"From: Leadgate <{BOT}>\nSent: Monday, December 7, 2026 10:02 AM\n"
+        f"To: Ann Member <{ANN}>\nSubject: {card['subject']}\n\n{card['body']}"
+    )
+    assert await reply(env, reply_address(card), quoted) == 250
+    assert (await item_row(env.app, item_id))["status"] == "rejected"
+    audit = next(a for a in await item_audit(env.app, item_id) if a["action"] == "reject")
+    assert audit["text"] == "The figures are from Q2."
+
+
 async def test_an_unknown_first_word_decides_nothing_and_says_what_the_card_accepts(
     env: Env,
 ) -> None:

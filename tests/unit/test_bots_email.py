@@ -154,6 +154,99 @@ async def test_quoted_reply_text_is_stripped(listener: Listener) -> None:
     assert [t.text for t in listener.core.triggers] == ["Yes, go ahead.\nThanks"]
 
 
+# A review card's mail as each client quotes it in a reply (the card shortened). The
+# reviewer's text is the first two lines.
+_CARD_HEADERS = (
+    "From: Leadgate <review@lg.example>\n"
+    "{sent}\n"
+    "To: Ann Member <member@acme.io>\n"
+    "Subject: Review needed: answer to bob@example.com\n"
+)
+_CARD = "Agent: worker\nFrom: api\nWhy: the lead escalated\nTo decide by email: Reply ..."
+QUOTING = {
+    "outlook": (  # Outlook for Windows, Outlook on the web, Outlook for iOS
+        "________________________________\n"
+        + _CARD_HEADERS.format(sent="Sent: Monday, December 7, 2026 10:02 AM")
+        + "\n"
+        + _CARD
+    ),
+    "outlook_mac": (  # Outlook for Mac: no rule, Date: instead of Sent:
+        _CARD_HEADERS.format(sent="Date: Monday, 7 December 2026 at 10:02") + "\n" + _CARD
+    ),
+    "outlook_bold": (  # Outlook's HTML headers as a text converter writes them
+        "________________________________\n"
+        "*From:* Leadgate <review@lg.example>\n"
+        "*Sent:* Monday, December 7, 2026 10:02 AM\n"
+        "*To:* Ann Member <member@acme.io>\n"
+        "*Subject:* Review needed\n\n" + _CARD
+    ),
+    "original_message": (  # older Outlook, Lotus, many webmailers
+        "-----Original Message-----\n"
+        + _CARD_HEADERS.format(sent="Sent: Monday, December 7, 2026 10:02 AM")
+        + "\n"
+        + _CARD
+    ),
+    "gmail": (
+        "On Mon, Dec 7, 2026 at 10:02 AM Leadgate <review@lg.example> wrote:\n\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "gmail_wrapped": (
+        "On Mon, Dec 7, 2026 at 10:02 AM Leadgate Review Desk <\nreview@lg.example> wrote:\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "apple_mail": (
+        "> On 7 Dec 2026, at 10:02, Leadgate <review@lg.example> wrote:\n>\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "thunderbird": (
+        "On 07/12/2026 10:02, Leadgate wrote:\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "thunderbird_no_attribution": "".join(f"> {line}\n" for line in _CARD.splitlines()),
+}
+
+
+@pytest.mark.parametrize("client", sorted(QUOTING))
+def test_each_client_s_quoted_original_ends_the_text(client: str) -> None:
+    """The reason of a reply to a review card is the text above the quoted card. An
+    Outlook reply quotes the card under a rule and its headers: the card was read as
+    part of the reason (``reject`` with the card as its text)."""
+    own = "reject\nThe totals in the second table are wrong."
+    for gap in ("\n\n", "\n"):
+        assert strip_quoted(own + gap + QUOTING[client]) == own
+
+
+def test_a_from_line_in_the_text_itself_is_not_a_quoted_original() -> None:
+    text = (
+        "return\nThe answer copies the\nFrom: line of the customer's mail into its body,"
+        "\nand the\nTo: line too. Date it as sent on Monday."
+    )
+    assert strip_quoted(text) == text
+    signed = "approve\n\n______________\nAnn Member, Acme"  # a rule is no quote alone
+    assert strip_quoted(signed) == signed
+
+
+def test_an_html_only_outlook_reply_ends_at_the_quoted_headers() -> None:
+    # Outlook's HTML reply puts the original under a <hr> and a bold header block, in no
+    # <blockquote>; its markup has line breaks between the tags.
+    markup = (
+        '<html><body><div dir="ltr">Return<br>\r\nAdd the Q3 figures.</div>\r\n'
+        '<div id="appendonsend"></div>\r\n<hr style="display:inline-block;width:98%">\r\n'
+        '<div id="divRplyFwdMsg" dir="ltr"><font face="Calibri, sans-serif">'
+        "<b>From:</b> Leadgate &lt;review@lg.example&gt;<br>\r\n"
+        "<b>Sent:</b> Monday, December 7, 2026 10:02 AM<br>\r\n"
+        "<b>To:</b> Ann Member &lt;member@acme.io&gt;<br>\r\n"
+        "<b>Subject:</b> Review needed</font>\r\n<div>&nbsp;</div></div>\r\n"
+        "<div>Agent: worker<br>Why: the lead escalated</div></body></html>"
+    )
+    message = EmailMessage()
+    message["From"] = "member@acme.io"
+    message["Message-ID"] = "<o1@acme.io>"
+    message.set_content(markup, subtype="html")
+    mail = parse_mail(bytes(message), "member@acme.io")
+    assert mail is not None and mail.text == "Return\n\nAdd the Q3 figures."
+
+
 def test_strip_quoted_forms() -> None:
     assert strip_quoted("ok\nOn Tue, Bob wrote:\n> x") == "ok"
     assert strip_quoted("ok\r\n-----Original Message-----\r\nFrom: x") == "ok"
