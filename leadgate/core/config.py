@@ -240,6 +240,18 @@ class EmailSettings(_Section):
             )
         return value
 
+    @model_validator(mode="after")
+    def _answerable_cards_have_a_sender(self) -> EmailSettings:
+        # Card mails and the answers to reviewers' replies go to a reviewer, not back from
+        # a routed address: with no from_address each one failed for good at its send
+        # ("lacks a sender address"), and nothing said so before the first card.
+        if self.review_reply_address and not self.from_address.strip():
+            raise ValueError(
+                "review_reply_address needs from_address, the sender of review card mails "
+                "and of the answers to replies (e.g. leadgate@example.com)"
+            )
+        return self
+
     @property
     def on(self) -> bool:
         """Whether the service runs email: inbound when a listener is set, outbound with a relay."""

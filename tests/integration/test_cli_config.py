@@ -60,6 +60,7 @@ def test_a_relative_database_path_follows_the_config_file_from_any_directory(
         (None, "config.file"),  # no such file
         (b"[server]\nport = true\n", "config.invalid"),
         (b"[server]\nbogus = 1\n", "config.unknown_key"),
+        (b'[email]\nreview_reply_address = "review@reviews.example.com"\n', "config.invalid"),
         (b'[database]\nurl = "sqlite:///./plain.db"\n', "database.url"),
         (b'[database]\nurl = "postgresql://u:pw@127.0.0.1/x"\n', "database.url"),
         (b'[database]\nurl = "sqlite+aiosqlite://"\n', "database.url"),

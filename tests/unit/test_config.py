@@ -483,10 +483,38 @@ def test_review_reply_address_must_be_one_plain_address(tmp_path: Path, value: s
 
 
 def test_review_reply_address_is_read_in_lower_case(tmp_path: Path) -> None:
-    path = write(tmp_path, '[email]\nreview_reply_address = " Review@Reviews.Example.com "\n')
+    path = write(
+        tmp_path,
+        '[email]\nreview_reply_address = " Review@Reviews.Example.com "\n'
+        'from_address = "leadgate@example.com"\n',
+    )
     assert (
         load_settings(path, environ={}).email.review_reply_address == "review@reviews.example.com"
     )
+
+
+def test_answerable_email_cards_need_a_from_address(tmp_path: Path) -> None:
+    """Card mails and the answers to replies have no routed address to be sent from:
+    without ``from_address`` each one failed for good at its send, and the file loaded
+    without a word. A file or a variable that sets the reply address needs it."""
+    reply = 'review_reply_address = "review@reviews.example.com"\n'
+    for contents, environ in (
+        (f"[email]\n{reply}", {}),
+        (f'[email]\n{reply}from_address = " "\n', {}),
+        ("", {"LEADGATE_EMAIL__REVIEW_REPLY_ADDRESS": "review@reviews.example.com"}),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_settings(write(tmp_path, contents), environ=environ)
+        says = info.value.message
+        assert info.value.rule == "config.invalid"
+        assert "email: Value error, review_reply_address needs from_address" in says
+    loaded = load_settings(
+        write(tmp_path, f"[email]\n{reply}"),
+        environ={"LEADGATE_EMAIL__FROM_ADDRESS": "Leadgate <leadgate@example.com>"},
+    )
+    assert loaded.email.from_address == "Leadgate <leadgate@example.com>"
+    # Without the reply address it is optional (a reply goes from the address written to).
+    assert load_settings(write(tmp_path, '[email]\nsmtp_host = "relay"\n'), environ={})
 
 
 @pytest.mark.parametrize(
