@@ -293,9 +293,22 @@ class ReviewingBot(Bot):  # type: ignore[misc]
         if tenant and isinstance(reference.get("conversation"), dict):
             reference["conversation"].setdefault("tenantId", tenant)
         self.spawn(
-            self.backend.remember_teams_conversation(reference),
+            self._keep(conversation.id, activity.service_url, reference),
             name=f"teams-remember {conversation.id}",
         )
+
+    async def _keep(
+        self, conversation_id: str, service_url: str, reference: dict[str, Any]
+    ) -> None:
+        """Write ``reference``; when the write fails (the database down), forget that it
+        was kept, so the conversation's next activity writes it again: the app added to
+        a channel (its ``conversationUpdate``) may be the only activity it ever sends."""
+        try:
+            await self.backend.remember_teams_conversation(reference)
+        except BaseException:
+            if self._remembered.get(conversation_id) == service_url:
+                del self._remembered[conversation_id]
+            raise
 
 
 def _tenant(activity: Activity) -> str:

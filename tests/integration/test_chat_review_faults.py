@@ -18,12 +18,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.domain import links
 from outbox.channel import Channel
@@ -31,7 +33,7 @@ from tests.fakes import DownFor
 from tests.helpers import Org, eventually, item_row
 from tests.integration.test_chat_reviews import escalated, setup
 from tests.outbox_support import ScriptedChannel
-from tests.standins.connector import invoke_activity
+from tests.standins.connector import invoke_activity, message_activity
 from tests.standins.discord_api import interaction_headers
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 
@@ -242,3 +244,38 @@ async def test_discord_and_teams_clicks_meeting_a_database_fault_are_told_so(
     assert SAID in body["value"]
     assert (await item_row(app, item_id))["status"] == "awaitingHuman"
     no_tracebacks(caplog)
+
+
+async def test_a_teams_conversation_not_kept_for_a_database_fault_is_kept_on_its_next_activity(
+    served: tuple[App, TestServer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The app added to a review channel (a conversationUpdate) while the database is
+    down: its conversation is written when the channel is next heard from. Before, the
+    process took it as kept and never wrote it (``notify add`` could not name it)."""
+    app, server = served
+    conversation = "19:review@thread.tacv2"
+    update = message_activity(
+        service_url="http://127.0.0.1:9/", text="", conversation_id=conversation
+    )
+    update.update(type="conversationUpdate", membersAdded=[{"id": "28:leadgate-bot"}])
+    headers = {"Content-Type": "application/json"}
+
+    async def kept() -> list[str]:
+        async with app.db.read() as conn:
+            rows = await conn.execute(sa.select(t.teams_conversations.c.conversation_id))
+            return [row.conversation_id for row in rows]
+
+    monkeypatch.setattr(app.db, "tx", DownFor(app.db.tx, 1, after_commit=False))
+    assert (await post(server, "/api/messages", json.dumps(update).encode(), headers))[0] == 202
+    await eventually(
+        lambda: any("teams-remember" in r.getMessage() for r in caplog.records),
+        what="the write's failure logged",
+    )
+    assert await kept() == []
+
+    # The database is back; the conversation's next activity (here the same update again).
+    assert (await post(server, "/api/messages", json.dumps(update).encode(), headers))[0] == 202
+    await eventually(kept, what="the conversation written")
+    assert await kept() == [conversation]
