@@ -33,7 +33,9 @@ import contextlib
 import email.utils
 import logging
 import re
+import ssl
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -232,19 +234,48 @@ def _retry_after(headers: Any) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _classify_transport_error(exc: BaseException) -> SendOutcome:
+def _in_handshake(exc: BaseException) -> bool:
+    """Whether the TLS error in ``exc`` (requests' ``SSLError``, wrapping urllib3's,
+    wrapping :mod:`ssl`'s) came from the handshake, certificate check included: before
+    a byte of the request was written."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        error = stack.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, ssl.SSLCertVerificationError):
+            return True
+        if isinstance(error, ssl.SSLError) and any(
+            frame.name == "do_handshake" for frame in traceback.extract_tb(error.__traceback__)
+        ):
+            return True
+        inner = [*error.args, error.__cause__, error.__context__, getattr(error, "reason", None)]
+        stack.extend(e for e in inner if isinstance(e, BaseException))
+    return False
+
+
+def _classify_transport_error(exc: BaseException, *, posting: bool = True) -> SendOutcome:
     """Map a ``requests`` failure (msrest sends with requests) onto an outcome class.
 
     Connect-phase failures (refused, DNS, connect timeout, TLS handshake) happen before
-    a byte of the request is written: retry. A read timeout or a connection dropped
-    while waiting for the answer means the connector may have posted: uncertain.
+    a byte of the request is written: retry. A read timeout, a connection dropped or a
+    TLS error after the handshake (while waiting for the answer) means the connector
+    may have posted: uncertain. ``posting`` False: ``exc`` is not the post's own (the
+    token request before it), so a TLS error there is a retry.
     """
     if isinstance(exc, requests.exceptions.ConnectTimeout):
         return Retry(f"teams connector connect timeout: {exc}")
     if isinstance(exc, requests.exceptions.ReadTimeout):
         return Uncertain(f"teams connector read timeout after the request was sent: {exc}")
     if isinstance(exc, requests.exceptions.SSLError):
-        return Retry(f"teams connector TLS error: {exc}")
+        if not posting or _in_handshake(exc):
+            return Retry(f"teams connector TLS error: {exc}")
+        # After the handshake the request may have been written in full: a record that
+        # does not decrypt while the answer is read (requests names it as it names a
+        # handshake's failure) may follow a post the Connector took.
+        return Uncertain(f"teams connector TLS error after the request was sent: {exc}")
     if isinstance(exc, requests.exceptions.ConnectionError):
         reason: Any = exc.args[0] if exc.args else None
         if isinstance(reason, urllib3.exceptions.MaxRetryError):
@@ -455,7 +486,7 @@ class TeamsChannel:
             return _classify_transport_error(inner if inner is not None else exc)
         except requests.RequestException as exc:
             # e.g. the token request to the Microsoft identity platform
-            return _classify_transport_error(exc)
+            return _classify_transport_error(exc, posting=False)
         except PermissionError as exc:
             # The SDK raises PermissionError when it cannot obtain an access token.
             return Retry(f"teams: no access token for the connector: {exc}")

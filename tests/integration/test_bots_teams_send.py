@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, ours
 from tests.standins.common import PORTAL_SESSION
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
+from tests.standins.microsoft_login import _certificates
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
 ACTIVITY_ID = "1700000000001"
@@ -318,6 +320,37 @@ async def test_reset_after_the_request_was_read_is_uncertain(
     outcome = await adapter.channel.send(_message(_address(connector.url), "reply"))
     assert isinstance(outcome, Uncertain)
     assert len(connector.requests) == 1
+
+
+async def test_a_tls_error_after_the_request_was_read_is_uncertain(
+    adapter: TeamsAdapter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TLS record that does not decrypt while the answer is read may follow a post the
+    Connector took: uncertain. requests names it as it names a handshake's failure, and
+    it was a Retry: the relay posted the message again. A handshake's failure (nothing
+    written) is still a Retry, and a card edit so answered is sent again."""
+    standin = ConnectorStandin(ssl_context=_certificates(tmp_path / "ca.pem", ips=("127.0.0.1",)))
+    await standin.start()
+    try:
+        address = _address(standin.url)
+        # The certificate not trusted yet: the handshake fails before the request.
+        outcome = await adapter.channel.send(_message(address, "gating"))
+        assert isinstance(outcome, Retry), outcome
+        assert standin.requests == []
+
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "ca.pem"))
+        standin.fail_next("badrecord")
+        outcome = await adapter.channel.send(_message(address, "gating"))
+        assert isinstance(outcome, Uncertain), outcome
+        assert "after the request was sent" in outcome.error
+        [read] = standin.requests
+        assert read["activity"]["text"] == "Echo: hi"
+
+        standin.fail_next("badrecord")
+        assert isinstance(await adapter.channel.update(_edit(address), "activity-9"), Retry)
+        assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    finally:
+        await standin.close()
 
 
 async def test_connection_refused_is_retry(adapter: TeamsAdapter) -> None:

@@ -39,9 +39,10 @@ Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
 ``Retry-After``; ``"503"`` carries one too when ``retry_after`` is given), ``"408"``,
 ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
-aborts the TCP connection), ``"portal"`` (200 with an HTML page, nothing posted: a
-captive portal's or a proxy's answer, not the Connector's), ``"proxy404"``,
-``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page).
+aborts the TCP connection), ``"badrecord"`` (over TLS: reads the request, then answers
+with a TLS record that does not decrypt and aborts), ``"portal"`` (200 with an HTML
+page, nothing posted: a captive portal's or a proxy's answer, not the Connector's),
+``"proxy404"``, ``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page).
 
 It also offers :func:`message_activity` and :func:`post_activity` to build and POST an
 inbound Teams message activity to a bot's ``/api/messages``.
@@ -53,7 +54,9 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import signal
+import ssl
 import sys
 import uuid
 from collections import deque
@@ -66,16 +69,23 @@ from tests.standins.common import portal_page
 #: Answers with an HTML page instead of the Connector's JSON, by mode: their status.
 PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
 FAILURE_MODES = frozenset(
-    {"408", "429", "500", "502", "503", "504", "401", "403", "404", "hang", "reset", *PAGES}
+    {
+        *("408", "429", "500", "502", "503", "504", "401", "403", "404"),
+        *("hang", "reset", "badrecord", *PAGES),
+    }
 )
 
 
 class ConnectorStandin:
     """An aiohttp server answering the Connector's ``activities`` endpoints."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        #: served over TLS with this context (``https`` service URL) when set
+        self.ssl_context = ssl_context
         #: answered posts, oldest first
         self.activities: list[dict[str, Any]] = []
         #: every post (answered or failed), oldest first
@@ -91,7 +101,8 @@ class ConnectorStandin:
     @property
     def url(self) -> str:
         """The ``serviceUrl`` to hand to the bot (no trailing slash)."""
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def fail_next(self, mode: str, *, count: int = 1, retry_after: float | None = None) -> None:
         """Make the next ``count`` posts fail with ``mode`` (see the module docstring)."""
@@ -129,7 +140,7 @@ class ConnectorStandin:
         # A short shutdown timeout: hanging handlers are released by _closing anyway.
         self._runner = web.AppRunner(self.make_app(), shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
 
@@ -185,6 +196,15 @@ class ConnectorStandin:
             if transport is not None:
                 transport.abort()
             # Nothing can be written any more; aiohttp ignores a response on a dead socket.
+            return web.Response(status=500)
+        if mode == "badrecord":
+            transport = request.transport
+            sock = transport.get_extra_info("socket") if transport is not None else None
+            if transport is not None and sock is not None:
+                # Application data (type 23, TLS 1.2) that no key decrypts, written under
+                # the TLS layer: the client's read fails with a TLS error.
+                os.write(sock.fileno(), b"\x17\x03\x03\x00\x20" + bytes(32))
+                transport.abort()
             return web.Response(status=500)
         if mode in PAGES:
             return _page(mode)

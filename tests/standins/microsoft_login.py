@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import ipaddress
 import signal
 import ssl
 import sys
@@ -61,9 +62,9 @@ CHANNEL_KEYS = "login.botframework.com"
 TENANT = "botframework.com"  # the SDK's tenant for a MultiTenant bot
 
 
-def _certificates(ca_file: Path) -> ssl.SSLContext:
+def _certificates(ca_file: Path, *, ips: tuple[str, ...] = ()) -> ssl.SSLContext:
     """A CA (written to ``ca_file``) and the server context of a certificate it signed
-    for both host names."""
+    for both host names (and for ``ips``: a TLS stand-in on 127.0.0.1)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "leadgate test CA")])
@@ -105,7 +106,13 @@ def _certificates(ca_file: Path) -> ssl.SSLContext:
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(LOGIN), x509.DNSName(CHANNEL_KEYS)]),
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName(LOGIN),
+                    x509.DNSName(CHANNEL_KEYS),
+                    *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
+                ]
+            ),
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
