@@ -434,7 +434,9 @@ def _map_api_error(exc: SlackApiError, *, edit: bool = False) -> SendOutcome:
         return Uncertain(error)
     code = data.get("error") if isinstance(data, dict) else None
     what = f"slack: HTTP {status} {code or ''}".rstrip()
-    if status == 429 or code in ("ratelimited", "rate_limited"):
+    if status in (408, 429) or code in ("ratelimited", "rate_limited"):
+        # 408: the request was not read in full in time (by Slack's edge or a proxy on
+        # the way), so not processed: as the Teams channel takes it.
         return Retry(what, delay_s=_retry_after(response))
     if code in UNCERTAIN_ERRORS:
         return Uncertain(what)

@@ -120,6 +120,16 @@ async def test_server_errors_are_retry(
     assert len(standin.requests) == 1
 
 
+async def test_a_request_timeout_is_retry(standin: SlackApiStandin, channel: SlackChannel) -> None:
+    """A 408 (Slack's edge or a proxy on the way did not get the whole request in time)
+    was not processed: it was a permanent failure, and approved output was dropped."""
+    standin.queue("408")
+    outcome = await channel.send(message())
+    assert isinstance(outcome, Retry), outcome
+    assert standin.posts == [] and len(standin.requests) == 1
+    assert isinstance(await channel.send(message()), Sent)
+
+
 async def test_a_post_answered_200_with_a_web_page_is_uncertain(
     standin: SlackApiStandin, channel: SlackChannel, caplog: pytest.LogCaptureFixture
 ) -> None:
