@@ -192,6 +192,39 @@ async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(
     assert await channel.update(edit, "1700000000.000100") == Sent("1700000000.000100")
 
 
+@pytest.mark.parametrize(
+    ("mode", "outcome_class"),
+    [
+        ("hang", Retry),
+        ("reset", Retry),
+        ("500", Retry),
+        ("429", Retry),
+        ("408", Retry),
+        ("error:internal_error", Retry),
+        ("error:ratelimited", Retry),
+        ("error:message_not_found", Permanent),
+    ],
+)
+async def test_a_card_edit_whose_outcome_is_unknown_is_sent_again(
+    standin: SlackApiStandin, channel: SlackChannel, mode: str, outcome_class: type
+) -> None:
+    """chat.update with no answer, a lost connection or an answer that may follow the
+    change is sent again (editing twice shows what once does), never deliveryUnknown;
+    a message Slack no longer has is a permanent failure."""
+    edit = OutboundMessage(
+        delivery_id="d2",
+        idempotency_key="d2",
+        address={"team": "T1", "channel": "C1"},
+        text="",
+        kind="cardUpdate",
+        card=decided_card(),
+    )
+    standin.queue(mode)
+    outcome = await channel.update(edit, "1700000000.000100")
+    assert isinstance(outcome, outcome_class), outcome
+    assert [c for c in standin.calls if c["method"] == "chat.update"] == []
+
+
 async def test_internal_error_body_is_uncertain(
     standin: SlackApiStandin, channel: SlackChannel
 ) -> None:
