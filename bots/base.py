@@ -30,7 +30,7 @@ from aiohttp import web
 
 from leadgate.core.errors import DatabaseDamaged, IntakeInDoubt, LeadgateError, Unavailable
 from leadgate.core.types import BindingKind, Conversations, Inbound, Recorded, Routed, RouteMatch
-from outbox.channel import Channel, OutboundMessage, Sent
+from outbox.channel import Channel, OutboundMessage, SendOutcome, Sent
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +153,12 @@ def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
 
 async def tell_not_taken_in(
     channel: Channel, inbound: Inbound, exc: Unavailable | DatabaseDamaged, *, key: str
-) -> bool:
+) -> SendOutcome:
     """Post :func:`not_taken_in` to ``inbound``'s conversation (a reply to it, where the
     channel replies), straight through ``channel``: not through the outbox, since the
     database is what failed. ``key`` (e.g. the platform's message id) makes a repeat the
-    same post where the platform de-duplicates. Whether it was posted."""
+    same post where the platform de-duplicates. The send's outcome (``Sent``: posted;
+    ``Uncertain``: it may have been)."""
     outcome = await channel.send(
         OutboundMessage(
             delivery_id=key,
@@ -169,7 +170,7 @@ async def tell_not_taken_in(
     )
     if not isinstance(outcome, Sent):
         log.warning("%s: could not tell the author either: %s", channel.name, outcome)
-    return isinstance(outcome, Sent)
+    return outcome
 
 
 AfterRun = Callable[[Routed | None], Awaitable[None]]

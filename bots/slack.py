@@ -477,7 +477,7 @@ class SlackAdapter:
         self.channel: SlackChannel = channel or SlackChannel(settings.slack)
         self._core = core
         self._verifier = SignatureVerifier(settings.slack.signing_secret)
-        self._told: OrderedDict[str, asyncio.Future[bool]] = OrderedDict()
+        self._told: OrderedDict[str, asyncio.Future[SendOutcome]] = OrderedDict()
         bot_token = settings.slack.bot_token
 
         async def authorize(enterprise_id: str | None, team_id: str | None) -> AuthorizeResult:
@@ -558,7 +558,8 @@ class SlackAdapter:
         """:func:`bots.base.tell_not_taken_in`, once per message in this process: the
         ``app_mention`` and ``message`` events of one post share its external event id,
         and ``chat.postMessage`` has no idempotency key to make a second reply the same
-        post. A second event awaits the first one's reply and answers as it did."""
+        post. A second event awaits the first one's reply and answers as it did.
+        Whether the reply was posted (one that may have been is not posted again)."""
         key = f"intake-fault:{inbound.external_event_id}"
         telling = self._told.get(key)
         if telling is None:
@@ -567,13 +568,18 @@ class SlackAdapter:
             telling.add_done_callback(lambda done: self._unless_posted(key, done))
             while len(self._told) > TOLD_KEEP:
                 self._told.popitem(last=False)
-        return await asyncio.shield(telling)
+        return isinstance(await asyncio.shield(telling), Sent)
 
-    def _unless_posted(self, key: str, telling: asyncio.Future[bool]) -> None:
-        """Forget a reply that was not posted (or failed): a later event of the same post
-        may try again."""
-        posted = not telling.cancelled() and telling.exception() is None and telling.result()
-        if not posted and self._told.get(key) is telling:
+    def _unless_posted(self, key: str, telling: asyncio.Future[SendOutcome]) -> None:
+        """Forget a reply that was not posted (refused, or the telling failed): a later
+        event of the same post may try again. One that may have been posted (uncertain:
+        the answer was lost) is kept, so it is not posted twice."""
+        maybe_posted = (
+            not telling.cancelled()
+            and telling.exception() is None
+            and isinstance(telling.result(), Sent | Uncertain)
+        )
+        if not maybe_posted and self._told.get(key) is telling:
             del self._told[key]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

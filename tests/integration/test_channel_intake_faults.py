@@ -332,6 +332,23 @@ async def test_a_reply_slack_refused_is_tried_again_by_the_other_event_of_the_po
     assert SAID in reply["text"]
 
 
+async def test_a_reply_that_may_have_reached_slack_is_not_posted_again_by_the_other_event(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app, server, slack = slack_served
+    monkeypatch.setattr(app.db, "read", DownFor(app.db.read, 4, after_commit=False))
+    monkeypatch.setattr(app.db, "tx", DownFor(app.db.tx, 4, after_commit=False))
+    # The first event's reply reached Slack, and the connection was lost before its
+    # answer (uncertain: it may be in the thread). chat.postMessage has no idempotency
+    # key: the pair's other event does not post it again (it did, and the person could
+    # read it twice).
+    slack.queue("reset")
+    assert await slack_message(server, retry_num=3, kind="app_mention", event_id="Ev01") == 503
+    assert await slack_message(server, retry_num=3, kind="message", event_id="Ev02") == 503
+    assert [r["mode"] for r in slack.requests] == ["reset"]
+
+
 #: The read-back of a busy intake in doubt (leadgate.turns.intake._EVENT_LANDED).
 BUSY_READ_BACK = "FROM inbound_events"
 
