@@ -285,6 +285,10 @@ def _classify_transport_error(exc: BaseException, *, posting: bool = True) -> Se
             urllib3.exceptions.NewConnectionError | urllib3.exceptions.ConnectTimeoutError,
         ):
             return Retry(f"teams connector unreachable: {reason}")
+        if isinstance(reason, urllib3.exceptions.ProxyError):
+            # urllib3 names an error so only before the connection to the proxy is made
+            # (refused, unreachable, its TLS): nothing was written.
+            return Retry(f"teams connector: the proxy cannot be reached: {reason}")
         return Uncertain(f"teams connector connection lost after the request was sent: {exc}")
     return Uncertain(f"teams connector request failed: {exc}")
 

@@ -353,6 +353,24 @@ async def test_a_tls_error_after_the_request_was_read_is_uncertain(
         await standin.close()
 
 
+async def test_a_proxy_that_cannot_be_reached_is_retry(
+    adapter: TeamsAdapter, connector: ConnectorStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy on the way that refuses the connection: nothing was written, so the send
+    is retried. It was "connection lost after the request was sent" (deliveryUnknown):
+    every Teams delivery while the proxy was down waited for an operator."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, dead)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert connector.requests == []
+
+
 async def test_connection_refused_is_retry(adapter: TeamsAdapter) -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
