@@ -302,9 +302,11 @@ def _classify_status(exc: ErrorResponseException) -> SendOutcome:
 def _by_status(status: int | None, detail: str, response: Any) -> SendOutcome:
     """The outcome of a Connector answer with HTTP ``status`` (not 2xx), ``detail`` its
     error text; ``response`` holds its headers (``Retry-After``)."""
-    if status in (408, 429, 503):
-        # Not processed: rate limited (429), the request not read in time (408), or the
-        # service refusing it (503). Known to be pre-write, so sent again (Retry-After).
+    if status in (408, 412, 429, 503):
+        # Not processed: rate limited (429, and 412, which Microsoft's rate-limit
+        # guidance for Teams bots says to retry with it), the request not read in time
+        # (408), or the service refusing it (503). Known to be pre-write, so sent again
+        # (Retry-After).
         return Retry(detail, _retry_after(getattr(response, "headers", None)))
     if status in (401, 403, 404):
         return Permanent(detail)

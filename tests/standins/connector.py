@@ -37,7 +37,7 @@ Control endpoints (the same in both modes):
 
 Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
 ``Retry-After``; ``"503"`` carries one too when ``retry_after`` is given), ``"408"``,
-``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
+``"412"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"reset"`` (reads the request, then
 aborts the TCP connection), ``"badrecord"`` (over TLS: reads the request, then answers
 with a TLS record that does not decrypt and aborts), ``"portal"`` (200 with an HTML
@@ -70,7 +70,7 @@ from tests.standins.common import portal_page
 PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
 FAILURE_MODES = frozenset(
     {
-        *("408", "429", "500", "502", "503", "504", "401", "403", "404"),
+        *("408", "412", "429", "500", "502", "503", "504", "401", "403", "404"),
         *("hang", "reset", "badrecord", *PAGES),
     }
 )
@@ -263,6 +263,7 @@ _ERROR_CODES = {
     401: "Unauthorized",
     403: "BotNotInConversationRoster",
     404: "ConversationNotFound",
+    412: "PreconditionFailed",
     429: "TooManyRequests",
     500: "ServiceError",
 }
