@@ -251,7 +251,8 @@ def _in_handshake(exc: BaseException) -> bool:
             frame.name == "do_handshake" for frame in traceback.extract_tb(error.__traceback__)
         ):
             return True
-        inner = [*error.args, error.__cause__, error.__context__, getattr(error, "reason", None)]
+        # (not __context__: an error met while handling another is not its cause)
+        inner = [*error.args, error.__cause__, getattr(error, "reason", None)]
         stack.extend(e for e in inner if isinstance(e, BaseException))
     return False
 
