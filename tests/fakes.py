@@ -25,8 +25,28 @@ from leadgate.core.types import (
 )
 from leadgate.database.db import _TOPICS, Database
 from leadgate.database.faults import unavailable
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 
 RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
+
+
+class GateProvider:
+    """A model that answers only when released (a turn kept in flight); ``cancelled``
+    counts the turns cancelled while they waited."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+        self.cancelled = 0
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        self.calls += 1
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        yield TextDelta("slow answer")
 
 
 class FakeCore:

@@ -156,6 +156,69 @@ class ActionAgentOutput(BaseModel):
     result: ActionAgentResult
 
 
+class ToolTurns:
+    """The turns of the tool calls in flight, each run in a task of its own.
+
+    A call's handler is cancelled when its client cancels it: a handshake-era client's
+    ``notifications/cancelled`` (what the official client sends when its call is
+    cancelled or times out), or a 2026-07-28 client's closed response stream (which
+    that protocol defines as the cancellation, so a dropped connection is one too). The
+    turn ran inside the handler and was cancelled with it wherever it was, its message
+    taken in: the model's work was thrown away, nothing answered the message, and a
+    worker with a lead left its run leased to this live process, closed unanswered once
+    the lease lapsed (15 minutes), the item ``inProgress`` for the week-long sweep. A
+    turn the handler started now runs to its end as a REST request's does when its
+    client goes away: its answer is stored in the transcript (gated work goes to its
+    lead). The cancelled call is answered as the SDK answers any (handshake era:
+    ``Request cancelled``). :meth:`close` cancels the turns still running when the
+    server stops, as the end of the shutdown grace cancels a REST request's.
+    """
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Outcome]] = set()
+        #: The turns whose call was cancelled: nobody awaits their end.
+        self._left: set[asyncio.Task[Outcome]] = set()
+
+    async def run(self, turn: Awaitable[Outcome]) -> Outcome:
+        """Await ``turn``; if the caller is cancelled, the turn goes on without it."""
+        task = asyncio.ensure_future(turn)
+        self._running.add(task)
+        task.add_done_callback(self._ended)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self._left.add(task)
+                logger.info("MCP tool call cancelled by its client; its turn runs to its end")
+            raise
+
+    def detached(self) -> int:
+        """How many turns run on after their call was cancelled."""
+        return len(self._left)
+
+    def _ended(self, task: asyncio.Task[Outcome]) -> None:
+        self._running.discard(task)
+        if task not in self._left:
+            return  # its call got the outcome (or the error) itself
+        self._left.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()  # (retrieved here: nobody else will)
+        if isinstance(exc, LeadgateError):
+            logger.warning(
+                "MCP turn of a cancelled tool call failed: %s [%s]", exc.message, exc.rule
+            )
+        elif exc is not None:
+            logger.error("MCP turn of a cancelled tool call failed", exc_info=exc)
+
+    async def close(self) -> None:
+        """Cancel the turns still running and wait for them to stop."""
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class McpLifecycle:
     """The hosted MCP server's lifecycle, owned by the composition root.
 
@@ -170,10 +233,12 @@ class McpLifecycle:
         manager: StreamableHTTPSessionManager,
         closing: asyncio.Event,
         resources: Resources | None = None,
+        turns: ToolTurns | None = None,
     ) -> None:
         self._manager = manager
         self._closing = closing
         self.resources = resources
+        self.turns = turns if turns is not None else ToolTurns()
 
     def release_streams(self) -> None:
         """Let every open GET stream end."""
@@ -185,6 +250,9 @@ class McpLifecycle:
     async def run(self) -> AsyncIterator[None]:
         """Run the session manager for the duration of the block."""
         async with contextlib.AsyncExitStack() as stack:
+            # Last out: the manager's exit cancels the calls still in flight, which
+            # leaves their turns running; those are stopped here, before the database.
+            stack.push_async_callback(self.turns.close)
             await stack.enter_async_context(_session_manager(self._manager))
             if self.resources is not None:
                 await stack.enter_async_context(self.resources.running())
@@ -230,7 +298,8 @@ def mount_mcp(
         if transcripts is not None
         else None
     )
-    server = build_mcp_server(send_message, resources=resources, version=version)
+    turns = ToolTurns()
+    server = build_mcp_server(send_message, resources=resources, version=version, turns=turns)
     if resources is not None and watch is not None:
         watch(resources.changed, resources.sessions)
     origins = [f"{scheme}://{host}" for host in allowed_hosts for scheme in ("http", "https")]
@@ -280,7 +349,7 @@ def mount_mcp(
     app.router.add_route("GET", MCP_PATH, handle)
     app.router.add_route("POST", MCP_PATH, handle)
     app.router.add_route("DELETE", MCP_PATH, handle)
-    return McpLifecycle(manager, closing, resources)
+    return McpLifecycle(manager, closing, resources, turns)
 
 
 class SendArguments(BaseModel):
@@ -302,12 +371,18 @@ class SendArguments(BaseModel):
 
 
 def build_mcp_server(
-    send_message: SendMessage, *, resources: Resources | None = None, version: str = ""
+    send_message: SendMessage,
+    *,
+    resources: Resources | None = None,
+    version: str = "",
+    turns: ToolTurns | None = None,
 ) -> Server[Any]:
     """The lowlevel ``Server``: the one tool, ``send_action_agent_message``, and (with
     ``resources``) the transcript template. Capabilities are derived from the handlers
     given, so nothing is advertised that is not served (no prompts at all: an unknown
-    ``prompts/get`` is -32601, method not found)."""
+    ``prompts/get`` is -32601, method not found). Each call's turn runs in ``turns``
+    (:class:`ToolTurns`): a call its client cancels leaves it running to its end."""
+    in_flight = turns if turns is not None else ToolTurns()
     tool = mt.Tool(
         name=TOOL_NAME,
         title="Send a message to an Action Agent",
@@ -348,7 +423,7 @@ def build_mcp_server(
                 )
                 return _tool_error(f"invalid arguments: {problems}", "tool.arguments")
             agent, message, session = _validate_arguments(args.agent, args.message, args.session)
-            outcome = await send_message(principal, agent, message, session)
+            outcome = await in_flight.run(send_message(principal, agent, message, session))
             return outcome_to_result(outcome)
         except DatabaseDamaged as exc:
             note_damaged(ctx, exc)  # (a tool error reached no log)

@@ -50,7 +50,7 @@ from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, Te
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from leadgate.web.openai_api import pending_body
-from tests.fakes import CommitLandsLater, HeldCommits
+from tests.fakes import CommitLandsLater, GateProvider, HeldCommits
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
@@ -65,19 +65,6 @@ from tests.helpers import (
 )
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
-
-
-class GateProvider:
-    """A model that answers only when released (a turn kept in flight)."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.calls = 0
-
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        self.calls += 1
-        await self.release.wait()
-        yield TextDelta("slow answer")
 
 
 class FaultProvider:

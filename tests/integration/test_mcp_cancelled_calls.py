@@ -1,0 +1,128 @@
+"""A ``send_action_agent_message`` call its client cancels, through the real app on
+127.0.0.1 and the official ``mcp`` client, in both protocol eras: a handshake-era
+client cancels with ``notifications/cancelled`` (its call cancelled or timed out), a
+2026-07-28 client by closing the call's response stream (a dropped connection is the
+same signal). The turn, its message taken in, runs to its end as a REST request's does
+when its client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx2
+import pytest
+import sqlalchemy as sa
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+from leadgate.app import App
+from leadgate.database import schema as t
+from leadgate.turns.providers.base import Provider
+from leadgate.turns.providers.script import ScriptProvider
+from leadgate.web.mcp import ToolTurns
+from tests.fakes import GateProvider
+from tests.helpers import eventually, make_agent, make_org
+from tests.serving import Client, served_app
+
+TOOL = "send_action_agent_message"
+ERAS = ["handshake", "2026-07-28"]
+
+
+@asynccontextmanager
+async def mcp_client(client: Client, key: str, era: str) -> AsyncIterator[ClientSession]:
+    """An MCP client session of ``era`` with ``key``."""
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http,
+        streamable_http_client(str(client.make_url("/mcp")), http_client=http) as streams,
+        ClientSession(*streams) as session,
+    ):
+        if era == "handshake":
+            await session.initialize()
+        else:
+            await session.discover()
+        yield session
+
+
+def turns_of(service: App) -> ToolTurns:
+    assert service._mcp is not None
+    return service._mcp.turns
+
+
+async def cancelled_mid_turn(
+    service: App, client: Client, key: str, era: str, gate: GateProvider
+) -> None:
+    """Call the tool for the worker ``slow`` (session ``c``), and cancel the call once
+    its turn waits for the model, until the server has let it go."""
+    async with mcp_client(client, key, era) as session:
+        call = asyncio.create_task(
+            session.call_tool(TOOL, {"agent": "slow", "message": "hi", "session": "c"})
+        )
+        await eventually(lambda: gate.calls == 1)
+        call.cancel()
+        # The server's side: the handler let go of its turn (or, before, cancelled it).
+        await eventually(lambda: turns_of(service).detached() == 1 or gate.cancelled)
+
+
+async def session_rows(service: App) -> tuple[list[tuple[str, str]], int]:
+    """The session ``c``'s stored messages (role, content), and the recorded runs."""
+    async with service.db.read() as conn:
+        messages = (
+            await conn.execute(
+                sa.select(t.messages.c.role, t.messages.c.content)
+                .select_from(
+                    t.messages.join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
+                )
+                .where(t.sessions.c.key == "h:c")
+                .order_by(t.messages.c.created_at, t.messages.c.id)
+            )
+        ).all()
+        runs = await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs))
+    return [(m.role, m.content) for m in messages], int(runs or 0)
+
+
+@pytest.mark.parametrize("era", ERAS)
+async def test_a_cancelled_call_leaves_its_turn_running_to_its_end(
+    migrated_url: str, era: str
+) -> None:
+    """The turn ran inside the call's handler, and the SDK cancels that handler when the
+    client cancels the call: the turn stopped wherever it was, its message taken in, and
+    nothing answered it; a worker with a lead left its run leased to this live process
+    (closed unanswered 15 minutes on, the item ``inProgress`` for the week-long sweep).
+    Now the turn runs to its end: its answer is in the transcript, its run closed."""
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "slow", model="gate", lead="lead")
+        await cancelled_mid_turn(service, client, org.key, era, gate)
+        assert gate.cancelled == 0, "the turn was cancelled with its call"
+        gate.release.set()
+        await eventually(lambda: turns_of(service).detached() == 0)
+        assert await session_rows(service) == ([("user", "hi"), ("assistant", "slow answer")], 0)
+
+
+async def test_a_turn_left_by_its_call_is_stopped_when_the_server_stops(
+    migrated_url: str,
+) -> None:
+    """The turn of a cancelled call has no HTTP request the shutdown waits for: the
+    server's stop cancels it (as the end of the shutdown grace cancels a REST request's
+    turn), before the database closes; it is not left running on."""
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "slow", model="gate", lead="lead")
+        await cancelled_mid_turn(service, client, org.key, "handshake", gate)
+        await client.close()  # the server stops (the app's cleanup)
+        assert gate.cancelled == 1
+        assert turns_of(service).detached() == 0
