@@ -156,6 +156,18 @@ class ActionAgentOutput(BaseModel):
     result: ActionAgentResult
 
 
+#: What makes two calls the same message: the organization, the caller (its key: a
+#: session left out is that key's default), the agent as named, the session, the text.
+TurnKey = tuple[str, str, str, str | None, str]
+
+
+@dataclass(eq=False)
+class _Turn:
+    task: asyncio.Task[Outcome]
+    #: The calls awaiting it (0: every one was cancelled, nobody awaits its end).
+    calls: int = 0
+
+
 class ToolTurns:
     """The turns of the tool calls in flight, each run in a task of its own.
 
@@ -171,39 +183,48 @@ class ToolTurns:
     client goes away: its answer is stored in the transcript (gated work goes to its
     lead). The cancelled call is answered as the SDK answers any (handshake era:
     ``Request cancelled``). :meth:`close` cancels the turns still running when the
-    server stops, as the end of the shutdown grace cancels a REST request's.
+    server stops.
+
+    A call of the same message (:data:`TurnKey`) while its turn runs here is that call
+    sent again (its client timed out or lost the answer, and it or its user resent it:
+    the official client never resends by itself), not a new message: it awaits the
+    running turn and is answered its outcome. It was taken in a second time, its own
+    turn run beside the first, and the message answered twice.
     """
 
     def __init__(self) -> None:
-        self._running: set[asyncio.Task[Outcome]] = set()
-        #: The turns whose call was cancelled: nobody awaits their end.
-        self._left: set[asyncio.Task[Outcome]] = set()
+        self._turns: dict[TurnKey, _Turn] = {}
 
-    async def run(self, turn: Awaitable[Outcome]) -> Outcome:
-        """Await ``turn``; if the caller is cancelled, the turn goes on without it."""
-        task = asyncio.ensure_future(turn)
-        self._running.add(task)
-        task.add_done_callback(self._ended)
+    async def run(self, key: TurnKey, start: Callable[[], Awaitable[Outcome]]) -> Outcome:
+        """The outcome of the turn of ``key``: the one running, or ``start()``'s. If the
+        caller is cancelled, the turn goes on without it."""
+        turn = self._turns.get(key)
+        if turn is None:
+            turn = _Turn(asyncio.ensure_future(start()))
+            self._turns[key] = turn
+            turn.task.add_done_callback(lambda _: self._ended(key, turn))
+        else:
+            logger.info("MCP tool call of a message whose turn runs: answered by that turn")
+        turn.calls += 1
         try:
-            return await asyncio.shield(task)
+            return await asyncio.shield(turn.task)
         except asyncio.CancelledError:
-            if not task.done():
-                self._left.add(task)
+            if not turn.task.done():
                 logger.info("MCP tool call cancelled by its client; its turn runs to its end")
             raise
+        finally:
+            turn.calls -= 1
 
     def detached(self) -> int:
-        """How many turns run on after their call was cancelled."""
-        return len(self._left)
+        """How many turns run on with no call awaiting them (each was cancelled)."""
+        return sum(1 for turn in self._turns.values() if not turn.calls)
 
-    def _ended(self, task: asyncio.Task[Outcome]) -> None:
-        self._running.discard(task)
-        if task not in self._left:
-            return  # its call got the outcome (or the error) itself
-        self._left.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()  # (retrieved here: nobody else will)
+    def _ended(self, key: TurnKey, turn: _Turn) -> None:
+        if self._turns.get(key) is turn:
+            del self._turns[key]
+        if turn.calls or turn.task.cancelled():
+            return  # its calls get the outcome (or the error) themselves
+        exc = turn.task.exception()  # (retrieved here: nobody else will)
         if isinstance(exc, LeadgateError):
             logger.warning(
                 "MCP turn of a cancelled tool call failed: %s [%s]", exc.message, exc.rule
@@ -213,7 +234,7 @@ class ToolTurns:
 
     async def close(self) -> None:
         """Cancel the turns still running and wait for them to stop."""
-        tasks = list(self._running)
+        tasks = [turn.task for turn in self._turns.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -423,7 +444,10 @@ def build_mcp_server(
                 )
                 return _tool_error(f"invalid arguments: {problems}", "tool.arguments")
             agent, message, session = _validate_arguments(args.agent, args.message, args.session)
-            outcome = await in_flight.run(send_message(principal, agent, message, session))
+            outcome = await in_flight.run(
+                (principal.org_id, principal.actor, agent, session, message),
+                lambda: send_message(principal, agent, message, session),
+            )
             return outcome_to_result(outcome)
         except DatabaseDamaged as exc:
             note_damaged(ctx, exc)  # (a tool error reached no log)

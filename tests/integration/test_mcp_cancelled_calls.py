@@ -18,12 +18,13 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from leadgate.app import App
+from leadgate.core.auth import Scope
 from leadgate.database import schema as t
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.mcp import ToolTurns
 from tests.fakes import GateProvider
-from tests.helpers import eventually, make_agent, make_org
+from tests.helpers import eventually, make_agent, make_key, make_org
 from tests.serving import Client, served_app
 
 TOOL = "send_action_agent_message"
@@ -126,3 +127,71 @@ async def test_a_turn_left_by_its_call_is_stopped_when_the_server_stops(
         await client.close()  # the server stops (the app's cleanup)
         assert gate.cancelled == 1
         assert turns_of(service).detached() == 0
+
+
+ANSWER = {"success": True, "result": {"leadReviewPending": False, "text": "slow answer"}}
+
+
+@pytest.mark.parametrize("era", ERAS)
+async def test_a_call_sent_again_while_its_turn_runs_is_answered_by_that_turn(
+    migrated_url: str, era: str
+) -> None:
+    """The same message (caller's key, agent, session, text) sent again while its turn
+    still runs (here, its first call cancelled; as well its answer lost on the way)
+    awaits that turn and gets its answer: the message is taken in once and answered
+    once. It was a new message whose own turn ran beside the first: answered twice."""
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "slow", model="gate", lead="lead")
+        await cancelled_mid_turn(service, client, org.key, era, gate)
+        async with mcp_client(client, org.key, era) as session:
+            again = asyncio.create_task(
+                session.call_tool(TOOL, {"agent": "slow", "message": "hi", "session": "c"})
+            )
+            await eventually(lambda: gate.calls == 2 or turns_of(service).detached() == 0)
+            gate.release.set()
+            result = await again
+        assert gate.calls == 1, "the message was taken in and run a second time"
+        assert result.is_error is False and result.structured_content == ANSWER
+        assert await session_rows(service) == ([("user", "hi"), ("assistant", "slow answer")], 0)
+
+
+@pytest.mark.parametrize("differs", ["message", "session", "key"])
+async def test_another_message_while_a_turn_runs_is_a_turn_of_its_own(
+    migrated_url: str, differs: str
+) -> None:
+    """Only the very same message joins a running turn: another text, another session,
+    or another key's call (its default session is another) runs its own turn."""
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "slow", model="gate")
+        first = {"agent": "slow", "message": "hi"}
+        second = {
+            "message": {**first, "message": "hello"},
+            "session": {**first, "session": "other"},
+            "key": first,
+        }[differs]
+        other_key = await make_key(service, org, Scope.trigger) if differs == "key" else org.key
+        async with (
+            mcp_client(client, org.key, "handshake") as one,
+            mcp_client(client, other_key, "handshake") as two,
+        ):
+            calls = [
+                asyncio.create_task(one.call_tool(TOOL, first)),
+                asyncio.create_task(two.call_tool(TOOL, second)),
+            ]
+            await eventually(lambda: gate.calls == 2)
+            gate.release.set()
+            results = await asyncio.gather(*calls)
+        assert [r.structured_content for r in results] == [ANSWER, ANSWER]
