@@ -1,9 +1,11 @@
-"""A ``send_action_agent_message`` call its client cancels, through the real app on
-127.0.0.1 and the official ``mcp`` client, in both protocol eras: a handshake-era
-client cancels with ``notifications/cancelled`` (its call cancelled or timed out), a
-2026-07-28 client by closing the call's response stream (a dropped connection is the
-same signal). The turn, its message taken in, runs to its end as a REST request's does
-when its client goes away."""
+"""``send_action_agent_message`` calls that are cancelled, sent again, or sent to
+another replica, through the real app on 127.0.0.1 and the official ``mcp`` client, in
+both protocol eras. A handshake-era client cancels a call with ``notifications/cancelled``
+(its call cancelled or timed out), a 2026-07-28 client by closing the call's response
+stream (a dropped connection is the same signal): the turn, its message taken in, runs
+to its end as a REST request's does when its client goes away. The same message sent
+again while that turn runs is answered by it. A handshake-era session lives in the
+replica that opened it: another refuses it before anything is taken in."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.mcp import ToolTurns
 from tests.fakes import GateProvider
-from tests.helpers import eventually, make_agent, make_key, make_org
+from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize
 from tests.serving import Client, served_app
 
 TOOL = "send_action_agent_message"
@@ -195,3 +197,61 @@ async def test_another_message_while_a_turn_runs_is_a_turn_of_its_own(
             gate.release.set()
             results = await asyncio.gather(*calls)
         assert [r.structured_content for r in results] == [ANSWER, ANSWER]
+
+
+async def test_a_session_of_one_replica_is_refused_by_another_before_any_intake(
+    migrated_pg: str,
+) -> None:
+    """PostgreSQL, two replicas without sticky routing: a tool call of a session that
+    replica A opened, sent to replica B, is 404 ``mcp.session`` and takes nothing in
+    (the same call to A is then answered once); a 2026-07-28 client, with no session,
+    is served by either."""
+    async with (
+        served_app(migrated_pg, like_production=True) as (a, a_client),
+        served_app(migrated_pg, like_production=True) as (_, b_client),
+        httpx2.AsyncClient() as http,
+    ):
+        org = await make_org(a)
+        await make_agent(a, org, "plain")
+        headers = {
+            "Authorization": f"Bearer {org.key}",
+            "Accept": "application/json, text/event-stream",
+        }
+        opened = await http.post(
+            str(a_client.make_url("/mcp")), json=mcp_initialize(), headers=headers
+        )
+        assert opened.status_code == 200
+        of_a = {
+            **headers,
+            "Mcp-Session-Id": opened.headers["mcp-session-id"],
+            "Mcp-Protocol-Version": "2025-06-18",
+        }
+        initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert (
+            await http.post(str(a_client.make_url("/mcp")), json=initialized, headers=of_a)
+        ).status_code == 202
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": TOOL, "arguments": {"agent": "plain", "message": "hi"}},
+        }
+        on_b = await http.post(str(b_client.make_url("/mcp")), json=call, headers=of_a)
+        assert on_b.status_code == 404, on_b.text
+        assert on_b.json()["error"]["data"] == {"rule": "mcp.session"}
+        transcript = str(a_client.make_url("/v1/agents/plain/sessions/default/messages"))
+        auth = {"Authorization": f"Bearer {org.key}"}
+        assert (await http.get(transcript, headers=auth)).json()["data"] == []
+        on_a = await http.post(str(a_client.make_url("/mcp")), json=call, headers=of_a)
+        assert on_a.status_code == 200 and "Echo: hi" in on_a.text
+        stored = (await http.get(transcript, headers=auth)).json()["data"]
+        assert [m["content"] for m in stored] == ["hi", "Echo: hi"]
+        for client in (a_client, b_client):
+            async with mcp_client(client, org.key, "2026-07-28") as session:
+                result = await session.call_tool(
+                    TOOL, {"agent": "plain", "message": "again", "session": "modern"}
+                )
+                assert result.structured_content == {
+                    "success": True,
+                    "result": {"leadReviewPending": False, "text": "Echo: again"},
+                }
