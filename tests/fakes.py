@@ -11,7 +11,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from bots.base import Adapter
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.types import (
     BindingKind,
     Conversations,
@@ -47,6 +47,27 @@ class GateProvider:
             self.cancelled += 1
             raise
         yield TextDelta("slow answer")
+
+
+class FaultProvider:
+    """A model whose turn meets a database fault after the message was taken in (a
+    message ``once``: only its first turn does; the next answers it)."""
+
+    def __init__(self) -> None:
+        self.faulted: set[str] = set()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        last = request.messages[-1].content
+        if last == "model":
+            raise ModelError("the provider failed", rule="model.failed")
+        if last == "once" and last in self.faulted:
+            yield TextDelta("answered once the database was back")
+            return
+        self.faulted.add(last)
+        fault = Unavailable("database is locked", rule="service.unavailable")
+        fault.detail = "database is locked (what the driver said)"
+        raise fault
+        yield TextDelta("never")  # pragma: no cover - makes this an async generator
 
 
 class FakeCore:

@@ -18,14 +18,17 @@ import pytest
 import sqlalchemy as sa
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
+from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.mcp import ToolTurns
-from tests.fakes import GateProvider
+from tests.fakes import FaultProvider, GateProvider
 from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize
 from tests.serving import Client, served_app
 
@@ -255,3 +258,35 @@ async def test_a_session_of_one_replica_is_refused_by_another_before_any_intake(
                     "success": True,
                     "result": {"leadReviewPending": False, "text": "Echo: again"},
                 }
+
+
+@pytest.mark.parametrize("era", ERAS)
+async def test_a_turn_stopped_by_a_database_fault_is_a_ruled_tool_error_and_rerun_once(
+    migrated_url: str, era: str
+) -> None:
+    """A lead worker's turn stops on a database fault after its message was taken in:
+    the call is a tool error (``isError``, not a JSON-RPC error) naming
+    ``turn.interrupted`` in ``_meta``, saying not to send the message again, and the
+    process's own turn recovery reruns the run: the answer is in the transcript, once."""
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "fault": FaultProvider()}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        await make_agent(service, org, "slow", model="fault", lead="lead")
+        async with mcp_client(client, org.key, era) as session:
+            told = await session.call_tool(
+                TOOL, {"agent": "slow", "message": "once", "session": "c"}
+            )
+        assert told.is_error is True and told.meta is not None
+        assert told.meta["rule"] == "turn.interrupted"
+        [block] = told.content
+        assert isinstance(block, TextContent) and "Do not send it again" in block.text
+        assert await session_rows(service) == ([("user", "once")], 1)
+        assert await drain(TurnRecovery(service.turns)) == 1  # rerun in this process
+        assert await session_rows(service) == (
+            [("user", "once"), ("assistant", "answered once the database was back")],
+            0,
+        )

@@ -46,11 +46,11 @@ from leadgate.operations.sessions import api_session_key
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
-from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider, TextDelta
+from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from leadgate.web.openai_api import pending_body
-from tests.fakes import CommitLandsLater, GateProvider, HeldCommits
+from tests.fakes import CommitLandsLater, FaultProvider, GateProvider, HeldCommits
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
@@ -65,27 +65,6 @@ from tests.helpers import (
 )
 from tests.serving import served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
-
-
-class FaultProvider:
-    """A model whose turn meets a database fault after the message was taken in (a
-    message ``once``: only its first turn does; the next answers it)."""
-
-    def __init__(self) -> None:
-        self.faulted: set[str] = set()
-
-    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
-        last = request.messages[-1].content
-        if last == "model":
-            raise ModelError("the provider failed", rule="model.failed")
-        if last == "once" and last in self.faulted:
-            yield TextDelta("answered once the database was back")
-            return
-        self.faulted.add(last)
-        fault = Unavailable("database is locked", rule="service.unavailable")
-        fault.detail = "database is locked (what the driver said)"
-        raise fault
-        yield TextDelta("never")  # pragma: no cover - makes this an async generator
 
 
 @dataclass
