@@ -128,6 +128,11 @@ The structured result is {"success": true, "result": {...}}:
   before it is released; `text` is empty. Do not resend the same task.
 If the call fails with "The operation could not be completed. Try again.", the agent
 cannot take the message right now: wait, then try again later.
+If a call ends without any result (it timed out, or its connection dropped), its message
+may already have been taken in: read the session's transcript (the resource
+leadgate://agents/{agent}/sessions/{session}/messages) before sending it again. The same
+arguments sent again while that message is still being answered get its answer, not a
+second one.
 """
 
 

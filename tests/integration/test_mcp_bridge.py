@@ -185,6 +185,9 @@ async def test_lists_exactly_the_one_tool(served: Served) -> None:
     assert [tool.name for tool in tools] == ["send_action_agent_message"]
     tool = tools[0]
     assert tool.description and "agent" in tool.description
+    # What the model driving the client reads before it sends a lost call again.
+    assert "ends without any result" in tool.description
+    assert "read the session's transcript" in tool.description
     props = tool.input_schema["properties"]
     assert set(props) == {"agent", "message", "session"}
     assert set(tool.input_schema["required"]) == {"agent", "message"}
