@@ -458,7 +458,7 @@ def build_mcp_server(
             note_damaged(ctx, exc)  # (a tool error reached no log)
             return _tool_error(exc.message, exc.rule)  # (the file stays out of it)
         except LeadgateError as exc:
-            return _tool_error(exc.message, exc.rule)
+            return _tool_error(exc.message, exc.rule, retry_after_s=exc.retry_after_s)
         except Exception:
             logger.exception("send_action_agent_message failed")
             return _tool_error(GENERIC_ERROR_TEXT, "internal")
@@ -506,16 +506,20 @@ def _tool_success(result: dict[str, Any]) -> CallToolResult:
     )
 
 
-def _tool_error(text: str, rule: str) -> CallToolResult:
+def _tool_error(text: str, rule: str, *, retry_after_s: int | None = None) -> CallToolResult:
     """A tool error: the public text, and its rule in ``_meta`` (``{"rule": ...}``), where
     a client can branch on it as on every other surface's ``rule`` (tool errors named
     none). Not in ``structuredContent``, which the tool's output schema describes and
-    some clients validate even on errors."""
+    some clients validate even on errors. An error that a retry may cure after a wait
+    (a database fault before the message was taken in) says how long in
+    ``retryAfterS``, as a resource read's JSON-RPC error and REST's ``Retry-After`` do;
+    it said "please retry shortly" only."""
+    meta: dict[str, Any] = {"rule": rule}
+    if retry_after_s is not None:
+        meta["retryAfterS"] = retry_after_s
     # Returned, not raised: a raised ToolError gets an "Error executing tool ..." prefix,
     # which would break the exact public text.
-    return CallToolResult(
-        content=[TextContent(type="text", text=text)], is_error=True, _meta={"rule": rule}
-    )
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True, _meta=meta)
 
 
 def _validate_arguments(

@@ -31,6 +31,7 @@ from leadgate.web.mcp import ToolTurns
 from tests.fakes import FaultProvider, GateProvider
 from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize
 from tests.serving import Client, served_app
+from tests.statement_faults import injector
 
 TOOL = "send_action_agent_message"
 ERAS = ["handshake", "2026-07-28"]
@@ -290,3 +291,32 @@ async def test_a_turn_stopped_by_a_database_fault_is_a_ruled_tool_error_and_reru
             [("user", "once"), ("assistant", "answered once the database was back")],
             0,
         )
+
+
+async def test_a_database_fault_before_the_intake_says_when_to_retry(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database fault before the message was taken in is a tool error saying nothing
+    was stored, ``_meta`` naming its rule and, as a resource read's error and REST's
+    ``Retry-After`` do, when to retry (``retryAfterS``; it said "retry shortly" only).
+    The retry is taken in once and answered once."""
+    faults = injector(migrated_url, monkeypatch)
+    async with served_app(migrated_url, like_production=True) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        arguments = {"agent": "plain", "message": "hi", "session": "c"}
+        async with mcp_client(client, org.key, "handshake") as session:
+            faults.arm_on("INSERT INTO messages")
+            told = await session.call_tool(TOOL, arguments)
+            faults.disarm()
+            assert faults.fired is not None
+            assert told.is_error is True
+            assert told.meta == {"rule": "service.unavailable", "retryAfterS": 2}
+            [block] = told.content
+            assert isinstance(block, TextContent) and "nothing was stored" in block.text
+            again = await session.call_tool(TOOL, arguments)
+        assert again.structured_content == {
+            "success": True,
+            "result": {"leadReviewPending": False, "text": "Echo: hi"},
+        }
+        assert await session_rows(service) == ([("user", "hi"), ("assistant", "Echo: hi")], 0)
