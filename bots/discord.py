@@ -71,6 +71,7 @@ from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object
 from leadgate.core.errors import ConfigError, LeadgateError
+from leadgate.core.logs import loggable
 from leadgate.core.types import (
     BindingKind,
     Busy,
@@ -653,8 +654,10 @@ class DiscordAdapter:
                     log.error("discord: gateway login failed: %s; gateway messages are off", exc)
                     return
                 log.warning("discord: gateway login failed (%s); retrying in %.0fs", exc, delay)
-            except Exception:
-                log.exception("discord: the gateway connection ended with an error")
+            except Exception as exc:
+                log.error(
+                    "discord: the gateway connection ended with an error", exc_info=loggable(exc)
+                )
                 return
             # start() logs in afresh on the next try; drop this try's HTTP session.
             await client.http.close()

@@ -19,7 +19,6 @@ import contextvars
 import hashlib
 import logging
 import re
-import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -35,6 +34,7 @@ from discord.webhook.async_ import async_context as _webhook_adapter
 from bots import discord_review
 from bots.base import quoted_page
 from leadgate.core.config import DiscordSettings
+from leadgate.core.logs import raised_at
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
 log = logging.getLogger(__name__)
@@ -454,8 +454,7 @@ def described(exc: BaseException, *, where: bool = False) -> str:
     else:
         text = _WEBHOOK_TOKEN.sub(r"\1<token>", repr(exc))
     if where and exc.__traceback__ is not None:
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        text = f"{text} at {frame.filename}:{frame.lineno}"
+        text = f"{text} at {raised_at(exc)}"
     return text
 
 

@@ -57,7 +57,7 @@ from bots.review_base import Answer, ChatReviewBackend
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from leadgate.review.replies import AnswerTo, parse_reply, token_of
 
@@ -277,8 +277,8 @@ class EmailHandler:
                 # keep them from being taken at all.
                 refused.append((recipient, exc.rule))
                 continue
-            except Exception:
-                log.exception("email: recording the mail failed")
+            except Exception as exc:
+                log.error("email: recording the mail failed", exc_info=loggable(exc))
                 return _TEMPFAIL
             taken = True
         if not taken:
@@ -344,7 +344,7 @@ class EmailHandler:
         elif isinstance(exc, LeadgateError) and exc.status >= 500:
             log.warning("email: route lookup met a database fault (%s); asking to retry", exc.rule)
         else:
-            log.exception("email: route lookup failed")
+            log.error("email: route lookup failed", exc_info=loggable(exc))
         return _TEMPFAIL
 
 

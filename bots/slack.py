@@ -62,6 +62,7 @@ from leadgate.core.bodies import read_body
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.decoding import decode_text, json_object
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
@@ -372,7 +373,7 @@ class SlackChannel:
             # Server disconnect, reset, broken payload after the request was written.
             return Uncertain(f"slack: connection lost after sending: {exc!r}")
         except Exception as exc:  # an SDK bug must not crash the relay
-            log.exception("slack: unexpected error from %s", method)
+            log.error("slack: unexpected error from %s", method, exc_info=loggable(exc))
             return Uncertain(f"slack: unexpected error: {exc!r}")
 
     async def close(self) -> None:

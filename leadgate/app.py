@@ -34,7 +34,7 @@ from leadgate.core.clock import Clock, IdFactory, RandomIds, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import bearer_token
 from leadgate.core.errors import DatabaseDamaged, LeadgateError
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Runner, run_loop
 from leadgate.core.tasks import Background
@@ -607,8 +607,11 @@ class App:
         try:
             await self.relay.release_doubted()
             await self.relay.release_handoffs()
-        except Exception:
-            log.exception("releasing handed-over deliveries failed (their leases will expire)")
+        except Exception as exc:
+            log.error(
+                "releasing handed-over deliveries failed (their leases will expire)",
+                exc_info=loggable(exc),
+            )
         try:
             await self.liveness.unregister()
         except Exception:
@@ -616,8 +619,8 @@ class App:
         for channel in self.channels.values():
             try:
                 await channel.close()
-            except Exception:
-                log.exception("closing channel %s failed", channel.name)
+            except Exception as exc:
+                log.error("closing channel %s failed", channel.name, exc_info=loggable(exc))
         await self.providers.close()
         await self.db.close()
 

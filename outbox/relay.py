@@ -52,6 +52,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import Unavailable
+from leadgate.core.logs import loggable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
@@ -777,7 +778,7 @@ class Relay:
         try:
             return Done(row, await self._send(row))
         except Exception as exc:  # a bug must not lose the outcome (or the pipeline)
-            log.exception("delivery %s: unexpected error", row.id)
+            log.error("delivery %s: unexpected error", row.id, exc_info=loggable(exc))
             return Done(row, Uncertain(f"relay error: {type(exc).__name__}"))
 
     async def _send(self, row: Delivery) -> SendOutcome:
@@ -835,7 +836,11 @@ class Relay:
                 else:
                     outcome = await channel.send(message)
             except Exception as exc:  # an adapter bug must not lose the delivery
-                log.exception("channel %s raised instead of mapping an error", row.channel)
+                log.error(
+                    "channel %s raised instead of mapping an error",
+                    row.channel,
+                    exc_info=loggable(exc),
+                )
                 outcome = Uncertain(f"adapter error: {type(exc).__name__}")
         labelled(METRICS.cards, row.channel, op, type(outcome).__name__.lower()).inc()
         return outcome
@@ -874,7 +879,9 @@ class Relay:
                 )
             )
         except Exception as exc:  # an adapter bug must not lose the delivery
-            log.exception("channel %s raised instead of mapping an error", row.channel)
+            log.error(
+                "channel %s raised instead of mapping an error", row.channel, exc_info=loggable(exc)
+            )
             return Uncertain(f"adapter error: {type(exc).__name__}")
 
     def backoff_s(self, attempts: int, retry_after: float | None) -> float:

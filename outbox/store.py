@@ -33,7 +33,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, TransitionError
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
 from leadgate.database import schema as t
@@ -345,7 +345,11 @@ class Outbox:
                 raise
             damaged = damage_met(conn, exc)
             if damaged is None:
-                log.exception("review cards for work item %s could not be written", item_id)
+                log.error(
+                    "review cards for work item %s could not be written",
+                    item_id,
+                    exc_info=loggable(exc),
+                )
             else:
                 # Counted as runners and requests count it (it was the driver's traceback
                 # for every item that escalated).

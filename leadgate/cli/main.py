@@ -31,7 +31,7 @@ from leadgate.core.errors import (
     ValidationError,
     when_reading,
 )
-from leadgate.core.logs import setup_logging
+from leadgate.core.logs import loggable, setup_logging
 
 if TYPE_CHECKING:
     from leadgate.core.config import Settings
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if damaged is not None:
             return _refused(damaged, choice, settings)
         with contextlib.suppress(Exception):
-            log.debug("command failed", exc_info=True)
+            log.debug("command failed", exc_info=loggable(exc))
         print(
             f"leadgate: error: {type(exc).__name__}: {exc} ({where(choice, settings)})",
             file=sys.stderr,

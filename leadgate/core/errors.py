@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import logging
 
+from leadgate.core.logs import loggable
+
 
 class LeadgateError(Exception):
     """Root of every error the engine raises on purpose."""
@@ -301,8 +303,9 @@ def log_failure(logger: logging.Logger, exc: BaseException, message: str, *args:
     A database fault (:class:`Unavailable`, :class:`DatabaseDamaged`) is the database's
     state, already said where it is met (its rule, ``/healthz``), not a bug here: one
     WARNING naming the rule, without the driver's traceback (which may quote what a
-    person sent). Anything else is a bug: ERROR with its traceback."""
+    person sent). Anything else is a bug: ERROR with its traceback (a database error's
+    without its text: :func:`~leadgate.core.logs.loggable`)."""
     if isinstance(exc, Unavailable | DatabaseDamaged):
         logger.warning(f"{message}: database fault (%s)", *args, exc.rule, stacklevel=2)
     else:
-        logger.error(message, *args, exc_info=exc, stacklevel=2)
+        logger.error(message, *args, exc_info=loggable(exc), stacklevel=2)

@@ -6,6 +6,7 @@ import logging
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +166,70 @@ class AcceptFailureFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         self.failures.add(exc.strerror if isinstance(exc, OSError) else "unknown error")
         return False
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: a SQLAlchemy error's ``orig`` (the driver's error),
+    causes and contexts, each once (at most 13)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop()
+        if item is None or any(item is s for s in seen) or len(seen) > 12:
+            continue
+        seen.append(item)
+        todo.extend((getattr(item, "orig", None), item.__cause__, item.__context__))
+    return seen
+
+
+#: Where a database error comes from: SQLAlchemy and the drivers under it.
+_DATABASE_MODULES = ("sqlalchemy", "asyncpg", "sqlite3", "aiosqlite", "psycopg")
+
+
+def _from_database(item: BaseException) -> bool:
+    module = type(item).__module__
+    return any(module == m or module.startswith(m + ".") for m in _DATABASE_MODULES)
+
+
+class DatabaseErrorText(Exception):
+    """What a log record shows in place of an error whose chain holds a database
+    driver's error (:func:`loggable`): the error's type and the database's codes, the
+    original's frames, none of its text."""
+
+
+def loggable(exc: BaseException) -> BaseException:
+    """``exc`` as a log record's ``exc_info`` may carry it: itself, or when its chain
+    (:func:`exception_chain`) holds SQLAlchemy's or a driver's error, a
+    :class:`DatabaseErrorText` with the same frames (the traceback still says where)
+    whose text names the types, SQLSTATE or SQLite error name, and the constraint,
+    table and column, never what the database said: PostgreSQL's ``DETAIL`` (``Failing
+    row contains (...)``, ``Key (...)=(...)``) and ``CONTEXT``, a value quoted in a
+    primary message (``invalid input syntax for type json``), a trigger's ``RAISE``
+    text and SQLAlchemy's ``[parameters: ...]`` quote the statement's values: message
+    text, an answer, a token."""
+    chain = exception_chain(exc)
+    found = [item for item in chain if _from_database(item)]
+    if not found:
+        return exc
+    codes: list[str] = []
+    for item in found:
+        for name in ("sqlstate", "sqlite_errorname", "constraint_name", "table_name"):
+            value = getattr(item, name, None)
+            if isinstance(value, str) and value and f"{name} {value}" not in codes:
+                codes.append(f"{name} {value}")
+    names = " <- ".join(dict.fromkeys(type(item).__name__ for item in chain))
+    text = f"{names} ({', '.join(codes) or 'no code'}): its text is left out of the log"
+    return DatabaseErrorText(text).with_traceback(exc.__traceback__)
+
+
+def raised_at(exc: BaseException) -> str:
+    """The file and line ``exc`` was raised at (its innermost frame), for an error
+    logged without its traceback, whose last line is the error's text; empty when it
+    was never raised."""
+    if exc.__traceback__ is None:
+        return ""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{frame.filename}:{frame.lineno}"
 
 
 class LineFormatter(logging.Formatter):

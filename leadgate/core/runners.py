@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from leadgate.core.errors import DatabaseDamaged, Unavailable
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 
 log = logging.getLogger("leadgate.runners")
 
@@ -325,9 +325,11 @@ async def run_loop(
             DAMAGED.add(runner.name, exc.detail)
             busy = False
             await _back_off(min(30.0, 0.5 * 2**failures), stop, sleep)
-        except Exception:
+        except Exception as exc:
             failures += 1
-            log.exception("runner %s failed (%d in a row)", runner.name, failures)
+            log.error(
+                "runner %s failed (%d in a row)", runner.name, failures, exc_info=loggable(exc)
+            )
             busy = False
             # Nor this one (up to 30 s): it held a stopping service's shutdown for its
             # SHUTDOWN_WAIT_S, the runner then left running.

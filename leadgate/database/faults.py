@@ -30,6 +30,7 @@ import sqlite3
 import sqlalchemy as sa
 
 from leadgate.core.errors import NOTHING_STORED, Unavailable
+from leadgate.core.logs import exception_chain
 
 # SQLite primary result codes that say "not now".
 _SQLITE_CODES = frozenset(
@@ -72,18 +73,6 @@ _PG_TEXT = (
 )
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        item = todo.pop()
-        if item is None or any(item is s for s in seen) or len(seen) > 12:
-            continue
-        seen.append(item)
-        todo.extend((getattr(item, "orig", None), item.__cause__, item.__context__))
-    return seen
-
-
 def _text(item: BaseException) -> str:
     """What the driver said, without SQLAlchemy's ``[SQL: ...]`` and ``[parameters: ...]``
     lines: the parameters hold what clients sent (message text), which stays out of the
@@ -94,7 +83,7 @@ def _text(item: BaseException) -> str:
 
 
 def _why(exc: BaseException) -> str | None:
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         if isinstance(item, sa.exc.TimeoutError):
             return "no database connection became free in time"
         code = getattr(item, "sqlite_errorcode", None)
@@ -130,7 +119,7 @@ def refused(exc: BaseException) -> bool:
     :data:`_PG_REFUSED`): met at a COMMIT, the write is known not to have landed; only
     a fault without such an answer (the connection lost, the session terminated) leaves
     it in doubt."""
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
         if isinstance(state, str) and state.startswith(_PG_REFUSED):
             return True
@@ -142,7 +131,7 @@ def lock_not_granted(exc: BaseException) -> bool:
     past the transaction's ``lock_timeout`` (or asked for ``NOWAIT``). The statement
     failed and its transaction rolls back; the row is held by another transaction, so a
     runner that bounded its wait on purpose looks again rather than reporting a fault."""
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
         if state == "55P03":
             return True
@@ -162,7 +151,7 @@ def pg_damage(exc: BaseException) -> str | None:
     SQLAlchemy's wrapping of it): ``SQLSTATE XX001 data_corrupted: <the server's text>
     [(hint: ...)]; <what to do>``, without the statement or its parameters. None for
     anything else (``XX000``, a plain internal error, is a server bug, not damage)."""
-    for item in _chain(exc):
+    for item in exception_chain(exc):
         state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
         if not isinstance(state, str) or state not in _PG_DAMAGE:
             continue

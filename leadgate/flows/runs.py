@@ -56,6 +56,7 @@ from leadgate.core.errors import (
     ValidationError,
 )
 from leadgate.core.limits import validate_message
+from leadgate.core.logs import loggable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import (
     LEFT_AT_MOST_MS,
@@ -670,7 +671,9 @@ class FlowService:
                     await self._finish(lease, outputs, _RS.failed, f"node {index}: {exc.message}")
                     return
                 except Exception as exc:
-                    log.exception("flow run %s failed at node %d", run["id"], index)
+                    log.error(
+                        "flow run %s failed at node %d", run["id"], index, exc_info=loggable(exc)
+                    )
                     await self._finish(lease, outputs, _RS.failed, f"node {index}: {exc}")
                     return
                 if paused:

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from leadgate.core.errors import log_failure
+from leadgate.core.logs import loggable
 from leadgate.domain.session_events import WATCH_RENEW_S
 
 log = logging.getLogger("leadgate.events")
@@ -170,8 +171,8 @@ class EventHub:
         for watcher in list(self._watchers):
             try:
                 watcher(session_id, has_message)
-            except Exception:  # one broken watcher must not stop the others
-                log.exception("session event watcher failed")
+            except Exception as exc:  # one broken watcher must not stop the others
+                log.error("session event watcher failed", exc_info=loggable(exc))
 
     def wake_all(self) -> None:
         """Wake every reader (a notification may have been missed)."""

@@ -71,7 +71,7 @@ from leadgate.core.errors import (
     ValidationError,
     log_failure,
 )
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import Lost, LostClaims, seconds_until
 from leadgate.core.tasks import alongside
@@ -692,7 +692,7 @@ class Idempotency:
             log.warning(
                 "giving back an Idempotency-Key claim failed (tried again 1 s on): %s",
                 type(exc).__name__,
-                exc_info=unavailable(exc) is None,
+                exc_info=loggable(exc) if unavailable(exc) is None else None,
             )
 
     async def _sweep(self, now: int) -> None:

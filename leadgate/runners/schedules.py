@@ -30,6 +30,7 @@ from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.errors import DatabaseDamaged, NotFound, Unavailable, ValidationError
 from leadgate.core.limits import validate_message
+from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -191,8 +192,8 @@ class ScheduleRunner:
             # same way (a traceback a minute, for a schedule nobody could see).
             log.warning("schedule %s is deactivated: %s [%s]", row.id, exc.message, exc.rule)
             advance = {"active": False}
-        except Exception:
-            log.exception("scheduled run %s failed", row.id)
+        except Exception as exc:
+            log.error("scheduled run %s failed", row.id, exc_info=loggable(exc))
         async with self.db.tx() as conn:
             await conn.execute(
                 t.schedules.update()

@@ -33,6 +33,7 @@ from leadgate.core.limits import (
     validate_message,
     validate_session_key,
 )
+from leadgate.core.logs import loggable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims
 from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
@@ -964,10 +965,13 @@ class TurnService:
                 # last transaction can be tried again (a channel turn) or the client
                 # retries (REST), instead of withholding text no review will ever see.
                 raise
-            except Exception:
+            except Exception as exc:
                 # Fail closed: when we cannot tell whether the work was handed off,
                 # the text is withheld.
-                log.exception("reading the completion signal failed; withholding the reply")
+                log.error(
+                    "reading the completion signal failed; withholding the reply",
+                    exc_info=loggable(exc),
+                )
                 return await self._withhold(ctx, text, revision_item, answer)
         if signal is not None:
             return await self._submit(ctx, text, signal, revision_item, answer)
@@ -1098,9 +1102,12 @@ class TurnService:
             alone = answer is None and await self._submit_alone(ctx, text, revision_item)
         except Unavailable:
             raise  # nothing is shown; the turn is tried again whole (see _finish)
-        except Exception:
+        except Exception as exc:
             # The statement wrote nothing: the transaction decides, failing closed.
-            log.exception("the one-statement submission failed; trying the transaction")
+            log.error(
+                "the one-statement submission failed; trying the transaction",
+                exc_info=loggable(exc),
+            )
             alone = False
         if alone:
             self.on_review_queued()
@@ -1129,7 +1136,9 @@ class TurnService:
                         raise
                     # Fail closed: when we cannot tell whether the work was handed off,
                     # the text is withheld.
-                    log.exception("reading the completion signal failed; withholding")
+                    log.error(
+                        "reading the completion signal failed; withholding", exc_info=loggable(exc)
+                    )
             if summary is None:
                 log.warning("completion signal of turn %s was superseded; withholding", ctx.turn_id)
                 problems: list[str] | None = None

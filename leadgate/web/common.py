@@ -29,7 +29,7 @@ from leadgate.core.errors import (
     ValidationError,
     when_reading,
 )
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.core.metrics import METRICS
 from leadgate.database.faults import unavailable
 
@@ -304,7 +304,7 @@ def error_answer(request: web.Request, exc: BaseException) -> web.Response:
     fault = unavailable(exc)
     if fault is not None:
         return unavailable_response(request, fault)
-    log.exception("unhandled error on %s %s", request.method, request.path)
+    log.error("unhandled error on %s %s", request.method, request.path, exc_info=loggable(exc))
     return error_response(request, 500, "internal error", "internal_error", "internal")
 
 

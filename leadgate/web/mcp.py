@@ -54,6 +54,7 @@ from leadgate.core.errors import (
     when_reading,
 )
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
+from leadgate.core.logs import loggable
 from leadgate.core.types import BUSY_RULE, Busy, Duplicate, Gated, Outcome, Reply
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers, unavailable_response
@@ -459,8 +460,8 @@ def build_mcp_server(
             return _tool_error(exc.message, exc.rule)  # (the file stays out of it)
         except LeadgateError as exc:
             return _tool_error(exc.message, exc.rule, retry_after_s=exc.retry_after_s)
-        except Exception:
-            logger.exception("send_action_agent_message failed")
+        except Exception as exc:
+            logger.error("send_action_agent_message failed", exc_info=loggable(exc))
             return _tool_error(GENERIC_ERROR_TEXT, "internal")
 
     handlers: dict[str, Any] = {}

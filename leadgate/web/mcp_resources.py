@@ -58,7 +58,7 @@ from leadgate.core.errors import (
     ValidationError,
     when_reading,
 )
-from leadgate.core.logs import Tally
+from leadgate.core.logs import Tally, loggable
 from leadgate.web.common import DamagedAnswers, damaged_answers
 from leadgate.web.sessions_api import SessionReads
 
@@ -187,8 +187,8 @@ class SessionBus:
 def _deliver(listener: EventListener, event: ServerEvent) -> None:
     try:
         listener(event)
-    except Exception:  # one stream's failure must not starve the others
-        log.exception("MCP listen stream failed to take an update; continuing")
+    except Exception as exc:  # one stream's failure must not starve the others
+        log.error("MCP listen stream failed to take an update; continuing", exc_info=loggable(exc))
 
 
 #: What the event hub calls on a session's wake-up: ``(session_id, has_message)``.

@@ -34,6 +34,7 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.decoding import header_text, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.logs import loggable
 from leadgate.core.types import (
     BUSY_RULE,
     GATED_RULE,
@@ -614,7 +615,9 @@ def setup(
                     log.warning(
                         "storing the answer under its Idempotency-Key failed: %s",
                         type(exc).__name__,
-                        exc_info=unavailable(exc) is None,
+                        # (A database error's traceback without its text: it quotes
+                        # the statement's values, the answer.)
+                        exc_info=loggable(exc) if unavailable(exc) is None else None,
                     )
         return response
 

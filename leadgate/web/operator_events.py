@@ -37,6 +37,7 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable
+from leadgate.core.logs import loggable
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
@@ -172,10 +173,12 @@ def setup(
                 return
             except ConnectionResetError:
                 raise
-            except Exception:
+            except Exception as exc:
                 # Not a known fault: still keep the stream, with the traceback logged.
                 if not failing:
-                    log.warning("operator events: reading the change mark failed", exc_info=True)
+                    log.warning(
+                        "operator events: reading the change mark failed", exc_info=loggable(exc)
+                    )
                 failing = True
             if now - last_write >= heartbeat_s:
                 await resp.write(b": keepalive\n\n")

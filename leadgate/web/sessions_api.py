@@ -50,6 +50,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int, query_value, single_header
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.logs import loggable
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
 from leadgate.operations.transcripts import TranscriptPage, parse_limit, public_event
@@ -253,9 +254,9 @@ async def stream_events(
             with contextlib.suppress(_Dropped):
                 reason = {"reason": exc.message}
                 await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
-        except Exception:
+        except Exception as exc:
             # The reader resumes with Last-Event-ID; nothing is lost with the connection.
-            log.exception("event stream of session %s failed", session_id)
+            log.error("event stream of session %s failed", session_id, exc_info=loggable(exc))
             if request.transport is not None:
                 request.transport.close()
             return response

@@ -6,6 +6,7 @@ import logging
 
 from leadgate.core.config import Settings
 from leadgate.core.errors import ModelError
+from leadgate.core.logs import loggable
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 
@@ -59,5 +60,5 @@ class ProviderRegistry:
                 continue
             try:
                 await close()
-            except Exception:
-                log.exception("closing model provider %s failed", name)
+            except Exception as exc:
+                log.error("closing model provider %s failed", name, exc_info=loggable(exc))

@@ -1,0 +1,150 @@
+"""What a failure logs, captured at DEBUG from every logger: never the message text it
+met (what a requester, a worker or a reviewer wrote: here an answer quoting the
+request) nor a secret. A database driver's error quotes the statement's values
+(PostgreSQL's ``DETAIL: Failing row contains (...)``), a platform's refusal can quote
+what was posted, and a traceback carries each error's text on its last line."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import AsyncIterator, Iterable
+
+import pytest
+import sqlalchemy as sa
+from aiohttp.test_utils import make_mocked_request
+
+from leadgate.core.auth import Scope
+from leadgate.core.errors import ModelError, log_failure
+from leadgate.database import schema as t
+from leadgate.database.db import Database
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
+from leadgate.web.common import error_answer
+from tests.helpers import fake_clock, make_agent, make_key, make_org
+from tests.serving import served_app
+
+#: The text a person wrote, which the failures below meet.
+MARKER = "MARKER-what-the-person-wrote"
+
+
+def record_texts(record: logging.LogRecord) -> Iterable[str]:
+    """Everything of ``record`` a handler can write: its message, arguments, cached
+    traceback text and its traceback formatted."""
+    yield str(record.msg)
+    yield record.getMessage()
+    yield repr(record.args)
+    if record.exc_text:
+        yield record.exc_text
+    if record.exc_info:
+        yield "".join(traceback.format_exception(*record.exc_info))
+    if record.stack_info:
+        yield record.stack_info
+
+
+def leaking(records: Iterable[logging.LogRecord], *secrets: str) -> list[str]:
+    """The records (logger and message) holding any of ``secrets``."""
+    return [
+        f"{r.name}: {r.getMessage()}"
+        for r in records
+        if any(secret in text for text in record_texts(r) for secret in secrets)
+    ]
+
+
+class EchoingRefusal:
+    """A model provider refusing the request with its own words, which quote the
+    request (as a real provider's 400 may): the caller gets them, the log never."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        raise ModelError(
+            "the model provider refused the request",
+            rule="model.bad_request",
+            detail=f": invalid request: {request.messages[-1].content!r}",
+        )
+        yield TextDelta("never")  # pragma: no cover - makes this an async generator
+
+
+async def refuse_answers_quoting_them(db: Database) -> None:
+    """Make the database refuse to store an answer holding :data:`MARKER` under its key
+    (a constraint of the operator's own, as a trigger; no wait ends it). PostgreSQL's
+    error says why as its own constraints do, quoting the row in its ``DETAIL`` (its
+    CHECK constraints cut each value there at 64 bytes); SQLite's ``RAISE`` takes no
+    more than a fixed text."""
+    if db.is_postgres:
+        ddl = [
+            "CREATE FUNCTION refuse_answer() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'answer refused' USING ERRCODE = 'check_violation', "
+            "DETAIL = 'Failing answer: ' || NEW.response::text; END $$",
+            "CREATE TRIGGER refuse_answer BEFORE UPDATE ON idempotency_keys FOR EACH ROW "
+            f"WHEN (NEW.response::text LIKE '%{MARKER}%') EXECUTE FUNCTION refuse_answer()",
+        ]
+    else:
+        ddl = [
+            "CREATE TRIGGER refuse_answer BEFORE UPDATE OF response ON idempotency_keys "
+            f"WHEN NEW.response LIKE '%{MARKER}%' BEGIN SELECT RAISE(ABORT, 'answer refused'); END"
+        ]
+    async with db.tx() as conn:
+        for statement in ddl:
+            await conn.execute(sa.text(statement))
+
+
+async def test_an_answer_the_database_refuses_to_store_is_never_logged(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Storing a keyed request's answer (a model's refusal quoting the message) under its
+    Idempotency-Key fails with an error that is no database fault: a constraint
+    violation. On PostgreSQL the driver's error quotes the row (``DETAIL: Failing row
+    contains (..., {"status": 502, ... MARKER ...}, ...)``), and the REST route's
+    WARNING carried it in its traceback. It names the error's type and SQLSTATE now; the
+    answer is held, tried again, and given up with one ERROR (no driver text either)."""
+    caplog.set_level(logging.DEBUG)
+    async with served_app(migrated_url, providers={"refusing": EchoingRefusal()}) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "worker", model="refusing")
+        key = await make_key(service, org, Scope.trigger)
+        await refuse_answers_quoting_them(service.db)
+        body = {"model": "worker", "messages": [{"role": "user", "content": f"hi {MARKER}"}]}
+        headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "k-refused"}
+        resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        # The client gets the answer, the provider's words and all.
+        assert resp.status == 502 and MARKER in await resp.text()
+        [warning] = [r for r in caplog.records if "under its Idempotency-Key" in r.getMessage()]
+        assert "IntegrityError" in warning.getMessage() or warning.exc_info is not None
+        # The watch's look stores it again 1 s on, and gives it up.
+        fake_clock(service).advance(1_000)
+        await service.idempotency.run_once()
+        assert [r for r in caplog.records if "is given up" in r.getMessage()]
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_a_bug_s_database_error_is_logged_without_the_values_it_quotes(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug's database error (here a message stored without its role: a NOT NULL
+    violation) met by a request (the 500 answer's ERROR) and by work with no caller
+    (:func:`log_failure`: runners, background tasks): PostgreSQL's ``DETAIL: Failing
+    row contains (..., MARKER, ...)`` was in both tracebacks. Each is an ERROR with the
+    frames and the error's type and SQLSTATE (SQLite's error name), not its text."""
+    db = Database(migrated_url)
+    row = {"id": "m_1", "org_id": "o_1", "session_id": "s_1", "content": MARKER}
+    try:
+        with pytest.raises(sa.exc.IntegrityError) as raised:
+            async with db.tx() as conn:
+                await conn.execute(sa.insert(t.messages).values(**row, created_at=1))
+    finally:
+        await db.close()
+    caplog.set_level(logging.DEBUG)
+    log_failure(logging.getLogger("leadgate.runners"), raised.value, "a runner's pass failed")
+    try:
+        raise raised.value
+    except sa.exc.IntegrityError as exc:
+        answer = error_answer(make_mocked_request("POST", "/v1/chat/completions"), exc)
+    assert answer.status == 500
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all(r.exc_info for r in errors)
+    for record in errors:
+        [text] = traceback.format_exception(*record.exc_info)[-1:]  # type: ignore[misc]
+        assert "IntegrityError" in text and ("23502" in text or "NOTNULL" in text), text
+    assert leaking(caplog.records, MARKER) == []
