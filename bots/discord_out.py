@@ -261,7 +261,9 @@ class DiscordChannel:
         /channels/{channel}/messages/{id}``; a decided card loses its buttons). An edit
         is idempotent: an answer that never came is a Retry."""
         outcome = await self._guarded(lambda: self._edit(message, external_id))
-        return Retry(outcome.error) if isinstance(outcome, Uncertain) else outcome
+        if isinstance(outcome, Uncertain):
+            return Retry(outcome.error, said=outcome.said)
+        return outcome
 
     async def _edit(self, message: OutboundMessage, external_id: str) -> SendOutcome:
         channel_id = _snowflake(message.address.get("channel_id"))
@@ -489,11 +491,12 @@ _CHECK_API_URL = "check [discord] api_url"
 _UNKNOWN_CHANNEL = 10003
 
 
-def _permanent(error: str) -> Permanent:
+def _permanent(error: str, said: str = "") -> Permanent:
     # The relay stores the error on the delivery but logs no line for a delivery that
-    # failed for good; an operator reading the log must see why Discord posts fail.
+    # failed for good; an operator reading the log must see why Discord posts fail (not
+    # what Discord said, which may quote the post: it is stored with the error).
     log.warning("discord: not posted, and never will be: %s", error)
-    return Permanent(error)
+    return Permanent(error, said=said)
 
 
 def _is_discord_json(headers: Mapping[str, str]) -> bool:
@@ -511,14 +514,17 @@ def _from_discord(exc: discord.HTTPException) -> bool:
 
 
 def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
-    what = f"discord: HTTP {exc.status} code {exc.code}: {exc.text}".rstrip(": ")
+    what = f"discord: HTTP {exc.status} code {exc.code}"
+    # Discord's error text (a 400's "Invalid Form Body" names the fields and may quote
+    # their values, the post's text among them): stored with the error, never logged.
+    said = exc.text
     if exc.status == 429:
-        return Retry(what, delay_s=_retry_after(exc))
+        return Retry(what, delay_s=_retry_after(exc), said=said)
     if exc.status >= 500:
         # An answer from Discord (after discord.py's own retries, all with the same
         # nonce): not created. Retrying later with the same nonce is safe. A body that is
         # not JSON is no sign of a wrong URL here: Discord's edge answers its 5xx in HTML.
-        return Retry(what)
+        return Retry(what, said=said)
     if not _from_discord(exc):
         # Discord answers every 4xx with a JSON error; a 404 page from a web server that
         # is not Discord's API (or a path without /api/v10) never will.
@@ -530,15 +536,16 @@ def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
     if exc.status == 404 and exc.code == _UNKNOWN_CHANNEL:
         return _permanent(
             f"{what} (the channel was deleted, or the bot cannot see it; "
-            "check the binding's or notify target's channel id)"
+            "check the binding's or notify target's channel id)",
+            said,
         )
     if exc.status == 404 and exc.code == 0:
         # Discord's answer for a route it does not have: a channel that does not exist
         # is 10003 above, so this is the URL (e.g. an API version Discord dropped).
-        return _permanent(f"{what} (Discord has no such route; {_CHECK_API_URL})")
+        return _permanent(f"{what} (Discord has no such route; {_CHECK_API_URL})", said)
     # 400 (bad body, too long), 401 (token), 403 (missing access), 404 (an expired
     # interaction, 10015 Unknown Webhook): the same request will never succeed.
-    return _permanent(what)
+    return _permanent(what, said)
 
 
 def _retry_after(exc: discord.HTTPException) -> float | None:

@@ -85,12 +85,14 @@ def _smtp_payload(msg: EmailMessage, *, utf8: bool = False) -> bytes:
     return data + b".\r\n"
 
 
-def _by_code(code: int, what: str) -> SendOutcome:
+def _by_code(code: int, what: str, said: str = "") -> SendOutcome:
+    """The outcome of a refusal with SMTP ``code``; ``said``: the relay's words, when they
+    may quote the message (a reply to its content: see ``outbox.channel``)."""
     if 400 <= code < 500:
-        return Retry(f"{what} (temporary, {code})")
+        return Retry(f"{what} (temporary, {code})", said=said)
     if code >= 500:
-        return Permanent(f"{what} ({code})")
-    return Retry(f"{what} (unexpected reply {code})")
+        return Permanent(f"{what} ({code})", said=said)
+    return Retry(f"{what} (unexpected reply {code})", said=said)
 
 
 class EmailChannel:
@@ -235,10 +237,11 @@ class EmailChannel:
                 return Sent()
             if reply.code < 400:
                 return Uncertain(
-                    f"email: unexpected reply {reply.code} after the message was sent: "
-                    f"{reply.message}"
+                    f"email: unexpected reply {reply.code} after the message was sent",
+                    said=reply.message,
                 )
-            return _by_code(reply.code, f"email: message refused: {reply.message}")
+            # (The relay's reply to the content may quote it: stored, never logged.)
+            return _by_code(reply.code, "email: message refused", reply.message)
         finally:
             smtp.close()
 

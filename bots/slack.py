@@ -345,7 +345,7 @@ class SlackChannel:
         if isinstance(outcome, AsyncSlackResponse):
             return Sent(external_id)
         if isinstance(outcome, Uncertain):
-            return Retry(outcome.error)
+            return Retry(outcome.error, said=outcome.said)
         return outcome
 
     async def _call(

@@ -297,26 +297,29 @@ def _classify_transport_error(exc: BaseException, *, posting: bool = True) -> Se
 def _classify_status(exc: ErrorResponseException) -> SendOutcome:
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
-    return _by_status(status, f"teams connector HTTP {status}: {exc}", response)
+    # The Connector's error message (msrest's text of it) may quote the activity posted:
+    # stored with the error, never logged.
+    return _by_status(status, f"teams connector HTTP {status}", response, said=str(exc))
 
 
-def _by_status(status: int | None, detail: str, response: Any) -> SendOutcome:
+def _by_status(status: int | None, detail: str, response: Any, *, said: str = "") -> SendOutcome:
     """The outcome of a Connector answer with HTTP ``status`` (not 2xx), ``detail`` its
-    error text; ``response`` holds its headers (``Retry-After``)."""
+    error text (``said``: the Connector's words, see ``outbox.channel``); ``response``
+    holds its headers (``Retry-After``)."""
     if status in (408, 412, 429, 503):
         # Not processed: rate limited (429, and 412, which Microsoft's rate-limit
         # guidance for Teams bots says to retry with it), the request not read in time
         # (408), or the service refusing it (503). Known to be pre-write, so sent again
         # (Retry-After).
-        return Retry(detail, _retry_after(getattr(response, "headers", None)))
+        return Retry(detail, _retry_after(getattr(response, "headers", None)), said=said)
     if status in (401, 403, 404):
-        return Permanent(detail)
+        return Permanent(detail, said=said)
     if isinstance(status, int) and status >= 500:
         # 500, and a gateway's 502/504 in front of the Connector, may come after the
         # activity was stored; the Connector has no idempotency key, so sending again
         # could post twice. A person decides (SPEC 6: only pre-write 5xx are retried).
-        return Uncertain(detail)
-    return Permanent(detail)
+        return Uncertain(detail, said=said)
+    return Permanent(detail, said=said)
 
 
 def _not_the_connectors_answer(
@@ -425,7 +428,9 @@ class TeamsChannel:
         outcome = await self._continue(
             message, replace, reply_to=None, fallback_reply=False, edit=True
         )
-        return Retry(outcome.error) if isinstance(outcome, Uncertain) else outcome
+        if isinstance(outcome, Uncertain):
+            return Retry(outcome.error, said=outcome.said)
+        return outcome
 
     async def _continue(
         self,

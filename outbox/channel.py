@@ -122,12 +122,19 @@ class Sent:
     external_id: str | None = None
 
 
+# ``said`` on the outcomes below: the platform's own words about a refusal (an SMTP
+# relay's reply to the message, Discord's or the Bot Connector's error text), which can
+# quote what was posted. They are stored with the delivery's error (:func:`stored_error`:
+# its operators see them) and never logged; ``error`` is what logs say.
+
+
 @dataclass(frozen=True)
 class Retry:
     """Not posted; try again after ``delay_s`` (None: the relay's backoff decides)."""
 
     error: str
     delay_s: float | None = None
+    said: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,7 @@ class Permanent:
     """Not posted and never will be."""
 
     error: str
+    said: str = ""
 
 
 @dataclass(frozen=True)
@@ -142,9 +150,16 @@ class Uncertain:
     """Maybe posted. Never retried automatically."""
 
     error: str
+    said: str = ""
 
 
 SendOutcome = Sent | Retry | Permanent | Uncertain
+
+
+def stored_error(outcome: Retry | Permanent | Uncertain) -> str:
+    """The delivery's error as stored (and shown to its operators): ``error``, then what
+    the platform said, if anything."""
+    return f"{outcome.error}: {outcome.said}" if outcome.said else outcome.error
 
 
 class Channel(Protocol):

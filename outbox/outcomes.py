@@ -30,7 +30,15 @@ from leadgate.database.sql import later_of_sql, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
-from outbox.channel import UNTIL_SENT, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.channel import (
+    UNTIL_SENT,
+    Permanent,
+    Retry,
+    SendOutcome,
+    Sent,
+    Uncertain,
+    stored_error,
+)
 from outbox.store import (
     CARD,
     CARD_CLOSED_AT,
@@ -348,7 +356,7 @@ class OutcomeCommitter:
                 )
             values.update(
                 status=DeliveryStatus.pending.value,
-                error=outcome.error,
+                error=stored_error(outcome),
                 next_attempt_at=now + int(delay * 1000),
             )
             due = values["next_attempt_at"]
@@ -356,9 +364,9 @@ class OutcomeCommitter:
             return values, None, label
         if isinstance(outcome, Permanent):
             # Ended: what only its send needed leaves the row (an email card's token).
-            values.update(status=DeliveryStatus.failed.value, error=outcome.error, **ENDED)
+            values.update(status=DeliveryStatus.failed.value, error=stored_error(outcome), **ENDED)
             return values, Status.failed, label
-        values.update(status=DeliveryStatus.deliveryUnknown.value, error=outcome.error)
+        values.update(status=DeliveryStatus.deliveryUnknown.value, error=stored_error(outcome))
         return values, None, "deliveryUnknown"
 
     async def _commit_one(self, conn: Conn, row: Delivery, outcome: NotSent, now: int) -> None:
@@ -371,7 +379,9 @@ class OutcomeCommitter:
             # has anything left to do for a decided item. Either way it ends, with an
             # email card's Reply-To (the plain reply token); a chat card's edit then
             # finds it ended and ends too (below).
-            values.update(status=DeliveryStatus.cancelled.value, error=outcome.error, **ENDED)
+            values.update(
+                status=DeliveryStatus.cancelled.value, error=stored_error(outcome), **ENDED
+            )
         elif row.kind == CARD_UPDATE and (card := await self._card_not_posted(conn, row)):
             # The edit of a card that ended not posted (or maybe posted, with no id to
             # edit): it ends too, never sent, as a decision queues no edit of a card it

@@ -6,22 +6,35 @@ what was posted, and a traceback carries each error's text on its last line."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from collections.abc import AsyncIterator, Iterable
 
+import discord.http
 import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import make_mocked_request
 
+from bots.discord import DiscordChannel, configure_endpoints
+from bots.email import EmailChannel
 from leadgate.core.auth import Scope
+from leadgate.core.config import DiscordSettings, EmailSettings
 from leadgate.core.errors import ModelError, log_failure
+from leadgate.core.logs import ContentFilter
+from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.web.common import error_answer
+from outbox.channel import OutboundMessage, Permanent, SendOutcome, stored_error
+from outbox.relay import Relay
 from tests.helpers import fake_clock, make_agent, make_key, make_org
+from tests.outbox_support import ScriptedChannel, seed_items
 from tests.serving import served_app
+from tests.stack import build_stack
+from tests.standins.discord_api import DiscordApiStandin
+from tests.standins.smtp import SmtpSink
 
 #: The text a person wrote, which the failures below meet.
 MARKER = "MARKER-what-the-person-wrote"
@@ -42,11 +55,17 @@ def record_texts(record: logging.LogRecord) -> Iterable[str]:
 
 
 def leaking(records: Iterable[logging.LogRecord], *secrets: str) -> list[str]:
-    """The records (logger and message) holding any of ``secrets``."""
+    """The records (logger and message) the service would write (``[log]
+    include_content = false``: a library's DEBUG lines are dropped) holding any of
+    ``secrets``. The stand-ins' own lines (aiosmtpd's ``mail.log``) are not the
+    service's."""
+    shown = ContentFilter()
     return [
         f"{r.name}: {r.getMessage()}"
         for r in records
-        if any(secret in text for text in record_texts(r) for secret in secrets)
+        if shown.filter(r)
+        and not r.name.startswith("mail.log")
+        and any(secret in text for text in record_texts(r) for secret in secrets)
     ]
 
 
@@ -147,4 +166,80 @@ async def test_a_bug_s_database_error_is_logged_without_the_values_it_quotes(
     for record in errors:
         [text] = traceback.format_exception(*record.exc_info)[-1:]  # type: ignore[misc]
         assert "IntegrityError" in text and ("23502" in text or "NOTNULL" in text), text
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_a_relay_s_refusal_quoting_the_message_is_stored_but_never_logged(
+    migrated_url: str, sink: SmtpSink, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An SMTP relay refuses the approved answer for now, its reply quoting the content
+    (``451 4.7.1 ... <the answer's first line>``), as content filters do. The delivery's
+    error keeps what the relay said (its operators see it), but the relay's WARNING of a
+    stalled delivery logged that error whole, and with it the answer's text: it names
+    the refusal and its code now."""
+    channel = ScriptedChannel("slack")
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    email = EmailChannel(
+        EmailSettings(smtp_host="127.0.0.1", smtp_port=sink.port),
+        timeout_s=5,
+        local_hostname="leadgate.test",
+    )
+
+    async def by_email(message: OutboundMessage) -> SendOutcome:
+        address = {"to": "alice@example.com", "from": "bot@leadgate.example", "subject": "Re"}
+        return await email.send(dataclasses.replace(message, address=address))
+
+    channel.script = [by_email]
+    try:
+        seeded = await seed_items(
+            stack.db, stack.clock, stack.ids, 1, text=lambda i: f"{MARKER} is the answer"
+        )
+        sink.fail_next("tempfail_quoting")
+        caplog.set_level(logging.DEBUG)
+        relay = Relay(
+            stack.db, stack.clock, stack.ids, stack.channels, rand=lambda: 0.0, stalled_after=1
+        )
+        await drain(relay)
+        async with stack.db.read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(t.deliveries).where(t.deliveries.c.id == seeded.deliveries[0]["id"])
+                )
+            ).one()
+    finally:
+        await stack.stop()
+    assert row.status == "pending" and "451" in row.error and MARKER in row.error, row
+    assert [r for r in caplog.records if "still not posted" in r.getMessage()]
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_discord_s_refusal_quoting_the_post_is_stored_but_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Discord answers a post 400 ``Invalid Form Body``, its field error quoting the value
+    it refused (the post's text). The delivery's error keeps Discord's words (its
+    operators see them); the WARNING of a post that never will be made quoted them,
+    and the relay's stalled WARNING of a retried one did too. They name the status and
+    Discord's code now."""
+    caplog.set_level(logging.DEBUG)
+    base = discord.http.Route.BASE  # (configure_endpoints sets it for the process)
+    async with DiscordApiStandin(token="bot-token", application_id="9000") as standin:
+        settings = DiscordSettings(bot_token="bot-token", api_url=standin.api_url)
+        configure_endpoints(settings)
+        channel = DiscordChannel(settings, timeout_s=5)
+        try:
+            standin.queue("invalid_form_echo")
+            message = OutboundMessage(
+                delivery_id="d1",
+                idempotency_key="d1",
+                address={"channel_id": "700000000000000001"},
+                text=f"{MARKER} is the answer",
+            )
+            outcome = await channel.send(message)
+        finally:
+            await channel.close()
+            discord.http.Route.BASE = base
+    assert isinstance(outcome, Permanent) and MARKER in stored_error(outcome), outcome
+    assert "HTTP 400 code 50035" in outcome.error
+    assert [r for r in caplog.records if "never will be" in r.getMessage()]
     assert leaking(caplog.records, MARKER) == []

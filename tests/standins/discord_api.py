@@ -58,6 +58,8 @@ the channel id for channel messages and the interaction token for webhooks.
 ``ratelimited_novia``   same without ``Via`` (what Cloudflare bans look like)
 ``500`` (any 5xx)       that status, JSON body
 ``forbidden``           403 ``{"code": 50001, "message": "Missing Access"}``
+``invalid_form_echo``   400 ``{"code": 50035, "message": "Invalid Form Body", ...}``, its
+                        field error quoting the content
 ``not_found``           404 ``{"code": 10003, "message": "Unknown Channel"}``
 ``unauthorized``        401 ``{"code": 0, "message": "401: Unauthorized"}``
 ``no_route``            404 ``{"code": 0, "message": "404: Not Found"}``: Discord's answer
@@ -323,6 +325,18 @@ class DiscordApiStandin(StandinBase):
             return _json({"message": f"{mode}: Server Error", "code": 0}, status=int(mode))
         if mode == "forbidden":
             return _json({"message": "Missing Access", "code": 50001}, status=403)
+        if mode == "invalid_form_echo":
+            # A 400 whose field error quotes the value it refused (the post's text).
+            content = (await request.json()).get("content")
+            error = {"code": "BASE_TYPE_BAD", "message": f"Not allowed: {content}"}
+            return _json(
+                {
+                    "message": "Invalid Form Body",
+                    "code": 50035,
+                    "errors": {"content": {"_errors": [error]}},
+                },
+                status=400,
+            )
         if mode == "not_found":
             return _json({"message": "Unknown Channel", "code": 10003}, status=404)
         if mode == "unauthorized":

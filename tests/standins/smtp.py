@@ -40,6 +40,7 @@ Failure modes (each consumes one transaction, chosen at ``MAIL FROM``):
 * ``"tempfail_rcpt"`` ``450 4.2.1`` at RCPT (temporary)
 * ``"hang_rcpt"``     never answers RCPT (a timeout before any content was sent)
 * ``"tempfail"``      ``451 4.3.0`` after the message content (temporary)
+* ``"tempfail_quoting"`` ``451 4.7.1`` after the message content, quoting its first line
 * ``"reject"``        ``554 5.7.1`` after the message content (permanent)
 * ``"hang"``          reads the whole message, never answers
 * ``"drop"``          reads the whole message, then closes the connection
@@ -71,6 +72,7 @@ FAILURE_MODES = frozenset(
         "tempfail_rcpt",
         "hang_rcpt",
         "tempfail",
+        "tempfail_quoting",
         "reject",
         "hang",
         "drop",
@@ -272,6 +274,10 @@ class SmtpSink:
             return "354 Go ahead"
         if mode == "tempfail":
             return "451 4.3.0 Temporary failure, try again later"
+        if mode == "tempfail_quoting":
+            # As content filters do: the reply quotes what it refused.
+            line = record["body"].strip().splitlines()[0][:200]
+            return f"451 4.7.1 Refused for now, it says: {line}"
         if mode == "reject":
             return "554 5.7.1 Message rejected"
         if mode == "hang":
