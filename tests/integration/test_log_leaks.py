@@ -6,20 +6,26 @@ what was posted, and a traceback carries each error's text on its last line."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import socket
 import traceback
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import discord.http
 import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import make_mocked_request
+from botbuilder.schema import Activity
 
 from bots.discord import DiscordChannel, configure_endpoints
 from bots.email import EmailChannel
+from bots.teams import TeamsAdapter, parse_message
+from leadgate.cli.main import main
 from leadgate.core.auth import Scope
-from leadgate.core.config import DiscordSettings, EmailSettings
+from leadgate.core.config import DiscordSettings, EmailSettings, TeamsSettings
 from leadgate.core.errors import ModelError, log_failure
 from leadgate.core.logs import ContentFilter
 from leadgate.core.runners import drain
@@ -29,10 +35,12 @@ from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.web.common import error_answer
 from outbox.channel import OutboundMessage, Permanent, SendOutcome, stored_error
 from outbox.relay import Relay
+from tests.fakes import FakeCore
 from tests.helpers import fake_clock, make_agent, make_key, make_org
 from tests.outbox_support import ScriptedChannel, seed_items
 from tests.serving import served_app
 from tests.stack import build_stack
+from tests.standins.connector import ConnectorStandin, message_activity
 from tests.standins.discord_api import DiscordApiStandin
 from tests.standins.smtp import SmtpSink
 
@@ -242,4 +250,88 @@ async def test_discord_s_refusal_quoting_the_post_is_stored_but_never_logged(
     assert isinstance(outcome, Permanent) and MARKER in stored_error(outcome), outcome
     assert "HTTP 400 code 50035" in outcome.error
     assert [r for r in caplog.records if "never will be" in r.getMessage()]
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_a_database_url_s_password_never_reaches_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[database] url`` holds a password and the server cannot be reached: the service
+    answers a request 503 and ``/healthz`` says so, and a command fails; what they log
+    (at DEBUG, libraries' lines included: SQLAlchemy's pool, asyncpg) and what the
+    command prints name the error and the URL without the password."""
+    secret = "PW-" + MARKER
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql+asyncpg://leadgate:{secret}@127.0.0.1:{port}/leadgate"
+    caplog.set_level(logging.DEBUG)
+    async with served_app(url) as (_, client):
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={"model": "a", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": "Bearer lg.k1.secret"},
+        )
+        assert answer.status == 503, await answer.text()
+        assert (await client.get("/healthz")).status == 503
+    config = tmp_path / "leadgate.toml"
+    config.write_text(f'[database]\nurl = "{url}"\n[log]\nlevel = "DEBUG"\n', encoding="utf-8")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        # (In process, ``main`` sets logging up as a command does: its handler writes
+        # to the captured stderr; the test's capture handler is put back after.)
+        code = await asyncio.to_thread(main, ["--config", str(config), "org", "list"])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    assert code != 0 and "leadgate:***@127.0.0.1" in err, err
+    assert secret not in out + err
+    assert leaking(caplog.records, secret) == []
+
+
+async def test_the_connector_s_refusal_quoting_the_post_is_stored_but_never_logged(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Bot Connector answers a post 503, its error message quoting the activity's
+    text: a retry, and once the delivery is stalled the relay's WARNING logged its error,
+    the Connector's words and the answer's text with them. It names the status now; the
+    delivery's error keeps the words."""
+    connector = ConnectorStandin()
+    await connector.start()
+    adapter = TeamsAdapter(TeamsSettings(enabled=True), FakeCore(), send_timeout_s=5)
+    activity = Activity().deserialize(
+        message_activity(service_url=connector.url, text="hi", activity_id="1700000000001")
+    )
+    inbound = parse_message(activity)
+    assert inbound is not None
+
+    async def by_teams(message: OutboundMessage) -> SendOutcome:
+        return await adapter.channel.send(dataclasses.replace(message, address=inbound.address))
+
+    channel = ScriptedChannel("slack", script=[by_teams])
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    try:
+        seeded = await seed_items(
+            stack.db, stack.clock, stack.ids, 1, text=lambda i: f"{MARKER} is the answer"
+        )
+        connector.fail_next("503_quoting")
+        caplog.set_level(logging.DEBUG)
+        relay = Relay(
+            stack.db, stack.clock, stack.ids, stack.channels, rand=lambda: 0.0, stalled_after=1
+        )
+        await drain(relay)
+        async with stack.db.read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(t.deliveries).where(t.deliveries.c.id == seeded.deliveries[0]["id"])
+                )
+            ).one()
+    finally:
+        await stack.stop()
+        await adapter.channel.close()
+        await connector.close()
+    assert row.status == "pending" and "HTTP 503" in row.error and MARKER in row.error, row
+    assert [r for r in caplog.records if "still not posted" in r.getMessage()]
     assert leaking(caplog.records, MARKER) == []

@@ -42,7 +42,8 @@ Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
 aborts the TCP connection), ``"badrecord"`` (over TLS: reads the request, then answers
 with a TLS record that does not decrypt and aborts), ``"portal"`` (200 with an HTML
 page, nothing posted: a captive portal's or a proxy's answer, not the Connector's),
-``"proxy404"``, ``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page).
+``"proxy404"``, ``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page),
+``"503_quoting"`` (a 503 whose error message quotes the activity's text).
 
 It also offers :func:`message_activity` and :func:`post_activity` to build and POST an
 inbound Teams message activity to a bot's ``/api/messages``.
@@ -71,7 +72,7 @@ PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
 FAILURE_MODES = frozenset(
     {
         *("408", "412", "429", "500", "502", "503", "504", "401", "403", "404"),
-        *("hang", "reset", "badrecord", *PAGES),
+        *("503_quoting", "hang", "reset", "badrecord", *PAGES),
     }
 )
 
@@ -208,6 +209,14 @@ class ConnectorStandin:
             return web.Response(status=500)
         if mode in PAGES:
             return _page(mode)
+        if mode == "503_quoting":
+            # The error's message quotes the activity it could not take (its text).
+            body = await _read_json(request)
+            text = body.get("text") if isinstance(body, dict) else None
+            message = f"Service busy, not posted: {text}"
+            return web.json_response(
+                {"error": {"code": "ServiceError", "message": message}}, status=503
+            )
         status = int(mode)
         headers = {}
         if status == 429 or (status == 503 and retry_after is not None):
