@@ -213,7 +213,13 @@ def loggable(exc: BaseException) -> BaseException:
         return exc
     codes: list[str] = []
     for item in found:
-        for name in ("sqlstate", "sqlite_errorname", "constraint_name", "table_name"):
+        for name in (
+            "sqlstate",
+            "sqlite_errorname",
+            "constraint_name",
+            "table_name",
+            "column_name",
+        ):
             value = getattr(item, name, None)
             if isinstance(value, str) and value and f"{name} {value}" not in codes:
                 codes.append(f"{name} {value}")
