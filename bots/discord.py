@@ -509,11 +509,11 @@ class DiscordAdapter:
             self._ready_again = False
             try:
                 await self.catch_up()
-            except Exception:
+            except Exception as exc:
                 if self._stopping.is_set():
                     return  # the shutdown closed the client under its reads
                 # Never the gateway's end: the next READY tries again.
-                log.exception("discord: the catch-up ended with an error")
+                log.error("discord: the catch-up ended with an error", exc_info=loggable(exc))
 
     async def catch_up(self) -> None:
         """Read back and take in, oldest first, the messages of every known channel

@@ -854,7 +854,7 @@ class TurnService:
             raise
         except Exception as exc:
             labelled(METRICS.turns, "error").inc()
-            log.exception("model provider failed")
+            log.error("model provider failed", exc_info=loggable(exc))
             raise ModelError("the model failed while producing this turn") from exc
         text = "".join(parts)
         for attempt in range(FINISH_RETRIES + 1):

@@ -236,7 +236,7 @@ class ToolTurns:
                 "MCP turn of a cancelled tool call failed: %s [%s]", exc.message, exc.rule
             )
         elif exc is not None:
-            logger.error("MCP turn of a cancelled tool call failed", exc_info=exc)
+            logger.error("MCP turn of a cancelled tool call failed", exc_info=loggable(exc))
 
     async def close(self) -> None:
         """Cancel the turns still running and wait for them to stop."""
