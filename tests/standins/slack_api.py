@@ -24,6 +24,17 @@ in ``calls``, with ``method``; ``chat.update`` answers ``hang``, ``reset``, a st
 :meth:`SlackApiStandin.lose_answer` makes its next posts land, recorded, and then reset
 the connection unanswered, as an answer lost on the way back).
 
+Reading back (a catch-up): each channel's messages are kept, those the test adds with
+:meth:`SlackApiStandin.say` and the posts that landed, and ``conversations.history``
+(parents, newest first, ``oldest``/``latest``/``inclusive``, ``limit``, ``cursor``) and
+``conversations.replies`` (a thread, oldest first) answer from them as Slack does
+(``ok``, ``messages``, ``has_more``, ``response_metadata.next_cursor``; a parent carries
+``thread_ts``, ``reply_count``, ``reply_users``, ``reply_users_count`` and
+``latest_reply`` once replied to). Every read is recorded in ``reads`` (``method``,
+``channel``, ``oldest``, ``ts``, ``cursor``, ``mode``); ``fail_reads(channel, *modes)``
+answers the channel's next reads in those modes (``ratelimited[:S]``, a status,
+``error:CODE``), and ``on_read`` is awaited with each read's record before it is answered.
+
 HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts),
 ``GET /_standin/calls``, ``GET /_standin/requests`` (every attempt), ``POST /_standin/modes`` with
 ``{"queue": [mode, ...]}`` and/or ``{"channel": ID, "mode": MODE|null}``,
@@ -50,9 +61,13 @@ A wrong bearer token gets ``{"ok": false, "error": "invalid_auth"}``, none gets
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from decimal import Decimal
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -92,7 +107,8 @@ def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None
 
 
 class SlackApiStandin(StandinBase):
-    """Slack Web API (``auth.test``, ``chat.postMessage``) with scriptable failures."""
+    """Slack Web API (``auth.test``, ``chat.postMessage``, the reads of a catch-up) with
+    scriptable failures."""
 
     def __init__(
         self,
@@ -114,13 +130,74 @@ class SlackApiStandin(StandinBase):
         self.calls: list[dict[str, Any]] = []
         #: response_url name -> how many of its next posts land and go unanswered
         self._lost_answers: dict[str, int] = {}
+        #: channel id -> its messages (parents and replies), in the order they came
+        self.history: dict[str, list[dict[str, Any]]] = {}
+        #: every conversations.history / conversations.replies call, with its mode
+        self.reads: list[dict[str, Any]] = []
+        #: awaited with each read's record before it is answered
+        self.on_read: Callable[[dict[str, Any]], Awaitable[None]] | None = None
+        self._read_modes: dict[str, deque[str]] = {}
         super().__init__(latency_ms=latency_ms, host=host, port=port)
+
+    def say(
+        self,
+        channel: str,
+        text: str,
+        *,
+        at_ms: int | None = None,
+        user: str = "U0HUMAN",
+        thread_ts: str | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Keep a message posted to ``channel`` (at epoch millisecond ``at_ms``, now by
+        default; in thread ``thread_ts``; ``fields`` such as ``bot_id`` or ``subtype``
+        added as they are): Slack delivers it to no one here, the test does. The
+        message, as ``conversations.history`` shows it (its ``ts`` unique)."""
+        ms = int(time.time() * 1000) if at_ms is None else at_ms
+        ts = f"{ms // 1000}.{(ms % 1000) * 1000 + next(self._ts) % 1000:06d}"
+        message: dict[str, Any] = {
+            "type": "message",
+            "user": user,
+            "text": text,
+            "ts": ts,
+            "team": self.team_id,
+            **fields,
+        }
+        self._keep(channel, message, thread_ts)
+        return message
+
+    def _keep(self, channel: str, message: dict[str, Any], thread_ts: str | None) -> None:
+        kept = self.history.setdefault(channel, [])
+        kept.append(message)
+        if not thread_ts or thread_ts == message["ts"]:
+            return
+        message["thread_ts"] = thread_ts
+        message.setdefault("parent_user_id", "")
+        for parent in kept:
+            if parent["ts"] == thread_ts:
+                message["parent_user_id"] = parent.get("user", "")
+                parent["thread_ts"] = thread_ts
+                parent["reply_count"] = parent.get("reply_count", 0) + 1
+                users = parent.setdefault("reply_users", [])
+                if message.get("user") and message["user"] not in users:
+                    users.append(message["user"])
+                parent["reply_users_count"] = len(users)
+                parent["latest_reply"] = max(
+                    parent.get("latest_reply", message["ts"]), message["ts"], key=Decimal
+                )
+
+    def fail_reads(self, channel: str, *modes: str) -> None:
+        """Answer the next reads of ``channel`` (history and replies) in ``modes``."""
+        self._read_modes.setdefault(channel, deque()).extend(modes)
 
     def reset(self) -> None:
         """Forget records (calls too) and modes."""
         super().reset()
         self.calls.clear()
         self._lost_answers.clear()
+        self.history.clear()
+        self.reads.clear()
+        self._read_modes.clear()
 
     def response_url(self, name: str) -> str:
         """A ``response_url`` for an interaction payload (its posts land in ``calls``)."""
@@ -227,6 +304,8 @@ class SlackApiStandin(StandinBase):
             )
         if method in ("views.open", "chat.update", "chat.postEphemeral"):
             return await self._review_call(request, method, params, auth_error)
+        if method in ("conversations.history", "conversations.replies"):
+            return await self._read(method, params, auth_error)
         if method != "chat.postMessage":
             return _json({"ok": False, "error": "unknown_method"}, status=404)
         channel = str(params.get("channel") or "")
@@ -281,7 +360,84 @@ class SlackApiStandin(StandinBase):
         }
         if thread_ts:
             message["thread_ts"] = thread_ts
+        self._keep(channel, dict(message), thread_ts)
         return _json({"ok": True, "channel": channel, "ts": ts, "message": message})
+
+    async def _read(
+        self, method: str, params: dict[str, Any], auth_error: str | None
+    ) -> web.Response:
+        """conversations.history / conversations.replies, from ``history``."""
+        channel = str(params.get("channel") or "")
+        modes = self._read_modes.get(channel)
+        mode = modes.popleft() if modes else "ok"
+        record = {
+            "method": method,
+            "channel": channel,
+            "oldest": params.get("oldest"),
+            "ts": params.get("ts"),
+            "cursor": params.get("cursor"),
+            "mode": mode,
+        }
+        self.reads.append(record)
+        if self.on_read is not None:
+            await self.on_read(record)
+        if auth_error:
+            return _json({"ok": False, "error": auth_error})
+        if mode.startswith("ratelimited"):
+            retry_after = mode.partition(":")[2] or "1"
+            return _json(
+                {"ok": False, "error": "ratelimited"},
+                status=429,
+                headers={"Retry-After": retry_after},
+            )
+        if mode.isdigit():
+            return web.Response(status=int(mode), text="error", content_type="text/html")
+        if mode.startswith("error:"):
+            return _json({"ok": False, "error": mode.partition(":")[2]})
+        if channel not in self.history:
+            return _json({"ok": False, "error": "channel_not_found"})
+        kept = self.history[channel]
+        inclusive = str(params.get("inclusive", "")).lower() in ("1", "true")
+        oldest = Decimal(str(params.get("oldest") or "0"))
+        latest = Decimal(str(params.get("latest") or "9" * 12))
+
+        def within(message: dict[str, Any]) -> bool:
+            ts = Decimal(message["ts"])
+            if inclusive:
+                return oldest <= ts <= latest
+            return oldest < ts < latest
+
+        if method == "conversations.history":
+            # Parents (and replies also sent to the channel), newest first.
+            found = [
+                m
+                for m in reversed(kept)
+                if within(m)
+                and (
+                    m.get("thread_ts") in (None, m["ts"]) or m.get("subtype") == "thread_broadcast"
+                )
+            ]
+        else:
+            thread = str(params.get("ts") or "")
+            if not any(m["ts"] == thread for m in kept):
+                return _json({"ok": False, "error": "thread_not_found"})
+            # The parent first, then its replies, oldest first.
+            found = [
+                m for m in kept if m["ts"] == thread or (m.get("thread_ts") == thread and within(m))
+            ]
+        limit = max(1, min(int(params.get("limit") or 100), 999))
+        start = int(base64.b64decode(params["cursor"]).decode()) if params.get("cursor") else 0
+        page = found[start : start + limit]
+        more = start + limit < len(found)
+        cursor = base64.b64encode(str(start + limit).encode()).decode() if more else ""
+        return _json(
+            {
+                "ok": True,
+                "messages": page,
+                "has_more": more,
+                "response_metadata": {"next_cursor": cursor},
+            }
+        )
 
     def _check_token(self, request: web.Request, params: dict[str, Any]) -> str | None:
         header = request.headers.get("Authorization", "")
