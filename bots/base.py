@@ -71,7 +71,7 @@ class Core(Protocol):
         in an event whose external id starts with ``event_prefix``, each with those
         recorded in the last ``window_ms``, and the match keys of the channel's active
         routes: where a catch-up of the messages that reached no process starts
-        (Discord's gateway)."""
+        (Discord's gateway at READY, Slack's Events API at start)."""
         ...
 
 

@@ -18,6 +18,13 @@ ts), not from Slack's ``event_id``: a retried delivery (``X-Slack-Retry-Num``) a
 ``app_mention`` + ``message`` pair Slack sends for one post then share one id, and the
 core's de-duplication runs a single turn for all of them.
 
+Slack drops an event after its third retry (about five minutes): at each start
+:meth:`SlackAdapter.catch_up` reads back, with ``conversations.history`` (and
+``conversations.replies`` for the threads that moved), the messages of every known
+channel posted after the newest one taken in there (within ``[slack] catch_up_s``) and
+takes each in as a live one; the intake's de-duplication by that same id answers a
+message that came both ways once.
+
 Outbound: :class:`SlackChannel` posts with one shared ``AsyncWebClient`` and maps every
 failure onto the outcome classes of SPEC 6. ``chat.postMessage`` has no idempotency key,
 so anything that may have reached Slack without an answer is :class:`Uncertain`.
@@ -34,6 +41,7 @@ import urllib.request
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -43,7 +51,8 @@ from slack_bolt.adapter.aiohttp import to_aiohttp_response
 from slack_bolt.async_app import AsyncApp
 from slack_bolt.authorization import AuthorizeResult
 from slack_bolt.request.async_request import AsyncBoltRequest
-from slack_sdk.errors import SlackApiError, SlackRequestError
+from slack_sdk.errors import SlackApiError, SlackClientError, SlackRequestError
+from slack_sdk.http_retry.builtin_async_handlers import AsyncRateLimitErrorRetryHandler
 from slack_sdk.signature import SignatureVerifier
 from slack_sdk.web.async_client import AsyncWebClient
 from slack_sdk.web.async_slack_response import AsyncSlackResponse
@@ -63,7 +72,7 @@ from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.decoding import decode_text, json_object
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.logs import loggable
-from leadgate.core.types import BindingKind, Inbound
+from leadgate.core.types import BindingKind, Conversations, Inbound
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 
 log = logging.getLogger(__name__)
@@ -110,6 +119,21 @@ _PAGE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 # both about five minutes after the post) is answered once. Bounded: the pair's last tries
 # arrive within moments of each other, and a key is only ever told once anyway.
 TOLD_KEEP = 1024
+
+#: A catch-up reads at most this many pages (200 messages each) of a channel's history,
+#: and of each thread's replies.
+CATCH_UP_PAGES = 5
+CATCH_UP_PAGE_SIZE = 200
+#: ... and the replies of at most this many threads per channel (the latest first).
+CATCH_UP_THREADS = 20
+#: How far before the newest message taken in a catch-up reads again: messages taken in
+#: concurrently may have been cut by a crash around a later one that was recorded (what
+#: was recorded is a duplicate, and answered no second time).
+CATCH_UP_OVERLAP_MS = 60_000
+#: How often a read Slack answers 429 is tried again (after its ``Retry-After``).
+CATCH_UP_RATE_LIMIT_RETRIES = 3
+_CATCH_UP_CLOSE_TIMEOUT_S = 10.0
+_SESSION_PREFIX = "slack:"
 
 # Message subtypes a person produces. Everything else (bot_message, message_changed,
 # message_deleted, channel_join, ...) is either a bot or a change notice, never a new ask.
@@ -236,6 +260,74 @@ def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost 
         ts=ts,
         thread_ts=thread_ts if isinstance(thread_ts, str) and thread_ts else None,
         text=text,
+    )
+
+
+@dataclass(frozen=True)
+class CatchUpTarget:
+    """A channel to read back at start: its workspace, the newest message ts taken in
+    there lately (``None``: none) and the threads that took in messages lately."""
+
+    team: str
+    channel: str
+    newest: Decimal | None
+    threads: tuple[str, ...]
+
+
+def _ts(value: object) -> Decimal | None:
+    """A Slack ts (``"1700000000.000100"``) as a number, ``None`` when it is not one."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        number = Decimal(value)
+    except InvalidOperation:
+        return None
+    return number if number.is_finite() else None
+
+
+def ts_at(ms: int) -> str:
+    """The Slack ts of epoch millisecond ``ms``."""
+    return f"{ms // 1000}.{ms % 1000:03d}000"
+
+
+def catch_up_targets(known: Conversations, team: str) -> list[CatchUpTarget]:
+    """The channels to catch up: every Slack session (its key
+    ``slack:TEAM:CHANNEL:THREAD``) that took in a message, with the newest recorded in
+    its channel lately and its threads that took in one lately, and every channel a route
+    names (in ``team`` when the route names none)."""
+    newest: dict[tuple[str, str], Decimal | None] = {}
+    threads: dict[tuple[str, str], set[str]] = {}
+    for key, event_ids in known.sessions.items():
+        parts = key.split(":")
+        if len(parts) != 4 or parts[0] != "slack" or not all(parts[1:]):
+            continue
+        where = (parts[1], parts[2])
+        stamps = []
+        for event_id in event_ids:
+            event = event_id.split(":")
+            stamp = _ts(event[3]) if len(event) == 4 and tuple(event[1:3]) == where else None
+            if stamp is not None:
+                stamps.append(stamp)
+        found = [n for n in (newest.get(where), max(stamps, default=None)) if n is not None]
+        newest[where] = max(found, default=None)
+        threads.setdefault(where, set())
+        if stamps:
+            threads[where].add(parts[3])
+    for match in known.routes:
+        channel = match.get("channel", "")
+        if channel and ":" not in channel:
+            newest.setdefault((match.get("team") or team, channel), None)
+    return [
+        CatchUpTarget(t, c, n, tuple(sorted(threads.get((t, c), ()))))
+        for (t, c), n in newest.items()
+    ]
+
+
+def _mentions(text: object, user_id: str) -> bool:
+    """Whether ``text`` mentions the user ``user_id`` (``<@U123>``, ``<@U123|name>``)."""
+    return (
+        isinstance(text, str)
+        and re.search(rf"<@{re.escape(user_id)}(?:\|[^>]*)?>", text) is not None
     )
 
 
@@ -477,6 +569,10 @@ class SlackAdapter:
     def __init__(self, settings: Settings, core: Core, *, channel: SlackChannel | None = None):
         self.channel: SlackChannel = channel or SlackChannel(settings.slack)
         self._core = core
+        self._settings = settings.slack
+        #: the running (or last) catch-up, for tests to wait on
+        self.catching_up: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self._verifier = SignatureVerifier(settings.slack.signing_secret)
         self._told: OrderedDict[str, asyncio.Future[SendOutcome]] = OrderedDict()
         bot_token = settings.slack.bot_token
@@ -630,10 +726,222 @@ class SlackAdapter:
         """Add ``POST /slack/events``."""
         app.router.add_post(EVENTS_PATH, answering_errors(self.handle))
 
+    # -- catch-up ---------------------------------------------------------------------------
+
+    def _reader(self) -> AsyncWebClient:
+        """A client for the catch-up's reads: unlike a post, a read may be sent again, so
+        a 429 is waited out (its ``Retry-After``) and tried again."""
+        client = AsyncWebClient(
+            token=self._settings.bot_token or None,
+            base_url=self._settings.api_url,
+            timeout=30,
+            retry_handlers=[
+                AsyncRateLimitErrorRetryHandler(max_retry_count=CATCH_UP_RATE_LIMIT_RETRIES)
+            ],
+        )
+        client.proxy = env_proxy(client.base_url)
+        return client
+
+    async def _catch_up_run(self) -> None:
+        try:
+            await self.catch_up()
+        except Exception:
+            if self._stopping.is_set():
+                return  # cut by the shutdown
+            # Never the service's end: the messages wait for the next start.
+            log.exception("slack: the catch-up ended with an error")
+
+    async def catch_up(self) -> None:
+        """Read back and take in, oldest first, the messages of every known channel
+        posted after the newest one taken in there (within ``[slack] catch_up_s``, and
+        not before the route answering there was made): Slack drops an event after its
+        third retry, and a message posted while the service was down was lost without a
+        word. A channel Slack would not read logs a WARNING; the others are read on."""
+        try:
+            known = await self._core.conversations(
+                BindingKind.slack,
+                key_prefix=_SESSION_PREFIX,
+                event_prefix=_SESSION_PREFIX,
+                window_ms=int(self._settings.catch_up_s * 1000),
+            )
+        except DATABASE_FAULTS as exc:
+            log.warning("slack: no catch-up, the database is unavailable (%s)", exc.rule)
+            return
+        if not known.sessions and not any(r.get("channel") for r in known.routes):
+            return  # no Slack conversation known: nothing to ask Slack
+        client = self._reader()
+        try:
+            # The bot's own user (its mentions, its replies) and workspace.
+            who = await client.auth_test()
+        except (SlackClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("slack: no catch-up, auth.test failed (%s)", _read_error(exc))
+            return
+        me = (str(who.get("user_id") or ""), str(who.get("bot_id") or ""))
+        for target in catch_up_targets(known, str(who.get("team_id") or "")):
+            if self._stopping.is_set():
+                return
+            try:
+                await self._catch_up_channel(client, target, known.since_ms, me)
+            except DATABASE_FAULTS as exc:
+                log.warning("slack: catch-up stopped, the database is unavailable (%s)", exc.rule)
+                return
+            except (SlackClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning(
+                    "slack: could not read channel %s's messages to catch up (%s); those "
+                    "posted there while the service was down are not answered",
+                    target.channel,
+                    _read_error(exc),
+                )
+
+    async def _catch_up_channel(
+        self,
+        client: AsyncWebClient,
+        target: CatchUpTarget,
+        since_ms: int,
+        me: tuple[str, str],
+    ) -> None:
+        attrs = {"team": target.team, "channel": target.channel}
+        route = await self._core.resolve_route(BindingKind.slack.value, attrs)
+        if route is None:
+            return
+        oldest = Decimal(ts_at(max(since_ms, route.created_at)))
+        if target.newest is not None:
+            oldest = max(oldest, target.newest - Decimal(CATCH_UP_OVERLAP_MS) / 1000)
+        after = f"{oldest:.6f}"
+        history, cut = await _read_pages(
+            client.conversations_history, channel=target.channel, oldest=after
+        )
+        if cut:
+            log.warning(
+                "slack: catch-up of channel %s read its latest %d messages only; older "
+                "ones are not answered",
+                target.channel,
+                len(history),
+            )
+        found: dict[str, dict[str, Any]] = {}
+        # Threads to read: those that took in a message lately, and those whose parent
+        # was read and that were replied to since (conversations.history has parents
+        # only, and the live path answers a reply in a thread too).
+        moved: dict[str, Decimal] = {}
+        for thread in target.threads:
+            stamp = _ts(thread)
+            if stamp is not None:
+                moved[thread] = stamp
+        for message in history:
+            stamp = _ts(message.get("ts"))
+            if stamp is None or stamp <= oldest:
+                continue
+            latest = _ts(message.get("latest_reply"))
+            if latest is not None and latest > oldest:
+                moved[str(message["ts"])] = latest
+            # The bot replied in its thread: a "could not be taken in" reply on Slack's
+            # last try, and the person may have sent it again since.
+            replied = message.get("reply_users")
+            if isinstance(replied, list) and me[0] in replied:
+                continue
+            found[str(message["ts"])] = message
+        threads = sorted(moved, key=lambda t: moved[t], reverse=True)
+        if len(threads) > CATCH_UP_THREADS:
+            log.warning(
+                "slack: catch-up of channel %s reads the latest %d of its %d threads",
+                target.channel,
+                CATCH_UP_THREADS,
+                len(threads),
+            )
+        for thread in threads[:CATCH_UP_THREADS]:
+            if self._stopping.is_set():
+                return
+            replies, _ = await _read_pages(
+                client.conversations_replies, channel=target.channel, ts=thread, oldest=after
+            )
+            answered = False
+            for message in reversed(replies):
+                if message.get("user") == me[0] or (me[1] and message.get("bot_id") == me[1]):
+                    answered = True  # as above: what came before in the thread was told
+                    continue
+                stamp = _ts(message.get("ts"))
+                if answered or stamp is None or stamp <= oldest or message.get("ts") == thread:
+                    continue
+                found.setdefault(str(message["ts"]), message)
+        taken = 0
+        for ts in sorted(found, key=Decimal):
+            if self._stopping.is_set():
+                return
+            message = found[ts]
+            post = parse_event({"team_id": target.team}, {**message, "channel": target.channel})
+            if post is None or not self._would_answer(target.channel, message, me[0]):
+                continue
+            try:
+                await accept(
+                    self._core, post.inbound(), name=f"slack-turn:{post.external_event_id}"
+                )
+            except DATABASE_FAULTS:
+                raise
+            except LeadgateError as exc:
+                # As a live message's would: the next is read on.
+                log.warning("slack: catch-up could not take message %s in (%s)", ts, exc.rule)
+                continue
+            taken += 1
+        if taken:
+            log.info("slack: catch-up of channel %s took in %d messages", target.channel, taken)
+
+    def _would_answer(self, channel: str, message: Mapping[str, Any], bot_user: str) -> bool:
+        """Whether the live path would have been given ``message``: in a direct message
+        every one; elsewhere, with ``catch_up_mentions_only``, one that mentions the bot
+        (Slack's ``app_mention``)."""
+        if not self._settings.catch_up_mentions_only or channel.startswith("D"):
+            return True
+        return _mentions(message.get("text"), bot_user)
+
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
-        """Slack needs no listener besides its HTTP route."""
-        yield
+        """The catch-up, in the background (the startup never waits for it), once per
+        start; Slack needs no listener besides its HTTP route."""
+        self._stopping = asyncio.Event()
+        if self._settings.catch_up_s > 0 and self._settings.bot_token:
+            self.catching_up = asyncio.create_task(self._catch_up_run(), name="slack-catch-up")
+        try:
+            yield
+        finally:
+            self._stopping.set()
+            running = self.catching_up
+            if running is not None:
+                try:
+                    async with asyncio.timeout(_CATCH_UP_CLOSE_TIMEOUT_S):
+                        await running
+                except TimeoutError:
+                    running.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+
+
+async def _read_pages(
+    call: Callable[..., Awaitable[AsyncSlackResponse]], **params: str
+) -> tuple[list[dict[str, Any]], bool]:
+    """The messages of up to :data:`CATCH_UP_PAGES` pages of a Web API read (by
+    ``cursor``), and whether more were left."""
+    messages: list[dict[str, Any]] = []
+    cursor: str | None = None
+    for _ in range(CATCH_UP_PAGES):
+        page = await call(limit=CATCH_UP_PAGE_SIZE, cursor=cursor, **params)
+        found = page.get("messages")
+        if isinstance(found, list):
+            messages.extend(m for m in found if isinstance(m, dict))
+        meta = page.get("response_metadata")
+        cursor = meta.get("next_cursor") if isinstance(meta, dict) else None
+        if not page.get("has_more") or not cursor:
+            return messages, False
+    return messages, True
+
+
+def _read_error(exc: BaseException) -> str:
+    """A failed read in a few words: Slack's status and error code, or the error."""
+    if isinstance(exc, SlackApiError):
+        data = getattr(exc.response, "data", None)
+        code = data.get("error") if isinstance(data, dict) else None
+        status = getattr(exc.response, "status_code", 0)
+        return f"HTTP {status} {code or ''}".rstrip()
+    return repr(exc)
 
 
 def _decode(raw: bytes, text: str, content_type: str) -> dict[str, Any]:

@@ -164,6 +164,14 @@ class SlackSettings(_Section):
     signing_secret: str = ""
     bot_token: str = ""
     api_url: str = "https://slack.com/api/"
+    #: At each start, the messages of the last this-many seconds that no process took in
+    #: (posted while the service was down, past Slack's retries) are read back and
+    #: answered; 0: off.
+    catch_up_s: float = Field(default=3600.0, ge=0, le=7 * 86400)
+    #: The read-back answers, outside direct messages, only messages that mention the
+    #: bot (an app subscribed to ``app_mention`` alone); false: every human message (an
+    #: app subscribed to ``message.channels`` / ``message.groups`` / ``message.mpim``).
+    catch_up_mentions_only: bool = True
 
     _api_url = field_validator("api_url")(_api_base_url)
 

@@ -161,7 +161,7 @@ class RouteMatch:
 @dataclass(frozen=True)
 class Conversations:
     """What the store knows of one channel's conversations, where a catch-up of the
-    messages the platform delivered to no process starts (Discord's gateway)."""
+    messages the platform delivered to no process starts (Discord's gateway, Slack)."""
 
     #: the clock's now minus the window asked for: nothing older is caught up
     since_ms: int

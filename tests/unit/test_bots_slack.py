@@ -7,6 +7,7 @@ import json
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from bots import slack, slack_review
 from leadgate.core.config import Settings, SlackSettings
-from leadgate.core.types import BindingKind, RouteMatch
+from leadgate.core.types import BindingKind, Conversations, RouteMatch
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.slack_api import signed_headers
 
@@ -277,3 +278,32 @@ async def test_signed_clicks_of_a_shape_slack_never_sends_are_400(
 )
 def test_a_clickers_identity_reads_odd_types_as_absent(body: dict[str, Any], identity: str) -> None:
     assert slack_review.identity_of(body) == identity
+
+
+def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
+    known = Conversations(
+        0,
+        {
+            # Two threads of one channel: the newest ts taken in lately is the channel's.
+            "slack:T1:C1:100.000001": ("slack:T1:C1:100.000001", "slack:T1:C1:300.000001"),
+            "slack:T1:C1:200.000001": ("slack:T1:C1:200.000001",),
+            # Nothing taken in lately: read from the window's start, its thread not.
+            "slack:T1:C2:50.000001": (),
+            # Not a session key of the live path's shape.
+            "slack:T1:C3": ("slack:T1:C3:1.0",),
+        },
+        ({"team": "T1", "channel": "C1"}, {"channel": "C4"}, {"team": "T2"}),
+    )
+    targets = slack.catch_up_targets(known, "T0")
+    assert sorted(targets, key=lambda t: t.channel) == [
+        slack.CatchUpTarget("T1", "C1", Decimal("300.000001"), ("100.000001", "200.000001")),
+        slack.CatchUpTarget("T1", "C2", None, ()),
+        # A route naming no workspace: the bot's own.
+        slack.CatchUpTarget("T0", "C4", None, ()),
+    ]
+
+
+def test_a_ts_is_read_as_slack_writes_it() -> None:
+    assert slack.ts_at(1_780_000_000_123) == "1780000000.123000"
+    assert slack._mentions("hi <@U1|bot> there", "U1") and slack._mentions("<@U1>", "U1")
+    assert not slack._mentions("<@U12>", "U1") and not slack._mentions(None, "U1")

@@ -1,0 +1,324 @@
+"""Slack drops an event after its third retry (about five minutes): messages posted
+while the service was down are read back at its start (``conversations.history``,
+``conversations.replies``) and answered once, through the real slack_sdk client, the
+real slack-bolt adapter (signed requests for the live messages) and the real composition
+root against the Slack Web API stand-in.
+
+"Answered" here is the reply queued in the outbox for that message (a ``deliveries`` row
+whose address names its thread): no runner runs, so nothing is posted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from decimal import Decimal
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from bots import slack
+from bots.base import not_taken_in
+from bots.slack import CATCH_UP_OVERLAP_MS, SlackAdapter, ts_at
+from leadgate.app import App
+from leadgate.core.errors import Unavailable
+from leadgate.database import schema as t
+from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
+from tests.integration.test_discord_catch_up import taken_in
+from tests.serving import Client, served_app
+from tests.standins.slack_api import SlackApiStandin, signed_headers
+
+SECRET = "slack-signing-secret"
+CHANNEL, OTHER_CHANNEL, UNKNOWN_CHANNEL = "C0ASK", "C0OTHER", "C0UNKNOWN"
+MINUTE_MS, HOUR_MS = 60_000, 3_600_000
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[SlackApiStandin]:
+    async with SlackApiStandin(token="xoxb-x") as api:
+        yield api
+
+
+@contextlib.asynccontextmanager
+async def running(
+    service: App, standin: SlackApiStandin, **section: Any
+) -> AsyncIterator[tuple[App, Client]]:
+    """Another process on ``service``'s database and clock, with Slack on against
+    ``standin`` (``section``: more ``[slack]`` settings), served for the block (no
+    runners)."""
+    config = {
+        "slack": {"signing_secret": SECRET, "bot_token": "xoxb-x", "api_url": standin.api_url}
+    }
+    config["slack"].update(section)
+    async with served_app(
+        service.settings.database.url, config=config, adapters=True, clock=fake_clock(service)
+    ) as served:
+        yield served
+
+
+async def routed(service: App, *matches: dict[str, str]) -> None:
+    """Slack routes matching ``matches`` to the agent ``plain`` (the script model), made
+    an hour before the clock's now (a catch-up answers nothing older than its route)."""
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    for match in matches:
+        await make_route(service, org, plain["id"], "slack", match)
+    fake_clock(service).advance(HOUR_MS)
+
+
+async def caught_up(service: App) -> None:
+    """Until the start's catch-up has ended (it records each message before it reads
+    on) and every turn recorded has run (a turn's ``turn_runs`` row goes with its last
+    transaction)."""
+    [adapter] = [a for a in service.adapters if isinstance(a, SlackAdapter)]
+
+    async def done() -> bool:
+        task = adapter.catching_up
+        if task is None or not task.done():
+            return False
+        async with service.db.read() as conn:
+            return (await conn.execute(sa.select(t.turn_runs.c.id))).first() is None
+
+    await eventually(done, what="the catch-up ended and its turns ran")
+
+
+async def answers(service: App, thread: str) -> list[str]:
+    """The replies queued into the Slack thread ``thread``, in the order they were."""
+    async with service.db.read() as conn:
+        rows = await conn.execute(
+            sa.select(t.deliveries.c.address, t.deliveries.c.text).order_by(
+                t.deliveries.c.created_at, t.deliveries.c.id
+            )
+        )
+        return [row.text for row in rows if row.address.get("thread_ts") == thread]
+
+
+def said(standin: SlackApiStandin, text: str, *, channel: str = CHANNEL, **kwargs: Any) -> str:
+    """``text`` mentioning the bot, posted to ``channel`` (``kwargs`` as
+    :meth:`SlackApiStandin.say`); its ts."""
+    return str(standin.say(channel, f"<@{standin.bot_user_id}> {text}", **kwargs)["ts"])
+
+
+def event_id(ts: str, channel: str = CHANNEL) -> str:
+    return f"slack:T0STANDIN:{channel}:{ts}"
+
+
+async def deliver(client: Client, standin: SlackApiStandin, ts: str) -> None:
+    """Slack's delivery of the kept message ``ts`` (of ``CHANNEL``) as an ``app_mention``
+    event, signed; answered 200."""
+    [message] = [m for m in standin.history[CHANNEL] if m["ts"] == ts]
+    event = {**message, "type": "app_mention", "channel": CHANNEL}
+    body = json.dumps(
+        {"type": "event_callback", "team_id": "T0STANDIN", "event_id": f"Ev{ts}", "event": event}
+    )
+    answer = await client.post("/slack/events", data=body, headers=signed_headers(SECRET, body))
+    assert answer.status == 200, await answer.text()
+
+
+async def test_messages_posted_while_the_service_was_down_are_answered_once_after_it_starts(
+    service: App, standin: SlackApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pages of two messages: the catch-up follows the cursor.
+    monkeypatch.setattr(slack, "CATCH_UP_PAGE_SIZE", 2)
+    await routed(service, {"team": "T0STANDIN"})
+    now = fake_clock(service).now_ms()
+    live = said(standin, "said while up", at_ms=now - 30 * MINUTE_MS)
+    async with running(service, standin) as (first, client):
+        await caught_up(first)
+        await deliver(client, standin, live)
+        await eventually(lambda: answers(first, live), what="the live message answered")
+    # Down: Slack's retries of these reach nobody.
+    missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS)
+    standin.say(CHANNEL, "not to the bot", at_ms=now - 19 * MINUTE_MS)
+    standin.say(CHANNEL, "a bot's", at_ms=now - 18 * MINUTE_MS, bot_id="B0OTHER")
+    standin.say(CHANNEL, "", at_ms=now - 17 * MINUTE_MS, subtype="channel_join")
+    in_thread = said(standin, "in the thread", at_ms=now - 16 * MINUTE_MS, thread_ts=live)
+    later = said(standin, "said while down, later", at_ms=now - 15 * MINUTE_MS)
+    elsewhere = said(standin, "in another channel", channel=UNKNOWN_CHANNEL, at_ms=now - MINUTE_MS)
+    async with running(service, standin) as (second, _):
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, later) == ["Echo: said while down, later"]
+    # A reply in a thread is answered in its thread, as a live one is.
+    assert await answers(service, live) == ["Echo: said while up", "Echo: in the thread"]
+    # No message was ever taken in there and no route names it: unknown here.
+    assert await answers(service, elsewhere) == []
+    # Oldest first; the live one read again (the overlap) was a duplicate; neither the
+    # bot's, the join nor the message that does not mention the bot taken in.
+    assert await taken_in(service) == [event_id(m) for m in (live, missed, in_thread, later)]
+    history = [r for r in standin.reads if r["method"] == "conversations.history"]
+    assert [r["channel"] for r in history] == [CHANNEL] * 3  # 6 parents, 2 a page
+    assert {r["oldest"] for r in history} == {
+        f"{Decimal(live) - Decimal(CATCH_UP_OVERLAP_MS) / 1000:.6f}"
+    }
+    [thread] = [r for r in standin.reads if r["method"] == "conversations.replies"]
+    assert thread["ts"] == live
+
+
+async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
+    service: App, standin: SlackApiStandin
+) -> None:
+    # A route naming the channel: caught up though no message was taken in there yet.
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    standin.say(CHANNEL, "before the service started", at_ms=fake_clock(service).now_ms())
+    reading, release = asyncio.Event(), asyncio.Event()
+
+    async def held(_record: dict[str, Any]) -> None:
+        reading.set()
+        await release.wait()
+
+    standin.on_read = held
+    async with running(service, standin) as (up, client):
+        await asyncio.wait_for(reading.wait(), 10)
+        # Live while the catch-up's read is on its way: the read finds it too.
+        both = said(standin, "seen twice", at_ms=fake_clock(service).now_ms())
+        await deliver(client, standin, both)
+        await eventually(lambda: answers(up, both), what="the live message answered")
+        duplicates = counted("leadgate_turns_total", outcome="duplicate")
+        release.set()
+        await caught_up(up)
+        assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
+    assert await answers(service, both) == ["Echo: seen twice"]
+    assert await taken_in(service) == [event_id(both)]
+
+
+async def test_messages_older_than_the_window_or_the_route_or_replied_to_are_not_answered(
+    service: App, standin: SlackApiStandin
+) -> None:
+    clock = fake_clock(service)
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    clock.advance(3 * HOUR_MS)
+    now = clock.now_ms()
+    # A route made half an hour ago, for the other channel (its workspace unnamed).
+    clock.advance(-HOUR_MS // 2)
+    beta = await make_org(service, "beta")
+    late = await make_agent(service, beta, "late")
+    await make_route(service, beta, late["id"], "slack", {"channel": OTHER_CHANNEL})
+    clock.advance(HOUR_MS // 2)
+    # [slack] catch_up_s is an hour by default.
+    too_old = said(standin, "two hours ago", at_ms=now - 2 * HOUR_MS)
+    recent = said(standin, "ten minutes ago", at_ms=now - 10 * MINUTE_MS)
+    # On Slack's last try with the database down the person was told in the thread
+    # ("could not be taken in"): they may have sent it again since.
+    told = said(standin, "told on the last try", at_ms=now - 9 * MINUTE_MS)
+    notice = not_taken_in(Unavailable("down", rule="service.unavailable"))
+    standin.say(
+        CHANNEL,
+        notice,
+        at_ms=now - 4 * MINUTE_MS,
+        user=standin.bot_user_id,
+        bot_id=standin.bot_id,
+        thread_ts=told,
+    )
+    before_route = said(
+        standin, "before the route", channel=OTHER_CHANNEL, at_ms=now - 40 * MINUTE_MS
+    )
+    after_route = said(
+        standin, "after the route", channel=OTHER_CHANNEL, at_ms=now - 20 * MINUTE_MS
+    )
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, too_old) == []
+    assert await answers(service, recent) == ["Echo: ten minutes ago"]
+    assert await answers(service, told) == []
+    assert await answers(service, before_route) == []
+    assert await answers(service, after_route) == ["Echo: after the route"]
+    oldest = {
+        r["channel"]: r["oldest"] for r in standin.reads if r["method"] == "conversations.history"
+    }
+    assert oldest == {CHANNEL: ts_at(now - HOUR_MS), OTHER_CHANNEL: ts_at(now - HOUR_MS // 2)}
+
+
+async def test_a_reply_in_a_thread_the_bot_replied_to_after_it_is_not_answered(
+    service: App, standin: SlackApiStandin
+) -> None:
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    parent = said(standin, "the question", at_ms=now - 30 * MINUTE_MS)
+    async with running(service, standin) as (first, client):
+        await caught_up(first)
+        await deliver(client, standin, parent)
+        await eventually(lambda: answers(first, parent), what="the parent answered")
+    said(standin, "told in the thread", at_ms=now - 20 * MINUTE_MS, thread_ts=parent)
+    standin.say(
+        CHANNEL,
+        "Your message could not be taken in: ...",
+        at_ms=now - 15 * MINUTE_MS,
+        user=standin.bot_user_id,
+        bot_id=standin.bot_id,
+        thread_ts=parent,
+    )
+    after = said(standin, "after the notice", at_ms=now - 10 * MINUTE_MS, thread_ts=parent)
+    async with running(service, standin) as (second, _):
+        await caught_up(second)
+    assert await answers(service, parent) == ["Echo: the question", "Echo: after the notice"]
+    assert await taken_in(service) == [event_id(parent), event_id(after)]
+
+
+async def test_every_message_is_answered_when_not_only_mentions_are_caught_up(
+    service: App, standin: SlackApiStandin
+) -> None:
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    plain = standin.say(CHANNEL, "no mention", at_ms=now - MINUTE_MS)["ts"]
+    # An app subscribed to message.channels is given every message.
+    async with running(service, standin, catch_up_mentions_only=False) as (up, _):
+        await caught_up(up)
+    assert await answers(service, plain) == ["Echo: no mention"]
+
+
+async def test_a_history_slack_refuses_is_logged_and_the_other_channels_are_read_on(
+    service: App, standin: SlackApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    await routed(
+        service,
+        {"team": "T0STANDIN", "channel": CHANNEL},
+        {"team": "T0STANDIN", "channel": OTHER_CHANNEL},
+    )
+    now = fake_clock(service).now_ms()
+    refused = said(standin, "where the bot may not read", at_ms=now - MINUTE_MS)
+    limited = said(standin, "where Slack said wait", channel=OTHER_CHANNEL, at_ms=now - MINUTE_MS)
+    # The app lacks channels:history; the other channel's first read is rate limited.
+    standin.fail_reads(CHANNEL, "error:missing_scope")
+    standin.fail_reads(OTHER_CHANNEL, "ratelimited:0")
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, refused) == []
+    # The 429 waited out (Retry-After) and read again.
+    assert await answers(service, limited) == ["Echo: where Slack said wait"]
+    assert [(r["channel"], r["mode"]) for r in standin.reads] == [
+        (CHANNEL, "error:missing_scope"),
+        (OTHER_CHANNEL, "ratelimited:0"),
+        (OTHER_CHANNEL, "ok"),
+    ]
+    [warning] = [r for r in caplog.records if "catch up" in r.getMessage()]
+    assert warning.levelno == logging.WARNING and not warning.exc_info
+    assert CHANNEL in warning.getMessage() and "missing_scope" in warning.getMessage()
+
+
+async def test_no_catch_up_when_it_is_off(service: App, standin: SlackApiStandin) -> None:
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    missed = said(standin, "said while down", at_ms=fake_clock(service).now_ms() - MINUTE_MS)
+    async with running(service, standin, catch_up_s=0) as (up, _):
+        [adapter] = [a for a in up.adapters if isinstance(a, SlackAdapter)]
+        assert adapter.catching_up is None
+    assert await answers(service, missed) == [] and standin.reads == []
+
+
+async def test_two_replicas_answer_a_missed_message_once(
+    service: App, standin: SlackApiStandin
+) -> None:
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    missed = said(standin, "said while both were down", at_ms=fake_clock(service).now_ms())
+    duplicates = counted("leadgate_turns_total", outcome="duplicate")
+    async with running(service, standin) as (one, _), running(service, standin) as (two, _):
+        await caught_up(one)
+        await caught_up(two)
+        assert len([r for r in standin.reads if r["method"] == "conversations.history"]) == 2
+    # Taken in by both: once, and once a duplicate (the same process counts for both).
+    assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
+    assert await answers(service, missed) == ["Echo: said while both were down"]
