@@ -54,6 +54,13 @@ NOT_RULES = {
     "chat.postMessage",
     "chat.update",
     "views.open",
+    "auth.test",
+    "conversations.history",
+    "conversations.replies",
+    # Slack Events API subscriptions
+    "message.channels",
+    "message.groups",
+    "message.mpim",
     # the OpenAI object type of a chat completion
     "chat.completion",
     # JSON fields of requests and answers (REST, MCP)
