@@ -851,9 +851,21 @@ class SlackAdapter:
         for thread in threads[:CATCH_UP_THREADS]:
             if self._stopping.is_set():
                 return
-            replies, _ = await _read_pages(
-                client.conversations_replies, channel=target.channel, ts=thread, oldest=after
-            )
+            try:
+                replies, _ = await _read_pages(
+                    client.conversations_replies, channel=target.channel, ts=thread, oldest=after
+                )
+            except SlackApiError as exc:
+                if _read_error(exc).endswith(" thread_not_found"):
+                    continue  # its first message was deleted: the thread is gone
+                # The channel's other messages read are still taken in.
+                log.warning(
+                    "slack: could not read the threads of channel %s to catch up (%s); "
+                    "replies posted there while the service was down are not answered",
+                    target.channel,
+                    _read_error(exc),
+                )
+                break
             answered = False
             for message in reversed(replies):
                 if message.get("user") == me[0] or (me[1] and message.get("bot_id") == me[1]):

@@ -322,3 +322,31 @@ async def test_two_replicas_answer_a_missed_message_once(
     # Taken in by both: once, and once a duplicate (the same process counts for both).
     assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
     assert await answers(service, missed) == ["Echo: said while both were down"]
+
+
+async def test_a_thread_slack_will_not_read_leaves_the_channel_s_other_messages_taken_in(
+    service: App, standin: SlackApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    kept = said(standin, "a thread", at_ms=now - 30 * MINUTE_MS)
+    deleted = said(standin, "a thread deleted since", at_ms=now - 25 * MINUTE_MS)
+    async with running(service, standin) as (first, client):
+        await caught_up(first)
+        for ts in (kept, deleted):
+            await deliver(client, standin, ts)
+        await eventually(lambda: answers(first, deleted), what="the live messages answered")
+    standin.history[CHANNEL] = [m for m in standin.history[CHANNEL] if m["ts"] != deleted]
+    missed = said(standin, "said while down", at_ms=now - 10 * MINUTE_MS)
+    # The history read, the deleted thread's (thread_not_found), then the other thread's.
+    standin.fail_reads(CHANNEL, "ok", "ok", "error:internal_error")
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    replies = [(r["ts"], r["mode"]) for r in standin.reads[-2:]]
+    assert replies == [(deleted, "ok"), (kept, "error:internal_error")]
+    # One line, for the thread Slack would not read; none for the one that is gone.
+    [warning] = [r for r in caplog.records if r.name == "bots.slack"]
+    assert "threads of channel C0ASK" in warning.getMessage()
+    assert "internal_error" in warning.getMessage() and not warning.exc_info
