@@ -745,11 +745,11 @@ class SlackAdapter:
     async def _catch_up_run(self) -> None:
         try:
             await self.catch_up()
-        except Exception:
+        except Exception as exc:
             if self._stopping.is_set():
                 return  # cut by the shutdown
             # Never the service's end: the messages wait for the next start.
-            log.exception("slack: the catch-up ended with an error")
+            log.error("slack: the catch-up ended with an error", exc_info=loggable(exc))
 
     async def catch_up(self) -> None:
         """Read back and take in, oldest first, the messages of every known channel
