@@ -130,6 +130,13 @@ def quoted_page(body: bytes | str) -> str:
 #: outlived the platform's deadline): nothing may have been taken in.
 DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 
+#: How :func:`not_taken_in` begins for a message that met a database fault: nothing was
+#: taken in, and the person is asked to send it again.
+NOT_TAKEN_IN = "Your message could not be taken in:"
+#: How :func:`not_taken_in` begins when the recording's commit is in doubt: its answer
+#: may still come (a Discord catch-up answers a message whose only reply is this one).
+IN_DOUBT = "Your message may or may not have been taken in:"
+
 
 def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
     """What a person is told when their message met a database fault (``exc``) on a
@@ -141,13 +148,13 @@ def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
     so."""
     if isinstance(exc, IntakeInDoubt):
         return (
-            "Your message may or may not have been taken in: the service became unavailable "
-            f"while taking it in ({exc.rule}). If it was, its answer comes once the service "
-            "is back; if none comes, please send it again."
+            f"{IN_DOUBT} the service became unavailable while taking it in ({exc.rule}). "
+            "If it was, its answer comes once the service is back; if none comes, please "
+            "send it again."
         )
     return (
-        "Your message could not be taken in: the service is unavailable right now "
-        f"({exc.rule}). If no answer comes, please send it again in a moment."
+        f"{NOT_TAKEN_IN} the service is unavailable right now ({exc.rule}). If no answer "
+        "comes, please send it again in a moment."
     )
 
 

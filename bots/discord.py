@@ -21,7 +21,9 @@ Inbound, two ways:
   (the start, and a reconnect that could not resume) :meth:`DiscordAdapter.catch_up`
   reads back, over REST, the messages of every known channel posted after the newest one
   taken in there (within ``[discord] catch_up_s``) and takes each in the same way; the
-  intake's de-duplication by message id answers one that came both ways once.
+  intake's de-duplication by message id answers one that came both ways once, and one
+  the bot already replied to (but for the "may or may not have been taken in" notice)
+  is left alone.
 
 Outbound: :class:`DiscordChannel` posts through discord.py's HTTP client. Channel posts
 carry a nonce derived from the delivery's idempotency key with ``enforce_nonce``, so
@@ -53,6 +55,7 @@ from nacl.signing import VerifyKey
 from bots import discord_review
 from bots.base import (
     DATABASE_FAULTS,
+    IN_DOUBT,
     Core,
     accept,
     answering_errors,
@@ -295,6 +298,25 @@ def catch_up_targets(known: Conversations) -> list[CatchUpTarget]:
     return list(targets.values())
 
 
+def replied_to(messages: list[discord.Message], bot_id: int | None) -> set[int]:
+    """The ids of the messages the bot (user ``bot_id``) replied to among ``messages``
+    (its own messages' ``message_reference``): answered, or told they could not be taken
+    in. A reply that is only the "may or may not have been taken in" notice
+    (:data:`bots.base.IN_DOUBT`) does not count: it promised the answer once the service
+    is back. (Discord keeps no nonce with a message, so the notice is told by its text;
+    only the bot's own messages are looked at.)"""
+    if bot_id is None:
+        return set()
+    found: set[int] = set()
+    for message in messages:
+        reference = message.reference
+        if message.author.id != bot_id or reference is None or reference.message_id is None:
+            continue
+        if not (message.content or "").startswith(IN_DOUBT):
+            found.add(reference.message_id)
+    return found
+
+
 def snowflake_at(ms: int) -> int:
     """The smallest Discord id made at or after epoch millisecond ``ms``."""
     return max(ms - discord.utils.DISCORD_EPOCH, 0) << 22
@@ -518,8 +540,9 @@ class DiscordAdapter:
     async def catch_up(self) -> None:
         """Read back and take in, oldest first, the messages of every known channel
         posted after the newest one taken in there (within ``[discord] catch_up_s``, and
-        not before the route answering there was made). A channel Discord would not
-        read (a REST error) logs a WARNING and is tried again at the next READY."""
+        not before the route answering there was made), but not one the bot already
+        replied to (:func:`replied_to`). A channel Discord would not read (a REST error)
+        logs a WARNING and is tried again at the next READY."""
         client = self.gateway
         if client is None:
             return
@@ -572,13 +595,23 @@ class DiscordAdapter:
         after = snowflake_at(max(since_ms, route.created_at))
         if target.newest is not None:
             after = max(after, target.newest - (CATCH_UP_OVERLAP_MS << 22))
-        read = 0
         limit = CATCH_UP_PAGES * 100
+        # Every page first: the bot's replies come after the messages they answer, and a
+        # message it already replied to (its intake record lost, or the person told it
+        # could not be taken in, who may have sent it again) is not answered again.
+        read: list[discord.Message] = []
         history = channel.history(limit=limit, after=discord.Object(after), oldest_first=True)
         async for message in history:
             if self._stopping.is_set():
                 return
-            read += 1
+            read.append(message)
+        answered = replied_to(read, client.user.id if client.user is not None else None)
+        for message in read:
+            if self._stopping.is_set():
+                return
+            if message.id in answered:
+                log.info("discord: catch-up leaves message %s, already replied to", message.id)
+                continue
             taken = self._post_of(message)
             if taken is None:
                 continue
@@ -589,12 +622,12 @@ class DiscordAdapter:
                 log.warning(
                     "discord: catch-up could not take message %s in (%s)", message.id, exc.rule
                 )
-        if read >= limit:
+        if len(read) >= limit:
             log.warning(
                 "discord: catch-up of channel %s stopped after %d messages; later ones "
                 "are taken in at the next READY",
                 target.channel_id,
-                read,
+                len(read),
             )
 
     @contextlib.asynccontextmanager

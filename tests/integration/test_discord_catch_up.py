@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from bots.base import IN_DOUBT, NOT_TAKEN_IN
 from bots.discord import CATCH_UP_OVERLAP_MS, DiscordAdapter, snowflake_at
 from leadgate.app import App
+from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.database.db import Database
+from tests.fakes import CommitLandsLater, DownFor
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
 from tests.serving import served_app
 from tests.standins.discord_api import DiscordApiStandin
@@ -265,3 +269,85 @@ async def test_two_replicas_answer_a_live_and_a_missed_message_once(
         await caught_up(two)
     assert await answers(service, missed) == ["Echo: said while both were down"]
     assert await answers(service, live) == ["Echo: said to both"]
+
+
+async def notice_to(standin: DiscordApiStandin, message_id: str) -> str:
+    """The text of the one reply the bot posted to ``message_id`` (waited for)."""
+
+    def replies() -> list[str]:
+        return [
+            str(p["content"])
+            for p in standin.posts
+            if p.get("op") == "create_message"
+            and str((p.get("message_reference") or {}).get("message_id")) == message_id
+        ]
+
+    await eventually(replies, what=f"a reply to {message_id}")
+    [said] = replies()
+    return said
+
+
+async def test_a_message_the_bot_already_replied_to_is_not_answered_by_the_catch_up(
+    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message the live path could not take in (the database down) was told so, in a
+    reply to it, and its author sent it again: the catch-up at the next READY read it
+    back and answered it as well (answered twice). Nor is a message answered again
+    whose answer was posted but whose intake record is gone."""
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        answered = await message(standin, "answered")
+        await eventually(lambda: answers(first, answered), what="the live message answered")
+        # The database is down for the next intake's transaction.
+        monkeypatch.setattr(first.db, "tx", DownFor(first.db.tx, 1, after_commit=False))
+        refused = await message(standin, "said while the database was down")
+        assert (await notice_to(standin, refused)).startswith(NOT_TAKEN_IN)
+        # Back: the person sends it again, as told.
+        again = await message(standin, "said while the database was down")
+        await eventually(lambda: answers(first, again), what="the resend answered")
+        await drain(first.relay)  # the answers posted, replies to their messages
+        assert await notice_to(standin, answered) == "Echo: answered"
+    # The answered message's intake record is gone (a restore of an older backup, say).
+    async with service.db.tx() as conn:
+        await conn.execute(
+            t.inbound_events.delete().where(
+                t.inbound_events.c.external_event_id == f"discord:message:{answered}"
+            )
+        )
+    async with running(service, standin) as second:
+        await caught_up(second)
+    [read] = standin.reads[1:]
+    assert read["mode"] == "ok" and int(read["after"]) < int(answered)  # all read again
+    assert await answers(service, refused) == []
+    assert await answers(service, answered) == ["Echo: answered"]
+    assert await answers(service, again) == ["Echo: said while the database was down"]
+    assert await taken_in(service) == [f"discord:message:{again}"]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_message_told_it_may_or_may_not_have_been_taken_in_is_answered_once(
+    service: App,
+    standin: DiscordApiStandin,
+    monkeypatch: pytest.MonkeyPatch,
+    commit_lands_later: Callable[[Database], CommitLandsLater],
+) -> None:
+    """PostgreSQL: a live message whose intake lost its COMMIT's answer, and whose
+    read-back failed too (``intake.in_doubt``), was told its answer comes once the
+    service is back; the COMMIT never landed. The catch-up at the next READY answers
+    it, once, though the bot replied to it (only that notice)."""
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        opened = await message(standin, "hello")  # (its session exists from now on)
+        await eventually(lambda: answers(first, opened), what="the live message answered")
+        late = commit_lands_later(first.db)
+        monkeypatch.setattr(first.db, "read", DownFor(first.db.read, 1, after_commit=False))
+        doubted = await message(standin, "said as the database went away")
+        assert (await notice_to(standin, doubted)).startswith(IN_DOUBT)
+        await late.abandon()  # it never landed
+    assert await answers(service, doubted) == []
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, doubted) == ["Echo: said as the database went away"]
+    assert await taken_in(service) == [f"discord:message:{m}" for m in (opened, doubted)]

@@ -42,7 +42,8 @@ Every message of a channel (dispatched on the gateway, whether or not a session 
 connected, or posted by the bot) is kept in its history, read as Discord serves it:
 ``GET /channels/{id}/messages`` with ``limit`` (1..100, default 50) and one of
 ``after``/``before``, answered newest first (with ``after``: the ``limit`` oldest messages
-after it, newest first, which is what discord.py's ``history(after=...)`` pages on);
+after it, newest first, which is what discord.py's ``history(after=...)`` pages on;
+without the ``nonce`` a bot's message was posted with, which Discord does not keep);
 ``reads`` records each such read. ``GET /channels/{id}`` answers a channel some message
 was dispatched in (a guild text channel, or a DM without a guild), else 404
 ``Unknown Channel``.
@@ -508,7 +509,9 @@ class DiscordApiStandin(StandinBase):
             page = [m for m in kept if int(m["id"]) < before][-limit:]
         else:
             page = kept[-limit:]
-        return _json(list(reversed(page)))
+        # Discord keeps no nonce with a message: only the create's answer and the
+        # gateway's MESSAGE_CREATE carry it, never a read of the channel's messages.
+        return _json([{k: v for k, v in m.items() if k != "nonce"} for m in reversed(page)])
 
     async def _get_channel(self, request: web.Request) -> web.StreamResponse:
         """``GET /channels/{id}``: a channel some message was seen in."""
