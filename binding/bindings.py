@@ -221,28 +221,59 @@ async def find_session(conn: Conn, agent_id: str, key: str) -> Session | None:
 E = t.inbound_events.c
 
 
-async def recorded_since(
-    conn: Conn, key_prefix: str, event_prefix: str, since_ms: int
-) -> dict[str, tuple[str, ...]]:
-    """Each session whose key starts with ``key_prefix`` and that ever took in an event
-    whose external id starts with ``event_prefix`` (by key: the agents answering one
-    conversation share it) -> those event ids recorded in it since ``since_ms`` (empty
-    when none). A catch-up's starting points: read once per gateway READY (it scans the
-    events; no message's path waits for it)."""
-    taken_in = t.inbound_events.join(t.sessions, S.id == E.session_id)
-    where = (
-        S.key.startswith(key_prefix, autoescape=True),
-        E.external_event_id.startswith(event_prefix, autoescape=True),
+def _gateway_sessions() -> sa.Select[tuple[str, str]]:
+    """(id, key) of each session that ever took in a Discord gateway message: the
+    distinct ``session_id`` of the partial index ``ix_inbound_events_gateway`` (whose
+    predicate each read repeats literally, to use it), one seek each (the least one
+    above the last: neither SQLite nor PostgreSQL skips through an index by itself), so
+    the read grows with the channels, not with their messages or other channels'."""
+    gateway = sa.text(t.GATEWAY_EVENT_PREDICATE)
+    first = t.inbound_events.alias("first_event")
+    found = (
+        sa.select(sa.func.min(first.c.session_id).label("session_id"))
+        .where(gateway)
+        .cte("gateway_sessions", recursive=True)
     )
-    found: dict[str, set[str]] = {}
-    keys = sa.select(S.key).select_from(taken_in).where(*where).distinct()
-    for key in (await conn.execute(keys)).scalars():
-        found[str(key)] = set()
-    events = (
-        sa.select(S.key, E.external_event_id)
-        .select_from(taken_in)
-        .where(*where, E.created_at >= since_ms)
+    later = t.inbound_events.alias("later_event")
+    following = (
+        sa.select(sa.func.min(later.c.session_id))
+        .where(gateway, later.c.session_id > found.c.session_id)
+        .scalar_subquery()
     )
-    for key, event_id in (await conn.execute(events)).all():
-        found.setdefault(str(key), set()).add(str(event_id))
+    found = found.union_all(sa.select(following).where(found.c.session_id.is_not(None)))
+    return sa.select(S.id, S.key).select_from(found.join(t.sessions, S.id == found.c.session_id))
+
+
+#: Built once (the plan cache keys on the statement object).
+_GATEWAY_SESSIONS = _gateway_sessions()
+#: The gateway messages the sessions ``p_ids`` took in since ``p_since``: the same
+#: index, one range of each session's.
+_GATEWAY_EVENTS_SINCE = sa.select(E.session_id, E.external_event_id).where(
+    sa.text(t.GATEWAY_EVENT_PREDICATE),
+    E.session_id.in_(sa.bindparam("p_ids", expanding=True)),
+    E.created_at >= sa.bindparam("p_since"),
+)
+#: Sessions per read of their recent events (well inside both drivers' bound parameters).
+_SESSIONS_PER_READ = 1000
+
+
+async def recorded_since(conn: Conn, key_prefix: str, since_ms: int) -> dict[str, tuple[str, ...]]:
+    """Each session whose key starts with ``key_prefix`` and that ever took in a Discord
+    gateway message (by key: the agents answering one conversation share it) -> the
+    external ids of those recorded in it since ``since_ms`` (empty when none). A
+    catch-up's starting points, read at each gateway READY from the partial index of the
+    gateway's events alone (``ix_inbound_events_gateway``): the channels, then the
+    window's messages."""
+    keys = {
+        str(row.id): str(row.key)
+        for row in (await conn.execute(_GATEWAY_SESSIONS)).all()
+        if str(row.key).startswith(key_prefix)
+    }
+    found: dict[str, set[str]] = {key: set() for key in keys.values()}
+    ids = list(keys)
+    for start in range(0, len(ids), _SESSIONS_PER_READ):
+        some = ids[start : start + _SESSIONS_PER_READ]
+        recent = await conn.execute(_GATEWAY_EVENTS_SINCE, {"p_ids": some, "p_since": since_ms})
+        for row in recent.all():
+            found[keys[str(row.session_id)]].add(str(row.external_event_id))
     return {key: tuple(sorted(ids)) for key, ids in found.items()}

@@ -65,13 +65,14 @@ class Core(Protocol):
         ...
 
     async def conversations(
-        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+        self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:
         """The sessions of ``channel`` (keys starting with ``key_prefix``) that ever took
-        in an event whose external id starts with ``event_prefix``, each with those
-        recorded in the last ``window_ms``, and the match keys of the channel's active
-        routes: where a catch-up of the messages that reached no process starts
-        (Discord's gateway at READY, Slack's Events API at start)."""
+        in a message of the kind a catch-up reads back (``channel``'s: Discord's gateway
+        messages, Slack's events), each with those recorded in the last ``window_ms``, and
+        the match keys of the channel's active routes: where a catch-up of the messages
+        that reached no process starts (Discord's gateway at READY, Slack's Events API at
+        start)."""
         ...
 
 

@@ -76,6 +76,7 @@ from leadgate.core.decoding import json_object
 from leadgate.core.errors import ConfigError, LeadgateError
 from leadgate.core.logs import loggable
 from leadgate.core.types import (
+    DISCORD_MESSAGE_EVENT,
     BindingKind,
     Busy,
     Conversations,
@@ -118,7 +119,7 @@ CATCH_UP_PAGES = 10
 #: concurrently may have been cut by a crash around a later one that was recorded (what
 #: was recorded is a duplicate, and answered no second time).
 CATCH_UP_OVERLAP_MS = 60_000
-_MESSAGE_EVENT = "discord:message:"
+_MESSAGE_EVENT = DISCORD_MESSAGE_EVENT
 _SESSION_PREFIX = "discord:"
 
 
@@ -550,7 +551,6 @@ class DiscordAdapter:
             known = await self._core.conversations(
                 BindingKind.discord,
                 key_prefix=_SESSION_PREFIX,
-                event_prefix=_MESSAGE_EVENT,
                 window_ms=int(self._settings.catch_up_s * 1000),
             )
         except DATABASE_FAULTS as exc:

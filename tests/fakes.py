@@ -138,7 +138,7 @@ class FakeCore:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=5)
 
     async def conversations(
-        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+        self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:
         """Nothing taken in before and no route naming a channel: nothing to catch up."""
         return Conversations(0, {}, ())

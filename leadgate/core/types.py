@@ -158,6 +158,11 @@ class RouteMatch:
     created_at: int = 0
 
 
+#: The external event id of a message a Discord gateway delivered is this prefix and the
+#: message's id: the intake's de-duplication, and what a catch-up reads back from.
+DISCORD_MESSAGE_EVENT: Final = "discord:message:"
+
+
 @dataclass(frozen=True)
 class Conversations:
     """What the store knows of one channel's conversations, where a catch-up of the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from leadgate.core.limits import EVENT_ID_LIMIT
+from leadgate.core.types import DISCORD_MESSAGE_EVENT
 
 metadata = sa.MetaData(
     naming_convention={
@@ -195,6 +196,15 @@ work_items = sa.Table(
     ),
 )
 
+#: The Discord gateway messages' partial index's predicate, literally (as
+#: :data:`ACTIVE_ITEM_PREDICATE`: the catch-up's read repeats this text to use it). Not
+#: ``LIKE 'discord:message:%'``: PostgreSQL in the C collation makes that a range of the
+#: unique index on ``external_event_id`` too, every gateway message ever, and may
+#: prefer it; a prefix by ``substr`` is this index's alone on both backends.
+GATEWAY_EVENT_PREDICATE = (
+    f"substr(external_event_id, 1, {len(DISCORD_MESSAGE_EVENT)}) = '{DISCORD_MESSAGE_EVENT}'"
+)
+
 inbound_events = sa.Table(
     "inbound_events",
     metadata,
@@ -208,6 +218,17 @@ inbound_events = sa.Table(
     sa.Column("content", sa.Text, nullable=False),
     sa.Column("external_event_id", sa.String(EVENT_ID_LIMIT), unique=True),
     sa.Column("created_at", MS, nullable=False),
+    # The Discord catch-up at each gateway READY (binding.bindings.recorded_since): its
+    # channels and their recent messages from the gateway's events alone (the table is
+    # never pruned), and no other channel's intake writes to it.
+    sa.Index(
+        "ix_inbound_events_gateway",
+        "session_id",
+        "created_at",
+        "external_event_id",
+        sqlite_where=sa.text(GATEWAY_EVENT_PREDICATE),
+        postgresql_where=sa.text(GATEWAY_EVENT_PREDICATE),
+    ),
 )
 
 audit = sa.Table(

@@ -95,15 +95,14 @@ class Messages:
         return await self._routes.resolve(channel, attrs)
 
     async def conversations(
-        self, channel: BindingKind, *, key_prefix: str, event_prefix: str, window_ms: int
+        self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:
         """The sessions of ``channel`` (keys starting with ``key_prefix``) that took in
-        events with ids starting with ``event_prefix``, with those recorded in the last
-        ``window_ms``, and the match keys of its active routes: where a catch-up of
-        missed messages starts."""
+        Discord gateway messages, with those recorded in the last ``window_ms``, and the
+        match keys of its active routes: where a catch-up of missed messages starts."""
         since_ms = self.turns.clock.now_ms() - window_ms
         async with self.db.read() as conn:
-            sessions = await bindings.recorded_since(conn, key_prefix, event_prefix, since_ms)
+            sessions = await bindings.recorded_since(conn, key_prefix, since_ms)
         rows = await self._routes.active(channel.value)
         return Conversations(since_ms, sessions, tuple(dict(row.match) for row in rows))
 
