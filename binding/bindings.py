@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.types import BindingSpec
+from leadgate.core.types import CATCH_UP_EVENTS, BindingSpec
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 from leadgate.database.sql import insert_ignore_stmt
@@ -221,59 +221,74 @@ async def find_session(conn: Conn, agent_id: str, key: str) -> Session | None:
 E = t.inbound_events.c
 
 
-def _gateway_sessions() -> sa.Select[tuple[str, str]]:
-    """(id, key) of each session that ever took in a Discord gateway message: the
-    distinct ``session_id`` of the partial index ``ix_inbound_events_gateway`` (whose
-    predicate each read repeats literally, to use it), one seek each (the least one
-    above the last: neither SQLite nor PostgreSQL skips through an index by itself), so
-    the read grows with the channels, not with their messages or other channels'."""
-    gateway = sa.text(t.GATEWAY_EVENT_PREDICATE)
+def _sessions_taking(predicate: str) -> sa.Select[tuple[str, str]]:
+    """(id, key) of each session that ever took in an event of ``predicate`` (a
+    catch-up's kind: :func:`leadgate.database.schema.catch_up_predicate`): the distinct
+    ``session_id`` of that kind's partial index (whose predicate each read repeats
+    literally, to use it), one seek each (the least one above the last: neither SQLite
+    nor PostgreSQL skips through an index by itself), so the read grows with the
+    channels, not with their messages or other channels'."""
+    kind = sa.text(predicate)
     first = t.inbound_events.alias("first_event")
     found = (
         sa.select(sa.func.min(first.c.session_id).label("session_id"))
-        .where(gateway)
-        .cte("gateway_sessions", recursive=True)
+        .where(kind)
+        .cte("caught_up_sessions", recursive=True)
     )
     later = t.inbound_events.alias("later_event")
     following = (
         sa.select(sa.func.min(later.c.session_id))
-        .where(gateway, later.c.session_id > found.c.session_id)
+        .where(kind, later.c.session_id > found.c.session_id)
         .scalar_subquery()
     )
     found = found.union_all(sa.select(following).where(found.c.session_id.is_not(None)))
     return sa.select(S.id, S.key).select_from(found.join(t.sessions, S.id == found.c.session_id))
 
 
-#: Built once (the plan cache keys on the statement object).
-_GATEWAY_SESSIONS = _gateway_sessions()
-#: The gateway messages the sessions ``p_ids`` took in since ``p_since``: the same
-#: index, one range of each session's.
-_GATEWAY_EVENTS_SINCE = sa.select(E.session_id, E.external_event_id).where(
-    sa.text(t.GATEWAY_EVENT_PREDICATE),
-    E.session_id.in_(sa.bindparam("p_ids", expanding=True)),
-    E.created_at >= sa.bindparam("p_since"),
-)
+def _events_since(predicate: str) -> sa.Select[tuple[str, str]]:
+    """The events of ``predicate`` the sessions ``p_ids`` took in since ``p_since``: the
+    same index, one range of each session's."""
+    return sa.select(E.session_id, E.external_event_id).where(
+        sa.text(predicate),
+        E.session_id.in_(sa.bindparam("p_ids", expanding=True)),
+        E.created_at >= sa.bindparam("p_since"),
+    )
+
+
+#: Each catch-up's two statements by its event prefix, built once (the plan cache keys
+#: on the statement object).
+CATCH_UP_READS = {
+    prefix: (
+        _sessions_taking(t.catch_up_predicate(prefix)),
+        _events_since(t.catch_up_predicate(prefix)),
+    )
+    for prefix in CATCH_UP_EVENTS.values()
+}
 #: Sessions per read of their recent events (well inside both drivers' bound parameters).
 _SESSIONS_PER_READ = 1000
 
 
-async def recorded_since(conn: Conn, key_prefix: str, since_ms: int) -> dict[str, tuple[str, ...]]:
-    """Each session whose key starts with ``key_prefix`` and that ever took in a Discord
-    gateway message (by key: the agents answering one conversation share it) -> the
-    external ids of those recorded in it since ``since_ms`` (empty when none). A
-    catch-up's starting points, read at each gateway READY from the partial index of the
-    gateway's events alone (``ix_inbound_events_gateway``): the channels, then the
-    window's messages."""
+async def recorded_since(
+    conn: Conn, event_prefix: str, key_prefix: str, since_ms: int
+) -> dict[str, tuple[str, ...]]:
+    """Each session whose key starts with ``key_prefix`` and that ever took in an event
+    whose id starts with ``event_prefix`` (one of :data:`CATCH_UP_EVENTS`': a Discord
+    gateway message, a Slack message; by key: the agents answering one conversation
+    share it) -> the external ids of those recorded in it since ``since_ms`` (empty when
+    none). A catch-up's starting points, read from the partial index of that kind's
+    events alone (``ix_inbound_events_gateway``, ``ix_inbound_events_slack``): the
+    channels, then the window's messages."""
+    sessions, since = CATCH_UP_READS[event_prefix]
     keys = {
         str(row.id): str(row.key)
-        for row in (await conn.execute(_GATEWAY_SESSIONS)).all()
+        for row in (await conn.execute(sessions)).all()
         if str(row.key).startswith(key_prefix)
     }
     found: dict[str, set[str]] = {key: set() for key in keys.values()}
     ids = list(keys)
     for start in range(0, len(ids), _SESSIONS_PER_READ):
         some = ids[start : start + _SESSIONS_PER_READ]
-        recent = await conn.execute(_GATEWAY_EVENTS_SINCE, {"p_ids": some, "p_since": since_ms})
+        recent = await conn.execute(since, {"p_ids": some, "p_since": since_ms})
         for row in recent.all():
             found[keys[str(row.session_id)]].add(str(row.external_event_id))
     return {key: tuple(sorted(ids)) for key, ids in found.items()}

@@ -761,7 +761,6 @@ class SlackAdapter:
             known = await self._core.conversations(
                 BindingKind.slack,
                 key_prefix=_SESSION_PREFIX,
-                event_prefix=_SESSION_PREFIX,
                 window_ms=int(self._settings.catch_up_s * 1000),
             )
         except DATABASE_FAULTS as exc:

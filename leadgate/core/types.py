@@ -8,7 +8,9 @@ own wire format. No surface re-implements a work-item rule.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Final
 
 
@@ -161,6 +163,13 @@ class RouteMatch:
 #: The external event id of a message a Discord gateway delivered is this prefix and the
 #: message's id: the intake's de-duplication, and what a catch-up reads back from.
 DISCORD_MESSAGE_EVENT: Final = "discord:message:"
+#: The same for a Slack message (Events API): ``slack:TEAM:CHANNEL:TS``.
+SLACK_MESSAGE_EVENT: Final = "slack:"
+#: The external event ids a channel's catch-up reads back from, by channel (each has a
+#: partial index of its own: ``leadgate.database.schema.catch_up_predicate``).
+CATCH_UP_EVENTS: Final[Mapping[BindingKind, str]] = MappingProxyType(
+    {BindingKind.discord: DISCORD_MESSAGE_EVENT, BindingKind.slack: SLACK_MESSAGE_EVENT}
+)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from leadgate.core.limits import EVENT_ID_LIMIT
-from leadgate.core.types import DISCORD_MESSAGE_EVENT
+from leadgate.core.types import DISCORD_MESSAGE_EVENT, SLACK_MESSAGE_EVENT
 
 metadata = sa.MetaData(
     naming_convention={
@@ -196,14 +196,21 @@ work_items = sa.Table(
     ),
 )
 
-#: The Discord gateway messages' partial index's predicate, literally (as
-#: :data:`ACTIVE_ITEM_PREDICATE`: the catch-up's read repeats this text to use it). Not
-#: ``LIKE 'discord:message:%'``: PostgreSQL in the C collation makes that a range of the
-#: unique index on ``external_event_id`` too, every gateway message ever, and may
-#: prefer it; a prefix by ``substr`` is this index's alone on both backends.
-GATEWAY_EVENT_PREDICATE = (
-    f"substr(external_event_id, 1, {len(DISCORD_MESSAGE_EVENT)}) = '{DISCORD_MESSAGE_EVENT}'"
-)
+
+def catch_up_predicate(prefix: str) -> str:
+    """The predicate of the partial index of the events whose external id starts with
+    ``prefix`` (a catch-up's: :data:`leadgate.core.types.CATCH_UP_EVENTS`), literally
+    (as :data:`ACTIVE_ITEM_PREDICATE`: the catch-up's read repeats this text to use it).
+    Not ``LIKE 'discord:message:%'``: PostgreSQL in the C collation makes that a range of
+    the unique index on ``external_event_id`` too, every such event ever, and may prefer
+    it; a prefix by ``substr`` is this index's alone on both backends."""
+    return f"substr(external_event_id, 1, {len(prefix)}) = '{prefix}'"
+
+
+#: The Discord gateway messages' partial index's predicate (its catch-up at each READY).
+GATEWAY_EVENT_PREDICATE = catch_up_predicate(DISCORD_MESSAGE_EVENT)
+#: Slack's messages' partial index's predicate (its catch-up at each start).
+SLACK_EVENT_PREDICATE = catch_up_predicate(SLACK_MESSAGE_EVENT)
 
 inbound_events = sa.Table(
     "inbound_events",
@@ -228,6 +235,15 @@ inbound_events = sa.Table(
         "external_event_id",
         sqlite_where=sa.text(GATEWAY_EVENT_PREDICATE),
         postgresql_where=sa.text(GATEWAY_EVENT_PREDICATE),
+    ),
+    # The same for the Slack catch-up at each start: Slack's events alone.
+    sa.Index(
+        "ix_inbound_events_slack",
+        "session_id",
+        "created_at",
+        "external_event_id",
+        sqlite_where=sa.text(SLACK_EVENT_PREDICATE),
+        postgresql_where=sa.text(SLACK_EVENT_PREDICATE),
     ),
 )
 

@@ -13,6 +13,7 @@ from leadgate.core.errors import ValidationError
 from leadgate.core.limits import EVENT_ID_LIMIT, validate_message, validate_session_key
 from leadgate.core.tasks import Background
 from leadgate.core.types import (
+    CATCH_UP_EVENTS,
     BindingKind,
     BindingSpec,
     Conversations,
@@ -98,11 +99,13 @@ class Messages:
         self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:
         """The sessions of ``channel`` (keys starting with ``key_prefix``) that took in
-        Discord gateway messages, with those recorded in the last ``window_ms``, and the
+        messages of the kind its catch-up reads back (:data:`CATCH_UP_EVENTS`: Discord's
+        gateway messages, Slack's), with those recorded in the last ``window_ms``, and the
         match keys of its active routes: where a catch-up of missed messages starts."""
         since_ms = self.turns.clock.now_ms() - window_ms
+        events = CATCH_UP_EVENTS[channel]
         async with self.db.read() as conn:
-            sessions = await bindings.recorded_since(conn, key_prefix, since_ms)
+            sessions = await bindings.recorded_since(conn, events, key_prefix, since_ms)
         rows = await self._routes.active(channel.value)
         return Conversations(since_ms, sessions, tuple(dict(row.match) for row in rows))
 

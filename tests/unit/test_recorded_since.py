@@ -1,4 +1,4 @@
-"""Where a Discord catch-up starts (``binding.bindings.recorded_since``, read at each
+"""Where a Discord (and a Slack) catch-up starts (``binding.bindings.recorded_since``, read at each
 gateway READY): every session that ever took in a gateway message, found one index seek
 each, with the gateway messages it took in within the window; nothing of the other
 channels' events, nor of a Discord slash command's."""
@@ -12,6 +12,8 @@ import sqlalchemy as sa
 
 from binding import bindings
 from binding.bindings import recorded_since
+from leadgate.core.types import DISCORD_MESSAGE_EVENT as DISCORD
+from leadgate.core.types import SLACK_MESSAGE_EVENT as SLACK
 from leadgate.database import schema as t
 from tests.stack import Stack
 
@@ -70,7 +72,7 @@ async def test_each_gateway_session_once_with_its_messages_of_the_window(
         )
         await conn.execute(t.inbound_events.insert(), events)
     async with stack.db.read() as conn:
-        found = await recorded_since(conn, "discord:", SINCE)
+        found = await recorded_since(conn, DISCORD, "discord:", SINCE)
     assert found == {
         "discord:1:10": ("discord:message:101", "discord:message:102"),
         "discord:@me:30": (),
@@ -79,10 +81,14 @@ async def test_each_gateway_session_once_with_its_messages_of_the_window(
     # The sessions' recent events read a few sessions at a time: the same.
     monkeypatch.setattr(bindings, "_SESSIONS_PER_READ", 7)
     async with stack.db.read() as conn:
-        assert await recorded_since(conn, "discord:", SINCE) == found
-        assert await recorded_since(conn, "discord:@me:", SINCE) == {"discord:@me:30": ()}
-        assert await recorded_since(conn, "discord:", NOW + 1) == {k: () for k in found}
+        assert await recorded_since(conn, DISCORD, "discord:", SINCE) == found
+        assert await recorded_since(conn, DISCORD, "discord:@me:", SINCE) == {"discord:@me:30": ()}
+        assert await recorded_since(conn, DISCORD, "discord:", NOW + 1) == {k: () for k in found}
+        # Slack's catch-up reads Slack's events alone (its own index).
+        assert await recorded_since(conn, SLACK, "slack:", SINCE) == {
+            "slack:T1:C1": ("slack:T1:C1:1.1",)
+        }
     async with stack.db.tx() as conn:
         await conn.execute(sa.delete(t.inbound_events))
     async with stack.db.read() as conn:
-        assert await recorded_since(conn, "discord:", SINCE) == {}
+        assert await recorded_since(conn, DISCORD, "discord:", SINCE) == {}
