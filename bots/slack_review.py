@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 from slack_bolt.async_app import AsyncApp
-from slack_sdk.errors import SlackApiError
+from slack_sdk.errors import SlackApiError, SlackClientError
 from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from bots.review_base import Answer, ChatReviewBackend, obj
@@ -60,6 +60,11 @@ ProxyFor = Callable[[str], str | None]
 #: What answering a click through its ``response_url`` raises when the answer cannot be
 #: posted: Slack's error, the connection's, or aiohttp's for a URL it cannot use.
 _ANSWER_FAILED = (ValueError, SlackApiError, OSError, aiohttp.ClientError)
+#: What ``views.open`` raises when the form cannot be opened: any slack_sdk error
+#: (Slack's answer, one that is not Slack's), the connection's (refused, reset, a
+#: timeout; closed without an answer is aiohttp's ``ServerDisconnectedError``, which is
+#: no ``OSError``), and a click without a ``trigger_id`` (``KeyError``).
+_OPEN_FAILED = (SlackClientError, OSError, aiohttp.ClientError, ValueError, KeyError)
 
 
 def _answer_failed(exc: BaseException) -> None:
@@ -352,7 +357,7 @@ def register(
             await client.views_open(
                 trigger_id=body["trigger_id"], view=modal(callback, item_id, meta)
             )
-        except (SlackApiError, KeyError, OSError) as exc:
+        except _OPEN_FAILED as exc:
             log.warning("slack: could not open the %s modal: %r", verb, exc)
             await ack()
             tell(respond, "Could not open the form; please try again.")

@@ -195,6 +195,43 @@ async def test_a_slack_click_and_form_meeting_a_database_fault_are_told_so(
     assert (await item_row(app, item_id))["status"] in ("approved", "completed")
 
 
+@pytest.mark.parametrize("mode", ["drop", "reset", "500", "portal", "error:expired_trigger_id"])
+async def test_a_reject_form_slack_could_not_open_is_told_so(
+    served: tuple[App, TestServer],
+    slack_api: SlackApiStandin,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    """Reject opens its form with views.open; whatever stops the form from opening (the
+    connection lost without an answer, a 5xx, a page that is not Slack's, Slack's error),
+    the click is acknowledged and the clicker told, with a WARNING line and no
+    traceback. A lost connection was Bolt's 500 with the listener's traceback: the
+    clicker saw Slack's failure icon and nothing else."""
+    app, server = served
+    org, worker = await setup(app)
+    item_id = await escalated(app, org, worker, "s1")
+    caplog.set_level(logging.INFO)
+
+    click = approve_click(slack_api, item_id, mode)
+    click["actions"][0]["action_id"] = "reject"
+    slack_api.set_channel_mode(click["trigger_id"], mode)  # views.open's answer
+    assert await slack_click(server, click) == (200, None)
+    await eventually(lambda: answers(slack_api, mode), what="the clicker told")
+    [said] = answers(slack_api, mode)
+    assert said["response_type"] == "ephemeral" and said["replace_original"] is False
+    assert said["text"] == "Could not open the form; please try again."
+    assert not [c for c in slack_api.calls if c["method"] == "views.open"]
+    [warned] = [r for r in caplog.records if "could not open the reject modal" in r.getMessage()]
+    assert warned.levelno == logging.WARNING
+    no_tracebacks(caplog)
+    assert (await item_row(app, item_id))["status"] == "awaitingHuman"
+
+    # Slack answers again: the next click opens the form.
+    slack_api.set_channel_mode(click["trigger_id"], None)
+    assert await slack_click(server, click) == (200, None)
+    assert [c["method"] for c in slack_api.calls if c["method"] == "views.open"] == ["views.open"]
+
+
 async def test_discord_and_teams_clicks_meeting_a_database_fault_are_told_so(
     served: tuple[App, TestServer],
     key: SigningKey,

@@ -1,8 +1,9 @@
 """Plumbing shared by the chat-platform stand-ins (:mod:`.slack_api`, :mod:`.discord_api`).
 
 :class:`StandinBase` holds the failure-mode queue (``queue``, ``set_channel_mode``,
-``reset``), the ``hang`` / ``reset`` behaviours, the ``on_post`` hook (run while a post
-waits for its answer), the ``/_standin/posts|requests|modes|reset`` control endpoints
+``reset``), the ``hang`` / ``reset`` / ``drop`` behaviours, the ``on_post`` hook (run
+while a post waits for its answer), the ``/_standin/posts|requests|modes|reset`` control
+endpoints
 and the aiohttp lifecycle (``start`` on port 0, ``stop``, ``port``, ``base_url``,
 ``latency_ms``). :func:`serve_main` is the subprocess entry point that prints
 ``LISTENING <port>`` and serves until SIGTERM / SIGINT.
@@ -173,11 +174,18 @@ class StandinBase:
         return self._key_modes.get(key, "ok")
 
     async def _hang_or_reset(self, request: web.Request, mode: str) -> web.Response | None:
-        """Act out ``hang`` / ``reset``; None for any other mode."""
+        """Act out ``hang`` / ``reset`` / ``drop`` (the connection closed, not reset,
+        without an answer); None for any other mode."""
         if mode == "hang":
             await self._release.wait()
             abort_with_reset(request)
             return web.Response(status=503)
+        if mode == "drop":
+            transport = request.transport
+            if transport is not None:
+                transport.close()  # a FIN, not a RST: aiohttp's ServerDisconnectedError
+            await asyncio.sleep(0.01)
+            return web.Response(status=500)
         if mode == "reset":
             abort_with_reset(request)
             # Let connection_lost run so aiohttp does not try to write the response.

@@ -17,8 +17,9 @@ or as a subprocess (for tests that run the service in another process)::
     # prints "LISTENING <port>"; api_url is http://127.0.0.1:<port>/api/
 
 Review cards also use ``views.open``, ``chat.update`` and ``chat.postEphemeral`` (recorded
-in ``calls``, with ``method``; ``chat.update`` answers ``hang``, ``reset``, a status,
-``error:CODE`` and ``portal`` below too, keyed by channel) and a ``response_url``:
+in ``calls``, with ``method``; ``chat.update`` and ``views.open`` answer ``hang``,
+``reset``, ``drop``, a status, ``error:CODE`` and ``portal`` below too, keyed by channel;
+``views.open`` only by its ``trigger_id``, with ``set_channel_mode``) and a ``response_url``:
 ``POST /response/{anything}`` records the JSON body in ``calls`` with ``method``
 ``response_url`` (:meth:`SlackApiStandin.response_url` makes one;
 :meth:`SlackApiStandin.lose_answer` makes its next posts land, recorded, and then reset
@@ -40,7 +41,7 @@ HTTP control endpoints (JSON): ``GET /_standin/posts`` (list of successful posts
 ``{"queue": [mode, ...]}`` and/or ``{"channel": ID, "mode": MODE|null}``,
 ``POST /_standin/reset`` (clears records and modes).
 
-Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
+Modes (``chat.postMessage``; ``auth.test`` always answers):
 
 =====================  ==========================================================
 ``ok``                 post and answer ``{"ok": true, "ts": ...}``
@@ -53,6 +54,7 @@ Modes (for ``chat.postMessage`` only; ``auth.test`` always answers):
 ``channel_not_found``  shorthand for ``error:channel_not_found``
 ``hang``               read the request, never answer (until the stand-in stops)
 ``reset``              read the request, then reset the TCP connection (RST)
+``drop``               read the request, then close the connection (FIN), unanswered
 =====================  ==========================================================
 
 A wrong bearer token gets ``{"ok": false, "error": "invalid_auth"}``, none gets
@@ -260,8 +262,13 @@ class SlackApiStandin(StandinBase):
         if auth_error:
             return _json({"ok": False, "error": auth_error})
         channel = str(params.get("channel") or "")
-        if method == "chat.update":
-            mode = self._next_mode(channel)
+        if method in ("chat.update", "views.open"):
+            mode = (
+                self._next_mode(channel)
+                if method == "chat.update"
+                # no channel, and not the queue (which posts take): by its trigger_id
+                else self._key_modes.get(str(params.get("trigger_id") or ""), "ok")
+            )
             cut = await self._hang_or_reset(request, mode)
             if cut is not None:
                 return cut
