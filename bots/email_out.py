@@ -23,16 +23,11 @@ import aiosmtplib
 from bots.email_parse import MAX_CHARS, one_line
 from leadgate.core.config import EmailSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
-from outbox.relay import SEND_LEASE_MS
+from outbox.relay import SEND_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "email"
-#: How long one send may take, all of it: within half the relay's send lease, as a relay
-#: holds up to two rounds of its sends under their leases at once (the second round's
-#: sends wait for the first's), and a send that outlives its lease has its outcome
-#: thrown away (the delivery is taken back as ``deliveryUnknown`` meanwhile).
-SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
 #: The most a QUIT after an accepted message is waited for.
 QUIT_TIMEOUT_S = 5.0
 

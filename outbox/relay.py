@@ -92,6 +92,12 @@ log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
 
 SEND_LEASE_MS = 120_000
+#: How long one send may take, all of it (each channel bounds its own): within half the
+#: send lease, as a relay holds up to two rounds of its sends under their leases at once
+#: (the second round's sends wait for the first's), and a send that outlives its lease
+#: has its outcome thrown away (the delivery is taken back as ``deliveryUnknown``
+#: meanwhile).
+SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
 #: How often (by the relay's clock) ``run_once`` looks for expired send leases.
 EXPIRY_CHECK_MS = 1_000
 _NEVER = 2**62

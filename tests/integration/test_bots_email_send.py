@@ -12,11 +12,10 @@ import aiosmtplib
 import pytest
 
 from bots.email import EmailAdapter, EmailChannel, message_id_for
-from bots.email_out import SEND_DEADLINE_S
 from leadgate.core.config import EmailSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
-from outbox.relay import SEND_LEASE_MS
+from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore
 from tests.standins.smtp import SmtpSink
 
