@@ -33,7 +33,9 @@ import contextlib
 import email.utils
 import logging
 import re
+import socket
 import ssl
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,6 +44,9 @@ from typing import Any
 
 import jwt
 import requests
+import requests.adapters
+import urllib3
+import urllib3.connection
 import urllib3.exceptions
 from aiohttp import web
 from azure.core.exceptions import DeserializationError
@@ -77,6 +82,7 @@ from leadgate.core.errors import ConfigError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.relay import SEND_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
@@ -257,15 +263,51 @@ def _in_handshake(exc: BaseException) -> bool:
     return False
 
 
-def _classify_transport_error(exc: BaseException, *, posting: bool = True) -> SendOutcome:
+_TUNNEL_REFUSED = re.compile(r"Tunnel connection failed: (\d{3}[^'\")]*)")
+
+
+def _classify_transport_error(
+    exc: BaseException, *, posting: bool = True, written: bool | None = None
+) -> SendOutcome:
     """Map a ``requests`` failure (msrest sends with requests) onto an outcome class.
 
-    Connect-phase failures (refused, DNS, connect timeout, TLS handshake) happen before
-    a byte of the request is written: retry. A read timeout, a connection dropped or a
-    TLS error after the handshake (while waiting for the answer) means the connector
-    may have posted: uncertain. ``posting`` False: ``exc`` is not the post's own (the
-    token request before it), so a TLS error there is a retry.
+    ``written`` (a post's, seen on its connection by :class:`_Watch`) decides when it is
+    known: a request whose first byte was never written is a retry, whatever failed (a
+    proxy that refused the tunnel, a connection lost before the request), and any
+    failure after it is uncertain. urllib3 names both a proxy's refusal and a connection
+    lost through a proxy after the request was sent ``ProxyError``, as http.client
+    closes the connection on either, so the error's class cannot tell them apart.
+
+    Otherwise (``written`` None) the error's class decides: connect-phase failures
+    (refused, DNS, connect timeout, TLS handshake) happen before a byte of the request
+    is written: retry. A read timeout, a connection dropped or a TLS error after the
+    handshake (while waiting for the answer) means the connector may have posted:
+    uncertain. ``posting`` False: ``exc`` is not the post's own (the token request
+    before it), so a TLS error there is a retry.
     """
+    outcome = _classified_by_type(exc, posting=posting)
+    if written is None or not posting:
+        return outcome
+    if written:
+        if isinstance(outcome, Uncertain):
+            return outcome
+        return Uncertain(f"teams connector connection lost after the request was sent: {exc}")
+    refused = _TUNNEL_REFUSED.search(str(exc))
+    if refused is not None:
+        # The proxy answered CONNECT with a refusal: no tunnel, nothing sent. A 407 too
+        # is retried, not dropped: its credentials (HTTPS_PROXY) are fixed by an
+        # operator, whom the stalled delivery's WARNING calls, and the output waits.
+        return Retry(
+            f"teams connector: the proxy refused the tunnel ({refused.group(1).strip()}): "
+            "nothing was sent; check the proxy and its credentials (HTTPS_PROXY, NO_PROXY)"
+        )
+    if isinstance(outcome, Retry):
+        return outcome
+    return Retry(f"teams connector: connection lost before the request was written: {exc}")
+
+
+def _classified_by_type(exc: BaseException, *, posting: bool) -> SendOutcome:
+    """:func:`_classify_transport_error` by the error's class alone."""
     if isinstance(exc, requests.exceptions.ConnectTimeout):
         return Retry(f"teams connector connect timeout: {exc}")
     if isinstance(exc, requests.exceptions.ReadTimeout):
@@ -360,6 +402,198 @@ def _not_the_connectors_answer(
     return Uncertain(error)
 
 
+class _Lapsed(OSError):
+    """Raised on the sending thread for a request its send gave up on before it was
+    written: it must never be written (the send's outcome was a retry)."""
+
+
+class _Watch:
+    """One Connector request's deadline, shared by the event loop, which gives up on the
+    request when its time is up, and the thread requests sends it on, which nothing can
+    cancel (msrest runs ``requests`` on the loop's default executor).
+
+    Whether the request's first byte was written and whether the send gave up are
+    decided under one lock: a request given up on before it was written is never
+    written (:class:`_Lapsed`), so its retry posts once. Giving up shuts the
+    connection's socket down, which ends the thread's wait for a Connector or proxy
+    that trickles its answer (each byte within the read timeout), and the executor's
+    thread with it."""
+
+    def __init__(self, on_write: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._on_write = on_write
+        self._connections: list[urllib3.connection.HTTPConnection] = []
+        #: the request's first byte was (about to be) written
+        self.written = False
+        #: the send gave up on the request
+        self.lapsed = False
+        #: the request went where no connection of ours is seen (a SOCKS proxy)
+        self.blind = False
+
+    def opened(self, connection: urllib3.connection.HTTPConnection) -> None:
+        """(sending thread) ``connection`` has its socket: watch it."""
+        with self._lock:
+            if self.lapsed:
+                raise _Lapsed("the send gave up before the request was written")
+            if connection not in self._connections:
+                self._connections.append(connection)
+
+    def writing(self, connection: urllib3.connection.HTTPConnection) -> None:
+        """(sending thread) The request is about to be written on ``connection``."""
+        self.opened(connection)
+        with self._lock:
+            if self.lapsed:
+                raise _Lapsed("the send gave up before the request was written")
+            first, self.written = not self.written, True
+        if first:
+            self._on_write()
+
+    def closing(self, connection: urllib3.connection.HTTPConnection) -> threading.Lock:
+        """(any thread) The lock to hold while ``connection`` closes (its socket is
+        never shut down by :meth:`lapse` after it was closed, and its descriptor reused)."""
+        with self._lock:
+            if connection in self._connections:
+                self._connections.remove(connection)
+        return self._lock
+
+    def lapse(self) -> bool:
+        """(event loop) Give up on the request; whether it may have been written."""
+        with self._lock:
+            self.lapsed = True
+            for connection in self._connections:
+                sock = connection.sock
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        # socket's own shutdown, not SSLSocket's (which drops its TLS
+                        # state under the thread reading through it): the thread's
+                        # read ends at once.
+                        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            return self.written or self.blind
+
+
+_sending = threading.local()
+
+
+def _watch_of_thread() -> _Watch | None:
+    watch = getattr(_sending, "watch", None)
+    return watch if isinstance(watch, _Watch) else None
+
+
+class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
+    """urllib3's connection, telling the :class:`_Watch` of the thread that opens it
+    (``requests`` sends a request, and reads its answer, on one thread) what it does."""
+
+    watch: _Watch | None = None
+
+    def _new_conn(self) -> socket.socket:
+        return _opened(self, super()._new_conn())
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        """Write the request, unless its send gave up on it."""
+        _writing(self)
+        super().request(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close (never while the watch shuts the socket down)."""
+        with _closing(self):
+            super().close()
+
+
+class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
+    """:class:`_WatchedHTTPConnection` over TLS."""
+
+    watch: _Watch | None = None
+
+    def _new_conn(self) -> socket.socket:
+        return _opened(self, super()._new_conn())
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        """Write the request, unless its send gave up on it."""
+        _writing(self)
+        super().request(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close (never while the watch shuts the socket down)."""
+        with _closing(self):
+            super().close()
+
+
+_Watched = _WatchedHTTPConnection | _WatchedHTTPSConnection
+
+
+def _opened(connection: _Watched, sock: socket.socket) -> socket.socket:
+    connection.watch = connection.watch or _watch_of_thread()
+    if connection.watch is not None:
+        try:
+            # (a proxy's CONNECT and the TLS handshake come next: a lapse ends them)
+            connection.watch.opened(connection)
+        except _Lapsed:
+            sock.close()
+            raise
+    return sock
+
+
+def _writing(connection: _Watched) -> None:
+    connection.watch = connection.watch or _watch_of_thread()
+    if connection.watch is not None:
+        if connection.sock is None:
+            # Connected now, not by http.client's first write: the connection (a
+            # proxy's CONNECT included) is no part of the request.
+            connection.connect()
+        connection.watch.writing(connection)
+
+
+def _closing(connection: _Watched) -> contextlib.AbstractContextManager[object]:
+    if connection.watch is None:
+        return contextlib.nullcontext()
+    return connection.watch.closing(connection)
+
+
+class _WatchedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+_WATCHED_POOLS: dict[str, type[urllib3.HTTPConnectionPool]] = {
+    "http": _WatchedHTTPPool,
+    "https": _WatchedHTTPSPool,
+}
+
+
+class _WatchedAdapter(requests.adapters.HTTPAdapter):
+    """requests' adapter for one Connector request, on connections ``watch`` sees."""
+
+    def __init__(self, watch: _Watch, max_retries: Any) -> None:
+        self._watch = watch
+        super().__init__(max_retries=max_retries)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        """requests' pool manager, making watched connections."""
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = _WATCHED_POOLS
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        """requests' manager for ``proxy``, making watched connections (a SOCKS proxy's
+        are its own: the watch is blind to them)."""
+        manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+        if type(manager) is urllib3.ProxyManager:
+            manager.pool_classes_by_scheme = _WATCHED_POOLS
+        else:
+            self._watch.blind = True
+        return manager
+
+    def send(self, *args: Any, **kwargs: Any) -> requests.Response:
+        """Send on this thread, watched."""
+        _sending.watch = self._watch
+        try:
+            return super().send(*args, **kwargs)
+        finally:
+            _sending.watch = None
+
+
 class TeamsChannel:
     """Posts replies and approved output through the Bot Connector.
 
@@ -378,10 +612,20 @@ class TeamsChannel:
     max_chars = MAX_TEXT_BYTES
     text_size = staticmethod(text_size)
 
-    def __init__(self, adapter: CloudAdapter, app_id: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        adapter: CloudAdapter,
+        app_id: str,
+        *,
+        timeout_s: float = 30.0,
+        deadline_s: float = SEND_DEADLINE_S,
+    ) -> None:
+        if deadline_s <= timeout_s:
+            raise ValueError("deadline_s must be longer than timeout_s")
         self._adapter = adapter
         self._app_id = app_id
         self._timeout_s = timeout_s
+        self._deadline_s = deadline_s
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post ``message.text`` (or, ``message.card`` set, a review card as an
@@ -442,7 +686,15 @@ class TeamsChannel:
         edit: bool = False,
     ) -> SendOutcome:
         """Run ``call`` in a proactive turn on the stored conversation reference, mapping
-        every failure onto an outcome class (``edit``: ``call`` edits a card)."""
+        every failure onto an outcome class (``edit``: ``call`` edits a card).
+
+        The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`): the
+        Connector's request must be under way (connected, through any proxy's tunnel and
+        the TLS handshake) within ``deadline_s - timeout_s`` (past it: :class:`Retry`,
+        and the request is never written), and then it and its answer get ``timeout_s``
+        (past it: :class:`Uncertain`). requests bounds each socket operation alone, and
+        a Connector or proxy trickling its answer kept a send past its lease.
+        """
         raw_reference = message.address.get("reference")
         if not isinstance(raw_reference, dict):
             return Permanent("teams binding has no conversation reference")
@@ -455,12 +707,64 @@ class TeamsChannel:
         if fallback_reply and message.kind == "reply" and reply_to is None:
             reply_to = reference.activity_id
 
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        before_write_s = self._deadline_s - self._timeout_s
+        scope: asyncio.Timeout | None = None
+
+        def answer_within_timeout() -> None:
+            # The request is being written: it and its answer get timeout_s, within
+            # the send's deadline.
+            if scope is not None and not scope.expired() and scope.when() is not None:
+                scope.reschedule(min(loop.time() + self._timeout_s, started + self._deadline_s))
+
+        def written() -> None:  # (on the sending thread)
+            loop.call_soon_threadsafe(answer_within_timeout)
+
+        watch = _Watch(written)
+        try:
+            async with asyncio.timeout_at(started + before_write_s) as scope:
+                return await self._run(reference, call, reply_to, watch, edit=edit)
+        except TimeoutError:
+            pass
+        finally:
+            scope = None  # (a late answer_within_timeout finds it gone)
+        if watch.lapse():
+            return Uncertain(
+                f"teams connector: no answer within {self._timeout_s:g} s after the request "
+                "was sent; the post may have landed"
+            )
+        return Retry(
+            f"teams connector: the connection took longer than {before_write_s:g} s "
+            "(any proxy's tunnel and the TLS handshake included); nothing was sent"
+        )
+
+    async def _run(
+        self,
+        reference: ConversationReference,
+        call: Callable[[TurnContext], Awaitable[str | None]],
+        reply_to: str | None,
+        watch: _Watch,
+        *,
+        edit: bool,
+    ) -> SendOutcome:
+        """:meth:`_continue`'s proactive turn, every failure mapped (never raises)."""
         sent: list[str | None] = []
         in_flight = False
         answers: list[requests.Response] = []
 
         def heard(response: requests.Response, *args: Any, **kwargs: Any) -> None:
             answers.append(response)
+
+        def watched(
+            session: requests.Session, config: Any, local: Any, **kwargs: Any
+        ) -> dict[str, Any]:
+            # (msrest's hook on each request's session, before it is sent)
+            for prefix in ("https://", "http://"):
+                # (msrest's retry policy, set on requests' adapters)
+                retries = getattr(session.get_adapter(prefix), "max_retries", 0)
+                session.mount(prefix, _WatchedAdapter(watch, retries))
+            return kwargs
 
         async def run(turn_context: TurnContext) -> None:
             nonlocal in_flight
@@ -474,6 +778,8 @@ class TeamsChannel:
                 # Retry-After lost: it is to hand the answer back instead.
                 client.config.retry_policy.policy.raise_on_status = False
                 client.config.connection.timeout = self._timeout_s
+                # Its request goes out on connections the watch sees (its deadline).
+                client.config.session_configuration_callback = watched
                 # msrest reads every answer's body by its content type before it looks
                 # at the status, and names neither when it cannot: the answer, heard
                 # here (a requests hook; the client is this call's own), tells.
@@ -495,7 +801,10 @@ class TeamsChannel:
             return _classify_status(exc)
         except ClientRequestError as exc:
             inner = getattr(exc, "inner_exception", None)
-            return _classify_transport_error(inner if inner is not None else exc)
+            return _classify_transport_error(
+                inner if inner is not None else exc,
+                written=None if watch.blind else watch.written,
+            )
         except requests.RequestException as exc:
             # e.g. the token request to the Microsoft identity platform
             return _classify_transport_error(exc, posting=False)
@@ -532,6 +841,7 @@ class TeamsAdapter:
         core: Core,
         *,
         send_timeout_s: float = 30.0,
+        send_deadline_s: float = SEND_DEADLINE_S,
         auth_timeout_s: float = 10.0,
     ) -> None:
         self._settings = settings
@@ -541,7 +851,10 @@ class TeamsAdapter:
         self.cloud_adapter = CloudAdapter(self.auth)
         self.bot: Bot = TeamsBot(core)
         self.teams_channel = TeamsChannel(
-            self.cloud_adapter, settings.app_id, timeout_s=send_timeout_s
+            self.cloud_adapter,
+            settings.app_id,
+            timeout_s=send_timeout_s,
+            deadline_s=send_deadline_s,
         )
         self.channel: Channel = self.teams_channel
         # Token validation may fetch the OpenID metadata with a blocking `requests.get`

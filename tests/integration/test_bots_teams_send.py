@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,19 @@ from bots.teams import TeamsAdapter, parse_message
 from leadgate.core.config import TeamsSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import decided_card, ours
+from tests.helpers import decided_card, eventually, ours
 from tests.standins.common import PORTAL_SESSION
-from tests.standins.connector import ConnectorStandin, message_activity, post_activity
+from tests.standins.connector import (
+    TRICKLE_BYTES,
+    TRICKLE_S,
+    ConnectorStandin,
+    message_activity,
+    post_activity,
+)
 from tests.standins.microsoft_login import _certificates
+from tests.standins.proxy import ProxyStandin
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
 ACTIVITY_ID = "1700000000001"
@@ -401,3 +410,119 @@ async def test_recovers_after_a_failure(adapter: TeamsAdapter, connector: Connec
     assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
     assert [r["mode"] for r in connector.requests] == ["503", "ok"]
     assert len(connector.activities) == 1
+
+
+async def test_a_connector_trickling_its_answer_is_given_up_on_within_the_send_deadline(
+    connector: ConnectorStandin,
+) -> None:
+    """requests bounds each socket operation alone: a Connector (or a proxy) answering a
+    byte at a time, each within the read timeout, kept a send past its lease, whose
+    lapse took the delivery back as deliveryUnknown and threw the send's own outcome
+    away. Now the request and its answer get timeout_s, within the send's deadline:
+    uncertain (the post was taken), and the connection is let go at once."""
+    assert SEND_DEADLINE_S <= SEND_LEASE_MS / 2000  # two rounds of sends per lease
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True), FakeCore(), send_timeout_s=1.0, send_deadline_s=2.0
+    )
+    connector.fail_next("trickle")
+    started = time.monotonic()
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Uncertain), outcome
+    assert "no answer within 1 s after the request was sent" in outcome.error
+    assert time.monotonic() - started < 1.0 + TRICKLE_S * TRICKLE_BYTES / 2
+    [posted] = connector.requests
+    # The thread reading the answer ends with the send (the socket is shut down), not
+    # at the trickle's end.
+    await eventually(lambda: posted["cut"], what="the connection let go")
+    assert posted["trickled"] < TRICKLE_BYTES
+    assert isinstance(await adapter.channel.send(_message(_address(connector.url), "gating")), Sent)
+
+
+@pytest.fixture
+async def tls_connector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[ConnectorStandin]:
+    """The Connector stand-in over TLS (an ``https`` service URL), its CA trusted."""
+    standin = ConnectorStandin(ssl_context=_certificates(tmp_path / "ca.pem", ips=("127.0.0.1",)))
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "ca.pem"))
+    await standin.start()
+    try:
+        yield standin
+    finally:
+        await standin.close()
+
+
+@pytest.fixture
+async def proxy(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ProxyStandin]:
+    """A CONNECT proxy on the way (HTTPS_PROXY)."""
+    standin = ProxyStandin()
+    await standin.start()
+    for name in ("HTTPS_PROXY", "https_proxy"):
+        monkeypatch.setenv(name, standin.url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        yield standin
+    finally:
+        await standin.close()
+
+
+async def test_a_proxy_trickling_its_tunnel_is_given_up_on_before_the_request(
+    tls_connector: ConnectorStandin, proxy: ProxyStandin
+) -> None:
+    """A proxy answering CONNECT a byte at a time (each within the read timeout) kept
+    the send waiting for the tunnel past its lease. Now the connection must be made
+    within deadline_s - timeout_s: past it, nothing was sent (a retry), the request is
+    never written on the tunnel, and the connection is let go at once."""
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True), FakeCore(), send_timeout_s=1.0, send_deadline_s=2.0
+    )
+    proxy.slow_s = 0.1  # the tunnel's 200 takes about 4 s
+    started = time.monotonic()
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert "the connection took longer than 1 s" in outcome.error
+    assert time.monotonic() - started < 3.0
+    await eventually(lambda: proxy.ended == 1, what="the tunnel let go")
+    assert tls_connector.requests == []
+    proxy.slow_s = 0.0
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Sent), outcome
+    assert len(proxy.connects) == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"), [("403", "403 Forbidden"), ("407", "407 Proxy Authentication Required")]
+)
+async def test_a_proxy_refusing_the_tunnel_is_retry(
+    adapter: TeamsAdapter,
+    tls_connector: ConnectorStandin,
+    proxy: ProxyStandin,
+    mode: str,
+    said: str,
+) -> None:
+    """A proxy that answers CONNECT with a refusal: no tunnel, nothing reached the
+    Connector, so the send is retried, with the proxy's answer named. A 407 too: the
+    proxy's credentials (HTTPS_PROXY) are an operator's to fix, and a retry keeps the
+    output until then (a permanent failure would drop it)."""
+    proxy.mode = mode
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert f"the proxy refused the tunnel ({said}): nothing was sent" in outcome.error
+    assert proxy.connects and tls_connector.requests == []
+
+
+async def test_a_connection_lost_through_a_proxy_after_the_request_was_read_is_uncertain(
+    adapter: TeamsAdapter, tls_connector: ConnectorStandin, proxy: ProxyStandin
+) -> None:
+    """Through a proxy, urllib3 names a connection lost after the request was written
+    ProxyError ('Unable to connect to proxy', as for a proxy that cannot be reached:
+    http.client closes the connection, which resets urllib3's "connected to the
+    proxy"), and it was retried: a post the Connector had taken was posted again. What
+    the connection wrote decides now: uncertain."""
+    tls_connector.fail_next("reset")
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Uncertain), outcome
+    assert "after the request was sent" in outcome.error
+    [read] = tls_connector.requests
+    assert read["activity"]["text"] == "Echo: hi"
