@@ -22,8 +22,9 @@ from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.operations.chat_reviews import ChatAnswer
 from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.relay import SEND_DEADLINE_S
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import decided_card, ours
+from tests.helpers import decided_card, eventually, ours
 from tests.standins.common import PORTAL_SESSION
 from tests.standins.microsoft_login import MicrosoftLogin
 from tests.standins.slack_api import SlackApiStandin, signed_headers
@@ -256,6 +257,28 @@ async def test_hang_after_reading_is_uncertain(
     # (1.5 s was within its reach).
     assert time.monotonic() - started < 4.0
     assert len(standin.requests) == 1
+
+
+async def test_an_answer_trickled_a_byte_at_a_time_ends_at_the_timeout(
+    standin: SlackApiStandin,
+) -> None:
+    """The session's timeout is aiohttp's total (the whole request, the answer's body
+    included), not a read timeout: an answer trickled a byte at a time, each within
+    any read timeout, ends the send at the timeout, uncertain (the post was taken),
+    and far within the send's deadline and its lease. (Found sound: a read-only timeout
+    in its place fails this.)"""
+    assert SEND_DEADLINE_S > 30.0  # SlackChannel's default timeout_s
+    channel = SlackChannel(settings(standin.api_url), timeout_s=1.0)
+    try:
+        standin.queue("trickle")
+        started = time.monotonic()
+        outcome = await channel.send(message())
+        assert isinstance(outcome, Uncertain), outcome
+        assert time.monotonic() - started < 3.0  # the whole answer takes about 5 s
+        [posted] = standin.requests
+        await eventually(lambda: posted["cut"], what="the connection let go")
+    finally:
+        await channel.close()
 
 
 async def test_reset_after_reading_is_uncertain(

@@ -25,10 +25,9 @@ from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent,
 from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, eventually, ours
-from tests.standins.common import PORTAL_SESSION
+from tests.standins.common import PORTAL_SESSION, TRICKLE_S
 from tests.standins.connector import (
     TRICKLE_BYTES,
-    TRICKLE_S,
     ConnectorStandin,
     message_activity,
     post_activity,

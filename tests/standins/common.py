@@ -23,7 +23,19 @@ from typing import Any, Self
 
 from aiohttp import web
 
-__all__ = ["PORTAL_SESSION", "StandinBase", "abort_with_reset", "portal_page", "serve_main"]
+__all__ = [
+    "PORTAL_SESSION",
+    "TRICKLE_S",
+    "StandinBase",
+    "abort_with_reset",
+    "portal_page",
+    "serve_main",
+    "trickle",
+]
+
+#: Mode "trickle": the seconds between the bytes of an answer written a byte at a time
+#: (each well within a client's read timeout).
+TRICKLE_S = 0.1
 
 #: The session id in the ``portal`` page's login link (every platform's stand-in).
 PORTAL_SESSION = "9f86d081884c7d659a2feaa0c55ad015"
@@ -52,6 +64,28 @@ def abort_with_reset(request: web.Request) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
+
+
+async def trickle(
+    request: web.Request, body: bytes, record: dict[str, Any], stop: asyncio.Event
+) -> web.StreamResponse:
+    """Answer ``200`` with ``body`` (JSON) a byte every :data:`TRICKLE_S`, until ``stop``
+    is set; ``record["trickled"]`` counts the bytes written, ``record["cut"]`` says the
+    client hung up first."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    await response.prepare(request)
+    record.update(trickled=0, cut=False)
+    try:
+        for byte in body:
+            if stop.is_set():
+                break
+            await asyncio.sleep(TRICKLE_S)  # a slow answer's real time: what is tested
+            await response.write(bytes([byte]))
+            record["trickled"] += 1
+    except (ConnectionError, RuntimeError):  # (aiohttp: "Cannot write to closing transport")
+        record["cut"] = True
+    return response
 
 
 class StandinBase:

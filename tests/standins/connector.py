@@ -39,10 +39,11 @@ Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
 ``Retry-After``; ``"503"`` carries one too when ``retry_after`` is given), ``"408"``,
 ``"412"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
 ``"hang"`` (reads the request, never answers), ``"trickle"`` (posts, and answers ``200``
-one byte every :data:`TRICKLE_S`, each within a read timeout, the whole answer
-:data:`TRICKLE_BYTES` long), ``"reset"`` (reads the request, then aborts the TCP
-connection), ``"badrecord"`` (over TLS: reads the request, then answers
-with a TLS record that does not decrypt and aborts), ``"portal"`` (200 with an HTML
+one byte every ``TRICKLE_S``, each within a read timeout, the whole answer
+:data:`TRICKLE_BYTES` long; the record's ``trickled`` and ``cut`` tell how it went),
+``"reset"`` (reads the request, then aborts the TCP connection), ``"badrecord"`` (over
+TLS: reads the request, then answers with a TLS record that does not decrypt and
+aborts), ``"portal"`` (200 with an HTML
 page, nothing posted: a captive portal's or a proxy's answer, not the Connector's),
 ``"proxy404"``, ``"proxy502"``, ``"proxy503"`` (that status with a proxy's HTML page),
 ``"503_quoting"`` (a 503 whose error message quotes the activity's text).
@@ -67,7 +68,7 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from tests.standins.common import portal_page
+from tests.standins.common import portal_page, trickle
 
 #: Answers with an HTML page instead of the Connector's JSON, by mode: their status.
 PAGES = {"portal": 200, "proxy404": 404, "proxy502": 502, "proxy503": 503}
@@ -77,8 +78,7 @@ FAILURE_MODES = frozenset(
         *("503_quoting", "hang", "trickle", "reset", "badrecord", *PAGES),
     }
 )
-#: Mode "trickle": the seconds between the answer's bytes, and how many there are.
-TRICKLE_S = 0.1
+#: Mode "trickle": how many bytes the answer has (one every TRICKLE_S).
 TRICKLE_BYTES = 60
 
 
@@ -177,30 +177,10 @@ class ConnectorStandin:
             record["id"] = new_id
             self.activities.append(record)
             if mode == "trickle":
-                return await self._trickle(request, record, {"id": new_id})
+                body = json.dumps({"id": new_id}).encode().ljust(TRICKLE_BYTES)
+                return await trickle(request, body, record, self._closing)
             return web.json_response({"id": new_id})
         return await self._fail(request, mode, retry_after)
-
-    async def _trickle(
-        self, request: web.Request, record: dict[str, Any], answer: dict[str, Any]
-    ) -> web.StreamResponse:
-        """Answer ``answer`` (padded to TRICKLE_BYTES) a byte at a time; the record's
-        ``trickled`` counts the bytes written, ``cut`` says the client hung up first."""
-        body = json.dumps(answer).encode().ljust(TRICKLE_BYTES)
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        response.content_length = len(body)
-        await response.prepare(request)
-        record.update(trickled=0, cut=False)
-        try:
-            for byte in body:
-                if self._closing.is_set():
-                    break
-                await asyncio.sleep(TRICKLE_S)  # a slow answer's real time: what is tested
-                await response.write(bytes([byte]))
-                record["trickled"] += 1
-        except (ConnectionError, RuntimeError):  # (aiohttp: "Cannot write to closing transport")
-            record["cut"] = True
-        return response
 
     async def _put(self, request: web.Request) -> web.StreamResponse:
         body = await _read_json(request)

@@ -55,6 +55,9 @@ Modes (``chat.postMessage``; ``auth.test`` always answers):
 ``hang``               read the request, never answer (until the stand-in stops)
 ``reset``              read the request, then reset the TCP connection (RST)
 ``drop``               read the request, then close the connection (FIN), unanswered
+``trickle``            post, and answer a byte every ``TRICKLE_S`` (0.1 s), each
+                       within a read timeout (the request's record: ``trickled``,
+                       ``cut``)
 =====================  ==========================================================
 
 A wrong bearer token gets ``{"ok": false, "error": "invalid_auth"}``, none gets
@@ -76,7 +79,13 @@ from urllib.parse import parse_qsl
 from aiohttp import web
 from slack_sdk.signature import SignatureVerifier
 
-from tests.standins.common import StandinBase, abort_with_reset, portal_page, serve_main
+from tests.standins.common import (
+    StandinBase,
+    abort_with_reset,
+    portal_page,
+    serve_main,
+    trickle,
+)
 
 __all__ = ["SlackApiStandin", "abort_with_reset", "signed_headers"]
 
@@ -358,6 +367,10 @@ class SlackApiStandin(StandinBase):
             if extra in params:
                 post[extra] = params[extra]
         self.posts.append(post)
+        if mode == "trickle":
+            record = self.requests[-1]
+            answer = {"ok": True, "channel": channel, "ts": ts}
+            return await trickle(request, json.dumps(answer).encode(), record, self._release)
         message: dict[str, Any] = {
             "type": "message",
             "text": text,
