@@ -525,3 +525,25 @@ async def test_a_connection_lost_through_a_proxy_after_the_request_was_read_is_u
     assert "after the request was sent" in outcome.error
     [read] = tls_connector.requests
     assert read["activity"]["text"] == "Echo: hi"
+
+
+async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
+    tls_connector: ConnectorStandin, proxy: ProxyStandin
+) -> None:
+    """The send gives up (a retry) while the TLS handshake is under way, where its
+    socket cannot be shut down (the TLS layer has taken it over); the handshake
+    completes on the thread later, and the request must not be written then: a retry
+    of a request that was posted after all would post it twice."""
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True), FakeCore(), send_timeout_s=3.0, send_deadline_s=4.0
+    )
+    proxy.hold_s = 1.5  # the server's handshake answer: past the 1 s for the connection
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert "the connection took longer than 1 s" in outcome.error
+    # The handshake completes; the thread finds the send given up and writes nothing.
+    await eventually(
+        lambda: proxy.ended == 1 or tls_connector.requests, what="the thread done with it"
+    )
+    assert tls_connector.requests == []
+    assert proxy.ended == 1

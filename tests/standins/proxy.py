@@ -17,7 +17,8 @@ Modes:
 * ``"tunnel"`` (the default): ``200 Connection established``, then bytes are relayed
   both ways between the client and the target; with ``slow_s`` set, each byte of that
   answer is written that much later (a proxy trickling its answer, each byte within
-  the client's read timeout);
+  the client's read timeout); with ``hold_s`` set, the target's first bytes are held
+  that long (a TLS server slow to answer the handshake);
 * ``"403"``, ``"407"``: the tunnel is refused with that status (``407`` with
   ``Proxy-Authenticate: Basic``), and the connection closed: nothing reaches the target.
 
@@ -52,6 +53,9 @@ class ProxyStandin:
         self.mode = "tunnel"
         #: seconds between the bytes of a tunnel's ``200`` (0: all at once)
         self.slow_s = 0.0
+        #: seconds a tunnel holds the target's first bytes (a TLS server slow to answer
+        #: the handshake)
+        self.hold_s = 0.0
         #: each CONNECT's target ("host:port"), oldest first
         self.connects: list[str] = []
         #: client connections that have ended
@@ -119,7 +123,7 @@ class ProxyStandin:
                 await writer.drain()
             pipes = {
                 asyncio.ensure_future(_pipe(reader, up_writer)),
-                asyncio.ensure_future(_pipe(up_reader, writer)),
+                asyncio.ensure_future(_pipe(up_reader, writer, hold_s=self.hold_s)),
             }
             try:
                 # Either side ending ends the tunnel: the sender letting go shows at once.
@@ -132,9 +136,15 @@ class ProxyStandin:
             up_writer.close()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy ``reader`` to ``writer`` until the reader ends or the writer fails."""
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, hold_s: float = 0.0
+) -> None:
+    """Copy ``reader`` to ``writer`` until the reader ends or the writer fails (the first
+    bytes held ``hold_s``)."""
     with contextlib.suppress(ConnectionError):
         while chunk := await reader.read(65536):
+            if hold_s > 0:
+                await asyncio.sleep(hold_s)  # a slow server's real time: what is tested
+                hold_s = 0.0
             writer.write(chunk)
             await writer.drain()
