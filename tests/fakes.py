@@ -51,7 +51,8 @@ class GateProvider:
 
 class FaultProvider:
     """A model whose turn meets a database fault after the message was taken in (a
-    message ``once``: only its first turn does; the next answers it)."""
+    message ``once``: only its first turn does; the next answers it; ``fails later``:
+    the next fails, a model error)."""
 
     def __init__(self) -> None:
         self.faulted: set[str] = set()
@@ -59,6 +60,8 @@ class FaultProvider:
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         last = request.messages[-1].content
         if last == "model":
+            raise ModelError("the provider failed", rule="model.failed")
+        if last == "fails later" and last in self.faulted:
             raise ModelError("the provider failed", rule="model.failed")
         if last == "once" and last in self.faulted:
             yield TextDelta("answered once the database was back")

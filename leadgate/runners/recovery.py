@@ -59,6 +59,9 @@ class TurnRecovery:
 
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
+        if self.turns.owed:
+            # Plain turns stopped on a fault record their runs first (orphans then).
+            await self.turns.record_owed()
         if not self.turns.orphans and not (self.turns.lost and self._look_due()):
             if self.own_only:
                 return False

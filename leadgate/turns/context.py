@@ -65,3 +65,7 @@ class TurnContext:
     # Idempotency-Key events among them get the rerun's answer, or its failure, stored
     # under their key in the transaction that ends the run.
     keyed_events: tuple[str, ...] = ()
+    # The id of the user message its intake stored (None for a recovered run's turn): a
+    # plain REST/MCP/Studio turn, which records no run, stopped on a database fault is
+    # recorded as one by it once the database is back (TurnService.owed).
+    message_id: str | None = None

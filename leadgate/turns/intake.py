@@ -452,6 +452,7 @@ class Intake:
             binding_posts=trigger.binding.kind.is_channel and not trigger.binding.silent,
             run_token=run_token,
             run_fenced=run_token is not None and kind.is_channel,
+            message_id=message_id,
         )
         return Accepted(ctx, agent, lead is not None, rules, history)
 
@@ -551,6 +552,7 @@ class Intake:
             binding_posts=kind.is_channel and not trigger.binding.silent,
             run_token=run_token,
             run_fenced=run_token is not None and kind.is_channel,
+            message_id=str(message["id"]),
         )
         return Accepted(ctx, agent, lead is not None, rules, [to_message("user", trigger.text)])
 
@@ -612,6 +614,7 @@ class Intake:
             binding_posts=False,  # not a channel
             run_token=None,
             run_fenced=False,
+            message_id=message_id,
         )
         return Accepted(ctx, agent, False, rules, history)
 
@@ -686,6 +689,27 @@ class Intake:
         if row is None:
             raise fault.found_nothing()
         return _Landed(bindings.session_from_row(row), history)
+
+    def owed_run(self, trigger: Trigger, turn: Accepted, taken_at: int) -> dict[str, Any] | None:
+        """The ``turn_runs`` row that records ``turn`` late (None: it needs none, or
+        has one): a plain REST/MCP/Studio turn that stopped on a database fault after
+        its intake (``taken_at``: a time at or before its message's) and recorded no
+        run. A ``client`` run, as a gated turn of theirs records in its intake."""
+        ctx = turn.ctx
+        if ctx.run_token is not None or ctx.message_id is None:
+            return None
+        if trigger.binding.kind not in _CLIENT_KINDS:
+            return None  # (a plain flow node's: flow recovery takes it, flow.turn_lost)
+        return self._run_values(
+            trigger,
+            turn.agent,
+            ctx.session_id,
+            ctx.binding_id,
+            ctx.work_item_id,
+            ctx.message_id,
+            ctx.turn_id,
+            taken_at,
+        )
 
     def _run_values(
         self,

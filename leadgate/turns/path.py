@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -308,6 +309,12 @@ class TurnService:
         #: once the database is back (in an ``api`` process, which runs no runners, its
         #: own turn recovery loop: only this process knows them)
         self.orphans: set[str] = set()
+        #: plain REST/MCP/Studio turns (no run recorded) that stopped on a database fault
+        #: after their intake, their clients told not to send the message again: the run
+        #: row to record for each (by its lease token) once the database is back, then
+        #: rerun as an orphan (:meth:`record_owed`). In this process's memory only: lost
+        #: if it dies first (nothing stored tells such a message from an answered one).
+        self.owed: dict[str, dict[str, Any]] = {}
         #: Set by the composition root to the recovery runner's wake: called when a run
         #: is orphaned or watched (:meth:`orphaned`, :attr:`lost`) outside that runner's
         #: passes, so it looks now (or at the look's time), not at its next poll.
@@ -367,6 +374,9 @@ class TurnService:
         stored message, answered as this call's own; a run still being run is
         ``Duplicate(running=True)``.
         """
+        # At or before the message's own time: the run a fault makes this process owe
+        # counts later messages of the session from here (runs._resent).
+        taken_at = self.clock.now_ms()
         intake = await self.take(trigger)
         if isinstance(intake, Duplicate) and retake and not intake.busy:
             assert trigger.external_event_id is not None
@@ -391,7 +401,31 @@ class TurnService:
             fault = unavailable(exc)
             if fault is None:
                 raise
+            self._owe(trigger, intake, taken_at)
             raise TurnInterrupted(fault.detail) from exc
+
+    def _owe(self, trigger: Trigger, turn: Accepted, taken_at: int) -> None:
+        """``turn`` stopped on a database fault and its client is told not to send the
+        message again: when it recorded no run (a plain REST/MCP/Studio turn), nothing
+        would ever answer the message. This process owes it (:attr:`owed`), and its
+        turn recovery is woken to record and rerun it once the database is back."""
+        values = self.intake.owed_run(trigger, turn, taken_at)
+        if values is None:
+            return
+        self.owed[str(values["lease_token"])] = values
+        self.recovery_due()
+
+    async def record_owed(self) -> None:
+        """Record the runs of :attr:`owed` (each in a transaction of its own,
+        :func:`leadgate.turns.runs.record_owed`) and hand them to turn recovery as
+        orphans, which reruns them from the stored message as it does a gated turn's
+        stopped on a database fault. A database fault stops it: the rest stay owed,
+        recorded at a later pass (the same rows, so a try in doubt that landed is not
+        recorded twice)."""
+        for token, values in list(self.owed.items()):
+            await runs.record_owed(self.db, values, self.clock.now_ms())
+            del self.owed[token]
+            self.orphans.add(token)
 
     async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:
         """The intake alone (one short transaction): what a channel awaits before it
@@ -435,7 +469,7 @@ class TurnService:
                 self.orphaned(token)
             return
         try:
-            if ctx.recovered_client and ctx.work_item_id is not None:
+            if ctx.recovered_client:
                 # What a live request is answered for this failure (its 502, or a 500
                 # for an error that is not the engine's own).
                 failure = (
@@ -484,7 +518,12 @@ class TurnService:
             )
 
     async def _end_client_run(
-        self, ctx: TurnContext, token: str, item_id: str, why: str, failure: LeadgateError
+        self,
+        ctx: TurnContext,
+        token: str,
+        item_id: str | None,
+        why: str,
+        failure: LeadgateError,
     ) -> None:
         """End a REST/MCP/Studio turn that turn recovery ran and could not finish (its
         model failed, or it was given up): its client was told not to send the message
@@ -495,16 +534,20 @@ class TurnService:
         event says ``abandoned``). Left ``inProgress``, it waited a week for the
         abandonment sweeper with the requester never answered. A keyed REST request's
         key gets ``failure`` (:meth:`_store_keyed`): its retry is told the error, not
-        ``idempotency.lost`` for good."""
+        ``idempotency.lost`` for good. A plain turn's run (``item_id`` None: recorded
+        late, :meth:`record_owed`) has no item to abandon; its notice is stored all the
+        same (closed silently, the message had no answer and nobody a word)."""
+        abandoned = False
         async with self.db.tx() as conn:
             await runs.finish(conn, token, fenced=ctx.run_fenced)
             await self._store(
                 conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE
             )
             await self._store_keyed(conn, ctx.keyed_events, failure)
-            abandoned = await runs.abandon_given_up(
-                conn, self.clock, self.ids, item_id, text=why, flow=False
-            )
+            if item_id is not None:
+                abandoned = await runs.abandon_given_up(
+                    conn, self.clock, self.ids, item_id, text=why, flow=False
+                )
         log.warning(
             "recovered turn of session %s ended with a failure notice%s",
             ctx.session_id,
@@ -662,7 +705,7 @@ class TurnService:
         if claimed.action == "gaveUp":
             if kind is BindingKind.flow and claimed.work_item_id is not None:
                 await self._give_up_flow_turn(ctx, claimed.token, claimed.work_item_id)
-            elif ctx.recovered_client and claimed.work_item_id is not None:
+            elif ctx.recovered_client:
                 gave_up = ModelError(runs.GAVE_UP_MESSAGE, rule=GAVE_UP_RULE)
                 why = (
                     runs.KEYED_RESEND_GAVE_UP_TEXT if ctx.keyed_resend else runs.CLIENT_GAVE_UP_TEXT

@@ -100,7 +100,7 @@ from leadgate.core.errors import TransitionError, Unavailable
 from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
-from leadgate.database.sql import bound_lock_waits
+from leadgate.database.sql import bound_lock_waits, insert_ignore_stmt
 from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
@@ -212,6 +212,20 @@ _LEASE_CHECK = sa.select(
 async def record(conn: Conn, values: dict[str, Any]) -> None:
     """Insert a run row (inside the intake transaction)."""
     await conn.execute(_INSERT, values)
+
+
+async def record_owed(db: Database, values: dict[str, Any], now: int) -> None:
+    """Record, in a transaction of its own, the run (``values``, leased from ``now``) of
+    a plain REST/MCP/Studio turn that stopped on a database fault after its intake: it
+    recorded none (a plain chat message has only its transcript row), and its client
+    was told not to send the message again. The process that owes it records it once
+    the database is back, then its turn recovery reruns it as an orphan
+    (:meth:`leadgate.turns.path.TurnService.record_owed`). Tried again with the same
+    row after a failure: a try whose ``COMMIT`` was in doubt and landed inserts nothing
+    the second time."""
+    async with db.tx() as conn:
+        insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
+        await conn.execute(insert, {**values, "lease_expires_at": now + RUN_LEASE_MS})
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:

@@ -1,0 +1,219 @@
+"""A plain worker's (no lead) REST, MCP and Studio turn that meets a database fault
+after its message was taken in, through the real app on 127.0.0.1 and the official
+``openai`` and ``mcp`` clients, on both backends. The fault is a real statement fault
+(:mod:`tests.statement_faults`) at the statement that stores the reply.
+
+Its client is told 503 ``turn.interrupted`` ("do not send it again"). Such a turn
+records no run (a plain chat message has only its transcript row), so turn recovery,
+which claims recorded runs only, had nothing to rerun: nobody ever answered the
+message. The process now owes it: once the database is back its own turn recovery
+records a run for it and reruns it, answering into the transcript once."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx2
+import openai
+import pytest
+import sqlalchemy as sa
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
+from openai import AsyncOpenAI
+
+from leadgate.app import App
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.turns import runs
+from leadgate.turns.providers.base import Provider
+from leadgate.turns.providers.script import ScriptProvider
+from tests.fakes import FaultProvider
+from tests.helpers import make_agent, make_org
+from tests.serving import Client, served_app
+from tests.statement_faults import PgFaults, SqliteFaults, injector
+
+#: The session's exchange before the fault (see :func:`arm`).
+EARLIER = [("user", "first"), ("assistant", "Echo: first")]
+#: The reply's statement: the second message insert after the fault is armed (the
+#: first is the intake's user message).
+REPLY = "INSERT INTO messages"
+
+
+@asynccontextmanager
+async def faulted(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[App, Client, SqliteFaults | PgFaults, str]]:
+    """The app on ``url`` with a plain worker ``plain`` (the script model, which
+    answers ``Echo: <message>``), its client, the fault injector, and an API key."""
+    faults = injector(url, monkeypatch)
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "fault": FaultProvider()}
+    async with served_app(url, providers=providers, like_production=True) as (service, client):
+        org = await make_org(service)
+        await make_agent(service, org, "plain")
+        # (its model meets the fault: FaultProvider)
+        await make_agent(service, org, "faulty", model="fault")
+        yield service, client, faults, org.key
+
+
+async def arm(
+    faults: SqliteFaults | PgFaults, client: Client, key: str, session: str, *, studio: bool = False
+) -> None:
+    """Fail the reply's statement in ``session`` (the message was taken in by then).
+    The session is opened first by an exchange (:data:`EARLIER`): a new session's
+    intake is two statements on PostgreSQL (the plain one finds no session), one
+    otherwise. Through Studio for a Studio turn (its binding then unchanged)."""
+    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": session}
+    if studio:
+        page = f"/console/studio/agents/plain/sessions/{session}/messages"
+        first = await client.post(page, json={"message": "first"}, headers=headers)
+    else:
+        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
+        first = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert first.status == 200, await first.text()
+    faults.arm_on(REPLY, then=REPLY)
+
+
+async def transcript(service: App, key: str) -> tuple[list[tuple[str, str]], int]:
+    """The messages of the session whose key is ``key`` (role, content), and the
+    recorded runs left."""
+    async with service.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(t.messages.c.role, t.messages.c.content)
+                .select_from(
+                    t.messages.join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
+                )
+                .where(t.sessions.c.key == f"h:{key}")
+                .order_by(t.messages.c.created_at, t.messages.c.id)
+            )
+        ).all()
+        left = await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs))
+    return [(r.role, r.content) for r in rows], int(left or 0)
+
+
+async def answered_once(service: App, key: str, text: str) -> None:
+    """Before recovery: the message alone. Recovery (this process's own) answers it
+    once, and nothing is left for a second pass."""
+    assert await transcript(service, key) == ([*EARLIER, ("user", text)], 0)
+    assert await drain(TurnRecovery(service.turns)) == 1
+    answered = [*EARLIER, ("user", text), ("assistant", f"Echo: {text}")]
+    assert await transcript(service, key) == (answered, 0)
+    assert await drain(TurnRecovery(service.turns)) == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_a_plain_rest_turn_cut_by_a_fault_is_answered_once_the_database_is_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    """The official client is told 503 ``turn.interrupted`` (a stream: its one error
+    frame) and sends nothing again; the answer comes into the transcript once."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        official = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key)
+        session = {"X-Session-Id": "s"}
+        await arm(faults, client, key, "s")
+        with pytest.raises(openai.APIError) as told:
+            if streamed:
+                stream = await official.chat.completions.create(
+                    model="plain",
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_headers=session,
+                    stream=True,
+                )
+                async for _ in stream:
+                    pass
+            else:
+                await official.chat.completions.create(
+                    model="plain",
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_headers=session,
+                )
+        faults.disarm()
+        assert faults.fired is not None and REPLY in faults.fired
+        assert "turn.interrupted" in str(told.value.body)
+        await answered_once(service, "s", "hi")
+
+
+async def test_a_keyed_plain_rest_turn_cut_by_a_fault_replays_the_reruns_answer(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under an ``Idempotency-Key`` the retry got ``turn.interrupted`` for ever; it
+    now gets the rerun's answer (stored under the key in the rerun's last transaction)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "k", "X-Session-Id": "s"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        await arm(faults, client, key, "s")
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        faults.disarm()
+        assert told.status == 503
+        assert (await told.json())["error"]["rule"] == "turn.interrupted"
+        await answered_once(service, "s", "hi")
+        retry = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert retry.status == 200 and retry.headers["Idempotent-Replayed"] == "true"
+        assert (await retry.json())["choices"][0]["message"]["content"] == "Echo: hi"
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await transcript(service, "s") == (answered, 0)
+
+
+async def test_a_plain_mcp_turn_cut_by_a_fault_is_answered_once_the_database_is_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool error names ``turn.interrupted``; the answer comes into the transcript
+    once."""
+    async with (
+        faulted(migrated_url, monkeypatch) as (service, client, faults, key),
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http,
+        streamable_http_client(str(client.make_url("/mcp")), http_client=http) as streams,
+        ClientSession(*streams) as session,
+    ):
+        await session.initialize()
+        await arm(faults, client, key, "m")
+        told = await session.call_tool(
+            "send_action_agent_message", {"agent": "plain", "message": "hi", "session": "m"}
+        )
+        faults.disarm()
+        assert told.is_error is True and told.meta is not None
+        assert told.meta["rule"] == "turn.interrupted"
+        [block] = told.content
+        assert isinstance(block, TextContent) and "Do not send it again" in block.text
+        await answered_once(service, "m", "hi")
+
+
+async def test_a_plain_studio_turn_cut_by_a_fault_is_answered_once_the_database_is_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Studio's 503 ``turn.interrupted`` (the page keeps the box empty); the answer
+    comes into the transcript once, where the page shows it from the events stream."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await arm(faults, client, key, "st", studio=True)
+        told = await client.post(
+            "/console/studio/agents/plain/sessions/st/messages",
+            json={"message": "hi"},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        faults.disarm()
+        assert told.status == 503
+        assert (await told.json())["error"]["rule"] == "turn.interrupted"
+        await answered_once(service, "st", "hi")
+
+
+async def test_a_rerun_whose_model_fails_stores_the_failure_notice_as_the_answer(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain turn's rerun fails (the model): nobody waits for it and nobody sends
+    the message again, so the failure notice is stored as the session's answer, and a
+    keyed request's retry gets the model's 502 instead of ``turn.interrupted``."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, _, key):
+        headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "k", "X-Session-Id": "f"}
+        body = {"model": "faulty", "messages": [{"role": "user", "content": "fails later"}]}
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert told.status == 503
+        assert (await told.json())["error"]["rule"] == "turn.interrupted"
+        assert await drain(TurnRecovery(service.turns)) == 1
+        notice = [("user", "fails later"), ("assistant", runs.FAILURE_NOTICE)]
+        assert await transcript(service, "f") == (notice, 0)
+        retry = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert retry.status == 502 and retry.headers["Idempotent-Replayed"] == "true"
+        assert (await retry.json())["error"]["rule"] == "model.failed"
