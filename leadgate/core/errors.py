@@ -29,6 +29,8 @@ was broken (for example ``lead.self``), and a human message that says what to do
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import ClassVar
 
 from leadgate.core.logs import loggable
 
@@ -284,16 +286,31 @@ class IntakeInDoubt(Unavailable):
 
     retry_after_s: int | None = None
 
-    def __init__(self, detail: str = "") -> None:
+    #: Where each surface's client looks for the message, and (REST) the retry that is
+    #: safe: MCP and Studio have no Idempotency-Key, so REST's text was untrue for them.
+    WHERE: ClassVar[Mapping[str, str]] = {
+        "rest": "look for it in the session transcript and send it only if it is not there "
+        "(a retry with the same Idempotency-Key is safe)",
+        "mcp": "read the session's transcript (the resource "
+        "leadgate://agents/{agent}/sessions/{session}/messages) and send it only if it is "
+        "not there",
+        "studio": "reload the page, look for it in the transcript and send it only if it "
+        "is not there",
+    }
+
+    def __init__(self, detail: str = "", *, surface: str = "rest") -> None:
         super().__init__(
             "the database became unavailable while this message was being taken in, so it "
             "may have been taken in. Do not send it again blindly (it could be taken in "
-            "twice): once the service is back, look for it in the session transcript and "
-            "send it only if it is not there (a retry with the same Idempotency-Key is safe)",
+            f"twice): once the service is back, {self.WHERE[surface]}",
             rule="intake.in_doubt",
         )
         self.detail = detail
         self.in_doubt = True
+
+    def told_to(self, surface: str) -> IntakeInDoubt:
+        """The same error as told to ``surface``'s client (``mcp``, ``studio``)."""
+        return IntakeInDoubt(self.detail, surface=surface)
 
 
 def log_failure(logger: logging.Logger, exc: BaseException, message: str, *args: object) -> None:

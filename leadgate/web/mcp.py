@@ -47,6 +47,7 @@ from leadgate.core.bodies import read_body
 from leadgate.core.decoding import bearer_token, decode_json
 from leadgate.core.errors import (
     DatabaseDamaged,
+    IntakeInDoubt,
     LeadgateError,
     PayloadTooLarge,
     Unavailable,
@@ -455,6 +456,9 @@ def build_mcp_server(
                 lambda: send_message(principal, agent, message, session),
             )
             return outcome_to_result(outcome)
+        except IntakeInDoubt as exc:
+            # REST's text offers a retry with the same Idempotency-Key, which MCP lacks.
+            return _tool_error(exc.told_to("mcp").message, exc.rule)
         except DatabaseDamaged as exc:
             note_damaged(ctx, exc)  # (a tool error reached no log)
             return _tool_error(exc.message, exc.rule)  # (the file stays out of it)

@@ -26,7 +26,7 @@ from typing import Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal, Scope
-from leadgate.core.errors import Conflict
+from leadgate.core.errors import Conflict, IntakeInDoubt
 from leadgate.core.limits import validate_message
 from leadgate.core.types import BUSY_RULE, BindingKind, Gated, Outcome, Reply
 from leadgate.domain.rows import Agent
@@ -124,13 +124,17 @@ def setup(
         body = await json_body(request)
         # A database fault after the message was taken in is the turn path's
         # turn.interrupted (no retry asked for): the page must not put it back in the box.
-        outcome = await chat.send(
-            principal,
-            request.match_info["agent"],
-            validate_message(body.get("message")),
-            session=request.match_info["session"],
-            binding=BindingKind.studio,
-        )
+        try:
+            outcome = await chat.send(
+                principal,
+                request.match_info["agent"],
+                validate_message(body.get("message")),
+                session=request.match_info["session"],
+                binding=BindingKind.studio,
+            )
+        except IntakeInDoubt as exc:
+            # REST's text offers a retry with the same Idempotency-Key, which Studio lacks.
+            raise exc.told_to("studio") from exc
         if isinstance(outcome, Reply):
             return web.json_response({"outcome": "reply", "text": outcome.text})
         if isinstance(outcome, Gated):

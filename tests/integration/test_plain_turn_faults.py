@@ -217,3 +217,49 @@ async def test_a_rerun_whose_model_fails_stores_the_failure_notice_as_the_answer
         retry = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert retry.status == 502 and retry.headers["Idempotent-Replayed"] == "true"
         assert (await retry.json())["error"]["rule"] == "model.failed"
+
+
+#: The read-back of an intake in doubt (leadgate.turns.intake._LANDED).
+READ_BACK = "FROM messages LEFT OUTER JOIN bindings"
+
+
+@pytest.mark.parametrize("surface", ["mcp", "studio"])
+async def test_an_intake_in_doubt_tells_mcp_and_studio_what_is_true_for_them(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, surface: str
+) -> None:
+    """PostgreSQL: an intake whose one statement landed with its answer lost and whose
+    read-back failed too is ``intake.in_doubt``. Its text offered "a retry with the
+    same Idempotency-Key is safe" to MCP and Studio clients too, which have no such
+    header; each is now told where it looks for the message instead."""
+    async with faulted(migrated_pg, monkeypatch) as (_, client, faults, key):
+        faults.arm_on("WITH new_session", after_commit=True, and_on=READ_BACK)
+        if surface == "mcp":
+            async with (
+                httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http,
+                streamable_http_client(str(client.make_url("/mcp")), http_client=http) as io,
+                ClientSession(*io) as session,
+            ):
+                await session.initialize()
+                result = await session.call_tool(
+                    "send_action_agent_message", {"agent": "plain", "message": "hi"}
+                )
+            assert result.is_error is True and result.meta == {"rule": "intake.in_doubt"}
+            [block] = result.content
+            assert isinstance(block, TextContent)
+            text = block.text
+            where = "leadgate://agents/{agent}/sessions/{session}/messages"
+        else:
+            told = await client.post(
+                "/console/studio/agents/plain/sessions/st/messages",
+                json={"message": "hi"},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert told.status == 503 and told.headers["x-should-retry"] == "false"
+            error = (await told.json())["error"]
+            assert error["rule"] == "intake.in_doubt"
+            text = error["message"]
+            where = "reload the page"
+        faults.disarm()
+        assert faults.fired is not None
+        assert "may have been taken in" in text and where in text, text
+        assert "Idempotency-Key" not in text
