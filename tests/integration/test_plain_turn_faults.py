@@ -24,6 +24,7 @@ from mcp_types import TextContent
 from openai import AsyncOpenAI
 
 from leadgate.app import App
+from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.runners.recovery import TurnRecovery
@@ -263,3 +264,38 @@ async def test_an_intake_in_doubt_tells_mcp_and_studio_what_is_true_for_them(
         assert faults.fired is not None
         assert "may have been taken in" in text and where in text, text
         assert "Idempotency-Key" not in text
+
+
+@pytest.mark.parametrize("landed", [False, True], ids=["refused", "landed"])
+async def test_a_run_owed_while_the_database_is_still_away_is_recorded_at_a_later_pass(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """The first recovery pass meets the database still away as it records the owed
+    run (``landed``, PostgreSQL: its ``COMMIT`` reached the server and the answer was
+    lost): the run stays owed, and a later pass (an ``api`` process's own loop:
+    ``own_only``) records it, not twice, and reruns it once."""
+    if landed and migrated_url.startswith("sqlite"):
+        pytest.skip("a commit whose answer is lost is PostgreSQL's")
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        await arm(faults, client, key, "s")
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert told.status == 503
+        assert (await told.json())["error"]["rule"] == "turn.interrupted"
+        assert len(service.turns.owed) == 1
+        if landed:
+            faults.arm_on("INSERT INTO turn_runs", then="COMMIT", after_commit=True)
+        else:
+            faults.arm_on("INSERT INTO turn_runs")
+        recovery = TurnRecovery(service.turns, own_only=True)
+        with pytest.raises(Unavailable):
+            await recovery.run_once()
+        faults.disarm()
+        assert faults.fired is not None
+        assert len(service.turns.owed) == 1 and not service.turns.orphans
+        assert await transcript(service, "s") == ([*EARLIER, ("user", "hi")], int(landed))
+        assert await drain(recovery) == 1
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await transcript(service, "s") == (answered, 0)
+        assert not service.turns.owed and await drain(recovery) == 0
