@@ -193,3 +193,67 @@ async def test_a_message_that_may_have_been_taken_in_is_not_offered_again(
     await expect(page.locator("#error")).to_contain_text(said)
     await expect(page.locator("#transcript li.user")).to_have_text(["maybe once"])
     await expect(page.get_by_label("Message", exact=True)).to_have_value("")
+
+
+async def test_a_message_whose_answer_was_lost_is_not_offered_again(
+    page: Page, svc: ServiceProcess
+) -> None:
+    """The connection drops after the message reached the service (it was stored, the
+    reply made), before the answer reached the page. The page took any error without a
+    status for "refused, nothing stored" and put the text back in the box, to be sent a
+    second time. Now it stays in the transcript, the box stays empty, and the stream
+    shows the message once, with its reply."""
+    session = f"st-{uuid.uuid4().hex[:8]}"
+    await sign_in_and_open(page, svc, "plain", session)
+
+    async def lost(route: Route) -> None:
+        if route.request.method != "POST":
+            await route.continue_()
+            return
+        await route.fetch()  # the service takes it in and answers...
+        await route.abort("connectionreset")  # ...and the page never sees the answer
+
+    await page.route("**/messages", lost)
+    await say(page, "only once please")
+    await expect(page.locator("#error")).to_contain_text("may have been taken in")
+    await expect(page.get_by_label("Message", exact=True)).to_have_value("")
+    await expect(page.locator("#transcript li")).to_have_text(
+        ["only once please", "Echo: only once please"]
+    )
+
+
+async def test_a_message_goes_to_the_session_the_transcript_shows(
+    page: Page, svc: ServiceProcess
+) -> None:
+    """A session name typed without Open: the message went to that session while the
+    transcript (and its stream) showed the one opened before, and a message written
+    before any Open had no stream at all, so a held answer never appeared. Sending now
+    opens the session named first."""
+    first, second = (f"st-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    await sign_in_and_open(page, svc, "plain", first)
+    await say(page, "in the first")
+    bubbles = page.locator("#transcript li")
+    await expect(bubbles).to_have_text(["in the first", "Echo: in the first"])
+    await page.get_by_label("Session", exact=True).fill(second)
+    await say(page, "in the second")
+    await expect(bubbles).to_have_text(["in the second", "Echo: in the second"])
+    await expect(page.locator("#link")).to_have_text("live")
+
+
+async def test_a_held_answer_appears_when_the_message_was_sent_without_open(
+    page: Page, svc: ServiceProcess
+) -> None:
+    session = f"st-{uuid.uuid4().hex[:8]}"
+    marker = f"write it {session} #escalate #complete"
+    await page.goto(f"{svc.url}/console/studio/")
+    await page.get_by_label("Email").fill(MEMBER)
+    await page.get_by_label("Password").fill(PASSWORD)
+    await page.get_by_role("button", name="Log in").click()
+    await expect(page.locator("#chat-view")).to_be_visible()
+    await page.get_by_label("Agent", exact=True).select_option("worker")
+    await page.get_by_label("Session", exact=True).fill(session)
+    await say(page, marker)  # no Open
+    bubbles = page.locator("#transcript li")
+    await expect(bubbles).to_have_text([marker, "pending review"])
+    await approve_held(svc, session)
+    await expect(bubbles).to_have_text([marker, f"Echo: {marker}"], timeout=TIMEOUT * 1000)

@@ -16,6 +16,7 @@
   const $ = (id) => document.getElementById(id);
 
   let source = null; // the open session's EventSource
+  let opened = null; // the path of the session the transcript shows (messages go there)
   let pendingBubble = null; // the "pending review" bubble waiting for its answer
   let provisional = []; // bubbles from our own POST, waiting for their message event
   let unclaimed = []; // assistant texts that arrived as events before our POST answered
@@ -27,6 +28,13 @@
     box.hidden = !text;
   }
 
+  // A message whose answer never came (the connection dropped, a proxy's own error page)
+  // may have been taken in: said so, and never offered to be sent again.
+  const LOST =
+    "The answer to this message was lost on the way (the connection dropped): it may have been taken in. Look for it in the transcript before sending it again.";
+  // Errors of ours that say the message was, or may have been, taken in.
+  const TAKEN = new Set(["turn.interrupted", "intake.in_doubt"]);
+
   async function api(path, options = {}) {
     const init = { method: options.method || "GET", credentials: "same-origin", headers: {} };
     if (init.method !== "GET") init.headers["X-Leadgate-Console"] = "1";
@@ -34,7 +42,14 @@
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(options.body);
     }
-    const resp = await fetch(path, init);
+    let resp;
+    try {
+      resp = await fetch(path, init);
+    } catch (_) {
+      const err = new Error(LOST);
+      err.status = 0; // no answer at all
+      throw err;
+    }
     let data = null;
     try {
       data = await resp.json();
@@ -114,7 +129,8 @@
     reviewsSeen = 0;
     showError("");
     $("link").textContent = "connecting…";
-    source = new EventSource(`${sessionPath()}/events`);
+    opened = sessionPath();
+    source = new EventSource(`${opened}/events`);
     source.onopen = () => {
       $("link").textContent = "live";
     };
@@ -128,7 +144,23 @@
     $("message").focus();
   }
 
+  // Whether an error answer says the message was refused (nothing stored: it may be sent
+  // again): a JSON error of ours, 4xx, or a 503 asking for a retry. Anything else (no
+  // answer, a proxy's 502/504 page, a model error, a 500) may have come after the intake.
+  function refused(err) {
+    if (!err.rule || TAKEN.has(err.rule)) return false;
+    return err.status < 500 || err.status === 503;
+  }
+
   async function send(text) {
+    // Messages go to the session the transcript shows, whose stream is open: a session
+    // never opened (or typed in the box since, or whose stream ended at a logout) is
+    // opened first. Sent without it, the message went to whatever the boxes said while
+    // the transcript showed another session, and a held answer never appeared.
+    if (!source || source.readyState === EventSource.CLOSED || opened !== sessionPath()) {
+      openSession();
+    }
+    const path = opened;
     showError("");
     const user = bubble("user", text);
     const mine = { role: "user", text, li: user };
@@ -138,7 +170,7 @@
     const button = $("send-form").querySelector("button");
     button.disabled = true;
     try {
-      const answer = await api(`${sessionPath()}/messages`, {
+      const answer = await api(`${path}/messages`, {
         method: "POST",
         body: { message: text },
       });
@@ -153,12 +185,12 @@
         pendingBubble = pendingReview();
       }
     } catch (err) {
-      if (err.status === 502 || err.rule === "turn.interrupted" || err.rule === "intake.in_doubt") {
+      if (!refused(err)) {
         // Taken in, then the turn failed (the model, or the database mid-turn), or maybe
-        // taken in (intake.in_doubt: the database went away as it committed): the
-        // message is, or may be, in the transcript, and sending it again would send it
-        // twice.
-        showError(err.message);
+        // taken in (intake.in_doubt: the database went away as it committed; no answer
+        // at all, or one not of ours): the message is, or may be, in the transcript, and
+        // sending it again would send it twice.
+        showError(err.rule ? err.message : LOST);
         return;
       }
       // Refused: nothing was stored, so the message leaves the transcript and goes back
