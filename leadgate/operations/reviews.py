@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import Conflict, ValidationError
 from leadgate.core.metrics import METRICS
 from leadgate.core.types import BindingKind
 from leadgate.database.db import Conn, Database
@@ -134,12 +134,15 @@ class Reviews:
         surface: str = "api",
         identity: str | None = None,
         then: InDecision | None = None,
+        revision: int | None = None,
     ) -> ReviewDetailView:
         """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel.
 
         ``surface`` (console, api, cli, slack, teams, discord, email) and ``identity``
         (the platform identity, e.g. ``slack:T1:U2``) are audited beside the actor;
-        ``then`` runs in the decision's transaction, after it.
+        ``then`` runs in the decision's transaction, after it. ``revision``: the one the
+        decider read; an item sent back for changes since (another revision, so another
+        wait) is a 409 ``decision.revision`` and nothing changes.
         """
         principal.require(Scope.review)
         if action not in DECISIONS:
@@ -147,7 +150,16 @@ class Reviews:
                 f"the decision must be one of {', '.join(DECISIONS)}", rule="decision.action"
             )
         async with self.db.tx() as conn:
-            item = await workitems.get(conn, item_id, principal.org_id)
+            # Held to the commit (PostgreSQL) when fenced on a revision: checked, then
+            # decided, with no return in between.
+            item = await workitems.get(conn, item_id, principal.org_id, lock=revision is not None)
+            if revision is not None and item.revision != revision:
+                raise Conflict(
+                    f"work item {item_id} is at revision {item.revision} ({item.status}) now, "
+                    f"not {revision}: it was sent back for changes since that revision was "
+                    "read; nothing changed",
+                    rule="decision.revision",
+                )
             # Every open review card of the item is updated in this transaction.
             await decisions.decide(
                 conn,

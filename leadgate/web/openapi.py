@@ -115,7 +115,6 @@ AGENT_BODY = {
         "active": {"type": "boolean"},
     },
 }
-_ANY_JSON: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -128,6 +127,8 @@ class Operation:
     #: ``BEARER`` (API key or, where allowed, the console cookie) or ``NONE``
     security: list[dict[str, list[str]]] = field(default_factory=lambda: BEARER)
     body: dict[str, Any] | None = None
+    #: the body may be left out (a decision's, whose only field is optional)
+    body_optional: bool = False
     #: extra parameters beyond the path's own ``{name}`` segments
     parameters: list[dict[str, Any]] = field(default_factory=list)
     #: status -> description; every operation may also answer the common errors
@@ -170,12 +171,23 @@ _RECOVERED = (
 )
 #: What a decision or a delivery's recovery from the wrong state answers.
 _TRANSITION = {"409": "invalid_transition: the item or delivery is not in a state that allows it"}
+#: A decision's: the same, or the item is at another revision than the one given.
+_DECIDED = {
+    "409": f"{_TRANSITION['409']}; conflict (rule decision.revision): the item was sent "
+    "back for changes since the revision given"
+}
+
+
+#: A decision's optional fence: the revision its decider read (409 ``decision.revision``
+#: when the item was sent back for changes since).
+_REVISION = {"revision": {"type": "integer", "minimum": 0}}
+_DECISION_BODY: dict[str, Any] = {"type": "object", "properties": _REVISION}
 
 
 def _text_body(name: str, limit: int) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {name: {"type": "string", "minLength": 1, "maxLength": limit}},
+        "properties": {name: {"type": "string", "minLength": 1, "maxLength": limit}, **_REVISION},
         "required": [name],
     }
 
@@ -289,29 +301,31 @@ OPERATIONS: list[Operation] = [
         "post",
         "/operator/reviews/{item_id}/approve",
         "Approve",
-        body=_ANY_JSON,
-        responses={"200": "OK", **_TRANSITION},
+        body=_DECISION_BODY,
+        body_optional=True,
+        responses={"200": "OK", **_DECIDED},
     ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/reject",
         "Reject",
         body=_text_body("reason", 2000),
-        responses={"200": "OK", **_TRANSITION},
+        responses={"200": "OK", **_DECIDED},
     ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/return",
         "Return to the worker",
         body=_text_body("feedback", 10_000),
-        responses={"200": "OK", **_TRANSITION},
+        responses={"200": "OK", **_DECIDED},
     ),
     Operation(
         "post",
         "/operator/reviews/{item_id}/cancel",
         "Cancel",
-        body=_ANY_JSON,
-        responses={"200": "OK", **_TRANSITION},
+        body=_DECISION_BODY,
+        body_optional=True,
+        responses={"200": "OK", **_DECIDED},
     ),
     Operation(
         "get",
@@ -446,7 +460,7 @@ def document(public_url: str) -> dict[str, Any]:
             entry["parameters"] = params
         if op.body is not None:
             entry["requestBody"] = {
-                "required": op.method != "post" or bool(op.body),
+                "required": not op.body_optional,
                 "content": {op.content_type: {"schema": op.body}},
             }
         paths.setdefault(op.path, {})[op.method] = entry

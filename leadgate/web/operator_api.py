@@ -48,6 +48,7 @@ class ReviewBackend(Protocol):
         *,
         surface: str = "api",
         identity: str | None = None,
+        revision: int | None = None,
     ) -> ReviewDetailView: ...
 
     async def recover(
@@ -78,6 +79,17 @@ def _int(request: web.Request, name: str, default: int, rule: str) -> int:
     value = decimal_int(raw)
     if value is None:
         raise ValidationError(f"{name} must be a non-negative integer", rule=rule)
+    return value
+
+
+def _revision(body: dict[str, Any]) -> int | None:
+    """A decision's optional ``revision``: the one its decider read (the console sends
+    the one it shows), so that a page left open does not decide a later revision."""
+    value = body.get("revision")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValidationError("revision must be a non-negative integer", rule="decision.revision")
     return value
 
 
@@ -130,6 +142,7 @@ def setup(
             action,
             text,
             surface=surface_of(principal),
+            revision=_revision(body),
         )
         return web.json_response(detail)
 

@@ -35,7 +35,7 @@ from leadgate.core.clock import MINUTE_MS, FakeClock
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database.db import upgrade
-from leadgate.domain import orgs
+from leadgate.domain import orgs, workitems
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
 from tests.helpers import Org, fake_clock, make_agent, make_org
@@ -399,6 +399,41 @@ async def test_typed_feedback_survives_live_updates_and_a_decision_made_elsewher
     await page.locator("#approve-keep").click()
     await expect(page.locator("#detail-status")).to_have_text("rejected", timeout=10_000)
     await expect(page.get_by_role("button", name="Approve…")).to_have_count(0)
+
+
+async def test_an_approval_confirmed_on_a_stale_page_does_not_decide_a_later_revision(
+    console: Console, page: Page
+) -> None:
+    """The approval dialog holds the page still (its refresh waits for it to close).
+    Meanwhile another reviewer sends the item back, the worker revises and the lead
+    escalates again: a new revision, waiting again. Confirming the dialog approved that
+    revision, which this reviewer never saw; now it is refused, and the page shows the
+    item as it is, with why."""
+    item = await console.awaiting_item("draft the board letter", "s-stale")
+    await console.open(page, "sam@example.com", "Member")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
+    await expect(page.locator("#summary")).to_contain_text("draft the board letter")
+    await page.get_by_role("button", name="Approve…").click()
+    async with ClientSession() as http:
+        async with http.post(
+            f"{console.url}/operator/reviews/{item}/return",
+            json={"feedback": "Start over #escalate"},
+            headers={"Authorization": f"Bearer {console.org.key}"},
+        ) as resp:
+            assert resp.status == 200
+    await drain(RevisionRunner(console.service.turns))
+    await drain(console.service.lead_runner)
+    async with console.service.db.read() as conn:
+        again = await workitems.get(conn, item)
+    assert (again.status, again.revision) == ("awaitingHuman", 1)
+
+    await page.locator("#approve-confirm").click()
+    await expect(page.get_by_role("alert")).to_contain_text("sent back for changes")
+    await expect(page.locator("#summary")).to_have_text("Revised: Start over #escalate")
+    await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
+    async with console.service.db.read() as conn:
+        assert (await workitems.get(conn, item)).status == "awaitingHuman"
 
 
 async def test_markup_is_text_and_activity_filters_and_searches_without_the_text(

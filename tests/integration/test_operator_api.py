@@ -607,6 +607,47 @@ async def test_decision_texts_are_checked(env: Env) -> None:
     assert (status, body["status"], body["audit"][-1]["text"]) == (200, "inProgress", "f" * 10_000)
 
 
+async def test_a_decision_on_the_revision_read_never_decides_a_later_one(env: Env) -> None:
+    """A decision names the revision its decider read (the console sends the one its page
+    shows): an item returned and escalated again since is at another revision, another
+    wait, and a page left open on the first (a dialog, a dropped event stream) approved
+    the second, which nobody had read. Now that is a 409 ``decision.revision`` and
+    nothing changes; the revision read decides as before, and none is needed."""
+    item = await env.escalated("stale")
+    read = (await get_json(env, f"/operator/reviews/{item}"))["revision"]
+    status, _ = await post(env, f"/operator/reviews/{item}/return", {"feedback": "#escalate"})
+    assert status == 200
+    assert await drain(RevisionRunner(env.service.turns)) == 1
+    await drain(env.service.lead_runner)
+    now = await get_json(env, f"/operator/reviews/{item}")
+    assert (now["status"], now["revision"]) == ("awaitingHuman", read + 1)
+
+    before = await env.snapshot()
+    for action, payload in (
+        ("approve", {}),
+        ("reject", {"reason": "no"}),
+        ("return", {"feedback": "again"}),
+        ("cancel", {}),
+    ):
+        status, answer = await post(
+            env, f"/operator/reviews/{item}/{action}", {**payload, "revision": read}
+        )
+        assert status == 409, (action, answer)
+        assert answer["error"]["rule"] == "decision.revision"
+        assert (
+            f"at revision {read + 1} (awaitingHuman) now, not {read}" in answer["error"]["message"]
+        )
+    for bad in ("1", -1, True, 1.5, [1]):
+        status, answer = await post(env, f"/operator/reviews/{item}/approve", {"revision": bad})
+        assert (status, answer["error"]["rule"]) == (400, "decision.revision"), bad
+    assert await env.snapshot() == before
+
+    status, body = await post(
+        env, f"/operator/reviews/{item}/approve", {"revision": now["revision"]}
+    )
+    assert (status, body["status"]) == (200, "completed")
+
+
 @SQLITE_ONLY
 async def test_a_decision_from_the_wrong_status_is_409_and_changes_nothing(env: Env) -> None:
     completed = await env.turn("done", "completed")

@@ -857,7 +857,7 @@
     $("approve-destination").textContent = d.destination.description;
     dialog.returnValue = "";
     dialog.onclose = () => {
-      if (dialog.returnValue === "approve") act(`${base}/approve`, {}, "Approved.");
+      if (dialog.returnValue === "approve") act(`${base}/approve`, { revision: d.revision }, "Approved.");
     };
     dialog.showModal();
     $("approve-keep").focus();
@@ -865,6 +865,11 @@
 
   function decisionPanel(d) {
     const base = `/operator/reviews/${enc(d.id)}`;
+    // Every decision names the revision this page shows: one made on a page left open
+    // (the approval dialog, a typed reason, a dropped stream) after the item was sent
+    // back and came again is refused (409 decision.revision), not applied to work nobody
+    // here has read.
+    const revision = d.revision;
     const parts = [el("h2", {}, "Decision")];
     parts.push(
       el("p", { class: "sub" }, d.status === "awaitingHuman" ? "If you approve:" : "Delivery:"),
@@ -878,14 +883,14 @@
           el("button", { type: "button", class: "primary", id: "approve", onclick: () => confirmApprove(d, base) }, "Approve…")
         ),
         textForm("reject", `Reason for rejecting (1–${fmt(REASON_MAX)} characters)`, REASON_MAX, "Reject", (reason) =>
-          act(`${base}/reject`, { reason }, "Rejected.")
+          act(`${base}/reject`, { reason, revision }, "Rejected.")
         ),
         textForm(
           "return",
           `Feedback for the worker (1–${fmt(FEEDBACK_MAX)} characters)`,
           FEEDBACK_MAX,
           "Return to worker",
-          (feedback) => act(`${base}/return`, { feedback }, "Returned to the worker.")
+          (feedback) => act(`${base}/return`, { feedback, revision }, "Returned to the worker.")
         )
       );
     } else {
@@ -902,7 +907,7 @@
         "div",
         { class: "row confirm", hidden: true },
         el("span", {}, "Cancelling stops this work item for good."),
-        el("button", { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, {}, "Cancelled.") }, "Yes, cancel it"),
+        el("button", { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, { revision }, "Cancelled.") }, "Yes, cancel it"),
         el("button", { type: "button", onclick: () => (confirmRow.hidden = true) }, "Keep it")
       );
       parts.push(
