@@ -436,6 +436,28 @@ async def test_an_approval_confirmed_on_a_stale_page_does_not_decide_a_later_rev
         assert (await workitems.get(conn, item)).status == "awaitingHuman"
 
 
+async def test_a_session_logged_out_elsewhere_shows_the_login_form_without_a_click(
+    console: Console, page: Page
+) -> None:
+    """The live feed ends once the console session is no longer valid (logged out in
+    another tab, expired). The page only stopped following: the queue stayed on screen,
+    no longer kept current, with nothing to say so until the next click was refused."""
+    await console.awaiting_item("summarise the incident", "s-ended")
+    await console.open(page, "lou@example.com", "Member")
+    await expect(page.locator("#live")).to_have_text("live")
+    await expect(page.locator("#queue tbody tr").first).to_be_visible()
+    cookie = next(c for c in await page.context.cookies() if c["name"] == "leadgate_session")
+    async with ClientSession() as http:
+        async with http.post(
+            f"{console.url}/console/logout",
+            headers={"Cookie": f"leadgate_session={cookie['value']}", "X-Leadgate-Console": "1"},
+        ) as resp:
+            assert resp.status == 200
+    await expect(page.locator("#login-view")).to_be_visible(timeout=LIVE_MS)
+    await expect(page.get_by_role("alert")).to_contain_text("Your session has ended")
+    await expect(page.locator("#queue")).to_have_count(0)
+
+
 async def test_markup_is_text_and_activity_filters_and_searches_without_the_text(
     console: Console, page: Page, screenshots: Path
 ) -> None:

@@ -240,7 +240,24 @@
       setCount(data.queue);
       onChange(data.items);
     });
-    source.addEventListener("end", () => stopEvents());
+    // The server ends the stream when the session stops being valid (logged out
+    // elsewhere, expired, the user removed) or no longer reviews (a role taken away):
+    // find out which and show it. It only stopped following, and the page went on
+    // showing a queue no longer kept current, as if nothing had happened.
+    source.addEventListener("end", () => {
+      if (events !== source) return;
+      stopEvents();
+      api("GET", "/console/me")
+        .then((data) => {
+          user = data.user;
+          showWho(user);
+          // Still reviewing (the stream ended for another cause): follow again shortly,
+          // as after a dropped connection; a role that no longer reviews is named.
+          if (canReview()) setTimeout(() => user && !events && startEvents(), 5000);
+          else route();
+        })
+        .catch(handle);
+    });
     source.addEventListener("error", () => {
       $("live").textContent = "reconnecting…";
       $("live").classList.remove("on");
