@@ -803,6 +803,19 @@ async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
 RECOVERY_ACTIONS = ("deliveryConfirmed", "deliveryRetried")
 
 
+async def _sent_again(conn: Conn, delivery_id: str, attempts: int) -> str | None:
+    """Why a recovery fenced on ``attempts`` matched no row when the delivery is still
+    ``deliveryUnknown``: it was sent again since (else ``None``)."""
+    now = (await conn.execute(sa.select(D.status, D.attempts).where(D.id == delivery_id))).first()
+    if now is None or now.status != DeliveryStatus.deliveryUnknown.value:
+        return None
+    return (
+        f"delivery {delivery_id} was sent again since attempt {attempts} was read "
+        f"(attempt {now.attempts}), and that send's outcome is unknown too; check the "
+        "channel again; nothing changed"
+    )
+
+
 async def _not_recovered(conn: Conn, delivery: Delivery) -> str:
     """Why :func:`recover` matched no row, for the person who asked: the status the
     delivery has now, read again (it named the status read before the fenced update, so
@@ -867,8 +880,12 @@ async def recover(
     surface: str | None = None,
     identity: str | None = None,
     external_id: str | None = None,
+    attempts: int | None = None,
 ) -> Delivery:
-    """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status.
+    """Operator recovery of a ``deliveryUnknown`` delivery, fenced on that status (and,
+    given ``attempts``, on the send the operator checked: one sent again since and
+    uncertain again is a 409 ``delivery.attempts``, so that a Retry clicked again after
+    its answer was lost does not send it a third time).
 
     ``confirm``: the message did arrive -> delivery ``sent``, item ``completed``
     (``external_id``: the platform's id of the message, when the confirmation comes
@@ -892,15 +909,22 @@ async def recover(
         values = {"status": DeliveryStatus.cancelled.value, "error": CARD_DECIDED_ERROR, **ENDED}
     else:
         values = {"status": DeliveryStatus.pending.value, "next_attempt_at": now}
+    fence = [D.id == delivery.id, D.status == DeliveryStatus.deliveryUnknown.value]
+    if attempts is not None:
+        fence.append(D.attempts == attempts)
     row = (
         await conn.execute(
             t.deliveries.update()
-            .where(D.id == delivery.id, D.status == DeliveryStatus.deliveryUnknown.value)
+            .where(*fence)
             .values(updated_at=now, **values)
             .returning(*t.deliveries.c)
         )
     ).first()
     if row is None:
+        if attempts is not None:
+            again = await _sent_again(conn, delivery.id, attempts)
+            if again is not None:
+                raise TransitionError(again, rule="delivery.attempts")
         raise TransitionError(await _not_recovered(conn, delivery), rule="delivery.status")
     # Ended cancelled, it is not counted again: its send was counted deliveryUnknown.
     updated = Delivery.from_row(row)

@@ -204,6 +204,7 @@ class Reviews:
         identity: str | None = None,
         external_id: str | None = None,
         then: InDecision | None = None,
+        attempts: int | None = None,
     ) -> RecoveredView:
         """Confirm delivered, or retry, a ``deliveryUnknown`` delivery (audited with the
         surface and identity as :meth:`decide`; ``external_id``: the message's id, when
@@ -212,7 +213,8 @@ class Reviews:
         Answers its item's detail (or, with no item, the delivery's id and status) with
         ``delivery``: what became of this one (``id``, ``kind``, ``status``, ``error``).
         A Retry of a review card whose item was decided ends it ``cancelled``, not
-        ``pending`` (:func:`outbox.store.recover`): ``error`` says why."""
+        ``pending`` (:func:`outbox.store.recover`): ``error`` says why. ``attempts``: the
+        send the operator checked; one sent again since is a 409 ``delivery.attempts``."""
         principal.require(Scope.review)
         if action not in RECOVERIES:
             raise ValidationError("the recovery must be confirm or retry", rule="delivery.action")
@@ -227,6 +229,7 @@ class Reviews:
                 surface=surface,
                 identity=identity,
                 external_id=external_id,
+                attempts=attempts,
             )
             if then is not None:
                 await then(conn)

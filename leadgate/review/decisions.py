@@ -581,9 +581,10 @@ async def recover_delivery(
     surface: str | None = None,
     identity: str | None = None,
     external_id: str | None = None,
+    attempts: int | None = None,
 ) -> Delivery:
     """Confirm delivered / retry a ``deliveryUnknown`` delivery; a gating delivery's
-    review cards are updated in the same transaction (``external_id``: see
+    review cards are updated in the same transaction (``external_id``, ``attempts``: see
     :func:`outbox.store.recover`)."""
     row = await recover(
         conn,
@@ -595,6 +596,7 @@ async def recover_delivery(
         surface=surface,
         identity=identity,
         external_id=external_id,
+        attempts=attempts,
     )
     if row.kind == "gating" and row.work_item_id:
         await _close_cards(conn, outbox, row.work_item_id, action, actor, surface, None)

@@ -809,6 +809,8 @@ class UncertainDelivery(TypedDict):
     address: dict[str, Any]
     error: str | None
     since: str | None
+    #: sends tried (a Confirm or Retry may name it: see ``Reviews.recover``)
+    attempts: int
 
 
 class UncertainView(TypedDict):
@@ -828,7 +830,9 @@ async def uncertain_deliveries(
     the raw address)."""
     _check_limit(limit, "deliveries.limit")
     query = (
-        sa.select(D.id, D.kind, D.channel, D.work_item_id, D.address, D.error, D.updated_at)
+        sa.select(
+            D.id, D.kind, D.channel, D.work_item_id, D.address, D.error, D.updated_at, D.attempts
+        )
         .where(D.org_id == org_id, D.status == DeliveryStatus.deliveryUnknown.value)
         .order_by(D.updated_at, D.id)
         .limit(limit + 1)
@@ -849,6 +853,7 @@ async def uncertain_deliveries(
                 "address": r.address,
                 "error": r.error,
                 "since": iso(r.updated_at),
+                "attempts": r.attempts,
             }
             for r in page
         ],

@@ -182,6 +182,16 @@ _DECIDED = {
 #: when the item was sent back for changes since).
 _REVISION = {"revision": {"type": "integer", "minimum": 0}}
 _DECISION_BODY: dict[str, Any] = {"type": "object", "properties": _REVISION}
+#: A recovery's: the send its operator checked (409 ``delivery.attempts`` when it was
+#: sent again since).
+_RECOVERY_BODY: dict[str, Any] = {
+    "type": "object",
+    "properties": {"attempts": {"type": "integer", "minimum": 0}},
+}
+_RECOVERY_409 = {
+    "409": f"{_TRANSITION['409']}; conflict (rule delivery.attempts): the delivery was "
+    "sent again since the attempts given"
+}
 
 
 def _text_body(name: str, limit: int) -> dict[str, Any]:
@@ -337,16 +347,20 @@ OPERATIONS: list[Operation] = [
         "post",
         "/operator/deliveries/{delivery_id}/confirm",
         "Confirm delivered",
-        responses={"200": _RECOVERED, **_TRANSITION},
+        body=_RECOVERY_BODY,
+        body_optional=True,
+        responses={"200": _RECOVERED, **_RECOVERY_409},
     ),
     Operation(
         "post",
         "/operator/deliveries/{delivery_id}/retry",
         "Retry the delivery",
+        body=_RECOVERY_BODY,
+        body_optional=True,
         responses={
             "200": _RECOVERED + "; a review card whose item was decided ends cancelled, "
             "not pending: it is not posted after its decision (error says so)",
-            **_TRANSITION,
+            **_RECOVERY_409,
         },
     ),
     Operation(

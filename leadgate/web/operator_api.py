@@ -59,6 +59,7 @@ class ReviewBackend(Protocol):
         *,
         surface: str = "api",
         identity: str | None = None,
+        attempts: int | None = None,
     ) -> RecoveredView: ...
 
 
@@ -82,14 +83,15 @@ def _int(request: web.Request, name: str, default: int, rule: str) -> int:
     return value
 
 
-def _revision(body: dict[str, Any]) -> int | None:
-    """A decision's optional ``revision``: the one its decider read (the console sends
-    the one it shows), so that a page left open does not decide a later revision."""
-    value = body.get("revision")
+def _read(body: dict[str, Any], name: str, rule: str) -> int | None:
+    """An optional fence of a decision or recovery: what its operator read (a decision's
+    ``revision``, a delivery's ``attempts``; the console sends the ones it shows), so
+    that a page left open or a click sent again does not act on something newer."""
+    value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValidationError("revision must be a non-negative integer", rule="decision.revision")
+        raise ValidationError(f"{name} must be a non-negative integer", rule=rule)
     return value
 
 
@@ -142,17 +144,21 @@ def setup(
             action,
             text,
             surface=surface_of(principal),
-            revision=_revision(body),
+            revision=_read(body, "revision", "decision.revision"),
         )
         return web.json_response(detail)
 
     async def recover_delivery(request: web.Request) -> web.Response:
         principal = await reviewer(request)
+        body: dict[str, Any] = {}
+        if request.can_read_body:
+            body = await json_body(request)
         detail = await reviews.recover(
             principal,
             request.match_info["delivery_id"],
             request.match_info["action"],
             surface=surface_of(principal),
+            attempts=_read(body, "attempts", "delivery.attempts"),
         )
         return web.json_response(detail)
 

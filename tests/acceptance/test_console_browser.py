@@ -38,6 +38,7 @@ from leadgate.database.db import upgrade
 from leadgate.domain import orgs, workitems
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
+from outbox.store import get_delivery
 from tests.helpers import Org, fake_clock, make_agent, make_org
 from tests.review_support import add_destination
 
@@ -693,6 +694,50 @@ async def test_an_uncertain_delivery_is_confirmed_from_the_detail(
     await expect(page.locator("#detail-status")).to_have_text("completed")
     await expect(deliveries).to_contain_text("sent")
     await expect(page.get_by_role("button", name="Confirm delivered")).to_have_count(0)
+
+
+async def test_a_retry_clicked_again_after_its_answer_was_lost_does_not_send_a_third_time(
+    console: Console, page: Page
+) -> None:
+    """A Retry reaches the service and its answer is lost (the connection drops): the
+    page says the server could not be reached and the row is still there. The relay has
+    meanwhile sent it again, uncertain again; the live feed is down, so the row is not
+    redrawn. Clicking Retry again sent it a third time; the row's Retry names the send it
+    showed, and the service refuses it as sent again since."""
+    console.slack.uncertain = True
+    slack = BindingSpec(BindingKind.slack, SLACK)
+    out = await console.service.turns.run(
+        Trigger(console.org.id, console.worker["id"], "s-lost", "post the digest #complete", slack)
+    )
+    assert isinstance(out, Gated) and out.work_item_id
+    await drain(console.service.lead_runner)  # approved
+    await drain(console.service.relay)  # the send times out: deliveryUnknown
+    await page.route("**/operator/events", lambda route: route.abort())  # no live feed
+    lost = {"armed": True}
+
+    async def answer_lost(route: Route) -> None:
+        if lost["armed"]:
+            lost["armed"] = False
+            await route.fetch()  # the service takes the Retry...
+            await route.abort("connectionreset")  # ...and its answer never arrives
+        else:
+            await route.continue_()
+
+    await page.route("**/operator/deliveries/*/retry", answer_lost)
+    await console.open(page, "rory@example.com", "Member")
+    await page.goto(f"{console.url}/console/#/deliveries")
+    rows = page.locator("#uncertain tbody tr")
+    await expect(rows).to_have_count(1)
+    delivery = await rows.first.get_attribute("data-id")
+    await rows.first.get_by_role("button", name="Retry delivery").click()
+    await expect(page.get_by_role("alert")).to_contain_text("could not be reached")
+    await drain(console.service.relay)  # sent again: uncertain again
+    await rows.first.get_by_role("button", name="Retry delivery").click()
+    await expect(page.get_by_role("alert")).to_contain_text("was sent again since")
+    await drain(console.service.relay)
+    async with console.service.db.read() as conn:
+        row = await get_delivery(conn, str(delivery), console.org.id)
+    assert (row.status, row.attempts) == ("deliveryUnknown", 2)
 
 
 async def test_uncertain_deliveries_no_item_gates_are_listed_and_resolved(

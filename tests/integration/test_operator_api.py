@@ -436,6 +436,42 @@ async def test_a_confirm_that_loses_to_another_names_the_status_now_and_who(env:
     assert actions.count("deliveryConfirmed") == 2  # the delivery's and the item's, once
 
 
+async def test_a_recovery_of_the_send_read_never_acts_on_a_later_send(env: Env) -> None:
+    """Confirm and Retry may name the send the operator checked (``attempts``; the
+    console sends the one it shows). A Retry whose answer was lost (the connection
+    dropped) and clicked again after the relay had sent it again, uncertain again, sent
+    it a third time; now it is a 409 ``delivery.attempts`` and nothing changes, and so
+    is a Confirm of the first send's arrival. The send read is recovered as before."""
+    item_id = await env.turn("post it", "attempts", slack=True)
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)  # the Slack send times out: deliveryUnknown
+    [listed] = (await get_json(env, "/operator/deliveries"))["deliveries"]
+    read = listed["attempts"]
+    assert read == 1
+    path = f"/operator/deliveries/{listed['id']}"
+    status, _ = await post(env, f"{path}/retry", {"attempts": read})
+    assert status == 200
+    await drain(env.service.relay)  # sent again, uncertain again
+    assert len(env.slack.sent) == 2
+    [again] = (await get_json(env, "/operator/deliveries"))["deliveries"]
+    assert again["attempts"] == read + 1
+
+    before = await env.snapshot()
+    for action in ("retry", "confirm"):
+        status, body = await post(env, f"{path}/{action}", {"attempts": read})
+        assert (status, body["error"]["rule"]) == (409, "delivery.attempts"), body
+        assert f"since attempt {read} was read (attempt {read + 1})" in body["error"]["message"]
+    for bad in ("1", -1, True, 1.5):
+        status, body = await post(env, f"{path}/retry", {"attempts": bad})
+        assert (status, body["error"]["rule"]) == (400, "delivery.attempts"), bad
+    assert await env.snapshot() == before
+    await drain(env.service.relay)
+    assert len(env.slack.sent) == 2
+
+    status, body = await post(env, f"{path}/confirm", {"attempts": read + 1})
+    assert (status, body["id"], body["status"]) == (200, item_id, "completed")
+
+
 @SQLITE_ONLY
 async def test_the_queue_pages_with_a_cursor(env: Env) -> None:
     made = []

@@ -632,6 +632,9 @@
 
   // Every deliveryUnknown delivery: the gating ones (also in Lead Reviews) and those no
   // work item gates (plain replies, notices, review cards), which only this list shows.
+  // Confirm and Retry name the send the operator checked (its attempts): one sent again
+  // since, and uncertain again, is refused (409 delivery.attempts), so a Retry clicked
+  // again after its answer was lost does not send it a third time.
   async function showDeliveries(focus = true) {
     current = { view: "deliveries", id: null };
     const seq = ++renderSeq;
@@ -657,9 +660,9 @@
         el(
           "td",
           {},
-          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
+          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, { attempts: x.attempts }, "Delivery confirmed.") }, "Confirm delivered"),
           " ",
-          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, retried) }, "Retry delivery")
+          el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, { attempts: x.attempts }, retried) }, "Retry delivery")
         )
       )
     );
@@ -961,9 +964,9 @@
               {},
               x.status === "deliveryUnknown"
                 ? [
-                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, {}, "Delivery confirmed.") }, "Confirm delivered"),
+                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/confirm`, { attempts: x.attempts }, "Delivery confirmed.") }, "Confirm delivered"),
                     " ",
-                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, {}, retried) }, "Retry delivery"),
+                    el("button", { type: "button", onclick: () => act(`/operator/deliveries/${enc(x.id)}/retry`, { attempts: x.attempts }, retried) }, "Retry delivery"),
                   ]
                 : ""
             )
