@@ -257,3 +257,40 @@ async def test_a_held_answer_appears_when_the_message_was_sent_without_open(
     await expect(bubbles).to_have_text([marker, "pending review"])
     await approve_held(svc, session)
     await expect(bubbles).to_have_text([marker, f"Echo: {marker}"], timeout=TIMEOUT * 1000)
+
+
+async def test_a_stream_ended_by_the_service_is_not_taken_for_a_logout(
+    page: Page, svc: ServiceProcess
+) -> None:
+    """The session's stream ends with ``event: end`` when the console session ends, and
+    also when the service cannot go on (a damaged database file). The page took every
+    end for a logout and showed the login form to a person still logged in. (The end is
+    made by the page's route: the served process's database cannot be damaged from
+    here.)"""
+    said = "the database file is damaged; an operator must repair it"
+    await sign_in_and_open(page, svc, "plain", f"st-{uuid.uuid4().hex[:8]}")
+
+    async def ended(route: Route) -> None:
+        body = f"event: end\ndata: {json.dumps({'reason': said})}\n\n"
+        await route.fulfill(status=200, content_type="text/event-stream", body=body)
+
+    await page.route("**/events", ended)
+    await page.get_by_role("button", name="Open").click()
+    await expect(page.locator("#error")).to_contain_text(said)
+    await expect(page.locator("#login-view")).to_be_hidden()
+    await expect(page.locator("#link")).to_have_text("disconnected: open the session again")
+
+
+async def test_a_console_session_logged_out_elsewhere_shows_the_login_form(
+    page: Page, svc: ServiceProcess
+) -> None:
+    await sign_in_and_open(page, svc, "plain", f"st-{uuid.uuid4().hex[:8]}")
+    cookie = next(c for c in await page.context.cookies() if c["name"] == "leadgate_session")
+    async with httpx2.AsyncClient(base_url=svc.url, timeout=TIMEOUT) as http:
+        resp = await http.post(
+            "/console/logout",
+            headers={"Cookie": f"leadgate_session={cookie['value']}", "X-Leadgate-Console": "1"},
+        )
+        assert resp.status_code == 200
+    await expect(page.locator("#login-view")).to_be_visible(timeout=TIMEOUT * 1000)
+    await expect(page.locator("#error")).to_contain_text("Your console session has ended")

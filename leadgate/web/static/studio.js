@@ -140,7 +140,29 @@
     };
     source.addEventListener("message", (e) => onMessage(JSON.parse(e.data)));
     source.addEventListener("review", (e) => onReview(JSON.parse(e.data).status));
-    source.addEventListener("end", loggedOut); // logged out, or the session expired
+    // The server ends the stream when the console session ends (logout, expiry), and
+    // also when it cannot go on (a damaged database): ask which. Every end was taken
+    // for a logout, and a person still logged in was sent to the login form.
+    source.addEventListener("end", (e) => {
+      const ended = source;
+      ended.close();
+      api("/console/me").then(
+        () => {
+          if (source !== ended) return; // another session was opened meanwhile
+          let reason = "";
+          try {
+            reason = JSON.parse(e.data).reason || "";
+          } catch (_) {
+            reason = "";
+          }
+          $("link").textContent = "disconnected: open the session again";
+          showError(`The live transcript stopped${reason ? `: ${reason}` : "."}`);
+        },
+        (err) => {
+          if (source === ended && err.status === 401) loggedOut();
+        }
+      );
+    });
     $("message").focus();
   }
 
