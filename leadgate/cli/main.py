@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leadgate")
 
+#: The rule an unexpected error's line ends with (exit 1), as the HTTP surfaces' 500.
+INTERNAL_RULE = "internal"
+
 
 async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
     """Run one admin subcommand against the configured database."""
@@ -230,10 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         damaged = None if settings is None else damaged_file(exc, settings.database.url)
         if damaged is not None:
             return _refused(damaged, choice, settings)
+        shown = loggable(exc)
         with contextlib.suppress(Exception):
-            log.debug("command failed", exc_info=loggable(exc))
+            log.debug("command failed", exc_info=shown)
+        # stderr is the service's log for `serve`: a database error's text (PostgreSQL's
+        # DETAIL, a trigger's message) quotes the statement's values, so it is named by
+        # its types and codes (loggable) as a logged traceback names it.
+        text = str(shown) if shown is not exc else f"{type(exc).__name__}: {exc}"
         print(
-            f"leadgate: error: {type(exc).__name__}: {exc} ({where(choice, settings)})",
+            f"leadgate: error: {text} ({where(choice, settings)}) [{INTERNAL_RULE}]",
             file=sys.stderr,
         )
         return 1

@@ -253,6 +253,21 @@ async def test_discord_s_refusal_quoting_the_post_is_stored_but_never_logged(
     assert leaking(caplog.records, MARKER) == []
 
 
+async def run_command(tmp_path: Path, url: str, *argv: str) -> int:
+    """Run ``leadgate <argv>`` in process on the database at ``url`` (``[log] level =
+    "DEBUG"``): ``main`` sets logging up as a command does, its handler writing to the
+    captured stderr; the test's capture handler is put back after. Its exit code."""
+    config = tmp_path / "leadgate.toml"
+    config.write_text(f'[database]\nurl = "{url}"\n[log]\nlevel = "DEBUG"\n', encoding="utf-8")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return await asyncio.to_thread(main, ["--config", str(config), *argv])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 async def test_a_database_url_s_password_never_reaches_the_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -274,17 +289,7 @@ async def test_a_database_url_s_password_never_reaches_the_log(
         )
         assert answer.status == 503, await answer.text()
         assert (await client.get("/healthz")).status == 503
-    config = tmp_path / "leadgate.toml"
-    config.write_text(f'[database]\nurl = "{url}"\n[log]\nlevel = "DEBUG"\n', encoding="utf-8")
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        # (In process, ``main`` sets logging up as a command does: its handler writes
-        # to the captured stderr; the test's capture handler is put back after.)
-        code = await asyncio.to_thread(main, ["--config", str(config), "org", "list"])
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
+    code = await run_command(tmp_path, url, "org", "list")
     out, err = capsys.readouterr()
     assert code != 0 and "leadgate:***@127.0.0.1" in err, err
     assert secret not in out + err
@@ -334,4 +339,52 @@ async def test_the_connector_s_refusal_quoting_the_post_is_stored_but_never_logg
         await connector.close()
     assert row.status == "pending" and "HTTP 503" in row.error and MARKER in row.error, row
     assert [r for r in caplog.records if "still not posted" in r.getMessage()]
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_a_command_s_unexpected_database_error_is_printed_without_its_text(
+    migrated_url: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A command meets a database error nothing expects (here the operator's own trigger
+    refusing an organization, its message and ``DETAIL`` quoting the name, as
+    PostgreSQL's own constraints quote a row): exit 1 with one line on stderr, which for
+    ``serve`` is the service's log. It printed the driver's text whole (``{exc}``); it
+    names the error's types and SQLSTATE now, and the rule."""
+    db = Database(migrated_url)
+    try:
+        async with db.tx() as conn:
+            if db.is_postgres:
+                await conn.execute(
+                    sa.text(
+                        "CREATE FUNCTION refuse_org() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                        "BEGIN RAISE EXCEPTION 'refused %', NEW.name USING "
+                        "DETAIL = 'Failing name: ' || NEW.name; END $$"
+                    )
+                )
+                await conn.execute(
+                    sa.text(
+                        "CREATE TRIGGER refuse_org BEFORE INSERT ON organizations "
+                        "FOR EACH ROW EXECUTE FUNCTION refuse_org()"
+                    )
+                )
+            else:
+                await conn.execute(
+                    sa.text(
+                        "CREATE TRIGGER refuse_org BEFORE INSERT ON organizations "
+                        "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                    )
+                )
+    finally:
+        await db.close()
+    caplog.set_level(logging.DEBUG)
+    code = await run_command(tmp_path, migrated_url, "org", "create", MARKER)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "", err
+    line = err.rstrip().splitlines()[-1]  # (the lines above: the DEBUG traceback)
+    assert line.startswith("leadgate: error: ") and line.endswith("[internal]"), err
+    assert "P0001" in line if migrated_url.startswith("postgresql") else "SQLITE_CONSTRAINT" in line
+    assert MARKER not in err
     assert leaking(caplog.records, MARKER) == []
