@@ -30,7 +30,7 @@ from leadgate.core.errors import ModelError, log_failure
 from leadgate.core.logs import ContentFilter
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Database, upgrade
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from leadgate.web.common import error_answer
 from outbox.channel import OutboundMessage, Permanent, SendOutcome, stored_error
@@ -388,3 +388,21 @@ async def test_a_command_s_unexpected_database_error_is_printed_without_its_text
     assert "P0001" in line if migrated_url.startswith("postgresql") else "SQLITE_CONSTRAINT" in line
     assert MARKER not in err
     assert leaking(caplog.records, MARKER) == []
+
+
+async def test_the_migration_engine_hides_statement_parameters(db_url: str) -> None:
+    """``db upgrade`` runs Alembic on an engine of its own (``migrations/env.py``), which
+    did not hide a statement's parameters as the service's engine does: a data migration
+    that failed would have put the values it bound (message text) into the error that
+    ``db upgrade`` prints and logs. Every engine the upgrade connects with hides them."""
+    engines: list[sa.Engine] = []
+
+    def connected(conn: sa.Connection) -> None:
+        engines.append(conn.engine)
+
+    sa.event.listen(sa.Engine, "engine_connect", connected)
+    try:
+        await asyncio.to_thread(upgrade, db_url)
+    finally:
+        sa.event.remove(sa.Engine, "engine_connect", connected)
+    assert engines and all(engine.hide_parameters for engine in engines), engines

@@ -57,7 +57,10 @@ def _sqlite_transactional_ddl(engine: sa.Engine) -> None:
 
 async def _main() -> None:
     url = sa.engine.make_url(config.get_main_option("sqlalchemy.url") or "")
-    kwargs: dict[str, Any] = {}
+    # As the service's engine: a statement's parameters never go into an error's text,
+    # which reaches the log and `db upgrade`'s output. No revision binds data yet; a data
+    # migration would bind message text.
+    kwargs: dict[str, Any] = {"hide_parameters": True}
     if url.get_backend_name() == "sqlite":
         # How long BEGIN IMMEDIATE waits for another writer: the service's busy timeout
         # (sqlite3's own default, 5 s, otherwise), as its own connections wait.
