@@ -233,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         damaged = None if settings is None else damaged_file(exc, settings.database.url)
         if damaged is not None:
             return _refused(damaged, choice, settings)
-        shown = loggable(exc)
         with contextlib.suppress(Exception):
-            log.debug("command failed", exc_info=shown)
+            log.debug("command failed", exc_info=loggable(exc))
+        shown = loggable(exc)
         # stderr is the service's log for `serve`: a database error's text (PostgreSQL's
         # DETAIL, a trigger's message) quotes the statement's values, so it is named by
         # its types and codes (loggable) as a logged traceback names it.
