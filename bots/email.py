@@ -57,7 +57,7 @@ from bots.review_base import Answer, ChatReviewBackend
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import DatabaseDamaged, LeadgateError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
-from leadgate.core.logs import Tally, loggable
+from leadgate.core.logs import Tally, loggable, raised_at
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
 from leadgate.review.replies import AnswerTo, parse_reply, token_of
 
@@ -196,8 +196,11 @@ class EmailHandler:
         except TooManyParts:
             log.info("email: refused a message of more than %d MIME parts", MAX_MULTIPARTS)
             return "554 5.6.0 Message has too many MIME parts"
-        except Exception:
-            log.warning("email: unparseable message", exc_info=True)
+        except Exception as exc:
+            # Its type and where, not its text or traceback: the email package's errors
+            # quote the header they choked on (an IndexError raised while handling a
+            # HeaderParseError "... but found '<the rest of the header>'").
+            log.warning("email: unparseable message (%s at %s)", type(exc).__name__, raised_at(exc))
             return "554 5.6.0 Message could not be parsed"
         if mail is None:
             return "550 5.6.0 Message has no text body"

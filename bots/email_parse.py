@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from email.message import EmailMessage
 
+from leadgate.core.logs import raised_at
+
 log = logging.getLogger(__name__)
 
 MAX_CHARS = 1_000_000
@@ -134,8 +136,14 @@ def extract_text(message: email.message.EmailMessage) -> str | None:
         part = message.get_body(preferencelist=("html",))
         if part is not None:
             return _html_to_text(_decode_part(part))
-    except Exception:  # a malformed MIME tree: treat as having no text
-        log.info("email: could not walk the MIME structure", exc_info=True)
+    except Exception as exc:  # a malformed MIME tree: treat as having no text
+        # Its type and where, not its text or traceback, which quote the header the
+        # email package choked on (a part's Content-Disposition).
+        log.info(
+            "email: could not walk the MIME structure (%s at %s)",
+            type(exc).__name__,
+            raised_at(exc),
+        )
     return None
 
 

@@ -14,6 +14,7 @@ import traceback
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+import aiosmtplib
 import discord.http
 import pytest
 import sqlalchemy as sa
@@ -43,6 +44,7 @@ from tests.stack import build_stack
 from tests.standins.connector import ConnectorStandin, message_activity
 from tests.standins.discord_api import DiscordApiStandin
 from tests.standins.smtp import SmtpSink
+from tests.unit.test_bots_email import ALICE, BOT, _allow, _listen
 
 #: The text a person wrote, which the failures below meet.
 MARKER = "MARKER-what-the-person-wrote"
@@ -406,3 +408,43 @@ async def test_the_migration_engine_hides_statement_parameters(db_url: str) -> N
     finally:
         sa.event.remove(sa.Engine, "engine_connect", connected)
     assert engines and all(engine.hide_parameters for engine in engines), engines
+
+
+#: Mails the email package cannot take apart, and the error it meets: each error's
+#: traceback quotes the header it choked on (a ``HeaderParseError`` "... but found
+#: '<the rest of the header>'" under the ``IndexError`` raised while handling it).
+MALFORMED_MAILS = {
+    # message_from_bytes reads it; the Message-ID's parser fails: 554, "unparseable".
+    "unparseable message": (
+        f"Message-ID: <(;;=]\t>x {MARKER}\r\n\r\nthe text\r\n",
+        (554, "5.6.0 Message could not be parsed"),
+    ),
+    # A part's Content-Disposition fails when the body is looked for: no text, 550.
+    "could not walk the MIME structure": (
+        "Message-ID: <m1@client.example>\r\n"
+        "Content-Type: multipart/mixed; boundary=b\r\n\r\n"
+        f"--b\r\nContent-Disposition: )[{MARKER};x*\r\n\r\nthe text\r\n--b--\r\n",
+        (550, "5.6.0 Message has no text body"),
+    ),
+}
+
+
+@pytest.mark.parametrize("logged", list(MALFORMED_MAILS))
+async def test_a_mail_the_email_package_cannot_read_is_logged_without_its_text(
+    logged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A malformed mail sent to the real listener: the email package's error quotes the
+    header it could not parse, and its traceback was logged ("unparseable message" at
+    WARNING, "could not walk the MIME structure" at INFO). The line names the error's
+    type and where it was raised now; the sender gets the same answer as before."""
+    mail, answer = MALFORMED_MAILS[logged]
+    raw = f"From: {ALICE}\r\nTo: {BOT}\r\nSubject: hi\r\n{mail}".encode()
+    caplog.set_level(logging.DEBUG)
+    async for listener in _listen(FakeCore(_allow(ALICE))):
+        with pytest.raises(aiosmtplib.SMTPDataError) as refused:
+            await listener.send(raw)
+        assert (refused.value.code, refused.value.message) == answer
+        assert listener.core.triggers == []
+    [line] = [r for r in caplog.records if logged in r.getMessage()]
+    assert "IndexError at " in line.getMessage() and line.exc_info is None, line.getMessage()
+    assert leaking(caplog.records, MARKER) == []
