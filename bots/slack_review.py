@@ -239,6 +239,21 @@ def notice(text: str) -> dict[str, Any]:
     }
 
 
+def api_failure(exc: BaseException) -> str:
+    """A failed Web API call in the words a log may carry: a :class:`SlackApiError` by
+    its HTTP status and Slack's error code only. Its text holds Slack's whole answer,
+    whose ``response_metadata.messages`` may quote the view or blocks sent (a card's
+    text); any other error (no answer: a connection's, a payload's missing key) as it
+    is."""
+    if not isinstance(exc, SlackApiError):
+        return repr(exc)
+    response = exc.response
+    status = getattr(response, "status_code", None) or getattr(response, "status", None)
+    data = getattr(response, "data", None)
+    code = data.get("error") if isinstance(data, dict) else None
+    return f"SlackApiError HTTP {status} {code or '(no error code)'}"
+
+
 def identity_of(body: dict[str, Any]) -> str:
     """``TEAM:USER`` of whoever clicked (the form ``leadgate user link --slack`` takes)."""
     user = obj(body.get("user"))
@@ -358,7 +373,7 @@ def register(
                 trigger_id=body["trigger_id"], view=modal(callback, item_id, meta)
             )
         except _OPEN_FAILED as exc:
-            log.warning("slack: could not open the %s modal: %r", verb, exc)
+            log.warning("slack: could not open the %s modal: %s", verb, api_failure(exc))
             await ack()
             tell(respond, "Could not open the form; please try again.")
             return

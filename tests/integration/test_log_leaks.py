@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import make_mocked_request
 from botbuilder.schema import Activity
+from nacl.signing import SigningKey
 
 from bots.discord import DiscordChannel, configure_endpoints
 from bots.email import EmailChannel
@@ -37,12 +38,15 @@ from leadgate.web.common import error_answer
 from outbox.channel import OutboundMessage, Permanent, SendOutcome, stored_error
 from outbox.relay import Relay
 from tests.fakes import FakeCore
-from tests.helpers import fake_clock, make_agent, make_key, make_org
+from tests.helpers import eventually, fake_clock, make_agent, make_key, make_org
+from tests.integration.test_chat_review_faults import approve_click, serving, slack_click
+from tests.integration.test_chat_reviews import escalated, setup
 from tests.outbox_support import ScriptedChannel, seed_items
 from tests.serving import served_app
 from tests.stack import build_stack
 from tests.standins.connector import ConnectorStandin, message_activity
 from tests.standins.discord_api import DiscordApiStandin
+from tests.standins.slack_api import SlackApiStandin
 from tests.standins.smtp import SmtpSink
 from tests.unit.test_bots_email import ALICE, BOT, _allow, _listen
 
@@ -448,3 +452,31 @@ async def test_a_mail_the_email_package_cannot_read_is_logged_without_its_text(
     [line] = [r for r in caplog.records if logged in r.getMessage()]
     assert "IndexError at " in line.getMessage() and line.exc_info is None, line.getMessage()
     assert leaking(caplog.records, MARKER) == []
+
+
+async def test_slack_s_refusal_of_the_reason_form_is_logged_by_its_code(
+    migrated_url: str,
+    key: SigningKey,
+    slack_api: SlackApiStandin,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Reject click whose reason form Slack refuses to open: Slack's answer names what
+    is wrong with the view, quoting it (``response_metadata.messages``), and the WARNING
+    logged the SlackApiError's repr, Slack's whole answer in it. It names the status and
+    Slack's error code now; the reviewer is told to try again, as before. (The form
+    holds ids, no message text: a blocks post quoted so would carry a card's text.)"""
+    slack_api.set_channel_mode("views.open", "invalid_arguments_echo")
+    caplog.set_level(logging.DEBUG)
+    async with serving(migrated_url, key, slack_api) as (app, server):
+        org, worker = await setup(app)
+        item_id = await escalated(app, org, worker, "s1")
+        click = approve_click(slack_api, item_id, "form")
+        click["actions"][0]["action_id"] = "reject"
+        assert (await slack_click(server, click))[0] == 200
+        await eventually(lambda: [c for c in slack_api.calls if c["method"] == "response_url"])
+    [told] = [c for c in slack_api.calls if c["method"] == "response_url"]
+    assert "try again" in told["text"]
+    [line] = [r for r in caplog.records if "could not open the reject modal" in r.getMessage()]
+    assert "HTTP 200 invalid_arguments" in line.getMessage(), line.getMessage()
+    # (what the view sent holds, and Slack quoted)
+    assert leaking(caplog.records, "private_metadata") == []

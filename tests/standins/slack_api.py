@@ -19,7 +19,9 @@ or as a subprocess (for tests that run the service in another process)::
 Review cards also use ``views.open``, ``chat.update`` and ``chat.postEphemeral`` (recorded
 in ``calls``, with ``method``; ``chat.update`` and ``views.open`` answer ``hang``,
 ``reset``, ``drop``, a status, ``error:CODE`` and ``portal`` below too, keyed by channel;
-``views.open`` only by its ``trigger_id``, with ``set_channel_mode``) and a ``response_url``:
+``views.open`` only by its ``trigger_id``, with ``set_channel_mode``; and
+``set_channel_mode("views.open", "invalid_arguments_echo")`` with Slack's refusal of a
+view, quoting the view sent) and a ``response_url``:
 ``POST /response/{anything}`` records the JSON body in ``calls`` with ``method``
 ``response_url`` (:meth:`SlackApiStandin.response_url` makes one;
 :meth:`SlackApiStandin.lose_answer` makes its next posts land, recorded, and then reset
@@ -287,6 +289,16 @@ class SlackApiStandin(StandinBase):
                 return web.Response(status=int(mode), text="error", content_type="text/html")
             if mode == "portal":
                 return portal_page()
+        if method == "views.open" and self._key_modes.get(method) == "invalid_arguments_echo":
+            # Slack's answer to a view it refuses names what is wrong, quoting what was sent.
+            said = f"[ERROR] failed to match all allowed schemas: {params.get('view')}"
+            return _json(
+                {
+                    "ok": False,
+                    "error": "invalid_arguments",
+                    "response_metadata": {"messages": [said]},
+                }
+            )
         self.calls.append({"method": method, **params})
         if method == "views.open":
             return _json({"ok": True, "view": {"id": f"V{next(self._ts):08d}"}})
