@@ -31,7 +31,7 @@ from leadgate.core.errors import (
     ValidationError,
     when_reading,
 )
-from leadgate.core.logs import loggable, setup_logging
+from leadgate.core.logs import error_text, loggable, setup_logging
 
 if TYPE_CHECKING:
     from leadgate.core.config import Settings
@@ -235,13 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             return _refused(damaged, choice, settings)
         with contextlib.suppress(Exception):
             log.debug("command failed", exc_info=loggable(exc))
-        shown = loggable(exc)
         # stderr is the service's log for `serve`: a database error's text (PostgreSQL's
         # DETAIL, a trigger's message) quotes the statement's values, so it is named by
-        # its types and codes (loggable) as a logged traceback names it.
-        text = str(shown) if shown is not exc else f"{type(exc).__name__}: {exc}"
+        # its types and codes (error_text) as a logged traceback names it.
         print(
-            f"leadgate: error: {text} ({where(choice, settings)}) [{INTERNAL_RULE}]",
+            f"leadgate: error: {error_text(exc)} ({where(choice, settings)}) [{INTERNAL_RULE}]",
             file=sys.stderr,
         )
         return 1

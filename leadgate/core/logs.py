@@ -228,6 +228,15 @@ def loggable(exc: BaseException) -> BaseException:
     return DatabaseErrorText(text).with_traceback(exc.__traceback__)
 
 
+def error_text(exc: BaseException) -> str:
+    """``exc`` in words a log line may carry without its traceback (and an error stored
+    from the same failure): its type and text, or when its chain holds a database error,
+    what :func:`loggable` says of it instead (the types and codes, never the database's
+    text: PostgreSQL's ``DETAIL`` quotes the row, message text among it)."""
+    shown = loggable(exc)
+    return str(shown) if shown is not exc else f"{type(exc).__name__}: {exc}"
+
+
 def raised_at(exc: BaseException) -> str:
     """The file and line ``exc`` was raised at (its innermost frame), for an error
     logged without its traceback, whose last line is the error's text; empty when it

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from leadgate.core.errors import LeadgateError, Unavailable
+from leadgate.core.logs import error_text
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
@@ -246,7 +247,7 @@ class FlowRecovery:
         except Exception as exc:
             if attempt < MAX_RECOVERIES:
                 raise  # logged by the runner loop; claimed again once the lease lapses
-            why = exc.message if isinstance(exc, LeadgateError) else f"{type(exc).__name__}: {exc}"
+            why = exc.message if isinstance(exc, LeadgateError) else error_text(exc)
             await self.give_up(lease, attempt, why)
         return True
 

@@ -56,7 +56,7 @@ from leadgate.core.errors import (
     ValidationError,
 )
 from leadgate.core.limits import validate_message
-from leadgate.core.logs import loggable
+from leadgate.core.logs import error_text, loggable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import (
     LEFT_AT_MOST_MS,
@@ -639,7 +639,7 @@ class FlowService:
                     log.info("flow run %s: no longer leased here; renewals stop", lease.run_id)
                     return
                 except Exception as exc:  # a database fault: the next round tries again
-                    log.warning("renewing flow run %s failed: %s", lease.run_id, exc)
+                    log.warning("renewing flow run %s failed: %s", lease.run_id, error_text(exc))
 
         async with alongside(renew(), name=f"flow-lease-{lease.run_id}"):
             yield
@@ -674,7 +674,10 @@ class FlowService:
                     log.error(
                         "flow run %s failed at node %d", run["id"], index, exc_info=loggable(exc)
                     )
-                    await self._finish(lease, outputs, _RS.failed, f"node {index}: {exc}")
+                    # (Stored and shown as the run's error: a database error's text
+                    # quotes the row, the nodes' outputs among it.)
+                    error = f"node {index}: {error_text(exc)}"
+                    await self._finish(lease, outputs, _RS.failed, error)
                     return
                 if paused:
                     return

@@ -22,7 +22,7 @@ from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LEFT_AT_MOST_MS, LOCKED_RECHECK_MS, drain
 from leadgate.database import schema as t
-from leadgate.database.db import Conn
+from leadgate.database.db import Conn, Database
 from leadgate.domain import workitems
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
@@ -67,6 +67,7 @@ from tests.helpers import (
     make_org,
     transitions_counted,
 )
+from tests.integration.test_log_leaks import MARKER, leaking
 from tests.stack import Stack
 
 LOST = (
@@ -1387,3 +1388,103 @@ async def test_a_lead_reviewed_node_whose_turn_recovery_gave_up_fails_its_flow_s
     assert await drain(turn_recovery) == 0
     assert await drain(flow_recovery) == 0
     assert await drain(resumer) == 0
+
+
+async def refuse_run_writes_quoting_outputs(db: Database, *, renewals: bool) -> None:
+    """Make the database refuse a write of a run whose outputs hold :data:`MARKER` (a
+    node's answer), as the operator's own constraint would (a trigger): with
+    ``renewals``, a write that leaves a running run's outputs as they are (a lease
+    renewal); else the run's completion. PostgreSQL's error quotes the row in its
+    ``DETAIL`` as its own constraints do; SQLite's ``RAISE`` takes no more than a fixed
+    text."""
+    if db.is_postgres:
+        when = "NEW.status = 'running' AND NEW.outputs::text = OLD.outputs::text"
+        when = when if renewals else "NEW.status = 'completed'"
+        ddl = [
+            "CREATE FUNCTION refuse_run() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'refused' USING ERRCODE = 'check_violation', "
+            "DETAIL = 'Failing row: ' || NEW.outputs::text; END $$",
+            "CREATE TRIGGER refuse_run BEFORE UPDATE ON flow_runs FOR EACH ROW WHEN "
+            f"(({when}) "
+            f"AND NEW.outputs::text LIKE '%{MARKER}%') EXECUTE FUNCTION refuse_run()",
+        ]
+    else:
+        when = "NEW.status = 'running' AND NEW.outputs = OLD.outputs"
+        when = when if renewals else "NEW.status = 'completed'"
+        ddl = [
+            "CREATE TRIGGER refuse_run BEFORE UPDATE ON flow_runs WHEN "
+            f"({when}) "
+            f"AND NEW.outputs LIKE '%{MARKER}%' BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        ]
+    async with db.tx() as conn:
+        for statement in ddl:
+            await conn.execute(sa.text(statement))
+
+
+async def test_a_database_error_of_a_run_s_lease_is_neither_logged_nor_stored_with_its_text(
+    first: Stack, second: Stack, mortal: Mortal, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run's lease renewals fail with a database error that is no fault (a
+    constraint), which on PostgreSQL quotes the run's row in its ``DETAIL``: the nodes'
+    outputs, the first node's answer among them. The renewal's WARNING logged that text,
+    and the next node, failing on its own renewal, stored it as the run's error (shown by
+    ``flow show`` and the API). Both name the error's type and SQLSTATE now."""
+    org = await make_org(first)
+    await make_agent(first, org, "plain")
+    nodes = [
+        {"type": "agent", "agent": "plain", "prompt": f"{MARKER} first"},
+        {"type": "agent", "agent": "plain", "prompt": "#hold"},
+        {"type": "agent", "agent": "plain", "prompt": "third"},
+    ]
+    flow_id = await _flow(first, org, nodes)
+    first.flows.renew_every_s = 0.01
+    caplog.set_level(logging.DEBUG)
+    running = asyncio.create_task(first.flows.start(org.id, flow_id))
+    await asyncio.wait_for(mortal.entered.wait(), 10)
+    run_id = await _only_run(second)
+    await refuse_run_writes_quoting_outputs(second.db, renewals=True)
+
+    def renewals_failed() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "renewing flow run" in r.getMessage()]
+
+    await eventually(renewals_failed, 10)
+    mortal.gate.set()
+    await running
+    run = await _view(second, org, run_id)
+    assert run["status"] == "failed" and MARKER in str(run["outputs"]), run
+    assert (run["error"] or "").startswith("node 2: IntegrityError"), run["error"]
+    assert MARKER not in (run["error"] or "") + "".join(run["events"])
+    assert "IntegrityError" in renewals_failed()[0].getMessage()
+    assert leaking(caplog.records, MARKER) == []
+
+
+async def test_a_run_recovery_gives_up_on_for_a_database_error_is_failed_without_its_text(
+    first: Stack, second: Stack, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each recovery of a run fails on a database error that is no fault (a constraint
+    refusing its completion, which on PostgreSQL quotes the row in its ``DETAIL``: the
+    outputs, a node's answer among them). Recovery gives up after the last attempt with
+    one ERROR and the run's error, both of which carried that text: they name the
+    error's type and SQLSTATE now."""
+    org = await make_org(first)
+    flow_id = await _flow(
+        first, org, [{"type": "output", "value": 1}, {"type": "output", "value": 2}]
+    )
+    async with first.db.tx() as conn:
+        done = [{"data": {"text": f"{MARKER} answered"}, "success": True}]
+        lease = await first.flows.new_run(conn, org.id, flow_id, done, 0, None)
+    await refuse_run_writes_quoting_outputs(second.db, renewals=False)
+    recovery = FlowRecovery(second.flows)
+    caplog.set_level(logging.DEBUG)
+    for _ in range(1, MAX_RECOVERIES):
+        clock.advance(RUN_LEASE_MS + 1)
+        with pytest.raises(sa.exc.IntegrityError):
+            await recovery.run_once()
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await recovery.run_once()
+    run = await _view(second, org, lease.run_id)
+    error = run["error"] or ""
+    assert run["status"] == "failed" and "IntegrityError" in error and "text is left out" in error
+    assert MARKER not in error + "".join(run["events"])
+    assert [r for r in caplog.records if UNRECOVERABLE_RULE in r.getMessage()]
+    assert leaking(caplog.records, MARKER) == []
