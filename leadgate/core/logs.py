@@ -224,7 +224,7 @@ def loggable(exc: BaseException) -> BaseException:
             if isinstance(value, str) and value and f"{name} {value}" not in codes:
                 codes.append(f"{name} {value}")
     names = " <- ".join(dict.fromkeys(type(item).__name__ for item in chain))
-    text = f"{names} ({', '.join(codes) or 'no code'}): its text is left out of the log"
+    text = f"{names} ({', '.join(codes) or 'no code'}): the database's own text left out"
     return DatabaseErrorText(text).with_traceback(exc.__traceback__)
 
 

@@ -1484,7 +1484,7 @@ async def test_a_run_recovery_gives_up_on_for_a_database_error_is_failed_without
     assert await recovery.run_once()
     run = await _view(second, org, lease.run_id)
     error = run["error"] or ""
-    assert run["status"] == "failed" and "IntegrityError" in error and "text is left out" in error
+    assert run["status"] == "failed" and "IntegrityError" in error and "own text left out" in error
     assert MARKER not in error + "".join(run["events"])
     assert [r for r in caplog.records if UNRECOVERABLE_RULE in r.getMessage()]
     assert leaking(caplog.records, MARKER) == []
