@@ -32,12 +32,14 @@ RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
 
 class GateProvider:
     """A model that answers only when released (a turn kept in flight); ``cancelled``
-    counts the turns cancelled while they waited."""
+    counts the turns cancelled while they waited. ``failure`` set: released, the turn
+    fails with it instead."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.calls = 0
         self.cancelled = 0
+        self.failure: Exception | None = None
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         self.calls += 1
@@ -46,6 +48,8 @@ class GateProvider:
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+        if self.failure is not None:
+            raise self.failure
         yield TextDelta("slow answer")
 
 

@@ -49,6 +49,7 @@ from leadgate.core.errors import (
     DatabaseDamaged,
     IntakeInDoubt,
     LeadgateError,
+    ModelError,
     PayloadTooLarge,
     Unavailable,
     ValidationError,
@@ -233,9 +234,10 @@ class ToolTurns:
             return  # its calls get the outcome (or the error) themselves
         exc = turn.task.exception()  # (retrieved here: nobody else will)
         if isinstance(exc, LeadgateError):
-            logger.warning(
-                "MCP turn of a cancelled tool call failed: %s [%s]", exc.message, exc.rule
-            )
+            # A model error's message ends in the provider's own words, which may echo
+            # the request (the message's text): logged as the turn path logs it.
+            said = exc.summary if isinstance(exc, ModelError) else exc.message
+            logger.warning("MCP turn of a cancelled tool call failed: %s [%s]", said, exc.rule)
         elif exc is not None:
             logger.error("MCP turn of a cancelled tool call failed", exc_info=loggable(exc))
 

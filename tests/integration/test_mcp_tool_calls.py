@@ -10,6 +10,7 @@ replica that opened it: another refuses it before anything is taken in."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,6 +23,7 @@ from mcp_types import TextContent
 
 from leadgate.app import App
 from leadgate.core.auth import Scope
+from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.runners.recovery import TurnRecovery
@@ -29,7 +31,7 @@ from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.mcp import ToolTurns
 from tests.fakes import FaultProvider, GateProvider
-from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize
+from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize, ours
 from tests.serving import Client, served_app
 from tests.statement_faults import injector
 
@@ -133,6 +135,36 @@ async def test_a_turn_left_by_its_call_is_stopped_when_the_server_stops(
         await client.close()  # the server stops (the app's cleanup)
         assert gate.cancelled == 1
         assert turns_of(service).detached() == 0
+
+
+async def test_a_left_turns_model_failure_is_logged_without_the_providers_words(
+    migrated_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The turn of a cancelled call fails on its model: the WARNING that says so names
+    the failure as the turn path's own line does (the provider's status and the rule),
+    not the provider's own words, which may echo the request (the message's text
+    included). It logged the error's whole message, those words too."""
+    gate = GateProvider()
+    gate.failure = ModelError(
+        "the model server at http://model rejected the request (HTTP 400)",
+        rule="model.bad_request",
+        detail=": your prompt 'the secret plan' breaks the policy",
+    )
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    caplog.set_level(logging.INFO)
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "slow", model="gate")
+        await cancelled_mid_turn(service, client, org.key, "handshake", gate)
+        gate.release.set()
+        await eventually(lambda: turns_of(service).detached() == 0)
+    said = [r.getMessage() for r in ours(caplog)]
+    assert [line for line in said if "secret plan" in line] == []
+    [left] = [line for line in said if "MCP turn of a cancelled tool call failed" in line]
+    assert "(HTTP 400)" in left and "model.bad_request" in left
 
 
 ANSWER = {"success": True, "result": {"leadReviewPending": False, "text": "slow answer"}}
