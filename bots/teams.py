@@ -689,11 +689,12 @@ class TeamsChannel:
         every failure onto an outcome class (``edit``: ``call`` edits a card).
 
         The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`): the
-        Connector's request must be under way (connected, through any proxy's tunnel and
-        the TLS handshake) within ``deadline_s - timeout_s`` (past it: :class:`Retry`,
-        and the request is never written), and then it and its answer get ``timeout_s``
-        (past it: :class:`Uncertain`). requests bounds each socket operation alone, and
-        a Connector or proxy trickling its answer kept a send past its lease.
+        Connector's request must be under way (its access token got, connected, through
+        any proxy's tunnel and the TLS handshake) within ``deadline_s - timeout_s``
+        (past it: :class:`Retry`, and the request is never written), and then it and
+        its answer get ``timeout_s`` (past it: :class:`Uncertain`). requests bounds each
+        socket operation alone, and a Connector or proxy trickling its answer kept a
+        send past its lease.
         """
         raw_reference = message.address.get("reference")
         if not isinstance(raw_reference, dict):
@@ -736,7 +737,8 @@ class TeamsChannel:
             )
         return Retry(
             f"teams connector: the connection took longer than {before_write_s:g} s "
-            "(any proxy's tunnel and the TLS handshake included); nothing was sent"
+            "(the access token's request, any proxy's tunnel and the TLS handshake "
+            "included); nothing was sent"
         )
 
     async def _run(
@@ -784,6 +786,16 @@ class TeamsChannel:
                 # at the status, and names neither when it cannot: the answer, heard
                 # here (a requests hook; the client is this call's own), tells.
                 client.config.hooks.append(heard)
+                credentials = getattr(client.config, "credentials", None)
+                if credentials is not None:
+                    # msrest's credentials policy gets the access token (msal, through
+                    # requests, with no timeout) on the event loop: a slow identity
+                    # platform stopped the whole service, past the send's deadline.
+                    # Got here on a thread, within the deadline; the policy then finds
+                    # it in msal's cache.
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, credentials.signed_session, requests.Session()
+                    )
             # The SDK sets replyToId from the turn activity's id: for a continuation that
             # is a fresh random id, so set it to what this delivery means (None: a new
             # message in the conversation, posted to .../activities).

@@ -1,16 +1,19 @@
 """Outbound half of the Teams adapter: the real botbuilder SDK against the Connector stand-in.
 
-The SDK runs in no-auth mode (empty app id and password): with an app id it would first
-fetch a token from the Microsoft identity platform, which tests cannot reach. In no-auth
-mode the Connector calls carry no Authorization header (asserted below).
+The SDK runs in no-auth mode (empty app id and password), where the Connector calls
+carry no Authorization header (asserted below), but for the tests of the access token's
+request: with an app id the SDK first fetches a token from the Microsoft identity
+platform, here its stand-in (:mod:`tests.standins.microsoft_login`) behind its proxy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from tests.standins.connector import (
     message_activity,
     post_activity,
 )
-from tests.standins.microsoft_login import _certificates
+from tests.standins.microsoft_login import MicrosoftLogin, _certificates
 from tests.standins.proxy import ProxyStandin
 
 CONVERSATION = "19:abc@thread.tacv2;messageid=1700000000001"
@@ -547,3 +550,91 @@ async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
     )
     assert tls_connector.requests == []
     assert proxy.ended == 1
+
+
+@pytest.fixture
+def login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MicrosoftLogin]:
+    """Microsoft's login stand-in (app ``app``, password ``pw``) behind its CONNECT proxy,
+    named by the environment (the Connector stand-in on 127.0.0.1 reached directly). It
+    runs on an event loop of its own thread: the SDK may wait for it on the caller's."""
+    login = MicrosoftLogin(app_id="app", app_password="pw", access_token="at")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="login-standin", daemon=True)
+    thread.start()
+    tls = web.AppRunner(login.tls_app())
+
+    async def serve() -> asyncio.Server:
+        await tls.setup()
+        context = _certificates(tmp_path / "login-ca.pem")
+        await web.TCPSite(tls, "127.0.0.1", 0, ssl_context=context).start()
+        login._tls_port = tls.addresses[0][1]
+        return await asyncio.start_server(login.tunnel, "127.0.0.1", 0)
+
+    proxy = asyncio.run_coroutine_threadsafe(serve(), loop).result(30)
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "login-ca.pem"))
+    try:
+        yield login
+    finally:
+
+        async def stop() -> None:
+            proxy.close()
+            await tls.cleanup()
+            # (the tunnels msal's kept-alive connections still hold)
+            tunnels = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for tunnel in tunnels:
+                tunnel.cancel()
+            await asyncio.gather(*tunnels, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+async def test_the_access_token_is_fetched_off_the_event_loop_within_the_send_deadline(
+    connector: ConnectorStandin, login: MicrosoftLogin
+) -> None:
+    """With an app id the SDK fetches the Connector's access token (msal, through
+    requests, with no timeout) from inside msrest's credentials policy, on the event
+    loop: a slow identity platform (or a proxy on the way) stopped the whole service
+    for as long as it took, and the send's deadline with it. The token is fetched on a
+    thread now, within the send's deadline: past it, a retry with nothing sent, while
+    the loop runs on; the token that comes later serves the next send."""
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True, app_id="app", app_password="pw"),
+        FakeCore(),
+        send_timeout_s=1.0,
+        send_deadline_s=2.0,
+    )
+    login.token_hold_s = 3.0
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.02)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticking = asyncio.ensure_future(tick())
+    started = time.monotonic()
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    ticking.cancel()
+    assert isinstance(outcome, Retry), outcome
+    assert "nothing was sent" in outcome.error
+    assert time.monotonic() - started < 1.5
+    assert max(gaps) < 0.5, f"the event loop stood still for {max(gaps):.1f} s"
+    assert connector.requests == []
+    await eventually(lambda: bool(login.grants), what="the token answered")
+    login.token_hold_s = 0.0
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Sent), outcome
+    [posted] = connector.requests
+    assert posted["authorization"] == "Bearer at"
+    # (each send's credentials are the SDK's new ones, with a token cache of their own)
+    assert [grant["ok"] for grant in login.grants] == [True, True]

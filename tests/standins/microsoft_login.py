@@ -153,6 +153,8 @@ class MicrosoftLogin:
         #: (``host:443`` for a ``CONNECT``, the absolute URL of a plain-HTTP one)
         self.proxied: list[str] = []
         self.keys = BotFrameworkKeys()
+        #: seconds each token request waits before it is answered (a slow login service)
+        self.token_hold_s = 0.0
         self._tls_port = 0
 
     # -- the login services ------------------------------------------------------------
@@ -194,6 +196,7 @@ class MicrosoftLogin:
 
     async def _token(self, request: web.Request) -> web.Response:
         form = await request.post()
+        await asyncio.sleep(self.token_hold_s)
         client_id = str(form.get("client_id", ""))
         ok = (
             form.get("grant_type") == "client_credentials"
