@@ -58,6 +58,7 @@ from leadgate.core.errors import (
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.logs import loggable
 from leadgate.core.types import BUSY_RULE, Busy, Duplicate, Gated, Outcome, Reply
+from leadgate.operations.sessions import DEFAULT_SESSION
 from leadgate.operations.transcripts import parse_limit
 from leadgate.web.common import detach_stream, error_body, retry_headers, unavailable_response
 from leadgate.web.mcp_resources import (
@@ -165,7 +166,8 @@ class ActionAgentOutput(BaseModel):
 
 
 #: What makes two calls the same message: the organization, the caller (its key: a
-#: session left out is that key's default), the agent as named, the session, the text.
+#: session left out, or ``default``, is that key's default; None), the agent as named,
+#: the session, the text.
 TurnKey = tuple[str, str, str, str | None, str]
 
 
@@ -453,8 +455,10 @@ def build_mcp_server(
                 )
                 return _tool_error(f"invalid arguments: {problems}", "tool.arguments")
             agent, message, session = _validate_arguments(args.agent, args.message, args.session)
+            # (no session and "default" are the same session: the key's default)
+            same = None if session == DEFAULT_SESSION else session
             outcome = await in_flight.run(
-                (principal.org_id, principal.actor, agent, session, message),
+                (principal.org_id, principal.actor, agent, same, message),
                 lambda: send_message(principal, agent, message, session),
             )
             return outcome_to_result(outcome)

@@ -200,6 +200,35 @@ async def test_a_call_sent_again_while_its_turn_runs_is_answered_by_that_turn(
         assert await session_rows(service) == ([("user", "hi"), ("assistant", "slow answer")], 0)
 
 
+async def test_a_call_sent_again_naming_the_default_session_another_way_joins_its_turn(
+    migrated_url: str,
+) -> None:
+    """``session`` omitted and ``session: "default"`` name the same session (the key's
+    default): the same message sent again the other way while its turn runs is that
+    call again, answered by that turn. It was taken in a second time and answered twice."""
+    gate = GateProvider()
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "slow", model="gate")
+        async with mcp_client(client, org.key, "handshake") as session:
+            first = asyncio.create_task(
+                session.call_tool(TOOL, {"agent": "slow", "message": "hi", "session": "default"})
+            )
+            await eventually(lambda: gate.calls == 1)
+            first.cancel()
+            await eventually(lambda: turns_of(service).detached() == 1)
+            again = asyncio.create_task(session.call_tool(TOOL, {"agent": "slow", "message": "hi"}))
+            await eventually(lambda: gate.calls == 2 or turns_of(service).detached() == 0)
+            gate.release.set()
+            result = await again
+        assert gate.calls == 1, "the message was taken in and run a second time"
+        assert result.is_error is False and result.structured_content == ANSWER
+
+
 @pytest.mark.parametrize("differs", ["message", "session", "key"])
 async def test_another_message_while_a_turn_runs_is_a_turn_of_its_own(
     migrated_url: str, differs: str
