@@ -199,7 +199,7 @@ async def test_an_answer_the_database_kept_from_being_stored_is_stored_by_the_wa
         assert (running.action, running.retry_after_s) == ("running", 1)
     retry = await idem.begin(principal, "k-6", "fp")
     assert (retry.action, retry.response) == ("replay", answer)
-    assert not idem._lost  # (nothing left held)
+    assert not idem._lost and _budget_free(idem)  # (nothing left held)
 
 
 async def test_a_held_answer_whose_store_fails_again_is_tried_at_each_pass_and_request(
@@ -230,7 +230,7 @@ async def test_a_held_answer_whose_store_fails_again_is_tried_at_each_pass_and_r
     assert (running.action, running.retry_after_s) == ("running", 1)
     retry = await idem.begin(principal, "k-8", "fp")
     assert (retry.action, retry.response) == ("replay", answer)
-    assert not idem._lost
+    assert not idem._lost and _budget_free(idem)
 
 
 async def test_an_answer_past_the_budget_ends_the_claims_lease(
@@ -280,6 +280,13 @@ def _held(idem: Idempotency) -> list[HeldAnswer]:
     return [look.token for look in idem._lost if isinstance(look.token, HeldAnswer)]
 
 
+def _budget_free(idem: Idempotency) -> bool:
+    """Whether nothing of the held answers' budget is taken (bytes and room alike): an
+    answer stored, given up or back from a cancelled look that kept its share filled
+    the budget for good, and every later answer was refused."""
+    return idem._held_bytes == 0 and idem._lost.kept == 0 and idem._lost.has_room()
+
+
 def _lost_answers(reason: str) -> float:
     return counted("leadgate_idempotency_answers_lost_total", reason=reason)
 
@@ -326,7 +333,7 @@ async def test_an_answer_out_for_a_look_counts_against_the_watchs_budget(
     assert (retry.action, retry.external_event_id) == ("run", second.external_event_id)
     replay = await idem.begin(principal, "k-a", "fp")  # (its look came first)
     assert (replay.action, replay.response) == ("replay", answer)
-    assert not idem._lost and idem._lost.has_room()
+    assert not idem._lost and _budget_free(idem)
 
 
 async def _refuse_answers_saying(db: Database, marker: str) -> None:
@@ -384,7 +391,7 @@ async def test_an_answer_the_database_refuses_is_given_up_at_its_look(
     replay = await idem.begin(principal, "k-other", "fp")
     assert (replay.action, replay.response) == ("replay", other)
     await idem.run_once()  # (the lease's end, due at once)
-    assert not idem._lost and idem._lost.has_room()
+    assert not idem._lost and _budget_free(idem)
     retry = await idem.begin(principal, "k-refused", "fp")
     assert (retry.action, retry.external_event_id) == ("run", refused_claim.external_event_id)
     assert len([r for r in ours(caplog) if r.levelno >= logging.ERROR]) == 1
