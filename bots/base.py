@@ -135,7 +135,7 @@ DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 #: taken in, and the person is asked to send it again.
 NOT_TAKEN_IN = "Your message could not be taken in:"
 #: How :func:`not_taken_in` begins when the recording's commit is in doubt: its answer
-#: may still come (a Discord catch-up answers a message whose only reply is this one).
+#: may still come (a Discord or Slack catch-up answers a message whose only reply is this one).
 IN_DOUBT = "Your message may or may not have been taken in:"
 
 

@@ -23,7 +23,8 @@ Slack drops an event after its third retry (about five minutes): at each start
 ``conversations.replies`` for the threads that moved), the messages of every known
 channel posted after the newest one taken in there (within ``[slack] catch_up_s``) and
 takes each in as a live one; the intake's de-duplication by that same id answers a
-message that came both ways once.
+message that came both ways once, and one the bot already replied to in its thread (but
+for the "may or may not have been taken in" notice) is left alone.
 
 Outbound: :class:`SlackChannel` posts with one shared ``AsyncWebClient`` and maps every
 failure onto the outcome classes of SPEC 6. ``chat.postMessage`` has no idempotency key,
@@ -60,6 +61,7 @@ from slack_sdk.web.async_slack_response import AsyncSlackResponse
 from bots import slack_review
 from bots.base import (
     DATABASE_FAULTS,
+    IN_DOUBT,
     Core,
     accept,
     answering_errors,
@@ -818,6 +820,9 @@ class SlackAdapter:
                 len(history),
             )
         found: dict[str, dict[str, Any]] = {}
+        # Parents the bot replied to, taken in only when their thread is read and none of
+        # the bot's replies there is more than the in-doubt notice.
+        told: dict[str, dict[str, Any]] = {}
         # Threads to read: those that took in a message lately, and those whose parent
         # was read and that were replied to since (conversations.history has parents
         # only, and the live path answers a reply in a thread too).
@@ -833,10 +838,13 @@ class SlackAdapter:
             latest = _ts(message.get("latest_reply"))
             if latest is not None and latest > oldest:
                 moved[str(message["ts"])] = latest
-            # The bot replied in its thread: a "could not be taken in" reply on Slack's
-            # last try, and the person may have sent it again since.
+            # The bot replied in its thread (reply_users says who, not what): its thread,
+            # read below as one that moved, tells an answer or "could not be taken in"
+            # (the person may have sent it again since) from the in-doubt notice.
             replied = message.get("reply_users")
             if isinstance(replied, list) and me[0] in replied:
+                told[str(message["ts"])] = message
+                moved.setdefault(str(message["ts"]), latest if latest is not None else stamp)
                 continue
             found[str(message["ts"])] = message
         threads = sorted(moved, key=lambda t: moved[t], reverse=True)
@@ -868,10 +876,17 @@ class SlackAdapter:
             answered = False
             for message in reversed(replies):
                 if message.get("user") == me[0] or (me[1] and message.get("bot_id") == me[1]):
-                    answered = True  # as above: what came before in the thread was told
+                    # What came before in the thread was answered or told it could not be
+                    # taken in; not by the in-doubt notice, which promised the answer.
+                    text = message.get("text")
+                    answered = answered or not (isinstance(text, str) and text.startswith(IN_DOUBT))
+                    continue
+                if message.get("ts") == thread:
+                    if not answered and thread in told:
+                        found[thread] = told[thread]
                     continue
                 stamp = _ts(message.get("ts"))
-                if answered or stamp is None or stamp <= oldest or message.get("ts") == thread:
+                if answered or stamp is None or stamp <= oldest:
                     continue
                 found.setdefault(str(message["ts"]), message)
         taken = 0

@@ -24,7 +24,7 @@ from bots import slack
 from bots.base import not_taken_in
 from bots.slack import CATCH_UP_OVERLAP_MS, SlackAdapter, ts_at
 from leadgate.app import App
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.database import schema as t
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
 from tests.integration.test_discord_catch_up import taken_in
@@ -256,6 +256,41 @@ async def test_a_reply_in_a_thread_the_bot_replied_to_after_it_is_not_answered(
         await caught_up(second)
     assert await answers(service, parent) == ["Echo: the question", "Echo: after the notice"]
     assert await taken_in(service) == [event_id(parent), event_id(after)]
+
+
+async def test_a_message_whose_only_bot_reply_is_the_in_doubt_notice_is_answered(
+    service: App, standin: SlackApiStandin
+) -> None:
+    # The notice promised the answer once the service is back, as on Discord: a parent
+    # (reply_users naming the bot) and a reply in a thread so told are taken in; one
+    # told "could not be taken in" after an in-doubt notice is not.
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    in_doubt = not_taken_in(IntakeInDoubt())
+    could_not = not_taken_in(Unavailable("down", rule="service.unavailable"))
+
+    def bot_says(text: str, at_ms: int, thread_ts: str) -> None:
+        standin.say(
+            CHANNEL,
+            text,
+            at_ms=at_ms,
+            user=standin.bot_user_id,
+            bot_id=standin.bot_id,
+            thread_ts=thread_ts,
+        )
+
+    parent = said(standin, "told in doubt", at_ms=now - 30 * MINUTE_MS)
+    bot_says(in_doubt, now - 29 * MINUTE_MS, parent)
+    reply = said(standin, "a reply told in doubt", at_ms=now - 25 * MINUTE_MS, thread_ts=parent)
+    bot_says(in_doubt, now - 24 * MINUTE_MS, parent)
+    other = said(standin, "told twice", at_ms=now - 20 * MINUTE_MS)
+    bot_says(in_doubt, now - 19 * MINUTE_MS, other)
+    bot_says(could_not, now - 18 * MINUTE_MS, other)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, parent) == ["Echo: told in doubt", "Echo: a reply told in doubt"]
+    assert await answers(service, other) == []
+    assert await taken_in(service) == [event_id(parent), event_id(reply)]
 
 
 async def test_every_message_is_answered_when_not_only_mentions_are_caught_up(
