@@ -599,12 +599,16 @@ class DiscordAdapter:
         # Every page first: the bot's replies come after the messages they answer, and a
         # message it already replied to (its intake record lost, or the person told it
         # could not be taken in, who may have sent it again) is not answered again.
+        # Newest first, as Slack's: past the limit the oldest are dropped, not the newest
+        # (the next READY starts from the newest taken in, a live one by then, and those
+        # between would never be read).
         read: list[discord.Message] = []
-        history = channel.history(limit=limit, after=discord.Object(after), oldest_first=True)
+        history = channel.history(limit=limit, after=discord.Object(after), oldest_first=False)
         async for message in history:
             if self._stopping.is_set():
                 return
             read.append(message)
+        read.reverse()
         answered = replied_to(read, client.user.id if client.user is not None else None)
         for message in read:
             if self._stopping.is_set():
@@ -624,8 +628,8 @@ class DiscordAdapter:
                 )
         if len(read) >= limit:
             log.warning(
-                "discord: catch-up of channel %s stopped after %d messages; later ones "
-                "are taken in at the next READY",
+                "discord: catch-up of channel %s read its latest %d messages only; older "
+                "ones are not answered",
                 target.channel_id,
                 len(read),
             )
