@@ -119,6 +119,8 @@ CATCH_UP_PAGES = 10
 #: concurrently may have been cut by a crash around a later one that was recorded (what
 #: was recorded is a duplicate, and answered no second time).
 CATCH_UP_OVERLAP_MS = 60_000
+#: Discord's JSON error code for a channel it does not have.
+_UNKNOWN_CHANNEL = 10003
 _MESSAGE_EVENT = DISCORD_MESSAGE_EVENT
 _SESSION_PREFIX = "discord:"
 
@@ -316,6 +318,18 @@ def replied_to(messages: list[discord.Message], bot_id: int | None) -> set[int]:
         if not (message.content or "").startswith(IN_DOUBT):
             found.add(reference.message_id)
     return found
+
+
+def _gone(exc: BaseException) -> bool:
+    """Whether a read failed because Discord no longer has the channel (404, Unknown
+    Channel)."""
+    return isinstance(exc, discord.NotFound) and exc.code == _UNKNOWN_CHANNEL
+
+
+def _route_names(known: Conversations, channel_id: int) -> bool:
+    """Whether an active route names the channel ``channel_id`` (its operator is told
+    when it is gone)."""
+    return any(match.get("channel") == str(channel_id) for match in known.routes)
 
 
 def snowflake_at(ms: int) -> int:
@@ -565,6 +579,11 @@ class DiscordAdapter:
                 log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
                 return
             except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if _gone(exc) and not _route_names(known, target.channel_id):
+                    # Deleted since (a thread, often): its sessions stay, and a WARNING
+                    # at every READY would say nothing anyone can act on.
+                    log.info("discord: channel %s is gone; not caught up", target.channel_id)
+                    continue
                 log.warning(
                     "discord: could not read channel %s's messages to catch up (%s); "
                     "tried again at the next READY",

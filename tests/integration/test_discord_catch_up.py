@@ -258,6 +258,27 @@ async def test_a_read_discord_refuses_is_logged_and_tried_again_at_the_next_read
     assert [r["mode"] for r in standin.reads] == ["forbidden", "ok"]
 
 
+async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(
+    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its sessions stay: every READY reads it again, and a WARNING each time said
+    nothing anyone could act on. One a route names still warns."""
+    await routed(service, {"guild": GUILD}, {"guild": GUILD, "channel": OTHER_CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        gone = await message(standin, "in a thread deleted since")
+        await eventually(lambda: answers(first, gone), what="the live message answered")
+    standin.fail_reads(CHANNEL, "not_found")
+    standin.fail_reads(OTHER_CHANNEL, "not_found")
+    caplog.set_level(logging.INFO)
+    async with running(service, standin) as up:
+        await caught_up(up)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bots.discord"]
+    assert (logging.INFO, f"discord: channel {CHANNEL} is gone; not caught up") in lines
+    [warning] = [m for level, m in lines if level >= logging.WARNING]
+    assert OTHER_CHANNEL in warning and "404 Unknown Channel" in warning
+
+
 async def test_a_route_naming_a_channel_alone_learns_its_guild_for_the_live_session(
     service: App, standin: DiscordApiStandin
 ) -> None:
