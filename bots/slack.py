@@ -859,7 +859,7 @@ class SlackAdapter:
             if self._stopping.is_set():
                 return
             try:
-                replies, _ = await _read_pages(
+                replies, cut = await _read_pages(
                     client.conversations_replies, channel=target.channel, ts=thread, oldest=after
                 )
             except SlackApiError as exc:
@@ -873,6 +873,16 @@ class SlackAdapter:
                     _read_error(exc),
                 )
                 break
+            if cut:
+                # Read oldest first (Slack pages a thread no other way): the newest are
+                # the ones left.
+                log.warning(
+                    "slack: catch-up of thread %s in channel %s read its first %d messages "
+                    "only; later ones are not answered",
+                    thread,
+                    target.channel,
+                    len(replies),
+                )
             answered = False
             for message in reversed(replies):
                 if message.get("user") == me[0] or (me[1] and message.get("bot_id") == me[1]):

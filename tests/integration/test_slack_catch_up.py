@@ -293,6 +293,31 @@ async def test_a_message_whose_only_bot_reply_is_the_in_doubt_notice_is_answered
     assert await taken_in(service) == [event_id(parent), event_id(reply)]
 
 
+async def test_a_thread_with_more_replies_than_the_limit_says_so(
+    service: App,
+    standin: SlackApiStandin,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # One page of two: a thread's replies past it were dropped without a word.
+    monkeypatch.setattr(slack, "CATCH_UP_PAGES", 1)
+    monkeypatch.setattr(slack, "CATCH_UP_PAGE_SIZE", 2)
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    parent = said(standin, "a thread", at_ms=now - 30 * MINUTE_MS)
+    first = said(standin, "the first reply", at_ms=now - 20 * MINUTE_MS, thread_ts=parent)
+    said(standin, "the second reply", at_ms=now - 10 * MINUTE_MS, thread_ts=parent)
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, parent) == ["Echo: a thread", "Echo: the first reply"]
+    assert await taken_in(service) == [event_id(parent), event_id(first)]
+    [warning] = [r for r in caplog.records if r.name == "bots.slack"]
+    assert f"thread {parent} in channel {CHANNEL} read its first 2 messages" in (
+        warning.getMessage()
+    )
+
+
 async def test_every_message_is_answered_when_not_only_mentions_are_caught_up(
     service: App, standin: SlackApiStandin
 ) -> None:
