@@ -787,6 +787,13 @@ class SlackAdapter:
                 log.warning("slack: catch-up stopped, the database is unavailable (%s)", exc.rule)
                 return
             except (SlackClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if _read_error(exc).endswith(" channel_not_found") and not any(
+                    match.get("channel") == target.channel for match in known.routes
+                ):
+                    # Deleted since: its sessions stay, and a WARNING at every start would
+                    # say nothing anyone can act on (one a route names still warns).
+                    log.info("slack: channel %s is gone; not caught up", target.channel)
+                    continue
                 log.warning(
                     "slack: could not read channel %s's messages to catch up (%s); those "
                     "posted there while the service was down are not answered",

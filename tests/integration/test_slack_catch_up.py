@@ -360,6 +360,28 @@ async def test_a_history_slack_refuses_is_logged_and_the_other_channels_are_read
     assert CHANNEL in warning.getMessage() and "missing_scope" in warning.getMessage()
 
 
+async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_start(
+    service: App, standin: SlackApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its sessions stay, so every start reads it again; one a route names still warns.
+    await routed(service, {"team": "T0STANDIN"}, {"team": "T0STANDIN", "channel": OTHER_CHANNEL})
+    now = fake_clock(service).now_ms()
+    gone = said(standin, "in a channel deleted since", at_ms=now - 30 * MINUTE_MS)
+    async with running(service, standin) as (first, client):
+        await caught_up(first)
+        await deliver(client, standin, gone)
+        await eventually(lambda: answers(first, gone), what="the live message answered")
+    del standin.history[CHANNEL]  # channel_not_found
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bots.slack"]
+    assert (logging.INFO, f"slack: channel {CHANNEL} is gone; not caught up") in lines
+    [warning] = [m for level, m in lines if level >= logging.WARNING]
+    assert OTHER_CHANNEL in warning and "channel_not_found" in warning
+
+
 async def test_no_catch_up_when_it_is_off(service: App, standin: SlackApiStandin) -> None:
     await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
     missed = said(standin, "said while down", at_ms=fake_clock(service).now_ms() - MINUTE_MS)
