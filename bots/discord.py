@@ -113,6 +113,10 @@ _GATEWAY_CLOSE_TIMEOUT_S = 10.0
 _GATEWAY_FIRST_RETRY_S = 2.0
 _GATEWAY_MAX_RETRY_S = 60.0
 
+#: A catch-up stopped by a database fault is tried again this many seconds on, doubling
+#: up to :data:`CATCH_UP_RETRY_MAX_S`, until it ends or the adapter stops.
+CATCH_UP_RETRY_FIRST_S = 5.0
+CATCH_UP_RETRY_MAX_S = 60.0
 #: Catch-up reads at most this many pages (100 messages each) per channel and READY.
 CATCH_UP_PAGES = 10
 #: How far before the newest message taken in a catch-up reads again: messages taken in
@@ -542,25 +546,36 @@ class DiscordAdapter:
 
     async def _catch_up_runs(self) -> None:
         self._ready_again = True
+        wait_s = CATCH_UP_RETRY_FIRST_S
         while self._ready_again and not self._stopping.is_set():
             self._ready_again = False
             try:
-                await self.catch_up()
+                done = await self.catch_up()
             except Exception as exc:
                 if self._stopping.is_set():
                     return  # the shutdown closed the client under its reads
                 # Never the gateway's end: the next READY tries again.
                 log.error("discord: the catch-up ended with an error", exc_info=loggable(exc))
+                continue
+            if not done:
+                # Stopped by a database fault: tried again once it may be back, not at
+                # the next READY (hours on, perhaps, when a live message taken in since
+                # has moved where the read starts past the messages still missed).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), wait_s)
+                wait_s = min(2 * wait_s, CATCH_UP_RETRY_MAX_S)
+                self._ready_again = True
 
-    async def catch_up(self) -> None:
+    async def catch_up(self) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
         posted after the newest one taken in there (within ``[discord] catch_up_s``, and
         not before the route answering there was made), but not one the bot already
         replied to (:func:`replied_to`). A channel Discord would not read (a REST error)
-        logs a WARNING and is tried again at the next READY."""
+        logs a WARNING and is tried again at the next READY. False when a database fault
+        stopped it (its caller tries again shortly); True otherwise."""
         client = self.gateway
         if client is None:
-            return
+            return True
         try:
             known = await self._core.conversations(
                 BindingKind.discord,
@@ -569,15 +584,15 @@ class DiscordAdapter:
             )
         except DATABASE_FAULTS as exc:
             log.warning("discord: no catch-up, the database is unavailable (%s)", exc.rule)
-            return
+            return False
         for target in catch_up_targets(known):
             if self._stopping.is_set():
-                return
+                return True
             try:
                 await self._catch_up_channel(client, target, known.since_ms)
             except DATABASE_FAULTS as exc:
                 log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
-                return
+                return False
             except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if _gone(exc) and not _route_names(known, target.channel_id):
                     # Deleted since (a thread, often): its sessions stay, and a WARNING
@@ -590,6 +605,7 @@ class DiscordAdapter:
                     target.channel_id,
                     _rest_error(exc),
                 )
+        return True
 
     async def _catch_up_channel(
         self, client: _GatewayClient, target: CatchUpTarget, since_ms: int
@@ -639,7 +655,12 @@ class DiscordAdapter:
             if taken is None:
                 continue
             try:
-                await self._take_post(*taken)
+                # Not _take_post: a database fault stops the catch-up (tried again
+                # shortly, _catch_up_runs), and no author of an old message is told "could
+                # not be taken in, send it again" (each remaining one was, in turn).
+                await accept(self._core, taken[0], name=f"discord-turn:message:{message.id}")
+            except DATABASE_FAULTS:
+                raise
             except LeadgateError as exc:
                 # As a live message's would (logged as its task ends): the next is read on.
                 log.warning(

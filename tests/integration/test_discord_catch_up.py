@@ -397,3 +397,42 @@ async def test_a_message_told_it_may_or_may_not_have_been_taken_in_is_answered_o
         await caught_up(second)
     assert await answers(service, doubted) == ["Echo: said as the database went away"]
     assert await taken_in(service) == [f"discord:message:{m}" for m in (opened, doubted)]
+
+
+async def test_a_database_fault_during_the_catch_up_tells_nobody_and_is_tried_again(
+    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missed message the catch-up cannot take in (the database away at its intake)
+    is not told "could not be taken in, send it again" (the catch-up took each message
+    in as a live one, and told every old message's author so, reading on), and the
+    catch-up is tried again shortly, not at the next READY: answered once."""
+    monkeypatch.setattr(discord_bots, "CATCH_UP_RETRY_FIRST_S", 0.01)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        opened = await message(standin, "hello")  # (its session exists from now on)
+        await eventually(lambda: answers(first, opened), what="the live message answered")
+    missed = await message(standin, "said while down")
+    also = await message(standin, "also said while down")
+    up: list[App] = []
+
+    async def down_once(_record: dict[str, Any]) -> None:
+        # The database away for the catch-up's first intake (the process is up by the
+        # time its READY's read comes back).
+        standin.on_read = None
+        await eventually(lambda: up, what="the second process up")
+        monkeypatch.setattr(up[0].db, "tx", DownFor(up[0].db.tx, 1, after_commit=False))
+
+    standin.on_read = down_once
+    async with running(service, standin) as second:
+        up.append(second)
+        await caught_up(second)
+    notices = [
+        p
+        for p in standin.posts
+        if str((p.get("message_reference") or {}).get("message_id")) in (missed, also)
+    ]
+    assert notices == []
+    assert len(standin.reads) == 3  # the first process's READY, the fault's and the retry's
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, also) == ["Echo: also said while down"]
