@@ -20,6 +20,7 @@ Nothing outside ``bots/`` imports a channel SDK.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,6 +30,7 @@ from typing import Protocol
 from aiohttp import web
 
 from leadgate.core.errors import DatabaseDamaged, IntakeInDoubt, LeadgateError, Unavailable
+from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, Conversations, Inbound, Recorded, Routed, RouteMatch
 from outbox.channel import Channel, OutboundMessage, SendOutcome, Sent
 
@@ -157,6 +159,35 @@ def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
         f"{NOT_TAKEN_IN} the service is unavailable right now ({exc.rule}). If no answer "
         "comes, please send it again in a moment."
     )
+
+
+#: A catch-up stopped by a database fault is tried again this many seconds on, doubling
+#: up to :data:`CATCH_UP_RETRY_MAX_S`, until it ends or its adapter stops.
+CATCH_UP_RETRY_FIRST_S = 5.0
+CATCH_UP_RETRY_MAX_S = 60.0
+
+
+async def catch_up_until_done(
+    catch_up: Callable[[], Awaitable[bool]], stopping: asyncio.Event, *, channel: str
+) -> None:
+    """Run a channel's read-back of the messages that reached no process (``catch_up``:
+    False when a database fault stopped it) until it ends or ``stopping`` is set: one
+    stopped by a fault is tried again :data:`CATCH_UP_RETRY_FIRST_S` on, doubling, not at
+    the next start or READY (hours on, perhaps, when a live message taken in since has
+    moved where the read starts past the messages still missed). Any other error ends it,
+    logged (never the service's end)."""
+    wait_s = CATCH_UP_RETRY_FIRST_S
+    while not stopping.is_set():
+        try:
+            if await catch_up():
+                return
+        except Exception as exc:
+            if not stopping.is_set():  # (else the shutdown cut its reads)
+                log.error("%s: the catch-up ended with an error", channel, exc_info=loggable(exc))
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), wait_s)
+        wait_s = min(2 * wait_s, CATCH_UP_RETRY_MAX_S)
 
 
 async def tell_not_taken_in(

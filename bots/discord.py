@@ -59,6 +59,7 @@ from bots.base import (
     Core,
     accept,
     answering_errors,
+    catch_up_until_done,
     not_taken_in,
     tell_not_taken_in,
 )
@@ -113,10 +114,6 @@ _GATEWAY_CLOSE_TIMEOUT_S = 10.0
 _GATEWAY_FIRST_RETRY_S = 2.0
 _GATEWAY_MAX_RETRY_S = 60.0
 
-#: A catch-up stopped by a database fault is tried again this many seconds on, doubling
-#: up to :data:`CATCH_UP_RETRY_MAX_S`, until it ends or the adapter stops.
-CATCH_UP_RETRY_FIRST_S = 5.0
-CATCH_UP_RETRY_MAX_S = 60.0
 #: Catch-up reads at most this many pages (100 messages each) per channel and READY.
 CATCH_UP_PAGES = 10
 #: How far before the newest message taken in a catch-up reads again: messages taken in
@@ -546,25 +543,9 @@ class DiscordAdapter:
 
     async def _catch_up_runs(self) -> None:
         self._ready_again = True
-        wait_s = CATCH_UP_RETRY_FIRST_S
         while self._ready_again and not self._stopping.is_set():
             self._ready_again = False
-            try:
-                done = await self.catch_up()
-            except Exception as exc:
-                if self._stopping.is_set():
-                    return  # the shutdown closed the client under its reads
-                # Never the gateway's end: the next READY tries again.
-                log.error("discord: the catch-up ended with an error", exc_info=loggable(exc))
-                continue
-            if not done:
-                # Stopped by a database fault: tried again once it may be back, not at
-                # the next READY (hours on, perhaps, when a live message taken in since
-                # has moved where the read starts past the messages still missed).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), wait_s)
-                wait_s = min(2 * wait_s, CATCH_UP_RETRY_MAX_S)
-                self._ready_again = True
+            await catch_up_until_done(self.catch_up, self._stopping, channel="discord")
 
     async def catch_up(self) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
@@ -572,7 +553,8 @@ class DiscordAdapter:
         not before the route answering there was made), but not one the bot already
         replied to (:func:`replied_to`). A channel Discord would not read (a REST error)
         logs a WARNING and is tried again at the next READY. False when a database fault
-        stopped it (its caller tries again shortly); True otherwise."""
+        stopped it (tried again shortly: :func:`bots.base.catch_up_until_done`); True
+        otherwise."""
         client = self.gateway
         if client is None:
             return True

@@ -65,6 +65,7 @@ from bots.base import (
     Core,
     accept,
     answering_errors,
+    catch_up_until_done,
     quoted_page,
     tell_not_taken_in,
 )
@@ -745,20 +746,16 @@ class SlackAdapter:
         return client
 
     async def _catch_up_run(self) -> None:
-        try:
-            await self.catch_up()
-        except Exception as exc:
-            if self._stopping.is_set():
-                return  # cut by the shutdown
-            # Never the service's end: the messages wait for the next start.
-            log.error("slack: the catch-up ended with an error", exc_info=loggable(exc))
+        await catch_up_until_done(self.catch_up, self._stopping, channel="slack")
 
-    async def catch_up(self) -> None:
+    async def catch_up(self) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
         posted after the newest one taken in there (within ``[slack] catch_up_s``, and
         not before the route answering there was made): Slack drops an event after its
         third retry, and a message posted while the service was down was lost without a
-        word. A channel Slack would not read logs a WARNING; the others are read on."""
+        word. A channel Slack would not read logs a WARNING; the others are read on.
+        False when a database fault stopped it (tried again shortly:
+        :func:`bots.base.catch_up_until_done`); True otherwise."""
         try:
             known = await self._core.conversations(
                 BindingKind.slack,
@@ -767,25 +764,25 @@ class SlackAdapter:
             )
         except DATABASE_FAULTS as exc:
             log.warning("slack: no catch-up, the database is unavailable (%s)", exc.rule)
-            return
+            return False
         if not known.sessions and not any(r.get("channel") for r in known.routes):
-            return  # no Slack conversation known: nothing to ask Slack
+            return True  # no Slack conversation known: nothing to ask Slack
         client = self._reader()
         try:
             # The bot's own user (its mentions, its replies) and workspace.
             who = await client.auth_test()
         except (SlackClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
             log.warning("slack: no catch-up, auth.test failed (%s)", _read_error(exc))
-            return
+            return True
         me = (str(who.get("user_id") or ""), str(who.get("bot_id") or ""))
         for target in catch_up_targets(known, str(who.get("team_id") or "")):
             if self._stopping.is_set():
-                return
+                return True
             try:
                 await self._catch_up_channel(client, target, known.since_ms, me)
             except DATABASE_FAULTS as exc:
                 log.warning("slack: catch-up stopped, the database is unavailable (%s)", exc.rule)
-                return
+                return False
             except (SlackClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if _read_error(exc).endswith(" channel_not_found") and not any(
                     match.get("channel") == target.channel for match in known.routes
@@ -800,6 +797,7 @@ class SlackAdapter:
                     target.channel,
                     _read_error(exc),
                 )
+        return True
 
     async def _catch_up_channel(
         self,

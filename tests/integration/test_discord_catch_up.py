@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from bots import base as bots_base
 from bots import discord as discord_bots
 from bots.base import IN_DOUBT, NOT_TAKEN_IN
 from bots.discord import DiscordAdapter
@@ -406,7 +407,7 @@ async def test_a_database_fault_during_the_catch_up_tells_nobody_and_is_tried_ag
     is not told "could not be taken in, send it again" (the catch-up took each message
     in as a live one, and told every old message's author so, reading on), and the
     catch-up is tried again shortly, not at the next READY: answered once."""
-    monkeypatch.setattr(discord_bots, "CATCH_UP_RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(bots_base, "CATCH_UP_RETRY_FIRST_S", 0.01)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     async with running(service, standin) as first:
         await caught_up(first)

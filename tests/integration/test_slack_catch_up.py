@@ -20,12 +20,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from bots import base as bots_base
 from bots import slack
 from bots.base import not_taken_in
 from bots.slack import CATCH_UP_OVERLAP_MS, SlackAdapter, ts_at
 from leadgate.app import App
 from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.database import schema as t
+from tests.fakes import DownFor
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
 from tests.integration.test_discord_catch_up import taken_in
 from tests.serving import Client, served_app
@@ -432,3 +434,34 @@ async def test_a_thread_slack_will_not_read_leaves_the_channel_s_other_messages_
     [warning] = [r for r in caplog.records if r.name == "bots.slack"]
     assert "threads of channel C0ASK" in warning.getMessage()
     assert "internal_error" in warning.getMessage() and not warning.exc_info
+
+
+async def test_a_database_fault_during_the_catch_up_is_tried_again_until_it_ends(
+    service: App, standin: SlackApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catch-up stopped by a database fault at a message's intake is tried again
+    shortly (it waited for the next start, which may be days on: the message was never
+    answered), and tells nobody: answered once."""
+    monkeypatch.setattr(bots_base, "CATCH_UP_RETRY_FIRST_S", 0.01)
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS)
+    up: list[App] = []
+
+    async def down_once(record: dict[str, Any]) -> None:
+        # The database away for the catch-up's first intake (the process is up by the
+        # time its read of the channel comes back).
+        if record["method"] != "conversations.history":
+            return
+        standin.on_read = None
+        await eventually(lambda: up, what="the second process up")
+        monkeypatch.setattr(up[0].db, "tx", DownFor(up[0].db.tx, 1, after_commit=False))
+
+    standin.on_read = down_once
+    async with running(service, standin) as (second, _):
+        up.append(second)
+        await caught_up(second)
+    history = [r for r in standin.reads if r["method"] == "conversations.history"]
+    assert len(history) == 2  # the fault's read, and the retry's
+    assert [c for c in standin.calls if c.get("thread_ts") == missed] == []
+    assert await answers(service, missed) == ["Echo: said while down"]
