@@ -479,9 +479,11 @@ def _watch_of_thread() -> _Watch | None:
     return watch if isinstance(watch, _Watch) else None
 
 
-class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
+class _Watched(urllib3.connection.HTTPConnection):
     """urllib3's connection, telling the :class:`_Watch` of the thread that opens it
-    (``requests`` sends a request, and reads its answer, on one thread) what it does."""
+    (``requests`` sends a request, and reads its answer, on one thread) what it does;
+    over TLS with :class:`_WatchedHTTPSConnection` (which puts urllib3's TLS connection
+    between this and the plain one)."""
 
     watch: _Watch | None = None
 
@@ -499,26 +501,12 @@ class _WatchedHTTPConnection(urllib3.connection.HTTPConnection):
             super().close()
 
 
-class _WatchedHTTPSConnection(urllib3.connection.HTTPSConnection):
-    """:class:`_WatchedHTTPConnection` over TLS."""
-
-    watch: _Watch | None = None
-
-    def _new_conn(self) -> socket.socket:
-        return _opened(self, super()._new_conn())
-
-    def request(self, *args: Any, **kwargs: Any) -> None:
-        """Write the request, unless its send gave up on it."""
-        _writing(self)
-        super().request(*args, **kwargs)
-
-    def close(self) -> None:
-        """Close (never while the watch shuts the socket down)."""
-        with _closing(self):
-            super().close()
+class _WatchedHTTPConnection(_Watched):
+    """:class:`_Watched` over plain HTTP."""
 
 
-_Watched = _WatchedHTTPConnection | _WatchedHTTPSConnection
+class _WatchedHTTPSConnection(_Watched, urllib3.connection.HTTPSConnection):
+    """:class:`_Watched` over TLS."""
 
 
 def _opened(connection: _Watched, sock: socket.socket) -> socket.socket:
