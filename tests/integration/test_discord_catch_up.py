@@ -21,6 +21,7 @@ from bots import base as bots_base
 from bots import discord as discord_bots
 from bots.base import IN_DOUBT, NOT_TAKEN_IN
 from bots.discord import DiscordAdapter
+from bots.slack import SlackAdapter
 from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
@@ -80,9 +81,20 @@ def adapter_of(service: App) -> DiscordAdapter:
 
 async def caught_up(service: App, *, not_this: asyncio.Task[None] | None = None) -> None:
     """Until a catch-up (not ``not_this`` one, of an earlier READY) has ended (it records
-    each message before it reads on) and every turn recorded has run (a turn's
-    ``turn_runs`` row goes with its last transaction)."""
-    adapter = adapter_of(service)
+    each message before it reads on) and every turn recorded has run."""
+    await catch_up_ended(service, DiscordAdapter, not_this=not_this)
+
+
+async def catch_up_ended(
+    service: App,
+    kind: type[DiscordAdapter | SlackAdapter],
+    *,
+    not_this: asyncio.Task[None] | None = None,
+) -> None:
+    """Until the catch-up of ``service``'s adapter of ``kind`` (not ``not_this`` one) has
+    ended and every turn recorded has run (a turn's ``turn_runs`` row goes with its last
+    transaction)."""
+    [adapter] = [a for a in service.adapters if isinstance(a, kind)]
 
     async def done() -> bool:
         task = adapter.catching_up

@@ -29,7 +29,7 @@ from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.database import schema as t
 from tests.fakes import DownFor
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
-from tests.integration.test_discord_catch_up import taken_in
+from tests.integration.test_discord_catch_up import catch_up_ended, taken_in
 from tests.serving import Client, served_app
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 
@@ -73,18 +73,8 @@ async def routed(service: App, *matches: dict[str, str]) -> None:
 
 async def caught_up(service: App) -> None:
     """Until the start's catch-up has ended (it records each message before it reads
-    on) and every turn recorded has run (a turn's ``turn_runs`` row goes with its last
-    transaction)."""
-    [adapter] = [a for a in service.adapters if isinstance(a, SlackAdapter)]
-
-    async def done() -> bool:
-        task = adapter.catching_up
-        if task is None or not task.done():
-            return False
-        async with service.db.read() as conn:
-            return (await conn.execute(sa.select(t.turn_runs.c.id))).first() is None
-
-    await eventually(done, what="the catch-up ended and its turns ran")
+    on) and every turn recorded has run."""
+    await catch_up_ended(service, SlackAdapter)
 
 
 async def answers(service: App, thread: str) -> list[str]:
