@@ -612,6 +612,7 @@ class App:
                 "releasing handed-over deliveries failed (their leases will expire)",
                 exc_info=loggable(exc),
             )
+        await self._record_owed_at_stop()
         try:
             await self.liveness.unregister()
         except Exception:
@@ -623,6 +624,23 @@ class App:
                 log.error("closing channel %s failed", channel.name, exc_info=loggable(exc))
         await self.providers.close()
         await self.db.close()
+
+    async def _record_owed_at_stop(self) -> None:
+        """Record the runs this process still owes (plain turns stopped on a database
+        fault: :attr:`TurnService.owed <leadgate.turns.path.TurnService.owed>`), before
+        the process unregisters: a recorded run whose owner is gone is rerun by a worker's
+        turn recovery. Kept in memory alone, they were dropped without a word. When the
+        database is still away, one WARNING names how many messages stay unanswered."""
+        if not self.turns.owed:
+            return
+        try:
+            await self.turns.record_owed()
+        except Exception as exc:
+            log.warning(
+                "stopping with %d owed turn(s) not recorded (%s): their messages stay unanswered",
+                len(self.turns.owed),
+                _what_failed(exc),
+            )
 
     # ------------------------------------------------------------- HTTP surfaces
 

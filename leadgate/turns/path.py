@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import (
+    DatabaseDamaged,
     LeadgateError,
     ModelError,
     TransitionError,
@@ -421,9 +422,23 @@ class TurnService:
         orphans, which reruns them from the stored message as it does a gated turn's
         stopped on a database fault. A database fault stops it: the rest stay owed,
         recorded at a later pass (the same rows, so a try in doubt that landed is not
-        recorded twice)."""
+        recorded twice). A run whose record fails for another reason (the database
+        refuses the row, a bug) is given up with an ERROR naming its session: tried
+        again it would fail the same way at every pass, for ever, and the turn
+        recovery's claims, which come after this, would never run."""
         for token, values in list(self.owed.items()):
-            await runs.record_owed(self.db, values, self.clock.now_ms())
+            try:
+                await runs.record_owed(self.db, values, self.clock.now_ms())
+            except (Unavailable, DatabaseDamaged):
+                raise
+            except Exception as exc:
+                del self.owed[token]
+                log.error(
+                    "could not record the owed run of session %s (its message stays unanswered)",
+                    values.get("session_id"),
+                    exc_info=loggable(exc),
+                )
+                continue
             del self.owed[token]
             self.orphans.add(token)
 

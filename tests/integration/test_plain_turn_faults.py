@@ -11,6 +11,7 @@ records a run for it and reruns it, answering into the transcript once."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,6 +28,7 @@ from leadgate.app import App
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.database.db import Database
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.providers.base import Provider
@@ -307,3 +309,76 @@ async def test_a_run_owed_while_the_database_is_still_away_is_recorded_at_a_late
         answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
         assert await transcript(service, "s") == (answered, 0)
         assert not service.turns.owed and await drain(recovery) == 0
+
+
+async def _owed(service: App, client: Client, faults: SqliteFaults | PgFaults, key: str) -> None:
+    """A plain REST turn in session ``s`` cut by a fault: 503 ``turn.interrupted``, its
+    run owed by the process (the fault disarmed)."""
+    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    await arm(faults, client, key, "s")
+    told = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert told.status == 503
+    assert (await told.json())["error"]["rule"] == "turn.interrupted"
+    faults.disarm()
+    assert len(service.turns.owed) == 1
+
+
+async def _runs_left(url: str) -> list[str | None]:
+    """The lease owners of the recorded runs, read after the service stopped."""
+    db = Database(url)
+    try:
+        async with db.read() as conn:
+            return list((await conn.execute(sa.select(t.turn_runs.c.lease_owner))).scalars())
+    finally:
+        await db.close()
+
+
+async def test_a_graceful_stop_records_the_runs_it_owes(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process stopped (SIGTERM) with an owed run, the database back: the run is
+    recorded as it stops, under this process, which then unregisters, so a worker's
+    turn recovery reruns it. It was dropped with the process's memory, unanswered."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        owner = service.turns.owner()
+        await service.stop()
+        assert not service.turns.owed
+    assert await _runs_left(migrated_url) == [owner]
+
+
+async def test_a_stop_with_the_database_away_names_the_owed_runs_it_drops(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stopped while the database is still away, the owed run cannot be recorded: one
+    WARNING says how many messages stay unanswered (nothing said it before)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        faults.arm_on("INSERT INTO turn_runs")
+        with caplog.at_level(logging.WARNING, logger="leadgate"):
+            await service.stop()
+        faults.disarm()
+    said = [r.getMessage() for r in caplog.records if "owed turn" in r.getMessage()]
+    assert len(said) == 1 and "stopping with 1 owed turn(s) not recorded" in said[0]
+    assert await _runs_left(migrated_url) == []
+
+
+async def test_an_owed_run_that_cannot_be_recorded_for_another_reason_is_given_up(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record failing for a reason that is no database fault (a bug, a row the
+    database refuses) gives that run up with one ERROR: it raised out of every recovery
+    pass, for ever, before the pass's claims (every other run this process left to
+    recovery stayed unrecovered)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        faults.arm_on("INSERT INTO turn_runs", error=lambda: ValueError("a bug"))
+        recovery = TurnRecovery(service.turns, own_only=True)
+        with caplog.at_level(logging.ERROR, logger="leadgate"):
+            assert await recovery.run_once() is False
+        faults.disarm()
+        assert not service.turns.owed and not service.turns.orphans
+        said = [r for r in caplog.records if "could not record the owed run" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.ERROR
+        assert await drain(recovery) == 0
