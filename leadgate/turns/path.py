@@ -428,7 +428,7 @@ class TurnService:
         recovery's claims, which come after this, would never run."""
         for token, values in list(self.owed.items()):
             try:
-                await runs.record_owed(self.db, values, self.clock.now_ms())
+                recorded = await runs.record_owed(self.db, values, self.clock.now_ms())
             except (Unavailable, DatabaseDamaged):
                 raise
             except Exception as exc:
@@ -440,7 +440,14 @@ class TurnService:
                 )
                 continue
             del self.owed[token]
-            self.orphans.add(token)
+            if recorded:
+                self.orphans.add(token)
+            else:
+                log.info(
+                    "owed run of session %s not rerun: a later message of the session "
+                    "was taken in, whose turn answers it",
+                    values.get("session_id"),
+                )
 
     async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:
         """The intake alone (one short transaction): what a channel awaits before it

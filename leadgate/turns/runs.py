@@ -214,7 +214,7 @@ async def record(conn: Conn, values: dict[str, Any]) -> None:
     await conn.execute(_INSERT, values)
 
 
-async def record_owed(db: Database, values: dict[str, Any], now: int) -> None:
+async def record_owed(db: Database, values: dict[str, Any], now: int) -> bool:
     """Record, in a transaction of its own, the run (``values``, leased from ``now``) of
     a plain REST/MCP/Studio turn that stopped on a database fault after its intake: it
     recorded none (a plain chat message has only its transcript row), and its client
@@ -222,10 +222,28 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> None:
     the database is back, then its turn recovery reruns it as an orphan
     (:meth:`leadgate.turns.path.TurnService.record_owed`). Tried again with the same
     row after a failure: a try whose ``COMMIT`` was in doubt and landed inserts nothing
-    the second time."""
+    the second time.
+
+    False, recording nothing, when the session took in a user message after the owed
+    one (the database back, its client sent its next message first): that message's
+    turn saw the owed one in its history and answered, and a rerun, shown the whole
+    session, answered that turn's message a second time."""
+    m = t.messages.c
+    owed_at = sa.select(m.created_at).where(m.id == values["message_id"]).scalar_subquery()
+    later = sa.select(
+        sa.exists().where(
+            m.session_id == values["session_id"],
+            m.role == "user",
+            m.created_at > owed_at,
+            m.id != values["message_id"],
+        )
+    )
     async with db.tx() as conn:
+        if await conn.scalar(later):
+            return False
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
         await conn.execute(insert, {**values, "lease_expires_at": now + RUN_LEASE_MS})
+    return True
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:

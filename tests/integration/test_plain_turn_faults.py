@@ -25,6 +25,7 @@ from mcp_types import TextContent
 from openai import AsyncOpenAI
 
 from leadgate.app import App
+from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
@@ -382,3 +383,25 @@ async def test_an_owed_run_that_cannot_be_recorded_for_another_reason_is_given_u
         said = [r for r in caplog.records if "could not record the owed run" in r.getMessage()]
         assert len(said) == 1 and said[0].levelno == logging.ERROR
         assert await drain(recovery) == 0
+
+
+async def test_an_owed_run_whose_session_took_a_follow_up_is_not_rerun(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database back, the client sends its next message before the owed run is
+    recorded: that message's turn sees the cut one in its history and answers. The owed
+    run is then dropped, not recorded and rerun: its rerun, shown the whole session,
+    answered the follow-up a second time."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        assert isinstance(service.clock, FakeClock)
+        service.clock.advance(1_000)  # (a later message is a later millisecond)
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
+        later = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert later.status == 200, await later.text()
+        answered = [*EARLIER, ("user", "hi"), ("user", "next"), ("assistant", "Echo: next")]
+        assert await transcript(service, "s") == (answered, 0)
+        assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
+        assert not service.turns.owed and not service.turns.orphans
+        assert await transcript(service, "s") == (answered, 0)
