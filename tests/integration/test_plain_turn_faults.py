@@ -405,3 +405,47 @@ async def test_an_owed_run_whose_session_took_a_follow_up_is_not_rerun(
         assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
         assert not service.turns.owed and not service.turns.orphans
         assert await transcript(service, "s") == (answered, 0)
+
+
+async def test_an_owed_run_is_rerun_by_its_own_process_not_by_another_replicas_recovery(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded by an ``api`` process's own recovery, the owed run is leased to that
+    live process: a worker replica's turn recovery, running beside it, does not claim
+    it, and the api process's reruns it once (found sound)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await service.start_liveness("api")
+        assert isinstance(service.clock, FakeClock)
+        async with served_app(migrated_url, clock=service.clock) as (worker, _client):
+            await worker.start_liveness("worker")
+            await _owed(service, client, faults, key)
+            await service.turns.record_owed()
+            assert await _runs_left(migrated_url) == [service.turns.owner()]
+            assert await drain(TurnRecovery(worker.turns)) == 0
+            assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
+            answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+            assert await transcript(service, "s") == (answered, 0)
+            assert await drain(TurnRecovery(worker.turns)) == 0
+
+
+async def test_a_keyed_retry_while_its_run_is_owed_runs_no_second_turn(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key's retry, sent once the database is back but before the owed run is
+    recorded, gets the stored 503 ``turn.interrupted`` again (no run to take over, the
+    message a duplicate): no second turn. The rerun then answers once and the next
+    retry gets its answer (found sound)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "k", "X-Session-Id": "s"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        await arm(faults, client, key, "s")
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        faults.disarm()
+        assert told.status == 503 and len(service.turns.owed) == 1
+        early = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert early.status == 503 and early.headers["Idempotent-Replayed"] == "true"
+        assert (await early.json())["error"]["rule"] == "turn.interrupted"
+        await answered_once(service, "s", "hi")
+        retry = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert retry.status == 200 and retry.headers["Idempotent-Replayed"] == "true"
+        assert (await retry.json())["choices"][0]["message"]["content"] == "Echo: hi"
