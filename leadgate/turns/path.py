@@ -432,14 +432,15 @@ class TurnService:
             except (Unavailable, DatabaseDamaged):
                 raise
             except Exception as exc:
-                del self.owed[token]
+                self.owed.pop(token, None)
                 log.error(
                     "could not record the owed run of session %s (its message stays unanswered)",
                     values.get("session_id"),
                     exc_info=loggable(exc),
                 )
                 continue
-            del self.owed[token]
+            # (pop: a stop's record of them may run beside the recovery loop's)
+            self.owed.pop(token, None)
             if recorded:
                 self.orphans.add(token)
             else:
