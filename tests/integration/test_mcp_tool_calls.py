@@ -31,7 +31,7 @@ from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.mcp import ToolTurns
 from tests.fakes import FaultProvider, GateProvider
-from tests.helpers import eventually, make_agent, make_key, make_org, mcp_initialize, ours
+from tests.helpers import Org, eventually, make_agent, make_key, make_org, mcp_initialize, ours
 from tests.serving import Client, served_app
 from tests.statement_faults import injector
 
@@ -52,6 +52,26 @@ async def mcp_client(client: Client, key: str, era: str) -> AsyncIterator[Client
         else:
             await session.discover()
         yield session
+
+
+@asynccontextmanager
+async def slow_worker(
+    migrated_url: str, gate: GateProvider, *, lead: bool
+) -> AsyncIterator[tuple[App, Client, Org]]:
+    """The app served for the block, with the worker ``slow`` on ``gate``'s model (with a
+    lead, ``lead``, when ``lead``): the service, its client and the organization."""
+    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        if lead:
+            await make_agent(service, org, "lead")
+            await make_agent(service, org, "slow", model="gate", lead="lead")
+        else:
+            await make_agent(service, org, "slow", model="gate")
+        yield service, client, org
 
 
 def turns_of(service: App) -> ToolTurns:
@@ -101,14 +121,7 @@ async def test_a_cancelled_call_leaves_its_turn_running_to_its_end(
     (closed unanswered 15 minutes on, the item ``inProgress`` for the week-long sweep).
     Now the turn runs to its end: its answer is in the transcript, its run closed."""
     gate = GateProvider()
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "slow", model="gate", lead="lead")
+    async with slow_worker(migrated_url, gate, lead=True) as (service, client, org):
         await cancelled_mid_turn(service, client, org.key, era, gate)
         assert gate.cancelled == 0, "the turn was cancelled with its call"
         gate.release.set()
@@ -123,14 +136,7 @@ async def test_a_turn_left_by_its_call_is_stopped_when_the_server_stops(
     server's stop cancels it (as the end of the shutdown grace cancels a REST request's
     turn), before the database closes; it is not left running on."""
     gate = GateProvider()
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "slow", model="gate", lead="lead")
+    async with slow_worker(migrated_url, gate, lead=True) as (service, client, org):
         await cancelled_mid_turn(service, client, org.key, "handshake", gate)
         await client.close()  # the server stops (the app's cleanup)
         assert gate.cancelled == 1
@@ -150,14 +156,8 @@ async def test_a_left_turns_model_failure_is_logged_without_the_providers_words(
         rule="model.bad_request",
         detail=": your prompt 'the secret plan' breaks the policy",
     )
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
     caplog.set_level(logging.INFO)
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "slow", model="gate")
+    async with slow_worker(migrated_url, gate, lead=False) as (service, client, org):
         await cancelled_mid_turn(service, client, org.key, "handshake", gate)
         gate.release.set()
         await eventually(lambda: turns_of(service).detached() == 0)
@@ -179,14 +179,7 @@ async def test_a_call_sent_again_while_its_turn_runs_is_answered_by_that_turn(
     awaits that turn and gets its answer: the message is taken in once and answered
     once. It was a new message whose own turn ran beside the first: answered twice."""
     gate = GateProvider()
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "lead")
-        await make_agent(service, org, "slow", model="gate", lead="lead")
+    async with slow_worker(migrated_url, gate, lead=True) as (service, client, org):
         await cancelled_mid_turn(service, client, org.key, era, gate)
         async with mcp_client(client, org.key, era) as session:
             again = asyncio.create_task(
@@ -207,13 +200,7 @@ async def test_a_call_sent_again_naming_the_default_session_another_way_joins_it
     default): the same message sent again the other way while its turn runs is that
     call again, answered by that turn. It was taken in a second time and answered twice."""
     gate = GateProvider()
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "slow", model="gate")
+    async with slow_worker(migrated_url, gate, lead=False) as (service, client, org):
         async with mcp_client(client, org.key, "handshake") as session:
             first = asyncio.create_task(
                 session.call_tool(TOOL, {"agent": "slow", "message": "hi", "session": "default"})
@@ -236,13 +223,7 @@ async def test_another_message_while_a_turn_runs_is_a_turn_of_its_own(
     """Only the very same message joins a running turn: another text, another session,
     or another key's call (its default session is another) runs its own turn."""
     gate = GateProvider()
-    providers: dict[str, Provider] = {"script": ScriptProvider(), "gate": gate}
-    async with served_app(migrated_url, providers=providers, like_production=True) as (
-        service,
-        client,
-    ):
-        org = await make_org(service)
-        await make_agent(service, org, "slow", model="gate")
+    async with slow_worker(migrated_url, gate, lead=False) as (service, client, org):
         first = {"agent": "slow", "message": "hi"}
         second = {
             "message": {**first, "message": "hello"},
