@@ -11,8 +11,9 @@ import dataclasses
 import logging
 import socket
 import traceback
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import aiosmtplib
 import discord.http
@@ -183,6 +184,38 @@ async def test_a_bug_s_database_error_is_logged_without_the_values_it_quotes(
     assert leaking(caplog.records, MARKER) == []
 
 
+async def stalled_delivery(
+    migrated_url: str,
+    send: Callable[[OutboundMessage], Awaitable[SendOutcome]],
+    refuse: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> sa.Row[Any]:
+    """One approved answer carrying :data:`MARKER`, sent by ``send`` once ``refuse`` made
+    its platform refuse it for now quoting its text, by a relay that calls a delivery
+    stalled after one attempt (its WARNING is what logged the platform's words), every
+    record captured from DEBUG: the delivery's row."""
+    channel = ScriptedChannel("slack", script=[send])
+    stack = build_stack(migrated_url, channels={"slack": channel})
+    try:
+        seeded = await seed_items(
+            stack.db, stack.clock, stack.ids, 1, text=lambda i: f"{MARKER} is the answer"
+        )
+        refuse()
+        caplog.set_level(logging.DEBUG)
+        relay = Relay(
+            stack.db, stack.clock, stack.ids, stack.channels, rand=lambda: 0.0, stalled_after=1
+        )
+        await drain(relay)
+        async with stack.db.read() as conn:
+            return (
+                await conn.execute(
+                    sa.select(t.deliveries).where(t.deliveries.c.id == seeded.deliveries[0]["id"])
+                )
+            ).one()
+    finally:
+        await stack.stop()
+
+
 async def test_a_relay_s_refusal_quoting_the_message_is_stored_but_never_logged(
     migrated_url: str, sink: SmtpSink, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -191,8 +224,6 @@ async def test_a_relay_s_refusal_quoting_the_message_is_stored_but_never_logged(
     error keeps what the relay said (its operators see it), but the relay's WARNING of a
     stalled delivery logged that error whole, and with it the answer's text: it names
     the refusal and its code now."""
-    channel = ScriptedChannel("slack")
-    stack = build_stack(migrated_url, channels={"slack": channel})
     email = EmailChannel(
         EmailSettings(smtp_host="127.0.0.1", smtp_port=sink.port),
         timeout_s=5,
@@ -203,25 +234,9 @@ async def test_a_relay_s_refusal_quoting_the_message_is_stored_but_never_logged(
         address = {"to": "alice@example.com", "from": "bot@leadgate.example", "subject": "Re"}
         return await email.send(dataclasses.replace(message, address=address))
 
-    channel.script = [by_email]
-    try:
-        seeded = await seed_items(
-            stack.db, stack.clock, stack.ids, 1, text=lambda i: f"{MARKER} is the answer"
-        )
-        sink.fail_next("tempfail_quoting")
-        caplog.set_level(logging.DEBUG)
-        relay = Relay(
-            stack.db, stack.clock, stack.ids, stack.channels, rand=lambda: 0.0, stalled_after=1
-        )
-        await drain(relay)
-        async with stack.db.read() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(t.deliveries).where(t.deliveries.c.id == seeded.deliveries[0]["id"])
-                )
-            ).one()
-    finally:
-        await stack.stop()
+    row = await stalled_delivery(
+        migrated_url, by_email, lambda: sink.fail_next("tempfail_quoting"), caplog
+    )
     assert row.status == "pending" and "451" in row.error and MARKER in row.error, row
     assert [r for r in caplog.records if "still not posted" in r.getMessage()]
     assert leaking(caplog.records, MARKER) == []
@@ -321,26 +336,11 @@ async def test_the_connector_s_refusal_quoting_the_post_is_stored_but_never_logg
     async def by_teams(message: OutboundMessage) -> SendOutcome:
         return await adapter.channel.send(dataclasses.replace(message, address=inbound.address))
 
-    channel = ScriptedChannel("slack", script=[by_teams])
-    stack = build_stack(migrated_url, channels={"slack": channel})
     try:
-        seeded = await seed_items(
-            stack.db, stack.clock, stack.ids, 1, text=lambda i: f"{MARKER} is the answer"
+        row = await stalled_delivery(
+            migrated_url, by_teams, lambda: connector.fail_next("503_quoting"), caplog
         )
-        connector.fail_next("503_quoting")
-        caplog.set_level(logging.DEBUG)
-        relay = Relay(
-            stack.db, stack.clock, stack.ids, stack.channels, rand=lambda: 0.0, stalled_after=1
-        )
-        await drain(relay)
-        async with stack.db.read() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(t.deliveries).where(t.deliveries.c.id == seeded.deliveries[0]["id"])
-                )
-            ).one()
     finally:
-        await stack.stop()
         await adapter.channel.close()
         await connector.close()
     assert row.status == "pending" and "HTTP 503" in row.error and MARKER in row.error, row
