@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -299,6 +299,34 @@ async def test_an_expiry_whose_item_another_transaction_holds_waits_for_nothing(
         assert len(await env.deliveries(item_id, "cardUpdate")) == len(cards) == 1
 
 
+async def _free_behind_held(
+    make_stack: Callable[..., Stack], n: int, *, spaced: bool
+) -> tuple[ReviewEnv, list[str], str, SlaRunner, Callable[[Conn], Awaitable[None]]]:
+    """``n`` items waiting for a person (``spaced``: each due a millisecond after the one
+    before) and one due after them, all their waits expired by the clock; an SLA runner
+    of batches of 2; and what holds the ``n`` items' rows (for ``held_open``): the env,
+    the held items, the free one, the runner, the holder."""
+    env = await review_env(make_stack, expire_after="1h")
+    held = []
+    for i in range(n):
+        held.append(await env.escalated(f"held-{i}"))
+        if spaced:
+            env.stack.clock.advance(1)  # (the batch is the earliest, the held ones)
+    free = await env.escalated("free")
+    await drain(env.stack.relay)
+    sla = SlaRunner(
+        env.stack.db, env.stack.clock, env.stack.ids, env.stack.outbox, env.notifier, batch=2
+    )
+    env.stack.clock.advance(HOUR)
+    locks = [item_locked(item_id) for item_id in held]
+
+    async def hold_them(conn: Conn) -> None:
+        for lock in locks:
+            await lock(conn)
+
+    return env, held, free, sla, hold_them
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_batch_of_held_expiries_does_not_hold_back_the_episodes_due_after_it(
     make_stack: Callable[..., Stack],
@@ -310,23 +338,9 @@ async def test_a_batch_of_held_expiries_does_not_hold_back_the_episodes_due_afte
     held: the free item waited behind them. It reads on past the held ones now and
     expires the free item in the same pass; once the locks are gone the look again
     (LOCKED_RECHECK_MS on) expires the held ones, a batch a pass, each once."""
-    env = await review_env(make_stack, expire_after="1h")
+    env, held, free, sla, hold_them = await _free_behind_held(make_stack, 3, spaced=True)
     clock = env.stack.clock
-    held = []
-    for session in ("held-1", "held-2", "held-3"):
-        held.append(await env.escalated(session))
-        clock.advance(1)  # (each due after the one before: the batch is the held ones)
-    free = await env.escalated("free")
-    await drain(env.stack.relay)
     expiries = metric(METRICS.expiries)
-    sla = SlaRunner(env.stack.db, clock, env.stack.ids, env.stack.outbox, env.notifier, batch=2)
-    clock.advance(HOUR)
-    locks = [item_locked(item_id) for item_id in held]
-
-    async def hold_them(conn: Conn) -> None:
-        for lock in locks:
-            await lock(conn)
-
     async with held_open(env.stack.db, hold_them):
         assert await asyncio.wait_for(sla.run_once(), 5)
         assert await _status(env, free) == "rejected"
@@ -363,20 +377,9 @@ async def test_held_episodes_are_tried_again_less_often_and_a_free_one_still_fir
     LOCKED_RECHECK_MS on, then twice as long each time it is still held, up to
     LEFT_AT_MOST_MS. The free one expires in the first pass; once the rows are free each
     held one expires at its next try, once."""
-    env = await review_env(make_stack, expire_after="1h")
+    env, held, free, sla, hold_them = await _free_behind_held(make_stack, 5, spaced=False)
     clock = env.stack.clock
-    held = [await env.escalated(f"held-{i}") for i in range(5)]
-    free = await env.escalated("free")
-    await drain(env.stack.relay)
     expiries = metric(METRICS.expiries)
-    sla = SlaRunner(env.stack.db, clock, env.stack.ids, env.stack.outbox, env.notifier, batch=2)
-    clock.advance(HOUR)
-    locks = [item_locked(item_id) for item_id in held]
-
-    async def hold_them(conn: Conn) -> None:
-        for lock in locks:
-            await lock(conn)
-
     tries: list[int] = []
     gaps: list[float | None] = []
     async with held_open(env.stack.db, hold_them):
