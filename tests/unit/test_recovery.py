@@ -73,6 +73,18 @@ async def alive_here(stack: Stack, *, turns_too: bool = False) -> Liveness:
     return live
 
 
+async def _claim(stack: Stack, *, owner: str | None) -> runs.Claimed | None:
+    """A turn recovery claim by ``owner``, of this process's orphans and watched runs."""
+    return await runs.claim(
+        stack.db,
+        stack.clock,
+        stack.ids,
+        owner=owner,
+        orphans=stack.turns.orphans,
+        lost=stack.turns.lost,
+    )
+
+
 async def test_a_recorded_channel_turn_of_a_dead_process_is_run_once(stack: Stack) -> None:
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
@@ -337,14 +349,7 @@ async def test_a_client_run_claimed_for_a_rerun_stays_a_rerun(stack: Stack) -> N
     taken = await _a_gated_api_turn_taken_in(stack)
     assert taken.ctx.run_token and taken.ctx.work_item_id
     stack.turns.orphaned(taken.ctx.run_token)
-    claimed = await runs.claim(
-        stack.db,
-        stack.clock,
-        stack.ids,
-        owner=DEAD,  # the process that claimed it, then died
-        orphans=stack.turns.orphans,
-        lost=stack.turns.lost,
-    )
+    claimed = await _claim(stack, owner=DEAD)  # the process that claimed it, then died
     assert claimed is not None and claimed.action == runs.RERUN
     async with stack.db.read() as conn:
         assert (await conn.execute(sa.select(t.turn_runs.c.policy))).scalars().all() == [runs.RERUN]
@@ -533,14 +538,7 @@ async def test_a_claim_of_a_keyed_and_an_unkeyed_run_told_to_resend_reruns_the_k
         _told_to_resend(stack, taken)
     stored = _keyed_answers(stack)
     stack.clock.advance(1_000)  # the looks are due
-    claimed = await runs.claim(
-        stack.db,
-        stack.clock,
-        stack.ids,
-        owner=stack.turns.owner(),
-        orphans=stack.turns.orphans,
-        lost=stack.turns.lost,
-    )
+    claimed = await _claim(stack, owner=stack.turns.owner())
     assert claimed is not None and claimed.action == runs.RERUN
     assert len(claimed.run_ids) == 1 and claimed.external_event_ids == (key,)
     assert await count(stack, t.turn_runs) == 1  # the unkeyed run is closed
@@ -668,14 +666,7 @@ async def test_a_keyed_rerun_after_an_intake_in_doubt_keeps_why_when_its_process
         _told_to_resend(stack, taken)
     stored = _keyed_answers(stack)
     stack.clock.advance(1_000)  # the looks are due
-    claimed = await runs.claim(
-        stack.db,
-        stack.clock,
-        stack.ids,
-        owner=DEAD,  # the process that claimed it, then died rerunning it
-        orphans=stack.turns.orphans,
-        lost=stack.turns.lost,
-    )
+    claimed = await _claim(stack, owner=DEAD)  # the process that claimed it, then died rerunning it
     assert claimed is not None and claimed.action == runs.RERUN and claimed.keyed_resend
     assert len(claimed.not_answered) == 1 and claimed.external_event_ids == (key,)
     assert await count(stack, t.turn_runs) == 1  # the unkeyed run is closed
