@@ -167,6 +167,21 @@ CATCH_UP_RETRY_FIRST_S = 5.0
 CATCH_UP_RETRY_MAX_S = 60.0
 
 
+async def known_conversations(
+    core: Core, channel: BindingKind, *, key_prefix: str, window_s: float
+) -> Conversations | None:
+    """Where ``channel``'s catch-up starts (:meth:`Core.conversations`, over the last
+    ``window_s``), or None when the database is away (one WARNING: the catch-up is
+    tried again, :func:`catch_up_until_done`)."""
+    try:
+        return await core.conversations(
+            channel, key_prefix=key_prefix, window_ms=int(window_s * 1000)
+        )
+    except DATABASE_FAULTS as exc:
+        log.warning("%s: no catch-up, the database is unavailable (%s)", channel.value, exc.rule)
+        return None
+
+
 async def catch_up_until_done(
     catch_up: Callable[[], Awaitable[bool]], stopping: asyncio.Event, *, channel: str
 ) -> None:

@@ -60,6 +60,7 @@ from bots.base import (
     accept,
     answering_errors,
     catch_up_until_done,
+    known_conversations,
     not_taken_in,
     tell_not_taken_in,
 )
@@ -558,14 +559,13 @@ class DiscordAdapter:
         client = self.gateway
         if client is None:
             return True
-        try:
-            known = await self._core.conversations(
-                BindingKind.discord,
-                key_prefix=_SESSION_PREFIX,
-                window_ms=int(self._settings.catch_up_s * 1000),
-            )
-        except DATABASE_FAULTS as exc:
-            log.warning("discord: no catch-up, the database is unavailable (%s)", exc.rule)
+        known = await known_conversations(
+            self._core,
+            BindingKind.discord,
+            key_prefix=_SESSION_PREFIX,
+            window_s=self._settings.catch_up_s,
+        )
+        if known is None:
             return False
         for target in catch_up_targets(known):
             if self._stopping.is_set():

@@ -66,6 +66,7 @@ from bots.base import (
     accept,
     answering_errors,
     catch_up_until_done,
+    known_conversations,
     quoted_page,
     tell_not_taken_in,
 )
@@ -756,14 +757,13 @@ class SlackAdapter:
         word. A channel Slack would not read logs a WARNING; the others are read on.
         False when a database fault stopped it (tried again shortly:
         :func:`bots.base.catch_up_until_done`); True otherwise."""
-        try:
-            known = await self._core.conversations(
-                BindingKind.slack,
-                key_prefix=_SESSION_PREFIX,
-                window_ms=int(self._settings.catch_up_s * 1000),
-            )
-        except DATABASE_FAULTS as exc:
-            log.warning("slack: no catch-up, the database is unavailable (%s)", exc.rule)
+        known = await known_conversations(
+            self._core,
+            BindingKind.slack,
+            key_prefix=_SESSION_PREFIX,
+            window_s=self._settings.catch_up_s,
+        )
+        if known is None:
             return False
         if not known.sessions and not any(r.get("channel") for r in known.routes):
             return True  # no Slack conversation known: nothing to ask Slack
