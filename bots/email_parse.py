@@ -37,11 +37,39 @@ class TooManyParts(ValueError):
 # No blanks or control characters: an id goes back out in In-Reply-To and References.
 _MSGID = re.compile(r"<[^<>\s\x00-\x1f\x7f]+>")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_WROTE = re.compile(r"\bwrote:\s*$", re.IGNORECASE)
-_ORIGINAL = re.compile(r"^\s*-{2,}\s*(Original Message|Forwarded message)\s*-{2,}", re.I)
+#: How an attribution line ("On <date>, <someone> wrote:") starts, in the languages of
+#: the clients below: English, German, French, Spanish, Italian, Dutch, Portuguese.
+_ATTRIBUTION_OPENERS = ("On ", "Am ", "Le ", "El ", "Il ", "Op ", "Em ")
+#: How it ends: "wrote:" (Gmail, Apple Mail, Thunderbird) and its translations; German
+#: and Dutch put the sender after the verb ("schrieb Ann <ann@x>:").
+_WROTE = re.compile(
+    r"(?:\b(?:wrote|a écrit|escribió|ha scritto|escreveu)\s*:|\b(?:schrieb|schreef)\b[^:]*:)\s*$",
+    re.IGNORECASE,
+)
+_ORIGINAL = re.compile(
+    r"^\s*-{2,}\s*(Original Message|Forwarded message|Ursprüngliche Nachricht"
+    r"|Message d'origine|Mensaje original|Messaggio originale|Oorspronkelijk bericht"
+    r"|Mensagem original)\s*-{2,}",
+    re.IGNORECASE,
+)
+#: The header names Outlook writes above a quoted mail, in its display language, by the
+#: English name they stand for (Outlook translates them: ``Von:``/``Gesendet:``,
+#: ``De :``/``Envoyé :``, ``De:``/``Enviado:``, ``Da:``/``Inviato:``, ``Van:``/``Verzonden:``).
+_HEADER_NAMES = {
+    "from": ("from", "von", "de", "da", "van"),
+    "sent": ("sent", "gesendet", "envoyé", "enviado", "inviato", "verzonden"),
+    "date": ("date", "datum", "fecha", "data"),
+    "to": ("to", "an", "à", "para", "a", "aan"),
+    "cc": ("cc",),
+    "subject": ("subject", "betreff", "objet", "asunto", "oggetto", "onderwerp", "assunto"),
+}
+_HEADER_NAME = {name: english for english, names in _HEADER_NAMES.items() for name in names}
 #: A header line of a quoted mail as Outlook writes it above the original (``*From:*``
-#: when bold HTML was turned into text).
-_QUOTED_HEADER = re.compile(r"\*?(from|sent|date|to|cc|subject):\*?(?:\s|$)", re.IGNORECASE)
+#: when bold HTML was turned into text; French puts a space before the colon).
+_QUOTED_HEADER = re.compile(
+    r"\*?(" + "|".join(sorted(_HEADER_NAME, key=len, reverse=True)) + r")\s?:\*?(?:\s|$)",
+    re.IGNORECASE,
+)
 #: Lines after a ``From:`` line that are searched for the rest of its header block.
 _HEADER_SPAN = 6
 #: Outlook's rule above the quoted headers (32 underscores; other clients draw shorter).
@@ -152,7 +180,8 @@ def strip_quoted(text: str) -> str:
     starts: "On ... wrote:" (Gmail, Apple Mail, Thunderbird), an "-----Original
     Message-----" line, or Outlook's block of the original's headers (``From:`` with
     ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:`` on the lines below it), with the
-    rule of underscores above it.
+    rule of underscores above it; each also as German, French, Spanish, Italian, Dutch
+    and Portuguese clients write it ("Am ... schrieb ...:", ``Von:``/``Gesendet:``).
 
     Hand-rolled: the libraries for this on PyPI were tried on these samples, and
     ``mail-parser-reply`` cut a reply at any line starting ``From:`` (a reviewer's
@@ -167,10 +196,10 @@ def strip_quoted(text: str) -> str:
         stripped = stripped_lines[i]
         if _ORIGINAL.match(stripped) or _quoted_headers(stripped_lines, i):
             break
-        if stripped.startswith("On ") and (
+        if stripped.startswith(_ATTRIBUTION_OPENERS) and (
             _WROTE.search(stripped)
             # clients wrap a long attribution line: "On Mon, ... Alice <\na@x> wrote:"
-            or (i + 1 < len(lines) and _WROTE.search(stripped_lines[i + 1]))
+            or (i + 1 < len(lines) and _WROTE.search(f"{stripped} {stripped_lines[i + 1]}"))
         ):
             break
         if stripped.startswith(">"):
@@ -187,7 +216,7 @@ def _quoted_headers(lines: list[str], i: int) -> bool:
     ``From:``, then ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:`` among the next
     non-blank lines. A ``From:`` alone (a sentence that mentions one) is not one."""
     first = _QUOTED_HEADER.match(lines[i])
-    if first is None or first[1].lower() != "from":
+    if first is None or _HEADER_NAME[first[1].lower()] != "from":
         return False
     names: set[str] = set()
     # A bounded window, not the rest of the mail: a mail of many "From:" lines must not
@@ -196,7 +225,7 @@ def _quoted_headers(lines: list[str], i: int) -> bool:
     for line in following[:_HEADER_SPAN]:
         header = _QUOTED_HEADER.match(line)
         if header is not None:
-            names.add(header[1].lower())
+            names.add(_HEADER_NAME[header[1].lower()])
     return bool(names & {"sent", "date"}) and bool(names & {"to", "subject"})
 
 

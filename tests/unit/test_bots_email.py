@@ -203,6 +203,64 @@ QUOTING = {
         + "".join(f"> {line}\n" for line in _CARD.splitlines())
     ),
     "thunderbird_no_attribution": "".join(f"> {line}\n" for line in _CARD.splitlines()),
+    # Outlook and Gmail in other display languages translate the same forms.
+    "outlook_de": (
+        "________________________________\n"
+        "Von: Leadgate <review@lg.example>\n"
+        "Gesendet: Montag, 7. Dezember 2026 10:02\n"
+        "An: Ann Member <member@acme.io>\n"
+        "Betreff: Review needed\n\n" + _CARD
+    ),
+    "outlook_fr_bold": (
+        "*De :* Leadgate <review@lg.example>\n"
+        "*Envoyé :* lundi 7 décembre 2026 10:02\n"
+        "*À :* Ann Member <member@acme.io>\n"
+        "*Objet :* Review needed\n\n" + _CARD
+    ),
+    "outlook_es": (
+        "De: Leadgate <review@lg.example>\n"
+        "Enviado: lunes, 7 de diciembre de 2026 10:02\n"
+        "Para: Ann Member <member@acme.io>\n"
+        "Asunto: Review needed\n\n" + _CARD
+    ),
+    "outlook_it_mac": (
+        "Da: Leadgate <review@lg.example>\n"
+        "Data: lunedì 7 dicembre 2026 10:02\n"
+        "A: Ann Member <member@acme.io>\n"
+        "Oggetto: Review needed\n\n" + _CARD
+    ),
+    "outlook_nl": (
+        "Van: Leadgate <review@lg.example>\n"
+        "Verzonden: maandag 7 december 2026 10:02\n"
+        "Aan: Ann Member <member@acme.io>\n"
+        "Onderwerp: Review needed\n\n" + _CARD
+    ),
+    "original_message_de": (
+        "-----Ursprüngliche Nachricht-----\n"
+        + _CARD_HEADERS.format(sent="Sent: Monday, December 7, 2026 10:02 AM")
+        + "\n"
+        + _CARD
+    ),
+    "gmail_de_wrapped": (
+        "Am Mo., 7. Dez. 2026 um 10:02 Uhr schrieb Leadgate Review Desk <\n"
+        "review@lg.example>:\n" + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "gmail_fr": (
+        "Le lun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a écrit :\n\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "gmail_es": (
+        "El lun, 7 dic 2026 a las 10:02, Leadgate (<review@lg.example>) escribió:\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "gmail_it": (
+        "Il giorno lun 7 dic 2026 alle ore 10:02 Leadgate <review@lg.example> ha scritto:\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
+    "gmail_pt": (
+        "Em seg., 7 de dez. de 2026 às 10:02, Leadgate <review@lg.example> escreveu:\n"
+        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+    ),
 }
 
 
@@ -252,6 +310,9 @@ def test_strip_quoted_forms() -> None:
     assert strip_quoted("ok\r\n-----Original Message-----\r\nFrom: x") == "ok"
     assert strip_quoted("> only quoted\n>> more") == ""
     assert strip_quoted("On my way, see you\nbye") == "On my way, see you\nbye"
+    # A translated header alone, or an opener with no "wrote", ends nothing.
+    kept = "return\nDe: la tabla\nAm Montag schrieb ich es neu\nLe total est faux"
+    assert strip_quoted(kept) == kept
 
 
 def test_reply_subject_is_not_doubled() -> None:
