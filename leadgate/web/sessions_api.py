@@ -20,13 +20,17 @@
   itself, a page at a time, when woken (:class:`leadgate.operations.event_hub.EventHub`)
   or at each heartbeat: what a connection holds is one page, plus the socket buffers. A
   reader that does not take a write within ``write_timeout_s`` is dropped (it resumes
-  with ``Last-Event-ID``). Shutdown ends every stream. The key (or console session) is
-  checked again every ``reauth_s`` (5 s, the key cache's lifetime): once it is revoked,
-  or the session logged out or expired, the stream sends
-  ``event: end`` / ``data: {"reason": "..."}`` and ends, so a revoked key stops reading
-  as soon as it stops doing anything else. A database fault (a check or a read the
-  database could not answer) does not end the stream: it is tried again every
-  second, with heartbeats going on meanwhile.
+  with ``Last-Event-ID``). Shutdown ends every stream. Every ``reauth_s`` (5 s, the key
+  cache's lifetime) the stream checks again that its caller may still read the session:
+  the key (or console session) and, as when it opened, ``agent:trigger`` and the agent
+  in the caller's organization. Once the key is revoked, the session logged out or
+  expired, the user demoted or removed, or the agent deleted, the stream sends
+  ``event: end`` / ``data: {"reason": "...", "rule": "..."}`` and ends, so nobody keeps
+  hearing a session they could no longer open. (Two indexed reads per stream every
+  ``reauth_s``, none per event.) A deactivated agent's stream goes on: deactivation
+  stops new turns, not reads, and its held work may still be revealed. A database
+  fault (a check or a read the database could not answer) does not end the stream: it
+  is tried again every second, with heartbeats going on meanwhile.
 
 ``{session}`` is the public session name (``X-Session-Id``, ``user``, MCP ``session``, or
 ``default``); ``{agent}`` the worker's id, slug or name; bearer key with
@@ -49,11 +53,23 @@ from aiohttp import web
 
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import decimal_int, query_value, single_header
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.errors import (
+    AuthError,
+    DatabaseDamaged,
+    LeadgateError,
+    NotFound,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.core.logs import loggable
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.access import PRINCIPAL_TTL_S
-from leadgate.operations.transcripts import TranscriptPage, parse_limit, public_event
+from leadgate.operations.transcripts import (
+    SessionRef,
+    TranscriptPage,
+    parse_limit,
+    public_event,
+)
 from leadgate.web.common import PrincipalLookup, StreamSlots, authenticate, damaged_answers
 
 log = logging.getLogger("leadgate.web.events")
@@ -75,6 +91,8 @@ class SessionReads(Protocol):
         limit: int = 100,
         with_review: bool = False,
     ) -> TranscriptPage: ...
+
+    async def find(self, principal: Principal, agent_ref: str, name: str) -> SessionRef: ...
 
     async def open(self, principal: Principal, agent_ref: str, name: str) -> str: ...
 
@@ -143,6 +161,34 @@ async def _is_event_of(reads: SessionReads, session_id: str, seq: int) -> bool:
 Recheck = Callable[[], Awaitable[Principal]]
 """The caller's principal again (an ``AuthError`` once its key or session is gone)."""
 
+#: The ``end`` event's reason when the key or console session itself is gone.
+GONE_REASON = "the key or console session is no longer valid"
+
+
+async def _may_still_read(
+    reads: SessionReads, recheck: Recheck, agent: str, name: str, session_id: str
+) -> None:
+    """Raise the :class:`LeadgateError` that now keeps the caller from the stream's
+    session: its key revoked or console session ended (``AuthError``), its user demoted
+    below ``agent:trigger`` (``PermissionDenied``), the agent deleted, or the name now
+    opening another session (``NotFound``). Two indexed reads, every ``reauth_s``: the
+    key's check alone let a demoted Studio user, or a reader of a deleted agent, go on
+    hearing the session for as long as the stream stayed open."""
+    principal = await recheck()
+    ref = await reads.find(principal, agent, name)
+    if ref.session_id != session_id:
+        raise NotFound(
+            f"session {name!r} of agent {agent!r} is no longer this stream's session",
+            rule="events.session",
+        )
+
+
+def _end_event(exc: LeadgateError) -> bytes:
+    """The ``end`` event telling the reader why its stream ended (and the rule)."""
+    reason = GONE_REASON if isinstance(exc, AuthError) else exc.message
+    data = {"reason": reason, "rule": exc.rule}
+    return f"event: end\ndata: {json.dumps(data)}\n\n".encode()
+
 
 async def stream_events(
     request: web.Request,
@@ -194,12 +240,11 @@ async def stream_events(
                 try:
                     if time.monotonic() - last_auth >= settings.reauth_s:
                         try:
-                            await recheck()
+                            await _may_still_read(reads, recheck, agent, name, session_id)
                         except (DatabaseDamaged, Unavailable):
                             raise  # the database, not the key (which may well be valid)
-                        except LeadgateError:
-                            reason = {"reason": "the key or console session is no longer valid"}
-                            await send(f"event: end\ndata: {json.dumps(reason)}\n\n".encode())
+                        except LeadgateError as exc:
+                            await send(_end_event(exc))
                             break
                         last_auth = time.monotonic()
                     if woken:

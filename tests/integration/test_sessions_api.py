@@ -25,7 +25,7 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.domain import orgs
+from leadgate.domain import agents, orgs
 from leadgate.operations.transcripts import PAGE_MAX, PAGE_MAX_CHARS
 from tests.helpers import Org, eventually, listening, make_agent, make_key, make_org
 from tests.serving import served_app
@@ -402,7 +402,10 @@ async def test_a_stream_ends_once_its_key_is_revoked(rechecking_env: Env) -> Non
     while event["event"] == "message":  # the reply to "one" may still be on its way
         event = await revoked.next()
     assert event["event"] == "end" and event["id"] is None
-    assert event["data"] == {"reason": "the key or console session is no longer valid"}
+    assert event["data"] == {
+        "reason": "the key or console session is no longer valid",
+        "rule": "auth.key",
+    }
     assert await revoked.resp.content.read() == b""  # and the stream is over
     assert (await env.chat("plain", "two", headers={"X-Session-Id": "rv"})).status == 200
     for _ in range(3):  # the stream that is still allowed goes on
@@ -411,6 +414,40 @@ async def test_a_stream_ends_once_its_key_is_revoked(rechecking_env: Env) -> Non
             break
     else:
         raise AssertionError("the kept stream did not hear the second message")
+    kept.close()
+
+
+async def test_a_stream_ends_once_its_agent_is_deleted(rechecking_env: Env) -> None:
+    """The re-check asks whether the key may still read the session, not only whether
+    the key is valid: a deleted agent's stream ends (it went on delivering the session's
+    events, though every other read of the agent was a 404)."""
+    env = rechecking_env
+    doomed = await make_agent(env.service, env.org, "doomed")
+    stream = await open_stream(env, "doomed", "dl")
+    kept = await open_stream(env, "plain", "dl")
+    assert (await env.chat("doomed", "one", headers={"X-Session-Id": "dl"})).status == 200
+    assert (await stream.next())["data"]["content"] == "one"
+    async with env.service.db.tx() as conn:
+        await agents.save_agent(
+            conn,
+            env.service.clock,
+            env.service.ids,
+            env.org.id,
+            agent_ref=doomed["id"],
+            delete=True,
+        )
+    event = await stream.next()
+    while event["event"] == "message":  # the reply to "one" may still be on its way
+        event = await stream.next()
+    assert event["event"] == "end"
+    assert event["data"] == {
+        "reason": "no agent 'doomed' in this organization",
+        "rule": "agent.not_found",
+    }
+    assert await stream.resp.content.read() == b""
+    # Another agent's stream of the same session name is not touched.
+    assert (await env.chat("plain", "two", headers={"X-Session-Id": "dl"})).status == 200
+    assert (await kept.next())["data"]["content"] == "two"
     kept.close()
 
 

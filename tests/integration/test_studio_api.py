@@ -17,6 +17,7 @@ from leadgate.app import App
 from leadgate.database import schema as t
 from leadgate.domain import orgs
 from tests.helpers import Org, make_agent, make_org
+from tests.integration.test_sessions_api import Stream
 from tests.serving import served_app
 
 PASSWORD = "correct horse battery"
@@ -56,7 +57,9 @@ def db_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def env(migrated_url: str) -> AsyncIterator[Env]:
-    async with served_app(migrated_url) as (service, client):
+    # Streams check their console session every 50 ms (instead of 5 s).
+    config = {"api": {"events_reauth_s": 0.05}}
+    async with served_app(migrated_url, config=config) as (service, client):
         org = await make_org(service)
         await make_agent(service, org, "lead")
         await make_agent(service, org, "worker", lead="lead")
@@ -146,3 +149,33 @@ async def test_another_organizations_user_gets_404(env: Env) -> None:
     ):
         resp = await env.client.request(method, path, json={"message": "hi"}, headers=CSRF)
         assert resp.status == 404, (method, path)
+
+
+async def test_a_demoted_users_stream_ends(env: Env) -> None:
+    """A user whose role no longer grants ``agent:trigger`` loses its open stream at the
+    next re-check (``events_reauth_s``), told why and by which rule: the re-check asked
+    only whether the console session was valid, and a demoted user went on hearing the
+    session's messages for as long as the page stayed open."""
+    await env.login("dee@example.com", "Member")
+    resp = await env.client.get("/console/studio/agents/plain/sessions/chat/events")
+    assert resp.status == 200
+    stream = Stream(resp)
+    path = "/console/studio/agents/plain/sessions/chat/messages"
+    assert (await env.client.post(path, json={"message": "hi"}, headers=CSRF)).status == 200
+    assert (await stream.next())["data"]["content"] == "hi"
+    async with env.service.db.tx() as conn:
+        await orgs.update_user(
+            conn, env.service.clock, env.org.id, "dee@example.com", role="Viewer"
+        )
+    event = await stream.next()
+    while event["event"] == "message":  # the reply to "hi" may still be on its way
+        event = await stream.next()
+    assert event["event"] == "end"
+    assert event["data"] == {
+        "reason": "this action requires the agent:trigger permission",
+        "rule": "scope.agent:trigger",
+    }
+    assert await resp.content.read() == b""  # and the stream is over
+    # Still logged in (the page shows the reason, not the login form), but refused.
+    assert (await env.client.get("/console/me")).status == 200
+    assert (await env.client.get(path)).status == 403

@@ -24,13 +24,13 @@ from leadgate.core.auth import Principal, Scope
 from leadgate.core.errors import AuthError, Unavailable
 from leadgate.domain.session_events import SessionEvent
 from leadgate.operations.oversight import ChangesView
-from leadgate.operations.transcripts import TranscriptPage
+from leadgate.operations.transcripts import SessionRef, TranscriptPage
 from leadgate.web import operator_events
 from leadgate.web.sessions_api import StreamSettings, stream_events
 
 pytestmark = pytest.mark.timeout(30)
 
-EVERYTHING = frozenset({"lookup", "mark", "changes", "events"})
+EVERYTHING = frozenset({"lookup", "find", "mark", "changes", "events"})
 PRINCIPAL = Principal("org_1", frozenset(Scope), key_id="key_1")
 
 
@@ -106,6 +106,10 @@ class Log:
 
     async def messages(self, *args: Any, **kwargs: Any) -> TranscriptPage:
         raise NotImplementedError
+
+    async def find(self, principal: Principal, agent_ref: str, name: str) -> SessionRef:
+        self.db.ask("find")
+        return SessionRef("agt_1", "ses_1")
 
     async def open(self, principal: Principal, agent_ref: str, name: str) -> str:
         return "ses_1"
@@ -235,7 +239,7 @@ async def test_a_session_stream_waits_out_a_database_fault(
         hub.wake()
         assert await next_event(stream) == (
             "end",
-            {"reason": "the key or console session is no longer valid"},
+            {"reason": "the key or console session is no longer valid", "rule": "auth.key"},
         )
     said = [r.getMessage() for r in warnings_of(caplog)]
     assert len(said) == 1 and "waits for the database (database is locked)" in said[0], said
