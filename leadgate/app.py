@@ -741,6 +741,7 @@ class App:
             ),
             allowed_hosts=self._mcp_hosts(),
             transcripts=self.transcripts,
+            readable=self.transcripts.readable,
             watch=self.event_hub.watch,
             keep_notified=self.event_hub.keep_notified,
             version=package_version(),

@@ -10,6 +10,7 @@ then appears in place (at its own time). No work item, id or revision appears an
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple, NotRequired, TypedDict
 
 import sqlalchemy as sa
@@ -77,6 +78,18 @@ _PAGE_AFTER = _within_chars(
 _POSITION = sa.select(_M.created_at, _M.id).where(
     _M.id == sa.bindparam("p_id"), _M.session_id == sa.bindparam("p_sid")
 )
+
+
+#: Sessions whose agent is not deleted, among ``p_ids`` (at most a chunk of them).
+_READABLE = (
+    sa.select(t.sessions.c.id)
+    .select_from(t.sessions.join(t.agents, t.agents.c.id == t.sessions.c.agent_id))
+    .where(
+        t.sessions.c.id.in_(sa.bindparam("p_ids", expanding=True)),
+        t.agents.c.deleted_at.is_(None),
+    )
+)
+_READABLE_CHUNK = 500
 
 
 class SessionRef(NamedTuple):
@@ -221,6 +234,19 @@ class Transcripts:
             )
         params.update(p_at=position.created_at, p_id=position.id)
         return list((await conn.execute(_PAGE_AFTER, params)).all())
+
+    async def readable(self, session_ids: Collection[str]) -> set[str]:
+        """Which of ``session_ids`` still have their agent (not deleted): the periodic
+        re-check of MCP resource subscriptions, one indexed read per chunk of sessions
+        for all of them (not one per subscription, nor any per update)."""
+        found: set[str] = set()
+        ids = sorted(session_ids)
+        async with self.db.read() as conn:
+            for start in range(0, len(ids), _READABLE_CHUNK):
+                chunk = ids[start : start + _READABLE_CHUNK]
+                rows = await conn.execute(_READABLE, {"p_ids": chunk})
+                found.update(rows.scalars())
+        return found
 
     async def events(self, session_id: str, *, after: int, limit: int) -> list[SessionEvent]:
         """Events of a session found with :meth:`find`/:meth:`open`, after ``seq``."""

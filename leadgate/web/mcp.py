@@ -64,6 +64,7 @@ from leadgate.web.common import detach_stream, error_body, retry_headers, unavai
 from leadgate.web.mcp_resources import (
     REQUEST_SCOPE_KEY,
     CallSource,
+    Readable,
     Resources,
     Watcher,
     note_damaged,
@@ -298,6 +299,7 @@ def mount_mcp(
     send_message: SendMessage,
     allowed_hosts: list[str],
     transcripts: SessionReads | None = None,
+    readable: Readable | None = None,
     watch: Watch | None = None,
     keep_notified: KeepNotified | None = None,
     version: str = "",
@@ -320,13 +322,23 @@ def mount_mcp(
     ``session_idle_s`` ends (its id then answers 404; a request is in flight from its
     arrival, see :class:`InFlight`); at most ``max_sessions`` are open
     (a new one beyond that gets 503). A request still streaming checks its key every
-    ``reauth_s`` and ends, as if its client had gone, once the key is no longer valid.
+    ``reauth_s`` and ends, as if its client had gone, once the key is no longer valid;
+    with ``readable`` (:meth:`~leadgate.operations.transcripts.Transcripts.readable`),
+    resource subscriptions to a deleted agent's sessions end at the same pace
+    (:meth:`~leadgate.web.mcp_resources.Resources.recheck`).
 
     Returns the server's :class:`McpLifecycle`; the caller runs it (the SDK's session
     manager must run before the first request).
     """
     resources = (
-        Resources(transcripts, _principal_of, parse_limit, keep_notified=keep_notified)
+        Resources(
+            transcripts,
+            _principal_of,
+            parse_limit,
+            keep_notified=keep_notified,
+            readable=readable,
+            recheck_s=reauth_s,
+        )
         if transcripts is not None
         else None
     )

@@ -28,6 +28,11 @@ changed) reach subscribers both ways the protocol has:
 
 Wake-ups come from :class:`leadgate.operations.event_hub.EventHub` (any replica); they
 are queued (bounded, dropped when full: a client re-reads anyway) and sent by one task.
+Every ``recheck_s`` (``[api] events_reauth_s``) another task drops what is subscribed to
+a session whose agent was deleted (:meth:`Resources.recheck`: one read for them all). A
+revoked key's streams end at their own re-check (:mod:`leadgate.web.mcp`). Updates are
+not stored for replay (no event store: a notification names only the URI, and a client
+whose stream reconnected reads the resource again for the current state).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from leadgate.core.errors import (
     NotFound,
     Unavailable,
     ValidationError,
+    log_failure,
     when_reading,
 )
 from leadgate.core.logs import Tally, loggable
@@ -116,9 +122,14 @@ MAX_SUBSCRIPTIONS: Final = 10_000
 MAX_PENDING: Final = 10_000
 #: A notification that cannot be written this fast is dropped with its subscription.
 SEND_TIMEOUT_S: Final = 5.0
+#: How often subscriptions are checked against deleted agents (``[api] events_reauth_s``).
+RECHECK_S: Final = 5.0
 
 PrincipalOf = Callable[[ServerRequestContext[Any, Any]], Principal | None]
 EventListener = Callable[[ServerEvent], None]
+#: Which of the given sessions may still be read (their agent is not deleted):
+#: :meth:`leadgate.operations.transcripts.Transcripts.readable`.
+Readable = Callable[[set[str]], Awaitable[set[str]]]
 
 #: (session id, URI) pairs the listen call under way has been checked for; read by
 #: :meth:`SessionBus.subscribe`, which the SDK's handler calls in that call's task (the
@@ -178,6 +189,10 @@ class SessionBus:
     def sessions(self) -> set[str]:
         """The sessions some stream listens to."""
         return set(self._by_session)
+
+    def forget(self, session_id: str) -> None:
+        """Hand no more of ``session_id``'s updates to any stream."""
+        self._by_session.pop(session_id, None)
 
     def listens_to(self, session_id: str) -> bool:
         """Whether some stream listens to ``session_id``."""
@@ -276,9 +291,13 @@ class Resources:
         parse_limit: Callable[[str | None], int],
         *,
         keep_notified: Callable[[str], Awaitable[None]] | None = None,
+        readable: Readable | None = None,
+        recheck_s: float = RECHECK_S,
     ) -> None:
         self.reads = reads
         self._keep_notified = keep_notified
+        self._readable = readable
+        self._recheck_s = recheck_s
         self.principal_of = principal_of
         self.parse_limit = parse_limit
         self.bus = SessionBus()
@@ -415,14 +434,48 @@ class Resources:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Send queued notifications for the duration of the block."""
-        task = asyncio.create_task(self._send_forever(), name="leadgate-mcp-resource-updates")
+        tasks = [asyncio.create_task(self._send_forever(), name="leadgate-mcp-resource-updates")]
+        if self._readable is not None:
+            tasks.append(
+                asyncio.create_task(self._recheck_forever(), name="leadgate-mcp-subscriptions")
+            )
         try:
             yield
         finally:
             self.listen_handler.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def recheck(self) -> None:
+        """End what is subscribed to a session whose agent was deleted since: its
+        handshake-era subscriptions are dropped, and listen streams hear no more of it
+        (their other sessions go on). One read for all subscribed sessions
+        (:data:`Readable`), none per update. A key revoked needs nothing here: its
+        streams, where updates are written, end at their own re-check, and it opens
+        no new one."""
+        if self._readable is None:
+            return
+        sessions = self.sessions()
+        if not sessions:
+            return
+        gone = sessions - await self._readable(sessions)
+        for session_id in gone:
+            for key, uri in list(self._subscribed.get(session_id, {})):
+                self._remove(key, uri)
+            self.bus.forget(session_id)
+        if gone:
+            log.info("MCP subscriptions of %d session(s) ended: their agent is deleted", len(gone))
+
+    async def _recheck_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._recheck_s)
+            try:
+                await self.recheck()
+            except Exception as exc:  # a database fault: the next round checks again
+                log_failure(log, exc, "re-checking MCP resource subscriptions failed")
 
     async def _send_forever(self) -> None:
         while True:

@@ -33,7 +33,7 @@ from leadgate.core.config import Settings
 from leadgate.core.errors import CANNOT_READ
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.domain import orgs
+from leadgate.domain import agents, orgs
 from tests.fakes import DownFor
 from tests.helpers import (
     LEGACY_SUBSCRIBE,
@@ -460,6 +460,59 @@ async def test_a_listen_stream_ends_once_its_key_is_revoked(env: Env) -> None:
         with pytest.raises(MCPError):  # and the key opens nothing new
             async with listen(client, resource_subscriptions=[uri("worker", "rv")]):
                 pass
+
+
+@LEGACY_SUBSCRIBE
+async def test_subscriptions_to_a_deleted_agents_session_end(env: Env) -> None:
+    """Every ``events_reauth_s`` the subscribed sessions are checked (one read for all):
+    a deleted agent's subscriptions (either era) hear no more of its session, which every
+    read now refuses. Its held work was still decided after the deletion, and each
+    decision went on reaching the subscribers."""
+    doomed = await make_agent(env.service, env.org, "doomed", lead="lead")
+    gone, kept, marker = uri("doomed", "d"), uri("worker", "k"), uri("worker", "z")
+    assert env.service._mcp is not None and env.service._mcp.resources is not None
+    resources = env.service._mcp.resources
+    async with session(env) as client, session(env) as modern:
+        await client.initialize()
+        await client.subscribe_resource(gone)
+        await client.subscribe_resource(kept)
+        await client.subscribe_resource(marker)
+        await modern.discover()
+        async with listen(modern, resource_subscriptions=[gone, kept]):
+            await client.call_tool(
+                TOOL, {"agent": "doomed", "message": "risky #escalate #complete", "session": "d"}
+            )
+            await env.settle()  # the lead escalates: held for a person
+            # One task sends the updates in order: once the kept session's (asked for
+            # after) arrived, every update of the doomed one so far did.
+            await client.call_tool(TOOL, {"agent": "worker", "message": "one", "session": "k"})
+            await eventually(lambda: kept in env.updates)
+            assert gone in env.updates
+            before = len(env.updates)
+            assert len(resources.sessions()) == 3
+            async with env.service.db.read() as conn:
+                held = sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == doomed["id"])
+                item_id = (await conn.execute(held)).scalar_one()
+            async with env.service.db.tx() as conn:
+                await agents.save_agent(
+                    conn,
+                    env.service.clock,
+                    env.service.ids,
+                    env.org.id,
+                    agent_ref=doomed["id"],
+                    delete=True,
+                )
+            # Both eras' hold on the doomed session is gone; the kept one's stays.
+            await eventually(lambda: resources.subscriptions == 2)
+            await eventually(lambda: len(resources.sessions()) == 2)
+            await env.service.reviews.decide(env.org.principal, item_id, "reject", "no")
+            # The marker's update is sent after any the rejection would have sent.
+            await client.call_tool(TOOL, {"agent": "worker", "message": "two", "session": "z"})
+            await eventually(lambda: marker in env.updates[before:])
+            assert gone not in env.updates[before:]
+        with pytest.raises(MCPError) as refused:
+            await client.read_resource(gone)
+        assert refused.value.error.code == mt.INVALID_PARAMS
 
 
 @LEGACY_SUBSCRIBE

@@ -451,6 +451,29 @@ async def test_a_stream_ends_once_its_agent_is_deleted(rechecking_env: Env) -> N
     kept.close()
 
 
+async def test_readable_sessions_are_those_whose_agent_is_not_deleted(env: Env) -> None:
+    """What MCP's subscription re-check reads (one statement per chunk of 500, so an
+    unknown id, and more ids than a chunk, are fine)."""
+    doomed = await make_agent(env.service, env.org, "doomed")
+    reads = env.service.transcripts
+    kept = await reads.open(env.org.principal, "plain", "r")
+    gone = await reads.open(env.org.principal, "doomed", "r")
+    theirs = await reads.open(env.other.principal, "plain", "r")
+    unknown = {f"ses_unknown_{n}" for n in range(600)}
+    assert await reads.readable({kept, gone, theirs, *unknown}) == {kept, gone, theirs}
+    async with env.service.db.tx() as conn:
+        await agents.save_agent(
+            conn,
+            env.service.clock,
+            env.service.ids,
+            env.org.id,
+            agent_ref=doomed["id"],
+            delete=True,
+        )
+    assert await reads.readable({kept, gone, theirs, *unknown}) == {kept, theirs}
+    assert await reads.readable(set()) == set()
+
+
 async def test_heartbeat_comments_while_idle(env: Env) -> None:
     stream = await open_stream(env, "plain", "hb")
     started = time.monotonic()
