@@ -179,3 +179,24 @@ async def test_a_demoted_users_stream_ends(env: Env) -> None:
     # Still logged in (the page shows the reason, not the login form), but refused.
     assert (await env.client.get("/console/me")).status == 200
     assert (await env.client.get(path)).status == 403
+
+
+async def test_a_removed_users_stream_ends_naming_the_rule(env: Env) -> None:
+    """A user disabled (removed) loses its console sessions, and its open stream ends
+    at the next re-check naming ``console.session`` (the page then shows the login)."""
+    await env.login("rue@example.com", "Member")
+    resp = await env.client.get("/console/studio/agents/plain/sessions/gone/events")
+    assert resp.status == 200
+    stream = Stream(resp)
+    async with env.service.db.tx() as conn:
+        await orgs.update_user(
+            conn, env.service.clock, env.org.id, "rue@example.com", disabled=True
+        )
+    event = await stream.next()
+    assert event["event"] == "end"
+    assert event["data"] == {
+        "reason": "the key or console session is no longer valid",
+        "rule": "console.session",
+    }
+    assert await resp.content.read() == b""
+    assert (await env.client.get("/console/me")).status == 401
