@@ -192,7 +192,8 @@ class DiscordChannel:
       the only way left (valid for the token's 15 minutes).
 
     Every send is bounded by ``timeout_s``, including discord.py's own retries of 5xx
-    answers and short rate limits.
+    answers and short rate limits, or by what is left of its delivery's send deadline
+    (the message's ``within_s``) when that is less.
     """
 
     name = "discord"
@@ -254,7 +255,7 @@ class DiscordChannel:
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post one message; every platform error is mapped, never raised."""
-        return await self._guarded(lambda: self._send(message))
+        return await self._guarded(lambda: self._send(message), message.budget_s(self._timeout_s))
 
     async def update(self, message: OutboundMessage, external_id: str) -> SendOutcome:
         """Edit the card posted as message ``external_id`` (``PATCH
@@ -280,12 +281,17 @@ class DiscordChannel:
         )
         return Sent(external_id)
 
-    async def _guarded(self, work: Callable[[], Awaitable[SendOutcome]]) -> SendOutcome:
-        """Run one send or edit under the deadline, mapping every failure."""
+    async def _guarded(
+        self, work: Callable[[], Awaitable[SendOutcome]], timeout_s: float | None = None
+    ) -> SendOutcome:
+        """Run one send or edit under the deadline (``timeout_s``, by default the
+        channel's; a send's is less when its delivery has less left), mapping every
+        failure."""
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         wire = _Wire()
         reset = _WIRE.set(wire)
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(timeout_s):
                 outcome = await work()
             # discord.py hands a body that is not JSON on as text: the webhook calls
             # return it as if it were the message.
@@ -303,7 +309,7 @@ class DiscordChannel:
             # become usable by waiting (a port out of range, a scheme that is not HTTP).
             return _permanent(f"discord: {described(exc)}")
         except TimeoutError:
-            return _on_deadline(wire, self._timeout_s)
+            return _on_deadline(wire, timeout_s)
         except aiohttp.ClientConnectorError as exc:
             # No connection was made, so nothing was written.
             return Retry(f"discord: cannot connect: {exc}")  # (host and port, no path)

@@ -130,7 +130,17 @@ class EmailChannel:
             payload = _smtp_payload(msg, utf8=utf8)
         except (ValueError, TypeError, UnicodeError) as exc:
             return Permanent(f"email: cannot build the message: {exc}")
-        outcome = await self._deliver(envelope_from, envelope_to, payload, utf8=utf8)
+        deadline_s = message.budget_s(self._deadline_s)
+        if deadline_s <= self._timeout_s:
+            # The answer to the message could not be waited for within the deadline.
+            return Retry(
+                f"email: {max(deadline_s, 0):g} s left of the delivery's send deadline, "
+                f"less than the {self._timeout_s:g} s the answer to the message may take; "
+                "nothing was sent"
+            )
+        outcome = await self._deliver(
+            envelope_from, envelope_to, payload, utf8=utf8, deadline_s=deadline_s
+        )
         if isinstance(outcome, Sent):
             return Sent(str(msg["Message-ID"]))
         return outcome
@@ -138,7 +148,7 @@ class EmailChannel:
     # One body on purpose: the SMTP exchange step by step, each step's failure mapped
     # to Retry (before the final dot) or Uncertain (after it).
     async def _deliver(
-        self, mail_from: str, rcpt_to: str, payload: bytes, *, utf8: bool = False
+        self, mail_from: str, rcpt_to: str, payload: bytes, *, utf8: bool, deadline_s: float
     ) -> SendOutcome:
         """One SMTP transaction, done step by step.
 
@@ -149,16 +159,18 @@ class EmailChannel:
         :class:`Retry` (nothing was handed over), one after it is :class:`Uncertain`
         (the server may have queued the message before the connection broke).
 
-        The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`): each step
-        waits at most ``timeout_s``, the steps before the message (connect, greeting,
-        EHLO, STARTTLS, AUTH, MAIL, RCPT, DATA) end within ``deadline_s - timeout_s``
-        together (past it: :class:`Retry`), and the answer to the message is waited for
-        ``timeout_s``; a QUIT after it gets what is left. Each step alone was bounded,
-        and a relay slow at every step kept a send past its lease.
+        The whole send ends within ``deadline_s`` (the channel's own, at most
+        :data:`SEND_DEADLINE_S`, or what is left of its delivery's: the message's
+        ``within_s``): each step waits at most ``timeout_s``, the steps before the
+        message (connect, greeting, EHLO, STARTTLS, AUTH, MAIL, RCPT, DATA) end within
+        ``deadline_s - timeout_s`` together (past it: :class:`Retry`), so the answer to
+        the message, waited for ``timeout_s``, comes within the deadline too; a QUIT
+        after it gets what is left. Each step alone was bounded, and a relay slow at
+        every step kept a send past its lease.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._deadline_s
-        before_message_s = self._deadline_s - self._timeout_s
+        deadline = loop.time() + deadline_s
+        before_message_s = deadline_s - self._timeout_s
         s = self._settings
         smtp = aiosmtplib.SMTP(
             hostname=s.smtp_host,

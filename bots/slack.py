@@ -360,6 +360,10 @@ class SlackChannel:
     default retry handlers are switched off: its connection-error handler would re-post
     after a reset, and a re-post of a message that may have landed is a double post
     (Slack has no idempotency key). Retries belong to the relay.
+
+    A call's timeout bounds it whole, so a post is started only when its delivery has
+    that long left of its send deadline (a later part of a long text: the message's
+    ``within_s``); with less, nothing is sent (a Retry).
     """
 
     name = "slack"
@@ -372,6 +376,7 @@ class SlackChannel:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
     ) -> None:
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(
             total=timeout_s, sock_connect=min(connect_timeout_s, timeout_s)
         )
@@ -399,6 +404,14 @@ class SlackChannel:
         channel = message.address.get("channel")
         if not isinstance(channel, str) or not channel:
             return Permanent("slack: binding address has no channel")
+        left_s = message.budget_s(self._timeout_s)
+        if left_s < self._timeout_s:
+            # The call's timeout bounds it whole, written or not: one cut shorter could
+            # not tell a post never written from one that may have landed.
+            return Retry(
+                f"slack: {max(left_s, 0):g} s left of the delivery's send deadline, less "
+                f"than the {self._timeout_s:g} s a post may take; nothing was sent"
+            )
         thread_ts = message.address.get("thread_ts") or None
         extra: dict[str, Any] = {}
         text = message.text

@@ -676,7 +676,9 @@ class TeamsChannel:
         """Run ``call`` in a proactive turn on the stored conversation reference, mapping
         every failure onto an outcome class (``edit``: ``call`` edits a card).
 
-        The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`): the
+        The whole send ends within ``deadline_s`` (:data:`SEND_DEADLINE_S`, or what is
+        left of its delivery's: the message's ``within_s``; less than ``timeout_s``
+        left, nothing is sent: :class:`Retry`): the
         Connector's request must be under way (its access token got, connected, through
         any proxy's tunnel and the TLS handshake) within ``deadline_s - timeout_s``
         (past it: :class:`Retry`, and the request is never written), and then it and
@@ -696,16 +698,24 @@ class TeamsChannel:
         if fallback_reply and message.kind == "reply" and reply_to is None:
             reply_to = reference.activity_id
 
+        deadline_s = message.budget_s(self._deadline_s)
+        if deadline_s <= self._timeout_s:
+            # The request and its answer could not get their timeout within the deadline.
+            return Retry(
+                f"teams connector: {max(deadline_s, 0):g} s left of the delivery's send "
+                f"deadline, less than the {self._timeout_s:g} s the request and its answer "
+                "may take; nothing was sent"
+            )
         loop = asyncio.get_running_loop()
         started = loop.time()
-        before_write_s = self._deadline_s - self._timeout_s
+        before_write_s = deadline_s - self._timeout_s
         scope: asyncio.Timeout | None = None
 
         def answer_within_timeout() -> None:
             # The request is being written: it and its answer get timeout_s, within
             # the send's deadline.
             if scope is not None and not scope.expired() and scope.when() is not None:
-                scope.reschedule(min(loop.time() + self._timeout_s, started + self._deadline_s))
+                scope.reschedule(min(loop.time() + self._timeout_s, started + deadline_s))
 
         def written() -> None:  # (on the sending thread)
             loop.call_soon_threadsafe(answer_within_timeout)

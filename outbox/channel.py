@@ -113,6 +113,16 @@ class OutboundMessage:
     text: str
     kind: str = "gating"
     card: Card | None = None
+    #: The most this send may take, all of it, in seconds (``None``: the channel's own
+    #: deadline, at most :data:`outbox.relay.SEND_DEADLINE_S`): for a later part of a
+    #: long text, what the earlier parts left of their delivery's send deadline. A
+    #: channel that cannot end its send within it sends nothing: a Retry.
+    within_s: float | None = None
+
+    def budget_s(self, own_s: float) -> float:
+        """The most this send may take: ``own_s`` (the channel's own bound), or less
+        when its delivery's deadline leaves less (:attr:`within_s`)."""
+        return own_s if self.within_s is None else min(own_s, self.within_s)
 
 
 @dataclass(frozen=True)

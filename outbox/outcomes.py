@@ -44,6 +44,7 @@ from outbox.store import (
     CARD_CLOSED_AT,
     CARD_UPDATE,
     ENDED,
+    PARTS_POSTED,
     DeliveryStatus,
     ReviewNeeded,
 )
@@ -168,6 +169,11 @@ class Done:
 
     row: Delivery
     outcome: SendOutcome
+    #: a long text's parts now posted when a later one was not (surely) posted: recorded
+    #: with the outcome (:data:`outbox.store.PARTS_POSTED`), with ``external_id``, the
+    #: first part's platform id (``None``: nothing to record)
+    parts_posted: int | None = None
+    external_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,7 @@ class OutcomeCommitter:
             await self._commit_sent(conn, sent, now)
         for item in done:
             if not isinstance(item.outcome, Sent):
-                await self._commit_one(conn, item.row, item.outcome, now)
+                await self._commit_one(conn, item, item.outcome, now)
 
     async def commit_alone(self, db: Database, done: list[Done], now: int) -> bool:
         """PostgreSQL: commit a group of successful posts in one statement outside a
@@ -334,12 +340,16 @@ class OutcomeCommitter:
         return committed
 
     def _values_for(
-        self, row: Delivery, outcome: NotSent, now: int
+        self, done: Done, outcome: NotSent, now: int
     ) -> tuple[dict[str, Any], Status | None, str]:
         """The delivery's new values, the item's destination status (``None``: it stays
         ``approved``) and the metrics label for one outcome (a send that succeeded is
         committed with its group, by :meth:`_commit_sent`)."""
+        row = done.row
         values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None, "updated_at": now}
+        if done.parts_posted is not None:
+            values["address"] = {**row.address, PARTS_POSTED: done.parts_posted}
+            values["external_id"] = row.external_id or done.external_id
         label = type(outcome).__name__.lower()
         if isinstance(outcome, Retry):
             delay = self.policy.backoff(row.attempts, outcome.delay_s)
@@ -369,8 +379,9 @@ class OutcomeCommitter:
         values.update(status=DeliveryStatus.deliveryUnknown.value, error=stored_error(outcome))
         return values, None, "deliveryUnknown"
 
-    async def _commit_one(self, conn: Conn, row: Delivery, outcome: NotSent, now: int) -> None:
-        values, item_dst, label = self._values_for(row, outcome, now)
+    async def _commit_one(self, conn: Conn, done: Done, outcome: NotSent, now: int) -> None:
+        row = done.row
+        values, item_dst, label = self._values_for(done, outcome, now)
         if not isinstance(outcome, Permanent) and await self._ended_card(conn, row):
             # A card in flight when its item was decided: the decision left it to its
             # send (and queued the edit of a chat card). Not posted for sure, it is not

@@ -86,17 +86,19 @@ from outbox.store import (
     cards_of_closed_waits,
     count_cancelled,
     delivery_of,
+    parts_posted,
 )
 
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
 
 SEND_LEASE_MS = 120_000
-#: How long one send may take, all of it (each channel bounds its own): within half the
-#: send lease, as a relay holds up to two rounds of its sends under their leases at once
-#: (the second round's sends wait for the first's), and a send that outlives its lease
-#: has its outcome thrown away (the delivery is taken back as ``deliveryUnknown``
-#: meanwhile).
+#: How long one delivery's send may take, all of it, every part of a long text together
+#: (each channel bounds a send by its own, and a later part by what is left: the
+#: message's ``within_s``): within half the send lease, as a relay holds up to two rounds
+#: of its sends under their leases at once (the second round's sends wait for the
+#: first's), and a send that outlives its lease has its outcome thrown away (the delivery
+#: is taken back as ``deliveryUnknown`` meanwhile).
 SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
 #: How often (by the relay's clock) ``run_once`` looks for expired send leases.
 EXPIRY_CHECK_MS = 1_000
@@ -782,38 +784,47 @@ class Relay:
     async def deliver(self, row: Delivery) -> Done:
         """Send one row; an unexpected error becomes an uncertain outcome (never raises)."""
         try:
-            return Done(row, await self._send(row))
+            if row.kind in CARD_KINDS:
+                return Done(row, await self._send_card(row))
+            return await self._send(row)
         except Exception as exc:  # a bug must not lose the outcome (or the pipeline)
             log.error("delivery %s: unexpected error", row.id, exc_info=loggable(exc))
             return Done(row, Uncertain(f"relay error: {type(exc).__name__}"))
 
-    async def _send(self, row: Delivery) -> SendOutcome:
-        if row.kind in CARD_KINDS:
-            return await self._send_card(row)
+    async def _send(self, row: Delivery) -> Done:
         if row.action in INTERNAL_ACTIONS:
-            return Sent()
+            return Done(row, Sent())
         if row.channel == "none" or not (row.binding_id or row.kind == ANSWER):
-            return Permanent(NO_BINDING_ERROR)
+            return Done(row, Permanent(NO_BINDING_ERROR))
         channel = self.channels.get(row.channel)
         if channel is None:
-            return Permanent(f"channel {row.channel} is not configured")
+            return Done(row, Permanent(f"channel {row.channel} is not configured"))
         if not row.text:
-            return Sent()
+            return Done(row, Sent())
         # (a channel whose limit is not in characters says how it measures)
         parts = split_text(row.text, channel.max_chars, getattr(channel, "text_size", len))
-        external: str | None = None
+        # Parts an earlier attempt posted are not posted again (the split is the same).
+        start = min(parts_posted(row), len(parts) - 1)
+        external = row.external_id
         async with self._sem:
-            for index, part in enumerate(parts):
-                outcome = await self._send_part(channel, row, index, part)
+            # One deadline for the whole delivery, not each part: parts that each took
+            # their channel's whole deadline kept the delivery past its send lease.
+            began = self.clock.now_ms()
+            for index in range(start, len(parts)):
+                left_s = SEND_DEADLINE_S - (self.clock.now_ms() - began) / 1000
+                if left_s <= 0:
+                    outcome: SendOutcome = Retry(
+                        f"the delivery's send deadline ({SEND_DEADLINE_S:g} s) ran out: "
+                        "not sent, on the next attempt"
+                    )
+                else:
+                    # (the attempt's first part: the channel's own deadline, within this)
+                    within_s = left_s if index > start else None
+                    outcome = await self._send_part(channel, row, index, parts[index], within_s)
                 if not isinstance(outcome, Sent):
-                    if index > 0:
-                        # Earlier parts are posted: resending would duplicate them.
-                        return Uncertain(
-                            f"part {index + 1} of {len(parts)}: {getattr(outcome, 'error', '')}"
-                        )
-                    return outcome
+                    return _part_failed(row, outcome, index, len(parts), external)
                 external = external or outcome.external_id
-        return Sent(external)
+        return Done(row, Sent(external))
 
     async def _send_card(self, row: Delivery) -> SendOutcome:
         """A review card: one message (the adapter cuts it to the platform's limits), or
@@ -870,7 +881,7 @@ class Relay:
         return Permanent(f"the card was not posted ({posted.status}); nothing to update")
 
     async def _send_part(
-        self, channel: Channel, row: Delivery, index: int, part: str
+        self, channel: Channel, row: Delivery, index: int, part: str, within_s: float | None
     ) -> SendOutcome:
         # Stable per delivery (and part): the same on every attempt.
         key = row.id if index == 0 else f"{row.id}.{index}"
@@ -882,6 +893,7 @@ class Relay:
                     address=row.address,
                     text=part,
                     kind=row.kind,
+                    within_s=within_s,
                 )
             )
         except Exception as exc:  # an adapter bug must not lose the delivery
@@ -896,6 +908,24 @@ class Relay:
         base = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempts - 1))
         delay = base * (0.5 + 0.5 * self.rand())
         return float(max(delay, retry_after or 0.0))
+
+
+def _part_failed(
+    row: Delivery, outcome: SendOutcome, index: int, count: int, external: str | None
+) -> Done:
+    """A delivery of ``count`` parts whose part ``index`` was not (surely) posted: the
+    parts before it were, and are recorded (:data:`outbox.store.PARTS_POSTED`) so that
+    no later attempt, the relay's or an operator's retry, posts them again. Nothing
+    posted yet, the part's outcome stands; otherwise a retry is a retry of the rest, and
+    a part that may have been posted, or never will be, leaves the delivery uncertain
+    (``deliveryUnknown``: an operator confirms it or retries the rest)."""
+    if index == 0:
+        return Done(row, outcome)
+    error = f"part {index + 1} of {count}: {getattr(outcome, 'error', '')}"
+    said = getattr(outcome, "said", "")
+    if isinstance(outcome, Retry):
+        return Done(row, Retry(error, outcome.delay_s, said), index, external)
+    return Done(row, Uncertain(error, said), index, external)
 
 
 def _count_ended(conn: Conn, given_back: Sequence[AnyRow]) -> None:

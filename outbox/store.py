@@ -131,6 +131,18 @@ OUTBOX_ACTOR = "system:outbox"
 ReviewNeeded = Callable[[Conn, str, str, str | None], Awaitable[object]]
 
 
+#: The address key recording how many parts of a long text (split by the relay,
+#: :func:`outbox.relay.split_text`) an earlier attempt posted: the next attempt, the
+#: relay's retry or an operator's, starts after them, so none is posted twice.
+PARTS_POSTED = "parts_posted"
+
+
+def parts_posted(row: Delivery) -> int:
+    """How many parts of ``row``'s text earlier attempts posted (:data:`PARTS_POSTED`)."""
+    count = row.address.get(PARTS_POSTED) if isinstance(row.address, dict) else None
+    return count if isinstance(count, int) and count > 0 else 0
+
+
 class address_kept(FunctionElement[Any]):  # lower case: used like a SQL function
     """A delivery's ``address`` without its :data:`outbox.channel.UNTIL_SENT` values, in
     SQL: ``json_remove`` on SQLite; on PostgreSQL the ``json`` column goes through

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import sys
@@ -330,6 +331,24 @@ async def test_hang_after_reading_is_uncertain(
     assert time.monotonic() - started < HANG_BOUND_S  # the deadline, not the hang
     standin.queue("hang")
     assert isinstance(await channel.send(interaction_reply()), Uncertain)
+
+
+async def test_a_part_gets_what_is_left_of_its_deliverys_deadline(
+    standin: DiscordApiStandin,
+) -> None:
+    """A later part of a long text had the channel's whole timeout, whatever earlier
+    parts took of the delivery's send deadline; now it ends within what is left of it
+    (``within_s``), here well before the channel's own 20 s."""
+    ch = make_channel(standin.api_url, timeout_s=20.0)
+    try:
+        standin.queue("hang")
+        started = time.monotonic()
+        outcome = await ch.send(dataclasses.replace(gated(), within_s=0.6))
+        assert isinstance(outcome, Uncertain), outcome
+        assert "no answer within 0.6s" in outcome.error
+        assert time.monotonic() - started < HANG_BOUND_S  # what was left, not the 20 s
+    finally:
+        await ch.close()
 
 
 async def test_reset_after_reading_is_uncertain(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Mapping
@@ -241,3 +242,28 @@ async def test_a_relay_slow_at_every_step_is_given_up_on_within_the_send_deadlin
     # The same relay, quick again: the delivery's next attempt goes through.
     sink.slow_s = 0.0
     assert await channel.send(_message()) == Sent("<dlv-42@leadgate.example>")
+
+
+async def test_a_part_with_too_little_of_its_deliverys_deadline_left_is_not_sent(
+    sink: SmtpSink,
+) -> None:
+    """The answer to a message is waited for up to timeout_s after its final dot: a later
+    part of a long text started with less than that left of its delivery's send deadline
+    (``within_s``) could outlive it, and the send lease. Such a part is not sent (a
+    retry, nothing written); one with more left gets it, its steps before the message
+    within what is left less timeout_s."""
+    channel = _channel(sink)  # timeout_s=0.5
+    outcome = await channel.send(dataclasses.replace(_message(), within_s=0.4))
+    assert outcome == Retry(
+        "email: 0.4 s left of the delivery's send deadline, less than the 0.5 s the answer "
+        "to the message may take; nothing was sent"
+    )
+    assert sink.attempts == []
+    sink.slow_s = 0.3  # MAIL and RCPT: 0.6 s, past the 0.5 s left before the message
+    outcome = await channel.send(dataclasses.replace(_message(), within_s=1.0))
+    assert isinstance(outcome, Retry), outcome
+    assert "took longer than 0.5 s before the message could be sent" in outcome.error
+    assert sink.messages == []
+    sink.slow_s = 0.0
+    outcome = await channel.send(dataclasses.replace(_message(), within_s=1.0))
+    assert outcome == Sent("<dlv-42@leadgate.example>")

@@ -9,6 +9,7 @@ platform, here its stand-in (:mod:`tests.standins.microsoft_login`) behind its p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import threading
@@ -438,6 +439,23 @@ async def test_a_connector_trickling_its_answer_is_given_up_on_within_the_send_d
     await eventually(lambda: posted["cut"], what="the connection let go")
     assert posted["trickled"] < TRICKLE_BYTES
     assert isinstance(await adapter.channel.send(_message(_address(connector.url), "gating")), Sent)
+
+
+async def test_a_part_with_too_little_of_its_deliverys_deadline_left_is_not_sent(
+    connector: ConnectorStandin,
+) -> None:
+    """A later part of a long text had the channel's whole deadline, whatever earlier
+    parts took of the delivery's: with less left (``within_s``) than its request and
+    answer may take, it is not sent (a retry, no request made); with more, it is."""
+    adapter = TeamsAdapter(TeamsSettings(enabled=True), FakeCore(), send_timeout_s=1.0)
+    message = _message(_address(connector.url), "gating")
+    outcome = await adapter.channel.send(dataclasses.replace(message, within_s=0.5))
+    assert outcome == Retry(
+        "teams connector: 0.5 s left of the delivery's send deadline, less than the 1 s "
+        "the request and its answer may take; nothing was sent"
+    )
+    assert connector.requests == []
+    assert isinstance(await adapter.channel.send(dataclasses.replace(message, within_s=2.0)), Sent)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.review import queue
-from outbox.relay import Relay
+from outbox.relay import SEND_DEADLINE_S, Relay
 from tests.helpers import Org, fake_clock, make_agent, make_org
 from tests.outbox_support import MigratedTemplates, seed_items
 from tests.standins.slack_api import SlackApiStandin
@@ -206,6 +206,40 @@ async def test_long_message_is_split_at_slack_limit(
     assert " ".join(parts).split() == words
     assert {p["thread_ts"] for p in slack.posts} == {dlv["address"]["thread_ts"]}
     assert (await row_of(svc, dlv["id"]))["external_id"] == slack.posts[0]["ts"]
+
+
+async def test_a_long_message_has_one_send_deadline_for_all_its_parts(
+    svc: App, org: Org, slack: SlackApiStandin
+) -> None:
+    """Each part of a long message had a whole send of its own (30 s each on Slack):
+    three slow parts kept the delivery past its 2-minute send lease, which took it back as
+    deliveryUnknown. Now the parts share the delivery's send deadline: a part that could
+    not end within what is left is not sent (a retry, nothing written), and the next
+    attempt posts the rest, not the parts already posted."""
+    words = [f"w{i:05d}" for i in range(15_000)]  # three parts
+    (dlv,) = await seed(svc, org, text=lambda _: " ".join(words))
+
+    async def slow_first_post(record: dict[str, Any]) -> None:
+        # The first part took all but 5 s of the deadline; a post may take 10 s.
+        slack.on_post = None
+        clock(svc).advance(int((SEND_DEADLINE_S - 5) * 1000))
+
+    slack.on_post = slow_first_post
+    await drain(relay(svc))
+    assert len(slack.requests) == 1 and len(slack.posts) == 1
+    row = await row_of(svc, dlv["id"])
+    assert row["status"] == "pending" and row["address"]["parts_posted"] == 1
+    assert row["error"] == (
+        "part 2 of 3: slack: 5 s left of the delivery's send deadline, less than the 10 s "
+        "a post may take; nothing was sent"
+    )
+    clock(svc).advance(60_000)
+    await drain(relay(svc))
+    parts = [p["text"] for p in slack.posts]
+    assert len(parts) == 3 and " ".join(parts).split() == words
+    row = await row_of(svc, dlv["id"])
+    assert (row["status"], row["external_id"]) == ("sent", slack.posts[0]["ts"])
+    assert await item_status(svc, dlv["work_item_id"]) == "completed"
 
 
 # ------------------------------------------------------------- operator recovery

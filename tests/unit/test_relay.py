@@ -35,7 +35,7 @@ from outbox import outcomes as outcomes_mod
 from outbox import relay as relay_mod
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done
-from outbox.relay import SEND_LEASE_MS, Relay, split_text
+from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS, Relay, split_text
 from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
 from tests.fakes import LandsLater, lose_the_next_commit
 from tests.helpers import (
@@ -679,16 +679,93 @@ def test_split_text_by_a_size_that_is_not_characters() -> None:
     assert split_text("€" * 7, 10, size) == ["€€€", "€€€", "€"]
 
 
-async def test_a_failed_later_part_is_uncertain_not_resent(stack: Stack) -> None:
+def keys_sent(channel: ScriptedChannel) -> list[str]:
+    """The idempotency keys of every send, in order (a part's key: ``{id}.{index}``)."""
+    return [m.idempotency_key for m in channel.calls]
+
+
+async def test_a_later_part_not_posted_is_retried_from_there_not_resent(stack: Stack) -> None:
+    """A later part refused (nothing of it posted) made the delivery deliveryUnknown, for
+    an operator to settle, and a retry there posted the first part again. Now the parts
+    posted are recorded with the retry, which posts the rest only."""
     small = ScriptedChannel("slack", max_chars=100, script=[Sent("a"), Retry("HTTP 429", 1)])
     stack.channels["slack"] = small
-    _, dlv = await seed_one(stack, text=lambda _: "x" * 250)
+    item_id, dlv = await seed_one(stack, text=lambda _: "x" * 250)
     await drain(relay_for(stack))
     row = await delivery(stack, dlv["id"])
-    assert row["status"] == "deliveryUnknown" and row["error"].startswith("part 2 of 3")
+    assert (row["status"], row["error"]) == ("pending", "part 2 of 3: HTTP 429")
+    assert (row["address"]["parts_posted"], row["external_id"]) == (1, "a")
     fake_clock(stack).advance(60_000)
     await drain(relay_for(stack))
-    assert len(small.calls) == 2
+    i = dlv["id"]
+    assert keys_sent(small) == [i, f"{i}.1", f"{i}.1", f"{i}.2"]
+    assert "".join(small.texts()[n] for n in (0, 2, 3)) == "x" * 250
+    row = await delivery(stack, dlv["id"])
+    assert (row["status"], row["external_id"]) == ("sent", "a")
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+async def test_a_later_part_maybe_posted_is_uncertain_and_a_retry_posts_from_it(
+    stack: Stack,
+) -> None:
+    """A later part that may have been posted leaves the delivery deliveryUnknown (never
+    sent again by the relay); an operator's retry posts from that part on, not the parts
+    surely posted before it."""
+    small = ScriptedChannel("slack", max_chars=100, script=[Sent("a"), Uncertain("timeout")])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: "x" * 250)
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert (row["status"], row["error"]) == ("deliveryUnknown", "part 2 of 3: timeout")
+    fake_clock(stack).advance(600_000)
+    await drain(relay_for(stack))
+    assert len(small.calls) == 2  # never sent again by the relay
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    i = dlv["id"]
+    assert keys_sent(small) == [i, f"{i}.1", f"{i}.1", f"{i}.2"]
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None:
+    """Each part of a long text had its channel's whole send deadline: parts that were
+    each slow kept the delivery past its send lease, whose lapse made it deliveryUnknown
+    and threw the send's outcome away. Now the delivery has one deadline: each part gets
+    what is left of it (``within_s``), and a part with nothing left is not sent, the
+    parts before it recorded, the rest sent on the next attempt."""
+    clock = fake_clock(stack)
+
+    def slow(ms: int) -> Any:
+        def answer(message: OutboundMessage) -> SendOutcome:
+            clock.advance(ms)
+            return Sent(f"ext-{message.idempotency_key}")
+
+        return answer
+
+    deadline_ms = int(SEND_DEADLINE_S * 1000)
+    small = ScriptedChannel("slack", max_chars=100, script=[slow(20_000), slow(deadline_ms)])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: "x" * 350)
+    await drain(relay_for(stack))
+    i = dlv["id"]
+    assert keys_sent(small) == [i, f"{i}.1"]
+    assert [m.within_s for m in small.calls] == [None, SEND_DEADLINE_S - 20]
+    row = await delivery(stack, i)
+    assert row["status"] == "pending" and row["address"]["parts_posted"] == 2
+    assert row["error"] == (
+        f"part 3 of 4: the delivery's send deadline ({SEND_DEADLINE_S:g} s) ran out: "
+        "not sent, on the next attempt"
+    )
+    clock.advance(60_000)
+    await drain(relay_for(stack))
+    assert keys_sent(small) == [i, f"{i}.1", f"{i}.2", f"{i}.3"]
+    assert "".join(small.texts()) == "x" * 350
+    row = await delivery(stack, i)
+    assert (row["status"], row["external_id"]) == ("sent", f"ext-{i}")
+    assert (await item(stack, item_id))["status"] == "completed"
 
 
 def test_split_text_edges() -> None:
