@@ -375,8 +375,8 @@ class TurnService:
         stored message, answered as this call's own; a run still being run is
         ``Duplicate(running=True)``.
         """
-        # At or before the message's own time: the run a fault makes this process owe
-        # counts later messages of the session from here (runs._resent).
+        # At or before the message's own time: the created_at of the run a fault makes
+        # this process owe (the order of recovery's claims).
         taken_at = self.clock.now_ms()
         intake = await self.take(trigger)
         if isinstance(intake, Duplicate) and retake and not intake.busy:
@@ -441,7 +441,7 @@ class TurnService:
                 continue
             # (pop: a stop's record of them may run beside the recovery loop's)
             self.owed.pop(token, None)
-            if recorded:
+            if recorded == runs.RECORDED:
                 self.orphans.add(token)
             else:
                 log.info(
@@ -1063,6 +1063,9 @@ class TurnService:
             # Silent channel turns (and API turns with a run: a worker's with a lead) store
             # the reply and end their run: the short transaction.
             async with self.db.tx() as fast:
+                if await self._answered_later(fast, ctx):
+                    await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
+                    return Duplicate()
                 await self._store(
                     fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
                 )
@@ -1078,6 +1081,28 @@ class TurnService:
             await self._store_reply(ctx, screened, revision_item)
         labelled(METRICS.turns, "plain").inc()
         return Reply(screened, streamed, usage)
+
+    async def _answered_later(self, conn: Conn, ctx: TurnContext) -> bool:
+        """Whether turn recovery's rerun of a plain REST/MCP/Studio run (``ctx``) is to
+        end without an answer, its run closed: its session took in a user message
+        after the run's (a follow-up, or the resend of one told to send it only if
+        not there) while it ran, or before its claim. That message's own turn, shown
+        the run's message unanswered, answers it (the rerun, shown the follow-up,
+        answered it too). Read in the rerun's last transaction; no live turn's (their
+        context is no recovered client's). A keyed run rerun because its client was
+        told nothing was stored is answered all the same: its key's retry waits for
+        that answer, and no turn of its own runs for it."""
+        if not ctx.recovered_client or ctx.keyed_resend or ctx.work_item_id is not None:
+            return False
+        assert ctx.run_token is not None  # (a recovered run's)
+        if not await runs.answered_later(conn, ctx.session_id, ctx.run_token):
+            return False
+        log.info(
+            "rerun of session %s ends unanswered: a later message of the session was "
+            "taken in, whose turn answers it",
+            ctx.session_id,
+        )
+        return True
 
     async def _store_answered(
         self,

@@ -214,7 +214,46 @@ async def record(conn: Conn, values: dict[str, Any]) -> None:
     await conn.execute(_INSERT, values)
 
 
-async def record_owed(db: Database, values: dict[str, Any], now: int) -> bool:
+#: An owed run not recorded (:func:`record_owed`): a later user message of its session
+#: was taken in, whose turn answers it.
+ANSWERED_LATER = "later"
+#: An owed run recorded.
+RECORDED = "recorded"
+
+_M = t.messages.c
+
+
+def later_message(session_id: Any, messages: Any) -> sa.Exists:
+    """Whether session ``session_id`` took in a user message after every one of
+    ``messages`` (ids, or a select of them): by the order of their session events
+    (``seq``, numbered under the session row's lock, so in commit order and never
+    tied). Their timestamps tie within a millisecond: a later message of the same
+    millisecond was missed, or an earlier one counted."""
+    e = t.session_events.c
+    later = t.session_events.alias("later")
+    theirs = (
+        sa.select(sa.func.max(e.seq))
+        .where(e.session_id == session_id, e.message_id.in_(messages))
+        .scalar_subquery()
+    )
+    return sa.exists().where(
+        later.c.session_id == session_id,
+        later.c.seq > theirs,
+        _M.id == later.c.message_id,
+        _M.role == "user",
+    )
+
+
+async def answered_later(conn: Conn, session_id: str, token: str) -> bool:
+    """Whether session ``session_id`` took in a user message after every message of the
+    runs leased under ``token`` (:func:`later_message`), read in a rerun's last
+    transaction: that message's own turn, shown the runs' messages unanswered, answers
+    them."""
+    theirs = sa.select(R.message_id).where(R.lease_token == token)
+    return bool(await conn.scalar(sa.select(later_message(session_id, theirs))))
+
+
+async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     """Record, in a transaction of its own, the run (``values``, leased from ``now``) of
     a plain REST/MCP/Studio turn that stopped on a database fault after its intake: it
     recorded none (a plain chat message has only its transcript row), and its client
@@ -222,28 +261,20 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> bool:
     the database is back, then its turn recovery reruns it as an orphan
     (:meth:`leadgate.turns.path.TurnService.record_owed`). Tried again with the same
     row after a failure: a try whose ``COMMIT`` was in doubt and landed inserts nothing
-    the second time.
+    the second time. :data:`RECORDED` then.
 
-    False, recording nothing, when the session took in a user message after the owed
-    one (the database back, its client sent its next message first): that message's
-    turn saw the owed one in its history and answered, and a rerun, shown the whole
-    session, answered that turn's message a second time."""
-    m = t.messages.c
-    owed_at = sa.select(m.created_at).where(m.id == values["message_id"]).scalar_subquery()
-    later = sa.select(
-        sa.exists().where(
-            m.session_id == values["session_id"],
-            m.role == "user",
-            m.created_at > owed_at,
-            m.id != values["message_id"],
-        )
-    )
+    :data:`ANSWERED_LATER`, recording nothing, when the session took in a user message
+    after the owed one (:func:`later_message`; the database back, its client sent its
+    next message, or its resend, first): that message's turn saw the owed one in its
+    history and answered, and a rerun, shown the whole session, answered that turn's
+    message a second time."""
     async with db.tx() as conn:
-        if await conn.scalar(later):
-            return False
+        later = later_message(values["session_id"], [values["message_id"]])
+        if await conn.scalar(sa.select(later)):
+            return ANSWERED_LATER
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
         await conn.execute(insert, {**values, "lease_expires_at": now + RUN_LEASE_MS})
-    return True
+    return RECORDED
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
@@ -787,20 +818,8 @@ async def _client_resent_or_not(
 async def _resent(conn: Conn, rows: Sequence[sa.Row[Any]]) -> bool:
     """Whether the session of ``rows`` has a user message after theirs: the client's
     resend, or a follow-up, whose turn answers them (see :func:`_client_resent_or_not`)."""
-    m = t.messages.c
-    newest = max(r.created_at for r in rows)
-    return bool(
-        await conn.scalar(
-            sa.select(
-                sa.exists().where(
-                    m.session_id == rows[0].session_id,
-                    m.role == "user",
-                    m.created_at >= newest,
-                    m.id.not_in([r.message_id for r in rows]),
-                )
-            )
-        )
-    )
+    later = later_message(rows[0].session_id, [r.message_id for r in rows])
+    return bool(await conn.scalar(sa.select(later)))
 
 
 async def _surface(conn: Any, clock: Clock, ids: IdFactory, item_id: str, summary: str) -> None:

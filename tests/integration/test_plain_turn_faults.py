@@ -11,6 +11,7 @@ records a run for it and reruns it, answering into the transcript once."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,8 +35,8 @@ from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
-from tests.fakes import FaultProvider
-from tests.helpers import make_agent, make_org
+from tests.fakes import FaultProvider, GateProvider
+from tests.helpers import eventually, make_agent, make_org
 from tests.serving import Client, served_app
 from tests.statement_faults import PgFaults, SqliteFaults, injector
 
@@ -385,17 +386,20 @@ async def test_an_owed_run_that_cannot_be_recorded_for_another_reason_is_given_u
         assert await drain(recovery) == 0
 
 
+@pytest.mark.parametrize("gap_ms", [1_000, 0], ids=["later-ms", "same-ms"])
 async def test_an_owed_run_whose_session_took_a_follow_up_is_not_rerun(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, gap_ms: int
 ) -> None:
     """The database back, the client sends its next message before the owed run is
     recorded: that message's turn sees the cut one in its history and answers. The owed
     run is then dropped, not recorded and rerun: its rerun, shown the whole session,
-    answered the follow-up a second time."""
+    answered the follow-up a second time. A follow-up in the same millisecond
+    (``gap_ms`` 0) is a later message too: their timestamps were compared, strictly,
+    and it was missed (answered twice)."""
     async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
         await _owed(service, client, faults, key)
         assert isinstance(service.clock, FakeClock)
-        service.clock.advance(1_000)  # (a later message is a later millisecond)
+        service.clock.advance(gap_ms)
         headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
         body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
         later = await client.post("/v1/chat/completions", json=body, headers=headers)
@@ -449,3 +453,67 @@ async def test_a_keyed_retry_while_its_run_is_owed_runs_no_second_turn(
         retry = await client.post("/v1/chat/completions", json=body, headers=headers)
         assert retry.status == 200 and retry.headers["Idempotent-Replayed"] == "true"
         assert (await retry.json())["choices"][0]["message"]["content"] == "Echo: hi"
+
+
+async def test_a_follow_up_after_the_owed_run_was_recorded_is_answered_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed run recorded, the client's next message comes before turn recovery
+    claims it: that message's turn answers (the cut one in its history), and the rerun,
+    shown the whole session, answered the follow-up a second time. It now ends without
+    an answer, its run closed."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        await service.turns.record_owed()
+        assert service.turns.orphans and not service.turns.owed
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
+        later = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert later.status == 200, await later.text()
+        answered = [*EARLIER, ("user", "hi"), ("user", "next"), ("assistant", "Echo: next")]
+        assert await transcript(service, "s") == (answered, 1)
+        assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
+        assert await transcript(service, "s") == (answered, 0)
+        assert not service.turns.orphans
+
+
+async def test_a_follow_up_while_the_owed_run_is_rerun_is_answered_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's next message comes while the owed run's rerun waits for its model:
+    its turn is shown the cut message unanswered and answers the session, and the rerun
+    answered that message too (two answers). The rerun now ends without one."""
+    gate = GateProvider()
+    faults = injector(migrated_url, monkeypatch)
+    providers: dict[str, Provider] = {"gate": gate}
+    async with served_app(migrated_url, providers=providers, like_production=True) as (
+        service,
+        client,
+    ):
+        org = await make_org(service)
+        await make_agent(service, org, "slow", model="gate")
+        headers = {"Authorization": f"Bearer {org.key}", "X-Session-Id": "g"}
+
+        def body(text: str) -> dict[str, object]:
+            return {"model": "slow", "messages": [{"role": "user", "content": text}]}
+
+        gate.release.set()
+        first = await client.post("/v1/chat/completions", json=body("first"), headers=headers)
+        assert first.status == 200, await first.text()
+        faults.arm_on(REPLY, then=REPLY)
+        told = await client.post("/v1/chat/completions", json=body("hi"), headers=headers)
+        faults.disarm()
+        assert told.status == 503 and len(service.turns.owed) == 1
+        gate.release.clear()
+        rerun = asyncio.create_task(drain(TurnRecovery(service.turns, own_only=True)))
+        await eventually(lambda: gate.calls == 3, what="the rerun's model call")
+        later = asyncio.create_task(
+            client.post("/v1/chat/completions", json=body("next"), headers=headers)
+        )
+        await eventually(lambda: gate.calls == 4, what="the follow-up's model call")
+        gate.release.set()
+        assert await rerun == 1
+        assert (await later).status == 200
+        said = [("user", "first"), ("assistant", "slow answer"), ("user", "hi")]
+        said += [("user", "next"), ("assistant", "slow answer")]
+        assert await transcript(service, "g") == (said, 0)
