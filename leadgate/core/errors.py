@@ -285,6 +285,9 @@ class IntakeInDoubt(Unavailable):
     (lapsed), so a retry with the key is safe. Raised by the intake for every surface."""
 
     retry_after_s: int | None = None
+    #: The message the intake wrote, when it recorded no run (a plain turn's): the turn
+    #: path owes its turn, in case it landed (``TurnService.owed``).
+    message_id: str | None = None
 
     #: Where each surface's client looks for the message, and (REST) the retry that is
     #: safe: MCP and Studio have no Idempotency-Key, so REST's text was untrue for them.

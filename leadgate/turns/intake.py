@@ -594,7 +594,11 @@ class Intake:
                 )
             )
         except Unavailable as fault:
-            session, landed = await self._landed(message_id, fault, window=True)
+            try:
+                session, landed = await self._landed(message_id, fault, window=True)
+            except IntakeInDoubt as doubt:
+                doubt.message_id = message_id  # (no run: the turn path owes it)
+                raise
             assert landed is not None
             history = landed
         else:
@@ -625,9 +629,11 @@ class Intake:
         the recovery watches for it (:attr:`lost`), since it may land after the read."""
         try:
             await self._landed(message_id, fault)
-        except IntakeInDoubt:
+        except IntakeInDoubt as doubt:
             if run_token is not None:
                 self.doubted(run_token)
+            else:
+                doubt.message_id = message_id  # (no run: the turn path owes it)
             raise
         except Unavailable:
             if run_token is not None and fault.in_doubt and self.lost is not None:
@@ -710,6 +716,33 @@ class Intake:
             ctx.turn_id,
             taken_at,
         )
+
+    def owed_in_doubt(
+        self, trigger: Trigger, message_id: str, taken_at: int
+    ) -> dict[str, Any] | None:
+        """The ``turn_runs`` row that records late the turn of a plain REST/MCP/Studio
+        message whose intake was in doubt and whose read-back failed (None: not such a
+        turn's): its session, agent and binding are not known here, and are read from
+        the message when it is recorded (:func:`leadgate.turns.runs.record_owed`)."""
+        if trigger.binding.kind not in _CLIENT_KINDS:
+            return None
+        return {
+            "id": self.ids.new("run"),
+            "org_id": trigger.org_id,
+            "agent_id": None,
+            "session_id": None,
+            "binding_id": None,
+            "work_item_id": None,
+            "message_id": message_id,
+            "policy": runs.CLIENT,
+            "turn_id": self.ids.new("turn"),
+            "lease_owner": self.owner(),
+            "lease_token": self.ids.new("lease"),
+            "lease_expires_at": taken_at + runs.RUN_LEASE_MS,
+            "attempts": 1,
+            "created_at": taken_at,
+            "external_event_id": trigger.external_event_id,
+        }
 
     def _run_values(
         self,

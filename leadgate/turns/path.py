@@ -22,6 +22,7 @@ from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import (
     DatabaseDamaged,
+    IntakeInDoubt,
     LeadgateError,
     ModelError,
     TransitionError,
@@ -378,7 +379,11 @@ class TurnService:
         # At or before the message's own time: the created_at of the run a fault makes
         # this process owe (the order of recovery's claims).
         taken_at = self.clock.now_ms()
-        intake = await self.take(trigger)
+        try:
+            intake = await self.take(trigger)
+        except IntakeInDoubt as exc:
+            self._owe_in_doubt(trigger, exc, taken_at)
+            raise
         if isinstance(intake, Duplicate) and retake and not intake.busy:
             assert trigger.external_event_id is not None
             again = await self._retaken(trigger.external_event_id)
@@ -416,6 +421,23 @@ class TurnService:
         self.owed[str(values["lease_token"])] = values
         self.recovery_due()
 
+    def _owe_in_doubt(self, trigger: Trigger, exc: IntakeInDoubt, taken_at: int) -> None:
+        """A plain turn's intake was in doubt and its read-back failed too
+        (``intake.in_doubt``): its client is told to send the message only if the
+        transcript lacks it. When it landed, the client finds it there, unanswered, and
+        sends nothing: this process owes its turn (:attr:`owed`), recorded (from the
+        message: its session is not known here) once the database is back, or not when
+        the message is not there (the client sends it again) or a later message came
+        (the resend, whose turn answers it). A turn that recorded a run needs none (the
+        recovery has that run: :attr:`orphans`)."""
+        if exc.message_id is None:
+            return
+        values = self.intake.owed_in_doubt(trigger, exc.message_id, taken_at)
+        if values is None:
+            return
+        self.owed[str(values["lease_token"])] = values
+        self.recovery_due()
+
     async def record_owed(self) -> None:
         """Record the runs of :attr:`owed` (each in a transaction of its own,
         :func:`leadgate.turns.runs.record_owed`) and hand them to turn recovery as
@@ -443,11 +465,17 @@ class TurnService:
             self.owed.pop(token, None)
             if recorded == runs.RECORDED:
                 self.orphans.add(token)
-            else:
+            elif recorded == runs.ANSWERED_LATER:
                 log.info(
                     "owed run of session %s not rerun: a later message of the session "
                     "was taken in, whose turn answers it",
                     values.get("session_id"),
+                )
+            else:
+                log.info(
+                    "owed run of an intake in doubt not recorded: its message %s was not "
+                    "taken in (its client sends it again)",
+                    values.get("message_id"),
                 )
 
     async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:

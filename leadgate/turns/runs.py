@@ -217,10 +217,29 @@ async def record(conn: Conn, values: dict[str, Any]) -> None:
 #: An owed run not recorded (:func:`record_owed`): a later user message of its session
 #: was taken in, whose turn answers it.
 ANSWERED_LATER = "later"
+#: An owed run not recorded: its message is not in the transcript (an intake in doubt
+#: that did not land; its client was told to send the message only if it is not there).
+NOT_TAKEN_IN = "absent"
 #: An owed run recorded.
 RECORDED = "recorded"
 
 _M = t.messages.c
+#: An owed run's message in doubt (``session_id`` None in its values): the session, its
+#: agent and its active binding, read when the run is recorded.
+_OWED_SESSION = (
+    sa.select(
+        _M.org_id,
+        _M.session_id,
+        t.sessions.c.agent_id,
+        t.bindings.c.id.label("binding_id"),
+    )
+    .select_from(
+        t.messages.join(t.sessions, t.sessions.c.id == _M.session_id).join(
+            t.bindings, (t.bindings.c.session_id == _M.session_id) & t.bindings.c.active
+        )
+    )
+    .where(_M.id == sa.bindparam("p_id"))
+)
 
 
 def later_message(session_id: Any, messages: Any) -> sa.Exists:
@@ -263,12 +282,22 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     row after a failure: a try whose ``COMMIT`` was in doubt and landed inserts nothing
     the second time. :data:`RECORDED` then.
 
+    ``values`` without a session (``session_id`` None): the message's intake was in
+    doubt and its read-back failed (``intake.in_doubt``, its client told to send it
+    only if the transcript lacks it); its session, agent and binding are read from the
+    message here. :data:`NOT_TAKEN_IN`, recording nothing, when it is not there.
+
     :data:`ANSWERED_LATER`, recording nothing, when the session took in a user message
     after the owed one (:func:`later_message`; the database back, its client sent its
     next message, or its resend, first): that message's turn saw the owed one in its
     history and answered, and a rerun, shown the whole session, answered that turn's
     message a second time."""
     async with db.tx() as conn:
+        if values["session_id"] is None:
+            found = (await conn.execute(_OWED_SESSION, {"p_id": values["message_id"]})).first()
+            if found is None:
+                return NOT_TAKEN_IN
+            values = {**values, **found._asdict()}
         later = later_message(values["session_id"], [values["message_id"]])
         if await conn.scalar(sa.select(later)):
             return ANSWERED_LATER

@@ -517,3 +517,50 @@ async def test_a_follow_up_while_the_owed_run_is_rerun_is_answered_once(
         said = [("user", "first"), ("assistant", "slow answer"), ("user", "hi")]
         said += [("user", "next"), ("assistant", "slow answer")]
         assert await transcript(service, "g") == (said, 0)
+
+
+#: A plain turn's intake into an existing session, one statement (PostgreSQL:
+#: leadgate.turns.history's store into the window).
+PLAIN_INTAKE = "WITH sb AS"
+
+
+@pytest.mark.parametrize(
+    ("landed", "db_url"),
+    # (PostgreSQL only: a SQLite COMMIT's answer cannot be lost, so no intake is in doubt.)
+    [(True, "postgres"), (False, "postgres")],
+    indirect=["db_url"],
+    ids=["landed", "not-landed"],
+)
+async def test_a_plain_intake_in_doubt_is_answered_once_whether_or_not_it_landed(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, landed: bool
+) -> None:
+    """The intake's statement in doubt and its read-back failing too: 503
+    ``intake.in_doubt``, "send it only if the transcript lacks it". Landed, the client
+    finds it there and sends nothing, and nothing ever answered it (a plain turn records
+    no run): this process now owes its turn, and its recovery answers it once. Not
+    landed, the owed run is not recorded, and the client's resend is answered once."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
+        first = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert first.status == 200, await first.text()
+        faults.arm_on(PLAIN_INTAKE, after_commit=landed, and_on=READ_BACK)
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        faults.disarm()
+        assert faults.fired is not None and PLAIN_INTAKE in faults.fired
+        assert told.status == 503 and told.headers["x-should-retry"] == "false"
+        assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+        assert len(service.turns.owed) == 1
+        recovery = TurnRecovery(service.turns, own_only=True)
+        if landed:
+            await answered_once(service, "d", "hi")
+            return
+        assert await drain(recovery) == 0
+        assert not service.turns.owed and not service.turns.orphans
+        assert await transcript(service, "d") == (EARLIER, 0)
+        again = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert again.status == 200, await again.text()
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await transcript(service, "d") == (answered, 0)
+        assert await drain(recovery) == 0
