@@ -19,8 +19,10 @@ reference and posts through ``CloudAdapter.continue_conversation``.
 Authentication modes:
 
 * ``app_id`` set: every request must carry a valid Bot Framework bearer token; a missing,
-  malformed or unverifiable token is ``401`` and runs no turn. Outbound calls carry a
-  token the SDK fetches from the Microsoft identity platform.
+  malformed or unverifiable token is ``401`` and runs no turn. Outbound sends carry a
+  token from the Microsoft identity platform, kept and shared by
+  :mod:`bots.teams_token` (replies the SDK posts while it handles an inbound activity
+  get theirs from the SDK).
 * ``app_id`` and ``app_password`` empty (``[teams] enabled = true``): no authentication
   at all, inbound or outbound. For local testing only; a warning is logged at startup.
 """
@@ -31,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import email.utils
+import functools
 import logging
 import re
 import socket
@@ -61,7 +64,19 @@ from botbuilder.schema import (
     ConversationReference,
     ErrorResponseException,
 )
-from msrest.exceptions import ClientRequestError
+from msrest.authentication import BasicTokenAuthentication
+from msrest.exceptions import ClientRequestError, raise_with_traceback
+from msrest.pipeline.async_abc import AsyncPipeline
+from msrest.pipeline.async_requests import (
+    AsyncPipelineRequestsHTTPSender,
+    AsyncRequestsCredentialsPolicy,
+)
+from msrest.pipeline.universal import RawDeserializer
+from msrest.universal_http import ClientRequest
+from msrest.universal_http.async_requests import (
+    AsyncRequestsClientResponse,
+    AsyncRequestsHTTPSender,
+)
 
 from bots import teams_review
 from bots.base import (
@@ -75,7 +90,9 @@ from bots.base import (
 )
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
+from bots.teams_token import TOKEN_TIMEOUT_S, ConnectorTokens, NoToken, TokenSource
 from leadgate.core.bodies import read_body
+from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.decoding import bearer_token, json_object
 from leadgate.core.errors import ConfigError
@@ -91,6 +108,8 @@ CHANNEL = "teams"
 RECORD_DEADLINE_S = 10.0
 # How long the reply telling a person their message was not taken in may take.
 REPLY_DEADLINE_S = 3.0
+#: The threads Teams sends (and the access token's requests) run on, at most.
+SEND_THREADS = 16
 
 _MENTION_TAG = re.compile(r"<at>(.*?)</at>", re.IGNORECASE | re.DOTALL)
 
@@ -266,9 +285,7 @@ def _in_handshake(exc: BaseException) -> bool:
 _TUNNEL_REFUSED = re.compile(r"Tunnel connection failed: (\d{3}[^'\")]*)")
 
 
-def _classify_transport_error(
-    exc: BaseException, *, posting: bool = True, written: bool | None = None
-) -> SendOutcome:
+def _classify_transport_error(exc: BaseException, *, written: bool | None = None) -> SendOutcome:
     """Map a ``requests`` failure (msrest sends with requests) onto an outcome class.
 
     ``written`` (a post's, seen on its connection by :class:`_Watch`) decides when it is
@@ -282,11 +299,11 @@ def _classify_transport_error(
     (refused, DNS, connect timeout, TLS handshake) happen before a byte of the request
     is written: retry. A read timeout, a connection dropped or a TLS error after the
     handshake (while waiting for the answer) means the connector may have posted:
-    uncertain. ``posting`` False: ``exc`` is not the post's own (the token request
-    before it), so a TLS error there is a retry.
+    uncertain. (The access token's request is not classified here: any failure of it
+    is a retry, see :mod:`bots.teams_token`.)
     """
-    outcome = _classified_by_type(exc, posting=posting)
-    if written is None or not posting:
+    outcome = _classified_by_type(exc)
+    if written is None:
         return outcome
     if written:
         if isinstance(outcome, Uncertain):
@@ -306,14 +323,14 @@ def _classify_transport_error(
     return Retry(f"teams connector: connection lost before the request was written: {exc}")
 
 
-def _classified_by_type(exc: BaseException, *, posting: bool) -> SendOutcome:
+def _classified_by_type(exc: BaseException) -> SendOutcome:
     """:func:`_classify_transport_error` by the error's class alone."""
     if isinstance(exc, requests.exceptions.ConnectTimeout):
         return Retry(f"teams connector connect timeout: {exc}")
     if isinstance(exc, requests.exceptions.ReadTimeout):
         return Uncertain(f"teams connector read timeout after the request was sent: {exc}")
     if isinstance(exc, requests.exceptions.SSLError):
-        if not posting or _in_handshake(exc):
+        if _in_handshake(exc):
             return Retry(f"teams connector TLS error: {exc}")
         # After the handshake the request may have been written in full: a record that
         # does not decrypt while the answer is read (requests names it as it names a
@@ -410,13 +427,13 @@ class _Lapsed(OSError):
 class _Watch:
     """One Connector request's deadline, shared by the event loop, which gives up on the
     request when its time is up, and the thread requests sends it on, which nothing can
-    cancel (msrest runs ``requests`` on the loop's default executor).
+    cancel (``requests`` runs on the Teams send pool, see :class:`_PooledSender`).
 
     Whether the request's first byte was written and whether the send gave up are
     decided under one lock: a request given up on before it was written is never
     written (:class:`_Lapsed`), so its retry posts once. Giving up shuts the
     connection's socket down, which ends the thread's wait for a Connector or proxy
-    that trickles its answer (each byte within the read timeout), and the executor's
+    that trickles its answer (each byte within the read timeout), and the pool's
     thread with it."""
 
     def __init__(self, on_write: Callable[[], None]) -> None:
@@ -582,6 +599,51 @@ class _WatchedAdapter(requests.adapters.HTTPAdapter):
             _sending.watch = None
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """The Connector answered ``401`` to a request carrying the held ``token``."""
+
+    source: TokenSource
+    token: str
+    #: what the answer means when a new token does not help
+    outcome: SendOutcome
+
+
+class _PooledSender(AsyncRequestsHTTPSender):
+    """msrest's requests sender, sending on ``pool`` (msrest's own sends on the loop's
+    default executor, which the rest of the service shares)."""
+
+    def __init__(self, config: Any, pool: concurrent.futures.Executor) -> None:
+        super().__init__(config)
+        self._pool = pool
+
+    async def send(  # type: ignore[override]  # (as msrest's own async sender's)
+        self, request: ClientRequest, **kwargs: Any
+    ) -> AsyncRequestsClientResponse:
+        """Send ``request`` as msrest does (its session configured, its errors wrapped)."""
+        requests_kwargs = self._configure_send(request, **kwargs)
+        session = requests_kwargs.pop("session", self.session)
+        send = functools.partial(session.request, request.method, request.url, **requests_kwargs)
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(self._pool, send)
+        except requests.RequestException as err:
+            raise_with_traceback(ClientRequestError, "Error occurred in request.", err)
+        return AsyncRequestsClientResponse(request, answer)  # type: ignore[no-untyped-call]
+
+
+def _pipeline(
+    config: Any, pool: concurrent.futures.Executor, token: str | None
+) -> AsyncPipeline[Any, Any]:
+    """msrest's default pipeline for a Connector client's ``config`` (as
+    ``ServiceClientAsync`` builds it), sending on ``pool`` with ``token`` (None: no
+    ``Authorization``, the local no-auth mode)."""
+    policies: list[Any] = [config.user_agent_policy, RawDeserializer(), config.http_logger_policy]
+    if token is not None:
+        bearer = BasicTokenAuthentication({"access_token": token})
+        policies.insert(1, AsyncRequestsCredentialsPolicy(bearer))  # type: ignore[no-untyped-call]
+    return AsyncPipeline(policies, AsyncPipelineRequestsHTTPSender(_PooledSender(config, pool)))
+
+
 class TeamsChannel:
     """Posts replies and approved output through the Bot Connector.
 
@@ -607,6 +669,8 @@ class TeamsChannel:
         *,
         timeout_s: float = 30.0,
         deadline_s: float = SEND_DEADLINE_S,
+        token_timeout_s: float = TOKEN_TIMEOUT_S,
+        clock: Clock | None = None,
     ) -> None:
         if deadline_s <= timeout_s:
             raise ValueError("deadline_s must be longer than timeout_s")
@@ -614,6 +678,16 @@ class TeamsChannel:
         self._app_id = app_id
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
+        # The threads requests sends on (the token's request and the Connector's), not
+        # the loop's default executor: a send stuck where no lapse reaches (a DNS
+        # look-up, a TCP connect, a TLS handshake) holds one of these, never a thread
+        # the rest of the service waits for.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=SEND_THREADS, thread_name_prefix="teams-send"
+        )
+        self._tokens = ConnectorTokens(
+            clock=clock or SystemClock(), pool=self._pool, timeout_s=token_timeout_s
+        )
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post ``message.text`` (or, ``message.card`` set, a review card as an
@@ -685,6 +759,10 @@ class TeamsChannel:
         its answer get ``timeout_s`` (past it: :class:`Uncertain`). requests bounds each
         socket operation alone, and a Connector or proxy trickling its answer kept a
         send past its lease.
+
+        A ``401`` from the Connector to a held access token drops the token, and the
+        call is made once more with a new one, within the same deadline (a 401 is
+        answered before anything is posted).
         """
         raw_reference = message.address.get("reference")
         if not isinstance(raw_reference, dict):
@@ -706,8 +784,26 @@ class TeamsChannel:
                 f"deadline, less than the {self._timeout_s:g} s the request and its answer "
                 "may take; nothing was sent"
             )
+        started = asyncio.get_running_loop().time()
+        outcome = await self._attempt(reference, call, reply_to, started, deadline_s, edit=edit)
+        if isinstance(outcome, _Refused):
+            self._tokens.drop(outcome.source, outcome.token)
+            outcome = await self._attempt(reference, call, reply_to, started, deadline_s, edit=edit)
+        return outcome.outcome if isinstance(outcome, _Refused) else outcome
+
+    async def _attempt(
+        self,
+        reference: ConversationReference,
+        call: Callable[[TurnContext], Awaitable[str | None]],
+        reply_to: str | None,
+        started: float,
+        deadline_s: float,
+        *,
+        edit: bool,
+    ) -> SendOutcome | _Refused:
+        """One proactive turn of :meth:`_continue`, within ``deadline_s`` counted from
+        ``started``."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
         before_write_s = deadline_s - self._timeout_s
         scope: asyncio.Timeout | None = None
 
@@ -747,11 +843,13 @@ class TeamsChannel:
         watch: _Watch,
         *,
         edit: bool,
-    ) -> SendOutcome:
+    ) -> SendOutcome | _Refused:
         """:meth:`_continue`'s proactive turn, every failure mapped (never raises)."""
         sent: list[str | None] = []
         in_flight = False
         answers: list[requests.Response] = []
+        # the access token the Connector's request carries, and whose it is
+        used: tuple[TokenSource, str] | None = None
 
         def heard(response: requests.Response, *args: Any, **kwargs: Any) -> None:
             answers.append(response)
@@ -767,7 +865,7 @@ class TeamsChannel:
             return kwargs
 
         async def run(turn_context: TurnContext) -> None:
-            nonlocal in_flight
+            nonlocal in_flight, used
             client = turn_context.turn_state.get(self._adapter.BOT_CONNECTOR_CLIENT_KEY)
             if client is not None:
                 # msrest's urllib3 retry policy would silently re-POST on some errors.
@@ -784,16 +882,15 @@ class TeamsChannel:
                 # at the status, and names neither when it cannot: the answer, heard
                 # here (a requests hook; the client is this call's own), tells.
                 client.config.hooks.append(heard)
-                credentials = getattr(client.config, "credentials", None)
-                if credentials is not None:
-                    # msrest's credentials policy gets the access token (msal, through
-                    # requests, with no timeout) on the event loop: a slow identity
-                    # platform stopped the whole service, past the send's deadline.
-                    # Got here on a thread, within the deadline; the policy then finds
-                    # it in msal's cache.
-                    await asyncio.get_running_loop().run_in_executor(
-                        None, credentials.signed_session, requests.Session()
-                    )
+                # The SDK's credentials would get the access token (msal, through
+                # requests, with no timeout) on the event loop, a new one for each
+                # send: it comes from the shared, bounded cache instead.
+                source = TokenSource.of(client.config.credentials)
+                if source is not None:
+                    used = (source, await self._tokens.token(source))
+                client.config.pipeline = _pipeline(
+                    client.config, self._pool, used[1] if used is not None else None
+                )
             # The SDK sets replyToId from the turn activity's id: for a continuation that
             # is a fresh random id, so set it to what this delivery means (None: a new
             # message in the conversation, posted to .../activities).
@@ -807,20 +904,19 @@ class TeamsChannel:
 
         try:
             await self._adapter.continue_conversation(reference, run, self._app_id)
+        except NoToken as exc:
+            return Retry(f"teams: {exc}; nothing was sent")
         except ErrorResponseException as exc:
-            return _classify_status(exc)
+            outcome = _classify_status(exc)
+            if used is not None and getattr(exc.response, "status_code", None) == 401:
+                return _Refused(used[0], used[1], outcome)
+            return outcome
         except ClientRequestError as exc:
             inner = getattr(exc, "inner_exception", None)
             return _classify_transport_error(
                 inner if inner is not None else exc,
                 written=None if watch.blind else watch.written,
             )
-        except requests.RequestException as exc:
-            # e.g. the token request to the Microsoft identity platform
-            return _classify_transport_error(exc, posting=False)
-        except PermissionError as exc:
-            # The SDK raises PermissionError when it cannot obtain an access token.
-            return Retry(f"teams: no access token for the connector: {exc}")
         except Exception as exc:
             if isinstance(exc, DeserializationError) and in_flight and answers:
                 return _not_the_connectors_answer(answers[-1], reference.service_url, edit=edit)
@@ -830,7 +926,8 @@ class TeamsChannel:
         return Sent(sent[0] if sent else None)
 
     async def close(self) -> None:
-        """Nothing to release: connector clients are closed after each send."""
+        """Let the send threads go (connector clients are closed after each send)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _close_client(client: Any) -> None:
@@ -853,6 +950,8 @@ class TeamsAdapter:
         send_timeout_s: float = 30.0,
         send_deadline_s: float = SEND_DEADLINE_S,
         auth_timeout_s: float = 10.0,
+        token_timeout_s: float = TOKEN_TIMEOUT_S,
+        clock: Clock | None = None,
     ) -> None:
         self._settings = settings
         self._core = core
@@ -865,6 +964,8 @@ class TeamsAdapter:
             settings.app_id,
             timeout_s=send_timeout_s,
             deadline_s=send_deadline_s,
+            token_timeout_s=token_timeout_s,
+            clock=clock,
         )
         self.channel: Channel = self.teams_channel
         # Token validation may fetch the OpenID metadata with a blocking `requests.get`

@@ -9,6 +9,7 @@ platform, here its stand-in (:mod:`tests.standins.microsoft_login`) behind its p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import socket
@@ -23,6 +24,7 @@ from aiohttp import web
 from botbuilder.schema import Activity
 
 from bots.teams import TeamsAdapter, parse_message
+from leadgate.core.clock import FakeClock
 from leadgate.core.config import TeamsSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
@@ -654,5 +656,136 @@ async def test_the_access_token_is_fetched_off_the_event_loop_within_the_send_de
     assert isinstance(outcome, Sent), outcome
     [posted] = connector.requests
     assert posted["authorization"] == "Bearer at"
-    # (each send's credentials are the SDK's new ones, with a token cache of their own)
-    assert [grant["ok"] for grant in login.grants] == [True, True]
+    # The token the first send gave up on was kept: it served the second.
+    assert [grant["ok"] for grant in login.grants] == [True]
+
+
+def _app_adapter(**kwargs: Any) -> TeamsAdapter:
+    """An adapter with an app id (``app``/``pw``, as the login stand-in knows it)."""
+    return TeamsAdapter(
+        TeamsSettings(enabled=True, app_id="app", app_password="pw"),
+        FakeCore(),
+        send_timeout_s=kwargs.pop("send_timeout_s", 5.0),
+        send_deadline_s=kwargs.pop("send_deadline_s", 10.0),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("mode", ["hang", "reset", "page"])
+async def test_an_access_token_that_cannot_be_got_is_a_retry_with_nothing_sent(
+    connector: ConnectorStandin, login: MicrosoftLogin, mode: str
+) -> None:
+    """The token's request is bounded on its own, and whatever stops it, nothing was
+    sent to the Connector: a retry naming the token. Before, a proxy's page answering
+    it was a permanent failure (the approved output dropped), a reset was named as a
+    proxy that cannot be reached, and an identity platform that took the request and
+    never answered held the send for its whole connection window (and a thread of the
+    default executor for good)."""
+    adapter = _app_adapter(token_timeout_s=0.3)
+    login.token_mode = mode
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert outcome.error.startswith("teams: "), outcome.error
+    assert "nothing was sent" in outcome.error
+    if mode == "hang":
+        assert "gave no access token within 0.3 s" in outcome.error
+    else:
+        assert "the access token's request failed" in outcome.error
+    assert connector.requests == []
+    if mode != "page":  # (msal holds back a request its platform answered 5xx for 5 s)
+        login.release_tokens()
+        outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+        assert isinstance(outcome, Sent), outcome
+    await adapter.channel.close()
+
+
+async def test_the_access_token_is_kept_until_shortly_before_it_expires(
+    connector: ConnectorStandin, login: MicrosoftLogin
+) -> None:
+    """One token serves every send until 5 minutes before its expires_in (the adapter's
+    clock); the SDK fetched one for each send."""
+    clock = FakeClock()
+    adapter = _app_adapter(clock=clock)
+    login.token_expires_in = 3600
+    address = _address(connector.url)
+    for _ in range(3):
+        assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    assert len(login.grants) == 1
+    clock.advance((3600 - 300) * 1000 - 1)
+    assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    assert len(login.grants) == 1
+    clock.advance(1)
+    login.access_token = "at-2"
+    assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    assert len(login.grants) == 2
+    assert [r["authorization"] for r in connector.requests] == ["Bearer at"] * 4 + ["Bearer at-2"]
+    await adapter.channel.close()
+
+
+async def test_sends_needing_a_token_at_once_share_one_request(
+    connector: ConnectorStandin, login: MicrosoftLogin
+) -> None:
+    adapter = _app_adapter()
+    login.token_mode = "hang"
+    address = _address(connector.url)
+    sends = [
+        asyncio.ensure_future(adapter.channel.send(_message(address, "gating"))) for _ in range(3)
+    ]
+    await eventually(lambda: login.asked == 1, what="the token asked for")
+    login.release_tokens()
+    outcomes = await asyncio.gather(*sends)
+    assert all(isinstance(outcome, Sent) for outcome in outcomes), outcomes
+    assert login.asked == 1 and len(login.grants) == 1
+    assert len(connector.activities) == 3
+    await adapter.channel.close()
+
+
+async def test_a_401_from_the_connector_drops_the_token_and_sends_once_more(
+    connector: ConnectorStandin, login: MicrosoftLogin
+) -> None:
+    """A token the Connector refuses (revoked, or its keys rolled before its expiry) is
+    dropped and the post made once more with a new one: a 401 is answered before
+    anything is posted. Before, the delivery failed for good. A second 401 stays a
+    permanent failure (the app's credentials are wrong)."""
+    adapter = _app_adapter()
+    address = _address(connector.url)
+    assert isinstance(await adapter.channel.send(_message(address, "gating")), Sent)
+    login.access_token = "at-2"
+    connector.fail_next("401")
+    outcome = await adapter.channel.send(_message(address, "gating"))
+    assert isinstance(outcome, Sent), outcome
+    assert [(r["mode"], r["authorization"]) for r in connector.requests] == [
+        ("ok", "Bearer at"),
+        ("401", "Bearer at"),
+        ("ok", "Bearer at-2"),
+    ]
+    assert len(login.grants) == 2
+    connector.fail_next("401", count=2)
+    outcome = await adapter.channel.send(_message(address, "gating"))
+    assert isinstance(outcome, Permanent), outcome
+    assert "HTTP 401" in outcome.error
+    assert len(connector.requests) == 5 and len(login.grants) == 3
+    await adapter.channel.close()
+
+
+async def test_a_stuck_send_holds_none_of_the_default_executors_threads(
+    connector: ConnectorStandin,
+) -> None:
+    """msrest sent each Connector request on the event loop's default executor (a few
+    threads on a small machine, shared with DNS look-ups and every other blocking call
+    of the service): a send stuck where no give-up reaches held one. Teams sends run on
+    a pool of their own now; here the default executor has one thread, and it stays
+    free while a send waits for an answer."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True), FakeCore(), send_timeout_s=5.0, send_deadline_s=6.0
+    )
+    connector.fail_next("hang")
+    send = asyncio.ensure_future(adapter.channel.send(_message(_address(connector.url), "reply")))
+    await eventually(lambda: connector.requests, what="the request under way")
+    assert await loop.run_in_executor(None, threading.current_thread) is not None
+    assert not send.done()  # (the default executor's thread was free while it waited)
+    await connector.close()  # (the hanging request answered 503)
+    assert isinstance(await send, Retry)
+    await adapter.channel.close()

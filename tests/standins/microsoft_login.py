@@ -20,6 +20,12 @@ given ``HTTP_PROXY``, or slack_sdk's before leadgate chose its proxy: it ignores
 ``asyncio.start_server(login.tunnel, "127.0.0.1", 0)`` serves the proxy alone, and
 ``login.proxied`` lists what it was asked to carry.
 
+Switches (attributes, in-process): ``token_mode`` (``"ok"``, ``"hang"``: the token
+request is read and answered only once ``release_tokens()`` is called, from any thread;
+``"reset"``: read, then the connection aborted; ``"page"``: a proxy's 502 HTML page),
+``token_expires_in`` (the ``expires_in`` issued), ``access_token`` (the token issued);
+``asked`` counts the token requests received, ``grants`` the ones answered.
+
 As a subprocess::
 
     python -m tests.standins.microsoft_login --port 0 --http-port 0 --app-id ID \\
@@ -45,6 +51,7 @@ import signal
 import ssl
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -155,7 +162,25 @@ class MicrosoftLogin:
         self.keys = BotFrameworkKeys()
         #: seconds each token request waits before it is answered (a slow login service)
         self.token_hold_s = 0.0
+        #: how the token endpoint answers: ``"ok"``; ``"hang"`` (reads the request and
+        #: answers only once :meth:`release_tokens` is called); ``"reset"`` (reads the
+        #: request, then aborts the connection); ``"page"`` (a proxy's 502 HTML page)
+        self.token_mode = "ok"
+        #: the ``expires_in`` of the tokens issued
+        self.token_expires_in = 3599
+        #: token requests received, answered or not
+        self.asked = 0
+        self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._hold_lock = threading.Lock()
         self._tls_port = 0
+
+    def release_tokens(self) -> None:
+        """(any thread) Answer the held token requests, and the next ones, as ``"ok"``."""
+        with self._hold_lock:
+            self.token_mode = "ok"
+            held, self._held = self._held, []
+        for loop, waiter in held:
+            loop.call_soon_threadsafe(_wake, waiter)
 
     # -- the login services ------------------------------------------------------------
 
@@ -196,6 +221,23 @@ class MicrosoftLogin:
 
     async def _token(self, request: web.Request) -> web.Response:
         form = await request.post()
+        self.asked += 1
+        with self._hold_lock:
+            mode = self.token_mode
+            if mode == "hang":
+                loop = asyncio.get_running_loop()
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._held.append((loop, waiter))
+        if mode == "hang":
+            await waiter
+        elif mode == "reset":
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=500)  # (never reaches the client)
+        elif mode == "page":
+            return web.Response(
+                status=502, text="<html><body>Bad Gateway</body></html>", content_type="text/html"
+            )
         await asyncio.sleep(self.token_hold_s)
         client_id = str(form.get("client_id", ""))
         ok = (
@@ -215,8 +257,8 @@ class MicrosoftLogin:
         return web.json_response(
             {
                 "token_type": "Bearer",
-                "expires_in": 3599,
-                "ext_expires_in": 3599,
+                "expires_in": self.token_expires_in,
+                "ext_expires_in": self.token_expires_in,
                 "access_token": self.access_token,
             }
         )
@@ -295,6 +337,11 @@ class MicrosoftLogin:
             proxy.close()
             await control.cleanup()
             await tls.cleanup()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
