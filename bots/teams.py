@@ -433,13 +433,18 @@ class _Watch:
     decided under one lock: a request given up on before it was written is never
     written (:class:`_Lapsed`), so its retry posts once. Giving up shuts the
     connection's socket down, which ends the thread's wait for a Connector or proxy
-    that trickles its answer (each byte within the read timeout), and the pool's
-    thread with it."""
+    that trickles its answer (each byte within the read timeout) or for a TLS
+    handshake's answer, and the pool's thread with it."""
 
     def __init__(self, on_write: Callable[[], None]) -> None:
         self._lock = threading.Lock()
         self._on_write = on_write
         self._connections: list[urllib3.connection.HTTPConnection] = []
+        # A handle of our own on the socket of each connection still connecting: the
+        # TLS layer takes the connection's socket over (its object detached) for the
+        # handshake, which a lapse must end too (the thread waited out its socket
+        # timeout, 30 s, in a handshake the server never answered).
+        self._connecting: dict[urllib3.connection.HTTPConnection, socket.socket] = {}
         #: the request's first byte was (about to be) written
         self.written = False
         #: the send gave up on the request
@@ -447,13 +452,25 @@ class _Watch:
         #: the request went where no connection of ours is seen (a SOCKS proxy)
         self.blind = False
 
-    def opened(self, connection: urllib3.connection.HTTPConnection) -> None:
-        """(sending thread) ``connection`` has its socket: watch it."""
+    def opened(
+        self, connection: urllib3.connection.HTTPConnection, sock: socket.socket | None = None
+    ) -> None:
+        """(sending thread) ``connection`` has its socket (``sock``: just opened, a
+        proxy's CONNECT and the TLS handshake next): watch it."""
         with self._lock:
             if self.lapsed:
                 raise _Lapsed("the send gave up before the request was written")
             if connection not in self._connections:
                 self._connections.append(connection)
+            if sock is not None and connection not in self._connecting:
+                self._connecting[connection] = sock.dup()
+
+    def connected(self, connection: urllib3.connection.HTTPConnection) -> None:
+        """(sending thread) ``connection``'s connect has ended, one way or another."""
+        with self._lock:
+            handle = self._connecting.pop(connection, None)
+        if handle is not None:
+            handle.close()
 
     def writing(self, connection: urllib3.connection.HTTPConnection) -> None:
         """(sending thread) The request is about to be written on ``connection``."""
@@ -485,6 +502,9 @@ class _Watch:
                         # state under the thread reading through it): the thread's
                         # read ends at once.
                         socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            for handle in self._connecting.values():
+                with contextlib.suppress(OSError):
+                    handle.shutdown(socket.SHUT_RDWR)  # (the handshake's read ends)
             return self.written or self.blind
 
 
@@ -506,6 +526,14 @@ class _Watched(urllib3.connection.HTTPConnection):
 
     def _new_conn(self) -> socket.socket:
         return _opened(self, super()._new_conn())
+
+    def connect(self) -> None:
+        """Connect (a lapse meanwhile ends it, the TLS handshake included)."""
+        try:
+            super().connect()
+        finally:
+            if self.watch is not None:
+                self.watch.connected(self)
 
     def request(self, *args: Any, **kwargs: Any) -> None:
         """Write the request, unless its send gave up on it."""
@@ -531,7 +559,7 @@ def _opened(connection: _Watched, sock: socket.socket) -> socket.socket:
     if connection.watch is not None:
         try:
             # (a proxy's CONNECT and the TLS handshake come next: a lapse ends them)
-            connection.watch.opened(connection)
+            connection.watch.opened(connection, sock)
         except _Lapsed:
             sock.close()
             raise

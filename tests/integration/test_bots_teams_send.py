@@ -553,10 +553,10 @@ async def test_a_connection_lost_through_a_proxy_after_the_request_was_read_is_u
 async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
     tls_connector: ConnectorStandin, proxy: ProxyStandin
 ) -> None:
-    """The send gives up (a retry) while the TLS handshake is under way, where its
-    socket cannot be shut down (the TLS layer has taken it over); the handshake
-    completes on the thread later, and the request must not be written then: a retry
-    of a request that was posted after all would post it twice."""
+    """The send gives up (a retry) while the TLS handshake is under way; should the
+    handshake complete on the thread still (its answer already on the way), the
+    request must not be written then: a retry of a request that was posted after all
+    would post it twice."""
     adapter = TeamsAdapter(
         TeamsSettings(enabled=True), FakeCore(), send_timeout_s=3.0, send_deadline_s=4.0
     )
@@ -570,6 +570,26 @@ async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
     )
     assert tls_connector.requests == []
     assert proxy.ended == 1
+
+
+async def test_a_tls_handshake_given_up_on_ends_at_once(
+    tls_connector: ConnectorStandin, proxy: ProxyStandin
+) -> None:
+    """A send given up on in its TLS handshake (a server that never answers it) let
+    its thread wait out the socket timeout (30 s here, as in service), a thread of the
+    loop's default executor then: the TLS layer had taken the socket over where the
+    give-up could not shut it down. It is shut down now through a handle of its own:
+    the connection ends with the give-up, and nothing was written."""
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True), FakeCore(), send_timeout_s=30.0, send_deadline_s=31.0
+    )
+    proxy.hold_s = 3600.0  # the server's handshake answer, held for good
+    outcome = await adapter.channel.send(_message(_address(tls_connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert "the connection took longer than 1 s" in outcome.error
+    await eventually(lambda: proxy.ended == 1, within=10.0, what="the handshake let go")
+    assert tls_connector.requests == []
+    await adapter.channel.close()
 
 
 @pytest.fixture
