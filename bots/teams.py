@@ -954,8 +954,9 @@ class TeamsChannel:
         return Sent(sent[0] if sent else None)
 
     async def close(self) -> None:
-        """Let the send threads go (connector clients are closed after each send)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: connector clients are closed after each send, and the
+        pool is left to end its threads by itself (a send still finishing at shutdown
+        must find it open: one refused there would fail a delivery for good)."""
 
 
 async def _close_client(client: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msal
@@ -35,7 +35,7 @@ class TokenSource:
     """Who asks for a token, where and for what: read off the SDK's credentials."""
 
     app_id: str
-    password: str
+    password: str = field(repr=False)
     authority: str
     scope: str
 

@@ -572,6 +572,17 @@ async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
     assert proxy.ended == 1
 
 
+async def test_a_send_still_finishing_at_shutdown_is_not_refused(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    """The service closes its channels after waiting a while for the relay: a send
+    (or its retry with a new token) still under way then must find the send pool
+    open; one refused would fail the delivery for good ('failed before posting')."""
+    await adapter.channel.close()
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Sent), outcome
+
+
 async def test_a_tls_handshake_given_up_on_ends_at_once(
     tls_connector: ConnectorStandin, proxy: ProxyStandin
 ) -> None:
