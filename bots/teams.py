@@ -699,6 +699,7 @@ class TeamsChannel:
         deadline_s: float = SEND_DEADLINE_S,
         token_timeout_s: float = TOKEN_TIMEOUT_S,
         clock: Clock | None = None,
+        send_threads: int = SEND_THREADS,
     ) -> None:
         if deadline_s <= timeout_s:
             raise ValueError("deadline_s must be longer than timeout_s")
@@ -711,7 +712,7 @@ class TeamsChannel:
         # look-up, a TCP connect, a TLS handshake) holds one of these, never a thread
         # the rest of the service waits for.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=SEND_THREADS, thread_name_prefix="teams-send"
+            max_workers=send_threads, thread_name_prefix="teams-send"
         )
         self._tokens = ConnectorTokens(
             clock=clock or SystemClock(), pool=self._pool, timeout_s=token_timeout_s
@@ -859,8 +860,8 @@ class TeamsChannel:
             )
         return Retry(
             f"teams connector: the connection took longer than {before_write_s:g} s "
-            "(the access token's request, any proxy's tunnel and the TLS handshake "
-            "included); nothing was sent"
+            "(a free send thread, the access token's request, any proxy's tunnel and the "
+            "TLS handshake included); nothing was sent"
         )
 
     async def _run(

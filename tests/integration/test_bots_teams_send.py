@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 from botbuilder.schema import Activity
 
-from bots.teams import TeamsAdapter, parse_message
+from bots.teams import TeamsAdapter, TeamsChannel, parse_message
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import TeamsSettings
 from leadgate.core.types import RouteMatch
@@ -572,6 +572,26 @@ async def test_a_request_given_up_on_in_its_tls_handshake_is_never_written(
     assert proxy.ended == 1
 
 
+async def test_a_send_waiting_for_a_send_thread_past_its_connection_window_is_never_written(
+    connector: ConnectorStandin,
+) -> None:
+    """More sends than the Teams send pool has threads wait for one, within the window
+    for the connection: past it a retry, and the request is never written later."""
+    adapter = TeamsAdapter(TeamsSettings(enabled=True), FakeCore(), send_timeout_s=5.0)
+    channel = TeamsChannel(adapter.cloud_adapter, "", timeout_s=5.0, deadline_s=6.0, send_threads=1)
+    connector.fail_next("hang")
+    first = asyncio.ensure_future(channel.send(_message(_address(connector.url), "gating")))
+    await eventually(lambda: connector.requests, what="the first request under way")
+    outcome = await channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Retry), outcome
+    assert "took longer than 1 s (a free send thread, the access token's" in outcome.error
+    connector.release_hangs()  # (the hanging request answered 503: the thread is free)
+    assert isinstance(await first, Retry)
+    assert isinstance(await channel.send(_message(_address(connector.url), "gating")), Sent)
+    # The second send's request was never written, then or after the thread came free.
+    assert [r["mode"] for r in connector.requests] == ["hang", "ok"]
+
+
 async def test_a_send_still_finishing_at_shutdown_is_not_refused(
     adapter: TeamsAdapter, connector: ConnectorStandin
 ) -> None:
@@ -817,6 +837,6 @@ async def test_a_stuck_send_holds_none_of_the_default_executors_threads(
     await eventually(lambda: connector.requests, what="the request under way")
     assert await loop.run_in_executor(None, threading.current_thread) is not None
     assert not send.done()  # (the default executor's thread was free while it waited)
-    await connector.close()  # (the hanging request answered 503)
+    connector.release_hangs()  # (the hanging request answered 503)
     assert isinstance(await send, Retry)
     await adapter.channel.close()

@@ -38,7 +38,8 @@ Control endpoints (the same in both modes):
 Failure modes (each consumes one post or PUT): ``"429"`` (Too Many Requests with
 ``Retry-After``; ``"503"`` carries one too when ``retry_after`` is given), ``"408"``,
 ``"412"``, ``"500"``, ``"502"``, ``"503"``, ``"504"``, ``"401"``, ``"403"``, ``"404"``,
-``"hang"`` (reads the request, never answers), ``"trickle"`` (posts, and answers ``200``
+``"hang"`` (reads the request, never answers until :meth:`release_hangs` or close),
+``"trickle"`` (posts, and answers ``200``
 one byte every ``TRICKLE_S``, each within a read timeout, the whole answer
 :data:`TRICKLE_BYTES` long; the record's ``trickled`` and ``cut`` tell how it went),
 ``"reset"`` (reads the request, then aborts the TCP connection), ``"badrecord"`` (over
@@ -149,6 +150,11 @@ class ConnectorStandin:
         site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
+
+    def release_hangs(self) -> None:
+        """Answer the requests ``"hang"`` holds (503), the stand-in still listening
+        (and the next ``"hang"`` at once too)."""
+        self._closing.set()
 
     async def close(self) -> None:
         """Stop listening and release hanging requests."""
