@@ -8,10 +8,13 @@ address is copied onto the delivery row in that transaction).
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.types import CATCH_UP_EVENTS, BindingSpec
@@ -292,3 +295,47 @@ async def recorded_since(
         for row in recent.all():
             found[keys[str(row.session_id)]].add(str(row.external_event_id))
     return {key: tuple(sorted(ids)) for key, ids in found.items()}
+
+
+P = t.catch_up_points.c
+_READ_POINTS = sa.select(P.conversation, P.start_ms).where(P.channel == sa.bindparam("p_channel"))
+
+
+async def read_points(conn: Conn, channel: str) -> dict[str, int]:
+    """Where each catch-up of ``channel`` (a binding kind) starts, by conversation (its
+    channel: Discord's id, Slack's ``TEAM:CHANNEL``): those it has a point for."""
+    rows = await conn.execute(_READ_POINTS, {"p_channel": channel})
+    return {str(row.conversation): int(row.start_ms) for row in rows.all()}
+
+
+@functools.cache
+def _advance_stmt(dialect: str) -> Any:
+    """``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` the stored point is older, for
+    ``dialect``, built once: one statement, so that two catch-ups (two replicas) storing
+    at once keep the later point whichever commits last."""
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(t.catch_up_points)
+    return stmt.on_conflict_do_update(
+        index_elements=[P.channel, P.conversation],
+        set_={"start_ms": stmt.excluded.start_ms, "updated_at": stmt.excluded.updated_at},
+        where=P.start_ms < stmt.excluded.start_ms,
+    )
+
+
+async def advance_read_points(
+    conn: Conn, clock: Clock, channel: str, points: Mapping[str, int]
+) -> None:
+    """Move where the next catch-up of each conversation of ``channel`` starts to
+    ``points``' (epoch ms), or keep the stored point where it is later: never back."""
+    now = clock.now_ms()
+    stmt = _advance_stmt(conn.dialect.name)
+    for conversation, start_ms in points.items():
+        await conn.execute(
+            stmt,
+            {
+                "channel": channel,
+                "conversation": conversation,
+                "start_ms": start_ms,
+                "updated_at": now,
+            },
+        )

@@ -77,6 +77,12 @@ class Core(Protocol):
         start)."""
         ...
 
+    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+        """Store where the next catch-up of each conversation of ``channel`` starts
+        (conversation -> epoch ms on the core's clock, as :attr:`Conversations.read_at_ms`),
+        never moving a stored point back."""
+        ...
+
 
 class Adapter(Protocol):
     """One channel: its inbound HTTP routes/listeners and its outbound sender.
@@ -182,24 +188,42 @@ async def known_conversations(
         return None
 
 
+async def store_read_points(core: Core, channel: BindingKind, points: Mapping[str, int]) -> bool:
+    """Store where the catch-ups of channels that have no read point start
+    (``points``), before any is read: one that fails (or a process that dies while it
+    reads) is read from there again, though a live message taken in there since is
+    newer. False when the database is away (one WARNING: the catch-up is tried again)."""
+    try:
+        await core.advance_read_points(channel, points)
+    except DATABASE_FAULTS as exc:
+        log.warning(
+            "%s: catch-up stopped, the database is unavailable (%s)", channel.value, exc.rule
+        )
+        return False
+    return True
+
+
 async def catch_up_until_done(
-    catch_up: Callable[[], Awaitable[bool]], stopping: asyncio.Event, *, channel: str
+    catch_up: Callable[[bool], Awaitable[bool]], stopping: asyncio.Event, *, channel: str
 ) -> None:
     """Run a channel's read-back of the messages that reached no process (``catch_up``:
     False when a database fault stopped it) until it ends or ``stopping`` is set: one
     stopped by a fault is tried again :data:`CATCH_UP_RETRY_FIRST_S` on, doubling, not at
-    the next start or READY (hours on, perhaps, when a live message taken in since has
-    moved where the read starts past the messages still missed). Any other error ends it,
-    logged (never the service's end)."""
+    the next start or READY. ``catch_up`` is told whether it is such a retry: a channel
+    that has no read point stored yet then starts from the window's start, not from the
+    newest message taken in there, which a live message may be by now. Any other error
+    ends it, logged (never the service's end)."""
     wait_s = CATCH_UP_RETRY_FIRST_S
+    again = False
     while not stopping.is_set():
         try:
-            if await catch_up():
+            if await catch_up(again):
                 return
         except Exception as exc:
             if not stopping.is_set():  # (else the shutdown cut its reads)
                 log.error("%s: the catch-up ended with an error", channel, exc_info=loggable(exc))
             return
+        again = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), wait_s)
         wait_s = min(2 * wait_s, CATCH_UP_RETRY_MAX_S)

@@ -19,8 +19,9 @@ Inbound, two ways:
   message-content intent; a human message becomes a trigger answered as a reply to it.
   Discord delivers a gateway message once, to the sessions connected then: at each READY
   (the start, and a reconnect that could not resume) :meth:`DiscordAdapter.catch_up`
-  reads back, over REST, the messages of every known channel posted after the newest one
-  taken in there (within ``[discord] catch_up_s``) and takes each in the same way; the
+  reads back, over REST, the messages of every known channel posted after its read point
+  (where the last catch-up that read it through started; within ``[discord]
+  catch_up_s``) and takes each in the same way; the
   intake's de-duplication by message id answers one that came both ways once, and one
   the bot already replied to (but for the "may or may not have been taken in" notice)
   is left alone.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -62,6 +64,7 @@ from bots.base import (
     catch_up_until_done,
     known_conversations,
     not_taken_in,
+    store_read_points,
     tell_not_taken_in,
 )
 from bots.discord_out import (
@@ -263,19 +266,32 @@ class _GatewayClient(discord.Client):
 @dataclass(frozen=True)
 class CatchUpTarget:
     """A channel to read back at READY: its guild (``None``: a direct message; unknown
-    when only a route names the channel, see ``guild_known``) and the newest message id
-    taken in there lately."""
+    when only a route names the channel, see ``guild_known``), the newest message id
+    taken in there lately and the read point stored (``point``: where its catch-up
+    starts, epoch ms; ``None``: none yet)."""
 
     channel_id: int
     guild_id: int | None
     guild_known: bool
     newest: int | None
+    point: int | None = None
+
+    def first_point(self, since_ms: int) -> int:
+        """Where the catch-up of this channel starts when it has no read point (epoch
+        ms, the route's bound aside): :data:`CATCH_UP_OVERLAP_MS` before the newest
+        message taken in there, not before ``since_ms``."""
+        if self.newest is None:
+            return since_ms
+        made = (self.newest >> 22) + discord.utils.DISCORD_EPOCH
+        return max(since_ms, made - CATCH_UP_OVERLAP_MS)
 
 
-def catch_up_targets(known: Conversations) -> list[CatchUpTarget]:
+def catch_up_targets(known: Conversations, *, again: bool = False) -> list[CatchUpTarget]:
     """The channels to catch up: every Discord session (its key ``discord:GUILD:CHANNEL``)
     that took in a gateway message, with the newest recorded in it lately, and every
-    channel a route names that has none."""
+    channel a route names that has none, each with its read point. ``again`` (a retry
+    after a database fault): a channel without a read point has no newest either (a live
+    message taken in since the first try may be it)."""
     targets: dict[int, CatchUpTarget] = {}
     for key, event_ids in known.sessions.items():
         _, _, rest = key.partition(_SESSION_PREFIX)
@@ -300,7 +316,15 @@ def catch_up_targets(known: Conversations) -> list[CatchUpTarget]:
             guild_id = int(guild) if guild.isdigit() else None
             known_guild = guild.isdigit() or guild == "@me"
             targets[int(channel)] = CatchUpTarget(int(channel), guild_id, known_guild, None)
-    return list(targets.values())
+    return [
+        dataclasses.replace(
+            target,
+            newest=None if again and point is None else target.newest,
+            point=point,
+        )
+        for target in targets.values()
+        for point in (known.points.get(str(target.channel_id)),)
+    ]
 
 
 def replied_to(messages: list[discord.Message], bot_id: int | None) -> set[int]:
@@ -548,14 +572,17 @@ class DiscordAdapter:
             self._ready_again = False
             await catch_up_until_done(self.catch_up, self._stopping, channel="discord")
 
-    async def catch_up(self) -> bool:
+    async def catch_up(self, again: bool = False) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
-        posted after the newest one taken in there (within ``[discord] catch_up_s``, and
-        not before the route answering there was made), but not one the bot already
-        replied to (:func:`replied_to`). A channel Discord would not read (a REST error)
-        logs a WARNING and is tried again at the next READY. False when a database fault
-        stopped it (tried again shortly: :func:`bots.base.catch_up_until_done`); True
-        otherwise."""
+        posted after its read point (where the last catch-up that read it through
+        started, less a minute; for a channel without one, the newest message taken in
+        there, less a minute, stored as its point before anything is read), within
+        ``[discord] catch_up_s`` and not before the route answering there was made, but
+        not one the bot already replied to (:func:`replied_to`). A channel read through
+        moves its point to this catch-up's start. A channel Discord would not read (a
+        REST error) logs a WARNING and is read from the same point at the next READY.
+        False when a database fault stopped it (tried again shortly, ``again``:
+        :func:`bots.base.catch_up_until_done`); True otherwise."""
         client = self.gateway
         if client is None:
             return True
@@ -567,11 +594,17 @@ class DiscordAdapter:
         )
         if known is None:
             return False
-        for target in catch_up_targets(known):
+        targets = catch_up_targets(known, again=again)
+        firsts = {
+            str(t.channel_id): t.first_point(known.since_ms) for t in targets if t.point is None
+        }
+        if not await store_read_points(self._core, BindingKind.discord, firsts):
+            return False
+        for target in targets:
             if self._stopping.is_set():
                 return True
             try:
-                await self._catch_up_channel(client, target, known.since_ms)
+                await self._catch_up_channel(client, target, known)
             except DATABASE_FAULTS as exc:
                 log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
                 return False
@@ -590,7 +623,7 @@ class DiscordAdapter:
         return True
 
     async def _catch_up_channel(
-        self, client: _GatewayClient, target: CatchUpTarget, since_ms: int
+        self, client: _GatewayClient, target: CatchUpTarget, known: Conversations
     ) -> None:
         channel: discord.abc.Messageable
         guild_id = target.guild_id
@@ -609,8 +642,9 @@ class DiscordAdapter:
         route = await self._core.resolve_route(BindingKind.discord.value, attrs)
         if route is None:
             return
-        after = snowflake_at(max(since_ms, route.created_at))
-        if target.newest is not None:
+        point = known.since_ms if target.point is None else target.point
+        after = snowflake_at(max(known.since_ms, route.created_at, point))
+        if target.point is None and target.newest is not None:
             after = max(after, target.newest - (CATCH_UP_OVERLAP_MS << 22))
         limit = CATCH_UP_PAGES * 100
         # Every page first: the bot's replies come after the messages they answer, and a
@@ -655,6 +689,11 @@ class DiscordAdapter:
                 target.channel_id,
                 len(read),
             )
+        # Read through: every message posted before this catch-up started was read (the
+        # minute less for clocks apart, as for the newest taken in).
+        await self._core.advance_read_points(
+            BindingKind.discord, {str(target.channel_id): known.read_at_ms - CATCH_UP_OVERLAP_MS}
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:

@@ -21,7 +21,8 @@ core's de-duplication runs a single turn for all of them.
 Slack drops an event after its third retry (about five minutes): at each start
 :meth:`SlackAdapter.catch_up` reads back, with ``conversations.history`` (and
 ``conversations.replies`` for the threads that moved), the messages of every known
-channel posted after the newest one taken in there (within ``[slack] catch_up_s``) and
+channel posted after its read point (where the last catch-up that read it through
+started; within ``[slack] catch_up_s``) and
 takes each in as a live one; the intake's de-duplication by that same id answers a
 message that came both ways once, and one the bot already replied to in its thread (but
 for the "may or may not have been taken in" notice) is left alone.
@@ -68,6 +69,7 @@ from bots.base import (
     catch_up_until_done,
     known_conversations,
     quoted_page,
+    store_read_points,
     tell_not_taken_in,
 )
 from bots.review_base import ChatReviewBackend
@@ -270,12 +272,27 @@ def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost 
 @dataclass(frozen=True)
 class CatchUpTarget:
     """A channel to read back at start: its workspace, the newest message ts taken in
-    there lately (``None``: none) and the threads that took in messages lately."""
+    there lately (``None``: none), the threads that took in messages lately and the read
+    point stored (``point``: where its catch-up starts, epoch ms; ``None``: none yet)."""
 
     team: str
     channel: str
     newest: Decimal | None
     threads: tuple[str, ...]
+    point: int | None = None
+
+    @property
+    def conversation(self) -> str:
+        """The channel's key among the read points: ``TEAM:CHANNEL``."""
+        return f"{self.team}:{self.channel}"
+
+    def first_point(self, since_ms: int) -> int:
+        """Where the catch-up of this channel starts when it has no read point (epoch
+        ms, the route's bound aside): :data:`CATCH_UP_OVERLAP_MS` before the newest
+        message taken in there, not before ``since_ms``."""
+        if self.newest is None:
+            return since_ms
+        return max(since_ms, int(self.newest * 1000) - CATCH_UP_OVERLAP_MS)
 
 
 def _ts(value: object) -> Decimal | None:
@@ -294,11 +311,15 @@ def ts_at(ms: int) -> str:
     return f"{ms // 1000}.{ms % 1000:03d}000"
 
 
-def catch_up_targets(known: Conversations, team: str) -> list[CatchUpTarget]:
+def catch_up_targets(
+    known: Conversations, team: str, *, again: bool = False
+) -> list[CatchUpTarget]:
     """The channels to catch up: every Slack session (its key
     ``slack:TEAM:CHANNEL:THREAD``) that took in a message, with the newest recorded in
     its channel lately and its threads that took in one lately, and every channel a route
-    names (in ``team`` when the route names none)."""
+    names (in ``team`` when the route names none), each with its read point. ``again``
+    (a retry after a database fault): a channel without a read point has no newest
+    either (a live message taken in since the first try may be it)."""
     newest: dict[tuple[str, str], Decimal | None] = {}
     threads: dict[tuple[str, str], set[str]] = {}
     for key, event_ids in known.sessions.items():
@@ -322,8 +343,15 @@ def catch_up_targets(known: Conversations, team: str) -> list[CatchUpTarget]:
         if channel and ":" not in channel:
             newest.setdefault((match.get("team") or team, channel), None)
     return [
-        CatchUpTarget(t, c, n, tuple(sorted(threads.get((t, c), ()))))
+        CatchUpTarget(
+            t,
+            c,
+            None if again and point is None else n,
+            tuple(sorted(threads.get((t, c), ()))),
+            point,
+        )
         for (t, c), n in newest.items()
+        for point in (known.points.get(f"{t}:{c}"),)
     ]
 
 
@@ -762,13 +790,17 @@ class SlackAdapter:
     async def _catch_up_run(self) -> None:
         await catch_up_until_done(self.catch_up, self._stopping, channel="slack")
 
-    async def catch_up(self) -> bool:
+    async def catch_up(self, again: bool = False) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
-        posted after the newest one taken in there (within ``[slack] catch_up_s``, and
-        not before the route answering there was made): Slack drops an event after its
-        third retry, and a message posted while the service was down was lost without a
-        word. A channel Slack would not read logs a WARNING; the others are read on.
-        False when a database fault stopped it (tried again shortly:
+        posted after its read point (where the last catch-up that read it through
+        started, less a minute; for a channel without one, the newest message taken in
+        there, less a minute, stored as its point before anything is read), within
+        ``[slack] catch_up_s`` and not before the route answering there was made: Slack
+        drops an event after its third retry, and a message posted while the service
+        was down was lost without a word. A channel read through moves its point to this
+        catch-up's start. A channel Slack would not read logs a WARNING (read from the
+        same point at the next start); the others are read on. False when a database
+        fault stopped it (tried again shortly, ``again``:
         :func:`bots.base.catch_up_until_done`); True otherwise."""
         known = await known_conversations(
             self._core,
@@ -788,11 +820,15 @@ class SlackAdapter:
             log.warning("slack: no catch-up, auth.test failed (%s)", _read_error(exc))
             return True
         me = (str(who.get("user_id") or ""), str(who.get("bot_id") or ""))
-        for target in catch_up_targets(known, str(who.get("team_id") or "")):
+        targets = catch_up_targets(known, str(who.get("team_id") or ""), again=again)
+        firsts = {t.conversation: t.first_point(known.since_ms) for t in targets if t.point is None}
+        if not await store_read_points(self._core, BindingKind.slack, firsts):
+            return False
+        for target in targets:
             if self._stopping.is_set():
                 return True
             try:
-                await self._catch_up_channel(client, target, known.since_ms, me)
+                await self._catch_up_channel(client, target, known, me)
             except DATABASE_FAULTS as exc:
                 log.warning("slack: catch-up stopped, the database is unavailable (%s)", exc.rule)
                 return False
@@ -806,7 +842,7 @@ class SlackAdapter:
                     continue
                 log.warning(
                     "slack: could not read channel %s's messages to catch up (%s); those "
-                    "posted there while the service was down are not answered",
+                    "posted there while the service was down are read at the next start",
                     target.channel,
                     _read_error(exc),
                 )
@@ -816,15 +852,16 @@ class SlackAdapter:
         self,
         client: AsyncWebClient,
         target: CatchUpTarget,
-        since_ms: int,
+        known: Conversations,
         me: tuple[str, str],
     ) -> None:
         attrs = {"team": target.team, "channel": target.channel}
         route = await self._core.resolve_route(BindingKind.slack.value, attrs)
         if route is None:
             return
-        oldest = Decimal(ts_at(max(since_ms, route.created_at)))
-        if target.newest is not None:
+        point = known.since_ms if target.point is None else target.point
+        oldest = Decimal(ts_at(max(known.since_ms, route.created_at, point)))
+        if target.point is None and target.newest is not None:
             oldest = max(oldest, target.newest - Decimal(CATCH_UP_OVERLAP_MS) / 1000)
         after = f"{oldest:.6f}"
         history, cut = await _read_pages(
@@ -866,6 +903,7 @@ class SlackAdapter:
                 continue
             found[str(message["ts"])] = message
         threads = sorted(moved, key=lambda t: moved[t], reverse=True)
+        read_through = True
         if len(threads) > CATCH_UP_THREADS:
             log.warning(
                 "slack: catch-up of channel %s reads the latest %d of its %d threads",
@@ -883,13 +921,16 @@ class SlackAdapter:
             except SlackApiError as exc:
                 if _read_error(exc).endswith(" thread_not_found"):
                     continue  # its first message was deleted: the thread is gone
-                # The channel's other messages read are still taken in.
+                # The channel's other messages read are still taken in, and its read
+                # point stays (the next start reads its threads again).
                 log.warning(
                     "slack: could not read the threads of channel %s to catch up (%s); "
-                    "replies posted there while the service was down are not answered",
+                    "replies posted there while the service was down are read again at "
+                    "the next start",
                     target.channel,
                     _read_error(exc),
                 )
+                read_through = False
                 break
             if cut:
                 # Read oldest first (Slack pages a thread no other way): the newest are
@@ -938,6 +979,12 @@ class SlackAdapter:
             taken += 1
         if taken:
             log.info("slack: catch-up of channel %s took in %d messages", target.channel, taken)
+        if read_through:
+            # Every message posted before this catch-up started was read (the minute
+            # less for clocks apart, as for the newest taken in).
+            await self._core.advance_read_points(
+                BindingKind.slack, {target.conversation: known.read_at_ms - CATCH_UP_OVERLAP_MS}
+            )
 
     def _would_answer(self, channel: str, message: Mapping[str, Any], bot_user: str) -> bool:
         """Whether the live path would have been given ``message``: in a direct message

@@ -150,6 +150,9 @@ class FakeCore:
         """Nothing taken in before and no route naming a channel: nothing to catch up."""
         return Conversations(0, {}, ())
 
+    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+        """No read point is kept (nothing is caught up here)."""
+
     @property
     def route_queries(self) -> list[dict[str, str]]:
         """The attributes of every route look-up, in order."""

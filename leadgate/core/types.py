@@ -184,6 +184,12 @@ class Conversations:
     sessions: dict[str, tuple[str, ...]]
     #: the match keys of the channel's active routes, oldest route first
     routes: tuple[dict[str, str], ...]
+    #: the clock's now when this was read: a channel read through by the catch-up that
+    #: asked has had every message posted before it read
+    read_at_ms: int = 0
+    #: where each channel's next catch-up starts (epoch ms), by conversation (Discord's
+    #: channel id, Slack's ``TEAM:CHANNEL``), for those that have a point stored
+    points: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

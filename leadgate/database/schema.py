@@ -247,6 +247,22 @@ inbound_events = sa.Table(
     ),
 )
 
+#: Where the next catch-up of each channel starts (Discord's at each READY, Slack's at
+#: each start: ``bots.base``), kept apart from ``inbound_events`` so that a live
+#: message's intake writes nothing here. Moved only forward (a catch-up that read a
+#: channel through, or the first one of a channel); migration 0024.
+catch_up_points = sa.Table(
+    "catch_up_points",
+    metadata,
+    # The binding kind (discord, slack) and its channel (Discord's channel id, Slack's
+    # TEAM:CHANNEL).
+    sa.Column("channel", sa.String(20), primary_key=True),
+    sa.Column("conversation", sa.String(EVENT_ID_LIMIT), primary_key=True),
+    # Epoch ms, the service's clock: every message posted before it was read.
+    sa.Column("start_ms", MS, nullable=False),
+    sa.Column("updated_at", MS, nullable=False),
+)
+
 audit = sa.Table(
     "audit",
     metadata,

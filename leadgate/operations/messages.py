@@ -100,14 +100,25 @@ class Messages:
     ) -> Conversations:
         """The sessions of ``channel`` (keys starting with ``key_prefix``) that took in
         messages of the kind its catch-up reads back (:data:`CATCH_UP_EVENTS`: Discord's
-        gateway messages, Slack's), with those recorded in the last ``window_ms``, and the
-        match keys of its active routes: where a catch-up of missed messages starts."""
-        since_ms = self.turns.clock.now_ms() - window_ms
+        gateway messages, Slack's), with those recorded in the last ``window_ms``, the
+        match keys of its active routes and the read points stored
+        (:meth:`advance_read_points`): where a catch-up of missed messages starts."""
+        now = self.turns.clock.now_ms()
         events = CATCH_UP_EVENTS[channel]
         async with self.db.read() as conn:
-            sessions = await bindings.recorded_since(conn, events, key_prefix, since_ms)
+            sessions = await bindings.recorded_since(conn, events, key_prefix, now - window_ms)
+            points = await bindings.read_points(conn, channel.value)
         rows = await self._routes.active(channel.value)
-        return Conversations(since_ms, sessions, tuple(dict(row.match) for row in rows))
+        matches = tuple(dict(row.match) for row in rows)
+        return Conversations(now - window_ms, sessions, matches, now, points)
+
+    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+        """Store where the next catch-up of each of ``channel``'s conversations starts
+        (``points``: conversation -> epoch ms), never moving a stored point back (another
+        replica's catch-up may have read further): one transaction."""
+        if points:
+            async with self.db.tx() as conn:
+                await bindings.advance_read_points(conn, self.turns.clock, channel.value, points)
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
         """:meth:`record_inbound` then :meth:`run_recorded`, in one call.

@@ -24,6 +24,7 @@ from bots.discord import DiscordAdapter
 from bots.slack import SlackAdapter
 from leadgate.app import App
 from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Database
 from tests.fakes import CommitLandsLater, DownFor
@@ -269,6 +270,52 @@ async def test_a_read_discord_refuses_is_logged_and_tried_again_at_the_next_read
     assert await answers(service, missed) == ["Echo: said while down"]
     assert len(standin.identifies) == 2
     assert [r["mode"] for r in standin.reads] == ["forbidden", "ok"]
+
+
+@pytest.mark.parametrize("read_before", [True, False], ids=["read through before", "never read"])
+async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_message_there(
+    service: App, standin: DiscordApiStandin, read_before: bool
+) -> None:
+    """A catch-up whose read of a channel failed, then a live message taken in there: the
+    next READY read from that live message (the newest taken in there), and the messages
+    missed before it were never answered. It reads from the channel's read point: where
+    the last catch-up that read it through started (or, never read through, where its
+    first catch-up started)."""
+    clock = fake_clock(service)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    if read_before:
+        async with running(service, standin) as earlier:
+            await caught_up(earlier)
+    clock.advance(HOUR_MS // 2)
+    now = clock.now_ms()
+    missed = await message(standin, "said while down", at_ms=now - 10 * 60_000)
+    standin.fail_reads(CHANNEL, "forbidden")
+    async with running(service, standin) as up:
+        await caught_up(up)
+        live = await message(standin, "said once it was up", at_ms=now)
+        await eventually(lambda: answers(up, live), what="the live message answered")
+        failed = adapter_of(up).catching_up
+        await standin.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await caught_up(up, not_this=failed)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, live) == ["Echo: said once it was up"]
+    assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed)]
+    assert [r["mode"] for r in standin.reads] == ["ok"] * read_before + ["forbidden", "ok"]
+
+
+async def test_a_read_point_is_never_moved_back(service: App) -> None:
+    """Two replicas' catch-ups store where the next starts in either order: the later
+    point stays (the other read further), and a new channel's is added."""
+    core = service.messages
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_000})
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 1_000, OTHER_CHANNEL: 500})
+    await core.advance_read_points(BindingKind.slack, {f"T1:{CHANNEL}": 100})
+    known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
+    assert known.points == {CHANNEL: 2_000, OTHER_CHANNEL: 500}
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 3_000})
+    known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
+    assert known.points == {CHANNEL: 3_000, OTHER_CHANNEL: 500}
+    assert known.read_at_ms == fake_clock(service).now_ms()
 
 
 async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -59,6 +59,19 @@ async def running(
         service.settings.database.url, config=config, adapters=True, clock=fake_clock(service)
     ) as served:
         yield served
+
+
+@contextlib.contextmanager
+def clock_at(service: App, at_ms: int) -> Iterator[None]:
+    """The fake clock at ``at_ms`` for the block (a process that ran then: its catch-up's
+    read through stores that time as where the next one starts), back after it."""
+    clock = fake_clock(service)
+    back = clock.now_ms() - at_ms
+    clock.advance(-back)
+    try:
+        yield
+    finally:
+        clock.advance(back)
 
 
 async def routed(service: App, *matches: dict[str, str]) -> None:
@@ -230,10 +243,11 @@ async def test_a_reply_in_a_thread_the_bot_replied_to_after_it_is_not_answered(
     await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
     now = fake_clock(service).now_ms()
     parent = said(standin, "the question", at_ms=now - 30 * MINUTE_MS)
-    async with running(service, standin) as (first, client):
-        await caught_up(first)
-        await deliver(client, standin, parent)
-        await eventually(lambda: answers(first, parent), what="the parent answered")
+    with clock_at(service, now - 29 * MINUTE_MS):
+        async with running(service, standin) as (first, client):
+            await caught_up(first)
+            await deliver(client, standin, parent)
+            await eventually(lambda: answers(first, parent), what="the parent answered")
     said(standin, "told in the thread", at_ms=now - 20 * MINUTE_MS, thread_ts=parent)
     standin.say(
         CHANNEL,
@@ -398,6 +412,37 @@ async def test_two_replicas_answer_a_missed_message_once(
     assert await answers(service, missed) == ["Echo: said while both were down"]
 
 
+@pytest.mark.parametrize("read_before", [True, False], ids=["read through before", "never read"])
+async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_message_there(
+    service: App, standin: SlackApiStandin, read_before: bool
+) -> None:
+    """A start whose read of a channel failed, then a live message taken in there: the
+    next start read from that live message (the newest taken in there), and the
+    messages missed before it were never answered. It reads from the channel's read
+    point: where the last catch-up that read it through started (or, never read
+    through, where its first catch-up started)."""
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    if read_before:
+        with clock_at(service, now - 50 * MINUTE_MS):
+            async with running(service, standin) as (earlier, _):
+                await caught_up(earlier)
+    missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS)
+    standin.fail_reads(CHANNEL, "error:internal_error")
+    async with running(service, standin) as (up, client):
+        await caught_up(up)
+        live = said(standin, "said once it was up", at_ms=now - 5 * MINUTE_MS)
+        await deliver(client, standin, live)
+        await eventually(lambda: answers(up, live), what="the live message answered")
+    async with running(service, standin) as (again, _):
+        await caught_up(again)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, live) == ["Echo: said once it was up"]
+    assert await taken_in(service) == [event_id(live), event_id(missed)]
+    history = [r["mode"] for r in standin.reads if r["method"] == "conversations.history"]
+    assert history == ["ok"] * read_before + ["error:internal_error", "ok"]
+
+
 async def test_a_thread_slack_will_not_read_leaves_the_channel_s_other_messages_taken_in(
     service: App, standin: SlackApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -405,11 +450,12 @@ async def test_a_thread_slack_will_not_read_leaves_the_channel_s_other_messages_
     now = fake_clock(service).now_ms()
     kept = said(standin, "a thread", at_ms=now - 30 * MINUTE_MS)
     deleted = said(standin, "a thread deleted since", at_ms=now - 25 * MINUTE_MS)
-    async with running(service, standin) as (first, client):
-        await caught_up(first)
-        for ts in (kept, deleted):
-            await deliver(client, standin, ts)
-        await eventually(lambda: answers(first, deleted), what="the live messages answered")
+    with clock_at(service, now - 24 * MINUTE_MS):
+        async with running(service, standin) as (first, client):
+            await caught_up(first)
+            for ts in (kept, deleted):
+                await deliver(client, standin, ts)
+            await eventually(lambda: answers(first, deleted), what="the live messages answered")
     standin.history[CHANNEL] = [m for m in standin.history[CHANNEL] if m["ts"] != deleted]
     missed = said(standin, "said while down", at_ms=now - 10 * MINUTE_MS)
     # The history read, the deleted thread's (thread_not_found), then the other thread's.
