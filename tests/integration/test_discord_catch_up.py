@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -26,7 +27,7 @@ from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from tests.fakes import CommitLandsLater, DownFor
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
 from tests.serving import served_app
@@ -301,6 +302,56 @@ async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_me
     assert await answers(service, live) == ["Echo: said once it was up"]
     assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed)]
     assert [r["mode"] for r in standin.reads] == ["ok"] * read_before + ["forbidden", "ok"]
+
+
+async def test_a_new_channel_s_retry_after_a_database_fault_reads_what_its_first_try_would(
+    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel without a read point yet (first taken in after the last catch-up
+    started) whose catch-up met the database away before storing one: by the retry a
+    live message taken in there was its newest, and the retry read from that one (less a
+    minute), so the message missed before it was never answered. A retry reads such a
+    channel from the window's start."""
+    monkeypatch.setattr(bots_base, "CATCH_UP_RETRY_FIRST_S", 0.01)
+    await routed(service, {"guild": GUILD})
+    fake_clock(service).advance(HOUR_MS)  # the route made an hour ago
+    now = fake_clock(service).now_ms()
+    async with running(service, standin) as first:
+        await caught_up(first)
+        opened = await message(standin, "hello", at_ms=now - 30 * 60_000)
+        await eventually(lambda: answers(first, opened), what="the live message answered")
+    missed = await message(standin, "said while down", at_ms=now - 10 * 60_000)
+    live_in = asyncio.Event()
+    real_read = Database.read
+    reads: list[int] = []
+
+    @contextlib.asynccontextmanager
+    async def once_live_in(db: Database) -> AsyncIterator[Conn]:
+        await live_in.wait()
+        async with real_read(db) as conn:
+            yield conn
+
+    def read(db: Database) -> AbstractAsyncContextManager[Conn]:
+        task = asyncio.current_task()
+        if task is None or task.get_name() != "discord-catch-up":
+            return real_read(db)
+        reads.append(1)
+        if len(reads) == 1:  # the first try: the database away
+            return cast(
+                AbstractAsyncContextManager[Conn],
+                DownFor(lambda: real_read(db), 1, after_commit=False)(),
+            )
+        return once_live_in(db)  # the retry, once a live message was taken in
+
+    monkeypatch.setattr(Database, "read", read)
+    async with running(service, standin) as up:
+        await eventually(lambda: reads, what="the first try (after READY)")
+        live = await message(standin, "said once it was up", at_ms=now)
+        await eventually(lambda: answers(up, live), what="the live message answered")
+        live_in.set()
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, live) == ["Echo: said once it was up"]
 
 
 async def test_a_read_point_is_never_moved_back(service: App) -> None:

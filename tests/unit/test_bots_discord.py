@@ -19,7 +19,15 @@ from nacl.signing import SigningKey
 
 from bots import discord as discord_bot
 from leadgate.core.config import DiscordSettings, Settings
-from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, RouteMatch
+from leadgate.core.types import (
+    BindingKind,
+    Busy,
+    Conversations,
+    Duplicate,
+    Gated,
+    Outcome,
+    RouteMatch,
+)
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
 
@@ -394,3 +402,27 @@ async def test_interaction_timestamps_have_a_freshness_window(
         assert core.recorded == []
     finally:
         await srv.close()
+
+
+def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its_newest() -> None:
+    """As Slack's: a channel with a read point starts there; one without, from the newest
+    taken in there less a minute, but not on a retry after a database fault."""
+    since, made, point = 1_780_000_000_000, 1_780_000_900_000, 1_780_000_500_000
+    newest = discord_bot.snowflake_at(made)
+    known = Conversations(
+        since,
+        {
+            "discord:1:2": (f"discord:message:{newest}",),
+            "discord:1:3": (f"discord:message:{newest}",),
+        },
+        (),
+        since + 3_600_000,
+        {"2": point},
+    )
+    pointed, fresh = sorted(discord_bot.catch_up_targets(known), key=lambda t: t.channel_id)
+    assert (pointed.point, fresh.point) == (point, None)
+    assert fresh.first_point(since) == made - discord_bot.CATCH_UP_OVERLAP_MS
+    assert fresh.first_point(made) == made  # never before the window
+    again = sorted(discord_bot.catch_up_targets(known, again=True), key=lambda t: t.channel_id)
+    assert again[0] == pointed
+    assert again[1].newest is None and again[1].first_point(since) == since

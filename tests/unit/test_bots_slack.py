@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from bots import base as bots_base
 from bots import slack, slack_review
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.types import BindingKind, Conversations, RouteMatch
@@ -301,6 +302,41 @@ def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
         # A route naming no workspace: the bot's own.
         slack.CatchUpTarget("T0", "C4", None, ()),
     ]
+
+
+def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its_newest() -> None:
+    """A channel with a read point starts there; one without, from the newest taken in
+    there less a minute, but not on a retry after a database fault: a live message taken
+    in since the first try may be that newest, and those missed before it were skipped."""
+    known = Conversations(
+        100_000,
+        {
+            "slack:T1:C1:100.000001": ("slack:T1:C1:900.000001",),
+            "slack:T1:C2:100.000001": ("slack:T1:C2:950.000001",),
+        },
+        (),
+        2_000_000,
+        {"T1:C1": 500_000},
+    )
+    pointed, fresh = sorted(slack.catch_up_targets(known, "T0"), key=lambda t: t.channel)
+    assert (pointed.point, pointed.conversation, fresh.point) == (500_000, "T1:C1", None)
+    assert fresh.first_point(known.since_ms) == 950_000 - slack.CATCH_UP_OVERLAP_MS
+    assert fresh.first_point(950_000) == 950_000  # never before the window
+    again = sorted(slack.catch_up_targets(known, "T0", again=True), key=lambda t: t.channel)
+    assert again[0] == pointed
+    assert again[1].newest is None and again[1].first_point(known.since_ms) == known.since_ms
+
+
+async def test_a_catch_up_is_told_it_is_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bots_base, "CATCH_UP_RETRY_FIRST_S", 0.001)
+    tries: list[bool] = []
+
+    async def catch_up(again: bool) -> bool:
+        tries.append(again)
+        return len(tries) == 3  # stopped by a database fault twice
+
+    await bots_base.catch_up_until_done(catch_up, asyncio.Event(), channel="slack")
+    assert tries == [False, True, True]
 
 
 def test_a_ts_is_read_as_slack_writes_it() -> None:
