@@ -167,6 +167,11 @@ def not_taken_in(exc: Unavailable | DatabaseDamaged) -> str:
     )
 
 
+#: How far before the newest message taken in a channel, or its stored read point, a
+#: catch-up (Discord's, Slack's) reads again: messages taken in concurrently may have
+#: been cut by a crash around a later one that was recorded (what was recorded is a
+#: duplicate, and answered no second time), and replicas' clocks differ.
+CATCH_UP_OVERLAP_MS = 60_000
 #: A catch-up stopped by a database fault is tried again this many seconds on, doubling
 #: up to :data:`CATCH_UP_RETRY_MAX_S`, until it ends or its adapter stops.
 CATCH_UP_RETRY_FIRST_S = 5.0

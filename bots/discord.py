@@ -56,6 +56,7 @@ from nacl.signing import VerifyKey
 
 from bots import discord_review
 from bots.base import (
+    CATCH_UP_OVERLAP_MS,
     DATABASE_FAULTS,
     IN_DOUBT,
     Core,
@@ -120,10 +121,6 @@ _GATEWAY_MAX_RETRY_S = 60.0
 
 #: Catch-up reads at most this many pages (100 messages each) per channel and READY.
 CATCH_UP_PAGES = 10
-#: How far before the newest message taken in a catch-up reads again: messages taken in
-#: concurrently may have been cut by a crash around a later one that was recorded (what
-#: was recorded is a duplicate, and answered no second time).
-CATCH_UP_OVERLAP_MS = 60_000
 #: Discord's JSON error code for a channel it does not have.
 _UNKNOWN_CHANNEL = 10003
 _MESSAGE_EVENT = DISCORD_MESSAGE_EVENT

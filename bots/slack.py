@@ -61,6 +61,7 @@ from slack_sdk.web.async_slack_response import AsyncSlackResponse
 
 from bots import slack_review
 from bots.base import (
+    CATCH_UP_OVERLAP_MS,
     DATABASE_FAULTS,
     IN_DOUBT,
     Core,
@@ -132,10 +133,6 @@ CATCH_UP_PAGES = 5
 CATCH_UP_PAGE_SIZE = 200
 #: ... and the replies of at most this many threads per channel (the latest first).
 CATCH_UP_THREADS = 20
-#: How far before the newest message taken in a catch-up reads again: messages taken in
-#: concurrently may have been cut by a crash around a later one that was recorded (what
-#: was recorded is a duplicate, and answered no second time).
-CATCH_UP_OVERLAP_MS = 60_000
 #: How often a read Slack answers 429 is tried again (after its ``Retry-After``).
 CATCH_UP_RATE_LIMIT_RETRIES = 3
 _CATCH_UP_CLOSE_TIMEOUT_S = 10.0

@@ -22,8 +22,8 @@ import sqlalchemy as sa
 
 from bots import base as bots_base
 from bots import slack
-from bots.base import not_taken_in
-from bots.slack import CATCH_UP_OVERLAP_MS, SlackAdapter, ts_at
+from bots.base import CATCH_UP_OVERLAP_MS, not_taken_in
+from bots.slack import SlackAdapter, ts_at
 from leadgate.app import App
 from leadgate.core.errors import IntakeInDoubt, Unavailable
 from leadgate.database import schema as t

@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots import base as bots_base
 from bots import discord as discord_bot
 from leadgate.core.config import DiscordSettings, Settings
 from leadgate.core.types import (
@@ -421,7 +422,7 @@ def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its
     )
     pointed, fresh = sorted(discord_bot.catch_up_targets(known), key=lambda t: t.channel_id)
     assert (pointed.point, fresh.point) == (point, None)
-    assert fresh.first_point(since) == made - discord_bot.CATCH_UP_OVERLAP_MS
+    assert fresh.first_point(since) == made - bots_base.CATCH_UP_OVERLAP_MS
     assert fresh.first_point(made) == made  # never before the window
     again = sorted(discord_bot.catch_up_targets(known, again=True), key=lambda t: t.channel_id)
     assert again[0] == pointed

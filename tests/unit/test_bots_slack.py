@@ -320,7 +320,7 @@ def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its
     )
     pointed, fresh = sorted(slack.catch_up_targets(known, "T0"), key=lambda t: t.channel)
     assert (pointed.point, pointed.conversation, fresh.point) == (500_000, "T1:C1", None)
-    assert fresh.first_point(known.since_ms) == 950_000 - slack.CATCH_UP_OVERLAP_MS
+    assert fresh.first_point(known.since_ms) == 950_000 - bots_base.CATCH_UP_OVERLAP_MS
     assert fresh.first_point(950_000) == 950_000  # never before the window
     again = sorted(slack.catch_up_targets(known, "T0", again=True), key=lambda t: t.channel)
     assert again[0] == pointed
