@@ -79,7 +79,7 @@ from leadgate.core.bodies import read_body
 from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object
-from leadgate.core.errors import ConfigError, LeadgateError
+from leadgate.core.errors import AuthError, ConfigError, LeadgateError, ValidationError
 from leadgate.core.logs import loggable
 from leadgate.core.types import (
     DISCORD_MESSAGE_EVENT,
@@ -360,10 +360,6 @@ def snowflake_at(ms: int) -> int:
     return max(ms - discord.utils.DISCORD_EPOCH, 0) << 22
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
 def _ephemeral(text: str) -> web.Response:
     return web.json_response(
         {"type": _CHANNEL_MESSAGE, "data": {"content": text, "flags": _EPHEMERAL}}
@@ -431,7 +427,12 @@ class DiscordAdapter:
         """``POST /discord/interactions``."""
         body = await read_body(request)
         if not self.verify(request.headers, body):
-            return _error(401, "invalid request signature")
+            # (Discord itself checks the endpoint with a bad signature and wants a 401.)
+            raise AuthError(
+                "the request carries no valid Discord signature (X-Signature-Ed25519 of "
+                "the application's public key, made within the last 5 minutes)",
+                rule="discord.signature",
+            )
         payload = json_object(body, allow_nul=True)
         kind = payload.get("type")
         if kind == _PING:
@@ -451,7 +452,11 @@ class DiscordAdapter:
             return await self._take_ask(ask)
         if self._reviews is not None and discord_review.is_review(payload):
             return web.json_response(await discord_review.handle(payload, self._reviews))
-        return _error(400, "unsupported interaction type")
+        raise ValidationError(
+            f"this interaction is not one leadgate answers (only PING, /{ASK_COMMAND} "
+            "and the review cards' buttons and forms)",
+            rule="discord.interaction",
+        )
 
     async def _take_ask(self, ask: AskCommand) -> web.Response:
         """Record the ask, then answer: deferred while the turn runs, or ephemeral."""

@@ -158,6 +158,28 @@ async def test_bad_or_missing_signature_is_401(
     assert core.tasks == [] and core.triggers == []
 
 
+async def test_refusals_name_their_rule(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    """A forged or stale interaction and a signed one of a kind nobody answers are 4xx
+    in the error envelope naming the rule (it was ``{"error": "..."}``, with no rule)."""
+    status, body = await post(server, {"type": 1}, SigningKey.generate())
+    assert status == 401
+    assert body["error"]["rule"] == "discord.signature"
+    assert "signature" in body["error"]["message"]
+    # Autocomplete (4), a component that is no review card's (3), a type Discord may add.
+    for payload in (
+        {"type": 4, "data": {"name": "ask"}},
+        {"type": 3, "data": {"custom_id": "someone-else:1"}},
+        {"type": 99},
+        {"type": "2"},
+    ):
+        status, body = await post(server, payload, key)
+        assert status == 400, payload
+        assert body["error"]["rule"] == "discord.interaction", payload
+    assert core.tasks == [] and standin.posts == []
+
+
 async def test_ask_is_deferred_at_once_and_runs_the_turn(
     server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
 ) -> None:
