@@ -185,7 +185,8 @@ class DiscordChannel:
     * ``kind == "reply"`` with an interaction token: edit the deferred original response
       (``PATCH /webhooks/{app}/{token}/messages/@original``); an edit is idempotent. A
       further message with a different idempotency key for the same interaction (the
-      relay's next chunk) becomes a follow-up instead of overwriting the first.
+      relay's next chunk, known by its key whatever this process remembers) becomes a
+      follow-up instead of overwriting the first.
     * otherwise (approved output, gateway replies): ``POST /channels/{id}/messages`` as
       the bot, with ``nonce`` + ``enforce_nonce`` and a reply reference when the address
       has a ``message_id``. Without a bot token, an interaction's follow-up webhook is
@@ -334,7 +335,11 @@ class DiscordChannel:
         app_id = _snowflake(address.get("application_id"))
         if message.kind == "reply" and token and app_id:
             owner = self._original_owner.get(token)
-            if owner is None or owner == message.idempotency_key:
+            # A delivery's later part (its key is not the delivery's own) follows up
+            # even when no owner is remembered: after a restart, or on another replica,
+            # it overwrote the first part in @original, which was then lost.
+            first_part = message.idempotency_key == message.delivery_id
+            if first_part and (owner is None or owner == message.idempotency_key):
                 self._remember_owner(token, message.idempotency_key)
                 return await self._edit_original(app_id, token, message.text)
             return await self._follow_up(app_id, token, message.text)

@@ -140,6 +140,29 @@ async def test_interaction_reply_edits_the_deferred_original(
     ]
 
 
+async def test_a_later_part_follows_up_after_a_restart(standin: DiscordApiStandin) -> None:
+    """A reply's second part (key ``<delivery>.1``) sent by a process that did not send
+    the first (a restart between the parts, another replica) follows up: it edited
+    @original, overwriting the first part, which the asker then never saw."""
+    first = make_channel(standin.api_url)
+    try:
+        assert isinstance(await first.send(interaction_reply()), Sent)
+    finally:
+        await first.close()
+    second_part = dataclasses.replace(
+        interaction_reply(), idempotency_key="delivery-r.1", text="second part"
+    )
+    after_restart = make_channel(standin.api_url)
+    try:
+        assert isinstance(await after_restart.send(second_part), Sent)
+    finally:
+        await after_restart.close()
+    assert [(p["op"], p["content"]) for p in standin.posts] == [
+        ("edit_original", "plain reply"),
+        ("followup", "second part"),
+    ]
+
+
 async def test_rate_limit_is_retry_with_its_delay(
     standin: DiscordApiStandin, channel: DiscordChannel
 ) -> None:
