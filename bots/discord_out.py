@@ -186,7 +186,9 @@ class DiscordChannel:
       (``PATCH /webhooks/{app}/{token}/messages/@original``); an edit is idempotent. A
       further message with a different idempotency key for the same interaction (the
       relay's next chunk, known by its key whatever this process remembers) becomes a
-      follow-up instead of overwriting the first.
+      follow-up instead of overwriting the first. Once the interaction's token has
+      expired (Discord keeps it 15 minutes), the reply is posted in the channel as
+      below when a bot token is set.
     * otherwise (approved output, gateway replies): ``POST /channels/{id}/messages`` as
       the bot, with ``nonce`` + ``enforce_nonce`` and a reply reference when the address
       has a ``message_id``. Without a bot token, an interaction's follow-up webhook is
@@ -333,17 +335,17 @@ class DiscordChannel:
         address = message.address
         token = _str(address.get("interaction_token"))
         app_id = _snowflake(address.get("application_id"))
-        if message.kind == "reply" and token and app_id:
-            owner = self._original_owner.get(token)
-            # A delivery's later part (its key is not the delivery's own) follows up
-            # even when no owner is remembered: after a restart, or on another replica,
-            # it overwrote the first part in @original, which was then lost.
-            first_part = message.idempotency_key == message.delivery_id
-            if first_part and (owner is None or owner == message.idempotency_key):
-                self._remember_owner(token, message.idempotency_key)
-                return await self._edit_original(app_id, token, message.text)
-            return await self._follow_up(app_id, token, message.text)
         channel_id = _snowflake(address.get("channel_id"))
+        if message.kind == "reply" and token and app_id:
+            try:
+                return await self._answer_interaction(message, app_id, token)
+            except discord.HTTPException as exc:
+                if not (_token_expired(exc) and channel_id is not None and self._token):
+                    raise
+            # The interaction's token lived its 15 minutes (a slow turn, retries through
+            # an outage): posted in the channel instead, as approved output is, rather
+            # than lost for good.
+            log.info("discord: an /ask's token has expired; its reply goes to the channel")
         if channel_id is None:
             if token and app_id:
                 return await self._follow_up(app_id, token, message.text)
@@ -379,6 +381,21 @@ class DiscordChannel:
             **extra,
         )
         return Sent(str(sent.id))
+
+    async def _answer_interaction(
+        self, message: OutboundMessage, app_id: int, token: str
+    ) -> SendOutcome:
+        """A reply through the interaction: its first part fills @original, a later one
+        follows up."""
+        owner = self._original_owner.get(token)
+        # A delivery's later part (its key is not the delivery's own) follows up even
+        # when no owner is remembered: after a restart, or on another replica, it
+        # overwrote the first part in @original, which was then lost.
+        first_part = message.idempotency_key == message.delivery_id
+        if first_part and (owner is None or owner == message.idempotency_key):
+            self._remember_owner(token, message.idempotency_key)
+            return await self._edit_original(app_id, token, message.text)
+        return await self._follow_up(app_id, token, message.text)
 
     def _remember_owner(self, token: str, key: str) -> None:
         self._original_owner[token] = key
@@ -500,6 +517,9 @@ def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
 _CHECK_API_URL = "check [discord] api_url"
 #: Discord's JSON error code for a channel that does not exist (or the bot cannot see).
 _UNKNOWN_CHANNEL = 10003
+#: Discord's JSON error codes for an interaction token it no longer takes.
+_UNKNOWN_WEBHOOK = 10015
+_INVALID_WEBHOOK_TOKEN = 50027
 
 
 def _permanent(error: str, said: str = "") -> Permanent:
@@ -550,13 +570,29 @@ def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
             "check the binding's or notify target's channel id)",
             said,
         )
+    if _token_expired(exc):
+        return _permanent(
+            f"{what} (the /ask interaction's token has expired: Discord keeps it 15 "
+            "minutes; with [discord] bot_token its reply is posted in the channel instead)",
+            said,
+        )
     if exc.status == 404 and exc.code == 0:
         # Discord's answer for a route it does not have: a channel that does not exist
         # is 10003 above, so this is the URL (e.g. an API version Discord dropped).
         return _permanent(f"{what} (Discord has no such route; {_CHECK_API_URL})", said)
-    # 400 (bad body, too long), 401 (token), 403 (missing access), 404 (an expired
-    # interaction, 10015 Unknown Webhook): the same request will never succeed.
+    # 400 (bad body, too long), 401 (token), 403 (missing access): the same request
+    # will never succeed.
     return _permanent(what, said)
+
+
+def _token_expired(exc: discord.HTTPException) -> bool:
+    """Whether Discord refused an interaction's webhook call because its token is no
+    longer valid (it lives 15 minutes): 401 Invalid Webhook Token, or 404 Unknown
+    Webhook."""
+    return _from_discord(exc) and (exc.status, exc.code) in (
+        (401, _INVALID_WEBHOOK_TOKEN),
+        (404, _UNKNOWN_WEBHOOK),
+    )
 
 
 def _retry_after(exc: discord.HTTPException) -> float | None:

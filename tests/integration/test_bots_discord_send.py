@@ -163,6 +163,40 @@ async def test_a_later_part_follows_up_after_a_restart(standin: DiscordApiStandi
     ]
 
 
+async def test_a_reply_whose_token_expired_is_posted_in_the_channel(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """An /ask's interaction token lives 15 minutes: a reply sent later (a slow turn,
+    retries through an outage) was refused for good (401 Invalid Webhook Token) and
+    lost. With a bot token it is posted in the channel instead, with its nonce (a
+    retry posts it once); a later part too."""
+    standin.set_channel_mode("itoken", "expired")
+    later_part = dataclasses.replace(interaction_reply(), idempotency_key="delivery-r.1")
+    for message in (interaction_reply(), interaction_reply(), later_part):
+        assert isinstance(await channel.send(message), Sent)
+    assert [r["op"] for r in standin.requests] == [
+        "edit_original",
+        "create_message",
+        "edit_original",
+        "create_message",
+        "followup",
+        "create_message",
+    ]
+    assert [(p["op"], p["channel_id"], p["nonce"]) for p in standin.posts] == [
+        ("create_message", CHANNEL, nonce_for("delivery-r")),
+        ("create_message", CHANNEL, nonce_for("delivery-r.1")),
+    ]
+    assert standin.posts[0]["message_reference"] is None
+    # Without a bot token nothing can post it: refused for good, saying why.
+    no_bot = make_channel(standin.api_url, token="")
+    try:
+        outcome = await no_bot.send(interaction_reply())
+    finally:
+        await no_bot.close()
+    assert isinstance(outcome, Permanent), outcome
+    assert "token has expired" in outcome.error and "15 minutes" in outcome.error
+
+
 async def test_rate_limit_is_retry_with_its_delay(
     standin: DiscordApiStandin, channel: DiscordChannel
 ) -> None:

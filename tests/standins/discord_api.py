@@ -63,6 +63,8 @@ the channel id for channel messages and the interaction token for webhooks.
                         field error quoting the content
 ``not_found``           404 ``{"code": 10003, "message": "Unknown Channel"}``
 ``unauthorized``        401 ``{"code": 0, "message": "401: Unauthorized"}``
+``expired``             401 ``{"code": 50027, "message": "Invalid Webhook Token"}``: an
+                        interaction token past its 15 minutes (set it per token)
 ``no_route``            404 ``{"code": 0, "message": "404: Not Found"}``: Discord's answer
                         for a route it does not have
 ``not_discord``         404 with an HTML page: a web server that is not Discord's API
@@ -342,6 +344,9 @@ class DiscordApiStandin(StandinBase):
             return _json({"message": "Unknown Channel", "code": 10003}, status=404)
         if mode == "unauthorized":
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        if mode == "expired":
+            # An interaction token past its 15 minutes, as Discord answers a webhook call.
+            return _json({"message": "Invalid Webhook Token", "code": 50027}, status=401)
         if mode == "no_route":
             return _json({"message": "404: Not Found", "code": 0}, status=404)
         if mode == "not_discord":
