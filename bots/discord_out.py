@@ -18,6 +18,7 @@ import collections
 import contextvars
 import hashlib
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -95,6 +96,18 @@ class _Wire:
     #: a proxy's page): its status, and its quote (quoted_page) once discord.py reads it.
     foreign_status: int | None = None
     foreign_body: str = ""
+    #: A 429's ``Retry-After`` header (seconds), when the last write was answered so.
+    retry_after_s: float | None = None
+
+    def refused_unposted(self) -> bool:
+        """Whether the last write was answered 429 or 5xx (nothing posted: Discord and
+        any proxy on the way answer so before doing anything) and nothing else is out."""
+        status = self.last_status
+        return (
+            status is not None
+            and (status == 429 or status >= 500)
+            and not (self.posted or self.in_flight or self.lost_after_write)
+        )
 
 
 _WIRE: contextvars.ContextVar[_Wire | None] = contextvars.ContextVar(
@@ -136,6 +149,9 @@ def _trace_config() -> aiohttp.TraceConfig:
         if wire is not None and _is_write(params.method):
             wire.in_flight = False
             status = wire.last_status = params.response.status
+            wire.retry_after_s = (
+                _seconds(params.response.headers.get("Retry-After")) if status == 429 else None
+            )
             if 200 <= status < 300:
                 if status == 204 or _is_discord_json(params.response.headers):
                     wire.posted = True
@@ -324,6 +340,14 @@ class DiscordChannel:
             if wire.foreign_status:
                 # Building a Message from a page's text fails: no bug, not Discord.
                 return _not_discords_answer(wire)
+            if wire.refused_unposted():
+                # discord.py failed reading a refusal (a 429 with Via whose JSON has no
+                # retry_after: a proxy limiting on its own): nothing was posted.
+                return Retry(
+                    f"discord: HTTP {wire.last_status} that discord.py could not read "
+                    f"({type(exc).__name__}); not posted",
+                    delay_s=wire.retry_after_s,
+                )
             # Not log.exception: the traceback's last line is the error's text, which may
             # quote the webhook URL (interaction token and all).
             log.error("discord: unexpected error while sending: %s", described(exc, where=True))
@@ -511,7 +535,9 @@ def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
     # Nothing of ours was on the wire: every attempt so far was answered without
     # posting (5xx, rate limit) or never left (connecting, waiting on a bucket).
     status = f" (last answer HTTP {wire.last_status})" if wire.last_status else ""
-    return Retry(f"discord: not sent within {timeout_s:g}s{status}")
+    # (discord.py's webhook calls sleep out a 429's retry_after however long: the next
+    # attempt waits for it instead of meeting the same 429 again.)
+    return Retry(f"discord: not sent within {timeout_s:g}s{status}", delay_s=wire.retry_after_s)
 
 
 _CHECK_API_URL = "check [discord] api_url"
@@ -598,11 +624,16 @@ def _token_expired(exc: discord.HTTPException) -> bool:
 def _retry_after(exc: discord.HTTPException) -> float | None:
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None) or {}
-    value = headers.get("Retry-After")
+    return _seconds(headers.get("Retry-After"))
+
+
+def _seconds(value: Any) -> float | None:
+    """A ``Retry-After`` header's seconds (``None``: absent or not a number)."""
     try:
-        return float(value) if value is not None else None
+        seconds = float(value) if value is not None else None
     except (TypeError, ValueError):
         return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _message_id(data: Any) -> str | None:

@@ -209,6 +209,38 @@ async def test_rate_limit_is_retry_with_its_delay(
     assert standin.posts == []
 
 
+async def test_a_rate_limit_discord_py_cannot_read_is_a_retry(
+    standin: DiscordApiStandin, channel: DiscordChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 429 with ``Via`` but no ``retry_after`` in its JSON (a proxy on the way that
+    limits by itself) makes discord.py fail on a KeyError: nothing was posted, so the
+    send is a retry, not ``deliveryUnknown`` (a person asked to check a post that never
+    happened) with an ERROR line logged as a bug. A bot's post and an interaction's
+    reply alike."""
+    standin.queue("ratelimited_proxy", "ratelimited_proxy")
+    with caplog.at_level(logging.WARNING):
+        by_bot = await channel.send(gated())
+        reply = await channel.send(interaction_reply())
+    for outcome in (by_bot, reply):
+        assert isinstance(outcome, Retry), outcome
+        assert "HTTP 429" in outcome.error and outcome.delay_s == 5.0
+    assert standin.posts == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_long_rate_limit_on_a_reply_waits_it_out(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """discord.py's webhook calls sleep out a 429's ``retry_after`` however long, so a
+    reply's send ends at its deadline: a retry that now waits the 429's ``Retry-After``
+    (it came back at the relay's backoff, often sooner, to meet the same 429)."""
+    standin.queue("ratelimited:60")
+    outcome = await channel.send(interaction_reply())
+    assert isinstance(outcome, Retry), outcome
+    assert "HTTP 429" in outcome.error and outcome.delay_s == 60.0
+    assert standin.posts == []
+
+
 async def test_short_rate_limit_is_handled_by_discord_py(
     standin: DiscordApiStandin, channel: DiscordChannel
 ) -> None:

@@ -57,6 +57,8 @@ the channel id for channel messages and the interaction token for webhooks.
 ``ratelimited[:S]``     429 with ``Via``, ``Retry-After: S`` and ``{"retry_after": S}``
                         (default 1); discord.py sleeps and retries when S <= 30
 ``ratelimited_novia``   same without ``Via`` (what Cloudflare bans look like)
+``ratelimited_proxy``   429 with ``Via`` and ``Retry-After: 5`` but a JSON body without
+                        ``retry_after`` (a proxy on the way that limits on its own)
 ``500`` (any 5xx)       that status, JSON body
 ``forbidden``           403 ``{"code": 50001, "message": "Missing Access"}``
 ``invalid_form_echo``   400 ``{"code": 50035, "message": "Invalid Form Body", ...}``, its
@@ -306,6 +308,12 @@ class DiscordApiStandin(StandinBase):
         cut = await self._hang_or_reset(request, mode)
         if cut is not None:
             return cut
+        if mode == "ratelimited_proxy":
+            return _json(
+                {"message": "Too Many Requests"},
+                status=429,
+                headers={"Via": "1.1 proxy", "Retry-After": "5"},
+            )
         if mode.startswith("ratelimited"):
             name, _, seconds = mode.partition(":")
             retry_after = float(seconds or "1")
