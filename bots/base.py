@@ -257,6 +257,8 @@ async def tell_not_taken_in(
 
 
 AfterRun = Callable[[Routed | None], Awaitable[None]]
+#: Called with a recorded message whose turn failed (before the failure propagates).
+FailedRun = Callable[[Recorded], Awaitable[None]]
 
 
 async def accept(
@@ -267,9 +269,11 @@ async def accept(
     deadline_s: float | None = None,
     notice: bool = True,
     then: AfterRun | None = None,
+    failed: FailedRun | None = None,
 ) -> Recorded | None:
     """Record ``inbound`` (awaited: call before answering the platform), then run its turn
-    in the background and hand the result to ``then`` (not called when the turn failed).
+    in the background and hand the result to ``then`` (not called when the turn failed:
+    ``failed`` is, with the recorded message, and the failure is raised on).
 
     ``deadline_s``: the platform's answer deadline minus a margin. When recording takes
     longer (the database is slow), this raises :class:`Unavailable` (Slack: answer 503,
@@ -281,7 +285,7 @@ async def accept(
 
     def run(recorded: Recorded | None) -> None:
         if recorded is not None:
-            core.spawn(_run(core, recorded, then), name=name)
+            core.spawn(_run(core, recorded, then, failed), name=name)
 
     try:
         if deadline_s is None:
@@ -303,10 +307,18 @@ async def accept(
     return recorded
 
 
-async def _run(core: Core, recorded: Recorded, then: AfterRun | None) -> None:
+async def _run(
+    core: Core, recorded: Recorded, then: AfterRun | None, failed: FailedRun | None
+) -> None:
     # A failing turn raises here (logged by spawn); the person already has a failure
-    # notice queued, so ``then`` runs only after a turn that ended normally.
-    routed = await core.run_recorded(recorded)
+    # notice queued (unless the route is silent), so ``then`` runs only after a turn
+    # that ended normally.
+    try:
+        routed = await core.run_recorded(recorded)
+    except Exception:
+        if failed is not None:
+            await failed(recorded)
+        raise
     if then is not None:
         await then(routed)
 

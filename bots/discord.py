@@ -88,6 +88,7 @@ from leadgate.core.types import (
     Conversations,
     Duplicate,
     Inbound,
+    Recorded,
     Reply,
     Routed,
 )
@@ -486,6 +487,12 @@ class DiscordAdapter:
             if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
+        async def failed(recorded: Recorded) -> None:
+            # A failed turn's notice fills the deferred response, but a silent route
+            # posts none: "thinking..." stayed until Discord said the app did not respond.
+            if recorded.route.silent:
+                await self.channel.delete_original(ask.application_id, ask.token)
+
         try:
             recorded = await accept(
                 self._core,
@@ -494,6 +501,7 @@ class DiscordAdapter:
                 deadline_s=RECORD_DEADLINE_S,
                 notice=False,
                 then=after,
+                failed=failed,
             )
         except DATABASE_FAULTS as exc:
             # Discord never sends an interaction again: a 503 was only its "This

@@ -20,6 +20,7 @@ from nacl.signing import SigningKey
 from bots import base as bots_base
 from bots import discord as discord_bot
 from leadgate.core.config import DiscordSettings, Settings
+from leadgate.core.errors import ModelError
 from leadgate.core.types import (
     BindingKind,
     Busy,
@@ -28,6 +29,7 @@ from leadgate.core.types import (
     Gated,
     Outcome,
     RouteMatch,
+    Trigger,
 )
 from tests.fakes import FakeCore, mount_adapter
 from tests.standins.discord_api import DiscordApiStandin, interaction_headers
@@ -276,6 +278,29 @@ async def test_silent_route_deletes_the_deferred_response(
     await core.drain()
     assert core.triggers[0].binding.silent is True
     assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_a_failed_turn_on_a_silent_route_deletes_the_deferred_response(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    """A failed turn's notice fills the deferred response, but a silent route posts
+    none: the deferred response is deleted (it stayed "thinking..." until Discord said
+    the application did not respond). On a route that answers it is left for the
+    notice."""
+
+    async def failing(trigger: Trigger) -> Outcome:
+        raise ModelError("the model failed", rule="model.error")
+
+    for silent, token in ((True, "itoken-silent"), (False, "itoken-loud")):
+        core.routes = [({"channel": CHANNEL}, RouteMatch("r2", "o1", "a1", silent=silent))]
+        core.tasks.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(core, "submit", failing)
+            payload = ask_payload(token=token, interaction_id=f"9000000000000000{int(silent)}")
+            assert await post(server, payload, key) == (200, {"type": 5})
+            with pytest.raises(ModelError):
+                await core.drain()
+    assert [(p["op"], p["token"]) for p in standin.posts] == [("delete_original", "itoken-silent")]
 
 
 async def test_no_route_runs_no_turn_and_leaves_nothing(
