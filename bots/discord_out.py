@@ -20,6 +20,7 @@ import hashlib
 import logging
 import math
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -437,14 +438,24 @@ class DiscordChannel:
         return Sent(_message_id(data))
 
     async def _follow_up(self, app_id: int, token: str, text: str) -> SendOutcome:
-        data = await _webhook_adapter.get().execute_webhook(
-            app_id,
-            token,
-            session=self._webhook_session(),
-            payload={"content": text, "allowed_mentions": _WEBHOOK_ALLOWED_MENTIONS},
-            wait=True,
-        )
-        return Sent(_message_id(data))
+        """``POST /webhooks/{app}/{token}?wait=true``, once. Not discord.py's webhook
+        call: it sends again after a 5xx, and a follow-up carries no nonce, so one that
+        Discord had made before its edge answered 502 or 504 was posted twice."""
+        url = f"{discord.http.Route.BASE}/webhooks/{app_id}/{urllib.parse.quote(token, safe='')}"
+        payload = {"content": text, "allowed_mentions": _WEBHOOK_ALLOWED_MENTIONS}
+        session = self._webhook_session()
+        async with session.post(url, params={"wait": "true"}, json=payload) as response:
+            data = await discord.http.json_or_text(response)
+            status = response.status
+            if 200 <= status < 300:
+                return Sent(_message_id(data))
+            if status >= 500 and status != 503:
+                # (503: not taken in, as for Teams; 500, 502, 504 may come after it was.)
+                return Uncertain(
+                    f"discord: HTTP {status} to a follow-up, which carries no nonce: it "
+                    "may have been posted"
+                )
+            raise discord.HTTPException(response, data)
 
     async def delete_original(self, application_id: str, token: str) -> bool:
         """Delete an interaction's deferred response (best effort; True when gone). A

@@ -197,6 +197,31 @@ async def test_a_reply_whose_token_expired_is_posted_in_the_channel(
     assert "token has expired" in outcome.error and "15 minutes" in outcome.error
 
 
+async def test_a_follow_up_answered_5xx_is_sent_once_and_uncertain(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """A follow-up carries no nonce: one Discord made before its edge answered 502 is
+    not sent again (discord.py's webhook call sent it again by itself, and the relay's
+    retry after that: posted twice or more). It is ``deliveryUnknown``; a 503 is a
+    retry, and the next follow-up goes out as usual."""
+    owner = await channel.send(interaction_reply())
+    assert isinstance(owner, Sent)
+    standin.queue("made_502")
+    outcome = await channel.send(interaction_reply("delivery-r2"))
+    assert isinstance(outcome, Uncertain), outcome
+    assert "HTTP 502" in outcome.error and "may have been posted" in outcome.error
+    standin.queue("503")
+    assert isinstance(await channel.send(interaction_reply("delivery-r3")), Retry)
+    assert isinstance(await channel.send(interaction_reply("delivery-r4")), Sent)
+    assert [r["op"] for r in standin.requests] == [
+        "edit_original",
+        "followup",
+        "followup",
+        "followup",
+    ]
+    assert [p["op"] for p in standin.posts] == ["edit_original", "followup", "followup"]
+
+
 async def test_rate_limit_is_retry_with_its_delay(
     standin: DiscordApiStandin, channel: DiscordChannel
 ) -> None:

@@ -73,6 +73,8 @@ the channel id for channel messages and the interaction token for webhooks.
 ``portal``              200 with an HTML page, nothing done: a captive portal's or a
                         proxy's answer, not Discord's
 ``hang``                read the request, never answer (until the stand-in stops)
+``made_502``            do it, then answer 502 with an HTML page (Discord's edge timing
+                        out on a request its backend carried out)
 ``reset``               read the request, then reset the TCP connection (RST)
 ======================  ==================================================================
 """
@@ -302,8 +304,9 @@ class DiscordApiStandin(StandinBase):
         return request.headers.get("Authorization", "") == f"Bot {self.token}"
 
     async def _failure(self, request: web.Request, mode: str) -> web.StreamResponse | None:
-        """The response for a failure mode, or None for ``ok``."""
-        if mode == "ok":
+        """The response for a failure mode, or None for ``ok`` (and ``made_502``, whose
+        502 comes after the request is carried out)."""
+        if mode in ("ok", "made_502"):
             return None
         cut = await self._hang_or_reset(request, mode)
         if cut is not None:
@@ -604,6 +607,7 @@ class DiscordApiStandin(StandinBase):
         body, failure = await self._webhook_write(request, "followup")
         if failure is not None:
             return failure
+        made_502 = self.requests[-1]["mode"] == "made_502"
         app_id, token = request.match_info["app_id"], request.match_info["token"]
         if app_id != self.application_id:
             return _json({"message": "Unknown Webhook", "code": 10015}, status=404)
@@ -619,6 +623,8 @@ class DiscordApiStandin(StandinBase):
                 "content": body.get("content"),
             }
         )
+        if made_502:
+            return web.Response(status=502, text="<html>502 Bad Gateway</html>")
         if request.query.get("wait") in ("1", "true", "True"):
             return _json(message)
         return web.Response(status=204)
