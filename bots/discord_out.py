@@ -554,6 +554,9 @@ def _on_deadline(wire: _Wire, timeout_s: float) -> SendOutcome:
 _CHECK_API_URL = "check [discord] api_url"
 #: Discord's JSON error code for a channel that does not exist (or the bot cannot see).
 _UNKNOWN_CHANNEL = 10003
+#: Discord's JSON error codes for a channel the bot may not see or post in.
+_MISSING_ACCESS = 50001
+_MISSING_PERMISSIONS = 50013
 #: Discord's JSON error codes for an interaction token it no longer takes.
 _UNKNOWN_WEBHOOK = 10015
 _INVALID_WEBHOOK_TOKEN = 50027
@@ -605,6 +608,13 @@ def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
         return _permanent(
             f"{what} (the channel was deleted, or the bot cannot see it; "
             "check the binding's or notify target's channel id)",
+            said,
+        )
+    if exc.status == 403 and exc.code in (_MISSING_ACCESS, _MISSING_PERMISSIONS):
+        return _permanent(
+            f"{what} (the bot cannot see the channel, or lacks a permission there: View "
+            "Channel, Send Messages, Send Messages in Threads, Read Message History for a "
+            "reply; check the bot's role in that channel)",
             said,
         )
     if _token_expired(exc):

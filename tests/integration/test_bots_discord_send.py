@@ -309,6 +309,20 @@ async def test_a_404_says_whether_the_channel_or_the_api_url_is_wrong(
     assert standin.posts == []
 
 
+async def test_a_403_says_the_bot_lacks_access_or_a_permission(
+    standin: DiscordApiStandin, channel: DiscordChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord's 403 Missing Access (50001) or Missing Permissions (50013) fails for
+    good saying what to check (it said ``HTTP 403 code 50001`` only, in the error and
+    the log)."""
+    standin.set_channel_mode(CHANNEL, "forbidden")
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Permanent), outcome
+    reason = "the bot cannot see the channel, or lacks a permission there"
+    assert reason in outcome.error and reason in caplog.text
+    assert standin.posts == []
+
+
 @pytest.mark.parametrize("path", ["", "/api/v10/nothing-here"])
 async def test_an_api_url_where_every_route_is_404_fails_for_good(
     standin: DiscordApiStandin, path: str
