@@ -197,7 +197,8 @@ async def move_run(
 ) -> None:
     """Move ``run_id`` from ``src`` to ``dst`` (a move of :data:`RUN_TRANSITIONS`), fenced
     by status and, from ``running``, by the lease ``token``; a move that stays
-    ``running`` renews the lease, one that leaves it clears it. Raises
+    ``running`` renews the lease, one that leaves it clears it; one to ``failed`` closes
+    the run's continuations still ``waiting`` (it resumes nothing). Raises
     :class:`RunLeaseLost` (from ``running``) or :class:`TransitionError` when nothing
     matched."""
     if dst not in RUN_TRANSITIONS[src]:
@@ -216,6 +217,15 @@ async def move_run(
         )
     res = await conn.execute(t.flow_runs.update().where(*fences).values(changes))
     if res.rowcount:
+        if dst is RunStatus.failed:
+            # A failed run resumes nothing: a continuation registered before its node
+            # failed (the worker deactivated, its turn broke) is closed with it. It
+            # stayed ``waiting`` for ever, showing a failed run as waiting for a review.
+            await conn.execute(
+                t.continuations.update()
+                .where(C.run_id == run_id, C.status == "waiting")
+                .values(status="closed", updated_at=now)
+            )
         return
     if src is RunStatus.running:
         raise RunLeaseLost(

@@ -244,3 +244,43 @@ async def test_a_node_whose_agent_is_inactive_fails_the_run_in_one_line(
     run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
     assert (run["status"], run["error"]) == ("failed", "node 0: agent 'idle' is inactive")
     assert "Traceback" not in caplog.text and "[agent.inactive]" in caplog.text
+
+
+async def test_a_lead_reviewed_node_whose_worker_is_inactive_leaves_no_waiting_continuation(
+    stack: Any,
+) -> None:
+    # Its continuation was registered before the turn refused the inactive worker: the
+    # failed run showed one still waiting for a review that could never come.
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack, org, [{"type": "agent", "agent": "worker", "prompt": "draft #complete"}]
+    )
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.agents.update().where(t.agents.c.id == worker["id"]).values(active=False)
+        )
+    run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
+    assert (run["status"], run["error"]) == ("failed", "node 0: agent 'worker' is inactive")
+    assert [c["status"] for c in run["continuations"]] in ([], ["closed"])
+    assert await drain(FlowResumer(stack.flows)) == 0
+
+
+async def test_a_lead_reviewed_node_whose_turn_breaks_closes_its_continuation(
+    stack: Any,
+) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "draft #fail"},
+            {"type": "output", "value": 1},
+        ],
+    )
+    run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
+    assert run["status"] == "failed"
+    assert [c["status"] for c in run["continuations"]] == ["closed"]
