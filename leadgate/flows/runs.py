@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from leadgate.core.errors import (
     Unavailable,
     ValidationError,
 )
-from leadgate.core.limits import validate_message
+from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.logs import error_text, loggable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import (
@@ -92,6 +93,11 @@ STARTED_EVENT = "Flow run started"
 RESUMED_EVENT = "Flow run resumed"
 PAUSED_OUTPUT: dict[str, Any] = {"data": {}, "success": True}
 MAX_NODES = 100
+#: The keys each node type has (any other is refused: ``flow.node_key``).
+_NODE_KEYS = {
+    "agent": frozenset({"type", "agent", "prompt"}),
+    "output": frozenset({"type", "value"}),
+}
 R = t.flow_runs.c
 C = t.continuations.c
 _M = t.messages.c
@@ -324,13 +330,23 @@ def node_trigger(org_id: str, run_id: str, index: int, agent_id: str, prompt: st
 
 
 def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
-    """Check a flow definition (a non-empty list of known nodes)."""
+    """Check a flow definition (a non-empty list of known nodes, each with its own keys
+    only, an output's value at most :data:`~leadgate.core.limits.MESSAGE_LIMIT`
+    characters as JSON): bounded, since every run copies its outputs and rewrites them
+    after each agent node."""
     if not isinstance(nodes, list) or not nodes or len(nodes) > MAX_NODES:
         raise ValidationError(f"a flow is a list of 1..{MAX_NODES} nodes", rule="flow.nodes")
     for index, node in enumerate(nodes):
-        if not isinstance(node, dict) or node.get("type") not in ("agent", "output"):
+        if not isinstance(node, dict) or node.get("type") not in _NODE_KEYS:
             raise ValidationError(
                 f"node {index}: type must be agent or output", rule="flow.node_type"
+            )
+        unknown = sorted(str(key) for key in node if key not in _NODE_KEYS[node["type"]])
+        if unknown:
+            # Stored as given, unread: a misspelt key or a payload nothing bounds.
+            raise ValidationError(
+                f"node {index}: an {node['type']} node has no key {unknown[0][:40]!r}",
+                rule="flow.node_key",
             )
         if node["type"] == "agent":
             if not isinstance(node.get("agent"), str) or not node["agent"]:
@@ -340,6 +356,11 @@ def validate_nodes(nodes: Any) -> list[dict[str, Any]]:
             validate_message(node["prompt"])
         elif "value" not in node:
             raise ValidationError(f"node {index}: value is required", rule="flow.node_value")
+        elif len(json.dumps(node["value"], ensure_ascii=False)) > MESSAGE_LIMIT:
+            raise ValidationError(
+                f"node {index}: value is longer than {MESSAGE_LIMIT:,} characters as JSON",
+                rule="flow.node_value",
+            )
     return nodes
 
 

@@ -186,6 +186,29 @@ async def test_bad_flows_are_rejected(stack: Any, nodes: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("node", "rule"),
+    [
+        # Every run copies its outputs and rewrites them after each agent node: a value
+        # of any size was stored, and so was any key no node has.
+        ({"type": "output", "value": "x" * 99_999}, "flow.node_value"),
+        ({"type": "output", "value": ["é" * 50_000] * 2}, "flow.node_value"),
+        ({"type": "output", "value": 1, "payload": "x"}, "flow.node_key"),
+        ({"type": "agent", "agent": "a", "prompt": "x", "promt": "y"}, "flow.node_key"),
+    ],
+)
+async def test_a_node_is_bounded_and_has_only_its_own_keys(
+    stack: Any, node: dict[str, Any], rule: str
+) -> None:
+    org = await make_org(stack)
+    await make_agent(stack, org, "a")
+    with pytest.raises(ValidationError) as info:
+        await _flow(stack, org, [node])
+    assert info.value.rule == rule
+    # At the bound, as JSON: accepted.
+    await _flow(stack, org, [{"type": "output", "value": "x" * 99_998}])
+
+
+@pytest.mark.parametrize(
     ("name", "rule"),
     [
         ("", "flow.name"),
