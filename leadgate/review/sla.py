@@ -252,8 +252,11 @@ class SlaRunner:
             reminders += 1
             every = ep.remind_every_ms
             if every:
-                while next_remind <= now:  # one reminder for any number of missed ones
-                    next_remind += every
+                # One reminder for any number of missed ones; the next is the first on
+                # the interval after now, computed: stepped to, a 1 s interval after a
+                # year stopped (or a clock jump) was 31 million steps in the event loop
+                # for each episode.
+                next_remind += ((now - next_remind) // every + 1) * every
             else:
                 next_remind = None
         if escalate_at is not None and escalate_at <= now:

@@ -129,6 +129,26 @@ async def test_the_runner_knows_when_its_next_timer_falls_due(
     assert env.sla.due_in_s() == 90 * 60  # the escalation
 
 
+async def test_a_reminder_missed_for_ages_fires_once_and_at_once_then_keeps_its_interval(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """A stopped service (or a clock jump forward) passes any number of reminders: one
+    fires, and the next falls on the interval after now. It was stepped to one interval
+    at a time in the event loop: a 1 s interval a thousand years on never finished."""
+    env = await review_env(make_stack, remind_after="30m", remind_every="1s")
+    clock = env.stack.clock
+    item_id = await env.escalated("s1")
+    await drain(env.stack.relay)
+    clock.advance(30 * MINUTE_MS + 1000 * 366 * 24 * HOUR + 400)
+    assert await env.sla.run_once()
+    assert not await env.sla.run_once()  # one reminder for all those missed
+    assert env.sla.due_in_s() == 0.6  # the next on the 1 s interval after now
+    clock.advance(600)
+    assert await env.sla.run_once()
+    cards = await env.deliveries(item_id, "card")
+    assert purposes(cards) == [("notify", REVIEW_CHANNEL)] + [("reminder", REVIEW_CHANNEL)] * 2
+
+
 async def test_an_episode_opened_with_a_sooner_timer_wakes_the_runner(
     make_stack: Callable[..., Stack],
 ) -> None:
