@@ -15,6 +15,13 @@ firing happens at its time rather than up to a poll late, at no extra query. Add
 schedule wakes the schedule runners at commit (:attr:`leadgate.domain.wakes.Wake.schedule`:
 in process, and on PostgreSQL every other replica by NOTIFY), so a schedule whose first
 firing is sooner than the one they sleep toward fires at its time too.
+
+A clock ahead (a jump forward, put right later; a replica's clock) moves a schedule it
+fires on to a cron time after that clock: once the clock is right again nothing would
+fire until it caught up. The first pass, and the first after the clock is seen going
+back, check the schedules (a batch a pass) and bring such a firing back to the cron's
+next time after now (:meth:`ScheduleRunner._bring_back`); one taken in already is a
+duplicate then, never a second turn.
 """
 
 from __future__ import annotations
@@ -130,6 +137,18 @@ async def add_schedule(
     return {"id": schedule_id, "agentId": agent_id, "cron": cron, "nextFireAt": iso(first)}
 
 
+#: How many schedules one pass checks for a firing stranded by a clock that went back
+#: (:meth:`ScheduleRunner._bring_back`): a check of many takes a few passes.
+CHECK_BATCH = 100
+#: The active schedules whose next firing is after ``p_now``, by id after ``p_after``.
+_LATER = (
+    sa.select(S.id, S.cron, S.next_fire_at)
+    .where(S.active, S.next_fire_at > sa.bindparam("p_now"), S.id > sa.bindparam("p_after"))
+    .order_by(S.id)
+    .limit(CHECK_BATCH)
+)
+
+
 class ScheduleRunner:
     """Fires due schedules, each firing exactly once across replicas."""
 
@@ -141,6 +160,11 @@ class ScheduleRunner:
         self.turns = turns
         #: ``next_fire_at`` of the earliest active schedule at the last pass (None: none)
         self._next_fire: int | None = None
+        #: the clock at the last pass (None: no pass yet)
+        self._last_now: int | None = None
+        #: a check for stranded firings under way: the schedule id it goes on after
+        #: ("": from the first; the first pass checks); None: none under way
+        self._check_after: str | None = ""
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the earliest firing the last pass saw, or
@@ -155,13 +179,20 @@ class ScheduleRunner:
         return max(0.0, (self._next_fire - self.clock.now_ms()) / 1000)
 
     async def run_once(self) -> bool:
-        """Take in and run one due firing, then advance its schedule."""
+        """Take in and run one due firing, then advance its schedule (after bringing
+        back, at the first pass and when the clock went back, firings a clock ahead
+        stranded: :meth:`_bring_back`)."""
         now = self.clock.now_ms()
+        if self._last_now is not None and now < self._last_now:
+            self._check_after = ""  # the clock went back: check every schedule again
+        self._last_now = now
+        if self._check_after is not None:
+            await self._bring_back(now)
         async with self.db.read() as conn:
             row = (await conn.execute(_NEXT)).first()
         self._next_fire = None if row is None else row.next_fire_at
         if row is None or row.next_fire_at > now:
-            return False
+            return self._check_after is not None  # (a check under way goes on at once)
         try:
             advance: dict[str, Any] = {
                 "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
@@ -201,6 +232,46 @@ class ScheduleRunner:
                 .values(**advance)
             )
         return True
+
+    async def _bring_back(self, now: int) -> None:
+        """Bring back the next firing of schedules (a batch of :data:`CHECK_BATCH`, by id)
+        that a clock ahead of ``now`` put off: a firing taken in while the clock was
+        ahead (a jump forward, a replica's clock) moved its schedule on to a cron time
+        after that clock, and once the clock was put right nothing fired until it caught
+        up (a year, for a clock a year ahead). Its stored firing is then later than the
+        cron's next time after ``now``, which no clock going forward makes (each is the
+        next cron time after a moment before now). Fenced by the firing read; a firing
+        brought back that was taken in already is a duplicate then (its inbound event
+        id), never a second turn. Other replicas' runners are woken (they sleep toward
+        the later time)."""
+        async with self.db.read() as conn:  # (mostly nothing to bring back: a read)
+            rows = (await conn.execute(_LATER, {"p_now": now, "p_after": self._check_after})).all()
+        back: list[tuple[Any, int]] = []
+        for row in rows:
+            try:
+                sooner = next_fire(row.cron, now)
+            except ValidationError:
+                continue  # its own next firing deactivates it
+            if sooner < row.next_fire_at:
+                back.append((row, sooner))
+        if back:
+            async with self.db.tx() as conn:
+                for row, sooner in back:
+                    await conn.execute(
+                        t.schedules.update()
+                        .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
+                        .values(next_fire_at=sooner)
+                    )
+                await wakes.after_commit(conn, wakes.Wake.schedule)
+            for row, sooner in back:
+                log.warning(
+                    "schedule %s: its next firing %s was set by a clock ahead of this one; "
+                    "brought back to %s",
+                    row.id,
+                    iso(row.next_fire_at),
+                    iso(sooner),
+                )
+        self._check_after = rows[-1].id if len(rows) == CHECK_BATCH else None
 
 
 class ScheduleView(TypedDict):

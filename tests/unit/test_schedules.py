@@ -200,3 +200,36 @@ async def test_the_runner_knows_when_its_next_firing_is_due(stack: Stack) -> Non
     assert await runner.run_once()
     assert not await runner.run_once()
     assert runner.due_in_s() == 3_600
+
+
+@pytest.mark.parametrize("runner_after", ["the same runner", "a restarted runner"])
+async def test_a_firing_a_clock_ahead_put_off_is_brought_back_and_none_runs_twice(
+    stack: Stack, runner_after: str
+) -> None:
+    # The clock jumps a year ahead, the hour's firing is taken in and its schedule moved
+    # on to an hour a year away; then the clock is put right. Nothing fired for a year.
+    _, _, added = await _scheduled(stack, "0 * * * *", "hourly")
+    hour = -stack.clock.now_ms() % 3_600_000 or 3_600_000  # to the next full hour
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    assert await drain(runner) == 0
+    year = 366 * 24 * 3_600_000
+    stack.clock.advance(hour - 60_000 + year)
+    assert await drain(runner) == 1  # the next hour's firing, early
+    stack.clock.advance(-year)  # put right: a minute before that hour
+    if runner_after == "a restarted runner":
+        runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    assert await drain(runner) == 0
+    assert runner.due_in_s() == 60  # the hour's firing again, not a year on
+    stack.clock.advance(60_000)
+    assert await drain(runner) == 1  # a duplicate of the firing taken in: no second turn
+    stack.clock.advance(3_600_000)
+    assert await drain(runner) == 1  # the next hour's
+    async with stack.db.read() as conn:
+        turns = await conn.scalar(
+            sa.select(sa.func.count()).select_from(t.messages).where(t.messages.c.role == "user")
+        )
+        listed = await conn.scalar(
+            sa.select(t.schedules.c.next_fire_at).where(t.schedules.c.id == added["id"])
+        )
+    assert turns == 2
+    assert listed == stack.clock.now_ms() + 3_600_000
