@@ -145,7 +145,7 @@ _LATER = (
     sa.select(S.id, S.cron, S.next_fire_at)
     .where(S.active, S.next_fire_at > sa.bindparam("p_now"), S.id > sa.bindparam("p_after"))
     .order_by(S.id)
-    .limit(CHECK_BATCH)
+    .limit(sa.bindparam("p_limit"))
 )
 
 
@@ -165,6 +165,8 @@ class ScheduleRunner:
         #: a check for stranded firings under way: the schedule id it goes on after
         #: ("": from the first; the first pass checks); None: none under way
         self._check_after: str | None = ""
+        #: schedules checked per pass (:data:`CHECK_BATCH`)
+        self.check_batch = CHECK_BATCH
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the earliest firing the last pass saw, or
@@ -245,7 +247,12 @@ class ScheduleRunner:
         id), never a second turn. Other replicas' runners are woken (they sleep toward
         the later time)."""
         async with self.db.read() as conn:  # (mostly nothing to bring back: a read)
-            rows = (await conn.execute(_LATER, {"p_now": now, "p_after": self._check_after})).all()
+            rows = (
+                await conn.execute(
+                    _LATER,
+                    {"p_now": now, "p_after": self._check_after, "p_limit": self.check_batch},
+                )
+            ).all()
         back: list[tuple[Any, int]] = []
         for row in rows:
             try:
@@ -271,7 +278,7 @@ class ScheduleRunner:
                     iso(row.next_fire_at),
                     iso(sooner),
                 )
-        self._check_after = rows[-1].id if len(rows) == CHECK_BATCH else None
+        self._check_after = rows[-1].id if len(rows) == self.check_batch else None
 
 
 class ScheduleView(TypedDict):

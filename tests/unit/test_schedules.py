@@ -233,3 +233,29 @@ async def test_a_firing_a_clock_ahead_put_off_is_brought_back_and_none_runs_twic
         )
     assert turns == 2
     assert listed == stack.clock.now_ms() + 3_600_000
+
+
+async def test_the_check_for_put_off_firings_takes_a_batch_a_pass(stack: Stack) -> None:
+    org, agent, _ = await _scheduled(stack, "0 * * * *", "hourly")
+    async with stack.db.tx() as conn:
+        for n in range(2):
+            await add_schedule(
+                conn,
+                stack.clock,
+                stack.ids,
+                org_id=org.id,
+                agent_id=agent["id"],
+                cron="0 * * * *",
+                message=f"hourly {n}",
+            )
+        hour = await conn.scalar(sa.select(sa.func.min(t.schedules.c.next_fire_at)))
+        # Moved on by a clock a year ahead.
+        await conn.execute(t.schedules.update().values(next_fire_at=hour + 366 * 24 * 3_600_000))
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    runner.check_batch = 2
+    assert await runner.run_once()  # two brought back; the check goes on at once
+    assert not await runner.run_once()  # the third, and the check is done
+    async with stack.db.read() as conn:
+        times = (await conn.execute(sa.select(t.schedules.c.next_fire_at))).scalars().all()
+    assert times == [hour] * 3
+    assert not await runner.run_once()  # nothing more to check, nothing due
