@@ -376,12 +376,17 @@ async def create_flow(
     conn: Conn, clock: Clock, ids: IdFactory, org_id: str, name: str, nodes: Any
 ) -> NewFlowView:
     """Store a flow after checking its name (rule ``flow.name``), its nodes and that every
-    agent exists."""
+    agent exists and is active (``agent.inactive``)."""
     name = validate_name(name, "flow", id_prefix="flw")
     nodes = validate_nodes(nodes)
-    for node in nodes:
+    for index, node in enumerate(nodes):
         if node["type"] == "agent":
-            await agents_mod.find_agent(conn, org_id, node["agent"])
+            agent = await agents_mod.find_agent(conn, org_id, node["agent"])
+            if not agent.active:
+                # Every run would fail at this node (as a schedule of it would fire).
+                raise ValidationError(
+                    f"node {index}: agent {agent.name!r} is inactive", rule="agent.inactive"
+                )
     if await conn.scalar(
         sa.select(t.flows.c.id).where(t.flows.c.org_id == org_id, t.flows.c.name == name)
     ):

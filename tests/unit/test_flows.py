@@ -267,6 +267,24 @@ async def test_a_node_whose_agent_is_inactive_fails_the_run_in_one_line(
     run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
     assert (run["status"], run["error"]) == ("failed", "node 0: agent 'idle' is inactive")
     assert "Traceback" not in caplog.text and "[agent.inactive]" in caplog.text
+    # A flow made of it now is refused (every run would fail), as a schedule of it is.
+    with pytest.raises(ValidationError) as refused:
+        async with stack.db.tx() as conn:
+            await create_flow(
+                conn,
+                stack.clock,
+                stack.ids,
+                org.id,
+                "again",
+                [
+                    {"type": "output", "value": 1},
+                    {"type": "agent", "agent": "idle", "prompt": "hi"},
+                ],
+            )
+    assert (refused.value.rule, refused.value.message) == (
+        "agent.inactive",
+        "node 1: agent 'idle' is inactive",
+    )
 
 
 async def test_a_lead_reviewed_node_whose_worker_is_inactive_leaves_no_waiting_continuation(
