@@ -11,9 +11,11 @@ import argparse
 import contextlib
 import getpass
 import os
+import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,11 +112,14 @@ def read_password(given: str | None) -> str:
     if os.environ.get("LEADGATE_PASSWORD"):
         return _utf8(os.environ["LEADGATE_PASSWORD"], "$LEADGATE_PASSWORD")
     if sys.stdin.isatty():
-        first = _utf8(getpass.getpass("Password for the console user: "), "the password")
-        if getpass.getpass("Repeat the password: ") != first:
+        with interruptible():
+            first = _utf8(getpass.getpass("Password for the console user: "), "the password")
+            again = getpass.getpass("Repeat the password: ")
+        if again != first:
             raise ValidationError("the two passwords differ", rule="user.password")
         return first
-    line = sys.stdin.readline()
+    with interruptible():
+        line = sys.stdin.readline()
     if not line:
         # Standard input ended before a line: said "password must be 8 to 1,024
         # characters", as if one had been given.
@@ -124,6 +129,29 @@ def read_password(given: str | None) -> str:
             rule="user.password",
         )
     return _utf8(line, "standard input").rstrip("\r\n")
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C stops the command at once while it waits for what a person types (a
+    password prompt, ``--reason -`` on a terminal). Commands run in ``asyncio.run``,
+    whose SIGINT handler only cancels the command's task, which a blocking read never
+    gets back to: the first Ctrl-C was ignored, and the command went on to fail once
+    the input was typed after all. Python's own handler (KeyboardInterrupt) is put back
+    for the read, asyncio's after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers are the main thread's (a test may call a command elsewhere)
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if sys.stdin.isatty():  # the error's line below the prompt, not after it
+            print(file=sys.stderr)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _typed_password(given: str) -> str:
@@ -426,7 +454,11 @@ def _identity() -> str:
 
 
 def _text(value: str) -> str:
-    return _utf8(sys.stdin.read(), "standard input").strip() if value == "-" else value
+    if value != "-":
+        return value
+    with interruptible():
+        read = sys.stdin.read()
+    return _utf8(read, "standard input").strip()
 
 
 def _utf8(text: str, where: str) -> str:

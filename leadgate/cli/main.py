@@ -3,7 +3,8 @@ table``; errors on stderr, each naming the config file and database in use).
 
 Exit codes: 0 success, 2 a rule was broken (the message names it), 3 a write whose
 ``COMMIT`` was in doubt and could not be read back (the message says what tells whether
-it was made: :mod:`leadgate.cli.doubt`), 1 anything else.
+it was made: :mod:`leadgate.cli.doubt`), 130 Ctrl-C, 141 the reader of the output went
+away (``| head``), 1 anything else.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
 from leadgate.core.errors import (
+    ConfigError,
     DatabaseDamaged,
     LeadgateError,
     Unavailable,
@@ -40,6 +42,15 @@ log = logging.getLogger("leadgate")
 
 #: The rule an unexpected error's line ends with (exit 1), as the HTTP surfaces' 500.
 INTERNAL_RULE = "internal"
+#: The rule of a database URL whose user, password or database the server refuses.
+LOGIN_RULE = "database.login"
+#: Ctrl-C (SIGINT): the shell's status for it (128 + 2), and the rule its line ends with.
+INTERRUPTED_EXIT = 130
+INTERRUPTED_RULE = "cli.interrupted"
+INTERRUPTED = (
+    "interrupted (Ctrl-C); a change the command was making is made whole or not at all: "
+    "look (list or show) before running it again"
+)
 
 
 async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
@@ -190,7 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     raw = sys.argv[1:] if argv is None else argv
     epilog = help_epilog(raw) if {"-h", "--help"} & set(raw) else ""
-    args = build_parser(epilog).parse_args(raw)
+    try:
+        args = build_parser(epilog).parse_args(raw)
+    except SystemExit:  # --help, --version, a usage error: printed, to be flushed now
+        with contextlib.suppress(BrokenPipeError):
+            if sys.stdout is not None:
+                sys.stdout.flush()
+            raise
+        return _reader_gone()
+    except BrokenPipeError:  # their text was longer than the pipe's buffer
+        return _reader_gone()
     # Imported once the arguments parsed: `--version` and a usage error answer without
     # loading asyncio, and pydantic and SQLAlchemy (the configuration's checks).
     import asyncio
@@ -200,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     choice = discover(args.config)
     settings: Settings | None = None
     try:
+        check_stdout()
         check_text_arguments(args)
         settings = load_settings(choice.path)
         setup_logging(settings)
@@ -226,13 +247,36 @@ def main(argv: list[str] | None = None) -> int:
             exc = when_reading(exc)
         return _refused(exc, choice, settings)
     except KeyboardInterrupt:
-        return 130
+        # Said, not left to the shell's "^C": a write the command was making may have
+        # landed just before (its result was never printed).
+        with contextlib.suppress(OSError):
+            print(
+                f"leadgate: error: {INTERRUPTED} ({where(choice, settings)}) [{INTERRUPTED_RULE}]",
+                file=sys.stderr,
+            )
+        return INTERRUPTED_EXIT
     except Exception as exc:
         from leadgate.database.db import damaged_file
+        from leadgate.database.faults import login_refused, unavailable
 
         damaged = None if settings is None else damaged_file(exc, settings.database.url)
         if damaged is not None:
             return _refused(damaged, choice, settings)
+        login = login_refused(exc)
+        if login is not None:
+            refusal = ConfigError(
+                f"the database server refused the connection ({login}): correct "
+                "[database] url (or LEADGATE_DATABASE__URL)",
+                rule=LOGIN_RULE,
+            )
+            return _refused(refusal, choice, settings)
+        # A fault met outside a transaction (the schema check that opens every command,
+        # `db upgrade`): the database cannot be reached, as a fault inside one says. It
+        # was exit 1 `[internal]`, the driver's error named as a bug.
+        fault = unavailable(exc)
+        if fault is not None:
+            told = when_reading(fault) if _only_reads(args) else fault
+            return _refused(told, choice, settings, cause=exc)
         with contextlib.suppress(Exception):
             log.debug("command failed", exc_info=loggable(exc))
         # stderr is the service's log for `serve`: a database error's text (PostgreSQL's
@@ -251,11 +295,21 @@ def _only_reads(args: argparse.Namespace) -> bool:
     return getattr(args, f"{args.command}_command", None) in ("list", "show")
 
 
-def _refused(exc: LeadgateError, choice: ConfigChoice, settings: Settings | None) -> int:
+def _refused(
+    exc: LeadgateError,
+    choice: ConfigChoice,
+    settings: Settings | None,
+    cause: BaseException | None = None,
+) -> int:
     """Exit 2 (:data:`IN_DOUBT_EXIT` for :data:`WRITE_IN_DOUBT_RULE`) with one line, the rule
-    last (scripts look for "[rule]" at the end)."""
+    last (scripts look for "[rule]" at the end); ``cause``: the driver's error it was
+    made of, named too."""
     # A damaged file's message is the one for HTTP clients; an operator gets the file.
     message = exc.detail if isinstance(exc, DatabaseDamaged) else exc.message
+    if cause is not None:
+        # Which of a refused connection, a host that does not resolve or a timeout it
+        # was, in the words a log line may carry (a database error's types and codes).
+        message = f"{message} ({error_text(cause)})"
     print(
         f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
         file=sys.stderr,
@@ -275,17 +329,38 @@ def _emit(text: str) -> int:
         print(text)
         sys.stdout.flush()
     except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that flush
-        # cannot raise a second time (the Python docs' recipe for SIGPIPE).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
         with contextlib.suppress(OSError):
             print(
                 "leadgate: the command completed; its output was not all read (broken pipe)",
                 file=sys.stderr,
             )
-        return BROKEN_PIPE_EXIT
+        return _reader_gone()
     return 0
+
+
+def _reader_gone() -> int:
+    """:data:`BROKEN_PIPE_EXIT`, once stdout points at /dev/null: Python flushes stdout
+    again at exit, which must not raise a second time (the Python docs' recipe for
+    SIGPIPE; ``--version | head -0`` ended in a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return BROKEN_PIPE_EXIT
+
+
+#: The rule of a command run with its standard output closed (``>&-``).
+STDOUT_RULE = "cli.stdout"
+
+
+def check_stdout() -> None:
+    """Refuse to run with standard output closed (``leadgate key create ... >&-``): the
+    command ran and its result, a new key's secret shown once, went nowhere (and the
+    flush after it said ``AttributeError`` as an internal error)."""
+    if sys.stdout is None:
+        raise ValidationError(
+            "standard output is closed: the command's result would be lost; run it with "
+            "its output going to a terminal, a file or a pipe",
+            rule=STDOUT_RULE,
+        )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ DESCRIPTION = """leadgate: serve, the admin commands and the operator commands (
 or --format table; errors on stderr).
 
 Exit codes: 0 success, 2 a rule was broken (the message names it: not found, wrong status,
-bad input, missing permission), 1 anything else (the database cannot be reached, ...)."""
+bad input, missing permission, the database cannot be reached), 3 a write whose COMMIT
+was in doubt ([cli.in_doubt]), 130 Ctrl-C, 141 the output's reader went away (| head),
+1 anything else ([internal])."""
 
 #: A cursor is a place in one filtered list: the next page is asked with the same filters.
 CURSOR_HELP = (

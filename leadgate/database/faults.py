@@ -25,6 +25,7 @@ finds it, for :class:`leadgate.core.errors.DatabaseDamaged`.
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 
 import sqlalchemy as sa
@@ -94,7 +95,9 @@ def _why(exc: BaseException) -> str | None:
             return _text(item)
         if isinstance(item, sa.exc.DBAPIError) and item.connection_invalidated:
             return "the database connection was lost"
-        if isinstance(item, ConnectionError | TimeoutError):
+        # socket.gaierror: the database's host name did not resolve (DNS away, or a typo:
+        # either way the database cannot be reached now; it was answered as a bug).
+        if isinstance(item, ConnectionError | TimeoutError | socket.gaierror):
             return _text(item)
         if type(item).__module__.startswith("asyncpg") and (
             "Connection" in type(item).__name__ or "Shutdown" in type(item).__name__
@@ -176,3 +179,24 @@ def unavailable(exc: BaseException) -> Unavailable | None:
     error = Unavailable(NOTHING_STORED, rule="service.unavailable")
     error.detail = why[:300]
     return error
+
+
+#: What a PostgreSQL server answers a connection whose URL names a user, password or
+#: database it does not take: the configuration's mistake, neither a passing fault nor
+#: a bug. The server's own text (which names the user) is left out, as elsewhere.
+_PG_LOGIN = {
+    "28000": "invalid_authorization_specification: the server takes no such user from "
+    "this host (a role that does not exist, or pg_hba.conf)",
+    "28P01": "invalid_password: the password is wrong",
+    "3D000": "invalid_catalog_name: the server has no database of that name",
+}
+
+
+def login_refused(exc: BaseException) -> str | None:
+    """``SQLSTATE <code> <what it means>`` when ``exc`` is PostgreSQL refusing the
+    connection for its user, password or database name (:data:`_PG_LOGIN`), else None."""
+    for item in exception_chain(exc):
+        state = getattr(item, "sqlstate", None) or getattr(item, "pgcode", None)
+        if isinstance(state, str) and state in _PG_LOGIN:
+            return f"SQLSTATE {state} {_PG_LOGIN[state]}"
+    return None

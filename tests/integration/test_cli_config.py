@@ -1,18 +1,22 @@
 """The configuration as the ``leadgate`` command meets it (``leadgate.cli.main.main``, in
 process): a relative SQLite path follows the config file, not the current directory;
 every configuration error is one line, exit 2, ending in a dotted rule; a client's
-``LEADGATE_*`` variables do not stop a command."""
+``LEADGATE_*`` variables do not stop a command; a database that cannot be reached, or
+refuses the URL's login, is one line naming why."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from leadgate.cli.main import main
+from tests.pg import PostgresServer
 
 
 @pytest.fixture(autouse=True)
@@ -142,3 +146,60 @@ def test_client_variables_do_not_stop_a_command_and_lists_come_from_the_environm
     code, out, err = run(capsys, "--config", str(config), "db", "upgrade")
     assert (code, out) == (2, "") and err.rstrip().endswith("[config.unknown_key]"), err
     assert "write LEADGATE_DATABASE__URL" in err
+
+
+@pytest.mark.parametrize(
+    ("where", "rule", "says"),
+    [
+        ("closed_port", "service.unavailable", "Connect call failed"),
+        ("unknown_user", "database.login", "SQLSTATE 28000 invalid_authorization_specification"),
+        ("unknown_database", "database.login", "SQLSTATE 3D000 invalid_catalog_name"),
+    ],
+)
+def test_a_database_that_cannot_be_reached_or_refuses_the_login_is_one_line_naming_why(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+    where: str,
+    rule: str,
+    says: str,
+) -> None:
+    """Met by the schema check that opens every command (and by ``db upgrade``), outside
+    any transaction: each was exit 1 ``[internal]`` with the driver's error type."""
+    if where == "closed_port":
+        with socket.socket() as held:  # bound, never listening: connections are refused
+            held.bind(("127.0.0.1", 0))
+            url = f"postgresql+asyncpg://lg:secret@127.0.0.1:{held.getsockname()[1]}/lg"
+            results = _database_commands(tmp_path, capsys, url)
+    else:
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        base = make_url(server.url)
+        wrong = (
+            base.set(username="nosuchuser")
+            if where == "unknown_user"
+            else base.set(database="nosuchdb")
+        )
+        results = _database_commands(tmp_path, capsys, wrong.render_as_string(False))
+    for command, (code, out, err) in results.items():
+        assert (code, out) == (2, ""), (command, err)
+        assert err.count("\n") == 1 and err.rstrip().endswith(f"[{rule}]"), (command, err)
+        assert says in err and "secret" not in err and "Traceback" not in err, (command, err)
+    if where == "closed_port":  # a read is not told that nothing was stored
+        assert "the database is unavailable right now" in results["list"][2]
+        assert "nothing was stored" in results["create"][2]
+
+
+def _database_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str
+) -> dict[str, tuple[int, str, str]]:
+    """``db upgrade``, a read and a write on the database at ``url``."""
+    config = tmp_path / "config.toml"
+    config.write_text(f'[database]\nurl = "{url}"\nbusy_timeout_s = 2\n', encoding="utf-8")
+    commands = {
+        "upgrade": ["db", "upgrade"],
+        "list": ["key", "list", "--org", "acme"],
+        "create": ["org", "create", "acme"],
+    }
+    return {
+        name: run(capsys, "--config", str(config), *command) for name, command in commands.items()
+    }

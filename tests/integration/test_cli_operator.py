@@ -11,6 +11,7 @@ Work items are made in-process through the real turn path on the same SQLite fil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import json
 import os
@@ -24,6 +25,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,9 +49,16 @@ from tests.service_proc import cli_batch
 ME = getpass.getuser()
 
 
-def lg(cwd: Path, *args: str, stdin: str = "", env: dict[str, str] | None = None) -> Run:
+def lg(
+    cwd: Path,
+    *args: str,
+    stdin: str = "",
+    env: dict[str, str] | None = None,
+    runner: list[str] = LEADGATE,
+) -> Run:
+    """``leadgate args...`` in ``cwd`` (``runner=[]``: ``args`` is the whole command)."""
     proc = subprocess.run(
-        [*LEADGATE, *args],
+        [*runner, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -192,7 +201,9 @@ def test_config_discovery_order_is_named_on_help_and_in_errors(
     defaults.rule_error("db.not_migrated")
     assert "built-in defaults" in defaults.err
     assert "sqlite+aiosqlite:///./leadgate.db" in defaults.err
-    assert secret.code == 1 and "hunter2" not in secret.err and "***" in secret.err
+    # (Nothing listens on port 1: the database cannot be reached, said as such.)
+    secret.rule_error("service.unavailable")
+    assert "hunter2" not in secret.err and "***" in secret.err
 
 
 # ---------------------------------------------------------------------------- keys
@@ -252,6 +263,29 @@ def test_a_reader_that_goes_away_is_a_broken_pipe_not_a_failure(world: dict[str,
     assert "Traceback" not in err and "Exception ignored" not in err
 
 
+def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceback(
+    world: dict[str, Any],
+) -> None:
+    # `leadgate --version | head -0`: it was a traceback (BrokenPipeError), exit 1.
+    proc = subprocess.Popen(
+        [*LEADGATE, "--version"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child, still starting, prints
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=TIMEOUT) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    # `leadgate key create ... >&-`: the key was made, its secret printed nowhere, and
+    # the command said AttributeError [internal].
+    [(keys,)] = rows(world, "SELECT count(*) FROM api_keys")
+    closed = lg(world["root"], "sh", "-c", 'exec "$0" "$@" >&-', *LEADGATE,
+                "key", "create", "--org", "acme", "--scope", "agent:trigger",
+                runner=[])  # fmt: skip
+    closed.rule_error("cli.stdout")
+    assert "standard output is closed" in closed.err
+    assert rows(world, "SELECT count(*) FROM api_keys") == [(keys,)]
+
+
 # --------------------------------------------------------------- users and passwords
 
 
@@ -304,49 +338,81 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
     assert count == 2
 
 
-def test_on_a_terminal_the_password_is_asked_twice_without_echo(world: dict[str, Any]) -> None:
+@contextlib.contextmanager
+def on_a_terminal(world: dict[str, Any], *args: str) -> Iterator[tuple[int, bytearray]]:
+    """``leadgate args...`` in a child whose controlling terminal is a new pty (TERM=dumb),
+    in the world's directory: the pty's file descriptor, and what it showed (see
+    :func:`read_until`). On leaving, the pty is closed (a child still running ends on
+    its SIGHUP) and the child reaped."""
     env = {**_env(), "TERM": "dumb"}
-    args = [
-        *LEADGATE,
-        "user",
-        "create",
-        "--org",
-        "acme",
-        "--email",
-        "tty@example.com",
-        "--role",
-        "Member",
-        "--name",
-        "Tia",
-    ]
+    command = [*LEADGATE, *args]
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal
         os.chdir(world["root"])
-        os.execve(args[0], args, env)
-    out = b""
+        os.execve(command[0], command, env)
+    try:
+        yield fd, bytearray()
+    finally:
+        os.close(fd)
+        with contextlib.suppress(ChildProcessError):  # (reaped by exit_code)
+            os.waitpid(pid, 0)
 
-    def read_until(marker: bytes) -> None:
-        nonlocal out
-        deadline = time.monotonic() + TIMEOUT
-        while marker not in out:
-            assert time.monotonic() < deadline, out
-            ready, _, _ = select.select([fd], [], [], 1.0)
-            if ready:
-                try:
-                    out += os.read(fd, 4096)
-                except OSError:
-                    break
 
-    read_until(b"Password for the console user: ")
-    os.write(fd, b"typed on a tty\n")
-    read_until(b"Repeat the password: ")
-    os.write(fd, b"typed on a tty\n")
-    read_until(b'"role": "Member"')
-    _, status = os.waitpid(pid, 0)
-    os.close(fd)
-    assert os.waitstatus_to_exitcode(status) == 0, out
+def exit_code(fd: int, out: bytearray) -> int:
+    """The exit code of the child on the pty ``fd``, once it has closed the terminal."""
+    read_until(fd, out, None)
+    _, status = os.wait()
+    return os.waitstatus_to_exitcode(status)
+
+
+def read_until(fd: int, out: bytearray, marker: bytes | None) -> None:
+    """Add what the pty ``fd`` shows to ``out`` until ``marker`` is in it (None: until
+    the child has closed the terminal, at its exit); fails after :data:`TIMEOUT`."""
+    deadline = time.monotonic() + TIMEOUT
+    while marker is None or marker not in out:
+        assert time.monotonic() < deadline, out
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            try:
+                read = os.read(fd, 4096)
+            except OSError:  # EIO: the child is gone
+                read = b""
+            if not read:
+                assert marker is None, out
+                return
+            out += read
+
+
+def test_on_a_terminal_the_password_is_asked_twice_without_echo(world: dict[str, Any]) -> None:
+    with on_a_terminal(
+        world, "user", "create", "--org", "acme", "--email", "tty@example.com", "--role",
+        "Member", "--name", "Tia",
+    ) as (fd, out):  # fmt: skip
+        read_until(fd, out, b"Password for the console user: ")
+        os.write(fd, b"typed on a tty\n")
+        read_until(fd, out, b"Repeat the password: ")
+        os.write(fd, b"typed on a tty\n")
+        read_until(fd, out, b'"role": "Member"')
+        assert exit_code(fd, out) == 0, out
     assert b"typed on a tty" not in out  # no echo
     assert rows(world, "SELECT name FROM users WHERE email = 'tty@example.com'") == [("Tia",)]
+
+
+def test_one_ctrl_c_stops_a_command_waiting_for_a_password(world: dict[str, Any]) -> None:
+    """asyncio's SIGINT handler only cancels the command's task, which a blocking read
+    never gets back to: the first Ctrl-C at the prompt was ignored (as at ``--reason -``
+    read from a terminal, which reads through the same guard)."""
+    with on_a_terminal(
+        world, "user", "create", "--org", "acme", "--email", "ctrlc@example.com", "--role",
+        "Member",
+    ) as (fd, out):  # fmt: skip
+        read_until(fd, out, b"Password for the console user: ")
+        os.write(fd, b"\x03")  # the terminal's interrupt character: SIGINT
+        assert exit_code(fd, out) == 130, out
+    said = out.decode().strip().splitlines()[-1]
+    assert said.startswith("leadgate: error: interrupted (Ctrl-C)"), out
+    assert said.endswith("[cli.interrupted]") and b"Traceback" not in out, out
+    assert rows(world, "SELECT count(*) FROM users WHERE email = 'ctrlc@example.com'") == [(0,)]
 
 
 def _console(world: dict[str, Any], *steps: tuple[str, str, str]) -> list[Any]:

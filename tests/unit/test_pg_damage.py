@@ -1,13 +1,17 @@
 """Which PostgreSQL errors say the database is damaged (leadgate.database.faults.pg_damage):
 only the corruption codes, whichever way they are wrapped, and without the statement's
-text or parameters (tests/integration/test_damaged_postgres.py meets them over the wire)."""
+text or parameters (tests/integration/test_damaged_postgres.py meets them over the wire);
+and which connection errors are unavailability (``unavailable``) or a login the URL got
+wrong (``login_refused``; tests/integration/test_cli_config.py meets them)."""
 
 from __future__ import annotations
+
+import socket
 
 import asyncpg
 import sqlalchemy as sa
 
-from leadgate.database.faults import pg_damage, unavailable
+from leadgate.database.faults import login_refused, pg_damage, unavailable
 
 
 def server_error(cls: type[asyncpg.PostgresError], message: str, **fields: str) -> Exception:
@@ -43,3 +47,16 @@ def test_other_errors_are_not_damage() -> None:
     assert pg_damage(internal) is None  # XX000: a server bug, not damage
     assert pg_damage(server_error(asyncpg.exceptions.UniqueViolationError, "dup")) is None
     assert pg_damage(ValueError("XX001")) is None
+
+
+def test_an_unresolvable_host_is_unavailability_and_a_refused_login_is_the_urls() -> None:
+    # The database's host name did not resolve: it was answered as a bug (500, exit 1).
+    dns = unavailable(socket.gaierror(-2, "Name or service not known"))
+    assert dns is not None and dns.rule == "service.unavailable"
+    assert dns.detail == "[Errno -2] Name or service not known"
+    password = server_error(
+        asyncpg.exceptions.InvalidPasswordError, 'password authentication failed for user "lg"'
+    )
+    assert login_refused(password) == "SQLSTATE 28P01 invalid_password: the password is wrong"
+    assert unavailable(password) is None and pg_damage(password) is None  # no retry helps
+    assert login_refused(ConnectionRefusedError(111, "refused")) is None
