@@ -34,7 +34,10 @@ _REPLY_ADDRESS = re.compile(r"[a-z0-9!#$%&'*/=?^_`{|}~.-]{1,40}@[a-z0-9-]+(\.[a-
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No `inf` or `nan` (TOML has both): `inf` passed every `gt=0` bound, turning a
+    # timeout or a poll off, and `[runners] dead_after_s = inf` stopped the service's
+    # start with an OverflowError.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _api_base_url(value: str) -> str:
@@ -305,6 +308,19 @@ class RunnerSettings(_Section):
     #: back at once instead of waiting out the lease.
     heartbeat_s: float = Field(default=5.0, gt=0)
     dead_after_s: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _dead_after_missed_beats(self) -> RunnerSettings:
+        # With beats further apart than dead_after_s, every process looked dead between
+        # two of its beats: another took its leases back while it still worked on them,
+        # and the work ran twice.
+        if self.dead_after_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({self.dead_after_s:g} s) must be at least twice heartbeat_s "
+                f"({self.heartbeat_s:g} s): a live process whose beat came late would be "
+                "taken for dead, and its work run a second time"
+            )
+        return self
 
 
 class LogSettings(_Section):

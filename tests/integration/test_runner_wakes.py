@@ -141,8 +141,9 @@ async def make_app() -> AsyncIterator[MakeApp]:
         settings = Settings.model_validate(
             {
                 "database": {"url": url},
-                # A heartbeat that never beats by itself: the tests reap when they mean to.
-                "runners": {"poll_interval_s": POLL_S, "heartbeat_s": 3600},
+                # A heartbeat that never beats by itself: the tests reap when they mean to
+                # (a process is dead after two missed beats at the least).
+                "runners": {"poll_interval_s": POLL_S, "heartbeat_s": 3600, "dead_after_s": 7200},
                 "review": review or {},
             }
         )

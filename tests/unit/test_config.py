@@ -263,6 +263,31 @@ def test_out_of_range_value_names_the_key(tmp_path: Path) -> None:
     assert "server.port" in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[runners]\npoll_interval_s = inf\n", "runners.poll_interval_s: Input should be a finite"),
+        ("[server]\nbody_timeout_s = inf\n", "server.body_timeout_s: Input should be a finite"),
+        ("[runners]\ndead_after_s = inf\n", "runners.dead_after_s: Input should be a finite"),
+        ("[api]\nmcp_session_idle_s = nan\n", "api.mcp_session_idle_s: Input should be a finite"),
+        (
+            "[runners]\nheartbeat_s = 60.0\ndead_after_s = 30.0\n",
+            "dead_after_s (30 s) must be at least twice heartbeat_s (60 s)",
+        ),
+        ("[runners]\nheartbeat_s = 20.0\n", "dead_after_s (30 s) must be at least twice"),
+    ],
+)
+def test_an_infinite_duration_or_a_process_dead_between_its_beats_is_refused(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(write(tmp_path, text), environ={})
+    assert says in info.value.message and info.value.rule == "config.invalid"
+    with pytest.raises(ConfigError):  # from the environment too
+        load_settings(None, environ={"LEADGATE_RUNNERS__POLL_INTERVAL_S": "inf"})
+    assert load_settings(write(tmp_path, "[runners]\nheartbeat_s = 15.0\n"), environ={})
+
+
 def test_a_metrics_token_that_no_bearer_header_could_carry_is_refused() -> None:
     # A bearer token is read as printable ASCII without blanks (decoding.bearer_token).
     for token in ("two words", "caf\u00e9"):
