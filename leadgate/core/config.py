@@ -71,8 +71,14 @@ def _gateway_url(value: str) -> str:
 def _plain_url(value: str, schemes: tuple[str, ...], why_plain: str) -> str:
     """``value`` if it is a URL of one of ``schemes`` with a host, no user or password,
     and no query, fragment or brace (``why_plain`` says why not); else ValueError."""
-    # Never echo a password, whichever rule the value breaks first.
-    shown = "the URL (it carries a user or password)" if "@" in value else repr(value)
+    # Never echo a password, whichever rule the value breaks first, nor a query, which
+    # may carry a token (`?token=...`): it was quoted whole.
+    before_query = re.split("[?#]", value, maxsplit=1)[0]
+    shown = (
+        "the URL (it carries a user or password)"
+        if "@" in value
+        else repr(before_query + ("..." if before_query != value else ""))
+    )
     if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
         raise ValueError(f"{shown} is not a URL (empty, or with a blank or control character)")
     try:
@@ -92,7 +98,7 @@ def _plain_url(value: str, schemes: tuple[str, ...], why_plain: str) -> str:
             "sends its own Authorization (the bot token)"
         )
     if "?" in value or "#" in value or "{" in value or "}" in value:
-        raise ValueError(f"{value!r} has a query, a fragment or a brace: {why_plain}")
+        raise ValueError(f"{shown} has a query, a fragment or a brace: {why_plain}")
     return value
 
 

@@ -551,6 +551,10 @@ def test_answerable_email_cards_need_a_from_address(tmp_path: Path) -> None:
         ("https:///api/v10", "has no host"),
         ("https://bot:secret@discord.example/api/v10", "carries a user or password"),
         ("https://discord.example/api/v10?x=1", "has a query, a fragment or a brace"),
+        # A query's token is not quoted back, whichever rule the URL breaks.
+        ("https://discord.example/api?token=secret", "'https://discord.example/api...' has a"),
+        ("ftp://discord.example/api?token=secret", "not a URL starting with http:// or https://"),
+        ("https://discord.example/api v10?token=secret", "is not a URL"),
         ("https://discord.example/api/v10#top", "has a query, a fragment or a brace"),
         ("https://discord.example/{api}", "has a query, a fragment or a brace"),
         ("", "is not a URL"),
@@ -584,6 +588,7 @@ def test_a_channel_api_url_its_sdk_cannot_use_is_refused_at_load(
         ("wss:///", "has no host"),
         ("wss://bot:secret@gateway.example/", "carries a user or password"),
         ("wss://gateway.example/?v=10", "discord.py sets the query itself"),
+        ("wss://gateway.example/?token=secret", "'wss://gateway.example/...' has a query"),
         (" ", "is not a URL"),
     ],
 )
