@@ -27,6 +27,8 @@ from leadgate.core.durations import parse_duration
 from leadgate.core.errors import ConfigError, LeadgateError
 
 ENV_PREFIX = "LEADGATE_"
+#: A configuration file is read up to this size; a larger one is refused (config.file).
+CONFIG_MAX_BYTES = 1024 * 1024
 #: The deterministic model every configuration has (README "Built-in `script` model").
 BUILT_IN_MODEL = "script"
 #: ``[email] review_reply_address``: one plain ASCII address, no "+" in its local part.
@@ -557,7 +559,16 @@ def load_settings(
             raise ConfigError("the config file name is empty", rule="config.file")
         try:
             with open(path, "rb") as fh:
-                data = tomllib.load(fh)
+                raw = fh.read(CONFIG_MAX_BYTES + 1)
+            if len(raw) > CONFIG_MAX_BYTES:
+                # `--config /dev/zero` (or a log file given by mistake) was read whole
+                # into memory, until the process ran out of it.
+                raise ConfigError(
+                    f"config file {path} is larger than {CONFIG_MAX_BYTES // 1024:,} KiB: "
+                    "is it the configuration?",
+                    rule="config.file",
+                )
+            data = tomllib.loads(raw.decode("utf-8"))
         except OSError as exc:
             raise ConfigError(
                 f"cannot read config file {path}: {exc.strerror}", rule="config.file"

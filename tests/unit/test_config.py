@@ -3,13 +3,14 @@ name the offending key."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from leadgate.core.config import Settings, load_settings
+from leadgate.core.config import CONFIG_MAX_BYTES, Settings, load_settings
 from leadgate.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -324,6 +325,21 @@ def test_a_file_that_is_not_utf8_or_an_empty_name_is_a_config_error(tmp_path: Pa
         load_settings("", environ={})
     assert empty.value.message == "the config file name is empty"
     assert empty.value.rule == "config.file"
+
+
+def test_a_config_file_is_read_up_to_its_bound(tmp_path: Path) -> None:
+    """``--config /dev/zero`` (or a large file given by mistake) was read whole into
+    memory; a pipe (``--config <(...)``) is still read."""
+    with pytest.raises(ConfigError) as info:
+        load_settings("/dev/zero", environ={})
+    assert info.value.rule == "config.file" and "larger than 1,024 KiB" in info.value.message
+    padded = "# padding\n" * (CONFIG_MAX_BYTES // 10 - 10) + "[server]\nport = 9\n"
+    assert load_settings(write(tmp_path, padded), environ={}).server.port == 9
+    read, written = os.pipe()
+    os.write(written, b"[server]\nport = 7\n")
+    os.close(written)
+    assert load_settings(f"/dev/fd/{read}", environ={}).server.port == 7
+    os.close(read)
 
 
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
