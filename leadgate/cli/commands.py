@@ -119,7 +119,9 @@ def read_password(given: str | None) -> str:
             raise ValidationError("the two passwords differ", rule="user.password")
         return first
     with interruptible():
-        line = sys.stdin.readline()
+        # Bounded: a longer line is refused by the length check below, read or not
+        # (`< /dev/zero` has no line break, and was read until memory ran out).
+        line = sys.stdin.readline(PASSWORD_MAX + 2)
     if not line:
         # Standard input ended before a line: said "password must be 8 to 1,024
         # characters", as if one had been given.
@@ -287,7 +289,7 @@ def _read_nodes(value: str) -> Any:
     if value.startswith("@"):
         try:
             with open(value[1:], encoding="utf-8") as fh:
-                value = fh.read()
+                value = _at_most(fh.read, value[1:], "flow.nodes")
         except OSError as exc:
             raise ValidationError(
                 f"cannot read {value[1:]}: {exc.strerror}", rule="flow.nodes"
@@ -453,11 +455,26 @@ def _identity() -> str:
     return f"os:{os_user()}@{socket.gethostname()}"
 
 
-def _text(value: str) -> str:
+#: What a command reads from standard input (``--reason -``) or an ``@FILE`` (``--nodes``)
+#: at most, in characters: far above any text it takes (a decision's feedback is at most
+#: 10,000); ``yes | leadgate review reject ... --reason -`` was read until memory ran out.
+INPUT_MAX_CHARS = 1024 * 1024
+
+
+def _at_most(read: Callable[[int], str], what: str, rule: str) -> str:
+    """``read(n)``'s text, refused (``rule``) when longer than :data:`INPUT_MAX_CHARS`."""
+    text = read(INPUT_MAX_CHARS + 1)
+    if len(text) > INPUT_MAX_CHARS:
+        raise ValidationError(f"{what} is longer than {INPUT_MAX_CHARS:,} characters", rule=rule)
+    return text
+
+
+def _text(value: str, rule: str) -> str:
+    """``value``, or with ``-`` standard input's text (``rule``: when it is too long)."""
     if value != "-":
         return value
     with interruptible():
-        read = sys.stdin.read()
+        read = _at_most(sys.stdin.read, "standard input", rule)
     return _utf8(read, "standard input").strip()
 
 
@@ -501,9 +518,9 @@ def _decision(action: str) -> Command:
     async def decide(admin: Admin, args: argparse.Namespace, _: Settings) -> ReviewDetailView:
         text = None
         if action == "reject":
-            text = _text(args.reason)
+            text = _text(args.reason, "decision.reason")
         elif action == "return":
-            text = _text(args.feedback)
+            text = _text(args.feedback, "decision.feedback")
         return await _reviews(admin).decide(
             await _principal(admin, args),
             args.item,

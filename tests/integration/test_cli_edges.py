@@ -126,3 +126,39 @@ def test_a_database_path_sqlite_cannot_use_is_a_clear_error_and_creates_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["leadgate.toml", *(["dir.db"] if shape == "directory" else [])]
     )
+
+
+class EndlessInput:
+    """A standard input that never ends (``yes |``, ``< /dev/zero``): read only with a
+    bound (a read without one never returned, holding more and more memory)."""
+
+    def isatty(self) -> bool:
+        return False
+
+    def read(self, size: int = -1) -> str:
+        assert size >= 0, "standard input read without a bound"
+        return "y" * size
+
+    def readline(self, size: int = -1) -> str:
+        return self.read(size)
+
+
+def test_endless_input_is_read_up_to_a_bound(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LEADGATE_PASSWORD", raising=False)
+    monkeypatch.setattr("sys.stdin", EndlessInput())
+    for flag, rule in (("--reason", "decision.reason"), ("--feedback", "decision.feedback")):
+        action = "reject" if flag == "--reason" else "return"
+        err = cli.rule(rule, "review", action, "--org", "demo", "wi_any", flag, "-")
+        assert "standard input is longer than 1,048,576 characters" in err
+    err = cli.rule("user.password", "user", "create", "--org", "demo", "--email",
+                   "e@example.com", "--role", "member")  # fmt: skip
+    assert "password must be 8 to 1,024 characters" in err
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text("[" + " " * 1024 * 1024 + "]", encoding="utf-8")
+    err = cli.rule("flow.nodes", "flow", "create", "--org", "demo", "--name", "f",
+                   "--nodes", f"@{nodes}")  # fmt: skip
+    assert f"{nodes} is longer than 1,048,576 characters" in err
+    users = cli.ok("user", "list", "--org", "demo")
+    assert "e@example.com" not in [user["email"] for user in users]
