@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
 from leadgate.cli.doubt import IN_DOUBT_EXIT, WRITE_IN_DOUBT_RULE, MintedIds, write_in_doubt
-from leadgate.cli.output import render
+from leadgate.cli.output import one_line, render
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
@@ -251,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         # landed just before (its result was never printed).
         with contextlib.suppress(OSError):
             print(
-                f"leadgate: error: {INTERRUPTED} ({where(choice, settings)}) [{INTERRUPTED_RULE}]",
+                one_line(
+                    f"leadgate: error: {INTERRUPTED} ({where(choice, settings)}) "
+                    f"[{INTERRUPTED_RULE}]"
+                ),
                 file=sys.stderr,
             )
         return INTERRUPTED_EXIT
@@ -283,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         # DETAIL, a trigger's message) quotes the statement's values, so it is named by
         # its types and codes (error_text) as a logged traceback names it.
         print(
-            f"leadgate: error: {error_text(exc)} ({where(choice, settings)}) [{INTERNAL_RULE}]",
+            one_line(
+                f"leadgate: error: {error_text(exc)} ({where(choice, settings)}) [{INTERNAL_RULE}]"
+            ),
             file=sys.stderr,
         )
         return 1
@@ -311,7 +316,7 @@ def _refused(
         # was, in the words a log line may carry (a database error's types and codes).
         message = f"{message} ({error_text(cause)})"
     print(
-        f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]",
+        one_line(f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]"),
         file=sys.stderr,
     )
     return IN_DOUBT_EXIT if exc.rule == WRITE_IN_DOUBT_RULE else 2

@@ -140,6 +140,14 @@ def _visible(text: str) -> str:
     return _TERMINAL_CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
+def one_line(text: str) -> str:
+    """``text`` as one line of a terminal: its controls, line breaks among them, shown as
+    their escapes. An error line quotes what the operator gave (an id pasted from a chat
+    message): a line break in it split the error in two, whose last line scripts read
+    for the ``[rule]``, and an escape sequence acted on the terminal."""
+    return _visible(text).replace("\n", "\\n")
+
+
 def render(result: Any, fmt: str, command: tuple[str, str | None]) -> str:
     """``result`` as ``fmt`` (``json``, whose escapes keep every control character
     inert, or ``table``, with them shown escaped)."""

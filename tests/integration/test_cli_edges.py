@@ -162,3 +162,12 @@ def test_endless_input_is_read_up_to_a_bound(
     assert f"{nodes} is longer than 1,048,576 characters" in err
     users = cli.ok("user", "list", "--org", "demo")
     assert "e@example.com" not in [user["email"] for user in users]
+
+
+def test_an_error_quoting_a_line_break_or_an_escape_stays_one_inert_line(cli: Cli) -> None:
+    """An id pasted from a chat message: its line break split the error in two (scripts
+    read the last line for the ``[rule]``), and its escape sequence acted on the
+    terminal (here: clear the screen)."""
+    err = cli.rule("workItem.not_found", "review", "show", "--org", "demo", "wi_1\nb\x1b[2J")
+    assert err.count("\n") == 1 and "\x1b" not in err, err
+    assert "no work item wi_1\\nb\\x1b[2J (config: " in err, err
