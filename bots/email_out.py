@@ -22,7 +22,15 @@ import aiosmtplib
 
 from bots.email_parse import MAX_CHARS, one_line
 from leadgate.core.config import EmailSettings
-from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.channel import (
+    OutboundMessage,
+    Permanent,
+    Retry,
+    SendOutcome,
+    Sent,
+    Uncertain,
+    too_little_left,
+)
 from outbox.relay import SEND_DEADLINE_S
 
 log = logging.getLogger(__name__)
@@ -133,10 +141,8 @@ class EmailChannel:
         deadline_s = message.budget_s(self._deadline_s)
         if deadline_s <= self._timeout_s:
             # The answer to the message could not be waited for within the deadline.
-            return Retry(
-                f"email: {max(deadline_s, 0):g} s left of the delivery's send deadline, "
-                f"less than the {self._timeout_s:g} s the answer to the message may take; "
-                "nothing was sent"
+            return too_little_left(
+                "email", deadline_s, self._timeout_s, "the answer to the message"
             )
         outcome = await self._deliver(
             envelope_from, envelope_to, payload, utf8=utf8, deadline_s=deadline_s

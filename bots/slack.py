@@ -80,7 +80,15 @@ from leadgate.core.decoding import decode_text, json_object
 from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
 from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, Conversations, Inbound
-from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.channel import (
+    OutboundMessage,
+    Permanent,
+    Retry,
+    SendOutcome,
+    Sent,
+    Uncertain,
+    too_little_left,
+)
 
 log = logging.getLogger(__name__)
 
@@ -433,10 +441,7 @@ class SlackChannel:
         if left_s < self._timeout_s:
             # The call's timeout bounds it whole, written or not: one cut shorter could
             # not tell a post never written from one that may have landed.
-            return Retry(
-                f"slack: {max(left_s, 0):g} s left of the delivery's send deadline, less "
-                f"than the {self._timeout_s:g} s a post may take; nothing was sent"
-            )
+            return too_little_left("slack", left_s, self._timeout_s, "a post")
         thread_ts = message.address.get("thread_ts") or None
         extra: dict[str, Any] = {}
         text = message.text

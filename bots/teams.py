@@ -98,7 +98,16 @@ from leadgate.core.decoding import bearer_token, json_object
 from leadgate.core.errors import ConfigError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.types import BindingKind, Inbound
-from outbox.channel import Channel, OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
+from outbox.channel import (
+    Channel,
+    OutboundMessage,
+    Permanent,
+    Retry,
+    SendOutcome,
+    Sent,
+    Uncertain,
+    too_little_left,
+)
 from outbox.relay import SEND_DEADLINE_S
 
 log = logging.getLogger(__name__)
@@ -808,10 +817,8 @@ class TeamsChannel:
         deadline_s = message.budget_s(self._deadline_s)
         if deadline_s <= self._timeout_s:
             # The request and its answer could not get their timeout within the deadline.
-            return Retry(
-                f"teams connector: {max(deadline_s, 0):g} s left of the delivery's send "
-                f"deadline, less than the {self._timeout_s:g} s the request and its answer "
-                "may take; nothing was sent"
+            return too_little_left(
+                "teams connector", deadline_s, self._timeout_s, "the request and its answer"
             )
         started = asyncio.get_running_loop().time()
         outcome = await self._attempt(reference, call, reply_to, started, deadline_s, edit=edit)

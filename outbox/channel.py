@@ -166,6 +166,16 @@ class Uncertain:
 SendOutcome = Sent | Retry | Permanent | Uncertain
 
 
+def too_little_left(who: str, left_s: float, needs_s: float, what: str) -> Retry:
+    """The Retry of a send not started, nothing sent: its delivery's send deadline
+    leaves ``left_s`` (:meth:`OutboundMessage.budget_s`), less than the ``needs_s``
+    that ``what`` may take (``who``: the channel, as its errors name it)."""
+    return Retry(
+        f"{who}: {max(left_s, 0):g} s left of the delivery's send deadline, less than "
+        f"the {needs_s:g} s {what} may take; nothing was sent"
+    )
+
+
 def stored_error(outcome: Retry | Permanent | Uncertain) -> str:
     """The delivery's error as stored (and shown to its operators): ``error``, then what
     the platform said, if anything."""
