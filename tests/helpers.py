@@ -251,6 +251,14 @@ async def make_agent(service: Env, org: Org, name: str, **kwargs: Any) -> dict[s
     return agent._asdict()
 
 
+async def delete_agent(service: Env, org: Org, agent_id: str) -> None:
+    """Delete the agent ``agent_id`` (as ``DELETE /v1/agents/{id}`` does)."""
+    async with service.db.tx() as conn:
+        await agents_mod.save_agent(
+            conn, service.clock, service.ids, org.id, agent_ref=agent_id, delete=True
+        )
+
+
 async def make_route(
     service: Env,
     org: Org,

@@ -33,11 +33,12 @@ from leadgate.core.config import Settings
 from leadgate.core.errors import CANNOT_READ
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
-from leadgate.domain import agents, orgs
+from leadgate.domain import orgs
 from tests.fakes import DownFor
 from tests.helpers import (
     LEGACY_SUBSCRIBE,
     Org,
+    delete_agent,
     eventually,
     listened,
     make_agent,
@@ -493,15 +494,7 @@ async def test_subscriptions_to_a_deleted_agents_session_end(env: Env) -> None:
             async with env.service.db.read() as conn:
                 held = sa.select(t.work_items.c.id).where(t.work_items.c.agent_id == doomed["id"])
                 item_id = (await conn.execute(held)).scalar_one()
-            async with env.service.db.tx() as conn:
-                await agents.save_agent(
-                    conn,
-                    env.service.clock,
-                    env.service.ids,
-                    env.org.id,
-                    agent_ref=doomed["id"],
-                    delete=True,
-                )
+            await delete_agent(env.service, env.org, doomed["id"])
             # Both eras' hold on the doomed session is gone; the kept one's stays.
             await eventually(lambda: resources.subscriptions == 2)
             await eventually(lambda: len(resources.sessions()) == 2)

@@ -25,9 +25,17 @@ from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.runners import drain
-from leadgate.domain import agents, orgs
+from leadgate.domain import orgs
 from leadgate.operations.transcripts import PAGE_MAX, PAGE_MAX_CHARS
-from tests.helpers import Org, eventually, listening, make_agent, make_key, make_org
+from tests.helpers import (
+    Org,
+    delete_agent,
+    eventually,
+    listening,
+    make_agent,
+    make_key,
+    make_org,
+)
 from tests.serving import served_app
 
 HEARTBEAT_S = 0.3
@@ -427,15 +435,7 @@ async def test_a_stream_ends_once_its_agent_is_deleted(rechecking_env: Env) -> N
     kept = await open_stream(env, "plain", "dl")
     assert (await env.chat("doomed", "one", headers={"X-Session-Id": "dl"})).status == 200
     assert (await stream.next())["data"]["content"] == "one"
-    async with env.service.db.tx() as conn:
-        await agents.save_agent(
-            conn,
-            env.service.clock,
-            env.service.ids,
-            env.org.id,
-            agent_ref=doomed["id"],
-            delete=True,
-        )
+    await delete_agent(env.service, env.org, doomed["id"])
     event = await stream.next()
     while event["event"] == "message":  # the reply to "one" may still be on its way
         event = await stream.next()
@@ -461,15 +461,7 @@ async def test_readable_sessions_are_those_whose_agent_is_not_deleted(env: Env) 
     theirs = await reads.open(env.other.principal, "plain", "r")
     unknown = {f"ses_unknown_{n}" for n in range(600)}
     assert await reads.readable({kept, gone, theirs, *unknown}) == {kept, gone, theirs}
-    async with env.service.db.tx() as conn:
-        await agents.save_agent(
-            conn,
-            env.service.clock,
-            env.service.ids,
-            env.org.id,
-            agent_ref=doomed["id"],
-            delete=True,
-        )
+    await delete_agent(env.service, env.org, doomed["id"])
     assert await reads.readable({kept, gone, theirs, *unknown}) == {kept, theirs}
     assert await reads.readable(set()) == set()
 
