@@ -21,8 +21,9 @@ Authentication modes:
 * ``app_id`` set: every request must carry a valid Bot Framework bearer token; a missing,
   malformed or unverifiable token is ``401`` and runs no turn. Outbound sends carry a
   token from the Microsoft identity platform, kept and shared by
-  :mod:`bots.teams_token` (replies the SDK posts while it handles an inbound activity
-  get theirs from the SDK).
+  :mod:`bots.teams_token`, the replies the SDK posts while it handles an inbound
+  activity included (its credentials wait for the shared token, never ask msal on the
+  event loop).
 * ``app_id`` and ``app_password`` empty (``[teams] enabled = true``): no authentication
   at all, inbound or outbound. For local testing only; a warning is logged at startup.
 """
@@ -57,6 +58,7 @@ from botbuilder.core import Bot, CardFactory, TurnContext, serializer_helper
 from botbuilder.integration.aiohttp import (
     CloudAdapter,
     ConfigurationBotFrameworkAuthentication,
+    ConfigurationServiceClientCredentialFactory,
 )
 from botbuilder.schema import (
     Activity,
@@ -90,7 +92,13 @@ from bots.base import (
 )
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
-from bots.teams_token import TOKEN_TIMEOUT_S, ConnectorTokens, NoToken, TokenSource
+from bots.teams_token import (
+    TOKEN_TIMEOUT_S,
+    ConnectorTokens,
+    HeldTokenCredentialsFactory,
+    NoToken,
+    TokenSource,
+)
 from leadgate.core.bodies import read_body
 from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings, TeamsSettings
@@ -681,6 +689,21 @@ def _pipeline(
     return AsyncPipeline(policies, AsyncPipelineRequestsHTTPSender(_PooledSender(config, pool)))
 
 
+def send_tokens(
+    *, clock: Clock | None = None, timeout_s: float = TOKEN_TIMEOUT_S, threads: int = SEND_THREADS
+) -> ConnectorTokens:
+    """The Connector's access tokens, fetched on a new Teams send pool of ``threads``.
+
+    The threads requests sends on (the token's request and the Connector's), not the
+    loop's default executor: a send stuck where no lapse reaches (a DNS look-up, a TCP
+    connect, a TLS handshake) holds one of these, never a thread the rest of the service
+    waits for."""
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=threads, thread_name_prefix="teams-send"
+    )
+    return ConnectorTokens(clock=clock or SystemClock(), pool=pool, timeout_s=timeout_s)
+
+
 class TeamsChannel:
     """Posts replies and approved output through the Bot Connector.
 
@@ -709,6 +732,7 @@ class TeamsChannel:
         token_timeout_s: float = TOKEN_TIMEOUT_S,
         clock: Clock | None = None,
         send_threads: int = SEND_THREADS,
+        tokens: ConnectorTokens | None = None,
     ) -> None:
         if deadline_s <= timeout_s:
             raise ValueError("deadline_s must be longer than timeout_s")
@@ -716,16 +740,12 @@ class TeamsChannel:
         self._app_id = app_id
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
-        # The threads requests sends on (the token's request and the Connector's), not
-        # the loop's default executor: a send stuck where no lapse reaches (a DNS
-        # look-up, a TCP connect, a TLS handshake) holds one of these, never a thread
-        # the rest of the service waits for.
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=send_threads, thread_name_prefix="teams-send"
+        #: the access tokens (shared with the SDK's credentials by :class:`TeamsAdapter`)
+        self.tokens = tokens or send_tokens(
+            clock=clock, timeout_s=token_timeout_s, threads=send_threads
         )
-        self._tokens = ConnectorTokens(
-            clock=clock or SystemClock(), pool=self._pool, timeout_s=token_timeout_s
-        )
+        self._tokens = self.tokens
+        self._pool = self.tokens.pool
 
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post ``message.text`` (or, ``message.card`` set, a review card as an
@@ -918,9 +938,9 @@ class TeamsChannel:
                 # at the status, and names neither when it cannot: the answer, heard
                 # here (a requests hook; the client is this call's own), tells.
                 client.config.hooks.append(heard)
-                # The SDK's credentials would get the access token (msal, through
-                # requests, with no timeout) on the event loop, a new one for each
-                # send: it comes from the shared, bounded cache instead.
+                # The token comes from the shared, bounded cache (the SDK's own
+                # credentials asked msal for a new one for each send, on the event
+                # loop), and the request goes out on the send pool, watched.
                 source = TokenSource.of(client.config.credentials)
                 if source is not None:
                     used = (source, await self._tokens.token(source))
@@ -993,7 +1013,16 @@ class TeamsAdapter:
         self._settings = settings
         self._core = core
         self._auth_timeout_s = auth_timeout_s
-        self.auth = ConfigurationBotFrameworkAuthentication(sdk_config(settings))
+        config = sdk_config(settings)
+        tokens = send_tokens(clock=clock, timeout_s=token_timeout_s)
+        # The SDK's own Connector calls (a reply while an activity is handled) wait for
+        # the shared token too: its credentials asked msal on the event loop.
+        self.auth = ConfigurationBotFrameworkAuthentication(
+            config,
+            credentials_factory=HeldTokenCredentialsFactory(
+                ConfigurationServiceClientCredentialFactory(config), tokens
+            ),
+        )
         self.cloud_adapter = CloudAdapter(self.auth)
         self.bot: Bot = TeamsBot(core)
         self.teams_channel = TeamsChannel(
@@ -1001,8 +1030,7 @@ class TeamsAdapter:
             settings.app_id,
             timeout_s=send_timeout_s,
             deadline_s=send_deadline_s,
-            token_timeout_s=token_timeout_s,
-            clock=clock,
+            tokens=tokens,
         )
         self.channel: Channel = self.teams_channel
         # Token validation may fetch the OpenID metadata with a blocking `requests.get`

@@ -6,6 +6,12 @@ every Connector client, so each send asked the Microsoft identity platform for a
 (msal, through requests, with no timeout). Here one :class:`ConnectorTokens` keeps the
 token of each (app, authority, scope) and fetches it on the Teams send pool, within
 :data:`TOKEN_TIMEOUT_S`; several sends needing it at the same moment share one fetch.
+
+The SDK's own Connector calls (the replies it posts while an inbound activity is
+handled) take theirs from the same place: :class:`HeldTokenCredentialsFactory` makes
+the credentials the SDK hands its Connector clients, and they wait (``await``, the fetch
+on the pool) for the shared token where the SDK's would have asked msal for one on the
+event loop (msrest's credentials policy calls them synchronously).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msal
+from botframework.connector.auth import AppCredentials, ServiceClientCredentialsFactory
+from msrest.pipeline import Request, Response
+from msrest.pipeline.async_abc import AsyncHTTPPolicy
 
 from leadgate.core.clock import Clock
 
@@ -83,11 +92,23 @@ class ConnectorTokens:
         # pool's threads only.
         self._apps: dict[TokenSource, msal.ConfidentialClientApplication] = {}
 
-    async def token(self, source: TokenSource) -> str:
-        """The held token, or a fresh one (raises :class:`NoToken`)."""
+    @property
+    def pool(self) -> concurrent.futures.Executor:
+        """The threads the tokens are fetched on (the Teams send pool)."""
+        return self._pool
+
+    def held(self, source: TokenSource) -> str | None:
+        """The held token while it is fresh (None: it must be fetched, :meth:`token`)."""
         held = self._held.get(source)
         if held is not None and self._clock.now_ms() < held.fresh_until_ms:
             return held.token
+        return None
+
+    async def token(self, source: TokenSource) -> str:
+        """The held token, or a fresh one (raises :class:`NoToken`)."""
+        held = self.held(source)
+        if held is not None:
+            return held
         fetching = self._fetching.get(source)
         if fetching is None:
             fetching = asyncio.ensure_future(self._fetch(source))
@@ -155,3 +176,71 @@ class ConnectorTokens:
         except (TypeError, ValueError):
             expires_in_s = 0.0
         return token, max(0.0, expires_in_s)
+
+
+class HeldTokenCredentials(AppCredentials, AsyncHTTPPolicy[Any, Any]):  # type: ignore[misc]
+    """The SDK's credentials for one Connector client, carrying the token ``tokens``
+    holds for ``source``.
+
+    msrest puts credentials that are an async policy into the client's pipeline as
+    they are: each request waits there for the shared token (fetched on the pool,
+    within its bound; none got: :class:`NoToken`, nothing sent). The SDK's credentials
+    asked msal for a new token on the event loop instead, with no timeout."""
+
+    def __init__(self, sdk: Any, source: TokenSource, tokens: ConnectorTokens) -> None:
+        AppCredentials.__init__(
+            self,
+            app_id=sdk.microsoft_app_id,
+            channel_auth_tenant=sdk.tenant,
+            oauth_scope=sdk.oauth_scope,
+        )
+        AsyncHTTPPolicy.__init__(self)
+        # (what TokenSource.of reads, as the SDK's credentials had it)
+        self.microsoft_app_password = source.password
+        self.oauth_endpoint = sdk.oauth_endpoint
+        self.source = source
+        self._tokens = tokens
+
+    async def send(self, request: Request[Any], **kwargs: Any) -> Response[Any, Any]:
+        """Send ``request`` with the shared token (raises :class:`NoToken`)."""
+        token = await self._tokens.token(self.source)
+        request.http_request.headers["Authorization"] = f"Bearer {token}"
+        assert self.next is not None  # (set by the pipeline)
+        return await self.next.send(request, **kwargs)
+
+    def get_access_token(self, force_refresh: bool = False) -> str:
+        """(synchronous: the SDK's callers outside a pipeline) The held token; never a
+        request of its own, which would block the event loop."""
+        token = None if force_refresh else self._tokens.held(self.source)
+        if token is None:
+            raise NoToken("no access token is held (it is fetched before a Connector call)")
+        return token
+
+
+class HeldTokenCredentialsFactory(ServiceClientCredentialsFactory):  # type: ignore[misc]
+    """``inner`` (the SDK's factory for the app's settings), its credentials handing out
+    the tokens of ``tokens`` (:class:`HeldTokenCredentials`); the local no-auth mode's
+    credentials, which carry no token, as they are."""
+
+    def __init__(self, inner: ServiceClientCredentialsFactory, tokens: ConnectorTokens) -> None:
+        self._inner = inner
+        self._tokens = tokens
+
+    async def is_valid_app_id(self, app_id: str) -> bool:
+        """As the SDK's factory answers it."""
+        return bool(await self._inner.is_valid_app_id(app_id))
+
+    async def is_authentication_disabled(self) -> bool:
+        """As the SDK's factory answers it."""
+        return bool(await self._inner.is_authentication_disabled())
+
+    async def create_credentials(
+        self, app_id: str, oauth_scope: str, login_endpoint: str, validate_authority: bool
+    ) -> Any:
+        """The SDK's credentials for ``app_id`` and ``oauth_scope``, made to carry the
+        shared token (no token is fetched here: only a Connector call waits for one)."""
+        sdk = await self._inner.create_credentials(
+            app_id, oauth_scope, login_endpoint, validate_authority
+        )
+        source = TokenSource.of(sdk)
+        return sdk if source is None else HeldTokenCredentials(sdk, source, self._tokens)

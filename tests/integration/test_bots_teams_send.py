@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
+import json
 import logging
 import socket
 import threading
@@ -21,16 +23,19 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 from botbuilder.schema import Activity
 
 from bots.teams import TeamsAdapter, TeamsChannel, parse_message
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import TeamsSettings
-from leadgate.core.types import RouteMatch
+from leadgate.core.errors import Unavailable
+from leadgate.core.types import Inbound, Recorded, RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, eventually, ours
+from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.common import PORTAL_SESSION, TRICKLE_S
 from tests.standins.connector import (
     TRICKLE_BYTES,
@@ -840,3 +845,89 @@ async def test_a_stuck_send_holds_none_of_the_default_executors_threads(
     connector.release_hangs()  # (the hanging request answered 503)
     assert isinstance(await send, Retry)
     await adapter.channel.close()
+
+
+class _DatabaseDown(FakeCore):
+    """A core whose database cannot take a message in (the one case the SDK posts a reply
+    of its own while an inbound activity is handled: the "not taken in" notice)."""
+
+    async def record_inbound(self, inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        raise Unavailable("the database is unreachable", rule="service.unavailable")
+
+
+@contextlib.asynccontextmanager
+async def _served(adapter: TeamsAdapter) -> AsyncIterator[str]:
+    """``adapter`` served as the app serves it (inbound tokens checked on its threads):
+    the URL of its ``/api/messages``."""
+    app = web.Application()
+    mount_adapter(app, adapter)
+    async with TestServer(app) as server:
+        yield str(server.make_url("/api/messages"))
+
+
+@pytest.mark.parametrize("token_mode", ["ok", "hang"])
+async def test_a_reply_made_while_an_activity_is_handled_gets_its_token_off_the_event_loop(
+    connector: ConnectorStandin,
+    login: MicrosoftLogin,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    token_mode: str,
+) -> None:
+    """The reply the SDK posts while it handles an inbound activity (here the "not taken
+    in" notice) got its access token from the SDK's own credentials: msal, synchronous
+    and with no timeout, on the event loop, so an identity platform that hung there
+    stopped the whole service. The token now comes from the shared, bounded cache,
+    fetched on the send pool: the loop runs on, one token serves the reply and later
+    sends, and a token not got within its bound leaves the reply unposted (one WARNING)
+    and the fault is the endpoint's answer (a 503 naming the rule)."""
+    from botframework.connector.auth import JwtTokenExtractor
+
+    # (the SDK caches the signing keys per URL for a day: these are this login's)
+    monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
+    adapter = TeamsAdapter(
+        TeamsSettings(enabled=True, app_id="app", app_password="pw"),
+        _DatabaseDown(),
+        token_timeout_s=0.3,
+    )
+    login.token_mode = token_mode
+    # On the old code the event loop stood still in msal's request until this answered it.
+    release = threading.Timer(2.0, login.release_tokens)
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.02)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    activity = message_activity(service_url=connector.url, text="SECRET-TEAMS-TEXT")
+    token = login.keys.token(app_id="app", service_url=connector.url)
+    async with _served(adapter) as url:
+        ticking = asyncio.ensure_future(tick())
+        release.start()
+        try:
+            with caplog.at_level(logging.INFO):
+                status, body = await post_activity(url, activity, token=token)
+        finally:
+            ticking.cancel()
+            release.cancel()
+            login.release_tokens()  # (the stand-in ends once its requests are answered)
+    assert max(gaps) < 0.5, f"the event loop stood still for {max(gaps):.1f} s"
+    no_tracebacks(caplog, "SECRET-TEAMS-TEXT")
+    if token_mode == "hang":
+        assert status == 503 and json.loads(body)["error"]["rule"] == "service.unavailable"
+        assert connector.requests == []
+        [unposted] = [r for r in ours(caplog) if "could not tell the author" in r.getMessage()]
+        assert unposted.levelno == logging.WARNING and unposted.exc_info is None
+        assert "gave no access token within 0.3 s" in unposted.getMessage()
+        return
+    assert status == 202
+    [reply] = connector.requests
+    assert reply["authorization"] == "Bearer at"
+    assert reply["reply_to_id"] == activity["id"]
+    # The token the reply got serves the channel's sends too.
+    outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
+    assert isinstance(outcome, Sent), outcome
+    assert login.asked == 1 and len(login.grants) == 1
