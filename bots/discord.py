@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,10 +377,14 @@ class DiscordAdapter:
         *,
         channel: DiscordChannel | None = None,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._settings = settings.discord
         self._core = core
         self._clock = clock or SystemClock()
+        #: the wait before a busy ``/ask``'s deferred response is deleted (tests make it
+        #: instant)
+        self._sleep = sleep
         self.channel: DiscordChannel = channel or DiscordChannel(settings.discord)
         public_key = settings.discord.public_key.strip()
         try:
@@ -483,7 +487,7 @@ class DiscordAdapter:
                 # Known while recording, so this runs as the deferred answer leaves:
                 # let Discord have it first, or the delete finds nothing and the
                 # "thinking..." state would stay.
-                await asyncio.sleep(_DEFERRED_SETTLE_S)
+                await self._sleep(_DEFERRED_SETTLE_S)
             if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
