@@ -10,11 +10,11 @@ Inbound, two ways:
   ``message``) is **recorded** first (:func:`bots.base.accept`, well inside Discord's 3
   seconds) and then answered with a deferred response (type 5) while the turn runs in
   the background. A plain turn's reply reaches the user when the outbox edits that
-  deferred response; for a gated, busy, silent turn the deferred response is deleted,
-  so no "thinking..." state lingers and nothing is visible. A message that breaks a
-  message rule, or that no route answers, gets an ephemeral answer saying so. A
-  replayed interaction (the same interaction id) is a duplicate: it is answered
-  ephemerally and never touches the earlier reply.
+  deferred response; for a gated, busy, silent turn (or a reply of whitespace only) the
+  deferred response is deleted, so no "thinking..." state lingers and nothing is
+  visible. A message that breaks a message rule, or that no route answers, gets an
+  ephemeral answer saying so. A replayed interaction (the same interaction id) is a
+  duplicate: it is answered ephemerally and never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
   Discord delivers a gateway message once, to the sessions connected then: at each READY
@@ -479,8 +479,9 @@ class DiscordAdapter:
         )
 
         async def after(routed: Routed | None) -> None:
-            # Only a plain reply on a non-silent binding fills the deferred response. A
-            # duplicate (a replayed interaction) never touches the earlier reply.
+            # Only a plain reply with text on a non-silent binding fills the deferred
+            # response. A duplicate (a replayed interaction) never touches the earlier
+            # reply.
             if routed is None or isinstance(routed.outcome, Duplicate):
                 return
             if isinstance(routed.outcome, Busy):
@@ -488,7 +489,7 @@ class DiscordAdapter:
                 # let Discord have it first, or the delete finds nothing and the
                 # "thinking..." state would stay.
                 await self._sleep(_DEFERRED_SETTLE_S)
-            if not (isinstance(routed.outcome, Reply) and not routed.route.silent):
+            if not (_shows_text(routed.outcome) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
         async def failed(recorded: Recorded) -> None:
@@ -791,6 +792,12 @@ def _rest_error(exc: BaseException) -> str:
     if isinstance(exc, discord.HTTPException):
         return f"{exc.status} {exc.text or exc.__class__.__name__}"
     return repr(exc)
+
+
+def _shows_text(outcome: object) -> bool:
+    """Whether a turn's outcome posts anything: a reply with more than whitespace (one
+    with none is no post on any channel, see :meth:`outbox.relay.Relay.deliver`)."""
+    return isinstance(outcome, Reply) and bool(outcome.text.strip())
 
 
 def _inbound(

@@ -799,7 +799,10 @@ class Relay:
         channel = self.channels.get(row.channel)
         if channel is None:
             return Done(row, Permanent(f"channel {row.channel} is not configured"))
-        if not row.text:
+        if not row.text.strip():
+            # Nothing to show: no post (Discord refuses whitespace alone for good, 400
+            # 50006, as Slack does with no_text; an email or a Teams message of blanks
+            # says nothing either).
             return Done(row, Sent())
         # (a channel whose limit is not in characters says how it measures)
         parts = split_text(row.text, channel.max_chars, getattr(channel, "text_size", len))

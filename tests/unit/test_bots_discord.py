@@ -28,6 +28,7 @@ from leadgate.core.types import (
     Duplicate,
     Gated,
     Outcome,
+    Reply,
     RouteMatch,
     Trigger,
 )
@@ -249,6 +250,18 @@ async def test_invisible_outcomes_delete_the_deferred_response(
     # on the adapter's injectable sleep (it waited a real second).
     busy = isinstance(outcome, Busy)
     assert sleeps == ([discord_bot._DEFERRED_SETTLE_S] if busy else [])
+
+
+@pytest.mark.parametrize("text", ["", " ", "\n\t \u3000"])
+async def test_a_reply_of_blanks_deletes_the_deferred_response(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin, text: str
+) -> None:
+    """A reply with nothing to show is no post (the outbox skips it): the deferred
+    response is deleted as a gated /ask's is, not left "thinking..." for good."""
+    core.outcome = Reply(text)
+    assert await post(server, ask_payload(), key) == (200, {"type": 5})
+    await core.drain()
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
 
 
 async def test_the_interaction_names_its_application_not_the_setting(

@@ -317,6 +317,26 @@ async def test_plain_channel_reply_rides_the_outbox(stack: Stack, channel: Scrip
     assert [(m.text, m.kind) for m in channel.calls] == [("Echo: hello", "reply")]
 
 
+async def test_a_reply_of_whitespace_only_is_no_post(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """A reply that is only blanks says nothing: it is not posted (Discord refuses it for
+    good, 400 50006, and Slack answers no_text), and its delivery ends sent, as an empty
+    one's does."""
+    async with stack.db.tx() as conn:
+        queued = await stack.outbox.enqueue_reply(
+            conn, org_id="org_x", binding=binding_row("bnd_x"), text=" \n\t "
+        )
+    assert queued is not None
+    await drain(stack.relay)
+    assert channel.calls == []
+    async with stack.db.read() as conn:
+        status = await conn.scalar(
+            sa.select(t.deliveries.c.status).where(t.deliveries.c.id == queued.id)
+        )
+    assert status == DeliveryStatus.sent.value
+
+
 # -------------------------------------------------------------------- outcome classes
 
 
