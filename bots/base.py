@@ -273,7 +273,8 @@ async def accept(
 ) -> Recorded | None:
     """Record ``inbound`` (awaited: call before answering the platform), then run its turn
     in the background and hand the result to ``then`` (not called when the turn failed:
-    ``failed`` is, with the recorded message, and the failure is raised on).
+    ``failed`` is, with the recorded message, and the failure is raised on; nor for a
+    rejected message; ``None``: the turn was left to the recovery runner).
 
     ``deadline_s``: the platform's answer deadline minus a margin. When recording takes
     longer (the database is slow), this raises :class:`Unavailable` (Slack: answer 503,
@@ -284,7 +285,9 @@ async def accept(
     recording = asyncio.ensure_future(core.record_inbound(inbound, notice=notice))
 
     def run(recorded: Recorded | None) -> None:
-        if recorded is not None:
+        # (A rejected message runs nothing: ``then`` is never called with it, so its
+        # ``None`` means a turn left to the recovery runner.)
+        if recorded is not None and recorded.rejected is None:
             core.spawn(_run(core, recorded, then, failed), name=name)
 
     try:

@@ -12,9 +12,10 @@ Inbound, two ways:
   the background. A plain turn's reply reaches the user when the outbox edits that
   deferred response; for a gated, busy, silent turn (or a reply of whitespace only) the
   deferred response is deleted, so no "thinking..." state lingers and nothing is
-  visible. A message that breaks a message rule, or that no route answers, gets an
-  ephemeral answer saying so. A replayed interaction (the same interaction id) is a
-  duplicate: it is answered ephemerally and never touches the earlier reply.
+  visible; so is one left to the recovery runner (its reply, if any, follows up). A
+  message that breaks a message rule, or that no route answers, gets an ephemeral
+  answer saying so. A replayed interaction (the same interaction id) is a duplicate:
+  it is answered ephemerally and never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
   Discord delivers a gateway message once, to the sessions connected then: at each READY
@@ -482,14 +483,20 @@ class DiscordAdapter:
             # Only a plain reply with text on a non-silent binding fills the deferred
             # response. A duplicate (a replayed interaction) never touches the earlier
             # reply.
-            if routed is None or isinstance(routed.outcome, Duplicate):
+            if routed is not None and isinstance(routed.outcome, Duplicate):
                 return
-            if isinstance(routed.outcome, Busy):
+            if routed is None or isinstance(routed.outcome, Busy):
                 # Known while recording, so this runs as the deferred answer leaves:
                 # let Discord have it first, or the delete finds nothing and the
                 # "thinking..." state would stay.
                 await self._sleep(_DEFERRED_SETTLE_S)
-            if not (_shows_text(routed.outcome) and not routed.route.silent):
+            if routed is None:
+                # Left to the recovery runner (this process runs too many turns): its
+                # outcome is never seen here, and a gated one would leave "thinking..."
+                # for good. Ended now, as a gated /ask's; a reply that comes later is a
+                # follow-up (unless a reply has filled it by now: it stays).
+                await self.channel.end_unanswered(ask.application_id, ask.token)
+            elif not (_shows_text(routed.outcome) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
         async def failed(recorded: Recorded) -> None:

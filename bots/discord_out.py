@@ -51,6 +51,8 @@ _ALLOWED_MENTIONS = discord.AllowedMentions(
 _WEBHOOK_ALLOWED_MENTIONS: dict[str, Any] = {"parse": []}
 # Interaction tokens live 15 minutes; remembering a few thousand is plenty.
 _MAX_TRACKED_INTERACTIONS = 4096
+# The owner of an interaction's @original once it was deleted (no delivery's key).
+_DELETED = ""
 
 
 def nonce_for(idempotency_key: str) -> str:
@@ -203,9 +205,10 @@ class DiscordChannel:
       (``PATCH /webhooks/{app}/{token}/messages/@original``); an edit is idempotent. A
       further message with a different idempotency key for the same interaction (the
       relay's next chunk, known by its key whatever this process remembers) becomes a
-      follow-up instead of overwriting the first. Once the interaction's token has
-      expired (Discord keeps it 15 minutes), the reply is posted in the channel as
-      below when a bot token is set.
+      follow-up instead of overwriting the first, as does a reply whose deferred
+      response was deleted (:meth:`end_unanswered`; Discord's 404 Unknown Message).
+      Once the interaction's token has expired (Discord keeps it 15 minutes), the
+      reply is posted in the channel as below when a bot token is set.
     * otherwise (approved output, gateway replies): ``POST /channels/{id}/messages`` as
       the bot, with ``nonce`` + ``enforce_nonce`` and a reply reference when the address
       has a ``message_id``. Without a bot token, an interaction's follow-up webhook is
@@ -419,8 +422,24 @@ class DiscordChannel:
         first_part = message.idempotency_key == message.delivery_id
         if first_part and (owner is None or owner == message.idempotency_key):
             self._remember_owner(token, message.idempotency_key)
-            return await self._edit_original(app_id, token, message.text)
+            try:
+                return await self._edit_original(app_id, token, message.text)
+            except discord.NotFound as exc:
+                if not (_from_discord(exc) and exc.code == _UNKNOWN_MESSAGE):
+                    raise
+            # @original was deleted (an /ask left to the recovery runner, ended by
+            # another process): the reply follows up instead of being lost.
         return await self._follow_up(app_id, token, message.text)
+
+    async def end_unanswered(self, application_id: str, token: str) -> bool:
+        """Delete an interaction's deferred response unless a reply of this process has
+        taken it (:meth:`delete_original`): an ``/ask`` whose turn was left to the
+        recovery runner may be answered before this runs. Once deleted here, a reply
+        that comes later follows up."""
+        if token in self._original_owner:
+            return False
+        self._remember_owner(token, _DELETED)
+        return await self.delete_original(application_id, token)
 
     def _remember_owner(self, token: str, key: str) -> None:
         self._original_owner[token] = key
@@ -557,6 +576,8 @@ _UNKNOWN_CHANNEL = 10003
 #: Discord's JSON error codes for a channel the bot may not see or post in.
 _MISSING_ACCESS = 50001
 _MISSING_PERMISSIONS = 50013
+#: Discord's JSON error code for a message it does not have (a deleted @original).
+_UNKNOWN_MESSAGE = 10008
 #: Discord's JSON error codes for an interaction token it no longer takes.
 _UNKNOWN_WEBHOOK = 10015
 _INVALID_WEBHOOK_TOKEN = 50027

@@ -530,6 +530,38 @@ async def test_delete_original_is_best_effort(
     assert [p["op"] for p in standin.posts] == ["delete_original"]
 
 
+async def test_an_unanswered_ask_ended_before_its_reply_gets_the_reply_as_a_follow_up(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """An /ask left to the recovery runner has its deferred response deleted at once;
+    its reply, later, follows up (this process, or another one whose edit of the
+    deleted @original Discord answers 404 Unknown Message) instead of failing for good."""
+    assert await channel.end_unanswered(APP, "itoken") is True
+    assert isinstance(await channel.send(interaction_reply(token="itoken")), Sent)
+    other = make_channel(standin.api_url)
+    try:
+        assert await other.delete_original(APP, "itoken2") is True
+        assert isinstance(await other.send(interaction_reply(token="itoken2")), Sent)
+    finally:
+        await other.close()
+    assert [(p["op"], p["token"], p.get("content")) for p in standin.posts] == [
+        ("delete_original", "itoken", None),
+        ("followup", "itoken", "plain reply"),
+        ("delete_original", "itoken2", None),
+        ("followup", "itoken2", "plain reply"),
+    ]
+
+
+async def test_an_unanswered_ask_whose_reply_came_first_keeps_it(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """The recovery runner may answer an /ask left to it before the adapter ends its
+    deferred response: the reply that filled it stays."""
+    assert isinstance(await channel.send(interaction_reply(token="itoken")), Sent)
+    assert await channel.end_unanswered(APP, "itoken") is False
+    assert [p["op"] for p in standin.posts] == ["edit_original"]
+
+
 async def test_a_delete_answered_2xx_with_a_web_page_is_not_known_done(
     standin: DiscordApiStandin, channel: DiscordChannel, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -27,8 +27,11 @@ from leadgate.core.types import (
     Conversations,
     Duplicate,
     Gated,
+    Inbound,
     Outcome,
+    Recorded,
     Reply,
+    Routed,
     RouteMatch,
     Trigger,
 )
@@ -262,6 +265,45 @@ async def test_a_reply_of_blanks_deletes_the_deferred_response(
     assert await post(server, ask_payload(), key) == (200, {"type": 5})
     await core.drain()
     assert [p["op"] for p in standin.posts] == ["delete_original"]
+
+
+async def test_a_rejected_ask_keeps_its_ephemeral_answer(
+    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+) -> None:
+    """A rejected message runs no turn, and its answer (ephemeral, not deferred) is left
+    alone: nothing is deleted."""
+
+    async def rejected(inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        return Recorded(ROUTE, rejected="too long")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "record_inbound", rejected)
+        status, body = await post(server, ask_payload(), key)
+        await core.drain()
+    assert status == 200 and body["data"]["content"].endswith("too long.")
+    assert core.tasks == [] and standin.posts == []
+
+
+async def test_an_ask_left_to_recovery_ends_its_deferred_response(
+    server: TestServer,
+    key: SigningKey,
+    core: FakeCore,
+    standin: DiscordApiStandin,
+    sleeps: list[float],
+) -> None:
+    """An /ask recorded while this process runs too many turns is left to the recovery
+    runner, whose outcome the adapter never sees (a gated one left "thinking..." for
+    good): its deferred response is deleted, as a gated /ask's, once Discord has it."""
+
+    async def left_to_recovery(recorded: Recorded) -> Routed | None:
+        return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "run_recorded", left_to_recovery)
+        assert await post(server, ask_payload(), key) == (200, {"type": 5})
+        await core.drain()
+    assert [p["op"] for p in standin.posts] == ["delete_original"]
+    assert sleeps == [discord_bot._DEFERRED_SETTLE_S]
 
 
 async def test_the_interaction_names_its_application_not_the_setting(
