@@ -356,6 +356,7 @@ async def proxy(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MicrosoftLogin
         yield login
     finally:
         server.close()
+        await login.close_tunnels()
         await server.wait_closed()
 
 

@@ -658,12 +658,9 @@ def login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Microsoft
 
         async def stop() -> None:
             proxy.close()
-            await tls.cleanup()
             # (the tunnels msal's kept-alive connections still hold)
-            tunnels = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for tunnel in tunnels:
-                tunnel.cancel()
-            await asyncio.gather(*tunnels, return_exceptions=True)
+            await login.close_tunnels()
+            await tls.cleanup()
 
         asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)

@@ -173,6 +173,8 @@ class MicrosoftLogin:
         self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._hold_lock = threading.Lock()
         self._tls_port = 0
+        # Each tunnel's task and the streams it pipes (closed by close_tunnels).
+        self._tunnels: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
 
     def release_tokens(self) -> None:
         """(any thread) Answer the held token requests, and the next ones, as ``"ok"``."""
@@ -276,6 +278,10 @@ class MicrosoftLogin:
         """One ``CONNECT host:443``: piped to the TLS server for the two login hosts. A
         plain-HTTP request for 127.0.0.1 is passed on as it is (aiohttp's server takes
         the absolute URL)."""
+        task = asyncio.current_task()
+        assert task is not None
+        writers = self._tunnels.setdefault(task, [])
+        writers.append(writer)
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
@@ -283,9 +289,11 @@ class MicrosoftLogin:
             local = urlsplit(target) if target.startswith("http://") else None
             if local is not None and local.hostname == "127.0.0.1" and local.port:
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", local.port)
+                writers.append(up_writer)
                 up_writer.write(head)
             elif method == "CONNECT" and target.rsplit(":", 1)[0] in (LOGIN, CHANNEL_KEYS):
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._tls_port)
+                writers.append(up_writer)
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
                 writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
@@ -297,6 +305,19 @@ class MicrosoftLogin:
             pass
         finally:
             writer.close()
+            self._tunnels.pop(task, None)
+
+    async def close_tunnels(self) -> None:
+        """(the proxy's loop) End the tunnels still open (the kept-alive connections of
+        msal's clients): their connections closed, each pipe ends at its end of file and
+        its tunnel returns. (Cancelled, a tunnel's task made asyncio's stream server log
+        an ERROR on Python 3.11: it reads the exception of a cancelled task.)"""
+        tunnels = list(self._tunnels.items())
+        for _, writers in tunnels:
+            for writer in writers:
+                writer.close()
+        if tunnels:
+            await asyncio.wait([task for task, _ in tunnels])
 
     # -- control -----------------------------------------------------------------------
 
@@ -335,6 +356,7 @@ class MicrosoftLogin:
             await stop.wait()
         finally:
             proxy.close()
+            await self.close_tunnels()
             await control.cleanup()
             await tls.cleanup()
 

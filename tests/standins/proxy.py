@@ -62,6 +62,7 @@ class ProxyStandin:
         self.ended = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def url(self) -> str:
@@ -77,6 +78,7 @@ class ProxyStandin:
         """Stop listening and end every connection."""
         if self._server is not None:
             self._server.close()
+        self._closing = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -92,6 +94,12 @@ class ProxyStandin:
             await self._answer(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # the client went away: what `ended` counts
+        except asyncio.CancelledError:
+            # Ended by close(): returns as a connection that ended (on Python 3.11,
+            # asyncio's stream server logs an ERROR for a cancelled one: it reads the
+            # exception of a cancelled task).
+            if not self._closing:
+                raise
         finally:
             self.ended += 1
             writer.close()
