@@ -252,7 +252,8 @@ async def tell_not_taken_in(
         )
     )
     if not isinstance(outcome, Sent):
-        log.warning("%s: could not tell the author either: %s", channel.name, outcome)
+        # (its error alone: what the platform said may quote the post)
+        log.warning("%s: could not tell the author either: %s", channel.name, outcome.error)
     return outcome
 
 

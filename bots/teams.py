@@ -87,8 +87,8 @@ from bots.base import (
     Core,
     accept,
     answering_errors,
-    not_taken_in,
     quoted_page,
+    tell_not_taken_in,
 )
 from bots.review_base import ChatReviewBackend
 from bots.teams_review import MAX_TEXT_BYTES, text_size
@@ -123,8 +123,12 @@ log = logging.getLogger(__name__)
 CHANNEL = "teams"
 #: Teams waits 15 s for the answer to an activity; recording ends well before.
 RECORD_DEADLINE_S = 10.0
-# How long the reply telling a person their message was not taken in may take.
+#: How long the reply telling a person their message was not taken in may take, all of
+#: it (Teams waits 15 s for the answer to the activity, recording may have taken 10)...
 REPLY_DEADLINE_S = 3.0
+#: ...of which its request and answer get this once it is being written (the rest: a
+#: free send thread, the access token, the connection).
+REPLY_TIMEOUT_S = 1.5
 #: The threads Teams sends (and the access token's requests) run on, at most.
 SEND_THREADS = 16
 
@@ -229,10 +233,12 @@ def parse_message(activity: Activity) -> Inbound | None:
 
 
 class TeamsBot(Bot):  # type: ignore[misc]
-    """Turns message activities into triggers; never posts a turn's text itself."""
+    """Turns message activities into triggers; never posts a turn's text itself.
+    ``notices`` posts the one reply of its own (the "not taken in" notice)."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Core, notices: Channel) -> None:
         self._core = core
+        self._notices = notices
 
     async def on_turn(self, context: TurnContext) -> None:
         """Parse and record (before the 202); the turn runs in the background.
@@ -240,7 +246,7 @@ class TeamsBot(Bot):  # type: ignore[misc]
         When the database cannot take the message in, its author is told in a reply and
         the channel gets its 202: nothing documents that Teams sends a message again
         after a 5xx (the person saw a message that was simply never answered). Only when
-        that reply cannot be posted either is the fault passed on (503)."""
+        that reply is not known to be posted is the fault passed on (503)."""
         inbound = parse_message(context.activity)
         if inbound is None:
             return
@@ -253,11 +259,14 @@ class TeamsBot(Bot):  # type: ignore[misc]
             )
         except DATABASE_FAULTS as exc:
             log.warning("teams: could not record a message (%s)", exc.rule)
-            try:
-                # Bounded: Teams waits 15 s for the answer, recording may have taken 10.
-                await asyncio.wait_for(context.send_activity(not_taken_in(exc)), REPLY_DEADLINE_S)
-            except Exception as reply_exc:
-                log.warning("teams: could not tell the author either: %r", reply_exc)
+            # Posted as the outbox's Teams sends are (their pool, the watch on their
+            # connection, their outcomes), within REPLY_DEADLINE_S: the SDK's own
+            # post (context.send_activity) went out on the loop's default executor,
+            # whose thread a Connector that never answered held for msrest's timeout.
+            outcome = await tell_not_taken_in(
+                self._notices, inbound, exc, key=inbound.external_event_id
+            )
+            if not isinstance(outcome, Sent):
                 raise exc from None
 
 
@@ -751,7 +760,8 @@ class TeamsChannel:
         """Post ``message.text`` (or, ``message.card`` set, a review card as an
         Adaptive Card) to the bound conversation; never raises for SDK errors."""
         reply_to: str | None = None
-        if message.kind == "reply":
+        if message.kind in ("reply", "notice"):
+            # (a notice answers the message it is about: bots.base.tell_not_taken_in)
             reply_to = message.address.get("activity_id") or None
         if message.card is not None:
             activity = Activity(
@@ -1024,7 +1034,6 @@ class TeamsAdapter:
             ),
         )
         self.cloud_adapter = CloudAdapter(self.auth)
-        self.bot: Bot = TeamsBot(core)
         self.teams_channel = TeamsChannel(
             self.cloud_adapter,
             settings.app_id,
@@ -1033,6 +1042,15 @@ class TeamsAdapter:
             tokens=tokens,
         )
         self.channel: Channel = self.teams_channel
+        # The "not taken in" notice, sent as the channel's sends are, on shorter bounds.
+        notices = TeamsChannel(
+            self.cloud_adapter,
+            settings.app_id,
+            timeout_s=REPLY_TIMEOUT_S,
+            deadline_s=REPLY_DEADLINE_S,
+            tokens=tokens,
+        )
+        self.bot: Bot = TeamsBot(core, notices)
         # Token validation may fetch the OpenID metadata with a blocking `requests.get`
         # and no timeout; it runs on these threads so the event loop never blocks on it.
         self._auth_pool: concurrent.futures.ThreadPoolExecutor | None = None

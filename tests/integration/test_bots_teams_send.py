@@ -26,6 +26,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from botbuilder.schema import Activity
 
+from bots import teams
 from bots.teams import TeamsAdapter, TeamsChannel, parse_message
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import TeamsSettings
@@ -928,3 +929,39 @@ async def test_a_reply_made_while_an_activity_is_handled_gets_its_token_off_the_
     outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
     assert isinstance(outcome, Sent), outcome
     assert login.asked == 1 and len(login.grants) == 1
+
+
+async def test_the_not_taken_in_reply_is_sent_as_the_channels_sends_are(
+    connector: ConnectorStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The "not taken in" reply went out through the SDK's own post, msrest's sender on
+    the event loop's default executor: a Connector that took the request and never
+    answered held one of that executor's few threads (DNS look-ups and the rest of the
+    service wait for them) for msrest's socket timeout after the reply gave up, and its
+    failure was a bare TimeoutError. It is now sent as the channel's sends are: on the
+    Teams send pool, its connection shut down at its deadline, its outcome classified
+    (the request was written: it may have been posted). Here the default executor has
+    one thread, and it is free once the endpoint has answered."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    connector.fail_next("hang")
+    activity = message_activity(service_url=connector.url, text="SECRET-TEAMS-TEXT")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(teams, "REPLY_DEADLINE_S", 1.0)
+        mp.setattr(teams, "REPLY_TIMEOUT_S", 0.5)
+        adapter = TeamsAdapter(TeamsSettings(enabled=True), _DatabaseDown())
+        try:
+            async with _served(adapter) as url:
+                with caplog.at_level(logging.INFO):
+                    status, body = await post_activity(url, activity)
+                free = loop.run_in_executor(None, threading.current_thread)
+                await eventually(free.done, what="the default executor's thread free")
+        finally:
+            connector.release_hangs()
+    assert status == 503 and json.loads(body)["error"]["rule"] == "service.unavailable"
+    [reply] = connector.requests
+    assert reply["reply_to_id"] == activity["id"]
+    no_tracebacks(caplog, "SECRET-TEAMS-TEXT")
+    [unposted] = [r for r in ours(caplog) if "could not tell the author" in r.getMessage()]
+    assert unposted.levelno == logging.WARNING
+    assert "no answer within 0.5 s after the request was sent" in unposted.getMessage()
