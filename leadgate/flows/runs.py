@@ -12,7 +12,10 @@ output ``{"data": {}, "success": true}``, sets the run to ``waitingForHitl`` and
 the event ``Flow run is waiting for Lead review``. No HITL request is created. The outbox
 never delivers such an approval; :class:`FlowResumer` starts a **new** run from the pause
 snapshot, continuing after the agent node. The approved summary stays on the
-continuation row; it is not copied into the node output.
+continuation row; it is not copied into the node output. The turn decides: a plain node
+whose turn comes back gated (a lead added meanwhile) pauses on its item the same way, and
+a lead-reviewed node whose turn answers plainly (its lead removed meanwhile) closes its
+continuation and goes on with that answer.
 
 A ``running`` run is leased to the process executing it (``lease_token``,
 ``lease_expires_at``, ``lease_owner``; :data:`RUN_LEASE_MS`): the run is inserted leased,
@@ -68,7 +71,15 @@ from leadgate.core.runners import (
     seconds_until,
 )
 from leadgate.core.tasks import alongside
-from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Gated, Reply, Trigger
+from leadgate.core.types import (
+    BindingKind,
+    BindingSpec,
+    Duplicate,
+    Gated,
+    Outcome,
+    Reply,
+    Trigger,
+)
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, Held, held_counts
 from leadgate.database.faults import lock_not_granted
@@ -797,10 +808,46 @@ class FlowService:
                     {"data": {"text": await self._answer(agent.id, trigger)}, "success": True}
                 )
                 return False
+            if isinstance(outcome, Gated):
+                # A lead was added while the turn ran: its item waits for review like a
+                # lead-reviewed node's, and the run pauses on it (failing here left the
+                # approved item's continuation delivery open for ever). Registered after
+                # the turn: an approval before the pause is found by the pause's wake.
+                continuation_id = await self._register(run, lease, index, agent.id, session_key)
+                return await self._pause(
+                    run, lease, agent.id, session_key, outcome, continuation_id, outputs
+                )
             if not isinstance(outcome, Reply):
                 raise Conflict("the agent did not answer", rule="flow.agent_busy")
             outputs.append({"data": {"text": outcome.text}, "success": True})
             return False
+        continuation_id = await self._register(run, lease, index, agent.id, session_key)
+        # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
+        outcome = await self.turns.run(trigger)
+        if isinstance(outcome, Reply):
+            # The lead was removed while the turn ran: no item was made, so no review
+            # will come. The node answered as a plain one does, and the run goes on
+            # (paused, it waited for ever on a continuation with no item).
+            async with self.db.tx() as conn:
+                await move_run(
+                    conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
+                )
+                await conn.execute(
+                    t.continuations.update()
+                    .where(C.id == continuation_id, C.status == "waiting")
+                    .values(status="closed", updated_at=self.clock.now_ms())
+                )
+            outputs.append({"data": {"text": outcome.text}, "success": True})
+            return False
+        return await self._pause(
+            run, lease, agent.id, session_key, outcome, continuation_id, outputs
+        )
+
+    async def _register(
+        self, run: dict[str, Any], lease: RunLease, index: int, agent_id: str, session_key: str
+    ) -> str:
+        """Register the continuation of the agent node ``index``, fenced by the run's
+        lease: its id."""
         async with self.db.tx() as conn:
             # Fenced with the continuation: a process that lost the run registers none
             # (a second waiting continuation of one node would resume the flow twice;
@@ -808,26 +855,37 @@ class FlowService:
             await move_run(
                 conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
             )
-            continuation_id = await register_continuation(
+            return await register_continuation(
                 conn,
                 self.clock,
                 self.ids,
                 org_id=run["org_id"],
                 run_id=run["id"],
                 node_index=index,
-                agent_id=agent.id,
+                agent_id=agent_id,
                 session_key=session_key,
             )
-        # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
-        outcome = await self.turns.run(trigger)
+
+    async def _pause(
+        self,
+        run: dict[str, Any],
+        lease: RunLease,
+        agent_id: str,
+        session_key: str,
+        outcome: Outcome,
+        continuation_id: str,
+        outputs: list[Any],
+    ) -> bool:
+        """Pause the run on its node's work item (``outcome``'s, else the session's
+        active one) after the turn: True."""
         async with self.db.tx() as conn:
             item_id = outcome.work_item_id if isinstance(outcome, Gated) else None
             if item_id is None:
-                session = await find_session(conn, agent.id, session_key)
+                session = await find_session(conn, agent_id, session_key)
                 active = (
                     None
                     if session is None
-                    else await workitems.active_for(conn, agent.id, session.id)
+                    else await workitems.active_for(conn, agent_id, session.id)
                 )
                 item_id = active.id if active else None
             await move_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -9,7 +10,9 @@ import sqlalchemy as sa
 
 from leadgate.core.errors import ValidationError
 from leadgate.core.runners import drain
+from leadgate.core.types import Outcome, Trigger
 from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from leadgate.flows.runs import (
     PAUSED_OUTPUT,
@@ -324,4 +327,75 @@ async def test_a_lead_reviewed_node_whose_turn_breaks_closes_its_continuation(
     )
     run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
     assert run["status"] == "failed"
+    assert [c["status"] for c in run["continuations"]] == ["closed"]
+
+
+def _lead_changes_before_the_turn(
+    stack: Any, mp: pytest.MonkeyPatch, org: Any, worker: dict[str, Any], lead: str | None
+) -> None:
+    """The worker's lead becomes ``lead`` after the node read it, before its turn's
+    intake resolves it (a save landing while the node runs)."""
+    run: Callable[[Trigger], Awaitable[Outcome]] = stack.turns.run
+
+    async def changed_then_run(trigger: Trigger) -> Outcome:
+        async with stack.db.tx() as conn:
+            await agents_mod.save_agent(
+                conn, stack.clock, stack.ids, org.id, agent_ref=worker["id"], lead=lead
+            )
+        return await run(trigger)
+
+    mp.setattr(stack.turns, "run", changed_then_run)
+
+
+async def test_a_plain_node_whose_turn_came_back_gated_pauses_and_resumes(stack: Any) -> None:
+    # It failed the run with flow.agent_busy, and the item, once approved, left its
+    # continuation delivery open for ever.
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker")
+    flow_id = await _flow(
+        stack,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "draft #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        _lead_changes_before_the_turn(stack, mp, org, worker, "lead")
+        run_id = await stack.flows.start(org.id, flow_id)
+    paused = await _view(stack, org, run_id)
+    assert (paused["status"], paused["error"]) == ("waitingForHitl", None)
+    await stack.settle()  # the lead approves
+    assert await drain(FlowResumer(stack.flows)) == 1
+    old = await _view(stack, org, run_id)
+    resumed = await _view(stack, org, old["continuations"][0]["resumedRunId"])
+    assert resumed["status"] == "completed"
+    assert resumed["outputs"][-1] == {"data": "after", "success": True}
+    async with stack.db.read() as conn:
+        statuses = (await conn.execute(sa.select(t.deliveries.c.status))).scalars().all()
+    assert "continuation" not in statuses
+
+
+async def test_a_lead_node_whose_lead_was_removed_mid_turn_goes_on(stack: Any) -> None:
+    # The run paused on a continuation with no work item, which nothing resumed or swept.
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    worker = await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "draft #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        _lead_changes_before_the_turn(stack, mp, org, worker, None)
+        run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
+    assert run["status"] == "completed"
+    assert run["outputs"] == [
+        {"data": {"text": "Echo: draft #complete"}, "success": True},
+        {"data": "after", "success": True},
+    ]
     assert [c["status"] for c in run["continuations"]] == ["closed"]
