@@ -199,10 +199,17 @@ class ScheduleRunner:
             advance: dict[str, Any] = {
                 "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
             }
-        except ValidationError:
+        except ValidationError as exc:
             # Checked when it was added; croniter looks only so many years ahead, so
-            # a rare date can still run out. This firing runs, and it is the last.
-            log.warning("schedule %s has no next firing and is deactivated", row.id)
+            # a rare date can still run out, and a stored expression may be refused by
+            # rules newer than it. This firing runs, and it is the last; the warning
+            # says which it was (a cron that "has no next firing" read as a bug).
+            log.warning(
+                "schedule %s is deactivated after this firing: %s [%s]",
+                row.id,
+                exc.message,
+                exc.rule,
+            )
             advance = {"active": False}
         trigger = Trigger(
             org_id=row.org_id,

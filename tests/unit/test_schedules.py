@@ -15,7 +15,7 @@ from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
 from leadgate.runners.schedules import NewScheduleView, ScheduleRunner, add_schedule, next_fire
-from tests.helpers import Org, make_agent, make_org
+from tests.helpers import Org, make_agent, make_org, ours
 from tests.stack import Stack
 
 MIDNIGHT = int(datetime(2027, 1, 1, tzinfo=UTC).timestamp() * 1000)
@@ -75,17 +75,26 @@ async def _scheduled(
     return org, agent, added
 
 
+@pytest.mark.parametrize(
+    ("cron", "says"),
+    [
+        # As if croniter could find no date any more (it searches a bounded number of
+        # years): a stored expression that never fires again.
+        ("0 0 31 2 *", "never fires"),
+        # Stored before a rule that now refuses it: the warning said it "has no next
+        # firing", which read as a scheduler bug, not as what to correct.
+        ("*/90 * * * *", "step 90 of the minute field must be 1 to 60"),
+    ],
+)
 async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated(
-    stack: Stack,
+    stack: Stack, caplog: pytest.LogCaptureFixture, cron: str, says: str
 ) -> None:
     _, _, added = await _scheduled(stack, "0 0 * * *", "nightly")
     async with stack.db.tx() as conn:
-        # As if croniter could find no date any more (it searches a bounded number of
-        # years): a stored expression that never fires again.
         await conn.execute(
             t.schedules.update()
             .where(t.schedules.c.id == added["id"])
-            .values(cron="0 0 31 2 *", next_fire_at=stack.clock.now_ms())
+            .values(cron=cron, next_fire_at=stack.clock.now_ms())
         )
     runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
     assert await drain(runner) == 1  # one firing, not one failure per poll
@@ -98,6 +107,9 @@ async def test_a_schedule_with_no_next_firing_fires_once_more_and_is_deactivated
         )
     assert not active
     assert turns == 1
+    (warning,) = [r.getMessage() for r in ours(caplog) if r.levelname == "WARNING"]
+    assert f"schedule {added['id']} is deactivated after this firing" in warning
+    assert says in warning and "[schedule.cron]" in warning
 
 
 async def test_a_schedule_whose_agent_is_gone_is_deactivated_and_schedules_are_listed(
