@@ -697,6 +697,10 @@ class Sweeper:
     activity, and every item that enters ``inProgress`` since (its activity is now), can
     only make the true one later (clocks agreeing), so the known one is never past it;
     waking for an item that had activity since finds nothing and reads the time again.
+    A clock seen going back (a pass's clock before the last pass's) breaks that: an item
+    that enters ``inProgress`` after the step has an activity before the one known, and
+    would have been abandoned late by up to the step (at the poll, not at its time): the
+    time is read again then too.
 
     PostgreSQL: a pass that left idle items because another transaction held them
     row-locked (:attr:`Swept.locked`) looks again :data:`LOCKED_RECHECK_MS` on: its
@@ -714,6 +718,8 @@ class Sweeper:
         self._next_due: int | None = None
         #: PostgreSQL: when to look again for idle items the last pass skipped as locked
         self._locked_look: int | None = None
+        #: the clock at the last pass (None: no pass yet)
+        self._last_now: int | None = None
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the next item the last idle pass knew
@@ -727,6 +733,9 @@ class Sweeper:
         async with self.db.tx() as conn:
             swept = await sweep_abandoned(conn, self.db, self.clock, self.ids, ABANDON_AFTER_MS)
             now = self.clock.now_ms()
+            if self._last_now is not None and now < self._last_now:
+                self._next_due = None  # the clock went back: the known time may be late
+            self._last_now = now
             self._locked_look = now + LOCKED_RECHECK_MS if swept.locked else None
             if swept.locked:
                 # The oldest idle item is a skipped one, due already: read it again once

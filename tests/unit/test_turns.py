@@ -1173,6 +1173,27 @@ async def test_the_sweeper_knows_when_the_oldest_idle_item_becomes_abandonable(
     assert sweeper.due_in_s() is None
 
 
+async def test_the_sweeper_reads_the_next_due_again_after_the_clock_went_back(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """An item that enters ``inProgress`` after the clock stepped back has an activity
+    before the one the sweeper knew of: ``due_in_s`` is its week, not the known one's
+    (that was late by the size of the step)."""
+    stack, _ = rig
+    org = await make_org(stack)
+    worker = await lead_worker(stack, org)
+    sweeper = Sweeper(stack.db, stack.clock, stack.ids)
+    clock = fake_clock(stack)
+    week_s = 7 * DAY_MS / 1000
+    await stack.turns.run(api_trigger(org, worker, "first task", session="first"))
+    assert await drain(sweeper) == 0
+    assert sweeper.due_in_s() == week_s
+    clock.advance(-DAY_MS)  # stepped back a day
+    await stack.turns.run(api_trigger(org, worker, "after the step", session="after"))
+    assert await drain(sweeper) == 0
+    assert sweeper.due_in_s() == week_s
+
+
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_the_sweeper_skips_an_idle_item_another_transaction_holds_and_looks_again_soon(
     rig: tuple[Stack, RecordingProvider],
