@@ -68,7 +68,7 @@ from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.runners.revisions import RevisionRunner
-from leadgate.runners.schedules import ScheduleRunner
+from leadgate.runners.schedules import SCHEDULE_LOOPS, ScheduleRunner
 from leadgate.turns.path import TurnService
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.registry import ProviderRegistry, build_providers
@@ -370,7 +370,9 @@ class App:
             _Loop(sweeper, due_s=sweeper.due_in_s),
             # A firing is due with time: the loop sleeps no longer than until the next;
             # an added schedule (whose first firing may be sooner) wakes it at commit.
-            _Loop(schedules, schedule_wake, due_s=schedules.due_in_s),
+            # Several loops (SCHEDULE_LOOPS): one slow or blocked turn holds up no other
+            # due schedule; each pass takes a schedule no other pass is firing.
+            _Loop(schedules, schedule_wake, SCHEDULE_LOOPS, due_s=schedules.due_in_s),
             # Approvals wake the resumer; a pass whose pick met the settled
             # continuation row-locked looks again soon (due_in_s).
             _Loop(resumer, flow_wake, due_s=resumer.due_in_s),

@@ -51,6 +51,12 @@ S = t.schedules.c
 #: The earliest active schedule, due or not (``next_fire_at`` is indexed). Built once: the
 #: plan cache keys on the statement object (see leadgate.database.plans).
 _NEXT = sa.select(t.schedules).where(S.active).order_by(S.next_fire_at).limit(1)
+#: The same but for the schedules in ``p_firing`` (whose firing another pass of this
+#: runner is running).
+_NEXT_BUT = _NEXT.where(S.id.not_in(sa.bindparam("p_firing", expanding=True)))
+#: How many loops run the schedule runner in one process: a slow or blocked turn of one
+#: firing holds up only its own loop, not every other due schedule (it did, one loop).
+SCHEDULE_LOOPS = 4
 
 #: The longest cron expression stored (``schedules.cron``).
 CRON_LIMIT = 100
@@ -167,6 +173,11 @@ class ScheduleRunner:
         self._check_after: str | None = ""
         #: schedules checked per pass (:data:`CHECK_BATCH`)
         self.check_batch = CHECK_BATCH
+        #: the schedules whose firing a pass of this runner is running (its loops run
+        #: passes side by side: :data:`SCHEDULE_LOOPS`); the others pass them over
+        self._firing: set[str] = set()
+        #: a check for stranded firings is running in one of the passes
+        self._checking = False
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the earliest firing the last pass saw, or
@@ -183,18 +194,41 @@ class ScheduleRunner:
     async def run_once(self) -> bool:
         """Take in and run one due firing, then advance its schedule (after bringing
         back, at the first pass and when the clock went back, firings a clock ahead
-        stranded: :meth:`_bring_back`)."""
+        stranded: :meth:`_bring_back`). Passes run side by side (the runner's loops):
+        each takes the earliest due schedule no other pass is firing, so one slow turn
+        holds up no other schedule; a firing two replicas take is still one turn (its
+        inbound event id)."""
         now = self.clock.now_ms()
         if self._last_now is not None and now < self._last_now:
             self._check_after = ""  # the clock went back: check every schedule again
         self._last_now = now
-        if self._check_after is not None:
-            await self._bring_back(now)
+        if self._check_after is not None and not self._checking:
+            self._checking = True
+            try:
+                await self._bring_back(now)
+            finally:
+                self._checking = False
+        firing = sorted(self._firing)
         async with self.db.read() as conn:
-            row = (await conn.execute(_NEXT)).first()
+            if firing:
+                row = (await conn.execute(_NEXT_BUT, {"p_firing": firing})).first()
+            else:
+                row = (await conn.execute(_NEXT)).first()
         self._next_fire = None if row is None else row.next_fire_at
         if row is None or row.next_fire_at > now:
-            return self._check_after is not None  # (a check under way goes on at once)
+            # (A check under way goes on at once, in the pass that runs it.)
+            return self._check_after is not None and not self._checking
+        if row.id in self._firing:
+            return True  # another pass took it while this one read: read the next
+        self._firing.add(row.id)
+        try:
+            await self._fire(row, now)
+        finally:
+            self._firing.discard(row.id)
+        return True
+
+    async def _fire(self, row: Any, now: int) -> None:
+        """Take in and run the due firing of schedule ``row``, then advance it."""
         try:
             advance: dict[str, Any] = {
                 "next_fire_at": next_fire(row.cron, max(now, row.next_fire_at))
@@ -240,7 +274,6 @@ class ScheduleRunner:
                 .where(S.id == row.id, S.next_fire_at == row.next_fire_at)
                 .values(**advance)
             )
-        return True
 
     async def _bring_back(self, now: int) -> None:
         """Bring back the next firing of schedules (a batch of :data:`CHECK_BATCH`, by id)

@@ -3,6 +3,8 @@ schedule whose next firing cannot be found."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
@@ -15,6 +17,8 @@ from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.admin import Admin
 from leadgate.runners.schedules import NewScheduleView, ScheduleRunner, add_schedule, next_fire
+from leadgate.turns.providers.base import ModelEvent, ModelRequest
+from leadgate.turns.providers.script import ScriptProvider
 from tests.helpers import Org, make_agent, make_org, ours
 from tests.stack import Stack
 
@@ -271,3 +275,79 @@ async def test_the_check_for_put_off_firings_takes_a_batch_a_pass(stack: Stack) 
         times = (await conn.execute(sa.select(t.schedules.c.next_fire_at))).scalars().all()
     assert times == [hour] * 3
     assert not await runner.run_once()  # nothing more to check, nothing due
+
+
+class _SlowOnCue:
+    """The script model, but a turn whose message is "slow" waits for ``release``
+    (``entered`` set once it does)."""
+
+    def __init__(self) -> None:
+        self.script = ScriptProvider()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        """Wait on "slow", then answer as the script model does."""
+        if request.messages and request.messages[-1].content == "slow":
+            self.entered.set()
+            await self.release.wait()
+        async for event in self.script.stream(request):
+            yield event
+
+
+async def test_a_blocked_schedule_turn_holds_up_no_other_due_schedule(
+    make_stack: Callable[..., Stack],
+) -> None:
+    # One pass ran at a time: a slow turn kept every other due schedule waiting (a
+    # second pass took the same firing again, a duplicate, not the next schedule).
+    model = _SlowOnCue()
+    stack = make_stack(providers={"script": model})
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    ids = []
+    for message in ("slow", "quick"):
+        async with stack.db.tx() as conn:
+            added = await add_schedule(
+                conn,
+                stack.clock,
+                stack.ids,
+                org_id=org.id,
+                agent_id=agent["id"],
+                cron="0 9 * * *",
+                message=message,
+            )
+        ids.append(added["id"])
+        stack.clock.advance(1)  # the slow one is due first
+    async with stack.db.tx() as conn:
+        due = stack.clock.now_ms()
+        await conn.execute(
+            t.schedules.update().where(t.schedules.c.id == ids[0]).values(next_fire_at=due - 1)
+        )
+        await conn.execute(
+            t.schedules.update().where(t.schedules.c.id == ids[1]).values(next_fire_at=due)
+        )
+    runner = ScheduleRunner(stack.db, stack.clock, stack.turns)
+    slow = asyncio.create_task(runner.run_once())
+    await asyncio.wait_for(model.entered.wait(), timeout=10)
+    assert await runner.run_once()  # another loop's pass, meanwhile
+
+    async def told() -> list[str]:
+        async with stack.db.read() as conn:
+            rows = await conn.execute(
+                sa.select(t.messages.c.content).where(t.messages.c.role == "user")
+            )
+            return sorted(rows.scalars())
+
+    async def fired() -> dict[str, int]:
+        async with stack.db.read() as conn:
+            rows = await conn.execute(sa.select(t.schedules.c.id, t.schedules.c.next_fire_at))
+            return {row.id: int(row.next_fire_at) for row in rows}
+
+    assert await told() == ["quick", "slow"]
+    assert (await fired())[ids[1]] > due  # the quick one fired and moved on
+    assert (await fired())[ids[0]] == due - 1  # the slow one's turn still runs
+    model.release.set()
+    assert await asyncio.wait_for(slow, timeout=10)
+    assert (await fired())[ids[0]] > due
+    assert await drain(runner) == 0
+    assert await told() == ["quick", "slow"]  # each fired once
