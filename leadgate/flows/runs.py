@@ -14,8 +14,8 @@ never delivers such an approval; :class:`FlowResumer` starts a **new** run from 
 snapshot, continuing after the agent node. The approved summary stays on the
 continuation row; it is not copied into the node output. The turn decides: a plain node
 whose turn comes back gated (a lead added meanwhile) pauses on its item the same way, and
-a lead-reviewed node whose turn answers plainly (its lead removed meanwhile) closes its
-continuation and goes on with that answer.
+a lead-reviewed node whose turn made no work item (its lead removed meanwhile) closes its
+continuation and goes on with the turn's answer.
 
 A ``running`` run is leased to the process executing it (``lease_token``,
 ``lease_expires_at``, ``lease_owner``; :data:`RUN_LEASE_MS`): the run is inserted leased,
@@ -824,10 +824,16 @@ class FlowService:
         continuation_id = await self._register(run, lease, index, agent.id, session_key)
         # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
         outcome = await self.turns.run(trigger)
-        if isinstance(outcome, Reply):
+        if not isinstance(outcome, Gated) and not await self._has_item(agent.id, session_key):
             # The lead was removed while the turn ran: no item was made, so no review
             # will come. The node answered as a plain one does, and the run goes on
-            # (paused, it waited for ever on a continuation with no item).
+            # (paused, it waited for ever on a continuation with no item). A turn that
+            # kept its item open (no complete_task yet) still pauses on it.
+            text = (
+                outcome.text
+                if isinstance(outcome, Reply)
+                else await self._answer(agent.id, trigger)
+            )
             async with self.db.tx() as conn:
                 await move_run(
                     conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
@@ -837,11 +843,23 @@ class FlowService:
                     .where(C.id == continuation_id, C.status == "waiting")
                     .values(status="closed", updated_at=self.clock.now_ms())
                 )
-            outputs.append({"data": {"text": outcome.text}, "success": True})
+            outputs.append({"data": {"text": text}, "success": True})
             return False
         return await self._pause(
             run, lease, agent.id, session_key, outcome, continuation_id, outputs
         )
+
+    async def _has_item(self, agent_id: str, session_key: str) -> bool:
+        """Whether the node's session (of ``agent_id``, ``session_key``) has a work item,
+        open or ended."""
+        async with self.db.read() as conn:
+            found = await conn.scalar(
+                sa.select(_W.id)
+                .select_from(t.work_items.join(t.sessions, _W.session_id == _S.id))
+                .where(_S.agent_id == agent_id, _S.key == session_key)
+                .limit(1)
+            )
+        return found is not None
 
     async def _register(
         self, run: dict[str, Any], lease: RunLease, index: int, agent_id: str, session_key: str
