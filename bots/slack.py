@@ -77,7 +77,13 @@ from bots.review_base import ChatReviewBackend
 from leadgate.core.bodies import read_body
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.core.decoding import decode_text, json_object
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.errors import (
+    AuthError,
+    DatabaseDamaged,
+    LeadgateError,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, Conversations, Inbound
 from outbox.channel import (
@@ -744,7 +750,12 @@ class SlackAdapter:
             and signature.isascii()
             and self._verifier.is_valid(raw, timestamp, signature)
         ):
-            return web.json_response({"error": "invalid request"}, status=401)
+            raise AuthError(
+                "the request carries no valid Slack signature (X-Slack-Signature of the "
+                "app's signing secret, with an X-Slack-Request-Timestamp within 5 minutes "
+                "of the service's clock)",
+                rule="slack.signature",
+            )
         _check_shape(_decode(raw, text, request.content_type))
         failures: list[LeadgateError] = []
         reset = _FAILURE.set(failures)

@@ -103,7 +103,7 @@ from leadgate.core.bodies import read_body
 from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.decoding import bearer_token, json_object
-from leadgate.core.errors import ConfigError
+from leadgate.core.errors import AuthError, ConfigError, ValidationError
 from leadgate.core.limits import EVENT_ID_LIMIT, SESSION_KEY_LIMIT, bounded
 from leadgate.core.types import BindingKind, Inbound
 from outbox.channel import (
@@ -133,6 +133,27 @@ REPLY_TIMEOUT_S = 1.5
 SEND_THREADS = 16
 
 _MENTION_TAG = re.compile(r"<at>(.*?)</at>", re.IGNORECASE | re.DOTALL)
+
+
+class _UnsupportedContentType(ValidationError):
+    """A body that is not JSON: 415, as the SDK's own ``process`` answers it."""
+
+    status = 415
+
+
+def _unauthorized() -> AuthError:
+    return AuthError(
+        "the request carries no valid Bot Framework token (Authorization: Bearer, "
+        "issued for this bot, this serviceUrl and this channel)",
+        rule="teams.token",
+    )
+
+
+def _not_an_activity() -> ValidationError:
+    return ValidationError(
+        "the body is not a Bot Framework activity (an object with a type)",
+        rule="teams.activity",
+    )
 
 
 @dataclass(frozen=True)
@@ -1102,28 +1123,34 @@ class TeamsAdapter:
             # for a sender that cannot present a valid one.
             or await self._authenticate(Activity(), auth_header) is None
         ):
-            return web.Response(status=401, text="unauthorized")
+            raise _unauthorized()
         if request.content_type != "application/json":
-            return web.Response(status=415, text="expected application/json")
+            raise _UnsupportedContentType(
+                "the body must be application/json (a Bot Framework activity)",
+                rule="teams.content_type",
+            )
         body = json_object(await read_body(request), allow_nul=True)
         try:
             activity = Activity().deserialize(body)
         except Exception:
-            return web.Response(status=400, text="body is not an activity")
+            raise _not_an_activity() from None
         if not isinstance(activity.type, str) or not activity.type:
-            return web.Response(status=400, text="body is not an activity")
+            raise _not_an_activity()
         # Again with the activity: the token must be the one issued for this serviceUrl
         # and channel (in no-auth mode, the SDK's anonymous identity).
         auth_result = await self._authenticate(activity, auth_header)
         if auth_result is None:
-            return web.Response(status=401, text="unauthorized")
+            raise _unauthorized()
         invoke = await self.cloud_adapter.process_activity(auth_result, activity, self.bot.on_turn)
         if invoke is not None:
             if invoke.status == 501:
                 # The SDK's answer to an invoke no handler of ours takes (a message
                 # extension, a task module): it asked for something we do not serve,
                 # which is the caller's request, not our failure.
-                return web.json_response({"error": "this invoke is not supported"}, status=400)
+                raise ValidationError(
+                    "this invoke is not one leadgate answers (only the review cards')",
+                    rule="teams.invoke",
+                )
             # A plain dict body (the review cards' invoke answers) is JSON already;
             # serializer_helper only takes msrest models (interactivity.md).
             body = invoke.body if isinstance(invoke.body, dict) else serializer_helper(invoke.body)

@@ -9,7 +9,7 @@ by design, to :data:`PUBLIC`) in :mod:`tests.integration.routes_kit`, which
 ``test_database_down`` shares. For each one:
 
 - without credentials it is 401 in the error envelope (a channel webhook: its own
-  signature refusal), and the database is unchanged;
+  signature refusal, naming its rule too), and the database is unchanged;
 - with organization B's key, and with B's console session cookie (plus the header the
   console sends), on names and ids of organization A's real objects it answers exactly
   as on names and ids nobody has (404, not a 403 that confirms the object exists), no
@@ -122,6 +122,7 @@ async def probe_routes(s: Scene) -> list[tuple[str, str]]:
             before = await dump(service)
             got = await anonymous(method, Call(path, {}))
             assert got.status == WEBHOOKS[route_key], (route_key, got)
+            assert json.loads(got.body)["error"]["rule"], (route_key, got)
             assert not changed(before, await dump(service)), route_key
             continue
         for call in FILLS[route_key](nobody, path):

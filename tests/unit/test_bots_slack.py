@@ -145,15 +145,20 @@ async def test_retry_and_mention_pair_share_the_event_id(
 
 
 async def test_bad_signature_is_401_and_runs_nothing(server: TestServer, core: FakeCore) -> None:
-    status, _ = await post(server, event_body(message()), secret="wrong-secret")
+    """A forged, stale or unsigned request is 401 in the error envelope naming
+    ``slack.signature`` (it was a bare ``{"error": "invalid request"}``)."""
+    status, text = await post(server, event_body(message()), secret="wrong-secret")
     assert status == 401
+    assert json.loads(text)["error"]["rule"] == "slack.signature"
     body = event_body(message())
     headers = signed_headers(SECRET, body, timestamp=int(time.time()) - 3600)
     async with aiohttp.ClientSession() as session:
         async with session.post(server.make_url("/slack/events"), data=body, headers=headers) as r:
             assert r.status == 401
+            assert (await r.json())["error"]["rule"] == "slack.signature"
         async with session.post(server.make_url("/slack/events"), data=body) as r:
             assert r.status == 401
+            assert (await r.json())["error"]["rule"] == "slack.signature"
     assert core.tasks == [] and core.triggers == []
 
 

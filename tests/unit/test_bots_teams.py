@@ -265,11 +265,13 @@ async def test_an_invoke_no_handler_takes_is_400_not_501(open_bot: Server) -> No
             invoke["name"] = name
         status, body = await post_activity(open_bot.url, invoke)
         assert status == 400, (name, body)
+        assert json.loads(body)["error"]["rule"] == "teams.invoke"
     await open_bot.core.drain()
     assert open_bot.core.triggers == []
 
 
 async def test_malformed_requests(open_bot: Server) -> None:
+    """Each refusal is in the error envelope naming its rule (they were bare text)."""
     from aiohttp import ClientSession
 
     async with ClientSession() as session:
@@ -277,12 +279,16 @@ async def test_malformed_requests(open_bot: Server) -> None:
             open_bot.url, data="hello", headers={"Content-Type": "text/plain"}
         ) as r:
             assert r.status == 415
+            assert (await r.json())["error"]["rule"] == "teams.content_type"
         async with session.post(
             open_bot.url, data="{", headers={"Content-Type": "application/json"}
         ) as r:
             assert r.status == 400
-        async with session.post(open_bot.url, json={"text": "no type"}) as r:
-            assert r.status == 400
+            assert (await r.json())["error"]["rule"] == "body.json"
+        for activity in ({"text": "no type"}, {"type": ""}):
+            async with session.post(open_bot.url, json=activity) as r:
+                assert r.status == 400, activity
+                assert (await r.json())["error"]["rule"] == "teams.activity", activity
     assert open_bot.core.triggers == []
 
 
@@ -298,8 +304,9 @@ async def test_missing_token_is_401_without_network(
     secured_bot: Server, dns_guard: DnsGuard
 ) -> None:
     activity = message_activity(service_url=SERVICE_URL, text="hi")
-    status, _ = await post_activity(secured_bot.url, activity)
+    status, body = await post_activity(secured_bot.url, activity)
     assert status == 401
+    assert json.loads(body)["error"]["rule"] == "teams.token"
     await secured_bot.core.drain()
     assert secured_bot.core.triggers == [] and secured_bot.core.route_queries == []
     assert dns_guard.hosts == []
@@ -475,10 +482,11 @@ async def test_a_token_issued_for_another_service_url_is_401(
 ) -> None:
     # A valid token replayed with an activity that names another connector to answer.
     token = keys.token(app_id=APP_ID, service_url="http://127.0.0.1:9/other/")
-    status, _ = await post_activity(
+    status, body = await post_activity(
         signed_bot.url, message_activity(service_url=SERVICE_URL, text="hi"), token=token
     )
     assert status == 401
+    assert json.loads(body)["error"]["rule"] == "teams.token"
     await signed_bot.core.drain()
     assert signed_bot.core.triggers == [] and signed_bot.core.route_queries == []
 
