@@ -52,7 +52,7 @@ def discover(
     env = os.environ if environ is None else environ
     if explicit is not None:  # even "": load_settings refuses it (not the defaults)
         return ConfigChoice(explicit, "--config")
-    if env.get(ENV_CONFIG):
+    if ENV_CONFIG in env:  # set but empty is the same mistake as `--config ""`
         return ConfigChoice(env[ENV_CONFIG], "$LEADGATE_CONFIG")
     local = (cwd or Path.cwd()) / LOCAL_CONFIG
     if local.is_file():

@@ -127,9 +127,22 @@ def test_a_damaged_sqlite_file_is_one_line_naming_it(
             assert "[SQL:" not in err and "sqlalche.me" not in err, err
 
 
-def test_an_empty_config_name_is_a_config_file_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_empty_config_name_is_a_config_file_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--config ""`` and ``LEADGATE_CONFIG=""`` alike (the variable fell back to
+    ./config.toml or the defaults), even with a ./config.toml to fall back to."""
     code, out, err = run(capsys, "--config", "", "key", "list", "--org", "acme")
     assert (code, out) == (2, "") and err.rstrip().endswith("[config.file]"), err
+    (tmp_path / "config.toml").write_text(
+        '[database]\nurl = "sqlite+aiosqlite:///lg.db"\n', encoding="utf-8"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LEADGATE_CONFIG", "")
+    code, out, err = run(capsys, "key", "list", "--org", "acme")
+    assert (code, out) == (2, "") and err.rstrip().endswith("[config.file]"), err
+    assert "from $LEADGATE_CONFIG" in err, err
+    assert not (tmp_path / "lg.db").exists()
 
 
 def test_client_variables_do_not_stop_a_command_and_lists_come_from_the_environment(
