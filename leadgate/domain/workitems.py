@@ -250,6 +250,27 @@ async def _left(conn: Conn, item_id: str, src: Status) -> str:
     return f": {who_did(row)}; nothing changed"
 
 
+async def ended_already(conn: Conn, item: WorkItem, dst: Status) -> TransitionError:
+    """The refusal of a move to ``dst`` of ``item``, which has ended (its status is
+    terminal): ``workItem.status`` naming the move that ended it, as a decision fenced
+    on ``awaitingHuman`` names who decided meanwhile (a cancel of a rejected item said
+    ``workItem.transition`` "cannot go from rejected to cancelled", naming nobody)."""
+    a = t.audit.c
+    row = (
+        await conn.execute(
+            sa.select(a.action, a.actor, a.surface, a.created_at)
+            .where(a.work_item_id == item.id, a.to_status == item.status)
+            .order_by(a.created_at.desc(), a.id.desc())
+            .limit(1)
+        )
+    ).first()
+    by = "" if row is None else f": {who_did(row)}"
+    return TransitionError(
+        f"work item {item.id} is {item.status} already, it cannot be {dst}{by}; nothing changed",
+        rule="workItem.status",
+    )
+
+
 def who_did(row: AnyRow, *, of: str = "") -> str:
     """An audit row (``action``, ``actor``, ``surface``, ``created_at``) as a person reads
     it in a 409: ``approve by key:... (cli) at 2026-...`` (``of``, after the action: whose

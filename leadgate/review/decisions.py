@@ -519,6 +519,8 @@ async def cancel(
 ) -> WorkItem:
     """Cancel from any non-terminal status; unsent deliveries are cancelled too."""
     src = Status(item.status)
+    if src in workitems.TERMINAL:
+        raise await workitems.ended_already(conn, item, Status.cancelled)
     row = await workitems.transition(
         conn,
         clock,

@@ -609,10 +609,22 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
     assert cancelled.json()["status"] == "cancelled"
     assert retried.json()["deliveries"][0]["status"] == "pending"
 
-    again, confirm = batch(
+    again, confirm, cancel_rejected, reject_cancelled = batch(
         root,
         ("review", "approve", *acme, first),
         ("delivery", "confirm", "--org", "acme", delivery),
+        ("review", "cancel", *acme, second),
+        ("review", "reject", *acme, fourth, "--reason", "Late."),
+    )
+    # Cancel answers as approve and reject do: who decided (it was workItem.transition
+    # "cannot go from rejected to cancelled", naming nobody).
+    cancel_rejected.rule_error("workItem.status")
+    assert f"work item {second} is rejected already, it cannot be cancelled: reject by " in (
+        cancel_rejected.err
+    )
+    reject_cancelled.rule_error("workItem.status")
+    assert f"work item {fourth} is cancelled, not awaitingHuman: cancel by " in (
+        reject_cancelled.err
     )
     again.rule_error("workItem.status")  # 409: a decision happens once
     # The line says what the item is now; it said "is not awaitingHuman (or its lease

@@ -3,6 +3,7 @@ approve, reject, return, cancel, their text limits, their status rules and their
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -265,9 +266,15 @@ async def test_decisions_need_awaiting_human_and_cancel_needs_a_live_item(
                 await decide(stack, item_id, action, text)
             assert err.value.status == 409, (status, action)
             assert await state(stack, item_id) == before, (status, action)
+            assert err.value.rule == "workItem.status", (status, action)
         if status in TERMINAL:
-            with pytest.raises(TransitionError):
+            # Refused as approving is: workItem.status, naming who ended it (it was
+            # workItem.transition "cannot go from rejected to cancelled").
+            with pytest.raises(TransitionError) as err:
                 await decide(stack, item_id, "cancel")
+            assert err.value.rule == "workItem.status", status
+            assert f"work item {item_id} is {status} already" in err.value.message, status
+            assert re.search(r": \S+ by \S+ at \d{4}-[^;]*; nothing changed$", err.value.message)
             assert await state(stack, item_id) == before, status
 
     # Cancel works from every non-terminal status and cancels unsent deliveries.
