@@ -92,6 +92,7 @@ from leadgate.core.types import (
     Recorded,
     Reply,
     Routed,
+    not_processed,
 )
 
 __all__ = ["DiscordAdapter", "DiscordChannel", "configure_endpoints", "create", "nonce_for"]
@@ -523,7 +524,7 @@ class DiscordAdapter:
         if recorded is None:
             return _ephemeral("Nobody answers /ask in this channel.")
         if recorded.rejected is not None:
-            return _ephemeral(f"Your message was not processed: {recorded.rejected}.")
+            return _ephemeral(not_processed(recorded.rejected))
         if isinstance(recorded.outcome, Duplicate):
             return _ephemeral("This request was already received.")
         # Deferred: Discord shows "thinking..." until the outbox edits the response

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
+from leadgate.core.errors import ValidationError
+
 
 class BindingKind(enum.StrEnum):
     """Where a session's replies go. ``api`` covers REST and MCP."""
@@ -238,8 +240,8 @@ class Routed:
 class Recorded:
     """An :class:`Inbound` taken in durably, before the platform is answered.
 
-    ``outcome`` is set when no turn runs (busy, duplicate); ``rejected`` holds why the
-    message itself was refused (too long, NUL: the person was sent a notice saying so);
+    ``outcome`` is set when no turn runs (busy, duplicate); ``rejected`` is the rule the
+    message itself broke (too long, NUL: the person was sent :func:`not_processed`);
     otherwise ``turn`` is the accepted turn (opaque outside the turn path) that
     ``run_recorded`` runs in the background. A process that dies before it finishes
     leaves a recorded run that the recovery runner takes over.
@@ -247,5 +249,13 @@ class Recorded:
 
     route: RouteMatch
     outcome: Outcome | None = None
-    rejected: str | None = None
+    rejected: ValidationError | None = None
     turn: Any = None
+
+
+def not_processed(refused: ValidationError) -> str:
+    """The notice a person is sent for a message that broke a message rule, naming the
+    rule as every other refusal does (``... [message.too_long]``): the chat channels
+    and email show it, Discord in its ephemeral answer. It quotes nothing of the
+    message, and it is posted, never logged."""
+    return f"Your message was not processed: {refused.message} [{refused.rule}]."

@@ -151,8 +151,8 @@ class Messages:
             validate_message(trigger.text)
         except ValidationError as exc:
             if notice:
-                await self.turns.reject_inbound(trigger, exc.message)
-            return Recorded(route, rejected=exc.message)
+                await self.turns.reject_inbound(trigger, exc)
+            return Recorded(route, rejected=exc)
         taken = await self.turns.take(trigger)
         if isinstance(taken, Accepted):
             return Recorded(route, turn=taken)

@@ -28,6 +28,7 @@ from leadgate.core.errors import (
     TransitionError,
     TurnInterrupted,
     Unavailable,
+    ValidationError,
 )
 from leadgate.core.limits import (
     SNAPSHOT_LIMIT,
@@ -39,7 +40,17 @@ from leadgate.core.limits import (
 from leadgate.core.logs import loggable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims
-from leadgate.core.types import BindingKind, Busy, Duplicate, Gated, Outcome, Reply, Trigger, Usage
+from leadgate.core.types import (
+    BindingKind,
+    Busy,
+    Duplicate,
+    Gated,
+    Outcome,
+    Reply,
+    Trigger,
+    Usage,
+    not_processed,
+)
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, damage_met
 from leadgate.database.faults import unavailable
@@ -605,7 +616,7 @@ class TurnService:
             f"; work item {item_id} abandoned" if abandoned else "",
         )
 
-    async def reject_inbound(self, trigger: Trigger, reason: str) -> bool:
+    async def reject_inbound(self, trigger: Trigger, refused: ValidationError) -> bool:
         """A channel message that breaks a message rule (too long, NUL ...): recorded as
         a rejected inbound event and answered with a notice saying why, in one
         transaction; no turn. A platform's redelivery of it is a duplicate (no second
@@ -641,7 +652,7 @@ class TurnService:
                     conn,
                     org_id=trigger.org_id,
                     binding=binding,
-                    text=f"Your message was not processed: {reason}.",
+                    text=not_processed(refused),
                 )
         if queued:
             self.on_delivery_queued()

@@ -50,17 +50,29 @@ async def test_recorded_before_the_turn_runs(service: App) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "says"),
-    [("x" * 100_001, "100,000 characters"), ("a\x00b", "NUL"), ("a\ud800b", "surrogate")],
+    ("text", "says", "rule"),
+    [
+        ("x" * 100_001, "100,000 characters", "message.too_long"),
+        ("a\x00b", "NUL", "message.invalid"),
+        ("a\ud800b", "surrogate", "message.invalid"),
+        (" \n", "empty", "message.empty"),
+    ],
 )
-async def test_rule_breaking_mail_gets_a_notice_once(service: App, text: str, says: str) -> None:
+async def test_rule_breaking_mail_gets_a_notice_once(
+    service: App, text: str, says: str, rule: str
+) -> None:
+    """The notice says why and names the rule, as every refusal does (it kept the
+    text alone: "Your message was not processed: the message ... characters.")."""
     await setup_route(service)
     first = await service.messages.record_inbound(mail(text))
-    assert first is not None and first.rejected is not None and says in first.rejected
+    assert first is not None and first.rejected is not None
+    assert says in first.rejected.message and first.rejected.rule == rule
     again = await service.messages.record_inbound(mail(text))  # the sender retries
     assert again is not None and again.rejected is not None
     notices = [str(d["text"]) for d in await rows(service, t.deliveries)]
-    assert len(notices) == 1 and says in notices[0]
+    assert len(notices) == 1 and says in notices[0], notices
+    assert notices[0].startswith("Your message was not processed: ")
+    assert notices[0].endswith(f" [{rule}]."), notices
     events = await rows(service, t.inbound_events)
     assert [e["outcome"] for e in events] == ["rejectedInvalid"]
     assert "\x00" not in str(events[0]["content"])

@@ -20,7 +20,8 @@ from nacl.signing import SigningKey
 from bots import base as bots_base
 from bots import discord as discord_bot
 from leadgate.core.config import DiscordSettings, Settings
-from leadgate.core.errors import ModelError
+from leadgate.core.errors import ModelError, ValidationError
+from leadgate.core.limits import validate_message
 from leadgate.core.types import (
     BindingKind,
     Busy,
@@ -199,6 +200,28 @@ async def test_refusals_name_their_rule(
         assert status == 400, payload
         assert body["error"]["rule"] == "discord.interaction", payload
     assert core.tasks == [] and standin.posts == []
+
+
+async def test_a_rule_breaking_ask_is_told_why_naming_the_rule(
+    server: TestServer, key: SigningKey, core: FakeCore
+) -> None:
+    """An /ask whose text breaks a message rule is answered at once, ephemeral, with why
+    and the rule (it said why alone), the way the core refuses it."""
+
+    async def refusing(inbound: Inbound, *, notice: bool = True) -> Recorded | None:
+        try:
+            validate_message(inbound.text)
+        except ValidationError as exc:
+            return Recorded(ROUTE, rejected=exc)
+        raise AssertionError("the text breaks no rule")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "record_inbound", refusing)
+        status, body = await post(server, ask_payload("a\x00b"), key)
+    assert status == 200
+    assert body["data"]["content"] == (
+        "Your message was not processed: the message contains a NUL character [message.invalid]."
+    )
 
 
 async def test_ask_is_deferred_at_once_and_runs_the_turn(
