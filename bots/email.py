@@ -86,6 +86,13 @@ _NO_CARD = f"550 5.1.1 No such review card ({REPLY_TOKEN_RULE})"
 #: ``From:`` address (the one the reply would go to).
 SENDER_RULE = "email.sender"
 _SENDER_REFUSED = f"550 5.7.1 Sender not allowed ({SENDER_RULE})"
+# The rules of the other SMTP refusals, named in them as those two are.
+ROUTE_RULE = "email.route"
+ADDRESS_RULE = "email.address"
+RECIPIENTS_RULE = "email.recipients"
+PARTS_RULE = "email.parts"
+PARSE_RULE = "email.parse"
+BODY_RULE = "email.body"
 
 
 # ----------------------------------------------------------------------------- inbound
@@ -148,14 +155,14 @@ class EmailHandler:
             # Each routed recipient is a turn and a reply: one mail must not start
             # hundreds. 452 is RFC 5321's "too many recipients": the sending server
             # delivers the rest in another transaction.
-            return "452 4.5.3 Too many recipients"
+            return f"452 4.5.3 Too many recipients ({RECIPIENTS_RULE})"
         # aiosmtpd hands over bytes that are not UTF-8 as surrogate escapes; such an
         # address can be neither looked up nor stored (the route lookup raised, and the
         # sender was told to retry a mail that could never be taken).
         if utf8_address(sender) != sender:
-            return "553 5.1.7 The sender address is not valid UTF-8"
+            return f"553 5.1.7 The sender address is not valid UTF-8 ({ADDRESS_RULE})"
         if utf8_address(recipient) != recipient:
-            return "553 5.1.3 The recipient address is not valid UTF-8"
+            return f"553 5.1.3 The recipient address is not valid UTF-8 ({ADDRESS_RULE})"
         token = (
             token_of(self._reply_address, recipient)
             if self._reviews is not None and self._reply_address
@@ -171,7 +178,7 @@ class EmailHandler:
             # A database hiccup must not bounce the mail for good: the sender retries 4xx.
             return self._lookup_failed(exc)
         if route is None:
-            return "550 5.1.1 No such recipient or sender not allowed"
+            return f"550 5.1.1 No such recipient or sender not allowed ({ROUTE_RULE})"
         self._routes.setdefault(envelope, {})[recipient] = route
         envelope.rcpt_tos.append(address)
         envelope.rcpt_options.extend(rcpt_options)
@@ -195,15 +202,15 @@ class EmailHandler:
             mail = await asyncio.to_thread(parse_mail, raw, envelope_sender)
         except TooManyParts:
             log.info("email: refused a message of more than %d MIME parts", MAX_MULTIPARTS)
-            return "554 5.6.0 Message has too many MIME parts"
+            return f"554 5.6.0 Message has too many MIME parts ({PARTS_RULE})"
         except Exception as exc:
             # Its type and where, not its text or traceback: the email package's errors
             # quote the header they choked on (an IndexError raised while handling a
             # HeaderParseError "... but found '<the rest of the header>'").
             log.warning("email: unparseable message (%s at %s)", type(exc).__name__, raised_at(exc))
-            return "554 5.6.0 Message could not be parsed"
+            return f"554 5.6.0 Message could not be parsed ({PARSE_RULE})"
         if mail is None:
-            return "550 5.6.0 Message has no text body"
+            return f"550 5.6.0 Message has no text body ({BODY_RULE})"
         if mail.automatic:
             log.info("email: dropped automatic mail %s (RFC 3834)", mail.message_id)
             return "250 2.0.0 OK"
@@ -286,7 +293,8 @@ class EmailHandler:
             taken = True
         if not taken:
             log.info("email: refused a mail: %s", ", ".join(rule for _, rule in refused))
-            return "554 5.6.0 Message could not be processed"
+            # The rule of the first part refused (the log names them all).
+            return f"554 5.6.0 Message could not be processed ({refused[0][1]})"
         for recipient, rule in refused:
             # Nobody else is told: the sender got a 250 for the parts that were taken.
             log.warning("email: took a mail but not its part to %s: %s", recipient, rule)

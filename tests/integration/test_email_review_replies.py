@@ -410,6 +410,8 @@ async def test_a_recipient_whose_part_is_refused_does_not_bounce_the_parts_taken
     await make_route(env.app, org, retired["id"], "email", {"address": gone})
     await make_route(env.app, org, worker["id"], "email", {"address": ask})
 
+    said: list[str] = []
+
     async def send(recipients: list[str], message_id: str) -> int:
         message = EmailMessage()
         message["From"] = ANN
@@ -422,10 +424,12 @@ async def test_a_recipient_whose_part_is_refused_does_not_bounce_the_parts_taken
                 message, recipients=recipients, hostname="127.0.0.1", port=env.port, timeout=5
             )
         except aiosmtplib.SMTPResponseException as exc:
+            said.append(exc.message)
             return exc.code
         return 250
 
     assert await send([gone], "<alone.1@mail.acme.io>") == 554  # nothing else to take
+    assert said == ["5.6.0 Message could not be processed (agent.inactive)"]  # names its rule
     with caplog.at_level(logging.WARNING, logger="bots.email"):
         assert await send([gone, ask], "<both.2@mail.acme.io>") == 250
         assert await sessions_of(env, ask) == 1

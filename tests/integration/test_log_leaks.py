@@ -421,14 +421,14 @@ MALFORMED_MAILS = {
     # message_from_bytes reads it; the Message-ID's parser fails: 554, "unparseable".
     "unparseable message": (
         f"Message-ID: <(;;=]\t>x {MARKER}\r\n\r\nthe text\r\n",
-        (554, "5.6.0 Message could not be parsed"),
+        (554, "5.6.0 Message could not be parsed (email.parse)"),
     ),
     # A part's Content-Disposition fails when the body is looked for: no text, 550.
     "could not walk the MIME structure": (
         "Message-ID: <m1@client.example>\r\n"
         "Content-Type: multipart/mixed; boundary=b\r\n\r\n"
         f"--b\r\nContent-Disposition: )[{MARKER};x*\r\n\r\nthe text\r\n--b--\r\n",
-        (550, "5.6.0 Message has no text body"),
+        (550, "5.6.0 Message has no text body (email.body)"),
     ),
 }
 

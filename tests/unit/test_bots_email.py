@@ -420,6 +420,8 @@ async def test_unrouted_recipient_is_550_at_rcpt(listener: Listener) -> None:
         await listener.send(_mail(), rcpt=["nobody@leadgate.example"])
     [refusal] = info.value.recipients
     assert refusal.code == 550
+    # Each SMTP refusal names its rule, as the card and From: refusals did already.
+    assert refusal.message.endswith("(email.route)"), refusal.message
     await listener.core.drain()
     assert listener.core.triggers == []
 
@@ -508,7 +510,10 @@ async def test_a_message_nested_past_the_bound_is_refused_before_parsing(
     assert time.perf_counter() - started < 0.5
     with pytest.raises(aiosmtplib.SMTPDataError) as info:
         await listener.send(bomb)
-    assert (info.value.code, info.value.message) == (554, "5.6.0 Message has too many MIME parts")
+    assert (info.value.code, info.value.message) == (
+        554,
+        "5.6.0 Message has too many MIME parts (email.parts)",
+    )
     # Real mail nests a handful of levels, and even 100 are read.
     mail = parse_mail(_nested(MAX_MULTIPARTS), ALICE)
     assert mail is not None and mail.text == "the innermost text"
@@ -522,6 +527,7 @@ async def test_empty_body_is_550(listener: Listener, body: str) -> None:
     with pytest.raises(aiosmtplib.SMTPDataError) as info:
         await listener.send(_mail(body))
     assert info.value.code == 550
+    assert info.value.message.endswith("(email.body)"), info.value.message
     assert listener.core.triggers == []
 
 
@@ -610,6 +616,7 @@ async def test_a_mail_takes_at_most_a_hundred_recipients() -> None:
     async for listener in _listen(FakeCore(routes)):
         refused, _ = await listener.send(_mail(), rcpt=everyone)
         assert {address: code for address, (code, _) in refused.items()} == {everyone[-1]: 452}
+        assert refused[everyone[-1]][1].endswith("(email.recipients)"), refused
         await listener.core.drain()
         assert len(listener.core.recorded) == 100
 
@@ -711,6 +718,7 @@ async def test_an_address_that_is_not_utf8_is_553_at_rcpt(listener: Listener) ->
     )
     assert replies[3].startswith(b"553 5.1.7"), replies
     assert replies[6].startswith(b"553 5.1.3"), replies
+    assert all(replies[i].rstrip().endswith(b"(email.address)") for i in (3, 6)), replies
     await listener.core.drain()
     assert listener.core.triggers == []
 
