@@ -297,13 +297,13 @@ async def test_a_rejected_ask_keeps_its_ephemeral_answer(
     alone: nothing is deleted."""
 
     async def rejected(inbound: Inbound, *, notice: bool = True) -> Recorded | None:
-        return Recorded(ROUTE, rejected="too long")
+        return Recorded(ROUTE, rejected=ValidationError("too long", rule="message.too_long"))
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(core, "record_inbound", rejected)
         status, body = await post(server, ask_payload(), key)
         await core.drain()
-    assert status == 200 and body["data"]["content"].endswith("too long.")
+    assert status == 200 and body["data"]["content"].endswith("too long [message.too_long].")
     assert core.tasks == [] and standin.posts == []
 
 
