@@ -665,10 +665,9 @@ class DiscordAdapter:
         route = await self._core.resolve_route(BindingKind.discord.value, attrs)
         if route is None:
             return
-        point = known.since_ms if target.point is None else target.point
+        # (no point: the one stored before anything was read, its first_point)
+        point = target.first_point(known.since_ms) if target.point is None else target.point
         after = snowflake_at(max(known.since_ms, route.created_at, point))
-        if target.point is None and target.newest is not None:
-            after = max(after, target.newest - (CATCH_UP_OVERLAP_MS << 22))
         limit = CATCH_UP_PAGES * 100
         # Every page first: the bot's replies come after the messages they answer, and a
         # message it already replied to (its intake record lost, or the person told it

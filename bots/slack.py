@@ -872,11 +872,10 @@ class SlackAdapter:
         route = await self._core.resolve_route(BindingKind.slack.value, attrs)
         if route is None:
             return
-        point = known.since_ms if target.point is None else target.point
-        oldest = Decimal(ts_at(max(known.since_ms, route.created_at, point)))
-        if target.point is None and target.newest is not None:
-            oldest = max(oldest, target.newest - Decimal(CATCH_UP_OVERLAP_MS) / 1000)
-        after = f"{oldest:.6f}"
+        # (no point: the one stored before anything was read, its first_point)
+        point = target.first_point(known.since_ms) if target.point is None else target.point
+        after = ts_at(max(known.since_ms, route.created_at, point))
+        oldest = Decimal(after)
         history, cut = await _read_pages(
             client.conversations_history, channel=target.channel, oldest=after
         )

@@ -156,8 +156,10 @@ async def test_messages_posted_while_the_service_was_down_are_answered_once_afte
     assert await taken_in(service) == [event_id(m) for m in (live, missed, in_thread, later)]
     history = [r for r in standin.reads if r["method"] == "conversations.history"]
     assert [r["channel"] for r in history] == [CHANNEL] * 3  # 6 parents, 2 a page
+    # From the channel's first read point (stored before the read: the newest taken in,
+    # to the millisecond, less the overlap).
     assert {r["oldest"] for r in history} == {
-        f"{Decimal(live) - Decimal(CATCH_UP_OVERLAP_MS) / 1000:.6f}"
+        ts_at(int(Decimal(live) * 1000) - CATCH_UP_OVERLAP_MS)
     }
     [thread] = [r for r in standin.reads if r["method"] == "conversations.replies"]
     assert thread["ts"] == live
