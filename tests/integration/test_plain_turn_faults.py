@@ -326,6 +326,16 @@ async def _owed(service: App, client: Client, faults: SqliteFaults | PgFaults, k
     assert len(service.turns.owed) == 1
 
 
+async def _follow_up(client: Client, key: str) -> list[tuple[str, str]]:
+    """The client's next message in session ``s`` after :func:`_owed`'s, answered (200):
+    the transcript the session then shows (the cut ``hi`` unanswered before it)."""
+    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
+    body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
+    later = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert later.status == 200, await later.text()
+    return [*EARLIER, ("user", "hi"), ("user", "next"), ("assistant", "Echo: next")]
+
+
 async def _runs_left(url: str) -> list[str | None]:
     """The lease owners of the recorded runs, read after the service stopped."""
     db = Database(url)
@@ -400,11 +410,7 @@ async def test_an_owed_run_whose_session_took_a_follow_up_is_not_rerun(
         await _owed(service, client, faults, key)
         assert isinstance(service.clock, FakeClock)
         service.clock.advance(gap_ms)
-        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
-        body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
-        later = await client.post("/v1/chat/completions", json=body, headers=headers)
-        assert later.status == 200, await later.text()
-        answered = [*EARLIER, ("user", "hi"), ("user", "next"), ("assistant", "Echo: next")]
+        answered = await _follow_up(client, key)
         assert await transcript(service, "s") == (answered, 0)
         assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
         assert not service.turns.owed and not service.turns.orphans
@@ -466,11 +472,7 @@ async def test_a_follow_up_after_the_owed_run_was_recorded_is_answered_once(
         await _owed(service, client, faults, key)
         await service.turns.record_owed()
         assert service.turns.orphans and not service.turns.owed
-        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "s"}
-        body = {"model": "plain", "messages": [{"role": "user", "content": "next"}]}
-        later = await client.post("/v1/chat/completions", json=body, headers=headers)
-        assert later.status == 200, await later.text()
-        answered = [*EARLIER, ("user", "hi"), ("user", "next"), ("assistant", "Echo: next")]
+        answered = await _follow_up(client, key)
         assert await transcript(service, "s") == (answered, 1)
         assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
         assert await transcript(service, "s") == (answered, 0)
