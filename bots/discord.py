@@ -106,6 +106,10 @@ FRESHNESS_S = 300
 RECORD_DEADLINE_S = 2.5
 #: How long to wait before deleting a deferred answer decided while recording.
 _DEFERRED_SETTLE_S = 1.0
+#: The wait before identifying again after a session that cannot resume: discord.py's own
+#: default, which keeps a reconnecting bot inside Discord's identify rate limit (one per
+#: 5 s per bucket). A module value so tests of a second READY need not wait it out.
+IDENTIFY_PAUSE_S = 5.0
 ASK_COMMAND = "ask"
 ASK_OPTION = "message"
 
@@ -261,6 +265,12 @@ class _GatewayClient(discord.Client):
     async def on_ready(self) -> None:
         """Called by discord.py for each READY (not for a RESUMED session)."""
         self._on_ready()
+
+    async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
+        """Called by discord.py before each IDENTIFY: the first at once, each later one
+        :data:`IDENTIFY_PAUSE_S` on (as discord.py's default)."""
+        if not initial:
+            await asyncio.sleep(IDENTIFY_PAUSE_S)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,13 @@ OTHER_CHANNEL = "1000000000000000003"
 HOUR_MS = 3_600_000
 
 
+@pytest.fixture(autouse=True)
+def identify_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second IDENTIFY (after a session that cannot resume) without discord.py's 5 s
+    pause (kept in production for Discord's identify rate limit)."""
+    monkeypatch.setattr(discord_bots, "IDENTIFY_PAUSE_S", 0.0)
+
+
 @pytest.fixture
 async def standin() -> AsyncIterator[DiscordApiStandin]:
     async with DiscordApiStandin(token="bot-token") as dc:
