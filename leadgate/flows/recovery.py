@@ -8,8 +8,9 @@ finds a run whose lease lapsed, or whose holder is known dead
 conditional ``UPDATE`` fenced by status and the old token, after ``FOR UPDATE SKIP
 LOCKED`` on PostgreSQL: of several replicas exactly one wins) and executes it from the
 first node whose output was not kept. The node that was running when the process died
-is executed again without a second turn: its turn's external event id makes the intake
-answer Duplicate when the turn was taken in (see :meth:`FlowService._agent_node`).
+is executed again without a second turn: the turn taken in, found by its external event
+id, decides what the node does, whatever its worker's lead or activity is now (see
+:meth:`FlowService._agent_node`).
 
 Recovery is bounded. Every claim counts in ``flow_runs.recovery_attempts`` (in the
 claim's ``UPDATE``, so a run that kills each process executing it is counted too); a run

@@ -28,11 +28,12 @@ When the executor's process dies, :class:`leadgate.flows.recovery.FlowRecovery` 
 the run once its lease lapsed (or its holder is known dead) and continues it from there;
 the old executor, should it come back, can write nothing more. An agent node's turn is
 taken in under the external event id ``flow:<run>:<node>`` (the intake's
-de-duplication), so a node executed again never makes a second turn: a lead-reviewed
-node pauses on the turn already taken (recorded as a ``rerun`` turn run: turn recovery
-runs it again if it was cut off before its submission), a plain node takes the answer
-that turn stored,
-and a plain node whose answer was lost with its process fails the run saying so.
+de-duplication), so a node executed again never makes a second turn, and the turn taken
+in decides, not the worker as it is now (its lead added or removed, or itself deactivated
+or deleted, since): a turn that made a work item pauses on it (a gated turn is recorded
+as a ``rerun`` turn run: turn recovery runs it again if it was cut off before its
+submission), one that made none takes the answer it stored, and one whose answer was
+lost with its process fails the run saying so (``flow.turn_lost``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ from leadgate.core.types import (
     BindingSpec,
     Duplicate,
     Gated,
-    Outcome,
     Reply,
     Trigger,
 )
@@ -326,6 +326,12 @@ async def register_continuation(
     )
 
 
+def node_key(run_id: str, index: int) -> str:
+    """Agent node ``index`` of run ``run_id``'s session key, and the external event id
+    its turn is taken in under (once: :func:`node_trigger`)."""
+    return f"flow:{run_id}:{index}"
+
+
 def node_trigger(org_id: str, run_id: str, index: int, agent_id: str, prompt: str) -> Trigger:
     """The turn of agent node ``index`` of run ``run_id``: its own session, and an
     external event id the intake takes in once (a node executed again by recovery gets
@@ -333,10 +339,10 @@ def node_trigger(org_id: str, run_id: str, index: int, agent_id: str, prompt: st
     return Trigger(
         org_id=org_id,
         agent_id=agent_id,
-        session_key=f"flow:{run_id}:{index}",
+        session_key=node_key(run_id, index),
         text=prompt,
         binding=BindingSpec(BindingKind.flow, {"runId": run_id, "nodeIndex": index}),
-        external_event_id=f"flow:{run_id}:{index}",
+        external_event_id=node_key(run_id, index),
     )
 
 
@@ -793,8 +799,23 @@ class FlowService:
         outputs: list[Any],
     ) -> bool:
         async with self.db.read() as conn:
-            agent = await agents_mod.find_agent(conn, run["org_id"], node["agent"])
-            lead = await agents_mod.resolve_lead(conn, agent)
+            taken = (
+                await conn.execute(
+                    _TAKEN, {"p_org": run["org_id"], "p_event": node_key(run["id"], index)}
+                )
+            ).first()
+            if taken is None:
+                agent = await agents_mod.find_agent(conn, run["org_id"], node["agent"])
+                lead = await agents_mod.resolve_lead(conn, agent)
+        if taken is not None:
+            # Executed again (recovery): the turn an earlier attempt took in decides, not
+            # the worker as it is now. Its lead removed (or added) since, or the worker
+            # deactivated or deleted, the node failed (flow.turn_lost, agent.inactive,
+            # agent.not_found) while the turn's work item went to review, and its
+            # approval resumed nothing.
+            return await self._taken(
+                run, lease, index, str(taken.agent_id), taken.work_item_id, outputs
+            )
         trigger = node_trigger(run["org_id"], run["id"], index, agent.id, node["prompt"])
         session_key = trigger.session_key
         if lead is None:
@@ -803,11 +824,10 @@ class FlowService:
             await self.renew(lease)
             outcome = await self.turns.run(trigger)
             if isinstance(outcome, Duplicate):
-                # Executed again (recovery): the earlier attempt took the turn in.
-                outputs.append(
-                    {"data": {"text": await self._answer(agent.id, trigger)}, "success": True}
-                )
-                return False
+                # Taken in since the read above (by another executor of the run, racing
+                # this one: the fenced writes let one of them go on).
+                item_id = await self._item_of(agent.id, session_key)
+                return await self._taken(run, lease, index, agent.id, item_id, outputs)
             if isinstance(outcome, Gated):
                 # A lead was added while the turn ran: its item waits for review like a
                 # lead-reviewed node's, and the run pauses on it (failing here left the
@@ -815,7 +835,13 @@ class FlowService:
                 # the turn: an approval before the pause is found by the pause's wake.
                 continuation_id = await self._register(run, lease, index, agent.id, session_key)
                 return await self._pause(
-                    run, lease, agent.id, session_key, outcome, continuation_id, outputs
+                    run,
+                    lease,
+                    agent.id,
+                    session_key,
+                    outcome.work_item_id,
+                    continuation_id,
+                    outputs,
                 )
             if not isinstance(outcome, Reply):
                 raise Conflict("the agent did not answer", rule="flow.agent_busy")
@@ -824,7 +850,12 @@ class FlowService:
         continuation_id = await self._register(run, lease, index, agent.id, session_key)
         # A Duplicate: an earlier attempt took the turn in; the node pauses on it.
         outcome = await self.turns.run(trigger)
-        if not isinstance(outcome, Gated) and not await self._has_item(agent.id, session_key):
+        item_id = (
+            outcome.work_item_id
+            if isinstance(outcome, Gated)
+            else await self._item_of(agent.id, session_key)
+        )
+        if item_id is None:
             # The lead was removed while the turn ran: no item was made, so no review
             # will come. The node answered as a plain one does, and the run goes on
             # (paused, it waited for ever on a continuation with no item). A turn that
@@ -832,26 +863,59 @@ class FlowService:
             text = (
                 outcome.text
                 if isinstance(outcome, Reply)
-                else await self._answer(agent.id, trigger)
+                else await self._answer(agent.id, session_key)
             )
-            async with self.db.tx() as conn:
-                await move_run(
-                    conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
-                )
-                await conn.execute(
-                    t.continuations.update()
-                    .where(C.id == continuation_id, C.status == "waiting")
-                    .values(status="closed", updated_at=self.clock.now_ms())
-                )
+            await self._no_review(run, lease, index)
             outputs.append({"data": {"text": text}, "success": True})
             return False
         return await self._pause(
-            run, lease, agent.id, session_key, outcome, continuation_id, outputs
+            run, lease, agent.id, session_key, item_id, continuation_id, outputs
         )
 
-    async def _has_item(self, agent_id: str, session_key: str) -> bool:
-        """Whether the node's session (of ``agent_id``, ``session_key``) has a work item,
-        open or ended."""
+    async def _taken(
+        self,
+        run: dict[str, Any],
+        lease: RunLease,
+        index: int,
+        agent_id: str,
+        item_id: str | None,
+        outputs: list[Any],
+    ) -> bool:
+        """Node ``index`` of ``run``, whose turn an earlier attempt took in (for
+        ``agent_id``), goes on from that turn without a second one: a turn that made a
+        work item (``item_id``: its worker had a lead at its intake) pauses the run on
+        it, whatever the worker's lead or activity is now (turn recovery runs the turn
+        again if it was cut off before its submission); one that made none gives the
+        node the answer it stored (``flow.turn_lost`` when its process died first)."""
+        session_key = node_key(run["id"], index)
+        if item_id is not None:
+            continuation_id = await self._register(run, lease, index, agent_id, session_key)
+            return await self._pause(
+                run, lease, agent_id, session_key, item_id, continuation_id, outputs
+            )
+        text = await self._answer(agent_id, session_key)
+        # A continuation an earlier attempt registered (its lead removed since) waits on
+        # nothing.
+        await self._no_review(run, lease, index)
+        outputs.append({"data": {"text": text}, "success": True})
+        return False
+
+    async def _no_review(self, run: dict[str, Any], lease: RunLease, index: int) -> None:
+        """Close node ``index``'s continuation if one is waiting (fenced by the run's
+        lease): its turn made no work item, so no review will resume it."""
+        async with self.db.tx() as conn:
+            await move_run(
+                conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
+            )
+            await conn.execute(
+                t.continuations.update()
+                .where(C.run_id == run["id"], C.node_index == index, C.status == "waiting")
+                .values(status="closed", updated_at=self.clock.now_ms())
+            )
+
+    async def _item_of(self, agent_id: str, session_key: str) -> str | None:
+        """The work item of the node's session (of ``agent_id``, ``session_key``), open or
+        ended; None when it has none (its turn was plain)."""
         async with self.db.read() as conn:
             found = await conn.scalar(
                 sa.select(_W.id)
@@ -859,7 +923,7 @@ class FlowService:
                 .where(_S.agent_id == agent_id, _S.key == session_key)
                 .limit(1)
             )
-        return found is not None
+        return None if found is None else str(found)
 
     async def _register(
         self, run: dict[str, Any], lease: RunLease, index: int, agent_id: str, session_key: str
@@ -890,14 +954,13 @@ class FlowService:
         lease: RunLease,
         agent_id: str,
         session_key: str,
-        outcome: Outcome,
+        item_id: str | None,
         continuation_id: str,
         outputs: list[Any],
     ) -> bool:
-        """Pause the run on its node's work item (``outcome``'s, else the session's
-        active one) after the turn: True."""
+        """Pause the run on its node's work item (``item_id``, else the session's active
+        one) after the turn: True."""
         async with self.db.tx() as conn:
-            item_id = outcome.work_item_id if isinstance(outcome, Gated) else None
             if item_id is None:
                 session = await find_session(conn, agent_id, session_key)
                 active = (
@@ -926,11 +989,11 @@ class FlowService:
             await wakes.after_commit(conn, Wake.flow)
         return True
 
-    async def _answer(self, agent_id: str, trigger: Trigger) -> str:
+    async def _answer(self, agent_id: str, session_key: str) -> str:
         """The answer an earlier attempt's turn of this node stored; a node whose turn was
         cut off with its process (taken in, nothing answered) fails: it is not run twice."""
         async with self.db.read() as conn:
-            session = await find_session(conn, agent_id, trigger.session_key)
+            session = await find_session(conn, agent_id, session_key)
             text = (
                 None
                 if session is None
@@ -957,6 +1020,13 @@ class FlowService:
 _W = t.work_items.c
 _S = t.sessions.c
 _A = t.audit.c
+_E = t.inbound_events.c
+#: The turn an earlier attempt of an agent node took in, by its external event id
+#: (:func:`node_key`; unique): its agent, and its work item (None: the worker had no
+#: lead at its intake, and the turn was plain).
+_TAKEN = sa.select(_E.agent_id, _E.work_item_id).where(
+    _E.org_id == sa.bindparam("p_org"), _E.external_event_id == sa.bindparam("p_event")
+)
 #: A waiting continuation of a paused run with its node's work item, found through the
 #: node's session: the item id is written on the continuation only after the turn, so a
 #: crash between the two left an approved item that nothing resumed (and no queue

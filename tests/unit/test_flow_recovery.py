@@ -21,8 +21,10 @@ from leadgate.core.clock import FakeClock
 from leadgate.core.errors import Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LEFT_AT_MOST_MS, LOCKED_RECHECK_MS, drain
+from leadgate.core.types import Outcome, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
+from leadgate.domain import agents as agents_mod
 from leadgate.domain import workitems
 from leadgate.flows.recovery import (
     MAX_RECOVERIES,
@@ -42,6 +44,7 @@ from leadgate.flows.runs import (
     RunView,
     create_flow,
     move_run,
+    node_key,
     node_trigger,
     register_continuation,
     run_view,
@@ -60,6 +63,7 @@ from tests.fakes import ClaimInDoubt, lose_the_next_commit
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
+    delete_agent,
     eventually,
     held_open,
     item_locked,
@@ -208,6 +212,13 @@ async def _lease_expires_at(stack: Stack, run_id: str) -> int | None:
     return None if at is None else int(at)
 
 
+async def _save_worker(stack: Stack, org: Org, worker: dict[str, Any], **change: Any) -> None:
+    async with stack.db.tx() as conn:
+        await agents_mod.save_agent(
+            conn, stack.clock, stack.ids, org.id, agent_ref=worker["id"], **change
+        )
+
+
 async def test_a_run_killed_mid_node_is_continued_by_recovery_once_its_lease_lapses(
     first: Stack, second: Stack, clock: FakeClock
 ) -> None:
@@ -298,10 +309,16 @@ async def test_a_resumed_run_whose_process_died_is_continued(
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
 
 
+@pytest.mark.parametrize("since", ["unchanged", "deactivated", "lead_added", "registered"])
 async def test_a_node_whose_answer_was_stored_goes_on_with_it_without_a_second_turn(
-    first: Stack, second: Stack, clock: FakeClock
+    first: Stack, second: Stack, clock: FakeClock, since: str
 ) -> None:
+    """The answer stored decides, whatever the worker is now: deactivated since, the run
+    failed (agent.inactive) though its node had answered. ``registered``: the worker had
+    a lead when the node began (its continuation registered) and none at the turn's
+    intake; the continuation is closed (it waited on a completed run for ever)."""
     org = await make_org(first)
+    await make_agent(first, org, "lead")
     plain = await make_agent(first, org, "plain")
     flow_id = await _flow(
         first,
@@ -311,7 +328,22 @@ async def test_a_node_whose_answer_was_stored_goes_on_with_it_without_a_second_t
     # The dead executor got as far as node 0's turn (its answer stored), not its output.
     async with first.db.tx() as conn:
         lease = await first.flows.new_run(conn, org.id, flow_id, [], 0, None)
+        if since == "registered":
+            await register_continuation(
+                conn,
+                first.clock,
+                first.ids,
+                org_id=org.id,
+                run_id=lease.run_id,
+                node_index=0,
+                agent_id=str(plain["id"]),
+                session_key=node_key(lease.run_id, 0),
+            )
     await first.turns.run(node_trigger(org.id, lease.run_id, 0, str(plain["id"]), "one"))
+    if since == "deactivated":
+        await _save_worker(second, org, plain, active=False)
+    elif since == "lead_added":
+        await _save_worker(second, org, plain, lead="lead")
     clock.advance(RUN_LEASE_MS + 1)
     assert await drain(FlowRecovery(second.flows)) == 1
     run = await _view(second, org, lease.run_id)
@@ -320,6 +352,9 @@ async def test_a_node_whose_answer_was_stored_goes_on_with_it_without_a_second_t
         {"data": {"text": "Echo: one"}, "success": True},
         {"data": 2, "success": True},
     ]
+    assert [c["status"] for c in run["continuations"]] == (
+        ["closed"] if since == "registered" else []
+    )
     assert await _turns(second, lease.run_id, 0) == {"user": 1, "assistant": 1, "inboundEvents": 1}
 
 
@@ -1198,6 +1233,81 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
         assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
     assert await drain(turn_recovery) == 0
+
+
+@pytest.mark.parametrize(
+    "change", ["lead_added_then_removed", "lead_removed", "deactivated", "deleted"]
+)
+async def test_a_gated_node_cut_before_its_pause_pauses_whatever_its_agent_is_now(
+    first: Stack, second: Stack, clock: FakeClock, change: str
+) -> None:
+    """A node's gated turn submits its work item and the process dies before the run is
+    paused; before recovery the worker's lead is removed (one added while the turn ran,
+    or its own), or the worker is deactivated or deleted. The turn taken in decides, not
+    the agent now: recovery pauses the run on that item, and its approval resumes the
+    flow. Recovery read the agent as it is now: the run failed (``flow.turn_lost``, the
+    agent inactive or not found) while its item still went to review, and once approved
+    that item resumed nothing."""
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    added = change == "lead_added_then_removed"
+    worker = await make_agent(first, org, "worker", **({} if added else {"lead": "lead"}))
+    flow_id = await _flow(
+        first,
+        org,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "write it #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    first.turns.on_review_queued = die
+    with pytest.MonkeyPatch.context() as mp:
+        if added:
+            # The lead is added after the node read the worker, before its turn's intake.
+            run = first.turns.run
+
+            async def lead_added_then_run(trigger: Trigger) -> Outcome:
+                await _save_worker(first, org, worker, lead="lead")
+                return await run(trigger)
+
+            mp.setattr(first.turns, "run", lead_added_then_run)
+        with pytest.raises(Killed):
+            await first.flows.start(org.id, flow_id)
+    run_id = await _only_run(first)
+    if change == "deactivated":
+        await _save_worker(second, org, worker, active=False)
+    elif change == "deleted":
+        await delete_agent(second, org, worker["id"])
+    else:
+        await _save_worker(second, org, worker, lead=None)
+    clock.advance(RUN_LEASE_MS + 1)
+    assert await drain(FlowRecovery(second.flows)) == 1
+    paused = await _view(second, org, run_id)
+    assert (paused["status"], paused["error"], paused["outputs"]) == (
+        "waitingForHitl",
+        None,
+        [PAUSED_OUTPUT],
+    )
+    assert paused["events"] == ["Flow run started", RECOVERED_EVENT, WAITING_EVENT]
+    await second.settle()  # the lead approves the dead turn's submission
+    assert await drain(FlowResumer(second.flows)) == 1
+    [cont] = (await _view(second, org, run_id))["continuations"]
+    done = await _view(second, org, cont["resumedRunId"])
+    assert (done["status"], done["outputs"]) == (
+        "completed",
+        [PAUSED_OUTPUT, {"data": "after", "success": True}],
+    )
+    # One turn of the node; its item completed by the resume, no delivery left open.
+    assert await _turns(second, run_id, 0) == {
+        "user": 1,
+        "assistant": 1,
+        "tool": 1,
+        "inboundEvents": 1,
+    }
+    async with second.db.read() as conn:
+        items = (await conn.execute(sa.select(t.work_items.c.status))).scalars().all()
+        deliveries = (await conn.execute(sa.select(t.deliveries.c.status))).scalars().all()
+    assert (items, deliveries) == (["completed"], ["sent"])
 
 
 @pytest.mark.parametrize("broken", ["outputs", "flow_gone"])
