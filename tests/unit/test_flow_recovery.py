@@ -1173,15 +1173,18 @@ async def test_a_run_that_makes_progress_starts_its_recovery_count_again(
     assert (await _view(second, org, lease.run_id))["status"] == "completed"
 
 
+@pytest.mark.parametrize("lead_removed", [False, True], ids=["lead_kept", "lead_removed"])
 @pytest.mark.parametrize("turn_first", [False, True], ids=["flow_first", "turn_first"])
 async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_the_flow_ends(
-    first: Stack, second: Stack, clock: FakeClock, turn_first: bool
+    first: Stack, second: Stack, clock: FakeClock, turn_first: bool, lead_removed: bool
 ) -> None:
     """The worker's turn of a lead-reviewed node dies in the model: its work item is
     ``inProgress`` with no submission. Flow recovery pauses the run on that item (the
     turn was taken in: no second intake); turn recovery runs the turn again (a flow
     node's gated turn is recorded, as a channel's is); the lead approves its submission
-    and the flow resumes and completes, whichever recovery comes first."""
+    and the flow resumes and completes, whichever recovery comes first. So it does when
+    the worker's lead was removed after the crash (flow recovery failed the run,
+    flow.turn_lost, while the item went on to its lead)."""
     org, flow_id = await _reviewed_flow(
         first,
         [
@@ -1197,6 +1200,10 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
         [item_status] = (await conn.execute(sa.select(w.status))).scalars().all()
     assert item_status == "inProgress"  # taken in; nothing submitted
     assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
+    if lead_removed:
+        async with second.db.read() as conn:
+            worker = await conn.scalar(sa.select(t.agents.c.id).where(t.agents.c.name == "worker"))
+        await _save_worker(second, org, {"id": worker}, lead=None)
     # Both leases lapse (the turn's is the longer one).
     clock.advance(TURN_LEASE_MS + 1)
     flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
