@@ -42,7 +42,7 @@ import re
 import urllib.request
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -63,7 +63,7 @@ from bots import slack_review
 from bots.base import (
     CATCH_UP_OVERLAP_MS,
     DATABASE_FAULTS,
-    IN_DOUBT,
+    NOT_TAKEN_IN,
     Core,
     accept,
     answering_errors,
@@ -147,6 +147,14 @@ CATCH_UP_PAGES = 5
 CATCH_UP_PAGE_SIZE = 200
 #: ... and the replies of at most this many threads per channel (the latest first).
 CATCH_UP_THREADS = 20
+#: The Slack message metadata (``event_type``) of a reply the adapter posts itself, the
+#: "could not be taken in" notice on Slack's last try: its ``event_payload`` names the
+#: message it answers (``message_ts``), so that a catch-up tells which message of a
+#: thread was told, not every one before the notice. (The outbox's posts carry none:
+#: what they answer was taken in, and the intake's de-duplication answers it once.)
+REPLY_EVENT = "reply_to"
+#: The key of a notice's address naming the message it answers (see :data:`REPLY_EVENT`).
+ANSWERS = "answers"
 #: How often a read Slack answers 429 is tried again (after its ``Retry-After``).
 CATCH_UP_RATE_LIMIT_RETRIES = 3
 _CATCH_UP_CLOSE_TIMEOUT_S = 10.0
@@ -450,6 +458,12 @@ class SlackChannel:
             return too_little_left("slack", left_s, self._timeout_s, "a post")
         thread_ts = message.address.get("thread_ts") or None
         extra: dict[str, Any] = {}
+        answers = message.address.get(ANSWERS)
+        if isinstance(answers, str) and answers:
+            extra["metadata"] = {
+                "event_type": REPLY_EVENT,
+                "event_payload": {"message_ts": answers},
+            }
         text = message.text
         if message.card is not None:
             # Links in a card are never unfurled: no preview fetch, and a GET decides
@@ -701,7 +715,10 @@ class SlackAdapter:
             if not _LAST_TRY.get():
                 raise
             log.warning("slack: could not record a message on Slack's last try (%s)", exc.rule)
-            if not await self._tell_once(inbound, exc):
+            # The notice names the message it answers (REPLY_EVENT): a catch-up leaves that
+            # one alone, and no other of its thread.
+            told = replace(inbound, address={**inbound.address, ANSWERS: post.ts})
+            if not await self._tell_once(told, exc):
                 raise
 
     async def _tell_once(self, inbound: Inbound, exc: Unavailable | DatabaseDamaged) -> bool:
@@ -887,8 +904,8 @@ class SlackAdapter:
                 len(history),
             )
         found: dict[str, dict[str, Any]] = {}
-        # Parents the bot replied to, taken in only when their thread is read and none of
-        # the bot's replies there is more than the in-doubt notice.
+        # Parents the bot replied to, taken in only when their thread is read and no
+        # notice of the bot's there told them they could not be taken in (told_in).
         told: dict[str, dict[str, Any]] = {}
         # Threads to read: those that took in a message lately, and those whose parent
         # was read and that were replied to since (conversations.history has parents
@@ -906,8 +923,8 @@ class SlackAdapter:
             if latest is not None and latest > oldest:
                 moved[str(message["ts"])] = latest
             # The bot replied in its thread (reply_users says who, not what): its thread,
-            # read below as one that moved, tells an answer or "could not be taken in"
-            # (the person may have sent it again since) from the in-doubt notice.
+            # read below as one that moved, tells whether it was told "could not be taken
+            # in" (the person may have sent it again since).
             replied = message.get("reply_users")
             if isinstance(replied, list) and me[0] in replied:
                 told[str(message["ts"])] = message
@@ -928,7 +945,12 @@ class SlackAdapter:
                 return
             try:
                 replies, cut = await _read_pages(
-                    client.conversations_replies, channel=target.channel, ts=thread, oldest=after
+                    client.conversations_replies,
+                    channel=target.channel,
+                    ts=thread,
+                    oldest=after,
+                    # The notices' metadata (REPLY_EVENT): which message each answers.
+                    include_all_metadata=True,
                 )
             except SlackApiError as exc:
                 if _read_error(exc).endswith(" thread_not_found"):
@@ -954,22 +976,20 @@ class SlackAdapter:
                     target.channel,
                     len(replies),
                 )
-            answered = False
-            for message in reversed(replies):
-                if message.get("user") == me[0] or (me[1] and message.get("bot_id") == me[1]):
-                    # What came before in the thread was answered or told it could not be
-                    # taken in; not by the in-doubt notice, which promised the answer.
-                    text = message.get("text")
-                    answered = answered or not (isinstance(text, str) and text.startswith(IN_DOUBT))
+            named, until = told_in(replies, me)
+            for message in replies:
+                ts = str(message.get("ts"))
+                stamp = _ts(ts)
+                if stamp is None or _own(message, me) or ts in named:
                     continue
-                if message.get("ts") == thread:
-                    if not answered and thread in told:
+                if until is not None and stamp < until:
+                    continue
+                if ts == thread:
+                    if thread in told:
                         found[thread] = told[thread]
                     continue
-                stamp = _ts(message.get("ts"))
-                if answered or stamp is None or stamp <= oldest:
-                    continue
-                found.setdefault(str(message["ts"]), message)
+                if stamp > oldest:
+                    found.setdefault(ts, message)
         taken = 0
         for ts in sorted(found, key=Decimal):
             if self._stopping.is_set():
@@ -1028,8 +1048,41 @@ class SlackAdapter:
                         await running
 
 
+def _own(message: Mapping[str, Any], me: tuple[str, str]) -> bool:
+    """Whether ``message`` is the bot's (``me``: its user id and bot id)."""
+    return message.get("user") == me[0] or bool(me[1] and message.get("bot_id") == me[1])
+
+
+def told_in(replies: list[dict[str, Any]], me: tuple[str, str]) -> tuple[set[str], Decimal | None]:
+    """Which messages of a thread (``replies``) the bot (``me``) told could not be taken
+    in: the ts each of its notices names (:data:`REPLY_EVENT` metadata) and, for a notice
+    posted before notices named one, the newest such notice's ts (every message before
+    it counts as told: it cannot say which it answered). The in-doubt notice tells none
+    (it promised the answer once the service is back), nor does any other post of the
+    bot: what it answered was taken in, and the intake's de-duplication answers that
+    once (a message posted while the service was down, before the bot's later answer to
+    an earlier one, is answered)."""
+    named: set[str] = set()
+    until: Decimal | None = None
+    for message in replies:
+        text = message.get("text")
+        if not _own(message, me) or not (isinstance(text, str) and text.startswith(NOT_TAKEN_IN)):
+            continue
+        meta = message.get("metadata")
+        payload = meta.get("event_payload") if isinstance(meta, dict) else None
+        answered = payload.get("message_ts") if isinstance(payload, dict) else None
+        if isinstance(meta, dict) and meta.get("event_type") == REPLY_EVENT:
+            if isinstance(answered, str):
+                named.add(answered)
+            continue
+        stamp = _ts(message.get("ts"))
+        if stamp is not None and (until is None or stamp > until):
+            until = stamp
+    return named, until
+
+
 async def _read_pages(
-    call: Callable[..., Awaitable[AsyncSlackResponse]], **params: str
+    call: Callable[..., Awaitable[AsyncSlackResponse]], **params: str | bool
 ) -> tuple[list[dict[str, Any]], bool]:
     """The messages of up to :data:`CATCH_UP_PAGES` pages of a Web API read (by
     ``cursor``), and whether more were left."""

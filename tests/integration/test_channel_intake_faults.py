@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots.slack import REPLY_EVENT
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
@@ -289,6 +290,12 @@ async def test_slack_s_last_try_that_the_database_cannot_take_gets_a_reply_sayin
     [reply] = slack.posts
     assert reply["channel"] == "C0ASK" and reply["thread_ts"] == "1700000000.000100"
     assert SAID in reply["text"] and "(service.unavailable)" in reply["text"]
+    # Its metadata names the message it answers: a catch-up leaves that one alone, and
+    # no other message of the thread.
+    assert reply["metadata"] == {
+        "event_type": REPLY_EVENT,
+        "event_payload": {"message_ts": "1700000000.000100"},
+    }
     no_tracebacks(caplog, "SECRET-SLACK-TEXT")
 
 

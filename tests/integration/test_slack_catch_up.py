@@ -36,6 +36,7 @@ from tests.standins.slack_api import SlackApiStandin, signed_headers
 SECRET = "slack-signing-secret"
 CHANNEL, OTHER_CHANNEL, UNKNOWN_CHANNEL = "C0ASK", "C0OTHER", "C0UNKNOWN"
 MINUTE_MS, HOUR_MS = 60_000, 3_600_000
+COULD_NOT = not_taken_in(Unavailable("down", rule="service.unavailable"))
 
 
 @pytest.fixture
@@ -105,6 +106,22 @@ def said(standin: SlackApiStandin, text: str, *, channel: str = CHANNEL, **kwarg
     """``text`` mentioning the bot, posted to ``channel`` (``kwargs`` as
     :meth:`SlackApiStandin.say`); its ts."""
     return str(standin.say(channel, f"<@{standin.bot_user_id}> {text}", **kwargs)["ts"])
+
+
+def bot_says(
+    standin: SlackApiStandin, text: str, at_ms: int, thread_ts: str, **fields: Any
+) -> None:
+    """The bot's post of ``text`` into thread ``thread_ts`` of ``CHANNEL`` (``fields``:
+    more of the message, as its ``metadata``)."""
+    standin.say(
+        CHANNEL,
+        text,
+        at_ms=at_ms,
+        user=standin.bot_user_id,
+        bot_id=standin.bot_id,
+        thread_ts=thread_ts,
+        **fields,
+    )
 
 
 def event_id(ts: str, channel: str = CHANNEL) -> str:
@@ -211,15 +228,7 @@ async def test_messages_older_than_the_window_or_the_route_or_replied_to_are_not
     # On Slack's last try with the database down the person was told in the thread
     # ("could not be taken in"): they may have sent it again since.
     told = said(standin, "told on the last try", at_ms=now - 9 * MINUTE_MS)
-    notice = not_taken_in(Unavailable("down", rule="service.unavailable"))
-    standin.say(
-        CHANNEL,
-        notice,
-        at_ms=now - 4 * MINUTE_MS,
-        user=standin.bot_user_id,
-        bot_id=standin.bot_id,
-        thread_ts=told,
-    )
+    bot_says(standin, COULD_NOT, now - 4 * MINUTE_MS, told)
     before_route = said(
         standin, "before the route", channel=OTHER_CHANNEL, at_ms=now - 40 * MINUTE_MS
     )
@@ -266,6 +275,41 @@ async def test_a_reply_in_a_thread_the_bot_replied_to_after_it_is_not_answered(
     assert await taken_in(service) == [event_id(parent), event_id(after)]
 
 
+async def test_only_the_message_a_reply_of_the_bot_s_names_counts_as_answered(
+    service: App, standin: SlackApiStandin
+) -> None:
+    """A later post of the bot's in a thread answered every message before it: one
+    posted while the service was down, followed by the approved answer to an earlier
+    one, was never answered. The bot's answers tell nothing (what they answer was taken
+    in: a duplicate), and its "could not be taken in" notice tells the message its
+    metadata names, no other."""
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    first = said(standin, "the question", at_ms=now - 30 * MINUTE_MS)
+    with clock_at(service, now - 29 * MINUTE_MS):
+        async with running(service, standin) as (up, client):
+            await caught_up(up)
+            await deliver(client, standin, first)
+            await eventually(lambda: answers(up, first), what="the first answered")
+    # Down: a second question, then the first's answer (approved late: the outbox's
+    # post carries no metadata).
+    second = said(standin, "the second", at_ms=now - 20 * MINUTE_MS, thread_ts=first)
+    bot_says(standin, "Echo: the question", now - 15 * MINUTE_MS, first)
+    # A third told on Slack's last try; a fourth posted before that notice was not.
+    third = said(standin, "the third", at_ms=now - 12 * MINUTE_MS, thread_ts=first)
+    fourth = said(standin, "the fourth", at_ms=now - 11 * MINUTE_MS, thread_ts=first)
+    names = {"event_type": slack.REPLY_EVENT, "event_payload": {"message_ts": third}}
+    bot_says(standin, COULD_NOT, now - 10 * MINUTE_MS, first, metadata=names)
+    async with running(service, standin) as (again, _):
+        await caught_up(again)
+    assert await answers(service, first) == [
+        "Echo: the question",
+        "Echo: the second",
+        "Echo: the fourth",
+    ]
+    assert await taken_in(service) == [event_id(first), event_id(second), event_id(fourth)]
+
+
 async def test_a_message_whose_only_bot_reply_is_the_in_doubt_notice_is_answered(
     service: App, standin: SlackApiStandin
 ) -> None:
@@ -275,25 +319,13 @@ async def test_a_message_whose_only_bot_reply_is_the_in_doubt_notice_is_answered
     await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
     now = fake_clock(service).now_ms()
     in_doubt = not_taken_in(IntakeInDoubt())
-    could_not = not_taken_in(Unavailable("down", rule="service.unavailable"))
-
-    def bot_says(text: str, at_ms: int, thread_ts: str) -> None:
-        standin.say(
-            CHANNEL,
-            text,
-            at_ms=at_ms,
-            user=standin.bot_user_id,
-            bot_id=standin.bot_id,
-            thread_ts=thread_ts,
-        )
-
     parent = said(standin, "told in doubt", at_ms=now - 30 * MINUTE_MS)
-    bot_says(in_doubt, now - 29 * MINUTE_MS, parent)
+    bot_says(standin, in_doubt, now - 29 * MINUTE_MS, parent)
     reply = said(standin, "a reply told in doubt", at_ms=now - 25 * MINUTE_MS, thread_ts=parent)
-    bot_says(in_doubt, now - 24 * MINUTE_MS, parent)
+    bot_says(standin, in_doubt, now - 24 * MINUTE_MS, parent)
     other = said(standin, "told twice", at_ms=now - 20 * MINUTE_MS)
-    bot_says(in_doubt, now - 19 * MINUTE_MS, other)
-    bot_says(could_not, now - 18 * MINUTE_MS, other)
+    bot_says(standin, in_doubt, now - 19 * MINUTE_MS, other)
+    bot_says(standin, COULD_NOT, now - 18 * MINUTE_MS, other)
     async with running(service, standin) as (up, _):
         await caught_up(up)
     assert await answers(service, parent) == ["Echo: told in doubt", "Echo: a reply told in doubt"]

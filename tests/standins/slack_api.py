@@ -8,6 +8,7 @@ Use in-process::
         slack.set_channel_mode("C_GONE", "channel_not_found")   # sticky per channel
         ...
         slack.posts      # successful posts: [{"channel", "text", "thread_ts", "ts"}]
+                         # (and "metadata", "blocks", ... when the post had them)
         slack.requests   # every chat.postMessage attempt, with the mode that answered it
         slack.on_post = hook   # awaited with each attempt's record before it is answered
 
@@ -33,7 +34,8 @@ Reading back (a catch-up): each channel's messages are kept, those the test adds
 ``conversations.replies`` (a thread, oldest first) answer from them as Slack does
 (``ok``, ``messages``, ``has_more``, ``response_metadata.next_cursor``; a parent carries
 ``thread_ts``, ``reply_count``, ``reply_users``, ``reply_users_count`` and
-``latest_reply`` once replied to). Every read is recorded in ``reads`` (``method``,
+``latest_reply`` once replied to; a post's ``metadata``, as Slack's message metadata,
+only with ``include_all_metadata``). Every read is recorded in ``reads`` (``method``,
 ``channel``, ``oldest``, ``ts``, ``cursor``, ``mode``); ``fail_reads(channel, *modes)``
 answers the channel's next reads in those modes (``ratelimited[:S]``, a status,
 ``error:CODE``), and ``on_read`` is awaited with each read's record before it is answered.
@@ -375,7 +377,7 @@ class SlackApiStandin(StandinBase):
             return _json({"ok": False, "error": "no_text"})
         ts = f"{int(time.time())}.{next(self._ts):06d}"
         post = {"channel": channel, "text": text, "thread_ts": thread_ts, "ts": ts}
-        for extra in ("blocks", "unfurl_links", "unfurl_media"):
+        for extra in ("blocks", "unfurl_links", "unfurl_media", "metadata"):
             if extra in params:
                 post[extra] = params[extra]
         self.posts.append(post)
@@ -392,7 +394,11 @@ class SlackApiStandin(StandinBase):
         }
         if thread_ts:
             message["thread_ts"] = thread_ts
-        self._keep(channel, dict(message), thread_ts)
+        kept = dict(message)
+        if isinstance(params.get("metadata"), dict):
+            # Kept with the message; a read shows it with include_all_metadata only.
+            kept["metadata"] = params["metadata"]
+        self._keep(channel, kept, thread_ts)
         return _json({"ok": True, "channel": channel, "ts": ts, "message": message})
 
     async def _read(
@@ -457,6 +463,8 @@ class SlackApiStandin(StandinBase):
             found = [
                 m for m in kept if m["ts"] == thread or (m.get("thread_ts") == thread and within(m))
             ]
+        if str(params.get("include_all_metadata", "")).lower() not in ("1", "true"):
+            found = [{k: v for k, v in m.items() if k != "metadata"} for m in found]
         limit = max(1, min(int(params.get("limit") or 100), 999))
         start = int(base64.b64decode(params["cursor"]).decode()) if params.get("cursor") else 0
         page = found[start : start + limit]
