@@ -145,7 +145,8 @@ TOLD_KEEP = 1024
 #: and of each thread's replies.
 CATCH_UP_PAGES = 5
 CATCH_UP_PAGE_SIZE = 200
-#: ... and the replies of at most this many threads per channel (the latest first).
+#: ... and the replies of at most this many threads per channel (those that moved last
+#: first: by their ``latest_reply``, else the newest message taken in there).
 CATCH_UP_THREADS = 20
 #: The Slack message metadata (``event_type``) of a reply the adapter posts itself, the
 #: "could not be taken in" notice on Slack's last try: its ``event_payload`` names the
@@ -291,13 +292,15 @@ def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost 
 @dataclass(frozen=True)
 class CatchUpTarget:
     """A channel to read back at start: its workspace, the newest message ts taken in
-    there lately (``None``: none), the threads that took in messages lately and the read
-    point stored (``point``: where its catch-up starts, epoch ms; ``None``: none yet)."""
+    there lately (``None``: none), the threads that took in messages lately (each with
+    the newest ts taken in there: what moved last there, as far as the service saw) and
+    the read point stored (``point``: where its catch-up starts, epoch ms; ``None``:
+    none yet)."""
 
     team: str
     channel: str
     newest: Decimal | None
-    threads: tuple[str, ...]
+    threads: tuple[tuple[str, Decimal], ...]
     point: int | None = None
 
     @property
@@ -335,12 +338,13 @@ def catch_up_targets(
 ) -> list[CatchUpTarget]:
     """The channels to catch up: every Slack session (its key
     ``slack:TEAM:CHANNEL:THREAD``) that took in a message, with the newest recorded in
-    its channel lately and its threads that took in one lately, and every channel a route
+    its channel lately and its threads that took in one lately (each with the newest
+    taken in there), and every channel a route
     names (in ``team`` when the route names none), each with its read point. ``again``
     (a retry after a database fault): a channel without a read point has no newest
     either (a live message taken in since the first try may be it)."""
     newest: dict[tuple[str, str], Decimal | None] = {}
-    threads: dict[tuple[str, str], set[str]] = {}
+    threads: dict[tuple[str, str], dict[str, Decimal]] = {}
     for key, event_ids in known.sessions.items():
         parts = key.split(":")
         if len(parts) != 4 or parts[0] != "slack" or not all(parts[1:]):
@@ -354,9 +358,9 @@ def catch_up_targets(
                 stamps.append(stamp)
         found = [n for n in (newest.get(where), max(stamps, default=None)) if n is not None]
         newest[where] = max(found, default=None)
-        threads.setdefault(where, set())
-        if stamps:
-            threads[where].add(parts[3])
+        threads.setdefault(where, {})
+        if stamps and _ts(parts[3]) is not None:
+            threads[where][parts[3]] = max(stamps)
     for match in known.routes:
         channel = match.get("channel", "")
         if channel and ":" not in channel:
@@ -366,7 +370,7 @@ def catch_up_targets(
             t,
             c,
             None if again and point is None else n,
-            tuple(sorted(threads.get((t, c), ()))),
+            tuple(sorted(threads.get((t, c), {}).items())),
             point,
         )
         for (t, c), n in newest.items()
@@ -910,18 +914,19 @@ class SlackAdapter:
         # Threads to read: those that took in a message lately, and those whose parent
         # was read and that were replied to since (conversations.history has parents
         # only, and the live path answers a reply in a thread too).
-        moved: dict[str, Decimal] = {}
-        for thread in target.threads:
-            stamp = _ts(thread)
-            if stamp is not None:
-                moved[thread] = stamp
+        # Each ranked by what moved last there: its latest_reply when Slack tells it (a
+        # parent read), else the newest message taken in there. (Slack tells a thread's
+        # latest_reply on its parent alone, which conversations.history returns only
+        # when it was posted after the read point; asking each thread for it is the very
+        # read CATCH_UP_THREADS bounds.)
+        moved = dict(target.threads)
         for message in history:
             stamp = _ts(message.get("ts"))
             if stamp is None or stamp <= oldest:
                 continue
             latest = _ts(message.get("latest_reply"))
             if latest is not None and latest > oldest:
-                moved[str(message["ts"])] = latest
+                moved[str(message["ts"])] = max(latest, moved.get(str(message["ts"]), latest))
             # The bot replied in its thread (reply_users says who, not what): its thread,
             # read below as one that moved, tells whether it was told "could not be taken
             # in" (the person may have sent it again since).

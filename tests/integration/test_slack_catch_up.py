@@ -358,6 +358,37 @@ async def test_a_thread_with_more_replies_than_the_limit_says_so(
     )
 
 
+async def test_the_threads_read_are_those_that_moved_last_not_those_started_last(
+    service: App, standin: SlackApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past CATCH_UP_THREADS, the threads known from sessions were ranked by their first
+    message: a busy old thread was dropped for a quiet newer one, and the replies posted
+    there while the service was down were never answered. They rank by the newest
+    message taken in there (Slack tells a thread's latest_reply on its parent, which
+    the read returns only when posted after the read point)."""
+    monkeypatch.setattr(slack, "CATCH_UP_THREADS", 1)
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    busy = said(standin, "an old thread", at_ms=now - 50 * MINUTE_MS)
+    said(standin, "busy lately", at_ms=now - 32 * MINUTE_MS, thread_ts=busy)
+    quiet = said(standin, "a newer quiet thread", at_ms=now - 35 * MINUTE_MS)
+    with clock_at(service, now - 30 * MINUTE_MS):
+        async with running(service, standin) as (first, _):
+            await caught_up(first)
+    assert await answers(service, quiet) == ["Echo: a newer quiet thread"]
+    missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS, thread_ts=busy)
+    async with running(service, standin) as (again, _):
+        await caught_up(again)
+    assert await answers(service, busy) == [
+        "Echo: an old thread",
+        "Echo: busy lately",
+        "Echo: said while down",
+    ]
+    assert event_id(missed) in await taken_in(service)
+    replies = [r["ts"] for r in standin.reads if r["method"] == "conversations.replies"]
+    assert replies == [busy, busy]
+
+
 async def test_every_message_is_answered_when_not_only_mentions_are_caught_up(
     service: App, standin: SlackApiStandin
 ) -> None:

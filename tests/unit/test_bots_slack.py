@@ -302,7 +302,13 @@ def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
     )
     targets = slack.catch_up_targets(known, "T0")
     assert sorted(targets, key=lambda t: t.channel) == [
-        slack.CatchUpTarget("T1", "C1", Decimal("300.000001"), ("100.000001", "200.000001")),
+        slack.CatchUpTarget(
+            "T1",
+            "C1",
+            Decimal("300.000001"),
+            # Each thread with the newest taken in there.
+            (("100.000001", Decimal("300.000001")), ("200.000001", Decimal("200.000001"))),
+        ),
         slack.CatchUpTarget("T1", "C2", None, ()),
         # A route naming no workspace: the bot's own.
         slack.CatchUpTarget("T0", "C4", None, ()),
