@@ -128,6 +128,9 @@ _GATEWAY_MAX_RETRY_S = 60.0
 
 #: Catch-up reads at most this many pages (100 messages each) per channel and READY.
 CATCH_UP_PAGES = 10
+#: ... and, besides the channels it knows, at most this many active threads of each
+#: (those with the latest message first) that it does not know.
+CATCH_UP_THREADS = 20
 #: Discord's JSON error code for a channel it does not have.
 _UNKNOWN_CHANNEL = 10003
 _MESSAGE_EVENT = DISCORD_MESSAGE_EVENT
@@ -611,7 +614,8 @@ class DiscordAdapter:
         started, less a minute; for a channel without one, the newest message taken in
         there, less a minute, stored as its point before anything is read), within
         ``[discord] catch_up_s`` and not before the route answering there was made, but
-        not one the bot already replied to (:func:`replied_to`). A channel read through
+        not one the bot already replied to (:func:`replied_to`); and so the new threads of
+        those channels (:meth:`_new_threads`). A channel read through
         moves its point to this catch-up's start. A channel Discord would not read (a
         REST error) logs a WARNING and is read from the same point at the next READY.
         False when a database fault stopped it (tried again shortly, ``again``:
@@ -628,6 +632,11 @@ class DiscordAdapter:
         if known is None:
             return False
         targets = catch_up_targets(known, again=again)
+        try:
+            targets += await self._new_threads(client, targets, known)
+        except DATABASE_FAULTS as exc:
+            log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
+            return False
         firsts = {
             str(t.channel_id): t.first_point(known.since_ms) for t in targets if t.point is None
         }
@@ -654,6 +663,59 @@ class DiscordAdapter:
                     _rest_error(exc),
                 )
         return True
+
+    async def _new_threads(
+        self, client: _GatewayClient, targets: list[CatchUpTarget], known: Conversations
+    ) -> list[CatchUpTarget]:
+        """The active threads (``GET /guilds/{id}/threads/active``, once per guild) of the
+        guild channels in ``targets`` that are not among them, with a message within the
+        window and a route answering there, as the live path's would (a route naming the
+        guild, not the thread's channel): a thread started while the service was down
+        has no session, and its messages were never read. At most
+        :data:`CATCH_UP_THREADS` per channel, those with the latest message first."""
+        parents: dict[int, set[int]] = {}
+        for target in targets:
+            if target.guild_id is not None and target.guild_known:
+                parents.setdefault(target.guild_id, set()).add(target.channel_id)
+        have = {target.channel_id for target in targets}
+        found: list[CatchUpTarget] = []
+        for guild_id, channels in parents.items():
+            if self._stopping.is_set():
+                break
+            try:
+                active = await client.http.get_active_threads(guild_id)
+            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning(
+                    "discord: could not read guild %s's active threads to catch up (%s); "
+                    "tried again at the next READY",
+                    guild_id,
+                    _rest_error(exc),
+                )
+                continue
+            by_parent: dict[int, list[tuple[int, int]]] = {}
+            for thread in active.get("threads", []):
+                ids = (thread.get("id"), thread.get("parent_id"), thread.get("last_message_id"))
+                if not all(isinstance(i, str | int) and str(i).isdigit() for i in ids):
+                    continue
+                thread_id, parent, last = (int(str(i)) for i in ids)
+                made = (last >> 22) + discord.utils.DISCORD_EPOCH
+                if parent in channels and thread_id not in have and made >= known.since_ms:
+                    by_parent.setdefault(parent, []).append((last, thread_id))
+            for parent, threads in by_parent.items():
+                if len(threads) > CATCH_UP_THREADS:
+                    log.warning(
+                        "discord: catch-up of channel %s reads the latest %d of its %d new threads",
+                        parent,
+                        CATCH_UP_THREADS,
+                        len(threads),
+                    )
+                for _, thread_id in sorted(threads, reverse=True)[:CATCH_UP_THREADS]:
+                    attrs = {"guild": str(guild_id), "channel": str(thread_id)}
+                    if await self._core.resolve_route(BindingKind.discord.value, attrs) is None:
+                        continue  # not answered live either
+                    point = known.points.get(str(thread_id))
+                    found.append(CatchUpTarget(thread_id, guild_id, True, None, point))
+        return found
 
     async def _catch_up_channel(
         self, client: _GatewayClient, target: CatchUpTarget, known: Conversations

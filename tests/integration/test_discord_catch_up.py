@@ -35,6 +35,7 @@ from tests.standins.discord_api import DiscordApiStandin
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
 OTHER_CHANNEL = "1000000000000000003"
+OTHER_GUILD, CHANNEL_ELSEWHERE = "1000000000000000004", "1000000000000000005"
 HOUR_MS = 3_600_000
 
 
@@ -169,6 +170,44 @@ async def test_messages_posted_while_the_service_was_down_are_answered_once_afte
     [read] = standin.reads
     assert read["channel_id"] == CHANNEL and read["mode"] == "ok"
     assert read["after"] is None and read["before"] is None
+
+
+async def test_a_thread_started_while_the_service_was_down_is_read_back(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """A route naming the guild answers a message in a thread live (its channel is the
+    thread's own id), but a thread started while the service was down had no session:
+    its messages were never read. The active threads of the channels caught up are read
+    too; one under a channel nobody knows, or whose route names the parent channel
+    only (live, that route does not answer in the thread either), is not."""
+    await routed(service, {"guild": GUILD}, {"guild": OTHER_GUILD, "channel": CHANNEL_ELSEWHERE})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        live = await message(standin, "said while up")
+        await eventually(lambda: answers(first, live), what="the live message answered")
+    # Down: a thread started under the known channel, and one under a channel unknown.
+    thread = standin.start_thread(GUILD, CHANNEL)
+    missed = await message(standin, "in a new thread", channel=thread)
+    unknown = await message(
+        standin, "under an unknown channel", channel=standin.start_thread(GUILD, OTHER_CHANNEL)
+    )
+    named = standin.start_thread(OTHER_GUILD, CHANNEL_ELSEWHERE)
+    not_routed = str(
+        (
+            await standin.dispatch_message_create(
+                channel_id=named, guild_id=OTHER_GUILD, content="under a routed channel"
+            )
+        )["id"]
+    )
+    standin.thread_reads.clear()
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: in a new thread"]
+    assert await answers(service, unknown) == [] and await answers(service, not_routed) == []
+    assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed)]
+    # Once per guild caught up.
+    assert sorted(standin.thread_reads) == [GUILD, OTHER_GUILD]
+    assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread}
 
 
 async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(

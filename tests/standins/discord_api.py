@@ -45,8 +45,10 @@ connected, or posted by the bot) is kept in its history, read as Discord serves 
 after it, newest first, which is what discord.py's ``history(after=...)`` pages on;
 without the ``nonce`` a bot's message was posted with, which Discord does not keep);
 ``reads`` records each such read. ``GET /channels/{id}`` answers a channel some message
-was dispatched in (a guild text channel, or a DM without a guild), else 404
-``Unknown Channel``.
+was dispatched in (a guild text channel, or a DM without a guild) or a thread
+:meth:`DiscordApiStandin.start_thread` started, else 404 ``Unknown Channel``; ``GET
+/guilds/{id}/threads/active`` answers the guild's threads (``thread_reads`` records the
+guild of each such read).
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
 (``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
@@ -156,6 +158,10 @@ class DiscordApiStandin(StandinBase):
         #: channel id -> its messages, oldest first; channel id -> its guild (None: a DM)
         self._history: dict[str, list[dict[str, Any]]] = {}
         self._guilds: dict[str, str | None] = {}
+        #: thread id -> its parent channel (its guild in ``_guilds``)
+        self._threads: dict[str, str] = {}
+        #: each read of a guild's active threads: its guild id
+        self.thread_reads: list[str] = []
         #: channel id -> modes for the next reads of its messages
         self._read_modes: dict[str, list[str]] = {}
         #: each read of a channel's messages: ``channel_id, after, before, limit, mode``
@@ -171,6 +177,8 @@ class DiscordApiStandin(StandinBase):
         super().reset()
         self._history.clear()
         self._guilds.clear()
+        self._threads.clear()
+        self.thread_reads.clear()
         self._read_modes.clear()
         self.reads.clear()
         self._nonces.clear()
@@ -195,6 +203,15 @@ class DiscordApiStandin(StandinBase):
     def history(self, channel_id: str) -> list[dict[str, Any]]:
         """The channel's messages, oldest first."""
         return list(self._history.get(channel_id, []))
+
+    def start_thread(self, guild_id: str, parent_id: str, *, at_ms: int | None = None) -> str:
+        """A public thread started (at ``at_ms``) under ``parent_id`` of ``guild_id``,
+        active until the stand-in stops (messages are dispatched into it by its id, as
+        into any channel); its id."""
+        thread_id = self.new_snowflake(at_ms)
+        self._threads[thread_id] = parent_id
+        self._guilds[thread_id] = guild_id
+        return thread_id
 
     def fail_reads(self, channel_id: str, *modes: str) -> None:
         """Answer the next reads of ``channel_id``'s messages with ``modes``, in order
@@ -222,6 +239,7 @@ class DiscordApiStandin(StandinBase):
         r.add_post(f"{api}/channels/{{channel_id}}/messages", self._create_message)
         r.add_get(f"{api}/channels/{{channel_id}}/messages", self._read_messages)
         r.add_get(f"{api}/channels/{{channel_id}}", self._get_channel)
+        r.add_get(f"{api}/guilds/{{guild_id}}/threads/active", self._active_threads)
         r.add_patch(f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message)
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
@@ -529,6 +547,42 @@ class DiscordApiStandin(StandinBase):
         # gateway's MESSAGE_CREATE carry it, never a read of the channel's messages.
         return _json([{k: v for k, v in m.items() if k != "nonce"} for m in reversed(page)])
 
+    def _thread(self, thread_id: str) -> dict[str, Any]:
+        """A thread channel object, as Discord serves one."""
+        kept = self._history.get(thread_id, [])
+        return {
+            "id": thread_id,
+            "type": 11,
+            "guild_id": self._guilds[thread_id],
+            "parent_id": self._threads[thread_id],
+            "name": f"thread-{thread_id}",
+            "owner_id": "1100000000000000100",
+            "last_message_id": kept[-1]["id"] if kept else None,
+            "message_count": len(kept),
+            "member_count": 1,
+            "rate_limit_per_user": 0,
+            "flags": 0,
+            "thread_metadata": {
+                "archived": False,
+                "auto_archive_duration": 1440,
+                "archive_timestamp": _now_iso(),
+                "locked": False,
+            },
+        }
+
+    async def _active_threads(self, request: web.Request) -> web.StreamResponse:
+        """``GET /guilds/{id}/threads/active``: the guild's threads (all active here),
+        newest first, as Discord answers."""
+        guild_id = request.match_info["guild_id"]
+        await self._latency()
+        self.thread_reads.append(guild_id)
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        threads = sorted(
+            (t for t in self._threads if self._guilds.get(t) == guild_id), key=int, reverse=True
+        )
+        return _json({"threads": [self._thread(t) for t in threads], "members": []})
+
     async def _get_channel(self, request: web.Request) -> web.StreamResponse:
         """``GET /channels/{id}``: a channel some message was seen in."""
         channel_id = request.match_info["channel_id"]
@@ -538,6 +592,8 @@ class DiscordApiStandin(StandinBase):
         if channel_id not in self._guilds:
             return _json({"message": "Unknown Channel", "code": 10003}, status=404)
         guild_id = self._guilds[channel_id]
+        if channel_id in self._threads:
+            return _json(self._thread(channel_id))
         if guild_id is None:
             return _json({"id": channel_id, "type": 1, "last_message_id": None, "recipients": []})
         return _json(
