@@ -210,6 +210,36 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
     assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread}
 
 
+async def test_new_threads_past_the_limit_or_that_discord_will_not_list_say_so(
+    service: App,
+    standin: DiscordApiStandin,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(discord_bots, "CATCH_UP_THREADS", 1)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL}, {"guild": GUILD})
+    first, second = standin.start_thread(GUILD, CHANNEL), standin.start_thread(GUILD, CHANNEL)
+    older = await message(standin, "in the quieter thread", channel=second)
+    newer = await message(standin, "in the latest thread", channel=first)
+    standin.fail_reads(f"guild:{GUILD}", "forbidden")
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as refused:
+        await caught_up(refused)
+    # Discord would not list them: the channel is still read, its threads at the next READY.
+    [warning] = [r for r in caplog.records if r.name == "bots.discord"]
+    assert f"could not read guild {GUILD}'s active threads" in warning.getMessage()
+    assert "Missing Access" in warning.getMessage() and not warning.exc_info
+    assert [r["channel_id"] for r in standin.reads] == [CHANNEL]
+    caplog.clear()
+    async with running(service, standin) as up:
+        await caught_up(up)
+    # The thread with the latest message first.
+    assert await answers(service, newer) == ["Echo: in the latest thread"]
+    assert await answers(service, older) == []
+    [warning] = [r for r in caplog.records if r.name == "bots.discord"]
+    assert f"channel {CHANNEL} reads the latest 1 of its 2 new threads" in warning.getMessage()
+
+
 async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
     service: App, standin: DiscordApiStandin
 ) -> None:

@@ -48,7 +48,8 @@ without the ``nonce`` a bot's message was posted with, which Discord does not ke
 was dispatched in (a guild text channel, or a DM without a guild) or a thread
 :meth:`DiscordApiStandin.start_thread` started, else 404 ``Unknown Channel``; ``GET
 /guilds/{id}/threads/active`` answers the guild's threads (``thread_reads`` records the
-guild of each such read).
+guild of each such read; ``fail_reads("guild:" + guild_id, *modes)`` answers the next
+ones in those modes).
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
 (``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
@@ -578,6 +579,10 @@ class DiscordApiStandin(StandinBase):
         self.thread_reads.append(guild_id)
         if not self._bot_authorized(request):
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        queued = self._read_modes.get(f"guild:{guild_id}")
+        failure = await self._failure(request, queued.pop(0) if queued else "ok")
+        if failure is not None:
+            return failure
         threads = sorted(
             (t for t in self._threads if self._guilds.get(t) == guild_id), key=int, reverse=True
         )
