@@ -24,8 +24,8 @@ Slack drops an event after its third retry (about five minutes): at each start
 channel posted after its read point (where the last catch-up that read it through
 started; within ``[slack] catch_up_s``) and
 takes each in as a live one; the intake's de-duplication by that same id answers a
-message that came both ways once, and one the bot already replied to in its thread (but
-for the "may or may not have been taken in" notice) is left alone.
+message that came both ways once, and one the bot told "could not be taken in" (its
+notice names it: :data:`REPLY_EVENT`) is left alone.
 
 Outbound: :class:`SlackChannel` posts with one shared ``AsyncWebClient`` and maps every
 failure onto the outcome classes of SPEC 6. ``chat.postMessage`` has no idempotency key,
