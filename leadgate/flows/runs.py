@@ -90,6 +90,7 @@ from leadgate.domain.orgs import validate_name
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs as turn_runs
+from leadgate.turns.intake import taken_in
 from outbox.store import DeliveryStatus
 
 if TYPE_CHECKING:
@@ -799,11 +800,7 @@ class FlowService:
         outputs: list[Any],
     ) -> bool:
         async with self.db.read() as conn:
-            taken = (
-                await conn.execute(
-                    _TAKEN, {"p_org": run["org_id"], "p_event": node_key(run["id"], index)}
-                )
-            ).first()
+            taken = await taken_in(conn, run["org_id"], node_key(run["id"], index))
             if taken is None:
                 agent = await agents_mod.find_agent(conn, run["org_id"], node["agent"])
                 lead = await agents_mod.resolve_lead(conn, agent)
@@ -813,9 +810,7 @@ class FlowService:
             # deactivated or deleted, the node failed (flow.turn_lost, agent.inactive,
             # agent.not_found) while the turn's work item went to review, and its
             # approval resumed nothing.
-            return await self._taken(
-                run, lease, index, str(taken.agent_id), taken.work_item_id, outputs
-            )
+            return await self._taken(run, lease, index, taken.agent_id, taken.work_item_id, outputs)
         trigger = node_trigger(run["org_id"], run["id"], index, agent.id, node["prompt"])
         session_key = trigger.session_key
         if lead is None:
@@ -1020,13 +1015,6 @@ class FlowService:
 _W = t.work_items.c
 _S = t.sessions.c
 _A = t.audit.c
-_E = t.inbound_events.c
-#: The turn an earlier attempt of an agent node took in, by its external event id
-#: (:func:`node_key`; unique): its agent, and its work item (None: the worker had no
-#: lead at its intake, and the turn was plain).
-_TAKEN = sa.select(_E.agent_id, _E.work_item_id).where(
-    _E.org_id == sa.bindparam("p_org"), _E.external_event_id == sa.bindparam("p_event")
-)
 #: A waiting continuation of a paused run with its node's work item, found through the
 #: node's session: the item id is written on the continuation only after the turn, so a
 #: crash between the two left an approved item that nothing resumed (and no queue

@@ -5,9 +5,11 @@ records its message under the inbound event id ``schedule:<id>:<due>`` (unique),
 across replicas exactly one takes the firing in and every other gets a duplicate; the
 turn is recorded as a run that crash recovery runs again; and only then is
 ``next_fire_at`` moved on, fenced (``WHERE id = :id AND next_fire_at = :due``). A process
-that dies in between leaves the firing due: the next poll takes it in (a duplicate, if
-it already was) and advances it. (Advancing first lost the day's firing to a crash
-between the two.)
+that dies in between leaves the firing due: the next poll takes it in, or finds it was
+(by its id, before any intake: whatever its worker's lead or activity is now), and
+advances it. (Advancing first lost the day's firing to a crash between the two; and the
+intake, which reads the worker first, deactivated the schedule of a firing taken in
+when its worker was deactivated or deleted since.)
 
 Each pass reads the earliest active schedule, due or not: when it is not due yet, its
 time tells the runner loop how long it may sleep (:meth:`ScheduleRunner.due_in_s`), so a
@@ -42,6 +44,7 @@ from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.domain import wakes
+from leadgate.turns.intake import taken_in
 from leadgate.turns.path import TurnService
 
 log = logging.getLogger("leadgate.schedules")
@@ -245,16 +248,24 @@ class ScheduleRunner:
                 exc.rule,
             )
             advance = {"active": False}
+        event_id = f"schedule:{row.id}:{row.next_fire_at}"
         trigger = Trigger(
             org_id=row.org_id,
             agent_id=row.agent_id,
             session_key=f"schedule:{row.id}",
             text=row.message,
             binding=BindingSpec(BindingKind.scheduled, {"scheduleId": row.id}),
-            external_event_id=f"schedule:{row.id}:{row.next_fire_at}",
+            external_event_id=event_id,
         )
         try:
-            await self.turns.run(trigger)
+            async with self.db.read() as conn:
+                taken = await taken_in(conn, row.org_id, event_id)
+            # Taken in already (a process died before moving the schedule on): the
+            # firing is done, whatever its worker is now. The intake reads the worker
+            # first, and one deactivated or deleted since deactivated the schedule (for
+            # good, though the worker could be active again by the next firing).
+            if taken is None:
+                await self.turns.run(trigger)
         except (Unavailable, DatabaseDamaged):
             # Perhaps not taken in: the firing stays due, and a later poll takes it in
             # (or finds it was, a duplicate) and advances it; the loop backs off (and

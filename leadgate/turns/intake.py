@@ -115,6 +115,33 @@ _EARLIER_BUSY = sa.select(t.inbound_events.c.outcome == "rejectedBusy").where(
 _EVENT_LANDED = sa.select(t.inbound_events.c.id).where(
     t.inbound_events.c.id == sa.bindparam("p_id")
 )
+#: The message taken in under an organization's external event id (unique).
+_TAKEN = sa.select(t.inbound_events.c.agent_id, t.inbound_events.c.work_item_id).where(
+    t.inbound_events.c.org_id == sa.bindparam("p_org"),
+    t.inbound_events.c.external_event_id == sa.bindparam("p_event"),
+)
+
+
+class TakenIn(NamedTuple):
+    """A message the intake took in under an external event id (:func:`taken_in`)."""
+
+    agent_id: str
+    #: its work item; None when its worker had no lead at the intake (a plain turn)
+    work_item_id: str | None
+
+
+async def taken_in(conn: Conn, org_id: str, external_event_id: str) -> TakenIn | None:
+    """The message taken in under ``external_event_id`` in ``org_id``, or None when none
+    was. A caller that comes back to a turn of its own after a crash (a flow node
+    executed again, a schedule's firing still due) goes on from the turn taken in: the
+    intake would answer it a duplicate only once it read the agent as it is now, and
+    refused it when the agent was deactivated or deleted since (``agent.inactive``,
+    ``agent.not_found``)."""
+    row = (await conn.execute(_TAKEN, {"p_org": org_id, "p_event": external_event_id})).first()
+    if row is None:
+        return None
+    item = row.work_item_id
+    return TakenIn(str(row.agent_id), None if item is None else str(item))
 
 
 class _Landed(NamedTuple):

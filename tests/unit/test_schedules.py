@@ -11,16 +11,27 @@ from typing import Any, NoReturn
 import pytest
 import sqlalchemy as sa
 
+from leadgate.core.clock import FakeClock
 from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
 from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
 from leadgate.operations.admin import Admin
-from leadgate.runners.schedules import NewScheduleView, ScheduleRunner, add_schedule, next_fire
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.runners.schedules import (
+    NewScheduleView,
+    ScheduleRunner,
+    add_schedule,
+    next_fire,
+    remove_schedule,
+)
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
+from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
 from tests.helpers import Org, make_agent, make_org, ours
 from tests.stack import Stack
+from tests.unit.test_flow_recovery import Killed, Mortal, die
 
 MIDNIGHT = int(datetime(2027, 1, 1, tzinfo=UTC).timestamp() * 1000)
 
@@ -351,3 +362,110 @@ async def test_a_blocked_schedule_turn_holds_up_no_other_due_schedule(
     assert (await fired())[ids[0]] > due
     assert await drain(runner) == 0
     assert await told() == ["quick", "slow"]  # each fired once
+
+
+@pytest.mark.parametrize(
+    ("turn", "since"),
+    [
+        ("gated", "lead_removed"),
+        ("gated", "deactivated"),
+        ("gated", "deleted"),
+        ("gated", "removed"),
+        ("cut_mid_model", "lead_removed"),
+        ("cut_mid_model", "deactivated"),
+        ("plain", "lead_added"),
+        ("plain", "deactivated"),
+        ("plain", "deleted"),
+        ("plain", "removed"),
+    ],
+)
+async def test_a_firing_taken_in_before_a_crash_goes_on_whatever_its_agent_is_now(
+    make_stack: Callable[..., Stack], caplog: pytest.LogCaptureFixture, turn: str, since: str
+) -> None:
+    """A firing's turn was taken in (``gated``: its worker's lead got its submission;
+    ``cut_mid_model``: the process died in the model, the item ``inProgress``; ``plain``:
+    the worker answered) and the process died before its schedule moved on. Then the
+    worker's lead is removed or added, the worker deactivated or deleted, or the schedule
+    removed. The firing taken in decides, not the worker as it is now: the next poll
+    finds it a duplicate and moves the schedule on, turn recovery runs a cut turn again,
+    and a gated item approved is marked sent (a scheduled item), each once."""
+    clock = FakeClock()
+    mortal = Mortal()
+    first = make_stack(clock=clock, providers={"script": mortal})
+    second = make_stack(clock=clock)
+    org = await make_org(first)
+    await make_agent(first, org, "lead")
+    led = {} if turn == "plain" else {"lead": "lead"}
+    worker = await make_agent(first, org, "worker", **led)
+    message = {"gated": "report #complete", "cut_mid_model": "report #die #complete"}
+    async with first.db.tx() as conn:
+        added = await add_schedule(
+            conn,
+            clock,
+            first.ids,
+            org_id=org.id,
+            agent_id=worker["id"],
+            cron="0 9 * * *",
+            message=message.get(turn, "report"),
+        )
+    due = clock.now_ms()
+    async with first.db.tx() as conn:
+        await conn.execute(t.schedules.update().values(next_fire_at=due))
+    first.turns.on_review_queued = die  # (a gated turn's submission committed)
+    with pytest.MonkeyPatch.context() as mp:
+        if turn == "plain":
+            run = first.turns.run
+
+            async def answered_then_died(trigger: Trigger) -> NoReturn:
+                await run(trigger)
+                raise Killed
+
+            mp.setattr(first.turns, "run", answered_then_died)
+        with pytest.raises(Killed):
+            await ScheduleRunner(first.db, clock, first.turns).run_once()
+    async with second.db.tx() as conn:
+        if since == "removed":
+            await remove_schedule(conn, org.id, added["id"])
+        else:
+            changes: dict[str, dict[str, Any]] = {
+                "lead_removed": {"lead": None},
+                "lead_added": {"lead": "lead"},
+                "deactivated": {"active": False},
+                "deleted": {"delete": True},
+            }
+            change = changes[since]
+            await agents_mod.save_agent(
+                conn, clock, second.ids, org.id, agent_ref=worker["id"], **change
+            )
+    runner = ScheduleRunner(second.db, clock, second.turns)
+    assert await drain(runner) == (0 if since == "removed" else 1)
+    if turn == "cut_mid_model":
+        clock.advance(TURN_LEASE_MS + 1)
+        assert await drain(TurnRecovery(second.turns)) == 1
+    await second.settle()  # the lead approves a gated turn's submission
+    s, m, e = t.schedules.c, t.messages.c, t.inbound_events.c
+    async with second.db.read() as conn:
+        schedule = (await conn.execute(sa.select(s.active, s.next_fire_at))).first()
+        roles = (await conn.execute(sa.select(m.role).order_by(m.role))).scalars().all()
+        events = (await conn.execute(sa.select(e.external_event_id))).scalars().all()
+        items = (await conn.execute(sa.select(t.work_items.c.status))).scalars().all()
+        deliveries = (await conn.execute(sa.select(t.deliveries.c.status))).scalars().all()
+    if since == "removed":
+        assert schedule is None
+    else:
+        # Moved on, still active (it was deactivated, its firing done, when the worker
+        # was deactivated or deleted since: a firing taken in before).
+        assert schedule is not None
+        assert (bool(schedule.active), schedule.next_fire_at > clock.now_ms()) == (True, True)
+    assert events == [f"schedule:{added['id']}:{due}"]  # one intake
+    assert [r.getMessage() for r in ours(caplog) if r.name == "leadgate.schedules"] == []
+    if turn == "plain":
+        assert (roles, items, deliveries) == (["assistant", "user"], [], [])
+    else:
+        # One turn, its submission approved and marked sent (nothing posted).
+        assert (roles, items, deliveries) == (
+            ["assistant", "tool", "user"],
+            ["completed"],
+            ["sent"],
+        )
+    assert await drain(runner) == 0  # nothing fires again
