@@ -44,6 +44,7 @@ from outbox.store import (
     CARD_CLOSED_AT,
     CARD_UPDATE,
     ENDED,
+    NEXT_PART_AT,
     PARTS_POSTED,
     DeliveryStatus,
     ReviewNeeded,
@@ -171,9 +172,11 @@ class Done:
     outcome: SendOutcome
     #: a long text's parts now posted when a later one was not (surely) posted: recorded
     #: with the outcome (:data:`outbox.store.PARTS_POSTED`), with ``external_id``, the
-    #: first part's platform id (``None``: nothing to record)
+    #: first part's platform id (``None``: nothing to record), and ``next_part_at``,
+    #: where in the text the part not posted starts (:data:`outbox.store.NEXT_PART_AT`)
     parts_posted: int | None = None
     external_id: str | None = None
+    next_part_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,11 @@ class OutcomeCommitter:
         row = done.row
         values: dict[str, Any] = {"lease_token": None, "lease_expires_at": None, "updated_at": now}
         if done.parts_posted is not None:
-            values["address"] = {**row.address, PARTS_POSTED: done.parts_posted}
+            values["address"] = {
+                **row.address,
+                PARTS_POSTED: done.parts_posted,
+                NEXT_PART_AT: done.next_part_at,
+            }
             values["external_id"] = row.external_id or done.external_id
         label = type(outcome).__name__.lower()
         if isinstance(outcome, Retry):

@@ -46,7 +46,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import sqlalchemy as sa
 
@@ -78,7 +78,9 @@ from outbox.store import (
     CARD_KINDS,
     CARD_UPDATE,
     INTERNAL_ACTIONS,
+    NEXT_PART_AT,
     OUTBOX_TOPIC,
+    PARTS_POSTED,
     DeliveryStatus,
     Handoff,
     ReviewNeeded,
@@ -86,7 +88,6 @@ from outbox.store import (
     cards_of_closed_waits,
     count_cancelled,
     delivery_of,
-    parts_posted,
 )
 
 log = logging.getLogger("leadgate.relay")
@@ -199,9 +200,20 @@ def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[
     unless a channel counts otherwise, see :attr:`outbox.channel.Channel.max_chars`), on
     line breaks or spaces where possible. Nothing is dropped: ``"".join`` of the parts,
     modulo the break characters, gives the text back."""
-    parts: list[str] = []
-    rest = text
-    while rest:
+    return [text[start:end] for start, end in split_spans(text, limit, size)]
+
+
+def split_spans(text: str, limit: int, size: Callable[[str], int] = len) -> list[tuple[int, int]]:
+    """Where each part of :func:`split_text` lies in ``text``: ``(start, end)`` offsets.
+
+    The split is greedy and remembers nothing: the parts of ``text[start:]``, for a
+    part's ``start``, are that part and the ones after it. So a retry that records where
+    its next part starts (:data:`outbox.store.NEXT_PART_AT`) posts the rest of the text
+    whatever the split is by then (the channel's limit changed by an upgrade)."""
+    spans: list[tuple[int, int]] = []
+    at = 0
+    while at < len(text):
+        rest = text[at:] if at else text
         end = limit if size is len else longest_fitting(rest, limit, size)
         if end >= len(rest):
             break
@@ -210,11 +222,13 @@ def split_text(text: str, limit: int, size: Callable[[str], int] = len) -> list[
             cut = rest.rfind(" ", 0, end)
         if cut < end // 2:
             cut = end
-        parts.append(rest[:cut])
-        rest = rest[cut:].lstrip("\n ") if cut < end else rest[cut:]
-    if rest or not parts:
-        parts.append(rest)
-    return parts
+        spans.append((at, at + cut))
+        # (the line breaks and spaces at a cut go with neither part)
+        after = rest[cut:].lstrip("\n ") if cut < end else rest[cut:]
+        at += len(rest) - len(after)
+    if at < len(text) or not spans:
+        spans.append((at, len(text)))
+    return spans
 
 
 def longest_fitting(text: str, limit: int, size: Callable[[str], int]) -> int:
@@ -805,15 +819,23 @@ class Relay:
             # says nothing either).
             return Done(row, Sent())
         # (a channel whose limit is not in characters says how it measures)
-        parts = split_text(row.text, channel.max_chars, getattr(channel, "text_size", len))
-        # Parts an earlier attempt posted are not posted again (the split is the same).
-        start = min(parts_posted(row), len(parts) - 1)
+        size = getattr(channel, "text_size", len)
+        resume = resume_at(row, lambda: split_spans(row.text, channel.max_chars, size))
+        if isinstance(resume, Uncertain):
+            return Done(row, resume)
+        # Parts an earlier attempt posted are not posted again: the rest of the text is
+        # split again, from where they ended, whatever the split was then.
+        posted, at = resume
+        rest = row.text[at:]
+        spans = split_spans(rest, channel.max_chars, size)
+        count = posted + len(spans)
         external = row.external_id
         async with self._sem:
             # One deadline for the whole delivery, not each part: parts that each took
             # their channel's whole deadline kept the delivery past its send lease.
             began = self.clock.now_ms()
-            for index in range(start, len(parts)):
+            for n, (start, end) in enumerate(spans):
+                index = posted + n
                 left_s = SEND_DEADLINE_S - (self.clock.now_ms() - began) / 1000
                 if left_s <= 0:
                     outcome: SendOutcome = Retry(
@@ -822,10 +844,11 @@ class Relay:
                     )
                 else:
                     # (the attempt's first part: the channel's own deadline, within this)
-                    within_s = left_s if index > start else None
-                    outcome = await self._send_part(channel, row, index, parts[index], within_s)
+                    within_s = left_s if n else None
+                    part = rest[start:end]
+                    outcome = await self._send_part(channel, row, index, part, within_s)
                 if not isinstance(outcome, Sent):
-                    return _part_failed(row, outcome, index, len(parts), external)
+                    return _part_failed(row, outcome, index, count, external, at + start)
                 external = external or outcome.external_id
         return Done(row, Sent(external))
 
@@ -914,11 +937,12 @@ class Relay:
 
 
 def _part_failed(
-    row: Delivery, outcome: SendOutcome, index: int, count: int, external: str | None
+    row: Delivery, outcome: SendOutcome, index: int, count: int, external: str | None, at: int
 ) -> Done:
-    """A delivery of ``count`` parts whose part ``index`` was not (surely) posted: the
-    parts before it were, and are recorded (:data:`outbox.store.PARTS_POSTED`) so that
-    no later attempt, the relay's or an operator's retry, posts them again. Nothing
+    """A delivery of ``count`` parts whose part ``index``, starting at ``at`` in its
+    text, was not (surely) posted: the parts before it were, and are recorded
+    (:data:`outbox.store.PARTS_POSTED`, :data:`outbox.store.NEXT_PART_AT`) so that no
+    later attempt, the relay's or an operator's retry, posts them again. Nothing
     posted yet, the part's outcome stands; otherwise a retry is a retry of the rest, and
     a part that may have been posted, or never will be, leaves the delivery uncertain
     (``deliveryUnknown``: an operator confirms it or retries the rest)."""
@@ -927,8 +951,42 @@ def _part_failed(
     error = f"part {index + 1} of {count}: {getattr(outcome, 'error', '')}"
     said = getattr(outcome, "said", "")
     if isinstance(outcome, Retry):
-        return Done(row, Retry(error, outcome.delay_s, said), index, external)
-    return Done(row, Uncertain(error, said), index, external)
+        return Done(row, Retry(error, outcome.delay_s, said), index, external, at)
+    return Done(row, Uncertain(error, said), index, external, at)
+
+
+def resume_at(
+    row: Delivery, spans: Callable[[], list[tuple[int, int]]]
+) -> tuple[int, int] | Uncertain:
+    """Where ``row``'s next attempt starts: (the parts earlier attempts posted, where in
+    its text the next part starts), by what its address records (``(0, 0)``: nothing).
+
+    A row recorded before the offset was (:data:`outbox.store.PARTS_POSTED` alone) is
+    placed by ``spans``, the split of its whole text as it is now. A record that does
+    not fit the text (hand-edited, a negative count, an offset past the end) is not
+    followed: parts may have been posted, so posting from the start could post them
+    again, and posting from a guess could skip one. The delivery is uncertain then
+    (``deliveryUnknown``), nothing sent, for an operator."""
+    address = row.address if isinstance(row.address, dict) else {}
+    count, at = address.get(PARTS_POSTED), address.get(NEXT_PART_AT)
+    if count is None and at is None:
+        return 0, 0
+    if _whole(count) and at is None:
+        whole = spans()
+        if count == 0 or count < len(whole):
+            return count, whole[count][0]
+    elif _whole(count) and _whole(at) and count > 0 and 0 < at < len(row.text):
+        return count, at
+    return Uncertain(
+        f"the record of the parts posted ({PARTS_POSTED} {count!r:.20}, {NEXT_PART_AT} "
+        f"{at!r:.20}) does not fit the text ({len(row.text)} characters): some parts may "
+        "have been posted; nothing was sent"
+    )
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    """Whether ``value`` (read from JSON) is a count: an int, 0 or more (not a bool)."""
+    return type(value) is int and value >= 0
 
 
 def _count_ended(conn: Conn, given_back: Sequence[AnyRow]) -> None:

@@ -131,16 +131,14 @@ OUTBOX_ACTOR = "system:outbox"
 ReviewNeeded = Callable[[Conn, str, str, str | None], Awaitable[object]]
 
 
-#: The address key recording how many parts of a long text (split by the relay,
-#: :func:`outbox.relay.split_text`) an earlier attempt posted: the next attempt, the
-#: relay's retry or an operator's, starts after them, so none is posted twice.
+#: The address keys recording what of a long text (split by the relay,
+#: :func:`outbox.relay.split_text`) earlier attempts posted: how many parts, and where in
+#: the text the next part starts. The next attempt, the relay's retry or an operator's,
+#: posts the text from there (split again), so no part is posted twice or skipped, even
+#: when the split is not the same any more (a channel's limit changed by an upgrade).
+#: A row recorded before the offset was has the count only (:func:`outbox.relay.resume_at`).
 PARTS_POSTED = "parts_posted"
-
-
-def parts_posted(row: Delivery) -> int:
-    """How many parts of ``row``'s text earlier attempts posted (:data:`PARTS_POSTED`)."""
-    count = row.address.get(PARTS_POSTED) if isinstance(row.address, dict) else None
-    return count if isinstance(count, int) and count > 0 else 0
+NEXT_PART_AT = "next_part_at"
 
 
 class address_kept(FunctionElement[Any]):  # lower case: used like a SQL function

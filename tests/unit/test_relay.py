@@ -750,6 +750,80 @@ async def test_a_later_part_maybe_posted_is_uncertain_and_a_retry_posts_from_it(
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+#: A long text of distinct words, so that a part posted twice, or skipped, shows.
+WORDS = " ".join(f"w{n:04d}" for n in range(60))
+
+
+@pytest.mark.parametrize(("first", "then"), [(100, 1000), (200, 100)])
+async def test_a_retry_posts_the_rest_when_the_split_changed(
+    stack: Stack, first: int, then: int
+) -> None:
+    """Parts posted were recorded as a count of the first attempt's split: a retry under
+    another split (a channel's limit changed by an upgrade) posted again what the count
+    pointed at in the new split (a longer limit: the whole text again; a shorter one:
+    the second half of the first part again). Now the retry posts the text from where
+    the parts posted ended, split again."""
+    small = ScriptedChannel("slack", max_chars=first, script=[Sent("a"), Retry("HTTP 429", 1)])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: WORDS)
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "pending" and row["address"]["parts_posted"] == 1
+    small.max_chars = then
+    fake_clock(stack).advance(60_000)
+    await drain(relay_for(stack))
+    posted = small.texts()[:1] + small.texts()[2:]  # (the second was refused)
+    assert " ".join(posted).split() == WORDS.split()
+    i = dlv["id"]
+    assert keys_sent(small)[:3] == [i, f"{i}.1", f"{i}.1"]
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("posted", "from_part"),
+    [
+        ({"parts_posted": 1}, 1),  # an older row's count, without the offset
+        ({"parts_posted": 0}, 0),
+        ({"parts_posted": 9}, None),  # more parts than the text has
+        ({"parts_posted": -1}, None),
+        ({"parts_posted": "1"}, None),
+        ({"parts_posted": True}, None),
+        ({"parts_posted": 1, "next_part_at": len(WORDS)}, None),  # past the text
+        ({"parts_posted": 1, "next_part_at": -5}, None),
+        ({"parts_posted": 0, "next_part_at": 100}, None),
+        ({"next_part_at": 100}, None),
+    ],
+)
+async def test_a_record_of_parts_posted_that_does_not_fit_is_not_followed(
+    stack: Stack, posted: dict[str, Any], from_part: int | None
+) -> None:
+    """A ``parts_posted`` past the text's parts (hand-edited, or recorded under another
+    split) posted the last part again; a negative or non-numeric one posted the whole
+    text again. Now a record that does not fit the text posts nothing and leaves the
+    delivery deliveryUnknown, for an operator; an older row's count alone is placed by
+    the split as it is now."""
+    small = ScriptedChannel("slack", max_chars=100)
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: WORDS)
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.deliveries.update()
+            .where(t.deliveries.c.id == dlv["id"])
+            .values(address={**dlv["address"], **posted})
+        )
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    if from_part is not None:
+        sent = split_text(WORDS, 100)[from_part:]
+        assert " ".join(small.texts()).split() == " ".join(sent).split()
+        assert row["status"] == "sent"
+        return
+    assert small.calls == []
+    assert row["status"] == "deliveryUnknown"
+    assert "does not fit the text" in row["error"] and "nothing was sent" in row["error"]
+    assert (await item(stack, item_id))["status"] == "approved"
+
+
 async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None:
     """Each part of a long text had its channel's whole send deadline: parts that were
     each slow kept the delivery past its send lease, whose lapse made it deliveryUnknown
