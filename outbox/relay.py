@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeGuard
@@ -109,6 +110,9 @@ _NEVER = 2**62
 CLAIM_RECHECK_MS = 1_000
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 300.0
+#: The longest a platform's Retry-After puts a delivery's next attempt off: one of
+#: "inf" or "1e400" (a hostile platform or proxy) is no time the database can keep.
+RETRY_AFTER_CAP_S = 3600.0
 NO_BINDING_ERROR = "no active binding for the session"
 LEASE_EXPIRED_ERROR = (
     "send lease expired: the relay stopped mid-send; the message may or may not have been posted"
@@ -930,10 +934,12 @@ class Relay:
 
     def backoff_s(self, attempts: int, retry_after: float | None) -> float:
         """Exponential backoff with jitter (half fixed, half random), never sooner than
-        Retry-After."""
+        Retry-After, of which at most :data:`RETRY_AFTER_CAP_S` counts."""
         base = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempts - 1))
         delay = base * (0.5 + 0.5 * self.rand())
-        return float(max(delay, retry_after or 0.0))
+        if retry_after is None or math.isnan(retry_after):
+            return float(delay)
+        return float(max(delay, min(retry_after, RETRY_AFTER_CAP_S)))
 
 
 def _part_failed(

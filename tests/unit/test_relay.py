@@ -522,6 +522,26 @@ async def test_retry_honours_retry_after_and_keeps_the_idempotency_key(
     assert len(channel.calls) == 3
 
 
+@pytest.mark.parametrize("asked_s", [float("inf"), 1e300, 1e12])
+async def test_a_retry_after_past_any_sense_waits_an_hour_and_holds_nothing_up(
+    stack: Stack, asked_s: float
+) -> None:
+    """A Retry-After of "inf" or "1e400" (a hostile platform or proxy: Slack's and
+    Teams' headers are read with ``float``, discord.py's JSON takes ``Infinity``) made
+    the outcome's commit raise (no integer time, or one past the column's): the relay
+    kept the outcome to commit again, raised on every pass, and neither claimed nor took
+    back a lapsed lease again. Now a Retry-After counts for at most an hour."""
+    small = ScriptedChannel("slack", script=[Retry("HTTP 429", asked_s)])
+    stack.channels["slack"] = small
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
+    relay = relay_for(stack, concurrency=1)
+    now = fake_clock(stack).now_ms()
+    await drain(relay)
+    first, second = [await delivery(stack, d["id"]) for d in seeded.deliveries]
+    assert first["status"] == "pending" and second["status"] == "sent"
+    assert first["next_attempt_at"] == now + int(relay_mod.RETRY_AFTER_CAP_S * 1000)
+
+
 async def test_backoff_is_exponential_with_injectable_jitter(stack: Stack) -> None:
     jitter = iter([0.0, 1.0, 0.5, 0.25])
     relay = relay_for(stack, rand=lambda: next(jitter))
