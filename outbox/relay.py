@@ -854,7 +854,57 @@ class Relay:
                 if not isinstance(outcome, Sent):
                     return _part_failed(row, outcome, index, count, external, at + start)
                 external = external or outcome.external_id
+                if n + 1 < len(spans):
+                    after = index + 1, at + spans[n + 1][0]
+                    stop = await self._record_parts(row, *after, external)
+                    if stop is not None:
+                        return _part_failed(row, stop, index + 1, count, external, after[1])
         return Done(row, Sent(external))
+
+    async def _record_parts(
+        self, row: Delivery, posted: int, next_at: int, external: str | None
+    ) -> Retry | Uncertain | None:
+        """Record, before the next part is sent, that ``posted`` parts of ``row``'s
+        text are (the next starting at ``next_at``): a relay that dies, or whose send
+        lease lapses, mid-send leaves the record of what it posted, so an operator's
+        Retry posts the rest only. ``None``: recorded, go on.
+
+        Fenced by the send lease; a lease that lapsed meanwhile (the row taken back as
+        ``deliveryUnknown`` by this attempt's expiry, no other attempt since) still
+        gets the record, but nothing more is sent: the delivery is an operator's now,
+        and a part posted after their Retry would be posted twice. A record that
+        cannot be written (the database) sends nothing more either: a retry, with the
+        record committed with its outcome."""
+        values = {
+            "address": {**row.address, PARTS_POSTED: posted, NEXT_PART_AT: next_at},
+            "external_id": external,
+        }
+        ours = sa.and_(D.lease_token == row.lease_token, D.status == DeliveryStatus.sending.value)
+        lapsed = sa.and_(
+            D.lease_token.is_(None),
+            D.status == DeliveryStatus.deliveryUnknown.value,
+            D.attempts == row.attempts,
+        )
+        try:
+            async with self.db.tx() as conn:
+                found = (
+                    await conn.execute(
+                        t.deliveries.update()
+                        .where(D.id == row.id, sa.or_(ours, lapsed))
+                        .values(values)
+                        .returning(D.status)
+                    )
+                ).first()
+        except Exception as exc:
+            log.warning(
+                "delivery %s: the parts posted could not be recorded: %s",
+                row.id,
+                type(exc).__name__,
+            )
+            return Retry("the parts posted could not be recorded: not sent, on the next attempt")
+        if found is not None and found.status == DeliveryStatus.sending.value:
+            return None
+        return Uncertain("the send lease lapsed mid-send: not sent; an operator's Retry sends it")
 
     async def _send_card(self, row: Delivery) -> SendOutcome:
         """A review card: one message (the adapter cuts it to the platform's limits), or

@@ -844,6 +844,42 @@ async def test_a_record_of_parts_posted_that_does_not_fit_is_not_followed(
     assert (await item(stack, item_id))["status"] == "approved"
 
 
+async def test_a_lease_lapsed_mid_send_keeps_the_parts_posted_and_posts_no_more(
+    stack: Stack,
+) -> None:
+    """A relay whose send lease lapsed between two parts (by another replica's clock) went
+    on posting the rest after the delivery was taken back as deliveryUnknown, and the
+    parts it posted were recorded nowhere: an operator's Retry posted the whole text
+    again. Now each part posted is recorded before the next is sent, the record lands
+    on the row taken back, and nothing more is sent: the Retry posts the rest only."""
+    ahead = FakeClock(fake_clock(stack).now_ms() + SEND_LEASE_MS + 1)
+
+    async def lease_lapses(message: OutboundMessage) -> SendOutcome:
+        # Another replica, its clock ahead, takes the delivery back meanwhile.
+        other = Relay(stack.db, ahead, stack.ids, stack.channels)
+        assert await other.expire_send_leases() == 1
+        return Sent("b")
+
+    small = ScriptedChannel("slack", max_chars=100, script=[Sent("a"), lease_lapses])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: WORDS)
+    await drain(relay_for(stack))
+    assert len(small.calls) == 2
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown"
+    assert (row["address"]["parts_posted"], row["external_id"]) == (2, "a")
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    assert " ".join(small.texts()).split() == WORDS.split()
+    i = dlv["id"]
+    assert keys_sent(small) == [i, f"{i}.1", f"{i}.2", f"{i}.3"]
+    assert (await delivery(stack, i))["external_id"] == "a"
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
 async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None:
     """Each part of a long text had its channel's whole send deadline: parts that were
     each slow kept the delivery past its send lease, whose lapse made it deliveryUnknown
