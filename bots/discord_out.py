@@ -612,6 +612,10 @@ def _map_http_error(exc: discord.HTTPException) -> SendOutcome:
     said = exc.text
     if exc.status == 429:
         return Retry(what, delay_s=_retry_after(exc), said=said)
+    if exc.status == 408:
+        # The request was not read in full in time (by Discord's edge or a proxy on the
+        # way), so not carried out: as Slack's and Teams' channels take it.
+        return Retry(what, delay_s=_retry_after(exc), said=said)
     if exc.status >= 500:
         # An answer from Discord (after discord.py's own retries, all with the same
         # nonce): not created. Retrying later with the same nonce is safe. A body that is

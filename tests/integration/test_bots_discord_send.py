@@ -398,6 +398,19 @@ async def test_server_errors_are_retry_within_the_deadline(
     assert standin.posts == []
 
 
+async def test_a_408_is_a_retry_not_a_failure(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """A 408 (the request not read in full in time, by Discord's edge or a proxy on the
+    way: not carried out) failed the delivery for good, its item with it, as a 400
+    does. Now it is a retry, as Slack's and Teams' 408 are."""
+    standin.set_channel_mode(CHANNEL, "408")
+    outcome = await channel.send(gated())
+    assert isinstance(outcome, Retry), outcome
+    assert outcome.error == "discord: HTTP 408 code 0"
+    assert standin.posts == []
+
+
 async def test_connection_refused_is_retry() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
