@@ -837,10 +837,15 @@ class Relay:
         async with self._sem:
             # One deadline for the whole delivery, not each part: parts that each took
             # their channel's whole deadline kept the delivery past its send lease.
-            began = self.clock.now_ms()
+            # Time spent is summed step by step, a step back of the clock counting as
+            # none: measured from the start, a clock set back mid-send gave the later
+            # parts more than the whole deadline.
+            spent_ms, last = 0, self.clock.now_ms()
             for n, (start, end) in enumerate(spans):
                 index = posted + n
-                left_s = SEND_DEADLINE_S - (self.clock.now_ms() - began) / 1000
+                now = self.clock.now_ms()
+                spent_ms, last = spent_ms + max(0, now - last), now
+                left_s = SEND_DEADLINE_S - spent_ms / 1000
                 if left_s <= 0:
                     outcome: SendOutcome = Retry(
                         f"the delivery's send deadline ({SEND_DEADLINE_S:g} s) ran out: "

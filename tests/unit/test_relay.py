@@ -918,6 +918,25 @@ async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+async def test_a_clock_set_back_mid_send_gives_no_part_more_than_the_deadline(
+    stack: Stack,
+) -> None:
+    """The time a delivery's parts took was the clock's now less its start: a clock set
+    back a minute during the first part gave the next more than the whole send
+    deadline. Now a step back counts as no time spent."""
+    clock = fake_clock(stack)
+
+    def set_back(message: OutboundMessage) -> SendOutcome:
+        clock.advance(-60_000)
+        return Sent("a")
+
+    small = ScriptedChannel("slack", max_chars=100, script=[set_back])
+    stack.channels["slack"] = small
+    await seed_one(stack, text=lambda _: "x" * 250)
+    await drain(relay_for(stack))
+    assert [m.within_s for m in small.calls] == [None, SEND_DEADLINE_S, SEND_DEADLINE_S]
+
+
 def test_split_text_edges() -> None:
     assert split_text("short", 100) == ["short"]
     assert split_text("x" * 250, 100) == ["x" * 100, "x" * 100, "x" * 50]
