@@ -816,7 +816,7 @@ class Relay:
             return Done(row, Permanent(NO_BINDING_ERROR))
         channel = self.channels.get(row.channel)
         if channel is None:
-            return Done(row, Permanent(f"channel {row.channel} is not configured"))
+            return _rest_refused(row, Permanent(f"channel {row.channel} is not configured"))
         if not row.text.strip():
             # Nothing to show: no post (Discord refuses whitespace alone for good, 400
             # 50006, as Slack does with no_text; an email or a Teams message of blanks
@@ -1014,6 +1014,20 @@ def _part_failed(
     if isinstance(outcome, Retry):
         return Done(row, Retry(error, outcome.delay_s, said), index, external, at)
     return Done(row, Uncertain(error, said), index, external, at)
+
+
+def _rest_refused(row: Delivery, outcome: Permanent) -> Done:
+    """``row`` cannot be sent (``outcome``) before any part of this attempt: failed for
+    good, unless an earlier attempt posted some of its parts (:data:`PARTS_POSTED`).
+    Then it is not "never posted": it is ``deliveryUnknown``, as a later part refused
+    for good leaves it (:func:`_part_failed`), so that an operator may Retry the rest
+    once the cause is fixed (the channel configured again), or Confirm it."""
+    posted = row.address.get(PARTS_POSTED) if isinstance(row.address, dict) else None
+    if not posted:
+        return Done(row, outcome)
+    return Done(
+        row, Uncertain(f"after the parts posted ({posted!r:.20}): {outcome.error}", outcome.said)
+    )
 
 
 def resume_at(

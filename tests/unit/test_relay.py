@@ -880,6 +880,35 @@ async def test_a_lease_lapsed_mid_send_keeps_the_parts_posted_and_posts_no_more(
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+async def test_a_text_partly_posted_whose_channel_is_gone_is_left_to_an_operator(
+    stack: Stack,
+) -> None:
+    """A delivery with parts posted whose channel was no longer configured at its retry
+    (a configuration reload) ended failed, its item with it: "never posted", though
+    parts were, and no Retry could post the rest once the channel was back. Now it is
+    deliveryUnknown, and an operator's Retry posts the rest."""
+    small = ScriptedChannel("slack", max_chars=100, script=[Sent("a"), Retry("HTTP 429", 1)])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: WORDS)
+    await drain(relay_for(stack))
+    del stack.channels["slack"]
+    fake_clock(stack).advance(60_000)
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown"
+    assert row["error"] == "after the parts posted (1): channel slack is not configured"
+    assert (await item(stack, item_id))["status"] == "approved"
+    stack.channels["slack"] = small
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    posted = small.texts()[:1] + small.texts()[2:]  # (the second was refused)
+    assert " ".join(posted).split() == WORDS.split()
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
 async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None:
     """Each part of a long text had its channel's whole send deadline: parts that were
     each slow kept the delivery past its send lease, whose lapse made it deliveryUnknown
