@@ -258,8 +258,10 @@ async def tell_not_taken_in(
 
 
 AfterRun = Callable[[Routed | None], Awaitable[None]]
-#: Called with a recorded message whose turn failed (before the failure propagates).
-FailedRun = Callable[[Recorded], Awaitable[None]]
+#: Called with a recorded message whose turn failed, and its error (before the failure
+#: propagates): a database fault (:data:`DATABASE_FAULTS`) left the turn to the
+#: recovery runner, with no failure notice queued.
+FailedRun = Callable[[Recorded, Exception], Awaitable[None]]
 
 
 async def accept(
@@ -274,7 +276,7 @@ async def accept(
 ) -> Recorded | None:
     """Record ``inbound`` (awaited: call before answering the platform), then run its turn
     in the background and hand the result to ``then`` (not called when the turn failed:
-    ``failed`` is, with the recorded message, and the failure is raised on; nor for a
+    ``failed`` is, with the recorded message and the error, and the failure is raised on; nor for a
     rejected message; ``None``: the turn was left to the recovery runner).
 
     ``deadline_s``: the platform's answer deadline minus a margin. When recording takes
@@ -319,9 +321,9 @@ async def _run(
     # that ended normally.
     try:
         routed = await core.run_recorded(recorded)
-    except Exception:
+    except Exception as exc:
         if failed is not None:
-            await failed(recorded)
+            await failed(recorded, exc)
         raise
     if then is not None:
         await then(routed)

@@ -12,7 +12,8 @@ Inbound, two ways:
   the background. A plain turn's reply reaches the user when the outbox edits that
   deferred response; for a gated, busy, silent turn (or a reply of whitespace only) the
   deferred response is deleted, so no "thinking..." state lingers and nothing is
-  visible; so is one left to the recovery runner (its reply, if any, follows up). A
+  visible; so is one left to the recovery runner, at once or when its turn stopped on a
+  database fault (its reply, if any, follows up). A
   message that breaks a message rule, or that no route answers, gets an ephemeral
   answer saying so. A replayed interaction (the same interaction id) is a duplicate:
   it is answered ephemerally and never touches the earlier reply.
@@ -513,11 +514,19 @@ class DiscordAdapter:
             elif not (_shows_text(routed.outcome) and not routed.route.silent):
                 await self.channel.delete_original(ask.application_id, ask.token)
 
-        async def failed(recorded: Recorded) -> None:
+        async def failed(recorded: Recorded, exc: Exception) -> None:
             # A failed turn's notice fills the deferred response, but a silent route
             # posts none: "thinking..." stayed until Discord said the app did not respond.
             if recorded.route.silent:
                 await self.channel.delete_original(ask.application_id, ask.token)
+            elif isinstance(exc, DATABASE_FAULTS):
+                # Stopped on a database fault: no notice could be queued, and the turn is
+                # left to the recovery runner, whose outcome is never seen here (a gated
+                # one kept "thinking..." for good). Ended now, as an /ask left to it at
+                # once; its reply, if any, follows up (or goes to the channel once the
+                # token's 15 minutes are over).
+                await self._sleep(_DEFERRED_SETTLE_S)
+                await self.channel.end_unanswered(ask.application_id, ask.token)
 
         try:
             recorded = await accept(

@@ -20,7 +20,7 @@ from nacl.signing import SigningKey
 from bots import base as bots_base
 from bots import discord as discord_bot
 from leadgate.core.config import DiscordSettings, Settings
-from leadgate.core.errors import ModelError, ValidationError
+from leadgate.core.errors import DatabaseDamaged, ModelError, Unavailable, ValidationError
 from leadgate.core.limits import validate_message
 from leadgate.core.types import (
     BindingKind,
@@ -399,6 +399,41 @@ async def test_a_failed_turn_on_a_silent_route_deletes_the_deferred_response(
             with pytest.raises(ModelError):
                 await core.drain()
     assert [(p["op"], p["token"]) for p in standin.posts] == [("delete_original", "itoken-silent")]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Unavailable("the database is unavailable", rule="service.unavailable"),
+        DatabaseDamaged("the database file is malformed"),
+    ],
+    ids=["unavailable", "damaged"],
+)
+async def test_a_turn_stopped_on_a_database_fault_ends_the_deferred_response(
+    server: TestServer,
+    key: SigningKey,
+    core: FakeCore,
+    standin: DiscordApiStandin,
+    sleeps: list[float],
+    fault: Exception,
+) -> None:
+    """A turn that stops on a database fault queues no failure notice and is left to
+    the recovery runner, whose outcome (a gated one's: nothing) the adapter never sees:
+    its deferred response is ended, as an /ask left to the recovery runner at once, not
+    left "thinking..." for good. A reply the recovered turn gives later follows up."""
+
+    async def faulting(trigger: Trigger) -> Outcome:
+        raise fault
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core, "submit", faulting)
+        assert await post(server, ask_payload(), key) == (200, {"type": 5})
+        with pytest.raises(type(fault)):
+            await core.drain()
+    assert standin.posts == [
+        {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
+    ]
+    assert sleeps == [discord_bot._DEFERRED_SETTLE_S]
 
 
 async def test_no_route_runs_no_turn_and_leaves_nothing(
