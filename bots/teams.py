@@ -7,7 +7,8 @@ verified before the body is read: a request whose ``Authorization`` is not a bea
 audience (our app id) and lifetime on its own (an activity without ``serviceUrl`` and
 ``channelId``: the SDK checks neither then), so a sender without a valid token never gets
 its body parsed. The body is then read and decoded through the one decoding path (413
-over the size limit, 400 for bad JSON), and the SDK checks the token again against the
+over the size limit, 400 for bad JSON), its shape checked (400 ``teams.activity``, see
+:func:`check_activity`), and the SDK checks the token again against the
 parsed activity: its ``serviceurl`` claim must name the activity's ``serviceUrl``, and its
 signing key must be endorsed for the activity's ``channelId``. Then
 a message activity becomes a
@@ -42,7 +43,8 @@ import ssl
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,11 +151,60 @@ def _unauthorized() -> AuthError:
     )
 
 
-def _not_an_activity() -> ValidationError:
+def _not_an_activity(why: str = "an object with a type") -> ValidationError:
     return ValidationError(
-        "the body is not a Bot Framework activity (an object with a type)",
+        f"the body is not a Bot Framework activity ({why})",
         rule="teams.activity",
     )
+
+
+#: String fields an activity may carry, checked when present (msrest turns a number or
+#: a list there into its text: ``{"type": 7}`` was a ``"7"`` activity).
+_STRING_FIELDS = ("id", "text", "replyToId", "name")
+#: The accounts an activity names: objects, whose ``id`` is a string.
+_ACCOUNT_FIELDS = ("from", "recipient", "conversation")
+
+
+def check_activity(body: Mapping[str, Any]) -> None:
+    """Refuse (400 ``teams.activity``) a body that is not shaped as the Bot Framework
+    activity schema says a channel sends one, before the SDK reads it: msrest makes a
+    number, a list or an object in a string field its text, so none of this could be
+    told afterwards. ``type``, ``channelId`` and ``serviceUrl`` (an ``http(s)`` URL,
+    where the replies go) are non-empty strings, ``from`` and ``conversation`` objects
+    with a string ``id`` (the schema's A2010, A2020, A2300, A2060, A2080), and the other
+    fields read here (``recipient`` too) are of their schema's JSON types when present
+    (A2003). An activity
+    of a type leadgate does not know is accepted and ignored (A2014)."""
+    if not _text(body.get("type")):
+        raise _not_an_activity()
+    if not _text(body.get("channelId")):
+        raise _not_an_activity("channelId must be a string")
+    service_url = body.get("serviceUrl")
+    if not isinstance(service_url, str) or not _web_url(service_url):
+        raise _not_an_activity("serviceUrl must be an http or https URL")
+    for field in _STRING_FIELDS:
+        if body.get(field) is not None and not isinstance(body[field], str):
+            raise _not_an_activity(f"{field} must be a string")
+    for field in _ACCOUNT_FIELDS:
+        account = body.get(field)
+        if account is None and field == "recipient":
+            continue  # (only an activity sent to one recipient names it: A2070)
+        if not isinstance(account, dict) or not _text(account.get("id")):
+            raise _not_an_activity(f"{field} must be an object with a string id")
+
+
+def _text(value: Any) -> bool:
+    """Whether ``value`` is a non-empty string."""
+    return isinstance(value, str) and bool(value)
+
+
+def _web_url(value: str) -> bool:
+    """Whether ``value`` is an absolute ``http``/``https`` URL with a host."""
+    try:
+        parts = urllib.parse.urlsplit(value)
+    except ValueError:
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
 
 
 @dataclass(frozen=True)
@@ -1130,12 +1181,11 @@ class TeamsAdapter:
                 rule="teams.content_type",
             )
         body = json_object(await read_body(request), allow_nul=True)
+        check_activity(body)
         try:
             activity = Activity().deserialize(body)
         except Exception:
             raise _not_an_activity() from None
-        if not isinstance(activity.type, str) or not activity.type:
-            raise _not_an_activity()
         # Again with the activity: the token must be the one issued for this serviceUrl
         # and channel (in no-auth mode, the SDK's anonymous identity).
         auth_result = await self._authenticate(activity, auth_header)

@@ -292,6 +292,64 @@ async def test_malformed_requests(open_bot: Server) -> None:
     assert open_bot.core.triggers == []
 
 
+def _reshaped(**fields: Any) -> dict[str, Any]:
+    """A message activity with ``fields`` replaced (``None``: left out)."""
+    activity = message_activity(service_url=SERVICE_URL, text="hello")
+    for key, value in fields.items():
+        if value is None:
+            activity.pop(key)
+        else:
+            activity[key] = value
+    return activity
+
+
+@pytest.mark.parametrize(
+    "activity",
+    [
+        {"type": 7},
+        _reshaped(type=7),
+        _reshaped(type=["message"]),
+        _reshaped(text=5),
+        _reshaped(id=12),
+        _reshaped(serviceUrl=None),
+        _reshaped(serviceUrl=7),
+        _reshaped(serviceUrl="ftp://127.0.0.1/"),
+        _reshaped(serviceUrl="not a url"),
+        _reshaped(channelId=None),
+        _reshaped(channelId=["msteams"]),
+        _reshaped(**{"from": None}),
+        _reshaped(**{"from": {"id": 29}}),
+        _reshaped(conversation=None),
+        _reshaped(conversation={"id": 7}),
+        _reshaped(conversation={"id": {"a": 1}}),
+        _reshaped(recipient={"id": 28}),
+        _reshaped(replyToId=1),
+    ],
+)
+async def test_an_activity_of_the_wrong_shape_is_400(
+    open_bot: Server, activity: dict[str, Any]
+) -> None:
+    """msrest turns a number, list or object in a string field into its text, so the
+    shape is checked before the SDK sees it: ``{"type": 7}`` was a ``"7"`` activity
+    answered 202, ``{"conversation": {"id": 7}}`` a turn in conversation ``"7"``, and a
+    message without ``serviceUrl`` ran a turn whose reply had nowhere to go."""
+    status, body = await post_activity(open_bot.url, activity)
+    assert status == 400, (activity, body)
+    assert json.loads(body)["error"]["rule"] == "teams.activity"
+    await open_bot.core.drain()
+    assert open_bot.core.lookups == [] and open_bot.core.triggers == []
+
+
+async def test_an_activity_of_a_type_leadgate_does_not_know_is_ignored(open_bot: Server) -> None:
+    """The schema asks a bot to ignore a type it does not understand (A2014): 202, no
+    turn. Without a recipient (only an activity sent to one recipient names it) a
+    message is taken in."""
+    assert (await post_activity(open_bot.url, _reshaped(type="somethingNew")))[0] == 202
+    assert (await post_activity(open_bot.url, _reshaped(recipient=None)))[0] == 202
+    await open_bot.core.drain()
+    assert len(open_bot.core.triggers) == 1
+
+
 async def test_no_auth_mode_warns_at_startup(caplog: pytest.LogCaptureFixture) -> None:
     core = FakeCore(_route_all)
     with caplog.at_level(logging.WARNING, logger="bots.teams"):
