@@ -235,13 +235,19 @@ async def catch_up_until_done(
 
 
 async def tell_not_taken_in(
-    channel: Channel, inbound: Inbound, exc: Unavailable | DatabaseDamaged, *, key: str
+    channel: Channel,
+    inbound: Inbound,
+    exc: Unavailable | DatabaseDamaged,
+    *,
+    key: str,
+    within_s: float | None = None,
 ) -> SendOutcome:
     """Post :func:`not_taken_in` to ``inbound``'s conversation (a reply to it, where the
     channel replies), straight through ``channel``: not through the outbox, since the
     database is what failed. ``key`` (e.g. the platform's message id) makes a repeat the
-    same post where the platform de-duplicates. The send's outcome (``Sent``: posted;
-    ``Uncertain``: it may have been)."""
+    same post where the platform de-duplicates; ``within_s`` bounds the send below the
+    channel's own bound (what is left of the platform's wait). The send's outcome
+    (``Sent``: posted; ``Uncertain``: it may have been)."""
     outcome = await channel.send(
         OutboundMessage(
             delivery_id=key,
@@ -249,6 +255,7 @@ async def tell_not_taken_in(
             address=dict(inbound.address),
             text=not_taken_in(exc),
             kind="notice",
+            within_s=within_s,
         )
     )
     if not isinstance(outcome, Sent):

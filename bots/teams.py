@@ -125,11 +125,13 @@ log = logging.getLogger(__name__)
 CHANNEL = "teams"
 #: Teams waits 15 s for the answer to an activity; recording ends well before.
 RECORD_DEADLINE_S = 10.0
-#: How long the reply telling a person their message was not taken in may take, all of
-#: it (Teams waits 15 s for the answer to the activity, recording may have taken 10)...
+#: The reply telling a person their message was not taken in ends within
+#: RECORD_DEADLINE_S + this of the activity's arrival (Teams waits 15 s for the answer):
+#: all that recording left of it, this much at least...
 REPLY_DEADLINE_S = 3.0
 #: ...of which its request and answer get this once it is being written (the rest: a
-#: free send thread, the access token, the connection).
+#: free send thread, the access token, whose fetch started as the activity came, and
+#: the connection).
 REPLY_TIMEOUT_S = 1.5
 #: The threads Teams sends (and the access token's requests) run on, at most.
 SEND_THREADS = 16
@@ -308,7 +310,7 @@ class TeamsBot(Bot):  # type: ignore[misc]
     """Turns message activities into triggers; never posts a turn's text itself.
     ``notices`` posts the one reply of its own (the "not taken in" notice)."""
 
-    def __init__(self, core: Core, notices: Channel) -> None:
+    def __init__(self, core: Core, notices: TeamsChannel) -> None:
         self._core = core
         self._notices = notices
 
@@ -318,10 +320,17 @@ class TeamsBot(Bot):  # type: ignore[misc]
         When the database cannot take the message in, its author is told in a reply and
         the channel gets its 202: nothing documents that Teams sends a message again
         after a 5xx (the person saw a message that was simply never answered). Only when
-        that reply is not known to be posted is the fault passed on (503)."""
+        that reply is not known to be posted is the fault passed on (503). The reply
+        has what recording left of Teams' wait, and its access token is fetched (when
+        none is held) while the message is recorded: a fetch begun only once recording
+        failed had the reply's 1.5 s before its request (the reply of a turn needs the
+        token all the same)."""
         inbound = parse_message(context.activity)
         if inbound is None:
             return
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        self._notices.fetch_token_ahead(context)
         try:
             await accept(
                 self._core,
@@ -335,8 +344,13 @@ class TeamsBot(Bot):  # type: ignore[misc]
             # connection, their outcomes), within REPLY_DEADLINE_S: the SDK's own
             # post (context.send_activity) went out on the loop's default executor,
             # whose thread a Connector that never answered held for msrest's timeout.
+            left_s = RECORD_DEADLINE_S + REPLY_DEADLINE_S - (loop.time() - arrived)
             outcome = await tell_not_taken_in(
-                self._notices, inbound, exc, key=inbound.external_event_id
+                self._notices,
+                inbound,
+                exc,
+                key=inbound.external_event_id,
+                within_s=max(left_s, REPLY_DEADLINE_S),
             )
             if not isinstance(outcome, Sent):
                 raise exc from None
@@ -828,6 +842,16 @@ class TeamsChannel:
         self._tokens = self.tokens
         self._pool = self.tokens.pool
 
+    def fetch_token_ahead(self, context: TurnContext) -> None:
+        """Start fetching the access token the Connector's calls for ``context`` (an
+        inbound activity being handled) carry, when none is held, without waiting
+        (:meth:`ConnectorTokens.fetch_ahead`; no app id: there is none)."""
+        client = context.turn_state.get(self._adapter.BOT_CONNECTOR_CLIENT_KEY)
+        config = getattr(client, "config", None)
+        source = TokenSource.of(getattr(config, "credentials", None))
+        if source is not None:
+            self._tokens.fetch_ahead(source)
+
     async def send(self, message: OutboundMessage) -> SendOutcome:
         """Post ``message.text`` (or, ``message.card`` set, a review card as an
         Adaptive Card) to the bound conversation; never raises for SDK errors."""
@@ -1114,12 +1138,13 @@ class TeamsAdapter:
             tokens=tokens,
         )
         self.channel: Channel = self.teams_channel
-        # The "not taken in" notice, sent as the channel's sends are, on shorter bounds.
+        # The "not taken in" notice, sent as the channel's sends are, on shorter bounds
+        # (each notice's: what recording left of Teams' wait, TeamsBot.on_turn).
         notices = TeamsChannel(
             self.cloud_adapter,
             settings.app_id,
             timeout_s=REPLY_TIMEOUT_S,
-            deadline_s=REPLY_DEADLINE_S,
+            deadline_s=RECORD_DEADLINE_S + REPLY_DEADLINE_S,
             tokens=tokens,
         )
         self.bot: Bot = TeamsBot(core, notices)

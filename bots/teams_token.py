@@ -109,6 +109,19 @@ class ConnectorTokens:
         held = self.held(source)
         if held is not None:
             return held
+        # One send giving up (its deadline) does not end the fetch the others wait for.
+        return await asyncio.shield(self._fetch_shared(source))
+
+    def fetch_ahead(self, source: TokenSource) -> None:
+        """Start the fetch :meth:`token` would wait for, when no fresh token is held, and
+        return at once: a send that may come with a short bound (the "not taken in"
+        notice) then finds it held, or under way since. A failed fetch is only
+        forgotten (the next :meth:`token` asks again)."""
+        if self.held(source) is None:
+            self._fetch_shared(source)
+
+    def _fetch_shared(self, source: TokenSource) -> asyncio.Future[str]:
+        """The fetch of ``source``'s token under way, or a new one."""
         fetching = self._fetching.get(source)
         if fetching is None:
             fetching = asyncio.ensure_future(self._fetch(source))
@@ -121,8 +134,7 @@ class ConnectorTokens:
                     future.exception()  # (read: every waiter may have given up)
 
             fetching.add_done_callback(done)
-        # One send giving up (its deadline) does not end the fetch the others wait for.
-        return await asyncio.shield(fetching)
+        return fetching
 
     def drop(self, source: TokenSource, token: str) -> None:
         """Forget ``token`` (the Connector refused it), unless a newer one is held."""

@@ -470,6 +470,12 @@ async def _signed_bot(
     # The SDK caches metadata per URL for a day: a later test on the same port must not
     # be handed this test's key.
     monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
+    # A message taken in starts the Connector's access token's fetch (its reply needs
+    # it): msal's request to Microsoft's login goes to a port nobody listens on.
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     core = FakeCore(_route_all)
     settings = TeamsSettings(app_id=APP_ID, app_password="secret")
     try:
