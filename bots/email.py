@@ -10,7 +10,8 @@ thread and loop). Authenticity is the route's sender allow-list:
 * ``DATA``: the ``From:`` header, the address a reply goes to, must be allowed as well,
   by each recipient's route: a recipient whose route does not allow it gets no part of
   the mail (a WARNING naming it and the rule ``email.sender`` when another part was
-  taken, ``550 5.7.1`` when none was); the message must be at most 1 MB (``552``) and
+  taken, ``550 5.7.1`` when none was); the message must be at most 1 MiB (``552 5.3.4``
+  naming ``email.too_large``, also at ``MAIL FROM`` for a larger declared ``SIZE``) and
   have a non-empty text body after quoted text is removed (``550 5.6.0``).
 
 A recipient ``<local>+<token>@<domain>`` of ``[email] review_reply_address`` is a reply
@@ -37,7 +38,7 @@ import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, AnyStr
 
 from aiohttp import web
 from aiosmtpd.smtp import SMTP, Envelope, Session
@@ -93,6 +94,8 @@ RECIPIENTS_RULE = "email.recipients"
 PARTS_RULE = "email.parts"
 PARSE_RULE = "email.parse"
 BODY_RULE = "email.body"
+TOO_LARGE_RULE = "email.too_large"
+_TOO_LARGE = f"552 5.3.4 Message too big: at most {MAX_MESSAGE_BYTES} bytes ({TOO_LARGE_RULE})"
 
 
 # ----------------------------------------------------------------------------- inbound
@@ -194,7 +197,7 @@ class EmailHandler:
                 else envelope.content or b""
             )
         if len(raw) > MAX_MESSAGE_BYTES:  # aiosmtpd's data_size_limit answers first
-            return "552 5.3.4 Message too big"
+            return _TOO_LARGE
         envelope_sender = _envelope_sender(envelope)
         try:
             # Up to a megabyte of MIME, parsed in pure Python: off the event loop, so one
@@ -367,6 +370,11 @@ MAX_RECIPIENTS = 100
 # ----------------------------------------------------------------------------- adapter
 
 
+#: How aiosmtpd words its refusals of a mail over ``data_size_limit`` (``552 Error:
+#: message size exceeds fixed maximum message size``, ``552 Error: Too much mail data``).
+_LIBRARY_TOO_LARGE = "552 Error:"
+
+
 class _CountedSMTP(SMTP):
     """aiosmtpd's session protocol, counted in its adapter's ``open_sessions`` from its
     creation until its connection is lost (``[email] max_connections``).
@@ -388,6 +396,15 @@ class _CountedSMTP(SMTP):
             self._counted = False
             self._adapter.open_sessions -= 1
         super().connection_lost(error)
+
+    async def push(self, status: AnyStr) -> None:
+        """Send ``status``; aiosmtpd's own refusal of a mail over ``data_size_limit``
+        (at ``MAIL FROM`` for a declared ``SIZE``, or after ``DATA``, whose lines past
+        the limit it reads and drops, keeping none) is our rule-named one instead."""
+        if isinstance(status, str) and status.startswith(_LIBRARY_TOO_LARGE):
+            await super().push(_TOO_LARGE)
+            return
+        await super().push(status)
 
 
 class _TooManySessions(asyncio.Protocol):

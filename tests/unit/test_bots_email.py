@@ -479,10 +479,51 @@ async def test_a_recipient_whose_route_refuses_the_from_is_logged_when_the_mail_
         assert len([r for r in caplog.records if r.name == "bots.email"]) == 1
 
 
-async def test_oversize_message_is_552(listener: Listener) -> None:
-    with pytest.raises(aiosmtplib.SMTPResponseException) as info:
+TOO_LARGE = "5.3.4 Message too big: at most 1048576 bytes (email.too_large)"
+
+
+async def test_oversize_message_is_552_naming_the_rule(listener: Listener) -> None:
+    """A mail over 1 MiB sent without a declared ``SIZE`` was refused after its data
+    by aiosmtpd's own ``552 Error: Too much mail data``, naming no rule, unlike every
+    other refusal of the listener's. The session goes on: its next mail is taken."""
+    client = aiosmtplib.SMTP(hostname="127.0.0.1", port=listener.port, timeout=10)
+    big = _mail("x" * 70 + ("\n" + "y" * 70) * 16_000).as_bytes()
+    async with client:
+        await client.ehlo()
+        await client.mail(ALICE)  # (no SIZE: aiosmtplib.send declares it)
+        await client.rcpt(BOT)
+        with pytest.raises(aiosmtplib.SMTPDataError) as info:
+            await client.data(big)
+        assert (info.value.code, info.value.message) == (552, TOO_LARGE)
+        await listener.core.drain()
+        assert listener.core.triggers == []
+        await client.mail(ALICE)
+        await client.rcpt(BOT)
+        assert (await client.data(_mail("small").as_bytes())).code == 250
+    await listener.core.drain()
+    assert len(listener.core.triggers) == 1
+
+
+async def test_a_declared_size_over_the_limit_is_552_naming_the_rule(
+    listener: Listener,
+) -> None:
+    """A sender that declares the mail's ``SIZE`` at ``MAIL FROM`` (the listener
+    advertises its limit in EHLO) is refused there, before any data, with the same
+    rule-named reply (aiosmtpd's own said "552 Error: message size exceeds fixed
+    maximum message size")."""
+    client = aiosmtplib.SMTP(hostname="127.0.0.1", port=listener.port, timeout=10)
+    async with client:
+        await client.ehlo()
+        assert client.supports_extension("size")
+        with pytest.raises(aiosmtplib.SMTPSenderRefused) as info:
+            await client.mail(ALICE, options=["SIZE=1048577"])
+        assert (info.value.code, info.value.message) == (552, TOO_LARGE)
+        # At the limit it is taken.
+        assert (await client.mail(ALICE, options=["SIZE=1048576"])).code == 250
+    # aiosmtplib.send declares the size of what it sends: refused at MAIL FROM.
+    with pytest.raises(aiosmtplib.SMTPSenderRefused) as sent:
         await listener.send(_mail("x" * 70 + ("\n" + "y" * 70) * 16_000))
-    assert info.value.code == 552
+    assert (sent.value.code, sent.value.message) == (552, TOO_LARGE)
     await listener.core.drain()
     assert listener.core.triggers == []
 
