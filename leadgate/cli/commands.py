@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from binding import routes
+from leadgate.cli.output import say
 from leadgate.cli.review_commands import REVIEW_COMMANDS
 from leadgate.core.auth import Principal
 from leadgate.core.config import Settings
@@ -149,7 +150,7 @@ def interruptible() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         if sys.stdin.isatty():  # the error's line below the prompt, not after it
-            print(file=sys.stderr)
+            say()
         raise
     finally:
         if previous is not None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
 from leadgate.cli.doubt import IN_DOUBT_EXIT, WRITE_IN_DOUBT_RULE, MintedIds, write_in_doubt
-from leadgate.cli.output import one_line, render
+from leadgate.cli.output import one_line, render, say
 from leadgate.cli.parser import build_parser
 from leadgate.cli.ports import check_ports
 from leadgate.core.clock import RandomIds, SystemClock
@@ -250,12 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         # Said, not left to the shell's "^C": a write the command was making may have
         # landed just before (its result was never printed).
         with contextlib.suppress(OSError):
-            print(
+            say(
                 one_line(
                     f"leadgate: error: {INTERRUPTED} ({where(choice, settings)}) "
                     f"[{INTERRUPTED_RULE}]"
-                ),
-                file=sys.stderr,
+                )
             )
         return INTERRUPTED_EXIT
     except Exception as exc:
@@ -285,11 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         # stderr is the service's log for `serve`: a database error's text (PostgreSQL's
         # DETAIL, a trigger's message) quotes the statement's values, so it is named by
         # its types and codes (error_text) as a logged traceback names it.
-        print(
+        say(
             one_line(
                 f"leadgate: error: {error_text(exc)} ({where(choice, settings)}) [{INTERNAL_RULE}]"
-            ),
-            file=sys.stderr,
+            )
         )
         return 1
 
@@ -315,10 +313,7 @@ def _refused(
         # Which of a refused connection, a host that does not resolve or a timeout it
         # was, in the words a log line may carry (a database error's types and codes).
         message = f"{message} ({error_text(cause)})"
-    print(
-        one_line(f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]"),
-        file=sys.stderr,
-    )
+    say(one_line(f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]"))
     return IN_DOUBT_EXIT if exc.rule == WRITE_IN_DOUBT_RULE else 2
 
 
@@ -335,10 +330,7 @@ def _emit(text: str) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         with contextlib.suppress(OSError):
-            print(
-                "leadgate: the command completed; its output was not all read (broken pipe)",
-                file=sys.stderr,
-            )
+            say("leadgate: the command completed; its output was not all read (broken pipe)")
         return _reader_gone()
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 #: Columns of ``--format table`` for list results, by command.
@@ -30,6 +31,14 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
 }
 CELL_MAX = 60
+
+
+def say(line: str = "") -> None:
+    """Print ``line`` on standard error, or nowhere when it is closed (``2>&-``): Python
+    then has no ``sys.stderr``, and ``print(file=None)`` prints on standard output, where
+    an error line was mixed into the data a script parses (the exit code still tells)."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr)
 
 
 def _cell(value: Any, limit: int | None = CELL_MAX) -> str:

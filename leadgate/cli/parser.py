@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from leadgate.cli.review_parser import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
 from leadgate.core.errors import ValidationError
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 DESCRIPTION = """leadgate: serve, the admin commands and the operator commands (JSON on stdout,
 or --format table; errors on stderr).
@@ -38,8 +41,20 @@ class Parser(argparse.ArgumentParser):
     parsers are of this class too (argparse builds them with the parent's class)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
+        if sys.stderr is not None:  # closed (2>&-): argparse prints the usage on stdout
+            self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message} [{USAGE_RULE}]\n")
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        """argparse's, but a reader gone (``--help | head -0``) raises
+        :class:`BrokenPipeError`, which ``leadgate`` turns into exit 141 as for any
+        output: argparse drops an error writing its help, and unbuffered
+        (``PYTHONUNBUFFERED=1``) the help was lost with exit 0."""
+        out = sys.stdout if file is None else file
+        if out is None:  # stdout closed (>&-): argparse's way, the help on stderr
+            super().print_help(file)
+            return
+        out.write(self.format_help())
 
 
 class _Version(argparse.Action):

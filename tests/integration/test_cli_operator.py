@@ -286,6 +286,39 @@ def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceba
     assert rows(world, "SELECT count(*) FROM api_keys") == [(keys,)]
 
 
+def test_errors_with_standard_error_closed_never_land_on_standard_output(
+    world: dict[str, Any],
+) -> None:
+    # `leadgate ... 2>&-`: Python has no sys.stderr then, and print(file=None) printed
+    # the error line on stdout, among the data a script parses. The exit code tells.
+    closed = ("sh", "-c", 'exec "$0" "$@" 2>&-', *LEADGATE)
+    missing, usage = par(
+        world["root"],
+        ((*closed, "key", "list", "--org", "nosuch"), {"runner": []}),
+        ((*closed, "key", "list"), {"runner": []}),
+    )
+    assert (missing.code, missing.out, missing.err) == (2, "", ""), missing
+    assert (usage.code, usage.out, usage.err) == (2, "", ""), usage
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_help_to_a_reader_gone_is_141_and_silent(unbuffered: str) -> None:
+    # `leadgate user create --help | head -0`: argparse drops an error writing its help,
+    # so unbuffered (PYTHONUNBUFFERED=1, as container images set) it was exit 0 with the
+    # help lost; buffered, the flush after it said 141 already.
+    for args in (["--help"], ["user", "create", "--help"]):
+        proc = subprocess.Popen(
+            [*LEADGATE, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**_env(), "PYTHONUNBUFFERED": unbuffered},
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the child, still starting, prints
+        err = proc.stderr.read().decode()
+        assert (proc.wait(timeout=TIMEOUT), err) == (141, ""), args
+
+
 # --------------------------------------------------------------- users and passwords
 
 
