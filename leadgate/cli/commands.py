@@ -157,6 +157,15 @@ def interruptible() -> Iterator[None]:
             signal.signal(signal.SIGINT, previous)
 
 
+#: Printed on stderr when ``--password`` is used (never the password itself).
+PASSWORD_FLAG_WARNING = (
+    "leadgate: warning: --password shows the password to every user of this machine "
+    "(ps) and leaves it in your shell history; leave it out (user update: "
+    "--reset-password) to type it at the prompt, or to pass it on the first line of "
+    "standard input or in $LEADGATE_PASSWORD"
+)
+
+
 def _typed_password(given: str) -> str:
     """``--password``'s value, refused when empty (``--password ""``): an empty value
     fell through to ``$LEADGATE_PASSWORD``, the prompt or standard input, so the user
@@ -168,6 +177,9 @@ def _typed_password(given: str) -> str:
             "--password out to be asked for it or to read $LEADGATE_PASSWORD or standard input",
             rule="user.password",
         )
+    # Kept for the scripts that pass it; a password on the command line is readable by
+    # every user of the machine (ps) and stays in the shell's history.
+    say(PASSWORD_FLAG_WARNING)
     return given
 
 

@@ -155,8 +155,9 @@ def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
     uc.add_argument("--name", help="display name shown in the console's audit trail")
     uc.add_argument(
         "--password",
-        help="default: $LEADGATE_PASSWORD, else asked without echo on a terminal, "
-        "else the first line of standard input",
+        help="shown in ps and kept in shell history (a warning says so): leave it out to "
+        "read $LEADGATE_PASSWORD, else to be asked without echo on a terminal, else the "
+        "first line of standard input",
     )
     user("list", "list the organization's console users").add_argument("--org", required=True)
     uu = user(
@@ -169,7 +170,11 @@ def _orgs_keys_users(sub: Sub[argparse.ArgumentParser]) -> None:
     uu.add_argument("--role", type=_role, metavar="{" + ",".join(r.value for r in Role) + "}")
     uu.add_argument("--name", help="display name shown in the console's audit trail")
     password = uu.add_mutually_exclusive_group()
-    password.add_argument("--password", help="a new password (ends the user's sessions)")
+    password.add_argument(
+        "--password",
+        help="a new password (ends the user's sessions); shown in ps and kept in shell "
+        "history: --reset-password reads it instead",
+    )
     password.add_argument(
         "--reset-password",
         action="store_true",

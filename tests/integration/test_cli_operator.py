@@ -371,6 +371,31 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
     assert count == 2
 
 
+def test_a_password_on_the_command_line_is_warned_about_never_echoed(
+    world: dict[str, Any],
+) -> None:
+    # --password is kept for the scripts that pass it, but shows the password in `ps`
+    # and the shell's history: said on stderr, with the ways that do not.
+    secret = "s3cret-on-the-command-line"
+    acme = ("--org", "acme")
+    made, updated, piped = batch(
+        world["root"],
+        ("user", "create", *acme, "--email", "flag@example.com", "--role", "member",
+         "--password", secret),
+        ("user", "update", *acme, "flag@example.com", "--password", secret + "2"),
+        ("user", "create", *acme, "--email", "env@example.com", "--role", "member"),
+    )  # fmt: skip
+    assert made.json()["email"] == "flag@example.com"
+    assert updated.json()["email"] == "flag@example.com"
+    for run in (made, updated):
+        assert "warning: --password shows the password" in run.err, run
+        assert "$LEADGATE_PASSWORD" in run.err and "standard input" in run.err, run
+        assert secret not in run.err + run.out, run
+    # Without the flag (here: no line on standard input): no warning.
+    piped.rule_error("user.password")
+    assert "warning" not in piped.err, piped
+
+
 @contextlib.contextmanager
 def on_a_terminal(world: dict[str, Any], *args: str) -> Iterator[tuple[int, bytearray]]:
     """``leadgate args...`` in a child whose controlling terminal is a new pty (TERM=dumb),
