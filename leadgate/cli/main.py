@@ -144,7 +144,7 @@ async def _serve(settings: Settings, role: str) -> None:
         )
         await metrics_site.start()
         host, mport = metrics_runner.addresses[0][:2]
-        print(json.dumps({"metrics": f"http://{host}:{mport}/metrics"}), flush=True)
+        _announce({"metrics": f"http://{host}:{mport}/metrics"})
     # Everything built so far (modules, the app) lives as long as the process: keep it out
     # of later garbage collections, whose full passes over it took hundreds of ms each.
     gc.freeze()
@@ -157,9 +157,7 @@ async def _serve(settings: Settings, role: str) -> None:
         max_connections,
         open_files,
     )
-    print(
-        json.dumps({"listening": f"http://{settings.server.host}:{port}", "role": role}), flush=True
-    )
+    _announce({"listening": f"http://{settings.server.host}:{port}", "role": role})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,6 +169,18 @@ async def _serve(settings: Settings, role: str) -> None:
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await runner.cleanup()
+
+
+def _announce(line: dict[str, str]) -> None:
+    """One of ``serve``'s lines on stdout (where it listens). A reader that went away
+    (``serve | head -1``) does not stop the service, which is serving already: a WARNING
+    says so, and stdout points at /dev/null from then on. It stopped with tracebacks,
+    "[service.unavailable] nothing was stored", and exit 1 or 120."""
+    try:
+        print(json.dumps(line), flush=True)
+    except BrokenPipeError:
+        _reader_gone()
+        log.warning("standard output's reader went away; serving on, printing nothing more")
 
 
 #: Arguments that name files: any bytes the file system takes are fine there.

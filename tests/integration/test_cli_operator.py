@@ -19,12 +19,14 @@ import pty
 import re
 import select
 import shutil
+import signal
 import socket
 import sqlite3
 import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +46,7 @@ from tests.helpers import api_trigger, make_agent, make_org, session_item
 from tests.integration.test_cli import LEADGATE, TIMEOUT, Run, _env, write_config
 from tests.integration.test_operator_api import TimeoutChannel
 from tests.review_support import add_destination
-from tests.service_proc import cli_batch
+from tests.service_proc import cli_batch, free_port
 
 ME = getpass.getuser()
 
@@ -261,6 +263,44 @@ def test_a_reader_that_goes_away_is_a_broken_pipe_not_a_failure(world: dict[str,
     assert proc.wait(timeout=TIMEOUT) == 141, err
     assert "the command completed" in err and "broken pipe" in err
     assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_serve_goes_on_serving_when_its_output_reader_goes_away(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    # `leadgate serve | head -1` (with [server] metrics_host, the metrics line is the
+    # first): the listening line's print met a broken pipe, and the service, listening
+    # already, stopped with tracebacks and "[service.unavailable] nothing was stored".
+    port = free_port()
+    config = write_config(tmp_path / "serve.toml", world["db"])
+    config.write_text(config.read_text().replace("port = 0", f"port = {port}"))
+    proc = subprocess.Popen(
+        [*LEADGATE, "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the child, still starting, prints
+        seen = []
+        for raw in proc.stderr:  # until the warning, or the end of a service that stopped
+            seen.append(raw.decode())
+            if "reader went away; serving on" in seen[-1]:
+                break
+        else:
+            raise AssertionError("".join(seen))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=TIMEOUT) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        err = "".join(seen) + proc.stderr.read().decode()
+        assert proc.wait(timeout=TIMEOUT) == 0, err
+        assert "Traceback" not in err and "Exception ignored" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT)
 
 
 def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceback(
