@@ -209,7 +209,34 @@ def check_text_arguments(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
-    raw = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        # Ctrl-C while the command starts (its arguments parsed, its configuration's
+        # modules loaded), before it knows its configuration: a traceback until now.
+        if not _by_ctrl_c(exc):
+            raise
+        return _interrupted(None, None)
+
+
+def _by_ctrl_c(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ctrl-C, or an error it caused: pydantic reports one met while
+    it builds a model class (a module being loaded) as a ``RuntimeError`` from it."""
+    return isinstance(exc, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt)
+
+
+def _interrupted(choice: ConfigChoice | None, settings: Settings | None) -> int:
+    """:data:`INTERRUPTED_EXIT`, with one line on stderr."""
+    # Said, not left to the shell's "^C": a write the command was making may have
+    # landed just before (its result was never printed).
+    using = "" if choice is None else f" ({where(choice, settings)})"
+    with contextlib.suppress(OSError):
+        say(one_line(f"leadgate: error: {INTERRUPTED}{using} [{INTERRUPTED_RULE}]"))
+    return INTERRUPTED_EXIT
+
+
+def _main(raw: list[str]) -> int:
+    """:func:`main` for the arguments ``raw``."""
     epilog = help_epilog(raw) if {"-h", "--help"} & set(raw) else ""
     try:
         args = build_parser(epilog).parse_args(raw)
@@ -257,17 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             exc = when_reading(exc)
         return _refused(exc, choice, settings)
     except KeyboardInterrupt:
-        # Said, not left to the shell's "^C": a write the command was making may have
-        # landed just before (its result was never printed).
-        with contextlib.suppress(OSError):
-            say(
-                one_line(
-                    f"leadgate: error: {INTERRUPTED} ({where(choice, settings)}) "
-                    f"[{INTERRUPTED_RULE}]"
-                )
-            )
-        return INTERRUPTED_EXIT
+        return _interrupted(choice, settings)
     except Exception as exc:
+        if _by_ctrl_c(exc):
+            return _interrupted(choice, settings)
         from leadgate.database.db import damaged_file
         from leadgate.database.faults import login_refused, unavailable
 

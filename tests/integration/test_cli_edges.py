@@ -5,7 +5,9 @@ match key, a misspelt agent filter, agent names in another case, the table forma
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -171,3 +173,41 @@ def test_an_error_quoting_a_line_break_or_an_escape_stays_one_inert_line(cli: Cl
     err = cli.rule("workItem.not_found", "review", "show", "--org", "demo", "wi_1\nb\x1b[2J")
     assert err.count("\n") == 1 and "\x1b" not in err, err
     assert "no work item wi_1\\nb\\x1b[2J (config: " in err, err
+
+
+def _raising(raised: BaseException) -> Callable[..., NoReturn]:
+    """A stand-in for a step of the command that meets ``raised`` (a real Ctrl-C at
+    that step cannot be timed in a test)."""
+
+    def interrupted(*_: object) -> NoReturn:
+        raise raised
+
+    return interrupted
+
+
+@pytest.mark.parametrize(
+    ("step", "by_pydantic"),
+    [("discover", False), ("discover", True), ("check_text_arguments", True)],
+)
+def test_ctrl_c_while_the_command_starts_is_one_line_and_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], step: str, by_pydantic: bool
+) -> None:
+    # Ctrl-C before the command knew its configuration (discover, and loading the
+    # configuration's modules, ran outside the handler) was a KeyboardInterrupt
+    # traceback; met while pydantic builds a model class, which says RuntimeError "Error
+    # calling __set_name__" from it, a traceback too, or exit 1 `[internal]`.
+    raised: BaseException = KeyboardInterrupt()
+    if by_pydantic:
+        raised = RuntimeError("Error calling __set_name__ on 'PydanticDescriptorProxy'")
+        raised.__cause__ = KeyboardInterrupt()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(f"leadgate.cli.main.{step}", _raising(raised))
+        try:
+            code: int | None = main(["--config", str(tmp_path / "none.toml"), "org", "list"])
+        except (KeyboardInterrupt, RuntimeError) as exc:
+            code = None
+            print(repr(exc))
+    out, err = capsys.readouterr()
+    assert (code, out) == (130, ""), (out, err)
+    assert err.startswith("leadgate: error: interrupted (Ctrl-C)"), err
+    assert err.rstrip().endswith("[cli.interrupted]") and err.count("\n") == 1, err
