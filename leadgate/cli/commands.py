@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
+import io
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from binding import routes
 from leadgate.cli.output import say
@@ -112,7 +113,7 @@ def read_password(given: str | None) -> str:
         return _typed_password(given)
     if os.environ.get("LEADGATE_PASSWORD"):
         return _utf8(os.environ["LEADGATE_PASSWORD"], "$LEADGATE_PASSWORD")
-    if sys.stdin.isatty():
+    if _stdin().isatty():
         with interruptible():
             first = _utf8(getpass.getpass("Password for the console user: "), "the password")
             again = getpass.getpass("Repeat the password: ")
@@ -122,16 +123,23 @@ def read_password(given: str | None) -> str:
     with interruptible():
         # Bounded: a longer line is refused by the length check below, read or not
         # (`< /dev/zero` has no line break, and was read until memory ran out).
-        line = sys.stdin.readline(PASSWORD_MAX + 2)
+        line = _stdin().readline(PASSWORD_MAX + 2)
     if not line:
         # Standard input ended before a line: said "password must be 8 to 1,024
         # characters", as if one had been given.
         raise ValidationError(
-            "no password given: pass --password, set $LEADGATE_PASSWORD, run it on a "
-            "terminal, or write the password on the first line of standard input",
+            "no password given: run it on a terminal to be asked for it, write it on the "
+            "first line of standard input, set $LEADGATE_PASSWORD, or pass --password",
             rule="user.password",
         )
     return _utf8(line, "standard input").rstrip("\r\n")
+
+
+def _stdin() -> TextIO:
+    """Standard input, or an empty one when it is closed (``<&-``): Python has no
+    ``sys.stdin`` then, and reading it was ``AttributeError`` exit 1 ``[internal]``; it
+    is no password given, or an empty ``--reason -``, as ``< /dev/null`` is."""
+    return io.StringIO() if sys.stdin is None else sys.stdin
 
 
 @contextlib.contextmanager
@@ -149,7 +157,7 @@ def interruptible() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        if sys.stdin.isatty():  # the error's line below the prompt, not after it
+        if _stdin().isatty():  # the error's line below the prompt, not after it
             say()
         raise
     finally:
@@ -487,7 +495,7 @@ def _text(value: str, rule: str) -> str:
     if value != "-":
         return value
     with interruptible():
-        read = _at_most(sys.stdin.read, "standard input", rule)
+        read = _at_most(_stdin().read, "standard input", rule)
     return _utf8(read, "standard input").strip()
 
 

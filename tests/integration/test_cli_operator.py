@@ -411,6 +411,24 @@ def test_roles_are_case_insensitive_and_passwords_come_from_stdin_or_the_environ
     assert count == 2
 
 
+def test_a_closed_standard_input_is_no_input_not_an_internal_error(
+    world: dict[str, Any],
+) -> None:
+    # `leadgate ... <&-` (a job started with no standard input): Python has no
+    # sys.stdin, and the password's or --reason -'s read was AttributeError [internal].
+    closed = ("sh", "-c", 'exec "$0" "$@" <&-', *LEADGATE)
+    password, reason = par(
+        world["root"],
+        ((*closed, "user", "create", "--org", "acme", "--email", "closed@example.com",
+          "--role", "member"), {"runner": []}),
+        ((*closed, "review", "reject", "--org", "acme", "wi_nosuch", "--reason", "-"),
+         {"runner": []}),
+    )  # fmt: skip
+    password.rule_error("user.password")
+    assert "no password given" in password.err
+    reason.rule_error("workItem.not_found")  # standard input was read (empty) first
+
+
 def test_a_password_on_the_command_line_is_warned_about_never_echoed(
     world: dict[str, Any],
 ) -> None:
