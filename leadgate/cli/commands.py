@@ -418,6 +418,11 @@ class _SecretFile:
     def open(cls, path: Path) -> _SecretFile:
         """Check that ``path`` can be written now (rule ``demo.key_file`` otherwise)."""
         tmp = path.with_name(path.name + ".tmp")
+        if path.exists() and not path.is_file() and not path.is_dir():
+            # Moving the key's file in place would replace it: `--key-file /dev/null`
+            # made the system's /dev/null (run as root) a file holding the key.
+            not_a_file = ValueError("not a regular file (a device, a pipe or a socket)")
+            raise _key_file_error(path, not_a_file)
         try:
             if path.is_dir():
                 raise IsADirectoryError(21, "Is a directory")

@@ -858,8 +858,11 @@ def test_a_key_file_that_cannot_be_written_stops_demo_before_any_key_changes(
     first = lg(tmp_path, "demo", "--key-file", str(key_file)).json()
     (tmp_path / "kf" / "key.tmp").mkdir()  # where the new key would be written first
     (tmp_path / "blocker").write_text("a file, not a directory")
-    for target in (key_file, tmp_path / "blocker" / "key", tmp_path / "kf"):
+    # A pipe (or a device: `--key-file /dev/null`) was replaced by the key's file.
+    os.mkfifo(tmp_path / "pipe")
+    for target in (key_file, tmp_path / "blocker" / "key", tmp_path / "kf", tmp_path / "pipe"):
         lg(tmp_path, "demo", "--key-file", str(target), "--rotate-key").rule_error("demo.key_file")
+    assert stat.S_ISFIFO((tmp_path / "pipe").stat().st_mode)
     # The kept key is still the one valid Owner key of demo, and still in its file.
     keys = lg(tmp_path, "key", "list", "--org", "demo").json()
     assert [(k["id"], k["active"]) for k in keys] == [(first["apiKey"].split(".")[1], True)]
