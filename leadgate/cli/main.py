@@ -241,13 +241,18 @@ def _main(raw: list[str]) -> int:
     try:
         args = build_parser(epilog).parse_args(raw)
     except SystemExit:  # --help, --version, a usage error: printed, to be flushed now
-        with contextlib.suppress(BrokenPipeError):
+        try:
             if sys.stdout is not None:
                 sys.stdout.flush()
-            raise
-        return _reader_gone()
+        except BrokenPipeError:
+            return _reader_gone()
+        except OSError as exc:
+            return _unwritable(exc, completed=False)
+        raise
     except BrokenPipeError:  # their text was longer than the pipe's buffer
         return _reader_gone()
+    except OSError as exc:  # written unbuffered (PYTHONUNBUFFERED=1) to a full disk
+        return _unwritable(exc, completed=False)
     # Imported once the arguments parsed: `--version` and a usage error answer without
     # loading asyncio, and pydantic and SQLAlchemy (the configuration's checks).
     import asyncio
@@ -362,7 +367,25 @@ def _emit(text: str) -> int:
         with contextlib.suppress(OSError):
             say("leadgate: the command completed; its output was not all read (broken pipe)")
         return _reader_gone()
+    except OSError as exc:
+        return _unwritable(exc, completed=True)
     return 0
+
+
+def _unwritable(exc: OSError, *, completed: bool) -> int:
+    """Exit 2 ``[cli.stdout]`` with one line on stderr when stdout cannot take the output
+    (``> /dev/full``, a full disk: ENOSPC): it was a traceback for ``--help`` and
+    ``--version`` (exit 1, or 120 from Python's flush at exit), ``[internal]`` for a
+    command, which may have completed (``key create``: its key made, the secret lost)."""
+    what = "the command completed; its output" if completed else "the output"
+    with contextlib.suppress(OSError):
+        say(
+            one_line(
+                f"leadgate: error: {what} could not be written ({error_text(exc)}) [{STDOUT_RULE}]"
+            )
+        )
+    _reader_gone()  # Python's flush at exit must not fail again
+    return 2
 
 
 def _reader_gone() -> int:

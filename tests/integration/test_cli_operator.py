@@ -326,6 +326,27 @@ def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceba
     assert rows(world, "SELECT count(*) FROM api_keys") == [(keys,)]
 
 
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_output_to_a_full_disk_is_one_line_not_a_traceback(
+    world: dict[str, Any], unbuffered: str
+) -> None:
+    # `leadgate ... > /dev/full` (ENOSPC): --help and --version were a traceback (exit 1,
+    # or 120 from Python's flush at exit), a command's result `OSError [internal]`.
+    full = ("sh", "-c", 'exec "$0" "$@" > /dev/full', *LEADGATE)
+    env = {"env": {"PYTHONUNBUFFERED": unbuffered}, "runner": []}
+    runs = par(
+        world["root"],
+        ((*full, "--help"), env),
+        ((*full, "user", "create", "--help"), env),
+        ((*full, "--version"), env),
+        ((*full, "key", "list", "--org", "acme"), env),
+    )
+    for run in runs:
+        run.rule_error("cli.stdout")
+        assert "could not be written" in run.err and run.err.count("\n") == 0, run
+    assert "the command completed" in runs[-1].err
+
+
 def test_errors_with_standard_error_closed_never_land_on_standard_output(
     world: dict[str, Any],
 ) -> None:
