@@ -778,6 +778,8 @@ class TurnService:
             return None
         if claimed.action != runs.RERUN:
             return None
+        if await self._closed_answered_later(ctx):
+            return None
         turn = await self._accepted(claimed, ctx, item)
         try:
             return await self.execute(turn, answer=self._keyed_answer(ctx))
@@ -1121,17 +1123,33 @@ class TurnService:
         labelled(METRICS.turns, "plain").inc()
         return Reply(screened, streamed, usage)
 
+    async def _closed_answered_later(self, ctx: TurnContext) -> bool:
+        """Before a rerun's model call: whether its session took in a user message
+        after the run's already (:meth:`_answered_later`), and if so the run closed,
+        fenced by its lease, and the model not called (it was, and its answer dropped
+        at the end: the call's cost spent, and a tool with effects run, for nothing).
+        Recovered reruns only: a live turn reaches no statement here."""
+        if not _may_be_answered_later(ctx):
+            return False
+        async with self.db.tx() as conn:
+            if not await self._answered_later(conn, ctx):
+                return False
+            await runs.finish(conn, ctx.run_token, fenced=True)
+        return True
+
     async def _answered_later(self, conn: Conn, ctx: TurnContext) -> bool:
         """Whether turn recovery's rerun of a plain REST/MCP/Studio run (``ctx``) is to
         end without an answer, its run closed: its session took in a user message
         after the run's (a follow-up, or the resend of one told to send it only if
         not there) while it ran, or before its claim. That message's own turn, shown
         the run's message unanswered, answers it (the rerun, shown the follow-up,
-        answered it too). Read in the rerun's last transaction; no live turn's (their
-        context is no recovered client's). A keyed run rerun because its client was
-        told nothing was stored is answered all the same: its key's retry waits for
-        that answer, and no turn of its own runs for it."""
-        if not ctx.recovered_client or ctx.keyed_resend or ctx.work_item_id is not None:
+        answered it too). Read before the rerun's model call
+        (:meth:`_closed_answered_later`) and again in its last transaction (a message
+        may come during the call); no live turn's (their context is no recovered
+        client's). A keyed run rerun because its client was told nothing was stored is
+        answered all the same: its key's retry waits for that answer, and no turn of its
+        own runs for it."""
+        if not _may_be_answered_later(ctx):
             return False
         assert ctx.run_token is not None  # (a recovered run's)
         if not await runs.answered_later(conn, ctx.session_id, ctx.run_token):
@@ -1389,6 +1407,13 @@ class TurnService:
             tool_name=tool_name,
             gated=gated,
         )
+
+
+def _may_be_answered_later(ctx: TurnContext) -> bool:
+    """Whether ``ctx`` is a rerun that a later message of its session ends unanswered
+    (:meth:`TurnService._answered_later`): a recovered plain REST/MCP/Studio run not
+    rerun for a keyed client's resend."""
+    return ctx.recovered_client and not ctx.keyed_resend and ctx.work_item_id is None
 
 
 def _storable(text: str) -> str:

@@ -34,10 +34,12 @@ from leadgate.database.db import Database
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.providers.base import Provider
+from leadgate.turns.providers.openai import OpenAIProvider
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import FaultProvider, GateProvider
 from tests.helpers import eventually, make_agent, make_org
 from tests.serving import Client, served_app
+from tests.standins.model_server import ModelServer
 from tests.statement_faults import PgFaults, SqliteFaults, injector
 
 #: The session's exchange before the fault (see :func:`arm`).
@@ -477,6 +479,35 @@ async def test_a_follow_up_after_the_owed_run_was_recorded_is_answered_once(
         assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
         assert await transcript(service, "s") == (answered, 0)
         assert not service.turns.orphans
+
+
+async def test_a_rerun_a_later_message_answers_does_not_call_the_model(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed run recorded and the client's next message answered before turn
+    recovery claims the run: the rerun ends without an answer, and now without calling
+    the model first (the stand-in model server counts its requests). It called it and
+    dropped the answer: the call's cost spent, and a tool with effects run, for nothing."""
+    faults = injector(migrated_url, monkeypatch)
+    async with ModelServer(api_key="sk-standin", empty_reply="echo") as model:
+        remote = OpenAIProvider(
+            base_url=model.base_url, api_key="sk-standin", model="standin-model", max_retries=0
+        )
+        async with served_app(migrated_url, providers={"remote": remote}, like_production=True) as (
+            service,
+            client,
+        ):
+            org = await make_org(service)
+            await make_agent(service, org, "plain", model="remote")
+            await _owed(service, client, faults, org.key)
+            await service.turns.record_owed()
+            answered = await _follow_up(client, org.key)
+            # (first, the cut hi, next)
+            assert len(model.requests) == 3
+            assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
+            assert len(model.requests) == 3
+            assert await transcript(service, "s") == (answered, 0)
+            assert not service.turns.orphans
 
 
 async def test_a_follow_up_while_the_owed_run_is_rerun_is_answered_once(
