@@ -633,10 +633,10 @@ class App:
         the process unregisters: a recorded run whose owner is gone is rerun by a worker's
         turn recovery. Kept in memory alone, they were dropped without a word. When the
         database is still away, one WARNING names how many messages stay unanswered."""
-        if not self.turns.owed:
+        if not self.turns.owed and not self.turns.owed_lost:
             return
         try:
-            await self.turns.record_owed()
+            await self.turns.record_owed(every_look=True)
         except Exception as exc:
             log.warning(
                 "stopping with %d owed turn(s) not recorded (%s): their messages stay unanswered",

@@ -48,19 +48,22 @@ class TurnRecovery:
         check): a run finished since makes the loop wake early and look again."""
         # The next look for a lost run's token counts too, when sooner.
         return seconds_until(
-            self.turns.clock.now_ms(), after_lapse(self._next_lapse), self.turns.lost.next_due()
+            self.turns.clock.now_ms(),
+            after_lapse(self._next_lapse),
+            self.turns.lost.next_due(),
+            self.turns.owed_lost.next_due(),
         )
 
     def _look_due(self) -> bool:
         """Whether a look for a lost run's token is due (the claim makes it): between
         looks a pass is the read above, not a claim (a write transaction)."""
-        look = self.turns.lost.next_due()
-        return look is not None and look <= self.turns.clock.now_ms()
+        return _due(self.turns.lost.next_due(), self.turns.clock.now_ms())
 
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
-        if self.turns.owed:
-            # Plain turns stopped on a fault record their runs first (orphans then).
+        if self.turns.owed or _due(self.turns.owed_lost.next_due(), self.turns.clock.now_ms()):
+            # Plain turns stopped on a fault record their runs first (orphans then), and
+            # intakes in doubt not found taken in are looked for again when due.
             await self.turns.record_owed()
         if not self.turns.orphans and not (self.turns.lost and self._look_due()):
             if self.own_only:
@@ -104,3 +107,8 @@ class TurnRecovery:
             self.turns.orphans.add(claimed.token)
             log_failure(log, exc, "recovering session %s failed", claimed.session_id)
         return True
+
+
+def _due(look: int | None, now: int) -> bool:
+    """Whether a look due at ``look`` (None: none watched) has come at ``now``."""
+    return look is not None and look <= now

@@ -328,6 +328,15 @@ class TurnService:
         #: rerun as an orphan (:meth:`record_owed`). In this process's memory only: lost
         #: if it dies first (nothing stored tells such a message from an answered one).
         self.owed: dict[str, dict[str, Any]] = {}
+        #: owed runs of intakes in doubt (:meth:`_owe_in_doubt`) whose record found their
+        #: message absent: the server may still apply such an intake after that look
+        #: (PostgreSQL: a statement whose connection dropped can commit after a read on
+        #: another connection found nothing), and its client, finding it in the
+        #: transcript then, sends nothing. Looked for again a second on, then at
+        #: doubling gaps, until a run lease after the first look (:meth:`record_owed`).
+        self.owed_lost: LostClaims[dict[str, Any]] = LostClaims(
+            name="owed-turns", on_watch=lambda: self.recovery_due()
+        )
         #: Set by the composition root to the recovery runner's wake: called when a run
         #: is orphaned or watched (:meth:`orphaned`, :attr:`lost`) outside that runner's
         #: passes, so it looks now (or at the look's time), not at its next poll.
@@ -449,7 +458,7 @@ class TurnService:
         self.owed[str(values["lease_token"])] = values
         self.recovery_due()
 
-    async def record_owed(self) -> None:
+    async def record_owed(self, *, every_look: bool = False) -> None:
         """Record the runs of :attr:`owed` (each in a transaction of its own,
         :func:`leadgate.turns.runs.record_owed`) and hand them to turn recovery as
         orphans, which reruns them from the stored message as it does a gated turn's
@@ -458,36 +467,67 @@ class TurnService:
         recorded twice). A run whose record fails for another reason (the database
         refuses the row, a bug) is given up with an ERROR naming its session: tried
         again it would fail the same way at every pass, for ever, and the turn
-        recovery's claims, which come after this, would never run."""
+        recovery's claims, which come after this, would never run.
+
+        An intake in doubt whose message is not there yet is looked for again
+        (:attr:`owed_lost`, those due now): dropped at the first look, a message the
+        server applied after it stayed unanswered, its client finding it in the
+        transcript and sending nothing. ``every_look`` (a stop): those not due yet too,
+        this process's last chance to record them."""
+        now = self.clock.now_ms()
         for token, values in list(self.owed.items()):
-            try:
-                recorded = await runs.record_owed(self.db, values, self.clock.now_ms())
-            except (Unavailable, DatabaseDamaged):
-                raise
-            except Exception as exc:
-                self.owed.pop(token, None)
-                log.error(
-                    "could not record the owed run of session %s (its message stays unanswered)",
-                    values.get("session_id"),
-                    exc_info=loggable(exc),
-                )
-                continue
+            recorded = await self._record_owed(values)
             # (pop: a stop's record of them may run beside the recovery loop's)
-            self.owed.pop(token, None)
-            if recorded == runs.RECORDED:
-                self.orphans.add(token)
-            elif recorded == runs.ANSWERED_LATER:
-                log.info(
-                    "owed run of session %s not rerun: a later message of the session "
-                    "was taken in, whose turn answers it",
-                    values.get("session_id"),
+            if self.owed.pop(token, None) is not None and recorded == runs.NOT_TAKEN_IN:
+                # (Not woken: this is the recovery's own pass, or the stop.)
+                self.owed_lost.watch(
+                    values,
+                    due=now + self.owed_lost.first_ms,
+                    lapses=now + runs.RUN_LEASE_MS,
+                    wake=False,
                 )
+        looks = self.owed_lost.take_due(_EVER if every_look else now) if self.owed_lost else []
+        for n, look in enumerate(looks):
+            try:
+                recorded = await self._record_owed(look.token)
+            except BaseException:
+                self.owed_lost.put_back(looks[n:])
+                raise
+            if recorded != runs.NOT_TAKEN_IN:
+                self.owed_lost.done(look)
+            elif now + look.gap <= look.lapses:
+                self.owed_lost.not_found(look, now)
             else:
+                self.owed_lost.done(look)
                 log.info(
                     "owed run of an intake in doubt not recorded: its message %s was not "
                     "taken in (its client sends it again)",
-                    values.get("message_id"),
+                    look.token.get("message_id"),
                 )
+
+    async def _record_owed(self, values: dict[str, Any]) -> str | None:
+        """:meth:`record_owed` of one run: what :func:`leadgate.turns.runs.record_owed`
+        answered (its token an orphan once recorded), or None when it was given up."""
+        try:
+            recorded = await runs.record_owed(self.db, values, self.clock.now_ms())
+        except (Unavailable, DatabaseDamaged):
+            raise
+        except Exception as exc:
+            log.error(
+                "could not record the owed run of session %s (its message stays unanswered)",
+                values.get("session_id"),
+                exc_info=loggable(exc),
+            )
+            return None
+        if recorded == runs.RECORDED:
+            self.orphans.add(str(values["lease_token"]))
+        elif recorded == runs.ANSWERED_LATER:
+            log.info(
+                "owed run of session %s not rerun: a later message of the session "
+                "was taken in, whose turn answers it",
+                values.get("session_id"),
+            )
+        return recorded
 
     async def take(self, trigger: Trigger) -> Accepted | Busy | Duplicate:
         """The intake alone (one short transaction): what a channel awaits before it
@@ -1407,6 +1447,10 @@ class TurnService:
             tool_name=tool_name,
             gated=gated,
         )
+
+
+#: Later than any look is due (:meth:`TurnService.record_owed`'s ``every_look``).
+_EVER = 2**62
 
 
 def _may_be_answered_later(ctx: TurnContext) -> bool:

@@ -291,19 +291,45 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     after the owed one (:func:`later_message`; the database back, its client sent its
     next message, or its resend, first): that message's turn saw the owed one in its
     history and answered, and a rerun, shown the whole session, answered that turn's
-    message a second time."""
+    message a second time. So too, for an intake in doubt, when its resend came before
+    it (:func:`_resent_since`): the server applied the intake after a look found it
+    absent, its client having resent it meanwhile."""
     async with db.tx() as conn:
+        later = None
         if values["session_id"] is None:
             found = (await conn.execute(_OWED_SESSION, {"p_id": values["message_id"]})).first()
             if found is None:
                 return NOT_TAKEN_IN
             values = {**values, **found._asdict()}
-        later = later_message(values["session_id"], [values["message_id"]])
-        if await conn.scalar(sa.select(later)):
+            later = _resent_since(values["session_id"], values["message_id"], values["created_at"])
+        after = later_message(values["session_id"], [values["message_id"]])
+        if await conn.scalar(sa.select(after if later is None else sa.or_(after, later))):
             return ANSWERED_LATER
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
         await conn.execute(insert, {**values, "lease_expires_at": now + RUN_LEASE_MS})
     return RECORDED
+
+
+def _resent_since(session_id: Any, message_id: Any, since: Any) -> sa.Exists:
+    """Whether session ``session_id`` took in, at or after ``since`` (the time its
+    intake began), another user message saying what ``message_id`` says: the resend of
+    a message whose intake was in doubt. Its client, told to send it only if the
+    transcript lacks it, looked before the server applied that intake (PostgreSQL can
+    apply a statement whose connection dropped after a read on another connection
+    found nothing), and sent it again; the resend's turn answered it, and the first
+    copy, landed after it (a later ``seq``: :func:`later_message` misses it), is no
+    message of its own to answer again. By time, as ``seq`` is not: replicas' clocks
+    apart by more than the client's look and resend take miss it."""
+    other = t.messages.alias("resent")
+    own = t.messages.alias("owed")
+    return sa.exists().where(
+        other.c.session_id == session_id,
+        other.c.role == "user",
+        other.c.id != message_id,
+        other.c.created_at >= since,
+        own.c.id == message_id,
+        other.c.content == own.c.content,
+    )
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:

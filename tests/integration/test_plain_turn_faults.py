@@ -36,7 +36,7 @@ from leadgate.turns import runs
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.openai import OpenAIProvider
 from leadgate.turns.providers.script import ScriptProvider
-from tests.fakes import FaultProvider, GateProvider
+from tests.fakes import FaultProvider, GateProvider, LandsLater
 from tests.helpers import eventually, make_agent, make_org
 from tests.serving import Client, served_app
 from tests.standins.model_server import ModelServer
@@ -597,3 +597,49 @@ async def test_a_plain_intake_in_doubt_is_answered_once_whether_or_not_it_landed
         answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
         assert await transcript(service, "d") == (answered, 0)
         assert await drain(recovery) == 0
+
+
+@pytest.mark.parametrize("resent", [False, True], ids=["not-resent", "resent-first"])
+async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_answered_once(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, resent: bool
+) -> None:
+    """PostgreSQL (a SQLite COMMIT's answer cannot be lost, so no intake is in doubt):
+    the intake's statement in doubt, its read-back failing too (503 ``intake.in_doubt``),
+    and the server applying the statement only after the owed run's record looked for
+    the message and found none. The record dropped it: the client, finding the message
+    in the transcript, sent nothing, and nothing answered it. It is now looked for
+    again a second on, found, and answered once. When the client looked before it
+    landed and sent it again (``resent``), that resend's turn answered it, and the late
+    copy (after the resend in the session's order) is not answered a second time."""
+    async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
+        first = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert first.status == 200, await first.text()
+        late = LandsLater(service.db.write_alone)
+        monkeypatch.setattr(service.db, "write_alone", late)
+        # (every try of the read-back: the database still away)
+        faults.arm_on(READ_BACK, and_on=READ_BACK)
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        faults.disarm()
+        assert told.status == 503
+        assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+        recovery = TurnRecovery(service.turns, own_only=True)
+        assert await drain(recovery) == 0
+        assert not service.turns.owed and len(service.turns.owed_lost) == 1
+        assert await transcript(service, "d") == (EARLIER, 0)
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        if resent:
+            again = await client.post("/v1/chat/completions", json=body, headers=headers)
+            assert again.status == 200, await again.text()
+            assert await transcript(service, "d") == (answered, 0)
+            # (ordered by their times: the late copy's is its intake's, before the resend)
+            answered = [*EARLIER, ("user", "hi"), *answered[2:]]
+        await late.land()
+        assert isinstance(service.clock, FakeClock)
+        service.clock.advance(1_000)  # (LostClaims.first_ms)
+        assert recovery.due_in_s() == 0
+        assert await drain(recovery) == int(not resent)
+        assert await transcript(service, "d") == (answered, 0)
+        assert not service.turns.owed_lost and await drain(recovery) == 0
