@@ -632,7 +632,10 @@ class App:
         fault: :attr:`TurnService.owed <leadgate.turns.path.TurnService.owed>`), before
         the process unregisters: a recorded run whose owner is gone is rerun by a worker's
         turn recovery. Kept in memory alone, they were dropped without a word. When the
-        database is still away, one WARNING names how many messages stay unanswered."""
+        database is still away, one WARNING names how many messages stay unanswered. So
+        does one for the intakes in doubt this process still looked for (its last look
+        found nothing): a message the database applies after the stop is answered by
+        nobody."""
         if not self.turns.owed and not self.turns.owed_lost:
             return
         try:
@@ -640,8 +643,15 @@ class App:
         except Exception as exc:
             log.warning(
                 "stopping with %d owed turn(s) not recorded (%s): their messages stay unanswered",
-                len(self.turns.owed),
+                len(self.turns.owed) + len(self.turns.owed_lost),
                 _what_failed(exc),
+            )
+            return
+        if self.turns.owed_lost:
+            log.warning(
+                "stopping with %d intake(s) in doubt not found taken in: a message the "
+                "database applies after this stop stays unanswered",
+                len(self.turns.owed_lost),
             )
 
     # ------------------------------------------------------------- HTTP surfaces

@@ -643,3 +643,44 @@ async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_a
         assert await drain(recovery) == int(not resent)
         assert await transcript(service, "d") == (answered, 0)
         assert not service.turns.owed_lost and await drain(recovery) == 0
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+async def test_a_stop_looks_once_more_for_a_plain_intake_in_doubt(
+    migrated_pg: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    landed: bool,
+) -> None:
+    """PostgreSQL (see above): a plain intake in doubt not found by its owed run's
+    record, the process stopped (SIGTERM) before the next look was due. The stop looks
+    once more: the message landed by then, its run is recorded under this process,
+    which then unregisters, so a worker's turn recovery reruns it (it was dropped with
+    the process's memory). Not landed, one WARNING says a message the database applies
+    after the stop stays unanswered (nothing said it)."""
+    async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
+        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
+        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
+        first = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert first.status == 200, await first.text()
+        late = LandsLater(service.db.write_alone)
+        monkeypatch.setattr(service.db, "write_alone", late)
+        faults.arm_on(READ_BACK, and_on=READ_BACK)
+        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+        told = await client.post("/v1/chat/completions", json=body, headers=headers)
+        faults.disarm()
+        assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+        assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
+        assert len(service.turns.owed_lost) == 1
+        if landed:
+            await late.land()
+        owner = service.turns.owner()
+        with caplog.at_level(logging.WARNING, logger="leadgate"):
+            await service.stop()
+    said = [r.getMessage() for r in caplog.records if "in doubt not found" in r.getMessage()]
+    if landed:
+        assert said == []
+        assert await _runs_left(migrated_pg) == [owner]
+    else:
+        assert len(said) == 1 and "stopping with 1 intake(s) in doubt" in said[0]
+        assert await _runs_left(migrated_pg) == []
