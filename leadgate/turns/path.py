@@ -638,9 +638,15 @@ class TurnService:
         key gets ``failure`` (:meth:`_store_keyed`): its retry is told the error, not
         ``idempotency.lost`` for good. A plain turn's run (``item_id`` None: recorded
         late, :meth:`record_owed`) has no item to abandon; its notice is stored all the
-        same (closed silently, the message had no answer and nobody a word)."""
+        same (closed silently, the message had no answer and nobody a word), unless
+        its session took a later message (:meth:`_answered_later`: during the failed
+        model call, or before a give-up), whose turn answers it: the notice, stored
+        after that answer, told the person their message went unanswered."""
         abandoned = False
         async with self.db.tx() as conn:
+            if await self._answered_later(conn, ctx):
+                await runs.finish(conn, token, fenced=ctx.run_fenced)
+                return
             await runs.finish(conn, token, fenced=ctx.run_fenced)
             await self._store(
                 conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE

@@ -510,6 +510,25 @@ async def test_a_rerun_a_later_message_answers_does_not_call_the_model(
             assert not service.turns.orphans
 
 
+async def test_an_owed_run_given_up_after_a_follow_up_stores_no_failure_notice(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed run recorded, its attempts spent (its reruns' processes died: the row's
+    count says so), and the client's next message answered before turn recovery claims
+    it: the claim gives the run up, and the follow-up's turn answered the session. The
+    give-up stored the failure notice after that answer all the same, telling the
+    person their message went unanswered; it now closes the run without a notice."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        await service.turns.record_owed()
+        async with service.db.tx() as conn:
+            await conn.execute(sa.update(t.turn_runs).values(attempts=runs.MAX_ATTEMPTS))
+        answered = await _follow_up(client, key)
+        assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
+        assert await transcript(service, "s") == (answered, 0)
+        assert not service.turns.orphans
+
+
 async def test_a_follow_up_while_the_owed_run_is_rerun_is_answered_once(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
