@@ -311,22 +311,24 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
 
 
 def _resent_since(session_id: Any, message_id: Any, since: Any) -> sa.Exists:
-    """Whether session ``session_id`` took in, at or after ``since`` (the time its
-    intake began), another user message saying what ``message_id`` says: the resend of
+    """Whether session ``session_id`` took in, after ``since`` (the time its intake
+    began), another user message saying what ``message_id`` says: the resend of
     a message whose intake was in doubt. Its client, told to send it only if the
     transcript lacks it, looked before the server applied that intake (PostgreSQL can
     apply a statement whose connection dropped after a read on another connection
     found nothing), and sent it again; the resend's turn answered it, and the first
     copy, landed after it (a later ``seq``: :func:`later_message` misses it), is no
     message of its own to answer again. By time, as ``seq`` is not: replicas' clocks
-    apart by more than the client's look and resend take miss it."""
+    apart by more than the client's look and resend take miss it. Strictly after: an
+    earlier message saying the same, stored in that millisecond before the intake,
+    is no resend (counted, the owed message went unanswered)."""
     other = t.messages.alias("resent")
     own = t.messages.alias("owed")
     return sa.exists().where(
         other.c.session_id == session_id,
         other.c.role == "user",
         other.c.id != message_id,
-        other.c.created_at >= since,
+        other.c.created_at > since,
         own.c.id == message_id,
         other.c.content == own.c.content,
     )

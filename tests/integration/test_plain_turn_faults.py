@@ -649,14 +649,15 @@ async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_a
         assert not service.turns.owed and len(service.turns.owed_lost) == 1
         assert await transcript(service, "d") == (EARLIER, 0)
         answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert isinstance(service.clock, FakeClock)
         if resent:
+            service.clock.advance(1)  # (the client looked at the transcript first)
             again = await client.post("/v1/chat/completions", json=body, headers=headers)
             assert again.status == 200, await again.text()
             assert await transcript(service, "d") == (answered, 0)
             # (ordered by their times: the late copy's is its intake's, before the resend)
             answered = [*EARLIER, ("user", "hi"), *answered[2:]]
         await late.land()
-        assert isinstance(service.clock, FakeClock)
         service.clock.advance(1_000)  # (LostClaims.first_ms)
         assert recovery.due_in_s() == 0
         assert await drain(recovery) == int(not resent)
