@@ -48,6 +48,7 @@ from outbox.store import (
     PARTS_POSTED,
     DeliveryStatus,
     ReviewNeeded,
+    posts_of_ended_items,
 )
 
 log = logging.getLogger("leadgate.relay")
@@ -108,7 +109,6 @@ _UNEDITABLE = frozenset(
         DeliveryStatus.deliveryUnknown.value,
     }
 )
-
 
 # A group of successful posts on PostgreSQL, as one statement (see
 # OutcomeCommitter.commit_alone): the same fenced moves and audit rows as the transaction
@@ -399,6 +399,26 @@ class OutcomeCommitter:
             # finds it ended and ends too (below).
             values.update(
                 status=DeliveryStatus.cancelled.value, error=stored_error(outcome), **ENDED
+            )
+        elif (
+            not isinstance(outcome, Permanent)
+            and row.kind == "gating"
+            and await posts_of_ended_items(conn, D.id == row.id)
+        ):
+            # A post in flight when its item was cancelled: the cancel ended the item's
+            # unsent deliveries, but not this one, being sent. Not posted for sure, it
+            # went back to ``pending`` and was posted later all the same; maybe posted,
+            # it opened a "confirm or retry" wait (cards, reminders) for a cancelled item,
+            # whose Retry posted it again. It ends here, as a card of a decided wait does.
+            values.update(
+                status=DeliveryStatus.cancelled.value,
+                error=f"{stored_error(outcome)}; its work item was cancelled meanwhile",
+                **ENDED,
+            )
+            log.warning(
+                "delivery %s: its work item was cancelled while it was being sent (%s): cancelled",
+                row.id,
+                label,
             )
         elif row.kind == CARD_UPDATE and (card := await self._card_not_posted(conn, row)):
             # The edit of a card that ended not posted (or maybe posted, with no id to

@@ -86,9 +86,9 @@ from outbox.store import (
     Handoff,
     ReviewNeeded,
     address_kept,
-    cards_of_closed_waits,
     count_cancelled,
     delivery_of,
+    ended_meanwhile,
 )
 
 log = logging.getLogger("leadgate.relay")
@@ -392,7 +392,7 @@ class Relay:
             return []
         async with self.db.tx() as conn:
             mine = (D.id.in_(ids), D.lease_token == self.handoff_token)
-            ended = await cards_of_closed_waits(conn, *mine)
+            ended = await ended_meanwhile(conn, *mine)
             rows = (
                 await conn.execute(
                     t.deliveries.update()
@@ -595,11 +595,12 @@ class Relay:
             sa.select(D.id).where(D.status == DeliveryStatus.sending.value, lapsed)
         )
         async with self.db.tx() as conn:
-            # Cards whose wait a decision closed while they were being sent end
-            # cancelled, as a card whose send ended uncertain then does
-            # (outcomes.OutcomeCommitter._commit_one): an operator has nothing to settle
-            # for a decided item. Their waits are locked first (see the function).
-            ended = await cards_of_closed_waits(conn, lapsed)
+            # Cards whose wait a decision closed while they were being sent, and posts
+            # whose item was cancelled then, end cancelled, as one whose send ended
+            # uncertain then does (outcomes.OutcomeCommitter._commit_one): an operator
+            # has nothing to settle for a decided item. Their items and waits are locked
+            # first (see the function).
+            ended = await ended_meanwhile(conn, lapsed)
             chosen = await self._locked_ids(conn, expired)
             if chosen is not None and not chosen:
                 return 0
@@ -665,8 +666,8 @@ class Relay:
         for r in rows:
             if r.status == DeliveryStatus.cancelled.value:
                 log.warning(
-                    "delivery %s: send lease expired mid-send, and its card's item was "
-                    "decided meanwhile: cancelled",
+                    "delivery %s: send lease expired mid-send, and its item was decided "
+                    "meanwhile: cancelled",
                     r.id,
                 )
         return len(rows)
@@ -719,7 +720,7 @@ class Relay:
         for n, lost in enumerate(due):
             try:
                 async with self.db.tx() as conn:
-                    ended = await cards_of_closed_waits(conn, D.lease_token == lost.token)
+                    ended = await ended_meanwhile(conn, D.lease_token == lost.token)
                     rows = (
                         await conn.execute(
                             t.deliveries.update()
@@ -745,11 +746,12 @@ class Relay:
 
     def _given_back(self, ended: list[str]) -> dict[str, Any]:
         """The values of claimed rows never sent, given back: ``pending`` again (the claim
-        no attempt), but a card whose wait a decision closed meanwhile (``ended``, of
-        :func:`outbox.store.cards_of_closed_waits`) ends ``cancelled``, as the decision
-        cancels a card not sent yet: put back, it would be posted after the decision,
-        offering a decision already made. The decision saw it being sent and left it to
-        its send (an email card's Reply-To leaves the row with it)."""
+        no attempt), but a card whose wait a decision closed meanwhile, or a post whose
+        item was cancelled meanwhile (``ended``, of :func:`outbox.store.ended_meanwhile`),
+        ends ``cancelled``, as the decision cancels one not sent yet: put back, it would
+        be posted after the decision (a card offering a decision already made). The
+        decision saw it being sent and left it to its send (an email card's Reply-To
+        leaves the row with it)."""
         values: dict[str, Any] = {
             "status": DeliveryStatus.pending.value,
             "lease_token": None,

@@ -258,6 +258,40 @@ async def cards_of_closed_waits(
     return [str(r.id) for r in rows if r.closed_at is not None]
 
 
+#: Gating deliveries being sent, each with its item's status, every such item's row
+#: locked (PostgreSQL) until the caller commits, whatever its status: a cancel moves the
+#: item first and then cancels its unsent deliveries, so either it finds the caller's
+#: rows back in ``pending`` committed, or the caller reads the item cancelled
+#: (:func:`ended_meanwhile`).
+_SENDING_POSTS_ITEMS = (
+    sa.select(D.id, t.work_items.c.status)
+    .select_from(t.deliveries.join(t.work_items, t.work_items.c.id == D.work_item_id))
+    .where(D.kind == "gating", D.status == DeliveryStatus.sending.value)
+    .order_by(t.work_items.c.id)
+    .with_for_update(of=t.work_items)
+)
+
+
+async def posts_of_ended_items(conn: Conn, *where: sa.ColumnElement[bool]) -> list[str]:
+    """The ids of the ``sending`` gating deliveries ``where`` selects whose item is no
+    longer ``approved`` (cancelled while they were being sent), every selected item's
+    row locked (PostgreSQL) until ``conn`` commits (see :func:`ended_meanwhile`)."""
+    posts = (await conn.execute(_SENDING_POSTS_ITEMS.where(*where))).all()
+    return [str(r.id) for r in posts if r.status != Status.approved.value]
+
+
+async def ended_meanwhile(conn: Conn, *where: sa.ColumnElement[bool]) -> list[str]:
+    """The ids of the ``sending`` deliveries ``where`` selects that end ``cancelled``
+    where they would have gone back to ``pending`` or on to ``deliveryUnknown``: cards
+    whose wait a decision closed (:func:`cards_of_closed_waits`), and gating deliveries
+    whose item was cancelled while they were being sent (the cancel ended the item's
+    unsent deliveries, not one in flight: put back, it was posted after the cancel;
+    uncertain, it asked an operator to confirm or retry the post of a cancelled item).
+    Items are locked before waits' episodes, in the order a decision locks them."""
+    ended = await posts_of_ended_items(conn, *where)
+    return ended + await cards_of_closed_waits(conn, *where)
+
+
 def action_for(binding: Binding | None) -> tuple[str, str]:
     """(action, channel) for a gating delivery on ``binding`` (SPEC 6 table)."""
     if binding is None:

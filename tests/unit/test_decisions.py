@@ -3,7 +3,9 @@ approve, reject, return, cancel, their text limits, their status rules and their
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,11 +22,14 @@ from leadgate.domain.workitems import Sweeper
 from leadgate.review import decisions
 from leadgate.review.queue import detail
 from leadgate.runners.revisions import RevisionRunner
+from outbox.channel import Retry, Uncertain
+from outbox.relay import SEND_LEASE_MS
 from outbox.store import Outbox
 from tests.helpers import (
     Org,
     api_trigger,
     deliveries_counted,
+    eventually,
     make_agent,
     make_org,
     session_item,
@@ -33,6 +38,8 @@ from tests.helpers import (
 from tests.helpers import item_audit as audit_rows
 from tests.helpers import item_deliveries as deliveries
 from tests.helpers import item_row as row
+from tests.review_support import ReviewEnv, review_env
+from tests.review_support import slack_trigger as review_slack_trigger
 from tests.stack import Stack
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
@@ -315,6 +322,77 @@ async def test_a_gating_post_ended_by_its_items_cancel_is_counted_cancelled(
     await decide(stack, item_id, "cancel")
     assert [d["status"] for d in await deliveries(stack, item_id)] == ["cancelled"]
     assert deliveries_counted("slack", "cancelled") - cancelled == 1
+
+
+async def _approved_slack_item(env: ReviewEnv) -> str:
+    """A Slack thread's item its lead approved: its post (the gating delivery) pending."""
+    stack = env.stack
+    out = await stack.turns.run(review_slack_trigger(env, "ok #complete", "9.9"))
+    assert isinstance(out, Gated) and out.work_item_id
+    await drain(stack.lead_runner)
+    [gating] = await deliveries(stack, out.work_item_id)
+    assert (gating["kind"], gating["status"]) == ("gating", "pending")
+    return out.work_item_id
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [Retry("503 before the request was written"), Uncertain("read timeout")],
+    ids=["not-posted", "maybe-posted"],
+)
+async def test_a_post_in_flight_when_its_item_is_cancelled_is_never_posted_again(
+    make_stack: Callable[..., Stack], outcome: Retry | Uncertain
+) -> None:
+    """An approved item cancelled while its post is being sent: the cancel ends the
+    unsent deliveries, and the one in flight ends ``cancelled`` with its send. Not posted
+    for sure, it went back to ``pending`` and was posted after the cancel all the same;
+    maybe posted, it opened a "confirm or retry" wait for the cancelled item (a Review
+    card, reminders), whose Retry would post it a second time."""
+    env = await review_env(make_stack)
+    stack = env.stack
+    item_id = await _approved_slack_item(env)
+    env.slack.gate = asyncio.Event()
+    env.slack.script = [outcome]
+    sending = asyncio.create_task(stack.relay.run_once())
+    await eventually(lambda: len(env.slack.calls) == 1)
+    await decide(stack, item_id, "cancel")
+    env.slack.gate.set()
+    await sending
+
+    [gating] = await deliveries(stack, item_id)
+    assert gating["status"] == "cancelled"
+    assert "its work item was cancelled meanwhile" in gating["error"]
+    assert (await row(stack, item_id))["status"] == "cancelled"
+    assert await env.episodes(item_id) == []  # no wait for an operator, no card
+    assert isinstance(stack.clock, FakeClock)
+    stack.clock.advance(DAY_MS)
+    await drain(stack.relay)
+    await drain(env.sla)
+    assert [m.text for m in env.slack.calls] == ["Echo: ok #complete"]  # once, never again
+
+
+async def test_a_post_whose_relay_died_after_its_item_was_cancelled_ends_cancelled(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The same when the relay sending it died: its lapsed send lease ends the post of a
+    cancelled item ``cancelled``, not ``deliveryUnknown`` with a "confirm or retry" wait
+    (a Review card, reminders) for an item nobody can confirm any more."""
+    env = await review_env(make_stack)
+    stack = env.stack
+    item_id = await _approved_slack_item(env)
+    [claimed] = await stack.relay.claim()  # and then the process dies mid-send
+    assert claimed.work_item_id == item_id
+    await decide(stack, item_id, "cancel")
+    assert isinstance(stack.clock, FakeClock)
+    stack.clock.advance(SEND_LEASE_MS + 1)
+    assert await stack.relay.expire_send_leases() == 1
+
+    [gating] = await deliveries(stack, item_id)
+    assert gating["status"] == "cancelled"
+    assert await env.episodes(item_id) == []
+    stack.clock.advance(DAY_MS)
+    await drain(stack.relay)
+    assert env.slack.calls == []
 
 
 @SQLITE_ONLY
