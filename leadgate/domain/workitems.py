@@ -231,6 +231,13 @@ async def _not_moved(
     return f"work item {item_id} is not {src}; nothing changed"
 
 
+async def not_there(conn: Conn, item_id: str, src: Status) -> TransitionError:
+    """The refusal of a move from ``src`` of an item that is no longer there (as
+    :func:`transition` words it when its fenced update matches nothing), for a move
+    refused before its update: ``workItem.status`` naming who moved it on."""
+    return TransitionError(await _not_moved(conn, item_id, src, None, None), rule="workItem.status")
+
+
 async def _left(conn: Conn, item_id: str, src: Status) -> str:
     """What took the item out of ``src`` (its last audit row from there), for
     :func:`_not_moved`: an operator who runs a decision again after an answer was lost

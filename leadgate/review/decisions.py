@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
+from leadgate.core.errors import ValidationError
 from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
@@ -437,6 +438,22 @@ async def human_approve(
     )
 
 
+async def _decision_text(
+    conn: Conn, item: WorkItem, value: object, *, name: str, limit: int, rule: str
+) -> str:
+    """A reject's reason or a return's feedback, checked (:func:`check_text`). One that
+    breaks its rule on an item no longer ``awaitingHuman`` (as read in the decision's
+    transaction) is refused as the decision would be: a 409 ``workItem.status`` naming
+    who decided meanwhile, not a 400 about the text (a second reviewer whose form was
+    sent empty was told to give a reason, then, giving one, that it was decided)."""
+    try:
+        return check_text(value, name=name, limit=limit, rule=rule)
+    except ValidationError:
+        if item.status != Status.awaitingHuman.value:
+            raise await workitems.not_there(conn, item.id, Status.awaitingHuman) from None
+        raise
+
+
 async def human_reject(
     conn: Conn,
     clock: Clock,
@@ -449,7 +466,9 @@ async def human_reject(
     identity: str | None = None,
 ) -> WorkItem:
     """Reject from awaitingHuman with a reason of 1..2,000 characters."""
-    text = check_text(reason, name="reason", limit=REASON_LIMIT, rule="decision.reason")
+    text = await _decision_text(
+        conn, item, reason, name="reason", limit=REASON_LIMIT, rule="decision.reason"
+    )
     return await workitems.transition(
         conn,
         clock,
@@ -479,7 +498,9 @@ async def human_return(
     """Return to the worker: inProgress, one extra revision allowance, feedback dispatched
     (the revision dispatcher is woken at commit, on every replica: a person decides on
     an ``api`` replica or the command line, the dispatcher runs on a ``worker``)."""
-    text = check_text(feedback, name="feedback", limit=FEEDBACK_LIMIT, rule="decision.feedback")
+    text = await _decision_text(
+        conn, item, feedback, name="feedback", limit=FEEDBACK_LIMIT, rule="decision.feedback"
+    )
     row = await workitems.transition(
         conn,
         clock,

@@ -643,6 +643,31 @@ async def test_decision_texts_are_checked(env: Env) -> None:
     assert (status, body["status"], body["audit"][-1]["text"]) == (200, "inProgress", "f" * 10_000)
 
 
+async def test_a_reject_or_return_sent_empty_after_another_decided_hears_who_decided(
+    env: Env,
+) -> None:
+    """Two reviewers at once: one approves, the other's Reject or Return form goes out
+    empty (or too long). That one is told the item was decided, by whom (409
+    ``workItem.status``, as with a valid text, and as a chat card's click is told): it
+    was told 400 "reason is required", and then, giving one, that the item was decided.
+    On an item still waiting the text is checked first, as before (the test above)."""
+    item = await env.escalated("a")
+    status, _ = await post(env, f"/operator/reviews/{item}/approve")
+    assert status == 200
+    before = await env.snapshot()
+    for action, body in (
+        ("reject", None),
+        ("reject", {"reason": ""}),
+        ("reject", {"reason": "r" * 2_001}),
+        ("return", {"feedback": ""}),
+        ("return", {"feedback": "f" * 10_001}),
+    ):
+        status, answer = await post(env, f"/operator/reviews/{item}/{action}", body)
+        assert (status, answer["error"]["rule"]) == (409, "workItem.status"), (action, body)
+        assert "not awaitingHuman: approve by key:" in answer["error"]["message"]
+    assert await env.snapshot() == before
+
+
 async def test_a_decision_on_the_revision_read_never_decides_a_later_one(env: Env) -> None:
     """A decision names the revision its decider read (the console sends the one its page
     shows): an item returned and escalated again since is at another revision, another
