@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx2
 import openai
@@ -618,6 +619,32 @@ async def test_a_plain_intake_in_doubt_is_answered_once_whether_or_not_it_landed
         assert await drain(recovery) == 0
 
 
+async def _hi_in_doubt_landing_later(
+    service: App,
+    client: Client,
+    faults: SqliteFaults | PgFaults,
+    key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[LandsLater, dict[str, str], dict[str, Any]]:
+    """Session ``d`` answered "first"; then "hi", its intake's statement in doubt (the
+    server applies it at ``land()``) and every try of its read-back failing (the
+    database still away): answered 503 ``intake.in_doubt``. The statement, and the
+    request's headers and body (to send it again)."""
+    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
+    body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
+    first = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert first.status == 200, await first.text()
+    late = LandsLater(service.db.write_alone)
+    monkeypatch.setattr(service.db, "write_alone", late)
+    faults.arm_on(READ_BACK, and_on=READ_BACK)
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+    told = await client.post("/v1/chat/completions", json=body, headers=headers)
+    faults.disarm()
+    assert told.status == 503
+    assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+    return late, headers, body
+
+
 @pytest.mark.parametrize("resent", [False, True], ids=["not-resent", "resent-first"])
 async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_answered_once(
     migrated_pg: str, monkeypatch: pytest.MonkeyPatch, resent: bool
@@ -631,19 +658,9 @@ async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_a
     landed and sent it again (``resent``), that resend's turn answered it, and the late
     copy (after the resend in the session's order) is not answered a second time."""
     async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
-        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
-        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
-        first = await client.post("/v1/chat/completions", json=body, headers=headers)
-        assert first.status == 200, await first.text()
-        late = LandsLater(service.db.write_alone)
-        monkeypatch.setattr(service.db, "write_alone", late)
-        # (every try of the read-back: the database still away)
-        faults.arm_on(READ_BACK, and_on=READ_BACK)
-        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
-        told = await client.post("/v1/chat/completions", json=body, headers=headers)
-        faults.disarm()
-        assert told.status == 503
-        assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+        late, headers, body = await _hi_in_doubt_landing_later(
+            service, client, faults, key, monkeypatch
+        )
         recovery = TurnRecovery(service.turns, own_only=True)
         assert await drain(recovery) == 0
         assert not service.turns.owed and len(service.turns.owed_lost) == 1
@@ -679,17 +696,7 @@ async def test_a_stop_looks_once_more_for_a_plain_intake_in_doubt(
     the process's memory). Not landed, one WARNING says a message the database applies
     after the stop stays unanswered (nothing said it)."""
     async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
-        headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
-        body = {"model": "plain", "messages": [{"role": "user", "content": "first"}]}
-        first = await client.post("/v1/chat/completions", json=body, headers=headers)
-        assert first.status == 200, await first.text()
-        late = LandsLater(service.db.write_alone)
-        monkeypatch.setattr(service.db, "write_alone", late)
-        faults.arm_on(READ_BACK, and_on=READ_BACK)
-        body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
-        told = await client.post("/v1/chat/completions", json=body, headers=headers)
-        faults.disarm()
-        assert (await told.json())["error"]["rule"] == "intake.in_doubt"
+        late, _, _ = await _hi_in_doubt_landing_later(service, client, faults, key, monkeypatch)
         assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
         assert len(service.turns.owed_lost) == 1
         if landed:

@@ -128,6 +128,14 @@ def event_id(ts: str, channel: str = CHANNEL) -> str:
     return f"slack:T0STANDIN:{channel}:{ts}"
 
 
+async def answered_live(service: App, standin: SlackApiStandin, ts: str) -> None:
+    """A process up (its catch-up done) takes in ``ts``, delivered live, and answers it."""
+    async with running(service, standin) as (up, client):
+        await caught_up(up)
+        await deliver(client, standin, ts)
+        await eventually(lambda: answers(up, ts), what="the live message answered")
+
+
 async def deliver(client: Client, standin: SlackApiStandin, ts: str) -> None:
     """Slack's delivery of the kept message ``ts`` (of ``CHANNEL``) as an ``app_mention``
     event, signed; answered 200."""
@@ -148,10 +156,7 @@ async def test_messages_posted_while_the_service_was_down_are_answered_once_afte
     await routed(service, {"team": "T0STANDIN"})
     now = fake_clock(service).now_ms()
     live = said(standin, "said while up", at_ms=now - 30 * MINUTE_MS)
-    async with running(service, standin) as (first, client):
-        await caught_up(first)
-        await deliver(client, standin, live)
-        await eventually(lambda: answers(first, live), what="the live message answered")
+    await answered_live(service, standin, live)
     # Down: Slack's retries of these reach nobody.
     missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS)
     standin.say(CHANNEL, "not to the bot", at_ms=now - 19 * MINUTE_MS)
@@ -255,10 +260,7 @@ async def test_a_reply_in_a_thread_the_bot_replied_to_after_it_is_not_answered(
     now = fake_clock(service).now_ms()
     parent = said(standin, "the question", at_ms=now - 30 * MINUTE_MS)
     with clock_at(service, now - 29 * MINUTE_MS):
-        async with running(service, standin) as (first, client):
-            await caught_up(first)
-            await deliver(client, standin, parent)
-            await eventually(lambda: answers(first, parent), what="the parent answered")
+        await answered_live(service, standin, parent)
     said(standin, "told in the thread", at_ms=now - 20 * MINUTE_MS, thread_ts=parent)
     standin.say(
         CHANNEL,
@@ -287,10 +289,7 @@ async def test_only_the_message_a_reply_of_the_bot_s_names_counts_as_answered(
     now = fake_clock(service).now_ms()
     first = said(standin, "the question", at_ms=now - 30 * MINUTE_MS)
     with clock_at(service, now - 29 * MINUTE_MS):
-        async with running(service, standin) as (up, client):
-            await caught_up(up)
-            await deliver(client, standin, first)
-            await eventually(lambda: answers(up, first), what="the first answered")
+        await answered_live(service, standin, first)
     # Down: a second question, then the first's answer (approved late: the outbox's
     # post carries no metadata).
     second = said(standin, "the second", at_ms=now - 20 * MINUTE_MS, thread_ts=first)
@@ -438,10 +437,7 @@ async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_
     await routed(service, {"team": "T0STANDIN"}, {"team": "T0STANDIN", "channel": OTHER_CHANNEL})
     now = fake_clock(service).now_ms()
     gone = said(standin, "in a channel deleted since", at_ms=now - 30 * MINUTE_MS)
-    async with running(service, standin) as (first, client):
-        await caught_up(first)
-        await deliver(client, standin, gone)
-        await eventually(lambda: answers(first, gone), what="the live message answered")
+    await answered_live(service, standin, gone)
     del standin.history[CHANNEL]  # channel_not_found
     caplog.clear()
     caplog.set_level(logging.INFO)

@@ -212,6 +212,29 @@ async def _lease_expires_at(stack: Stack, run_id: str) -> int | None:
     return None if at is None else int(at)
 
 
+async def _resumed(stack: Stack, org: Org, run_id: str) -> RunView:
+    """The run that resumed run ``run_id`` (its one continuation's)."""
+    [cont] = (await _view(stack, org, run_id))["continuations"]
+    return await _view(stack, org, cont["resumedRunId"])
+
+
+async def _resumes_to_the_end(stack: Stack, org: Org, run_id: str) -> None:
+    """The resumer resumes run ``run_id``, paused on its gated node 0, once; the resumed
+    run completes, and the node's message was taken in and answered once."""
+    assert await drain(FlowResumer(stack.flows)) == 1
+    done = await _resumed(stack, org, run_id)
+    assert (done["status"], done["outputs"]) == (
+        "completed",
+        [PAUSED_OUTPUT, {"data": "after", "success": True}],
+    )
+    assert await _turns(stack, run_id, 0) == {
+        "user": 1,
+        "assistant": 1,
+        "tool": 1,
+        "inboundEvents": 1,
+    }
+
+
 async def _save_worker(stack: Stack, org: Org, worker: dict[str, Any], **change: Any) -> None:
     async with stack.db.tx() as conn:
         await agents_mod.save_agent(
@@ -270,8 +293,7 @@ async def test_a_run_killed_mid_node_is_continued_by_recovery_once_its_lease_lap
     }
     assert await _turns(second, run_id, 1) == {"user": 1, "assistant": 1, "inboundEvents": 1}
     assert await drain(FlowResumer(second.flows)) == 1
-    [cont] = (await _view(second, org, run_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
+    done = await _resumed(second, org, run_id)
     assert done["status"] == "completed"
     assert done["outputs"] == [*paused["outputs"], {"data": "after", "success": True}]
     assert await drain(recovery) == 0
@@ -304,8 +326,7 @@ async def test_a_resumed_run_whose_process_died_is_continued(
     assert (await _turns(second, resumed_id, 1))["user"] == 1
     await second.settle()
     assert await drain(FlowResumer(second.flows)) == 1
-    [cont] = (await _view(second, org, resumed_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
+    done = await _resumed(second, org, resumed_id)
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
 
 
@@ -448,8 +469,7 @@ async def test_the_stalled_executor_writes_nothing_once_recovery_took_its_run(
     # Its turn's submission is the one the flow waits on.
     await second.settle()
     assert await drain(FlowResumer(second.flows)) == 1
-    [cont] = (await _view(second, org, run_id))["continuations"]
-    assert (await _view(second, org, cont["resumedRunId"]))["status"] == "completed"
+    assert (await _resumed(second, org, run_id))["status"] == "completed"
 
 
 async def test_two_recoverers_race_for_a_lapsed_run_and_one_wins(
@@ -799,8 +819,7 @@ async def test_a_resumer_pass_that_skips_a_locked_continuation_looks_again_soon(
         assert not await resumer.run_once()
         assert resumer.due_in_s() == LOCKED_RECHECK_MS / 1000
     assert await resumer.run_once()
-    [cont] = (await _view(second, org, paused_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
+    done = await _resumed(second, org, paused_id)
     assert done["status"] == "completed"
     with second.db.record_statements() as idle:
         assert not await resumer.run_once()
@@ -843,8 +862,7 @@ async def test_a_row_lock_on_a_settled_continuations_run_session_or_item_does_no
         assert passing.done() == (joined == "run")
     assert await passing
     assert resumer.due_in_s() is None
-    [cont] = (await _view(second, org, paused_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
+    done = await _resumed(second, org, paused_id)
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
 
 
@@ -884,8 +902,7 @@ async def test_a_resume_waits_for_a_held_item_no_longer_than_its_bound_and_other
     assert said and all(r.levelno == logging.INFO for r in said), said
     clock.advance(2 * LOCKED_RECHECK_MS)  # (held again when taken again: twice as long)
     assert await resumer.run_once()
-    [cont] = (await _view(second, *left))["continuations"]
-    done = await _view(second, left[0], cont["resumedRunId"])
+    done = await _resumed(second, *left)
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
     assert not await resumer.run_once()
     assert resumer.due_in_s() is None
@@ -924,8 +941,7 @@ async def test_a_continuation_whose_item_stays_held_is_taken_again_less_often_an
     assert resumer.due_in_s() == LEFT_AT_MOST_MS / 1000
     clock.advance(LEFT_AT_MOST_MS)
     assert await resumer.run_once()
-    [cont] = (await _view(second, org, paused_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
+    done = await _resumed(second, org, paused_id)
     assert (done["status"], done["outputs"][-1]) == ("completed", {"data": "end", "success": True})
     assert not await resumer.run_once()
     assert resumer.due_in_s() is None
@@ -977,8 +993,7 @@ async def test_a_left_continuation_whose_time_comes_during_a_pass_is_not_forgott
         assert await asyncio.wait_for(resumer.run_once(), bound / 2)  # taken again
     clock.advance(LEFT_AT_MOST_MS)
     assert await resumer.run_once()
-    [cont] = (await _view(stack, org, paused_id))["continuations"]
-    done = await _view(stack, org, cont["resumedRunId"])
+    done = await _resumed(stack, org, paused_id)
     assert done["status"] == "completed"
 
 
@@ -1222,20 +1237,8 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
     paused = await _view(second, org, run_id)
     assert paused["status"] == "waitingForHitl"
     assert len(paused["continuations"]) == 1
-    assert await drain(FlowResumer(second.flows)) == 1
-    [cont] = (await _view(second, org, run_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
-    assert (done["status"], done["outputs"]) == (
-        "completed",
-        [PAUSED_OUTPUT, {"data": "after", "success": True}],
-    )
     # One intake of the node's message, answered by the re-run turn alone.
-    assert await _turns(second, run_id, 0) == {
-        "user": 1,
-        "assistant": 1,
-        "tool": 1,
-        "inboundEvents": 1,
-    }
+    await _resumes_to_the_end(second, org, run_id)
     async with second.db.read() as conn:
         assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
@@ -1297,20 +1300,8 @@ async def test_a_gated_node_cut_before_its_pause_pauses_whatever_its_agent_is_no
     )
     assert paused["events"] == ["Flow run started", RECOVERED_EVENT, WAITING_EVENT]
     await second.settle()  # the lead approves the dead turn's submission
-    assert await drain(FlowResumer(second.flows)) == 1
-    [cont] = (await _view(second, org, run_id))["continuations"]
-    done = await _view(second, org, cont["resumedRunId"])
-    assert (done["status"], done["outputs"]) == (
-        "completed",
-        [PAUSED_OUTPUT, {"data": "after", "success": True}],
-    )
     # One turn of the node; its item completed by the resume, no delivery left open.
-    assert await _turns(second, run_id, 0) == {
-        "user": 1,
-        "assistant": 1,
-        "tool": 1,
-        "inboundEvents": 1,
-    }
+    await _resumes_to_the_end(second, org, run_id)
     async with second.db.read() as conn:
         items = (await conn.execute(sa.select(t.work_items.c.status))).scalars().all()
         deliveries = (await conn.execute(sa.select(t.deliveries.c.status))).scalars().all()
