@@ -32,6 +32,10 @@ from aiohttp import web
 from leadgate.core.errors import DatabaseDamaged, IntakeInDoubt, LeadgateError, Unavailable
 from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, Conversations, Inbound, Recorded, Routed, RouteMatch
+
+# DATABASE_FAULTS: what an intake or a click meets when the database cannot be reached
+# (or a recording outlived the platform's deadline): nothing may have been taken in.
+from leadgate.database.faults import DATABASE_FAULTS as DATABASE_FAULTS
 from outbox.channel import Channel, OutboundMessage, SendOutcome, Sent
 
 log = logging.getLogger(__name__)
@@ -134,10 +138,6 @@ def quoted_page(body: bytes | str) -> str:
         text = _CUT_RUN.sub("…", text)
     return _SECRET_LOOKING.sub("…", " ".join(text.split()))[:QUOTED_BODY_CHARS]
 
-
-#: What an intake or a click meets when the database cannot be reached (or a recording
-#: outlived the platform's deadline): nothing may have been taken in.
-DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 
 #: How :func:`not_taken_in` begins for a message that met a database fault: nothing was
 #: taken in, and the person is asked to send it again.

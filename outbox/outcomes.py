@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -159,6 +159,63 @@ _COMMIT_POSTS = sa.text(
 )
 
 
+#: The most of an error a delivery keeps, per part (the error, what the platform said):
+#: a platform's refusal may quote a whole page.
+ERROR_CHARS = 2000
+_ID_TYPE = D.external_id.type
+#: The longest platform message id a delivery keeps (its column's bound: PostgreSQL
+#: refuses a longer one).
+EXTERNAL_ID_CHARS = (
+    _ID_TYPE.length if isinstance(_ID_TYPE, sa.String) and _ID_TYPE.length else ERROR_CHARS
+)
+
+
+def _storable_text(text: str) -> str:
+    """``text`` as every backend takes it: at most :data:`ERROR_CHARS`, no NUL
+    (PostgreSQL's text refuses it) and no lone surrogate (UTF-8 has none: the driver
+    cannot encode it), each such character a replacement one."""
+    if len(text) > ERROR_CHARS:
+        text = text[: ERROR_CHARS - 1] + "\u2026"
+    if text.isascii():
+        return text.replace("\x00", "\ufffd") if "\x00" in text else text
+    return text.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
+def _storable_id(external_id: object) -> str | None:
+    """A platform's message id if every backend stores it as it is (a string within
+    :data:`EXTERNAL_ID_CHARS`, no NUL, no lone surrogate), else ``None``: an id changed
+    to fit would name another message (or none), and editing or quoting it would go
+    astray; no id is what a delivery posted without one keeps."""
+    if not isinstance(external_id, str):
+        return None
+    if len(external_id) <= EXTERNAL_ID_CHARS and _storable_text(external_id) == external_id:
+        return external_id
+    return None
+
+
+def storable(done: Done) -> Done:
+    """``done`` with what its channel's answer put into it (error text, what the
+    platform said, message ids) made storable by every backend (:func:`_storable_text`,
+    :func:`_storable_id`). A value the database refuses made its group's commit fail at
+    every try, and the relay kept the group, not sending or taking back anything more.
+    Every outcome is committed through this (:meth:`OutcomeCommitter.commit`,
+    :meth:`OutcomeCommitter.commit_alone`): no channel needs to know the schema."""
+    outcome = done.outcome
+    if isinstance(outcome, Sent):
+        if outcome.external_id is not None and _storable_id(outcome.external_id) is None:
+            outcome = Sent(None)
+    else:
+        error, said = _storable_text(outcome.error), _storable_text(outcome.said)
+        if (error, said) != (outcome.error, outcome.said):
+            outcome = replace(outcome, error=error, said=said)
+    external_id = done.external_id
+    if external_id is not None:
+        external_id = _storable_id(external_id)
+    if outcome is done.outcome and external_id == done.external_id:
+        return done  # (the usual case: no copy on the relay's path)
+    return replace(done, outcome=outcome, external_id=external_id)
+
+
 def _keeps_secret(row: Delivery) -> bool:
     """Whether the delivery's address holds a value only its send needs."""
     return isinstance(row.address, dict) and any(k in row.address for k in UNTIL_SENT)
@@ -215,6 +272,7 @@ class OutcomeCommitter:
 
     async def commit(self, conn: Conn, done: list[Done], now: int) -> None:
         """Commit every outcome of ``done``."""
+        done = [storable(d) for d in done]
         sent = [d for d in done if isinstance(d.outcome, Sent)]
         if sent:
             await self._commit_sent(conn, sent, now)
@@ -228,6 +286,7 @@ class OutcomeCommitter:
         group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
         if not db.statements_alone or not done:
             return False
+        done = [storable(d) for d in done]
         if any(
             not isinstance(d.outcome, Sent) or d.row.action == "reveal" or _keeps_secret(d.row)
             for d in done

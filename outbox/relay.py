@@ -58,6 +58,7 @@ from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, LostClaims, after_lapse, seconds_until
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Counts, Database, count_found, signal_after_commit
+from leadgate.database.faults import DATABASE_FAULTS
 from leadgate.database.plans import AnyRow
 from leadgate.database.sql import one_row, unindexed
 from leadgate.domain.processes import owner_gone
@@ -121,6 +122,12 @@ LEASE_EXPIRED_ERROR = (
 #: up; rows of a group that cannot be committed stay ``sending`` and their send lease
 #: expiry turns them into ``deliveryUnknown`` (never a second post).
 COMMIT_RETRY_DELAYS_S = (0.05, 0.5, 2.0)
+#: The error of a delivery whose send's outcome could not be committed as it was (an
+#: error not the database's: a value it refuses), recorded ``deliveryUnknown`` instead.
+NOT_RECORDED_ERROR = (
+    "the outcome of this send could not be recorded (outbox.outcome_not_recorded); it "
+    "may have been posted, so it is not sent again by itself"
+)
 #: A card update whose card is not posted yet waits this long before looking again.
 CARD_NOT_POSTED_RETRY_S = 2.0
 
@@ -419,7 +426,7 @@ class Relay:
         if self._uncommitted:
             group, self._uncommitted = self._uncommitted, []
             try:
-                await self.complete(group)
+                await self._commit_each(group)
             except Exception:
                 self._uncommitted = group + self._uncommitted
                 raise
@@ -545,7 +552,7 @@ class Relay:
     async def _commit_group(self, group: list[Done]) -> None:
         for attempt, delay in enumerate((*COMMIT_RETRY_DELAYS_S, None)):
             try:
-                await self.complete(group)
+                await self._commit_each(group)
                 return
             except Exception:
                 if delay is None:
@@ -560,6 +567,66 @@ class Relay:
                     return
                 log.warning("committing delivery outcomes failed (attempt %d)", attempt + 1)
                 await asyncio.sleep(delay)
+
+    async def _commit_each(self, group: list[Done]) -> None:
+        """Commit ``group`` (:meth:`complete`); raises only a database fault
+        (:data:`DATABASE_FAULTS`), with ``group`` left holding the outcomes not committed,
+        to commit again (the database comes back within the send lease).
+
+        Any other error is about what the group's commit wrote, and committing it again
+        meets it again: kept, it held every other outcome of the group, and the relay
+        stopped claiming and taking back lapsed leases. The members are then committed one
+        by one, and one that still fails is recorded ``deliveryUnknown``
+        (:meth:`_record_unknown`)."""
+        try:
+            await self.complete(group)
+        except DATABASE_FAULTS:
+            raise
+        except Exception:  # (met again one by one, and logged there)
+            pass
+        else:
+            group.clear()
+            return
+        while group:
+            try:
+                await self.complete(group[:1])
+            except DATABASE_FAULTS:
+                raise
+            except Exception as exc:
+                await self._record_unknown(group[0], exc)
+            del group[0]
+
+    async def _record_unknown(self, done: Done, exc: Exception) -> None:
+        """``done``'s outcome could not be committed, for ``exc``, not a database fault:
+        its delivery becomes ``deliveryUnknown`` with a fixed error
+        (:data:`NOT_RECORDED_ERROR`), never sent again by itself (it may have been
+        posted; a person settles it), with one ERROR line. If even that cannot be
+        committed (not for a database fault, which is raised), nothing more is tried:
+        the send lease lapses and takes the row back as it does a dead relay's."""
+        log.error(
+            "delivery %s on %s: its send's outcome (%s) could not be recorded; "
+            "recording it deliveryUnknown",
+            done.row.id,
+            done.row.channel,
+            type(done.outcome).__name__,
+            exc_info=loggable(exc),
+        )
+        # What the channel said is left out (it may be what the database refused); the
+        # parts of a long text already posted are the relay's own counts, kept.
+        unknown = Done(
+            done.row, Uncertain(NOT_RECORDED_ERROR), done.parts_posted, None, done.next_part_at
+        )
+        try:
+            await self.complete([unknown])
+        except DATABASE_FAULTS:
+            raise
+        except Exception as again:
+            log.error(
+                "delivery %s: not even deliveryUnknown could be recorded; "
+                "left to its send lease's expiry",
+                done.row.id,
+                exc_info=loggable(again),
+            )
 
     async def complete(self, done: list[Done]) -> None:
         """Commit a group of outcomes in one transaction."""

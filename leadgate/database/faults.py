@@ -30,8 +30,14 @@ import sqlite3
 
 import sqlalchemy as sa
 
-from leadgate.core.errors import NOTHING_STORED, Unavailable
+from leadgate.core.errors import NOTHING_STORED, DatabaseDamaged, Unavailable
 from leadgate.core.logs import exception_chain
+
+#: The errors a write raises when the database failed it, not what was written: the
+#: same write may go through later (:class:`Unavailable`), or nothing will until an
+#: operator repairs the database (:class:`DatabaseDamaged`). Anything else a write
+#: raises is about the write itself (a bug, a value the database refuses).
+DATABASE_FAULTS = (Unavailable, DatabaseDamaged)
 
 # SQLite primary result codes that say "not now".
 _SQLITE_CODES = frozenset(

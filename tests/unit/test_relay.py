@@ -347,7 +347,7 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     relay = relay_for(stack)
 
     async def broken(*args: Any, **kwargs: Any) -> list[str]:
-        raise RuntimeError("database went away mid-commit")
+        raise Unavailable("database went away mid-commit")
 
     # The item's move fails: the delivery's move to sent is rolled back with it. (On
     # PostgreSQL the posts' outcomes are one statement: it fails after its moves.)
@@ -357,6 +357,9 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
     )
     assert failing != outcomes_mod._COMMIT_POSTS.text
     monkeypatch.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))
+    # (the division by zero stands for a database fault: an error of the statement
+    # itself is met again at every try, and is recorded deliveryUnknown instead)
+    monkeypatch.setattr(relay_mod, "DATABASE_FAULTS", (Unavailable, sa.exc.DBAPIError))
     monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
     counts = (deliveries_counted("slack", "sent"), transitions_counted("approved", "completed"))
     await relay.run_once()
@@ -387,7 +390,7 @@ async def test_an_uncertain_send_whose_commit_failed_is_counted_once_when_it_com
     relay = relay_for(stack)
 
     async def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("database went away mid-commit")
+        raise Unavailable("database went away mid-commit")
 
     monkeypatch.setattr(workitems, "audit", broken)  # after the delivery's fenced update
     monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
@@ -400,6 +403,107 @@ async def test_an_uncertain_send_whose_commit_failed_is_counted_once_when_it_com
     assert (await delivery(stack, dlv["id"]))["status"] == "deliveryUnknown"
     assert (await item(stack, item_id))["status"] == "approved"
     assert deliveries_counted("slack", "deliveryUnknown") - unknown == 1
+
+
+async def test_outcomes_no_database_takes_as_sent_are_stored_made_storable(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """What a channel's answer puts into an outcome is made storable where outcomes are
+    committed: a NUL (PostgreSQL's text refuses it), a lone surrogate (no UTF-8 for
+    it), a page of error text, a message id over its column's 200 characters. Before,
+    the group's commit failed on every pass and the relay kept it, claiming nothing more
+    and taking back no lapsed lease: every other outcome of the group waited too."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 5)
+    ids = [str(d["id"]) for d in seeded.deliveries]
+    answers: dict[str, SendOutcome] = {
+        ids[0]: Retry("HTTP 429\x00", 1.0, said="slow down\x00 \ud800 please"),
+        ids[1]: Permanent("HTTP 400", said="x" * 100_000),
+        ids[2]: Sent("y" * 201),
+        ids[3]: Sent("ts\x00 1"),
+        ids[4]: Sent("1700000001.000100"),
+    }
+
+    def answer(message: OutboundMessage) -> SendOutcome:
+        return answers[message.delivery_id]
+
+    channel.script = [answer] * len(ids)
+    relay = relay_for(stack)
+    await drain(relay)
+    rows = [await delivery(stack, i) for i in ids]
+    assert [r["status"] for r in rows] == ["pending", "failed", "sent", "sent", "sent"]
+    assert rows[0]["error"] == "HTTP 429\ufffd: slow down\ufffd ? please"
+    assert rows[1]["error"] == "HTTP 400: " + "x" * (outcomes_mod.ERROR_CHARS - 1) + "\u2026"
+    # An id changed to fit would name another message: none is kept instead.
+    assert [r["external_id"] for r in rows[2:]] == [None, None, "1700000001.000100"]
+    assert [(await item(stack, str(i["id"])))["status"] for i in seeded.items] == [
+        "approved",
+        "failed",
+        "completed",
+        "completed",
+        "completed",
+    ]
+    assert len(channel.calls) == len(ids)
+
+
+async def test_an_outcome_whose_commit_can_never_succeed_is_recorded_delivery_unknown(
+    stack: Stack, channel: ScriptedChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error committing a group that is not a database fault is met again at every
+    try: the group's members are committed one by one, and the one that still cannot be
+    is recorded ``deliveryUnknown`` (never sent again: it may have been posted), with a
+    fixed error naming the rule and one ERROR line. The rest of the group commits, and
+    the relay goes on claiming. Before, the whole group was kept and committed again at
+    every run, for good."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 3)
+    ids = [str(d["id"]) for d in seeded.deliveries]
+    refused, bad = seeded.items[1]["id"], "unstorable"
+    answers: dict[str, SendOutcome] = {
+        ids[0]: Sent("1700000001.000100"),
+        ids[1]: Permanent(bad),
+        ids[2]: Retry("HTTP 503"),
+    }
+
+    def answer(message: OutboundMessage) -> SendOutcome:
+        return answers[message.delivery_id]
+
+    real = workitems.transition
+
+    async def transition(conn: Conn, *args: Any, **kwargs: Any) -> Any:
+        if args[2] == refused and kwargs.get("text") == bad:
+            raise ValueError("a value the database refuses")
+        return await real(conn, *args, **kwargs)
+
+    channel.script = [answer] * len(ids)
+    relay = relay_for(stack)
+    unknown = deliveries_counted("slack", "deliveryUnknown")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workitems, "transition", transition)
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        caplog.set_level("ERROR", logger="leadgate.relay")
+        await drain(relay)
+    rows = [await delivery(stack, i) for i in ids]
+    assert [r["status"] for r in rows] == ["sent", "deliveryUnknown", "pending"]
+    assert rows[1]["error"] == relay_mod.NOT_RECORDED_ERROR
+    assert "outbox.outcome_not_recorded" in relay_mod.NOT_RECORDED_ERROR
+    assert rows[1]["lease_token"] is None
+    assert [(await item(stack, str(i["id"])))["status"] for i in seeded.items] == [
+        "completed",
+        "approved",
+        "approved",
+    ]
+    assert deliveries_counted("slack", "deliveryUnknown") - unknown == 1
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert ids[1] in errors[0].getMessage()
+    assert bad not in caplog.text  # (what the platform said stays out of logs)
+    assert relay._uncommitted == []
+    # Nothing is held: the relay claims and posts what comes due next, and never posts
+    # the unrecorded one again.
+    more = await seed_items(stack.db, stack.clock, stack.ids, 1)
+    channel.script = []
+    await drain(relay)
+    assert (await delivery(stack, str(more.deliveries[0]["id"])))["status"] == "sent"
+    assert [m.delivery_id for m in channel.calls].count(ids[1]) == 1
 
 
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
