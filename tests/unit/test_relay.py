@@ -506,6 +506,85 @@ async def test_an_outcome_whose_commit_can_never_succeed_is_recorded_delivery_un
     assert [m.delivery_id for m in channel.calls].count(ids[1]) == 1
 
 
+async def test_a_kept_group_that_then_meets_another_error_is_committed_one_by_one(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """A group kept for a database fault is committed again at the next run; when that
+    commit meets an error of another kind, its members are committed one by one too (the
+    one that cannot be: ``deliveryUnknown``). Before, the next run raised the error at
+    every pass, the group kept for good."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
+    ids = [str(d["id"]) for d in seeded.deliveries]
+    refused = seeded.items[1]["id"]
+    answers: dict[str, SendOutcome] = {ids[0]: Sent("1700000001.000100"), ids[1]: Permanent("no")}
+
+    def answer(message: OutboundMessage) -> SendOutcome:
+        return answers[message.delivery_id]
+
+    real = workitems.transition
+    down = True
+
+    async def transition(conn: Conn, *args: Any, **kwargs: Any) -> Any:
+        if down:
+            raise Unavailable("database went away mid-commit")
+        if args[2] == refused:
+            raise ValueError("a value the database refuses")
+        return await real(conn, *args, **kwargs)
+
+    channel.script = [answer] * len(ids)
+    relay = relay_for(stack)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workitems, "transition", transition)
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        await relay.run_once()
+        assert [(await delivery(stack, i))["status"] for i in ids] == ["sending", "sending"]
+        assert len(relay._uncommitted) == 2
+        down = False
+        await drain(relay)
+    rows = [await delivery(stack, i) for i in ids]
+    assert [r["status"] for r in rows] == ["sent", "deliveryUnknown"]
+    assert rows[1]["error"] == relay_mod.NOT_RECORDED_ERROR
+    assert relay._uncommitted == []
+    assert len(channel.calls) == 2
+
+
+async def test_a_database_fault_met_one_by_one_keeps_only_the_outcomes_not_committed(
+    stack: Stack, channel: ScriptedChannel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Committing one by one stops at a database fault, and what is committed again is
+    what was not committed yet: the outcome already recorded is not met again (no second
+    ERROR line, no lost lease)."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 3)
+    ids = [str(d["id"]) for d in seeded.deliveries]
+    answers: dict[str, SendOutcome] = {i: Permanent(f"p{n}") for n, i in enumerate(ids)}
+
+    def answer(message: OutboundMessage) -> SendOutcome:
+        return answers[message.delivery_id]
+
+    real = workitems.transition
+    faults = [Unavailable("database went away mid-commit")]
+
+    async def transition(conn: Conn, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("text") == "p0":
+            raise ValueError("a value the database refuses")
+        if kwargs.get("text") == "p1" and faults:
+            raise faults.pop()
+        return await real(conn, *args, **kwargs)
+
+    channel.script = [answer] * len(ids)
+    relay = relay_for(stack)
+    caplog.set_level("WARNING", logger="leadgate.relay")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workitems, "transition", transition)
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        await drain(relay)
+    assert faults == []
+    rows = [await delivery(stack, i) for i in ids]
+    assert [r["status"] for r in rows] == ["deliveryUnknown", "failed", "failed"]
+    assert [r.levelname for r in caplog.records].count("ERROR") == 1
+    assert "send lease lost" not in caplog.text
+
+
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
     stack: Stack, channel: ScriptedChannel
 ) -> None:
