@@ -963,9 +963,7 @@ async def test_the_turn_path_says_turn_interrupted_once_for_every_caller(env: En
         await env.service.turns.run(trigger("model", "ti-model"))
 
 
-async def test_a_fault_storing_the_answer_under_its_key_still_answers(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_fault_storing_the_answer_under_its_key_still_answers(env: Env) -> None:
     """The turn ran and answered, then storing its answer under the Idempotency-Key met a
     database fault: the client got a retryable 503 "nothing was stored, please retry"
     (no ``x-should-retry: false``) for a message taken in and answered, and a stream
@@ -981,16 +979,16 @@ async def test_a_fault_storing_the_answer_under_its_key_still_answers(
     async def faulty_finish(*args: Any, **kwargs: Any) -> None:
         raise Unavailable("database is locked", rule="service.unavailable")
 
-    monkeypatch.setattr(env.service.idempotency, "finish", faulty_finish)
-    failed = await env.chat("worker", "break #fail", idem="k-fin-f", session="fin-f")
-    assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
-    plain = await env.chat("plain", "hello", idem="k-fin", session="fin")
-    assert plain.status == 200, await plain.text()
-    assert (await plain.json())["choices"][0]["message"]["content"] == "Echo: hello"
-    streamed = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
-    assert streamed.status == 200
-    assert (await streamed.read()).endswith(b"data: [DONE]\n\n")
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(env.service.idempotency, "finish", faulty_finish)
+        failed = await env.chat("worker", "break #fail", idem="k-fin-f", session="fin-f")
+        assert failed.status == 502 and failed.headers["x-should-retry"] == "false"
+        plain = await env.chat("plain", "hello", idem="k-fin", session="fin")
+        assert plain.status == 200, await plain.text()
+        assert (await plain.json())["choices"][0]["message"]["content"] == "Echo: hello"
+        streamed = await env.chat("plain", "hello", idem="k-fin-s", session="fin-s", stream=True)
+        assert streamed.status == 200
+        assert (await streamed.read()).endswith(b"data: [DONE]\n\n")
     env.clock.advance(LEASE_MS + 1)  # the claim nobody renews lapses
     lost = await env.chat("worker", "break #fail", idem="k-fin-f", session="fin-f")
     assert lost.status == 409 and (await lost.json())["error"]["rule"] == "idempotency.lost"

@@ -341,7 +341,7 @@ async def test_a_reply_of_whitespace_only_is_no_post(
 
 
 async def test_success_commits_delivery_and_item_in_one_transaction(
-    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+    stack: Stack, channel: ScriptedChannel
 ) -> None:
     item_id, dlv = await seed_one(stack)
     relay = relay_for(stack)
@@ -351,21 +351,21 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
 
     # The item's move fails: the delivery's move to sent is rolled back with it. (On
     # PostgreSQL the posts' outcomes are one statement: it fails after its moves.)
-    monkeypatch.setattr(workitems, "transition_many", broken)
-    failing = outcomes_mod._COMMIT_POSTS.text.replace(
-        " AS ev_notified", " AS ev_notified, (SELECT 1 / (count(*) - count(*)) FROM moved) AS b"
-    )
-    assert failing != outcomes_mod._COMMIT_POSTS.text
-    monkeypatch.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))
-    # (the division by zero stands for a database fault: an error of the statement
-    # itself is met again at every try, and is recorded deliveryUnknown instead)
-    monkeypatch.setattr(relay_mod, "DATABASE_FAULTS", (Unavailable, sa.exc.DBAPIError))
-    monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
-    counts = (deliveries_counted("slack", "sent"), transitions_counted("approved", "completed"))
-    await relay.run_once()
-    assert (await delivery(stack, dlv["id"]))["status"] == "sending"
-    assert (await item(stack, item_id))["status"] == "approved"
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workitems, "transition_many", broken)
+        failing = outcomes_mod._COMMIT_POSTS.text.replace(
+            " AS ev_notified", " AS ev_notified, (SELECT 1 / (count(*) - count(*)) FROM moved) AS b"
+        )
+        assert failing != outcomes_mod._COMMIT_POSTS.text
+        mp.setattr(outcomes_mod, "_COMMIT_POSTS", sa.text(failing))
+        # (the division by zero stands for a database fault: an error of the statement
+        # itself is met again at every try, and is recorded deliveryUnknown instead)
+        mp.setattr(relay_mod, "DATABASE_FAULTS", (Unavailable, sa.exc.DBAPIError))
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        counts = (deliveries_counted("slack", "sent"), transitions_counted("approved", "completed"))
+        await relay.run_once()
+        assert (await delivery(stack, dlv["id"]))["status"] == "sending"
+        assert (await item(stack, item_id))["status"] == "approved"
     # The row is still leased: nothing is claimed (and nothing posted) a second time; the
     # outcome the relay kept is committed at its next run, within the send lease.
     assert await relay.run_once() is True
@@ -380,7 +380,7 @@ async def test_success_commits_delivery_and_item_in_one_transaction(
 
 
 async def test_an_uncertain_send_whose_commit_failed_is_counted_once_when_it_commits(
-    stack: Stack, channel: ScriptedChannel, monkeypatch: pytest.MonkeyPatch
+    stack: Stack, channel: ScriptedChannel
 ) -> None:
     """An outcome committed one by one (here uncertain) whose transaction fails is kept
     and committed at the next run: ``deliveryUnknown`` is counted then, once, not by each
@@ -392,13 +392,13 @@ async def test_an_uncertain_send_whose_commit_failed_is_counted_once_when_it_com
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise Unavailable("database went away mid-commit")
 
-    monkeypatch.setattr(workitems, "audit", broken)  # after the delivery's fenced update
-    monkeypatch.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
-    unknown = deliveries_counted("slack", "deliveryUnknown")
-    await relay.run_once()
-    assert (await delivery(stack, dlv["id"]))["status"] == "sending"
-    assert deliveries_counted("slack", "deliveryUnknown") == unknown
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workitems, "audit", broken)  # after the delivery's fenced update
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        unknown = deliveries_counted("slack", "deliveryUnknown")
+        await relay.run_once()
+        assert (await delivery(stack, dlv["id"]))["status"] == "sending"
+        assert deliveries_counted("slack", "deliveryUnknown") == unknown
     assert await relay.run_once() is True
     assert (await delivery(stack, dlv["id"]))["status"] == "deliveryUnknown"
     assert (await item(stack, item_id))["status"] == "approved"

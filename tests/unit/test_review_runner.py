@@ -1110,9 +1110,7 @@ async def test_a_verdict_whose_commit_failed_is_committed_later_without_a_second
     assert reviews_counted() - reviews == 1  # once, as it committed
 
 
-async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(stack: Stack) -> None:
     """A verdict kept from its commit by a database fault, whose lease lapses before the
     database is back: another runner takes the item back and reviews it, and the kept
     verdict's commit is dropped by the lease fence. One verdict stored, one counted: the
@@ -1123,12 +1121,12 @@ async def test_a_kept_verdict_whose_lease_lapsed_is_dropped_uncounted(
     async def by_transaction(*args: Any, **kwargs: Any) -> bool:
         return False  # the verdict's transaction on either backend
 
-    monkeypatch.setattr(runner_module, "approve_alone", by_transaction)
-    monkeypatch.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
-    reviews = reviews_counted()
-    with pytest.raises(Unavailable):
-        await runner.review(claimed)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module, "approve_alone", by_transaction)
+        mp.setattr(stack.db, "tx", DownFor(stack.db.tx, 1, after_commit=False))
+        reviews = reviews_counted()
+        with pytest.raises(Unavailable):
+            await runner.review(claimed)
     clock(stack).advance(runner_module.LEASE_MS + 1)
     other = LeadRunner(stack.db, stack.clock, stack.ids, stack.providers, stack.outbox)
     assert await drain(other) == 1  # the lease taken back, the item claimed and reviewed
