@@ -47,6 +47,13 @@ session row), so a duplicate in doubt is answered :class:`~leadgate.core.types.D
 A duplicate reads whether that earlier event was recorded busy (``Duplicate.busy``):
 its message is then not in the transcript, and a surface that answers the duplicate
 (REST's Idempotency-Key takeover) answers it busy again.
+
+A message whose worker is refused (deleted: ``agent.not_found``; deactivated:
+``agent.inactive``) is a duplicate all the same when its external event id was taken
+in already, while the worker was active (:func:`_refused`): a platform's retry or
+catch-up, a re-delivered mail, a keyed REST retry of a message being answered or gated
+in review is answered as it would be were the worker active still, not refused. Only
+the refusal looks it up.
 """
 
 from __future__ import annotations
@@ -63,7 +70,14 @@ from sqlalchemy.exc import IntegrityError
 
 from binding import bindings
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import IntakeInDoubt, TransitionError, Unavailable, ValidationError
+from leadgate.core.errors import (
+    IntakeInDoubt,
+    LeadgateError,
+    NotFound,
+    TransitionError,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.core.limits import TASK_CONTEXT_LIMIT
 from leadgate.core.runners import LostClaims
 from leadgate.core.types import CHANNEL_KINDS, BindingKind, Busy, Duplicate, Trigger
@@ -116,7 +130,11 @@ _EVENT_LANDED = sa.select(t.inbound_events.c.id).where(
     t.inbound_events.c.id == sa.bindparam("p_id")
 )
 #: The message taken in under an organization's external event id (unique).
-_TAKEN = sa.select(t.inbound_events.c.agent_id, t.inbound_events.c.work_item_id).where(
+_TAKEN = sa.select(
+    t.inbound_events.c.agent_id,
+    t.inbound_events.c.work_item_id,
+    t.inbound_events.c.outcome == "rejectedBusy",
+).where(
     t.inbound_events.c.org_id == sa.bindparam("p_org"),
     t.inbound_events.c.external_event_id == sa.bindparam("p_event"),
 )
@@ -128,6 +146,8 @@ class TakenIn(NamedTuple):
     agent_id: str
     #: its work item; None when its worker had no lead at the intake (a plain turn)
     work_item_id: str | None
+    #: it was recorded busy (its message not in the transcript: ``Duplicate.busy``)
+    busy: bool = False
 
 
 async def taken_in(conn: Conn, org_id: str, external_event_id: str) -> TakenIn | None:
@@ -141,7 +161,27 @@ async def taken_in(conn: Conn, org_id: str, external_event_id: str) -> TakenIn |
     if row is None:
         return None
     item = row.work_item_id
-    return TakenIn(str(row.agent_id), None if item is None else str(item))
+    return TakenIn(str(row.agent_id), None if item is None else str(item), bool(row[2]))
+
+
+#: The refusals of a message's worker as it is now (deleted, or deactivated).
+_WORKER_REFUSED = frozenset({"agent.not_found", "agent.inactive"})
+
+
+async def _refused(conn: Conn, trigger: Trigger, refusal: LeadgateError) -> Duplicate:
+    """The worker of ``trigger`` is refused (``refusal``: deleted or deactivated): a
+    :class:`~leadgate.core.types.Duplicate` when its message was taken in already (its
+    external event id recorded, while the worker was active), as it would be were the
+    worker active still, whatever it is now; else ``refusal`` is raised. A platform's
+    retry or catch-up, a re-delivered mail or a keyed REST retry of a message taken in
+    (and being answered, or gated in review) was refused, and a chat surface's refusal
+    told its person so. Looked up only on this path: an intake that reads its worker
+    active runs no statement more."""
+    if trigger.external_event_id is not None and refusal.rule in _WORKER_REFUSED:
+        earlier = await taken_in(conn, trigger.org_id, trigger.external_event_id)
+        if earlier is not None:
+            return Duplicate(busy=earlier.busy)
+    raise refusal
 
 
 class _Landed(NamedTuple):
@@ -343,9 +383,17 @@ class Intake:
         policy, history); the steps that are more than a statement are methods. On
         PostgreSQL a turn that may be plain tries :meth:`_take_plain` first (no
         transaction block; see the module docstring). A model already found missing is
-        refused before any of it (:meth:`ConfigCache.refuse_unknown`).
+        refused before any of it (:meth:`ConfigCache.refuse_unknown`). A worker refused
+        (deleted, or deactivated) whose message was taken in already is a duplicate
+        (:func:`_refused`).
         """
-        self.refuse_unknown(trigger.org_id, trigger.agent_id)
+        try:
+            self.refuse_unknown(trigger.org_id, trigger.agent_id)
+        except NotFound as refusal:
+            if trigger.external_event_id is None:
+                raise  # (no statement, no connection: nothing can have been taken in)
+            async with self.db.read() as conn:
+                return await _refused(conn, trigger, refusal)
         if (
             self.db.statements_alone
             and trigger.external_event_id is None
@@ -365,13 +413,18 @@ class Intake:
         ended: tuple[Busy | Duplicate, str] | None = None
         try:
             async with self.db.tx() as conn:
-                agent, lead = await self.config.agent_and_lead(
-                    conn, trigger.org_id, trigger.agent_id
-                )
-                if not agent.active:
-                    raise ValidationError(
-                        f"agent {agent.name!r} is inactive", rule="agent.inactive"
+                try:
+                    agent, lead = await self.config.agent_and_lead(
+                        conn, trigger.org_id, trigger.agent_id
                     )
+                    if not agent.active:
+                        raise ValidationError(
+                            f"agent {agent.name!r} is inactive", rule="agent.inactive"
+                        )
+                except (NotFound, ValidationError) as refusal:
+                    # (a duplicate's event id is not read: _settle_ended answers it)
+                    ended = await _refused(conn, trigger, refusal), ""
+                    return ended[0]
                 session_id, current_binding, new_session = await bindings.open_session(
                     conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
                 )
