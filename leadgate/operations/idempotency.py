@@ -575,6 +575,20 @@ class Idempotency:
         Stored over a "lost" one and whatever the claim's owner (see :meth:`finish`)."""
         await _write_answer(conn, principal.org_id, claim.key_hash, response, False)
 
+    async def used(self, principal: Principal, key: str) -> bool:
+        """Whether ``key`` was used in the caller's organization within :data:`TTL_MS`
+        (claimed, or answered): a request for a model found missing goes on to
+        :meth:`begin` when it was, for the key's answer or its takeover (its message may
+        have been taken in before the agent was deleted). One read; no claim."""
+        key_hash = fingerprint(principal.org_id.encode(), _check_key(key).encode())
+        async with self.db.read() as conn:
+            found = await conn.scalar(
+                sa.select(_K.created_at).where(
+                    _K.org_id == principal.org_id, _K.key_hash == key_hash
+                )
+            )
+        return found is not None and found > self.clock.now_ms() - TTL_MS
+
     async def answer_of(self, principal: Principal, claim: Claim) -> dict[str, Any] | None:
         """The answer stored under ``claim``'s key now, if any: a takeover that found its
         message's turn ended reads whether a rerun stored the answer meanwhile

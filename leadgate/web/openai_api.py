@@ -33,7 +33,13 @@ from aiohttp import web
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.decoding import header_text, single_header
-from leadgate.core.errors import DatabaseDamaged, LeadgateError, Unavailable, ValidationError
+from leadgate.core.errors import (
+    DatabaseDamaged,
+    LeadgateError,
+    NotFound,
+    Unavailable,
+    ValidationError,
+)
 from leadgate.core.logs import loggable
 from leadgate.core.types import (
     BUSY_RULE,
@@ -164,6 +170,8 @@ class IdempotencyBackend(Protocol):
     async def lapse(self, principal: Principal, claim: Claim) -> None: ...
 
     async def answer_of(self, principal: Principal, claim: Claim) -> dict[str, Any] | None: ...
+
+    async def used(self, principal: Principal, key: str) -> bool: ...
 
     def held(self, principal: Principal, claim: Claim) -> AbstractAsyncContextManager[None]: ...
 
@@ -532,8 +540,14 @@ def setup(
         if key is None or idempotency is None:
             return await _turn(request, principal, parsed, session, None)
         # A model already found missing is refused before the key is claimed (the
-        # claim and its release would be two writes for a 404).
-        chat.refuse_unknown(principal, parsed.model)
+        # claim and its release would be two writes for a 404), unless the key was used:
+        # its message may have been taken in before the agent was deleted, and the
+        # retry gets the key's answer (or takes it over), not the 404.
+        try:
+            chat.refuse_unknown(principal, parsed.model)
+        except NotFound:
+            if not await idempotency.used(principal, key):
+                raise
         parts = [json.dumps(body, sort_keys=True, separators=(",", ":")).encode()]
         parts.append((session or "").encode())
         target = api_session_key(principal, session=session, user=parsed.user)

@@ -34,6 +34,7 @@ from leadgate.core.metrics import METRICS
 from leadgate.core.runners import DROPPED, drain
 from leadgate.core.types import BUSY_RULE, GATED_RULE, BindingKind, BindingSpec, Busy, Trigger
 from leadgate.database import schema as t
+from leadgate.domain import agents as agents_mod
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import (
     LEASE_MS,
@@ -200,13 +201,16 @@ async def test_same_key_other_request_is_400_naming_the_rule(env: Env) -> None:
 async def test_a_model_found_missing_is_refused_before_its_key_is_claimed(env: Env) -> None:
     """An unknown model answers 404 ``agent.not_found`` with or without a key. Once it
     was found missing, a keyed request for it claims no key (a claim and its release
-    would be two writes for a 404), and once the agent exists the key runs its turn."""
+    would be two writes for a 404; it reads whether the key was used, which a retry of
+    a message taken in before its agent was deleted is), and once the agent exists the
+    key runs its turn."""
     first = await env.chat("later", "hi", idem="k-u1", session="u")
     assert first.status == 404 and (await first.json())["error"]["rule"] == "agent.not_found"
     with env.service.db.record_statements() as statements:
         again = await env.chat("later", "hi", idem="k-u2", session="u")
     assert again.status == 404 and (await again.json())["error"]["rule"] == "agent.not_found"
-    assert not [sql for sql in statements if "idempotency_keys" in sql], statements
+    written = [sql for sql in statements if "idempotency_keys" in sql and "SELECT" not in sql]
+    assert not written, statements
     # A key without the trigger scope is still told so, not the kept 404.
     reviewer = await make_key(env.service, env.org, Scope.review)
     denied = await env.chat("later", "hi", key=reviewer, idem="k-u3", session="u")
@@ -457,6 +461,48 @@ async def test_a_keyed_retry_in_the_resend_wait_runs_the_cut_turn_once(
         ("user", "draft it"),
         ("assistant", "Echo: draft it"),
     ]
+
+
+@pytest.mark.parametrize("since", ["deactivated", "deleted"])
+@pytest.mark.parametrize("model", ["worker", "plain"])
+async def test_a_keyed_retry_after_its_agent_was_deactivated_gets_the_keys_answer(
+    env: Env, model: str, since: str
+) -> None:
+    """A keyed request's message was taken in and its process died (``worker``: before
+    its recorded turn ran; ``plain``: after its turn answered, before the answer was
+    stored under the key); the agent is then deactivated or deleted. The client's retry
+    with the key takes it over once its claim lapsed, and is answered as it would be
+    were the agent active: the cut turn run here and its answer (``worker``), or 409
+    ``idempotency.lost`` (``plain``: read the transcript); and every later retry gets
+    that answer again. It was 400 ``agent.inactive`` / 404 ``agent.not_found``, the key
+    given back, though the message was taken in (and, for a worker, recovery would
+    answer it later)."""
+    await claim_and_crash(env, "draft it", "k-d1", "d1", taken_in=True, model=model)
+    change: dict[str, Any] = {"delete": True} if since == "deleted" else {"active": False}
+    async with env.service.db.tx() as conn:
+        await agents_mod.save_agent(
+            conn, env.clock, env.service.ids, env.org.id, agent_ref=model, **change
+        )
+    env.clock.advance(LEASE_MS + 1)
+    first = await env.chat(model, "draft it", idem="k-d1", session="d1")
+    again = await env.chat(model, "draft it", idem="k-d1", session="d1")
+    if model == "worker":
+        assert first.status == 200, await first.text()
+        body = await first.json()
+        assert body["choices"][0]["message"]["content"] == "Echo: draft it"
+        assert await runs_left(env) == []
+    else:
+        assert first.status == 409, await first.text()
+        assert (await first.json())["error"]["rule"] == "idempotency.lost"
+    assert (again.status, again.headers["Idempotent-Replayed"]) == (first.status, "true")
+    assert await again.read() == await first.read()
+    async with env.service.db.read() as conn:
+        users = await conn.scalar(
+            sa.select(sa.func.count()).where(
+                t.messages.c.role == "user", t.messages.c.content == "draft it"
+            )
+        )
+    assert users == 1  # taken in once
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
