@@ -3,7 +3,8 @@ Slack event retried (through the signed Events API endpoint, the Slack stand-in 
 it), a mail re-delivered by the sending MTA (through the SMTP listener). It is a
 duplicate, answered as it would be were the worker active still: no refusal
 (``agent.inactive``, ``agent.not_found``), nothing posted, taken in once. On SQLite and
-PostgreSQL (``migrated_url``)."""
+PostgreSQL (``migrated_url``). And a Teams activity sent again (through the Bot Framework
+endpoint, the Bot Connector stand-in behind it)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from leadgate.core.config import Settings
 from leadgate.database import schema as t
 from leadgate.domain import agents as agents_mod
 from leadgate.domain.workitems import Status
-from tests.helpers import Org, eventually, make_agent, make_org, make_route
+from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.integration.test_channel_intake_faults import routed
 from tests.integration.test_email_review_replies import Env, _env
+from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 from tests.standins.smtp import SmtpSink
 
@@ -34,7 +37,7 @@ EVENT_ID = "slack:T0STANDIN:C0ASK:1700000000.000100"
 ASK = "ask@lg.example"
 
 
-async def change(service: App, org: Org, agent_id: str, since: str) -> None:
+async def change(service: App, org_id: str, agent_ref: str, since: str) -> None:
     """The worker deactivated (``since`` "deactivated") or deleted."""
     changes: dict[str, dict[str, Any]] = {
         "deactivated": {"active": False},
@@ -42,7 +45,7 @@ async def change(service: App, org: Org, agent_id: str, since: str) -> None:
     }
     async with service.db.tx() as conn:
         await agents_mod.save_agent(
-            conn, service.clock, service.ids, org.id, agent_ref=agent_id, **changes[since]
+            conn, service.clock, service.ids, org_id, agent_ref=agent_ref, **changes[since]
         )
 
 
@@ -135,7 +138,7 @@ async def test_a_slack_event_retried_after_its_worker_was_deactivated_is_a_dupli
             status = await conn.scalar(sa.select(t.work_items.c.status))
         assert status == Status.reviewQueued
     posted = list(slack.posts)
-    await change(service, org, worker["id"], since)
+    await change(service, org.id, worker["id"], since)
     # (A deleted worker's second retry meets its miss kept by the first one's intake.)
     for retry_num in (1, 2):
         status, body = await slack_event(server, text, retry_num=retry_num)
@@ -181,7 +184,44 @@ async def test_a_mail_delivered_again_after_its_worker_was_deactivated_is_taken_
     worker = await make_agent(app, org, "worker", lead="lead")
     await make_route(app, org, worker["id"], "email", {"address": ASK})
     assert await mail(mail_env.port) == 250
-    await change(app, org, worker["id"], since)
+    await change(app, org.id, worker["id"], since)
     for _ in range(2):  # (a deleted worker's second meets its miss kept by the first)
         assert await mail(mail_env.port) == 250
     assert await taken(app, f"email:{ASK}:<m1@mail.acme.io>") == (["accepted"], 1)
+
+
+@pytest.mark.parametrize("since", ["deactivated", "deleted"])
+async def test_a_teams_activity_sent_again_after_its_worker_was_deactivated_is_a_duplicate(
+    migrated_url: str, since: str
+) -> None:
+    """A Teams message answered (its reply posted through the Connector); its worker is
+    deactivated or deleted; the same activity comes again. It is a duplicate: 202,
+    nothing posted, taken in once (it was refused, a 4xx naming the rule)."""
+    connector = ConnectorStandin()
+    await connector.start()
+    try:
+        async with routed(migrated_url, "teams", {"enabled": True}) as (service, server):
+            activity = message_activity(service_url=connector.url, text="hello")
+            url = str(server.make_url("/api/messages"))
+            assert (await post_activity(url, activity))[0] == 202
+
+            async def replied() -> bool:
+                await service.relay.run_once()  # (once its turn queued the reply)
+                return bool(connector.activities)
+
+            await eventually(replied)
+            posted = list(connector.activities)
+            async with service.db.read() as conn:
+                org_id = await conn.scalar(sa.select(t.agents.c.org_id))
+            await change(service, str(org_id), "plain", since)
+            for _ in range(2):
+                status, body = await post_activity(url, activity)
+                assert status == 202, body
+            await service.relay.run_once()
+            async with service.db.read() as conn:
+                outcomes = (await conn.execute(sa.select(t.inbound_events.c.outcome))).scalars()
+                assert list(outcomes) == ["accepted"]
+            assert (await taken(service, ""))[1] == 1  # one user message
+            assert connector.activities == posted
+    finally:
+        await connector.close()
