@@ -276,9 +276,9 @@ class OutcomeCommitter:
         sent = [d for d in done if isinstance(d.outcome, Sent)]
         if sent:
             await self._commit_sent(conn, sent, now)
-        for item in done:
-            if not isinstance(item.outcome, Sent):
-                await self._commit_one(conn, item, item.outcome, now)
+        not_sent = [(d, d.outcome) for d in done if not isinstance(d.outcome, Sent)]
+        for item, outcome in sorted(not_sent, key=lambda pair: _lock_order(pair[0])):
+            await self._commit_one(conn, item, outcome, now)
 
     async def commit_alone(self, db: Database, done: list[Done], now: int) -> bool:
         """PostgreSQL: commit a group of successful posts in one statement outside a
@@ -559,6 +559,18 @@ class OutcomeCommitter:
             return None
         status = await conn.scalar(_CARD_STATUS, {"p_card": card_id})
         return str(status) if status in _UNEDITABLE else None
+
+
+def _lock_order(done: Done) -> tuple[int, str]:
+    """Where ``done`` comes in a group's one-by-one commit: the gating posts first, by
+    their items' ids, then the rest as they came (a sort is stable). Each post locks its
+    item (:func:`outbox.store.posts_of_ended_items`) and each card its wait; taken in
+    the order of the group, two posts' items were locked in the other order than the
+    lease expiry of another replica takes them (:func:`outbox.store.ended_meanwhile`:
+    items by id, then waits, as a decision locks an item, then its wait), and PostgreSQL
+    ended one of the two transactions (40P01 deadlock_detected)."""
+    item = _gating_item(done.row)
+    return (0, item) if item is not None else (1, "")
 
 
 def _gating_item(row: Delivery) -> str | None:

@@ -36,11 +36,19 @@ from outbox import relay as relay_mod
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done
 from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS, Relay, split_text
-from outbox.store import HANDOFF_TOPIC, OUTBOX_TOPIC, DeliveryStatus, for_item, recover
+from outbox.store import (
+    HANDOFF_TOPIC,
+    OUTBOX_TOPIC,
+    DeliveryStatus,
+    ended_meanwhile,
+    for_item,
+    recover,
+)
 from tests.fakes import LandsLater, lose_the_next_commit
 from tests.helpers import (
     Env,
     Org,
+    blocked_on_a_lock,
     deliveries_counted,
     eventually,
     held_open,
@@ -583,6 +591,33 @@ async def test_a_database_fault_met_one_by_one_keeps_only_the_outcomes_not_commi
     assert [r["status"] for r in rows] == ["deliveryUnknown", "failed", "failed"]
     assert [r.levelname for r in caplog.records].count("ERROR") == 1
     assert "send lease lost" not in caplog.text
+
+
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_group_locks_its_posts_items_in_the_order_a_lease_expiry_does(
+    stack: Stack,
+) -> None:
+    """A relay commits the refusals (Retry) of two posts, the later item's first, while
+    another replica takes back lapsed send leases, which locks the posts' items in id
+    order (:func:`outbox.store.ended_meanwhile`). The group locked them in its own
+    order: it held the later item waiting for the earlier one, which the expiry held
+    waiting for the later one, and PostgreSQL ended the relay's commit (40P01
+    deadlock_detected). It now locks them in the expiry's order: it waits, then commits."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
+    relay = relay_for(stack)
+    rows = sorted(await relay.claim(), key=lambda r: str(r.work_item_id), reverse=True)
+    assert len(rows) == 2
+    first = min(str(r.work_item_id) for r in rows)
+    posts = t.deliveries.c.id.in_([r.id for r in rows])
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == first).with_for_update()
+    async with stack.db.tx() as conn:
+        await conn.execute(locked)  # the expiry's statement has locked the first item
+        commit = asyncio.create_task(relay.complete([Done(r, Retry("busy")) for r in rows]))
+        await blocked_on_a_lock(stack.db, commit)
+        assert await ended_meanwhile(conn, posts) == []  # and goes on to the second
+    await commit
+    for d in seeded.deliveries:
+        assert (await delivery(stack, str(d["id"])))["status"] == "pending"
 
 
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(

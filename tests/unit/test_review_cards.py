@@ -29,7 +29,8 @@ from leadgate.review import destinations as dest
 from leadgate.review.cards import _CARD_EPISODE, card_episode, plain_text
 from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
-from outbox.channel import Card, CardOutcome, Permanent, Sent, Uncertain
+from outbox.channel import Card, CardOutcome, Permanent, Retry, Sent, Uncertain
+from outbox.outcomes import Done
 from outbox.relay import LEASE_EXPIRED_ERROR, SEND_LEASE_MS, Relay
 from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC, get_delivery
 from tests.fakes import lose_the_next_commit
@@ -967,3 +968,89 @@ async def test_a_cards_wait_is_read_from_its_row_fenced_to_its_item_and_organiza
             "SEARCH review_cards USING INDEX ix_review_cards_delivery_id (delivery_id=?)",
             "SEARCH review_episodes USING INDEX sqlite_autoindex_review_episodes_1 (id=?)",
         ], plan
+
+
+# --------------------------------------- lock order: the relay's outcomes and a decision
+
+
+async def _a_card_and_its_post_sending(env: ReviewEnv) -> tuple[str, list[Delivery]]:
+    """An escalated Slack item whose review card is being sent when a person approves it,
+    and whose answer post the relay then claims: both of its deliveries ``sending``, the
+    card's row first, as one relay group holds them."""
+    stack = env.stack
+    await stack.turns.run(slack_trigger(env, "hard #escalate #complete"))
+    await drain(stack.lead_runner)
+    item_id = await session_item(stack, "slack:T1:C9:1.1")
+    [card] = await stack.relay.claim()
+    await approve(env, item_id)
+    post = next(r for r in await stack.relay.claim() if r.kind == "gating")
+    assert (card.work_item_id, post.work_item_id) == (item_id, item_id)
+    return item_id, [card, post]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_cancel_while_a_relay_group_holds_a_card_and_its_post_waits_no_deadlock(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """One relay group commits the refusals (Retry) of an item's review card and of its
+    answer post while a person cancels the item. The cancel locks the item, then closes
+    the item's open waits; the group locks the post's item, then the card's wait (in
+    the group's order it was the wait first, but the approval had closed it, and the
+    cancel leaves a closed wait alone: no deadlock either way). The group waits for the
+    cancel, then ends both ``cancelled`` (a post whose item was cancelled meanwhile; a
+    card of a closed wait)."""
+    env = await review_env(make_stack)
+    item_id, rows = await _a_card_and_its_post_sending(env)
+    relay = env.stack.relay
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id).with_for_update()
+    async with env.stack.db.tx() as conn:
+        await conn.execute(locked)  # as the cancel's move of the item holds it
+        commit = asyncio.create_task(relay.complete([Done(r, Retry("rate limited")) for r in rows]))
+        await blocked_on_a_lock(env.stack.db, commit)
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, env.stack.outbox, item, "cancel", "user:x")
+    await commit
+    for kind in ("card", "gating"):
+        [row] = await env.deliveries(item_id, kind)
+        assert row["status"] == "cancelled", (kind, row["error"])
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_real_deadlock_met_by_a_relay_group_keeps_it_and_it_commits_later(
+    make_stack: Callable[..., Stack], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A genuine PostgreSQL deadlock (``40P01``) between the relay's outcome commit and
+    another transaction taking the same two rows in the other order (the card's wait,
+    then the item; the relay's group: the post's item, then the card's wait). The
+    relay's commit is the victim. It is a database fault (``Unavailable``): the group
+    is kept whole, both rows stay ``sending`` (never ``deliveryUnknown``, no ERROR line,
+    as an outcome the database refuses is), and the next commit records both (the card
+    ended, its wait closed; the post to be retried)."""
+    env = await review_env(make_stack)
+    item_id, rows = await _a_card_and_its_post_sending(env)
+    relay = env.stack.relay
+    group = [Done(r, Retry("rate limited")) for r in rows]
+    kept = list(group)
+    item_row = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id)
+    wait_row = sa.select(t.review_episodes.c.id).where(t.review_episodes.c.work_item_id == item_id)
+    caplog.set_level("WARNING", logger="leadgate.relay")
+    async with env.stack.db.tx() as conn:
+        await conn.execute(wait_row.with_for_update())
+        commit = asyncio.create_task(relay._commit_each(kept))
+        await blocked_on_a_lock(env.stack.db, commit)  # holding the post's item
+        await conn.execute(item_row.with_for_update())  # granted once the relay's ends
+    with pytest.raises(Unavailable) as met:
+        await commit
+    assert met.value.rule == "service.unavailable"
+    assert "deadlock" in met.value.detail
+    assert kept == group
+    for kind in ("card", "gating"):
+        [row] = await env.deliveries(item_id, kind)
+        assert row["status"] == "sending", (kind, row["error"])
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+    await relay._commit_each(kept)
+    assert kept == []
+    # (The card's wait was closed by the approval: a card not posted then ends.)
+    ended = {k: (await env.deliveries(item_id, k))[0]["status"] for k in ("card", "gating")}
+    assert ended == {"card": "cancelled", "gating": "pending"}
