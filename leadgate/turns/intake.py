@@ -50,7 +50,7 @@ its message is then not in the transcript, and a surface that answers the duplic
 
 A message whose worker is refused (deleted: ``agent.not_found``; deactivated:
 ``agent.inactive``) is a duplicate all the same when its external event id was taken
-in already, while the worker was active (:func:`_refused`): a platform's retry or
+in already, while the worker was active (:func:`duplicate_if_taken_in`): a platform's retry or
 catch-up, a re-delivered mail, a keyed REST retry of a message being answered or gated
 in review is answered as it would be were the worker active still, not refused. Only
 the refusal looks it up.
@@ -168,7 +168,7 @@ async def taken_in(conn: Conn, org_id: str, external_event_id: str) -> TakenIn |
 _WORKER_REFUSED = frozenset({"agent.not_found", "agent.inactive"})
 
 
-async def _refused(conn: Conn, trigger: Trigger, refusal: LeadgateError) -> Duplicate:
+async def duplicate_if_taken_in(conn: Conn, trigger: Trigger, refusal: LeadgateError) -> Duplicate:
     """The worker of ``trigger`` is refused (``refusal``: deleted or deactivated): a
     :class:`~leadgate.core.types.Duplicate` when its message was taken in already (its
     external event id recorded, while the worker was active), as it would be were the
@@ -385,7 +385,7 @@ class Intake:
         transaction block; see the module docstring). A model already found missing is
         refused before any of it (:meth:`ConfigCache.refuse_unknown`). A worker refused
         (deleted, or deactivated) whose message was taken in already is a duplicate
-        (:func:`_refused`).
+        (:func:`duplicate_if_taken_in`).
         """
         try:
             self.refuse_unknown(trigger.org_id, trigger.agent_id)
@@ -393,7 +393,7 @@ class Intake:
             if trigger.external_event_id is None:
                 raise  # (no statement, no connection: nothing can have been taken in)
             async with self.db.read() as conn:
-                return await _refused(conn, trigger, refusal)
+                return await duplicate_if_taken_in(conn, trigger, refusal)
         if (
             self.db.statements_alone
             and trigger.external_event_id is None
@@ -423,7 +423,7 @@ class Intake:
                         )
                 except (NotFound, ValidationError) as refusal:
                     # (a duplicate's event id is not read: _settle_ended answers it)
-                    ended = await _refused(conn, trigger, refusal), ""
+                    ended = await duplicate_if_taken_in(conn, trigger, refusal), ""
                     return ended[0]
                 session_id, current_binding, new_session = await bindings.open_session(
                     conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key

@@ -25,6 +25,7 @@ from leadgate.core.errors import (
     IntakeInDoubt,
     LeadgateError,
     ModelError,
+    NotFound,
     TransitionError,
     TurnInterrupted,
     Unavailable,
@@ -64,7 +65,7 @@ from leadgate.turns import runs
 from leadgate.turns.context import COMPLETE_TASK, ITEM_GONE, SUBMITTED, TurnContext
 from leadgate.turns.history import TOPIC as HISTORY_TOPIC
 from leadgate.turns.history import HistoryCache
-from leadgate.turns.intake import Accepted, Intake
+from leadgate.turns.intake import Accepted, Intake, duplicate_if_taken_in
 from leadgate.turns.messages import VisibleWrites, store_message
 from leadgate.turns.providers.base import ChatMessage, ModelRequest, TextDelta, ToolCall, ToolSpec
 from leadgate.turns.providers.registry import ProviderRegistry
@@ -666,11 +667,19 @@ class TurnService:
         """A channel message that breaks a message rule (too long, NUL ...): recorded as
         a rejected inbound event and answered with a notice saying why, in one
         transaction; no turn. A platform's redelivery of it is a duplicate (no second
-        notice). False when it was a duplicate or nothing can be posted."""
+        notice). False when it was a duplicate or nothing can be posted. A redelivery
+        after its worker was deleted is a duplicate all the same
+        (:func:`~leadgate.turns.intake.duplicate_if_taken_in`, looked up only then), not
+        ``agent.not_found``."""
         now = self.clock.now_ms()
         queued = None
         async with self.db.tx() as conn:
-            agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
+            try:
+                agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
+            except NotFound as refusal:
+                # (the refusal is raised unless its message was taken in: a redelivery)
+                await duplicate_if_taken_in(conn, trigger, refusal)
+                return False
             session_id, current, _ = await bindings.open_session(
                 conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
             )

@@ -147,6 +147,35 @@ async def test_a_slack_event_retried_after_its_worker_was_deactivated_is_a_dupli
     assert slack.posts == posted  # no notice, no second answer
 
 
+@pytest.mark.parametrize("since", ["deactivated", "deleted"])
+async def test_a_rejected_slack_message_retried_after_its_worker_was_deleted_is_a_duplicate(
+    slack_served: tuple[App, TestServer, SlackApiStandin], since: str
+) -> None:
+    """A Slack message that broke a message rule (a NUL) was recorded as rejected and
+    answered with a notice; its worker is deactivated or deleted; Slack retries the
+    event. Each retry gets its 200 as the first try did: a duplicate, nothing recorded
+    again, no second notice. A deleted worker's retry was a 404 naming
+    ``agent.not_found`` (and Slack retried it again)."""
+    service, server, _slack = slack_served
+    org = await make_org(service)
+    worker = await make_agent(service, org, "worker")
+    await make_route(service, org, worker["id"], "slack", {"team": "T0STANDIN", "channel": "C0ASK"})
+    assert (await slack_event(server, "a\x00b", retry_num=None))[0] == 200
+
+    async def notices() -> int:
+        async with service.db.read() as conn:
+            count = await conn.scalar(sa.select(sa.func.count()).select_from(t.deliveries))
+        return int(count or 0)
+
+    assert await notices() == 1
+    await change(service, org.id, worker["id"], since)
+    for retry_num in (1, 2):
+        status, body = await slack_event(server, "a\x00b", retry_num=retry_num)
+        assert status == 200, body
+    assert await taken(service, EVENT_ID) == (["rejectedInvalid"], 0)
+    assert await notices() == 1  # no second notice
+
+
 @pytest.fixture
 async def mail_env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
     """The service with its SMTP listener (``[email]``), as the email review tests run it."""
