@@ -267,7 +267,8 @@ async def tell_not_taken_in(
 AfterRun = Callable[[Routed | None], Awaitable[None]]
 #: Called with a recorded message whose turn failed, and its error (before the failure
 #: propagates): a database fault (:data:`DATABASE_FAULTS`) left the turn to the
-#: recovery runner, with no failure notice queued.
+#: recovery runner, with no failure notice queued (the turn's own, or the one its
+#: failed run's closing met: that fault is the error then, from the turn's).
 FailedRun = Callable[[Recorded, Exception], Awaitable[None]]
 
 

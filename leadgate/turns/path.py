@@ -54,7 +54,7 @@ from leadgate.core.types import (
 )
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, damage_met
-from leadgate.database.faults import unavailable
+from leadgate.database.faults import DATABASE_FAULTS, unavailable
 from leadgate.database.sql import insert_ignore_stmt, later_of_sql, one_row
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, session_events, workitems
@@ -557,20 +557,29 @@ class TurnService:
     ) -> Outcome:
         """Run an accepted turn. When it fails, a recorded channel run tells the person
         (a failure notice, the run closed, in one transaction); a database fault leaves
-        the run to the recovery runner (nothing can be written now)."""
+        the run to the recovery runner (nothing can be written now). A turn that failed
+        otherwise and whose run's closing then met a database fault is left to the
+        recovery runner too, and raises that fault (from the turn's error): no notice
+        was queued, and the run is not over (a channel's failed hook ends what waits
+        for it, a client is told not to send the message again)."""
         try:
             return await self._execute(turn, "", None, on_delta, answer)
         except Exception as exc:
             if turn.ctx.run_token is not None:
-                await self._fail_run(turn.ctx, exc)
+                fault = await self._fail_run(turn.ctx, exc)
+                if fault is not None:
+                    raise fault from exc
             raise
 
-    async def _fail_run(self, ctx: TurnContext, exc: Exception) -> None:
+    async def _fail_run(self, ctx: TurnContext, exc: Exception) -> Exception | None:
+        """End the run of a turn that failed with ``exc``, or leave it to the recovery
+        runner; the database fault that closing it met (it is left to recovery), if
+        any."""
         token = ctx.run_token
         if isinstance(exc, Unavailable) or token is None:
             if token is not None:
                 self.orphaned(token)
-            return
+            return None
         try:
             if ctx.recovered_client:
                 # What a live request is answered for this failure (its 502, or a 500
@@ -584,9 +593,11 @@ class TurnService:
                 await self._end_client_run(ctx, token, ctx.work_item_id, why, failure)
             else:
                 await self._close_run(ctx, token, notice=runs.FAILURE_NOTICE)
-        except Exception:
+        except Exception as closing:
             log.warning("closing failed run %s failed; recovery takes it over", token)
             self.orphaned(token)
+            return closing if isinstance(closing, DATABASE_FAULTS) else None
+        return None
 
     def orphaned(self, token: str) -> None:
         """The recorded run under ``token`` has no turn running it (its turn stopped on a

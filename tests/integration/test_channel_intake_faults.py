@@ -24,17 +24,20 @@ from typing import Any
 import aiohttp
 import pytest
 import sqlalchemy as sa
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from nacl.signing import SigningKey
 
+from bots import discord as discord_bot
 from bots.slack import REPLY_EVENT
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
+from leadgate.core.errors import ModelError
 from leadgate.core.types import Gated
 from leadgate.database import schema as t
 from leadgate.database.db import Database
-from tests.fakes import DownFor
+from tests.fakes import DownFor, GateProvider, mount_adapter
 from tests.helpers import (
     eventually,
     item_row,
@@ -423,3 +426,75 @@ async def test_a_busy_slack_message_whose_commit_is_in_doubt_is_recorded_once_an
             now = await item_row(app, item_id)
             assert (now["status"], now["task_context"]) == (held["status"], held["task_context"])
             assert slack.posts == []
+
+
+async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_response(
+    migrated_url: str, key: SigningKey, standin: DiscordApiStandin
+) -> None:
+    """An /ask's turn fails (its model's error) and closing its run, which queues the
+    failure notice that fills the deferred response, meets a database fault: no notice,
+    the turn left to the recovery runner, whose outcome the adapter never sees (a gated
+    one's: nothing). The Discord adapter on the real core ends the deferred response
+    after its settle wait, as for a turn stopped on a fault. It kept "thinking..." until
+    recovery answered it, for good when that turn was gated."""
+    gate = GateProvider()
+    settings = Settings.model_validate(
+        {
+            "database": {"url": migrated_url},
+            "discord": {"public_key": key.verify_key.encode().hex(), "api_url": standin.api_url},
+        }
+    )
+    service = App(settings, clock=FakeClock(), providers={"gate": gate}, enable_adapters=False)
+    org = await make_org(service)
+    slow = await make_agent(service, org, "slow", model="gate")
+    await make_route(service, org, slow["id"], "discord")
+    settles: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        settles.append(seconds)  # (instant: never a real second)
+
+    assert discord_bot.create(settings, service.messages) is not None  # (points discord.py)
+    web_app = web.Application()
+    mount_adapter(web_app, discord_bot.DiscordAdapter(settings, service.messages, sleep=sleep))
+    server = TestServer(web_app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        payload = {
+            "id": "900000000000000009",
+            "application_id": "1100000000000000001",
+            "type": 2,
+            "token": "itoken-9",
+            "version": 1,
+            "channel_id": CHANNEL,
+            "guild_id": GUILD,
+            "data": {
+                "id": "700000000000000001",
+                "name": "ask",
+                "type": 1,
+                "options": [{"name": "message", "type": 3, "value": "what now?"}],
+            },
+        }
+        body = json.dumps(payload).encode()
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                server.make_url("/discord/interactions"),
+                data=body,
+                headers=interaction_headers(key, body),
+            ) as r:
+                assert (r.status, await r.json()) == (200, {"type": 5})  # deferred
+        await eventually(lambda: gate.calls == 1)
+        gate.failure = ModelError("the provider failed", rule="model.failed")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(service.db, "tx", DownFor(service.db.tx, 1, after_commit=False))
+            gate.release.set()
+            await eventually(lambda: standin.posts)
+        assert standin.posts == [
+            {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-9"}
+        ]
+        assert settles == [discord_bot._DEFERRED_SETTLE_S]
+        async with service.db.read() as conn:  # (the recovery runner's)
+            assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 1
+    finally:
+        gate.release.set()
+        await server.close()
+        await service.stop()

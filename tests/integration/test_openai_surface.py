@@ -51,7 +51,7 @@ from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from leadgate.web.common import INFLIGHT
 from leadgate.web.openai_api import pending_body
-from tests.fakes import CommitLandsLater, FaultProvider, GateProvider, HeldCommits
+from tests.fakes import CommitLandsLater, DownFor, FaultProvider, GateProvider, HeldCommits
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
@@ -754,6 +754,24 @@ async def test_a_keyed_reruns_model_failure_is_its_retrys_answer(env: Env, strea
         ("user", "model"),
         ("assistant", runs.FAILURE_NOTICE),
     ]
+
+
+async def test_a_gated_turn_whose_failed_run_cannot_be_closed_is_interrupted(env: Env) -> None:
+    """A gated worker's REST turn fails (its model's error) and closing its run meets a
+    database fault: the run is left to the recovery runner, which runs the turn again.
+    The client is told 503 ``turn.interrupted`` ("do not send it again"), not the
+    model's 502, which it might have answered by sending the message a second time."""
+    await make_agent(env.service, env.org, "slow-worker", model="gate", lead="lead")
+    asked = asyncio.ensure_future(env.chat("slow-worker", "draft it", session="cf"))
+    await eventually(lambda: env.gate.calls == 1)
+    env.gate.failure = ModelError("the provider failed", rule="model.failed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(env.service.db, "tx", DownFor(env.service.db.tx, 1, after_commit=False))
+        env.gate.release.set()
+        told = await asked
+    assert told.status == 503, await told.text()
+    assert (await told.json())["error"]["rule"] == "turn.interrupted"
+    assert len(await runs_left(env)) == 1  # (the recovery runner's)
 
 
 async def test_a_keyed_turn_recovery_gave_up_answers_its_retry_so(env: Env) -> None:

@@ -7,9 +7,10 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.app import App
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import ModelError, Unavailable, ValidationError
 from leadgate.core.types import BindingKind, Inbound
 from leadgate.database import schema as t
+from tests.fakes import DownFor
 from tests.helpers import make_agent, make_org, make_route
 
 
@@ -47,6 +48,26 @@ async def test_recorded_before_the_turn_runs(service: App) -> None:
     assert await rows(service, t.turn_runs) == []
     replies = [d["text"] for d in await rows(service, t.deliveries)]
     assert replies == ["Echo: hello"]
+
+
+async def test_a_failed_turn_whose_run_cannot_be_closed_raises_the_fault(service: App) -> None:
+    """A channel turn fails (the model's error: the script model's ``#fail``) and
+    closing its run, which queues the failure notice in the same transaction, meets a
+    database fault: no notice is queued and the run is left to the recovery runner. The
+    turn raises that fault, from the model's error: an adapter's failed hook
+    (:func:`bots.base.accept`) sees the run left to recovery, and Discord ends an
+    /ask's deferred response as for a turn stopped on a fault. It raised the model's
+    error, and "thinking..." stayed until recovery answered it (for good when gated)."""
+    await setup_route(service)
+    recorded = await service.messages.record_inbound(mail("hello #fail"))
+    assert recorded is not None and recorded.turn is not None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(service.db, "tx", DownFor(service.db.tx, 1, after_commit=False))
+        with pytest.raises(Unavailable) as raised:
+            await service.messages.run_recorded(recorded)
+    assert isinstance(raised.value.__cause__, ModelError)
+    assert len(await rows(service, t.turn_runs)) == 1  # (left to the recovery runner)
+    assert await rows(service, t.deliveries) == []
 
 
 @pytest.mark.parametrize(
