@@ -393,7 +393,10 @@ def _reader_gone() -> int:
     again at exit, which must not raise a second time (the Python docs' recipe for
     SIGPIPE; ``--version | head -0`` ended in a traceback)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)  # (stdout's descriptor holds /dev/null now; `serve` runs on)
     return BROKEN_PIPE_EXIT
 
 
