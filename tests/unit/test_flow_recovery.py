@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from leadgate.core.clock import FakeClock
-from leadgate.core.errors import Unavailable
+from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.metrics import METRICS
 from leadgate.core.runners import LEFT_AT_MOST_MS, LOCKED_RECHECK_MS, drain
 from leadgate.core.types import Outcome, Trigger
@@ -59,7 +59,7 @@ from leadgate.turns.runs import GAVE_UP_ACTION as TURN_GAVE_UP_ACTION
 from leadgate.turns.runs import GAVE_UP_TEXT as TURN_GAVE_UP_TEXT
 from leadgate.turns.runs import MAX_ATTEMPTS as TURN_MAX_ATTEMPTS
 from leadgate.turns.runs import RUN_LEASE_MS as TURN_LEASE_MS
-from tests.fakes import ClaimInDoubt, lose_the_next_commit
+from tests.fakes import ClaimInDoubt, DownFor, lose_the_next_commit
 from tests.helpers import (
     Org,
     blocked_on_a_lock,
@@ -1243,6 +1243,84 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
         assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
     assert await drain(turn_recovery) == 0
+
+
+class FailsOnce:
+    """The script model, except that a worker prompt with ``#flaky`` fails (the model's
+    error) the first time, after calling :attr:`before_failing`."""
+
+    def __init__(self) -> None:
+        self.script = ScriptProvider()
+        self.fails = True
+        self.before_failing: Callable[[], None] = lambda: None
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        last = request.messages[-1]
+        if request.purpose == "worker" and last.role == "user" and "#flaky" in last.content:
+            if self.fails:
+                self.fails = False
+                self.before_failing()
+                raise ModelError("the provider failed", rule="model.failed")
+        async for event in self.script.stream(request):
+            yield event
+
+
+@pytest.mark.parametrize("turn_first", [False, True], ids=["flow_first", "turn_first"])
+async def test_a_lead_reviewed_node_whose_failed_turn_s_closing_met_a_fault_is_run_again_once(
+    make_stack: Callable[..., Stack], second: Stack, clock: FakeClock, turn_first: bool
+) -> None:
+    """The worker's turn of a lead-reviewed node fails (its model's error) and closing
+    its run meets a database fault: the run is left to turn recovery, and the turn
+    raises the fault. The flow run stays running (``flow.interrupted``), not failed with
+    the model's error while turn recovery takes the item on to its lead (whose approval
+    then resumed nothing). Flow recovery pauses the run on the node's item, turn
+    recovery runs the turn again; one intake, one answer, and the flow completes,
+    whichever recovery comes first."""
+    model = FailsOnce()
+    failing = make_stack(clock=clock, providers={"script": model})
+    org, flow_id = await _reviewed_flow(
+        failing,
+        [
+            {"type": "agent", "agent": "worker", "prompt": "write it #flaky #complete"},
+            {"type": "output", "value": "after"},
+        ],
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        # The next transaction after the model's error is the one closing the run.
+        model.before_failing = lambda: mp.setattr(
+            failing.db, "tx", DownFor(failing.db.tx, 1, after_commit=False)
+        )
+        with pytest.raises(Unavailable) as info:
+            await failing.flows.start(org.id, flow_id)
+    assert info.value.rule == "flow.interrupted"
+    assert isinstance(info.value.__cause__, Unavailable)
+    run_id = await _only_run(failing)
+    assert (await _view(second, org, run_id))["status"] == "running"
+    w = t.work_items.c
+    async with second.db.read() as conn:
+        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["inProgress"]
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 1
+    assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
+    clock.advance(TURN_LEASE_MS + 1)
+    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
+    if turn_first:
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+        assert await drain(flow_recovery) == 1
+    else:
+        assert await drain(flow_recovery) == 1
+        assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+    paused = await _view(second, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    assert len(paused["continuations"]) == 1
+    await _resumes_to_the_end(second, org, run_id)
+    async with second.db.read() as conn:
+        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
+    assert await drain(turn_recovery) == 0
+    assert await drain(flow_recovery) == 0
 
 
 @pytest.mark.parametrize(
