@@ -130,6 +130,12 @@ def unknown_agent(ref: str) -> NotFound:
     return NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
 
 
+def inactive_agent(agent: Agent) -> ValidationError:
+    """The error for ``agent`` being deactivated (``agent.inactive``): it takes no
+    messages and runs no turns."""
+    return ValidationError(f"agent {agent.name!r} is inactive", rule="agent.inactive")
+
+
 _A = t.agents.c
 _REF: sa.BindParameter[str] = sa.bindparam("p_ref")
 _SLUG: sa.BindParameter[str] = sa.bindparam("p_slug")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from binding import routes
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, PermissionDenied, ValidationError
+from leadgate.core.errors import NotFound, PermissionDenied
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, policy
@@ -308,7 +308,7 @@ class Admin:
             found = await agents_mod.find_agent(conn, org_id, agent)
             if not found.active:
                 # It would fail at every firing.
-                raise ValidationError(f"agent {found.name!r} is inactive", rule="agent.inactive")
+                raise agents_mod.inactive_agent(found)
             return await add_schedule(
                 conn,
                 self.clock,

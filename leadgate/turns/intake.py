@@ -85,7 +85,7 @@ from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import policy, session_events, workitems
-from leadgate.domain.agents import LeadConfig
+from leadgate.domain.agents import LeadConfig, inactive_agent
 from leadgate.domain.config_cache import ConfigCache
 from leadgate.domain.rows import Agent, WorkItem
 from leadgate.domain.workitems import Status
@@ -418,9 +418,7 @@ class Intake:
                         conn, trigger.org_id, trigger.agent_id
                     )
                     if not agent.active:
-                        raise ValidationError(
-                            f"agent {agent.name!r} is inactive", rule="agent.inactive"
-                        )
+                        raise inactive_agent(agent)
                 except (NotFound, ValidationError) as refusal:
                     # (a duplicate's event id is not read: _settle_ended answers it)
                     ended = await duplicate_if_taken_in(conn, trigger, refusal), ""

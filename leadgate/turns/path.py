@@ -687,7 +687,12 @@ class TurnService:
         async with self.db.tx() as conn:
             try:
                 agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
-            except NotFound as refusal:
+                if not agent.active:
+                    # Refused as the message would be within the rules: that its worker
+                    # is off is what the person can act on (and stays so however the
+                    # message is rewritten).
+                    raise agents_mod.inactive_agent(agent)
+            except (NotFound, ValidationError) as refusal:
                 # (the refusal is raised unless its message was taken in: a redelivery)
                 await duplicate_if_taken_in(conn, trigger, refusal)
                 return False

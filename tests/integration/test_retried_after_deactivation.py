@@ -176,6 +176,27 @@ async def test_a_rejected_slack_message_retried_after_its_worker_was_deleted_is_
     assert await notices() == 1  # no second notice
 
 
+async def test_a_slack_message_breaking_a_message_rule_to_a_deactivated_worker_is_refused_so(
+    slack_served: tuple[App, TestServer, SlackApiStandin],
+) -> None:
+    """A message that breaks a message rule (a NUL), sent to a worker deactivated before
+    it, is refused as the same message within the rules is: ``agent.inactive`` (the
+    worker being off is what the person can act on), nothing recorded, nothing posted.
+    It was recorded rejected and answered with the message rule's notice."""
+    service, server, slack = slack_served
+    org = await make_org(service)
+    worker = await make_agent(service, org, "worker")
+    await make_route(service, org, worker["id"], "slack", {"team": "T0STANDIN", "channel": "C0ASK"})
+    await change(service, org.id, worker["id"], "deactivated")
+    within = await slack_event(server, "hello", retry_num=None)
+    assert within[0] == 400 and json.loads(within[1])["error"]["rule"] == "agent.inactive"
+    assert await slack_event(server, "a\x00b", retry_num=None) == within
+    assert await taken(service, EVENT_ID) == ([], 0)
+    assert slack.posts == []
+    async with service.db.read() as conn:
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.deliveries)) == 0
+
+
 @pytest.fixture
 async def mail_env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
     """The service with its SMTP listener (``[email]``), as the email review tests run it."""
