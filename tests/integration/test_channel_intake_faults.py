@@ -103,6 +103,26 @@ def down(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
     monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
 
 
+def ask_interaction(n: str, text: str) -> dict[str, Any]:
+    """A signed-to-be ``/ask`` slash command (interaction ``90..0{n}``, token
+    ``itoken-{n}``) asking ``text`` in ``CHANNEL`` of ``GUILD``."""
+    return {
+        "id": f"90000000000000000{n}",
+        "application_id": "1100000000000000001",
+        "type": 2,
+        "token": f"itoken-{n}",
+        "version": 1,
+        "channel_id": CHANNEL,
+        "guild_id": GUILD,
+        "data": {
+            "id": "700000000000000001",
+            "name": "ask",
+            "type": 1,
+            "options": [{"name": "message", "type": 3, "value": text}],
+        },
+    }
+
+
 async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
     served: tuple[App, TestServer],
     key: SigningKey,
@@ -111,21 +131,7 @@ async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
 ) -> None:
     _, server = served
     caplog.set_level(logging.INFO)
-    payload: dict[str, Any] = {
-        "id": "900000000000000001",
-        "application_id": "1100000000000000001",
-        "type": 2,
-        "token": "itoken-1",
-        "version": 1,
-        "channel_id": CHANNEL,
-        "guild_id": GUILD,
-        "data": {
-            "id": "700000000000000001",
-            "name": "ask",
-            "type": 1,
-            "options": [{"name": "message", "type": 3, "value": "SECRET-ASK-TEXT"}],
-        },
-    }
+    payload = ask_interaction("1", "SECRET-ASK-TEXT")
     body = json.dumps(payload).encode()
     down(monkeypatch, served[0].db)
     async with aiohttp.ClientSession() as session:
@@ -459,21 +465,7 @@ async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_re
     server = TestServer(web_app, host="127.0.0.1")
     await server.start_server()
     try:
-        payload = {
-            "id": "900000000000000009",
-            "application_id": "1100000000000000001",
-            "type": 2,
-            "token": "itoken-9",
-            "version": 1,
-            "channel_id": CHANNEL,
-            "guild_id": GUILD,
-            "data": {
-                "id": "700000000000000001",
-                "name": "ask",
-                "type": 1,
-                "options": [{"name": "message", "type": 3, "value": "what now?"}],
-            },
-        }
+        payload = ask_interaction("9", "what now?")
         body = json.dumps(payload).encode()
         async with aiohttp.ClientSession() as session:
             async with session.post(

@@ -235,6 +235,35 @@ async def _resumes_to_the_end(stack: Stack, org: Org, run_id: str) -> None:
     }
 
 
+async def _recovered_once(second: Stack, org: Org, run_id: str, *, turn_first: bool) -> None:
+    """Both leases lapsed: turn recovery runs the node's turn again and flow recovery goes
+    on from it, in either order (``turn_first``), and the lead approves. The run pauses
+    on the node's one item, resumes and completes; one intake, answered once, no run
+    left."""
+    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
+    if turn_first:
+        # The turn runs again and the lead approves before the run was paused: the
+        # resumer waits for the pause (which wakes it).
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+        assert await drain(FlowResumer(second.flows)) == 0
+        assert await drain(flow_recovery) == 1
+    else:
+        assert await drain(flow_recovery) == 1
+        assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
+        assert await drain(turn_recovery) == 1
+        await second.settle()
+    paused = await _view(second, org, run_id)
+    assert paused["status"] == "waitingForHitl"
+    assert len(paused["continuations"]) == 1
+    await _resumes_to_the_end(second, org, run_id)
+    w = t.work_items.c
+    async with second.db.read() as conn:
+        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
+        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
+    assert (await drain(turn_recovery), await drain(flow_recovery)) == (0, 0)
+
+
 async def _save_worker(stack: Stack, org: Org, worker: dict[str, Any], **change: Any) -> None:
     async with stack.db.tx() as conn:
         await agents_mod.save_agent(
@@ -1221,28 +1250,7 @@ async def test_a_lead_reviewed_node_whose_turn_died_mid_model_is_run_again_and_t
         await _save_worker(second, org, {"id": worker}, lead=None)
     # Both leases lapse (the turn's is the longer one).
     clock.advance(TURN_LEASE_MS + 1)
-    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
-    if turn_first:
-        # The turn runs again and the lead approves before the run was paused: the
-        # resumer waits for the pause (which wakes it).
-        assert await drain(turn_recovery) == 1
-        await second.settle()
-        assert await drain(FlowResumer(second.flows)) == 0
-        assert await drain(flow_recovery) == 1
-    else:
-        assert await drain(flow_recovery) == 1
-        assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
-        assert await drain(turn_recovery) == 1
-        await second.settle()
-    paused = await _view(second, org, run_id)
-    assert paused["status"] == "waitingForHitl"
-    assert len(paused["continuations"]) == 1
-    # One intake of the node's message, answered by the re-run turn alone.
-    await _resumes_to_the_end(second, org, run_id)
-    async with second.db.read() as conn:
-        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
-        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
-    assert await drain(turn_recovery) == 0
+    await _recovered_once(second, org, run_id, turn_first=turn_first)
 
 
 class FailsOnce:
@@ -1302,25 +1310,7 @@ async def test_a_lead_reviewed_node_whose_failed_turn_s_closing_met_a_fault_is_r
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 1
     assert await _turns(second, run_id, 0) == {"user": 1, "inboundEvents": 1}
     clock.advance(TURN_LEASE_MS + 1)
-    flow_recovery, turn_recovery = FlowRecovery(second.flows), TurnRecovery(second.turns)
-    if turn_first:
-        assert await drain(turn_recovery) == 1
-        await second.settle()
-        assert await drain(flow_recovery) == 1
-    else:
-        assert await drain(flow_recovery) == 1
-        assert (await _view(second, org, run_id))["status"] == "waitingForHitl"
-        assert await drain(turn_recovery) == 1
-        await second.settle()
-    paused = await _view(second, org, run_id)
-    assert paused["status"] == "waitingForHitl"
-    assert len(paused["continuations"]) == 1
-    await _resumes_to_the_end(second, org, run_id)
-    async with second.db.read() as conn:
-        assert (await conn.execute(sa.select(w.status))).scalars().all() == ["completed"]
-        assert await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) == 0
-    assert await drain(turn_recovery) == 0
-    assert await drain(flow_recovery) == 0
+    await _recovered_once(second, org, run_id, turn_first=turn_first)
 
 
 @pytest.mark.parametrize(
