@@ -93,6 +93,9 @@ RENEW_EVERY_S = 20.0
 #: that long between their (two) retries, so a wait taken from the lease left them
 #: idle for up to a minute for an answer that came in seconds.
 RETRY_AFTER_MAX_S = 5
+#: How often a claim tries its INSERT again when the claim it met was given back before
+#: it could read it (PostgreSQL: the give-back committed between the two statements).
+CLAIM_TRIES = 3
 #: The most bytes (as JSON) of answers a process keeps in memory for its watch to store,
 #: when a database fault kept them from being stored after their turn
 #: (:meth:`Idempotency.finish`), those out for a look (their store running) included;
@@ -359,12 +362,25 @@ class Idempotency:
         where = (_K.org_id == org, _K.key_hash == key_hash)
         async with self.db.tx() as conn:
             insert = insert_ignore_stmt(conn.dialect.name, t.idempotency_keys)
-            if (await conn.execute(insert, fresh)).rowcount:
-                return Claim("run", key_hash, _external_id(org, key_hash, now), owner=owner)
             query = sa.select(t.idempotency_keys).where(*where)
             if self.db.is_postgres:
                 query = query.with_for_update()
-            row = (await conn.execute(query)).one()
+            row = None
+            for _ in range(CLAIM_TRIES):
+                if (await conn.execute(insert, fresh)).rowcount:
+                    return Claim("run", key_hash, _external_id(org, key_hash, now), owner=owner)
+                row = (await conn.execute(query)).first()
+                if row is not None:
+                    break
+                # PostgreSQL: the claim the INSERT met was given back (deleted) before the
+                # SELECT read it (a watch's give-back, or its request's release, on another
+                # connection): the key is free, and is claimed again (a 500 until now).
+            if row is None:
+                raise Unavailable(
+                    "the Idempotency-Key was claimed and given back again while this "
+                    "request claimed it; retry",
+                    rule="service.unavailable",
+                )
             if row.created_at <= now - TTL_MS:
                 # Older than a day: the key is free again (a new turn, a new event id).
                 await conn.execute(t.idempotency_keys.update().where(*where).values(fresh))

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from leadgate.core.auth import Principal
 from leadgate.core.errors import NOTHING_STORED, DatabaseDamaged, Unavailable
 from leadgate.database.db import Database
+from leadgate.database.pg import PgConnection
 from leadgate.operations import idempotency as idempotency_mod
 from leadgate.operations.idempotency import LEASE_MS, NOT_HELD, HeldAnswer, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
@@ -432,3 +433,36 @@ async def test_a_held_answer_is_kept_through_a_database_fault_at_its_look(
     assert await idem.run_once() is True
     replay = await idem.begin(principal, "k-9", "fp")
     assert (replay.action, replay.response) == ("replay", answer)
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_claim_given_back_between_its_insert_and_its_read_is_claimed_again(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a request's INSERT met the key's claim (held by another request), and
+    that claim was given back (deleted on another connection: a watch's give-back, or
+    its request's release) before the SELECT that reads it: the SELECT found no row and
+    the request was answered 500 (``NoResultFound``). The key is free: it is claimed.
+    (SQLite's claim holds the write lock from its first statement: nothing comes between.)"""
+    org = await make_org(stack)
+    idem = Idempotency(stack.db, stack.clock, stack.ids)
+    principal = Principal(org.id, frozenset())
+    first = await idem.begin(principal, "k-3", "fp")
+    assert first.action == "run"
+    execute = PgConnection.execute
+    given_back: list[bool] = []
+
+    async def then_given_back(
+        self: PgConnection, statement: sa.Executable, *args: Any, **kwargs: Any
+    ) -> Any:
+        result = await execute(self, statement, *args, **kwargs)
+        met = isinstance(statement, sa.Insert) and statement.table.name == "idempotency_keys"
+        if met and not given_back and not result.rowcount:
+            given_back.append(True)
+            await idem.release(principal, first)  # (its own transaction, connection)
+        return result
+
+    monkeypatch.setattr(PgConnection, "execute", then_given_back)
+    claim = await idem.begin(principal, "k-3", "fp")
+    assert given_back == [True]
+    assert claim.action == "run" and claim.external_event_id is not None
