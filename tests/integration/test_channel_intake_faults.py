@@ -103,10 +103,11 @@ def down(monkeypatch: pytest.MonkeyPatch, db: Database) -> None:
     monkeypatch.setattr(db, "tx", DownFor(db.tx, 1, after_commit=False))
 
 
-def ask_interaction(n: str, text: str) -> dict[str, Any]:
-    """A signed-to-be ``/ask`` slash command (interaction ``90..0{n}``, token
-    ``itoken-{n}``) asking ``text`` in ``CHANNEL`` of ``GUILD``."""
-    return {
+async def ask(server: TestServer, key: SigningKey, n: str, text: str) -> tuple[int, Any]:
+    """A signed ``/ask`` slash command (interaction ``90..0{n}``, token ``itoken-{n}``)
+    asking ``text`` in ``CHANNEL`` of ``GUILD``, posted to ``server``: its status and
+    JSON answer."""
+    payload = {
         "id": f"90000000000000000{n}",
         "application_id": "1100000000000000001",
         "type": 2,
@@ -121,6 +122,14 @@ def ask_interaction(n: str, text: str) -> dict[str, Any]:
             "options": [{"name": "message", "type": 3, "value": text}],
         },
     }
+    body = json.dumps(payload).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            server.make_url("/discord/interactions"),
+            data=body,
+            headers=interaction_headers(key, body),
+        ) as r:
+            return r.status, await r.json()
 
 
 async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
@@ -131,16 +140,8 @@ async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
 ) -> None:
     _, server = served
     caplog.set_level(logging.INFO)
-    payload = ask_interaction("1", "SECRET-ASK-TEXT")
-    body = json.dumps(payload).encode()
     down(monkeypatch, served[0].db)
-    async with aiohttp.ClientSession() as session:
-        async with session.post(
-            server.make_url("/discord/interactions"),
-            data=body,
-            headers=interaction_headers(key, body),
-        ) as r:
-            status, answer = r.status, await r.json()
+    status, answer = await ask(server, key, "1", "SECRET-ASK-TEXT")
     # An ephemeral answer the person reads, not a 503 Discord shows as "This
     # interaction failed" (Discord never sends the interaction again).
     assert status == 200 and answer["type"] == 4 and answer["data"]["flags"] == 64
@@ -465,15 +466,7 @@ async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_re
     server = TestServer(web_app, host="127.0.0.1")
     await server.start_server()
     try:
-        payload = ask_interaction("9", "what now?")
-        body = json.dumps(payload).encode()
-        async with aiohttp.ClientSession() as session:
-            async with session.post(
-                server.make_url("/discord/interactions"),
-                data=body,
-                headers=interaction_headers(key, body),
-            ) as r:
-                assert (r.status, await r.json()) == (200, {"type": 5})  # deferred
+        assert await ask(server, key, "9", "what now?") == (200, {"type": 5})  # deferred
         await eventually(lambda: gate.calls == 1)
         gate.failure = ModelError("the provider failed", rule="model.failed")
         with pytest.MonkeyPatch.context() as mp:
