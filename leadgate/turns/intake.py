@@ -121,10 +121,6 @@ _LANDED = (
     .select_from(t.messages.outerjoin(t.bindings, (_B.session_id == _M.session_id) & _B.active))
     .where(_M.id == sa.bindparam("p_id"))
 )
-#: A duplicate's earlier event: whether it was recorded busy (its message not taken in).
-_EARLIER_BUSY = sa.select(t.inbound_events.c.outcome == "rejectedBusy").where(
-    t.inbound_events.c.external_event_id == sa.bindparam("p_external")
-)
 #: A busy intake in doubt's read-back: whether its rejected inbound event exists.
 _EVENT_LANDED = sa.select(t.inbound_events.c.id).where(
     t.inbound_events.c.id == sa.bindparam("p_id")
@@ -435,10 +431,8 @@ class Intake:
                 if trigger.external_event_id is not None and not await event.record_first(conn):
                     # (Only a duplicate reads this: the answer of one recorded busy is busy
                     # again, its message not in the transcript.)
-                    busy = await conn.scalar(
-                        _EARLIER_BUSY, {"p_external": trigger.external_event_id}
-                    )
-                    ended = Duplicate(busy=bool(busy)), event.values["id"]
+                    earlier = await taken_in(conn, trigger.org_id, trigger.external_event_id)
+                    ended = Duplicate(busy=earlier is not None and earlier.busy), event.values["id"]
                     return ended[0]
                 item: WorkItem | None = None
                 if lead is not None and not new_session:  # a new session has no item yet
