@@ -163,6 +163,8 @@ _CARD_HEADERS = (
     "Subject: Review needed: answer to bob@example.com\n"
 )
 _CARD = "Agent: worker\nFrom: api\nWhy: the lead escalated\nTo decide by email: Reply ..."
+#: The card quoted line by line, as Gmail, Apple Mail and Thunderbird quote it.
+_QUOTED = "".join(f"> {line}\n" for line in _CARD.splitlines())
 QUOTING = {
     "outlook": (  # Outlook for Windows, Outlook on the web, Outlook for iOS
         "________________________________\n"
@@ -186,23 +188,14 @@ QUOTING = {
         + "\n"
         + _CARD
     ),
-    "gmail": (
-        "On Mon, Dec 7, 2026 at 10:02 AM Leadgate <review@lg.example> wrote:\n\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
-    ),
+    "gmail": ("On Mon, Dec 7, 2026 at 10:02 AM Leadgate <review@lg.example> wrote:\n\n" + _QUOTED),
     "gmail_wrapped": (
         "On Mon, Dec 7, 2026 at 10:02 AM Leadgate Review Desk <\nreview@lg.example> wrote:\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        + _QUOTED
     ),
-    "apple_mail": (
-        "> On 7 Dec 2026, at 10:02, Leadgate <review@lg.example> wrote:\n>\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
-    ),
-    "thunderbird": (
-        "On 07/12/2026 10:02, Leadgate wrote:\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
-    ),
-    "thunderbird_no_attribution": "".join(f"> {line}\n" for line in _CARD.splitlines()),
+    "apple_mail": ("> On 7 Dec 2026, at 10:02, Leadgate <review@lg.example> wrote:\n>\n" + _QUOTED),
+    "thunderbird": ("On 07/12/2026 10:02, Leadgate wrote:\n" + _QUOTED),
+    "thunderbird_no_attribution": _QUOTED,
     # Outlook and Gmail in other display languages translate the same forms.
     "outlook_de": (
         "________________________________\n"
@@ -243,23 +236,20 @@ QUOTING = {
     ),
     "gmail_de_wrapped": (
         "Am Mo., 7. Dez. 2026 um 10:02 Uhr schrieb Leadgate Review Desk <\n"
-        "review@lg.example>:\n" + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        "review@lg.example>:\n" + _QUOTED
     ),
     "gmail_fr": (
-        "Le lun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a écrit :\n\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        "Le lun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a écrit :\n\n" + _QUOTED
     ),
     "gmail_es": (
-        "El lun, 7 dic 2026 a las 10:02, Leadgate (<review@lg.example>) escribió:\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        "El lun, 7 dic 2026 a las 10:02, Leadgate (<review@lg.example>) escribió:\n" + _QUOTED
     ),
     "gmail_it": (
         "Il giorno lun 7 dic 2026 alle ore 10:02 Leadgate <review@lg.example> ha scritto:\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        + _QUOTED
     ),
     "gmail_pt": (
-        "Em seg., 7 de dez. de 2026 às 10:02, Leadgate <review@lg.example> escreveu:\n"
-        + "".join(f"> {line}\n" for line in _CARD.splitlines())
+        "Em seg., 7 de dez. de 2026 às 10:02, Leadgate <review@lg.example> escreveu:\n" + _QUOTED
     ),
 }
 
