@@ -136,8 +136,11 @@ class Messages:
         transaction; an accepted message is recorded as a run that survives a crash).
 
         ``None``: no route answers there. A message that breaks a message rule (too
-        long, NUL, not text) is recorded as rejected and, with ``notice``, answered with
-        a reply saying why (Discord interactions answer in their HTTP response instead).
+        long, NUL, not text), with ``notice``, is recorded as rejected and answered with
+        a reply saying why (without: recorded nowhere, a Discord interaction's HTTP
+        response says why); either way, when its worker is deleted or deactivated, it is
+        refused as the same message within the rules is (``agent.not_found``,
+        ``agent.inactive``).
         Identifiers that cannot be stored (NUL, lone surrogates, over-long) are a
         :class:`ValidationError`: the adapter answers 400 and nothing is stored.
         """
@@ -152,6 +155,8 @@ class Messages:
         except ValidationError as exc:
             if notice:
                 await self.turns.reject_inbound(trigger, exc)
+            else:
+                await self.turns.refuse_if_worker_off(trigger)
             return Recorded(route, rejected=exc)
         taken = await self.turns.take(trigger)
         if isinstance(taken, Accepted):

@@ -59,7 +59,7 @@ from leadgate.database.sql import insert_ignore_stmt, later_of_sql, one_row
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import policy, session_events, workitems
 from leadgate.domain.processes import owner_gone
-from leadgate.domain.rows import Binding, WorkItem
+from leadgate.domain.rows import Agent, Binding, WorkItem
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs
 from leadgate.turns.context import COMPLETE_TASK, ITEM_GONE, SUBMITTED, TurnContext
@@ -685,16 +685,8 @@ class TurnService:
         now = self.clock.now_ms()
         queued = None
         async with self.db.tx() as conn:
-            try:
-                agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
-                if not agent.active:
-                    # Refused as the message would be within the rules: that its worker
-                    # is off is what the person can act on (and stays so however the
-                    # message is rewritten).
-                    raise agents_mod.inactive_agent(agent)
-            except (NotFound, ValidationError) as refusal:
-                # (the refusal is raised unless its message was taken in: a redelivery)
-                await duplicate_if_taken_in(conn, trigger, refusal)
+            agent = await self._taking_worker(conn, trigger)
+            if agent is None:
                 return False
             session_id, current, _ = await bindings.open_session(
                 conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
@@ -728,6 +720,31 @@ class TurnService:
         if queued:
             self.on_delivery_queued()
         return queued is not None
+
+    async def refuse_if_worker_off(self, trigger: Trigger) -> None:
+        """A channel message that breaks a message rule, answered by its adapter itself
+        and recorded nowhere (a Discord ``/ask``: its interaction response says why):
+        its worker's refusal (``agent.not_found``, ``agent.inactive``) is raised when the
+        worker is deleted or deactivated, as :meth:`reject_inbound` and the intake of
+        the same message within the rules refuse it. One read, on this path only."""
+        async with self.db.read() as conn:
+            await self._taking_worker(conn, trigger)
+
+    async def _taking_worker(self, conn: Conn, trigger: Trigger) -> Agent | None:
+        """The worker of ``trigger``, read on a rejected message's path: raises its
+        refusal (``agent.not_found``, ``agent.inactive``) when it is deleted or
+        deactivated, as the message within the rules would be refused (that its worker
+        is off is what the person can act on, and stays so however the message is
+        rewritten), unless the message was taken in already (a redelivery: ``None``,
+        a duplicate, :func:`~leadgate.turns.intake.duplicate_if_taken_in`)."""
+        try:
+            agent = await agents_mod.find_agent(conn, trigger.org_id, trigger.agent_id)
+            if not agent.active:
+                raise agents_mod.inactive_agent(agent)
+        except (NotFound, ValidationError) as refusal:
+            await duplicate_if_taken_in(conn, trigger, refusal)
+            return None
+        return agent
 
     # ----------------------------------------------------------- recovery
 

@@ -4,7 +4,11 @@ it), a mail re-delivered by the sending MTA (through the SMTP listener). It is a
 duplicate, answered as it would be were the worker active still: no refusal
 (``agent.inactive``, ``agent.not_found``), nothing posted, taken in once. On SQLite and
 PostgreSQL (``migrated_url``). And a Teams activity sent again (through the Bot Framework
-endpoint, the Bot Connector stand-in behind it)."""
+endpoint, the Bot Connector stand-in behind it).
+
+A message breaking a message rule sent to a worker already off (never taken in) is
+refused as the same message within the rules is: a Slack event, a Discord ``/ask``
+(signed interaction, the Discord stand-in behind the adapter)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import aiosmtplib
 import pytest
 import sqlalchemy as sa
 from aiohttp.test_utils import TestServer
+from nacl.signing import SigningKey
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
@@ -26,9 +31,10 @@ from leadgate.database import schema as t
 from leadgate.domain import agents as agents_mod
 from leadgate.domain.workitems import Status
 from tests.helpers import eventually, make_agent, make_org, make_route
-from tests.integration.test_channel_intake_faults import routed
+from tests.integration.test_channel_intake_faults import ask, routed
 from tests.integration.test_email_review_replies import Env, _env
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
+from tests.standins.discord_api import DiscordApiStandin
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 from tests.standins.smtp import SmtpSink
 
@@ -195,6 +201,50 @@ async def test_a_slack_message_breaking_a_message_rule_to_a_deactivated_worker_i
     assert slack.posts == []
     async with service.db.read() as conn:
         assert await conn.scalar(sa.select(sa.func.count()).select_from(t.deliveries)) == 0
+
+
+@pytest.fixture
+async def discord_served(
+    migrated_url: str, key: SigningKey
+) -> AsyncIterator[tuple[App, TestServer, DiscordApiStandin]]:
+    """The service with ``[discord]`` (interactions verified with ``key``, the Discord
+    stand-in behind it) and a route from Discord to the agent ``plain``."""
+    async with DiscordApiStandin(token="bot-token") as standin:
+        section = {
+            "public_key": key.verify_key.encode().hex(),
+            "bot_token": "bot-token",
+            "api_url": standin.api_url,
+            "gateway_url": standin.gateway_url,
+        }
+        async with routed(migrated_url, "discord", section) as (service, server):
+            yield service, server, standin
+
+
+@pytest.mark.parametrize("since", ["deactivated", "deleted"])
+@pytest.mark.parametrize("text", ["a\x00b", "x" * 100_001])
+async def test_a_discord_ask_breaking_a_message_rule_to_a_deactivated_worker_is_refused_so(
+    discord_served: tuple[App, TestServer, DiscordApiStandin],
+    key: SigningKey,
+    text: str,
+    since: str,
+) -> None:
+    """An ``/ask`` that breaks a message rule (a NUL, too long), sent to a worker
+    deactivated or deleted before it, gets the answer the same ``/ask`` within the rules
+    gets (``agent.inactive``, ``agent.not_found``): the worker being off is what the
+    person can act on, as on Slack and email. Nothing recorded, nothing posted. It was
+    answered with the message rule's notice (an ephemeral 200)."""
+    service, server, standin = discord_served
+    async with service.db.read() as conn:
+        org_id = await conn.scalar(sa.select(t.agents.c.org_id))
+    await change(service, str(org_id), "plain", since)
+    within = await ask(server, key, "1", "hello")
+    rule = {"deactivated": "agent.inactive", "deleted": "agent.not_found"}[since]
+    assert within[0] in (400, 404) and within[1]["error"]["rule"] == rule
+    assert await ask(server, key, "2", text) == within
+    async with service.db.read() as conn:
+        for table in (t.inbound_events, t.deliveries):
+            assert await conn.scalar(sa.select(sa.func.count()).select_from(table)) == 0
+    assert standin.posts == []
 
 
 @pytest.fixture
