@@ -130,9 +130,13 @@ RECORD_DEADLINE_S = 10.0
 #: all that recording left of it, this much at least...
 REPLY_DEADLINE_S = 3.0
 #: ...of which its request and answer get this once it is being written (the rest: a
-#: free send thread, the access token, whose fetch started as the activity came, and
-#: the connection).
+#: free send thread, the access token, and the connection).
 REPLY_TIMEOUT_S = 1.5
+#: A message's recording still under way after this long is likely to end in a
+#: database fault (a healthy one takes milliseconds): from then on the access token the
+#: "not taken in" reply would need is fetched while recording goes on (when none is
+#: held), so that a reply left with REPLY_DEADLINE_S does not start its fetch then.
+TOKEN_AHEAD_AFTER_S = 2.0
 #: The threads Teams sends (and the access token's requests) run on, at most.
 SEND_THREADS = 16
 
@@ -321,23 +325,21 @@ class TeamsBot(Bot):  # type: ignore[misc]
         the channel gets its 202: nothing documents that Teams sends a message again
         after a 5xx (the person saw a message that was simply never answered). Only when
         that reply is not known to be posted is the fault passed on (503). The reply
-        has what recording left of Teams' wait, and its access token is fetched (when
-        none is held) while the message is recorded: a fetch begun only once recording
-        failed had the reply's 1.5 s before its request (the reply of a turn needs the
-        token all the same)."""
+        has what recording left of Teams' wait.
+
+        No access token is asked for here: a message held for Lead Review, a duplicate
+        or a silent route's sends nothing, and the token is fetched by the first send
+        that needs one (every message asked for one as it came, when none was held).
+        Only a recording still under way after :data:`TOKEN_AHEAD_AFTER_S` starts the
+        fetch: a reply sent after recording took its 10 s has 1.5 s before its request,
+        too little to begin the fetch then."""
         inbound = parse_message(context.activity)
         if inbound is None:
             return
         loop = asyncio.get_running_loop()
         arrived = loop.time()
-        self._notices.fetch_token_ahead(context)
         try:
-            await accept(
-                self._core,
-                inbound,
-                name=f"teams-turn {inbound.external_event_id}",
-                deadline_s=RECORD_DEADLINE_S,
-            )
+            await self._record(context, inbound)
         except DATABASE_FAULTS as exc:
             log.warning("teams: could not record a message (%s)", exc.rule)
             # Posted as the outbox's Teams sends are (their pool, the watch on their
@@ -354,6 +356,22 @@ class TeamsBot(Bot):  # type: ignore[misc]
             )
             if not isinstance(outcome, Sent):
                 raise exc from None
+
+    async def _record(self, context: TurnContext, inbound: Inbound) -> None:
+        """:func:`accept` ``inbound``, the access token's fetch started once recording
+        has taken :data:`TOKEN_AHEAD_AFTER_S` (:meth:`on_turn`)."""
+        ahead = asyncio.get_running_loop().call_later(
+            TOKEN_AHEAD_AFTER_S, self._notices.fetch_token_ahead, context
+        )
+        try:
+            await accept(
+                self._core,
+                inbound,
+                name=f"teams-turn {inbound.external_event_id}",
+                deadline_s=RECORD_DEADLINE_S,
+            )
+        finally:
+            ahead.cancel()
 
 
 def _retry_after(headers: Any) -> float | None:

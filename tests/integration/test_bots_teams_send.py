@@ -22,20 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from botbuilder.schema import Activity
 
 from bots import teams
 from bots.teams import TeamsAdapter, TeamsChannel, parse_message
+from leadgate.app import App
 from leadgate.core.clock import FakeClock
-from leadgate.core.config import TeamsSettings
+from leadgate.core.config import Settings, TeamsSettings
 from leadgate.core.errors import Unavailable
+from leadgate.core.runners import drain
 from leadgate.core.types import Inbound, Recorded, RouteMatch
+from leadgate.database import schema as t
+from leadgate.domain.workitems import Status
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import decided_card, eventually, ours
+from tests.helpers import decided_card, eventually, make_agent, make_org, make_route, ours
 from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.common import PORTAL_SESSION, TRICKLE_S
 from tests.standins.connector import (
@@ -961,7 +966,7 @@ async def test_the_not_taken_in_reply_has_what_recording_left_for_its_token(
 
 class _DatabaseDownOnceTokenCame(FakeCore):
     """A core whose database fails a message's intake once the login stand-in has
-    answered a token request (recording takes that long), or after 3 s."""
+    answered a token request (recording is that slow), or after 3 s."""
 
     def __init__(self, login: MicrosoftLogin) -> None:
         super().__init__()
@@ -979,13 +984,15 @@ class _DatabaseDownOnceTokenCame(FakeCore):
 async def test_the_access_token_is_fetched_while_the_message_is_recorded(
     connector: ConnectorStandin, login: MicrosoftLogin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An activity that may need a reply of the adapter's own (the "not taken in"
-    notice) starts the access token's fetch as it comes, when none is held: the fetch
-    runs while the message is recorded, not only once recording failed, and the one
-    token serves the notice (and later sends: the turn's reply needs it too)."""
+    """A message whose recording is slow (past TOKEN_AHEAD_AFTER_S, cut down here) is
+    likely to need a reply of the adapter's own (the "not taken in" notice, with what
+    recording left of Teams' wait): the access token's fetch starts then, when none is
+    held, and runs while the message is recorded, not only once recording failed, and
+    the one token serves the notice (and later sends)."""
     from botframework.connector.auth import JwtTokenExtractor
 
     monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
+    monkeypatch.setattr(teams, "TOKEN_AHEAD_AFTER_S", 0.05)
     core = _DatabaseDownOnceTokenCame(login)
     adapter = TeamsAdapter(TeamsSettings(enabled=True, app_id="app", app_password="pw"), core)
     activity = message_activity(service_url=connector.url, text="hello")
@@ -1000,6 +1007,61 @@ async def test_the_access_token_is_fetched_while_the_message_is_recorded(
     outcome = await adapter.channel.send(_message(_address(connector.url), "gating"))
     assert isinstance(outcome, Sent), outcome
     assert login.asked == 1
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_a_held_turn_asks_for_no_access_token_and_its_approved_reply_gets_one(
+    migrated_url: str,
+    connector: ConnectorStandin,
+    login: MicrosoftLogin,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A message whose turn is held for Lead Review, then sent again (a duplicate),
+    through the real service: nothing is sent, so no access token is asked for (the
+    first message of a process asked for one as it came, whatever followed). Once the
+    lead approves, the reply's send gets its token and the reply arrives, carrying it."""
+    from botframework.connector.auth import JwtTokenExtractor
+
+    monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
+    settings = Settings.model_validate(
+        {
+            "database": {"url": migrated_url},
+            "teams": {"enabled": True, "app_id": "app", "app_password": "pw"},
+        }
+    )
+    service = App(settings, clock=FakeClock())
+    try:
+        org = await make_org(service)
+        await make_agent(service, org, "lead")
+        worker = await make_agent(service, org, "worker", lead="lead")
+        await make_route(service, org, worker["id"], "teams")
+        activity = message_activity(service_url=connector.url, text="ship it #complete")
+        token = login.keys.token(app_id="app", service_url=connector.url)
+        async with TestServer(service.web_app(), host="127.0.0.1") as server:
+            url = str(server.make_url("/api/messages"))
+            assert (await post_activity(url, activity, token=token))[0] == 202
+
+            async def held() -> bool:
+                async with service.db.read() as conn:
+                    status = await conn.scalar(sa.select(t.work_items.c.status))
+                return bool(status == Status.reviewQueued)
+
+            await eventually(held)
+            assert (await post_activity(url, activity, token=token))[0] == 202  # a duplicate
+            await service.relay.run_once()
+            assert (login.asked, connector.requests) == (0, [])
+            await drain(service.lead_runner)
+
+            async def replied() -> bool:
+                await service.relay.run_once()
+                return bool(connector.activities)
+
+            await eventually(replied)
+        [reply] = connector.requests
+        assert reply["authorization"] == "Bearer at"
+        assert login.asked == 1
+    finally:
+        await service.stop()
 
 
 async def test_the_not_taken_in_reply_is_sent_as_the_channels_sends_are(

@@ -470,8 +470,8 @@ async def _signed_bot(
     # The SDK caches metadata per URL for a day: a later test on the same port must not
     # be handed this test's key.
     monkeypatch.setattr(JwtTokenExtractor, "metadataCache", {})
-    # A message taken in starts the Connector's access token's fetch (its reply needs
-    # it): msal's request to Microsoft's login goes to a port nobody listens on.
+    # Should anything ask for the Connector's access token, msal's request to
+    # Microsoft's login goes to a port nobody listens on.
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
