@@ -9,31 +9,61 @@ away (``| head``), 1 anything else.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import gc
-import json
-import logging
-import os
-import signal
 import sys
-from typing import TYPE_CHECKING, Any
 
-from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
-from leadgate.cli.doubt import IN_DOUBT_EXIT, WRITE_IN_DOUBT_RULE, MintedIds, write_in_doubt
-from leadgate.cli.output import one_line, render, say
-from leadgate.cli.parser import build_parser
-from leadgate.cli.ports import check_ports
-from leadgate.core.clock import RandomIds, SystemClock
-from leadgate.core.errors import (
-    ConfigError,
-    DatabaseDamaged,
-    LeadgateError,
-    Unavailable,
-    ValidationError,
-    when_reading,
+#: Ctrl-C (SIGINT): the shell's status for it (128 + 2), and the rule its line ends with.
+INTERRUPTED_EXIT = 130
+INTERRUPTED_RULE = "cli.interrupted"
+INTERRUPTED = (
+    "interrupted (Ctrl-C); a change the command was making is made whole or not at all: "
+    "look (list or show) before running it again"
 )
-from leadgate.core.logs import error_text, loggable, setup_logging
+
+
+def _interrupted_line(using: str = "") -> int:
+    """:data:`INTERRUPTED_EXIT`, with one line on stderr (nowhere when it is closed, as
+    :func:`~leadgate.cli.output.say` prints): ``using``, the config and database once
+    known (one line already). Needs nothing imported: Ctrl-C may come while this module
+    loads its own imports."""
+    if sys.stderr is not None:
+        try:
+            print(f"leadgate: error: {INTERRUPTED}{using} [{INTERRUPTED_RULE}]", file=sys.stderr)
+        except OSError:
+            pass
+    return INTERRUPTED_EXIT
+
+
+try:
+    import argparse
+    import contextlib
+    import gc
+    import json
+    import logging
+    import os
+    import signal
+    from typing import TYPE_CHECKING, Any
+
+    from leadgate.cli.context import ConfigChoice, discover, help_epilog, where
+    from leadgate.cli.doubt import IN_DOUBT_EXIT, WRITE_IN_DOUBT_RULE, MintedIds, write_in_doubt
+    from leadgate.cli.output import STDOUT_RULE, check_stdout, one_line, render, say
+    from leadgate.cli.parser import build_parser
+    from leadgate.cli.ports import check_ports
+    from leadgate.core.clock import RandomIds, SystemClock
+    from leadgate.core.errors import (
+        ConfigError,
+        DatabaseDamaged,
+        LeadgateError,
+        Unavailable,
+        ValidationError,
+        when_reading,
+    )
+    from leadgate.core.logs import error_text, loggable, setup_logging
+except KeyboardInterrupt:
+    # Ctrl-C while the command's modules load (its first few tenths of a second, before
+    # main() runs): one line and 130, as at any later moment; it was a KeyboardInterrupt
+    # traceback. (Raised out of the import of this module, SystemExit ends the console
+    # script and `python -m leadgate` quietly.)
+    sys.exit(_interrupted_line())
 
 if TYPE_CHECKING:
     from leadgate.core.config import Settings
@@ -44,13 +74,6 @@ log = logging.getLogger("leadgate")
 INTERNAL_RULE = "internal"
 #: The rule of a database URL whose user, password or database the server refuses.
 LOGIN_RULE = "database.login"
-#: Ctrl-C (SIGINT): the shell's status for it (128 + 2), and the rule its line ends with.
-INTERRUPTED_EXIT = 130
-INTERRUPTED_RULE = "cli.interrupted"
-INTERRUPTED = (
-    "interrupted (Ctrl-C); a change the command was making is made whole or not at all: "
-    "look (list or show) before running it again"
-)
 
 
 async def _admin(settings: Settings, args: argparse.Namespace) -> Any:
@@ -226,13 +249,16 @@ def _by_ctrl_c(exc: BaseException) -> bool:
 
 
 def _interrupted(choice: ConfigChoice | None, settings: Settings | None) -> int:
-    """:data:`INTERRUPTED_EXIT`, with one line on stderr."""
+    """:data:`INTERRUPTED_EXIT`, with one line on stderr (:func:`_interrupted_line`)."""
     # Said, not left to the shell's "^C": a write the command was making may have
     # landed just before (its result was never printed).
-    using = "" if choice is None else f" ({where(choice, settings)})"
-    with contextlib.suppress(OSError):
-        say(one_line(f"leadgate: error: {INTERRUPTED}{using} [{INTERRUPTED_RULE}]"))
-    return INTERRUPTED_EXIT
+    return _interrupted_line(one_line(_using(choice, settings)))
+
+
+def _using(choice: ConfigChoice | None, settings: Settings | None) -> str:
+    """`` (config: ...; database: ...)`` for an error's line; empty before the command
+    knew its configuration (``choice`` None)."""
+    return "" if choice is None else f" ({where(choice, settings)})"
 
 
 def _main(raw: list[str]) -> int:
@@ -253,6 +279,8 @@ def _main(raw: list[str]) -> int:
         return _reader_gone()
     except OSError as exc:  # written unbuffered (PYTHONUNBUFFERED=1) to a full disk
         return _unwritable(exc, completed=False)
+    except LeadgateError as exc:  # `--version >&-`: nowhere to print it (check_stdout)
+        return _refused(exc, None, None)
     # Imported once the arguments parsed: `--version` and a usage error answer without
     # loading asyncio, and pydantic and SQLAlchemy (the configuration's checks).
     import asyncio
@@ -335,7 +363,7 @@ def _only_reads(args: argparse.Namespace) -> bool:
 
 def _refused(
     exc: LeadgateError,
-    choice: ConfigChoice,
+    choice: ConfigChoice | None,
     settings: Settings | None,
     cause: BaseException | None = None,
 ) -> int:
@@ -348,7 +376,7 @@ def _refused(
         # Which of a refused connection, a host that does not resolve or a timeout it
         # was, in the words a log line may carry (a database error's types and codes).
         message = f"{message} ({error_text(cause)})"
-    say(one_line(f"leadgate: error: {message} ({where(choice, settings)}) [{exc.rule}]"))
+    say(one_line(f"leadgate: error: {message}{_using(choice, settings)} [{exc.rule}]"))
     return IN_DOUBT_EXIT if exc.rule == WRITE_IN_DOUBT_RULE else 2
 
 
@@ -398,22 +426,6 @@ def _reader_gone() -> int:
     finally:
         os.close(devnull)  # (stdout's descriptor holds /dev/null now; `serve` runs on)
     return BROKEN_PIPE_EXIT
-
-
-#: The rule of a command run with its standard output closed (``>&-``).
-STDOUT_RULE = "cli.stdout"
-
-
-def check_stdout() -> None:
-    """Refuse to run with standard output closed (``leadgate key create ... >&-``): the
-    command ran and its result, a new key's secret shown once, went nowhere (and the
-    flush after it said ``AttributeError`` as an internal error)."""
-    if sys.stdout is None:
-        raise ValidationError(
-            "standard output is closed: the command's result would be lost; run it with "
-            "its output going to a terminal, a file or a pipe",
-            rule=STDOUT_RULE,
-        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import re
 import sys
 from typing import Any
 
+from leadgate.core.errors import ValidationError
+
 #: Columns of ``--format table`` for list results, by command.
 COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ("review", "list"): [
@@ -31,6 +33,23 @@ COLUMNS: dict[tuple[str, str | None], list[str]] = {
     ("notify", "list"): ["id", "channel", "to", "tier", "agent", "createdAt"],
 }
 CELL_MAX = 60
+
+
+#: The rule of a command run with its standard output closed (``>&-``).
+STDOUT_RULE = "cli.stdout"
+
+
+def check_stdout() -> None:
+    """Refuse to run with standard output closed (``leadgate key create ... >&-``,
+    ``leadgate --version >&-``): the command ran and its result, a new key's secret
+    shown once, went nowhere (and the flush after it said ``AttributeError`` as an
+    internal error); the version was printed nowhere, exit 0."""
+    if sys.stdout is None:
+        raise ValidationError(
+            "standard output is closed: the command's result would be lost; run it with "
+            "its output going to a terminal, a file or a pipe",
+            rule=STDOUT_RULE,
+        )
 
 
 def say(line: str = "") -> None:

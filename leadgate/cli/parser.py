@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
+from leadgate.cli.output import check_stdout
 from leadgate.cli.review_parser import add_notify_parser, add_user_link_parsers
 from leadgate.core.auth import Role
 from leadgate.core.errors import ValidationError
@@ -73,6 +74,8 @@ class _Version(argparse.Action):
             release = version("leadgate")
         except PackageNotFoundError:  # run from a checkout that was never installed
             release = "unknown"
+        # (closed, print() printed it nowhere and the exit was 0: refused, exit 2)
+        check_stdout()
         print(f"leadgate {release} (schema {HEAD})")  # stdout, as argparse's own version
         parser.exit(0)
 

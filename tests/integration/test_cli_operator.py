@@ -326,6 +326,13 @@ def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceba
     assert rows(world, "SELECT count(*) FROM api_keys") == [(keys,)]
 
 
+def test_version_with_standard_output_closed_is_refused(tmp_path: Path) -> None:
+    # `leadgate --version >&-`: print() printed it nowhere, and the exit was 0.
+    closed = lg(tmp_path, "sh", "-c", 'exec "$0" "$@" >&-', *LEADGATE, "--version", runner=[])
+    closed.rule_error("cli.stdout")
+    assert "standard output is closed" in closed.err and closed.err.count("\n") == 0, closed
+
+
 @pytest.mark.parametrize("unbuffered", ["", "1"])
 def test_output_to_a_full_disk_is_one_line_not_a_traceback(
     world: dict[str, Any], unbuffered: str
@@ -550,6 +557,39 @@ def test_one_ctrl_c_stops_a_command_waiting_for_a_password(world: dict[str, Any]
     assert said.startswith("leadgate: error: interrupted (Ctrl-C)"), out
     assert said.endswith("[cli.interrupted]") and b"Traceback" not in out, out
     assert rows(world, "SELECT count(*) FROM users WHERE email = 'ctrlc@example.com'") == [(0,)]
+
+
+#: The console script's own code (``from leadgate.cli.main import main``), whose process
+#: sends itself SIGINT as the import of the module named first on its command line
+#: starts (Python raises KeyboardInterrupt there): Ctrl-C at a fixed point of the
+#: command's start, not a race with its timing.
+CTRL_C_AT_IMPORT = """
+import os, signal, sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == AT:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+AT = sys.argv.pop(1)
+sys.meta_path.insert(0, CtrlC())
+from leadgate.cli.main import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("module", ["argparse", "leadgate.cli.context", "leadgate.core.logs"])
+def test_ctrl_c_while_the_command_loads_its_modules_is_one_line_and_130(
+    tmp_path: Path, module: str
+) -> None:
+    """Ctrl-C in a command's first tenths of a second, while ``leadgate.cli.main``
+    loads its modules (before ``main()`` runs), was a KeyboardInterrupt traceback."""
+    run = lg(tmp_path, sys.executable, "-c", CTRL_C_AT_IMPORT, module, "org", "list", runner=[])
+    assert (run.code, run.out) == (130, ""), run
+    assert run.err.startswith("leadgate: error: interrupted (Ctrl-C)"), run
+    assert run.err.endswith("[cli.interrupted]") and "\n" not in run.err, run
+    assert "(config:" not in run.err  # (before the command knew its configuration)
 
 
 def _console(world: dict[str, Any], *steps: tuple[str, str, str]) -> list[Any]:
