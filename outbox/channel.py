@@ -101,7 +101,10 @@ class OutboundMessage:
     """One message to post.
 
     ``idempotency_key`` is stable per delivery (derived from its id) so that platforms
-    that de-duplicate (Discord nonce, email Message-ID, Teams activity id) do.
+    that de-duplicate (Discord nonce, email Message-ID, Teams activity id) do: the
+    delivery's id for its first part, and for a later part of a long text one naming
+    where that part lies in the text (:func:`outbox.relay.part_key`), the same key only
+    ever for the same text.
     ``kind`` is ``"reply"`` for a plain turn's immediate reply and ``"gating"`` for
     approved output posted later; ``"card"`` posts a review ``card`` (``text`` is its
     plain-text form) and ``"cardUpdate"`` is the payload of :meth:`Channel.update`.

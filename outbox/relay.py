@@ -923,8 +923,8 @@ class Relay:
                 else:
                     # (the attempt's first part: the channel's own deadline, within this)
                     within_s = left_s if n else None
-                    part = rest[start:end]
-                    outcome = await self._send_part(channel, row, index, part, within_s)
+                    span = at + start, at + end
+                    outcome = await self._send_part(channel, row, span, within_s)
                 if not isinstance(outcome, Sent):
                     return _part_failed(row, outcome, index, count, external, at + start)
                 external = external or outcome.external_id
@@ -1035,17 +1035,17 @@ class Relay:
         return Permanent(f"the card was not posted ({posted.status}); nothing to update")
 
     async def _send_part(
-        self, channel: Channel, row: Delivery, index: int, part: str, within_s: float | None
+        self, channel: Channel, row: Delivery, span: tuple[int, int], within_s: float | None
     ) -> SendOutcome:
-        # Stable per delivery (and part): the same on every attempt.
-        key = row.id if index == 0 else f"{row.id}.{index}"
+        """Post ``row.text[start:end]`` (``span``) under its key (:func:`part_key`)."""
+        start, end = span
         try:
             return await channel.send(
                 OutboundMessage(
                     delivery_id=row.id,
-                    idempotency_key=key,
+                    idempotency_key=part_key(row.id, start, end),
                     address=row.address,
-                    text=part,
+                    text=row.text[start:end],
                     kind=row.kind,
                     within_s=within_s,
                 )
@@ -1064,6 +1064,27 @@ class Relay:
         if retry_after is None or math.isnan(retry_after):
             return float(delay)
         return float(max(delay, min(retry_after, RETRY_AFTER_CAP_S)))
+
+
+def part_key(delivery_id: str, start: int, end: int) -> str:
+    """The idempotency key of the part ``text[start:end]`` of a delivery's text: the
+    same key for the same text on every attempt, never for another text.
+
+    The first part's key is the delivery's id: a one-part text's, as it always was, and
+    the one Discord's interaction reply tells its first part by (it fills the deferred
+    answer; ``bots.discord_out``). A later part's names where it starts and ends in the
+    text (which a delivery never changes): a retry resumes from where the parts posted
+    ended and splits the rest afresh, so when the split is not the same any more (a
+    channel's limit changed by an upgrade) its part N may be another text than the
+    first attempt's part N. Keyed by its number, a channel that de-duplicates by key
+    (Discord's nonce, email's ``Message-ID``) dropped that other text as a repeat, or
+    took a repeat of a text for new. The ``.start-end`` form never equals the
+    ``.number`` keys of earlier versions, so a row sent across an upgrade can at worst
+    post an uncertain part again, never have a part dropped for another's key. The one
+    text that can share a key with another: a first part that may have been posted
+    (nothing recorded) sent again by an operator's Retry after its channel's limit
+    changed, which keeps the delivery's id."""
+    return delivery_id if start == 0 else f"{delivery_id}.{start}-{end}"
 
 
 def _part_failed(

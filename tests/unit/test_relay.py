@@ -35,7 +35,14 @@ from outbox import outcomes as outcomes_mod
 from outbox import relay as relay_mod
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done
-from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS, Relay, split_text
+from outbox.relay import (
+    SEND_DEADLINE_S,
+    SEND_LEASE_MS,
+    Relay,
+    part_key,
+    split_spans,
+    split_text,
+)
 from outbox.store import (
     HANDOFF_TOPIC,
     OUTBOX_TOPIC,
@@ -905,9 +912,7 @@ async def test_long_messages_are_split_in_order_with_nothing_dropped(stack: Stac
     parts = small.texts()
     assert len(parts) > 8 and all(len(p) <= 100 for p in parts)
     assert " ".join(" ".join(parts).split()) == " ".join(words)
-    assert [m.idempotency_key for m in small.calls] == [dlv["id"]] + [
-        f"{dlv['id']}.{i}" for i in range(1, len(parts))
-    ]
+    assert [m.idempotency_key for m in small.calls] == part_keys(dlv["id"], text, 100)
     assert (await item(stack, item_id))["status"] == "completed"
 
 
@@ -937,8 +942,14 @@ def test_split_text_by_a_size_that_is_not_characters() -> None:
     assert split_text("€" * 7, 10, size) == ["€€€", "€€€", "€"]
 
 
+def part_keys(delivery_id: str, text: str, limit: int) -> list[str]:
+    """The idempotency keys of ``text``'s parts, split whole under ``limit``."""
+    return [part_key(delivery_id, s, e) for s, e in split_spans(text, limit)]
+
+
 def keys_sent(channel: ScriptedChannel) -> list[str]:
-    """The idempotency keys of every send, in order (a part's key: ``{id}.{index}``)."""
+    """The idempotency keys of every send, in order (a part's key: ``{id}.{start}-{end}``,
+    the first's the delivery's id)."""
     return [m.idempotency_key for m in channel.calls]
 
 
@@ -955,8 +966,8 @@ async def test_a_later_part_not_posted_is_retried_from_there_not_resent(stack: S
     assert (row["address"]["parts_posted"], row["external_id"]) == (1, "a")
     fake_clock(stack).advance(60_000)
     await drain(relay_for(stack))
-    i = dlv["id"]
-    assert keys_sent(small) == [i, f"{i}.1", f"{i}.1", f"{i}.2"]
+    k = part_keys(dlv["id"], "x" * 250, 100)
+    assert keys_sent(small) == [k[0], k[1], k[1], k[2]]
     assert "".join(small.texts()[n] for n in (0, 2, 3)) == "x" * 250
     row = await delivery(stack, dlv["id"])
     assert (row["status"], row["external_id"]) == ("sent", "a")
@@ -983,8 +994,8 @@ async def test_a_later_part_maybe_posted_is_uncertain_and_a_retry_posts_from_it(
             conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
         )
     await drain(relay_for(stack))
-    i = dlv["id"]
-    assert keys_sent(small) == [i, f"{i}.1", f"{i}.1", f"{i}.2"]
+    k = part_keys(dlv["id"], "x" * 250, 100)
+    assert keys_sent(small) == [k[0], k[1], k[1], k[2]]
     assert (await item(stack, item_id))["status"] == "completed"
 
 
@@ -1012,9 +1023,46 @@ async def test_a_retry_posts_the_rest_when_the_split_changed(
     await drain(relay_for(stack))
     posted = small.texts()[:1] + small.texts()[2:]  # (the second was refused)
     assert " ".join(posted).split() == WORDS.split()
-    i = dlv["id"]
-    assert keys_sent(small)[:3] == [i, f"{i}.1", f"{i}.1"]
     assert (await item(stack, item_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize(("first", "then"), [(100, 100), (100, 1000), (200, 100), (100, 70)])
+async def test_part_keys_name_the_text_whatever_the_retry_s_split(
+    stack: Stack, first: int, then: int
+) -> None:
+    """A later part's key was its number: a retry resumes from where the parts posted
+    ended and splits the rest again, so under another split (a channel's limit changed
+    by an upgrade) its part 2 was another text than the first attempt's part 2, under
+    the same key, and a channel that de-duplicates by key (Discord's nonce, email's
+    Message-ID) dropped it as a repeat of a part that may have been posted: the text
+    between their ends was lost. Now a part's key names where it lies in the text: the
+    same text always has the same key (a repeat is de-duplicated), another text never
+    has it."""
+    small = ScriptedChannel(
+        "slack", max_chars=first, script=[Sent("a"), Uncertain("timeout after write")]
+    )
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: WORDS)
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown" and row["address"]["parts_posted"] == 1
+    small.max_chars = then
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    assert (await item(stack, item_id))["status"] == "completed"
+    sends = list(zip(keys_sent(small), small.texts(), strict=True))
+    assert len({key for key, _ in sends}) == len(set(sends))  # one text per key
+    assert len({text for _, text in sends}) == len(set(sends))  # one key per text
+    # (the part that may have been posted, sent again: the same key when the same text)
+    assert (sends[1][0] == sends[2][0]) is (first == then)
+    i, at = dlv["id"], row["address"]["next_part_at"]
+    retry = [part_key(i, at + s, at + e) for s, e in split_spans(WORDS[at:], then)]
+    assert keys_sent(small)[2:] == retry
+    first_keys = part_keys(i, WORDS, first)
+    assert keys_sent(small)[:2] == first_keys[:2] and first_keys[0] == i
 
 
 @pytest.mark.parametrize(
@@ -1093,7 +1141,7 @@ async def test_a_lease_lapsed_mid_send_keeps_the_parts_posted_and_posts_no_more(
     await drain(relay_for(stack))
     assert " ".join(small.texts()).split() == WORDS.split()
     i = dlv["id"]
-    assert keys_sent(small) == [i, f"{i}.1", f"{i}.2", f"{i}.3"]
+    assert keys_sent(small) == part_keys(i, WORDS, 100)
     assert (await delivery(stack, i))["external_id"] == "a"
     assert (await item(stack, item_id))["status"] == "completed"
 
@@ -1148,7 +1196,8 @@ async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None
     item_id, dlv = await seed_one(stack, text=lambda _: "x" * 350)
     await drain(relay_for(stack))
     i = dlv["id"]
-    assert keys_sent(small) == [i, f"{i}.1"]
+    keys = part_keys(i, "x" * 350, 100)
+    assert keys_sent(small) == keys[:2]
     assert [m.within_s for m in small.calls] == [None, SEND_DEADLINE_S - 20]
     row = await delivery(stack, i)
     assert row["status"] == "pending" and row["address"]["parts_posted"] == 2
@@ -1158,7 +1207,7 @@ async def test_one_send_deadline_covers_the_whole_delivery(stack: Stack) -> None
     )
     clock.advance(60_000)
     await drain(relay_for(stack))
-    assert keys_sent(small) == [i, f"{i}.1", f"{i}.2", f"{i}.3"]
+    assert keys_sent(small) == keys
     assert "".join(small.texts()) == "x" * 350
     row = await delivery(stack, i)
     assert (row["status"], row["external_id"]) == ("sent", f"ext-{i}")
