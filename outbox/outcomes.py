@@ -49,6 +49,7 @@ from outbox.store import (
     DeliveryStatus,
     ReviewNeeded,
     posts_of_ended_items,
+    taken_back,
 )
 
 log = logging.getLogger("leadgate.relay")
@@ -159,6 +160,12 @@ _COMMIT_POSTS = sa.text(
 )
 
 
+#: The error of a delivery posted in full whose send lease lapsed before that was recorded
+#: (:meth:`OutcomeCommitter._record_all_posted`).
+ALL_POSTED_ERROR = (
+    "send lease expired after every part was posted, before that was recorded: nothing "
+    "is sent again (Confirm delivered, or a Retry, completes it)"
+)
 #: The most of an error a delivery keeps, per part (the error, what the platform said):
 #: a platform's refusal may quote a whole page.
 ERROR_CHARS = 2000
@@ -230,7 +237,9 @@ class Done:
     #: a long text's parts now posted when a later one was not (surely) posted: recorded
     #: with the outcome (:data:`outbox.store.PARTS_POSTED`), with ``external_id``, the
     #: first part's platform id (``None``: nothing to record), and ``next_part_at``,
-    #: where in the text the part not posted starts (:data:`outbox.store.NEXT_PART_AT`)
+    #: where in the text the part not posted starts (:data:`outbox.store.NEXT_PART_AT`).
+    #: A text posted in full has them too (``next_part_at`` its length), recorded only
+    #: when its ``sent`` cannot be (:meth:`OutcomeCommitter._record_all_posted`)
     parts_posted: int | None = None
     external_id: str | None = None
     next_part_at: int | None = None
@@ -317,7 +326,11 @@ class OutcomeCommitter:
             signals_from=lambda row: session_events.woken(row.ev_sessions),
         )
         row = result.one()
-        committed = _report_sent(None, done, set(row.sent))
+        sent = set(row.sent)
+        committed = _report_sent(None, done, sent)
+        if lost := _lost_posts(done, sent):
+            async with db.tx() as conn:
+                await self._record_all_posted(conn, lost, now)
         moved = set(row.moved)
         if moved:
             labelled(METRICS.transitions, _SRC.value, _DST.value).inc(len(moved))
@@ -339,6 +352,8 @@ class OutcomeCommitter:
         items: list[str] = []
         reveal: list[str] = []
         scrubbed: list[dict[str, Any]] = []
+        if lost := _lost_posts(sent, committed):
+            await self._record_all_posted(conn, lost, now)
         for d in _report_sent(conn, sent, committed):
             item_id = _gating_item(d.row)
             if item_id:
@@ -370,6 +385,37 @@ class OutcomeCommitter:
                 action="delivered",
             )
             _warn_not_moved(items, set(moved))
+
+    async def _record_all_posted(self, conn: Conn, lost: list[Done], now: int) -> None:
+        """Texts posted in full whose send lease was lost before their ``sent`` could be
+        committed: the lease expiry took them back as ``deliveryUnknown`` with the record
+        of the parts posted before the last one (written before each next part), so an
+        operator's Retry posted the last part (a one-part text: the whole text) again.
+        Each such row still as that expiry left it (:func:`outbox.store.taken_back`)
+        records every part posted (``next_part_at`` at the end of the text): it stays
+        ``deliveryUnknown`` for an operator, and a Retry posts nothing again."""
+        for d in lost:
+            row = d.row
+            recorded = await conn.execute(
+                t.deliveries.update()
+                .where(D.id == row.id, taken_back(row))
+                .values(
+                    address={
+                        **row.address,
+                        PARTS_POSTED: d.parts_posted,
+                        NEXT_PART_AT: d.next_part_at,
+                    },
+                    external_id=sa.func.coalesce(D.external_id, d.external_id),
+                    error=ALL_POSTED_ERROR,
+                    updated_at=now,
+                )
+            )
+            if recorded.rowcount:
+                log.warning(
+                    "delivery %s: its send lease lapsed after every part was posted: "
+                    "recorded posted, left deliveryUnknown",
+                    row.id,
+                )
 
     async def _announce(self, conn: Conn, revealed: Sequence[Any]) -> None:
         """Revealed messages become ``message`` events of their sessions (queued before
@@ -576,6 +622,12 @@ def _lock_order(done: Done) -> tuple[int, str]:
 def _gating_item(row: Delivery) -> str | None:
     """The work item a delivery completes when it is sent (gating deliveries), or None."""
     return row.work_item_id if row.kind == "gating" else None
+
+
+def _lost_posts(sent: Sequence[Done], committed: set[str]) -> list[Done]:
+    """The texts of ``sent`` posted in full (their parts counted) whose ``sent`` was not
+    committed: their send lease was lost."""
+    return [d for d in sent if d.parts_posted is not None and d.row.id not in committed]
 
 
 def _report_sent(conn: Conn | None, sent: Sequence[Done], committed: set[str]) -> list[Done]:

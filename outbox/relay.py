@@ -90,6 +90,7 @@ from outbox.store import (
     count_cancelled,
     delivery_of,
     ended_meanwhile,
+    taken_back,
 )
 
 log = logging.getLogger("leadgate.relay")
@@ -899,6 +900,11 @@ class Relay:
         # Parts an earlier attempt posted are not posted again: the rest of the text is
         # split again, from where they ended, whatever the split was then.
         posted, at = resume
+        if at == len(row.text):
+            # Every part was posted by an earlier attempt whose outcome was not recorded
+            # (its send lease lapsed first): an operator's Retry posts nothing again.
+            log.info("delivery %s: every part was posted already; nothing sent", row.id)
+            return Done(row, Sent())
         rest = row.text[at:]
         spans = split_spans(rest, channel.max_chars, size)
         count = posted + len(spans)
@@ -933,7 +939,9 @@ class Relay:
                     stop = await self._record_parts(row, *after, external)
                     if stop is not None:
                         return _part_failed(row, stop, index + 1, count, external, after[1])
-        return Done(row, Sent(external))
+        # (the whole text posted: recorded on the row if the send lease lapsed before
+        # this outcome is committed, OutcomeCommitter._record_all_posted)
+        return Done(row, Sent(external), count, external, len(row.text))
 
     async def _record_parts(
         self, row: Delivery, posted: int, next_at: int, external: str | None
@@ -954,11 +962,7 @@ class Relay:
             "external_id": external,
         }
         ours = sa.and_(D.lease_token == row.lease_token, D.status == DeliveryStatus.sending.value)
-        lapsed = sa.and_(
-            D.lease_token.is_(None),
-            D.status == DeliveryStatus.deliveryUnknown.value,
-            D.attempts == row.attempts,
-        )
+        lapsed = taken_back(row)
         try:
             async with self.db.tx() as conn:
                 found = (
@@ -1131,7 +1135,8 @@ def resume_at(
     not fit the text (hand-edited, a negative count, an offset past the end) is not
     followed: parts may have been posted, so posting from the start could post them
     again, and posting from a guess could skip one. The delivery is uncertain then
-    (``deliveryUnknown``), nothing sent, for an operator."""
+    (``deliveryUnknown``), nothing sent, for an operator. An offset at the very end
+    says every part was posted: nothing is left to send."""
     address = row.address if isinstance(row.address, dict) else {}
     count, at = address.get(PARTS_POSTED), address.get(NEXT_PART_AT)
     if count is None and at is None:
@@ -1140,7 +1145,8 @@ def resume_at(
         whole = spans()
         if count == 0 or count < len(whole):
             return count, whole[count][0]
-    elif _whole(count) and _whole(at) and count > 0 and 0 < at < len(row.text):
+    elif _whole(count) and _whole(at) and count > 0 and 0 < at <= len(row.text):
+        # (at the end: every part was posted, OutcomeCommitter._record_all_posted)
         return count, at
     return Uncertain(
         f"the record of the parts posted ({PARTS_POSTED} {count!r:.20}, {NEXT_PART_AT} "

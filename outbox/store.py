@@ -141,6 +141,19 @@ PARTS_POSTED = "parts_posted"
 NEXT_PART_AT = "next_part_at"
 
 
+def taken_back(row: Delivery) -> sa.ColumnElement[bool]:
+    """Whether a delivery's row is still as the expiry of ``row``'s send lease left it:
+    ``deliveryUnknown``, no lease, and no attempt since (an operator's Retry, claimed
+    again, counts one). The fence of what a relay that lost its lease still records
+    there of what it posted (the parts posted, ``outbox.relay``), so that the Retry
+    posts only what it did not."""
+    return sa.and_(
+        D.lease_token.is_(None),
+        D.status == DeliveryStatus.deliveryUnknown.value,
+        D.attempts == row.attempts,
+    )
+
+
 class address_kept(FunctionElement[Any]):  # lower case: used like a SQL function
     """A delivery's ``address`` without its :data:`outbox.channel.UNTIL_SENT` values, in
     SQL: ``json_remove`` on SQLite; on PostgreSQL the ``json`` column goes through

@@ -521,6 +521,43 @@ async def test_an_outcome_whose_commit_can_never_succeed_is_recorded_delivery_un
     assert [m.delivery_id for m in channel.calls].count(ids[1]) == 1
 
 
+async def test_a_post_whose_sent_can_never_be_recorded_is_not_posted_again_by_a_retry(
+    stack: Stack, channel: ScriptedChannel
+) -> None:
+    """A text posted in full whose ``sent`` the database refused (not a fault) is
+    recorded ``deliveryUnknown``; that record said nothing of what was posted, and an
+    operator's Retry posted the text again. Now it records every part posted: a Retry
+    posts nothing and completes it."""
+    item_id, dlv = await seed_one(stack)
+    real_alone = outcomes_mod.OutcomeCommitter.commit_alone
+
+    async def commit_alone(self: Any, db: Any, done: list[Done], now: int) -> bool:
+        if any(isinstance(d.outcome, Sent) for d in done):
+            raise ValueError("a value the database refuses")
+        return await real_alone(self, db, done, now)
+
+    async def commit_sent(self: Any, conn: Conn, sent: list[Done], now: int) -> None:
+        raise ValueError("a value the database refuses")
+
+    channel.script = [Sent("1700000001.000100")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(outcomes_mod.OutcomeCommitter, "commit_alone", commit_alone)
+        mp.setattr(outcomes_mod.OutcomeCommitter, "_commit_sent", commit_sent)
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert (row["status"], row["error"]) == ("deliveryUnknown", relay_mod.NOT_RECORDED_ERROR)
+    assert row["address"]["next_part_at"] == len(row["text"]) > 0
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    assert len(channel.calls) == 1
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
 async def test_a_kept_group_that_then_meets_another_error_is_committed_one_by_one(
     stack: Stack, channel: ScriptedChannel
 ) -> None:
@@ -1074,7 +1111,8 @@ async def test_part_keys_name_the_text_whatever_the_retry_s_split(
         ({"parts_posted": -1}, None),
         ({"parts_posted": "1"}, None),
         ({"parts_posted": True}, None),
-        ({"parts_posted": 1, "next_part_at": len(WORDS)}, None),  # past the text
+        ({"parts_posted": 1, "next_part_at": len(WORDS) + 1}, None),  # past the text
+        ({"parts_posted": 1, "next_part_at": len(WORDS)}, len(split_text(WORDS, 100))),  # all
         ({"parts_posted": 1, "next_part_at": -5}, None),
         ({"parts_posted": 0, "next_part_at": 100}, None),
         ({"next_part_at": 100}, None),
@@ -1143,6 +1181,45 @@ async def test_a_lease_lapsed_mid_send_keeps_the_parts_posted_and_posts_no_more(
     i = dlv["id"]
     assert keys_sent(small) == part_keys(i, WORDS, 100)
     assert (await delivery(stack, i))["external_id"] == "a"
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize("text", ["one part", WORDS[:150]])
+async def test_a_lease_lost_after_the_last_part_records_it_and_a_retry_posts_nothing(
+    stack: Stack, text: str
+) -> None:
+    """A relay whose send lease lapsed while its last part was on its way (the delivery
+    taken back as deliveryUnknown by another replica) could not commit its ``sent``, and
+    the row kept the record of the parts before the last one only (a one-part text:
+    none): an operator's Retry posted the last part, or the whole text, again. Now the
+    relay records on the row taken back that every part was posted: it stays
+    deliveryUnknown for the operator, and a Retry posts nothing and completes it."""
+    ahead = FakeClock(fake_clock(stack).now_ms() + SEND_LEASE_MS + 1)
+
+    async def lease_lapses(message: OutboundMessage) -> SendOutcome:
+        other = Relay(stack.db, ahead, stack.ids, stack.channels)
+        assert await other.expire_send_leases() == 1
+        return Sent("b")
+
+    parts = len(split_text(text, 100))
+    script: list[Any] = [Sent("a")] * (parts - 1) + [lease_lapses]
+    small = ScriptedChannel("slack", max_chars=100, script=script)
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: text)
+    await drain(relay_for(stack))
+    assert len(small.calls) == parts
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown" and row["error"] == outcomes_mod.ALL_POSTED_ERROR
+    assert (row["address"]["parts_posted"], row["address"]["next_part_at"]) == (parts, len(text))
+    assert row["external_id"] == ("a" if parts > 1 else "b")
+    assert (await item(stack, item_id))["status"] == "approved"  # an operator's to settle
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    assert small.texts() == split_text(text, 100)  # nothing posted twice
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
     assert (await item(stack, item_id))["status"] == "completed"
 
 
