@@ -117,20 +117,34 @@ _UNEDITABLE = frozenset(
 # round trip instead of seven (BEGIN, the deliveries, their external ids, the items, their
 # audit rows, the session events, COMMIT). Measured with four relay replicas: the outcome
 # commit's round trips were most of the relay's and of PostgreSQL's CPU per delivery.
+# Its rows are locked by id (``ORDER BY id FOR UPDATE``, read whole before the updates
+# that join them): the deliveries, then the items, as the transaction of ``commit``
+# takes them and as a lease expiry takes the items (outbox.store.ended_meanwhile). An
+# update locks rows in the order its plan finds them (the items by status and
+# updated_at): two items approved in the other order than their ids were locked the
+# other way round from an expiry on another replica, and PostgreSQL ended one of the
+# two (40P01 deadlock_detected).
 _SENT_AND_MOVED = (
     "WITH input AS ("
     " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:tokens AS varchar[]),"
     " CAST(:externals AS varchar[])) AS i(id, token, external_id)"
+    "), sending AS ("
+    " SELECT d.id FROM deliveries AS d WHERE d.id = ANY(CAST(:ids AS varchar[]))"
+    " AND d.status = :sending ORDER BY d.id FOR UPDATE"
     "), sent AS ("
     " UPDATE deliveries AS d SET status = :sent, lease_token = NULL, lease_expires_at = NULL,"
     " updated_at = :now, error = NULL, external_id = COALESCE(i.external_id, d.external_id)"
-    " FROM input AS i"
+    " FROM input AS i JOIN sending ON sending.id = i.id"
     " WHERE d.id = i.id AND d.status = :sending AND d.lease_token IS NOT DISTINCT FROM i.token"
     " RETURNING d.id, d.kind, d.work_item_id"
+    "), approved AS ("
+    " SELECT w.id FROM work_items AS w"
+    " WHERE w.id IN (SELECT work_item_id FROM sent WHERE sent.kind = 'gating')"
+    " AND w.status = :src ORDER BY w.id FOR UPDATE"
     "), moved AS ("
     " UPDATE work_items AS w SET status = :dst,"
     f" updated_at = {later_of_sql('now', 'w.updated_at')}"
-    " FROM sent WHERE sent.kind = 'gating' AND w.id = sent.work_item_id AND w.status = :src"
+    " FROM approved WHERE w.id = approved.id AND w.status = :src"
     " RETURNING w.id, w.org_id, w.session_id, w.updated_at"
     "), audit_rows AS ("
     " INSERT INTO audit (id, org_id, work_item_id, delivery_id, actor, action, from_status,"

@@ -664,6 +664,43 @@ async def test_a_group_locks_its_posts_items_in_the_order_a_lease_expiry_does(
         assert (await delivery(stack, str(d["id"])))["status"] == "pending"
 
 
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_group_of_posts_locks_their_items_in_the_order_a_lease_expiry_does(
+    stack: Stack,
+) -> None:
+    """As above, for a group of successful posts, committed on PostgreSQL as one
+    statement (``commit_alone``): its move of the items to ``completed`` locked them in
+    the order its join found them (the group's, the later item first), held the later
+    one waiting for the earlier one, which the expiry held waiting for the later one,
+    and PostgreSQL ended one of the two (40P01 deadlock_detected). It now locks them by
+    id (and its deliveries too): it waits for the expiry, then commits them all."""
+    seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
+    relay = relay_for(stack)
+    rows = sorted(await relay.claim(), key=lambda r: str(r.work_item_id), reverse=True)
+    assert len(rows) == 2
+    first = min(str(r.work_item_id) for r in rows)
+    posts = t.deliveries.c.id.in_([r.id for r in rows])
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == first).with_for_update()
+    group = [Done(r, Sent(f"ts-{n}")) for n, r in enumerate(rows)]
+    async with stack.db.tx() as conn:
+        # The first item approved after the other: the move's scan of the approved items
+        # (by status and updated_at) finds the later item first.
+        w = t.work_items.c
+        await conn.execute(
+            t.work_items.update().where(w.id == first).values(updated_at=w.updated_at + 1)
+        )
+    async with stack.db.tx() as conn:
+        await conn.execute(locked)  # the expiry's statement has locked the first item
+        commit = asyncio.create_task(relay.complete(group))
+        await blocked_on_a_lock(stack.db, commit)
+        assert await ended_meanwhile(conn, posts) == []  # and goes on to the second
+    await commit
+    for d in seeded.deliveries:
+        assert (await delivery(stack, str(d["id"])))["status"] == "sent"
+    for i in seeded.items:
+        assert (await item(stack, str(i["id"])))["status"] == "completed"
+
+
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
     stack: Stack, channel: ScriptedChannel
 ) -> None:
