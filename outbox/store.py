@@ -954,6 +954,13 @@ async def recover(
     delivery no longer ``deliveryUnknown`` and gets a 409; nothing happens twice.
     """
     now = clock.now_ms()
+    gating_item = delivery.work_item_id if delivery.kind == "gating" else None
+    if action == "confirm" and gating_item and conn.dialect.name == "postgresql":
+        # The item first, then the delivery, as a cancel takes them (the item's move,
+        # then its unsent and uncertain deliveries): the delivery first, a cancel
+        # meanwhile held the item waiting for the delivery, and this held the delivery
+        # waiting for the item (40P01 deadlock_detected). SQLite has one writer.
+        await workitems.get(conn, gating_item, lock=True)
     if action == "confirm":
         values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None, **ENDED}
         if external_id is not None:

@@ -1073,6 +1073,43 @@ async def test_a_later_part_maybe_posted_is_uncertain_and_a_retry_posts_from_it(
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_confirm_of_an_uncertain_post_while_its_item_is_cancelled_waits_no_deadlock(
+    stack: Stack,
+) -> None:
+    """An operator confirms an uncertain post while a person cancels its item. The
+    cancel locks the item, then cancels the item's uncertain deliveries; the confirm
+    locked the delivery, then waited for the item to complete it: each held what the
+    other waited for, and PostgreSQL ended one of the two (40P01 deadlock_detected).
+    The confirm now locks the item first, as the cancel does: it waits for the cancel,
+    then finds the delivery ``cancelled`` and says so (409 ``delivery.status``)."""
+    stack.channels["slack"] = ScriptedChannel("slack", script=[Uncertain("timeout")])
+    item_id, dlv = await seed_one(stack)
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown"
+    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == item_id).with_for_update()
+
+    async def confirm() -> None:
+        async with stack.db.tx() as conn:
+            await recover(
+                conn, stack.clock, stack.ids, Delivery(**row), action="confirm", actor="user:op"
+            )
+
+    async with stack.db.tx() as conn:
+        await conn.execute(locked)  # the cancel's move of the item holds it
+        confirming = asyncio.create_task(confirm())
+        await blocked_on_a_lock(stack.db, confirming)
+        await decisions.decide(
+            conn, stack.outbox, await workitems.get(conn, item_id), "cancel", "user:x"
+        )
+    with pytest.raises(TransitionError) as refused:
+        await confirming
+    assert refused.value.rule == "delivery.status"
+    assert (await delivery(stack, dlv["id"]))["status"] == "cancelled"
+    assert (await item(stack, item_id))["status"] == "cancelled"
+
+
 #: A long text of distinct words, so that a part posted twice, or skipped, shows.
 WORDS = " ".join(f"w{n:04d}" for n in range(60))
 
