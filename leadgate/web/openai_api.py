@@ -14,16 +14,20 @@ Retries never double a message:
 * every error answered after the message was taken in carries ``x-should-retry: false``,
   which the official clients obey (they retry 5xx, 409 and connection errors otherwise);
 * ``Idempotency-Key`` (:mod:`leadgate.operations.idempotency`): the same key within 24 h
-  gets the first answer again (or the same 409) and runs no second turn.
+  gets the first answer again (or the same 409) and runs no second turn;
+* without one, the official clients' own retry (``x-stainless-retry-count`` 1 or more) of
+  a request whose turn still runs in this process gets that turn's answer
+  (:class:`_Attempts`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,6 +77,10 @@ from leadgate.web.common import (
 log = logging.getLogger("leadgate.web")
 
 PENDING_MESSAGE = "This turn is pending Lead review. Retry after the review completes."
+#: What the official ``openai`` clients (Python and Node) send on every attempt of a
+#: request: 0, then 1, 2 for their own retries of it (after a lost connection, a
+#: timeout, a 5xx), each the same request again.
+ATTEMPT_HEADER = "x-stainless-retry-count"
 # The answer to a request whose Idempotency-Key was taken over after the process that
 # ran its turn died: the message was taken in once, the answer was lost with the process.
 LOST_MESSAGE = (
@@ -501,6 +509,69 @@ def _error_json(request: web.Request, exc: BaseException) -> tuple[int, dict[str
     return resp.status, json.loads(resp.body)
 
 
+def _client_attempt(request: web.Request) -> int | None:
+    """Which attempt of its request this is, as the official clients number them
+    (:data:`ATTEMPT_HEADER`); None from other clients (or a value that is no count)."""
+    value = request.headers.get(ATTEMPT_HEADER, "")
+    return int(value) if value.isascii() and value.isdigit() and len(value) < 4 else None
+
+
+#: What makes a retry the same request: the organization, the caller (its key), the
+#: ``X-Session-Id``, the request's fingerprint (:func:`_request_print`).
+AttemptKey = tuple[str, str, str, str]
+
+
+class _Attempts:
+    """The unkeyed requests of the official clients whose turns run in this process,
+    each with the answer it will have (a replayable one, as an Idempotency-Key's).
+
+    Those clients send a request again by themselves after a lost connection or a
+    timeout (their default retries, ``x-stainless-retry-count`` 1, 2), with no
+    Idempotency-Key: the retry was a new message, its own turn run beside the first's
+    (the model called twice, the message twice in the transcript). A retry of a request
+    whose turn still runs here is now that request: it waits for the running turn and
+    is answered what the first would have been, ``Idempotent-Replayed: true``. Once that
+    turn has ended it is a new message again, as MCP's call sent again (nothing else
+    tells a resend from the same words sent anew); so is one reaching another replica.
+    The first request failing before its message was taken in leaves the retry to run
+    its own turn."""
+
+    def __init__(self) -> None:
+        self._running: dict[AttemptKey, asyncio.Future[dict[str, Any] | None]] = {}
+
+    def running(self, key: AttemptKey) -> asyncio.Future[dict[str, Any] | None] | None:
+        """The answer to come of the request ``key`` whose turn runs, if one does."""
+        return self._running.get(key)
+
+    @contextlib.contextmanager
+    def attempt(self, key: AttemptKey) -> Iterator[asyncio.Future[dict[str, Any] | None]]:
+        """Register a request's turn for its retries; set the future's result to its
+        answer (None when it has none to share). Unset, it resolves to None."""
+        answer: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._running[key] = answer
+        try:
+            yield answer
+        finally:
+            if not answer.done():
+                answer.set_result(None)
+            if self._running.get(key) is answer:
+                del self._running[key]
+
+
+def _request_print(
+    principal: Principal, body: dict[str, Any], session: str | None, parsed: ChatRequest
+) -> str:
+    """The fingerprint of a request: its body, its ``X-Session-Id`` and, for the default
+    session, the API key (each key's own: the same body from another key of the
+    organization is another request)."""
+    parts = [json.dumps(body, sort_keys=True, separators=(",", ":")).encode()]
+    parts.append((session or "").encode())
+    target = api_session_key(principal, session=session, user=parsed.user)
+    if target.startswith("default:"):
+        parts.append(target.encode())
+    return fingerprint(*parts)
+
+
 def setup(
     app: web.Application,
     *,
@@ -512,6 +583,7 @@ def setup(
     idempotency: IdempotencyBackend | None = None,
 ) -> None:
     """Register ``POST /v1/chat/completions`` and (with ``models``) ``GET /v1/models``."""
+    attempts = _Attempts()
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         principal = await authenticate(request, authenticate_with, cookie=False)
@@ -538,7 +610,23 @@ def setup(
         parsed = parse_request(body)
         key = single_header(request, "Idempotency-Key")
         if key is None or idempotency is None:
-            return await _turn(request, principal, parsed, session, None)
+            attempt = _client_attempt(request)
+            if attempt is None:
+                return await _turn(request, principal, parsed, session, None)
+            same: AttemptKey = (
+                principal.org_id,
+                principal.actor,
+                session or "",
+                _request_print(principal, body, session, parsed),
+            )
+            running = attempts.running(same) if attempt else None
+            if running is not None:
+                log.info("a client's retry of a request whose turn runs: answered by that turn")
+                answer = await asyncio.shield(running)
+                if answer is not None:
+                    return await _replay(request, answer, parsed)
+            with attempts.attempt(same) as answer_of_turn:
+                return await _turn(request, principal, parsed, session, None, answer_of_turn)
         # A model already found missing is refused before the key is claimed (the
         # claim and its release would be two writes for a 404), unless the key was used:
         # its message may have been taken in before the agent was deleted, and the
@@ -548,15 +636,9 @@ def setup(
         except NotFound:
             if not await idempotency.used(principal, key):
                 raise
-        parts = [json.dumps(body, sort_keys=True, separators=(",", ":")).encode()]
-        parts.append((session or "").encode())
-        target = api_session_key(principal, session=session, user=parsed.user)
-        if target.startswith("default:"):
-            # The default session is each key's own: the same body from another key of
-            # the organization is another request (it was given the first key's answer).
-            parts.append(target.encode())
-        request_print = fingerprint(*parts)
-        claim = await idempotency.begin(principal, key, request_print)
+        claim = await idempotency.begin(
+            principal, key, _request_print(principal, body, session, parsed)
+        )
         if claim.action == "replay" and claim.response is not None:
             return await _replay(request, claim.response, parsed)
         if claim.action == "running":
@@ -569,9 +651,11 @@ def setup(
         parsed: ChatRequest,
         session: str | None,
         claim: Claim | None,
+        shared: asyncio.Future[dict[str, Any] | None] | None = None,
     ) -> web.StreamResponse:
         """Run the turn; with a ``claim``, store its answer for the key's later requests
-        (or release the key when nothing was taken in)."""
+        (or release the key when nothing was taken in); with ``shared``, hand its answer
+        to the client's retries waiting for it (:class:`_Attempts`)."""
         exchange = _Exchange(
             request,
             parsed,
@@ -582,10 +666,13 @@ def setup(
             session,
             claim,
             idempotency,
+            remember=shared is not None,
         )
         try:
             if claim is None or idempotency is None:
                 response, stored = await exchange.run()
+                if shared is not None:
+                    shared.set_result(stored)
             else:
                 async with idempotency.held(principal, claim):
                     response, stored = await exchange.run()
@@ -685,6 +772,8 @@ class _Exchange:
         session: str | None,
         claim: Claim | None,
         idempotency: IdempotencyBackend | None,
+        *,
+        remember: bool = False,
     ) -> None:
         self.request = request
         self.parsed = parsed
@@ -696,6 +785,9 @@ class _Exchange:
         self.claim = claim
         self.idempotency = idempotency
         self.keep = claim is not None
+        #: The answer is made replayable, as a key's, for the client's retries waiting
+        #: for it (:class:`_Attempts`), though nothing is stored.
+        self.remember = remember
         self.kept = False
         #: The status and body :meth:`_store_answer` stored with the turn (what to send).
         self.answered: tuple[int, dict[str, Any]] | None = None
@@ -820,7 +912,7 @@ class _Exchange:
         # Every non-200 answer here comes after the intake decided (taken in, busy or
         # lost): retrying it would not help, and an idempotent retry gets it again.
         headers = NO_RETRY if status >= 400 else None
-        stored = {"status": status, "body": body} if self.keep else None
+        stored = {"status": status, "body": body} if self.keep or self.remember else None
         return web.json_response(body, status=status, headers=headers), stored
 
     async def _stream(self) -> tuple[web.StreamResponse, dict[str, Any] | None]:
@@ -829,7 +921,12 @@ class _Exchange:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         chunks = _Chunks(
-            response, self.cid, self.created, parsed.model, parsed.include_usage, self.keep
+            response,
+            self.cid,
+            self.created,
+            parsed.model,
+            parsed.include_usage,
+            self.keep or self.remember,
         )
         started = False
 

@@ -2097,3 +2097,203 @@ async def test_a_takeover_told_in_progress_is_told_so_when_ending_its_claim_fail
         assert reply.status == 200, await reply.text()
         assert (await reply.json())["choices"][0]["message"]["content"] == "slow answer"
         assert env.gate.calls == 1  # one turn: the rerun's
+
+
+# ------------------------------------------------ the official client's own retries
+# The official client with its default retries (2), as an application uses it: a
+# connection lost, or a 503, is sent again by the client itself (the test holds each of
+# its waits until the server has done what the case needs, instead of sleeping them).
+
+
+class DropsFirst(httpx2.AsyncBaseTransport):
+    """The client's transport, losing its first connection once the service has called
+    the model (the message was taken in) and before the client read the answer: the
+    request reached the service, the client saw a reset connection."""
+
+    def __init__(self, called: Callable[[], bool]) -> None:
+        self.real = httpx2.AsyncHTTPTransport()
+        self.called = called
+        self.drops = 1
+        self.sent = 0
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        self.sent += 1
+        if not self.drops:
+            return await self.real.handle_async_request(request)
+        self.drops -= 1
+        sending = asyncio.ensure_future(self.real.handle_async_request(request))
+        await eventually(self.called, what="the model called")
+        if sending.done():  # (a stream's head came first: lost all the same)
+            await sending.result().aclose()
+        else:
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+        raise httpx2.ReadError("Connection reset by peer")
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+class HeldRetries:
+    """``AsyncOpenAI._sleep_for_retry`` held until ``go`` is set; ``waits`` are the
+    seconds the client would have slept, each computed as it computes them."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.waits: list[float] = []
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        """Hold the waits of every ``AsyncOpenAI`` (until the context ``mp`` ends)."""
+        held = self
+
+        async def sleep_for_retry(
+            client: AsyncOpenAI, *, retries_taken: int, max_retries: int, **rest: Any
+        ) -> None:
+            response: httpx2.Response | None = rest["response"]
+            held.waits.append(
+                client._calculate_retry_timeout(
+                    max_retries - retries_taken,
+                    rest["options"],
+                    response.headers if response is not None else None,
+                )
+            )
+            await held.go.wait()
+
+        mp.setattr(AsyncOpenAI, "_sleep_for_retry", sleep_for_retry)
+
+
+@pytest.mark.like_production
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_official_clients_keyed_retry_after_a_lost_connection_gets_the_one_answer(
+    env: Env, stream: bool
+) -> None:
+    """The connection drops after the service took the message in and before its
+    answer reached the client; the client sends the request again by itself (its
+    default retries), under the ``Idempotency-Key`` it was given, once the turn has
+    ended: the retry gets the turn's answer, marked replayed, and the model was called
+    once, the message taken in once."""
+    held = HeldRetries()
+    session = f"lost-{stream}"
+    headers = {"Idempotency-Key": session, "X-Session-Id": session}
+    with pytest.MonkeyPatch.context() as mp:
+        held.install(mp)
+        asked, transport = lose_the_first_connection(env, "answer once", stream, headers)
+        await eventually(lambda: held.waits, what="the client's retry after the lost connection")
+        env.gate.release.set()
+
+        async def answered() -> bool:
+            return len(await env.transcript("slow", session)) == 2
+
+        await eventually(answered, what="the first request's turn ended")
+        held.go.set()
+        answer = await asked
+    await one_answer(env, session, answer, transport, held)
+
+
+@pytest.mark.like_production
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_official_clients_retry_while_the_turn_runs_gets_its_answer_without_a_key(
+    env: Env, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same without an ``Idempotency-Key`` (the client's default: it sends none),
+    the retry reaching the service while the first request's turn runs (a proxy's or
+    the client's timeout ended the first connection): the client's retry
+    (``x-stainless-retry-count: 1``) waits for that turn and gets its answer. It was a
+    new message: the model called a second time, the message twice in the transcript,
+    and the client given the second turn's answer."""
+    caplog.set_level(logging.INFO, logger="leadgate.web")
+    held = HeldRetries()
+    session = f"unkeyed-{stream}"
+    with pytest.MonkeyPatch.context() as mp:
+        held.install(mp)
+        asked, transport = lose_the_first_connection(
+            env, "answer once", stream, {"X-Session-Id": session}
+        )
+        await eventually(lambda: held.waits, what="the client's retry after the lost connection")
+        held.go.set()
+        await eventually(
+            lambda: (
+                env.gate.calls == 2
+                or [r for r in caplog.records if "whose turn runs" in r.getMessage()]
+            ),
+            what="the retry waiting for the running turn (or running its own)",
+        )
+        env.gate.release.set()
+        answer = await asked
+    await one_answer(env, session, answer, transport, held)
+
+
+def lose_the_first_connection(
+    env: Env, text: str, stream: bool, headers: dict[str, str]
+) -> tuple[asyncio.Future[Any], DropsFirst]:
+    """An official client with its default retries asking the ``slow`` agent ``text``,
+    its first connection lost once the model was called: the request running, and the
+    transport."""
+    transport = DropsFirst(lambda: env.gate.calls >= 1)
+    official = AsyncOpenAI(
+        base_url=str(env.client.make_url("/v1")),
+        api_key=env.org.key,
+        http_client=httpx2.AsyncClient(transport=transport),
+    )
+    ask: dict[str, Any] = {
+        "model": "slow",
+        "messages": [{"role": "user", "content": text}],
+        "extra_headers": headers,
+    }
+
+    async def streamed() -> str:
+        chunks = await official.chat.completions.create(**ask, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+    async def asked() -> Any:
+        async with official:
+            if stream:
+                return await streamed()
+            return await official.chat.completions.with_raw_response.create(**ask)
+
+    return asyncio.ensure_future(asked()), transport
+
+
+async def one_answer(
+    env: Env, session: str, answer: Any, transport: DropsFirst, held: HeldRetries
+) -> None:
+    """The client got the one turn's answer (replayed) from its one retry."""
+    if isinstance(answer, str):
+        assert answer == "slow answer"
+    else:
+        assert answer.headers["Idempotent-Replayed"] == "true"
+        assert answer.parse().choices[0].message.content == "slow answer"
+    assert transport.sent == 2 and len(held.waits) == 1
+    assert env.gate.calls == 1
+    assert await env.transcript("slow", session) == [
+        ("user", "answer once"),
+        ("assistant", "slow answer"),
+    ]
+
+
+async def test_the_official_client_retries_a_503_of_a_database_fault_and_is_answered_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database fault at the intake (storing the message) is a 503 with
+    ``Retry-After`` (and ``retry-after-ms``), nothing stored: the client waits what it
+    names, sends the request again by itself, and the retry's turn is the one turn."""
+    held = HeldRetries()
+    held.go.set()
+    async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
+        official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
+        with pytest.MonkeyPatch.context() as mp:
+            held.install(mp)
+            faults.arm_on("INSERT INTO messages")
+            answer = await official.chat.completions.create(
+                model="plain",
+                messages=[{"role": "user", "content": "after the fault"}],
+                extra_headers={"X-Session-Id": "fault"},
+            )
+            faults.disarm()
+        assert faults.fired is not None
+        assert answer.choices[0].message.content
+        assert len(held.waits) == 1 and 1 <= held.waits[0] <= 5, held.waits  # its Retry-After
+        assert await env.user_messages("plain", "fault") == ["after the fault"]
+        assert len(await env.transcript("plain", "fault")) == 2
+        await official.close()
