@@ -2272,28 +2272,39 @@ async def one_answer(
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
 async def test_the_official_client_retries_a_503_of_a_database_fault_and_is_answered_once(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
     """A database fault at the intake (storing the message) is a 503 with
-    ``Retry-After`` (and ``retry-after-ms``), nothing stored: the client waits what it
-    names, sends the request again by itself, and the retry's turn is the one turn."""
+    ``Retry-After`` (and ``retry-after-ms``), nothing stored, before any stream: the
+    client waits what it names, sends the request again by itself, and the retry's turn
+    is the one turn."""
     held = HeldRetries()
     held.go.set()
     async with served_with_faults(migrated_url, monkeypatch) as (env, faults):
         official = AsyncOpenAI(base_url=str(env.client.make_url("/v1")), api_key=env.org.key)
+        ask: dict[str, Any] = {
+            "model": "plain",
+            "messages": [{"role": "user", "content": "after the fault"}],
+            "extra_headers": {"X-Session-Id": "fault"},
+        }
         with pytest.MonkeyPatch.context() as mp:
             held.install(mp)
             faults.arm_on("INSERT INTO messages")
-            answer = await official.chat.completions.create(
-                model="plain",
-                messages=[{"role": "user", "content": "after the fault"}],
-                extra_headers={"X-Session-Id": "fault"},
-            )
+            if stream:
+                chunks = await official.chat.completions.create(**ask, stream=True)
+                text = "".join(
+                    [c.choices[0].delta.content or "" async for c in chunks if c.choices]
+                )
+            else:
+                text = (await official.chat.completions.create(**ask)).choices[0].message.content
             faults.disarm()
         assert faults.fired is not None
-        assert answer.choices[0].message.content
+        assert text == "Echo: after the fault"
         assert len(held.waits) == 1 and 1 <= held.waits[0] <= 5, held.waits  # its Retry-After
-        assert await env.user_messages("plain", "fault") == ["after the fault"]
-        assert len(await env.transcript("plain", "fault")) == 2
+        assert await env.transcript("plain", "fault") == [
+            ("user", "after the fault"),
+            ("assistant", "Echo: after the fault"),
+        ]
         await official.close()
