@@ -288,6 +288,7 @@ class FlowRecovery:
             await move_run(
                 conn,
                 flows.clock,
+                flows.ids,
                 lease.run_id,
                 src=RunStatus.running,
                 dst=RunStatus.failed,

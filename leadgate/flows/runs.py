@@ -34,6 +34,11 @@ or deleted, since): a turn that made a work item pauses on it (a gated turn is r
 as a ``rerun`` turn run: turn recovery runs it again if it was cut off before its
 submission), one that made none takes the answer it stored, and one whose answer was
 lost with its process fails the run saying so (``flow.turn_lost``).
+
+A run that fails (:func:`move_run` to ``failed``: its node broke, recovery gave it up,
+its paused item ended) closes its waiting continuations and ends the work items its node
+turns opened that are still open (:func:`end_owned_items`), in the same transaction: no
+person or lead is left deciding an item whose flow will never resume.
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
 from leadgate.turns import runs as turn_runs
 from leadgate.turns.intake import taken_in
-from outbox.store import DeliveryStatus
+from outbox.store import DeliveryStatus, cancel_for_item
 
 if TYPE_CHECKING:
     # The turn path is handed in (the composition root makes it): an operator command
@@ -206,6 +211,7 @@ class LostRun:
 async def move_run(
     conn: Conn,
     clock: Clock,
+    ids: IdFactory,
     run_id: str,
     *,
     src: RunStatus,
@@ -216,9 +222,10 @@ async def move_run(
     """Move ``run_id`` from ``src`` to ``dst`` (a move of :data:`RUN_TRANSITIONS`), fenced
     by status and, from ``running``, by the lease ``token``; a move that stays
     ``running`` renews the lease, one that leaves it clears it; one to ``failed`` closes
-    the run's continuations still ``waiting`` (it resumes nothing). Raises
-    :class:`RunLeaseLost` (from ``running``) or :class:`TransitionError` when nothing
-    matched."""
+    the run's continuations still ``waiting`` (it resumes nothing) and ends the work
+    items its node turns opened that are still open (:func:`end_owned_items`), in the
+    same transaction. Raises :class:`RunLeaseLost` (from ``running``) or
+    :class:`TransitionError` when nothing matched."""
     if dst not in RUN_TRANSITIONS[src]:
         raise TransitionError(
             f"a flow run cannot go from {src} to {dst}", rule="flowRun.transition"
@@ -233,9 +240,10 @@ async def move_run(
         changes.update(
             {"lease_expires_at": now + RUN_LEASE_MS} if dst is RunStatus.running else _NO_LEASE
         )
-    res = await conn.execute(t.flow_runs.update().where(*fences).values(changes))
-    if res.rowcount:
-        if dst is RunStatus.failed:
+    update = t.flow_runs.update().where(*fences).values(changes)
+    if dst is RunStatus.failed:
+        failed = (await conn.execute(update.returning(R.org_id, R.start_index, R.error))).first()
+        if failed is not None:
             # A failed run resumes nothing: a continuation registered before its node
             # failed (the worker deactivated, its turn broke) is closed with it. It
             # stayed ``waiting`` for ever, showing a failed run as waiting for a review.
@@ -244,6 +252,11 @@ async def move_run(
                 .where(C.run_id == run_id, C.status == "waiting")
                 .values(status="closed", updated_at=now)
             )
+            await end_owned_items(
+                conn, clock, ids, failed.org_id, run_id, failed.start_index, failed.error
+            )
+            return
+    elif (await conn.execute(update)).rowcount:
         return
     if src is RunStatus.running:
         raise RunLeaseLost(
@@ -252,6 +265,81 @@ async def move_run(
             rule="flowRun.lease",
         )
     raise TransitionError(f"flow run {run_id} is not {src}; nothing changed", rule="flowRun.status")
+
+
+#: The rule named in the audit row of a work item ended because its flow run failed.
+FLOW_RUN_FAILED_RULE = "flowRun.failed"
+#: The audit action of that end (actor ``system:flow``).
+FLOW_FAILED_ACTION = "flowFailed"
+#: The open work items of the turns taken in under some of a run's node keys (the
+#: intake's external event ids, unique: one index probe each), locked on PostgreSQL.
+_IE = t.inbound_events.c
+_OWNED = (
+    sa.select(t.work_items.c.id, t.work_items.c.status)
+    .select_from(t.inbound_events.join(t.work_items, t.work_items.c.id == _IE.work_item_id))
+    .where(
+        _IE.org_id == sa.bindparam("p_org"),
+        _IE.external_event_id.in_(sa.bindparam("p_keys", expanding=True)),
+        t.work_items.c.status.in_([status.value for status in workitems.ACTIVE]),
+    )
+    .order_by(t.work_items.c.id)
+)
+_OWNED_FOR_UPDATE = _OWNED.with_for_update(of=t.work_items)
+
+
+async def end_owned_items(
+    conn: Conn,
+    clock: Clock,
+    ids: IdFactory,
+    org_id: str,
+    run_id: str,
+    start_index: int,
+    error: str | None,
+) -> None:
+    """End the work items that run ``run_id``'s node turns (nodes ``start_index`` on)
+    opened and that are still open, as the run fails: ``cancelled``, fenced by the
+    status read, audited ``flowFailed`` by ``system:flow`` naming
+    :data:`FLOW_RUN_FAILED_RULE` and the run's ``error``; their unsent deliveries (a
+    review card not posted yet, an approval's ``continuation``) are cancelled too.
+
+    Left open, nobody would decide them: the run resumes nothing, so an ``inProgress``
+    item (its model failed) waited a week for the sweeper, shown open meanwhile, and one
+    approved later kept a continuation delivery that nothing ever takes. PostgreSQL:
+    the read locks the items, so a decision committing meanwhile is waited for and read
+    as it ended (an approval: the item is cancelled from ``approved``; a rejection: it
+    is left alone); one committing after this finds the item cancelled and is refused,
+    naming this move. SQLite serializes writers."""
+    keys = [node_key(run_id, index) for index in range(start_index, MAX_NODES)]
+    query = _OWNED_FOR_UPDATE if conn.dialect.name == "postgresql" else _OWNED
+    owned = (await conn.execute(query, {"p_org": org_id, "p_keys": keys})).all()
+    for item in owned:
+        await workitems.transition(
+            conn,
+            clock,
+            ids,
+            item.id,
+            src=Status(item.status),
+            dst=Status.cancelled,
+            actor="system:flow",
+            action=FLOW_FAILED_ACTION,
+            text=f"{FLOW_RUN_FAILED_RULE}: flow run {run_id} failed: {error}",
+            values={"lease_token": None, "lease_expires_at": None},
+        )
+        await cancel_for_item(conn, clock, item.id)
+        await end_continuation_delivery(conn, clock, item.id, DeliveryStatus.cancelled.value)
+
+
+async def end_continuation_delivery(conn: Conn, clock: Clock, item_id: str, status: str) -> None:
+    """The ``continuation`` delivery of ``item_id`` (written at its approval) ends
+    ``status``: the relay never takes one, so only the flow ends it."""
+    await conn.execute(
+        t.deliveries.update()
+        .where(
+            t.deliveries.c.work_item_id == item_id,
+            t.deliveries.c.status == DeliveryStatus.continuation.value,
+        )
+        .values(status=status, updated_at=clock.now_ms())
+    )
 
 
 async def take_over(
@@ -674,7 +762,13 @@ class FlowService:
         """Renew ``lease`` (fenced; :class:`RunLeaseLost` when it was lost)."""
         async with self.db.tx() as conn:
             await move_run(
-                conn, self.clock, lease.run_id, src=_RS.running, dst=_RS.running, token=lease.token
+                conn,
+                self.clock,
+                self.ids,
+                lease.run_id,
+                src=_RS.running,
+                dst=_RS.running,
+                token=lease.token,
             )
 
     @contextlib.asynccontextmanager
@@ -741,6 +835,7 @@ class FlowService:
                     await move_run(
                         conn,
                         self.clock,
+                        self.ids,
                         lease.run_id,
                         src=_RS.running,
                         dst=_RS.running,
@@ -780,6 +875,7 @@ class FlowService:
             await move_run(
                 conn,
                 self.clock,
+                self.ids,
                 lease.run_id,
                 src=_RS.running,
                 dst=status,
@@ -900,7 +996,13 @@ class FlowService:
         lease): its turn made no work item, so no review will resume it."""
         async with self.db.tx() as conn:
             await move_run(
-                conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
+                conn,
+                self.clock,
+                self.ids,
+                run["id"],
+                src=_RS.running,
+                dst=_RS.running,
+                token=lease.token,
             )
             await conn.execute(
                 t.continuations.update()
@@ -930,7 +1032,13 @@ class FlowService:
             # (a second waiting continuation of one node would resume the flow twice;
             # the unique index on the node makes a second registration a no-op too).
             await move_run(
-                conn, self.clock, run["id"], src=_RS.running, dst=_RS.running, token=lease.token
+                conn,
+                self.clock,
+                self.ids,
+                run["id"],
+                src=_RS.running,
+                dst=_RS.running,
+                token=lease.token,
             )
             return await register_continuation(
                 conn,
@@ -967,6 +1075,7 @@ class FlowService:
             await move_run(
                 conn,
                 self.clock,
+                self.ids,
                 run["id"],
                 src=_RS.running,
                 dst=_RS.waitingForHitl,
@@ -1297,7 +1406,9 @@ class FlowResumer:
         await self._fail_paused(conn, row, why)
         # An item cancelled (or failed) after its approval has its continuation's
         # delivery still written: it is not to be acted on any more.
-        await self._delivery_ends(conn, row, DeliveryStatus.cancelled.value)
+        await end_continuation_delivery(
+            conn, self.flows.clock, row.item_id, DeliveryStatus.cancelled.value
+        )
         return None if gave_up is None else why
 
     async def _fail_paused(self, conn: Conn, row: Any, error: str) -> None:
@@ -1305,6 +1416,7 @@ class FlowResumer:
         await move_run(
             conn,
             self.flows.clock,
+            self.flows.ids,
             row.run_id,
             src=RunStatus.waitingForHitl,
             dst=RunStatus.failed,
@@ -1382,19 +1494,7 @@ class FlowResumer:
             )
         except TransitionError as exc:
             raise _ItemMoved(f"flow continuation {row.id}: {exc.message}", rule=exc.rule) from exc
-        await self._delivery_ends(conn, row, delivery)
-
-    async def _delivery_ends(self, conn: Conn, row: Any, status: str) -> None:
-        """The ``continuation`` delivery of ``row``'s item (written at its approval)
-        ends ``status``: the relay never takes one, so only the resumer ends it."""
-        await conn.execute(
-            t.deliveries.update()
-            .where(
-                t.deliveries.c.work_item_id == row.item_id,
-                t.deliveries.c.status == DeliveryStatus.continuation.value,
-            )
-            .values(status=status, updated_at=self.flows.clock.now_ms())
-        )
+        await end_continuation_delivery(conn, clock, row.item_id, delivery)
 
     async def _give_up(self, conn: Conn, row: Any, exc: RunUnreadable) -> str | None:
         """End the paused run of an approved continuation that cannot be resumed (its flow
@@ -1407,8 +1507,10 @@ class FlowResumer:
         if not await self._close(conn, row):
             return None
         error = f"{UNRECOVERABLE_RULE}: the approved run cannot be resumed: {exc.message}"
-        await self._fail_paused(conn, row, error)
+        # The item first: the run's failure ends the items it still has open, and would
+        # have cancelled this one before its own move, as a failed delivery, could.
         await self._settle(
             conn, row, delivery="failed", dst=Status.failed, action="flowUnrecoverable", text=error
         )
+        await self._fail_paused(conn, row, error)
         return error

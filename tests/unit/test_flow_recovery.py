@@ -531,6 +531,7 @@ async def test_two_recoverers_race_for_a_lapsed_run_and_one_wins(
             await move_run(
                 conn,
                 clock,
+                first.ids,
                 lease.run_id,
                 src=RunStatus.running,
                 dst=RunStatus.running,
@@ -556,6 +557,7 @@ async def test_two_recoverers_race_for_a_lapsed_run_and_one_wins(
             await move_run(
                 conn,
                 clock,
+                first.ids,
                 lease.run_id,
                 src=RunStatus.running,
                 dst=RunStatus.failed,

@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.runners import drain
 from leadgate.core.types import Outcome, Trigger
 from leadgate.database import schema as t
+from leadgate.database.db import Conn
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
+from leadgate.domain.rows import WorkItem
+from leadgate.flows.recovery import FlowRecovery
 from leadgate.flows.runs import (
+    FLOW_FAILED_ACTION,
+    FLOW_RUN_FAILED_RULE,
     PAUSED_OUTPUT,
     WAITING_EVENT,
     FlowResumer,
+    RunLease,
     RunView,
     create_flow,
     find_flow,
     run_view,
 )
 from leadgate.review.decisions import human_approve
-from tests.helpers import make_agent, make_org
+from tests.helpers import blocked_on_a_lock, held_open, make_agent, make_org
 
 
 async def _flow(stack: Any, org: Any, nodes: list[dict[str, Any]]) -> str:
@@ -328,6 +335,133 @@ async def test_a_lead_reviewed_node_whose_turn_breaks_closes_its_continuation(
     run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
     assert run["status"] == "failed"
     assert [c["status"] for c in run["continuations"]] == ["closed"]
+
+
+async def _node_item(stack: Any, run_id: str) -> WorkItem:
+    """The work item of run ``run_id``'s first node's turn (its session's)."""
+    async with stack.db.read() as conn:
+        item_id = await conn.scalar(
+            sa.select(t.work_items.c.id)
+            .select_from(
+                t.work_items.join(t.sessions, t.work_items.c.session_id == t.sessions.c.id)
+            )
+            .where(t.sessions.c.key == f"flow:{run_id}:0")
+        )
+        return await workitems.get(conn, str(item_id))
+
+
+async def _audit_of(stack: Any, item_id: str) -> list[tuple[str, str, str, str | None]]:
+    a = t.audit.c
+    async with stack.db.read() as conn:
+        rows = await conn.execute(
+            sa.select(a.actor, a.action, a.to_status, a.text)
+            .where(a.work_item_id == item_id)
+            .order_by(a.created_at, a.id)
+        )
+        return [(r.actor, r.action, r.to_status, r.text) for r in rows]
+
+
+async def _deliveries_of(stack: Any, item_id: str) -> list[str]:
+    d = t.deliveries.c
+    async with stack.db.read() as conn:
+        rows = await conn.execute(sa.select(d.status).where(d.work_item_id == item_id))
+        return sorted(rows.scalars())
+
+
+async def test_a_lead_reviewed_node_whose_model_fails_ends_its_work_item(stack: Any) -> None:
+    # The model failed, the turn's run closed, the flow run failed: its node's item was
+    # left inProgress, decided by nobody, shown open until the sweeper's week was up.
+    org = await make_org(stack)
+    await make_agent(stack, org, "lead")
+    await make_agent(stack, org, "worker", lead="lead")
+    flow_id = await _flow(
+        stack, org, [{"type": "agent", "agent": "worker", "prompt": "draft #complete #fail"}]
+    )
+    run = await _view(stack, org, await stack.flows.start(org.id, flow_id))
+    assert run["status"] == "failed"
+    error = run["error"]
+    assert error is not None and error.startswith("node 0: ")
+    item = await _node_item(stack, run["id"])
+    assert item.status == "cancelled"
+    assert (await _audit_of(stack, item.id))[-1] == (
+        "system:flow",
+        FLOW_FAILED_ACTION,
+        "cancelled",
+        f"{FLOW_RUN_FAILED_RULE}: flow run {run['id']} failed: {error}",
+    )
+    assert await _deliveries_of(stack, item.id) == []
+    # Nothing is left for the lead, the sweeper, the resumer or the relay.
+    await stack.settle(relay=True)
+    stack.clock.advance(workitems.ABANDON_AFTER_MS + 1)
+    assert await drain(workitems.Sweeper(stack.db, stack.clock, stack.ids)) == 0
+    assert await drain(FlowResumer(stack.flows)) == 0
+    assert (await _node_item(stack, run["id"])).status == "cancelled"
+
+
+async def _running_on_a_decided_item(stack: Any, org: Any) -> tuple[RunLease, str]:
+    """A run whose lead-reviewed node's item waits for a person, left ``running`` (its
+    process died after the turn, before the pause was written) under a lease: the lease
+    and the item's id."""
+    run_id, item_id = await _paused_item(stack, org, "write it #complete #escalate")
+    await drain(stack.lead_runner)
+    lease = RunLease(run_id, "lease_dead_executor")
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.flow_runs.update()
+            .where(t.flow_runs.c.id == run_id)
+            .values(
+                status="running",
+                outputs=[],
+                lease_token=lease.token,
+                lease_expires_at=stack.clock.now_ms(),
+            )
+        )
+        assert (await workitems.get(conn, item_id)).status == "awaitingHuman"
+    return lease, item_id
+
+
+async def test_an_approval_just_before_the_run_fails_loses_to_it(stack: Any) -> None:
+    # The approval commits while the run's failure waits for the item (PostgreSQL: its
+    # row lock; SQLite: the one writer): the failure reads it approved and cancels it,
+    # its continuation delivery with it. Nothing resumes, nothing is posted.
+    org = await make_org(stack)
+    lease, item_id = await _running_on_a_decided_item(stack, org)
+
+    async def approve(conn: Conn) -> None:
+        await human_approve(conn, stack.outbox, await workitems.get(conn, item_id), "user:t")
+
+    async with held_open(stack.db, approve):
+        failing = asyncio.create_task(FlowRecovery(stack.flows).give_up(lease, 3, "it broke"))
+        await blocked_on_a_lock(stack.db, failing)
+    await failing
+    async with stack.db.read() as conn:
+        assert (await workitems.get(conn, item_id)).status == "cancelled"
+    assert [row[1:3] for row in (await _audit_of(stack, item_id))[-2:]] == [
+        ("approve", "approved"),
+        (FLOW_FAILED_ACTION, "cancelled"),
+    ]
+    assert await _deliveries_of(stack, item_id) == ["cancelled"]
+    assert await drain(FlowResumer(stack.flows)) == 0
+    assert not await drain(stack.relay)
+    run = await _view(stack, org, lease.run_id)
+    assert run["status"] == "failed"
+    assert [c["status"] for c in run["continuations"]] == ["closed"]
+
+
+async def test_an_approval_just_after_the_run_failed_is_refused(stack: Any) -> None:
+    org = await make_org(stack)
+    lease, item_id = await _running_on_a_decided_item(stack, org)
+    await FlowRecovery(stack.flows).give_up(lease, 3, "it broke")
+    async with stack.db.tx() as conn:
+        item = await workitems.get(conn, item_id)
+        assert item.status == "cancelled"
+        with pytest.raises(TransitionError) as refused:
+            await human_approve(conn, stack.outbox, item, "user:t")
+    assert refused.value.rule == "workItem.status"
+    assert f"{FLOW_FAILED_ACTION} by system:flow" in refused.value.message
+    assert await _deliveries_of(stack, item_id) == []
+    assert await drain(FlowResumer(stack.flows)) == 0
+    assert not await drain(stack.relay)
 
 
 def _lead_changes_before_the_turn(
