@@ -63,7 +63,7 @@ from leadgate.operations.oversight import Oversight
 from leadgate.operations.reviews import Reviews
 from leadgate.operations.transcripts import Transcripts
 from leadgate.review.cards import TIMERS_TOPIC, ReviewNotifier
-from leadgate.review.decisions import Verdict
+from leadgate.review.decisions import Verdict, ended_by_flow
 from leadgate.review.runner import LeadRunner
 from leadgate.review.sla import SlaRunner
 from leadgate.runners.recovery import TurnRecovery
@@ -307,6 +307,8 @@ class App:
         self.lead_runner.poked_on_enqueue = True
         self.lead_runner.wake = review_wake.set
         self.flows = FlowService(self.db, self.clock, self.ids, self.turns)
+        outbox = self.outbox
+        self.flows.item_ended = lambda conn, item_id: ended_by_flow(conn, outbox, item_id)
         flow_wake, recovery_wake, flow_recovery_wake, schedule_wake = (
             asyncio.Event() for _ in range(4)
         )

@@ -17,6 +17,7 @@ from leadgate.core.runners import drain
 from leadgate.database.db import Database
 from leadgate.database.pg import CHANGES_CHANNEL
 from leadgate.flows.runs import FlowService
+from leadgate.review.decisions import ended_by_flow
 from leadgate.review.runner import LeadRunner
 from leadgate.runners.revisions import RevisionRunner
 from leadgate.turns.path import TurnService
@@ -155,4 +156,5 @@ def build_stack(
     db.on_commit(OUTBOX_TOPIC, relay.poke)
     relay.poked_on_enqueue = True
     flows = FlowService(db, clock, ids, turns)
+    flows.item_ended = lambda conn, item_id: ended_by_flow(conn, outbox, item_id)
     return Stack(db, clock, ids, registry, outbox, turns, lead, relay, flows, channels, wakes)

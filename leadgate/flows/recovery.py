@@ -294,6 +294,7 @@ class FlowRecovery:
                 dst=RunStatus.failed,
                 token=lease.token,
                 values={"error": error},
+                ended=flows.item_ended,
             )
             await flows._event(conn, lease.run_id, f"Flow run failed: {error}")
         METRICS.flow_runs_unrecoverable.inc()

@@ -48,7 +48,7 @@ import contextlib
 import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -218,13 +218,14 @@ async def move_run(
     dst: RunStatus,
     token: str | None = None,
     values: dict[str, Any] | None = None,
+    ended: ItemEnded | None = None,
 ) -> None:
     """Move ``run_id`` from ``src`` to ``dst`` (a move of :data:`RUN_TRANSITIONS`), fenced
     by status and, from ``running``, by the lease ``token``; a move that stays
     ``running`` renews the lease, one that leaves it clears it; one to ``failed`` closes
     the run's continuations still ``waiting`` (it resumes nothing) and ends the work
-    items its node turns opened that are still open (:func:`end_owned_items`), in the
-    same transaction. Raises :class:`RunLeaseLost` (from ``running``) or
+    items its node turns opened that are still open (:func:`end_owned_items`, ``ended``
+    awaited for each), in the same transaction. Raises :class:`RunLeaseLost` (from ``running``) or
     :class:`TransitionError` when nothing matched."""
     if dst not in RUN_TRANSITIONS[src]:
         raise TransitionError(
@@ -253,7 +254,7 @@ async def move_run(
                 .values(status="closed", updated_at=now)
             )
             await end_owned_items(
-                conn, clock, ids, failed.org_id, run_id, failed.start_index, failed.error
+                conn, clock, ids, failed.org_id, run_id, failed.start_index, failed.error, ended
             )
             return
     elif (await conn.execute(update)).rowcount:
@@ -267,6 +268,10 @@ async def move_run(
     raise TransitionError(f"flow run {run_id} is not {src}; nothing changed", rule="flowRun.status")
 
 
+#: What the review layer does, in the same transaction, for a work item a failed run
+#: ended (:attr:`FlowService.item_ended`; the composition root sets it): close its open
+#: review episode and show its posted review cards decided.
+ItemEnded = Callable[[Conn, str], Awaitable[object]]
 #: The rule named in the audit row of a work item ended because its flow run failed.
 FLOW_RUN_FAILED_RULE = "flowRun.failed"
 #: The audit action of that end (actor ``system:flow``).
@@ -295,12 +300,14 @@ async def end_owned_items(
     run_id: str,
     start_index: int,
     error: str | None,
+    ended: ItemEnded | None = None,
 ) -> None:
     """End the work items that run ``run_id``'s node turns (nodes ``start_index`` on)
     opened and that are still open, as the run fails: ``cancelled``, fenced by the
     status read, audited ``flowFailed`` by ``system:flow`` naming
     :data:`FLOW_RUN_FAILED_RULE` and the run's ``error``; their unsent deliveries (a
-    review card not posted yet, an approval's ``continuation``) are cancelled too.
+    review card not posted yet, an approval's ``continuation``) are cancelled too, and
+    ``ended`` is awaited for each (its review episode closed, its posted cards edited).
 
     Left open, nobody would decide them: the run resumes nothing, so an ``inProgress``
     item (its model failed) waited a week for the sweeper, shown open meanwhile, and one
@@ -327,6 +334,8 @@ async def end_owned_items(
         )
         await cancel_for_item(conn, clock, item.id)
         await end_continuation_delivery(conn, clock, item.id, DeliveryStatus.cancelled.value)
+        if ended is not None:
+            await ended(conn, item.id)
 
 
 async def end_continuation_delivery(conn: Conn, clock: Clock, item_id: str, status: str) -> None:
@@ -660,6 +669,9 @@ class FlowService:
         #: Set by the composition root to the flow recovery's wake: a token added to
         #: :attr:`lost` outside that runner's passes is due sooner than its sleep.
         self.recovery_due: Callable[[], None] = lambda: None
+        #: Set by the composition root to the review layer's end of a work item's
+        #: review episode and cards: awaited for each item a failed run ends.
+        self.item_ended: ItemEnded | None = None
         #: the runs (by lease token: :class:`LostRun`) this process claimed or inserted
         #: by a write whose ``COMMIT`` was in doubt (a recovery claim, a resumed run):
         #: landed, the run would sit ``running`` with nothing executing it until its
@@ -881,6 +893,7 @@ class FlowService:
                 dst=status,
                 token=lease.token,
                 values={"outputs": outputs, "error": error},
+                ended=self.item_ended,
             )
             text = f"Flow run {status}" if error is None else f"Flow run {status}: {error}"
             await self._event(conn, lease.run_id, text)
@@ -1421,6 +1434,7 @@ class FlowResumer:
             src=RunStatus.waitingForHitl,
             dst=RunStatus.failed,
             values={"error": error},
+            ended=self.flows.item_ended,
         )
         await self.flows._event(conn, row.run_id, f"Flow run failed: {error}")
 

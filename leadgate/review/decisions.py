@@ -561,6 +561,15 @@ async def cancel(
 
 # ------------------------------------------------- decisions with their review cards
 
+
+async def ended_by_flow(conn: Conn, outbox: Outbox, item_id: str) -> None:
+    """Close the open review episode of ``item_id``, which its failed flow run cancelled
+    (:attr:`leadgate.flows.runs.FlowService.item_ended`), and show its posted cards
+    ``Cancelled`` by ``system:flow``, as an operator's cancel does: left open, the SLA
+    runner kept reminding reviewers of an item nobody could decide any more."""
+    await _close_cards(conn, outbox, item_id, "cancel", "system:flow", None, None)
+
+
 #: Shown on a card: a decision's text (reason, feedback) is cut to this.
 CARD_TEXT_LIMIT = 500
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from leadgate.core.config import ReviewSettings
 from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.runners import drain
 from leadgate.core.types import Outcome, Trigger
@@ -30,7 +31,8 @@ from leadgate.flows.runs import (
     find_flow,
     run_view,
 )
-from leadgate.review.decisions import human_approve
+from leadgate.review.cards import ReviewNotifier
+from leadgate.review.decisions import decide, human_approve
 from tests.helpers import blocked_on_a_lock, held_open, make_agent, make_org
 
 
@@ -368,6 +370,14 @@ async def _deliveries_of(stack: Any, item_id: str) -> list[str]:
         return sorted(rows.scalars())
 
 
+async def _episodes_of(stack: Any, item_id: str) -> list[str | None]:
+    """The outcomes of ``item_id``'s review episodes (None: still open)."""
+    e = t.review_episodes.c
+    async with stack.db.read() as conn:
+        rows = await conn.execute(sa.select(e.outcome).where(e.work_item_id == item_id))
+        return list(rows.scalars())
+
+
 async def test_a_lead_reviewed_node_whose_model_fails_ends_its_work_item(stack: Any) -> None:
     # The model failed, the turn's run closed, the flow run failed: its node's item was
     # left inProgress, decided by nobody, shown open until the sweeper's week was up.
@@ -402,8 +412,14 @@ async def _running_on_a_decided_item(stack: Any, org: Any) -> tuple[RunLease, st
     """A run whose lead-reviewed node's item waits for a person, left ``running`` (its
     process died after the turn, before the pause was written) under a lease: the lease
     and the item's id."""
+    # The item's wait for a person opens a review episode, as the service's does.
+    notifier = ReviewNotifier(
+        stack.clock, stack.ids, stack.outbox, public_url="http://x", defaults=ReviewSettings()
+    )
+    stack.outbox.on_review_needed(notifier.open)
     run_id, item_id = await _paused_item(stack, org, "write it #complete #escalate")
     await drain(stack.lead_runner)
+    assert await _episodes_of(stack, item_id) == [None]
     lease = RunLease(run_id, "lease_dead_executor")
     async with stack.db.tx() as conn:
         await conn.execute(
@@ -428,7 +444,8 @@ async def test_an_approval_just_before_the_run_fails_loses_to_it(stack: Any) -> 
     lease, item_id = await _running_on_a_decided_item(stack, org)
 
     async def approve(conn: Conn) -> None:
-        await human_approve(conn, stack.outbox, await workitems.get(conn, item_id), "user:t")
+        item = await workitems.get(conn, item_id)
+        await decide(conn, stack.outbox, item, "approve", "user:t")
 
     async with held_open(stack.db, approve):
         failing = asyncio.create_task(FlowRecovery(stack.flows).give_up(lease, 3, "it broke"))
@@ -441,6 +458,7 @@ async def test_an_approval_just_before_the_run_fails_loses_to_it(stack: Any) -> 
         (FLOW_FAILED_ACTION, "cancelled"),
     ]
     assert await _deliveries_of(stack, item_id) == ["cancelled"]
+    assert await _episodes_of(stack, item_id) == ["Approved"]
     assert await drain(FlowResumer(stack.flows)) == 0
     assert not await drain(stack.relay)
     run = await _view(stack, org, lease.run_id)
@@ -459,6 +477,8 @@ async def test_an_approval_just_after_the_run_failed_is_refused(stack: Any) -> N
             await human_approve(conn, stack.outbox, item, "user:t")
     assert refused.value.rule == "workItem.status"
     assert f"{FLOW_FAILED_ACTION} by system:flow" in refused.value.message
+    # Its review episode closed with it: the SLA runner reminds nobody of it.
+    assert await _episodes_of(stack, item_id) == ["Cancelled"]
     assert await _deliveries_of(stack, item_id) == []
     assert await drain(FlowResumer(stack.flows)) == 0
     assert not await drain(stack.relay)
