@@ -893,10 +893,23 @@ async def _moved_by(conn: Conn, delivery: Delivery, status: str, updated_at: int
     (": deliveryConfirmed by user:... (slack) at ..."): its latest recovery by an
     operator or, for a review card now ``cancelled``, the decision on its item that
     ended it if that came later (a decision cancels an uncertain email card, and audits
-    the item, not the card). ``""`` when the audit knows nothing."""
+    the item, not the card), and for a gating delivery now ``cancelled``, its item's
+    cancel. ``""`` when the audit knows nothing."""
     a = t.audit.c
     other = t.deliveries.alias("other")
     moved = (a.delivery_id == delivery.id) & a.action.in_(RECOVERY_ACTIONS)
+    if (
+        delivery.kind == "gating"
+        and status == DeliveryStatus.cancelled.value
+        and delivery.work_item_id
+    ):
+        # Only its item's cancel ends a gating delivery so (its approval came before).
+        moved |= (
+            (a.work_item_id == delivery.work_item_id)
+            & (a.created_at <= updated_at)
+            & a.delivery_id.is_(None)
+            & (a.action == "cancel")
+        )
     if delivery.kind == CARD and status == DeliveryStatus.cancelled.value and delivery.work_item_id:
         # The item's decision (a move out of awaitingHuman, a cancel, or the recovery of
         # its gating delivery), made before the card's cancellation in its transaction.
@@ -954,13 +967,16 @@ async def recover(
     delivery no longer ``deliveryUnknown`` and gets a 409; nothing happens twice.
     """
     now = clock.now_ms()
-    gating_item = delivery.work_item_id if delivery.kind == "gating" else None
-    if action == "confirm" and gating_item and conn.dialect.name == "postgresql":
-        # The item first, then the delivery, as a cancel takes them (the item's move,
-        # then its unsent and uncertain deliveries): the delivery first, a cancel
-        # meanwhile held the item waiting for the delivery, and this held the delivery
-        # waiting for the item (40P01 deadlock_detected). SQLite has one writer.
-        await workitems.get(conn, gating_item, lock=True)
+    if delivery.kind == "gating" and delivery.work_item_id and conn.dialect.name == "postgresql":
+        # Its item's row first (SQLite has one writer), as a cancel takes it before it
+        # cancels the item's unsent deliveries, one status at a time: a Retry landing between the
+        # cancel's two updates was put back ``pending`` after the first and missed by
+        # the second, and the relay posted the answer of a cancelled item. Now either
+        # the cancel waits and finds it ``pending``, or this waits and finds it
+        # ``cancelled`` (409). Item, then delivery, as the cancel and the relay's
+        # outcome commit take them (a Confirm moves the item after the delivery: it
+        # takes the item's row first too, so that it and a Retry never deadlock).
+        await workitems.get(conn, delivery.work_item_id, lock=True)
     if action == "confirm":
         values: dict[str, Any] = {"status": DeliveryStatus.sent.value, "error": None, **ENDED}
         if external_id is not None:

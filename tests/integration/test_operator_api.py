@@ -401,6 +401,65 @@ async def test_a_card_retried_while_its_decision_commits_waits_for_the_decision(
     assert [m.delivery_id for m in env.slack.sent[posts:]] == []
 
 
+async def uncertain_post(env: Env, session: str) -> tuple[str, str]:
+    """An approved item whose Slack post timed out: the item and its ``deliveryUnknown``
+    gating delivery's id."""
+    item_id = await env.turn("post it", session, slack=True)
+    await drain(env.service.lead_runner)
+    await drain(env.service.relay)  # the Slack send times out: deliveryUnknown
+    [dlv] = (await get_json(env, f"/operator/reviews/{item_id}"))["deliveries"]
+    assert dlv["status"] == "deliveryUnknown"
+    return item_id, dlv["id"]
+
+
+async def test_a_retry_racing_a_cancel_never_posts_the_cancelled_answer(env: Env) -> None:
+    """An operator retries an uncertain post while another cancels its item. A cancel
+    cancels the item's unsent deliveries one status at a time (``pending``, then
+    ``deliveryUnknown``); on PostgreSQL the Retry, holding the delivery uncommitted
+    (``pending`` again) as the cancel's second update met it, was missed by both: the
+    cancel answered 200, the delivery stayed ``pending``, and the relay posted the
+    answer of the cancelled item. Now the Retry takes the item's row first: the cancel
+    waits for it and cancels the retried post. A Retry that comes second waits for the
+    cancel and gets a 409 ``delivery.status`` naming it."""
+    item_id, dlv_id = await uncertain_post(env, "retried first")
+    service = env.service
+
+    async def retry(conn: Conn) -> None:
+        delivery = await get_delivery(conn, dlv_id, env.org.id)
+        await decisions.recover_delivery(conn, service.outbox, delivery, "retry", "user:first")
+
+    async with held_open(service.db, retry):
+        cancel = asyncio.create_task(post(env, f"/operator/reviews/{item_id}/cancel"))
+        await blocked_on_a_lock(service.db, cancel)
+    status, body = await cancel
+    assert (status, body["status"]) == (200, "cancelled"), body
+    assert [d["status"] for d in body["deliveries"]] == ["cancelled"]
+    posts = len(env.slack.sent)
+    await drain(service.relay)
+    assert len(env.slack.sent) == posts
+
+    item_id, dlv_id = await uncertain_post(env, "cancelled first")
+    posts = len(env.slack.sent)
+
+    async def cancel_item(conn: Conn) -> None:
+        item = await workitems.get(conn, item_id)
+        await decisions.decide(conn, service.outbox, item, "cancel", "user:first", surface="slack")
+
+    async with held_open(service.db, cancel_item):
+        late = asyncio.create_task(post(env, f"/operator/deliveries/{dlv_id}/retry"))
+        await blocked_on_a_lock(service.db, late)
+    status, body = await late
+    assert (status, body["error"]["rule"]) == (409, "delivery.status"), body
+    assert re.fullmatch(
+        f"delivery {dlv_id} is cancelled, not deliveryUnknown: cancel of its work item by "
+        r"user:first \(slack\) at \d{4}-\S+; only an uncertain delivery can be confirmed or "
+        "retried",
+        body["error"]["message"],
+    ), body
+    await drain(service.relay)
+    assert len(env.slack.sent) == posts
+
+
 async def test_a_confirm_that_loses_to_another_names_the_status_now_and_who(env: Env) -> None:
     """Two operators confirm one uncertain delivery at once: the first, from Slack, has
     not committed when the second's request reads the delivery (still deliveryUnknown on
