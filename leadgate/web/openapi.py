@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from leadgate.core.decoding import INT64_MAX
 from leadgate.operations.idempotency import KEY_LIMIT
 from leadgate.operations.transcripts import PAGE_MAX
 from leadgate.review.insights import MAX_DAYS
@@ -180,13 +181,13 @@ _DECIDED = {
 
 #: A decision's optional fence: the revision its decider read (409 ``decision.revision``
 #: when the item was sent back for changes since).
-_REVISION = {"revision": {"type": "integer", "minimum": 0}}
+_REVISION = {"revision": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}
 _DECISION_BODY: dict[str, Any] = {"type": "object", "properties": _REVISION}
 #: A recovery's: the send its operator checked (409 ``delivery.attempts`` when it was
 #: sent again since).
 _RECOVERY_BODY: dict[str, Any] = {
     "type": "object",
-    "properties": {"attempts": {"type": "integer", "minimum": 0}},
+    "properties": {"attempts": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}},
 }
 _RECOVERY_409 = {
     "409": f"{_TRANSITION['409']}; conflict (rule delivery.attempts): the delivery was "

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import decimal_int, query_value
+from leadgate.core.decoding import INT64_MAX, decimal_int, query_value
 from leadgate.core.errors import ValidationError
 from leadgate.web import charts
 
@@ -90,8 +90,12 @@ def _read(body: dict[str, Any], name: str, rule: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValidationError(f"{name} must be a non-negative integer", rule=rule)
+    # At most INT64_MAX, as a count in a query string (decimal_int): a larger attempts
+    # failed in the driver (a 500) where the fenced update compared it.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise ValidationError(
+            f"{name} must be a non-negative integer (at most {INT64_MAX})", rule=rule
+        )
     return value
 
 
