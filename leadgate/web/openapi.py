@@ -182,12 +182,18 @@ _DECIDED = {
 #: A decision's optional fence: the revision its decider read (409 ``decision.revision``
 #: when the item was sent back for changes since).
 _REVISION = {"revision": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}}
-_DECISION_BODY: dict[str, Any] = {"type": "object", "properties": _REVISION}
+#: (No other field: 400 ``decision.unknown_field`` / ``delivery.unknown_field``.)
+_DECISION_BODY: dict[str, Any] = {
+    "type": "object",
+    "properties": _REVISION,
+    "additionalProperties": False,
+}
 #: A recovery's: the send its operator checked (409 ``delivery.attempts`` when it was
 #: sent again since).
 _RECOVERY_BODY: dict[str, Any] = {
     "type": "object",
     "properties": {"attempts": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}},
+    "additionalProperties": False,
 }
 _RECOVERY_409 = {
     "409": f"{_TRANSITION['409']}; conflict (rule delivery.attempts): the delivery was "
@@ -200,6 +206,7 @@ def _text_body(name: str, limit: int) -> dict[str, Any]:
         "type": "object",
         "properties": {name: {"type": "string", "minLength": 1, "maxLength": limit}, **_REVISION},
         "required": [name],
+        "additionalProperties": False,
     }
 
 

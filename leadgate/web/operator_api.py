@@ -13,6 +13,7 @@ from aiohttp import web
 from leadgate.core.auth import Principal
 from leadgate.core.decoding import INT64_MAX, decimal_int, query_value
 from leadgate.core.errors import ValidationError
+from leadgate.review.cards import cut
 from leadgate.web import charts
 
 if TYPE_CHECKING:
@@ -65,6 +66,12 @@ class ReviewBackend(Protocol):
 
 #: Which body field carries a decision's text.
 _TEXT_FIELD = {"reject": "reason", "return": "feedback"}
+#: The fields a decision's body may have, by action; a recovery's.
+_DECISION_FIELDS = {
+    action: frozenset({"revision", *([_TEXT_FIELD[action]] if action in _TEXT_FIELD else [])})
+    for action in ("approve", "reject", "return", "cancel")
+}
+_RECOVERY_FIELDS = frozenset({"attempts"})
 
 
 class InsightsBackend(Protocol):
@@ -97,6 +104,20 @@ def _read(body: dict[str, Any], name: str, rule: str) -> int | None:
             f"{name} must be a non-negative integer (at most {INT64_MAX})", rule=rule
         )
     return value
+
+
+def _only(body: dict[str, Any], fields: frozenset[str], rule: str) -> None:
+    """A body naming a field its route does not take is refused (400 ``rule``), as an
+    agent's body is (``agent.unknown_field``): ignored, a misspelt fence (``"revison"``)
+    let the decision act on whatever the item had become, and a reason sent with an
+    approve was dropped without a word."""
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ValidationError(
+            f"unknown fields: {cut(', '.join(unknown), 200)} (this request takes "
+            f"{', '.join(sorted(fields))})",
+            rule=rule,
+        )
 
 
 def _opts(request: web.Request, *names: str) -> dict[str, str | None]:
@@ -140,6 +161,7 @@ def setup(
         body: dict[str, Any] = {}
         if request.can_read_body:
             body = await json_body(request)
+        _only(body, _DECISION_FIELDS[action], "decision.unknown_field")
         field = _TEXT_FIELD.get(action)
         text = body.get(field) if field else None
         detail = await reviews.decide(
@@ -157,6 +179,7 @@ def setup(
         body: dict[str, Any] = {}
         if request.can_read_body:
             body = await json_body(request)
+        _only(body, _RECOVERY_FIELDS, "delivery.unknown_field")
         detail = await reviews.recover(
             principal,
             request.match_info["delivery_id"],

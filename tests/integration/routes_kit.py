@@ -218,8 +218,10 @@ def review(w: Names, path: str) -> list[Call]:
 
 
 def decide(w: Names, path: str) -> list[Call]:
-    # With the text a reject or return needs, so the request passes its validation.
-    body = {"reason": "decided by someone else", "feedback": "decided by someone else"}
+    # With the text a reject or return needs (and no other field: 400), so the request
+    # passes its validation.
+    text = {"reject": "reason", "return": "feedback"}.get(path.rsplit("/", 1)[-1])
+    body = {text: "decided by someone else"} if text else {}
     return [Call(at(path, item_id=w.item), body)]
 
 
