@@ -288,6 +288,9 @@ class IntakeInDoubt(Unavailable):
     #: The message the intake wrote, when it recorded no run (a plain turn's): the turn
     #: path owes its turn, in case it landed (``TurnService.owed``).
     message_id: str | None = None
+    #: Its worker's id (with ``message_id``): the owed run's look reads the session's
+    #: last event by it and the session key (``leadgate.turns.runs.record_owed``).
+    agent_id: str | None = None
 
     #: Where each surface's client looks for the message, and (REST) the retry that is
     #: safe: MCP and Studio have no Idempotency-Key, so REST's text was untrue for them.

@@ -512,7 +512,7 @@ class Intake:
                 return await self._settle_ended(*ended, fault)
             if message_id is None:
                 raise  # (before the message: nothing to settle)
-            await self._settle(message_id, fault, run_token)
+            await self._settle(message_id, fault, run_token, agent.id)
         ctx = TurnContext(
             org_id=trigger.org_id,
             agent_id=agent.id,
@@ -607,7 +607,7 @@ class Intake:
             return None  # e.g. its external event id was recorded: the transaction decides
         except Unavailable as fault:
             # Its message is written only with the new session: found, all of it landed.
-            await self._settle(str(message["id"]), fault, run_token)
+            await self._settle(str(message["id"]), fault, run_token, agent.id)
         else:
             if result.first() is None:
                 self._saw(agent.id, key)
@@ -670,6 +670,7 @@ class Intake:
                 session, landed = await self._landed(message_id, fault, window=True)
             except IntakeInDoubt as doubt:
                 doubt.message_id = message_id  # (no run: the turn path owes it)
+                doubt.agent_id = agent.id
                 raise
             assert landed is not None
             history = landed
@@ -694,7 +695,9 @@ class Intake:
         )
         return Accepted(ctx, agent, False, rules, history)
 
-    async def _settle(self, message_id: str, fault: Unavailable, run_token: str | None) -> None:
+    async def _settle(
+        self, message_id: str, fault: Unavailable, run_token: str | None, agent_id: str
+    ) -> None:
         """:meth:`_landed` for an intake that may have recorded a run (``run_token``):
         found, this process runs the turn now; unread, the run goes to the recovery
         (:attr:`doubted`), since it may exist with nothing running it; not found in doubt,
@@ -706,6 +709,7 @@ class Intake:
                 self.doubted(run_token)
             else:
                 doubt.message_id = message_id  # (no run: the turn path owes it)
+                doubt.agent_id = agent_id
             raise
         except Unavailable:
             if run_token is not None and fault.in_doubt and self.lost is not None:
@@ -790,12 +794,14 @@ class Intake:
         )
 
     def owed_in_doubt(
-        self, trigger: Trigger, message_id: str, taken_at: int
+        self, trigger: Trigger, message_id: str, agent_id: str | None, taken_at: int
     ) -> dict[str, Any] | None:
         """The ``turn_runs`` row that records late the turn of a plain REST/MCP/Studio
         message whose intake was in doubt and whose read-back failed (None: not such a
         turn's): its session, agent and binding are not known here, and are read from
-        the message when it is recorded (:func:`leadgate.turns.runs.record_owed`)."""
+        the message when it is recorded (:func:`leadgate.turns.runs.record_owed`). With
+        its worker's id (``agent_id``) and the session key: a look that finds the message
+        absent notes the session's last event by them (its resend is told by it)."""
         if trigger.binding.kind not in _CLIENT_KINDS:
             return None
         return {
@@ -814,6 +820,9 @@ class Intake:
             "attempts": 1,
             "created_at": taken_at,
             "external_event_id": trigger.external_event_id,
+            # (what its look reads the session's last event by: runs.record_owed)
+            runs.LOOK_AGENT: agent_id,
+            runs.LOOK_KEY: trigger.session_key,
         }
 
     def _run_values(

@@ -453,7 +453,7 @@ class TurnService:
         recovery has that run: :attr:`orphans`)."""
         if exc.message_id is None:
             return
-        values = self.intake.owed_in_doubt(trigger, exc.message_id, taken_at)
+        values = self.intake.owed_in_doubt(trigger, exc.message_id, exc.agent_id, taken_at)
         if values is None:
             return
         self.owed[str(values["lease_token"])] = values

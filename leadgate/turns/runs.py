@@ -272,6 +272,24 @@ async def answered_later(conn: Conn, session_id: str, token: str) -> bool:
     return bool(await conn.scalar(sa.select(later_message(session_id, theirs))))
 
 
+#: Keys of an owed run's values that are no column of ``turn_runs``: an intake in
+#: doubt's worker and session key (:meth:`leadgate.turns.intake.Intake.owed_in_doubt`),
+#: and the session's last event ``seq`` at the first look that found its message absent
+#: (:func:`record_owed`).
+LOOK_AGENT, LOOK_KEY, LOOK_SEQ = "look_agent_id", "look_key", "look_seq"
+_LOOK_KEYS = (LOOK_AGENT, LOOK_KEY, LOOK_SEQ)
+_E = t.session_events.c
+#: The last event ``seq`` of the session of (agent, key), 0 when it has none (or is none).
+_SESSION_SEQ = (
+    sa.select(sa.func.coalesce(sa.func.max(_E.seq), 0))
+    .select_from(t.session_events.join(t.sessions, t.sessions.c.id == _E.session_id))
+    .where(
+        t.sessions.c.agent_id == sa.bindparam("p_agent"),
+        t.sessions.c.key == sa.bindparam("p_key"),
+    )
+)
+
+
 async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     """Record, in a transaction of its own, the run (``values``, leased from ``now``) of
     a plain REST/MCP/Studio turn that stopped on a database fault after its intake: it
@@ -285,7 +303,9 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     ``values`` without a session (``session_id`` None): the message's intake was in
     doubt and its read-back failed (``intake.in_doubt``, its client told to send it
     only if the transcript lacks it); its session, agent and binding are read from the
-    message here. :data:`NOT_TAKEN_IN`, recording nothing, when it is not there.
+    message here. :data:`NOT_TAKEN_IN`, recording nothing, when it is not there; the
+    first such look notes in ``values`` the session's last event ``seq``
+    (:data:`LOOK_SEQ`), so a later look knows which messages came after it.
 
     :data:`ANSWERED_LATER`, recording nothing, when the session took in a user message
     after the owed one (:func:`later_message`; the database back, its client sent its
@@ -299,36 +319,50 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
         if values["session_id"] is None:
             found = (await conn.execute(_OWED_SESSION, {"p_id": values["message_id"]})).first()
             if found is None:
+                if values.get(LOOK_SEQ) is None and values.get(LOOK_AGENT) is not None:
+                    params = {"p_agent": values[LOOK_AGENT], "p_key": values[LOOK_KEY]}
+                    values[LOOK_SEQ] = await conn.scalar(_SESSION_SEQ, params)
                 return NOT_TAKEN_IN
+            seen = values.get(LOOK_SEQ)
             values = {**values, **found._asdict()}
-            later = _resent_since(values["session_id"], values["message_id"], values["created_at"])
+            if seen is not None:
+                later = _resent_since(values["session_id"], values["message_id"], seen)
         after = later_message(values["session_id"], [values["message_id"]])
         if await conn.scalar(sa.select(after if later is None else sa.or_(after, later))):
             return ANSWERED_LATER
+        row = {k: v for k, v in values.items() if k not in _LOOK_KEYS}
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
-        await conn.execute(insert, {**values, "lease_expires_at": now + RUN_LEASE_MS})
+        await conn.execute(insert, {**row, "lease_expires_at": now + RUN_LEASE_MS})
     return RECORDED
 
 
-def _resent_since(session_id: Any, message_id: Any, since: Any) -> sa.Exists:
-    """Whether session ``session_id`` took in, after ``since`` (the time its intake
-    began), another user message saying what ``message_id`` says: the resend of
-    a message whose intake was in doubt. Its client, told to send it only if the
-    transcript lacks it, looked before the server applied that intake (PostgreSQL can
-    apply a statement whose connection dropped after a read on another connection
-    found nothing), and sent it again; the resend's turn answered it, and the first
-    copy, landed after it (a later ``seq``: :func:`later_message` misses it), is no
-    message of its own to answer again. By time, as ``seq`` is not: replicas' clocks
-    apart by more than the client's look and resend take miss it. Strictly after: an
-    earlier message saying the same, stored in that millisecond before the intake,
-    is no resend (counted, the owed message went unanswered)."""
+def _resent_since(session_id: Any, message_id: Any, seen: Any) -> sa.Exists:
+    """Whether session ``session_id`` took in, after event ``seen`` (its last event
+    when a look found the in-doubt message ``message_id`` absent), another user message
+    saying what ``message_id`` says: the resend of a message whose intake was in doubt.
+    Its client, told to send it only if the transcript lacks it, looked before the
+    server applied that intake (PostgreSQL can apply a statement whose connection
+    dropped after a read on another connection found nothing), and sent it again; the
+    resend's turn answered it, and the first copy, landed after it (a later ``seq``:
+    :func:`later_message` misses it), is no message of its own to answer again.
+
+    By the session's event order (``seq``, the database's), never by time: the resend
+    and the intake are stamped by the clocks of different replicas, and 2 s of skew
+    either way missed the resend (answered twice) or took an earlier message saying the
+    same for one (the owed message never answered). A message taken in before that look
+    (``seq`` at most ``seen``) is no resend, whatever its time. Only a look that found
+    the message absent sets ``seen``: landed before the first look, the owed message is
+    answered even when a resend came first (the rows cannot tell a resend from an
+    earlier message saying the same then: answered twice rather than never)."""
     other = t.messages.alias("resent")
     own = t.messages.alias("owed")
+    ev = t.session_events.alias("resent_event")
     return sa.exists().where(
-        other.c.session_id == session_id,
+        ev.c.session_id == session_id,
+        ev.c.seq > seen,
+        other.c.id == ev.c.message_id,
         other.c.role == "user",
         other.c.id != message_id,
-        other.c.created_at > since,
         own.c.id == message_id,
         other.c.content == own.c.content,
     )

@@ -682,6 +682,61 @@ async def test_a_plain_intake_in_doubt_applied_after_the_owed_record_looked_is_a
         assert not service.turns.owed_lost and await drain(recovery) == 0
 
 
+@pytest.mark.parametrize(
+    ("skew_ms", "resent"),
+    [(-2_000, True), (2_000, False), (2_000, True), (-2_000, False)],
+    ids=[
+        "resent-on-a-replica-2s-behind",
+        "said-before-on-a-replica-2s-ahead",
+        "resent-on-a-replica-2s-ahead",
+        "said-before-on-a-replica-2s-behind",
+    ],
+)
+async def test_whether_an_intake_in_doubt_was_resent_does_not_depend_on_replicas_clocks(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, skew_ms: int, resent: bool
+) -> None:
+    """PostgreSQL (no SQLite intake is in doubt): two replicas on one database, the
+    other's clock ``skew_ms`` from the doubting one's. "hi" is in doubt on this replica
+    and lands after its owed run's first look found it absent. Its client's resend of
+    "hi" through the other replica (``resent``) answered it: the late copy is not
+    answered again. The same words said on the other replica before it (not ``resent``)
+    are a message of their own: the late copy is answered too. By time, the resend on a
+    replica 2 s behind was missed (answered twice) and the earlier message on a replica
+    2 s ahead was taken for a resend (the owed message never answered)."""
+    async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
+        assert isinstance(service.clock, FakeClock)
+        other_clock = FakeClock(service.clock.now_ms() + skew_ms)
+        providers: dict[str, Provider] = {"script": ScriptProvider()}
+        async with served_app(
+            migrated_pg, providers=providers, like_production=True, clock=other_clock
+        ) as (_, other):
+            hi = {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"Authorization": f"Bearer {key}", "X-Session-Id": "d"}
+            if not resent:
+                before = await other.post("/v1/chat/completions", json=hi, headers=headers)
+                assert before.status == 200, await before.text()
+                other_clock.advance(1)
+            late, _, _ = await _hi_in_doubt_landing_later(service, client, faults, key, monkeypatch)
+            recovery = TurnRecovery(service.turns, own_only=True)
+            assert await drain(recovery) == 0
+            assert len(service.turns.owed_lost) == 1
+            if resent:
+                other_clock.advance(1)  # (the client looked at the transcript first)
+                again = await other.post("/v1/chat/completions", json=hi, headers=headers)
+                assert again.status == 200, await again.text()
+            await late.land()
+            service.clock.advance(1_000)  # (LostClaims.first_ms)
+            assert await drain(recovery) == int(not resent)
+            messages, left = await transcript(service, "d")
+            assert left == 0 and not service.turns.owed_lost
+            # (counted, not read: the window orders by time, so across the skew a turn
+            # can be shown another message as the newest and echo that one)
+            said = sorted(text for role, text in messages if role == "user")
+            assert said == ["first", "hi", "hi"]
+            answers = sum(role == "assistant" for role, _ in messages)
+            assert answers == (2 if resent else 3)
+
+
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
 async def test_a_stop_looks_once_more_for_a_plain_intake_in_doubt(
     migrated_pg: str,
