@@ -325,8 +325,9 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
                 return NOT_TAKEN_IN
             seen = values.get(LOOK_SEQ)
             values = {**values, **found._asdict()}
-            if seen is not None:
-                later = _resent_since(values["session_id"], values["message_id"], seen)
+            later = _resent_since(
+                values["session_id"], values["message_id"], seen, values["created_at"]
+            )
         after = later_message(values["session_id"], [values["message_id"]])
         if await conn.scalar(sa.select(after if later is None else sa.or_(after, later))):
             return ANSWERED_LATER
@@ -336,30 +337,45 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
     return RECORDED
 
 
-def _resent_since(session_id: Any, message_id: Any, seen: Any) -> sa.Exists:
-    """Whether session ``session_id`` took in, after event ``seen`` (its last event
-    when a look found the in-doubt message ``message_id`` absent), another user message
-    saying what ``message_id`` says: the resend of a message whose intake was in doubt.
-    Its client, told to send it only if the transcript lacks it, looked before the
-    server applied that intake (PostgreSQL can apply a statement whose connection
-    dropped after a read on another connection found nothing), and sent it again; the
-    resend's turn answered it, and the first copy, landed after it (a later ``seq``:
-    :func:`later_message` misses it), is no message of its own to answer again.
+#: How far apart replicas' clocks may be for a resend to be told by its time
+#: (:func:`_resent_since`): a message stamped this much after an in-doubt intake began
+#: was taken in after it, whichever replica's clock stamped it.
+RESEND_CLOCK_SLACK_MS = 5_000
 
-    By the session's event order (``seq``, the database's), never by time: the resend
-    and the intake are stamped by the clocks of different replicas, and 2 s of skew
-    either way missed the resend (answered twice) or took an earlier message saying the
-    same for one (the owed message never answered). A message taken in before that look
-    (``seq`` at most ``seen``) is no resend, whatever its time. Only a look that found
-    the message absent sets ``seen``: landed before the first look, the owed message is
-    answered even when a resend came first (the rows cannot tell a resend from an
-    earlier message saying the same then: answered twice rather than never)."""
+
+def _resent_since(session_id: Any, message_id: Any, seen: Any, since: Any) -> sa.Exists:
+    """Whether session ``session_id`` took in, after the in-doubt message
+    ``message_id``'s intake began, another user message saying what it says: the resend
+    of a message whose intake was in doubt. Its client, told to send it only if the
+    transcript lacks it, looked before the server applied that intake (PostgreSQL can
+    apply a statement whose connection dropped after a read on another connection
+    found nothing), and sent it again; the resend's turn answered it, and the first
+    copy, landed after it (a later ``seq``: :func:`later_message` misses it), is no
+    message of its own to answer again.
+
+    "After", told two ways, either enough:
+    - by the session's event order (``seq``, the database's): after event ``seen``, the
+      session's last when a look found the message absent (``None``: it was found at
+      the first look). A message taken in before that look is no resend by this test,
+      whatever its time: the resend and the intake are stamped by the clocks of
+      different replicas, and going by time alone, 2 s of skew either way missed the
+      resend (answered twice) or took an earlier message saying the same for one (the
+      owed message never answered).
+    - by time, with :data:`RESEND_CLOCK_SLACK_MS` to spare: stamped that much after
+      ``since`` (when the intake began, on its replica's clock). This catches the
+      resend taken in before the first look (the client looked, and sent it again,
+      before the process did), which the order above cannot place; an earlier message
+      passes it only on a replica whose clock is that far ahead.
+    A resend taken in before the first look within the slack looks, in the database,
+    like an earlier message saying the same: the owed message is answered, twice rather
+    than never."""
     other = t.messages.alias("resent")
     own = t.messages.alias("owed")
     ev = t.session_events.alias("resent_event")
+    by_time = other.c.created_at > sa.literal(since) + RESEND_CLOCK_SLACK_MS
     return sa.exists().where(
         ev.c.session_id == session_id,
-        ev.c.seq > seen,
+        by_time if seen is None else sa.or_(ev.c.seq > seen, by_time),
         other.c.id == ev.c.message_id,
         other.c.role == "user",
         other.c.id != message_id,

@@ -737,6 +737,39 @@ async def test_whether_an_intake_in_doubt_was_resent_does_not_depend_on_replicas
             assert answers == (2 if resent else 3)
 
 
+@pytest.mark.parametrize(
+    ("after_ms", "answers"),
+    [(runs.RESEND_CLOCK_SLACK_MS + 1_000, 2), (1_000, 3)],
+    ids=["past-the-slack", "within-the-slack"],
+)
+async def test_a_resend_taken_in_before_the_first_look_is_told_by_its_time(
+    migrated_pg: str, monkeypatch: pytest.MonkeyPatch, after_ms: int, answers: int
+) -> None:
+    """PostgreSQL (see above): "hi" in doubt, its client's resend taken in ``after_ms``
+    after the intake began, before the owed run's first look, and the first copy landed
+    after it. No look found the message absent, so the session's order cannot place the
+    resend (the rows are those of an earlier message saying the same): it is told by its
+    time, :data:`~leadgate.turns.runs.RESEND_CLOCK_SLACK_MS` past the intake's start,
+    and the late copy is not answered again (by the event order alone it was answered
+    twice, whatever the resend's time). Within the slack it is answered, twice rather
+    than never."""
+    async with faulted(migrated_pg, monkeypatch) as (service, client, faults, key):
+        late, headers, body = await _hi_in_doubt_landing_later(
+            service, client, faults, key, monkeypatch
+        )
+        assert service.turns.owed and isinstance(service.clock, FakeClock)
+        service.clock.advance(after_ms)
+        again = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert again.status == 200, await again.text()
+        await late.land()
+        recovery = TurnRecovery(service.turns, own_only=True)
+        assert await drain(recovery) == answers - 2
+        messages, left = await transcript(service, "d")
+        assert left == 0 and not service.turns.owed and not service.turns.owed_lost
+        assert sorted(text for role, text in messages if role == "user") == ["first", "hi", "hi"]
+        assert sum(role == "assistant" for role, _ in messages) == answers
+
+
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
 async def test_a_stop_looks_once_more_for_a_plain_intake_in_doubt(
     migrated_pg: str,
