@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from leadgate.core.errors import PermissionDenied, ValidationError
+from leadgate.core.errors import PermissionDenied, ValidationError, quoted
 
 
 class Scope(enum.StrEnum):
@@ -31,7 +31,7 @@ class Role(enum.StrEnum):
             if role.value.lower() == value.strip().lower():
                 return role
         allowed = ", ".join(r.value for r in cls)
-        raise ValidationError(f"unknown role {value!r}; allowed: {allowed}", rule="user.role")
+        raise ValidationError(f"unknown role {quoted(value)}; allowed: {allowed}", rule="user.role")
 
 
 ROLE_SCOPES: dict[Role, frozenset[Scope]] = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import ValidationError, quoted
 
 _UNITS_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 _PART = re.compile(r"(\d+)([dhms])")
@@ -30,7 +30,7 @@ def parse_duration(value: str, *, name: str = "duration") -> int | None:
     if not _WHOLE.fullmatch(text):
         raise ValidationError(
             f"{name} must be a duration such as 30m, 2h, 1d or 1h30m, or off (or 0) "
-            f"(got {value!r})",
+            f"(got {quoted(value)})",
             rule="duration.format",
         )
     total = sum(int(n) * _UNITS_MS[unit] for n, unit in _PART.findall(text))

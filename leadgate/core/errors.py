@@ -34,6 +34,20 @@ from typing import ClassVar
 
 from leadgate.core.logs import loggable
 
+#: How many characters of a client-sent name or id an error message quotes.
+QUOTE_LIMIT = 80
+
+
+def quoted(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` quoted for an error message, as ``repr`` quotes it (control characters
+    escaped), but at most its first ``limit`` characters followed by an ellipsis and the
+    full length: a name or id a client sent is echoed in refusals, and 5,000 characters
+    sent must not come back whole (every surface builds its refusals from these)."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text):,} characters)"
+
 
 class LeadgateError(Exception):
     """Root of every error the engine raises on purpose."""

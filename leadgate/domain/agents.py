@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import Conflict, NotFound, ValidationError
+from leadgate.core.errors import Conflict, NotFound, ValidationError, quoted
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 from leadgate.domain.orgs import validate_name
@@ -127,13 +127,13 @@ def ref_params(ref: str) -> dict[str, str]:
 
 def unknown_agent(ref: str) -> NotFound:
     """The error for an agent ``ref`` names that ``ref``'s organization does not have."""
-    return NotFound(f"no agent {ref!r} in this organization", rule="agent.not_found")
+    return NotFound(f"no agent {quoted(ref)} in this organization", rule="agent.not_found")
 
 
 def inactive_agent(agent: Agent) -> ValidationError:
     """The error for ``agent`` being deactivated (``agent.inactive``): it takes no
     messages and runs no turns."""
-    return ValidationError(f"agent {agent.name!r} is inactive", rule="agent.inactive")
+    return ValidationError(f"agent {quoted(agent.name)} is inactive", rule="agent.inactive")
 
 
 _A = t.agents.c
@@ -211,11 +211,12 @@ async def find_preset(conn: Conn, org_id: str, ref: str) -> Preset:
         )
     ).all()
     if not rows:
-        raise NotFound(f"no preset {ref!r}", rule="preset.not_found")
+        raise NotFound(f"no preset {quoted(ref)}", rule="preset.not_found")
     first = rows[0]
     if first.id != ref and any(r.org_id == first.org_id for r in rows[1:]):
         raise ValidationError(
-            f"more than one preset is named {ref!r}: name it by its id", rule="preset.ambiguous"
+            f"more than one preset is named {quoted(ref)}: name it by its id",
+            rule="preset.ambiguous",
         )
     return Preset.from_row(first)
 
@@ -229,14 +230,15 @@ async def _check_lead(conn: Conn, org_id: str, lead_ref: str, worker_id: str | N
     ).first()
     if row is None:
         raise ValidationError(
-            f"lead agent {lead_ref!r} does not exist in this organization", rule="lead.not_found"
+            f"lead agent {quoted(lead_ref)} does not exist in this organization",
+            rule="lead.not_found",
         )
     if worker_id is not None and row.id == worker_id:
         raise ValidationError("a worker cannot be its own lead", rule="lead.self")
     if row.deleted_at is not None:
-        raise ValidationError(f"lead agent {lead_ref!r} is deleted", rule="lead.deleted")
+        raise ValidationError(f"lead agent {quoted(lead_ref)} is deleted", rule="lead.deleted")
     if not row.active:
-        raise ValidationError(f"lead agent {lead_ref!r} is inactive", rule="lead.inactive")
+        raise ValidationError(f"lead agent {quoted(lead_ref)} is inactive", rule="lead.inactive")
     return str(row.id)
 
 
@@ -273,7 +275,7 @@ async def create_preset(
     p = t.presets.c
     scope = p.org_id.is_(None) if org_id is None else p.org_id == org_id
     if await conn.scalar(sa.select(p.id).where(scope, p.name == name)):
-        raise Conflict(f"a preset named {name!r} already exists", rule="preset.name_taken")
+        raise Conflict(f"a preset named {quoted(name)} already exists", rule="preset.name_taken")
     lead_id = None
     policy, rounds = validate_review_config(review_config)
     if org_id is None and (lead is not None or review_config):
@@ -386,7 +388,7 @@ async def _name_values(conn: Conn, org_id: str, name: Any, current: Agent | None
         )
     )
     if clash:
-        raise Conflict(f"an agent named {clean!r} already exists", rule="agent.name_taken")
+        raise Conflict(f"an agent named {quoted(clean)} already exists", rule="agent.name_taken")
     return {"name": clean, "slug": slug}
 
 
@@ -407,7 +409,7 @@ def _model_values(
         raise ValidationError("model must be a model name", rule="agent.model")
     if known_models is not None and model not in known_models:
         raise ValidationError(
-            f"unknown model {model!r}; configured: {', '.join(sorted(known_models))}",
+            f"unknown model {quoted(model)}; configured: {', '.join(sorted(known_models))}",
             rule="agent.model",
         )
     return {"model": model}

@@ -20,7 +20,7 @@ from argon2.exceptions import InvalidHashError, VerificationError
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role, Scope
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import Conflict, NotFound, PermissionDenied, ValidationError
+from leadgate.core.errors import Conflict, NotFound, PermissionDenied, ValidationError, quoted
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
@@ -58,7 +58,7 @@ def parse_scopes(values: list[str]) -> frozenset[Scope]:
         except ValueError:
             allowed = ", ".join(s.value for s in Scope)
             raise ValidationError(
-                f"unknown scope {value!r}; allowed: {allowed}", rule="key.scope"
+                f"unknown scope {quoted(value)}; allowed: {allowed}", rule="key.scope"
             ) from None
     if not scopes:
         raise ValidationError("an API key needs at least one scope", rule="key.scope")
@@ -96,7 +96,9 @@ async def create_org(conn: Conn, clock: Clock, ids: IdFactory, name: str) -> New
         sa.select(t.organizations.c.id).where(t.organizations.c.name == name)
     )
     if exists:
-        raise Conflict(f"an organization named {name!r} already exists", rule="org.name_taken")
+        raise Conflict(
+            f"an organization named {quoted(name)} already exists", rule="org.name_taken"
+        )
     org_id = ids.new("org")
     await conn.execute(
         t.organizations.insert().values(id=org_id, name=name, created_at=clock.now_ms())
@@ -139,7 +141,7 @@ async def find_org(conn: Conn, ref: str) -> OrgRow:
         )
     ).first()
     if row is None:
-        raise NotFound(f"no organization {ref!r}", rule="org.not_found")
+        raise NotFound(f"no organization {quoted(ref)}", rule="org.not_found")
     return OrgRow(id=row.id, name=row.name, created_at=row.created_at)
 
 
@@ -471,7 +473,7 @@ async def get_user(conn: Conn, user_id: str) -> ConsoleUserView:
         )
     ).first()
     if row is None:
-        raise NotFound(f"no user {user_id!r}", rule="user.not_found")
+        raise NotFound(f"no user {quoted(user_id)}", rule="user.not_found")
     role = Role(row.role)
     return {
         "id": row.id,
@@ -532,7 +534,7 @@ async def revoke_key(conn: Conn, clock: Clock, org_id: str, key_id: str) -> Revo
         await conn.execute(sa.select(k.id, k.revoked_at).where(k.id == key_id, k.org_id == org_id))
     ).first()
     if row is None:
-        raise NotFound(f"no API key {key_id!r} in this organization", rule="key.not_found")
+        raise NotFound(f"no API key {quoted(key_id)} in this organization", rule="key.not_found")
     if row.revoked_at is not None:
         raise Conflict(f"API key {key_id} is already revoked", rule="key.revoked")
     now = clock.now_ms()
@@ -566,7 +568,9 @@ async def find_user(
         )
     ).first()
     if row is None:
-        raise NotFound(f"no console user {email!r} in this organization", rule="user.not_found")
+        raise NotFound(
+            f"no console user {quoted(email)} in this organization", rule="user.not_found"
+        )
     if row.disabled_at is not None and not include_disabled:
         raise PermissionDenied(f"the console user {row.email} is disabled", rule="user.disabled")
     return _user_fields(row)

@@ -18,7 +18,7 @@ import re2
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.errors import NotFound, ValidationError, quoted
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 
@@ -157,7 +157,9 @@ async def remove_rule(conn: Conn, org_id: str, rule_id: str) -> RemovedRuleView:
     p = t.policy_rules.c
     result = await conn.execute(t.policy_rules.delete().where(p.org_id == org_id, p.id == rule_id))
     if not result.rowcount:
-        raise NotFound(f"no policy rule {rule_id!r} in this organization", rule="policy.not_found")
+        raise NotFound(
+            f"no policy rule {quoted(rule_id)} in this organization", rule="policy.not_found"
+        )
     return {"id": rule_id, "removed": True}
 
 

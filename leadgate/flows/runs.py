@@ -64,6 +64,7 @@ from leadgate.core.errors import (
     TransitionError,
     Unavailable,
     ValidationError,
+    quoted,
 )
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
 from leadgate.core.logs import error_text, loggable
@@ -500,12 +501,12 @@ async def create_flow(
             if not agent.active:
                 # Every run would fail at this node (as a schedule of it would fire).
                 raise ValidationError(
-                    f"node {index}: agent {agent.name!r} is inactive", rule="agent.inactive"
+                    f"node {index}: agent {quoted(agent.name)} is inactive", rule="agent.inactive"
                 )
     if await conn.scalar(
         sa.select(t.flows.c.id).where(t.flows.c.org_id == org_id, t.flows.c.name == name)
     ):
-        raise Conflict(f"a flow named {name!r} already exists", rule="flow.name_taken")
+        raise Conflict(f"a flow named {quoted(name)} already exists", rule="flow.name_taken")
     flow_id = ids.new("flw")
     await conn.execute(
         t.flows.insert().values(
@@ -535,7 +536,7 @@ async def find_flow(conn: Conn, org_id: str, ref: str) -> FlowRow:
         )
     ).first()
     if row is None:
-        raise NotFound(f"no flow {ref!r}", rule="flow.not_found")
+        raise NotFound(f"no flow {quoted(ref)}", rule="flow.not_found")
     return {
         "id": row.id,
         "org_id": row.org_id,

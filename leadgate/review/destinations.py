@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
 from leadgate.core.durations import format_duration
-from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.errors import NotFound, ValidationError, quoted
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 
@@ -174,7 +174,7 @@ async def _teams_reference(conn: Conn, target: str) -> dict[str, Any]:
     row = (await conn.execute(sa.select(TC.reference).where(TC.conversation_id == target))).first()
     if row is None:
         raise ValidationError(
-            f"leadgate has not seen Teams conversation {target!r} yet: add the app to that "
+            f"leadgate has not seen Teams conversation {quoted(target)} yet: add the app to that "
             "channel (or @mention it there once), then run this again; or pass the whole "
             "conversation reference as JSON",
             rule="notify.teams_unknown_conversation",

@@ -37,7 +37,7 @@ import sqlalchemy as sa
 from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import DatabaseDamaged, NotFound, Unavailable, ValidationError
+from leadgate.core.errors import DatabaseDamaged, NotFound, Unavailable, ValidationError, quoted
 from leadgate.core.limits import validate_message
 from leadgate.core.logs import loggable
 from leadgate.core.types import BindingKind, BindingSpec, Trigger
@@ -79,7 +79,7 @@ def next_fire(cron: str, after_ms: int) -> int:
     fields = cron.split()
     if len(fields) != 5:
         raise ValidationError(
-            f"invalid cron expression {cron!r}: five fields (minute hour day month weekday)",
+            f"invalid cron expression {quoted(cron)}: five fields (minute hour day month weekday)",
             rule="schedule.cron",
         )
     for field, (name, values) in zip(fields, _FIELDS, strict=True):
@@ -88,7 +88,7 @@ def next_fire(cron: str, after_ms: int) -> int:
             # first value: almost certainly not what was meant.
             if not 1 <= int(step) <= values:
                 raise ValidationError(
-                    f"invalid cron expression {cron!r}: step {step} of the {name} field"
+                    f"invalid cron expression {quoted(cron)}: step {step} of the {name} field"
                     f" must be 1 to {values}",
                     rule="schedule.cron",
                 )
@@ -97,11 +97,11 @@ def next_fire(cron: str, after_ms: int) -> int:
         nxt: datetime = it.get_next(datetime)
     except CroniterBadDateError:
         raise ValidationError(
-            f"cron expression {cron!r} never fires", rule="schedule.cron"
+            f"cron expression {quoted(cron)} never fires", rule="schedule.cron"
         ) from None
     except (CroniterBadCronError, ValueError, KeyError) as exc:
         raise ValidationError(
-            f"invalid cron expression {cron!r}: {exc}", rule="schedule.cron"
+            f"invalid cron expression {quoted(cron)}: {exc}", rule="schedule.cron"
         ) from None
     return int(nxt.timestamp() * 1000)
 
@@ -379,6 +379,6 @@ async def remove_schedule(conn: Conn, org_id: str, schedule_id: str) -> RemovedS
     result = await conn.execute(t.schedules.delete().where(S.org_id == org_id, S.id == schedule_id))
     if not result.rowcount:
         raise NotFound(
-            f"no schedule {schedule_id!r} in this organization", rule="schedule.not_found"
+            f"no schedule {quoted(schedule_id)} in this organization", rule="schedule.not_found"
         )
     return {"id": schedule_id, "removed": True}

@@ -60,6 +60,7 @@ from leadgate.core.errors import (
     NotFound,
     Unavailable,
     ValidationError,
+    quoted,
 )
 from leadgate.core.logs import loggable
 from leadgate.domain.session_events import SessionEvent
@@ -178,7 +179,7 @@ async def _may_still_read(
     ref = await reads.find(principal, agent, name)
     if ref.session_id != session_id:
         raise NotFound(
-            f"session {name!r} of agent {agent!r} is no longer this stream's session",
+            f"session {quoted(name)} of agent {quoted(agent)} is no longer this stream's session",
             rule="events.session",
         )
 

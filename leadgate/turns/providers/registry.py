@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from leadgate.core.config import Settings
-from leadgate.core.errors import ModelError
+from leadgate.core.errors import ModelError, quoted
 from leadgate.core.logs import loggable
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
@@ -50,7 +50,9 @@ class ProviderRegistry:
         try:
             return self._providers[name]
         except KeyError:
-            raise ModelError(f"model {name!r} is not configured", rule="model.unknown") from None
+            raise ModelError(
+                f"model {quoted(name)} is not configured", rule="model.unknown"
+            ) from None
 
     async def close(self) -> None:
         """Close every provider that holds connections (best effort, logged)."""
