@@ -884,6 +884,12 @@ class Relay:
             return Done(row, Sent())
         if row.channel == "none" or not (row.binding_id or row.kind == ANSWER):
             return Done(row, Permanent(NO_BINDING_ERROR))
+        if _all_posted(row):
+            # Every part was posted by an earlier attempt whose outcome was not recorded
+            # (its send lease lapsed first): an operator's Retry posts nothing again, and
+            # completes it even once its channel is gone from the configuration.
+            log.info("delivery %s: every part was posted already; nothing sent", row.id)
+            return Done(row, Sent())
         channel = self.channels.get(row.channel)
         if channel is None:
             return _rest_refused(row, Permanent(f"channel {row.channel} is not configured"))
@@ -899,12 +905,8 @@ class Relay:
             return Done(row, resume)
         # Parts an earlier attempt posted are not posted again: the rest of the text is
         # split again, from where they ended, whatever the split was then.
+        # (not at the end of the text: that is _all_posted, above)
         posted, at = resume
-        if at == len(row.text):
-            # Every part was posted by an earlier attempt whose outcome was not recorded
-            # (its send lease lapsed first): an operator's Retry posts nothing again.
-            log.info("delivery %s: every part was posted already; nothing sent", row.id)
-            return Done(row, Sent())
         rest = row.text[at:]
         spans = split_spans(rest, channel.max_chars, size)
         count = posted + len(spans)
@@ -1153,6 +1155,18 @@ def resume_at(
         f"{at!r:.20}) does not fit the text ({len(row.text)} characters): some parts may "
         "have been posted; nothing was sent"
     )
+
+
+def _all_posted(row: Delivery) -> bool:
+    """Whether ``row``'s record says every part of its text was posted (the next part
+    at its end, OutcomeCommitter._record_all_posted): nothing is left to send, whatever
+    its channel is now. (A record with the offset is read without a split, so no
+    channel is needed to read it.)"""
+    address = row.address if isinstance(row.address, dict) else {}
+    if address.get(NEXT_PART_AT) is None:
+        return False
+    resume = resume_at(row, list)
+    return not isinstance(resume, Uncertain) and resume[1] == len(row.text)
 
 
 def _whole(value: object) -> TypeGuard[int]:

@@ -1297,6 +1297,37 @@ async def test_a_lease_lost_after_the_last_part_records_it_and_a_retry_posts_not
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+async def test_a_text_recorded_all_posted_completes_at_a_retry_once_its_channel_is_gone(
+    stack: Stack,
+) -> None:
+    """A delivery recorded as fully posted (its send lease lapsed after its last part)
+    whose channel was since removed from the configuration: an operator's Retry left it
+    deliveryUnknown "after the parts posted", the missing channel checked before the
+    "nothing left to send". Nothing is left: it completes, as with the channel there."""
+
+    async def lease_lapses(message: OutboundMessage) -> SendOutcome:
+        ahead = FakeClock(fake_clock(stack).now_ms() + SEND_LEASE_MS + 1)
+        assert await Relay(stack.db, ahead, stack.ids, stack.channels).expire_send_leases() == 1
+        return Sent("a")
+
+    small = ScriptedChannel("slack", max_chars=100, script=[lease_lapses])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: "one part")
+    await drain(relay_for(stack))
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown" and row["error"] == outcomes_mod.ALL_POSTED_ERROR
+    del stack.channels["slack"]
+    async with stack.db.tx() as conn:
+        await recover(
+            conn, stack.clock, stack.ids, Delivery(**row), action="retry", actor="user:op"
+        )
+    await drain(relay_for(stack))
+    assert small.texts() == ["one part"]  # nothing posted twice
+    done = await delivery(stack, dlv["id"])
+    assert done["status"] == "sent", done["error"]
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
 async def test_a_text_partly_posted_whose_channel_is_gone_is_left_to_an_operator(
     stack: Stack,
 ) -> None:
