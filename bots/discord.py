@@ -14,9 +14,12 @@ Inbound, two ways:
   deferred response is deleted, so no "thinking..." state lingers and nothing is
   visible; so is one left to the recovery runner, at once or when its turn stopped on a
   database fault (its reply, if any, follows up). A
-  message that breaks a message rule, or that no route answers, gets an ephemeral
-  answer saying so. A replayed interaction (the same interaction id) is a duplicate:
-  it is answered ephemerally and never touches the earlier reply.
+  message that breaks a message rule, or that no route answers, or that is refused
+  (its worker deactivated or deleted), gets an ephemeral answer saying so, naming the
+  rule (a 4xx is only Discord's "This interaction failed": it is kept for what is no
+  valid interaction, a bad signature 401 and a malformed body 400). A replayed
+  interaction (the same interaction id) is a duplicate: it is answered ephemerally and
+  never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
   Discord delivers a gateway message once, to the sessions connected then: at each READY
@@ -543,6 +546,12 @@ class DiscordAdapter:
             # interaction failed", and the person was never told to ask again.
             log.warning("discord: could not record an /ask (%s)", exc.rule)
             return _ephemeral(not_taken_in(exc))
+        except LeadgateError as exc:
+            # Refused (its worker deactivated or deleted, an identifier that cannot be
+            # stored): Discord shows a 4xx only as "This interaction failed", and the
+            # person never saw why. Told so, naming the rule, as a message rule's is.
+            log.info("discord: an /ask was refused (%s)", exc.rule)
+            return _ephemeral(not_processed(exc))
         if recorded is None:
             return _ephemeral("Nobody answers /ask in this channel.")
         if recorded.rejected is not None:

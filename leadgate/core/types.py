@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final
 
-from leadgate.core.errors import ValidationError
+from leadgate.core.errors import LeadgateError, ValidationError
 
 
 class BindingKind(enum.StrEnum):
@@ -253,9 +253,10 @@ class Recorded:
     turn: Any = None
 
 
-def not_processed(refused: ValidationError) -> str:
+def not_processed(refused: LeadgateError) -> str:
     """The notice a person is sent for a message that broke a message rule, naming the
     rule as every other refusal does (``... [message.too_long]``): the chat channels
-    and email show it, Discord in its ephemeral answer. It quotes nothing of the
+    and email show it, Discord in its ephemeral answer (also for an ``/ask`` refused
+    otherwise: its worker deactivated, ``agent.inactive``). It quotes nothing of the
     message, and it is posted, never logged."""
     return f"Your message was not processed: {refused.message} [{refused.rule}]."

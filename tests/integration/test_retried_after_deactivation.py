@@ -232,14 +232,19 @@ async def test_a_discord_ask_breaking_a_message_rule_to_a_deactivated_worker_is_
     deactivated or deleted before it, gets the answer the same ``/ask`` within the rules
     gets (``agent.inactive``, ``agent.not_found``): the worker being off is what the
     person can act on, as on Slack and email. Nothing recorded, nothing posted. It was
-    answered with the message rule's notice (an ephemeral 200)."""
+    answered with the message rule's notice (an ephemeral 200). The refusal is an
+    ephemeral message naming the rule: it was a 400 / 404, which Discord shows only as
+    "This interaction failed", the person never told why."""
     service, server, standin = discord_served
     async with service.db.read() as conn:
         org_id = await conn.scalar(sa.select(t.agents.c.org_id))
     await change(service, str(org_id), "plain", since)
     within = await ask(server, key, "1", "hello")
     rule = {"deactivated": "agent.inactive", "deleted": "agent.not_found"}[since]
-    assert within[0] in (400, 404) and within[1]["error"]["rule"] == rule
+    assert within[0] == 200, within
+    assert within[1]["type"] == 4 and within[1]["data"]["flags"] == 64
+    told = within[1]["data"]["content"]
+    assert told.startswith("Your message was not processed: ") and f"[{rule}]" in told
     assert await ask(server, key, "2", text) == within
     async with service.db.read() as conn:
         for table in (t.inbound_events, t.deliveries):
