@@ -121,9 +121,7 @@ ASK_OPTION = "message"
 _PING = 1
 _APPLICATION_COMMAND = 2
 _PONG = 1
-_CHANNEL_MESSAGE = 4
-_DEFERRED_CHANNEL_MESSAGE = 5
-_EPHEMERAL = 1 << 6
+_DEFERRED_CHANNEL_MESSAGE = 5  # (a message only its person sees: discord_review.ephemeral)
 
 # Gateway connection: shutdown bound, and the backoff while Discord cannot be reached.
 _GATEWAY_CLOSE_TIMEOUT_S = 10.0
@@ -381,9 +379,7 @@ def snowflake_at(ms: int) -> int:
 
 
 def _ephemeral(text: str) -> web.Response:
-    return web.json_response(
-        {"type": _CHANNEL_MESSAGE, "data": {"content": text, "flags": _EPHEMERAL}}
-    )
+    return web.json_response(discord_review.ephemeral(text))
 
 
 class DiscordAdapter:
@@ -464,15 +460,7 @@ class DiscordAdapter:
         if kind == _APPLICATION_COMMAND:
             ask = parse_ask(payload)
             if ask is None:
-                return web.json_response(
-                    {
-                        "type": _CHANNEL_MESSAGE,
-                        "data": {
-                            "content": f"Use /{ASK_COMMAND} with a {ASK_OPTION}.",
-                            "flags": _EPHEMERAL,
-                        },
-                    }
-                )
+                return _ephemeral(f"Use /{ASK_COMMAND} with a {ASK_OPTION}.")
             return await self._take_ask(ask)
         if self._reviews is not None and discord_review.is_review(payload):
             return web.json_response(await discord_review.handle(payload, self._reviews))

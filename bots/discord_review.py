@@ -136,7 +136,10 @@ def view(card: Card) -> discord.ui.View:
     return buttons
 
 
-def _ephemeral(text: str) -> dict[str, Any]:
+def ephemeral(text: str) -> dict[str, Any]:
+    """An interaction response of a message only its person sees (type 4, flags 64),
+    cut to Discord's limit and pinging nobody: the answer to a button, a form, an
+    ``/ask`` refused or not taken in (``bots.discord``)."""
     return {
         "type": _CHANNEL_MESSAGE,
         "data": {
@@ -215,11 +218,11 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
     data = obj(payload.get("data"))
     parts = str(data.get("custom_id")).split(":")
     if len(parts) != 4:
-        return _ephemeral("This button is not supported.")
+        return ephemeral("This button is not supported.")
     _, verb, target, ref = parts
     episode, card_id = parse_ref(ref)
     if episode is None and card_id is None:
-        return _ephemeral("This button is not supported.")
+        return ephemeral("This button is not supported.")
     user = obj(obj(payload.get("member")).get("user")) or obj(payload.get("user"))
     who = text_of(user.get("id")) or ""
     message = obj(payload.get("message"))
@@ -231,7 +234,7 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         if submitted:
             verb = verb.removesuffix(f"_{_MODAL}")
             if verb not in _MODALS:
-                return _ephemeral("This form is not supported.")
+                return ephemeral("This form is not supported.")
             text = _text_value(data.get("components"), _MODALS[verb][0])
         answer = await backend.decide(
             PLATFORM,
@@ -258,7 +261,7 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         if answer.kind == "open":
             return _modal(verb, target, ref)
         # (check names no message: its card may be another message of the item)
-        return _ephemeral(answer.text)
+        return ephemeral(answer.text)
     elif verb in ("confirm", "retry"):
         answer = await backend.recover(
             PLATFORM,
@@ -271,7 +274,7 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
             card_id=card_id,
         )
     else:
-        return _ephemeral("This button is not supported.")
+        return ephemeral("This button is not supported.")
     if answer.decided and answer.card is not None:
         return _decided(answer.card)
     card = answer.card
@@ -281,4 +284,4 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         # its way. It answered with an ephemeral line and left the buttons. (A card with
         # no outcome to show is answered in words: it would bring its buttons back.)
         return _decided(card)
-    return _ephemeral(answer.text)
+    return ephemeral(answer.text)
