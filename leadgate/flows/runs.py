@@ -774,15 +774,23 @@ class FlowService:
     async def renew(self, lease: RunLease) -> None:
         """Renew ``lease`` (fenced; :class:`RunLeaseLost` when it was lost)."""
         async with self.db.tx() as conn:
-            await move_run(
-                conn,
-                self.clock,
-                self.ids,
-                lease.run_id,
-                src=_RS.running,
-                dst=_RS.running,
-                token=lease.token,
-            )
+            await self._renew_in(conn, lease.run_id, lease.token)
+
+    async def _renew_in(
+        self, conn: Conn, run_id: str, token: str, values: dict[str, Any] | None = None
+    ) -> None:
+        """Renew the lease ``token`` of running run ``run_id`` in ``conn``'s transaction,
+        with ``values`` (fenced; :class:`RunLeaseLost` when it was lost)."""
+        await move_run(
+            conn,
+            self.clock,
+            self.ids,
+            run_id,
+            src=_RS.running,
+            dst=_RS.running,
+            token=token,
+            values=values,
+        )
 
     @contextlib.asynccontextmanager
     async def _renewing(self, lease: RunLease) -> AsyncIterator[None]:
@@ -845,18 +853,10 @@ class FlowService:
                 # The node's output is kept before the next node starts: executed again,
                 # the run goes on from here (and renews its lease).
                 async with self.db.tx() as conn:
-                    await move_run(
-                        conn,
-                        self.clock,
-                        self.ids,
-                        lease.run_id,
-                        src=_RS.running,
-                        dst=_RS.running,
-                        token=lease.token,
-                        # Progress: recovery's count of attempts that got nowhere
-                        # starts again (a run may lose several processes in its life).
-                        values={"outputs": outputs, "recovery_attempts": 0},
-                    )
+                    # Progress: recovery's count of attempts that got nowhere starts
+                    # again (a run may lose several processes in its life).
+                    progress = {"outputs": outputs, "recovery_attempts": 0}
+                    await self._renew_in(conn, lease.run_id, lease.token, progress)
             await self._finish(lease, outputs, _RS.completed, None)
 
     async def _load(self, lease: RunLease) -> tuple[dict[str, Any], list[Any], list[Any]]:
@@ -1009,15 +1009,7 @@ class FlowService:
         """Close node ``index``'s continuation if one is waiting (fenced by the run's
         lease): its turn made no work item, so no review will resume it."""
         async with self.db.tx() as conn:
-            await move_run(
-                conn,
-                self.clock,
-                self.ids,
-                run["id"],
-                src=_RS.running,
-                dst=_RS.running,
-                token=lease.token,
-            )
+            await self._renew_in(conn, run["id"], lease.token)
             await conn.execute(
                 t.continuations.update()
                 .where(C.run_id == run["id"], C.node_index == index, C.status == "waiting")
@@ -1045,15 +1037,7 @@ class FlowService:
             # Fenced with the continuation: a process that lost the run registers none
             # (a second waiting continuation of one node would resume the flow twice;
             # the unique index on the node makes a second registration a no-op too).
-            await move_run(
-                conn,
-                self.clock,
-                self.ids,
-                run["id"],
-                src=_RS.running,
-                dst=_RS.running,
-                token=lease.token,
-            )
+            await self._renew_in(conn, run["id"], lease.token)
             return await register_continuation(
                 conn,
                 self.clock,

@@ -637,16 +637,25 @@ async def test_a_database_fault_met_one_by_one_keeps_only_the_outcomes_not_commi
     assert "send lease lost" not in caplog.text
 
 
-@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+@pytest.mark.parametrize(
+    ("url", "sent"),
+    [("postgres", False), ("postgres", True)],
+    indirect=["url"],
+    ids=["refusals", "posts"],
+)
 async def test_a_group_locks_its_posts_items_in_the_order_a_lease_expiry_does(
-    stack: Stack,
+    stack: Stack, sent: bool
 ) -> None:
-    """A relay commits the refusals (Retry) of two posts, the later item's first, while
-    another replica takes back lapsed send leases, which locks the posts' items in id
-    order (:func:`outbox.store.ended_meanwhile`). The group locked them in its own
-    order: it held the later item waiting for the earlier one, which the expiry held
-    waiting for the later one, and PostgreSQL ended the relay's commit (40P01
-    deadlock_detected). It now locks them in the expiry's order: it waits, then commits."""
+    """A relay commits the outcomes of two posts, the later item's first, while another
+    replica takes back lapsed send leases, which locks the posts' items in id order
+    (:func:`outbox.store.ended_meanwhile`). The group locked them in its own order: it
+    held the later item waiting for the earlier one, which the expiry held waiting for
+    the later one, and PostgreSQL ended one of the two (40P01 deadlock_detected). It now
+    locks them in the expiry's order: it waits, then commits. For refusals (Retry), and
+    for successful posts (``sent``), committed on PostgreSQL as one statement
+    (``commit_alone``), whose move of the items to ``completed`` locked them in the
+    order its scan of the approved items found them (by status and updated_at): it now
+    locks its deliveries, then the items, by id."""
     seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
     relay = relay_for(stack)
     rows = sorted(await relay.claim(), key=lambda r: str(r.work_item_id), reverse=True)
@@ -654,41 +663,14 @@ async def test_a_group_locks_its_posts_items_in_the_order_a_lease_expiry_does(
     first = min(str(r.work_item_id) for r in rows)
     posts = t.deliveries.c.id.in_([r.id for r in rows])
     locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == first).with_for_update()
-    async with stack.db.tx() as conn:
-        await conn.execute(locked)  # the expiry's statement has locked the first item
-        commit = asyncio.create_task(relay.complete([Done(r, Retry("busy")) for r in rows]))
-        await blocked_on_a_lock(stack.db, commit)
-        assert await ended_meanwhile(conn, posts) == []  # and goes on to the second
-    await commit
-    for d in seeded.deliveries:
-        assert (await delivery(stack, str(d["id"])))["status"] == "pending"
-
-
-@pytest.mark.parametrize("url", ["postgres"], indirect=True)
-async def test_a_group_of_posts_locks_their_items_in_the_order_a_lease_expiry_does(
-    stack: Stack,
-) -> None:
-    """As above, for a group of successful posts, committed on PostgreSQL as one
-    statement (``commit_alone``): its move of the items to ``completed`` locked them in
-    the order its join found them (the group's, the later item first), held the later
-    one waiting for the earlier one, which the expiry held waiting for the later one,
-    and PostgreSQL ended one of the two (40P01 deadlock_detected). It now locks them by
-    id (and its deliveries too): it waits for the expiry, then commits them all."""
-    seeded = await seed_items(stack.db, stack.clock, stack.ids, 2)
-    relay = relay_for(stack)
-    rows = sorted(await relay.claim(), key=lambda r: str(r.work_item_id), reverse=True)
-    assert len(rows) == 2
-    first = min(str(r.work_item_id) for r in rows)
-    posts = t.deliveries.c.id.in_([r.id for r in rows])
-    locked = sa.select(t.work_items.c.id).where(t.work_items.c.id == first).with_for_update()
-    group = [Done(r, Sent(f"ts-{n}")) for n, r in enumerate(rows)]
-    async with stack.db.tx() as conn:
-        # The first item approved after the other: the move's scan of the approved items
-        # (by status and updated_at) finds the later item first.
-        w = t.work_items.c
-        await conn.execute(
-            t.work_items.update().where(w.id == first).values(updated_at=w.updated_at + 1)
-        )
+    group = [Done(r, Sent(f"ts-{n}") if sent else Retry("busy")) for n, r in enumerate(rows)]
+    if sent:
+        async with stack.db.tx() as conn:
+            # The first item approved after the other: the scan finds the later item first.
+            w = t.work_items.c
+            await conn.execute(
+                t.work_items.update().where(w.id == first).values(updated_at=w.updated_at + 1)
+            )
     async with stack.db.tx() as conn:
         await conn.execute(locked)  # the expiry's statement has locked the first item
         commit = asyncio.create_task(relay.complete(group))
@@ -696,9 +678,9 @@ async def test_a_group_of_posts_locks_their_items_in_the_order_a_lease_expiry_do
         assert await ended_meanwhile(conn, posts) == []  # and goes on to the second
     await commit
     for d in seeded.deliveries:
-        assert (await delivery(stack, str(d["id"])))["status"] == "sent"
+        assert (await delivery(stack, str(d["id"])))["status"] == ("sent" if sent else "pending")
     for i in seeded.items:
-        assert (await item(stack, str(i["id"])))["status"] == "completed"
+        assert (await item(stack, str(i["id"])))["status"] == ("completed" if sent else "approved")
 
 
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
