@@ -801,11 +801,22 @@ _FOR_ITEM = (
     .where(D.work_item_id == sa.bindparam("p_item"))
     .order_by(D.created_at, D.id)
 )
+_FOR_ITEM_NEWEST = (
+    sa.select(t.deliveries)
+    .where(D.work_item_id == sa.bindparam("p_item"))
+    .order_by(D.created_at.desc(), D.id.desc())
+    .limit(sa.bindparam("p_limit"))
+)
 
 
-async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
-    """Deliveries of a work item, oldest first."""
-    rows = (await conn.execute(_FOR_ITEM, {"p_item": item_id})).all()
+async def for_item(conn: Conn, item_id: str, *, newest: int | None = None) -> list[Delivery]:
+    """Deliveries of a work item, oldest first; with ``newest``, only that many of the
+    newest (a caller asks one more than it shows to learn whether more exist)."""
+    if newest is None:
+        rows = (await conn.execute(_FOR_ITEM, {"p_item": item_id})).all()
+    else:
+        found = await conn.execute(_FOR_ITEM_NEWEST, {"p_item": item_id, "p_limit": newest})
+        rows = list(reversed(found.all()))
     return [Delivery.from_row(r) for r in rows]
 
 

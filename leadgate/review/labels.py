@@ -53,33 +53,58 @@ def _names_join(table: sa.Table, prefix: str) -> sa.ColumnElement[bool]:
 
 
 _AUDIT_COLUMNS = len(t.audit.c)
-#: An item's audit, oldest first, with the names of its user, lead agent and API key
-#: actors joined in (one statement where it was three).
-_AUDIT_NAMED = (
-    sa.select(
-        t.audit,
-        t.users.c.id,
-        t.users.c.name,
-        t.users.c.email,
-        t.agents.c.name,
-        t.api_keys.c.name,
+
+
+def named_audit(
+    where: sa.ColumnElement[bool] | None = None, *, newest: bool = False
+) -> sa.Select[Any]:
+    """An item's audit (``p_item``), oldest first, with the names of its user, lead agent
+    and API key actors joined in (one statement where it was three). ``where`` narrows
+    the rows; ``newest`` takes only the ``p_limit`` newest (still answered oldest first
+    by :func:`audit_with_actors`). Built once per use at import: the plan cache keys on
+    the statement object."""
+    stmt = (
+        sa.select(
+            t.audit,
+            t.users.c.id,
+            t.users.c.name,
+            t.users.c.email,
+            t.agents.c.name,
+            t.api_keys.c.name,
+        )
+        .select_from(
+            t.audit.outerjoin(t.users, _names_join(t.users, "user:"))
+            .outerjoin(t.agents, _names_join(t.agents, "lead:"))
+            .outerjoin(t.api_keys, _names_join(t.api_keys, "key:"))
+        )
+        .where(AU.work_item_id == sa.bindparam("p_item"))
     )
-    .select_from(
-        t.audit.outerjoin(t.users, _names_join(t.users, "user:"))
-        .outerjoin(t.agents, _names_join(t.agents, "lead:"))
-        .outerjoin(t.api_keys, _names_join(t.api_keys, "key:"))
-    )
-    .where(AU.work_item_id == sa.bindparam("p_item"))
-    .order_by(AU.created_at, AU.id)
-)
+    if where is not None:
+        stmt = stmt.where(where)
+    if newest:
+        return stmt.order_by(AU.created_at.desc(), AU.id.desc()).limit(sa.bindparam("p_limit"))
+    return stmt.order_by(AU.created_at, AU.id)
+
+
+_AUDIT_NAMED = named_audit()
 
 
 async def audit_with_actors(
-    conn: Conn, org_id: str, item_id: str
+    conn: Conn,
+    org_id: str,
+    item_id: str,
+    *,
+    statement: sa.Select[Any] = _AUDIT_NAMED,
+    newest: int | None = None,
 ) -> tuple[Sequence[AnyRow], dict[str, Actor]]:
     """The item's audit rows, oldest first, and each ``kind:id`` actor of them with its
-    display name (users, lead agents and keys confined to ``org_id``)."""
-    rows = (await conn.execute(_AUDIT_NAMED, {"p_item": item_id, "p_org": org_id})).all()
+    display name (users, lead agents and keys confined to ``org_id``). ``statement`` is
+    one of :func:`named_audit`; ``newest`` its ``p_limit`` when it takes the newest."""
+    params: dict[str, object] = {"p_item": item_id, "p_org": org_id}
+    if newest is not None:
+        params["p_limit"] = newest
+    found = (await conn.execute(statement, params)).all()
+    rows = list(reversed(found)) if newest is not None else found
     users: dict[str, tuple[str | None, str]] = {}
     agents: dict[str, str] = {}
     keys: dict[str, str | None] = {}

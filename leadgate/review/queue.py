@@ -30,6 +30,7 @@ from leadgate.review.labels import (
     channel_name,
     delivery_target,
     destination,
+    named_audit,
     requester,
 )
 from outbox.store import DeliveryStatus, for_item
@@ -468,9 +469,10 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
 
 
 # The detail's reads, built once (every decision answers the detail; the plan cache keys
-# on the statement object). Three statements: the item with its names and destination,
-# its deliveries, its audit with the actors' names. They were nine, which each decision
-# ran inside its write transaction: a third of the decision handler's profile.
+# on the statement object). Four statements: the item with its names and destination,
+# its newest deliveries, its newest audit and its verdicts with the actors' names. They
+# were nine, which each decision ran inside its write transaction: a third of the
+# decision handler's profile.
 _ITEM_BINDING = t.bindings.alias("item_binding")
 _DEST = t.bindings.alias("dest")
 _ITS_GATING = (D.work_item_id == W.id, D.kind == "gating")
@@ -545,6 +547,17 @@ AuditLine = TypedDict(
 keyword, hence the functional form)."""
 
 
+#: How many of an item's newest audit rows and deliveries its detail lists: an item
+#: returned many times grows both without bound, and the detail read them all.
+DETAIL_LIST_MAX = 200
+#: The item's verdicts and moves into awaitingHuman, whatever their age: the verdict
+#: history numbers revisions from the first, and the reason is the newest such move.
+_AUDIT_DECISIONS = named_audit(
+    sa.or_(AU.action.in_(sorted(_VERDICTS)), AU.to_status == Status.awaitingHuman.value)
+)
+_AUDIT_NEWEST = named_audit(newest=True)
+
+
 class ReviewDetailView(TypedDict):
     """Everything a reviewer needs about one item (the decision's answer too)."""
 
@@ -572,7 +585,9 @@ class ReviewDetailView(TypedDict):
     destination: DestinationView
     reviews: list[NamedVerdictView]
     deliveries: list[DeliveryLine]
+    deliveriesTruncated: bool
     audit: list[AuditLine]
+    auditTruncated: bool
 
 
 async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
@@ -585,13 +600,22 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
     agent_name, bound_kind, bound_address, session_key = row[n : n + 4]
     dest = row[n + 4 :]
     target = destination(None if dest[0] is None else Binding.from_row(dest))
-    deliveries = await for_item(conn, item_id)
-    audit_rows, actors = await audit_with_actors(conn, org_id, item_id)
+    # One more than shown: whether older ones exist.
+    deliveries = await for_item(conn, item_id, newest=DETAIL_LIST_MAX + 1)
+    deliveries_cut = len(deliveries) > DETAIL_LIST_MAX
+    deliveries = deliveries[-DETAIL_LIST_MAX:]
+    audit_rows, actors = await audit_with_actors(
+        conn, org_id, item_id, statement=_AUDIT_NEWEST, newest=DETAIL_LIST_MAX + 1
+    )
+    audit_cut = len(audit_rows) > DETAIL_LIST_MAX
+    audit_rows = audit_rows[-DETAIL_LIST_MAX:]
+    decisions, deciders = await audit_with_actors(conn, org_id, item_id, statement=_AUDIT_DECISIONS)
     channel = bound_kind if bound_kind is not None else "none"
     history: list[NamedVerdictView] = [
-        {**entry, "actorName": actors[entry["actor"]].name} for entry in verdict_history(audit_rows)
+        {**entry, "actorName": deciders[entry["actor"]].name}
+        for entry in verdict_history(decisions)
     ]
-    into_human = [a for a in audit_rows if a.to_status == Status.awaitingHuman.value]
+    into_human = [a for a in decisions if a.to_status == Status.awaitingHuman.value]
     return {
         "id": item.id,
         "status": item.status,
@@ -640,6 +664,7 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
             }
             for d in deliveries
         ],
+        "deliveriesTruncated": deliveries_cut,
         "audit": [
             {
                 "at": iso(a.created_at),
@@ -657,6 +682,7 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
             }
             for a in audit_rows
         ],
+        "auditTruncated": audit_cut,
     }
 
 

@@ -28,7 +28,14 @@ from leadgate.core.decoding import INT64_MAX
 from leadgate.operations.idempotency import KEY_LIMIT
 from leadgate.operations.transcripts import PAGE_MAX
 from leadgate.review.insights import MAX_DAYS
-from leadgate.review.queue import ACTIVITY_STATUSES, CHANNELS, FILTER_TEXT_MAX, ORDERS, REASONS
+from leadgate.review.queue import (
+    ACTIVITY_STATUSES,
+    CHANNELS,
+    DETAIL_LIST_MAX,
+    FILTER_TEXT_MAX,
+    ORDERS,
+    REASONS,
+)
 from leadgate.web import charts
 
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
@@ -312,7 +319,9 @@ OPERATIONS: list[Operation] = [
             "200": "The item, its verdicts, audit and deliveries; each delivery: id, status "
             "(pending, sending, sent, deliveryUnknown, failed, cancelled, continuation), kind, "
             "channel, to (where it goes, in words), action, attempts, error (the last one), "
-            "createdAt, updatedAt, nextAttemptAt (a pending one's next try)"
+            "createdAt, updatedAt, nextAttemptAt (a pending one's next try). The audit and "
+            f"the deliveries are each the item's newest {DETAIL_LIST_MAX} (oldest first); "
+            "auditTruncated and deliveriesTruncated are true when older ones exist"
         },
     ),
     Operation(

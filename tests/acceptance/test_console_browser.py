@@ -36,6 +36,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database.db import upgrade
 from leadgate.domain import orgs, workitems
+from leadgate.review import queue
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
 from outbox.store import get_delivery
@@ -340,6 +341,26 @@ async def test_detail_destination_confirmation_verdicts_names_and_live_state(
     await expect(audit).to_contain_text("lead agent lead")
     await expect(audit).not_to_contain_text("user:usr_")
     assert console.dialogs == []
+
+
+async def test_a_detail_cut_to_its_newest_audit_says_older_entries_exist(
+    console: Console, page: Page
+) -> None:
+    """The API lists an item's newest audit rows and deliveries only; the page says when
+    it is cut, under the list that is."""
+    item = await console.awaiting_item("a long story", "s-cut")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "DETAIL_LIST_MAX", 2)
+        await console.open(page, MEMBER, "Member")
+        await page.goto(f"{console.url}/console/#/review/{item}")
+        await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
+        await expect(page.locator("#audit tbody tr")).to_have_count(2)
+        await expect(page.locator("#audit-truncated")).to_have_text(
+            "Only the newest audit entries are shown; older ones exist."
+        )
+        await expect(page.locator("#deliveries-truncated")).to_have_count(0)
+        # The verdict older than the rows listed is still shown.
+        await expect(page.locator("#verdicts tbody tr")).to_have_count(1)
 
 
 async def test_member_rejects_with_a_reason_and_server_errors_are_shown(

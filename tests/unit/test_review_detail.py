@@ -1,6 +1,7 @@
 """The review detail (``leadgate.review.queue.detail``): where an approval goes and who
-each audit actor is, read in three statements (the item with its names and
-destination, its deliveries, its audit with its actors' names)."""
+each audit actor is, read in four statements (the item with its names and
+destination, its newest deliveries, its newest audit and its verdicts with their
+actors' names)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 import sqlalchemy as sa
 
 from binding.bindings import deactivate_session
+from leadgate.core.clock import iso
 from leadgate.core.errors import NotFound
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs, workitems
-from leadgate.review import decisions
+from leadgate.review import decisions, queue
 from leadgate.review.queue import detail
 from tests.helpers import make_org
 from tests.stack import Stack
@@ -109,3 +111,74 @@ async def test_another_organizations_item_is_not_found(stack: Stack) -> None:
         with pytest.raises(NotFound) as err:
             await detail(conn, other.id, item_id)
     assert err.value.rule == "workItem.not_found"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
+async def test_the_detail_lists_the_newest_audit_and_deliveries_and_says_when_cut(
+    stack: Stack,
+) -> None:
+    """An item returned many times grows its audit and deliveries without bound: the
+    detail lists the newest ``DETAIL_LIST_MAX`` of each (oldest first) and says older
+    ones exist, while its verdicts and reason still come from every verdict."""
+    org, worker = await setup(stack)
+    item_id = await escalated(stack, org, worker, "long")
+    now = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        before = (await detail(conn, org.id, item_id))["audit"]
+        await conn.execute(
+            sa.insert(t.audit),
+            [
+                {
+                    "id": f"aud_note{i}",
+                    "org_id": org.id,
+                    "work_item_id": item_id,
+                    "actor": "system:outbox",
+                    "action": "note",
+                    "created_at": now + i,
+                }
+                for i in range(4)
+            ],
+        )
+        await conn.execute(
+            sa.insert(t.deliveries),
+            [
+                {
+                    "id": f"dlv_note{i}",
+                    "org_id": org.id,
+                    "work_item_id": item_id,
+                    "kind": "reply",
+                    "action": "post",
+                    "channel": "api",
+                    "address": {},
+                    "text": "t",
+                    "status": "sent",
+                    "attempts": 1,
+                    "next_attempt_at": now + i,
+                    "created_at": now + i,
+                    "updated_at": now + i,
+                }
+                for i in range(4)
+            ],
+        )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "DETAIL_LIST_MAX", 3)
+        async with stack.db.read() as conn:
+            cut = await detail(conn, org.id, item_id)
+        mp.setattr(queue, "DETAIL_LIST_MAX", 4)
+        async with stack.db.read() as conn:
+            whole = await detail(conn, org.id, item_id)
+    assert [a["at"] for a in cut["audit"]] == [iso(now + i) for i in (1, 2, 3)]
+    assert [d["id"] for d in cut["deliveries"]] == ["dlv_note1", "dlv_note2", "dlv_note3"]
+    assert (cut["auditTruncated"], cut["deliveriesTruncated"]) == (True, True)
+    # The lead's escalation is older than the rows listed: still a verdict and the reason.
+    assert [r["verdict"] for r in cut["reviews"]] == ["escalated"]
+    assert cut["reviews"][0]["actorName"] == "lead agent lead"
+    assert cut["reason"] == "escalated"
+    assert len(before) > 0
+    assert whole["deliveriesTruncated"] is False
+    assert len(whole["deliveries"]) == 4
+    assert whole["auditTruncated"] is True
+    async with stack.db.read() as conn:
+        full = await detail(conn, org.id, item_id)
+    assert full["audit"] == [*before, *[a for a in full["audit"] if a["action"] == "note"]]
+    assert (full["auditTruncated"], full["deliveriesTruncated"]) == (False, False)

@@ -1000,6 +1000,10 @@
     );
   }
 
+  // The detail lists an item's newest entries only (the API caps each list): say so.
+  const cutNote = (cut, id, what) =>
+    cut ? el("p", { class: "empty", id }, `Only the newest ${what} are shown; older ones exist.`) : null;
+
   function auditTable(d) {
     if (!d.audit.length) return el("p", { class: "empty" }, "No audit entries.");
     return el(
@@ -1063,8 +1067,10 @@
         verdictTable(d),
         el("h2", {}, "Deliveries"),
         deliveriesTable(d),
+        cutNote(d.deliveriesTruncated, "deliveries-truncated", "deliveries"),
         el("h2", {}, "Audit trail"),
         auditTable(d),
+        cutNote(d.auditTruncated, "audit-truncated", "audit entries"),
       ],
       focus
     );
