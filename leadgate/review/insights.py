@@ -1,7 +1,9 @@
 """Insights for operators: how review goes, over the last N days (UTC days).
 
 Computed from the audit trail (every decision has a row) and the delivery rows; reads
-only. Definitions:
+only, counted in the database (GROUP BY, window functions; both backends): the process
+reads a row per day, decider and action and the few ranks the times need, never the
+window's audit rows (a busy organization's year is millions of them). Definitions:
 
 * **decisions**: verdicts of a lead (approved, changesRequested, escalated) and of humans
   (approved, rejected, returned, cancelled), per UTC day, by verdict and by decider.
@@ -17,10 +19,8 @@ only. Definitions:
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections import Counter
-from typing import Literal, TypedDict
+from typing import Any, TypedDict
 
 import sqlalchemy as sa
 
@@ -77,13 +77,152 @@ class StatsView(TypedDict):
     p90Ms: int | None
 
 
-def _stats(values: list[int]) -> StatsView:
-    if not values:
-        return {"count": 0, "medianMs": None, "p90Ms": None}
-    ordered = sorted(values)
-    # Nearest rank: the smallest value with at least 90% of the values at or below it.
-    p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
-    return {"count": len(values), "medianMs": statistics.median(ordered), "p90Ms": p90}
+def _empty_stats() -> StatsView:
+    return {"count": 0, "medianMs": None, "p90Ms": None}
+
+
+_IS_LEAD = AU.actor.startswith("lead:", autoescape=True)
+_IS_SYSTEM = AU.actor.startswith("system:", autoescape=True)
+#: :func:`decider` in SQL.
+_DECIDER = sa.case((_IS_LEAD, "lead"), (_IS_SYSTEM, None), else_="human")
+_LEAD_VERDICT = sa.and_(_IS_LEAD, AU.action.in_(sorted(LEAD_VERDICTS)))
+_HUMAN_VERDICT = sa.and_(~_IS_LEAD, ~_IS_SYSTEM, AU.action.in_(sorted(HUMAN_VERDICTS)))
+_MOVE = AU.to_status == Status.awaitingHuman.value
+
+
+def _in_window(org_id: str, since: int) -> list[sa.ColumnElement[bool]]:
+    """The organization's decision rows in the window (``ix_audit_org_created``)."""
+    return [
+        AU.org_id == org_id,
+        AU.created_at >= since,
+        AU.action.in_(_DECISION_ACTIONS),
+        AU.work_item_id.is_not(None),
+    ]
+
+
+def _per_day(org_id: str, since: int) -> sa.Select[Any]:
+    """Verdicts per UTC day, decider and action, in order of each group's first row in
+    the trail's order (item, time, id): the order the counts were first met."""
+    verdicts = (
+        sa.select(
+            (AU.created_at // DAY_MS).label("day"),
+            _DECIDER.label("decider"),
+            AU.action,
+            sa.func.row_number().over(order_by=(AU.work_item_id, AU.created_at, AU.id)).label("rn"),
+        )
+        .where(*_in_window(org_id, since), sa.or_(_LEAD_VERDICT, _HUMAN_VERDICT))
+        .subquery()
+    )
+    v = verdicts.c
+    return (
+        sa.select(v.day, v.decider, v.action, sa.func.count().label("n"))
+        .group_by(v.day, v.decider, v.action)
+        .order_by(v.day, sa.func.min(v.rn))
+    )
+
+
+def _decided(org_id: str, since: int) -> sa.Subquery:
+    """The window's verdicts, each with what timing and agreement need from the trail of
+    its item before it: ``submitted_at`` (the newest submission since the lead's last
+    verdict), ``human_since`` (the newest move to awaitingHuman) and ``lead_said`` (that
+    move's lead verdict, if it was the lead's escalation or rounds running out)."""
+    decided_items = sa.select(AU.work_item_id).where(*_in_window(org_id, since)).distinct()
+    trail = (AU.created_at, AU.id)
+    one = sa.literal(1)
+    zero = sa.literal(0)
+    steps = (
+        sa.select(
+            AU.work_item_id,
+            AU.action,
+            AU.from_status,
+            AU.created_at,
+            _LEAD_VERDICT.label("lead_verdict"),
+            _HUMAN_VERDICT.label("human_verdict"),
+            _MOVE.label("move"),
+            sa.case(
+                (sa.and_(_IS_LEAD, AU.action == "escalate"), "escalated"),
+                (sa.and_(_IS_LEAD, AU.action == "roundsExhausted"), "changesRequested"),
+            ).label("move_said"),
+            # The lead verdicts before each row: a verdict is the last row of its round.
+            sa.func.coalesce(
+                sa.func.sum(sa.case((_LEAD_VERDICT, one), else_=zero)).over(
+                    partition_by=AU.work_item_id, order_by=trail, rows=(None, -1)
+                ),
+                0,
+            ).label("round"),
+            # The moves to awaitingHuman up to each row: a move starts its stay.
+            sa.func.sum(sa.case((_MOVE, one), else_=zero))
+            .over(partition_by=AU.work_item_id, order_by=trail, rows=(None, 0))
+            .label("stay"),
+        )
+        # By item (``audit.work_item_id``'s index): an item's rows are all its
+        # organization's, and a test of org_id led SQLite to scan the organization's.
+        .where(AU.work_item_id.in_(decided_items), AU.action.in_(_TIMING_ACTIONS))
+        .subquery()
+    )
+    s = steps.c
+    in_round = (s.work_item_id, s.round)
+    in_stay = (s.work_item_id, s.stay)
+    first_move = sa.case((s.move, s.created_at))
+    rows = sa.select(
+        s.action,
+        s.from_status,
+        s.created_at,
+        s.lead_verdict,
+        s.human_verdict,
+        sa.func.max(sa.case((s.action == "completeTask", s.created_at)))
+        .over(partition_by=in_round)
+        .label("submitted_at"),
+        sa.func.max(first_move).over(partition_by=in_stay).label("human_since"),
+        sa.func.max(sa.case((s.move, s.move_said))).over(partition_by=in_stay).label("lead_said"),
+    ).subquery()
+    return (
+        sa.select(rows)
+        .where(rows.c.created_at >= since, sa.or_(rows.c.lead_verdict, rows.c.human_verdict))
+        .subquery()
+    )
+
+
+async def _times(conn: Conn, decided: sa.Subquery) -> dict[str, StatsView]:
+    """Times to decision by decider: count, median and nearest-rank 90th percentile,
+    reading only the ranks they need."""
+    d = decided.c
+    lead = sa.select(sa.literal("lead").label("kind"), (d.created_at - d.submitted_at).label("ms"))
+    lead = lead.where(d.lead_verdict, d.submitted_at.is_not(None))
+    human = sa.select(
+        sa.literal("human").label("kind"), (d.created_at - d.human_since).label("ms")
+    ).where(
+        d.human_verdict,
+        d.from_status == Status.awaitingHuman.value,
+        d.human_since.is_not(None),
+    )
+    spans = sa.union_all(lead, human).subquery()
+    ranked = sa.select(
+        spans.c.kind,
+        spans.c.ms,
+        sa.func.row_number().over(partition_by=spans.c.kind, order_by=spans.c.ms).label("rank"),
+        sa.func.count().over(partition_by=spans.c.kind).label("n"),
+    ).subquery()
+    r = ranked.c
+    # 1-based: the median's two middle ranks (one when n is odd); the 90th percentile's
+    # nearest rank, ceil(0.9 n) in integers.
+    wanted = sa.or_(r.rank == (r.n + 1) // 2, r.rank == r.n // 2 + 1, r.rank == (9 * r.n + 9) // 10)
+    found: dict[str, dict[int, int]] = {}
+    counts: dict[str, int] = {}
+    for row in (await conn.execute(sa.select(r.kind, r.ms, r.rank, r.n).where(wanted))).all():
+        found.setdefault(row.kind, {})[row.rank] = row.ms
+        counts[row.kind] = row.n
+    out: dict[str, StatsView] = {}
+    for kind, n in counts.items():
+        at = found[kind]
+        low, high = at[(n + 1) // 2], at[n // 2 + 1]
+        out[kind] = {
+            "count": n,
+            # As statistics.median: the middle value, or the mean of the middle two.
+            "medianMs": low if n % 2 else (low + high) / 2,
+            "p90Ms": at[(9 * n + 9) // 10],
+        }
+    return out
 
 
 class DayView(TypedDict):
@@ -160,78 +299,37 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> I
         raise ValidationError(f"days must be 1..{MAX_DAYS}", rule="insights.days")
     first_day = now_ms // DAY_MS - (days - 1)
     since = first_day * DAY_MS
-    # Every audit row that matters for timing, of the items decided in the window (their
-    # submissions may predate it).
-    decided_items = (
-        sa.select(AU.work_item_id)
-        .where(
-            AU.org_id == org_id,
-            AU.created_at >= since,
-            AU.action.in_(_DECISION_ACTIONS),
-            AU.work_item_id.is_not(None),
-        )
-        .distinct()
-    )
-    rows = (
-        await conn.execute(
-            sa.select(
-                AU.work_item_id, AU.actor, AU.action, AU.to_status, AU.from_status, AU.created_at
-            )
-            .where(
-                AU.org_id == org_id,
-                AU.work_item_id.in_(decided_items),
-                AU.action.in_(_TIMING_ACTIONS),
-            )
-            .order_by(AU.work_item_id, AU.created_at, AU.id)
-        )
-    ).all()
     per_day: dict[int, Counter[str]] = {first_day + i: Counter() for i in range(days)}
     per_day_decider: dict[int, Counter[str]] = {first_day + i: Counter() for i in range(days)}
-    lead_times: list[int] = []
-    human_times: list[int] = []
+    for r in (await conn.execute(_per_day(org_id, since))).all():
+        # Each day's keys in order of first appearance, as the trail lists them.
+        if r.decider == "lead" and r.action in LEAD_VERDICTS:
+            per_day[r.day][LEAD_VERDICTS[r.action]] += r.n
+        elif r.decider == "human" and r.action in HUMAN_VERDICTS:
+            per_day[r.day][HUMAN_VERDICTS[r.action]] += r.n
+        per_day_decider[r.day][r.decider] += r.n
+    decided = _decided(org_id, since)
+    times = {"lead": _empty_stats(), "human": _empty_stats()}
+    for kind, stats in (await _times(conn, decided)).items():
+        times[kind] = stats
     agreement: dict[str, AgreementCount] = {
         "escalated": {"confirmed": 0, "overrode": 0},
         "changesRequested": {"confirmed": 0, "overrode": 0},
     }
-    item = None
-    submitted_at: int | None = None
-    human_since: int | None = None
-    lead_said: str | None = None
-    for r in rows:
-        if r.work_item_id != item:
-            item, submitted_at, human_since, lead_said = r.work_item_id, None, None, None
-        who = decider(r.actor)
-        if r.action == "completeTask":
-            submitted_at = r.created_at
-        if who == "lead" and r.action in LEAD_VERDICTS:
-            verdict = LEAD_VERDICTS[r.action]
-            if r.created_at >= since:
-                per_day[r.created_at // DAY_MS][verdict] += 1
-                per_day_decider[r.created_at // DAY_MS]["lead"] += 1
-                if submitted_at is not None:
-                    lead_times.append(r.created_at - submitted_at)
-            submitted_at = None
-        if who == "human" and r.action in HUMAN_VERDICTS:
-            verdict = HUMAN_VERDICTS[r.action]
-            in_window = r.created_at >= since
-            if in_window:
-                per_day[r.created_at // DAY_MS][verdict] += 1
-                per_day_decider[r.created_at // DAY_MS]["human"] += 1
-            from_human = r.from_status == Status.awaitingHuman.value
-            if in_window and from_human and human_since is not None:
-                human_times.append(r.created_at - human_since)
-            if in_window and from_human and lead_said in agreement and verdict != "cancelled":
-                outcome: Literal["confirmed", "overrode"] = (
-                    "overrode" if verdict == "approved" else "confirmed"
-                )
-                agreement[lead_said][outcome] += 1
-        if r.to_status == Status.awaitingHuman.value:
-            human_since = r.created_at
-            lead_said = (
-                LEAD_VERDICTS.get(r.action)
-                if who == "lead" and r.action in ("escalate", "roundsExhausted")
-                else None
+    said, approve = decided.c.lead_said, decided.c.action == "approve"
+    for r in (
+        await conn.execute(
+            sa.select(said, approve.label("overrode"), sa.func.count().label("n"))
+            .where(
+                decided.c.human_verdict,
+                decided.c.from_status == Status.awaitingHuman.value,
+                said.is_not(None),
+                decided.c.action != "cancel",
             )
+            .group_by(said, approve)
+        )
+    ).all():
+        agreement[r.lead_said]["overrode" if r.overrode else "confirmed"] += r.n
     confirmed = sum(a["confirmed"] for a in agreement.values())
     overrode = sum(a["overrode"] for a in agreement.values())
     rounds = (
@@ -274,7 +372,7 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> I
             "byVerdict": dict(sum(per_day.values(), Counter())),
             "byDecider": dict(sum(per_day_decider.values(), Counter())),
         },
-        "timeToDecision": {"lead": _stats(lead_times), "human": _stats(human_times)},
+        "timeToDecision": {"lead": times["lead"], "human": times["human"]},
         "agreement": {
             "escalated": agreement["escalated"],
             "changesRequested": agreement["changesRequested"],
