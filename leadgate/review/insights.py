@@ -302,6 +302,8 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> I
     per_day: dict[int, Counter[str]] = {first_day + i: Counter() for i in range(days)}
     per_day_decider: dict[int, Counter[str]] = {first_day + i: Counter() for i in range(days)}
     for r in (await conn.execute(_per_day(org_id, since))).all():
+        if r.day not in per_day:
+            continue  # stamped after now_ms's day (another replica's clock ahead at midnight)
         # Each day's keys in order of first appearance, as the trail lists them.
         if r.decider == "lead" and r.action in LEAD_VERDICTS:
             per_day[r.day][LEAD_VERDICTS[r.action]] += r.n

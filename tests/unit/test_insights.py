@@ -97,3 +97,25 @@ async def test_insights_of_a_known_trail(stack: Stack) -> None:
     async with stack.db.read() as conn:
         data = await insights(conn, org.id, now_ms=NOW, days=7)
     assert json.dumps(data) == PINNED
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
+async def test_a_decision_stamped_after_today_counts_in_no_day(stack: Stack) -> None:
+    """A verdict stamped after the window's last day (another replica's clock ahead at
+    midnight) is in no day shown: it was a KeyError, answered 500."""
+    org = await make_org(stack)
+    row = {
+        "id": "aud_ahead",
+        "org_id": org.id,
+        "work_item_id": "wi_ahead",
+        "actor": HUMAN,
+        "action": "approve",
+        "from_status": "awaitingHuman",
+        "to_status": "approved",
+        "created_at": NOW + DAY_MS,
+    }
+    async with stack.db.tx() as conn:
+        await conn.execute(sa.insert(t.audit), [row])
+    async with stack.db.read() as conn:
+        data = await insights(conn, org.id, now_ms=NOW, days=2)
+    assert [day["byVerdict"] for day in data["decisions"]["perDay"]] == [{}, {}]
