@@ -469,10 +469,10 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
 
 
 # The detail's reads, built once (every decision answers the detail; the plan cache keys
-# on the statement object). Four statements: the item with its names and destination,
-# its newest deliveries, its newest audit and its verdicts with the actors' names. They
-# were nine, which each decision ran inside its write transaction: a third of the
-# decision handler's profile.
+# on the statement object). Three statements: the item with its names and destination,
+# its newest deliveries, its newest audit with the actors' names (and its verdicts, a
+# fourth, only when that audit is cut). They were nine, which each decision ran inside
+# its write transaction: a third of the decision handler's profile.
 _ITEM_BINDING = t.bindings.alias("item_binding")
 _DEST = t.bindings.alias("dest")
 _ITS_GATING = (D.work_item_id == W.id, D.kind == "gating")
@@ -609,7 +609,15 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
     )
     audit_cut = len(audit_rows) > DETAIL_LIST_MAX
     audit_rows = audit_rows[-DETAIL_LIST_MAX:]
-    decisions, deciders = await audit_with_actors(conn, org_id, item_id, statement=_AUDIT_DECISIONS)
+    if audit_cut:
+        # The verdicts and moves older than the rows shown, read on their own.
+        decisions, deciders = await audit_with_actors(
+            conn, org_id, item_id, statement=_AUDIT_DECISIONS
+        )
+    else:
+        # The whole audit was read, its verdicts and moves with it: every decision
+        # answers the detail, inside its write transaction, and reads no more.
+        decisions, deciders = audit_rows, actors
     channel = bound_kind if bound_kind is not None else "none"
     history: list[NamedVerdictView] = [
         {**entry, "actorName": deciders[entry["actor"]].name}
