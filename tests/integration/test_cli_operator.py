@@ -572,6 +572,9 @@ class CtrlC:
             os.kill(os.getpid(), signal.SIGINT)
         return None
 
+# Python's own SIGINT handler, which it installs at start unless SIGINT is ignored: a
+# suite started in the background (`cmd &` in a script) passes SIGINT on ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 AT = sys.argv.pop(1)
 sys.meta_path.insert(0, CtrlC())
 from leadgate.cli.main import main
