@@ -35,6 +35,7 @@ import discord
 from bots.review_base import ChatReviewBackend, obj
 from bots.review_base import text as text_of
 from leadgate.core.clock import iso
+from leadgate.core.limits import cut
 from outbox.channel import Card
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,6 @@ CUSTOM_ID_MAX = 100
 _NO_MENTIONS: dict[str, Any] = {"parse": []}
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: max(0, limit - 1)].rstrip() + "…"
-
-
 def content(card: Card) -> str:
     """The card as message content, at most 2,000 characters (the summary is cut)."""
     since = card.waiting_since_ms // 1000
@@ -79,14 +76,14 @@ def content(card: Card) -> str:
         o = card.outcome
         where = f" ({o.surface})" if o.surface else ""
         line = f"**{o.title}** by {o.by}{where} at {iso(o.at_ms)}"
-        head.append(_cut(line + (f": {o.text}" if o.text else ""), 600))
+        head.append(cut(line + (f": {o.text}" if o.text else ""), 600))
     top = "\n".join(head)
     tail = f"\n<{card.link}>"
     room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
     if room < 50:
-        top = _cut(top, CONTENT_MAX - len(tail) - 80)
+        top = cut(top, CONTENT_MAX - len(tail) - 80)
         room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
-    return f"{top}\n**Summary**\n{_cut(card.summary or '(no summary)', room)}{tail}"
+    return f"{top}\n**Summary**\n{cut(card.summary or '(no summary)', room)}{tail}"
 
 
 def _ref(card: Card) -> str:
@@ -143,7 +140,7 @@ def ephemeral(text: str) -> dict[str, Any]:
     return {
         "type": _CHANNEL_MESSAGE,
         "data": {
-            "content": _cut(text, CONTENT_MAX),
+            "content": cut(text, CONTENT_MAX),
             "flags": _EPHEMERAL,
             "allowed_mentions": _NO_MENTIONS,
         },

@@ -36,6 +36,7 @@ from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
+from leadgate.core.limits import cut
 from outbox.channel import Card
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,6 @@ class Respond:
         )
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
-
-
 def _esc(text: str) -> str:
     """Escape text for mrkdwn (Slack's three control characters)."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -133,7 +130,7 @@ def fallback_text(card: Card) -> str:
     head = card.title
     if card.outcome is not None:
         head += f" ({card.outcome.title} by {card.outcome.by})"
-    return _cut(f"{head}: {card.summary}", TEXT_MAX)
+    return cut(f"{head}: {card.summary}", TEXT_MAX)
 
 
 def blocks(card: Card) -> list[dict[str, Any]]:
@@ -149,14 +146,14 @@ def blocks(card: Card) -> list[dict[str, Any]]:
     )
     summary_head = "*Summary*\n"
     out: list[dict[str, Any]] = [
-        {"type": "header", "text": {"type": "plain_text", "text": _cut(card.title, HEADER_MAX)}},
-        {"type": "section", "text": {"type": "mrkdwn", "text": _cut(facts, SECTION_MAX)}},
+        {"type": "header", "text": {"type": "plain_text", "text": cut(card.title, HEADER_MAX)}},
+        {"type": "section", "text": {"type": "mrkdwn", "text": cut(facts, SECTION_MAX)}},
         {
             "type": "section",
             "text": {
                 "type": "mrkdwn",
                 "text": summary_head
-                + _cut(_esc(card.summary or "(no summary)"), SECTION_MAX - len(summary_head)),
+                + cut(_esc(card.summary or "(no summary)"), SECTION_MAX - len(summary_head)),
             },
         },
         {
@@ -170,7 +167,7 @@ def blocks(card: Card) -> list[dict[str, Any]]:
         text = f"*{_esc(o.title)}* by {_esc(o.by)}{where} {_when(o.at_ms)}"
         if o.text:
             text += "\n>" + _esc(o.text).replace("\n", "\n>")
-        out.append({"type": "section", "text": {"type": "mrkdwn", "text": _cut(text, SECTION_MAX)}})
+        out.append({"type": "section", "text": {"type": "mrkdwn", "text": cut(text, SECTION_MAX)}})
         return out
     if card.reason == "deliveryUnknown" and card.delivery_id:
         buttons = [

@@ -41,6 +41,7 @@ from bots.review_base import (
     ChatReviewBackend,
 )
 from leadgate.core.clock import iso
+from leadgate.core.limits import cut
 from outbox.channel import Card
 from outbox.relay import longest_fitting
 
@@ -69,10 +70,6 @@ OUTCOME_BYTES = 6_000
 _REMEMBERED_MAX = 4096
 
 
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
-
-
 def _cut_bytes(text: str, limit: int) -> str:
     """``text`` cut so that its JSON takes at most ``limit`` bytes, the cut marked."""
     if text_size(text) <= limit:
@@ -86,7 +83,7 @@ def _iso(ms: int) -> str:
 
 def summary_text(card: Card) -> str:
     """The activity's ``summary`` (what notifications show)."""
-    return _cut(f"{card.title}: {card.summary}", 200)
+    return cut(f"{card.title}: {card.summary}", 200)
 
 
 def adaptive_card(card: Card) -> dict[str, Any]:

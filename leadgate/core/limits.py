@@ -74,6 +74,13 @@ def bounded(text: str, limit: int) -> str:
     return f"{text[: limit - len(digest) - 1]}~{digest}"
 
 
+def cut(text: str, limit: int, marker: str = "…") -> str:
+    """``text`` cut to ``limit`` characters, the cut marked (never dropped)."""
+    if len(text) <= limit:
+        return text
+    return text[: max(0, limit - len(marker))].rstrip() + marker
+
+
 def validate_session_key(key: str) -> str:
     """A stored session key: 1..500 characters."""
     if not key or len(key) > SESSION_KEY_LIMIT:

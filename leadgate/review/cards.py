@@ -35,7 +35,7 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory, iso
 from leadgate.core.config import ReviewSettings
-from leadgate.core.limits import EVENT_ID_LIMIT, bounded
+from leadgate.core.limits import EVENT_ID_LIMIT, bounded, cut
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, signal_after_commit
 from leadgate.database.sql import insert_ignore_stmt
@@ -85,13 +85,6 @@ OUTCOME_TITLES = {
     "retry": "Delivery retried",
     "expire": "Expired (rejected)",
 }
-
-
-def cut(text: str, limit: int, marker: str = "…") -> str:
-    """``text`` cut to ``limit`` characters, the cut marked (never dropped)."""
-    if len(text) <= limit:
-        return text
-    return text[: max(0, limit - len(marker))].rstrip() + marker
 
 
 def plain_text(card: Card, *, summary_limit: int = TEXT_SUMMARY_LIMIT) -> str:

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.durations import format_duration
 from leadgate.core.errors import ValidationError
-from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text
+from leadgate.core.limits import FEEDBACK_LIMIT, REASON_LIMIT, check_text, cut
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
@@ -687,6 +687,6 @@ async def _close_cards(
         by=await cards.who(conn, actor),
         surface=surface,
         at_ms=outbox.clock.now_ms(),
-        text=cards.cut(text, CARD_TEXT_LIMIT) if text else None,
+        text=cut(text, CARD_TEXT_LIMIT) if text else None,
     )
     await cards.close_for_item(conn, outbox, item_id, outcome)
