@@ -34,11 +34,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from leadgate.core.errors import ValidationError
-from leadgate.core.limits import SURROGATE, UNSTORABLE
+from leadgate.core.limits import SURROGATE, UNSTORABLE, cut
 
 if TYPE_CHECKING:
     # Only read here (headers, query): aiohttp itself is loaded by the body reading,
@@ -149,6 +149,22 @@ def _check_text(text: str, bad: re.Pattern[str]) -> None:
     raise ValidationError(
         "the body contains a lone UTF-16 surrogate (not a character)", rule="body.surrogate"
     )
+
+
+def refuse_unknown_fields(
+    body: Mapping[str, Any], fields: Collection[str], *, rule: str, what: str = "fields"
+) -> None:
+    """Refuse a JSON body naming a field its request does not take (400 ``rule``, the
+    fields it takes named): ignored, a misspelt one (``"revison"``) went by as if it had
+    never been sent. The unknown names are quoted at most 200 characters (a body of a
+    thousand made-up names is not echoed whole)."""
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ValidationError(
+            f"unknown {what}: {cut(', '.join(unknown), 200)} (this request takes "
+            f"{', '.join(sorted(fields))})",
+            rule=rule,
+        )
 
 
 def json_object(raw: bytes | str, *, allow_nul: bool = False) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from leadgate.core.auth import Principal, Scope
 from leadgate.core.clock import Clock, IdFactory
+from leadgate.core.decoding import refuse_unknown_fields
 from leadgate.core.errors import ValidationError
 from leadgate.database.db import Database
 from leadgate.domain import agents as agents_mod
@@ -25,11 +26,7 @@ FIELDS = {
 
 def changes_from_body(body: dict[str, Any]) -> dict[str, Any]:
     """The save_agent keywords of a public agent body (unknown fields are an error)."""
-    unknown = set(body) - set(FIELDS)
-    if unknown:
-        raise ValidationError(
-            f"unknown agent fields: {', '.join(sorted(unknown))}", rule="agent.unknown_field"
-        )
+    refuse_unknown_fields(body, FIELDS, rule="agent.unknown_field", what="agent fields")
     if "active" in body and not isinstance(body["active"], bool):
         raise ValidationError("active must be a boolean", rule="agent.active")
     if (

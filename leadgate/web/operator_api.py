@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from leadgate.core.auth import Principal
-from leadgate.core.decoding import INT64_MAX, decimal_int, query_value
+from leadgate.core.decoding import INT64_MAX, decimal_int, query_value, refuse_unknown_fields
 from leadgate.core.errors import ValidationError
-from leadgate.review.cards import cut
 from leadgate.web import charts
 
 if TYPE_CHECKING:
@@ -106,20 +105,6 @@ def _read(body: dict[str, Any], name: str, rule: str) -> int | None:
     return value
 
 
-def _only(body: dict[str, Any], fields: frozenset[str], rule: str) -> None:
-    """A body naming a field its route does not take is refused (400 ``rule``), as an
-    agent's body is (``agent.unknown_field``): ignored, a misspelt fence (``"revison"``)
-    let the decision act on whatever the item had become, and a reason sent with an
-    approve was dropped without a word."""
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise ValidationError(
-            f"unknown fields: {cut(', '.join(unknown), 200)} (this request takes "
-            f"{', '.join(sorted(fields))})",
-            rule=rule,
-        )
-
-
 def _opts(request: web.Request, *names: str) -> dict[str, str | None]:
     """Optional query parameters (an empty value is no value)."""
     return {name: query_value(request, name) or None for name in names}
@@ -161,7 +146,7 @@ def setup(
         body: dict[str, Any] = {}
         if request.can_read_body:
             body = await json_body(request)
-        _only(body, _DECISION_FIELDS[action], "decision.unknown_field")
+        refuse_unknown_fields(body, _DECISION_FIELDS[action], rule="decision.unknown_field")
         field = _TEXT_FIELD.get(action)
         text = body.get(field) if field else None
         detail = await reviews.decide(
@@ -179,7 +164,7 @@ def setup(
         body: dict[str, Any] = {}
         if request.can_read_body:
             body = await json_body(request)
-        _only(body, _RECOVERY_FIELDS, "delivery.unknown_field")
+        refuse_unknown_fields(body, _RECOVERY_FIELDS, rule="delivery.unknown_field")
         detail = await reviews.recover(
             principal,
             request.match_info["delivery_id"],

@@ -29,9 +29,11 @@ from leadgate.core.decoding import (
     decode_json,
     header_text,
     json_object,
+    refuse_unknown_fields,
 )
 from leadgate.core.errors import RateLimited, Unavailable, ValidationError
 from leadgate.core.metrics import METRICS
+from leadgate.operations.agents import changes_from_body
 from leadgate.operations.logins import LoginGuard
 from leadgate.web.common import (
     UNAVAILABLE_ANSWERS,
@@ -344,3 +346,26 @@ async def test_a_503_is_spread_counted_and_logged_per_rule_every_10_s(
         "3 request(s) answered 503 [service.unavailable]"
         " (the latest: POST /locked: database is locked)",
     ]
+
+
+def test_an_unknown_field_is_refused_naming_what_the_request_takes() -> None:
+    """One check for every JSON body with a fixed set of fields (the agents API, the
+    operator's decisions and recoveries): the unknown names, cut to 200 characters
+    (the agents API echoed a thousand made-up names whole), and the fields it takes."""
+    refuse_unknown_fields({"revision": 1}, {"revision"}, rule="decision.unknown_field")
+    with pytest.raises(ValidationError) as refused:
+        refuse_unknown_fields(
+            {"revison": 1, "name": "x"}, {"revision", "name"}, rule="decision.unknown_field"
+        )
+    assert refused.value.rule == "decision.unknown_field"
+    assert refused.value.message == "unknown fields: revison (this request takes name, revision)"
+    many = {f"field{n:04d}": n for n in range(1_000)}
+    with pytest.raises(ValidationError) as refused:
+        changes_from_body(many)
+    assert refused.value.rule == "agent.unknown_field"
+    said = refused.value.message
+    assert said.startswith("unknown agent fields: field0000, field0001") and len(said) < 400
+    assert said.endswith(
+        "(this request takes active, instructions, leadAgentId, "
+        "leadReviewConfig, model, name, presetId)"
+    )
