@@ -801,23 +801,76 @@ _FOR_ITEM = (
     .where(D.work_item_id == sa.bindparam("p_item"))
     .order_by(D.created_at, D.id)
 )
-_FOR_ITEM_NEWEST = (
-    sa.select(t.deliveries)
-    .where(D.work_item_id == sa.bindparam("p_item"))
-    .order_by(D.created_at.desc(), D.id.desc())
-    .limit(sa.bindparam("p_limit"))
-)
 
 
-async def for_item(conn: Conn, item_id: str, *, newest: int | None = None) -> list[Delivery]:
-    """Deliveries of a work item, oldest first; with ``newest``, only that many of the
-    newest (a caller asks one more than it shows to learn whether more exist)."""
-    if newest is None:
-        rows = (await conn.execute(_FOR_ITEM, {"p_item": item_id})).all()
-    else:
-        found = await conn.execute(_FOR_ITEM_NEWEST, {"p_item": item_id, "p_limit": newest})
-        rows = list(reversed(found.all()))
+async def for_item(conn: Conn, item_id: str) -> list[Delivery]:
+    """Deliveries of a work item, oldest first."""
+    rows = (await conn.execute(_FOR_ITEM, {"p_item": item_id})).all()
     return [Delivery.from_row(r) for r in rows]
+
+
+#: Deliveries not yet in a final state: one an operator may still have to act on
+#: (``deliveryUnknown``) or one still on its way (``pending``, ``sending``).
+UNSETTLED = (
+    DeliveryStatus.pending.value,
+    DeliveryStatus.sending.value,
+    DeliveryStatus.deliveryUnknown.value,
+)
+_IS_UNSETTLED = D.status.in_(UNSETTLED)
+# Every one of the item's deliveries ranked twice (newest first; unsettled ones oldest
+# first among themselves) and counted, before any is left out: one statement.
+_RANKED = (
+    sa.select(
+        t.deliveries,
+        sa.func.row_number()
+        .over(order_by=(D.created_at.desc(), D.id.desc()))
+        .label("p_newest_rank"),
+        sa.func.row_number()
+        .over(partition_by=_IS_UNSETTLED, order_by=(D.created_at, D.id))
+        .label("p_unsettled_rank"),
+        sa.func.count().over().label("p_total"),
+        sa.func.sum(sa.case((_IS_UNSETTLED, 1), else_=0)).over().label("p_unsettled"),
+    )
+    .where(D.work_item_id == sa.bindparam("p_item"))
+    .subquery()
+)
+_R = _RANKED.c
+_FOR_DETAIL = (
+    sa.select(*(_R[c.name] for c in t.deliveries.c), _R.p_total, _R.p_unsettled)
+    .where(
+        sa.or_(
+            _R.p_newest_rank <= sa.bindparam("p_limit"),
+            sa.and_(_R.status.in_(UNSETTLED), _R.p_unsettled_rank <= sa.bindparam("p_limit")),
+        )
+    )
+    .order_by(_R.created_at, _R.id)
+)
+_DELIVERY_COLUMNS = len(t.deliveries.c)
+
+
+class ItemDeliveries(NamedTuple):
+    """Deliveries of a work item as its review detail lists them (:func:`for_detail`)."""
+
+    #: the listed ones, oldest first
+    listed: list[Delivery]
+    #: how many the item has in all
+    total: int
+    #: how many of them are :data:`UNSETTLED`
+    unsettled: int
+
+
+async def for_detail(conn: Conn, item_id: str, limit: int) -> ItemDeliveries:
+    """The deliveries of a work item an operator must see, oldest first, in one
+    statement: its ``limit`` newest and its :data:`UNSETTLED` ones whatever their age
+    (the oldest ``limit`` of those), so at most twice ``limit``. An uncertain delivery
+    older than the newest ones dropped out of the detail, where the operator acts on it.
+    """
+    rows = (await conn.execute(_FOR_DETAIL, {"p_item": item_id, "p_limit": limit})).all()
+    if not rows:
+        return ItemDeliveries([], 0, 0)
+    n = _DELIVERY_COLUMNS
+    total, unsettled = rows[0][n:]
+    return ItemDeliveries([Delivery.from_row(r[:n]) for r in rows], int(total), int(unsettled))
 
 
 #: An item's cancel ends its unsent deliveries in one of these statuses, with the

@@ -124,17 +124,34 @@ def _detail(d: dict[str, Any]) -> str:
         f"\nSnapshot:\n{d.get('snapshot') or '(none)'}",
         f"\nTask context:\n{d.get('taskContext') or '(none)'}",
         "\nVerdicts:\n"
-        + table(d.get("reviews", []), ["revision", "by", "actorName", "verdict", "feedback", "at"]),
+        + table(d.get("reviews", []), ["revision", "by", "actorName", "verdict", "feedback", "at"])
+        + _cut_note(d.get("reviewsTruncated"), "verdicts"),
         "\nDeliveries:\n"
         + table(
             # Where each goes in words and when (the channel alone named no conversation).
             d.get("deliveries", []),
             ["id", "to", "action", "status", "attempts", "updatedAt", "nextAttemptAt", "error"],
+        )
+        + _cut_note(
+            d.get("deliveriesTruncated"),
+            "deliveries, and those still pending, sending or uncertain,",
+        )
+        + (
+            "\n(More deliveries are still pending, sending or uncertain than are shown (the "
+            "oldest of them are); `leadgate delivery list` lists every uncertain one.)"
+            if d.get("unsettledDeliveriesTruncated")
+            else ""
         ),
         "\nAudit:\n"
-        + table(d.get("audit", []), ["at", "actorName", "surface", "action", "from", "to", "text"]),
+        + table(d.get("audit", []), ["at", "actorName", "surface", "action", "from", "to", "text"])
+        + _cut_note(d.get("auditTruncated"), "audit entries"),
     ]
     return "\n".join(parts)
+
+
+def _cut_note(cut: Any, what: str) -> str:
+    """The detail's lists are each capped (the console says so under each list too)."""
+    return f"\n(Only the newest {what} are shown; older ones exist.)" if cut is True else ""
 
 
 def _destinations(d: dict[str, Any], columns: list[str] | None) -> str:

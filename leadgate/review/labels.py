@@ -56,13 +56,18 @@ _AUDIT_COLUMNS = len(t.audit.c)
 
 
 def named_audit(
-    where: sa.ColumnElement[bool] | None = None, *, newest: bool = False
+    where: sa.ColumnElement[bool] | None = None,
+    *,
+    newest: bool = False,
+    extra: Sequence[sa.ColumnElement[Any]] = (),
 ) -> sa.Select[Any]:
     """An item's audit (``p_item``), oldest first, with the names of its user, lead agent
     and API key actors joined in (one statement where it was three). ``where`` narrows
     the rows; ``newest`` takes only the ``p_limit`` newest (still answered oldest first
-    by :func:`audit_with_actors`). Built once per use at import: the plan cache keys on
-    the statement object."""
+    by :func:`audit_with_actors`); ``extra`` columns (labelled) follow the names, each
+    evaluated over every row ``where`` keeps, before ``newest`` leaves any out (a window
+    function sees the older rows too). Built once per use at import: the plan cache
+    keys on the statement object."""
     stmt = (
         sa.select(
             t.audit,
@@ -71,6 +76,7 @@ def named_audit(
             t.users.c.email,
             t.agents.c.name,
             t.api_keys.c.name,
+            *extra,
         )
         .select_from(
             t.audit.outerjoin(t.users, _names_join(t.users, "user:"))
@@ -115,7 +121,7 @@ async def audit_with_actors(
         if actor in actors:
             continue
         kind, _, ident = actor.partition(":")
-        user_id, user_name, user_email, agent_name, key_name = row[n:]
+        user_id, user_name, user_email, agent_name, key_name = row[n : n + 5]
         if user_id is not None:
             users[ident] = (user_name, user_email)
         if agent_name is not None:

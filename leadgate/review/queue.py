@@ -33,7 +33,7 @@ from leadgate.review.labels import (
     named_audit,
     requester,
 )
-from outbox.store import DeliveryStatus, for_item
+from outbox.store import DeliveryStatus, for_detail
 
 W = t.work_items.c
 D = t.deliveries.c
@@ -440,13 +440,28 @@ class NamedVerdictView(VerdictView):
     actorName: str
 
 
+#: An audit row that is a verdict (a system actor's move is none, though its action
+#: may be named as one: ``roundsExhausted``).
+_IS_VERDICT = sa.and_(AU.action.in_(sorted(_VERDICTS)), sa.func.substr(AU.actor, 1, 7) != "system:")
+#: The revision a verdict was given on, counted in SQL over every earlier verdict of the
+#: item (each that sent the item back to its worker starts the next revision), however
+#: few of its rows are read: counted over the rows read, a detail that lists only the
+#: newest verdicts numbered them from 0 again.
+_VERDICT_REVISION = sa.func.coalesce(
+    sa.func.sum(
+        sa.case((sa.and_(_IS_VERDICT, AU.to_status == Status.inProgress.value), 1), else_=0)
+    ).over(order_by=(AU.created_at, AU.id), rows=(None, -1)),
+    0,
+).label("verdict_revision")
+
+
 def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
     """Each verdict on the item per revision, oldest first: the lead's (approved,
     changesRequested, escalated) and the humans' (approved, rejected, returned,
     cancelled), with their feedback and time. A revision starts at 0 and each
-    changesRequested that went back to the worker, or human return, starts the next."""
+    changesRequested that went back to the worker, or human return, starts the next:
+    each row's ``verdict_revision`` (:data:`_VERDICT_REVISION`)."""
     history: list[VerdictView] = []
-    revision = 0
     for a in audit_rows:
         verdict = _VERDICTS.get(a.action)
         if verdict is None or a.actor.startswith("system:"):
@@ -454,7 +469,7 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
         by = "lead" if a.actor.startswith("lead:") else "human"
         history.append(
             {
-                "revision": revision,
+                "revision": int(a.verdict_revision),
                 "by": by,
                 "actor": a.actor,
                 "verdict": verdict,
@@ -463,16 +478,14 @@ def verdict_history(audit_rows: Sequence[Any]) -> list[VerdictView]:
                 "at": iso(a.created_at),
             }
         )
-        if a.to_status == Status.inProgress.value:
-            revision += 1
     return history
 
 
 # The detail's reads, built once (every decision answers the detail; the plan cache keys
-# on the statement object). Three statements: the item with its names and destination,
-# its newest deliveries, its newest audit with the actors' names (and its verdicts, a
-# fourth, only when that audit is cut). They were nine, which each decision ran inside
-# its write transaction: a third of the decision handler's profile.
+# on the statement object). Three statements: the item with its names, destination and
+# reason, its deliveries, its newest audit with the actors' names (and its newest
+# verdicts, a fourth, only when that audit is cut). They were nine, which each decision
+# ran inside its write transaction: a third of the decision handler's profile.
 _ITEM_BINDING = t.bindings.alias("item_binding")
 _DEST = t.bindings.alias("dest")
 _ITS_GATING = (D.work_item_id == W.id, D.kind == "gating")
@@ -489,6 +502,19 @@ _DEST_ID = sa.case(
     ),
     else_=sa.select(B.id).where(B.session_id == W.session_id, B.active).limit(1).scalar_subquery(),
 )
+#: Why an awaitingHuman item waits: the action of its newest move there, whatever its
+#: age (the audit listed may be too short to hold it).
+_REASON_ACTION = sa.case(
+    (
+        W.status == Status.awaitingHuman.value,
+        sa.select(AU.action)
+        .where(AU.work_item_id == W.id, AU.to_status == Status.awaitingHuman.value)
+        .order_by(AU.created_at.desc(), AU.id.desc())
+        .limit(1)
+        .scalar_subquery(),
+    ),
+    else_=None,
+)
 _ITEM_COLUMNS = len(t.work_items.c)
 _DETAIL_ITEM = (
     sa.select(
@@ -497,6 +523,7 @@ _DETAIL_ITEM = (
         _ITEM_BINDING.c.kind,
         _ITEM_BINDING.c.address,
         S.key,
+        _REASON_ACTION,
         *_DEST.c,
     )
     .select_from(
@@ -547,15 +574,12 @@ AuditLine = TypedDict(
 keyword, hence the functional form)."""
 
 
-#: How many of an item's newest audit rows and deliveries its detail lists: an item
-#: returned many times grows both without bound, and the detail read them all.
+#: How many of an item's newest audit rows, verdicts and deliveries its detail lists
+#: (and how many of its unsettled deliveries, beside those): an item returned many
+#: times grows them all without bound, and the detail read them all.
 DETAIL_LIST_MAX = 200
-#: The item's verdicts and moves into awaitingHuman, whatever their age: the verdict
-#: history numbers revisions from the first, and the reason is the newest such move.
-_AUDIT_DECISIONS = named_audit(
-    sa.or_(AU.action.in_(sorted(_VERDICTS)), AU.to_status == Status.awaitingHuman.value)
-)
-_AUDIT_NEWEST = named_audit(newest=True)
+_VERDICTS_NEWEST = named_audit(_IS_VERDICT, newest=True, extra=(_VERDICT_REVISION,))
+_AUDIT_NEWEST = named_audit(newest=True, extra=(_VERDICT_REVISION,))
 
 
 class ReviewDetailView(TypedDict):
@@ -584,8 +608,10 @@ class ReviewDetailView(TypedDict):
     reason: str | None
     destination: DestinationView
     reviews: list[NamedVerdictView]
+    reviewsTruncated: bool
     deliveries: list[DeliveryLine]
     deliveriesTruncated: bool
+    unsettledDeliveriesTruncated: bool
     audit: list[AuditLine]
     auditTruncated: bool
 
@@ -597,33 +623,33 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
         raise workitems.not_found(item_id)
     n = _ITEM_COLUMNS
     item = WorkItem.from_row(row[:n])
-    agent_name, bound_kind, bound_address, session_key = row[n : n + 4]
-    dest = row[n + 4 :]
+    agent_name, bound_kind, bound_address, session_key, reason_action = row[n : n + 5]
+    dest = row[n + 5 :]
     target = destination(None if dest[0] is None else Binding.from_row(dest))
+    # The unsettled ones whatever their age: an operator acts on them here.
+    found = await for_detail(conn, item_id, DETAIL_LIST_MAX)
+    deliveries = found.listed
     # One more than shown: whether older ones exist.
-    deliveries = await for_item(conn, item_id, newest=DETAIL_LIST_MAX + 1)
-    deliveries_cut = len(deliveries) > DETAIL_LIST_MAX
-    deliveries = deliveries[-DETAIL_LIST_MAX:]
     audit_rows, actors = await audit_with_actors(
         conn, org_id, item_id, statement=_AUDIT_NEWEST, newest=DETAIL_LIST_MAX + 1
     )
     audit_cut = len(audit_rows) > DETAIL_LIST_MAX
     audit_rows = audit_rows[-DETAIL_LIST_MAX:]
     if audit_cut:
-        # The verdicts and moves older than the rows shown, read on their own.
+        # The verdicts older than the rows shown, read on their own (the newest only).
         decisions, deciders = await audit_with_actors(
-            conn, org_id, item_id, statement=_AUDIT_DECISIONS
+            conn, org_id, item_id, statement=_VERDICTS_NEWEST, newest=DETAIL_LIST_MAX + 1
         )
     else:
-        # The whole audit was read, its verdicts and moves with it: every decision
-        # answers the detail, inside its write transaction, and reads no more.
+        # The whole audit was read, its verdicts with it: every decision answers the
+        # detail, inside its write transaction, and reads no more.
         decisions, deciders = audit_rows, actors
+    verdicts = verdict_history(decisions)
     channel = bound_kind if bound_kind is not None else "none"
     history: list[NamedVerdictView] = [
         {**entry, "actorName": deciders[entry["actor"]].name}
-        for entry in verdict_history(decisions)
+        for entry in verdicts[-DETAIL_LIST_MAX:]
     ]
-    into_human = [a for a in decisions if a.to_status == Status.awaitingHuman.value]
     return {
         "id": item.id,
         "status": item.status,
@@ -645,13 +671,10 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
         "channel": channel,
         "channelName": channel_name(channel),
         "requester": requester(channel, bound_address, session_key),
-        "reason": (
-            REASON_OF_ACTION.get(into_human[-1].action, "other")
-            if item.status == Status.awaitingHuman.value and into_human
-            else None
-        ),
+        "reason": None if reason_action is None else REASON_OF_ACTION.get(reason_action, "other"),
         "destination": target,
         "reviews": history,
+        "reviewsTruncated": len(verdicts) > DETAIL_LIST_MAX,
         "deliveries": [
             {
                 "id": d.id,
@@ -672,7 +695,8 @@ async def detail(conn: Conn, org_id: str, item_id: str) -> ReviewDetailView:
             }
             for d in deliveries
         ],
-        "deliveriesTruncated": deliveries_cut,
+        "deliveriesTruncated": found.total > len(deliveries),
+        "unsettledDeliveriesTruncated": found.unsettled > DETAIL_LIST_MAX,
         "audit": [
             {
                 "at": iso(a.created_at),

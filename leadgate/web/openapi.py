@@ -319,9 +319,14 @@ OPERATIONS: list[Operation] = [
             "200": "The item, its verdicts, audit and deliveries; each delivery: id, status "
             "(pending, sending, sent, deliveryUnknown, failed, cancelled, continuation), kind, "
             "channel, to (where it goes, in words), action, attempts, error (the last one), "
-            "createdAt, updatedAt, nextAttemptAt (a pending one's next try). The audit and "
-            f"the deliveries are each the item's newest {DETAIL_LIST_MAX} (oldest first); "
-            "auditTruncated and deliveriesTruncated are true when older ones exist"
+            "createdAt, updatedAt, nextAttemptAt (a pending one's next try). The audit, the "
+            f"verdicts (reviews) and the deliveries are each the item's newest {DETAIL_LIST_MAX} "
+            "(oldest first), the deliveries with every one still pending, sending or "
+            f"deliveryUnknown whatever its age (the oldest {DETAIL_LIST_MAX} of those); "
+            "auditTruncated, reviewsTruncated and deliveriesTruncated are true when older "
+            "ones exist, unsettledDeliveriesTruncated when more are still pending, sending "
+            "or deliveryUnknown than are listed; each verdict's revision counts every "
+            "verdict"
         },
     ),
     Operation(

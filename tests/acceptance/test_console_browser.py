@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import sqlalchemy as sa
 from aiohttp import ClientSession, web
 from playwright.async_api import Browser, Dialog, Page, Route, async_playwright, expect
 
@@ -34,6 +35,7 @@ from leadgate.app import App
 from leadgate.core.clock import MINUTE_MS, FakeClock
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
+from leadgate.database import schema as t
 from leadgate.database.db import upgrade
 from leadgate.domain import orgs, workitems
 from leadgate.review import queue
@@ -346,9 +348,48 @@ async def test_detail_destination_confirmation_verdicts_names_and_live_state(
 async def test_a_detail_cut_to_its_newest_audit_says_older_entries_exist(
     console: Console, page: Page
 ) -> None:
-    """The API lists an item's newest audit rows and deliveries only; the page says when
-    it is cut, under the list that is."""
+    """The API lists an item's newest audit rows, verdicts and deliveries only (and its
+    oldest unsettled deliveries); the page says when it is cut, under the list that is."""
     item = await console.awaiting_item("a long story", "s-cut")
+    other = await console.awaiting_item("a longer story", "s-cut-more")
+    now = console.clock.now_ms()
+    async with console.service.db.tx() as conn:
+        await conn.execute(
+            sa.insert(t.audit),
+            [
+                {
+                    "id": f"aud_cut{i}",
+                    "org_id": console.org.id,
+                    "work_item_id": other,
+                    "actor": "user:usr_gone",
+                    "action": "return",
+                    "to_status": "inProgress",
+                    "created_at": now + i,
+                }
+                for i in range(2)
+            ],
+        )
+        await conn.execute(
+            sa.insert(t.deliveries),
+            [
+                {
+                    "id": f"dlv_cut{i}",
+                    "org_id": console.org.id,
+                    "work_item_id": other,
+                    "kind": "reply",
+                    "action": "post",
+                    "channel": "api",
+                    "address": {},
+                    "text": "t",
+                    "status": status,
+                    "attempts": 1,
+                    "next_attempt_at": now + i,
+                    "created_at": now + i,
+                    "updated_at": now + i,
+                }
+                for i, status in enumerate(["deliveryUnknown"] * 3 + ["sent"] * 2)
+            ],
+        )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(queue, "DETAIL_LIST_MAX", 2)
         await console.open(page, MEMBER, "Member")
@@ -359,8 +400,25 @@ async def test_a_detail_cut_to_its_newest_audit_says_older_entries_exist(
             "Only the newest audit entries are shown; older ones exist."
         )
         await expect(page.locator("#deliveries-truncated")).to_have_count(0)
+        await expect(page.locator("#unsettled-deliveries-truncated")).to_have_count(0)
+        await expect(page.locator("#verdicts-truncated")).to_have_count(0)
         # The verdict older than the rows listed is still shown.
         await expect(page.locator("#verdicts tbody tr")).to_have_count(1)
+
+        await page.goto(f"{console.url}/console/#/review/{other}")
+        await expect(page.locator("#verdicts tbody tr")).to_have_count(2)
+        await expect(page.locator("#verdicts-truncated")).to_have_text(
+            "Only the newest verdicts are shown; older ones exist."
+        )
+        # The two oldest uncertain deliveries and the two newest.
+        await expect(page.locator("#deliveries tbody tr")).to_have_count(4)
+        await expect(page.locator("#deliveries")).to_contain_text("dlv_cut0")
+        await expect(page.locator("#deliveries-truncated")).to_contain_text(
+            "those still pending, sending or uncertain"
+        )
+        await expect(page.locator("#unsettled-deliveries-truncated")).to_contain_text(
+            "More deliveries are still pending, sending or uncertain than are shown"
+        )
 
 
 async def test_member_rejects_with_a_reason_and_server_errors_are_shown(

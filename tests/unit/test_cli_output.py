@@ -89,6 +89,34 @@ def test_review_show_says_where_each_delivery_goes_and_when() -> None:
     assert "deliveryUnknown" in rows[1] and "read timeout" in rows[1]
 
 
+def test_review_show_says_under_each_list_when_it_is_cut() -> None:
+    """``review show --format table`` listed the newest entries only without saying so."""
+    detail = {
+        "id": "wi_1",
+        "reviews": [],
+        "reviewsTruncated": True,
+        "audit": [],
+        "auditTruncated": True,
+        "deliveries": [],
+        "deliveriesTruncated": True,
+        "unsettledDeliveriesTruncated": True,
+    }
+    text = render(detail, "table", ("review", "show"))
+    verdicts = text.split("Verdicts:\n", 1)[1].split("Deliveries:\n", 1)[0]
+    deliveries = text.split("Deliveries:\n", 1)[1].split("Audit:\n", 1)[0]
+    audit = text.split("Audit:\n", 1)[1]
+    assert "Only the newest verdicts are shown; older ones exist." in verdicts
+    assert "those still pending, sending or uncertain, are shown; older" in deliveries
+    assert "More deliveries are still pending, sending or uncertain" in deliveries
+    assert "Only the newest audit entries are shown; older ones exist." in audit
+    whole = render(
+        {**detail, **dict.fromkeys(("reviewsTruncated", "auditTruncated"), False)},
+        "table",
+        ("review", "show"),
+    )
+    assert "verdicts are shown" not in whole and "audit entries are shown" not in whole
+
+
 def test_a_recovery_says_what_became_of_its_delivery_first() -> None:
     """``delivery retry --format table`` showed the item's detail only: a review card
     the retry ended ``cancelled`` (its item decided) was a row among the deliveries."""

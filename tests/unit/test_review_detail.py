@@ -182,3 +182,96 @@ async def test_the_detail_lists_the_newest_audit_and_deliveries_and_says_when_cu
         full = await detail(conn, org.id, item_id)
     assert full["audit"] == [*before, *[a for a in full["audit"] if a["action"] == "note"]]
     assert (full["auditTruncated"], full["deliveriesTruncated"]) == (False, False)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
+async def test_the_detail_lists_every_unsettled_delivery_whatever_its_age(stack: Stack) -> None:
+    """An uncertain delivery (or one still pending or sending) older than the newest
+    ``DETAIL_LIST_MAX`` stays in the detail, where the operator confirms or retries it;
+    the unsettled ones are capped too (their oldest), and each cut is said."""
+    org, worker = await setup(stack)
+    item_id = await escalated(stack, org, worker, "many posts")
+    now = stack.clock.now_ms()
+    statuses = ["deliveryUnknown", "sending", *["sent"] * 250]
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            sa.insert(t.deliveries),
+            [
+                {
+                    "id": f"dlv_many{i:03}",
+                    "org_id": org.id,
+                    "work_item_id": item_id,
+                    "kind": "reply",
+                    "action": "post",
+                    "channel": "api",
+                    "address": {},
+                    "text": "t",
+                    "status": status,
+                    "attempts": 1,
+                    "next_attempt_at": now + i,
+                    "created_at": now + i,
+                    "updated_at": now + i,
+                }
+                for i, status in enumerate(statuses)
+            ],
+        )
+        listed = await detail(conn, org.id, item_id)
+    ids = [d["id"] for d in listed["deliveries"]]
+    assert ids == ["dlv_many000", "dlv_many001", *[f"dlv_many{i:03}" for i in range(52, 252)]]
+    assert [d["status"] for d in listed["deliveries"][:2]] == ["deliveryUnknown", "sending"]
+    assert listed["deliveriesTruncated"] is True
+    assert listed["unsettledDeliveriesTruncated"] is False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "DETAIL_LIST_MAX", 1)
+        async with stack.db.read() as conn:
+            cut = await detail(conn, org.id, item_id)
+    # The oldest unsettled one and the newest one: at most twice the cap.
+    assert [d["id"] for d in cut["deliveries"]] == ["dlv_many000", "dlv_many251"]
+    assert (cut["deliveriesTruncated"], cut["unsettledDeliveriesTruncated"]) == (True, True)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
+async def test_the_detail_lists_the_newest_verdicts_numbered_from_the_first(
+    stack: Stack,
+) -> None:
+    """An item with thousands of verdicts answered them all: the detail lists the newest
+    ``DETAIL_LIST_MAX`` (oldest first) and says older ones exist, each numbered with the
+    revision it was given on, counted over every verdict, not over those listed."""
+    org, worker = await setup(stack)
+    item_id = await escalated(stack, org, worker, "sent back often")
+    now = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            sa.insert(t.audit),
+            [
+                {
+                    "id": f"aud_ret{i:03}",
+                    "org_id": org.id,
+                    "work_item_id": item_id,
+                    "actor": "user:usr_gone",
+                    "action": "return",
+                    "from_status": "awaitingHuman",
+                    "to_status": "inProgress",
+                    "text": f"again {i}",
+                    "created_at": now + i,
+                }
+                for i in range(250)
+            ],
+        )
+        cut = await detail(conn, org.id, item_id)
+    # The lead's escalation (revision 0) and 250 returns, each starting the next.
+    assert len(cut["reviews"]) == 200
+    assert [r["revision"] for r in cut["reviews"]] == list(range(50, 250))
+    assert [r["feedback"] for r in cut["reviews"]][:1] == ["again 50"]
+    assert {r["actorName"] for r in cut["reviews"]} == {"deleted user usr_gone"}
+    assert cut["reviewsTruncated"] is True
+    assert cut["auditTruncated"] is True
+    assert cut["reason"] == "escalated"  # the escalation older than anything listed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(queue, "DETAIL_LIST_MAX", 300)
+        async with stack.db.read() as conn:
+            whole = await detail(conn, org.id, item_id)
+    assert whole["auditTruncated"] is False
+    assert whole["reviewsTruncated"] is False
+    assert [r["revision"] for r in whole["reviews"]] == [0, *range(250)]
+    assert [r["verdict"] for r in whole["reviews"]][:2] == ["escalated", "returned"]

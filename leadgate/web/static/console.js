@@ -1065,9 +1065,19 @@
         ),
         el("h2", {}, "Verdicts, per revision"),
         verdictTable(d),
+        cutNote(d.reviewsTruncated, "verdicts-truncated", "verdicts"),
         el("h2", {}, "Deliveries"),
         deliveriesTable(d),
-        cutNote(d.deliveriesTruncated, "deliveries-truncated", "deliveries"),
+        cutNote(d.deliveriesTruncated, "deliveries-truncated", "deliveries, and those still pending, sending or uncertain,"),
+        d.unsettledDeliveriesTruncated
+          ? el(
+              "p",
+              { class: "empty", id: "unsettled-deliveries-truncated" },
+              "More deliveries are still pending, sending or uncertain than are shown (the oldest of them are); ",
+              el("a", { href: "#/deliveries" }, "Uncertain deliveries"),
+              " lists every uncertain one."
+            )
+          : null,
         el("h2", {}, "Audit trail"),
         auditTable(d),
         cutNote(d.auditTruncated, "audit-truncated", "audit entries"),
