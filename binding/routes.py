@@ -4,6 +4,11 @@ Match keys per channel (SPEC 12): slack ``team``, ``channel``; discord ``guild``
 ``channel``; teams ``tenant``, ``conversation``; email ``address`` and ``sender``
 (an address or ``*@domain``). A route without keys matches every trigger of its
 channel; the most specific match (most keys) wins, the oldest on a tie.
+
+A Discord thread is its own channel (its own id) under a parent channel: its trigger
+carries ``parent`` too (:data:`PARENT`), and a route naming the parent as its ``channel``
+answers there as well, as in the parent, unless a route names the thread itself (that
+one wins, however few keys the parent's has).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.errors import NotFound, ValidationError
 from leadgate.core.kept import Kept
+from leadgate.core.types import ROUTE_PARENT as PARENT
 from leadgate.core.types import RouteMatch
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -26,6 +32,9 @@ MATCH_KEYS: dict[str, frozenset[str]] = {
     "teams": frozenset({"tenant", "conversation"}),
     "email": frozenset({"address", "sender"}),
 }
+#: Per channel, the match key a route may name a trigger's parent conversation under
+#: (:data:`PARENT`: a Discord thread's parent channel).
+PARENT_KEY: dict[str, str] = {"discord": "channel"}
 
 
 def parse_match(channel: str, pairs: list[str]) -> dict[str, str]:
@@ -52,9 +61,12 @@ def parse_match(channel: str, pairs: list[str]) -> dict[str, str]:
 
 
 def matches(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) -> bool:
-    """Whether every key of ``match`` fits ``attrs``."""
+    """Whether every key of ``match`` fits ``attrs`` (a thread's channel key fits its
+    parent's too, see :data:`PARENT`)."""
     for key, want in match.items():
         got = attrs.get(key, "")
+        if got != want and key == PARENT_KEY.get(channel) and attrs.get(PARENT) == want:
+            continue
         if channel == "email":
             got = got.lower()
             if key == "sender" and want.startswith("*@"):
@@ -138,13 +150,16 @@ async def active_routes(conn: Conn, channel: str) -> tuple[Any, ...]:
 
 def best_route(rows: Sequence[Any], channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
     """The most specific of ``rows`` (active routes of ``channel``, oldest first)
-    matching ``attrs``: most keys, the oldest on a tie."""
+    matching ``attrs``: one naming a thread itself first (:data:`PARENT`), then most
+    keys, the oldest on a tie."""
     best: Any = None
+    best_rank = (False, -1)
     for row in rows:
-        if matches(channel, row.match, attrs) and (
-            best is None or len(row.match) > len(best.match)
-        ):
-            best = row
+        if not matches(channel, row.match, attrs):
+            continue
+        rank = (_names_thread(channel, row.match, attrs), len(row.match))
+        if rank > best_rank:
+            best, best_rank = row, rank
     if best is None:
         return None
     return RouteMatch(
@@ -154,6 +169,12 @@ def best_route(rows: Sequence[Any], channel: str, attrs: Mapping[str, str]) -> R
         silent=bool(best.silent),
         created_at=int(best.created_at),
     )
+
+
+def _names_thread(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) -> bool:
+    """Whether ``match`` names the thread ``attrs`` is in itself (not its parent)."""
+    key = PARENT_KEY.get(channel)
+    return key is not None and PARENT in attrs and match.get(key) == attrs.get(key)
 
 
 class RouteCache:

@@ -22,6 +22,8 @@ Inbound, two ways:
   never touches the earlier reply.
 * the gateway (when ``bot_token`` is set): a discord.py :class:`discord.Client` with the
   message-content intent; a human message becomes a trigger answered as a reply to it.
+  A thread is a channel of its own (its session, its replies) that a route naming its
+  parent channel answers too, unless one names the thread (:func:`binding.routes.best_route`).
   Discord delivers a gateway message once, to the sessions connected then: at each READY
   (the start, and a reconnect that could not resume) :meth:`DiscordAdapter.catch_up`
   reads back, over REST, the messages of every known channel posted after its read point
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -85,9 +88,11 @@ from leadgate.core.clock import Clock, SystemClock
 from leadgate.core.config import Settings
 from leadgate.core.decoding import json_object
 from leadgate.core.errors import AuthError, ConfigError, LeadgateError, ValidationError
+from leadgate.core.kept import Kept
 from leadgate.core.logs import loggable
 from leadgate.core.types import (
     DISCORD_MESSAGE_EVENT,
+    ROUTE_PARENT,
     BindingKind,
     Busy,
     Conversations,
@@ -133,8 +138,22 @@ CATCH_UP_PAGES = 10
 #: ... and, besides the channels it knows, at most this many active threads of each
 #: (those with the latest message first) that it does not know.
 CATCH_UP_THREADS = 20
+#: ... and at most this many of the threads of each channel a route names that were
+#: archived within ``catch_up_s`` (the latest archived first: one request).
+CATCH_UP_ARCHIVED = 20
+#: How long a look-up of whether a channel is a thread may take before a live message
+#: there is routed as its own channel's (Discord not answering).
+THREAD_LOOKUP_S = 5.0
+#: How many channels' parents (or that they have none) are kept: past it, learnt again.
+_PARENTS_KEPT = 10_000
+#: A thread's parent never changes: what is learnt is kept under this one token.
+_FOREVER = True
+#: Discord's channel types of threads (announcement, public, private).
+_THREAD_TYPES = (10, 11, 12)
 #: Discord's JSON error code for a channel it does not have.
 _UNKNOWN_CHANNEL = 10003
+#: ... and for an action on a channel of a type without it (the threads of a thread).
+_NOT_THIS_TYPE = 50024
 _MESSAGE_EVENT = DISCORD_MESSAGE_EVENT
 _SESSION_PREFIX = "discord:"
 
@@ -167,6 +186,8 @@ class GatewayPost:
     guild_id: str | None
     channel_id: str
     text: str
+    #: the parent channel of the thread it was posted in (``None``: not in a thread)
+    parent_id: str | None = None
 
     @property
     def guild(self) -> str:
@@ -226,8 +247,11 @@ def _strip_mention(text: str, bot_id: int | None) -> str:
     return re.sub(rf"^\s*<@!?{bot_id}>[\s,:]*", "", text).strip()
 
 
-def parse_message(message: discord.Message, bot_user_id: int | None) -> GatewayPost | None:
-    """A :class:`GatewayPost` for a human's message, ``None`` for bots and the bot itself."""
+def parse_message(
+    message: discord.Message, bot_user_id: int | None, parent_id: int | None = None
+) -> GatewayPost | None:
+    """A :class:`GatewayPost` for a human's message, ``None`` for bots and the bot itself
+    (``parent_id``: the thread's parent channel, when it was posted in a thread)."""
     if message.author.bot or message.webhook_id is not None:
         return None
     if bot_user_id is not None and message.author.id == bot_user_id:
@@ -246,6 +270,7 @@ def parse_message(message: discord.Message, bot_user_id: int | None) -> GatewayP
         guild_id=str(guild_id) if guild_id else None,
         channel_id=str(message.channel.id),
         text=text,
+        parent_id=str(parent_id) if parent_id else None,
     )
 
 
@@ -290,6 +315,8 @@ class CatchUpTarget:
     guild_known: bool
     newest: int | None
     point: int | None = None
+    #: the thread's parent channel, when it is known to be a thread
+    parent: int | None = None
 
     def first_point(self, since_ms: int) -> int:
         """Where the catch-up of this channel starts when it has no read point (epoch
@@ -297,8 +324,7 @@ class CatchUpTarget:
         message taken in there, not before ``since_ms``."""
         if self.newest is None:
             return since_ms
-        made = (self.newest >> 22) + discord.utils.DISCORD_EPOCH
-        return max(since_ms, made - CATCH_UP_OVERLAP_MS)
+        return max(since_ms, _made_ms(self.newest) - CATCH_UP_OVERLAP_MS)
 
 
 def catch_up_targets(known: Conversations, *, again: bool = False) -> list[CatchUpTarget]:
@@ -373,6 +399,19 @@ def _route_names(known: Conversations, channel_id: int) -> bool:
     return any(match.get("channel") == str(channel_id) for match in known.routes)
 
 
+def thread_parent(channel: Mapping[str, Any]) -> int | None:
+    """The parent channel of a channel object Discord served, when it is a thread."""
+    parent = _ident(channel.get("parent_id"))
+    if channel.get("type") in _THREAD_TYPES and parent is not None and parent.isdigit():
+        return int(parent)
+    return None
+
+
+def _made_ms(snowflake: int) -> int:
+    """When the Discord id ``snowflake`` was made (epoch ms)."""
+    return (snowflake >> 22) + discord.utils.DISCORD_EPOCH
+
+
 def snowflake_at(ms: int) -> int:
     """The smallest Discord id made at or after epoch millisecond ``ms``."""
     return max(ms - discord.utils.DISCORD_EPOCH, 0) << 22
@@ -416,6 +455,8 @@ class DiscordAdapter:
         #: a READY that came while a catch-up ran: it runs once more when that one ends
         self._ready_again = False
         self._reviews: ChatReviewBackend | None = None
+        #: channel id -> its parent when it is a thread, 0 when it is none
+        self._parents: Kept[int, int] = Kept(max_entries=_PARENTS_KEPT)
 
     def enable_reviews(self, backend: ChatReviewBackend) -> None:
         """Review cards' buttons and modals on the interactions endpoint (verified like
@@ -554,21 +595,76 @@ class DiscordAdapter:
 
     def take_message(self, message: discord.Message) -> None:
         """Spawn the turn for one gateway message (ignores bots and the bot itself)."""
-        taken = self._post_of(message)
-        if taken is None:
+        if self._post_of(message) is None:
             return
-        inbound, post = taken
         # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
-        # answer to wait for: record and run in the background.
-        self._core.spawn(
-            self._take_post(inbound, post), name=f"discord-record:message:{post.message_id}"
-        )
+        # answer to wait for: learn the thread's parent, record and run in the background.
+        self._core.spawn(self._take_live(message), name=f"discord-record:message:{message.id}")
 
-    def _post_of(self, message: discord.Message) -> tuple[Inbound, GatewayPost] | None:
-        """The inbound of a human's message (``None`` for bots and the bot itself)."""
+    async def _take_live(self, message: discord.Message) -> None:
+        taken = self._post_of(message, await self._live_parent(message))
+        if taken is not None:
+            await self._take_post(*taken)
+
+    async def _live_parent(self, message: discord.Message) -> int | None:
+        """The parent channel of the thread a live message was posted in, else None.
+        discord.py knows it for a thread it has cached; a channel it has not (a
+        :class:`discord.PartialMessageable`) is looked up (:meth:`_parent_of`), and one
+        Discord does not tell about in time is routed as its own channel's."""
+        channel = message.channel
+        if isinstance(channel, discord.Thread):
+            return channel.parent_id
+        client = self.gateway
+        if (
+            client is None
+            or not isinstance(channel, discord.PartialMessageable)
+            or channel.guild_id is None
+        ):
+            return None  # a direct message, or a channel discord.py knows is no thread
+        try:
+            async with asyncio.timeout(THREAD_LOOKUP_S):
+                return await self._parent_of(client, channel.id)
+        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning(
+                "discord: could not learn whether channel %s is a thread (%s); its message "
+                "is routed as the channel's own",
+                channel.id,
+                _rest_error(exc),
+            )
+            return None
+
+    async def _parent_of(self, client: _GatewayClient, channel_id: int) -> int | None:
+        """The parent of the channel ``channel_id`` when it is a thread, else None: ``GET
+        /channels/{id}`` once per channel (a thread's parent never changes; a listing of
+        threads tells too, :meth:`_learn_parents`). Raises what the request raises."""
+        kept = self._parents.get(_FOREVER, channel_id)
+        if kept is None:
+            kept = thread_parent(await client.http.get_channel(channel_id)) or 0
+            self._parents.put(_FOREVER, channel_id, kept)
+        return kept or None
+
+    def _learn_parents(self, threads: list[Any]) -> list[tuple[int, int, Mapping[str, Any]]]:
+        """The threads of a listing Discord served (thread id, parent, the thread), each
+        parent kept (:meth:`_parent_of`); entries of another shape are passed over."""
+        found: list[tuple[int, int, Mapping[str, Any]]] = []
+        for thread in threads:
+            if not isinstance(thread, dict):
+                continue
+            thread_id, parent = _ident(thread.get("id")), thread_parent(thread)
+            if thread_id is None or not thread_id.isdigit() or parent is None:
+                continue
+            self._parents.put(_FOREVER, int(thread_id), parent)
+            found.append((int(thread_id), parent, thread))
+        return found
+
+    def _post_of(
+        self, message: discord.Message, parent: int | None = None
+    ) -> tuple[Inbound, GatewayPost] | None:
+        """The inbound of a human's message (``None`` for bots and the bot itself), in
+        the thread under ``parent`` when it is one."""
         client = self.gateway
         bot_id = client.user.id if client is not None and client.user is not None else None
-        post = parse_message(message, bot_id)
+        post = parse_message(message, bot_id, parent)
         if post is None:
             return None
         inbound = _inbound(
@@ -581,6 +677,7 @@ class DiscordAdapter:
                 "guild_id": post.guild_id,
             },
             f"{_MESSAGE_EVENT}{post.message_id}",
+            parent=post.parent_id,
         )
         return inbound, post
 
@@ -621,7 +718,8 @@ class DiscordAdapter:
         there, less a minute, stored as its point before anything is read), within
         ``[discord] catch_up_s`` and not before the route answering there was made, but
         not one the bot already replied to (:func:`replied_to`); and so the new threads of
-        those channels (:meth:`_new_threads`). A channel read through
+        those channels (:meth:`_new_threads`) and the threads archived lately of those a
+        route names (:meth:`_archived_threads`). A channel read through
         moves its point to this catch-up's start. A channel Discord would not read (a
         REST error) logs a WARNING and is read from the same point at the next READY.
         False when a database fault stopped it (tried again shortly, ``again``:
@@ -640,6 +738,7 @@ class DiscordAdapter:
         targets = catch_up_targets(known, again=again)
         try:
             targets += await self._new_threads(client, targets, known)
+            targets += await self._archived_threads(client, targets, known)
         except DATABASE_FAULTS as exc:
             log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
             return False
@@ -699,13 +798,9 @@ class DiscordAdapter:
                 )
                 continue
             by_parent: dict[int, list[tuple[int, int]]] = {}
-            for thread in active.get("threads", []):
-                ids = (thread.get("id"), thread.get("parent_id"), thread.get("last_message_id"))
-                if not all(isinstance(i, str | int) and str(i).isdigit() for i in ids):
-                    continue
-                thread_id, parent, last = (int(str(i)) for i in ids)
-                made = (last >> 22) + discord.utils.DISCORD_EPOCH
-                if parent in channels and thread_id not in have and made >= known.since_ms:
+            for thread_id, parent, thread in self._learn_parents(active.get("threads", [])):
+                last = _recent_message(thread, known.since_ms)
+                if parent in channels and thread_id not in have and last is not None:
                     by_parent.setdefault(parent, []).append((last, thread_id))
             for parent, threads in by_parent.items():
                 if len(threads) > CATCH_UP_THREADS:
@@ -716,11 +811,72 @@ class DiscordAdapter:
                         len(threads),
                     )
                 for _, thread_id in sorted(threads, reverse=True)[:CATCH_UP_THREADS]:
-                    attrs = {"guild": str(guild_id), "channel": str(thread_id)}
+                    attrs = _route_attrs(str(guild_id), str(thread_id), str(parent))
                     if await self._core.resolve_route(BindingKind.discord.value, attrs) is None:
                         continue  # not answered live either
                     point = known.points.get(str(thread_id))
-                    found.append(CatchUpTarget(thread_id, guild_id, True, None, point))
+                    found.append(CatchUpTarget(thread_id, guild_id, True, None, point, parent))
+        return found
+
+    async def _archived_threads(
+        self, client: _GatewayClient, targets: list[CatchUpTarget], known: Conversations
+    ) -> list[CatchUpTarget]:
+        """The public threads archived within the window (``GET
+        /channels/{id}/threads/archived/public``: one request, at most
+        :data:`CATCH_UP_ARCHIVED`, the latest archived first) of each guild channel a
+        route names, that are not among ``targets``, with a message within the window
+        and a route answering there. Discord archives a thread after an hour to a week
+        without messages: one whose messages came while the service was down, then went
+        quiet, is in no listing of active threads."""
+        have = {target.channel_id for target in targets}
+        found: list[CatchUpTarget] = []
+        for target in targets:
+            if self._stopping.is_set():
+                break
+            direct = target.guild_known and target.guild_id is None
+            if direct or target.parent is not None or not _route_names(known, target.channel_id):
+                continue
+            try:
+                page = await client.http.get_public_archived_threads(
+                    target.channel_id, limit=CATCH_UP_ARCHIVED
+                )
+            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if isinstance(exc, discord.HTTPException) and exc.code == _NOT_THIS_TYPE:
+                    continue  # the route names a thread (or a voice channel): no threads
+                log.warning(
+                    "discord: could not read channel %s's archived threads to catch up (%s); "
+                    "tried again at the next READY",
+                    target.channel_id,
+                    _rest_error(exc),
+                )
+                continue
+            listed = self._learn_parents(page.get("threads", []))
+            recent = [
+                (thread_id, thread)
+                for thread_id, parent, thread in listed
+                if parent == target.channel_id and _archived_since(thread, known.since_ms)
+            ]
+            if page.get("has_more") is True and recent and len(recent) == len(listed):
+                log.warning(
+                    "discord: catch-up of channel %s reads the latest %d of its archived "
+                    "threads only",
+                    target.channel_id,
+                    len(recent),
+                )
+            for thread_id, thread in recent:
+                guild = _ident(thread.get("guild_id"))
+                if thread_id in have or _recent_message(thread, known.since_ms) is None:
+                    continue
+                if guild is None or not guild.isdigit():
+                    continue
+                attrs = _route_attrs(guild, str(thread_id), str(target.channel_id))
+                if await self._core.resolve_route(BindingKind.discord.value, attrs) is None:
+                    continue
+                have.add(thread_id)
+                point = known.points.get(str(thread_id))
+                found.append(
+                    CatchUpTarget(thread_id, int(guild), True, None, point, target.channel_id)
+                )
         return found
 
     async def _catch_up_channel(
@@ -728,8 +884,15 @@ class DiscordAdapter:
     ) -> None:
         channel: discord.abc.Messageable
         guild_id = target.guild_id
+        parent = target.parent
+        # (A channel a route names is answered by that route: no need to learn more.)
+        routed = _route_names(known, target.channel_id)
         if target.guild_known:
             channel = client.get_partial_messageable(target.channel_id, guild_id=guild_id)
+            if parent is None and guild_id is not None and not routed:
+                # A session's channel may be a thread, which its parent's route answers
+                # as it did live.
+                parent = await self._parent_of(client, target.channel_id)
         else:
             # Only a route names it, without its guild: the live path's session key and
             # route keys carry the guild, so learn it from Discord.
@@ -739,7 +902,11 @@ class DiscordAdapter:
             channel = fetched
             guild = getattr(fetched, "guild", None)
             guild_id = guild.id if guild is not None else None
-        attrs = {"guild": str(guild_id) if guild_id else "@me", "channel": str(target.channel_id)}
+        attrs = _route_attrs(
+            str(guild_id) if guild_id else "@me",
+            str(target.channel_id),
+            str(parent) if parent else None,
+        )
         route = await self._core.resolve_route(BindingKind.discord.value, attrs)
         if route is None:
             return
@@ -767,7 +934,7 @@ class DiscordAdapter:
             if message.id in answered:
                 log.info("discord: catch-up leaves message %s, already replied to", message.id)
                 continue
-            taken = self._post_of(message)
+            taken = self._post_of(message, parent)
             if taken is None:
                 continue
             try:
@@ -879,19 +1046,57 @@ def _rest_error(exc: BaseException) -> str:
     return repr(exc)
 
 
+def _recent_message(thread: Mapping[str, Any], since_ms: int) -> int | None:
+    """The id of a listed thread's last message when it was posted at or after
+    ``since_ms``, else None."""
+    last = _ident(thread.get("last_message_id"))
+    if last is None or not last.isdigit() or _made_ms(int(last)) < since_ms:
+        return None
+    return int(last)
+
+
+def _archived_since(thread: Mapping[str, Any], since_ms: int) -> bool:
+    """Whether a listed thread was archived at or after ``since_ms``."""
+    metadata = thread.get("thread_metadata")
+    stamp = metadata.get("archive_timestamp") if isinstance(metadata, dict) else None
+    if not isinstance(stamp, str):
+        return False
+    try:
+        archived = datetime.datetime.fromisoformat(stamp)
+    except ValueError:
+        return False
+    return archived.timestamp() * 1000 >= since_ms
+
+
 def _shows_text(outcome: object) -> bool:
     """Whether a turn's outcome posts anything: a reply with more than whitespace (one
     with none is no post on any channel, see :meth:`outbox.relay.Relay.deliver`)."""
     return isinstance(outcome, Reply) and bool(outcome.text.strip())
 
 
+def _route_attrs(guild: str, channel_id: str, parent: str | None = None) -> dict[str, str]:
+    """The route keys of a message in ``guild``/``channel_id`` (a thread under ``parent``:
+    a route naming the parent answers there, unless one names the thread)."""
+    attrs = {"guild": guild, "channel": channel_id}
+    if parent is not None:
+        attrs[ROUTE_PARENT] = parent
+    return attrs
+
+
 def _inbound(
-    guild: str, channel_id: str, text: str, address: dict[str, Any], event_id: str
+    guild: str,
+    channel_id: str,
+    text: str,
+    address: dict[str, Any],
+    event_id: str,
+    *,
+    parent: str | None = None,
 ) -> Inbound:
-    """A message in ``guild``/``channel_id``: one session per channel."""
+    """A message in ``guild``/``channel_id``: one session per channel (a thread is its
+    own, replied to in the thread)."""
     return Inbound(
         channel=BindingKind.discord,
-        route_attrs={"guild": guild, "channel": channel_id},
+        route_attrs=_route_attrs(guild, channel_id, parent),
         session_key=f"discord:{guild}:{channel_id}",
         text=text,
         address=address,

@@ -165,6 +165,10 @@ class RouteMatch:
 #: The external event id of a message a Discord gateway delivered is this prefix and the
 #: message's id: the intake's de-duplication, and what a catch-up reads back from.
 DISCORD_MESSAGE_EVENT: Final = "discord:message:"
+#: The route attribute of a trigger posted in a conversation under another: a Discord
+#: thread's parent channel (a route naming that channel answers in its threads too, see
+#: :func:`binding.routes.best_route`).
+ROUTE_PARENT: Final = "parent"
 #: The same for a Slack message (Events API): ``slack:TEAM:CHANNEL:TS``.
 SLACK_MESSAGE_EVENT: Final = "slack:"
 #: The external event ids a channel's catch-up reads back from, by channel (each has a
@@ -199,8 +203,9 @@ class Inbound:
     """One message that arrived on a channel, before any route is known.
 
     ``route_attrs`` are the channel's route match keys (slack ``team``/``channel``,
-    discord ``guild``/``channel``, teams ``tenant``/``conversation``, email
-    ``address``/``sender``); ``address`` is where replies go (see :class:`BindingSpec`);
+    discord ``guild``/``channel``, and ``parent`` in a thread, teams
+    ``tenant``/``conversation``, email ``address``/``sender``); ``address`` is where
+    replies go (see :class:`BindingSpec`);
     ``external_event_id`` de-duplicates the platform's redeliveries.
     """
 

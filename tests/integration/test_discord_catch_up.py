@@ -178,8 +178,8 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
     """A route naming the guild answers a message in a thread live (its channel is the
     thread's own id), but a thread started while the service was down had no session:
     its messages were never read. The active threads of the channels caught up are read
-    too; one under a channel nobody knows, or whose route names the parent channel
-    only (live, that route does not answer in the thread either), is not."""
+    too, one under a channel a route names as well (that route answers in its threads);
+    one under a channel nobody knows is not."""
     await routed(service, {"guild": GUILD}, {"guild": OTHER_GUILD, "channel": CHANNEL_ELSEWHERE})
     async with running(service, standin) as first:
         await caught_up(first)
@@ -192,7 +192,7 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
         standin, "under an unknown channel", channel=standin.start_thread(GUILD, OTHER_CHANNEL)
     )
     named = standin.start_thread(OTHER_GUILD, CHANNEL_ELSEWHERE)
-    not_routed = str(
+    under_named = str(
         (
             await standin.dispatch_message_create(
                 channel_id=named, guild_id=OTHER_GUILD, content="under a routed channel"
@@ -200,14 +200,128 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
         )["id"]
     )
     standin.thread_reads.clear()
+    standin.archived_reads.clear()
     async with running(service, standin) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: in a new thread"]
-    assert await answers(service, unknown) == [] and await answers(service, not_routed) == []
-    assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed)]
-    # Once per guild caught up.
+    assert await answers(service, under_named) == ["Echo: under a routed channel"]
+    assert await answers(service, unknown) == []
+    assert sorted(await taken_in(service)) == sorted(
+        f"discord:message:{m}" for m in (live, missed, under_named)
+    )
+    # Once per guild caught up; the archived threads of the channel the route names.
     assert sorted(standin.thread_reads) == [GUILD, OTHER_GUILD]
-    assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread}
+    assert standin.archived_reads == [CHANNEL_ELSEWHERE]
+    assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread, named}
+
+
+async def took(service: App, message_id: str) -> tuple[str, str]:
+    """The agent that took the Discord message ``message_id`` in, and its session key."""
+    async with service.db.read() as conn:
+        row = (
+            await conn.execute(
+                sa.select(t.inbound_events.c.agent_id, t.sessions.c.key)
+                .join(t.sessions, t.sessions.c.id == t.inbound_events.c.session_id)
+                .where(t.inbound_events.c.external_event_id == f"discord:message:{message_id}")
+            )
+        ).one()
+    return str(row.agent_id), str(row.key)
+
+
+async def replied_in(service: App, message_id: str) -> list[str]:
+    """The channels the replies queued for the Discord message ``message_id`` go to."""
+    async with service.db.read() as conn:
+        rows = (await conn.execute(sa.select(t.deliveries.c.address))).all()
+    return [
+        str(row.address.get("channel_id"))
+        for row in rows
+        if str(row.address.get("message_id")) == message_id
+    ]
+
+
+async def test_a_route_on_a_channel_answers_in_its_threads_unless_one_names_the_thread(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """A message in a thread carries the thread's own channel id (its parent is
+    ``parent_id``): a route naming the parent channel answers there as in the channel,
+    the thread its own conversation and the reply posted into it; a route naming the
+    thread itself wins over the parent's (here a silent one: taken in, nothing posted)."""
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    own = await make_agent(service, org, "own")
+    await make_route(service, org, plain["id"], "discord", {"guild": GUILD, "channel": CHANNEL})
+    first, second = standin.start_thread(GUILD, CHANNEL), standin.start_thread(GUILD, CHANNEL)
+    await make_route(service, org, own["id"], "discord", {"channel": second}, silent=True)
+    async with running(service, standin) as up:
+        await caught_up(up)
+        asked = await message(standin, "in the thread", channel=first)
+        await eventually(lambda: answers(up, asked), what="the thread's message answered")
+        again = await message(standin, "in the thread again", channel=first)
+        await eventually(lambda: answers(up, again), what="the second one answered")
+        quiet = await message(standin, "in a thread of its own", channel=second)
+        await eventually(lambda: taken_in(up), what="taken in")
+        await caught_up(up)
+    assert await answers(service, asked) == ["Echo: in the thread"]
+    assert await replied_in(service, asked) == [first]
+    session = (plain["id"], f"discord:{GUILD}:{first}")
+    assert await took(service, asked) == session and await took(service, again) == session
+    assert await took(service, quiet) == (own["id"], f"discord:{GUILD}:{second}")
+    assert await answers(service, quiet) == []
+
+
+async def test_a_thread_archived_while_the_service_was_down_is_read_back(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """Discord archives a thread after an hour without messages: one whose messages
+    came while the service was down is in no listing of active threads. The threads of
+    a channel a route names archived within ``catch_up_s`` are read back; one archived
+    before is not read."""
+    clock = fake_clock(service)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+    clock.advance(3 * HOUR_MS)
+    now = clock.now_ms()
+    # Down: a thread archived an hour and a half ago, one half an hour ago.
+    old = standin.start_thread(GUILD, CHANNEL, at_ms=now - 2 * HOUR_MS - 60_000)
+    too_old = await message(standin, "long ago", channel=old, at_ms=now - 2 * HOUR_MS)
+    standin.archive_thread(old, at_ms=now - 3 * HOUR_MS // 2)
+    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - HOUR_MS)
+    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 50 * 60_000)
+    standin.archive_thread(quiet, at_ms=now - HOUR_MS // 2)
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: then it went quiet"]
+    assert await replied_in(service, missed) == [quiet]
+    assert await answers(service, too_old) == []
+    assert standin.archived_reads == [CHANNEL, CHANNEL]
+    assert [r["channel_id"] for r in standin.reads[-2:]] == [CHANNEL, quiet]
+
+
+async def test_archived_threads_past_the_bound_say_so(
+    service: App,
+    standin: DiscordApiStandin,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(discord_bots, "CATCH_UP_ARCHIVED", 2)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    missed: list[str] = []
+    for minutes in (30, 20, 10):  # archived that long ago, a quiet hour after its message
+        thread = standin.start_thread(GUILD, CHANNEL)
+        missed.append(await message(standin, f"archived {minutes} minutes ago", channel=thread))
+        standin.archive_thread(thread, at_ms=fake_clock(service).now_ms() - minutes * 60_000)
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as up:
+        await caught_up(up)
+    # The latest archived first.
+    assert [await answers(service, m) for m in missed] == [
+        [],
+        ["Echo: archived 20 minutes ago"],
+        ["Echo: archived 10 minutes ago"],
+    ]
+    [warning] = [r for r in caplog.records if r.name == "bots.discord"]
+    assert f"channel {CHANNEL} reads the latest 2 of its archived threads" in warning.getMessage()
 
 
 async def test_new_threads_past_the_limit_or_that_discord_will_not_list_say_so(

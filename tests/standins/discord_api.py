@@ -47,9 +47,13 @@ without the ``nonce`` a bot's message was posted with, which Discord does not ke
 ``reads`` records each such read. ``GET /channels/{id}`` answers a channel some message
 was dispatched in (a guild text channel, or a DM without a guild) or a thread
 :meth:`DiscordApiStandin.start_thread` started, else 404 ``Unknown Channel``; ``GET
-/guilds/{id}/threads/active`` answers the guild's threads (``thread_reads`` records the
-guild of each such read; ``fail_reads("guild:" + guild_id, *modes)`` answers the next
-ones in those modes).
+/guilds/{id}/threads/active`` answers the guild's threads not archived (``thread_reads``
+records the guild of each such read; ``fail_reads("guild:" + guild_id, *modes)`` answers
+the next ones in those modes); ``GET /channels/{id}/threads/archived/public`` (``before``
+an ISO8601 time, ``limit`` 2..100, default 50) answers the channel's threads
+:meth:`DiscordApiStandin.archive_thread` archived, the latest archived first, with
+``has_more`` (``archived_reads`` records the channel of each such read;
+``fail_reads("archived:" + channel_id, *modes)``; asked of a thread: 400, code 50024).
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
 (``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
@@ -125,6 +129,11 @@ def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None
     return response
 
 
+def _iso(ms: int) -> str:
+    """Epoch milliseconds as Discord writes a time."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat()
+
+
 def _now_iso() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -163,6 +172,10 @@ class DiscordApiStandin(StandinBase):
         self._threads: dict[str, str] = {}
         #: each read of a guild's active threads: its guild id
         self.thread_reads: list[str] = []
+        #: thread id -> when it was archived (epoch ms)
+        self._archived: dict[str, int] = {}
+        #: each read of a channel's archived threads: its channel id
+        self.archived_reads: list[str] = []
         #: channel id -> modes for the next reads of its messages
         self._read_modes: dict[str, list[str]] = {}
         #: each read of a channel's messages: ``channel_id, after, before, limit, mode``
@@ -180,6 +193,8 @@ class DiscordApiStandin(StandinBase):
         self._guilds.clear()
         self._threads.clear()
         self.thread_reads.clear()
+        self._archived.clear()
+        self.archived_reads.clear()
         self._read_modes.clear()
         self.reads.clear()
         self._nonces.clear()
@@ -214,6 +229,11 @@ class DiscordApiStandin(StandinBase):
         self._guilds[thread_id] = guild_id
         return thread_id
 
+    def archive_thread(self, thread_id: str, *, at_ms: int | None = None) -> None:
+        """Archive the thread (at ``at_ms``, else now), as Discord's auto-archive does
+        after its inactivity duration: it leaves the active listing."""
+        self._archived[thread_id] = int(time.time() * 1000) if at_ms is None else at_ms
+
     def fail_reads(self, channel_id: str, *modes: str) -> None:
         """Answer the next reads of ``channel_id``'s messages with ``modes``, in order
         (see the table; ``ok`` reads)."""
@@ -241,6 +261,7 @@ class DiscordApiStandin(StandinBase):
         r.add_get(f"{api}/channels/{{channel_id}}/messages", self._read_messages)
         r.add_get(f"{api}/channels/{{channel_id}}", self._get_channel)
         r.add_get(f"{api}/guilds/{{guild_id}}/threads/active", self._active_threads)
+        r.add_get(f"{api}/channels/{{channel_id}}/threads/archived/public", self._archived_threads)
         r.add_patch(f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message)
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
@@ -564,9 +585,11 @@ class DiscordApiStandin(StandinBase):
             "rate_limit_per_user": 0,
             "flags": 0,
             "thread_metadata": {
-                "archived": False,
-                "auto_archive_duration": 1440,
-                "archive_timestamp": _now_iso(),
+                "archived": thread_id in self._archived,
+                "auto_archive_duration": 60,
+                "archive_timestamp": (
+                    _iso(self._archived[thread_id]) if thread_id in self._archived else _now_iso()
+                ),
                 "locked": False,
             },
         }
@@ -584,9 +607,50 @@ class DiscordApiStandin(StandinBase):
         if failure is not None:
             return failure
         threads = sorted(
-            (t for t in self._threads if self._guilds.get(t) == guild_id), key=int, reverse=True
+            (
+                t
+                for t in self._threads
+                if self._guilds.get(t) == guild_id and t not in self._archived
+            ),
+            key=int,
+            reverse=True,
         )
         return _json({"threads": [self._thread(t) for t in threads], "members": []})
+
+    async def _archived_threads(self, request: web.Request) -> web.StreamResponse:
+        """``GET /channels/{id}/threads/archived/public``: the channel's archived threads,
+        the latest archived first, archived before ``before`` (ISO8601), ``limit`` of
+        them, and whether there are more."""
+        channel_id = request.match_info["channel_id"]
+        await self._latency()
+        self.archived_reads.append(channel_id)
+        if not self._bot_authorized(request):
+            return _json({"message": "401: Unauthorized", "code": 0}, status=401)
+        queued = self._read_modes.get(f"archived:{channel_id}")
+        failure = await self._failure(request, queued.pop(0) if queued else "ok")
+        if failure is not None:
+            return failure
+        if channel_id in self._threads:
+            body = {"message": "Cannot execute action on this channel type", "code": 50024}
+            return _json(body, status=400)
+        try:
+            limit = int(request.query.get("limit", "50"))
+            before = request.query.get("before")
+            until = datetime.fromisoformat(before).timestamp() * 1000 if before else None
+        except ValueError:
+            return _json({"message": "Invalid Form Body", "code": 50035}, status=400)
+        if not 2 <= limit <= 100:
+            return _json({"message": "Invalid Form Body", "code": 50035}, status=400)
+        archived = sorted(
+            (
+                (at, t)
+                for t, at in self._archived.items()
+                if self._threads.get(t) == channel_id and (until is None or at < until)
+            ),
+            reverse=True,
+        )
+        page = [self._thread(t) for _, t in archived[:limit]]
+        return _json({"threads": page, "members": [], "has_more": len(archived) > limit})
 
     async def _get_channel(self, request: web.Request) -> web.StreamResponse:
         """``GET /channels/{id}``: a channel some message was seen in."""

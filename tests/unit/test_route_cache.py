@@ -148,3 +148,30 @@ async def test_the_most_specific_route_wins_and_the_oldest_on_a_tie(stack: Stack
             ]
         ] == [both, by_team, catch_all]
     assert cache.reads == 2  # once before the new route, once after
+
+
+async def test_a_thread_answers_as_its_parent_channel_unless_a_route_names_the_thread(
+    stack: Stack,
+) -> None:
+    """A Discord thread's trigger carries its parent channel (``parent``): a route naming
+    the parent answers there, above one naming the guild only; a route naming the thread
+    itself wins whatever its keys; a route naming another channel does not match."""
+    org = await make_org(stack)
+    agent_id = str((await make_agent(stack, org, "plain"))["id"])
+    by_guild = await make_route(stack, org, agent_id, "discord", {"guild": "G"})
+    by_parent = await make_route(stack, org, agent_id, "discord", {"guild": "G", "channel": "P"})
+    await make_route(stack, org, agent_id, "discord", {"guild": "G", "channel": "Q"})
+    by_thread = await make_route(stack, org, agent_id, "discord", {"channel": "T"})
+    cache = routes.RouteCache(stack.db)
+
+    async def route_of(attrs: dict[str, str]) -> str | None:
+        found = await cache.resolve("discord", attrs)
+        return found.route_id if found else None
+
+    assert await route_of({"guild": "G", "channel": "U", "parent": "P"}) == by_parent
+    assert await route_of({"guild": "G", "channel": "T", "parent": "P"}) == by_thread
+    assert await route_of({"guild": "G", "channel": "U", "parent": "R"}) == by_guild
+    assert await route_of({"guild": "H", "channel": "U", "parent": "P"}) is None
+    # (Not a thread: "parent" means nothing on a channel without parents.)
+    await make_route(stack, org, agent_id, "slack", {"channel": "P"})
+    assert await cache.resolve("slack", {"team": "T1", "channel": "U", "parent": "P"}) is None
