@@ -884,8 +884,9 @@ class DiscordAdapter:
     ) -> None:
         channel: discord.abc.Messageable
         guild_id = target.guild_id
-        parent = target.parent
-        # (A channel a route names is answered by that route: no need to learn more.)
+        # A channel a route names is answered by that route: its parent, when a listing of
+        # threads told it, only ranks a route naming the thread first, as live.
+        parent = target.parent or self._parents.get(_FOREVER, target.channel_id) or None
         routed = _route_names(known, target.channel_id)
         if target.guild_known:
             channel = client.get_partial_messageable(target.channel_id, guild_id=guild_id)

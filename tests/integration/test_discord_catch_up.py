@@ -269,6 +269,29 @@ async def test_a_route_on_a_channel_answers_in_its_threads_unless_one_names_the_
     assert await answers(service, quiet) == []
 
 
+async def test_the_catch_up_answers_a_thread_with_its_own_route_by_that_route(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """Live, a route naming a thread wins over an older one naming the guild (one key
+    each); the catch-up answers a missed message there by the same route (it learns the
+    thread's parent from the guild's active threads)."""
+    org = await make_org(service)
+    plain = await make_agent(service, org, "plain")
+    own = await make_agent(service, org, "own")
+    await make_route(service, org, plain["id"], "discord", {"guild": GUILD})
+    thread = standin.start_thread(GUILD, CHANNEL)
+    await make_route(service, org, own["id"], "discord", {"channel": thread})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        live = await message(standin, "in the channel")
+        await eventually(lambda: answers(first, live), what="the live message answered")
+    missed = await message(standin, "in the thread while down", channel=thread)
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: in the thread while down"]
+    assert await took(service, missed) == (own["id"], f"discord:{GUILD}:{thread}")
+
+
 async def test_a_thread_archived_while_the_service_was_down_is_read_back(
     service: App, standin: DiscordApiStandin
 ) -> None:
