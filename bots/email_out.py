@@ -31,7 +31,7 @@ from outbox.channel import (
     Uncertain,
     too_little_left,
 )
-from outbox.relay import SEND_DEADLINE_S
+from outbox.store import SEND_DEADLINE_S
 
 log = logging.getLogger(__name__)
 

@@ -422,6 +422,8 @@ class OutcomeCommitter:
                     },
                     external_id=sa.func.coalesce(D.external_id, d.external_id),
                     error=ALL_POSTED_ERROR,
+                    # The send is over: a Retry need not wait for it (outbox.store.recover).
+                    lease_expires_at=None,
                     updated_at=now,
                 )
             )
@@ -563,6 +565,14 @@ class OutcomeCommitter:
         )
         if not res.rowcount:
             log.warning("delivery %s: send lease lost before commit", row.id)
+            # Its send is over (what it may have posted is the operator's to check): a
+            # Retry of the row its lease lapsed into need not wait for it
+            # (outbox.store.recover).
+            await conn.execute(
+                t.deliveries.update()
+                .where(D.id == row.id, taken_back(row), D.lease_expires_at.is_not(None))
+                .values(lease_expires_at=None)
+            )
             count_after_commit(conn, labelled(METRICS.deliveries, row.channel, "leaseLost"))
             return
         count_after_commit(conn, labelled(METRICS.deliveries, row.channel, label))

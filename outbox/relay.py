@@ -83,6 +83,8 @@ from outbox.store import (
     NEXT_PART_AT,
     OUTBOX_TOPIC,
     PARTS_POSTED,
+    SEND_DEADLINE_S,
+    SEND_LEASE_MS,
     DeliveryStatus,
     Handoff,
     ReviewNeeded,
@@ -96,14 +98,6 @@ from outbox.store import (
 log = logging.getLogger("leadgate.relay")
 D = t.deliveries.c
 
-SEND_LEASE_MS = 120_000
-#: How long one delivery's send may take, all of it, every part of a long text together
-#: (each channel bounds a send by its own, and a later part by what is left: the
-#: message's ``within_s``): within half the send lease, as a relay holds up to two rounds
-#: of its sends under their leases at once (the second round's sends wait for the
-#: first's), and a send that outlives its lease has its outcome thrown away (the delivery
-#: is taken back as ``deliveryUnknown`` meanwhile).
-SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
 #: How often (by the relay's clock) ``run_once`` looks for expired send leases.
 EXPIRY_CHECK_MS = 1_000
 _NEVER = 2**62
@@ -677,10 +671,17 @@ class Relay:
                 else_=DeliveryStatus.deliveryUnknown.value,
             )
             address: sa.ColumnElement[Any] = D.address
+            # A post whose lease lapsed by time keeps when it did: its send may still be
+            # posting, so an operator's Retry waits for it (outbox.store.recover). A
+            # holder known dead posts nothing more: no wait then.
+            in_flight = sa.and_(
+                sa.not_(internal), D.lease_expires_at < now, sa.not_(owner_gone(D.lease_owner))
+            )
             if ended:
                 closed = D.id.in_(ended)
                 status = sa.case((closed, DeliveryStatus.cancelled.value), else_=status)
                 address = sa.case((closed, address_kept(D.address)), else_=D.address)
+                in_flight = sa.and_(in_flight, sa.not_(closed))
             rows = (
                 await conn.execute(
                     t.deliveries.update()
@@ -694,7 +695,7 @@ class Relay:
                         address=address,
                         error=sa.case((internal, sa.null()), else_=LEASE_EXPIRED_ERROR),
                         lease_token=None,
-                        lease_expires_at=None,
+                        lease_expires_at=sa.case((in_flight, D.lease_expires_at), else_=sa.null()),
                         lease_owner=None,
                         updated_at=now,
                     )

@@ -131,6 +131,25 @@ OUTBOX_ACTOR = "system:outbox"
 ReviewNeeded = Callable[[Conn, str, str, str | None], Awaitable[object]]
 
 
+SEND_LEASE_MS = 120_000
+#: How long one delivery's send may take, all of it, every part of a long text together
+#: (each channel bounds a send by its own, and a later part by what is left: the
+#: message's ``within_s``): within half the send lease, as a relay holds up to two rounds
+#: of its sends under their leases at once (the second round's sends wait for the
+#: first's), and a send that outlives its lease has its outcome thrown away (the delivery
+#: is taken back as ``deliveryUnknown`` meanwhile).
+SEND_DEADLINE_S = SEND_LEASE_MS / 2000 - 5.0
+#: How long after its send lease lapsed a send may still be in flight and then record
+#: what it posted (:meth:`outbox.outcomes.OutcomeCommitter._record_all_posted`): its
+#: deadline, and a few seconds for the record (the relay's commit retries). Until then
+#: an operator's Retry of the ``deliveryUnknown`` row that lapse left is refused (409
+#: ``delivery.in_flight``, :func:`recover`): put back ``pending`` before that record, it
+#: was posted again by another relay, and the record found the row changed (posted twice).
+IN_FLIGHT_AFTER_LAPSE_MS = int((SEND_DEADLINE_S + 5.0) * 1000)
+#: The rule of that refusal.
+IN_FLIGHT_RULE = "delivery.in_flight"
+
+
 #: The address keys recording what of a long text (split by the relay,
 #: :func:`outbox.relay.split_text`) earlier attempts posted: how many parts, and where in
 #: the text the next part starts. The next attempt, the relay's retry or an operator's,
@@ -1003,6 +1022,41 @@ async def _moved_by(conn: Conn, delivery: Delivery, status: str, updated_at: int
     return f": {workitems.who_did(row, of=whose)}"
 
 
+def _not_in_flight(now: int) -> sa.ColumnElement[bool]:
+    """A ``deliveryUnknown`` row no send may still be posting: none lapsed into it
+    (``lease_expires_at`` ``NULL``), or its lapsed lease is past
+    :data:`IN_FLIGHT_AFTER_LAPSE_MS` at ``now``."""
+    return sa.or_(
+        D.lease_expires_at.is_(None), D.lease_expires_at <= now - IN_FLIGHT_AFTER_LAPSE_MS
+    )
+
+
+async def _refuse_in_flight(conn: Conn, delivery_id: str, now: int) -> None:
+    """Raise 409 ``delivery.in_flight`` when a Retry matched no row because the send
+    whose lease lapsed into ``deliveryUnknown`` may still be posting (with the seconds
+    left, ``retry_after_s``); else nothing (another rule says why)."""
+    found = (
+        await conn.execute(sa.select(D.status, D.lease_expires_at).where(D.id == delivery_id))
+    ).first()
+    if (
+        found is None
+        or found.status != DeliveryStatus.deliveryUnknown.value
+        or found.lease_expires_at is None
+    ):
+        return
+    left_ms = int(found.lease_expires_at) + IN_FLIGHT_AFTER_LAPSE_MS - now
+    if left_ms <= 0:
+        return
+    left_s = -(-left_ms // 1000)
+    raise TransitionError(
+        f"delivery {delivery_id}'s send lease lapsed while it may still have been posting: "
+        f"that send may still post it and record what it posted; retry in {left_s} s "
+        "(a Retry now could post it twice); Confirm delivered is taken now; nothing changed",
+        rule=IN_FLIGHT_RULE,
+        retry_after_s=left_s,
+    )
+
+
 async def recover(
     conn: Conn,
     clock: Clock,
@@ -1029,6 +1083,13 @@ async def recover(
     (error :data:`CARD_DECIDED_ERROR`), as the decision cancels a card not sent yet:
     posted now, it would offer a decision already made. A second click finds the
     delivery no longer ``deliveryUnknown`` and gets a 409; nothing happens twice.
+
+    A Retry of a row whose send lease lapsed less than :data:`IN_FLIGHT_AFTER_LAPSE_MS`
+    ago (``lease_expires_at``, kept by the expiry) is a 409 ``delivery.in_flight`` with
+    the seconds left: that send may still be posting, and then records what it posted
+    (the last part of a long text, a one-part text whole), which a Retry before that
+    record posted a second time. A Confirm is taken at once. A record of every part
+    posted clears the wait (nothing is left to post).
     """
     now = clock.now_ms()
     if delivery.kind == "gating" and delivery.work_item_id and conn.dialect.name == "postgresql":
@@ -1056,15 +1117,19 @@ async def recover(
     fence = [D.id == delivery.id, D.status == DeliveryStatus.deliveryUnknown.value]
     if attempts is not None:
         fence.append(D.attempts == attempts)
+    if values["status"] == DeliveryStatus.pending.value:
+        fence.append(_not_in_flight(now))
     row = (
         await conn.execute(
             t.deliveries.update()
             .where(*fence)
-            .values(updated_at=now, **values)
+            .values(updated_at=now, lease_expires_at=None, **values)
             .returning(*t.deliveries.c)
         )
     ).first()
     if row is None:
+        if values["status"] == DeliveryStatus.pending.value:
+            await _refuse_in_flight(conn, delivery.id, now)
         if attempts is not None:
             again = await _sent_again(conn, delivery.id, attempts)
             if again is not None:

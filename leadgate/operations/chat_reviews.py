@@ -39,7 +39,7 @@ from leadgate.review import cards, replies
 from leadgate.review.destinations import remember_teams_conversation
 from leadgate.review.replies import AnswerTo, ReplyCard
 from outbox.channel import Card
-from outbox.store import DeliveryStatus
+from outbox.store import IN_FLIGHT_RULE, DeliveryStatus
 
 log = logging.getLogger(__name__)
 
@@ -463,8 +463,14 @@ class ChatReviews:
             return ChatAnswer("invalid", exc.message)
         except PermissionDenied:
             return ChatAnswer("forbidden", FORBIDDEN)
-        except (TransitionError, NotFound):
-            # Someone else decided first (or the item went away): say who and what.
+        except TransitionError as exc:
+            if exc.rule == IN_FLIGHT_RULE:
+                # Nobody decided: the Retry waits for a lapsed send (the seconds left).
+                return ChatAnswer("invalid", exc.message)
+            # Someone else decided first: say who and what.
+            return await self._closed(item_id, platform, message_id)
+        except NotFound:
+            # The item went away: say what became of it.
             return await self._closed(item_id, platform, message_id)
         return await self._after(item_id, platform, message_id, "decided")
 

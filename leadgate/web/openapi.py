@@ -204,7 +204,9 @@ _RECOVERY_BODY: dict[str, Any] = {
 }
 _RECOVERY_409 = {
     "409": f"{_TRANSITION['409']}; conflict (rule delivery.attempts): the delivery was "
-    "sent again since the attempts given"
+    "sent again since the attempts given; conflict (rule delivery.in_flight, a Retry, "
+    "with Retry-After): the send whose lease lapsed into deliveryUnknown may still be "
+    "posting"
 }
 
 

@@ -16,7 +16,7 @@ from bots.email import EmailAdapter, EmailChannel, message_id_for
 from leadgate.core.config import EmailSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
-from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
+from outbox.store import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore
 from tests.standins.smtp import SmtpSink
 

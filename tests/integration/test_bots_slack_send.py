@@ -22,7 +22,7 @@ from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.operations.chat_reviews import ChatAnswer
 from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
-from outbox.relay import SEND_DEADLINE_S
+from outbox.store import SEND_DEADLINE_S
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, eventually, ours
 from tests.standins.common import PORTAL_SESSION

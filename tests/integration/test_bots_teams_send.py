@@ -38,7 +38,7 @@ from leadgate.core.types import Inbound, Recorded, RouteMatch
 from leadgate.database import schema as t
 from leadgate.domain.workitems import Status
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
-from outbox.relay import SEND_DEADLINE_S, SEND_LEASE_MS
+from outbox.store import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import decided_card, eventually, make_agent, make_org, make_route, ours
 from tests.integration.test_chat_review_faults import no_tracebacks

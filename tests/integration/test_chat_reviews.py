@@ -26,6 +26,7 @@ from leadgate.domain import links, orgs
 from leadgate.operations.chat_reviews import FORBIDDEN
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, Channel, OutboundMessage, SendOutcome, Sent, Uncertain
+from outbox.store import IN_FLIGHT_AFTER_LAPSE_MS, SEND_LEASE_MS
 from tests.helpers import (
     Org,
     api_trigger,
@@ -277,6 +278,44 @@ async def test_a_recovery_card_of_an_earlier_unknown_send_is_out_of_date(app: Ap
         "slack", MEMBER, delivery_id, "confirm", card_id=second.card_id
     )
     assert confirmed.kind == "decided"
+
+
+async def test_a_card_retry_while_a_lapsed_send_may_still_post_says_how_long_to_wait(
+    app: App,
+) -> None:
+    """A Retry clicked on the card of a post whose send lease lapsed a moment ago (its
+    relay stalled mid-send, and may still post it) is refused with the seconds left
+    (``delivery.in_flight``), not answered "already ..." as if someone had decided;
+    nothing changes, and after the wait the Retry is taken."""
+    org, worker = await setup(app)
+    slack = app.channels["slack"]
+    assert isinstance(slack, ScriptedChannel)
+    clock = app.clock
+    assert isinstance(clock, FakeClock)
+    await app.turns.run(slack_trigger(org, worker, "post it #complete", "1700.1"))
+    await drain(app.lead_runner)
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        post = (await conn.execute(sa.select(t.deliveries).where(d.kind == "gating"))).one()
+    if post.status == "pending":
+        assert len(await app.relay.claim()) == 1
+    clock.advance(SEND_LEASE_MS + 1)
+    assert await app.relay.expire_send_leases() == 1
+    await drain(app.relay)  # the uncertain post's card
+    card = next(c.card for c in slack.calls if c.card is not None)
+    assert card.delivery_id == post.id
+    answer = await app.chat_reviews.recover(
+        "slack", MEMBER, post.id, "retry", episode_id=card.episode_id
+    )
+    assert answer.kind == "invalid" and "retry in 60 s" in answer.text, answer
+    async with app.db.read() as conn:
+        status = (await conn.execute(sa.select(d.status).where(d.id == post.id))).scalar()
+    assert status == "deliveryUnknown"
+    clock.advance(IN_FLIGHT_AFTER_LAPSE_MS)
+    answer = await app.chat_reviews.recover(
+        "slack", MEMBER, post.id, "retry", episode_id=card.episode_id
+    )
+    assert answer.kind == "decided", answer
 
 
 async def test_teams_conversations_are_remembered_for_notify_add(app: App) -> None:

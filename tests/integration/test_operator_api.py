@@ -29,7 +29,12 @@ from leadgate.domain import orgs, workitems
 from leadgate.review import decisions
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Uncertain
-from outbox.store import CARD_DECIDED_ERROR, get_delivery
+from outbox.store import (
+    CARD_DECIDED_ERROR,
+    IN_FLIGHT_AFTER_LAPSE_MS,
+    SEND_LEASE_MS,
+    get_delivery,
+)
 from tests.helpers import (
     Org,
     api_trigger,
@@ -530,6 +535,36 @@ async def test_a_recovery_of_the_send_read_never_acts_on_a_later_send(env: Env) 
 
     status, body = await post(env, f"{path}/confirm", {"attempts": read + 1})
     assert (status, body["id"], body["status"]) == (200, item_id, "completed")
+
+
+async def test_a_retry_while_a_lapsed_send_may_still_post_is_a_409_with_retry_after(
+    env: Env,
+) -> None:
+    """A send lease lapsed (its relay stalled mid-send) and the expiry made the post
+    deliveryUnknown: a Retry then put it back ``pending`` while the stalled send could
+    still post it (posted twice). Now it is a 409 ``delivery.in_flight`` with
+    ``Retry-After`` (the seconds of the send's deadline left) and nothing changes; once
+    they have passed, the Retry is taken."""
+    item_id = await env.turn("post it", "in-flight", slack=True)
+    await drain(env.service.lead_runner)
+    [dlv] = (await get_json(env, f"/operator/reviews/{item_id}"))["deliveries"]
+    if dlv["status"] == "pending":  # (not handed over to the service's relay)
+        assert len(await env.service.relay.claim()) == 1
+    env.clock.advance(SEND_LEASE_MS + 1)
+    assert await env.service.relay.expire_send_leases() == 1
+    path = f"/operator/deliveries/{dlv['id']}/retry"
+    before = await env.snapshot()
+    resp = await env.client.post(path, headers=env.owner)
+    body = await resp.json()
+    assert (resp.status, body["error"]["rule"]) == (409, "delivery.in_flight"), body
+    assert resp.headers["Retry-After"] == "60"
+    assert "retry in 60 s" in body["error"]["message"]
+    assert await env.snapshot() == before
+    env.clock.advance(IN_FLIGHT_AFTER_LAPSE_MS)
+    status, body = await post(env, path)
+    assert status == 200, body
+    [dlv] = body["deliveries"]
+    assert dlv["status"] == "pending"
 
 
 @SQLITE_ONLY

@@ -20,7 +20,8 @@ from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import workitems
 from leadgate.review import queue
-from outbox.relay import SEND_DEADLINE_S, Relay
+from outbox.relay import Relay
+from outbox.store import SEND_DEADLINE_S
 from tests.helpers import Org, fake_clock, make_agent, make_org
 from tests.outbox_support import MigratedTemplates, seed_items
 from tests.standins.slack_api import SlackApiStandin

@@ -23,8 +23,7 @@ from leadgate.review import decisions
 from leadgate.review.queue import detail
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Retry, Uncertain
-from outbox.relay import SEND_LEASE_MS
-from outbox.store import Outbox
+from outbox.store import SEND_LEASE_MS, Outbox
 from tests.helpers import (
     Org,
     api_trigger,

@@ -9,6 +9,7 @@ pipeline and the in-process wake-up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,11 +34,10 @@ from leadgate.domain.rows import Delivery
 from leadgate.review import decisions, queue
 from outbox import outcomes as outcomes_mod
 from outbox import relay as relay_mod
+from outbox import store as store_mod
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.outcomes import Done
 from outbox.relay import (
-    SEND_DEADLINE_S,
-    SEND_LEASE_MS,
     Relay,
     part_key,
     split_spans,
@@ -46,6 +46,8 @@ from outbox.relay import (
 from outbox.store import (
     HANDOFF_TOPIC,
     OUTBOX_TOPIC,
+    SEND_DEADLINE_S,
+    SEND_LEASE_MS,
     DeliveryStatus,
     ended_meanwhile,
     for_item,
@@ -1307,6 +1309,141 @@ async def test_a_text_recorded_all_posted_completes_at_a_retry_once_its_channel_
     assert small.texts() == ["one part"]  # nothing posted twice
     done = await delivery(stack, dlv["id"])
     assert done["status"] == "sent", done["error"]
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+async def retry_at(stack: Stack, clock: FakeClock, delivery_id: str) -> Delivery:
+    """An operator's Retry of ``delivery_id`` at ``clock``'s time."""
+    async with stack.db.tx() as conn:
+        return await recover(
+            conn,
+            clock,
+            stack.ids,
+            Delivery(**await delivery(stack, delivery_id)),
+            action="retry",
+            actor="user:op",
+        )
+
+
+@pytest.mark.parametrize("text", ["one part", WORDS[:150]])
+async def test_a_retry_while_a_lapsed_send_may_still_post_is_refused_until_it_records(
+    stack: Stack, text: str
+) -> None:
+    """A send lease lapsed while the last part (a one-part text: the text) was on its
+    way, and the expiry made the row deliveryUnknown. An operator's Retry clicked before
+    that send ended and recorded every part posted put the row back ``pending``: another
+    relay posted the part again, and the record found the row changed (posted twice).
+    Now such a Retry is a 409 ``delivery.in_flight`` naming the seconds left (the send's
+    deadline after the lapse); a Confirm is still taken. Once the send records what it
+    posted, a Retry is taken and posts nothing."""
+    ahead = FakeClock(fake_clock(stack).now_ms() + SEND_LEASE_MS + 1)
+    refused: list[TransitionError] = []
+
+    async def lease_lapses(message: OutboundMessage) -> SendOutcome:
+        other = Relay(stack.db, ahead, stack.ids, stack.channels)
+        assert await other.expire_send_leases() == 1
+        try:
+            await retry_at(stack, ahead, message.delivery_id)
+        except TransitionError as exc:  # (raised here, it would end the relay's send)
+            refused.append(exc)
+        return Sent("b")
+
+    parts = len(split_text(text, 100))
+    small = ScriptedChannel("slack", max_chars=100, script=[Sent("a")] * (parts - 1))
+    small.script.append(lease_lapses)
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: text)
+    await drain(relay_for(stack))
+    assert len(refused) == 1, "the Retry was taken while the send was posting"
+    error = refused[0]
+    assert error.rule == "delivery.in_flight" and error.status == 409
+    window_s = -(-store_mod.IN_FLIGHT_AFTER_LAPSE_MS // 1000)
+    assert error.retry_after_s == window_s and f"retry in {window_s} s" in error.message
+    row = await delivery(stack, dlv["id"])
+    assert row["status"] == "deliveryUnknown" and row["error"] == outcomes_mod.ALL_POSTED_ERROR
+    assert row["lease_expires_at"] is None  # recorded: the send is over
+    await retry_at(stack, fake_clock(stack), dlv["id"])
+    await drain(relay_for(stack))
+    assert small.texts() == split_text(text, 100)  # nothing posted twice
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
+    assert (await item(stack, item_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize("action", ["retry", "confirm"])
+async def test_a_lapsed_send_that_never_ends_holds_a_retry_for_its_deadline_only(
+    stack: Stack, action: str
+) -> None:
+    """A relay that claimed a post and then stopped (no outcome, no record): its Retry
+    is refused until the lapsed send's deadline has passed, to the second, and then
+    taken; a Confirm is taken at once."""
+    relay = relay_for(stack)
+    _, dlv = await seed_one(stack)
+    [claimed] = await relay.claim()
+    lapse = int(claimed.lease_expires_at or 0)
+    assert await relay_for(stack).expire_send_leases() == 0
+    fake_clock(stack).advance(lapse + 1 - stack.clock.now_ms())
+    assert await relay_for(stack).expire_send_leases() == 1
+    assert (await delivery(stack, dlv["id"]))["lease_expires_at"] == lapse
+    end = lapse + store_mod.IN_FLIGHT_AFTER_LAPSE_MS
+    if action == "confirm":
+        async with stack.db.tx() as conn:
+            row = Delivery(**await delivery(stack, dlv["id"]))
+            done = await recover(conn, stack.clock, stack.ids, row, action="confirm", actor="u")
+        assert done.status == "sent" and done.lease_expires_at is None
+        return
+    with pytest.raises(TransitionError) as caught:
+        await retry_at(stack, FakeClock(end - 1), dlv["id"])
+    assert (caught.value.rule, caught.value.retry_after_s) == ("delivery.in_flight", 1)
+    assert (await delivery(stack, dlv["id"]))["status"] == "deliveryUnknown"
+    done = await retry_at(stack, FakeClock(end), dlv["id"])
+    assert done.status == "pending" and done.lease_expires_at is None
+
+
+async def test_an_all_posted_record_that_meets_a_database_fault_is_kept_and_holds_a_retry(
+    stack: Stack,
+) -> None:
+    """The record that every part was posted (its send lease lapsed meanwhile) met a
+    database fault: the row stayed as the expiry left it, and an operator's Retry put it
+    back ``pending`` and another send posted the text again. Now the relay keeps the
+    record and writes it once the database answers; until then a Retry is refused
+    (``delivery.in_flight``); then it is taken and posts nothing."""
+    ahead = FakeClock(fake_clock(stack).now_ms() + SEND_LEASE_MS + 1)
+
+    async def lease_lapses(message: OutboundMessage) -> SendOutcome:
+        assert await Relay(stack.db, ahead, stack.ids, stack.channels).expire_send_leases() == 1
+        return Sent("a")
+
+    small = ScriptedChannel("slack", max_chars=100, script=[lease_lapses])
+    stack.channels["slack"] = small
+    item_id, dlv = await seed_one(stack, text=lambda _: "one part")
+    real = outcomes_mod.OutcomeCommitter._record_all_posted
+    down = [True]
+
+    async def record(self: Any, conn: Conn, lost: list[Done], now: int) -> None:
+        if down[0]:
+            raise Unavailable("database went away mid-record", rule="service.unavailable")
+        await real(self, conn, lost, now)
+
+    relay = relay_for(stack)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(outcomes_mod.OutcomeCommitter, "_record_all_posted", record)
+        mp.setattr(relay_mod, "COMMIT_RETRY_DELAYS_S", (0.0,))
+        with contextlib.suppress(Unavailable):
+            await relay.run_once()
+        row = await delivery(stack, dlv["id"])
+        assert row["status"] == "deliveryUnknown"
+        assert row["error"] == relay_mod.LEASE_EXPIRED_ERROR  # not recorded yet
+        with pytest.raises(TransitionError) as caught:
+            await retry_at(stack, ahead, dlv["id"])
+        assert caught.value.rule == "delivery.in_flight"
+        down[0] = False
+        await drain(relay)
+    row = await delivery(stack, dlv["id"])
+    assert row["error"] == outcomes_mod.ALL_POSTED_ERROR and row["lease_expires_at"] is None
+    await retry_at(stack, fake_clock(stack), dlv["id"])
+    await drain(relay_for(stack))
+    assert small.texts() == ["one part"]  # nothing posted twice
+    assert (await delivery(stack, dlv["id"]))["status"] == "sent"
     assert (await item(stack, item_id))["status"] == "completed"
 
 

@@ -31,8 +31,8 @@ from leadgate.review.facts import review_facts
 from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import Card, CardOutcome, Permanent, Retry, Sent, Uncertain
 from outbox.outcomes import Done
-from outbox.relay import LEASE_EXPIRED_ERROR, SEND_LEASE_MS, Relay
-from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC, get_delivery
+from outbox.relay import LEASE_EXPIRED_ERROR, Relay
+from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC, SEND_LEASE_MS, get_delivery
 from tests.fakes import lose_the_next_commit
 from tests.helpers import (
     api_trigger,
