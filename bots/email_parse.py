@@ -197,9 +197,13 @@ def strip_quoted(text: str) -> str:
         if _ORIGINAL.match(stripped) or _quoted_headers(stripped_lines, i):
             break
         if stripped.startswith(_ATTRIBUTION_OPENERS) and (
-            _WROTE.search(stripped)
+            (_WROTE.search(stripped) and _quote_follows(stripped_lines, i + 1))
             # clients wrap a long attribution line: "On Mon, ... Alice <\na@x> wrote:"
-            or (i + 1 < len(lines) and _WROTE.search(f"{stripped} {stripped_lines[i + 1]}"))
+            or (
+                i + 1 < len(lines)
+                and _WROTE.search(f"{stripped} {stripped_lines[i + 1]}")
+                and _quote_follows(stripped_lines, i + 2)
+            )
         ):
             break
         if stripped.startswith(">"):
@@ -208,6 +212,18 @@ def strip_quoted(text: str) -> str:
     while kept and (not kept[-1].strip() or _RULE.fullmatch(kept[-1].strip())):
         kept.pop()  # the blank lines and the rule above the quoted mail
     return "\n".join(kept).strip()
+
+
+def _quote_follows(lines: list[str], start: int) -> bool:
+    """Whether an attribution line ending before ``start`` (of ``lines``, stripped) stands
+    above a quoted mail: its next non-blank line is quoted (``>``), or there is none (HTML
+    whose ``<blockquote>`` was dropped). A sentence of the person's own that happens to
+    read so ("El informe que Juan escribió:", then the figures) goes on with their text,
+    which is kept: cutting there lost everything below it."""
+    for line in lines[start:]:
+        if line:
+            return line.startswith(">")
+    return True
 
 
 def _quoted_headers(lines: list[str], i: int) -> bool:

@@ -154,6 +154,24 @@ async def test_quoted_reply_text_is_stripped(listener: Listener) -> None:
     assert [t.text for t in listener.core.triggers] == ["Yes, go ahead.\nThanks"]
 
 
+async def test_a_sentence_that_reads_like_an_attribution_keeps_what_follows(
+    listener: Listener,
+) -> None:
+    """A line of the person's own that starts and ends as an attribution does ("El ...
+    escribió:", "Am ... schrieb:", "On ... wrote:") but stands above no quoted mail is
+    their text: it cut the mail there, and what they wrote below it was lost (a mail of
+    nothing else was refused as having no text)."""
+    bodies = [
+        "Hola,\nEl informe de ayer, que Juan escribió:\nventas 10, costes 4\nSaludos",
+        "Am Montag fragte ich, was Ann schrieb:\n\nDie Zahlen stimmen nicht.",
+        "On Monday the customer wrote:\nplease cancel my order",
+    ]
+    for n, body in enumerate(bodies):
+        await listener.send(_mail(body, Message_ID=f"<s{n}@client.example>"))
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == bodies
+
+
 # A review card's mail as each client quotes it in a reply (the card shortened). The
 # reviewer's text is the first two lines.
 _CARD_HEADERS = (
