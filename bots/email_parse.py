@@ -89,11 +89,22 @@ def _decode_part(part: email.message.Message) -> str:
     payload = part.get_payload(decode=True)
     if not isinstance(payload, bytes):
         return ""
-    charset = part.get_content_charset() or "utf-8"
+    charset = part.get_content_charset()
+    if charset:
+        try:
+            return payload.decode(charset, errors="replace")
+        # An unknown label ("unknown-8bit", "x-user-defined"), a codec that is no text
+        # encoding (base64, rot13), or one that cannot replace (idna raised, and the
+        # mail was refused as having no text).
+        except (LookupError, UnicodeError):
+            pass
     try:
-        return payload.decode(charset, errors="replace")
-    except LookupError:  # unknown, or a codec that is no text encoding (base64, rot13)
-        return payload.decode("utf-8", errors="replace")
+        return payload.decode("utf-8")
+    except UnicodeDecodeError:
+        # 8-bit text no known charset names is mostly Windows-1252 (Latin-1's superset):
+        # read so, its letters are kept (UTF-8 with replacement turned "Grüße" into
+        # "Gr\ufffd\ufffde", losing them).
+        return payload.decode("cp1252", errors="replace")
 
 
 def _html_to_text(markup: str) -> str:
@@ -156,11 +167,15 @@ def _element_end(markup: str, name: str, start: int) -> int:
 
 
 def extract_text(message: email.message.EmailMessage) -> str | None:
-    """The message's text: text/plain, else text/html stripped; None when there is none."""
+    """The message's text: text/plain, else (none, or a blank one) text/html stripped;
+    None when there is none."""
     try:
         part = message.get_body(preferencelist=("plain",))
-        if part is not None:
-            return _decode_part(part)
+        plain = _decode_part(part) if part is not None else ""
+        # Some senders put an empty text/plain beside the HTML that holds the text: it
+        # was read as the text, and the mail refused as having none.
+        if plain.strip():
+            return plain
         part = message.get_body(preferencelist=("html",))
         if part is not None:
             return _html_to_text(_decode_part(part))

@@ -410,6 +410,45 @@ async def test_multipart_with_latin1_and_broken_bytes(listener: Listener) -> Non
     assert listener.core.triggers[0].binding.address["subject"] == "Re: Grüße"
 
 
+async def test_8bit_text_no_known_charset_names_keeps_its_letters(listener: Listener) -> None:
+    """Latin-1 text labelled with no charset Python knows (``unknown-8bit``, what mail
+    gateways write for unlabelled 8-bit text; ``x-user-defined``), or with none at all:
+    its letters were replaced with U+FFFD, what the person wrote lost. UTF-8 is still
+    read as UTF-8; a charset that cannot decode with replacement (``idna``) gave no text
+    at all, and the mail was refused with ``550 (email.body)``."""
+    head = (
+        b"From: alice@example.com\r\nTo: bot@leadgate.example\r\nSubject: s\r\n"
+        b"Message-ID: <%d@client.example>\r\nMIME-Version: 1.0\r\n"
+    )
+    bodies = [
+        (b'Content-Type: text/plain; charset="unknown-8bit"', b"Gr\xfc\xdfe aus K\xf6ln"),
+        (b"Content-Type: text/plain; charset=x-user-defined", b"Gr\xfc\xdfe aus K\xf6ln"),
+        (b"Content-Transfer-Encoding: 8bit", b"Gr\xfc\xdfe aus K\xf6ln"),
+        (b"Content-Type: text/plain; charset=unknown-8bit", "Grüße aus Köln".encode()),
+        (b"Content-Type: text/plain; charset=idna", b"Gr" + b"u" * 70 + b"sse"),
+    ]
+    for n, (header, body) in enumerate(bodies):
+        await listener.send(head % n + header + b"\r\n\r\n" + body + b"\r\n")
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == [
+        "Grüße aus Köln",
+        "Grüße aus Köln",
+        "Grüße aus Köln",
+        "Grüße aus Köln",
+        "Gr" + "u" * 70 + "sse",
+    ]
+
+
+async def test_a_blank_text_part_beside_html_reads_the_html(listener: Listener) -> None:
+    """multipart/alternative with an empty text/plain and the text in text/html: the
+    blank part was taken as the text and the mail refused as having none (550)."""
+    msg = _mail("\n")
+    msg.add_alternative("<p>Please call me back.</p>", subtype="html")
+    await listener.send(msg)
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == ["Please call me back."]
+
+
 async def test_html_only_message(listener: Listener) -> None:
     msg = _mail()
     msg.set_content(
