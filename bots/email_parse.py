@@ -207,22 +207,34 @@ def strip_quoted(text: str) -> str:
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     stripped_lines = [line.strip() for line in lines]
     kept: list[str] = []
+    attribution_ends = -1  # the last line of the attribution being dropped
+    dropped = False  # a quoted line was dropped since the last line of text kept
     for i, line in enumerate(lines):
         stripped = stripped_lines[i]
         if _ORIGINAL.match(stripped) or _quoted_headers(stripped_lines, i):
             break
-        if stripped.startswith(_ATTRIBUTION_OPENERS) and (
-            (_WROTE.search(stripped) and _quote_follows(stripped_lines, i + 1))
+        if i <= attribution_ends:
+            continue
+        if stripped.startswith(_ATTRIBUTION_OPENERS):
+            if _WROTE.search(stripped) and _quote_follows(stripped_lines, i + 1):
+                attribution_ends = i
             # clients wrap a long attribution line: "On Mon, ... Alice <\na@x> wrote:"
-            or (
+            elif (
                 i + 1 < len(lines)
                 and _WROTE.search(f"{stripped} {stripped_lines[i + 1]}")
                 and _quote_follows(stripped_lines, i + 2)
-            )
-        ):
-            break
-        if stripped.startswith(">"):
+            ):
+                attribution_ends = i + 1
+        # The attribution and the ">" lines below it are the quoted mail; unquoted lines
+        # after them are the person's answers between its quotes (bottom-posted, or
+        # inline), kept: ending the text at the attribution lost them.
+        if i <= attribution_ends or stripped.startswith(">"):
+            dropped = True
             continue
+        if not stripped and dropped and kept and not kept[-1]:
+            continue  # one blank line stands for the quote between two answers
+        if stripped:
+            dropped = False
         kept.append(line.rstrip())
     while kept and (not kept[-1].strip() or _RULE.fullmatch(kept[-1].strip())):
         kept.pop()  # the blank lines and the rule above the quoted mail

@@ -147,11 +147,35 @@ async def test_quoted_reply_text_is_stripped(listener: Listener) -> None:
         "On Mon, 1 Jan 2024 at 10:00, Lead Gate <bot@leadgate.example>\n"
         "wrote:\n"
         "> Echo: the previous answer\n"
-        "more history\n"
     )
     await listener.send(_mail(body))
     await listener.core.drain()
     assert [t.text for t in listener.core.triggers] == ["Yes, go ahead.\nThanks"]
+
+
+async def test_answers_between_the_quotes_are_kept(listener: Listener) -> None:
+    """A reply written below the quoted mail, or between its quoted lines (Thunderbird,
+    mutt, anyone who answers inline): the text ended at the attribution line, and every
+    answer below it was lost (a mail of nothing else was refused as having no text)."""
+    inline = (
+        "On Mon, Dec 7, 2026 at 10:02 AM Lead Gate <bot@leadgate.example> wrote:\n"
+        "> Which plan do you want?\n"
+        "The blue one.\n"
+        "\n"
+        "> And from when?\n"
+        "From Friday on.\n"
+    )
+    below = (
+        "Thanks.\n\nOn 7 Dec 2026, at 10:02, Lead Gate <bot@leadgate.example> wrote:\n\n"
+        "> Shall I cancel it?\n\nYes, and send me the invoice.\n"
+    )
+    await listener.send(_mail(inline, Message_ID="<i1@client.example>"))
+    await listener.send(_mail(below, Message_ID="<i2@client.example>"))
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == [
+        "The blue one.\n\nFrom Friday on.",
+        "Thanks.\n\nYes, and send me the invoice.",
+    ]
 
 
 async def test_a_sentence_that_reads_like_an_attribution_keeps_what_follows(
