@@ -271,8 +271,13 @@ class EmailHandler:
                     "in_reply_to": mail.message_id,
                     "references": mail.references,
                 },
-                # Per recipient: one mail to two routed addresses is two triggers.
-                external_event_id=bounded(f"email:{recipient}:{mail.message_id}", EVENT_ID_LIMIT),
+                # Per recipient: one mail to two routed addresses is two triggers. Per
+                # sender: the key is unique across organizations, and another sender's
+                # mail under the same Message-ID (quoted or made up), taken first, made
+                # this one a duplicate, dropped after its 250.
+                external_event_id=bounded(
+                    f"email:{recipient}:{mail.sender}:{mail.message_id}", EVENT_ID_LIMIT
+                ),
             )
             # Recorded before the 250: once the sender is told OK, the mail is ours.
             try:

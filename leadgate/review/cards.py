@@ -629,7 +629,7 @@ _EVENT_SEEN = sa.select(t.inbound_events.c.id).where(
 def reply_event_id(card: ReplyCard, message_id: str) -> str:
     """The de-duplication key (``inbound_events.external_event_id``) of the mail
     ``message_id`` to ``card``: one per card it names (a routed recipient's own key is
-    ``email:<address>:<Message-ID>``)."""
+    ``email:<address>:<sender>:<Message-ID>``)."""
     return bounded(f"email-review:{card.card_id}:{message_id}", EVENT_ID_LIMIT)
 
 

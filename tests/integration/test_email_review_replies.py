@@ -1098,3 +1098,47 @@ async def test_without_the_setting_cards_have_no_reply_to_and_plus_addresses_are
         assert set(hashes) == {None}
     assert await reply(env, f"review+{'a' * 32}@reviews.example.com", "approve") == 550
     assert (await item_row(env.app, item_id))["status"] == "awaitingHuman"
+
+
+async def test_another_organization_s_mail_with_the_same_message_id_takes_nothing_away(
+    env: Env,
+) -> None:
+    """Two organizations route the same address, each for its own senders. A mail of
+    the second one carrying the Message-ID of the first one's mail (quoted, made up, or
+    a sender's copy sent on) was its de-duplication key too: the first organization's
+    mail, arriving after it, was taken (250) as a duplicate and started nothing: lost.
+    Each sender's mail is its own now."""
+    ask = "ask@lg.example"
+    globex = "mallory@globex.io"
+    acme, acme_worker = await setup(env)
+    other, other_worker = await setup(env, "globex")
+    await make_route(env.app, acme, acme_worker["id"], "email", {"address": ask, "sender": ANN})
+    await make_route(
+        env.app, other, other_worker["id"], "email", {"address": ask, "sender": globex}
+    )
+
+    async def send(sender: str) -> None:
+        message = EmailMessage()
+        message["From"] = sender
+        message["To"] = ask
+        message["Subject"] = "Invoice"
+        message["Message-ID"] = "<q4-invoice@acme.io>"
+        message.set_content(f"A question from {sender}")
+        await aiosmtplib.send(
+            message, sender=sender, recipients=[ask], hostname="127.0.0.1", port=env.port
+        )
+
+    await send(globex)
+    await send(ANN)
+    async with env.app.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(t.inbound_events.c.org_id, t.inbound_events.c.content).where(
+                    t.inbound_events.c.content.like("A question from %")
+                )
+            )
+        ).all()
+    assert sorted((row.org_id, row.content) for row in rows) == sorted(
+        [(other.id, f"A question from {globex}"), (acme.id, f"A question from {ANN}")]
+    )
+    assert await sessions_of(env, ask) == 2

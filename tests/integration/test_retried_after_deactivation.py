@@ -292,7 +292,7 @@ async def test_a_mail_delivered_again_after_its_worker_was_deactivated_is_taken_
     await change(app, org.id, worker["id"], since)
     for _ in range(2):  # (a deleted worker's second meets its miss kept by the first)
         assert await mail(mail_env.port) == 250
-    assert await taken(app, f"email:{ASK}:<m1@mail.acme.io>") == (["accepted"], 1)
+    assert await taken(app, f"email:{ASK}:alice@acme.io:<m1@mail.acme.io>") == (["accepted"], 1)
 
 
 @pytest.mark.parametrize("since", ["deactivated", "deleted"])
