@@ -52,6 +52,10 @@ _ORIGINAL = re.compile(
     r"|Mensagem original)\s*-{2,}",
     re.IGNORECASE,
 )
+#: The subject of a forward, as clients in the languages above mark it (``Fwd:``, ``FW:``,
+#: German ``WG:``, French ``TR:``, Spanish ``RV:``, Italian ``I:``, Dutch ``Doorst:``,
+#: Portuguese ``Enc:``): its quoted mail is what the person sends on to be read.
+_FORWARD_SUBJECT = re.compile(r"\s*(?:fwd?|wg|tr|rv|i|doorst|enc)\s*:", re.IGNORECASE)
 #: The header names Outlook writes above a quoted mail, in its display language, by the
 #: English name they stand for (Outlook translates them: ``Von:``/``Gesendet:``,
 #: ``De :``/``Envoyé :``, ``De:``/``Enviado:``, ``Da:``/``Inviato:``, ``Van:``/``Verzonden:``).
@@ -359,14 +363,21 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
     body = extract_text(message)
     if body is None:
         return None
-    text = strip_quoted(body)
+    subject = one_line(message.get("Subject"))
+    if _FORWARD_SUBJECT.match(subject):
+        # Kept whole: the forwarded mail under its header block (Outlook) or its
+        # "Forwarded message" line (Gmail) is what the worker is to read; cut as a
+        # quoted original, the worker got "Please summarise." alone.
+        text = body.replace("\r\n", "\n").strip()
+    else:
+        text = strip_quoted(body)
     if not text:
         return None
     return ParsedMail(
         message_id=message_id,
         root_id=root_id,
         sender=sender,
-        subject=one_line(message.get("Subject")),
+        subject=subject,
         references=" ".join(chain),
         text=text,
         automatic=automatic,

@@ -196,6 +196,27 @@ async def test_a_sentence_that_reads_like_an_attribution_keeps_what_follows(
     assert [t.text for t in listener.core.triggers] == bodies
 
 
+async def test_a_forwarded_mail_is_kept_whole(listener: Listener) -> None:
+    """A mail forwarded to the worker ("please summarise this") is the text it is to
+    read: Gmail's "---------- Forwarded message ---------" line, and Outlook's header
+    block of the forwarded mail under a ``FW:`` / ``WG:`` subject, were taken for a
+    quoted original and cut away, and the worker got "Please summarise." alone."""
+    forwarded = (
+        "From: Bob <bob@supplier.example>\n"
+        "Sent: Monday, December 7, 2026 09:12\n"
+        "To: Alice <alice@example.com>\n"
+        "Subject: Contract\n"
+        "\n"
+        "The price rises 4% from January."
+    )
+    gmail = "Please summarise.\n\n---------- Forwarded message ---------\n" + forwarded
+    outlook = "Bitte zusammenfassen.\n\n________________________________\n" + forwarded
+    await listener.send(_mail(gmail, Subject="Fwd: Contract", Message_ID="<f1@client.example>"))
+    await listener.send(_mail(outlook, Subject="WG: Contract", Message_ID="<f2@client.example>"))
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == [gmail, outlook]
+
+
 # A review card's mail as each client quotes it in a reply (the card shortened). The
 # reviewer's text is the first two lines.
 _CARD_HEADERS = (
