@@ -308,6 +308,17 @@ class EmailHandler:
             log.warning("email: took a mail but not its part to %s: %s", recipient, rule)
         return "250 2.0.0 OK"
 
+    async def handle_exception(self, error: Exception) -> str:
+        """aiosmtpd's hook for what handling a command raised past our own handling (a
+        bug): ``451``, so that the sending server keeps the mail and retries, and one
+        ERROR line with the traceback. aiosmtpd's own answer was a permanent ``500
+        Error: (<type>) <its text>``: the mail bounced for good, its text (which may
+        quote the mail) told to the sender, the traceback logged as it stood."""
+        log.error(
+            "email: handling an SMTP command failed; asking to retry", exc_info=loggable(error)
+        )
+        return _TEMPFAIL
+
     def answer_cards(self, reviews: ChatReviewBackend, reply_address: str) -> None:
         """Take replies to review cards at ``reply_address`` plus a token, decided (and
         answered, through the outbox) by ``reviews``."""

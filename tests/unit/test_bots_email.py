@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from email.message import EmailMessage
-from typing import Any
+from typing import Any, cast
 
 import aiosmtplib
 import pytest
@@ -16,9 +16,11 @@ from aiohttp import web
 
 from bots.email import EmailAdapter, create, reply_subject, strip_quoted
 from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
+from bots.review_base import ChatReviewBackend
 from leadgate.core.config import EmailSettings, Settings
 from leadgate.core.errors import DatabaseDamaged, Unavailable
 from leadgate.core.types import BindingKind, Inbound, RouteMatch
+from leadgate.review.replies import ReplyCard
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import eventually
 
@@ -813,6 +815,39 @@ async def test_a_database_fault_at_rcpt_is_451_with_one_line_and_no_traceback(
     [said] = [r for r in caplog.records if r.name == "bots.email" and "route" in r.getMessage()]
     assert said.levelno == logging.WARNING and said.exc_info is None
     assert "(service.unavailable)" in said.getMessage()
+
+
+class _FailingReviews:
+    """A review backend that knows one card and whose decision raises a bug (no
+    database fault: those are answered ``unavailable``)."""
+
+    async def reply_card(self, token: str) -> ReplyCard | None:
+        return ReplyCard("org-1", "item-1", "ep-1", "awaitingHuman", None, "card-1", "agent-1")
+
+    async def email_reply(self, *args: object) -> Any:
+        raise RuntimeError("a bug quoting the mail: my reason")
+
+
+async def test_a_bug_while_taking_a_mail_is_451_without_its_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What handling a mail raised past the listener's own handling was aiosmtpd's
+    ``500 Error: (RuntimeError) <its text>``: a permanent refusal, the mail bounced for
+    good with the error's text (quoting the mail) told to the sender. It is a ``451``
+    now (the sending server retries) and one ERROR line with the traceback."""
+    async for listener in _listen(FakeCore(_allow(ALICE))):
+        reviews = cast(ChatReviewBackend, _FailingReviews())
+        listener.adapter.handler.answer_cards(reviews, "review@lg.example")
+        with (
+            caplog.at_level(logging.ERROR, logger="bots.email"),
+            pytest.raises(aiosmtplib.SMTPDataError) as info,
+        ):
+            await listener.send(_mail("reject\nmy reason"), rcpt=[f"review+{'a' * 32}@lg.example"])
+        assert info.value.code == 451, info.value
+        assert "my reason" not in info.value.message
+        [line] = [r for r in caplog.records if r.name == "bots.email"]
+        assert line.getMessage() == "email: handling an SMTP command failed; asking to retry"
+        assert line.exc_info is not None
 
 
 async def _smtp_raw(port: int, commands: list[bytes]) -> list[bytes]:
