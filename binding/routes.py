@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, ValidationError
+from leadgate.core.errors import NotFound, ValidationError, quoted
 from leadgate.core.kept import Kept
 from leadgate.core.types import ROUTE_PARENT as PARENT
 from leadgate.core.types import RouteMatch
@@ -247,5 +247,5 @@ async def disable_route(conn: Conn, org_id: str, route_id: str) -> RouteView:
         )
     ).first()
     if row is None:
-        raise NotFound(f"no route {route_id} in this organization", rule="route.not_found")
+        raise NotFound(f"no route {quoted(route_id)} in this organization", rule="route.not_found")
     return _route_view(row)

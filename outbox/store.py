@@ -32,7 +32,7 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from binding.bindings import active_binding
 from leadgate.core.clock import Clock, IdFactory
-from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.errors import NotFound, TransitionError, quoted
 from leadgate.core.logs import Tally, loggable
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.types import CHANNEL_KINDS, BindingKind
@@ -935,7 +935,7 @@ async def get_delivery(conn: Conn, delivery_id: str, org_id: str) -> Delivery:
         await conn.execute(sa.select(t.deliveries).where(D.id == delivery_id, D.org_id == org_id))
     ).first()
     if row is None:
-        raise NotFound(f"no delivery {delivery_id}", rule="delivery.not_found")
+        raise NotFound(f"no delivery {quoted(delivery_id)}", rule="delivery.not_found")
     return Delivery.from_row(row)
 
 

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import ROLE_SCOPES, Principal, Role
 from leadgate.core.clock import Clock, IdFactory, iso
-from leadgate.core.errors import Conflict, NotFound, ValidationError
+from leadgate.core.errors import Conflict, NotFound, ValidationError, quoted
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
 
@@ -119,7 +119,8 @@ async def link(
         if existing.user_id == user.id:
             return await _view(conn, org_id, platform, identity)
         raise Conflict(
-            f"{platform} identity {identity} is already linked to another user; unlink it first",
+            f"{platform} identity {quoted(identity)} is already linked to another user; "
+            "unlink it first",
             rule="link.taken",
         )
     await conn.execute(
@@ -150,7 +151,9 @@ async def unlink(
         )
     )
     if not res.rowcount:
-        raise NotFound(f"{email} has no {platform} link {identity}", rule="link.not_found")
+        raise NotFound(
+            f"{quoted(email)} has no {platform} link {quoted(identity)}", rule="link.not_found"
+        )
     return {"email": user.email, "platform": platform, "identity": identity, "unlinked": True}
 
 
@@ -215,7 +218,7 @@ async def _user(conn: Conn, org_id: str, email: str) -> Any:
         )
     ).first()
     if row is None:
-        raise NotFound(f"no user {email} in this organization", rule="user.not_found")
+        raise NotFound(f"no user {quoted(email)} in this organization", rule="user.not_found")
     return row
 
 

@@ -234,7 +234,7 @@ async def create_user(
     if "@" not in email or len(email) > 320:
         raise ValidationError("user email must be an email address", rule="user.email")
     if await conn.scalar(sa.select(t.users.c.id).where(t.users.c.email == email)):
-        raise Conflict(f"a user {email} already exists", rule="user.email_taken")
+        raise Conflict(f"a user {quoted(email)} already exists", rule="user.email_taken")
     user_id = ids.new("usr")
     await conn.execute(
         t.users.insert().values(

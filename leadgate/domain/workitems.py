@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from leadgate.core.clock import DAY_MS, Clock, IdFactory, iso
-from leadgate.core.errors import NotFound, TransitionError
+from leadgate.core.errors import NotFound, TransitionError, quoted
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.core.runners import LOCKED_RECHECK_MS, seconds_until
 from leadgate.core.types import BindingKind
@@ -569,7 +569,7 @@ async def get(
 
 def not_found(item_id: str) -> NotFound:
     """The error of a work item that is absent or of another organization."""
-    return NotFound(f"no work item {item_id}", rule="workItem.not_found")
+    return NotFound(f"no work item {quoted(item_id)}", rule="workItem.not_found")
 
 
 _ACTIVE_FOR = sa.select(t.work_items).where(

@@ -614,7 +614,7 @@ async def run_view(conn: Conn, org_id: str, run_id: str) -> RunView:
         await conn.execute(sa.select(t.flow_runs).where(R.id == run_id, R.org_id == org_id))
     ).first()
     if row is None:
-        raise NotFound(f"no flow run {run_id}", rule="flowRun.not_found")
+        raise NotFound(f"no flow run {quoted(run_id)}", rule="flowRun.not_found")
     events = (
         await conn.execute(
             sa.select(t.flow_run_events.c.text, t.flow_run_events.c.created_at)

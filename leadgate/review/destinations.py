@@ -275,7 +275,7 @@ async def remove_destination(conn: Conn, org_id: str, destination_id: str) -> No
         t.review_destinations.delete().where(RD.id == destination_id, RD.org_id == org_id)
     )
     if not res.rowcount:
-        raise NotFound(f"no review destination {destination_id}", rule="notify.not_found")
+        raise NotFound(f"no review destination {quoted(destination_id)}", rule="notify.not_found")
 
 
 async def list_destinations(conn: Conn, org_id: str) -> list[Destination]:

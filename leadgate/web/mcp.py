@@ -53,6 +53,7 @@ from leadgate.core.errors import (
     PayloadTooLarge,
     Unavailable,
     ValidationError,
+    quoted,
     when_reading,
 )
 from leadgate.core.limits import MESSAGE_LIMIT, validate_message
@@ -451,7 +452,7 @@ def build_mcp_server(
     ) -> CallToolResult:
         if params.name != TOOL_NAME:
             # As the SDK's MCPServer answers it: a tool result, not a protocol error.
-            return _tool_error(f"Unknown tool: {params.name}", "tool.unknown")
+            return _tool_error(f"Unknown tool: {quoted(params.name)}", "tool.unknown")
         principal = _principal_of(ctx)
         try:
             if principal is None:

@@ -12,6 +12,7 @@ from typing import NoReturn
 import pytest
 
 from leadgate.cli.main import main
+from leadgate.core.errors import QUOTE_LIMIT
 from tests.integration.test_review_cli import Cli, demo_cli
 
 
@@ -172,7 +173,7 @@ def test_an_error_quoting_a_line_break_or_an_escape_stays_one_inert_line(cli: Cl
     terminal (here: clear the screen)."""
     err = cli.rule("workItem.not_found", "review", "show", "--org", "demo", "wi_1\nb\x1b[2J")
     assert err.count("\n") == 1 and "\x1b" not in err, err
-    assert "no work item wi_1\\nb\\x1b[2J (config: " in err, err
+    assert "no work item 'wi_1\\nb\\x1b[2J' (config: " in err, err
 
 
 def _raising(raised: BaseException) -> Callable[..., NoReturn]:
@@ -211,3 +212,28 @@ def test_ctrl_c_while_the_command_starts_is_one_line_and_130(
     assert (code, out) == (130, ""), (out, err)
     assert err.startswith("leadgate: error: interrupted (Ctrl-C)"), err
     assert err.rstrip().endswith("[cli.interrupted]") and err.count("\n") == 1, err
+
+
+def test_a_long_id_on_the_command_line_is_quoted_short(cli: Cli) -> None:
+    """An id that names nothing is quoted in the error at most its first 80 characters
+    and its length: 5,000 characters given came back whole (``no work item ...``,
+    ``no delivery ...``, ``no flow run ...``, ``no route ...``, ``no review
+    destination ...``, ``no user ...``)."""
+    long = "ghost-" + "x" * 4_994
+    for rule, args in (
+        ("workItem.not_found", ("review", "show", "--org", "demo", long)),
+        ("workItem.not_found", ("review", "cancel", "--org", "demo", long)),
+        ("delivery.not_found", ("delivery", "retry", "--org", "demo", long)),
+        ("flowRun.not_found", ("flow", "show", "--org", "demo", long)),
+        ("route.not_found", ("route", "disable", "--org", "demo", long)),
+        ("notify.not_found", ("notify", "remove", "--org", "demo", long)),
+        ("key.not_found", ("key", "revoke", "--org", "demo", long)),
+        (
+            "user.not_found",
+            ("user", "unlink", "--org", "demo", "--email", long, "--discord", "1234567890"),
+        ),
+    ):
+        err = cli.rule(rule, *args)
+        said = err.split(" (config: ")[0]  # the paths' length depends on the test's tmp
+        assert len(said) < QUOTE_LIMIT + 100, err
+        assert "'ghost-xxx" in err and "(5,000 characters)" in err, err

@@ -209,7 +209,7 @@ async def test_an_unknown_tool_is_a_tool_error_naming_its_rule(served: Served) -
     async with mcp_session(served.url, "key-a") as session:
         result = await session.call_tool("send_message", {"agent": "writer", "message": "hi"})
     assert result.is_error is True
-    assert only_text(result) == "Unknown tool: send_message"
+    assert only_text(result) == "Unknown tool: 'send_message'"
     assert result.meta == {"rule": "tool.unknown"}
     assert served.core.calls == []
 
