@@ -279,7 +279,7 @@ def _main(raw: list[str]) -> int:
         return _reader_gone()
     except OSError as exc:  # written unbuffered (PYTHONUNBUFFERED=1) to a full disk
         return _unwritable(exc, completed=False)
-    except LeadgateError as exc:  # `--version >&-`: nowhere to print it (check_stdout)
+    except LeadgateError as exc:  # `--version >&-`, `--help >&-`: nowhere to print (check_stdout)
         return _refused(exc, None, None)
     # Imported once the arguments parsed: `--version` and a usage error answer without
     # loading asyncio, and pydantic and SQLAlchemy (the configuration's checks).

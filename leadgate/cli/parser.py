@@ -50,11 +50,12 @@ class Parser(argparse.ArgumentParser):
         """argparse's, but a reader gone (``--help | head -0``) raises
         :class:`BrokenPipeError`, which ``leadgate`` turns into exit 141 as for any
         output: argparse drops an error writing its help, and unbuffered
-        (``PYTHONUNBUFFERED=1``) the help was lost with exit 0."""
+        (``PYTHONUNBUFFERED=1``) the help was lost with exit 0. With standard output
+        closed (``>&-``), refused as ``--version`` is (exit 2 ``[cli.stdout]``): argparse
+        printed the help on stderr with exit 0, the same success as when it was read."""
+        if file is None:
+            check_stdout()
         out = sys.stdout if file is None else file
-        if out is None:  # stdout closed (>&-): argparse's way, the help on stderr
-            super().print_help(file)
-            return
         out.write(self.format_help())
 
 

@@ -326,11 +326,21 @@ def test_version_to_a_reader_gone_and_a_closed_stdout_are_one_line_not_a_traceba
     assert rows(world, "SELECT count(*) FROM api_keys") == [(keys,)]
 
 
-def test_version_with_standard_output_closed_is_refused(tmp_path: Path) -> None:
+def test_version_and_help_with_standard_output_closed_are_refused(tmp_path: Path) -> None:
     # `leadgate --version >&-`: print() printed it nowhere, and the exit was 0.
-    closed = lg(tmp_path, "sh", "-c", 'exec "$0" "$@" >&-', *LEADGATE, "--version", runner=[])
-    closed.rule_error("cli.stdout")
-    assert "standard output is closed" in closed.err and closed.err.count("\n") == 0, closed
+    # `leadgate --help >&-` (and a subcommand's): argparse put the help on stderr, exit 0.
+    closed = ("sh", "-c", 'exec "$0" "$@" >&-', *LEADGATE)
+    runs = par(
+        tmp_path,
+        ((*closed, "--version"), {"runner": []}),
+        ((*closed, "--help"), {"runner": []}),
+        ((*closed, "-h"), {"runner": []}),
+        ((*closed, "review", "--help"), {"runner": []}),
+        ((*closed, "review", "list", "--help"), {"runner": []}),
+    )
+    for run in runs:
+        run.rule_error("cli.stdout")
+        assert "standard output is closed" in run.err and run.err.count("\n") == 0, run
 
 
 @pytest.mark.parametrize("unbuffered", ["", "1"])
