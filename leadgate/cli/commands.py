@@ -543,7 +543,7 @@ async def review_show(admin: Admin, args: argparse.Namespace, _: Settings) -> Re
 def _decision(action: str) -> Command:
     async def decide(admin: Admin, args: argparse.Namespace, _: Settings) -> ReviewDetailView:
         text = None
-        if action == "reject":
+        if action == "reject" or (action == "cancel" and args.reason is not None):
             text = _text(args.reason, "decision.reason")
         elif action == "return":
             text = _text(args.feedback, "decision.feedback")

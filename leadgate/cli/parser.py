@@ -308,6 +308,8 @@ def _operators(sub: Sub[argparse.ArgumentParser]) -> None:
         p = _acting(review(action, help_text), "item", "WORK_ITEM_ID")
         if action == "reject":
             p.add_argument("--reason", required=True, help="1..2,000 characters; - reads stdin")
+        if action == "cancel":
+            p.add_argument("--reason", help="optional, why: 1..2,000 characters; - reads stdin")
         if action == "return":
             p.add_argument("--feedback", required=True, help="1..10,000 characters; - reads stdin")
     delivery = _group(sub, "delivery", "recovery of uncertain (deliveryUnknown) deliveries")

@@ -136,7 +136,8 @@ class Reviews:
         then: InDecision | None = None,
         revision: int | None = None,
     ) -> ReviewDetailView:
-        """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel.
+        """Approve, reject (``text`` = reason), return (``text`` = feedback) or cancel
+        (``text`` = an optional reason).
 
         ``surface`` (console, api, cli, slack, teams, discord, email) and ``identity``
         (the platform identity, e.g. ``slack:T1:U2``) are audited beside the actor;

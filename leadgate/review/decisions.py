@@ -534,14 +534,23 @@ async def cancel(
     ids: IdFactory,
     item: WorkItem,
     actor: str,
+    reason: object = None,
     *,
     surface: str | None = None,
     identity: str | None = None,
 ) -> WorkItem:
-    """Cancel from any non-terminal status; unsent deliveries are cancelled too."""
+    """Cancel from any non-terminal status; unsent deliveries are cancelled too.
+    ``reason``: optional, why (1..2,000 characters, kept in the audit entry as a
+    reject's is); none, or an empty or blank one, is a cancel without a reason."""
     src = Status(item.status)
     if src in workitems.TERMINAL:
         raise await workitems.ended_already(conn, item, Status.cancelled)
+    # Checked after the status: a cancel of an item that ended is told so, whatever it says.
+    text = (
+        None
+        if reason is None or (isinstance(reason, str) and not reason.strip())
+        else check_text(reason, name="reason", limit=REASON_LIMIT, rule="decision.reason")
+    )
     row = await workitems.transition(
         conn,
         clock,
@@ -552,6 +561,7 @@ async def cancel(
         actor=actor,
         action="cancel",
         values={"lease_token": None, "lease_expires_at": None},
+        text=text,
         surface=surface,
         identity=identity,
     )
@@ -597,7 +607,7 @@ async def decide(
     elif action == "return":
         row = await human_return(conn, clock, ids, item, actor, text, **where)
     else:
-        row = await cancel(conn, clock, ids, item, actor, **where)
+        row = await cancel(conn, clock, ids, item, actor, text, **where)
     said = text if action in ("reject", "return") and isinstance(text, str) else None
     await _close_cards(conn, outbox, item.id, action, actor, surface, said)
     return row

@@ -195,6 +195,13 @@ _DECISION_BODY: dict[str, Any] = {
     "properties": _REVISION,
     "additionalProperties": False,
 }
+#: A cancel's: the revision, and optionally why (kept in the cancel's audit entry; an
+#: empty one is no reason).
+_CANCEL_BODY: dict[str, Any] = {
+    "type": "object",
+    "properties": {"reason": {"type": "string", "maxLength": 2000}, **_REVISION},
+    "additionalProperties": False,
+}
 #: A recovery's: the send its operator checked (409 ``delivery.attempts`` when it was
 #: sent again since).
 _RECOVERY_BODY: dict[str, Any] = {
@@ -356,8 +363,8 @@ OPERATIONS: list[Operation] = [
     Operation(
         "post",
         "/operator/reviews/{item_id}/cancel",
-        "Cancel",
-        body=_DECISION_BODY,
+        "Cancel (with an optional reason)",
+        body=_CANCEL_BODY,
         body_optional=True,
         responses={"200": "OK", **_DECIDED},
     ),

@@ -64,7 +64,7 @@ class ReviewBackend(Protocol):
 
 
 #: Which body field carries a decision's text.
-_TEXT_FIELD = {"reject": "reason", "return": "feedback"}
+_TEXT_FIELD = {"reject": "reason", "return": "feedback", "cancel": "reason"}
 #: The fields a decision's body may have, by action; a recovery's.
 _DECISION_FIELDS = {
     action: frozenset({"revision", *([_TEXT_FIELD[action]] if action in _TEXT_FIELD else [])})

@@ -444,6 +444,22 @@ async def test_member_rejects_with_a_reason_and_server_errors_are_shown(
     await expect(page.get_by_role("button", name="Reject")).to_have_count(0)
 
 
+async def test_a_member_cancels_saying_why_and_the_audit_shows_it(
+    console: Console, page: Page
+) -> None:
+    """The cancel's confirmation takes an optional reason, kept in its audit entry (the
+    operator API refused one: 400 ``decision.unknown_field``)."""
+    item = await console.awaiting_item("summarise the lease", "s9")
+    await console.open(page, MEMBER, "Member")
+    await page.goto(f"{console.url}/console/#/review/{item}")
+    await expect(page.locator("#detail-status")).to_have_text("awaitingHuman")
+    await page.get_by_role("button", name="Cancel work item…").click()
+    await page.get_by_label("Reason for cancelling (optional)").fill("Asked twice; see s5.")
+    await page.get_by_role("button", name="Yes, cancel it").click()
+    await expect(page.locator("#detail-status")).to_have_text("cancelled")
+    await expect(page.locator("#audit")).to_contain_text("Asked twice; see s5.")
+
+
 async def test_typed_feedback_survives_live_updates_and_a_decision_made_elsewhere_shows(
     console: Console, page: Page
 ) -> None:

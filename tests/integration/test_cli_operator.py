@@ -778,7 +778,7 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
         ("review", "approve", *acme, first),
         (("review", "reject", *acme, second, "--reason", "-"), {"stdin": "Wrong numbers.\n"}),
         ("review", "return", *acme, third, "--feedback", "More detail.", "--as", "MIA@example.com"),
-        ("review", "cancel", *acme, fourth),
+        ("review", "cancel", *acme, fourth, "--reason", "Duplicate of the 12th."),
         ("delivery", "retry", "--org", "acme", delivery),
     )
     assert approved.json()["status"] == "completed"  # an api item: nothing to send
@@ -797,6 +797,9 @@ def test_review_commands_decide_through_the_one_commit_path(world: dict[str, Any
         "cli",
     )
     assert cancelled.json()["status"] == "cancelled"
+    # Why it was cancelled, in its audit entry (--reason was a usage error).
+    last = cancelled.json()["audit"][-1]
+    assert (last["action"], last["text"]) == ("cancel", "Duplicate of the 12th.")
     assert retried.json()["deliveries"][0]["status"] == "pending"
 
     again, confirm, cancel_rejected, reject_cancelled = batch(

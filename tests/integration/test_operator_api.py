@@ -21,6 +21,7 @@ from leadgate.app import App
 from leadgate.core.auth import Scope
 from leadgate.core.clock import MINUTE_MS, FakeClock, iso
 from leadgate.core.config import Settings
+from leadgate.core.limits import REASON_LIMIT
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Trigger
 from leadgate.database import schema as t
@@ -708,6 +709,33 @@ async def test_decisions_answer_the_updated_detail(env: Env) -> None:
 
 
 @SQLITE_ONLY
+async def test_a_cancel_may_say_why_and_its_audit_entry_keeps_it(env: Env) -> None:
+    """An operator says why they cancel (``{"reason": ...}``, optional): it was a 400
+    ``decision.unknown_field``. The reason is checked as a reject's (text, at most 2,000
+    characters: 400 ``decision.reason``, nothing changes) and kept in the cancel's audit
+    entry, which the review detail shows; none, or an empty one, is a cancel without."""
+    item = await env.escalated("a")
+    other = await env.escalated("b")
+    before = await env.snapshot()
+    for bad in ("x" * (REASON_LIMIT + 1), 7, ["why"]):
+        status, answer = await post(env, f"/operator/reviews/{item}/cancel", {"reason": bad})
+        assert (status, answer["error"]["rule"]) == (400, "decision.reason"), answer
+    assert await env.snapshot() == before
+    why = "x" * (REASON_LIMIT - 13) + " wrong thread"  # at the limit
+    status, body = await post(env, f"/operator/reviews/{item}/cancel", {"reason": why})
+    assert (status, body["status"]) == (200, "cancelled")
+    assert (body["audit"][-1]["action"], body["audit"][-1]["text"]) == ("cancel", why)
+    detail = await get_json(env, f"/operator/reviews/{item}")
+    assert detail["audit"][-1]["text"] == why
+    status, body = await post(env, f"/operator/reviews/{other}/cancel", {"reason": ""})
+    assert (status, body["audit"][-1]["action"], body["audit"][-1]["text"]) == (
+        200,
+        "cancel",
+        None,
+    )
+
+
+@SQLITE_ONLY
 async def test_a_body_field_its_route_does_not_take_is_400_naming_it(env: Env) -> None:
     """A decision's or recovery's body naming a field its route does not take is a 400
     naming the field and what the route takes, and nothing changes: ignored, a misspelt
@@ -720,7 +748,7 @@ async def test_a_body_field_its_route_does_not_take_is_400_naming_it(env: Env) -
     cases: list[tuple[str, str, str, dict[str, Any], str]] = [
         ("reviews", item, "approve", {"revison": 0}, "revision"),
         ("reviews", item, "approve", {"reason": "looks wrong"}, "revision"),
-        ("reviews", item, "cancel", {"feedback": "x", "revision": 0}, "revision"),
+        ("reviews", item, "cancel", {"feedback": "x", "revision": 0}, "reason, revision"),
         ("reviews", item, "reject", {"reason": "no", "feedback": "x"}, "reason, revision"),
         ("reviews", item, "return", {"reason": "wrong field"}, "feedback, revision"),
         ("deliveries", dlv, "retry", {"attempt": 1}, "attempts"),

@@ -923,11 +923,14 @@
       parts.push(el("p", { class: "hint", id: "no-decision" }, what[d.status] || `No decision is open: the item is ${d.status}.`));
     }
     if (!TERMINAL.has(d.status)) {
+      // Optional: an empty reason is sent as none (the audit keeps the one given).
+      const why = el("input", { type: "text", id: "cancel-reason", maxlength: REASON_MAX, placeholder: "Reason (optional)", "aria-label": "Reason for cancelling (optional)" });
       const confirmRow = el(
         "div",
         { class: "row confirm", hidden: true },
         el("span", {}, "Cancelling stops this work item for good."),
-        el("button", { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, { revision }, "Cancelled.") }, "Yes, cancel it"),
+        why,
+        el("button", { type: "button", class: "danger", onclick: () => act(`${base}/cancel`, { revision, reason: why.value.trim() || undefined }, "Cancelled.") }, "Yes, cancel it"),
         el("button", { type: "button", onclick: () => (confirmRow.hidden = true) }, "Keep it")
       );
       parts.push(
