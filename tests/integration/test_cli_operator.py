@@ -337,6 +337,13 @@ def test_version_and_help_with_standard_output_closed_are_refused(tmp_path: Path
         ((*closed, "-h"), {"runner": []}),
         ((*closed, "review", "--help"), {"runner": []}),
         ((*closed, "review", "list", "--help"), {"runner": []}),
+        # Every command's output goes through the one check in main(), the read-only ones
+        # too: refused before the configuration is read, nothing lost with exit 0.
+        ((*closed, "key", "list", "--org", "acme"), {"runner": []}),
+        ((*closed, "review", "list", "--org", "acme"), {"runner": []}),
+        ((*closed, "review", "show", "--org", "acme", "wi_1"), {"runner": []}),
+        ((*closed, "delivery", "list", "--org", "acme"), {"runner": []}),
+        ((*closed, "db", "upgrade"), {"runner": []}),
     )
     for run in runs:
         run.rule_error("cli.stdout")
