@@ -62,6 +62,7 @@ from leadgate.core.errors import (
     Unavailable,
     ValidationError,
     log_failure,
+    quoted,
     when_reading,
 )
 from leadgate.core.logs import Tally, loggable
@@ -273,10 +274,12 @@ def _refused(uri: str, exc: LeadgateError) -> MCPError:
 def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
     """-32602 for a URI that names no resource of the caller's: ``resource.unknown`` when
     it is no transcript URI at all, else the lookup's rule (``agent.not_found``, also for
-    another organization's agent). It named no rule, unlike every other refusal here."""
+    another organization's agent). It named no rule, unlike every other refusal here. The
+    message quotes the URI as every refusal quotes what a client sent (:func:`quoted`):
+    an agent's name of 5,000 characters came back whole."""
     return MCPError(
         code=mt.INVALID_PARAMS,
-        message=f"Unknown resource: {uri}",
+        message=f"Unknown resource: {quoted(uri)}",
         data={"uri": uri, "rule": rule},
     )
 

@@ -46,7 +46,7 @@ NO_ELICITATION: Final = "Server did not request elicitation from client"
 
 def unknown(uri: str) -> str:
     """How a scenario reading one of the suite's fixture resources fails here."""
-    return f"Failed: MCP error -32602: Unknown resource: {uri}"
+    return f"Failed: MCP error -32602: Unknown resource: {uri!r}"
 
 
 # Scenario -> the one failing check's message. Each of these calls the suite's own

@@ -30,7 +30,7 @@ from leadgate.app import App, package_version
 from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
-from leadgate.core.errors import CANNOT_READ
+from leadgate.core.errors import CANNOT_READ, QUOTE_LIMIT
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
@@ -289,6 +289,14 @@ async def test_another_organizations_resource_is_unknown(env: Env) -> None:
             assert read.value.error.code == mt.INVALID_PARAMS
             # Named like every other refusal (it named no rule).
             assert read.value.error.data == {"uri": resource, "rule": rule}
+            assert read.value.error.message == f"Unknown resource: {resource!r}"
+        # A long name is quoted short, as every refusal quotes what a client sent: 5,000
+        # characters came back whole in the message.
+        with pytest.raises(MCPError) as long_read:
+            await client.read_resource(uri("ghost-" + "x" * 4_994, "m1"))
+        said = long_read.value.error.message
+        assert long_read.value.error.data["rule"] == "agent.not_found"
+        assert len(said) < QUOTE_LIMIT + 100 and "… (5,0" in said, said
         with (
             warnings.catch_warnings(),
             pytest.raises(MCPError) as sub,
