@@ -131,3 +131,29 @@ def slack_trigger(env: ReviewEnv, text: str, thread: str = "1.1") -> Trigger:
             BindingKind.slack, {"team": "T1", "channel": "C9", "thread_ts": thread}
         ),
     )
+
+
+def reply_rows(
+    org_id: str, item_id: str, statuses: list[str], now: int, prefix: str
+) -> list[dict[str, Any]]:
+    """Rows of API reply deliveries of ``item_id`` to insert at once, one per status,
+    ``<prefix><i>`` made at ``now + i``: a long delivery history without running
+    its sends."""
+    return [
+        {
+            "id": f"{prefix}{i}",
+            "org_id": org_id,
+            "work_item_id": item_id,
+            "kind": "reply",
+            "action": "post",
+            "channel": "api",
+            "address": {},
+            "text": "t",
+            "status": status,
+            "attempts": 1,
+            "next_attempt_at": now + i,
+            "created_at": now + i,
+            "updated_at": now + i,
+        }
+        for i, status in enumerate(statuses)
+    ]

@@ -43,7 +43,7 @@ from leadgate.runners.revisions import RevisionRunner
 from outbox.channel import OutboundMessage, Retry, SendOutcome, Sent, Uncertain
 from outbox.store import get_delivery
 from tests.helpers import Org, fake_clock, make_agent, make_org
-from tests.review_support import add_destination
+from tests.review_support import add_destination, reply_rows
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -371,24 +371,9 @@ async def test_a_detail_cut_to_its_newest_audit_says_older_entries_exist(
         )
         await conn.execute(
             sa.insert(t.deliveries),
-            [
-                {
-                    "id": f"dlv_cut{i}",
-                    "org_id": console.org.id,
-                    "work_item_id": other,
-                    "kind": "reply",
-                    "action": "post",
-                    "channel": "api",
-                    "address": {},
-                    "text": "t",
-                    "status": status,
-                    "attempts": 1,
-                    "next_attempt_at": now + i,
-                    "created_at": now + i,
-                    "updated_at": now + i,
-                }
-                for i, status in enumerate(["deliveryUnknown"] * 3 + ["sent"] * 2)
-            ],
+            reply_rows(
+                console.org.id, other, ["deliveryUnknown"] * 3 + ["sent"] * 2, now, "dlv_cut"
+            ),
         )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(queue, "DETAIL_LIST_MAX", 2)

@@ -17,6 +17,7 @@ from leadgate.domain import orgs, workitems
 from leadgate.review import decisions, queue
 from leadgate.review.queue import detail
 from tests.helpers import make_org
+from tests.review_support import reply_rows
 from tests.stack import Stack
 from tests.unit.test_decisions import escalated, setup, slack_run
 
@@ -141,24 +142,7 @@ async def test_the_detail_lists_the_newest_audit_and_deliveries_and_says_when_cu
         )
         await conn.execute(
             sa.insert(t.deliveries),
-            [
-                {
-                    "id": f"dlv_note{i}",
-                    "org_id": org.id,
-                    "work_item_id": item_id,
-                    "kind": "reply",
-                    "action": "post",
-                    "channel": "api",
-                    "address": {},
-                    "text": "t",
-                    "status": "sent",
-                    "attempts": 1,
-                    "next_attempt_at": now + i,
-                    "created_at": now + i,
-                    "updated_at": now + i,
-                }
-                for i in range(4)
-            ],
+            reply_rows(org.id, item_id, ["sent"] * 4, now, "dlv_note"),
         )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(queue, "DETAIL_LIST_MAX", 3)
@@ -196,28 +180,11 @@ async def test_the_detail_lists_every_unsettled_delivery_whatever_its_age(stack:
     async with stack.db.tx() as conn:
         await conn.execute(
             sa.insert(t.deliveries),
-            [
-                {
-                    "id": f"dlv_many{i:03}",
-                    "org_id": org.id,
-                    "work_item_id": item_id,
-                    "kind": "reply",
-                    "action": "post",
-                    "channel": "api",
-                    "address": {},
-                    "text": "t",
-                    "status": status,
-                    "attempts": 1,
-                    "next_attempt_at": now + i,
-                    "created_at": now + i,
-                    "updated_at": now + i,
-                }
-                for i, status in enumerate(statuses)
-            ],
+            reply_rows(org.id, item_id, statuses, now, "dlv_many"),
         )
         listed = await detail(conn, org.id, item_id)
     ids = [d["id"] for d in listed["deliveries"]]
-    assert ids == ["dlv_many000", "dlv_many001", *[f"dlv_many{i:03}" for i in range(52, 252)]]
+    assert ids == ["dlv_many0", "dlv_many1", *[f"dlv_many{i}" for i in range(52, 252)]]
     assert [d["status"] for d in listed["deliveries"][:2]] == ["deliveryUnknown", "sending"]
     assert listed["deliveriesTruncated"] is True
     assert listed["unsettledDeliveriesTruncated"] is False
@@ -226,7 +193,7 @@ async def test_the_detail_lists_every_unsettled_delivery_whatever_its_age(stack:
         async with stack.db.read() as conn:
             cut = await detail(conn, org.id, item_id)
     # The oldest unsettled one and the newest one: at most twice the cap.
-    assert [d["id"] for d in cut["deliveries"]] == ["dlv_many000", "dlv_many251"]
+    assert [d["id"] for d in cut["deliveries"]] == ["dlv_many0", "dlv_many251"]
     assert (cut["deliveriesTruncated"], cut["unsettledDeliveriesTruncated"]) == (True, True)
 
 
