@@ -78,6 +78,7 @@ import sqlalchemy as sa
 from leadgate.core.clock import Clock
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, before_commit, signal_after_commit
+from leadgate.database.sql import later_of
 
 #: Event kinds.
 MESSAGE = "message"
@@ -100,6 +101,63 @@ _TERMINAL = {
     "failed": "failed",
     "abandoned": "abandoned",
 }
+
+
+# --------------------------------------------------------------------------- message times
+
+# A session's messages are read in ``(created_at, id)`` order (the history window, the
+# transcripts). ``created_at`` was the writing replica's clock: with two replicas' clocks
+# 2 s apart, a message taken in later by the one behind sorted before an earlier one, and
+# a turn's model was shown the conversation out of order. So a message is stamped in the
+# statement that inserts it with the later of the clock's reading and the session's
+# newest stamp + 1 ms: the order by time is the order the database took the rows in,
+# whatever the clocks, with no statement more (one seek of the session's index in the
+# insert; a per-session order column would have needed a migration, a new index and
+# every reader changed, and still this very subquery to fill it). As the work item moves'
+# ``updated_at`` (:class:`leadgate.database.sql.later_of`), a clock behind is carried
+# along by the stamps before it. Concurrency: SQLite has one writer at a time, so each
+# insert sees every row before it. A PostgreSQL statement sees the rows committed when
+# it started (READ COMMITTED): two statements of one session at the same moment, neither
+# seeing the other's row, may take the same stamp (no unique constraint, so no error);
+# ``id`` then orders them, either order being one in which each was taken before the
+# other could be seen. Rows of one statement are numbered in their given order
+# (:func:`message_created_at_sql`'s ``ord``).
+_NEWEST_STAMP = t.messages.alias("newest")
+
+
+def message_created_at(
+    now: sa.ColumnElement[Any], session_id: sa.ColumnElement[Any]
+) -> sa.ColumnElement[int]:
+    """The ``created_at`` of a message inserted into ``session_id`` at ``now`` (the
+    clock's reading): the later of ``now`` and the session's newest message + 1 ms (see
+    the comment above)."""
+    newest = (
+        sa.select(_NEWEST_STAMP.c.created_at)
+        .where(_NEWEST_STAMP.c.session_id == session_id)
+        .order_by(_NEWEST_STAMP.c.created_at.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    return later_of(now, sa.func.coalesce(newest, 0) + 1)
+
+
+def message_created_at_sql(now: str, session_id: str, ord: str | None = None) -> str:
+    """PostgreSQL: :func:`message_created_at` for a hand-written statement: ``now`` and
+    ``session_id`` are SQL expressions. ``ord``: for a statement inserting several rows
+    into one session, their 1-based place in it, as an expression over the rows of the
+    ``SELECT`` (whose columns ``now`` and ``session_id`` name): each row is stamped after
+    the session's newest and after the rows before it (a running maximum), and at least
+    at its ``now``."""
+    newest = (
+        f"COALESCE((SELECT created_at FROM messages WHERE session_id = {session_id}"
+        " ORDER BY created_at DESC LIMIT 1), 0)"
+    )
+    if ord is None:
+        return f"GREATEST(CAST({now} AS bigint), {newest} + 1)"
+    return (
+        f"GREATEST({newest}, max({now} - {ord})"
+        f" OVER (PARTITION BY {session_id} ORDER BY {ord})) + {ord}"
+    )
 
 
 class SessionEvent(NamedTuple):
@@ -301,8 +359,9 @@ def postgres_message_ctes(session: str) -> str:
         "m AS ("
         " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
         " lead_gated, tool_name, created_at)"
-        " SELECT :id, :org_id, src.id, :work_item_id, :role, :content, false, NULL, :created"
-        f" FROM {session} AS src"
+        " SELECT :id, :org_id, src.id, :work_item_id, :role, :content, false, NULL, "
+        + message_created_at_sql(":created", "src.id")
+        + f" FROM {session} AS src"
         "), s AS ("
         " UPDATE sessions SET event_seq = sessions.event_seq + 1"
         f" FROM {session} AS src WHERE sessions.id = src.id"
@@ -372,8 +431,9 @@ _POSTGRES_MESSAGES_MANY = sa.text(
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
     " lead_gated, tool_name, created_at)"
     " SELECT visible.id, visible.org_id, visible.sid, visible.work_item_id, visible.role,"
-    " visible.content, false, NULL, visible.created_at"
-    " FROM visible JOIN s ON s.id = visible.sid"
+    " visible.content, false, NULL, "
+    + message_created_at_sql("visible.created_at", "visible.sid", "visible.ord")
+    + " FROM visible JOIN s ON s.id = visible.sid"
     "), e AS ("
     " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
     " SELECT visible.sid, s.event_seq - s.n + visible.ord, :kind, visible.id, NULL,"

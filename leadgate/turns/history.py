@@ -1,5 +1,7 @@
 """The history a worker's model sees: a session's newest 50 user/assistant/internal
-messages, oldest first (ordered by ``created_at``, then ``id``).
+messages, oldest first (ordered by ``created_at``, then ``id``: the order the database
+took them in, since each message is stamped after the session's newest in the statement
+that stores it, :func:`leadgate.domain.session_events.message_created_at`).
 
 Every turn reads it, and on SQLite that read was the turn's most expensive statement: 50
 rows, each a B-tree lookup from the index into the table. On the inline SQLite connection
@@ -191,8 +193,10 @@ _STORE_INTO_WINDOWS = sa.text(
     "), " + session_events.postgres_counters_ctes("ok") + ", m AS ("
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
     " lead_gated, tool_name, created_at)"
-    " SELECT ok.id, ok.org_id, ok.sid, NULL, 'user', ok.content, false, NULL, ok.created_at"
-    " FROM ok JOIN s ON s.id = ok.sid"
+    " SELECT o.id, o.org_id, o.sid, NULL, 'user', o.content, false, NULL, "
+    + session_events.message_created_at_sql("o.created_at", "o.sid", "o.r")
+    + " FROM (SELECT ok.*, row_number() OVER (PARTITION BY ok.sid ORDER BY ok.k) AS r"
+    " FROM ok JOIN s ON s.id = ok.sid) AS o"
     "), e AS ("
     " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
     " SELECT ok.sid,"
@@ -311,16 +315,12 @@ class Window:
             )
         return cls(keys, messages)
 
-    def with_newest(self, key: tuple[int, str], message: ChatMessage) -> list[ChatMessage]:
-        """The window a model sees once ``message`` (sort key ``key``) is stored after
-        this one was read: the newest 50, oldest first, as a read after storing it would
-        give (a message from a clock that ran behind sorts into place)."""
-        if self.keys and key < self.keys[-1]:
-            pairs = sorted(
-                [*zip(self.keys, self.messages, strict=True), (key, message)],
-                key=lambda pair: pair[0],
-            )
-            return [m for _, m in pairs[-HISTORY_LIMIT:]]
+    def with_newest(self, message: ChatMessage) -> list[ChatMessage]:
+        """The window a model sees once ``message`` is stored by the statement that read
+        this one: the newest 50, oldest first, as a read after storing it would give.
+        The message is the newest: it is stamped after every row the statement saw
+        (:func:`leadgate.domain.session_events.message_created_at`), whatever the clock
+        of the replica that took it."""
         return [*self.messages[-(HISTORY_LIMIT - 1) :], message]
 
 
@@ -363,7 +363,8 @@ def _extend(
     entry: _Entry, fresh: list[tuple[tuple[int, str], ChatMessage]], last_rowid: int, last_id: str
 ) -> _Entry:
     """``entry`` with newer rows. The usual case (they sort after the window) appends and
-    trims; rows from a clock that ran behind go through :func:`_build`."""
+    trims; rows stamped out of order (by a release that stamped messages with the
+    writing process's clock alone) go through :func:`_build`."""
     if not fresh:
         return replace(entry, last_rowid=last_rowid, last_id=last_id)
     keys = [k for k, _ in fresh]

@@ -678,7 +678,7 @@ class Intake:
             if found is None:
                 return None
             session, window = found
-            history = window.with_newest((now, message_id), ChatMessage("user", trigger.text))
+            history = window.with_newest(ChatMessage("user", trigger.text))
         assert session.binding is not None  # stored only into a session bound so
         ctx = TurnContext(
             org_id=trigger.org_id,

@@ -19,8 +19,16 @@ from leadgate.database.db import Conn, Database
 from leadgate.database.groups import Grouped
 from leadgate.domain import session_events
 
-# Built once: the turn path stores two or three messages per turn.
-_INSERT_MESSAGE = t.messages.insert()
+# Built once: the turn path stores two or three messages per turn. Stamped in the
+# statement after the session's newest message (session_events.message_created_at: the
+# session's order is the order the database took its messages in, whatever the clocks);
+# the other columns are the row's values (message_values).
+_INSERT_MESSAGE = t.messages.insert().values(
+    created_at=session_events.message_created_at(
+        sa.bindparam("m_at", type_=t.messages.c.created_at.type),
+        sa.bindparam("m_sid", type_=t.messages.c.session_id.type),
+    )
+)
 #: Roles a visible transcript shows (and the session event log announces).
 _VISIBLE_ROLES = frozenset({"user", "assistant"})
 
@@ -40,7 +48,9 @@ async def store_message(
     created_at: int | None = None,
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
-    is announced in the session's public event log in the same transaction."""
+    is announced in the session's public event log in the same transaction. It is
+    stamped at the later of ``created_at`` (the clock's now by default) and the
+    session's newest message + 1 ms (:func:`session_events.message_created_at`)."""
     values = message_values(
         clock,
         ids,
@@ -53,7 +63,9 @@ async def store_message(
         gated=gated,
         created_at=created_at,
     )
-    await conn.execute(_INSERT_MESSAGE, values)
+    await conn.execute(
+        _INSERT_MESSAGE, {**values, "m_at": values["created_at"], "m_sid": session_id}
+    )
     if role in _VISIBLE_ROLES and not gated:
         await session_events.message_visible(conn, clock, session_id, values["id"])
     return str(values["id"])

@@ -196,7 +196,10 @@ _TOOL_MESSAGE = (
         content=sa.bindparam("m_content", type_=_M.content.type),
         lead_gated=False,
         tool_name=COMPLETE_TASK.name,
-        created_at=sa.bindparam("m_at", type_=_M.created_at.type),
+        created_at=session_events.message_created_at(
+            sa.bindparam("m_at", type_=_M.created_at.type),
+            sa.bindparam("p_session", type_=_M.session_id.type),
+        ),
     )
     .cte("tool_message")
 )
@@ -249,7 +252,9 @@ def _submit_alone() -> sa.TextClause:
         " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
         " lead_gated, tool_name, created_at)"
         " SELECT CAST(:m_id AS varchar), go.org_id, go.session_id, go.id, 'assistant',"
-        " CAST(:content AS varchar), true, NULL, CAST(:now AS bigint) FROM go"
+        " CAST(:content AS varchar), true, NULL, "
+        + session_events.message_created_at_sql(":now", "go.session_id")
+        + " FROM go"
         "), run_done AS ("
         " DELETE FROM turn_runs WHERE id IN (SELECT id FROM run_locked)"
         " AND EXISTS (SELECT 1 FROM go)"

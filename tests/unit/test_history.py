@@ -184,22 +184,23 @@ _ROWS = st.lists(
 )
 
 
-@given(rows=_ROWS, newest=st.integers(0, 20), shuffle=st.randoms(use_true_random=False))
+@given(rows=_ROWS, shuffle=st.randoms(use_true_random=False))
 def test_a_window_read_in_one_statement_is_the_newest_50_oldest_first(
-    rows: list[tuple[int, str, str]], newest: int, shuffle: Any
+    rows: list[tuple[int, str, str]], shuffle: Any
 ) -> None:
     """PostgreSQL's plain intake gets the window as arrays, newest first (or, should the
     server ever hand them over otherwise, in any order); with the turn's own message
-    added, what the model sees is what sorting everything by (created_at, id) and taking
-    the newest 50 gives, lead feedback shown as a user message."""
+    added (stamped after every row its statement saw: the newest), what the model sees
+    is what sorting everything by (created_at, id) and taking the newest 50 gives, lead
+    feedback shown as a user message."""
     stored = [(created, f"msg_{n:03d}", role, text) for n, (created, role, text) in enumerate(rows)]
-    mine = ((newest, "msg_new"), ChatMessage("user", "mine"))
+    mine = ChatMessage("user", "mine")
     expected = [
-        message
-        for _, message in sorted(
-            [((c, i), to_message(role, text)) for c, i, role, text in stored] + [mine],
-            key=lambda pair: pair[0],
-        )
+        *(
+            to_message(role, text)
+            for _, _, role, text in sorted(stored, key=lambda r: (r[0], r[1]))
+        ),
+        mine,
     ][-HISTORY_LIMIT:]
     for order in ("newest first", "shuffled"):
         given_rows = sorted(stored, key=lambda r: (r[0], r[1]), reverse=True)
@@ -212,7 +213,7 @@ def test_a_window_read_in_one_statement_is_the_newest_50_oldest_first(
             [r[1] for r in given_rows],
         )
         assert window.keys == sorted(window.keys)
-        assert window.with_newest(*mine) == expected, order
+        assert window.with_newest(mine) == expected, order
 
 
 async def test_window_after_many_turns_equals_a_full_query(

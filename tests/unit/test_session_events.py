@@ -361,3 +361,68 @@ def test_moved_item_events_are_written_only_when_the_public_status_changes() -> 
     assert events.params["ev_kind"] == session_events.REVIEW
     assert "FROM moved" in events.ctes and "ORDER BY id FOR UPDATE" in events.ctes
     assert session_events.woken(["s1"]) == [(session_events.TOPIC, ("s1", False))]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_messages_stored_together_are_stamped_after_the_session_newest_in_order(
+    stack: Stack,
+) -> None:
+    """PostgreSQL: several messages of one session in one statement (the replies of
+    concurrent turns, the intakes of concurrent plain turns), their clock 2 s behind the
+    session's newest message (a replica ahead stamped it): each stamped after it and
+    after the ones before it, so the session reads them in the order given."""
+    from leadgate.core.types import BindingKind, BindingSpec
+    from leadgate.turns import history
+
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, agent, "opened"))
+    session_id = await session_of(stack, agent)
+    now = stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        await store(conn, stack, org, session_id, "ahead")  # (then stamped 2 s on:)
+        await conn.execute(
+            sa.update(t.messages)
+            .where(t.messages.c.content == "ahead")
+            .values(created_at=now + 2_000)
+        )
+    replies = [
+        session_events.VisibleMessage(
+            stack.ids.new("msg"), org.id, session_id, None, "assistant", f"reply {n}", now - n
+        )
+        for n in range(3)
+    ]
+    assert await session_events.store_visible_many(stack.db, replies) == [True] * 3
+    intakes = [
+        history.PlainIntake(
+            stack.ids.new("msg"),
+            org.id,
+            agent["id"],
+            "s1",
+            BindingSpec(BindingKind.api),
+            f"intake {n}",
+            now,
+        )
+        for n in range(2)
+    ]
+    windows = await history.store_into_windows(stack.db, intakes)
+    assert all(window is not None for window in windows)
+    m = t.messages.c
+    async with stack.db.read() as conn:
+        rows = (
+            await conn.execute(
+                sa.select(m.content, m.created_at)
+                .where(m.session_id == session_id)
+                .order_by(m.created_at, m.id)
+            )
+        ).all()
+    assert [r.content for r in rows][2:] == [
+        "ahead",
+        "reply 0",
+        "reply 1",
+        "reply 2",
+        "intake 0",
+        "intake 1",
+    ]
+    stamps = [r.created_at for r in rows][2:]
+    assert stamps == list(range(now + 2_000, now + 2_006))
