@@ -272,14 +272,13 @@ class PlainIntakes(Grouped[PlainIntake, "tuple[bindings.OpenSession, Window] | N
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """A session's window as one statement read it: sort keys ``(created_at, id)`` and
-    messages, oldest first.
+    """A session's window as one statement read it: its messages, oldest first (by
+    ``(created_at, id)``).
 
     A PostgreSQL turn builds one from 50 rows: the rows go into lists by C-level calls
     (``zip``, ``map``, slicing) rather than a Python call or two per row, which cost a
     plain turn about 20 us of its ~420 us (cProfile: 250 of its 1,500 calls)."""
 
-    keys: list[tuple[int, str]]
     messages: list[ChatMessage]
 
     @classmethod
@@ -294,11 +293,9 @@ class Window:
         DESC`` gives them; any other order is sorted)."""
         keys = list(zip(created, ids, strict=True))
         if keys == sorted(keys, reverse=True):
-            keys.reverse()
             roles, contents = roles[::-1], contents[::-1]
         else:
             order = sorted(range(len(keys)), key=keys.__getitem__)
-            keys = [keys[i] for i in order]
             roles, contents = [roles[i] for i in order], [contents[i] for i in order]
         if "internal" in roles:
             messages = [to_message(role, text) for role, text in zip(roles, contents, strict=True)]
@@ -313,7 +310,7 @@ class Window:
                     zip(roles, contents, repeat(()), repeat(None), strict=False),
                 )
             )
-        return cls(keys, messages)
+        return cls(messages)
 
     def with_newest(self, message: ChatMessage) -> list[ChatMessage]:
         """The window a model sees once ``message`` is stored by the statement that read
