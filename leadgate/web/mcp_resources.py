@@ -271,6 +271,12 @@ def _refused(uri: str, exc: LeadgateError) -> MCPError:
     return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data=data)
 
 
+#: How much of an unknown resource's URI its refusal quotes: a transcript URI of ordinary
+#: ids whole (quoted() cuts at 80, and cut one organization's ids at another place than
+#: another's), 5,000 characters sent not.
+URI_QUOTE_LIMIT = 300
+
+
 def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
     """-32602 for a URI that names no resource of the caller's: ``resource.unknown`` when
     it is no transcript URI at all, else the lookup's rule (``agent.not_found``, also for
@@ -279,7 +285,7 @@ def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
     an agent's name of 5,000 characters came back whole."""
     return MCPError(
         code=mt.INVALID_PARAMS,
-        message=f"Unknown resource: {quoted(uri)}",
+        message=f"Unknown resource: {quoted(uri, URI_QUOTE_LIMIT)}",
         data={"uri": uri, "rule": rule},
     )
 

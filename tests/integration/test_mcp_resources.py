@@ -30,10 +30,11 @@ from leadgate.app import App, package_version
 from leadgate.core.auth import Scope
 from leadgate.core.clock import FakeClock
 from leadgate.core.config import Settings
-from leadgate.core.errors import CANNOT_READ, QUOTE_LIMIT
+from leadgate.core.errors import CANNOT_READ
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from leadgate.domain import orgs
+from leadgate.web.mcp_resources import URI_QUOTE_LIMIT
 from tests.fakes import DownFor
 from tests.helpers import (
     LEGACY_SUBSCRIBE,
@@ -296,7 +297,7 @@ async def test_another_organizations_resource_is_unknown(env: Env) -> None:
             await client.read_resource(uri("ghost-" + "x" * 4_994, "m1"))
         said = long_read.value.error.message
         assert long_read.value.error.data["rule"] == "agent.not_found"
-        assert len(said) < QUOTE_LIMIT + 100 and "… (5,0" in said, said
+        assert len(said) < URI_QUOTE_LIMIT + 100 and "… (5,0" in said, said
         with (
             warnings.catch_warnings(),
             pytest.raises(MCPError) as sub,
