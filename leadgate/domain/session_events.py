@@ -74,6 +74,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from leadgate.core.clock import Clock
 from leadgate.database import schema as t
@@ -106,42 +108,65 @@ _TERMINAL = {
 # --------------------------------------------------------------------------- message times
 
 # A session's messages are read in ``(created_at, id)`` order (the history window, the
-# transcripts). ``created_at`` was the writing replica's clock: with two replicas' clocks
-# 2 s apart, a message taken in later by the one behind sorted before an earlier one, and
-# a turn's model was shown the conversation out of order. So a message is stamped in the
-# statement that inserts it with the later of the clock's reading and the session's
-# newest stamp + 1 ms: the order by time is the order the database took the rows in,
-# whatever the clocks, with no statement more (one seek of the session's index in the
-# insert; a per-session order column would have needed a migration, a new index and
-# every reader changed, and still this very subquery to fill it). As the work item moves'
-# ``updated_at`` (:class:`leadgate.database.sql.later_of`), a clock behind is carried
-# along by the stamps before it. Concurrency: SQLite has one writer at a time, so each
-# insert sees every row before it. A PostgreSQL statement sees the rows committed when
-# it started (READ COMMITTED): two statements of one session at the same moment, neither
-# seeing the other's row, may take the same stamp (no unique constraint, so no error);
-# ``id`` then orders them, either order being one in which each was taken before the
-# other could be seen. Rows of one statement are numbered in their given order
-# (:func:`message_created_at_sql`'s ``ord``).
+# transcripts). ``created_at`` was the writing replica's clock: with two PostgreSQL
+# replicas' clocks 2 s apart, a message taken in later by the one behind sorted before an
+# earlier one, and a turn's model was shown the conversation out of order. So on
+# PostgreSQL a message is stamped in the statement that inserts it with the later of the
+# clock's reading and the session's newest stamp + 1 ms: the order by time is the order
+# the database took the rows in, whatever the clocks, with no statement more (one seek of
+# the session's index in the insert; a per-session order column would have needed a
+# migration, a new index and every reader changed, and still this very subquery to fill
+# it). As the work item moves' ``updated_at`` (:class:`leadgate.database.sql.later_of`),
+# a clock behind is carried along by the stamps before it. Concurrency: a PostgreSQL
+# statement sees the rows committed when it started (READ COMMITTED): two statements of
+# one session at the same moment, neither seeing the other's row, may take the same stamp
+# (no unique constraint, so no error); ``id`` then orders them, either order being one in
+# which each was taken before the other could be seen. Rows of one statement are
+# numbered in their given order (:func:`message_created_at_sql`'s ``ord``).
+#
+# SQLite is stamped with the clock alone: its processes share one host and so one clock,
+# each reads it inside its write transaction (``BEGIN IMMEDIATE``: writers one at a time),
+# so the clock's order is already the order taken in. The subquery there cost a plain
+# turn 18,000 instructions (+1.9%, bench.instructions: two message inserts) for no order
+# it does not already have.
 _NEWEST_STAMP = t.messages.alias("newest")
 _ZERO: sa.ColumnElement[int] = sa.literal_column("0")
 _ONE: sa.ColumnElement[int] = sa.literal_column("1")
+
+
+class _stamped(FunctionElement[int]):  # lower case: used like a SQL function
+    """:func:`message_created_at`: the later of ``now`` and the session's newest stamp
+    + 1 on PostgreSQL, ``now`` on SQLite (see the comment above)."""
+
+    inherit_cache = True
+    type = sa.BigInteger()
+
+
+@compiles(_stamped)
+def _stamped_postgres(element: _stamped, compiler: Any, **kw: Any) -> str:
+    now, session_id = element.clauses
+    # max(): one seek of ix_messages_session_created_id; literal constants, no parameter.
+    newest = (
+        sa.select(sa.func.max(_NEWEST_STAMP.c.created_at))
+        .where(_NEWEST_STAMP.c.session_id == session_id)
+        .scalar_subquery()
+    )
+    return str(compiler.process(later_of(now, sa.func.coalesce(newest, _ZERO) + _ONE), **kw))
+
+
+@compiles(_stamped, "sqlite")
+def _stamped_sqlite(element: _stamped, compiler: Any, **kw: Any) -> str:
+    now, _ = element.clauses
+    return str(compiler.process(now, **kw))
 
 
 def message_created_at(
     now: sa.ColumnElement[Any], session_id: sa.ColumnElement[Any]
 ) -> sa.ColumnElement[int]:
     """The ``created_at`` of a message inserted into ``session_id`` at ``now`` (the
-    clock's reading): the later of ``now`` and the session's newest message + 1 ms (see
-    the comment above)."""
-    # max() (one seek of ix_messages_session_created_id on both backends) and literal
-    # constants: ORDER BY ... LIMIT and bound 0 and 1 were four parameters more to
-    # process per insert, on every turn (bench.instructions).
-    newest = (
-        sa.select(sa.func.max(_NEWEST_STAMP.c.created_at))
-        .where(_NEWEST_STAMP.c.session_id == session_id)
-        .scalar_subquery()
-    )
-    return later_of(now, sa.func.coalesce(newest, _ZERO) + _ONE)
+    clock's reading): on PostgreSQL the later of ``now`` and the session's newest
+    message + 1 ms, on SQLite ``now`` (see the comment above)."""
+    return _stamped(now, session_id)
 
 
 def message_created_at_sql(now: str, session_id: str, ord: str | None = None) -> str:

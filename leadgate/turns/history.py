@@ -360,8 +360,9 @@ def _extend(
     entry: _Entry, fresh: list[tuple[tuple[int, str], ChatMessage]], last_rowid: int, last_id: str
 ) -> _Entry:
     """``entry`` with newer rows. The usual case (they sort after the window) appends and
-    trims; rows stamped out of order (by a release that stamped messages with the
-    writing process's clock alone) go through :func:`_build`."""
+    trims; rows that sort before it (SQLite stamps a message with its process's clock:
+    one stepped back, or two rows in one millisecond ordered by id) go through
+    :func:`_build`."""
     if not fresh:
         return replace(entry, last_rowid=last_rowid, last_id=last_id)
     keys = [k for k, _ in fresh]

@@ -1,6 +1,6 @@
 """A session's messages in the order the database took them, whatever the clocks of the
-replicas that took them (two replicas on one database, their clocks 2 s apart): the
-window a worker's model sees and the transcript."""
+replicas that took them (two PostgreSQL replicas on one database, their clocks 2 s
+apart): the window a worker's model sees and the transcript."""
 
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ async def _say(client: Client, key: str, text: str) -> str:
 
 @pytest.mark.parametrize("skew_ms", [-2_000, 2_000], ids=["2s-behind", "2s-ahead"])
 async def test_a_session_is_in_the_order_its_messages_were_taken_across_skewed_replicas(
-    migrated_url: str, skew_ms: int
+    migrated_pg: str, skew_ms: int
 ) -> None:
-    """ "first" through one replica, then "second" through another whose clock is
+    """PostgreSQL (SQLite's processes share one host's clock, each reading it inside
+    its write transaction: leadgate.domain.session_events). "first" through one
+    replica, then "second" through another whose clock is
     ``skew_ms`` from the first's: the second turn's model sees "second" as the newest
     message (the script provider echoes it), and the transcript, read through either
     replica, shows the exchanges in the order they were taken. By the replicas' clocks
@@ -38,8 +40,8 @@ async def test_a_session_is_in_the_order_its_messages_were_taken_across_skewed_r
     other_clock = FakeClock(clock.now_ms() + skew_ms)
     providers: dict[str, Provider] = {"script": ScriptProvider()}
     async with (
-        served_app(migrated_url, providers=providers, clock=clock) as (service, here),
-        served_app(migrated_url, providers=providers, clock=other_clock) as (_, there),
+        served_app(migrated_pg, providers=providers, clock=clock) as (service, here),
+        served_app(migrated_pg, providers=providers, clock=other_clock) as (_, there),
     ):
         org = await make_org(service)
         await make_agent(service, org, "plain")
