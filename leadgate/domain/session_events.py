@@ -74,8 +74,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.functions import FunctionElement
 
 from leadgate.core.clock import Clock
 from leadgate.database import schema as t
@@ -124,49 +122,30 @@ _TERMINAL = {
 # which each was taken before the other could be seen. Rows of one statement are
 # numbered in their given order (:func:`message_created_at_sql`'s ``ord``).
 #
-# SQLite is stamped with the clock alone: its processes share one host and so one clock,
-# each reads it inside its write transaction (``BEGIN IMMEDIATE``: writers one at a time),
-# so the clock's order is already the order taken in. The subquery there cost a plain
-# turn 18,000 instructions (+1.9%, bench.instructions: two message inserts) for no order
-# it does not already have.
+# SQLite stores the clock's reading as it is (leadgate.turns.messages.store_message; the
+# statements that call message_created_at run on PostgreSQL alone): its processes share
+# one host and so one clock, each reads it inside its write transaction (``BEGIN
+# IMMEDIATE``: writers one at a time), so the clock's order is already the order taken
+# in. The subquery there cost a plain turn 18,000 instructions (+1.9%,
+# bench.instructions: two message inserts) for no order it does not already have.
 _NEWEST_STAMP = t.messages.alias("newest")
 _ZERO: sa.ColumnElement[int] = sa.literal_column("0")
 _ONE: sa.ColumnElement[int] = sa.literal_column("1")
 
 
-class _stamped(FunctionElement[int]):  # lower case: used like a SQL function
-    """:func:`message_created_at`: the later of ``now`` and the session's newest stamp
-    + 1 on PostgreSQL, ``now`` on SQLite (see the comment above)."""
-
-    inherit_cache = True
-    type = sa.BigInteger()
-
-
-@compiles(_stamped)
-def _stamped_postgres(element: _stamped, compiler: Any, **kw: Any) -> str:
-    now, session_id = element.clauses
+def message_created_at(
+    now: sa.ColumnElement[Any], session_id: sa.ColumnElement[Any]
+) -> sa.ColumnElement[int]:
+    """PostgreSQL: the ``created_at`` of a message inserted into ``session_id`` at
+    ``now`` (the clock's reading): the later of ``now`` and the session's newest message
+    + 1 ms (see the comment above; SQLite stores the clock's reading as it is)."""
     # max(): one seek of ix_messages_session_created_id; literal constants, no parameter.
     newest = (
         sa.select(sa.func.max(_NEWEST_STAMP.c.created_at))
         .where(_NEWEST_STAMP.c.session_id == session_id)
         .scalar_subquery()
     )
-    return str(compiler.process(later_of(now, sa.func.coalesce(newest, _ZERO) + _ONE), **kw))
-
-
-@compiles(_stamped, "sqlite")
-def _stamped_sqlite(element: _stamped, compiler: Any, **kw: Any) -> str:
-    now, _ = element.clauses
-    return str(compiler.process(now, **kw))
-
-
-def message_created_at(
-    now: sa.ColumnElement[Any], session_id: sa.ColumnElement[Any]
-) -> sa.ColumnElement[int]:
-    """The ``created_at`` of a message inserted into ``session_id`` at ``now`` (the
-    clock's reading): on PostgreSQL the later of ``now`` and the session's newest
-    message + 1 ms, on SQLite ``now`` (see the comment above)."""
-    return _stamped(now, session_id)
+    return later_of(now, sa.func.coalesce(newest, _ZERO) + _ONE)
 
 
 def message_created_at_sql(now: str, session_id: str, ord: str | None = None) -> str:
@@ -176,10 +155,7 @@ def message_created_at_sql(now: str, session_id: str, ord: str | None = None) ->
     ``SELECT`` (whose columns ``now`` and ``session_id`` name): each row is stamped after
     the session's newest and after the rows before it (a running maximum), and at least
     at its ``now``."""
-    newest = (
-        f"COALESCE((SELECT created_at FROM messages WHERE session_id = {session_id}"
-        " ORDER BY created_at DESC LIMIT 1), 0)"
-    )
+    newest = f"COALESCE((SELECT max(created_at) FROM messages WHERE session_id = {session_id}), 0)"
     if ord is None:
         return f"GREATEST(CAST({now} AS bigint), {newest} + 1)"
     return (

@@ -23,9 +23,10 @@ from leadgate.domain import session_events
 # in the statement after the session's newest message (session_events.message_created_at:
 # the session's order is the order the database took its messages in, whatever the
 # replicas' clocks); the other columns are the row's values (message_values). SQLite takes
-# the row as it is (its stamp is the clock's reading): the stamped statement, though it
-# compiles to the same SQL there, cost a plain turn 5,000 instructions (+0.5%,
-# bench.instructions), SQLAlchemy working out its cache key at every execution.
+# the row as it is (its stamp is the clock's reading: session_events says why): the
+# stamped statement reduced to the plain insert there still cost a plain turn 5,000
+# instructions (+0.5%, bench.instructions), SQLAlchemy working out its cache key at every
+# execution.
 _INSERT_MESSAGE = t.messages.insert()
 _INSERT_STAMPED = t.messages.insert().values(
     created_at=session_events.message_created_at(
