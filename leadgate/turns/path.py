@@ -772,7 +772,9 @@ class TurnService:
             # The client is here: it is answered as by its first request (not recovered:
             # a failure is its 502, the item left for its next message).
             ctx = dataclasses.replace(ctx, recovered_client=False)
-            return await self._accepted(claimed, ctx, item)
+            turn = await self._accepted(claimed, ctx, item)
+            assert turn is not None  # (not recovered: no later message is looked for)
+            return turn
         except BaseException:
             # Claimed, leased to this live process, and no turn runs it: left so, the
             # run waited out its lease (the retries told the key is in progress) and
@@ -808,18 +810,32 @@ class TurnService:
 
     async def _accepted(
         self, claimed: runs.Claimed, ctx: TurnContext, item: WorkItem | None
-    ) -> Accepted:
+    ) -> Accepted | None:
         """A claimed run's turn, from its stored message (the session's history, without
-        the messages whose clients send them again: their resends' turns answer them)."""
+        the messages whose clients send them again: their resends' turns answer them).
+
+        None: a rerun whose session took in a later user message (:meth:`_answered_later`),
+        looked for first in this read (one statement; it was a write transaction of its
+        own before this read: on SQLite the writer's lock taken to read, on PostgreSQL
+        two round trips more), its run then closed fenced by its lease, and the model
+        not called (it was, and its answer dropped at the end: the call's cost spent,
+        and a tool with effects run, for nothing). A live turn's (a keyed retry's
+        takeover) reaches no statement more."""
+        turn: Accepted | None = None
         async with self.db.read() as conn:
-            agent = await agents_mod.find_agent(
-                conn, claimed.org_id, claimed.agent_id, include_deleted=True
-            )
-            rules = await policy.load_rules(conn, claimed.org_id)
-            history = await self.history.read(
-                conn, claimed.session_id, without=claimed.not_answered
-            )
-        return Accepted(ctx, agent, item is not None, rules, history)
+            if not await self._answered_later(conn, ctx):
+                agent = await agents_mod.find_agent(
+                    conn, claimed.org_id, claimed.agent_id, include_deleted=True
+                )
+                rules = await policy.load_rules(conn, claimed.org_id)
+                history = await self.history.read(
+                    conn, claimed.session_id, without=claimed.not_answered
+                )
+                turn = Accepted(ctx, agent, item is not None, rules, history)
+        if turn is None:
+            async with self.db.tx() as conn:
+                await runs.finish(conn, ctx.run_token, fenced=True)
+        return turn
 
     def _keyed_answer(self, ctx: TurnContext) -> TurnAnswer | None:
         """What a rerun writes in its last transaction for the keyed requests whose
@@ -871,9 +887,9 @@ class TurnService:
             return None
         if claimed.action != runs.RERUN:
             return None
-        if await self._closed_answered_later(ctx):
-            return None
         turn = await self._accepted(claimed, ctx, item)
+        if turn is None:
+            return None
         try:
             return await self.execute(turn, answer=self._keyed_answer(ctx))
         except LeadgateError:
@@ -1216,20 +1232,6 @@ class TurnService:
         labelled(METRICS.turns, "plain").inc()
         return Reply(screened, streamed, usage)
 
-    async def _closed_answered_later(self, ctx: TurnContext) -> bool:
-        """Before a rerun's model call: whether its session took in a user message
-        after the run's already (:meth:`_answered_later`), and if so the run closed,
-        fenced by its lease, and the model not called (it was, and its answer dropped
-        at the end: the call's cost spent, and a tool with effects run, for nothing).
-        Recovered reruns only: a live turn reaches no statement here."""
-        if not _may_be_answered_later(ctx):
-            return False
-        async with self.db.tx() as conn:
-            if not await self._answered_later(conn, ctx):
-                return False
-            await runs.finish(conn, ctx.run_token, fenced=True)
-        return True
-
     async def _answered_later(self, conn: Conn, ctx: TurnContext) -> bool:
         """Whether turn recovery's rerun of a plain REST/MCP/Studio run (``ctx``) is to
         end without an answer, its run closed: its session took in a user message
@@ -1237,7 +1239,7 @@ class TurnService:
         not there) while it ran, or before its claim. That message's own turn, shown
         the run's message unanswered, answers it (the rerun, shown the follow-up,
         answered it too). Read before the rerun's model call
-        (:meth:`_closed_answered_later`) and again in its last transaction (a message
+        (:meth:`_accepted`) and again in its last transaction (a message
         may come during the call); no live turn's (their context is no recovered
         client's). A keyed run rerun because its client was told nothing was stored is
         answered all the same: its key's retry waits for that answer, and no turn of its

@@ -511,6 +511,30 @@ async def test_a_rerun_a_later_message_answers_does_not_call_the_model(
             assert not service.turns.orphans
 
 
+async def test_a_reruns_look_for_a_later_message_takes_no_transaction_of_its_own(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owed run recorded and no later message: its rerun looks for one before the
+    model call in the read that loads its turn (one statement), and answers. The look
+    was a write transaction of its own (SQLite: the writer's lock taken for a read;
+    PostgreSQL: BEGIN, SELECT, COMMIT, two round trips more): a rerun now writes in
+    two transactions, its claim and its last one."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await _owed(service, client, faults, key)
+        await service.turns.record_owed()
+        with service.db.record_statements() as statements:
+            assert await drain(TurnRecovery(service.turns, own_only=True)) == 1
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await transcript(service, "s") == (answered, 0)
+        looks = [sql for sql in statements if "FROM session_events AS later" in sql]
+        # (before the model call, and again in the last transaction)
+        assert len(looks) == 2, statements
+        writes = "BEGIN" if service.db.is_postgres else "BEGIN IMMEDIATE"
+        assert statements.count(writes) == 2, statements
+        if service.db.is_postgres:  # (every statement, BEGIN and COMMIT a round trip)
+            assert len(statements) <= 16, statements
+
+
 async def test_an_owed_run_given_up_after_a_follow_up_stores_no_failure_notice(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
