@@ -2,7 +2,8 @@
 
 Match keys per channel (SPEC 12): slack ``team``, ``channel``; discord ``guild``,
 ``channel``; teams ``tenant``, ``conversation``; email ``address`` and ``sender``
-(an address or ``*@domain``). A route without keys matches every trigger of its
+(an address or ``*@domain``; compared lower-case, domains in IDNA form, see
+:func:`fold_address`). A route without keys matches every trigger of its
 channel; the most specific match (most keys) wins, the oldest on a tie.
 
 A Discord thread is its own channel (its own id) under a parent channel: its trigger
@@ -13,6 +14,7 @@ one wins, however few keys the parent's has).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -35,6 +37,24 @@ MATCH_KEYS: dict[str, frozenset[str]] = {
 #: Per channel, the match key a route may name a trigger's parent conversation under
 #: (:data:`PARENT`: a Discord thread's parent channel).
 PARENT_KEY: dict[str, str] = {"discord": "channel"}
+
+
+@functools.lru_cache(maxsize=4096)
+def fold_address(address: str) -> str:
+    """An email address (or a route's ``*@domain``) as one correspondent is compared:
+    lower-case, its domain in IDNA's ASCII form (``user@bücher.example`` and
+    ``user@xn--bcher-kva.example`` are one address). The local part is not converted:
+    IDNA is for domain names alone. A domain IDNA refuses (an empty label, say) is
+    compared as written."""
+    folded = address.strip().lower()
+    local, at, domain = folded.rpartition("@")
+    if not at or domain.isascii():
+        return folded
+    try:
+        ace = domain.encode("idna").decode("ascii")
+    except UnicodeError:
+        return folded
+    return f"{local}@{ace.lower()}"
 
 
 def parse_match(channel: str, pairs: list[str]) -> dict[str, str]:
@@ -68,7 +88,9 @@ def matches(channel: str, match: Mapping[str, str], attrs: Mapping[str, str]) ->
         if got != want and key == PARENT_KEY.get(channel) and attrs.get(PARENT) == want:
             continue
         if channel == "email":
-            got = got.lower()
+            # Both sides folded: a route written with bücher.example takes mail from
+            # xn--bcher-kva.example (and the other way round).
+            got, want = fold_address(got), fold_address(want)
             if key == "sender" and want.startswith("*@"):
                 if not got.endswith(want[1:]):
                     return False

@@ -43,6 +43,7 @@ from typing import Any, AnyStr
 from aiohttp import web
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
+from binding.routes import fold_address
 from bots.base import Adapter, Core, accept
 from bots.email_out import EmailChannel, build_reply, message_id_for
 from bots.email_parse import (
@@ -255,14 +256,15 @@ class EmailHandler:
         # recipient's message recorded): the mail's one answer cannot refuse it then.
         taken = bool(answers)
         for recipient, _route in accepted:
+            # One correspondent however its domains are written (bücher.example or
+            # xn--bcher-kva.example): one session, one Message-ID taken once.
+            who = f"{fold_address(recipient)}:{mail.correspondent}"
             inbound = Inbound(
                 channel=BindingKind.email,
                 route_attrs={"address": recipient, "sender": mail.sender},
                 # The thread with this sender: whoever else writes into it (or quotes its
                 # Message-IDs) gets a session of their own, never this one's task or answer.
-                session_key=bounded(
-                    f"email:{recipient}:{mail.sender}:{mail.root_id}", SESSION_KEY_LIMIT
-                ),
+                session_key=bounded(f"email:{who}:{mail.root_id}", SESSION_KEY_LIMIT),
                 text=mail.text,
                 address={
                     "to": mail.sender,
@@ -275,9 +277,7 @@ class EmailHandler:
                 # sender: the key is unique across organizations, and another sender's
                 # mail under the same Message-ID (quoted or made up), taken first, made
                 # this one a duplicate, dropped after its 250.
-                external_event_id=bounded(
-                    f"email:{recipient}:{mail.sender}:{mail.message_id}", EVENT_ID_LIMIT
-                ),
+                external_event_id=bounded(f"email:{who}:{mail.message_id}", EVENT_ID_LIMIT),
             )
             # Recorded before the 250: once the sender is told OK, the mail is ours.
             try:

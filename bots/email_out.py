@@ -20,7 +20,7 @@ from typing import Any
 
 import aiosmtplib
 
-from bots.email_parse import MAX_CHARS, one_line
+from bots.email_parse import MAX_CHARS, one_line, thread_mark
 from leadgate.core.config import EmailSettings
 from outbox.channel import (
     OutboundMessage,
@@ -43,10 +43,13 @@ QUIT_TIMEOUT_S = 5.0
 # ----------------------------------------------------------------------------- outbound
 
 
-def message_id_for(idempotency_key: str, from_address: str) -> str:
-    """``<{key}@{domain of from}>``: the same delivery always carries the same id."""
+def message_id_for(idempotency_key: str, from_address: str, thread: str = "") -> str:
+    """``<{key}@{domain of from}>``: the same delivery always carries the same id; with
+    ``thread`` (its thread's first Message-ID) ``<{key}.t.{thread, base32}@...>``, so
+    that a reply naming it alone (``In-Reply-To``, no ``References``) finds the thread."""
     local = re.sub(r"[^A-Za-z0-9!#$%&'*+/=?^_`{|}~.-]", "-", idempotency_key)
     local = re.sub(r"\.{2,}", ".", local).strip(".") or "leadgate"
+    local += thread_mark(thread)
     domain = email.utils.parseaddr(from_address)[1].rpartition("@")[2] or "leadgate.invalid"
     return f"<{local}@{domain}>"
 
@@ -66,7 +69,10 @@ def build_reply(
         # A configured from_address (e.g. a no-reply sender) must not break the thread.
         msg["Reply-To"] = bound_from
     msg["Subject"] = one_line(address.get("subject")) or "Re:"
-    msg["Message-ID"] = message_id_for(idempotency_key, from_address)
+    references = one_line(address.get("references")).split()
+    msg["Message-ID"] = message_id_for(
+        idempotency_key, from_address, references[0] if references else ""
+    )
     msg["Date"] = email.utils.formatdate(usegmt=True)
     if address.get("in_reply_to"):
         msg["In-Reply-To"] = one_line(address["in_reply_to"])

@@ -1,12 +1,16 @@
 """Email, parsing: the text of an inbound mail and the threading of its reply.
 
 Plain text is extracted from the message (HTML as a fallback, charsets decoded safely),
-quoted text is stripped, and the ids a reply threads on (``Message-ID``, ``References``)
-are collected. Automatic mail (RFC 3834) is recognised so that it runs no turn.
+quoted text is stripped (a forward, attached or inline, is kept whole), and the ids a
+reply threads on (``Message-ID``, ``References``, else ``In-Reply-To`` and the thread our
+reply's id carries) are collected. Automatic mail (RFC 3834) is recognised so that it runs
+no turn.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import email
 import email.policy
 import email.utils
@@ -17,6 +21,7 @@ import re
 from dataclasses import dataclass
 from email.message import EmailMessage
 
+from binding.routes import fold_address
 from leadgate.core.logs import raised_at
 
 log = logging.getLogger(__name__)
@@ -46,8 +51,15 @@ _WROTE = re.compile(
     r"(?:\b(?:wrote|a écrit|escribió|ha scritto|escreveu)\s*:|\b(?:schrieb|schreef)\b[^:]*:)\s*$",
     re.IGNORECASE,
 )
+#: Lines an attribution may be wrapped over: clients wrap a long one ("On Mon, ... Alice
+#: Example <" / "alice@example.com>" / "wrote:"). Bounded, so that a paragraph of the
+#: person's own that starts "On ..." is never read as one down to a distant "wrote:".
+_ATTRIBUTION_LINES = 3
+#: Blanks other than the space that clients put in an attribution: a no-break space
+#: (U+00A0, French "a écrit :") and a narrow one (U+202F), and the other Unicode spaces.
+_SPACES = re.compile(r"[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
 _ORIGINAL = re.compile(
-    r"^\s*-{2,}\s*(Original Message|Forwarded message|Ursprüngliche Nachricht"
+    r"^\s*-{2,}\s*(Original Message|Ursprüngliche Nachricht"
     r"|Message d'origine|Mensaje original|Messaggio originale|Oorspronkelijk bericht"
     r"|Mensagem original)\s*-{2,}",
     re.IGNORECASE,
@@ -56,6 +68,18 @@ _ORIGINAL = re.compile(
 #: German ``WG:``, French ``TR:``, Spanish ``RV:``, Italian ``I:``, Dutch ``Doorst:``,
 #: Portuguese ``Enc:``): its quoted mail is what the person sends on to be read.
 _FORWARD_SUBJECT = re.compile(r"\s*(?:fwd?|wg|tr|rv|i|doorst|enc)\s*:", re.IGNORECASE)
+#: The line a client writes above the mail it forwards, whatever the subject says (the
+#: "Fwd:" may have been edited away): Gmail's "---------- Forwarded message ---------"
+#: (and its translations), Apple Mail's "Begin forwarded message:".
+_FORWARD_MARKER = re.compile(
+    r"^[ \t]*(?:-{2,}[ \t]*(?:Forwarded message|Weitergeleitete Nachricht|Message transféré"
+    r"|Mensaje reenviado|Messaggio inoltrato|Doorgestuurd bericht|Mensagem encaminhada)"
+    r"[ \t]*-{2,}|Begin forwarded message[ \t]*:)",
+    re.IGNORECASE | re.MULTILINE,
+)
+#: The subject of a reply (``Re:``, German ``AW:``, Dutch ``Antw:``, Italian ``R:``,
+#: Portuguese ``RES:``, Scandinavian ``SV:``): such a mail quotes the one it answers.
+_REPLY_SUBJECT = re.compile(r"\s*(?:re|aw|antw|r|res|sv)\s*:", re.IGNORECASE)
 #: The header names Outlook writes above a quoted mail, in its display language, by the
 #: English name they stand for (Outlook translates them: ``Von:``/``Gesendet:``,
 #: ``De :``/``Envoyé :``, ``De:``/``Enviado:``, ``Da:``/``Inviato:``, ``Van:``/``Verzonden:``).
@@ -111,7 +135,7 @@ def _decode_part(part: email.message.Message) -> str:
         return payload.decode("cp1252", errors="replace")
 
 
-def _html_to_text(markup: str) -> str:
+def _html_to_text(markup: str, *, quotes: bool = False) -> str:
     """A crude HTML-to-text conversion, good enough for a chat message, in one pass.
 
     Hand-rolled on purpose: the regular expressions this replaced, and the standard
@@ -119,6 +143,9 @@ def _html_to_text(markup: str) -> str:
     unclosed tags (``<script>`` without its end; ``<a <a <a ...``: 2 s for 10 KB, minutes
     for 100 KB), and this runs for any sender a route allows. Every step here moves
     forward with ``str.find`` or an anchored match, so the whole is linear.
+
+    ``quotes``: a ``<blockquote>``'s text is kept (a forward: Apple Mail puts the mail it
+    forwards in one), not dropped as the quoted earlier mail of a reply.
     """
     parts: list[str] = []
     quoted = 0  # inside a <blockquote>: the earlier mail, dropped
@@ -148,7 +175,7 @@ def _html_to_text(markup: str) -> str:
         if name in _HTML_DROPPED and not closing:
             end = _element_end(markup, name, i)
             i = n if end < 0 else end
-        elif name == "blockquote":
+        elif name == "blockquote" and not quotes:
             quoted = max(0, quoted - 1) if closing else quoted + 1
         elif not quoted and (name == "br" or (closing and name in _HTML_BLOCK_ENDS)):
             parts.append("\n")
@@ -170,9 +197,9 @@ def _element_end(markup: str, name: str, start: int) -> int:
         i = at + 1
 
 
-def extract_text(message: email.message.EmailMessage) -> str | None:
-    """The message's text: text/plain, else (none, or a blank one) text/html stripped;
-    None when there is none."""
+def extract_text(message: email.message.EmailMessage, *, quotes: bool = False) -> str | None:
+    """The message's text: text/plain, else (none, or a blank one) text/html stripped
+    (``quotes``: with its ``<blockquote>``s); None when there is none."""
     try:
         part = message.get_body(preferencelist=("plain",))
         plain = _decode_part(part) if part is not None else ""
@@ -182,7 +209,7 @@ def extract_text(message: email.message.EmailMessage) -> str | None:
             return plain
         part = message.get_body(preferencelist=("html",))
         if part is not None:
-            return _html_to_text(_decode_part(part))
+            return _html_to_text(_decode_part(part), quotes=quotes)
     except Exception as exc:  # a malformed MIME tree: treat as having no text
         # Its type and where, not its text or traceback, which quote the header the
         # email package choked on (a part's Content-Disposition).
@@ -194,7 +221,37 @@ def extract_text(message: email.message.EmailMessage) -> str | None:
     return None
 
 
-def strip_quoted(text: str) -> str:
+def _attached_messages(message: EmailMessage) -> list[str]:
+    """The text of each mail attached to ``message`` (``message/rfc822``, the way some
+    clients forward), under the forward line and its ``From:``, ``Date:``, ``Subject:``
+    and ``To:``: read as a forward. Attached mails inside those are not opened."""
+    texts: list[str] = []
+    try:
+        for part in message.iter_attachments():
+            if part.get_content_type() != "message/rfc822":
+                continue
+            inner = part.get_content()
+            if not isinstance(inner, EmailMessage):
+                continue
+            text = (extract_text(inner, quotes=True) or "").replace("\r\n", "\n").strip()
+            if not text:
+                continue
+            headers = [
+                f"{name}: {one_line(inner.get(name))}"
+                for name in ("From", "Date", "Subject", "To")
+                if inner.get(name) is not None
+            ]
+            texts.append("\n".join(["---------- Forwarded message ---------", *headers, "", text]))
+    except Exception as exc:  # a malformed attached mail: as having none
+        log.info(
+            "email: could not read an attached message (%s at %s)",
+            type(exc).__name__,
+            raised_at(exc),
+        )
+    return texts
+
+
+def strip_quoted(text: str, *, headers: bool = True) -> str:
     """Drop quoted reply text: ``>`` lines, and everything from where a quoted mail
     starts: "On ... wrote:" (Gmail, Apple Mail, Thunderbird), an "-----Original
     Message-----" line, or Outlook's block of the original's headers (``From:`` with
@@ -207,28 +264,24 @@ def strip_quoted(text: str) -> str:
     reason that mentions one), while ``quotequail`` missed Outlook's header block without
     its rule (Outlook for Mac) and brings lxml; neither ships type information. The
     few patterns here are the ones clients write above the quoted original.
+
+    ``headers=False``: an Outlook header block ends nothing (a mail that answers none
+    quotes none; its ``From:``/``Sent:``/``To:`` lines were pasted in, and are text).
     """
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    stripped_lines = [line.strip() for line in lines]
+    # Compared with the other blanks as spaces: "a\u00a0écrit\u00a0:" is "a écrit :".
+    stripped_lines = [_SPACES.sub(" ", line).strip() for line in lines]
     kept: list[str] = []
     attribution_ends = -1  # the last line of the attribution being dropped
     dropped = False  # a quoted line was dropped since the last line of text kept
     for i, line in enumerate(lines):
         stripped = stripped_lines[i]
-        if _ORIGINAL.match(stripped) or _quoted_headers(stripped_lines, i):
+        if _ORIGINAL.match(stripped) or (headers and _quoted_headers(stripped_lines, i)):
             break
         if i <= attribution_ends:
             continue
         if stripped.startswith(_ATTRIBUTION_OPENERS):
-            if _WROTE.search(stripped) and _quote_follows(stripped_lines, i + 1):
-                attribution_ends = i
-            # clients wrap a long attribution line: "On Mon, ... Alice <\na@x> wrote:"
-            elif (
-                i + 1 < len(lines)
-                and _WROTE.search(f"{stripped} {stripped_lines[i + 1]}")
-                and _quote_follows(stripped_lines, i + 2)
-            ):
-                attribution_ends = i + 1
+            attribution_ends = _attribution_end(stripped_lines, i)
         # The attribution and the ">" lines below it are the quoted mail; unquoted lines
         # after them are the person's answers between its quotes (bottom-posted, or
         # inline), kept: ending the text at the attribution lost them.
@@ -243,6 +296,18 @@ def strip_quoted(text: str) -> str:
     while kept and (not kept[-1].strip() or _RULE.fullmatch(kept[-1].strip())):
         kept.pop()  # the blank lines and the rule above the quoted mail
     return "\n".join(kept).strip()
+
+
+def _attribution_end(lines: list[str], i: int) -> int:
+    """The last line of the attribution starting at line ``i`` of ``lines`` (stripped),
+    wrapped over up to :data:`_ATTRIBUTION_LINES` lines ("On Mon, ... Alice <" /
+    "a@x> wrote:"), with a quote below it; -1 when it is none."""
+    joined = ""
+    for end in range(i, min(i + _ATTRIBUTION_LINES, len(lines))):
+        joined = f"{joined} {lines[end]}" if joined else lines[end]
+        if _WROTE.search(joined):
+            return end if _quote_follows(lines, end + 1) else -1
+    return -1
 
 
 def _quote_follows(lines: list[str], start: int) -> bool:
@@ -274,6 +339,41 @@ def _quoted_headers(lines: list[str], i: int) -> bool:
         if header is not None:
             names.add(_HEADER_NAME[header[1].lower()])
     return bool(names & {"sent", "date"}) and bool(names & {"to", "subject"})
+
+
+#: Our replies' Message-IDs carry the first Message-ID of their thread after this mark,
+#: base32 (``<key.t.<base32>@domain>``): a reply to one that names it alone, in
+#: ``In-Reply-To`` without ``References`` (many mobile clients), continues that thread.
+_THREAD_MARK = ".t."
+#: The longest thread id carried so (a longer one is not: the reply threads on ours).
+MAX_THREAD_ID = 200
+
+
+def thread_mark(root: str) -> str:
+    """What our reply's Message-ID carries for the thread whose first id is ``root``
+    ("" for none, or one over :data:`MAX_THREAD_ID` characters)."""
+    inner = root.removeprefix("<").removesuffix(">")
+    if not inner or len(inner) > MAX_THREAD_ID:
+        return ""
+    code = base64.b32encode(inner.encode("utf-8", "surrogateescape")).decode("ascii")
+    return _THREAD_MARK + code.rstrip("=").lower()
+
+
+def thread_of(msgid: str) -> str | None:
+    """The thread's first Message-ID that ``msgid`` (one of our replies') carries, or
+    None. Whoever sends it can name any thread so, as with ``References``: a session is
+    keyed by its sender too, so only their own."""
+    local = msgid.removeprefix("<").removesuffix(">").rpartition("@")[0]
+    code = local.rpartition(_THREAD_MARK)[2] if _THREAD_MARK in local else ""
+    if not code:
+        return None
+    try:
+        inner = base64.b32decode(code.upper() + "=" * (-len(code) % 8)).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeError):
+        return None
+    root = f"<{inner}>"
+    # A Message-ID names its host: a mark that decodes to anything else is none of ours.
+    return root if "@" in inner and _MSGID.fullmatch(root) else None
 
 
 def _msgids(value: object) -> list[str]:
@@ -313,7 +413,10 @@ class ParsedMail:
 
     message_id: str
     root_id: str
+    #: ``From:`` (else the envelope sender) lower-case, where the answer goes
     sender: str
+    #: :attr:`sender` as one correspondent is compared (its domain IDNA-encoded)
+    correspondent: str
     subject: str
     references: str
     text: str
@@ -331,10 +434,16 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
     # A missing Message-ID is derived from the content so that a resent copy of the
     # same message still de-duplicates.
     message_id = own[0] if own else f"<{hashlib.sha256(raw).hexdigest()[:32]}@leadgate.invalid>"
+    # RFC 5322 3.6.4: the thread is References, else the one mail In-Reply-To names
+    # (with the thread it belongs to, when it is one of our replies).
     references = _msgids(message.get("References"))
-    in_reply_to = _msgids(message.get("In-Reply-To"))
-    root_id = (references or in_reply_to or [message_id])[0]
-    parent_chain = references or in_reply_to[:1]
+    in_reply_to = _msgids(message.get("In-Reply-To"))[:1]
+    parent_chain = references or in_reply_to
+    if not references and in_reply_to:
+        root = thread_of(in_reply_to[0])
+        if root is not None and root != in_reply_to[0]:
+            parent_chain = [root, *in_reply_to]
+    root_id = (parent_chain or [message_id])[0]
     chain = [*parent_chain, message_id]
     if len(chain) > MAX_REFERENCES:
         chain = [chain[0], *chain[-(MAX_REFERENCES - 1) :]]
@@ -361,22 +470,29 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
     )
 
     body = extract_text(message)
-    if body is None:
+    attached = _attached_messages(message)
+    if body is None and not attached:
         return None
     subject = one_line(message.get("Subject"))
-    if _FORWARD_SUBJECT.match(subject):
-        # Kept whole: the forwarded mail under its header block (Outlook) or its
-        # "Forwarded message" line (Gmail) is what the worker is to read; cut as a
-        # quoted original, the worker got "Please summarise." alone.
-        text = body.replace("\r\n", "\n").strip()
+    if attached or _FORWARD_SUBJECT.match(subject) or _FORWARD_MARKER.search(body or ""):
+        # Kept whole: the forwarded mail under its header block (Outlook), its
+        # "Forwarded message" line (Gmail, also with "Fwd:" taken out of the subject),
+        # in Apple Mail's HTML blockquote, or attached, is what the worker is to read;
+        # cut as a quoted original, the worker got "Please summarise." alone.
+        whole = (extract_text(message, quotes=True) or "").replace("\r\n", "\n").strip()
+        text = "\n\n".join(part for part in (whole, *attached) if part)
     else:
-        text = strip_quoted(body)
+        # Only a reply quotes an earlier mail under its headers: in any other mail
+        # From:/Sent:/To: lines were pasted in, and cutting there lost them.
+        replying = bool(parent_chain) or bool(_REPLY_SUBJECT.match(subject))
+        text = strip_quoted(body or "", headers=replying)
     if not text:
         return None
     return ParsedMail(
         message_id=message_id,
         root_id=root_id,
         sender=sender,
+        correspondent=fold_address(sender),
         subject=subject,
         references=" ".join(chain),
         text=text,

@@ -13,6 +13,7 @@ import aiosmtplib
 import pytest
 
 from bots.email import EmailAdapter, EmailChannel, message_id_for
+from bots.email_parse import thread_of
 from leadgate.core.config import EmailSettings
 from leadgate.core.types import RouteMatch
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
@@ -30,6 +31,10 @@ ADDRESS: dict[str, Any] = {
     "in_reply_to": "<m2@client.example>",
     "references": "<m1@client.example> <m2@client.example>",
 }
+
+#: The Message-ID of delivery ``dlv-42`` to ADDRESS: its key, then its thread's first
+#: Message-ID (``<m1@client.example>``) base32 after ``.t.``.
+DLV_42 = "<dlv-42.t.nuyuay3mnfsw45bomv4gc3lqnrsq@leadgate.example>"
 
 
 def _channel(sink: SmtpSink, **settings: Any) -> EmailChannel:
@@ -51,21 +56,21 @@ def _message(
 async def test_reply_is_threaded_with_a_deterministic_message_id(sink: SmtpSink) -> None:
     channel = _channel(sink)
     outcome = await channel.send(_message())
-    assert outcome == Sent("<dlv-42@leadgate.example>")
+    assert outcome == Sent(DLV_42)
     [mail] = sink.messages
     assert mail["mail_from"] == BOT and mail["rcpt_tos"] == [ALICE]
     assert mail["from"] == BOT and mail["to"] == ALICE
     assert mail["subject"] == "Re: Quarterly report"
     assert mail["in_reply_to"] == "<m2@client.example>"
     assert mail["references"] == "<m1@client.example> <m2@client.example>"
-    assert mail["message_id"] == "<dlv-42@leadgate.example>"
+    assert mail["message_id"] == DLV_42
     assert mail["auto_submitted"] == "auto-replied"
     assert mail["reply_to"] is None
     assert mail["body"].strip() == "Echo: hi"
 
     # A resend of the same delivery carries the same Message-ID.
-    assert await channel.send(_message()) == Sent("<dlv-42@leadgate.example>")
-    assert [m["message_id"] for m in sink.messages] == ["<dlv-42@leadgate.example>"] * 2
+    assert await channel.send(_message()) == Sent(DLV_42)
+    assert [m["message_id"] for m in sink.messages] == [DLV_42] * 2
 
 
 async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
@@ -97,6 +102,24 @@ async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
         [trigger] = core.triggers
         outcome = await adapter.channel.send(_message(trigger.binding.address, "Echo: done"))
         assert isinstance(outcome, Sent)
+        # Alice's phone answers the reply naming it in In-Reply-To alone (no References):
+        # the answer continues the thread (it started a session of its own).
+        answer = EmailMessage()
+        answer["From"] = "Alice <alice@example.com>"
+        answer["To"] = BOT
+        answer["Subject"] = "Re: Quarterly report"
+        answer["Message-ID"] = "<answer@client.example>"
+        answer["In-Reply-To"] = str(outcome.external_id)
+        answer.set_content("And the totals too")
+        await aiosmtplib.send(
+            answer, sender=ALICE, recipients=[BOT], hostname="127.0.0.1", port=adapter.port
+        )
+        await core.drain()
+        [_, follow_up] = core.triggers
+        assert follow_up.session_key == trigger.session_key
+        assert follow_up.binding.address["references"] == (
+            f"<orig@client.example> {outcome.external_id} <answer@client.example>"
+        )
     finally:
         await adapter.stop()
     [mail] = sink.messages
@@ -104,13 +127,13 @@ async def test_inbound_to_outbound_round_trip(sink: SmtpSink) -> None:
     assert mail["subject"] == "Re: Quarterly report"
     assert mail["in_reply_to"] == "<orig@client.example>"
     assert mail["references"] == "<orig@client.example>"
-    assert mail["message_id"] == "<dlv-42@leadgate.example>"
+    assert mail["message_id"] == "<dlv-42.t.n5zgsz2amnwgszlooqxgk6dbnvygyzi@leadgate.example>"
 
 
 async def test_configured_from_address_keeps_replies_in_the_thread(sink: SmtpSink) -> None:
     channel = _channel(sink, from_address="Lead Gate <noreply@mail.leadgate.example>")
     outcome = await channel.send(_message())
-    assert outcome == Sent("<dlv-42@mail.leadgate.example>")
+    assert outcome == Sent("<dlv-42.t.nuyuay3mnfsw45bomv4gc3lqnrsq@mail.leadgate.example>")
     [mail] = sink.messages
     assert mail["mail_from"] == "noreply@mail.leadgate.example"
     assert mail["from"] == "Lead Gate <noreply@mail.leadgate.example>"
@@ -130,7 +153,7 @@ async def test_a_correspondent_at_a_utf8_address_is_answered_there(sink: SmtpSin
     jurgen = "jürgen@exämple.de"
     address = {**ADDRESS, "to": f"Jürgen <{jurgen}>", "subject": "Re: Grüße"}
     outcome = await _channel(sink).send(_message(address, "Hallo Jürgen"))
-    assert outcome == Sent("<dlv-42@leadgate.example>")
+    assert outcome == Sent(DLV_42)
     [mail] = sink.messages
     assert mail["rcpt_tos"] == [jurgen] and mail["mail_from"] == BOT
     assert mail["to"] == f"Jürgen <{jurgen}>" and mail["subject"] == "Re: Grüße"
@@ -155,6 +178,15 @@ def test_message_id_is_derived_from_the_key() -> None:
     assert message_id_for("dlv-1", "Bot <bot@x.example>") == "<dlv-1@x.example>"
     assert message_id_for("a b:c<d>", "bot@x.example") == "<a-b-c-d-@x.example>"
     assert message_id_for("k", "") == "<k@leadgate.invalid>"
+    # With its thread's first Message-ID, base32 (a long one is left out).
+    assert message_id_for("k", "bot@x.example", "<m1@client.example>") == (
+        "<k.t.nuyuay3mnfsw45bomv4gc3lqnrsq@x.example>"
+    )
+    assert thread_of("<k.t.nuyuay3mnfsw45bomv4gc3lqnrsq@x.example>") == "<m1@client.example>"
+    assert message_id_for("k", "bot@x.example", f"<{'a' * 300}@x>") == "<k@x.example>"
+    # Ids that carry no thread, or a mark that does not decode to one.
+    for other in ("<k@x.example>", "<a.t.@x>", "<a.t.1!@x>", "<a.t.ee@x>", "<>"):
+        assert thread_of(other) is None, other
 
 
 @pytest.mark.parametrize(
@@ -209,7 +241,7 @@ async def test_a_positive_answer_other_than_250_after_the_message_is_sent(sink: 
     """Any 2yz after the final dot means the relay took the message: retrying it (what
     an "unexpected reply" was) mailed it twice."""
     sink.fail_next("accept_2xx")
-    assert await _channel(sink).send(_message()) == Sent("<dlv-42@leadgate.example>")
+    assert await _channel(sink).send(_message()) == Sent(DLV_42)
     assert [m["mode"] for m in sink.messages] == ["accept_2xx"]
     # Neither a 2yz nor a refusal: the relay may hold the message, so it is not sent again.
     sink.fail_next("odd_3xx")
@@ -241,7 +273,7 @@ async def test_a_relay_slow_at_every_step_is_given_up_on_within_the_send_deadlin
     assert sink.messages == []
     # The same relay, quick again: the delivery's next attempt goes through.
     sink.slow_s = 0.0
-    assert await channel.send(_message()) == Sent("<dlv-42@leadgate.example>")
+    assert await channel.send(_message()) == Sent(DLV_42)
 
 
 async def test_a_part_with_too_little_of_its_deliverys_deadline_left_is_not_sent(
@@ -266,4 +298,4 @@ async def test_a_part_with_too_little_of_its_deliverys_deadline_left_is_not_sent
     assert sink.messages == []
     sink.slow_s = 0.0
     outcome = await channel.send(dataclasses.replace(_message(), within_s=1.0))
-    assert outcome == Sent("<dlv-42@leadgate.example>")
+    assert outcome == Sent(DLV_42)

@@ -354,10 +354,104 @@ def test_an_html_only_outlook_reply_ends_at_the_quoted_headers() -> None:
     )
     message = EmailMessage()
     message["From"] = "member@acme.io"
+    message["Subject"] = "RE: Review needed"
     message["Message-ID"] = "<o1@acme.io>"
     message.set_content(markup, subtype="html")
     mail = parse_mail(bytes(message), "member@acme.io")
     assert mail is not None and mail.text == "Return\n\nAdd the Q3 figures."
+
+
+def test_attributions_with_other_spaces_or_wrapped_over_three_lines_are_dropped() -> None:
+    """A no-break space (U+00A0, U+202F) in "a écrit :", or an attribution wrapped over
+    three lines, was not recognised: the line stayed in the text taken in."""
+    own = "reject\nThe totals are wrong."
+    for attribution in (
+        "Le lun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a\u00a0écrit\u00a0:",
+        "Le\u202flun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a\u202fécrit :",
+        "On Mon, Dec 7, 2026 at 10:02 AM Leadgate Review Desk of\n"
+        "the Finance Department <\nreview@lg.example> wrote:",
+    ):
+        assert strip_quoted(f"{own}\n\n{attribution}\n{_QUOTED}") == own, attribution
+    # Bounded: a paragraph of the person's own that starts "On" and reaches a "wrote:"
+    # only on its fourth line is kept.
+    paragraph = "On Monday the board met\nand agreed the budget;\nthe minutes follow\nas Ann wrote:"
+    assert strip_quoted(f"{paragraph}\n> Budget: 4.2m") == paragraph
+
+
+def _forward(body: str, subject: str, *, html: bool = False, **headers: str) -> str | None:
+    message = _mail(body, Subject=subject, **headers)
+    if html:
+        message.set_content(body, subtype="html")
+    mail = parse_mail(bytes(message), ALICE)
+    return None if mail is None else mail.text
+
+
+_FORWARDED = (
+    "From: Bob <bob@supplier.example>\n"
+    "Sent: Monday, December 7, 2026 09:12\n"
+    "To: Alice <alice@example.com>\n"
+    "Subject: Contract\n"
+    "\n"
+    "The price rises 4% from January."
+)
+
+
+def test_a_forward_is_kept_whole_without_its_fwd_subject() -> None:
+    """Gmail's forward line with the "Fwd:" taken out of the subject, and headers pasted
+    into a mail that answers none, were cut as a quoted original."""
+    gmail = "Please summarise.\n\n---------- Forwarded message ---------\n" + _FORWARDED
+    assert _forward(gmail, "Contract") == gmail
+    pasted = "Can you answer this one?\n\n" + _FORWARDED
+    assert _forward(pasted, "Contract") == pasted
+    # A reply's quoted original is still cut, by its subject or its threading headers.
+    assert _forward(pasted, "RE: Contract") == "Can you answer this one?"
+    assert _forward(pasted, "Contract", In_Reply_To="<r@x>") == "Can you answer this one?"
+
+
+def test_an_html_only_apple_mail_forward_keeps_the_forwarded_mail() -> None:
+    """Apple Mail puts the mail it forwards in a ``<blockquote>``: it was dropped as a
+    reply's quote, and the worker got "Please summarise." alone."""
+    markup = (
+        "<html><body><div>Please summarise.</div><div><br><div>Begin forwarded message:"
+        '</div><br><blockquote type="cite"><div><b>From: </b>Bob &lt;bob@supplier.example'
+        "&gt;</div><div><b>Subject: </b>Contract</div><div><b>To: </b>Alice</div><br>"
+        "<div>The price rises 4% from January.</div></blockquote></div></body></html>"
+    )
+    for subject in ("Fwd: Contract", "Contract"):
+        text = _forward(markup, subject, html=True)
+        assert text is not None and text.startswith("Please summarise.\n"), text
+        assert "Begin forwarded message:" in text and "From: Bob <bob@supplier.example>" in text
+        assert text.endswith("The price rises 4% from January."), text
+
+
+async def test_a_mail_that_is_only_an_attached_message_is_read_as_a_forward(
+    listener: Listener,
+) -> None:
+    """A mail forwarded as an attachment (``message/rfc822``) alone was refused, 550
+    (email.body)."""
+    inner = EmailMessage()
+    inner["From"] = "Bob <bob@supplier.example>"
+    inner["To"] = ALICE
+    inner["Subject"] = "Contract"
+    inner["Date"] = "Mon, 07 Dec 2026 09:12:00 +0000"
+    inner.set_content("The price rises 4% from January.")
+    message = EmailMessage()
+    message["From"] = ALICE
+    message["To"] = BOT
+    message["Subject"] = "Contract"
+    message["Message-ID"] = "<att@client.example>"
+    message.add_attachment(inner)
+    await listener.send(message)
+    await listener.core.drain()
+    [trigger] = listener.core.triggers
+    assert trigger.text == (
+        "---------- Forwarded message ---------\n"
+        "From: Bob <bob@supplier.example>\n"
+        "Date: Mon, 07 Dec 2026 09:12:00 +0000\n"
+        "Subject: Contract\n"
+        f"To: {ALICE}\n\n"
+        "The price rises 4% from January."
+    )
 
 
 def test_strip_quoted_forms() -> None:
@@ -920,6 +1014,38 @@ async def test_utf8_addresses_and_headers_are_read_as_text() -> None:
         assert trigger.binding.address["subject"] == "Re: Grüße und mehr"
         assert trigger.external_event_id is not None
         assert "\x01" not in trigger.external_event_id
+
+
+async def test_an_idn_sender_is_one_correspondent_in_either_form() -> None:
+    """``user@bücher.example`` and ``user@xn--bcher-kva.example`` are one sender: their
+    mails in one thread are one session (they were two)."""
+    written, ace = "user@bücher.example", "user@xn--bcher-kva.example"
+    async for listener in _listen(FakeCore(_allow(written, ace))):
+        thread = "<i1@bücher.example>"
+        for sender, headers in (
+            (written, f"Message-ID: {thread}\r\n"),
+            (ace, f"Message-ID: <i2@bücher.example>\r\nReferences: {thread}\r\n"),
+        ):
+            raw = (
+                f"From: <{sender}>\r\nTo: {BOT}\r\nSubject: Order\r\n{headers}\r\nMore books\r\n"
+            ).encode()
+            replies = await _smtp_raw(
+                listener.port,
+                [
+                    b"EHLO client.example",
+                    f"MAIL FROM:<{ace}> SMTPUTF8".encode(),
+                    f"RCPT TO:<{BOT}>".encode(),
+                    b"DATA",
+                    raw + b".",
+                    b"QUIT",
+                ],
+            )
+            assert replies[5].startswith(b"250"), replies
+        await listener.core.drain()
+        first, second = listener.core.triggers
+        assert first.session_key == second.session_key == f"email:{BOT}:{ace}:{thread}"
+        # Each is answered at the address it wrote from.
+        assert [t.binding.address["to"] for t in (first, second)] == [written, ace]
 
 
 async def test_connections_beyond_the_limit_get_421_and_are_closed(

@@ -175,3 +175,16 @@ async def test_a_thread_answers_as_its_parent_channel_unless_a_route_names_the_t
     # (Not a thread: "parent" means nothing on a channel without parents.)
     await make_route(stack, org, agent_id, "slack", {"channel": "P"})
     assert await cache.resolve("slack", {"team": "T1", "channel": "U", "parent": "P"}) is None
+
+
+def test_an_email_route_takes_its_domain_in_either_idna_form() -> None:
+    """``bücher.example`` and its IDNA form ``xn--bcher-kva.example`` are one domain (and
+    case does not count); the local part is compared as it is, not encoded."""
+    for want in ("*@bücher.example", "*@XN--BCHER-KVA.example", "ann@Bücher.example"):
+        for got in ("ann@bücher.example", "Ann@xn--bcher-kva.example", "ann@BÜCHER.EXAMPLE"):
+            assert routes.matches("email", {"sender": want}, {"sender": got}), (want, got)
+    assert not routes.matches(
+        "email", {"sender": "bob@bücher.example"}, {"sender": "ann@bücher.example"}
+    )
+    assert routes.fold_address("jürgen@Exämple.de") == "jürgen@xn--exmple-cua.de"
+    assert routes.fold_address("a@b..ü") == "a@b..ü"  # no IDNA form: compared as written
