@@ -141,9 +141,13 @@ CATCH_UP_THREADS = 20
 #: ... and at most this many of the threads of each channel a route names that were
 #: archived within ``catch_up_s`` (the latest archived first: one request).
 CATCH_UP_ARCHIVED = 20
-#: How long a look-up of whether a channel is a thread may take before a live message
-#: there is routed as its own channel's (Discord not answering).
+#: How long one look-up of whether a channel is a thread may take (Discord not answering).
 THREAD_LOOKUP_S = 5.0
+#: The waits before a live message's look-up is made again, after one that timed out or
+#: failed on the network, a 5xx or a 429 (nothing is kept of a failed one): a message in
+#: a thread whose parent alone a route names was routed as its own channel's at the
+#: first failure, and nothing answered it. Only after the last is it so routed.
+THREAD_LOOKUP_RETRY_S = (2.0, 8.0, 30.0)
 #: How many channels' parents (or that they have none) are kept: past it, learnt again.
 _PARENTS_KEPT = 10_000
 #: A thread's parent never changes: what is learnt is kept under this one token.
@@ -602,36 +606,74 @@ class DiscordAdapter:
         self._core.spawn(self._take_live(message), name=f"discord-record:message:{message.id}")
 
     async def _take_live(self, message: discord.Message) -> None:
-        taken = self._post_of(message, await self._live_parent(message))
-        if taken is not None:
-            await self._take_post(*taken)
+        learnt, parent = await self._live_parent(message)
+        taken = self._post_of(message, parent)
+        if taken is None:
+            return
+        recorded = await self._take_post(*taken)
+        if recorded is None and not learnt:
+            # No route names the channel itself, and the parent one may name was never
+            # told: said, so that the message is not lost without a word.
+            log.warning(
+                "discord: message %s in channel %s was not taken in: no route names the "
+                "channel, and Discord did not tell whether it is a thread (whose parent a "
+                "route may name)",
+                taken[1].message_id,
+                taken[1].channel_id,
+            )
 
-    async def _live_parent(self, message: discord.Message) -> int | None:
-        """The parent channel of the thread a live message was posted in, else None.
-        discord.py knows it for a thread it has cached; a channel it has not (a
-        :class:`discord.PartialMessageable`) is looked up (:meth:`_parent_of`), and one
-        Discord does not tell about in time is routed as its own channel's."""
+    async def _live_parent(self, message: discord.Message) -> tuple[bool, int | None]:
+        """Whether it is known if the channel of a live message is a thread, and its
+        parent channel when it is one (else None). discord.py knows it for a thread it
+        has cached; a channel it has not (a :class:`discord.PartialMessageable`) is
+        looked up (:meth:`_parent_of`), again after each of :data:`THREAD_LOOKUP_RETRY_S`
+        while Discord does not tell (a timeout, the network, a 5xx or a 429; not on
+        shutdown), and one it never tells about is routed as its own channel's."""
         channel = message.channel
         if isinstance(channel, discord.Thread):
-            return channel.parent_id
+            return True, channel.parent_id
         client = self.gateway
         if (
             client is None
             or not isinstance(channel, discord.PartialMessageable)
             or channel.guild_id is None
         ):
-            return None  # a direct message, or a channel discord.py knows is no thread
+            return True, None  # a direct message, or a channel discord.py knows is no thread
+        waits = iter(THREAD_LOOKUP_RETRY_S)
+        while True:
+            try:
+                async with asyncio.timeout(THREAD_LOOKUP_S):
+                    return True, await self._parent_of(client, channel.id)
+            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # (A 4xx other than 429 is Discord's answer: asked again, the same.)
+                told = isinstance(exc, discord.HTTPException) and _answered(exc.status)
+                wait = None if told or self._stopping.is_set() else next(waits, None)
+                if wait is None:
+                    log.warning(
+                        "discord: could not learn whether channel %s is a thread (%s); its "
+                        "message is routed as the channel's own",
+                        channel.id,
+                        _rest_error(exc),
+                    )
+                    return False, None
+                log.info(
+                    "discord: could not learn whether channel %s is a thread (%s); asking "
+                    "again in %gs",
+                    channel.id,
+                    _rest_error(exc),
+                    wait,
+                )
+            await self._wait_unless_stopping(wait)
+
+    async def _wait_unless_stopping(self, seconds: float) -> None:
+        """Wait ``seconds`` on the adapter's sleep, less when the gateway is stopping."""
+        sleeping = asyncio.ensure_future(self._sleep(seconds))
+        stopping = asyncio.ensure_future(self._stopping.wait())
         try:
-            async with asyncio.timeout(THREAD_LOOKUP_S):
-                return await self._parent_of(client, channel.id)
-        except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.warning(
-                "discord: could not learn whether channel %s is a thread (%s); its message "
-                "is routed as the channel's own",
-                channel.id,
-                _rest_error(exc),
-            )
-            return None
+            await asyncio.wait((sleeping, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            stopping.cancel()
 
     async def _parent_of(self, client: _GatewayClient, channel_id: int) -> int | None:
         """The parent of the channel ``channel_id`` when it is a thread, else None: ``GET
@@ -681,16 +723,18 @@ class DiscordAdapter:
         )
         return inbound, post
 
-    async def _take_post(self, inbound: Inbound, post: GatewayPost) -> None:
-        """Record one gateway message; when the database cannot take it, tell its author
-        in a reply (the gateway delivers a message once: it was lost without a word, and
-        the failure logged with the driver's traceback)."""
+    async def _take_post(self, inbound: Inbound, post: GatewayPost) -> Recorded | None:
+        """Record one gateway message (None: no route took it, or the database could
+        not); when the database cannot take it, tell its author in a reply (the gateway
+        delivers a message once: it was lost without a word, and the failure logged with
+        the driver's traceback)."""
         try:
-            await accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}")
+            return await accept(self._core, inbound, name=f"discord-turn:message:{post.message_id}")
         except DATABASE_FAULTS as exc:
             log.warning("discord: could not record a gateway message (%s)", exc.rule)
             key = f"intake-fault:{post.message_id}"
             await tell_not_taken_in(self.channel, inbound, exc, key=key)
+            return None
 
     # -- catch-up ---------------------------------------------------------------------------
 
@@ -1016,7 +1060,7 @@ class DiscordAdapter:
             except (OSError, aiohttp.ClientError, discord.GatewayNotFound) as exc:
                 log.warning("discord: gateway unreachable (%r); retrying in %.0fs", exc, delay)
             except discord.HTTPException as exc:
-                if exc.status < 500 and exc.status != 429:
+                if _answered(exc.status):
                     log.error("discord: gateway login failed: %s; gateway messages are off", exc)
                     return
                 log.warning("discord: gateway login failed (%s); retrying in %.0fs", exc, delay)
@@ -1038,6 +1082,12 @@ class DiscordAdapter:
         """Add the interactions route (with a public key)."""
         if self._verify_key is not None:
             app.router.add_post(INTERACTIONS_PATH, answering_errors(self.handle_interaction))
+
+
+def _answered(status: int) -> bool:
+    """Whether Discord's HTTP ``status`` is its answer, the same if asked again (a 4xx
+    other than 429), not a failure to answer (a 5xx, a 429)."""
+    return status < 500 and status != 429
 
 
 def _rest_error(exc: BaseException) -> str:

@@ -178,6 +178,10 @@ class DiscordApiStandin(StandinBase):
         self.archived_reads: list[str] = []
         #: channel id -> modes for the next reads of its messages
         self._read_modes: dict[str, list[str]] = {}
+        #: channel id -> modes for its next ``GET /channels/{id}`` (the table's)
+        self._lookup_modes: dict[str, list[str]] = {}
+        #: each ``GET /channels/{id}``: its channel id and mode
+        self.lookups: list[tuple[str, str]] = []
         #: each read of a channel's messages: ``channel_id, after, before, limit, mode``
         self.reads: list[dict[str, Any]] = []
         #: awaited with each read's record before the history is read for its answer
@@ -197,6 +201,8 @@ class DiscordApiStandin(StandinBase):
         self.archived_reads.clear()
         self._read_modes.clear()
         self.reads.clear()
+        self._lookup_modes.clear()
+        self.lookups.clear()
         self._nonces.clear()
         self._originals.clear()
         self._deleted_originals.clear()
@@ -238,6 +244,11 @@ class DiscordApiStandin(StandinBase):
         """Answer the next reads of ``channel_id``'s messages with ``modes``, in order
         (see the table; ``ok`` reads)."""
         self._read_modes.setdefault(channel_id, []).extend(modes)
+
+    def fail_lookups(self, channel_id: str, *modes: str) -> None:
+        """Answer the next ``GET /channels/{channel_id}`` with ``modes``, in order (see
+        the table; ``ok`` answers)."""
+        self._lookup_modes.setdefault(channel_id, []).extend(modes)
 
     def _keep(self, message: dict[str, Any]) -> None:
         channel_id = str(message["channel_id"])
@@ -656,6 +667,12 @@ class DiscordApiStandin(StandinBase):
         """``GET /channels/{id}``: a channel some message was seen in."""
         channel_id = request.match_info["channel_id"]
         await self._latency()
+        queued = self._lookup_modes.get(channel_id)
+        mode = queued.pop(0) if queued else "ok"
+        self.lookups.append((channel_id, mode))
+        failure = await self._failure(request, mode)
+        if failure is not None:
+            return failure
         if not self._bot_authorized(request):
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
         if channel_id not in self._guilds:

@@ -1,0 +1,87 @@
+"""A live gateway message in a thread discord.py has not cached: its parent is looked up
+(``GET /channels/{id}``), and a route naming the parent answers it. Through the real
+discord.py client and the real composition root against the Discord stand-in.
+
+"Answered" is the reply queued in the outbox for that message (no runner runs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bots import discord as discord_bots
+from leadgate.app import App
+from tests.helpers import eventually
+from tests.integration.test_discord_catch_up import (
+    CHANNEL,
+    GUILD,
+    answers,
+    caught_up,
+    message,
+    routed,
+    running,
+    taken_in,
+)
+from tests.standins.discord_api import DiscordApiStandin
+
+
+@pytest.fixture(autouse=True)
+def instant_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No 5 s pause before a second IDENTIFY, and the look-up's waits between tries
+    pass at once (their length is production's; that they are made is what is tested)."""
+    monkeypatch.setattr(discord_bots, "IDENTIFY_PAUSE_S", 0.0)
+    monkeypatch.setattr(discord_bots, "THREAD_LOOKUP_RETRY_S", (0.0, 0.0, 0.0))
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[DiscordApiStandin]:
+    async with DiscordApiStandin(token="bot-token") as dc:
+        yield dc
+
+
+async def test_a_thread_whose_parent_discord_tells_late_is_answered_by_the_parents_route(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """Discord does not answer the first two look-ups of the thread (a 503): the third
+    tells its parent, whose route answers. Before, the first failure
+    routed the message as the thread's own channel's, which no route names: nobody
+    answered it, and nothing said so."""
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as up:
+        await caught_up(up)
+        thread = standin.start_thread(GUILD, CHANNEL)
+        standin.fail_lookups(thread, "503", "503")
+        said = await message(standin, "in a thread", channel=thread)
+        await eventually(lambda: answers(up, said), what="the thread's message answered")
+    assert await answers(service, said) == ["Echo: in a thread"]
+    assert standin.lookups == [(thread, "503"), (thread, "503"), (thread, "ok")]
+
+
+async def test_a_thread_discord_never_tells_about_is_said_not_taken_in(
+    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord never answers the look-up: after the last try the message is routed as
+    its own channel's (none names it) and a WARNING names the message and the channel,
+    never its text."""
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as up:
+        await caught_up(up)
+        thread = standin.start_thread(GUILD, CHANNEL)
+        standin.fail_lookups(thread, *["503"] * (len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1))
+        said = await message(standin, "in a thread", channel=thread)
+
+        def lost() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "bots.discord" and "was not taken in" in r.getMessage()
+            ]
+
+        await eventually(lost, what="the WARNING that the message was not taken in")
+    [line] = lost()
+    assert said in line and thread in line and "in a thread" not in line
+    assert standin.lookups == [(thread, "503")] * 4
+    assert f"discord:message:{said}" not in await taken_in(service)
