@@ -254,7 +254,7 @@ def _damaged(ctx: ServerRequestContext[Any, Any], uri: str, exc: DatabaseDamaged
     """The error for a call that met a damaged database (counted: :func:`note_damaged`);
     it tells the client what a request's 500 does, not the file or the server's text."""
     note_damaged(ctx, exc)
-    return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data={"uri": uri})
+    return MCPError(code=mt.INTERNAL_ERROR, message=exc.message, data=_uri_data(uri))
 
 
 def _refused(uri: str, exc: LeadgateError) -> MCPError:
@@ -263,7 +263,8 @@ def _refused(uri: str, exc: LeadgateError) -> MCPError:
     4xx), ``INTERNAL_ERROR`` for the service's own state (a request's 5xx: a database
     fault, with ``retryAfterS`` when retrying helps). A database fault was
     ``INVALID_PARAMS``, which tells a client to change its request, not to retry it."""
-    data: dict[str, Any] = {"uri": uri, "rule": exc.rule}
+    data = _uri_data(uri)
+    data["rule"] = exc.rule
     if exc.status < 500:
         return MCPError(code=mt.INVALID_PARAMS, message=exc.message, data=data)
     if exc.retry_after_s is not None:
@@ -277,6 +278,16 @@ def _refused(uri: str, exc: LeadgateError) -> MCPError:
 URI_QUOTE_LIMIT = 300
 
 
+def _uri_data(uri: str) -> dict[str, Any]:
+    """An error's ``data`` naming the URI a client sent: whole up to
+    :data:`URI_QUOTE_LIMIT` characters, else its first that many and ``uriLength`` (its
+    full length), as the message quotes it. ``data.uri`` carried the URI whole: a
+    megabyte sent came back a megabyte."""
+    if len(uri) <= URI_QUOTE_LIMIT:
+        return {"uri": uri}
+    return {"uri": uri[:URI_QUOTE_LIMIT], "uriLength": len(uri)}
+
+
 def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
     """-32602 for a URI that names no resource of the caller's: ``resource.unknown`` when
     it is no transcript URI at all, else the lookup's rule (``agent.not_found``, also for
@@ -286,7 +297,7 @@ def _unknown(uri: str, rule: str = "resource.unknown") -> MCPError:
     return MCPError(
         code=mt.INVALID_PARAMS,
         message=f"Unknown resource: {quoted(uri, URI_QUOTE_LIMIT)}",
-        data={"uri": uri, "rule": rule},
+        data={**_uri_data(uri), "rule": rule},
     )
 
 

@@ -298,6 +298,18 @@ async def test_another_organizations_resource_is_unknown(env: Env) -> None:
         said = long_read.value.error.message
         assert long_read.value.error.data["rule"] == "agent.not_found"
         assert len(said) < URI_QUOTE_LIMIT + 100 and "… (5,0" in said, said
+        # Its ``data.uri`` is cut the same way, saying the full length: it was the whole
+        # URI, a megabyte sent came back a megabyte.
+        long_uri = uri("ghost-" + "x" * 4_994, "m1")
+        assert long_read.value.error.data == {
+            "uri": long_uri[:URI_QUOTE_LIMIT],
+            "uriLength": len(long_uri),
+            "rule": "agent.not_found",
+        }
+        with pytest.raises(MCPError) as long_query:
+            await client.read_resource(uri("theirs", "x") + "?limit=1000&pad=" + "y" * 5_000)
+        assert long_query.value.error.data["rule"] == "transcript.limit"
+        assert len(long_query.value.error.data["uri"]) == URI_QUOTE_LIMIT
         with (
             warnings.catch_warnings(),
             pytest.raises(MCPError) as sub,
