@@ -75,8 +75,9 @@ def content(card: Card) -> str:
     if card.outcome is not None:
         o = card.outcome
         where = f" ({o.surface})" if o.surface else ""
-        line = f"**{o.title}** by {o.by}{where} at {iso(o.at_ms)}"
-        head.append(cut(line + (f": {o.text}" if o.text else ""), 600))
+        head.append(cut(f"**{o.title}** by {o.by}{where} at {iso(o.at_ms)}", 600))
+        if o.text:
+            head.append(quote(o.text))
     top = "\n".join(head)
     tail = f"\n<{card.link}>"
     room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
@@ -84,6 +85,18 @@ def content(card: Card) -> str:
         top = cut(top, CONTENT_MAX - len(tail) - 80)
         room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
     return f"{top}\n**Summary**\n{cut(card.summary or '(no summary)', room)}{tail}"
+
+
+#: How much of a decision's reason or feedback a card quotes (escaped, it may double).
+QUOTE_MAX = 300
+
+
+def quote(said: str) -> str:
+    """A decision's reason or feedback as a block quote under the outcome, its markdown
+    escaped: it was appended to the outcome's line as it was typed, so ``**`` or
+    ``# `` in a reason restyled the card, and a second line ran on unquoted."""
+    lines = discord.utils.escape_markdown(cut(said, QUOTE_MAX)).splitlines() or [""]
+    return "\n".join(f"> {line}" for line in lines)
 
 
 def _ref(card: Card) -> str:

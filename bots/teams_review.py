@@ -125,12 +125,14 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         body.append(
             {
                 "type": "TextBlock",
-                "text": line + (f": {_cut_bytes(o.text, OUTCOME_BYTES)}" if o.text else ""),
+                "text": line,
                 "weight": "Bolder",
                 "color": "Good" if o.title.startswith(("Approved", "Delivery")) else "Attention",
                 "wrap": True,
             }
         )
+        if o.text:
+            body.append(said_block(o.text))
     elif card.reason == "deliveryUnknown" and card.delivery_id:
         recovery = {"delivery": card.delivery_id, "episode": card.episode_id, **mine}
         actions += [
@@ -151,6 +153,15 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         "body": body,
         "actions": actions,
     }
+
+
+def said_block(said: str) -> dict[str, Any]:
+    """A decision's reason or feedback under the outcome, in quotation marks, as a
+    ``TextRun``: a TextBlock reads its text as markdown, so ``**`` or ``- `` in a reason
+    restyled the card (it was appended to the outcome's bold line as typed); a run's
+    text is shown as it is."""
+    run = {"type": "TextRun", "text": f"“{_cut_bytes(said, OUTCOME_BYTES)}”", "italic": True}
+    return {"type": "RichTextBlock", "inlines": [run]}
 
 
 def _execute(verb: str, title: str, data: dict[str, Any], style: str | None) -> dict[str, Any]:

@@ -447,7 +447,9 @@ async def last_outcome(
         by=await who(conn, row.actor),
         surface=row.surface,
         at_ms=int(row.created_at),
-        text=cut(row.text, 500) if row.text and verb in ("reject", "return", "expire") else None,
+        text=cut(row.text, 500)
+        if row.text and verb in ("reject", "return", "cancel", "expire")
+        else None,
     )
 
 

@@ -608,7 +608,10 @@ async def decide(
         row = await human_return(conn, clock, ids, item, actor, text, **where)
     else:
         row = await cancel(conn, clock, ids, item, actor, text, **where)
-    said = text if action in ("reject", "return") and isinstance(text, str) else None
+    # A cancel's reason is shown too (blank: none), as a reject's is: the cards said who
+    # cancelled, never why.
+    said = text if action in ("reject", "return", "cancel") and isinstance(text, str) else None
+    said = said if said and said.strip() else None
     await _close_cards(conn, outbox, item.id, action, actor, surface, said)
     return row
 

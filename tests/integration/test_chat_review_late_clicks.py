@@ -572,3 +572,93 @@ async def test_a_discord_click_names_its_own_card_among_two_uncertain_ones_of_a_
     }
     assert await confirmations(app, original.card_id) == [("discord", f"discord:{DISCORD_USER}")]
     assert await updates_of(app, original.card_id) == 1
+
+
+# ------------------------------------------------------- a cancel's reason on the cards
+
+#: A reason each platform's markup would read: Slack's control characters, Discord's
+#: and Teams' markdown, a second line.
+CANCEL_REASON = "*dup* of <!here> & _wi_2_\n# moved to **Q3** - see [the plan](https://x.example)"
+
+
+async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
+    uncertain_served: tuple[App, TestServer],
+    slack_api: SlackApiStandin,
+    key: SigningKey,
+    scripted: dict[str, ScriptedChannel],
+) -> None:
+    """Cancelled in the console with a reason: the cards said who cancelled, never why.
+    The relay's edit of every card and a late click's card (through each adapter) show
+    it under the outcome, quoted and escaped for the platform's markup; blank, none."""
+    app, server = uncertain_served
+    org, worker = await setup(app)
+    await link_more(app, org)
+    await add_destination(app, org.id, "discord", "1000000000000000009")
+    conversation = "19:rev@thread.tacv2"
+    reference: dict[str, object] = {
+        "serviceUrl": "http://127.0.0.1:9/",
+        "conversation": {"id": conversation, "tenantId": "tenant-1"},
+        "bot": {"id": "28:leadgate-bot"},
+        "channelId": "msteams",
+    }
+    await app.chat_reviews.remember_teams_conversation(reference)
+    await add_destination(app, org.id, "teams", conversation)
+    item_id = await escalated(app, org, worker, "s1")
+    posted = {c: await card_message(app, item_id, c) for c in ("slack", "discord", "teams")}
+    await app.reviews.decide(org.principal, item_id, "cancel", CANCEL_REASON, surface="console")
+    await drain(app.relay)
+    edited = {name: channel.updates for name, channel in scripted.items()}
+    assert {name: [e for e, _ in updates] for name, updates in edited.items()} == {
+        name: [posted[name]] for name in posted
+    }
+    cards = {name: updates[0][1].card for name, updates in edited.items()}
+    for card in cards.values():
+        assert card is not None and card.outcome is not None
+        assert (card.outcome.title, card.outcome.text) == ("Cancelled", CANCEL_REASON)
+
+    slack_quote = (
+        ">*dup* of &lt;!here&gt; &amp; _wi_2_\n"
+        "># moved to **Q3** - see [the plan](https://x.example)"
+    )
+    discord_quote = (
+        "> \\*dup\\* of <!here> & \\_wi\\_2\\_\n"
+        "> \\# moved to \\*\\*Q3\\*\\* - see \\[the plan](https://x.example)"
+    )
+    teams_said = {
+        "type": "RichTextBlock",
+        "inlines": [{"type": "TextRun", "text": f"“{CANCEL_REASON}”", "italic": True}],
+    }
+    slack_card, discord_card, teams_card = (cards[name] for name in ("slack", "discord", "teams"))
+    assert slack_card is not None and discord_card is not None and teams_card is not None
+    assert blocks(slack_card)[-1]["text"]["text"].endswith("\n" + slack_quote)
+    assert discord_review.quote(CANCEL_REASON) == discord_quote
+    assert "**Cancelled** by API key" in discord_review.content(discord_card)
+    assert "\n" + discord_quote + "\n" in discord_review.content(discord_card)
+    assert adaptive_card(teams_card)["body"][-1] == teams_said
+
+    # A late click on each platform gets the cancelled card with its reason.
+    click = approve_click(slack_api, item_id, "late")
+    click["container"]["message_ts"] = posted["slack"]
+    assert (await slack_click(server, click))[0] == 200
+    await eventually(lambda: len(answers(slack_api, "late")) == 2)
+    replaced, told = answers(slack_api, "late")
+    assert replaced["blocks"][-1]["text"]["text"].endswith("\n" + slack_quote)
+    assert told["text"].startswith("Already cancelled by API key")
+    answer = await discord_click(
+        server, key, item_id, "-", posted["discord"], "1000000000000000009"
+    )
+    assert answer["type"] == 7 and "\n" + discord_quote + "\n" in answer["data"]["content"]
+    activity = invoke_activity(
+        service_url="http://127.0.0.1:9/",
+        verb="approve",
+        data={"item": item_id, "episode": "-"},
+        reply_to_id=posted["teams"],
+        conversation_id=conversation,
+        aad_object_id=TEAMS_AAD,
+    )
+    status, body = await post(
+        server, "/api/messages", json.dumps(activity).encode(), {"Content-Type": "application/json"}
+    )
+    assert status == 200 and body["type"] == CARD_TYPE, body
+    assert body["value"]["body"][-1] == teams_said
+    assert (await item_row(app, item_id))["status"] == "cancelled"
