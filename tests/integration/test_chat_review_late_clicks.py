@@ -589,7 +589,7 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
 ) -> None:
     """Cancelled in the console with a reason: the cards said who cancelled, never why.
     The relay's edit of every card and a late click's card (through each adapter) show
-    it under the outcome, quoted and escaped for the platform's markup; blank, none."""
+    it under the outcome, quoted and escaped for the platform's markup."""
     app, server = uncertain_served
     org, worker = await setup(app)
     await link_more(app, org)
