@@ -655,10 +655,13 @@ class TurnService:
         key gets ``failure`` (:meth:`_store_keyed`): its retry is told the error, not
         ``idempotency.lost`` for good. A plain turn's run (``item_id`` None: recorded
         late, :meth:`record_owed`) has no item to abandon; its notice is stored all the
-        same (closed silently, the message had no answer and nobody a word), unless
-        its session took a later message (:meth:`_answered_later`: during the failed
-        model call, or before a give-up), whose turn answers it: the notice, stored
-        after that answer, told the person their message went unanswered."""
+        same (closed silently, the message had no answer and nobody a word). Neither
+        is done when its session took a later message (:meth:`_answered_later`: during
+        the failed model call, or before a give-up), whose turn answers it: the notice,
+        stored after that answer, told the person their message went unanswered, and a
+        gated session's item, which that message was added to and its turn works in,
+        was abandoned under it (fenced on ``inProgress``: one the follow-up handed to
+        review stayed, the notice stored all the same). Its run is closed alone."""
         abandoned = False
         async with self.db.tx() as conn:
             if await self._answered_later(conn, ctx):
@@ -1233,8 +1236,9 @@ class TurnService:
         return Reply(screened, streamed, usage)
 
     async def _answered_later(self, conn: Conn, ctx: TurnContext) -> bool:
-        """Whether turn recovery's rerun of a plain REST/MCP/Studio run (``ctx``) is to
-        end without an answer, its run closed: its session took in a user message
+        """Whether turn recovery's rerun of a REST/MCP/Studio run (``ctx``, a plain or a
+        gated worker's: :func:`_may_be_answered_later`) is to end without an answer,
+        its run closed: its session took in a user message
         after the run's (a follow-up, or the resend of one told to send it only if
         not there) while it ran, or before its claim. That message's own turn, shown
         the run's message unanswered, answers it (the rerun, shown the follow-up,
@@ -1510,9 +1514,14 @@ _EVER = 2**62
 
 def _may_be_answered_later(ctx: TurnContext) -> bool:
     """Whether ``ctx`` is a rerun that a later message of its session ends unanswered
-    (:meth:`TurnService._answered_later`): a recovered plain REST/MCP/Studio run not
-    rerun for a keyed client's resend."""
-    return ctx.recovered_client and not ctx.keyed_resend and ctx.work_item_id is None
+    (:meth:`TurnService._answered_later`): a recovered REST/MCP/Studio run not rerun
+    for a keyed client's resend, a plain worker's or a gated one's. A gated session's
+    follow-up is added to the same ``inProgress`` item and runs its own turn, shown the
+    cut message unanswered, as a plain one's does: the rerun answered the session a
+    second time after it, and its failure or give-up stored the failure notice after
+    that answer and abandoned the item the follow-up's turn works in. (A rerun whose
+    ``complete_task`` committed its signal never reaches a look: its handoff goes on.)"""
+    return ctx.recovered_client and not ctx.keyed_resend
 
 
 def _storable(text: str) -> str:

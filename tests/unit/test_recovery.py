@@ -1144,3 +1144,135 @@ async def test_a_follow_up_to_a_worker_whose_lead_was_removed_is_seen_by_a_claim
     else:
         assert claimed == 1  # claimed, and closed
     assert await session_roles(stack) == ["user", "user", "assistant"]  # answered once
+
+
+class _HeldScript:
+    """The script model's answers, with a rerun's call held or failed on demand: a
+    :class:`RecordingProvider` handler whose next call waits for ``release`` while
+    ``hold`` is set, or raises a model error while ``fail`` is set (each once);
+    ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.hold = False
+        self.fail = False
+        self.held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, request: ModelRequest) -> list[ModelEvent]:
+        self.calls += 1
+        if self.hold:
+            self.hold = False
+            self.held.set()
+            await self.release.wait()
+        if self.fail:
+            self.fail = False
+            raise ModelError("the model failed in the rerun")
+        return await _scripted(request)
+
+
+async def _a_gated_turn_cut_then_followed(
+    make_stack: Callable[..., Stack], follow_up: str
+) -> tuple[Stack, _HeldScript, Accepted, str]:
+    """A gated REST turn ("work on it") stopped by a database fault in its live process
+    (503 ``turn.interrupted``: an orphan, rerun by recovery), then its client's next
+    message ``follow_up``, added to the same item and answered by its own turn before
+    recovery claims the run: the stack, its model's script, the cut turn and its item."""
+    model = RecordingProvider()
+    script = model.handler = _HeldScript()
+    stack = make_stack(providers={"script": model})
+    taken = await _a_gated_api_turn_taken_in(stack, "work on it")
+    item_id = taken.ctx.work_item_id
+    assert taken.ctx.run_token and item_id
+    await stopped_by_a_fault(stack.db, stack.turns, taken)
+    assert stack.turns.orphans == {taken.ctx.run_token}
+    stack.clock.advance(1_000)
+    if follow_up:
+        await stack.turns.run(_sent_again(taken, follow_up))
+        stack.clock.advance(1_000)
+    return stack, script, taken, item_id
+
+
+@pytest.mark.parametrize("end", ["answers", "model fails", "gives up"])
+async def test_a_gated_rerun_after_a_follow_up_answered_it_ends_unanswered(
+    make_stack: Callable[..., Stack], end: str
+) -> None:
+    """A gated REST turn cut by a database fault (its client told not to send it
+    again: recovery reruns it), and its client's follow-up, added to the same
+    ``inProgress`` item, answered by its own turn with the cut message in its history.
+    The rerun, shown the whole session, answered it a second time; its model failing
+    (or its runs given up) stored the failure notice after that answer and abandoned
+    the item the follow-up's turn works in. As a plain worker's rerun does, it now ends
+    without an answer, its run closed, its model not called (the look comes before the
+    call): the item stays ``inProgress``, answered once."""
+    stack, script, _, item_id = await _a_gated_turn_cut_then_followed(make_stack, "and a title")
+    said = [("user", "work on it"), ("user", "and a title"), ("assistant", "Echo: and a title")]
+    assert await item_messages(stack, item_id) == said
+    script.fail = end == "model fails"
+    if end == "gives up":
+        async with stack.db.tx() as conn:
+            await conn.execute(t.turn_runs.update().values(attempts=runs.MAX_ATTEMPTS))
+    calls = script.calls
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert script.calls == calls
+    assert await count(stack, t.turn_runs) == 0
+    assert not stack.turns.orphans
+    assert await item_messages(stack, item_id) == said
+    assert (await item_row(stack, item_id))["status"] == "inProgress"
+    assert [a["action"] for a in await item_audit(stack, item_id)] == ["create"]
+
+
+async def test_a_gated_rerun_after_a_follow_up_handed_the_item_off_runs_nothing(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """Not a bug, pinned: the cut gated turn's follow-up called ``complete_task`` (the
+    item went to review, its text withheld for the lead) before recovery claimed the
+    cut run. The claim finds the item out of ``inProgress`` and closes the run: no
+    second handoff, no answer beside the withheld one, the model not called again."""
+    stack, _, _, item_id = await _a_gated_turn_cut_then_followed(
+        make_stack, "and a title #complete"
+    )
+    assert (await item_row(stack, item_id))["status"] == "reviewQueued"
+    said = await item_messages(stack, item_id)
+    audit = await item_audit(stack, item_id)
+    assert await drain(TurnRecovery(stack.turns)) == 1
+    assert await count(stack, t.turn_runs) == 0
+    assert await item_messages(stack, item_id) == said
+    assert await item_audit(stack, item_id) == audit
+    assert [a["action"] for a in audit].count("completeTask") == 1
+
+
+@pytest.mark.parametrize(
+    ("follow_up", "rerun_fails"),
+    [("and a title", False), ("and a title #complete", False), ("and a title", True)],
+    ids=["follow-up answers", "follow-up hands off", "rerun's model fails"],
+)
+async def test_a_follow_up_while_a_gated_rerun_waits_for_its_model_is_answered_once(
+    make_stack: Callable[..., Stack], follow_up: str, rerun_fails: bool
+) -> None:
+    """The cut gated turn's client sends its next message while recovery's rerun waits
+    for its model: the follow-up's turn, shown the cut message unanswered, answers the
+    session (or hands the item to review). The rerun's plain answer was stored after it
+    all the same (two answers; beside a handoff, shown unreviewed while the item waits
+    for its lead), and its model failing stored the failure notice after it and
+    abandoned the item. It now ends without either, its run closed. One handoff at
+    most."""
+    stack, script, taken, item_id = await _a_gated_turn_cut_then_followed(make_stack, "")
+    script.hold = True
+    rerun = asyncio.create_task(drain(TurnRecovery(stack.turns)))
+    await asyncio.wait_for(script.held.wait(), 10)
+    handed_off = "#complete" in follow_up
+    outcome = await stack.turns.run(_sent_again(taken, follow_up))
+    assert isinstance(outcome, Gated if handed_off else Reply)
+    script.fail = rerun_fails
+    script.release.set()
+    assert await rerun == 1
+    assert await count(stack, t.turn_runs) == 0
+    roles = [role for role, _ in await item_messages(stack, item_id)]
+    # (the follow-up's complete_task leaves its summary as a tool message)
+    assert roles == ["user", "user", *(["tool"] if handed_off else []), "assistant"]
+    item = await item_row(stack, item_id)
+    assert item["status"] == ("reviewQueued" if handed_off else "inProgress")
+    handoffs = [a["action"] for a in await item_audit(stack, item_id)].count("completeTask")
+    assert handoffs == (1 if handed_off else 0)
+    assert not script.fail  # (the rerun's model was called: the follow-up came during it)
