@@ -298,37 +298,57 @@ async def recorded_since(
 
 
 P = t.catch_up_points.c
-_READ_POINTS = sa.select(P.conversation, P.start_ms).where(P.channel == sa.bindparam("p_channel"))
+_READ_POINTS = sa.select(P.conversation, P.start_ms, P.read_through).where(
+    P.channel == sa.bindparam("p_channel")
+)
 
 
-async def read_points(conn: Conn, channel: str) -> dict[str, int]:
+async def read_points(conn: Conn, channel: str) -> tuple[dict[str, int], frozenset[str]]:
     """Where each catch-up of ``channel`` (a binding kind) starts, by conversation (its
-    channel: Discord's id, Slack's ``TEAM:CHANNEL``): those it has a point for."""
-    rows = await conn.execute(_READ_POINTS, {"p_channel": channel})
-    return {str(row.conversation): int(row.start_ms) for row in rows.all()}
+    channel: Discord's id, Slack's ``TEAM:CHANNEL``): those it has a point for; and
+    those whose last catch-up read them through (:func:`advance_read_points`)."""
+    rows = (await conn.execute(_READ_POINTS, {"p_channel": channel})).all()
+    points = {str(row.conversation): int(row.start_ms) for row in rows}
+    return points, frozenset(str(row.conversation) for row in rows if row.read_through)
 
 
 @functools.cache
-def _advance_stmt(dialect: str) -> Any:
-    """``INSERT ... ON CONFLICT DO UPDATE ... WHERE`` the stored point is older, for
-    ``dialect``, built once: one statement, so that two catch-ups (two replicas) storing
-    at once keep the later point whichever commits last."""
+def _advance_stmt(dialect: str, read_through: bool) -> Any:
+    """``INSERT ... ON CONFLICT DO UPDATE`` for ``dialect``, built once: one statement,
+    so that two catch-ups (two replicas) storing at once keep the later point whichever
+    commits last. A read-through (``read_through``) moves the point and marks it only
+    where the stored one is not later (a later one is another catch-up's, which may
+    have failed: its mark stays). A catch-up starting to read a channel marks it not
+    read through whatever the point (it may fail), and keeps the later point."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stmt = insert(t.catch_up_points)
+    if read_through:
+        return stmt.on_conflict_do_update(
+            index_elements=[P.channel, P.conversation],
+            set_={
+                "start_ms": stmt.excluded.start_ms,
+                "updated_at": stmt.excluded.updated_at,
+                "read_through": True,
+            },
+            where=P.start_ms <= stmt.excluded.start_ms,
+        )
+    later = sa.case((P.start_ms < stmt.excluded.start_ms, stmt.excluded.start_ms), else_=P.start_ms)
     return stmt.on_conflict_do_update(
         index_elements=[P.channel, P.conversation],
-        set_={"start_ms": stmt.excluded.start_ms, "updated_at": stmt.excluded.updated_at},
-        where=P.start_ms < stmt.excluded.start_ms,
+        set_={"start_ms": later, "updated_at": stmt.excluded.updated_at, "read_through": False},
     )
 
 
 async def advance_read_points(
-    conn: Conn, clock: Clock, channel: str, points: Mapping[str, int]
+    conn: Conn, clock: Clock, channel: str, points: Mapping[str, int], *, read_through: bool
 ) -> None:
     """Move where the next catch-up of each conversation of ``channel`` starts to
-    ``points``' (epoch ms), or keep the stored point where it is later: never back."""
+    ``points``' (epoch ms), or keep the stored point where it is later: never back.
+    ``read_through``: a catch-up read those conversations through (their next catch-up
+    may start from the newest message taken in since); else one is starting to read
+    them (their next starts from the point alone until one reads them through)."""
     now = clock.now_ms()
-    stmt = _advance_stmt(conn.dialect.name)
+    stmt = _advance_stmt(conn.dialect.name, read_through)
     for conversation, start_ms in points.items():
         await conn.execute(
             stmt,
@@ -337,5 +357,6 @@ async def advance_read_points(
                 "conversation": conversation,
                 "start_ms": start_ms,
                 "updated_at": now,
+                "read_through": read_through,
             },
         )

@@ -81,10 +81,13 @@ class Core(Protocol):
         start)."""
         ...
 
-    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+    async def advance_read_points(
+        self, channel: BindingKind, points: Mapping[str, int], *, read_through: bool = False
+    ) -> None:
         """Store where the next catch-up of each conversation of ``channel`` starts
         (conversation -> epoch ms on the core's clock, as :attr:`Conversations.read_at_ms`),
-        never moving a stored point back."""
+        never moving a stored point back; ``read_through``: a catch-up read them through
+        (else one is starting to read them: :attr:`Conversations.read_through`)."""
         ...
 
 
@@ -193,11 +196,27 @@ async def known_conversations(
         return None
 
 
+def catch_up_start(
+    point: int | None, read_through: bool, newest_ms: int | None, since_ms: int
+) -> int:
+    """Where a channel's catch-up starts (epoch ms, the route's bound aside), never
+    before ``since_ms``: its stored ``point`` alone while the last catch-up that stored
+    it has not read it through (a live message taken in since may be newer than those
+    it missed); else no earlier than :data:`CATCH_UP_OVERLAP_MS` before the newest
+    message taken in there (``newest_ms``): every message before it reached the
+    service (or was read back), and the hour is not read again at each start."""
+    if point is not None and not read_through:
+        return max(since_ms, point)
+    newest = since_ms if newest_ms is None else newest_ms - CATCH_UP_OVERLAP_MS
+    return max(since_ms, point or since_ms, newest)
+
+
 async def store_read_points(core: Core, channel: BindingKind, points: Mapping[str, int]) -> bool:
-    """Store where the catch-ups of channels that have no read point start
-    (``points``), before any is read: one that fails (or a process that dies while it
-    reads) is read from there again, though a live message taken in there since is
-    newer. False when the database is away (one WARNING: the catch-up is tried again)."""
+    """Store where the catch-ups of ``channel``'s channels start (``points``:
+    :func:`catch_up_start`), before any is read, each marked not read through: one that
+    fails (or a process that dies while it reads) is read from there again, though a
+    live message taken in there since is newer. False when the database is away (one
+    WARNING: the catch-up is tried again)."""
     try:
         await core.advance_read_points(channel, points)
     except DATABASE_FAULTS as exc:
@@ -215,8 +234,8 @@ async def catch_up_until_done(
     False when a database fault stopped it) until it ends or ``stopping`` is set: one
     stopped by a fault is tried again :data:`CATCH_UP_RETRY_FIRST_S` on, doubling, not at
     the next start or READY. ``catch_up`` is told whether it is such a retry: a channel
-    that has no read point stored yet then starts from the window's start, not from the
-    newest message taken in there, which a live message may be by now. Any other error
+    then starts from its read point (or the window's start when it has none), not from
+    the newest message taken in there, which a live message may be by now. Any other error
     ends it, logged (never the service's end)."""
     wait_s = CATCH_UP_RETRY_FIRST_S
     again = False

@@ -70,6 +70,7 @@ from bots.base import (
     Core,
     accept,
     answering_errors,
+    catch_up_start,
     catch_up_until_done,
     known_conversations,
     not_taken_in,
@@ -322,21 +323,22 @@ class CatchUpTarget:
     #: the thread's parent channel, when it is known to be a thread
     parent: int | None = None
 
-    def first_point(self, since_ms: int) -> int:
-        """Where the catch-up of this channel starts when it has no read point (epoch
-        ms, the route's bound aside): :data:`CATCH_UP_OVERLAP_MS` before the newest
-        message taken in there, not before ``since_ms``."""
-        if self.newest is None:
-            return since_ms
-        return max(since_ms, _made_ms(self.newest) - CATCH_UP_OVERLAP_MS)
+    #: the point was stored by a catch-up that read the channel through
+    read_through: bool = False
+
+    def start_point(self, since_ms: int) -> int:
+        """Where the catch-up of this channel starts (epoch ms, the route's bound
+        aside): :func:`bots.base.catch_up_start`."""
+        newest = None if self.newest is None else _made_ms(self.newest)
+        return catch_up_start(self.point, self.read_through, newest, since_ms)
 
 
 def catch_up_targets(known: Conversations, *, again: bool = False) -> list[CatchUpTarget]:
     """The channels to catch up: every Discord session (its key ``discord:GUILD:CHANNEL``)
     that took in a gateway message, with the newest recorded in it lately, and every
     channel a route names that has none, each with its read point. ``again`` (a retry
-    after a database fault): a channel without a read point has no newest either (a live
-    message taken in since the first try may be it)."""
+    after a database fault): no channel has a newest (a live message taken in since the
+    first try may be it)."""
     targets: dict[int, CatchUpTarget] = {}
     for key, event_ids in known.sessions.items():
         _, _, rest = key.partition(_SESSION_PREFIX)
@@ -364,8 +366,9 @@ def catch_up_targets(known: Conversations, *, again: bool = False) -> list[Catch
     return [
         dataclasses.replace(
             target,
-            newest=None if again and point is None else target.newest,
+            newest=None if again else target.newest,
             point=point,
+            read_through=str(target.channel_id) in known.read_through,
         )
         for target in targets.values()
         for point in (known.points.get(str(target.channel_id)),)
@@ -758,8 +761,9 @@ class DiscordAdapter:
     async def catch_up(self, again: bool = False) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
         posted after its read point (where the last catch-up that read it through
-        started, less a minute; for a channel without one, the newest message taken in
-        there, less a minute, stored as its point before anything is read), within
+        started, less a minute, or the newest message taken in there since, less a
+        minute, when later; for a channel without one, the newest message taken in
+        there, less a minute; stored as its point before anything is read), within
         ``[discord] catch_up_s`` and not before the route answering there was made, but
         not one the bot already replied to (:func:`replied_to`); and so the new threads of
         those channels (:meth:`_new_threads`) and the threads archived lately of those a
@@ -786,10 +790,8 @@ class DiscordAdapter:
         except DATABASE_FAULTS as exc:
             log.warning("discord: catch-up stopped, the database is unavailable (%s)", exc.rule)
             return False
-        firsts = {
-            str(t.channel_id): t.first_point(known.since_ms) for t in targets if t.point is None
-        }
-        if not await store_read_points(self._core, BindingKind.discord, firsts):
+        starts = {str(t.channel_id): t.start_point(known.since_ms) for t in targets}
+        if not await store_read_points(self._core, BindingKind.discord, starts):
             return False
         for target in targets:
             if self._stopping.is_set():
@@ -955,8 +957,8 @@ class DiscordAdapter:
         route = await self._core.resolve_route(BindingKind.discord.value, attrs)
         if route is None:
             return
-        # (no point: the one stored before anything was read, its first_point)
-        point = target.first_point(known.since_ms) if target.point is None else target.point
+        # (the point stored before anything was read)
+        point = target.start_point(known.since_ms)
         after = snowflake_at(max(known.since_ms, route.created_at, point))
         limit = CATCH_UP_PAGES * 100
         # Every page first: the bot's replies come after the messages they answer, and a
@@ -1004,7 +1006,9 @@ class DiscordAdapter:
         # Read through: every message posted before this catch-up started was read (the
         # minute less for clocks apart, as for the newest taken in).
         await self._core.advance_read_points(
-            BindingKind.discord, {str(target.channel_id): known.read_at_ms - CATCH_UP_OVERLAP_MS}
+            BindingKind.discord,
+            {str(target.channel_id): known.read_at_ms - CATCH_UP_OVERLAP_MS},
+            read_through=True,
         )
 
     @contextlib.asynccontextmanager

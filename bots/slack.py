@@ -67,6 +67,7 @@ from bots.base import (
     Core,
     accept,
     answering_errors,
+    catch_up_start,
     catch_up_until_done,
     known_conversations,
     quoted_page,
@@ -295,26 +296,25 @@ class CatchUpTarget:
     there lately (``None``: none), the threads that took in messages lately (each with
     the newest ts taken in there: what moved last there, as far as the service saw) and
     the read point stored (``point``: where its catch-up starts, epoch ms; ``None``:
-    none yet)."""
+    none yet; ``read_through``: stored by a catch-up that read the channel through)."""
 
     team: str
     channel: str
     newest: Decimal | None
     threads: tuple[tuple[str, Decimal], ...]
     point: int | None = None
+    read_through: bool = False
 
     @property
     def conversation(self) -> str:
         """The channel's key among the read points: ``TEAM:CHANNEL``."""
         return f"{self.team}:{self.channel}"
 
-    def first_point(self, since_ms: int) -> int:
-        """Where the catch-up of this channel starts when it has no read point (epoch
-        ms, the route's bound aside): :data:`CATCH_UP_OVERLAP_MS` before the newest
-        message taken in there, not before ``since_ms``."""
-        if self.newest is None:
-            return since_ms
-        return max(since_ms, int(self.newest * 1000) - CATCH_UP_OVERLAP_MS)
+    def start_point(self, since_ms: int) -> int:
+        """Where the catch-up of this channel starts (epoch ms, the route's bound
+        aside): :func:`bots.base.catch_up_start`."""
+        newest = None if self.newest is None else int(self.newest * 1000)
+        return catch_up_start(self.point, self.read_through, newest, since_ms)
 
 
 def _ts(value: object) -> Decimal | None:
@@ -341,8 +341,8 @@ def catch_up_targets(
     its channel lately and its threads that took in one lately (each with the newest
     taken in there), and every channel a route
     names (in ``team`` when the route names none), each with its read point. ``again``
-    (a retry after a database fault): a channel without a read point has no newest
-    either (a live message taken in since the first try may be it)."""
+    (a retry after a database fault): no channel has a newest (a live message taken in
+    since the first try may be it)."""
     newest: dict[tuple[str, str], Decimal | None] = {}
     threads: dict[tuple[str, str], dict[str, Decimal]] = {}
     for key, event_ids in known.sessions.items():
@@ -369,9 +369,10 @@ def catch_up_targets(
         CatchUpTarget(
             t,
             c,
-            None if again and point is None else n,
+            None if again else n,
             tuple(sorted(threads.get((t, c), {}).items())),
             point,
+            f"{t}:{c}" in known.read_through,
         )
         for (t, c), n in newest.items()
         for point in (known.points.get(f"{t}:{c}"),)
@@ -827,8 +828,9 @@ class SlackAdapter:
     async def catch_up(self, again: bool = False) -> bool:
         """Read back and take in, oldest first, the messages of every known channel
         posted after its read point (where the last catch-up that read it through
-        started, less a minute; for a channel without one, the newest message taken in
-        there, less a minute, stored as its point before anything is read), within
+        started, less a minute, or the newest message taken in there since, less a
+        minute, when later; for a channel without one, the newest message taken in
+        there, less a minute; stored as its point before anything is read), within
         ``[slack] catch_up_s`` and not before the route answering there was made: Slack
         drops an event after its third retry, and a message posted while the service
         was down was lost without a word. A channel read through moves its point to this
@@ -855,8 +857,8 @@ class SlackAdapter:
             return True
         me = (str(who.get("user_id") or ""), str(who.get("bot_id") or ""))
         targets = catch_up_targets(known, str(who.get("team_id") or ""), again=again)
-        firsts = {t.conversation: t.first_point(known.since_ms) for t in targets if t.point is None}
-        if not await store_read_points(self._core, BindingKind.slack, firsts):
+        starts = {t.conversation: t.start_point(known.since_ms) for t in targets}
+        if not await store_read_points(self._core, BindingKind.slack, starts):
             return False
         for target in targets:
             if self._stopping.is_set():
@@ -893,8 +895,8 @@ class SlackAdapter:
         route = await self._core.resolve_route(BindingKind.slack.value, attrs)
         if route is None:
             return
-        # (no point: the one stored before anything was read, its first_point)
-        point = target.first_point(known.since_ms) if target.point is None else target.point
+        # (the point stored before anything was read)
+        point = target.start_point(known.since_ms)
         after = ts_at(max(known.since_ms, route.created_at, point))
         oldest = Decimal(after)
         history, cut = await _read_pages(
@@ -1020,7 +1022,9 @@ class SlackAdapter:
             # Every message posted before this catch-up started was read (the minute
             # less for clocks apart, as for the newest taken in).
             await self._core.advance_read_points(
-                BindingKind.slack, {target.conversation: known.read_at_ms - CATCH_UP_OVERLAP_MS}
+                BindingKind.slack,
+                {target.conversation: known.read_at_ms - CATCH_UP_OVERLAP_MS},
+                read_through=True,
             )
 
     def _would_answer(self, channel: str, message: Mapping[str, Any], bot_user: str) -> bool:

@@ -150,7 +150,9 @@ class FakeCore:
         """Nothing taken in before and no route naming a channel: nothing to catch up."""
         return Conversations(0, {}, ())
 
-    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+    async def advance_read_points(
+        self, channel: BindingKind, points: Mapping[str, int], *, read_through: bool = False
+    ) -> None:
         """No read point is kept (nothing is caught up here)."""
 
     @property

@@ -196,6 +196,9 @@ class Conversations:
     #: where each channel's next catch-up starts (epoch ms), by conversation (Discord's
     #: channel id, Slack's ``TEAM:CHANNEL``), for those that have a point stored
     points: Mapping[str, int] = field(default_factory=dict)
+    #: those of ``points`` stored by a catch-up that read the conversation through (the
+    #: next may start from the newest message taken in there since, when later)
+    read_through: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,7 @@ inbound_events = sa.Table(
 #: Where the next catch-up of each channel starts (Discord's at each READY, Slack's at
 #: each start: ``bots.base``), kept apart from ``inbound_events`` so that a live
 #: message's intake writes nothing here. Moved only forward (a catch-up that read a
-#: channel through, or the first one of a channel); migration 0024.
+#: channel through, or one starting to read it); migrations 0024, 0025.
 catch_up_points = sa.Table(
     "catch_up_points",
     metadata,
@@ -261,6 +261,11 @@ catch_up_points = sa.Table(
     # Epoch ms, the service's clock: every message posted before it was read.
     sa.Column("start_ms", MS, nullable=False),
     sa.Column("updated_at", MS, nullable=False),
+    # Whether the last catch-up that stored a point here read the channel through: the
+    # next one then starts no earlier than the newest message taken in there since
+    # (less the overlap), not the hour again. False while one reads it (stored as it
+    # starts), and after it failed: the next starts from the point itself (migration 0025).
+    sa.Column("read_through", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
 )
 
 audit = sa.Table(

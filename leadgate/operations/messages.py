@@ -107,18 +107,24 @@ class Messages:
         events = CATCH_UP_EVENTS[channel]
         async with self.db.read() as conn:
             sessions = await bindings.recorded_since(conn, events, key_prefix, now - window_ms)
-            points = await bindings.read_points(conn, channel.value)
+            points, read_through = await bindings.read_points(conn, channel.value)
         rows = await self._routes.active(channel.value)
         matches = tuple(dict(row.match) for row in rows)
-        return Conversations(now - window_ms, sessions, matches, now, points)
+        return Conversations(now - window_ms, sessions, matches, now, points, read_through)
 
-    async def advance_read_points(self, channel: BindingKind, points: Mapping[str, int]) -> None:
+    async def advance_read_points(
+        self, channel: BindingKind, points: Mapping[str, int], *, read_through: bool = False
+    ) -> None:
         """Store where the next catch-up of each of ``channel``'s conversations starts
         (``points``: conversation -> epoch ms), never moving a stored point back (another
-        replica's catch-up may have read further): one transaction."""
+        replica's catch-up may have read further): one transaction. ``read_through``: a
+        catch-up read them through; else one starts reading them
+        (:func:`binding.bindings.advance_read_points`)."""
         if points:
             async with self.db.tx() as conn:
-                await bindings.advance_read_points(conn, self.turns.clock, channel.value, points)
+                await bindings.advance_read_points(
+                    conn, self.turns.clock, channel.value, points, read_through=read_through
+                )
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:
         """:meth:`record_inbound` then :meth:`run_recorded`, in one call.

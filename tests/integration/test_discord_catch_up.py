@@ -517,6 +517,35 @@ async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_me
     assert [r["mode"] for r in standin.reads] == ["ok"] * read_before + ["forbidden", "ok"]
 
 
+async def test_a_ready_reads_a_channel_from_the_newest_message_taken_in_since_its_read_through(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """As Slack's: a channel read through at one READY, then live messages taken in
+    there: the next READY read it from that catch-up's start, the whole window again at
+    every READY once the gateway stayed up longer than it. It reads from the newest
+    taken in, less the overlap, and a message missed after it is still answered."""
+    clock = fake_clock(service)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as earlier:
+        await caught_up(earlier)
+        clock.advance(2 * HOUR_MS)
+        first = await message(standin, "said while up", at_ms=clock.now_ms())
+        clock.advance(HOUR_MS // 2)
+        live = await message(standin, "said while up, later", at_ms=clock.now_ms())
+        await eventually(lambda: answers(earlier, live), what="the live messages answered")
+    clock.advance(10 * 60_000)
+    missed = await message(standin, "said while down", at_ms=clock.now_ms())
+    duplicates = counted("leadgate_turns_total", outcome="duplicate")
+    async with running(service, standin) as up:
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, first) == ["Echo: said while up"]
+    assert await answers(service, live) == ["Echo: said while up, later"]
+    # Read again: the latest live message alone (the overlap), a duplicate; the earlier
+    # one, within the window but before it, was not read again.
+    assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
+
+
 async def test_a_new_channel_s_retry_after_a_database_fault_reads_what_its_first_try_would(
     service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -580,6 +609,29 @@ async def test_a_read_point_is_never_moved_back(service: App) -> None:
     known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
     assert known.points == {CHANNEL: 3_000, OTHER_CHANNEL: 500}
     assert known.read_at_ms == fake_clock(service).now_ms()
+
+
+async def test_a_read_point_is_marked_read_through_until_a_catch_up_starts_reading_it(
+    service: App,
+) -> None:
+    """A read-through marks its point (the next catch-up may start from the newest
+    message taken in since); a catch-up starting to read the channel unmarks it whatever
+    the point (it may fail); a read-through behind a later point leaves that one's mark."""
+    core = service.messages
+
+    async def marked() -> tuple[dict[str, int], frozenset[str]]:
+        known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
+        return dict(known.points), known.read_through
+
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_000}, read_through=True)
+    assert await marked() == ({CHANNEL: 2_000}, frozenset({CHANNEL}))
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 1_000})
+    assert await marked() == ({CHANNEL: 2_000}, frozenset())
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_000}, read_through=True)
+    assert await marked() == ({CHANNEL: 2_000}, frozenset({CHANNEL}))
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 5_000})
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 4_000}, read_through=True)
+    assert await marked() == ({CHANNEL: 5_000}, frozenset())
 
 
 async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(

@@ -473,6 +473,32 @@ async def test_two_replicas_answer_a_missed_message_once(
     assert await answers(service, missed) == ["Echo: said while both were down"]
 
 
+async def test_a_start_reads_a_channel_from_the_newest_message_taken_in_since_its_read_through(
+    service: App, standin: SlackApiStandin
+) -> None:
+    """A channel read through by one start's catch-up, then live messages taken in there:
+    the next start read it from that catch-up's start (its read point), the whole window
+    again at every start once the service ran longer than it (a wasted history scan per
+    channel, against Slack's rate limits). It reads from the newest taken in, less the
+    overlap, and a message missed after it is still answered."""
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    now = fake_clock(service).now_ms()
+    standin.say(CHANNEL, "not to the bot", at_ms=now - 55 * MINUTE_MS)
+    with clock_at(service, now - 50 * MINUTE_MS):
+        async with running(service, standin) as (earlier, client):
+            await caught_up(earlier)
+            live = said(standin, "said while up", at_ms=now - 40 * MINUTE_MS)
+            await deliver(client, standin, live)
+            await eventually(lambda: answers(earlier, live), what="the live message answered")
+    missed = said(standin, "said while down", at_ms=now - 20 * MINUTE_MS)
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: said while down"]
+    assert await answers(service, live) == ["Echo: said while up"]
+    *_, history = [r for r in standin.reads if r["method"] == "conversations.history"]
+    assert history["oldest"] == ts_at(int(Decimal(live) * 1000) - CATCH_UP_OVERLAP_MS)
+
+
 @pytest.mark.parametrize("read_before", [True, False], ids=["read through before", "never read"])
 async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_message_there(
     service: App, standin: SlackApiStandin, read_before: bool

@@ -586,8 +586,9 @@ async def test_interaction_timestamps_have_a_freshness_window(
 
 
 def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its_newest() -> None:
-    """As Slack's: a channel with a read point starts there; one without, from the newest
-    taken in there less a minute, but not on a retry after a database fault."""
+    """As Slack's: a channel whose point is not read through starts there; one without,
+    from the newest taken in there less a minute, but not on a retry after a database
+    fault; one read through, from the later of its point and that newest."""
     since, made, point = 1_780_000_000_000, 1_780_000_900_000, 1_780_000_500_000
     newest = discord_bot.snowflake_at(made)
     known = Conversations(
@@ -595,15 +596,21 @@ def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its
         {
             "discord:1:2": (f"discord:message:{newest}",),
             "discord:1:3": (f"discord:message:{newest}",),
+            "discord:1:4": (f"discord:message:{newest}",),
         },
         (),
         since + 3_600_000,
-        {"2": point},
+        {"2": point, "4": point},
+        frozenset({"4"}),
     )
-    pointed, fresh = sorted(discord_bot.catch_up_targets(known), key=lambda t: t.channel_id)
-    assert (pointed.point, fresh.point) == (point, None)
-    assert fresh.first_point(since) == made - bots_base.CATCH_UP_OVERLAP_MS
-    assert fresh.first_point(made) == made  # never before the window
+    targets = sorted(discord_bot.catch_up_targets(known), key=lambda t: t.channel_id)
+    pointed, fresh, through = targets
+    assert (pointed.point, fresh.point, through.point) == (point, None, point)
+    assert (pointed.read_through, through.read_through) == (False, True)
+    assert pointed.start_point(since) == point
+    assert fresh.start_point(since) == made - bots_base.CATCH_UP_OVERLAP_MS
+    assert fresh.start_point(made) == made  # never before the window
+    assert through.start_point(since) == made - bots_base.CATCH_UP_OVERLAP_MS
     again = sorted(discord_bot.catch_up_targets(known, again=True), key=lambda t: t.channel_id)
-    assert again[0] == pointed
-    assert again[1].newest is None and again[1].first_point(since) == since
+    assert [t.newest for t in again] == [None, None, None]
+    assert [t.start_point(since) for t in again] == [point, since, point]

@@ -316,26 +316,33 @@ def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
 
 
 def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its_newest() -> None:
-    """A channel with a read point starts there; one without, from the newest taken in
-    there less a minute, but not on a retry after a database fault: a live message taken
-    in since the first try may be that newest, and those missed before it were skipped."""
+    """A channel whose point is not read through starts there; one without, from the
+    newest taken in there less a minute, but not on a retry after a database fault: a
+    live message taken in since the first try may be that newest, and those missed
+    before it were skipped. One read through starts from the later of the two."""
     known = Conversations(
         100_000,
         {
             "slack:T1:C1:100.000001": ("slack:T1:C1:900.000001",),
             "slack:T1:C2:100.000001": ("slack:T1:C2:950.000001",),
+            "slack:T1:C3:100.000001": ("slack:T1:C3:950.000001",),
         },
         (),
         2_000_000,
-        {"T1:C1": 500_000},
+        {"T1:C1": 500_000, "T1:C3": 500_000},
+        frozenset({"T1:C3"}),
     )
-    pointed, fresh = sorted(slack.catch_up_targets(known, "T0"), key=lambda t: t.channel)
+    targets = sorted(slack.catch_up_targets(known, "T0"), key=lambda t: t.channel)
+    pointed, fresh, through = targets
     assert (pointed.point, pointed.conversation, fresh.point) == (500_000, "T1:C1", None)
-    assert fresh.first_point(known.since_ms) == 950_000 - bots_base.CATCH_UP_OVERLAP_MS
-    assert fresh.first_point(950_000) == 950_000  # never before the window
+    assert (pointed.read_through, through.read_through) == (False, True)
+    assert pointed.start_point(known.since_ms) == 500_000
+    assert fresh.start_point(known.since_ms) == 950_000 - bots_base.CATCH_UP_OVERLAP_MS
+    assert fresh.start_point(950_000) == 950_000  # never before the window
+    assert through.start_point(known.since_ms) == 950_000 - bots_base.CATCH_UP_OVERLAP_MS
     again = sorted(slack.catch_up_targets(known, "T0", again=True), key=lambda t: t.channel)
-    assert again[0] == pointed
-    assert again[1].newest is None and again[1].first_point(known.since_ms) == known.since_ms
+    assert [t.newest for t in again] == [None, None, None]
+    assert [t.start_point(known.since_ms) for t in again] == [500_000, known.since_ms, 500_000]
 
 
 async def test_a_catch_up_is_told_it_is_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:

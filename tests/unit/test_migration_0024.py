@@ -46,7 +46,10 @@ def test_channels_have_no_read_point_until_their_first_catch_up(db_url: str) -> 
     run(
         db_url,
         lambda conn: conn.execute(
-            sa.text("INSERT INTO catch_up_points VALUES ('discord', '1', 1, 1)")
+            sa.text(
+                "INSERT INTO catch_up_points (channel, conversation, start_ms, updated_at) "
+                "VALUES ('discord', '1', 1, 1)"
+            )
         ),
     )
     command.downgrade(cfg, "0023")
