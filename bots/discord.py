@@ -783,7 +783,7 @@ class DiscordAdapter:
         )
         if known is None:
             return False
-        targets = catch_up_targets(known, again=again)
+        targets = await self._learn_guilds(client, catch_up_targets(known, again=again))
         try:
             targets += await self._new_threads(client, targets, known)
             targets += await self._archived_threads(client, targets, known)
@@ -814,6 +814,29 @@ class DiscordAdapter:
                     _rest_error(exc),
                 )
         return True
+
+    async def _learn_guilds(
+        self, client: _GatewayClient, targets: list[CatchUpTarget]
+    ) -> list[CatchUpTarget]:
+        """``targets``, each channel a route names without its guild given its guild
+        (``GET /channels/{id}``, once per such route and READY; a thread's parent kept):
+        its new and archived threads are then read as a guild channel's. One Discord
+        does not tell about is left as it was (its read fetches it again and says why)."""
+        learnt: list[CatchUpTarget] = []
+        for target in targets:
+            if target.guild_known or self._stopping.is_set():
+                learnt.append(target)
+                continue
+            try:
+                channel = await client.http.get_channel(target.channel_id)
+            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError):
+                learnt.append(target)
+                continue
+            self._parents.put(_FOREVER, target.channel_id, thread_parent(channel) or 0)
+            guild = _ident(channel.get("guild_id"))
+            guild_id = int(guild) if guild is not None and guild.isdigit() else None
+            learnt.append(dataclasses.replace(target, guild_id=guild_id, guild_known=True))
+        return learnt
 
     async def _new_threads(
         self, client: _GatewayClient, targets: list[CatchUpTarget], known: Conversations
@@ -869,18 +892,20 @@ class DiscordAdapter:
     ) -> list[CatchUpTarget]:
         """The public threads archived within the window (``GET
         /channels/{id}/threads/archived/public``: one request, at most
-        :data:`CATCH_UP_ARCHIVED`, the latest archived first) of each guild channel a
-        route names, that are not among ``targets``, with a message within the window
-        and a route answering there. Discord archives a thread after an hour to a week
-        without messages: one whose messages came while the service was down, then went
-        quiet, is in no listing of active threads."""
+        :data:`CATCH_UP_ARCHIVED`, the latest archived first) of each guild channel in
+        ``targets`` (one a route names, or one a guild-wide route reaches: a channel that
+        took in messages) that is not known to be a thread, those not among ``targets``,
+        with a message within the window and a route answering there. Discord archives a
+        thread after an hour to a week without messages: one whose messages came while
+        the service was down, then went quiet, is in no listing of active threads."""
         have = {target.channel_id for target in targets}
         found: list[CatchUpTarget] = []
         for target in targets:
             if self._stopping.is_set():
                 break
-            direct = target.guild_known and target.guild_id is None
-            if direct or target.parent is not None or not _route_names(known, target.channel_id):
+            in_guild = target.guild_id is not None or not target.guild_known
+            a_thread = target.parent is not None or self._parents.get(_FOREVER, target.channel_id)
+            if not in_guild or a_thread:
                 continue
             try:
                 page = await client.http.get_public_archived_threads(

@@ -211,8 +211,56 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
     )
     # Once per guild caught up; the archived threads of the channel the route names.
     assert sorted(standin.thread_reads) == [GUILD, OTHER_GUILD]
-    assert standin.archived_reads == [CHANNEL_ELSEWHERE]
+    # (and those of the channel the guild-wide route reached: none archived)
+    assert sorted(standin.archived_reads) == [CHANNEL, CHANNEL_ELSEWHERE]
     assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread, named}
+
+
+async def test_a_thread_archived_under_a_channel_a_guild_wide_route_reaches_is_read_back(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """A route naming the guild alone answers in the threads of every channel of it; the
+    archived threads of the channels it reached (those that took messages in) were not
+    read, only those of a channel a route names with ``channel=``: a thread whose
+    messages came while the service was down, then went quiet, was never read."""
+    clock = fake_clock(service)
+    await routed(service, {"guild": GUILD})
+    async with running(service, standin) as first:
+        await caught_up(first)
+        live = await message(standin, "said while up", at_ms=clock.now_ms())
+        await eventually(lambda: answers(first, live), what="the live message answered")
+    clock.advance(HOUR_MS // 2)
+    now = clock.now_ms()
+    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
+    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000)
+    standin.archive_thread(quiet, at_ms=now - 5 * 60_000)
+    standin.archived_reads.clear()
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: then it went quiet"]
+    assert await replied_in(service, missed) == [quiet]
+    assert standin.archived_reads == [CHANNEL]
+
+
+async def test_a_route_naming_a_channel_but_no_guild_reads_its_new_threads(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """A route naming a channel without its guild answers in its threads; the catch-up
+    read the active threads of the guilds it knew alone, so a thread started under that
+    channel while the service was down was never read. The channel's guild is learnt
+    first (one ``GET /channels/{id}``), then its guild's active threads are read."""
+    clock = fake_clock(service)
+    await message(standin, "long before the route", at_ms=clock.now_ms() - 2 * HOUR_MS)
+    await routed(service, {"channel": CHANNEL})
+    now = clock.now_ms()
+    thread = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
+    clock.advance(30 * 60_000)
+    missed = await message(standin, "in a new thread", channel=thread, at_ms=now + 10 * 60_000)
+    async with running(service, standin) as up:
+        await caught_up(up)
+    assert await answers(service, missed) == ["Echo: in a new thread"]
+    assert await replied_in(service, missed) == [thread]
+    assert standin.thread_reads == [GUILD]
 
 
 async def took(service: App, message_id: str) -> tuple[str, str]:
