@@ -892,7 +892,9 @@ class DiscordAdapter:
     ) -> list[CatchUpTarget]:
         """The public threads archived within the window (``GET
         /channels/{id}/threads/archived/public``: one request, at most
-        :data:`CATCH_UP_ARCHIVED`, the latest archived first) of each guild channel in
+        :data:`CATCH_UP_ARCHIVED`, the latest archived first), and the private ones the
+        bot joined (``GET /channels/{id}/users/@me/threads/archived/private``: one
+        request, at most as many, the latest made first) of each guild channel in
         ``targets`` (one a route names, or one a guild-wide route reaches: a channel that
         took in messages) that is not known to be a thread, those not among ``targets``,
         with a message within the window and a route answering there. Discord archives a
@@ -907,47 +909,61 @@ class DiscordAdapter:
             a_thread = target.parent is not None or self._parents.get(_FOREVER, target.channel_id)
             if not in_guild or a_thread:
                 continue
-            try:
-                page = await client.http.get_public_archived_threads(
-                    target.channel_id, limit=CATCH_UP_ARCHIVED
-                )
-            except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
-                if isinstance(exc, discord.HTTPException) and exc.code == _NOT_THIS_TYPE:
-                    continue  # the route names a thread (or a voice channel): no threads
-                log.warning(
-                    "discord: could not read channel %s's archived threads to catch up (%s); "
-                    "tried again at the next READY",
-                    target.channel_id,
-                    _rest_error(exc),
-                )
+            for kind, listing in (
+                ("archived", client.http.get_public_archived_threads),
+                ("joined private archived", client.http.get_joined_private_archived_threads),
+            ):
+                try:
+                    page = await listing(target.channel_id, limit=CATCH_UP_ARCHIVED)
+                except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    if isinstance(exc, discord.HTTPException) and exc.code == _NOT_THIS_TYPE:
+                        break  # the route names a thread (or a voice channel): no threads
+                    log.warning(
+                        "discord: could not read channel %s's %s threads to catch up (%s); "
+                        "tried again at the next READY",
+                        target.channel_id,
+                        kind,
+                        _rest_error(exc),
+                    )
+                    continue
+                for thread_id, guild in self._archived_recently(page, target.channel_id, known):
+                    if thread_id in have:
+                        continue
+                    attrs = _route_attrs(guild, str(thread_id), str(target.channel_id))
+                    if await self._core.resolve_route(BindingKind.discord.value, attrs) is None:
+                        continue
+                    have.add(thread_id)
+                    point = known.points.get(str(thread_id))
+                    found.append(
+                        CatchUpTarget(thread_id, int(guild), True, None, point, target.channel_id)
+                    )
+        return found
+
+    def _archived_recently(
+        self, page: Mapping[str, Any], channel_id: int, known: Conversations
+    ) -> list[tuple[int, str]]:
+        """The threads (id, guild) of one listing of ``channel_id``'s archived threads
+        (``page``) archived within the window with a message within it too (a WARNING
+        when every one listed was and Discord has more: the older are not read)."""
+        listed = self._learn_parents(page.get("threads", []))
+        recent = [
+            (thread_id, thread)
+            for thread_id, parent, thread in listed
+            if parent == channel_id and _archived_since(thread, known.since_ms)
+        ]
+        if page.get("has_more") is True and recent and len(recent) == len(listed):
+            log.warning(
+                "discord: catch-up of channel %s reads the latest %d of its archived threads only",
+                channel_id,
+                len(recent),
+            )
+        found: list[tuple[int, str]] = []
+        for thread_id, thread in recent:
+            guild = _ident(thread.get("guild_id"))
+            if _recent_message(thread, known.since_ms) is None:
                 continue
-            listed = self._learn_parents(page.get("threads", []))
-            recent = [
-                (thread_id, thread)
-                for thread_id, parent, thread in listed
-                if parent == target.channel_id and _archived_since(thread, known.since_ms)
-            ]
-            if page.get("has_more") is True and recent and len(recent) == len(listed):
-                log.warning(
-                    "discord: catch-up of channel %s reads the latest %d of its archived "
-                    "threads only",
-                    target.channel_id,
-                    len(recent),
-                )
-            for thread_id, thread in recent:
-                guild = _ident(thread.get("guild_id"))
-                if thread_id in have or _recent_message(thread, known.since_ms) is None:
-                    continue
-                if guild is None or not guild.isdigit():
-                    continue
-                attrs = _route_attrs(guild, str(thread_id), str(target.channel_id))
-                if await self._core.resolve_route(BindingKind.discord.value, attrs) is None:
-                    continue
-                have.add(thread_id)
-                point = known.points.get(str(thread_id))
-                found.append(
-                    CatchUpTarget(thread_id, int(guild), True, None, point, target.channel_id)
-                )
+            if guild is not None and guild.isdigit():
+                found.append((thread_id, guild))
         return found
 
     async def _catch_up_channel(

@@ -369,6 +369,37 @@ async def test_a_thread_archived_while_the_service_was_down_is_read_back(
     assert [r["channel_id"] for r in standin.reads[-2:]] == [CHANNEL, quiet]
 
 
+async def test_a_private_thread_the_bot_joined_archived_while_it_was_down_is_read_back(
+    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord lists a channel's archived private threads apart from its public ones;
+    those the bot joined (``GET /channels/{id}/users/@me/threads/archived/private``) were
+    never read: a private thread whose messages came while the service was down, then
+    went quiet, went unanswered. One more request per channel; a listing Discord refuses
+    logs one WARNING and the channel is read on."""
+    clock = fake_clock(service)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as first:
+        await caught_up(first)
+    clock.advance(HOUR_MS // 2)
+    now = clock.now_ms()
+    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000, private=True)
+    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000)
+    standin.archive_thread(quiet, at_ms=now - 5 * 60_000)
+    standin.private_reads.clear()
+    async with running(service, standin) as second:
+        await caught_up(second)
+    assert await answers(service, missed) == ["Echo: then it went quiet"]
+    assert await replied_in(service, missed) == [quiet]
+    assert standin.private_reads == [CHANNEL]
+    standin.fail_reads(f"private:{CHANNEL}", "forbidden")
+    caplog.set_level(logging.WARNING)
+    async with running(service, standin) as third:
+        await caught_up(third)
+    [warning] = [r for r in caplog.records if r.name == "bots.discord"]
+    assert "joined private archived threads" in warning.getMessage()
+
+
 async def test_archived_threads_past_the_bound_say_so(
     service: App,
     standin: DiscordApiStandin,

@@ -53,7 +53,12 @@ the next ones in those modes); ``GET /channels/{id}/threads/archived/public`` (`
 an ISO8601 time, ``limit`` 2..100, default 50) answers the channel's threads
 :meth:`DiscordApiStandin.archive_thread` archived, the latest archived first, with
 ``has_more`` (``archived_reads`` records the channel of each such read;
-``fail_reads("archived:" + channel_id, *modes)``; asked of a thread: 400, code 50024).
+``fail_reads("archived:" + channel_id, *modes)``; asked of a thread: 400, code 50024);
+``GET /channels/{id}/users/@me/threads/archived/private`` answers the same for the
+private threads (``start_thread(..., private=True)``, all joined by the bot; read in
+``private_reads``; ``fail_reads("private:" + channel_id, *modes)``), the latest
+archived first (Discord orders them by id: the same here for threads archived in the
+order they were made).
 
 Modes answer write requests only (channel messages, webhook POST/PATCH/DELETE); login
 (``GET /users/@me``, ``GET /oauth2/applications/@me``) always answers. Per-key modes use
@@ -176,6 +181,10 @@ class DiscordApiStandin(StandinBase):
         self._archived: dict[str, int] = {}
         #: each read of a channel's archived threads: its channel id
         self.archived_reads: list[str] = []
+        #: the private threads (all joined by the bot), and each read of a channel's
+        #: joined private archived threads: its channel id
+        self._private: set[str] = set()
+        self.private_reads: list[str] = []
         #: channel id -> modes for the next reads of its messages
         self._read_modes: dict[str, list[str]] = {}
         #: channel id -> modes for its next ``GET /channels/{id}`` (the table's)
@@ -199,6 +208,8 @@ class DiscordApiStandin(StandinBase):
         self.thread_reads.clear()
         self._archived.clear()
         self.archived_reads.clear()
+        self._private.clear()
+        self.private_reads.clear()
         self._read_modes.clear()
         self.reads.clear()
         self._lookup_modes.clear()
@@ -226,13 +237,17 @@ class DiscordApiStandin(StandinBase):
         """The channel's messages, oldest first."""
         return list(self._history.get(channel_id, []))
 
-    def start_thread(self, guild_id: str, parent_id: str, *, at_ms: int | None = None) -> str:
-        """A public thread started (at ``at_ms``) under ``parent_id`` of ``guild_id``,
-        active until the stand-in stops (messages are dispatched into it by its id, as
-        into any channel); its id."""
+    def start_thread(
+        self, guild_id: str, parent_id: str, *, at_ms: int | None = None, private: bool = False
+    ) -> str:
+        """A public thread (``private``: a private one the bot joined) started (at
+        ``at_ms``) under ``parent_id`` of ``guild_id``, active until the stand-in stops
+        (messages are dispatched into it by its id, as into any channel); its id."""
         thread_id = self.new_snowflake(at_ms)
         self._threads[thread_id] = parent_id
         self._guilds[thread_id] = guild_id
+        if private:
+            self._private.add(thread_id)
         return thread_id
 
     def archive_thread(self, thread_id: str, *, at_ms: int | None = None) -> None:
@@ -273,6 +288,10 @@ class DiscordApiStandin(StandinBase):
         r.add_get(f"{api}/channels/{{channel_id}}", self._get_channel)
         r.add_get(f"{api}/guilds/{{guild_id}}/threads/active", self._active_threads)
         r.add_get(f"{api}/channels/{{channel_id}}/threads/archived/public", self._archived_threads)
+        r.add_get(
+            f"{api}/channels/{{channel_id}}/users/@me/threads/archived/private",
+            self._archived_threads,
+        )
         r.add_patch(f"{api}/channels/{{channel_id}}/messages/{{message_id}}", self._edit_message)
         r.add_post(f"{api}/webhooks/{{app_id}}/{{token}}", self._followup)
         r.add_get(f"{api}/webhooks/{{app_id}}/{{token}}/messages/@original", self._get_original)
@@ -585,7 +604,7 @@ class DiscordApiStandin(StandinBase):
         kept = self._history.get(thread_id, [])
         return {
             "id": thread_id,
-            "type": 11,
+            "type": 12 if thread_id in self._private else 11,
             "guild_id": self._guilds[thread_id],
             "parent_id": self._threads[thread_id],
             "name": f"thread-{thread_id}",
@@ -629,15 +648,17 @@ class DiscordApiStandin(StandinBase):
         return _json({"threads": [self._thread(t) for t in threads], "members": []})
 
     async def _archived_threads(self, request: web.Request) -> web.StreamResponse:
-        """``GET /channels/{id}/threads/archived/public``: the channel's archived threads,
-        the latest archived first, archived before ``before`` (ISO8601), ``limit`` of
+        """``GET /channels/{id}/threads/archived/public`` (and ``.../users/@me/threads/
+        archived/private``, its private ones): the channel's archived threads, the latest
+        archived first, archived before ``before`` (ISO8601), ``limit`` of
         them, and whether there are more."""
         channel_id = request.match_info["channel_id"]
+        private = request.path.endswith("/private")
         await self._latency()
-        self.archived_reads.append(channel_id)
+        (self.private_reads if private else self.archived_reads).append(channel_id)
         if not self._bot_authorized(request):
             return _json({"message": "401: Unauthorized", "code": 0}, status=401)
-        queued = self._read_modes.get(f"archived:{channel_id}")
+        queued = self._read_modes.get(f"{'private' if private else 'archived'}:{channel_id}")
         failure = await self._failure(request, queued.pop(0) if queued else "ok")
         if failure is not None:
             return failure
@@ -656,7 +677,9 @@ class DiscordApiStandin(StandinBase):
             (
                 (at, t)
                 for t, at in self._archived.items()
-                if self._threads.get(t) == channel_id and (until is None or at < until)
+                if self._threads.get(t) == channel_id
+                and (until is None or at < until)
+                and (t in self._private) == private
             ),
             reverse=True,
         )
