@@ -26,7 +26,7 @@ from leadgate.core.errors import TransitionError
 from leadgate.core.metrics import METRICS, labelled
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit
-from leadgate.database.sql import later_of_sql, unindexed
+from leadgate.database.sql import later_of_sql, locked_by_id, unindexed
 from leadgate.domain import session_events, workitems
 from leadgate.domain.rows import Delivery
 from leadgate.domain.workitems import Status
@@ -93,6 +93,25 @@ _MARK_SENT_ANY = (
 _MARK_SENT = _MARK_SENT_ANY.where(D.lease_token == sa.bindparam("p_token"))
 #: (claims always carry a token; a row without one is fenced on that, as SQL's = cannot)
 _MARK_SENT_NO_TOKEN = _MARK_SENT_ANY.where(D.lease_token.is_(None))
+
+
+def _mark_sent_by_id(token: sa.ColumnElement[bool]) -> Any:
+    """PostgreSQL: the fenced ``sending -> sent`` with its rows locked in id order first
+    (:func:`~leadgate.database.sql.locked_by_id`), as a lease expiry and the one-statement
+    group commit lock deliveries; the plain update locked them in the order its scan
+    found them (physical order, at size)."""
+    fence = (D.status == DeliveryStatus.sending.value, token)
+    locked = locked_by_id(
+        t.deliveries, D.id.in_(sa.bindparam("p_ids", expanding=True)), *fence, name="locked"
+    )
+    return t.deliveries.update().where(D.id == locked.c.id, *fence).returning(D.id)
+
+
+#: ``(token, no token)``, PostgreSQL's forms of the two statements above.
+_MARK_SENT_BY_ID = (
+    _mark_sent_by_id(D.lease_token == sa.bindparam("p_token")),
+    _mark_sent_by_id(D.lease_token.is_(None)),
+)
 #: Whether a card's wait was closed, its episode row locked (PostgreSQL) until the
 #: outcome commits: a decision closes the episode with an update of that row, and then
 #: reads the wait's cards, so either it reads the card's outcome committed, or this
@@ -446,10 +465,14 @@ class OutcomeCommitter:
         for d in sent:
             by_token.setdefault(d.row.lease_token, []).append(d)
         committed: set[str] = set()
+        if conn.dialect.name == "postgresql":
+            with_token, no_token = _MARK_SENT_BY_ID
+        else:
+            with_token, no_token = _MARK_SENT, _MARK_SENT_NO_TOKEN
         for token, group in by_token.items():
             rows = (
                 await conn.execute(
-                    _MARK_SENT if token is not None else _MARK_SENT_NO_TOKEN,
+                    with_token if token is not None else no_token,
                     {
                         "p_ids": [d.row.id for d in group],
                         **({"p_token": token} if token is not None else {}),

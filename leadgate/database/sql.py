@@ -26,6 +26,18 @@ def one_row(claim: sa.CTE) -> sa.Join:
     return sa.select(sa.literal(1)).subquery("one").outerjoin(claim, sa.true())
 
 
+def locked_by_id(table: sa.Table, *where: sa.ColumnElement[bool], name: str) -> sa.CTE:
+    """PostgreSQL: ``SELECT id FROM table WHERE ... ORDER BY id FOR UPDATE`` as CTE
+    ``name``, for a multi-row fenced update to join (``table.c.id == cte.c.id``) so
+    that it locks its rows in id order, in the same statement. An ``UPDATE ... WHERE id
+    IN (...)`` alone locks them in the order its plan finds them: a bitmap or sequential
+    scan, chosen at size, finds them in physical order, and two transactions locking
+    overlapping rows in different orders deadlock (PostgreSQL ends one: 40P01). The
+    update keeps its own fence too (the CTE's rows are re-read at their newest version
+    when a lock was waited for, and a row that no longer matches is not locked)."""
+    return sa.select(table.c.id).where(*where).order_by(table.c.id).with_for_update().cte(name)
+
+
 async def bound_lock_waits(conn: Conn, seconds: float) -> None:
     """PostgreSQL: this transaction waits at most ``seconds`` for a lock (then a database
     fault, 55P03); by default it would wait for ever. SQLite's writer waited for its lock

@@ -26,7 +26,7 @@ from leadgate.core.types import BindingKind
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database, count_after_commit, notify_sender
 from leadgate.database.plans import AnyRow
-from leadgate.database.sql import later_of, one_row, unindexed
+from leadgate.database.sql import later_of, locked_by_id, one_row, unindexed
 from leadgate.domain import session_events, wakes
 from leadgate.domain.rows import WorkItem
 from leadgate.domain.wakes import Wake
@@ -502,7 +502,7 @@ async def transition_many(
     now = clock.now_ms()
     rows = (
         await conn.execute(
-            _TRANSITION_MANY,
+            _TRANSITION_MANY_BY_ID if conn.dialect.name == "postgresql" else _TRANSITION_MANY,
             {"p_ids": item_ids, "p_src": src.value, "status": dst.value, "p_at": now},
         )
     ).all()
@@ -533,6 +533,12 @@ async def transition_many(
     return [str(row.id) for row in rows]
 
 
+_MANY_LOCKED = locked_by_id(
+    t.work_items,
+    W.id.in_(sa.bindparam("p_ids", expanding=True)),
+    W.status == sa.bindparam("p_src"),
+    name="locked",
+)
 # Built once (the plan cache keys on the statement object): a statement built per
 # call costs its construction and cache key, more than SQLite takes to run it.
 _TRANSITION_MANY = (
@@ -541,6 +547,15 @@ _TRANSITION_MANY = (
         W.id.in_(sa.bindparam("p_ids", expanding=True)),
         unindexed(W.status) == sa.bindparam("p_src"),
     )
+    .values(updated_at=_MOVED_AT)
+    .returning(W.id, W.org_id, W.session_id, W.revision, W.updated_at)
+)
+# PostgreSQL: the same move, its rows locked in id order first (locked_by_id), as the
+# relay's group commit and a lease expiry lock items; the plain update locked them in
+# the order its scan found them, which at size is physical order.
+_TRANSITION_MANY_BY_ID = (
+    t.work_items.update()
+    .where(W.id == _MANY_LOCKED.c.id, W.status == sa.bindparam("p_src"))
     .values(updated_at=_MOVED_AT)
     .returning(W.id, W.org_id, W.session_id, W.revision, W.updated_at)
 )

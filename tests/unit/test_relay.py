@@ -685,6 +685,58 @@ async def test_a_group_locks_its_posts_items_in_the_order_a_lease_expiry_does(
         assert (await item(stack, str(i["id"])))["status"] == ("completed" if sent else "approved")
 
 
+@pytest.mark.parametrize(
+    ("url", "table"),
+    [("postgres", t.deliveries), ("postgres", t.work_items)],
+    indirect=["url"],
+    ids=["deliveries", "items"],
+)
+async def test_a_group_commit_in_a_transaction_locks_its_rows_in_id_order(
+    stack: Stack, table: sa.Table
+) -> None:
+    """A group of posts committed in a transaction (a reveal's group, or PostgreSQL's
+    statements in transactions) marks its deliveries sent and moves their items with one
+    update each, by a set of ids (``_mark_sent``, ``workitems.transition_many``). Each
+    locked its rows in the order its plan found them: at size a bitmap or sequential
+    scan, physical order. Another transaction locking the same rows in id order (as a
+    lease expiry locks items) held the first row while the commit held the second
+    waiting for it, then waited for the second, and PostgreSQL ended one of the two
+    (40P01 deadlock_detected). Each update now locks its rows in id order first: the
+    commit waits for the first row holding nothing, then commits."""
+    await seed_items(stack.db, stack.clock, stack.ids, 2)
+    relay = relay_for(stack)
+    rows = await relay.claim()
+    assert len(rows) == 2
+    ids = [r.id for r in rows] if table is t.deliveries else [str(r.work_item_id) for r in rows]
+    c = table.c
+    async with stack.db.tx() as conn:
+        first, second = [
+            r.id for r in await conn.execute(sa.select(c.id).where(c.id.in_(ids)).order_by(c.id))
+        ]
+        # The first row's newest version goes after the second's in the table: a scan in
+        # physical order finds the second first.
+        await conn.execute(table.update().where(c.id == first).values(updated_at=c.updated_at))
+    group = [Done(r, Sent(f"ts-{n}")) for n, r in enumerate(rows)]
+
+    async def commit() -> None:
+        async with stack.db.tx() as conn:
+            # The plan PostgreSQL chooses at size (here, with two rows, forced).
+            await conn.execute(sa.text("SET LOCAL enable_indexscan = off"))
+            await conn.execute(sa.text("SET LOCAL enable_bitmapscan = off"))
+            await relay.committer.commit(conn, group, stack.clock.now_ms())
+
+    lock = sa.select(c.id).where(c.id.in_([first, second])).order_by(c.id).with_for_update()
+    async with stack.db.tx() as conn:
+        await conn.execute(lock.where(c.id == first))
+        committing = asyncio.create_task(commit())
+        await blocked_on_a_lock(stack.db, committing)
+        await conn.execute(lock)  # and goes on to the second
+    await committing
+    for r in rows:
+        assert (await delivery(stack, r.id))["status"] == "sent"
+        assert (await item(stack, str(r.work_item_id)))["status"] == "completed"
+
+
 async def test_a_group_of_posts_commits_fenced_moves_audit_and_events(
     stack: Stack, channel: ScriptedChannel
 ) -> None:
