@@ -121,7 +121,7 @@ def _per_day(org_id: str, since: int) -> sa.Select[Any]:
     )
 
 
-def _decided(org_id: str, since: int) -> sa.Subquery:
+def _decided(org_id: str, since: int) -> sa.CTE:
     """The window's verdicts, each with what timing and agreement need from the trail of
     its item before it: ``submitted_at`` (the newest submission since the lead's last
     verdict), ``human_since`` (the newest move to awaitingHuman) and ``lead_said`` (that
@@ -179,13 +179,19 @@ def _decided(org_id: str, since: int) -> sa.Subquery:
     return (
         sa.select(rows)
         .where(rows.c.created_at >= since, sa.or_(rows.c.lead_verdict, rows.c.human_verdict))
-        .subquery()
+        .cte("decided")
     )
 
 
-async def _times(conn: Conn, decided: sa.Subquery) -> dict[str, StatsView]:
-    """Times to decision by decider: count, median and nearest-rank 90th percentile,
-    reading only the ranks they need."""
+async def _times_and_agreement(
+    conn: Conn, decided: sa.CTE
+) -> tuple[dict[str, StatsView], dict[str, AgreementCount]]:
+    """Times to decision by decider (count, median and nearest-rank 90th percentile,
+    reading only the ranks they need) and lead-human agreement, in one statement: the
+    decisions' trail (``decided``, window functions over every audit row of the
+    window's decided items, most of the insights' cost) is worked out once for both. Two
+    statements worked it out twice (50,000 items, PostgreSQL: 173 ms of it each at 30
+    days, 904 ms at 365; bench.operator_reads)."""
     d = decided.c
     lead = sa.select(sa.literal("lead").label("kind"), (d.created_at - d.submitted_at).label("ms"))
     lead = lead.where(d.lead_verdict, d.submitted_at.is_not(None))
@@ -207,9 +213,36 @@ async def _times(conn: Conn, decided: sa.Subquery) -> dict[str, StatsView]:
     # 1-based: the median's two middle ranks (one when n is odd); the 90th percentile's
     # nearest rank, ceil(0.9 n) in integers.
     wanted = sa.or_(r.rank == (r.n + 1) // 2, r.rank == r.n // 2 + 1, r.rank == (9 * r.n + 9) // 10)
+    times = sa.select(sa.literal("time").label("part"), r.kind, r.ms, r.rank, r.n).where(wanted)
+    # Agreement rows: kind the lead's verdict, ms 1 when the human overrode it (approved).
+    overrode = sa.case((d.action == "approve", 1), else_=0)
+    agreed = (
+        sa.select(
+            sa.literal("agreement").label("part"),
+            d.lead_said,
+            overrode,
+            sa.cast(sa.null(), sa.BigInteger),
+            sa.func.count(),
+        )
+        .where(
+            d.human_verdict,
+            d.from_status == Status.awaitingHuman.value,
+            d.lead_said.is_not(None),
+            d.action != "cancel",
+        )
+        .group_by(d.lead_said, overrode)
+    )
     found: dict[str, dict[int, int]] = {}
     counts: dict[str, int] = {}
-    for row in (await conn.execute(sa.select(r.kind, r.ms, r.rank, r.n).where(wanted))).all():
+    agreement: dict[str, AgreementCount] = {
+        "escalated": {"confirmed": 0, "overrode": 0},
+        "changesRequested": {"confirmed": 0, "overrode": 0},
+    }
+    both = sa.union_all(times, agreed).subquery()
+    for row in (await conn.execute(sa.select(both))).all():
+        if row.part == "agreement":
+            agreement[row.kind]["overrode" if row.ms else "confirmed"] += row.n
+            continue
         found.setdefault(row.kind, {})[row.rank] = row.ms
         counts[row.kind] = row.n
     out: dict[str, StatsView] = {}
@@ -222,7 +255,7 @@ async def _times(conn: Conn, decided: sa.Subquery) -> dict[str, StatsView]:
             "medianMs": low if n % 2 else (low + high) / 2,
             "p90Ms": at[(9 * n + 9) // 10],
         }
-    return out
+    return out, agreement
 
 
 class DayView(TypedDict):
@@ -310,28 +343,10 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> I
         elif r.decider == "human" and r.action in HUMAN_VERDICTS:
             per_day[r.day][HUMAN_VERDICTS[r.action]] += r.n
         per_day_decider[r.day][r.decider] += r.n
-    decided = _decided(org_id, since)
     times = {"lead": _empty_stats(), "human": _empty_stats()}
-    for kind, stats in (await _times(conn, decided)).items():
+    found, agreement = await _times_and_agreement(conn, _decided(org_id, since))
+    for kind, stats in found.items():
         times[kind] = stats
-    agreement: dict[str, AgreementCount] = {
-        "escalated": {"confirmed": 0, "overrode": 0},
-        "changesRequested": {"confirmed": 0, "overrode": 0},
-    }
-    said, approve = decided.c.lead_said, decided.c.action == "approve"
-    for r in (
-        await conn.execute(
-            sa.select(said, approve.label("overrode"), sa.func.count().label("n"))
-            .where(
-                decided.c.human_verdict,
-                decided.c.from_status == Status.awaitingHuman.value,
-                said.is_not(None),
-                decided.c.action != "cancel",
-            )
-            .group_by(said, approve)
-        )
-    ).all():
-        agreement[r.lead_said]["overrode" if r.overrode else "confirmed"] += r.n
     confirmed = sum(a["confirmed"] for a in agreement.values())
     overrode = sum(a["overrode"] for a in agreement.values())
     rounds = (
