@@ -94,9 +94,15 @@ async def test_insights_of_a_known_trail(stack: Stack) -> None:
     rows.append({**rows[2], "id": "aud_other", "org_id": other.id, "work_item_id": "wi_x"})
     async with stack.db.tx() as conn:
         await conn.execute(sa.insert(t.audit), rows)
-    async with stack.db.read() as conn:
-        data = await insights(conn, org.id, now_ms=NOW, days=7)
+    with stack.db.record_statements() as statements:
+        async with stack.db.read() as conn:
+            data = await insights(conn, org.id, now_ms=NOW, days=7)
     assert json.dumps(data) == PINNED
+    # Four reads: the verdicts per day, times to decision with agreement (the decisions'
+    # trail, most of the cost at size, worked out once for both: it was two statements,
+    # each working it out), rounds used, deliveries.
+    reads = [s for s in statements if s.lstrip().upper().startswith(("SELECT", "WITH"))]
+    assert len(reads) == 4, reads
 
 
 @pytest.mark.parametrize("db_url", ["sqlite", "postgres"], indirect=True)
