@@ -32,7 +32,7 @@ from typing import Any
 
 import discord
 
-from bots.review_base import ChatReviewBackend, obj
+from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
 from leadgate.core.clock import iso
 from leadgate.core.limits import cut
@@ -97,6 +97,12 @@ def quote(said: str) -> str:
     ``# `` in a reason restyled the card, and a second line ran on unquoted."""
     lines = discord.utils.escape_markdown(cut(said, QUOTE_MAX)).splitlines() or [""]
     return "\n".join(f"> {line}" for line in lines)
+
+
+def told(answer: Answer) -> str:
+    """An answer's words for its clicker: its line, and the decision's reason
+    quoted under it by :func:`quote` (a late click: "Already cancelled by ..." and why)."""
+    return f"{answer.text}\n{quote(answer.said)}" if answer.said else answer.text
 
 
 def _ref(card: Card) -> str:
@@ -271,7 +277,7 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         if answer.kind == "open":
             return _modal(verb, target, ref)
         # (check names no message: its card may be another message of the item)
-        return ephemeral(answer.text)
+        return ephemeral(told(answer))
     elif verb in ("confirm", "retry"):
         answer = await backend.recover(
             PLATFORM,
@@ -294,4 +300,4 @@ async def handle(payload: dict[str, Any], backend: ChatReviewBackend) -> dict[st
         # its way. It answered with an ephemeral line and left the buttons. (A card with
         # no outcome to show is answered in words: it would bring its buttons back.)
         return _decided(card)
-    return ephemeral(answer.text)
+    return ephemeral(told(answer))

@@ -43,6 +43,11 @@ class Answer(Protocol):
     def card(self) -> Card | None: ...
 
     @property
+    def said(self) -> str | None:
+        """The decision's reason or feedback ``text`` names, to be shown quoted."""
+        ...
+
+    @property
     def decided(self) -> bool: ...
 
 

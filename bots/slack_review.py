@@ -166,7 +166,7 @@ def blocks(card: Card) -> list[dict[str, Any]]:
         where = f" ({o.surface})" if o.surface else ""
         text = f"*{_esc(o.title)}* by {_esc(o.by)}{where} {_when(o.at_ms)}"
         if o.text:
-            text += "\n>" + _esc(o.text).replace("\n", "\n>")
+            text += "\n" + quote(o.text)
         out.append({"type": "section", "text": {"type": "mrkdwn", "text": cut(text, SECTION_MAX)}})
         return out
     if card.reason == "deliveryUnknown" and card.delivery_id:
@@ -226,13 +226,26 @@ def modal(callback_id: str, item_id: str, meta: dict[str, Any]) -> dict[str, Any
     }
 
 
-def notice(text: str) -> dict[str, Any]:
-    """A modal that only says ``text`` (the item was decided meanwhile)."""
+def quote(said: str) -> str:
+    """A decision's reason or feedback as a ``>`` quote, mrkdwn-escaped: appended as
+    typed, ``<!here>`` or ``*`` in it were read as mrkdwn and a second line ran on."""
+    return ">" + _esc(said).replace("\n", "\n>")
+
+
+def told(answer: Answer) -> str:
+    """An answer's words for its clicker (mrkdwn): its line, and the decision's reason
+    quoted under it (a late click: "Already cancelled by ..." and why)."""
+    return f"{answer.text}\n{quote(answer.said)}" if answer.said else answer.text
+
+
+def notice(answer: Answer) -> dict[str, Any]:
+    """A modal that only says ``answer`` (the item was decided meanwhile)."""
+    text = _esc(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
     return {
         "type": "modal",
         "title": {"type": "plain_text", "text": "leadgate"},
         "close": {"type": "plain_text", "text": "Close"},
-        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": _esc(text)}}],
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": cut(text, SECTION_MAX)}}],
     }
 
 
@@ -299,13 +312,13 @@ def register(
         card = answer.card
         # (without the clicked message's ts, the card found may be another message)
         if answer.kind != "closed" or card is None or card.outcome is None or not message_ts:
-            tell(respond, answer.text)
+            tell(respond, told(answer))
             return
 
         async def say() -> None:
             try:
                 await respond(text=fallback_text(card), blocks=blocks(card), replace_original=True)
-                await respond(text=answer.text, response_type="ephemeral", replace_original=False)
+                await respond(text=told(answer), response_type="ephemeral", replace_original=False)
             except _ANSWER_FAILED as exc:
                 _answer_failed(exc)
 
@@ -356,7 +369,7 @@ def register(
         )
         if answer.kind != "open":
             await ack()
-            tell(respond, answer.text)
+            tell(respond, told(answer))
             return
         callback = "lg_reject" if verb == "reject" else "lg_return"
         meta = {
@@ -428,7 +441,7 @@ def register(
         elif answer.decided:
             await ack()
         else:
-            await ack(response_action="update", view=notice(answer.text))
+            await ack(response_action="update", view=notice(answer))
 
     for verb in ("approve", "reject", "return"):
         bolt.action(verb)(on_decision)

@@ -160,8 +160,14 @@ def said_block(said: str) -> dict[str, Any]:
     ``TextRun``: a TextBlock reads its text as markdown, so ``**`` or ``- `` in a reason
     restyled the card (it was appended to the outcome's bold line as typed); a run's
     text is shown as it is."""
-    run = {"type": "TextRun", "text": f"“{_cut_bytes(said, OUTCOME_BYTES)}”", "italic": True}
+    run = {"type": "TextRun", "text": in_quotes(said), "italic": True}
     return {"type": "RichTextBlock", "inlines": [run]}
+
+
+def in_quotes(said: str) -> str:
+    """A decision's reason or feedback in quotation marks (cut to fit): how a card's
+    :func:`said_block` and a late click's words show it."""
+    return f"“{_cut_bytes(said, OUTCOME_BYTES)}”"
 
 
 def _execute(verb: str, title: str, data: dict[str, Any], style: str | None) -> dict[str, Any]:
@@ -210,7 +216,8 @@ def click_answer(answer: Answer) -> dict[str, Any]:
         answer.kind == "decided" or (answer.kind == "closed" and card.outcome is not None)
     ):
         return card_answer(card)
-    return message_answer(answer.text)
+    said = f"\n{in_quotes(answer.said)}" if answer.said else ""
+    return message_answer(answer.text + said)
 
 
 def message_answer(text: str) -> dict[str, Any]:

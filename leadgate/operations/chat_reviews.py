@@ -85,11 +85,19 @@ class ChatAnswer:
     card), ``unavailable`` (a database fault: nothing may have been recorded),
     ``repeated`` (email: the same mail was taken before, and answered then).
     ``card`` is the clicked card as it looks now (decided cards: the outcome).
+    ``said`` is the decision's reason or feedback when ``text`` names a decision that
+    had one: each surface shows it under ``text`` quoted in its own markup
+    (:meth:`in_words` for plain text), never run on into ``text``.
     """
 
     kind: str
     text: str
     card: Card | None = None
+    said: str | None = None
+
+    def in_words(self) -> str:
+        """``text`` with ``said`` quoted under it, as plain text (email)."""
+        return f"{self.text}\n{cards.quoted(self.said)}" if self.said else self.text
 
     @property
     def decided(self) -> bool:
@@ -322,7 +330,7 @@ class ChatReviews:
             # this one did, and its answer is due all the same.)
             await mail.taken(conn)
             outcome = await cards.last_outcome(conn, card.item_id)
-            line = cards.outcome_line(outcome) if outcome else "Done."
+            line = cards.outcome_text(outcome) if outcome else "Done."
             await self._queue_answer(conn, card, answer_to, replies.decided_text(line))
 
         answer = await self._email_decision(card, sender, envelope_sender, action, text, answered)
@@ -332,7 +340,7 @@ class ChatReviews:
             async with self.db.tx() as conn:
                 if not await mail.taken(conn):
                     return ChatAnswer("repeated", "")  # a concurrent try answered it
-                await self._queue_answer(conn, card, answer_to, answer.text)
+                await self._queue_answer(conn, card, answer_to, answer.in_words())
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded("email", exc)
         return answer
@@ -558,7 +566,7 @@ class ChatReviews:
             return ChatAnswer("closed", "This item is not waiting for a decision.", card)
         line = cards.outcome_line(outcome)
         text = f"Already {line[:1].lower()}{line[1:]}."
-        return ChatAnswer("closed", text, card.decided(outcome) if card else None)
+        return ChatAnswer("closed", text, card.decided(outcome) if card else None, outcome.text)
 
     async def _after(
         self, item_id: str, platform: str, message_id: str | None, kind: str
@@ -567,4 +575,5 @@ class ChatReviews:
             outcome = await cards.last_outcome(conn, item_id)
             card = await cards.posted_card(conn, item_id, platform, message_id)
         text = cards.outcome_line(outcome) if outcome else "Done."
-        return ChatAnswer(kind, text, card.decided(outcome) if card and outcome else None)
+        decided = card.decided(outcome) if card and outcome else None
+        return ChatAnswer(kind, text, decided, outcome.text if outcome else None)

@@ -91,7 +91,7 @@ def plain_text(card: Card, *, summary_limit: int = TEXT_SUMMARY_LIMIT) -> str:
     """The card as plain text (email body, chat fallback text)."""
     lines = [card.title, ""]
     if card.outcome is not None:
-        lines += [outcome_line(card.outcome), ""]
+        lines += [outcome_text(card.outcome), ""]
     lines += [
         f"Agent: {card.agent}",
         f"From: {card.source}",
@@ -108,10 +108,25 @@ def plain_text(card: Card, *, summary_limit: int = TEXT_SUMMARY_LIMIT) -> str:
 
 
 def outcome_line(outcome: CardOutcome) -> str:
-    """``Approved by alice@example.com (slack) at 2026-...``."""
+    """``Approved by alice@example.com (slack) at 2026-...``: who decided, never the
+    decision's reason (each surface shows that quoted in its own markup, under it)."""
     where = f" ({outcome.surface})" if outcome.surface else ""
-    line = f"{outcome.title} by {outcome.by}{where} at {iso(outcome.at_ms)}"
-    return line + (f": {outcome.text}" if outcome.text else "")
+    return f"{outcome.title} by {outcome.by}{where} at {iso(outcome.at_ms)}"
+
+
+def quoted(said: str) -> str:
+    """A decision's reason or feedback as plain text quoted line by line (``> ``), as a
+    mail quotes: appended to the outcome's line as typed, a second line of it ran on
+    as if it were the answer's own."""
+    return "\n".join(f"> {line}" for line in said.splitlines() or [""])
+
+
+def outcome_text(outcome: CardOutcome, line: str | None = None) -> str:
+    """The outcome in plain text (email, fallback texts): ``line`` (its
+    :func:`outcome_line` unless given) and the decision's reason, if any, quoted
+    under it."""
+    line = outcome_line(outcome) if line is None else line
+    return f"{line}\n{quoted(outcome.text)}" if outcome.text else line
 
 
 async def who(conn: Conn, actor: str) -> str:

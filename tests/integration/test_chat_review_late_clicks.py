@@ -17,7 +17,7 @@ from nacl.signing import SigningKey
 
 from bots import discord_review
 from bots.slack_review import BLOCK_PREFIX, blocks
-from bots.teams_review import CARD_TYPE, adaptive_card
+from bots.teams_review import CARD_TYPE, MESSAGE_TYPE, adaptive_card
 from leadgate.app import App
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
@@ -35,6 +35,7 @@ from tests.integration.test_chat_review_faults import (
     approve_click,
     link_more,
     post,
+    reject_form,
     serving,
     slack_click,
 )
@@ -579,6 +580,14 @@ async def test_a_discord_click_names_its_own_card_among_two_uncertain_ones_of_a_
 #: A reason each platform's markup would read: Slack's control characters, Discord's
 #: and Teams' markdown, a second line.
 CANCEL_REASON = "*dup* of <!here> & _wi_2_\n# moved to **Q3** - see [the plan](https://x.example)"
+#: It quoted on Slack (mrkdwn escaped) and Discord (markdown escaped).
+SLACK_QUOTE = (
+    ">*dup* of &lt;!here&gt; &amp; _wi_2_\n># moved to **Q3** - see [the plan](https://x.example)"
+)
+DISCORD_QUOTE = (
+    "> \\*dup\\* of <!here> & \\_wi\\_2\\_\n"
+    "> \\# moved to \\*\\*Q3\\*\\* - see \\[the plan](https://x.example)"
+)
 
 
 async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
@@ -616,14 +625,7 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
         assert card is not None and card.outcome is not None
         assert (card.outcome.title, card.outcome.text) == ("Cancelled", CANCEL_REASON)
 
-    slack_quote = (
-        ">*dup* of &lt;!here&gt; &amp; _wi_2_\n"
-        "># moved to **Q3** - see [the plan](https://x.example)"
-    )
-    discord_quote = (
-        "> \\*dup\\* of <!here> & \\_wi\\_2\\_\n"
-        "> \\# moved to \\*\\*Q3\\*\\* - see \\[the plan](https://x.example)"
-    )
+    slack_quote, discord_quote = SLACK_QUOTE, DISCORD_QUOTE
     teams_said = {
         "type": "RichTextBlock",
         "inlines": [{"type": "TextRun", "text": f"“{CANCEL_REASON}”", "italic": True}],
@@ -661,4 +663,69 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
     )
     assert status == 200 and body["type"] == CARD_TYPE, body
     assert body["value"]["body"][-1] == teams_said
+    assert (await item_row(app, item_id))["status"] == "cancelled"
+
+
+async def test_a_late_clicks_words_quote_the_cancel_reason_as_its_card_does(
+    uncertain_served: tuple[App, TestServer],
+    slack_api: SlackApiStandin,
+    key: SigningKey,
+) -> None:
+    """The words a late click is answered with ("Already cancelled by ...") put the
+    reason after a colon as typed: on Slack its ``<!here>``, ``&`` and ``*`` read as
+    mrkdwn, and its second line ran on unquoted. Now quoted and escaped as on the cards:
+    Slack's ephemeral answer and a late form's notice, Discord's ephemeral answer to a
+    Reject (no card shown), Teams' answer to a click on a message it has no card for."""
+    app, server = uncertain_served
+    org, _worker = await setup(app)
+    await link_more(app, org)
+    conversation = "19:rev@thread.tacv2"
+    await app.chat_reviews.remember_teams_conversation(
+        {
+            "serviceUrl": "http://127.0.0.1:9/",
+            "conversation": {"id": conversation, "tenantId": "tenant-1"},
+            "bot": {"id": "28:leadgate-bot"},
+            "channelId": "msteams",
+        }
+    )
+    item_id = await escalated(app, org, _worker, "s1")
+    posted = await card_message(app, item_id, "slack")
+    await app.reviews.decide(org.principal, item_id, "cancel", CANCEL_REASON, surface="console")
+
+    click = approve_click(slack_api, item_id, "late")
+    click["container"]["message_ts"] = posted
+    assert (await slack_click(server, click))[0] == 200
+    await eventually(lambda: len(answers(slack_api, "late")) == 2)
+    told = answers(slack_api, "late")[1]["text"]
+    line, _, said = told.partition("\n")
+    assert line.startswith("Already cancelled by API key") and line.endswith("."), told
+    assert said == SLACK_QUOTE, told
+    status, form = await slack_click(server, reject_form(item_id, "too late"))
+    assert status == 200 and form["response_action"] == "update", form
+    line, _, said = form["view"]["blocks"][0]["text"]["text"].partition("\n")
+    assert line.startswith("Already cancelled by API key") and said == SLACK_QUOTE, form
+
+    answer = await discord_click(
+        server, key, item_id, "-", "1000000000000000042", "1000000000000000009", verb="reject"
+    )
+    assert answer["type"] == 4, answer
+    line, _, said = answer["data"]["content"].partition("\n")
+    assert line.startswith("Already cancelled by API key"), answer
+    assert said == DISCORD_QUOTE, answer
+
+    activity = invoke_activity(
+        service_url="http://127.0.0.1:9/",
+        verb="approve",
+        data={"item": item_id, "episode": "-"},
+        reply_to_id="1:unknown-activity",
+        conversation_id=conversation,
+        aad_object_id=TEAMS_AAD,
+    )
+    status, body = await post(
+        server, "/api/messages", json.dumps(activity).encode(), {"Content-Type": "application/json"}
+    )
+    assert status == 200 and body["type"] == MESSAGE_TYPE, body
+    line, _, said = body["value"].partition("\n")
+    assert line.startswith("Already cancelled by API key"), body
+    assert said == f"“{CANCEL_REASON}”", body
     assert (await item_row(app, item_id))["status"] == "cancelled"

@@ -807,16 +807,20 @@ async def test_cancelling_the_item_leaves_an_answer_on_its_way_be(env: Env) -> N
 
 async def test_a_reply_to_a_cancelled_item_is_told_why_it_was_cancelled(env: Env) -> None:
     """A card mail answered after the item was cancelled with a reason: the answer said
-    who cancelled it, never why (a reject's reason it gave)."""
+    who cancelled it, never why (a reject's reason it gave). The reason is quoted under
+    the line, each of its lines (it ran on after a colon, its second line as if the
+    answer's own), as the cards show it."""
     org, worker = await setup(env)
     item_id = await escalated(env, org, worker, "s1")
     to = reply_address(await card_mail(env, item_id))
-    reason = "a duplicate of the Q3 ticket"
+    reason = "a duplicate of the Q3 ticket\nsee the plan"
     await env.app.reviews.decide(org.principal, item_id, "cancel", reason, surface="api")
     assert await reply(env, to, "approve") == 250
     [told] = await answer_to(env, ANN)
-    assert told["body"].startswith("Already cancelled by API key"), told["body"]
-    assert "(api) at " in told["body"] and f": {reason}." in told["body"], told["body"]
+    line, _, rest = told["body"].partition("\n")
+    assert line.startswith("Already cancelled by API key"), told["body"]
+    assert "(api) at " in line and line.endswith("."), told["body"]
+    assert rest.startswith("> a duplicate of the Q3 ticket\n> see the plan"), told["body"]
     assert (await item_row(env.app, item_id))["status"] == "cancelled"
 
 
