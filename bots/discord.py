@@ -151,6 +151,9 @@ THREAD_LOOKUP_S = 5.0
 THREAD_LOOKUP_RETRY_S = (2.0, 8.0, 30.0)
 #: How many channels' parents (or that they have none) are kept: past it, learnt again.
 _PARENTS_KEPT = 10_000
+#: At most this many channels' parents are being learnt at once, each look-up shared by
+#: the channel's messages meanwhile (beyond it, a message looks up on its own).
+_LOOKUPS_SHARED = 1_000
 #: A thread's parent never changes: what is learnt is kept under this one token.
 _FOREVER = True
 #: Discord's channel types of threads (announcement, public, private).
@@ -464,6 +467,8 @@ class DiscordAdapter:
         self._reviews: ChatReviewBackend | None = None
         #: channel id -> its parent when it is a thread, 0 when it is none
         self._parents: Kept[int, int] = Kept(max_entries=_PARENTS_KEPT)
+        #: channel id -> the look-up of its parent under way, which its messages await
+        self._looking_up: dict[int, asyncio.Task[tuple[bool, int | None]]] = {}
 
     def enable_reviews(self, backend: ChatReviewBackend) -> None:
         """Review cards' buttons and modals on the interactions endpoint (verified like
@@ -642,11 +647,31 @@ class DiscordAdapter:
             or channel.guild_id is None
         ):
             return True, None  # a direct message, or a channel discord.py knows is no thread
+        # One look-up per channel, awaited by each message of it meanwhile: a second
+        # message whose own look-up told at once was recorded before the first, still
+        # waiting to ask again, and the person's messages reached the session out of order.
+        # (Tasks wake in the order they awaited: the order the messages came.)
+        shared = self._looking_up.get(channel.id)
+        if shared is None:
+            if len(self._looking_up) >= _LOOKUPS_SHARED:
+                return await self._look_up_parent(client, channel.id)
+            shared = asyncio.ensure_future(self._look_up_parent(client, channel.id))
+            self._looking_up[channel.id] = shared
+            shared.add_done_callback(lambda _: self._looking_up.pop(channel.id, None))
+        # (shielded: a message's task cancelled leaves the others' look-up running; it
+        # ends on shutdown, whose wait between tries is cut short)
+        return await asyncio.shield(shared)
+
+    async def _look_up_parent(
+        self, client: _GatewayClient, channel_id: int
+    ) -> tuple[bool, int | None]:
+        """:meth:`_live_parent`'s look-up of the channel ``channel_id``, asked again after
+        each of :data:`THREAD_LOOKUP_RETRY_S` while Discord does not tell."""
         waits = iter(THREAD_LOOKUP_RETRY_S)
         while True:
             try:
                 async with asyncio.timeout(THREAD_LOOKUP_S):
-                    return True, await self._parent_of(client, channel.id)
+                    return True, await self._parent_of(client, channel_id)
             except (discord.HTTPException, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # (A 4xx other than 429 is Discord's answer: asked again, the same.)
                 told = isinstance(exc, discord.HTTPException) and _answered(exc.status)
@@ -655,14 +680,14 @@ class DiscordAdapter:
                     log.warning(
                         "discord: could not learn whether channel %s is a thread (%s); its "
                         "message is routed as the channel's own",
-                        channel.id,
+                        channel_id,
                         _rest_error(exc),
                     )
                     return False, None
                 log.info(
                     "discord: could not learn whether channel %s is a thread (%s); asking "
                     "again in %gs",
-                    channel.id,
+                    channel_id,
                     _rest_error(exc),
                     wait,
                 )

@@ -6,6 +6,7 @@ discord.py client and the real composition root against the Discord stand-in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from tests.helpers import eventually
 from tests.integration.test_discord_catch_up import (
     CHANNEL,
     GUILD,
+    adapter_of,
     answers,
     caught_up,
     message,
@@ -85,3 +87,47 @@ async def test_a_thread_discord_never_tells_about_is_said_not_taken_in(
     assert said in line and thread in line and "in a thread" not in line
     assert standin.lookups == [(thread, "503")] * 4
     assert f"discord:message:{said}" not in await taken_in(service)
+
+
+async def test_a_second_message_waits_for_the_threads_look_up_under_way(
+    service: App, standin: DiscordApiStandin
+) -> None:
+    """The thread's first message meets a 503 and waits to ask again; a second one comes
+    meanwhile. Before, its own look-up succeeded and it was recorded first: the person's
+    two messages reached the session in the wrong order. Now it waits for the same
+    look-up (one asked, shared), and both are recorded in the order they came."""
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as up:
+        await caught_up(up)
+        adapter = adapter_of(up)
+        gate = asyncio.Event()
+
+        async def gated(seconds: float) -> None:
+            await gate.wait()
+
+        thread = standin.start_thread(GUILD, CHANNEL)
+        standin.fail_lookups(thread, "503")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(adapter, "_sleep", gated)
+            first = await message(standin, "first", channel=thread)
+            await eventually(lambda: standin.lookups == [(thread, "503")], what="the 503")
+            second = await message(standin, "second", channel=thread)
+            name = f"discord-record:message:{second}"
+
+            async def received() -> bool:
+                # (its task waiting, or on the old code already recorded)
+                if any(task.get_name() == name for task in asyncio.all_tasks()):
+                    return True
+                return f"discord:message:{second}" in await taken_in(up)
+
+            await eventually(received, what="the second message taken from the gateway")
+            gate.set()
+
+            async def both() -> bool:
+                ids = await taken_in(up)
+                return len([i for i in ids if i.endswith((first, second))]) == 2
+
+            await eventually(both, what="both messages recorded")
+        mine = [i for i in await taken_in(service) if i.endswith((first, second))]
+    assert mine == [f"discord:message:{first}", f"discord:message:{second}"]
+    assert standin.lookups == [(thread, "503"), (thread, "ok")]
