@@ -53,6 +53,18 @@ def _names_join(table: sa.Table, prefix: str) -> sa.ColumnElement[bool]:
 
 
 _AUDIT_COLUMNS = len(t.audit.c)
+#: The actor names :func:`named_audit` answers after the audit row's own columns.
+_NAMES = (t.users.c.id, t.users.c.name, t.users.c.email, t.agents.c.name, t.api_keys.c.name)
+
+
+def _with_names(audit: sa.FromClause) -> sa.Join:
+    """``audit`` (the audit table, or a join holding it) with the user, lead agent and
+    API key its rows' actors name joined in (:data:`_NAMES`)."""
+    return (
+        audit.outerjoin(t.users, _names_join(t.users, "user:"))
+        .outerjoin(t.agents, _names_join(t.agents, "lead:"))
+        .outerjoin(t.api_keys, _names_join(t.api_keys, "key:"))
+    )
 
 
 def named_audit(
@@ -71,20 +83,8 @@ def named_audit(
     if newest:
         return _newest_named(where, extra)
     stmt = (
-        sa.select(
-            t.audit,
-            t.users.c.id,
-            t.users.c.name,
-            t.users.c.email,
-            t.agents.c.name,
-            t.api_keys.c.name,
-            *extra,
-        )
-        .select_from(
-            t.audit.outerjoin(t.users, _names_join(t.users, "user:"))
-            .outerjoin(t.agents, _names_join(t.agents, "lead:"))
-            .outerjoin(t.api_keys, _names_join(t.api_keys, "key:"))
-        )
+        sa.select(t.audit, *_NAMES, *extra)
+        .select_from(_with_names(t.audit))
         .where(AU.work_item_id == sa.bindparam("p_item"))
     )
     if where is not None:
@@ -109,21 +109,8 @@ def _newest_named(
         .subquery("newest")
     )
     return (
-        sa.select(
-            t.audit,
-            t.users.c.id,
-            t.users.c.name,
-            t.users.c.email,
-            t.agents.c.name,
-            t.api_keys.c.name,
-            *(kept.c[e.name] for e in extra),
-        )
-        .select_from(
-            kept.join(t.audit, AU.id == kept.c.id)
-            .outerjoin(t.users, _names_join(t.users, "user:"))
-            .outerjoin(t.agents, _names_join(t.agents, "lead:"))
-            .outerjoin(t.api_keys, _names_join(t.api_keys, "key:"))
-        )
+        sa.select(t.audit, *_NAMES, *(kept.c[e.name] for e in extra))
+        .select_from(_with_names(kept.join(t.audit, AU.id == kept.c.id)))
         .order_by(AU.created_at.desc(), AU.id.desc())
     )
 
