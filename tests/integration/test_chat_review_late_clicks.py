@@ -55,6 +55,21 @@ async def served(
         yield pair
 
 
+async def remembered_teams(app: App) -> str:
+    """A Teams conversation the service has a reference for (as an installation's first
+    activity leaves it), so that review cards can be posted there: its id."""
+    conversation = "19:rev@thread.tacv2"
+    await app.chat_reviews.remember_teams_conversation(
+        {
+            "serviceUrl": "http://127.0.0.1:9/",
+            "conversation": {"id": conversation, "tenantId": "tenant-1"},
+            "bot": {"id": "28:leadgate-bot"},
+            "channelId": "msteams",
+        }
+    )
+    return conversation
+
+
 async def card_message(app: App, item_id: str, channel: str) -> str:
     d = t.deliveries.c
     async with app.db.read() as conn:
@@ -354,14 +369,7 @@ async def test_a_teams_click_on_an_uncertain_card_settles_it_and_decisions_edit_
     app, server = uncertain_served
     org, worker = await setup(app)
     await link_more(app, org)
-    conversation = "19:rev@thread.tacv2"
-    reference: dict[str, object] = {
-        "serviceUrl": "http://127.0.0.1:9/",
-        "conversation": {"id": conversation, "tenantId": "tenant-1"},
-        "bot": {"id": "28:leadgate-bot"},
-        "channelId": "msteams",
-    }
-    await app.chat_reviews.remember_teams_conversation(reference)
+    conversation = await remembered_teams(app)
     await add_destination(app, org.id, "teams", conversation)
     scripted["teams"].script = [Uncertain("teams: no answer before the timeout")]
     item_id = await escalated(app, org, worker, "s1")
@@ -603,14 +611,7 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
     org, worker = await setup(app)
     await link_more(app, org)
     await add_destination(app, org.id, "discord", "1000000000000000009")
-    conversation = "19:rev@thread.tacv2"
-    reference: dict[str, object] = {
-        "serviceUrl": "http://127.0.0.1:9/",
-        "conversation": {"id": conversation, "tenantId": "tenant-1"},
-        "bot": {"id": "28:leadgate-bot"},
-        "channelId": "msteams",
-    }
-    await app.chat_reviews.remember_teams_conversation(reference)
+    conversation = await remembered_teams(app)
     await add_destination(app, org.id, "teams", conversation)
     item_id = await escalated(app, org, worker, "s1")
     posted = {c: await card_message(app, item_id, c) for c in ("slack", "discord", "teams")}
@@ -679,15 +680,7 @@ async def test_a_late_clicks_words_quote_the_cancel_reason_as_its_card_does(
     app, server = uncertain_served
     org, _worker = await setup(app)
     await link_more(app, org)
-    conversation = "19:rev@thread.tacv2"
-    await app.chat_reviews.remember_teams_conversation(
-        {
-            "serviceUrl": "http://127.0.0.1:9/",
-            "conversation": {"id": conversation, "tenantId": "tenant-1"},
-            "bot": {"id": "28:leadgate-bot"},
-            "channelId": "msteams",
-        }
-    )
+    conversation = await remembered_teams(app)
     item_id = await escalated(app, org, _worker, "s1")
     posted = await card_message(app, item_id, "slack")
     await app.reviews.decide(org.principal, item_id, "cancel", CANCEL_REASON, surface="console")

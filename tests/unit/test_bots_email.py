@@ -944,6 +944,24 @@ async def test_a_bug_while_taking_a_mail_is_451_without_its_text(
         assert line.exc_info is not None
 
 
+async def _smtputf8_mail(port: int, envelope_sender: str, raw: bytes) -> None:
+    """One mail ``raw`` (its lines CRLF-ended) from ``envelope_sender`` to the bot, sent
+    with ``SMTPUTF8`` in raw SMTP lines (non-ASCII addresses, which the client library
+    encodes first), and taken (250 after its final dot)."""
+    replies = await _smtp_raw(
+        port,
+        [
+            b"EHLO client.example",
+            f"MAIL FROM:<{envelope_sender}> SMTPUTF8".encode(),
+            f"RCPT TO:<{BOT}>".encode(),
+            b"DATA",
+            raw + b".",
+            b"QUIT",
+        ],
+    )
+    assert replies[5].startswith(b"250"), replies
+
+
 async def _smtp_raw(port: int, commands: list[bytes]) -> list[bytes]:
     """One SMTP conversation of raw command lines (bytes no client library would send);
     the reply line of each (the last line of a multi-line reply)."""
@@ -994,18 +1012,7 @@ async def test_utf8_addresses_and_headers_are_read_as_text() -> None:
             "Subject: =?utf-8?q?Gr=C3=BC=C3=9Fe=00und_mehr?=\r\n"
             "Message-ID: <a\x01b@exämple.de>\r\n\r\nHallo Welt\r\n"
         ).encode()
-        replies = await _smtp_raw(
-            listener.port,
-            [
-                b"EHLO client.example",
-                f"MAIL FROM:<{sender}> SMTPUTF8".encode(),
-                f"RCPT TO:<{BOT}>".encode(),
-                b"DATA",
-                raw + b".",
-                b"QUIT",
-            ],
-        )
-        assert replies[5].startswith(b"250"), replies
+        await _smtputf8_mail(listener.port, sender, raw)
         await listener.core.drain()
         [trigger] = listener.core.triggers
         # The From: address as text, not as surrogate escapes of its UTF-8 bytes.
@@ -1029,18 +1036,7 @@ async def test_an_idn_sender_is_one_correspondent_in_either_form() -> None:
             raw = (
                 f"From: <{sender}>\r\nTo: {BOT}\r\nSubject: Order\r\n{headers}\r\nMore books\r\n"
             ).encode()
-            replies = await _smtp_raw(
-                listener.port,
-                [
-                    b"EHLO client.example",
-                    f"MAIL FROM:<{ace}> SMTPUTF8".encode(),
-                    f"RCPT TO:<{BOT}>".encode(),
-                    b"DATA",
-                    raw + b".",
-                    b"QUIT",
-                ],
-            )
-            assert replies[5].startswith(b"250"), replies
+            await _smtputf8_mail(listener.port, ace, raw)
         await listener.core.drain()
         first, second = listener.core.triggers
         assert first.session_key == second.session_key == f"email:{BOT}:{ace}:{thread}"
