@@ -320,10 +320,17 @@ def notify_if_watched(alias: str, channel: str, payload: str) -> str:
     return f"CASE WHEN {alias}.watched_until > {PG_NOW_MS} THEN pg_notify({channel}, {payload}) END"
 
 
+# The rows are locked in session id order first (``marked``), as the event writers take
+# the counters of several sessions (:data:`_POSTGRES_INSERT_MANY`): the plain ``UPDATE
+# ... WHERE id = ANY(...)`` locked a renewal's (up to RENEW_CHUNK) sessions in the order
+# its plan found them, physical order under a bitmap or sequential scan, and met such a
+# writer's id order as a deadlock (40P01, one of the two ended).
 _MARK_WATCHED = sa.text(
-    "UPDATE sessions SET watched_until = GREATEST(watched_until,"
+    "WITH marked AS ("
+    " SELECT id FROM sessions WHERE id = ANY(CAST(:sids AS varchar[])) ORDER BY id FOR UPDATE"
+    ") UPDATE sessions SET watched_until = GREATEST(watched_until,"
     f" {PG_NOW_MS} + CAST(:ttl_ms AS bigint))"
-    " WHERE id = ANY(CAST(:sids AS varchar[]))"
+    " FROM marked WHERE sessions.id = marked.id"
 )
 
 

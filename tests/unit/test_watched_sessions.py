@@ -22,7 +22,7 @@ from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import session_events
 from leadgate.domain.session_events import NOTIFY_CHANNEL, mark_watched
 from leadgate.turns.messages import store_message
-from tests.helpers import api_trigger, make_agent, make_org
+from tests.helpers import api_trigger, blocked_on_a_lock, make_agent, make_org
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
 
@@ -204,7 +204,7 @@ async def test_a_mark_and_a_writer_on_the_same_session_are_ordered_by_its_row(
                 work_item_id=None, role="user", content="racing", gated=False,
             )  # fmt: skip
             mark = asyncio.ensure_future(mark_watched(stack.db, [sid]))
-            await blocked(heard.conn, "UPDATE sessions SET watched_until")
+            await blocked(heard.conn, "WITH marked AS")
         await asyncio.wait_for(mark, 10.0)
         async with stack.db.read() as conn:
             log = await session_events.read(conn, sid, after=0, limit=100)
@@ -212,3 +212,49 @@ async def test_a_mark_and_a_writer_on_the_same_session_are_ordered_by_its_row(
         assert await heard.take() == []  # decided before the mark: none, none needed
     finally:
         await other.close()
+
+
+async def test_a_renewal_locks_its_sessions_in_id_order(migrated_pg: str) -> None:
+    """A mark (a renewal marks up to 1,000 sessions in one statement) locked its
+    sessions' rows in the order its plan found them: at size a bitmap or sequential scan,
+    physical order. An event writer taking the counters of several sessions in id order
+    (a relay's outcome commit) held the first row while the mark held the second waiting
+    for it, then waited for the second, and PostgreSQL ended one of the two (40P01
+    deadlock_detected). The mark now locks its rows in id order first: it waits for the
+    first row holding nothing, then marks both."""
+    first, second = "ses_1", "ses_2"
+    other = await asyncpg.connect(asyncpg_dsn(migrated_pg))
+    try:
+        name = await other.fetchval("SELECT current_database()")
+        for plan in ("enable_indexscan", "enable_bitmapscan"):
+            # The plan PostgreSQL chooses at size (here, with two rows, forced on every
+            # connection of the stack below).
+            await other.execute(f'ALTER DATABASE "{name}" SET {plan} = off')
+        await other.executemany(
+            "INSERT INTO sessions (id, org_id, agent_id, key, created_at)"
+            " VALUES ($1, 'org_1', 'agt_1', $1, 0)",
+            [(first,), (second,)],
+        )
+        # The first row's newest version goes after the second's in the table: a scan in
+        # physical order finds the second first.
+        await other.execute("UPDATE sessions SET event_seq = event_seq WHERE id = $1", first)
+    finally:
+        await other.close()
+    stack = build_stack(migrated_pg)
+    try:
+        lock = sa.text(
+            "SELECT id FROM sessions WHERE id = ANY(CAST(:sids AS varchar[]))"
+            " ORDER BY id FOR UPDATE"
+        )
+        async with stack.db.tx() as conn:
+            await conn.execute(lock, {"sids": [first]})
+            marking = asyncio.create_task(mark_watched(stack.db, [first, second]))
+            await blocked_on_a_lock(stack.db, marking)
+            await conn.execute(lock, {"sids": [first, second]})  # and goes on to the second
+        await marking
+        s = t.sessions.c
+        async with stack.db.read() as conn:
+            marked = (await conn.execute(sa.select(s.watched_until).order_by(s.id))).scalars()
+            assert [until > 0 for until in marked] == [True, True]
+    finally:
+        await stack.stop()
