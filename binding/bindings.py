@@ -258,6 +258,23 @@ def _events_since(predicate: str) -> sa.Select[tuple[str, str]]:
     )
 
 
+#: The key of the session an event was taken in under (``inbound_events``' unique
+#: ``external_event_id``, then the session's primary key): one seek of each.
+_EVENT_SESSION_KEY = (
+    sa.select(S.key)
+    .select_from(t.inbound_events.join(t.sessions, S.id == E.session_id))
+    .where(E.external_event_id == sa.bindparam("p_event"))
+)
+
+
+async def event_session_key(conn: Conn, external_event_id: str) -> str | None:
+    """The key of the session the message taken in under ``external_event_id`` belongs
+    to; None when none was taken in so (or it was taken in no session). An email reply
+    naming the person's own earlier mail alone finds that mail's session so."""
+    key = await conn.scalar(_EVENT_SESSION_KEY, {"p_event": external_event_id})
+    return None if key is None else str(key)
+
+
 #: Each catch-up's two statements by its event prefix, built once (the plan cache keys
 #: on the statement object).
 CATCH_UP_READS = {

@@ -66,6 +66,13 @@ class Core(Protocol):
         """
         ...
 
+    async def event_session_key(self, external_event_id: str) -> str | None:
+        """The key of the session the message taken in under ``external_event_id`` (an
+        adapter's own event id) belongs to; None when none was. One indexed read: for a
+        message whose conversation nothing else names (an email reply naming only the
+        person's own earlier mail)."""
+        ...
+
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         """Run ``coro`` in the background, tracked, logged on failure, awaited on shutdown."""
         ...

@@ -259,19 +259,23 @@ class EmailHandler:
             # One correspondent however its domains are written (bücher.example or
             # xn--bcher-kva.example): one session, one Message-ID taken once.
             who = f"{fold_address(recipient)}:{mail.correspondent}"
+            try:
+                threaded, session_key = await self._thread(mail, who)
+            except Exception as exc:
+                return self._lookup_failed(exc, "thread lookup")
             inbound = Inbound(
                 channel=BindingKind.email,
                 route_attrs={"address": recipient, "sender": mail.sender},
                 # The thread with this sender: whoever else writes into it (or quotes its
                 # Message-IDs) gets a session of their own, never this one's task or answer.
-                session_key=bounded(f"email:{who}:{mail.root_id}", SESSION_KEY_LIMIT),
+                session_key=session_key,
                 text=mail.text,
                 address={
                     "to": mail.sender,
                     "from": recipient,
                     "subject": reply_subject(mail.subject),
                     "in_reply_to": mail.message_id,
-                    "references": mail.references,
+                    "references": threaded.references,
                 },
                 # Per recipient: one mail to two routed addresses is two triggers. Per
                 # sender: the key is unique across organizations, and another sender's
@@ -307,6 +311,31 @@ class EmailHandler:
             # Nobody else is told: the sender got a 250 for the parts that were taken.
             log.warning("email: took a mail but not its part to %s: %s", recipient, rule)
         return "250 2.0.0 OK"
+
+    async def _thread(self, mail: ParsedMail, who: str) -> tuple[ParsedMail, str]:
+        """``mail`` as threaded with the correspondent ``who`` (``recipient:sender``,
+        folded), and the key of its session.
+
+        A mail whose ``In-Reply-To`` alone names one the thread of which nothing else
+        tells (:attr:`ParsedMail.lone_parent`: the person added to their own earlier
+        mail, or their client answered their sent copy) continues the session that
+        earlier mail was taken in: its event is looked up, one seek of the event ids'
+        unique index. The event id names ``who``, so only this correspondent's own mail
+        to this recipient is found, never another's session; other mail asks nothing."""
+        prefix = f"email:{who}:"
+        key = bounded(f"{prefix}{mail.root_id}", SESSION_KEY_LIMIT)
+        if not mail.lone_parent:
+            return mail, key
+        event = bounded(f"{prefix}{mail.lone_parent}", EVENT_ID_LIMIT)
+        found = await self._core.event_session_key(event)
+        if found is None or found == key or not found.startswith(prefix):
+            return mail, key
+        root = found.removeprefix(prefix)
+        # The thread's first Message-ID, unless the key had to be cut to a digest (one
+        # of hundreds of characters): the session goes on all the same.
+        if bounded(f"{prefix}{root}", SESSION_KEY_LIMIT) == found:
+            mail = mail.in_thread(root)
+        return mail, found
 
     async def handle_exception(self, error: Exception) -> str:
         """aiosmtpd's hook for what handling a command raised past our own handling (a
@@ -364,17 +393,17 @@ class EmailHandler:
             token, mail.sender, envelope_sender, verb, rest, answer_to
         )
 
-    def _lookup_failed(self, exc: Exception) -> str:
-        """A route lookup that raised: 451 (the sender retries), said in the log as a
-        runner says it: a damaged database in :attr:`damaged`'s line, the database
-        unavailable (a 5xx :class:`LeadgateError`) in a line without a traceback, and
-        anything else (a bug) with its traceback."""
+    def _lookup_failed(self, exc: Exception, what: str = "route lookup") -> str:
+        """A lookup (``what``: a route's, a thread's) that raised: 451 (the sender
+        retries), said in the log as a runner says it: a damaged database in
+        :attr:`damaged`'s line, the database unavailable (a 5xx :class:`LeadgateError`)
+        in a line without a traceback, and anything else (a bug) with its traceback."""
         if isinstance(exc, DatabaseDamaged):
             self.damaged.add(exc.detail)
         elif isinstance(exc, LeadgateError) and exc.status >= 500:
-            log.warning("email: route lookup met a database fault (%s); asking to retry", exc.rule)
+            log.warning("email: %s met a database fault (%s); asking to retry", what, exc.rule)
         else:
-            log.error("email: route lookup failed", exc_info=loggable(exc))
+            log.error("email: %s failed", what, exc_info=loggable(exc))
         return _TEMPFAIL
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import email
 import email.policy
 import email.utils
@@ -421,6 +422,20 @@ class ParsedMail:
     references: str
     text: str
     automatic: bool
+    #: The one mail ``In-Reply-To`` names when nothing else tells its thread (no
+    #: ``References``, none of our replies): perhaps the person's own earlier mail, whose
+    #: session the adapter looks up (:meth:`in_thread`); "" for any other mail.
+    lone_parent: str = ""
+
+    def in_thread(self, root: str) -> ParsedMail:
+        """This mail as continuing the thread whose first Message-ID is ``root`` (the
+        thread :attr:`lone_parent` was found in): ``root`` leads its ``References``, so
+        that our reply's Message-ID carries it (:func:`thread_mark`) as it does when the
+        client sent ``References`` itself."""
+        chain = [root, *self.references.split()]
+        if len(chain) > MAX_REFERENCES:
+            chain = [chain[0], *chain[-(MAX_REFERENCES - 1) :]]
+        return dataclasses.replace(self, root_id=root, references=" ".join(chain), lone_parent="")
 
 
 def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
@@ -439,10 +454,13 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
     references = _msgids(message.get("References"))
     in_reply_to = _msgids(message.get("In-Reply-To"))[:1]
     parent_chain = references or in_reply_to
+    lone_parent = ""
     if not references and in_reply_to:
         root = thread_of(in_reply_to[0])
         if root is not None and root != in_reply_to[0]:
             parent_chain = [root, *in_reply_to]
+        else:
+            lone_parent = in_reply_to[0]
     root_id = (parent_chain or [message_id])[0]
     chain = [*parent_chain, message_id]
     if len(chain) > MAX_REFERENCES:
@@ -497,4 +515,5 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
         references=" ".join(chain),
         text=text,
         automatic=automatic,
+        lone_parent=lone_parent,
     )

@@ -103,6 +103,7 @@ class FakeCore:
         self.gate.set()
         self.tasks: list[asyncio.Task[object]] = []
         self.recorded: list[Inbound] = []
+        self.event_lookups: list[str] = []
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         self.lookups.append((channel, dict(attrs)))
@@ -143,6 +144,15 @@ class FakeCore:
 
     async def drain(self) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=5)
+
+    async def event_session_key(self, external_event_id: str) -> str | None:
+        """The session key of the message recorded here under ``external_event_id``
+        (each look-up kept in :attr:`event_lookups`)."""
+        self.event_lookups.append(external_event_id)
+        for inbound in self.recorded:
+            if inbound.external_event_id == external_event_id:
+                return inbound.session_key
+        return None
 
     async def conversations(
         self, channel: BindingKind, *, key_prefix: str, window_ms: int

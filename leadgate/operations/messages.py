@@ -95,6 +95,12 @@ class Messages:
         """Most specific active route of ``channel`` matching ``attrs``."""
         return await self._routes.resolve(channel, attrs)
 
+    async def event_session_key(self, external_event_id: str) -> str | None:
+        """The key of the session the channel message taken in under
+        ``external_event_id`` belongs to (None: none was): one indexed read."""
+        async with self.db.read() as conn:
+            return await bindings.event_session_key(conn, external_event_id)
+
     async def conversations(
         self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:

@@ -14,7 +14,7 @@ import aiosmtplib
 import pytest
 from aiohttp import web
 
-from bots.email import EmailAdapter, create, reply_subject, strip_quoted
+from bots.email import EmailAdapter, create, message_id_for, reply_subject, strip_quoted
 from bots.email_parse import MAX_MULTIPARTS, TooManyParts, parse_mail
 from bots.review_base import ChatReviewBackend
 from leadgate.core.config import EmailSettings, Settings
@@ -495,6 +495,54 @@ async def test_threading_fields_follow_the_thread(listener: Listener) -> None:
     )
     assert second.session_key == f"email:{BOT}:{ALICE}:<m4@x.example>"
     assert second.binding.address["references"] == "<m4@x.example> <m5@client.example>"
+
+
+async def test_only_a_mail_whose_thread_nothing_tells_looks_up_the_mail_it_names(
+    listener: Listener,
+) -> None:
+    """Alice answers her own earlier mail (In-Reply-To alone, "one more thing"): its
+    session is looked up by that mail's event (this correspondent's own), and continued,
+    the thread's first id leading References. A mail with References, or naming one of
+    our replies, or none, asks nothing."""
+    ours = message_id_for("dlv-1", BOT, "<m1@client.example>")
+    await listener.send(_mail("First"))
+    await listener.send(
+        _mail(
+            "With references",
+            Message_ID="<m2@client.example>",
+            In_Reply_To="<m1@client.example>",
+            References="<m1@client.example>",
+        )
+    )
+    await listener.send(_mail("To our reply", Message_ID="<m3@client.example>", In_Reply_To=ours))
+    await listener.send(
+        _mail("One more thing", Message_ID="<m4@client.example>", In_Reply_To="<m2@client.example>")
+    )
+    await listener.core.drain()
+    assert listener.core.event_lookups == [f"email:{BOT}:{ALICE}:<m2@client.example>"]
+    keys = {trigger.session_key for trigger in listener.core.triggers}
+    assert keys == {f"email:{BOT}:{ALICE}:<m1@client.example>"}
+    assert listener.core.triggers[-1].binding.address["references"] == (
+        "<m1@client.example> <m2@client.example> <m4@client.example>"
+    )
+
+
+async def test_a_database_fault_looking_up_a_thread_is_451_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Down(FakeCore):
+        async def event_session_key(self, external_event_id: str) -> str | None:
+            raise Unavailable("database is locked", rule="service.unavailable")
+
+    caplog.set_level(logging.INFO)
+    async for listener in _listen(Down(_allow(ALICE))):
+        with pytest.raises(aiosmtplib.SMTPDataError) as info:
+            await listener.send(_mail("More", In_Reply_To="<m0@client.example>"))
+        assert info.value.code == 451
+        assert listener.core.triggers == []
+    [said] = [r for r in caplog.records if r.name == "bots.email" and "thread" in r.getMessage()]
+    assert said.levelno == logging.WARNING and said.exc_info is None
+    assert "(service.unavailable)" in said.getMessage()
 
 
 async def test_missing_message_id_gets_a_stable_one(listener: Listener) -> None:

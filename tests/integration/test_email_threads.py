@@ -1,0 +1,87 @@
+"""Email threads through the real SMTP listener on the real composition root (aiosmtplib
+as the person's mail server, the SMTP sink stand-in as the outbound relay): a reply
+whose ``In-Reply-To`` alone names the person's own earlier mail continues its session."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from email.message import EmailMessage
+
+import aiosmtplib
+import pytest
+import sqlalchemy as sa
+
+from bots.email_parse import thread_of
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.integration.test_email_review_replies import Env, _env
+from tests.standins.smtp import SmtpSink
+
+ASK = "ask@lg.example"
+ALICE = "alice@acme.io"
+BOB = "bob@acme.io"
+
+
+@pytest.fixture
+async def env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
+    async for made in _env(migrated_url, sink, reply=""):
+        yield made
+
+
+async def send(env: Env, message_id: str, text: str, *, sender: str = ALICE, to: str = "") -> None:
+    """A mail from ``sender`` to :data:`ASK` over SMTP, ``In-Reply-To`` ``to`` alone (no
+    ``References``, as many mobile clients send), taken (250)."""
+    message = EmailMessage()
+    message["From"] = sender
+    message["To"] = ASK
+    message["Subject"] = "Re: Report" if to else "Report"
+    message["Message-ID"] = message_id
+    if to:
+        message["In-Reply-To"] = to
+    message.set_content(text)
+    await aiosmtplib.send(message, recipients=[ASK], hostname="127.0.0.1", port=env.port, timeout=5)
+
+
+async def session_of(env: Env, sender: str, message_id: str) -> str:
+    """The session the mail ``message_id`` of ``sender`` was taken in."""
+    e = t.inbound_events.c
+    event = f"email:{ASK}:{sender}:{message_id}"
+    async with env.app.db.read() as conn:
+        found = await conn.scalar(sa.select(e.session_id).where(e.external_event_id == event))
+    assert found is not None, event
+    return str(found)
+
+
+async def test_a_reply_naming_the_persons_own_earlier_mail_continues_its_session(
+    env: Env,
+) -> None:
+    """Alice writes, then adds "one more thing" by answering her own sent mail (her
+    client names it in In-Reply-To alone), then answers that one too: one session, and
+    the answer's References and Message-ID name the thread's first mail, so that a reply
+    to the answer finds the thread again. (Each started a session of its own, rooted at
+    her earlier mail, though that mail was in a session already.) Bob's mail naming
+    Alice's gets a session of his own."""
+    app = env.app
+    org = await make_org(app)
+    worker = await make_agent(app, org, "worker")
+    await make_route(app, org, worker["id"], "email", {"address": ASK})
+
+    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report")
+    await send(env, "<m2@mail.acme.io>", "One more thing: add the totals", to="<m1@mail.acme.io>")
+    await send(env, "<m3@mail.acme.io>", "And the margins", to="<m2@mail.acme.io>")
+    await send(env, "<b1@mail.acme.io>", "Me too", sender=BOB, to="<m1@mail.acme.io>")
+
+    first = await session_of(env, ALICE, "<m1@mail.acme.io>")
+    assert await session_of(env, ALICE, "<m2@mail.acme.io>") == first
+    assert await session_of(env, ALICE, "<m3@mail.acme.io>") == first
+    assert await session_of(env, BOB, "<b1@mail.acme.io>") != first
+
+    async def answered() -> list[dict[str, str]]:
+        await drain(app.relay)
+        return [m for m in env.sink.messages if m["in_reply_to"] == "<m2@mail.acme.io>"]
+
+    await eventually(answered, what="the answer to the second mail")
+    [answer] = await answered()
+    assert answer["references"] == "<m1@mail.acme.io> <m2@mail.acme.io>"
+    assert thread_of(answer["message_id"]) == "<m1@mail.acme.io>"
