@@ -18,6 +18,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+import idna
 import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
@@ -44,15 +45,19 @@ def fold_address(address: str) -> str:
     """An email address (or a route's ``*@domain``) as one correspondent is compared:
     lower-case, its domain in IDNA's ASCII form (``user@bücher.example`` and
     ``user@xn--bcher-kva.example`` are one address). The local part is not converted:
-    IDNA is for domain names alone. A domain IDNA refuses (an empty label, say) is
-    compared as written."""
+    IDNA is for domain names alone. A domain IDNA refuses (an empty label, a symbol
+    such as ``☃``, say) is compared as written.
+
+    IDNA 2008 with UTS 46's mapping, as mail systems convert domains now: the standard
+    library's codec is IDNA 2003, which maps ``straße.example`` to ``strasse.example``,
+    another domain (``xn--strae-oqa.example``) under IDNA 2008."""
     folded = address.strip().lower()
     local, at, domain = folded.rpartition("@")
     if not at or domain.isascii():
         return folded
     try:
-        ace = domain.encode("idna").decode("ascii")
-    except UnicodeError:
+        ace = idna.encode(domain, uts46=True).decode("ascii")
+    except UnicodeError:  # idna.IDNAError is one
         return folded
     return f"{local}@{ace.lower()}"
 

@@ -188,3 +188,22 @@ def test_an_email_route_takes_its_domain_in_either_idna_form() -> None:
     )
     assert routes.fold_address("jürgen@Exämple.de") == "jürgen@xn--exmple-cua.de"
     assert routes.fold_address("a@b..ü") == "a@b..ü"  # no IDNA form: compared as written
+
+
+def test_an_email_domain_is_folded_as_idna_2008_reads_it() -> None:
+    """``straße.example`` is ``xn--strae-oqa.example`` under IDNA 2008 / UTS 46, as mail
+    systems convert it (IDNA 2003, the standard library's codec, made it
+    ``strasse.example``: another domain, whose route took the mail and whose session it
+    joined); a full-width letter is mapped; a domain IDNA 2008 refuses (a symbol IDNA
+    2003 took, a label over 63 characters) is compared as written."""
+    assert routes.fold_address("ann@Straße.example") == "ann@xn--strae-oqa.example"
+    assert routes.fold_address("ann@ＢÜCHER.example") == "ann@xn--bcher-kva.example"
+    assert not routes.matches(
+        "email", {"sender": "*@strasse.example"}, {"sender": "ann@straße.example"}
+    )
+    assert routes.matches(
+        "email", {"sender": "*@xn--strae-oqa.example"}, {"sender": "ann@straße.example"}
+    )
+    assert routes.fold_address("ann@☃.example") == "ann@☃.example"
+    long = f"ann@{'a' * 70}ü.example"
+    assert routes.fold_address(long) == long
