@@ -38,6 +38,7 @@ from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
 from leadgate.core.limits import cut
 from outbox.channel import Card
+from outbox.relay import longest_fitting
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +121,36 @@ def _esc(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def _esc_cut(text: str, limit: int) -> str:
+    """``text`` escaped by :func:`_esc` and cut to ``limit`` characters, the cut marked,
+    never inside an entity (``&am…`` would show as typed)."""
+    escaped = _esc(text)
+    if len(escaped) <= limit:
+        return escaped
+    head = text[: longest_fitting(text, limit - 1, lambda part: len(_esc(part)))]
+    return _esc(head).rstrip() + "…"
+
+
 def _when(ms: int) -> str:
     seconds = ms // 1000
     return f"<!date^{seconds}^{{date_short_pretty}} at {{time}}|{seconds}>"
 
 
+#: How much of a decision's reason a notification text shows (on one line).
+FALLBACK_REASON_MAX = 200
+
+
 def fallback_text(card: Card) -> str:
-    """The message's ``text`` (notifications, screen readers)."""
+    """The message's ``text`` (notifications, screen readers), mrkdwn-escaped as the
+    card is: a decided card's outcome, who decided and the decision's reason on one
+    line, cut short, in quotation marks (it said who cancelled, never why)."""
     head = card.title
     if card.outcome is not None:
-        head += f" ({card.outcome.title} by {card.outcome.by})"
-    return cut(f"{head}: {card.summary}", TEXT_MAX)
+        o = card.outcome
+        reason = " ".join(o.text.split()) if o.text else ""
+        said = f": “{cut(reason, FALLBACK_REASON_MAX)}”" if reason else ""
+        head += f" ({o.title} by {o.by}{said})"
+    return _esc_cut(f"{head}: {card.summary}", TEXT_MAX)
 
 
 def blocks(card: Card) -> list[dict[str, Any]]:
@@ -153,7 +173,7 @@ def blocks(card: Card) -> list[dict[str, Any]]:
             "text": {
                 "type": "mrkdwn",
                 "text": summary_head
-                + cut(_esc(card.summary or "(no summary)"), SECTION_MAX - len(summary_head)),
+                + _esc_cut(card.summary or "(no summary)", SECTION_MAX - len(summary_head)),
             },
         },
         {
@@ -233,14 +253,15 @@ def quote(said: str) -> str:
 
 
 def told(answer: Answer) -> str:
-    """An answer's words for its clicker (mrkdwn): its line, and the decision's reason
-    quoted under it (a late click: "Already cancelled by ..." and why)."""
-    return f"{answer.text}\n{quote(answer.said)}" if answer.said else answer.text
+    """An answer's words for its clicker (mrkdwn): its line, escaped (who decided is a
+    person's or key's name, ``<!channel>`` in it was read as mrkdwn), and the decision's
+    reason quoted under it (a late click: "Already cancelled by ..." and why)."""
+    return _esc(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
 
 
 def notice(answer: Answer) -> dict[str, Any]:
     """A modal that only says ``answer`` (the item was decided meanwhile)."""
-    text = _esc(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
+    text = told(answer)
     return {
         "type": "modal",
         "title": {"type": "plain_text", "text": "leadgate"},

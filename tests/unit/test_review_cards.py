@@ -751,6 +751,36 @@ def test_decided_and_recovery_cards_show_no_decision_buttons() -> None:
     assert recovery.title == "Delivery outcome unknown: worker"
 
 
+#: A decider's and an agent's names as a person could write them: markup on every platform.
+MARKED = "<!channel> *ann* _b_ & #x"
+
+
+def test_slacks_notification_text_says_why_a_decision_was_made_escaped() -> None:
+    # It said "Review needed: worker (Cancelled by ann@example.com): ..." with no reason,
+    # and passed names, reason and summary to Slack as typed (<!channel> read as mrkdwn).
+    reason = "duplicate of <#C1>\nand & more " + "r" * 400
+    outcome = CardOutcome("Cancelled", MARKED, "console", 1_780_000_000_000, reason)
+    text = slack_review.fallback_text(_card("sum <b>", agent="a<b>").decided(outcome))
+    assert text.startswith(
+        "Review needed: a&lt;b&gt; (Cancelled by &lt;!channel&gt; *ann* _b_ &amp; #x: "
+        "“duplicate of &lt;#C1&gt; and &amp; more rrr"
+    )
+    assert "\n" not in text and "r" * 201 not in text and text.endswith("…”): sum &lt;b&gt;")
+    long = slack_review.fallback_text(_card("&" * 5_000))
+    assert len(long) <= slack_review.TEXT_MAX and long.endswith("&amp;…")
+
+
+def test_slacks_late_click_answer_escapes_who_decided() -> None:
+    # "Already cancelled by <!channel> ..." went out as typed: Slack read it as mrkdwn.
+    line = f"Already cancelled by {MARKED} (console) at 2026-06-01T00:00:00Z."
+    answer = ChatAnswer("closed", line, None, "a > b")
+    escaped = "Already cancelled by &lt;!channel&gt; *ann* _b_ &amp; #x (console)"
+    assert slack_review.told(answer).startswith(escaped)
+    assert slack_review.told(answer).endswith("\n>a &gt; b")
+    notice = slack_review.notice(answer)["blocks"][0]["text"]["text"]
+    assert notice == slack_review.told(answer)
+
+
 async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
     make_stack: Callable[..., Stack],
 ) -> None:
