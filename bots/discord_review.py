@@ -64,18 +64,21 @@ _NO_MENTIONS: dict[str, Any] = {"parse": []}
 def content(card: Card) -> str:
     """The card as message content, at most 2,000 characters (the summary is cut)."""
     since = card.waiting_since_ms // 1000
+    # Names and the lead's words are shown as written (a name's ``*`` or ``_`` restyled
+    # the card, a ``#`` made a heading); the summary keeps its markdown. Nobody is
+    # pinged either way: every post and edit allows no mentions.
     head = [
-        f"**{card.title}**",
-        f"**Agent:** {card.agent}",
-        f"**From:** {card.source}",
-        f"**Why:** {card.why}",
+        f"**{escaped(card.title)}**",
+        f"**Agent:** {escaped(card.agent)}",
+        f"**From:** {escaped(card.source)}",
+        f"**Why:** {escaped(card.why)}",
         f"**Waiting since:** <t:{since}:f> (<t:{since}:R>)",
         f"**Revision:** {card.revision} of {card.rounds}",
     ]
     if card.outcome is not None:
         o = card.outcome
         where = f" ({o.surface})" if o.surface else ""
-        head.append(cut(f"**{o.title}** by {o.by}{where} at {iso(o.at_ms)}", 600))
+        head.append(cut(f"**{o.title}** by {escaped(o.by)}{where} at {iso(o.at_ms)}", 600))
         if o.text:
             head.append(quote(o.text))
     top = "\n".join(head)
@@ -91,18 +94,24 @@ def content(card: Card) -> str:
 QUOTE_MAX = 300
 
 
+def escaped(text: str) -> str:
+    """``text`` with Discord's markdown escaped, shown as it was written."""
+    return discord.utils.escape_markdown(text)
+
+
 def quote(said: str) -> str:
     """A decision's reason or feedback as a block quote under the outcome, its markdown
     escaped: it was appended to the outcome's line as it was typed, so ``**`` or
     ``# `` in a reason restyled the card, and a second line ran on unquoted."""
-    lines = discord.utils.escape_markdown(cut(said, QUOTE_MAX)).splitlines() or [""]
+    lines = escaped(cut(said, QUOTE_MAX)).splitlines() or [""]
     return "\n".join(f"> {line}" for line in lines)
 
 
 def told(answer: Answer) -> str:
-    """An answer's words for its clicker: its line, and the decision's reason
+    """An answer's words for its clicker: its line, escaped (who decided is a person's
+    or key's name: its ``*`` or ``_`` restyled the answer), and the decision's reason
     quoted under it by :func:`quote` (a late click: "Already cancelled by ..." and why)."""
-    return f"{answer.text}\n{quote(answer.said)}" if answer.said else answer.text
+    return escaped(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
 
 
 def _ref(card: Card) -> str:

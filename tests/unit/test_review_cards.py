@@ -781,6 +781,21 @@ def test_slacks_late_click_answer_escapes_who_decided() -> None:
     assert notice == slack_review.told(answer)
 
 
+def test_discord_cards_and_answers_show_names_and_the_leads_words_as_written() -> None:
+    # A name's * or _ restyled the card and a # in "why" made a heading: they went in
+    # as typed (the summary keeps its markdown; nobody is pinged either way).
+    outcome = CardOutcome("Cancelled", MARKED, "console", 1_780_000_000_000, "")
+    card = _card("**bold** summary", agent="a*b*", source="#src _x_", why="# loud")
+    content = discord_review.content(card.decided(outcome))
+    assert "**Review needed: a\\*b\\***" in content
+    assert "**Agent:** a\\*b\\*\n**From:** \\#src \\_x\\_\n**Why:** \\# loud" in content
+    assert "**Cancelled** by <!channel> \\*ann\\* \\_b\\_ & #x (console)" in content
+    assert "**Summary**\n**bold** summary" in content
+    line = f"Already cancelled by {MARKED} (console)."
+    told = discord_review.told(ChatAnswer("closed", line, None, "*no*"))
+    assert told == "Already cancelled by <!channel> \\*ann\\* \\_b\\_ & #x (console).\n> \\*no\\*"
+
+
 async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
     make_stack: Callable[..., Stack],
 ) -> None:
