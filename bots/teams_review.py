@@ -89,13 +89,7 @@ def summary_text(card: Card) -> str:
 def adaptive_card(card: Card) -> dict[str, Any]:
     """The card as Adaptive Card JSON (decided cards: the outcome instead of actions)."""
     body: list[dict[str, Any]] = [
-        {
-            "type": "TextBlock",
-            "text": card.title,
-            "weight": "Bolder",
-            "size": "Medium",
-            "wrap": True,
-        },
+        as_typed(card.title, weight="Bolder", size="Medium"),
         {
             "type": "FactSet",
             "facts": [
@@ -122,15 +116,8 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         o = card.outcome
         where = f" ({o.surface})" if o.surface else ""
         line = f"{o.title} by {o.by}{where} at {_iso(o.at_ms)}"
-        body.append(
-            {
-                "type": "TextBlock",
-                "text": line,
-                "weight": "Bolder",
-                "color": "Good" if o.title.startswith(("Approved", "Delivery")) else "Attention",
-                "wrap": True,
-            }
-        )
+        good = o.title.startswith(("Approved", "Delivery"))
+        body.append(as_typed(line, weight="Bolder", color="Good" if good else "Attention"))
         if o.text:
             body.append(said_block(o.text))
     elif card.reason == "deliveryUnknown" and card.delivery_id:
@@ -155,13 +142,17 @@ def adaptive_card(card: Card) -> dict[str, Any]:
     }
 
 
+def as_typed(text: str, **style: Any) -> dict[str, Any]:
+    """``text`` shown as it is, styled (``weight``, ``size``, ``color``, ``italic``): a
+    ``RichTextBlock`` of one ``TextRun``, whose text Teams never reads as markdown (a
+    ``TextBlock`` does: ``**``, ``_`` or ``- `` in a name restyled the card)."""
+    return {"type": "RichTextBlock", "inlines": [{"type": "TextRun", "text": text, **style}]}
+
+
 def said_block(said: str) -> dict[str, Any]:
-    """A decision's reason or feedback under the outcome, in quotation marks, as a
-    ``TextRun``: a TextBlock reads its text as markdown, so ``**`` or ``- `` in a reason
-    restyled the card (it was appended to the outcome's bold line as typed); a run's
-    text is shown as it is."""
-    run = {"type": "TextRun", "text": in_quotes(said), "italic": True}
-    return {"type": "RichTextBlock", "inlines": [run]}
+    """A decision's reason or feedback under the outcome, in quotation marks,
+    :func:`as_typed` (it was appended to the outcome's bold line as typed)."""
+    return as_typed(in_quotes(said), italic=True)
 
 
 def in_quotes(said: str) -> str:

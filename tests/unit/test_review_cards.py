@@ -796,6 +796,18 @@ def test_discord_cards_and_answers_show_names_and_the_leads_words_as_written() -
     assert told == "Already cancelled by <!channel> \\*ann\\* \\_b\\_ & #x (console).\n> \\*no\\*"
 
 
+def test_teams_cards_show_the_agent_and_who_decided_as_typed() -> None:
+    # The headline (the agent's name) and the outcome's line (who decided) were
+    # TextBlocks, which Teams reads as markdown: a name's ** or _ restyled the card.
+    outcome = CardOutcome("Rejected", "**ann** _b_", "teams", 1_780_000_000_000, "")
+    body = teams_review.adaptive_card(_card("s", agent="- a*b*").decided(outcome))["body"]
+    run = {"type": "TextRun", "text": "Review needed: - a*b*", "weight": "Bolder"}
+    assert body[0] == {"type": "RichTextBlock", "inlines": [{**run, "size": "Medium"}]}
+    line = "Rejected by **ann** _b_ (teams) at 2026-05-28T20:26:40Z"
+    run = {"type": "TextRun", "text": line, "weight": "Bolder", "color": "Attention"}
+    assert body[-1] == {"type": "RichTextBlock", "inlines": [run]}
+
+
 async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
     make_stack: Callable[..., Stack],
 ) -> None:
