@@ -4,7 +4,7 @@ Starts a throwaway PostgreSQL (``tests.pg``), seeds one organization with ``--it
 decided work items (a submission and a lead verdict each, in the audit trail),
 ``--deliveries`` gating deliveries spread over ``--days-seeded`` days, and one item with
 ``--item-rows`` deliveries and as many audit rows (an item returned and re-sent many
-times), then times the reads an operator's console makes and prints each one's median
+times), then times the reads an operator's console makes and prints each one's min/median/max
 over ``--rounds`` calls (after one warm-up) in milliseconds::
 
     .venv/bin/python -m bench.operator_reads
@@ -80,18 +80,19 @@ ANALYZE;
 """
 
 
-async def _median_ms(rounds: int, call: Callable[[], Awaitable[object]]) -> float:
+async def _timed_ms(rounds: int, call: Callable[[], Awaitable[object]]) -> str:
+    """``call``'s min/median/max over ``rounds`` calls after one warm-up, in ms."""
     await call()  # warm: the plan and the pages
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
         await call()
         times.append((time.perf_counter() - began) * 1000)
-    return statistics.median(times)
+    return f"{min(times):.1f}/{statistics.median(times):.1f}/{max(times):.1f} ms"
 
 
 async def measure(args: argparse.Namespace) -> None:
-    """Seed, time each read, print its median."""
+    """Seed, time each read, print its min/median/max."""
     from leadgate.database.db import Database, upgrade
     from leadgate.review import insights, labels, queue
     from outbox import store
@@ -118,8 +119,15 @@ async def measure(args: argparse.Namespace) -> None:
                     async with db.read() as conn:
                         return await insights.insights(conn, ORG, now_ms=NOW_MS, days=days)
 
-                ms = await _median_ms(args.rounds, one_insights)
-                print(f"insights, {days} days: {ms:.1f} ms", flush=True)
+                async def count_deliveries(days: int = days) -> object:
+                    since = (NOW_MS // DAY_MS - (days - 1)) * DAY_MS
+                    async with db.read() as conn:
+                        return (await conn.execute(insights.delivery_counts(ORG, since))).all()
+
+                ms = await _timed_ms(args.rounds, one_insights)
+                print(f"insights, {days} days: {ms}", flush=True)
+                ms = await _timed_ms(args.rounds, count_deliveries)
+                print(f"  of which its deliveries count: {ms}", flush=True)
 
             async def one_detail() -> object:
                 async with db.read() as conn:
@@ -139,11 +147,11 @@ async def measure(args: argparse.Namespace) -> None:
                         newest=queue.DETAIL_LIST_MAX + 1,
                     )
 
-            print(f"review detail: {await _median_ms(args.rounds, one_detail):.1f} ms")
-            ms = await _median_ms(args.rounds, detail_deliveries)
-            print(f"  of which its deliveries (for_detail): {ms:.1f} ms", flush=True)
-            ms = await _median_ms(args.rounds, detail_audit)
-            print(f"  of which its newest audit rows: {ms:.1f} ms", flush=True)
+            print(f"review detail: {await _timed_ms(args.rounds, one_detail)}")
+            ms = await _timed_ms(args.rounds, detail_deliveries)
+            print(f"  of which its deliveries (for_detail): {ms}", flush=True)
+            ms = await _timed_ms(args.rounds, detail_audit)
+            print(f"  of which its newest audit rows: {ms}", flush=True)
         finally:
             await db.close()
     finally:

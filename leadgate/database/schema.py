@@ -289,6 +289,10 @@ audit = sa.Table(
     sa.Index("ix_audit_org_created", "org_id", "created_at"),
 )
 
+#: The gating deliveries' partial index's predicate, literally (as
+#: :data:`ACTIVE_ITEM_PREDICATE`: the insights' count repeats this text to use it).
+GATING_DELIVERY_PREDICATE = "kind = 'gating'"
+
 deliveries = sa.Table(
     "deliveries",
     metadata,
@@ -315,6 +319,17 @@ deliveries = sa.Table(
     sa.Column("lease_owner", ID),
     # The relay's claim order (next_attempt_at, id) read straight off the index.
     sa.Index("ix_deliveries_status_due", "status", "next_attempt_at", "id"),
+    # Insights' deliveries count: an organization's gating deliveries in a window
+    # (review.insights.delivery_counts), read without scanning every organization's.
+    # Gating rows alone (a plain turn's reply writes no entry), and none of its columns
+    # changes after the insert (SQLite never touches it again; migration 0026).
+    sa.Index(
+        "ix_deliveries_org_gating_created",
+        "org_id",
+        "created_at",
+        sqlite_where=sa.text(GATING_DELIVERY_PREDICATE),
+        postgresql_where=sa.text(GATING_DELIVERY_PREDICATE),
+    ),
 )
 
 policy_rules = sa.Table(

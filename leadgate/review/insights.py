@@ -183,6 +183,21 @@ def _decided(org_id: str, since: int) -> sa.CTE:
     )
 
 
+def delivery_counts(org_id: str, since: int) -> sa.Select[Any]:
+    """The organization's gating deliveries created since ``since``, counted by outcome
+    (status) and channel, through ``ix_deliveries_org_gating_created`` (its predicate
+    repeated literally: a bound ``kind`` cannot be proven to imply it)."""
+    return (
+        sa.select(D.status, D.channel, sa.func.count().label("n"))
+        .where(
+            D.org_id == org_id,
+            sa.text(t.GATING_DELIVERY_PREDICATE.replace("kind", "deliveries.kind", 1)),
+            D.created_at >= since,
+        )
+        .group_by(D.status, D.channel)
+    )
+
+
 async def _times_and_agreement(
     conn: Conn, decided: sa.CTE
 ) -> tuple[dict[str, StatsView], dict[str, AgreementCount]]:
@@ -361,13 +376,7 @@ async def insights(conn: Conn, org_id: str, *, now_ms: int, days: int = 30) -> I
             .order_by(W.revision)
         )
     ).all()
-    deliveries = (
-        await conn.execute(
-            sa.select(D.status, D.channel, sa.func.count().label("n"))
-            .where(D.org_id == org_id, D.kind == "gating", D.created_at >= since)
-            .group_by(D.status, D.channel)
-        )
-    ).all()
+    deliveries = (await conn.execute(delivery_counts(org_id, since))).all()
     by_outcome: Counter[str] = Counter()
     by_channel: dict[str, Counter[str]] = {}
     for d in deliveries:

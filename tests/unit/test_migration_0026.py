@@ -1,0 +1,158 @@
+"""Migration 0026 on SQLite and PostgreSQL: the partial index of the gating deliveries
+(``ix_deliveries_org_gating_created``) exists and holds those alone, the schema matches
+``schema.py``, the insights' deliveries count (``review.insights.delivery_counts``)
+reaches ``deliveries`` through it on both backends (it scanned every organization's
+deliveries) and counts the same; down and up again."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from leadgate.database.db import alembic_config
+from leadgate.database.schema import metadata
+from leadgate.review.insights import delivery_counts
+from tests.unit.test_migration_0016 import run
+
+INDEX = "ix_deliveries_org_gating_created"
+#: The count's window: the newer half of the rows.
+SINCE = 1000
+
+_DELIVERY = (
+    "INSERT INTO deliveries (id, org_id, work_item_id, kind, action, channel, address, "
+    "text, status, attempts, next_attempt_at, created_at, updated_at) VALUES "
+    "(:id, :org, 'wi_1', :kind, 'post', :channel, '{}', 'x', :status, 1, :at, :at, :at)"
+)
+
+
+#: 2,000 deliveries of 7 organizations over 2,000 ms: a third replies, the rest gating
+#: rows in two channels and three outcomes, so that PostgreSQL's planner, once it has
+#: statistics, weighs the index against the table as it would in service.
+ROWS: list[dict[str, Any]] = [
+    {
+        "id": f"dlv_{i}",
+        "org": f"org_{i % 7}",
+        "kind": "reply" if i % 3 == 0 else "gating",
+        "channel": ("slack", "teams")[i // 7 % 2],
+        "status": ("sent", "failed", "deliveryUnknown")[i // 14 % 3],
+        "at": i,
+    }
+    for i in range(2000)
+]
+#: org_3's gating deliveries since SINCE, by (status, channel).
+EXPECTED = sorted(
+    (status, channel, n)
+    for (status, channel), n in Counter(
+        (r["status"], r["channel"])
+        for r in ROWS
+        if r["org"] == "org_3" and r["kind"] == "gating" and r["at"] >= SINCE
+    ).items()
+)
+
+
+def _fill(conn: sa.Connection) -> None:
+    conn.execute(sa.text(_DELIVERY), ROWS)
+
+
+def _counts(conn: sa.Connection) -> list[tuple[str, str, int]]:
+    rows = conn.execute(delivery_counts("org_3", SINCE)).all()
+    return sorted((r.status, r.channel, r.n) for r in rows)
+
+
+def _accesses(conn: sa.Connection) -> list[str]:
+    """Each step of the count's plan that reads ``deliveries``, its values bound as the
+    service binds them (a partial index whose predicate a bound value had to imply
+    would not be used): SQLite's ``EXPLAIN QUERY PLAN`` lines; PostgreSQL's scan nodes
+    of the generic plan a prepared statement comes to, with statistics (as autovacuum
+    keeps them) and sequential scans turned off (on a table this small the planner may
+    scan anyway: the question is whether the index is used at all)."""
+    compiled = delivery_counts("org_3", SINCE).compile(dialect=conn.dialect)
+    values = compiled.construct_params()
+    bound = tuple(values[name] for name in compiled.positiontup or ())
+    if conn.dialect.name == "sqlite":
+        plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", bound)
+        return [str(row[3]) for row in plan if "deliveries" in str(row[3])]
+    conn.exec_driver_sql("ANALYZE")
+    # (The service's own connections plan without bitmap scans: leadgate.database.pg.)
+    conn.exec_driver_sql("SET enable_bitmapscan = off")
+    conn.exec_driver_sql("SET enable_seqscan = off")
+    conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+    conn.exec_driver_sql(f"PREPARE counted AS {compiled}")
+    literals = ", ".join(repr(v) for v in bound)
+    plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE counted({literals})")
+    return [str(row[0]).strip() for row in plan if " on deliveries" in str(row[0])]
+
+
+def _indexes(conn: sa.Connection) -> set[str]:
+    return {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("deliveries")}
+
+
+def _predicate(conn: sa.Connection) -> str:
+    """The index's WHERE, as the database keeps it."""
+    if conn.dialect.name == "sqlite":
+        sql = conn.exec_driver_sql(f"SELECT sql FROM sqlite_master WHERE name = '{INDEX}'")
+        return str(sql.scalar_one()).partition(" WHERE ")[2]
+    predicate = conn.exec_driver_sql(
+        "SELECT pg_get_expr(indpred, indrelid) FROM pg_index "
+        f"WHERE indexrelid = '{INDEX}'::regclass"
+    )
+    return str(predicate.scalar_one())
+
+
+def test_the_deliveries_count_reads_gating_rows_through_their_partial_index(
+    db_url: str,
+) -> None:
+    cfg = alembic_config(db_url)
+    command.upgrade(cfg, "0025")
+    before = run(db_url, _indexes)
+    assert INDEX not in before
+    run(db_url, _fill)
+    counted = run(db_url, _counts)
+    assert counted == EXPECTED and len(EXPECTED) == 4
+    if db_url.startswith("sqlite"):
+        # Every organization's deliveries.
+        steps = run(db_url, _accesses)
+        assert len(steps) == 1 and steps[0].startswith("SCAN deliveries"), steps
+    command.upgrade(cfg, "head")
+
+    def check(conn: sa.Connection) -> dict[str, Any]:
+        return {
+            "indexes": _indexes(conn),
+            "diff": compare_metadata(MigrationContext.configure(conn), metadata),
+            "counts": _counts(conn),
+            "predicate": _predicate(conn),
+            "accesses": _accesses(conn),
+        }
+
+    out = run(db_url, check)
+    assert out["indexes"] == before | {INDEX}
+    # The migrated schema is schema.py (the SQLite-only index aside, as in 0005's test).
+    assert [
+        d
+        for d in out["diff"]
+        if not (d[0] == "add_index" and d[1].name == "ix_messages_session_rowid")
+    ] == []
+    assert out["counts"] == counted
+    # Gating rows alone: a reply adds no entry.
+    assert out["predicate"] == (
+        "kind = 'gating'" if db_url.startswith("sqlite") else "((kind)::text = 'gating'::text)"
+    )
+    if db_url.startswith("sqlite"):
+        assert out["accesses"] == [
+            f"SEARCH deliveries USING INDEX {INDEX} (org_id=? AND created_at>?)"
+        ], out["accesses"]
+    else:
+        assert len(out["accesses"]) == 1 and f"using {INDEX} on" in out["accesses"][0], out[
+            "accesses"
+        ]
+
+    # Down and up again: the index goes and comes back.
+    command.downgrade(cfg, "0025")
+    assert run(db_url, _indexes) == before
+    command.upgrade(cfg, "head")
+    assert run(db_url, _indexes) == out["indexes"]
