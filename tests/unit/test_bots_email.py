@@ -198,19 +198,23 @@ async def test_a_sentence_that_reads_like_an_attribution_keeps_what_follows(
     assert [t.text for t in listener.core.triggers] == bodies
 
 
+#: A mail forwarded under Outlook's header block of it.
+_FORWARDED = (
+    "From: Bob <bob@supplier.example>\n"
+    "Sent: Monday, December 7, 2026 09:12\n"
+    "To: Alice <alice@example.com>\n"
+    "Subject: Contract\n"
+    "\n"
+    "The price rises 4% from January."
+)
+
+
 async def test_a_forwarded_mail_is_kept_whole(listener: Listener) -> None:
     """A mail forwarded to the worker ("please summarise this") is the text it is to
     read: Gmail's "---------- Forwarded message ---------" line, and Outlook's header
     block of the forwarded mail under a ``FW:`` / ``WG:`` subject, were taken for a
     quoted original and cut away, and the worker got "Please summarise." alone."""
-    forwarded = (
-        "From: Bob <bob@supplier.example>\n"
-        "Sent: Monday, December 7, 2026 09:12\n"
-        "To: Alice <alice@example.com>\n"
-        "Subject: Contract\n"
-        "\n"
-        "The price rises 4% from January."
-    )
+    forwarded = _FORWARDED
     gmail = "Please summarise.\n\n---------- Forwarded message ---------\n" + forwarded
     outlook = "Bitte zusammenfassen.\n\n________________________________\n" + forwarded
     await listener.send(_mail(gmail, Subject="Fwd: Contract", Message_ID="<f1@client.example>"))
@@ -384,16 +388,6 @@ def _forward(body: str, subject: str, *, html: bool = False, **headers: str) -> 
         message.set_content(body, subtype="html")
     mail = parse_mail(bytes(message), ALICE)
     return None if mail is None else mail.text
-
-
-_FORWARDED = (
-    "From: Bob <bob@supplier.example>\n"
-    "Sent: Monday, December 7, 2026 09:12\n"
-    "To: Alice <alice@example.com>\n"
-    "Subject: Contract\n"
-    "\n"
-    "The price rises 4% from January."
-)
 
 
 def test_a_forward_is_kept_whole_without_its_fwd_subject() -> None:
