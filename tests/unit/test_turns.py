@@ -344,6 +344,51 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_channel_reply_is_posted_only_while_its_binding_is_the_sessions_newest(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """A plain channel turn's reply goes to the binding of the message that ran it only
+    while that binding is still the session's active one (README, Delivery): a second
+    message of the conversation (Discord: its own message id, so its own binding) taken in
+    while the first's model runs makes the first's reply stored but not posted; the
+    second's is posted. Pinned: two quick messages get one posted answer."""
+    stack, rec = rig
+    org = await make_org(stack)
+    agent = await make_agent(stack, org, "plain", model="rec")
+    second_taken = asyncio.Event()
+
+    def discord_trigger(text: str, message_id: str) -> Trigger:
+        address = {"guild_id": "G1", "channel_id": "C1", "message_id": message_id}
+        return Trigger(
+            org_id=org.id,
+            agent_id=str(agent["id"]),
+            session_key="discord:G1:C1",
+            text=text,
+            binding=BindingSpec(BindingKind.discord, address),
+            external_event_id=f"discord:message:{message_id}",
+        )
+
+    async def answer(request: ModelRequest) -> list[ModelEvent]:
+        if request.messages[-1].content == "first":
+            await second_taken.wait()
+        return [TextDelta(f"to {request.messages[-1].content}")]
+
+    rec.handler = answer
+    first = asyncio.ensure_future(stack.turns.run(discord_trigger("first", "1")))
+    await eventually(lambda: len(rec.requests) == 1, what="the first turn at its model")
+    assert await stack.turns.run(discord_trigger("second", "2")) == Reply("to second")
+    second_taken.set()
+    assert await first == Reply("to first")
+    assert [m["content"] for m in await messages(stack, agent, "discord:G1:C1")] == [
+        "first",
+        "second",
+        "to second",
+        "to first",
+    ]
+    posted = await select_all(stack, sa.select(t.deliveries.c.text, t.deliveries.c.address))
+    assert posted == [{"text": "to second", "address": discord_trigger("", "2").binding.address}]
+
+
 async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
