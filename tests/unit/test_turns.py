@@ -343,7 +343,6 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
     assert [(e.seq, e.content) for e in events] == [(1, "one"), (2, "Echo: one"), (3, "two")]
 
 
-@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_channel_reply_is_posted_only_while_its_binding_is_the_sessions_newest(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
@@ -389,6 +388,7 @@ async def test_a_channel_reply_is_posted_only_while_its_binding_is_the_sessions_
     assert posted == [{"text": "to second", "address": discord_trigger("", "2").binding.address}]
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
     rig: tuple[Stack, RecordingProvider],
 ) -> None:
