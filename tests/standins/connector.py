@@ -376,11 +376,14 @@ def invoke_activity(
 
 
 async def post_activity(
-    bot_url: str, activity: dict[str, Any], *, token: str | None = None, timeout_s: float = 5.0
+    bot_url: str, activity: dict[str, Any], *, token: str | None = None, timeout_s: float = 15.0
 ) -> tuple[int, str]:
     """POST ``activity`` to ``bot_url`` (the bot's ``.../api/messages``): (status, body).
 
     ``token`` becomes ``Authorization: Bearer <token>``; None sends no Authorization.
+    ``timeout_s`` is the Bot Framework Connector's own wait for a bot's answer (15 s):
+    the service answers within 13 s of an activity's arrival, after its turn, and a
+    turn on a loaded two-core CI host passed the 5 s this used to wait.
     """
     headers = {"Content-Type": "application/json"}
     if token is not None:
