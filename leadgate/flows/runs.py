@@ -209,6 +209,16 @@ class LostRun:
     held: Held = ()
 
 
+#: PostgreSQL: a run's waiting continuations, locked in id order (:func:`move_run` to
+#: ``failed``, before the run's row).
+_WAITING_OF_RUN = (
+    sa.select(C.id)
+    .where(C.run_id == sa.bindparam("p_run"), C.status == "waiting")
+    .order_by(C.id)
+    .with_for_update()
+)
+
+
 async def move_run(
     conn: Conn,
     clock: Clock,
@@ -244,6 +254,13 @@ async def move_run(
         )
     update = t.flow_runs.update().where(*fences).values(changes)
     if dst is RunStatus.failed:
+        if conn.dialect.name == "postgresql":
+            # The run's waiting continuations are locked (in id order) before the run:
+            # the resumer takes a continuation first (its pick) and then the run (its
+            # failure of a paused run); taking the run first, then its continuations,
+            # the two met in opposite orders (40P01, one of them ended). A continuation
+            # settled while this waited is no longer waiting, and not locked.
+            await conn.execute(_WAITING_OF_RUN, {"p_run": run_id})
         failed = (await conn.execute(update.returning(R.org_id, R.start_index, R.error))).first()
         if failed is not None:
             # A failed run resumes nothing: a continuation registered before its node

@@ -14,10 +14,12 @@ from leadgate.core.errors import TransitionError, ValidationError
 from leadgate.core.runners import drain
 from leadgate.core.types import Outcome, Trigger
 from leadgate.database import schema as t
+from leadgate.database import sql
 from leadgate.database.db import Conn
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs, workitems
 from leadgate.domain.rows import WorkItem
+from leadgate.flows import runs as runs_mod
 from leadgate.flows.recovery import FlowRecovery
 from leadgate.flows.runs import (
     FLOW_FAILED_ACTION,
@@ -185,6 +187,56 @@ async def test_a_run_whose_item_ends_without_approval_fails_saying_why(stack: An
     assert f"Flow run failed: node 0: the work item {item_id} was rejected" in run["events"]
     assert run["continuations"][0]["status"] == "closed"
     assert await drain(FlowResumer(stack.flows)) == 0
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+async def test_a_run_failing_and_the_resumer_lock_its_continuation_then_the_run(
+    stack: Any,
+) -> None:
+    """The resumer takes a continuation (its pick) and then the run (a paused run whose
+    item ended fails). A run's failure took its run and then its waiting continuations:
+    the two transactions met in opposite orders and PostgreSQL ended one of them (40P01).
+    The failure now locks the continuations first: it waits holding nothing, the
+    resumer fails the run, and the failure then finds it failed (nothing changed)."""
+    org = await make_org(stack)
+    run_id, item_id = await _paused_item(stack, org, "write it #complete #escalate")
+    await drain(stack.lead_runner)
+    async with stack.db.tx() as conn:
+        await workitems.transition(
+            conn, stack.clock, stack.ids, item_id, src=workitems.Status.awaitingHuman,
+            dst=workitems.Status.rejected, actor="user:t", action="reject", text="no",
+        )  # fmt: skip
+    holding, go = asyncio.Event(), asyncio.Event()
+    bound = sql.bound_lock_waits
+
+    async def held_after_the_pick(conn: Conn, seconds: float) -> None:
+        # The resumer's pick holds the continuation here, before its moves.
+        holding.set()
+        await go.wait()
+        await bound(conn, seconds)
+
+    async def fail() -> None:
+        async with stack.db.tx() as conn:
+            await runs_mod.move_run(
+                conn, stack.clock, stack.ids, run_id, src=runs_mod.RunStatus.waitingForHitl,
+                dst=runs_mod.RunStatus.failed, values={"error": "another failure"},
+            )  # fmt: skip
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs_mod, "bound_lock_waits", held_after_the_pick)
+        resuming = asyncio.create_task(FlowResumer(stack.flows, lock_wait_s=30.0).run_once())
+        await asyncio.wait_for(holding.wait(), 10.0)
+        failing = asyncio.create_task(fail())
+        await blocked_on_a_lock(stack.db, failing)
+        go.set()
+        assert await resuming
+    with pytest.raises(TransitionError) as lost:
+        await failing
+    assert lost.value.rule == "flowRun.status"
+    run = await _view(stack, org, run_id)
+    assert run["status"] == "failed"
+    assert run["error"] == f"node 0: the work item {item_id} was rejected"
+    assert run["continuations"][0]["status"] == "closed"
 
 
 @pytest.mark.parametrize(
