@@ -8,7 +8,7 @@ import inspect
 import logging
 import re
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -106,6 +106,49 @@ async def blocked_on_a_lock(db: Database, task: asyncio.Task[Any]) -> None:
         return bool(waiting) or task.done()
 
     await eventually(waits_or_done, 10.0, what="a transaction waiting on a row lock")
+
+
+async def seq_scans_only(pg_url: str) -> None:
+    """Every connection made from now on to ``pg_url``'s database plans sequential scans
+    (index and bitmap scans off): the plan PostgreSQL chooses at size, in a test's few
+    rows, so that a statement finds its rows in physical order."""
+    import asyncpg
+
+    from leadgate.database.pg import asyncpg_dsn
+
+    conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+    try:
+        name = await conn.fetchval("SELECT current_database()")
+        for plan in ("enable_indexscan", "enable_bitmapscan"):
+            await conn.execute(f'ALTER DATABASE "{name}" SET {plan} = off')
+    finally:
+        await conn.close()
+
+
+async def beside_a_locker_in_key_order(
+    db: Database,
+    table: sa.Table,
+    keys: list[tuple[Any, ...]],
+    contender: Callable[[], Coroutine[Any, Any, object]],
+) -> None:
+    """Run ``contender`` (a statement locking many rows of ``table``) beside a
+    transaction that locks the rows of ``keys`` (their primary keys, in key order) as a
+    writer of several of them takes them: it holds the first while ``contender`` reaches
+    a lock, then takes the rest and commits. A contender locking the rows in another
+    order holds one of the rest then, and PostgreSQL ends one of the two as a deadlock
+    (40P01): raised here."""
+    key = list(table.primary_key.columns)
+    locked = sa.select(*key).order_by(*key).with_for_update()
+    contending: asyncio.Task[object] | None = None
+    try:
+        async with db.tx() as conn:
+            await conn.execute(locked.where(sa.tuple_(*key) == keys[0]))
+            contending = asyncio.create_task(contender())
+            await blocked_on_a_lock(db, contending)
+            await conn.execute(locked.where(sa.tuple_(*key).in_(keys)))
+    finally:
+        if contending is not None:  # (freed by the commit, or the rollback)
+            await contending
 
 
 async def listening(db: Database) -> None:

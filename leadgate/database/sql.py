@@ -28,14 +28,23 @@ def one_row(claim: sa.CTE) -> sa.Join:
 
 def locked_by_id(table: sa.Table, *where: sa.ColumnElement[bool], name: str) -> sa.CTE:
     """PostgreSQL: ``SELECT id FROM table WHERE ... ORDER BY id FOR UPDATE`` as CTE
-    ``name``, for a multi-row fenced update to join (``table.c.id == cte.c.id``) so
-    that it locks its rows in id order, in the same statement. An ``UPDATE ... WHERE id
+    ``name``, for a multi-row fenced update or delete to join (``table.c.id ==
+    cte.c.id``, or :func:`is_locked`) so that it locks its rows in id order, in the same
+    statement. The id is the table's primary key: a table keyed by several columns
+    (``idempotency_keys``) has its rows locked in the order of that key. An ``UPDATE ... WHERE id
     IN (...)`` alone locks them in the order its plan finds them: a bitmap or sequential
     scan, chosen at size, finds them in physical order, and two transactions locking
     overlapping rows in different orders deadlock (PostgreSQL ends one: 40P01). The
     update keeps its own fence too (the CTE's rows are re-read at their newest version
     when a lock was waited for, and a row that no longer matches is not locked)."""
-    return sa.select(table.c.id).where(*where).order_by(table.c.id).with_for_update().cte(name)
+    key = list(table.primary_key.columns)
+    return sa.select(*key).where(*where).order_by(*key).with_for_update().cte(name)
+
+
+def is_locked(table: sa.Table, locked: sa.CTE) -> sa.ColumnElement[bool]:
+    """The join of ``table``'s rows to ``locked`` (a :func:`locked_by_id` of it) on its
+    whole primary key."""
+    return sa.and_(*(col == locked.c[col.name] for col in table.primary_key.columns))
 
 
 async def bound_lock_waits(conn: Conn, seconds: float) -> None:

@@ -24,6 +24,7 @@ from leadgate.core.errors import Conflict, NotFound, PermissionDenied, Validatio
 from leadgate.core.limits import PASSWORD_MAX, PASSWORD_MIN
 from leadgate.database import schema as t
 from leadgate.database.db import Conn
+from leadgate.database.sql import is_locked, locked_by_id
 
 KEY_PREFIX = "lg"
 _hasher = PasswordHasher()
@@ -356,7 +357,8 @@ async def update_user(
         await conn.execute(t.users.update().where(_U.id == user["id"]).values(**values))
     ended = 0
     if end_sessions:
-        result = await conn.execute(t.console_sessions.delete().where(_S.user_id == user["id"]))
+        ended_sessions = _USERS_BY_ID if conn.dialect.name == "postgresql" else _USERS
+        result = await conn.execute(ended_sessions, {"p_user": user["id"]})
         ended = int(result.rowcount or 0)
     row = (await conn.execute(sa.select(*_USER_COLUMNS).where(_U.id == user["id"]))).one()
     return {**_user_fields(row), "sessionsEnded": ended}
@@ -394,6 +396,25 @@ def verify_password(password_hash: str | None, password: str) -> bool:
     return _verify_password(password_hash, password)
 
 
+_PAST = _S.expires_at <= sa.bindparam("p_now")
+#: The console sessions expired at ``p_now`` (anyone's), deleted.
+_EXPIRED = t.console_sessions.delete().where(_PAST)
+#: PostgreSQL: the same, their rows locked in id order first (:func:`locked_by_id`): a
+#: plain ``DELETE`` locks them in the order its scan finds them (physical order at size),
+#: and two logins at once, or a login beside a user's sessions ended (below), met the
+#: other way round as a deadlock (40P01).
+_EXPIRED_BY_ID = t.console_sessions.delete().where(
+    is_locked(t.console_sessions, locked_by_id(t.console_sessions, _PAST, name="expired"))
+)
+_OF_USER = _S.user_id == sa.bindparam("p_user")
+#: A user's console sessions (``p_user``), deleted: their password changed, or disabled.
+_USERS = t.console_sessions.delete().where(_OF_USER)
+#: PostgreSQL: the same in id order, as the expired sessions are deleted.
+_USERS_BY_ID = t.console_sessions.delete().where(
+    is_locked(t.console_sessions, locked_by_id(t.console_sessions, _OF_USER, name="ended"))
+)
+
+
 async def create_console_session(
     conn: Conn, clock: Clock, ids: IdFactory, user_id: str, ttl_ms: int
 ) -> str:
@@ -401,9 +422,8 @@ async def create_console_session(
     Sessions that have expired, anyone's, are deleted in the same transaction: nothing
     else would, and a login is rare enough (one password check at a time) to pay for it."""
     token = secrets.token_urlsafe(32)
-    await conn.execute(
-        t.console_sessions.delete().where(t.console_sessions.c.expires_at <= clock.now_ms())
-    )
+    expired = _EXPIRED_BY_ID if conn.dialect.name == "postgresql" else _EXPIRED
+    await conn.execute(expired, {"p_now": clock.now_ms()})
     await conn.execute(
         t.console_sessions.insert().values(
             id=ids.new("cs"),

@@ -79,7 +79,7 @@ from leadgate.core.types import Gated, Reply
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.faults import unavailable
-from leadgate.database.sql import insert_ignore_stmt
+from leadgate.database.sql import insert_ignore_stmt, is_locked, locked_by_id
 
 #: How long a key's first answer is kept and replayed.
 TTL_MS = 24 * HOUR_MS
@@ -730,7 +730,19 @@ class Idempotency:
             return
         self._next_sweep = now + SWEEP_EVERY_MS
         async with self.db.tx() as conn:
-            await conn.execute(t.idempotency_keys.delete().where(_K.created_at <= now - TTL_MS))
+            sweep = _SWEEP_IN_KEY_ORDER if conn.dialect.name == "postgresql" else _SWEEP
+            await conn.execute(sweep, {"p_cutoff": now - TTL_MS})
+
+
+_OLD = _K.created_at <= sa.bindparam("p_cutoff")
+#: The TTL sweep: the keys older than ``p_cutoff`` deleted.
+_SWEEP = t.idempotency_keys.delete().where(_OLD)
+_SWEPT = locked_by_id(t.idempotency_keys, _OLD, name="swept")
+#: PostgreSQL: the same, its rows locked in key order first (:func:`locked_by_id`): a
+#: plain ``DELETE`` locks them in the order its scan finds them (physical order at size),
+#: and two replicas sweeping at once, or a sweep beside a transaction holding two of
+#: those keys in key order, met the other way round as a deadlock (40P01).
+_SWEEP_IN_KEY_ORDER = t.idempotency_keys.delete().where(is_locked(t.idempotency_keys, _SWEPT))
 
 
 class HeldAnswer(NamedTuple):

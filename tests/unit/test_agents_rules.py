@@ -17,8 +17,15 @@ from leadgate.domain import agents as agents_mod
 from leadgate.domain import orgs
 from leadgate.domain.agents import CompletionPolicy, validate_review_config
 from leadgate.domain.rows import Agent
-from tests.helpers import Org, make_agent, make_key, make_org
-from tests.stack import Stack
+from tests.helpers import (
+    Org,
+    beside_a_locker_in_key_order,
+    make_agent,
+    make_key,
+    make_org,
+    seq_scans_only,
+)
+from tests.stack import Stack, build_stack
 
 SaveCall = Callable[[Any], Awaitable[Any]]
 
@@ -557,6 +564,60 @@ async def test_user_roles_map_to_scopes_through_console_sessions(stack: Stack) -
                 orgs.hash_password("long enough"),
             )
     assert info.value.rule == "user.role"
+
+
+@pytest.mark.parametrize("delete", ["expired at a login", "a user's ended"])
+async def test_console_sessions_are_deleted_in_id_order(migrated_pg: str, delete: str) -> None:
+    """A login deleted the expired console sessions (anyone's), and a user's password
+    change or disabling deleted theirs, in the order its scan found them: at size a
+    sequential scan, physical order. Beside a transaction holding two of them in id
+    order (another login's, or a user's sessions ended), it held the second while it
+    waited for the first, and PostgreSQL ended one of the two (40P01). Each now locks
+    its rows in id order first."""
+    await seq_scans_only(migrated_pg)
+    stack = build_stack(migrated_pg)
+    try:
+        org = await make_org(stack)
+        now = stack.clock.now_ms()
+        s = t.console_sessions.c
+        async with stack.db.tx() as conn:
+            await conn.execute(
+                t.users.insert().values(
+                    id="usr_1", org_id=org.id, email="u@example.com", role="Member",
+                    password_hash="unused", created_at=now,
+                )
+            )  # fmt: skip
+            for sid in ("cs_1", "cs_2"):
+                await conn.execute(
+                    t.console_sessions.insert().values(
+                        id=sid, token_hash=orgs._hash_secret(sid), user_id="usr_1",
+                        expires_at=now, created_at=now,
+                    )
+                )  # fmt: skip
+        async with stack.db.tx() as conn:
+            # The first session's newest version goes after the second's in the table:
+            # a scan in physical order finds the second first.
+            await conn.execute(
+                t.console_sessions.update().where(s.id == "cs_1").values(expires_at=now)
+            )
+
+        async def deleting() -> None:
+            async with stack.db.tx() as conn:
+                if delete == "expired at a login":
+                    await orgs.create_console_session(conn, stack.clock, stack.ids, "usr_1", DAY_MS)
+                else:
+                    await orgs.update_user(
+                        conn, stack.clock, org.id, "u@example.com", end_sessions=True
+                    )
+
+        await beside_a_locker_in_key_order(
+            stack.db, t.console_sessions, [("cs_1",), ("cs_2",)], deleting
+        )
+        async with stack.db.read() as conn:
+            kept = (await conn.execute(sa.select(s.id))).scalars().all()
+        assert not {"cs_1", "cs_2"} & set(kept)
+    finally:
+        await stack.stop()
 
 
 async def test_preset_names_are_unique_and_an_ambiguous_name_is_refused(stack: Stack) -> None:

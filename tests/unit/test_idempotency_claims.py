@@ -14,13 +14,20 @@ import sqlalchemy as sa
 
 from leadgate.core.auth import Principal
 from leadgate.core.errors import NOTHING_STORED, DatabaseDamaged, Unavailable
+from leadgate.database import schema as t
 from leadgate.database.db import Database
 from leadgate.database.pg import PgConnection
 from leadgate.operations import idempotency as idempotency_mod
-from leadgate.operations.idempotency import LEASE_MS, NOT_HELD, HeldAnswer, Idempotency
+from leadgate.operations.idempotency import LEASE_MS, NOT_HELD, TTL_MS, HeldAnswer, Idempotency
 from tests.fakes import CommitLandsLater, DownFor, lose_the_next_commit
-from tests.helpers import counted, make_org, ours
-from tests.stack import Stack
+from tests.helpers import (
+    beside_a_locker_in_key_order,
+    counted,
+    make_org,
+    ours,
+    seq_scans_only,
+)
+from tests.stack import Stack, build_stack
 from tests.unit.test_lost_claims import cut_short, stalled
 
 
@@ -466,3 +473,44 @@ async def test_a_claim_given_back_between_its_insert_and_its_read_is_claimed_aga
     claim = await idem.begin(principal, "k-3", "fp")
     assert given_back == [True]
     assert claim.action == "run" and claim.external_event_id is not None
+
+
+async def test_a_sweep_deletes_its_keys_in_key_order(migrated_pg: str) -> None:
+    """The TTL sweep deleted its old keys in the order its scan found them: at size a
+    sequential scan, physical order. Beside a transaction holding two of those keys in
+    key order (or another replica's sweep), it held the second while it waited for the
+    first, and PostgreSQL ended one of the two (40P01 deadlock_detected). It now locks
+    its keys in key order first: it waits for the first holding nothing."""
+    await seq_scans_only(migrated_pg)
+    stack = build_stack(migrated_pg)
+    try:
+        org = await make_org(stack)
+        old = stack.clock.now_ms() - TTL_MS - 1
+        k = t.idempotency_keys.c
+        async with stack.db.tx() as conn:
+            for key_hash in ("a", "b"):
+                await conn.execute(
+                    t.idempotency_keys.insert().values(
+                        org_id=org.id, key_hash=key_hash, fingerprint="fp", created_at=old,
+                        lease_expires_at=old, response=None, owner=None,
+                    )
+                )  # fmt: skip
+        async with stack.db.tx() as conn:
+            # The first key's newest version goes after the second's in the table: a
+            # scan in physical order finds the second first.
+            await conn.execute(
+                t.idempotency_keys.update().where(k.key_hash == "a").values(owner=None)
+            )
+        idem = Idempotency(stack.db, stack.clock, stack.ids)
+        principal = Principal(org.id, frozenset())
+        await beside_a_locker_in_key_order(
+            stack.db,
+            t.idempotency_keys,
+            [(org.id, "a"), (org.id, "b")],
+            lambda: idem.begin(principal, "new", "fp"),  # (its sweep first)
+        )
+        async with stack.db.read() as conn:
+            kept = (await conn.execute(sa.select(k.key_hash))).scalars().all()
+        assert len(kept) == 1 and kept[0] not in ("a", "b")  # the new claim's (hashed) key
+    finally:
+        await stack.stop()

@@ -22,7 +22,7 @@ from leadgate.database.pg import asyncpg_dsn
 from leadgate.domain import session_events
 from leadgate.domain.session_events import NOTIFY_CHANNEL, mark_watched
 from leadgate.turns.messages import store_message
-from tests.helpers import api_trigger, blocked_on_a_lock, make_agent, make_org
+from tests.helpers import api_trigger, blocked_on_a_lock, make_agent, make_org, seq_scans_only
 from tests.outbox_support import ScriptedChannel
 from tests.stack import Stack, build_stack
 
@@ -223,13 +223,9 @@ async def test_a_renewal_locks_its_sessions_in_id_order(migrated_pg: str) -> Non
     deadlock_detected). The mark now locks its rows in id order first: it waits for the
     first row holding nothing, then marks both."""
     first, second = "ses_1", "ses_2"
+    await seq_scans_only(migrated_pg)
     other = await asyncpg.connect(asyncpg_dsn(migrated_pg))
     try:
-        name = await other.fetchval("SELECT current_database()")
-        for plan in ("enable_indexscan", "enable_bitmapscan"):
-            # The plan PostgreSQL chooses at size (here, with two rows, forced on every
-            # connection of the stack below).
-            await other.execute(f'ALTER DATABASE "{name}" SET {plan} = off')
         await other.executemany(
             "INSERT INTO sessions (id, org_id, agent_id, key, created_at)"
             " VALUES ($1, 'org_1', 'agt_1', $1, 0)",
