@@ -323,13 +323,19 @@ class OutcomeCommitter:
         for item, outcome in sorted(not_sent, key=lambda pair: _lock_order(pair[0])):
             await self._commit_one(conn, item, outcome, now)
 
-    async def commit_alone(self, db: Database, done: list[Done], now: int) -> bool:
+    async def commit_alone(self, db: Database, group: list[Done], now: int) -> bool:
         """PostgreSQL: commit a group of successful posts in one statement outside a
         transaction block (:data:`_COMMIT_POSTS`). False, with nothing done, when the
-        group needs :meth:`commit` instead (another backend, another outcome, a reveal)."""
-        if not db.statements_alone or not done:
+        group needs :meth:`commit` instead (another backend, another outcome, a reveal).
+
+        Posts whose send lease was lost before the statement have their record written
+        after it (:meth:`_record_all_posted`, a transaction of its own). When that
+        raises, the statement's outcomes are committed (and counted): ``group`` is left
+        holding only those posts, whose record is to be committed again, and the error
+        is raised."""
+        if not db.statements_alone or not group:
             return False
-        done = [storable(d) for d in done]
+        done = [storable(d) for d in group]
         if any(
             not isinstance(d.outcome, Sent) or d.row.action == "reveal" or _keeps_secret(d.row)
             for d in done
@@ -361,10 +367,19 @@ class OutcomeCommitter:
         )
         row = result.one()
         sent = set(row.sent)
-        committed = _report_sent(None, done, sent)
         if lost := _lost_posts(done, sent):
-            async with db.tx() as conn:
-                await self._record_all_posted(conn, lost, now)
+            try:
+                async with db.tx() as conn:
+                    await self._record_all_posted(conn, lost, now)
+            except BaseException:
+                # The statement committed: only the record is left to commit again. The
+                # group, committed again whole, counted (and logged) its posts marked
+                # sent here as leases lost (their rows were no longer ``sending``).
+                again = {d.row.id for d in lost}
+                _report_sent(None, [d for d in done if d.row.id not in again], sent)
+                group[:] = [d for d in group if d.row.id in again]
+                raise
+        committed = _report_sent(None, done, sent)
         moved = set(row.moved)
         if moved:
             labelled(METRICS.transitions, _SRC.value, _DST.value).inc(len(moved))

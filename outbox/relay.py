@@ -624,7 +624,9 @@ class Relay:
             )
 
     async def complete(self, done: list[Done]) -> None:
-        """Commit a group of outcomes in one transaction."""
+        """Commit a group of outcomes in one transaction (PostgreSQL: a group of posts in
+        one statement). An error raised once that statement committed leaves in ``done``
+        only what is still to commit (:meth:`OutcomeCommitter.commit_alone`)."""
         now = self.clock.now_ms()
         if await self.committer.commit_alone(self.db, done, now):
             return

@@ -1499,6 +1499,54 @@ async def test_an_all_posted_record_that_meets_a_database_fault_is_kept_and_hold
     assert (await item(stack, item_id))["status"] == "completed"
 
 
+@pytest.mark.parametrize("url", ["postgres"], indirect=True)
+async def test_a_group_committed_again_after_its_record_fault_counts_its_sent_posts_once(
+    stack: Stack,
+) -> None:
+    """PostgreSQL commits a group of posts in one statement, then records the posts
+    whose send lease was lost meanwhile (all posted, left ``deliveryUnknown``) in a
+    transaction of its own. When that record met a database fault, the relay committed
+    the whole group again: the posts the statement had marked sent were no longer
+    ``sending``, and each was counted (and logged) a second time, as a lease lost. Now
+    only the record is committed again: each post is counted once, as what became of
+    it."""
+    _, lapsing = await seed_one(stack)
+    [lost_row] = await relay_for(stack).claim()
+    assert lost_row.id == lapsing["id"]
+    fake_clock(stack).advance(SEND_LEASE_MS // 2)
+    _, kept = await seed_one(stack)
+    [sent_row] = await relay_for(stack).claim()
+    assert sent_row.id == kept["id"]
+    lapse = FakeClock(int(lost_row.lease_expires_at or 0) + 1)
+    assert await Relay(stack.db, lapse, stack.ids, stack.channels).expire_send_leases() == 1
+    group = [
+        Done(sent_row, Sent("p1"), 1, "p1", 10),
+        Done(lost_row, Sent("p2"), 1, "p2", 10),
+    ]
+    real = outcomes_mod.OutcomeCommitter._record_all_posted
+    down = [True]
+
+    async def record(self: Any, conn: Conn, lost: list[Done], now: int) -> None:
+        if down[0]:
+            down[0] = False
+            raise Unavailable("database went away mid-record", rule="service.unavailable")
+        await real(self, conn, lost, now)
+
+    before = (deliveries_counted("slack", "sent"), deliveries_counted("slack", "leaseLost"))
+    relay = relay_for(stack)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(outcomes_mod.OutcomeCommitter, "_record_all_posted", record)
+        with pytest.raises(Unavailable):
+            await relay.complete(group)
+        assert [d.row.id for d in group] == [lost_row.id]  # only its record is left
+        await relay.complete(group)
+    after = (deliveries_counted("slack", "sent"), deliveries_counted("slack", "leaseLost"))
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+    assert (await delivery(stack, sent_row.id))["status"] == "sent"
+    row = await delivery(stack, lost_row.id)
+    assert row["status"] == "deliveryUnknown" and row["error"] == outcomes_mod.ALL_POSTED_ERROR
+
+
 async def test_a_text_partly_posted_whose_channel_is_gone_is_left_to_an_operator(
     stack: Stack,
 ) -> None:
