@@ -338,8 +338,9 @@ class CatchUpTarget:
 
 def catch_up_targets(known: Conversations, *, again: bool = False) -> list[CatchUpTarget]:
     """The channels to catch up: every Discord session (its key ``discord:GUILD:CHANNEL``)
-    that took in a gateway message, with the newest recorded in it lately, and every
-    channel a route names that has none, each with its read point. ``again`` (a retry
+    that took in a gateway message, with the newest recorded in it lately, every
+    channel a route names that has none, and every other channel whose read point,
+    within the window, is not read through, each with its read point. ``again`` (a retry
     after a database fault): no channel has a newest (a live message taken in since the
     first try may be it)."""
     targets: dict[int, CatchUpTarget] = {}
@@ -366,6 +367,14 @@ def catch_up_targets(known: Conversations, *, again: bool = False) -> list[Catch
             guild_id = int(guild) if guild.isdigit() else None
             known_guild = guild.isdigit() or guild == "@me"
             targets[int(channel)] = CatchUpTarget(int(channel), guild_id, known_guild, None)
+    for channel, point in known.points.items():
+        # A point not read through within the window, of a channel neither a session nor
+        # a route names: a live message kept for the read-back (its thread's parent
+        # untold, :meth:`DiscordAdapter._keep_for_read_back`), or a thread of a listing
+        # whose read failed. Its guild (and parent) learnt first, as a route's channel's.
+        fresh = point >= known.since_ms and channel not in known.read_through
+        if fresh and channel.isdigit() and int(channel) not in targets:
+            targets[int(channel)] = CatchUpTarget(int(channel), None, False, None)
     return [
         dataclasses.replace(
             target,
@@ -620,15 +629,43 @@ class DiscordAdapter:
             return
         recorded = await self._take_post(*taken)
         if recorded is None and not learnt:
-            # No route names the channel itself, and the parent one may name was never
-            # told: said, so that the message is not lost without a word.
+            await self._keep_for_read_back(message.id, message.channel.id)
+
+    async def _keep_for_read_back(self, message_id: int, channel_id: int) -> None:
+        """Store a read point for the channel ``channel_id`` of a live message (``message_id``)
+        that no route took in, Discord never telling whether it is a thread (whose parent
+        a route may name): the next READY's read-back reads the channel
+        (:func:`catch_up_targets`), learns its parent as it does a route's channel's, and
+        answers the message as live, once (a duplicate of the intake, when it was taken
+        in meanwhile). Not held in memory until then: the gateway may stay up for hours.
+        A WARNING says which; with the read-back off (``catch_up_s`` 0), or the database
+        away, it is lost, and the WARNING says that instead."""
+        why = "the read-back is off"
+        if self._settings.catch_up_s > 0:
+            start = _made_ms(message_id) - CATCH_UP_OVERLAP_MS
+            try:
+                await self._core.advance_read_points(BindingKind.discord, {str(channel_id): start})
+            except DATABASE_FAULTS as exc:
+                why = f"the database is unavailable ({exc.rule})"
+            else:
+                why = ""
+        if why:
             log.warning(
                 "discord: message %s in channel %s was not taken in: no route names the "
-                "channel, and Discord did not tell whether it is a thread (whose parent a "
-                "route may name)",
-                taken[1].message_id,
-                taken[1].channel_id,
+                "channel, Discord did not tell whether it is a thread (whose parent a route "
+                "may name), and it is not kept for the next READY's read-back: %s",
+                message_id,
+                channel_id,
+                why,
             )
+            return
+        log.warning(
+            "discord: message %s in channel %s was not taken in yet: no route names the "
+            "channel, and Discord did not tell whether it is a thread (whose parent a "
+            "route may name); the next READY's read-back reads it",
+            message_id,
+            channel_id,
+        )
 
     async def _live_parent(self, message: discord.Message) -> tuple[bool, int | None]:
         """Whether it is known if the channel of a live message is a thread, and its
@@ -843,8 +880,9 @@ class DiscordAdapter:
     async def _learn_guilds(
         self, client: _GatewayClient, targets: list[CatchUpTarget]
     ) -> list[CatchUpTarget]:
-        """``targets``, each channel a route names without its guild given its guild
-        (``GET /channels/{id}``, once per such route and READY; a thread's parent kept):
+        """``targets``, each channel a route names without its guild (or kept for the
+        read-back by its point alone, :func:`catch_up_targets`) given its guild (``GET
+        /channels/{id}``, once per such channel and READY; a thread's parent kept):
         its new and archived threads are then read as a guild channel's. One Discord
         does not tell about is left as it was (its read fetches it again and says why)."""
         learnt: list[CatchUpTarget] = []
@@ -1015,6 +1053,9 @@ class DiscordAdapter:
             channel = fetched
             guild = getattr(fetched, "guild", None)
             guild_id = guild.id if guild is not None else None
+            if parent is None and isinstance(fetched, discord.Thread):
+                # (a channel kept for the read-back, whose guild was not learnt first)
+                parent = fetched.parent_id
         attrs = _route_attrs(
             str(guild_id) if guild_id else "@me",
             str(target.channel_id),

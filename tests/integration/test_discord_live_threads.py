@@ -89,6 +89,42 @@ async def test_a_thread_discord_never_tells_about_is_said_not_taken_in(
     assert f"discord:message:{said}" not in await taken_in(service)
 
 
+async def test_a_thread_discord_never_tells_about_is_read_back_at_the_next_ready(
+    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord never answers the live look-up, and no route names the thread: the message
+    is kept for the read-back (a read point for the thread), and the next READY reads the
+    thread, learns its parent and answers it by the parent's route, though Discord will
+    not list the guild's active threads at that READY. Before, only such a listing could
+    find the thread (or none: past 20 threads of the channel, a listing refused): the
+    message was lost, a WARNING its only trace."""
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as up:
+        await caught_up(up)
+        thread = standin.start_thread(GUILD, CHANNEL)
+        standin.fail_lookups(thread, *["503"] * (len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1))
+        said = await message(standin, "in a thread", channel=thread)
+
+        def kept() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.name == "bots.discord" and "was not taken in" in r.getMessage()
+            ]
+
+        await eventually(kept, what="the WARNING that the message was not taken in yet")
+        assert f"discord:message:{said}" not in await taken_in(up)
+        [line] = kept()
+        assert said in line and "the next READY's read-back reads it" in line
+        standin.fail_reads(f"guild:{GUILD}", "forbidden")
+        first = adapter_of(up).catching_up
+        await standin.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await caught_up(up, not_this=first)
+    assert await answers(service, said) == ["Echo: in a thread"]
+    assert standin.lookups == [(thread, "503")] * 4 + [(thread, "ok")]
+
+
 async def test_a_second_message_waits_for_the_threads_look_up_under_way(
     service: App, standin: DiscordApiStandin
 ) -> None:

@@ -614,3 +614,29 @@ def test_a_catch_up_reads_from_a_channel_s_read_point_and_a_retry_never_from_its
     again = sorted(discord_bot.catch_up_targets(known, again=True), key=lambda t: t.channel_id)
     assert [t.newest for t in again] == [None, None, None]
     assert [t.start_point(since) for t in again] == [point, since, point]
+
+
+def test_a_catch_up_reads_a_channel_kept_by_its_point_alone_within_the_window() -> None:
+    """A point not read through of a channel no session or route names (a live message
+    kept for the read-back: its thread's parent untold) is read, its guild unknown (learnt
+    first); one read through, one older than the window, or a channel known otherwise adds
+    nothing more."""
+    since = 1_780_000_000_000
+    known = Conversations(
+        since,
+        {"discord:1:2": ()},
+        ({"guild": "1", "channel": "3"},),
+        since + 3_600_000,
+        {"2": since, "3": since, "5": since + 1, "6": since, "7": since - 1, "x": since},
+        frozenset({"6"}),
+    )
+    targets = {t.channel_id: t for t in discord_bot.catch_up_targets(known)}
+    assert sorted(targets) == [2, 3, 5]
+    kept = targets[5]
+    assert (kept.guild_id, kept.guild_known, kept.newest, kept.point) == (
+        None,
+        False,
+        None,
+        since + 1,
+    )
+    assert kept.start_point(since) == since + 1
