@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from binding.routes import fold_address
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.core.types import CATCH_UP_EVENTS, BindingSpec
 from leadgate.database import schema as t
@@ -258,6 +259,10 @@ def _events_since(predicate: str) -> sa.Select[tuple[str, str]]:
     )
 
 
+#: The most deliveries read sent under one Message-ID (see :data:`EMAIL_REPLY_SESSIONS`).
+_SENT_ROWS_READ = 5
+
+
 #: The key of the session an event was taken in under (``inbound_events``' unique
 #: ``external_event_id``, then the session's primary key): one seek of each.
 _EVENT_SESSION_KEY = (
@@ -273,6 +278,49 @@ async def event_session_key(conn: Conn, external_event_id: str) -> str | None:
     naming the person's own earlier mail alone finds that mail's session so."""
     key = await conn.scalar(_EVENT_SESSION_KEY, {"p_event": external_event_id})
     return None if key is None else str(key)
+
+
+#: The keys of the sessions whose email reply was sent under a Message-ID (a delivery's
+#: ``external_id``), in one organization, with the address each was sent to: one seek of
+#: ``ix_deliveries_email_reply_external`` (its predicate repeated literally), then each
+#: binding's and session's primary key. A Message-ID is one reply's as a rule; a few rows
+#: are read at most, whatever else shares it.
+_SENT = (
+    # Its own select: the predicate's columns unqualified (bindings has a kind too).
+    sa.select(t.deliveries.c.binding_id)
+    .where(
+        sa.text(t.EMAIL_REPLY_PREDICATE),
+        t.deliveries.c.external_id == sa.bindparam("p_message_id"),
+        t.deliveries.c.org_id == sa.bindparam("p_org"),
+    )
+    .limit(_SENT_ROWS_READ)
+    .subquery("sent")
+)
+EMAIL_REPLY_SESSIONS = sa.select(S.key, B.address).select_from(
+    _SENT.join(t.bindings, B.id == _SENT.c.binding_id).join(t.sessions, S.id == B.session_id)
+)
+
+
+async def email_reply_session_key(
+    conn: Conn, org_id: str, message_id: str, *, sent_to: str, sent_from: str
+) -> str | None:
+    """The key of the session of ``org_id`` whose email reply was sent under
+    ``message_id`` to ``sent_to`` from ``sent_from`` (its binding's address; compared as
+    :func:`~binding.routes.fold_address` folds them), or None. An answer naming one of
+    our replies alone finds its thread so when that reply's Message-ID does not carry
+    it; only a thread of the person's own with that address is found, never a reply we
+    sent someone else."""
+    to, sender = fold_address(sent_to), fold_address(sent_from)
+    rows = await conn.execute(EMAIL_REPLY_SESSIONS, {"p_message_id": message_id, "p_org": org_id})
+    for key, address in rows:
+        if not isinstance(address, Mapping):
+            continue
+        if (
+            fold_address(str(address.get("to") or "")) == to
+            and fold_address(str(address.get("from") or "")) == sender
+        ):
+            return str(key)
+    return None
 
 
 #: Each catch-up's two statements by its event prefix, built once (the plan cache keys

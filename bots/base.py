@@ -73,6 +73,15 @@ class Core(Protocol):
         person's own earlier mail)."""
         ...
 
+    async def email_reply_session_key(
+        self, org_id: str, message_id: str, *, sent_to: str, sent_from: str
+    ) -> str | None:
+        """The key of the session of ``org_id`` whose email reply was sent under
+        ``message_id`` (the Message-ID our mail went out with) to ``sent_to`` from
+        ``sent_from``; None when none was. One indexed read: for an answer naming alone
+        one of our replies whose Message-ID does not carry its thread."""
+        ...
+
     def spawn(self, coro: Awaitable[object], *, name: str) -> None:
         """Run ``coro`` in the background, tracked, logged on failure, awaited on shutdown."""
         ...

@@ -255,12 +255,12 @@ class EmailHandler:
         # Whether some part of the mail was taken (a card decided or answered, a routed
         # recipient's message recorded): the mail's one answer cannot refuse it then.
         taken = bool(answers)
-        for recipient, _route in accepted:
+        for recipient, route in accepted:
             # One correspondent however its domains are written (bücher.example or
             # xn--bcher-kva.example): one session, one Message-ID taken once.
             who = f"{fold_address(recipient)}:{mail.correspondent}"
             try:
-                threaded, session_key = await self._thread(mail, who)
+                threaded, session_key = await self._thread(mail, who, recipient, route)
             except Exception as exc:
                 return self._lookup_failed(exc, "thread lookup")
             inbound = Inbound(
@@ -312,22 +312,31 @@ class EmailHandler:
             log.warning("email: took a mail but not its part to %s: %s", recipient, rule)
         return "250 2.0.0 OK"
 
-    async def _thread(self, mail: ParsedMail, who: str) -> tuple[ParsedMail, str]:
+    async def _thread(
+        self, mail: ParsedMail, who: str, recipient: str, route: RouteMatch
+    ) -> tuple[ParsedMail, str]:
         """``mail`` as threaded with the correspondent ``who`` (``recipient:sender``,
         folded), and the key of its session.
 
         A mail whose ``In-Reply-To`` alone names one the thread of which nothing else
-        tells (:attr:`ParsedMail.lone_parent`: the person added to their own earlier
-        mail, or their client answered their sent copy) continues the session that
-        earlier mail was taken in: its event is looked up, one seek of the event ids'
-        unique index. The event id names ``who``, so only this correspondent's own mail
-        to this recipient is found, never another's session; other mail asks nothing."""
+        tells (:attr:`ParsedMail.lone_parent`) continues the session of the mail it
+        names: the person's own earlier mail (they added to it, or their client answered
+        their sent copy), its event looked up (one seek of the event ids' unique index;
+        the event id names ``who``), else one of our replies sent before our Message-IDs
+        carried their thread, looked up by the delivery that sent it (one seek of
+        ``ix_deliveries_email_reply_external``), in the route's organization and only
+        when it went to this correspondent from this recipient. Never another's session;
+        other mail asks nothing."""
         prefix = f"email:{who}:"
         key = bounded(f"{prefix}{mail.root_id}", SESSION_KEY_LIMIT)
         if not mail.lone_parent:
             return mail, key
         event = bounded(f"{prefix}{mail.lone_parent}", EVENT_ID_LIMIT)
         found = await self._core.event_session_key(event)
+        if found is None:
+            found = await self._core.email_reply_session_key(
+                route.org_id, mail.lone_parent, sent_to=mail.sender, sent_from=recipient
+            )
         if found is None or found == key or not found.startswith(prefix):
             return mail, key
         root = found.removeprefix(prefix)

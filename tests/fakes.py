@@ -104,6 +104,7 @@ class FakeCore:
         self.tasks: list[asyncio.Task[object]] = []
         self.recorded: list[Inbound] = []
         self.event_lookups: list[str] = []
+        self.sent_lookups: list[str] = []
 
     async def resolve_route(self, channel: str, attrs: Mapping[str, str]) -> RouteMatch | None:
         self.lookups.append((channel, dict(attrs)))
@@ -152,6 +153,13 @@ class FakeCore:
         for inbound in self.recorded:
             if inbound.external_event_id == external_event_id:
                 return inbound.session_key
+        return None
+
+    async def email_reply_session_key(
+        self, org_id: str, message_id: str, *, sent_to: str, sent_from: str
+    ) -> str | None:
+        """None: nothing is sent here (each look-up kept in :attr:`sent_lookups`)."""
+        self.sent_lookups.append(message_id)
         return None
 
     async def conversations(

@@ -292,6 +292,9 @@ audit = sa.Table(
 #: The gating deliveries' partial index's predicate, literally (as
 #: :data:`ACTIVE_ITEM_PREDICATE`: the insights' count repeats this text to use it).
 GATING_DELIVERY_PREDICATE = "kind = 'gating'"
+#: The email replies' partial index's predicate, literally (its read repeats this text):
+#: the mails we sent in a conversation, whose Message-IDs a person's answer may name.
+EMAIL_REPLY_PREDICATE = "channel = 'email' AND kind = 'reply'"
 
 deliveries = sa.Table(
     "deliveries",
@@ -329,6 +332,16 @@ deliveries = sa.Table(
         "created_at",
         sqlite_where=sa.text(GATING_DELIVERY_PREDICATE),
         postgresql_where=sa.text(GATING_DELIVERY_PREDICATE),
+    ),
+    # An answer naming one of our email replies in In-Reply-To alone, sent before its
+    # Message-ID carried the thread: that reply found by its Message-ID, one seek
+    # (binding.bindings.sent_session_keys; migration 0027). Email replies alone, and
+    # external_id is written once, when the mail is sent.
+    sa.Index(
+        "ix_deliveries_email_reply_external",
+        "external_id",
+        sqlite_where=sa.text(EMAIL_REPLY_PREDICATE),
+        postgresql_where=sa.text(EMAIL_REPLY_PREDICATE),
     ),
 )
 

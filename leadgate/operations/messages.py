@@ -101,6 +101,17 @@ class Messages:
         async with self.db.read() as conn:
             return await bindings.event_session_key(conn, external_event_id)
 
+    async def email_reply_session_key(
+        self, org_id: str, message_id: str, *, sent_to: str, sent_from: str
+    ) -> str | None:
+        """The key of the session of ``org_id`` whose email reply was sent under
+        ``message_id`` to ``sent_to`` from ``sent_from`` (None: none was): one indexed
+        read."""
+        async with self.db.read() as conn:
+            return await bindings.email_reply_session_key(
+                conn, org_id, message_id, sent_to=sent_to, sent_from=sent_from
+            )
+
     async def conversations(
         self, channel: BindingKind, *, key_prefix: str, window_ms: int
     ) -> Conversations:

@@ -85,3 +85,49 @@ async def test_a_reply_naming_the_persons_own_earlier_mail_continues_its_session
     [answer] = await answered()
     assert answer["references"] == "<m1@mail.acme.io> <m2@mail.acme.io>"
     assert thread_of(answer["message_id"]) == "<m1@mail.acme.io>"
+
+
+async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_its_session(
+    env: Env,
+) -> None:
+    """Alice answers our reply to her first mail, naming it in In-Reply-To alone, and
+    that reply went out before our Message-IDs carried their thread (``.t.<base32>``):
+    its session is found by the delivery that sent it, and the answer to her second mail
+    names the thread's first one. (It started a session of its own, rooted at our
+    reply.) Bob, naming the same reply of ours, is in no thread of Alice's: a session of
+    his own."""
+    app = env.app
+    org = await make_org(app)
+    worker = await make_agent(app, org, "worker")
+    await make_route(app, org, worker["id"], "email", {"address": ASK})
+
+    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report")
+    first = await session_of(env, ALICE, "<m1@mail.acme.io>")
+
+    async def answers_to(message_id: str) -> list[dict[str, str]]:
+        await drain(app.relay)
+        return [m for m in env.sink.messages if m["in_reply_to"] == message_id]
+
+    await eventually(lambda: answers_to("<m1@mail.acme.io>"), what="the first answer")
+    [answer] = await answers_to("<m1@mail.acme.io>")
+    # As an older release sent and stored it: the same id without the thread's mark.
+    marked = answer["message_id"].strip()
+    local, _, domain = marked.strip("<>").partition("@")
+    ours = f"<{local.partition('.t.')[0]}@{domain}>"
+    assert thread_of(ours) is None
+    d = t.deliveries.c
+    async with app.db.tx() as conn:
+        moved = await conn.execute(
+            sa.update(t.deliveries).where(d.external_id == marked).values(external_id=ours)
+        )
+        assert moved.rowcount == 1
+
+    await send(env, "<m2@mail.acme.io>", "Add the totals", to=ours)
+    await send(env, "<b1@mail.acme.io>", "Me too", sender=BOB, to=ours)
+
+    assert await session_of(env, ALICE, "<m2@mail.acme.io>") == first
+    assert await session_of(env, BOB, "<b1@mail.acme.io>") != first
+    await eventually(lambda: answers_to("<m2@mail.acme.io>"), what="the second answer")
+    [second] = await answers_to("<m2@mail.acme.io>")
+    assert second["references"] == f"<m1@mail.acme.io> {ours} <m2@mail.acme.io>"
+    assert thread_of(second["message_id"]) == "<m1@mail.acme.io>"

@@ -539,6 +539,27 @@ async def test_a_database_fault_looking_up_a_thread_is_451_with_one_line(
     assert "(service.unavailable)" in said.getMessage()
 
 
+async def test_a_database_fault_looking_up_our_reply_a_mail_names_is_451() -> None:
+    """A mail naming alone a mail that is none of the person's own (perhaps one of our
+    replies, sent before our Message-IDs carried their thread) looks up the delivery
+    that sent it, in the route's organization, to this sender from this recipient; a
+    fault there is 451 as the first look-up's is."""
+
+    class Down(FakeCore):
+        async def email_reply_session_key(
+            self, org_id: str, message_id: str, *, sent_to: str, sent_from: str
+        ) -> str | None:
+            self.sent_lookups.append(f"{org_id} {message_id} {sent_to} {sent_from}")
+            raise Unavailable("database is locked", rule="service.unavailable")
+
+    async for listener in _listen(Down(_allow(ALICE))):
+        with pytest.raises(aiosmtplib.SMTPDataError) as info:
+            await listener.send(_mail("More", In_Reply_To="<dlv-1@leadgate.example>"))
+        assert info.value.code == 451
+        assert listener.core.triggers == []
+        assert listener.core.sent_lookups == [f"org-1 <dlv-1@leadgate.example> {ALICE} {BOT}"]
+
+
 async def test_missing_message_id_gets_a_stable_one(listener: Listener) -> None:
     raw = (
         b"From: alice@example.com\r\nTo: bot@leadgate.example\r\nSubject: hi\r\n\r\nno id here\r\n"
