@@ -307,6 +307,20 @@ QUOTING = {
         "Am Mo., 7. Dez. 2026 um 10:02 Uhr schrieb Leadgate Review Desk <\n"
         "review@lg.example>:\n" + _QUOTED
     ),
+    # Outlook's header block as a client that wraps long lines sends it: each of From:,
+    # Sent: and To: over two or three lines, and a wrapped bold one.
+    "outlook_wrapped": (
+        "________________________________\n"
+        "From: Leadgate Review Desk of the\nFinance Department <review@lg.example>\n"
+        "Sent: Monday, December 7, 2026\n10:02 AM\n"
+        "To: Ann Member <member@acme.io>; Carol\nExample <carol@acme.io>; Dave\n"
+        "<dave@acme.io>\nSubject: Review needed\n\n" + _CARD
+    ),
+    "outlook_wrapped_bold": (
+        "*From:* Leadgate Review Desk\n   <review@lg.example>\n*Sent:* Monday,\n"
+        "   December 7, 2026 10:02 AM\n*To:* Ann Member\n   <member@acme.io>\n"
+        "*Subject:* Review needed\n\n" + _CARD
+    ),
     "gmail_fr": (
         "Le lun. 7 déc. 2026 à 10:02, Leadgate <review@lg.example> a écrit :\n\n" + _QUOTED
     ),
@@ -416,6 +430,49 @@ def test_an_html_only_apple_mail_forward_keeps_the_forwarded_mail() -> None:
         assert text is not None and text.startswith("Please summarise.\n"), text
         assert "Begin forwarded message:" in text and "From: Bob <bob@supplier.example>" in text
         assert text.endswith("The price rises 4% from January."), text
+
+
+def test_html_only_gmail_and_outlook_forwards_keep_the_forwarded_mail() -> None:
+    """Gmail's HTML forward (its "Forwarded message" line in a ``gmail_quote`` div) and
+    Outlook's (an ``<hr>`` and the ``divRplyFwdMsg`` header block), in a mail with no
+    text/plain part, with the subject's ``Fwd:`` / ``FW:`` or without it: the forwarded
+    mail is kept under the person's words."""
+    gmail = (
+        '<div dir="ltr">Please summarise.<br><br><div class="gmail_quote">'
+        '<div dir="ltr" class="gmail_attr">---------- Forwarded message ---------<br>'
+        'From: <strong class="gmail_sendername" dir="auto">Bob</strong> <span dir="auto">'
+        '&lt;<a href="mailto:bob@supplier.example">bob@supplier.example</a>&gt;</span><br>'
+        "Date: Mon, Dec 7, 2026 at 9:12 AM<br>Subject: Contract<br>To: &lt;<a href="
+        '"mailto:alice@acme.io">alice@acme.io</a>&gt;<br></div><br><br>'
+        '<div dir="ltr">The price rises 4% from January.</div>\n</div></div>'
+    )
+    outlook = (
+        "<html><body><div>Please summarise.</div><div><br></div>"
+        '<hr style="display:inline-block;width:98%" tabindex="-1"><div id="divRplyFwdMsg" '
+        'dir="ltr"><font face="Calibri, sans-serif" style="font-size:11pt"><b>From:</b> Bob '
+        "&lt;bob@supplier.example&gt;<br><b>Sent:</b> Monday, December 7, 2026 9:12 AM<br>"
+        "<b>To:</b> Alice &lt;alice@acme.io&gt;<br><b>Subject:</b> Contract</font>"
+        '<div>&nbsp;</div></div><div><div dir="ltr">The price rises 4% from January.'
+        "</div></div></body></html>"
+    )
+    # Also forwarded from inside a thread, the client naming the mail it forwards in
+    # In-Reply-To: the forward line (Gmail's, whatever the subject) or the subject's
+    # FW: / WG: (Outlook's, which writes no line) tells it from a reply.
+    cases = [
+        (gmail, "Fwd: Contract", False),
+        (gmail, "Contract", False),
+        (gmail, "Contract", True),
+        (outlook, "FW: Contract", False),
+        (outlook, "FW: Contract", True),
+        (outlook, "WG: Contract", True),
+        (outlook, "Contract", False),
+    ]
+    for markup, subject, threaded in cases:
+        headers = {"In_Reply_To": "<orig@supplier.example>"} if threaded else {}
+        text = _forward(markup, subject, html=True, **headers)
+        assert text is not None and text.startswith("Please summarise.\n"), (subject, text)
+        assert "From: Bob" in text and "Subject: Contract" in text, (subject, text)
+        assert text.endswith("The price rises 4% from January."), (subject, text)
 
 
 async def test_a_mail_that_is_only_an_attached_message_is_read_as_a_forward(
