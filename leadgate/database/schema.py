@@ -293,8 +293,10 @@ audit = sa.Table(
 #: :data:`ACTIVE_ITEM_PREDICATE`: the insights' count repeats this text to use it).
 GATING_DELIVERY_PREDICATE = "kind = 'gating'"
 #: The email replies' partial index's predicate, literally (its read repeats this text):
-#: the mails we sent in a conversation, whose Message-IDs a person's answer may name.
-EMAIL_REPLY_PREDICATE = "channel = 'email' AND kind = 'reply'"
+#: the mails we sent in a conversation (a plain turn's reply, a gated turn's answer: both
+#: name their binding; cards and card answers name none), whose Message-IDs a person's
+#: answer may name.
+EMAIL_REPLY_PREDICATE = "channel = 'email' AND binding_id IS NOT NULL"
 
 deliveries = sa.Table(
     "deliveries",
@@ -335,8 +337,8 @@ deliveries = sa.Table(
     ),
     # An answer naming one of our email replies in In-Reply-To alone, sent before its
     # Message-ID carried the thread: that reply found by its Message-ID, one seek
-    # (binding.bindings.sent_session_keys; migration 0027). Email replies alone, and
-    # external_id is written once, when the mail is sent.
+    # (binding.bindings.email_reply_session_key; migration 0027). Email replies alone,
+    # and external_id is written once, when the mail is sent.
     sa.Index(
         "ix_deliveries_email_reply_external",
         "external_id",

@@ -87,24 +87,31 @@ async def test_a_reply_naming_the_persons_own_earlier_mail_continues_its_session
     assert thread_of(answer["message_id"]) == "<m1@mail.acme.io>"
 
 
+@pytest.mark.parametrize("gated", [False, True])
 async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_its_session(
-    env: Env,
+    env: Env, gated: bool
 ) -> None:
     """Alice answers our reply to her first mail, naming it in In-Reply-To alone, and
     that reply went out before our Message-IDs carried their thread (``.t.<base32>``):
     its session is found by the delivery that sent it, and the answer to her second mail
     names the thread's first one. (It started a session of its own, rooted at our
     reply.) Bob, naming the same reply of ours, is in no thread of Alice's: a session of
-    his own."""
+    his own. ``gated``: the worker's answers held for its lead, who approves them (a
+    gated turn's answer is a delivery of another kind, naming its binding as well)."""
     app = env.app
     org = await make_org(app)
-    worker = await make_agent(app, org, "worker")
+    if gated:
+        await make_agent(app, org, "lead")
+    worker = await make_agent(app, org, "worker", lead="lead" if gated else None)
+    # (The scripted lead approves an answer to a message that ends "#complete".)
+    done = " #complete" if gated else ""
     await make_route(app, org, worker["id"], "email", {"address": ASK})
 
-    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report")
+    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report" + done)
     first = await session_of(env, ALICE, "<m1@mail.acme.io>")
 
     async def answers_to(message_id: str) -> list[dict[str, str]]:
+        await drain(app.lead_runner)
         await drain(app.relay)
         return [m for m in env.sink.messages if m["in_reply_to"] == message_id]
 
@@ -117,12 +124,14 @@ async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_i
     assert thread_of(ours) is None
     d = t.deliveries.c
     async with app.db.tx() as conn:
+        kind = await conn.scalar(sa.select(d.kind).where(d.external_id == marked))
         moved = await conn.execute(
             sa.update(t.deliveries).where(d.external_id == marked).values(external_id=ours)
         )
         assert moved.rowcount == 1
+    assert kind == ("gating" if gated else "reply")
 
-    await send(env, "<m2@mail.acme.io>", "Add the totals", to=ours)
+    await send(env, "<m2@mail.acme.io>", "Add the totals" + done, to=ours)
     await send(env, "<b1@mail.acme.io>", "Me too", sender=BOB, to=ours)
 
     assert await session_of(env, ALICE, "<m2@mail.acme.io>") == first

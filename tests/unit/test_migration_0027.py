@@ -21,11 +21,13 @@ from tests.unit.test_migration_0016 import run
 INDEX = "ix_deliveries_email_reply_external"
 
 _DELIVERY = (
-    "INSERT INTO deliveries (id, org_id, work_item_id, kind, action, channel, address, "
-    "text, status, attempts, next_attempt_at, external_id, created_at, updated_at) VALUES "
-    "(:id, :org, 'wi_1', :kind, 'post', :channel, '{}', 'x', 'sent', 1, :at, :ext, :at, :at)"
+    "INSERT INTO deliveries (id, org_id, work_item_id, kind, action, channel, binding_id, "
+    "address, text, status, attempts, next_attempt_at, external_id, created_at, updated_at) "
+    "VALUES (:id, :org, 'wi_1', :kind, 'post', :channel, :binding, '{}', 'x', 'sent', 1, :at, "
+    ":ext, :at, :at)"
 )
-#: 2,000 sent deliveries of 7 organizations: email replies, email cards and Slack posts.
+#: 2,000 sent deliveries of 7 organizations: email replies (plain and gated), email cards
+#: and Slack posts.
 ROWS: list[dict[str, Any]] = [
     {
         "id": f"dlv_{i}",
@@ -33,6 +35,8 @@ ROWS: list[dict[str, Any]] = [
         "kind": "reply" if i % 3 else "gating",
         "channel": "email" if i % 2 else "slack",
         "ext": f"<dlv_{i}@lg.example>",
+        # Cards name no binding.
+        "binding": None if i % 5 == 0 else f"bnd_{i % 40}",
         "at": i,
     }
     for i in range(2000)
@@ -108,11 +112,12 @@ def test_an_answered_replys_session_is_found_through_the_partial_index(db_url: s
         for d in out["diff"]
         if not (d[0] == "add_index" and d[1].name == "ix_messages_session_rowid")
     ] == []
-    # Email replies alone: a card or another channel's post adds no entry.
+    # Email replies alone (those naming their binding): a card, a card's answer or
+    # another channel's post adds no entry.
     assert out["predicate"] == (
-        "channel = 'email' AND kind = 'reply'"
+        "channel = 'email' AND binding_id IS NOT NULL"
         if db_url.startswith("sqlite")
-        else "(((channel)::text = 'email'::text) AND ((kind)::text = 'reply'::text))"
+        else "(((channel)::text = 'email'::text) AND (binding_id IS NOT NULL))"
     )
     if db_url.startswith("sqlite"):
         assert out["accesses"] == [f"SEARCH deliveries USING INDEX {INDEX} (external_id=?)"], out[

@@ -7,7 +7,8 @@ Create Date: 2026-12-07 20:00:00
 A person's answer naming in ``In-Reply-To`` alone (no ``References``) one of our email
 replies sent before its Message-ID carried its thread (``.t.<base32>``) finds that reply's
 session by the delivery that sent it (``external_id``, the Message-ID): one seek of this
-index. Email replies alone (the predicate is repeated literally by the read), and a row's
+index. Email replies alone, a plain turn's and a gated turn's (those name their binding;
+cards and card answers name none; the predicate is repeated literally by the read), and a row's
 ``external_id`` is written once, when it is sent.
 """
 
@@ -22,7 +23,7 @@ branch_labels = None
 depends_on = None
 
 # (schema.EMAIL_REPLY_PREDICATE as of this revision.)
-_PREDICATE = "channel = 'email' AND kind = 'reply'"
+_PREDICATE = "channel = 'email' AND binding_id IS NOT NULL"
 
 
 def upgrade() -> None:
