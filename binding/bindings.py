@@ -204,7 +204,8 @@ async def get_binding(conn: Conn, binding_id: str) -> Binding | None:
 
 
 async def deactivate_session(conn: Conn, session_id: str) -> int:
-    """Deactivate the session's bindings (deliveries then fail as "no active binding")."""
+    """Deactivate the session's bindings (gating deliveries then fail as "no active
+    binding"; a plain turn's reply is then not queued)."""
     res = await conn.execute(
         t.bindings.update().where(B.session_id == session_id, B.active).values(active=False)
     )

@@ -1292,11 +1292,23 @@ class TurnService:
             self.on_delivery_queued()
 
     async def _queue_reply(self, conn: Conn, ctx: TurnContext, text: str) -> object | None:
-        """Queue ``text`` as a reply on the turn's binding, if it is still the session's
-        active one (a channel binding that posts)."""
+        """Queue ``text`` as a reply on the binding of the message that ran the turn (a
+        channel binding that posts), threaded to that message (SPEC 10), also when a
+        later message's binding has become the session's active one meanwhile. Nothing
+        is queued when the session has no active binding (its bindings deactivated) or
+        its active one is silent (its route made silent since: nothing is to be posted
+        there any more)."""
         binding = await bindings.active_binding(conn, ctx.session_id)
-        if binding is None or binding.id != ctx.binding_id:
+        if binding is None or binding.silent:
             return None
+        if binding.id != ctx.binding_id:
+            # A later message with its own address (a Slack thread reply, a Discord
+            # message, a Teams activity, an email) was taken in while this turn ran: its
+            # binding is the active one, not this turn's. Rare: the usual turn reads the
+            # active binding alone.
+            binding = await bindings.get_binding(conn, ctx.binding_id)
+            if binding is None:
+                return None
         return await self.outbox.enqueue_reply(conn, org_id=ctx.org_id, binding=binding, text=text)
 
     async def _withhold(

@@ -12,7 +12,13 @@ import asyncpg
 import pytest
 import sqlalchemy as sa
 
-from binding.bindings import active_binding, deactivate_session, is_unchanged, unchanged_params
+from binding.bindings import (
+    active_binding,
+    deactivate_session,
+    find_session,
+    is_unchanged,
+    unchanged_params,
+)
 from leadgate.core.clock import DAY_MS
 from leadgate.core.errors import ModelError, TransitionError, ValidationError
 from leadgate.core.limits import SNAPSHOT_LIMIT, SUMMARY_LIMIT, TASK_CONTEXT_LIMIT
@@ -343,27 +349,28 @@ async def test_the_one_statement_intake_stores_only_into_the_same_binding(
     assert [(e.seq, e.content) for e in events] == [(1, "one"), (2, "Echo: one"), (3, "two")]
 
 
-async def test_a_channel_reply_is_posted_only_while_its_binding_is_the_sessions_newest(
+async def _two_quick_discord_messages(
     rig: tuple[Stack, RecordingProvider],
-) -> None:
-    """A plain channel turn's reply goes to the binding of the message that ran it only
-    while that binding is still the session's active one (README, Delivery): a second
-    message of the conversation (Discord: its own message id, so its own binding) taken in
-    while the first's model runs makes the first's reply stored but not posted; the
-    second's is posted. Pinned: two quick messages get one posted answer."""
+    meanwhile: Callable[[Stack, Trigger], Awaitable[None]] | None = None,
+    *,
+    second_silent: bool = False,
+) -> list[tuple[str, dict[str, Any]]]:
+    """A plain worker's Discord conversation: a first message whose model answers only
+    once a second message (Discord: its own message id, so its own binding, the
+    session's active one from then on) was taken in and answered; ``meanwhile`` runs
+    before the first's turn ends. The deliveries queued (text, address), by text."""
     stack, rec = rig
     org = await make_org(stack)
     agent = await make_agent(stack, org, "plain", model="rec")
     second_taken = asyncio.Event()
 
-    def discord_trigger(text: str, message_id: str) -> Trigger:
-        address = {"guild_id": "G1", "channel_id": "C1", "message_id": message_id}
+    def discord_trigger(text: str, message_id: str, silent: bool = False) -> Trigger:
         return Trigger(
             org_id=org.id,
             agent_id=str(agent["id"]),
             session_key="discord:G1:C1",
             text=text,
-            binding=BindingSpec(BindingKind.discord, address),
+            binding=BindingSpec(BindingKind.discord, _discord_address(message_id), silent),
             external_event_id=f"discord:message:{message_id}",
         )
 
@@ -375,17 +382,66 @@ async def test_a_channel_reply_is_posted_only_while_its_binding_is_the_sessions_
     rec.handler = answer
     first = asyncio.ensure_future(stack.turns.run(discord_trigger("first", "1")))
     await eventually(lambda: len(rec.requests) == 1, what="the first turn at its model")
-    assert await stack.turns.run(discord_trigger("second", "2")) == Reply("to second")
+    second = discord_trigger("second", "2", silent=second_silent)
+    assert await stack.turns.run(second) == Reply("to second")
+    if meanwhile is not None:
+        await meanwhile(stack, second)
     second_taken.set()
     assert await first == Reply("to first")
+    # Both answers are in the transcript, whatever is posted.
     assert [m["content"] for m in await messages(stack, agent, "discord:G1:C1")] == [
         "first",
         "second",
         "to second",
         "to first",
     ]
-    posted = await select_all(stack, sa.select(t.deliveries.c.text, t.deliveries.c.address))
-    assert posted == [{"text": "to second", "address": discord_trigger("", "2").binding.address}]
+    rows = await select_all(stack, sa.select(t.deliveries.c.text, t.deliveries.c.address))
+    return sorted((row["text"], row["address"]) for row in rows)
+
+
+def _discord_address(message_id: str) -> dict[str, Any]:
+    return {"guild_id": "G1", "channel_id": "C1", "message_id": message_id}
+
+
+async def test_a_channel_reply_goes_to_its_own_message_after_a_later_one_was_taken_in(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """SPEC 10: a plain channel turn's reply is posted threaded to the message that ran
+    it. Two quick messages to a plain worker (no busy state: both turns run), the first
+    turn ending after the second's binding became the session's active one: each gets
+    its own reply, on its own message's address. Before, the first's reply was stored
+    but never posted (its binding was no longer the session's active one)."""
+    assert await _two_quick_discord_messages(rig) == [
+        ("to first", _discord_address("1")),
+        ("to second", _discord_address("2")),
+    ]
+
+
+async def test_a_channel_reply_of_a_deactivated_session_is_not_posted(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """The session's bindings deactivated while the first turn ran (no active binding):
+    its reply is stored, not posted."""
+
+    async def deactivate(stack: Stack, second: Trigger) -> None:
+        async with stack.db.tx() as conn:
+            session = await find_session(conn, second.agent_id, second.session_key)
+            assert session is not None
+            assert await deactivate_session(conn, session.id) == 1
+
+    assert await _two_quick_discord_messages(rig, deactivate) == [
+        ("to second", _discord_address("2"))
+    ]
+
+
+async def test_a_channel_reply_is_not_posted_once_the_route_was_made_silent(
+    rig: tuple[Stack, RecordingProvider],
+) -> None:
+    """The route made silent while the first turn ran: the next message's binding, the
+    session's active one, is silent. The operator wants nothing posted there any more:
+    the first message's reply (its own binding not silent) is stored, not posted, as is
+    the second's."""
+    assert await _two_quick_discord_messages(rig, second_silent=True) == []
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)

@@ -1,0 +1,77 @@
+"""Two quick gateway messages to a plain worker (no lead: no busy state, both turns run),
+the first's model answering only after the second was taken in: each message gets its
+own reply, posted as a reply to it (SPEC 10). Through the real discord.py client, the
+real composition root and its relay against the Discord stand-in.
+
+Before, the first message's reply was stored in the transcript and never posted: its
+binding was no longer the session's active one once the second was taken in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from leadgate.core.runners import drain
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
+from tests.helpers import eventually, make_agent, make_org, make_route
+from tests.integration.test_discord_catch_up import (
+    CHANNEL,
+    GUILD,
+    answers,
+    caught_up,
+    gateway,
+    message,
+)
+from tests.serving import served_app
+from tests.standins.discord_api import DiscordApiStandin
+
+
+class HoldsFirst:
+    """A model answering ``to <message>``; its answer to ``first`` waits for ``release``."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.asked: list[str] = []
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        said = request.messages[-1].content
+        self.asked.append(said)
+        if said == "first":
+            await self.release.wait()
+        yield TextDelta(f"to {said}")
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[DiscordApiStandin]:
+    async with DiscordApiStandin(token="bot-token") as dc:
+        yield dc
+
+
+async def test_two_quick_messages_each_get_their_own_reply(
+    migrated_url: str, standin: DiscordApiStandin
+) -> None:
+    model = HoldsFirst()
+    async with served_app(
+        migrated_url, config=gateway(standin), adapters=True, providers={"hold": model}
+    ) as (up, _):
+        org = await make_org(up)
+        plain = await make_agent(up, org, "plain", model="hold")
+        await make_route(up, org, plain["id"], "discord", {"guild": GUILD, "channel": CHANNEL})
+        await caught_up(up)
+        first = await message(standin, "first")
+        await eventually(lambda: model.asked == ["first"], what="the first turn at its model")
+        second = await message(standin, "second")
+        await eventually(lambda: answers(up, second), what="the second message answered")
+        model.release.set()
+        await eventually(lambda: answers(up, first), what="the first message answered")
+        assert await answers(up, first) == ["to first"]
+        assert await answers(up, second) == ["to second"]
+        await drain(up.relay)
+    replies = {
+        str(post["message_reference"]["message_id"]): post["content"]
+        for post in standin.posts
+        if post["op"] == "create_message"
+    }
+    assert replies == {first: "to first", second: "to second"}
