@@ -12,8 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import sqlalchemy as sa
 
+from binding import routes
+from leadgate.app import App
 from leadgate.core.runners import drain
+from leadgate.database import schema as t
 from leadgate.turns.providers.base import ModelEvent, ModelRequest, TextDelta
 from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_discord_catch_up import (
@@ -75,3 +79,45 @@ async def test_two_quick_messages_each_get_their_own_reply(
         if post["op"] == "create_message"
     }
     assert replies == {first: "to first", second: "to second"}
+
+
+async def answered(service: App) -> list[str]:
+    """The assistant messages stored, whether or not they were posted."""
+    async with service.db.read() as conn:
+        query = sa.select(t.messages.c.content).where(t.messages.c.role == "assistant")
+        return sorted(str(text) for text in (await conn.execute(query)).scalars())
+
+
+async def test_a_reply_is_not_posted_once_its_conversations_route_was_made_silent(
+    migrated_url: str, standin: DiscordApiStandin
+) -> None:
+    """The route is made silent (replaced by a silent one) while the first message's
+    model runs; the second message comes through it, its silent binding the session's
+    active one. A silent route means nothing is to be posted there: the first's reply,
+    on its own binding that was not silent, is stored and not posted either."""
+    model = HoldsFirst()
+    match = {"guild": GUILD, "channel": CHANNEL}
+    async with served_app(
+        migrated_url, config=gateway(standin), adapters=True, providers={"hold": model}
+    ) as (up, _):
+        org = await make_org(up)
+        plain = await make_agent(up, org, "plain", model="hold")
+        loud = await make_route(up, org, plain["id"], "discord", match)
+        await caught_up(up)
+        await message(standin, "first")
+        await eventually(lambda: model.asked == ["first"], what="the first turn at its model")
+        async with up.db.tx() as conn:
+            await routes.disable_route(conn, org.id, loud)
+        await make_route(up, org, plain["id"], "discord", match, silent=True)
+        await message(standin, "second")
+        await eventually(lambda: answered(up), what="the second message answered")
+        model.release.set()
+
+        async def both() -> bool:
+            return await answered(up) == ["to first", "to second"]
+
+        await eventually(both, what="the first message answered")
+        await drain(up.relay)
+        async with up.db.read() as conn:
+            assert (await conn.execute(sa.select(t.deliveries.c.id))).all() == []
+    assert [post for post in standin.posts if post["op"] == "create_message"] == []
