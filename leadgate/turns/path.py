@@ -1302,10 +1302,10 @@ class TurnService:
         if binding is None or binding.silent:
             return None
         if binding.id != ctx.binding_id:
-            # A later message with its own address (a Slack thread reply, a Discord
-            # message, a Teams activity, an email) was taken in while this turn ran: its
-            # binding is the active one, not this turn's. Rare: the usual turn reads the
-            # active binding alone.
+            # A later message with its own address (a Discord message, a Teams
+            # activity, an email; not a Slack one: a thread's messages share its
+            # address) was taken in while this turn ran: its binding is the active one,
+            # not this turn's. Rare: the usual turn reads the active binding alone.
             binding = await bindings.get_binding(conn, ctx.binding_id)
             if binding is None:
                 return None
