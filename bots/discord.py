@@ -695,9 +695,15 @@ class DiscordAdapter:
             shared = asyncio.ensure_future(self._look_up_parent(client, channel.id))
             self._looking_up[channel.id] = shared
             shared.add_done_callback(lambda _: self._looking_up.pop(channel.id, None))
-        # (shielded: a message's task cancelled leaves the others' look-up running; it
-        # ends on shutdown, whose wait between tries is cut short)
-        return await asyncio.shield(shared)
+        # (shielded: a message's task cancelled leaves the others' look-up running; the
+        # gateway's stop cancels it, and then the channel is untold, as after the last try)
+        try:
+            return await asyncio.shield(shared)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if shared.cancelled() and (current is None or not current.cancelling()):
+                return False, None
+            raise
 
     async def _look_up_parent(
         self, client: _GatewayClient, channel_id: int
@@ -1141,6 +1147,12 @@ class DiscordAdapter:
         finally:
             self._stopping.set()
             await client.close()
+            # A shared look-up may be inside its request (up to THREAD_LOOKUP_S): cut
+            # short, its messages routed as after the last try (and kept for the read-back).
+            looking_up = list(self._looking_up.values())
+            for lookup in looking_up:
+                lookup.cancel()
+            await asyncio.gather(*looking_up, return_exceptions=True)
             # (Closing the client ends a catch-up's reads; one taking a message in ends
             # that first.)
             for running in (task, self.catching_up):

@@ -167,3 +167,31 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
         mine = [i for i in await taken_in(service) if i.endswith((first, second))]
     assert mine == [f"discord:message:{first}", f"discord:message:{second}"]
     assert standin.lookups == [(thread, "503"), (thread, "ok")]
+
+
+async def test_the_stop_ends_a_thread_look_up_under_way_and_keeps_its_message(
+    service: App,
+    standin: DiscordApiStandin,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service stops while a thread's shared look-up waits inside its request
+    (discord.py waiting out Discord's 429 before it asks again): the stop cancels it and
+    waits for it, and its message, whose channel was never told, is kept for the next
+    READY's read-back. Before, the look-up was left running past the service's stop (up
+    to THREAD_LOOKUP_S, here longer than the test), a task nobody awaited."""
+    monkeypatch.setattr(discord_bots, "THREAD_LOOKUP_S", 3600.0)
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, standin) as up:
+        await caught_up(up)
+        adapter = adapter_of(up)
+        thread = standin.start_thread(GUILD, CHANNEL)
+        standin.fail_lookups(thread, "ratelimited:600")
+        said = await message(standin, "in a thread", channel=thread)
+        await eventually(lambda: standin.lookups, what="the look-up")
+        [lookup] = adapter._looking_up.values()
+    assert lookup.done()
+    assert standin.lookups == [(thread, "ratelimited:600")]
+    kept = [r.getMessage() for r in caplog.records if "was not taken in" in r.getMessage()]
+    assert len(kept) == 1 and said in kept[0] and "read-back reads it" in kept[0]
