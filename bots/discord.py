@@ -676,6 +676,12 @@ class DiscordAdapter:
         shutdown), and one it never tells about is routed as its own channel's."""
         channel = message.channel
         if isinstance(channel, discord.Thread):
+            # Cached since an earlier message of it began its look-up (a GUILD_CREATE or
+            # THREAD_CREATE between them): it waits for that one to end, or it would be
+            # recorded first. (asyncio.wait: whatever that look-up's end, even cancelled.)
+            earlier = self._looking_up.get(channel.id)
+            if earlier is not None:
+                await asyncio.wait((earlier,))
             return True, channel.parent_id
         client = self.gateway
         if (

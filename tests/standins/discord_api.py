@@ -12,6 +12,7 @@ Use in-process::
         dc.history("123")   # the channel's messages (GET /channels/{id}/messages reads them)
         dc.fail_reads("123", "500")   # the next reads of a channel's messages, in order
         await dc.invalidate_sessions()  # INVALID_SESSION: the client identifies again
+        await dc.dispatch_guild_create("9")  # GUILD_CREATE with its threads: cached
         dc.posts      # what was posted/edited/deleted, see below
         dc.requests   # every write request, with the mode that answered it
         dc.on_post = hook   # awaited with each channel message's record before it is answered
@@ -903,6 +904,30 @@ class DiscordApiStandin(StandinBase):
         and identifies again, and gets a new READY."""
         for ws in list(self._ready_sockets):
             await ws.send_str(json.dumps({"op": _INVALID_SESSION, "d": False}))
+
+    async def dispatch_guild_create(self, guild_id: str) -> None:
+        """Send GUILD_CREATE for ``guild_id`` (the bot joined it, or it came back) with
+        its active threads to every ready gateway session: discord.py caches the guild
+        and the threads, and a message in one then comes as a :class:`discord.Thread`'s."""
+        threads = [
+            self._thread(t)
+            for t in self._threads
+            if self._guilds.get(t) == guild_id and t not in self._archived
+        ]
+        guild = {
+            "id": guild_id,
+            "name": f"guild-{guild_id}",
+            "owner_id": "1100000000000000100",
+            "roles": [],
+            "emojis": [],
+            "features": [],
+            "channels": [],
+            "members": [],
+            "threads": threads,
+            "member_count": 1,
+        }
+        for ws in list(self._ready_sockets):
+            await self._send_dispatch(ws, "GUILD_CREATE", guild)
 
     async def dispatch_message_create(
         self,
