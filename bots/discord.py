@@ -478,6 +478,9 @@ class DiscordAdapter:
         self._parents: Kept[int, int] = Kept(max_entries=_PARENTS_KEPT)
         #: channel id -> the look-up of its parent under way, which its messages await
         self._looking_up: dict[int, asyncio.Task[tuple[bool, int | None]]] = {}
+        #: channel id -> the end of the record of its latest live message, which the
+        #: next one awaits (:meth:`take_message`); gone once that record ends
+        self._recording: dict[int, asyncio.Future[None]] = {}
 
     def enable_reviews(self, backend: ChatReviewBackend) -> None:
         """Review cards' buttons and modals on the interactions endpoint (verified like
@@ -620,16 +623,42 @@ class DiscordAdapter:
             return
         # A Reply is queued in the outbox; nothing else is ever shown. The gateway has no
         # answer to wait for: learn the thread's parent, record and run in the background.
-        self._core.spawn(self._take_live(message), name=f"discord-record:message:{message.id}")
+        # Each message of a channel is recorded once the one before it (as the gateway
+        # delivered them) was: their tasks, each with its own look-up, wait or not, and
+        # on PostgreSQL two intakes begun in order commit in either order, so a person's
+        # two quick messages reached the session the wrong way round (the second answered
+        # without the first, or the first then Busy). Their order is taken here, where
+        # the gateway hands them over one at a time.
+        channel_id = message.channel.id
+        before = self._recording.get(channel_id)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._recording[channel_id] = mine
+        self._core.spawn(
+            self._take_live(message, before, mine), name=f"discord-record:message:{message.id}"
+        )
 
-    async def _take_live(self, message: discord.Message) -> None:
-        learnt, parent = await self._live_parent(message)
-        taken = self._post_of(message, parent)
-        if taken is None:
-            return
-        recorded = await self._take_post(*taken)
-        if recorded is None and not learnt:
-            await self._keep_for_read_back(message.id, message.channel.id)
+    async def _take_live(
+        self,
+        message: discord.Message,
+        before: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+    ) -> None:
+        """Learn the channel's parent, wait for ``before`` (the record of the channel's
+        previous message), record the message, then end ``mine`` (whatever happened)."""
+        try:
+            learnt, parent = await self._live_parent(message)
+            if before is not None:
+                await asyncio.wait((before,))
+            taken = self._post_of(message, parent)
+            if taken is None:
+                return
+            recorded = await self._take_post(*taken)
+            if recorded is None and not learnt:
+                await self._keep_for_read_back(message.id, message.channel.id)
+        finally:
+            mine.set_result(None)
+            if self._recording.get(message.channel.id) is mine:
+                del self._recording[message.channel.id]
 
     async def _keep_for_read_back(self, message_id: int, channel_id: int) -> None:
         """Store a read point for the channel ``channel_id`` of a live message (``message_id``)
@@ -676,12 +705,8 @@ class DiscordAdapter:
         shutdown), and one it never tells about is routed as its own channel's."""
         channel = message.channel
         if isinstance(channel, discord.Thread):
-            # Cached since an earlier message of it began its look-up (a GUILD_CREATE or
-            # THREAD_CREATE between them): it waits for that one to end, or it would be
-            # recorded first. (asyncio.wait: whatever that look-up's end, even cancelled.)
-            earlier = self._looking_up.get(channel.id)
-            if earlier is not None:
-                await asyncio.wait((earlier,))
+            # (Cached, maybe since an earlier message of it began its look-up: it is
+            # recorded after that one all the same, :meth:`take_message`.)
             return True, channel.parent_id
         client = self.gateway
         if (
