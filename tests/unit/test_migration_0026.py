@@ -64,15 +64,17 @@ def _counts(conn: sa.Connection) -> list[tuple[str, str, int]]:
     return sorted((r.status, r.channel, r.n) for r in rows)
 
 
-def _accesses(conn: sa.Connection) -> list[str]:
-    """Each step of the count's plan that reads ``deliveries``, its values bound as the
-    service binds them (a partial index whose predicate a bound value had to imply
-    would not be used): SQLite's ``EXPLAIN QUERY PLAN`` lines; PostgreSQL's scan nodes
-    of the generic plan a prepared statement comes to, with statistics (as autovacuum
-    keeps them) and sequential scans turned off (on a table this small the planner may
-    scan anyway: the question is whether the index is used at all)."""
-    compiled = delivery_counts("org_3", SINCE).compile(dialect=conn.dialect)
-    values = compiled.construct_params()
+def plan_accesses(
+    conn: sa.Connection, stmt: sa.Select[Any], params: dict[str, Any] | None = None
+) -> list[str]:
+    """Each step of ``stmt``'s plan that reads ``deliveries``, its values bound as the
+    service binds them (``params``; a partial index whose predicate a bound value had to
+    imply would not be used): SQLite's ``EXPLAIN QUERY PLAN`` lines; PostgreSQL's scan
+    nodes of the generic plan a prepared statement comes to, with statistics (as
+    autovacuum keeps them) and sequential scans turned off (on a table this small the
+    planner may scan anyway: the question is whether the index is used at all)."""
+    compiled = stmt.compile(dialect=conn.dialect)
+    values = compiled.construct_params(params)
     bound = tuple(values[name] for name in compiled.positiontup or ())
     if conn.dialect.name == "sqlite":
         plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", bound)
@@ -82,24 +84,34 @@ def _accesses(conn: sa.Connection) -> list[str]:
     conn.exec_driver_sql("SET enable_bitmapscan = off")
     conn.exec_driver_sql("SET enable_seqscan = off")
     conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-    conn.exec_driver_sql(f"PREPARE counted AS {compiled}")
+    conn.exec_driver_sql(f"PREPARE planned AS {compiled}")
     literals = ", ".join(repr(v) for v in bound)
-    plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE counted({literals})")
+    plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE planned({literals})")
     return [str(row[0]).strip() for row in plan if " on deliveries" in str(row[0])]
 
 
-def _indexes(conn: sa.Connection) -> set[str]:
+def _accesses(conn: sa.Connection) -> list[str]:
+    """The count's :func:`plan_accesses`."""
+    return plan_accesses(conn, delivery_counts("org_3", SINCE))
+
+
+def delivery_indexes(conn: sa.Connection) -> set[str]:
+    """The names of ``deliveries``' indexes."""
     return {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("deliveries")}
 
 
 def _predicate(conn: sa.Connection) -> str:
-    """The index's WHERE, as the database keeps it."""
+    return index_predicate(conn, INDEX)
+
+
+def index_predicate(conn: sa.Connection, index: str) -> str:
+    """``index``'s WHERE, as the database keeps it."""
     if conn.dialect.name == "sqlite":
-        sql = conn.exec_driver_sql(f"SELECT sql FROM sqlite_master WHERE name = '{INDEX}'")
+        sql = conn.exec_driver_sql(f"SELECT sql FROM sqlite_master WHERE name = '{index}'")
         return str(sql.scalar_one()).partition(" WHERE ")[2]
     predicate = conn.exec_driver_sql(
         "SELECT pg_get_expr(indpred, indrelid) FROM pg_index "
-        f"WHERE indexrelid = '{INDEX}'::regclass"
+        f"WHERE indexrelid = '{index}'::regclass"
     )
     return str(predicate.scalar_one())
 
@@ -109,7 +121,7 @@ def test_the_deliveries_count_reads_gating_rows_through_their_partial_index(
 ) -> None:
     cfg = alembic_config(db_url)
     command.upgrade(cfg, "0025")
-    before = run(db_url, _indexes)
+    before = run(db_url, delivery_indexes)
     assert INDEX not in before
     run(db_url, _fill)
     counted = run(db_url, _counts)
@@ -122,7 +134,7 @@ def test_the_deliveries_count_reads_gating_rows_through_their_partial_index(
 
     def check(conn: sa.Connection) -> dict[str, Any]:
         return {
-            "indexes": _indexes(conn),
+            "indexes": delivery_indexes(conn),
             "diff": compare_metadata(MigrationContext.configure(conn), metadata),
             "counts": _counts(conn),
             "predicate": _predicate(conn),
@@ -154,6 +166,6 @@ def test_the_deliveries_count_reads_gating_rows_through_their_partial_index(
 
     # Down and up again: the index goes and comes back.
     command.downgrade(cfg, "0025")
-    assert run(db_url, _indexes) == before
+    assert run(db_url, delivery_indexes) == before
     command.upgrade(cfg, "head")
-    assert run(db_url, _indexes) == out["indexes"]
+    assert run(db_url, delivery_indexes) == out["indexes"]

@@ -17,6 +17,7 @@ from binding.bindings import EMAIL_REPLY_SESSIONS
 from leadgate.database.db import alembic_config
 from leadgate.database.schema import metadata
 from tests.unit.test_migration_0016 import run
+from tests.unit.test_migration_0026 import delivery_indexes, index_predicate, plan_accesses
 
 INDEX = "ix_deliveries_email_reply_external"
 
@@ -50,44 +51,18 @@ def _fill(conn: sa.Connection) -> None:
 
 
 def _accesses(conn: sa.Connection) -> list[str]:
-    """The steps of the look-up's plan that read ``deliveries`` (as in 0026's test: the
-    values bound, PostgreSQL's generic plan with statistics, sequential scans off)."""
-    compiled = EMAIL_REPLY_SESSIONS.compile(dialect=conn.dialect)
-    values = compiled.construct_params(ASKED)
-    bound = tuple(values[name] for name in compiled.positiontup or ())
-    if conn.dialect.name == "sqlite":
-        plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", bound)
-        return [str(row[3]) for row in plan if "deliveries" in str(row[3])]
-    conn.exec_driver_sql("ANALYZE")
-    conn.exec_driver_sql("SET enable_bitmapscan = off")
-    conn.exec_driver_sql("SET enable_seqscan = off")
-    conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-    conn.exec_driver_sql(f"PREPARE looked AS {compiled}")
-    literals = ", ".join(repr(v) for v in bound)
-    plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE looked({literals})")
-    return [str(row[0]).strip() for row in plan if " on deliveries" in str(row[0])]
-
-
-def _indexes(conn: sa.Connection) -> set[str]:
-    return {str(ix["name"]) for ix in sa.inspect(conn).get_indexes("deliveries")}
+    """The look-up's :func:`plan_accesses` (as in 0026's test)."""
+    return plan_accesses(conn, EMAIL_REPLY_SESSIONS, ASKED)
 
 
 def _predicate(conn: sa.Connection) -> str:
-    """The index's WHERE, as the database keeps it."""
-    if conn.dialect.name == "sqlite":
-        sql = conn.exec_driver_sql(f"SELECT sql FROM sqlite_master WHERE name = '{INDEX}'")
-        return str(sql.scalar_one()).partition(" WHERE ")[2]
-    predicate = conn.exec_driver_sql(
-        "SELECT pg_get_expr(indpred, indrelid) FROM pg_index "
-        f"WHERE indexrelid = '{INDEX}'::regclass"
-    )
-    return str(predicate.scalar_one())
+    return index_predicate(conn, INDEX)
 
 
 def test_an_answered_replys_session_is_found_through_the_partial_index(db_url: str) -> None:
     cfg = alembic_config(db_url)
     command.upgrade(cfg, "0026")
-    before = run(db_url, _indexes)
+    before = run(db_url, delivery_indexes)
     assert INDEX not in before
     run(db_url, _fill)
     if db_url.startswith("sqlite"):
@@ -98,7 +73,7 @@ def test_an_answered_replys_session_is_found_through_the_partial_index(db_url: s
 
     def check(conn: sa.Connection) -> dict[str, Any]:
         return {
-            "indexes": _indexes(conn),
+            "indexes": delivery_indexes(conn),
             "diff": compare_metadata(MigrationContext.configure(conn), metadata),
             "predicate": _predicate(conn),
             "accesses": _accesses(conn),
@@ -129,6 +104,6 @@ def test_an_answered_replys_session_is_found_through_the_partial_index(db_url: s
         ]
 
     command.downgrade(cfg, "0026")
-    assert run(db_url, _indexes) == before
+    assert run(db_url, delivery_indexes) == before
     command.upgrade(cfg, "head")
-    assert run(db_url, _indexes) == out["indexes"]
+    assert run(db_url, delivery_indexes) == out["indexes"]
