@@ -317,6 +317,7 @@ class App:
             # Every runner that takes a dead holder's lease back (domain.processes).
             self.lead_runner.leases_freed()
             self.relay.leases_freed()
+            turn_recovery.gone_found()
             for wake in (
                 review_wake,
                 self._relay_wake,

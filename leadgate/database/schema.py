@@ -140,6 +140,17 @@ messages = sa.Table(
     # SQLite only: (session_id, rowid), the history cache's read of new rows
     # (engine/history.py). PostgreSQL has no rowid and no such cache.
     sa.Index("ix_messages_session_rowid", "session_id").ddl_if(dialect="sqlite"),
+    # The process (processes.id) whose plain REST/MCP/Studio turn took this user message
+    # in, until the message is settled (migration 0028): turn recovery reruns such a
+    # message of a process known gone that nothing answered (leadgate.turns.runs).
+    sa.Column("taken_by", ID),
+    sa.Index(
+        "ix_messages_taken_by",
+        "taken_by",
+        "created_at",
+        sqlite_where=sa.text("taken_by IS NOT NULL"),
+        postgresql_where=sa.text("taken_by IS NOT NULL"),
+    ),
 )
 
 #: The partial index's predicate, literally: a query can use the index only when its own
@@ -615,6 +626,17 @@ processes = sa.Table(
     sa.Column("start_token", sa.String(40), nullable=False),
     sa.Column("role", sa.String(20), nullable=False),
     sa.Column("started_at", MS, nullable=False),
+    sa.Column("heartbeat_at", MS, nullable=False),
+)
+
+# Processes known gone (reaped, or stopped) whose plain REST/MCP/Studio messages
+# (messages.taken_by) turn recovery has not searched yet (migration 0028): one row per
+# such process, deleted by the search that records their unanswered messages' runs
+# (leadgate.turns.runs.record_taken). ``heartbeat_at``: its last, the search's window.
+gone_processes = sa.Table(
+    "gone_processes",
+    metadata,
+    sa.Column("id", ID, primary_key=True),
     sa.Column("heartbeat_at", MS, nullable=False),
 )
 

@@ -30,7 +30,8 @@ import sqlalchemy as sa
 
 from leadgate.core.clock import Clock, IdFactory
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
+from leadgate.database.sql import insert_ignore_stmt
 from leadgate.domain import wakes
 from leadgate.domain.wakes import Wake
 
@@ -157,6 +158,7 @@ class Liveness:
                 cond = sa.or_(cond, P.id.in_(dead))
             if self.id is not None:
                 cond = sa.and_(cond, P.id != self.id)
+            await _note_gone(conn, cond)
             res = await conn.execute(t.processes.delete().where(cond))
             count = int(res.rowcount or 0)
             if count:
@@ -171,9 +173,21 @@ class Liveness:
         if self.id is None:
             return
         async with self.db.tx() as conn:
+            await _note_gone(conn, P.id == self.id)
             await conn.execute(t.processes.delete().where(P.id == self.id))
             await wakes.after_commit(conn, Wake.leases)
         self.id = None
+
+
+async def _note_gone(conn: Conn, cond: Any) -> None:
+    """Note the processes ``cond`` is about to delete in ``gone_processes`` (with their
+    last heartbeat), in the deleting transaction: turn recovery searches each once for
+    the plain REST/MCP/Studio messages it took in and nothing answered
+    (:func:`leadgate.turns.runs.record_taken`). A stop notes its own too: a turn its
+    stop cut is one such. (Two reapers of one process note it once.)"""
+    noted = sa.select(P.id, P.heartbeat_at).where(cond)
+    insert = insert_ignore_stmt(conn.dialect.name, t.gone_processes)
+    await conn.execute(insert.from_select(["id", "heartbeat_at"], noted))
 
 
 def _gone(pid: int, token: str) -> bool:

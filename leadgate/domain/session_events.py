@@ -358,21 +358,22 @@ _POSTGRES_INSERT = sa.text(
 )
 
 
-def postgres_message_ctes(session: str) -> str:
+def postgres_message_ctes(session: str, *, taken_by: str = "NULL") -> str:
     """PostgreSQL: CTEs ``m``, ``s`` and ``e`` (to follow ``WITH`` or a comma) storing
     the visible message ``:id`` with its ``message`` event in the session that
     ``session`` (a CTE of at most one row, with its ``id``) names: the message row, the
     session's counter (``s`` returns ``id``, ``event_seq`` and ``watched_until``, for
     :func:`notify_if_watched`; empty when ``session`` is) and the event. Parameters:
     ``:id``, ``:org_id``, ``:work_item_id``, ``:role``, ``:content``, ``:created``,
-    ``:kind``."""
+    ``:kind``; ``taken_by``, the SQL of the message's ``taken_by`` (a plain
+    REST/MCP/Studio turn's process)."""
     return (
         "m AS ("
         " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
-        " lead_gated, tool_name, created_at)"
+        " lead_gated, tool_name, created_at, taken_by)"
         " SELECT :id, :org_id, src.id, :work_item_id, :role, :content, false, NULL, "
         + message_created_at_sql(":created", "src.id")
-        + f" FROM {session} AS src"
+        + f", {taken_by} FROM {session} AS src"
         "), s AS ("
         " UPDATE sessions SET event_seq = sessions.event_seq + 1"
         f" FROM {session} AS src WHERE sessions.id = src.id"

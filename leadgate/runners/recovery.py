@@ -38,6 +38,9 @@ class TurnRecovery:
         self.own_only = own_only
         #: the earliest run lease not lapsed at the last check (None: none)
         self._next_lapse: int | None = None
+        #: whether processes may have gone whose plain messages are unsearched (at start,
+        #: and after each reap or stop: :meth:`gone_found`)
+        self._gone = not own_only
 
     def due_in_s(self) -> float | None:
         """Seconds (by the runner's clock) until the earliest run lease the last check
@@ -59,8 +62,30 @@ class TurnRecovery:
         looks a pass is the read above, not a claim (a write transaction)."""
         return _due(self.turns.lost.next_due(), self.turns.clock.now_ms())
 
+    def gone_found(self) -> None:
+        """Processes were reaped, or one stopped (``Wake.leases``): the next pass
+        searches the plain REST/MCP/Studio messages they took in and nothing answered
+        (:func:`leadgate.turns.runs.record_taken`)."""
+        self._gone = not self.own_only
+
     async def run_once(self) -> bool:
         """Claim and carry out one session's runs; True when there were any."""
+        if self._gone:
+            # Before the claim: the runs it records are takeable at once (their holder
+            # is gone). Searched again at the next pass when this fails.
+            self._gone = False
+            try:
+                found = await runs.record_taken(
+                    self.turns.db, self.turns.ids, self.turns.clock.now_ms()
+                )
+            except BaseException:
+                self._gone = True
+                raise
+            if found:
+                log.warning(
+                    "%d plain turn(s) of gone processes left unanswered: recorded for recovery",
+                    found,
+                )
         if self.turns.owed or _due(self.turns.owed_lost.next_due(), self.turns.clock.now_ms()):
             # Plain turns stopped on a fault record their runs first (orphans then), and
             # intakes in doubt not found taken in are looked for again when due.

@@ -105,7 +105,7 @@ _WINDOW_OF_SB = (
 _STORE_INTO_WINDOW = sa.text(
     f"WITH sb AS ({_SESSION_AND_BINDING_SQL}),"
     f" ok AS (SELECT id FROM sb WHERE {bindings.UNCHANGED_SQL} LIMIT 1), "
-    + session_events.postgres_message_ctes("ok")
+    + session_events.postgres_message_ctes("ok", taken_by="CAST(:taken_by AS varchar)")
     + ", n AS MATERIALIZED (SELECT "
     + session_events.notify_if_watched("s", ":channel", "s.id || ' m'")
     + " FROM s)"
@@ -138,6 +138,7 @@ async def store_into_window(
             "role": "user",
             "content": intake.content,
             "created": intake.created_at,
+            "taken_by": intake.taken_by,
             "kind": session_events.MESSAGE,
             "channel": session_events.NOTIFY_CHANNEL,
         },
@@ -162,6 +163,8 @@ class PlainIntake(NamedTuple):
     binding: BindingSpec
     content: str
     created_at: int
+    #: the process whose turn takes it in (``messages.taken_by``; None: not recorded)
+    taken_by: str | None = None
 
 
 # PostgreSQL: store_into_window for several turns at once (:class:`PlainIntakes`): the
@@ -178,8 +181,9 @@ _STORE_INTO_WINDOWS = sa.text(
     " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:org_ids AS varchar[]),"
     " CAST(:agent_ids AS varchar[]), CAST(:keys AS varchar[]), CAST(:kinds AS varchar[]),"
     " CAST(:addresses AS varchar[]), CAST(:silents AS boolean[]), CAST(:contents AS text[]),"
-    " CAST(:created AS bigint[])) WITH ORDINALITY"
-    " AS i(id, org_id, agent_id, key, b_kind, b_address, b_silent, content, created_at, k)"
+    " CAST(:created AS bigint[]), CAST(:taken_by AS varchar[])) WITH ORDINALITY"
+    " AS i(id, org_id, agent_id, key, b_kind, b_address, b_silent, content, created_at,"
+    " taken_by, k)"
     "), sb AS MATERIALIZED ("
     " SELECT intake.k, sessions.id, bindings.id AS binding_id, bindings.kind AS binding_kind,"
     " bindings.address AS binding_address, bindings.silent AS binding_silent"
@@ -188,13 +192,14 @@ _STORE_INTO_WINDOWS = sa.text(
     " LEFT OUTER JOIN bindings ON bindings.session_id = sessions.id AND bindings.active"
     "), ok AS MATERIALIZED ("
     " SELECT DISTINCT ON (sb.k) sb.k, sb.id AS sid, intake.id, intake.org_id, intake.content,"
-    " intake.created_at FROM sb JOIN intake ON intake.k = sb.k"
+    " intake.created_at, intake.taken_by FROM sb JOIN intake ON intake.k = sb.k"
     f" WHERE {_ROW_UNCHANGED} ORDER BY sb.k"
     "), " + session_events.postgres_counters_ctes("ok") + ", m AS ("
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
-    " lead_gated, tool_name, created_at)"
+    " lead_gated, tool_name, created_at, taken_by)"
     " SELECT o.id, o.org_id, o.sid, NULL, 'user', o.content, false, NULL, "
     + session_events.message_created_at_sql("o.created_at", "o.sid", "o.r")
+    + ", o.taken_by"
     + " FROM (SELECT ok.*, row_number() OVER (PARTITION BY ok.sid ORDER BY ok.k) AS r"
     " FROM ok JOIN s ON s.id = ok.sid) AS o"
     "), e AS ("
@@ -232,6 +237,7 @@ async def store_into_windows(
         "silents": [],
         "contents": [i.content for i in intakes],
         "created": [i.created_at for i in intakes],
+        "taken_by": [i.taken_by for i in intakes],
         "kind": session_events.MESSAGE,
         "channel": session_events.NOTIFY_CHANNEL,
     }

@@ -59,6 +59,7 @@ the refusal looks it up.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ from leadgate.core.errors import (
     ValidationError,
 )
 from leadgate.core.limits import TASK_CONTEXT_LIMIT
+from leadgate.core.logs import loggable
 from leadgate.core.runners import LostClaims
 from leadgate.core.types import CHANNEL_KINDS, BindingKind, Busy, Duplicate, Trigger
 from leadgate.database import schema as t
@@ -94,6 +96,8 @@ from leadgate.turns.context import TurnContext
 from leadgate.turns.history import HistoryCache, PlainIntake, PlainIntakes, to_message
 from leadgate.turns.messages import message_values, store_message
 from leadgate.turns.providers.base import ChatMessage
+
+log = logging.getLogger("leadgate.turns")
 
 # Hot statements, built once: building a statement and its cache key costs about as much
 # event-loop time as executing it.
@@ -203,6 +207,8 @@ class Accepted:
 IntakeResult = Accepted | Busy | Duplicate
 #: Bindings whose clients wait for the answer and retry a cut turn themselves.
 _CLIENT_KINDS = frozenset({BindingKind.api, BindingKind.studio})
+#: A plain turn's message settled (:meth:`Intake.settled`).
+_SETTLE = t.messages.update().where(t.messages.c.id == sa.bindparam("p_id")).values(taken_by=None)
 
 
 #: Sessions (agent id, key) this process opened or saw lately: their next intake skips
@@ -486,6 +492,7 @@ class Intake:
                     work_item_id=item_id,
                     role="user",
                     content=trigger.text,
+                    taken_by=self._taken_by(trigger.binding.kind, lead is not None),
                 )
                 turn_id = self.ids.new("turn")
                 run_token = None
@@ -576,6 +583,7 @@ class Intake:
             work_item_id=item_id,
             role="user",
             content=trigger.text,
+            taken_by=self._taken_by(kind, lead is not None),
         )
         rows["messages"] = message
         # Its first event (as store_message queues it, numbered from the session's 0).
@@ -628,6 +636,15 @@ class Intake:
         )
         return Accepted(ctx, agent, lead is not None, rules, [to_message("user", trigger.text)])
 
+    def _taken_by(self, kind: BindingKind, gated: bool) -> str | None:
+        """The ``taken_by`` of a user message taken in through ``kind``: this process
+        for a plain REST/MCP/Studio turn's (it records no run; turn recovery reruns the
+        message once this process is gone and nothing answered it,
+        :func:`leadgate.turns.runs.record_taken`), else None."""
+        if gated or kind not in _CLIENT_KINDS:
+            return None
+        return self.owner()
+
     def _saw(self, agent_id: str, key: str) -> None:
         self._seen[agent_id, key] = None
         self._seen.move_to_end((agent_id, key))
@@ -663,6 +680,7 @@ class Intake:
                     trigger.binding,
                     trigger.text,
                     now,
+                    self._taken_by(trigger.binding.kind, False),
                 )
             )
         except Unavailable as fault:
@@ -782,7 +800,7 @@ class Intake:
             return None
         if trigger.binding.kind not in _CLIENT_KINDS:
             return None  # (a plain flow node's: flow recovery takes it, flow.turn_lost)
-        return self._run_values(
+        values = self._run_values(
             trigger,
             turn.agent,
             ctx.session_id,
@@ -792,6 +810,32 @@ class Intake:
             ctx.turn_id,
             taken_at,
         )
+        # (The id turn recovery records it under once this process is gone: one row.)
+        values["id"] = runs.run_id_of(ctx.message_id)
+        return values
+
+    async def settled(self, trigger: Trigger, turn: Accepted) -> None:
+        """A plain REST/MCP/Studio turn ended with no answer on purpose (its model
+        failed, its client told so: a 502): its message is settled, never rerun by turn
+        recovery once this process is gone (``taken_by`` cleared,
+        :func:`leadgate.turns.runs.record_taken`). Off the answered path: one statement
+        on a failure alone. When it fails too, a WARNING: after this process is gone,
+        the message may be answered after all."""
+        ctx = turn.ctx
+        if ctx.run_token is not None or ctx.message_id is None:
+            return
+        if trigger.binding.kind not in _CLIENT_KINDS:
+            return
+        try:
+            async with self.db.tx() as conn:
+                await conn.execute(_SETTLE, {"p_id": ctx.message_id})
+        except Exception as exc:
+            log.warning(
+                "could not settle the failed plain turn of session %s (recovery may "
+                "answer its message once this process is gone)",
+                ctx.session_id,
+                exc_info=loggable(exc),
+            )
 
     def owed_in_doubt(
         self, trigger: Trigger, message_id: str, agent_id: str | None, taken_at: int
@@ -805,7 +849,7 @@ class Intake:
         if trigger.binding.kind not in _CLIENT_KINDS:
             return None
         return {
-            "id": self.ids.new("run"),
+            "id": runs.run_id_of(message_id),
             "org_id": trigger.org_id,
             "agent_id": None,
             "session_id": None,

@@ -51,12 +51,14 @@ async def store_message(
     tool_name: str | None = None,
     gated: bool = False,
     created_at: int | None = None,
+    taken_by: str | None = None,
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
     is announced in the session's public event log in the same transaction. It is
     stamped at ``created_at`` (the clock's now by default), on PostgreSQL at the later
     of that and the session's newest message + 1 ms
-    (:func:`session_events.message_created_at`)."""
+    (:func:`session_events.message_created_at`). ``taken_by``: the process whose plain
+    REST/MCP/Studio turn takes this user message in (:func:`message_values`)."""
     values = message_values(
         clock,
         ids,
@@ -68,6 +70,7 @@ async def store_message(
         tool_name=tool_name,
         gated=gated,
         created_at=created_at,
+        taken_by=taken_by,
     )
     if conn.dialect.name == "postgresql":
         await conn.execute(
@@ -92,9 +95,13 @@ def message_values(
     tool_name: str | None = None,
     gated: bool = False,
     created_at: int | None = None,
+    taken_by: str | None = None,
 ) -> dict[str, Any]:
-    """A new ``messages`` row (a new id; ``created_at`` defaults to the clock's now)."""
-    return {
+    """A new ``messages`` row (a new id; ``created_at`` defaults to the clock's now).
+    ``taken_by`` (a plain REST/MCP/Studio turn's user message: its process, which turn
+    recovery reruns it for once that process is gone, :func:`leadgate.turns.runs.
+    record_taken`) is in the row only when given: other inserts keep their columns."""
+    row = {
         "id": ids.new("msg"),
         "org_id": org_id,
         "session_id": session_id,
@@ -105,6 +112,9 @@ def message_values(
         "tool_name": tool_name,
         "created_at": clock.now_ms() if created_at is None else created_at,
     }
+    if taken_by is not None:
+        row["taken_by"] = taken_by
+    return row
 
 
 class VisibleWrites:

@@ -428,10 +428,12 @@ class TurnService:
             raise
         except Exception as exc:
             # A model error is never read as a database fault, whatever its causes are.
-            if isinstance(exc, LeadgateError) and not isinstance(exc, Unavailable):
-                raise
-            fault = unavailable(exc)
+            fault = None
+            if not isinstance(exc, LeadgateError) or isinstance(exc, Unavailable):
+                fault = unavailable(exc)
             if fault is None:
+                # Answered with its failure: not one for recovery to answer again.
+                await self.intake.settled(trigger, intake)
                 raise
             self._owe(trigger, intake, taken_at)
             raise TurnInterrupted(fault.detail) from exc

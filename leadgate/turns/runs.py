@@ -89,6 +89,7 @@ rerun's answer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -96,7 +97,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 
 from leadgate.core.clock import MINUTE_MS, Clock, IdFactory
-from leadgate.core.errors import TransitionError, Unavailable
+from leadgate.core.errors import DatabaseDamaged, TransitionError, Unavailable
+from leadgate.core.logs import loggable
 from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
@@ -105,6 +107,8 @@ from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
+
+log = logging.getLogger("leadgate.turns")
 
 R = t.turn_runs.c
 W = t.work_items.c
@@ -335,6 +339,128 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
         await conn.execute(insert, {**row, "lease_expires_at": now + RUN_LEASE_MS})
     return RECORDED
+
+
+_G = t.gone_processes.c
+#: The processes known gone whose plain messages no search has looked at yet (a reap, or
+#: a stop, noted them: :func:`leadgate.domain.processes.Liveness.reap`).
+_GONE = sa.select(_G.id, _G.heartbeat_at).where(~sa.exists().where(t.processes.c.id == _G.id))
+_later = t.messages.alias("later")
+#: The user messages a gone process (``p_process``) took in for a plain REST/MCP/Studio
+#: turn (``taken_by``) since ``p_since`` that nothing answered: no message of their session
+#: came after them (a reply, a resend, a follow-up: whatever came after answered, or its
+#: turn did) and no run is recorded for them (one its process recorded owing it, or a
+#: search before). With what their run records: the session's worker and active binding.
+_TAKEN = (
+    sa.select(
+        _M.id,
+        _M.org_id,
+        _M.session_id,
+        _M.created_at,
+        t.sessions.c.agent_id,
+        t.bindings.c.id.label("binding_id"),
+    )
+    .select_from(
+        t.messages.join(t.sessions, t.sessions.c.id == _M.session_id).join(
+            t.bindings, (t.bindings.c.session_id == _M.session_id) & t.bindings.c.active
+        )
+    )
+    .where(
+        _M.taken_by == sa.bindparam("p_process"),
+        _M.created_at >= sa.bindparam("p_since"),
+        _M.role == "user",
+        ~sa.exists().where(R.message_id == _M.id),
+        ~sa.exists().where(
+            _later.c.session_id == _M.session_id,
+            _later.c.role.in_(("user", "assistant")),
+            sa.or_(
+                _later.c.created_at > _M.created_at,
+                sa.and_(_later.c.created_at == _M.created_at, _later.c.id > _M.id),
+            ),
+        ),
+    )
+    .order_by(_M.created_at, _M.id)
+)
+
+
+def run_id_of(message_id: str) -> str:
+    """The id of the run recorded late for the plain turn of message ``message_id``
+    (by the process that owes it, :func:`record_owed`, or by turn recovery once that
+    process is gone, :func:`record_taken`): one id, so that the two insert one row."""
+    return f"run.{message_id}"
+
+
+async def record_taken(db: Database, ids: IdFactory, now: int) -> int:
+    """Record the runs of the plain REST/MCP/Studio messages that processes known gone
+    took in and nothing answered (``messages.taken_by``; a plain turn records no run to
+    keep its path cheap): its process died (a crash, a kill, a stop that cut it) before
+    the answer was stored, or after it told its client 503 ``turn.interrupted`` and
+    owed the turn in memory alone. Each such process is searched once, in a transaction
+    of its own that deletes its note (``gone_processes``) first, so two replicas never
+    both record its messages; within its last heartbeat minus the longest a turn runs
+    (:data:`RUN_LEASE_MS`: a longer turn has lost its run's lease anyway).
+
+    Each run is a ``client`` run of the gone process (as a gated turn of theirs records
+    in its intake), so turn recovery treats it as a dead process's: it waits
+    :data:`RESEND_GRACE_MS` for the client's resend (an OpenAI client retries a cut
+    turn, a new message whose turn answers both), and reruns it when none came (an MCP
+    client, or one told not to send it again). How many were recorded."""
+    async with db.read() as conn:
+        gone = (await conn.execute(_GONE)).all()
+    recorded = 0
+    for process in gone:
+        try:
+            recorded += await _record_taken_of(db, ids, process.id, process.heartbeat_at, now)
+        except (Unavailable, DatabaseDamaged):
+            raise
+        except Exception as exc:
+            # A bug, or a row the database refuses: tried again it fails the same way at
+            # every pass, and the turn recovery's claims, which come after this, would
+            # never run. Its note is dropped (its messages stay unanswered), as an owed
+            # run whose record fails so is given up.
+            log.error(
+                "could not record the runs of gone process %s's plain turns (their "
+                "messages stay unanswered)",
+                process.id,
+                exc_info=loggable(exc),
+            )
+            async with db.tx() as conn:
+                await conn.execute(t.gone_processes.delete().where(_G.id == process.id))
+    return recorded
+
+
+async def _record_taken_of(
+    db: Database, ids: IdFactory, process_id: str, heartbeat_at: int, now: int
+) -> int:
+    """:func:`record_taken` of one gone process."""
+    async with db.tx() as conn:
+        noted = await conn.execute(t.gone_processes.delete().where(_G.id == process_id))
+        if not noted.rowcount:
+            return 0  # another search took it
+        params = {"p_process": process_id, "p_since": heartbeat_at - RUN_LEASE_MS}
+        taken = (await conn.execute(_TAKEN, params)).all()
+        insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
+        for m in taken:
+            run = {
+                "id": run_id_of(m.id),
+                "org_id": m.org_id,
+                "agent_id": m.agent_id,
+                "session_id": m.session_id,
+                "binding_id": m.binding_id,
+                "work_item_id": None,
+                "message_id": m.id,
+                "policy": CLIENT,
+                "turn_id": ids.new("turn"),
+                # Its holder gone (owner_gone): takeable at once.
+                "lease_owner": process_id,
+                "lease_token": ids.new("lease"),
+                "lease_expires_at": now + RUN_LEASE_MS,
+                "attempts": 1,
+                "created_at": m.created_at,
+                "external_event_id": None,
+            }
+            await conn.execute(insert, run)
+    return len(taken)
 
 
 #: How far apart replicas' clocks may be for a resend to be told by its time

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1276,3 +1277,33 @@ async def test_a_follow_up_while_a_gated_rerun_waits_for_its_model_is_answered_o
     handoffs = [a["action"] for a in await item_audit(stack, item_id)].count("completeTask")
     assert handoffs == (1 if handed_off else 0)
     assert not script.fail  # (the rerun's model was called: the follow-up came during it)
+
+
+async def test_a_gone_process_whose_runs_cannot_be_recorded_is_given_up_and_the_pass_goes_on(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record of a gone process's plain turns fails for another reason than a
+    database fault (a bug, a row the database refuses): one ERROR names the process, its
+    note is dropped, and the next gone process is searched. Before, the error rose out of
+    every turn recovery pass, its note kept, and the pass's claims never ran."""
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.gone_processes.insert(),
+            [{"id": "prc_a", "heartbeat_at": 1}, {"id": "prc_b", "heartbeat_at": 1}],
+        )
+    real = runs._record_taken_of
+    searched: list[str] = []
+
+    async def refused(db: Database, ids: Any, process_id: str, heartbeat_at: int, now: int) -> int:
+        searched.append(process_id)
+        if process_id == "prc_a":
+            raise ValueError("a row the database refuses")
+        return await real(db, ids, process_id, heartbeat_at, now)
+
+    monkeypatch.setattr(runs, "_record_taken_of", refused)
+    caplog.set_level(logging.ERROR, logger="leadgate.turns")
+    assert await runs.record_taken(stack.db, stack.ids, stack.clock.now_ms()) == 0
+    assert sorted(searched) == ["prc_a", "prc_b"]
+    assert await count(stack, t.gone_processes) == 0
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "prc_a" in error.getMessage() and error.exc_info is not None

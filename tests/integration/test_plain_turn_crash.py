@@ -1,0 +1,197 @@
+"""A plain worker's (no lead) REST turn whose process dies before its answer is stored,
+through two real apps on one database (both backends): ``died``, whose turn is held in
+its model call (:class:`~tests.fakes.GateProvider`) when it "dies" (its heartbeat
+lapses and the other app's reap removes its row: what a crash leaves), and
+``survivor``, whose turn recovery answers the message.
+
+Such a turn records no run (the plain path stays cheap): nothing stored told its
+message from an answered one, and it sat unanswered for ever. Its intake now names its
+process (``messages.taken_by``), and a gone process's unanswered messages are recorded
+as runs (:func:`leadgate.turns.runs.record_taken`) and rerun as a dead process's
+client runs are (after the client's resend wait)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from leadgate.app import App
+from leadgate.core.clock import FakeClock
+from leadgate.core.errors import ModelError
+from leadgate.core.runners import drain
+from leadgate.database import schema as t
+from leadgate.runners.recovery import TurnRecovery
+from leadgate.turns import runs
+from leadgate.turns.providers.script import ScriptProvider
+from tests.fakes import GateProvider
+from tests.helpers import eventually, make_agent, make_org
+from tests.serving import Client, served_app
+
+
+@dataclass
+class Pair:
+    """The two apps, their clients, the held model of ``died`` and an API key."""
+
+    died: App
+    died_client: Client
+    survivor: App
+    survivor_client: Client
+    gate: GateProvider
+    key: str
+    clock: FakeClock
+
+    async def chat(self, client: Client, text: str) -> int:
+        """A plain REST turn of session ``s`` through ``client``: its status."""
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={"model": "plain", "messages": [{"role": "user", "content": text}]},
+            headers={"Authorization": f"Bearer {self.key}", "X-Session-Id": "s"},
+        )
+        return resp.status
+
+    async def transcript(self) -> list[tuple[str, str]]:
+        """Session ``s``'s messages (role, content), oldest first."""
+        async with self.survivor.db.read() as conn:
+            rows = (
+                await conn.execute(
+                    sa.select(t.messages.c.role, t.messages.c.content)
+                    .select_from(
+                        t.messages.join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
+                    )
+                    .where(t.sessions.c.key == "h:s")
+                    .order_by(t.messages.c.created_at, t.messages.c.id)
+                )
+            ).all()
+        return [(r.role, r.content) for r in rows]
+
+    async def runs_left(self) -> int:
+        """How many turn runs are recorded."""
+        async with self.survivor.db.read() as conn:
+            return int(await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) or 0)
+
+    async def dies(self) -> None:
+        """``died``'s heartbeat lapses and the survivor's reap removes its row (what a
+        crash leaves: its turn, held in the model, never ends)."""
+        stale = self.survivor.clock.now_ms() - self.survivor.liveness.dead_after_ms - 1
+        async with self.survivor.db.tx() as conn:
+            await conn.execute(
+                t.processes.update()
+                .where(t.processes.c.id == self.died.liveness.id)
+                .values(heartbeat_at=stale)
+            )
+        assert await self.survivor.liveness.reap() == 1
+
+
+@asynccontextmanager
+async def pair(url: str) -> AsyncIterator[Pair]:
+    """Both apps on ``url`` (one clock), registered; session ``s`` opened by an exchange
+    through the survivor (so that ``died``'s intake is the plain one of an existing
+    session: one statement on PostgreSQL)."""
+    gate = GateProvider()
+    clock = FakeClock()
+    async with (
+        served_app(url, providers={"script": ScriptProvider(), "gate": gate}, clock=clock) as (
+            died,
+            died_client,
+        ),
+        served_app(
+            url, providers={"script": ScriptProvider(), "gate": ScriptProvider()}, clock=clock
+        ) as (survivor, survivor_client),
+    ):
+        org = await make_org(survivor)
+        await make_agent(survivor, org, "plain", model="gate")
+        await died.start_liveness("api")
+        await survivor.start_liveness("worker")
+        both = Pair(died, died_client, survivor, survivor_client, gate, org.key, clock)
+        assert await both.chat(survivor_client, "first") == 200
+        yield both
+
+
+@asynccontextmanager
+async def held(both: Pair, text: str) -> AsyncIterator[None]:
+    """A plain REST turn of ``text`` through ``died``, held in its model call (its
+    message taken in); its client gives up at the end (the turn is cancelled)."""
+    calls = both.gate.calls
+    request = asyncio.ensure_future(both.chat(both.died_client, text))
+    try:
+        await eventually(lambda: both.gate.calls > calls, what="the model called")
+        yield
+    finally:
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)
+
+
+EARLIER = [("user", "first"), ("assistant", "Echo: first")]
+
+
+async def test_a_plain_rest_turn_whose_process_died_mid_model_call_is_answered_once(
+    migrated_url: str,
+) -> None:
+    """Another process's recovery records its run (a dead process's client run: it
+    waits a minute for the client's resend) and reruns it when none came: answered
+    once, nothing left, and a second search finds nothing."""
+    async with pair(migrated_url) as both, held(both, "hi"):
+        await both.dies()
+        recovery = TurnRecovery(both.survivor.turns)
+        assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+        assert await both.runs_left() == 1
+        both.clock.advance(runs.RESEND_GRACE_MS + 1)
+        assert await drain(recovery) == 1
+        assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await both.runs_left() == 0
+        recovery.gone_found()
+        assert await drain(recovery) == 0
+        assert await runs.record_taken(both.survivor.db, both.survivor.ids, 0) == 0
+
+
+async def test_two_recoverers_record_a_dead_processs_plain_turn_once(
+    migrated_url: str,
+) -> None:
+    """Two replicas' recoveries search the gone process at once: one run recorded."""
+    async with pair(migrated_url) as both, held(both, "hi"):
+        await both.dies()
+        async with served_app(migrated_url, clock=both.clock) as (third, _client):
+            now = both.survivor.clock.now_ms()
+            found = await asyncio.gather(
+                runs.record_taken(both.survivor.db, both.survivor.ids, now),
+                runs.record_taken(third.db, third.ids, now),
+            )
+            assert sorted(found) == [0, 1]
+            assert await both.runs_left() == 1
+
+
+async def test_a_dead_processs_plain_turn_with_a_later_message_is_not_rerun(
+    migrated_url: str,
+) -> None:
+    """The client sent the message again (an OpenAI client retries a cut turn: a new
+    message) before recovery looked: that turn answered, nothing is recorded."""
+    async with pair(migrated_url) as both, held(both, "hi"):
+        assert await both.chat(both.survivor_client, "hi") == 200
+        await both.dies()
+        assert await runs.record_taken(both.survivor.db, both.survivor.ids, 0) == 0
+        assert await drain(TurnRecovery(both.survivor.turns)) == 0
+        assert await both.transcript() == [
+            *EARLIER,
+            ("user", "hi"),
+            ("user", "hi"),
+            ("assistant", "Echo: hi"),
+        ]
+
+
+async def test_a_plain_turn_answered_502_is_not_rerun_after_its_process_died(
+    migrated_url: str,
+) -> None:
+    """Its model failed and its client was told so (502): it ended on purpose, and its
+    process's death later does not make recovery answer it."""
+    async with pair(migrated_url) as both:
+        both.gate.failure = ModelError("the model failed")
+        both.gate.release.set()
+        assert await both.chat(both.died_client, "hi") == 502
+        await both.dies()
+        assert await runs.record_taken(both.survivor.db, both.survivor.ids, 0) == 0
+        assert await drain(TurnRecovery(both.survivor.turns)) == 0
+        assert await both.transcript() == [*EARLIER, ("user", "hi")]
