@@ -101,13 +101,16 @@ async def test_a_thread_discord_never_tells_about_is_read_back_at_the_next_ready
     assert standin.lookups == [(thread, "503")] * 4 + [(thread, "ok")]
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["looked-up", "cached-meanwhile"])
 async def test_a_second_message_waits_for_the_threads_look_up_under_way(
-    service: App, standin: DiscordApiStandin
+    service: App, standin: DiscordApiStandin, cached: bool
 ) -> None:
     """The thread's first message meets a 503 and waits to ask again; a second one comes
-    meanwhile. Before, its own look-up succeeded and it was recorded first: the person's
-    two messages reached the session in the wrong order. Now it waits for the same
-    look-up (one asked, shared), and both are recorded in the order they came."""
+    meanwhile, either looked up too or (``cached``) as a thread discord.py cached in
+    between (a GUILD_CREATE with it), which needs no look-up. Before, the second was
+    recorded first (its own look-up succeeded, or it needed none): the person's two
+    messages reached the session in the wrong order. Now it waits (the look-up is asked
+    once, shared; a channel's messages are recorded in the order they came)."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     async with running(service, standin) as up:
         await caught_up(up)
@@ -123,6 +126,11 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
             mp.setattr(adapter, "_sleep", gated)
             first = await message(standin, "first", channel=thread)
             await eventually(lambda: standin.lookups == [(thread, "503")], what="the 503")
+            if cached:
+                await standin.dispatch_guild_create(GUILD)
+                client = adapter.gateway
+                assert client is not None
+                await eventually(lambda: client.get_channel(int(thread)), what="the thread cached")
             second = await message(standin, "second", channel=thread)
             name = f"discord-record:message:{second}"
 
@@ -143,53 +151,6 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
         mine = [i for i in await taken_in(service) if i.endswith((first, second))]
     assert mine == [f"discord:message:{first}", f"discord:message:{second}"]
     assert standin.lookups == [(thread, "503"), (thread, "ok")]
-
-
-async def test_a_message_in_a_thread_cached_meanwhile_waits_for_the_look_up_under_way(
-    service: App, standin: DiscordApiStandin
-) -> None:
-    """The thread's first message meets a 503 and waits to ask again; then discord.py
-    caches the thread (a GUILD_CREATE with it), and a second message comes as the
-    thread's. Before, it needed no look-up and was recorded at once, before the first:
-    the person's two messages reached the session in the wrong order. Now it waits for
-    the look-up under way, and the first is taken in first."""
-    await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
-        await caught_up(up)
-        adapter = adapter_of(up)
-        gate = asyncio.Event()
-
-        async def gated(seconds: float) -> None:
-            await gate.wait()
-
-        thread = standin.start_thread(GUILD, CHANNEL)
-        standin.fail_lookups(thread, "503")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(adapter, "_sleep", gated)
-            first = await message(standin, "first", channel=thread)
-            await eventually(lambda: standin.lookups == [(thread, "503")], what="the 503")
-            await standin.dispatch_guild_create(GUILD)
-            client = adapter.gateway
-            assert client is not None
-            await eventually(lambda: client.get_channel(int(thread)), what="the thread cached")
-            second = await message(standin, "second", channel=thread)
-            name = f"discord-record:message:{second}"
-
-            async def waiting() -> bool:
-                # (its task waiting for the look-up; on the old code recorded at once)
-                recorded = f"discord:message:{second}" in await taken_in(up)
-                return recorded or any(t.get_name() == name for t in asyncio.all_tasks())
-
-            await eventually(waiting, what="the second message taken from the gateway")
-            gate.set()
-
-            async def both() -> bool:
-                ids = await taken_in(up)
-                return len([i for i in ids if i.endswith((first, second))]) == 2
-
-            await eventually(both, what="both messages recorded")
-        mine = [i for i in await taken_in(service) if i.endswith((first, second))]
-    assert mine == [f"discord:message:{first}", f"discord:message:{second}"]
 
 
 async def test_a_channels_messages_are_recorded_in_the_order_the_gateway_delivered_them(
