@@ -29,7 +29,7 @@ async def env(migrated_url: str, sink: SmtpSink) -> AsyncIterator[Env]:
         yield made
 
 
-async def send(env: Env, message_id: str, text: str, *, sender: str = ALICE, to: str = "") -> None:
+async def send(port: int, message_id: str, text: str, *, sender: str = ALICE, to: str = "") -> None:
     """A mail from ``sender`` to :data:`ASK` over SMTP, ``In-Reply-To`` ``to`` alone (no
     ``References``, as many mobile clients send), taken (250)."""
     message = EmailMessage()
@@ -40,7 +40,7 @@ async def send(env: Env, message_id: str, text: str, *, sender: str = ALICE, to:
     if to:
         message["In-Reply-To"] = to
     message.set_content(text)
-    await aiosmtplib.send(message, recipients=[ASK], hostname="127.0.0.1", port=env.port, timeout=5)
+    await aiosmtplib.send(message, recipients=[ASK], hostname="127.0.0.1", port=port, timeout=5)
 
 
 async def session_of(env: Env, sender: str, message_id: str) -> str:
@@ -67,10 +67,12 @@ async def test_a_reply_naming_the_persons_own_earlier_mail_continues_its_session
     worker = await make_agent(app, org, "worker")
     await make_route(app, org, worker["id"], "email", {"address": ASK})
 
-    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report")
-    await send(env, "<m2@mail.acme.io>", "One more thing: add the totals", to="<m1@mail.acme.io>")
-    await send(env, "<m3@mail.acme.io>", "And the margins", to="<m2@mail.acme.io>")
-    await send(env, "<b1@mail.acme.io>", "Me too", sender=BOB, to="<m1@mail.acme.io>")
+    await send(env.port, "<m1@mail.acme.io>", "Draft the quarterly report")
+    await send(
+        env.port, "<m2@mail.acme.io>", "One more thing: add the totals", to="<m1@mail.acme.io>"
+    )
+    await send(env.port, "<m3@mail.acme.io>", "And the margins", to="<m2@mail.acme.io>")
+    await send(env.port, "<b1@mail.acme.io>", "Me too", sender=BOB, to="<m1@mail.acme.io>")
 
     first = await session_of(env, ALICE, "<m1@mail.acme.io>")
     assert await session_of(env, ALICE, "<m2@mail.acme.io>") == first
@@ -107,7 +109,7 @@ async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_i
     done = " #complete" if gated else ""
     await make_route(app, org, worker["id"], "email", {"address": ASK})
 
-    await send(env, "<m1@mail.acme.io>", "Draft the quarterly report" + done)
+    await send(env.port, "<m1@mail.acme.io>", "Draft the quarterly report" + done)
     first = await session_of(env, ALICE, "<m1@mail.acme.io>")
 
     async def answers_to(message_id: str) -> list[dict[str, str]]:
@@ -131,8 +133,8 @@ async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_i
         assert moved.rowcount == 1
     assert kind == ("gating" if gated else "reply")
 
-    await send(env, "<m2@mail.acme.io>", "Add the totals" + done, to=ours)
-    await send(env, "<b1@mail.acme.io>", "Me too", sender=BOB, to=ours)
+    await send(env.port, "<m2@mail.acme.io>", "Add the totals" + done, to=ours)
+    await send(env.port, "<b1@mail.acme.io>", "Me too", sender=BOB, to=ours)
 
     assert await session_of(env, ALICE, "<m2@mail.acme.io>") == first
     assert await session_of(env, BOB, "<b1@mail.acme.io>") != first

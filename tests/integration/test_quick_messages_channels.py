@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from email.message import EmailMessage
 from typing import Any
 
-import aiosmtplib
 import pytest
 import sqlalchemy as sa
 
@@ -29,6 +27,7 @@ from leadgate.core.runners import drain
 from leadgate.database import schema as t
 from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_discord_quick_messages import HoldsFirst
+from tests.integration.test_email_threads import send
 from tests.serving import served_app
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
 from tests.standins.slack_api import SlackApiStandin, signed_headers
@@ -196,20 +195,9 @@ async def test_email_two_quick_mails_of_one_thread_each_get_a_reply_to_their_own
     plain = await make_agent(app, org, "plain", model="hold")
     await make_route(app, org, plain["id"], "email", {"address": ASK})
 
-    async def send(message_id: str, text: str, to: str = "") -> None:
-        message = EmailMessage()
-        message["From"] = "alice@acme.io"
-        message["To"] = ASK
-        message["Subject"] = "Re: Report" if to else "Report"
-        message["Message-ID"] = message_id
-        if to:
-            message["In-Reply-To"] = to
-        message.set_content(text)
-        await aiosmtplib.send(message, recipients=[ASK], hostname="127.0.0.1", port=port)
-
-    await send("<m1@mail.acme.io>", "first")
+    await send(port, "<m1@mail.acme.io>", "first")
     await eventually(lambda: model.asked == ["first"], what="the first turn at its model")
-    await send("<m2@mail.acme.io>", "second", to="<m1@mail.acme.io>")
+    await send(port, "<m2@mail.acme.io>", "second", to="<m1@mail.acme.io>")
     await both_answered(app, model)
     replies = sorted((str(m["in_reply_to"]), m["body"].strip()) for m in sink.messages)
     assert replies == [("<m1@mail.acme.io>", "to first"), ("<m2@mail.acme.io>", "to second")]
