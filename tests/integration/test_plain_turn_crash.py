@@ -1,8 +1,8 @@
-"""A plain worker's (no lead) REST turn whose process dies before its answer is stored,
-through two real apps on one database (both backends): ``died``, whose turn is held in
-its model call (:class:`~tests.fakes.GateProvider`) when it "dies" (its heartbeat
-lapses and the other app's reap removes its row: what a crash leaves), and
-``survivor``, whose turn recovery answers the message.
+"""A plain worker's (no lead) REST turn (or MCP tool call) whose process dies before its
+answer is stored, through two real apps on one database (both backends): ``died``,
+whose turn is held in its model call (:class:`~tests.fakes.GateProvider`) when it
+"dies" (its heartbeat lapses and the other app's reap removes its row: what a crash
+leaves), and ``survivor``, whose turn recovery answers the message.
 
 Such a turn records no run (the plain path stays cheap): nothing stored told its
 message from an answered one, and it sat unanswered for ever. Its intake now names its
@@ -29,6 +29,7 @@ from leadgate.turns import runs
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
 from tests.helpers import eventually, make_agent, make_org
+from tests.integration.test_mcp_tool_calls import TOOL, mcp_client
 from tests.serving import Client, served_app
 
 
@@ -195,3 +196,32 @@ async def test_a_plain_turn_answered_502_is_not_rerun_after_its_process_died(
         assert await runs.record_taken(both.survivor.db, both.survivor.ids, 0) == 0
         assert await drain(TurnRecovery(both.survivor.turns)) == 0
         assert await both.transcript() == [*EARLIER, ("user", "hi")]
+
+
+async def test_a_plain_mcp_tool_call_whose_process_died_mid_model_call_is_answered_once(
+    migrated_url: str,
+) -> None:
+    """The same through the official ``mcp`` client: a plain worker's
+    ``send_action_agent_message`` call whose process dies while its turn waits for the
+    model. An MCP client never sends the message again: the other process's recovery
+    reruns it after the resend wait, and the transcript holds one answer."""
+    async with (
+        pair(migrated_url) as both,
+        mcp_client(both.died_client, both.key, "2026-07-28") as mcp,
+    ):
+        calls = both.gate.calls
+        call = asyncio.create_task(
+            mcp.call_tool(TOOL, {"agent": "plain", "message": "hi", "session": "s"})
+        )
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            both.clock.advance(runs.RESEND_GRACE_MS + 1)
+            assert await drain(recovery) == 1
+            assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+            assert await both.runs_left() == 0
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
