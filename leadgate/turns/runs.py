@@ -228,6 +228,10 @@ NOT_TAKEN_IN = "absent"
 RECORDED = "recorded"
 
 _M = t.messages.c
+#: A message with its session and the session's active binding (what a run records).
+_WITH_SESSION = t.messages.join(t.sessions, t.sessions.c.id == _M.session_id).join(
+    t.bindings, (t.bindings.c.session_id == _M.session_id) & t.bindings.c.active
+)
 #: An owed run's message in doubt (``session_id`` None in its values): the session, its
 #: agent and its active binding, read when the run is recorded.
 _OWED_SESSION = (
@@ -237,11 +241,7 @@ _OWED_SESSION = (
         t.sessions.c.agent_id,
         t.bindings.c.id.label("binding_id"),
     )
-    .select_from(
-        t.messages.join(t.sessions, t.sessions.c.id == _M.session_id).join(
-            t.bindings, (t.bindings.c.session_id == _M.session_id) & t.bindings.c.active
-        )
-    )
+    .select_from(_WITH_SESSION)
     .where(_M.id == sa.bindparam("p_id"))
 )
 
@@ -360,11 +360,7 @@ _TAKEN = (
         t.sessions.c.agent_id,
         t.bindings.c.id.label("binding_id"),
     )
-    .select_from(
-        t.messages.join(t.sessions, t.sessions.c.id == _M.session_id).join(
-            t.bindings, (t.bindings.c.session_id == _M.session_id) & t.bindings.c.active
-        )
-    )
+    .select_from(_WITH_SESSION)
     .where(
         _M.taken_by == sa.bindparam("p_process"),
         _M.created_at >= sa.bindparam("p_since"),
