@@ -493,6 +493,7 @@ async def test_the_window_of_a_long_session_reads_50_rows_not_the_session(
         "role": "user",
         "content": "x",
         "created": 1,
+        "taken_by": "prc_x",
         "kind": "message",
         "channel": "c",
     }
