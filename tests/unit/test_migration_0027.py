@@ -9,15 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 
 from binding.bindings import EMAIL_REPLY_SESSIONS
-from leadgate.database.db import alembic_config
-from leadgate.database.schema import metadata
-from tests.unit.test_migration_0016 import run
-from tests.unit.test_migration_0026 import delivery_indexes, index_predicate, plan_accesses
+from tests.unit.test_migration_0026 import migrated_with_index, plan_accesses
 
 INDEX = "ix_deliveries_email_reply_external"
 
@@ -55,55 +49,16 @@ def _accesses(conn: sa.Connection) -> list[str]:
     return plan_accesses(conn, EMAIL_REPLY_SESSIONS, ASKED)
 
 
-def _predicate(conn: sa.Connection) -> str:
-    return index_predicate(conn, INDEX)
-
-
 def test_an_answered_replys_session_is_found_through_the_partial_index(db_url: str) -> None:
-    cfg = alembic_config(db_url)
-    command.upgrade(cfg, "0026")
-    before = run(db_url, delivery_indexes)
-    assert INDEX not in before
-    run(db_url, _fill)
-    if db_url.startswith("sqlite"):
-        # Every delivery.
-        steps = run(db_url, _accesses)
-        assert len(steps) == 1 and steps[0].startswith("SCAN "), steps
-    command.upgrade(cfg, "head")
-
-    def check(conn: sa.Connection) -> dict[str, Any]:
-        return {
-            "indexes": delivery_indexes(conn),
-            "diff": compare_metadata(MigrationContext.configure(conn), metadata),
-            "predicate": _predicate(conn),
-            "accesses": _accesses(conn),
-        }
-
-    out = run(db_url, check)
-    assert out["indexes"] == before | {INDEX}
-    # The migrated schema is schema.py (the SQLite-only index aside, as in 0005's test).
-    assert [
-        d
-        for d in out["diff"]
-        if not (d[0] == "add_index" and d[1].name == "ix_messages_session_rowid")
-    ] == []
+    found = migrated_with_index(db_url, "0026", INDEX, _fill, _accesses)
     # Email replies alone (those naming their binding): a card, a card's answer or
     # another channel's post adds no entry.
-    assert out["predicate"] == (
+    assert found.predicate == (
         "channel = 'email' AND binding_id IS NOT NULL"
         if db_url.startswith("sqlite")
         else "(((channel)::text = 'email'::text) AND (binding_id IS NOT NULL))"
     )
     if db_url.startswith("sqlite"):
-        assert out["accesses"] == [f"SEARCH deliveries USING INDEX {INDEX} (external_id=?)"], out[
-            "accesses"
-        ]
+        assert found.accesses == [f"SEARCH deliveries USING INDEX {INDEX} (external_id=?)"], found
     else:
-        assert len(out["accesses"]) == 1 and f"using {INDEX} on" in out["accesses"][0], out[
-            "accesses"
-        ]
-
-    command.downgrade(cfg, "0026")
-    assert run(db_url, delivery_indexes) == before
-    command.upgrade(cfg, "head")
-    assert run(db_url, delivery_indexes) == out["indexes"]
+        assert len(found.accesses) == 1 and f"using {INDEX} on" in found.accesses[0], found
