@@ -94,8 +94,9 @@ async def cancelled_mid_turn(
         await eventually(lambda: turns_of(service).detached() == 1 or gate.cancelled)
 
 
-async def session_rows(service: App) -> tuple[list[tuple[str, str]], int]:
-    """The session ``c``'s stored messages (role, content), and the recorded runs."""
+async def session_rows(service: App, key: str = "h:c") -> tuple[list[tuple[str, str]], int]:
+    """The session ``key``'s stored messages (role, content), oldest first, and the
+    recorded runs (default: the session ``c`` these tests' calls name)."""
     async with service.db.read() as conn:
         messages = (
             await conn.execute(
@@ -103,7 +104,7 @@ async def session_rows(service: App) -> tuple[list[tuple[str, str]], int]:
                 .select_from(
                     t.messages.join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
                 )
-                .where(t.sessions.c.key == "h:c")
+                .where(t.sessions.c.key == key)
                 .order_by(t.messages.c.created_at, t.messages.c.id)
             )
         ).all()

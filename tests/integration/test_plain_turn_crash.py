@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import sqlalchemy as sa
-
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError
@@ -29,7 +27,7 @@ from leadgate.turns import runs
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
 from tests.helpers import eventually, make_agent, make_org
-from tests.integration.test_mcp_tool_calls import TOOL, mcp_client
+from tests.integration.test_mcp_tool_calls import TOOL, mcp_client, session_rows
 from tests.serving import Client, served_app
 
 
@@ -56,23 +54,11 @@ class Pair:
 
     async def transcript(self) -> list[tuple[str, str]]:
         """Session ``s``'s messages (role, content), oldest first."""
-        async with self.survivor.db.read() as conn:
-            rows = (
-                await conn.execute(
-                    sa.select(t.messages.c.role, t.messages.c.content)
-                    .select_from(
-                        t.messages.join(t.sessions, t.sessions.c.id == t.messages.c.session_id)
-                    )
-                    .where(t.sessions.c.key == "h:s")
-                    .order_by(t.messages.c.created_at, t.messages.c.id)
-                )
-            ).all()
-        return [(r.role, r.content) for r in rows]
+        return (await session_rows(self.survivor, "h:s"))[0]
 
     async def runs_left(self) -> int:
         """How many turn runs are recorded."""
-        async with self.survivor.db.read() as conn:
-            return int(await conn.scalar(sa.select(sa.func.count()).select_from(t.turn_runs)) or 0)
+        return (await session_rows(self.survivor, "h:s"))[1]
 
     async def dies(self) -> None:
         """``died``'s heartbeat lapses and the survivor's reap removes its row (what a
