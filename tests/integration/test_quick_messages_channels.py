@@ -12,7 +12,6 @@ message's reply was stored in the transcript and never posted."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,12 +27,12 @@ from leadgate.database import schema as t
 from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_discord_quick_messages import HoldsFirst
 from tests.integration.test_email_threads import send
+from tests.integration.test_slack_catch_up import SECRET, post_event
 from tests.serving import served_app
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
-from tests.standins.slack_api import SlackApiStandin, signed_headers
+from tests.standins.slack_api import SlackApiStandin
 from tests.standins.smtp import SmtpSink
 
-SECRET = "slack-signing-secret"
 CHANNEL = "C0ASK"
 ASK = "ask@lg.example"
 CONVERSATION = "19:general@thread.tacv2"
@@ -93,18 +92,7 @@ async def test_slack_two_quick_messages_in_one_thread_each_get_their_reply_in_it
                 }
                 if thread_ts:
                     event["thread_ts"] = thread_ts
-                body = json.dumps(
-                    {
-                        "type": "event_callback",
-                        "team_id": "T0STANDIN",
-                        "event_id": f"Ev{ts}",
-                        "event": event,
-                    }
-                )
-                answer = await client.post(
-                    "/slack/events", data=body, headers=signed_headers(SECRET, body)
-                )
-                assert answer.status == 200, await answer.text()
+                await post_event(client, event, f"Ev{ts}")
 
             first = "1700000000.000100"
             await say("first", first)

@@ -140,9 +140,14 @@ async def deliver(client: Client, standin: SlackApiStandin, ts: str) -> None:
     """Slack's delivery of the kept message ``ts`` (of ``CHANNEL``) as an ``app_mention``
     event, signed; answered 200."""
     [message] = [m for m in standin.history[CHANNEL] if m["ts"] == ts]
-    event = {**message, "type": "app_mention", "channel": CHANNEL}
+    await post_event(client, {**message, "type": "app_mention", "channel": CHANNEL}, f"Ev{ts}")
+
+
+async def post_event(client: Client, event: dict[str, Any], event_id: str) -> None:
+    """Slack's signed delivery of ``event`` (team ``T0STANDIN``) to ``/slack/events``,
+    answered 200."""
     body = json.dumps(
-        {"type": "event_callback", "team_id": "T0STANDIN", "event_id": f"Ev{ts}", "event": event}
+        {"type": "event_callback", "team_id": "T0STANDIN", "event_id": event_id, "event": event}
     )
     answer = await client.post("/slack/events", data=body, headers=signed_headers(SECRET, body))
     assert answer.status == 200, await answer.text()
