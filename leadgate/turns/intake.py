@@ -428,7 +428,9 @@ class Intake:
                 session_id, current_binding, new_session = await bindings.open_session(
                     conn, self.clock, self.ids, trigger.org_id, agent.id, trigger.session_key
                 )
-                event = self._event(trigger, agent, session_id, now)
+                taken_by = self._taken_by(trigger.binding.kind, lead is not None)
+                keyed_id = self._keyed_message_id(trigger, taken_by)
+                event = self._event(trigger, agent, session_id, now, keyed_id)
                 new_item_id: str | None = None
                 if lead is not None and new_session:
                     # A new session's item is new too: its id goes into the event row now
@@ -492,7 +494,8 @@ class Intake:
                     work_item_id=item_id,
                     role="user",
                     content=trigger.text,
-                    taken_by=self._taken_by(trigger.binding.kind, lead is not None),
+                    taken_by=taken_by,
+                    message_id=keyed_id,
                 )
                 turn_id = self.ids.new("turn")
                 run_token = None
@@ -565,7 +568,9 @@ class Intake:
         binding_id = str(binding["id"])
         rows: dict[str, dict[str, Any]] = {"sessions": session, "bindings": binding}
         item_id: str | None = None
-        event = self._event(trigger, agent, session_id, now)
+        taken_by = self._taken_by(kind, lead is not None)
+        keyed_id = self._keyed_message_id(trigger, taken_by)
+        event = self._event(trigger, agent, session_id, now, keyed_id)
         if lead is not None:
             item_id = event.values["work_item_id"] = self.ids.new("wi")
         if lead is not None or trigger.external_event_id is not None:
@@ -583,7 +588,8 @@ class Intake:
             work_item_id=item_id,
             role="user",
             content=trigger.text,
-            taken_by=self._taken_by(kind, lead is not None),
+            taken_by=taken_by,
+            message_id=keyed_id,
         )
         rows["messages"] = message
         # Its first event (as store_message queues it, numbered from the session's 0).
@@ -635,6 +641,19 @@ class Intake:
             message_id=str(message["id"]),
         )
         return Accepted(ctx, agent, lead is not None, rules, [to_message("user", trigger.text)])
+
+    def _keyed_message_id(self, trigger: Trigger, taken_by: str | None) -> str | None:
+        """The id, made now, of the user message of a plain REST/MCP/Studio turn
+        (``taken_by`` its process) taken in under an external event id, which its
+        inbound event's id is derived from (:meth:`_event`); None for any other."""
+        if taken_by is None or trigger.external_event_id is None:
+            return None
+        # Made a few statements before the message's row, in the same transaction: its
+        # place in the transcript (created_at, then id) holds, as the message is stamped
+        # after the session's newest (PostgreSQL) or written by the one writer (SQLite).
+        # (The other ways read the event without its id: an index of idem: events only,
+        # written by every keyed intake, or a scan of the never-pruned table.)
+        return self.ids.new("msg")
 
     def _taken_by(self, kind: BindingKind, gated: bool) -> str | None:
         """The ``taken_by`` of a user message taken in through ``kind``: this process
@@ -899,12 +918,16 @@ class Intake:
             "external_event_id": trigger.external_event_id,
         }
 
-    def _event(self, trigger: Trigger, agent: Agent, session_id: str, now: int) -> _Event:
+    def _event(
+        self, trigger: Trigger, agent: Agent, session_id: str, now: int, message_id: str | None
+    ) -> _Event:
         # A plain chat turn (no lead, no external id) writes no event at all: its user
-        # message is its record.
+        # message is its record. A keyed one's (``message_id``, made now) has an id
+        # derived from its message's, by which turn recovery reads its external event id
+        # once its process is gone (runs.event_id_of).
         return _Event(
             {
-                "id": self.ids.new("evt"),
+                "id": self.ids.new("evt") if message_id is None else runs.event_id_of(message_id),
                 "org_id": trigger.org_id,
                 "agent_id": agent.id,
                 "session_id": session_id,

@@ -52,13 +52,15 @@ async def store_message(
     gated: bool = False,
     created_at: int | None = None,
     taken_by: str | None = None,
+    message_id: str | None = None,
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
     is announced in the session's public event log in the same transaction. It is
     stamped at ``created_at`` (the clock's now by default), on PostgreSQL at the later
     of that and the session's newest message + 1 ms
     (:func:`session_events.message_created_at`). ``taken_by``: the process whose plain
-    REST/MCP/Studio turn takes this user message in (:func:`message_values`)."""
+    REST/MCP/Studio turn takes this user message in (:func:`message_values`).
+    ``message_id``: its id, made before (a new one by default)."""
     values = message_values(
         clock,
         ids,
@@ -71,6 +73,7 @@ async def store_message(
         gated=gated,
         created_at=created_at,
         taken_by=taken_by,
+        message_id=message_id,
     )
     if conn.dialect.name == "postgresql":
         await conn.execute(
@@ -96,13 +99,16 @@ def message_values(
     gated: bool = False,
     created_at: int | None = None,
     taken_by: str | None = None,
+    message_id: str | None = None,
 ) -> dict[str, Any]:
     """A new ``messages`` row (a new id; ``created_at`` defaults to the clock's now).
     ``taken_by`` (a plain REST/MCP/Studio turn's user message: its process, which turn
     recovery reruns it for once that process is gone, :func:`leadgate.turns.runs.
-    record_taken`) is in the row only when given: other inserts keep their columns."""
+    record_taken`) is in the row only when given: other inserts keep their columns.
+    ``message_id``: its id, made before (a keyed plain turn's, which its inbound event's
+    id is derived from: :func:`leadgate.turns.runs.event_id_of`)."""
     row = {
-        "id": ids.new("msg"),
+        "id": ids.new("msg") if message_id is None else message_id,
         "org_id": org_id,
         "session_id": session_id,
         "work_item_id": work_item_id,

@@ -346,11 +346,31 @@ _G = t.gone_processes.c
 #: a stop, noted them: :func:`leadgate.domain.processes.Liveness.reap`).
 _GONE = sa.select(_G.id, _G.heartbeat_at).where(~sa.exists().where(t.processes.c.id == _G.id))
 _later = t.messages.alias("later")
+_I = t.inbound_events.c
+#: The prefix of :func:`event_id_of`.
+_EVENT_OF = "evt."
+
+
+def event_id_of(message_id: str) -> str:
+    """The id of the inbound event of a plain REST/MCP/Studio turn's user message
+    ``message_id`` taken in under an external event id (a keyed REST request's
+    ``Idempotency-Key``; the intake writes no event for an unkeyed one). Derived from
+    the message's id, so that turn recovery's search (:func:`record_taken`) reads the
+    event id by the primary key of ``inbound_events`` (never pruned: an index of its
+    own, or a scan by session and time, was the other way), and the intake writes
+    nothing more: the row it wrote with a new id has this one."""
+    return f"{_EVENT_OF}{message_id}"
+
+
 #: The user messages a gone process (``p_process``) took in for a plain REST/MCP/Studio
 #: turn (``taken_by``) since ``p_since`` that nothing answered: no message of their session
 #: came after them (a reply, a resend, a follow-up: whatever came after answered, or its
 #: turn did) and no run is recorded for them (one its process recorded owing it, or a
-#: search before). With what their run records: the session's worker and active binding.
+#: search before). With what their run records: the session's worker and active binding,
+#: and the external event id a keyed request's message was taken in under (its event's
+#: id is :func:`event_id_of` the message's: one primary-key look-up each), so that the
+#: key's retry claims the run (:func:`claim_for_retry`) and a rerun's answer is stored
+#: under the key (:attr:`Claimed.external_event_ids`).
 _TAKEN = (
     sa.select(
         _M.id,
@@ -359,6 +379,10 @@ _TAKEN = (
         _M.created_at,
         t.sessions.c.agent_id,
         t.bindings.c.id.label("binding_id"),
+        sa.select(_I.external_event_id)
+        .where(_I.id == sa.literal(_EVENT_OF, sa.String) + _M.id)
+        .scalar_subquery()
+        .label("external_event_id"),
     )
     .select_from(_WITH_SESSION)
     .where(
@@ -453,7 +477,7 @@ async def _record_taken_of(
                 "lease_expires_at": now + RUN_LEASE_MS,
                 "attempts": 1,
                 "created_at": m.created_at,
-                "external_event_id": None,
+                "external_event_id": m.external_event_id,
             }
             await conn.execute(insert, run)
     return len(taken)

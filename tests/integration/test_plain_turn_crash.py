@@ -17,17 +17,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import pytest
+from openai import AsyncOpenAI
+
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
 from leadgate.database import schema as t
+from leadgate.operations.idempotency import LEASE_MS
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
 from tests.helpers import eventually, make_agent, make_org
 from tests.integration.test_mcp_tool_calls import TOOL, mcp_client, session_rows
+from tests.integration.test_openai_surface import answer_of, keyed
 from tests.serving import Client, served_app
 
 
@@ -211,3 +216,68 @@ async def test_a_plain_mcp_tool_call_whose_process_died_mid_model_call_is_answer
         finally:
             call.cancel()
             await asyncio.gather(call, return_exceptions=True)
+
+
+def official(both: Pair, client: Client) -> AsyncOpenAI:
+    """The official ``openai`` client through ``client`` (no retries of its own)."""
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=both.key, max_retries=0)
+
+
+@pytest.mark.parametrize("retry", ["in-the-wait", "after-the-rerun", "before-the-search"])
+async def test_a_keyed_rest_turn_whose_process_died_gives_its_retry_one_answer(
+    migrated_url: str, retry: str
+) -> None:
+    """A plain worker's REST request with an ``Idempotency-Key`` (the official client)
+    whose process died while its turn waited for the model. Recovery's search records
+    its run under the key's event id (the message's inbound event), so that the key's
+    retry, once the key's claim lapsed:
+    - in the run's wait for a resend, takes the run and runs the turn from the stored
+      message (one answer, the retry's, and nothing left to rerun);
+    - after the rerun, gets the rerun's answer, stored under the key.
+    It was 409 ``idempotency.lost`` both times (the run held no event id: the retry
+    found no run, and the rerun's answer was stored under no key), the rerun's answer
+    in a transcript the client was told to read. A retry before the search found the
+    message is told the answer was lost, as before; the rerun's answer is then stored
+    over that, and the next retry gets it."""
+    ask = keyed("k", "s", "plain", "hi")
+    async with pair(migrated_url) as both, official(both, both.died_client) as first:
+        calls = both.gate.calls
+        request = asyncio.ensure_future(answer_of(first, **ask))
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            async with official(both, both.survivor_client) as client:
+                both.clock.advance(30_000)
+                if retry == "before-the-search":
+                    both.clock.advance(LEASE_MS - 30_000 + 1)  # the key's claim lapsed
+                    lost = await answer_of(client, **ask)
+                    assert lost.status_code == 409, lost.text
+                    assert lost.json()["error"]["rule"] == "idempotency.lost"
+                assert await drain(recovery) == 1  # recorded, left to wait for a resend
+                if retry == "after-the-rerun":
+                    both.clock.advance(runs.RESEND_GRACE_MS + 1)
+                    assert await drain(recovery) == 1
+                elif retry == "in-the-wait":
+                    both.clock.advance(LEASE_MS - 30_000 + 1)  # the key's claim lapsed
+                    answer = await answer_of(client, **ask)
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["choices"][0]["message"]["content"] == "Echo: hi"
+                else:
+                    both.clock.advance(runs.RESEND_GRACE_MS + 1)
+                    assert await drain(recovery) == 1  # rerun
+                both.clock.advance(runs.RESEND_GRACE_MS + 1)
+                assert await drain(recovery) == 0  # nothing left to rerun
+                again = await answer_of(client, **ask)
+            assert again.status_code == 200, again.text
+            assert again.headers["Idempotent-Replayed"] == "true"
+            assert again.json()["choices"][0]["message"]["content"] == "Echo: hi"
+            assert await both.transcript() == [
+                *EARLIER,
+                ("user", "hi"),
+                ("assistant", "Echo: hi"),
+            ]
+            assert await both.runs_left() == 0
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)

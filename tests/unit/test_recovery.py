@@ -23,6 +23,7 @@ from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
 from leadgate.database.db import Database
+from leadgate.database.schema import metadata
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import processes
 from leadgate.domain.processes import Liveness
@@ -43,6 +44,7 @@ from tests.helpers import (
     make_org,
     session_item,
     slack_trigger,
+    sqlite_plan,
     stopped_by_a_fault,
 )
 from tests.stack import Stack
@@ -1307,3 +1309,18 @@ async def test_a_gone_process_whose_runs_cannot_be_recorded_is_given_up_and_the_
     assert await count(stack, t.gone_processes) == 0
     [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "prc_a" in error.getMessage() and error.exc_info is not None
+
+
+def test_the_search_reads_a_keyed_messages_event_by_its_primary_key() -> None:
+    """Turn recovery's search of a gone process's plain messages reads the external
+    event id of a keyed one by the primary key of ``inbound_events`` (never pruned: its
+    event's id is derived from the message's, ``runs.event_id_of``), no table scanned."""
+    engine = sa.create_engine("sqlite://")
+    metadata.create_all(engine)
+    with engine.connect() as raw:
+        plan = sqlite_plan(raw, runs._TAKEN.params(p_process="prc_1", p_since=0))
+    assert any(
+        step.startswith("SEARCH inbound_events USING INDEX sqlite_autoindex_inbound_events_1")
+        for step in plan
+    ), plan
+    assert not any(step.startswith("SCAN inbound_events") for step in plan), plan
