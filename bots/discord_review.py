@@ -28,6 +28,7 @@ edits every card of the item after any decision (``PATCH .../messages/{id}``).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import discord
@@ -87,7 +88,8 @@ def content(card: Card) -> str:
     if room < 50:
         top = cut(top, CONTENT_MAX - len(tail) - 80)
         room = CONTENT_MAX - len(top) - len(tail) - len("\n**Summary**\n")
-    return f"{top}\n**Summary**\n{cut(card.summary or '(no summary)', room)}{tail}"
+    summary = links_shown(card.summary or "(no summary)")
+    return f"{top}\n**Summary**\n{cut(summary, room)}{tail}"
 
 
 #: How much of a decision's reason or feedback a card quotes (escaped, it may double).
@@ -95,8 +97,25 @@ QUOTE_MAX = 300
 
 
 def escaped(text: str) -> str:
-    """``text`` with Discord's markdown escaped, shown as it was written."""
-    return discord.utils.escape_markdown(text)
+    """``text`` with Discord's markdown escaped, shown as it was written (discord.py
+    escapes the first masked link of a line only: :func:`links_shown` does the rest)."""
+    return links_shown(discord.utils.escape_markdown(text))
+
+
+#: A ``[`` not escaped already: after no backslash, or after pairs of them (``\\``
+#: shows one backslash and leaves the ``[`` to open a link).
+_OPENER = re.compile(r"(?<!\\)((?:\\\\)*)\[")
+
+
+def links_shown(text: str) -> str:
+    """``text`` whose masked links (``[words](url)``) show as typed, their URL in view:
+    every ``[`` before the last ``](`` (where any link's words end) is escaped, the rest
+    of its markdown left as it is. Shown as words, a link hid where it led from the
+    reviewer it asked to decide."""
+    end = text.rfind("](")
+    if end < 0:
+        return text
+    return _OPENER.sub(r"\1\\[", text[:end]) + text[end:]
 
 
 def quote(said: str) -> str:

@@ -1,8 +1,9 @@
 """Slack review cards: Block Kit rendering, and the buttons and modals that decide.
 
-A card (:class:`outbox.channel.Card`) becomes a Block Kit message: the facts, the
-summary (cut to Slack's 3,000-character section limit, never dropped), a link to the
-console (a plain mrkdwn link, never a button: Slack sends an interaction for a URL
+A card (:class:`outbox.channel.Card`) becomes a Block Kit message: the facts (the
+agent, source and "why" as ``plain_text`` fields, shown as typed), the summary (cut
+to Slack's 3,000-character section limit, never dropped), a link to the console (a
+plain mrkdwn link, never a button: Slack sends an interaction for a URL
 button, and nothing reached by GET decides anything), and an ``actions`` block whose
 ``block_id`` carries the card's episode and its own delivery id
 (``lg_review:<episode>:<card>``; cards posted before it carried the card are
@@ -48,6 +49,8 @@ SECTION_MAX = 3_000
 HEADER_MAX = 150
 INPUT_MAX = 3_000
 TEXT_MAX = 3_000
+#: A section field's limit (and at most ten fields: the facts take ten).
+FIELD_MAX = 2_000
 BLOCK_PREFIX = "lg_review:"
 #: Modals: callback id -> (decision, input block id, input action id, label, max length)
 MODALS = {
@@ -153,21 +156,35 @@ def fallback_text(card: Card) -> str:
     return _esc_cut(f"{head}: {card.summary}", TEXT_MAX)
 
 
+def facts(card: Card) -> dict[str, Any]:
+    """The card's facts as a section of ``fields``: each label in mrkdwn, and the agent,
+    source and "why" as ``plain_text``, which Slack shows as typed (in one mrkdwn line,
+    a name's ``*``, ``_``, ``~`` or a backquote restyled the card)."""
+    labelled = [
+        ("Agent", _typed(card.agent)),
+        ("From", _typed(card.source)),
+        ("Why", _typed(card.why)),
+        ("Waiting since", {"type": "mrkdwn", "text": _when(card.waiting_since_ms)}),
+        ("Revision", _typed(f"{card.revision} of {card.rounds}")),
+    ]
+    fields: list[dict[str, Any]] = []
+    for label, value in labelled:
+        fields += [{"type": "mrkdwn", "text": f"*{label}*"}, value]
+    return {"type": "section", "fields": fields}
+
+
+def _typed(text: str) -> dict[str, Any]:
+    """A ``plain_text`` field: never read as mrkdwn, cut to a field's limit (Slack
+    refuses an empty text: a dash stands for none)."""
+    return {"type": "plain_text", "text": cut(text, FIELD_MAX) or "-", "emoji": False}
+
+
 def blocks(card: Card) -> list[dict[str, Any]]:
     """The card as Block Kit blocks (decided cards: the outcome instead of buttons)."""
-    facts = "\n".join(
-        [
-            f"*Agent:* {_esc(card.agent)}",
-            f"*From:* {_esc(card.source)}",
-            f"*Why:* {_esc(card.why)}",
-            f"*Waiting since:* {_when(card.waiting_since_ms)}",
-            f"*Revision:* {card.revision} of {card.rounds}",
-        ]
-    )
     summary_head = "*Summary*\n"
     out: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": cut(card.title, HEADER_MAX)}},
-        {"type": "section", "text": {"type": "mrkdwn", "text": cut(facts, SECTION_MAX)}},
+        facts(card),
         {
             "type": "section",
             "text": {

@@ -1,7 +1,8 @@
 """Teams review cards: Adaptive Cards with ``Action.Execute``, and the invokes that decide.
 
 A card (:class:`outbox.channel.Card`) becomes an Adaptive Card (version 1.4, what
-``Action.Execute`` needs): a fact set, the summary, and
+``Action.Execute`` needs): its facts and the summary, shown as typed (``TextRun``s:
+Teams reads a ``TextBlock``'s and a fact set's text as markdown), and
 
 * awaitingHuman: ``Action.Execute`` ``approve``; ``Action.ShowCard`` Reject and Return
   to worker, each revealing an ``Input.Text`` (``reason`` up to 2,000 characters,
@@ -90,22 +91,11 @@ def adaptive_card(card: Card) -> dict[str, Any]:
     """The card as Adaptive Card JSON (decided cards: the outcome instead of actions)."""
     body: list[dict[str, Any]] = [
         as_typed(card.title, weight="Bolder", size="Medium"),
-        {
-            "type": "FactSet",
-            "facts": [
-                {"title": "Agent", "value": card.agent},
-                {"title": "From", "value": card.source},
-                {"title": "Why", "value": _cut_bytes(card.why, WHY_BYTES)},
-                {"title": "Waiting since", "value": _iso(card.waiting_since_ms)},
-                {"title": "Revision", "value": f"{card.revision} of {card.rounds}"},
-            ],
-        },
+        *facts(card),
         {"type": "TextBlock", "text": "Summary", "weight": "Bolder", "wrap": True},
-        {
-            "type": "TextBlock",
-            "text": _cut_bytes(card.summary or "(no summary)", SUMMARY_BYTES),
-            "wrap": True,
-        },
+        # As typed: a TextBlock reads markdown, and a masked link in it showed its words,
+        # not where it led (Teams documents no escape).
+        as_typed(_cut_bytes(card.summary or "(no summary)", SUMMARY_BYTES)),
     ]
     actions: list[dict[str, Any]] = []
     # "card": the card's own delivery (a click names its card exactly); absent on
@@ -140,6 +130,32 @@ def adaptive_card(card: Card) -> dict[str, Any]:
         "body": body,
         "actions": actions,
     }
+
+
+def facts(card: Card) -> list[dict[str, Any]]:
+    """The card's facts, one line each: its label bold, then its value in a ``TextRun``,
+    shown as typed (see :func:`as_typed`).
+    (A ``FactSet``'s values are markdown in Teams: a masked link in the lead's "why"
+    hid where it led, and a name's ``*`` or ``_`` restyled it.)"""
+    labelled = [
+        ("Agent", card.agent),
+        ("From", card.source),
+        ("Why", _cut_bytes(card.why, WHY_BYTES)),
+        ("Waiting since", _iso(card.waiting_since_ms)),
+        ("Revision", f"{card.revision} of {card.rounds}"),
+    ]
+    return [
+        {
+            "type": "RichTextBlock",
+            "inlines": [
+                {"type": "TextRun", "text": f"{label}: ", "weight": "Bolder"},
+                {"type": "TextRun", "text": value},
+            ],
+            # (one block of facts, as the fact set was: no gap between its lines)
+            **({"spacing": "None"} if i else {}),
+        }
+        for i, (label, value) in enumerate(labelled)
+    ]
 
 
 def as_typed(text: str, **style: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import re
@@ -502,4 +503,21 @@ def decided_card() -> Card:
         link="https://leadgate.example/console/#/review/wi_1",
         outcome=CardOutcome("Approved", "ann@example.com", "console", 1_700_000_060_000),
         card_id="d_1",
+    )
+
+
+#: A masked link whose words hide where it leads.
+PHISH = "[Approve here](https://elsewhere.example)"
+
+
+def marked_card() -> Card:
+    """:func:`decided_card` before its decision, its names, "why" and summary written
+    with each platform's markup and a masked link (:data:`PHISH`) in them."""
+    return dataclasses.replace(
+        decided_card(),
+        agent="*helper*_x_",
+        source="`src` ~y~",
+        why=f"The lead escalated it: {PHISH}",
+        summary=f"**Done.** {PHISH}",
+        outcome=None,
     )

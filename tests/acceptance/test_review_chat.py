@@ -358,7 +358,13 @@ def thread_posts(slack_api: Standin, channel: str, thread: str) -> list[dict[str
 
 
 def block_text(blocks: list[dict[str, Any]]) -> str:
-    return "\n".join(b["text"]["text"] for b in blocks if b.get("text") and b["type"] == "section")
+    """The sections' texts, a section of fields (the facts) as its fields' texts."""
+    sections = [b for b in blocks if b["type"] == "section"]
+    return "\n".join(
+        text
+        for b in sections
+        for text in ([b["text"]["text"]] if b.get("text") else [f["text"] for f in b["fields"]])
+    )
 
 
 def audit_of(op: Operator, item_id: str, action: str) -> list[dict[str, Any]]:
@@ -383,7 +389,7 @@ def test_escalated_slack_turn_posts_cards_and_a_member_approves_from_slack(
     }
     assert card["unfurl_links"] is False and card["unfurl_media"] is False
     facts = block_text(card["blocks"])
-    assert "*Agent:* worker" in facts and "The lead escalated it: Needs a human." in facts
+    assert "*Agent*\nworker" in facts and "The lead escalated it: Needs a human." in facts
     assert f"Slack channel {SLACK_WORK} in {TEAM}, thread {thread}" in facts
     assert f"/console/#/review/{item_id}|Open in the leadgate console>" in json.dumps(
         card["blocks"]

@@ -22,7 +22,7 @@ from bots.discord import DiscordChannel, configure_endpoints, nonce_for
 from bots.discord_out import described
 from leadgate.core.config import DiscordSettings
 from outbox.channel import OutboundMessage, Permanent, Retry, Sent, Uncertain
-from tests.helpers import ours
+from tests.helpers import marked_card, ours
 from tests.standins.common import PORTAL_SESSION
 from tests.standins.discord_api import DiscordApiStandin
 
@@ -103,6 +103,22 @@ async def test_channel_post_with_nonce_and_reply_reference(
     assert str(post["message_reference"]["message_id"]) == "800000000000000077"
     assert post["message_reference"]["fail_if_not_exists"] is False
     assert channel.name == "discord" and channel.max_chars == 2000
+
+
+async def test_a_cards_masked_links_reach_discord_showing_where_they_lead(
+    standin: DiscordApiStandin, channel: DiscordChannel
+) -> None:
+    """The summary was posted as typed: ``[Approve here](https://elsewhere.example)``
+    showed its words only, on the card asking the reviewer to decide. Posted through
+    discord.py, every masked link is escaped (its URL in view); the summary keeps its
+    bold, and names and "why" are escaped as before."""
+    post = dataclasses.replace(gated("delivery-c"), kind="card", card=marked_card())
+    assert isinstance(await channel.send(post), Sent)
+    [posted] = standin.posts
+    link = "\\[Approve here](https://elsewhere.example)"
+    assert f"**Why:** The lead escalated it: {link}\n" in posted["content"]
+    assert f"**Summary**\n**Done.** {link}\n<https://" in posted["content"]
+    assert "**Agent:** \\*helper\\*\\_x\\_\n" in posted["content"]
 
 
 async def test_gating_without_message_id_posts_plainly(

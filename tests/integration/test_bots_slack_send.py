@@ -24,7 +24,7 @@ from leadgate.operations.chat_reviews import ChatAnswer
 from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
 from outbox.store import SEND_DEADLINE_S
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import decided_card, eventually, ours
+from tests.helpers import PHISH, decided_card, eventually, marked_card, ours
 from tests.standins.common import PORTAL_SESSION
 from tests.standins.microsoft_login import MicrosoftLogin
 from tests.standins.slack_api import SlackApiStandin, signed_headers
@@ -166,6 +166,28 @@ async def test_a_page_labelled_json_is_quoted_too(
         "slack: HTTP 200 that is not Slack's answer (application/json; charset=utf-8:"
         " <html>Bad gateway</html>): the post may or may not have reached Slack"
     )
+
+
+async def test_a_cards_names_and_why_reach_slack_as_plain_text(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    """The card's facts were one mrkdwn line: a name's ``*``, ``_``, ``~`` or backquote
+    restyled them. Posted through slack_sdk, they are ``plain_text`` fields, and the
+    summary's markup and link are shown as typed (``[words](url)`` is no mrkdwn link)."""
+    post = OutboundMessage(
+        delivery_id="d3",
+        idempotency_key="d3",
+        address={"team": "T1", "channel": "C1"},
+        text="",
+        kind="card",
+        card=marked_card(),
+    )
+    assert isinstance(await channel.send(post), Sent)
+    [posted] = standin.posts
+    facts, summary = posted["blocks"][1], posted["blocks"][2]
+    typed = [f["text"] for f in facts["fields"] if f["type"] == "plain_text"]
+    assert typed == ["*helper*_x_", "`src` ~y~", f"The lead escalated it: {PHISH}", "1 of 3"]
+    assert summary["text"] == {"type": "mrkdwn", "text": f"*Summary*\n**Done.** {PHISH}"}
 
 
 async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(

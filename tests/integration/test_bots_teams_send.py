@@ -40,7 +40,16 @@ from leadgate.domain.workitems import Status
 from outbox.channel import OutboundMessage, Permanent, Retry, SendOutcome, Sent, Uncertain
 from outbox.store import SEND_DEADLINE_S, SEND_LEASE_MS
 from tests.fakes import FakeCore, mount_adapter
-from tests.helpers import decided_card, eventually, make_agent, make_org, make_route, ours
+from tests.helpers import (
+    PHISH,
+    decided_card,
+    eventually,
+    make_agent,
+    make_org,
+    make_route,
+    marked_card,
+    ours,
+)
 from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.common import PORTAL_SESSION, TRICKLE_S
 from tests.standins.connector import (
@@ -249,6 +258,25 @@ async def test_another_status_answered_with_a_web_page_means_what_the_status_mea
         f" conversation's service URL {connector.url} (HTTPS_PROXY, HTTP_PROXY, NO_PROXY)"
     )
     assert len(connector.requests) == 1
+
+
+async def test_a_cards_facts_and_summary_reach_teams_as_typed(
+    adapter: TeamsAdapter, connector: ConnectorStandin
+) -> None:
+    """The summary was a ``TextBlock`` and the facts a ``FactSet``, both markdown in
+    Teams: a masked link showed its words only, a name's ``*`` or ``_`` restyled it.
+    Posted through the Bot Framework SDK, they are ``TextRun``s (never markdown)."""
+    post = dataclasses.replace(_message(_address(connector.url), "card", ""), card=marked_card())
+    assert isinstance(await adapter.channel.send(post), Sent)
+    [posted] = connector.requests
+    [attachment] = posted["activity"]["attachments"]
+    body = attachment["content"]["body"]
+    assert "FactSet" not in json.dumps(body)
+    assert [b["text"] for b in body if b["type"] == "TextBlock"] == ["Summary"]
+    runs = [r["text"] for b in body if b["type"] == "RichTextBlock" for r in b["inlines"]]
+    why = f"The lead escalated it: {PHISH}"
+    assert runs[1:7] == ["Agent: ", "*helper*_x_", "From: ", "`src` ~y~", "Why: ", why]
+    assert runs[-1] == f"**Done.** {PHISH}"
 
 
 def _edit(address: dict[str, Any]) -> OutboundMessage:

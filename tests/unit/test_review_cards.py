@@ -35,6 +35,7 @@ from outbox.relay import LEASE_EXPIRED_ERROR, Relay
 from outbox.store import CARD_CLOSED_AT, HANDOFF_TOPIC, SEND_LEASE_MS, get_delivery
 from tests.fakes import lose_the_next_commit
 from tests.helpers import (
+    PHISH,
     api_trigger,
     blocked_on_a_lock,
     counted,
@@ -692,9 +693,9 @@ def test_long_summaries_are_cut_to_each_channels_limits_never_dropped() -> None:
     assert content.endswith(f"…\n<{card.link}>") and "TAIL" not in content
 
     blocks = slack_review.blocks(card)
-    texts = [b["text"]["text"] for b in blocks if b["type"] == "section"]
+    texts = [b["text"]["text"] for b in blocks if b["type"] == "section" and "text" in b]
     assert all(len(x) <= 3_000 for x in texts)
-    assert texts[1].startswith("*Summary*\n&lt;&amp;&gt;sss") and texts[1].endswith("…")
+    assert texts[0].startswith("*Summary*\n&lt;&amp;&gt;sss") and texts[0].endswith("…")
     actions = blocks[-1]
     assert actions["block_id"] == "lg_review:rep_1"
     assert [(e["action_id"], e["value"]) for e in actions["elements"]] == [
@@ -705,7 +706,8 @@ def test_long_summaries_are_cut_to_each_channels_limits_never_dropped() -> None:
     assert len(slack_review.fallback_text(card)) <= 3_000
 
     adaptive = teams_review.adaptive_card(card)
-    assert adaptive["body"][3]["text"].endswith("…") and len(adaptive["body"][3]["text"]) <= 10_000
+    summary_run = adaptive["body"][7]["inlines"][0]["text"]
+    assert summary_run.endswith("…") and len(summary_run) <= 10_000
     verbs = [a.get("verb") or a["card"]["actions"][0]["verb"] for a in adaptive["actions"][:3]]
     assert verbs == ["approve", "reject", "return"]
     assert adaptive["actions"][-1] == {
@@ -726,7 +728,7 @@ def test_a_teams_card_fits_its_limit_in_any_script() -> None:
     for shown in (card, card.decided(returned)):
         posted = json.dumps({"type": "message", "attachments": [teams_review.adaptive_card(shown)]})
         assert len(posted) <= 24_000, len(posted)
-    summary = teams_review.adaptive_card(card)["body"][3]["text"]
+    summary = teams_review.adaptive_card(card)["body"][7]["inlines"][0]["text"]
     assert summary.startswith("🙂🙂") and summary.endswith("…")
     assert teams_review.text_size(summary) <= teams_review.SUMMARY_BYTES
 
@@ -806,6 +808,72 @@ def test_teams_cards_show_the_agent_and_who_decided_as_typed() -> None:
     line = "Rejected by **ann** _b_ (teams) at 2026-05-28T20:26:40Z"
     run = {"type": "TextRun", "text": line, "weight": "Bolder", "color": "Attention"}
     assert body[-1] == {"type": "RichTextBlock", "inlines": [run]}
+
+
+def test_discord_cards_show_where_every_masked_link_leads() -> None:
+    # The summary went in as typed (the reviewer saw "Approve here" only), and
+    # discord.py's escape_markdown escapes a line's first masked link only (the "why").
+    summary = f"**Done.** {PHISH} or [the docs](https://docs.example)\n- x = [1, 2]"
+    card = _card(summary, why=f"{PHISH} and [me](https://x.example)")
+    content = discord_review.content(card)
+    assert (
+        "**Summary**\n**Done.** \\[Approve here](https://elsewhere.example) or "
+        "\\[the docs](https://docs.example)\n- x = [1, 2]\n<"
+    ) in content
+    assert (
+        "**Why:** \\[Approve here](https://elsewhere.example) and \\[me](https://x.example)\n"
+    ) in content
+    # Escaping makes the text longer: the content is cut after it, still within 2,000.
+    long = discord_review.content(_card("[a](b)" * 1_000))
+    assert len(long) <= discord_review.CONTENT_MAX and long.count("\\[a](b)") > 100
+    # A [ its writer escaped stays escaped once; after an escaped backslash it opened a link.
+    shown = discord_review.links_shown("\\[a](u) \\\\[b](v)")
+    assert shown == "\\[a](u) \\\\\\[b](v)"
+
+
+def test_slack_card_facts_are_plain_text_never_mrkdwn() -> None:
+    # "*Agent:* <name>" was one mrkdwn line: a name's * _ ~ ` restyled the facts.
+    card = _card(PHISH, agent="*a*_b_~c~`d`", source="<!here> & src", why="_why_ *me*")
+    section = slack_review.blocks(card)[1]
+    assert "text" not in section
+    assert [(f["type"], f["text"]) for f in section["fields"]] == [
+        ("mrkdwn", "*Agent*"),
+        ("plain_text", "*a*_b_~c~`d`"),
+        ("mrkdwn", "*From*"),
+        ("plain_text", "<!here> & src"),
+        ("mrkdwn", "*Why*"),
+        ("plain_text", "_why_ *me*"),
+        ("mrkdwn", "*Waiting since*"),
+        ("mrkdwn", "<!date^1780000000^{date_short_pretty} at {time}|1780000000>"),
+        ("mrkdwn", "*Revision*"),
+        ("plain_text", "1 of 3"),
+    ]
+    assert all(f.get("emoji") is False for f in section["fields"] if f["type"] == "plain_text")
+    # Slack's limits: ten fields, 2,000 characters each, none empty.
+    fields = slack_review.blocks(_card("s", why="w" * 5_000, source=""))[1]["fields"]
+    assert len(fields) == 10 and len(fields[5]["text"]) == 2_000 and fields[3]["text"] == "-"
+    # The summary is mrkdwn, whose only link (<url|words>) is escaped: it shows as typed.
+    mrkdwn = slack_review.blocks(_card("<https://elsewhere.example|Approve here>"))[2]
+    assert mrkdwn["text"]["text"] == "*Summary*\n&lt;https://elsewhere.example|Approve here&gt;"
+
+
+def test_teams_cards_show_facts_and_the_summary_as_typed() -> None:
+    # The summary was a TextBlock and the facts a FactSet, both markdown in Teams: a
+    # masked link showed its words only, and a name's * or _ restyled it.
+    card = _card(f"**Done.** {PHISH}", agent="a*b*", source="_src_", why=PHISH)
+    body = teams_review.adaptive_card(card)["body"]
+    assert [b["type"] for b in body] == ["RichTextBlock"] * 6 + ["TextBlock", "RichTextBlock"]
+    assert body[6]["text"] == "Summary"  # the one TextBlock: the service's own word
+    facts = [[(r["text"], r.get("weight")) for r in b["inlines"]] for b in body[1:6]]
+    assert facts == [
+        [("Agent: ", "Bolder"), ("a*b*", None)],
+        [("From: ", "Bolder"), ("_src_", None)],
+        [("Why: ", "Bolder"), (PHISH, None)],
+        [("Waiting since: ", "Bolder"), ("2026-05-28T20:26:40Z", None)],
+        [("Revision: ", "Bolder"), ("1 of 3", None)],
+    ]
+    assert [b.get("spacing") for b in body[1:6]] == [None] + ["None"] * 4
+    assert body[7]["inlines"] == [{"type": "TextRun", "text": f"**Done.** {PHISH}"}]
 
 
 async def test_an_uncertain_card_post_is_visible_and_never_reposted_or_gating(
