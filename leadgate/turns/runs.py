@@ -103,7 +103,7 @@ from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import bound_lock_waits, insert_ignore_stmt
-from leadgate.domain import wakes, workitems
+from leadgate.domain import session_events, wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
@@ -345,7 +345,6 @@ _G = t.gone_processes.c
 #: The processes known gone whose plain messages no search has looked at yet (a reap, or
 #: a stop, noted them: :func:`leadgate.domain.processes.Liveness.reap`).
 _GONE = sa.select(_G.id, _G.heartbeat_at).where(~sa.exists().where(t.processes.c.id == _G.id))
-_later = t.messages.alias("later")
 _I = t.inbound_events.c
 #: The prefix of :func:`event_id_of`.
 _EVENT_OF = "evt."
@@ -362,15 +361,33 @@ def event_id_of(message_id: str) -> str:
     return f"{_EVENT_OF}{message_id}"
 
 
+_last = t.session_events.alias("last_event")
+#: The message of the session's last ``message`` event (a visible user or assistant
+#: message stored, or a gated one revealed), by ``seq``: the order the session took its
+#: messages in (numbered under the session row's lock), not their stamps, which come from
+#: the clocks of the replicas that took them in. One backward seek of the session's
+#: events (their primary key), not a scan of every message after the one asked about.
+_LAST_MESSAGE = (
+    sa.select(_last.c.message_id)
+    .where(_last.c.session_id == _M.session_id, _last.c.kind == session_events.MESSAGE)
+    .order_by(_last.c.seq.desc())
+    .limit(1)
+    .scalar_subquery()
+)
 #: The user messages a gone process (``p_process``) took in for a plain REST/MCP/Studio
 #: turn (``taken_by``) since ``p_since`` that nothing answered: no message of their session
-#: came after them (a reply, a resend, a follow-up: whatever came after answered, or its
-#: turn did) and no run is recorded for them (one its process recorded owing it, or a
-#: search before). With what their run records: the session's worker and active binding,
-#: and the external event id a keyed request's message was taken in under (its event's
-#: id is :func:`event_id_of` the message's: one primary-key look-up each), so that the
-#: key's retry claims the run (:func:`claim_for_retry`) and a rerun's answer is stored
-#: under the key (:attr:`Claimed.external_event_ids`).
+#: came after them (they are its last :data:`_LAST_MESSAGE`) and no run is recorded for
+#: them (one its process recorded owing it, or a search before). What came after
+#: answered, or its turn did: its own answer (an assistant message after it), a reply,
+#: a resend, a follow-up (whose turn was shown it). With what their run records: the
+#: session's worker and active binding, and the external event id a keyed request's
+#: message was taken in under (its event's id is :func:`event_id_of` the message's: one
+#: primary-key look-up each), so that the key's retry claims the run
+#: (:func:`claim_for_retry`) and a rerun's answer is stored under the key
+#: (:attr:`Claimed.external_event_ids`). "After" is the session's event order: by the
+#: stamps, a follow-up taken in by a replica whose clock is behind looked older (the
+#: message was rerun beside the follow-up's turn: answered twice), and an earlier
+#: message stamped by one ahead looked later (the message never answered).
 _TAKEN = (
     sa.select(
         _M.id,
@@ -390,14 +407,7 @@ _TAKEN = (
         _M.created_at >= sa.bindparam("p_since"),
         _M.role == "user",
         ~sa.exists().where(R.message_id == _M.id),
-        ~sa.exists().where(
-            _later.c.session_id == _M.session_id,
-            _later.c.role.in_(("user", "assistant")),
-            sa.or_(
-                _later.c.created_at > _M.created_at,
-                sa.and_(_later.c.created_at == _M.created_at, _later.c.id > _M.id),
-            ),
-        ),
+        _LAST_MESSAGE == _M.id,
     )
     .order_by(_M.created_at, _M.id)
 )

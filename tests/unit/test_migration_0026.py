@@ -66,9 +66,12 @@ def _counts(conn: sa.Connection) -> list[tuple[str, str, int]]:
 
 
 def plan_accesses(
-    conn: sa.Connection, stmt: sa.Select[Any], params: dict[str, Any] | None = None
+    conn: sa.Connection,
+    stmt: sa.Select[Any],
+    params: dict[str, Any] | None = None,
+    tables: tuple[str, ...] = ("deliveries",),
 ) -> list[str]:
-    """Each step of ``stmt``'s plan that reads ``deliveries``, its values bound as the
+    """Each step of ``stmt``'s plan that reads one of ``tables``, its values bound as the
     service binds them (``params``; a partial index whose predicate a bound value had to
     imply would not be used): SQLite's ``EXPLAIN QUERY PLAN`` lines; PostgreSQL's scan
     nodes of the generic plan a prepared statement comes to, with statistics (as
@@ -79,7 +82,7 @@ def plan_accesses(
     bound = tuple(values[name] for name in compiled.positiontup or ())
     if conn.dialect.name == "sqlite":
         plan = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", bound)
-        return [str(row[3]) for row in plan if "deliveries" in str(row[3])]
+        return [str(row[3]) for row in plan if any(n in str(row[3]) for n in tables)]
     conn.exec_driver_sql("ANALYZE")
     # (The service's own connections plan without bitmap scans: leadgate.database.pg.)
     conn.exec_driver_sql("SET enable_bitmapscan = off")
@@ -88,7 +91,7 @@ def plan_accesses(
     conn.exec_driver_sql(f"PREPARE planned AS {compiled}")
     literals = ", ".join(repr(v) for v in bound)
     plan = conn.exec_driver_sql(f"EXPLAIN (COSTS OFF) EXECUTE planned({literals})")
-    return [str(row[0]).strip() for row in plan if " on deliveries" in str(row[0])]
+    return [str(row[0]).strip() for row in plan if any(f" on {n} " in f"{row[0]} " for n in tables)]
 
 
 def _accesses(conn: sa.Connection) -> list[str]:

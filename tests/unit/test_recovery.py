@@ -8,6 +8,7 @@ both databases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,7 +23,7 @@ from leadgate.core.errors import IntakeInDoubt, ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Gated, Reply, Trigger
 from leadgate.database import schema as t
-from leadgate.database.db import Database
+from leadgate.database.db import Conn, Database
 from leadgate.database.schema import metadata
 from leadgate.domain import agents as agents_mod
 from leadgate.domain import processes
@@ -30,6 +31,7 @@ from leadgate.domain.processes import Liveness
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.intake import Accepted
+from leadgate.turns.messages import store_message
 from leadgate.turns.providers.base import ModelEvent, ModelRequest
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import CommitLandsLater, DownFor, HeldCommits
@@ -1324,3 +1326,98 @@ def test_the_search_reads_a_keyed_messages_event_by_its_primary_key() -> None:
         for step in plan
     ), plan
     assert not any(step.startswith("SCAN inbound_events") for step in plan), plan
+
+
+async def _plain_session(stack: Stack) -> tuple[Org, str]:
+    """A plain worker's REST session after one exchange: its org and session id."""
+    org = await make_org(stack)
+    worker = await make_agent(stack, org, "plain")
+    await stack.turns.run(api_trigger(org, worker, "first"))
+    async with stack.db.read() as conn:
+        session_id = await conn.scalar(sa.select(t.sessions.c.id))
+    return org, str(session_id)
+
+
+async def _taken_in(
+    stack: Stack, org: Org, session_id: str, *messages: tuple[int, str | None, str]
+) -> None:
+    """Store messages (stamp, ``taken_by``, role) in ``session_id``, the session's event
+    log numbering them in the order given, each stamped as given (its process's clock).
+    SQLite stores a stamp as it is (writers one at a time): stored one after the other.
+    PostgreSQL stamps a message after the session's newest committed one, so stamps go
+    against the order only for messages taken in at once, neither seeing the other: the
+    last is stored first, and each one before it commits before it."""
+
+    async def store(conn: Conn, at: int, taken_by: str | None, role: str) -> None:
+        await store_message(
+            conn,
+            stack.clock,
+            stack.ids,
+            org_id=org.id,
+            session_id=session_id,
+            work_item_id=None,
+            role=role,
+            content="again",
+            created_at=at,
+            taken_by=taken_by,
+        )
+
+    if not stack.db.is_postgres:
+        for message in messages:
+            async with stack.db.tx() as conn:
+                await store(conn, *message)
+        return
+    async with contextlib.AsyncExitStack() as held:
+        for message in reversed(messages):
+            await store(await held.enter_async_context(stack.db.tx()), *message)
+
+
+async def _gone(stack: Stack) -> None:
+    """Process ``DEAD`` is known gone (as a reap notes it), its heartbeat now."""
+    async with stack.db.tx() as conn:
+        await conn.execute(
+            t.gone_processes.insert(), {"id": DEAD, "heartbeat_at": stack.clock.now_ms()}
+        )
+
+
+async def test_a_gone_processs_message_followed_up_on_a_replica_behind_is_not_rerun(
+    stack: Stack,
+) -> None:
+    """A gone process's plain message, then a follow-up taken in by a replica whose
+    clock is 2 s behind (stamped before it): the follow-up's turn answers it, so no run
+    is recorded. Told by the stamps, the follow-up looked older: the message was rerun
+    beside the follow-up's turn, answered twice."""
+    org, session_id = await _plain_session(stack)
+    now = stack.clock.now_ms()
+    await _taken_in(stack, org, session_id, (now + 2_000, DEAD, "user"), (now + 1, None, "user"))
+    await _gone(stack)
+    assert await runs.record_taken(stack.db, stack.ids, stack.clock.now_ms()) == 0
+    assert await count(stack, t.turn_runs) == 0
+
+
+async def test_a_gone_processs_message_after_one_stamped_by_a_replica_ahead_is_rerun(
+    stack: Stack,
+) -> None:
+    """A message taken in by a replica whose clock is 2 s ahead, then a gone process's
+    plain message (stamped before it): nothing came after that message, so its run is
+    recorded (and rerun). Told by the stamps, the earlier message looked later: the
+    gone process's message was never answered."""
+    org, session_id = await _plain_session(stack)
+    now = stack.clock.now_ms()
+    await _taken_in(stack, org, session_id, (now + 2_000, None, "user"), (now + 1, DEAD, "user"))
+    await _gone(stack)
+    assert await runs.record_taken(stack.db, stack.ids, stack.clock.now_ms()) == 1
+    async with stack.db.read() as conn:
+        run_message = await conn.scalar(sa.select(t.turn_runs.c.message_id))
+        taken = await conn.scalar(sa.select(t.messages.c.id).where(t.messages.c.taken_by == DEAD))
+    assert run_message == taken
+
+
+async def test_a_gone_processs_message_with_its_answer_stored_is_not_rerun(stack: Stack) -> None:
+    """Its process stored its answer (an assistant message, announced in the session's
+    event log as a user message is) and died after: nothing to rerun."""
+    org, session_id = await _plain_session(stack)
+    now = stack.clock.now_ms()
+    await _taken_in(stack, org, session_id, (now + 1, DEAD, "user"), (now + 2, None, "assistant"))
+    await _gone(stack)
+    assert await runs.record_taken(stack.db, stack.ids, stack.clock.now_ms()) == 0
