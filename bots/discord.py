@@ -339,8 +339,9 @@ class CatchUpTarget:
 def catch_up_targets(known: Conversations, *, again: bool = False) -> list[CatchUpTarget]:
     """The channels to catch up: every Discord session (its key ``discord:GUILD:CHANNEL``)
     that took in a gateway message, with the newest recorded in it lately, every
-    channel a route names that has none, and every other channel whose read point,
-    within the window, is not read through, each with its read point. ``again`` (a retry
+    channel a route names that has none, and every other channel whose read point is
+    not read through and, less :data:`CATCH_UP_OVERLAP_MS` (a kept message's point is
+    stored that much before it), within the window, each with its read point. ``again`` (a retry
     after a database fault): no channel has a newest (a live message taken in since the
     first try may be it)."""
     targets: dict[int, CatchUpTarget] = {}
@@ -372,7 +373,10 @@ def catch_up_targets(known: Conversations, *, again: bool = False) -> list[Catch
         # a route names: a live message kept for the read-back (its thread's parent
         # untold, :meth:`DiscordAdapter._keep_for_read_back`), or a thread of a listing
         # whose read failed. Its guild (and parent) learnt first, as a route's channel's.
-        fresh = point >= known.since_ms and channel not in known.read_through
+        # A kept message's point is stored CATCH_UP_OVERLAP_MS before it: the message is
+        # within the window when its point is within that much more of it.
+        fresh = point + CATCH_UP_OVERLAP_MS >= known.since_ms
+        fresh = fresh and channel not in known.read_through
         if fresh and channel.isdigit() and int(channel) not in targets:
             targets[int(channel)] = CatchUpTarget(int(channel), None, False, None)
     return [

@@ -627,7 +627,14 @@ def test_a_catch_up_reads_a_channel_kept_by_its_point_alone_within_the_window() 
         {"discord:1:2": ()},
         ({"guild": "1", "channel": "3"},),
         since + 3_600_000,
-        {"2": since, "3": since, "5": since + 1, "6": since, "7": since - 1, "x": since},
+        {
+            "2": since,
+            "3": since,
+            "5": since + 1,
+            "6": since,
+            "7": since - bots_base.CATCH_UP_OVERLAP_MS - 1,
+            "x": since,
+        },
         frozenset({"6"}),
     )
     targets = {t.channel_id: t for t in discord_bot.catch_up_targets(known)}
@@ -640,3 +647,20 @@ def test_a_catch_up_reads_a_channel_kept_by_its_point_alone_within_the_window() 
         since + 1,
     )
     assert kept.start_point(since) == since + 1
+
+
+def test_a_message_kept_for_the_read_back_is_read_at_a_ready_in_the_window_s_last_minute() -> None:
+    """A live message kept for the read-back stores its channel's point a minute
+    (CATCH_UP_OVERLAP_MS) before it: a READY within catch_up_s of the message reads the
+    channel, also in the window's last minute (its point then before the window: the
+    channel was left out, and the message, promised to the next READY, was lost; with
+    catch_up_s of a minute or less, at every READY)."""
+    made = 1_780_000_000_000
+    kept = made - bots_base.CATCH_UP_OVERLAP_MS
+    for since in (made - 1, made):
+        known = Conversations(since, {}, (), since + 3_600_000, {"5": kept})
+        targets = discord_bot.catch_up_targets(known)
+        assert [t.channel_id for t in targets] == [5]
+        assert targets[0].start_point(since) == since
+    too_old = Conversations(made + 1, {}, (), made + 3_600_000, {"5": kept})
+    assert discord_bot.catch_up_targets(too_old) == []
