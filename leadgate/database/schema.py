@@ -122,6 +122,10 @@ bindings = sa.Table(
     sa.Column("created_at", MS, nullable=False),
 )
 
+#: The plain turns' user messages' partial index's predicate (``ix_messages_taken_by``,
+#: migration 0028), literally: the messages a plain REST/MCP/Studio turn took in.
+TAKEN_BY_PREDICATE = "taken_by IS NOT NULL"
+
 messages = sa.Table(
     "messages",
     metadata,
@@ -148,8 +152,8 @@ messages = sa.Table(
         "ix_messages_taken_by",
         "taken_by",
         "created_at",
-        sqlite_where=sa.text("taken_by IS NOT NULL"),
-        postgresql_where=sa.text("taken_by IS NOT NULL"),
+        sqlite_where=sa.text(TAKEN_BY_PREDICATE),
+        postgresql_where=sa.text(TAKEN_BY_PREDICATE),
     ),
 )
 

@@ -14,10 +14,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from leadgate.database.db import alembic_config
-from leadgate.database.schema import metadata
+from leadgate.database.schema import TAKEN_BY_PREDICATE, metadata
 from leadgate.turns import runs
 from tests.unit.test_migration_0016 import run
-from tests.unit.test_migration_0026 import plan_accesses
+from tests.unit.test_migration_0026 import index_predicate, plan_accesses
 
 INDEX = "ix_messages_taken_by"
 
@@ -53,6 +53,7 @@ def test_messages_gain_taken_by_and_gone_processes_appear(db_url: str) -> None:
             "shape": _shape(conn),
             "diff": compare_metadata(MigrationContext.configure(conn), metadata),
             "taken_by": conn.execute(sa.text("SELECT taken_by FROM messages")).all(),
+            "predicate": index_predicate(conn, INDEX),
         }
 
     out = run(db_url, check)
@@ -64,6 +65,10 @@ def test_messages_gain_taken_by_and_gone_processes_appear(db_url: str) -> None:
         if not (d[0] == "add_index" and d[1].name == "ix_messages_session_rowid")
     ] == []
     assert out["taken_by"] == [(None,)]
+    # The migration's predicate is schema.py's (compare_metadata does not compare them).
+    assert out["predicate"] == (
+        TAKEN_BY_PREDICATE if db_url.startswith("sqlite") else f"({TAKEN_BY_PREDICATE})"
+    )
     command.downgrade(cfg, "0027")
     columns, indexes, tables = run(db_url, _shape)
     assert "taken_by" not in columns and INDEX not in indexes and "gone_processes" not in tables
