@@ -145,15 +145,21 @@ class Liveness:
         back, here and on every replica (:attr:`leadgate.domain.wakes.Wake.leases`;
         rare, so one NOTIFY is nothing), rather than leave it to their next poll."""
         now = self.clock.now_ms()
+        lapsed_before = now - self.dead_after_ms
         async with self.db.read() as conn:
-            rows = (await conn.execute(sa.select(P.id, P.host, P.pid, P.start_token))).all()
-        dead = [
-            r.id
-            for r in rows
-            if r.id != self.id and r.host == self.host and _gone(r.pid, r.start_token)
-        ]
+            rows = (
+                await conn.execute(sa.select(P.id, P.host, P.pid, P.start_token, P.heartbeat_at))
+            ).all()
+        others = [r for r in rows if r.id != self.id]
+        dead = [r.id for r in others if r.host == self.host and _gone(r.pid, r.start_token)]
+        if not dead and all(r.heartbeat_at >= lapsed_before for r in others):
+            # Nobody is dead (every heartbeat): no write transaction (on SQLite the
+            # writer's lock, on PostgreSQL a round trip and a commit, each beat of each
+            # replica), nothing to note. A row that lapses after this read is found at
+            # the next beat, as one that lapsed just after the write was.
+            return 0
         async with self.db.tx() as conn:
-            cond = P.heartbeat_at < now - self.dead_after_ms
+            cond = P.heartbeat_at < lapsed_before
             if dead:
                 cond = sa.or_(cond, P.id.in_(dead))
             if self.id is not None:

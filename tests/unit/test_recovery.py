@@ -760,6 +760,31 @@ async def test_liveness_reaps_dead_processes_of_this_host_and_silent_ones(stack:
     assert processes.start_token(os.getpid()) is not None
 
 
+async def test_a_heartbeats_reap_with_nobody_dead_writes_nothing(stack: Stack) -> None:
+    """Every heartbeat of every replica reaps: when its read finds no process dead it
+    opens no write transaction (on SQLite the writer's lock, on PostgreSQL a round trip
+    and a commit, every few seconds per replica), and one lapsed since is reaped then."""
+    me = Liveness(stack.db, stack.clock, stack.ids, dead_after_ms=30_000)
+    other = Liveness(stack.db, stack.clock, stack.ids, dead_after_ms=30_000)
+    await me.register()
+    await other.register()
+    with stack.db.record_statements() as statements:
+        assert await me.reap() == 0
+    # (the read alone: SQLite frames it BEGIN ... ROLLBACK, a writer's is BEGIN IMMEDIATE)
+    verbs = [sql.split()[0].upper() for sql in statements if sql.split()]
+    assert [v for v in verbs if v not in ("BEGIN", "ROLLBACK")] == ["SELECT"], statements
+    assert not [sql for sql in statements if "IMMEDIATE" in sql.upper()], statements
+    stack.clock.advance(30_001)
+    await me.beat()  # its own beat: only the other has lapsed
+    assert await me.reap() == 1
+    async with stack.db.read() as conn:
+        left = set((await conn.execute(sa.select(t.processes.c.id))).scalars())
+    assert left == {me.id}
+    async with stack.db.read() as conn:
+        noted = set((await conn.execute(sa.select(t.gone_processes.c.id))).scalars())
+    assert noted == {other.id}
+
+
 @pytest.mark.parametrize("landed", [False, True], ids=["commit-lost", "commit-landed"])
 async def test_a_recovery_claim_whose_commit_failed_is_taken_again_at_once(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, landed: bool
