@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from leadgate.database.db import Database
     from tests.fakes import ClaimInDoubt, CommitLandsLater
     from tests.stack import Stack
+    from tests.standins.discord_api import DiscordApiStandin
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -131,6 +132,22 @@ async def service(migrated_url: str) -> AsyncIterator[App]:
     app = App(settings, clock=FakeClock(), enable_adapters=False)
     yield app
     await app.stop()
+
+
+@pytest.fixture
+async def discord_api() -> AsyncIterator[DiscordApiStandin]:
+    """The Discord stand-in (REST API and gateway on 127.0.0.1) for the bot token
+    ``bot-token``; :func:`tests.standins.discord_api.config_section` points the service at
+    it. ``discord.http.Route.BASE``, which the adapter sets for the whole process, is put
+    back after."""
+    import discord.http
+
+    from tests.standins.discord_api import DiscordApiStandin
+
+    base = discord.http.Route.BASE
+    async with DiscordApiStandin(token="bot-token") as standin:
+        yield standin
+    discord.http.Route.BASE = base
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from leadgate.database.db import Conn, Database
 from tests.fakes import CommitLandsLater, DownFor
 from tests.helpers import counted, eventually, fake_clock, make_agent, make_org, make_route
 from tests.serving import served_app
-from tests.standins.discord_api import DiscordApiStandin
+from tests.standins.discord_api import DiscordApiStandin, config_section
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
 OTHER_CHANNEL = "1000000000000000003"
@@ -46,30 +46,18 @@ def identify_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(discord_bots, "IDENTIFY_PAUSE_S", 0.0)
 
 
-@pytest.fixture
-async def standin() -> AsyncIterator[DiscordApiStandin]:
-    async with DiscordApiStandin(token="bot-token") as dc:
-        yield dc
-
-
-def gateway(standin: DiscordApiStandin) -> dict[str, Any]:
-    """The config sections that turn the Discord gateway on, against ``standin``."""
-    return {
-        "discord": {
-            "bot_token": "bot-token",
-            "api_url": standin.api_url,
-            "gateway_url": standin.gateway_url,
-        }
-    }
+def gateway(discord_api: DiscordApiStandin) -> dict[str, Any]:
+    """The config sections that turn the Discord gateway on, against ``discord_api``."""
+    return {"discord": config_section(discord_api)}
 
 
 @contextlib.asynccontextmanager
-async def running(service: App, standin: DiscordApiStandin) -> AsyncIterator[App]:
+async def running(service: App, discord_api: DiscordApiStandin) -> AsyncIterator[App]:
     """Another process on ``service``'s database and clock, with the gateway on, served
     for the block (no runners)."""
     async with served_app(
         service.settings.database.url,
-        config=gateway(standin),
+        config=gateway(discord_api),
         adapters=True,
         clock=fake_clock(service),
     ) as (up, _):
@@ -133,29 +121,29 @@ async def taken_in(service: App) -> list[str]:
 
 
 async def message(
-    standin: DiscordApiStandin, text: str, *, channel: str = CHANNEL, **kwargs: Any
+    discord_api: DiscordApiStandin, text: str, *, channel: str = CHANNEL, **kwargs: Any
 ) -> str:
     """Post ``text`` (to the gateway sessions connected now, if any); its id."""
-    sent = await standin.dispatch_message_create(
+    sent = await discord_api.dispatch_message_create(
         channel_id=channel, guild_id=GUILD, content=text, **kwargs
     )
     return str(sent["id"])
 
 
 async def test_messages_posted_while_the_service_was_down_are_answered_once_after_it_starts(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     await routed(service, {"guild": GUILD})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        live = await message(standin, "said while up")
+        live = await message(discord_api, "said while up")
         await eventually(lambda: answers(first, live), what="the live message answered")
     # Down: Discord delivers these to nobody.
-    missed = await message(standin, "said while down")
-    await message(standin, "a bot's", author_bot=True)
-    later = await message(standin, "said while down, later")
-    elsewhere = await message(standin, "in another channel", channel=OTHER_CHANNEL)
-    async with running(service, standin) as second:
+    missed = await message(discord_api, "said while down")
+    await message(discord_api, "a bot's", author_bot=True)
+    later = await message(discord_api, "said while down, later")
+    elsewhere = await message(discord_api, "in another channel", channel=OTHER_CHANNEL)
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: said while down"]
     assert await answers(service, later) == ["Echo: said while down, later"]
@@ -167,13 +155,13 @@ async def test_messages_posted_while_the_service_was_down_are_answered_once_afte
     assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed, later)]
     # Newest first (discord.py pages back from the newest, keeping those after the
     # start): one page.
-    [read] = standin.reads
+    [read] = discord_api.reads
     assert read["channel_id"] == CHANNEL and read["mode"] == "ok"
     assert read["after"] is None and read["before"] is None
 
 
 async def test_a_thread_started_while_the_service_was_down_is_read_back(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """A route naming the guild answers a message in a thread live (its channel is the
     thread's own id), but a thread started while the service was down had no session:
@@ -181,27 +169,29 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
     too, one under a channel a route names as well (that route answers in its threads);
     one under a channel nobody knows is not."""
     await routed(service, {"guild": GUILD}, {"guild": OTHER_GUILD, "channel": CHANNEL_ELSEWHERE})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        live = await message(standin, "said while up")
+        live = await message(discord_api, "said while up")
         await eventually(lambda: answers(first, live), what="the live message answered")
     # Down: a thread started under the known channel, and one under a channel unknown.
-    thread = standin.start_thread(GUILD, CHANNEL)
-    missed = await message(standin, "in a new thread", channel=thread)
+    thread = discord_api.start_thread(GUILD, CHANNEL)
+    missed = await message(discord_api, "in a new thread", channel=thread)
     unknown = await message(
-        standin, "under an unknown channel", channel=standin.start_thread(GUILD, OTHER_CHANNEL)
+        discord_api,
+        "under an unknown channel",
+        channel=discord_api.start_thread(GUILD, OTHER_CHANNEL),
     )
-    named = standin.start_thread(OTHER_GUILD, CHANNEL_ELSEWHERE)
+    named = discord_api.start_thread(OTHER_GUILD, CHANNEL_ELSEWHERE)
     under_named = str(
         (
-            await standin.dispatch_message_create(
+            await discord_api.dispatch_message_create(
                 channel_id=named, guild_id=OTHER_GUILD, content="under a routed channel"
             )
         )["id"]
     )
-    standin.thread_reads.clear()
-    standin.archived_reads.clear()
-    async with running(service, standin) as second:
+    discord_api.thread_reads.clear()
+    discord_api.archived_reads.clear()
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: in a new thread"]
     assert await answers(service, under_named) == ["Echo: under a routed channel"]
@@ -210,14 +200,19 @@ async def test_a_thread_started_while_the_service_was_down_is_read_back(
         f"discord:message:{m}" for m in (live, missed, under_named)
     )
     # Once per guild caught up; the archived threads of the channel the route names.
-    assert sorted(standin.thread_reads) == [GUILD, OTHER_GUILD]
+    assert sorted(discord_api.thread_reads) == [GUILD, OTHER_GUILD]
     # (and those of the channel the guild-wide route reached: none archived)
-    assert sorted(standin.archived_reads) == [CHANNEL, CHANNEL_ELSEWHERE]
-    assert {r["channel_id"] for r in standin.reads} == {CHANNEL, CHANNEL_ELSEWHERE, thread, named}
+    assert sorted(discord_api.archived_reads) == [CHANNEL, CHANNEL_ELSEWHERE]
+    assert {r["channel_id"] for r in discord_api.reads} == {
+        CHANNEL,
+        CHANNEL_ELSEWHERE,
+        thread,
+        named,
+    }
 
 
 async def test_a_thread_archived_under_a_channel_a_guild_wide_route_reaches_is_read_back(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """A route naming the guild alone answers in the threads of every channel of it; the
     archived threads of the channels it reached (those that took messages in) were not
@@ -225,42 +220,44 @@ async def test_a_thread_archived_under_a_channel_a_guild_wide_route_reaches_is_r
     messages came while the service was down, then went quiet, was never read."""
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        live = await message(standin, "said while up", at_ms=clock.now_ms())
+        live = await message(discord_api, "said while up", at_ms=clock.now_ms())
         await eventually(lambda: answers(first, live), what="the live message answered")
     clock.advance(HOUR_MS // 2)
     now = clock.now_ms()
-    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
-    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000)
-    standin.archive_thread(quiet, at_ms=now - 5 * 60_000)
-    standin.archived_reads.clear()
-    async with running(service, standin) as second:
+    quiet = discord_api.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
+    missed = await message(
+        discord_api, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000
+    )
+    discord_api.archive_thread(quiet, at_ms=now - 5 * 60_000)
+    discord_api.archived_reads.clear()
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: then it went quiet"]
     assert await replied_in(service, missed) == [quiet]
-    assert standin.archived_reads == [CHANNEL]
+    assert discord_api.archived_reads == [CHANNEL]
 
 
 async def test_a_route_naming_a_channel_but_no_guild_reads_its_new_threads(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """A route naming a channel without its guild answers in its threads; the catch-up
     read the active threads of the guilds it knew alone, so a thread started under that
     channel while the service was down was never read. The channel's guild is learnt
     first (one ``GET /channels/{id}``), then its guild's active threads are read."""
     clock = fake_clock(service)
-    await message(standin, "long before the route", at_ms=clock.now_ms() - 2 * HOUR_MS)
+    await message(discord_api, "long before the route", at_ms=clock.now_ms() - 2 * HOUR_MS)
     await routed(service, {"channel": CHANNEL})
     now = clock.now_ms()
-    thread = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
+    thread = discord_api.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000)
     clock.advance(30 * 60_000)
-    missed = await message(standin, "in a new thread", channel=thread, at_ms=now + 10 * 60_000)
-    async with running(service, standin) as up:
+    missed = await message(discord_api, "in a new thread", channel=thread, at_ms=now + 10 * 60_000)
+    async with running(service, discord_api) as up:
         await caught_up(up)
     assert await answers(service, missed) == ["Echo: in a new thread"]
     assert await replied_in(service, missed) == [thread]
-    assert standin.thread_reads == [GUILD]
+    assert discord_api.thread_reads == [GUILD]
 
 
 async def took(service: App, message_id: str) -> tuple[str, str]:
@@ -288,7 +285,7 @@ async def replied_in(service: App, message_id: str) -> list[str]:
 
 
 async def test_a_route_on_a_channel_answers_in_its_threads_unless_one_names_the_thread(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """A message in a thread carries the thread's own channel id (its parent is
     ``parent_id``): a route naming the parent channel answers there as in the channel,
@@ -298,15 +295,18 @@ async def test_a_route_on_a_channel_answers_in_its_threads_unless_one_names_the_
     plain = await make_agent(service, org, "plain")
     own = await make_agent(service, org, "own")
     await make_route(service, org, plain["id"], "discord", {"guild": GUILD, "channel": CHANNEL})
-    first, second = standin.start_thread(GUILD, CHANNEL), standin.start_thread(GUILD, CHANNEL)
+    first, second = (
+        discord_api.start_thread(GUILD, CHANNEL),
+        discord_api.start_thread(GUILD, CHANNEL),
+    )
     await make_route(service, org, own["id"], "discord", {"channel": second}, silent=True)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
-        asked = await message(standin, "in the thread", channel=first)
+        asked = await message(discord_api, "in the thread", channel=first)
         await eventually(lambda: answers(up, asked), what="the thread's message answered")
-        again = await message(standin, "in the thread again", channel=first)
+        again = await message(discord_api, "in the thread again", channel=first)
         await eventually(lambda: answers(up, again), what="the second one answered")
-        quiet = await message(standin, "in a thread of its own", channel=second)
+        quiet = await message(discord_api, "in a thread of its own", channel=second)
         await eventually(lambda: taken_in(up), what="taken in")
         await caught_up(up)
     assert await answers(service, asked) == ["Echo: in the thread"]
@@ -318,7 +318,7 @@ async def test_a_route_on_a_channel_answers_in_its_threads_unless_one_names_the_
 
 
 async def test_the_catch_up_answers_a_thread_with_its_own_route_by_that_route(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """Live, a route naming a thread wins over an older one naming the guild (one key
     each); the catch-up answers a missed message there by the same route (it learns the
@@ -327,21 +327,21 @@ async def test_the_catch_up_answers_a_thread_with_its_own_route_by_that_route(
     plain = await make_agent(service, org, "plain")
     own = await make_agent(service, org, "own")
     await make_route(service, org, plain["id"], "discord", {"guild": GUILD})
-    thread = standin.start_thread(GUILD, CHANNEL)
+    thread = discord_api.start_thread(GUILD, CHANNEL)
     await make_route(service, org, own["id"], "discord", {"channel": thread})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        live = await message(standin, "in the channel")
+        live = await message(discord_api, "in the channel")
         await eventually(lambda: answers(first, live), what="the live message answered")
-    missed = await message(standin, "in the thread while down", channel=thread)
-    async with running(service, standin) as second:
+    missed = await message(discord_api, "in the thread while down", channel=thread)
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: in the thread while down"]
     assert await took(service, missed) == (own["id"], f"discord:{GUILD}:{thread}")
 
 
 async def test_a_thread_archived_while_the_service_was_down_is_read_back(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """Discord archives a thread after an hour without messages: one whose messages
     came while the service was down is in no listing of active threads. The threads of
@@ -349,28 +349,30 @@ async def test_a_thread_archived_while_the_service_was_down_is_read_back(
     before is not read."""
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
     clock.advance(3 * HOUR_MS)
     now = clock.now_ms()
     # Down: a thread archived an hour and a half ago, one half an hour ago.
-    old = standin.start_thread(GUILD, CHANNEL, at_ms=now - 2 * HOUR_MS - 60_000)
-    too_old = await message(standin, "long ago", channel=old, at_ms=now - 2 * HOUR_MS)
-    standin.archive_thread(old, at_ms=now - 3 * HOUR_MS // 2)
-    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - HOUR_MS)
-    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 50 * 60_000)
-    standin.archive_thread(quiet, at_ms=now - HOUR_MS // 2)
-    async with running(service, standin) as second:
+    old = discord_api.start_thread(GUILD, CHANNEL, at_ms=now - 2 * HOUR_MS - 60_000)
+    too_old = await message(discord_api, "long ago", channel=old, at_ms=now - 2 * HOUR_MS)
+    discord_api.archive_thread(old, at_ms=now - 3 * HOUR_MS // 2)
+    quiet = discord_api.start_thread(GUILD, CHANNEL, at_ms=now - HOUR_MS)
+    missed = await message(
+        discord_api, "then it went quiet", channel=quiet, at_ms=now - 50 * 60_000
+    )
+    discord_api.archive_thread(quiet, at_ms=now - HOUR_MS // 2)
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: then it went quiet"]
     assert await replied_in(service, missed) == [quiet]
     assert await answers(service, too_old) == []
-    assert standin.archived_reads == [CHANNEL, CHANNEL]
-    assert [r["channel_id"] for r in standin.reads[-2:]] == [CHANNEL, quiet]
+    assert discord_api.archived_reads == [CHANNEL, CHANNEL]
+    assert [r["channel_id"] for r in discord_api.reads[-2:]] == [CHANNEL, quiet]
 
 
 async def test_a_private_thread_the_bot_joined_archived_while_it_was_down_is_read_back(
-    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Discord lists a channel's archived private threads apart from its public ones;
     those the bot joined (``GET /channels/{id}/users/@me/threads/archived/private``) were
@@ -379,22 +381,24 @@ async def test_a_private_thread_the_bot_joined_archived_while_it_was_down_is_rea
     logs one WARNING and the channel is read on."""
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
     clock.advance(HOUR_MS // 2)
     now = clock.now_ms()
-    quiet = standin.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000, private=True)
-    missed = await message(standin, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000)
-    standin.archive_thread(quiet, at_ms=now - 5 * 60_000)
-    standin.private_reads.clear()
-    async with running(service, standin) as second:
+    quiet = discord_api.start_thread(GUILD, CHANNEL, at_ms=now - 20 * 60_000, private=True)
+    missed = await message(
+        discord_api, "then it went quiet", channel=quiet, at_ms=now - 15 * 60_000
+    )
+    discord_api.archive_thread(quiet, at_ms=now - 5 * 60_000)
+    discord_api.private_reads.clear()
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, missed) == ["Echo: then it went quiet"]
     assert await replied_in(service, missed) == [quiet]
-    assert standin.private_reads == [CHANNEL]
-    standin.fail_reads(f"private:{CHANNEL}", "forbidden")
+    assert discord_api.private_reads == [CHANNEL]
+    discord_api.fail_reads(f"private:{CHANNEL}", "forbidden")
     caplog.set_level(logging.WARNING)
-    async with running(service, standin) as third:
+    async with running(service, discord_api) as third:
         await caught_up(third)
     [warning] = [r for r in caplog.records if r.name == "bots.discord"]
     assert "joined private archived threads" in warning.getMessage()
@@ -402,7 +406,7 @@ async def test_a_private_thread_the_bot_joined_archived_while_it_was_down_is_rea
 
 async def test_archived_threads_past_the_bound_say_so(
     service: App,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -410,11 +414,11 @@ async def test_archived_threads_past_the_bound_say_so(
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     missed: list[str] = []
     for minutes in (30, 20, 10):  # archived that long ago, a quiet hour after its message
-        thread = standin.start_thread(GUILD, CHANNEL)
-        missed.append(await message(standin, f"archived {minutes} minutes ago", channel=thread))
-        standin.archive_thread(thread, at_ms=fake_clock(service).now_ms() - minutes * 60_000)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        missed.append(await message(discord_api, f"archived {minutes} minutes ago", channel=thread))
+        discord_api.archive_thread(thread, at_ms=fake_clock(service).now_ms() - minutes * 60_000)
     caplog.set_level(logging.WARNING)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     # The latest archived first.
     assert [await answers(service, m) for m in missed] == [
@@ -428,26 +432,29 @@ async def test_archived_threads_past_the_bound_say_so(
 
 async def test_new_threads_past_the_limit_or_that_discord_will_not_list_say_so(
     service: App,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(discord_bots, "CATCH_UP_THREADS", 1)
     await routed(service, {"guild": GUILD, "channel": CHANNEL}, {"guild": GUILD})
-    first, second = standin.start_thread(GUILD, CHANNEL), standin.start_thread(GUILD, CHANNEL)
-    older = await message(standin, "in the quieter thread", channel=second)
-    newer = await message(standin, "in the latest thread", channel=first)
-    standin.fail_reads(f"guild:{GUILD}", "forbidden")
+    first, second = (
+        discord_api.start_thread(GUILD, CHANNEL),
+        discord_api.start_thread(GUILD, CHANNEL),
+    )
+    older = await message(discord_api, "in the quieter thread", channel=second)
+    newer = await message(discord_api, "in the latest thread", channel=first)
+    discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
     caplog.set_level(logging.WARNING)
-    async with running(service, standin) as refused:
+    async with running(service, discord_api) as refused:
         await caught_up(refused)
     # Discord would not list them: the channel is still read, its threads at the next READY.
     [warning] = [r for r in caplog.records if r.name == "bots.discord"]
     assert f"could not read guild {GUILD}'s active threads" in warning.getMessage()
     assert "Missing Access" in warning.getMessage() and not warning.exc_info
-    assert [r["channel_id"] for r in standin.reads] == [CHANNEL]
+    assert [r["channel_id"] for r in discord_api.reads] == [CHANNEL]
     caplog.clear()
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     # The thread with the latest message first.
     assert await answers(service, newer) == ["Echo: in the latest thread"]
@@ -457,7 +464,7 @@ async def test_new_threads_past_the_limit_or_that_discord_will_not_list_say_so(
 
 
 async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     # A route naming the channel: caught up though no message was taken in there yet.
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
@@ -467,23 +474,23 @@ async def test_a_message_both_live_and_in_the_catch_up_is_answered_once(
         reading.set()
         await release.wait()
 
-    standin.on_read = held
-    async with running(service, standin) as up:
+    discord_api.on_read = held
+    async with running(service, discord_api) as up:
         await asyncio.wait_for(reading.wait(), 10)
         # Live while the catch-up's read is on its way: the read finds it too.
-        both = await message(standin, "seen twice")
+        both = await message(discord_api, "seen twice")
         await eventually(lambda: answers(up, both), what="the live message answered")
         duplicates = counted("leadgate_turns_total", outcome="duplicate")
         release.set()
         await caught_up(up)
         assert counted("leadgate_turns_total", outcome="duplicate") == duplicates + 1
     assert await answers(service, both) == ["Echo: seen twice"]
-    [read] = standin.reads
+    [read] = discord_api.reads
     assert read["mode"] == "ok"
 
 
 async def test_messages_older_than_the_window_or_the_route_are_not_answered(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
@@ -498,26 +505,26 @@ async def test_messages_older_than_the_window_or_the_route_are_not_answered(
     )
     clock.advance(HOUR_MS // 2)
     # [discord] catch_up_s is an hour by default.
-    too_old = await message(standin, "two hours ago", at_ms=now - 2 * HOUR_MS)
-    recent = await message(standin, "ten minutes ago", at_ms=now - 600_000)
+    too_old = await message(discord_api, "two hours ago", at_ms=now - 2 * HOUR_MS)
+    recent = await message(discord_api, "ten minutes ago", at_ms=now - 600_000)
     before_route = await message(
-        standin, "before the route", channel=OTHER_CHANNEL, at_ms=now - 40 * 60_000
+        discord_api, "before the route", channel=OTHER_CHANNEL, at_ms=now - 40 * 60_000
     )
     after_route = await message(
-        standin, "after the route", channel=OTHER_CHANNEL, at_ms=now - 20 * 60_000
+        discord_api, "after the route", channel=OTHER_CHANNEL, at_ms=now - 20 * 60_000
     )
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     assert await answers(service, too_old) == []
     assert await answers(service, recent) == ["Echo: ten minutes ago"]
     assert await answers(service, before_route) == []
     assert await answers(service, after_route) == ["Echo: after the route"]
-    assert sorted(r["channel_id"] for r in standin.reads) == [CHANNEL, OTHER_CHANNEL]
+    assert sorted(r["channel_id"] for r in discord_api.reads) == [CHANNEL, OTHER_CHANNEL]
 
 
 async def test_a_channel_with_more_to_read_than_the_limit_answers_its_latest_messages(
     service: App,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -528,12 +535,12 @@ async def test_a_channel_with_more_to_read_than_the_limit_answers_its_latest_mes
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     fake_clock(service).advance(HOUR_MS)  # the route made an hour ago
     now = fake_clock(service).now_ms()
-    oldest = await message(standin, "the oldest", at_ms=now - 30 * 60_000)
+    oldest = await message(discord_api, "the oldest", at_ms=now - 30 * 60_000)
     for n in range(100):
-        await message(standin, f"another bot's {n}", author_bot=True, at_ms=now - 20 * 60_000)
-    newest = await message(standin, "the newest", at_ms=now - 10 * 60_000)
+        await message(discord_api, f"another bot's {n}", author_bot=True, at_ms=now - 20 * 60_000)
+    newest = await message(discord_api, "the newest", at_ms=now - 10 * 60_000)
     caplog.set_level(logging.WARNING)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     assert await answers(service, newest) == ["Echo: the newest"]
     assert await answers(service, oldest) == []
@@ -542,14 +549,14 @@ async def test_a_channel_with_more_to_read_than_the_limit_answers_its_latest_mes
 
 
 async def test_a_read_discord_refuses_is_logged_and_tried_again_at_the_next_ready(
-    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    missed = await message(standin, "said while down")
+    missed = await message(discord_api, "said while down")
     # The bot may not read the channel's history (Read Message History not granted).
-    standin.fail_reads(CHANNEL, "forbidden")
+    discord_api.fail_reads(CHANNEL, "forbidden")
     caplog.set_level(logging.WARNING)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
         assert await answers(up, missed) == []
         [warning] = [r for r in caplog.records if "catch up" in r.getMessage()]
@@ -558,16 +565,16 @@ async def test_a_read_discord_refuses_is_logged_and_tried_again_at_the_next_read
         assert "next READY" in warning.getMessage()
         # A reconnect that cannot resume (a new session, a new READY): tried again.
         first = adapter_of(up).catching_up
-        await standin.invalidate_sessions()
+        await discord_api.invalidate_sessions()
         await caught_up(up, not_this=first)
     assert await answers(service, missed) == ["Echo: said while down"]
-    assert len(standin.identifies) == 2
-    assert [r["mode"] for r in standin.reads] == ["forbidden", "ok"]
+    assert len(discord_api.identifies) == 2
+    assert [r["mode"] for r in discord_api.reads] == ["forbidden", "ok"]
 
 
 @pytest.mark.parametrize("read_before", [True, False], ids=["read through before", "never read"])
 async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_message_there(
-    service: App, standin: DiscordApiStandin, read_before: bool
+    service: App, discord_api: DiscordApiStandin, read_before: bool
 ) -> None:
     """A catch-up whose read of a channel failed, then a live message taken in there: the
     next READY read from that live message (the newest taken in there), and the messages
@@ -577,27 +584,27 @@ async def test_messages_missed_before_a_failed_read_are_answered_after_a_live_me
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     if read_before:
-        async with running(service, standin) as earlier:
+        async with running(service, discord_api) as earlier:
             await caught_up(earlier)
     clock.advance(HOUR_MS // 2)
     now = clock.now_ms()
-    missed = await message(standin, "said while down", at_ms=now - 10 * 60_000)
-    standin.fail_reads(CHANNEL, "forbidden")
-    async with running(service, standin) as up:
+    missed = await message(discord_api, "said while down", at_ms=now - 10 * 60_000)
+    discord_api.fail_reads(CHANNEL, "forbidden")
+    async with running(service, discord_api) as up:
         await caught_up(up)
-        live = await message(standin, "said once it was up", at_ms=now)
+        live = await message(discord_api, "said once it was up", at_ms=now)
         await eventually(lambda: answers(up, live), what="the live message answered")
         failed = adapter_of(up).catching_up
-        await standin.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
         await caught_up(up, not_this=failed)
     assert await answers(service, missed) == ["Echo: said while down"]
     assert await answers(service, live) == ["Echo: said once it was up"]
     assert await taken_in(service) == [f"discord:message:{m}" for m in (live, missed)]
-    assert [r["mode"] for r in standin.reads] == ["ok"] * read_before + ["forbidden", "ok"]
+    assert [r["mode"] for r in discord_api.reads] == ["ok"] * read_before + ["forbidden", "ok"]
 
 
 async def test_a_ready_reads_a_channel_from_the_newest_message_taken_in_since_its_read_through(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """As Slack's: a channel read through at one READY, then live messages taken in
     there: the next READY read it from that catch-up's start, the whole window again at
@@ -605,21 +612,21 @@ async def test_a_ready_reads_a_channel_from_the_newest_message_taken_in_since_it
     taken in, less the overlap, and a message missed after it is still answered."""
     clock = fake_clock(service)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as earlier:
+    async with running(service, discord_api) as earlier:
         await caught_up(earlier)
         clock.advance(2 * HOUR_MS)
-        first = await message(standin, "said while up", at_ms=clock.now_ms())
+        first = await message(discord_api, "said while up", at_ms=clock.now_ms())
         clock.advance(HOUR_MS // 2)
-        live = await message(standin, "said while up, later", at_ms=clock.now_ms())
+        live = await message(discord_api, "said while up, later", at_ms=clock.now_ms())
 
         async def both_answered() -> bool:
             return bool(await answers(earlier, first) and await answers(earlier, live))
 
         await eventually(both_answered, what="the live messages answered")
     clock.advance(10 * 60_000)
-    missed = await message(standin, "said while down", at_ms=clock.now_ms())
+    missed = await message(discord_api, "said while down", at_ms=clock.now_ms())
     duplicates = counted("leadgate_turns_total", outcome="duplicate")
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     assert await answers(service, missed) == ["Echo: said while down"]
     assert await answers(service, first) == ["Echo: said while up"]
@@ -630,7 +637,7 @@ async def test_a_ready_reads_a_channel_from_the_newest_message_taken_in_since_it
 
 
 async def test_a_new_channel_s_retry_after_a_database_fault_reads_what_its_first_try_would(
-    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+    service: App, discord_api: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A channel without a read point yet (first taken in after the last catch-up
     started) whose catch-up met the database away before storing one: by the retry a
@@ -641,11 +648,11 @@ async def test_a_new_channel_s_retry_after_a_database_fault_reads_what_its_first
     await routed(service, {"guild": GUILD})
     fake_clock(service).advance(HOUR_MS)  # the route made an hour ago
     now = fake_clock(service).now_ms()
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        opened = await message(standin, "hello", at_ms=now - 30 * 60_000)
+        opened = await message(discord_api, "hello", at_ms=now - 30 * 60_000)
         await eventually(lambda: answers(first, opened), what="the live message answered")
-    missed = await message(standin, "said while down", at_ms=now - 10 * 60_000)
+    missed = await message(discord_api, "said while down", at_ms=now - 10 * 60_000)
     live_in = asyncio.Event()
     real_read = Database.read
     reads: list[int] = []
@@ -669,9 +676,9 @@ async def test_a_new_channel_s_retry_after_a_database_fault_reads_what_its_first
         return once_live_in(db)  # the retry, once a live message was taken in
 
     monkeypatch.setattr(Database, "read", read)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await eventually(lambda: reads, what="the first try (after READY)")
-        live = await message(standin, "said once it was up", at_ms=now)
+        live = await message(discord_api, "said once it was up", at_ms=now)
         await eventually(lambda: answers(up, live), what="the live message answered")
         live_in.set()
         await caught_up(up)
@@ -718,19 +725,19 @@ async def test_a_read_point_is_marked_read_through_until_a_catch_up_starts_readi
 
 
 async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(
-    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its sessions stay: every READY reads it again, and a WARNING each time said
     nothing anyone could act on. One a route names still warns."""
     await routed(service, {"guild": GUILD}, {"guild": GUILD, "channel": OTHER_CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        gone = await message(standin, "in a thread deleted since")
+        gone = await message(discord_api, "in a thread deleted since")
         await eventually(lambda: answers(first, gone), what="the live message answered")
-    standin.fail_reads(CHANNEL, "not_found")
-    standin.fail_reads(OTHER_CHANNEL, "not_found")
+    discord_api.fail_reads(CHANNEL, "not_found")
+    discord_api.fail_reads(OTHER_CHANNEL, "not_found")
     caplog.set_level(logging.INFO)
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "bots.discord"]
     assert (logging.INFO, f"discord: channel {CHANNEL} is gone; not caught up") in lines
@@ -739,11 +746,11 @@ async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_
 
 
 async def test_a_route_naming_a_channel_alone_learns_its_guild_for_the_live_session(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     await routed(service, {"channel": CHANNEL})
-    missed = await message(standin, "said while down")
-    async with running(service, standin) as up:
+    missed = await message(discord_api, "said while down")
+    async with running(service, discord_api) as up:
         await caught_up(up)
     assert await answers(service, missed) == ["Echo: said while down"]
     async with service.db.read() as conn:
@@ -753,17 +760,17 @@ async def test_a_route_naming_a_channel_alone_learns_its_guild_for_the_live_sess
 
 
 async def test_two_replicas_answer_a_live_and_a_missed_message_once(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    missed = await message(standin, "said while both were down")
+    missed = await message(discord_api, "said while both were down")
     duplicates = counted("leadgate_turns_total", outcome="duplicate")
-    async with running(service, standin) as one, running(service, standin) as two:
+    async with running(service, discord_api) as one, running(service, discord_api) as two:
         # Each replica has its own gateway session, and Discord delivers to each.
         await caught_up(one)
         await caught_up(two)
-        assert len(standin.identifies) == 2 and len(standin.reads) == 2
-        live = await message(standin, "said to both")
+        assert len(discord_api.identifies) == 2 and len(discord_api.reads) == 2
+        live = await message(discord_api, "said to both")
         # Each message taken in by both: once, and once a duplicate (the same process
         # counts for both replicas).
         await eventually(
@@ -776,13 +783,13 @@ async def test_two_replicas_answer_a_live_and_a_missed_message_once(
     assert await answers(service, live) == ["Echo: said to both"]
 
 
-async def notice_to(standin: DiscordApiStandin, message_id: str) -> str:
+async def notice_to(discord_api: DiscordApiStandin, message_id: str) -> str:
     """The text of the one reply the bot posted to ``message_id`` (waited for)."""
 
     def replies() -> list[str]:
         return [
             str(p["content"])
-            for p in standin.posts
+            for p in discord_api.posts
             if p.get("op") == "create_message"
             and str((p.get("message_reference") or {}).get("message_id")) == message_id
         ]
@@ -793,26 +800,26 @@ async def notice_to(standin: DiscordApiStandin, message_id: str) -> str:
 
 
 async def test_a_message_the_bot_already_replied_to_is_not_answered_by_the_catch_up(
-    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+    service: App, discord_api: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A message the live path could not take in (the database down) was told so, in a
     reply to it, and its author sent it again: the catch-up at the next READY read it
     back and answered it as well (answered twice). Nor is a message answered again
     whose answer was posted but whose intake record is gone."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        answered = await message(standin, "answered")
+        answered = await message(discord_api, "answered")
         await eventually(lambda: answers(first, answered), what="the live message answered")
         # The database is down for the next intake's transaction.
         monkeypatch.setattr(first.db, "tx", DownFor(first.db.tx, 1, after_commit=False))
-        refused = await message(standin, "said while the database was down")
-        assert (await notice_to(standin, refused)).startswith(NOT_TAKEN_IN)
+        refused = await message(discord_api, "said while the database was down")
+        assert (await notice_to(discord_api, refused)).startswith(NOT_TAKEN_IN)
         # Back: the person sends it again, as told.
-        again = await message(standin, "said while the database was down")
+        again = await message(discord_api, "said while the database was down")
         await eventually(lambda: answers(first, again), what="the resend answered")
         await drain(first.relay)  # the answers posted, replies to their messages
-        assert await notice_to(standin, answered) == "Echo: answered"
+        assert await notice_to(discord_api, answered) == "Echo: answered"
     # The answered message's intake record is gone (a restore of an older backup, say).
     async with service.db.tx() as conn:
         await conn.execute(
@@ -820,9 +827,9 @@ async def test_a_message_the_bot_already_replied_to_is_not_answered_by_the_catch
                 t.inbound_events.c.external_event_id == f"discord:message:{answered}"
             )
         )
-    async with running(service, standin) as second:
+    async with running(service, discord_api) as second:
         await caught_up(second)
-    [read] = standin.reads[1:]
+    [read] = discord_api.reads[1:]
     assert read["mode"] == "ok"
     assert await answers(service, refused) == []
     assert await answers(service, answered) == ["Echo: answered"]
@@ -833,7 +840,7 @@ async def test_a_message_the_bot_already_replied_to_is_not_answered_by_the_catch
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 async def test_a_message_told_it_may_or_may_not_have_been_taken_in_is_answered_once(
     service: App,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     monkeypatch: pytest.MonkeyPatch,
     commit_lands_later: Callable[[Database], CommitLandsLater],
 ) -> None:
@@ -842,24 +849,24 @@ async def test_a_message_told_it_may_or_may_not_have_been_taken_in_is_answered_o
     service is back; the COMMIT never landed. The catch-up at the next READY answers
     it, once, though the bot replied to it (only that notice)."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        opened = await message(standin, "hello")  # (its session exists from now on)
+        opened = await message(discord_api, "hello")  # (its session exists from now on)
         await eventually(lambda: answers(first, opened), what="the live message answered")
         late = commit_lands_later(first.db)
         monkeypatch.setattr(first.db, "read", DownFor(first.db.read, 1, after_commit=False))
-        doubted = await message(standin, "said as the database went away")
-        assert (await notice_to(standin, doubted)).startswith(IN_DOUBT)
+        doubted = await message(discord_api, "said as the database went away")
+        assert (await notice_to(discord_api, doubted)).startswith(IN_DOUBT)
         await late.abandon()  # it never landed
     assert await answers(service, doubted) == []
-    async with running(service, standin) as second:
+    async with running(service, discord_api) as second:
         await caught_up(second)
     assert await answers(service, doubted) == ["Echo: said as the database went away"]
     assert await taken_in(service) == [f"discord:message:{m}" for m in (opened, doubted)]
 
 
 async def test_a_database_fault_during_the_catch_up_tells_nobody_and_is_tried_again(
-    service: App, standin: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
+    service: App, discord_api: DiscordApiStandin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A missed message the catch-up cannot take in (the database away at its intake)
     is not told "could not be taken in, send it again" (the catch-up took each message
@@ -867,31 +874,31 @@ async def test_a_database_fault_during_the_catch_up_tells_nobody_and_is_tried_ag
     catch-up is tried again shortly, not at the next READY: answered once."""
     monkeypatch.setattr(bots_base, "CATCH_UP_RETRY_FIRST_S", 0.01)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as first:
+    async with running(service, discord_api) as first:
         await caught_up(first)
-        opened = await message(standin, "hello")  # (its session exists from now on)
+        opened = await message(discord_api, "hello")  # (its session exists from now on)
         await eventually(lambda: answers(first, opened), what="the live message answered")
-    missed = await message(standin, "said while down")
-    also = await message(standin, "also said while down")
+    missed = await message(discord_api, "said while down")
+    also = await message(discord_api, "also said while down")
     up: list[App] = []
 
     async def down_once(_record: dict[str, Any]) -> None:
         # The database away for the catch-up's first intake (the process is up by the
         # time its READY's read comes back).
-        standin.on_read = None
+        discord_api.on_read = None
         await eventually(lambda: up, what="the second process up")
         monkeypatch.setattr(up[0].db, "tx", DownFor(up[0].db.tx, 1, after_commit=False))
 
-    standin.on_read = down_once
-    async with running(service, standin) as second:
+    discord_api.on_read = down_once
+    async with running(service, discord_api) as second:
         up.append(second)
         await caught_up(second)
     notices = [
         p
-        for p in standin.posts
+        for p in discord_api.posts
         if str((p.get("message_reference") or {}).get("message_id")) in (missed, also)
     ]
     assert notices == []
-    assert len(standin.reads) == 3  # the first process's READY, the fault's and the retry's
+    assert len(discord_api.reads) == 3  # the first process's READY, the fault's and the retry's
     assert await answers(service, missed) == ["Echo: said while down"]
     assert await answers(service, also) == ["Echo: also said while down"]

@@ -107,7 +107,7 @@ from nacl.signing import SigningKey
 
 from tests.standins.common import StandinBase, portal_page, serve_main
 
-__all__ = ["DiscordApiStandin", "interaction_headers"]
+__all__ = ["DiscordApiStandin", "config_section", "interaction_headers"]
 
 # Discord's gateway opcodes.
 _DISPATCH, _HEARTBEAT, _IDENTIFY, _RESUME, _HELLO, _HEARTBEAT_ACK = 0, 1, 2, 6, 10, 11
@@ -126,6 +126,20 @@ def interaction_headers(
         "X-Signature-Ed25519": signature,
         "X-Signature-Timestamp": ts,
     }
+
+
+def config_section(standin: DiscordApiStandin, key: SigningKey | None = None) -> dict[str, str]:
+    """The service's ``[discord]`` section pointing its REST calls and gateway at
+    ``standin`` with the stand-in's bot token; with ``key``, interactions are verified
+    with its public half too."""
+    section = {
+        "bot_token": standin.token,
+        "api_url": standin.api_url,
+        "gateway_url": standin.gateway_url,
+    }
+    if key is not None:
+        section = {"public_key": key.verify_key.encode().hex(), **section}
+    return section
 
 
 def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
