@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -39,32 +38,26 @@ def instant_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(discord_bots, "THREAD_LOOKUP_RETRY_S", (0.0, 0.0, 0.0))
 
 
-@pytest.fixture
-async def standin() -> AsyncIterator[DiscordApiStandin]:
-    async with DiscordApiStandin(token="bot-token") as dc:
-        yield dc
-
-
 async def test_a_thread_whose_parent_discord_tells_late_is_answered_by_the_parents_route(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """Discord does not answer the first two look-ups of the thread (a 503): the third
     tells its parent, whose route answers. Before, the first failure
     routed the message as the thread's own channel's, which no route names: nobody
     answered it, and nothing said so."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
-        thread = standin.start_thread(GUILD, CHANNEL)
-        standin.fail_lookups(thread, "503", "503")
-        said = await message(standin, "in a thread", channel=thread)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        discord_api.fail_lookups(thread, "503", "503")
+        said = await message(discord_api, "in a thread", channel=thread)
         await eventually(lambda: answers(up, said), what="the thread's message answered")
     assert await answers(service, said) == ["Echo: in a thread"]
-    assert standin.lookups == [(thread, "503"), (thread, "503"), (thread, "ok")]
+    assert discord_api.lookups == [(thread, "503"), (thread, "503"), (thread, "ok")]
 
 
 async def test_a_thread_discord_never_tells_about_is_read_back_at_the_next_ready(
-    service: App, standin: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Discord never answers the live look-up, and no route names the thread: a WARNING
     names the message and the thread (never its text), and the message
@@ -75,11 +68,11 @@ async def test_a_thread_discord_never_tells_about_is_read_back_at_the_next_ready
     message was lost, a WARNING its only trace."""
     caplog.set_level(logging.WARNING)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
-        thread = standin.start_thread(GUILD, CHANNEL)
-        standin.fail_lookups(thread, *["503"] * (len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1))
-        said = await message(standin, "in a thread", channel=thread)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        discord_api.fail_lookups(thread, *["503"] * (len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1))
+        said = await message(discord_api, "in a thread", channel=thread)
 
         def kept() -> list[str]:
             return [
@@ -93,17 +86,17 @@ async def test_a_thread_discord_never_tells_about_is_read_back_at_the_next_ready
         [line] = kept()
         assert said in line and "the next READY's read-back reads it" in line
         assert thread in line and "in a thread" not in line  # (ids, never the text)
-        standin.fail_reads(f"guild:{GUILD}", "forbidden")
+        discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
         first = adapter_of(up).catching_up
-        await standin.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
         await caught_up(up, not_this=first)
     assert await answers(service, said) == ["Echo: in a thread"]
-    assert standin.lookups == [(thread, "503")] * 4 + [(thread, "ok")]
+    assert discord_api.lookups == [(thread, "503")] * 4 + [(thread, "ok")]
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["looked-up", "cached-meanwhile"])
 async def test_a_second_message_waits_for_the_threads_look_up_under_way(
-    service: App, standin: DiscordApiStandin, cached: bool
+    service: App, discord_api: DiscordApiStandin, cached: bool
 ) -> None:
     """The thread's first message meets a 503 and waits to ask again; a second one comes
     meanwhile, either looked up too or (``cached``) as a thread discord.py cached in
@@ -112,7 +105,7 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
     messages reached the session in the wrong order. Now it waits (the look-up is asked
     once, shared; a channel's messages are recorded in the order they came)."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
         adapter = adapter_of(up)
         gate = asyncio.Event()
@@ -120,18 +113,18 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
         async def gated(seconds: float) -> None:
             await gate.wait()
 
-        thread = standin.start_thread(GUILD, CHANNEL)
-        standin.fail_lookups(thread, "503")
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        discord_api.fail_lookups(thread, "503")
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(adapter, "_sleep", gated)
-            first = await message(standin, "first", channel=thread)
-            await eventually(lambda: standin.lookups == [(thread, "503")], what="the 503")
+            first = await message(discord_api, "first", channel=thread)
+            await eventually(lambda: discord_api.lookups == [(thread, "503")], what="the 503")
             if cached:
-                await standin.dispatch_guild_create(GUILD)
+                await discord_api.dispatch_guild_create(GUILD)
                 client = adapter.gateway
                 assert client is not None
                 await eventually(lambda: client.get_channel(int(thread)), what="the thread cached")
-            second = await message(standin, "second", channel=thread)
+            second = await message(discord_api, "second", channel=thread)
             name = f"discord-record:message:{second}"
 
             async def received() -> bool:
@@ -150,11 +143,11 @@ async def test_a_second_message_waits_for_the_threads_look_up_under_way(
             await eventually(both, what="both messages recorded")
         mine = [i for i in await taken_in(service) if i.endswith((first, second))]
     assert mine == [f"discord:message:{first}", f"discord:message:{second}"]
-    assert standin.lookups == [(thread, "503"), (thread, "ok")]
+    assert discord_api.lookups == [(thread, "503"), (thread, "ok")]
 
 
 async def test_a_channels_messages_are_recorded_in_the_order_the_gateway_delivered_them(
-    service: App, standin: DiscordApiStandin
+    service: App, discord_api: DiscordApiStandin
 ) -> None:
     """The first of two quick messages of a channel is slow to record (held here before
     its intake, as a busy database or a slow look-up holds it); the second waits for it,
@@ -163,7 +156,7 @@ async def test_a_channels_messages_are_recorded_in_the_order_the_gateway_deliver
     (on PostgreSQL, two intakes begun in order also committed either way round, and the
     order-of-look-ups test failed now and then under load)."""
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
         adapter = adapter_of(up)
         take_post = adapter._take_post
@@ -178,9 +171,9 @@ async def test_a_channels_messages_are_recorded_in_the_order_the_gateway_deliver
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(adapter, "_take_post", first_held)
-            first = await message(standin, "first")
+            first = await message(discord_api, "first")
             await eventually(lambda: held, what="the first message held")
-            second = await message(standin, "second")
+            second = await message(discord_api, "second")
             name = f"discord-record:message:{second}"
 
             async def waiting() -> bool:
@@ -201,7 +194,7 @@ async def test_a_channels_messages_are_recorded_in_the_order_the_gateway_deliver
 
 async def test_the_stop_ends_a_thread_look_up_under_way_and_keeps_its_message(
     service: App,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -213,15 +206,15 @@ async def test_the_stop_ends_a_thread_look_up_under_way_and_keeps_its_message(
     monkeypatch.setattr(discord_bots, "THREAD_LOOKUP_S", 3600.0)
     caplog.set_level(logging.WARNING)
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
-    async with running(service, standin) as up:
+    async with running(service, discord_api) as up:
         await caught_up(up)
         adapter = adapter_of(up)
-        thread = standin.start_thread(GUILD, CHANNEL)
-        standin.fail_lookups(thread, "ratelimited:600")
-        said = await message(standin, "in a thread", channel=thread)
-        await eventually(lambda: standin.lookups, what="the look-up")
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        discord_api.fail_lookups(thread, "ratelimited:600")
+        said = await message(discord_api, "in a thread", channel=thread)
+        await eventually(lambda: discord_api.lookups, what="the look-up")
         [lookup] = adapter._looking_up.values()
     assert lookup.done()
-    assert standin.lookups == [(thread, "ratelimited:600")]
+    assert discord_api.lookups == [(thread, "ratelimited:600")]
     kept = [r.getMessage() for r in caplog.records if "was not taken in" in r.getMessage()]
     assert len(kept) == 1 and said in kept[0] and "read-back reads it" in kept[0]
