@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import pytest
 import sqlalchemy as sa
 
 from binding import routes
@@ -47,26 +46,20 @@ class HoldsFirst:
         yield TextDelta(f"to {said}")
 
 
-@pytest.fixture
-async def standin() -> AsyncIterator[DiscordApiStandin]:
-    async with DiscordApiStandin(token="bot-token") as dc:
-        yield dc
-
-
 async def test_two_quick_messages_each_get_their_own_reply(
-    migrated_url: str, standin: DiscordApiStandin
+    migrated_url: str, discord_api: DiscordApiStandin
 ) -> None:
     model = HoldsFirst()
     async with served_app(
-        migrated_url, config=gateway(standin), adapters=True, providers={"hold": model}
+        migrated_url, config=gateway(discord_api), adapters=True, providers={"hold": model}
     ) as (up, _):
         org = await make_org(up)
         plain = await make_agent(up, org, "plain", model="hold")
         await make_route(up, org, plain["id"], "discord", {"guild": GUILD, "channel": CHANNEL})
         await caught_up(up)
-        first = await message(standin, "first")
+        first = await message(discord_api, "first")
         await eventually(lambda: model.asked == ["first"], what="the first turn at its model")
-        second = await message(standin, "second")
+        second = await message(discord_api, "second")
         await eventually(lambda: answers(up, second), what="the second message answered")
         model.release.set()
         await eventually(lambda: answers(up, first), what="the first message answered")
@@ -75,7 +68,7 @@ async def test_two_quick_messages_each_get_their_own_reply(
         await drain(up.relay)
     replies = {
         str(post["message_reference"]["message_id"]): post["content"]
-        for post in standin.posts
+        for post in discord_api.posts
         if post["op"] == "create_message"
     }
     assert replies == {first: "to first", second: "to second"}
@@ -89,7 +82,7 @@ async def answered(service: App) -> list[str]:
 
 
 async def test_a_reply_is_not_posted_once_its_conversations_route_was_made_silent(
-    migrated_url: str, standin: DiscordApiStandin
+    migrated_url: str, discord_api: DiscordApiStandin
 ) -> None:
     """The route is made silent (replaced by a silent one) while the first message's
     model runs; the second message comes through it, its silent binding the session's
@@ -98,18 +91,18 @@ async def test_a_reply_is_not_posted_once_its_conversations_route_was_made_silen
     model = HoldsFirst()
     match = {"guild": GUILD, "channel": CHANNEL}
     async with served_app(
-        migrated_url, config=gateway(standin), adapters=True, providers={"hold": model}
+        migrated_url, config=gateway(discord_api), adapters=True, providers={"hold": model}
     ) as (up, _):
         org = await make_org(up)
         plain = await make_agent(up, org, "plain", model="hold")
         loud = await make_route(up, org, plain["id"], "discord", match)
         await caught_up(up)
-        await message(standin, "first")
+        await message(discord_api, "first")
         await eventually(lambda: model.asked == ["first"], what="the first turn at its model")
         async with up.db.tx() as conn:
             await routes.disable_route(conn, org.id, loud)
         await make_route(up, org, plain["id"], "discord", match, silent=True)
-        await message(standin, "second")
+        await message(discord_api, "second")
         await eventually(lambda: answered(up), what="the second message answered")
         model.release.set()
 
@@ -120,4 +113,4 @@ async def test_a_reply_is_not_posted_once_its_conversations_route_was_made_silen
         await drain(up.relay)
         async with up.db.read() as conn:
             assert (await conn.execute(sa.select(t.deliveries.c.id))).all() == []
-    assert [post for post in standin.posts if post["op"] == "create_message"] == []
+    assert [post for post in discord_api.posts if post["op"] == "create_message"] == []
