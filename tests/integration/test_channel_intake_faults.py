@@ -49,18 +49,12 @@ from tests.helpers import (
 )
 from tests.integration.test_chat_review_faults import no_tracebacks
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
-from tests.standins.discord_api import DiscordApiStandin, interaction_headers
+from tests.standins.discord_api import DiscordApiStandin, config_section, interaction_headers
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 from tests.statement_faults import injector
 
 GUILD, CHANNEL = "1000000000000000001", "1000000000000000002"
 SAID = "could not be taken in"
-
-
-@pytest.fixture
-async def standin() -> AsyncIterator[DiscordApiStandin]:
-    async with DiscordApiStandin(token="bot-token") as dc:
-        yield dc
 
 
 @contextlib.asynccontextmanager
@@ -85,15 +79,9 @@ async def routed(
 
 @pytest.fixture
 async def served(
-    migrated_url: str, key: SigningKey, standin: DiscordApiStandin
+    migrated_url: str, key: SigningKey, discord_api: DiscordApiStandin
 ) -> AsyncIterator[tuple[App, TestServer]]:
-    section = {
-        "public_key": key.verify_key.encode().hex(),
-        "bot_token": "bot-token",
-        "api_url": standin.api_url,
-        "gateway_url": standin.gateway_url,
-    }
-    async with routed(migrated_url, "discord", section) as pair:
+    async with routed(migrated_url, "discord", config_section(discord_api, key)) as pair:
         yield pair
 
 
@@ -152,20 +140,20 @@ async def test_an_ask_the_database_cannot_take_is_answered_saying_so(
 
 async def test_a_gateway_message_the_database_cannot_take_gets_a_reply_saying_so(
     served: tuple[App, TestServer],
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     app, _ = served
-    await standin.wait_gateway_ready(within_s=5)
+    await discord_api.wait_gateway_ready(within_s=5)
     caplog.set_level(logging.INFO)
     down(monkeypatch, app.db)
-    sent = await standin.dispatch_message_create(
+    sent = await discord_api.dispatch_message_create(
         channel_id=CHANNEL, guild_id=GUILD, content="SECRET-GATEWAY-TEXT"
     )
 
     def replies() -> list[dict[str, Any]]:
-        return [p for p in standin.posts if p.get("op") == "create_message"]
+        return [p for p in discord_api.posts if p.get("op") == "create_message"]
 
     # It was lost without a word (and logged with the driver's traceback): the gateway
     # delivers a message once. Now its author gets a reply to it saying so.
@@ -436,7 +424,7 @@ async def test_a_busy_slack_message_whose_commit_is_in_doubt_is_recorded_once_an
 
 
 async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_response(
-    migrated_url: str, key: SigningKey, standin: DiscordApiStandin
+    migrated_url: str, key: SigningKey, discord_api: DiscordApiStandin
 ) -> None:
     """An /ask's turn fails (its model's error) and closing its run, which queues the
     failure notice that fills the deferred response, meets a database fault: no notice,
@@ -448,7 +436,10 @@ async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_re
     settings = Settings.model_validate(
         {
             "database": {"url": migrated_url},
-            "discord": {"public_key": key.verify_key.encode().hex(), "api_url": standin.api_url},
+            "discord": {
+                "public_key": key.verify_key.encode().hex(),
+                "api_url": discord_api.api_url,
+            },
         }
     )
     service = App(settings, clock=FakeClock(), providers={"gate": gate}, enable_adapters=False)
@@ -472,8 +463,8 @@ async def test_an_ask_whose_failed_turn_is_left_to_recovery_ends_its_deferred_re
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(service.db, "tx", DownFor(service.db.tx, 1, after_commit=False))
             gate.release.set()
-            await eventually(lambda: standin.posts)
-        assert standin.posts == [
+            await eventually(lambda: discord_api.posts)
+        assert discord_api.posts == [
             {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-9"}
         ]
         assert settles == [discord_bot._DEFERRED_SETTLE_S]
