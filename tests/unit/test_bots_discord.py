@@ -64,12 +64,6 @@ def core() -> FakeCore:
     return FakeCore(routes=[({"guild": GUILD}, ROUTE)])
 
 
-@pytest.fixture
-async def standin() -> AsyncIterator[DiscordApiStandin]:
-    async with DiscordApiStandin(token="bot-token") as dc:
-        yield dc
-
-
 async def serve(
     settings: Settings, core: FakeCore, sleeps: list[float] | None = None
 ) -> TestServer:
@@ -97,10 +91,12 @@ def sleeps() -> list[float]:
 
 @pytest.fixture
 async def server(
-    key: SigningKey, core: FakeCore, standin: DiscordApiStandin, sleeps: list[float]
+    key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin, sleeps: list[float]
 ) -> AsyncIterator[TestServer]:
     settings = Settings(
-        discord=DiscordSettings(public_key=key.verify_key.encode().hex(), api_url=standin.api_url)
+        discord=DiscordSettings(
+            public_key=key.verify_key.encode().hex(), api_url=discord_api.api_url
+        )
     )
     srv = await serve(settings, core, sleeps)
     yield srv
@@ -181,7 +177,7 @@ async def test_bad_or_missing_signature_is_401(
 
 
 async def test_refusals_name_their_rule(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     """A forged or stale interaction and a signed one of a kind nobody answers are 4xx
     in the error envelope naming the rule (it was ``{"error": "..."}``, with no rule)."""
@@ -199,7 +195,7 @@ async def test_refusals_name_their_rule(
         status, body = await post(server, payload, key)
         assert status == 400, payload
         assert body["error"]["rule"] == "discord.interaction", payload
-    assert core.tasks == [] and standin.posts == []
+    assert core.tasks == [] and discord_api.posts == []
 
 
 async def test_a_rule_breaking_ask_is_told_why_naming_the_rule(
@@ -225,7 +221,7 @@ async def test_a_rule_breaking_ask_is_told_why_naming_the_rule(
 
 
 async def test_ask_is_deferred_at_once_and_runs_the_turn(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     core.submit_delay_s = 1.0
     started = time.monotonic()
@@ -249,7 +245,7 @@ async def test_ask_is_deferred_at_once_and_runs_the_turn(
     }
     assert trigger.binding.route_id == "r1" and trigger.binding.silent is False
     # A plain reply is left for the outbox to edit into @original: nothing deleted here.
-    assert standin.posts == []
+    assert discord_api.posts == []
 
 
 @pytest.mark.parametrize(
@@ -261,7 +257,7 @@ async def test_invisible_outcomes_delete_the_deferred_response(
     server: TestServer,
     key: SigningKey,
     core: FakeCore,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     sleeps: list[float],
     outcome: Outcome,
 ) -> None:
@@ -269,7 +265,7 @@ async def test_invisible_outcomes_delete_the_deferred_response(
     status, body = await post(server, ask_payload(), key)
     assert (status, body) == (200, {"type": 5})
     await core.drain()
-    assert standin.posts == [
+    assert discord_api.posts == [
         {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
     ]
     # A busy /ask (known while recording) lets the deferred answer reach Discord first,
@@ -280,18 +276,18 @@ async def test_invisible_outcomes_delete_the_deferred_response(
 
 @pytest.mark.parametrize("text", ["", " ", "\n\t \u3000"])
 async def test_a_reply_of_blanks_deletes_the_deferred_response(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin, text: str
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin, text: str
 ) -> None:
     """A reply with nothing to show is no post (the outbox skips it): the deferred
     response is deleted as a gated /ask's is, not left "thinking..." for good."""
     core.outcome = Reply(text)
     assert await post(server, ask_payload(), key) == (200, {"type": 5})
     await core.drain()
-    assert [p["op"] for p in standin.posts] == ["delete_original"]
+    assert [p["op"] for p in discord_api.posts] == ["delete_original"]
 
 
 async def test_a_rejected_ask_keeps_its_ephemeral_answer(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     """A rejected message runs no turn, and its answer (ephemeral, not deferred) is left
     alone: nothing is deleted."""
@@ -304,14 +300,14 @@ async def test_a_rejected_ask_keeps_its_ephemeral_answer(
         status, body = await post(server, ask_payload(), key)
         await core.drain()
     assert status == 200 and body["data"]["content"].endswith("too long [message.too_long].")
-    assert core.tasks == [] and standin.posts == []
+    assert core.tasks == [] and discord_api.posts == []
 
 
 async def test_an_ask_left_to_recovery_ends_its_deferred_response(
     server: TestServer,
     key: SigningKey,
     core: FakeCore,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     sleeps: list[float],
 ) -> None:
     """An /ask recorded while this process runs too many turns is left to the recovery
@@ -325,12 +321,12 @@ async def test_an_ask_left_to_recovery_ends_its_deferred_response(
         mp.setattr(core, "run_recorded", left_to_recovery)
         assert await post(server, ask_payload(), key) == (200, {"type": 5})
         await core.drain()
-    assert [p["op"] for p in standin.posts] == ["delete_original"]
+    assert [p["op"] for p in discord_api.posts] == ["delete_original"]
     assert sleeps == [discord_bot._DEFERRED_SETTLE_S]
 
 
 async def test_the_interaction_names_its_application_not_the_setting(
-    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     """``[discord] application_id`` is not read: a verified interaction is answered at
     the application it names (the one its token was issued with), whatever the setting
@@ -339,7 +335,7 @@ async def test_the_interaction_names_its_application_not_the_setting(
         discord=DiscordSettings(
             public_key=key.verify_key.encode().hex(),
             application_id="1199999999999999999",
-            api_url=standin.api_url,
+            api_url=discord_api.api_url,
         )
     )
     srv = await serve(settings, core)
@@ -351,13 +347,13 @@ async def test_the_interaction_names_its_application_not_the_setting(
         await srv.close()
     [trigger] = core.triggers
     assert trigger.binding.address["application_id"] == "1100000000000000001"
-    assert standin.posts == [
+    assert discord_api.posts == [
         {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
     ]
 
 
 async def test_a_duplicate_never_touches_the_earlier_reply(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     # A replayed interaction (same id) is a duplicate: the reply the first one got (the
     # same interaction token) must stay, so nothing is deleted or edited.
@@ -365,21 +361,21 @@ async def test_a_duplicate_never_touches_the_earlier_reply(
     status, _ = await post(server, ask_payload(), key)
     assert status == 200
     await core.drain()
-    assert standin.posts == []
+    assert discord_api.posts == []
 
 
 async def test_silent_route_deletes_the_deferred_response(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     core.routes = [({"channel": CHANNEL}, RouteMatch("r2", "o1", "a1", silent=True))]
     await post(server, ask_payload(), key)
     await core.drain()
     assert core.triggers[0].binding.silent is True
-    assert [p["op"] for p in standin.posts] == ["delete_original"]
+    assert [p["op"] for p in discord_api.posts] == ["delete_original"]
 
 
 async def test_a_failed_turn_on_a_silent_route_deletes_the_deferred_response(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     """A failed turn's notice fills the deferred response, but a silent route posts
     none: the deferred response is deleted (it stayed "thinking..." until Discord said
@@ -398,7 +394,9 @@ async def test_a_failed_turn_on_a_silent_route_deletes_the_deferred_response(
             assert await post(server, payload, key) == (200, {"type": 5})
             with pytest.raises(ModelError):
                 await core.drain()
-    assert [(p["op"], p["token"]) for p in standin.posts] == [("delete_original", "itoken-silent")]
+    assert [(p["op"], p["token"]) for p in discord_api.posts] == [
+        ("delete_original", "itoken-silent")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -413,7 +411,7 @@ async def test_a_turn_stopped_on_a_database_fault_ends_the_deferred_response(
     server: TestServer,
     key: SigningKey,
     core: FakeCore,
-    standin: DiscordApiStandin,
+    discord_api: DiscordApiStandin,
     sleeps: list[float],
     fault: Exception,
 ) -> None:
@@ -430,14 +428,14 @@ async def test_a_turn_stopped_on_a_database_fault_ends_the_deferred_response(
         assert await post(server, ask_payload(), key) == (200, {"type": 5})
         with pytest.raises(type(fault)):
             await core.drain()
-    assert standin.posts == [
+    assert discord_api.posts == [
         {"op": "delete_original", "application_id": "1100000000000000001", "token": "itoken-1"}
     ]
     assert sleeps == [discord_bot._DEFERRED_SETTLE_S]
 
 
 async def test_no_route_runs_no_turn_and_leaves_nothing(
-    server: TestServer, key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    server: TestServer, key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     core.routes = []
     status, body = await post(server, ask_payload(), key)
@@ -447,7 +445,7 @@ async def test_no_route_runs_no_turn_and_leaves_nothing(
     assert body["type"] == 4 and body["data"]["flags"] == 64
     await core.drain()
     assert core.triggers == []
-    assert standin.posts == []
+    assert discord_api.posts == []
 
 
 async def test_direct_message_uses_at_me(
@@ -474,9 +472,9 @@ async def test_other_commands_run_nothing(
 
 
 async def test_interactions_route_needs_a_public_key(
-    core: FakeCore, standin: DiscordApiStandin, key: SigningKey
+    core: FakeCore, discord_api: DiscordApiStandin, key: SigningKey
 ) -> None:
-    settings = Settings(discord=DiscordSettings(bot_token="bot-token", api_url=standin.api_url))
+    settings = Settings(discord=DiscordSettings(bot_token="bot-token", api_url=discord_api.api_url))
     adapter = discord_bot.create(settings, core)
     assert adapter is not None
     app = web.Application()
@@ -488,28 +486,28 @@ async def test_interactions_route_needs_a_public_key(
 
 
 async def test_gateway_message_becomes_a_trigger(
-    core: FakeCore, standin: DiscordApiStandin
+    core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     settings = Settings(
         discord=DiscordSettings(
-            bot_token="bot-token", api_url=standin.api_url, gateway_url=standin.gateway_url
+            bot_token="bot-token", api_url=discord_api.api_url, gateway_url=discord_api.gateway_url
         )
     )
     srv = await serve(settings, core)
     try:
-        await standin.wait_gateway_ready(within_s=2.5)
-        [identify] = standin.identifies
+        await discord_api.wait_gateway_ready(within_s=2.5)
+        [identify] = discord_api.identifies
         assert identify["token"] == "bot-token"
         assert identify["intents"] & discord.Intents(message_content=True).value
         # Ignored: other bots and the bot itself.
-        await standin.dispatch_message_create(
+        await discord_api.dispatch_message_create(
             channel_id=CHANNEL, guild_id=GUILD, content="beep", author_bot=True
         )
-        await standin.dispatch_message_create(
-            channel_id=CHANNEL, guild_id=GUILD, content="me", author_id=standin.bot_user_id
+        await discord_api.dispatch_message_create(
+            channel_id=CHANNEL, guild_id=GUILD, content="me", author_id=discord_api.bot_user_id
         )
-        sent = await standin.dispatch_message_create(
-            channel_id=CHANNEL, guild_id=GUILD, content=f"<@{standin.bot_user_id}> hi there"
+        sent = await discord_api.dispatch_message_create(
+            channel_id=CHANNEL, guild_id=GUILD, content=f"<@{discord_api.bot_user_id}> hi there"
         )
         async with asyncio.timeout(10):  # "it did not hang" (2 s was near a loaded machine)
             await core.submitted.wait()
@@ -527,7 +525,7 @@ async def test_gateway_message_becomes_a_trigger(
     }
     assert core.lookups == [("discord", {"guild": GUILD, "channel": CHANNEL})]
     # Shutdown closed the gateway connection.
-    assert standin.identifies and not standin._ready_sockets
+    assert discord_api.identifies and not discord_api._ready_sockets
 
 
 def test_nonce_is_stable_and_short() -> None:
@@ -556,13 +554,15 @@ async def test_gateway_start_survives_an_unreachable_discord(core: FakeCore) -> 
 
 
 async def test_interaction_timestamps_have_a_freshness_window(
-    key: SigningKey, core: FakeCore, standin: DiscordApiStandin
+    key: SigningKey, core: FakeCore, discord_api: DiscordApiStandin
 ) -> None:
     from leadgate.core.clock import FakeClock
 
     clock = FakeClock()
     settings = Settings(
-        discord=DiscordSettings(public_key=key.verify_key.encode().hex(), api_url=standin.api_url)
+        discord=DiscordSettings(
+            public_key=key.verify_key.encode().hex(), api_url=discord_api.api_url
+        )
     )
     adapter = discord_bot.DiscordAdapter(settings, core, clock=clock)
     app = web.Application()
