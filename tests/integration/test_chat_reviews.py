@@ -10,7 +10,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import discord
 import pytest
 import sqlalchemy as sa
 
@@ -504,14 +503,6 @@ async def test_a_slack_card_being_posted_when_the_item_is_decided(
     else:
         assert edits == [] and slack_api.posts == []
         assert update["error"] == f"the card was not posted ({card['status']}); nothing to update"
-
-
-@pytest.fixture
-async def discord_api() -> AsyncIterator[DiscordApiStandin]:
-    base = discord.http.Route.BASE  # (process-wide in discord.py: put back after)
-    async with DiscordApiStandin(token="bot-token") as standin:
-        yield standin
-    discord.http.Route.BASE = base
 
 
 @pytest.fixture
