@@ -34,7 +34,7 @@ from tests.helpers import eventually, make_agent, make_org, make_route
 from tests.integration.test_channel_intake_faults import ask, routed
 from tests.integration.test_email_review_replies import Env, _env
 from tests.standins.connector import ConnectorStandin, message_activity, post_activity
-from tests.standins.discord_api import DiscordApiStandin
+from tests.standins.discord_api import DiscordApiStandin, config_section
 from tests.standins.slack_api import SlackApiStandin, signed_headers
 from tests.standins.smtp import SmtpSink
 
@@ -205,19 +205,13 @@ async def test_a_slack_message_breaking_a_message_rule_to_a_deactivated_worker_i
 
 @pytest.fixture
 async def discord_served(
-    migrated_url: str, key: SigningKey
+    migrated_url: str, key: SigningKey, discord_api: DiscordApiStandin
 ) -> AsyncIterator[tuple[App, TestServer, DiscordApiStandin]]:
     """The service with ``[discord]`` (interactions verified with ``key``, the Discord
     stand-in behind it) and a route from Discord to the agent ``plain``."""
-    async with DiscordApiStandin(token="bot-token") as standin:
-        section = {
-            "public_key": key.verify_key.encode().hex(),
-            "bot_token": "bot-token",
-            "api_url": standin.api_url,
-            "gateway_url": standin.gateway_url,
-        }
-        async with routed(migrated_url, "discord", section) as (service, server):
-            yield service, server, standin
+    section = config_section(discord_api, key)
+    async with routed(migrated_url, "discord", section) as (service, server):
+        yield service, server, discord_api
 
 
 @pytest.mark.parametrize("since", ["deactivated", "deleted"])
