@@ -265,6 +265,7 @@ class App:
             on_review_queued=self._review_due,
             on_delivery_queued=self._outbox_due,
             owner=owner,
+            maybe_reaped=self.liveness.maybe_reaped,
             sleep=sleep,
         )
         self.messages = Messages(self.db, self.turns, self.background)

@@ -96,6 +96,8 @@ class Liveness:
         self.pid = os.getpid()
         #: this process's id while registered (the ``lease_owner`` of what it claims)
         self.id: str | None = None
+        #: when its row was last written (registered, or a heartbeat committed)
+        self._beaten_at = 0
 
     def owner(self) -> str | None:
         """The ``lease_owner`` to write on a claim (``None`` before registration)."""
@@ -119,19 +121,34 @@ class Liveness:
                 )
             )
         self.id = process_id
+        self._beaten_at = now
         await self.reap()
         return process_id
+
+    def maybe_reaped(self, process_id: str) -> bool:
+        """Whether this process, registered as ``process_id`` when some work began, may
+        have been reaped since (thought dead while alive: a partition from the database, a
+        starved loop): it registered anew, or its last heartbeat committed longer ago
+        than half ``dead_after`` (another replica, its clock ahead, may have reaped it
+        already, and the next beat has not noticed yet). Known here in memory: a healthy
+        process's work pays nothing for asking."""
+        if process_id != self.id:
+            return True
+        return self.clock.now_ms() - self._beaten_at > self.dead_after_ms // 2
 
     async def beat(self) -> None:
         """Refresh the heartbeat; re-register if another process reaped our row."""
         if self.id is None:
             await self.register()
             return
+        now = self.clock.now_ms()
         async with self.db.tx() as conn:
             res = await conn.execute(
-                t.processes.update().where(P.id == self.id).values(heartbeat_at=self.clock.now_ms())
+                t.processes.update().where(P.id == self.id).values(heartbeat_at=now)
             )
-        if not res.rowcount:
+        if res.rowcount:
+            self._beaten_at = now
+        else:
             log.error(
                 "process %s was declared dead (heartbeat missed); its leases were taken "
                 "back; registering again",

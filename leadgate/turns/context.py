@@ -69,3 +69,7 @@ class TurnContext:
     # plain REST/MCP/Studio turn, which records no run, stopped on a database fault is
     # recorded as one by it once the database is back (TurnService.owed).
     message_id: str | None = None
+    # The process that took that message in (its ``messages.taken_by``; None when it
+    # records a run, or no process is registered): one reaped while the turn ran (thought
+    # dead) had its message recorded by turn recovery (TurnService._take_back).
+    taken_by: str | None = None

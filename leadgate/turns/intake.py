@@ -535,6 +535,7 @@ class Intake:
             run_token=run_token,
             run_fenced=run_token is not None and kind.is_channel,
             message_id=message_id,
+            taken_by=taken_by,
         )
         return Accepted(ctx, agent, lead is not None, rules, history)
 
@@ -639,6 +640,7 @@ class Intake:
             run_token=run_token,
             run_fenced=run_token is not None and kind.is_channel,
             message_id=str(message["id"]),
+            taken_by=taken_by,
         )
         return Accepted(ctx, agent, lead is not None, rules, [to_message("user", trigger.text)])
 
@@ -689,6 +691,7 @@ class Intake:
                 rules = await self.config.rules(conn, trigger.org_id)
         now = self.clock.now_ms()
         message_id = self.ids.new("msg")
+        taken_by = self._taken_by(trigger.binding.kind, False)
         try:
             found = await self.plain(
                 PlainIntake(
@@ -699,7 +702,7 @@ class Intake:
                     trigger.binding,
                     trigger.text,
                     now,
-                    self._taken_by(trigger.binding.kind, False),
+                    taken_by,
                 )
             )
         except Unavailable as fault:
@@ -729,6 +732,7 @@ class Intake:
             run_token=None,
             run_fenced=False,
             message_id=message_id,
+            taken_by=taken_by,
         )
         return Accepted(ctx, agent, False, rules, history)
 
@@ -831,6 +835,11 @@ class Intake:
         )
         # (The id turn recovery records it under once this process is gone: one row.)
         values["id"] = runs.run_id_of(ctx.message_id)
+        if ctx.taken_by is not None:
+            # Held by the process that took it in, the one its message names: reaped
+            # since (registered anew), the run is known to be that gone process's when
+            # it is recorded (runs.record_owed).
+            values["lease_owner"] = ctx.taken_by
         return values
 
     async def settled(self, trigger: Trigger, turn: Accepted) -> None:

@@ -311,9 +311,13 @@ class TurnService:
         on_review_queued: Callable[[], None] = lambda: None,
         on_delivery_queued: Callable[[], None] = lambda: None,
         owner: Callable[[], str | None] = lambda: None,
+        maybe_reaped: Callable[[str], bool] = lambda process_id: False,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.db = db
+        #: whether this process, registered under the given id when a turn took its
+        #: message in, may have been reaped since (Liveness.maybe_reaped)
+        self.maybe_reaped = maybe_reaped
         self.clock = clock
         self.ids = ids
         self.providers = providers
@@ -1204,6 +1208,8 @@ class TurnService:
             return await self._withhold(ctx, text, revision_item, answer)
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
+            if ctx.taken_by is not None and self.maybe_reaped(ctx.taken_by):
+                return await self._store_taken_back(ctx, screened, streamed, usage, answer)
             if answer is not None:
                 return await self._store_answered(ctx, screened, streamed, usage, answer)
             # API and studio turns only store the reply: on PostgreSQL one statement.
@@ -1277,6 +1283,35 @@ class TurnService:
         async with self.db.tx() as conn:
             await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
             await answer(conn, reply)
+        labelled(METRICS.turns, "plain").inc()
+        return reply
+
+    async def _store_taken_back(
+        self,
+        ctx: TurnContext,
+        text: str,
+        streamed: bool,
+        usage: Usage | None,
+        answer: TurnAnswer | None,
+    ) -> Reply:
+        """A plain REST/MCP/Studio turn's reply (and the caller's ``answer`` of it) when
+        its process may have been reaped while it ran (:attr:`maybe_reaped`): in one
+        transaction with the deletion of the run turn recovery may have recorded for its
+        message meanwhile (:func:`runs.take_back <leadgate.turns.runs.take_back>`), so
+        that recovery does not answer it a second time.
+
+        Why here, and only here (rather than the assistant message naming the user
+        message it answers, for every look to find): only such a turn can meet a
+        recorded run of its own message, and its process knows in memory whether it
+        may have been reaped, so the plain hot path stays one statement with no new
+        column or index entry; a turn of a healthy process reaches none of this."""
+        assert ctx.message_id is not None  # (a plain turn's: taken_by is set with it)
+        reply = Reply(text, streamed, usage)
+        async with self.db.tx() as conn:
+            await runs.take_back(conn, ctx.message_id)
+            await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
+            if answer is not None:
+                await answer(conn, reply)
         labelled(METRICS.turns, "plain").inc()
         return reply
 

@@ -246,8 +246,9 @@ _OWED_SESSION = (
 )
 
 
-def later_message(session_id: Any, messages: Any) -> sa.Exists:
-    """Whether session ``session_id`` took in a user message after every one of
+def later_message(session_id: Any, messages: Any, *, users_only: bool = True) -> sa.Exists:
+    """Whether session ``session_id`` took in a user message (any visible message, not
+    ``users_only``) after every one of
     ``messages`` (ids, or a select of them): by the order of their session events
     (``seq``, numbered under the session row's lock, so in commit order and never
     tied). Their timestamps tie within a millisecond: a later message of the same
@@ -263,7 +264,7 @@ def later_message(session_id: Any, messages: Any) -> sa.Exists:
         later.c.session_id == session_id,
         later.c.seq > theirs,
         _M.id == later.c.message_id,
-        _M.role == "user",
+        *([_M.role == "user"] if users_only else []),
     )
 
 
@@ -332,7 +333,17 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
             later = _resent_since(
                 values["session_id"], values["message_id"], seen, values["created_at"]
             )
-        after = later_message(values["session_id"], [values["message_id"]])
+        after: sa.ColumnElement[bool] = later_message(values["session_id"], [values["message_id"]])
+        if values.get("lease_owner") is not None:
+            # Its process was reaped since it owed the run (thought dead: a partition, a
+            # starved loop; it registered anew): that reap's note made turn recovery's
+            # search record the message's run under this same id (run_id_of), rerun it
+            # and delete it, and this insert made it a second run, answered twice. So
+            # then any message after it is its answer (the rerun's, or what the search
+            # took for one), not a later user message alone. One statement still.
+            reaped = ~sa.exists().where(t.processes.c.id == values["lease_owner"])
+            answered = later_message(values["session_id"], [values["message_id"]], users_only=False)
+            after = sa.or_(after, sa.and_(reaped, answered))
         if await conn.scalar(sa.select(after if later is None else sa.or_(after, later))):
             return ANSWERED_LATER
         row = {k: v for k, v in values.items() if k not in _LOOK_KEYS}
@@ -538,6 +549,19 @@ def _resent_since(session_id: Any, message_id: Any, seen: Any, since: Any) -> sa
         own.c.id == message_id,
         other.c.content == own.c.content,
     )
+
+
+async def take_back(conn: Conn, message_id: str) -> None:
+    """Delete the run turn recovery may have recorded for plain message ``message_id``
+    (:func:`run_id_of`), in the last transaction of the live turn that answers it when
+    its process may have been reaped while the turn ran (thought dead, alive): that
+    reap's note made recovery's search record the message, unanswered then, and rerun
+    it after the resend wait. Deleted here, a wait finds nothing to rerun, and a rerun
+    in flight fails its fenced :func:`finish` and rolls its answer back: the message is
+    answered once, by this turn. (A rerun that committed first is not undone: both
+    answers stand. It takes the resend wait and the rerun's whole model call within
+    this turn's one.)"""
+    await conn.execute(t.turn_runs.delete().where(R.id == run_id_of(message_id)))
 
 
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:

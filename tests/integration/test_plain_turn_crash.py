@@ -281,3 +281,40 @@ async def test_a_keyed_rest_turn_whose_process_died_gives_its_retry_one_answer(
         finally:
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["registered-anew", "beat-not-yet"])
+async def test_a_plain_turn_whose_process_was_only_thought_dead_is_answered_once(
+    migrated_url: str, noticed: bool
+) -> None:
+    """``died`` is alive, only thought dead (its heartbeat lapsed while its turn waited
+    for the model: a partition, a starved loop) and reaped: the survivor's recovery
+    records the message's run and leaves it to wait for a resend. Then ``died``'s turn
+    stores its answer (200), after its process registered anew, or before its next
+    beat noticed (its last beat older than ``dead_after``): that transaction takes the
+    run back, and the wait's end finds nothing to rerun. It was rerun (its looks count
+    later user messages only) and the message answered twice."""
+    async with pair(migrated_url) as both:
+        calls = both.gate.calls
+        request = asyncio.ensure_future(both.chat(both.died_client, "hi"))
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            if not noticed:
+                both.clock.advance(both.died.liveness.dead_after_ms + 1)
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            assert await both.runs_left() == 1
+            if noticed:
+                await both.died.liveness.beat()  # its row gone: registered anew
+            both.gate.release.set()
+            assert await request == 200
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "slow answer")]
+        assert await both.transcript() == answered
+        assert await both.runs_left() == 0
+        both.clock.advance(runs.RESEND_GRACE_MS + 1)
+        assert await drain(recovery) == 0
+        assert await both.transcript() == answered

@@ -441,6 +441,43 @@ async def test_an_owed_run_is_rerun_by_its_own_process_not_by_another_replicas_r
             assert await drain(TurnRecovery(worker.turns)) == 0
 
 
+async def test_an_owed_run_of_a_process_reaped_meanwhile_is_answered_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process owing the run is alive but thought dead (its heartbeat lapsed while
+    the database was away) and reaped: the worker's turn recovery records the message's
+    run (under the owed run's id), reruns it after the resend wait and deletes it. The
+    process, back (registered anew), then records what it owes: not again, the rerun's
+    answer is after its message. It was recorded (only a later user message stopped
+    it) and the message answered a second time."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await service.start_liveness("api")
+        assert isinstance(service.clock, FakeClock)
+        async with served_app(migrated_url, clock=service.clock) as (worker, _client):
+            await worker.start_liveness("worker")
+            await _owed(service, client, faults, key)
+            stale = service.clock.now_ms() - worker.liveness.dead_after_ms - 1
+            async with worker.db.tx() as conn:
+                await conn.execute(
+                    t.processes.update()
+                    .where(t.processes.c.id == service.liveness.id)
+                    .values(heartbeat_at=stale)
+                )
+            assert await worker.liveness.reap() == 1
+            recovery = TurnRecovery(worker.turns)
+            assert await drain(recovery) == 1  # recorded, left to wait for a resend
+            service.clock.advance(runs.RESEND_GRACE_MS + 1)
+            assert await drain(recovery) == 1  # rerun: answered
+            answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+            assert await transcript(service, "s") == (answered, 0)
+            await service.liveness.beat()  # its row gone: registered anew
+            await service.turns.record_owed()
+            assert not service.turns.owed and not service.turns.orphans
+            assert await drain(TurnRecovery(service.turns, own_only=True)) == 0
+            assert await drain(recovery) == 0
+            assert await transcript(service, "s") == (answered, 0)
+
+
 async def test_a_keyed_retry_while_its_run_is_owed_runs_no_second_turn(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
