@@ -28,6 +28,7 @@ from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
+from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
 from tests.helpers import eventually, make_agent, make_org
@@ -79,20 +80,23 @@ class Pair:
 
 
 @asynccontextmanager
-async def pair(url: str) -> AsyncIterator[Pair]:
+async def pair(url: str, survivor_model: Provider | None = None) -> AsyncIterator[Pair]:
     """Both apps on ``url`` (one clock), registered; session ``s`` opened by an exchange
     through the survivor (so that ``died``'s intake is the plain one of an existing
-    session: one statement on PostgreSQL)."""
+    session: one statement on PostgreSQL). The survivor's model answers ``Echo: <text>``
+    unless ``survivor_model`` is given (which answers ``first`` too)."""
     gate = GateProvider()
     clock = FakeClock()
+    theirs = survivor_model or ScriptProvider()
     async with (
         served_app(url, providers={"script": ScriptProvider(), "gate": gate}, clock=clock) as (
             died,
             died_client,
         ),
-        served_app(
-            url, providers={"script": ScriptProvider(), "gate": ScriptProvider()}, clock=clock
-        ) as (survivor, survivor_client),
+        served_app(url, providers={"script": ScriptProvider(), "gate": theirs}, clock=clock) as (
+            survivor,
+            survivor_client,
+        ),
     ):
         org = await make_org(survivor)
         await make_agent(survivor, org, "plain", model="gate")
@@ -318,3 +322,47 @@ async def test_a_plain_turn_whose_process_was_only_thought_dead_is_answered_once
         both.clock.advance(runs.RESEND_GRACE_MS + 1)
         assert await drain(recovery) == 0
         assert await both.transcript() == answered
+
+
+async def test_a_rerun_in_flight_when_the_thought_dead_processs_turn_answers_rolls_back(
+    migrated_url: str,
+) -> None:
+    """The same, the survivor's rerun already waiting for its model when ``died``'s
+    turn stores its answer (registered anew): that turn took the run back, so the
+    rerun's fenced last transaction finds its run gone and rolls its answer back. One
+    answer, ``died``'s; the rerun's was stored beside it."""
+    rerun_model = GateProvider()
+    rerun_model.release.set()  # (it answers the opening exchange)
+    async with pair(migrated_url, rerun_model) as both:
+        rerun_model.release.clear()
+        opened = rerun_model.calls
+        calls = both.gate.calls
+        request = asyncio.ensure_future(both.chat(both.died_client, "hi"))
+        rerun: asyncio.Future[int] | None = None
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            both.clock.advance(runs.RESEND_GRACE_MS + 1)
+            rerun = asyncio.ensure_future(drain(recovery))
+            await eventually(lambda: rerun_model.calls > opened, what="the rerun's model called")
+            await both.died.liveness.beat()  # its row gone: registered anew
+            both.gate.release.set()
+            assert await request == 200
+            rerun_model.release.set()
+            await rerun
+        finally:
+            for pending in (request, rerun):
+                if pending is not None:
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+        answered = [
+            ("user", "first"),
+            ("assistant", "slow answer"),
+            ("user", "hi"),
+            ("assistant", "slow answer"),
+        ]
+        assert await both.transcript() == answered
+        assert await both.runs_left() == 0
+        assert await drain(recovery) == 0
