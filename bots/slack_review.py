@@ -1,7 +1,9 @@
 """Slack review cards: Block Kit rendering, and the buttons and modals that decide.
 
 A card (:class:`outbox.channel.Card`) becomes a Block Kit message: the facts (the
-agent, source and "why" as ``plain_text`` fields, shown as typed), the summary (cut
+agent, source and "why" as ``plain_text`` fields, shown as typed; a decided card's
+outcome line and reason, and the answers to a click, are ``rich_text``: mrkdwn has no
+escape for ``*``, ``_``, ``~`` or a backquote in a name or reason), the summary (cut
 to Slack's 3,000-character section limit, never dropped), a link to the console (a
 plain mrkdwn link, never a button: Slack sends an interaction for a URL
 button, and nothing reached by GET decides anything), and an ``actions`` block whose
@@ -37,8 +39,9 @@ from slack_sdk.webhook.async_client import AsyncWebhookClient
 
 from bots.review_base import Answer, ChatReviewBackend, obj
 from bots.review_base import text as text_of
+from leadgate.core.clock import iso
 from leadgate.core.limits import cut
-from outbox.channel import Card
+from outbox.channel import Card, CardOutcome
 from outbox.relay import longest_fitting
 
 log = logging.getLogger(__name__)
@@ -134,9 +137,15 @@ def _esc_cut(text: str, limit: int) -> str:
     return _esc(head).rstrip() + "…"
 
 
+#: How a card shows a time (Slack formats it in the reader's own time zone).
+WHEN = "{date_short_pretty} at {time}"
+#: How much of who decided (and where) a decided card's outcome line shows.
+OUTCOME_WHO_MAX = 500
+
+
 def _when(ms: int) -> str:
     seconds = ms // 1000
-    return f"<!date^{seconds}^{{date_short_pretty}} at {{time}}|{seconds}>"
+    return f"<!date^{seconds}^{WHEN}|{seconds}>"
 
 
 #: How much of a decision's reason a notification text shows (on one line).
@@ -144,8 +153,9 @@ FALLBACK_REASON_MAX = 200
 
 
 def fallback_text(card: Card) -> str:
-    """The message's ``text`` (notifications, screen readers), mrkdwn-escaped as the
-    card is: a decided card's outcome, who decided and the decision's reason on one
+    """The message's ``text`` (with blocks present, Slack shows it in notifications and
+    to screen readers only: unstyled, so a name's ``*`` shows as typed), ``&<>``
+    escaped: a decided card's outcome, who decided and the decision's reason on one
     line, cut short, in quotation marks (it said who cancelled, never why)."""
     head = card.title
     if card.outcome is not None:
@@ -199,12 +209,7 @@ def blocks(card: Card) -> list[dict[str, Any]]:
         },
     ]
     if card.outcome is not None:
-        o = card.outcome
-        where = f" ({o.surface})" if o.surface else ""
-        text = f"*{_esc(o.title)}* by {_esc(o.by)}{where} {_when(o.at_ms)}"
-        if o.text:
-            text += "\n" + quote(o.text)
-        out.append({"type": "section", "text": {"type": "mrkdwn", "text": cut(text, SECTION_MAX)}})
+        out.append(outcome(card.outcome))
         return out
     if card.reason == "deliveryUnknown" and card.delivery_id:
         buttons = [
@@ -220,6 +225,39 @@ def blocks(card: Card) -> list[dict[str, Any]]:
     block_id = BLOCK_PREFIX + card.episode_id + (f":{card.card_id}" if card.card_id else "")
     out.append({"type": "actions", "block_id": block_id, "elements": buttons})
     return out
+
+
+def outcome(o: CardOutcome) -> dict[str, Any]:
+    """A decided card's outcome line ("*Rejected* by NAME (surface) at ...") and its
+    reason quoted under it, as a ``rich_text`` block: who decided and why are ``text``
+    elements, which Slack shows as written (in mrkdwn, a name's or reason's ``*``, ``_``,
+    ``~`` or backquote restyled them, and mrkdwn has no escape for them); only the
+    service's own word (the outcome) is bold. Cut as the mrkdwn section was: 3,000."""
+    where = f" ({o.surface})" if o.surface else ""
+    who = cut(f" by {o.by}{where} ", OUTCOME_WHO_MAX)
+    seconds = o.at_ms // 1000
+    line: list[dict[str, Any]] = [
+        {"type": "text", "text": o.title, "style": {"bold": True}},
+        {"type": "text", "text": who},
+        {"type": "date", "timestamp": seconds, "format": WHEN, "fallback": iso(o.at_ms)},
+    ]
+    room = SECTION_MAX - len(o.title) - len(who)
+    return rich_text(line, cut(o.text, room) if o.text else None)
+
+
+def rich_text(line: list[dict[str, Any]], said: str | None) -> dict[str, Any]:
+    """A ``rich_text`` block: ``line`` (rich text elements), and ``said`` (a decision's
+    reason or feedback) as a quote under it, shown as written."""
+    elements: list[dict[str, Any]] = [{"type": "rich_text_section", "elements": line}]
+    if said:
+        elements.append({"type": "rich_text_quote", "elements": [_text(said)]})
+    return {"type": "rich_text", "elements": elements}
+
+
+def _text(text: str) -> dict[str, Any]:
+    """An unstyled rich text ``text`` element (never read as mrkdwn, no mention in it:
+    mentions are elements of their own)."""
+    return {"type": "text", "text": text}
 
 
 def _button(action_id: str, label: str, value: str, style: str | None) -> dict[str, Any]:
@@ -270,20 +308,28 @@ def quote(said: str) -> str:
 
 
 def told(answer: Answer) -> str:
-    """An answer's words for its clicker (mrkdwn): its line, escaped (who decided is a
-    person's or key's name, ``<!channel>`` in it was read as mrkdwn), and the decision's
-    reason quoted under it (a late click: "Already cancelled by ..." and why)."""
+    """An answer's notification text (the message's ``text``; :func:`told_blocks` is
+    what the clicker sees): its line, mrkdwn-escaped (who decided is a person's or key's
+    name, ``<!channel>`` in it was read), and the decision's reason quoted under it (a
+    late click: "Already cancelled by ..." and why)."""
     return _esc(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
+
+
+def told_blocks(answer: Answer) -> list[dict[str, Any]]:
+    """An answer's words for its clicker as a ``rich_text`` block: its line and the
+    decision's reason quoted under it, shown as written (as mrkdwn, a ``*`` or ``_`` in
+    who decided or in the reason restyled them)."""
+    said = cut(answer.said, SECTION_MAX) if answer.said else None
+    return [rich_text([_text(cut(answer.text, SECTION_MAX) or "-")], said)]
 
 
 def notice(answer: Answer) -> dict[str, Any]:
     """A modal that only says ``answer`` (the item was decided meanwhile)."""
-    text = told(answer)
     return {
         "type": "modal",
         "title": {"type": "plain_text", "text": "leadgate"},
         "close": {"type": "plain_text", "text": "Close"},
-        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": cut(text, SECTION_MAX)}}],
+        "blocks": told_blocks(answer),
     }
 
 
@@ -334,10 +380,14 @@ def register(
     def respond_to(body: dict[str, Any]) -> Respond:
         return Respond(text_of(body.get("response_url")), proxy_for)
 
-    def tell(respond: Respond, text: str) -> None:
+    def tell(respond: Respond, text: str, shown: list[dict[str, Any]] | None = None) -> None:
+        """Answer the clicker alone: ``text``, or ``shown`` (``text`` its notification)."""
+
         async def say() -> None:
             try:
-                await respond(text=text, response_type="ephemeral", replace_original=False)
+                await respond(
+                    text=text, blocks=shown, response_type="ephemeral", replace_original=False
+                )
             except _ANSWER_FAILED as exc:
                 _answer_failed(exc)
 
@@ -350,13 +400,18 @@ def register(
         card = answer.card
         # (without the clicked message's ts, the card found may be another message)
         if answer.kind != "closed" or card is None or card.outcome is None or not message_ts:
-            tell(respond, told(answer))
+            tell(respond, told(answer), told_blocks(answer))
             return
 
         async def say() -> None:
             try:
                 await respond(text=fallback_text(card), blocks=blocks(card), replace_original=True)
-                await respond(text=told(answer), response_type="ephemeral", replace_original=False)
+                await respond(
+                    text=told(answer),
+                    blocks=told_blocks(answer),
+                    response_type="ephemeral",
+                    replace_original=False,
+                )
             except _ANSWER_FAILED as exc:
                 _answer_failed(exc)
 
@@ -407,7 +462,7 @@ def register(
         )
         if answer.kind != "open":
             await ack()
-            tell(respond, told(answer))
+            tell(respond, told(answer), told_blocks(answer))
             return
         callback = "lg_reject" if verb == "reject" else "lg_return"
         meta = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -21,7 +22,15 @@ from aiohttp.test_utils import TestServer
 from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
 from leadgate.operations.chat_reviews import ChatAnswer
-from outbox.channel import Card, OutboundMessage, Permanent, Retry, Sent, Uncertain
+from outbox.channel import (
+    Card,
+    CardOutcome,
+    OutboundMessage,
+    Permanent,
+    Retry,
+    Sent,
+    Uncertain,
+)
 from outbox.store import SEND_DEADLINE_S
 from tests.fakes import FakeCore, mount_adapter
 from tests.helpers import PHISH, decided_card, eventually, marked_card, ours
@@ -188,6 +197,33 @@ async def test_a_cards_names_and_why_reach_slack_as_plain_text(
     typed = [f["text"] for f in facts["fields"] if f["type"] == "plain_text"]
     assert typed == ["*helper*_x_", "`src` ~y~", f"The lead escalated it: {PHISH}", "1 of 3"]
     assert summary["text"] == {"type": "mrkdwn", "text": f"*Summary*\n**Done.** {PHISH}"}
+
+
+async def test_a_decided_cards_who_and_why_reach_slack_as_written(
+    standin: SlackApiStandin, channel: SlackChannel
+) -> None:
+    """The outcome line ("*Rejected* by NAME ...") and the quoted reason were mrkdwn:
+    a name's or reason's ``*``, ``_``, ``~`` or backquote restyled them. Edited through
+    slack_sdk's ``chat.update``, they are a ``rich_text`` block's text elements."""
+    marked = "*ann* _b_ ~c~ `d`"
+    outcome = CardOutcome("Rejected", marked, "teams", 1_700_000_060_000, f"_no_ {PHISH}")
+    edit = OutboundMessage(
+        delivery_id="d4",
+        idempotency_key="d4",
+        address={"team": "T1", "channel": "C1"},
+        text="",
+        kind="cardUpdate",
+        card=dataclasses.replace(decided_card(), outcome=outcome),
+    )
+    assert await channel.update(edit, "1700000000.000100") == Sent("1700000000.000100")
+    [update] = [c for c in standin.calls if c["method"] == "chat.update"]
+    line, said = update["blocks"][-1]["elements"]
+    assert [(e["type"], e.get("text")) for e in line["elements"]] == [
+        ("text", "Rejected"),
+        ("text", f" by {marked} (teams) "),
+        ("date", None),
+    ]
+    assert said == {"type": "rich_text_quote", "elements": [{"type": "text", "text": outcome.text}]}
 
 
 async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(

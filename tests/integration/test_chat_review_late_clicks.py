@@ -109,7 +109,10 @@ async def test_a_late_slack_click_shows_the_outcome_on_the_clicked_card(
     # The card in place: the outcome, no buttons (it kept them until the outbox's edit).
     assert replaced["replace_original"] is True
     assert not any(b["type"] == "actions" for b in replaced["blocks"])
-    assert "*Approved* by API key" in json.dumps(replaced["blocks"])
+    [line] = replaced["blocks"][-1]["elements"]
+    approved, by = line["elements"][:2]
+    assert approved == {"type": "text", "text": "Approved", "style": {"bold": True}}
+    assert by["text"].startswith(" by API key")
     assert told["response_type"] == "ephemeral" and told["replace_original"] is False
     assert told["text"].startswith("Already approved by API key")
     assert (await item_row(app, item_id))["status"] in ("approved", "completed")
@@ -588,10 +591,13 @@ async def test_a_discord_click_names_its_own_card_among_two_uncertain_ones_of_a_
 #: A reason each platform's markup would read: Slack's control characters, Discord's
 #: and Teams' markdown, a second line.
 CANCEL_REASON = "*dup* of <!here> & _wi_2_\n# moved to **Q3** - see [the plan](https://x.example)"
-#: It quoted on Slack (mrkdwn escaped) and Discord (markdown escaped).
+#: It quoted on Slack (mrkdwn escaped: now the notification text only) and Discord
+#: (markdown escaped).
 SLACK_QUOTE = (
     ">*dup* of &lt;!here&gt; &amp; _wi_2_\n># moved to **Q3** - see [the plan](https://x.example)"
 )
+#: Slack's cards and answers show it as written: a rich_text quote.
+SLACK_SAID = {"type": "rich_text_quote", "elements": [{"type": "text", "text": CANCEL_REASON}]}
 DISCORD_QUOTE = (
     "> \\*dup\\* of <!here> & \\_wi\\_2\\_\n"
     "> \\# moved to \\*\\*Q3\\*\\* - see \\[the plan](https://x.example)"
@@ -626,14 +632,14 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
         assert card is not None and card.outcome is not None
         assert (card.outcome.title, card.outcome.text) == ("Cancelled", CANCEL_REASON)
 
-    slack_quote, discord_quote = SLACK_QUOTE, DISCORD_QUOTE
+    discord_quote = DISCORD_QUOTE
     teams_said = {
         "type": "RichTextBlock",
         "inlines": [{"type": "TextRun", "text": f"“{CANCEL_REASON}”", "italic": True}],
     }
     slack_card, discord_card, teams_card = (cards[name] for name in ("slack", "discord", "teams"))
     assert slack_card is not None and discord_card is not None and teams_card is not None
-    assert blocks(slack_card)[-1]["text"]["text"].endswith("\n" + slack_quote)
+    assert blocks(slack_card)[-1]["elements"][-1] == SLACK_SAID
     assert discord_review.quote(CANCEL_REASON) == discord_quote
     assert "**Cancelled** by API key" in discord_review.content(discord_card)
     assert "\n" + discord_quote + "\n" in discord_review.content(discord_card)
@@ -645,8 +651,9 @@ async def test_a_cancel_reason_is_shown_quoted_and_escaped_on_every_card(
     assert (await slack_click(server, click))[0] == 200
     await eventually(lambda: len(answers(slack_api, "late")) == 2)
     replaced, told = answers(slack_api, "late")
-    assert replaced["blocks"][-1]["text"]["text"].endswith("\n" + slack_quote)
+    assert replaced["blocks"][-1]["elements"][-1] == SLACK_SAID
     assert told["text"].startswith("Already cancelled by API key")
+    assert told["blocks"][0]["elements"][-1] == SLACK_SAID
     answer = await discord_click(
         server, key, item_id, "-", posted["discord"], "1000000000000000009"
     )
@@ -689,14 +696,18 @@ async def test_a_late_clicks_words_quote_the_cancel_reason_as_its_card_does(
     click["container"]["message_ts"] = posted
     assert (await slack_click(server, click))[0] == 200
     await eventually(lambda: len(answers(slack_api, "late")) == 2)
-    told = answers(slack_api, "late")[1]["text"]
-    line, _, said = told.partition("\n")
+    told = answers(slack_api, "late")[1]
+    line, _, said = told["text"].partition("\n")
     assert line.startswith("Already cancelled by API key") and line.endswith("."), told
-    assert said == SLACK_QUOTE, told
+    assert said == SLACK_QUOTE, told  # the notification text: mrkdwn, escaped
+    # What the clicker sees: a rich_text block, the reason's * and _ shown as written.
+    [shown] = told["blocks"]
+    section, quoted = shown["elements"]
+    assert section["elements"][0]["text"].startswith("Already cancelled by API key"), told
+    assert quoted == SLACK_SAID, told
     status, form = await slack_click(server, reject_form(item_id, "too late"))
     assert status == 200 and form["response_action"] == "update", form
-    line, _, said = form["view"]["blocks"][0]["text"]["text"].partition("\n")
-    assert line.startswith("Already cancelled by API key") and said == SLACK_QUOTE, form
+    assert form["view"]["blocks"] == told["blocks"], form
 
     answer = await discord_click(
         server, key, item_id, "-", "1000000000000000042", "1000000000000000009", verb="reject"

@@ -5,6 +5,7 @@ a gating delivery, updated in place after any decision, cut to each channel's li
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -736,10 +737,13 @@ def test_a_teams_card_fits_its_limit_in_any_script() -> None:
 def test_decided_and_recovery_cards_show_no_decision_buttons() -> None:
     outcome = CardOutcome("Rejected", "ann@example.com", "teams", 1_780_000_000_000, "no")
     decided = _card("s").decided(outcome)
-    assert slack_review.blocks(decided)[-1]["type"] == "section"
-    assert (
-        "*Rejected* by ann@example.com (teams)" in slack_review.blocks(decided)[-1]["text"]["text"]
-    )
+    [line, said] = slack_review.blocks(decided)[-1]["elements"]
+    assert [e.get("text") for e in line["elements"]] == [
+        "Rejected",
+        " by ann@example.com (teams) ",
+        None,
+    ]
+    assert said == {"type": "rich_text_quote", "elements": [{"type": "text", "text": "no"}]}
     assert [a["type"] for a in teams_review.adaptive_card(decided)["actions"]] == ["Action.OpenUrl"]
     assert "**Rejected** by ann@example.com (teams)" in discord_review.content(decided)
 
@@ -779,8 +783,56 @@ def test_slacks_late_click_answer_escapes_who_decided() -> None:
     escaped = "Already cancelled by &lt;!channel&gt; *ann* _b_ &amp; #x (console)"
     assert slack_review.told(answer).startswith(escaped)
     assert slack_review.told(answer).endswith("\n>a &gt; b")
-    notice = slack_review.notice(answer)["blocks"][0]["text"]["text"]
-    assert notice == slack_review.told(answer)
+    assert slack_review.notice(answer)["blocks"] == slack_review.told_blocks(answer)
+
+
+def test_slack_outcome_lines_and_answers_show_names_and_reasons_as_written() -> None:
+    # The outcome line ("*Rejected* by NAME (surface) at ...") and the quoted reason
+    # were mrkdwn: a name's or reason's * _ ~ ` restyled them (mrkdwn has no escape for
+    # them). They are rich_text elements, shown as written; only the outcome is bold.
+    reason = "*dup* of <!here> & _wi_2_ ~x~ `y`\nsecond line"
+    outcome = CardOutcome("Rejected", MARKED, "teams", 1_780_000_000_000, reason)
+    block = slack_review.blocks(_card("s").decided(outcome))[-1]
+    assert block == {
+        "type": "rich_text",
+        "elements": [
+            {
+                "type": "rich_text_section",
+                "elements": [
+                    {"type": "text", "text": "Rejected", "style": {"bold": True}},
+                    {"type": "text", "text": f" by {MARKED} (teams) "},
+                    {
+                        "type": "date",
+                        "timestamp": 1_780_000_000,
+                        "format": "{date_short_pretty} at {time}",
+                        "fallback": "2026-05-28T20:26:40Z",
+                    },
+                ],
+            },
+            {"type": "rich_text_quote", "elements": [{"type": "text", "text": reason}]},
+        ],
+    }
+    # Slack's 3,000 characters, as the mrkdwn section had; no quote without a reason.
+    long = CardOutcome("Returned to the worker", "k" * 5_000, None, 0, "r" * 20_000)
+    [line, said] = slack_review.blocks(_card("s").decided(long))[-1]["elements"]
+    texts = [e["text"] for e in line["elements"][:2]] + [said["elements"][0]["text"]]
+    assert sum(len(t) for t in texts) <= slack_review.SECTION_MAX and texts[2].endswith("…")
+    silent = dataclasses.replace(outcome, text=None)
+    assert len(slack_review.blocks(_card("s").decided(silent))[-1]["elements"]) == 1
+
+    # A clicker's answer ("Already rejected by NAME ...") and a late form's notice too.
+    line = f"Already rejected by {MARKED} (teams) at 2026-06-01T00:00:00Z."
+    answer = ChatAnswer("closed", line, None, reason)
+    assert slack_review.told_blocks(answer) == [
+        {
+            "type": "rich_text",
+            "elements": [
+                {"type": "rich_text_section", "elements": [{"type": "text", "text": line}]},
+                {"type": "rich_text_quote", "elements": [{"type": "text", "text": reason}]},
+            ],
+        }
+    ]
+    assert slack_review.notice(answer)["blocks"] == slack_review.told_blocks(answer)
 
 
 def test_discord_cards_and_answers_show_names_and_the_leads_words_as_written() -> None:
