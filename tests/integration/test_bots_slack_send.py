@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
@@ -18,6 +19,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from slack_sdk.errors import SlackApiError
+from slack_sdk.web.async_client import AsyncWebClient
 
 from bots.slack import SlackAdapter, SlackChannel, env_proxy
 from leadgate.core.config import Settings, SlackSettings
@@ -224,6 +227,14 @@ async def test_a_decided_cards_who_and_why_reach_slack_as_written(
         ("date", None),
     ]
     assert said == {"type": "rich_text_quote", "elements": [{"type": "text", "text": outcome.text}]}
+    # The stand-in checks the shape Slack documents: a date element without its format
+    # (or a text element without its text) is refused, as Slack refuses it.
+    client = AsyncWebClient(token=TOKEN, base_url=standin.api_url)
+    broken = copy.deepcopy(update["blocks"])
+    del broken[-1]["elements"][0]["elements"][2]["format"]
+    with pytest.raises(SlackApiError) as refused:
+        await client.chat_update(channel="C1", ts="1700000000.000100", text="t", blocks=broken)
+    assert refused.value.response["error"] == "invalid_blocks"
 
 
 async def test_a_card_edit_answered_200_with_a_web_page_is_tried_again(

@@ -22,7 +22,9 @@ in ``calls``, with ``method``; ``chat.update`` and ``views.open`` answer ``hang`
 ``reset``, ``drop``, a status, ``error:CODE`` and ``portal`` below too, keyed by channel;
 ``views.open`` only by its ``trigger_id``, with ``set_channel_mode``; and
 ``set_channel_mode("views.open", "invalid_arguments_echo")`` with Slack's refusal of a
-view, quoting the view sent) and a ``response_url``:
+view, quoting the view sent; a ``chat.postMessage`` or ``chat.update`` whose
+``rich_text`` block lacks a field Slack documents as required is refused
+``invalid_blocks``, :func:`rich_text_valid`) and a ``response_url``:
 ``POST /response/{anything}`` records the JSON body in ``calls`` with ``method``
 ``response_url`` (:meth:`SlackApiStandin.response_url` makes one;
 :meth:`SlackApiStandin.lose_answer` makes its next posts land, recorded, and then reset
@@ -301,6 +303,8 @@ class SlackApiStandin(StandinBase):
                     "response_metadata": {"messages": [said]},
                 }
             )
+        if method == "chat.update" and not rich_text_valid(params.get("blocks")):
+            return _json({"ok": False, "error": "invalid_blocks"})
         self.calls.append({"method": method, **params})
         if method == "views.open":
             return _json({"ok": True, "view": {"id": f"V{next(self._ts):08d}"}})
@@ -375,6 +379,8 @@ class SlackApiStandin(StandinBase):
             return _json({"ok": False, "error": "channel_not_found"})
         if not text and not params.get("blocks"):
             return _json({"ok": False, "error": "no_text"})
+        if not rich_text_valid(params.get("blocks")):
+            return _json({"ok": False, "error": "invalid_blocks"})
         ts = f"{int(time.time())}.{next(self._ts):06d}"
         post = {"channel": channel, "text": text, "thread_ts": thread_ts, "ts": ts}
         for extra in ("blocks", "unfurl_links", "unfurl_media", "metadata"):
@@ -489,6 +495,46 @@ class SlackApiStandin(StandinBase):
         return None
 
     _respond = staticmethod(_json)
+
+
+#: A rich_text block's parts, and the fields each rich text element Slack documents as
+#: required (those a card uses; others pass unchecked).
+_RICH_PARTS = ("rich_text_section", "rich_text_list", "rich_text_quote", "rich_text_preformatted")
+_RICH_REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    "text": (("text", str),),
+    "date": (("timestamp", (int, float)), ("format", str)),
+}
+
+
+def rich_text_valid(blocks: Any) -> bool:
+    """Whether every ``rich_text`` block in ``blocks`` (a list, or its JSON as a form
+    post sends it) has the shape Slack's reference documents: ``elements`` of rich text
+    parts, each with its ``elements``, and each ``text`` or ``date`` element with its
+    required fields of their types (Slack refuses others: ``invalid_blocks``)."""
+    if isinstance(blocks, str):
+        try:
+            blocks = json.loads(blocks)
+        except ValueError:
+            return False
+    for block in blocks if isinstance(blocks, list) else []:
+        if not isinstance(block, dict) or block.get("type") != "rich_text":
+            continue
+        parts = block.get("elements")
+        if not isinstance(parts, list) or not parts:
+            return False
+        for part in parts:
+            if not isinstance(part, dict) or part.get("type") not in _RICH_PARTS:
+                return False
+            elements = part.get("elements")
+            if not isinstance(elements, list):
+                return False
+            for element in elements:
+                if not isinstance(element, dict):
+                    return False
+                for field, kind in _RICH_REQUIRED.get(str(element.get("type")), ()):
+                    if not isinstance(element.get(field), kind):
+                        return False
+    return True
 
 
 async def _read_params(request: web.Request) -> dict[str, Any]:
