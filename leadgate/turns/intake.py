@@ -842,13 +842,18 @@ class Intake:
             values["lease_owner"] = ctx.taken_by
         return values
 
-    async def settled(self, trigger: Trigger, turn: Accepted) -> None:
+    async def settled(self, trigger: Trigger, turn: Accepted, *, take_back: bool = False) -> None:
         """A plain REST/MCP/Studio turn ended with no answer on purpose (its model
         failed, its client told so: a 502): its message is settled, never rerun by turn
         recovery once this process is gone (``taken_by`` cleared,
         :func:`leadgate.turns.runs.record_taken`). Off the answered path: one statement
-        on a failure alone. When it fails too, a WARNING: after this process is gone,
-        the message may be answered after all."""
+        on a failure alone. ``take_back``: this process may have been reaped while the
+        turn ran (``TurnService.maybe_reaped``), so recovery may have recorded the
+        message's run already: it is deleted in the same transaction
+        (:func:`leadgate.turns.runs.take_back`), as an answer's last transaction deletes
+        it (it was rerun a minute on, its answer stored after the 502). When it fails
+        too, a WARNING: after this process is gone, the message may be answered after
+        all."""
         ctx = turn.ctx
         if ctx.run_token is not None or ctx.message_id is None:
             return
@@ -856,6 +861,8 @@ class Intake:
             return
         try:
             async with self.db.tx() as conn:
+                if take_back:
+                    await runs.take_back(conn, ctx.message_id)
                 await conn.execute(_SETTLE, {"p_id": ctx.message_id})
         except Exception as exc:
             log.warning(

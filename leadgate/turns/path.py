@@ -436,8 +436,11 @@ class TurnService:
             if not isinstance(exc, LeadgateError) or isinstance(exc, Unavailable):
                 fault = unavailable(exc)
             if fault is None:
-                # Answered with its failure: not one for recovery to answer again.
-                await self.intake.settled(trigger, intake)
+                # Answered with its failure: not one for recovery to answer again (nor
+                # the run it recorded if this process was reaped meanwhile).
+                taken_by = intake.ctx.taken_by
+                reaped = taken_by is not None and self.maybe_reaped(taken_by)
+                await self.intake.settled(trigger, intake, take_back=reaped)
                 raise
             self._owe(trigger, intake, taken_at)
             raise TurnInterrupted(fault.detail) from exc

@@ -366,3 +366,32 @@ async def test_a_rerun_in_flight_when_the_thought_dead_processs_turn_answers_rol
         assert await both.transcript() == answered
         assert await both.runs_left() == 0
         assert await drain(recovery) == 0
+
+
+async def test_a_thought_dead_processs_plain_turn_answered_502_is_not_rerun(
+    migrated_url: str,
+) -> None:
+    """``died`` is only thought dead while its turn waits for the model: the survivor's
+    recovery records the message's run. Then the model fails and the client is told so
+    (502): that turn ended on purpose, and its failure path takes the recorded run back
+    as an answer's last transaction does, so the wait's end finds nothing to rerun. It
+    was rerun a minute on, an answer stored after the 502 the client was given."""
+    async with pair(migrated_url) as both:
+        both.gate.failure = ModelError("the model failed")
+        calls = both.gate.calls
+        request = asyncio.ensure_future(both.chat(both.died_client, "hi"))
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            await both.died.liveness.beat()  # its row gone: registered anew
+            both.gate.release.set()
+            assert await request == 502
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        assert await both.runs_left() == 0
+        both.clock.advance(runs.RESEND_GRACE_MS + 1)
+        assert await drain(recovery) == 0
+        assert await both.transcript() == [*EARLIER, ("user", "hi")]
