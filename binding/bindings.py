@@ -379,13 +379,16 @@ async def read_points(conn: Conn, channel: str) -> tuple[dict[str, int], frozens
 
 
 @functools.cache
-def _advance_stmt(dialect: str, read_through: bool) -> Any:
+def _advance_stmt(dialect: str, read_through: bool, kept: bool = False) -> Any:
     """``INSERT ... ON CONFLICT DO UPDATE`` for ``dialect``, built once: one statement,
     so that two catch-ups (two replicas) storing at once keep the later point whichever
     commits last. A read-through (``read_through``) moves the point and marks it only
     where the stored one is not later (a later one is another catch-up's, which may
     have failed: its mark stays). A catch-up starting to read a channel marks it not
-    read through whatever the point (it may fail), and keeps the later point."""
+    read through whatever the point (it may fail), and keeps the later point. A kept
+    live message's point (``kept``) marks it not read through too, and keeps the earlier
+    point unless the stored one was read through: a second kept message of the channel
+    moved it past the first, which no read-back then read."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stmt = insert(t.catch_up_points)
     if read_through:
@@ -399,6 +402,11 @@ def _advance_stmt(dialect: str, read_through: bool) -> Any:
             where=P.start_ms <= stmt.excluded.start_ms,
         )
     later = sa.case((P.start_ms < stmt.excluded.start_ms, stmt.excluded.start_ms), else_=P.start_ms)
+    if kept:
+        earlier = sa.case(
+            (P.start_ms > stmt.excluded.start_ms, stmt.excluded.start_ms), else_=P.start_ms
+        )
+        later = sa.case((P.read_through, later), else_=earlier)
     return stmt.on_conflict_do_update(
         index_elements=[P.channel, P.conversation],
         set_={"start_ms": later, "updated_at": stmt.excluded.updated_at, "read_through": False},
@@ -406,15 +414,23 @@ def _advance_stmt(dialect: str, read_through: bool) -> Any:
 
 
 async def advance_read_points(
-    conn: Conn, clock: Clock, channel: str, points: Mapping[str, int], *, read_through: bool
+    conn: Conn,
+    clock: Clock,
+    channel: str,
+    points: Mapping[str, int],
+    *,
+    read_through: bool,
+    kept: bool = False,
 ) -> None:
     """Move where the next catch-up of each conversation of ``channel`` starts to
     ``points``' (epoch ms), or keep the stored point where it is later: never back.
     ``read_through``: a catch-up read those conversations through (their next catch-up
     may start from the newest message taken in since); else one is starting to read
-    them (their next starts from the point alone until one reads them through)."""
+    them (their next starts from the point alone until one reads them through).
+    ``kept``: the point of a live message kept for the next read-back, which moves a
+    point not read through back, never forward (:func:`_advance_stmt`)."""
     now = clock.now_ms()
-    stmt = _advance_stmt(conn.dialect.name, read_through)
+    stmt = _advance_stmt(conn.dialect.name, read_through, kept)
     for conversation, start_ms in points.items():
         await conn.execute(
             stmt,

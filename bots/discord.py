@@ -677,7 +677,11 @@ class DiscordAdapter:
         if self._settings.catch_up_s > 0:
             start = _made_ms(message_id) - CATCH_UP_OVERLAP_MS
             try:
-                await self._core.advance_read_points(BindingKind.discord, {str(channel_id): start})
+                # (kept: an earlier kept message of the channel, not read back yet, keeps
+                # the point where it is)
+                await self._core.advance_read_points(
+                    BindingKind.discord, {str(channel_id): start}, kept=True
+                )
             except DATABASE_FAULTS as exc:
                 why = f"the database is unavailable ({exc.rule})"
             else:

@@ -169,7 +169,12 @@ class FakeCore:
         return Conversations(0, {}, ())
 
     async def advance_read_points(
-        self, channel: BindingKind, points: Mapping[str, int], *, read_through: bool = False
+        self,
+        channel: BindingKind,
+        points: Mapping[str, int],
+        *,
+        read_through: bool = False,
+        kept: bool = False,
     ) -> None:
         """No read point is kept (nothing is caught up here)."""
 

@@ -130,17 +130,29 @@ class Messages:
         return Conversations(now - window_ms, sessions, matches, now, points, read_through)
 
     async def advance_read_points(
-        self, channel: BindingKind, points: Mapping[str, int], *, read_through: bool = False
+        self,
+        channel: BindingKind,
+        points: Mapping[str, int],
+        *,
+        read_through: bool = False,
+        kept: bool = False,
     ) -> None:
         """Store where the next catch-up of each of ``channel``'s conversations starts
         (``points``: conversation -> epoch ms), never moving a stored point back (another
-        replica's catch-up may have read further): one transaction. ``read_through``: a
-        catch-up read them through; else one starts reading them
-        (:func:`binding.bindings.advance_read_points`)."""
+        replica's catch-up may have read further; a kept message's aside): one
+        transaction. ``read_through``: a
+        catch-up read them through; else one starts reading them; ``kept``: a live
+        message's, kept for the next read-back (:func:`binding.bindings.
+        advance_read_points`)."""
         if points:
             async with self.db.tx() as conn:
                 await bindings.advance_read_points(
-                    conn, self.turns.clock, channel.value, points, read_through=read_through
+                    conn,
+                    self.turns.clock,
+                    channel.value,
+                    points,
+                    read_through=read_through,
+                    kept=kept,
                 )
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:

@@ -724,6 +724,31 @@ async def test_a_read_point_is_marked_read_through_until_a_catch_up_starts_readi
     assert await marked() == ({CHANNEL: 5_000}, frozenset())
 
 
+async def test_a_kept_messages_point_moves_a_point_not_read_through_back_never_forward(
+    service: App,
+) -> None:
+    """A live message kept for the read-back: its point replaces a read-through one
+    later or not (unmarked: the next read-back starts from it), and a later kept
+    message's leaves an unread one where it is (it moved it forward, past the earlier
+    message); an earlier kept message's moves it back. A read-through marks it again."""
+    core = service.messages
+
+    async def marked() -> tuple[dict[str, int], frozenset[str]]:
+        known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
+        return dict(known.points), known.read_through
+
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_000}, read_through=True)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 3_000}, kept=True)
+    assert await marked() == ({CHANNEL: 3_000}, frozenset())
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 9_000}, kept=True)
+    assert await marked() == ({CHANNEL: 3_000}, frozenset())
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_500}, kept=True)
+    assert await marked() == ({CHANNEL: 2_500}, frozenset())
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 4_000}, read_through=True)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 1_000}, kept=True)
+    assert await marked() == ({CHANNEL: 4_000}, frozenset())
+
+
 async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(
     service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:

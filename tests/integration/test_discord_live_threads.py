@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -218,3 +219,36 @@ async def test_the_stop_ends_a_thread_look_up_under_way_and_keeps_its_message(
     assert discord_api.lookups == [(thread, "ratelimited:600")]
     kept = [r.getMessage() for r in caplog.records if "was not taken in" in r.getMessage()]
     assert len(kept) == 1 and said in kept[0] and "read-back reads it" in kept[0]
+
+
+async def test_two_messages_kept_for_the_read_back_minutes_apart_are_both_read_back(
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two live messages of a thread Discord never tells about, made ten minutes apart,
+    are both kept for the read-back, and the next READY answers both. The second's read
+    point (a minute before it) replaced the first's, a stored point moving only
+    forward: the read-back started after the first message, lost though its WARNING
+    said the next READY reads it."""
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, discord_api) as up:
+        await caught_up(up)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
+        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        # (the stand-in makes ids by the wall clock, as Discord does)
+        ten_minutes_ago = int(time.time() * 1000) - 600_000
+
+        def kept() -> int:
+            return sum("was not taken in" in r.getMessage() for r in caplog.records)
+
+        first = await message(discord_api, "first", channel=thread, at_ms=ten_minutes_ago)
+        await eventually(lambda: kept() == 1, what="the first message kept")
+        second = await message(discord_api, "second", channel=thread)
+        await eventually(lambda: kept() == 2, what="the second message kept")
+        discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
+        ready = adapter_of(up).catching_up
+        await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await caught_up(up, not_this=ready)
+    assert await answers(service, first) == ["Echo: first"]
+    assert await answers(service, second) == ["Echo: second"]
