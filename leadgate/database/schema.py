@@ -155,6 +155,11 @@ messages = sa.Table(
         sqlite_where=sa.text(TAKEN_BY_PREDICATE),
         postgresql_where=sa.text(TAKEN_BY_PREDICATE),
     ),
+    # The user message an assistant message of a plain REST/MCP/Studio turn (or of turn
+    # recovery's rerun of one) answers (migration 0029): turn recovery tells an answered
+    # message by it, not by whatever message of its session came after it. No index: it
+    # is read on the rows of a session's events after the message asked about.
+    sa.Column("answers", ID),
 )
 
 #: The partial index's predicate, literally: a query can use the index only when its own

@@ -358,7 +358,7 @@ _POSTGRES_INSERT = sa.text(
 )
 
 
-def postgres_message_ctes(session: str, *, taken_by: str = "NULL") -> str:
+def postgres_message_ctes(session: str, *, taken_by: str = "NULL", answers: str = "NULL") -> str:
     """PostgreSQL: CTEs ``m``, ``s`` and ``e`` (to follow ``WITH`` or a comma) storing
     the visible message ``:id`` with its ``message`` event in the session that
     ``session`` (a CTE of at most one row, with its ``id``) names: the message row, the
@@ -366,14 +366,15 @@ def postgres_message_ctes(session: str, *, taken_by: str = "NULL") -> str:
     :func:`notify_if_watched`; empty when ``session`` is) and the event. Parameters:
     ``:id``, ``:org_id``, ``:work_item_id``, ``:role``, ``:content``, ``:created``,
     ``:kind``; ``taken_by``, the SQL of the message's ``taken_by`` (a plain
-    REST/MCP/Studio turn's process)."""
+    REST/MCP/Studio turn's process); ``answers``, the SQL of its ``answers`` (the user
+    message a plain turn's assistant message answers)."""
     return (
         "m AS ("
         " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
-        " lead_gated, tool_name, created_at, taken_by)"
+        " lead_gated, tool_name, created_at, taken_by, answers)"
         " SELECT :id, :org_id, src.id, :work_item_id, :role, :content, false, NULL, "
         + message_created_at_sql(":created", "src.id")
-        + f", {taken_by} FROM {session} AS src"
+        + f", {taken_by}, {answers} FROM {session} AS src"
         "), s AS ("
         " UPDATE sessions SET event_seq = sessions.event_seq + 1"
         f" FROM {session} AS src WHERE sessions.id = src.id"
@@ -390,7 +391,7 @@ def postgres_message_ctes(session: str, *, taken_by: str = "NULL") -> str:
 #: Nothing, not even the message, when the session does not exist.
 _POSTGRES_MESSAGE = sa.text(
     "WITH src AS (SELECT id FROM sessions WHERE id = CAST(:sid AS varchar)), "
-    + postgres_message_ctes("src")
+    + postgres_message_ctes("src", answers="CAST(:answers AS varchar)")
     + f" SELECT {notify_if_watched('s', ':channel', ':payload')} FROM s"
 )
 
@@ -426,6 +427,8 @@ class VisibleMessage(NamedTuple):
     role: str
     content: str
     created_at: int
+    #: the user message it answers (a plain REST/MCP/Studio turn's reply), or None
+    answers: str | None = None
 
 
 #: PostgreSQL: several visible messages, of one session or many, with their events and
@@ -437,15 +440,16 @@ _POSTGRES_MESSAGES_MANY = sa.text(
     "WITH visible AS ("
     " SELECT * FROM unnest(CAST(:ids AS varchar[]), CAST(:org_ids AS varchar[]),"
     " CAST(:sids AS varchar[]), CAST(:work_item_ids AS varchar[]), CAST(:roles AS varchar[]),"
-    " CAST(:contents AS text[]), CAST(:created AS bigint[]), CAST(:ords AS int[]))"
-    " AS i(id, org_id, sid, work_item_id, role, content, created_at, ord)"
+    " CAST(:contents AS text[]), CAST(:created AS bigint[]), CAST(:ords AS int[]),"
+    " CAST(:answers AS varchar[]))"
+    " AS i(id, org_id, sid, work_item_id, role, content, created_at, ord, answers)"
     "), " + postgres_counters_ctes("visible") + ", m AS ("
     " INSERT INTO messages (id, org_id, session_id, work_item_id, role, content,"
-    " lead_gated, tool_name, created_at)"
+    " lead_gated, tool_name, created_at, answers)"
     " SELECT visible.id, visible.org_id, visible.sid, visible.work_item_id, visible.role,"
     " visible.content, false, NULL, "
     + message_created_at_sql("visible.created_at", "visible.sid", "visible.ord")
-    + " FROM visible JOIN s ON s.id = visible.sid"
+    + ", visible.answers FROM visible JOIN s ON s.id = visible.sid"
     "), e AS ("
     " INSERT INTO session_events (session_id, seq, kind, message_id, status, created_at)"
     " SELECT visible.sid, s.event_seq - s.n + visible.ord, :kind, visible.id, NULL,"
@@ -469,6 +473,7 @@ async def store_visible_alone(db: Database, message: VisibleMessage) -> bool:
             "role": message.role,
             "content": message.content,
             "created": message.created_at,
+            "answers": message.answers,
             "kind": MESSAGE,
             "channel": NOTIFY_CHANNEL,
             "payload": f"{message.session_id} m",
@@ -499,6 +504,7 @@ async def store_visible_many(db: Database, messages: Sequence[VisibleMessage]) -
             "contents": [m.content for m in messages],
             "created": [m.created_at for m in messages],
             "ords": ords,
+            "answers": [m.answers for m in messages],
             "kind": MESSAGE,
             "channel": NOTIFY_CHANNEL,
         },

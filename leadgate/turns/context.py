@@ -73,3 +73,6 @@ class TurnContext:
     # records a run, or no process is registered): one reaped while the turn ran (thought
     # dead) had its message recorded by turn recovery (TurnService._take_back).
     taken_by: str | None = None
+    # The user message a recovered REST/MCP/Studio run's rerun answers (its newest run's):
+    # its answer names it (messages.answers), as a plain turn's names ctx.message_id.
+    answers: str | None = None

@@ -53,6 +53,7 @@ async def store_message(
     created_at: int | None = None,
     taken_by: str | None = None,
     message_id: str | None = None,
+    answers: str | None = None,
 ) -> str:
     """Insert one message; returns its id. A visible one (user or assistant, not gated)
     is announced in the session's public event log in the same transaction. It is
@@ -60,7 +61,9 @@ async def store_message(
     of that and the session's newest message + 1 ms
     (:func:`session_events.message_created_at`). ``taken_by``: the process whose plain
     REST/MCP/Studio turn takes this user message in (:func:`message_values`).
-    ``message_id``: its id, made before (a new one by default)."""
+    ``message_id``: its id, made before (a new one by default). ``answers``: the user
+    message an assistant message of a plain REST/MCP/Studio turn answers
+    (:func:`message_values`)."""
     values = message_values(
         clock,
         ids,
@@ -74,6 +77,7 @@ async def store_message(
         created_at=created_at,
         taken_by=taken_by,
         message_id=message_id,
+        answers=answers,
     )
     if conn.dialect.name == "postgresql":
         await conn.execute(
@@ -100,13 +104,16 @@ def message_values(
     created_at: int | None = None,
     taken_by: str | None = None,
     message_id: str | None = None,
+    answers: str | None = None,
 ) -> dict[str, Any]:
     """A new ``messages`` row (a new id; ``created_at`` defaults to the clock's now).
     ``taken_by`` (a plain REST/MCP/Studio turn's user message: its process, which turn
     recovery reruns it for once that process is gone, :func:`leadgate.turns.runs.
     record_taken`) is in the row only when given: other inserts keep their columns.
     ``message_id``: its id, made before (a keyed plain turn's, which its inbound event's
-    id is derived from: :func:`leadgate.turns.runs.event_id_of`)."""
+    id is derived from: :func:`leadgate.turns.runs.event_id_of`). ``answers`` (a plain
+    turn's assistant message: the user message it answers, which turn recovery tells an
+    answered message by, :func:`leadgate.turns.runs.answered`) likewise only when given."""
     row = {
         "id": ids.new("msg") if message_id is None else message_id,
         "org_id": org_id,
@@ -120,6 +127,8 @@ def message_values(
     }
     if taken_by is not None:
         row["taken_by"] = taken_by
+    if answers is not None:
+        row["answers"] = answers
     return row
 
 
@@ -154,9 +163,11 @@ class VisibleWrites:
         role: str,
         content: str,
         created_at: int | None = None,
+        answers: str | None = None,
     ) -> str:
         """Store the message, committed when this returns; returns its id.
-        ``created_at`` defaults to the clock's now."""
+        ``created_at`` defaults to the clock's now; ``answers``: the user message it
+        answers (:func:`message_values`)."""
         if role not in _VISIBLE_ROLES:
             # The statement always writes the message event: a hidden role would leak.
             raise ValueError(f"VisibleWrites stores user or assistant messages, not {role!r}")
@@ -172,6 +183,7 @@ class VisibleWrites:
                     role=role,
                     content=content,
                     created_at=created_at,
+                    answers=answers,
                 )
         message = session_events.VisibleMessage(
             self.ids.new("msg"),
@@ -181,6 +193,7 @@ class VisibleWrites:
             role,
             content,
             self.clock.now_ms() if created_at is None else created_at,
+            answers,
         )
         if not await self.group(message):
             raise RuntimeError(f"session {session_id} does not exist; the message was not stored")

@@ -677,8 +677,16 @@ class TurnService:
                 await runs.finish(conn, token, fenced=ctx.run_fenced)
                 return
             await runs.finish(conn, token, fenced=ctx.run_fenced)
+            # (Naming the message: it ended, on purpose, and turn recovery's search does
+            # not take it for unanswered.)
             await self._store(
-                conn, ctx.org_id, ctx.session_id, item_id, "assistant", runs.FAILURE_NOTICE
+                conn,
+                ctx.org_id,
+                ctx.session_id,
+                item_id,
+                "assistant",
+                runs.FAILURE_NOTICE,
+                answers=ctx.answers,
             )
             await self._store_keyed(conn, ctx.keyed_events, failure)
             if item_id is not None:
@@ -817,6 +825,7 @@ class TurnService:
             recovered_client=kind in (BindingKind.api, BindingKind.studio),
             keyed_resend=claimed.keyed_resend,
             keyed_events=claimed.external_event_ids,
+            answers=claimed.message_id,
         )
         return ctx, kind, item
 
@@ -1222,6 +1231,7 @@ class TurnService:
                 work_item_id=ctx.work_item_id,
                 role="assistant",
                 content=screened,
+                answers=ctx.message_id,
             )
         elif revision_item is None and not ctx.binding_posts:
             # Silent channel turns (and API turns with a run: a worker's with a lead) store
@@ -1231,7 +1241,13 @@ class TurnService:
                     await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
                     return Duplicate()
                 await self._store(
-                    fast, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", screened
+                    fast,
+                    ctx.org_id,
+                    ctx.session_id,
+                    ctx.work_item_id,
+                    "assistant",
+                    screened,
+                    answers=ctx.answers,
                 )
                 await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
                 if answer is not None:
@@ -1284,7 +1300,15 @@ class TurnService:
         the answer is there for a retry whatever becomes of this process."""
         reply = Reply(text, streamed, usage)
         async with self.db.tx() as conn:
-            await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
+            await self._store(
+                conn,
+                ctx.org_id,
+                ctx.session_id,
+                ctx.work_item_id,
+                "assistant",
+                text,
+                answers=ctx.message_id,
+            )
             await answer(conn, reply)
         labelled(METRICS.turns, "plain").inc()
         return reply
@@ -1301,18 +1325,39 @@ class TurnService:
         its process may have been reaped while it ran (:attr:`maybe_reaped`): in one
         transaction with the deletion of the run turn recovery may have recorded for its
         message meanwhile (:func:`runs.take_back <leadgate.turns.runs.take_back>`), so
-        that recovery does not answer it a second time.
+        that recovery does not answer it a second time. When recovery's rerun of it
+        committed first (its resend wait and its model call both within this turn's
+        one), its answer names the message (``messages.answers``): this turn stores no
+        second one, and its caller gets the stored answer's text (one answer to the
+        request, the one in the transcript). The run's deletion comes first: a rerun
+        in flight then fails its fenced end, and one that committed is seen by the
+        read after it.
 
-        Why here, and only here (rather than the assistant message naming the user
-        message it answers, for every look to find): only such a turn can meet a
-        recorded run of its own message, and its process knows in memory whether it
-        may have been reaped, so the plain hot path stays one statement with no new
-        column or index entry; a turn of a healthy process reaches none of this."""
+        Why the deletion here, and only here: only such a turn can meet a recorded run
+        of its own message, and its process knows in memory whether it may have been
+        reaped, so a healthy process's plain turn reaches none of this."""
         assert ctx.message_id is not None  # (a plain turn's: taken_by is set with it)
-        reply = Reply(text, streamed, usage)
         async with self.db.tx() as conn:
             await runs.take_back(conn, ctx.message_id)
-            await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
+            stored = await runs.stored_answer(conn, ctx.session_id, ctx.message_id)
+            if stored is not None:
+                log.info(
+                    "turn %s's answer was stored already by turn recovery (its process "
+                    "was thought dead); not stored again",
+                    ctx.turn_id,
+                )
+                text = stored
+            reply = Reply(text, streamed, usage)
+            if stored is None:
+                await self._store(
+                    conn,
+                    ctx.org_id,
+                    ctx.session_id,
+                    ctx.work_item_id,
+                    "assistant",
+                    text,
+                    answers=ctx.message_id,
+                )
             if answer is not None:
                 await answer(conn, reply)
         labelled(METRICS.turns, "plain").inc()
@@ -1545,6 +1590,7 @@ class TurnService:
         *,
         tool_name: str | None = None,
         gated: bool = False,
+        answers: str | None = None,
     ) -> str:
         return await store_message(
             conn,
@@ -1557,6 +1603,7 @@ class TurnService:
             content=content,
             tool_name=tool_name,
             gated=gated,
+            answers=answers,
         )
 
 

@@ -103,7 +103,7 @@ from leadgate.core.runners import Lost, LostClaims
 from leadgate.database import schema as t
 from leadgate.database.db import Conn, Database
 from leadgate.database.sql import bound_lock_waits, insert_ignore_stmt
-from leadgate.domain import session_events, wakes, workitems
+from leadgate.domain import wakes, workitems
 from leadgate.domain.processes import owner_gone
 from leadgate.domain.wakes import Wake
 from leadgate.domain.workitems import Status
@@ -246,9 +246,8 @@ _OWED_SESSION = (
 )
 
 
-def later_message(session_id: Any, messages: Any, *, users_only: bool = True) -> sa.Exists:
-    """Whether session ``session_id`` took in a user message (any visible message, not
-    ``users_only``) after every one of
+def later_message(session_id: Any, messages: Any) -> sa.Exists:
+    """Whether session ``session_id`` took in a user message after every one of
     ``messages`` (ids, or a select of them): by the order of their session events
     (``seq``, numbered under the session row's lock, so in commit order and never
     tied). Their timestamps tie within a millisecond: a later message of the same
@@ -264,8 +263,84 @@ def later_message(session_id: Any, messages: Any, *, users_only: bool = True) ->
         later.c.session_id == session_id,
         later.c.seq > theirs,
         _M.id == later.c.message_id,
-        *([_M.role == "user"] if users_only else []),
+        _M.role == "user",
     )
+
+
+def _after(session_id: Any, message_id: Any) -> tuple[Any, Any, sa.ColumnElement[bool]]:
+    """The session's events after message ``message_id``'s (by ``seq``, a walk of the
+    session's event log by its primary key) and the messages they name: the aliases
+    and the conditions joining them."""
+    e = t.session_events.c
+    later = t.session_events.alias("after_event")
+    reply = t.messages.alias("after_message")
+    # Its event by a backward walk from the session's last that stops at it (not max(),
+    # which SQLite computes over the whole log): the events after it, and no more.
+    theirs = (
+        sa.select(e.seq)
+        .where(e.session_id == session_id, e.message_id == message_id)
+        .order_by(e.seq.desc())
+        .limit(1)
+        # (The message asked about may be an outer query's row: :data:`_TAKEN`'s.)
+        .correlate_except(t.session_events)
+        .scalar_subquery()
+    )
+    return (
+        later,
+        reply,
+        sa.and_(
+            later.c.session_id == session_id,
+            later.c.seq > theirs,
+            reply.c.id == later.c.message_id,
+        ),
+    )
+
+
+def answered(session_id: Any, message_id: Any) -> sa.Exists:
+    """Whether plain message ``message_id`` of session ``session_id`` is answered: an
+    assistant message naming it (``messages.answers``) came after it, or a later user
+    message (by ``seq``) whose turn was shown it (a resend, a follow-up). An answer to
+    another message does not count: two plain turns of one session in flight (parallel
+    MCP tool calls, REST calls without ``user``), the first one's answer stored after
+    the second message was taken in, hid the second when its process died. An assistant
+    message that names none (stored before migration 0029, or by a turn that links none:
+    a keyed rerun, a failure notice) counts for what came before it, as any did."""
+    _later, reply, joined = _after(session_id, message_id)
+    return sa.exists().where(
+        joined,
+        sa.or_(
+            reply.c.role == "user",
+            sa.and_(
+                reply.c.role == "assistant",
+                sa.or_(reply.c.answers.is_(None), reply.c.answers == message_id),
+            ),
+        ),
+    )
+
+
+def _stored_answer() -> sa.Select[tuple[str]]:
+    """:data:`_STORED_ANSWER`, built once."""
+    session_id = sa.bindparam("p_session", type_=t.messages.c.session_id.type)
+    message_id = sa.bindparam("p_message", type_=t.messages.c.id.type)
+    later, reply, joined = _after(session_id, message_id)
+    return (
+        sa.select(reply.c.content)
+        .where(joined, reply.c.role == "assistant", reply.c.answers == message_id)
+        .order_by(later.c.seq)
+        .limit(1)
+    )
+
+
+#: The text of the first assistant message naming plain message ``p_message`` of session
+#: ``p_session`` (``messages.answers``): a walk of the session's events after it.
+_STORED_ANSWER = _stored_answer()
+
+
+async def stored_answer(conn: Conn, session_id: str, message_id: str) -> str | None:
+    """The text of the assistant message that answers plain message ``message_id``
+    (names it: ``messages.answers``), the first stored, or None."""
+    found = await conn.scalar(_STORED_ANSWER, {"p_session": session_id, "p_message": message_id})
+    return None if found is None else str(found)
 
 
 async def answered_later(conn: Conn, session_id: str, token: str) -> bool:
@@ -333,17 +408,12 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
             later = _resent_since(
                 values["session_id"], values["message_id"], seen, values["created_at"]
             )
-        after: sa.ColumnElement[bool] = later_message(values["session_id"], [values["message_id"]])
-        if values.get("lease_owner") is not None:
-            # Its process was reaped since it owed the run (thought dead: a partition, a
-            # starved loop; it registered anew): that reap's note made turn recovery's
-            # search record the message's run under this same id (run_id_of), rerun it
-            # and delete it, and this insert made it a second run, answered twice. So
-            # then any message after it is its answer (the rerun's, or what the search
-            # took for one), not a later user message alone. One statement still.
-            reaped = ~sa.exists().where(t.processes.c.id == values["lease_owner"])
-            answered = later_message(values["session_id"], [values["message_id"]], users_only=False)
-            after = sa.or_(after, sa.and_(reaped, answered))
+        # Its process may have been reaped since it owed the run (thought dead: a
+        # partition, a starved loop), and that reap's note made turn recovery's search
+        # record the message's run under this same id (run_id_of), rerun it and delete
+        # it: that rerun's answer names the message, so it is answered (this insert made
+        # it a second run, answered twice, when only later user messages counted).
+        after = answered(values["session_id"], values["message_id"])
         if await conn.scalar(sa.select(after if later is None else sa.or_(after, later))):
             return ANSWERED_LATER
         row = {k: v for k, v in values.items() if k not in _LOOK_KEYS}
@@ -372,32 +442,19 @@ def event_id_of(message_id: str) -> str:
     return f"{_EVENT_OF}{message_id}"
 
 
-_last = t.session_events.alias("last_event")
-#: The message of the session's last ``message`` event (a visible user or assistant
-#: message stored, or a gated one revealed), by ``seq``: the order the session took its
-#: messages in (numbered under the session row's lock), not their stamps, which come from
-#: the clocks of the replicas that took them in. One backward seek of the session's
-#: events (their primary key), not a scan of every message after the one asked about.
-_LAST_MESSAGE = (
-    sa.select(_last.c.message_id)
-    .where(_last.c.session_id == _M.session_id, _last.c.kind == session_events.MESSAGE)
-    .order_by(_last.c.seq.desc())
-    .limit(1)
-    .scalar_subquery()
-)
 #: The user messages a gone process (``p_process``) took in for a plain REST/MCP/Studio
-#: turn (``taken_by``) since ``p_since`` that nothing answered: no message of their session
-#: came after them (they are its last :data:`_LAST_MESSAGE`) and no run is recorded for
-#: them (one its process recorded owing it, or a search before). What came after
-#: answered, or its turn did: its own answer (an assistant message after it), a reply,
-#: a resend, a follow-up (whose turn was shown it). With what their run records: the
-#: session's worker and active binding, and the external event id a keyed request's
-#: message was taken in under (its event's id is :func:`event_id_of` the message's: one
-#: primary-key look-up each), so that the key's retry claims the run
-#: (:func:`claim_for_retry`) and a rerun's answer is stored under the key
-#: (:attr:`Claimed.external_event_ids`). "After" is the session's event order: by the
-#: stamps, a follow-up taken in by a replica whose clock is behind looked older (the
-#: message was rerun beside the follow-up's turn: answered twice), and an earlier
+#: turn (``taken_by``) since ``p_since`` that nothing answered (:func:`answered`: no
+#: assistant message naming them, no later user message of their session, whose turn
+#: was shown them: a resend, a follow-up) and no run is recorded for them (one its
+#: process recorded owing it, or a search before). The answer to another message of the
+#: session stored after them (its turn in flight beside theirs) is no answer of theirs.
+#: With what their run records: the session's worker and active binding, and the
+#: external event id a keyed request's message was taken in under (its event's id is
+#: :func:`event_id_of` the message's: one primary-key look-up each), so that the key's
+#: retry claims the run (:func:`claim_for_retry`) and a rerun's answer is stored under
+#: the key (:attr:`Claimed.external_event_ids`). "After" is the session's event order:
+#: by the stamps, a follow-up taken in by a replica whose clock is behind looked older
+#: (the message was rerun beside the follow-up's turn: answered twice), and an earlier
 #: message stamped by one ahead looked later (the message never answered).
 _TAKEN = (
     sa.select(
@@ -418,7 +475,7 @@ _TAKEN = (
         _M.created_at >= sa.bindparam("p_since"),
         _M.role == "user",
         ~sa.exists().where(R.message_id == _M.id),
-        _LAST_MESSAGE == _M.id,
+        ~answered(_M.session_id, _M.id),
     )
     .order_by(_M.created_at, _M.id)
 )
@@ -602,6 +659,8 @@ class Claimed:
     #: its client was told not to resend. Stored on the runs (``policy``
     #: :data:`RESEND`): a later claim, after the process rerunning them died, knows it.
     keyed_resend: bool = False
+    #: The newest run's message: the one its rerun's answer names (``messages.answers``).
+    message_id: str | None = None
 
     @classmethod
     def of(
@@ -633,6 +692,7 @@ class Claimed:
             external_event_ids=_event_ids(rows) if keyed else (),
             not_answered=not_answered,
             keyed_resend=keyed_resend,
+            message_id=newest.message_id,
         )
 
 

@@ -395,3 +395,79 @@ async def test_a_thought_dead_processs_plain_turn_answered_502_is_not_rerun(
         both.clock.advance(runs.RESEND_GRACE_MS + 1)
         assert await drain(recovery) == 0
         assert await both.transcript() == [*EARLIER, ("user", "hi")]
+
+
+async def test_a_dead_processs_plain_turn_is_rerun_when_another_turns_answer_came_after_it(
+    migrated_url: str,
+) -> None:
+    """Two plain turns of one session in flight (parallel MCP tool calls, REST calls
+    without ``user``): "a" through the survivor, "b" through ``died``, then "a"'s answer,
+    stored after "b" was taken in. ``died`` dies: that answer names "a"
+    (``messages.answers``), so "b" is still unanswered, recorded and rerun. It was taken
+    for answered (any message after it counted) and never answered."""
+    theirs = GateProvider()
+    theirs.release.set()  # (it answers the opening exchange)
+    async with pair(migrated_url, theirs) as both:
+        theirs.release.clear()
+        opened = theirs.calls
+        first = asyncio.ensure_future(both.chat(both.survivor_client, "a"))
+        try:
+            await eventually(lambda: theirs.calls > opened, what="a's model called")
+            async with held(both, "b"):
+                theirs.release.set()
+                assert await first == 200  # "a" answered after "b" was taken in
+                await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # "b" recorded, left to wait for a resend
+            both.clock.advance(runs.RESEND_GRACE_MS + 1)
+            assert await drain(recovery) == 1
+        finally:
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        assert await both.transcript() == [
+            ("user", "first"),
+            ("assistant", "slow answer"),
+            ("user", "a"),
+            ("user", "b"),
+            ("assistant", "slow answer"),
+            ("assistant", "slow answer"),
+        ]
+        assert await both.runs_left() == 0
+
+
+async def test_a_thought_dead_processs_turn_after_its_rerun_committed_stores_no_second_answer(
+    migrated_url: str,
+) -> None:
+    """``died`` only thought dead: the survivor's recovery records its message, waits,
+    and reruns it to the end (its answer, naming the message, committed) while
+    ``died``'s turn still waits for its model. That turn then stores no answer of its
+    own, and its request gets the rerun's: one answer in the transcript, the one its
+    client got. Both stood."""
+    async with pair(migrated_url) as both:
+        calls = both.gate.calls
+        request = asyncio.ensure_future(
+            both.died_client.post(
+                "/v1/chat/completions",
+                json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {both.key}", "X-Session-Id": "s"},
+            )
+        )
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.dies()
+            recovery = TurnRecovery(both.survivor.turns)
+            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            both.clock.advance(runs.RESEND_GRACE_MS + 1)
+            assert await drain(recovery) == 1  # rerun: "Echo: hi" stored
+            await both.died.liveness.beat()  # its row gone: registered anew
+            both.gate.release.set()
+            resp = await request
+            assert resp.status == 200
+            body = await resp.json()
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        assert body["choices"][0]["message"]["content"] == "Echo: hi"
+        assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await both.runs_left() == 0
+        assert await drain(recovery) == 0

@@ -1,8 +1,9 @@
 """Migration 0028 on SQLite and PostgreSQL: ``messages.taken_by`` with its partial index
 (``ix_messages_taken_by``: the plain REST/MCP/Studio turns' user messages alone) and the
 ``gone_processes`` table; the schema matches ``schema.py``; a message stored before it
-keeps its row (``taken_by`` NULL, outside the index); down and up again. Turn recovery's
-search of a gone process's messages reaches them through that index."""
+keeps its row (``taken_by`` NULL, outside the index); down and up again. (Turn
+recovery's search of a gone process's messages, which reaches them through that index:
+``test_migration_0029.py``.)"""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from alembic.runtime.migration import MigrationContext
 
 from leadgate.database.db import alembic_config
 from leadgate.database.schema import TAKEN_BY_PREDICATE, metadata
-from leadgate.turns import runs
 from tests.unit.test_migration_0016 import run
-from tests.unit.test_migration_0026 import index_predicate, plan_accesses
+from tests.unit.test_migration_0026 import index_predicate
 
 INDEX = "ix_messages_taken_by"
 
@@ -74,29 +74,3 @@ def test_messages_gain_taken_by_and_gone_processes_appear(db_url: str) -> None:
     assert "taken_by" not in columns and INDEX not in indexes and "gone_processes" not in tables
     command.upgrade(cfg, "head")
     assert run(db_url, _shape) == out["shape"]
-
-
-def test_the_gone_process_search_seeks_its_messages_and_each_sessions_last_event(
-    migrated_url: str,
-) -> None:
-    """The search of a gone process's unanswered messages (``runs._TAKEN``) reaches them
-    through ``ix_messages_taken_by`` and tells whether anything came after each by its
-    session's last message event, one backward seek of the event log's primary key (no
-    sort, no walk of the session's later messages by their stamps)."""
-
-    def accesses(conn: sa.Connection) -> list[str]:
-        params = {"p_process": "prc_1", "p_since": 0}
-        return plan_accesses(conn, runs._TAKEN, params, ("messages", "session_events", "B-TREE"))
-
-    found = run(migrated_url, accesses)
-    if migrated_url.startswith("sqlite"):
-        assert found == [
-            f"SEARCH messages USING INDEX {INDEX} (taken_by=? AND created_at>?)",
-            "SEARCH last_event USING INDEX sqlite_autoindex_session_events_1 (session_id=?)",
-            "USE TEMP B-TREE FOR RIGHT PART OF ORDER BY",  # (the few rows found, by id)
-        ]
-    else:
-        assert [a.removeprefix("->  ") for a in found] == [
-            f"Index Scan using {INDEX} on messages",
-            "Index Scan Backward using pk_session_events on session_events last_event",
-        ]
