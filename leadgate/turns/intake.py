@@ -837,8 +837,9 @@ class Intake:
         values["id"] = runs.run_id_of(ctx.message_id)
         if ctx.taken_by is not None:
             # Held by the process that took it in, the one its message names: reaped
-            # since (registered anew), the run is known to be that gone process's when
-            # it is recorded (runs.record_owed).
+            # since (registered anew), the run is that gone process's, as the run turn
+            # recovery's search records for the message is (owner_gone: any replica's
+            # recovery takes it at once, not this process's own alone).
             values["lease_owner"] = ctx.taken_by
         return values
 

@@ -1221,7 +1221,9 @@ class TurnService:
         screened = policy.screen(text, turn.rules) if turn.rules else text
         if revision_item is None and not ctx.binding_posts and ctx.run_token is None:
             if ctx.taken_by is not None and self.maybe_reaped(ctx.taken_by):
-                return await self._store_taken_back(ctx, screened, streamed, usage, answer)
+                return await self._store_answered(
+                    ctx, screened, streamed, usage, answer, taken_back=True
+                )
             if answer is not None:
                 return await self._store_answered(ctx, screened, streamed, usage, answer)
             # API and studio turns only store the reply: on PostgreSQL one statement.
@@ -1293,53 +1295,31 @@ class TurnService:
         text: str,
         streamed: bool,
         usage: Usage | None,
-        answer: TurnAnswer,
+        answer: TurnAnswer | None,
+        *,
+        taken_back: bool = False,
     ) -> Reply:
         """An API turn's reply and the caller's ``answer`` of it, in one transaction: a
         fault in either leaves neither (the turn is interrupted), and once it commits
-        the answer is there for a retry whatever becomes of this process."""
-        reply = Reply(text, streamed, usage)
-        async with self.db.tx() as conn:
-            await self._store(
-                conn,
-                ctx.org_id,
-                ctx.session_id,
-                ctx.work_item_id,
-                "assistant",
-                text,
-                answers=ctx.message_id,
-            )
-            await answer(conn, reply)
-        labelled(METRICS.turns, "plain").inc()
-        return reply
+        the answer is there for a retry whatever becomes of this process.
 
-    async def _store_taken_back(
-        self,
-        ctx: TurnContext,
-        text: str,
-        streamed: bool,
-        usage: Usage | None,
-        answer: TurnAnswer | None,
-    ) -> Reply:
-        """A plain REST/MCP/Studio turn's reply (and the caller's ``answer`` of it) when
-        its process may have been reaped while it ran (:attr:`maybe_reaped`): in one
-        transaction with the deletion of the run turn recovery may have recorded for its
-        message meanwhile (:func:`runs.take_back <leadgate.turns.runs.take_back>`), so
-        that recovery does not answer it a second time. When recovery's rerun of it
-        committed first (its resend wait and its model call both within this turn's
-        one), its answer names the message (``messages.answers``): this turn stores no
-        second one, and its caller gets the stored answer's text (one answer to the
-        request, the one in the transcript). The run's deletion comes first: a rerun
-        in flight then fails its fenced end, and one that committed is seen by the
-        read after it.
-
-        Why the deletion here, and only here: only such a turn can meet a recorded run
-        of its own message, and its process knows in memory whether it may have been
-        reaped, so a healthy process's plain turn reaches none of this."""
-        assert ctx.message_id is not None  # (a plain turn's: taken_by is set with it)
+        ``taken_back``: its process may have been reaped while it ran
+        (:attr:`maybe_reaped`), so the transaction first deletes the run turn recovery
+        may have recorded for its message meanwhile (:func:`runs.take_back
+        <leadgate.turns.runs.take_back>`): recovery does not answer it a second time
+        (a rerun in flight fails its fenced end). When recovery's rerun of it committed
+        first (its resend wait and its model call both within this turn's one), its
+        answer names the message (``messages.answers``): this turn stores no second one,
+        and its caller gets the stored answer's text (one answer to the request, the one
+        in the transcript). Only such a turn can meet a recorded run of its own message,
+        and its process knows in memory whether it may have been reaped, so a healthy
+        process's plain turn reaches none of this."""
         async with self.db.tx() as conn:
-            await runs.take_back(conn, ctx.message_id)
-            stored = await runs.stored_answer(conn, ctx.session_id, ctx.message_id)
+            stored = None
+            if taken_back:
+                assert ctx.message_id is not None  # (a plain turn's: set with taken_by)
+                await runs.take_back(conn, ctx.message_id)
+                stored = await runs.stored_answer(conn, ctx.session_id, ctx.message_id)
             if stored is not None:
                 log.info(
                     "turn %s's answer was stored already by turn recovery (its process "
@@ -1347,8 +1327,7 @@ class TurnService:
                     ctx.turn_id,
                 )
                 text = stored
-            reply = Reply(text, streamed, usage)
-            if stored is None:
+            else:
                 await self._store(
                     conn,
                     ctx.org_id,
@@ -1358,6 +1337,7 @@ class TurnService:
                     text,
                     answers=ctx.message_id,
                 )
+            reply = Reply(text, streamed, usage)
             if answer is not None:
                 await answer(conn, reply)
         labelled(METRICS.turns, "plain").inc()

@@ -78,6 +78,14 @@ class Pair:
             )
         assert await self.survivor.liveness.reap() == 1
 
+    async def recorded(self) -> TurnRecovery:
+        """``died`` dies (:meth:`dies`) and the survivor's turn recovery records its
+        message's run, left to wait for a resend: that recovery, to drain again."""
+        await self.dies()
+        recovery = TurnRecovery(self.survivor.turns)
+        assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+        return recovery
+
 
 @asynccontextmanager
 async def pair(url: str, survivor_model: Provider | None = None) -> AsyncIterator[Pair]:
@@ -131,9 +139,7 @@ async def test_a_plain_rest_turn_whose_process_died_mid_model_call_is_answered_o
     waits a minute for the client's resend) and reruns it when none came: answered
     once, nothing left, and a second search finds nothing."""
     async with pair(migrated_url) as both, held(both, "hi"):
-        await both.dies()
-        recovery = TurnRecovery(both.survivor.turns)
-        assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+        recovery = await both.recorded()
         assert await both.runs_left() == 1
         both.clock.advance(runs.RESEND_GRACE_MS + 1)
         assert await drain(recovery) == 1
@@ -210,9 +216,7 @@ async def test_a_plain_mcp_tool_call_whose_process_died_mid_model_call_is_answer
         )
         try:
             await eventually(lambda: both.gate.calls > calls, what="the model called")
-            await both.dies()
-            recovery = TurnRecovery(both.survivor.turns)
-            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            recovery = await both.recorded()
             both.clock.advance(runs.RESEND_GRACE_MS + 1)
             assert await drain(recovery) == 1
             assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
@@ -305,9 +309,7 @@ async def test_a_plain_turn_whose_process_was_only_thought_dead_is_answered_once
             await eventually(lambda: both.gate.calls > calls, what="the model called")
             if not noticed:
                 both.clock.advance(both.died.liveness.dead_after_ms + 1)
-            await both.dies()
-            recovery = TurnRecovery(both.survivor.turns)
-            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            recovery = await both.recorded()
             assert await both.runs_left() == 1
             if noticed:
                 await both.died.liveness.beat()  # its row gone: registered anew
@@ -341,9 +343,7 @@ async def test_a_rerun_in_flight_when_the_thought_dead_processs_turn_answers_rol
         rerun: asyncio.Future[int] | None = None
         try:
             await eventually(lambda: both.gate.calls > calls, what="the model called")
-            await both.dies()
-            recovery = TurnRecovery(both.survivor.turns)
-            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            recovery = await both.recorded()
             both.clock.advance(runs.RESEND_GRACE_MS + 1)
             rerun = asyncio.ensure_future(drain(recovery))
             await eventually(lambda: rerun_model.calls > opened, what="the rerun's model called")
@@ -382,9 +382,7 @@ async def test_a_thought_dead_processs_plain_turn_answered_502_is_not_rerun(
         request = asyncio.ensure_future(both.chat(both.died_client, "hi"))
         try:
             await eventually(lambda: both.gate.calls > calls, what="the model called")
-            await both.dies()
-            recovery = TurnRecovery(both.survivor.turns)
-            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            recovery = await both.recorded()
             await both.died.liveness.beat()  # its row gone: registered anew
             both.gate.release.set()
             assert await request == 502
@@ -454,9 +452,7 @@ async def test_a_thought_dead_processs_turn_after_its_rerun_committed_stores_no_
         )
         try:
             await eventually(lambda: both.gate.calls > calls, what="the model called")
-            await both.dies()
-            recovery = TurnRecovery(both.survivor.turns)
-            assert await drain(recovery) == 1  # recorded, then left to wait for a resend
+            recovery = await both.recorded()
             both.clock.advance(runs.RESEND_GRACE_MS + 1)
             assert await drain(recovery) == 1  # rerun: "Echo: hi" stored
             await both.died.liveness.beat()  # its row gone: registered anew
