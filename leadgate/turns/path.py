@@ -1271,7 +1271,10 @@ class TurnService:
         after the run's (a follow-up, or the resend of one told to send it only if
         not there) while it ran, or before its claim. That message's own turn, shown
         the run's message unanswered, answers it (the rerun, shown the follow-up,
-        answered it too). Read before the rerun's model call
+        answered it too). So too when an answer naming the run's message was stored
+        (``messages.answers``, :func:`runs.answered_later
+        <leadgate.turns.runs.answered_later>`): its process, thought dead, was alive and
+        its turn answered. Read before the rerun's model call
         (:meth:`_accepted`) and again in its last transaction (a message
         may come during the call); no live turn's (their context is no recovered
         client's). A keyed run rerun because its client was told nothing was stored is
@@ -1280,11 +1283,11 @@ class TurnService:
         if not _may_be_answered_later(ctx):
             return False
         assert ctx.run_token is not None  # (a recovered run's)
-        if not await runs.answered_later(conn, ctx.session_id, ctx.run_token):
+        if not await runs.answered_later(conn, ctx.session_id, ctx.run_token, ctx.answers):
             return False
         log.info(
             "rerun of session %s ends unanswered: a later message of the session was "
-            "taken in, whose turn answers it",
+            "taken in, whose turn answers it, or its own turn's answer was stored",
             ctx.session_id,
         )
         return True

@@ -343,13 +343,24 @@ async def stored_answer(conn: Conn, session_id: str, message_id: str) -> str | N
     return None if found is None else str(found)
 
 
-async def answered_later(conn: Conn, session_id: str, token: str) -> bool:
+async def answered_later(
+    conn: Conn, session_id: str, token: str, answers: str | None = None
+) -> bool:
     """Whether session ``session_id`` took in a user message after every message of the
     runs leased under ``token`` (:func:`later_message`), read in a rerun's last
     transaction: that message's own turn, shown the runs' messages unanswered, answers
-    them."""
+    them. Or, ``answers`` given (the message the rerun answers), an assistant message
+    naming it was stored (``messages.answers``): its own turn answered it after all,
+    its process alive though thought dead and not knowing it yet (its clock behind the
+    reaper's, or its answer's statement held past the reap), after turn recovery's
+    search recorded the run; the rerun answered it a second time. One statement."""
     theirs = sa.select(R.message_id).where(R.lease_token == token)
-    return bool(await conn.scalar(sa.select(later_message(session_id, theirs))))
+    later: sa.ColumnElement[bool] = later_message(session_id, theirs)
+    if answers is not None:
+        _later, reply, joined = _after(session_id, answers)
+        named = sa.exists().where(joined, reply.c.role == "assistant", reply.c.answers == answers)
+        later = sa.or_(later, named)
+    return bool(await conn.scalar(sa.select(later)))
 
 
 #: Keys of an owed run's values that are no column of ``turn_runs``: an intake in

@@ -467,3 +467,28 @@ async def test_a_thought_dead_processs_turn_after_its_rerun_committed_stores_no_
         assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
         assert await both.runs_left() == 0
         assert await drain(recovery) == 0
+
+
+async def test_a_rerun_ends_unanswered_when_the_thought_dead_processs_turn_answered_unaware(
+    migrated_url: str,
+) -> None:
+    """``died`` is reaped while its turn waits for the model, and does not know it yet
+    (its own last beat is recent by its clock: a reaper's clock ahead, or its answer's
+    statement held past the reap), so its turn stores its answer as any, taking back
+    nothing. The survivor's rerun, due a minute on, finds that answer naming the
+    message and ends unanswered, its run closed: one answer. It looked for later user
+    messages only, and answered the message a second time."""
+    async with pair(migrated_url) as both:
+        async with held(both, "hi"):
+            recovery = await both.recorded()
+            assert not both.died.liveness.maybe_reaped(str(both.died.liveness.id))
+            both.gate.release.set()
+
+            async def answered() -> bool:
+                return (await both.transcript())[-1] == ("assistant", "slow answer")
+
+            await eventually(answered, what="died's turn's answer stored")
+        both.clock.advance(runs.RESEND_GRACE_MS + 1)
+        assert await drain(recovery) == 1  # claimed, and closed unanswered
+        assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "slow answer")]
+        assert await both.runs_left() == 0
