@@ -100,7 +100,7 @@ async def test_channel_post_with_nonce_and_reply_reference(
 
 
 async def test_a_cards_masked_links_reach_discord_showing_where_they_lead(
-    standin: DiscordApiStandin, channel: DiscordChannel
+    discord_api: DiscordApiStandin, channel: DiscordChannel
 ) -> None:
     """The summary was posted as typed: ``[Approve here](https://elsewhere.example)``
     showed its words only, on the card asking the reviewer to decide. Posted through
@@ -108,7 +108,7 @@ async def test_a_cards_masked_links_reach_discord_showing_where_they_lead(
     bold, and names and "why" are escaped as before."""
     post = dataclasses.replace(gated("delivery-c"), kind="card", card=marked_card())
     assert isinstance(await channel.send(post), Sent)
-    [posted] = standin.posts
+    [posted] = discord_api.posts
     link = "\\[Approve here](https://elsewhere.example)"
     assert f"**Why:** The lead escalated it: {link}\n" in posted["content"]
     assert f"**Summary**\n**Done.** {link}\n<https://" in posted["content"]
