@@ -97,9 +97,12 @@ QUOTE_MAX = 300
 
 
 def escaped(text: str) -> str:
-    """``text`` with Discord's markdown escaped, shown as it was written (discord.py
-    escapes the first masked link of a line only: :func:`links_shown` does the rest)."""
-    return links_shown(discord.utils.escape_markdown(text))
+    """``text`` with Discord's markdown escaped, shown as it was written, every ``[``
+    escaped: discord.py escapes a line's first masked link only, and a lone ``[`` (a
+    requester's name, say) opened a link that a ``](url)`` further on closed, on a later
+    line or in the summary (Discord's link words may span lines), the card then showing
+    the words between, not where the link led."""
+    return _OPENER.sub(r"\1\\[", discord.utils.escape_markdown(text))
 
 
 #: A ``[`` not escaped already: after no backslash, or after pairs of them (``\\``

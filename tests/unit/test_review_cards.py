@@ -883,6 +883,19 @@ def test_discord_cards_show_where_every_masked_link_leads() -> None:
     assert shown == "\\[a](u) \\\\\\[b](v)"
 
 
+def test_discord_cards_escape_a_lone_bracket_a_later_line_would_close() -> None:
+    # A requester's name "[Approve" and a summary "here](https://...)": Discord's link
+    # words may span lines, so the two made one masked link from the facts to the
+    # summary, the card showing words, not where it led. Every "[" of a name, a "why"
+    # or a quoted reason is escaped.
+    card = _card("now](https://elsewhere.example)", source="[Approve", why="see [note")
+    content = discord_review.content(card)
+    assert "**From:** \\[Approve\n" in content
+    assert "**Why:** see \\[note\n" in content
+    unescaped = [i for i, ch in enumerate(content) if ch == "[" and content[i - 1] != "\\"]
+    assert unescaped == [], content
+
+
 def test_slack_card_facts_are_plain_text_never_mrkdwn() -> None:
     # "*Agent:* <name>" was one mrkdwn line: a name's * _ ~ ` restyled the facts.
     card = _card(PHISH, agent="*a*_b_~c~`d`", source="<!here> & src", why="_why_ *me*")
