@@ -217,6 +217,17 @@ class Env(Protocol):
     def ids(self) -> IdFactory: ...
 
 
+async def stops_beating(env: Env, dead_after_ms: int, process_id: str | None) -> None:
+    """Process ``process_id``'s last heartbeat, in ``env``'s database, is now older than
+    ``dead_after_ms`` by ``env``'s clock: the next reap finds it dead (what a crash, or a
+    partition from the database, leaves; nothing else notices)."""
+    stale = env.clock.now_ms() - dead_after_ms - 1
+    async with env.db.tx() as conn:
+        await conn.execute(
+            t.processes.update().where(t.processes.c.id == process_id).values(heartbeat_at=stale)
+        )
+
+
 async def stopped_by_a_fault(db: Database, turns: TurnService, taken: Accepted) -> None:
     """Run ``taken`` on ``turns``, its next write on ``db`` meeting the database gone,
     whichever way it goes (a transaction, or on PostgreSQL one statement alone): the turn

@@ -24,14 +24,13 @@ from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
-from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
 from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
-from tests.helpers import eventually, make_agent, make_org
+from tests.helpers import eventually, make_agent, make_org, stops_beating
 from tests.integration.test_mcp_tool_calls import TOOL, mcp_client, session_rows
 from tests.integration.test_openai_surface import answer_of, keyed
 from tests.serving import Client, served_app
@@ -69,14 +68,9 @@ class Pair:
     async def dies(self) -> None:
         """``died``'s heartbeat lapses and the survivor's reap removes its row (what a
         crash leaves: its turn, held in the model, never ends)."""
-        stale = self.survivor.clock.now_ms() - self.survivor.liveness.dead_after_ms - 1
-        async with self.survivor.db.tx() as conn:
-            await conn.execute(
-                t.processes.update()
-                .where(t.processes.c.id == self.died.liveness.id)
-                .values(heartbeat_at=stale)
-            )
-        assert await self.survivor.liveness.reap() == 1
+        survivor = self.survivor
+        await stops_beating(survivor, survivor.liveness.dead_after_ms, self.died.liveness.id)
+        assert await survivor.liveness.reap() == 1
 
     async def recorded(self) -> TurnRecovery:
         """``died`` dies (:meth:`dies`) and the survivor's turn recovery records its

@@ -38,7 +38,7 @@ from leadgate.turns.providers.base import Provider
 from leadgate.turns.providers.openai import OpenAIProvider
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import FaultProvider, GateProvider, LandsLater
-from tests.helpers import eventually, make_agent, make_org
+from tests.helpers import eventually, make_agent, make_org, stops_beating
 from tests.serving import Client, served_app
 from tests.standins.model_server import ModelServer
 from tests.statement_faults import PgFaults, SqliteFaults, injector
@@ -456,13 +456,7 @@ async def test_an_owed_run_of_a_process_reaped_meanwhile_is_answered_once(
         async with served_app(migrated_url, clock=service.clock) as (worker, _client):
             await worker.start_liveness("worker")
             await _owed(service, client, faults, key)
-            stale = service.clock.now_ms() - worker.liveness.dead_after_ms - 1
-            async with worker.db.tx() as conn:
-                await conn.execute(
-                    t.processes.update()
-                    .where(t.processes.c.id == service.liveness.id)
-                    .values(heartbeat_at=stale)
-                )
+            await stops_beating(worker, worker.liveness.dead_after_ms, service.liveness.id)
             assert await worker.liveness.reap() == 1
             recovery = TurnRecovery(worker.turns)
             assert await drain(recovery) == 1  # recorded, left to wait for a resend

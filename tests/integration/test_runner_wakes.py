@@ -67,6 +67,7 @@ from tests.helpers import (
     slack_trigger,
     start_worker,
     stopped_by_a_fault,
+    stops_beating,
 )
 from tests.outbox_support import ScriptedChannel
 from tests.statement_faults import injector
@@ -282,16 +283,6 @@ async def held_elsewhere(app: App, org: Org, agent: dict[str, Any]) -> Liveness:
     return holder
 
 
-async def stops_beating(app: App, holder: Liveness) -> None:
-    """``holder``'s last heartbeat is now older than ``dead_after_s``: a reap finds it
-    dead (nothing else notices)."""
-    stale = app.clock.now_ms() - app.liveness.dead_after_ms - 1
-    async with app.db.tx() as conn:
-        await conn.execute(
-            t.processes.update().where(t.processes.c.id == holder.id).values(heartbeat_at=stale)
-        )
-
-
 async def test_a_reaped_review_lease_is_reviewed_again_at_once(
     migrated_url: str, make_app: MakeApp
 ) -> None:
@@ -300,7 +291,7 @@ async def test_a_reaped_review_lease_is_reviewed_again_at_once(
     org, agent = await lead_and_worker(app)
     holder = await held_elsewhere(app, org, agent)
     await start_worker(app)
-    await stops_beating(app, holder)
+    await stops_beating(app, app.liveness.dead_after_ms, holder.id)
 
     reaped = time.perf_counter()
     assert await app.liveness.reap() == 1  # what this process's heartbeat does
@@ -318,7 +309,7 @@ async def test_a_reap_on_an_api_replica_wakes_the_lead_runner_of_a_worker(
     holder = await held_elsewhere(worker, org, agent)
     await start_worker(worker)
     await api.start_liveness("api")
-    await stops_beating(api, holder)
+    await stops_beating(api, api.liveness.dead_after_ms, holder.id)
 
     reaped = time.perf_counter()
     assert await api.liveness.reap() == 1  # the api replica's heartbeat found it dead
