@@ -160,10 +160,16 @@ def fallback_text(card: Card) -> str:
     head = card.title
     if card.outcome is not None:
         o = card.outcome
-        reason = " ".join(o.text.split()) if o.text else ""
-        said = f": “{cut(reason, FALLBACK_REASON_MAX)}”" if reason else ""
-        head += f" ({o.title} by {o.by}{said})"
+        said = _in_quotes(o.text)
+        head += f" ({o.title} by {o.by}{f': {said}' if said else ''})"
     return _esc_cut(f"{head}: {card.summary}", TEXT_MAX)
+
+
+def _in_quotes(said: str | None) -> str:
+    """A decision's reason or feedback for a notification text: on one line, cut to
+    :data:`FALLBACK_REASON_MAX`, in quotation marks (``""``: none). Unescaped."""
+    reason = " ".join(said.split()) if said else ""
+    return f"“{cut(reason, FALLBACK_REASON_MAX)}”" if reason else ""
 
 
 def facts(card: Card) -> dict[str, Any]:
@@ -301,18 +307,15 @@ def modal(callback_id: str, item_id: str, meta: dict[str, Any]) -> dict[str, Any
     }
 
 
-def quote(said: str) -> str:
-    """A decision's reason or feedback as a ``>`` quote, mrkdwn-escaped: appended as
-    typed, ``<!here>`` or ``*`` in it were read as mrkdwn and a second line ran on."""
-    return ">" + _esc(said).replace("\n", "\n>")
-
-
 def told(answer: Answer) -> str:
     """An answer's notification text (the message's ``text``; :func:`told_blocks` is
-    what the clicker sees): its line, mrkdwn-escaped (who decided is a person's or key's
-    name, ``<!channel>`` in it was read), and the decision's reason quoted under it (a
-    late click: "Already cancelled by ..." and why)."""
-    return _esc(answer.text) + (f"\n{quote(answer.said)}" if answer.said else "")
+    what the clicker sees), plain as a card's (:func:`fallback_text`): its line and the
+    decision's reason after it (a late click: "Already cancelled by ..." and why), on
+    one line in quotation marks, cut short, ``&<>`` escaped (who decided is a person's
+    or key's name, ``<!channel>`` in it was read). A notification shows no mrkdwn: the
+    ``>`` quote marker it had showed there as typed."""
+    said = _in_quotes(answer.said)
+    return _esc_cut(answer.text + (f" {said}" if said else ""), TEXT_MAX)
 
 
 def told_blocks(answer: Answer) -> list[dict[str, Any]]:

@@ -782,7 +782,7 @@ def test_slacks_late_click_answer_escapes_who_decided() -> None:
     answer = ChatAnswer("closed", line, None, "a > b")
     escaped = "Already cancelled by &lt;!channel&gt; *ann* _b_ &amp; #x (console)"
     assert slack_review.told(answer).startswith(escaped)
-    assert slack_review.told(answer).endswith("\n>a &gt; b")
+    assert slack_review.told(answer).endswith("2026-06-01T00:00:00Z. “a &gt; b”")
     assert slack_review.notice(answer)["blocks"] == slack_review.told_blocks(answer)
 
 
