@@ -20,7 +20,8 @@ core's de-duplication runs a single turn for all of them.
 
 Slack drops an event after its third retry (about five minutes): at each start
 :meth:`SlackAdapter.catch_up` reads back, with ``conversations.history`` (and
-``conversations.replies`` for the threads that moved), the messages of every known
+``conversations.replies`` for the threads that moved, then for those it answered
+before, in the slots left), the messages of every known
 channel posted after its read point (where the last catch-up that read it through
 started; within ``[slack] catch_up_s``) and
 takes each in as a live one; the intake's de-duplication by that same id answers a
@@ -147,7 +148,8 @@ TOLD_KEEP = 1024
 CATCH_UP_PAGES = 5
 CATCH_UP_PAGE_SIZE = 200
 #: ... and the replies of at most this many threads per channel (those that moved last
-#: first: by their ``latest_reply``, else the newest message taken in there).
+#: first: by their ``latest_reply``, else the newest message taken in there; then those
+#: that took in messages before the window alone, started last first).
 CATCH_UP_THREADS = 20
 #: The Slack message metadata (``event_type``) of a reply the adapter posts itself, the
 #: "could not be taken in" notice on Slack's last try: its ``event_payload`` names the
@@ -294,9 +296,11 @@ def parse_event(body: Mapping[str, Any], event: Mapping[str, Any]) -> SlackPost 
 class CatchUpTarget:
     """A channel to read back at start: its workspace, the newest message ts taken in
     there lately (``None``: none), the threads that took in messages lately (each with
-    the newest ts taken in there: what moved last there, as far as the service saw) and
-    the read point stored (``point``: where its catch-up starts, epoch ms; ``None``:
-    none yet; ``read_through``: stored by a catch-up that read the channel through)."""
+    the newest ts taken in there: what moved last there, as far as the service saw), the
+    read point stored (``point``: where its catch-up starts, epoch ms; ``None``: none
+    yet; ``read_through``: stored by a catch-up that read the channel through) and the
+    threads that took in messages before the window alone (``quiet``, newest first: a
+    reply there is told by nothing the channel's history returns)."""
 
     team: str
     channel: str
@@ -304,6 +308,7 @@ class CatchUpTarget:
     threads: tuple[tuple[str, Decimal], ...]
     point: int | None = None
     read_through: bool = False
+    quiet: tuple[str, ...] = ()
 
     @property
     def conversation(self) -> str:
@@ -339,12 +344,13 @@ def catch_up_targets(
     """The channels to catch up: every Slack session (its key
     ``slack:TEAM:CHANNEL:THREAD``) that took in a message, with the newest recorded in
     its channel lately and its threads that took in one lately (each with the newest
-    taken in there), and every channel a route
+    taken in there) or only before (``quiet``), and every channel a route
     names (in ``team`` when the route names none), each with its read point. ``again``
     (a retry after a database fault): no channel has a newest (a live message taken in
     since the first try may be it)."""
     newest: dict[tuple[str, str], Decimal | None] = {}
     threads: dict[tuple[str, str], dict[str, Decimal]] = {}
+    quiet: dict[tuple[str, str], set[str]] = {}
     for key, event_ids in known.sessions.items():
         parts = key.split(":")
         if len(parts) != 4 or parts[0] != "slack" or not all(parts[1:]):
@@ -359,8 +365,12 @@ def catch_up_targets(
         found = [n for n in (newest.get(where), max(stamps, default=None)) if n is not None]
         newest[where] = max(found, default=None)
         threads.setdefault(where, {})
-        if stamps and _ts(parts[3]) is not None:
+        if _ts(parts[3]) is None:
+            continue
+        if stamps:
             threads[where][parts[3]] = max(stamps)
+        else:
+            quiet.setdefault(where, set()).add(parts[3])
     for match in known.routes:
         channel = match.get("channel", "")
         if channel and ":" not in channel:
@@ -373,6 +383,13 @@ def catch_up_targets(
             tuple(sorted(threads.get((t, c), {}).items())),
             point,
             f"{t}:{c}" in known.read_through,
+            tuple(
+                sorted(
+                    quiet.get((t, c), set()) - threads.get((t, c), {}).keys(),
+                    key=Decimal,
+                    reverse=True,
+                )
+            ),
         )
         for (t, c), n in newest.items()
         for point in (known.points.get(f"{t}:{c}"),)
@@ -939,6 +956,13 @@ class SlackAdapter:
                 continue
             found[str(message["ts"])] = message
         threads = sorted(moved, key=lambda t: moved[t], reverse=True)
+        # The slots left go to the threads that took in messages before the window alone,
+        # newest first: a reply there while the service was down shows nowhere in the
+        # channel's history (its first message is older than the read point), and Slack
+        # lists no thread that moved; only asking the thread itself finds it.
+        threads += [t for t in target.quiet if t not in moved][
+            : max(0, CATCH_UP_THREADS - len(threads))
+        ]
         read_through = True
         if len(threads) > CATCH_UP_THREADS:
             log.warning(

@@ -393,6 +393,43 @@ async def test_the_threads_read_are_those_that_moved_last_not_those_started_last
     assert replies == [busy, busy]
 
 
+async def test_a_reply_under_a_parent_older_than_the_window_is_answered(
+    service: App, standin: SlackApiStandin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread whose first message is older than the window, where no message was taken
+    in within it, was never read: the channel's history holds no first message that old,
+    and nothing was taken in there lately, so a reply posted there while the service was
+    down was never answered. The threads known from older messages fill the slots the
+    threads that moved leave, newest first."""
+    monkeypatch.setattr(slack, "CATCH_UP_THREADS", 2)
+    clock = fake_clock(service)
+    await routed(service, {"team": "T0STANDIN", "channel": CHANNEL})
+    clock.advance(3 * HOUR_MS)
+    now = clock.now_ms()
+    oldest = said(standin, "the oldest question", at_ms=now - 3 * HOUR_MS)
+    old = said(standin, "a question", at_ms=now - 2 * HOUR_MS)
+    for parent, at_ms in ((oldest, now - 3 * HOUR_MS), (old, now - 2 * HOUR_MS)):
+        with clock_at(service, at_ms + MINUTE_MS):
+            await answered_live(service, standin, parent)
+    moved = said(standin, "lately", at_ms=now - 30 * MINUTE_MS)
+    with clock_at(service, now - 29 * MINUTE_MS):
+        await answered_live(service, standin, moved)
+    # Down: a reply under each old parent, and one in the thread that moved.
+    reply = said(standin, "a follow-up", at_ms=now - 10 * MINUTE_MS, thread_ts=old)
+    said(standin, "past the limit", at_ms=now - 9 * MINUTE_MS, thread_ts=oldest)
+    said(standin, "and here", at_ms=now - 8 * MINUTE_MS, thread_ts=moved)
+    standin.reads.clear()
+    async with running(service, standin) as (up, _):
+        await caught_up(up)
+    assert await answers(service, old) == ["Echo: a question", "Echo: a follow-up"]
+    assert await answers(service, moved) == ["Echo: lately", "Echo: and here"]
+    # Two threads a channel: the one that moved, then the newest known from before.
+    assert await answers(service, oldest) == ["Echo: the oldest question"]
+    assert event_id(reply) in await taken_in(service)
+    replies = [r["ts"] for r in standin.reads if r["method"] == "conversations.replies"]
+    assert replies == [moved, old]
+
+
 async def test_every_message_is_answered_when_not_only_mentions_are_caught_up(
     service: App, standin: SlackApiStandin
 ) -> None:

@@ -293,8 +293,10 @@ def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
             # Two threads of one channel: the newest ts taken in lately is the channel's.
             "slack:T1:C1:100.000001": ("slack:T1:C1:100.000001", "slack:T1:C1:300.000001"),
             "slack:T1:C1:200.000001": ("slack:T1:C1:200.000001",),
-            # Nothing taken in lately: read from the window's start, its thread not.
+            # Nothing taken in lately: read from the window's start, and its threads in
+            # the slots the threads that moved leave, started last first.
             "slack:T1:C2:50.000001": (),
+            "slack:T1:C2:60.000001": (),
             # Not a session key of the live path's shape.
             "slack:T1:C3": ("slack:T1:C3:1.0",),
         },
@@ -309,7 +311,7 @@ def test_catch_up_targets_are_the_channels_of_sessions_and_routes() -> None:
             # Each thread with the newest taken in there.
             (("100.000001", Decimal("300.000001")), ("200.000001", Decimal("200.000001"))),
         ),
-        slack.CatchUpTarget("T1", "C2", None, ()),
+        slack.CatchUpTarget("T1", "C2", None, (), quiet=("60.000001", "50.000001")),
         # A route naming no workspace: the bot's own.
         slack.CatchUpTarget("T0", "C4", None, ()),
     ]
