@@ -33,13 +33,14 @@ RouteFn = Callable[[str, Mapping[str, str]], RouteMatch | None]
 class GateProvider:
     """A model that answers only when released (a turn kept in flight); ``cancelled``
     counts the turns cancelled while they waited. ``failure`` set: released, the turn
-    fails with it instead."""
+    fails with it instead. ``text``: what it answers (two held models told apart)."""
 
-    def __init__(self) -> None:
+    def __init__(self, text: str = "slow answer") -> None:
         self.release = asyncio.Event()
         self.calls = 0
         self.cancelled = 0
         self.failure: Exception | None = None
+        self.text = text
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         self.calls += 1
@@ -50,7 +51,7 @@ class GateProvider:
             raise
         if self.failure is not None:
             raise self.failure
-        yield TextDelta("slow answer")
+        yield TextDelta(self.text)
 
 
 class FaultProvider:

@@ -76,3 +76,7 @@ class TurnContext:
     # The user message a recovered REST/MCP/Studio run's rerun answers (its newest run's):
     # its answer names it (messages.answers), as a plain turn's names ctx.message_id.
     answers: str | None = None
+    # A keyed REST retry's takeover of its message's run (runs.claim_for_retry): the
+    # process that took the message in, only thought dead, may still answer it, so the
+    # turn's end looks for that answer (runs.end_retaken).
+    retaken: bool = False

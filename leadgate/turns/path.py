@@ -791,7 +791,7 @@ class TurnService:
             ctx, _kind, item = await self._claimed_context(claimed)
             # The client is here: it is answered as by its first request (not recovered:
             # a failure is its 502, the item left for its next message).
-            ctx = dataclasses.replace(ctx, recovered_client=False)
+            ctx = dataclasses.replace(ctx, recovered_client=False, retaken=True)
             turn = await self._accepted(claimed, ctx, item)
             assert turn is not None  # (not recovered: no later message is looked for)
             return turn
@@ -1242,16 +1242,21 @@ class TurnService:
                 if await self._answered_later(fast, ctx):
                     await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
                     return Duplicate()
-                await self._store(
-                    fast,
-                    ctx.org_id,
-                    ctx.session_id,
-                    ctx.work_item_id,
-                    "assistant",
-                    screened,
-                    answers=ctx.answers,
-                )
-                await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
+                stored = await self._retaken_answer(fast, ctx) if ctx.retaken else None
+                if stored is None:
+                    await self._store(
+                        fast,
+                        ctx.org_id,
+                        ctx.session_id,
+                        ctx.work_item_id,
+                        "assistant",
+                        screened,
+                        answers=ctx.answers,
+                    )
+                else:
+                    screened = stored
+                if not ctx.retaken:
+                    await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
                 if answer is not None:
                     reply = Reply(screened, streamed, usage)
                     await answer(fast, reply)
@@ -1263,6 +1268,21 @@ class TurnService:
             await self._store_reply(ctx, screened, revision_item)
         labelled(METRICS.turns, "plain").inc()
         return Reply(screened, streamed, usage)
+
+    async def _retaken_answer(self, conn: Conn, ctx: TurnContext) -> str | None:
+        """End the run of a keyed retry's takeover (``ctx.retaken``) in its last
+        transaction ``conn``: the text of the answer the thought-dead process's own turn
+        stored for the message meanwhile, which the retry answers instead of storing a
+        second (:func:`runs.end_retaken <leadgate.turns.runs.end_retaken>`), or None."""
+        assert ctx.run_token is not None and ctx.answers is not None  # (a claimed run's)
+        stored = await runs.end_retaken(conn, ctx.run_token, ctx.session_id, ctx.answers)
+        if stored is not None:
+            log.info(
+                "turn %s's message was answered by its first process's own turn (thought "
+                "dead); its answer is not stored again",
+                ctx.turn_id,
+            )
+        return stored
 
     async def _answered_later(self, conn: Conn, ctx: TurnContext) -> bool:
         """Whether turn recovery's rerun of a REST/MCP/Studio run (``ctx``, a plain or a

@@ -632,6 +632,29 @@ async def take_back(conn: Conn, message_id: str) -> None:
     await conn.execute(t.turn_runs.delete().where(R.id == run_id_of(message_id)))
 
 
+async def end_retaken(conn: Conn, token: str, session_id: str, message_id: str) -> str | None:
+    """End the run (lease ``token``) of a keyed retry's takeover (:func:`claim_for_retry`)
+    of plain message ``message_id``, in its turn's last transaction, before its answer is
+    stored: the text of the answer naming the message when one was stored meanwhile
+    (:func:`stored_answer`), which the retry answers instead of storing its own, else
+    None. The process that took the message in, only thought dead, may still run its
+    own turn of it: knowing it may have been reaped, that turn's last transaction takes
+    the run back (:func:`take_back`) with its answer; not knowing it yet, it stores its
+    answer and leaves the run. Either way its answer, under the key too, was the
+    message's; the retry's fenced end rolled its own back and answered 409 ``run`` (the
+    first case), or stored a second answer over the key's (the second).
+
+    The run is deleted first: on PostgreSQL that delete waits for a take-back in flight
+    (it holds the row), so the read after it sees that turn's answer. A run lost with no
+    answer naming the message (another process took it over) is
+    :class:`~leadgate.core.errors.TransitionError`, as a fenced :func:`finish` is."""
+    res = await conn.execute(_FINISH, {"p_token": token})
+    stored = await stored_answer(conn, session_id, message_id)
+    if stored is None and not res.rowcount:
+        raise TransitionError("this turn's run was taken over by another process", rule="run")
+    return stored
+
+
 async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
     """Delete the runs of lease ``token`` (in the turn's last transaction). ``fenced``:
     the turn would post, so a lost lease (another process re-ran it) rolls it back."""
@@ -1024,7 +1047,12 @@ async def claim_for_retry(
     retry's to take (a live process runs it; its item moved on; its ``complete_task``
     signal was committed; its attempts are spent; a later message of its session came,
     whose turn answers it: recovery decides those); None when
-    no run of that message is left (its turn ended, or was never recorded).
+    no run of that message is left (its turn ended, or was never recorded), or when an
+    answer naming the message was stored (``messages.answers``: its own turn's, its
+    process thought dead and alive), whose run is then closed here: the retry gets the
+    answer stored under its key with it, and runs no second turn.
+
+    The turn such a claim runs ends by :func:`end_retaken`.
 
     A claim whose ``COMMIT`` is in doubt hands its token to ``doubted`` (the turn
     path's orphans) before the fault is raised: landed, the run is leased to this live
@@ -1070,6 +1098,16 @@ async def _claim_for_retry(
                 item.signal_turn_id == row.turn_id and item.signal_summary
             ):
                 return RUN_BUSY
+        if await stored_answer(conn, row.session_id, row.message_id) is not None:
+            # Its own turn answered it after all (its process, thought dead, alive and not
+            # knowing it yet: no take-back), and stored that answer under the key in the
+            # same transaction: the retry's route replays it. Run here, the message was
+            # answered twice and the key's answer replaced by another text.
+            await conn.execute(
+                t.turn_runs.delete().where(R.id == row.id, R.lease_token == row.lease_token)
+            )
+            log.info("run of session %s closed: its message was answered", row.session_id)
+            return None
         if row.policy not in _RERUNS and await _resent(conn, [row]):
             # A later message of the session answers it: recovery closes the run (the
             # retry is then told its answer was lost); run here, the message was

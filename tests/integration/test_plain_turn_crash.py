@@ -17,13 +17,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import httpx2
 import pytest
+import sqlalchemy as sa
 from openai import AsyncOpenAI
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
 from leadgate.core.errors import ModelError
 from leadgate.core.runners import drain
+from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Trigger
+from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
@@ -485,4 +489,114 @@ async def test_a_rerun_ends_unanswered_when_the_thought_dead_processs_turn_answe
         both.clock.advance(runs.RESEND_GRACE_MS + 1)
         assert await drain(recovery) == 1  # claimed, and closed unanswered
         assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "slow answer")]
+        assert await both.runs_left() == 0
+
+
+async def key_lapses(both: Pair) -> None:
+    """The ``Idempotency-Key`` claim of ``died``'s request lapses in the database (no
+    renewal came: a partition), so the next request takes the key over. (The clock is
+    not moved: ``died`` does not know it was reaped unless a test says so.)"""
+    async with both.survivor.db.tx() as conn:
+        await conn.execute(
+            t.idempotency_keys.update().values(lease_expires_at=both.clock.now_ms() - 1)
+        )
+
+
+async def test_a_keyed_retry_runs_no_second_turn_for_a_message_its_process_answered_unaware(
+    migrated_url: str,
+) -> None:
+    """``died`` is reaped while its keyed turn waits for the model, without knowing it:
+    recovery's search records the message's run under the key's event id, and ``died``'s
+    turn stores its answer (and the key's) taking nothing back. A retry that took the
+    key over before that answer committed then claims the run (``claim_for_retry``): it
+    finds the answer naming the message, closes the run and runs no turn (its route
+    replays the key's answer). It took the run (it looked for later user messages only)
+    and ran the turn: the message answered twice, the key's answer replaced."""
+    ask = keyed("k", "s", "plain", "hi")
+    async with pair(migrated_url) as both, official(both, both.died_client) as first:
+        calls = both.gate.calls
+        request = asyncio.ensure_future(answer_of(first, **ask))
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.recorded()
+            assert not both.died.liveness.maybe_reaped(str(both.died.liveness.id))
+            both.gate.release.set()
+            answer = await request
+        finally:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        assert answer.status_code == 200, answer.text
+        async with both.survivor.db.read() as conn:
+            run = (await conn.execute(sa.select(t.turn_runs))).one()
+        retry = Trigger(
+            org_id=run.org_id,
+            agent_id="plain",
+            session_key="h:s",
+            text="hi",
+            binding=BindingSpec(BindingKind.api),
+            external_event_id=run.external_event_id,
+        )
+        outcome = await both.survivor.turns.run(retry, retake=True)
+        assert isinstance(outcome, Duplicate) and not outcome.running, outcome
+        answered = [*EARLIER, ("user", "hi"), ("assistant", "slow answer")]
+        assert await both.transcript() == answered
+        assert await both.runs_left() == 0
+        async with official(both, both.survivor_client) as client:
+            again = await answer_of(client, **ask)
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.content == answer.content
+
+
+@pytest.mark.parametrize("order", ["died-first", "died-first-unaware", "retry-first"])
+async def test_a_keyed_retrys_takeover_beside_the_thought_dead_processs_own_turn(
+    migrated_url: str, order: str
+) -> None:
+    """``died`` is only thought dead while its keyed turn waits for the model; recovery's
+    search records its run, and the key's retry (the official client, through the
+    survivor) takes that run over in its wait and runs the turn, held in its own model
+    call. Then both turns end, ``died``'s first (knowing it was reaped: registered anew;
+    or not knowing it yet) or the retry's. The message is answered once in the
+    transcript, and every request of the key gets that answer: the first one's turn to
+    end stores it, the other stores none and answers the stored text. ``died`` first,
+    the retry's fenced end found its run taken back and the retry got 409 ``run`` ("taken
+    over by another process", no retry); ``died`` unaware, the retry stored a second
+    answer (its request and the key's replay another text than ``died``'s client got)."""
+    theirs = GateProvider("retry answer")
+    theirs.release.set()  # (it answers the opening exchange)
+    ask = keyed("k", "s", "plain", "hi")
+    async with pair(migrated_url, theirs) as both, official(both, both.died_client) as first:
+        theirs.release.clear()
+        opened = theirs.calls
+        calls = both.gate.calls
+        request = asyncio.ensure_future(answer_of(first, **ask))
+        retry: asyncio.Future[httpx2.Response] | None = None
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="the model called")
+            await both.recorded()
+            await key_lapses(both)
+            async with official(both, both.survivor_client) as client:
+                retry = asyncio.ensure_future(answer_of(client, **ask))
+                await eventually(lambda: theirs.calls > opened, what="the retry's model called")
+                if order == "retry-first":
+                    theirs.release.set()
+                    await retry
+                if order != "died-first-unaware":
+                    await both.died.liveness.beat()  # its row gone: registered anew
+                both.gate.release.set()
+                await request
+                theirs.release.set()
+                answers = [await request, await retry]
+                again = await answer_of(client, **ask)
+        finally:
+            for pending in (request, retry):
+                if pending is not None:
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+        text = "retry answer" if order == "retry-first" else "slow answer"
+        for answer in answers:
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"] == text
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json()["choices"][0]["message"]["content"] == text
+        assert (await both.transcript())[-2:] == [("user", "hi"), ("assistant", text)]
         assert await both.runs_left() == 0
