@@ -268,6 +268,9 @@ class App:
             maybe_reaped=self.liveness.maybe_reaped,
             sleep=sleep,
         )
+        # Each heartbeat names the oldest plain turn in flight: a gone process's search
+        # reaches back to it (a turn longer than the run lease was missed).
+        self.liveness.turns_since = self.turns.turns_since
         self.messages = Messages(self.db, self.turns, self.background)
         self.adapters = create_adapters(self.settings, self.messages) if enable_adapters else []
         self.channels: dict[str, Channel] = {a.channel.name: a.channel for a in self.adapters}

@@ -7,4 +7,4 @@ every migration file, about 0.1 s that each ``leadgate`` command and ``--version
 before doing anything.
 """
 
-HEAD = "0029"
+HEAD = "0030"

@@ -636,6 +636,10 @@ processes = sa.Table(
     sa.Column("role", sa.String(20), nullable=False),
     sa.Column("started_at", MS, nullable=False),
     sa.Column("heartbeat_at", MS, nullable=False),
+    # When the oldest plain REST/MCP/Studio turn in flight at the last heartbeat took its
+    # message in (migration 0030; NULL: none): written by the heartbeat's UPDATE, so that
+    # turn recovery's search of the process once it is gone reaches back to it.
+    sa.Column("turns_since", MS),
 )
 
 # Processes known gone (reaped, or stopped) whose plain REST/MCP/Studio messages
@@ -647,6 +651,8 @@ gone_processes = sa.Table(
     metadata,
     sa.Column("id", ID, primary_key=True),
     sa.Column("heartbeat_at", MS, nullable=False),
+    # Its ``processes.turns_since`` (migration 0030): the window reaches back to it.
+    sa.Column("turns_since", MS),
 )
 
 # Turns recorded before their platform was answered (migration 0007): written in the

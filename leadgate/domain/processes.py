@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,11 @@ class Liveness:
         self.id: str | None = None
         #: when its row was last written (registered, or a heartbeat committed)
         self._beaten_at = 0
+        #: when the oldest plain REST/MCP/Studio turn this process has in flight took its
+        #: message in (None: none), written with each heartbeat (``turns_since``): set by
+        #: the composition root to the turn service's
+        #: (:meth:`leadgate.turns.path.TurnService.turns_since`)
+        self.turns_since: Callable[[], int | None] = lambda: None
 
     def owner(self) -> str | None:
         """The ``lease_owner`` to write on a claim (``None`` before registration)."""
@@ -118,6 +124,7 @@ class Liveness:
                     role=self.role,
                     started_at=now,
                     heartbeat_at=now,
+                    turns_since=self.turns_since(),
                 )
             )
         self.id = process_id
@@ -137,15 +144,17 @@ class Liveness:
         return self.clock.now_ms() - self._beaten_at > self.dead_after_ms // 2
 
     async def beat(self) -> None:
-        """Refresh the heartbeat; re-register if another process reaped our row."""
+        """Refresh the heartbeat, and with it when the oldest plain turn in flight took
+        its message in (:attr:`turns_since`: turn recovery's search of this process, once
+        it is gone, reaches back to it; in the UPDATE the beat runs anyway); re-register if
+        another process reaped our row."""
         if self.id is None:
             await self.register()
             return
         now = self.clock.now_ms()
+        values = {"heartbeat_at": now, "turns_since": self.turns_since()}
         async with self.db.tx() as conn:
-            res = await conn.execute(
-                t.processes.update().where(P.id == self.id).values(heartbeat_at=now)
-            )
+            res = await conn.execute(t.processes.update().where(P.id == self.id).values(values))
         if res.rowcount:
             self._beaten_at = now
         else:
@@ -204,13 +213,14 @@ class Liveness:
 
 async def _note_gone(conn: Conn, cond: Any) -> None:
     """Note the processes ``cond`` is about to delete in ``gone_processes`` (with their
-    last heartbeat), in the deleting transaction: turn recovery searches each once for
-    the plain REST/MCP/Studio messages it took in and nothing answered
-    (:func:`leadgate.turns.runs.record_taken`). A stop notes its own too: a turn its
-    stop cut is one such. (Two reapers of one process note it once.)"""
-    noted = sa.select(P.id, P.heartbeat_at).where(cond)
+    last heartbeat and the oldest plain turn then in flight), in the deleting
+    transaction: turn recovery searches each once for the plain REST/MCP/Studio messages
+    it took in and nothing answered (:func:`leadgate.turns.runs.record_taken`). A stop
+    notes its own too: a turn its stop cut is one such. (Two reapers of one process note
+    it once.)"""
+    noted = sa.select(P.id, P.heartbeat_at, P.turns_since).where(cond)
     insert = insert_ignore_stmt(conn.dialect.name, t.gone_processes)
-    await conn.execute(insert.from_select(["id", "heartbeat_at"], noted))
+    await conn.execute(insert.from_select(["id", "heartbeat_at", "turns_since"], noted))
 
 
 def _gone(pid: int, token: str) -> bool:

@@ -338,6 +338,9 @@ class TurnService:
         #: rerun as an orphan (:meth:`record_owed`). In this process's memory only: lost
         #: if it dies first (nothing stored tells such a message from an answered one).
         self.owed: dict[str, dict[str, Any]] = {}
+        #: when each turn of :meth:`run` in flight began (at or before its message's
+        #: time), a plain REST/MCP/Studio turn's until it ends: :meth:`turns_since`
+        self._in_flight: dict[object, int] = {}
         #: owed runs of intakes in doubt (:meth:`_owe_in_doubt`) whose record found their
         #: message absent: the server may still apply such an intake after that look
         #: (PostgreSQL: a statement whose connection dropped can commit after a read on
@@ -409,41 +412,63 @@ class TurnService:
         # At or before the message's own time: the created_at of the run a fault makes
         # this process owe (the order of recovery's claims).
         taken_at = self.clock.now_ms()
+        # In flight from before its message is stamped, so that no heartbeat misses it.
+        flight = object()
+        self._in_flight[flight] = taken_at
         try:
-            intake = await self.take(trigger)
-        except IntakeInDoubt as exc:
-            self._owe_in_doubt(trigger, exc, taken_at)
-            raise
-        if isinstance(intake, Duplicate) and retake and not intake.busy:
-            assert trigger.external_event_id is not None
-            again = await self._retaken(trigger.external_event_id)
-            if again is None:
-                return intake
-            if not isinstance(again, Accepted):
-                return Duplicate(running=True)
-            intake = again
-        if isinstance(intake, Busy | Duplicate):
-            return intake
-        if on_start is not None:
-            await on_start()
-        try:
-            return await self.execute(intake, on_delta=on_delta, answer=answer)
-        except TurnInterrupted:
-            raise
-        except Exception as exc:
-            # A model error is never read as a database fault, whatever its causes are.
-            fault = None
-            if not isinstance(exc, LeadgateError) or isinstance(exc, Unavailable):
-                fault = unavailable(exc)
-            if fault is None:
-                # Answered with its failure: not one for recovery to answer again (nor
-                # the run it recorded if this process was reaped meanwhile).
-                taken_by = intake.ctx.taken_by
-                reaped = taken_by is not None and self.maybe_reaped(taken_by)
-                await self.intake.settled(trigger, intake, take_back=reaped)
+            try:
+                intake = await self.take(trigger)
+            except IntakeInDoubt as exc:
+                self._owe_in_doubt(trigger, exc, taken_at)
                 raise
-            self._owe(trigger, intake, taken_at)
-            raise TurnInterrupted(fault.detail) from exc
+            if not isinstance(intake, Accepted) or intake.ctx.taken_by is None:
+                del self._in_flight[flight]  # (a recorded run or none: not searched)
+            if isinstance(intake, Duplicate) and retake and not intake.busy:
+                assert trigger.external_event_id is not None
+                again = await self._retaken(trigger.external_event_id)
+                if again is None:
+                    return intake
+                if not isinstance(again, Accepted):
+                    return Duplicate(running=True)
+                intake = again
+            if isinstance(intake, Busy | Duplicate):
+                return intake
+            if on_start is not None:
+                await on_start()
+            try:
+                return await self.execute(intake, on_delta=on_delta, answer=answer)
+            except TurnInterrupted:
+                raise
+            except Exception as exc:
+                # A model error is never read as a database fault, whatever its causes are.
+                fault = None
+                if not isinstance(exc, LeadgateError) or isinstance(exc, Unavailable):
+                    fault = unavailable(exc)
+                if fault is None:
+                    # Answered with its failure: not one for recovery to answer again (nor
+                    # the run it recorded if this process was reaped meanwhile).
+                    taken_by = intake.ctx.taken_by
+                    reaped = taken_by is not None and self.maybe_reaped(taken_by)
+                    await self.intake.settled(trigger, intake, take_back=reaped)
+                    raise
+                self._owe(trigger, intake, taken_at)
+                raise TurnInterrupted(fault.detail) from exc
+        finally:
+            # (Owed, it is in owed now: turns_since still counts it.)
+            self._in_flight.pop(flight, None)
+
+    def turns_since(self) -> int | None:
+        """When the oldest plain REST/MCP/Studio turn this process has in flight, or owes
+        (stopped on a database fault, its run not recorded yet: :attr:`owed`,
+        :attr:`owed_lost`), began: at or before its message's time (None: none). Written
+        with each heartbeat (:attr:`leadgate.domain.processes.Liveness.turns_since`), so
+        that turn recovery's search of this process once it is gone reaches back to it
+        (:func:`leadgate.turns.runs.record_taken`): no limit bounds a whole turn (the
+        model's timeout bounds each wait for its next bytes, not a long stream), and a
+        search bounded by the run lease alone missed a turn that ran longer."""
+        owed = [int(values["created_at"]) for values in self.owed.values()]
+        owed += [int(look.token["created_at"]) for look in self.owed_lost]
+        return min([*self._in_flight.values(), *owed], default=None)
 
     def _owe(self, trigger: Trigger, turn: Accepted, taken_at: int) -> None:
         """``turn`` stopped on a database fault and its client is told not to send the

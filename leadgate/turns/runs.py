@@ -436,7 +436,9 @@ async def record_owed(db: Database, values: dict[str, Any], now: int) -> str:
 _G = t.gone_processes.c
 #: The processes known gone whose plain messages no search has looked at yet (a reap, or
 #: a stop, noted them: :func:`leadgate.domain.processes.Liveness.reap`).
-_GONE = sa.select(_G.id, _G.heartbeat_at).where(~sa.exists().where(t.processes.c.id == _G.id))
+_GONE = sa.select(_G.id, _G.heartbeat_at, _G.turns_since).where(
+    ~sa.exists().where(t.processes.c.id == _G.id)
+)
 _I = t.inbound_events.c
 #: The prefix of :func:`event_id_of`.
 _EVENT_OF = "evt."
@@ -506,8 +508,8 @@ async def record_taken(db: Database, ids: IdFactory, now: int) -> int:
     the answer was stored, or after it told its client 503 ``turn.interrupted`` and
     owed the turn in memory alone. Each such process is searched once, in a transaction
     of its own that deletes its note (``gone_processes``) first, so two replicas never
-    both record its messages; within its last heartbeat minus the longest a turn runs
-    (:data:`RUN_LEASE_MS`: a longer turn has lost its run's lease anyway).
+    both record its messages; within :func:`search_since` (its last heartbeat less
+    :data:`RUN_LEASE_MS`, or its oldest plain turn then in flight, when earlier).
 
     Each run is a ``client`` run of the gone process (as a gated turn of theirs records
     in its intake), so turn recovery treats it as a dead process's: it waits
@@ -519,7 +521,8 @@ async def record_taken(db: Database, ids: IdFactory, now: int) -> int:
     recorded = 0
     for process in gone:
         try:
-            recorded += await _record_taken_of(db, ids, process.id, process.heartbeat_at, now)
+            since = search_since(process.heartbeat_at, process.turns_since)
+            recorded += await _record_taken_of(db, ids, process.id, since, now)
         except (Unavailable, DatabaseDamaged):
             raise
         except Exception as exc:
@@ -538,15 +541,29 @@ async def record_taken(db: Database, ids: IdFactory, now: int) -> int:
     return recorded
 
 
+def search_since(heartbeat_at: int, turns_since: int | None) -> int:
+    """From when :func:`record_taken` searches the messages of a gone process whose last
+    heartbeat was at ``heartbeat_at``: that beat less :data:`RUN_LEASE_MS` (room for a
+    message taken in after it, and for a process of an older release, which wrote no
+    ``turns_since``), or, when earlier, ``turns_since``, when the oldest plain turn it
+    had in flight at that beat began (:meth:`leadgate.turns.path.TurnService.turns_since`).
+    No limit bounds a whole turn (the model's timeout bounds each wait for its next
+    bytes), so the run lease alone missed a turn that ran longer; from the process's
+    start instead, the search read every message it ever took in (answered ones keep
+    ``taken_by``) and walked each one's session."""
+    since = heartbeat_at - RUN_LEASE_MS
+    return since if turns_since is None else min(since, turns_since)
+
+
 async def _record_taken_of(
-    db: Database, ids: IdFactory, process_id: str, heartbeat_at: int, now: int
+    db: Database, ids: IdFactory, process_id: str, since: int, now: int
 ) -> int:
-    """:func:`record_taken` of one gone process."""
+    """:func:`record_taken` of one gone process, its messages since ``since``."""
     async with db.tx() as conn:
         noted = await conn.execute(t.gone_processes.delete().where(_G.id == process_id))
         if not noted.rowcount:
             return 0  # another search took it
-        params = {"p_process": process_id, "p_since": heartbeat_at - RUN_LEASE_MS}
+        params = {"p_process": process_id, "p_since": since}
         taken = (await conn.execute(_TAKEN, params)).all()
         insert = insert_ignore_stmt(conn.dialect.name, t.turn_runs)
         for m in taken:

@@ -148,6 +148,24 @@ async def test_a_plain_rest_turn_whose_process_died_mid_model_call_is_answered_o
         assert await runs.record_taken(both.survivor.db, both.survivor.ids, 0) == 0
 
 
+async def test_a_plain_turn_that_ran_longer_than_a_run_lease_before_its_process_died_is_answered(
+    migrated_url: str,
+) -> None:
+    """The turn waited 20 minutes for the model (no hard limit: the model's timeout
+    bounds each wait for the next bytes, not the stream), its process beating all along,
+    then died: the search's window reaches back to the oldest turn in flight at the last
+    beat, not only to that beat less 15 minutes (``RUN_LEASE_MS``), and the message is
+    answered once (it was never found: nothing answered it)."""
+    async with pair(migrated_url) as both, held(both, "hi"):
+        both.clock.advance(runs.RUN_LEASE_MS + 5 * 60_000)
+        await both.died.beat_once()  # alive, its turn still in the model
+        recovery = await both.recorded()
+        both.clock.advance(runs.RESEND_GRACE_MS + 1)
+        assert await drain(recovery) == 1
+        assert await both.transcript() == [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+        assert await both.runs_left() == 0
+
+
 async def test_two_recoverers_record_a_dead_processs_plain_turn_once(
     migrated_url: str,
 ) -> None:
