@@ -472,6 +472,32 @@ async def test_an_owed_run_of_a_process_reaped_meanwhile_is_answered_once(
             assert await transcript(service, "s") == (answered, 0)
 
 
+async def test_a_run_owed_longer_than_a_run_lease_by_a_process_that_died_is_answered_once(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process owes the run (not recorded yet: the database flapping), its beats
+    going on for 20 minutes, and dies: the search of its messages reaches back to the
+    owed turn (each beat names the oldest turn it has in flight or owes), not only to
+    its last beat less 15 minutes, and the worker's turn recovery answers it once (it
+    was never found: the debt died with the process)."""
+    async with faulted(migrated_url, monkeypatch) as (service, client, faults, key):
+        await service.start_liveness("api")
+        assert isinstance(service.clock, FakeClock)
+        async with served_app(migrated_url, clock=service.clock) as (worker, _client):
+            await worker.start_liveness("worker")
+            await _owed(service, client, faults, key)
+            service.clock.advance(runs.RUN_LEASE_MS + 5 * 60_000)
+            await service.liveness.beat()
+            await stops_beating(worker, worker.liveness.dead_after_ms, service.liveness.id)
+            assert await worker.liveness.reap() == 1
+            recovery = TurnRecovery(worker.turns)
+            assert await drain(recovery) == 1  # recorded, left to wait for a resend
+            service.clock.advance(runs.RESEND_GRACE_MS + 1)
+            assert await drain(recovery) == 1  # rerun: answered
+            answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+            assert await transcript(service, "s") == (answered, 0)
+
+
 async def test_a_keyed_retry_while_its_run_is_owed_runs_no_second_turn(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
