@@ -2053,7 +2053,20 @@ async def test_a_keyed_request_refused_before_its_intake_is_told_why_when_its_ke
         assert faults.fired is not None and "owner" in faults.fired, faults.statements
         assert refused.status == 404, await refused.text()
         assert (await refused.json())["error"]["rule"] == "agent.not_found"
-        env.clock.advance(1_001)  # the watch's first look at the key to give back
+
+        async def given_back() -> bool:
+            async with env.service.db.read() as conn:
+                count = sa.select(sa.func.count()).select_from(t.idempotency_keys)
+                return bool(await conn.scalar(count) == 0)
+
+        assert not await given_back()
+        # The watch's first look at the key to give back: its loop, asleep toward it by
+        # this fake clock, is woken to see it. The retry comes after that look: sent
+        # while the loop's look was in flight (its 1 s sleep ending just then), it found
+        # the key still held and was told 409 ``idempotency.in_progress``, retry shortly.
+        env.clock.advance(1_001)
+        env.service.idempotency.wake()
+        await eventually(given_back)
         again = await env.chat("nope", "hello", idem="k-refused", session="u")
         assert again.status == 404, await again.text()
         assert (await again.json())["error"]["rule"] == "agent.not_found"
