@@ -86,7 +86,17 @@ _REPLY_SUBJECT = re.compile(r"\s*(?:re|aw|antw|r|res|sv)\s*:", re.IGNORECASE)
 #: ``De :``/``Envoyé :``, ``De:``/``Enviado:``, ``Da:``/``Inviato:``, ``Van:``/``Verzonden:``).
 _HEADER_NAMES = {
     "from": ("from", "von", "de", "da", "van"),
-    "sent": ("sent", "gesendet", "envoyé", "enviado", "inviato", "verzonden"),
+    # Brazilian Outlook writes "Enviado em:" (older releases "Enviada em:").
+    "sent": (
+        "sent",
+        "gesendet",
+        "envoyé",
+        "enviado",
+        "enviado em",
+        "enviada em",
+        "inviato",
+        "verzonden",
+    ),
     "date": ("date", "datum", "fecha", "data"),
     "to": ("to", "an", "à", "para", "a", "aan"),
     "cc": ("cc",),
@@ -99,10 +109,17 @@ _QUOTED_HEADER = re.compile(
     r"\*?(" + "|".join(sorted(_HEADER_NAME, key=len, reverse=True)) + r")\s?:\*?(?:\s|$)",
     re.IGNORECASE,
 )
-#: Lines after a ``From:`` line that are searched for the rest of its header block.
+#: Header lines a quoted block holds at most (From, Sent, To, Cc, Subject and one more).
 _HEADER_SPAN = 6
-#: Outlook's rule above the quoted headers (32 underscores; other clients draw shorter).
-_RULE = re.compile(r"_{10,}")
+#: Lines that may stand between two header lines of a block: a long ``From:`` or ``To:``
+#: wrapped by the client. A third ends the block: it is text.
+_HEADER_GAP = 2
+#: The headers a quoted block starts with: ``From:`` (Outlook), ``Date:`` (Outlook.com
+#: and Hotmail write ``Date:``, ``Subject:``, ``From:``, ``To:``), ``Sent:``.
+_BLOCK_STARTS = frozenset({"from", "sent", "date"})
+#: The rule above the quoted headers: Outlook's 32 underscores (other clients draw
+#: shorter), or a row of dashes (an HTML ``<hr>`` some converters turn into one).
+_RULE = re.compile(r"_{10,}|-{10,}")
 _AUTOMATIC_HEADERS = ("X-Autoreply", "X-Autorespond", "List-Id")
 _HTML_TAG_NAME = re.compile(r"(/?)\s*([a-zA-Z][a-zA-Z0-9]*)")
 #: Elements dropped with everything in them (a blockquote is the quoted earlier mail).
@@ -255,10 +272,11 @@ def _attached_messages(message: EmailMessage) -> list[str]:
 def strip_quoted(text: str, *, headers: bool = True) -> str:
     """Drop quoted reply text: ``>`` lines, and everything from where a quoted mail
     starts: "On ... wrote:" (Gmail, Apple Mail, Thunderbird), an "-----Original
-    Message-----" line, or Outlook's block of the original's headers (``From:`` with
-    ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:`` on the lines below it), with the
-    rule of underscores above it; each also as German, French, Spanish, Italian, Dutch
-    and Portuguese clients write it ("Am ... schrieb ...:", ``Von:``/``Gesendet:``).
+    Message-----" line, or the block of the original's headers Outlook writes (``From:``
+    with ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:`` on the lines below it; from
+    Outlook.com, ``Date:`` first: :func:`_quoted_headers`), with the rule above it; each
+    also as German, French, Spanish, Italian, Dutch and Portuguese clients write it
+    ("Am ... schrieb ...:", ``Von:``/``Gesendet:``).
 
     Hand-rolled: the libraries for this on PyPI were tried on these samples, and
     ``mail-parser-reply`` cut a reply at any line starting ``From:`` (a reviewer's
@@ -324,22 +342,36 @@ def _quote_follows(lines: list[str], start: int) -> bool:
 
 
 def _quoted_headers(lines: list[str], i: int) -> bool:
-    """Whether line ``i`` of ``lines`` (stripped) starts the header block Outlook writes
-    above a quoted mail:
-    ``From:``, then ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:`` among the next
-    non-blank lines. A ``From:`` alone (a sentence that mentions one) is not one."""
+    """Whether line ``i`` of ``lines`` (stripped) starts the header block a client writes
+    above a quoted mail: ``From:``, ``Sent:`` or ``Date:`` and ``To:`` or ``Subject:``,
+    starting with one of the first two kinds (Outlook's ``From:``, Outlook.com's
+    ``Date:``), each header line no more than :data:`_HEADER_GAP` lines of wrapped text
+    from the one before it. A ``From:`` alone (a sentence that mentions one) is not one,
+    and neither is a ``From:`` line of the person's own above a quoted block: a header
+    met twice ends the block, so that the text is cut at the quoted one's (it was cut at
+    theirs, and everything they wrote below it was lost)."""
     first = _QUOTED_HEADER.match(lines[i])
-    if first is None or _HEADER_NAME[first[1].lower()] != "from":
+    if first is None or _HEADER_NAME[first[1].lower()] not in _BLOCK_STARTS:
         return False
-    names: set[str] = set()
+    names = {_HEADER_NAME[first[1].lower()]}
+    gap = 0
     # A bounded window, not the rest of the mail: a mail of many "From:" lines must not
     # be read again from each (HTML turned into text has blank lines between headers).
-    following = [line for line in lines[i + 1 : i + 1 + 3 * _HEADER_SPAN] if line]
-    for line in following[:_HEADER_SPAN]:
+    for line in lines[i + 1 : i + 1 + 3 * _HEADER_SPAN]:
+        if not line:
+            continue
         header = _QUOTED_HEADER.match(line)
-        if header is not None:
-            names.add(_HEADER_NAME[header[1].lower()])
-    return bool(names & {"sent", "date"}) and bool(names & {"to", "subject"})
+        if header is None:
+            gap += 1
+            if gap > _HEADER_GAP:
+                break
+            continue
+        name = _HEADER_NAME[header[1].lower()]
+        if name in names:
+            break  # another block starts here
+        names.add(name)
+        gap = 0
+    return "from" in names and bool(names & {"sent", "date"}) and bool(names & {"to", "subject"})
 
 
 #: Our replies' Message-IDs carry the first Message-ID of their thread after this mark,

@@ -334,6 +334,34 @@ QUOTING = {
     "gmail_pt": (
         "Em seg., 7 de dez. de 2026 às 10:02, Leadgate <review@lg.example> escreveu:\n" + _QUOTED
     ),
+    # Outlook.com and Hotmail: Date: first, From: third (talon's html_replies/hotmail).
+    "outlook_com": (
+        "Date: Mon, 7 Dec 2026 10:02:45 +0000\n"
+        "Subject: Review needed\n"
+        "From: review@lg.example\n"
+        "To: member@acme.io\n\n" + _CARD
+    ),
+    # Brazilian Outlook: "Enviado em:", in older releases "Enviada em:".
+    "outlook_pt_br": (
+        "De: Leadgate <review@lg.example>\n"
+        "Enviado em: segunda-feira, 7 de dezembro de 2026 10:02\n"
+        "Para: Ann Member <member@acme.io>\n"
+        "Assunto: Review needed\n\n" + _CARD
+    ),
+    "outlook_pt_br_old": (
+        "De: review@lg.example\n"
+        "Enviada em: segunda-feira, 7 de dezembro de 2026 10:02\n"
+        "Para: member@acme.io\n"
+        "Assunto: Review needed\n\n" + _CARD
+    ),
+    # Outlook's <hr> as a row of dashes (email_reply_parser's email_2_1).
+    "outlook_dashes": (
+        " ------------------------------\n\n"
+        "*From:* Leadgate [mailto:review@lg.example]\n"
+        "*Sent:* Monday, December 7, 2026 10:02 AM\n"
+        "*To:* member@acme.io\n"
+        "*Subject:* Review needed\n\n\n\n" + _CARD
+    ),
 }
 
 
@@ -345,6 +373,74 @@ def test_each_client_s_quoted_original_ends_the_text(client: str) -> None:
     own = "reject\nThe totals in the second table are wrong."
     for gap in ("\n\n", "\n"):
         assert strip_quoted(own + gap + QUOTING[client]) == own
+
+
+#: Replies as clients sent them, the person's text above the quoted mail: samples from
+#: talon's (mailgun/talon tests/fixtures) and email_reply_parser's (github/
+#: email_reply_parser test/emails) fixtures, shortened.
+_REAL_REPLIES = {
+    # Outlook.com / Hotmail's HTML reply: the quoted headers Date: first.
+    "hotmail_html": (
+        "html",
+        '<html><body><div dir="ltr">Hi. I am fine.<br><br>Thanks,<br>Alex<br><br>'
+        '<div><hr id="stopSpelling">Date: Thu, 26 Jun 2014 13:53:45 +0400<br>'
+        "Subject: Test message<br>From: abc@example.com<br>To: alex.l@example.com<br><br>"
+        "Hello! How are you?<br><br>Thanks,<br>Sasha.</div></div></body></html>",
+        "Hi. I am fine.\n\nThanks,\nAlex",
+    ),
+    # A From: line of the person's own at the top, an Outlook header block below their
+    # text (email_2_4): the whole mail was read as quoted, and refused as having no text.
+    "own_from_line": (
+        "plain",
+        "From: foo\nBar baz.\n\nOutlook with a reply directly above line\n\n"
+        "From: CRM Comments [crm-comment@example.com]\n"
+        "Sent: Friday, 23 March 2012 5:08 p.m.\nTo: John S. Greene\n"
+        "Subject: [contact:106] John Greene\n\n"
+        "> A new comment has been added to the Contact named 'John Greene':\n",
+        "From: foo\nBar baz.\n\nOutlook with a reply directly above line",
+    ),
+    "date_from_to_subject": (
+        "plain",
+        "I have gained valuable experience.\n\n\n"
+        "Date: Tue, 2 Oct 2012 02:35:10 +0000 \nFrom: john@example.com \n"
+        "To: Smith, Shelly \nSubject: Tell us what you learned.\n\n\n\n"
+        "Thank you for recently participating in our class.\n",
+        "I have gained valuable experience.",
+    ),
+    "outlook_pt_br": (
+        "plain",
+        "I have gained valuable experience.\n\nDe: john@example.com\n"
+        "Enviada em: sexta-feira, 27 de julho de 2012 15:09\n"
+        "Para: shelly@example.com \nAssunto: Tell us what you learned.\n\n"
+        "Thank you for recently participating in our class.\n",
+        "I have gained valuable experience.",
+    ),
+    "outlook_dashes": (
+        "plain",
+        "Outlook with a reply\n\n\n ------------------------------\n\n"
+        "*From:* Google Apps Sync Team [mailto:mail-noreply@google.com]\n"
+        "*Sent:* Thursday, February 09, 2012 1:36 PM\n*To:* jow@xxxx.com\n"
+        "*Subject:* Google Apps Sync was updated!\n\n\n\nDear Google Apps Sync user,\n",
+        "Outlook with a reply",
+    ),
+}
+
+
+@pytest.mark.parametrize("sample", sorted(_REAL_REPLIES))
+async def test_real_replies_keep_the_persons_text_and_drop_the_quoted_mail(
+    listener: Listener, sample: str
+) -> None:
+    """Each client's reply, sent over SMTP, is taken with the person's text alone:
+    Outlook.com's quoted headers start with ``Date:`` (the quoted mail was kept), a
+    Brazilian Outlook's with ``Enviada em:`` (kept too), a ``From:`` line of the
+    person's own above the quoted block cut their text there (all of it, here), and a
+    row of dashes above the block stayed at the end of the text."""
+    subtype, body, text = _REAL_REPLIES[sample]
+    message = _mail(Subject="Re: Test", In_Reply_To="<q1@client.example>")
+    message.set_content(body, subtype=subtype)
+    await listener.send(message)
+    await listener.core.drain()
+    assert [t.text for t in listener.core.triggers] == [text]
 
 
 def test_a_from_line_in_the_text_itself_is_not_a_quoted_original() -> None:
