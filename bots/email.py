@@ -102,11 +102,16 @@ _TOO_LARGE = f"552 5.3.4 Message too big: at most {MAX_MESSAGE_BYTES} bytes ({TO
 # ----------------------------------------------------------------------------- inbound
 
 
-def _envelope_sender(envelope: Envelope) -> str:
-    """The MAIL FROM address, lower-case; "" for the null reverse-path of bounces."""
-    sender = (envelope.mail_from or "").strip().lower()
+def _envelope_address(envelope: Envelope) -> str:
+    """The MAIL FROM address as sent; "" for the null reverse-path of bounces."""
+    sender = (envelope.mail_from or "").strip()
     # aiosmtpd reports MAIL FROM:<> as "<>"
     return "" if sender == "<>" else sender
+
+
+def _envelope_sender(envelope: Envelope) -> str:
+    """The MAIL FROM address lower-case, as routes compare it; "" for a bounce's."""
+    return _envelope_address(envelope).lower()
 
 
 class EmailHandler:
@@ -203,7 +208,7 @@ class EmailHandler:
         try:
             # Up to a megabyte of MIME, parsed in pure Python: off the event loop, so one
             # mail does not hold up every other request while it is taken apart.
-            mail = await asyncio.to_thread(parse_mail, raw, envelope_sender)
+            mail = await asyncio.to_thread(parse_mail, raw, _envelope_address(envelope))
         except TooManyParts:
             log.info("email: refused a message of more than %d MIME parts", MAX_MULTIPARTS)
             return f"554 5.6.0 Message has too many MIME parts ({PARTS_RULE})"
@@ -271,7 +276,8 @@ class EmailHandler:
                 session_key=session_key,
                 text=mail.text,
                 address={
-                    "to": mail.sender,
+                    # As written: its case kept (sessions and routes compare it folded).
+                    "to": mail.reply_to,
                     "from": recipient,
                     "subject": reply_subject(mail.subject),
                     "in_reply_to": mail.message_id,
@@ -393,7 +399,7 @@ class EmailHandler:
         assert self._reviews is not None
         verb, rest = parse_reply(mail.text)
         answer_to = AnswerTo(
-            to=mail.sender,
+            to=mail.reply_to,
             subject=reply_subject(mail.subject),
             in_reply_to=mail.message_id,
             references=mail.references,

@@ -446,8 +446,12 @@ class ParsedMail:
 
     message_id: str
     root_id: str
-    #: ``From:`` (else the envelope sender) lower-case, where the answer goes
+    #: ``From:`` (else the envelope sender) lower-case: who wrote, as routes, sessions
+    #: and reviewers compare it (mail providers fold a local part's case)
     sender: str
+    #: :attr:`sender` as the mail wrote it, where the answer goes: RFC 5321 (2.4) has a
+    #: local part's case kept, for the few servers that tell ``Ann`` from ``ann``
+    reply_to: str
     #: :attr:`sender` as one correspondent is compared (its domain IDNA-encoded)
     correspondent: str
     subject: str
@@ -471,8 +475,9 @@ class ParsedMail:
 
 
 def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
-    """Parse ``raw``; None when it has no text body (after quoted text is removed).
-    :class:`TooManyParts` before any parsing for a message nested past the bound."""
+    """Parse ``raw`` (``envelope_sender``: ``MAIL FROM`` as sent, "" for none); None
+    when it has no text body (after quoted text is removed). :class:`TooManyParts`
+    before any parsing for a message nested past the bound."""
     if len(_MULTIPART.findall(raw)) > MAX_MULTIPARTS:
         raise TooManyParts(f"more than {MAX_MULTIPARTS} multipart parts")
     message = email.message_from_bytes(raw, policy=email.policy.default)
@@ -505,7 +510,8 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
             header_from = utf8_address(addresses[0].addr_spec) or ""
     except Exception:  # an unparseable From header: fall back to the envelope
         header_from = ""
-    sender = (header_from or envelope_sender).strip().lower()
+    written = (header_from or envelope_sender).strip()
+    sender = written.lower()
 
     auto = one_line(message.get("Auto-Submitted")).lower()
     precedence = one_line(message.get("Precedence")).lower()
@@ -542,6 +548,7 @@ def parse_mail(raw: bytes, envelope_sender: str) -> ParsedMail | None:
         message_id=message_id,
         root_id=root_id,
         sender=sender,
+        reply_to=written,
         correspondent=fold_address(sender),
         subject=subject,
         references=" ".join(chain),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from email.message import EmailMessage
+from functools import partial
 
 import aiosmtplib
 import pytest
@@ -142,3 +143,43 @@ async def test_a_reply_naming_our_answer_sent_before_the_thread_mark_continues_i
     [second] = await answers_to("<m2@mail.acme.io>")
     assert second["references"] == f"<m1@mail.acme.io> {ours} <m2@mail.acme.io>"
     assert thread_of(second["message_id"]) == "<m1@mail.acme.io>"
+
+
+async def test_an_address_s_case_is_kept_for_the_answer_and_folded_for_the_session(
+    env: Env,
+) -> None:
+    """Alice's client writes ``Alice.Smith@Acme.io``: the answer goes to that address
+    as written (RFC 5321 2.4 keeps a local part's case; it went to
+    ``alice.smith@acme.io``, lost on a server that tells the two apart). Her next mail,
+    from her phone as ``alice.smith@acme.io``, is the same person in the same thread (mail
+    providers fold case): one session, answered at the address that mail wrote."""
+    app = env.app
+    org = await make_org(app)
+    worker = await make_agent(app, org, "worker")
+    await make_route(app, org, worker["id"], "email", {"address": ASK, "sender": "*@acme.io"})
+
+    async def answers_to(message_id: str) -> list[dict[str, object]]:
+        await drain(app.relay)
+        return [m for m in env.sink.messages if m["in_reply_to"] == message_id]
+
+    written = "Alice.Smith@Acme.io"
+    for sender, message_id in ((written, "<c1@acme.io>"), ("alice.smith@acme.io", "<c2@acme.io>")):
+        message = EmailMessage()
+        message["From"] = f"Alice Smith <{sender}>"
+        message["To"] = ASK
+        message["Subject"] = "Report"
+        message["Message-ID"] = message_id
+        if message_id != "<c1@acme.io>":
+            message["References"] = "<c1@acme.io>"
+        message.set_content("Draft the quarterly report")
+        await aiosmtplib.send(
+            message, recipients=[ASK], hostname="127.0.0.1", port=env.port, timeout=5
+        )
+        await eventually(partial(answers_to, message_id), what=f"the answer to {message_id}")
+        [answer] = await answers_to(message_id)
+        assert answer["rcpt_tos"] == [sender]
+        assert str(answer["to"]) == sender
+
+    folded = "alice.smith@acme.io"
+    first = await session_of(env, folded, "<c1@acme.io>")
+    assert await session_of(env, folded, "<c2@acme.io>") == first

@@ -109,7 +109,7 @@ async def test_plain_message_becomes_one_trigger(listener: Listener) -> None:
     assert trigger.binding.kind is BindingKind.email
     assert trigger.binding.route_id == "route-1" and trigger.binding.silent is False
     assert trigger.binding.address == {
-        "to": ALICE,
+        "to": "Alice@Example.com",  # as From: wrote it: the session's sender is folded
         "from": BOT,
         "subject": "Re: Quarterly report",
         "in_reply_to": "<m1@client.example>",
