@@ -183,3 +183,61 @@ async def test_an_address_s_case_is_kept_for_the_answer_and_folded_for_the_sessi
     folded = "alice.smith@acme.io"
     first = await session_of(env, folded, "<c1@acme.io>")
     assert await session_of(env, folded, "<c2@acme.io>") == first
+
+
+@pytest.mark.parametrize(
+    ("subject", "references"),
+    [("Make it a table", True), ("Make it a table", False), ("FW: Re: Report", True)],
+)
+async def test_an_outlook_forward_of_our_answer_with_its_subject_edited_continues_the_thread(
+    env: Env, subject: str, references: bool
+) -> None:
+    """Alice forwards our answer from Outlook back to the same address, the subject
+    ("FW: Re: Report") edited to a request of its own. Outlook writes a forward as it
+    writes a reply (its rule and header block above the forwarded mail) and names the
+    forwarded mail in ``In-Reply-To`` (``references``: and ``References``, the chain):
+    it continues the thread of the answer it forwards, the session whose transcript holds
+    that answer already, and its text is her request, without the forwarded answer.
+    (With its ``FW:`` kept it is read as a forward, kept whole, in the same session.)"""
+    app = env.app
+    org = await make_org(app)
+    worker = await make_agent(app, org, "worker")
+    await make_route(app, org, worker["id"], "email", {"address": ASK})
+
+    await send(env.port, "<f1@mail.acme.io>", "Draft the quarterly report")
+
+    async def answers_to(message_id: str) -> list[dict[str, str]]:
+        await drain(app.relay)
+        return [m for m in env.sink.messages if m["in_reply_to"] == message_id]
+
+    await eventually(lambda: answers_to("<f1@mail.acme.io>"), what="the answer")
+    [answer] = await answers_to("<f1@mail.acme.io>")
+    ours = answer["message_id"].strip()
+
+    forward = EmailMessage()
+    forward["From"] = ALICE
+    forward["To"] = ASK
+    forward["Subject"] = subject
+    forward["Message-ID"] = "<f2@mail.acme.io>"
+    forward["In-Reply-To"] = ours
+    if references:
+        forward["References"] = f"<f1@mail.acme.io> {ours}"
+    forward.set_content(
+        "Make it a table please\n\n________________________________\n"
+        f"From: ask <{ASK}>\nSent: Monday, December 7, 2026 10:02 AM\n"
+        f"To: Alice <{ALICE}>\nSubject: Re: Report\n\nEcho: Draft the quarterly report\n"
+    )
+    await aiosmtplib.send(forward, recipients=[ASK], hostname="127.0.0.1", port=env.port, timeout=5)
+
+    assert await session_of(env, ALICE, "<f2@mail.acme.io>") == await session_of(
+        env, ALICE, "<f1@mail.acme.io>"
+    )
+    e = t.inbound_events.c
+    event = f"email:{ASK}:{ALICE}:<f2@mail.acme.io>"
+    async with app.db.read() as conn:
+        content = await conn.scalar(sa.select(e.content).where(e.external_event_id == event))
+    if subject.startswith("FW:"):
+        assert content is not None and content.startswith("Make it a table please\n\n___")
+        assert content.endswith("Echo: Draft the quarterly report")
+    else:
+        assert content == "Make it a table please"
