@@ -16,7 +16,7 @@ from bots import discord as discord_bots
 from bots.discord import GatewayPost
 from leadgate.app import App
 from leadgate.core.types import Inbound, Recorded
-from tests.helpers import eventually
+from tests.helpers import eventually, fake_clock
 from tests.integration.test_discord_catch_up import (
     CHANNEL,
     GUILD,
@@ -251,4 +251,36 @@ async def test_two_messages_kept_for_the_read_back_minutes_apart_are_both_read_b
         await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
         await caught_up(up, not_this=ready)
     assert await answers(service, first) == ["Echo: first"]
+    assert await answers(service, second) == ["Echo: second"]
+
+
+async def test_a_message_kept_after_one_kept_past_the_window_is_read_back(
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread Discord never tells about had a message kept for the read-back two hours
+    ago (past ``catch_up_s``, an hour: no READY came in time, so it is lost, as its
+    WARNING's rule says). A second message of the thread kept now is read back at the
+    next READY. A kept point left an earlier one not read through where it was, stale
+    or not, and the read-back leaves out a channel whose point is past the window: the
+    second message was lost too, though its WARNING said the next READY reads it."""
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    async with running(service, discord_api) as up:
+        await caught_up(up)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
+        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        now = fake_clock(service).now_ms()
+
+        def kept() -> int:
+            return sum("was not taken in" in r.getMessage() for r in caplog.records)
+
+        await message(discord_api, "stale", channel=thread, at_ms=now - 2 * 3_600_000)
+        await eventually(lambda: kept() == 1, what="the first message kept")
+        second = await message(discord_api, "second", channel=thread, at_ms=now)
+        await eventually(lambda: kept() == 2, what="the second message kept")
+        discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
+        ready = adapter_of(up).catching_up
+        await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await caught_up(up, not_this=ready)
     assert await answers(service, second) == ["Echo: second"]
