@@ -1359,7 +1359,8 @@ class TurnService:
         first (its resend wait and its model call both within this turn's one), its
         answer names the message (``messages.answers``): this turn stores no second one,
         and its caller gets the stored answer's text (one answer to the request, the one
-        in the transcript). Only such a turn can meet a recorded run of its own message,
+        in the transcript; a streamed request's text went out already, its own turn's).
+        Only such a turn can meet a recorded run of its own message,
         and its process knows in memory whether it may have been reaped, so a healthy
         process's plain turn reaches none of this."""
         async with self.db.tx() as conn:

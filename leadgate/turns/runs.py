@@ -303,8 +303,10 @@ def answered(session_id: Any, message_id: Any) -> sa.Exists:
     another message does not count: two plain turns of one session in flight (parallel
     MCP tool calls, REST calls without ``user``), the first one's answer stored after
     the second message was taken in, hid the second when its process died. An assistant
-    message that names none (stored before migration 0029, or by a turn that links none:
-    a keyed rerun, a failure notice) counts for what came before it, as any did."""
+    message that names none (stored before migration 0029, by a replica of an older
+    release, or by a turn that is neither a plain REST/MCP/Studio turn nor a rerun: a
+    reviewed answer, say) counts for what came before it, as any did. (A rerun's answer
+    and its failure notice name the newest of its messages, keyed or not.)"""
     _later, reply, joined = _after(session_id, message_id)
     return sa.exists().where(
         joined,
