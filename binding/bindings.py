@@ -364,18 +364,22 @@ async def recorded_since(
 
 
 P = t.catch_up_points.c
-_READ_POINTS = sa.select(P.conversation, P.start_ms, P.read_through).where(
+_READ_POINTS = sa.select(P.conversation, P.start_ms, P.read_through, P.updated_at).where(
     P.channel == sa.bindparam("p_channel")
 )
 
 
-async def read_points(conn: Conn, channel: str) -> tuple[dict[str, int], frozenset[str]]:
+async def read_points(
+    conn: Conn, channel: str
+) -> tuple[dict[str, int], frozenset[str], dict[str, int]]:
     """Where each catch-up of ``channel`` (a binding kind) starts, by conversation (its
-    channel: Discord's id, Slack's ``TEAM:CHANNEL``): those it has a point for; and
-    those whose last catch-up read them through (:func:`advance_read_points`)."""
+    channel: Discord's id, Slack's ``TEAM:CHANNEL``): those it has a point for; those
+    whose last catch-up read them through (:func:`advance_read_points`); and when each
+    point was last written (the clock's epoch ms)."""
     rows = (await conn.execute(_READ_POINTS, {"p_channel": channel})).all()
     points = {str(row.conversation): int(row.start_ms) for row in rows}
-    return points, frozenset(str(row.conversation) for row in rows if row.read_through)
+    written = {str(row.conversation): int(row.updated_at) for row in rows}
+    return points, frozenset(str(row.conversation) for row in rows if row.read_through), written
 
 
 @functools.cache

@@ -341,7 +341,8 @@ def catch_up_targets(known: Conversations, *, again: bool = False) -> list[Catch
     that took in a gateway message, with the newest recorded in it lately, every
     channel a route names that has none, and every other channel whose read point is
     not read through and, less :data:`CATCH_UP_OVERLAP_MS` (a kept message's point is
-    stored that much before it), within the window, each with its read point. ``again`` (a retry
+    stored that much before it), within the window, or was written within it (a later
+    kept message's), each with its read point. ``again`` (a retry
     after a database fault): no channel has a newest (a live message taken in since the
     first try may be it)."""
     targets: dict[int, CatchUpTarget] = {}
@@ -374,8 +375,12 @@ def catch_up_targets(known: Conversations, *, again: bool = False) -> list[Catch
         # untold, :meth:`DiscordAdapter._keep_for_read_back`), or a thread of a listing
         # whose read failed. Its guild (and parent) learnt first, as a route's channel's.
         # A kept message's point is stored CATCH_UP_OVERLAP_MS before it: the message is
-        # within the window when its point is within that much more of it.
-        fresh = point + CATCH_UP_OVERLAP_MS >= known.since_ms
+        # within the window when its point is within that much more of it, or when the
+        # point was written within it (a later kept message leaves an earlier one's point
+        # where it is: by the point alone, a READY past the earlier one's window left the
+        # channel out, and the later message was lost).
+        fresh = max(point + CATCH_UP_OVERLAP_MS, known.written_at.get(channel, 0))
+        fresh = fresh >= known.since_ms
         fresh = fresh and channel not in known.read_through
         if fresh and channel.isdigit() and int(channel) not in targets:
             targets[int(channel)] = CatchUpTarget(int(channel), None, False, None)

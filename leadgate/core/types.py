@@ -199,6 +199,10 @@ class Conversations:
     #: those of ``points`` stored by a catch-up that read the conversation through (the
     #: next may start from the newest message taken in there since, when later)
     read_through: frozenset[str] = frozenset()
+    #: when each of ``points`` was last written (the clock's epoch ms): a point not read
+    #: through that a live message kept for the read-back left where an earlier one's
+    #: was is older than the message, which is within the window when this is
+    written_at: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

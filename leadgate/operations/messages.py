@@ -124,10 +124,10 @@ class Messages:
         events = CATCH_UP_EVENTS[channel]
         async with self.db.read() as conn:
             sessions = await bindings.recorded_since(conn, events, key_prefix, now - window_ms)
-            points, read_through = await bindings.read_points(conn, channel.value)
+            points, read_through, written = await bindings.read_points(conn, channel.value)
         rows = await self._routes.active(channel.value)
         matches = tuple(dict(row.match) for row in rows)
-        return Conversations(now - window_ms, sessions, matches, now, points, read_through)
+        return Conversations(now - window_ms, sessions, matches, now, points, read_through, written)
 
     async def advance_read_points(
         self,

@@ -284,3 +284,37 @@ async def test_a_message_kept_after_one_kept_past_the_window_is_read_back(
         await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
         await caught_up(up, not_this=ready)
     assert await answers(service, second) == ["Echo: second"]
+
+
+async def test_a_message_kept_after_one_that_leaves_the_window_first_is_read_back(
+    service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two messages of a thread Discord never tells about, kept for the read-back 50
+    minutes apart (``catch_up_s`` an hour): the channel's point stays at the first's.
+    A READY 20 minutes after the second is past the first's window, not the second's:
+    the second is read back. The read-back took a channel not read through by its
+    point alone, the first's, past the window: the second was lost, though its WARNING
+    said the next READY reads it."""
+    caplog.set_level(logging.WARNING)
+    await routed(service, {"guild": GUILD, "channel": CHANNEL})
+    clock = fake_clock(service)
+    async with running(service, discord_api) as up:
+        await caught_up(up)
+        thread = discord_api.start_thread(GUILD, CHANNEL)
+        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
+        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        now = clock.now_ms()
+
+        def kept() -> int:
+            return sum("was not taken in" in r.getMessage() for r in caplog.records)
+
+        await message(discord_api, "first", channel=thread, at_ms=now - 50 * 60_000)
+        await eventually(lambda: kept() == 1, what="the first message kept")
+        second = await message(discord_api, "second", channel=thread, at_ms=now)
+        await eventually(lambda: kept() == 2, what="the second message kept")
+        clock.advance(20 * 60_000)
+        discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
+        ready = adapter_of(up).catching_up
+        await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
+        await caught_up(up, not_this=ready)
+    assert await answers(service, second) == ["Echo: second"]
