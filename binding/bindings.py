@@ -391,10 +391,8 @@ def _advance_stmt(dialect: str, read_through: bool, kept: bool = False) -> Any:
     have failed: its mark stays). A catch-up starting to read a channel marks it not
     read through whatever the point (it may fail), and keeps the later point. A kept
     live message's point (``kept``) marks it not read through too, and keeps the earlier
-    point unless the stored one was read through (a second kept message of the channel
-    moved it past the first, which no read-back then read) or is more than
-    ``:kept_within`` ms before it (no READY can read that one now, and a read-back
-    leaves out a channel whose point is past its window: it lost the second message)."""
+    point unless the stored one was read through: a second kept message of the channel
+    moved it past the first, which no read-back then read."""
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     stmt = insert(t.catch_up_points)
     if read_through:
@@ -409,11 +407,9 @@ def _advance_stmt(dialect: str, read_through: bool, kept: bool = False) -> Any:
         )
     later = sa.case((P.start_ms < stmt.excluded.start_ms, stmt.excluded.start_ms), else_=P.start_ms)
     if kept:
-        new = stmt.excluded.start_ms
-        within = sa.and_(
-            P.start_ms <= new, P.start_ms >= new - sa.bindparam("kept_within", type_=sa.BigInteger)
+        earlier = sa.case(
+            (P.start_ms > stmt.excluded.start_ms, stmt.excluded.start_ms), else_=P.start_ms
         )
-        earlier = sa.case((within, P.start_ms), else_=new)
         later = sa.case((P.read_through, later), else_=earlier)
     return stmt.on_conflict_do_update(
         index_elements=[P.channel, P.conversation],
@@ -428,18 +424,16 @@ async def advance_read_points(
     points: Mapping[str, int],
     *,
     read_through: bool,
-    kept_within_ms: int | None = None,
+    kept: bool = False,
 ) -> None:
     """Move where the next catch-up of each conversation of ``channel`` starts to
     ``points``' (epoch ms), or keep the stored point where it is later: never back.
     ``read_through``: a catch-up read those conversations through (their next catch-up
     may start from the newest message taken in since); else one is starting to read
     them (their next starts from the point alone until one reads them through).
-    ``kept_within_ms``: the point of a live message kept for the next read-back within
-    that many ms of it (``catch_up_s``), which moves a point not read through back,
-    never forward, unless that one is older by more than that (:func:`_advance_stmt`)."""
+    ``kept``: the point of a live message kept for the next read-back, which moves a
+    point not read through back, never forward (:func:`_advance_stmt`)."""
     now = clock.now_ms()
-    kept = kept_within_ms is not None
     stmt = _advance_stmt(conn.dialect.name, read_through, kept)
     for conversation, start_ms in points.items():
         await conn.execute(
@@ -450,6 +444,5 @@ async def advance_read_points(
                 "start_ms": start_ms,
                 "updated_at": now,
                 "read_through": read_through,
-                **({"kept_within": kept_within_ms} if kept else {}),
             },
         )

@@ -103,16 +103,15 @@ class Core(Protocol):
         points: Mapping[str, int],
         *,
         read_through: bool = False,
-        kept_within_ms: int | None = None,
+        kept: bool = False,
     ) -> None:
         """Store where the next catch-up of each conversation of ``channel`` starts
         (conversation -> epoch ms on the core's clock, as :attr:`Conversations.read_at_ms`),
         never moving a stored point back (a kept message's aside); ``read_through``: a
         catch-up read them through (else one is starting to read them:
         :attr:`Conversations.read_through`);
-        ``kept_within_ms``: a live message's, kept for the next read-back within that
-        many ms of it (``catch_up_s``): a point not read through moves back to it, never
-        forward past an earlier kept message still within that of it."""
+        ``kept``: a live message's, kept for the next read-back (a point not read
+        through moves back to it, never forward past an earlier kept message)."""
         ...
 
 

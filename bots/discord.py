@@ -683,11 +683,9 @@ class DiscordAdapter:
             start = _made_ms(message_id) - CATCH_UP_OVERLAP_MS
             try:
                 # (kept: an earlier kept message of the channel, not read back yet, keeps
-                # the point where it is while a READY could still read it)
+                # the point where it is)
                 await self._core.advance_read_points(
-                    BindingKind.discord,
-                    {str(channel_id): start},
-                    kept_within_ms=int(self._settings.catch_up_s * 1000),
+                    BindingKind.discord, {str(channel_id): start}, kept=True
                 )
             except DATABASE_FAULTS as exc:
                 why = f"the database is unavailable ({exc.rule})"

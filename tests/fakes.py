@@ -175,7 +175,7 @@ class FakeCore:
         points: Mapping[str, int],
         *,
         read_through: bool = False,
-        kept_within_ms: int | None = None,
+        kept: bool = False,
     ) -> None:
         """No read point is kept (nothing is caught up here)."""
 

@@ -135,15 +135,15 @@ class Messages:
         points: Mapping[str, int],
         *,
         read_through: bool = False,
-        kept_within_ms: int | None = None,
+        kept: bool = False,
     ) -> None:
         """Store where the next catch-up of each of ``channel``'s conversations starts
         (``points``: conversation -> epoch ms), never moving a stored point back (another
         replica's catch-up may have read further; a kept message's aside): one
         transaction. ``read_through``: a
-        catch-up read them through; else one starts reading them; ``kept_within_ms``: a
-        live message's, kept for the next read-back within that many ms of it
-        (:func:`binding.bindings.advance_read_points`)."""
+        catch-up read them through; else one starts reading them; ``kept``: a live
+        message's, kept for the next read-back (:func:`binding.bindings.
+        advance_read_points`)."""
         if points:
             async with self.db.tx() as conn:
                 await bindings.advance_read_points(
@@ -152,7 +152,7 @@ class Messages:
                     channel.value,
                     points,
                     read_through=read_through,
-                    kept_within_ms=kept_within_ms,
+                    kept=kept,
                 )
 
     async def take_inbound(self, inbound: Inbound) -> Routed | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, cast
 
@@ -730,33 +730,23 @@ async def test_a_kept_messages_point_moves_a_point_not_read_through_back_never_f
     """A live message kept for the read-back: its point replaces a read-through one
     later or not (unmarked: the next read-back starts from it), and a later kept
     message's leaves an unread one where it is (it moved it forward, past the earlier
-    message); an earlier kept message's moves it back, unless the unread one is older
-    than the window (no READY reads that now). A read-through marks it again."""
+    message); an earlier kept message's moves it back. A read-through marks it again."""
     core = service.messages
 
     async def marked() -> tuple[dict[str, int], frozenset[str]]:
         known = await core.conversations(BindingKind.discord, key_prefix="discord:", window_ms=0)
         return dict(known.points), known.read_through
 
-    def kept(point: int) -> Awaitable[None]:
-        return core.advance_read_points(
-            BindingKind.discord, {CHANNEL: point}, kept_within_ms=HOUR_MS
-        )
-
     await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_000}, read_through=True)
-    await kept(3_000)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 3_000}, kept=True)
     assert await marked() == ({CHANNEL: 3_000}, frozenset())
-    await kept(9_000)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 9_000}, kept=True)
     assert await marked() == ({CHANNEL: 3_000}, frozenset())
-    await kept(2_500)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 2_500}, kept=True)
     assert await marked() == ({CHANNEL: 2_500}, frozenset())
-    # An hour and more on, the unread point is past any READY's window: replaced.
-    await kept(2_500 + HOUR_MS + 1)
-    assert await marked() == ({CHANNEL: 2_500 + HOUR_MS + 1}, frozenset())
-    later = 4_000 + HOUR_MS
-    await core.advance_read_points(BindingKind.discord, {CHANNEL: later}, read_through=True)
-    await kept(later - 3_000)
-    assert await marked() == ({CHANNEL: later}, frozenset())
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 4_000}, read_through=True)
+    await core.advance_read_points(BindingKind.discord, {CHANNEL: 1_000}, kept=True)
+    assert await marked() == ({CHANNEL: 4_000}, frozenset())
 
 
 async def test_a_channel_deleted_since_is_passed_over_without_a_warning_at_each_ready(
