@@ -271,6 +271,8 @@ class App:
         # Each heartbeat names the oldest plain turn in flight: a gone process's search
         # reaches back to it (a turn longer than the run lease was missed).
         self.liveness.turns_since = self.turns.turns_since
+        # The heartbeat renews the leases of the runs this process's turns are running.
+        self.liveness.renewals.append(self.turns.renew_runs)
         self.messages = Messages(self.db, self.turns, self.background)
         self.adapters = create_adapters(self.settings, self.messages) if enable_adapters else []
         self.channels: dict[str, Channel] = {a.channel.name: a.channel for a in self.adapters}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,11 @@ def start_token(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else "?"
 
 
+#: A renewal run in the heartbeat's transaction (:attr:`Liveness.renewals`): the
+#: connection, this process's id (the ``lease_owner`` of its leases) and the beat's time.
+Renewal = Callable[[Conn, str, int], Awaitable[None]]
+
+
 def owner_gone(column: Any) -> Any:
     """SQL: the lease in ``column`` names a process that is not registered (any more)."""
     return sa.and_(column.is_not(None), ~sa.exists().where(P.id == column))
@@ -104,6 +109,11 @@ class Liveness:
         #: the composition root to the turn service's
         #: (:meth:`leadgate.turns.path.TurnService.turns_since`)
         self.turns_since: Callable[[], int | None] = lambda: None
+        #: run in each heartbeat's transaction once its row was refreshed, with this
+        #: process's id and the beat's time: the renewal of the leases of work this
+        #: live process is doing (the turn path's recorded runs), so that none lapses
+        #: while the process beats (set by the composition root)
+        self.renewals: list[Renewal] = []
 
     def owner(self) -> str | None:
         """The ``lease_owner`` to write on a claim (``None`` before registration)."""
@@ -146,15 +156,20 @@ class Liveness:
     async def beat(self) -> None:
         """Refresh the heartbeat, and with it when the oldest plain turn in flight took
         its message in (:attr:`turns_since`: turn recovery's search of this process, once
-        it is gone, reaches back to it; in the UPDATE the beat runs anyway); re-register if
-        another process reaped our row."""
-        if self.id is None:
+        it is gone, reaches back to it; in the UPDATE the beat runs anyway), and, in its
+        transaction, renew what this process holds (:attr:`renewals`); re-register if
+        another process reaped our row (what it held was taken back: nothing is renewed)."""
+        process_id = self.id
+        if process_id is None:
             await self.register()
             return
         now = self.clock.now_ms()
         values = {"heartbeat_at": now, "turns_since": self.turns_since()}
         async with self.db.tx() as conn:
-            res = await conn.execute(t.processes.update().where(P.id == self.id).values(values))
+            res = await conn.execute(t.processes.update().where(P.id == process_id).values(values))
+            if res.rowcount:
+                for renew in self.renewals:
+                    await renew(conn, process_id, now)
         if res.rowcount:
             self._beaten_at = now
         else:

@@ -332,6 +332,11 @@ class TurnService:
         #: once the database is back (in an ``api`` process, which runs no runners, its
         #: own turn recovery loop: only this process knows them)
         self.orphans: set[str] = set()
+        #: lease tokens of the recorded runs this process's turns are running now (from
+        #: :meth:`execute`'s start to its end): the heartbeat renews their leases
+        #: (:meth:`renew_runs`), so turn recovery takes a run over only when its process
+        #: is dead or its turn is gone (it ended without ending its run)
+        self.running: set[str] = set()
         #: plain REST/MCP/Studio turns (no run recorded) that stopped on a database fault
         #: after their intake, their clients told not to send the message again: the run
         #: row to record for each (by its lease token) once the database is back, then
@@ -601,14 +606,27 @@ class TurnService:
         recovery runner too, and raises that fault (from the turn's error): no notice
         was queued, and the run is not over (a channel's failed hook ends what waits
         for it, a client is told not to send the message again)."""
+        token = turn.ctx.run_token
+        if token is not None:
+            self.running.add(token)
         try:
             return await self._execute(turn, "", None, on_delta, answer)
         except Exception as exc:
-            if turn.ctx.run_token is not None:
+            if token is not None:
                 fault = await self._fail_run(turn.ctx, exc)
                 if fault is not None:
                     raise fault from exc
             raise
+        finally:
+            if token is not None:
+                self.running.discard(token)
+
+    async def renew_runs(self, conn: Conn, owner: str, now: int) -> None:
+        """Renew the leases of the runs this process's turns are running
+        (:attr:`running`), leased to ``owner``: one statement in the heartbeat's
+        transaction, none when no recorded turn runs (:func:`leadgate.turns.runs.renew`)."""
+        if self.running:
+            await runs.renew(conn, owner, sorted(self.running), now)
 
     async def _fail_run(self, ctx: TurnContext, exc: Exception) -> Exception | None:
         """End the run of a turn that failed with ``exc``, or leave it to the recovery

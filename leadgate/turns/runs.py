@@ -27,7 +27,9 @@ expired) and is claimed under a new lease token; :func:`claim` decides what happ
   is no new message (the intake takes it for a duplicate): it claims the run itself,
   in the wait or before recovery found it (:func:`claim_for_retry`), and runs the turn;
   a rerun stores its answer under that key (``external_event_ids``). A live owner's
-  lapsed run is closed at once (its client is still connected). Not so for a run
+  lapsed run is closed at once (its client is still connected; the lease of a run
+  whose turn still runs is renewed by its process's heartbeat, so such a run's turn is
+  gone). Not so for a run
   whose client its own process told not to send the message again (an orphan: its
   turn stopped on a database fault, 503 ``turn.interrupted``, or its intake's
   read-back failed, ``intake.in_doubt``; see
@@ -141,7 +143,10 @@ SURFACED = "surfaced"
 #: transaction for the external event ids the runs' messages were taken in under: a
 #: keyed REST request's retry is answered as a live request whose turn ended gated.
 SurfacedAnswer = Callable[[Conn, tuple[str, ...]], Awaitable[None]]
-#: How long a live process may run a recorded turn before another may take it over.
+#: How long a recorded run's lease lasts: from its intake or claim, and from each
+#: heartbeat of its live process while a turn of that process runs it (:func:`renew`).
+#: Lapsed, the run is stalled (its process beats but runs no turn for it, or stopped
+#: beating) and another may take it over.
 RUN_LEASE_MS = 15 * MINUTE_MS
 MAX_ATTEMPTS = 3
 FAILURE_NOTICE = "Sorry, I could not answer your message (the agent failed). Please try again."
@@ -682,6 +687,35 @@ async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
     res = await conn.execute(_FINISH, {"p_token": token})
     if fenced and not res.rowcount:
         raise TransitionError("this turn's run was taken over by another process", rule="run")
+
+
+#: A live process's renewal of the runs its turns are running (:func:`renew`). Built
+#: once: the plan cache keys on it.
+_RENEW = (
+    t.turn_runs.update()
+    .where(
+        R.lease_owner == sa.bindparam("p_owner"),
+        R.lease_token.in_(sa.bindparam("p_tokens", expanding=True)),
+        R.lease_expires_at >= sa.bindparam("p_now"),
+    )
+    .values(lease_expires_at=sa.bindparam("p_until"))
+)
+
+
+async def renew(conn: Conn, owner: str, tokens: Sequence[str], now: int) -> int:
+    """Renew for :data:`RUN_LEASE_MS` from ``now`` the leases of the runs under
+    ``tokens`` that ``owner`` (this live process, in its heartbeat's transaction) holds:
+    those its turns are running. A turn's model calls may take longer than a lease in
+    all; unrenewed, its run was taken over by turn recovery while the turn ran, and run
+    again. Fenced by owner and token: a run taken over (its token changed) or of a
+    process reaped meanwhile (its owner's row gone) is not renewed. A lease already
+    lapsed stays lapsed: recovery may be taking it now, and the turn's fenced last
+    transaction then finds it gone. How many runs were renewed."""
+    if not tokens:
+        return 0
+    params = {"p_owner": owner, "p_tokens": list(tokens), "p_now": now}
+    res = await conn.execute(_RENEW, {**params, "p_until": now + RUN_LEASE_MS})
+    return int(res.rowcount or 0)
 
 
 @dataclass(frozen=True)

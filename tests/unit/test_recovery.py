@@ -1446,3 +1446,29 @@ async def test_a_gone_processs_message_with_its_answer_stored_is_not_rerun(stack
     await _taken_in(stack, org, session_id, (now + 1, DEAD, "user"), (now + 2, None, "assistant"))
     await _gone(stack)
     assert await runs.record_taken(stack.db, stack.ids, stack.clock.now_ms()) == 0
+
+
+async def test_a_run_lease_is_renewed_only_by_its_owner_under_its_token_before_it_lapses(
+    stack: Stack,
+) -> None:
+    """:func:`runs.renew` (the heartbeat's renewal of the runs a live process's turns are
+    running) is fenced: another owner, another token, or a lease already lapsed (turn
+    recovery may be taking it) renews nothing; the run's own owner and token renew it
+    for a lease from now."""
+    org = await make_org(stack)
+    plain = await make_agent(stack, org, "plain")
+    live = await alive_here(stack)
+    taken = await stack.turns.take(slack_trigger(org, plain, "hi", "9.1"))
+    assert isinstance(taken, Accepted) and taken.ctx.run_token and live.id
+    token, now = taken.ctx.run_token, stack.clock.now_ms()
+    async with stack.db.tx() as conn:
+        assert await runs.renew(conn, "prc_other", [token], now) == 0
+        assert await runs.renew(conn, live.id, ["lease_other"], now) == 0
+        assert await runs.renew(conn, live.id, [], now) == 0
+        assert await runs.renew(conn, live.id, [token], now + MINUTE_MS) == 1
+        assert await runs.renew(conn, live.id, [token], now + runs.RUN_LEASE_MS + MINUTE_MS) == 1
+        lapsed = now + 2 * runs.RUN_LEASE_MS + MINUTE_MS + 1
+        assert await runs.renew(conn, live.id, [token], lapsed) == 0
+    async with stack.db.read() as conn:
+        expires = await conn.scalar(sa.select(t.turn_runs.c.lease_expires_at))
+    assert expires == now + 2 * runs.RUN_LEASE_MS + MINUTE_MS
