@@ -203,6 +203,7 @@ class ChatReviews:
                 item_id,
                 platform,
                 message_id,
+                card_id,
             )
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded(platform, exc)
@@ -253,7 +254,7 @@ class ChatReviews:
                     return ChatAnswer("forbidden", FORBIDDEN)
                 item_id = str(row.work_item_id)
                 if row.status != DeliveryStatus.deliveryUnknown.value:
-                    return await self._closed_in(conn, item_id, platform, message_id)
+                    return await self._closed_in(conn, item_id, platform, message_id, card_id)
                 if await self._stale(conn, item_id, row.org_id, episode_id, card_id):
                     # A retry that ended unknown again opened a new card: this one is old.
                     return ChatAnswer("stale", STALE)
@@ -269,6 +270,7 @@ class ChatReviews:
                 item_id,
                 platform,
                 message_id,
+                card_id,
             )
         except (Unavailable, DatabaseDamaged) as exc:
             return _not_recorded(platform, exc)
@@ -463,8 +465,10 @@ class ChatReviews:
         item_id: str,
         platform: str,
         message_id: str | None,
+        card_id: str | None,
     ) -> ChatAnswer:
-        """Await the decision (the fenced commit path) and say what became of it."""
+        """Await the decision (the fenced commit path) and say what became of it (on the
+        clicked card: delivery ``card_id``, else message ``message_id``)."""
         try:
             await decision
         except ValidationError as exc:
@@ -476,11 +480,11 @@ class ChatReviews:
                 # Nobody decided: the Retry waits for a lapsed send (the seconds left).
                 return ChatAnswer("invalid", exc.message)
             # Someone else decided first: say who and what.
-            return await self._closed(item_id, platform, message_id)
+            return await self._closed(item_id, platform, message_id, card_id)
         except NotFound:
             # The item went away: say what became of it.
-            return await self._closed(item_id, platform, message_id)
-        return await self._after(item_id, platform, message_id, "decided")
+            return await self._closed(item_id, platform, message_id, card_id)
+        return await self._after(item_id, platform, message_id, card_id, "decided")
 
     async def _opened(
         self,
@@ -522,7 +526,7 @@ class ChatReviews:
         if reviewer is None:
             return ChatAnswer("forbidden", FORBIDDEN), None
         if item.status != Status.awaitingHuman.value:
-            return await self._closed_in(conn, item_id, platform, None), reviewer
+            return await self._closed_in(conn, item_id, platform, None, card_id), reviewer
         if await self._stale(conn, item_id, item.org_id, episode_id, card_id):
             return ChatAnswer("stale", STALE), reviewer
         return ChatAnswer("open", ""), reviewer
@@ -553,15 +557,22 @@ class ChatReviews:
             return None
         return reviewer
 
-    async def _closed(self, item_id: str, platform: str, message_id: str | None) -> ChatAnswer:
+    async def _closed(
+        self, item_id: str, platform: str, message_id: str | None, card_id: str | None
+    ) -> ChatAnswer:
         async with self.db.read() as conn:
-            return await self._closed_in(conn, item_id, platform, message_id)
+            return await self._closed_in(conn, item_id, platform, message_id, card_id)
 
     async def _closed_in(
-        self, conn: Conn, item_id: str, platform: str, message_id: str | None
+        self,
+        conn: Conn,
+        item_id: str,
+        platform: str,
+        message_id: str | None,
+        card_id: str | None = None,
     ) -> ChatAnswer:
         outcome = await cards.last_outcome(conn, item_id)
-        card = await cards.posted_card(conn, item_id, platform, message_id)
+        card = await cards.posted_card(conn, item_id, platform, message_id, card_id)
         if outcome is None:
             return ChatAnswer("closed", "This item is not waiting for a decision.", card)
         line = cards.outcome_line(outcome)
@@ -569,11 +580,16 @@ class ChatReviews:
         return ChatAnswer("closed", text, card.decided(outcome) if card else None, outcome.text)
 
     async def _after(
-        self, item_id: str, platform: str, message_id: str | None, kind: str
+        self,
+        item_id: str,
+        platform: str,
+        message_id: str | None,
+        card_id: str | None,
+        kind: str,
     ) -> ChatAnswer:
         async with self.db.read() as conn:
             outcome = await cards.last_outcome(conn, item_id)
-            card = await cards.posted_card(conn, item_id, platform, message_id)
+            card = await cards.posted_card(conn, item_id, platform, message_id, card_id)
         text = cards.outcome_line(outcome) if outcome else "Done."
         decided = card.decided(outcome) if card and outcome else None
         return ChatAnswer(kind, text, decided, outcome.text if outcome else None)

@@ -469,17 +469,22 @@ async def last_outcome(
 
 
 async def posted_card(
-    conn: Conn, item_id: str, channel: str, external_id: str | None
+    conn: Conn, item_id: str, channel: str, external_id: str | None, card_id: str | None = None
 ) -> Card | None:
-    """The card of ``item_id`` posted on ``channel`` as message ``external_id`` (the
-    newest card there when ``external_id`` is unknown)."""
+    """The card of ``item_id`` posted on ``channel``: delivery ``card_id`` when the
+    clicked card names itself, else the one posted as message ``external_id`` (the newest
+    card there when neither is known). By its own id, a card clicked before its post's
+    message id was recorded (the outbox records it after the platform's answer) is found:
+    by the message id it was not, and the clicker's card was not shown decided."""
     query = (
         sa.select(D.address)
         .where(D.work_item_id == item_id, D.kind == CARD, D.channel == channel)
         .order_by(D.created_at.desc(), D.id.desc())
         .limit(1)
     )
-    if external_id:
+    if card_id:
+        query = query.where(D.id == card_id)
+    elif external_id:
         query = query.where(D.external_id == external_id)
     raw = (await conn.execute(query)).scalar()
     card = raw.get("card") if isinstance(raw, dict) else None

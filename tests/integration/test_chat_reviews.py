@@ -122,6 +122,33 @@ async def test_a_linked_member_decides_and_the_audit_names_the_platform(app: App
     assert message.card.outcome is not None and message.card.outcome.title == "Approved"
 
 
+async def test_a_click_before_its_cards_message_id_is_recorded_shows_it_decided(
+    app: App,
+) -> None:
+    """A click naming its own card (its delivery id) that comes before the outbox
+    recorded the card's message id (the platform answered the post; the record follows)
+    is answered on that card, decided: found by the message id alone, it was not found,
+    and the clicker's card was not shown decided in place (nor a second clicker's)."""
+    org, worker = await setup(app)
+    await app.turns.run(api_trigger(org, worker, "hard #escalate #complete", "s1"))
+    await drain(app.lead_runner)  # the card is queued, its message id not known yet
+    d = t.deliveries.c
+    async with app.db.read() as conn:
+        row = (await conn.execute(sa.select(d.id, d.work_item_id).where(d.kind == "card"))).one()
+    card_id, item_id = str(row.id), str(row.work_item_id)
+    first = await app.chat_reviews.decide(
+        "slack", MEMBER, item_id, "approve", message_id="ext-1", card_id=card_id
+    )
+    assert first.decided
+    assert first.card is not None and first.card.outcome is not None
+    assert first.card.outcome.by == "member@acme.io"
+    late = await app.chat_reviews.decide(
+        "slack", MEMBER, item_id, "approve", message_id="ext-1", card_id=card_id
+    )
+    assert late.kind == "closed" and late.text.startswith("Already approved by member@acme.io")
+    assert late.card is not None and late.card.outcome is not None
+
+
 def _sample(metric: Any, suffix: str = "_total", **labels: str) -> float:
     return float(
         sum(
