@@ -54,6 +54,9 @@ class TurnContext:
     # turn's last transaction; ``run_fenced``: a lost lease rolls that transaction back.
     run_token: str | None = None
     run_fenced: bool = False
+    # How many runs ``run_token`` leases (a recovery claim's of one session: its
+    # run_ids), all deleted by that transaction when fenced, or it rolls back.
+    run_count: int = 1
     # A REST/MCP/Studio turn run by turn recovery (its client was told not to send the
     # message again): no client waits for its answer, so a failure ends its work item.
     recovered_client: bool = False

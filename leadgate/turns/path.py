@@ -667,7 +667,7 @@ class TurnService:
         """Delete the runs of ``token`` and (channels that post) queue ``notice``."""
         queued = None
         async with self.db.tx() as conn:
-            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            await runs.finish(conn, token, fenced=ctx.run_fenced, held=ctx.run_count)
             if notice and ctx.binding_posts:
                 queued = await self._queue_reply(conn, ctx, notice)
         if queued:
@@ -678,7 +678,7 @@ class TurnService:
         transaction (fenced by the run's lease: one process does it): a flow posts no
         notice and retries nothing, so the item is what tells the flow."""
         async with self.db.tx() as conn:
-            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            await runs.finish(conn, token, fenced=ctx.run_fenced, held=ctx.run_count)
             abandoned = await runs.abandon_given_up(conn, self.clock, self.ids, item_id)
         if abandoned:
             log.warning(
@@ -717,9 +717,11 @@ class TurnService:
         abandoned = False
         async with self.db.tx() as conn:
             if await self._answered_later(conn, ctx):
+                # (Closed unanswered: one of its runs taken back meanwhile is no answer
+                # given twice, so its fence is the lease alone.)
                 await runs.finish(conn, token, fenced=ctx.run_fenced)
                 return
-            await runs.finish(conn, token, fenced=ctx.run_fenced)
+            await runs.finish(conn, token, fenced=ctx.run_fenced, held=ctx.run_count)
             # (Naming the message: it ended, on purpose, and turn recovery's search does
             # not take it for unanswered.)
             await self._store(
@@ -865,6 +867,7 @@ class TurnService:
             binding_posts=binding is not None and kind.is_channel and not binding.silent,
             run_token=claimed.token,
             run_fenced=True,
+            run_count=len(claimed.run_ids),
             recovered_client=kind in (BindingKind.api, BindingKind.studio),
             keyed_resend=claimed.keyed_resend,
             keyed_events=claimed.external_event_ids,
@@ -1299,7 +1302,9 @@ class TurnService:
                 else:
                     screened = stored
                 if not ctx.retaken:
-                    await runs.finish(fast, ctx.run_token, fenced=ctx.run_fenced)
+                    await runs.finish(
+                        fast, ctx.run_token, fenced=ctx.run_fenced, held=ctx.run_count
+                    )
                 if answer is not None:
                     reply = Reply(screened, streamed, usage)
                     await answer(fast, reply)
@@ -1417,7 +1422,7 @@ class TurnService:
         async with self.db.tx() as conn:
             await self._store(conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text)
             await self._release_revision(conn, revision_item)
-            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced, held=ctx.run_count)
             if revision_item is None:
                 queued = await self._queue_reply(conn, ctx, text)
         if queued:
@@ -1457,7 +1462,7 @@ class TurnService:
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
-            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced, held=ctx.run_count)
             if answer is not None:
                 await answer(conn, gated)
         labelled(METRICS.turns, "gated").inc()
@@ -1509,7 +1514,7 @@ class TurnService:
                 conn, ctx.org_id, ctx.session_id, ctx.work_item_id, "assistant", text, gated=True
             )
             await self._release_revision(conn, revision_item)
-            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced)
+            await runs.finish(conn, ctx.run_token, fenced=ctx.run_fenced, held=ctx.run_count)
             item: WorkItem | None = None
             if summary is None:
                 # The signal is a column of the item the transition reads anyway: one

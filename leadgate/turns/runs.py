@@ -679,13 +679,19 @@ async def end_retaken(conn: Conn, token: str, session_id: str, message_id: str) 
     return stored
 
 
-async def finish(conn: Conn, token: str | None, *, fenced: bool) -> None:
+async def finish(conn: Conn, token: str | None, *, fenced: bool, held: int = 1) -> None:
     """Delete the runs of lease ``token`` (in the turn's last transaction). ``fenced``:
-    the turn would post, so a lost lease (another process re-ran it) rolls it back."""
+    the turn would post, so a lost lease (another process re-ran it) rolls it back, as
+    does one of the ``held`` runs the turn holds gone (a recovery claim's runs of one
+    session: :attr:`Claimed.run_ids`): the live turn of a thought-dead process took its
+    run back (:func:`take_back`) with its own answer, after this turn's last look for
+    one (:func:`answered_later` names the newest message only), and this turn, shown
+    that message unanswered, answered it a second time. The next claim reruns the
+    runs left."""
     if token is None:
         return
     res = await conn.execute(_FINISH, {"p_token": token})
-    if fenced and not res.rowcount:
+    if fenced and res.rowcount < held:
         raise TransitionError("this turn's run was taken over by another process", rule="run")
 
 

@@ -24,14 +24,14 @@ from openai import AsyncOpenAI
 
 from leadgate.app import App
 from leadgate.core.clock import FakeClock
-from leadgate.core.errors import ModelError
+from leadgate.core.errors import ModelError, Unavailable
 from leadgate.core.runners import drain
 from leadgate.core.types import BindingKind, BindingSpec, Duplicate, Trigger
 from leadgate.database import schema as t
 from leadgate.operations.idempotency import LEASE_MS
 from leadgate.runners.recovery import TurnRecovery
 from leadgate.turns import runs
-from leadgate.turns.providers.base import Provider
+from leadgate.turns.providers.base import ModelEvent, ModelRequest, Provider
 from leadgate.turns.providers.script import ScriptProvider
 from tests.fakes import GateProvider
 from tests.helpers import eventually, make_agent, make_org, stops_beating
@@ -86,12 +86,15 @@ class Pair:
 
 
 @asynccontextmanager
-async def pair(url: str, survivor_model: Provider | None = None) -> AsyncIterator[Pair]:
+async def pair(
+    url: str, survivor_model: Provider | None = None, gate: GateProvider | None = None
+) -> AsyncIterator[Pair]:
     """Both apps on ``url`` (one clock), registered; session ``s`` opened by an exchange
     through the survivor (so that ``died``'s intake is the plain one of an existing
     session: one statement on PostgreSQL). The survivor's model answers ``Echo: <text>``
-    unless ``survivor_model`` is given (which answers ``first`` too)."""
-    gate = GateProvider()
+    unless ``survivor_model`` is given (which answers ``first`` too); ``died``'s is
+    ``gate`` (a new :class:`~tests.fakes.GateProvider` unless given)."""
+    gate = gate or GateProvider()
     clock = FakeClock()
     theirs = survivor_model or ScriptProvider()
     async with (
@@ -617,4 +620,73 @@ async def test_a_keyed_retrys_takeover_beside_the_thought_dead_processs_own_turn
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.json()["choices"][0]["message"]["content"] == text
         assert (await both.transcript())[-2:] == [("user", "hi"), ("assistant", text)]
+        assert await both.runs_left() == 0
+
+
+class _FaultsOnA(GateProvider):
+    """``died``'s model: message "a"'s turn meets a database fault at once (its process
+    owes it a run: :attr:`TurnService.owed <leadgate.turns.path.TurnService.owed>`);
+    any other is held as :class:`~tests.fakes.GateProvider` holds it."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        if request.messages[-1].content == "a":
+            raise Unavailable("database is locked", rule="service.unavailable")
+        async for event in super().stream(request):
+            yield event
+
+
+async def test_a_rerun_of_two_runs_rolls_back_when_the_thought_dead_processs_turn_took_one_back(
+    migrated_url: str,
+) -> None:
+    """``died`` takes in "b" (its turn held in the model) and is reaped: the survivor's
+    recovery records "b"'s run. ``died``, registered anew, takes in "a", whose turn meets
+    a database fault (503: its run is owed and recorded), and is reaped again: the
+    survivor reruns both runs under one lease, its answer naming "a" (the newest). While
+    that rerun waits for its model, ``died`` (registered anew) answers "b", taking "b"'s
+    run back. The rerun's last transaction finds no answer naming "a", and its delete
+    finds "a"'s run only: it rolls its answer back (it answered "b" too, answered
+    already), and the next claim reruns "a" alone, shown "b"'s answer. Its fenced end
+    checked only that some run was deleted, and "b" was answered twice."""
+    rerun_model = GateProvider("rerun answer")
+    rerun_model.release.set()  # (it answers the opening exchange)
+    async with pair(migrated_url, rerun_model, _FaultsOnA()) as both:
+        rerun_model.release.clear()
+        calls = both.gate.calls
+        request = asyncio.ensure_future(both.chat(both.died_client, "b"))
+        rerun: asyncio.Future[int] | None = None
+        try:
+            await eventually(lambda: both.gate.calls > calls, what="b's model called")
+            recovery = await both.recorded()
+            await both.died.liveness.beat()  # its row gone: registered anew
+            # (The runs' order is by their times, "a"'s its intake's clock reading and
+            # "b"'s its message's time, which PostgreSQL keeps after the session's last.)
+            both.clock.advance(1_000)
+            assert await both.chat(both.died_client, "a") == 503
+            await both.died.turns.record_owed()
+            assert await both.runs_left() == 2
+            await both.dies()
+            both.clock.advance(runs.RESEND_GRACE_MS + 1)
+            opened = rerun_model.calls
+            rerun = asyncio.ensure_future(drain(recovery))
+            await eventually(lambda: rerun_model.calls > opened, what="the rerun's model called")
+            await both.died.liveness.beat()  # its row gone: registered anew
+            both.gate.release.set()
+            assert await request == 200  # "b" answered, its run taken back
+            rerun_model.release.set()
+            await rerun
+        finally:
+            for pending in (request, rerun):
+                if pending is not None:
+                    pending.cancel()
+                    await asyncio.gather(pending, return_exceptions=True)
+        # Rolled back, and "a" rerun alone by the drain's next claim: shown "b"'s answer.
+        assert rerun_model.calls == opened + 2
+        assert await both.transcript() == [
+            ("user", "first"),
+            ("assistant", "rerun answer"),
+            ("user", "b"),
+            ("user", "a"),
+            ("assistant", "slow answer"),
+            ("assistant", "rerun answer"),
+        ]
         assert await both.runs_left() == 0
