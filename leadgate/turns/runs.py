@@ -301,6 +301,12 @@ def _after(session_id: Any, message_id: Any) -> tuple[Any, Any, sa.ColumnElement
     )
 
 
+def _answer_to(reply: Any, message_id: Any) -> sa.ColumnElement[bool]:
+    """Whether ``reply`` (an alias of ``messages``) is an assistant message naming plain
+    message ``message_id`` as the one it answers (``messages.answers``)."""
+    return sa.and_(reply.c.role == "assistant", reply.c.answers == message_id)
+
+
 def answered(session_id: Any, message_id: Any) -> sa.Exists:
     """Whether plain message ``message_id`` of session ``session_id`` is answered: an
     assistant message naming it (``messages.answers``) came after it, or a later user
@@ -332,7 +338,7 @@ def _stored_answer() -> sa.Select[tuple[str]]:
     later, reply, joined = _after(session_id, message_id)
     return (
         sa.select(reply.c.content)
-        .where(joined, reply.c.role == "assistant", reply.c.answers == message_id)
+        .where(joined, _answer_to(reply, message_id))
         .order_by(later.c.seq)
         .limit(1)
     )
@@ -365,7 +371,7 @@ async def answered_later(
     later: sa.ColumnElement[bool] = later_message(session_id, theirs)
     if answers is not None:
         _later, reply, joined = _after(session_id, answers)
-        named = sa.exists().where(joined, reply.c.role == "assistant", reply.c.answers == answers)
+        named = sa.exists().where(joined, _answer_to(reply, answers))
         later = sa.or_(later, named)
     return bool(await conn.scalar(sa.select(later)))
 
