@@ -221,6 +221,20 @@ async def test_the_stop_ends_a_thread_look_up_under_way_and_keeps_its_message(
     assert len(kept) == 1 and said in kept[0] and "read-back reads it" in kept[0]
 
 
+def untold_thread(discord_api: DiscordApiStandin, *, messages: int) -> str:
+    """A new thread of the routed channel whose live look-ups Discord fails for
+    ``messages`` messages in a row (every retry of each): each is kept for the read-back."""
+    thread = discord_api.start_thread(GUILD, CHANNEL)
+    tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
+    discord_api.fail_lookups(thread, *["503"] * (messages * tries))
+    return thread
+
+
+def kept_count(caplog: pytest.LogCaptureFixture) -> int:
+    """How many live messages were kept for the read-back (their WARNINGs)."""
+    return sum("was not taken in" in r.getMessage() for r in caplog.records)
+
+
 async def test_two_messages_kept_for_the_read_back_minutes_apart_are_both_read_back(
     service: App, discord_api: DiscordApiStandin, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -233,19 +247,14 @@ async def test_two_messages_kept_for_the_read_back_minutes_apart_are_both_read_b
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     async with running(service, discord_api) as up:
         await caught_up(up)
-        thread = discord_api.start_thread(GUILD, CHANNEL)
-        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
-        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        thread = untold_thread(discord_api, messages=2)
         # (the stand-in makes ids by the wall clock, as Discord does)
         ten_minutes_ago = int(time.time() * 1000) - 600_000
 
-        def kept() -> int:
-            return sum("was not taken in" in r.getMessage() for r in caplog.records)
-
         first = await message(discord_api, "first", channel=thread, at_ms=ten_minutes_ago)
-        await eventually(lambda: kept() == 1, what="the first message kept")
+        await eventually(lambda: kept_count(caplog) == 1, what="the first message kept")
         second = await message(discord_api, "second", channel=thread)
-        await eventually(lambda: kept() == 2, what="the second message kept")
+        await eventually(lambda: kept_count(caplog) == 2, what="the second message kept")
         discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
         ready = adapter_of(up).catching_up
         await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
@@ -267,18 +276,13 @@ async def test_a_message_kept_after_one_kept_past_the_window_is_read_back(
     await routed(service, {"guild": GUILD, "channel": CHANNEL})
     async with running(service, discord_api) as up:
         await caught_up(up)
-        thread = discord_api.start_thread(GUILD, CHANNEL)
-        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
-        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        thread = untold_thread(discord_api, messages=2)
         now = fake_clock(service).now_ms()
 
-        def kept() -> int:
-            return sum("was not taken in" in r.getMessage() for r in caplog.records)
-
         await message(discord_api, "stale", channel=thread, at_ms=now - 2 * 3_600_000)
-        await eventually(lambda: kept() == 1, what="the first message kept")
+        await eventually(lambda: kept_count(caplog) == 1, what="the first message kept")
         second = await message(discord_api, "second", channel=thread, at_ms=now)
-        await eventually(lambda: kept() == 2, what="the second message kept")
+        await eventually(lambda: kept_count(caplog) == 2, what="the second message kept")
         discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
         ready = adapter_of(up).catching_up
         await discord_api.invalidate_sessions()  # a reconnect that cannot resume: READY
@@ -300,18 +304,13 @@ async def test_a_message_kept_after_one_that_leaves_the_window_first_is_read_bac
     clock = fake_clock(service)
     async with running(service, discord_api) as up:
         await caught_up(up)
-        thread = discord_api.start_thread(GUILD, CHANNEL)
-        tries = len(discord_bots.THREAD_LOOKUP_RETRY_S) + 1
-        discord_api.fail_lookups(thread, *["503"] * (2 * tries))
+        thread = untold_thread(discord_api, messages=2)
         now = clock.now_ms()
 
-        def kept() -> int:
-            return sum("was not taken in" in r.getMessage() for r in caplog.records)
-
         await message(discord_api, "first", channel=thread, at_ms=now - 50 * 60_000)
-        await eventually(lambda: kept() == 1, what="the first message kept")
+        await eventually(lambda: kept_count(caplog) == 1, what="the first message kept")
         second = await message(discord_api, "second", channel=thread, at_ms=now)
-        await eventually(lambda: kept() == 2, what="the second message kept")
+        await eventually(lambda: kept_count(caplog) == 2, what="the second message kept")
         clock.advance(20 * 60_000)
         discord_api.fail_reads(f"guild:{GUILD}", "forbidden")
         ready = adapter_of(up).catching_up

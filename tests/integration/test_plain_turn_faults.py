@@ -441,6 +441,22 @@ async def test_an_owed_run_is_rerun_by_its_own_process_not_by_another_replicas_r
             assert await drain(TurnRecovery(worker.turns)) == 0
 
 
+async def _reaped_and_rerun(service: App, worker: App) -> TurnRecovery:
+    """``service``, owing its turn, stops beating and ``worker`` reaps it: the worker's
+    turn recovery records the owed message's run, waits for a resend and reruns it,
+    answering it once. That recovery, for what the test checks after."""
+    assert isinstance(service.clock, FakeClock)
+    await stops_beating(worker, worker.liveness.dead_after_ms, service.liveness.id)
+    assert await worker.liveness.reap() == 1
+    recovery = TurnRecovery(worker.turns)
+    assert await drain(recovery) == 1  # recorded, left to wait for a resend
+    service.clock.advance(runs.RESEND_GRACE_MS + 1)
+    assert await drain(recovery) == 1  # rerun: answered
+    answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
+    assert await transcript(service, "s") == (answered, 0)
+    return recovery
+
+
 async def test_an_owed_run_of_a_process_reaped_meanwhile_is_answered_once(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -456,14 +472,8 @@ async def test_an_owed_run_of_a_process_reaped_meanwhile_is_answered_once(
         async with served_app(migrated_url, clock=service.clock) as (worker, _client):
             await worker.start_liveness("worker")
             await _owed(service, client, faults, key)
-            await stops_beating(worker, worker.liveness.dead_after_ms, service.liveness.id)
-            assert await worker.liveness.reap() == 1
-            recovery = TurnRecovery(worker.turns)
-            assert await drain(recovery) == 1  # recorded, left to wait for a resend
-            service.clock.advance(runs.RESEND_GRACE_MS + 1)
-            assert await drain(recovery) == 1  # rerun: answered
+            recovery = await _reaped_and_rerun(service, worker)
             answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
-            assert await transcript(service, "s") == (answered, 0)
             await service.liveness.beat()  # its row gone: registered anew
             await service.turns.record_owed()
             assert not service.turns.owed and not service.turns.orphans
@@ -488,14 +498,7 @@ async def test_a_run_owed_longer_than_a_run_lease_by_a_process_that_died_is_answ
             await _owed(service, client, faults, key)
             service.clock.advance(runs.RUN_LEASE_MS + 5 * 60_000)
             await service.liveness.beat()
-            await stops_beating(worker, worker.liveness.dead_after_ms, service.liveness.id)
-            assert await worker.liveness.reap() == 1
-            recovery = TurnRecovery(worker.turns)
-            assert await drain(recovery) == 1  # recorded, left to wait for a resend
-            service.clock.advance(runs.RESEND_GRACE_MS + 1)
-            assert await drain(recovery) == 1  # rerun: answered
-            answered = [*EARLIER, ("user", "hi"), ("assistant", "Echo: hi")]
-            assert await transcript(service, "s") == (answered, 0)
+            await _reaped_and_rerun(service, worker)
 
 
 async def test_a_keyed_retry_while_its_run_is_owed_runs_no_second_turn(
