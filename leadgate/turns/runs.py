@@ -709,6 +709,7 @@ _RENEW = (
         R.lease_owner == sa.bindparam("p_owner"),
         R.lease_token.in_(sa.bindparam("p_tokens", expanding=True)),
         R.lease_expires_at >= sa.bindparam("p_now"),
+        R.lease_expires_at < sa.bindparam("p_half"),
     )
     .values(lease_expires_at=sa.bindparam("p_until"))
 )
@@ -722,11 +723,14 @@ async def renew(conn: Conn, owner: str, tokens: Sequence[str], now: int) -> int:
     again. Fenced by owner and token: a run taken over (its token changed) or of a
     process reaped meanwhile (its owner's row gone) is not renewed. A lease already
     lapsed stays lapsed: recovery may be taking it now, and the turn's fenced last
-    transaction then finds it gone. How many runs were renewed."""
+    transaction then finds it gone. Only a lease with less than half of it left is
+    written: each beat (every few seconds) rewrote every running turn's row, where one
+    write in half a lease keeps it as well. How many runs were renewed."""
     if not tokens:
         return 0
     params = {"p_owner": owner, "p_tokens": list(tokens), "p_now": now}
-    res = await conn.execute(_RENEW, {**params, "p_until": now + RUN_LEASE_MS})
+    half = now + RUN_LEASE_MS // 2
+    res = await conn.execute(_RENEW, {**params, "p_half": half, "p_until": now + RUN_LEASE_MS})
     return int(res.rowcount or 0)
 
 

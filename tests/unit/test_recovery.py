@@ -1454,7 +1454,7 @@ async def test_a_run_lease_is_renewed_only_by_its_owner_under_its_token_before_i
     """:func:`runs.renew` (the heartbeat's renewal of the runs a live process's turns are
     running) is fenced: another owner, another token, or a lease already lapsed (turn
     recovery may be taking it) renews nothing; the run's own owner and token renew it
-    for a lease from now."""
+    for a lease from now, once less than half of it is left (each beat rewrote it)."""
     org = await make_org(stack)
     plain = await make_agent(stack, org, "plain")
     live = await alive_here(stack)
@@ -1465,10 +1465,13 @@ async def test_a_run_lease_is_renewed_only_by_its_owner_under_its_token_before_i
         assert await runs.renew(conn, "prc_other", [token], now) == 0
         assert await runs.renew(conn, live.id, ["lease_other"], now) == 0
         assert await runs.renew(conn, live.id, [], now) == 0
-        assert await runs.renew(conn, live.id, [token], now + MINUTE_MS) == 1
-        assert await runs.renew(conn, live.id, [token], now + runs.RUN_LEASE_MS + MINUTE_MS) == 1
-        lapsed = now + 2 * runs.RUN_LEASE_MS + MINUTE_MS + 1
+        assert await runs.renew(conn, live.id, [token], now + MINUTE_MS) == 0  # most left
+        half = now + runs.RUN_LEASE_MS // 2
+        assert await runs.renew(conn, live.id, [token], half - 1) == 0
+        assert await runs.renew(conn, live.id, [token], half + 1) == 1
+        assert await runs.renew(conn, live.id, [token], half + 2) == 0  # renewed just now
+        lapsed = half + 1 + runs.RUN_LEASE_MS + 1
         assert await runs.renew(conn, live.id, [token], lapsed) == 0
     async with stack.db.read() as conn:
         expires = await conn.scalar(sa.select(t.turn_runs.c.lease_expires_at))
-    assert expires == now + 2 * runs.RUN_LEASE_MS + MINUTE_MS
+    assert expires == half + 1 + runs.RUN_LEASE_MS
