@@ -720,8 +720,9 @@ class Database:
             if self._pg is not None:
                 self._pg.trace = None
 
-    def skip_locked(self, select: sa.Select[Any]) -> sa.Select[Any]:
+    def skip_locked(self, select: sa.Select[Any], *, of: sa.Table | None = None) -> sa.Select[Any]:
         """``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite serializes writers anyway.
+        ``of``: the one table of a join whose rows are locked (``FOR UPDATE OF``).
 
         The locked form of a statement built once is built once too (kept with its
         source, so the plan cache, which keys on the object, compiles it once)."""
@@ -730,7 +731,7 @@ class Database:
         known = self._skip_locked.get(id(select))
         if known is not None and known[0] is select:
             return known[1]
-        locked = select.with_for_update(skip_locked=True)
+        locked = select.with_for_update(skip_locked=True, of=of)
         if len(self._skip_locked) < _SKIP_LOCKED_CACHE:
             self._skip_locked[id(select)] = (select, locked)
         return locked

@@ -939,6 +939,23 @@ def _watch(
             )
 
 
+def session_runs(takeable: Any, session_id: Any) -> sa.Select[Any]:
+    """The takeable runs of one session in the session's order: by their messages'
+    ``created_at`` (then id), the order the server took them in on both backends (see
+    the README's ``createdAt``). Not by the runs' own ``created_at``: an owed run's is
+    its intake's clock reading, a run the gone-process search records takes its
+    message's time, which PostgreSQL keeps after the session's previous message; so
+    the older message's run could sort last, and the claim's rerun name it, its answer
+    the newest (the session's run index, then each message by its primary key; only the
+    runs are locked, ``FOR UPDATE OF turn_runs``)."""
+    return (
+        sa.select(t.turn_runs)
+        .select_from(t.turn_runs.join(t.messages, _M.id == R.message_id))
+        .where(takeable, R.session_id == session_id)
+        .order_by(_M.created_at, _M.id, R.id)
+    )
+
+
 async def _claim_in(
     db: Database,
     clock: Clock,
@@ -965,11 +982,7 @@ async def _claim_in(
             return None
         rows = (
             await conn.execute(
-                db.skip_locked(
-                    sa.select(t.turn_runs)
-                    .where(takeable, R.session_id == first.session_id)
-                    .order_by(R.created_at, R.id)
-                )
+                db.skip_locked(session_runs(takeable, first.session_id), of=t.turn_runs)
             )
         ).all()
         if not rows:

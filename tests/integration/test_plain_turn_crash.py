@@ -635,8 +635,9 @@ class _FaultsOnA(GateProvider):
             yield event
 
 
+@pytest.mark.parametrize("moved_ms", [0, 1_000], ids=["same-clock", "clock-moved"])
 async def test_a_rerun_of_two_runs_rolls_back_when_the_thought_dead_processs_turn_took_one_back(
-    migrated_url: str,
+    migrated_url: str, moved_ms: int
 ) -> None:
     """``died`` takes in "b" (its turn held in the model) and is reaped: the survivor's
     recovery records "b"'s run. ``died``, registered anew, takes in "a", whose turn meets
@@ -658,9 +659,10 @@ async def test_a_rerun_of_two_runs_rolls_back_when_the_thought_dead_processs_tur
             await eventually(lambda: both.gate.calls > calls, what="b's model called")
             recovery = await both.recorded()
             await both.died.liveness.beat()  # its row gone: registered anew
-            # (The runs' order is by their times, "a"'s its intake's clock reading and
-            # "b"'s its message's time, which PostgreSQL keeps after the session's last.)
-            both.clock.advance(1_000)
+            # "a"'s run is stamped with its intake's clock reading, "b"'s (recorded by the
+            # search) with its message's time, which PostgreSQL keeps after the session's
+            # last: unmoved, "b"'s run is the later one, yet "a" is the newest message.
+            both.clock.advance(moved_ms)
             assert await both.chat(both.died_client, "a") == 503
             await both.died.turns.record_owed()
             assert await both.runs_left() == 2

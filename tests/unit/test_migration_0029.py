@@ -6,6 +6,7 @@ by the event log's primary key and read each message they name by its own."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,7 +14,8 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from leadgate.database.db import alembic_config
+from leadgate.database import schema as t
+from leadgate.database.db import Database, alembic_config
 from leadgate.database.schema import metadata
 from leadgate.turns import runs
 from tests.unit.test_migration_0016 import run
@@ -110,4 +112,41 @@ def test_a_thought_dead_turns_look_for_its_stored_answer_walks_the_events_after_
             "Index Scan Backward using pk_session_events on session_events",
             "Index Scan using pk_session_events on session_events after_event",
             "Index Scan using pk_messages on messages after_message",
+        ]
+
+
+def test_a_recovery_claim_reads_its_sessions_runs_by_index_in_the_messages_order(
+    migrated_url: str,
+) -> None:
+    """A recovery claim's runs of one session (``runs.session_runs``, the session's
+    order: their messages') are found through the runs' session index, each message
+    read by its primary key, and sorted in memory (a session's few runs): no scan. On
+    PostgreSQL only the runs are locked (``FOR UPDATE OF turn_runs``), never the
+    messages a turn is writing beside them."""
+    db = Database(migrated_url)
+    try:
+        takeable = runs.R.lease_expires_at < sa.bindparam("p_now")
+        stmt = db.skip_locked(
+            runs.session_runs(takeable, sa.bindparam("p_session")), of=t.turn_runs
+        )
+    finally:
+        asyncio.run(db.close())
+
+    def accesses(conn: sa.Connection) -> list[str]:
+        params = {"p_now": 0, "p_session": "ses_1"}
+        return plan_accesses(conn, stmt, params, ("messages", "turn_runs", "B-TREE"))
+
+    found = run(migrated_url, accesses)
+    if migrated_url.startswith("sqlite"):
+        assert found == [
+            "SEARCH turn_runs USING INDEX ix_turn_runs_session_id (session_id=?)",
+            "SEARCH messages USING INDEX sqlite_autoindex_messages_1 (id=?)",
+            "USE TEMP B-TREE FOR ORDER BY",
+        ]
+    else:
+        sql = run(migrated_url, lambda conn: str(stmt.compile(dialect=conn.dialect)))
+        assert sql.endswith("FOR UPDATE OF turn_runs SKIP LOCKED")
+        assert [a.removeprefix("->  ") for a in found] == [
+            "Index Scan using ix_turn_runs_session_id on turn_runs",
+            "Index Scan using pk_messages on messages",
         ]
